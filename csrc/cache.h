@@ -1,0 +1,126 @@
+/* Fast tier: a fixed slab of SMOE_ALIGN-aligned slots holding expert blocks read from a store,
+ * a key -> slot map, pinning, blocking loads, statistics, and the prefetch worker thread.
+ *
+ * Locking: one mutex `mu` per cache guards every field marked [mu] below, including the
+ * prefetch queue and each slot's state.  Block bytes in a slot are written only by the thread
+ * that moved it to LOADING (without holding mu) and read only while the slot is pinned and
+ * READY.  `cv` is broadcast whenever a slot leaves LOADING or a pin drops to zero; `work_cv`
+ * wakes the prefetch worker.  The policy is called only with mu held.  Store reads happen
+ * with mu released.  Lock order: mu only (store and policy take no locks of their own;
+ * the Python bridge policy takes the GIL inside mu, so no thread may hold the GIL while
+ * waiting for mu: Python entry points release the GIL before calling into the cache).
+ */
+#ifndef SMOE_CACHE_H
+#define SMOE_CACHE_H
+
+#include <pthread.h>
+
+#include "common.h"
+#include "policy/policy.h"
+#include "store.h"
+
+enum { SMOE_SLOT_EMPTY = 0, SMOE_SLOT_LOADING = 1, SMOE_SLOT_READY = 2 };
+
+typedef struct smoe_slot {
+    int32_t key;        /* [mu] expert key, -1 when empty */
+    uint8_t state;      /* [mu] SMOE_SLOT_* */
+    uint8_t prefetched; /* [mu] loaded by prefetch and not yet used by a demand access */
+    uint8_t load_failed;/* [mu] the load into this slot failed; waiters report the error */
+    int32_t pins;       /* [mu] number of acquires not yet released */
+    uint64_t last_pass; /* [mu] pass id of the last demand access (0: never) */
+    uint64_t last_tick; /* [mu] access counter value at the last demand access or insert */
+} smoe_slot;
+
+typedef struct smoe_cache_stats {
+    uint64_t hits;             /* demand accesses that found the expert READY */
+    uint64_t misses;           /* demand accesses that did not */
+    uint64_t collision_misses; /* misses on an expert evicted earlier in the same pass */
+    uint64_t prefetch_issued;  /* prefetch loads started */
+    uint64_t prefetch_used;    /* prefetched experts later used by demand (incl. late) */
+    uint64_t prefetch_late;    /* demand found a prefetch still loading (a miss; waited) */
+    uint64_t prefetch_wasted;  /* prefetched experts evicted before any demand use */
+    uint64_t prefetch_dropped; /* prefetch requests dropped: no evictable slot */
+    uint64_t evictions;
+    uint64_t bytes_read;       /* bytes this cache read from the store */
+    double stall_s;            /* seconds callers blocked in acquire waiting for a load */
+} smoe_cache_stats;
+
+typedef struct smoe_prefetch_req {
+    int32_t key;
+    float priority; /* higher first; ties in request order */
+    uint64_t seq;   /* request order */
+} smoe_prefetch_req;
+
+typedef struct smoe_cache {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;      /* slot left LOADING, or a pin dropped to 0 */
+    pthread_cond_t work_cv; /* prefetch queue changed or shutdown */
+    pthread_cond_t idle_cv; /* prefetch queue empty and worker not loading */
+
+    smoe_store *store;     /* borrowed; must outlive the cache */
+    uint32_t num_layers, num_experts;
+    uint32_t nslots;
+    uint64_t slot_bytes;   /* == store->block_bytes */
+    uint8_t *slab;         /* owned; nslots * slot_bytes, SMOE_ALIGN-aligned */
+    smoe_slot *slots;      /* owned; [mu] */
+    int32_t *map;          /* owned; [mu] key -> slot or -1; num_layers*num_experts */
+    uint64_t *evicted_pass;/* owned; [mu] per key: pass id when last evicted (collisions) */
+    smoe_policy *policy;   /* owned; [mu] */
+    smoe_cache_stats stats;/* [mu] */
+    uint64_t pass_id;      /* [mu] current forward pass, starts at 1 */
+    uint64_t tick;         /* [mu] demand access counter */
+
+    /* prefetch worker */
+    pthread_t worker;
+    int worker_started;    /* set once by init */
+    int shutdown;          /* [mu] */
+    int worker_busy;       /* [mu] worker is loading a block */
+    smoe_prefetch_req *queue; /* owned; [mu] binary max-heap on (priority, -seq) */
+    uint32_t queue_len, queue_cap; /* [mu] */
+    uint64_t queue_seq;    /* [mu] */
+    smoe_err worker_err;   /* [mu] first load error in the worker (reported by stats/wait) */
+} smoe_cache;
+
+/* Create a cache of `nslots` slots over `store` with `policy` (ownership of policy passes to
+ * the cache on success).  `min_slots` (e.g. the model's top-k) is checked: fewer slots ->
+ * SMOE_EINVAL with a clear message.  Starts the prefetch worker when `prefetch_worker`. */
+int smoe_cache_init(smoe_cache *c, smoe_store *store, uint32_t nslots, uint32_t min_slots,
+                    smoe_policy *policy, int prefetch_worker, smoe_err *err);
+
+/* Stop the worker (cancelling queued requests), wait for in-flight loads, free everything. */
+void smoe_cache_free(smoe_cache *c);
+
+/* Pin expert (layer, expert) and return its block in *data.  Hit: pin.  Loading: wait.
+ * Miss: take a free or evictable slot (policy victim), load it from the store in the calling
+ * thread with mu released, pin.  Blocks: call without the GIL.  When no slot is evictable
+ * (all pinned or loading) waits for one.  Store errors come back as SMOE_EIO/SMOE_ECORRUPT
+ * and leave the slot empty; policy failures as SMOE_EPOLICY. */
+int smoe_cache_acquire(smoe_cache *c, uint32_t layer, uint32_t expert, const uint8_t **data,
+                       smoe_err *err);
+
+/* Drop one pin.  Releasing an expert that is not pinned is SMOE_ESTATE. */
+int smoe_cache_release(smoe_cache *c, uint32_t layer, uint32_t expert, smoe_err *err);
+
+/* Start forward pass pass_id+1: notifies the policy (on_pass). */
+void smoe_cache_begin_pass(smoe_cache *c);
+
+/* Queue prefetch requests.  A request for a key already queued updates its priority
+ * (supersedes); a key resident or loading is skipped.  replace != 0 cancels all queued
+ * requests first.  The worker loads into free slots or evictable ones, never evicting a
+ * pinned expert or one accessed in the current pass. */
+int smoe_cache_prefetch(smoe_cache *c, const int32_t *keys, const float *priorities, uint32_t n,
+                        int replace, smoe_err *err);
+
+/* Remove queued requests for key (-1: all).  Loads already in flight complete. */
+void smoe_cache_cancel(smoe_cache *c, int32_t key);
+
+/* Block until the queue is empty and the worker idle (tests and benchmarks). */
+void smoe_cache_wait_idle(smoe_cache *c);
+
+/* Replace the policy keeping the cache contents (ownership of p passes to the cache). */
+void smoe_cache_set_policy(smoe_cache *c, smoe_policy *p);
+
+void smoe_cache_get_stats(smoe_cache *c, smoe_cache_stats *out);
+void smoe_cache_reset_stats(smoe_cache *c);
+
+#endif

@@ -1,0 +1,67 @@
+/* specmoe common definitions: error codes and the error record every C function fills.
+ *
+ * Convention: functions return 0 (SMOE_OK) or a negative SMOE_E* code and, on failure, fill a
+ * smoe_err with a message that names what was wrong (file, offset, layer, expert).  module.c
+ * turns the code into a Python exception (see smoe_py_raise in py_common.h).
+ */
+#ifndef SMOE_COMMON_H
+#define SMOE_COMMON_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+enum {
+    SMOE_OK = 0,
+    SMOE_EINVAL = -1,   /* bad argument -> ValueError */
+    SMOE_ENOMEM = -2,   /* allocation failed -> MemoryError */
+    SMOE_EIO = -3,      /* read/write/open failed -> specmoe.StoreError */
+    SMOE_ECORRUPT = -4, /* truncated/damaged/foreign file, checksum mismatch -> StoreError */
+    SMOE_ECACHE = -5,   /* cache cannot satisfy the request (all slots pinned, closed) -> CacheError */
+    SMOE_EPOLICY = -6,  /* eviction policy failed (e.g. a Python policy raised) -> PolicyError */
+    SMOE_ESTATE = -7    /* object used in the wrong state (closed, released twice) -> CacheError */
+};
+
+#define SMOE_ERR_MSG 512
+
+typedef struct smoe_err {
+    int code;
+    char msg[SMOE_ERR_MSG];
+} smoe_err;
+
+/* Fill *e (may be NULL) and return code, so callers can write `return smoe_err_set(...)`. */
+static inline int smoe_err_set(smoe_err *e, int code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static inline int smoe_err_set(smoe_err *e, int code, const char *fmt, ...) {
+    if (e) {
+        va_list ap;
+        va_start(ap, fmt);
+        e->code = code;
+        vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static inline void smoe_err_clear(smoe_err *e) {
+    if (e) {
+        e->code = 0;
+        e->msg[0] = '\0';
+    }
+}
+
+/* Monotonic clock in seconds. */
+double smoe_now(void);
+
+/* Expert key: layer * num_experts + expert.  Layers are 0-based positions in the store. */
+static inline int32_t smoe_key(uint32_t layer, uint32_t expert, uint32_t num_experts) {
+    return (int32_t)(layer * num_experts + expert);
+}
+
+#define SMOE_ALIGN 4096u /* slow-tier block alignment and fast-tier slot alignment */
+
+#endif

@@ -1,0 +1,54 @@
+/* Policy registry and lifetime helpers. */
+#include "policy.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static const smoe_policy_ops *const builtins[] = {
+    &smoe_policy_lru,
+#ifdef SMOE_HAVE_ALL_POLICIES
+    &smoe_policy_lfu, &smoe_policy_fifo, &smoe_policy_mru, &smoe_policy_random,
+    &smoe_policy_least_stale, &smoe_policy_belady,
+#endif
+};
+
+const smoe_policy_ops *smoe_policy_find(const char *name) {
+    for (size_t i = 0; i < sizeof builtins / sizeof builtins[0]; i++)
+        if (strcmp(builtins[i]->name, name) == 0) return builtins[i];
+    return NULL;
+}
+
+const char *smoe_policy_names(void) {
+#ifdef SMOE_HAVE_ALL_POLICIES
+    return "lru, lfu, fifo, mru, random, least_stale, belady";
+#else
+    return "lru";
+#endif
+}
+
+int smoe_policy_create(smoe_policy **out, const smoe_policy_ops *ops,
+                       const smoe_policy_params *params, smoe_err *err) {
+    *out = NULL;
+    if (params->nslots == 0 || params->num_layers == 0 || params->num_experts == 0)
+        return smoe_err_set(err, SMOE_EINVAL, "policy %s: nslots, num_layers and num_experts "
+                            "must be positive", ops->name);
+    smoe_policy *p = calloc(1, sizeof *p);
+    if (!p) return smoe_err_set(err, SMOE_ENOMEM, "policy %s: out of memory", ops->name);
+    p->ops = ops;
+    p->nslots = params->nslots;
+    p->num_layers = params->num_layers;
+    p->num_experts = params->num_experts;
+    int rc = ops->init(p, params, err);
+    if (rc < 0) {
+        free(p);
+        return rc;
+    }
+    *out = p;
+    return 0;
+}
+
+void smoe_policy_destroy(smoe_policy *p) {
+    if (!p) return;
+    if (p->ops->free) p->ops->free(p);
+    free(p);
+}

@@ -1,0 +1,110 @@
+/* Eviction policies behind one small vtable, shared by the live cache (cache.c) and the
+ * simulator (sim.c), so a policy measured in the simulator is the policy that runs.
+ *
+ * A policy tracks slots 0..nslots-1 and the expert key (layer*num_experts+expert) in each.
+ * It sees events and answers one question: which slot to give up.  Event contract (the
+ * Python references in tests/ mirror it exactly):
+ *
+ *   demand hit  on slot s:  on_access(s, key)
+ *   demand miss:            if a free slot exists the cache takes the lowest-numbered free
+ *                           slot; otherwise v = victim(...), then on_evict(v, old_key);
+ *                           then on_insert(s, key, 0)  (an insert by demand is also an access)
+ *   prefetch load:          same as a miss but on_insert(s, key, 1); not an access
+ *   forward pass boundary:  on_pass(pass_id)  (pass ids start at 1 and increase by one)
+ *   policy swap:            the new policy gets on_insert(s, key, 0) for each resident slot,
+ *                           oldest last access first
+ *
+ * victim() must return a slot that is resident (inserted and not evicted) and for which
+ * evictable(ctx, slot) is non-zero (evictable == NULL means every resident slot may go), or -1
+ * when no such slot exists.  victim() does not remove the slot: the cache calls on_evict next.
+ *
+ * Callers serialise all calls on one policy object (the cache holds its mutex); policies keep
+ * no global state.  Nothing here allocates after init except the Python bridge.
+ */
+#ifndef SMOE_POLICY_H
+#define SMOE_POLICY_H
+
+#include "../common.h"
+
+typedef int (*smoe_evictable_fn)(void *ctx, uint32_t slot);
+
+typedef struct smoe_policy smoe_policy;
+
+/* Within-queue order of Least-Stale (see policy/least_stale.c). */
+enum {
+    SMOE_LS_ORDER_LAYER = 0, /* furthest next use by layer position first, then oldest access */
+    SMOE_LS_ORDER_LRU = 1,   /* oldest access first */
+    SMOE_LS_ORDER_FIFO = 2   /* oldest insertion first */
+};
+
+typedef struct smoe_policy_params {
+    uint32_t nslots;
+    uint32_t num_layers;
+    uint32_t num_experts;
+    uint64_t seed;        /* random */
+    int32_t order;        /* least_stale: SMOE_LS_ORDER_* */
+    const int32_t *future; /* belady: the future demand access sequence of keys (copied) */
+    uint64_t future_len;
+} smoe_policy_params;
+
+typedef struct smoe_policy_ops {
+    const char *name;
+    int (*init)(smoe_policy *p, const smoe_policy_params *params, smoe_err *err);
+    void (*free)(smoe_policy *p);
+    void (*on_insert)(smoe_policy *p, uint32_t slot, int32_t key, int prefetch);
+    void (*on_access)(smoe_policy *p, uint32_t slot, int32_t key);
+    void (*on_evict)(smoe_policy *p, uint32_t slot, int32_t key);
+    void (*on_pass)(smoe_policy *p, uint64_t pass_id);
+    int32_t (*victim)(smoe_policy *p, smoe_evictable_fn evictable, void *ctx);
+} smoe_policy_ops;
+
+struct smoe_policy {
+    const smoe_policy_ops *ops;
+    void *state; /* owned by the policy implementation */
+    uint32_t nslots;
+    uint32_t num_layers;
+    uint32_t num_experts;
+    /* Set by a policy whose callbacks can fail (the Python bridge): non-zero code + message
+     * tell the caller to report SMOE_EPOLICY after the current operation. */
+    smoe_err failure;
+};
+
+/* Built-in policy vtables, one per file under csrc/policy/. */
+extern const smoe_policy_ops smoe_policy_lru;
+extern const smoe_policy_ops smoe_policy_lfu;
+extern const smoe_policy_ops smoe_policy_fifo;
+extern const smoe_policy_ops smoe_policy_mru;
+extern const smoe_policy_ops smoe_policy_random;
+extern const smoe_policy_ops smoe_policy_least_stale;
+extern const smoe_policy_ops smoe_policy_belady;
+
+/* Look a built-in up by name ("lru", "lfu", "fifo", "mru", "random", "least_stale", "belady");
+ * NULL when unknown. */
+const smoe_policy_ops *smoe_policy_find(const char *name);
+
+/* Comma-separated names of the built-ins, for error messages. */
+const char *smoe_policy_names(void);
+
+/* Allocate and init a policy; *out owned by the caller, free with smoe_policy_destroy. */
+int smoe_policy_create(smoe_policy **out, const smoe_policy_ops *ops,
+                       const smoe_policy_params *params, smoe_err *err);
+void smoe_policy_destroy(smoe_policy *p);
+
+/* Inline dispatch helpers: the hot path calls these. */
+static inline void smoe_policy_insert(smoe_policy *p, uint32_t s, int32_t k, int pf) {
+    p->ops->on_insert(p, s, k, pf);
+}
+static inline void smoe_policy_access(smoe_policy *p, uint32_t s, int32_t k) {
+    p->ops->on_access(p, s, k);
+}
+static inline void smoe_policy_evict(smoe_policy *p, uint32_t s, int32_t k) {
+    p->ops->on_evict(p, s, k);
+}
+static inline void smoe_policy_pass(smoe_policy *p, uint64_t pass_id) {
+    if (p->ops->on_pass) p->ops->on_pass(p, pass_id);
+}
+static inline int32_t smoe_policy_victim(smoe_policy *p, smoe_evictable_fn f, void *ctx) {
+    return p->ops->victim(p, f, ctx);
+}
+
+#endif

@@ -1,0 +1,10 @@
+/* Include this (not numpy/arrayobject.h) from py_*.c files that use the NumPy C API: the
+ * API table is imported once in module.c and shared through PY_ARRAY_UNIQUE_SYMBOL. */
+#ifndef SMOE_PY_NUMPY_H
+#define SMOE_PY_NUMPY_H
+#include "py_common.h"
+#define NPY_NO_DEPRECATED_API NPY_1_20_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL smoe_ARRAY_API
+#define NO_IMPORT_ARRAY
+#include <numpy/arrayobject.h>
+#endif
