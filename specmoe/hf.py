@@ -1,0 +1,546 @@
+"""HuggingFace transformers (5.x) integration: run a MoE model with its routed experts offloaded.
+
+:func:`offload` takes a loaded ``transformers`` MoE model, writes every MoE layer's routed experts
+in the canonical layout to an expert store, deletes the expert parameters from the model and puts
+in their place a :class:`SpecmoeExperts` module.  That module is called exactly like the one it
+replaces (``experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k])``, after all of the
+model's own routing) and runs the whole layer in one C call (``_C.moe_forward``) with the GIL
+released: tokens grouped by expert, each needed expert fetched once, its FFN run on all of its
+tokens, ``weight * output`` accumulated.  Routers, attention, shared experts and dense layers
+stay in torch, untouched.
+
+Canonical expert layout (one dict per MoE layer, arrays over all E experts):
+``w_gate [E,I,H]``, ``w_up [E,I,H]``, ``w_down [E,H,I]`` and, for GPT-OSS, ``b_gate [E,I]``,
+``b_up [E,I]``, ``b_down [E,H]``.  GPT-OSS stores ``gate_up_proj`` transposed ``[E,H,2I]`` with
+gate and up interleaved (even columns gate, odd up): :func:`extract_experts` de-interleaves and
+transposes it.
+
+Supported architectures (``config.model_type``): see :data:`SUPPORTED`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _C
+
+__all__ = [
+    "SUPPORTED",
+    "Engine",
+    "SpecmoeExperts",
+    "UnsupportedModelError",
+    "extract_experts",
+    "moe_layers",
+    "offload",
+    "tiny_config",
+    "tiny_model",
+]
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one of the MoE architectures specmoe can offload."""
+
+
+@dataclass(frozen=True)
+class _Arch:
+    router_attr: str  # attribute of the MoE block holding the router module
+    gptoss: bool = False  # transposed, interleaved, biased experts with clamped SwiGLU
+    sigmoid_router: bool = False  # DeepSeek-V3: sigmoid scores + correction bias choose experts
+
+
+SUPPORTED: dict[str, _Arch] = {
+    "mixtral": _Arch("gate"),
+    "qwen2_moe": _Arch("gate"),
+    "qwen3_moe": _Arch("gate"),
+    "olmoe": _Arch("gate"),
+    "phimoe": _Arch("router"),
+    "deepseek_v3": _Arch("gate", sigmoid_router=True),
+    "gpt_oss": _Arch("router", gptoss=True),
+}
+
+DTYPES = ("f32", "bf16")
+_DTYPE_CODE = {"f32": 0, "bf16": 1}
+
+
+def _arch(model: nn.Module) -> tuple[str, _Arch]:
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    if mt not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"model_type {mt!r} is not supported; supported MoE architectures: "
+            f"{', '.join(sorted(SUPPORTED))}")
+    return mt, SUPPORTED[mt]
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "model", model)
+    if not hasattr(inner, "layers"):
+        raise UnsupportedModelError(f"{type(model).__name__} has no .model.layers")
+    return inner
+
+
+def moe_layers(model: nn.Module) -> list[int]:
+    """Decoder layer indices whose MLP has routed experts (dense layers, e.g. DeepSeek-V3's
+    first ``first_k_dense_replace``, are skipped)."""
+    _arch(model)
+    return [i for i, layer in enumerate(_decoder(model).layers)
+            if hasattr(getattr(layer, "mlp", None), "experts")]
+
+
+# ---------------------------------------------------------------------------------------------
+# conversion to the canonical layout
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().contiguous().numpy()
+
+
+def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.ndarray]:
+    """One MoE layer's routed experts as canonical float32 arrays (see module docstring)."""
+    if isinstance(experts, SpecmoeExperts):
+        raise ValueError("these experts are already offloaded")
+    gu = experts.gate_up_proj
+    down = experts.down_proj
+    E = gu.shape[0]
+    if gptoss:
+        H, I2 = gu.shape[1], gu.shape[2]
+        I = I2 // 2
+        gu_t = gu.detach().transpose(1, 2)  # [E, 2I, H]
+        out = {
+            "w_gate": _np(gu_t[:, 0::2, :]),
+            "w_up": _np(gu_t[:, 1::2, :]),
+            "w_down": _np(down.detach().transpose(1, 2)),  # [E,I,H] -> [E,H,I]
+            "b_gate": _np(experts.gate_up_proj_bias[:, 0::2]),
+            "b_up": _np(experts.gate_up_proj_bias[:, 1::2]),
+            "b_down": _np(experts.down_proj_bias),
+        }
+    else:
+        I2, H = gu.shape[1], gu.shape[2]
+        I = I2 // 2
+        out = {"w_gate": _np(gu[:, :I, :]), "w_up": _np(gu[:, I:, :]), "w_down": _np(down)}
+    assert out["w_gate"].shape == (E, I, H) and out["w_down"].shape == (E, H, I)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# packing blocks (one block per expert; every MoE layer has the same shapes)
+
+_ORDER = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+_ALIGN = 64
+_BLOCK_ALIGN = 4096
+
+
+def _block_plan(H: int, I: int, dtype: str, biases: bool) -> tuple[dict[str, int], int]:
+    esz = 2 if dtype == "bf16" else 4
+    sizes = {"w_gate": I * H * esz, "w_up": I * H * esz, "w_down": H * I * esz}
+    if biases:
+        sizes.update(b_gate=4 * I, b_up=4 * I, b_down=4 * H)
+    offs, pos = {}, 0
+    for name in _ORDER:
+        if name in sizes:
+            offs[name] = pos
+            pos += -(-sizes[name] // _ALIGN) * _ALIGN
+    return offs, -(-pos // _BLOCK_ALIGN) * _BLOCK_ALIGN
+
+
+def _to_dtype_bytes(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.bfloat16)
+        return t.view(torch.int16).numpy().view(np.uint8)
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint8)
+
+
+def _pack_layers(layers: list[dict[str, np.ndarray]], dtype: str,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, tuple]:
+    """Pack every expert block into one uint8 buffer (store order) and return its layout."""
+    E, I, H = layers[0]["w_gate"].shape
+    biases = "b_gate" in layers[0]
+    offs, bb = _block_plan(H, I, dtype, biases)
+    L = len(layers)
+    buf = np.zeros(L * E * bb, np.uint8) if out is None else out
+    blocks = buf.reshape(L, E, bb)
+    for l, d in enumerate(layers):
+        for name, off in offs.items():
+            arr = d[name]
+            raw = _to_dtype_bytes(arr, dtype if name.startswith("w_") else "f32")
+            raw = raw.reshape(E, -1)
+            blocks[l, :, off:off + raw.shape[1]] = raw
+    return buf, _layout(H, I, dtype, biases, bb, offs)
+
+
+def _layout(H: int, I: int, dtype: str, gptoss: bool, bb: int, offs: dict[str, int],
+            alpha: float = 1.702, limit: float = 7.0) -> tuple:
+    return (H, I, _DTYPE_CODE[dtype], 1 if gptoss else 0, float(alpha), float(limit), bb,
+            offs["w_gate"], offs["w_up"], offs["w_down"], offs.get("b_gate", -1),
+            offs.get("b_up", -1), offs.get("b_down", -1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the replacement experts module
+
+
+class SpecmoeExperts(nn.Module):
+    """Drop-in replacement of a transformers experts module; holds no expert weights."""
+
+    def __init__(self, engine: "Engine", position: int, num_experts: int, hidden: int):
+        super().__init__()
+        self._engine = engine
+        self.position = position
+        self.num_experts = num_experts
+        self.hidden_dim = hidden
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self._engine._layer_forward(self.position, hidden_states, top_k_index,
+                                           top_k_weights)
+
+    def extra_repr(self) -> str:
+        return f"position={self.position}, num_experts={self.num_experts}, offloaded"
+
+
+@dataclass
+class _Recorder:
+    num_layers: int
+    logits: bool
+    experts: list = field(default_factory=list)   # per forward: [T, L, k]
+    weights: list = field(default_factory=list)
+    logit_rows: list = field(default_factory=list)
+    starts: list = field(default_factory=list)
+    _cur_e: list | None = None
+    _cur_w: list | None = None
+    _cur_g: list | None = None
+    ntok: int = 0
+
+    def layer(self, pos: int, idx: torch.Tensor, w: torch.Tensor, lg: torch.Tensor | None) -> None:
+        if pos == 0:
+            self._flush()
+            self._cur_e, self._cur_w, self._cur_g = [], [], []
+        if self._cur_e is None:
+            return
+        self._cur_e.append(idx.detach().to(torch.int16).numpy().copy())
+        self._cur_w.append(w.detach().float().numpy().copy())
+        if lg is not None:
+            self._cur_g.append(lg.detach().float().numpy().copy())
+        if pos == self.num_layers - 1:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._cur_e and len(self._cur_e) == self.num_layers:
+            e = np.stack(self._cur_e, 1)
+            if e.shape[0] > 1 or not self.starts:  # a prefill (or the first pass) opens a request
+                self.starts.append(self.ntok)
+            self.experts.append(e)
+            self.weights.append(np.stack(self._cur_w, 1))
+            if self.logits and len(self._cur_g) == self.num_layers:
+                self.logit_rows.append(np.stack(self._cur_g, 1))
+            self.ntok += e.shape[0]
+        self._cur_e = self._cur_w = self._cur_g = None
+
+
+class TraceRecording:
+    """Context manager returned by :meth:`Engine.trace`; :meth:`result` gives the Trace."""
+
+    def __init__(self, engine: "Engine", logits: bool):
+        self._engine = engine
+        self._rec = _Recorder(len(engine.layer_ids), logits)
+
+    def __enter__(self) -> "TraceRecording":
+        self._engine._recorder = self._rec
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._rec._flush()
+        self._engine._recorder = None
+
+    def result(self):
+        """The recorded routing as a :class:`specmoe.traces.Trace` (tokens in forward order;
+        a forward pass with more than one token, i.e. a prefill, starts a new request; with
+        batch > 1 the rows of a pass are recorded in flattened batch order)."""
+        from .traces import Trace
+        r = self._rec
+        r._flush()
+        k = self._engine.top_k
+        L = len(self._engine.layer_ids)
+        ex = np.concatenate(r.experts) if r.experts else np.zeros((0, L, k), np.int16)
+        w = np.concatenate(r.weights) if r.weights else np.zeros((0, L, k), np.float32)
+        lg = np.concatenate(r.logit_rows) if (r.logits and r.logit_rows) else None
+        return Trace(experts=ex, num_experts=self._engine.num_experts,
+                     request_starts=np.asarray(r.starts or [0], np.int64),
+                     layer_ids=np.asarray(self._engine.layer_ids, np.int32), weights=w,
+                     logits=lg, model=self._engine.model_type, source="specmoe.hf")
+
+
+class Engine:
+    """The running offload of one model.  Create with :func:`offload`."""
+
+    def __init__(self) -> None:  # filled by offload()
+        self.model: nn.Module | None = None
+        self.model_type = ""
+        self.layer_ids: list[int] = []
+        self.num_experts = 0
+        self.top_k = 0
+        self.dtype = "f32"
+        self.cache_frac = 1.0
+        self.policy = "lru"
+        self.prefetch = True
+        self.overfetch = 1.5
+        self._layout: tuple = ()
+        self._source: Any = None
+        self._routers: list[nn.Module] = []
+        self._sigmoid_router = False
+        self._recorder: _Recorder | None = None
+        self._pred: dict[int, np.ndarray] = {}
+        self._pf = {"predicted": 0, "true_positive": 0, "actual": 0}
+        self._tokens = 0
+        self._passes = 0
+        self._store_path: str | None = None
+        self._own_store = False
+        self._closed = False
+        self._originals: list[tuple[nn.Module, nn.Module]] = []
+
+    # -- the per-layer path -------------------------------------------------------------------
+    def _router_scores(self, pos: int, x: torch.Tensor) -> torch.Tensor:
+        r = self._routers[pos]
+        w = r.weight
+        lg = torch.nn.functional.linear(x.to(w.dtype), w, getattr(r, "bias", None)).float()
+        if self._sigmoid_router:
+            lg = lg.sigmoid() + r.e_score_correction_bias.float()
+        return lg
+
+    def _layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
+                       w: torch.Tensor) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("this specmoe Engine is closed")
+        x = hidden.detach().to(torch.float32).contiguous()
+        ix = idx.detach().to(torch.int64).contiguous()
+        wt = w.detach().to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        used = np.zeros(self.num_experts, np.uint8)
+        if pos == 0:
+            self._passes += 1
+            self._tokens += x.shape[0]
+            self._begin_pass()
+        self._forward_c(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used)
+        # prefetch accounting: compare this layer's prediction with what it used
+        pred = self._pred.pop(pos, None)
+        if pred is not None:
+            act = used.astype(bool)
+            self._pf["predicted"] += int(pred.sum())
+            self._pf["actual"] += int(act.sum())
+            self._pf["true_positive"] += int((pred & act).sum())
+        if self.prefetch and pos + 1 < len(self._routers):
+            with torch.no_grad():
+                sc = self._router_scores(pos + 1, hidden.detach())
+                m = min(self.num_experts, max(self.top_k, math.ceil(self.top_k * self.overfetch)))
+                top = torch.topk(sc, m, dim=-1)
+            p = np.zeros(self.num_experts, bool)
+            p[top.indices.reshape(-1).numpy()] = True
+            self._pred[pos + 1] = p
+            pri = torch.zeros(self.num_experts).index_reduce_(
+                0, top.indices.reshape(-1), top.values.reshape(-1).float(), "amax",
+                include_self=False)
+            experts = np.nonzero(p)[0]
+            self._queue_prefetch(pos + 1, experts, pri.numpy()[experts])
+        rec = self._recorder
+        if rec is not None:
+            lg = self._router_scores(pos, hidden.detach()) if rec.logits else None
+            rec.layer(pos, idx, w, lg)
+        return out.to(hidden.dtype)
+
+    # backend hooks: resident buffer now; the cache replaces these when available
+    def _begin_pass(self) -> None:
+        pass
+
+    def _forward_c(self, pos, x, ix, wt, out, used) -> None:
+        _C.moe_forward(self._source, self._layout, pos, self.num_experts, x, ix, wt, out, used)
+
+    def _queue_prefetch(self, pos: int, experts: np.ndarray, priorities: np.ndarray) -> None:
+        pass
+
+    # -- public -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters since the last reset: tokens, forward passes, prefetch precision/recall of
+        the next-layer router predictor, and the cache's hits/misses/stall time."""
+        pf = self._pf
+        s: dict[str, Any] = {
+            "tokens": self._tokens, "passes": self._passes, "policy": self.policy,
+            "cache_frac": self.cache_frac, "dtype": self.dtype, "prefetch": self.prefetch,
+            "prefetch_precision": pf["true_positive"] / pf["predicted"] if pf["predicted"] else None,
+            "prefetch_recall": pf["true_positive"] / pf["actual"] if pf["actual"] else None,
+        }
+        s.update(self._cache_stats())
+        return s
+
+    def _cache_stats(self) -> dict[str, Any]:
+        return {"hits": None, "misses": None, "hit_rate": None, "stall_s": 0.0}
+
+    def reset_stats(self) -> None:
+        self._pf = {"predicted": 0, "true_positive": 0, "actual": 0}
+        self._tokens = self._passes = 0
+
+    def set_policy(self, policy: str) -> None:
+        self.policy = policy
+
+    def set_prefetch(self, on: bool, overfetch: float | None = None) -> None:
+        """Switch next-layer lookahead prefetch on/off; overfetch: experts predicted per token
+        = ceil(top_k * overfetch)."""
+        self.prefetch = bool(on)
+        if overfetch is not None:
+            if overfetch < 1:
+                raise ValueError(f"overfetch must be >= 1, got {overfetch}")
+            self.overfetch = float(overfetch)
+        self._pred.clear()
+
+    def trace(self, logits: bool = False) -> TraceRecording:
+        """``with engine.trace() as t: model.generate(...)``; then ``t.result()`` is a
+        :class:`specmoe.traces.Trace` (save with ``.save(path)`` as .npz)."""
+        return TraceRecording(self, logits)
+
+    def close(self) -> None:
+        """Release the cache and the store (deleting the temporary store file if offload made
+        one).  The model keeps its SpecmoeExperts modules, which raise RuntimeError when called
+        afterwards: the expert weights are gone from the model and are not restored."""
+        if self._closed:
+            return
+        self._closed = True
+        self._source = None
+        if self._own_store and self._store_path and os.path.exists(self._store_path):
+            os.unlink(self._store_path)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def offload(model: nn.Module, store: str | os.PathLike | None = None, cache: float = 0.25,
+            policy: str = "lru", prefetch: bool = True, dtype: str = "f32",
+            overfetch: float = 1.5) -> Engine:
+    """Move ``model``'s routed experts to a store and run them through specmoe.
+
+    store: path of the store file to write (None: a temporary file, deleted by close()).
+    cache: fraction (0, 1] of all experts kept in fast memory.  dtype: how experts are stored
+    ("f32", "bf16").  The model is modified in place: each MoE layer's ``mlp.experts`` becomes
+    a :class:`SpecmoeExperts` and the expert parameters are deleted.
+    """
+    mt, arch = _arch(model)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
+    if not (0 < cache <= 1):
+        raise ValueError(f"cache must be a fraction in (0, 1], got {cache}")
+    cfg = model.config
+    act = getattr(cfg, "hidden_act", "silu")
+    if not arch.gptoss and act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} not supported (only silu)")
+    ids = moe_layers(model)
+    if not ids:
+        raise UnsupportedModelError(f"{type(model).__name__} has no MoE layers")
+    dec = _decoder(model)
+    eng = Engine()
+    eng.model, eng.model_type, eng.layer_ids = model, mt, ids
+    eng.dtype, eng.cache_frac, eng.policy, eng.prefetch = dtype, float(cache), policy, prefetch
+    eng.overfetch = float(overfetch)
+    eng._sigmoid_router = arch.sigmoid_router
+    layers = []
+    for i in ids:
+        mlp = dec.layers[i].mlp
+        layers.append(extract_experts(mlp.experts, arch.gptoss))
+        eng._routers.append(getattr(mlp, arch.router_attr))
+    E, I, H = layers[0]["w_gate"].shape
+    eng.num_experts = E
+    eng.top_k = int(cfg.num_experts_per_tok)
+    buf, layout = _pack_layers(layers, dtype)
+    if arch.gptoss:
+        layout = layout[:4] + (float(cfg.swiglu_alpha) if hasattr(cfg, "swiglu_alpha") else 1.702,
+                               float(cfg.swiglu_limit)) + layout[6:]
+    eng._layout = layout
+    eng._source = buf
+    del layers
+    for pos, i in enumerate(ids):
+        mlp = dec.layers[i].mlp
+        mlp.experts = SpecmoeExperts(eng, pos, E, H)  # old module (and its parameters) freed
+    return eng
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny offline models for tests, the demo and benchmarks
+
+
+def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3,
+                experts: int = 8, top_k: int = 2, vocab: int = 128):
+    """A small config of architecture ``arch`` (a key of SUPPORTED) that builds offline."""
+    import transformers as tf
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    hd = hidden // 4
+    if arch == "mixtral":
+        return tf.MixtralConfig(intermediate_size=inter, num_local_experts=experts,
+                                num_experts_per_tok=top_k, **common)
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                                 shared_expert_intermediate_size=inter, num_experts=experts,
+                                 num_experts_per_tok=top_k, **common)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                                 num_experts=experts, num_experts_per_tok=top_k, head_dim=hd,
+                                 **common)
+    if arch == "olmoe":
+        return tf.OlmoeConfig(intermediate_size=inter, num_experts=experts,
+                              num_experts_per_tok=top_k, **common)
+    if arch == "phimoe":
+        return tf.PhimoeConfig(intermediate_size=inter, num_local_experts=experts,
+                               num_experts_per_tok=top_k, **common)
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                                   n_routed_experts=experts, num_experts_per_tok=top_k,
+                                   n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                                   topk_group=2, q_lora_rank=None, kv_lora_rank=32,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=hd,
+                                   **common)
+    if arch == "gpt_oss":
+        return tf.GptOssConfig(intermediate_size=inter, num_local_experts=experts,
+                               num_experts_per_tok=top_k, head_dim=hd, sliding_window=64,
+                               **common)
+    raise UnsupportedModelError(f"no tiny config for {arch!r}; supported: {sorted(SUPPORTED)}")
+
+
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+               router_std: float = 1.0, **kw) -> nn.Module:
+    """A randomly initialised eval-mode model from :func:`tiny_config`, eager experts, with its
+    routers re-initialised at ``router_std`` so routing is far from uniform."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", dtype=dtype)
+    a = SUPPORTED[arch]
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for i in moe_layers(model):
+            mlp = model.model.layers[i].mlp
+            r = getattr(mlp, a.router_attr)
+            r.weight.copy_(torch.randn(r.weight.shape, generator=g) * router_std
+                           / math.sqrt(r.weight.shape[1]) * 4)
+            if getattr(r, "bias", None) is not None:
+                r.bias.copy_(torch.randn(r.bias.shape, generator=g) * 0.5)
+            ex = mlp.experts
+            for name, p in ex.named_parameters():
+                if "bias" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.eval()
+
+
+def iter_experts_modules(model: nn.Module) -> Iterator[nn.Module]:
+    dec = _decoder(model)
+    for i in moe_layers(model):
+        yield dec.layers[i].mlp.experts
