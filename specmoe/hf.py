@@ -342,11 +342,10 @@ class Engine:
             p = np.zeros(self.num_experts, bool)
             p[top.indices.reshape(-1).numpy()] = True
             self._pred[pos + 1] = p
-            pri = torch.zeros(self.num_experts).index_reduce_(
-                0, top.indices.reshape(-1), top.values.reshape(-1).float(), "amax",
-                include_self=False)
+            pri = np.full(self.num_experts, -np.inf, np.float32)
+            np.maximum.at(pri, top.indices.reshape(-1).numpy(), top.values.reshape(-1).numpy())
             experts = np.nonzero(p)[0]
-            self._queue_prefetch(pos + 1, experts, pri.numpy()[experts])
+            self._queue_prefetch(pos + 1, experts, pri[experts])
         rec = self._recorder
         if rec is not None:
             lg = self._router_scores(pos, hidden.detach()) if rec.logits else None

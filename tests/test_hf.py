@@ -1,0 +1,249 @@
+"""specmoe.hf against the unmodified transformers models (eager experts) as the reference."""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from specmoe import hf
+
+warnings.filterwarnings("ignore")
+ARCHS = sorted(hf.SUPPORTED)
+PROMPT = torch.tensor([[5, 17, 33, 64, 9, 100, 7, 41]])
+
+
+def _pair(arch, dtype=torch.float32, **kw):
+    m = hf.tiny_model(arch, dtype=dtype, **kw)
+    return m, copy.deepcopy(m)
+
+
+def _expert_numel(model):
+    return sum(p.numel() for e in hf.iter_experts_modules(model) for p in e.parameters())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_matches_unmodified(arch):
+    m, ref = _pair(arch)
+    n_all = sum(p.numel() for p in ref.parameters())
+    n_exp = _expert_numel(ref)
+    assert n_exp > n_all / 2  # the experts dominate the model: the check below means something
+    eng = hf.offload(m, dtype="f32", cache=0.25)
+    try:
+        # expert parameters are gone from the offloaded model
+        assert sum(p.numel() for p in m.parameters()) == n_all - n_exp
+        with torch.no_grad():
+            lr, lo = ref(PROMPT).logits, m(PROMPT).logits
+        torch.testing.assert_close(lo, lr, atol=1e-5, rtol=1e-5)
+        g_ref = ref.generate(PROMPT, max_new_tokens=16, do_sample=False)
+        g_off = m.generate(PROMPT, max_new_tokens=16, do_sample=False)
+        assert torch.equal(g_ref, g_off)
+        assert len(set(g_ref[0, PROMPT.shape[1]:].tolist())) > 2  # not a degenerate repeat
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "deepseek_v3"])
+def test_bf16_store_close_to_bf16_model(arch):
+    m, ref = _pair(arch, dtype=torch.bfloat16)
+    eng = hf.offload(m, dtype="bf16")
+    try:
+        with torch.no_grad():
+            lr, lo = ref(PROMPT).logits.float(), m(PROMPT).logits.float()
+        # bf16 keeps 8 mantissa bits; the C path accumulates in f32, torch rounds between ops
+        err = (lr - lo).abs().max().item()
+        assert err <= 0.05 * lr.abs().max().item(), err
+        # and it is much closer to the bf16 model than an f32 model is (the error is rounding)
+        assert lo.argmax(-1).eq(lr.argmax(-1)).float().mean().item() >= 0.85
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
+def test_batch_of_two_with_padding(arch):
+    m, ref = _pair(arch)
+    eng = hf.offload(m)
+    try:
+        ids = torch.tensor([[0, 0, 0, 5, 17, 33, 64, 9], [11, 12, 13, 14, 15, 16, 17, 18]])
+        mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+        kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(ref.generate(ids, **kw), m.generate(ids, **kw))
+    finally:
+        eng.close()
+
+
+def _ref_prefetch_counts(ref, arch, overfetch):
+    """Independent count of next-layer-router prediction hits with forward hooks on the
+    unmodified model: for each MoE layer l+1, predicted = union over tokens of the top-m
+    experts of layer l+1's router applied to layer l's router input; actual = union of
+    the routed experts at l+1."""
+    a = hf.SUPPORTED[arch]
+    ids = hf.moe_layers(ref)
+    mlps = [ref.model.layers[i].mlp for i in ids]
+    routers = [getattr(mm, a.router_attr) for mm in mlps]
+    k = ref.config.num_experts_per_tok
+    E = mlps[0].experts.gate_up_proj.shape[0]
+    m_pred = min(E, max(k, math.ceil(k * overfetch)))
+    seen = {}
+
+    def hook(pos):
+        def f(mod, args, kwargs):
+            x, idx = args[0], args[1]
+            seen[pos] = (x, idx)
+        return f
+
+    hs = [mm.experts.register_forward_pre_hook(hook(p), with_kwargs=True) for p, mm in enumerate(mlps)]
+    tp = pred = act = 0
+    with torch.no_grad():
+        for t in range(3, PROMPT.shape[1] + 1):
+            seen.clear()
+            ref(PROMPT[:, :t])
+            for p in range(len(mlps) - 1):
+                x = seen[p][0]
+                r = routers[p + 1]
+                lg = x @ r.weight.T
+                if getattr(r, "bias", None) is not None:
+                    lg = lg + r.bias
+                if a.sigmoid_router:
+                    lg = lg.sigmoid() + r.e_score_correction_bias
+                P = set(torch.topk(lg, m_pred, -1).indices.reshape(-1).tolist())
+                A = set(seen[p + 1][1].reshape(-1).tolist())
+                tp, pred, act = tp + len(P & A), pred + len(P), act + len(A)
+    for h in hs:
+        h.remove()
+    return tp / pred, tp / act
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_prefetch_precision_recall(arch):
+    m, ref = _pair(arch)
+    eng = hf.offload(m, prefetch=True, overfetch=2.0)
+    try:
+        with torch.no_grad():
+            for t in range(3, PROMPT.shape[1] + 1):
+                m(PROMPT[:, :t])
+        s = eng.stats()
+        p, r = _ref_prefetch_counts(ref, arch, 2.0)
+        assert s["prefetch_precision"] == pytest.approx(p)
+        assert s["prefetch_recall"] == pytest.approx(r)
+        eng.set_prefetch(False)
+        eng.reset_stats()
+        with torch.no_grad():
+            m(PROMPT)
+        assert eng.stats()["prefetch_precision"] is None
+    finally:
+        eng.close()
+
+
+def test_trace_records_routing():
+    m, ref = _pair("olmoe")
+    eng = hf.offload(m)
+    routed = []
+    mlps = [ref.model.layers[i].mlp for i in hf.moe_layers(ref)]
+    hs = [mm.experts.register_forward_pre_hook(lambda mod, a, p=p: routed.append((p, a[1], a[2])))
+          for p, mm in enumerate(mlps)]
+    try:
+        with eng.trace(logits=True) as rec:
+            m.generate(PROMPT, max_new_tokens=4, do_sample=False)
+        tr = rec.result()
+        ref.generate(PROMPT, max_new_tokens=4, do_sample=False)
+        L = len(mlps)
+        n = PROMPT.shape[1] + 3  # prefill tokens + 3 decode passes (the 4th token needs none)
+        assert tr.experts.shape == (n, L, 2)
+        assert tr.logits.shape == (n, L, 8)
+        exp = np.concatenate([np.stack([routed[i + p][1].numpy() for p in range(L)], 1)
+                              for i in range(0, len(routed), L)])
+        wts = np.concatenate([np.stack([routed[i + p][2].numpy() for p in range(L)], 1)
+                              for i in range(0, len(routed), L)])
+        np.testing.assert_array_equal(tr.experts, exp)
+        np.testing.assert_allclose(tr.weights, wts, rtol=1e-5)  # hidden states agree to ~1e-7
+        # logits give back the routed experts
+        top = np.sort(np.argsort(-tr.logits, -1)[..., :2], -1)
+        np.testing.assert_array_equal(top, np.sort(exp, -1))
+        assert tr.request_starts.tolist() == [0]
+    finally:
+        eng.close()
+        for h in hs:
+            h.remove()
+
+
+def test_unsupported_model_lists_supported():
+    import transformers as tf
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(hf.UnsupportedModelError, match="mixtral"):
+        hf.offload(model)
+
+
+def test_bad_arguments():
+    m = hf.tiny_model("mixtral")
+    with pytest.raises(ValueError, match="dtype"):
+        hf.offload(m, dtype="f16")
+    with pytest.raises(ValueError, match="cache"):
+        hf.offload(m, cache=0)
+    eng = hf.offload(m)
+    with pytest.raises(ValueError, match="already offloaded"):
+        hf.extract_experts(m.model.layers[0].mlp.experts)
+    with pytest.raises(ValueError, match="overfetch"):
+        eng.set_prefetch(True, overfetch=0.5)
+    eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        m(PROMPT)
+
+
+def test_moe_forward_rejects_bad_input():
+    from specmoe import _C
+    m = hf.tiny_model("mixtral")
+    eng = hf.offload(m)
+    lo, src = eng._layout, eng._source
+    x = np.zeros((2, 64), np.float32)
+    out = np.zeros((2, 64), np.float32)
+    w = np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match="expert 8"):
+        _C.moe_forward(src, lo, 0, 8, x, np.array([[0, 8], [1, 2]]), w, out)
+    with pytest.raises(ValueError, match="shape"):
+        _C.moe_forward(src, lo, 0, 8, x, np.zeros((3, 2), np.int64), w, out)
+    with pytest.raises(ValueError, match="float32"):
+        _C.moe_forward(src, lo, 0, 8, x.astype(np.float64), np.zeros((2, 2), np.int64), w, out)
+    with pytest.raises(ValueError, match="past the end"):
+        _C.moe_forward(src, lo, 7, 8, x, np.zeros((2, 2), np.int64), w, out)
+    with pytest.raises(ValueError, match="exceeds"):
+        _C.moe_forward(src, lo[:6] + (16,) + lo[7:], 0, 8, x, np.zeros((2, 2), np.int64), w, out)
+    with pytest.raises(TypeError):
+        _C.moe_forward(src, list(lo), 0, 8, x, np.zeros((2, 2), np.int64), w, out)
+    eng.close()
+
+
+def test_moe_forward_against_numpy():
+    """The C layer on random routing vs a plain numpy MoE (GPT-OSS activation and biases)."""
+    from specmoe import _C
+    rng = np.random.default_rng(0)
+    E, I, H, T, k = 4, 24, 20, 7, 2
+    d = {"w_gate": rng.normal(size=(E, I, H)), "w_up": rng.normal(size=(E, I, H)),
+         "w_down": rng.normal(size=(E, H, I)), "b_gate": rng.normal(size=(E, I)),
+         "b_up": rng.normal(size=(E, I)), "b_down": rng.normal(size=(E, H))}
+    d = {n: (a * 0.3).astype(np.float32) for n, a in d.items()}
+    buf, lo = hf._pack_layers([d], "f32")
+    lo = lo[:3] + (1, 1.702, 1.5) + lo[6:]
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+    w = rng.random((T, k)).astype(np.float32)
+    out = np.empty((T, H), np.float32)
+    used = np.zeros(E, np.uint8)
+    _C.moe_forward(buf, lo, 0, E, x, idx, w, out, used)
+    ref = np.zeros((T, H))
+    for t in range(T):
+        for j in range(k):
+            e = idx[t, j]
+            g = d["w_gate"][e] @ x[t] + d["b_gate"][e]
+            u = d["w_up"][e] @ x[t] + d["b_up"][e]
+            g = np.minimum(g, 1.5)
+            u = np.clip(u, -1.5, 1.5)
+            h = (u + 1) * g / (1 + np.exp(-1.702 * g))
+            ref[t] += w[t, j] * (d["w_down"][e] @ h + d["b_down"][e])
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(used, np.isin(np.arange(E), idx).astype(np.uint8))
