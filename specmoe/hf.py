@@ -36,6 +36,7 @@ __all__ = [
     "Engine",
     "SpecmoeExperts",
     "UnsupportedModelError",
+    "available_policies",
     "extract_experts",
     "moe_layers",
     "offload",
@@ -293,6 +294,7 @@ class Engine:
         self._layout: tuple = ()
         self._source: Any = None
         self._routers: list[nn.Module] = []
+        self._predictor: Callable[[int, torch.Tensor], Any] | None = None
         self._sigmoid_router = False
         self._recorder: _Recorder | None = None
         self._pred: dict[int, np.ndarray] = {}
@@ -336,7 +338,10 @@ class Engine:
             self._pf["true_positive"] += int((pred & act).sum())
         if self.prefetch and pos + 1 < len(self._routers):
             with torch.no_grad():
-                sc = self._router_scores(pos + 1, hidden.detach())
+                if self._predictor is not None:
+                    sc = torch.as_tensor(self._predictor(pos + 1, hidden.detach())).float()
+                else:
+                    sc = self._router_scores(pos + 1, hidden.detach())
                 m = min(self.num_experts, max(self.top_k, math.ceil(self.top_k * self.overfetch)))
                 top = torch.topk(sc, m, dim=-1)
             p = np.zeros(self.num_experts, bool)
@@ -384,12 +389,27 @@ class Engine:
         self._tokens = self._passes = 0
 
     def set_policy(self, policy: str) -> None:
-        self.policy = policy
+        """Switch the cache's eviction policy (contents kept)."""
+        self.set_cache(self.cache_frac, policy)
 
-    def set_prefetch(self, on: bool, overfetch: float | None = None) -> None:
-        """Switch next-layer lookahead prefetch on/off; overfetch: experts predicted per token
-        = ceil(top_k * overfetch)."""
+    def set_cache(self, frac: float, policy: str | None = None) -> None:
+        """Rebuild the cache over the same store with a new capacity (fraction of all experts)
+        and optionally a new policy.  Statistics restart."""
+        if not (0 < frac <= 1):
+            raise ValueError(f"cache must be a fraction in (0, 1], got {frac}")
+        self.cache_frac = float(frac)
+        if policy is not None:
+            self.policy = policy
+
+    def set_prefetch(self, on: bool, overfetch: float | None = None,
+                     predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep") -> None:
+        """Switch lookahead prefetch on/off.  overfetch: experts predicted per token
+        = ceil(top_k * overfetch).  predictor: ``f(next_layer_position, hidden[T,H]) ->
+        scores[T,E]`` (higher = more likely needed), or None for the default, layer l+1's router
+        applied to layer l's router input."""
         self.prefetch = bool(on)
+        if not isinstance(predictor, str):
+            self._predictor = predictor
         if overfetch is not None:
             if overfetch < 1:
                 raise ValueError(f"overfetch must be >= 1, got {overfetch}")
@@ -419,9 +439,14 @@ class Engine:
         self.close()
 
 
+def available_policies() -> list[str]:
+    """Eviction policy names :func:`offload` accepts."""
+    return ["lru"]
+
+
 def offload(model: nn.Module, store: str | os.PathLike | None = None, cache: float = 0.25,
             policy: str = "lru", prefetch: bool = True, dtype: str = "f32",
-            overfetch: float = 1.5) -> Engine:
+            overfetch: float = 1.5, direct: bool = False) -> Engine:
     """Move ``model``'s routed experts to a store and run them through specmoe.
 
     store: path of the store file to write (None: a temporary file, deleted by close()).

@@ -1,0 +1,219 @@
+"""Decode tokens/s with offloaded experts on DeepSeek-V2-Lite expert shapes.
+
+Model: a transformers DeepSeek-V3-architecture model with DeepSeek-V2-Lite's routed-expert shapes
+(hidden 2048, expert FFN 1408, 64 experts, top-6, 2 shared experts), ``--layers`` MoE layers
+(8 by default), a minimal attention, random bf16 weights.  Routing is replayed from the real
+DeepSeek-V2-Lite trace (``../shared/traces/deepseek-v2-lite-puffin``, or the test subset): each
+MoE layer's router is replaced by one that returns the recorded top-6 of the current token for
+that layer (uniform weights), so the expert access pattern is the real one.
+
+Rows (same model, same tokens):
+* ``torch``: unmodified, every expert in RAM, transformers' eager experts.
+* ``specmoe``: experts in a store file read with O_DIRECT; cache 100%, 25%, 10% of the experts;
+  LRU and the best other policy available; without and with prefetch.  The prefetch predictor
+  here cannot be the next layer's router (routing is replayed), so it is the previous token's
+  experts at the next layer (temporal locality), which uses no future information.
+* ``accelerate``: accelerate's ``disk_offload`` of the same model (the peer).
+
+``--json`` prints one JSON object: {"config": ..., "rows": [{name, cache_frac, policy, prefetch,
+tok_per_s, vs_torch, vs_accelerate, ...}]}.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specmoe import hf  # noqa: E402
+from specmoe.traces import load_puffin  # noqa: E402
+
+HIDDEN, FFN, EXPERTS, TOPK = 2048, 1408, 64, 6
+TRACES = [Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "deepseek-v2-lite-puffin",
+          Path("/work/shared/traces/deepseek-v2-lite-puffin"),
+          Path(__file__).resolve().parents[1] / "tests" / "data" / "puffin"]
+
+
+class Replay:
+    """Shared cursor into the trace: token ``t``; ``experts[t, layer]`` are the routed ids."""
+
+    def __init__(self, experts: np.ndarray):
+        self.experts = torch.from_numpy(experts.astype(np.int64))
+        self.t = 0
+
+
+class ReplayRouter(nn.Module):
+    """Stands in for DeepseekV3TopkRouter: returns the recorded experts of the current token."""
+
+    def __init__(self, replay: Replay, layer: int):
+        super().__init__()
+        self.replay, self.layer = replay, layer
+        self.weight = nn.Parameter(torch.zeros(EXPERTS, HIDDEN), requires_grad=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(EXPERTS))
+
+    def forward(self, hidden_states):
+        T = hidden_states.reshape(-1, HIDDEN).shape[0]
+        idx = self.replay.experts[self.replay.t:self.replay.t + T, self.layer]
+        w = torch.full(idx.shape, 1.0 / TOPK, dtype=torch.float32)
+        return torch.zeros(T, EXPERTS), w, idx
+
+
+def build(layers: int, replay: Replay, seed: int = 0) -> nn.Module:
+    import transformers as tf
+    cfg = tf.DeepseekV3Config(
+        vocab_size=256, hidden_size=HIDDEN, intermediate_size=FFN * 2, moe_intermediate_size=FFN,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+        n_routed_experts=EXPERTS, num_experts_per_tok=TOPK, n_shared_experts=2,
+        first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager",
+                                                    dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    pool = (torch.randn(1 << 23, generator=g) * 0.02).to(torch.bfloat16)
+    rng = np.random.default_rng(seed)
+
+    def fill(shape):
+        n = int(np.prod(shape))
+        out = torch.empty(n, dtype=torch.bfloat16)
+        pos = 0
+        while pos < n:  # tiles of the random pool at random offsets: cheap, not degenerate
+            off = int(rng.integers(0, pool.numel() // 2))
+            m = min(n - pos, pool.numel() - off)
+            out[pos:pos + m] = pool[off:off + m]
+            pos += m
+        return out.view(shape)
+
+    for name, mod in list(model.named_modules()):
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            t = torch.ones(p.shape, dtype=p.dtype) if "norm" in pname or "norm" in name.split(".")[-1] \
+                else fill(p.shape)
+            setattr(mod, pname, nn.Parameter(t, requires_grad=False))
+        for bname, b in list(mod.named_buffers(recurse=False)):
+            mod.register_buffer(bname, torch.zeros(b.shape, dtype=b.dtype) if b.is_meta else b)
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate = ReplayRouter(replay, i)
+    return model.eval()
+
+
+def decode(model: nn.Module, replay: Replay, tokens: int, warm: int = 2) -> float:
+    """Feed `warm + tokens` tokens one at a time (KV cache on); tokens/s over the last `tokens`."""
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    ids = torch.tensor([[5]])
+    t0 = None
+    with torch.no_grad():
+        for i in range(warm + tokens):
+            if i == warm:
+                t0 = time.perf_counter()
+            replay.t = i
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            ids = out.logits[:, -1:].argmax(-1)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--accel-tokens", type=int, default=2)
+    ap.add_argument("--fracs", default="1.0,0.25,0.1")
+    ap.add_argument("--dir", default=None, help="where the store and accelerate's files go")
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import logging
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    log = (lambda *x: print(*x, file=sys.stderr, flush=True))
+
+    src = next(p for p in TRACES if p.is_dir())
+    tr = load_puffin(src)
+    need = 2 + max(a.tokens, a.accel_tokens) + 2
+    ex = tr.experts[:, :a.layers]  # the first `layers` MoE layers of the recorded model
+    start = int(tr.request_starts[np.argmax(np.diff(np.r_[tr.request_starts, tr.num_tokens]))])
+    ex = ex[start:start + need]  # one long request, replayed in text order
+    replay = Replay(ex)
+    work = Path(a.dir or tempfile.mkdtemp(prefix="specmoe-decode-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+
+    log("building the model...")
+    model = build(a.layers, replay)
+    torch_tps = decode(model, replay, a.tokens)
+    log(f"torch: {torch_tps:.2f} tok/s")
+    rows.append(dict(name="torch", cache_frac=None, policy=None, prefetch=None, tok_per_s=torch_tps))
+
+    # specmoe: one store, several cache configurations
+    store = work / "experts.smoe"
+    eng = hf.offload(model, store=store, cache=1.0, dtype="bf16", prefetch=False, direct=True)
+    gc.collect()
+
+    def prev_token_predictor(pos, hidden):
+        t = replay.t
+        sc = torch.zeros(hidden.shape[0], EXPERTS)
+        if t > 0:
+            sc[:, replay.experts[t - 1, pos]] = 1.0
+        return sc
+
+    policies = ["lru"] + [p for p in hf.available_policies() if p != "lru"][:1]
+    for frac in [float(f) for f in a.fracs.split(",")]:
+        for pol in policies if frac < 1 else ["lru"]:
+            for pf in (False, True):
+                eng.set_cache(frac, policy=pol)
+                eng.set_prefetch(pf, overfetch=1.0, predictor=prev_token_predictor)
+                eng.reset_stats()
+                tps = decode(model, replay, a.tokens)
+                s = eng.stats()
+                log(f"specmoe cache={frac} {pol} prefetch={pf}: {tps:.2f} tok/s hit={s.get('hit_rate')}")
+                rows.append(dict(name="specmoe", cache_frac=frac, policy=pol, prefetch=pf,
+                                 tok_per_s=tps, hit_rate=s.get("hit_rate"),
+                                 stall_s=s.get("stall_s"), prefetch_precision=s["prefetch_precision"],
+                                 prefetch_recall=s["prefetch_recall"]))
+    eng.close()
+    del model, eng
+    gc.collect()
+
+    # the peer: accelerate's disk offload of the same model
+    from accelerate import disk_offload
+    model = build(a.layers, replay)
+    disk_offload(model, str(work / "accelerate"))
+    gc.collect()
+    acc_tps = decode(model, replay, a.accel_tokens, warm=1)
+    log(f"accelerate disk_offload: {acc_tps:.3f} tok/s")
+    rows.append(dict(name="accelerate", cache_frac=None, policy=None, prefetch=None,
+                     tok_per_s=acc_tps))
+    for r in rows:
+        r["vs_torch"] = r["tok_per_s"] / torch_tps
+        r["vs_accelerate"] = r["tok_per_s"] / acc_tps
+    res = dict(config=dict(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, top_k=TOPK,
+                           moe_layers=a.layers, tokens=a.tokens, accel_tokens=a.accel_tokens,
+                           store_dtype="bf16", trace=str(src), threads=1), rows=rows)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for r in rows:
+            print(f"{r['name']:11s} {str(r['cache_frac']):5s} {str(r['policy']):8s} "
+                  f"{str(r['prefetch']):6s} {r['tok_per_s']:8.2f} tok/s  x{r['vs_torch']:.2f} torch  "
+                  f"x{r['vs_accelerate']:.1f} accelerate")
+    if not a.dir:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
