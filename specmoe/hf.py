@@ -302,6 +302,8 @@ class Engine:
         self._tokens = 0
         self._passes = 0
         self._store_path: str | None = None
+        self._store: Any = None
+        self._cache: Any = None
         self._own_store = False
         self._closed = False
         self._originals: list[tuple[nn.Module, nn.Module]] = []
@@ -357,15 +359,28 @@ class Engine:
             rec.layer(pos, idx, w, lg)
         return out.to(hidden.dtype)
 
-    # backend hooks: resident buffer now; the cache replaces these when available
+    # backend: the ExpertCache over the store (or, in a build without them, a resident buffer)
+    def _open_cache(self) -> None:
+        from .cache import ExpertCache
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+        self._cache = ExpertCache(self._store, self.cache_frac, self.policy, top_k=self.top_k,
+                                  prefetch=True)
+        self._source = self._cache._c
+
     def _begin_pass(self) -> None:
-        pass
+        if self._cache is not None:
+            self._cache.begin_pass()
 
     def _forward_c(self, pos, x, ix, wt, out, used) -> None:
         _C.moe_forward(self._source, self._layout, pos, self.num_experts, x, ix, wt, out, used)
 
     def _queue_prefetch(self, pos: int, experts: np.ndarray, priorities: np.ndarray) -> None:
-        pass
+        if self._cache is not None and len(experts):
+            layers = np.full(len(experts), pos, np.int64)
+            self._cache.prefetch((layers, experts.astype(np.int64),
+                                  np.asarray(priorities, np.float32)), replace=True)
 
     # -- public -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -382,11 +397,20 @@ class Engine:
         return s
 
     def _cache_stats(self) -> dict[str, Any]:
-        return {"hits": None, "misses": None, "hit_rate": None, "stall_s": 0.0}
+        if self._cache is None:
+            return {"hits": None, "misses": None, "hit_rate": None, "stall_s": 0.0}
+        c = dict(self._cache.stats())
+        n = c.get("hits", 0) + c.get("misses", 0)
+        c["hit_rate"] = c.get("hits", 0) / n if n else None
+        c["capacity"] = self._cache.capacity
+        c["cache_bytes"] = self._cache.capacity * self._cache.slot_bytes
+        return c
 
     def reset_stats(self) -> None:
         self._pf = {"predicted": 0, "true_positive": 0, "actual": 0}
         self._tokens = self._passes = 0
+        if self._cache is not None:
+            self._cache.reset_stats()
 
     def set_policy(self, policy: str) -> None:
         """Switch the cache's eviction policy (contents kept)."""
@@ -400,6 +424,9 @@ class Engine:
         self.cache_frac = float(frac)
         if policy is not None:
             self.policy = policy
+        if self._store is not None:
+            self._open_cache()
+        self._pred.clear()
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
                      predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep") -> None:
@@ -429,6 +456,12 @@ class Engine:
             return
         self._closed = True
         self._source = None
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         if self._own_store and self._store_path and os.path.exists(self._store_path):
             os.unlink(self._store_path)
 
@@ -437,6 +470,14 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _have_store_cache() -> bool:
+    try:
+        from . import cache as _c, store as _s  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(_C, "Cache") and hasattr(_C, "Store")
 
 
 def available_policies() -> list[str]:
@@ -472,21 +513,58 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None, cache: flo
     eng.dtype, eng.cache_frac, eng.policy, eng.prefetch = dtype, float(cache), policy, prefetch
     eng.overfetch = float(overfetch)
     eng._sigmoid_router = arch.sigmoid_router
-    layers = []
     for i in ids:
-        mlp = dec.layers[i].mlp
-        layers.append(extract_experts(mlp.experts, arch.gptoss))
-        eng._routers.append(getattr(mlp, arch.router_attr))
-    E, I, H = layers[0]["w_gate"].shape
+        eng._routers.append(getattr(dec.layers[i].mlp, arch.router_attr))
+    gu = dec.layers[ids[0]].mlp.experts.gate_up_proj
+    E = int(gu.shape[0])
+    H = int(gu.shape[1] if arch.gptoss else gu.shape[2])
     eng.num_experts = E
     eng.top_k = int(cfg.num_experts_per_tok)
-    buf, layout = _pack_layers(layers, dtype)
-    if arch.gptoss:
-        layout = layout[:4] + (float(cfg.swiglu_alpha) if hasattr(cfg, "swiglu_alpha") else 1.702,
-                               float(cfg.swiglu_limit)) + layout[6:]
-    eng._layout = layout
-    eng._source = buf
-    del layers
+    if eng.top_k > E:
+        raise ValueError(f"top_k {eng.top_k} > num_experts {E}")
+    alpha = float(getattr(cfg, "swiglu_alpha", 1.702)) if arch.gptoss else 1.702
+    limit = float(getattr(cfg, "swiglu_limit", 7.0)) if arch.gptoss else 7.0
+
+    def layer(pos: int) -> dict[str, Any]:
+        d = extract_experts(dec.layers[ids[pos]].mlp.experts, arch.gptoss)
+        if dtype == "bf16":
+            return {n: (torch.from_numpy(a).to(torch.bfloat16) if n.startswith("w_") else a)
+                    for n, a in d.items()}
+        return d
+
+    if _have_store_cache():
+        from .store import ExpertStore, write_store
+        if store is None:
+            fd, path = tempfile.mkstemp(prefix="specmoe-", suffix=".smoe")
+            os.close(fd)
+            eng._own_store = True
+        else:
+            path = os.fspath(store)
+        eng._store_path = path
+        try:
+            write_store(path, layer, num_layers=len(ids), model=mt, top_k=eng.top_k,
+                        extra={"architecture": mt, "dtype": dtype, "layer_ids": ids,
+                               "activation": "gptoss" if arch.gptoss else "silu",
+                               "alpha": alpha, "limit": limit},
+                        progress=False).close()
+            eng._store = ExpertStore(path, direct=direct, verify=False)
+        except BaseException:
+            if eng._own_store and os.path.exists(path):
+                os.unlink(path)
+            raise
+        offs = {t["name"]: int(t["offset"]) for t in eng._store.tensors}
+        I = int(next(t for t in eng._store.tensors if t["name"] == "w_gate")["shape"][0])
+        eng._layout = _layout(H, I, dtype, arch.gptoss, int(eng._store.block_bytes), offs,
+                              alpha, limit)
+        eng._open_cache()
+    else:  # transitional: no store/cache in this build; every block resident in one buffer
+        layers = [layer(p) for p in range(len(ids))]
+        layers = [{n: (a.float().numpy() if isinstance(a, torch.Tensor) else a)
+                   for n, a in d.items()} for d in layers]
+        buf, lo = _pack_layers(layers, dtype)
+        eng._layout = lo[:4] + (alpha, limit) + lo[6:]
+        eng._source = buf
+        del layers
     for pos, i in enumerate(ids):
         mlp = dec.layers[i].mlp
         mlp.experts = SpecmoeExperts(eng, pos, E, H)  # old module (and its parameters) freed
