@@ -473,6 +473,8 @@ class Engine:
 
 
 def _have_store_cache() -> bool:
+    if not (hasattr(_C, "Cache") and hasattr(_C, "Store")):
+        return False
     try:
         from . import cache as _c, store as _s  # noqa: F401
     except ImportError:

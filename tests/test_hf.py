@@ -12,6 +12,7 @@ import torch
 from specmoe import hf
 
 warnings.filterwarnings("ignore")
+torch.set_num_threads(1)  # the C path is single-threaded; keep the reference comparable
 ARCHS = sorted(hf.SUPPORTED)
 PROMPT = torch.tensor([[5, 17, 33, 64, 9, 100, 7, 41]])
 
@@ -198,24 +199,69 @@ def test_bad_arguments():
 def test_moe_forward_rejects_bad_input():
     from specmoe import _C
     m = hf.tiny_model("mixtral")
-    eng = hf.offload(m)
-    lo, src = eng._layout, eng._source
+    layers = [hf.extract_experts(e) for e in hf.iter_experts_modules(m)]
+    src, lo = hf._pack_layers(layers, "f32")
     x = np.zeros((2, 64), np.float32)
     out = np.zeros((2, 64), np.float32)
     w = np.ones((2, 2), np.float32)
+    z = np.zeros((2, 2), np.int64)
     with pytest.raises(ValueError, match="expert 8"):
         _C.moe_forward(src, lo, 0, 8, x, np.array([[0, 8], [1, 2]]), w, out)
+    with pytest.raises(ValueError, match="expert -1"):
+        _C.moe_forward(src, lo, 0, 8, x, np.array([[0, -1], [1, 2]]), w, out)
     with pytest.raises(ValueError, match="shape"):
         _C.moe_forward(src, lo, 0, 8, x, np.zeros((3, 2), np.int64), w, out)
     with pytest.raises(ValueError, match="float32"):
-        _C.moe_forward(src, lo, 0, 8, x.astype(np.float64), np.zeros((2, 2), np.int64), w, out)
+        _C.moe_forward(src, lo, 0, 8, x.astype(np.float64), z, w, out)
+    with pytest.raises(ValueError, match="writable"):
+        ro = out.copy()
+        ro.flags.writeable = False
+        _C.moe_forward(src, lo, 0, 8, x, z, w, ro)
     with pytest.raises(ValueError, match="past the end"):
-        _C.moe_forward(src, lo, 7, 8, x, np.zeros((2, 2), np.int64), w, out)
+        _C.moe_forward(src, lo, 7, 8, x, z, w, out)
     with pytest.raises(ValueError, match="exceeds"):
-        _C.moe_forward(src, lo[:6] + (16,) + lo[7:], 0, 8, x, np.zeros((2, 2), np.int64), w, out)
+        _C.moe_forward(src, lo[:6] + (16,) + lo[7:], 0, 8, x, z, w, out)
+    with pytest.raises(ValueError, match="dtype"):
+        _C.moe_forward(src, lo[:2] + (9,) + lo[3:], 0, 8, x, z, w, out)
     with pytest.raises(TypeError):
-        _C.moe_forward(src, list(lo), 0, 8, x, np.zeros((2, 2), np.int64), w, out)
-    eng.close()
+        _C.moe_forward(src, list(lo), 0, 8, x, z, w, out)
+    with pytest.raises(TypeError, match="Cache"):
+        _C.moe_forward(object(), lo, 0, 8, x, z, w, out)
+    eng = hf.offload(m)
+    try:
+        if eng._cache is not None:  # a cache of another shape is refused
+            with pytest.raises(ValueError, match="does not match"):
+                _C.moe_forward(eng._source, lo, 5, 8, x, z, w, out)
+    finally:
+        eng.close()
+
+
+def test_expert_memory_is_freed():
+    """Resident memory falls by about the experts' bytes minus the cache's."""
+    import gc
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    m = hf.tiny_model("mixtral", hidden=256, inter=512, layers=4, experts=32)
+    exp = sum(p.numel() * p.element_size() for e in hf.iter_experts_modules(m)
+              for p in e.parameters())
+    gc.collect()
+    r0 = rss()
+    eng = hf.offload(m, cache=0.25)
+    try:
+        with torch.no_grad():
+            m(PROMPT)
+        gc.collect()
+        r1 = rss()
+        cache_bytes = eng.stats().get("cache_bytes")
+        if cache_bytes is None:
+            pytest.skip("this build has no expert cache: all blocks stay resident")
+        assert cache_bytes <= 0.26 * exp
+        assert r0 - r1 >= 0.5 * (exp - cache_bytes), (exp, cache_bytes, r0, r1)
+    finally:
+        eng.close()
 
 
 def test_moe_forward_against_numpy():
