@@ -225,7 +225,7 @@ def test_moe_forward_rejects_bad_input():
         _C.moe_forward(src, lo[:2] + (9,) + lo[3:], 0, 8, x, z, w, out)
     with pytest.raises(TypeError):
         _C.moe_forward(src, list(lo), 0, 8, x, z, w, out)
-    with pytest.raises(TypeError, match="Cache"):
+    with pytest.raises(TypeError):
         _C.moe_forward(object(), lo, 0, 8, x, z, w, out)
     eng = hf.offload(m)
     try:
