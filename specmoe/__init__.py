@@ -8,6 +8,7 @@ the C extension ``specmoe._C``; this package is the thin, typed Python surface o
 from __future__ import annotations
 
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
+from .store import ExpertStore, write_store  # slow tier
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,6 @@ __all__ = [
     "StoreError",
     "CacheError",
     "PolicyError",
+    "ExpertStore",
+    "write_store",
 ]
