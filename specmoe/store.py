@@ -337,17 +337,23 @@ def _write_layer(f: Any, i: int, layer: dict[str, tuple[np.ndarray, str]],
     names = [t["name"] for t in tensors]
     if sorted(layer) != sorted(names):
         raise ValueError(f"layer {i}: tensors {sorted(layer)} differ from layer 0's {sorted(names)}")
-    buf = np.zeros((ne, block_bytes), dtype=np.uint8)
+    checked = []
     for t in tensors:
         arr, dt = layer[t["name"]]
         want = (ne, *t["shape"])
         if dt != t["dtype"] or tuple(arr.shape) != want:
             raise ValueError(f"layer {i} tensor {t['name']!r}: {dt} {tuple(arr.shape)}, layer 0 "
                              f"has {t['dtype']} {want}")
-        if t["nbytes"]:
-            buf[:, t["offset"]:t["offset"] + t["nbytes"]] = arr.reshape(ne, -1).view(np.uint8)
-    crcs = ["%08x" % _C.crc32c(buf[e]) for e in range(ne)]
-    f.write(memoryview(buf).cast("B"))
+        checked.append((t["offset"], t["nbytes"], arr.reshape(ne, -1).view(np.uint8)))
+    # One block at a time (a layer of a large model can be gigabytes); padding stays zero.
+    buf = np.zeros(block_bytes, dtype=np.uint8)
+    crcs = []
+    for e in range(ne):
+        for off, nb, flat in checked:
+            if nb:
+                buf[off:off + nb] = flat[e]
+        crcs.append("%08x" % _C.crc32c(buf))
+        f.write(memoryview(buf))
     return crcs
 
 
