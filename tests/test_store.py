@@ -455,3 +455,40 @@ def test_low_level_store_validates_arguments(store_path):
     with pytest.raises(StoreError, match="closed"):
         never_opened.read(0, 0)
     assert isinstance(s, _C.Store) and specmoe.ExpertStore is ExpertStore
+
+
+def _dir_refusing_o_direct():
+    """A writable directory whose filesystem refuses O_DIRECT (ramfs, older tmpfs), if any.
+    SPECMOE_TEST_NODIRECT_DIR names one explicitly (e.g. a ramfs mount)."""
+    cands = [os.environ.get("SPECMOE_TEST_NODIRECT_DIR"), "/dev/shm"]
+    for d in cands:
+        if not d or not os.path.isdir(d) or not os.access(d, os.W_OK):
+            continue
+        probe = os.path.join(d, f".specmoe-probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+        try:
+            fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            return d
+        else:
+            os.close(fd)
+        finally:
+            os.unlink(probe)
+    return None
+
+
+def test_direct_falls_back_where_refused(layers):
+    d = _dir_refusing_o_direct()
+    if d is None:
+        pytest.skip("no filesystem here refuses O_DIRECT (set SPECMOE_TEST_NODIRECT_DIR)")
+    p = os.path.join(d, f"specmoe-test-{os.getpid()}.smoe")
+    try:
+        write_store(p, layers, dtypes={"w_bf16": "bf16"}, progress=False).close()
+        with ExpertStore(p, direct=True) as s:
+            assert s.direct is False
+            for name, arr in layers[2].items():
+                np.testing.assert_array_equal(s.read_expert(2, 1)[name], arr[1])
+    finally:
+        if os.path.exists(p):
+            os.unlink(p)
