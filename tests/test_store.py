@@ -126,6 +126,16 @@ def test_crc32c_matches_reference_all_lengths_and_alignments():
             assert _C._crc32c_portable(chunk) == want
 
 
+def test_crc32c_interleaved_path_boundaries():
+    # The hardware path runs three streams over 3 x 4096-byte stripes and merges them.
+    rng = np.random.default_rng(3)
+    buf = rng.integers(0, 256, 3 * 8192 + 64, dtype=np.uint8).tobytes()
+    for start, length in [(0, 12287), (0, 12288), (3, 12289), (5, 12300), (1, 24576 + 7),
+                          (0, len(buf))]:
+        chunk = buf[start:start + length]
+        assert _C.crc32c(chunk) == crc32c_ref(chunk), (start, length)
+
+
 def test_crc32c_chaining_and_large_buffer():
     rng = np.random.default_rng(2)
     big = rng.integers(0, 256, 3 << 20, dtype=np.uint8)  # > 1 MiB: GIL-released path
