@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
 from .store import ExpertStore, write_store  # slow tier
+from .traces import Trace, TraceError, load_puffin, load_trace
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,8 @@ __all__ = [
     "PolicyError",
     "ExpertStore",
     "write_store",
+    "Trace",
+    "TraceError",
+    "load_puffin",
+    "load_trace",
 ]
