@@ -27,14 +27,25 @@ static void store_close_now(StoreObject *self) {
 static int Store_init(StoreObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"path", "data_offset", "block_bytes", "num_layers", "num_experts",
                              "crc", "direct", "verify", NULL};
-    PyObject *path_bytes = NULL, *crc_obj = Py_None;
+    PyObject *path_bytes = NULL, *crc_obj = Py_None, *off_obj, *bb_obj;
     unsigned long long data_offset, block_bytes;
     long long num_layers, num_experts;
     int direct = 0, verify = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&KKLL|Opp", kwlist, PyUnicode_FSConverter,
-                                     &path_bytes, &data_offset, &block_bytes, &num_layers,
-                                     &num_experts, &crc_obj, &direct, &verify))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O!O!LL|Opp", kwlist, PyUnicode_FSConverter,
+                                     &path_bytes, &PyLong_Type, &off_obj, &PyLong_Type, &bb_obj,
+                                     &num_layers, &num_experts, &crc_obj, &direct, &verify))
         return -1;
+    /* Unsigned conversions that refuse negatives (OverflowError) instead of wrapping. */
+    data_offset = PyLong_AsUnsignedLongLong(off_obj);
+    if (data_offset == (unsigned long long)-1 && PyErr_Occurred()) {
+        Py_DECREF(path_bytes);
+        return -1;
+    }
+    block_bytes = PyLong_AsUnsignedLongLong(bb_obj);
+    if (block_bytes == (unsigned long long)-1 && PyErr_Occurred()) {
+        Py_DECREF(path_bytes);
+        return -1;
+    }
     int rc = -1;
     Py_buffer crc_view = {0};
     int have_view = 0;

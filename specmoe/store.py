@@ -252,6 +252,7 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
     fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
                                suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
         with os.fdopen(fd, "wb") as f:
             it = iter(source)
             try:
@@ -309,7 +310,8 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
                     bar.close()
             meta["crc32c"] = crcs
             header = _encode_header(meta, entries)
-            assert len(header) <= data_offset - 8, "header grew while filling in checksums"
+            if len(header) > data_offset - 8:  # cannot happen: checksums are fixed width
+                raise RuntimeError("store header grew while filling in checksums")
             header += b" " * (data_offset - 8 - len(header))
             f.seek(0)
             f.write(len(header).to_bytes(8, "little"))
@@ -329,6 +331,18 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
     finally:
         os.close(dfd)
     return ExpertStore(path)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux /proc), else the common 022."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def _write_layer(f: Any, i: int, layer: dict[str, tuple[np.ndarray, str]],

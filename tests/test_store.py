@@ -312,6 +312,12 @@ def test_writer_rejects_bad_layers(tmp_path, layers):
     assert os.listdir(tmp_path) == []
 
 
+def test_file_mode_follows_umask(store_path):
+    old = os.umask(0o022)
+    os.umask(old)
+    assert os.stat(store_path).st_mode & 0o777 == 0o666 & ~old
+
+
 def test_crash_mid_write_leaves_old_file_intact(store_path, layers):
     before = store_path.read_bytes()
 
@@ -458,6 +464,8 @@ def test_low_level_store_validates_arguments(store_path):
         _C.Store(store_path, s.data_offset, 1000, NL, NE, verify=False)
     with pytest.raises(ValueError):
         _C.Store(store_path, s.data_offset, s.block_bytes, 0, NE, verify=False)
+    with pytest.raises(OverflowError):
+        _C.Store(store_path, -4096, s.block_bytes, NL, NE, verify=False)
     with pytest.raises(StoreError, match="truncated"):
         _C.Store(store_path, s.data_offset, s.block_bytes, NL + 1, NE, verify=False)
     never_opened = _C.Store.__new__(_C.Store)
