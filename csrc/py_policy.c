@@ -514,7 +514,7 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     PyArrayObject *ps = NULL, *hits = NULL, *vic = NULL;
     smoe_replay_opts opts = {NULL, 0, mask_seed};
     if (o_ps != Py_None) {
-        if (PyIndex_Check(o_ps) && !PyBool_Check(o_ps)) {
+        if (!PyArray_Check(o_ps) && PyIndex_Check(o_ps) && !PyBool_Check(o_ps)) {
             unsigned long long len;
             if (parse_range(o_ps, "pass_starts (a pass length)", 1, UINT64_MAX, &len) < 0)
                 goto fail;

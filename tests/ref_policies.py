@@ -58,6 +58,8 @@ class RefLRU(RefPolicy):
         del self.order[slot]
 
     def victim(self, candidates):
+        if len(candidates) == len(self.order):  # all evictable: skip building the set
+            return next(iter(self.order))
         ok = set(candidates)
         return next(s for s in self.order if s in ok)
 
@@ -73,6 +75,8 @@ class RefMRU(RefLRU):
     """Evict the most recently touched candidate."""
 
     def victim(self, candidates):
+        if len(candidates) == len(self.order):
+            return next(reversed(self.order))
         ok = set(candidates)
         return next(s for s in reversed(self.order) if s in ok)
 
@@ -215,10 +219,11 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
     keys = [int(k) for k in keys]
     if isinstance(pass_starts, int):
         pass_starts = list(range(0, len(keys), pass_starts))
-    starts = {int(p): j + 1 for j, p in enumerate(pass_starts or [])}
+    starts = {int(p): j + 1 for j, p in enumerate([] if pass_starts is None else pass_starts)}
     where: dict[int, int] = {}  # key -> slot
     holds: dict[int, int] = {}  # slot -> key
     rng = mask_seed
+    every = list(range(nslots))
     hits, victims = [], []
     for i, k in enumerate(keys):
         if i in starts:
@@ -233,13 +238,13 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
             s = len(holds)  # slots fill lowest first and are never freed
             victims.append(-1)
         else:
-            cands = []
-            for t in range(nslots):
-                if mask_seed:
+            cands = every
+            if mask_seed:
+                cands = []
+                for t in range(nslots):
                     rng, r = splitmix64(rng)
-                    if (r & 3) == 0:
-                        continue
-                cands.append(t)
+                    if (r & 3) != 0:
+                        cands.append(t)
             if not cands:
                 victims.append(-1)  # bypass
                 continue
