@@ -15,14 +15,15 @@
  * "Oldest" compares a logical clock advanced by every on_insert and on_access, so no ties
  * remain.
  *
- * Measured (demand-only replay, one pass per token, all 200 DeepSeek-V2-Lite puffin traces,
- * 26 layers x 64 experts = 1664 keys) hit rates — see the report in tests/test_policies.py
- * and specmoe/policies.py:
- *   capacity      5%      10%     25%
- *   LAYER        MEASURED_LAYER
- *   LRU          MEASURED_LRU
- *   FIFO         MEASURED_FIFO
- * LAYER is the default (SMOE_LS_ORDER_LAYER = 0).
+ * Measured by demand-only replay (one pass per token) of all 200 DeepSeek-V2-Lite puffin
+ * traces (3.1M accesses over 26 layers x 64 experts = 1664 keys; benchmarks/policy_hit_rates.py),
+ * hit rate at a cache of 5% / 10% / 25% of the experts:
+ *   LAYER  0.121 / 0.234 / 0.440
+ *   LRU    0.000 / 0.262 / 0.439   (the same as plain LRU: with one pass per token the stale
+ *                                   slots are exactly the least recently used ones)
+ *   FIFO   0.000 / 0.197 / 0.402
+ * LAYER is best at 5% (where everything else but MRU/Random hits never) and at 25%, and best by
+ * the mean; LRU is better at 10%.  LAYER is the default (SMOE_LS_ORDER_LAYER = 0).
  *
  * victim() scans the slots, O(nslots). */
 #include <stdlib.h>
