@@ -24,6 +24,7 @@ typedef struct pyb_state {
     PyObject *obj;
     PyObject *meth[PYB_N]; /* bound methods, NULL when absent (victim is required) */
     uint8_t *resident;     /* [nslots] */
+    uint32_t *cand;        /* [nslots] scratch for victim() */
 } pyb_state;
 
 /* Record the pending Python exception (GIL held) as the policy's failure and clear it. */
@@ -76,6 +77,7 @@ static void pyb_free(smoe_policy *p) {
         PyGILState_Release(g);
     }
     free(st->resident);
+    free(st->cand);
     free(st);
 }
 
@@ -101,26 +103,28 @@ static void pyb_pass(smoe_policy *p, uint64_t pass_id) {
 
 static int32_t pyb_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {
     pyb_state *st = p->state;
-    /* The candidates are computed before taking the GIL: evictable() may take caller locks. */
+    /* The candidates are computed before taking the GIL, so evictable() (which may look at
+     * caller state) is never called with the GIL held. */
     uint32_t n = 0;
-    for (uint32_t s = 0; s < p->nslots; s++) n += st->resident[s] && (!ok || ok(ctx, s));
+    for (uint32_t s = 0; s < p->nslots; s++)
+        if (st->resident[s] && (!ok || ok(ctx, s))) st->cand[n++] = s;
     if (n == 0) return -1;
     int32_t ans = -1;
     PyGILState_STATE g = PyGILState_Ensure();
     PyObject *cand = PyList_New(n), *r = NULL;
     if (!cand) goto fail;
-    for (uint32_t s = 0, i = 0; s < p->nslots && i < n; s++) {
-        if (!st->resident[s] || (ok && !ok(ctx, s))) continue;
-        PyObject *v = PyLong_FromUnsignedLong(s);
+    for (uint32_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(st->cand[i]);
         if (!v) goto fail;
-        PyList_SET_ITEM(cand, i++, v);
+        PyList_SET_ITEM(cand, i, v);
     }
     r = PyObject_CallOneArg(st->meth[PYB_VICTIM], cand);
     if (!r) goto fail;
     long v = PyLong_Check(r) ? PyLong_AsLong(r) : -1;
     if (v == -1 && PyErr_Occurred()) goto fail;
-    int found = PyLong_Check(r) && v >= 0 && (uint64_t)v < p->nslots && st->resident[v] &&
-                (!ok || ok(ctx, (uint32_t)v));
+    int found = 0;
+    if (PyLong_Check(r))
+        for (uint32_t i = 0; i < n && !found; i++) found = (long)st->cand[i] == v;
     if (!found) {
         if (p->failure.code == 0) {
             PyObject *rs = PyObject_Repr(r);
@@ -161,14 +165,17 @@ static smoe_policy *pyb_create(PyObject *obj, const smoe_policy_params *params) 
     smoe_policy *p = calloc(1, sizeof *p);
     pyb_state *st = calloc(1, sizeof *st);
     uint8_t *res = calloc(params->nslots, 1);
-    if (!p || !st || !res) {
+    uint32_t *cand = malloc(params->nslots * sizeof *cand);
+    if (!p || !st || !res || !cand) {
         free(p);
         free(st);
         free(res);
+        free(cand);
         PyErr_NoMemory();
         return NULL;
     }
     st->resident = res;
+    st->cand = cand;
     p->ops = &smoe_policy_python;
     p->state = st;
     p->nslots = params->nslots;

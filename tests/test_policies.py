@@ -481,3 +481,29 @@ def test_least_stale_prefers_stale():
     h, v = replay(LeastStale("layer"), keys, 3, num_layers=L, num_experts=E,
                   pass_starts=np.array([0, 3]))
     assert v[4] == 0
+
+
+def test_python_policies_in_threads():
+    """Replays release the GIL and the bridge re-takes it per event: several threads running
+    Python and C policies at once give the same answers as one at a time."""
+    import threading
+
+    keys = random_keys(np.random.default_rng(4), 4000, 4, 8)
+    want = replay(LRU(), keys, 7, num_layers=4, num_experts=8, mask_seed=11)
+    got, errors = [], []
+
+    def work(i):
+        try:
+            spec = PyLRU() if i % 2 == 0 else LRU()
+            got.append(replay(spec, keys, 7, num_layers=4, num_experts=8, mask_seed=11))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 6
+    for h, v in got:
+        assert np.array_equal(h, want[0]) and np.array_equal(v, want[1])
