@@ -10,6 +10,8 @@ from __future__ import annotations
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
 from .store import ExpertStore, write_store  # slow tier
 from .traces import Trace, TraceError, load_puffin, load_trace
+from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
+                       make_policy)
 
 __version__ = "0.1.0"
 
@@ -24,4 +26,14 @@ __all__ = [
     "TraceError",
     "load_puffin",
     "load_trace",
+    "PolicySpec",
+    "LRU",
+    "LFU",
+    "FIFO",
+    "MRU",
+    "Random",
+    "LeastStale",
+    "Belady",
+    "PythonPolicy",
+    "make_policy",
 ]
