@@ -28,7 +28,9 @@ typedef struct smoe_slot {
     uint8_t load_failed;/* [mu] the load into this slot failed; waiters report the error */
     int32_t pins;       /* [mu] number of acquires not yet released */
     uint64_t last_pass; /* [mu] pass id of the last demand access (0: never) */
-    uint64_t last_tick; /* [mu] access counter value at the last demand access or insert */
+    uint64_t last_tick; /* [mu] tick value at the last demand access or insert (see tick) */
+    uint32_t load_seq;  /* [mu] incremented each time a load into this slot starts */
+    uint32_t failed_seq;/* [mu] load_seq of the last load that failed (0: none) */
 } smoe_slot;
 
 typedef struct smoe_cache_stats {
@@ -40,6 +42,7 @@ typedef struct smoe_cache_stats {
     uint64_t prefetch_late;    /* demand found a prefetch still loading (a miss; waited) */
     uint64_t prefetch_wasted;  /* prefetched experts evicted before any demand use */
     uint64_t prefetch_dropped; /* prefetch requests dropped: no evictable slot */
+    uint64_t prefetch_failed;  /* prefetch loads that failed (store error; see worker_err) */
     uint64_t evictions;
     uint64_t bytes_read;       /* bytes this cache read from the store */
     double stall_s;            /* seconds callers blocked in acquire waiting for a load */
@@ -68,7 +71,11 @@ typedef struct smoe_cache {
     smoe_policy *policy;   /* owned; [mu] */
     smoe_cache_stats stats;/* [mu] */
     uint64_t pass_id;      /* [mu] current forward pass, starts at 1 */
-    uint64_t tick;         /* [mu] demand access counter */
+    uint64_t tick;         /* [mu] incremented on every demand access (hit, miss, late) and
+                              every prefetch insert; the slot touched gets the new value */
+    smoe_err *slot_err;    /* owned; [mu] per slot: the error of its last failed load */
+    uint32_t waiters;      /* [mu] threads waiting on cv (release broadcasts only if > 0) */
+    int32_t *qpos;         /* owned; [mu] per key: index in queue, or -1 when not queued */
 
     /* prefetch worker */
     pthread_t worker;
@@ -87,8 +94,14 @@ typedef struct smoe_cache {
 int smoe_cache_init(smoe_cache *c, smoe_store *store, uint32_t nslots, uint32_t min_slots,
                     smoe_policy *policy, int prefetch_worker, smoe_err *err);
 
-/* Stop the worker (cancelling queued requests), wait for in-flight loads, free everything. */
+/* Stop the worker (cancelling queued requests), wait for in-flight loads, free everything.
+ * No other thread may be inside a cache call. */
 void smoe_cache_free(smoe_cache *c);
+
+/* Stop and join the prefetch worker (queued requests cancelled, an in-flight load finished).
+ * Idempotent; the cache stays usable for demand accesses; later prefetch calls fail with
+ * SMOE_ESTATE. */
+void smoe_cache_stop_worker(smoe_cache *c);
 
 /* Pin expert (layer, expert) and return its block in *data.  Hit: pin.  Loading: wait.
  * Miss: take a free or evictable slot (policy victim), load it from the store in the calling
@@ -117,8 +130,18 @@ void smoe_cache_cancel(smoe_cache *c, int32_t key);
 /* Block until the queue is empty and the worker idle (tests and benchmarks). */
 void smoe_cache_wait_idle(smoe_cache *c);
 
-/* Replace the policy keeping the cache contents (ownership of p passes to the cache). */
-void smoe_cache_set_policy(smoe_cache *c, smoe_policy *p);
+/* If a prefetch load failed since the last call, copy the first such error into err, forget
+ * it and return its code; 0 otherwise. */
+int smoe_cache_take_worker_error(smoe_cache *c, smoe_err *err);
+
+/* Replace the policy keeping the cache contents (ownership of p passes to the cache, also on
+ * failure).  The new policy gets on_insert(s, key, 0) for every resident slot (READY or
+ * LOADING), oldest last_tick first.  p must have been built for this cache's nslots,
+ * num_layers and num_experts (SMOE_EINVAL otherwise). */
+int smoe_cache_set_policy(smoe_cache *c, smoe_policy *p, smoe_err *err);
+
+/* Keys of the READY slots, in slot order, into keys (room for nslots); returns the count. */
+uint32_t smoe_cache_resident(smoe_cache *c, int32_t *keys);
 
 void smoe_cache_get_stats(smoe_cache *c, smoe_cache_stats *out);
 void smoe_cache_reset_stats(smoe_cache *c);
