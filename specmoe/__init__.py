@@ -8,6 +8,7 @@ the C extension ``specmoe._C``; this package is the thin, typed Python surface o
 from __future__ import annotations
 
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
+from .traces import Trace, TraceError, load_puffin, load_trace
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,8 @@ __all__ = [
     "StoreError",
     "CacheError",
     "PolicyError",
+    "Trace",
+    "TraceError",
+    "load_puffin",
+    "load_trace",
 ]

@@ -1,0 +1,25 @@
+"""Shared fixtures.  Real routing traces come from ../shared/traces when present (the full
+set), else from the small subset carried in tests/data/puffin (see its README)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SUBSET = HERE / "data" / "puffin"
+SHARED = HERE.parent.parent / "shared" / "traces" / "deepseek-v2-lite-puffin"
+
+
+@pytest.fixture(scope="session")
+def puffin_dir() -> Path:
+    """Directory of puffin trace files: the shared full set if reachable, else the subset."""
+    return SHARED if SHARED.is_dir() else SUBSET
+
+
+@pytest.fixture(scope="session")
+def puffin_subset():
+    """The carried subset as a Trace (always available, small)."""
+    from specmoe.traces import load_puffin
+
+    return load_puffin(SUBSET)
