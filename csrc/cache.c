@@ -182,7 +182,7 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&c->mu);
     for (;;) {
         if (c->shutdown) break;
-        if (c->queue_len == 0) {
+        if (c->queue_len == 0 || c->worker_paused) {
             c->worker_busy = 0;
             pthread_cond_broadcast(&c->idle_cv);
             pthread_cond_wait(&c->work_cv, &c->mu);
@@ -523,9 +523,27 @@ void smoe_cache_cancel(smoe_cache *c, int32_t key) {
 
 void smoe_cache_wait_idle(smoe_cache *c) {
     pthread_mutex_lock(&c->mu);
-    while (c->worker_started && !c->shutdown && (c->queue_len > 0 || c->worker_busy))
+    while (c->worker_started && !c->shutdown &&
+           ((c->queue_len > 0 && !c->worker_paused) || c->worker_busy))
         pthread_cond_wait(&c->idle_cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
+}
+
+void smoe_cache_pause_worker(smoe_cache *c, int paused) {
+    pthread_mutex_lock(&c->mu);
+    c->worker_paused = paused != 0;
+    if (!c->worker_paused && c->queue_len && c->worker_started && !c->shutdown) {
+        c->worker_busy = 1;
+        pthread_cond_signal(&c->work_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+uint32_t smoe_cache_queue_len(smoe_cache *c) {
+    pthread_mutex_lock(&c->mu);
+    uint32_t n = c->queue_len;
+    pthread_mutex_unlock(&c->mu);
+    return n;
 }
 
 int smoe_cache_take_worker_error(smoe_cache *c, smoe_err *err) {

@@ -81,7 +81,8 @@ typedef struct smoe_cache {
     pthread_t worker;
     int worker_started;    /* set once by init */
     int shutdown;          /* [mu] */
-    int worker_busy;       /* [mu] worker is loading a block */
+    int worker_busy;       /* [mu] worker is loading a block (or about to look at the queue) */
+    int worker_paused;     /* [mu] worker takes no new requests (smoe_cache_pause_worker) */
     smoe_prefetch_req *queue; /* owned; [mu] binary max-heap on (priority, -seq) */
     uint32_t queue_len, queue_cap; /* [mu] */
     uint64_t queue_seq;    /* [mu] */
@@ -129,6 +130,14 @@ void smoe_cache_cancel(smoe_cache *c, int32_t key);
 
 /* Block until the queue is empty and the worker idle (tests and benchmarks). */
 void smoe_cache_wait_idle(smoe_cache *c);
+
+/* Pause (paused != 0) or resume the worker: while paused it starts no new load (a load in
+ * flight completes) and requests stay queued; wait_idle then waits only for the in-flight
+ * load.  Lets tests and callers batch requests, cancel or reprioritise them deterministically. */
+void smoe_cache_pause_worker(smoe_cache *c, int paused);
+
+/* Number of queued prefetch requests. */
+uint32_t smoe_cache_queue_len(smoe_cache *c);
 
 /* If a prefetch load failed since the last call, copy the first such error into err, forget
  * it and return its code; 0 otherwise. */

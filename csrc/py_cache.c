@@ -270,6 +270,25 @@ static PyObject *Cache_wait_idle(CacheObject *self, PyObject *Py_UNUSED(ignored)
     Py_RETURN_NONE;
 }
 
+static PyObject *Cache_pause_prefetch(CacheObject *self, PyObject *arg) {
+    if (check_open(self) < 0) return NULL;
+    int paused = PyObject_IsTrue(arg);
+    if (paused < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    smoe_cache_pause_worker(&self->cache, paused);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cache_queue_len(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_open(self) < 0) return NULL;
+    uint32_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = smoe_cache_queue_len(&self->cache);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(n);
+}
+
 static PyObject *Cache_take_prefetch_error(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     smoe_err err;
@@ -496,6 +515,10 @@ static PyMethodDef Cache_methods[] = {
      "cancel(key=-1): drop the queued request for key, or all with -1."},
     {"wait_idle", (PyCFunction)Cache_wait_idle, METH_NOARGS,
      "wait_idle(): block until the prefetch queue is empty and the worker idle."},
+    {"pause_prefetch", (PyCFunction)Cache_pause_prefetch, METH_O,
+     "pause_prefetch(paused): stop (True) or resume (False) starting new prefetch loads."},
+    {"queue_len", (PyCFunction)Cache_queue_len, METH_NOARGS,
+     "queue_len() -> number of queued prefetch requests."},
     {"take_prefetch_error", (PyCFunction)Cache_take_prefetch_error, METH_NOARGS,
      "take_prefetch_error(): raise (and forget) the first prefetch load error since the last "
      "call, if any."},

@@ -282,6 +282,22 @@ class ExpertCache:
         """Block until the prefetch queue is empty and the worker idle."""
         self._c.wait_idle()
 
+    def pause_prefetch(self, paused: bool = True) -> None:
+        """Stop (or, with ``False``, resume) starting new prefetch loads.
+
+        While paused, requests stay queued (and can be cancelled or reprioritised); a load
+        already in flight completes.  :meth:`wait_idle` then waits only for that load.
+        """
+        self._c.pause_prefetch(bool(paused))
+
+    def resume_prefetch(self) -> None:
+        """Resume prefetch loads after :meth:`pause_prefetch`."""
+        self._c.pause_prefetch(False)
+
+    def queued(self) -> int:
+        """Number of prefetch requests waiting in the queue."""
+        return int(self._c.queue_len())
+
     def check_prefetch_error(self) -> None:
         """Raise the first prefetch load error since the last call (StoreError), if any."""
         self._c.take_prefetch_error()
