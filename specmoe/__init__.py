@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
 from .traces import Trace, TraceError, load_puffin, load_trace
+from .cache import ExpertCache, parse_capacity
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,6 @@ __all__ = [
     "TraceError",
     "load_puffin",
     "load_trace",
+    "ExpertCache",
+    "parse_capacity",
 ]
