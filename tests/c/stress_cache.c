@@ -6,8 +6,9 @@
  * the expert it asked for.  One block is given a wrong CRC so its loads fail (the error path
  * runs under the sanitizers too).  Then consumer threads acquire/verify/release random
  * experts layer by layer while one of them starts passes and issues prefetches and cancels,
- * and the main thread swaps the policy.  At the end the cache invariants and the counters
- * are checked.  Exit status 0 only when every check passed.
+ * and the main thread swaps the policy, pauses and resumes the worker and waits for it.  At
+ * the end the cache invariants and the counters are checked.  Exit status 0 only when every
+ * check passed.
  *
  * usage: stress_cache   (environment STRESS_ITERS overrides the number of rounds) */
 #include <pthread.h>
@@ -214,7 +215,11 @@ int main(void) {
         }
         smoe_cache_stats st;
         smoe_cache_get_stats(&cache, &st);
+        if (i % 5 == 1) smoe_cache_pause_worker(&cache, 1); /* requests pile up, then resume */
+        if (i % 5 == 3) (void)smoe_cache_queue_len(&cache);
         usleep(2000);
+        if (i % 5 == 1) smoe_cache_pause_worker(&cache, 0);
+        if (i % 9 == 4) smoe_cache_wait_idle(&cache);
     }
     for (int i = 0; i < NCONSUMERS; i++) pthread_join(th[i], NULL);
     atomic_store(&g_done, 1);
