@@ -9,6 +9,27 @@
  * with mu released.  Lock order: mu only (store and policy take no locks of their own;
  * the Python bridge policy takes the GIL inside mu, so no thread may hold the GIL while
  * waiting for mu: Python entry points release the GIL before calling into the cache).
+ *
+ * Exact behaviour (what a simulator must mirror to get the same counts; policy events as in
+ * policy/policy.h):
+ *  - acquire, READY: hit; pins++; on_access; prefetched slot -> prefetch_used, flag cleared.
+ *  - acquire, LOADING: miss (+ prefetch_late when it is a prefetch load, + collision_misses
+ *    when evicted_pass[key] == pass_id); wait; then as a READY access but not counted again
+ *    (on_access, prefetch_used).  If that load failed, the waiter returns its error.
+ *  - acquire, absent: miss (+ collision check); lowest-numbered EMPTY slot, else victim()
+ *    among READY unpinned slots -> on_evict (evictions++, evicted_pass[key] = pass_id,
+ *    prefetch_wasted if still prefetched); on_insert(s, key, 0); load.  No candidate: wait
+ *    for a release or a finished load, then start over (without counting again).  Load
+ *    failure: on_evict(s, key), slot EMPTY, error returned; not an eviction.
+ *  - tick: +1 on each demand access (hit, miss, late) and each prefetch insert; the slot
+ *    touched records the new value in last_tick; set_policy replays slots by last_tick.
+ *  - prefetch(): keys resident or loading are skipped at request time; a queued key is
+ *    superseded (new priority, new seq).  The worker pops the highest (priority, -seq),
+ *    skips it if it became resident/loading, else takes the lowest EMPTY slot, else victim()
+ *    among READY unpinned slots with last_pass != pass_id (else prefetch_dropped++);
+ *    on_insert(s, key, 1), prefetch_issued++.
+ *  - a demand access that cannot find a slot waits forever if every slot stays pinned: size
+ *    the cache for (threads x top_k) pins at least.
  */
 #ifndef SMOE_CACHE_H
 #define SMOE_CACHE_H

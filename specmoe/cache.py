@@ -103,7 +103,9 @@ def _make_policy(spec: Any, nslots: int, num_layers: int, num_experts: int) -> A
         return spec
     try:
         from .policies import make_policy  # provided by the policies module when present
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.policies":
+            raise
         make_policy = None
     if make_policy is not None:
         return make_policy(spec, nslots, num_layers, num_experts)
