@@ -102,11 +102,12 @@ def _make_policy(spec: Any, nslots: int, num_layers: int, num_experts: int) -> A
     if policy_type is not None and isinstance(spec, policy_type):
         return spec
     try:
-        from .policies import make_policy  # provided by the policies module when present
+        from . import policies  # the policies module, when present, builds policy objects
     except ModuleNotFoundError as exc:
         if exc.name != f"{__package__}.policies":
             raise
-        make_policy = None
+        policies = None
+    make_policy = getattr(policies, "make_policy", None)
     if make_policy is not None:
         return make_policy(spec, nslots, num_layers, num_experts)
     if isinstance(spec, str):
