@@ -24,6 +24,8 @@ Counters (:meth:`ExpertCache.stats`):
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -101,12 +103,9 @@ def _make_policy(spec: Any, nslots: int, num_layers: int, num_experts: int) -> A
     policy_type = getattr(_C, "Policy", None)
     if policy_type is not None and isinstance(spec, policy_type):
         return spec
-    try:
-        from . import policies  # the policies module, when present, builds policy objects
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.policies":
-            raise
-        policies = None
+    policies = None  # the policies module, when present, builds policy objects
+    if importlib.util.find_spec(f"{__package__}.policies") is not None:
+        policies = importlib.import_module(f"{__package__}.policies")
     make_policy = getattr(policies, "make_policy", None)
     if make_policy is not None:
         return make_policy(spec, nslots, num_layers, num_experts)
