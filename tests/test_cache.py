@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -46,47 +47,125 @@ def _same_expert(cache: ExpertCache, block: np.ndarray, layers, layer: int, expe
             and np.array_equal(t["b"], layers[layer]["b"][expert]))
 
 
-class RefLRU:
-    """Plain-Python model of the cache's demand path under LRU (policy/policy.h contract):
-    lowest free slot first, else the least recently used unpinned slot."""
+class LocalLRU:
+    """Plain-Python LRU with the policy event interface (policy/policy.h): order of last touch
+    (access or insert), evict the oldest candidate."""
 
-    def __init__(self, nslots: int):
+    def __init__(self) -> None:
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def on_insert(self, slot: int, key: int, prefetch: bool) -> None:
+        self.order[slot] = None
+        self.order.move_to_end(slot)
+
+    def on_access(self, slot: int, key: int) -> None:
+        self.order.move_to_end(slot)
+
+    def on_evict(self, slot: int, key: int) -> None:
+        del self.order[slot]
+
+    def on_pass(self, pass_id: int) -> None:
+        pass
+
+    def victim(self, candidates: list[int]) -> int:
+        ok = set(candidates)
+        return next(s for s in self.order if s in ok)
+
+
+class RefCache:
+    """Plain-Python model of the cache, single-threaded, written from the semantics in
+    csrc/cache.h: lowest free slot first, else the policy's victim among unpinned slots
+    (prefetch: also not used in the current pass); counters as in ExpertCache.stats()."""
+
+    def __init__(self, nslots: int, policy=None):
+        self.policy = policy if policy is not None else LocalLRU()
         self.slots: list[int | None] = [None] * nslots
         self.where: dict[int, int] = {}
-        self.recency: OrderedDict[int, None] = OrderedDict()  # slot -> None, oldest first
+        self.prefetched: set[int] = set()  # slots loaded by prefetch, not yet used
+        self.last_pass = [0] * nslots
+        self.last_tick = [0] * nslots
+        self.tick = 0
         self.pass_id = 1
         self.evicted_pass: dict[int, int] = {}
         self.hits = self.misses = self.collisions = self.evictions = 0
+        self.issued = self.used = self.wasted = self.dropped = 0
 
     def begin_pass(self) -> None:
         self.pass_id += 1
+        self.policy.on_pass(self.pass_id)
 
-    def access(self, key: int, pinned: set[int] = frozenset()) -> bool:
+    def _slot_for(self, ok) -> int | None:
+        free = [i for i, k in enumerate(self.slots) if k is None]
+        if free:
+            return free[0]
+        cands = [i for i, k in enumerate(self.slots) if ok(i)]
+        if not cands:
+            return None
+        s = self.policy.victim(cands)
+        old = self.slots[s]
+        self.policy.on_evict(s, old)
+        del self.where[old]
+        self.evicted_pass[old] = self.pass_id
+        self.evictions += 1
+        if s in self.prefetched:
+            self.wasted += 1
+            self.prefetched.discard(s)
+        self.slots[s] = None
+        return s
+
+    def access(self, key: int, pinned=frozenset()) -> bool:
+        self.tick += 1
         if key in self.where:
             s = self.where[key]
             self.hits += 1
-            self.recency.move_to_end(s)
-            return True
-        self.misses += 1
-        if self.evicted_pass.get(key) == self.pass_id:
-            self.collisions += 1
-        free = [i for i, k in enumerate(self.slots) if k is None]
-        if free:
-            s = free[0]
+            self.policy.on_access(s, key)
+            if s in self.prefetched:
+                self.used += 1
+                self.prefetched.discard(s)
+            hit = True
         else:
-            s = next(v for v in self.recency if self.slots[v] not in pinned)
-            old = self.slots[s]
-            del self.where[old]
-            del self.recency[s]
-            self.evicted_pass[old] = self.pass_id
-            self.evictions += 1
+            self.misses += 1
+            if self.evicted_pass.get(key) == self.pass_id:
+                self.collisions += 1
+            s = self._slot_for(lambda i: self.slots[i] not in pinned)
+            self.policy.on_insert(s, key, False)
+            self.slots[s] = key
+            self.where[key] = s
+            hit = False
+        self.last_pass[s] = self.pass_id
+        self.last_tick[s] = self.tick
+        return hit
+
+    def prefetch(self, key: int, pinned=frozenset()) -> None:
+        """The worker's handling of one popped request (resident keys skipped)."""
+        if key in self.where:
+            return
+        s = self._slot_for(lambda i: self.last_pass[i] != self.pass_id
+                           and self.slots[i] not in pinned)
+        if s is None:
+            self.dropped += 1
+            return
+        self.tick += 1
+        self.policy.on_insert(s, key, True)
         self.slots[s] = key
         self.where[key] = s
-        self.recency[s] = None
-        return False
+        self.prefetched.add(s)
+        self.last_pass[s] = 0
+        self.last_tick[s] = self.tick
+        self.issued += 1
+
+    def set_policy(self, policy) -> None:
+        self.policy = policy
+        for s in sorted((i for i, k in enumerate(self.slots) if k is not None),
+                        key=lambda i: self.last_tick[i]):
+            policy.on_insert(s, self.slots[s], False)
 
     def resident(self) -> list[int]:
         return [k for k in self.slots if k is not None]
+
+
+def RefLRU(nslots: int) -> RefCache:
+    return RefCache(nslots, LocalLRU())
 
 
 def _resident_keys(cache: ExpertCache) -> list[int]:
@@ -135,6 +214,82 @@ def test_lru_matches_reference(store, written, nslots, pattern):
             assert ref.hits == 0
         if pattern == "loop":
             assert ref.misses == nslots
+
+
+POLICY_NAMES = ["lru", "fifo", "mru", "lfu", "random", "least_stale"]
+
+
+def _ref_policy(name: str):
+    if name == "lru":
+        return LocalLRU()
+    ref = pytest.importorskip("tests.ref_policies")  # the policies' plain-Python references
+    return {"fifo": ref.RefFIFO, "mru": ref.RefMRU, "lfu": ref.RefLFU,
+            "random": lambda: ref.RefRandom(0),
+            "least_stale": lambda: ref.RefLeastStale(NL, NE, "layer")}[name]()
+
+
+def _counters(cache: ExpertCache) -> tuple:
+    st = cache.stats()
+    return tuple(st[k] for k in ("hits", "misses", "collision_misses", "evictions",
+                                 "prefetch_issued", "prefetch_used", "prefetch_wasted",
+                                 "prefetch_dropped"))
+
+
+def _ref_counters(ref: RefCache) -> tuple:
+    return (ref.hits, ref.misses, ref.collisions, ref.evictions, ref.issued, ref.used,
+            ref.wasted, ref.dropped)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_policies_with_prefetch_and_pins_match_model(store, written, name, seed):
+    """Demand accesses with pins held across steps, pass boundaries, prefetch batches and
+    policy swaps: every counter and the slot contents equal the plain-Python model."""
+    nslots = 6
+    ref = RefCache(nslots, _ref_policy(name))
+    try:
+        cache = ExpertCache(store, nslots, name, top_k=1)
+    except ValueError as exc:
+        if "unknown" in str(exc):
+            pytest.skip(f"policy {name} not built in yet")
+        raise
+    rng = np.random.default_rng(seed)
+    held: list[int] = []
+    with cache:
+        for step in range(250):
+            r = rng.random()
+            if r < 0.08:
+                cache.begin_pass()
+                ref.begin_pass()
+            elif r < 0.22:
+                keys = rng.choice(NL * NE, int(rng.integers(1, 4)), replace=False)
+                prios = rng.permutation(len(keys)).astype(float)
+                cache.pause_prefetch()
+                cache.prefetch([(int(k) // NE, int(k) % NE, p) for k, p in zip(keys, prios)])
+                cache.resume_prefetch()
+                cache.wait_idle()
+                queued = [i for i in np.argsort(-prios, kind="stable")
+                          if int(keys[i]) not in ref.where]  # resident: skipped on request
+                for i in queued:
+                    ref.prefetch(int(keys[i]), pinned=set(held))
+            elif r < 0.25:
+                cache.set_policy(name)
+                ref.set_policy(_ref_policy(name))
+            else:
+                key = int(rng.integers(0, NL * NE))
+                l, e = divmod(key, NE)
+                blk = cache.acquire(l, e)
+                ref.access(key, pinned=set(held))
+                assert _same_expert(cache, blk, written[1], l, e)
+                held.append(key)
+                while len(held) > 2 or (held and rng.random() < 0.5):
+                    k = held.pop(0)
+                    cache.release(k // NE, k % NE)
+            assert _resident_keys(cache) == ref.resident(), f"step {step} r={r:.3f}"
+            assert _counters(cache) == _ref_counters(ref), f"step {step}"
+        for k in held:
+            cache.release(k // NE, k % NE)
+        assert ref.misses > 50 and ref.issued > 5 and ref.evictions > 20
 
 
 def test_collision_misses_reference(store, written):
@@ -367,8 +522,8 @@ def test_prefetch_order_supersede_cancel(store):
 
 
 def test_prefetch_late(tmp_path):
-    # Large blocks read with O_DIRECT so a prefetch is usually still loading when the demand
-    # access right behind it arrives.  Every trial must be accounted for consistently; over
+    # Large blocks read with O_DIRECT so a prefetch the worker has started is usually still
+    # loading when the demand access right behind it arrives.  Every trial must be accounted for consistently; over
     # many trials at least one is late.
     layers = [{"w": np.full((NE, 1 << 20), l, np.float32)} for l in range(2)]
     st = write_store(tmp_path / "big.smoe", layers, top_k=1, progress=False)
@@ -381,6 +536,8 @@ def test_prefetch_late(tmp_path):
             l, e = trial % 2, (trial // 2) % NE
             s0 = cache.stats()
             cache.prefetch([(l, e, 1.0)])
+            while cache.queued():  # the worker has popped it once the queue is empty, and
+                time.sleep(1e-4)   # it starts the load in the same critical section
             blk = cache.acquire(l, e)
             s1 = cache.stats()
             assert np.all(store.tensors_of(blk)["w"] == l)
