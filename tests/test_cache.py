@@ -216,13 +216,16 @@ def test_lru_matches_reference(store, written, nslots, pattern):
             assert ref.misses == nslots
 
 
-POLICY_NAMES = ["lru", "fifo", "mru", "lfu", "random", "least_stale"]
+POLICY_NAMES = ["lru", "fifo", "mru", "lfu", "random", "least_stale", "python_lru"]
 
 
 def _ref_policy(name: str):
     if name == "lru":
         return LocalLRU()
     ref = pytest.importorskip("tests.ref_policies")  # the policies' plain-Python references
+    if name == "python_lru":  # a Python object with victim(): runs through the C bridge
+        pytest.importorskip("specmoe.policies")
+        return ref.RefLRU()
     return {"fifo": ref.RefFIFO, "mru": ref.RefMRU, "lfu": ref.RefLFU,
             "random": lambda: ref.RefRandom(0),
             "least_stale": lambda: ref.RefLeastStale(NL, NE, "layer")}[name]()
@@ -247,8 +250,9 @@ def test_policies_with_prefetch_and_pins_match_model(store, written, name, seed)
     policy swaps: every counter and the slot contents equal the plain-Python model."""
     nslots = 6
     ref = RefCache(nslots, _ref_policy(name))
+    spec = lambda: _ref_policy(name) if name == "python_lru" else name  # noqa: E731
     try:
-        cache = ExpertCache(store, nslots, name, top_k=1)
+        cache = ExpertCache(store, nslots, spec(), top_k=1)
     except ValueError as exc:
         if "unknown" in str(exc):
             pytest.skip(f"policy {name} not built in yet")
@@ -273,7 +277,7 @@ def test_policies_with_prefetch_and_pins_match_model(store, written, name, seed)
                 for i in queued:
                     ref.prefetch(int(keys[i]), pinned=set(held))
             elif r < 0.25:
-                cache.set_policy(name)
+                cache.set_policy(spec())
                 ref.set_policy(_ref_policy(name))
             else:
                 key = int(rng.integers(0, NL * NE))
