@@ -615,11 +615,13 @@ def test_store_error_leaves_cache_consistent(written, tmp_path):
     store.close()
 
 
-def test_threads_stress(store, written):
+@pytest.mark.parametrize("name", ["lru", "python_lru"])
+def test_threads_stress(store, written, name):
     layers = written[1]
     errors: list[str] = []
     n_threads, n_iter = 4, 150
-    with ExpertCache(store, 6, top_k=TOPK) as cache:
+    policy = _ref_policy(name) if name == "python_lru" else name
+    with ExpertCache(store, 8, policy, top_k=TOPK) as cache:
         def consumer(seed: int) -> None:
             rng = np.random.default_rng(seed)
             try:
