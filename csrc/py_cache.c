@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cache.h"
+#include "py_cache.h"
 #include "py_numpy.h"
 #include "py_policy.h"
 #include "py_store.h"
@@ -81,6 +82,43 @@ static int check_open(CacheObject *self) {
 static int check_store(CacheObject *self) {
     if (check_open(self) < 0) return -1;
     return smoe_py_store_get(self->store_obj) ? 0 : -1;
+}
+
+/* The _C.Cache behind obj: obj itself or its `native` attribute (new reference). */
+static PyObject *cache_object(PyObject *obj) {
+    if (PyObject_TypeCheck(obj, &Cache_Type)) {
+        Py_INCREF(obj);
+        return obj;
+    }
+    PyObject *n = PyObject_GetAttrString(obj, "native");
+    if (n && PyObject_TypeCheck(n, &Cache_Type)) return n;
+    Py_XDECREF(n);
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "expected a specmoe ExpertCache or _C.Cache, got %.100s",
+                 Py_TYPE(obj)->tp_name);
+    return NULL;
+}
+
+smoe_cache *smoe_py_cache_begin(PyObject *obj) {
+    CacheObject *c = (CacheObject *)cache_object(obj);
+    if (!c) return NULL;
+    if (check_open(c) < 0) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    c->busy++;
+    Py_DECREF(c); /* obj (held by the caller) keeps c alive */
+    return &c->cache;
+}
+
+void smoe_py_cache_end(PyObject *obj) {
+    CacheObject *c = (CacheObject *)cache_object(obj);
+    if (!c) {
+        PyErr_Clear();
+        return;
+    }
+    if (c->busy > 0) c->busy--;
+    Py_DECREF(c);
 }
 
 static int Cache_init(CacheObject *self, PyObject *args, PyObject *kwds) {

@@ -24,8 +24,6 @@ Counters (:meth:`ExpertCache.stats`):
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -99,15 +97,12 @@ def parse_capacity(capacity: int | float | str, *, total_experts: int, slot_byte
 
 
 def _make_policy(spec: Any, nslots: int, num_layers: int, num_experts: int) -> Any:
-    """Policy argument for the C cache: a name (str) or a ``_C.Policy`` object."""
-    policy_type = getattr(_C, "Policy", None)
-    if policy_type is not None and isinstance(spec, policy_type):
-        return spec
-    policies = None  # the policies module, when present, builds policy objects
-    if importlib.util.find_spec(f"{__package__}.policies") is not None:
-        policies = importlib.import_module(f"{__package__}.policies")
-    make_policy = getattr(policies, "make_policy", None)
-    if make_policy is not None:
+    """Policy argument for the C cache: a ``_C.Policy`` built by
+    :func:`specmoe.policies.make_policy` (names, specs, Python policies), or, in a build without
+    the policy objects, a built-in policy name (str) that the C binding looks up itself."""
+    if hasattr(_C, "Policy"):
+        from .policies import make_policy
+
         return make_policy(spec, nslots, num_layers, num_experts)
     if isinstance(spec, str):
         return spec
@@ -177,6 +172,11 @@ class ExpertCache:
     def pass_id(self) -> int:
         """Current forward pass id (starts at 1, incremented by :meth:`begin_pass`)."""
         return int(self._c.pass_id)
+
+    @property
+    def native(self) -> Any:
+        """The underlying ``specmoe._C.Cache`` (for C code using the cache directly)."""
+        return self._c
 
     @property
     def closed(self) -> bool:

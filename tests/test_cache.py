@@ -342,6 +342,8 @@ def test_all_pinned_waits_for_release(store, written):
         t.start()
         t.join(0.2)
         assert t.is_alive() and not got  # no slot can be given up
+        with pytest.raises(specmoe.CacheError, match="another thread"):
+            cache.close()  # refused while a thread is inside acquire
         cache.release(0, 1)
         t.join(30)
         assert not t.is_alive() and _same_expert(cache, got[0], written[1], 0, 2)
