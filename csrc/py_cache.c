@@ -18,19 +18,6 @@
 #include "py_policy.h"
 #include "py_store.h"
 
-/* Until py_policy.c provides _C.Policy (another change), this weak definition keeps the
- * extension linkable; the strong one in py_policy.c replaces it at link time. */
-__attribute__((weak)) smoe_policy *smoe_py_policy_take(PyObject *obj, uint32_t nslots,
-                                                       uint32_t num_layers,
-                                                       uint32_t num_experts) {
-    (void)nslots;
-    (void)num_layers;
-    (void)num_experts;
-    PyErr_Format(PyExc_TypeError, "policy must be a policy name (str), got %.100s",
-                 Py_TYPE(obj)->tp_name);
-    return NULL;
-}
-
 typedef struct {
     PyObject_HEAD
     smoe_cache cache;

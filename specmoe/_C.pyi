@@ -1,10 +1,12 @@
-"""Type stubs for the specmoe._C extension.  One section per area."""
+"""Type stubs for the specmoe._C extension.  One section per area, each between
+`# --- <area> ---` and `# --- end <area> ---` so parallel changes merge cleanly."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional, Union
 
 import numpy as np
+import numpy.typing as npt
 
 class SpecmoeError(RuntimeError): ...
 class StoreError(SpecmoeError): ...
@@ -43,6 +45,29 @@ class Store:
     @property
     def closed(self) -> bool: ...
 # --- end store ---
+
+# --- policy ---
+POLICY_NAMES: str
+
+class Policy:
+    def __init__(self, name: str, nslots: int, num_layers: int, num_experts: int, *,
+                 seed: Optional[int] = ..., order: Union[str, int, None] = ...,
+                 future: Optional[npt.ArrayLike] = ..., pyobj: Any = ...) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def nslots(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def in_use(self) -> bool: ...
+
+def replay(policy: Policy, keys: npt.ArrayLike,
+           pass_starts: Union[int, npt.ArrayLike, None] = ..., *,
+           mask_seed: int = ...) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int32]]: ...
+# --- end policy ---
 
 # --- cache ---
 class Cache:

@@ -11,6 +11,8 @@ from ._C import CacheError, PolicyError, SpecmoeError, StoreError
 from .store import ExpertStore, write_store  # slow tier
 from .traces import Trace, TraceError, load_puffin, load_trace
 from .cache import ExpertCache, parse_capacity
+from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
+                       make_policy)
 
 __version__ = "0.1.0"
 
@@ -27,4 +29,14 @@ __all__ = [
     "load_trace",
     "ExpertCache",
     "parse_capacity",
+    "PolicySpec",
+    "LRU",
+    "LFU",
+    "FIFO",
+    "MRU",
+    "Random",
+    "LeastStale",
+    "Belady",
+    "PythonPolicy",
+    "make_policy",
 ]
