@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
 from .store import ExpertStore, write_store  # slow tier
 from .traces import Trace, TraceError, load_puffin, load_trace
+from .cache import ExpertCache, parse_capacity
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
                        make_policy)
 
@@ -26,6 +27,8 @@ __all__ = [
     "TraceError",
     "load_puffin",
     "load_trace",
+    "ExpertCache",
+    "parse_capacity",
     "PolicySpec",
     "LRU",
     "LFU",
