@@ -7,7 +7,9 @@
 #include "py_common.h"
 #include "py_numpy.h"
 
+#include "cache.h"
 #include "moe.h"
+#include "py_cache.h"
 
 typedef struct resident_src {
     const uint8_t *base;
@@ -31,6 +33,15 @@ static int resident_acquire(void *ctx, uint32_t layer, uint32_t expert, const ui
 static int resident_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
     (void)ctx, (void)layer, (void)expert, (void)err;
     return SMOE_OK;
+}
+
+static int cache_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
+                         smoe_err *err) {
+    return smoe_cache_acquire(ctx, layer, expert, data, err);
+}
+
+static int cache_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
+    return smoe_cache_release(ctx, layer, expert, err);
 }
 
 static int parse_layout(PyObject *t, smoe_moe_layout *lo) {
@@ -128,9 +139,30 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(source, &view, PyBUF_SIMPLE) < 0) return NULL;
-    resident_src r = {view.buf, (uint64_t)view.len, lo.block_bytes, E};
-    smoe_moe_source src = {&r, resident_acquire, resident_release};
+    resident_src r;
+    smoe_moe_source src;
+    smoe_cache *cache = NULL;
+    int have_view = 0;
+    if (PyObject_CheckBuffer(source)) {
+        if (PyObject_GetBuffer(source, &view, PyBUF_SIMPLE) < 0) return NULL;
+        have_view = 1;
+        r = (resident_src){view.buf, (uint64_t)view.len, lo.block_bytes, E};
+        src = (smoe_moe_source){&r, resident_acquire, resident_release};
+    } else {
+        if (!(cache = smoe_py_cache_begin(source))) return NULL;
+        if (cache->slot_bytes != lo.block_bytes || cache->num_experts != E ||
+            layer >= cache->num_layers) {
+            smoe_py_cache_end(source);
+            PyErr_Format(PyExc_ValueError,
+                         "cache (%u layers x %u experts, %llu-byte blocks) does not match layer "
+                         "%u, num_experts %u, block_bytes %llu",
+                         cache->num_layers, cache->num_experts,
+                         (unsigned long long)cache->slot_bytes, layer, E,
+                         (unsigned long long)lo.block_bytes);
+            return NULL;
+        }
+        src = (smoe_moe_source){cache, cache_acquire, cache_release};
+    }
     smoe_err e;
     smoe_err_clear(&e);
     int rc;
@@ -139,7 +171,8 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
                           PyArray_DATA(w), (uint32_t)k, PyArray_DATA(out),
                           used ? PyArray_DATA(used) : NULL, &e);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
+    if (have_view) PyBuffer_Release(&view);
+    if (cache) smoe_py_cache_end(source);
     if (rc) return smoe_py_raise(&e);
     Py_RETURN_NONE;
 }
