@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--accel-tokens", type=int, default=2)
+    ap.add_argument("--warm", type=int, default=8, help="untimed tokens before each row")
     ap.add_argument("--fracs", default="1.0,0.25,0.1")
     ap.add_argument("--dir", default=None, help="where the store and accelerate's files go")
     a = ap.parse_args(argv)
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
 
     src = next(p for p in TRACES if p.is_dir())
     tr = load_puffin(src)
-    need = 2 + max(a.tokens, a.accel_tokens) + 2
+    need = a.warm + max(a.tokens, a.accel_tokens) + 2
     ex = tr.experts[:, :a.layers]  # the first `layers` MoE layers of the recorded model
     start = int(tr.request_starts[np.argmax(np.diff(np.r_[tr.request_starts, tr.num_tokens]))])
     ex = ex[start:start + need]  # one long request, replayed in text order
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
 
     log("building the model...")
     model = build(a.layers, replay)
-    torch_tps = decode(model, replay, a.tokens)
+    torch_tps = decode(model, replay, a.tokens, warm=a.warm)
     log(f"torch: {torch_tps:.2f} tok/s")
     rows.append(dict(name="torch", cache_frac=None, policy=None, prefetch=None, tok_per_s=torch_tps))
 
@@ -169,14 +170,22 @@ def main(argv=None) -> int:
             sc[:, replay.experts[t - 1, pos]] = 1.0
         return sc
 
-    policies = ["lru"] + [p for p in hf.available_policies() if p != "lru"][:1]
+    avail = hf.available_policies()
+    # second policy: SpecMD's Least-Stale where built, else any other built-in
+    policies = ["lru"] + (["least_stale"] if "least_stale" in avail else
+                          [p for p in avail if p != "lru"][:1])
     for frac in [float(f) for f in a.fracs.split(",")]:
         for pol in policies if frac < 1 else ["lru"]:
             for pf in (False, True):
                 eng.set_cache(frac, policy=pol)
                 eng.set_prefetch(pf, overfetch=1.0, predictor=prev_token_predictor)
+                if frac >= 1.0:  # everything resident before timing, like torch
+                    eng._cache.prefetch((np.repeat(np.arange(a.layers), EXPERTS),
+                                         np.tile(np.arange(EXPERTS), a.layers),
+                                         np.zeros(a.layers * EXPERTS, np.float32)))
+                    eng._cache.wait_idle()
                 eng.reset_stats()
-                tps = decode(model, replay, a.tokens)
+                tps = decode(model, replay, a.tokens, warm=a.warm)
                 s = eng.stats()
                 log(f"specmoe cache={frac} {pol} prefetch={pf}: {tps:.2f} tok/s hit={s.get('hit_rate')}")
                 rows.append(dict(name="specmoe", cache_frac=frac, policy=pol, prefetch=pf,

@@ -484,7 +484,9 @@ def _have_store_cache() -> bool:
 
 def available_policies() -> list[str]:
     """Eviction policy names :func:`offload` accepts."""
-    return ["lru"]
+    names = getattr(_C, "POLICY_NAMES", "lru")
+    # Belady needs the future access sequence: a simulator policy, not a live one
+    return [n.strip() for n in names.split(",") if n.strip() and n.strip() != "belady"]
 
 
 def offload(model: nn.Module, store: str | os.PathLike | None = None, cache: float = 0.25,
