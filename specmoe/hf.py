@@ -362,12 +362,12 @@ class Engine:
     # backend: the ExpertCache over the store (or, in a build without them, a resident buffer)
     def _open_cache(self) -> None:
         from .cache import ExpertCache
+        new = ExpertCache(self._store, self.cache_frac, self.policy, top_k=self.top_k,
+                          prefetch=True)  # built first: a bad policy/capacity keeps the old one
         if self._cache is not None:
             self._cache.close()
-            self._cache = None
-        self._cache = ExpertCache(self._store, self.cache_frac, self.policy, top_k=self.top_k,
-                                  prefetch=True)
-        self._source = self._cache._c
+        self._cache = new
+        self._source = new._c
 
     def _begin_pass(self) -> None:
         if self._cache is not None:
@@ -421,11 +421,16 @@ class Engine:
         and optionally a new policy.  Statistics restart."""
         if not (0 < frac <= 1):
             raise ValueError(f"cache must be a fraction in (0, 1], got {frac}")
+        old = (self.cache_frac, self.policy)
         self.cache_frac = float(frac)
         if policy is not None:
             self.policy = policy
         if self._store is not None:
-            self._open_cache()
+            try:
+                self._open_cache()
+            except BaseException:
+                self.cache_frac, self.policy = old
+                raise
         self._pred.clear()
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import math
 import warnings
 
@@ -293,3 +294,50 @@ def test_moe_forward_against_numpy():
             ref[t] += w[t, j] * (d["w_down"][e] @ h + d["b_down"][e])
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(used, np.isin(np.arange(E), idx).astype(np.uint8))
+
+
+def test_cache_sees_one_access_per_layer_expert_and_pass():
+    """hits + misses = distinct experts per (pass, layer), counted from the reference model's
+    routing; with a cache of every expert and no prefetch, misses = distinct (layer, expert)."""
+    m, ref = _pair("phimoe")
+    mlps = [ref.model.layers[i].mlp for i in hf.moe_layers(ref)]
+    routed = []
+    hs = [mm.experts.register_forward_pre_hook(lambda mod, a, p=p: routed.append((p, a[1])))
+          for p, mm in enumerate(mlps)]
+    eng = hf.offload(m, cache=1.0, prefetch=False)
+    try:
+        eng.reset_stats()
+        m.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        ref.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        s = eng.stats()
+        accesses = sum(len(set(idx.reshape(-1).tolist())) for _, idx in routed)
+        distinct = len({(p, e) for p, idx in routed for e in idx.reshape(-1).tolist()})
+        assert s["hits"] + s["misses"] == accesses
+        assert s["misses"] == distinct
+        assert s["passes"] == 6
+        eng.set_policy("lfu")  # a new empty cache under another policy still gives the same tokens
+        assert eng.stats()["policy"] == "lfu"
+        assert torch.equal(m.generate(PROMPT, max_new_tokens=6, do_sample=False),
+                           ref.generate(PROMPT, max_new_tokens=6, do_sample=False))
+        with pytest.raises(ValueError, match="policy"):
+            eng.set_policy("no-such-policy")
+        assert eng.stats()["policy"] == "lfu"  # the working cache is kept
+        m(PROMPT)
+    finally:
+        eng.close()
+        for h in hs:
+            h.remove()
+
+
+def test_store_path_kept_and_temp_removed(tmp_path):
+    m = hf.tiny_model("mixtral")
+    p = tmp_path / "experts.smoe"
+    eng = hf.offload(m, store=p)
+    eng.close()
+    assert p.exists()  # a store the caller named is kept
+    m2 = hf.tiny_model("mixtral")
+    eng2 = hf.offload(m2)
+    tmp = eng2._store_path
+    assert tmp and os.path.exists(tmp)
+    eng2.close()
+    assert not os.path.exists(tmp)  # the temporary store is deleted by close()
