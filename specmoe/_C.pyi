@@ -113,3 +113,12 @@ class Cache:
     @property
     def pass_id(self) -> int: ...
 # --- end cache ---
+
+# --- moe ---
+def moe_forward(source: Any, layout: tuple, layer: int, num_experts: int, x: np.ndarray,
+                idx: np.ndarray, w: np.ndarray, out: np.ndarray,
+                used: np.ndarray | None = None) -> None:
+    """One MoE layer in C (GIL released): out = sum_j w[:, j] * expert_{idx[:, j]}(x).
+    source: a _C.Cache / ExpertCache, or a buffer of every block in store order."""
+    ...
+# --- end moe ---

@@ -16,6 +16,14 @@ from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, Pyth
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):  # HF integration loaded on first use (it imports torch)
+    if name in ("offload", "Engine"):
+        from . import hf
+        return getattr(hf, name)
+    raise AttributeError(f"module 'specmoe' has no attribute {name!r}")
+
+
 __all__ = [
     "SpecmoeError",
     "StoreError",
@@ -39,4 +47,6 @@ __all__ = [
     "Belady",
     "PythonPolicy",
     "make_policy",
+    "offload",
+    "Engine",
 ]
