@@ -330,14 +330,8 @@ class Engine:
             self._passes += 1
             self._tokens += x.shape[0]
             self._begin_pass()
-        self._forward_c(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used)
-        # prefetch accounting: compare this layer's prediction with what it used
-        pred = self._pred.pop(pos, None)
-        if pred is not None:
-            act = used.astype(bool)
-            self._pf["predicted"] += int(pred.sum())
-            self._pf["actual"] += int(act.sum())
-            self._pf["true_positive"] += int((pred & act).sum())
+        # lookahead: queue layer pos+1's predicted experts before running this layer, so their
+        # loads overlap this layer's compute
         if self.prefetch and pos + 1 < len(self._routers):
             with torch.no_grad():
                 if self._predictor is not None:
@@ -353,6 +347,14 @@ class Engine:
             np.maximum.at(pri, top.indices.reshape(-1).numpy(), top.values.reshape(-1).numpy())
             experts = np.nonzero(p)[0]
             self._queue_prefetch(pos + 1, experts, pri[experts])
+        self._forward_c(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used)
+        # prefetch accounting: compare this layer's prediction with what it used
+        pred = self._pred.pop(pos, None)
+        if pred is not None:
+            act = used.astype(bool)
+            self._pf["predicted"] += int(pred.sum())
+            self._pf["actual"] += int(act.sum())
+            self._pf["true_positive"] += int((pred & act).sum())
         rec = self._recorder
         if rec is not None:
             lg = self._router_scores(pos, hidden.detach()) if rec.logits else None
