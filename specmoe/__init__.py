@@ -8,6 +8,7 @@ the C extension ``specmoe._C``; this package is the thin, typed Python surface o
 from __future__ import annotations
 
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
+from . import kernels, quant  # expert FFN kernels and weight formats
 
 __version__ = "0.1.0"
 
