@@ -13,6 +13,7 @@ from .traces import Trace, TraceError, load_puffin, load_trace
 from .cache import ExpertCache, parse_capacity
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
                        make_policy)
+from . import kernels, quant  # expert FFN kernels and weight formats
 
 __version__ = "0.1.0"
 
