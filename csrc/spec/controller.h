@@ -73,6 +73,8 @@
  *   - Decision: best = the tried K with the largest U; ties go to the smaller K (fewer
  *     experts touched).  U(best) >= 1 -> SET at best (U exactly 1 counts as paying, following
  *     "K=0 when U<1"); otherwise BACKOFF.
+ *   - A trial U that cannot be computed (no k_used == 0 iteration observed yet, so no
+ *     t_base) counts as 0.
  *   - Iterations count toward the current phase/trial whatever k_used was; a trial's U uses
  *     the ETR and t_iter actually observed.
  *   - Telemetry utility: in TEST, the running U of the current trial; in SET the running U of
@@ -96,6 +98,9 @@
  *             io_cost[k]: expected seconds of loading the experts the draft predicts for the
  *             k drafts and that are missing from the cache, supplied by the caller before
  *             next_k (smoe_spec_ctl_set_io_cost; sticky until set again; 0 when never set).
+ *     T_verify is clamped at 0 and T_cycle at 1e-12 s.  Note that once K=0 wins, the
+ *     acceptance model no longer learns (no positions are decided); new io_cost or timing
+ *     moves it again.
  *     Before the first observation next_k returns clamp(params.initial) (default 1).  Ties of
  *     the objective go to the smaller k.  Telemetry utility: the predicted gain of the K
  *     chosen after the observation, (E[N(K)]/T_cycle(K)) * T_cycle(0).
@@ -230,6 +235,9 @@ int32_t smoe_spec_ctl_clamp(const smoe_spec_ctl *c, int32_t k);
 static inline int smoe_spec_ctl_allowed(const smoe_spec_ctl *c, int32_t k) {
     return k >= 0 && k <= c->params.k_max && c->allowed[k];
 }
+
+/* The `phase` op of controllers without phases. */
+int32_t smoe_spec_ctl_no_phase(const smoe_spec_ctl *c);
 
 /* Mean t_iter of the last base_len k == 0 iterations; NaN when none was observed. */
 double smoe_spec_ctl_base(const smoe_spec_ctl *c);

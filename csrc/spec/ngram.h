@@ -14,8 +14,10 @@
  * Index: for each n, an open-addressing hash table maps an n-gram (hash of its tokens,
  * checked against the history on a hit) to the start of its most recent occurrence.  The
  * n-grams ending at position j are inserted when token j+1 arrives, so the table never holds
- * the suffix itself.  append() costs O(max_n) per token (hashes are built from the end of the
- * n-gram backwards, one token per n), propose() O(sum of n tried + k); neither depends on L.
+ * the suffix itself.  append() costs O(max_n) hashing per token (hashes are built from the
+ * end of the n-gram backwards, one token per n) plus O(n) to confirm an n-gram already in
+ * a table (O(max_n^2) at worst, 6 token compares at the default max_n=3); propose() costs
+ * O(sum of n tried + k).  Neither depends on L.
  * Tables grow by doubling at load 1/2 (amortised O(1)).
  *
  * Not thread-safe; no global state.
