@@ -52,10 +52,10 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
                              "base_len",     "base_refresh", "alpha",   "p_init",
                              "telemetry_cap", NULL};
     const char *name;
-    long long v[10] = {0};
+    long long v[9] = {0};
     double alpha = 0.0, p_init = 0.0;
     long long cap = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLLddL:SpecController", kwlist, &name,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddL:SpecController", kwlist, &name,
                                      &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7],
                                      &v[8], &alpha, &p_init, &cap))
         return -1;

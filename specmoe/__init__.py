@@ -12,6 +12,8 @@ from .store import ExpertStore, write_store  # slow tier
 from .traces import Trace, TraceError, load_puffin, load_trace
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
                        make_policy)
+from .spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK,  # speculation
+                   measure_tau)
 
 __version__ = "0.1.0"
 
@@ -36,4 +38,10 @@ __all__ = [
     "Belady",
     "PythonPolicy",
     "make_policy",
+    "StaticK",
+    "Heuristic",
+    "Cascade",
+    "SpeqGovernor",
+    "NgramDrafter",
+    "measure_tau",
 ]
