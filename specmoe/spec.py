@@ -230,6 +230,18 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
 
+def _tokens(x: Union[Iterable[int], np.ndarray]) -> np.ndarray:
+    """Token ids as an integer array; floats and other dtypes are refused (TypeError)."""
+    if not isinstance(x, (np.ndarray, Sequence)):
+        x = list(x)
+    a = np.asarray(x)
+    if a.size == 0:
+        return a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {a.dtype}")
+    return a
+
+
 class NgramDrafter:
     """Prompt-lookup drafter in C: the tokens that followed the most recent earlier occurrence
     of the history's last n tokens (n = max_n down to min_n), continued periodically when the
@@ -259,13 +271,11 @@ class NgramDrafter:
             ValueError: negative k, bad token ids, or an empty history.
         """
         k = _check_int("k", k, 0)
-        return list(self._g.propose(history, k))
+        return list(self._g.propose(None if history is None else _tokens(history), k))
 
     def append(self, tokens: Union[Iterable[int], np.ndarray]) -> None:
         """Extend the held history by tokens (ids >= 0)."""
-        if not isinstance(tokens, np.ndarray):
-            tokens = np.fromiter((int(t) for t in tokens), dtype=np.int64)
-        self._g.append(tokens)
+        self._g.append(_tokens(tokens))
 
     def reset(self) -> None:
         """Forget the history."""
