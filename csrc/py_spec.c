@@ -311,10 +311,13 @@ static PyTypeObject SpecController_Type = {
 /* ------------------------------------------------------------------------------------------ */
 /* _C.NgramDrafter */
 
+/* busy is set (GIL held) while a call runs with the GIL released, so a second thread using
+ * the same drafter meanwhile gets an error instead of a data race. */
 typedef struct {
     PyObject_HEAD
     smoe_ngram g;
     int ready;
+    int busy;
 } NgramObject;
 
 static void Ngram_dealloc(NgramObject *self) {
@@ -328,6 +331,10 @@ static int Ngram_init(NgramObject *self, PyObject *args, PyObject *kw) {
     long long max_n = 3, min_n = 1;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|LL:NgramDrafter", kwlist, &max_n, &min_n))
         return -1;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "NgramDrafter is in use by another thread");
+        return -1;
+    }
     int32_t a, b;
     if (to_i32(max_n, "max_n", &a) < 0 || to_i32(min_n, "min_n", &b) < 0) return -1;
     smoe_ngram g;
@@ -343,12 +350,17 @@ static int Ngram_init(NgramObject *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-#define NG_CHECK(self)                                                            \
-    do {                                                                          \
-        if (!(self)->ready) {                                                     \
-            PyErr_SetString(PyExc_ValueError, "NgramDrafter was not initialised"); \
-            return NULL;                                                          \
-        }                                                                         \
+#define NG_CHECK(self)                                                                  \
+    do {                                                                                \
+        if (!(self)->ready) {                                                           \
+            PyErr_SetString(PyExc_ValueError, "NgramDrafter was not initialised");       \
+            return NULL;                                                                \
+        }                                                                               \
+        if ((self)->busy) {                                                             \
+            PyErr_SetString(PyExc_RuntimeError,                                         \
+                            "NgramDrafter is in use by another thread (not thread-safe)"); \
+            return NULL;                                                                \
+        }                                                                               \
     } while (0)
 
 /* Tokens as a new contiguous int32 array (1-D, each in int32 range); NULL with exception. */
@@ -391,9 +403,11 @@ static PyObject *Ngram_append(NgramObject *self, PyObject *arg) {
     smoe_err_clear(&err);
     int rc;
     npy_intp n = PyArray_DIM(a, 0);
+    self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     rc = smoe_ngram_append(&self->g, PyArray_DATA(a), (int64_t)n, &err);
     Py_END_ALLOW_THREADS
+    self->busy = 0;
     Py_DECREF(a);
     if (rc < 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
@@ -440,9 +454,11 @@ static PyObject *Ngram_propose(NgramObject *self, PyObject *args, PyObject *kw) 
         if (!a) return NULL;
         int rc;
         npy_intp n = PyArray_DIM(a, 0);
+        self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
         rc = ngram_sync(&self->g, PyArray_DATA(a), (int64_t)n, &err);
         Py_END_ALLOW_THREADS
+        self->busy = 0;
         Py_DECREF(a);
         if (rc < 0) return smoe_py_raise(&err);
     }

@@ -284,7 +284,8 @@ class NgramDrafter:
 
 def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = range(1, 9), *,
                 repeats: int = 5, warmup: int = 1,
-                sync: Optional[Callable[[], object]] = None) -> Dict[int, float]:
+                sync: Optional[Callable[[], object]] = None,
+                progress: bool = False) -> Dict[int, float]:
     """Measure tau(g) = T(1)/T(g) of a target forward over g tokens.
 
     Args:
@@ -295,6 +296,7 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
         warmup: untimed calls per g first.
         sync: called after each forward before the clock is read (e.g.
             ``torch.cuda.synchronize``).
+        progress: show a tqdm bar over the g values.
 
     Returns:
         {g: tau(g)} in increasing g; pass it to ``Controller.set_tau``.
@@ -305,7 +307,11 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
     repeats = _check_int("repeats", repeats, 1)
     warmup = _check_int("warmup", warmup, 0)
     times: Dict[int, float] = {}
-    for g in gs:
+    it: Iterable[int] = gs
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(gs, desc="measure_tau", unit="gamma")
+    for g in it:
         for _ in range(warmup):
             forward_fn(g)
             if sync is not None:
