@@ -58,7 +58,8 @@
  *     k_used == 0, whatever phase they fell in (back-off iterations refresh it for free).
  *     The machine starts in BASE.  At the end of a SET or BACKOFF phase, when at least
  *     base_refresh (default 100) iterations have passed since the last k_used == 0
- *     iteration, a BASE phase runs before the next TEST.
+ *     iteration (index of the iteration just observed minus index of that one >=
+ *     base_refresh), or none was ever observed, a BASE phase runs before the next TEST.
  *   - Hill climbing: the first trial runs at the centre c = the best non-zero K of the most
  *     recent test phase that found one (params.initial, default 1, before any), lowered to
  *     an allowed K by smoe_spec_ctl_clamp (or the smallest allowed K > c if none <= c; no
@@ -164,7 +165,7 @@ typedef struct smoe_spec_params {
     double alpha;           /* EMA weight in (0, 1] (default 0.2) */
     double p_init;          /* initial per-position acceptance in [0, 1] (default 0.6) */
     /* all */
-    uint32_t telemetry_cap; /* ring capacity in records (default 65536) */
+    uint32_t telemetry_cap; /* ring capacity in records (default 65536, at most 2^26) */
 } smoe_spec_params;
 
 typedef struct smoe_spec_ctl smoe_spec_ctl;
