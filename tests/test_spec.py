@@ -686,3 +686,14 @@ def test_ngram_bad_input():
 def test_public_exports():
     for name in ["StaticK", "Heuristic", "Cascade", "SpeqGovernor", "NgramDrafter", "measure_tau"]:
         assert hasattr(specmoe, name)
+
+
+def test_uninitialised_objects_raise():
+    c = _C.SpecController.__new__(_C.SpecController)
+    with pytest.raises(ValueError):
+        c.next_k()
+    with pytest.raises(ValueError):
+        c.observe(0, 0, 0.01)
+    d = _C.NgramDrafter.__new__(_C.NgramDrafter)
+    with pytest.raises(ValueError):
+        d.propose([1, 2], 1)
