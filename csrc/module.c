@@ -58,7 +58,8 @@ PyMODINIT_FUNC PyInit__C(void) {
                 "An eviction policy failed.") < 0)
         goto fail;
     if (smoe_py_store_init(m) < 0 || smoe_py_policy_init(m) < 0 || smoe_py_cache_init(m) < 0 ||
-        smoe_py_kernels_init(m) < 0 || smoe_py_sim_init(m) < 0)
+        smoe_py_kernels_init(m) < 0 || smoe_py_sim_init(m) < 0 ||
+        smoe_py_spec_init(m) < 0)
         goto fail;
     return m;
 fail:

@@ -24,5 +24,6 @@ int smoe_py_policy_init(PyObject *m);
 int smoe_py_cache_init(PyObject *m);
 int smoe_py_kernels_init(PyObject *m);
 int smoe_py_sim_init(PyObject *m);
+int smoe_py_spec_init(PyObject *m);
 
 #endif

@@ -14,6 +14,8 @@ from .cache import ExpertCache, parse_capacity
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
                        make_policy)
 from . import kernels, quant  # expert FFN kernels and weight formats
+from .spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK,  # speculation
+                   measure_tau)
 
 __version__ = "0.1.0"
 
@@ -40,4 +42,10 @@ __all__ = [
     "Belady",
     "PythonPolicy",
     "make_policy",
+    "StaticK",
+    "Heuristic",
+    "Cascade",
+    "SpeqGovernor",
+    "NgramDrafter",
+    "measure_tau",
 ]
