@@ -1,0 +1,207 @@
+"""Hardware profiles and the simulator's time model.
+
+A :class:`Hardware` profile says how fast the fast tier is read (``fast_bw``), how fast and with
+what fixed latency an expert moves from the slow tier over the link (``link_bw``,
+``link_latency_s``), and the dense compute rate (``flops``, used for prefill only).  A
+:class:`ModelCost` says how many bytes one routed expert has and how many resident bytes every
+MoE layer and every token read besides the routed experts.
+
+Time model (implemented in ``csrc/sim.c``; batch-1 decoding, one request stream):
+
+* **Decode compute is weight-read bound.**  Computing one expert for one token costs
+  ``expert_bytes / fast_bw``.  Each MoE layer adds ``layer_fixed_s = layer_fixed_bytes /
+  fast_bw + kernel_overhead_s`` (attention, router, shared experts: resident weights) and each
+  token ``token_fixed_s = token_fixed_bytes / fast_bw`` (dense layers, LM head).
+* **Loads.**  One expert load takes ``link_latency_s + expert_bytes / link_bw``.  A demand miss
+  loads at once and compute waits for it (stall).  Prefetches run on a separate copy engine,
+  one at a time in predicted order, overlapping compute; the link is shared, so a demand load
+  pushes the in-flight prefetch back by its own duration.  A demand access to an expert whose
+  prefetch is still in flight waits for it (stall; counted as a miss, "late").
+* **Per token**: ``est_tpot_ms`` is the simulated decode time divided by the token count.
+* **Prefill (TTFT)**: each request's tokens are taken as its prompt, processed as one batch.
+  Per MoE layer, every distinct expert the prompt routes to is loaded once over the link (cold
+  cache: an upper bound) and computed once; an expert's compute is
+  ``max(expert_bytes / fast_bw, 2 * params * tokens_routed / flops)``; the layer's resident
+  part is ``max(layer_fixed_bytes / fast_bw, 2 * layer_params * prompt_len / flops)``.  Without
+  a predictor loads and compute add up; with one, loads overlap compute (``max`` of the two).
+  Attention's quadratic term is ignored.  ``ttft_ms`` is the mean over requests.
+
+The built-in profiles use effective (not peak) bandwidths: about 75-80 % of the HBM/GDDR peak
+that decoding kernels reach, and about 25 GB/s for pinned host-to-device copies over PCIe 4.0
+x16 (31.5 GB/s raw).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+__all__ = ["Hardware", "ModelCost", "PROFILES", "get_hardware", "calibrate", "DEEPSEEK_V2_LITE"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One machine: fast tier, link, compute.  Bandwidths in bytes/s, times in seconds."""
+
+    name: str
+    fast_bw: float
+    link_bw: float
+    link_latency_s: float
+    flops: float
+    fast_bytes: float = 0.0  # fast-tier size (informational; capacities are given explicitly)
+    kernel_overhead_s: float = 0.0  # per MoE layer per token (launches, synchronisation)
+    description: str = ""
+
+    def load_s(self, nbytes: float) -> float:
+        """Time to load one block of ``nbytes`` over the link."""
+        return self.link_latency_s + nbytes / self.link_bw
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Byte counts of a model, for the time model (bf16 weights: 2 bytes per parameter)."""
+
+    name: str
+    expert_bytes: float
+    layer_fixed_bytes: float = 0.0
+    token_fixed_bytes: float = 0.0
+    bytes_per_param: float = 2.0
+
+    @staticmethod
+    def for_trace(trace) -> "ModelCost":
+        """DeepSeek-V2-Lite for its traces (26 MoE layers x 64 experts), else a generic cost
+        with 16 MiB experts and no resident part."""
+        if (trace.num_layers, trace.num_experts, trace.top_k) == (26, 64, 6) or \
+                "deepseek-v2-lite" in (trace.model or "").lower():
+            return DEEPSEEK_V2_LITE
+        return ModelCost(name="generic", expert_bytes=16 * 2**20)
+
+
+def _ds_v2_lite() -> ModelCost:
+    h, inter, dense_inter, vocab = 2048, 1408, 10944, 102400
+    expert = 3 * h * inter  # gate, up, down
+    attn = h * 16 * 192 + h * (512 + 64) + 512 * 16 * 256 + 16 * 128 * h  # MLA, no q LoRA
+    layer = attn + 2 * expert + 64 * h  # attention, 2 shared experts, router
+    token = attn + 3 * h * dense_inter + vocab * h  # dense layer 0, LM head
+    return ModelCost(name="DeepSeek-V2-Lite (bf16)", expert_bytes=2.0 * expert,
+                     layer_fixed_bytes=2.0 * layer, token_fixed_bytes=2.0 * token)
+
+
+DEEPSEEK_V2_LITE = _ds_v2_lite()
+
+PROFILES: dict[str, Hardware] = {
+    "a100-pcie4": Hardware(
+        name="a100-pcie4", fast_bw=1.2e12, link_bw=25e9, link_latency_s=10e-6, flops=250e12,
+        fast_bytes=40e9, kernel_overhead_s=20e-6,
+        description="data-centre GPU, A100-40GB class: HBM2 1.56 TB/s peak, PCIe 4.0 x16 "
+                    "host link, 312 TFLOP/s bf16 peak"),
+    "rtx4090": Hardware(
+        name="rtx4090", fast_bw=0.85e12, link_bw=22e9, link_latency_s=10e-6, flops=140e12,
+        fast_bytes=24e9, kernel_overhead_s=20e-6,
+        description="consumer GPU, RTX 4090 class: GDDR6X 1.0 TB/s peak, PCIe 4.0 x16"),
+    "laptop": Hardware(
+        name="laptop", fast_bw=60e9, link_bw=5e9, link_latency_s=100e-6, flops=1.5e12,
+        fast_bytes=32e9, kernel_overhead_s=5e-6,
+        description="laptop CPU: dual-channel DDR5-5600 (90 GB/s peak) as fast tier, PCIe 4.0 "
+                    "x4 NVMe (7 GB/s sequential peak) as slow tier"),
+}
+PROFILES["a100"] = PROFILES["a100-pcie4"]
+
+
+def get_hardware(hw: "str | Hardware") -> Hardware:
+    """A profile by name (``a100-pcie4``, ``rtx4090``, ``laptop``, ``calibrate``) or as given."""
+    if isinstance(hw, Hardware):
+        return hw
+    if not isinstance(hw, str):
+        raise TypeError(f"hardware must be a profile name or a Hardware, got {type(hw).__name__}")
+    if hw == "calibrate":
+        return calibrate()
+    try:
+        return PROFILES[hw]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile {hw!r}; known: "
+                         f"{', '.join(sorted(PROFILES))}, calibrate") from None
+
+
+_CALIBRATED: Hardware | None = None
+
+
+def calibrate(*, block_bytes: int = 16 * 2**20, blocks: int = 8, refresh: bool = False,
+              directory: str | None = None) -> Hardware:
+    """Measure a profile on this machine (cached for the process; ``refresh`` re-measures).
+
+    ``fast_bw``: a float32 matrix-vector product over a weight matrix of ``block_bytes``
+    repeated ``blocks`` times (memory-bound, like a decode step's expert kernels).
+    ``link_bw`` / ``link_latency_s``: reads of ``blocks`` blocks of ``block_bytes`` from a file
+    written in ``directory`` (default: the temp dir), after asking the kernel to drop them
+    from the page cache (``posix_fadvise DONTNEED``), and 4 KiB reads for the latency.
+    ``flops``: a float32 matrix product.  The measurement takes about a second.
+    """
+    global _CALIBRATED
+    if _CALIBRATED is not None and not refresh:
+        return _CALIBRATED
+    rng = np.random.default_rng(0)
+    cols = 4096
+    w = rng.standard_normal((block_bytes // 4 // cols, cols), dtype=np.float32)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    w @ x
+    t0 = time.perf_counter()
+    for _ in range(blocks):
+        w @ x
+    fast_bw = blocks * w.nbytes / (time.perf_counter() - t0)
+
+    a = rng.standard_normal((512, 512), dtype=np.float32)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    flops = 4 * 2 * 512**3 / (time.perf_counter() - t0)
+
+    buf = bytearray(block_bytes)
+    fd, path = tempfile.mkstemp(prefix="specmoe-calib-", dir=directory)
+    try:
+        data = os.urandom(1 << 20) * (block_bytes >> 20)
+        for _ in range(blocks):
+            os.write(fd, data)
+        os.fsync(fd)
+        drop = getattr(os, "posix_fadvise", None)
+        if drop:
+            drop(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        for i in range(blocks):
+            os.preadv(fd, [buf], i * block_bytes)
+        link_bw = blocks * block_bytes / (time.perf_counter() - t0)
+        if drop:
+            drop(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        small = bytearray(4096)
+        offs = rng.integers(0, blocks * block_bytes // 4096, 32) * 4096
+        t0 = time.perf_counter()
+        for o in offs:
+            os.preadv(fd, [small], int(o))
+        latency = (time.perf_counter() - t0) / len(offs)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    _CALIBRATED = Hardware(name="calibrate", fast_bw=fast_bw, link_bw=link_bw,
+                           link_latency_s=latency, flops=flops,
+                           description="measured on this machine by specmoe.hardware.calibrate")
+    return _CALIBRATED
+
+
+def sim_timing(hw: Hardware, model: ModelCost) -> dict:
+    """The keyword arguments of ``_C.simulate`` for the time model of (hw, model)."""
+    return dict(expert_bytes=float(model.expert_bytes), fast_bw=float(hw.fast_bw),
+                link_bw=float(hw.link_bw), link_latency_s=float(hw.link_latency_s),
+                layer_fixed_s=model.layer_fixed_bytes / hw.fast_bw + hw.kernel_overhead_s,
+                token_fixed_s=model.token_fixed_bytes / hw.fast_bw)
+
+
+def with_(hw: Hardware, **changes) -> Hardware:
+    """A copy of ``hw`` with some fields changed (e.g. ``with_(hw, link_bw=50e9)``)."""
+    return replace(hw, **changes)
