@@ -103,6 +103,7 @@ class SimResult:
     capacity_fraction: float
     predictor: str
     hardware: str
+    tokens: int
     accesses: int
     hits: int
     misses: int
@@ -274,7 +275,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     ttft = ttft_seconds(trace, hw, model, overlap=pred.kind != "none")
     return SimResult(
         policy=label, capacity_slots=nslots, capacity_fraction=nslots / (nl * E),
-        predictor=pred.label, hardware=hw.name, accesses=acc, hits=r["hits"],
+        predictor=pred.label, hardware=hw.name, tokens=trace.num_tokens, accesses=acc, hits=r["hits"],
         misses=r["misses"], hit_rate=r["hits"] / acc if acc else 0.0,
         collision_misses=r["collision_misses"], evictions=r["evictions"],
         prefetch_issued=r["prefetch_issued"], prefetch_used=r["prefetch_used"],
