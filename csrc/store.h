@@ -32,6 +32,9 @@ typedef struct smoe_store {
     uint32_t num_experts;
     uint32_t *crc; /* owned; num_layers*num_experts CRC32C of each full block, or NULL */
     uint64_t bytes_read; /* updated atomically (__atomic builtins) */
+    int direct_off; /* set atomically once an O_DIRECT read was refused (EINVAL): from then on
+                       every read uses the buffered descriptor; fd_direct stays open until
+                       close so a concurrent reader never sees it closed under it */
 } smoe_store;
 
 /* Open `path`.  `crc` (may be NULL when VERIFY is not requested) is copied.  Checks that the
@@ -53,5 +56,8 @@ void smoe_store_close(smoe_store *s);
 /* CRC32C (Castagnoli), hardware SSE4.2 path where the CPU has it, table otherwise.
  * Start with crc = 0; chaining: smoe_crc32c(smoe_crc32c(0, a, n), b, m) == crc of a||b. */
 uint32_t smoe_crc32c(uint32_t crc, const void *buf, size_t len);
+
+/* The same CRC32C through the table path only (for tests comparing the two paths). */
+uint32_t smoe_crc32c_portable(uint32_t crc, const void *buf, size_t len);
 
 #endif

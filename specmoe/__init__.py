@@ -8,6 +8,7 @@ the C extension ``specmoe._C``; this package is the thin, typed Python surface o
 from __future__ import annotations
 
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
+from .store import ExpertStore, write_store  # slow tier
 from .traces import Trace, TraceError, load_puffin, load_trace
 
 __version__ = "0.1.0"
@@ -17,6 +18,8 @@ __all__ = [
     "StoreError",
     "CacheError",
     "PolicyError",
+    "ExpertStore",
+    "write_store",
     "Trace",
     "TraceError",
     "load_puffin",
