@@ -10,6 +10,9 @@ from __future__ import annotations
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
 from .store import ExpertStore, write_store  # slow tier
 from .traces import Trace, TraceError, load_puffin, load_trace
+from .hardware import Hardware, ModelCost  # simulator time model
+from .sim import Predictor, SimResult, simulate  # trace-driven simulator
+from .sweep import sweep  # simulator sweeps
 
 __version__ = "0.1.0"
 
@@ -24,4 +27,10 @@ __all__ = [
     "TraceError",
     "load_puffin",
     "load_trace",
+    "Hardware",
+    "ModelCost",
+    "Predictor",
+    "SimResult",
+    "simulate",
+    "sweep",
 ]
