@@ -6,8 +6,17 @@ import json
 import sys
 from pathlib import Path
 
-_SHARED_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / \
-    "deepseek-v2-lite-puffin"
+def _shared_traces() -> Path:
+    """../shared/traces/deepseek-v2-lite-puffin next to the checkout or the working directory."""
+    rel = Path("shared") / "traces" / "deepseek-v2-lite-puffin"
+    for base in (Path(__file__).resolve().parent.parent.parent, Path.cwd().parent,
+                 Path.cwd().parent.parent):
+        if (base / rel).is_dir():
+            return base / rel
+    return Path("..") / rel
+
+
+_SHARED_TRACES = _shared_traces()
 
 
 def _split(s: str) -> list[str]:
