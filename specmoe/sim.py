@@ -201,8 +201,31 @@ def parse_policy(spec: str) -> tuple[str, dict]:
 def _policy_label(policy: PolicyArg) -> str:
     if isinstance(policy, str):
         return policy
-    return getattr(policy, "name", None) or getattr(policy, "__name__", None) or \
-        type(policy).__name__
+    if isinstance(policy, type):
+        return policy.__name__
+    name = getattr(policy, "name", None)
+    if isinstance(name, str) and name and name != "python":
+        return name
+    return getattr(policy, "__name__", None) or type(policy).__name__
+
+
+def _policy_object(policy: Any, nslots: int, nl: int, E: int) -> Any:
+    """A ``_C.Policy`` for a non-string policy argument (see :func:`simulate`)."""
+    if hasattr(_C, "Policy") and isinstance(policy, _C.Policy):
+        return policy
+    try:
+        from .policies import PolicySpec, PythonPolicy, make_policy
+    except ImportError:  # the policies module is not built in
+        PolicySpec = PythonPolicy = make_policy = None  # type: ignore[assignment,misc]
+    if make_policy is not None:
+        if isinstance(policy, type) and issubclass(policy, PythonPolicy):
+            return make_policy(policy(), nslots, nl, E)
+        if isinstance(policy, (PolicySpec, PythonPolicy)) or \
+                callable(getattr(policy, "victim", None)):
+            return make_policy(policy, nslots, nl, E)
+    if callable(policy):
+        return policy(nslots, nl, E)
+    return policy
 
 
 def ttft_seconds(trace: Trace, hw: Hardware, model: ModelCost, overlap: bool) -> np.ndarray:
@@ -235,8 +258,10 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
     ``policy``: a built-in name with options (``"lru"``, ``"least_stale:order=lru"``,
-    ``"belady"``: the offline optimum, given the trace's future), a ``_C.Policy`` built for
-    the resulting slot count, or a factory ``f(nslots, num_layers, num_experts) -> policy``.
+    ``"belady"``: the offline optimum, given the trace's future), a policy spec or a
+    :class:`~specmoe.policies.PythonPolicy` instance or subclass (built with
+    ``make_policy``; a subclass gets a fresh instance per run), a ``_C.Policy`` built for the
+    resulting slot count, or a factory ``f(nslots, num_layers, num_experts) -> policy``.
     ``capacity``: slots, a fraction/percentage of all experts, or bytes (see
     :func:`parse_capacity`).  ``prefetch``: a predictor spec (see :class:`Predictor`).
     ``hardware``: a profile name or :class:`Hardware`; ``model`` the byte counts (default from
@@ -258,12 +283,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if isinstance(policy, str):
         name, kw = parse_policy(policy)
         pol: Any = name
-    elif hasattr(_C, "Policy") and isinstance(policy, _C.Policy):
-        pol = policy
-    elif callable(policy):
-        pol = policy(nslots, nl, E)
     else:
-        pol = policy
+        pol = _policy_object(policy, nslots, nl, E)
     t0 = time.perf_counter()
     r = _C.simulate(trace.experts, E, pol, nslots,
                     logits=trace.logits if pred.kind == "router" else None,
