@@ -37,6 +37,7 @@ typedef struct sim {
 
     /* predictors */
     float *scores;         /* [E] */
+    float *sorted;         /* [E] scratch for the percentile */
     uint32_t *sel;         /* [E] selected experts */
     uint32_t *freq;        /* history: [L][E] uses in the window */
     uint32_t *cooc;        /* history: [L][E][E] uses of b at position l+1 after a at l */
@@ -168,6 +169,11 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
     return 0;
 }
 
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
 /* Indices of the experts to fetch from scores[0..E-1], best first, into s->sel. */
 static uint32_t select_experts(sim *s) {
     const smoe_sim_prefetch *pf = s->pf;
@@ -175,14 +181,11 @@ static uint32_t select_experts(sim *s) {
     float thr = 0.0f;
     uint32_t cap = pf->topk ? pf->topk : s->K;
     if (pf->percentile > 0.0) {
-        /* quantile by counting: the smallest score v with #(scores <= v) >= q*(E-1)+1 */
+        /* the q-quantile: the need-th smallest score, need = floor(q*(E-1)) + 1 */
         uint32_t need = (uint32_t)floor(pf->percentile * (double)(E - 1)) + 1;
-        thr = INFINITY;
-        for (uint32_t i = 0; i < E; i++) {
-            uint32_t le = 0;
-            for (uint32_t j = 0; j < E; j++) le += s->scores[j] <= s->scores[i];
-            if (le >= need && s->scores[i] < thr) thr = s->scores[i];
-        }
+        memcpy(s->sorted, s->scores, E * sizeof *s->sorted);
+        qsort(s->sorted, E, sizeof *s->sorted, cmp_float);
+        thr = s->sorted[need - 1];
         cap = pf->topk ? pf->topk : E;
     }
     if (cap > E) cap = E;
@@ -318,6 +321,7 @@ static void sim_free(sim *s) {
     free(s->q_key);
     free(s->q_stamp);
     free(s->scores);
+    free(s->sorted);
     free(s->sel);
     free(s->freq);
     free(s->cooc);
@@ -416,8 +420,9 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
         s.q_key = malloc(s.q_cap * sizeof *s.q_key);
         s.q_stamp = calloc(s.nkeys, sizeof *s.q_stamp);
         s.scores = malloc(s.E * sizeof *s.scores);
+        s.sorted = malloc(s.E * sizeof *s.sorted);
         s.sel = malloc(s.E * sizeof *s.sel);
-        ok = s.q_key && s.q_stamp && s.scores && s.sel;
+        ok = s.q_key && s.q_stamp && s.scores && s.sorted && s.sel;
         if (ok && s.pf->predictor == SMOE_PRED_HISTORY) {
             s.freq = calloc(s.nkeys, sizeof *s.freq);
             s.cnt = calloc(s.nkeys, sizeof *s.cnt);
