@@ -132,16 +132,19 @@ def get_hardware(hw: "str | Hardware") -> Hardware:
 _CALIBRATED: Hardware | None = None
 
 
-def calibrate(*, block_bytes: int = 16 * 2**20, blocks: int = 8, refresh: bool = False,
+def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = False,
               directory: str | None = None) -> Hardware:
     """Measure a profile on this machine (cached for the process; ``refresh`` re-measures).
 
-    ``fast_bw``: a float32 matrix-vector product over a weight matrix of ``block_bytes``
-    repeated ``blocks`` times (memory-bound, like a decode step's expert kernels).
-    ``link_bw`` / ``link_latency_s``: reads of ``blocks`` blocks of ``block_bytes`` from a file
-    written in ``directory`` (default: the temp dir), after asking the kernel to drop them
-    from the page cache (``posix_fadvise DONTNEED``), and 4 KiB reads for the latency.
-    ``flops``: a float32 matrix product.  The measurement takes about a second.
+    ``link_bw`` / ``link_latency_s``: the real slow tier.  A specmoe store of ``blocks``
+    experts of ``block_bytes`` is written in ``directory`` (default: the temp dir) and read
+    back block by block through :class:`specmoe.ExpertStore` with O_DIRECT (where the
+    filesystem allows it; otherwise after asking the kernel to drop the file from the page
+    cache), CRC checks on: the path a cache miss takes.  The latency is the intercept of a
+    line through the read times of full blocks and of a 1-block-per-expert store of 4 KiB.
+    ``fast_bw``: a float32 matrix-vector product over ``block_bytes`` of weights, repeated
+    (memory-bound, like a decode step's expert kernels).  ``flops``: a float32 matrix
+    product.  Takes about a second.
     """
     global _CALIBRATED
     if _CALIBRATED is not None and not refresh:
@@ -163,35 +166,40 @@ def calibrate(*, block_bytes: int = 16 * 2**20, blocks: int = 8, refresh: bool =
         a @ a
     flops = 4 * 2 * 512**3 / (time.perf_counter() - t0)
 
-    buf = bytearray(block_bytes)
-    fd, path = tempfile.mkstemp(prefix="specmoe-calib-", dir=directory)
-    try:
-        data = os.urandom(1 << 20) * (block_bytes >> 20)
-        for _ in range(blocks):
-            os.write(fd, data)
-        os.fsync(fd)
-        drop = getattr(os, "posix_fadvise", None)
-        if drop:
-            drop(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        t0 = time.perf_counter()
-        for i in range(blocks):
-            os.preadv(fd, [buf], i * block_bytes)
-        link_bw = blocks * block_bytes / (time.perf_counter() - t0)
-        if drop:
-            drop(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        small = bytearray(4096)
-        offs = rng.integers(0, blocks * block_bytes // 4096, 32) * 4096
-        t0 = time.perf_counter()
-        for o in offs:
-            os.preadv(fd, [small], int(o))
-        latency = (time.perf_counter() - t0) / len(offs)
-    finally:
-        os.close(fd)
-        os.unlink(path)
+    big = _store_read_time(block_bytes, blocks, directory)
+    small = _store_read_time(4096, blocks, directory)
+    per_byte = max((big - small) / (block_bytes - 4096), 1e-15)
+    link_bw = 1.0 / per_byte
+    latency = max(small - 4096 * per_byte, 0.0)
     _CALIBRATED = Hardware(name="calibrate", fast_bw=fast_bw, link_bw=link_bw,
                            link_latency_s=latency, flops=flops,
-                           description="measured on this machine by specmoe.hardware.calibrate")
+                           description="measured on this machine by specmoe.hardware.calibrate "
+                                       "(ExpertStore reads, numpy matvec)")
     return _CALIBRATED
+
+
+def _store_read_time(nbytes: int, blocks: int, directory: str | None) -> float:
+    """Mean seconds per block read of a fresh store with ``blocks`` blocks of ``nbytes``."""
+    from .store import ExpertStore, aligned_empty, write_store
+
+    tmp = tempfile.mkdtemp(prefix="specmoe-calib-", dir=directory)
+    path = os.path.join(tmp, "calib.smoe")
+    try:
+        layer = {"w": np.frombuffer(os.urandom(nbytes * blocks), np.uint8).reshape(blocks, nbytes)}
+        write_store(path, [layer], progress=False).close()
+        with open(path, "rb") as f:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        with ExpertStore(path, direct=True) as st:
+            out = aligned_empty(st.block_bytes)
+            t0 = time.perf_counter()
+            for e in range(blocks):
+                st.read_block(0, e, out)
+            return (time.perf_counter() - t0) / blocks
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(tmp)
 
 
 def sim_timing(hw: Hardware, model: ModelCost) -> dict:
