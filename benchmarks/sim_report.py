@@ -23,7 +23,7 @@ from specmoe.sweep import plot_hit_rate, plot_stall, sweep  # noqa: E402
 from specmoe.traces import load_puffin  # noqa: E402
 
 ALL = ["lru", "lfu", "fifo", "mru", "random", "least_stale", "least_stale:order=lru", "belady"]
-PREDICTORS = ["none", "oracle:depth=2", "history:cooc_weight=0.9", "history:cooc_weight=0.9,topk=10"]
+PREDICTORS = ["none", "oracle:depth=2", "history", "history:topk=10"]
 HARDWARE = ["a100-pcie4", "rtx4090", "laptop"]
 
 

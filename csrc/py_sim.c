@@ -57,7 +57,7 @@ static PyObject *result_dict(const smoe_sim_result *r) {
 
 PyDoc_STRVAR(simulate_doc,
 "simulate(experts, num_experts, policy, nslots, *, logits=None, predictor=0, depth=1, topk=0,\n"
-"         percentile=0.0, history=16, cooc_weight=0.5, expert_bytes, fast_bw, link_bw,\n"
+"         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
@@ -75,7 +75,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     long long num_experts, nslots;
     int predictor = 0, order = 0;
     long long depth = 1, topk = 0, history = 16;
-    double percentile = 0.0, cooc_weight = 0.5;
+    double percentile = 0.0, cooc_weight = 0.8;
     double expert_bytes = -1, fast_bw = -1, link_bw = -1, link_latency_s = -1;
     double layer_fixed_s = 0.0, token_fixed_s = 0.0;
     unsigned long long seed = 0;

@@ -36,7 +36,8 @@ class Predictor:
     ``kind``: ``none``; ``oracle`` (the true experts of the next ``depth`` layer positions);
     ``router`` (the next layer's recorded router logits; needs ``trace.logits``); ``history``
     (how often the target layer used each expert in the last ``history`` tokens, mixed with
-    layer-to-layer co-activation counts learnt online with weight ``cooc_weight``).
+    layer-to-layer co-activation counts learnt online with weight ``cooc_weight``; 0.8 gave
+    the best next-layer recall on the DeepSeek-V2-Lite traces, 0.47 against 0.35 at 0.5).
     Selection: the ``topk`` best-scoring experts per predicted layer (0: the trace's top-k;
     more over-fetches), or with ``percentile`` > 0 the experts scoring at or above that
     quantile of the layer's scores (capped at ``topk`` when set).
@@ -47,7 +48,7 @@ class Predictor:
     topk: int = 0
     percentile: float = 0.0
     history: int = 16
-    cooc_weight: float = 0.5
+    cooc_weight: float = 0.8
 
     def __post_init__(self) -> None:
         if self.kind not in PREDICTORS:

@@ -105,7 +105,7 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None):
     topk = pred.get("topk", 0)
     pct = pred.get("percentile", 0.0)
     H = pred.get("history", 16)
-    w = pred.get("cooc_weight", 0.5)
+    w = pred.get("cooc_weight", 0.8)
     load_s = hw["link_latency_s"] + hw["expert_bytes"] / hw["link_bw"]
     expert_s = hw["expert_bytes"] / hw["fast_bw"]
     c = dict(accesses=0, hits=0, misses=0, collision_misses=0, evictions=0, prefetch_issued=0,
