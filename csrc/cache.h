@@ -9,6 +9,27 @@
  * with mu released.  Lock order: mu only (store and policy take no locks of their own;
  * the Python bridge policy takes the GIL inside mu, so no thread may hold the GIL while
  * waiting for mu: Python entry points release the GIL before calling into the cache).
+ *
+ * Exact behaviour (what a simulator must mirror to get the same counts; policy events as in
+ * policy/policy.h):
+ *  - acquire, READY: hit; pins++; on_access; prefetched slot -> prefetch_used, flag cleared.
+ *  - acquire, LOADING: miss (+ prefetch_late when it is a prefetch load, + collision_misses
+ *    when evicted_pass[key] == pass_id); wait; then as a READY access but not counted again
+ *    (on_access, prefetch_used).  If that load failed, the waiter returns its error.
+ *  - acquire, absent: miss (+ collision check); lowest-numbered EMPTY slot, else victim()
+ *    among READY unpinned slots -> on_evict (evictions++, evicted_pass[key] = pass_id,
+ *    prefetch_wasted if still prefetched); on_insert(s, key, 0); load.  No candidate: wait
+ *    for a release or a finished load, then start over (without counting again).  Load
+ *    failure: on_evict(s, key), slot EMPTY, error returned; not an eviction.
+ *  - tick: +1 on each demand access (hit, miss, late) and each prefetch insert; the slot
+ *    touched records the new value in last_tick; set_policy replays slots by last_tick.
+ *  - prefetch(): keys resident or loading are skipped at request time; a queued key is
+ *    superseded (new priority, new seq).  The worker pops the highest (priority, -seq),
+ *    skips it if it became resident/loading, else takes the lowest EMPTY slot, else victim()
+ *    among READY unpinned slots with last_pass != pass_id (else prefetch_dropped++);
+ *    on_insert(s, key, 1), prefetch_issued++.
+ *  - a demand access that cannot find a slot waits forever if every slot stays pinned: size
+ *    the cache for (threads x top_k) pins at least.
  */
 #ifndef SMOE_CACHE_H
 #define SMOE_CACHE_H
@@ -28,7 +49,9 @@ typedef struct smoe_slot {
     uint8_t load_failed;/* [mu] the load into this slot failed; waiters report the error */
     int32_t pins;       /* [mu] number of acquires not yet released */
     uint64_t last_pass; /* [mu] pass id of the last demand access (0: never) */
-    uint64_t last_tick; /* [mu] access counter value at the last demand access or insert */
+    uint64_t last_tick; /* [mu] tick value at the last demand access or insert (see tick) */
+    uint32_t load_seq;  /* [mu] incremented each time a load into this slot starts */
+    uint32_t failed_seq;/* [mu] load_seq of the last load that failed (0: none) */
 } smoe_slot;
 
 typedef struct smoe_cache_stats {
@@ -40,6 +63,7 @@ typedef struct smoe_cache_stats {
     uint64_t prefetch_late;    /* demand found a prefetch still loading (a miss; waited) */
     uint64_t prefetch_wasted;  /* prefetched experts evicted before any demand use */
     uint64_t prefetch_dropped; /* prefetch requests dropped: no evictable slot */
+    uint64_t prefetch_failed;  /* prefetch loads that failed (store error; see worker_err) */
     uint64_t evictions;
     uint64_t bytes_read;       /* bytes this cache read from the store */
     double stall_s;            /* seconds callers blocked in acquire waiting for a load */
@@ -68,13 +92,18 @@ typedef struct smoe_cache {
     smoe_policy *policy;   /* owned; [mu] */
     smoe_cache_stats stats;/* [mu] */
     uint64_t pass_id;      /* [mu] current forward pass, starts at 1 */
-    uint64_t tick;         /* [mu] demand access counter */
+    uint64_t tick;         /* [mu] incremented on every demand access (hit, miss, late) and
+                              every prefetch insert; the slot touched gets the new value */
+    smoe_err *slot_err;    /* owned; [mu] per slot: the error of its last failed load */
+    uint32_t waiters;      /* [mu] threads waiting on cv (release broadcasts only if > 0) */
+    int32_t *qpos;         /* owned; [mu] per key: index in queue, or -1 when not queued */
 
     /* prefetch worker */
     pthread_t worker;
     int worker_started;    /* set once by init */
     int shutdown;          /* [mu] */
-    int worker_busy;       /* [mu] worker is loading a block */
+    int worker_busy;       /* [mu] worker is loading a block (or about to look at the queue) */
+    int worker_paused;     /* [mu] worker takes no new requests (smoe_cache_pause_worker) */
     smoe_prefetch_req *queue; /* owned; [mu] binary max-heap on (priority, -seq) */
     uint32_t queue_len, queue_cap; /* [mu] */
     uint64_t queue_seq;    /* [mu] */
@@ -87,8 +116,14 @@ typedef struct smoe_cache {
 int smoe_cache_init(smoe_cache *c, smoe_store *store, uint32_t nslots, uint32_t min_slots,
                     smoe_policy *policy, int prefetch_worker, smoe_err *err);
 
-/* Stop the worker (cancelling queued requests), wait for in-flight loads, free everything. */
+/* Stop the worker (cancelling queued requests), wait for in-flight loads, free everything.
+ * No other thread may be inside a cache call. */
 void smoe_cache_free(smoe_cache *c);
+
+/* Stop and join the prefetch worker (queued requests cancelled, an in-flight load finished).
+ * Idempotent; the cache stays usable for demand accesses; later prefetch calls fail with
+ * SMOE_ESTATE. */
+void smoe_cache_stop_worker(smoe_cache *c);
 
 /* Pin expert (layer, expert) and return its block in *data.  Hit: pin.  Loading: wait.
  * Miss: take a free or evictable slot (policy victim), load it from the store in the calling
@@ -117,8 +152,26 @@ void smoe_cache_cancel(smoe_cache *c, int32_t key);
 /* Block until the queue is empty and the worker idle (tests and benchmarks). */
 void smoe_cache_wait_idle(smoe_cache *c);
 
-/* Replace the policy keeping the cache contents (ownership of p passes to the cache). */
-void smoe_cache_set_policy(smoe_cache *c, smoe_policy *p);
+/* Pause (paused != 0) or resume the worker: while paused it starts no new load (a load in
+ * flight completes) and requests stay queued; wait_idle then waits only for the in-flight
+ * load.  Lets tests and callers batch requests, cancel or reprioritise them deterministically. */
+void smoe_cache_pause_worker(smoe_cache *c, int paused);
+
+/* Number of queued prefetch requests. */
+uint32_t smoe_cache_queue_len(smoe_cache *c);
+
+/* If a prefetch load failed since the last call, copy the first such error into err, forget
+ * it and return its code; 0 otherwise. */
+int smoe_cache_take_worker_error(smoe_cache *c, smoe_err *err);
+
+/* Replace the policy keeping the cache contents (ownership of p passes to the cache, also on
+ * failure).  The new policy gets on_insert(s, key, 0) for every resident slot (READY or
+ * LOADING), oldest last_tick first.  p must have been built for this cache's nslots,
+ * num_layers and num_experts (SMOE_EINVAL otherwise). */
+int smoe_cache_set_policy(smoe_cache *c, smoe_policy *p, smoe_err *err);
+
+/* Keys of the READY slots, in slot order, into keys (room for nslots); returns the count. */
+uint32_t smoe_cache_resident(smoe_cache *c, int32_t *keys);
 
 void smoe_cache_get_stats(smoe_cache *c, smoe_cache_stats *out);
 void smoe_cache_reset_stats(smoe_cache *c);

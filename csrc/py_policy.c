@@ -1,7 +1,615 @@
-/* Python binding for the policy area (placeholder: filled in by its own change). */
-#include "py_common.h"
+/* Python binding for the policy area: the _C.Policy type, the Python bridge policy
+ * ("python": eviction decided by a Python object, the slow path), _C.replay, and
+ * smoe_py_policy_take (py_policy.h) through which the cache and the simulator take a policy. */
+#include "py_numpy.h"
+#include "py_policy.h"
+#include "policy/replay.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------------ */
+/* The Python bridge.  Every callback takes the GIL itself (PyGILState_Ensure), because the
+ * cache calls policies from threads that do not hold it.  A callback that raises, or a victim
+ * answer that is not a candidate, is recorded in p->failure (SMOE_EPOLICY; the first failure
+ * wins) and the Python error is cleared before the GIL is released: no exception ever stays
+ * set across threads.  victim() then returns -1. */
+
+enum { PYB_INSERT, PYB_ACCESS, PYB_EVICT, PYB_PASS, PYB_VICTIM, PYB_N };
+static const char *const pyb_names[PYB_N] = {"on_insert", "on_access", "on_evict", "on_pass",
+                                             "victim"};
+
+typedef struct pyb_state {
+    PyObject *obj;
+    PyObject *meth[PYB_N]; /* bound methods, NULL when absent (victim is required) */
+    uint8_t *resident;     /* [nslots] */
+    uint32_t *cand;        /* [nslots] scratch for victim() */
+} pyb_state;
+
+/* Record the pending Python exception (GIL held) as the policy's failure and clear it. */
+static void pyb_fail_exc(smoe_policy *p, const char *what) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (p->failure.code == 0) {
+        const char *tname = type ? ((PyTypeObject *)type)->tp_name : "error";
+        PyObject *s = value ? PyObject_Str(value) : NULL;
+        const char *msg = s ? PyUnicode_AsUTF8(s) : NULL;
+        if (!msg) PyErr_Clear();
+        smoe_err_set(&p->failure, SMOE_EPOLICY, "python policy: %s raised %s: %s", what, tname,
+                     msg ? msg : "(unprintable)");
+        Py_XDECREF(s);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyErr_Clear();
+}
+
+static void pyb_call(smoe_policy *p, int which, const char *fmt, ...) {
+    pyb_state *st = p->state;
+    if (!st->meth[which]) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *args = Py_VaBuildValue(fmt, ap);
+    va_end(ap);
+    PyObject *r = args ? PyObject_CallObject(st->meth[which], args) : NULL;
+    Py_XDECREF(args);
+    if (!r) pyb_fail_exc(p, pyb_names[which]);
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+}
+
+static int pyb_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *err) {
+    (void)p;
+    (void)params;
+    return smoe_err_set(err, SMOE_EINVAL, "python policy: create it with pyobj= (a Python object)");
+}
+
+static void pyb_free(smoe_policy *p) {
+    pyb_state *st = p->state;
+    if (!st) return;
+    if (Py_IsInitialized()) {
+        PyGILState_STATE g = PyGILState_Ensure();
+        for (int i = 0; i < PYB_N; i++) Py_XDECREF(st->meth[i]);
+        Py_XDECREF(st->obj);
+        PyGILState_Release(g);
+    }
+    free(st->resident);
+    free(st->cand);
+    free(st);
+}
+
+static void pyb_insert(smoe_policy *p, uint32_t slot, int32_t key, int prefetch) {
+    pyb_state *st = p->state;
+    if (slot < p->nslots) st->resident[slot] = 1;
+    pyb_call(p, PYB_INSERT, "(IiO)", (unsigned)slot, (int)key, prefetch ? Py_True : Py_False);
+}
+
+static void pyb_access(smoe_policy *p, uint32_t slot, int32_t key) {
+    pyb_call(p, PYB_ACCESS, "(Ii)", (unsigned)slot, (int)key);
+}
+
+static void pyb_evict(smoe_policy *p, uint32_t slot, int32_t key) {
+    pyb_state *st = p->state;
+    if (slot < p->nslots) st->resident[slot] = 0;
+    pyb_call(p, PYB_EVICT, "(Ii)", (unsigned)slot, (int)key);
+}
+
+static void pyb_pass(smoe_policy *p, uint64_t pass_id) {
+    pyb_call(p, PYB_PASS, "(K)", (unsigned long long)pass_id);
+}
+
+static int32_t pyb_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {
+    pyb_state *st = p->state;
+    /* The candidates are computed before taking the GIL, so evictable() (which may look at
+     * caller state) is never called with the GIL held. */
+    uint32_t n = 0;
+    for (uint32_t s = 0; s < p->nslots; s++)
+        if (st->resident[s] && (!ok || ok(ctx, s))) st->cand[n++] = s;
+    if (n == 0) return -1;
+    int32_t ans = -1;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *cand = PyList_New(n), *r = NULL;
+    if (!cand) goto fail;
+    for (uint32_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(st->cand[i]);
+        if (!v) goto fail;
+        PyList_SET_ITEM(cand, i, v);
+    }
+    r = PyObject_CallOneArg(st->meth[PYB_VICTIM], cand);
+    if (!r) goto fail;
+    long v = PyLong_Check(r) ? PyLong_AsLong(r) : -1;
+    if (v == -1 && PyErr_Occurred()) goto fail;
+    int found = 0;
+    if (PyLong_Check(r))
+        for (uint32_t i = 0; i < n && !found; i++) found = (long)st->cand[i] == v;
+    if (!found) {
+        if (p->failure.code == 0) {
+            PyObject *rs = PyObject_Repr(r);
+            const char *m = rs ? PyUnicode_AsUTF8(rs) : NULL;
+            if (!m) PyErr_Clear();
+            smoe_err_set(&p->failure, SMOE_EPOLICY, "python policy: victim returned %s, which "
+                         "is not one of the %" PRIu32 " candidate slots it was given",
+                         m ? m : "(unprintable)", n);
+            Py_XDECREF(rs);
+        }
+        goto done;
+    }
+    ans = (int32_t)v;
+    goto done;
+fail:
+    pyb_fail_exc(p, "victim");
+done:
+    Py_XDECREF(cand);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyGILState_Release(g);
+    return ans;
+}
+
+static const smoe_policy_ops smoe_policy_python = {
+    .name = "python",
+    .init = pyb_init,
+    .free = pyb_free,
+    .on_insert = pyb_insert,
+    .on_access = pyb_access,
+    .on_evict = pyb_evict,
+    .on_pass = pyb_pass,
+    .victim = pyb_victim,
+};
+
+/* Build a bridge policy around obj (GIL held).  Returns NULL with a Python exception set. */
+static smoe_policy *pyb_create(PyObject *obj, const smoe_policy_params *params) {
+    smoe_policy *p = calloc(1, sizeof *p);
+    pyb_state *st = calloc(1, sizeof *st);
+    uint8_t *res = calloc(params->nslots, 1);
+    uint32_t *cand = malloc(params->nslots * sizeof *cand);
+    if (!p || !st || !res || !cand) {
+        free(p);
+        free(st);
+        free(res);
+        free(cand);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    st->resident = res;
+    st->cand = cand;
+    p->ops = &smoe_policy_python;
+    p->state = st;
+    p->nslots = params->nslots;
+    p->num_layers = params->num_layers;
+    p->num_experts = params->num_experts;
+    Py_INCREF(obj);
+    st->obj = obj;
+    for (int i = 0; i < PYB_N; i++) {
+        PyObject *m = PyObject_GetAttrString(obj, pyb_names[i]);
+        if (!m) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto fail;
+            PyErr_Clear();
+            continue;
+        }
+        if (m == Py_None) {
+            Py_DECREF(m);
+            continue;
+        }
+        if (!PyCallable_Check(m)) {
+            PyErr_Format(PyExc_TypeError, "python policy: %s of %R is not callable",
+                         pyb_names[i], obj);
+            Py_DECREF(m);
+            goto fail;
+        }
+        st->meth[i] = m;
+    }
+    if (!st->meth[PYB_VICTIM]) {
+        PyErr_Format(PyExc_TypeError, "python policy: %R has no victim(candidates) method", obj);
+        goto fail;
+    }
+    return p;
+fail:
+    smoe_policy_destroy(p);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* _C.Policy */
+
+typedef struct {
+    PyObject_HEAD
+    smoe_policy *p;  /* owned until taken; NULL after */
+    int taken;
+    char name[32];
+    uint32_t nslots, num_layers, num_experts;
+} PolicyObject;
+
+static PyTypeObject Policy_Type;
+
+static void Policy_dealloc(PolicyObject *self) {
+    smoe_policy_destroy(self->p);
+    self->p = NULL;
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Convert obj to a new contiguous int32 array of keys in 0..nkeys-1 (1-D).  what names the
+ * argument in errors.  Returns NULL with an exception set. */
+static PyArrayObject *keys_array(PyObject *obj, uint64_t nkeys, const char *what) {
+    PyArrayObject *a64 = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY);
+    if (!a64) return NULL;
+    if (PyArray_NDIM(a64) != 1) {
+        PyErr_Format(PyExc_ValueError, "%s must be a 1-D array of keys, got %d dimensions",
+                     what, PyArray_NDIM(a64));
+        Py_DECREF(a64);
+        return NULL;
+    }
+    npy_intp n = PyArray_DIM(a64, 0);
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
+    if (!out) {
+        Py_DECREF(a64);
+        return NULL;
+    }
+    const int64_t *src = PyArray_DATA(a64);
+    int32_t *dst = PyArray_DATA(out);
+    for (npy_intp i = 0; i < n; i++) {
+        if (src[i] < 0 || (uint64_t)src[i] >= nkeys) {
+            PyErr_Format(PyExc_ValueError, "%s: key %lld at position %zd is outside 0..%llu "
+                         "(num_layers*num_experts-1)", what, (long long)src[i], (Py_ssize_t)i,
+                         (unsigned long long)(nkeys - 1));
+            Py_DECREF(a64);
+            Py_DECREF(out);
+            return NULL;
+        }
+        dst[i] = (int32_t)src[i];
+    }
+    Py_DECREF(a64);
+    return out;
+}
+
+/* An int in lo..hi (inclusive) from a Python integer; -1 with an exception otherwise. */
+static int parse_range(PyObject *o, const char *what, long long lo, unsigned long long hi,
+                       unsigned long long *out) {
+    if (!PyIndex_Check(o) || PyBool_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, got %s", what, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    PyObject *i = PyNumber_Index(o);
+    if (!i) return -1;
+    int bad = 0;
+    unsigned long long u = 0;
+    int ovf = 0;
+    long long sv = PyLong_AsLongLongAndOverflow(i, &ovf);
+    if (sv == -1 && PyErr_Occurred()) PyErr_Clear(); /* not reached for an exact int */
+    if (ovf < 0 || (ovf == 0 && sv < 0)) { /* negative */
+        long long v = PyLong_AsLongLong(i);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            bad = 1;
+        } else if (v < lo) {
+            bad = 1;
+        } else {
+            u = (unsigned long long)v; /* only reached when lo < 0: callers pass lo >= 0 */
+        }
+    } else {
+        u = PyLong_AsUnsignedLongLong(i);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            bad = 1;
+        } else if (u > hi || (lo > 0 && u < (unsigned long long)lo)) {
+            bad = 1;
+        }
+    }
+    Py_DECREF(i);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "%s must be in %lld..%llu, got %R", what, lo, hi, o);
+        return -1;
+    }
+    *out = u;
+    return 0;
+}
+
+static int parse_order(PyObject *o, int32_t *out) {
+    if (PyUnicode_Check(o)) {
+        const char *s = PyUnicode_AsUTF8(o);
+        if (!s) return -1;
+        if (strcmp(s, "layer") == 0) *out = SMOE_LS_ORDER_LAYER;
+        else if (strcmp(s, "lru") == 0) *out = SMOE_LS_ORDER_LRU;
+        else if (strcmp(s, "fifo") == 0) *out = SMOE_LS_ORDER_FIFO;
+        else {
+            PyErr_Format(PyExc_ValueError, "order must be 'layer', 'lru' or 'fifo', got %R", o);
+            return -1;
+        }
+        return 0;
+    }
+    unsigned long long v;
+    if (parse_range(o, "order", 0, 2, &v) < 0) return -1;
+    *out = (int32_t)v;
+    return 0;
+}
+
+static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"name", "nslots", "num_layers", "num_experts", "seed", "order",
+                             "future", "pyobj", NULL};
+    const char *name;
+    PyObject *o_nslots, *o_nl, *o_ne, *o_seed = NULL, *o_order = NULL, *o_future = Py_None,
+                                           *o_pyobj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOO:Policy", kwlist, &name, &o_nslots,
+                                     &o_nl, &o_ne, &o_seed, &o_order, &o_future, &o_pyobj))
+        return -1;
+    if (self->p || self->taken) {
+        PyErr_SetString(PyExc_TypeError, "Policy objects cannot be re-initialised");
+        return -1;
+    }
+    unsigned long long nslots, nl, ne, seed = 0;
+    if (parse_range(o_nslots, "nslots", 1, UINT32_MAX, &nslots) < 0 ||
+        parse_range(o_nl, "num_layers", 1, UINT32_MAX, &nl) < 0 ||
+        parse_range(o_ne, "num_experts", 1, UINT32_MAX, &ne) < 0 ||
+        (o_seed && o_seed != Py_None && parse_range(o_seed, "seed", 0, UINT64_MAX, &seed) < 0))
+        return -1;
+    if (nl * ne > (unsigned long long)INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "num_layers*num_experts = %llu does not fit an int32 key",
+                     nl * ne);
+        return -1;
+    }
+    smoe_policy_params params = {.nslots = (uint32_t)nslots, .num_layers = (uint32_t)nl,
+                                 .num_experts = (uint32_t)ne, .seed = seed,
+                                 .order = SMOE_LS_ORDER_LAYER};
+    int is_py = strcmp(name, "python") == 0;
+    const smoe_policy_ops *ops = is_py ? NULL : smoe_policy_find(name);
+    if (!is_py && !ops) {
+        PyErr_Format(PyExc_ValueError, "unknown policy '%s'; valid names: %s, python", name,
+                     smoe_policy_names());
+        return -1;
+    }
+    /* seed= and order= are validated always and ignored by the policies that do not use them
+     * (so generic callers may pass them); future= and pyobj= must match the policy. */
+    if (o_order && o_order != Py_None && parse_order(o_order, &params.order) < 0) return -1;
+    if (o_pyobj != Py_None && !is_py) {
+        PyErr_Format(PyExc_ValueError, "pyobj= applies to the python policy only, not %s", name);
+        return -1;
+    }
+    if (o_future != Py_None && strcmp(name, "belady") != 0) {
+        PyErr_Format(PyExc_ValueError, "future= applies to belady only, not %s", name);
+        return -1;
+    }
+    smoe_policy *p = NULL;
+    if (is_py) {
+        if (o_pyobj == Py_None) {
+            PyErr_SetString(PyExc_ValueError, "the python policy needs pyobj= (an object with a "
+                            "victim(candidates) method)");
+            return -1;
+        }
+        p = pyb_create(o_pyobj, &params);
+        if (!p) return -1;
+    } else {
+        PyArrayObject *fut = NULL;
+        if (o_future != Py_None) {
+            fut = keys_array(o_future, nl * ne, "future");
+            if (!fut) return -1;
+            params.future = PyArray_DATA(fut);
+            params.future_len = (uint64_t)PyArray_DIM(fut, 0);
+        }
+        smoe_err err = {0};
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = smoe_policy_create(&p, ops, &params, &err);
+        Py_END_ALLOW_THREADS
+        Py_XDECREF(fut);
+        if (rc < 0) {
+            smoe_py_raise(&err);
+            return -1;
+        }
+    }
+    self->p = p;
+    snprintf(self->name, sizeof self->name, "%s", p->ops->name);
+    self->nslots = (uint32_t)nslots;
+    self->num_layers = (uint32_t)nl;
+    self->num_experts = (uint32_t)ne;
+    return 0;
+}
+
+static PyObject *Policy_repr(PolicyObject *self) {
+    return PyUnicode_FromFormat("<specmoe._C.Policy %s nslots=%u layers=%u experts=%u%s>",
+                                self->name[0] ? self->name : "?", (unsigned)self->nslots,
+                                (unsigned)self->num_layers, (unsigned)self->num_experts,
+                                self->taken ? " (in use)" : "");
+}
+
+static PyObject *Policy_get_name(PolicyObject *self, void *c) {
+    (void)c;
+    return PyUnicode_FromString(self->name);
+}
+static PyObject *Policy_get_nslots(PolicyObject *self, void *c) {
+    (void)c;
+    return PyLong_FromUnsignedLong(self->nslots);
+}
+static PyObject *Policy_get_num_layers(PolicyObject *self, void *c) {
+    (void)c;
+    return PyLong_FromUnsignedLong(self->num_layers);
+}
+static PyObject *Policy_get_num_experts(PolicyObject *self, void *c) {
+    (void)c;
+    return PyLong_FromUnsignedLong(self->num_experts);
+}
+static PyObject *Policy_get_in_use(PolicyObject *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(self->taken);
+}
+
+static PyGetSetDef Policy_getset[] = {
+    {"name", (getter)Policy_get_name, NULL, "Policy name (lru, lfu, ..., python).", NULL},
+    {"nslots", (getter)Policy_get_nslots, NULL, "Number of cache slots it was built for.", NULL},
+    {"num_layers", (getter)Policy_get_num_layers, NULL, "MoE layers it was built for.", NULL},
+    {"num_experts", (getter)Policy_get_num_experts, NULL, "Experts per layer.", NULL},
+    {"in_use", (getter)Policy_get_in_use, NULL,
+     "True once a cache, simulator or replay has taken the policy (it cannot be taken twice).",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+PyDoc_STRVAR(Policy_doc,
+"Policy(name, nslots, num_layers, num_experts, *, seed=0, order='layer', future=None, pyobj=None)\n"
+"\n"
+"An eviction policy in C for a cache of nslots slots over num_layers*num_experts expert keys.\n"
+"name: lru, lfu, fifo, mru, random (seed=), least_stale (order='layer'|'lru'|'fifo' or 0..2),\n"
+"belady (future= the demand key sequence), or python (pyobj= an object with victim(candidates)\n"
+"and optional on_insert/on_access/on_evict/on_pass; the slow path).  A Policy is consumed by\n"
+"the first cache, simulator or replay that takes it; taking it again raises PolicyError.");
+
+static PyTypeObject Policy_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.Policy",
+    .tp_basicsize = sizeof(PolicyObject),
+    .tp_dealloc = (destructor)Policy_dealloc,
+    .tp_repr = (reprfunc)Policy_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Policy_doc,
+    .tp_getset = Policy_getset,
+    .tp_init = (initproc)Policy_init,
+    .tp_new = PyType_GenericNew,
+};
+
+smoe_policy *smoe_py_policy_take(PyObject *obj, uint32_t nslots, uint32_t num_layers,
+                                 uint32_t num_experts) {
+    if (!PyObject_TypeCheck(obj, &Policy_Type)) {
+        PyErr_Format(PyExc_TypeError, "expected a specmoe._C.Policy (see specmoe.make_policy), "
+                     "got %s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PolicyObject *po = (PolicyObject *)obj;
+    if (po->taken) {
+        PyErr_Format(smoe_py_PolicyError, "policy %s already in use (a Policy serves one cache, "
+                     "simulator or replay; make a new one)", po->name);
+        return NULL;
+    }
+    if (!po->p) {
+        PyErr_SetString(PyExc_ValueError, "policy was not initialised");
+        return NULL;
+    }
+    if (po->nslots != nslots || po->num_layers != num_layers || po->num_experts != num_experts) {
+        PyErr_Format(PyExc_ValueError, "policy %s was built for nslots=%u, num_layers=%u, "
+                     "num_experts=%u but is used with nslots=%u, num_layers=%u, num_experts=%u",
+                     po->name, (unsigned)po->nslots, (unsigned)po->num_layers,
+                     (unsigned)po->num_experts, (unsigned)nslots, (unsigned)num_layers,
+                     (unsigned)num_experts);
+        return NULL;
+    }
+    smoe_policy *p = po->p;
+    po->p = NULL;
+    po->taken = 1;
+    return p;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* _C.replay */
+
+static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
+    (void)mod;
+    static char *kwlist[] = {"policy", "keys", "pass_starts", "mask_seed", NULL};
+    PyObject *o_pol, *o_keys, *o_ps = Py_None, *o_mask = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$O:replay", kwlist, &o_pol, &o_keys, &o_ps,
+                                     &o_mask))
+        return NULL;
+    if (!PyObject_TypeCheck(o_pol, &Policy_Type)) {
+        PyErr_Format(PyExc_TypeError, "replay: policy must be a specmoe._C.Policy, got %s",
+                     Py_TYPE(o_pol)->tp_name);
+        return NULL;
+    }
+    PolicyObject *po = (PolicyObject *)o_pol;
+    unsigned long long mask_seed = 0;
+    if (o_mask && parse_range(o_mask, "mask_seed", 0, UINT64_MAX, &mask_seed) < 0) return NULL;
+    PyArrayObject *keys = keys_array(o_keys, (uint64_t)po->num_layers * po->num_experts, "keys");
+    if (!keys) return NULL;
+    const npy_intp n = PyArray_DIM(keys, 0);
+    PyArrayObject *ps = NULL, *hits = NULL, *vic = NULL;
+    smoe_replay_opts opts = {NULL, 0, mask_seed};
+    if (o_ps != Py_None) {
+        if (!PyArray_Check(o_ps) && PyIndex_Check(o_ps) && !PyBool_Check(o_ps)) {
+            unsigned long long len;
+            if (parse_range(o_ps, "pass_starts (a pass length)", 1, UINT64_MAX, &len) < 0)
+                goto fail;
+            npy_intp np_ = n ? (npy_intp)((n + (npy_intp)len - 1) / (npy_intp)len) : 0;
+            ps = (PyArrayObject *)PyArray_SimpleNew(1, &np_, NPY_UINT64);
+            if (!ps) goto fail;
+            uint64_t *d = PyArray_DATA(ps);
+            for (npy_intp j = 0; j < np_; j++) d[j] = (uint64_t)j * len;
+        } else {
+            PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(o_ps, NPY_INT64,
+                                                                 NPY_ARRAY_IN_ARRAY);
+            if (!a) goto fail;
+            if (PyArray_NDIM(a) != 1) {
+                PyErr_SetString(PyExc_ValueError, "pass_starts must be an int (pass length) or a "
+                                "1-D array of access indices");
+                Py_DECREF(a);
+                goto fail;
+            }
+            const int64_t *src = PyArray_DATA(a);
+            for (npy_intp j = 0; j < PyArray_DIM(a, 0); j++)
+                if (src[j] < 0) {
+                    PyErr_Format(PyExc_ValueError, "pass_starts[%zd] = %lld is negative",
+                                 (Py_ssize_t)j, (long long)src[j]);
+                    Py_DECREF(a);
+                    goto fail;
+                }
+            ps = (PyArrayObject *)PyArray_Cast(a, NPY_UINT64);
+            Py_DECREF(a);
+            if (!ps) goto fail;
+        }
+        opts.pass_starts = PyArray_DATA(ps);
+        opts.npass = (uint64_t)PyArray_DIM(ps, 0);
+    }
+    hits = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_UINT8);
+    vic = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
+    if (!hits || !vic) goto fail;
+    smoe_policy *p = smoe_py_policy_take(o_pol, po->nslots, po->num_layers, po->num_experts);
+    if (!p) goto fail;
+    smoe_err err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_policy_replay(p, PyArray_DATA(keys), (uint64_t)n, &opts, PyArray_DATA(hits),
+                            PyArray_DATA(vic), &err);
+    Py_END_ALLOW_THREADS
+    smoe_policy_destroy(p);
+    if (rc < 0) {
+        smoe_py_raise(&err);
+        goto fail;
+    }
+    Py_DECREF(keys);
+    Py_XDECREF(ps);
+    return Py_BuildValue("(NN)", hits, vic);
+fail:
+    Py_XDECREF(keys);
+    Py_XDECREF(ps);
+    Py_XDECREF(hits);
+    Py_XDECREF(vic);
+    return NULL;
+}
+
+PyDoc_STRVAR(py_replay_doc,
+"replay(policy, keys, pass_starts=None, *, mask_seed=0) -> (hits, victims)\n"
+"\n"
+"Replay a demand-only sequence of expert keys through a fresh policy with the cache's\n"
+"semantics (free slots lowest first, then victim; no pins): hits uint8[n] (1 = hit) and\n"
+"victims int32[n] (the key evicted by access i, or -1).  pass_starts: None, an int pass\n"
+"length (passes start at 0, len, 2*len, ...) or sorted access indices at which on_pass(1),\n"
+"on_pass(2), ... are called.  mask_seed != 0 makes about 1 in 4 slots unevictable at each\n"
+"victim call (splitmix64 draws, see csrc/policy/replay.h); with no candidate the access\n"
+"bypasses the cache.  The policy is consumed (in_use afterwards).");
+
+static PyMethodDef policy_methods[] = {
+    {"replay", (PyCFunction)(void (*)(void))py_replay, METH_VARARGS | METH_KEYWORDS,
+     py_replay_doc},
+    {NULL, NULL, 0, NULL}};
 
 int smoe_py_policy_init(PyObject *m) {
-    (void)m;
+    if (PyType_Ready(&Policy_Type) < 0) return -1;
+    Py_INCREF(&Policy_Type);
+    if (PyModule_AddObject(m, "Policy", (PyObject *)&Policy_Type) < 0) {
+        Py_DECREF(&Policy_Type);
+        return -1;
+    }
+    if (PyModule_AddFunctions(m, policy_methods) < 0) return -1;
+    PyObject *names = PyUnicode_FromString(smoe_policy_names());
+    if (!names || PyModule_AddObject(m, "POLICY_NAMES", names) < 0) {
+        Py_XDECREF(names);
+        return -1;
+    }
     return 0;
 }

@@ -7,19 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Until py_policy.c provides the _C.Policy type, only built-in names are accepted.  The strong
- * definition in py_policy.c replaces this one at link time. */
-__attribute__((weak)) smoe_policy *smoe_py_policy_take(PyObject *obj, uint32_t nslots,
-                                                        uint32_t num_layers,
-                                                        uint32_t num_experts) {
-    (void)nslots;
-    (void)num_layers;
-    (void)num_experts;
-    PyErr_Format(PyExc_TypeError, "policy must be a policy name (str), got %.100s",
-                 Py_TYPE(obj)->tp_name);
-    return NULL;
-}
-
 static PyArrayObject *as_array(PyObject *o, int type, int ndim, const char *what) {
     PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(o, type, ndim, ndim,
                                                          NPY_ARRAY_IN_ARRAY);

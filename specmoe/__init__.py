@@ -10,6 +10,9 @@ from __future__ import annotations
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
 from .store import ExpertStore, write_store  # slow tier
 from .traces import Trace, TraceError, load_puffin, load_trace
+from .cache import ExpertCache, parse_capacity
+from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
+                       make_policy)
 from .hardware import Hardware, ModelCost  # simulator time model
 from .sim import Predictor, SimResult, simulate  # trace-driven simulator
 from .sweep import sweep  # simulator sweeps
@@ -27,6 +30,18 @@ __all__ = [
     "TraceError",
     "load_puffin",
     "load_trace",
+    "ExpertCache",
+    "parse_capacity",
+    "PolicySpec",
+    "LRU",
+    "LFU",
+    "FIFO",
+    "MRU",
+    "Random",
+    "LeastStale",
+    "Belady",
+    "PythonPolicy",
+    "make_policy",
     "Hardware",
     "ModelCost",
     "Predictor",

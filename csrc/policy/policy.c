@@ -5,11 +5,8 @@
 #include <string.h>
 
 static const smoe_policy_ops *const builtins[] = {
-    &smoe_policy_lru,
-#ifdef SMOE_HAVE_ALL_POLICIES
-    &smoe_policy_lfu, &smoe_policy_fifo, &smoe_policy_mru, &smoe_policy_random,
-    &smoe_policy_least_stale, &smoe_policy_belady,
-#endif
+    &smoe_policy_lru, &smoe_policy_lfu, &smoe_policy_fifo, &smoe_policy_mru,
+    &smoe_policy_random, &smoe_policy_least_stale, &smoe_policy_belady,
 };
 
 const smoe_policy_ops *smoe_policy_find(const char *name) {
@@ -19,11 +16,7 @@ const smoe_policy_ops *smoe_policy_find(const char *name) {
 }
 
 const char *smoe_policy_names(void) {
-#ifdef SMOE_HAVE_ALL_POLICIES
     return "lru, lfu, fifo, mru, random, least_stale, belady";
-#else
-    return "lru";
-#endif
 }
 
 int smoe_policy_create(smoe_policy **out, const smoe_policy_ops *ops,
@@ -32,6 +25,10 @@ int smoe_policy_create(smoe_policy **out, const smoe_policy_ops *ops,
     if (params->nslots == 0 || params->num_layers == 0 || params->num_experts == 0)
         return smoe_err_set(err, SMOE_EINVAL, "policy %s: nslots, num_layers and num_experts "
                             "must be positive", ops->name);
+    if ((uint64_t)params->num_layers * params->num_experts > (uint64_t)INT32_MAX)
+        return smoe_err_set(err, SMOE_EINVAL, "policy %s: num_layers*num_experts = %llu does "
+                            "not fit an int32 key", ops->name,
+                            (unsigned long long)params->num_layers * params->num_experts);
     smoe_policy *p = calloc(1, sizeof *p);
     if (!p) return smoe_err_set(err, SMOE_ENOMEM, "policy %s: out of memory", ops->name);
     p->ops = ops;

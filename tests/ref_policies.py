@@ -1,0 +1,280 @@
+"""Plain-Python reference eviction policies and replay, written from the contract in
+csrc/policy/policy.h and csrc/policy/replay.h (not from the C code) so the tests can check the
+C policies victim by victim.
+
+Every reference policy has the event methods of the C vtable and answers victim(candidates),
+where candidates are the evictable resident slots in increasing slot order, so each one can
+also be run through the Python bridge (the "python" policy) unchanged.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from typing import Sequence
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(state: int) -> tuple[int, int]:
+    """One splitmix64 step: returns (new_state, output)."""
+    state = (state + 0x9E3779B97F4A7C15) & MASK64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return state, z ^ (z >> 31)
+
+
+class RefPolicy:
+    def on_insert(self, slot: int, key: int, prefetch: bool) -> None:
+        pass
+
+    def on_access(self, slot: int, key: int) -> None:
+        pass
+
+    def on_evict(self, slot: int, key: int) -> None:
+        pass
+
+    def on_pass(self, pass_id: int) -> None:
+        pass
+
+    def victim(self, candidates: list[int]) -> int:
+        raise NotImplementedError
+
+
+class RefLRU(RefPolicy):
+    """Order of last touch (access or insert); evict the oldest candidate."""
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def on_insert(self, slot, key, prefetch):
+        self.order[slot] = None
+        self.order.move_to_end(slot)
+
+    def on_access(self, slot, key):
+        self.order.move_to_end(slot)
+
+    def on_evict(self, slot, key):
+        del self.order[slot]
+
+    def victim(self, candidates):
+        if len(candidates) == len(self.order):  # all evictable: skip building the set
+            return next(iter(self.order))
+        ok = set(candidates)
+        return next(s for s in self.order if s in ok)
+
+
+class RefFIFO(RefLRU):
+    """Order of insertion only."""
+
+    def on_access(self, slot, key):
+        pass
+
+
+class RefMRU(RefLRU):
+    """Evict the most recently touched candidate."""
+
+    def victim(self, candidates):
+        if len(candidates) == len(self.order):
+            return next(reversed(self.order))
+        ok = set(candidates)
+        return next(s for s in reversed(self.order) if s in ok)
+
+
+class RefLFU(RefPolicy):
+    """Count since insert (demand insert 1, prefetch 0, +1 per access); min count, then the
+    oldest touch."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.t = 0
+
+    def _touch(self, slot):
+        self.t += 1
+        self.last[slot] = self.t
+
+    def on_insert(self, slot, key, prefetch):
+        self.count[slot] = 0 if prefetch else 1
+        self._touch(slot)
+
+    def on_access(self, slot, key):
+        self.count[slot] += 1
+        self._touch(slot)
+
+    def on_evict(self, slot, key):
+        del self.count[slot]
+        del self.last[slot]
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda s: (self.count[s], self.last[s]))
+
+
+class RefRandom(RefPolicy):
+    """candidates[r % len(candidates)] with r the next splitmix64 output (state = seed)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.state = seed & MASK64
+
+    def victim(self, candidates):
+        self.state, r = splitmix64(self.state)
+        return candidates[r % len(candidates)]
+
+
+class RefLeastStale(RefPolicy):
+    """Stale (not touched since the last on_pass) first; inside each group by `order`."""
+
+    def __init__(self, num_layers: int, num_experts: int, order: str = "layer") -> None:
+        assert order in ("layer", "lru", "fifo")
+        self.L, self.E, self.order = num_layers, num_experts, order
+        self.key: dict[int, int] = {}
+        self.pass_of: dict[int, int] = {}
+        self.touched: dict[int, int] = {}
+        self.inserted: dict[int, int] = {}
+        self.t = 0
+        self.pass_id = 0
+        self.cur = 0
+
+    def on_insert(self, slot, key, prefetch):
+        self.t += 1
+        self.key[slot] = key
+        self.pass_of[slot] = self.pass_id
+        self.touched[slot] = self.inserted[slot] = self.t
+        if not prefetch:
+            self.cur = key // self.E
+
+    def on_access(self, slot, key):
+        self.t += 1
+        self.pass_of[slot] = self.pass_id
+        self.touched[slot] = self.t
+        self.cur = key // self.E
+
+    def on_evict(self, slot, key):
+        for d in (self.key, self.pass_of, self.touched, self.inserted):
+            del d[slot]
+
+    def on_pass(self, pass_id):
+        self.pass_id = pass_id
+
+    def _rank(self, s):
+        fresh = self.pass_of[s] == self.pass_id  # False (stale) sorts first
+        if self.order == "layer":
+            j = self.key[s] // self.E
+            dist = j - self.cur if j > self.cur else j - self.cur + self.L
+            return (fresh, -dist, self.touched[s])
+        if self.order == "lru":
+            return (fresh, self.touched[s])
+        return (fresh, self.inserted[s])
+
+    def victim(self, candidates):
+        return min(candidates, key=self._rank)
+
+
+class RefBelady(RefPolicy):
+    """Furthest next use (never = infinity), ties lowest slot.  A demand access of key k
+    consumes k's first occurrence at or after the cursor (cursor = that position + 1)."""
+
+    def __init__(self, future: Sequence[int]) -> None:
+        self.occ: dict[int, list[int]] = {}
+        for i, k in enumerate(future):
+            self.occ.setdefault(int(k), []).append(i)
+        self.n = len(future)
+        self.cursor = 0
+        self.key: dict[int, int] = {}
+
+    def _next(self, key):
+        lst = self.occ.get(key, [])
+        i = bisect.bisect_left(lst, self.cursor)
+        return lst[i] if i < len(lst) else self.n
+
+    def _demand(self, key):
+        q = self._next(key)
+        if q < self.n:
+            self.cursor = q + 1
+
+    def on_insert(self, slot, key, prefetch):
+        self.key[slot] = key
+        if not prefetch:
+            self._demand(key)
+
+    def on_access(self, slot, key):
+        self._demand(key)
+
+    def on_evict(self, slot, key):
+        del self.key[slot]
+
+    def victim(self, candidates):
+        best, best_q = None, -1
+        for s in candidates:  # slot order: strict > keeps the lowest slot on ties
+            q = self._next(self.key[s])
+            if q > best_q:
+                best, best_q = s, q
+        return best
+
+
+def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
+               pass_starts: Sequence[int] | int | None = None,
+               mask_seed: int = 0) -> tuple[list[int], list[int]]:
+    """Demand-only replay with the cache's semantics (replay.h): returns (hits, victim keys)."""
+    keys = [int(k) for k in keys]
+    if isinstance(pass_starts, int):
+        pass_starts = list(range(0, len(keys), pass_starts))
+    starts = {int(p): j + 1 for j, p in enumerate([] if pass_starts is None else pass_starts)}
+    where: dict[int, int] = {}  # key -> slot
+    holds: dict[int, int] = {}  # slot -> key
+    rng = mask_seed
+    every = list(range(nslots))
+    hits, victims = [], []
+    for i, k in enumerate(keys):
+        if i in starts:
+            policy.on_pass(starts[i])
+        if k in where:
+            hits.append(1)
+            victims.append(-1)
+            policy.on_access(where[k], k)
+            continue
+        hits.append(0)
+        if len(holds) < nslots:
+            s = len(holds)  # slots fill lowest first and are never freed
+            victims.append(-1)
+        else:
+            cands = every
+            if mask_seed:
+                cands = []
+                for t in range(nslots):
+                    rng, r = splitmix64(rng)
+                    if (r & 3) != 0:
+                        cands.append(t)
+            if not cands:
+                victims.append(-1)  # bypass
+                continue
+            s = policy.victim(cands)
+            assert s in cands
+            old = holds.pop(s)
+            del where[old]
+            policy.on_evict(s, old)
+            victims.append(old)
+        holds[s] = k
+        where[k] = s
+        policy.on_insert(s, k, False)
+    return hits, victims
+
+
+def make_ref(name: str, num_layers: int, num_experts: int, *, seed: int = 0,
+             order: str = "layer", future: Sequence[int] | None = None) -> RefPolicy:
+    if name == "lru":
+        return RefLRU()
+    if name == "fifo":
+        return RefFIFO()
+    if name == "mru":
+        return RefMRU()
+    if name == "lfu":
+        return RefLFU()
+    if name == "random":
+        return RefRandom(seed)
+    if name == "least_stale":
+        return RefLeastStale(num_layers, num_experts, order)
+    if name == "belady":
+        assert future is not None
+        return RefBelady(future)
+    raise ValueError(name)
