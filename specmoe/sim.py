@@ -11,8 +11,6 @@ hit and miss counts equal the live cache's on the same trace.  The time model is
 """
 from __future__ import annotations
 
-import math
-import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Union
@@ -140,47 +138,16 @@ PolicyArg = Union[str, Any, Callable[[int, int, int], Any]]
 
 def parse_capacity(cap: "int | float | str", *, num_layers: int, num_experts: int,
                    expert_bytes: float) -> int:
-    """Slots for a capacity: an int (or digit string) is a slot count; ``"10%"`` or a float in
-    (0, 1] a fraction of all ``num_layers * num_experts`` experts; ``"2GB"``, ``"512MiB"``,
-    ``"1.5GiB"``, ``"300MB"`` bytes of fast tier (``expert_bytes`` per slot).  At least 1."""
-    total = num_layers * num_experts
-    if isinstance(cap, bool):
-        raise TypeError("capacity must be an int, float or string, not bool")
-    if isinstance(cap, (int, np.integer)):
-        slots = int(cap)
-    elif isinstance(cap, (float, np.floating)):
-        if not 0 < cap <= 1:
-            raise ValueError(f"a float capacity is a fraction in (0, 1], got {cap}")
-        slots = int(math.floor(float(cap) * total + 1e-9))
-    elif isinstance(cap, str):
-        s = cap.strip()
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", s)
-        b = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B)", s, re.IGNORECASE)
-        if s.isdigit():
-            slots = int(s)
-        elif m:
-            frac = float(m.group(1)) / 100
-            if not 0 < frac <= 1:
-                raise ValueError(f"capacity {cap!r}: a percentage must be in (0, 100]")
-            slots = int(math.floor(frac * total + 1e-9))
-        elif b:
-            unit = b.group(2).upper()
-            mult = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit[0]]
-            if "I" in unit:
-                mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit[0]]
-            slots = int(float(b.group(1)) * mult // expert_bytes)
-        else:
-            try:
-                return parse_capacity(float(s), num_layers=num_layers, num_experts=num_experts,
-                                      expert_bytes=expert_bytes)
-            except ValueError:
-                raise ValueError(f"bad capacity {cap!r}: use slots (40), a percentage (10%), a "
-                                 f"fraction (0.1) or bytes (2GB, 512MiB)") from None
-    else:
-        raise TypeError(f"capacity must be an int, float or string, got {type(cap).__name__}")
-    if slots < 1:
-        raise ValueError(f"capacity {cap!r} is less than one expert slot")
-    return min(slots, total)
+    """Slots for a capacity: an int or a digit string is a slot count; ``"10%"`` or a float
+    in (0, 1] a fraction of all ``num_layers * num_experts`` experts; ``"2GB"``, ``"512MiB"``
+    bytes of fast tier (``expert_bytes`` per slot).  Capped at all experts; ValueError below
+    one slot.  (The cache's :func:`specmoe.parse_capacity` with digit strings as slots.)"""
+    from .cache import parse_capacity as cache_capacity
+
+    if isinstance(cap, str) and cap.strip().isdigit():
+        cap = int(cap.strip())
+    return cache_capacity(cap, total_experts=num_layers * num_experts,
+                          slot_bytes=max(1, int(round(expert_bytes))))
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
