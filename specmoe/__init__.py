@@ -13,6 +13,7 @@ from .traces import Trace, TraceError, load_puffin, load_trace
 from .cache import ExpertCache, parse_capacity
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
                        make_policy)
+from . import kernels, quant  # expert FFN kernels and weight formats
 from .hardware import Hardware, ModelCost  # simulator time model
 from .sim import Predictor, SimResult, simulate  # trace-driven simulator
 from .sweep import sweep  # simulator sweeps
