@@ -133,38 +133,44 @@ _CALIBRATED: Hardware | None = None
 
 
 def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = False,
-              directory: str | None = None) -> Hardware:
-    """Measure a profile on this machine (cached for the process; ``refresh`` re-measures).
+              directory: str | None = None, expert_shape: tuple[int, int] = (2048, 1408)
+              ) -> Hardware:
+    """Measure a profile on this machine with the real kernels and store (cached for the
+    process; ``refresh`` re-measures).  Takes about a second.
 
-    ``link_bw`` / ``link_latency_s``: the real slow tier.  A specmoe store of ``blocks``
-    experts of ``block_bytes`` is written in ``directory`` (default: the temp dir) and read
-    back block by block through :class:`specmoe.ExpertStore` with O_DIRECT (where the
-    filesystem allows it; otherwise after asking the kernel to drop the file from the page
-    cache), CRC checks on: the path a cache miss takes.  The latency is the intercept of a
-    line through the read times of full blocks and of a 1-block-per-expert store of 4 KiB.
-    ``fast_bw``: a float32 matrix-vector product over ``block_bytes`` of weights, repeated
-    (memory-bound, like a decode step's expert kernels).  ``flops``: a float32 matrix
-    product.  Takes about a second.
+    ``fast_bw``: bytes of one bf16 expert of ``expert_shape`` = (hidden H, intermediate I)
+    (default DeepSeek-V2-Lite's) divided by the time of one batch-1 call of the C expert
+    kernel (:func:`specmoe.kernels.ffn`, best of 10): the decode step the time model charges.
+    ``flops``: the same kernel on 64 tokens.  ``link_bw`` / ``link_latency_s``: a specmoe store
+    of ``blocks`` blocks of ``block_bytes`` is written in ``directory`` (default: the temp dir)
+    and read back block by block through :class:`specmoe.ExpertStore` with O_DIRECT (where
+    the filesystem allows it; the file is also dropped from the page cache), CRC checks on: the
+    path a cache miss takes.  The latency is the intercept of the line through the read times
+    of ``block_bytes`` and 4 KiB blocks.
     """
     global _CALIBRATED
     if _CALIBRATED is not None and not refresh:
         return _CALIBRATED
-    rng = np.random.default_rng(0)
-    cols = 4096
-    w = rng.standard_normal((block_bytes // 4 // cols, cols), dtype=np.float32)
-    x = rng.standard_normal(cols, dtype=np.float32)
-    w @ x
-    t0 = time.perf_counter()
-    for _ in range(blocks):
-        w @ x
-    fast_bw = blocks * w.nbytes / (time.perf_counter() - t0)
+    from . import kernels, quant
 
-    a = rng.standard_normal((512, 512), dtype=np.float32)
-    a @ a
-    t0 = time.perf_counter()
-    for _ in range(4):
-        a @ a
-    flops = 4 * 2 * 512**3 / (time.perf_counter() - t0)
+    H, I = expert_shape
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((I, H), dtype=np.float32) * 0.02
+    d = rng.standard_normal((H, I), dtype=np.float32) * 0.02
+    block, entries = kernels.pack_block(quant.expert_tensors(g, g, d, "bf16"))
+    spec = kernels.FFNSpec.from_store_schema(entries, block_bytes=block.nbytes)
+
+    def best(x: np.ndarray, reps: int) -> float:
+        kernels.ffn(block, x, spec=spec)
+        t = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            kernels.ffn(block, x, spec=spec)
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    fast_bw = spec.weight_bytes / best(rng.standard_normal((1, H), dtype=np.float32), 10)
+    flops = 2 * 3 * H * I * 64 / best(rng.standard_normal((64, H), dtype=np.float32), 3)
 
     big = _store_read_time(block_bytes, blocks, directory)
     small = _store_read_time(4096, blocks, directory)
@@ -173,8 +179,9 @@ def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = 
     latency = max(small - 4096 * per_byte, 0.0)
     _CALIBRATED = Hardware(name="calibrate", fast_bw=fast_bw, link_bw=link_bw,
                            link_latency_s=latency, flops=flops,
-                           description="measured on this machine by specmoe.hardware.calibrate "
-                                       "(ExpertStore reads, numpy matvec)")
+                           description=f"measured on this machine by specmoe.hardware.calibrate "
+                                       f"(bf16 expert kernel, {kernels.isa()}, "
+                                       f"{kernels.num_threads()} threads; ExpertStore reads)")
     return _CALIBRATED
 
 
