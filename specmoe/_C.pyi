@@ -177,3 +177,13 @@ class NgramDrafter:
     @property
     def min_n(self) -> int: ...
 # --- end spec ---
+
+# --- sim ---
+def simulate(experts: np.ndarray, num_experts: int, policy: Any, nslots: int, *,
+             logits: np.ndarray | None = None, predictor: int = 0, depth: int = 1, topk: int = 0,
+             percentile: float = 0.0, history: int = 16, cooc_weight: float = 0.8,
+             expert_bytes: float, fast_bw: float, link_bw: float, link_latency_s: float,
+             layer_fixed_s: float = 0.0, token_fixed_s: float = 0.0, seed: int = 0,
+             order: int = 0) -> dict[str, float]:
+    """Replay a routing trace through the simulated cache; see specmoe.sim.simulate."""
+# --- end sim ---

@@ -16,6 +16,9 @@ from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, Pyth
 from . import kernels, quant  # expert FFN kernels and weight formats
 from .spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK,  # speculation
                    measure_tau)
+from .hardware import Hardware, ModelCost  # simulator time model
+from .sim import Predictor, SimResult, simulate  # trace-driven simulator
+from .sweep import sweep  # simulator sweeps
 
 __version__ = "0.1.0"
 
@@ -48,4 +51,10 @@ __all__ = [
     "SpeqGovernor",
     "NgramDrafter",
     "measure_tau",
+    "Hardware",
+    "ModelCost",
+    "Predictor",
+    "SimResult",
+    "simulate",
+    "sweep",
 ]
