@@ -25,5 +25,6 @@ int smoe_py_cache_init(PyObject *m);
 int smoe_py_kernels_init(PyObject *m);
 int smoe_py_sim_init(PyObject *m);
 int smoe_py_moe_init(PyObject *m);
+int smoe_py_spec_init(PyObject *m);
 
 #endif

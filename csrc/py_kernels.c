@@ -1,7 +1,381 @@
-/* Python binding for the kernels area (placeholder: filled in by its own change). */
-#include "py_common.h"
+/* Python binding of the kernels area: specmoe._C.KernelContext (thread pool + ISA) with
+ * ffn_forward and read_bw.  Every argument is validated here; the C kernels trust it. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "py_kernels.h"
+#include "py_numpy.h"
+
+typedef struct {
+    PyObject_HEAD
+    smoe_kctx ctx;
+    int ready;
+} KernelContextObject;
+
+static PyTypeObject KernelContextType;
+
+smoe_kctx *smoe_py_kctx(PyObject *obj) {
+    if (!PyObject_TypeCheck(obj, &KernelContextType)) {
+        PyErr_Format(PyExc_TypeError, "expected specmoe._C.KernelContext, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    KernelContextObject *k = (KernelContextObject *)obj;
+    if (!k->ready) {
+        PyErr_SetString(PyExc_ValueError, "KernelContext is not initialised");
+        return NULL;
+    }
+    return &k->ctx;
+}
+
+static int kc_init(KernelContextObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"threads", NULL};
+    int threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|i:KernelContext", kwlist, &threads)) return -1;
+    if (threads < 0) {
+        PyErr_Format(PyExc_ValueError, "threads must be >= 0 (0: all cores), got %d", threads);
+        return -1;
+    }
+    if (self->ready) {
+        smoe_kctx_free(&self->ctx);
+        self->ready = 0;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_kctx_init(&self->ctx, (uint32_t)threads, &err) != 0) {
+        smoe_py_raise(&err);
+        return -1;
+    }
+    self->ready = 1;
+    return 0;
+}
+
+static void kc_dealloc(KernelContextObject *self) {
+    if (self->ready) {
+        Py_BEGIN_ALLOW_THREADS
+        smoe_kctx_free(&self->ctx);
+        Py_END_ALLOW_THREADS
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int isa_from_name(const char *s) {
+    if (strcmp(s, "auto") == 0) return -1;
+    for (int i = SMOE_ISA_SCALAR; i <= SMOE_ISA_AVX512; i++)
+        if (strcmp(s, smoe_isa_name(i)) == 0) return i;
+    return -2;
+}
+
+static PyObject *kc_set_isa(KernelContextObject *self, PyObject *arg) {
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    if (!c) return NULL;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "set_isa expects a str: scalar, avx2, avx512 or auto");
+        return NULL;
+    }
+    const char *s = PyUnicode_AsUTF8(arg);
+    if (!s) return NULL;
+    int isa = isa_from_name(s);
+    if (isa == -2) {
+        PyErr_Format(PyExc_ValueError, "unknown ISA %R: expected scalar, avx2, avx512 or auto",
+                     arg);
+        return NULL;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_kctx_set_isa(c, isa, &err) != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *kc_set_threads(KernelContextObject *self, PyObject *arg) {
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    if (!c) return NULL;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || n > 1024) {
+        PyErr_Format(PyExc_ValueError, "threads must be in [0, 1024] (0: all cores), got %ld", n);
+        return NULL;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_kctx_set_threads(c, (uint32_t)n, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *kc_get_isa(KernelContextObject *self, void *closure) {
+    (void)closure;
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    return c ? PyUnicode_FromString(smoe_isa_name(c->isa)) : NULL;
+}
+static PyObject *kc_get_isa_max(KernelContextObject *self, void *closure) {
+    (void)closure;
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    return c ? PyUnicode_FromString(smoe_isa_name(c->isa_max)) : NULL;
+}
+static PyObject *kc_get_threads(KernelContextObject *self, void *closure) {
+    (void)closure;
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    return c ? PyLong_FromUnsignedLong(c->nthreads) : NULL;
+}
+static PyObject *kc_get_features(KernelContextObject *self, void *closure) {
+    (void)closure;
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    if (!c) return NULL;
+    return Py_BuildValue("{s:O,s:O}", "avx512_bf16", c->has_bf16 ? Py_True : Py_False,
+                         "avx512_vnni", c->has_vnni ? Py_True : Py_False);
+}
+
+/* ---- descriptor ---- */
+
+static int dict_u64(PyObject *dict, const char *key, uint64_t *out, int required) {
+    PyObject *v = PyDict_GetItemString(dict, key); /* borrowed */
+    if (!v || v == Py_None) {
+        if (required) {
+            PyErr_Format(PyExc_ValueError, "FFN descriptor: missing %s", key);
+            return -1;
+        }
+        *out = SMOE_NO_TENSOR;
+        return 0;
+    }
+    unsigned long long x = PyLong_AsUnsignedLongLong(v);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "FFN descriptor: %s must be a non-negative int, got %R",
+                     key, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+int smoe_py_ffn_desc_parse(PyObject *dict, uint64_t block_bytes, smoe_ffn_desc *d) {
+    if (!PyDict_Check(dict)) {
+        PyErr_SetString(PyExc_TypeError, "FFN descriptor must be a dict (FFNSpec.desc())");
+        return -1;
+    }
+    uint64_t hid, inter, dt, act, group;
+    if (dict_u64(dict, "H", &hid, 1) || dict_u64(dict, "I", &inter, 1) ||
+        dict_u64(dict, "dtype", &dt, 1) || dict_u64(dict, "act", &act, 1) ||
+        dict_u64(dict, "group", &group, 0))
+        return -1;
+    if (hid > UINT32_MAX || inter > UINT32_MAX || dt > 100 || act > 100 ||
+        (group != SMOE_NO_TENSOR && group > UINT32_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "FFN descriptor: field out of range");
+        return -1;
+    }
+    smoe_ffn_desc_default(d, (uint32_t)hid, (uint32_t)inter, (int32_t)dt, (int32_t)act);
+    if (group != SMOE_NO_TENSOR) d->group = (uint32_t)group;
+    PyObject *v;
+    if ((v = PyDict_GetItemString(dict, "alpha")) && v != Py_None) {
+        double a = PyFloat_AsDouble(v);
+        if (a == -1.0 && PyErr_Occurred()) return -1;
+        d->alpha = (float)a;
+    }
+    if ((v = PyDict_GetItemString(dict, "limit")) && v != Py_None) {
+        double a = PyFloat_AsDouble(v);
+        if (a == -1.0 && PyErr_Occurred()) return -1;
+        d->limit = (float)a;
+    }
+    if (dict_u64(dict, "gate", &d->gate, 1) || dict_u64(dict, "up", &d->up, 1) ||
+        dict_u64(dict, "down", &d->down, 1) || dict_u64(dict, "gate_scale", &d->gate_scale, 0) ||
+        dict_u64(dict, "up_scale", &d->up_scale, 0) ||
+        dict_u64(dict, "down_scale", &d->down_scale, 0) ||
+        dict_u64(dict, "gate_bias", &d->gate_bias, 0) ||
+        dict_u64(dict, "up_bias", &d->up_bias, 0) ||
+        dict_u64(dict, "down_bias", &d->down_bias, 0))
+        return -1;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_ffn_desc_check(d, block_bytes, &err) != 0) {
+        smoe_py_raise(&err);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- ffn_forward ---- */
+
+static PyArrayObject *as_array(PyObject *o, int typenum, int ndim, const char *name, int write) {
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_ValueError, "%s must be a numpy array", name);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (PyArray_TYPE(a) != typenum) {
+        PyArray_Descr *want = PyArray_DescrFromType(typenum);
+        PyErr_Format(PyExc_ValueError, "%s must have dtype %S, got %S", name, (PyObject *)want,
+                     (PyObject *)PyArray_DESCR(a));
+        Py_XDECREF(want);
+        return NULL;
+    }
+    if (PyArray_NDIM(a) != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s must be %d-dimensional, got %d dimensions", name, ndim,
+                     PyArray_NDIM(a));
+        return NULL;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous and aligned", name);
+        return NULL;
+    }
+    if (write && !PyArray_ISWRITEABLE(a)) {
+        PyErr_Format(PyExc_ValueError, "%s must be writeable", name);
+        return NULL;
+    }
+    return a;
+}
+
+static PyObject *kc_ffn_forward(KernelContextObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"desc", "block", "x", "out", "rows", "scale", NULL};
+    PyObject *desc_o, *block_o, *x_o, *out_o, *rows_o = Py_None, *scale_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|OO:ffn_forward", kwlist, &desc_o, &block_o,
+                                     &x_o, &out_o, &rows_o, &scale_o))
+        return NULL;
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    if (!c) return NULL;
+    PyArrayObject *block = as_array(block_o, NPY_UINT8, 1, "block", 0);
+    if (!block) return NULL;
+    smoe_ffn_desc d;
+    if (smoe_py_ffn_desc_parse(desc_o, (uint64_t)PyArray_SIZE(block), &d) < 0) return NULL;
+    PyArrayObject *x = as_array(x_o, NPY_FLOAT32, 2, "x", 0);
+    if (!x) return NULL;
+    PyArrayObject *out = as_array(out_o, NPY_FLOAT32, 2, "out", 1);
+    if (!out) return NULL;
+    if (PyArray_DIM(x, 1) != (npy_intp)d.H || PyArray_DIM(out, 1) != (npy_intp)d.H) {
+        PyErr_Format(PyExc_ValueError,
+                     "x has %zd columns and out %zd, the expert's hidden size is %u",
+                     (Py_ssize_t)PyArray_DIM(x, 1), (Py_ssize_t)PyArray_DIM(out, 1), d.H);
+        return NULL;
+    }
+    npy_intp nx = PyArray_DIM(x, 0), nout = PyArray_DIM(out, 0);
+    npy_intp T = nx;
+    const int32_t *rows = NULL;
+    if (rows_o != Py_None) {
+        PyArrayObject *r = as_array(rows_o, NPY_INT32, 1, "rows", 0);
+        if (!r) return NULL;
+        T = PyArray_DIM(r, 0);
+        rows = (const int32_t *)PyArray_DATA(r);
+        for (npy_intp t = 0; t < T; t++)
+            if (rows[t] < 0 || rows[t] >= nx || rows[t] >= nout) {
+                PyErr_Format(PyExc_ValueError,
+                             "rows[%zd] = %d is outside x (%zd rows) or out (%zd rows)",
+                             (Py_ssize_t)t, rows[t], (Py_ssize_t)nx, (Py_ssize_t)nout);
+                return NULL;
+            }
+    } else if (nout < nx) {
+        PyErr_Format(PyExc_ValueError, "out has %zd rows, fewer than x (%zd)", (Py_ssize_t)nout,
+                     (Py_ssize_t)nx);
+        return NULL;
+    }
+    if (T > (npy_intp)UINT32_MAX / 2) {
+        PyErr_SetString(PyExc_ValueError, "too many tokens");
+        return NULL;
+    }
+    const float *scale = NULL;
+    if (scale_o != Py_None) {
+        PyArrayObject *s = as_array(scale_o, NPY_FLOAT32, 1, "scale", 0);
+        if (!s) return NULL;
+        if (PyArray_DIM(s, 0) != T) {
+            PyErr_Format(PyExc_ValueError, "scale has %zd entries for %zd tokens",
+                         (Py_ssize_t)PyArray_DIM(s, 0), (Py_ssize_t)T);
+            return NULL;
+        }
+        scale = (const float *)PyArray_DATA(s);
+    }
+    if (T == 0) Py_RETURN_NONE;
+    size_t sb = smoe_ffn_scratch_bytes(&d, (uint32_t)T);
+    void *scratch = malloc(sb);
+    if (!scratch) return PyErr_NoMemory();
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    /* The arrays stay referenced by the argument tuple for the whole call. */
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_ffn_forward(c, &d, (const uint8_t *)PyArray_DATA(block),
+                          (const float *)PyArray_DATA(x), d.H, rows, scale, (uint32_t)T,
+                          (float *)PyArray_DATA(out), d.H, scratch, &err);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *kc_read_bw(KernelContextObject *self, PyObject *args) {
+    PyObject *buf_o;
+    unsigned int iters;
+    if (!PyArg_ParseTuple(args, "OI:read_bw", &buf_o, &iters)) return NULL;
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    if (!c) return NULL;
+    PyArrayObject *buf = as_array(buf_o, NPY_UINT8, 1, "buffer", 0);
+    if (!buf) return NULL;
+    if (PyArray_SIZE(buf) == 0 || iters == 0) {
+        PyErr_SetString(PyExc_ValueError, "read_bw needs a non-empty buffer and iters >= 1");
+        return NULL;
+    }
+    double bps = 0.0;
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_read_bw(c, (const uint8_t *)PyArray_DATA(buf), (size_t)PyArray_SIZE(buf), iters,
+                      &bps, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    return PyFloat_FromDouble(bps);
+}
+
+static PyObject *kc_scratch_bytes(KernelContextObject *self, PyObject *args) {
+    (void)self;
+    PyObject *desc_o;
+    unsigned int T;
+    if (!PyArg_ParseTuple(args, "OI:scratch_bytes", &desc_o, &T)) return NULL;
+    smoe_ffn_desc d;
+    if (smoe_py_ffn_desc_parse(desc_o, 0, &d) < 0) return NULL;
+    return PyLong_FromSize_t(smoe_ffn_scratch_bytes(&d, T));
+}
+
+static PyMethodDef kc_methods[] = {
+    {"set_isa", (PyCFunction)kc_set_isa, METH_O,
+     "set_isa(name): use 'scalar', 'avx2', 'avx512' (if supported) or 'auto' (best)."},
+    {"set_threads", (PyCFunction)kc_set_threads, METH_O,
+     "set_threads(n): restart the pool with n threads (0: all cores)."},
+    {"ffn_forward", (PyCFunction)(void (*)(void))kc_ffn_forward, METH_VARARGS | METH_KEYWORDS,
+     "ffn_forward(desc, block, x, out, rows=None, scale=None): out[r] += scale * FFN(x[r])."},
+    {"read_bw", (PyCFunction)kc_read_bw, METH_VARARGS,
+     "read_bw(buffer, iters) -> bytes/s of a vectorized multithreaded read of buffer."},
+    {"scratch_bytes", (PyCFunction)kc_scratch_bytes, METH_VARARGS,
+     "scratch_bytes(desc, tokens) -> scratch bytes one call needs."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef kc_getset[] = {
+    {"isa", (getter)kc_get_isa, NULL, "ISA in use.", NULL},
+    {"isa_max", (getter)kc_get_isa_max, NULL, "Best ISA this CPU supports.", NULL},
+    {"threads", (getter)kc_get_threads, NULL, "Threads per call (including the caller).", NULL},
+    {"features", (getter)kc_get_features, NULL, "CPU extensions detected.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject KernelContextType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.KernelContext",
+    .tp_basicsize = sizeof(KernelContextObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "KernelContext(threads=0): persistent thread pool and ISA choice for the expert "
+              "FFN kernels.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)kc_init,
+    .tp_dealloc = (destructor)kc_dealloc,
+    .tp_methods = kc_methods,
+    .tp_getset = kc_getset,
+};
 
 int smoe_py_kernels_init(PyObject *m) {
-    (void)m;
+    if (PyType_Ready(&KernelContextType) < 0) return -1;
+    Py_INCREF(&KernelContextType);
+    if (PyModule_AddObject(m, "KernelContext", (PyObject *)&KernelContextType) < 0) {
+        Py_DECREF(&KernelContextType);
+        return -1;
+    }
     return 0;
 }

@@ -5,11 +5,12 @@
  * the cache binding provides it, a _C cache object.  The call releases the GIL for the whole
  * layer. */
 #include "py_common.h"
-#include "py_numpy.h"
-
+/* kernels.h before numpy: <complex.h> (pulled in by numpy) defines the macro I */
 #include "cache.h"
 #include "moe.h"
+#include "py_kernels.h"
 #include "py_cache.h"
+#include "py_numpy.h"
 
 typedef struct resident_src {
     const uint8_t *base;
@@ -44,34 +45,6 @@ static int cache_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *e
     return smoe_cache_release(ctx, layer, expert, err);
 }
 
-static int parse_layout(PyObject *t, smoe_moe_layout *lo) {
-    long long off[6];
-    unsigned long long bb;
-    if (!PyArg_ParseTuple(t, "IIiiffKLLLLLL;layout must be (hidden, inter, dtype, act, alpha, "
-                             "limit, block_bytes, off_gate, off_up, off_down, off_bgate, off_bup, "
-                             "off_bdown)",
-                          &lo->hidden, &lo->inter, &lo->dtype, &lo->act, &lo->alpha, &lo->limit,
-                          &bb, &off[0], &off[1], &off[2], &off[3], &off[4], &off[5]))
-        return -1;
-    lo->block_bytes = bb;
-    uint64_t *dst[6] = {&lo->off_gate, &lo->off_up,  &lo->off_down,
-                        &lo->off_bgate, &lo->off_bup, &lo->off_bdown};
-    for (int i = 0; i < 6; i++) {
-        if (off[i] < -1) {
-            PyErr_Format(PyExc_ValueError, "layout offset %lld is negative", off[i]);
-            return -1;
-        }
-        *dst[i] = off[i] < 0 ? SMOE_MOE_NONE : (uint64_t)off[i];
-    }
-    smoe_err e;
-    smoe_err_clear(&e);
-    if (smoe_moe_layout_check(lo, &e)) {
-        smoe_py_raise(&e);
-        return -1;
-    }
-    return 0;
-}
-
 static PyArrayObject *want(PyObject *o, const char *name, int type, int ndim, int writable) {
     if (!PyArray_Check(o)) {
         PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
@@ -90,25 +63,34 @@ static PyArrayObject *want(PyObject *o, const char *name, int type, int ndim, in
 }
 
 PyDoc_STRVAR(moe_forward_doc,
-             "moe_forward(source, layout, layer, num_experts, x, idx, w, out, used=None)\n\n"
-             "out[T,H] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for one MoE layer, in C with the "
-             "GIL released.\nsource: a buffer with every expert block in store order.  layout: "
-             "(hidden, inter, dtype 0=f32 1=bf16, act 0=silu 1=gpt-oss, alpha, limit, "
-             "block_bytes, off_gate, off_up, off_down, off_bgate, off_bup, off_bdown; -1 = "
-             "absent).  x, w, out float32; idx int64; used: uint8[num_experts] set to 1 per "
-             "expert used.");
+             "moe_forward(source, kctx, desc, block_bytes, layer, num_experts, x, idx, w, out, "
+             "used=None)\n\n"
+             "out[T,H] = sum_j w[t,j] * expert_{idx[t,j]}(x[t]) for one MoE layer, in C with the "
+             "GIL released.\nsource: a _C.Cache, or a buffer holding every expert block in store "
+             "order (block (layer, e) at (layer * num_experts + e) * block_bytes).  kctx: a "
+             "_C.KernelContext or None (single thread).  desc: the expert FFN descriptor dict "
+             "(specmoe.kernels.FFNSpec.desc()).  x, w, out: float32 [T,H], [T,k], [T,H]; idx: "
+             "int64 [T,k]; used: uint8[num_experts], set to 1 per expert used.");
 
 static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"source", "layout", "layer", "num_experts", "x", "idx", "w",
-                             "out", "used", NULL};
-    PyObject *source, *layout_t, *xo, *io, *wo, *oo, *uo = Py_None;
+    static char *kwlist[] = {"source", "kctx", "desc", "block_bytes", "layer", "num_experts",
+                             "x", "idx", "w", "out", "used", NULL};
+    PyObject *source, *kco, *desc, *xo, *io, *wo, *oo, *uo = Py_None;
+    unsigned long long block_bytes;
     unsigned int layer, E;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!IIOOOO|O", kwlist, &source, &PyTuple_Type,
-                                     &layout_t, &layer, &E, &xo, &io, &wo, &oo, &uo))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO!KIIOOOO|O", kwlist, &source, &kco,
+                                     &PyDict_Type, &desc, &block_bytes, &layer, &E, &xo, &io,
+                                     &wo, &oo, &uo))
         return NULL;
-    smoe_moe_layout lo;
-    if (parse_layout(layout_t, &lo) < 0) return NULL;
+    smoe_ffn_desc d;
+    if (block_bytes == 0) {
+        PyErr_SetString(PyExc_ValueError, "block_bytes must be positive");
+        return NULL;
+    }
+    if (smoe_py_ffn_desc_parse(desc, block_bytes, &d) < 0) return NULL;
+    smoe_kctx *kc = NULL;
+    if (kco != Py_None && !(kc = smoe_py_kctx(kco))) return NULL;
     if (E == 0) {
         PyErr_SetString(PyExc_ValueError, "num_experts must be positive");
         return NULL;
@@ -120,14 +102,14 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     if (uo != Py_None && !(used = want(uo, "used", NPY_UINT8, 1, 1))) return NULL;
     npy_intp T = PyArray_DIM(x, 0), k = PyArray_DIM(idx, 1);
-    if (PyArray_DIM(x, 1) != (npy_intp)lo.hidden || PyArray_DIM(idx, 0) != T ||
+    if (PyArray_DIM(x, 1) != (npy_intp)d.H || PyArray_DIM(idx, 0) != T ||
         PyArray_DIM(w, 0) != T || PyArray_DIM(w, 1) != k || PyArray_DIM(out, 0) != T ||
-        PyArray_DIM(out, 1) != (npy_intp)lo.hidden || T > UINT32_MAX || k > UINT32_MAX) {
+        PyArray_DIM(out, 1) != (npy_intp)d.H || T > UINT32_MAX || k > UINT32_MAX) {
         PyErr_Format(PyExc_ValueError,
                      "shape mismatch: x %ldx%ld, idx %ldx%ld, w %ldx%ld, out %ldx%ld (hidden %u)",
                      (long)T, (long)PyArray_DIM(x, 1), (long)PyArray_DIM(idx, 0), (long)k,
                      (long)PyArray_DIM(w, 0), (long)PyArray_DIM(w, 1), (long)PyArray_DIM(out, 0),
-                     (long)PyArray_DIM(out, 1), lo.hidden);
+                     (long)PyArray_DIM(out, 1), d.H);
         return NULL;
     }
     if (used && PyArray_DIM(used, 0) != (npy_intp)E) {
@@ -146,11 +128,11 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
     if (PyObject_CheckBuffer(source)) {
         if (PyObject_GetBuffer(source, &view, PyBUF_SIMPLE) < 0) return NULL;
         have_view = 1;
-        r = (resident_src){view.buf, (uint64_t)view.len, lo.block_bytes, E};
+        r = (resident_src){view.buf, (uint64_t)view.len, block_bytes, E};
         src = (smoe_moe_source){&r, resident_acquire, resident_release};
     } else {
         if (!(cache = smoe_py_cache_begin(source))) return NULL;
-        if (cache->slot_bytes != lo.block_bytes || cache->num_experts != E ||
+        if (cache->slot_bytes != block_bytes || cache->num_experts != E ||
             layer >= cache->num_layers) {
             smoe_py_cache_end(source);
             PyErr_Format(PyExc_ValueError,
@@ -158,7 +140,7 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
                          "%u, num_experts %u, block_bytes %llu",
                          cache->num_layers, cache->num_experts,
                          (unsigned long long)cache->slot_bytes, layer, E,
-                         (unsigned long long)lo.block_bytes);
+                         (unsigned long long)block_bytes);
             return NULL;
         }
         src = (smoe_moe_source){cache, cache_acquire, cache_release};
@@ -167,7 +149,7 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
     smoe_err_clear(&e);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_moe_forward(&lo, &src, layer, E, PyArray_DATA(x), (uint32_t)T, PyArray_DATA(idx),
+    rc = smoe_moe_forward(kc, &d, &src, layer, E, PyArray_DATA(x), (uint32_t)T, PyArray_DATA(idx),
                           PyArray_DATA(w), (uint32_t)k, PyArray_DATA(out),
                           used ? PyArray_DATA(used) : NULL, &e);
     Py_END_ALLOW_THREADS

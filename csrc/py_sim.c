@@ -1,7 +1,197 @@
-/* Python binding for the sim area (placeholder: filled in by its own change). */
-#include "py_common.h"
+/* Python binding of the simulator: _C.simulate (see sim.h for the model, specmoe/sim.py for
+ * the public wrapper). */
+#include "py_numpy.h"
+#include "py_policy.h"
+#include "sim.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static PyArrayObject *as_array(PyObject *o, int type, int ndim, const char *what) {
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(o, type, ndim, ndim,
+                                                         NPY_ARRAY_IN_ARRAY);
+    if (!a) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "simulate: %s must be a %d-dimensional array convertible "
+                     "to %s", what, ndim, type == NPY_INT16 ? "int16" : "float32");
+    }
+    return a;
+}
+
+static int set_item(PyObject *d, const char *k, PyObject *v) {
+    if (!v) return -1;
+    int rc = PyDict_SetItemString(d, k, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static PyObject *result_dict(const smoe_sim_result *r) {
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+#define U(f) set_item(d, #f, PyLong_FromUnsignedLongLong(r->f))
+#define F(f) set_item(d, #f, PyFloat_FromDouble(r->f))
+    if (U(accesses) || U(hits) || U(misses) || U(collision_misses) || U(evictions) ||
+        U(prefetch_issued) || U(prefetch_used) || U(prefetch_late) || U(prefetch_wasted) ||
+        U(prefetch_dropped) || U(predicted) || U(predicted_true) || U(next_true) ||
+        F(stall_s) || F(compute_s) || F(total_s) || F(elapsed_s)) {
+        Py_DECREF(d);
+        return NULL;
+    }
+#undef U
+#undef F
+    return d;
+}
+
+PyDoc_STRVAR(simulate_doc,
+"simulate(experts, num_experts, policy, nslots, *, logits=None, predictor=0, depth=1, topk=0,\n"
+"         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
+"         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0) -> dict\n\n"
+"Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
+"slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
+"`seed`, least_stale `order`) or a _C.Policy (taken: it cannot be used again).  predictor:\n"
+"0 none, 1 oracle, 2 router (needs logits float32 [tokens, layers, num_experts]), 3 history.\n"
+"Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
+
+static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"experts", "num_experts", "policy", "nslots", "logits", "predictor",
+                             "depth", "topk", "percentile", "history", "cooc_weight",
+                             "expert_bytes", "fast_bw", "link_bw", "link_latency_s",
+                             "layer_fixed_s", "token_fixed_s", "seed", "order", NULL};
+    PyObject *experts_o, *policy_o, *logits_o = Py_None;
+    long long num_experts, nslots;
+    int predictor = 0, order = 0;
+    long long depth = 1, topk = 0, history = 16;
+    double percentile = 0.0, cooc_weight = 0.8;
+    double expert_bytes = -1, fast_bw = -1, link_bw = -1, link_latency_s = -1;
+    double layer_fixed_s = 0.0, token_fixed_s = 0.0;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKi", kwlist, &experts_o,
+                                     &num_experts, &policy_o, &nslots, &logits_o, &predictor,
+                                     &depth, &topk, &percentile, &history, &cooc_weight,
+                                     &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
+                                     &layer_fixed_s, &token_fixed_s, &seed, &order))
+        return NULL;
+    if (expert_bytes < 0 || fast_bw < 0 || link_bw < 0 || link_latency_s < 0) {
+        PyErr_SetString(PyExc_TypeError, "simulate: expert_bytes, fast_bw, link_bw and "
+                        "link_latency_s are required (non-negative)");
+        return NULL;
+    }
+    if (num_experts < 1 || num_experts > 32768) {
+        PyErr_Format(PyExc_ValueError, "simulate: num_experts must be in 1..32768, got %lld",
+                     num_experts);
+        return NULL;
+    }
+    if (nslots < 1 || nslots > (long long)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "simulate: nslots must be a positive slot count, got %lld",
+                     nslots);
+        return NULL;
+    }
+    if (depth < 1 || depth > 4096 || topk < 0 || topk > num_experts || history < 1 ||
+        history > (long long)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "simulate: need depth in 1..4096, topk in 0..%lld and "
+                     "history >= 1 (got %lld, %lld, %lld)", num_experts, depth, topk, history);
+        return NULL;
+    }
+    PyArrayObject *ex = as_array(experts_o, NPY_INT16, 3, "experts");
+    if (!ex) return NULL;
+    PyArrayObject *lg = NULL;
+    smoe_policy *pol = NULL;
+    int32_t *future = NULL;
+    PyObject *ret = NULL;
+    npy_intp *dims = PyArray_DIMS(ex);
+    if (dims[1] < 1 || dims[2] < 1 || dims[2] > num_experts ||
+        (long long)dims[1] * num_experts > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "simulate: experts has shape (%lld, %lld, %lld): need at "
+                     "least one layer and 1..num_experts (%lld) experts per token",
+                     (long long)dims[0], (long long)dims[1], (long long)dims[2], num_experts);
+        goto done;
+    }
+    if (logits_o != Py_None) {
+        lg = as_array(logits_o, NPY_FLOAT32, 3, "logits");
+        if (!lg) goto done;
+        npy_intp *ld = PyArray_DIMS(lg);
+        if (ld[0] != dims[0] || ld[1] != dims[1] || ld[2] != num_experts) {
+            PyErr_Format(PyExc_ValueError, "simulate: logits shape (%lld, %lld, %lld) does not "
+                         "match (tokens, layers, num_experts) = (%lld, %lld, %lld)",
+                         (long long)ld[0], (long long)ld[1], (long long)ld[2],
+                         (long long)dims[0], (long long)dims[1], num_experts);
+            goto done;
+        }
+    }
+    smoe_sim_trace tr = {
+        .experts = (const int16_t *)PyArray_DATA(ex),
+        .logits = lg ? (const float *)PyArray_DATA(lg) : NULL,
+        .num_tokens = (uint64_t)dims[0],
+        .num_layers = (uint32_t)dims[1],
+        .top_k = (uint32_t)dims[2],
+        .num_experts = (uint32_t)num_experts,
+    };
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (PyUnicode_Check(policy_o)) {
+        const char *name = PyUnicode_AsUTF8(policy_o);
+        if (!name) goto done;
+        const smoe_policy_ops *ops = smoe_policy_find(name);
+        if (!ops) {
+            PyErr_Format(PyExc_ValueError, "simulate: unknown policy %R (built-ins: %s)",
+                         policy_o, smoe_policy_names());
+            goto done;
+        }
+        uint64_t n = (uint64_t)dims[0] * (uint64_t)dims[1] * (uint64_t)dims[2];
+        smoe_policy_params params = {.nslots = (uint32_t)nslots, .num_layers = tr.num_layers,
+                                     .num_experts = tr.num_experts, .seed = seed,
+                                     .order = order};
+        if (strcmp(name, "belady") == 0) {
+            future = malloc((n ? n : 1) * sizeof *future);
+            if (!future) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            const int16_t *e = tr.experts;
+            for (uint64_t i = 0; i < n; i++)
+                future[i] = (int32_t)(((i / tr.top_k) % tr.num_layers) * tr.num_experts) + e[i];
+            params.future = future;
+            params.future_len = n;
+        }
+        if (smoe_policy_create(&pol, ops, &params, &err) < 0) {
+            smoe_py_raise(&err);
+            goto done;
+        }
+    } else {
+        pol = smoe_py_policy_take(policy_o, (uint32_t)nslots, tr.num_layers, tr.num_experts);
+        if (!pol) goto done;
+    }
+    smoe_sim_prefetch pf = {.predictor = predictor, .depth = (uint32_t)depth,
+                            .topk = (uint32_t)topk, .percentile = percentile,
+                            .history = (uint32_t)history, .cooc_weight = cooc_weight};
+    smoe_sim_hw hw = {.expert_bytes = expert_bytes, .fast_bw = fast_bw, .link_bw = link_bw,
+                      .link_latency_s = link_latency_s, .layer_fixed_s = layer_fixed_s,
+                      .token_fixed_s = token_fixed_s};
+    smoe_sim_result res;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_sim_run(&tr, pol, (uint32_t)nslots, &pf, &hw, &res, &err);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        if (!PyErr_Occurred()) smoe_py_raise(&err);
+        goto done;
+    }
+    ret = result_dict(&res);
+done:
+    smoe_policy_destroy(pol);
+    free(future);
+    Py_XDECREF(lg);
+    Py_DECREF(ex);
+    return ret;
+}
+
+static PyMethodDef sim_methods[] = {
+    {"simulate", (PyCFunction)(void (*)(void))py_simulate, METH_VARARGS | METH_KEYWORDS,
+     simulate_doc},
+    {NULL, NULL, 0, NULL},
+};
 
 int smoe_py_sim_init(PyObject *m) {
-    (void)m;
-    return 0;
+    return PyModule_AddFunctions(m, sim_methods);
 }

@@ -13,6 +13,12 @@ from .traces import Trace, TraceError, load_puffin, load_trace
 from .cache import ExpertCache, parse_capacity
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
                        make_policy)
+from . import kernels, quant  # expert FFN kernels and weight formats
+from .spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK,  # speculation
+                   measure_tau)
+from .hardware import Hardware, ModelCost  # simulator time model
+from .sim import Predictor, SimResult, simulate  # trace-driven simulator
+from .sweep import sweep  # simulator sweeps
 
 __version__ = "0.1.0"
 
@@ -47,6 +53,18 @@ __all__ = [
     "Belady",
     "PythonPolicy",
     "make_policy",
+    "StaticK",
+    "Heuristic",
+    "Cascade",
+    "SpeqGovernor",
+    "NgramDrafter",
+    "measure_tau",
+    "Hardware",
+    "ModelCost",
+    "Predictor",
+    "SimResult",
+    "simulate",
+    "sweep",
     "offload",
     "Engine",
 ]

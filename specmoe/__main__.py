@@ -2,18 +2,138 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+
+def _shared_traces() -> Path:
+    """../shared/traces/deepseek-v2-lite-puffin next to the checkout or the working directory."""
+    rel = Path("shared") / "traces" / "deepseek-v2-lite-puffin"
+    for base in (Path(__file__).resolve().parent.parent.parent, Path.cwd().parent,
+                 Path.cwd().parent.parent):
+        if (base / rel).is_dir():
+            return base / rel
+    return Path("..") / rel
+
+
+_SHARED_TRACES = _shared_traces()
+
+
+def _split(s: str) -> list[str]:
+    return [p.strip() for p in s.split(",") if p.strip()]
+
+
+def _capacity(s: str) -> "int | str":
+    return int(s) if s.isdigit() else s
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None,
+                   help="a specmoe .npz trace, or a puffin CSV file or directory (default: "
+                        "../shared/traces/deepseek-v2-lite-puffin when present)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="replay only the first N tokens of the trace")
+    p.add_argument("--policies", default="lru,lfu,least_stale,belady",
+                   help="comma-separated policy specs (e.g. lru,least_stale:order=lru,belady)")
+    p.add_argument("--capacity", default="5%,10%,25%",
+                   help="comma-separated capacities: slots (40), percentages (10%%), bytes (2GB)")
+
+
+def _load(args) -> "object":
+    from .traces import load_trace
+
+    path = args.trace or (_SHARED_TRACES if _SHARED_TRACES.exists() else None)
+    if path is None:
+        raise SystemExit("specmoe: no --trace given and ../shared/traces is not present")
+    tr = load_trace(path, progress=not getattr(args, "json", False)) \
+        if Path(path).is_dir() else load_trace(path)
+    if args.tokens is not None:
+        tr = tr.slice(0, min(args.tokens, tr.num_tokens))
+    return tr
+
+
+def _cmd_simulate(args) -> int:
+    from .sim import simulate
+
+    tr = _load(args)
+    results = []
+    for pol in _split(args.policies):
+        for cap in _split(args.capacity):
+            results.append(simulate(tr, pol, _capacity(cap), args.prefetch, args.hardware))
+    acc = sum(r.accesses for r in results)
+    el = sum(r.elapsed_s for r in results)
+    out = {
+        "trace": {"source": str(args.trace or _SHARED_TRACES), "tokens": tr.num_tokens,
+                  "requests": tr.num_requests, "layers": tr.num_layers,
+                  "experts": tr.num_experts, "top_k": tr.top_k},
+        "hardware": args.hardware, "prefetch": args.prefetch or "none",
+        "results": [r.to_dict() for r in results],
+        "accesses_per_s": acc / el if el > 0 else 0.0,
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{tr!r}  hardware={args.hardware}  prefetch={args.prefetch or 'none'}")
+    hdr = f"{'policy':<22}{'slots':>6}{'hit':>8}{'collis':>8}{'stall_s':>10}{'tpot_ms':>9}" \
+          f"{'ttft_ms':>9}{'Macc/s':>8}"
+    print(hdr)
+    for r in results:
+        print(f"{r.policy:<22}{r.capacity_slots:>6}{r.hit_rate:>8.4f}{r.collision_misses:>8}"
+              f"{r.stall_s:>10.2f}{r.est_tpot_ms:>9.2f}{r.ttft_ms:>9.1f}"
+              f"{r.accesses_per_s / 1e6:>8.1f}")
+    print(f"overall {out['accesses_per_s'] / 1e6:.1f} M accesses/s")
+    return 0
+
+
+def _cmd_sweep(args) -> int:
+    from .sweep import sweep, write_results
+
+    tr = _load(args)
+    rows = sweep(tr, _split(args.policies), [_capacity(c) for c in _split(args.capacity)],
+                 hardware=_split(args.hardware), predictors=args.prefetch or ["none"],
+                 processes=args.processes, progress=not args.json)
+    paths = write_results(rows, args.out, plots=not args.no_plots)
+    if args.json:
+        print(json.dumps({"results": rows, "files": {k: str(v) for k, v in paths.items()}}))
+    else:
+        for k, v in paths.items():
+            print(f"{k}: {v}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="run the main job on an embedded default")
+
+    p = sub.add_parser("simulate", help="replay a routing trace through the cache simulator")
+    _add_trace_args(p)
+    p.add_argument("--prefetch", default=None,
+                   help="predictor spec: none, oracle[:depth=N], router, history[:topk=N,"
+                        "percentile=Q,history=N,cooc_weight=W]")
+    p.add_argument("--hardware", default="a100-pcie4",
+                   help="a100-pcie4, rtx4090, laptop or calibrate")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("sweep", help="simulate policies x capacities x hardware x predictors")
+    _add_trace_args(p)
+    p.add_argument("--prefetch", action="append", default=None,
+                   help="a predictor spec; repeat the flag for several (default: none)")
+    p.add_argument("--hardware", default="a100-pcie4", help="comma-separated profiles")
+    p.add_argument("--processes", type=int, default=None, help="worker processes")
+    p.add_argument("--out", default="sweep_out", help="output directory")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main
 
         return demo_main()
+    if args.command == "simulate":
+        return _cmd_simulate(args)
+    if args.command == "sweep":
+        return _cmd_sweep(args)
     return 2
 
 

@@ -10,8 +10,9 @@ tokens, ``weight * output`` accumulated.  Routers, attention, shared experts and
 stay in torch, untouched.
 
 Canonical expert layout (one dict per MoE layer, arrays over all E experts):
-``w_gate [E,I,H]``, ``w_up [E,I,H]``, ``w_down [E,H,I]`` and, for GPT-OSS, ``b_gate [E,I]``,
-``b_up [E,I]``, ``b_down [E,H]``.  GPT-OSS stores ``gate_up_proj`` transposed ``[E,H,2I]`` with
+``gate [E,I,H]``, ``up [E,I,H]``, ``down [E,H,I]`` and, for GPT-OSS, ``gate.bias [E,I]``,
+``up.bias [E,I]``, ``down.bias [E,H]`` (the names of csrc/kernels/kernels.h and
+:func:`specmoe.quant.expert_tensors`, which converts them per expert to the stored dtype).  GPT-OSS stores ``gate_up_proj`` transposed ``[E,H,2I]`` with
 gate and up interleaved (even columns gate, odd up): :func:`extract_experts` de-interleaves and
 transposes it.
 
@@ -66,8 +67,7 @@ SUPPORTED: dict[str, _Arch] = {
     "gpt_oss": _Arch("router", gptoss=True),
 }
 
-DTYPES = ("f32", "bf16")
-_DTYPE_CODE = {"f32": 0, "bf16": 1}
+DTYPES = ("f32", "bf16", "int8", "int4")
 
 
 def _arch(model: nn.Module) -> tuple[str, _Arch]:
@@ -102,84 +102,42 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().contiguous().numpy()
 
 
+def _extract_one(experts: nn.Module, e: int, gptoss: bool) -> dict[str, np.ndarray]:
+    """Expert e of one MoE layer as canonical float32 arrays (see module docstring)."""
+    gu, down = experts.gate_up_proj[e].detach(), experts.down_proj[e].detach()
+    if gptoss:  # gate_up [H, 2I] interleaved (even columns gate, odd up); down [I, H]
+        gu_t = gu.transpose(0, 1)
+        return {"gate": _np(gu_t[0::2]), "up": _np(gu_t[1::2]), "down": _np(down.transpose(0, 1)),
+                "gate.bias": _np(experts.gate_up_proj_bias[e, 0::2]),
+                "up.bias": _np(experts.gate_up_proj_bias[e, 1::2]),
+                "down.bias": _np(experts.down_proj_bias[e])}
+    I = gu.shape[0] // 2  # gate_up [2I, H]: first half gate, second half up; down [H, I]
+    return {"gate": _np(gu[:I]), "up": _np(gu[I:]), "down": _np(down)}
+
+
 def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.ndarray]:
-    """One MoE layer's routed experts as canonical float32 arrays (see module docstring)."""
+    """One MoE layer's routed experts as canonical float32 arrays [E, ...] (module docstring)."""
     if isinstance(experts, SpecmoeExperts):
         raise ValueError("these experts are already offloaded")
-    gu = experts.gate_up_proj
-    down = experts.down_proj
-    E = gu.shape[0]
-    if gptoss:
-        H, I2 = gu.shape[1], gu.shape[2]
-        I = I2 // 2
-        gu_t = gu.detach().transpose(1, 2)  # [E, 2I, H]
-        out = {
-            "w_gate": _np(gu_t[:, 0::2, :]),
-            "w_up": _np(gu_t[:, 1::2, :]),
-            "w_down": _np(down.detach().transpose(1, 2)),  # [E,I,H] -> [E,H,I]
-            "b_gate": _np(experts.gate_up_proj_bias[:, 0::2]),
-            "b_up": _np(experts.gate_up_proj_bias[:, 1::2]),
-            "b_down": _np(experts.down_proj_bias),
-        }
-    else:
-        I2, H = gu.shape[1], gu.shape[2]
-        I = I2 // 2
-        out = {"w_gate": _np(gu[:, :I, :]), "w_up": _np(gu[:, I:, :]), "w_down": _np(down)}
-    assert out["w_gate"].shape == (E, I, H) and out["w_down"].shape == (E, H, I)
+    per = [_extract_one(experts, e, gptoss) for e in range(experts.gate_up_proj.shape[0])]
+    return {n: np.stack([p[n] for p in per]) for n in per[0]}
+
+
+def _convert_experts(experts: nn.Module, gptoss: bool, dtype: str) -> dict[str, np.ndarray]:
+    """The stored tensors [E, ...] of one layer in ``dtype``, converted one expert at a time
+    (peak memory: one layer in the stored dtype plus one expert in f32)."""
+    from .quant import expert_tensors
+    E = experts.gate_up_proj.shape[0]
+    out: dict[str, np.ndarray] = {}
+    for e in range(E):
+        d = _extract_one(experts, e, gptoss)
+        biases = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
+        t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=biases or None)
+        if not out:
+            out = {n: np.empty((E,) + a.shape, a.dtype) for n, a in t.items()}
+        for n, a in t.items():
+            out[n][e] = a
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# packing blocks (one block per expert; every MoE layer has the same shapes)
-
-_ORDER = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-_ALIGN = 64
-_BLOCK_ALIGN = 4096
-
-
-def _block_plan(H: int, I: int, dtype: str, biases: bool) -> tuple[dict[str, int], int]:
-    esz = 2 if dtype == "bf16" else 4
-    sizes = {"w_gate": I * H * esz, "w_up": I * H * esz, "w_down": H * I * esz}
-    if biases:
-        sizes.update(b_gate=4 * I, b_up=4 * I, b_down=4 * H)
-    offs, pos = {}, 0
-    for name in _ORDER:
-        if name in sizes:
-            offs[name] = pos
-            pos += -(-sizes[name] // _ALIGN) * _ALIGN
-    return offs, -(-pos // _BLOCK_ALIGN) * _BLOCK_ALIGN
-
-
-def _to_dtype_bytes(a: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bf16":
-        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.bfloat16)
-        return t.view(torch.int16).numpy().view(np.uint8)
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint8)
-
-
-def _pack_layers(layers: list[dict[str, np.ndarray]], dtype: str,
-                 out: np.ndarray | None = None) -> tuple[np.ndarray, tuple]:
-    """Pack every expert block into one uint8 buffer (store order) and return its layout."""
-    E, I, H = layers[0]["w_gate"].shape
-    biases = "b_gate" in layers[0]
-    offs, bb = _block_plan(H, I, dtype, biases)
-    L = len(layers)
-    buf = np.zeros(L * E * bb, np.uint8) if out is None else out
-    blocks = buf.reshape(L, E, bb)
-    for l, d in enumerate(layers):
-        for name, off in offs.items():
-            arr = d[name]
-            raw = _to_dtype_bytes(arr, dtype if name.startswith("w_") else "f32")
-            raw = raw.reshape(E, -1)
-            blocks[l, :, off:off + raw.shape[1]] = raw
-    return buf, _layout(H, I, dtype, biases, bb, offs)
-
-
-def _layout(H: int, I: int, dtype: str, gptoss: bool, bb: int, offs: dict[str, int],
-            alpha: float = 1.702, limit: float = 7.0) -> tuple:
-    return (H, I, _DTYPE_CODE[dtype], 1 if gptoss else 0, float(alpha), float(limit), bb,
-            offs["w_gate"], offs["w_up"], offs["w_down"], offs.get("b_gate", -1),
-            offs.get("b_up", -1), offs.get("b_down", -1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +249,9 @@ class Engine:
         self.policy = "lru"
         self.prefetch = True
         self.overfetch = 1.5
-        self._layout: tuple = ()
+        self._desc: dict[str, Any] = {}
+        self._block_bytes = 0
+        self._kctx: Any = None
         self._source: Any = None
         self._routers: list[nn.Module] = []
         self._predictor: Callable[[int, torch.Tensor], Any] | None = None
@@ -376,7 +336,8 @@ class Engine:
             self._cache.begin_pass()
 
     def _forward_c(self, pos, x, ix, wt, out, used) -> None:
-        _C.moe_forward(self._source, self._layout, pos, self.num_experts, x, ix, wt, out, used)
+        _C.moe_forward(self._source, self._kctx, self._desc, self._block_bytes, pos,
+                       self.num_experts, x, ix, wt, out, used)
 
     def _queue_prefetch(self, pos: int, experts: np.ndarray, priorities: np.ndarray) -> None:
         if self._cache is not None and len(experts):
@@ -479,16 +440,6 @@ class Engine:
         self.close()
 
 
-def _have_store_cache() -> bool:
-    if not (hasattr(_C, "Cache") and hasattr(_C, "Store")):
-        return False
-    try:
-        from . import cache as _c, store as _s  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(_C, "Cache") and hasattr(_C, "Store")
-
-
 def available_policies() -> list[str]:
     """Eviction policy names :func:`offload` accepts."""
     names = getattr(_C, "POLICY_NAMES", "lru")
@@ -501,10 +452,15 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None, cache: flo
             overfetch: float = 1.5, direct: bool = False) -> Engine:
     """Move ``model``'s routed experts to a store and run them through specmoe.
 
-    store: path of the store file to write (None: a temporary file, deleted by close()).
-    cache: fraction (0, 1] of all experts kept in fast memory.  dtype: how experts are stored
-    ("f32", "bf16").  The model is modified in place: each MoE layer's ``mlp.experts`` becomes
-    a :class:`SpecmoeExperts` and the expert parameters are deleted.
+    store: path of the store file to write (None: a temporary file, deleted by close());
+    direct: read it with O_DIRECT.  cache: fraction (0, 1] of all experts kept in fast memory.
+    policy: eviction policy name (:func:`available_policies`).  prefetch: next-layer lookahead
+    (the next layer's router on this layer's input, top ceil(k * overfetch) experts per token)
+    queued to the cache's prefetch worker.  dtype: how experts are stored ("f32", "bf16",
+    "int8" per-row, "int4" per-group; see specmoe.quant).  The model is modified in place: each MoE layer's ``mlp.experts`` becomes
+    a :class:`SpecmoeExperts` and the expert parameters are deleted, layer by layer while the
+    store is written; if writing fails part way, the layers already converted stay offloaded
+    to nothing usable (the Engine is closed and the error raised): reload the model.
     """
     mt, arch = _arch(model)
     if dtype not in DTYPES:
@@ -537,48 +493,45 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None, cache: flo
     limit = float(getattr(cfg, "swiglu_limit", 7.0)) if arch.gptoss else 7.0
 
     def layer(pos: int) -> dict[str, Any]:
-        d = extract_experts(dec.layers[ids[pos]].mlp.experts, arch.gptoss)
-        if dtype == "bf16":
-            return {n: (torch.from_numpy(a).to(torch.bfloat16) if n.startswith("w_") else a)
-                    for n, a in d.items()}
-        return d
+        mlp = dec.layers[ids[pos]].mlp
+        t = _convert_experts(mlp.experts, arch.gptoss, dtype)
+        # free this layer's expert parameters as soon as they are converted (peak memory stays
+        # about one layer above the model's own size)
+        mlp.experts = SpecmoeExperts(eng, pos, E, H)
+        return t
 
-    if _have_store_cache():
-        from .store import ExpertStore, write_store
-        if store is None:
-            fd, path = tempfile.mkstemp(prefix="specmoe-", suffix=".smoe")
-            os.close(fd)
-            eng._own_store = True
-        else:
-            path = os.fspath(store)
-        eng._store_path = path
-        try:
-            write_store(path, layer, num_layers=len(ids), model=mt, top_k=eng.top_k,
-                        extra={"architecture": mt, "dtype": dtype, "layer_ids": ids,
-                               "activation": "gptoss" if arch.gptoss else "silu",
-                               "alpha": alpha, "limit": limit},
-                        progress=False).close()
-            eng._store = ExpertStore(path, direct=direct, verify=False)
-        except BaseException:
-            if eng._own_store and os.path.exists(path):
-                os.unlink(path)
-            raise
-        offs = {t["name"]: int(t["offset"]) for t in eng._store.tensors}
-        I = int(next(t for t in eng._store.tensors if t["name"] == "w_gate")["shape"][0])
-        eng._layout = _layout(H, I, dtype, arch.gptoss, int(eng._store.block_bytes), offs,
-                              alpha, limit)
+    from .kernels import FFNSpec, context
+    from .quant import store_dtypes
+    from .store import ExpertStore, write_store
+    if store is None:
+        fd, path = tempfile.mkstemp(prefix="specmoe-", suffix=".smoe")
+        os.close(fd)
+        eng._own_store = True
+    else:
+        path = os.fspath(store)
+    eng._store_path = path
+    try:
+        first = layer(0)
+        write_store(path, lambda p: first if p == 0 else layer(p), num_layers=len(ids), model=mt,
+                    top_k=eng.top_k, dtypes=store_dtypes(first),
+                    extra={"architecture": mt, "dtype": dtype, "layer_ids": ids,
+                           "activation": "gptoss" if arch.gptoss else "silu",
+                           "alpha": alpha, "limit": limit},
+                    progress=False).close()
+        del first
+        eng._store = ExpertStore(path, direct=direct, verify=False)
+        spec = FFNSpec.from_store_schema(eng._store.tensors, int(eng._store.block_bytes),
+                                         activation="gptoss" if arch.gptoss else "silu",
+                                         alpha=alpha, limit=limit)
+        eng._desc = spec.desc()
+        eng._block_bytes = int(eng._store.block_bytes)
+        eng._kctx = context()
         eng._open_cache()
-    else:  # transitional: no store/cache in this build; every block resident in one buffer
-        layers = [layer(p) for p in range(len(ids))]
-        layers = [{n: (a.float().numpy() if isinstance(a, torch.Tensor) else a)
-                   for n, a in d.items()} for d in layers]
-        buf, lo = _pack_layers(layers, dtype)
-        eng._layout = lo[:4] + (alpha, limit) + lo[6:]
-        eng._source = buf
-        del layers
-    for pos, i in enumerate(ids):
-        mlp = dec.layers[i].mlp
-        mlp.experts = SpecmoeExperts(eng, pos, E, H)  # old module (and its parameters) freed
+    except BaseException:
+        eng.close()
+        if eng._own_store and os.path.exists(path):
+            os.unlink(path)
+        raise
     return eng
 
 

@@ -1,0 +1,351 @@
+/* Expert FFN: descriptor checks, the call driver (gather x, two parallel phases) and the
+ * scalar reference path.  The vector paths live in ffn_avx2.c / ffn_avx512.c. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kimpl.h"
+
+void smoe_ffn_desc_default(smoe_ffn_desc *d, uint32_t H, uint32_t I, int32_t dtype, int32_t act) {
+    memset(d, 0, sizeof *d);
+    d->H = H;
+    d->I = I;
+    d->dtype = dtype;
+    d->act = act;
+    d->alpha = 1.702f;
+    d->limit = 7.0f;
+    d->group = 128;
+    d->gate = d->up = d->down = SMOE_NO_TENSOR;
+    d->gate_scale = d->up_scale = d->down_scale = SMOE_NO_TENSOR;
+    d->gate_bias = d->up_bias = d->down_bias = SMOE_NO_TENSOR;
+}
+
+static uint32_t group_of(const smoe_ffn_desc *d) { return d->group ? d->group : 128u; }
+
+uint64_t smoe_ffn_weight_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t cols) {
+    uint64_t n = (uint64_t)rows * cols;
+    switch (d->dtype) {
+    case SMOE_WDT_F32: return n * 4;
+    case SMOE_WDT_BF16: return n * 2;
+    case SMOE_WDT_I8: return n;
+    case SMOE_WDT_I4: return n / 2;
+    default: return 0;
+    }
+}
+
+uint64_t smoe_ffn_scale_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t cols) {
+    switch (d->dtype) {
+    case SMOE_WDT_I8: return (uint64_t)rows * 4;
+    case SMOE_WDT_I4: return (uint64_t)rows * (cols / group_of(d)) * 4;
+    default: return 0;
+    }
+}
+
+static int check_tensor(const char *name, uint64_t off, uint64_t nbytes, uint64_t align,
+                        int required, uint64_t block_bytes, smoe_err *err) {
+    if (off == SMOE_NO_TENSOR) {
+        if (required) return smoe_err_set(err, SMOE_EINVAL, "expert tensor '%s' is missing", name);
+        return SMOE_OK;
+    }
+    if (off % align)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "expert tensor '%s' at offset %llu is not %llu-byte aligned", name,
+                            (unsigned long long)off, (unsigned long long)align);
+    if (block_bytes && (off > block_bytes || nbytes > block_bytes - off))
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "expert tensor '%s' (%llu bytes at offset %llu) does not fit in the "
+                            "%llu-byte block",
+                            name, (unsigned long long)nbytes, (unsigned long long)off,
+                            (unsigned long long)block_bytes);
+    return SMOE_OK;
+}
+
+int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *err) {
+    if (d->dtype < SMOE_WDT_F32 || d->dtype > SMOE_WDT_I4)
+        return smoe_err_set(err, SMOE_EINVAL, "unknown expert weight dtype %d", d->dtype);
+    if (d->act != SMOE_ACT_SILU && d->act != SMOE_ACT_GPTOSS)
+        return smoe_err_set(err, SMOE_EINVAL, "unknown expert activation %d", d->act);
+    if (d->H == 0 || d->I == 0)
+        return smoe_err_set(err, SMOE_EINVAL, "expert shape H=%u I=%u must be positive", d->H,
+                            d->I);
+    if (d->H > (1u << 24) || d->I > (1u << 24))
+        return smoe_err_set(err, SMOE_EINVAL, "expert shape H=%u I=%u is implausibly large",
+                            d->H, d->I);
+    if (d->dtype == SMOE_WDT_I4) {
+        uint32_t g = group_of(d);
+        if (g % 32 || g > 4096)
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "int4 group size %u must be a multiple of 32 (at most 4096)", g);
+        if (d->H % g)
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "int4: hidden size H=%u is not a multiple of the group size %u",
+                                d->H, g);
+        if (d->I % g)
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "int4: intermediate size I=%u is not a multiple of the group size "
+                                "%u",
+                                d->I, g);
+    }
+    if (d->act == SMOE_ACT_GPTOSS && !(d->limit > 0.0f && d->alpha == d->alpha))
+        return smoe_err_set(err, SMOE_EINVAL, "gptoss activation needs limit > 0 (got %g)",
+                            (double)d->limit);
+    uint64_t wal = d->dtype == SMOE_WDT_F32 ? 4 : d->dtype == SMOE_WDT_BF16 ? 2 : 1;
+    int q = d->dtype == SMOE_WDT_I8 || d->dtype == SMOE_WDT_I4;
+    int rc;
+    if ((rc = check_tensor("gate", d->gate, smoe_ffn_weight_bytes(d, d->I, d->H), wal, 1,
+                           block_bytes, err)) ||
+        (rc = check_tensor("up", d->up, smoe_ffn_weight_bytes(d, d->I, d->H), wal, 1, block_bytes,
+                           err)) ||
+        (rc = check_tensor("down", d->down, smoe_ffn_weight_bytes(d, d->H, d->I), wal, 1,
+                           block_bytes, err)))
+        return rc;
+    if (q) {
+        if ((rc = check_tensor("gate.scale", d->gate_scale, smoe_ffn_scale_bytes(d, d->I, d->H),
+                               4, 1, block_bytes, err)) ||
+            (rc = check_tensor("up.scale", d->up_scale, smoe_ffn_scale_bytes(d, d->I, d->H), 4, 1,
+                               block_bytes, err)) ||
+            (rc = check_tensor("down.scale", d->down_scale, smoe_ffn_scale_bytes(d, d->H, d->I),
+                               4, 1, block_bytes, err)))
+            return rc;
+    } else if (d->gate_scale != SMOE_NO_TENSOR || d->up_scale != SMOE_NO_TENSOR ||
+               d->down_scale != SMOE_NO_TENSOR) {
+        return smoe_err_set(err, SMOE_EINVAL, "expert scales given for an unquantized dtype");
+    }
+    if ((rc = check_tensor("gate.bias", d->gate_bias, (uint64_t)d->I * 4, 4, 0, block_bytes,
+                           err)) ||
+        (rc = check_tensor("up.bias", d->up_bias, (uint64_t)d->I * 4, 4, 0, block_bytes, err)) ||
+        (rc = check_tensor("down.bias", d->down_bias, (uint64_t)d->H * 4, 4, 0, block_bytes,
+                           err)))
+        return rc;
+    return SMOE_OK;
+}
+
+static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+size_t smoe_ffn_scratch_bytes(const smoe_ffn_desc *d, uint32_t T) {
+    return 64 + round64((size_t)T * d->H * 4) + round64((size_t)T * d->I * 4);
+}
+
+float smoe_ffn_activate(const smoe_ffn_desc *d, float g, float u) {
+    if (d->act == SMOE_ACT_GPTOSS) {
+        float lim = d->limit;
+        if (g > lim) g = lim;
+        if (u > lim) u = lim;
+        if (u < -lim) u = -lim;
+        float glu = g / (1.0f + expf(-d->alpha * g));
+        return (u + 1.0f) * glu;
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
+
+/* ---- scalar path ---- */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t b = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* Dot of weight row r of matrix (off, soff) with the prepared input x (n columns). */
+static float row_dot(const smoe_ffn_job *j, uint64_t off, uint64_t soff, uint32_t r, uint32_t n,
+                     const float *x) {
+    const smoe_ffn_desc *d = j->d;
+    float acc = 0.0f;
+    switch (d->dtype) {
+    case SMOE_WDT_F32: {
+        const float *w = (const float *)(j->block + off) + (size_t)r * n;
+        for (uint32_t c = 0; c < n; c++) acc += w[c] * x[c];
+        return acc;
+    }
+    case SMOE_WDT_BF16: {
+        const uint16_t *w = (const uint16_t *)(j->block + off) + (size_t)r * n;
+        for (uint32_t c = 0; c < n; c++) acc += bf16_to_f32(w[c]) * x[c];
+        return acc;
+    }
+    case SMOE_WDT_I8: {
+        const int8_t *w = (const int8_t *)(j->block + off) + (size_t)r * n;
+        const float *s = (const float *)(j->block + soff);
+        for (uint32_t c = 0; c < n; c++) acc += (float)w[c] * x[c];
+        return acc * s[r];
+    }
+    default: { /* I4, x permuted per 32 columns (see smoe_i4_pos) */
+        uint32_t g = j->group, ng = n / g;
+        const uint8_t *w = j->block + off + (size_t)r * (n / 2);
+        const float *s = (const float *)(j->block + soff) + (size_t)r * ng;
+        for (uint32_t gi = 0; gi < ng; gi++) {
+            float part = 0.0f;
+            for (uint32_t b = gi * g; b < (gi + 1) * g; b += 32) {
+                const uint8_t *wb = w + b / 2;
+                for (uint32_t k = 0; k < 16; k++) {
+                    part += (float)((int)(wb[k] & 15u) - 8) * x[b + k];
+                    part += (float)((int)(wb[k] >> 4) - 8) * x[b + 16 + k];
+                }
+            }
+            acc += part * s[gi];
+        }
+        return acc;
+    }
+    }
+}
+
+static void scalar_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
+    const smoe_ffn_desc *d = j->d;
+    for (uint32_t i = i0; i < i1; i++)
+        for (uint32_t t = 0; t < j->T; t++) {
+            const float *x = j->xs + (size_t)t * d->H;
+            float g = row_dot(j, d->gate, d->gate_scale, i, d->H, x);
+            float u = row_dot(j, d->up, d->up_scale, i, d->H, x);
+            smoe_ffn_store_act(j, i, t, g, u);
+        }
+}
+
+static void scalar_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
+    const smoe_ffn_desc *d = j->d;
+    for (uint32_t h = h0; h < h1; h++)
+        for (uint32_t t = 0; t < j->T; t++)
+            smoe_ffn_store_out(j, h, t,
+                               row_dot(j, d->down, d->down_scale, h, d->I,
+                                       j->act + (size_t)t * d->I));
+}
+
+static uint64_t scalar_read_sum(const uint8_t *p, size_t n) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        uint64_t a, b, c, e;
+        memcpy(&a, p + i, 8);
+        memcpy(&b, p + i + 8, 8);
+        memcpy(&c, p + i + 16, 8);
+        memcpy(&e, p + i + 24, 8);
+        s0 += a;
+        s1 += b;
+        s2 += c;
+        s3 += e;
+    }
+    for (; i < n; i++) s0 += p[i];
+    return s0 + s1 + s2 + s3;
+}
+
+const smoe_ffn_impl smoe_ffn_impl_scalar = {scalar_gateup, scalar_down, scalar_read_sum};
+
+/* ---- driver ---- */
+
+static const smoe_ffn_impl *impl_for(int32_t isa) {
+    switch (isa) {
+    case SMOE_ISA_AVX512: return &smoe_ffn_impl_avx512;
+    case SMOE_ISA_AVX2: return &smoe_ffn_impl_avx2;
+    default: return &smoe_ffn_impl_scalar;
+    }
+}
+
+typedef struct phase_arg {
+    const smoe_ffn_impl *impl;
+    const smoe_ffn_job *job;
+    int phase; /* 1: gate/up over I rows, 2: down over H rows */
+} phase_arg;
+
+/* Split n rows into k-th of parts chunks, in multiples of 16 rows where possible. */
+static void split(uint32_t n, uint32_t k, uint32_t parts, uint32_t *a, uint32_t *b) {
+    uint32_t units = (n + 15) / 16;
+    uint32_t ua = (uint32_t)((uint64_t)units * k / parts);
+    uint32_t ub = (uint32_t)((uint64_t)units * (k + 1) / parts);
+    *a = ua * 16 > n ? n : ua * 16;
+    *b = ub * 16 > n ? n : ub * 16;
+}
+
+static void phase_run(void *varg, uint32_t k, uint32_t n) {
+    const phase_arg *pa = varg;
+    uint32_t a, b;
+    if (pa->phase == 1) {
+        split(pa->job->d->I, k, n, &a, &b);
+        if (a < b) pa->impl->gateup(pa->job, a, b);
+    } else {
+        split(pa->job->d->H, k, n, &a, &b);
+        if (a < b) pa->impl->down(pa->job, a, b);
+    }
+}
+
+int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
+                     size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
+                     float *out, size_t out_stride, void *scratch, smoe_err *err) {
+    if (T == 0) return SMOE_OK;
+    if (!d || !block || !x || !out || !scratch)
+        return smoe_err_set(err, SMOE_EINVAL, "smoe_ffn_forward: NULL argument");
+    if (x_stride < d->H || out_stride < d->H)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "smoe_ffn_forward: row strides (x %zu, out %zu) below H=%u", x_stride,
+                            out_stride, d->H);
+    int32_t isa = SMOE_ISA_SCALAR;
+    smoe_kctx local;
+    if (!c) {
+        int rc = smoe_kctx_init(&local, 1, err);
+        if (rc) return rc;
+        isa = local.isa;
+        smoe_kctx_free(&local);
+    } else {
+        isa = c->isa;
+    }
+    uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
+    float *xs = (float *)base;
+    float *act = (float *)(base + round64((size_t)T * d->H * 4));
+    int perm = d->dtype == SMOE_WDT_I4;
+    for (uint32_t t = 0; t < T; t++) {
+        size_t r = rows ? (size_t)rows[t] : t;
+        const float *src = x + r * x_stride;
+        float *dst = xs + (size_t)t * d->H;
+        if (perm)
+            for (uint32_t col = 0; col < d->H; col++) dst[smoe_i4_pos(col)] = src[col];
+        else
+            memcpy(dst, src, (size_t)d->H * 4);
+    }
+    smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride};
+    phase_arg pa = {impl_for(isa), &job, 1};
+    smoe_kpool *pool = c ? c->pool : NULL;
+    smoe_kpool_lock(pool);
+    smoe_kpool_run(pool, phase_run, &pa);
+    pa.phase = 2;
+    smoe_kpool_run(pool, phase_run, &pa);
+    smoe_kpool_unlock(pool);
+    return SMOE_OK;
+}
+
+/* ---- read-bandwidth ceiling ---- */
+
+typedef struct read_arg {
+    const smoe_ffn_impl *impl;
+    const uint8_t *buf;
+    size_t bytes;
+    uint64_t sums[1024];
+} read_arg;
+
+static void read_run(void *varg, uint32_t k, uint32_t n) {
+    read_arg *ra = varg;
+    size_t chunk = (ra->bytes / n) & ~(size_t)63;
+    size_t a = chunk * k, b = k + 1 == n ? ra->bytes : chunk * (k + 1);
+    ra->sums[k] += ra->impl->read_sum(ra->buf + a, b - a);
+}
+
+int smoe_read_bw(smoe_kctx *c, const uint8_t *buf, size_t bytes, uint32_t iters,
+                 double *bytes_per_s, smoe_err *err) {
+    if (!c || !buf || !bytes_per_s || iters == 0)
+        return smoe_err_set(err, SMOE_EINVAL, "smoe_read_bw: bad argument");
+    read_arg *ra = calloc(1, sizeof *ra);
+    if (!ra) return smoe_err_set(err, SMOE_ENOMEM, "smoe_read_bw: out of memory");
+    ra->impl = impl_for(c->isa);
+    ra->buf = buf;
+    ra->bytes = bytes;
+    smoe_kpool_lock(c->pool);
+    double t0 = smoe_now();
+    for (uint32_t it = 0; it < iters; it++) smoe_kpool_run(c->pool, read_run, ra);
+    double dt = smoe_now() - t0;
+    smoe_kpool_unlock(c->pool);
+    uint64_t s = 0;
+    for (uint32_t k = 0; k < 1024; k++) s += ra->sums[k];
+    free(ra);
+    /* s depends on every byte read; publishing it keeps the reads alive. */
+    volatile uint64_t sink = s;
+    (void)sink;
+    *bytes_per_s = (double)bytes * iters / (dt > 0 ? dt : 1e-9);
+    return SMOE_OK;
+}

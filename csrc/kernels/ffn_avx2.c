@@ -1,0 +1,215 @@
+/* AVX2 + FMA expert FFN path (8 floats per vector).  Same structure as ffn_avx512.c: two
+ * weight rows against up to 4 tokens per pass, weights widened to f32 in registers. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+#include <string.h>
+
+#include "kimpl.h"
+
+#define AI static inline __attribute__((always_inline))
+#define NTMAX 4
+
+AI __m256 ld_f32(const void *w, size_t k) { return _mm256_loadu_ps((const float *)w + k); }
+AI __m256 ld_bf16(const void *w, size_t k) {
+    __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+AI __m256 ld_i8(const void *w, size_t k) {
+    __m128i v = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + k));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+}
+AI float sc_f32(const void *w, size_t k) { return ((const float *)w)[k]; }
+AI float sc_bf16(const void *w, size_t k) {
+    uint32_t b = (uint32_t)((const uint16_t *)w)[k] << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+AI float sc_i8(const void *w, size_t k) { return (float)((const int8_t *)w)[k]; }
+
+AI float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define DENSE_DOT(NAME, LD, SC)                                                                 \
+    AI void NAME(const void *w0, const void *w1, const float *x, size_t xs, uint32_t n,         \
+                 const int NT, float *r0, float *r1) {                                          \
+        __m256 a0[NTMAX], a1[NTMAX], b0[NTMAX], b1[NTMAX];                                      \
+        for (int t = 0; t < NT; t++)                                                            \
+            a0[t] = a1[t] = b0[t] = b1[t] = _mm256_setzero_ps();                                \
+        uint32_t k = 0;                                                                         \
+        if (NT <= 2) {                                                                          \
+            for (; k + 16 <= n; k += 16) {                                                      \
+                __m256 w0a = LD(w0, k), w1a = LD(w1, k);                                        \
+                __m256 w0b = LD(w0, k + 8), w1b = LD(w1, k + 8);                                \
+                for (int t = 0; t < NT; t++) {                                                  \
+                    __m256 xa = _mm256_loadu_ps(x + t * xs + k);                                \
+                    __m256 xb = _mm256_loadu_ps(x + t * xs + k + 8);                            \
+                    a0[t] = _mm256_fmadd_ps(w0a, xa, a0[t]);                                    \
+                    a1[t] = _mm256_fmadd_ps(w1a, xa, a1[t]);                                    \
+                    b0[t] = _mm256_fmadd_ps(w0b, xb, b0[t]);                                    \
+                    b1[t] = _mm256_fmadd_ps(w1b, xb, b1[t]);                                    \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (; k + 8 <= n; k += 8) {                                                            \
+            __m256 w0a = LD(w0, k), w1a = LD(w1, k);                                            \
+            for (int t = 0; t < NT; t++) {                                                      \
+                __m256 xa = _mm256_loadu_ps(x + t * xs + k);                                    \
+                a0[t] = _mm256_fmadd_ps(w0a, xa, a0[t]);                                        \
+                a1[t] = _mm256_fmadd_ps(w1a, xa, a1[t]);                                        \
+            }                                                                                   \
+        }                                                                                       \
+        for (int t = 0; t < NT; t++) {                                                          \
+            float s0 = hsum(_mm256_add_ps(a0[t], b0[t]));                                       \
+            float s1 = hsum(_mm256_add_ps(a1[t], b1[t]));                                       \
+            for (uint32_t c = k; c < n; c++) {                                                  \
+                s0 += SC(w0, c) * x[t * xs + c];                                                \
+                s1 += SC(w1, c) * x[t * xs + c];                                                \
+            }                                                                                   \
+            r0[t] = s0;                                                                         \
+            r1[t] = s1;                                                                         \
+        }                                                                                       \
+    }
+
+DENSE_DOT(dot_f32, ld_f32, sc_f32)
+DENSE_DOT(dot_bf16, ld_bf16, sc_bf16)
+DENSE_DOT(dot_i8, ld_i8, sc_i8)
+
+AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const float *s1,
+               const float *x, size_t xs, uint32_t n, uint32_t group, const int NT, float *r0,
+               float *r1) {
+    const __m256i m15 = _mm256_set1_epi32(15), e8 = _mm256_set1_epi32(8);
+    __m256 a0[NTMAX], a1[NTMAX];
+    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    uint32_t ng = n / group;
+    for (uint32_t g = 0; g < ng; g++) {
+        __m256 sv0 = _mm256_set1_ps(s0[g]), sv1 = _mm256_set1_ps(s1[g]);
+        for (uint32_t b = g * group; b < (g + 1) * group; b += 32) {
+            for (uint32_t hh = 0; hh < 16; hh += 8) {
+                __m256i l0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + b / 2 + hh)));
+                __m256i l1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + b / 2 + hh)));
+                __m256 w0l = _mm256_mul_ps(
+                    sv0, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(l0, m15), e8)));
+                __m256 w0h = _mm256_mul_ps(
+                    sv0, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(l0, 4), e8)));
+                __m256 w1l = _mm256_mul_ps(
+                    sv1, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(l1, m15), e8)));
+                __m256 w1h = _mm256_mul_ps(
+                    sv1, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(l1, 4), e8)));
+                for (int t = 0; t < NT; t++) {
+                    __m256 xl = _mm256_loadu_ps(x + t * xs + b + hh);
+                    __m256 xh = _mm256_loadu_ps(x + t * xs + b + 16 + hh);
+                    a0[t] = _mm256_fmadd_ps(w0h, xh, _mm256_fmadd_ps(w0l, xl, a0[t]));
+                    a1[t] = _mm256_fmadd_ps(w1h, xh, _mm256_fmadd_ps(w1l, xl, a1[t]));
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        r0[t] = hsum(a0[t]);
+        r1[t] = hsum(a1[t]);
+    }
+}
+
+/* Rows (ra of matrix A, rb of matrix B) against nt tokens of x (n columns, row stride xs). */
+static void rows2(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint32_t ra,
+                  uint64_t offb, uint64_t sofb, uint32_t rb, uint32_t n, const float *x,
+                  size_t xs, uint32_t nt, float *r0, float *r1) {
+    const smoe_ffn_desc *d = j->d;
+    if (d->dtype == SMOE_WDT_I4) {
+        uint32_t ng = n / j->group, g = j->group;
+        const uint8_t *w0 = j->block + offa + (size_t)ra * (n / 2);
+        const uint8_t *w1 = j->block + offb + (size_t)rb * (n / 2);
+        const float *s0 = (const float *)(j->block + sofa) + (size_t)ra * ng;
+        const float *s1 = (const float *)(j->block + sofb) + (size_t)rb * ng;
+        switch (nt) {
+        case 1: dot_i4(w0, w1, s0, s1, x, xs, n, g, 1, r0, r1); break;
+        case 2: dot_i4(w0, w1, s0, s1, x, xs, n, g, 2, r0, r1); break;
+        case 3: dot_i4(w0, w1, s0, s1, x, xs, n, g, 3, r0, r1); break;
+        default: dot_i4(w0, w1, s0, s1, x, xs, n, g, 4, r0, r1); break;
+        }
+        return;
+    }
+    size_t esz = d->dtype == SMOE_WDT_F32 ? 4 : d->dtype == SMOE_WDT_BF16 ? 2 : 1;
+    const void *w0 = j->block + offa + (size_t)ra * n * esz;
+    const void *w1 = j->block + offb + (size_t)rb * n * esz;
+#define DISPATCH_NT(FN)                                                                         \
+    switch (nt) {                                                                               \
+    case 1: FN(w0, w1, x, xs, n, 1, r0, r1); break;                                             \
+    case 2: FN(w0, w1, x, xs, n, 2, r0, r1); break;                                             \
+    case 3: FN(w0, w1, x, xs, n, 3, r0, r1); break;                                             \
+    default: FN(w0, w1, x, xs, n, 4, r0, r1); break;                                            \
+    }
+    if (d->dtype == SMOE_WDT_F32) {
+        DISPATCH_NT(dot_f32)
+    } else if (d->dtype == SMOE_WDT_BF16) {
+        DISPATCH_NT(dot_bf16)
+    } else {
+        DISPATCH_NT(dot_i8)
+        float sa = ((const float *)(j->block + sofa))[ra];
+        float sb = ((const float *)(j->block + sofb))[rb];
+        for (uint32_t t = 0; t < nt; t++) {
+            r0[t] *= sa;
+            r1[t] *= sb;
+        }
+    }
+#undef DISPATCH_NT
+}
+
+static void avx2_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
+    const smoe_ffn_desc *d = j->d;
+    float g[NTMAX], u[NTMAX];
+    for (uint32_t i = i0; i < i1; i++)
+        for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
+            uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
+            rows2(j, d->gate, d->gate_scale, i, d->up, d->up_scale, i, d->H,
+                  j->xs + (size_t)t0 * d->H, d->H, nt, g, u);
+            for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_act(j, i, t0 + t, g[t], u[t]);
+        }
+}
+
+static void avx2_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
+    const smoe_ffn_desc *d = j->d;
+    float y0[NTMAX], y1[NTMAX];
+    for (uint32_t h = h0; h < h1; h += 2) {
+        uint32_t hb = h + 1 < h1 ? h + 1 : h;
+        for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
+            uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
+            rows2(j, d->down, d->down_scale, h, d->down, d->down_scale, hb, d->I,
+                  j->act + (size_t)t0 * d->I, d->I, nt, y0, y1);
+            for (uint32_t t = 0; t < nt; t++) {
+                smoe_ffn_store_out(j, h, t0 + t, y0[t]);
+                if (hb != h) smoe_ffn_store_out(j, hb, t0 + t, y1[t]);
+            }
+        }
+    }
+}
+
+static uint64_t avx2_read_sum(const uint8_t *p, size_t n) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        s0 = _mm256_add_epi64(s0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        s1 = _mm256_add_epi64(s1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        s2 = _mm256_add_epi64(s2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        s3 = _mm256_add_epi64(s3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i s = _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, s);
+    uint64_t r = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; i++) r += p[i];
+    return r;
+}
+
+const smoe_ffn_impl smoe_ffn_impl_avx2 = {avx2_gateup, avx2_down, avx2_read_sum};
+
+#else
+#include "kimpl.h"
+const smoe_ffn_impl smoe_ffn_impl_avx2 = {0, 0, 0};
+#endif

@@ -1,0 +1,130 @@
+/* Expert FFN kernels: one routed expert applied to the tokens routed to it, weights read once.
+ *
+ * Canonical expert layout (the store writer converts every architecture to it; names are the
+ * keys of specmoe.quant.expert_tensors and of the store schema):
+ *   "gate" [I,H], "up" [I,H], "down" [H,I]   row-major, one row per OUTPUT element
+ *   "gate.bias" [I], "up.bias" [I], "down.bias" [H]   optional, always f32
+ *   "gate.scale", "up.scale", "down.scale"           only for quantized dtypes, always f32
+ * Weight dtypes (smoe_wdtype):
+ *   F32   plain float32.
+ *   BF16  bfloat16 bit patterns (uint16, round-to-nearest-even from f32).
+ *   I8    int8 symmetric per output row: w[r,c] = q[r,c] * scale[r]; scale [rows] f32,
+ *         q in [-127, 127].
+ *   I4    int4 symmetric in groups of `group` consecutive input columns (group is a multiple
+ *         of 32 dividing both H and I; 128 by default): w[r,c] = (u[r,c] - 8) * scale[r, c/group]
+ *         with u in [1, 15] (q = u - 8 in [-7, 7]); two values per byte, column 2j in the LOW
+ *         nibble of byte j of the row, column 2j+1 in the high nibble: packed [rows, cols/2] u8;
+ *         scale [rows, cols/group] f32 (f32 rather than f16: exact, and only 1/32 extra bytes
+ *         per weight byte at group 128).
+ * Activations (smoe_act), with g = gate row . x + gate.bias, u = up row . x + up.bias:
+ *   SILU    a = silu(g) * u = g / (1 + exp(-g)) * u        (Mixtral, Qwen2/3-MoE, OLMoE,
+ *                                                             PhiMoE, DeepSeek-V2/V3)
+ *   GPTOSS  g = min(g, limit); u = clamp(u, -limit, limit); a = (u + 1) * g * sigmoid(alpha*g)
+ *           (transformers GptOssExperts._apply_gate; alpha 1.702, limit 7.0 by default)
+ * Then y = down . a + down.bias, and out[row] += scale * y.
+ *
+ * Threads: a smoe_kctx owns a persistent pthread pool (created once by smoe_kctx_init; no
+ * thread is created per call) and the ISA choice.  A call splits output rows across the pool
+ * (gate/up rows, then a barrier, then down rows), so every weight byte is read once per call
+ * whatever the token count.  smoe_ffn_forward may be called from several threads on the same
+ * context: calls are serialized on the context's pool mutex.  Blocking: call without the GIL.
+ */
+#ifndef SMOE_KERNELS_H
+#define SMOE_KERNELS_H
+
+#include <pthread.h>
+
+#include "../common.h"
+
+typedef enum smoe_wdtype {
+    SMOE_WDT_F32 = 0,
+    SMOE_WDT_BF16 = 1,
+    SMOE_WDT_I8 = 2,
+    SMOE_WDT_I4 = 3
+} smoe_wdtype;
+
+typedef enum smoe_act { SMOE_ACT_SILU = 0, SMOE_ACT_GPTOSS = 1 } smoe_act;
+
+/* Instruction sets, lowest first.  AVX512 means AVX-512 F/BW/VL/DQ (+BF16/VNNI used only when
+ * present); AVX2 means AVX2 + FMA + F16C. */
+typedef enum smoe_isa { SMOE_ISA_SCALAR = 0, SMOE_ISA_AVX2 = 1, SMOE_ISA_AVX512 = 2 } smoe_isa;
+
+#define SMOE_NO_TENSOR UINT64_MAX /* offset value of an absent optional tensor */
+
+/* Where each tensor of one expert lives inside an expert block (byte offsets from the block
+ * start), plus shapes and math.  Offsets must be aligned to the element size (4 for f32
+ * tensors and scales, 2 for bf16); 64-byte alignment is best.  Build it with the Python
+ * FFNSpec.from_store_schema or fill it by hand, then validate with smoe_ffn_desc_check. */
+typedef struct smoe_ffn_desc {
+    uint32_t H;      /* hidden size (input of gate/up, output of down) */
+    uint32_t I;      /* intermediate size */
+    int32_t dtype;   /* smoe_wdtype, same for the three matrices */
+    int32_t act;     /* smoe_act */
+    float alpha;     /* GPTOSS only */
+    float limit;     /* GPTOSS only */
+    uint32_t group;  /* I4 only: group size along the input dim; 0 -> 128 */
+    uint64_t gate, up, down;                   /* weights (required) */
+    uint64_t gate_scale, up_scale, down_scale; /* required for I8/I4, else SMOE_NO_TENSOR */
+    uint64_t gate_bias, up_bias, down_bias;    /* optional, SMOE_NO_TENSOR when absent */
+} smoe_ffn_desc;
+
+/* Fill d with shapes/dtype/act and every offset = SMOE_NO_TENSOR (alpha 1.702, limit 7.0,
+ * group 128). */
+void smoe_ffn_desc_default(smoe_ffn_desc *d, uint32_t H, uint32_t I, int32_t dtype, int32_t act);
+
+/* Validate d: dtype/act known, H,I > 0, group valid for I4 (multiple of 32 dividing H and I),
+ * required tensors present, every tensor inside [0, block_bytes) and aligned.  Errors name the
+ * tensor.  block_bytes = 0 skips the bounds check. */
+int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *err);
+
+/* Bytes of each weight/scale tensor for d (for writers and for the checks). */
+uint64_t smoe_ffn_weight_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t cols);
+uint64_t smoe_ffn_scale_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t cols);
+
+/* Scratch bytes smoe_ffn_forward needs for T tokens (includes 64 bytes of alignment slack). */
+size_t smoe_ffn_scratch_bytes(const smoe_ffn_desc *d, uint32_t T);
+
+/* ---- kernel context: thread pool + ISA ---- */
+
+typedef struct smoe_kpool smoe_kpool; /* private (kernels/pool.c) */
+
+typedef struct smoe_kctx {
+    smoe_kpool *pool;   /* owned; NULL when single-threaded */
+    uint32_t nthreads;  /* threads used per call, including the caller */
+    int32_t isa;        /* smoe_isa in use */
+    int32_t isa_max;    /* best smoe_isa this CPU supports */
+    int32_t has_bf16;   /* CPU has AVX512_BF16 */
+    int32_t has_vnni;   /* CPU has AVX512_VNNI */
+} smoe_kctx;
+
+/* nthreads = 0 -> number of online CPUs.  ISA: the best supported, unless the environment
+ * variable SPECMOE_ISA=scalar|avx2|avx512 asks for a lower one. */
+int smoe_kctx_init(smoe_kctx *c, uint32_t nthreads, smoe_err *err);
+void smoe_kctx_free(smoe_kctx *c);
+/* Change the thread count (restarts the pool; not while a call is running on c). */
+int smoe_kctx_set_threads(smoe_kctx *c, uint32_t nthreads, smoe_err *err);
+/* Force an ISA (<= isa_max, else SMOE_EINVAL); isa < 0 -> best supported. */
+int smoe_kctx_set_isa(smoe_kctx *c, int32_t isa, smoe_err *err);
+const char *smoe_isa_name(int32_t isa);
+
+/* out[r_t, :] += scale[t] * FFN(x[r_t, :]) for t in [0, T), r_t = rows ? rows[t] : t.
+ *   c       context (threads, ISA); NULL -> single-threaded, best ISA.
+ *   d       validated descriptor (smoe_ffn_desc_check); block = the expert block.
+ *   x       f32 hidden states, row r at x + r * x_stride (x_stride >= H floats).
+ *   rows    T row indices into x and out (distinct), or NULL for 0..T-1.
+ *   scale   T routing weights, or NULL for 1.0.
+ *   out     f32, row r at out + r * out_stride (out_stride >= H); accumulated into.
+ *   scratch smoe_ffn_scratch_bytes(d, T) bytes, any alignment; not shared between concurrent
+ *           calls.
+ * T = 0 is a no-op.  Every weight byte is read once for all T tokens. */
+int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
+                     size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
+                     float *out, size_t out_stride, void *scratch, smoe_err *err);
+
+/* Ceiling for benchmarks: read `bytes` of buf `iters` times with the same threads and ISA as
+ * the kernels (vector loads, summed so they cannot be elided).  *bytes_per_s receives the
+ * rate; the return is the usual status. */
+int smoe_read_bw(smoe_kctx *c, const uint8_t *buf, size_t bytes, uint32_t iters,
+                 double *bytes_per_s, smoe_err *err);
+
+#endif

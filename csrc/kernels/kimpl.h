@@ -1,0 +1,82 @@
+/* Private pieces shared by the kernel files: the per-call job, the per-ISA function table and
+ * the thread pool.  Not part of the contract (see kernels.h). */
+#ifndef SMOE_KIMPL_H
+#define SMOE_KIMPL_H
+
+#include "kernels.h"
+
+/* One smoe_ffn_forward call as the workers see it.  Read-only during a phase except the
+ * disjoint output ranges each worker owns (act columns in phase 1, out columns in phase 2). */
+typedef struct smoe_ffn_job {
+    const smoe_ffn_desc *d;
+    const uint8_t *block;
+    uint32_t T;
+    uint32_t group;     /* I4 group (resolved) */
+    const float *xs;    /* [T, H] gathered x; I4: every 32 columns stored evens then odds */
+    float *act;         /* [T, I] activations; I4: same 32-column permutation */
+    const int32_t *rows;
+    const float *scale;
+    float *out;
+    size_t out_stride;
+} smoe_ffn_job;
+
+/* Column position of column c in the I4 permuted layout of x / act: within each block of 32
+ * columns, even columns first (byte j low nibble <-> position j), odd columns next (high
+ * nibble <-> position 16 + j). */
+static inline uint32_t smoe_i4_pos(uint32_t c) {
+    uint32_t b = c & ~31u, k = c & 31u;
+    return b + ((k & 1u) ? 16u + (k >> 1) : (k >> 1));
+}
+
+/* Per-ISA entry points.  gateup computes act rows [i0, i1) for every token; down computes out
+ * columns [h0, h1) for every token; read_sum sums bytes (for smoe_read_bw). */
+typedef struct smoe_ffn_impl {
+    void (*gateup)(const smoe_ffn_job *j, uint32_t i0, uint32_t i1);
+    void (*down)(const smoe_ffn_job *j, uint32_t h0, uint32_t h1);
+    uint64_t (*read_sum)(const uint8_t *p, size_t n);
+} smoe_ffn_impl;
+
+extern const smoe_ffn_impl smoe_ffn_impl_scalar;
+extern const smoe_ffn_impl smoe_ffn_impl_avx2;
+extern const smoe_ffn_impl smoe_ffn_impl_avx512;
+
+/* Scalar activation shared by every ISA (exactly the formula in kernels.h). */
+float smoe_ffn_activate(const smoe_ffn_desc *d, float g, float u);
+
+/* Pointers into the block. */
+static inline const void *smoe_ffn_ptr(const smoe_ffn_job *j, uint64_t off) {
+    return off == SMOE_NO_TENSOR ? NULL : (const void *)(j->block + off);
+}
+
+/* Finish one (row i, token t) of phase 1: biases, activation, store. */
+static inline void smoe_ffn_store_act(const smoe_ffn_job *j, uint32_t i, uint32_t t, float g,
+                                      float u) {
+    const smoe_ffn_desc *d = j->d;
+    const float *gb = (const float *)smoe_ffn_ptr(j, d->gate_bias);
+    const float *ub = (const float *)smoe_ffn_ptr(j, d->up_bias);
+    if (gb) g += gb[i];
+    if (ub) u += ub[i];
+    uint32_t pos = d->dtype == SMOE_WDT_I4 ? smoe_i4_pos(i) : i;
+    j->act[(size_t)t * d->I + pos] = smoe_ffn_activate(d, g, u);
+}
+
+/* Finish one (row h, token t) of phase 2: bias, routing weight, accumulate into out. */
+static inline void smoe_ffn_store_out(const smoe_ffn_job *j, uint32_t h, uint32_t t, float y) {
+    const float *db = (const float *)smoe_ffn_ptr(j, j->d->down_bias);
+    if (db) y += db[h];
+    float s = j->scale ? j->scale[t] : 1.0f;
+    size_t r = j->rows ? (size_t)j->rows[t] : t;
+    j->out[r * j->out_stride + h] += s * y;
+}
+
+/* Thread pool (pool.c).  run() calls fn(arg, k, n) for k in [0, n) across the workers and the
+ * calling thread and returns when all are done. */
+typedef void (*smoe_kpool_fn)(void *arg, uint32_t k, uint32_t n);
+int smoe_kpool_new(smoe_kpool **out, uint32_t nthreads, smoe_err *err);
+void smoe_kpool_delete(smoe_kpool *p);
+void smoe_kpool_run(smoe_kpool *p, smoe_kpool_fn fn, void *arg);
+/* Serialize whole calls (several phases) on one pool. */
+void smoe_kpool_lock(smoe_kpool *p);
+void smoe_kpool_unlock(smoe_kpool *p);
+
+#endif

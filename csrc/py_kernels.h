@@ -1,0 +1,18 @@
+/* Binding pieces of the kernels area that other bindings may reuse (e.g. an MoE-layer
+ * function that runs experts through a KernelContext). */
+#ifndef SMOE_PY_KERNELS_H
+#define SMOE_PY_KERNELS_H
+
+#include "py_common.h"
+#include "kernels/kernels.h"
+
+/* The context of a specmoe._C.KernelContext object, or NULL with TypeError set. */
+smoe_kctx *smoe_py_kctx(PyObject *obj);
+
+/* Parse a descriptor dict (keys H, I, dtype, act, alpha, limit, group, and tensor offsets
+ * gate, up, down, gate_scale, up_scale, down_scale, gate_bias, up_bias, down_bias; absent or
+ * None offsets mean "no tensor"), as built by specmoe.kernels.FFNSpec.desc().  Checks it
+ * against block_bytes (0: no bounds check).  Returns 0, or -1 with an exception set. */
+int smoe_py_ffn_desc_parse(PyObject *dict, uint64_t block_bytes, smoe_ffn_desc *d);
+
+#endif

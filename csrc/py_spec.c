@@ -1,0 +1,548 @@
+/* Python binding for the speculation area: _C.SpecController (static, heuristic, cascade,
+ * speq; see spec/controller.h) and _C.NgramDrafter (spec/ngram.h).  Every argument is checked
+ * here or in the C layer; bad input raises ValueError/TypeError, never aborts. */
+#include "py_numpy.h"
+#include "spec/controller.h"
+#include "spec/ngram.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A long long that must fit in int32: ValueError otherwise (what names the argument). */
+static int to_i32(long long v, const char *what, int32_t *out) {
+    if (v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s=%lld is out of range", what, v);
+        return -1;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
+
+/* A 1-D contiguous float64 copy of a sequence/array; NULL with an exception set. */
+static PyArrayObject *f64_vector(PyObject *obj, const char *what) {
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_FLOAT64, NPY_ARRAY_IN_ARRAY);
+    if (!a) return NULL;
+    if (PyArray_NDIM(a) != 1) {
+        PyErr_Format(PyExc_ValueError, "%s must be 1-D, got %d dimensions", what,
+                     PyArray_NDIM(a));
+        Py_DECREF(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* _C.SpecController */
+
+typedef struct {
+    PyObject_HEAD
+    smoe_spec_ctl *c;
+} SpecControllerObject;
+
+static void SpecController_dealloc(SpecControllerObject *self) {
+    smoe_spec_ctl_destroy(self->c);
+    self->c = NULL;
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"name",         "k_max",    "k",           "initial",
+                             "trials",       "trial_len", "set_len",    "backoff_max",
+                             "base_len",     "base_refresh", "alpha",   "p_init",
+                             "telemetry_cap", NULL};
+    const char *name;
+    long long v[9] = {0};
+    double alpha = 0.0, p_init = 0.0;
+    long long cap = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddL:SpecController", kwlist, &name,
+                                     &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7],
+                                     &v[8], &alpha, &p_init, &cap))
+        return -1;
+    const smoe_spec_ctl_ops *ops = smoe_spec_ctl_find(name);
+    if (!ops) {
+        PyErr_Format(PyExc_ValueError,
+                     "unknown speculation controller %R (known: static, heuristic, cascade, speq)",
+                     PyTuple_GET_ITEM(args, 0));
+        return -1;
+    }
+    smoe_spec_params p;
+    memset(&p, 0, sizeof p);
+    int32_t *fields[9] = {&p.k_max,   &p.k,           &p.initial,  &p.trials,      &p.trial_len,
+                          &p.set_len, &p.backoff_max, &p.base_len, &p.base_refresh};
+    for (int i = 0; i < 9; i++)
+        if (to_i32(v[i], kwlist[i + 1], fields[i]) < 0) return -1;
+    if (cap < 0 || cap > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "telemetry_cap=%lld is out of range", cap);
+        return -1;
+    }
+    p.telemetry_cap = (uint32_t)cap;
+    if (isnan(alpha) || isnan(p_init)) {
+        PyErr_SetString(PyExc_ValueError, "alpha and p_init must not be NaN");
+        return -1;
+    }
+    p.alpha = alpha;
+    p.p_init = p_init;
+    smoe_err err;
+    smoe_err_clear(&err);
+    smoe_spec_ctl *c = NULL;
+    if (smoe_spec_ctl_create(&c, ops, &p, &err) < 0) {
+        smoe_py_raise(&err);
+        return -1;
+    }
+    smoe_spec_ctl_destroy(self->c);
+    self->c = c;
+    return 0;
+}
+
+#define CTL_CHECK(self)                                                             \
+    do {                                                                            \
+        if (!(self)->c) {                                                           \
+            PyErr_SetString(PyExc_ValueError, "SpecController was not initialised"); \
+            return NULL;                                                            \
+        }                                                                           \
+    } while (0)
+
+static PyObject *SpecController_next_k(SpecControllerObject *self, PyObject *unused) {
+    (void)unused;
+    CTL_CHECK(self);
+    return PyLong_FromLong(smoe_spec_ctl_next_k(self->c));
+}
+
+static PyObject *SpecController_observe(SpecControllerObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"k", "accepted", "t_iter", "experts_loaded", "t_draft", "t_io", NULL};
+    long long k, acc, loaded = 0;
+    double t_iter, t_draft = 0.0, t_io = 0.0;
+    CTL_CHECK(self);
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLd|Ldd:observe", kwlist, &k, &acc, &t_iter,
+                                     &loaded, &t_draft, &t_io))
+        return NULL;
+    smoe_spec_obs o;
+    if (to_i32(k, "k", &o.k) < 0 || to_i32(acc, "accepted", &o.accepted) < 0) return NULL;
+    o.t_iter = t_iter;
+    o.experts_loaded = loaded;
+    o.t_draft = t_draft;
+    o.t_io = t_io;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_spec_ctl_observe(self->c, &o, &err) < 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *SpecController_set_tau(SpecControllerObject *self, PyObject *arg) {
+    CTL_CHECK(self);
+    PyArrayObject *a = f64_vector(arg, "tau");
+    if (!a) return NULL;
+    npy_intp n = PyArray_DIM(a, 0);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = n > SMOE_SPEC_TAU_MAX
+                 ? smoe_err_set(&err, SMOE_EINVAL, "tau: at most %d entries, got %lld",
+                                SMOE_SPEC_TAU_MAX, (long long)n)
+                 : smoe_spec_ctl_set_tau(self->c, PyArray_DATA(a), (int32_t)n, &err);
+    Py_DECREF(a);
+    if (rc < 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *SpecController_set_io_cost(SpecControllerObject *self, PyObject *arg) {
+    CTL_CHECK(self);
+    PyArrayObject *a = f64_vector(arg, "io_cost");
+    if (!a) return NULL;
+    npy_intp n = PyArray_DIM(a, 0);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = n > SMOE_SPEC_KMAX + 1
+                 ? smoe_err_set(&err, SMOE_EINVAL, "io_cost: at most k_max+1 entries, got %lld",
+                                (long long)n)
+                 : smoe_spec_ctl_set_io_cost(self->c, PyArray_DATA(a), (int32_t)n, &err);
+    Py_DECREF(a);
+    if (rc < 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *SpecController_telemetry(SpecControllerObject *self, PyObject *unused) {
+    (void)unused;
+    CTL_CHECK(self);
+    smoe_spec_ctl *c = self->c;
+    npy_intp n = (npy_intp)(c->n_obs < c->ring_cap ? c->n_obs : c->ring_cap);
+    smoe_spec_rec *recs = malloc((size_t)(n ? n : 1) * sizeof *recs);
+    if (!recs) return PyErr_NoMemory();
+    smoe_spec_ctl_telemetry(c, recs);
+    static const char *names[] = {"iter",  "k",         "accepted",      "t_iter",
+                                  "utility", "phase",   "k_planned",     "experts_loaded"};
+    static const int types[] = {NPY_UINT64, NPY_INT32, NPY_INT32, NPY_FLOAT64,
+                                NPY_FLOAT64, NPY_INT32, NPY_INT32, NPY_INT64};
+    PyObject *d = PyDict_New();
+    if (!d) goto fail;
+    for (int f = 0; f < 8; f++) {
+        PyArrayObject *a = (PyArrayObject *)PyArray_SimpleNew(1, &n, types[f]);
+        if (!a) goto fail;
+        char *dst = PyArray_DATA(a);
+        for (npy_intp i = 0; i < n; i++) {
+            const smoe_spec_rec *r = &recs[i];
+            switch (f) {
+            case 0: ((uint64_t *)dst)[i] = r->iter; break;
+            case 1: ((int32_t *)dst)[i] = r->k; break;
+            case 2: ((int32_t *)dst)[i] = r->accepted; break;
+            case 3: ((double *)dst)[i] = r->t_iter; break;
+            case 4: ((double *)dst)[i] = r->utility; break;
+            case 5: ((int32_t *)dst)[i] = r->phase; break;
+            case 6: ((int32_t *)dst)[i] = r->k_planned; break;
+            default: ((int64_t *)dst)[i] = r->experts_loaded; break;
+            }
+        }
+        int rc = PyDict_SetItemString(d, names[f], (PyObject *)a);
+        Py_DECREF(a);
+        if (rc < 0) goto fail;
+    }
+    free(recs);
+    return d;
+fail:
+    free(recs);
+    Py_XDECREF(d);
+    return NULL;
+}
+
+static PyObject *SpecController_speq_model(SpecControllerObject *self, PyObject *arg) {
+    CTL_CHECK(self);
+    long k = PyLong_AsLong(arg);
+    if (k == -1 && PyErr_Occurred()) return NULL;
+    if (self->c->ops != &smoe_spec_speq) {
+        PyErr_SetString(PyExc_ValueError, "speq_model: only the speq controller has this model");
+        return NULL;
+    }
+    if (k < 0 || k > self->c->params.k_max) {
+        PyErr_Format(PyExc_ValueError, "speq_model: k must be in 0..k_max=%d, got %ld",
+                     (int)self->c->params.k_max, k);
+        return NULL;
+    }
+    return Py_BuildValue("(dd)", smoe_spec_speq_expected_tokens(self->c, (int32_t)k),
+                         smoe_spec_speq_cycle_time(self->c, (int32_t)k));
+}
+
+static PyObject *SpecController_get_name(SpecControllerObject *self, void *closure) {
+    (void)closure;
+    CTL_CHECK(self);
+    return PyUnicode_FromString(self->c->ops->name);
+}
+static PyObject *SpecController_get_k_max(SpecControllerObject *self, void *closure) {
+    (void)closure;
+    CTL_CHECK(self);
+    return PyLong_FromLong(self->c->params.k_max);
+}
+static PyObject *SpecController_get_phase(SpecControllerObject *self, void *closure) {
+    (void)closure;
+    CTL_CHECK(self);
+    return PyLong_FromLong(self->c->ops->phase(self->c));
+}
+static PyObject *SpecController_get_base(SpecControllerObject *self, void *closure) {
+    (void)closure;
+    CTL_CHECK(self);
+    return PyFloat_FromDouble(smoe_spec_ctl_base(self->c));
+}
+static PyObject *SpecController_get_n_obs(SpecControllerObject *self, void *closure) {
+    (void)closure;
+    CTL_CHECK(self);
+    return PyLong_FromUnsignedLongLong(self->c->n_obs);
+}
+static PyObject *SpecController_get_allowed(SpecControllerObject *self, void *closure) {
+    (void)closure;
+    CTL_CHECK(self);
+    PyObject *l = PyList_New(0);
+    if (!l) return NULL;
+    for (int32_t k = 0; k <= self->c->params.k_max; k++) {
+        if (!self->c->allowed[k]) continue;
+        PyObject *v = PyLong_FromLong(k);
+        if (!v || PyList_Append(l, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(l);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return l;
+}
+
+static PyMethodDef SpecController_methods[] = {
+    {"next_k", (PyCFunction)SpecController_next_k, METH_NOARGS,
+     "next_k() -> int: K for the next iteration (0 = no speculation); does not change state."},
+    {"observe", (PyCFunction)(void (*)(void))SpecController_observe, METH_VARARGS | METH_KEYWORDS,
+     "observe(k, accepted, t_iter, experts_loaded=0, t_draft=0.0, t_io=0.0): learn from one "
+     "iteration."},
+    {"set_tau", (PyCFunction)SpecController_set_tau, METH_O,
+     "set_tau(tau): tau[i] = tau(i+1) = T(1)/T(i+1); K allowed iff (K+1)*tau(K+1) > 1."},
+    {"set_io_cost", (PyCFunction)SpecController_set_io_cost, METH_O,
+     "set_io_cost(cost): cost[k] = expected seconds of loading missing experts when verifying "
+     "k drafts (speq)."},
+    {"telemetry", (PyCFunction)SpecController_telemetry, METH_NOARGS,
+     "telemetry() -> dict of numpy arrays (iter, k, accepted, t_iter, utility, phase, "
+     "k_planned, experts_loaded), oldest first."},
+    {"speq_model", (PyCFunction)SpecController_speq_model, METH_O,
+     "speq_model(k) -> (E[N(k)], T_cycle(k)) of the speq governor's current model."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef SpecController_getset[] = {
+    {"name", (getter)SpecController_get_name, NULL, "controller name", NULL},
+    {"k_max", (getter)SpecController_get_k_max, NULL, "largest K", NULL},
+    {"phase", (getter)SpecController_get_phase, NULL, "current phase (0 none, 1 base, 2 test, "
+                                                      "3 set, 4 backoff)", NULL},
+    {"base", (getter)SpecController_get_base, NULL,
+     "mean t_iter of the last base_len K=0 iterations (NaN when none)", NULL},
+    {"n_obs", (getter)SpecController_get_n_obs, NULL, "iterations observed", NULL},
+    {"allowed", (getter)SpecController_get_allowed, NULL, "K values allowed by tau pruning",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject SpecController_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.SpecController",
+    .tp_basicsize = sizeof(SpecControllerObject),
+    .tp_dealloc = (destructor)SpecController_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "SpecController(name, *, k_max=8, k=0, initial=0, trials=4, trial_len=4, "
+              "set_len=16, backoff_max=1024, base_len=4, base_refresh=100, alpha=0.2, "
+              "p_init=0.6, telemetry_cap=65536): a speculation controller (0 = default).",
+    .tp_methods = SpecController_methods,
+    .tp_getset = SpecController_getset,
+    .tp_init = (initproc)SpecController_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* _C.NgramDrafter */
+
+/* busy is set (GIL held) while a call runs with the GIL released, so a second thread using
+ * the same drafter meanwhile gets an error instead of a data race. */
+typedef struct {
+    PyObject_HEAD
+    smoe_ngram g;
+    int ready;
+    int busy;
+} NgramObject;
+
+static void Ngram_dealloc(NgramObject *self) {
+    if (self->ready) smoe_ngram_free(&self->g);
+    self->ready = 0;
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Ngram_init(NgramObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"max_n", "min_n", NULL};
+    long long max_n = 3, min_n = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|LL:NgramDrafter", kwlist, &max_n, &min_n))
+        return -1;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "NgramDrafter is in use by another thread");
+        return -1;
+    }
+    int32_t a, b;
+    if (to_i32(max_n, "max_n", &a) < 0 || to_i32(min_n, "min_n", &b) < 0) return -1;
+    smoe_ngram g;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_ngram_init(&g, a, b, &err) < 0) {
+        smoe_py_raise(&err);
+        return -1;
+    }
+    if (self->ready) smoe_ngram_free(&self->g);
+    self->g = g;
+    self->ready = 1;
+    return 0;
+}
+
+#define NG_CHECK(self)                                                                  \
+    do {                                                                                \
+        if (!(self)->ready) {                                                           \
+            PyErr_SetString(PyExc_ValueError, "NgramDrafter was not initialised");       \
+            return NULL;                                                                \
+        }                                                                               \
+        if ((self)->busy) {                                                             \
+            PyErr_SetString(PyExc_RuntimeError,                                         \
+                            "NgramDrafter is in use by another thread (not thread-safe)"); \
+            return NULL;                                                                \
+        }                                                                               \
+    } while (0)
+
+/* Tokens as a new contiguous int32 array (1-D, each in int32 range); NULL with exception. */
+static PyArrayObject *token_array(PyObject *obj, const char *what) {
+    PyArrayObject *a64 = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY);
+    if (!a64) return NULL;
+    if (PyArray_NDIM(a64) != 1) {
+        PyErr_Format(PyExc_ValueError, "%s must be a 1-D sequence of token ids, got %d dimensions",
+                     what, PyArray_NDIM(a64));
+        Py_DECREF(a64);
+        return NULL;
+    }
+    npy_intp n = PyArray_DIM(a64, 0);
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
+    if (!out) {
+        Py_DECREF(a64);
+        return NULL;
+    }
+    const int64_t *src = PyArray_DATA(a64);
+    int32_t *dst = PyArray_DATA(out);
+    for (npy_intp i = 0; i < n; i++) {
+        if (src[i] < 0 || src[i] > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "%s: token id %lld at position %zd is outside 0..%d",
+                         what, (long long)src[i], (Py_ssize_t)i, INT32_MAX);
+            Py_DECREF(a64);
+            Py_DECREF(out);
+            return NULL;
+        }
+        dst[i] = (int32_t)src[i];
+    }
+    Py_DECREF(a64);
+    return out;
+}
+
+static PyObject *Ngram_append(NgramObject *self, PyObject *arg) {
+    NG_CHECK(self);
+    PyArrayObject *a = token_array(arg, "tokens");
+    if (!a) return NULL;
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    npy_intp n = PyArray_DIM(a, 0);
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_ngram_append(&self->g, PyArray_DATA(a), (int64_t)n, &err);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(a);
+    if (rc < 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ngram_reset(NgramObject *self, PyObject *unused) {
+    (void)unused;
+    NG_CHECK(self);
+    smoe_ngram_reset(&self->g);
+    Py_RETURN_NONE;
+}
+
+/* Make the drafter's history equal to hist: keep the common prefix, truncate the rest
+ * (rebuilding the index), append the new tail. */
+static int ngram_sync(smoe_ngram *g, const int32_t *h, int64_t n, smoe_err *err) {
+    int64_t m = g->len < n ? g->len : n;
+    int64_t same = 0;
+    if (m > 0 && memcmp(g->hist, h, (size_t)m * sizeof *h) == 0) {
+        same = m;
+    } else {
+        while (same < m && g->hist[same] == h[same]) same++;
+    }
+    if (same < g->len) {
+        int rc = smoe_ngram_truncate(g, same, err);
+        if (rc) return rc;
+    }
+    return smoe_ngram_append(g, h + same, n - same, err);
+}
+
+static PyObject *Ngram_propose(NgramObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"history", "k", NULL};
+    PyObject *hist;
+    long long k;
+    NG_CHECK(self);
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OL:propose", kwlist, &hist, &k)) return NULL;
+    if (k < 0 || k > (1 << 20)) {
+        PyErr_Format(PyExc_ValueError, "propose: k must be in 0..%d, got %lld", 1 << 20, k);
+        return NULL;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (hist != Py_None) {
+        PyArrayObject *a = token_array(hist, "history");
+        if (!a) return NULL;
+        int rc;
+        npy_intp n = PyArray_DIM(a, 0);
+        self->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        rc = ngram_sync(&self->g, PyArray_DATA(a), (int64_t)n, &err);
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
+        Py_DECREF(a);
+        if (rc < 0) return smoe_py_raise(&err);
+    }
+    if (self->g.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "propose: the history is empty");
+        return NULL;
+    }
+    int32_t *out = malloc((size_t)(k ? k : 1) * sizeof *out);
+    if (!out) return PyErr_NoMemory();
+    int32_t n_out = 0, n_match = 0;
+    if (smoe_ngram_propose(&self->g, (int32_t)k, out, &n_out, &n_match, &err) < 0) {
+        free(out);
+        return smoe_py_raise(&err);
+    }
+    PyObject *l = PyList_New(n_out);
+    if (!l) {
+        free(out);
+        return NULL;
+    }
+    for (int32_t i = 0; i < n_out; i++) {
+        PyObject *v = PyLong_FromLong(out[i]);
+        if (!v) {
+            free(out);
+            Py_DECREF(l);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, i, v);
+    }
+    free(out);
+    return l;
+}
+
+static PyObject *Ngram_get_len(NgramObject *self, void *closure) {
+    (void)closure;
+    NG_CHECK(self);
+    return PyLong_FromLongLong(self->g.len);
+}
+static PyObject *Ngram_get_max_n(NgramObject *self, void *closure) {
+    (void)closure;
+    NG_CHECK(self);
+    return PyLong_FromLong(self->g.max_n);
+}
+static PyObject *Ngram_get_min_n(NgramObject *self, void *closure) {
+    (void)closure;
+    NG_CHECK(self);
+    return PyLong_FromLong(self->g.min_n);
+}
+
+static PyMethodDef Ngram_methods[] = {
+    {"append", (PyCFunction)Ngram_append, METH_O, "append(tokens): extend the history."},
+    {"reset", (PyCFunction)Ngram_reset, METH_NOARGS, "reset(): forget the history."},
+    {"propose", (PyCFunction)(void (*)(void))Ngram_propose, METH_VARARGS | METH_KEYWORDS,
+     "propose(history, k) -> list[int]: sync the history (None keeps it), then propose k "
+     "tokens or none."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Ngram_getset[] = {
+    {"length", (getter)Ngram_get_len, NULL, "tokens in the history", NULL},
+    {"max_n", (getter)Ngram_get_max_n, NULL, "longest n-gram matched", NULL},
+    {"min_n", (getter)Ngram_get_min_n, NULL, "shortest n-gram matched", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject Ngram_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.NgramDrafter",
+    .tp_basicsize = sizeof(NgramObject),
+    .tp_dealloc = (destructor)Ngram_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "NgramDrafter(max_n=3, min_n=1): prompt-lookup drafter (see spec/ngram.h).",
+    .tp_methods = Ngram_methods,
+    .tp_getset = Ngram_getset,
+    .tp_init = (initproc)Ngram_init,
+    .tp_new = PyType_GenericNew,
+};
+
+int smoe_py_spec_init(PyObject *m) {
+    PyTypeObject *types[] = {&SpecController_Type, &Ngram_Type};
+    const char *names[] = {"SpecController", "NgramDrafter"};
+    for (int i = 0; i < 2; i++) {
+        if (PyType_Ready(types[i]) < 0) return -1;
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            return -1;
+        }
+    }
+    return 0;
+}

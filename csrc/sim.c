@@ -1,0 +1,481 @@
+/* Trace-driven simulator (see sim.h for the cache semantics and the time model). */
+#include "sim.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct sim {
+    const smoe_sim_trace *tr;
+    const smoe_sim_hw *hw;
+    const smoe_sim_prefetch *pf; /* NULL or predictor != NONE */
+    smoe_policy *pol;
+    smoe_sim_result *r;
+    uint32_t nslots, nkeys, L, K, E;
+
+    int32_t *slot_key;     /* -1 empty */
+    uint64_t *slot_pass;   /* pass of the last demand use (0 never) */
+    uint8_t *slot_pf;      /* loaded by prefetch, not yet used by demand */
+    int32_t *map;          /* key -> slot or -1 */
+    uint64_t *evicted_pass;/* per key, pass of its last eviction (0 never) */
+    uint32_t next_free;    /* slots >= next_free are free (slots are never emptied again) */
+    uint64_t pass;
+    double now;
+    double load_s;         /* link_latency_s + expert_bytes / link_bw */
+    double expert_s;       /* expert_bytes / fast_bw */
+    int prefetch_mode;     /* evictable(): 1 for a prefetch victim, 0 for demand */
+
+    /* copy engine */
+    int32_t inflight;      /* slot being prefetched, -1 none */
+    double inflight_ready;
+    double ce_free;        /* when the copy engine became / becomes free */
+    int32_t *q_key;        /* FIFO of requested keys, replaced at every issue */
+    uint32_t q_head, q_len, q_cap;
+    double q_issue;        /* issue time of the queued requests */
+    uint64_t *q_stamp;     /* per key: issue id that queued it (dedup) */
+    uint64_t issue_id;
+
+    /* predictors */
+    float *scores;         /* [E] */
+    float *sorted;         /* [E] scratch for the percentile */
+    uint32_t *sel;         /* [E] selected experts */
+    uint32_t *freq;        /* history: [L][E] uses in the window */
+    uint32_t *cooc;        /* history: [L][E][E] uses of b at position l+1 after a at l */
+    uint32_t *cnt;         /* history: [L][E] uses of a at position l with a successor seen */
+    uint64_t tokens_seen;
+} sim;
+
+static const int16_t *row(const sim *s, uint64_t t, uint32_t l) {
+    return s->tr->experts + ((size_t)t * s->L + l) * s->K;
+}
+
+static int sim_evictable(void *ctx, uint32_t slot) {
+    const sim *s = ctx;
+    if ((int32_t)slot == s->inflight) return 0;
+    if (s->prefetch_mode && s->slot_pass[slot] == s->pass) return 0;
+    return 1;
+}
+
+/* Give `key` a slot: the lowest free one, else the policy's victim.  Returns the slot, -1 when
+ * nothing may be evicted, or SMOE_EPOLICY-1 (< -1) on an invalid victim (err filled). */
+static int32_t take_slot(sim *s, int32_t key, int prefetch, smoe_err *err) {
+    int32_t slot;
+    if (s->next_free < s->nslots) {
+        slot = (int32_t)s->next_free++;
+    } else {
+        s->prefetch_mode = prefetch;
+        smoe_evictable_fn ok = (prefetch || s->inflight >= 0) ? sim_evictable : NULL;
+        int32_t v = smoe_policy_victim(s->pol, ok, s);
+        if (s->pol->failure.code) {
+            *err = s->pol->failure;
+            err->code = SMOE_EPOLICY;
+            return -2;
+        }
+        if (v == -1) return -1;
+        if (v < 0 || (uint32_t)v >= s->nslots || s->slot_key[v] < 0 || !sim_evictable(s, (uint32_t)v)) {
+            smoe_err_set(err, SMOE_EPOLICY, "policy %s returned victim slot %d, which is not a "
+                         "resident evictable slot of 0..%u", s->pol->ops->name, (int)v,
+                         s->nslots - 1);
+            return -2;
+        }
+        int32_t old = s->slot_key[v];
+        s->map[old] = -1;
+        s->evicted_pass[old] = s->pass;
+        s->r->evictions++;
+        if (s->slot_pf[v]) s->r->prefetch_wasted++;
+        smoe_policy_evict(s->pol, (uint32_t)v, old);
+        slot = v;
+    }
+    s->slot_key[slot] = key;
+    s->map[key] = slot;
+    s->slot_pf[slot] = (uint8_t)(prefetch != 0);
+    if (!prefetch) s->slot_pass[slot] = s->pass;
+    smoe_policy_insert(s->pol, (uint32_t)slot, key, prefetch);
+    return slot;
+}
+
+/* Run the copy engine up to time `now`: finish the in-flight copy, start queued ones. */
+static int advance(sim *s, double now, smoe_err *err) {
+    for (;;) {
+        if (s->inflight >= 0) {
+            if (s->inflight_ready > now) return 0;
+            s->ce_free = s->inflight_ready;
+            s->inflight = -1;
+        }
+        if (!s->q_len) return 0;
+        double start = s->ce_free > s->q_issue ? s->ce_free : s->q_issue;
+        if (start > now) return 0;
+        int32_t key = s->q_key[s->q_head];
+        s->q_head++;
+        s->q_len--;
+        if (s->map[key] >= 0) continue;
+        int32_t slot = take_slot(s, key, 1, err);
+        if (slot < -1) return SMOE_EPOLICY;
+        if (slot < 0) {
+            s->r->prefetch_dropped++;
+            continue;
+        }
+        s->r->prefetch_issued++;
+        s->inflight = slot;
+        s->inflight_ready = start + s->load_s;
+        s->ce_free = s->inflight_ready;
+    }
+}
+
+static int demand(sim *s, int32_t key, smoe_err *err) {
+    smoe_sim_result *r = s->r;
+    r->accesses++;
+    int32_t slot = s->map[key];
+    if (slot >= 0) {
+        if (slot == s->inflight) { /* late prefetch: wait for it */
+            r->misses++;
+            r->prefetch_late++;
+            r->stall_s += s->inflight_ready - s->now;
+            s->now = s->inflight_ready;
+            s->ce_free = s->inflight_ready;
+            s->inflight = -1;
+        } else {
+            r->hits++;
+        }
+        if (s->slot_pf[slot]) {
+            r->prefetch_used++;
+            s->slot_pf[slot] = 0;
+        }
+        s->slot_pass[slot] = s->pass;
+        smoe_policy_access(s->pol, (uint32_t)slot, key);
+        return 0;
+    }
+    r->misses++;
+    if (s->evicted_pass[key] == s->pass) r->collision_misses++;
+    slot = take_slot(s, key, 0, err);
+    if (slot == -1 && s->inflight >= 0) { /* only the in-flight slot could go: wait for it */
+        r->stall_s += s->inflight_ready - s->now;
+        s->now = s->inflight_ready;
+        s->ce_free = s->inflight_ready;
+        s->inflight = -1;
+        slot = take_slot(s, key, 0, err);
+    }
+    if (slot < -1) return SMOE_EPOLICY;
+    if (slot < 0)
+        return smoe_err_set(err, SMOE_EPOLICY, "policy %s found no victim for a demand miss on "
+                            "key %d with all %u slots resident", s->pol->ops->name, (int)key,
+                            s->nslots);
+    if (s->inflight >= 0) { /* the demand load pre-empts the copy engine on the shared link */
+        s->inflight_ready += s->load_s;
+        s->ce_free = s->inflight_ready;
+    }
+    r->stall_s += s->load_s;
+    s->now += s->load_s;
+    return 0;
+}
+
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* Indices of the experts to fetch from scores[0..E-1], best first, into s->sel. */
+static uint32_t select_experts(sim *s) {
+    const smoe_sim_prefetch *pf = s->pf;
+    uint32_t E = s->E, n = 0;
+    float thr = 0.0f;
+    uint32_t cap = pf->topk ? pf->topk : s->K;
+    if (pf->percentile > 0.0) {
+        /* the q-quantile: the need-th smallest score, need = floor(q*(E-1)) + 1 */
+        uint32_t need = (uint32_t)floor(pf->percentile * (double)(E - 1)) + 1;
+        memcpy(s->sorted, s->scores, E * sizeof *s->sorted);
+        qsort(s->sorted, E, sizeof *s->sorted, cmp_float);
+        thr = s->sorted[need - 1];
+        cap = pf->topk ? pf->topk : E;
+    }
+    if (cap > E) cap = E;
+    while (n < cap) {
+        int32_t best = -1;
+        for (uint32_t e = 0; e < E; e++)
+            if (s->scores[e] > 0.0f && s->scores[e] >= thr &&
+                (best < 0 || s->scores[e] > s->scores[best]))
+                best = (int32_t)e;
+        if (best < 0) break;
+        s->sel[n++] = (uint32_t)best;
+        s->scores[best] = -1.0f;
+    }
+    return n;
+}
+
+static void queue_push(sim *s, int32_t key) {
+    if (s->q_stamp[key] == s->issue_id || s->map[key] >= 0) return;
+    if (s->q_head + s->q_len >= s->q_cap) return; /* cannot happen: q_cap = depth * E */
+    s->q_stamp[key] = s->issue_id;
+    s->q_key[s->q_head + s->q_len++] = key;
+}
+
+/* Position after (t, l) by j steps in replay order; 0 when past the end. */
+static int step(const sim *s, uint64_t t, uint32_t l, uint32_t j, uint64_t *tt, uint32_t *ll) {
+    uint64_t p = (uint64_t)l + j;
+    *tt = t + p / s->L;
+    *ll = (uint32_t)(p % s->L);
+    return *tt < s->tr->num_tokens;
+}
+
+/* After the demand accesses of (t, l): predict coming layers and replace the queue. */
+static void predict(sim *s, uint64_t t, uint32_t l) {
+    const smoe_sim_prefetch *pf = s->pf;
+    uint32_t E = s->E, K = s->K;
+    s->issue_id++;
+    s->q_head = s->q_len = 0;
+    s->q_issue = s->now;
+    uint32_t depth = pf->predictor == SMOE_PRED_ROUTER ? 1 : pf->depth;
+    for (uint32_t j = 1; j <= depth; j++) {
+        uint64_t tt;
+        uint32_t ll;
+        if (!step(s, t, l, j, &tt, &ll)) break;
+        const int16_t *truth = row(s, tt, ll);
+        uint32_t n;
+        if (pf->predictor == SMOE_PRED_ORACLE) {
+            for (uint32_t i = 0; i < K; i++) s->sel[i] = (uint32_t)truth[i];
+            n = K;
+        } else if (pf->predictor == SMOE_PRED_ROUTER) {
+            if (tt != t) break; /* the next token's router input is not known yet */
+            const float *lg = s->tr->logits + ((size_t)tt * s->L + ll) * E;
+            float mx = lg[0];
+            for (uint32_t e = 1; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
+            double sum = 0;
+            for (uint32_t e = 0; e < E; e++) sum += (s->scores[e] = expf(lg[e] - mx));
+            for (uint32_t e = 0; e < E; e++) s->scores[e] = (float)(s->scores[e] / sum);
+            n = select_experts(s);
+        } else { /* history */
+            uint64_t win = s->tokens_seen < pf->history ? s->tokens_seen : pf->history;
+            double w = pf->cooc_weight;
+            const uint32_t *fr = s->freq + (size_t)ll * E;
+            for (uint32_t e = 0; e < E; e++)
+                s->scores[e] = win ? (float)((1.0 - w) * fr[e] / (double)win) : 0.0f;
+            if (j == 1 && w > 0) {
+                const int16_t *cur = row(s, t, l);
+                for (uint32_t i = 0; i < K; i++) {
+                    uint32_t a = (uint32_t)cur[i];
+                    uint32_t c = s->cnt[(size_t)l * E + a];
+                    if (!c) continue;
+                    const uint32_t *co = s->cooc + ((size_t)l * E + a) * E;
+                    double f = w / ((double)c * K);
+                    for (uint32_t e = 0; e < E; e++) s->scores[e] += (float)(f * co[e]);
+                }
+            }
+            n = select_experts(s);
+        }
+        if (j == 1) {
+            s->r->predicted += n;
+            s->r->next_true += K;
+            for (uint32_t i = 0; i < n; i++)
+                for (uint32_t q = 0; q < K; q++)
+                    if ((uint32_t)truth[q] == s->sel[i]) {
+                        s->r->predicted_true++;
+                        break;
+                    }
+        }
+        for (uint32_t i = 0; i < n; i++) queue_push(s, smoe_key(ll, s->sel[i], E));
+    }
+}
+
+/* History predictor learning, after the accesses of (t, l). */
+static void learn(sim *s, uint64_t t, uint32_t l) {
+    uint32_t E = s->E, K = s->K;
+    uint64_t pt;
+    uint32_t pl;
+    if (l > 0) {
+        pt = t;
+        pl = l - 1;
+    } else if (t > 0) {
+        pt = t - 1;
+        pl = s->L - 1;
+    } else {
+        return;
+    }
+    const int16_t *prev = row(s, pt, pl), *cur = row(s, t, l);
+    for (uint32_t i = 0; i < K; i++) {
+        uint32_t a = (uint32_t)prev[i];
+        s->cnt[(size_t)pl * E + a]++;
+        uint32_t *co = s->cooc + ((size_t)pl * E + a) * E;
+        for (uint32_t q = 0; q < K; q++) co[cur[q]]++;
+    }
+}
+
+static void learn_token(sim *s, uint64_t t) {
+    uint32_t E = s->E, K = s->K;
+    for (uint32_t l = 0; l < s->L; l++) {
+        const int16_t *cur = row(s, t, l);
+        for (uint32_t i = 0; i < K; i++) s->freq[(size_t)l * E + cur[i]]++;
+        if (t >= s->pf->history) {
+            const int16_t *old = row(s, t - s->pf->history, l);
+            for (uint32_t i = 0; i < K; i++) s->freq[(size_t)l * E + old[i]]--;
+        }
+    }
+    s->tokens_seen++;
+}
+
+static void sim_free(sim *s) {
+    free(s->slot_key);
+    free(s->slot_pass);
+    free(s->slot_pf);
+    free(s->map);
+    free(s->evicted_pass);
+    free(s->q_key);
+    free(s->q_stamp);
+    free(s->scores);
+    free(s->sorted);
+    free(s->sel);
+    free(s->freq);
+    free(s->cooc);
+    free(s->cnt);
+}
+
+static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
+                      const smoe_sim_prefetch *pf, const smoe_sim_hw *hw, smoe_err *err) {
+    if (!tr || !tr->experts || !pol || !hw)
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: trace, policy and hardware are required");
+    if (tr->num_layers == 0 || tr->top_k == 0 || tr->num_experts == 0 ||
+        tr->top_k > tr->num_experts || tr->num_experts > 32768 ||
+        (uint64_t)tr->num_layers * tr->num_experts > INT32_MAX)
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: bad trace shape: %u layers, top_k %u, "
+                            "%u experts", tr->num_layers, tr->top_k, tr->num_experts);
+    if (nslots == 0)
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: capacity must be at least 1 slot");
+    if (pol->nslots != nslots || pol->num_layers != tr->num_layers ||
+        pol->num_experts != tr->num_experts)
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: policy %s was built for %u slots, %u "
+                            "layers, %u experts; the run has %u, %u, %u", pol->ops->name,
+                            pol->nslots, pol->num_layers, pol->num_experts, nslots,
+                            tr->num_layers, tr->num_experts);
+    const double v[6] = {hw->expert_bytes, hw->fast_bw, hw->link_bw, hw->link_latency_s,
+                         hw->layer_fixed_s, hw->token_fixed_s};
+    const char *names[6] = {"expert_bytes", "fast_bw", "link_bw", "link_latency_s",
+                            "layer_fixed_s", "token_fixed_s"};
+    for (int i = 0; i < 6; i++)
+        if (!isfinite(v[i]) || v[i] < 0 || (i < 3 && v[i] <= 0))
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: hardware %s must be %s, got %g",
+                                names[i], i < 3 ? "positive" : "non-negative", v[i]);
+    if (pf && pf->predictor != SMOE_PRED_NONE) {
+        if (pf->predictor < SMOE_PRED_NONE || pf->predictor > SMOE_PRED_HISTORY)
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: unknown predictor %d",
+                                (int)pf->predictor);
+        if (pf->predictor == SMOE_PRED_ROUTER && !tr->logits)
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: the router predictor needs router "
+                                "logits and this trace has none");
+        if (pf->depth < 1 || pf->depth > 4096)
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: prefetch depth must be in 1..4096, "
+                                "got %u", pf->depth);
+        if (!(pf->percentile >= 0.0 && pf->percentile < 1.0))
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: prefetch percentile must be in "
+                                "[0, 1), got %g", pf->percentile);
+        if (pf->topk > tr->num_experts)
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: prefetch topk %u exceeds %u experts",
+                                pf->topk, tr->num_experts);
+        if (pf->predictor == SMOE_PRED_HISTORY &&
+            (pf->history < 1 || !(pf->cooc_weight >= 0.0 && pf->cooc_weight <= 1.0)))
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: history predictor needs history >= "
+                                "1 and cooc_weight in [0, 1], got %u and %g", pf->history,
+                                pf->cooc_weight);
+    }
+    /* validate ids once so the hot loop can trust them */
+    size_t n = (size_t)tr->num_tokens * tr->num_layers * tr->top_k;
+    for (size_t i = 0; i < n; i++)
+        if (tr->experts[i] < 0 || (uint32_t)tr->experts[i] >= tr->num_experts) {
+            size_t per = (size_t)tr->num_layers * tr->top_k;
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: expert id %d at token %zu, layer "
+                                "position %zu is outside 0..%u", (int)tr->experts[i], i / per,
+                                (i % per) / tr->top_k, tr->num_experts - 1);
+        }
+    return 0;
+}
+
+int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
+                 const smoe_sim_prefetch *pf, const smoe_sim_hw *hw, smoe_sim_result *out,
+                 smoe_err *err) {
+    memset(out, 0, sizeof *out);
+    int rc = check_args(tr, pol, nslots, pf, hw, err);
+    if (rc < 0) return rc;
+    double t0 = smoe_now();
+    sim s;
+    memset(&s, 0, sizeof s);
+    s.tr = tr;
+    s.hw = hw;
+    s.pf = (pf && pf->predictor != SMOE_PRED_NONE) ? pf : NULL;
+    s.pol = pol;
+    s.r = out;
+    s.nslots = nslots;
+    s.L = tr->num_layers;
+    s.K = tr->top_k;
+    s.E = tr->num_experts;
+    s.nkeys = s.L * s.E;
+    s.inflight = -1;
+    s.load_s = hw->link_latency_s + hw->expert_bytes / hw->link_bw;
+    s.expert_s = hw->expert_bytes / hw->fast_bw;
+    s.slot_key = malloc(nslots * sizeof *s.slot_key);
+    s.slot_pass = calloc(nslots, sizeof *s.slot_pass);
+    s.slot_pf = calloc(nslots, 1);
+    s.map = malloc(s.nkeys * sizeof *s.map);
+    s.evicted_pass = calloc(s.nkeys, sizeof *s.evicted_pass);
+    int ok = s.slot_key && s.slot_pass && s.slot_pf && s.map && s.evicted_pass;
+    if (ok && s.pf) {
+        s.q_cap = s.pf->depth * s.E;
+        s.q_key = malloc(s.q_cap * sizeof *s.q_key);
+        s.q_stamp = calloc(s.nkeys, sizeof *s.q_stamp);
+        s.scores = malloc(s.E * sizeof *s.scores);
+        s.sorted = malloc(s.E * sizeof *s.sorted);
+        s.sel = malloc(s.E * sizeof *s.sel);
+        ok = s.q_key && s.q_stamp && s.scores && s.sorted && s.sel;
+        if (ok && s.pf->predictor == SMOE_PRED_HISTORY) {
+            s.freq = calloc(s.nkeys, sizeof *s.freq);
+            s.cnt = calloc(s.nkeys, sizeof *s.cnt);
+            s.cooc = calloc((size_t)s.nkeys * s.E, sizeof *s.cooc);
+            ok = s.freq && s.cnt && s.cooc;
+        }
+    }
+    if (!ok) {
+        sim_free(&s);
+        return smoe_err_set(err, SMOE_ENOMEM, "simulate: out of memory for %u slots", nslots);
+    }
+    for (uint32_t i = 0; i < nslots; i++) s.slot_key[i] = -1;
+    for (uint32_t i = 0; i < s.nkeys; i++) s.map[i] = -1;
+
+    const int hist = s.pf && s.pf->predictor == SMOE_PRED_HISTORY;
+    const double layer_compute = hw->layer_fixed_s + s.K * s.expert_s;
+    const int16_t *ex = tr->experts;
+    rc = 0;
+    for (uint64_t t = 0; t < tr->num_tokens && rc == 0; t++) {
+        if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
+        s.pass = t + 1;
+        smoe_policy_pass(pol, s.pass);
+        s.now += hw->token_fixed_s;
+        out->compute_s += hw->token_fixed_s;
+        for (uint32_t l = 0; l < s.L; l++) {
+            s.now += hw->layer_fixed_s;
+            int32_t base = (int32_t)(l * s.E);
+            for (uint32_t i = 0; i < s.K; i++, ex++) {
+                if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
+                if ((rc = demand(&s, base + *ex, err)) < 0) break;
+            }
+            if (rc < 0) break;
+            if (s.pf) {
+                if (hist) learn(&s, t, l);
+                predict(&s, t, l);
+            }
+            s.now += s.K * s.expert_s;
+            out->compute_s += layer_compute;
+        }
+        if (rc == 0 && hist) learn_token(&s, t);
+        if (rc == 0 && pol->failure.code) {
+            *err = pol->failure;
+            err->code = SMOE_EPOLICY;
+            rc = SMOE_EPOLICY;
+        }
+    }
+    if (rc == 0 && pol->failure.code) {
+        *err = pol->failure;
+        err->code = SMOE_EPOLICY;
+        rc = SMOE_EPOLICY;
+    }
+    out->total_s = s.now;
+    out->elapsed_s = smoe_now() - t0;
+    sim_free(&s);
+    return rc;
+}

@@ -1,0 +1,98 @@
+/* Trace-driven simulator: replays a routing trace through a cache of `nslots` expert slots
+ * under one of the eviction policies of csrc/policy/ (the very objects the live cache uses),
+ * with an optional prefetch predictor, and estimates time with a small hardware model.
+ *
+ * Replay order: token by token in text order (each token is one forward pass), each token
+ * through all MoE layers in order, each layer's experts in recorded order.
+ *
+ * Cache semantics (policy.h's event contract, the same as cache.c's):
+ *   - pass boundary at every token: on_pass(t + 1) for token t = 0, 1, ... (ids start at 1);
+ *   - demand hit: on_access;  demand miss: the lowest-numbered free slot, else the policy's
+ *     victim among slots not being loaded right now (on_evict), then on_insert(s, key, 0);
+ *   - prefetch load: the same with on_insert(s, key, 1), but the victim must also not have
+ *     been used by demand in the current pass; no victim -> the request is dropped;
+ *   - nothing is pinned between accesses (each access is acquire + release, as in the
+ *     agreement test), so with no prefetch the hit/miss counts equal the live cache's.
+ * A collision miss is a miss on an expert evicted earlier in the same pass.  A demand access
+ * that finds its expert still being prefetched is a miss (as in cache.c: "late"); it waits.
+ *
+ * Time model (all times in seconds, one request stream, batch 1 decoding):
+ *   compute   decode is weight-read bound: an expert costs expert_bytes / fast_bw; each MoE
+ *             layer adds layer_fixed_s (attention, router, shared experts: resident weights)
+ *             and each token token_fixed_s (dense layers, embeddings, LM head).
+ *   per layer: t += layer_fixed_s; then the layer's demand accesses in order: a hit costs
+ *             nothing, a miss loads on the link now (link_latency_s + expert_bytes / link_bw)
+ *             and compute waits for it (stall), a late prefetch waits until it is ready
+ *             (stall); then the predictor issues prefetches for coming layers (they replace
+ *             the queued, not yet started requests); then t += compute of the layer's experts.
+ *   prefetch  a separate copy engine takes queued requests one at a time in order (highest
+ *             score first, nearest layer first) as soon as it is free; a request whose expert
+ *             is already resident is skipped; the slot is chosen (and a victim evicted) when
+ *             the copy starts; the copy takes link_latency_s + expert_bytes / link_bw and
+ *             overlaps compute.  The link is shared: a demand load pre-empts the copy engine,
+ *             pushing the in-flight prefetch back by the demand load's duration.
+ *   stall_s   total time compute waited for loads; total_s the simulated decode time.
+ */
+#ifndef SMOE_SIM_H
+#define SMOE_SIM_H
+
+#include "common.h"
+#include "policy/policy.h"
+
+enum {
+    SMOE_PRED_NONE = 0,    /* demand only */
+    SMOE_PRED_ORACLE = 1,  /* the true experts of the next `depth` layer positions */
+    SMOE_PRED_ROUTER = 2,  /* next layer's router logits (recorded in the trace) */
+    SMOE_PRED_HISTORY = 3  /* recent use of the target layer + layer-to-layer co-activation */
+};
+
+typedef struct smoe_sim_trace {
+    const int16_t *experts; /* [num_tokens, num_layers, top_k], ids < num_experts */
+    const float *logits;    /* [num_tokens, num_layers, num_experts] or NULL */
+    uint64_t num_tokens;
+    uint32_t num_layers, top_k, num_experts;
+} smoe_sim_trace;
+
+typedef struct smoe_sim_hw {
+    double expert_bytes;   /* bytes of one routed expert */
+    double fast_bw;        /* fast-tier read bandwidth, bytes/s (compute model) */
+    double link_bw;        /* slow -> fast link bandwidth, bytes/s */
+    double link_latency_s; /* fixed cost of one load */
+    double layer_fixed_s;  /* per token per MoE layer */
+    double token_fixed_s;  /* per token */
+} smoe_sim_hw;
+
+typedef struct smoe_sim_prefetch {
+    int32_t predictor;  /* SMOE_PRED_* */
+    uint32_t depth;     /* layer positions ahead to predict (oracle, history); router: 1 */
+    uint32_t topk;      /* experts fetched per predicted layer (0: the trace's top_k); with
+                           percentile > 0 it caps the count (0: no cap) */
+    double percentile;  /* in [0, 1): fetch the experts whose score is >= this quantile of the
+                           layer's scores and > 0; 0 = fixed top-k selection */
+    uint32_t history;   /* history predictor: window of recent tokens (>= 1) */
+    double cooc_weight; /* history predictor: weight of co-activation vs recent use, [0, 1] */
+} smoe_sim_prefetch;
+
+typedef struct smoe_sim_result {
+    uint64_t accesses, hits, misses, collision_misses, evictions;
+    uint64_t prefetch_issued;  /* prefetch copies started */
+    uint64_t prefetch_used;    /* prefetched experts later used by demand (incl. late) */
+    uint64_t prefetch_late;    /* demand found the prefetch still in flight (counted a miss) */
+    uint64_t prefetch_wasted;  /* prefetched experts evicted unused */
+    uint64_t prefetch_dropped; /* requests dropped: no evictable slot */
+    uint64_t predicted;        /* experts predicted for the next layer (all predictions) */
+    uint64_t predicted_true;   /* of those, experts the next layer really used */
+    uint64_t next_true;        /* true experts of the next layer at prediction points */
+    double stall_s, compute_s, total_s;
+    double elapsed_s;          /* wall time of the replay */
+} smoe_sim_result;
+
+/* Replay `tr` through a cache of `nslots` slots managed by `policy` (built for nslots,
+ * tr->num_layers, tr->num_experts; borrowed, left in its final state).  `pf` may be NULL
+ * (no prefetch).  Returns 0, SMOE_EINVAL (bad argument, named), SMOE_ENOMEM, or
+ * SMOE_EPOLICY when the policy reported a failure or returned an invalid victim. */
+int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *policy, uint32_t nslots,
+                 const smoe_sim_prefetch *pf, const smoe_sim_hw *hw, smoe_sim_result *out,
+                 smoe_err *err);
+
+#endif

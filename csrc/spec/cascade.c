@@ -1,0 +1,180 @@
+/* Cascade: utility-driven test-and-set speculation control.  The state machine and every
+ * open choice are specified in controller.h; tests/test_spec.py holds an independent Python
+ * reference of the same specification. */
+#include "controller.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct cascade_state {
+    int32_t phase;
+    int32_t n;          /* iterations observed in the current phase (or trial) */
+    double etr_sum;     /* sums over the current trial / set phase */
+    double t_sum;
+    /* test phase */
+    int32_t cur_k;      /* K of the running trial */
+    int32_t ntrials;
+    int32_t dir, flipped;
+    int32_t best_k;
+    double best_u;
+    uint8_t tried[SMOE_SPEC_KMAX + 1];
+    /* set / back-off */
+    int32_t set_k;
+    int32_t backoff_len;     /* length of the next back-off phase */
+    int32_t cur_backoff_len; /* length of the running back-off phase */
+    int32_t center;          /* best non-zero K of the most recent test phase that found one */
+} cascade_state;
+
+static int32_t nearest_untried(const smoe_spec_ctl *c, const cascade_state *s, int32_t from,
+                               int32_t dir) {
+    for (int32_t k = from + dir; k >= 1 && k <= c->params.k_max; k += dir)
+        if (c->allowed[k] && !s->tried[k]) return k;
+    return 0;
+}
+
+static void enter(cascade_state *s, int32_t phase) {
+    s->phase = phase;
+    s->n = 0;
+    s->etr_sum = 0.0;
+    s->t_sum = 0.0;
+}
+
+static void decide(const smoe_spec_ctl *c, cascade_state *s) {
+    if (s->best_k > 0 && s->best_u >= 1.0) {
+        enter(s, SMOE_SPEC_PHASE_SET);
+        s->set_k = s->best_k;
+        s->center = s->best_k;
+        s->backoff_len = c->params.set_len;
+    } else {
+        enter(s, SMOE_SPEC_PHASE_BACKOFF);
+        s->cur_backoff_len = s->backoff_len;
+        int64_t nxt = 2 * (int64_t)s->backoff_len;
+        s->backoff_len = nxt > c->params.backoff_max ? c->params.backoff_max : (int32_t)nxt;
+    }
+}
+
+static void start_test(const smoe_spec_ctl *c, cascade_state *s) {
+    memset(s->tried, 0, sizeof s->tried);
+    s->best_k = 0;
+    s->best_u = -INFINITY;
+    s->ntrials = 0;
+    s->flipped = 0;
+    s->dir = 1;
+    int32_t k0 = smoe_spec_ctl_clamp(c, s->center);
+    if (k0 == 0) k0 = nearest_untried(c, s, s->center, +1);
+    if (k0 == 0) {
+        decide(c, s); /* no K >= 1 is allowed: nothing to test */
+        return;
+    }
+    enter(s, SMOE_SPEC_PHASE_TEST);
+    s->cur_k = k0;
+}
+
+/* End of a SET or BACKOFF phase: measure the base again when it is stale, else test. */
+static void end_set(const smoe_spec_ctl *c, cascade_state *s) {
+    uint64_t now = c->n_obs; /* index of the iteration just observed */
+    if (c->base_n == 0 || now - c->last_base_iter >= (uint64_t)c->params.base_refresh)
+        enter(s, SMOE_SPEC_PHASE_BASE);
+    else
+        start_test(c, s);
+}
+
+static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u) {
+    if (isnan(u)) u = 0.0; /* no plain iteration observed: cannot show that K pays */
+    int32_t k = s->cur_k;
+    int first = s->ntrials == 0;
+    s->tried[k] = 1;
+    s->ntrials++;
+    int beats = u > s->best_u;
+    if (beats || (u == s->best_u && k < s->best_k)) {
+        s->best_u = u;
+        s->best_k = k;
+    }
+    if (first) s->dir = u >= 1.0 ? 1 : -1;
+    if ((k == 1 && !(u >= 1.0)) || s->ntrials >= c->params.trials) {
+        decide(c, s);
+        return;
+    }
+    int32_t next = 0;
+    if (first || beats) next = nearest_untried(c, s, s->best_k, s->dir);
+    if (next == 0 && !first && !beats && s->flipped) {
+        decide(c, s); /* second failure */
+        return;
+    }
+    if (next == 0 && !s->flipped) {
+        s->flipped = 1;
+        s->dir = -s->dir;
+        next = nearest_untried(c, s, s->best_k, s->dir);
+    }
+    if (next == 0) {
+        decide(c, s);
+        return;
+    }
+    enter(s, SMOE_SPEC_PHASE_TEST);
+    s->cur_k = next;
+}
+
+static int cascade_init(smoe_spec_ctl *c, const smoe_spec_params *p, smoe_err *err) {
+    int32_t init = p->initial == -1 ? 1 : p->initial;
+    if (init < 1)
+        return smoe_err_set(err, SMOE_EINVAL, "spec cascade: initial must be >= 1, got %d",
+                            (int)init);
+    cascade_state *s = calloc(1, sizeof *s);
+    if (!s) return smoe_err_set(err, SMOE_ENOMEM, "spec cascade: out of memory");
+    s->center = init;
+    s->backoff_len = p->set_len;
+    enter(s, SMOE_SPEC_PHASE_BASE);
+    c->state = s;
+    return SMOE_OK;
+}
+
+static void cascade_free(smoe_spec_ctl *c) {
+    free(c->state);
+    c->state = NULL;
+}
+
+static int32_t cascade_next_k(const smoe_spec_ctl *c) {
+    const cascade_state *s = c->state;
+    switch (s->phase) {
+    case SMOE_SPEC_PHASE_TEST: return s->cur_k;
+    case SMOE_SPEC_PHASE_SET: return s->set_k;
+    default: return 0;
+    }
+}
+
+static int32_t cascade_phase(const smoe_spec_ctl *c) {
+    return ((const cascade_state *)c->state)->phase;
+}
+
+static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *phase) {
+    cascade_state *s = c->state;
+    double base = smoe_spec_ctl_base(c); /* already includes o when o->k == 0 */
+    *phase = s->phase;
+    s->n++;
+    s->etr_sum += (double)(o->accepted + 1);
+    s->t_sum += o->t_iter;
+    /* running utility of the trial / set phase: mean(ETR) / (mean(t) / base) */
+    double u = s->etr_sum / (s->t_sum / base);
+    switch (s->phase) {
+    case SMOE_SPEC_PHASE_BASE:
+        u = (double)(o->accepted + 1) * base / o->t_iter;
+        if (s->n >= c->params.base_len) start_test(c, s);
+        break;
+    case SMOE_SPEC_PHASE_TEST:
+        if (s->n >= c->params.trial_len) finish_trial(c, s, u);
+        break;
+    case SMOE_SPEC_PHASE_SET:
+        if (s->n >= c->params.set_len) end_set(c, s);
+        break;
+    case SMOE_SPEC_PHASE_BACKOFF:
+    default:
+        u = (double)(o->accepted + 1) * base / o->t_iter;
+        if (s->n >= s->cur_backoff_len) end_set(c, s);
+        break;
+    }
+    return u;
+}
+
+const smoe_spec_ctl_ops smoe_spec_cascade = {"cascade",      cascade_init,    cascade_free,
+                                             cascade_next_k, cascade_observe, cascade_phase};

@@ -1,0 +1,254 @@
+/* Speculation controllers: how many draft tokens K to verify in the next decoding iteration.
+ *
+ * In an MoE, verifying K draft tokens touches the union of their experts, so speculation that
+ * pays on a dense model can slow an MoE down.  A controller watches what each iteration cost
+ * and yielded and answers one question: K for the next iteration (0 = plain decoding).
+ *
+ * One object, one vtable (like policy/policy.h).  The caller's loop is
+ *
+ *     k = smoe_spec_ctl_next_k(c);                 // pure: does not change state
+ *     ... draft up to k tokens, verify them ...
+ *     smoe_spec_ctl_observe(c, &(smoe_spec_obs){k_used, accepted, t_iter, ...}, &err);
+ *
+ * k_used may differ from k (a drafter may find fewer tokens); controllers learn from k_used.
+ * Every observe() appends one smoe_spec_rec to the telemetry ring.
+ *
+ * Definitions used by every controller:
+ *   ETR of an iteration      = accepted + 1  (accepted draft tokens plus the bonus token the
+ *                              verifier always produces); a plain iteration (K=0) has ETR 1.
+ *   t_iter                   = wall seconds of the whole iteration (draft + verify, or the
+ *                              plain decode step when K=0).
+ *   t_iter_base              = t_iter of plain (K=0) iterations.
+ *   utility U                = ETR / (t_iter_spec / t_iter_base): tokens per second relative
+ *                              to plain decoding.  U > 1 means speculation pays.
+ *
+ * gamma-tolerance pruning (smoe_spec_ctl_set_tau):
+ *   tau(g) = T(1) / T(g), T(g) = time of one target forward over g tokens at the batch size
+ *   in use; g = K + 1 for a speculative iteration with K draft tokens.  The best case of an
+ *   iteration with K drafts is all K accepted plus the bonus token, lambda(K) = K + 1 tokens,
+ *   with drafting free; its speedup over plain decoding is then lambda(K) * tau(K+1).
+ *   K >= 1 is ALLOWED iff (K+1) * tau(K+1) > 1 (strictly).  K whose K+1 lies beyond the
+ *   measured range (n values given) cannot be shown to pay and are NOT allowed.  K = 0 is
+ *   always allowed.  Before any set_tau call every K in 0..k_max is allowed.
+ *   smoe_spec_ctl_next_k() never returns a K that is not allowed: the searching controllers
+ *   (cascade, speq) only consider allowed K, and whatever a controller proposes is finally
+ *   lowered to the largest allowed K' <= K (smoe_spec_ctl_clamp).
+ *
+ * Controllers (params in smoe_spec_params; 0 means "default" for every numeric field):
+ *
+ *  static     K = params.k (clamped).  Telemetry utility: see "instant utility" below.
+ *
+ *  heuristic  the schedule of transformers' assisted generation ("heuristic"): K starts at
+ *             params.initial; after an observed iteration with k_used >= 1 and accepted ==
+ *             k_used, K += 2; after one with accepted < k_used, K -= 1; K stays in
+ *             [1, k_max].  Iterations with k_used == 0 leave K unchanged.  (transformers
+ *             starts at 20 and has no upper bound; we bound by k_max.)
+ *
+ *  cascade    test-and-set on measured utility.  Phases (smoe_spec_phase):
+ *     BASE    base_len iterations at K=0 measure t_iter_base.
+ *     TEST    up to `trials` (M, default 4) trials of `trial_len` (t, default 4) iterations
+ *             each, one K per trial.  U(K) of a trial = mean(ETR) / (mean(t_iter) / t_base)
+ *             over its iterations.
+ *     SET     set_len (S, default 16) iterations at the best K of the test phase.
+ *     BACKOFF the test phase found no K with U >= 1: K=0 for the current back-off length,
+ *             which starts at set_len and doubles after each back-off phase (capped at
+ *             backoff_max, default 1024); a test phase that ends with K > 0 resets it.
+ *   Open choices, decided here:
+ *   - t_base is the mean t_iter of the last base_len (default 4) observed iterations with
+ *     k_used == 0, whatever phase they fell in (back-off iterations refresh it for free).
+ *     The machine starts in BASE.  At the end of a SET or BACKOFF phase, when at least
+ *     base_refresh (default 100) iterations have passed since the last k_used == 0
+ *     iteration (index of the iteration just observed minus index of that one >=
+ *     base_refresh), or none was ever observed, a BASE phase runs before the next TEST.
+ *   - Hill climbing: the first trial runs at the centre c = the best non-zero K of the most
+ *     recent test phase that found one (params.initial, default 1, before any), lowered to
+ *     an allowed K by smoe_spec_ctl_clamp (or the smallest allowed K > c if none <= c; no
+ *     allowed K >= 1 at all -> straight to BACKOFF).  The search direction is up (+1) when
+ *     U(c) >= 1, down (-1) otherwise.  Each next trial is the nearest allowed untried K in
+ *     the current direction from the best K so far.  When that trial does not beat the best
+ *     (strictly greater U), or no such K exists in [1, k_max], the direction flips once (if
+ *     not flipped yet) and the search goes on from the best K; after the second failure
+ *     or M trials, the test phase ends.
+ *   - "Exit early when K=1 already fails": a trial at K=1 with U(1) < 1 ends the test phase
+ *     at once (no further trials).
+ *   - Decision: best = the tried K with the largest U; ties go to the smaller K (fewer
+ *     experts touched).  U(best) >= 1 -> SET at best (U exactly 1 counts as paying, following
+ *     "K=0 when U<1"); otherwise BACKOFF.
+ *   - A trial U that cannot be computed (no k_used == 0 iteration observed yet, so no
+ *     t_base) counts as 0.
+ *   - Iterations count toward the current phase/trial whatever k_used was; a trial's U uses
+ *     the ETR and t_iter actually observed.
+ *   - Telemetry utility: in TEST, the running U of the current trial; in SET the running U of
+ *     the set phase so far; in BASE/BACKOFF t_base/t_iter (the instant utility of a plain
+ *     iteration, ~1).
+ *
+ *  speq       MoE-SpeQ's amortization governor: K = argmax over allowed k in 0..k_max of
+ *             E[N(k)] / T_cycle(k).
+ *     E[N(k)] = 1 + sum_{i=1..k} prod_{j=1..i} p_j, where p_j is the probability that draft
+ *             position j is accepted given positions < j were.  p_j starts at p_init
+ *             (default 0.6) and is an EMA (weight alpha, default 0.2) over the positions an
+ *             iteration actually decided: positions 1..accepted count as accepted, position
+ *             accepted+1 (if <= k_used) as rejected, later positions are not observed.
+ *     T_cycle(k) = k * t_draft_tok + T_verify(k+1) + io_cost[k].
+ *             t_draft_tok: EMA of t_draft / k_used over iterations that report t_draft > 0.
+ *             T_verify(g): compute time of a verify over g tokens, sample v = t_iter -
+ *             t_draft - t_io (t_io = stall seconds the caller measured on expert loads,
+ *             default 0).  With tau set: T_verify(g) = T1 / tau(g), T1 an EMA of v * tau(g).
+ *             Without tau: an exponentially weighted (decay 1 - alpha) least-squares line
+ *             a + b*g over the samples; b = 0 while fewer than two distinct g were seen.
+ *             io_cost[k]: expected seconds of loading the experts the draft predicts for the
+ *             k drafts and that are missing from the cache, supplied by the caller before
+ *             next_k (smoe_spec_ctl_set_io_cost; sticky until set again; 0 when never set).
+ *     T_verify is clamped at 0 and T_cycle at 1e-12 s.  Note that once K=0 wins, the
+ *     acceptance model no longer learns (no positions are decided); new io_cost or timing
+ *     moves it again.
+ *     Before the first observation next_k returns clamp(params.initial) (default 1).  Ties of
+ *     the objective go to the smaller k.  Telemetry utility: the predicted gain of the K
+ *     chosen after the observation, (E[N(K)]/T_cycle(K)) * T_cycle(0).
+ *
+ * Instant utility (static, heuristic): (accepted + 1) * t_base / t_iter, with t_base the
+ * mean of the last base_len k_used == 0 iterations; NaN until one was observed.
+ *
+ * Not thread-safe: callers serialise all calls on one object.  No global state.
+ */
+#ifndef SMOE_SPEC_CONTROLLER_H
+#define SMOE_SPEC_CONTROLLER_H
+
+#include "../common.h"
+
+#define SMOE_SPEC_KMAX 64        /* largest k_max accepted */
+#define SMOE_SPEC_TAU_MAX 65     /* tau(1..SMOE_SPEC_TAU_MAX) may be given */
+
+typedef enum smoe_spec_phase {
+    SMOE_SPEC_PHASE_NONE = 0,    /* controllers without phases */
+    SMOE_SPEC_PHASE_BASE = 1,
+    SMOE_SPEC_PHASE_TEST = 2,
+    SMOE_SPEC_PHASE_SET = 3,
+    SMOE_SPEC_PHASE_BACKOFF = 4
+} smoe_spec_phase;
+
+/* One observed iteration (input of observe). */
+typedef struct smoe_spec_obs {
+    int32_t k;              /* draft tokens verified, 0..k_max */
+    int32_t accepted;       /* accepted drafts, 0..k */
+    double t_iter;          /* seconds, finite and > 0 */
+    int64_t experts_loaded; /* experts loaded from the slow tier during the iteration, >= 0 */
+    double t_draft;         /* seconds of t_iter spent drafting, 0 <= t_draft <= t_iter (0: unknown) */
+    double t_io;            /* seconds of t_iter stalled on expert loads, 0 <= t_io <= t_iter */
+} smoe_spec_obs;
+
+/* One telemetry record. */
+typedef struct smoe_spec_rec {
+    uint64_t iter;          /* 0-based index of the observation */
+    int32_t k;              /* k_used */
+    int32_t accepted;
+    double t_iter;
+    double utility;         /* controller's utility estimate after this iteration (see above) */
+    int32_t phase;          /* smoe_spec_phase during which the iteration ran */
+    int32_t k_planned;      /* what next_k() answered before the iteration */
+    int64_t experts_loaded;
+} smoe_spec_rec;
+
+typedef struct smoe_spec_params {
+    int32_t k_max;          /* largest K, 1..SMOE_SPEC_KMAX (default 8) */
+    int32_t k;              /* static: K (0 allowed; default 0 means K = 0) */
+    int32_t initial;        /* heuristic: first K (default 5); cascade: first centre (default
+                               1); speq: K before the first observation (default 1) */
+    /* cascade */
+    int32_t trials;         /* M (default 4) */
+    int32_t trial_len;      /* t (default 4) */
+    int32_t set_len;        /* S (default 16) */
+    int32_t backoff_max;    /* cap of the back-off length (default 1024) */
+    int32_t base_len;       /* K=0 iterations averaged for t_base (default 4) */
+    int32_t base_refresh;   /* iterations between base measurements (default 100) */
+    /* speq */
+    double alpha;           /* EMA weight in (0, 1] (default 0.2) */
+    double p_init;          /* initial per-position acceptance in [0, 1] (default 0.6) */
+    /* all */
+    uint32_t telemetry_cap; /* ring capacity in records (default 65536, at most 2^26) */
+} smoe_spec_params;
+
+typedef struct smoe_spec_ctl smoe_spec_ctl;
+
+typedef struct smoe_spec_ctl_ops {
+    const char *name;
+    int (*init)(smoe_spec_ctl *c, const smoe_spec_params *p, smoe_err *err);
+    void (*free)(smoe_spec_ctl *c);
+    /* K for the next iteration; must not change state.  Result is clamped by the caller. */
+    int32_t (*next_k)(const smoe_spec_ctl *c);
+    /* Learn from one validated observation; *phase gets the phase the iteration ran in;
+     * returns the telemetry utility. */
+    double (*observe)(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *phase);
+    /* Current phase (smoe_spec_phase), for telemetry and inspection. */
+    int32_t (*phase)(const smoe_spec_ctl *c);
+} smoe_spec_ctl_ops;
+
+struct smoe_spec_ctl {
+    const smoe_spec_ctl_ops *ops;
+    void *state;                           /* owned by the implementation */
+    smoe_spec_params params;               /* defaults filled in */
+    /* gamma-tolerance */
+    int32_t ntau;                          /* 0: no tau set */
+    double tau[SMOE_SPEC_TAU_MAX + 1];     /* tau[g], g = 1..ntau */
+    uint8_t allowed[SMOE_SPEC_KMAX + 1];   /* allowed[k], k = 0..k_max */
+    /* speq's per-k expected I/O seconds */
+    double io_cost[SMOE_SPEC_KMAX + 1];
+    /* plain-iteration timing shared by all controllers (last base_len k == 0 iterations) */
+    double *base_ring;
+    int32_t base_n, base_pos;
+    uint64_t last_base_iter;               /* iteration index of the last k == 0 observation */
+    /* telemetry ring */
+    smoe_spec_rec *ring;
+    uint32_t ring_cap;
+    uint64_t n_obs;                        /* total observations; ring holds the last min(n, cap) */
+};
+
+extern const smoe_spec_ctl_ops smoe_spec_static;
+extern const smoe_spec_ctl_ops smoe_spec_heuristic;
+extern const smoe_spec_ctl_ops smoe_spec_cascade;
+extern const smoe_spec_ctl_ops smoe_spec_speq;
+
+/* "static", "heuristic", "cascade", "speq"; NULL when unknown. */
+const smoe_spec_ctl_ops *smoe_spec_ctl_find(const char *name);
+
+/* Validate params, fill defaults, allocate; *out owned by the caller (smoe_spec_ctl_destroy). */
+int smoe_spec_ctl_create(smoe_spec_ctl **out, const smoe_spec_ctl_ops *ops,
+                         const smoe_spec_params *params, smoe_err *err);
+void smoe_spec_ctl_destroy(smoe_spec_ctl *c);
+
+/* K for the next iteration (allowed, 0..k_max).  Pure. */
+int32_t smoe_spec_ctl_next_k(const smoe_spec_ctl *c);
+
+/* Validate o (SMOE_EINVAL naming the bad field: negative or too large k, accepted outside
+ * 0..k, non-finite or non-positive t_iter, bad t_draft/t_io, negative experts_loaded), then
+ * learn and append a telemetry record. */
+int smoe_spec_ctl_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, smoe_err *err);
+
+/* tau[i] = tau(i+1) for i = 0..n-1, each finite and > 0, 1 <= n <= SMOE_SPEC_TAU_MAX.
+ * n == 0 clears the pruning (every K allowed). */
+int smoe_spec_ctl_set_tau(smoe_spec_ctl *c, const double *tau, int32_t n, smoe_err *err);
+
+/* cost[k] for k = 0..n-1 (finite, >= 0), n <= k_max + 1; entries beyond n become 0. */
+int smoe_spec_ctl_set_io_cost(smoe_spec_ctl *c, const double *cost, int32_t n, smoe_err *err);
+
+/* Largest allowed K' <= k (0 when none). */
+int32_t smoe_spec_ctl_clamp(const smoe_spec_ctl *c, int32_t k);
+static inline int smoe_spec_ctl_allowed(const smoe_spec_ctl *c, int32_t k) {
+    return k >= 0 && k <= c->params.k_max && c->allowed[k];
+}
+
+/* The `phase` op of controllers without phases. */
+int32_t smoe_spec_ctl_no_phase(const smoe_spec_ctl *c);
+
+/* Mean t_iter of the last base_len k == 0 iterations; NaN when none was observed. */
+double smoe_spec_ctl_base(const smoe_spec_ctl *c);
+
+/* Copy the telemetry (oldest first) into out[0..min(n_obs, cap)-1]; returns the count. */
+uint32_t smoe_spec_ctl_telemetry(const smoe_spec_ctl *c, smoe_spec_rec *out);
+
+/* speq introspection (tests, notebooks): E[N(k)] and T_cycle(k) of the current model.
+ * Return NaN for other controllers or k out of range. */
+double smoe_spec_speq_expected_tokens(const smoe_spec_ctl *c, int32_t k);
+double smoe_spec_speq_cycle_time(const smoe_spec_ctl *c, int32_t k);
+
+#endif

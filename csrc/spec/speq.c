@@ -1,0 +1,135 @@
+/* MoE-SpeQ's amortization governor: K = argmax_k E[N(k)] / T_cycle(k).  The acceptance,
+ * draft-time and verify-time models are specified in controller.h; tests/test_spec.py holds
+ * an independent Python reference. */
+#include "controller.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+typedef struct speq_state {
+    double p[SMOE_SPEC_KMAX + 1];  /* p[j], j = 1..k_max: acceptance of position j */
+    double t_draft_tok;            /* EMA of t_draft / k (0 until a t_draft > 0 was seen) */
+    int has_draft;
+    double t1;                     /* EMA of v * tau(g) (tau model) */
+    int has_t1;
+    /* exponentially weighted least squares of v on g */
+    double w, sx, sy, sxx, sxy;
+    int32_t g_first;
+    int distinct;                  /* two different g were seen */
+    uint64_t n;
+} speq_state;
+
+static int speq_init(smoe_spec_ctl *c, const smoe_spec_params *p, smoe_err *err) {
+    (void)err;
+    speq_state *s = calloc(1, sizeof *s);
+    if (!s) return smoe_err_set(err, SMOE_ENOMEM, "spec speq: out of memory");
+    for (int32_t j = 0; j <= SMOE_SPEC_KMAX; j++) s->p[j] = p->p_init;
+    c->state = s;
+    return SMOE_OK;
+}
+
+static void speq_free(smoe_spec_ctl *c) {
+    free(c->state);
+    c->state = NULL;
+}
+
+static double expected_tokens(const speq_state *s, int32_t k) {
+    double e = 1.0, prod = 1.0;
+    for (int32_t i = 1; i <= k; i++) {
+        prod *= s->p[i];
+        e += prod;
+    }
+    return e;
+}
+
+static double verify_time(const smoe_spec_ctl *c, const speq_state *s, int32_t g) {
+    double t;
+    if (c->ntau > 0 && s->has_t1 && g <= c->ntau) {
+        t = s->t1 / c->tau[g];
+    } else if (s->w > 0.0) {
+        double b = 0.0;
+        if (s->distinct) {
+            double den = s->w * s->sxx - s->sx * s->sx;
+            if (den > 0.0) b = (s->w * s->sxy - s->sx * s->sy) / den;
+        }
+        t = (s->sy - b * s->sx) / s->w + b * (double)g;
+    } else {
+        t = 0.0;
+    }
+    return t > 0.0 ? t : 0.0;
+}
+
+static double cycle_time(const smoe_spec_ctl *c, const speq_state *s, int32_t k) {
+    double t = (double)k * s->t_draft_tok + verify_time(c, s, k + 1) + c->io_cost[k];
+    return t > 1e-12 ? t : 1e-12;
+}
+
+static int32_t speq_best(const smoe_spec_ctl *c, const speq_state *s) {
+    int32_t best = 0;
+    double best_v = -1.0;
+    for (int32_t k = 0; k <= c->params.k_max; k++) {
+        if (!c->allowed[k]) continue;
+        double v = expected_tokens(s, k) / cycle_time(c, s, k);
+        if (v > best_v) {
+            best_v = v;
+            best = k;
+        }
+    }
+    return best;
+}
+
+static int32_t speq_next_k(const smoe_spec_ctl *c) {
+    const speq_state *s = c->state;
+    if (s->n == 0) return c->params.initial == -1 ? 1 : c->params.initial;
+    return speq_best(c, s);
+}
+
+static double speq_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *phase) {
+    speq_state *s = c->state;
+    double a = c->params.alpha;
+    *phase = SMOE_SPEC_PHASE_NONE;
+    /* acceptance per position: 1..accepted accepted, accepted+1 rejected (if drafted) */
+    for (int32_t j = 1; j <= o->k && j <= o->accepted + 1; j++) {
+        double x = j <= o->accepted ? 1.0 : 0.0;
+        s->p[j] = (1.0 - a) * s->p[j] + a * x;
+    }
+    if (o->k >= 1 && o->t_draft > 0.0) {
+        double d = o->t_draft / (double)o->k;
+        s->t_draft_tok = s->has_draft ? (1.0 - a) * s->t_draft_tok + a * d : d;
+        s->has_draft = 1;
+    }
+    int32_t g = o->k + 1;
+    double v = o->t_iter - o->t_draft - o->t_io;
+    if (v < 0.0) v = 0.0;
+    if (c->ntau >= g) {
+        double t1 = v * c->tau[g];
+        s->t1 = s->has_t1 ? (1.0 - a) * s->t1 + a * t1 : t1;
+        s->has_t1 = 1;
+    }
+    double x = (double)g, keep = 1.0 - a;
+    s->w = keep * s->w + 1.0;
+    s->sx = keep * s->sx + x;
+    s->sy = keep * s->sy + v;
+    s->sxx = keep * s->sxx + x * x;
+    s->sxy = keep * s->sxy + x * v;
+    if (s->n == 0)
+        s->g_first = g;
+    else if (g != s->g_first)
+        s->distinct = 1;
+    s->n++;
+    int32_t k = speq_best(c, s);
+    return expected_tokens(s, k) / cycle_time(c, s, k) * cycle_time(c, s, 0);
+}
+
+const smoe_spec_ctl_ops smoe_spec_speq = {"speq", speq_init, speq_free, speq_next_k,
+                                          speq_observe, smoe_spec_ctl_no_phase};
+
+double smoe_spec_speq_expected_tokens(const smoe_spec_ctl *c, int32_t k) {
+    if (c->ops != &smoe_spec_speq || k < 0 || k > c->params.k_max) return NAN;
+    return expected_tokens(c->state, k);
+}
+
+double smoe_spec_speq_cycle_time(const smoe_spec_ctl *c, int32_t k) {
+    if (c->ops != &smoe_spec_speq || k < 0 || k > c->params.k_max) return NAN;
+    return cycle_time(c, c->state, k);
+}

@@ -1,0 +1,222 @@
+"""Hardware profiles and the simulator's time model.
+
+A :class:`Hardware` profile says how fast the fast tier is read (``fast_bw``), how fast and with
+what fixed latency an expert moves from the slow tier over the link (``link_bw``,
+``link_latency_s``), and the dense compute rate (``flops``, used for prefill only).  A
+:class:`ModelCost` says how many bytes one routed expert has and how many resident bytes every
+MoE layer and every token read besides the routed experts.
+
+Time model (implemented in ``csrc/sim.c``; batch-1 decoding, one request stream):
+
+* **Decode compute is weight-read bound.**  Computing one expert for one token costs
+  ``expert_bytes / fast_bw``.  Each MoE layer adds ``layer_fixed_s = layer_fixed_bytes /
+  fast_bw + kernel_overhead_s`` (attention, router, shared experts: resident weights) and each
+  token ``token_fixed_s = token_fixed_bytes / fast_bw`` (dense layers, LM head).
+* **Loads.**  One expert load takes ``link_latency_s + expert_bytes / link_bw``.  A demand miss
+  loads at once and compute waits for it (stall).  Prefetches run on a separate copy engine,
+  one at a time in predicted order, overlapping compute; the link is shared, so a demand load
+  pushes the in-flight prefetch back by its own duration.  A demand access to an expert whose
+  prefetch is still in flight waits for it (stall; counted as a miss, "late").
+* **Per token**: ``est_tpot_ms`` is the simulated decode time divided by the token count.
+* **Prefill (TTFT)**: each request's tokens are taken as its prompt, processed as one batch.
+  Per MoE layer, every distinct expert the prompt routes to is loaded once over the link (cold
+  cache: an upper bound) and computed once; an expert's compute is
+  ``max(expert_bytes / fast_bw, 2 * params * tokens_routed / flops)``; the layer's resident
+  part is ``max(layer_fixed_bytes / fast_bw, 2 * layer_params * prompt_len / flops)``.  Without
+  a predictor loads and compute add up; with one, loads overlap compute (``max`` of the two).
+  Attention's quadratic term is ignored.  ``ttft_ms`` is the mean over requests.
+
+The built-in profiles use effective (not peak) bandwidths: about 75-80 % of the HBM/GDDR peak
+that decoding kernels reach, and about 25 GB/s for pinned host-to-device copies over PCIe 4.0
+x16 (31.5 GB/s raw).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+__all__ = ["Hardware", "ModelCost", "PROFILES", "get_hardware", "calibrate", "DEEPSEEK_V2_LITE"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One machine: fast tier, link, compute.  Bandwidths in bytes/s, times in seconds."""
+
+    name: str
+    fast_bw: float
+    link_bw: float
+    link_latency_s: float
+    flops: float
+    fast_bytes: float = 0.0  # fast-tier size (informational; capacities are given explicitly)
+    kernel_overhead_s: float = 0.0  # per MoE layer per token (launches, synchronisation)
+    description: str = ""
+
+    def load_s(self, nbytes: float) -> float:
+        """Time to load one block of ``nbytes`` over the link."""
+        return self.link_latency_s + nbytes / self.link_bw
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Byte counts of a model, for the time model (bf16 weights: 2 bytes per parameter)."""
+
+    name: str
+    expert_bytes: float
+    layer_fixed_bytes: float = 0.0
+    token_fixed_bytes: float = 0.0
+    bytes_per_param: float = 2.0
+
+    @staticmethod
+    def for_trace(trace) -> "ModelCost":
+        """DeepSeek-V2-Lite for its traces (26 MoE layers x 64 experts), else a generic cost
+        with 16 MiB experts and no resident part."""
+        if (trace.num_layers, trace.num_experts, trace.top_k) == (26, 64, 6) or \
+                "deepseek-v2-lite" in (trace.model or "").lower():
+            return DEEPSEEK_V2_LITE
+        return ModelCost(name="generic", expert_bytes=16 * 2**20)
+
+
+def _ds_v2_lite() -> ModelCost:
+    h, inter, dense_inter, vocab = 2048, 1408, 10944, 102400
+    expert = 3 * h * inter  # gate, up, down
+    attn = h * 16 * 192 + h * (512 + 64) + 512 * 16 * 256 + 16 * 128 * h  # MLA, no q LoRA
+    layer = attn + 2 * expert + 64 * h  # attention, 2 shared experts, router
+    token = attn + 3 * h * dense_inter + vocab * h  # dense layer 0, LM head
+    return ModelCost(name="DeepSeek-V2-Lite (bf16)", expert_bytes=2.0 * expert,
+                     layer_fixed_bytes=2.0 * layer, token_fixed_bytes=2.0 * token)
+
+
+DEEPSEEK_V2_LITE = _ds_v2_lite()
+
+PROFILES: dict[str, Hardware] = {
+    "a100-pcie4": Hardware(
+        name="a100-pcie4", fast_bw=1.2e12, link_bw=25e9, link_latency_s=10e-6, flops=250e12,
+        fast_bytes=40e9, kernel_overhead_s=20e-6,
+        description="data-centre GPU, A100-40GB class: HBM2 1.56 TB/s peak, PCIe 4.0 x16 "
+                    "host link, 312 TFLOP/s bf16 peak"),
+    "rtx4090": Hardware(
+        name="rtx4090", fast_bw=0.85e12, link_bw=22e9, link_latency_s=10e-6, flops=140e12,
+        fast_bytes=24e9, kernel_overhead_s=20e-6,
+        description="consumer GPU, RTX 4090 class: GDDR6X 1.0 TB/s peak, PCIe 4.0 x16"),
+    "laptop": Hardware(
+        name="laptop", fast_bw=60e9, link_bw=5e9, link_latency_s=100e-6, flops=1.5e12,
+        fast_bytes=32e9, kernel_overhead_s=5e-6,
+        description="laptop CPU: dual-channel DDR5-5600 (90 GB/s peak) as fast tier, PCIe 4.0 "
+                    "x4 NVMe (7 GB/s sequential peak) as slow tier"),
+}
+PROFILES["a100"] = PROFILES["a100-pcie4"]
+
+
+def get_hardware(hw: "str | Hardware") -> Hardware:
+    """A profile by name (``a100-pcie4``, ``rtx4090``, ``laptop``, ``calibrate``) or as given."""
+    if isinstance(hw, Hardware):
+        return hw
+    if not isinstance(hw, str):
+        raise TypeError(f"hardware must be a profile name or a Hardware, got {type(hw).__name__}")
+    if hw == "calibrate":
+        return calibrate()
+    try:
+        return PROFILES[hw]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile {hw!r}; known: "
+                         f"{', '.join(sorted(PROFILES))}, calibrate") from None
+
+
+_CALIBRATED: Hardware | None = None
+
+
+def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = False,
+              directory: str | None = None, expert_shape: tuple[int, int] = (2048, 1408)
+              ) -> Hardware:
+    """Measure a profile on this machine with the real kernels and store (cached for the
+    process; ``refresh`` re-measures).  Takes about a second.
+
+    ``fast_bw``: bytes of one bf16 expert of ``expert_shape`` = (hidden H, intermediate I)
+    (default DeepSeek-V2-Lite's) divided by the time of one batch-1 call of the C expert
+    kernel (:func:`specmoe.kernels.ffn`, best of 10): the decode step the time model charges.
+    ``flops``: the same kernel on 64 tokens.  ``link_bw`` / ``link_latency_s``: a specmoe store
+    of ``blocks`` blocks of ``block_bytes`` is written in ``directory`` (default: the temp dir)
+    and read back block by block through :class:`specmoe.ExpertStore` with O_DIRECT (where
+    the filesystem allows it; the file is also dropped from the page cache), CRC checks on: the
+    path a cache miss takes.  The latency is the intercept of the line through the read times
+    of ``block_bytes`` and 4 KiB blocks.
+    """
+    global _CALIBRATED
+    if _CALIBRATED is not None and not refresh:
+        return _CALIBRATED
+    from . import kernels, quant
+
+    H, I = expert_shape
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((I, H), dtype=np.float32) * 0.02
+    d = rng.standard_normal((H, I), dtype=np.float32) * 0.02
+    block, entries = kernels.pack_block(quant.expert_tensors(g, g, d, "bf16"))
+    spec = kernels.FFNSpec.from_store_schema(entries, block_bytes=block.nbytes)
+
+    def best(x: np.ndarray, reps: int) -> float:
+        kernels.ffn(block, x, spec=spec)
+        t = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            kernels.ffn(block, x, spec=spec)
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    fast_bw = spec.weight_bytes / best(rng.standard_normal((1, H), dtype=np.float32), 10)
+    flops = 2 * 3 * H * I * 64 / best(rng.standard_normal((64, H), dtype=np.float32), 3)
+
+    big = _store_read_time(block_bytes, blocks, directory)
+    small = _store_read_time(4096, blocks, directory)
+    per_byte = max((big - small) / (block_bytes - 4096), 1e-15)
+    link_bw = 1.0 / per_byte
+    latency = max(small - 4096 * per_byte, 0.0)
+    _CALIBRATED = Hardware(name="calibrate", fast_bw=fast_bw, link_bw=link_bw,
+                           link_latency_s=latency, flops=flops,
+                           description=f"measured on this machine by specmoe.hardware.calibrate "
+                                       f"(bf16 expert kernel, {kernels.isa()}, "
+                                       f"{kernels.num_threads()} threads; ExpertStore reads)")
+    return _CALIBRATED
+
+
+def _store_read_time(nbytes: int, blocks: int, directory: str | None) -> float:
+    """Mean seconds per block read of a fresh store with ``blocks`` blocks of ``nbytes``."""
+    from .store import ExpertStore, aligned_empty, write_store
+
+    tmp = tempfile.mkdtemp(prefix="specmoe-calib-", dir=directory)
+    path = os.path.join(tmp, "calib.smoe")
+    try:
+        layer = {"w": np.frombuffer(os.urandom(nbytes * blocks), np.uint8).reshape(blocks, nbytes)}
+        write_store(path, [layer], progress=False).close()
+        with open(path, "rb") as f:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        with ExpertStore(path, direct=True) as st:
+            out = aligned_empty(st.block_bytes)
+            t0 = time.perf_counter()
+            for e in range(blocks):
+                st.read_block(0, e, out)
+            return (time.perf_counter() - t0) / blocks
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(tmp)
+
+
+def sim_timing(hw: Hardware, model: ModelCost) -> dict:
+    """The keyword arguments of ``_C.simulate`` for the time model of (hw, model)."""
+    return dict(expert_bytes=float(model.expert_bytes), fast_bw=float(hw.fast_bw),
+                link_bw=float(hw.link_bw), link_latency_s=float(hw.link_latency_s),
+                layer_fixed_s=model.layer_fixed_bytes / hw.fast_bw + hw.kernel_overhead_s,
+                token_fixed_s=model.token_fixed_bytes / hw.fast_bw)
+
+
+def with_(hw: Hardware, **changes) -> Hardware:
+    """A copy of ``hw`` with some fields changed (e.g. ``with_(hw, link_bw=50e9)``)."""
+    return replace(hw, **changes)

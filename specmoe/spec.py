@@ -1,0 +1,333 @@
+"""Speculative-decoding control: how many draft tokens K to verify per iteration, and drafters.
+
+In an MoE, verifying K draft tokens touches the union of their experts, so speculation that
+pays on a dense model can slow an MoE down.  The controllers here decide K from what each
+iteration actually cost and yielded; all of them run in C (``csrc/spec/``, where the exact
+state machines and every open choice are documented in ``controller.h``):
+
+* :class:`StaticK` -- a fixed K.
+* :class:`Heuristic` -- transformers' "heuristic" schedule (+2 after a fully accepted draft,
+  -1 otherwise), the peer.
+* :class:`Cascade` -- utility U = ETR / (t_iter_spec / t_iter_base) measured in test phases
+  of up to M trials, then a set phase at the best K; K=0 with doubling back-off when U < 1.
+* :class:`SpeqGovernor` -- MoE-SpeQ's k* = argmax E[N(k)] / T_cycle(k) with per-position
+  acceptance EMAs and the caller's expected I/O cost of missing experts per k.
+
+Every controller has ``next_k()``, ``observe(k, accepted, t_iter, experts_loaded=0)``,
+``telemetry()`` and ``set_tau(tau)`` (gamma-tolerance pruning: K is allowed only when
+(K+1) * tau(K+1) > 1, tau from :func:`measure_tau`).
+
+Drafters share the :class:`Drafter` protocol; :class:`NgramDrafter` is prompt lookup in C.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Dict, Iterable, Mapping, Optional, Protocol, Sequence, Union
+
+import numpy as np
+
+from . import _C
+
+__all__ = [
+    "PHASES",
+    "Controller",
+    "StaticK",
+    "Heuristic",
+    "Cascade",
+    "SpeqGovernor",
+    "Drafter",
+    "NgramDrafter",
+    "measure_tau",
+]
+
+#: Phase codes found in ``telemetry()["phase"]`` and ``Controller.phase``.
+PHASES: Dict[int, str] = {0: "none", 1: "base", 2: "test", 3: "set", 4: "backoff"}
+
+TauLike = Union[Sequence[float], np.ndarray, Mapping[int, float]]
+
+
+def _check_int(name: str, v: object, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if int(v) < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return int(v)
+
+
+def _tau_vector(tau: TauLike) -> np.ndarray:
+    """tau as the vector (tau(1), tau(2), ..., tau(n)); a mapping must hold keys 1..n."""
+    if isinstance(tau, Mapping):
+        keys = sorted(int(g) for g in tau)
+        if keys != list(range(1, len(keys) + 1)):
+            raise ValueError(f"tau mapping must have the keys 1..n, got {keys}")
+        vec = np.array([float(tau[g]) for g in keys], dtype=np.float64)
+    else:
+        vec = np.asarray(tau, dtype=np.float64)
+    if vec.ndim != 1:
+        raise ValueError(f"tau must be 1-D, got shape {vec.shape}")
+    return vec
+
+
+class Controller:
+    """Common surface of the speculation controllers (a thin wrapper over ``_C.SpecController``).
+
+    The loop is ``k = ctl.next_k()``; draft up to k tokens and verify them; then
+    ``ctl.observe(k_used, accepted, t_iter, experts_loaded)``.  ``k_used`` may be smaller than
+    ``k`` (a drafter may find fewer tokens); controllers learn from what ran.
+    """
+
+    def __init__(self, name: str, **params: Union[int, float]) -> None:
+        self._c = _C.SpecController(name, **params)  # type: ignore[arg-type]
+
+    @property
+    def name(self) -> str:
+        """Controller name: "static", "heuristic", "cascade" or "speq"."""
+        return str(self._c.name)
+
+    @property
+    def k_max(self) -> int:
+        """Largest K this controller may answer."""
+        return int(self._c.k_max)
+
+    @property
+    def phase(self) -> str:
+        """Current phase name (see :data:`PHASES`)."""
+        return PHASES[int(self._c.phase)]
+
+    @property
+    def allowed(self) -> list[int]:
+        """K values that gamma-tolerance pruning allows (all of 0..k_max before set_tau)."""
+        return list(self._c.allowed)
+
+    @property
+    def base(self) -> float:
+        """Mean t_iter of the last plain (K=0) iterations; NaN before the first one."""
+        return float(self._c.base)
+
+    def next_k(self) -> int:
+        """K for the next iteration (0 = plain decoding).  Does not change state."""
+        return int(self._c.next_k())
+
+    def observe(self, k: int, accepted: int, t_iter: float, experts_loaded: int = 0, *,
+                t_draft: float = 0.0, t_io: float = 0.0) -> None:
+        """Learn from one iteration.
+
+        Args:
+            k: draft tokens verified (0..k_max).
+            accepted: accepted draft tokens (0..k); the bonus token is implied.
+            t_iter: wall seconds of the whole iteration (finite, > 0).
+            experts_loaded: experts loaded from the slow tier during the iteration.
+            t_draft: seconds of ``t_iter`` spent drafting (used by the speq governor).
+            t_io: seconds of ``t_iter`` stalled on expert loads (used by the speq governor).
+
+        Raises:
+            ValueError: any argument out of range or not finite.
+        """
+        self._c.observe(k, accepted, t_iter, experts_loaded, t_draft, t_io)
+
+    def set_tau(self, tau: TauLike) -> None:
+        """Gamma-tolerance pruning from tau(g) = T(1)/T(g) (g = 1..n, e.g. from
+        :func:`measure_tau`): K >= 1 is allowed iff (K+1)*tau(K+1) > 1 and K+1 <= n.
+        An empty tau removes the pruning."""
+        self._c.set_tau(_tau_vector(tau))
+
+    def telemetry(self) -> Dict[str, np.ndarray]:
+        """Per-iteration records, oldest first: ``iter``, ``k`` (k_used), ``accepted``,
+        ``t_iter``, ``utility`` (the controller's estimate, see controller.h), ``phase``,
+        ``k_planned`` (what next_k answered) and ``experts_loaded``."""
+        return dict(self._c.telemetry())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(k_max={self.k_max}, next_k={self.next_k()}, phase={self.phase!r})"
+
+
+class StaticK(Controller):
+    """A fixed K (lowered to the largest allowed K after :meth:`set_tau`)."""
+
+    def __init__(self, k: int, *, k_max: Optional[int] = None, telemetry_cap: int = 0) -> None:
+        k = _check_int("k", k, 0)
+        km = max(k, 1) if k_max is None else _check_int("k_max", k_max, 1)
+        super().__init__("static", k=k, k_max=km, telemetry_cap=telemetry_cap)
+
+
+class Heuristic(Controller):
+    """transformers' "heuristic" schedule: K += 2 after a fully accepted draft, K -= 1
+    otherwise, within [1, k_max] (transformers starts at 20 with no upper bound)."""
+
+    def __init__(self, initial: int = 5, *, k_max: int = 8, telemetry_cap: int = 0) -> None:
+        initial = _check_int("initial", initial, 1)
+        k_max = _check_int("k_max", k_max, 1)
+        if initial > k_max:
+            raise ValueError(f"initial={initial} exceeds k_max={k_max}")
+        super().__init__("heuristic", initial=initial, k_max=k_max, telemetry_cap=telemetry_cap)
+
+
+class Cascade(Controller):
+    """Cascade's utility-driven test-and-set controller (state machine in controller.h).
+
+    Args:
+        k_max: largest K tried.
+        trials: M, trials per test phase.
+        trial_len: t, iterations per trial.
+        set_len: S, iterations of a set phase (and the first back-off length).
+        backoff_max: cap of the doubling back-off length.
+        base_len: plain iterations averaged into t_iter_base.
+        base_refresh: iterations after which t_iter_base is measured again.
+        initial: the first hill-climbing centre.
+    """
+
+    def __init__(self, *, k_max: int = 8, trials: int = 4, trial_len: int = 4, set_len: int = 16,
+                 backoff_max: int = 1024, base_len: int = 4, base_refresh: int = 100,
+                 initial: int = 1, telemetry_cap: int = 0) -> None:
+        vals = dict(k_max=k_max, trials=trials, trial_len=trial_len, set_len=set_len,
+                    backoff_max=backoff_max, base_len=base_len, base_refresh=base_refresh,
+                    initial=initial)
+        for n, v in vals.items():
+            _check_int(n, v, 1)
+        if initial > k_max:
+            raise ValueError(f"initial={initial} exceeds k_max={k_max}")
+        super().__init__("cascade", telemetry_cap=telemetry_cap, **vals)
+
+
+class SpeqGovernor(Controller):
+    """MoE-SpeQ's amortization governor: K = argmax_k E[N(k)] / T_cycle(k).
+
+    E[N(k)] = 1 + sum_i prod_{j<=i} p_j with per-position acceptance p_j tracked by an EMA;
+    T_cycle(k) = k*t_draft_tok + T_verify(k+1) + io_cost[k], with the draft and verify times
+    learned online from ``observe(..., t_draft=, t_io=)`` and io_cost supplied per iteration
+    through :meth:`set_io_cost`.
+    """
+
+    def __init__(self, *, k_max: int = 8, alpha: float = 0.2, p_init: float = 0.6,
+                 initial: int = 1, telemetry_cap: int = 0) -> None:
+        k_max = _check_int("k_max", k_max, 1)
+        initial = _check_int("initial", initial, 1)
+        if not (0.0 < alpha <= 1.0):
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not (0.0 <= p_init <= 1.0):
+            raise ValueError(f"p_init must be in [0, 1], got {p_init}")
+        super().__init__("speq", k_max=k_max, alpha=float(alpha), p_init=float(p_init),
+                         initial=initial, telemetry_cap=telemetry_cap)
+
+    def set_io_cost(self, cost: Union[Sequence[float], np.ndarray]) -> None:
+        """cost[k] = expected seconds to load the experts that the draft predicts for k draft
+        tokens and that are missing from the cache (k = 0..len-1; the rest count as 0)."""
+        self._c.set_io_cost(np.asarray(cost, dtype=np.float64))
+
+    def model(self, k: int) -> tuple[float, float]:
+        """(E[N(k)], T_cycle(k)) of the governor's current model."""
+        e, t = self._c.speq_model(k)
+        return float(e), float(t)
+
+
+class Drafter(Protocol):
+    """What a drafter offers the generate loop."""
+
+    def propose(self, history: Optional[Sequence[int]], k: int) -> list[int]: ...
+    def append(self, tokens: Iterable[int]) -> None: ...
+    def reset(self) -> None: ...
+
+
+def _tokens(x: Union[Iterable[int], np.ndarray]) -> np.ndarray:
+    """Token ids as an integer array; floats and other dtypes are refused (TypeError)."""
+    if not isinstance(x, (np.ndarray, Sequence)):
+        x = list(x)
+    a = np.asarray(x)
+    if a.size == 0:
+        return a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {a.dtype}")
+    return a
+
+
+class NgramDrafter:
+    """Prompt-lookup drafter in C: the tokens that followed the most recent earlier occurrence
+    of the history's last n tokens (n = max_n down to min_n), continued periodically when the
+    match runs into the end of the history (definition in csrc/spec/ngram.h).
+
+    The index is incremental: appending a token costs O(max_n), a proposal O(max_n + k).
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        self._g = _C.NgramDrafter(_check_int("max_n", max_n, 1), _check_int("min_n", min_n, 1))
+
+    @property
+    def length(self) -> int:
+        """Tokens in the drafter's history."""
+        return int(self._g.length)
+
+    def propose(self, history: Optional[Union[Sequence[int], np.ndarray]], k: int) -> list[int]:
+        """Propose k draft tokens, or none when no n-gram of the history's end recurs.
+
+        Args:
+            history: the full token history (ids >= 0).  The drafter compares it with the one
+                it holds (a memcmp), appends the new tail, and rebuilds its index only if the
+                history diverged.  None keeps the held history (after :meth:`append`).
+            k: number of tokens wanted (>= 0).
+
+        Raises:
+            ValueError: negative k, bad token ids, or an empty history.
+        """
+        k = _check_int("k", k, 0)
+        return list(self._g.propose(None if history is None else _tokens(history), k))
+
+    def append(self, tokens: Union[Iterable[int], np.ndarray]) -> None:
+        """Extend the held history by tokens (ids >= 0)."""
+        self._g.append(_tokens(tokens))
+
+    def reset(self) -> None:
+        """Forget the history."""
+        self._g.reset()
+
+
+def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = range(1, 9), *,
+                repeats: int = 5, warmup: int = 1,
+                sync: Optional[Callable[[], object]] = None,
+                progress: bool = False) -> Dict[int, float]:
+    """Measure tau(g) = T(1)/T(g) of a target forward over g tokens.
+
+    Args:
+        forward_fn: called as ``forward_fn(g)``; runs one forward over g tokens at the batch
+            size in use.
+        gammas: the g values; must include 1.
+        repeats: timed calls per g (the median is used).
+        warmup: untimed calls per g first.
+        sync: called after each forward before the clock is read (e.g.
+            ``torch.cuda.synchronize``).
+        progress: show a tqdm bar over the g values.
+
+    Returns:
+        {g: tau(g)} in increasing g; pass it to ``Controller.set_tau``.
+    """
+    gs = sorted({_check_int("gamma", g, 1) for g in gammas})
+    if not gs or gs[0] != 1:
+        raise ValueError("gammas must include 1 (tau is relative to T(1))")
+    repeats = _check_int("repeats", repeats, 1)
+    warmup = _check_int("warmup", warmup, 0)
+    times: Dict[int, float] = {}
+    it: Iterable[int] = gs
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(gs, desc="measure_tau", unit="gamma")
+    for g in it:
+        for _ in range(warmup):
+            forward_fn(g)
+            if sync is not None:
+                sync()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            forward_fn(g)
+            if sync is not None:
+                sync()
+            samples.append(time.perf_counter() - t0)
+        times[g] = statistics.median(samples)
+    t1 = times[1]
+    out: Dict[int, float] = {}
+    for g in gs:
+        if not (times[g] > 0.0 and math.isfinite(times[g])):
+            raise ValueError(f"measure_tau: non-positive time for gamma={g}")
+        out[g] = t1 / times[g]
+    return out

@@ -1,0 +1,287 @@
+"""A plain-Python reference of the simulator, written from the description in csrc/sim.h and
+specmoe/hardware.py (not from sim.c): cache events per policy.h, copy-engine prefetch model,
+predictors, time model.  Slow; for short traces only."""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+
+class RefLRU:
+    """Reference LRU over slots: victim = least recently inserted/accessed evictable slot."""
+
+    name = "lru"
+
+    def __init__(self):
+        self.order: OrderedDict[int, int] = OrderedDict()
+
+    def on_insert(self, slot, key, prefetch):
+        self.order[slot] = key
+        self.order.move_to_end(slot)
+
+    def on_access(self, slot, key):
+        self.order.move_to_end(slot)
+
+    def on_evict(self, slot, key):
+        del self.order[slot]
+
+    def on_pass(self, pass_id):
+        pass
+
+    def victim(self, ok):
+        for s in self.order:
+            if ok(s):
+                return s
+        return -1
+
+
+class RefBelady:
+    """Offline optimum over the demand sequence: evict the resident key used furthest ahead."""
+
+    name = "belady"
+
+    def __init__(self, future):
+        self.future = list(future)
+        self.pos = 0  # demand accesses seen (hits and demand inserts)
+        self.slots: dict[int, int] = {}
+        self.next_use: dict[int, list[int]] = {}
+        for i, k in enumerate(self.future):
+            self.next_use.setdefault(k, []).append(i)
+
+    def _next(self, key):
+        uses = self.next_use.get(key, [])
+        import bisect
+
+        j = bisect.bisect_left(uses, self.pos)
+        return uses[j] if j < len(uses) else math.inf
+
+    def on_insert(self, slot, key, prefetch):
+        self.slots[slot] = key
+        if not prefetch:
+            self.pos += 1
+
+    def on_access(self, slot, key):
+        self.pos += 1
+
+    def on_evict(self, slot, key):
+        del self.slots[slot]
+
+    def on_pass(self, pass_id):
+        pass
+
+    def victim(self, ok):
+        best, far = -1, -1.0
+        for s in sorted(self.slots):
+            if not ok(s):
+                continue
+            n = self._next(self.slots[s])
+            if n > far:
+                best, far = s, n
+        return best
+
+
+def _select(scores, k, topk, percentile):
+    E = len(scores)
+    scores = np.asarray(scores, np.float32)
+    thr = -np.inf
+    cap = topk or k
+    if percentile > 0:
+        need = int(math.floor(percentile * (E - 1))) + 1
+        thr = np.sort(scores)[need - 1]
+        cap = topk or E
+    cand = [e for e in range(E) if scores[e] > 0 and scores[e] >= thr]
+    cand.sort(key=lambda e: (-scores[e], e))
+    return cand[:cap]
+
+
+def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None):
+    """Returns the counters and times of smoe_sim_result for the given run."""
+    N, L, K = experts.shape
+    pred = dict(pred or {})
+    kind = pred.get("kind", "none")
+    depth = 1 if kind == "router" else pred.get("depth", 1)
+    topk = pred.get("topk", 0)
+    pct = pred.get("percentile", 0.0)
+    H = pred.get("history", 16)
+    w = pred.get("cooc_weight", 0.8)
+    load_s = hw["link_latency_s"] + hw["expert_bytes"] / hw["link_bw"]
+    expert_s = hw["expert_bytes"] / hw["fast_bw"]
+    c = dict(accesses=0, hits=0, misses=0, collision_misses=0, evictions=0, prefetch_issued=0,
+             prefetch_used=0, prefetch_late=0, prefetch_wasted=0, prefetch_dropped=0,
+             predicted=0, predicted_true=0, next_true=0, stall_s=0.0, compute_s=0.0)
+    slot_key = [-1] * nslots
+    slot_pass = [0] * nslots
+    slot_pf = [False] * nslots
+    where: dict[int, int] = {}
+    evicted = {}
+    st = dict(now=0.0, pass_=0, inflight=-1, ready=0.0, ce_free=0.0, issue=0.0)
+    queue: list[int] = []
+    freq = np.zeros((L, E), np.int64)
+    cooc = np.zeros((L, E, E), np.int64)
+    cnt = np.zeros((L, E), np.int64)
+    seen = [0]
+
+    def give_slot(key, prefetch):
+        free = [s for s in range(nslots) if slot_key[s] == -1]
+        if free:
+            s = free[0]
+        else:
+            def ok(s):
+                if s == st["inflight"]:
+                    return False
+                return not (prefetch and slot_pass[s] == st["pass_"])
+            s = policy.victim(ok)
+            if s < 0:
+                return -1
+            old = slot_key[s]
+            del where[old]
+            evicted[old] = st["pass_"]
+            c["evictions"] += 1
+            if slot_pf[s]:
+                c["prefetch_wasted"] += 1
+            policy.on_evict(s, old)
+        slot_key[s] = key
+        where[key] = s
+        slot_pf[s] = bool(prefetch)
+        if not prefetch:
+            slot_pass[s] = st["pass_"]
+        policy.on_insert(s, key, int(prefetch))
+        return s
+
+    def run_engine(now):
+        while True:
+            if st["inflight"] >= 0:
+                if st["ready"] > now:
+                    return
+                st["ce_free"] = st["ready"]
+                st["inflight"] = -1
+            if not queue:
+                return
+            start = max(st["ce_free"], st["issue"])
+            if start > now:
+                return
+            key = queue.pop(0)
+            if key in where:
+                continue
+            s = give_slot(key, True)
+            if s < 0:
+                c["prefetch_dropped"] += 1
+                continue
+            c["prefetch_issued"] += 1
+            st["inflight"] = s
+            st["ready"] = start + load_s
+            st["ce_free"] = st["ready"]
+
+    def finish_inflight():
+        c["stall_s"] += st["ready"] - st["now"]
+        st["now"] = st["ready"]
+        st["ce_free"] = st["ready"]
+        st["inflight"] = -1
+
+    def demand(key):
+        c["accesses"] += 1
+        if key in where:
+            s = where[key]
+            if s == st["inflight"]:
+                c["misses"] += 1
+                c["prefetch_late"] += 1
+                finish_inflight()
+            else:
+                c["hits"] += 1
+            if slot_pf[s]:
+                c["prefetch_used"] += 1
+                slot_pf[s] = False
+            slot_pass[s] = st["pass_"]
+            policy.on_access(s, key)
+            return
+        c["misses"] += 1
+        if evicted.get(key) == st["pass_"]:
+            c["collision_misses"] += 1
+        s = give_slot(key, False)
+        if s < 0 and st["inflight"] >= 0:
+            finish_inflight()
+            s = give_slot(key, False)
+        assert s >= 0
+        if st["inflight"] >= 0:
+            st["ready"] += load_s
+            st["ce_free"] = st["ready"]
+        c["stall_s"] += load_s
+        st["now"] += load_s
+
+    def position(t, l, j):
+        p = l + j
+        return t + p // L, p % L
+
+    def predict(t, l):
+        queue.clear()
+        st["issue"] = st["now"]
+        queued = set()
+        for j in range(1, depth + 1):
+            tt, ll = position(t, l, j)
+            if tt >= N:
+                break
+            truth = [int(x) for x in experts[tt, ll]]
+            if kind == "oracle":
+                sel = truth
+            elif kind == "router":
+                if tt != t:
+                    break
+                z = logits[tt, ll].astype(np.float64)
+                p = np.exp(z - z.max())
+                sel = _select((p / p.sum()).astype(np.float32), K, topk, pct)
+            else:
+                win = min(seen[0], H)
+                sc = (np.float32((1 - w) * freq[ll] / win) if win else
+                      np.zeros(E, np.float32)).astype(np.float32)
+                if j == 1 and w > 0:
+                    for a in experts[t, l]:
+                        if cnt[l, a]:
+                            sc = (sc + (w / (cnt[l, a] * K) * cooc[l, a]).astype(np.float32)
+                                  ).astype(np.float32)
+                sel = _select(sc, K, topk, pct)
+            if j == 1:
+                c["predicted"] += len(sel)
+                c["next_true"] += K
+                c["predicted_true"] += len(set(sel) & set(truth))
+            for e in sel:
+                key = ll * E + e
+                if key not in queued and key not in where:
+                    queued.add(key)
+                    queue.append(key)
+
+    for t in range(N):
+        if kind != "none":
+            run_engine(st["now"])
+        st["pass_"] = t + 1
+        policy.on_pass(t + 1)
+        st["now"] += hw["token_fixed_s"]
+        c["compute_s"] += hw["token_fixed_s"]
+        for l in range(L):
+            st["now"] += hw["layer_fixed_s"]
+            for e in experts[t, l]:
+                if kind != "none":
+                    run_engine(st["now"])
+                demand(l * E + int(e))
+            if kind == "history":
+                pt, pl = (t, l - 1) if l > 0 else (t - 1, L - 1)
+                if pt >= 0:
+                    for a in experts[pt, pl]:
+                        cnt[pl, a] += 1
+                        for b in experts[t, l]:
+                            cooc[pl, a, b] += 1
+            if kind != "none":
+                predict(t, l)
+            st["now"] += K * expert_s
+            c["compute_s"] += hw["layer_fixed_s"] + K * expert_s
+        if kind == "history":
+            for l in range(L):
+                for e in experts[t, l]:
+                    freq[l, e] += 1
+                if t >= H:
+                    for e in experts[t - H, l]:
+                        freq[l, e] -= 1
+            seen[0] += 1
+    c["total_s"] = st["now"]
+    return c

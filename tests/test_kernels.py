@@ -1,0 +1,427 @@
+"""Expert FFN kernels against independent numpy / torch / transformers references.
+
+Grouped like an operator test suite: weight formats (quant), one FFN operator parametrized
+over dtype x activation x ISA x token count x shape, routing (rows/scale accumulation),
+store-schema descriptors, and bad input."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from specmoe import _C, kernels, quant
+
+ISAS = ["scalar", "avx2", "avx512"]
+_ORDER = {n: i for i, n in enumerate(ISAS)}
+_BEST = _C.KernelContext(1).isa_max
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return _C.KernelContext(2)
+
+
+def _isa(ctx, name):
+    if _ORDER[name] > _ORDER[_BEST]:
+        pytest.skip(f"CPU lacks {name}")
+    ctx.set_isa(name)
+
+
+# ---------- references (plain numpy, float64) ----------
+
+def ref_act(g, u, activation, alpha=1.702, limit=7.0):
+    if activation == "silu":
+        return g / (1.0 + np.exp(-g)) * u
+    g = np.minimum(g, limit)
+    u = np.clip(u, -limit, limit)
+    return (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+
+
+def ref_ffn(w, x, activation):
+    w = {k: np.asarray(v, dtype=np.float64) for k, v in w.items()}
+    x = x.astype(np.float64)
+    g = x @ w["gate"].T + w.get("gate.bias", 0.0)
+    u = x @ w["up"].T + w.get("up.bias", 0.0)
+    return ref_act(g, u, activation) @ w["down"].T + w.get("down.bias", 0.0)
+
+
+def make_expert(rng, H, I, std=0.05, bias=False):
+    g = (rng.standard_normal((I, H)) * std).astype(np.float32)
+    u = (rng.standard_normal((I, H)) * std).astype(np.float32)
+    d = (rng.standard_normal((H, I)) * std).astype(np.float32)
+    b = None
+    if bias:
+        b = {"gate": (rng.standard_normal(I) * 0.5).astype(np.float32),
+             "up": (rng.standard_normal(I) * 0.5).astype(np.float32),
+             "down": (rng.standard_normal(H) * 0.1).astype(np.float32)}
+    return g, u, d, b
+
+
+# ---------- weight formats ----------
+
+def test_bf16_round_to_nearest_even_matches_torch():
+    rng = np.random.default_rng(1)
+    a = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10,
+                        np.array([0.0, -0.0, 1.0, np.inf, -np.inf, 3.0e38, 1e-40], np.float32)])
+    # exact ties: mantissa low half = 0x8000 with even and odd upper parts
+    ties = (np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32)).view(np.float32)
+    a = np.concatenate([a, ties])
+    want = torch.from_numpy(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(quant.f32_to_bf16(a), want)
+    back = quant.bf16_to_f32(want)
+    np.testing.assert_array_equal(back, torch.from_numpy(a).to(torch.bfloat16).float().numpy())
+    assert np.isnan(quant.bf16_to_f32(quant.f32_to_bf16(np.array([np.nan], np.float32))))[0]
+
+
+def test_int8_roundtrip_and_zero_row():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((7, 33)).astype(np.float32)
+    w[3] = 0.0
+    q, s = quant.quantize_int8(w)
+    assert q.dtype == np.int8 and s.dtype == np.float32 and s.shape == (7,)
+    assert np.abs(q).max() <= 127
+    np.testing.assert_allclose(s, np.abs(w).max(axis=1) / 127, rtol=1e-6)
+    err = np.abs(quant.dequantize_int8(q, s) - w)
+    assert (err <= s[:, None] / 2 + 1e-7).all()
+    assert (q[3] == 0).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_pack_order_and_roundtrip(group):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((5, 2 * group)).astype(np.float32)
+    p, s = quant.quantize_int4(w, group)
+    assert p.shape == (5, group) and p.dtype == np.uint8 and s.shape == (5, 2)
+    # independent unpack: low nibble holds the even column
+    q = np.empty((5, 2 * group), np.int64)
+    for r in range(5):
+        for j in range(group):
+            q[r, 2 * j] = (int(p[r, j]) & 15) - 8
+            q[r, 2 * j + 1] = (int(p[r, j]) >> 4) - 8
+    assert q.min() >= -7 and q.max() <= 7
+    scale_full = np.repeat(s, group, axis=1)
+    np.testing.assert_allclose(q * scale_full, quant.dequantize_int4(p, s), rtol=0, atol=1e-6)
+    assert (np.abs(q * scale_full - w) <= scale_full / 2 + 1e-6).all()
+
+
+def test_int4_group_errors():
+    w = np.ones((2, 96), np.float32)
+    with pytest.raises(ValueError, match="multiple of the group size 64"):
+        quant.quantize_int4(w, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize_int4(w, 48)
+    g, u, d, _ = make_expert(np.random.default_rng(0), 96, 64)
+    with pytest.raises(ValueError, match="not a multiple of the group size 64"):
+        quant.expert_tensors(g, u, d, "int4", group=64)
+    assert quant.pick_group(2880, 2880) == 64
+    with pytest.raises(ValueError, match="multiples of 32"):
+        quant.pick_group(40, 64)
+
+
+def test_expert_tensors_names_and_store_dtypes():
+    g, u, d, b = make_expert(np.random.default_rng(4), 64, 32, bias=True)
+    t = quant.expert_tensors(g, u, d, "int4", biases=b)
+    assert list(t) == ["gate", "up", "down", "gate.scale", "up.scale", "down.scale",
+                       "gate.bias", "up.bias", "down.bias"]
+    assert t["gate"].shape == (32, 32) and t["down"].shape == (64, 16)
+    assert t["gate.scale"].shape == (32, 2) and t["down.scale"].shape == (64, 1)
+    tb = quant.expert_tensors(g, u, d, "bf16")
+    assert quant.store_dtypes(tb) == {"gate": "bf16", "up": "bf16", "down": "bf16"}
+    with pytest.raises(ValueError, match="unknown expert dtype"):
+        quant.expert_tensors(g, u, d, "fp8")
+    with pytest.raises(ValueError, match="down has shape"):
+        quant.expert_tensors(g, u, d.T, "f32")
+
+
+# ---------- the FFN operator ----------
+
+SHAPES = [(37, 19), (64, 96), (2048, 1024)]  # (H, I); int4 uses the nearest multiple-of-32
+TOKENS = [1, 3, 8]
+
+
+def _shape_for(dtype, H, I):
+    if dtype == "int4":
+        return max(32, H // 32 * 32), max(32, I // 32 * 32)
+    return H, I
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("activation", ["silu", "gptoss"])
+@pytest.mark.parametrize("dtype", quant.DTYPES)
+def test_ffn_matches_reference(ctx, dtype, activation, isa, T, shape):
+    _isa(ctx, isa)
+    H, I = _shape_for(dtype, *shape)
+    rng = np.random.default_rng(hash((dtype, activation, T, H)) % 2**32)
+    big = activation == "gptoss"  # large weights so gptoss clamps are exercised
+    g, u, d, b = make_expert(rng, H, I, std=(1.0 / np.sqrt(H)) * (8 if big else 1), bias=big)
+    t = quant.expert_tensors(g, u, d, dtype, biases=b)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    y = kernels.ffn(t, x, dtype, activation, ctx=ctx)
+    w = quant.dequantize_expert(t)
+    ref = ref_ffn(w, x, activation)
+    tol = 2e-5 * np.sqrt(max(H, I)) * max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=tol)
+    if big:
+        gg = x.astype(np.float64) @ w["gate"].T.astype(np.float64) + w["gate.bias"]
+        assert (gg > 7.0).any() and (gg < -7.0).any()  # the clamps were hit
+    # quantization error against the original f32 expert, per format
+    full = ref_ffn({"gate": g, "up": u, "down": d, **({} if b is None else
+                   {k + ".bias": v for k, v in b.items()})}, x, activation)
+    rel = np.abs(y - full).max() / max(np.abs(full).max(), 1e-6)
+    assert rel < {"f32": 1e-4, "bf16": 3e-2, "int8": 5e-2, "int4": 0.35}[dtype]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_silu_against_torch(ctx, isa):
+    _isa(ctx, isa)
+    rng = np.random.default_rng(7)
+    H, I = 96, 64
+    g, u, d, _ = make_expert(rng, H, I, std=0.2)
+    x = rng.standard_normal((5, H)).astype(np.float32)
+    y = kernels.ffn(quant.expert_tensors(g, u, d, "f32"), x, ctx=ctx)
+    xt = torch.from_numpy(x).double()
+    gt, ut, dt = (torch.from_numpy(a).double() for a in (g, u, d))
+    want = (torch.nn.functional.silu(xt @ gt.T) * (xt @ ut.T)) @ dt.T
+    np.testing.assert_allclose(y, want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gptoss_against_transformers_experts(ctx, isa):
+    """The GPTOSS activation against transformers' own GptOssExperts (interleaved gate_up,
+    [H, 2I] layout, biases), converted to the canonical layout the store writer uses."""
+    _isa(ctx, isa)
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    H, I, E = 64, 32, 2
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E,
+                       num_experts_per_tok=1)
+    ex = GptOssExperts(cfg).double()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0, 0.4)
+    gu = ex.gate_up_proj[0].detach().numpy()      # [H, 2I], gate = even cols, up = odd cols
+    gub = ex.gate_up_proj_bias[0].detach().numpy()
+    dn = ex.down_proj[0].detach().numpy()        # [I, H]
+    dnb = ex.down_proj_bias[0].detach().numpy()
+    t = quant.expert_tensors(gu[:, 0::2].T, gu[:, 1::2].T, dn.T, "f32",
+                             biases={"gate": gub[0::2], "up": gub[1::2], "down": dnb})
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((4, H)).astype(np.float32)
+    idx = torch.zeros((4, 1), dtype=torch.long)
+    wts = torch.ones((4, 1), dtype=torch.float64)
+    with torch.no_grad():
+        want = ex(torch.from_numpy(x).double(), idx, wts).numpy()
+    y = kernels.ffn(t, x, "f32", "gptoss", alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+                    ctx=ctx)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", quant.DTYPES)
+def test_rows_scale_accumulate_many_tokens(ctx, isa, dtype):
+    """Prefill grouping: 19 tokens (more than one tile) picked by rows, weighted, accumulated
+    into an out that already holds values; untouched rows stay as they were."""
+    _isa(ctx, isa)
+    rng = np.random.default_rng(9)
+    H, I = 128, 96
+    g, u, d, _ = make_expert(rng, H, I, std=0.1)
+    t = quant.expert_tensors(g, u, d, dtype)
+    x = rng.standard_normal((30, H)).astype(np.float32)
+    rows = rng.permutation(30)[:19].astype(np.int32)
+    scale = rng.uniform(0.1, 1.0, 19).astype(np.float32)
+    out0 = rng.standard_normal((30, H)).astype(np.float32)
+    out = out0.copy()
+    kernels.ffn(t, x, rows=rows, scale=scale, out=out, ctx=ctx)
+    want = out0.astype(np.float64)
+    want[rows] += scale[:, None] * ref_ffn(quant.dequantize_expert(t), x[rows], "silu")
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_agree_with_reference(threads):
+    c = _C.KernelContext(threads)
+    assert c.threads == threads
+    rng = np.random.default_rng(10)
+    g, u, d, _ = make_expert(rng, 256, 160, std=0.1)
+    t = quant.expert_tensors(g, u, d, "bf16")
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    y = kernels.ffn(t, x, ctx=c)
+    np.testing.assert_allclose(y, ref_ffn(quant.dequantize_expert(t), x, "silu"), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_default_context_controls():
+    kernels.set_isa("scalar")
+    try:
+        assert kernels.isa() == "scalar"
+        kernels.set_isa("auto")
+        assert kernels.isa() == _BEST
+        n = kernels.num_threads()
+        kernels.set_num_threads(1)
+        assert kernels.num_threads() == 1
+        kernels.set_num_threads(n)
+    finally:
+        kernels.set_isa("auto")
+    with pytest.raises(ValueError, match="unknown ISA"):
+        kernels.set_isa("sse9")
+
+
+def test_env_forces_lower_isa():
+    code = "from specmoe import _C; print(_C.KernelContext(1).isa)"
+    env = dict(os.environ, SPECMOE_ISA="scalar")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.strip() == "scalar"
+    env["SPECMOE_ISA"] = "bogus"
+    code = ("from specmoe import _C\ntry:\n _C.KernelContext(1)\nexcept ValueError as e:\n"
+            " print('VE', e)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.startswith("VE") and "SPECMOE_ISA" in r.stdout
+
+
+def test_read_bw_positive(ctx):
+    assert ctx.read_bw(np.ones(1 << 16, np.uint8), 2) > 0
+    with pytest.raises(ValueError):
+        ctx.read_bw(np.ones(0, np.uint8), 1)
+
+
+# ---------- store schema descriptors ----------
+
+def test_from_store_schema_with_padding_and_uppercase(ctx):
+    rng = np.random.default_rng(11)
+    g, u, d, b = make_expert(rng, 64, 64, std=0.1, bias=True)
+    t = quant.expert_tensors(g, u, d, "int8", biases=b)
+    block, entries = kernels.pack_block(t)
+    # a store-like schema: padding tensors and the writer's upper-case dtypes
+    entries = [dict(e, dtype=e["dtype"].upper()) for e in entries]
+    entries.insert(1, {"name": "__pad__.0", "dtype": "U8", "shape": [8], "offset": 0,
+                       "nbytes": 8})
+    nb = -(-block.size // 4096) * 4096
+    big = np.zeros(nb, np.uint8)
+    big[:block.size] = block
+    spec = kernels.FFNSpec.from_store_schema(entries, block_bytes=nb)
+    assert (spec.H, spec.I, spec.dtype) == (64, 64, "int8")
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    y = kernels.ffn(big, x, spec=spec, ctx=ctx)
+    np.testing.assert_allclose(y, ref_ffn(quant.dequantize_expert(t), x, "silu"), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_from_store_schema_int4_group():
+    g, u, d, _ = make_expert(np.random.default_rng(12), 192, 64)
+    _, entries = kernels.pack_block(quant.expert_tensors(g, u, d, "int4"))
+    spec = kernels.FFNSpec.from_store_schema(entries)
+    assert (spec.H, spec.I, spec.group) == (192, 64, 64)
+
+
+def test_from_store_schema_errors():
+    g, u, d, _ = make_expert(np.random.default_rng(13), 64, 32)
+    _, e8 = kernels.pack_block(quant.expert_tensors(g, u, d, "int8"))
+    with pytest.raises(ValueError, match="missing tensor 'down'"):
+        kernels.FFNSpec.from_store_schema([e for e in e8 if e["name"] != "down"])
+    with pytest.raises(ValueError, match="needs tensor 'up.scale'"):
+        kernels.FFNSpec.from_store_schema([e for e in e8 if e["name"] != "up.scale"])
+    with pytest.raises(ValueError, match="not an expert FFN tensor"):
+        kernels.FFNSpec.from_store_schema(e8 + [{"name": "router", "dtype": "F32", "shape": [1],
+                                                 "offset": 0, "nbytes": 4}])
+    bad = [dict(e, shape=[33, 64]) if e["name"] == "up" else e for e in e8]
+    with pytest.raises(ValueError, match="up has shape"):
+        kernels.FFNSpec.from_store_schema(bad)
+    mixed = [dict(e, dtype="BF16") if e["name"] == "down" else e for e in e8]
+    with pytest.raises(ValueError, match="dtypes"):
+        kernels.FFNSpec.from_store_schema(mixed)
+    with pytest.raises(ValueError, match="unknown activation"):
+        kernels.FFNSpec.from_store_schema(e8, activation="gelu")
+
+
+# ---------- bad input ----------
+
+@pytest.fixture(scope="module")
+def small():
+    g, u, d, _ = make_expert(np.random.default_rng(14), 64, 32)
+    t = quant.expert_tensors(g, u, d, "f32")
+    block, entries = kernels.pack_block(t)
+    return t, block, kernels.FFNSpec.from_store_schema(entries, block_bytes=block.size)
+
+
+def test_bad_x(ctx, small):
+    t, block, spec = small
+    with pytest.raises(ValueError, match="float32"):
+        kernels.ffn(t, np.zeros((2, 64)), ctx=ctx)
+    with pytest.raises(ValueError, match="hidden size"):
+        kernels.ffn(t, np.zeros((2, 63), np.float32), ctx=ctx)
+    with pytest.raises(ValueError, match="x must have dtype"):
+        ctx.ffn_forward(spec.desc(), block, np.zeros((2, 64)), np.zeros((2, 64), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ctx.ffn_forward(spec.desc(), block, np.zeros((64, 2), np.float32).T,
+                        np.zeros((2, 64), np.float32))
+    with pytest.raises(ValueError, match="hidden size is 64"):
+        ctx.ffn_forward(spec.desc(), block, np.zeros((2, 64), np.float32),
+                        np.zeros((2, 32), np.float32))
+
+
+def test_bad_rows_scale_out(ctx, small):
+    _, block, spec = small
+    x = np.zeros((4, 64), np.float32)
+    out = np.zeros((4, 64), np.float32)
+    with pytest.raises(ValueError, match=r"rows\[1\] = 4 is outside"):
+        ctx.ffn_forward(spec.desc(), block, x, out, np.array([0, 4], np.int32))
+    with pytest.raises(ValueError, match="rows must have dtype"):
+        ctx.ffn_forward(spec.desc(), block, x, out, np.array([0, 1], np.int64))
+    with pytest.raises(ValueError, match="scale has 3 entries for 2 tokens"):
+        ctx.ffn_forward(spec.desc(), block, x, out, np.array([0, 1], np.int32),
+                        np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="fewer than x"):
+        ctx.ffn_forward(spec.desc(), block, x, np.zeros((3, 64), np.float32))
+    ro = np.zeros((4, 64), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        ctx.ffn_forward(spec.desc(), block, x, ro)
+
+
+def test_bad_descriptor(ctx, small):
+    _, block, spec = small
+    x = np.zeros((1, 64), np.float32)
+    out = np.zeros((1, 64), np.float32)
+    with pytest.raises(ValueError, match="'down'.*does not fit"):
+        ctx.ffn_forward(spec.desc(), block[: spec.offsets["down"] + 10], x, out)
+    d = dict(spec.desc(), dtype=9)
+    with pytest.raises(ValueError, match="unknown expert weight dtype"):
+        ctx.ffn_forward(d, block, x, out)
+    d = dict(spec.desc(), up=None)
+    with pytest.raises(ValueError, match="missing up"):
+        ctx.ffn_forward(d, block, x, out)
+    d = dict(spec.desc(), gate=2)
+    with pytest.raises(ValueError, match="'gate' at offset 2 is not 4-byte aligned"):
+        ctx.ffn_forward(d, block, x, out)
+    d = dict(spec.desc(), dtype=3, group=64, gate_scale=0, up_scale=0, down_scale=0)
+    with pytest.raises(ValueError, match="intermediate size I=32 is not a multiple of the group"):
+        ctx.ffn_forward(d, block, x, out)
+    d = dict(spec.desc(), gate_scale=0)
+    with pytest.raises(ValueError, match="unquantized"):
+        ctx.ffn_forward(d, block, x, out)
+    with pytest.raises(TypeError, match="dict"):
+        ctx.ffn_forward([1], block, x, out)
+    with pytest.raises(ValueError, match="block must have dtype"):
+        ctx.ffn_forward(spec.desc(), block.view(np.int8), x, out)
+    with pytest.raises(ValueError, match="raw block needs spec"):
+        kernels.ffn(block, x)
+
+
+def test_bad_context_args():
+    with pytest.raises(ValueError, match="threads must be"):
+        _C.KernelContext(-1)
+    c = _C.KernelContext(1)
+    with pytest.raises(ValueError, match="threads must be"):
+        c.set_threads(5000)
+    with pytest.raises(TypeError):
+        c.set_isa(3)

@@ -1,0 +1,463 @@
+"""Simulator: counters and times checked against the plain-Python reference in
+tests/sim_reference.py (written from the documented model), closed-form time checks, capacity
+parsing, bad input, sweeps, the CLI, and agreement with the live ExpertCache."""
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections import OrderedDict
+from contextlib import redirect_stdout
+
+import numpy as np
+import pytest
+
+import specmoe
+from specmoe import _C
+from specmoe.hardware import PROFILES, Hardware, ModelCost, get_hardware, sim_timing
+from specmoe.sim import Predictor, parse_capacity, simulate, ttft_seconds
+from specmoe.traces import Trace
+from tests.sim_reference import RefBelady, RefLRU, ref_simulate
+
+HW = dict(expert_bytes=17.3e6, fast_bw=1.2e12, link_bw=25e9, link_latency_s=1e-5,
+          layer_fixed_s=5e-5, token_fixed_s=4e-4)
+# A slow link relative to compute makes prefetches late, a fast one makes them timely: both
+# paths of the copy-engine model get exercised.
+HW_FASTLINK = dict(HW, link_bw=4e12, fast_bw=2e11)
+
+
+def _builtins():
+    names = []
+    for n in ("lru", "lfu", "fifo", "mru", "random", "least_stale", "belady"):
+        try:
+            _C.simulate(np.zeros((1, 1, 1), np.int16), 1, n, 1, **HW)
+            names.append(n)
+        except ValueError:
+            pass
+    return names
+
+
+BUILTINS = _builtins()
+
+
+@pytest.fixture(scope="module")
+def small(puffin_subset):
+    return puffin_subset.slice(0, 60)
+
+
+def _run(trace, policy, nslots, hw=HW, **pred):
+    return _C.simulate(trace.experts, trace.num_experts, policy, nslots,
+                       logits=trace.logits, **pred, **hw)
+
+
+def _compare(got, ref):
+    for k, v in ref.items():
+        if isinstance(v, float):
+            assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+        else:
+            assert got[k] == v, k
+
+
+# -- demand-only cache behaviour --------------------------------------------------------------
+
+def test_lru_matches_plain_ordereddict_lru(puffin_subset):
+    keys = puffin_subset.keys().tolist()
+    for n in (6, 83, 166, 416):
+        od, hits = OrderedDict(), 0
+        for k in keys:
+            if k in od:
+                hits += 1
+                od.move_to_end(k)
+            else:
+                if len(od) >= n:
+                    od.popitem(last=False)
+                od[k] = 1
+        r = _run(puffin_subset, "lru", n)
+        assert (r["hits"], r["misses"]) == (hits, len(keys) - hits)
+        assert r["accesses"] == len(keys)
+
+
+@pytest.mark.parametrize("nslots", [6, 40, 166])
+def test_demand_only_matches_reference(small, nslots):
+    _compare(_run(small, "lru", nslots), ref_simulate(small.experts, 64, nslots, RefLRU(), HW))
+
+
+def test_collision_miss_definition():
+    # one token, one layer: keys a b c a with 2 slots under LRU: c evicts a (same pass), the
+    # second a is a miss on an expert evicted earlier in the same pass -> collision
+    ex = np.array([[[0, 1, 2, 0]]], np.int16)
+    r = _C.simulate(ex, 8, "lru", 2, **HW)
+    assert (r["hits"], r["misses"], r["collision_misses"]) == (0, 4, 1)
+    # across passes it is not a collision: token 1 uses 0, 1; token 2 uses 2, 0 (1 slot)
+    ex = np.array([[[0]], [[1]], [[0]]], np.int16)
+    r = _C.simulate(ex, 2, "lru", 1, **HW)
+    assert (r["misses"], r["collision_misses"]) == (3, 0)
+
+
+def test_demand_time_closed_form(small):
+    r = _run(small, "lru", 100)
+    n, nl, k = small.experts.shape
+    load = HW["link_latency_s"] + HW["expert_bytes"] / HW["link_bw"]
+    comp = n * HW["token_fixed_s"] + n * nl * (HW["layer_fixed_s"] + k * HW["expert_bytes"] / HW["fast_bw"])
+    assert r["stall_s"] == pytest.approx(r["misses"] * load, rel=1e-12)
+    assert r["compute_s"] == pytest.approx(comp, rel=1e-12)
+    assert r["total_s"] == pytest.approx(comp + r["misses"] * load, rel=1e-12)
+
+
+@pytest.mark.skipif("belady" not in BUILTINS, reason="belady policy not built in yet")
+def test_belady_matches_reference_and_bounds_others(small):
+    keys = small.keys()
+    for n in (20, 83):
+        ref = ref_simulate(small.experts, 64, n, RefBelady(keys), HW)
+        got = _run(small, "belady", n)
+        assert (got["hits"], got["misses"]) == (ref["hits"], ref["misses"])
+        for p in BUILTINS:
+            if p != "belady":
+                assert _run(small, p, n)["hits"] <= got["hits"], p
+
+
+# -- prefetch ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hw", [HW, HW_FASTLINK], ids=["slowlink", "fastlink"])
+@pytest.mark.parametrize("pred", [
+    dict(kind="oracle", depth=1), dict(kind="oracle", depth=3),
+    dict(kind="history"), dict(kind="history", topk=10, history=4, cooc_weight=0.8),
+    dict(kind="history", percentile=0.9, cooc_weight=0.0),
+])
+@pytest.mark.parametrize("nslots", [30, 166])
+def test_prefetch_matches_reference(small, hw, pred, nslots):
+    p = Predictor(**pred)
+    got = _run(small.slice(0, 25), "lru", nslots, hw, **p.c_args())
+    ref = ref_simulate(small.slice(0, 25).experts, 64, nslots, RefLRU(), hw, pred)
+    _compare(got, ref)
+
+
+def _with_logits(trace, seed=0):
+    rng = np.random.default_rng(seed)
+    n, nl, k = trace.experts.shape
+    lg = rng.standard_normal((n, nl, trace.num_experts)).astype(np.float32)
+    # make the routed experts score highest most of the time, so the router predictor is good
+    np.put_along_axis(lg, trace.experts.astype(np.int64),
+                      np.take_along_axis(lg, trace.experts.astype(np.int64), 2) + 2.5, axis=2)
+    return Trace(experts=trace.experts, num_experts=trace.num_experts,
+                 request_starts=trace.request_starts, logits=lg)
+
+
+@pytest.mark.parametrize("hw", [HW, HW_FASTLINK], ids=["slowlink", "fastlink"])
+@pytest.mark.parametrize("pred", [dict(kind="router"), dict(kind="router", topk=9),
+                                  dict(kind="router", percentile=0.88)])
+def test_router_prefetch_matches_reference(small, hw, pred):
+    tr = _with_logits(small.slice(0, 20))
+    got = _run(tr, "lru", 60, hw, **Predictor(**pred).c_args())
+    _compare(got, ref_simulate(tr.experts, 64, 60, RefLRU(), hw, pred, logits=tr.logits))
+
+
+def test_oracle_prefetch_with_fast_link_hides_loads(small):
+    base = _run(small, "lru", 166, HW_FASTLINK)
+    orc = _run(small, "lru", 166, HW_FASTLINK, **Predictor("oracle", depth=2).c_args())
+    assert orc["stall_s"] < base["stall_s"]
+    # an oracle is never wrong; a prefetch may still be evicted by a later one before use
+    assert orc["prefetch_used"] + orc["prefetch_wasted"] <= orc["prefetch_issued"]
+    assert orc["prefetch_used"] > 0.95 * orc["prefetch_issued"]
+    assert orc["predicted_true"] == orc["predicted"] == orc["next_true"]
+
+
+def test_prefetch_never_evicts_experts_used_in_this_pass():
+    # 1 layer position per token with 3 experts, 3 slots: the next token's experts cannot be
+    # prefetched without evicting this token's, so every request is dropped
+    ex = np.array([[[0, 1, 2]], [[3, 4, 5]]], np.int16)
+    r = _C.simulate(ex, 8, "lru", 3, predictor=1, depth=1, **HW_FASTLINK)
+    assert r["prefetch_issued"] == 0 and r["prefetch_dropped"] == 3
+    assert r["misses"] == 6
+
+
+# -- Python layer -----------------------------------------------------------------------------
+
+def test_parse_capacity():
+    kw = dict(num_layers=26, num_experts=64, expert_bytes=17.3e6)
+    assert parse_capacity(40, **kw) == 40
+    assert parse_capacity("40", **kw) == 40
+    assert parse_capacity("10%", **kw) == 166
+    assert parse_capacity(0.25, **kw) == 416
+    assert parse_capacity("1GB", **kw) == int(1e9 // 17.3e6)
+    assert parse_capacity("1GiB", **kw) == int(2**30 // 17.3e6)
+    assert parse_capacity("100%", **kw) == 1664
+    assert parse_capacity(10**6, **kw) == 1664
+    for bad in ("0%", "abc", "150%", 0, 1.5, "1MB", -3, True, None):
+        with pytest.raises(ValueError):
+            parse_capacity(bad, **kw)
+
+
+def test_predictor_parse():
+    p = Predictor.parse("history:topk=8,history=32,cooc_weight=0.25")
+    assert (p.kind, p.topk, p.history, p.cooc_weight) == ("history", 8, 32, 0.25)
+    assert Predictor.parse(None).kind == "none"
+    assert Predictor.parse("oracle:depth=2").label == "oracle:depth=2"
+    for bad in ("psychic", "history:foo=1", "history:topk=x", "oracle:depth"):
+        with pytest.raises(ValueError):
+            Predictor.parse(bad)
+
+
+def test_simulate_result_fields(small):
+    r = simulate(small, "lru", "10%", "history", "rtx4090")
+    assert r.capacity_slots == 166 and r.accesses == small.num_accesses
+    assert r.hit_rate == pytest.approx(r.hits / r.accesses)
+    assert r.hits + r.misses == r.accesses
+    assert 0 <= r.prefetch_precision <= 1 and 0 <= r.prefetch_recall <= 1
+    assert r.prefetch_precision == pytest.approx(r.prefetch_used / r.prefetch_issued)
+    assert r.est_tpot_ms == pytest.approx(1e3 * r.total_s / small.num_tokens)
+    d = r.to_dict()
+    for k in ("policy", "capacity_slots", "hit_rate", "collision_misses", "stall_s", "est_tpot_ms"):
+        assert k in d
+
+
+def test_ttft_against_loop(small):
+    hw, m = PROFILES["laptop"], ModelCost.for_trace(small)
+    tr = small.slice(0, 40)
+    got = ttft_seconds(tr, hw, m, overlap=False)
+    starts = list(tr.request_starts) + [tr.num_tokens]
+    for r in range(tr.num_requests):
+        toks = tr.experts[starts[r]:starts[r + 1]]
+        P = len(toks)
+        total = max(m.token_fixed_bytes / hw.fast_bw, 2 * m.token_fixed_bytes / 2 * P / hw.flops)
+        for l in range(tr.num_layers):
+            used = {}
+            for row in toks[:, l]:
+                for e in row:
+                    used[int(e)] = used.get(int(e), 0) + 1
+            load = len(used) * (hw.link_latency_s + m.expert_bytes / hw.link_bw)
+            comp = sum(max(m.expert_bytes / hw.fast_bw, 2 * (m.expert_bytes / 2) * c / hw.flops)
+                       for c in used.values())
+            total += load + comp + max(m.layer_fixed_bytes / hw.fast_bw,
+                                       2 * m.layer_fixed_bytes / 2 * P / hw.flops)
+        assert got[r] == pytest.approx(total, rel=1e-9)
+
+
+def test_python_policy_and_policy_objects(small):
+    from specmoe.policies import LRU, LeastStale, PythonPolicy, make_policy
+
+    class PyLRU(PythonPolicy):
+        def __init__(self):
+            self.order = OrderedDict()
+
+        def on_insert(self, slot, key, prefetch):
+            self.order[slot] = key
+            self.order.move_to_end(slot)
+
+        def on_access(self, slot, key):
+            self.order.move_to_end(slot)
+
+        def on_evict(self, slot, key):
+            del self.order[slot]
+
+        def victim(self, candidates):
+            ok = set(candidates)
+            return next(s for s in self.order if s in ok)
+
+    tr = small.slice(0, 30)
+    want = simulate(tr, "lru", 40)
+    for pol in (PyLRU, PyLRU(), LRU(), make_policy("lru", 40, 26, 64)):
+        r = simulate(tr, pol, 40, "history")
+        assert r.hits == simulate(tr, "lru", 40, "history").hits
+    assert simulate(tr, PyLRU, 40).hits == want.hits
+    assert simulate(tr, LeastStale("lru"), 40).hits == simulate(tr, "least_stale:order=lru", 40).hits
+    assert simulate(tr, PyLRU, 40).policy == "PyLRU"
+
+    class Broken(PyLRU):
+        def victim(self, candidates):
+            raise RuntimeError("no idea")
+
+    with pytest.raises(specmoe.PolicyError, match="no idea"):
+        simulate(tr, Broken, 40)
+
+    class Liar(PyLRU):
+        def victim(self, candidates):
+            return 10**6
+
+    with pytest.raises(specmoe.PolicyError):
+        simulate(tr, Liar, 40)
+    used = make_policy("lru", 40, 26, 64)
+    simulate(tr, used, 40)
+    with pytest.raises(specmoe.PolicyError):
+        simulate(tr, used, 40)  # a _C.Policy serves one run
+    with pytest.raises(ValueError):
+        simulate(tr, make_policy("lru", 41, 26, 64), 40)  # built for another size
+
+
+def test_policy_factory_and_spec(small):
+    # a factory receives (nslots, num_layers, num_experts) and may return a built-in name
+    seen = []
+
+    def factory(n, nl, E):
+        seen.append((n, nl, E))
+        return "lru"
+
+    r = simulate(small, factory, 50)
+    assert seen == [(50, 26, 64)]
+    assert r.hits == simulate(small, "lru", 50).hits
+
+
+def test_hardware_profiles_and_calibrate():
+    for name in ("a100-pcie4", "rtx4090", "laptop"):
+        hw = get_hardware(name)
+        assert hw.fast_bw > hw.link_bw > 0 and hw.link_latency_s > 0
+    cal = get_hardware("calibrate")
+    assert isinstance(cal, Hardware) and cal.fast_bw > 0 and cal.link_bw > 0
+    with pytest.raises(ValueError):
+        get_hardware("abacus")
+    t = sim_timing(PROFILES["laptop"], ModelCost.for_trace(Trace(np.zeros((1, 26, 6)), 64)))
+    assert t["layer_fixed_s"] > 0 and t["token_fixed_s"] > 0
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+def test_bad_input_raises(small):
+    ex = small.experts
+    with pytest.raises(ValueError, match="unknown policy"):
+        _C.simulate(ex, 64, "nope", 10, **HW)
+    with pytest.raises(ValueError, match="nslots"):
+        _C.simulate(ex, 64, "lru", 0, **HW)
+    with pytest.raises(ValueError, match="outside"):
+        _C.simulate(np.full((2, 3, 2), 70, np.int16), 64, "lru", 10, **HW)
+    with pytest.raises(ValueError, match="experts must be"):
+        _C.simulate(np.zeros((2, 3), np.int16), 64, "lru", 10, **HW)
+    with pytest.raises(ValueError, match="logits"):
+        _C.simulate(ex, 64, "lru", 10, predictor=2, **HW)
+    with pytest.raises(ValueError, match="logits shape"):
+        _C.simulate(ex, 64, "lru", 10, logits=np.zeros((1, 2, 3), np.float32), **HW)
+    with pytest.raises(ValueError, match="link_bw"):
+        _C.simulate(ex, 64, "lru", 10, **dict(HW, link_bw=0.0))
+    with pytest.raises(ValueError, match="percentile"):
+        _C.simulate(ex, 64, "lru", 10, predictor=3, percentile=1.0, **HW)
+    with pytest.raises(ValueError, match="predictor"):
+        _C.simulate(ex, 64, "lru", 10, predictor=9, **HW)
+    with pytest.raises(ValueError, match="depth"):
+        _C.simulate(ex, 64, "lru", 10, predictor=1, depth=0, **HW)
+    with pytest.raises(ValueError, match="cooc_weight"):
+        _C.simulate(ex, 64, "lru", 10, predictor=3, cooc_weight=2.0, **HW)
+    with pytest.raises(TypeError):
+        _C.simulate(ex, 64, "lru", 10)  # no hardware
+    with pytest.raises(TypeError):
+        _C.simulate(ex, 64, 3.5, 10, **HW)  # not a policy
+    with pytest.raises(ValueError, match="router"):
+        simulate(small, "lru", 10, "router")
+    with pytest.raises(TypeError):
+        simulate(ex, "lru", 10)
+
+
+# -- sweep and CLI ----------------------------------------------------------------------------
+
+def test_sweep_equals_direct_runs_and_writes_files(small, tmp_path):
+    from specmoe.sweep import sweep, write_results
+
+    pols, caps, hws, preds = ["lru"], ["5%", 100], ["a100-pcie4", "laptop"], ["none", "oracle"]
+    rows = sweep(small, pols, caps, hws, preds, processes=2, progress=False)
+    assert len(rows) == 8
+    i = 0
+    for p in pols:
+        for c in caps:
+            for h in hws:
+                for pr in preds:
+                    d = simulate(small, p, c, pr, h)
+                    assert (rows[i]["hits"], rows[i]["stall_s"], rows[i]["hardware"],
+                            rows[i]["predictor"]) == (d.hits, d.stall_s, h, pr)
+                    i += 1
+    paths = write_results(rows, tmp_path)
+    assert json.loads(paths["json"].read_text())[3]["hits"] == rows[3]["hits"]
+    assert paths["csv"].read_text().splitlines()[0].startswith("policy,")
+    assert paths["hit_rate"].stat().st_size > 1000 and paths["stall"].stat().st_size > 1000
+
+
+def test_cli_simulate_json(tmp_path):
+    from specmoe.__main__ import main
+    from tests.conftest import SUBSET
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(["simulate", "--trace", str(SUBSET), "--tokens", "50", "--policies", "lru",
+                     "--capacity", "5%,100", "--json"]) == 0
+    out = json.loads(buf.getvalue())
+    assert out["accesses_per_s"] > 0
+    res = out["results"]
+    assert [r["capacity_slots"] for r in res] == [83, 100]
+    for r in res:
+        for k in ("policy", "capacity_slots", "hit_rate", "collision_misses", "stall_s",
+                  "est_tpot_ms"):
+            assert k in r
+    tr = specmoe.load_puffin(SUBSET).slice(0, 50)
+    assert res[1]["hit_rate"] == simulate(tr, "lru", 100).hit_rate
+
+
+# -- agreement with the live cache ------------------------------------------------------------
+
+AGREE_POLICIES = ["lru", "lfu", "fifo", "mru", "random", "least_stale", "least_stale:order=lru",
+                  "least_stale:order=fifo", "belady"]
+
+
+@pytest.mark.skipif(not hasattr(specmoe, "ExpertCache"), reason="specmoe.ExpertCache not merged yet")
+@pytest.mark.parametrize("policy", AGREE_POLICIES)
+def test_agreement_with_live_cache(tmp_path, puffin_subset, policy):
+    """The simulator and the live ExpertCache fed the same trace (acquire + release per access,
+    a pass per token) report identical hit, miss and collision-miss counts."""
+    from specmoe import policies as P
+    from specmoe.store import write_store
+
+    name = policy.split(":")[0]
+    if name not in BUILTINS:
+        pytest.fail(f"policy {name} is not built in")
+    tr = puffin_subset.slice(0, 60)
+    L, E = tr.num_layers, tr.num_experts
+    layers = [{"w": np.full((E, 8), l, np.uint8)} for l in range(L)]
+    store = write_store(tmp_path / "tiny.smoe", layers, top_k=tr.top_k, progress=False)
+    try:
+        for nslots in (tr.top_k, 83, 166):
+            if name == "belady":
+                spec = P.Belady(tr)
+            elif name == "least_stale":
+                spec = P.LeastStale(policy.partition("=")[2] or "layer")
+            else:
+                spec = name
+            cache = specmoe.ExpertCache(store, nslots, spec, prefetch=False)
+            try:
+                for t in range(tr.num_tokens):
+                    cache.begin_pass()
+                    for l in range(L):
+                        for e in tr.experts[t, l]:
+                            cache.acquire(l, int(e))
+                            cache.release(l, int(e))
+                st = cache.stats()
+            finally:
+                cache.close()
+            r = simulate(tr, policy, nslots)
+            assert (r.hits, r.misses, r.collision_misses) == \
+                (st["hits"], st["misses"], st["collision_misses"]), (policy, nslots)
+    finally:
+        store.close()
+
+
+# -- notebook ---------------------------------------------------------------------------------
+
+def _has_policies_module() -> bool:
+    try:
+        import specmoe.policies  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_policies_module(), reason="specmoe.policies not merged yet")
+def test_policy_playground_notebook_runs():
+    """notebooks/policy_playground.ipynb executes top to bottom without error."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    from tests.conftest import HERE
+
+    root = HERE.parent
+    nb = nbformat.read(root / "notebooks" / "policy_playground.ipynb", as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(root)}})
+    client.execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "DecayedLFU" in text and "hit rate" in text

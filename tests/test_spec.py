@@ -1,0 +1,699 @@
+"""Speculation controllers and the n-gram drafter against independent plain-Python references.
+
+The references below are written from the specification in csrc/spec/controller.h and
+csrc/spec/ngram.h (not from the C code): Cascade as a generator coroutine, SpeQ as direct
+formulas, the n-gram drafter as a brute-force backward scan.  Streams are synthetic:
+an "environment" maps K to (k_used, accepted, t_iter), and the C controller and the reference
+are driven in lockstep, asserting the same K at every iteration.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import pytest
+
+import specmoe
+from specmoe import _C
+from specmoe.spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK, measure_tau)
+
+INF = float("inf")
+PHASE = {"none": 0, "base": 1, "test": 2, "set": 3, "backoff": 4}
+
+# ------------------------------------------------------------------------------------------
+# references
+
+
+def ref_allowed(k_max: int, tau: Optional[List[float]]) -> List[int]:
+    """K allowed by gamma-tolerance: K=0 always; K>=1 iff K+1 <= n and (K+1)*tau(K+1) > 1."""
+    if not tau:
+        return list(range(k_max + 1))
+    out = [0]
+    for k in range(1, k_max + 1):
+        g = k + 1
+        if g <= len(tau) and g * tau[g - 1] > 1:
+            out.append(k)
+    return out
+
+
+class Shared:
+    """Plain-iteration timing every controller keeps: last base_len K=0 times."""
+
+    def __init__(self, base_len: int) -> None:
+        self.times: deque = deque(maxlen=base_len)
+        self.last_plain: Optional[int] = None
+        self.i = -1  # index of the observation being processed
+
+    def base(self) -> float:
+        return sum(self.times) / len(self.times) if self.times else math.nan
+
+    def see(self, k: int, t: float) -> None:
+        self.i += 1
+        if k == 0:
+            self.times.append(t)
+            self.last_plain = self.i
+
+
+def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: int,
+                bmax: int, base_len: int, refresh: int, center: int) -> Iterator[Tuple[int, str]]:
+    """Yields (K, phase); is sent (k_used, accepted, t_iter) after each iteration.  The
+    Shared timing is updated by the driver before the send."""
+    allow = set(allowed)
+    backoff = S
+    need_base = True
+    while True:
+        if need_base:
+            for _ in range(base_len):
+                yield 0, "base"
+        cands = [k for k in range(1, k_max + 1) if k in allow]
+        below = [k for k in cands if k <= center]
+        above = [k for k in cands if k > center]
+        start = max(below) if below else (min(above) if above else None)
+        tried: Dict[int, float] = {}
+        best_k, best_u = 0, -INF
+        if start is not None:
+            k = start
+            direction = 0
+            flipped = False
+
+            def step(frm: int, d: int) -> Optional[int]:
+                j = frm + d
+                while 1 <= j <= k_max:
+                    if j in allow and j not in tried:
+                        return j
+                    j += d
+                return None
+
+            while True:
+                etr = tsum = 0.0
+                for _ in range(t):
+                    _ku, acc, ti = yield k, "test"
+                    etr += acc + 1
+                    tsum += ti
+                b = sh.base()
+                u = (etr / t) / ((tsum / t) / b) if not math.isnan(b) else 0.0
+                tried[k] = u
+                first = len(tried) == 1
+                improved = u > best_u
+                if improved or (u == best_u and k < best_k):
+                    best_k, best_u = k, u
+                if first:
+                    direction = 1 if u >= 1 else -1
+                if (k == 1 and u < 1) or len(tried) >= M:
+                    break
+                nxt = step(best_k, direction) if (first or improved) else None
+                if nxt is None:
+                    if flipped:
+                        break
+                    flipped = True
+                    direction = -direction
+                    nxt = step(best_k, direction)
+                    if nxt is None:
+                        break
+                k = nxt
+        if best_k > 0 and best_u >= 1:
+            center = best_k
+            backoff = S
+            for _ in range(S):
+                yield best_k, "set"
+        else:
+            n = backoff
+            backoff = min(2 * backoff, bmax)
+            for _ in range(n):
+                yield 0, "backoff"
+        need_base = sh.last_plain is None or sh.i - sh.last_plain >= refresh
+
+
+Env = Callable[[int, int], Tuple[int, int, float]]  # (K, iteration) -> (k_used, acc, t_iter)
+
+
+def env_pays(i: int = 0, base: float = 0.010, run: int = 3, cost: float = 0.1) -> Env:
+    """Drafts are accepted up to `run` tokens; an iteration with K drafts costs
+    base*(1 + cost*K).  U(K) = (min(K, run)+1) / (1 + cost*K): best K = run for cost 0.1."""
+    def f(k: int, it: int) -> Tuple[int, int, float]:
+        return k, min(k, run), base * (1 + cost * k) if k else base
+    return f
+
+
+def env_never(base: float = 0.010) -> Env:
+    """Nothing is accepted and each draft adds 150% of a plain iteration: U < 1 for all K."""
+    def f(k: int, it: int) -> Tuple[int, int, float]:
+        return k, 0, base * (1 + 1.5 * k) if k else base
+    return f
+
+
+def drive_cascade(env: Env, n: int, *, k_max: int = 8, M: int = 4, t: int = 4, S: int = 16,
+                  bmax: int = 1024, base_len: int = 4, refresh: int = 100, center: int = 1,
+                  tau: Optional[List[float]] = None) -> Tuple[Cascade, List[Tuple[int, str]]]:
+    """Run the C Cascade and the reference in lockstep; return the controller and the
+    (K, phase) sequence."""
+    c = Cascade(k_max=k_max, trials=M, trial_len=t, set_len=S, backoff_max=bmax,
+                base_len=base_len, base_refresh=refresh, initial=center)
+    if tau is not None:
+        c.set_tau(tau)
+    allowed = ref_allowed(k_max, tau)
+    assert c.allowed == allowed
+    sh = Shared(base_len)
+    gen = ref_cascade(sh, allowed, k_max, M, t, S, bmax, base_len, refresh, center)
+    kp = next(gen)
+    seq = []
+    for it in range(n):
+        k = c.next_k()
+        assert (k, c.phase) == kp, f"iteration {it}: C says {(k, c.phase)}, reference {kp}"
+        assert k in allowed
+        ku, acc, ti = env(k, it)
+        c.observe(ku, acc, ti)
+        sh.see(ku, ti)
+        seq.append(kp)
+        kp = gen.send((ku, acc, ti))
+    return c, seq
+
+
+def runs(seq: List[Tuple[int, str]], phase: str) -> List[int]:
+    """Lengths of the maximal runs of a phase."""
+    out, cur = [], 0
+    for _, p in seq:
+        if p == phase:
+            cur += 1
+        elif cur:
+            out.append(cur)
+            cur = 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Cascade
+
+
+def test_cascade_converges_to_best_k_when_speculation_pays():
+    c, seq = drive_cascade(env_pays(), 600)
+    # U(K) = (min(K,3)+1)/(1+0.1K) peaks at K=3
+    u = {k: (min(k, 3) + 1) / (1 + 0.1 * k) for k in range(1, 9)}
+    best = max(u, key=u.get)
+    assert best == 3
+    set_ks = [k for k, p in seq if p == "set"]
+    assert set_ks and set(set_ks) == {best}
+    assert "backoff" not in {p for _, p in seq}
+    # first test phase hill-climbs 1,2,3,4 (M=4 trials of t=4)
+    assert [k for k, p in seq[4:20]] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    tel = c.telemetry()
+    assert len(tel["k"]) == 600
+    assert np.array_equal(tel["k"], [k for k, _ in seq])
+    assert np.array_equal(tel["phase"], [PHASE[p] for _, p in seq])
+    # the utility recorded at the end of each K=3 trial is U(3) against the measured base
+    sets = np.nonzero(tel["phase"] == PHASE["set"])[0]
+    assert np.allclose(tel["utility"][sets], u[3])
+
+
+def test_cascade_base_refreshed_about_every_100_iterations():
+    _, seq = drive_cascade(env_pays(), 800)
+    starts = [i for i in range(len(seq)) if seq[i][1] == "base" and (i == 0 or seq[i - 1][1] != "base")]
+    assert len(starts) >= 5
+    gaps = np.diff(starts)
+    # a refresh happens at the first phase end at least 100 iterations after the last plain
+    # iteration; phases are at most max(S, M*t) = 16 long
+    assert all(100 <= g <= 100 + 16 + 4 for g in gaps), gaps
+
+
+def test_cascade_never_pays_backs_off_doubling():
+    c, seq = drive_cascade(env_never(), 600, bmax=128)
+    assert {k for k, p in seq if p in ("set", "base", "backoff")} == {0}
+    assert runs(seq, "backoff")[:5] == [16, 32, 64, 128, 128]
+    # each test phase is a single trial at K=1 that fails: early exit
+    assert set(runs(seq, "test")) == {4}
+    assert {k for k, p in seq if p == "test"} == {1}
+    assert c.telemetry()["k"].sum() == 4 * len(runs(seq, "test"))
+
+
+def test_cascade_adapts_to_regime_changes():
+    pays, never = env_pays(), env_never()
+
+    def env(k: int, it: int) -> Tuple[int, int, float]:
+        return (pays if it < 300 or it >= 700 else never)(k, it)
+
+    _, seq = drive_cascade(env, 1200)
+    ks = [k for k, _ in seq]
+    assert ks[250:300].count(3) >= 30
+    # after the change to "never pays" the controller backs off within one set+test cycle
+    middle = seq[340:700]
+    assert sum(1 for k, p in middle if p in ("set",) and k > 0) == 0
+    assert "backoff" in {p for _, p in middle}
+    # and after the change back it finds K=3 again
+    assert [k for k, p in seq[1000:] if p == "set"].count(3) >= 16
+
+
+def test_cascade_tau_pruning_skips_disallowed_k():
+    # tau(3) = 0.3: (2+1)*0.3 = 0.9 <= 1, so K=2 may never run; tau given for g <= 6 -> K <= 5
+    tau = [1.0, 0.9, 0.3, 0.8, 0.7, 0.6]
+    c, seq = drive_cascade(env_pays(), 400, tau=tau)
+    assert c.allowed == [0, 1, 3, 4, 5]
+    assert 2 not in {k for k, _ in seq}
+    assert max(k for k, _ in seq) <= 5
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cascade_matches_reference_on_random_streams(seed):
+    rng = random.Random(seed)
+    k_max = rng.randint(1, 10)
+    M, t, S = rng.randint(1, 5), rng.randint(1, 5), rng.randint(1, 20)
+    bmax = rng.randint(1, 80)
+    base_len, refresh = rng.randint(1, 5), rng.randint(1, 60)
+    center = rng.randint(1, k_max)
+    tau = None
+    if rng.random() < 0.5:
+        tau = [1.0] + [rng.uniform(0.05, 1.0) for _ in range(rng.randint(0, k_max + 1))]
+    p_acc = rng.uniform(0, 1)
+    cost = rng.uniform(0.0, 1.0)
+    erng = random.Random(seed + 1000)
+
+    def env(k: int, it: int) -> Tuple[int, int, float]:
+        ku = k if erng.random() < 0.8 else erng.randint(0, k)  # caller sometimes deviates
+        acc = 0
+        while acc < ku and erng.random() < p_acc:
+            acc += 1
+        ti = 0.01 * (1 + cost * ku) * erng.uniform(0.8, 1.25)
+        return ku, acc, ti
+
+    drive_cascade(env, 500, k_max=k_max, M=M, t=t, S=S, bmax=bmax, base_len=base_len,
+                  refresh=refresh, center=center, tau=tau)
+
+
+def test_cascade_ties_go_to_smaller_k():
+    # U is the same for every K: acceptance and cost scale together
+    def env(k: int, it: int) -> Tuple[int, int, float]:
+        return k, k, 0.01 * (k + 1) if k else 0.01
+
+    _, seq = drive_cascade(env, 60, center=2)
+    # U(2) = 1 >= 1 -> up to 3 (tie: no improvement) -> flip -> 1 (tie) -> end; best = 1
+    assert [k for k, p in seq if p == "test"][:12] == [2] * 4 + [3] * 4 + [1] * 4
+    assert {k for k, p in seq if p == "set"} == {1}
+
+
+# ------------------------------------------------------------------------------------------
+# static and heuristic
+
+
+def test_static_k_and_tau_clamp():
+    c = StaticK(5, k_max=8)
+    assert c.next_k() == 5
+    c.observe(5, 2, 0.02)
+    assert c.next_k() == 5
+    c.set_tau([1.0, 0.9, 0.8, 0.7, 0.1, 0.1, 0.1])  # K=4,5 pruned ((5)*0.1, (6)*0.1 <= 1)
+    assert c.allowed == [0, 1, 2, 3]
+    assert c.next_k() == 3
+    c.set_tau([])
+    assert c.next_k() == 5
+
+
+def test_static_instant_utility_uses_plain_iterations():
+    c = StaticK(2)
+    c.observe(2, 1, 0.02)
+    c.observe(0, 0, 0.01)
+    c.observe(0, 0, 0.03)
+    c.observe(2, 2, 0.015)
+    u = c.telemetry()["utility"]
+    assert math.isnan(u[0])
+    assert u[1] == pytest.approx(1.0)
+    assert u[2] == pytest.approx(1 * 0.02 / 0.03)
+    assert u[3] == pytest.approx(3 * 0.02 / 0.015)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_heuristic_schedule_exact(seed):
+    rng = random.Random(seed)
+    k_max = rng.randint(2, 12)
+    init = rng.randint(1, k_max)
+    c = Heuristic(initial=init, k_max=k_max)
+    ref = init
+    for it in range(300):
+        k = c.next_k()
+        assert k == ref, it
+        ku = k if rng.random() < 0.85 else rng.randint(0, k)
+        acc = ku if rng.random() < 0.4 else rng.randint(0, ku)
+        c.observe(ku, acc, 0.01)
+        if ku >= 1:
+            ref = ref + 2 if acc == ku else ref - 1
+            ref = min(max(ref, 1), k_max)
+    assert list(c.telemetry()["k_planned"][:3]) == [init, *c.telemetry()["k_planned"][1:3]]
+
+
+def test_heuristic_literal_trace():
+    c = Heuristic(initial=3, k_max=6)
+    trace = []
+    for acc in [3, 5, 6, 0, 2, 2, 0, 0, 0]:
+        k = c.next_k()
+        trace.append(k)
+        c.observe(k, min(acc, k), 0.01)
+    # 3 full->5 full->7 capped 6 full->6 ->5 ->4 ->3 ->2 ->1
+    assert trace == [3, 5, 6, 6, 5, 4, 3, 2, 1]
+    assert c.next_k() == 1
+
+
+# ------------------------------------------------------------------------------------------
+# SpeQ
+
+
+class RefSpeq:
+    """MoE-SpeQ governor from the specification (controller.h)."""
+
+    def __init__(self, k_max: int, alpha: float, p_init: float, initial: int) -> None:
+        self.k_max, self.a, self.initial = k_max, alpha, initial
+        self.p = [p_init] * (k_max + 1)
+        self.td: Optional[float] = None
+        self.t1: Optional[float] = None
+        self.samples: List[Tuple[int, float]] = []  # (g, v), oldest first
+        self.tau: List[float] = []
+        self.io = [0.0] * (k_max + 1)
+        self.allowed = list(range(k_max + 1))
+
+    def ema(self, old: Optional[float], x: float) -> float:
+        return x if old is None else (1 - self.a) * old + self.a * x
+
+    def observe(self, k: int, acc: int, t: float, td: float, tio: float) -> None:
+        for j in range(1, min(k, acc + 1) + 1):
+            self.p[j] = (1 - self.a) * self.p[j] + self.a * (1.0 if j <= acc else 0.0)
+        if k >= 1 and td > 0:
+            self.td = self.ema(self.td, td / k)
+        g, v = k + 1, max(t - td - tio, 0.0)
+        if len(self.tau) >= g:
+            self.t1 = self.ema(self.t1, v * self.tau[g - 1])
+        self.samples.append((g, v))
+
+    def tverify(self, g: int) -> float:
+        if self.tau and self.t1 is not None and g <= len(self.tau):
+            t = self.t1 / self.tau[g - 1]
+        elif self.samples:
+            n = len(self.samples)
+            w = np.array([(1 - self.a) ** (n - 1 - i) for i in range(n)])
+            x = np.array([s[0] for s in self.samples], dtype=float)
+            y = np.array([s[1] for s in self.samples])
+            if len(set(x.tolist())) >= 2:
+                b, a0 = np.polyfit(x, y, 1, w=np.sqrt(w))
+            else:
+                b, a0 = 0.0, float((w * y).sum() / w.sum())
+            t = a0 + b * g
+        else:
+            t = 0.0
+        return max(t, 0.0)
+
+    def en(self, k: int) -> float:
+        return 1.0 + sum(math.prod(self.p[1:i + 1]) for i in range(1, k + 1))
+
+    def tcycle(self, k: int) -> float:
+        return max(k * (self.td or 0.0) + self.tverify(k + 1) + self.io[k], 1e-12)
+
+    def best(self) -> Tuple[int, List[float]]:
+        vals = [self.en(k) / self.tcycle(k) if k in self.allowed else -1.0
+                for k in range(self.k_max + 1)]
+        return int(np.argmax(vals)), vals
+
+    def next_k(self) -> int:
+        if not self.samples:
+            return max(k for k in self.allowed if k <= self.initial)
+        return self.best()[0]
+
+
+def test_speq_constructed_tables():
+    g = SpeqGovernor(k_max=6, alpha=1.0, p_init=0.5)
+    assert g.next_k() == 1  # before any observation
+    # one observation with alpha=1: p = [1, 1, 1, 0, 0.5, 0.5]; t_draft per token 1 ms,
+    # verify time 10 ms flat (one g seen), no I/O
+    g.observe(6, 3, 0.016, t_draft=0.006)
+    en = [g.model(k)[0] for k in range(7)]
+    assert en == pytest.approx([1, 2, 3, 4, 4, 4, 4])
+    tc = [g.model(k)[1] for k in range(7)]
+    assert tc == pytest.approx([0.010 + 0.001 * k for k in range(7)])
+    # E/T: 100, 181.8, 250, 307.7, 285.7, 266.7, 250 -> k=3
+    assert g.next_k() == 3
+    # missing experts make verifying 3 drafts cost 5 ms more: 4/0.018=222 < 3/0.012=250 -> 2
+    g.set_io_cost([0, 0, 0, 0.005, 0.005, 0.005, 0.005])
+    assert g.next_k() == 2
+    # I/O on every k >= 1 large enough that no speculation pays: the best k >= 1 is 3 with
+    # 4/(0.013+0.04) = 75.5 < 1/0.010 = 100
+    g.set_io_cost([0] + [0.04] * 6)
+    assert g.next_k() == 0
+    g.set_io_cost([])
+    assert g.next_k() == 3
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_speq_matches_reference_on_random_streams(seed):
+    rng = random.Random(seed)
+    k_max = rng.randint(1, 10)
+    alpha = rng.uniform(0.05, 1.0)
+    p_init = rng.uniform(0, 1)
+    initial = rng.randint(1, k_max)
+    g = SpeqGovernor(k_max=k_max, alpha=alpha, p_init=p_init, initial=initial)
+    ref = RefSpeq(k_max, alpha, p_init, initial)
+    if seed % 2:
+        tau = [1.0] + [rng.uniform(0.1, 1.0) for _ in range(k_max)]
+        g.set_tau(tau)
+        ref.tau = tau
+        ref.allowed = ref_allowed(k_max, tau)
+    p_true = [rng.uniform(0.3, 0.95) for _ in range(k_max + 1)]
+    for it in range(150):
+        if rng.random() < 0.3:
+            io = [rng.uniform(0, 0.01) for _ in range(rng.randint(0, k_max + 1))]
+            g.set_io_cost(io)
+            ref.io = io + [0.0] * (k_max + 1 - len(io))
+        k = g.next_k()
+        rk = ref.next_k()
+        if k != rk:  # only a float near-tie may differ; check it is one
+            _, vals = ref.best()
+            assert vals[k] == pytest.approx(vals[rk], rel=1e-9), (it, k, rk, vals)
+        for kk in range(k_max + 1):
+            e, t = g.model(kk)
+            assert e == pytest.approx(ref.en(kk), rel=1e-9)
+            assert t == pytest.approx(ref.tcycle(kk), rel=1e-6, abs=1e-12)
+        ku = k if rng.random() < 0.7 else rng.randint(0, k_max)
+        acc = 0
+        while acc < ku and rng.random() < p_true[acc + 1]:
+            acc += 1
+        td = rng.choice([0.0, 0.0005 * ku])
+        tio = rng.choice([0.0, rng.uniform(0, 0.002)])
+        t = 0.008 + 0.0015 * (ku + 1) + td + tio
+        g.observe(ku, acc, t, t_draft=td, t_io=tio)
+        ref.observe(ku, acc, t, td, tio)
+
+
+def test_speq_respects_tau():
+    g = SpeqGovernor(k_max=4, alpha=1.0, p_init=1.0)
+    g.set_tau([1.0, 0.9, 0.3, 0.8, 0.7])  # K=2: 3*0.3 <= 1
+    g.observe(4, 4, 0.01)
+    assert g.allowed == [0, 1, 3, 4]
+    for _ in range(10):
+        k = g.next_k()
+        assert k in (0, 1, 3, 4)
+        g.observe(k, k, 0.01)
+
+
+# ------------------------------------------------------------------------------------------
+# tau pruning and measure_tau
+
+
+@pytest.mark.parametrize("name", ["static", "heuristic", "cascade", "speq"])
+def test_tau_pruning_rule(name):
+    c = _C.SpecController(name, k_max=8, k=8 if name == "static" else 0)
+    # (K+1)*tau(K+1): K=1: 2*0.5 = 1 (excluded, not > 1); K=2: 3*0.4 = 1.2; K=3: 4*0.2 = 0.8;
+    # K=4: 5*0.21 = 1.05; K>=5: not measured
+    tau = [1.0, 0.5, 0.4, 0.2, 0.21]
+    c.set_tau(tau)
+    assert c.allowed == ref_allowed(8, tau) == [0, 2, 4]
+    assert c.next_k() in (0, 2, 4)
+
+
+def test_measure_tau_with_fake_clock(monkeypatch):
+    clock = [0.0]
+    cost = {1: 1.0, 2: 1.1, 3: 1.3, 4: 2.0, 5: 3.0}
+    calls = []
+
+    def fwd(g: int) -> None:
+        calls.append(g)
+        clock[0] += cost[g]
+
+    import specmoe.spec as sp
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: clock[0])
+    tau = measure_tau(fwd, gammas=[1, 2, 3, 4, 5], repeats=3, warmup=1)
+    assert tau == pytest.approx({g: cost[1] / cost[g] for g in cost})
+    assert len(calls) == 5 * 4
+    c = StaticK(4)
+    c.set_tau(tau)
+    # (K+1)*tau(K+1): K=1 1.82, K=2 2.31, K=3 2.0, K=4 1.67; all allowed
+    assert c.allowed == [0, 1, 2, 3, 4]
+
+
+def test_measure_tau_bad_input():
+    with pytest.raises(ValueError):
+        measure_tau(lambda g: None, gammas=[2, 3])
+    with pytest.raises(ValueError):
+        measure_tau(lambda g: None, gammas=[1, 2], repeats=0)
+
+
+# ------------------------------------------------------------------------------------------
+# n-gram drafter
+
+
+def ref_ngram(h: List[int], k: int, max_n: int, min_n: int) -> List[int]:
+    """Brute force from the definition in ngram.h."""
+    L = len(h)
+    for n in range(max_n, min_n - 1, -1):
+        if n > L - 1:
+            continue
+        suffix = h[L - n:]
+        for p in range(L - n - 1, -1, -1):
+            if h[p:p + n] == suffix:
+                x = list(h)
+                for i in range(k):
+                    x.append(x[p + n + i])
+                return x[L:]
+    return []
+
+
+@pytest.mark.parametrize("max_n,min_n", [(3, 1), (1, 1), (4, 2), (6, 3)])
+@pytest.mark.parametrize("kind", ["random", "repetitive"])
+def test_ngram_matches_brute_force(max_n, min_n, kind):
+    rng = random.Random(hash((max_n, min_n, kind)) & 0xFFFF)
+    if kind == "random":
+        seq = [rng.randint(0, 6) for _ in range(400)]
+    else:
+        pat = [rng.randint(0, 50) for _ in range(7)]
+        seq = []
+        while len(seq) < 400:
+            seq += pat if rng.random() < 0.8 else [rng.randint(0, 50) for _ in range(3)]
+    d1 = NgramDrafter(max_n=max_n, min_n=min_n)  # synced through propose(history, k)
+    d2 = NgramDrafter(max_n=max_n, min_n=min_n)  # fed through append
+    nonempty = 0
+    for L in range(1, len(seq) + 1):
+        k = rng.randint(0, 9)
+        want = ref_ngram(seq[:L], k, max_n, min_n)
+        assert d1.propose(seq[:L], k) == want, L
+        d2.append([seq[L - 1]])
+        assert d2.propose(None, k) == want, L
+        nonempty += bool(want)
+    assert nonempty > 100
+
+
+def test_ngram_history_divergence_rebuilds():
+    d = NgramDrafter(max_n=3, min_n=1)
+    a = [1, 2, 3, 4, 1, 2, 3, 9, 9, 1, 2]
+    assert d.propose(a, 4) == ref_ngram(a, 4, 3, 1)
+    b = [1, 2, 3, 7, 7, 1, 2, 3, 7]
+    assert d.propose(b, 4) == ref_ngram(b, 4, 3, 1)
+    assert d.length == len(b)
+    d.reset()
+    assert d.length == 0
+    assert d.propose(np.array([5, 6, 5], dtype=np.int64), 3) == [6, 5, 6]
+    assert d.propose([5], 3) == []
+
+
+def test_ngram_literal_examples():
+    d = NgramDrafter(max_n=3, min_n=1)
+    assert d.propose([1, 2, 3, 4, 1, 2, 3], 5) == [4, 1, 2, 3, 4]
+    assert d.propose([5, 5, 5, 5], 3) == [5, 5, 5]
+    assert d.propose([1, 2, 3], 2) == []
+
+
+# ------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("name", ["static", "heuristic", "cascade", "speq"])
+def test_observe_bad_input(name):
+    c = _C.SpecController(name, k_max=4)
+    for args in [(-1, 0, 0.01), (5, 0, 0.01), (2, 3, 0.01), (2, -1, 0.01), (1, 0, math.nan),
+                 (1, 0, math.inf), (1, 0, 0.0), (1, 0, -0.01)]:
+        with pytest.raises(ValueError):
+            c.observe(*args)
+    with pytest.raises(ValueError):
+        c.observe(1, 0, 0.01, -1)
+    with pytest.raises(ValueError):
+        c.observe(1, 0, 0.01, 0, math.nan)
+    with pytest.raises(ValueError):
+        c.observe(1, 0, 0.01, 0, 0.02)  # t_draft > t_iter
+    with pytest.raises(ValueError):
+        c.observe(1, 0, 0.01, 0, 0.006, 0.006)  # t_draft + t_io > t_iter
+    with pytest.raises(ValueError):
+        c.observe(2**40, 0, 0.01)
+    assert c.n_obs == 0
+    for tau in ([1.0, math.nan], [1.0, -0.5], [1.0, 0.0], np.ones((2, 2)), [1.0] * 100):
+        with pytest.raises(ValueError):
+            c.set_tau(tau)
+    for cost in ([-1.0], [math.inf], [0.0] * 6):
+        with pytest.raises(ValueError):
+            c.set_io_cost(cost)
+
+
+def test_constructor_bad_input():
+    with pytest.raises(ValueError):
+        _C.SpecController("nope")
+    with pytest.raises(ValueError):
+        StaticK(-1)
+    with pytest.raises(ValueError):
+        StaticK(3, k_max=2)
+    with pytest.raises(ValueError):
+        Heuristic(initial=0)
+    with pytest.raises(ValueError):
+        Heuristic(initial=9, k_max=8)
+    with pytest.raises(ValueError):
+        Cascade(trials=0)
+    with pytest.raises(ValueError):
+        Cascade(k_max=100)
+    with pytest.raises(ValueError):
+        SpeqGovernor(alpha=0.0)
+    with pytest.raises(ValueError):
+        SpeqGovernor(p_init=1.5)
+    with pytest.raises(ValueError):
+        _C.SpecController("cascade", alpha=math.nan)
+    with pytest.raises(ValueError):
+        _C.SpecController("cascade", set_len=-3)
+    with pytest.raises(ValueError):
+        Cascade().set_tau({2: 0.5})
+    with pytest.raises(TypeError):
+        StaticK(1.5)  # type: ignore[arg-type]
+
+
+def test_ngram_bad_input():
+    with pytest.raises(ValueError):
+        NgramDrafter(max_n=0)
+    with pytest.raises(ValueError):
+        NgramDrafter(max_n=2, min_n=3)
+    with pytest.raises(ValueError):
+        NgramDrafter(max_n=33)
+    d = NgramDrafter()
+    with pytest.raises(ValueError):
+        d.propose([], 3)
+    with pytest.raises(ValueError):
+        d.propose(None, 3)
+    with pytest.raises(ValueError):
+        d.propose([1, 2, 1], -1)
+    with pytest.raises(ValueError):
+        d.propose([1, -2, 1], 2)
+    with pytest.raises(ValueError):
+        d.propose([1, 2**40], 2)
+    with pytest.raises(ValueError):
+        d.append([[1, 2]])
+    with pytest.raises(TypeError):
+        d.propose(np.array([1.5, 2.0]), 2)
+    with pytest.raises(TypeError):
+        d.append([1.5, 2.0])
+
+
+def test_public_exports():
+    for name in ["StaticK", "Heuristic", "Cascade", "SpeqGovernor", "NgramDrafter", "measure_tau"]:
+        assert hasattr(specmoe, name)
+
+
+def test_uninitialised_objects_raise():
+    c = _C.SpecController.__new__(_C.SpecController)
+    with pytest.raises(ValueError):
+        c.next_k()
+    with pytest.raises(ValueError):
+        c.observe(0, 0, 0.01)
+    d = _C.NgramDrafter.__new__(_C.NgramDrafter)
+    with pytest.raises(ValueError):
+        d.propose([1, 2], 1)
