@@ -12,9 +12,19 @@ stay in torch, untouched.
 Canonical expert layout (one dict per MoE layer, arrays over all E experts):
 ``gate [E,I,H]``, ``up [E,I,H]``, ``down [E,H,I]`` and, for GPT-OSS, ``gate.bias [E,I]``,
 ``up.bias [E,I]``, ``down.bias [E,H]`` (the names of csrc/kernels/kernels.h and
-:func:`specmoe.quant.expert_tensors`, which converts them per expert to the stored dtype).  GPT-OSS stores ``gate_up_proj`` transposed ``[E,H,2I]`` with
-gate and up interleaved (even columns gate, odd up): :func:`extract_experts` de-interleaves and
-transposes it.
+:func:`specmoe.quant.expert_tensors`, which converts them per expert to the stored dtype).
+GPT-OSS stores ``gate_up_proj`` transposed ``[E,H,2I]`` with gate and up interleaved (even
+columns gate, odd up): :func:`extract_experts` de-interleaves and transposes it.
+
+Typical use::
+
+    eng = specmoe.offload(model, cache=0.25, policy="lru", prefetch=True, dtype="bf16")
+    model.generate(...)                 # unchanged transformers API (KV cache, batches)
+    eng.stats()                         # hits, misses, hit_rate, stall_s, prefetch precision...
+    with eng.trace() as t:
+        model.generate(...)
+    t.result().save("routing.npz")      # a specmoe.traces.Trace
+    eng.close()
 
 Supported architectures (``config.model_type``): see :data:`SUPPORTED`.
 """
@@ -39,6 +49,7 @@ __all__ = [
     "UnsupportedModelError",
     "available_policies",
     "extract_experts",
+    "iter_experts_modules",
     "moe_layers",
     "offload",
     "tiny_config",
@@ -607,6 +618,7 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
 
 
 def iter_experts_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """The routed-experts module of every MoE layer, in layer order."""
     dec = _decoder(model)
     for i in moe_layers(model):
         yield dec.layers[i].mlp.experts
