@@ -260,6 +260,7 @@ class Engine:
         self.policy = "lru"
         self.prefetch = True
         self.overfetch = 1.5
+        self.mass: float | None = None
         self._desc: dict[str, Any] = {}
         self._block_bytes = 0
         self._kctx: Any = None
@@ -288,6 +289,29 @@ class Engine:
             lg = lg.sigmoid() + r.e_score_correction_bias.float()
         return lg
 
+    def _predict(self, sc: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Experts to prefetch from next-layer scores [T,E]: per token the top
+        ceil(k * overfetch), or (mass mode) the fewest experts, at least k, whose softmax
+        probability sums to >= mass.  Returns (mask [E], priority [E]: max over tokens)."""
+        E = self.num_experts
+        if self.mass is None:
+            m = min(E, max(self.top_k, math.ceil(self.top_k * self.overfetch)))
+            top = torch.topk(sc, m, dim=-1)
+            ids, vals = top.indices, top.values
+            keep = torch.ones_like(ids, dtype=torch.bool)
+        else:
+            prob = torch.softmax(sc, dim=-1)
+            vals, ids = torch.sort(prob, dim=-1, descending=True)
+            before = torch.cumsum(vals, dim=-1) - vals  # mass of the experts ranked above
+            keep = before < self.mass
+            keep[:, :min(E, self.top_k)] = True
+        ids_k = ids[keep].numpy()
+        p = np.zeros(E, bool)
+        p[ids_k] = True
+        pri = np.full(E, -np.inf, np.float32)
+        np.maximum.at(pri, ids_k, vals[keep].float().numpy())
+        return p, pri
+
     def _layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                        w: torch.Tensor) -> torch.Tensor:
         if self._closed:
@@ -309,13 +333,8 @@ class Engine:
                     sc = torch.as_tensor(self._predictor(pos + 1, hidden.detach())).float()
                 else:
                     sc = self._router_scores(pos + 1, hidden.detach())
-                m = min(self.num_experts, max(self.top_k, math.ceil(self.top_k * self.overfetch)))
-                top = torch.topk(sc, m, dim=-1)
-            p = np.zeros(self.num_experts, bool)
-            p[top.indices.reshape(-1).numpy()] = True
+                p, pri = self._predict(sc)
             self._pred[pos + 1] = p
-            pri = np.full(self.num_experts, -np.inf, np.float32)
-            np.maximum.at(pri, top.indices.reshape(-1).numpy(), top.values.reshape(-1).numpy())
             experts = np.nonzero(p)[0]
             self._queue_prefetch(pos + 1, experts, pri[experts])
         self._forward_c(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used)
@@ -408,11 +427,18 @@ class Engine:
         self._pred.clear()
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
-                     predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep") -> None:
+                     predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep",
+                     mass: float | None | str = "keep") -> None:
         """Switch lookahead prefetch on/off.  overfetch: experts predicted per token
-        = ceil(top_k * overfetch).  predictor: ``f(next_layer_position, hidden[T,H]) ->
+        = ceil(top_k * overfetch).  mass: instead of a fixed count, per token the fewest
+        experts (at least top_k) whose softmax probability of the scores sums to >= mass
+        (None: back to overfetch).  predictor: ``f(next_layer_position, hidden[T,H]) ->
         scores[T,E]`` (higher = more likely needed), or None for the default, layer l+1's router
         applied to layer l's router input."""
+        if not isinstance(mass, str):
+            if mass is not None and not (0 < mass <= 1):
+                raise ValueError(f"mass must be in (0, 1], got {mass}")
+            self.mass = mass
         self.prefetch = bool(on)
         if not isinstance(predictor, str):
             self._predictor = predictor

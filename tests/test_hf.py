@@ -77,7 +77,7 @@ def test_batch_of_two_with_padding(arch):
         eng.close()
 
 
-def _ref_prefetch_counts(ref, arch, overfetch):
+def _ref_prefetch_counts(ref, arch, overfetch, mass=None):
     """Independent count of next-layer-router prediction hits with forward hooks on the
     unmodified model: for each MoE layer l+1, predicted = union over tokens of the top-m
     experts of layer l+1's router applied to layer l's router input; actual = union of
@@ -111,7 +111,18 @@ def _ref_prefetch_counts(ref, arch, overfetch):
                     lg = lg + r.bias
                 if a.sigmoid_router:
                     lg = lg.sigmoid() + r.e_score_correction_bias
-                P = set(torch.topk(lg, m_pred, -1).indices.reshape(-1).tolist())
+                if mass is None:
+                    P = set(torch.topk(lg, m_pred, -1).indices.reshape(-1).tolist())
+                else:  # smallest prefix (>= k) of the experts by probability reaching `mass`
+                    P = set()
+                    for row in torch.softmax(lg, -1).tolist():
+                        order = sorted(range(E), key=lambda e: -row[e])
+                        acc = 0.0
+                        for r, e in enumerate(order):
+                            if r >= k and acc >= mass:
+                                break
+                            P.add(e)
+                            acc += row[e]
                 A = set(seen[p + 1][1].reshape(-1).tolist())
                 tp, pred, act = tp + len(P & A), pred + len(P), act + len(A)
     for h in hs:
@@ -131,6 +142,17 @@ def test_prefetch_precision_recall(arch):
         p, r = _ref_prefetch_counts(ref, arch, 2.0)
         assert s["prefetch_precision"] == pytest.approx(p)
         assert s["prefetch_recall"] == pytest.approx(r)
+        eng.set_prefetch(True, mass=0.6)
+        eng.reset_stats()
+        with torch.no_grad():
+            for t in range(3, PROMPT.shape[1] + 1):
+                m(PROMPT[:, :t])
+        p2, r2 = _ref_prefetch_counts(ref, arch, 2.0, mass=0.6)
+        print(f"{arch}: overfetch 2: precision {p:.2f} recall {r:.2f}; mass 0.6: {p2:.2f} {r2:.2f}")
+        assert eng.stats()["prefetch_precision"] == pytest.approx(p2)
+        assert eng.stats()["prefetch_recall"] == pytest.approx(r2)
+        with pytest.raises(ValueError, match="mass"):
+            eng.set_prefetch(True, mass=1.5)
         eng.set_prefetch(False)
         eng.reset_stats()
         with torch.no_grad():
