@@ -1,9 +1,10 @@
 /* Python binding of the C MoE layer (moe.h): _C.moe_forward.
  *
- * The expert source is either a buffer holding every block of the store in order
- * (resident: block (layer, expert) at (layer * num_experts + expert) * block_bytes) or, once
- * the cache binding provides it, a _C cache object.  The call releases the GIL for the whole
- * layer. */
+ * The expert source is a _C.Cache (or an ExpertCache, through py_cache.h: close() is refused
+ * while the call runs), or a buffer holding every block of the store in order (block
+ * (layer, expert) at (layer * num_experts + expert) * block_bytes; tests and references).
+ * The kernels come from a _C.KernelContext (py_kernels.h) or run single-threaded.  The call
+ * releases the GIL for the whole layer. */
 #include "py_common.h"
 /* kernels.h before numpy: <complex.h> (pulled in by numpy) defines the macro I */
 #include "cache.h"
