@@ -39,6 +39,7 @@ AI float hsum(__m256 v) {
     AI void NAME(const void *w0, const void *w1, const float *x, size_t xs, uint32_t n,         \
                  const int NT, float *r0, float *r1) {                                          \
         __m256 a0[NTMAX], a1[NTMAX], b0[NTMAX], b1[NTMAX];                                      \
+        _Pragma("GCC unroll 8") \
         for (int t = 0; t < NT; t++)                                                            \
             a0[t] = a1[t] = b0[t] = b1[t] = _mm256_setzero_ps();                                \
         uint32_t k = 0;                                                                         \
@@ -46,6 +47,7 @@ AI float hsum(__m256 v) {
             for (; k + 16 <= n; k += 16) {                                                      \
                 __m256 w0a = LD(w0, k), w1a = LD(w1, k);                                        \
                 __m256 w0b = LD(w0, k + 8), w1b = LD(w1, k + 8);                                \
+                _Pragma("GCC unroll 8") \
                 for (int t = 0; t < NT; t++) {                                                  \
                     __m256 xa = _mm256_loadu_ps(x + t * xs + k);                                \
                     __m256 xb = _mm256_loadu_ps(x + t * xs + k + 8);                            \
@@ -58,12 +60,14 @@ AI float hsum(__m256 v) {
         }                                                                                       \
         for (; k + 8 <= n; k += 8) {                                                            \
             __m256 w0a = LD(w0, k), w1a = LD(w1, k);                                            \
+            _Pragma("GCC unroll 8") \
             for (int t = 0; t < NT; t++) {                                                      \
                 __m256 xa = _mm256_loadu_ps(x + t * xs + k);                                    \
                 a0[t] = _mm256_fmadd_ps(w0a, xa, a0[t]);                                        \
                 a1[t] = _mm256_fmadd_ps(w1a, xa, a1[t]);                                        \
             }                                                                                   \
         }                                                                                       \
+        _Pragma("GCC unroll 8") \
         for (int t = 0; t < NT; t++) {                                                          \
             float s0 = hsum(_mm256_add_ps(a0[t], b0[t]));                                       \
             float s1 = hsum(_mm256_add_ps(a1[t], b1[t]));                                       \
@@ -85,6 +89,7 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
                float *r1) {
     const __m256i m15 = _mm256_set1_epi32(15), e8 = _mm256_set1_epi32(8);
     __m256 a0[NTMAX], a1[NTMAX];
+    _Pragma("GCC unroll 8")
     for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm256_setzero_ps();
     uint32_t ng = n / group;
     for (uint32_t g = 0; g < ng; g++) {
@@ -101,6 +106,7 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
                     sv1, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(l1, m15), e8)));
                 __m256 w1h = _mm256_mul_ps(
                     sv1, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(l1, 4), e8)));
+                _Pragma("GCC unroll 8")
                 for (int t = 0; t < NT; t++) {
                     __m256 xl = _mm256_loadu_ps(x + t * xs + b + hh);
                     __m256 xh = _mm256_loadu_ps(x + t * xs + b + 16 + hh);
@@ -110,6 +116,7 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
             }
         }
     }
+    _Pragma("GCC unroll 8")
     for (int t = 0; t < NT; t++) {
         r0[t] = hsum(a0[t]);
         r1[t] = hsum(a1[t]);
