@@ -19,7 +19,7 @@
 #define AI static inline __attribute__((always_inline))
 #define NTMAX 8
 #ifndef SMOE_PF_DIST
-#define SMOE_PF_DIST 1024 /* bytes ahead in each weight stream; see the file comment */
+#define SMOE_PF_DIST 256 /* bytes ahead in each weight stream; see the file comment */
 #endif
 #define PF(p) _mm_prefetch((const char *)(p) + SMOE_PF_DIST, _MM_HINT_T0)
 
@@ -44,69 +44,74 @@ AI __m512 ldm_i8(const void *w, size_t k, __mmask16 m) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
-/* r0[t] = w0 . x_t, r1[t] = w1 . x_t for t < NT (x_t = x + t*xs), dense dtypes. */
-#define DENSE_DOT(NAME, LD, LDM, ESZ)                                                                \
+/* Weights for the 32 columns at k in x's layout: lo <-> x[k..k+15], hi <-> x[k+16..k+31].
+ * BF16 uses the even/odd layout (smoe_perm_pos): one 64-byte load, a shift gives the even
+ * columns as f32, a mask the odd ones. */
+AI void ld2_f32(const void *w, size_t k, __m512 *lo, __m512 *hi) {
+    *lo = ld_f32(w, k);
+    *hi = ld_f32(w, k + 16);
+}
+AI void ld2_i8(const void *w, size_t k, __m512 *lo, __m512 *hi) {
+    *lo = ld_i8(w, k);
+    *hi = ld_i8(w, k + 16);
+}
+AI void ld2_bf16(const void *w, size_t k, __m512 *lo, __m512 *hi) {
+    __m512i v = _mm512_loadu_si512((const void *)((const uint16_t *)w + k));
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* r0[t] = w0 . x_t, r1[t] = w1 . x_t for t < NT (x_t = x + t*xs), dense dtypes.  Columns
+ * past the last full 32-block are in natural order (LD/LDM). */
+#define DENSE_DOT(NAME, LD2, LD, LDM, ESZ)                                                      \
     AI void NAME(const void *w0, const void *w1, const float *x, size_t xs, uint32_t n,         \
                  const int NT, float *r0, float *r1) {                                          \
         __m512 a0[NTMAX], a1[NTMAX], b0[NTMAX], b1[NTMAX];                                      \
-        _Pragma("GCC unroll 8") \
-        for (int t = 0; t < NT; t++)                                                            \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                    \
             a0[t] = a1[t] = b0[t] = b1[t] = _mm512_setzero_ps();                                \
         uint32_t k = 0;                                                                         \
-        if (NT <= 2) {                                                                          \
-            for (; k + 32 <= n; k += 32) {                                                      \
-                PF((const char *)w0 + k * ESZ);                                                 \
-                PF((const char *)w1 + k * ESZ);                                                 \
-                if (ESZ == 4) {                                                                 \
-                    PF((const char *)w0 + k * ESZ + 64);                                        \
-                    PF((const char *)w1 + k * ESZ + 64);                                        \
-                }                                                                               \
-                __m512 w0a = LD(w0, k), w1a = LD(w1, k);                                        \
-                __m512 w0b = LD(w0, k + 16), w1b = LD(w1, k + 16);                              \
-                _Pragma("GCC unroll 8") \
-                for (int t = 0; t < NT; t++) {                                                  \
-                    __m512 xa = _mm512_loadu_ps(x + t * xs + k);                                \
-                    __m512 xb = _mm512_loadu_ps(x + t * xs + k + 16);                           \
+        for (; k + 32 <= n; k += 32) {                                                          \
+            PF((const char *)w0 + k * ESZ);                                                     \
+            PF((const char *)w1 + k * ESZ);                                                     \
+            if (ESZ == 4) {                                                                     \
+                PF((const char *)w0 + k * ESZ + 64);                                            \
+                PF((const char *)w1 + k * ESZ + 64);                                            \
+            }                                                                                   \
+            __m512 w0a, w0b, w1a, w1b;                                                          \
+            LD2(w0, k, &w0a, &w0b);                                                             \
+            LD2(w1, k, &w1a, &w1b);                                                             \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+                __m512 xa = _mm512_loadu_ps(x + t * xs + k);                                    \
+                __m512 xb = _mm512_loadu_ps(x + t * xs + k + 16);                               \
+                if (NT <= 2) {                                                                  \
                     a0[t] = _mm512_fmadd_ps(w0a, xa, a0[t]);                                    \
                     a1[t] = _mm512_fmadd_ps(w1a, xa, a1[t]);                                    \
                     b0[t] = _mm512_fmadd_ps(w0b, xb, b0[t]);                                    \
                     b1[t] = _mm512_fmadd_ps(w1b, xb, b1[t]);                                    \
+                } else {                                                                        \
+                    a0[t] = _mm512_fmadd_ps(w0b, xb, _mm512_fmadd_ps(w0a, xa, a0[t]));          \
+                    a1[t] = _mm512_fmadd_ps(w1b, xb, _mm512_fmadd_ps(w1a, xa, a1[t]));          \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (; k + 16 <= n; k += 16) {                                                          \
-            if (NT > 2 || ESZ == 4 || (k & 63) == 0) {                                          \
-                PF((const char *)w0 + k * ESZ);                                                 \
-                PF((const char *)w1 + k * ESZ);                                                 \
-            }                                                                                   \
-            __m512 w0a = LD(w0, k), w1a = LD(w1, k);                                            \
-            _Pragma("GCC unroll 8") \
-            for (int t = 0; t < NT; t++) {                                                      \
-                __m512 xa = _mm512_loadu_ps(x + t * xs + k);                                    \
-                a0[t] = _mm512_fmadd_ps(w0a, xa, a0[t]);                                        \
-                a1[t] = _mm512_fmadd_ps(w1a, xa, a1[t]);                                        \
-            }                                                                                   \
-        }                                                                                       \
-        if (k < n) {                                                                            \
-            __mmask16 m = (__mmask16)((1u << (n - k)) - 1u);                                    \
+        for (; k < n; k += 16) {                                                                \
+            __mmask16 m = n - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - k)) - 1u);  \
             __m512 w0a = LDM(w0, k, m), w1a = LDM(w1, k, m);                                    \
-            _Pragma("GCC unroll 8") \
-            for (int t = 0; t < NT; t++) {                                                      \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
                 __m512 xa = _mm512_maskz_loadu_ps(m, x + t * xs + k);                           \
                 a0[t] = _mm512_fmadd_ps(w0a, xa, a0[t]);                                        \
                 a1[t] = _mm512_fmadd_ps(w1a, xa, a1[t]);                                        \
             }                                                                                   \
         }                                                                                       \
-        _Pragma("GCC unroll 8") \
-        for (int t = 0; t < NT; t++) {                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                  \
             r0[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], b0[t]));                          \
             r1[t] = _mm512_reduce_add_ps(_mm512_add_ps(a1[t], b1[t]));                          \
         }                                                                                       \
     }
 
-DENSE_DOT(dot_f32, ld_f32, ldm_f32, 4)
-DENSE_DOT(dot_bf16, ld_bf16, ldm_bf16, 2)
-DENSE_DOT(dot_i8, ld_i8, ldm_i8, 1)
+DENSE_DOT(dot_f32, ld2_f32, ld_f32, ldm_f32, 4)
+DENSE_DOT(dot_bf16, ld2_bf16, ld_bf16, ldm_bf16, 2)
+DENSE_DOT(dot_i8, ld2_i8, ld_i8, ldm_i8, 1)
 
 /* int4 rows (n/2 bytes each, scales s0/s1 per group), x permuted per 32 columns. */
 AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const float *s1,
@@ -156,7 +161,7 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
 
 /* ---- one token, four rows: the decode case.  Four weight streams per pass halve the
  * activation loads per weight byte and keep more cache-line misses in flight. ---- */
-#define DENSE_DOT1x4(NAME, LD, LDM, ESZ)                                                        \
+#define DENSE_DOT1x4(NAME, LD2, LDM, ESZ)                                                        \
     AI void NAME(const void *const *w, const float *x, uint32_t n, float *r) {                  \
         __m512 a[4], b[4];                                                                      \
         _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) a[q] = b[q] = _mm512_setzero_ps(); \
@@ -166,8 +171,10 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
             _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) {                               \
                 PF((const char *)w[q] + k * ESZ);                                               \
                 if (ESZ == 4) PF((const char *)w[q] + k * ESZ + 64);                            \
-                a[q] = _mm512_fmadd_ps(LD(w[q], k), xa, a[q]);                                  \
-                b[q] = _mm512_fmadd_ps(LD(w[q], k + 16), xb, b[q]);                             \
+                __m512 lo, hi;                                                                  \
+                LD2(w[q], k, &lo, &hi);                                                         \
+                a[q] = _mm512_fmadd_ps(lo, xa, a[q]);                                           \
+                b[q] = _mm512_fmadd_ps(hi, xb, b[q]);                                           \
             }                                                                                   \
         }                                                                                       \
         for (; k < n; k += 16) {                                                                \
@@ -180,9 +187,9 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
             r[q] = _mm512_reduce_add_ps(_mm512_add_ps(a[q], b[q]));                             \
     }
 
-DENSE_DOT1x4(dot1_f32, ld_f32, ldm_f32, 4)
-DENSE_DOT1x4(dot1_bf16, ld_bf16, ldm_bf16, 2)
-DENSE_DOT1x4(dot1_i8, ld_i8, ldm_i8, 1)
+DENSE_DOT1x4(dot1_f32, ld2_f32, ldm_f32, 4)
+DENSE_DOT1x4(dot1_bf16, ld2_bf16, ldm_bf16, 2)
+DENSE_DOT1x4(dot1_i8, ld2_i8, ldm_i8, 1)
 
 static void dot1_i4(const uint8_t *const *w, const float *const *s, const float *x, uint32_t n,
                     uint32_t group, float *r) {
