@@ -6,9 +6,19 @@
  * down_h+1) against up to 8 tokens at once, so a weight vector loaded from memory feeds
  * 2..16 FMAs and every weight byte is read from DRAM once per call; with 1-2 tokens the loop
  * is unrolled twice (or lo/hi nibbles kept apart for int4) for enough independent FMA chains.
- * Weights are widened to f32 in registers (bf16: shift; int8: sign-extend + convert; int4:
- * nibble -> vpermps lookup in a 16-entry table pre-multiplied by the group scale) and
- * accumulated in f32 against f32 activations. */
+ * With exactly one token (decode) four rows go through each pass instead (dot1_*), which
+ * halves the activation loads per weight byte and keeps four weight streams in flight.
+ * Weights are widened to f32 in registers (bf16: one 64-byte load, shift -> even columns,
+ * mask -> odd columns, against activations stored in the matching even/odd order; int8:
+ * sign-extend + convert; int4: nibble -> vpermps lookup in a 16-entry table pre-multiplied by
+ * the group scale) and accumulated in f32 against f32 activations.  Software prefetch runs
+ * SMOE_PF_DIST bytes ahead in each weight stream (256 measured best among 256..4096 on the
+ * development machine, within its noise).
+ *
+ * Not done (next steps): int8/int4 through AVX512_VNNI (vpdpbusd) and bf16 through
+ * AVX512_BF16 (vdpbf16ps) with activations quantized/rounded per block; they cut the
+ * widening work 2-3x and matter most at 8+ tokens, but change numerics, so they belong
+ * behind an explicit option. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 #include <immintrin.h>
