@@ -85,11 +85,11 @@ class Plan:
     @staticmethod
     def smoke() -> "Plan":
         return Plan(vocab=512, seq_len=64, t_hidden=64, t_layers=4, t_heads=2, t_kv_heads=1,
-                    t_experts=16, t_topk=2, t_expert_inter=64, t_batch=4, t_steps=30,
-                    d_hidden=32, d_layers=1, d_heads=1, d_inter=64, d_batch=4, d_steps=30,
+                    t_experts=16, t_topk=2, t_expert_inter=64, t_batch=4, t_steps=20,
+                    d_hidden=32, d_layers=1, d_heads=1, d_inter=64, d_batch=4, d_steps=20,
                     warmup=5, eval_tokens=2048, eval_every=10, eval_tokens_during=512,
-                    accept_prompts=3, accept_prompt_len=16, accept_new=12,
-                    corpus_chars=150_000)
+                    accept_prompts=2, accept_prompt_len=16, accept_new=12,
+                    corpus_chars=100_000)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -310,12 +310,13 @@ def speculative_greedy(target, draft, prompt: list[int], new_tokens: int, k: int
     k tokens greedily; one target forward over prompt+proposal scores them; the longest
     prefix on which the draft's token equals the target's argmax is accepted, followed by
     the target's own token at the first mismatch (or after the last proposal).
-    Returns (generated ids, proposed, accepted, rounds); the ids equal plain greedy
-    decoding of the target."""
+    Returns (generated ids, proposed, accepted, rejected, rounds), where rejected counts
+    the rounds that ended on a mismatch (tokens after it are never judged); the ids equal
+    plain greedy decoding of the target."""
     import torch
 
     seq = list(prompt)
-    proposed = accepted = rounds = 0
+    proposed = accepted = rejected = rounds = 0
     with torch.no_grad():
         while len(seq) - len(prompt) < new_tokens:
             kk = min(k, new_tokens - (len(seq) - len(prompt)))
@@ -332,8 +333,9 @@ def speculative_greedy(target, draft, prompt: list[int], new_tokens: int, k: int
             seq += props[:n] + [preds[n]]
             proposed += kk
             accepted += n
+            rejected += n < kk
             rounds += 1
-    return seq[len(prompt):len(prompt) + new_tokens], proposed, accepted, rounds
+    return seq[len(prompt):len(prompt) + new_tokens], proposed, accepted, rejected, rounds
 
 
 def acceptance(target, draft, stream: np.ndarray, plan: Plan, seed: int) -> dict:
@@ -341,14 +343,17 @@ def acceptance(target, draft, stream: np.ndarray, plan: Plan, seed: int) -> dict
     target.eval()
     draft.eval()
     rng = np.random.default_rng(seed)
-    proposed = accepted = rounds = generated = 0
+    proposed = accepted = rejected = rounds = generated = 0
     span = plan.accept_prompt_len
     for _ in range(plan.accept_prompts):
         i = int(rng.integers(0, len(stream) - span))
         prompt = stream[i:i + span].astype(np.int64).tolist()
-        gen, p, a, r = speculative_greedy(target, draft, prompt, plan.accept_new, plan.accept_k)
-        proposed, accepted, rounds, generated = proposed + p, accepted + a, rounds + r, generated + len(gen)
-    return {"acceptance_rate": accepted / proposed, "proposed": proposed, "accepted": accepted,
+        gen, p, a, j, r = speculative_greedy(target, draft, prompt, plan.accept_new, plan.accept_k)
+        proposed, accepted, rejected = proposed + p, accepted + a, rejected + j
+        rounds, generated = rounds + r, generated + len(gen)
+    return {"acceptance_rate": accepted / (accepted + rejected) if accepted + rejected else 1.0,
+            "proposal_acceptance": accepted / proposed, "proposed": proposed,
+            "accepted": accepted, "rejected": rejected,
             "tokens_per_target_forward": generated / rounds, "k": plan.accept_k,
             "prompts": plan.accept_prompts, "prompt_len": span, "new_tokens": plan.accept_new}
 
@@ -460,19 +465,24 @@ def write_card(path: Path, m: dict) -> None:
              "Expert-load entropy: entropy of the share of top-k assignments each expert "
              "receives in the layer (log E means perfectly balanced load).\n")
     L.append("## Draft acceptance (greedy)\n")
-    L.append("| held-out set | acceptance rate | accepted / proposed | tokens per target forward |")
-    L.append("|---|---|---|---|")
+    L.append("| held-out set | acceptance rate (per judged token) | accepted / judged | "
+             "accepted / proposed (K) | tokens per target forward |")
+    L.append("|---|---|---|---|---|")
     for dom, a in m["acceptance"].items():
-        L.append(f"| {dom} | {a['acceptance_rate']:.1%} | {a['accepted']} / {a['proposed']} | "
+        L.append(f"| {dom} | {a['acceptance_rate']:.1%} | {a['accepted']} / "
+                 f"{a['accepted'] + a['rejected']} | {a['proposal_acceptance']:.1%} | "
                  f"{a['tokens_per_target_forward']:.2f} |")
     a0 = next(iter(m["acceptance"].values()))
     L.append(f"\nDefinition: {a0['prompts']} prompts of {a0['prompt_len']} held-out tokens per "
              f"set (seeded offsets); greedy speculative decoding of {a0['new_tokens']} new "
              f"tokens with K={a0['k']}: the draft proposes K tokens greedily, the target scores "
              "them in one forward pass, the longest prefix matching the target's argmax is "
-             "accepted plus the target's token at the first mismatch. Acceptance rate = "
-             "accepted draft tokens / proposed draft tokens (the output equals plain greedy "
-             "decoding of the target).\n")
+             "accepted plus the target's token at the first mismatch (the output equals plain "
+             "greedy decoding of the target). Acceptance rate = accepted draft tokens / judged "
+             "draft tokens, where a round's tokens up to and including its first mismatch are "
+             "judged and those after it are not (the per-token acceptance probability of "
+             "the speculative-decoding literature). Accepted / proposed also counts the "
+             "unjudged tail of each rejected proposal.\n")
     L.append("## Reproduce\n")
     L.append(f"`{m['command']}` (torch {m['versions']['torch']}, transformers "
              f"{m['versions']['transformers']}, tokenizers {m['versions']['tokenizers']}, "
@@ -481,6 +491,49 @@ def write_card(path: Path, m: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- main
+
+def step_seconds(model, plan: Plan, batch: int, aux: bool, steps: int, seed: int,
+                 experts_impl: str | None) -> float:
+    """Median wall time of one training step (after one warm-up step) on random tokens.
+    Works on a deep copy, so the model itself and the global RNGs are left untouched."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(model)
+    if aux and experts_impl:
+        model.set_experts_implementation(experts_impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rng = np.random.default_rng(seed)
+    times = []
+    for i in range(steps + 1):
+        x = torch.from_numpy(rng.integers(0, plan.vocab, (batch, plan.seq_len)))
+        t = time.perf_counter()
+        kw = {"output_router_logits": True} if aux else {}
+        model(input_ids=x, labels=x, **kw).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def measure(plan: Plan, args) -> int:
+    """Training tokens/s of the planned target and draft on random tokens (no corpus)."""
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
+
+    res = {"threads": args.threads}
+    for label, model, batch, aux in (
+            ("target", MixtralForCausalLM(target_config(plan, 0)), plan.t_batch, True),
+            ("draft", LlamaForCausalLM(draft_config(plan, 0)), plan.d_batch, False)):
+        step_s = step_seconds(model, plan, batch, aux, args.measure, args.seed, args.experts_impl)
+        planned = plan.t_steps if aux else plan.d_steps
+        res[label] = {"params": n_params(model), "batch": batch, "seq_len": plan.seq_len,
+                      "median_step_s": step_s, "tokens_per_s": batch * plan.seq_len / step_s,
+                      "planned_steps": planned, "planned_minutes": planned * step_s / 60}
+    print(json.dumps(res, indent=1))
+    return 0
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -491,11 +544,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target-steps", type=int)
     ap.add_argument("--draft-steps", type=int)
+    ap.add_argument("--target-minutes", type=float,
+                    help="choose the target's step count from a measured step time (3 steps "
+                         "on random tokens) to fill this many minutes; the card records the "
+                         "steps, so --target-steps reproduces the run exactly")
+    ap.add_argument("--draft-minutes", type=float, help="the same for the draft")
     ap.add_argument("--max-minutes", type=float, default=0.0,
                     help="safety stop per model (0: none); the card records an early stop")
     ap.add_argument("--experts-impl", default="grouped_mm",
                     help="transformers experts implementation used for training (the saved "
                          "config keeps the default)")
+    ap.add_argument("--measure", type=int, default=0, metavar="STEPS",
+                    help="only measure training throughput of the planned models on random "
+                         "tokens for STEPS steps each (after one warm-up step), then exit")
     args = ap.parse_args(argv)
 
     import torch
@@ -509,13 +570,16 @@ def main(argv: list[str] | None = None) -> int:
         plan.t_steps = args.target_steps
     if args.draft_steps is not None:
         plan.d_steps = args.draft_steps
-    out = args.out or (Path(tempfile.mkdtemp(prefix="specmoe-zoo-smoke-")) if args.smoke else ZOO)
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out or (None if args.measure else Path(tempfile.mkdtemp(prefix="specmoe-zoo-smoke-")) if args.smoke else ZOO)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     transformers.logging.set_verbosity_error()
 
+    if args.measure:
+        return measure(plan, args)
     print(f"[1/6] corpus -> {out}", flush=True)
     domains = corpus_mod.build(args.cache, smoke=args.smoke,
                                smoke_chars=plan.corpus_chars or 400_000)
@@ -537,6 +601,12 @@ def main(argv: list[str] | None = None) -> int:
     print("[3/6] target (Mixtral layout)", flush=True)
     torch.manual_seed(args.seed)
     target = MixtralForCausalLM(target_config(plan, eos_id))
+    sized = {}
+    if args.target_minutes:
+        st = step_seconds(target, plan, plan.t_batch, True, 3, args.seed, args.experts_impl)
+        plan.t_steps = max(plan.warmup + 1, int(args.target_minutes * 60 / st))
+        sized["target"] = st
+        print(f"  measured {st:.2f} s/step -> {plan.t_steps} steps", flush=True)
     if args.experts_impl:
         target.set_experts_implementation(args.experts_impl)
     th, t_stop, t_secs = train_model(
@@ -547,6 +617,11 @@ def main(argv: list[str] | None = None) -> int:
     print("[4/6] draft (Llama layout, dense)", flush=True)
     torch.manual_seed(args.seed + 2)
     draft = LlamaForCausalLM(draft_config(plan, eos_id))
+    if args.draft_minutes:
+        st = step_seconds(draft, plan, plan.d_batch, False, 3, args.seed, None)
+        plan.d_steps = max(plan.warmup + 1, int(args.draft_minutes * 60 / st))
+        sized["draft"] = st
+        print(f"  measured {st:.2f} s/step -> {plan.d_steps} steps", flush=True)
     dh, d_stop, d_secs = train_model(
         draft, Sampler(train_streams, plan.prose_share, plan.seq_len, args.seed + 3),
         steps=plan.d_steps, batch=plan.d_batch, lr=plan.d_lr, plan=plan, evalsets=eval_during,
@@ -580,14 +655,17 @@ def main(argv: list[str] | None = None) -> int:
     tcfg, dcfg = target.config, draft.config
     expert_params = 3 * tcfg.hidden_size * tcfg.intermediate_size
     active = n_params(target) - tcfg.num_hidden_layers * (tcfg.num_local_experts - tcfg.num_experts_per_tok) * expert_params
-    cmd = "python training/train.py" + ("" if argv is None else " " + " ".join(argv)) if argv is not None \
-        else "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+    given = list(sys.argv[1:] if argv is None else argv)
+    drop = {"--target-minutes", "--draft-minutes", "--target-steps", "--draft-steps"}
+    kept = [a for i, a in enumerate(given) if a not in drop and (i == 0 or given[i - 1] not in drop)]
+    cmd = " ".join(["python training/train.py", *kept, "--target-steps", str(plan.t_steps),
+                    "--draft-steps", str(plan.d_steps)])
     metrics = {
         "smoke": args.smoke, "seed": args.seed, "threads": args.threads, "command": cmd,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "tokenizers": tokenizers.__version__, "python": platform.python_version()},
-        "plan": asdict(plan), "corpus": cinfo, "tokenizer": {"vocab": len(tok)},
+        "plan": asdict(plan), "sized_from_step_seconds": sized, "corpus": cinfo, "tokenizer": {"vocab": len(tok)},
         "target": {"name": TARGET_NAME, "architecture": "MixtralForCausalLM", "params": n_params(target),
                    "active_params": int(active), "bytes": t_bytes, "steps": len(th["step"]),
                    "planned_steps": plan.t_steps, "batch": plan.t_batch, "lr": plan.t_lr,
