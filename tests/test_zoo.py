@@ -290,3 +290,19 @@ def test_packaged_zoo_matches_loader_state():
         else:
             with pytest.raises(zoo.ZooError):
                 zoo.path(name)
+
+
+@pytest.mark.slow
+def test_smoke_run_is_deterministic(smoke_out, tmp_path):
+    """A second run with the same seed gives byte-identical weights and tokenizer."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run([sys.executable, str(TRAINING / "train.py"), "--smoke", "--out",
+                        str(tmp_path), "--threads", "1"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name in ("tiny-moe", "tiny-draft"):
+        for f in ("model.safetensors", "tokenizer.json", "config.json"):
+            assert (tmp_path / name / f).read_bytes() == (smoke_out / name / f).read_bytes(), (name, f)
+    a = json.loads((tmp_path / "metrics.json").read_text())
+    b = json.loads((smoke_out / "metrics.json").read_text())
+    assert a["heldout"] == b["heldout"] and a["acceptance"] == b["acceptance"]

@@ -257,7 +257,8 @@ def prose_domain(cache: Path) -> Domain:
         source=f"Python 3.11 documentation sources (reST, prose paragraphs only) from Debian "
                f"package {DOC_PACKAGE} {doc_package_version(root, cache)}",
         licence="PSF License Agreement (Python documentation; see the package's copyright file)",
-        licence_file=str(lic),
+        licence_file=(f"/{DOC_COPYRIGHT} in {DOC_PACKAGE}" if lic.is_file()
+                      else f"(copyright file missing from {DOC_PACKAGE})"),
     )
     for p in sorted(src.rglob("*.txt")):
         rel = str(p.relative_to(src))
