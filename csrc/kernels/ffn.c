@@ -160,7 +160,7 @@ static float row_dot(const smoe_ffn_job *j, uint64_t off, uint64_t soff, uint32_
     }
     case SMOE_WDT_BF16: {
         const uint16_t *w = (const uint16_t *)(j->block + off) + (size_t)r * n;
-        for (uint32_t c = 0; c < n; c++) acc += bf16_to_f32(w[c]) * x[c];
+        for (uint32_t c = 0; c < n; c++) acc += bf16_to_f32(w[c]) * x[smoe_perm_pos(c, n)];
         return acc;
     }
     case SMOE_WDT_I8: {
@@ -169,7 +169,7 @@ static float row_dot(const smoe_ffn_job *j, uint64_t off, uint64_t soff, uint32_
         for (uint32_t c = 0; c < n; c++) acc += (float)w[c] * x[c];
         return acc * s[r];
     }
-    default: { /* I4, x permuted per 32 columns (see smoe_i4_pos) */
+    default: { /* I4, x permuted per 32 columns (see smoe_perm_pos) */
         uint32_t g = j->group, ng = n / g;
         const uint8_t *w = j->block + off + (size_t)r * (n / 2);
         const float *s = (const float *)(j->block + soff) + (size_t)r * ng;
@@ -289,13 +289,13 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     float *xs = (float *)base;
     float *act = (float *)(base + round64((size_t)T * d->H * 4));
-    int perm = d->dtype == SMOE_WDT_I4;
+    int perm = smoe_dtype_permuted(d->dtype);
     for (uint32_t t = 0; t < T; t++) {
         size_t r = rows ? (size_t)rows[t] : t;
         const float *src = x + r * x_stride;
         float *dst = xs + (size_t)t * d->H;
         if (perm)
-            for (uint32_t col = 0; col < d->H; col++) dst[smoe_i4_pos(col)] = src[col];
+            for (uint32_t col = 0; col < d->H; col++) dst[smoe_perm_pos(col, d->H)] = src[col];
         else
             memcpy(dst, src, (size_t)d->H * 4);
     }

@@ -35,36 +35,64 @@ AI float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-#define DENSE_DOT(NAME, LD, SC)                                                                 \
+/* Weights for the 32 columns at k in x's layout: v[q] <-> x[k+8q .. k+8q+7].  BF16 uses the
+ * even/odd layout (smoe_perm_pos): the 16 bf16 at k give even columns -> x[k..k+7] and odd
+ * columns -> x[k+16..k+23]; the 16 at k+16 give x[k+8..k+15] and x[k+24..k+31]. */
+AI void ld4_f32(const void *w, size_t k, __m256 *v) {
+    for (int q = 0; q < 4; q++) v[q] = ld_f32(w, k + 8 * (size_t)q);
+}
+AI void ld4_i8(const void *w, size_t k, __m256 *v) {
+    for (int q = 0; q < 4; q++) v[q] = ld_i8(w, k + 8 * (size_t)q);
+}
+AI void ld4_bf16(const void *w, size_t k, __m256 *v) {
+    const __m256i hm = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256i p = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k));
+    __m256i r = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k + 16));
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+    v[2] = _mm256_castsi256_ps(_mm256_and_si256(p, hm));
+    v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+    v[3] = _mm256_castsi256_ps(_mm256_and_si256(r, hm));
+}
+
+/* Columns past the last full 32-block are in natural order (LD, then scalar SC). */
+#define DENSE_DOT(NAME, LD4, LD, SC)                                                            \
     AI void NAME(const void *w0, const void *w1, const float *x, size_t xs, uint32_t n,         \
                  const int NT, float *r0, float *r1) {                                          \
         __m256 a0[NTMAX], a1[NTMAX], b0[NTMAX], b1[NTMAX];                                      \
-        for (int t = 0; t < NT; t++)                                                            \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                    \
             a0[t] = a1[t] = b0[t] = b1[t] = _mm256_setzero_ps();                                \
         uint32_t k = 0;                                                                         \
-        if (NT <= 2) {                                                                          \
-            for (; k + 16 <= n; k += 16) {                                                      \
-                __m256 w0a = LD(w0, k), w1a = LD(w1, k);                                        \
-                __m256 w0b = LD(w0, k + 8), w1b = LD(w1, k + 8);                                \
-                for (int t = 0; t < NT; t++) {                                                  \
-                    __m256 xa = _mm256_loadu_ps(x + t * xs + k);                                \
-                    __m256 xb = _mm256_loadu_ps(x + t * xs + k + 8);                            \
-                    a0[t] = _mm256_fmadd_ps(w0a, xa, a0[t]);                                    \
-                    a1[t] = _mm256_fmadd_ps(w1a, xa, a1[t]);                                    \
-                    b0[t] = _mm256_fmadd_ps(w0b, xb, b0[t]);                                    \
-                    b1[t] = _mm256_fmadd_ps(w1b, xb, b1[t]);                                    \
+        for (; k + 32 <= n; k += 32) {                                                          \
+            __m256 v0[4], v1[4];                                                                \
+            LD4(w0, k, v0);                                                                     \
+            LD4(w1, k, v1);                                                                     \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+                _Pragma("GCC unroll 4") for (int q = 0; q < 4; q += 2) {                        \
+                    __m256 xa = _mm256_loadu_ps(x + t * xs + k + 8 * q);                        \
+                    __m256 xb = _mm256_loadu_ps(x + t * xs + k + 8 * q + 8);                    \
+                    if (NT <= 2) {                                                              \
+                        a0[t] = _mm256_fmadd_ps(v0[q], xa, a0[t]);                              \
+                        a1[t] = _mm256_fmadd_ps(v1[q], xa, a1[t]);                              \
+                        b0[t] = _mm256_fmadd_ps(v0[q + 1], xb, b0[t]);                          \
+                        b1[t] = _mm256_fmadd_ps(v1[q + 1], xb, b1[t]);                          \
+                    } else {                                                                    \
+                        a0[t] = _mm256_fmadd_ps(v0[q + 1], xb,                                  \
+                                                _mm256_fmadd_ps(v0[q], xa, a0[t]));             \
+                        a1[t] = _mm256_fmadd_ps(v1[q + 1], xb,                                  \
+                                                _mm256_fmadd_ps(v1[q], xa, a1[t]));             \
+                    }                                                                           \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
         for (; k + 8 <= n; k += 8) {                                                            \
             __m256 w0a = LD(w0, k), w1a = LD(w1, k);                                            \
-            for (int t = 0; t < NT; t++) {                                                      \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
                 __m256 xa = _mm256_loadu_ps(x + t * xs + k);                                    \
                 a0[t] = _mm256_fmadd_ps(w0a, xa, a0[t]);                                        \
                 a1[t] = _mm256_fmadd_ps(w1a, xa, a1[t]);                                        \
             }                                                                                   \
         }                                                                                       \
-        for (int t = 0; t < NT; t++) {                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                  \
             float s0 = hsum(_mm256_add_ps(a0[t], b0[t]));                                       \
             float s1 = hsum(_mm256_add_ps(a1[t], b1[t]));                                       \
             for (uint32_t c = k; c < n; c++) {                                                  \
@@ -76,15 +104,16 @@ AI float hsum(__m256 v) {
         }                                                                                       \
     }
 
-DENSE_DOT(dot_f32, ld_f32, sc_f32)
-DENSE_DOT(dot_bf16, ld_bf16, sc_bf16)
-DENSE_DOT(dot_i8, ld_i8, sc_i8)
+DENSE_DOT(dot_f32, ld4_f32, ld_f32, sc_f32)
+DENSE_DOT(dot_bf16, ld4_bf16, ld_bf16, sc_bf16)
+DENSE_DOT(dot_i8, ld4_i8, ld_i8, sc_i8)
 
 AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const float *s1,
                const float *x, size_t xs, uint32_t n, uint32_t group, const int NT, float *r0,
                float *r1) {
     const __m256i m15 = _mm256_set1_epi32(15), e8 = _mm256_set1_epi32(8);
     __m256 a0[NTMAX], a1[NTMAX];
+    _Pragma("GCC unroll 8")
     for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm256_setzero_ps();
     uint32_t ng = n / group;
     for (uint32_t g = 0; g < ng; g++) {
@@ -101,6 +130,7 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
                     sv1, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(l1, m15), e8)));
                 __m256 w1h = _mm256_mul_ps(
                     sv1, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(l1, 4), e8)));
+                _Pragma("GCC unroll 8")
                 for (int t = 0; t < NT; t++) {
                     __m256 xl = _mm256_loadu_ps(x + t * xs + b + hh);
                     __m256 xh = _mm256_loadu_ps(x + t * xs + b + 16 + hh);
@@ -110,6 +140,7 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
             }
         }
     }
+    _Pragma("GCC unroll 8")
     for (int t = 0; t < NT; t++) {
         r0[t] = hsum(a0[t]);
         r1[t] = hsum(a1[t]);

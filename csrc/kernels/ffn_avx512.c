@@ -6,9 +6,19 @@
  * down_h+1) against up to 8 tokens at once, so a weight vector loaded from memory feeds
  * 2..16 FMAs and every weight byte is read from DRAM once per call; with 1-2 tokens the loop
  * is unrolled twice (or lo/hi nibbles kept apart for int4) for enough independent FMA chains.
- * Weights are widened to f32 in registers (bf16: shift; int8: sign-extend + convert; int4:
- * nibble -> vpermps lookup in a 16-entry table pre-multiplied by the group scale) and
- * accumulated in f32 against f32 activations. */
+ * With exactly one token (decode) four rows go through each pass instead (dot1_*), which
+ * halves the activation loads per weight byte and keeps four weight streams in flight.
+ * Weights are widened to f32 in registers (bf16: one 64-byte load, shift -> even columns,
+ * mask -> odd columns, against activations stored in the matching even/odd order; int8:
+ * sign-extend + convert; int4: nibble -> vpermps lookup in a 16-entry table pre-multiplied by
+ * the group scale) and accumulated in f32 against f32 activations.  Software prefetch runs
+ * SMOE_PF_DIST bytes ahead in each weight stream (256 measured best among 256..4096 on the
+ * development machine, within its noise).
+ *
+ * Not done (next steps): int8/int4 through AVX512_VNNI (vpdpbusd) and bf16 through
+ * AVX512_BF16 (vdpbf16ps) with activations quantized/rounded per block; they cut the
+ * widening work 2-3x and matter most at 8+ tokens, but change numerics, so they belong
+ * behind an explicit option. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 #include <immintrin.h>
@@ -18,6 +28,10 @@
 
 #define AI static inline __attribute__((always_inline))
 #define NTMAX 8
+#ifndef SMOE_PF_DIST
+#define SMOE_PF_DIST 256 /* bytes ahead in each weight stream; see the file comment */
+#endif
+#define PF(p) _mm_prefetch((const char *)(p) + SMOE_PF_DIST, _MM_HINT_T0)
 
 AI __m512 ld_f32(const void *w, size_t k) { return _mm512_loadu_ps((const float *)w + k); }
 AI __m512 ld_bf16(const void *w, size_t k) {
@@ -40,54 +54,74 @@ AI __m512 ldm_i8(const void *w, size_t k, __mmask16 m) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
-/* r0[t] = w0 . x_t, r1[t] = w1 . x_t for t < NT (x_t = x + t*xs), dense dtypes. */
-#define DENSE_DOT(NAME, LD, LDM)                                                                \
+/* Weights for the 32 columns at k in x's layout: lo <-> x[k..k+15], hi <-> x[k+16..k+31].
+ * BF16 uses the even/odd layout (smoe_perm_pos): one 64-byte load, a shift gives the even
+ * columns as f32, a mask the odd ones. */
+AI void ld2_f32(const void *w, size_t k, __m512 *lo, __m512 *hi) {
+    *lo = ld_f32(w, k);
+    *hi = ld_f32(w, k + 16);
+}
+AI void ld2_i8(const void *w, size_t k, __m512 *lo, __m512 *hi) {
+    *lo = ld_i8(w, k);
+    *hi = ld_i8(w, k + 16);
+}
+AI void ld2_bf16(const void *w, size_t k, __m512 *lo, __m512 *hi) {
+    __m512i v = _mm512_loadu_si512((const void *)((const uint16_t *)w + k));
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* r0[t] = w0 . x_t, r1[t] = w1 . x_t for t < NT (x_t = x + t*xs), dense dtypes.  Columns
+ * past the last full 32-block are in natural order (LD/LDM). */
+#define DENSE_DOT(NAME, LD2, LD, LDM, ESZ)                                                      \
     AI void NAME(const void *w0, const void *w1, const float *x, size_t xs, uint32_t n,         \
                  const int NT, float *r0, float *r1) {                                          \
         __m512 a0[NTMAX], a1[NTMAX], b0[NTMAX], b1[NTMAX];                                      \
-        for (int t = 0; t < NT; t++)                                                            \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                    \
             a0[t] = a1[t] = b0[t] = b1[t] = _mm512_setzero_ps();                                \
         uint32_t k = 0;                                                                         \
-        if (NT <= 2) {                                                                          \
-            for (; k + 32 <= n; k += 32) {                                                      \
-                __m512 w0a = LD(w0, k), w1a = LD(w1, k);                                        \
-                __m512 w0b = LD(w0, k + 16), w1b = LD(w1, k + 16);                              \
-                for (int t = 0; t < NT; t++) {                                                  \
-                    __m512 xa = _mm512_loadu_ps(x + t * xs + k);                                \
-                    __m512 xb = _mm512_loadu_ps(x + t * xs + k + 16);                           \
+        for (; k + 32 <= n; k += 32) {                                                          \
+            PF((const char *)w0 + k * ESZ);                                                     \
+            PF((const char *)w1 + k * ESZ);                                                     \
+            if (ESZ == 4) {                                                                     \
+                PF((const char *)w0 + k * ESZ + 64);                                            \
+                PF((const char *)w1 + k * ESZ + 64);                                            \
+            }                                                                                   \
+            __m512 w0a, w0b, w1a, w1b;                                                          \
+            LD2(w0, k, &w0a, &w0b);                                                             \
+            LD2(w1, k, &w1a, &w1b);                                                             \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+                __m512 xa = _mm512_loadu_ps(x + t * xs + k);                                    \
+                __m512 xb = _mm512_loadu_ps(x + t * xs + k + 16);                               \
+                if (NT <= 2) {                                                                  \
                     a0[t] = _mm512_fmadd_ps(w0a, xa, a0[t]);                                    \
                     a1[t] = _mm512_fmadd_ps(w1a, xa, a1[t]);                                    \
                     b0[t] = _mm512_fmadd_ps(w0b, xb, b0[t]);                                    \
                     b1[t] = _mm512_fmadd_ps(w1b, xb, b1[t]);                                    \
+                } else {                                                                        \
+                    a0[t] = _mm512_fmadd_ps(w0b, xb, _mm512_fmadd_ps(w0a, xa, a0[t]));          \
+                    a1[t] = _mm512_fmadd_ps(w1b, xb, _mm512_fmadd_ps(w1a, xa, a1[t]));          \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (; k + 16 <= n; k += 16) {                                                          \
-            __m512 w0a = LD(w0, k), w1a = LD(w1, k);                                            \
-            for (int t = 0; t < NT; t++) {                                                      \
-                __m512 xa = _mm512_loadu_ps(x + t * xs + k);                                    \
-                a0[t] = _mm512_fmadd_ps(w0a, xa, a0[t]);                                        \
-                a1[t] = _mm512_fmadd_ps(w1a, xa, a1[t]);                                        \
-            }                                                                                   \
-        }                                                                                       \
-        if (k < n) {                                                                            \
-            __mmask16 m = (__mmask16)((1u << (n - k)) - 1u);                                    \
+        for (; k < n; k += 16) {                                                                \
+            __mmask16 m = n - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - k)) - 1u);  \
             __m512 w0a = LDM(w0, k, m), w1a = LDM(w1, k, m);                                    \
-            for (int t = 0; t < NT; t++) {                                                      \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
                 __m512 xa = _mm512_maskz_loadu_ps(m, x + t * xs + k);                           \
                 a0[t] = _mm512_fmadd_ps(w0a, xa, a0[t]);                                        \
                 a1[t] = _mm512_fmadd_ps(w1a, xa, a1[t]);                                        \
             }                                                                                   \
         }                                                                                       \
-        for (int t = 0; t < NT; t++) {                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                  \
             r0[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], b0[t]));                          \
             r1[t] = _mm512_reduce_add_ps(_mm512_add_ps(a1[t], b1[t]));                          \
         }                                                                                       \
     }
 
-DENSE_DOT(dot_f32, ld_f32, ldm_f32)
-DENSE_DOT(dot_bf16, ld_bf16, ldm_bf16)
-DENSE_DOT(dot_i8, ld_i8, ldm_i8)
+DENSE_DOT(dot_f32, ld2_f32, ld_f32, ldm_f32, 4)
+DENSE_DOT(dot_bf16, ld2_bf16, ld_bf16, ldm_bf16, 2)
+DENSE_DOT(dot_i8, ld2_i8, ld_i8, ldm_i8, 1)
 
 /* int4 rows (n/2 bytes each, scales s0/s1 per group), x permuted per 32 columns. */
 AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const float *s1,
@@ -95,18 +129,24 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
                float *r1) {
     const __m512 base = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     __m512 a0[NTMAX], a1[NTMAX], b0[NTMAX], b1[NTMAX];
+    _Pragma("GCC unroll 8")
     for (int t = 0; t < NT; t++) a0[t] = a1[t] = b0[t] = b1[t] = _mm512_setzero_ps();
     uint32_t ng = n / group;
     for (uint32_t g = 0; g < ng; g++) {
         __m512 t0 = _mm512_mul_ps(base, _mm512_set1_ps(s0[g]));
         __m512 t1 = _mm512_mul_ps(base, _mm512_set1_ps(s1[g]));
         for (uint32_t b = g * group; b < (g + 1) * group; b += 32) {
+            if ((b & 127) == 0) {
+                PF(w0 + b / 2);
+                PF(w1 + b / 2);
+            }
             __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w0 + b / 2)));
             __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w1 + b / 2)));
             __m512 w0l = _mm512_permutexvar_ps(l0, t0);
             __m512 w0h = _mm512_permutexvar_ps(_mm512_srli_epi32(l0, 4), t0);
             __m512 w1l = _mm512_permutexvar_ps(l1, t1);
             __m512 w1h = _mm512_permutexvar_ps(_mm512_srli_epi32(l1, 4), t1);
+            _Pragma("GCC unroll 8")
             for (int t = 0; t < NT; t++) {
                 __m512 xl = _mm512_loadu_ps(x + t * xs + b);
                 __m512 xh = _mm512_loadu_ps(x + t * xs + b + 16);
@@ -122,9 +162,94 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
             }
         }
     }
+    _Pragma("GCC unroll 8")
     for (int t = 0; t < NT; t++) {
         r0[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], b0[t]));
         r1[t] = _mm512_reduce_add_ps(_mm512_add_ps(a1[t], b1[t]));
+    }
+}
+
+/* ---- one token, four rows: the decode case.  Four weight streams per pass halve the
+ * activation loads per weight byte and keep more cache-line misses in flight. ---- */
+#define DENSE_DOT1x4(NAME, LD2, LDM, ESZ)                                                        \
+    AI void NAME(const void *const *w, const float *x, uint32_t n, float *r) {                  \
+        __m512 a[4], b[4];                                                                      \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) a[q] = b[q] = _mm512_setzero_ps(); \
+        uint32_t k = 0;                                                                         \
+        for (; k + 32 <= n; k += 32) {                                                          \
+            __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);               \
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) {                               \
+                PF((const char *)w[q] + k * ESZ);                                               \
+                if (ESZ == 4) PF((const char *)w[q] + k * ESZ + 64);                            \
+                __m512 lo, hi;                                                                  \
+                LD2(w[q], k, &lo, &hi);                                                         \
+                a[q] = _mm512_fmadd_ps(lo, xa, a[q]);                                           \
+                b[q] = _mm512_fmadd_ps(hi, xb, b[q]);                                           \
+            }                                                                                   \
+        }                                                                                       \
+        for (; k < n; k += 16) {                                                                \
+            __mmask16 m = n - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - k)) - 1u);  \
+            __m512 xa = _mm512_maskz_loadu_ps(m, x + k);                                        \
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++)                                 \
+                a[q] = _mm512_fmadd_ps(LDM(w[q], k, m), xa, a[q]);                              \
+        }                                                                                       \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++)                                     \
+            r[q] = _mm512_reduce_add_ps(_mm512_add_ps(a[q], b[q]));                             \
+    }
+
+DENSE_DOT1x4(dot1_f32, ld2_f32, ldm_f32, 4)
+DENSE_DOT1x4(dot1_bf16, ld2_bf16, ldm_bf16, 2)
+DENSE_DOT1x4(dot1_i8, ld2_i8, ldm_i8, 1)
+
+static void dot1_i4(const uint8_t *const *w, const float *const *s, const float *x, uint32_t n,
+                    uint32_t group, float *r) {
+    const __m512 base = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512 a[4], b[4], tb[4];
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) a[q] = b[q] = _mm512_setzero_ps();
+    uint32_t ng = n / group;
+    for (uint32_t g = 0; g < ng; g++) {
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++)
+            tb[q] = _mm512_mul_ps(base, _mm512_set1_ps(s[q][g]));
+        for (uint32_t c = g * group; c < (g + 1) * group; c += 32) {
+            __m512 xl = _mm512_loadu_ps(x + c), xh = _mm512_loadu_ps(x + c + 16);
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) {
+                if ((c & 127) == 0) PF(w[q] + c / 2);
+                __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w[q] + c / 2)));
+                a[q] = _mm512_fmadd_ps(_mm512_permutexvar_ps(l, tb[q]), xl, a[q]);
+                b[q] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(l, 4), tb[q]), xh,
+                                       b[q]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++)
+        r[q] = _mm512_reduce_add_ps(_mm512_add_ps(a[q], b[q]));
+}
+
+/* Four rows given as (matrix offset, scale offset, row) against one token x (n columns). */
+static void rows4(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
+                  const uint32_t *row, uint32_t n, const float *x, float *r) {
+    const smoe_ffn_desc *d = j->d;
+    if (d->dtype == SMOE_WDT_I4) {
+        uint32_t ng = n / j->group;
+        const uint8_t *w[4];
+        const float *s[4];
+        for (int q = 0; q < 4; q++) {
+            w[q] = j->block + off[q] + (size_t)row[q] * (n / 2);
+            s[q] = (const float *)(j->block + soff[q]) + (size_t)row[q] * ng;
+        }
+        dot1_i4(w, s, x, n, j->group, r);
+        return;
+    }
+    size_t esz = d->dtype == SMOE_WDT_F32 ? 4 : d->dtype == SMOE_WDT_BF16 ? 2 : 1;
+    const void *w[4];
+    for (int q = 0; q < 4; q++) w[q] = j->block + off[q] + (size_t)row[q] * n * esz;
+    if (d->dtype == SMOE_WDT_F32) {
+        dot1_f32(w, x, n, r);
+    } else if (d->dtype == SMOE_WDT_BF16) {
+        dot1_bf16(w, x, n, r);
+    } else {
+        dot1_i8(w, x, n, r);
+        for (int q = 0; q < 4; q++) r[q] *= ((const float *)(j->block + soff[q]))[row[q]];
     }
 }
 
@@ -184,7 +309,19 @@ static void rows2(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint32_t 
 static void avx512_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const smoe_ffn_desc *d = j->d;
     float g[NTMAX], u[NTMAX];
-    for (uint32_t i = i0; i < i1; i++)
+    uint32_t i = i0;
+    if (j->T == 1) {
+        const uint64_t off[4] = {d->gate, d->up, d->gate, d->up};
+        const uint64_t soff[4] = {d->gate_scale, d->up_scale, d->gate_scale, d->up_scale};
+        float r[4];
+        for (; i + 2 <= i1; i += 2) {
+            const uint32_t row[4] = {i, i, i + 1, i + 1};
+            rows4(j, off, soff, row, d->H, j->xs, r);
+            smoe_ffn_store_act(j, i, 0, r[0], r[1]);
+            smoe_ffn_store_act(j, i + 1, 0, r[2], r[3]);
+        }
+    }
+    for (; i < i1; i++)
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
             rows2(j, d->gate, d->gate_scale, i, d->up, d->up_scale, i, d->H,
@@ -196,7 +333,18 @@ static void avx512_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
 static void avx512_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const smoe_ffn_desc *d = j->d;
     float y0[NTMAX], y1[NTMAX];
-    for (uint32_t h = h0; h < h1; h += 2) {
+    uint32_t h = h0;
+    if (j->T == 1) {
+        const uint64_t off[4] = {d->down, d->down, d->down, d->down};
+        const uint64_t soff[4] = {d->down_scale, d->down_scale, d->down_scale, d->down_scale};
+        float r[4];
+        for (; h + 4 <= h1; h += 4) {
+            const uint32_t row[4] = {h, h + 1, h + 2, h + 3};
+            rows4(j, off, soff, row, d->I, j->act, r);
+            for (int q = 0; q < 4; q++) smoe_ffn_store_out(j, h + (uint32_t)q, 0, r[q]);
+        }
+    }
+    for (; h < h1; h += 2) {
         uint32_t hb = h + 1 < h1 ? h + 1 : h;
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;

@@ -101,7 +101,7 @@ typedef struct smoe_kctx {
  * variable SPECMOE_ISA=scalar|avx2|avx512 asks for a lower one. */
 int smoe_kctx_init(smoe_kctx *c, uint32_t nthreads, smoe_err *err);
 void smoe_kctx_free(smoe_kctx *c);
-/* Change the thread count (restarts the pool; not while a call is running on c). */
+/* Change the thread count (restarts the pool) or the ISA: not while a call runs on c. */
 int smoe_kctx_set_threads(smoe_kctx *c, uint32_t nthreads, smoe_err *err);
 /* Force an ISA (<= isa_max, else SMOE_EINVAL); isa < 0 -> best supported. */
 int smoe_kctx_set_isa(smoe_kctx *c, int32_t isa, smoe_err *err);
@@ -111,12 +111,16 @@ const char *smoe_isa_name(int32_t isa);
  *   c       context (threads, ISA); NULL -> single-threaded, best ISA.
  *   d       validated descriptor (smoe_ffn_desc_check); block = the expert block.
  *   x       f32 hidden states, row r at x + r * x_stride (x_stride >= H floats).
- *   rows    T row indices into x and out (distinct), or NULL for 0..T-1.
+ *   rows    T row indices into x and out, or NULL for 0..T-1 (a repeated row accumulates
+ *           twice; each out column is owned by one thread, so this is race-free).
  *   scale   T routing weights, or NULL for 1.0.
  *   out     f32, row r at out + r * out_stride (out_stride >= H); accumulated into.
  *   scratch smoe_ffn_scratch_bytes(d, T) bytes, any alignment; not shared between concurrent
  *           calls.
- * T = 0 is a no-op.  Every weight byte is read once for all T tokens. */
+ * T = 0 is a no-op.  Every weight byte is read once for all T tokens (tiles of 8 tokens per
+ * weight row on AVX-512, 4 on AVX2; a row is re-read from L1/L2 for further tiles).
+ * Accuracy: weights are widened exactly to f32 and accumulated in f32 against f32 x, so the
+ * result matches an f32 computation on the dequantized weights to f32 rounding. */
 int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
                      size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
                      float *out, size_t out_stride, void *scratch, smoe_err *err);

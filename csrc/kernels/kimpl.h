@@ -12,20 +12,27 @@ typedef struct smoe_ffn_job {
     const uint8_t *block;
     uint32_t T;
     uint32_t group;     /* I4 group (resolved) */
-    const float *xs;    /* [T, H] gathered x; I4: every 32 columns stored evens then odds */
-    float *act;         /* [T, I] activations; I4: same 32-column permutation */
+    const float *xs;    /* [T, H] gathered x; BF16/I4: smoe_perm_pos layout */
+    float *act;         /* [T, I] activations; BF16/I4: smoe_perm_pos layout */
     const int32_t *rows;
     const float *scale;
     float *out;
     size_t out_stride;
 } smoe_ffn_job;
 
-/* Column position of column c in the I4 permuted layout of x / act: within each block of 32
- * columns, even columns first (byte j low nibble <-> position j), odd columns next (high
- * nibble <-> position 16 + j). */
-static inline uint32_t smoe_i4_pos(uint32_t c) {
+/* Position of column c (of n) in the permuted layout of x / act used by BF16 and I4 weights:
+ * within each FULL block of 32 columns, even columns first, odd columns next, so that one
+ * 32-bit lane of packed weights (two bf16, or a byte of two nibbles) splits into an "even"
+ * vector and an "odd" vector with a shift / mask, no shuffles.  Columns of a trailing
+ * partial block (BF16 only; I4 needs n % 32 == 0) keep their place. */
+static inline uint32_t smoe_perm_pos(uint32_t c, uint32_t n) {
+    if (c >= (n & ~31u)) return c;
     uint32_t b = c & ~31u, k = c & 31u;
     return b + ((k & 1u) ? 16u + (k >> 1) : (k >> 1));
+}
+
+static inline int smoe_dtype_permuted(int32_t dtype) {
+    return dtype == SMOE_WDT_BF16 || dtype == SMOE_WDT_I4;
 }
 
 /* Per-ISA entry points.  gateup computes act rows [i0, i1) for every token; down computes out
@@ -56,7 +63,7 @@ static inline void smoe_ffn_store_act(const smoe_ffn_job *j, uint32_t i, uint32_
     const float *ub = (const float *)smoe_ffn_ptr(j, d->up_bias);
     if (gb) g += gb[i];
     if (ub) u += ub[i];
-    uint32_t pos = d->dtype == SMOE_WDT_I4 ? smoe_i4_pos(i) : i;
+    uint32_t pos = smoe_dtype_permuted(d->dtype) ? smoe_perm_pos(i, d->I) : i;
     j->act[(size_t)t * d->I + pos] = smoe_ffn_activate(d, g, u);
 }
 
