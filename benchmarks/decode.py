@@ -133,12 +133,16 @@ def main(argv=None) -> int:
     ap.add_argument("--accel-tokens", type=int, default=1)
     ap.add_argument("--warm", type=int, default=4, help="untimed tokens before each row")
     ap.add_argument("--fracs", default="1.0,0.25,0.1")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dir", default=None, help="where the store and accelerate's files go")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     import logging
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
+    # the same thread count for torch, accelerate and specmoe's kernels
+    torch.set_num_threads(a.threads)
+    from specmoe import kernels
+    kernels.set_num_threads(a.threads)
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
 
     src = next(p for p in TRACES if p.is_dir())
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
         r["vs_accelerate"] = r["tok_per_s"] / acc_tps
     res = dict(config=dict(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, top_k=TOPK,
                            moe_layers=a.layers, tokens=a.tokens, accel_tokens=a.accel_tokens,
-                           store_dtype="bf16", trace=str(src), threads=1), rows=rows)
+                           store_dtype="bf16", trace=str(src), threads=a.threads), rows=rows)
     if a.json:
         print(json.dumps(res))
     else:
