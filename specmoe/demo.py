@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             argv = argv[1:]
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+    from . import kernels
+    kernels.set_num_threads(torch.get_num_threads())  # same thread count as torch
 
     print(f"building a {a.arch} MoE from its config (random weights, no download)...")
     model = build_model(a.arch)
