@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--accel-tokens", type=int, default=1)
     ap.add_argument("--warm", type=int, default=4, help="untimed tokens before each row")
     ap.add_argument("--fracs", default="1.0,0.25,0.1")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads for torch and the specmoe kernels alike (1: shared machines)")
     ap.add_argument("--dir", default=None, help="where the store and accelerate's files go")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
