@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=10)
     ap.add_argument("--accel-tokens", type=int, default=1)
     ap.add_argument("--warm", type=int, default=4, help="untimed tokens before each row")
     ap.add_argument("--fracs", default="1.0,0.25,0.1")
