@@ -66,10 +66,12 @@ typedef struct smoe_ffn_desc {
     uint64_t gate, up, down;                   /* weights (required) */
     uint64_t gate_scale, up_scale, down_scale; /* required for I8/I4, else SMOE_NO_TENSOR */
     uint64_t gate_bias, up_bias, down_bias;    /* optional, SMOE_NO_TENSOR when absent */
+    uint32_t precise; /* 0 (default): fast integer/bf16-dot paths where the CPU has them (see
+                         "Accuracy" at smoe_ffn_forward); 1: exact f32 math on widened weights */
 } smoe_ffn_desc;
 
 /* Fill d with shapes/dtype/act and every offset = SMOE_NO_TENSOR (alpha 1.702, limit 7.0,
- * group 128). */
+ * group 128, precise 0). */
 void smoe_ffn_desc_default(smoe_ffn_desc *d, uint32_t H, uint32_t I, int32_t dtype, int32_t act);
 
 /* Validate d: dtype/act known, H,I > 0, group valid for I4 (multiple of 32 dividing H and I),
