@@ -31,9 +31,13 @@
 #define AI static inline __attribute__((always_inline))
 #define NTMAX 8
 #ifndef SMOE_FPF_DIST
-#define SMOE_FPF_DIST 512
+#define SMOE_FPF_DIST 4096 /* bytes ahead per weight stream; 4096 beat 512 and 16384 (T=1, OLMoE, DRAM, noisy) */
 #endif
+#ifdef SMOE_FPF_OFF
+#define FPF(p) ((void)(p))
+#else
 #define FPF(p) _mm_prefetch((const char *)(p) + SMOE_FPF_DIST, _MM_HINT_T0)
+#endif
 
 /* ---- activation preparation (scalar; O(T * n), negligible next to the weights) ---- */
 
