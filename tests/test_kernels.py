@@ -214,6 +214,19 @@ def test_fast_path_within_documented_error(ctx, dtype, activation, T, shape):
         assert not np.array_equal(y, yp)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_fast_path_int4_group_256(ctx, T):
+    _isa(ctx, "avx512")
+    rng = np.random.default_rng(11 + T)
+    H, I = 512, 2304  # I/128 = 18 blocks: one full and one partial chunk of 16
+    g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
+    t = quant.expert_tensors(g, u, d, "int4", group=256)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ref = ref_ffn(quant.dequantize_expert(t), x, "silu")
+    y = kernels.ffn(t, x, ctx=ctx)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < FAST_TOL["int4"]
+
+
 def test_fast_path_falls_back_when_shape_or_group_unsupported(ctx):
     _isa(ctx, "avx512")
     rng = np.random.default_rng(7)

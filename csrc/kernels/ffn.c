@@ -325,8 +325,8 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
         void *aq = (uint8_t *)act + round64((size_t)T * d->I * 4);
         float *sc = (float *)((uint8_t *)aq + round64((size_t)T * d->I * 2));
         float *xsc = sc, *asc = sc + (size_t)T * (d->H / 128 + 1);
-        int32_t *xsum = (int32_t *)(asc + (size_t)T * (d->I / 128 + 1));
-        int32_t *asum = xsum + (size_t)T * (d->H / 128 + 1);
+        float *xsum = asc + (size_t)T * (d->I / 128 + 1);
+        float *asum = xsum + (size_t)T * (d->H / 128 + 1);
         smoe_fast_prepare(d->dtype, x, x_stride, rows, T, d->H, xs, xsc, xsum);
         smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act, rows,
                             scale, out,   out_stride, xs,          xsc,  xsum};

@@ -49,7 +49,7 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
-                       uint32_t T, uint32_t n, void *q, float *qs, int32_t *qsum) {
+                       uint32_t T, uint32_t n, void *q, float *qs, float *qsum) {
     for (uint32_t t = 0; t < T; t++) {
         size_t r = rows ? (size_t)rows[t] : t;
         const float *x = src + r * src_stride;
@@ -87,7 +87,7 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
                     sum += (int32_t)lo + (int32_t)hi;
                 }
                 qs[(size_t)t * nb + b] = s;
-                qsum[(size_t)t * nb + b] = sum;
+                qsum[(size_t)t * nb + b] = s * (float)sum;
             }
         }
     }
@@ -182,35 +182,58 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
         for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]);
 }
 
-/* int4: r[q][t] = sum over groups of scale_q[g] * x_scale[t][b] * (u - 8) . xq (see top). */
+/* int4: r[q][t] = sum over 128-column blocks b of sw_q[g(b)] * xsc_t[b] * (u - 8) . xq_t.
+ * Per 16 blocks the combined scales S = sw * xsc are formed with one vector multiply and kept
+ * in a small array, so the per-block flush is cvt + fma with a broadcast memory operand (no
+ * scalar work); the -8 offset term sum_b S_b * sum(xq_b) is one multiply-reduce per 16 blocks
+ * (xc = xsc * sum(xq) comes precomputed per block). */
 AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, const int8_t *x,
-               const float *xsc, const int32_t *xsum, uint32_t n, uint32_t group, const int NT,
+               const float *xsc, const float *xc, uint32_t n, uint32_t group, const int NT,
                float (*r)[NTMAX]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const uint32_t nb = n / 128, bpg = group / 128;
     __m512 f[4][NTMAX];
     float corr[4][NTMAX];
+    float S[4][NTMAX][16] __attribute__((aligned(64)));
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) {
             f[q][t] = _mm512_setzero_ps();
             corr[q][t] = 0.0f;
         }
-    for (uint32_t b = 0; b < nb; b++) {
-        uint32_t g = b / bpg;
+    for (uint32_t b0 = 0; b0 < nb; b0 += 16) {
+        uint32_t m = nb - b0 < 16 ? nb - b0 : 16;
+        __mmask16 mk = (__mmask16)((1u << m) - 1u);
         for (int q = 0; q < NR; q++) {
-            FPF(w[q] + (size_t)b * 64);
-            __m512i v = _mm512_loadu_si512((const void *)(w[q] + (size_t)b * 64));
-            __m512i lo = _mm512_and_si512(v, m4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-            float sw = ws[q][g];
+            __m512 sw;
+            if (bpg == 1) {
+                sw = _mm512_maskz_loadu_ps(mk, ws[q] + b0);
+            } else {
+                float tmp[16] __attribute__((aligned(64)));
+                for (uint32_t i = 0; i < 16; i++) tmp[i] = i < m ? ws[q][(b0 + i) / bpg] : 0.0f;
+                sw = _mm512_load_ps(tmp);
+            }
             for (int t = 0; t < NT; t++) {
-                const int8_t *xb = x + (size_t)t * n + (size_t)b * 128;
-                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                  _mm512_loadu_si512((const void *)xb));
-                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void *)(xb + 64)));
-                float s = sw * xsc[(size_t)t * nb + b];
-                f[q][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s), f[q][t]);
-                corr[q][t] += s * (float)xsum[(size_t)t * nb + b];
+                __m512 sv = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mk, xsc + (size_t)t * nb + b0));
+                _mm512_store_ps(S[q][t], sv);
+                corr[q][t] += _mm512_reduce_add_ps(
+                    _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mk, xc + (size_t)t * nb + b0)));
+            }
+        }
+        for (uint32_t bi = 0; bi < m; bi++) {
+            uint32_t b = b0 + bi;
+            for (int q = 0; q < NR; q++) {
+                FPF(w[q] + (size_t)b * 64);
+                __m512i v = _mm512_loadu_si512((const void *)(w[q] + (size_t)b * 64));
+                __m512i lo = _mm512_and_si512(v, m4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *xb = x + (size_t)t * n + (size_t)b * 128;
+                    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                      _mm512_loadu_si512((const void *)xb));
+                    acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void *)(xb + 64)));
+                    f[q][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(S[q][t][bi]),
+                                              f[q][t]);
+                }
             }
         }
     }
@@ -335,7 +358,7 @@ const int smoe_ffn_fast_built = 1;
 #else
 #include "kimpl.h"
 void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
-                       uint32_t T, uint32_t n, void *q, float *qs, int32_t *qsum) {
+                       uint32_t T, uint32_t n, void *q, float *qs, float *qsum) {
     (void)dtype, (void)src, (void)src_stride, (void)rows, (void)T, (void)n, (void)q, (void)qs,
         (void)qsum;
 }

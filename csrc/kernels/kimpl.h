@@ -22,7 +22,7 @@ typedef struct smoe_ffn_job {
      * act in phase 2): bf16 / u8 / s8 values, per-token or per-128-block scales, block sums */
     const void *q;
     const float *qs;
-    const int32_t *qsum;
+    const float *qsum; /* int4: [T, n/128] block scale * sum of the block's int8 values */
 } smoe_ffn_job;
 
 /* Position of column c (of n) in the permuted layout of x / act used by BF16 and I4 weights:
@@ -54,11 +54,11 @@ extern const smoe_ffn_impl smoe_ffn_impl_avx512;
 /* Fast paths with rounded activations (ffn_fast.c); smoe_ffn_fast_built is 0 when the compiler
  * could not build them.  smoe_fast_prepare rounds/quantizes T rows of src (n columns; row
  * rows[t] or t) into q [T, n] (bf16 / int8+128 / int4-partner int8 layout), qs (int8: [T]
- * scales, int4: [T, n/128]) and qsum (int4: [T, n/128] sums of the int8 values). */
+ * scales, int4: [T, n/128]) and qsum (int4: [T, n/128] scale * sum of the int8 values). */
 extern const smoe_ffn_impl smoe_ffn_impl_fast;
 extern const int smoe_ffn_fast_built;
 void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
-                       uint32_t T, uint32_t n, void *q, float *qs, int32_t *qsum);
+                       uint32_t T, uint32_t n, void *q, float *qs, float *qsum);
 
 /* Scalar activation shared by every ISA (exactly the formula in kernels.h). */
 float smoe_ffn_activate(const smoe_ffn_desc *d, float g, float u);
