@@ -106,6 +106,7 @@ AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint
         for (; k + 64 <= n; k += 64) {
             for (int q = 0; q < NR; q++) {
                 FPF(w[q] + k);
+                FPF(w[q] + k + 32); /* 64 bf16 = two cache lines per step */
                 __m512i w0 = _mm512_loadu_si512((const void *)(w[q] + k));
                 __m512i w1 = _mm512_loadu_si512((const void *)(w[q] + k + 32));
                 for (int t = 0; t < NT; t++) {
