@@ -180,6 +180,11 @@ int smoe_py_ffn_desc_parse(PyObject *dict, uint64_t block_bytes, smoe_ffn_desc *
         if (a == -1.0 && PyErr_Occurred()) return -1;
         d->limit = (float)a;
     }
+    if ((v = PyDict_GetItemString(dict, "precise")) && v != Py_None) {
+        int b = PyObject_IsTrue(v);
+        if (b < 0) return -1;
+        d->precise = (uint32_t)b;
+    }
     if (dict_u64(dict, "gate", &d->gate, 1) || dict_u64(dict, "up", &d->up, 1) ||
         dict_u64(dict, "down", &d->down, 1) || dict_u64(dict, "gate_scale", &d->gate_scale, 0) ||
         dict_u64(dict, "up_scale", &d->up_scale, 0) ||

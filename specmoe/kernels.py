@@ -59,6 +59,7 @@ class FFNSpec:
     alpha: float = 1.702
     limit: float = 7.0
     group: int = 128
+    precise: bool = False
     _desc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,7 +74,8 @@ class FFNSpec:
                 raise ValueError(f"unknown expert tensor {k!r}")
         d: dict[str, Any] = {"H": self.H, "I": self.I, "dtype": _DT_CODE[self.dtype],
                              "act": _ACT_CODE[self.activation], "alpha": float(self.alpha),
-                             "limit": float(self.limit), "group": int(self.group)}
+                             "limit": float(self.limit), "group": int(self.group),
+                             "precise": int(bool(self.precise))}
         for k in _NAMES:
             d[k.replace(".", "_")] = self.offsets.get(k)
         self._desc.update(d)
@@ -97,7 +99,7 @@ class FFNSpec:
     @classmethod
     def from_store_schema(cls, entries: Sequence[Mapping[str, Any]], block_bytes: int | None = None,
                           activation: str = "silu", alpha: float = 1.702,
-                          limit: float = 7.0) -> FFNSpec:
+                          limit: float = 7.0, precise: bool = False) -> FFNSpec:
         """Spec from a store's per-block schema (``[{"name", "dtype", "shape", "offset",
         "nbytes"}]``, names as in :func:`specmoe.quant.expert_tensors`; ``__pad__*`` entries
         are ignored).  ``block_bytes`` defaults to the end of the last tensor."""
@@ -169,7 +171,8 @@ class FFNSpec:
         end = max(int(e["offset"]) + int(e["nbytes"]) for e in by.values())
         return cls(H=H, I=I, dtype=dtype, offsets=offsets,
                    block_bytes=int(block_bytes) if block_bytes is not None else end,
-                   activation=activation, alpha=alpha, limit=limit, group=group)
+                   activation=activation, alpha=alpha, limit=limit, group=group,
+                   precise=precise)
 
 
 _NP_SCHEMA = {np.dtype(np.float32): "F32", np.dtype(np.uint16): "BF16",
@@ -232,7 +235,7 @@ def ffn(tensors_or_block: Mapping[str, np.ndarray] | np.ndarray, x: np.ndarray,
         dtype: str | None = None, activation: str = "silu", *, spec: FFNSpec | None = None,
         rows: np.ndarray | Sequence[int] | None = None,
         scale: np.ndarray | Sequence[float] | None = None, out: np.ndarray | None = None,
-        alpha: float = 1.702, limit: float = 7.0,
+        alpha: float = 1.702, limit: float = 7.0, precise: bool = False,
         ctx: _C.KernelContext | None = None) -> np.ndarray:
     """Run one expert FFN through the C kernel.
 
@@ -240,11 +243,14 @@ def ffn(tensors_or_block: Mapping[str, np.ndarray] | np.ndarray, x: np.ndarray,
     ``dtype`` optional, checked if given) or a uint8 block with its ``spec``.  ``x`` is f32
     [N, H] (or [H]).  Returns ``out`` ([N, H] f32, zeros if not given) after
     ``out[rows[t]] += scale[t] * FFN(x[rows[t]])`` (rows default: all of x).
+    ``precise=True`` forces exact f32 math on the widened weights (the default fast path
+    rounds activations for bf16/int dot products; bounds in csrc/kernels/kernels.h).
     """
     if isinstance(tensors_or_block, Mapping):
         block, entries = pack_block(tensors_or_block)
         spec = FFNSpec.from_store_schema(entries, block_bytes=block.nbytes,
-                                         activation=activation, alpha=alpha, limit=limit)
+                                         activation=activation, alpha=alpha, limit=limit,
+                                         precise=precise)
         if dtype is not None and dtype != spec.dtype:
             raise ValueError(f"dtype {dtype!r} given but the tensors are {spec.dtype}")
     else:

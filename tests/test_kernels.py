@@ -163,7 +163,7 @@ def test_ffn_matches_reference(ctx, dtype, activation, isa, T, shape, seed=0):
     g, u, d, b = make_expert(rng, H, I, std=(1.0 / np.sqrt(H)) * (8 if big else 1), bias=big)
     t = quant.expert_tensors(g, u, d, dtype, biases=b)
     x = rng.standard_normal((T, H)).astype(np.float32)
-    y = kernels.ffn(t, x, dtype, activation, ctx=ctx)
+    y = kernels.ffn(t, x, dtype, activation, precise=True, ctx=ctx)
     w = quant.dequantize_expert(t)
     ref = ref_ffn(w, x, activation)
     tol = 2e-5 * np.sqrt(max(H, I)) * max(1.0, np.abs(ref).max())
@@ -176,6 +176,84 @@ def test_ffn_matches_reference(ctx, dtype, activation, isa, T, shape, seed=0):
                    {k + ".bias": v for k, v in b.items()})}, x, activation)
     rel = np.linalg.norm(y - full) / max(np.linalg.norm(full), 1e-6)
     assert rel < {"f32": 1e-4, "bf16": 3e-2, "int8": 5e-2, "int4": 0.4}[dtype], rel
+
+
+# The default (fast) path rounds activations: bf16 -> bf16 x (vdpbf16ps), int8 -> int16 x
+# (vpdpwssd), int4 -> int8 x per 128 columns (vpdpbusd); bounds documented in ffn_fast.c.
+FAST_TOL = {"bf16": 1e-2, "int8": 1e-3, "int4": 3e-2}
+_FEAT = _C.KernelContext(1).features
+_FAST_HW = {"bf16": _FEAT.get("avx512_bf16", False), "int8": _FEAT.get("avx512_vnni", False),
+            "int4": _FEAT.get("avx512_vnni", False)}
+
+
+@pytest.mark.parametrize("shape", [(128, 256), (384, 128), (2048, 1024)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("T", [1, 2, 8, 11])
+@pytest.mark.parametrize("activation", ["silu", "gptoss"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_fast_path_within_documented_error(ctx, dtype, activation, T, shape):
+    _isa(ctx, "avx512")
+    H, I = shape
+    rng = np.random.default_rng(zlib.crc32(f"fast{dtype}{activation}{T}{H}".encode()))
+    big = activation == "gptoss"
+    g, u, d, b = make_expert(rng, H, I, std=(1.0 / np.sqrt(H)) * (8 if big else 1), bias=big)
+    t = quant.expert_tensors(g, u, d, dtype, biases=b)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    rows = rng.integers(0, T, size=T + 2)
+    sc = rng.uniform(0.2, 1.0, size=T + 2).astype(np.float32)
+    y = kernels.ffn(t, x, dtype, activation, rows=rows, scale=sc, ctx=ctx)
+    ref = np.zeros((T, H))
+    np.add.at(ref, rows, sc[:, None].astype(np.float64) *
+              ref_ffn(quant.dequantize_expert(t), x[rows], activation))
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < FAST_TOL[dtype], rel
+    yp = kernels.ffn(t, x, dtype, activation, rows=rows, scale=sc, precise=True, ctx=ctx)
+    relp = np.linalg.norm(yp - ref) / np.linalg.norm(ref)
+    assert relp < 1e-5, relp
+    if _FAST_HW[dtype]:  # the fast path really ran: it rounds, so it differs from precise
+        assert not np.array_equal(y, yp)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_fast_path_int4_group_256(ctx, T):
+    _isa(ctx, "avx512")
+    rng = np.random.default_rng(11 + T)
+    H, I = 512, 2304  # I/128 = 18 blocks: one full and one partial chunk of 16
+    g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
+    t = quant.expert_tensors(g, u, d, "int4", group=256)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ref = ref_ffn(quant.dequantize_expert(t), x, "silu")
+    y = kernels.ffn(t, x, ctx=ctx)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < FAST_TOL["int4"]
+
+
+def test_fast_path_falls_back_when_shape_or_group_unsupported(ctx):
+    _isa(ctx, "avx512")
+    rng = np.random.default_rng(7)
+    # H not a multiple of 128 (bf16/int8), int4 group 64: exact path, same bits as precise
+    for dtype, H, I, group in [("bf16", 96, 128, None), ("int8", 128, 160, None),
+                               ("int4", 128, 128, 64)]:
+        g, u, d, _ = make_expert(rng, H, I)
+        t = quant.expert_tensors(g, u, d, dtype, **({"group": group} if group else {}))
+        x = rng.standard_normal((3, H)).astype(np.float32)
+        np.testing.assert_array_equal(kernels.ffn(t, x, ctx=ctx),
+                                      kernels.ffn(t, x, precise=True, ctx=ctx))
+
+
+def test_precise_flag_in_desc_and_spec(ctx):
+    rng = np.random.default_rng(3)
+    g, u, d, _ = make_expert(rng, 256, 128)
+    t = quant.expert_tensors(g, u, d, "int4")
+    block, entries = kernels.pack_block(t)
+    spec = kernels.FFNSpec.from_store_schema(entries, precise=True)
+    assert spec.desc()["precise"] == 1
+    assert kernels.FFNSpec.from_store_schema(entries).desc()["precise"] == 0
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    out = np.zeros_like(x)
+    ctx.set_isa("auto")
+    ctx.ffn_forward(spec.desc(), block, x, out)
+    np.testing.assert_allclose(out, ref_ffn(quant.dequantize_expert(t), x, "silu"), rtol=1e-4,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", ISAS)

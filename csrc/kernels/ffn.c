@@ -122,8 +122,15 @@ int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *
 
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* Layout: xs [T,H] f32 (fast path: the prepared x) | act [T,I] f32 | prepared act (fast
+ * path, <= 2 bytes per value) | scales and block sums of both prepared inputs. */
+static size_t aux_bytes(const smoe_ffn_desc *d, uint32_t T) {
+    return round64((size_t)T * (d->H / 128 + d->I / 128 + 2) * 8);
+}
+
 size_t smoe_ffn_scratch_bytes(const smoe_ffn_desc *d, uint32_t T) {
-    return 64 + round64((size_t)T * d->H * 4) + round64((size_t)T * d->I * 4);
+    return 64 + round64((size_t)T * d->H * 4) + round64((size_t)T * d->I * 4) +
+           round64((size_t)T * d->I * 2) + aux_bytes(d, T);
 }
 
 float smoe_ffn_activate(const smoe_ffn_desc *d, float g, float u) {
@@ -242,27 +249,46 @@ static const smoe_ffn_impl *impl_for(int32_t isa) {
 typedef struct phase_arg {
     const smoe_ffn_impl *impl;
     const smoe_ffn_job *job;
-    int phase; /* 1: gate/up over I rows, 2: down over H rows */
+    int phase;     /* 1: gate/up over I rows, 2: down over H rows */
+    uint32_t next; /* next chunk to take (atomic; reset per phase) */
 } phase_arg;
 
-/* Split n rows into k-th of parts chunks, in multiples of 16 rows where possible. */
-static void split(uint32_t n, uint32_t k, uint32_t parts, uint32_t *a, uint32_t *b) {
-    uint32_t units = (n + 15) / 16;
-    uint32_t ua = (uint32_t)((uint64_t)units * k / parts);
-    uint32_t ub = (uint32_t)((uint64_t)units * (k + 1) / parts);
-    *a = ua * 16 > n ? n : ua * 16;
-    *b = ub * 16 > n ? n : ub * 16;
+/* Rows per chunk: a multiple of 16 giving ~16 chunks per thread. */
+static uint32_t chunk_rows(uint32_t n, uint32_t parts) {
+    uint32_t c = (n + 16 * parts - 1) / (16 * parts);
+    c = (c + 15) & ~15u;
+    return c < 16 ? 16 : c;
 }
 
+/* Dynamic row chunks (an atomic counter) rather than a static split: this machine class is
+ * shared, and a thread that is descheduled or wakes late then costs only the chunk it holds
+ * -- the other threads take the rest (the caller starts at once, without waiting for the
+ * workers to wake). */
 static void phase_run(void *varg, uint32_t k, uint32_t n) {
-    const phase_arg *pa = varg;
-    uint32_t a, b;
-    if (pa->phase == 1) {
-        split(pa->job->d->I, k, n, &a, &b);
-        if (a < b) pa->impl->gateup(pa->job, a, b);
-    } else {
-        split(pa->job->d->H, k, n, &a, &b);
-        if (a < b) pa->impl->down(pa->job, a, b);
+    (void)k;
+    phase_arg *pa = varg;
+    uint32_t rows = pa->phase == 1 ? pa->job->d->I : pa->job->d->H;
+    uint32_t ch = chunk_rows(rows, n);
+    for (;;) {
+        uint32_t c = __atomic_fetch_add(&pa->next, 1u, __ATOMIC_RELAXED);
+        if ((uint64_t)c * ch >= rows) break;
+        uint32_t a = c * ch, b = rows - a < ch ? rows : a + ch;
+        if (pa->phase == 1)
+            pa->impl->gateup(pa->job, a, b);
+        else
+            pa->impl->down(pa->job, a, b);
+    }
+}
+
+/* Whether the fast (rounded-activation) path serves d on this context (see ffn_fast.c). */
+static int fast_ok(const smoe_ffn_desc *d, int32_t isa, int has_bf16, int has_vnni) {
+    if (!smoe_ffn_fast_built || d->precise || isa < SMOE_ISA_AVX512) return 0;
+    if (d->H % 128 || d->I % 128 || d->H > 65536 || d->I > 65536) return 0;
+    switch (d->dtype) {
+    case SMOE_WDT_BF16: return has_bf16;
+    case SMOE_WDT_I8: return has_vnni;
+    case SMOE_WDT_I4: return has_vnni && group_of(d) % 128 == 0;
+    default: return 0;
     }
 }
 
@@ -277,18 +303,46 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
                             "smoe_ffn_forward: row strides (x %zu, out %zu) below H=%u", x_stride,
                             out_stride, d->H);
     int32_t isa = SMOE_ISA_SCALAR;
+    int has_bf16 = 0, has_vnni = 0;
     smoe_kctx local;
     if (!c) {
         int rc = smoe_kctx_init(&local, 1, err);
         if (rc) return rc;
         isa = local.isa;
+        has_bf16 = local.has_bf16;
+        has_vnni = local.has_vnni;
         smoe_kctx_free(&local);
     } else {
         isa = c->isa;
+        has_bf16 = c->has_bf16;
+        has_vnni = c->has_vnni;
     }
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     float *xs = (float *)base;
     float *act = (float *)(base + round64((size_t)T * d->H * 4));
+    smoe_kpool *pool = c ? c->pool : NULL;
+    if (fast_ok(d, isa, has_bf16, has_vnni)) {
+        void *aq = (uint8_t *)act + round64((size_t)T * d->I * 4);
+        float *sc = (float *)((uint8_t *)aq + round64((size_t)T * d->I * 2));
+        float *xsc = sc, *asc = sc + (size_t)T * (d->H / 128 + 1);
+        float *xsum = asc + (size_t)T * (d->I / 128 + 1);
+        float *asum = xsum + (size_t)T * (d->H / 128 + 1);
+        smoe_fast_prepare(d->dtype, x, x_stride, rows, T, d->H, xs, xsc, xsum);
+        smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act, rows,
+                            scale, out,   out_stride, xs,          xsc,  xsum};
+        phase_arg pa = {&smoe_ffn_impl_fast, &job, 1, 0};
+        smoe_kpool_lock(pool);
+        smoe_kpool_run(pool, phase_run, &pa);
+        smoe_fast_prepare(d->dtype, act, d->I, NULL, T, d->I, aq, asc, asum);
+        job.q = aq;
+        job.qs = asc;
+        job.qsum = asum;
+        pa.phase = 2;
+        pa.next = 0;
+        smoe_kpool_run(pool, phase_run, &pa);
+        smoe_kpool_unlock(pool);
+        return SMOE_OK;
+    }
     int perm = smoe_dtype_permuted(d->dtype);
     for (uint32_t t = 0; t < T; t++) {
         size_t r = rows ? (size_t)rows[t] : t;
@@ -299,12 +353,13 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
         else
             memcpy(dst, src, (size_t)d->H * 4);
     }
-    smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride};
-    phase_arg pa = {impl_for(isa), &job, 1};
-    smoe_kpool *pool = c ? c->pool : NULL;
+    smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride,
+                        NULL, NULL, NULL};
+    phase_arg pa = {impl_for(isa), &job, 1, 0};
     smoe_kpool_lock(pool);
     smoe_kpool_run(pool, phase_run, &pa);
     pa.phase = 2;
+    pa.next = 0;
     smoe_kpool_run(pool, phase_run, &pa);
     smoe_kpool_unlock(pool);
     return SMOE_OK;
@@ -316,14 +371,23 @@ typedef struct read_arg {
     const smoe_ffn_impl *impl;
     const uint8_t *buf;
     size_t bytes;
+    size_t chunk;  /* bytes per chunk, multiple of 64 */
+    uint32_t next; /* next chunk (atomic; reset per iteration) */
     uint64_t sums[1024];
 } read_arg;
 
+/* Same scheduling as the kernels (dynamic chunks, ~16 per thread), so the ceiling and the
+ * kernel see the same exposure to a busy machine. */
 static void read_run(void *varg, uint32_t k, uint32_t n) {
+    (void)n;
     read_arg *ra = varg;
-    size_t chunk = (ra->bytes / n) & ~(size_t)63;
-    size_t a = chunk * k, b = k + 1 == n ? ra->bytes : chunk * (k + 1);
-    ra->sums[k] += ra->impl->read_sum(ra->buf + a, b - a);
+    for (;;) {
+        size_t c = __atomic_fetch_add(&ra->next, 1u, __ATOMIC_RELAXED);
+        size_t a = c * ra->chunk;
+        if (a >= ra->bytes) break;
+        size_t b = ra->bytes - a < ra->chunk ? ra->bytes : a + ra->chunk;
+        ra->sums[k] += ra->impl->read_sum(ra->buf + a, b - a);
+    }
 }
 
 int smoe_read_bw(smoe_kctx *c, const uint8_t *buf, size_t bytes, uint32_t iters,
@@ -335,9 +399,15 @@ int smoe_read_bw(smoe_kctx *c, const uint8_t *buf, size_t bytes, uint32_t iters,
     ra->impl = impl_for(c->isa);
     ra->buf = buf;
     ra->bytes = bytes;
+    uint32_t parts = c->pool ? c->nthreads : 1;
+    ra->chunk = ((bytes / (16 * (size_t)parts)) + 63) & ~(size_t)63;
+    if (ra->chunk < 4096) ra->chunk = 4096;
     smoe_kpool_lock(c->pool);
     double t0 = smoe_now();
-    for (uint32_t it = 0; it < iters; it++) smoe_kpool_run(c->pool, read_run, ra);
+    for (uint32_t it = 0; it < iters; it++) {
+        ra->next = 0;
+        smoe_kpool_run(c->pool, read_run, ra);
+    }
     double dt = smoe_now() - t0;
     smoe_kpool_unlock(c->pool);
     uint64_t s = 0;

@@ -66,10 +66,12 @@ typedef struct smoe_ffn_desc {
     uint64_t gate, up, down;                   /* weights (required) */
     uint64_t gate_scale, up_scale, down_scale; /* required for I8/I4, else SMOE_NO_TENSOR */
     uint64_t gate_bias, up_bias, down_bias;    /* optional, SMOE_NO_TENSOR when absent */
+    uint32_t precise; /* 0 (default): fast integer/bf16-dot paths where the CPU has them (see
+                         "Accuracy" at smoe_ffn_forward); 1: exact f32 math on widened weights */
 } smoe_ffn_desc;
 
 /* Fill d with shapes/dtype/act and every offset = SMOE_NO_TENSOR (alpha 1.702, limit 7.0,
- * group 128). */
+ * group 128, precise 0). */
 void smoe_ffn_desc_default(smoe_ffn_desc *d, uint32_t H, uint32_t I, int32_t dtype, int32_t act);
 
 /* Validate d: dtype/act known, H,I > 0, group valid for I4 (multiple of 32 dividing H and I),
@@ -119,8 +121,13 @@ const char *smoe_isa_name(int32_t isa);
  *           calls.
  * T = 0 is a no-op.  Every weight byte is read once for all T tokens (tiles of 8 tokens per
  * weight row on AVX-512, 4 on AVX2; a row is re-read from L1/L2 for further tiles).
- * Accuracy: weights are widened exactly to f32 and accumulated in f32 against f32 x, so the
- * result matches an f32 computation on the dequantized weights to f32 rounding. */
+ * Accuracy: with d->precise = 1 (and on every path below AVX-512, and for F32) weights are
+ * widened exactly to f32 and accumulated in f32 against f32 x, so the result matches an f32
+ * computation on the dequantized weights to f32 rounding.  With precise = 0 (default) and
+ * H, I multiples of 128, the AVX-512 fast paths round the activations once per call (x and
+ * the intermediate act): BF16 to bf16 (vdpbf16ps; FFN output error ~3e-3 relative, in norm),
+ * I8 to int16 per token (vpdpwssd; ~1e-4), I4 to int8 per 128 columns (vpdpbusd; ~2e-2,
+ * small next to int4's own weight error) -- details and bounds in ffn_fast.c. */
 int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
                      size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
                      float *out, size_t out_stride, void *scratch, smoe_err *err);

@@ -18,6 +18,11 @@ typedef struct smoe_ffn_job {
     const float *scale;
     float *out;
     size_t out_stride;
+    /* fast path only (ffn_fast.c): the prepared input of the current phase (x in phase 1,
+     * act in phase 2): bf16 / u8 / s8 values, per-token or per-128-block scales, block sums */
+    const void *q;
+    const float *qs;
+    const float *qsum; /* int4: [T, n/128] block scale * sum of the block's int8 values */
 } smoe_ffn_job;
 
 /* Position of column c (of n) in the permuted layout of x / act used by BF16 and I4 weights:
@@ -46,6 +51,14 @@ typedef struct smoe_ffn_impl {
 extern const smoe_ffn_impl smoe_ffn_impl_scalar;
 extern const smoe_ffn_impl smoe_ffn_impl_avx2;
 extern const smoe_ffn_impl smoe_ffn_impl_avx512;
+/* Fast paths with rounded activations (ffn_fast.c); smoe_ffn_fast_built is 0 when the compiler
+ * could not build them.  smoe_fast_prepare rounds/quantizes T rows of src (n columns; row
+ * rows[t] or t) into q [T, n] (bf16 / int8+128 / int4-partner int8 layout), qs (int8: [T]
+ * scales, int4: [T, n/128]) and qsum (int4: [T, n/128] scale * sum of the int8 values). */
+extern const smoe_ffn_impl smoe_ffn_impl_fast;
+extern const int smoe_ffn_fast_built;
+void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
+                       uint32_t T, uint32_t n, void *q, float *qs, float *qsum);
 
 /* Scalar activation shared by every ISA (exactly the formula in kernels.h). */
 float smoe_ffn_activate(const smoe_ffn_desc *d, float g, float u);
@@ -76,8 +89,10 @@ static inline void smoe_ffn_store_out(const smoe_ffn_job *j, uint32_t h, uint32_
     j->out[r * j->out_stride + h] += s * y;
 }
 
-/* Thread pool (pool.c).  run() calls fn(arg, k, n) for k in [0, n) across the workers and the
- * calling thread and returns when all are done. */
+/* Thread pool (pool.c).  run() calls fn(arg, 0, n) on the calling thread and fn(arg, k, n) on
+ * every worker k in [1, n) that wakes while the caller is still inside its own fn; it returns
+ * when all calls that started are done.  So fn must claim its work dynamically (an atomic
+ * counter in arg), never assume that every k runs. */
 typedef void (*smoe_kpool_fn)(void *arg, uint32_t k, uint32_t n);
 int smoe_kpool_new(smoe_kpool **out, uint32_t nthreads, smoe_err *err);
 void smoe_kpool_delete(smoe_kpool *p);

@@ -1,0 +1,372 @@
+/* Fast AVX-512 expert FFN paths with rounded activations (desc.precise == 0, the default):
+ *   BF16  vdpbf16ps (AVX512_BF16): x / act rounded to bf16 (round-to-nearest-even) once per
+ *         call; products of two bf16 are exact in f32, accumulated in f32.
+ *   I8    vpdpwssd (AVX512_VNNI): x / act quantized to int16 per token (scale max|x| / 32767,
+ *         round to nearest); weight bytes sign-extended to int16; exact integer products,
+ *         int32 lanes flushed to f32 every 4096 columns.  (The int8-activation alternative,
+ *         vpdpbusd with x + 128 and a 128 * sum(w) correction, does half the instructions at
+ *         8 tokens but measured ~2e-2 output error; int16 keeps it at ~1e-4.)
+ *   I4    vpdpbusd: the nibbles u in [0, 15] are the u8 operand, x / act quantized to int8 per
+ *         block of 128 columns (scale max|x_block| / 127) is the s8 operand, laid out to match
+ *         the nibble order; per 128-column block the int32 sum is converted and multiplied by
+ *         x_scale * w_group_scale, and the -8 offset is removed with the per-block sum of q.
+ * Error bounds (relative to the f32 math on the dequantized weights, see kernels.h): rounding
+ * an activation vector to bf16 perturbs each element by at most 2^-9 relative, so a dot product
+ * moves by at most 2^-9 * sum |w_k x_k|; int16 per-token quantization (I8) by at most
+ * max|x| / 65534 per element; int8 per-block quantization (I4) by at most max|x_block| / 254.
+ * Measured FFN-output errors (norm of the difference over norm of the output, Gaussian data,
+ * SiLU and GPT-OSS): bf16 ~3e-3, int8 ~1e-4, int4 ~1.6e-2 (against an int4 weight error
+ * of ~0.15); the tests check 1e-2, 1e-3 and 3e-2.
+ *
+ * Used only when the CPU has the feature, H and I are multiples of 128 (at most 65536) and, for
+ * I4, the group is a multiple of 128; otherwise the exact path of ffn_avx512.c runs. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "kimpl.h"
+
+#define AI static inline __attribute__((always_inline))
+#define NTMAX 8
+#ifndef SMOE_FPF_DIST
+#define SMOE_FPF_DIST 4096 /* to L2, bytes ahead per weight stream (4096 beat 512 and 16384); plus
+                            a T0 prefetch 512 B ahead (T1+T0 beat T0-only by ~15-25% on bf16/int8,
+                            1 thread, OLMoE, DRAM) */
+#endif
+#ifdef SMOE_FPF_OFF
+#define FPF(p) ((void)(p))
+#else
+#define FPF(p)                                                                                 \
+    (_mm_prefetch((const char *)(p) + SMOE_FPF_DIST, _MM_HINT_T1),                             \
+     _mm_prefetch((const char *)(p) + 512, _MM_HINT_T0))
+#endif
+
+/* ---- activation preparation (scalar; O(T * n), negligible next to the weights) ---- */
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
+                       uint32_t T, uint32_t n, void *q, float *qs, float *qsum) {
+    for (uint32_t t = 0; t < T; t++) {
+        size_t r = rows ? (size_t)rows[t] : t;
+        const float *x = src + r * src_stride;
+        if (dtype == SMOE_WDT_BF16) {
+            uint16_t *o = (uint16_t *)q + (size_t)t * n;
+            for (uint32_t k = 0; k < n; k++) o[k] = f32_to_bf16(x[k]);
+        } else if (dtype == SMOE_WDT_I8) {
+            float m = 0.0f;
+            for (uint32_t k = 0; k < n; k++) m = fmaxf(m, fabsf(x[k]));
+            float s = m > 0.0f ? m / 32767.0f : 1.0f, inv = 1.0f / s;
+            int16_t *o = (int16_t *)q + (size_t)t * n;
+            for (uint32_t k = 0; k < n; k++) {
+                float v = nearbyintf(x[k] * inv);
+                v = v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
+                o[k] = (int16_t)v;
+            }
+            qs[t] = s;
+        } else { /* I4: per 128 columns: 64 low-nibble partners, then 64 high-nibble partners */
+            uint32_t nb = n / 128;
+            int8_t *o = (int8_t *)q + (size_t)t * n;
+            for (uint32_t b = 0; b < nb; b++) {
+                const float *xb = x + (size_t)b * 128;
+                float m = 0.0f;
+                for (uint32_t k = 0; k < 128; k++) m = fmaxf(m, fabsf(xb[k]));
+                float s = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / s;
+                int32_t sum = 0;
+                int8_t *ob = o + (size_t)b * 128;
+                for (uint32_t i = 0; i < 64; i++) {
+                    uint32_t c = (i / 16) * 32 + 2 * (i % 16);
+                    float lo = nearbyintf(xb[c] * inv), hi = nearbyintf(xb[c + 1] * inv);
+                    lo = lo > 127.0f ? 127.0f : lo < -127.0f ? -127.0f : lo;
+                    hi = hi > 127.0f ? 127.0f : hi < -127.0f ? -127.0f : hi;
+                    ob[i] = (int8_t)lo;
+                    ob[64 + i] = (int8_t)hi;
+                    sum += (int32_t)lo + (int32_t)hi;
+                }
+                qs[(size_t)t * nb + b] = s;
+                qsum[(size_t)t * nb + b] = s * (float)sum;
+            }
+        }
+    }
+}
+
+/* ---- dot products: NR weight rows x NT tokens ---- */
+
+/* bf16: r[q][t] = w_q . x_t, x bf16 [NT][n] (row stride n). */
+AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint32_t n,
+                 const int NT, float (*r)[NTMAX]) {
+    __m512 a[4][NTMAX], b[4][NTMAX];
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) a[q][t] = b[q][t] = _mm512_setzero_ps();
+    uint32_t k = 0;
+    if (NT <= 2) { /* two accumulator sets for enough independent chains */
+        for (; k + 64 <= n; k += 64) {
+            for (int q = 0; q < NR; q++) {
+                FPF(w[q] + k);
+                FPF(w[q] + k + 32); /* 64 bf16 = two cache lines per step */
+                __m512i w0 = _mm512_loadu_si512((const void *)(w[q] + k));
+                __m512i w1 = _mm512_loadu_si512((const void *)(w[q] + k + 32));
+                for (int t = 0; t < NT; t++) {
+                    __m512i x0 = _mm512_loadu_si512((const void *)(x + (size_t)t * n + k));
+                    __m512i x1 = _mm512_loadu_si512((const void *)(x + (size_t)t * n + k + 32));
+                    a[q][t] = _mm512_dpbf16_ps(a[q][t], (__m512bh)w0, (__m512bh)x0);
+                    b[q][t] = _mm512_dpbf16_ps(b[q][t], (__m512bh)w1, (__m512bh)x1);
+                }
+            }
+        }
+    }
+    for (; k < n; k += 32) {
+        for (int q = 0; q < NR; q++) {
+            FPF(w[q] + k);
+            __m512i w0 = _mm512_loadu_si512((const void *)(w[q] + k));
+            for (int t = 0; t < NT; t++) {
+                __m512i x0 = _mm512_loadu_si512((const void *)(x + (size_t)t * n + k));
+                a[q][t] = _mm512_dpbf16_ps(a[q][t], (__m512bh)w0, (__m512bh)x0);
+            }
+        }
+    }
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(_mm512_add_ps(a[q][t], b[q][t]));
+}
+
+/* int8: r[q][t] = w_q . xq_t (integer products, f32 sums), x int16 [NT][n].  Lanes are
+ * flushed to f32 every 4096 columns: a lane then holds at most 128 vpdpwssd steps of two
+ * products |127 * 32767| each, < 2^31. */
+AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t n, const int NT,
+               float (*r)[NTMAX]) {
+    __m512 f[4][NTMAX];
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) f[q][t] = _mm512_setzero_ps();
+    for (uint32_t k0 = 0; k0 < n; k0 += 4096) {
+        uint32_t k1 = n - k0 < 4096 ? n : k0 + 4096;
+        __m512i a[4][NTMAX], b[4][NTMAX];
+        for (int q = 0; q < NR; q++)
+            for (int t = 0; t < NT; t++) a[q][t] = b[q][t] = _mm512_setzero_si512();
+        uint32_t k = k0;
+        if (NT <= 2) {
+            for (; k + 64 <= k1; k += 64) {
+                for (int q = 0; q < NR; q++) {
+                    FPF(w[q] + k);
+                    __m512i w0 = _mm512_cvtepi8_epi16(
+                        _mm256_loadu_si256((const __m256i *)(const void *)(w[q] + k)));
+                    __m512i w1 = _mm512_cvtepi8_epi16(
+                        _mm256_loadu_si256((const __m256i *)(const void *)(w[q] + k + 32)));
+                    for (int t = 0; t < NT; t++) {
+                        const int16_t *xt = x + (size_t)t * n + k;
+                        a[q][t] = _mm512_dpwssd_epi32(a[q][t], w0,
+                                                      _mm512_loadu_si512((const void *)xt));
+                        b[q][t] = _mm512_dpwssd_epi32(b[q][t], w1,
+                                                      _mm512_loadu_si512((const void *)(xt + 32)));
+                    }
+                }
+            }
+        }
+        for (; k < k1; k += 32) {
+            for (int q = 0; q < NR; q++) {
+                if ((k & 63) == 0) FPF(w[q] + k);
+                __m512i w0 = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(const void *)(w[q] + k)));
+                for (int t = 0; t < NT; t++)
+                    a[q][t] = _mm512_dpwssd_epi32(
+                        a[q][t], w0, _mm512_loadu_si512((const void *)(x + (size_t)t * n + k)));
+            }
+        }
+        for (int q = 0; q < NR; q++)
+            for (int t = 0; t < NT; t++)
+                f[q][t] = _mm512_add_ps(f[q][t], _mm512_add_ps(_mm512_cvtepi32_ps(a[q][t]),
+                                                               _mm512_cvtepi32_ps(b[q][t])));
+    }
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]);
+}
+
+/* int4: r[q][t] = sum over 128-column blocks b of sw_q[g(b)] * xsc_t[b] * (u - 8) . xq_t.
+ * Per 16 blocks the combined scales S = sw * xsc are formed with one vector multiply and kept
+ * in a small array, so the per-block flush is cvt + fma with a broadcast memory operand (no
+ * scalar work); the -8 offset term sum_b S_b * sum(xq_b) is one multiply-reduce per 16 blocks
+ * (xc = xsc * sum(xq) comes precomputed per block). */
+AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, const int8_t *x,
+               const float *xsc, const float *xc, uint32_t n, uint32_t group, const int NT,
+               float (*r)[NTMAX]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const uint32_t nb = n / 128, bpg = group / 128;
+    __m512 f[4][NTMAX];
+    float corr[4][NTMAX];
+    float S[4][NTMAX][16] __attribute__((aligned(64)));
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) {
+            f[q][t] = _mm512_setzero_ps();
+            corr[q][t] = 0.0f;
+        }
+    for (uint32_t b0 = 0; b0 < nb; b0 += 16) {
+        uint32_t m = nb - b0 < 16 ? nb - b0 : 16;
+        __mmask16 mk = (__mmask16)((1u << m) - 1u);
+        for (int q = 0; q < NR; q++) {
+            __m512 sw;
+            if (bpg == 1) {
+                sw = _mm512_maskz_loadu_ps(mk, ws[q] + b0);
+            } else {
+                float tmp[16] __attribute__((aligned(64)));
+                for (uint32_t i = 0; i < 16; i++) tmp[i] = i < m ? ws[q][(b0 + i) / bpg] : 0.0f;
+                sw = _mm512_load_ps(tmp);
+            }
+            for (int t = 0; t < NT; t++) {
+                __m512 sv = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mk, xsc + (size_t)t * nb + b0));
+                _mm512_store_ps(S[q][t], sv);
+                corr[q][t] += _mm512_reduce_add_ps(
+                    _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mk, xc + (size_t)t * nb + b0)));
+            }
+        }
+        for (uint32_t bi = 0; bi < m; bi++) {
+            uint32_t b = b0 + bi;
+            for (int q = 0; q < NR; q++) {
+                FPF(w[q] + (size_t)b * 64);
+                __m512i v = _mm512_loadu_si512((const void *)(w[q] + (size_t)b * 64));
+                __m512i lo = _mm512_and_si512(v, m4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *xb = x + (size_t)t * n + (size_t)b * 128;
+                    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                      _mm512_loadu_si512((const void *)xb));
+                    acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void *)(xb + 64)));
+                    f[q][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(S[q][t][bi]),
+                                              f[q][t]);
+                }
+            }
+        }
+    }
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]) - 8.0f * corr[q][t];
+}
+
+/* NR rows (matrix offsets off[q], scale offsets soff[q], row indices row[q]) against NT tokens
+ * of the prepared input (j->q etc.), n columns.  Results are final dot products (scales
+ * applied). */
+AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
+              const uint32_t *row, const int NR, uint32_t n, uint32_t t0, const int NT,
+              float (*r)[NTMAX]) {
+    const smoe_ffn_desc *d = j->d;
+    if (d->dtype == SMOE_WDT_BF16) {
+        const uint16_t *w[4];
+        for (int q = 0; q < NR; q++)
+            w[q] = (const uint16_t *)(j->block + off[q]) + (size_t)row[q] * n;
+        dot_bf16(w, NR, (const uint16_t *)j->q + (size_t)t0 * n, n, NT, r);
+    } else if (d->dtype == SMOE_WDT_I8) {
+        const int8_t *w[4];
+        for (int q = 0; q < NR; q++) w[q] = (const int8_t *)(j->block + off[q]) + (size_t)row[q] * n;
+        dot_i8(w, NR, (const int16_t *)j->q + (size_t)t0 * n, n, NT, r);
+        for (int q = 0; q < NR; q++) {
+            float sw = ((const float *)(j->block + soff[q]))[row[q]];
+            for (int t = 0; t < NT; t++) r[q][t] *= sw * j->qs[t0 + (uint32_t)t];
+        }
+    } else {
+        uint32_t ng = n / j->group, nb = n / 128;
+        const uint8_t *w[4];
+        const float *ws[4];
+        for (int q = 0; q < NR; q++) {
+            w[q] = j->block + off[q] + (size_t)row[q] * (n / 2);
+            ws[q] = (const float *)(j->block + soff[q]) + (size_t)row[q] * ng;
+        }
+        dot_i4(w, ws, NR, (const int8_t *)j->q + (size_t)t0 * n, j->qs + (size_t)t0 * nb,
+               j->qsum + (size_t)t0 * nb, n, j->group, NT, r);
+    }
+}
+
+static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
+                          const uint32_t *row, int NR, uint32_t n, uint32_t t0, uint32_t nt,
+                          float (*r)[NTMAX]) {
+    if (NR == 4) {
+        rowsN(j, off, soff, row, 4, n, t0, 1, r);
+        return;
+    }
+    switch (nt) {
+    case 1: rowsN(j, off, soff, row, 2, n, t0, 1, r); break;
+    case 2: rowsN(j, off, soff, row, 2, n, t0, 2, r); break;
+    case 3: rowsN(j, off, soff, row, 2, n, t0, 3, r); break;
+    case 4: rowsN(j, off, soff, row, 2, n, t0, 4, r); break;
+    case 5: rowsN(j, off, soff, row, 2, n, t0, 5, r); break;
+    case 6: rowsN(j, off, soff, row, 2, n, t0, 6, r); break;
+    case 7: rowsN(j, off, soff, row, 2, n, t0, 7, r); break;
+    default: rowsN(j, off, soff, row, 2, n, t0, 8, r); break;
+    }
+}
+
+/* act is natural order [T, I] on this path. */
+static inline void store_act(const smoe_ffn_job *j, uint32_t i, uint32_t t, float g, float u) {
+    const smoe_ffn_desc *d = j->d;
+    const float *gb = (const float *)smoe_ffn_ptr(j, d->gate_bias);
+    const float *ub = (const float *)smoe_ffn_ptr(j, d->up_bias);
+    if (gb) g += gb[i];
+    if (ub) u += ub[i];
+    j->act[(size_t)t * d->I + i] = smoe_ffn_activate(d, g, u);
+}
+
+static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
+    const smoe_ffn_desc *d = j->d;
+    float r[4][NTMAX];
+    uint32_t i = i0;
+    const uint64_t off[4] = {d->gate, d->up, d->gate, d->up};
+    const uint64_t soff[4] = {d->gate_scale, d->up_scale, d->gate_scale, d->up_scale};
+    if (j->T == 1)
+        for (; i + 2 <= i1; i += 2) {
+            const uint32_t row[4] = {i, i, i + 1, i + 1};
+            rows_dispatch(j, off, soff, row, 4, d->H, 0, 1, r);
+            store_act(j, i, 0, r[0][0], r[1][0]);
+            store_act(j, i + 1, 0, r[2][0], r[3][0]);
+        }
+    for (; i < i1; i++) {
+        const uint32_t row[2] = {i, i};
+        for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
+            uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
+            rows_dispatch(j, off, soff, row, 2, d->H, t0, nt, r);
+            for (uint32_t t = 0; t < nt; t++) store_act(j, i, t0 + t, r[0][t], r[1][t]);
+        }
+    }
+}
+
+static void fast_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
+    const smoe_ffn_desc *d = j->d;
+    float r[4][NTMAX];
+    const uint64_t off[4] = {d->down, d->down, d->down, d->down};
+    const uint64_t soff[4] = {d->down_scale, d->down_scale, d->down_scale, d->down_scale};
+    uint32_t h = h0;
+    if (j->T == 1)
+        for (; h + 4 <= h1; h += 4) {
+            const uint32_t row[4] = {h, h + 1, h + 2, h + 3};
+            rows_dispatch(j, off, soff, row, 4, d->I, 0, 1, r);
+            for (uint32_t q = 0; q < 4; q++) smoe_ffn_store_out(j, h + q, 0, r[q][0]);
+        }
+    for (; h < h1; h += 2) {
+        uint32_t hb = h + 1 < h1 ? h + 1 : h;
+        const uint32_t row[2] = {h, hb};
+        for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
+            uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
+            rows_dispatch(j, off, soff, row, 2, d->I, t0, nt, r);
+            for (uint32_t t = 0; t < nt; t++) {
+                smoe_ffn_store_out(j, h, t0 + t, r[0][t]);
+                if (hb != h) smoe_ffn_store_out(j, hb, t0 + t, r[1][t]);
+            }
+        }
+    }
+}
+
+const smoe_ffn_impl smoe_ffn_impl_fast = {fast_gateup, fast_down, 0};
+const int smoe_ffn_fast_built = 1;
+
+#else
+#include "kimpl.h"
+void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
+                       uint32_t T, uint32_t n, void *q, float *qs, float *qsum) {
+    (void)dtype, (void)src, (void)src_stride, (void)rows, (void)T, (void)n, (void)q, (void)qs,
+        (void)qsum;
+}
+const smoe_ffn_impl smoe_ffn_impl_fast = {0, 0, 0};
+const int smoe_ffn_fast_built = 0;
+#endif
