@@ -1,12 +1,14 @@
 """``python -m specmoe demo``: a small MoE model with its experts offloaded, next to the same
 model unmodified.
 
-The model is built from a config (no download): a Mixtral-shaped MoE with random weights and
-routers re-initialised so routing is not uniform.  Its routed experts go to a temporary store
-file with a cache holding 25% of them; the demo samples text from a fixed seed with both models and
-prints tokens/s, cache hit rate, stall time and prefetch precision/recall, and checks that the
-tokens agree.  To demo another model, pass ``--arch`` (any of specmoe.hf.SUPPORTED) or replace
-:func:`build_model` (e.g. with ``AutoModelForCausalLM.from_pretrained``).
+The default model is the small trained MoE shipped in ``specmoe/zoo/tiny-moe`` (Mixtral layout,
+see its MODEL_CARD.md), run in f32 with greedy decoding of a code prompt.  Where the package has
+no trained weights, or with ``--arch``, the model is built from a config instead (no download):
+a MoE with random weights and routers re-initialised so routing is not uniform, sampled from a
+fixed seed (greedy decoding of a random model repeats one token).  The routed experts go to a
+temporary store file with a cache holding 25% of them; the demo prints tokens/s, cache hit
+rate, stall time and prefetch precision/recall next to the unmodified model, and checks that
+the tokens agree.
 """
 from __future__ import annotations
 
@@ -27,27 +29,38 @@ def build_model(arch: str = "mixtral", seed: int = 0) -> torch.nn.Module:
                          vocab=256)
 
 
+def build_zoo_model():
+    """The trained zoo target and its tokenizer in f32 (eager experts), or None if absent."""
+    from . import zoo
+
+    if not zoo.available("tiny-moe"):
+        return None
+    return zoo.load("tiny-moe", dtype=torch.float32, experts_implementation="eager")
+
+
 def _text(ids: list[int]) -> str:
     # random weights: the text is noise; ids are shown as printable characters
     return "".join(chr(32 + i % 95) for i in ids)
 
 
-def _generate(model, prompt: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
-    """Sampled generation from a fixed seed (greedy decoding of a random model repeats one
-    token, which would make the cache look better than it is)."""
+def _generate(model, prompt: torch.Tensor, n: int, greedy: bool) -> tuple[torch.Tensor, float]:
+    """Greedy for a trained model; for a random one sampled from a fixed seed (greedy decoding
+    of a random model repeats one token, which would make the cache look better than it is)."""
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up
         torch.manual_seed(1234)
         t = time.perf_counter()
-        out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=True,
-                             top_k=0, top_p=1.0, temperature=1.0)
+        kw = dict(do_sample=False) if greedy else dict(do_sample=True, top_k=0, top_p=1.0,
+                                                         temperature=1.0)
+        out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
         dt = time.perf_counter() - t
     return out, dt
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specmoe demo", description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", default="mixtral", choices=sorted(hf.SUPPORTED))
+    ap.add_argument("--arch", default=None, choices=sorted(hf.SUPPORTED),
+                    help="use a random-weight model of this architecture instead of the zoo model")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--cache", type=float, default=0.25)
     ap.add_argument("--dtype", default="f32")
@@ -61,24 +74,33 @@ def main(argv: list[str] | None = None) -> int:
     from . import kernels
     kernels.set_num_threads(torch.get_num_threads())  # same thread count as torch
 
-    print(f"building a {a.arch} MoE from its config (random weights, no download)...")
-    model = build_model(a.arch)
+    zoo_pair = None if a.arch else build_zoo_model()
+    if zoo_pair is not None:
+        model, tok = zoo_pair
+        print("model: specmoe/zoo/tiny-moe (trained; see its MODEL_CARD.md), greedy decoding")
+        prompt = tok("def read_config(path):\n    \"\"\"Read", return_tensors="pt").input_ids
+        show = lambda ids: tok.decode(ids)  # noqa: E731
+    else:
+        arch = a.arch or "mixtral"
+        print(f"building a {arch} MoE from its config (random weights, no download)...")
+        model = build_model(arch)
+        prompt = torch.tensor([list(b"The expert cache says: ")])
+        show = _text
     ref = copy.deepcopy(model)
     n_exp = sum(p.numel() for e in hf.iter_experts_modules(model) for p in e.parameters())
     n_all = sum(p.numel() for p in model.parameters())
-    prompt = torch.tensor([list(b"The expert cache says: ")])
-
-    out_ref, dt_ref = _generate(ref, prompt, a.tokens)
+    greedy = zoo_pair is not None
+    out_ref, dt_ref = _generate(ref, prompt, a.tokens, greedy)
     eng = hf.offload(model, cache=a.cache, dtype=a.dtype, prefetch=not a.no_prefetch)
     try:
         n_left = sum(p.numel() for p in model.parameters())
         eng.reset_stats()
-        out, dt = _generate(model, prompt, a.tokens)
+        out, dt = _generate(model, prompt, a.tokens, greedy)
         s = eng.stats()
         gen = out[0, prompt.shape[1]:].tolist()
         print(f"model: {n_all / 1e6:.2f} M parameters, {n_exp / 1e6:.2f} M in routed experts; "
               f"after offload the model holds {n_left / 1e6:.2f} M")
-        print(f"generated ({a.tokens} tokens): {_text(gen)!r}")
+        print(f"generated ({a.tokens} tokens): {show(gen)!r}")
         print(f"{'':24s}{'tok/s':>10s}")
         print(f"{'torch (all in RAM)':24s}{a.tokens / dt_ref:10.1f}")
         print(f"{f'specmoe cache={a.cache:.0%}':24s}{a.tokens / dt:10.1f}")
