@@ -7,4 +7,10 @@
 #define PY_ARRAY_UNIQUE_SYMBOL smoe_ARRAY_API
 #define NO_IMPORT_ARRAY
 #include <numpy/arrayobject.h>
+
+/* obj as a new contiguous 1-D int32 array whose values all lie in 0..limit-1 (limit at most
+ * 2^31).  `what` names the argument and `noun` one element ("key", "token id") in the
+ * ValueError raised otherwise.  Returns NULL with an exception set. */
+PyArrayObject *smoe_py_index_array(PyObject *obj, uint64_t limit, const char *what,
+                                   const char *noun);
 #endif

@@ -231,40 +231,6 @@ static void Policy_dealloc(PolicyObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Convert obj to a new contiguous int32 array of keys in 0..nkeys-1 (1-D).  what names the
- * argument in errors.  Returns NULL with an exception set. */
-static PyArrayObject *keys_array(PyObject *obj, uint64_t nkeys, const char *what) {
-    PyArrayObject *a64 = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY);
-    if (!a64) return NULL;
-    if (PyArray_NDIM(a64) != 1) {
-        PyErr_Format(PyExc_ValueError, "%s must be a 1-D array of keys, got %d dimensions",
-                     what, PyArray_NDIM(a64));
-        Py_DECREF(a64);
-        return NULL;
-    }
-    npy_intp n = PyArray_DIM(a64, 0);
-    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
-    if (!out) {
-        Py_DECREF(a64);
-        return NULL;
-    }
-    const int64_t *src = PyArray_DATA(a64);
-    int32_t *dst = PyArray_DATA(out);
-    for (npy_intp i = 0; i < n; i++) {
-        if (src[i] < 0 || (uint64_t)src[i] >= nkeys) {
-            PyErr_Format(PyExc_ValueError, "%s: key %lld at position %zd is outside 0..%llu "
-                         "(num_layers*num_experts-1)", what, (long long)src[i], (Py_ssize_t)i,
-                         (unsigned long long)(nkeys - 1));
-            Py_DECREF(a64);
-            Py_DECREF(out);
-            return NULL;
-        }
-        dst[i] = (int32_t)src[i];
-    }
-    Py_DECREF(a64);
-    return out;
-}
-
 /* An int in lo..hi (inclusive) from a Python integer; -1 with an exception otherwise. */
 static int parse_range(PyObject *o, const char *what, long long lo, unsigned long long hi,
                        unsigned long long *out) {
@@ -383,7 +349,7 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
     } else {
         PyArrayObject *fut = NULL;
         if (o_future != Py_None) {
-            fut = keys_array(o_future, nl * ne, "future");
+            fut = smoe_py_index_array(o_future, nl * ne, "future", "key");
             if (!fut) return -1;
             params.future = PyArray_DATA(fut);
             params.future_len = (uint64_t)PyArray_DIM(fut, 0);
@@ -515,7 +481,8 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     PolicyObject *po = (PolicyObject *)o_pol;
     unsigned long long mask_seed = 0;
     if (o_mask && parse_range(o_mask, "mask_seed", 0, UINT64_MAX, &mask_seed) < 0) return NULL;
-    PyArrayObject *keys = keys_array(o_keys, (uint64_t)po->num_layers * po->num_experts, "keys");
+    PyArrayObject *keys = smoe_py_index_array(
+        o_keys, (uint64_t)po->num_layers * po->num_experts, "keys", "key");
     if (!keys) return NULL;
     const npy_intp n = PyArray_DIM(keys, 0);
     PyArrayObject *ps = NULL, *hits = NULL, *vic = NULL;

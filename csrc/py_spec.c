@@ -363,41 +363,9 @@ static int Ngram_init(NgramObject *self, PyObject *args, PyObject *kw) {
         }                                                                               \
     } while (0)
 
-/* Tokens as a new contiguous int32 array (1-D, each in int32 range); NULL with exception. */
-static PyArrayObject *token_array(PyObject *obj, const char *what) {
-    PyArrayObject *a64 = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY);
-    if (!a64) return NULL;
-    if (PyArray_NDIM(a64) != 1) {
-        PyErr_Format(PyExc_ValueError, "%s must be a 1-D sequence of token ids, got %d dimensions",
-                     what, PyArray_NDIM(a64));
-        Py_DECREF(a64);
-        return NULL;
-    }
-    npy_intp n = PyArray_DIM(a64, 0);
-    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
-    if (!out) {
-        Py_DECREF(a64);
-        return NULL;
-    }
-    const int64_t *src = PyArray_DATA(a64);
-    int32_t *dst = PyArray_DATA(out);
-    for (npy_intp i = 0; i < n; i++) {
-        if (src[i] < 0 || src[i] > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "%s: token id %lld at position %zd is outside 0..%d",
-                         what, (long long)src[i], (Py_ssize_t)i, INT32_MAX);
-            Py_DECREF(a64);
-            Py_DECREF(out);
-            return NULL;
-        }
-        dst[i] = (int32_t)src[i];
-    }
-    Py_DECREF(a64);
-    return out;
-}
-
 static PyObject *Ngram_append(NgramObject *self, PyObject *arg) {
     NG_CHECK(self);
-    PyArrayObject *a = token_array(arg, "tokens");
+    PyArrayObject *a = smoe_py_index_array(arg, (uint64_t)INT32_MAX + 1, "tokens", "token id");
     if (!a) return NULL;
     smoe_err err;
     smoe_err_clear(&err);
@@ -450,7 +418,8 @@ static PyObject *Ngram_propose(NgramObject *self, PyObject *args, PyObject *kw) 
     smoe_err err;
     smoe_err_clear(&err);
     if (hist != Py_None) {
-        PyArrayObject *a = token_array(hist, "history");
+        PyArrayObject *a = smoe_py_index_array(hist, (uint64_t)INT32_MAX + 1, "history",
+                                                 "token id");
         if (!a) return NULL;
         int rc;
         npy_intp n = PyArray_DIM(a, 0);
