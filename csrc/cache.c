@@ -229,6 +229,18 @@ static void *worker_main(void *arg) {
 
 /* ---- lifetime ---------------------------------------------------------------------------- */
 
+/* Free the arrays the cache owns and zero it (init failure and smoe_cache_free). */
+static void free_arrays(smoe_cache *c) {
+    free(c->slab);
+    free(c->slots);
+    free(c->slot_err);
+    free(c->map);
+    free(c->qpos);
+    free(c->evicted_pass);
+    free(c->queue);
+    memset(c, 0, sizeof *c);
+}
+
 int smoe_cache_init(smoe_cache *c, smoe_store *store, uint32_t nslots, uint32_t min_slots,
                     smoe_policy *policy, int prefetch_worker, smoe_err *err) {
     memset(c, 0, sizeof *c);
@@ -276,14 +288,7 @@ int smoe_cache_init(smoe_cache *c, smoe_store *store, uint32_t nslots, uint32_t 
     c->queue = malloc(c->queue_cap * sizeof *c->queue);
     if (!c->slab || !c->slots || !c->slot_err || !c->map || !c->qpos || !c->evicted_pass ||
         !c->queue) {
-        free(c->slab);
-        free(c->slots);
-        free(c->slot_err);
-        free(c->map);
-        free(c->qpos);
-        free(c->evicted_pass);
-        free(c->queue);
-        memset(c, 0, sizeof *c);
+        free_arrays(c);
         return smoe_err_set(err, SMOE_ENOMEM, "cache: cannot allocate %u slots of %llu bytes",
                             nslots, (unsigned long long)store->block_bytes);
     }
@@ -327,14 +332,7 @@ void smoe_cache_free(smoe_cache *c) {
     pthread_cond_destroy(&c->work_cv);
     pthread_cond_destroy(&c->idle_cv);
     smoe_policy_destroy(c->policy);
-    free(c->slab);
-    free(c->slots);
-    free(c->slot_err);
-    free(c->map);
-    free(c->qpos);
-    free(c->evicted_pass);
-    free(c->queue);
-    memset(c, 0, sizeof *c);
+    free_arrays(c);
 }
 
 /* ---- demand path ------------------------------------------------------------------------- */
