@@ -236,23 +236,10 @@ def test_ttft_against_loop(small):
 def test_python_policy_and_policy_objects(small):
     from specmoe.policies import LRU, LeastStale, PythonPolicy, make_policy
 
-    class PyLRU(PythonPolicy):
-        def __init__(self):
-            self.order = OrderedDict()
+    from tests.ref_policies import RefLRU as PlainLRU
 
-        def on_insert(self, slot, key, prefetch):
-            self.order[slot] = key
-            self.order.move_to_end(slot)
-
-        def on_access(self, slot, key):
-            self.order.move_to_end(slot)
-
-        def on_evict(self, slot, key):
-            del self.order[slot]
-
-        def victim(self, candidates):
-            ok = set(candidates)
-            return next(s for s in self.order if s in ok)
+    class PyLRU(PlainLRU, PythonPolicy):
+        """The plain-Python reference LRU, run through the Python-policy bridge."""
 
     tr = small.slice(0, 30)
     want = simulate(tr, "lru", 40)
