@@ -361,8 +361,10 @@ def test_heuristic_literal_trace():
 class RefSpeq:
     """MoE-SpeQ governor from the specification (controller.h)."""
 
-    def __init__(self, k_max: int, alpha: float, p_init: float, initial: int) -> None:
-        self.k_max, self.a, self.initial = k_max, alpha, initial
+    def __init__(self, k_max: int, alpha: float, p_init: float, initial: int,
+                 probe: int = 16) -> None:
+        self.k_max, self.a, self.initial, self.probe = k_max, alpha, initial, probe
+        self.zero_run = 0
         self.p = [p_init] * (k_max + 1)
         self.td: Optional[float] = None
         self.t1: Optional[float] = None
@@ -379,6 +381,7 @@ class RefSpeq:
             self.p[j] = (1 - self.a) * self.p[j] + self.a * (1.0 if j <= acc else 0.0)
         if k >= 1 and td > 0:
             self.td = self.ema(self.td, td / k)
+        self.zero_run = self.zero_run + 1 if k == 0 else 0
         g, v = k + 1, max(t - td - tio, 0.0)
         if len(self.tau) >= g:
             self.t1 = self.ema(self.t1, v * self.tau[g - 1])
@@ -415,7 +418,12 @@ class RefSpeq:
     def next_k(self) -> int:
         if not self.samples:
             return max(k for k in self.allowed if k <= self.initial)
-        return self.best()[0]
+        k, vals = self.best()
+        if k == 0 and self.probe > 0 and self.zero_run >= self.probe:
+            pos = [k for k in range(1, self.k_max + 1) if k in self.allowed]
+            if pos:  # the best k >= 1, ties to the smaller
+                k = max(pos, key=lambda j: (vals[j], -j))
+        return k
 
 
 def test_speq_constructed_tables():
@@ -697,3 +705,34 @@ def test_uninitialised_objects_raise():
     d = _C.NgramDrafter.__new__(_C.NgramDrafter)
     with pytest.raises(ValueError):
         d.propose([1, 2], 1)
+
+
+@pytest.mark.parametrize("probe", [1, 5, -1])
+def test_speq_probes_after_a_run_of_plain_iterations(probe):
+    # acceptance ~0 and verify time growing with g: K=0 wins; only the probe asks for drafts
+    g = SpeqGovernor(k_max=4, alpha=0.5, p_init=0.05, probe=probe)
+    ref = RefSpeq(4, 0.5, 0.05, 1, probe=probe)
+    tau = [1.0 / (1.0 + 0.5 * (n - 1)) for n in range(1, 7)]  # (K+1)*tau(K+1) > 1: all allowed
+    g.set_tau(tau)
+    ref.tau = tau
+    asked = []
+    for i in range(24):
+        k = g.next_k()
+        assert k == ref.next_k()
+        asked.append(k)
+        t = 0.01 * (1 + 0.5 * k)
+        g.observe(k, 0, t)
+        ref.observe(k, 0, t, 0.0, 0.0)
+    if probe == -1:
+        assert asked[1:] == [0] * 23
+    else:
+        # one probe after every `probe` plain iterations (the first answer is `initial`)
+        probes = [i for i, k in enumerate(asked) if k > 0 and i > 0]
+        assert probes and all(b - a == probe + 1 for a, b in zip(probes, probes[1:]))
+
+
+def test_speq_probe_must_be_positive_or_never():
+    with pytest.raises(ValueError):
+        SpeqGovernor(probe=0)
+    with pytest.raises(ValueError):
+        SpeqGovernor(probe=-2)

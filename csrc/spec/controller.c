@@ -20,6 +20,7 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
     DEF(base_refresh, 100);
     DEF(alpha, 0.2);
     DEF(p_init, 0.6);
+    DEF(probe, 16);
     DEF(telemetry_cap, 65536u);
 #undef DEF
     if (p->k_max < 1 || p->k_max > SMOE_SPEC_KMAX)
@@ -45,6 +46,9 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
     if (!(p->p_init >= 0.0 && p->p_init <= 1.0))
         return smoe_err_set(err, SMOE_EINVAL, "spec controller: p_init must be in [0, 1], got %g",
                             p->p_init);
+    if (p->probe < -1)
+        return smoe_err_set(err, SMOE_EINVAL, "spec controller: probe must be >= 1 or -1 (never), "
+                            "got %d", (int)p->probe);
     if (p->telemetry_cap > (1u << 26))
         return smoe_err_set(err, SMOE_EINVAL, "spec controller: telemetry_cap %u exceeds %u",
                             (unsigned)p->telemetry_cap, 1u << 26);

@@ -105,6 +105,12 @@
  *     Before the first observation next_k returns clamp(params.initial) (default 1).  Ties of
  *     the objective go to the smaller k.  Telemetry utility: the predicted gain of the K
  *     chosen after the observation, (E[N(K)]/T_cycle(K)) * T_cycle(0).
+ *     Probe (decided here; the governor as published has no exploration): once K=0 wins, no
+ *     draft position is decided and the acceptance model freezes, so one pessimistic
+ *     estimate would keep speculation off for good.  After `probe` (default 16; -1 = never)
+ *     consecutive observed iterations with k_used == 0, next_k answers the best allowed
+ *     k >= 1 by the same objective (ties to the smaller k; 0 when no k >= 1 is allowed);
+ *     any observed iteration with k_used >= 1 resets the count.
  *
  * Instant utility (static, heuristic): (accepted + 1) * t_base / t_iter, with t_base the
  * mean of the last base_len k_used == 0 iterations; NaN until one was observed.
@@ -164,6 +170,7 @@ typedef struct smoe_spec_params {
     /* speq */
     double alpha;           /* EMA weight in (0, 1] (default 0.2) */
     double p_init;          /* initial per-position acceptance in [0, 1] (default 0.6) */
+    int32_t probe;          /* speq: K=0 iterations before a k >= 1 probe (default 16; -1 never) */
     /* all */
     uint32_t telemetry_cap; /* ring capacity in records (default 65536, at most 2^26) */
 } smoe_spec_params;

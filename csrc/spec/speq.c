@@ -17,6 +17,7 @@ typedef struct speq_state {
     int32_t g_first;
     int distinct;                  /* two different g were seen */
     uint64_t n;
+    uint64_t zero_run;             /* consecutive latest observations with k == 0 */
 } speq_state;
 
 static int speq_init(smoe_spec_ctl *c, const smoe_spec_params *p, smoe_err *err) {
@@ -64,10 +65,10 @@ static double cycle_time(const smoe_spec_ctl *c, const speq_state *s, int32_t k)
     return t > 1e-12 ? t : 1e-12;
 }
 
-static int32_t speq_best(const smoe_spec_ctl *c, const speq_state *s) {
+static int32_t speq_best(const smoe_spec_ctl *c, const speq_state *s, int32_t k_min) {
     int32_t best = 0;
     double best_v = -1.0;
-    for (int32_t k = 0; k <= c->params.k_max; k++) {
+    for (int32_t k = k_min; k <= c->params.k_max; k++) {
         if (!c->allowed[k]) continue;
         double v = expected_tokens(s, k) / cycle_time(c, s, k);
         if (v > best_v) {
@@ -81,7 +82,10 @@ static int32_t speq_best(const smoe_spec_ctl *c, const speq_state *s) {
 static int32_t speq_next_k(const smoe_spec_ctl *c) {
     const speq_state *s = c->state;
     if (s->n == 0) return c->params.initial == -1 ? 1 : c->params.initial;
-    return speq_best(c, s);
+    int32_t k = speq_best(c, s, 0);
+    if (k == 0 && c->params.probe > 0 && s->zero_run >= (uint64_t)c->params.probe)
+        k = speq_best(c, s, 1);
+    return k;
 }
 
 static double speq_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *phase) {
@@ -117,7 +121,8 @@ static double speq_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *ph
     else if (g != s->g_first)
         s->distinct = 1;
     s->n++;
-    int32_t k = speq_best(c, s);
+    s->zero_run = o->k == 0 ? s->zero_run + 1 : 0;
+    int32_t k = speq_best(c, s, 0);
     return expected_tokens(s, k) / cycle_time(c, s, k) * cycle_time(c, s, 0);
 }
 
