@@ -30,6 +30,7 @@ Supported architectures (``config.model_type``): see :data:`SUPPORTED`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -279,6 +280,16 @@ class Engine:
         self._own_store = False
         self._closed = False
         self._originals: list[tuple[nn.Module, nn.Module]] = []
+        # self-draft (MoE-SpeQ): every routed expert resident in a low-bit copy
+        self._draft_buf: np.ndarray | None = None
+        self._draft_desc: dict[str, Any] = {}
+        self._draft_block_bytes = 0
+        self.draft_dtype: str | None = None
+        self._drafting: list[tuple[int, np.ndarray]] | None = None  # routing of draft forwards
+        # draft-driven lookahead (position -> predicted experts mask) and its accounting
+        self._lookahead: dict[int, np.ndarray] = {}
+        self._la = {"predicted": 0, "true_positive": 0, "actual": 0}
+        self._tau: dict[int, dict[int, float]] = {}  # batch size -> tau(g), see generate()
 
     # -- the per-layer path -------------------------------------------------------------------
     def _router_scores(self, pos: int, x: torch.Tensor) -> torch.Tensor:
@@ -316,6 +327,8 @@ class Engine:
                        w: torch.Tensor) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("this specmoe Engine is closed")
+        if self._drafting is not None:
+            return self._draft_layer(pos, hidden, idx, w)
         x = hidden.detach().to(torch.float32).contiguous()
         ix = idx.detach().to(torch.int64).contiguous()
         wt = w.detach().to(torch.float32).contiguous()
@@ -337,7 +350,19 @@ class Engine:
             self._pred[pos + 1] = p
             experts = np.nonzero(p)[0]
             self._queue_prefetch(pos + 1, experts, pri[experts])
+        if self._counts_fed:
+            # utility-space policies (spac) learn from how many of this pass's tokens use each
+            # expert, before the pass's accesses (the simulator feeds them at the same point)
+            cnt = np.bincount(ix.numpy().ravel(), minlength=self.num_experts)
+            nz = np.flatnonzero(cnt)
+            self._cache.observe_counts(np.full(len(nz), pos, np.int64), nz, cnt[nz])
         self._forward_c(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used)
+        la = self._lookahead.pop(pos, None)
+        if la is not None:
+            act = used.astype(bool)
+            self._la["predicted"] += int(la.sum())
+            self._la["actual"] += int(act.sum())
+            self._la["true_positive"] += int((la & act).sum())
         # prefetch accounting: compare this layer's prediction with what it used
         pred = self._pred.pop(pos, None)
         if pred is not None:
@@ -372,8 +397,143 @@ class Engine:
     def _queue_prefetch(self, pos: int, experts: np.ndarray, priorities: np.ndarray) -> None:
         if self._cache is not None and len(experts):
             layers = np.full(len(experts), pos, np.int64)
+            # a draft-driven lookahead queued for this pass must survive the per-layer requests
             self._cache.prefetch((layers, experts.astype(np.int64),
-                                  np.asarray(priorities, np.float32)), replace=True)
+                                  np.asarray(priorities, np.float32)),
+                                 replace=not self._lookahead)
+
+    @property
+    def _counts_fed(self) -> bool:
+        return self._cache is not None and self.policy == "spac"
+
+    # -- self-draft and draft-driven lookahead (used by specmoe.generate) ---------------------
+    def enable_self_draft(self, dtype: str = "int4") -> None:
+        """Keep a ``dtype`` copy of every routed expert resident in memory, so the target itself
+        can draft (MoE-SpeQ's quantized self-draft, see :class:`specmoe.generate.SelfDraft`).
+
+        The copy is built from the store (dequantized to f32, requantized to ``dtype``) through
+        a temporary store file that is deleted at once; it costs ``dtype``'s size of all experts
+        (int4: about 1/7 of f32).  Calling it again with another dtype rebuilds the copy."""
+        if self._closed or self._store is None:
+            raise RuntimeError("this specmoe Engine is closed")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
+        if self.draft_dtype == dtype and self._draft_buf is not None:
+            return
+        from .kernels import FFNSpec
+        from .quant import dequantize_expert, expert_tensors, store_dtypes
+        from .store import ExpertStore, aligned_empty, write_store
+        src = self._store
+        E, L = self.num_experts, len(self.layer_ids)
+
+        def layer(p: int) -> dict[str, np.ndarray]:
+            out: dict[str, np.ndarray] = {}
+            for e in range(E):
+                d = dequantize_expert(src.read_expert(p, e))
+                b = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
+                t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=b or None)
+                if not out:
+                    out = {n: np.empty((E,) + a.shape, a.dtype) for n, a in t.items()}
+                for n, a in t.items():
+                    out[n][e] = a
+            return out
+
+        fd, path = tempfile.mkstemp(prefix="specmoe-draft-", suffix=".smoe")
+        os.close(fd)
+        try:
+            first = layer(0)
+            write_store(path, lambda p: first if p == 0 else layer(p), num_layers=L,
+                        model=self.model_type, top_k=self.top_k, dtypes=store_dtypes(first),
+                        progress=False).close()
+            with ExpertStore(path, verify=False) as st:
+                bb = int(st.block_bytes)
+                buf = aligned_empty(L * E * bb)
+                for p in range(L):
+                    for e in range(E):
+                        st.read_block(p, e, out=buf[(p * E + e) * bb:(p * E + e + 1) * bb])
+                ex = dict(src.extra)
+                spec = FFNSpec.from_store_schema(st.tensors, bb,
+                                                 activation=ex.get("activation", "silu"),
+                                                 alpha=float(ex.get("alpha", 1.702)),
+                                                 limit=float(ex.get("limit", 7.0)))
+        finally:
+            os.unlink(path)
+        self._draft_buf, self._draft_desc, self._draft_block_bytes = buf, spec.desc(), bb
+        self.draft_dtype = dtype
+
+    def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
+                     w: torch.Tensor) -> torch.Tensor:
+        if self._draft_buf is None:
+            raise RuntimeError("drafting() needs enable_self_draft() first")
+        x = hidden.detach().to(torch.float32).contiguous()
+        ix = idx.detach().to(torch.int64).contiguous()
+        wt = w.detach().to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        used = np.zeros(self.num_experts, np.uint8)
+        _C.moe_forward(self._draft_buf, self._kctx, self._draft_desc, self._draft_block_bytes,
+                       pos, self.num_experts, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(),
+                       used)
+        assert self._drafting is not None
+        self._drafting.append((pos, ix.numpy().copy()))
+        return out.to(hidden.dtype)
+
+    @contextlib.contextmanager
+    def drafting(self) -> Iterator[list[tuple[int, np.ndarray]]]:
+        """Within the block, the model's MoE layers run on the resident self-draft copy
+        (:meth:`enable_self_draft`), touch neither the cache nor the statistics, and append
+        ``(moe_layer_position, top_k_index[T, k])`` of every layer call to the yielded list."""
+        if self._draft_buf is None:
+            raise RuntimeError("drafting() needs enable_self_draft() first")
+        if self._drafting is not None:
+            raise RuntimeError("drafting() does not nest")
+        rec: list[tuple[int, np.ndarray]] = []
+        self._drafting = rec
+        try:
+            yield rec
+        finally:
+            self._drafting = None
+
+    def lookahead(self, predicted: dict[int, np.ndarray], priority: dict[int, np.ndarray] | None
+                  = None) -> None:
+        """Draft-driven prefetch (MoE-SpeQ's expert lookahead buffer) for the next forward pass:
+        ``predicted[pos]`` is a bool mask [E] of the experts the draft expects MoE layer ``pos``
+        to use.  Every predicted expert is queued to the prefetch worker at once, earlier layers
+        first (and, within a layer, by ``priority[pos]``, higher first); the next pass's
+        per-layer router prefetch adds to this queue instead of replacing it.  The precision and
+        recall of the prediction against what the pass used are counted in :meth:`stats`
+        (``lookahead_precision``, ``lookahead_recall``)."""
+        L, E = len(self.layer_ids), self.num_experts
+        self._lookahead = {}
+        lay, exp, pri = [], [], []
+        for pos, mask in predicted.items():
+            m = np.asarray(mask, bool)
+            if not (0 <= pos < L) or m.shape != (E,):
+                raise ValueError(f"lookahead: position {pos} with mask shape {m.shape}; expected "
+                                 f"0 <= position < {L} and shape ({E},)")
+            self._lookahead[pos] = m
+            ids = np.flatnonzero(m)
+            pr = np.zeros(len(ids), np.float64) if priority is None else \
+                np.asarray(priority[pos], np.float64)[ids]
+            # layer order dominates: squash the within-layer priority into (0, 1)
+            lay.append(np.full(len(ids), pos, np.int64))
+            exp.append(ids.astype(np.int64))
+            pri.append((L - pos) + 0.5 + np.arctan(pr) / np.pi)
+        if self.prefetch and self._cache is not None and lay:
+            self._cache.prefetch((np.concatenate(lay), np.concatenate(exp),
+                                  np.concatenate(pri).astype(np.float32)), replace=True)
+
+    def loads(self) -> tuple[int, float]:
+        """(experts loaded from the store, seconds stalled on loads) since the last reset."""
+        if self._cache is None:
+            return 0, 0.0
+        c = self._cache.stats()
+        return int(c.get("bytes_read", 0)) // max(1, self._cache.slot_bytes), float(
+            c.get("stall_s", 0.0))
+
+    def generate(self, input_ids: Any, **kw: Any) -> Any:
+        """:func:`specmoe.generate` on this engine's model (same arguments)."""
+        from .generate import generate
+        return generate(self.model, input_ids, engine=self, **kw)
 
     # -- public -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -385,6 +545,10 @@ class Engine:
             "cache_frac": self.cache_frac, "dtype": self.dtype, "prefetch": self.prefetch,
             "prefetch_precision": pf["true_positive"] / pf["predicted"] if pf["predicted"] else None,
             "prefetch_recall": pf["true_positive"] / pf["actual"] if pf["actual"] else None,
+            "lookahead_precision": (self._la["true_positive"] / self._la["predicted"]
+                                    if self._la["predicted"] else None),
+            "lookahead_recall": (self._la["true_positive"] / self._la["actual"]
+                                 if self._la["actual"] else None),
         }
         s.update(self._cache_stats())
         return s
@@ -401,6 +565,7 @@ class Engine:
 
     def reset_stats(self) -> None:
         self._pf = {"predicted": 0, "true_positive": 0, "actual": 0}
+        self._la = {"predicted": 0, "true_positive": 0, "actual": 0}
         self._tokens = self._passes = 0
         if self._cache is not None:
             self._cache.reset_stats()
@@ -461,6 +626,7 @@ class Engine:
             return
         self._closed = True
         self._source = None
+        self._draft_buf = None
         if self._cache is not None:
             self._cache.close()
             self._cache = None

@@ -1,0 +1,510 @@
+"""Speculative decoding for (offloaded) MoE models: :func:`generate`.
+
+One decoding iteration: the controller picks K; the drafter proposes up to K tokens; the target
+runs ONE forward over the pending token and the K drafts (K+1 positions); the acceptance rule
+(:func:`specmoe.spec.accept`, in C) keeps the longest accepted prefix and adds one token of the
+target's own (greedy: exact match with the target's argmax, so the output equals plain greedy
+decoding; sampling: the standard rejection rule, so the output follows the target's
+distribution); the target's KV cache is cropped back to the accepted prefix; the controller
+learns from what the iteration cost and yielded.  K = 0 is a plain decoding step.
+
+Drafters (anything with ``propose(history, k)`` returning token ids works; the model drafters
+below also return their distributions and routing through ``draft(...)``):
+
+* :class:`specmoe.spec.NgramDrafter` -- prompt lookup in C (deterministic proposals);
+* :class:`DraftModel` -- a small causal LM sharing the target's tokenizer (e.g. the zoo's
+  ``tiny-draft``), with its own KV cache rolled back to the accepted prefix;
+* :class:`SelfDraft` -- MoE-SpeQ's drafter: the target itself with every routed expert resident
+  in a low-bit copy (int4 by default); its routing of the draft tokens is the expert lookahead
+  buffer that is prefetched before verification (``Engine.lookahead``).
+
+With an :class:`specmoe.hf.Engine` (offloaded model) the statistics also count the experts
+loaded per iteration, and with the ``spac`` policy the cache learns expert utilities from each
+verification's activation counts.  Only batch size 1 is supported.
+"""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from .spec import Controller, NgramDrafter, SpeqGovernor, accept, measure_tau
+
+__all__ = ["Draft", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput", "generate",
+           "find_engine"]
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How logits become the distribution tokens are drawn from (target and draft alike).
+
+    ``temperature`` > 0 divides the logits; ``top_k`` keeps the k most likely tokens; ``top_p``
+    keeps the smallest set whose probability reaches p (nucleus).  The rejection rule then
+    makes the output follow exactly this processed target distribution."""
+
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows of probabilities (float32, C-contiguous) from rows of logits [n, V]."""
+        x = logits.detach().float() / float(self.temperature)
+        if self.top_k is not None and self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        p = torch.softmax(x, dim=-1)
+        if self.top_p is not None and self.top_p < 1:
+            sp, si = torch.sort(p, dim=-1, descending=True)
+            before = torch.cumsum(sp, dim=-1) - sp
+            sp = sp.masked_fill(before >= self.top_p, 0.0)
+            p = torch.zeros_like(p).scatter(-1, si, sp)
+            p = p / p.sum(-1, keepdim=True)
+        return p.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# drafters
+
+
+@dataclass
+class Draft:
+    """What a drafter proposes for one iteration.
+
+    tokens: the draft token ids (may be fewer than asked, or none).
+    probs: float32 [len(tokens), V] distributions the tokens were sampled from, or None for a
+        deterministic proposal (n-gram lookup, greedy drafting).
+    routing: for a drafter that runs the target's routers (:class:`SelfDraft`): MoE layer
+        position -> activation counts [E] over the verification inputs the draft routed.
+    """
+
+    tokens: List[int]
+    probs: Optional[torch.Tensor] = None
+    routing: Optional[Dict[int, np.ndarray]] = None
+
+
+def _forward(model: nn.Module, ids: Sequence[int], kv: Any) -> torch.Tensor:
+    x = torch.tensor([list(ids)], dtype=torch.long)
+    with torch.no_grad():
+        out = model(input_ids=x, past_key_values=kv, use_cache=True)
+    return out.logits[0]
+
+
+def _new_kv(model: nn.Module) -> Any:
+    from transformers import DynamicCache
+    return DynamicCache(config=model.config)
+
+
+def _crop(kv: Any, keep: int) -> None:
+    """Drop KV entries beyond the first ``keep`` positions (transformers 5 crops by a negative
+    count of positions to remove)."""
+    n = kv.get_seq_length()
+    if keep < n:
+        kv.crop(keep - n)
+
+
+class DraftModel:
+    """A small causal LM that drafts for the target (same tokenizer and vocabulary).
+
+    It keeps its own KV cache of the history it has seen; each :meth:`draft` call crops it to the
+    common prefix with the current history (the rejected drafts go) and feeds the new tokens in
+    one forward before drafting token by token.  Greedy (``sampling=None``) drafts the argmax;
+    otherwise it samples from ``sampling.probs`` and returns those distributions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError("DraftModel needs a transformers causal LM")
+        self.model = model
+        self._kv: Any = None
+        self._seen: List[int] = []  # tokens whose keys/values are in self._kv
+
+    def reset(self) -> None:
+        """Forget the cached history (the next draft starts from scratch)."""
+        self._kv, self._seen = None, []
+
+    def propose(self, history: Sequence[int], k: int) -> List[int]:
+        """Greedy draft of k tokens after ``history`` (the :class:`Drafter` protocol)."""
+        return self.draft(history, k).tokens
+
+    def _run(self, ids: Sequence[int]) -> torch.Tensor:
+        return _forward(self.model, ids, self._kv)
+
+    def draft(self, history: Sequence[int], k: int, sampling: Optional[Sampling] = None,
+              generator: Optional[torch.Generator] = None) -> Draft:
+        """Draft k tokens after ``history`` (a non-empty list of token ids)."""
+        h = [int(t) for t in history]
+        if not h:
+            raise ValueError("draft: empty history")
+        if k <= 0:
+            return Draft([], None, None)
+        n = 0
+        lim = min(len(self._seen), len(h) - 1)  # the last history token is always fed
+        while n < lim and self._seen[n] == h[n]:
+            n += 1
+        if self._kv is None or n == 0:
+            self._kv, n = _new_kv(self.model), 0
+        else:
+            _crop(self._kv, n)
+        logits = self._run(h[n:])[-1:]
+        toks: List[int] = []
+        rows: List[torch.Tensor] = []
+        for i in range(k):
+            if sampling is None:
+                t = int(torch.argmax(logits[-1]))
+            else:
+                p = sampling.probs(logits[-1:])
+                t = int(torch.multinomial(p[0], 1, generator=generator))
+                rows.append(p[0])
+            toks.append(t)
+            if i + 1 < k:
+                logits = self._run([t])
+        # the last draft token was not fed: the cache holds history + toks[:-1]
+        self._seen = h + toks[:-1]
+        return Draft(toks, torch.stack(rows) if rows else None, self._routing(len(h) - n, k))
+
+    def _routing(self, fed_first: int, k: int) -> Optional[Dict[int, np.ndarray]]:
+        return None
+
+
+class SelfDraft(DraftModel):
+    """MoE-SpeQ's drafter: the offloaded target itself, its routed experts resident in a
+    ``dtype`` copy (:meth:`specmoe.hf.Engine.enable_self_draft`), attention and routers shared.
+
+    Drafting k tokens routes the verification's first k inputs (the pending token and the
+    first k-1 drafts; the last draft is never fed to the draft): those per-layer activation
+    counts are :attr:`Draft.routing`, the expert lookahead buffer :func:`generate` prefetches
+    before verifying."""
+
+    def __init__(self, engine: Any, dtype: str = "int4") -> None:
+        from .hf import Engine
+        if not isinstance(engine, Engine):
+            raise TypeError("SelfDraft needs the specmoe Engine of an offloaded model "
+                            "(specmoe.offload(...))")
+        super().__init__(engine.model)
+        self.engine = engine
+        engine.enable_self_draft(dtype)
+        self._rec: List[Any] = []
+
+    def reset(self) -> None:
+        super().reset()
+        self._rec = []
+
+    def _run(self, ids: Sequence[int]) -> torch.Tensor:
+        with self.engine.drafting() as rec:
+            out = _forward(self.model, ids, self._kv)
+        self._rec.append(rec)
+        return out
+
+    def draft(self, history: Sequence[int], k: int, sampling: Optional[Sampling] = None,
+              generator: Optional[torch.Generator] = None) -> Draft:
+        self._rec = []
+        return super().draft(history, k, sampling, generator)
+
+    def _routing(self, fed_first: int, k: int) -> Optional[Dict[int, np.ndarray]]:
+        E = self.engine.num_experts
+        counts: Dict[int, np.ndarray] = {}
+        for i, rec in enumerate(self._rec):
+            for pos, idx in rec:
+                rows = idx[-1:] if i == 0 else idx  # first forward: only the pending token
+                c = counts.setdefault(pos, np.zeros(E, np.int64))
+                np.add.at(c, rows.ravel(), 1)
+        return counts
+
+
+def _draft(drafter: Any, history: List[int], k: int, sampling: Optional[Sampling],
+           gen: Optional[torch.Generator], vocab: int) -> Draft:
+    if k <= 0:
+        return Draft([])
+    if isinstance(drafter, DraftModel):
+        d = drafter.draft(history, k, sampling, gen)
+    else:
+        d = Draft([int(t) for t in drafter.propose(history, k)])
+    if len(d.tokens) > k:
+        raise ValueError(f"drafter {type(drafter).__name__} proposed {len(d.tokens)} tokens, "
+                         f"more than the {k} asked for")
+    bad = [t for t in d.tokens if not (0 <= t < vocab)]
+    if bad:
+        raise ValueError(f"drafter {type(drafter).__name__} proposed token ids {bad} outside "
+                         f"the vocabulary [0, {vocab})")
+    if d.probs is not None and tuple(d.probs.shape) != (len(d.tokens), vocab):
+        raise ValueError(f"drafter {type(drafter).__name__} returned probs of shape "
+                         f"{tuple(d.probs.shape)}, expected ({len(d.tokens)}, {vocab})")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+@dataclass
+class GenerateOutput:
+    """Result of :func:`generate`.
+
+    sequences: [1, prompt + new] token ids (like ``model.generate``).
+    stats: ``new_tokens``, ``iterations``, ``time_s``, ``tok_per_s``, ``proposed``, ``accepted``,
+        ``acceptance`` (accepted / proposed), ``etr`` (tokens per iteration), ``k_mean``,
+        ``experts_loaded`` and ``experts_loaded_per_token`` (offloaded models),
+        ``stall_s``, ``lookahead_precision`` / ``lookahead_recall`` (draft-driven prefetch).
+    iterations: one dict per iteration: ``k_planned``, ``k`` (drafts verified), ``accepted``,
+        ``emitted``, ``t_iter``, ``t_draft``, ``experts_loaded``.
+    """
+
+    sequences: torch.Tensor
+    stats: Dict[str, Any] = field(default_factory=dict)
+    iterations: List[Dict[str, Any]] = field(default_factory=list)
+
+
+def find_engine(model: nn.Module) -> Any:
+    """The :class:`specmoe.hf.Engine` that offloaded ``model``, or None."""
+    from .hf import SpecmoeExperts
+    for m in model.modules():
+        if isinstance(m, SpecmoeExperts):
+            return m._engine
+    return None
+
+
+_TAU: "weakref.WeakKeyDictionary[nn.Module, Dict[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any = None,
+               repeats: int = 3) -> Dict[int, float]:
+    """tau(g) = T(1)/T(g) of the target forward over g = 1..g_max tokens at batch size 1,
+    measured once per model (kept on its engine, or in a per-model table) on a scratch KV
+    cache prefilled with the end of ``prompt``.  Expert loads count: this is the forward as it
+    runs, cache misses included."""
+    table: Dict[int, float] = engine._tau.setdefault(1, {}) if engine is not None \
+        else _TAU.setdefault(model, {})
+    if table and max(table) >= g_max:
+        return {g: t for g, t in table.items() if g <= g_max}
+    kv = _new_kv(model)
+    base = list(prompt)[-64:]
+    _forward(model, base, kv)
+    n = kv.get_seq_length()
+    toks = (base * (g_max // len(base) + 1))[:g_max]
+
+    def fwd(g: int) -> None:
+        _forward(model, toks[:g], kv)
+        _crop(kv, n)
+
+    table.clear()
+    table.update(measure_tau(fwd, range(1, g_max + 1), repeats=repeats, warmup=1))
+    return dict(table)
+
+
+def _speq_io_cost(ctl: SpeqGovernor, loaded: Dict[int, float], t_load: float) -> None:
+    """io_cost[k] for the governor: seconds of loading the experts k drafts would add.
+
+    Decided here (the governor itself takes any cost vector): the experts loaded per iteration
+    verifying k drafts are tracked by an EMA per k; a k never observed is extrapolated from the
+    nearest observed one in proportion to the tokens verified (k+1); the cost is that count
+    times the measured seconds per load (the stall per loaded expert, an EMA)."""
+    km = ctl.k_max
+    seen = sorted(loaded)
+    cost = np.zeros(km + 1)
+    if seen and t_load > 0:
+        for k in range(km + 1):
+            j = min(seen, key=lambda s: (abs(s - k), s))
+            cost[k] = loaded[j] * (k + 1) / (j + 1) * t_load if j != k else loaded[k] * t_load
+    ctl.set_io_cost(cost)
+
+
+def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
+             drafter: Any = None, controller: Optional[Controller] = None,
+             max_new_tokens: int = 32, do_sample: bool = False, *,
+             temperature: float = 1.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, eos_token_id: Union[int, Sequence[int], None] = -1,
+             seed: Optional[int] = None, tau: Union[str, Mapping[int, float], None] = "auto",
+             engine: Any = None, lookahead: bool = True, progress: bool = False
+             ) -> GenerateOutput:
+    """Generate up to ``max_new_tokens`` tokens with speculative decoding.
+
+    Args:
+        model: a transformers causal LM, offloaded by :func:`specmoe.offload` or not.
+        input_ids: the prompt, [1, n] or [n] token ids (batch size 1 only).
+        drafter: :class:`specmoe.spec.NgramDrafter`, :class:`DraftModel`, :class:`SelfDraft`,
+            or any object with ``propose(history, k) -> list[int]``.  None: plain decoding.
+        controller: chooses K per iteration (:mod:`specmoe.spec`: StaticK, Heuristic, Cascade,
+            SpeqGovernor).  Default with a drafter: ``Cascade()``.  It keeps learning across
+            calls; its ``telemetry()`` holds every iteration.
+        max_new_tokens: tokens to generate (>= 1); fewer when an EOS token is emitted.
+        do_sample: sample (rejection rule, output distributed as the target's) instead of
+            greedy (output equal to plain greedy decoding).
+        temperature, top_k, top_p: the sampling distribution (see :class:`Sampling`).
+        eos_token_id: stop after emitting one of these; -1 (default) takes the model's
+            ``generation_config.eos_token_id``; None never stops early.
+        seed: seeds the sampling generator (draws of the drafter and of the acceptance rule).
+        tau: gamma-tolerance pruning: "auto" measures tau(g) = T(1)/T(g) of the target once
+            per model (:func:`target_tau`) and gives it to the controller, which then never
+            picks a K whose best case (K+1)*tau(K+1) <= 1; a mapping {g: tau} is used as is;
+            None switches pruning off.
+        engine: the model's Engine (found automatically when the model is offloaded).
+        lookahead: with a drafter that reports routing (SelfDraft), prefetch its predicted
+            experts before each verification.
+        progress: show a tqdm bar over the new tokens.
+
+    Returns:
+        :class:`GenerateOutput` (``.sequences``, ``.stats``, ``.iterations``).
+
+    Raises:
+        ValueError: batch size other than 1, empty prompt, bad lengths or sampling settings, a
+            controller without a drafter, a drafter proposing ids outside the vocabulary.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    ids = torch.as_tensor(input_ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got {ids.dtype}")
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"generate supports batch size 1 only, got input_ids of shape "
+                             f"{tuple(ids.shape)}")
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty [1, n] or [n] tensor, got shape "
+                         f"{tuple(torch.as_tensor(input_ids).shape)}")
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    prompt = [int(t) for t in ids.tolist()]
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"input_ids must lie in [0, {vocab})")
+    if controller is not None and drafter is None:
+        raise ValueError("a controller needs a drafter (drafter=None decodes plainly)")
+    if controller is not None and not isinstance(controller, Controller):
+        raise TypeError(f"controller must be a specmoe.spec Controller, got "
+                        f"{type(controller).__name__}")
+    if drafter is not None and not (isinstance(drafter, (DraftModel, NgramDrafter))
+                                    or callable(getattr(drafter, "propose", None))):
+        raise TypeError(f"drafter {type(drafter).__name__} has no propose(history, k)")
+    if drafter is not None and controller is None:
+        from .spec import Cascade
+        controller = Cascade()
+    sampling = Sampling(temperature, top_k, top_p) if do_sample else None
+    if eos_token_id == -1:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = set() if eos_token_id is None else (
+        {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id})
+    gen = torch.Generator().manual_seed(int(seed)) if seed is not None else torch.Generator()
+    if seed is None:
+        gen.seed()
+    if engine is None:
+        engine = find_engine(model)
+    if isinstance(tau, str) and tau != "auto":
+        raise ValueError(f"tau must be 'auto', a mapping or None, got {tau!r}")
+    if controller is not None and tau is not None:
+        controller.set_tau(target_tau(model, prompt, controller.k_max + 1, engine)
+                           if isinstance(tau, str) else tau)
+
+    t_start = time.perf_counter()
+    kv = _new_kv(model)
+    if len(prompt) > 1:
+        _forward(model, prompt[:-1], kv)  # the last prompt token is the first pending one
+    seq = list(prompt)
+    its: List[Dict[str, Any]] = []
+    loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
+    la0 = dict(engine._la) if engine is not None else {}
+    speq_loaded: Dict[int, float] = {}
+    t_load = 0.0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=max_new_tokens, desc="generate", unit="tok")
+    done = False
+    try:
+        while not done and len(seq) - len(prompt) < max_new_tokens:
+            left = max_new_tokens - (len(seq) - len(prompt))
+            k_plan = controller.next_k() if controller is not None else 0
+            k = min(k_plan, left - 1)  # the target always adds one token of its own
+            t0 = time.perf_counter()
+            l0, s0 = engine.loads() if engine is not None else (0, 0.0)
+            d = _draft(drafter, seq, k, sampling, gen, vocab)
+            t_draft = time.perf_counter() - t0
+            kd = len(d.tokens)
+            if lookahead and d.routing and engine is not None:
+                pri = None
+                if engine.policy == "spac" and engine._cache is not None:
+                    pri = {p: engine._cache.utility(np.full(len(c), p), np.arange(len(c)))
+                           .astype(np.float64) + c / (kd + 2) for p, c in d.routing.items()}
+                engine.lookahead({p: c > 0 for p, c in d.routing.items()}, pri)
+            logits = _forward(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
+            if engine is not None:
+                engine._lookahead.clear()
+            if sampling is None:
+                p = logits.float().contiguous().numpy()
+                u = None
+                q = None
+            else:
+                p = sampling.probs(logits).numpy()
+                u = torch.rand((kd + 1, 2), generator=gen, dtype=torch.float64).numpy()
+                # keep strictly below 1 (torch.rand is in [0, 1) already; guard rounding)
+                q = None if d.probs is None else d.probs.float().contiguous().numpy()
+            n_acc, nxt = accept(p, np.asarray(d.tokens, np.int64), q, u)
+            _crop(kv, len(seq) + n_acc)  # keep the pending token and the accepted drafts
+            new = d.tokens[:n_acc] + [int(nxt)]
+            for j, t in enumerate(new):
+                if t in eos:
+                    new = new[:j + 1]
+                    done = True
+                    break
+            seq.extend(new)
+            t_iter = time.perf_counter() - t0
+            l1, s1 = engine.loads() if engine is not None else (0, 0.0)
+            n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
+            if controller is not None:
+                if isinstance(controller, SpeqGovernor):
+                    old = speq_loaded.get(kd)
+                    speq_loaded[kd] = n_load if old is None else 0.8 * old + 0.2 * n_load
+                    if n_load:
+                        t_load = t_io / n_load if t_load == 0 else 0.8 * t_load + 0.2 * t_io / n_load
+                controller.observe(kd, n_acc, t_iter, n_load, t_draft=min(t_draft, t_iter),
+                                   t_io=t_io)
+                if isinstance(controller, SpeqGovernor):
+                    _speq_io_cost(controller, speq_loaded, t_load)
+            its.append({"k_planned": int(k_plan), "k": kd, "accepted": int(n_acc),
+                        "emitted": len(new), "t_iter": t_iter, "t_draft": t_draft,
+                        "experts_loaded": n_load})
+            if bar is not None:
+                bar.update(len(new))
+    finally:
+        if bar is not None:
+            bar.close()
+    elapsed = time.perf_counter() - t_start
+    new_tokens = len(seq) - len(prompt)
+    proposed = sum(i["k"] for i in its)
+    accepted = sum(i["accepted"] for i in its)
+    stats: Dict[str, Any] = {
+        "new_tokens": new_tokens, "iterations": len(its), "time_s": elapsed,
+        "tok_per_s": new_tokens / elapsed if elapsed > 0 else float("nan"),
+        "proposed": proposed, "accepted": accepted,
+        "acceptance": accepted / proposed if proposed else None,
+        "etr": new_tokens / len(its) if its else None,
+        "k_mean": proposed / len(its) if its else None,
+    }
+    if engine is not None:
+        l1, s1 = engine.loads()
+        la = {n: engine._la[n] - la0.get(n, 0) for n in engine._la}
+        stats.update({"experts_loaded": l1 - loaded0,
+                      "experts_loaded_per_token": (l1 - loaded0) / max(1, new_tokens),
+                      "stall_s": s1 - stall0,
+                      "lookahead_precision": (la["true_positive"] / la["predicted"]
+                                              if la["predicted"] else None),
+                      "lookahead_recall": (la["true_positive"] / la["actual"]
+                                           if la["actual"] else None)})
+    return GenerateOutput(torch.tensor([seq], dtype=torch.long), stats, its)
