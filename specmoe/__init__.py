@@ -23,10 +23,16 @@ from .sweep import sweep  # simulator sweeps
 __version__ = "0.1.0"
 
 
+_SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput")
+
+
 def __getattr__(name: str):  # HF integration loaded on first use (it imports torch)
     if name in ("offload", "Engine"):
         from . import hf
         return getattr(hf, name)
+    if name in _SPECULATIVE:  # speculative decoding on transformers models (torch)
+        from . import speculative
+        return getattr(speculative, name)
     raise AttributeError(f"module 'specmoe' has no attribute {name!r}")
 
 
@@ -67,4 +73,9 @@ __all__ = [
     "sweep",
     "offload",
     "Engine",
+    "generate",
+    "DraftModel",
+    "SelfDraft",
+    "Sampling",
+    "GenerateOutput",
 ]
