@@ -515,6 +515,9 @@ static PyTypeObject Ngram_Type = {
  *   empty sequence of any dtype means K = 0.
  * - Every value is checked (smoe_spec_accept_check) before the rule runs, so bad input raises
  *   ValueError instead of answering garbage; in greedy mode a q given is checked too.
+ *   check=False skips only the O((2K+1)V) scan of the entries of p and q (for a loop that
+ *   makes its rows with softmax itself); shapes, dtypes, draft ids and u are always checked,
+ *   which is what memory safety needs (see spec/verify.h).
  * - The GIL is released only when the arrays hold at least SPEC_NOGIL_MIN elements: below
  *   that the work takes about a microsecond and giving the GIL away could cost more (another
  *   thread may keep it for a whole switch interval). */
@@ -571,10 +574,11 @@ static PyArrayObject *draft_array(PyObject *obj) {
 
 static PyObject *py_spec_accept(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"p", "draft", "q", "u", NULL};
+    static char *kwlist[] = {"p", "draft", "q", "u", "check", NULL};
     PyObject *po, *dobj, *qo = Py_None, *uo = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO:spec_accept", kwlist, &po, &dobj, &qo,
-                                     &uo))
+    int check = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$p:spec_accept", kwlist, &po, &dobj, &qo,
+                                     &uo, &check))
         return NULL;
     PyArrayObject *p = exact_matrix(po, NPY_FLOAT32, "p", "float32");
     if (!p) return NULL;
@@ -617,11 +621,11 @@ static PyObject *py_spec_accept(PyObject *self, PyObject *args, PyObject *kw) {
     smoe_err_clear(&err);
     if ((double)(2 * k + 1) * (double)v >= SPEC_NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        rc = smoe_spec_accept_check(pp, dp, qp, up, (int32_t)k, (int64_t)v, &err);
+        rc = smoe_spec_accept_check(pp, dp, qp, up, (int32_t)k, (int64_t)v, check, &err);
         if (rc == 0) rc = smoe_spec_accept(pp, dp, qp, up, (int32_t)k, (int64_t)v, &n, &next, &err);
         Py_END_ALLOW_THREADS
     } else {
-        rc = smoe_spec_accept_check(pp, dp, qp, up, (int32_t)k, (int64_t)v, &err);
+        rc = smoe_spec_accept_check(pp, dp, qp, up, (int32_t)k, (int64_t)v, check, &err);
         if (rc == 0) rc = smoe_spec_accept(pp, dp, qp, up, (int32_t)k, (int64_t)v, &n, &next, &err);
     }
     Py_DECREF(d);
@@ -631,8 +635,8 @@ static PyObject *py_spec_accept(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyMethodDef spec_functions[] = {
     {"spec_accept", (PyCFunction)(void (*)(void))py_spec_accept, METH_VARARGS | METH_KEYWORDS,
-     "spec_accept(p, draft, q=None, u=None) -> (n_accepted, next_token): the speculative "
-     "decoding acceptance rule (greedy when u is None); see csrc/spec/verify.h."},
+     "spec_accept(p, draft, q=None, u=None, *, check=True) -> (n_accepted, next_token): the "
+     "speculative decoding acceptance rule (greedy when u is None); see csrc/spec/verify.h."},
     {NULL, NULL, 0, NULL}};
 
 int smoe_py_spec_init(PyObject *m) {

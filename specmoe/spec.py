@@ -337,7 +337,7 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
 
 def accept(p: np.ndarray, draft: Union[Sequence[int], np.ndarray],
            q: Optional[np.ndarray] = None,
-           u: Optional[np.ndarray] = None) -> tuple[int, int]:
+           u: Optional[np.ndarray] = None, *, check: bool = True) -> tuple[int, int]:
     """How many of the K draft tokens one verification accepts, and the next token.
 
     The iteration emits ``draft[:n]`` followed by ``next_token`` (n + 1 tokens).
@@ -365,6 +365,10 @@ def accept(p: np.ndarray, draft: Union[Sequence[int], np.ndarray],
             then ``q[i]`` is one-hot at ``draft[i]``.
         u: float64 C-contiguous ``[K+1, 2]`` uniforms in ``[0, 1)`` from the caller's seeded
             generator (e.g. ``rng.random((K + 1, 2))``), or None for greedy decoding.
+        check: scan every entry of p and q (finite, >= 0, rows summing to 1).  False skips
+            that O((2K+1)V) scan, for a loop that computes its rows with softmax itself;
+            shapes, dtypes, draft ids and u are still checked, so bad values cannot crash,
+            but they give an unspecified answer (or ValueError) instead of a named error.
 
     Returns:
         ``(n_accepted, next_token)``.
@@ -375,4 +379,4 @@ def accept(p: np.ndarray, draft: Union[Sequence[int], np.ndarray],
         ValueError: wrong shapes or layout, a non-probability row (NaN, inf, negative, bad
             sum), a draft id out of range, or u outside ``[0, 1)``.
     """
-    return _C.spec_accept(p, draft, q, u)
+    return _C.spec_accept(p, draft, q, u, check=check)

@@ -98,6 +98,7 @@ def test_greedy_accepts_the_argmax_prefix(v: int, k: int) -> None:
             n, nxt = _C.spec_accept(p, draft)
             assert (n, nxt) == (j, int(best[j]))
             assert (n, nxt) == ref_accept(p, draft, None, None)
+            assert _C.spec_accept(p, draft, check=False) == (j, int(best[j]))
             # q is ignored in greedy mode
             q = rand_rows(rng, k, v) if k else None
             assert accept(p, draft, q) == (j, int(best[j]))
@@ -144,6 +145,7 @@ def test_sampling_matches_reference(v: int) -> None:
         got = _C.spec_accept(p, draft.astype(np.int64), q, u)
         want = ref_accept(p, draft, q, u)
         assert got == want, (trial, k, got, want)
+        assert _C.spec_accept(p, draft, q, u, check=False) == want
         n, t = got
         assert p[n, t] > 0  # never a zero-probability token
         seen_n.add(n)
@@ -506,3 +508,73 @@ def test_bad_input_arity_and_good_baseline() -> None:
         _C.spec_accept(p)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         _C.spec_accept(p, d, q, u, 1)  # type: ignore[call-arg]
+
+
+def test_check_false_skips_only_the_value_scan() -> None:
+    p, d, q, u = good()
+    # bad entries pass unnamed, but cannot crash: an id in range or a ValueError
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        pb, qb = p.copy(), q.copy()
+        for a in (pb, qb):
+            m = rng.random(a.shape) < 0.3
+            a[m] = rng.choice(np.array([np.nan, np.inf, -np.inf, -1.0, 0.0, 7.0], np.float32),
+                              size=int(m.sum()))
+        for uu in (u, None):
+            try:
+                n, t = _C.spec_accept(pb, d, qb, uu, check=False)
+            except ValueError as e:
+                assert "all zero" in str(e)
+                continue
+            assert 0 <= n <= 2 and 0 <= t < p.shape[1]
+    # shapes, dtypes, draft ids and u are still checked
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        _C.spec_accept(p, [0, 5], q, u, check=False)
+    with pytest.raises(ValueError, match="outside"):
+        _C.spec_accept(p, d, q, np.full((3, 2), 1.0), check=False)
+    with pytest.raises(TypeError, match="float32"):
+        _C.spec_accept(p.astype(np.float64), d, q, u, check=False)
+    with pytest.raises(ValueError, match="K\\+1 rows"):
+        accept(p[:2].copy(), d, q, u, check=False)
+    with pytest.raises(TypeError):
+        _C.spec_accept(p, d, q, u, False)  # check is keyword-only
+
+
+@pytest.mark.parametrize("v", [15, 16, 17, 33, 100, 1001])
+def test_argmax_ties_across_vector_lanes(v: int) -> None:
+    rng = np.random.default_rng(v)
+    for trial in range(50):
+        w = rng.integers(0, 4, size=(2, v)).astype(np.float64)  # many ties, some zeros
+        w[:, rng.integers(0, v)] += 1.0
+        p = (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+        best = int(np.argmax(p[0]))
+        assert _C.spec_accept(p, [best]) == (1, int(np.argmax(p[1])))
+        other = int(np.flatnonzero(p[0] == p[0].max())[-1])
+        if other != best:  # a later tie is not the argmax
+            assert _C.spec_accept(p, [other]) == (0, best)
+
+
+@pytest.mark.parametrize("pos", [0, 5, 8, 17, 31, 32, 36])
+@pytest.mark.parametrize("bad", [np.nan, -np.nan, np.inf, -np.inf, -1e-45, -0.5])
+def test_bad_entry_anywhere_in_a_row(pos: int, bad: float) -> None:
+    v = 37  # 4 vector blocks of 8 and a tail of 5
+    p = rand_rows(np.random.default_rng(pos), 2, v)
+    p[1, pos] = bad
+    with pytest.raises(ValueError, match=rf"p\[1, {pos}\] = .* is not a probability"):
+        _C.spec_accept(p, [0])
+    q = rand_rows(np.random.default_rng(pos), 1, v)
+    q[0, pos] = bad
+    with pytest.raises(ValueError, match=rf"q\[0, {pos}\] = .* is not a probability"):
+        _C.spec_accept(rand_rows(np.random.default_rng(1), 2, v), [0], q)
+
+
+def test_negative_zero_is_a_probability_and_flt_max_fails_the_sum() -> None:
+    p = rand_rows(np.random.default_rng(2), 1, 37, zero_frac=0.4)
+    zeros = p[0] == 0
+    assert zeros[:32].any() and zeros[32:].any()  # in the vector blocks and in the tail
+    p[0, zeros] = -0.0
+    assert _C.spec_accept(p, [], None, np.array([[0.0, 0.5]])) == \
+        ref_accept(p, np.zeros(0, np.int64), None, np.array([[0.0, 0.5]]))
+    p[0, 20] = np.finfo(np.float32).max
+    with pytest.raises(ValueError, match="row 0 of p sums to"):
+        _C.spec_accept(p, [])

@@ -3,17 +3,42 @@
 
 #include <float.h>
 #include <math.h>
+#include <string.h>
+
+/* The two O(V) row scans below (argmax, check) use GCC/Clang vector extensions: 16-byte
+ * vectors that every target has (SSE2 on x86-64, NEON on arm64), no ISA dispatch needed.
+ * Plain loops do not vectorise here: float max/min and double sums may not be reordered
+ * without -ffast-math. */
+typedef float smoe_f4 __attribute__((vector_size(16)));
+typedef int32_t smoe_i4 __attribute__((vector_size(16)));
+typedef uint32_t smoe_u4 __attribute__((vector_size(16)));
+typedef double smoe_d2 __attribute__((vector_size(16)));
+
+static inline smoe_f4 ld4(const float *x) {
+    smoe_f4 r;
+    memcpy(&r, x, sizeof r); /* unaligned load */
+    return r;
+}
 
 int64_t smoe_spec_argmax(const float *row, int64_t v) {
-    int64_t best = 0;
-    float m = row[0];
-    for (int64_t j = 1; j < v; j++) {
-        if (row[j] > m) { /* strict: ties keep the lowest index */
-            m = row[j];
-            best = j;
-        }
+    float m = -INFINITY;
+    int64_t j = 0;
+    if (v >= 16) {
+        smoe_f4 mx[4];
+        for (int l = 0; l < 4; l++) mx[l] = ld4(row + 4 * l);
+        for (j = 16; j + 16 <= v; j += 16)
+            for (int l = 0; l < 4; l++) {
+                smoe_f4 x = ld4(row + j + 4 * l);
+                smoe_i4 gt = x > mx[l]; /* all ones where x wins; NaN never wins */
+                mx[l] = (smoe_f4)(((smoe_i4)x & gt) | ((smoe_i4)mx[l] & ~gt));
+            }
+        for (int l = 0; l < 4; l++)
+            for (int e = 0; e < 4; e++) m = mx[l][e] > m ? mx[l][e] : m;
     }
-    return best;
+    for (; j < v; j++) m = row[j] > m ? row[j] : m;
+    for (j = 0; j < v; j++) /* the lowest index holding the maximum */
+        if (row[j] == m) return j;
+    return 0; /* only for rows of NaN, which the check refuses */
 }
 
 /* Residual entry max(0, p - q) in double; q == NULL means one-hot at d. */
@@ -51,26 +76,49 @@ int64_t smoe_spec_sample(const float *row, int64_t v, double x) {
     return sample_w(row, NULL, 0, 0, v, x);
 }
 
+/* Sum of a row in double (in lane order, not index order: it is only compared with 1), or
+ * NaN when an entry is negative, NaN or infinite.  The entry test works on the bit pattern:
+ * a float is finite and >= 0 iff its bits are <= 0x7F7FFFFF (+0 .. FLT_MAX) or exactly
+ * 0x80000000 (-0). */
+static double row_scan(const float *row, int64_t v) {
+    smoe_d2 s[4] = {{0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0}};
+    smoe_i4 bad = {0, 0, 0, 0};
+    const smoe_u4 top = {0x7F7FFFFFu, 0x7F7FFFFFu, 0x7F7FFFFFu, 0x7F7FFFFFu};
+    const smoe_u4 nz = {0x80000000u, 0x80000000u, 0x80000000u, 0x80000000u};
+    int64_t j = 0;
+    for (; j + 8 <= v; j += 8)
+        for (int h = 0; h < 2; h++) {
+            smoe_f4 x = ld4(row + j + 4 * h);
+            smoe_u4 b = (smoe_u4)x;
+            bad |= (b > top) & (b != nz);
+            s[2 * h] += (smoe_d2){x[0], x[1]};
+            s[2 * h + 1] += (smoe_d2){x[2], x[3]};
+        }
+    double t = 0.0;
+    for (int l = 0; l < 4; l++) t += s[l][0] + s[l][1];
+    int any = bad[0] | bad[1] | bad[2] | bad[3];
+    for (; j < v; j++) {
+        float x = row[j];
+        any |= !(x >= 0.0f && x <= FLT_MAX);
+        t += (double)x;
+    }
+    return any ? NAN : t;
+}
+
 int smoe_spec_accept_check(const float *p, const int64_t *draft, const float *q,
-                           const double *u, int32_t k, int64_t v, smoe_err *err) {
+                           const double *u, int32_t k, int64_t v, int values, smoe_err *err) {
     if (k < 0) return smoe_err_set(err, SMOE_EINVAL, "spec_accept: K=%d is negative", (int)k);
     if (v < 1) return smoe_err_set(err, SMOE_EINVAL, "spec_accept: vocabulary size %lld < 1",
                                    (long long)v);
-    for (int32_t a = 0; a < 2; a++) {
+    for (int32_t a = 0; values && a < 2; a++) {
         const float *m = a == 0 ? p : q;
         const char *name = a == 0 ? "p" : "q";
         int64_t rows = a == 0 ? (int64_t)k + 1 : (int64_t)k;
         if (!m) continue;
         for (int64_t i = 0; i < rows; i++) {
             const float *row = m + i * v;
-            double s = 0.0;
-            int bad = 0;
-            for (int64_t j = 0; j < v; j++) {
-                float x = row[j];
-                bad |= !(x >= 0.0f && x <= FLT_MAX); /* NaN, negative or inf */
-                s += (double)x;
-            }
-            if (bad) {
+            double s = row_scan(row, v);
+            if (isnan(s)) { /* a bad entry: name the first one */
                 for (int64_t j = 0; j < v; j++) {
                     float x = row[j];
                     if (!(x >= 0.0f && x <= FLT_MAX))

@@ -32,10 +32,11 @@
  * A zero-probability id is never returned.  If rounding leaves no such j (v*total rounded up
  * to total), the last j with w[j] > 0 is returned.  Two passes over the row, no buffer.
  *
- * Validation (smoe_spec_accept_check) is separate so callers that built their inputs
- * themselves can skip it; smoe_spec_accept assumes checked inputs: every p row non-negative,
- * finite and summing to 1 within SMOE_SPEC_SUM_TOL (so no row is all zero); q rows the same;
- * draft ids in range; u in [0, 1).
+ * Validation (smoe_spec_accept_check) is separate.  smoe_spec_accept is memory-safe whenever
+ * the draft ids are in [0, V) and u (if given) is in [0, 1): it then always reads inside the
+ * arrays and answers an id in [0, V) or SMOE_EINVAL.  Its answer follows the rule above when
+ * also every p row is non-negative, finite and sums to 1 within SMOE_SPEC_SUM_TOL (so no row
+ * is all zero), and q rows the same; with other values the answer is unspecified.
  *
  * No allocation, no global state; thread-safe on distinct or read-only inputs.
  */
@@ -48,11 +49,12 @@
  * float32 softmax over large vocabularies, tight enough to catch logits or counts. */
 #define SMOE_SPEC_SUM_TOL 1e-3
 
-/* Check the inputs above (q and u may be NULL).  Returns 0, or SMOE_EINVAL with a message
- * naming the array, row and column (NaN/inf/negative entry, bad row sum, draft id out of
- * range, u outside [0, 1)).  Reads every element once: O((2K+1)V). */
+/* Check the inputs above (q and u may be NULL): draft ids in range and u in [0, 1) (O(K));
+ * with values != 0 also every entry and row sum of p and q (reads each once, O((2K+1)V),
+ * about as long as the rule itself in greedy mode).  Returns 0, or SMOE_EINVAL with a
+ * message naming the array, row and column. */
 int smoe_spec_accept_check(const float *p, const int64_t *draft, const float *q,
-                           const double *u, int32_t k, int64_t v, smoe_err *err);
+                           const double *u, int32_t k, int64_t v, int values, smoe_err *err);
 
 /* The rule above.  *n_accepted gets n in 0..k, *next_token the next token id.  Returns 0, or
  * SMOE_EINVAL for k < 0 or v < 1 (value errors are the caller's to check first). */
