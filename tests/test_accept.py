@@ -554,10 +554,11 @@ def test_argmax_ties_across_vector_lanes(v: int) -> None:
             assert _C.spec_accept(p, [other]) == (0, best)
 
 
-@pytest.mark.parametrize("pos", [0, 5, 8, 17, 31, 32, 36])
+@pytest.mark.parametrize("v, pos", [(37, x) for x in (0, 5, 8, 17, 31, 32, 36)] +
+                         [(2100, x) for x in (1023, 1024, 1500, 2095, 2096, 2099)])
 @pytest.mark.parametrize("bad", [np.nan, -np.nan, np.inf, -np.inf, -1e-45, -0.5])
-def test_bad_entry_anywhere_in_a_row(pos: int, bad: float) -> None:
-    v = 37  # 4 vector blocks of 8 and a tail of 5
+def test_bad_entry_anywhere_in_a_row(v: int, pos: int, bad: float) -> None:
+    # vector blocks of 16 entries, float partial sums over chunks of 1024, then a scalar tail
     p = rand_rows(np.random.default_rng(pos), 2, v)
     p[1, pos] = bad
     with pytest.raises(ValueError, match=rf"p\[1, {pos}\] = .* is not a probability"):
@@ -578,3 +579,12 @@ def test_negative_zero_is_a_probability_and_flt_max_fails_the_sum() -> None:
     p[0, 20] = np.finfo(np.float32).max
     with pytest.raises(ValueError, match="row 0 of p sums to"):
         _C.spec_accept(p, [])
+
+
+def test_row_sum_tolerance_on_a_large_row() -> None:
+    p = rand_rows(np.random.default_rng(9), 1, 70001)
+    ok = (p.astype(np.float64) * 1.0005).astype(np.float32)
+    assert _C.spec_accept(ok, []) == (0, int(np.argmax(ok[0])))
+    for f in (1.002, 0.998):
+        with pytest.raises(ValueError, match="row 0 of p sums to"):
+            _C.spec_accept((p.astype(np.float64) * f).astype(np.float32), [])

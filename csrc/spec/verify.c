@@ -12,7 +12,6 @@
 typedef float smoe_f4 __attribute__((vector_size(16)));
 typedef int32_t smoe_i4 __attribute__((vector_size(16)));
 typedef uint32_t smoe_u4 __attribute__((vector_size(16)));
-typedef double smoe_d2 __attribute__((vector_size(16)));
 
 static inline smoe_f4 ld4(const float *x) {
     smoe_f4 r;
@@ -22,23 +21,42 @@ static inline smoe_f4 ld4(const float *x) {
 
 int64_t smoe_spec_argmax(const float *row, int64_t v) {
     float m = -INFINITY;
-    int64_t j = 0;
-    if (v >= 16) {
+    int64_t best = 0, j = 0;
+    if (v >= 16 && v / 16 <= INT32_MAX) {
+        /* 16 lanes, each keeping its maximum and the block of its first occurrence (strict >
+         * keeps the earliest within a lane); NaN never wins a comparison. */
         smoe_f4 mx[4];
-        for (int l = 0; l < 4; l++) mx[l] = ld4(row + 4 * l);
-        for (j = 16; j + 16 <= v; j += 16)
+        smoe_i4 bi[4];
+        for (int l = 0; l < 4; l++) {
+            mx[l] = ld4(row + 4 * l);
+            bi[l] = (smoe_i4){0, 0, 0, 0};
+        }
+        int32_t blk = 1;
+        for (j = 16; j + 16 <= v; j += 16, blk++) {
+            smoe_i4 bv = {blk, blk, blk, blk};
             for (int l = 0; l < 4; l++) {
                 smoe_f4 x = ld4(row + j + 4 * l);
-                smoe_i4 gt = x > mx[l]; /* all ones where x wins; NaN never wins */
+                smoe_i4 gt = x > mx[l]; /* all ones where x wins */
                 mx[l] = (smoe_f4)(((smoe_i4)x & gt) | ((smoe_i4)mx[l] & ~gt));
+                bi[l] = (bv & gt) | (bi[l] & ~gt);
             }
-        for (int l = 0; l < 4; l++)
-            for (int e = 0; e < 4; e++) m = mx[l][e] > m ? mx[l][e] : m;
+        }
+        for (int l = 0; l < 4; l++) /* the largest lane value, lowest index among equals */
+            for (int e = 0; e < 4; e++) {
+                float x = mx[l][e];
+                int64_t idx = (int64_t)bi[l][e] * 16 + 4 * l + e;
+                if (x > m || (x == m && idx < best)) {
+                    m = x;
+                    best = idx;
+                }
+            }
     }
-    for (; j < v; j++) m = row[j] > m ? row[j] : m;
-    for (j = 0; j < v; j++) /* the lowest index holding the maximum */
-        if (row[j] == m) return j;
-    return 0; /* only for rows of NaN, which the check refuses */
+    for (; j < v; j++) /* the tail's indices are all larger: strict > */
+        if (row[j] > m) {
+            m = row[j];
+            best = j;
+        }
+    return best;
 }
 
 /* Residual entry max(0, p - q) in double; q == NULL means one-hot at d. */
@@ -76,26 +94,31 @@ int64_t smoe_spec_sample(const float *row, int64_t v, double x) {
     return sample_w(row, NULL, 0, 0, v, x);
 }
 
-/* Sum of a row in double (in lane order, not index order: it is only compared with 1), or
- * NaN when an entry is negative, NaN or infinite.  The entry test works on the bit pattern:
+/* Sum of a row (not in index order, float partial sums: it is only compared with 1 within
+ * SMOE_SPEC_SUM_TOL), or NaN when an entry is negative, NaN or infinite.  The entry test works on the bit pattern:
  * a float is finite and >= 0 iff its bits are <= 0x7F7FFFFF (+0 .. FLT_MAX) or exactly
  * 0x80000000 (-0). */
 static double row_scan(const float *row, int64_t v) {
-    smoe_d2 s[4] = {{0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0}};
     smoe_i4 bad = {0, 0, 0, 0};
     const smoe_u4 top = {0x7F7FFFFFu, 0x7F7FFFFFu, 0x7F7FFFFFu, 0x7F7FFFFFu};
     const smoe_u4 nz = {0x80000000u, 0x80000000u, 0x80000000u, 0x80000000u};
-    int64_t j = 0;
-    for (; j + 8 <= v; j += 8)
-        for (int h = 0; h < 2; h++) {
-            smoe_f4 x = ld4(row + j + 4 * h);
-            smoe_u4 b = (smoe_u4)x;
-            bad |= (b > top) & (b != nz);
-            s[2 * h] += (smoe_d2){x[0], x[1]};
-            s[2 * h + 1] += (smoe_d2){x[2], x[3]};
-        }
     double t = 0.0;
-    for (int l = 0; l < 4; l++) t += s[l][0] + s[l][1];
+    int64_t j = 0;
+    /* float partial sums over chunks of 1024 entries (64 per lane: relative error below
+     * 64 * 2^-24 = 4e-6), each chunk then added in double */
+    while (j + 16 <= v) {
+        smoe_f4 s[4] = {{0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}};
+        int64_t end = j + 1024 <= v ? j + 1024 : v - (v - j) % 16;
+        for (; j < end; j += 16)
+            for (int l = 0; l < 4; l++) {
+                smoe_f4 x = ld4(row + j + 4 * l);
+                smoe_u4 b = (smoe_u4)x;
+                bad |= (smoe_i4)((b > top) & (b != nz));
+                s[l] += x;
+            }
+        smoe_f4 c = (s[0] + s[1]) + (s[2] + s[3]);
+        t += ((double)c[0] + (double)c[1]) + ((double)c[2] + (double)c[3]);
+    }
     int any = bad[0] | bad[1] | bad[2] | bad[3];
     for (; j < v; j++) {
         float x = row[j];
