@@ -94,10 +94,10 @@ int64_t smoe_spec_sample(const float *row, int64_t v, double x) {
     return sample_w(row, NULL, 0, 0, v, x);
 }
 
-/* Sum of a row (not in index order, float partial sums: it is only compared with 1 within
- * SMOE_SPEC_SUM_TOL), or NaN when an entry is negative, NaN or infinite.  The entry test works on the bit pattern:
- * a float is finite and >= 0 iff its bits are <= 0x7F7FFFFF (+0 .. FLT_MAX) or exactly
- * 0x80000000 (-0). */
+/* Sum of a row (not in index order, with float partial sums: it is only compared with 1
+ * within SMOE_SPEC_SUM_TOL), or NaN when an entry is negative, NaN or infinite.  The entry
+ * test works on the bit pattern: a float is finite and >= 0 iff its bits are <= 0x7F7FFFFF
+ * (+0 .. FLT_MAX) or exactly 0x80000000 (-0). */
 static double row_scan(const float *row, int64_t v) {
     smoe_i4 bad = {0, 0, 0, 0};
     const smoe_u4 top = {0x7F7FFFFFu, 0x7F7FFFFFu, 0x7F7FFFFFu, 0x7F7FFFFFu};
