@@ -308,7 +308,8 @@ def test_emitted_tokens_follow_target_with_draft_distribution(k: int) -> None:
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_emitted_tokens_follow_target_with_deterministic_proposals(k: int) -> None:
-    p, g = stat_rows(3000 + k, k, peaked=True)  # drafts come from g, but are passed as one-hot (q=None)
+    # drafts come from g, but are passed as one-hot proposals (q=None)
+    p, g = stat_rows(3000 + k, k, peaked=True)
     rng = np.random.default_rng(4000 + k)
     drafts = sample_rows(rng, g, N)
     us = rng.random((N, k + 1, 2))
