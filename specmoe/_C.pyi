@@ -186,6 +186,13 @@ class NgramDrafter:
     def max_n(self) -> int: ...
     @property
     def min_n(self) -> int: ...
+
+def spec_accept(p: np.ndarray, draft: Any, q: Optional[np.ndarray] = None,
+                u: Optional[np.ndarray] = None, *, check: bool = True) -> tuple[int, int]:
+    """(n_accepted, next_token) of one speculative iteration; p float32 [K+1, V], draft K
+    integer ids, q float32 [K, V] or None (one-hot proposals), u float64 [K+1, 2] in [0, 1) or
+    None (greedy); check=False skips the scan of p's and q's entries.  See
+    csrc/spec/verify.h and specmoe.spec.accept."""
 # --- end spec ---
 
 # --- sim ---
