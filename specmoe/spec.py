@@ -298,11 +298,12 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
         forward_fn: called as ``forward_fn(g)``; runs one forward over g tokens at the batch
             size in use.
         gammas: the g values; must include 1.
-        repeats: timed calls per g (the median is used).
+        repeats: timed calls per g (the median is used), made in interleaved rounds over
+            all g.
         warmup: untimed calls per g first.
         sync: called after each forward before the clock is read (e.g.
             ``torch.cuda.synchronize``).
-        progress: show a tqdm bar over the g values.
+        progress: show a tqdm bar over the rounds.
 
     Returns:
         {g: tau(g)} in increasing g; pass it to ``Controller.set_tau``.
@@ -312,24 +313,28 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
         raise ValueError("gammas must include 1 (tau is relative to T(1))")
     repeats = _check_int("repeats", repeats, 1)
     warmup = _check_int("warmup", warmup, 0)
-    times: Dict[int, float] = {}
-    it: Iterable[int] = gs
+    def timed(g: int) -> float:
+        t0 = time.perf_counter()
+        forward_fn(g)
+        if sync is not None:
+            sync()
+        return time.perf_counter() - t0
+
+    for g in gs:
+        for _ in range(warmup):
+            timed(g)
+    # interleaved rounds (the g order rotates each round), so drift and bursts of load on a
+    # shared machine spread over every g instead of biasing the ones measured during them
+    samples: Dict[int, list] = {g: [] for g in gs}
+    rounds: Iterable[int] = range(repeats)
     if progress:
         from tqdm.auto import tqdm
-        it = tqdm(gs, desc="measure_tau", unit="gamma")
-    for g in it:
-        for _ in range(warmup):
-            forward_fn(g)
-            if sync is not None:
-                sync()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            forward_fn(g)
-            if sync is not None:
-                sync()
-            samples.append(time.perf_counter() - t0)
-        times[g] = statistics.median(samples)
+        rounds = tqdm(rounds, desc="measure_tau", unit="round")
+    for r in rounds:
+        shift = r % len(gs)
+        for g in gs[shift:] + gs[:shift]:
+            samples[g].append(timed(g))
+    times = {g: statistics.median(v) for g, v in samples.items()}
     t1 = times[1]
     out: Dict[int, float] = {}
     for g in gs:
@@ -347,7 +352,9 @@ def accept(p: np.ndarray, draft: Union[Sequence[int], np.ndarray],
     The iteration emits ``draft[:n]`` followed by ``next_token`` (n + 1 tokens).
 
     Greedy (``u is None``): draft i is accepted, in order, while it equals ``argmax(p[i])``
-    (ties to the lowest id); ``next_token = argmax(p[n])``.  ``q`` is ignored.
+    (ties to the lowest id); ``next_token = argmax(p[n])``.  ``q`` is ignored.  Only each
+    row's argmax matters, so a greedy caller may pass rows of logits with ``check=False``
+    (what :func:`specmoe.generate` does: no softmax per token, ties decided on the logits).
 
     Sampling (``u`` given): the speculative-sampling rule (Leviathan et al. 2023, Chen et al.
     2023), under which every emitted token follows the target distribution exactly, whatever
