@@ -614,3 +614,40 @@ void smoe_cache_reset_stats(smoe_cache *c) {
     memset(&c->stats, 0, sizeof c->stats);
     pthread_mutex_unlock(&c->mu);
 }
+
+/* ---- activation counts and utility (policies with on_counts / utility, e.g. spac) -------- */
+
+int smoe_cache_counts(smoe_cache *c, const int32_t *keys, const uint32_t *counts, uint32_t n,
+                      smoe_err *err) {
+    const int32_t nkeys = (int32_t)(c->num_layers * c->num_experts);
+    for (uint32_t i = 0; i < n; i++)
+        if (keys[i] < 0 || keys[i] >= nkeys)
+            return smoe_err_set(err, SMOE_EINVAL, "counts entry %u: key %d out of range (%u "
+                                "layers x %u experts)", i, (int)keys[i], c->num_layers,
+                                c->num_experts);
+    pthread_mutex_lock(&c->mu);
+    smoe_policy_counts(c->policy, keys, counts, n);
+    int rc = policy_failed(c, err);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+int smoe_cache_utility(smoe_cache *c, const int32_t *keys, int32_t *out, uint32_t n,
+                       smoe_err *err) {
+    const int32_t nkeys = (int32_t)(c->num_layers * c->num_experts);
+    for (uint32_t i = 0; i < n; i++)
+        if (keys[i] < 0 || keys[i] >= nkeys)
+            return smoe_err_set(err, SMOE_EINVAL, "utility entry %u: key %d out of range (%u "
+                                "layers x %u experts)", i, (int)keys[i], c->num_layers,
+                                c->num_experts);
+    pthread_mutex_lock(&c->mu);
+    int rc = 0;
+    if (!c->policy->ops->utility) {
+        rc = smoe_err_set(err, SMOE_EPOLICY, "policy %s has no utility (only utility-space "
+                          "policies such as spac have one)", c->policy->ops->name);
+    } else {
+        for (uint32_t i = 0; i < n; i++) out[i] = smoe_policy_utility(c->policy, keys[i]);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}

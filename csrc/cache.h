@@ -173,6 +173,17 @@ int smoe_cache_set_policy(smoe_cache *c, smoe_policy *p, smoe_err *err);
 /* Keys of the READY slots, in slot order, into keys (room for nslots); returns the count. */
 uint32_t smoe_cache_resident(smoe_cache *c, int32_t *keys);
 
+/* Activation counts of one verification pass for the policy (policy.h on_counts: counts[i]
+ * tokens of the pass activate keys[i]; the layers of the listed keys are observed).  Takes mu;
+ * a no-op for a policy without on_counts.  Keys out of range: SMOE_EINVAL (nothing fed). */
+int smoe_cache_counts(smoe_cache *c, const int32_t *keys, const uint32_t *counts, uint32_t n,
+                      smoe_err *err);
+
+/* The policy's current utility of each key into out[0..n-1] (under mu).  SMOE_EPOLICY when
+ * the policy has no utility; SMOE_EINVAL for a key out of range. */
+int smoe_cache_utility(smoe_cache *c, const int32_t *keys, int32_t *out, uint32_t n,
+                       smoe_err *err);
+
 void smoe_cache_get_stats(smoe_cache *c, smoe_cache_stats *out);
 void smoe_cache_reset_stats(smoe_cache *c);
 
