@@ -312,6 +312,82 @@ static void learn_token(sim *s, uint64_t t) {
     s->tokens_seen++;
 }
 
+/* Replay with verification groups of g = tr->verify_tokens > 1 tokens per pass (sim.h).
+ * Demand only (check_args rejects predictors).  Scratch: per key a stamp (token or pass that
+ * last touched it), a count, and the list of counted keys. */
+static int run_groups(sim *s, smoe_err *err) {
+    const smoe_sim_trace *tr = s->tr;
+    const smoe_sim_hw *hw = s->hw;
+    const uint32_t g = tr->verify_tokens, L = s->L, K = s->K, E = s->E;
+    uint64_t *stamp = calloc(s->nkeys, sizeof *stamp); /* counts: token id + 1 */
+    uint64_t *seen = calloc(s->nkeys, sizeof *seen);   /* demand union: pass id */
+    uint32_t *cnt = calloc(s->nkeys, sizeof *cnt);
+    int32_t *ckeys = malloc(s->nkeys * sizeof *ckeys);
+    uint32_t *cvals = malloc(s->nkeys * sizeof *cvals);
+    if (!stamp || !seen || !cnt || !ckeys || !cvals) {
+        free(stamp);
+        free(seen);
+        free(cnt);
+        free(ckeys);
+        free(cvals);
+        return smoe_err_set(err, SMOE_ENOMEM, "simulate: out of memory for %u keys", s->nkeys);
+    }
+    const int feed = s->pol->ops->on_counts != NULL;
+    int rc = 0;
+    for (uint64_t t0 = 0; t0 < tr->num_tokens && rc == 0; t0 += g) {
+        const uint64_t t1 = t0 + g < tr->num_tokens ? t0 + g : tr->num_tokens;
+        s->pass++;
+        smoe_policy_pass(s->pol, s->pass);
+        if (feed) {
+            uint32_t n = 0;
+            for (uint32_t l = 0; l < L; l++)
+                for (uint64_t t = t0; t < t1; t++) {
+                    const int16_t *r = row(s, t, l);
+                    for (uint32_t i = 0; i < K; i++) {
+                        const uint32_t key = l * E + (uint32_t)r[i];
+                        if (stamp[key] == t + 1) continue; /* one token counts once */
+                        stamp[key] = t + 1;
+                        if (cnt[key]++ == 0) ckeys[n++] = (int32_t)key;
+                    }
+                }
+            for (uint32_t i = 0; i < n; i++) {
+                cvals[i] = cnt[ckeys[i]];
+                cnt[ckeys[i]] = 0;
+            }
+            smoe_policy_counts(s->pol, ckeys, cvals, n);
+        }
+        s->now += hw->token_fixed_s;
+        s->r->compute_s += hw->token_fixed_s;
+        for (uint32_t l = 0; l < L && rc == 0; l++) {
+            s->now += hw->layer_fixed_s;
+            uint32_t distinct = 0;
+            for (uint64_t t = t0; t < t1 && rc == 0; t++) {
+                const int16_t *r = row(s, t, l);
+                for (uint32_t i = 0; i < K; i++) {
+                    const uint32_t key = l * E + (uint32_t)r[i];
+                    if (seen[key] == s->pass) continue;
+                    seen[key] = s->pass;
+                    distinct++;
+                    if ((rc = demand(s, (int32_t)key, err)) < 0) break;
+                }
+            }
+            s->now += distinct * s->expert_s;
+            s->r->compute_s += hw->layer_fixed_s + distinct * s->expert_s;
+        }
+        if (rc == 0 && s->pol->failure.code) {
+            *err = s->pol->failure;
+            err->code = SMOE_EPOLICY;
+            rc = SMOE_EPOLICY;
+        }
+    }
+    free(stamp);
+    free(seen);
+    free(cnt);
+    free(ckeys);
+    free(cvals);
+    return rc;
+}
+
 static void sim_free(sim *s) {
     free(s->slot_key);
     free(s->slot_pass);
@@ -353,6 +429,10 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         if (!isfinite(v[i]) || v[i] < 0 || (i < 3 && v[i] <= 0))
             return smoe_err_set(err, SMOE_EINVAL, "simulate: hardware %s must be %s, got %g",
                                 names[i], i < 3 ? "positive" : "non-negative", v[i]);
+    if (tr->verify_tokens > 1 && pf && pf->predictor != SMOE_PRED_NONE)
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: prefetch predictors replay one token "
+                            "per pass; verify_tokens = %u needs predictor none",
+                            tr->verify_tokens);
     if (pf && pf->predictor != SMOE_PRED_NONE) {
         if (pf->predictor < SMOE_PRED_NONE || pf->predictor > SMOE_PRED_HISTORY)
             return smoe_err_set(err, SMOE_EINVAL, "simulate: unknown predictor %d",
@@ -441,7 +521,8 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
     const double layer_compute = hw->layer_fixed_s + s.K * s.expert_s;
     const int16_t *ex = tr->experts;
     rc = 0;
-    for (uint64_t t = 0; t < tr->num_tokens && rc == 0; t++) {
+    if (tr->verify_tokens > 1) rc = run_groups(&s, err);
+    for (uint64_t t = 0; tr->verify_tokens <= 1 && t < tr->num_tokens && rc == 0; t++) {
         if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
         s.pass = t + 1;
         smoe_policy_pass(pol, s.pass);
