@@ -43,6 +43,13 @@ typedef struct sim {
     uint32_t *cooc;        /* history: [L][E][E] uses of b at position l+1 after a at l */
     uint32_t *cnt;         /* history: [L][E] uses of a at position l with a successor seen */
     uint64_t tokens_seen;
+
+    /* activation counts for policies with on_counts, and the group replay */
+    uint64_t *cstamp;      /* [nkeys] token id + 1 that last counted the key */
+    uint32_t *ccnt;        /* [nkeys] count of the current pass (0 outside feed_counts) */
+    int32_t *ckeys;        /* [nkeys] keys with a count */
+    uint32_t *cvals;       /* [nkeys] their counts */
+    uint64_t *seen;        /* [nkeys] groups: pass id that last demanded the key */
 } sim;
 
 static const int16_t *row(const sim *s, uint64_t t, uint32_t l) {
@@ -312,50 +319,41 @@ static void learn_token(sim *s, uint64_t t) {
     s->tokens_seen++;
 }
 
-/* Replay with verification groups of g = tr->verify_tokens > 1 tokens per pass (sim.h).
- * Demand only (check_args rejects predictors).  Scratch: per key a stamp (token or pass that
- * last touched it), a count, and the list of counted keys. */
+/* on_counts with, for every layer, the number of tokens t0..t1-1 that route to each expert
+ * (a token counts once per expert).  Only called for policies with on_counts. */
+static void feed_counts(sim *s, uint64_t t0, uint64_t t1) {
+    const uint32_t L = s->L, K = s->K, E = s->E;
+    uint32_t n = 0;
+    for (uint32_t l = 0; l < L; l++)
+        for (uint64_t t = t0; t < t1; t++) {
+            const int16_t *r = row(s, t, l);
+            for (uint32_t i = 0; i < K; i++) {
+                const uint32_t key = l * E + (uint32_t)r[i];
+                if (s->cstamp[key] == t + 1) continue;
+                s->cstamp[key] = t + 1;
+                if (s->ccnt[key]++ == 0) s->ckeys[n++] = (int32_t)key;
+            }
+        }
+    for (uint32_t i = 0; i < n; i++) {
+        s->cvals[i] = s->ccnt[s->ckeys[i]];
+        s->ccnt[s->ckeys[i]] = 0;
+    }
+    smoe_policy_counts(s->pol, s->ckeys, s->cvals, n);
+}
+
+/* Replay with verification groups of g = tr->verify_tokens > 1 tokens per pass (sim.h);
+ * demand only (check_args rejects predictors). */
 static int run_groups(sim *s, smoe_err *err) {
     const smoe_sim_trace *tr = s->tr;
     const smoe_sim_hw *hw = s->hw;
     const uint32_t g = tr->verify_tokens, L = s->L, K = s->K, E = s->E;
-    uint64_t *stamp = calloc(s->nkeys, sizeof *stamp); /* counts: token id + 1 */
-    uint64_t *seen = calloc(s->nkeys, sizeof *seen);   /* demand union: pass id */
-    uint32_t *cnt = calloc(s->nkeys, sizeof *cnt);
-    int32_t *ckeys = malloc(s->nkeys * sizeof *ckeys);
-    uint32_t *cvals = malloc(s->nkeys * sizeof *cvals);
-    if (!stamp || !seen || !cnt || !ckeys || !cvals) {
-        free(stamp);
-        free(seen);
-        free(cnt);
-        free(ckeys);
-        free(cvals);
-        return smoe_err_set(err, SMOE_ENOMEM, "simulate: out of memory for %u keys", s->nkeys);
-    }
     const int feed = s->pol->ops->on_counts != NULL;
     int rc = 0;
     for (uint64_t t0 = 0; t0 < tr->num_tokens && rc == 0; t0 += g) {
         const uint64_t t1 = t0 + g < tr->num_tokens ? t0 + g : tr->num_tokens;
         s->pass++;
         smoe_policy_pass(s->pol, s->pass);
-        if (feed) {
-            uint32_t n = 0;
-            for (uint32_t l = 0; l < L; l++)
-                for (uint64_t t = t0; t < t1; t++) {
-                    const int16_t *r = row(s, t, l);
-                    for (uint32_t i = 0; i < K; i++) {
-                        const uint32_t key = l * E + (uint32_t)r[i];
-                        if (stamp[key] == t + 1) continue; /* one token counts once */
-                        stamp[key] = t + 1;
-                        if (cnt[key]++ == 0) ckeys[n++] = (int32_t)key;
-                    }
-                }
-            for (uint32_t i = 0; i < n; i++) {
-                cvals[i] = cnt[ckeys[i]];
-                cnt[ckeys[i]] = 0;
-            }
-            smoe_policy_counts(s->pol, ckeys, cvals, n);
-        }
+        if (feed) feed_counts(s, t0, t1);
         s->now += hw->token_fixed_s;
         s->r->compute_s += hw->token_fixed_s;
         for (uint32_t l = 0; l < L && rc == 0; l++) {
@@ -365,8 +363,8 @@ static int run_groups(sim *s, smoe_err *err) {
                 const int16_t *r = row(s, t, l);
                 for (uint32_t i = 0; i < K; i++) {
                     const uint32_t key = l * E + (uint32_t)r[i];
-                    if (seen[key] == s->pass) continue;
-                    seen[key] = s->pass;
+                    if (s->seen[key] == s->pass) continue;
+                    s->seen[key] = s->pass;
                     distinct++;
                     if ((rc = demand(s, (int32_t)key, err)) < 0) break;
                 }
@@ -380,11 +378,6 @@ static int run_groups(sim *s, smoe_err *err) {
             rc = SMOE_EPOLICY;
         }
     }
-    free(stamp);
-    free(seen);
-    free(cnt);
-    free(ckeys);
-    free(cvals);
     return rc;
 }
 
@@ -402,6 +395,11 @@ static void sim_free(sim *s) {
     free(s->freq);
     free(s->cooc);
     free(s->cnt);
+    free(s->cstamp);
+    free(s->ccnt);
+    free(s->ckeys);
+    free(s->cvals);
+    free(s->seen);
 }
 
 static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
@@ -510,6 +508,15 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
             ok = s.freq && s.cnt && s.cooc;
         }
     }
+    const int feed = pol->ops->on_counts != NULL;
+    if (ok && (feed || tr->verify_tokens > 1)) {
+        s.cstamp = calloc(s.nkeys, sizeof *s.cstamp);
+        s.ccnt = calloc(s.nkeys, sizeof *s.ccnt);
+        s.ckeys = malloc(s.nkeys * sizeof *s.ckeys);
+        s.cvals = malloc(s.nkeys * sizeof *s.cvals);
+        s.seen = calloc(s.nkeys, sizeof *s.seen);
+        ok = s.cstamp && s.ccnt && s.ckeys && s.cvals && s.seen;
+    }
     if (!ok) {
         sim_free(&s);
         return smoe_err_set(err, SMOE_ENOMEM, "simulate: out of memory for %u slots", nslots);
@@ -526,6 +533,7 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
         if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
         s.pass = t + 1;
         smoe_policy_pass(pol, s.pass);
+        if (feed) feed_counts(&s, t, t + 1);
         s.now += hw->token_fixed_s;
         out->compute_s += hw->token_fixed_s;
         for (uint32_t l = 0; l < s.L; l++) {

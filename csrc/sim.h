@@ -20,6 +20,8 @@
  *
  * Cache semantics (policy.h's event contract, the same as cache.c's):
  *   - pass boundary at every token: on_pass(t + 1) for token t = 0, 1, ... (ids start at 1);
+ *     a policy with on_counts (spac) then gets the token's experts with count 1 for every
+ *     layer (the one-token case of the verification groups below; other policies see nothing);
  *   - demand hit: on_access;  demand miss: the lowest-numbered free slot, else the policy's
  *     victim among slots not being loaded right now (on_evict), then on_insert(s, key, 0);
  *   - prefetch load: the same with on_insert(s, key, 1), but the victim must also not have
