@@ -647,6 +647,7 @@ int smoe_cache_utility(smoe_cache *c, const int32_t *keys, int32_t *out, uint32_
                           "policies such as spac have one)", c->policy->ops->name);
     } else {
         for (uint32_t i = 0; i < n; i++) out[i] = smoe_policy_utility(c->policy, keys[i]);
+        rc = policy_failed(c, err);
     }
     pthread_mutex_unlock(&c->mu);
     return rc;

@@ -16,9 +16,9 @@
  * wins) and the Python error is cleared before the GIL is released: no exception ever stays
  * set across threads.  victim() then returns -1. */
 
-enum { PYB_INSERT, PYB_ACCESS, PYB_EVICT, PYB_PASS, PYB_VICTIM, PYB_N };
+enum { PYB_INSERT, PYB_ACCESS, PYB_EVICT, PYB_PASS, PYB_VICTIM, PYB_COUNTS, PYB_UTILITY, PYB_N };
 static const char *const pyb_names[PYB_N] = {"on_insert", "on_access", "on_evict", "on_pass",
-                                             "victim"};
+                                             "victim", "on_counts", "utility"};
 
 typedef struct pyb_state {
     PyObject *obj;
@@ -149,6 +149,59 @@ done:
     return ans;
 }
 
+/* on_counts(keys: list[int], counts: list[int]) when the object defines it. */
+static void pyb_counts(smoe_policy *p, const int32_t *keys, const uint32_t *counts, uint32_t n) {
+    pyb_state *st = p->state;
+    if (!st->meth[PYB_COUNTS]) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *k = PyList_New(n), *c = PyList_New(n), *r = NULL;
+    if (!k || !c) goto fail;
+    for (uint32_t i = 0; i < n; i++) {
+        PyObject *a = PyLong_FromLong(keys[i]), *b = PyLong_FromUnsignedLong(counts[i]);
+        if (!a || !b) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            goto fail;
+        }
+        PyList_SET_ITEM(k, i, a);
+        PyList_SET_ITEM(c, i, b);
+    }
+    r = PyObject_CallFunctionObjArgs(st->meth[PYB_COUNTS], k, c, NULL);
+    if (r) goto done;
+fail:
+    pyb_fail_exc(p, "on_counts");
+done:
+    Py_XDECREF(k);
+    Py_XDECREF(c);
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+}
+
+/* utility(key) -> int >= 0; a raise or a bad answer is recorded as the policy's failure
+ * (p->failure is the one field a const policy may change: callers check it after). */
+static int32_t pyb_utility(const smoe_policy *cp, int32_t key) {
+    smoe_policy *p = (smoe_policy *)cp;
+    pyb_state *st = p->state;
+    if (!st->meth[PYB_UTILITY]) return -1;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int32_t ans = -1;
+    PyObject *r = PyObject_CallFunction(st->meth[PYB_UTILITY], "i", (int)key);
+    long v = r && PyLong_Check(r) && !PyBool_Check(r) ? PyLong_AsLong(r) : -1;
+    if (!r || (v == -1 && PyErr_Occurred())) {
+        pyb_fail_exc(p, "utility");
+    } else if (v < 0 || v > INT32_MAX || !PyLong_Check(r) || PyBool_Check(r)) {
+        if (p->failure.code == 0)
+            smoe_err_set(&p->failure, SMOE_EPOLICY, "python policy: utility(%d) must return an "
+                         "int in 0..2^31-1", (int)key);
+    } else {
+        ans = (int32_t)v;
+    }
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyGILState_Release(g);
+    return ans;
+}
+
 static const smoe_policy_ops smoe_policy_python = {
     .name = "python",
     .init = pyb_init,
@@ -158,6 +211,21 @@ static const smoe_policy_ops smoe_policy_python = {
     .on_evict = pyb_evict,
     .on_pass = pyb_pass,
     .victim = pyb_victim,
+    .on_counts = pyb_counts,
+};
+
+/* The same for an object that defines utility(key). */
+static const smoe_policy_ops smoe_policy_python_utility = {
+    .name = "python",
+    .init = pyb_init,
+    .free = pyb_free,
+    .on_insert = pyb_insert,
+    .on_access = pyb_access,
+    .on_evict = pyb_evict,
+    .on_pass = pyb_pass,
+    .victim = pyb_victim,
+    .on_counts = pyb_counts,
+    .utility = pyb_utility,
 };
 
 /* Build a bridge policy around obj (GIL held).  Returns NULL with a Python exception set. */
@@ -206,6 +274,7 @@ static smoe_policy *pyb_create(PyObject *obj, const smoe_policy_params *params) 
         PyErr_Format(PyExc_TypeError, "python policy: %R has no victim(candidates) method", obj);
         goto fail;
     }
+    if (st->meth[PYB_UTILITY]) p->ops = &smoe_policy_python_utility;
     return p;
 fail:
     smoe_policy_destroy(p);
@@ -422,8 +491,9 @@ PyDoc_STRVAR(Policy_doc,
 "An eviction policy in C for a cache of nslots slots over num_layers*num_experts expert keys.\n"
 "name: lru, lfu, fifo, mru, random (seed=), least_stale (order='layer'|'lru'|'fifo' or 0..2),\n"
 "belady (future= the demand key sequence), spac (levels= utility levels K, 1..255, 0 = 4;\n"
-"utility from activation counts, see csrc/policy/spac.c), or python (pyobj= an object with victim(candidates)\n"
-"and optional on_insert/on_access/on_evict/on_pass; the slow path).  A Policy is consumed by\n"
+"utility from activation counts, see csrc/policy/spac.c), or python (pyobj= an object with\n"
+"victim(candidates) and optional on_insert/on_access/on_evict/on_pass/on_counts(keys,\n"
+"counts)/utility(key); the slow path).  A Policy is consumed by\n"
 "the first cache, simulator or replay that takes it; taking it again raises PolicyError.");
 
 static PyTypeObject Policy_Type = {

@@ -170,6 +170,11 @@ class PythonPolicy:
     False)`` (after ``on_evict`` of the victim), a hit ``on_access``, a prefetch load
     ``on_insert(slot, key, True)``, a new forward pass ``on_pass(pass_id)`` (ids 1, 2, ...).
     Keys are ``layer * num_experts + expert``.
+
+    Optional, not defined here (define them to opt in): ``on_counts(keys, counts)`` receives
+    the activation counts of each verification pass (lists of ints; see
+    ``ExpertCache.observe_counts`` and the simulator's ``verify_tokens``), and
+    ``utility(key) -> int`` (>= 0) makes ``ExpertCache.utility`` answer for the policy.
     """
 
     def on_insert(self, slot: int, key: int, prefetch: bool) -> None:

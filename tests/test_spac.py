@@ -114,6 +114,18 @@ def test_without_counts_spac_is_lru():
         _assert_same(got, ref_replay(RefLRU(), keys.tolist(), nslots, starts.tolist()))
 
 
+def test_python_policy_receives_counts():
+    """The reference itself run as a Python policy (the bridge forwards on_counts) agrees with
+    the C policy; a Python policy without on_counts is unaffected by counts."""
+    rng = np.random.default_rng(21)
+    keys, starts, counts = verify_stream(rng, 120, 4, 8, 2, gmax=4)
+    c = _C.replay(_C.Policy("spac", 6, 4, 8, levels=3), keys, starts, counts=counts)
+    py = _C.replay(make_policy(RefSpAc(4, 8, 3), 6, 4, 8), keys, starts, counts=counts)
+    _assert_same(py, (c[0].tolist(), c[1].tolist()))
+    lru = _C.replay(make_policy(RefLRU(), 6, 4, 8), keys, starts, counts=counts)
+    _assert_same(lru, ref_replay(RefLRU(), keys.tolist(), 6, starts.tolist()))
+
+
 # -- the cache ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -225,6 +237,26 @@ def test_observe_counts_is_noop_for_other_policies(store):
     with ExpertCache(store, 3, "lru", top_k=1, prefetch=False) as cache:
         cache.observe_counts([0, 1], [2, 3], [4, 1])  # accepted, ignored
         with pytest.raises(specmoe.PolicyError, match="lru has no utility"):
+            cache.utility([0], [0])
+
+
+def test_python_policy_utility_in_cache(store):
+    ref = RefSpAc(NL, NE, 2)
+    with ExpertCache(store, 3, ref, top_k=1, prefetch=False) as cache:
+        cache.observe_counts([0, 0, 2], [1, 2, 3], [2, 1, 1])
+        assert cache.utility(ALL_L, ALL_E).tolist() == ref.util
+
+    class Bad(RefLRU):
+        def utility(self, key):
+            return -3 if key else "x"
+
+    with ExpertCache(store, 3, Bad(), top_k=1, prefetch=False) as cache:
+        with pytest.raises(specmoe.PolicyError, match="utility"):
+            cache.utility([0], [1])
+        with pytest.raises(specmoe.PolicyError, match="utility"):
+            cache.utility([0], [0])
+    with ExpertCache(store, 3, RefLRU(), top_k=1, prefetch=False) as cache:
+        with pytest.raises(specmoe.PolicyError, match="python has no utility"):
             cache.utility([0], [0])
 
 
