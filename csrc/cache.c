@@ -22,10 +22,16 @@ static int evictable_demand(void *ctx, uint32_t s) {
     return s < c->nslots && c->slots[s].state == SMOE_SLOT_READY && c->slots[s].pins == 0;
 }
 
-/* The prefetcher never evicts an expert used in the current pass. */
+/* The prefetcher never evicts an expert used in the current pass, nor, under a policy with a
+ * utility (spac), one whose utility exceeds that of the expert being prefetched (prefetch and
+ * eviction decided in one utility space). */
 static int evictable_prefetch(void *ctx, uint32_t s) {
     const smoe_cache *c = ctx;
-    return evictable_demand(ctx, s) && c->slots[s].last_pass != c->pass_id;
+    if (!evictable_demand(ctx, s) || c->slots[s].last_pass == c->pass_id) return 0;
+    if (c->policy->ops->utility &&
+        smoe_policy_utility(c->policy, c->slots[s].key) > smoe_policy_utility(c->policy, c->pf_key))
+        return 0;
+    return 1;
 }
 
 static int32_t lowest_free(const smoe_cache *c) {
@@ -194,6 +200,7 @@ static void *worker_main(void *arg) {
         if (c->map[r.key] >= 0) continue; /* became resident or loading meanwhile */
         smoe_err perr;
         int prc;
+        c->pf_key = r.key;
         int32_t s = take_slot(c, evictable_prefetch, &prc, &perr);
         if (prc < 0) {
             if (c->worker_err.code == 0) c->worker_err = perr;

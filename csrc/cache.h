@@ -26,7 +26,8 @@
  *  - prefetch(): keys resident or loading are skipped at request time; a queued key is
  *    superseded (new priority, new seq).  The worker pops the highest (priority, -seq),
  *    skips it if it became resident/loading, else takes the lowest EMPTY slot, else victim()
- *    among READY unpinned slots with last_pass != pass_id (else prefetch_dropped++);
+ *    among READY unpinned slots with last_pass != pass_id and, when the policy has a utility
+ *    (spac), utility(slot's key) <= utility(requested key) (else prefetch_dropped++);
  *    on_insert(s, key, 1), prefetch_issued++.
  *  - a demand access that cannot find a slot waits forever if every slot stays pinned: size
  *    the cache for (threads x top_k) pins at least.
@@ -97,6 +98,7 @@ typedef struct smoe_cache {
     smoe_err *slot_err;    /* owned; [mu] per slot: the error of its last failed load */
     uint32_t waiters;      /* [mu] threads waiting on cv (release broadcasts only if > 0) */
     int32_t *qpos;         /* owned; [mu] per key: index in queue, or -1 when not queued */
+    int32_t pf_key;        /* [mu] key the prefetch worker is finding a slot for */
 
     /* prefetch worker */
     pthread_t worker;

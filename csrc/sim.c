@@ -24,6 +24,7 @@ typedef struct sim {
     double load_s;         /* link_latency_s + expert_bytes / link_bw */
     double expert_s;       /* expert_bytes / fast_bw */
     int prefetch_mode;     /* evictable(): 1 for a prefetch victim, 0 for demand */
+    int32_t pf_key;        /* the key a prefetch victim is sought for */
 
     /* copy engine */
     int32_t inflight;      /* slot being prefetched, -1 none */
@@ -60,6 +61,9 @@ static int sim_evictable(void *ctx, uint32_t slot) {
     const sim *s = ctx;
     if ((int32_t)slot == s->inflight) return 0;
     if (s->prefetch_mode && s->slot_pass[slot] == s->pass) return 0;
+    if (s->prefetch_mode && s->pol->ops->utility &&
+        smoe_policy_utility(s->pol, s->slot_key[slot]) > smoe_policy_utility(s->pol, s->pf_key))
+        return 0;
     return 1;
 }
 
@@ -116,6 +120,7 @@ static int advance(sim *s, double now, smoe_err *err) {
         s->q_head++;
         s->q_len--;
         if (s->map[key] >= 0) continue;
+        s->pf_key = key;
         int32_t slot = take_slot(s, key, 1, err);
         if (slot < -1) return SMOE_EPOLICY;
         if (slot < 0) {

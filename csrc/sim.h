@@ -25,7 +25,8 @@
  *   - demand hit: on_access;  demand miss: the lowest-numbered free slot, else the policy's
  *     victim among slots not being loaded right now (on_evict), then on_insert(s, key, 0);
  *   - prefetch load: the same with on_insert(s, key, 1), but the victim must also not have
- *     been used by demand in the current pass; no victim -> the request is dropped;
+ *     been used by demand in the current pass and, under a policy with a utility (spac), not
+ *     have a higher utility than the prefetched key; no victim -> the request is dropped;
  *   - nothing is pinned between accesses (each access is acquire + release, as in the
  *     agreement test), so with no prefetch the hit/miss counts equal the live cache's.
  * A collision miss is a miss on an expert evicted earlier in the same pass.  A demand access

@@ -90,6 +90,8 @@ class FromCandidates:
         self.p = policy
         self.resident: set[int] = set()
         self.name = type(policy).__name__
+        if hasattr(policy, "utility"):
+            self.utility = policy.utility
 
     def on_insert(self, slot, key, prefetch):
         self.resident.add(slot)
@@ -167,6 +169,9 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
             def ok(s):
                 if s == st["inflight"]:
                     return False
+                if prefetch and hasattr(policy, "utility") and \
+                        policy.utility(slot_key[s]) > policy.utility(key):
+                    return False  # no prefetch over a higher utility (utility-space policies)
                 return not (prefetch and slot_pass[s] == st["pass_"])
             s = policy.victim(ok)
             if s < 0:

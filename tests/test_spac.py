@@ -260,6 +260,37 @@ def test_python_policy_utility_in_cache(store):
             cache.utility([0], [0])
 
 
+def test_prefetch_does_not_evict_higher_utility(store):
+    """Admission in utility space: with the cache full of experts of utility > 0, a prefetch
+    of an expert of utility 0 is dropped; one of the top utility evicts the lowest-utility
+    resident expert.  The same requests under lru evict."""
+    with ExpertCache(store, 2, SpAc(levels=2), top_k=1) as cache:
+        cache.observe_counts([0, 0, 0], [0, 1, 2], [1, 2, 2])  # layer 0: u = 1, 2, 2
+        u = cache.utility([0, 0, 0, 0], [0, 1, 2, 3])
+        assert u.tolist() == [1, 2, 2, 0]
+        for e in (0, 1):
+            cache.acquire(0, e)
+            cache.release(0, e)
+        cache.begin_pass()  # the prefetcher never evicts experts of the current pass
+        cache.prefetch([(0, 3, 1.0)])
+        cache.wait_idle()
+        st = cache.stats()
+        assert st["prefetch_dropped"] == 1 and st["prefetch_issued"] == 0
+        assert sorted(cache.resident()) == [(0, 0), (0, 1)]
+        cache.prefetch([(0, 2, 1.0)])  # utility 2: may evict expert 0 (utility 1)
+        cache.wait_idle()
+        assert cache.stats()["prefetch_issued"] == 1
+        assert sorted(cache.resident()) == [(0, 1), (0, 2)]
+    with ExpertCache(store, 2, "lru", top_k=1) as cache:
+        for e in (0, 1):
+            cache.acquire(0, e)
+            cache.release(0, e)
+        cache.begin_pass()
+        cache.prefetch([(0, 3, 1.0)])
+        cache.wait_idle()
+        assert cache.stats()["prefetch_issued"] == 1
+
+
 def test_policy_swap_to_spac_and_prefetch_by_utility(store):
     with ExpertCache(store, 4, "lru", top_k=1) as cache:
         cache.set_policy(SpAc(levels=2))
@@ -351,6 +382,28 @@ def test_sim_groups_match_reference(g, nslots):
         _compare(got, ref)
         if g > 1:
             assert got["accesses"] < ex.size  # the union really merges repeated experts
+
+
+HW_FASTLINK = dict(HW, link_bw=4e12, fast_bw=2e11)
+
+
+@pytest.mark.parametrize("hw", [HW, HW_FASTLINK], ids=["slowlink", "fastlink"])
+@pytest.mark.parametrize("pred", [dict(kind="oracle", depth=2), dict(kind="history", topk=4)])
+@pytest.mark.parametrize("nslots", [8, 16])
+def test_sim_prefetch_in_utility_space_matches_reference(hw, pred, nslots):
+    """One token per pass with prefetch: spac learns from each token's experts and a prefetch
+    may not evict a slot of higher utility than the prefetched expert (both as in
+    csrc/sim.h); the reference applies the same rules."""
+    from specmoe.sim import Predictor
+
+    rng = np.random.default_rng(nslots)
+    L, E, k = 4, 12, 2
+    ex = _random_trace(rng, 50, L, E, k)
+    got = _C.simulate(ex, E, "spac", nslots, levels=3, **Predictor(**pred).c_args(), **hw)
+    ref = ref_simulate(ex, E, nslots, FromCandidates(RefSpAc(L, E, 3)), hw, pred)
+    _compare(got, ref)
+    if nslots == 8:  # the cache is tight: prefetches are issued and some are refused
+        assert got["prefetch_issued"] > 0 and got["prefetch_dropped"] > 0
 
 
 def test_sim_verify_tokens_one_is_unchanged():

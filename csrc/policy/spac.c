@@ -37,7 +37,11 @@
  *     policy is therefore exactly LRU.
  *  6. Prefetch order is not decided inside the policy: the caller orders prefetch requests by
  *     utility (ExpertCache.utility -> ExpertCache.prefetch priorities), and the cache's worker
- *     evicts through victim(), so both sides use the same utilities.
+ *     evicts through victim(), so both sides use the same utilities.  Admission in the same
+ *     space: the cache (and the simulator) let a prefetch evict only a slot whose utility is
+ *     <= the prefetched key's utility (any policy with a utility op); a demand miss may evict
+ *     any unpinned slot.  "<=" rather than "<" keeps prefetching alive before any counts
+ *     (all utilities 0) and between experts of one level.
  *  7. A policy swap (smoe_cache_set_policy) starts a fresh spac with all scores 0.
  *
  * Memory: fixed arrays allocated at init (scores and utilities per key, pending counts per key,
