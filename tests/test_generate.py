@@ -336,3 +336,38 @@ def test_spac_policy_learns_from_verification_counts(pair):
             assert (u[pos, last[pos]] >= 1).all()
     finally:
         eng.set_policy("lru")
+
+
+@pytest.mark.parametrize("arch", sorted(specmoe.hf.SUPPORTED))
+def test_every_architecture_greedy_equal(arch):
+    """Greedy speculative output equals transformers' greedy output on every supported MoE
+    architecture (tiny random models), with drafts that are often accepted (n-gram on a
+    repetitive prompt) and drafts that are nearly always rejected (random)."""
+    if arch == "deepseek_v3":
+        # transformers 5.x fails any multi-token forward over a KV cache for this model
+        # (its own prompt-lookup generation raises the same error): verification cannot run
+        pytest.xfail("transformers: deepseek_v3 multi-token forward with a KV cache fails")
+    model = tiny_model(arch, vocab=64)
+    eng = specmoe.offload(model, cache=0.5)
+    try:
+        ids = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 30, 31, 5, 9]])
+        ref = hf_greedy(model, ids, 16)
+        for drafter in (NgramDrafter(), RandomDrafter(64)):
+            out = generate(model, ids, drafter, StaticK(3), max_new_tokens=16,
+                           eos_token_id=None, tau=None)
+            assert out.sequences[0, ids.shape[1]:].tolist() == ref
+            assert out.stats["proposed"] > 0
+    finally:
+        eng.close()
+
+
+def test_deepseek_v3_multi_token_forward_still_broken_upstream():
+    """Guards the xfail above: when transformers fixes it, this fails and the xfail can go."""
+    model = tiny_model("deepseek_v3", vocab=64)
+    ids = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 30, 31, 5, 9]])
+    from transformers import DynamicCache
+    kv = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :-1], past_key_values=kv)
+        with pytest.raises(RuntimeError):
+            model(ids[:, -4:], past_key_values=kv)
