@@ -8,7 +8,9 @@ a MoE with random weights and routers re-initialised so routing is not uniform, 
 fixed seed (greedy decoding of a random model repeats one token).  The routed experts go to a
 temporary store file with a cache holding 25% of them; the demo prints tokens/s, cache hit
 rate, stall time and prefetch precision/recall next to the unmodified model, and checks that
-the tokens agree.
+the tokens agree.  With the zoo model it then decodes the same prompt speculatively
+(:func:`specmoe.generate` under the Cascade controller) with the n-gram, the draft-model and the
+int4 self-draft drafters, and checks that greedy output is unchanged.
 """
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=float, default=0.25)
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--no-spec", action="store_true",
+                    help="skip the speculative-decoding rows (zoo model only)")
     if argv is None:  # called from `python -m specmoe demo` or `python -m specmoe.demo`
         argv = sys.argv[1:]
         if argv[:1] == ["demo"]:
@@ -110,9 +114,40 @@ def main(argv: list[str] | None = None) -> int:
               f"{_pct(s['prefetch_precision'])}/{_pct(s['prefetch_recall'])}")
         same = torch.equal(out, out_ref)
         print(f"tokens identical to the unmodified model: {same}")
+        if greedy and not a.no_spec:
+            same = _speculative(model, eng, prompt, out[0, prompt.shape[1]:].tolist(),
+                                a.tokens) and same
         return 0 if same or a.dtype != "f32" else 1
     finally:
         eng.close()
+
+
+def _speculative(model, eng, prompt: torch.Tensor, want: list[int], n: int) -> bool:
+    """Speculative decoding rows on the same offloaded model: plain decoding through the same
+    loop, then each drafter under the Cascade controller; greedy output must not change."""
+    from . import zoo
+    from .spec import Cascade, NgramDrafter
+    from .speculative import DraftModel, SelfDraft, generate
+    drafters = [("n-gram lookup", NgramDrafter)]
+    if zoo.available("tiny-draft"):
+        draft, _ = zoo.load("tiny-draft", dtype=torch.float32)
+        drafters.append(("tiny-draft model", lambda: DraftModel(draft)))
+    drafters.append(("int4 self-draft", lambda: SelfDraft(eng)))
+    generate(model, prompt, NgramDrafter(), Cascade(), max_new_tokens=2)  # measures tau once
+    base = generate(model, prompt, max_new_tokens=n, eos_token_id=None).stats["tok_per_s"]
+    print("speculative decoding (specmoe.generate, Cascade controller, same 25% cache):")
+    print(f"{'':24s}{'tok/s':>10s}{'vs plain':>10s}{'tok/iter':>10s}{'accepted':>10s}"
+          f"{'same':>6s}")
+    print(f"{'plain (K=0)':24s}{base:10.1f}{1:10.2f}{1:10.2f}{'':>10s}{'':>6s}")
+    ok = True
+    for name, make in drafters:
+        o = generate(model, prompt, make(), Cascade(), max_new_tokens=n, eos_token_id=None)
+        st = o.stats
+        same = o.sequences[0, prompt.shape[1]:].tolist() == want
+        ok = ok and same
+        print(f"{name:24s}{st['tok_per_s']:10.1f}{st['tok_per_s'] / base:10.2f}"
+              f"{st['etr']:10.2f}{_pct(st['acceptance']):>10s}{str(same):>6s}")
+    return ok
 
 
 def _pct(v: float | None) -> str:
