@@ -291,7 +291,7 @@ class NgramDrafter:
 def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = range(1, 9), *,
                 repeats: int = 5, warmup: int = 1,
                 sync: Optional[Callable[[], object]] = None,
-                progress: bool = False) -> Dict[int, float]:
+                progress: bool = False, stat: str = "median") -> Dict[int, float]:
     """Measure tau(g) = T(1)/T(g) of a target forward over g tokens.
 
     Args:
@@ -304,6 +304,8 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
         sync: called after each forward before the clock is read (e.g.
             ``torch.cuda.synchronize``).
         progress: show a tqdm bar over the rounds.
+        stat: how the repeats of one g make T(g): "median", or "min" (the uncontended cost;
+            robust where other processes share the cores and only slow calls down).
 
     Returns:
         {g: tau(g)} in increasing g; pass it to ``Controller.set_tau``.
@@ -313,6 +315,8 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
         raise ValueError("gammas must include 1 (tau is relative to T(1))")
     repeats = _check_int("repeats", repeats, 1)
     warmup = _check_int("warmup", warmup, 0)
+    if stat not in ("median", "min"):
+        raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
     def timed(g: int) -> float:
         t0 = time.perf_counter()
         forward_fn(g)
@@ -334,7 +338,8 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
         shift = r % len(gs)
         for g in gs[shift:] + gs[:shift]:
             samples[g].append(timed(g))
-    times = {g: statistics.median(v) for g, v in samples.items()}
+    agg = statistics.median if stat == "median" else min
+    times = {g: agg(v) for g, v in samples.items()}
     t1 = times[1]
     out: Dict[int, float] = {}
     for g in gs:
