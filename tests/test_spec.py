@@ -535,7 +535,32 @@ def test_measure_tau_with_fake_clock(monkeypatch):
     assert c.allowed == [0, 1, 2, 3, 4]
 
 
+def test_measure_tau_interleaves_rounds_and_takes_min_or_median(monkeypatch):
+    clock = [0.0]
+    calls = []
+    # the 2nd timed call of every g is slowed down 10x (a burst of load on a shared machine)
+    seen: dict = {}
+
+    def fwd(g: int) -> None:
+        calls.append(g)
+        seen[g] = seen.get(g, 0) + 1
+        clock[0] += g * (10.0 if seen[g] == 3 else 1.0)  # call 1 is the warm-up
+
+    import specmoe.spec as sp
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: clock[0])
+    tau = measure_tau(fwd, gammas=[1, 2, 3], repeats=3, warmup=1, stat="min")
+    assert tau == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
+    # warm-ups first, then rounds with the order rotated by one each round
+    assert calls == [1, 2, 3, 1, 2, 3, 2, 3, 1, 3, 1, 2]
+    seen.clear()
+    calls.clear()
+    med = measure_tau(fwd, gammas=[1, 2, 3], repeats=3, warmup=1)
+    assert med == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})  # the median also ignores one burst
+
+
 def test_measure_tau_bad_input():
+    with pytest.raises(ValueError):
+        measure_tau(lambda g: None, gammas=[1, 2], stat="mean")
     with pytest.raises(ValueError):
         measure_tau(lambda g: None, gammas=[2, 3])
     with pytest.raises(ValueError):
