@@ -22,10 +22,16 @@ static int evictable_demand(void *ctx, uint32_t s) {
     return s < c->nslots && c->slots[s].state == SMOE_SLOT_READY && c->slots[s].pins == 0;
 }
 
-/* The prefetcher never evicts an expert used in the current pass. */
+/* The prefetcher never evicts an expert used in the current pass, nor, under a policy with a
+ * utility (spac), one whose utility exceeds that of the expert being prefetched (prefetch and
+ * eviction decided in one utility space). */
 static int evictable_prefetch(void *ctx, uint32_t s) {
     const smoe_cache *c = ctx;
-    return evictable_demand(ctx, s) && c->slots[s].last_pass != c->pass_id;
+    if (!evictable_demand(ctx, s) || c->slots[s].last_pass == c->pass_id) return 0;
+    if (c->policy->ops->utility &&
+        smoe_policy_utility(c->policy, c->slots[s].key) > smoe_policy_utility(c->policy, c->pf_key))
+        return 0;
+    return 1;
 }
 
 static int32_t lowest_free(const smoe_cache *c) {
@@ -194,6 +200,7 @@ static void *worker_main(void *arg) {
         if (c->map[r.key] >= 0) continue; /* became resident or loading meanwhile */
         smoe_err perr;
         int prc;
+        c->pf_key = r.key;
         int32_t s = take_slot(c, evictable_prefetch, &prc, &perr);
         if (prc < 0) {
             if (c->worker_err.code == 0) c->worker_err = perr;
@@ -613,4 +620,42 @@ void smoe_cache_reset_stats(smoe_cache *c) {
     pthread_mutex_lock(&c->mu);
     memset(&c->stats, 0, sizeof c->stats);
     pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- activation counts and utility (policies with on_counts / utility, e.g. spac) -------- */
+
+int smoe_cache_counts(smoe_cache *c, const int32_t *keys, const uint32_t *counts, uint32_t n,
+                      smoe_err *err) {
+    const int32_t nkeys = (int32_t)(c->num_layers * c->num_experts);
+    for (uint32_t i = 0; i < n; i++)
+        if (keys[i] < 0 || keys[i] >= nkeys)
+            return smoe_err_set(err, SMOE_EINVAL, "counts entry %u: key %d out of range (%u "
+                                "layers x %u experts)", i, (int)keys[i], c->num_layers,
+                                c->num_experts);
+    pthread_mutex_lock(&c->mu);
+    smoe_policy_counts(c->policy, keys, counts, n);
+    int rc = policy_failed(c, err);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+int smoe_cache_utility(smoe_cache *c, const int32_t *keys, int32_t *out, uint32_t n,
+                       smoe_err *err) {
+    const int32_t nkeys = (int32_t)(c->num_layers * c->num_experts);
+    for (uint32_t i = 0; i < n; i++)
+        if (keys[i] < 0 || keys[i] >= nkeys)
+            return smoe_err_set(err, SMOE_EINVAL, "utility entry %u: key %d out of range (%u "
+                                "layers x %u experts)", i, (int)keys[i], c->num_layers,
+                                c->num_experts);
+    pthread_mutex_lock(&c->mu);
+    int rc = 0;
+    if (!c->policy->ops->utility) {
+        rc = smoe_err_set(err, SMOE_EPOLICY, "policy %s has no utility (only utility-space "
+                          "policies such as spac have one)", c->policy->ops->name);
+    } else {
+        for (uint32_t i = 0; i < n; i++) out[i] = smoe_policy_utility(c->policy, keys[i]);
+        rc = policy_failed(c, err);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
 }

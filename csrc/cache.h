@@ -26,7 +26,8 @@
  *  - prefetch(): keys resident or loading are skipped at request time; a queued key is
  *    superseded (new priority, new seq).  The worker pops the highest (priority, -seq),
  *    skips it if it became resident/loading, else takes the lowest EMPTY slot, else victim()
- *    among READY unpinned slots with last_pass != pass_id (else prefetch_dropped++);
+ *    among READY unpinned slots with last_pass != pass_id and, when the policy has a utility
+ *    (spac), utility(slot's key) <= utility(requested key) (else prefetch_dropped++);
  *    on_insert(s, key, 1), prefetch_issued++.
  *  - a demand access that cannot find a slot waits forever if every slot stays pinned: size
  *    the cache for (threads x top_k) pins at least.
@@ -97,6 +98,7 @@ typedef struct smoe_cache {
     smoe_err *slot_err;    /* owned; [mu] per slot: the error of its last failed load */
     uint32_t waiters;      /* [mu] threads waiting on cv (release broadcasts only if > 0) */
     int32_t *qpos;         /* owned; [mu] per key: index in queue, or -1 when not queued */
+    int32_t pf_key;        /* [mu] key the prefetch worker is finding a slot for */
 
     /* prefetch worker */
     pthread_t worker;
@@ -172,6 +174,17 @@ int smoe_cache_set_policy(smoe_cache *c, smoe_policy *p, smoe_err *err);
 
 /* Keys of the READY slots, in slot order, into keys (room for nslots); returns the count. */
 uint32_t smoe_cache_resident(smoe_cache *c, int32_t *keys);
+
+/* Activation counts of one verification pass for the policy (policy.h on_counts: counts[i]
+ * tokens of the pass activate keys[i]; the layers of the listed keys are observed).  Takes mu;
+ * a no-op for a policy without on_counts.  Keys out of range: SMOE_EINVAL (nothing fed). */
+int smoe_cache_counts(smoe_cache *c, const int32_t *keys, const uint32_t *counts, uint32_t n,
+                      smoe_err *err);
+
+/* The policy's current utility of each key into out[0..n-1] (under mu).  SMOE_EPOLICY when
+ * the policy has no utility; SMOE_EINVAL for a key out of range. */
+int smoe_cache_utility(smoe_cache *c, const int32_t *keys, int32_t *out, uint32_t n,
+                       smoe_err *err);
 
 void smoe_cache_get_stats(smoe_cache *c, smoe_cache_stats *out);
 void smoe_cache_reset_stats(smoe_cache *c);

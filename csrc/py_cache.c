@@ -341,6 +341,73 @@ static PyObject *Cache_set_policy(CacheObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Cache_observe_counts(CacheObject *self, PyObject *args) {
+    PyObject *ko, *co;
+    if (!PyArg_ParseTuple(args, "OO:observe_counts", &ko, &co)) return NULL;
+    if (check_open(self) < 0) return NULL;
+    const uint64_t nkeys = (uint64_t)self->cache.num_layers * self->cache.num_experts;
+    PyArrayObject *k = smoe_py_index_array(ko, nkeys, "observe_counts keys", "key");
+    if (!k) return NULL;
+    PyArrayObject *c = smoe_py_index_array(co, (uint64_t)1 << 31, "observe_counts counts",
+                                           "count");
+    if (!c) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    npy_intp n = PyArray_DIM(k, 0);
+    if (PyArray_DIM(c, 0) != n || n > (npy_intp)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "observe_counts: %zd keys but %zd counts", (Py_ssize_t)n,
+                     (Py_ssize_t)PyArray_DIM(c, 0));
+        Py_DECREF(k);
+        Py_DECREF(c);
+        return NULL;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    const int32_t *kd = PyArray_DATA(k);
+    const uint32_t *cd = PyArray_DATA(c); /* non-negative int32 values: same bits as uint32 */
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_cache_counts(&self->cache, kd, cd, (uint32_t)n, &err);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(k);
+    Py_DECREF(c);
+    if (rc < 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cache_utility(CacheObject *self, PyObject *ko) {
+    if (check_open(self) < 0) return NULL;
+    const uint64_t nkeys = (uint64_t)self->cache.num_layers * self->cache.num_experts;
+    PyArrayObject *k = smoe_py_index_array(ko, nkeys, "utility keys", "key");
+    if (!k) return NULL;
+    npy_intp n = PyArray_DIM(k, 0);
+    if (n > (npy_intp)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "utility: too many keys");
+        Py_DECREF(k);
+        return NULL;
+    }
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
+    if (!out) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    const int32_t *kd = PyArray_DATA(k);
+    int32_t *od = PyArray_DATA(out);
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_cache_utility(&self->cache, kd, od, (uint32_t)n, &err);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(k);
+    if (rc < 0) {
+        Py_DECREF(out);
+        return smoe_py_raise(&err);
+    }
+    return (PyObject *)out;
+}
+
 static PyObject *Cache_resident(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     npy_intp dims[1] = {(npy_intp)self->cache.nslots};
@@ -551,6 +618,12 @@ static PyMethodDef Cache_methods[] = {
      "set_policy(policy): swap the eviction policy, keeping the contents."},
     {"resident", (PyCFunction)Cache_resident, METH_NOARGS,
      "resident() -> int32 array of the keys of READY slots, in slot order."},
+    {"observe_counts", (PyCFunction)Cache_observe_counts, METH_VARARGS,
+     "observe_counts(keys, counts): activation counts of one verification pass for the policy "
+     "(counts[i] tokens activate keys[i]; the keys' layers are observed; no-op for a policy "
+     "without counts)."},
+    {"utility", (PyCFunction)Cache_utility, METH_O,
+     "utility(keys) -> int32 array: the policy's utility per key (PolicyError if it has none)."},
     {"stats", (PyCFunction)Cache_stats, METH_NOARGS, "stats() -> dict of counters."},
     {"reset_stats", (PyCFunction)Cache_reset_stats, METH_NOARGS, "reset_stats(): zero the counters."},
     {"bench_hits", (PyCFunction)Cache_bench_hits, METH_VARARGS,

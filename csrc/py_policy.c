@@ -16,9 +16,9 @@
  * wins) and the Python error is cleared before the GIL is released: no exception ever stays
  * set across threads.  victim() then returns -1. */
 
-enum { PYB_INSERT, PYB_ACCESS, PYB_EVICT, PYB_PASS, PYB_VICTIM, PYB_N };
+enum { PYB_INSERT, PYB_ACCESS, PYB_EVICT, PYB_PASS, PYB_VICTIM, PYB_COUNTS, PYB_UTILITY, PYB_N };
 static const char *const pyb_names[PYB_N] = {"on_insert", "on_access", "on_evict", "on_pass",
-                                             "victim"};
+                                             "victim", "on_counts", "utility"};
 
 typedef struct pyb_state {
     PyObject *obj;
@@ -149,6 +149,59 @@ done:
     return ans;
 }
 
+/* on_counts(keys: list[int], counts: list[int]) when the object defines it. */
+static void pyb_counts(smoe_policy *p, const int32_t *keys, const uint32_t *counts, uint32_t n) {
+    pyb_state *st = p->state;
+    if (!st->meth[PYB_COUNTS]) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *k = PyList_New(n), *c = PyList_New(n), *r = NULL;
+    if (!k || !c) goto fail;
+    for (uint32_t i = 0; i < n; i++) {
+        PyObject *a = PyLong_FromLong(keys[i]), *b = PyLong_FromUnsignedLong(counts[i]);
+        if (!a || !b) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            goto fail;
+        }
+        PyList_SET_ITEM(k, i, a);
+        PyList_SET_ITEM(c, i, b);
+    }
+    r = PyObject_CallFunctionObjArgs(st->meth[PYB_COUNTS], k, c, NULL);
+    if (r) goto done;
+fail:
+    pyb_fail_exc(p, "on_counts");
+done:
+    Py_XDECREF(k);
+    Py_XDECREF(c);
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+}
+
+/* utility(key) -> int >= 0; a raise or a bad answer is recorded as the policy's failure
+ * (p->failure is the one field a const policy may change: callers check it after). */
+static int32_t pyb_utility(const smoe_policy *cp, int32_t key) {
+    smoe_policy *p = (smoe_policy *)cp;
+    pyb_state *st = p->state;
+    if (!st->meth[PYB_UTILITY]) return -1;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int32_t ans = -1;
+    PyObject *r = PyObject_CallFunction(st->meth[PYB_UTILITY], "i", (int)key);
+    long v = r && PyLong_Check(r) && !PyBool_Check(r) ? PyLong_AsLong(r) : -1;
+    if (!r || (v == -1 && PyErr_Occurred())) {
+        pyb_fail_exc(p, "utility");
+    } else if (v < 0 || v > INT32_MAX || !PyLong_Check(r) || PyBool_Check(r)) {
+        if (p->failure.code == 0)
+            smoe_err_set(&p->failure, SMOE_EPOLICY, "python policy: utility(%d) must return an "
+                         "int in 0..2^31-1", (int)key);
+    } else {
+        ans = (int32_t)v;
+    }
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyGILState_Release(g);
+    return ans;
+}
+
 static const smoe_policy_ops smoe_policy_python = {
     .name = "python",
     .init = pyb_init,
@@ -158,6 +211,21 @@ static const smoe_policy_ops smoe_policy_python = {
     .on_evict = pyb_evict,
     .on_pass = pyb_pass,
     .victim = pyb_victim,
+    .on_counts = pyb_counts,
+};
+
+/* The same for an object that defines utility(key). */
+static const smoe_policy_ops smoe_policy_python_utility = {
+    .name = "python",
+    .init = pyb_init,
+    .free = pyb_free,
+    .on_insert = pyb_insert,
+    .on_access = pyb_access,
+    .on_evict = pyb_evict,
+    .on_pass = pyb_pass,
+    .victim = pyb_victim,
+    .on_counts = pyb_counts,
+    .utility = pyb_utility,
 };
 
 /* Build a bridge policy around obj (GIL held).  Returns NULL with a Python exception set. */
@@ -206,6 +274,7 @@ static smoe_policy *pyb_create(PyObject *obj, const smoe_policy_params *params) 
         PyErr_Format(PyExc_TypeError, "python policy: %R has no victim(candidates) method", obj);
         goto fail;
     }
+    if (st->meth[PYB_UTILITY]) p->ops = &smoe_policy_python_utility;
     return p;
 fail:
     smoe_policy_destroy(p);
@@ -294,18 +363,22 @@ static int parse_order(PyObject *o, int32_t *out) {
 
 static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"name", "nslots", "num_layers", "num_experts", "seed", "order",
-                             "future", "pyobj", NULL};
+                             "future", "pyobj", "levels", NULL};
     const char *name;
     PyObject *o_nslots, *o_nl, *o_ne, *o_seed = NULL, *o_order = NULL, *o_future = Py_None,
-                                           *o_pyobj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOO:Policy", kwlist, &name, &o_nslots,
-                                     &o_nl, &o_ne, &o_seed, &o_order, &o_future, &o_pyobj))
+                                           *o_pyobj = Py_None, *o_levels = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOOO:Policy", kwlist, &name, &o_nslots,
+                                     &o_nl, &o_ne, &o_seed, &o_order, &o_future, &o_pyobj,
+                                     &o_levels))
         return -1;
     if (self->p || self->taken) {
         PyErr_SetString(PyExc_TypeError, "Policy objects cannot be re-initialised");
         return -1;
     }
-    unsigned long long nslots, nl, ne, seed = 0;
+    unsigned long long nslots, nl, ne, seed = 0, levels = 0;
+    if (o_levels && o_levels != Py_None &&
+        parse_range(o_levels, "levels (0 = default)", 0, 255, &levels) < 0)
+        return -1;
     if (parse_range(o_nslots, "nslots", 1, UINT32_MAX, &nslots) < 0 ||
         parse_range(o_nl, "num_layers", 1, UINT32_MAX, &nl) < 0 ||
         parse_range(o_ne, "num_experts", 1, UINT32_MAX, &ne) < 0 ||
@@ -318,7 +391,7 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
     }
     smoe_policy_params params = {.nslots = (uint32_t)nslots, .num_layers = (uint32_t)nl,
                                  .num_experts = (uint32_t)ne, .seed = seed,
-                                 .order = SMOE_LS_ORDER_LAYER};
+                                 .order = SMOE_LS_ORDER_LAYER, .levels = (int32_t)levels};
     int is_py = strcmp(name, "python") == 0;
     const smoe_policy_ops *ops = is_py ? NULL : smoe_policy_find(name);
     if (!is_py && !ops) {
@@ -326,7 +399,7 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
                      smoe_policy_names());
         return -1;
     }
-    /* seed= and order= are validated always and ignored by the policies that do not use them
+    /* seed=, order= and levels= are validated always and ignored by the policies that do not use them
      * (so generic callers may pass them); future= and pyobj= must match the policy. */
     if (o_order && o_order != Py_None && parse_order(o_order, &params.order) < 0) return -1;
     if (o_pyobj != Py_None && !is_py) {
@@ -412,12 +485,15 @@ static PyGetSetDef Policy_getset[] = {
     {NULL, NULL, NULL, NULL, NULL}};
 
 PyDoc_STRVAR(Policy_doc,
-"Policy(name, nslots, num_layers, num_experts, *, seed=0, order='layer', future=None, pyobj=None)\n"
+"Policy(name, nslots, num_layers, num_experts, *, seed=0, order='layer', future=None, pyobj=None,\n"
+"       levels=0)\n"
 "\n"
 "An eviction policy in C for a cache of nslots slots over num_layers*num_experts expert keys.\n"
 "name: lru, lfu, fifo, mru, random (seed=), least_stale (order='layer'|'lru'|'fifo' or 0..2),\n"
-"belady (future= the demand key sequence), or python (pyobj= an object with victim(candidates)\n"
-"and optional on_insert/on_access/on_evict/on_pass; the slow path).  A Policy is consumed by\n"
+"belady (future= the demand key sequence), spac (levels= utility levels K, 1..255, 0 = 4;\n"
+"utility from activation counts, see csrc/policy/spac.c), or python (pyobj= an object with\n"
+"victim(candidates) and optional on_insert/on_access/on_evict/on_pass/on_counts(keys,\n"
+"counts)/utility(key); the slow path).  A Policy is consumed by\n"
 "the first cache, simulator or replay that takes it; taking it again raises PolicyError.");
 
 static PyTypeObject Policy_Type = {
@@ -468,10 +544,10 @@ smoe_policy *smoe_py_policy_take(PyObject *obj, uint32_t nslots, uint32_t num_la
 
 static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
-    static char *kwlist[] = {"policy", "keys", "pass_starts", "mask_seed", NULL};
-    PyObject *o_pol, *o_keys, *o_ps = Py_None, *o_mask = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$O:replay", kwlist, &o_pol, &o_keys, &o_ps,
-                                     &o_mask))
+    static char *kwlist[] = {"policy", "keys", "pass_starts", "mask_seed", "counts", NULL};
+    PyObject *o_pol, *o_keys, *o_ps = Py_None, *o_mask = NULL, *o_counts = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$OO:replay", kwlist, &o_pol, &o_keys, &o_ps,
+                                     &o_mask, &o_counts))
         return NULL;
     if (!PyObject_TypeCheck(o_pol, &Policy_Type)) {
         PyErr_Format(PyExc_TypeError, "replay: policy must be a specmoe._C.Policy, got %s",
@@ -485,8 +561,8 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
         o_keys, (uint64_t)po->num_layers * po->num_experts, "keys", "key");
     if (!keys) return NULL;
     const npy_intp n = PyArray_DIM(keys, 0);
-    PyArrayObject *ps = NULL, *hits = NULL, *vic = NULL;
-    smoe_replay_opts opts = {NULL, 0, mask_seed};
+    PyArrayObject *ps = NULL, *hits = NULL, *vic = NULL, *ck = NULL, *cv = NULL, *co = NULL;
+    smoe_replay_opts opts = {NULL, 0, mask_seed, NULL, NULL, NULL};
     if (o_ps != Py_None) {
         if (!PyArray_Check(o_ps) && PyIndex_Check(o_ps) && !PyBool_Check(o_ps)) {
             unsigned long long len;
@@ -522,6 +598,49 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
         opts.pass_starts = PyArray_DATA(ps);
         opts.npass = (uint64_t)PyArray_DIM(ps, 0);
     }
+    if (o_counts != Py_None) {
+        PyObject *o_ck, *o_cv, *o_co;
+        if (!PyTuple_Check(o_counts) || PyTuple_GET_SIZE(o_counts) != 3) {
+            PyErr_SetString(PyExc_TypeError, "replay: counts must be a tuple (keys, counts, "
+                            "offsets)");
+            goto fail;
+        }
+        o_ck = PyTuple_GET_ITEM(o_counts, 0);
+        o_cv = PyTuple_GET_ITEM(o_counts, 1);
+        o_co = PyTuple_GET_ITEM(o_counts, 2);
+        if (!ps) {
+            PyErr_SetString(PyExc_ValueError, "replay: counts need pass_starts (they are fed at "
+                            "each pass start)");
+            goto fail;
+        }
+        ck = smoe_py_index_array(o_ck, (uint64_t)po->num_layers * po->num_experts,
+                                 "counts keys", "key");
+        if (!ck) goto fail;
+        cv = smoe_py_index_array(o_cv, (uint64_t)1 << 31, "counts", "count");
+        if (!cv) goto fail;
+        PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(o_co, NPY_INT64, NPY_ARRAY_IN_ARRAY);
+        if (!a) goto fail;
+        const int64_t *src = PyArray_DATA(a);
+        const npy_intp m = PyArray_NDIM(a) == 1 ? PyArray_DIM(a, 0) : -1;
+        int bad = PyArray_DIM(ck, 0) != PyArray_DIM(cv, 0) ||
+                  m != (npy_intp)opts.npass + 1 || src[0] != 0 ||
+                  src[m - 1] != (int64_t)PyArray_DIM(ck, 0);
+        for (npy_intp j = 1; !bad && j < m; j++) bad = src[j] < src[j - 1];
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "replay: counts must be (keys, counts, offsets) with "
+                         "keys and counts of equal length n and offsets a non-decreasing 1-D "
+                         "array of npass + 1 = %llu entries from 0 to n",
+                         (unsigned long long)opts.npass + 1);
+            Py_DECREF(a);
+            goto fail;
+        }
+        co = (PyArrayObject *)PyArray_Cast(a, NPY_UINT64);
+        Py_DECREF(a);
+        if (!co) goto fail;
+        opts.count_offsets = PyArray_DATA(co);
+        opts.count_keys = PyArray_DATA(ck);
+        opts.count_vals = PyArray_DATA(cv);
+    }
     hits = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_UINT8);
     vic = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
     if (!hits || !vic) goto fail;
@@ -540,17 +659,23 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     }
     Py_DECREF(keys);
     Py_XDECREF(ps);
+    Py_XDECREF(ck);
+    Py_XDECREF(cv);
+    Py_XDECREF(co);
     return Py_BuildValue("(NN)", hits, vic);
 fail:
     Py_XDECREF(keys);
     Py_XDECREF(ps);
+    Py_XDECREF(ck);
+    Py_XDECREF(cv);
+    Py_XDECREF(co);
     Py_XDECREF(hits);
     Py_XDECREF(vic);
     return NULL;
 }
 
 PyDoc_STRVAR(py_replay_doc,
-"replay(policy, keys, pass_starts=None, *, mask_seed=0) -> (hits, victims)\n"
+"replay(policy, keys, pass_starts=None, *, mask_seed=0, counts=None) -> (hits, victims)\n"
 "\n"
 "Replay a demand-only sequence of expert keys through a fresh policy with the cache's\n"
 "semantics (free slots lowest first, then victim; no pins): hits uint8[n] (1 = hit) and\n"
@@ -558,7 +683,9 @@ PyDoc_STRVAR(py_replay_doc,
 "length (passes start at 0, len, 2*len, ...) or sorted access indices at which on_pass(1),\n"
 "on_pass(2), ... are called.  mask_seed != 0 makes about 1 in 4 slots unevictable at each\n"
 "victim call (splitmix64 draws, see csrc/policy/replay.h); with no candidate the access\n"
-"bypasses the cache.  The policy is consumed (in_use afterwards).");
+"bypasses the cache.  counts=(keys, counts, offsets): activation counts fed to the policy\n"
+"(on_counts) right after each on_pass(j+1): entries offsets[j]:offsets[j+1] (offsets has\n"
+"npass + 1 entries; needs pass_starts).  The policy is consumed (in_use afterwards).");
 
 static PyMethodDef policy_methods[] = {
     {"replay", (PyCFunction)(void (*)(void))py_replay, METH_VARARGS | METH_KEYWORDS,

@@ -45,10 +45,13 @@ static PyObject *result_dict(const smoe_sim_result *r) {
 PyDoc_STRVAR(simulate_doc,
 "simulate(experts, num_experts, policy, nslots, *, logits=None, predictor=0, depth=1, topk=0,\n"
 "         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
-"         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0) -> dict\n\n"
+"         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
+"         verify_tokens=1) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
-"`seed`, least_stale `order`) or a _C.Policy (taken: it cannot be used again).  predictor:\n"
+"`seed`, least_stale `order`, spac `levels`) or a _C.Policy (taken: it cannot be used again).\n"
+"verify_tokens g > 1: each pass verifies g consecutive tokens (union of their experts per\n"
+"layer; on_counts before the pass; demand only, see csrc/sim.h).  predictor:\n"
 "0 none, 1 oracle, 2 router (needs logits float32 [tokens, layers, num_experts]), 3 history.\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
 
@@ -57,7 +60,8 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"experts", "num_experts", "policy", "nslots", "logits", "predictor",
                              "depth", "topk", "percentile", "history", "cooc_weight",
                              "expert_bytes", "fast_bw", "link_bw", "link_latency_s",
-                             "layer_fixed_s", "token_fixed_s", "seed", "order", NULL};
+                             "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
+                             "verify_tokens", NULL};
     PyObject *experts_o, *policy_o, *logits_o = Py_None;
     long long num_experts, nslots;
     int predictor = 0, order = 0;
@@ -66,12 +70,20 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     double expert_bytes = -1, fast_bw = -1, link_bw = -1, link_latency_s = -1;
     double layer_fixed_s = 0.0, token_fixed_s = 0.0;
     unsigned long long seed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKi", kwlist, &experts_o,
+    int levels = 0;
+    long long verify_tokens = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiL", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
-                                     &layer_fixed_s, &token_fixed_s, &seed, &order))
+                                     &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
+                                     &verify_tokens))
         return NULL;
+    if (verify_tokens < 1 || verify_tokens > 65536) {
+        PyErr_Format(PyExc_ValueError, "simulate: verify_tokens (tokens per pass) must be in "
+                     "1..65536, got %lld", verify_tokens);
+        return NULL;
+    }
     if (expert_bytes < 0 || fast_bw < 0 || link_bw < 0 || link_latency_s < 0) {
         PyErr_SetString(PyExc_TypeError, "simulate: expert_bytes, fast_bw, link_bw and "
                         "link_latency_s are required (non-negative)");
@@ -126,6 +138,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
         .num_layers = (uint32_t)dims[1],
         .top_k = (uint32_t)dims[2],
         .num_experts = (uint32_t)num_experts,
+        .verify_tokens = (uint32_t)verify_tokens,
     };
     smoe_err err;
     smoe_err_clear(&err);
@@ -141,7 +154,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
         uint64_t n = (uint64_t)dims[0] * (uint64_t)dims[1] * (uint64_t)dims[2];
         smoe_policy_params params = {.nslots = (uint32_t)nslots, .num_layers = tr.num_layers,
                                      .num_experts = tr.num_experts, .seed = seed,
-                                     .order = order};
+                                     .order = order, .levels = levels};
         if (strcmp(name, "belady") == 0) {
             future = malloc((n ? n : 1) * sizeof *future);
             if (!future) {

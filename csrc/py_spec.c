@@ -4,6 +4,7 @@
 #include "py_numpy.h"
 #include "spec/controller.h"
 #include "spec/ngram.h"
+#include "spec/verify.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -503,6 +504,142 @@ static PyTypeObject Ngram_Type = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ------------------------------------------------------------------------------------------ */
+/* _C.spec_accept */
+
+/* Decisions (see also spec/verify.h):
+ * - p and q must be numpy arrays of exactly float32 (native byte order), u of exactly float64,
+ *   2-D, C-contiguous and aligned: TypeError for the wrong type/dtype, ValueError for the
+ *   wrong shape/layout.  No silent conversion of the large arrays, so no hidden copy per token.
+ * - draft is small (K ids), so any integer sequence or array is accepted and converted to
+ *   int64 (a list from NgramDrafter.propose works); floats and bools raise TypeError, an
+ *   empty sequence of any dtype means K = 0.
+ * - Every value is checked (smoe_spec_accept_check) before the rule runs, so bad input raises
+ *   ValueError instead of answering garbage; in greedy mode a q given is checked too.
+ *   check=False skips only the O((2K+1)V) scan of the entries of p and q (for a loop that
+ *   makes its rows with softmax itself); shapes, dtypes, draft ids and u are always checked,
+ *   which is what memory safety needs (see spec/verify.h).
+ * - The GIL is released only when the arrays hold at least SPEC_NOGIL_MIN elements: below
+ *   that the work takes about a microsecond and giving the GIL away could cost more (another
+ *   thread may keep it for a whole switch interval). */
+#define SPEC_NOGIL_MIN (1 << 16)
+
+/* obj as a 2-D C-contiguous aligned native array of exactly `type`, borrowed (no new ref). */
+static PyArrayObject *exact_matrix(PyObject *obj, int type, const char *name, const char *tname) {
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "spec_accept: %s must be a numpy.ndarray of %s, got %s",
+                     name, tname, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    if (PyArray_TYPE(a) != type || !PyArray_ISNOTSWAPPED(a)) {
+        PyErr_Format(PyExc_TypeError, "spec_accept: %s must have dtype %s (native byte order), "
+                     "got %R", name, tname, (PyObject *)PyArray_DESCR(a));
+        return NULL;
+    }
+    if (PyArray_NDIM(a) != 2) {
+        PyErr_Format(PyExc_ValueError, "spec_accept: %s must be 2-D, got %d dimensions", name,
+                     PyArray_NDIM(a));
+        return NULL;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
+        PyErr_Format(PyExc_ValueError, "spec_accept: %s must be C-contiguous and aligned "
+                     "(use numpy.ascontiguousarray)", name);
+        return NULL;
+    }
+    return a;
+}
+
+/* draft as a new 1-D contiguous int64 array (values are range-checked later). */
+static PyArrayObject *draft_array(PyObject *obj) {
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROM_O(obj);
+    if (!a) return NULL;
+    if (PyArray_NDIM(a) != 1) {
+        PyErr_Format(PyExc_ValueError, "spec_accept: draft must be 1-D, got %d dimensions",
+                     PyArray_NDIM(a));
+        Py_DECREF(a);
+        return NULL;
+    }
+    if (PyArray_SIZE(a) > 0 && !PyArray_ISINTEGER(a)) {
+        PyErr_Format(PyExc_TypeError, "spec_accept: draft must hold integer token ids, got "
+                     "dtype %R", (PyObject *)PyArray_DESCR(a));
+        Py_DECREF(a);
+        return NULL;
+    }
+    /* FORCECAST: uint64 ids >= 2^63 wrap negative and are refused by the range check. */
+    PyArrayObject *b = (PyArrayObject *)PyArray_FROM_OTF((PyObject *)a, NPY_INT64,
+                                                         NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    Py_DECREF(a);
+    return b;
+}
+
+static PyObject *py_spec_accept(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"p", "draft", "q", "u", "check", NULL};
+    PyObject *po, *dobj, *qo = Py_None, *uo = Py_None;
+    int check = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$p:spec_accept", kwlist, &po, &dobj, &qo,
+                                     &uo, &check))
+        return NULL;
+    PyArrayObject *p = exact_matrix(po, NPY_FLOAT32, "p", "float32");
+    if (!p) return NULL;
+    PyArrayObject *q = NULL, *u = NULL;
+    if (qo != Py_None && !(q = exact_matrix(qo, NPY_FLOAT32, "q", "float32"))) return NULL;
+    if (uo != Py_None && !(u = exact_matrix(uo, NPY_FLOAT64, "u", "float64"))) return NULL;
+    PyArrayObject *d = draft_array(dobj);
+    if (!d) return NULL;
+    npy_intp k = PyArray_DIM(d, 0), v = PyArray_DIM(p, 1);
+    const char *shape_err = NULL;
+    if (k >= INT32_MAX)
+        shape_err = "draft is too long";
+    else if (PyArray_DIM(p, 0) != k + 1)
+        shape_err = "p must have K+1 rows (K = len(draft))";
+    else if (v < 1)
+        shape_err = "p must have at least one column (the vocabulary is empty)";
+    else if (q && (PyArray_DIM(q, 0) != k || PyArray_DIM(q, 1) != v))
+        shape_err = "q must have shape [K, V] (K = len(draft), V = p.shape[1])";
+    else if (u && (PyArray_DIM(u, 0) != k + 1 || PyArray_DIM(u, 1) != 2))
+        shape_err = "u must have shape [K+1, 2] (K = len(draft))";
+    if (shape_err) {
+        char qs[64] = "None", us[64] = "None";
+        if (q) snprintf(qs, sizeof qs, "(%zd, %zd)", (Py_ssize_t)PyArray_DIM(q, 0),
+                        (Py_ssize_t)PyArray_DIM(q, 1));
+        if (u) snprintf(us, sizeof us, "(%zd, %zd)", (Py_ssize_t)PyArray_DIM(u, 0),
+                        (Py_ssize_t)PyArray_DIM(u, 1));
+        PyErr_Format(PyExc_ValueError,
+                     "spec_accept: %s; got p (%zd, %zd), len(draft) %zd, q %s, u %s", shape_err,
+                     (Py_ssize_t)PyArray_DIM(p, 0), (Py_ssize_t)v, (Py_ssize_t)k, qs, us);
+        Py_DECREF(d);
+        return NULL;
+    }
+    const float *pp = PyArray_DATA(p), *qp = q ? PyArray_DATA(q) : NULL;
+    const double *up = u ? PyArray_DATA(u) : NULL;
+    const int64_t *dp = PyArray_DATA(d);
+    int32_t n = 0;
+    int64_t next = -1;
+    int rc;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if ((double)(2 * k + 1) * (double)v >= SPEC_NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = smoe_spec_accept_check(pp, dp, qp, up, (int32_t)k, (int64_t)v, check, &err);
+        if (rc == 0) rc = smoe_spec_accept(pp, dp, qp, up, (int32_t)k, (int64_t)v, &n, &next, &err);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = smoe_spec_accept_check(pp, dp, qp, up, (int32_t)k, (int64_t)v, check, &err);
+        if (rc == 0) rc = smoe_spec_accept(pp, dp, qp, up, (int32_t)k, (int64_t)v, &n, &next, &err);
+    }
+    Py_DECREF(d);
+    if (rc < 0) return smoe_py_raise(&err);
+    return Py_BuildValue("(iL)", (int)n, (long long)next);
+}
+
+static PyMethodDef spec_functions[] = {
+    {"spec_accept", (PyCFunction)(void (*)(void))py_spec_accept, METH_VARARGS | METH_KEYWORDS,
+     "spec_accept(p, draft, q=None, u=None, *, check=True) -> (n_accepted, next_token): the "
+     "speculative decoding acceptance rule (greedy when u is None); see csrc/spec/verify.h."},
+    {NULL, NULL, 0, NULL}};
+
 int smoe_py_spec_init(PyObject *m) {
     PyTypeObject *types[] = {&SpecController_Type, &Ngram_Type};
     const char *names[] = {"SpecController", "NgramDrafter"};
@@ -514,5 +651,5 @@ int smoe_py_spec_init(PyObject *m) {
             return -1;
         }
     }
-    return 0;
+    return PyModule_AddFunctions(m, spec_functions);
 }

@@ -24,6 +24,7 @@ typedef struct sim {
     double load_s;         /* link_latency_s + expert_bytes / link_bw */
     double expert_s;       /* expert_bytes / fast_bw */
     int prefetch_mode;     /* evictable(): 1 for a prefetch victim, 0 for demand */
+    int32_t pf_key;        /* the key a prefetch victim is sought for */
 
     /* copy engine */
     int32_t inflight;      /* slot being prefetched, -1 none */
@@ -43,6 +44,13 @@ typedef struct sim {
     uint32_t *cooc;        /* history: [L][E][E] uses of b at position l+1 after a at l */
     uint32_t *cnt;         /* history: [L][E] uses of a at position l with a successor seen */
     uint64_t tokens_seen;
+
+    /* activation counts for policies with on_counts, and the group replay */
+    uint64_t *cstamp;      /* [nkeys] token id + 1 that last counted the key */
+    uint32_t *ccnt;        /* [nkeys] count of the current pass (0 outside feed_counts) */
+    int32_t *ckeys;        /* [nkeys] keys with a count */
+    uint32_t *cvals;       /* [nkeys] their counts */
+    uint64_t *seen;        /* [nkeys] groups: pass id that last demanded the key */
 } sim;
 
 static const int16_t *row(const sim *s, uint64_t t, uint32_t l) {
@@ -53,6 +61,9 @@ static int sim_evictable(void *ctx, uint32_t slot) {
     const sim *s = ctx;
     if ((int32_t)slot == s->inflight) return 0;
     if (s->prefetch_mode && s->slot_pass[slot] == s->pass) return 0;
+    if (s->prefetch_mode && s->pol->ops->utility &&
+        smoe_policy_utility(s->pol, s->slot_key[slot]) > smoe_policy_utility(s->pol, s->pf_key))
+        return 0;
     return 1;
 }
 
@@ -109,6 +120,7 @@ static int advance(sim *s, double now, smoe_err *err) {
         s->q_head++;
         s->q_len--;
         if (s->map[key] >= 0) continue;
+        s->pf_key = key;
         int32_t slot = take_slot(s, key, 1, err);
         if (slot < -1) return SMOE_EPOLICY;
         if (slot < 0) {
@@ -312,6 +324,68 @@ static void learn_token(sim *s, uint64_t t) {
     s->tokens_seen++;
 }
 
+/* on_counts with, for every layer, the number of tokens t0..t1-1 that route to each expert
+ * (a token counts once per expert).  Only called for policies with on_counts. */
+static void feed_counts(sim *s, uint64_t t0, uint64_t t1) {
+    const uint32_t L = s->L, K = s->K, E = s->E;
+    uint32_t n = 0;
+    for (uint32_t l = 0; l < L; l++)
+        for (uint64_t t = t0; t < t1; t++) {
+            const int16_t *r = row(s, t, l);
+            for (uint32_t i = 0; i < K; i++) {
+                const uint32_t key = l * E + (uint32_t)r[i];
+                if (s->cstamp[key] == t + 1) continue;
+                s->cstamp[key] = t + 1;
+                if (s->ccnt[key]++ == 0) s->ckeys[n++] = (int32_t)key;
+            }
+        }
+    for (uint32_t i = 0; i < n; i++) {
+        s->cvals[i] = s->ccnt[s->ckeys[i]];
+        s->ccnt[s->ckeys[i]] = 0;
+    }
+    smoe_policy_counts(s->pol, s->ckeys, s->cvals, n);
+}
+
+/* Replay with verification groups of g = tr->verify_tokens > 1 tokens per pass (sim.h);
+ * demand only (check_args rejects predictors). */
+static int run_groups(sim *s, smoe_err *err) {
+    const smoe_sim_trace *tr = s->tr;
+    const smoe_sim_hw *hw = s->hw;
+    const uint32_t g = tr->verify_tokens, L = s->L, K = s->K, E = s->E;
+    const int feed = s->pol->ops->on_counts != NULL;
+    int rc = 0;
+    for (uint64_t t0 = 0; t0 < tr->num_tokens && rc == 0; t0 += g) {
+        const uint64_t t1 = t0 + g < tr->num_tokens ? t0 + g : tr->num_tokens;
+        s->pass++;
+        smoe_policy_pass(s->pol, s->pass);
+        if (feed) feed_counts(s, t0, t1);
+        s->now += hw->token_fixed_s;
+        s->r->compute_s += hw->token_fixed_s;
+        for (uint32_t l = 0; l < L && rc == 0; l++) {
+            s->now += hw->layer_fixed_s;
+            uint32_t distinct = 0;
+            for (uint64_t t = t0; t < t1 && rc == 0; t++) {
+                const int16_t *r = row(s, t, l);
+                for (uint32_t i = 0; i < K; i++) {
+                    const uint32_t key = l * E + (uint32_t)r[i];
+                    if (s->seen[key] == s->pass) continue;
+                    s->seen[key] = s->pass;
+                    distinct++;
+                    if ((rc = demand(s, (int32_t)key, err)) < 0) break;
+                }
+            }
+            s->now += distinct * s->expert_s;
+            s->r->compute_s += hw->layer_fixed_s + distinct * s->expert_s;
+        }
+        if (rc == 0 && s->pol->failure.code) {
+            *err = s->pol->failure;
+            err->code = SMOE_EPOLICY;
+            rc = SMOE_EPOLICY;
+        }
+    }
+    return rc;
+}
+
 static void sim_free(sim *s) {
     free(s->slot_key);
     free(s->slot_pass);
@@ -326,6 +400,11 @@ static void sim_free(sim *s) {
     free(s->freq);
     free(s->cooc);
     free(s->cnt);
+    free(s->cstamp);
+    free(s->ccnt);
+    free(s->ckeys);
+    free(s->cvals);
+    free(s->seen);
 }
 
 static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
@@ -353,6 +432,10 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         if (!isfinite(v[i]) || v[i] < 0 || (i < 3 && v[i] <= 0))
             return smoe_err_set(err, SMOE_EINVAL, "simulate: hardware %s must be %s, got %g",
                                 names[i], i < 3 ? "positive" : "non-negative", v[i]);
+    if (tr->verify_tokens > 1 && pf && pf->predictor != SMOE_PRED_NONE)
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: prefetch predictors replay one token "
+                            "per pass; verify_tokens = %u needs predictor none",
+                            tr->verify_tokens);
     if (pf && pf->predictor != SMOE_PRED_NONE) {
         if (pf->predictor < SMOE_PRED_NONE || pf->predictor > SMOE_PRED_HISTORY)
             return smoe_err_set(err, SMOE_EINVAL, "simulate: unknown predictor %d",
@@ -430,6 +513,15 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
             ok = s.freq && s.cnt && s.cooc;
         }
     }
+    const int feed = pol->ops->on_counts != NULL;
+    if (ok && (feed || tr->verify_tokens > 1)) {
+        s.cstamp = calloc(s.nkeys, sizeof *s.cstamp);
+        s.ccnt = calloc(s.nkeys, sizeof *s.ccnt);
+        s.ckeys = malloc(s.nkeys * sizeof *s.ckeys);
+        s.cvals = malloc(s.nkeys * sizeof *s.cvals);
+        s.seen = calloc(s.nkeys, sizeof *s.seen);
+        ok = s.cstamp && s.ccnt && s.ckeys && s.cvals && s.seen;
+    }
     if (!ok) {
         sim_free(&s);
         return smoe_err_set(err, SMOE_ENOMEM, "simulate: out of memory for %u slots", nslots);
@@ -441,10 +533,12 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
     const double layer_compute = hw->layer_fixed_s + s.K * s.expert_s;
     const int16_t *ex = tr->experts;
     rc = 0;
-    for (uint64_t t = 0; t < tr->num_tokens && rc == 0; t++) {
+    if (tr->verify_tokens > 1) rc = run_groups(&s, err);
+    for (uint64_t t = 0; tr->verify_tokens <= 1 && t < tr->num_tokens && rc == 0; t++) {
         if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
         s.pass = t + 1;
         smoe_policy_pass(pol, s.pass);
+        if (feed) feed_counts(&s, t, t + 1);
         s.now += hw->token_fixed_s;
         out->compute_s += hw->token_fixed_s;
         for (uint32_t l = 0; l < s.L; l++) {

@@ -5,12 +5,28 @@
  * Replay order: token by token in text order (each token is one forward pass), each token
  * through all MoE layers in order, each layer's experts in recorded order.
  *
+ * Verification groups (tr->verify_tokens = g > 1; 0 or 1 = the one-token passes above): each
+ * pass covers g consecutive tokens (the last pass of a trace may have fewer), as a speculative
+ * verification pass of K = g-1 draft tokens plus one does.  A pass goes layer by layer; at each
+ * layer its demand accesses are the union of the g tokens' experts, each expert once, in order
+ * of first appearance (token order, then recorded order), like the live moe_forward that
+ * acquires each needed expert once per layer per pass.  Before the pass's first access (right
+ * after on_pass) the policy gets on_counts with, for every layer, the number of the pass's
+ * tokens that route to each expert (every layer is observed): the live loop feeds the draft's
+ * predicted counts before verification, and in a trace the verified tokens' routing is that
+ * prediction made exact.  Time per pass: token_fixed_s once (the pass reads the dense weights
+ * once), per layer layer_fixed_s plus expert_bytes / fast_bw per distinct expert.  Prefetch
+ * predictors are defined per token and are not available with g > 1 (SMOE_EINVAL).
+ *
  * Cache semantics (policy.h's event contract, the same as cache.c's):
  *   - pass boundary at every token: on_pass(t + 1) for token t = 0, 1, ... (ids start at 1);
+ *     a policy with on_counts (spac) then gets the token's experts with count 1 for every
+ *     layer (the one-token case of the verification groups below; other policies see nothing);
  *   - demand hit: on_access;  demand miss: the lowest-numbered free slot, else the policy's
  *     victim among slots not being loaded right now (on_evict), then on_insert(s, key, 0);
  *   - prefetch load: the same with on_insert(s, key, 1), but the victim must also not have
- *     been used by demand in the current pass; no victim -> the request is dropped;
+ *     been used by demand in the current pass and, under a policy with a utility (spac), not
+ *     have a higher utility than the prefetched key; no victim -> the request is dropped;
  *   - nothing is pinned between accesses (each access is acquire + release, as in the
  *     agreement test), so with no prefetch the hit/miss counts equal the live cache's.
  * A collision miss is a miss on an expert evicted earlier in the same pass.  A demand access
@@ -51,6 +67,7 @@ typedef struct smoe_sim_trace {
     const float *logits;    /* [num_tokens, num_layers, num_experts] or NULL */
     uint64_t num_tokens;
     uint32_t num_layers, top_k, num_experts;
+    uint32_t verify_tokens; /* tokens per pass (verification group); 0 or 1: one per pass */
 } smoe_sim_trace;
 
 typedef struct smoe_sim_hw {

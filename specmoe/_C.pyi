@@ -52,7 +52,9 @@ POLICY_NAMES: str
 class Policy:
     def __init__(self, name: str, nslots: int, num_layers: int, num_experts: int, *,
                  seed: Optional[int] = ..., order: Union[str, int, None] = ...,
-                 future: Optional[npt.ArrayLike] = ..., pyobj: Any = ...) -> None: ...
+                 future: Optional[npt.ArrayLike] = ..., pyobj: Any = ...,
+                 levels: Optional[int] = ...) -> None:
+        """levels: spac utility levels K (1..255; 0/None = 4), ignored by other policies."""
     @property
     def name(self) -> str: ...
     @property
@@ -66,7 +68,10 @@ class Policy:
 
 def replay(policy: Policy, keys: npt.ArrayLike,
            pass_starts: Union[int, npt.ArrayLike, None] = ..., *,
-           mask_seed: int = ...) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int32]]: ...
+           mask_seed: int = ...,
+           counts: Optional[tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLike]] = ...
+           ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int32]]:
+    """counts=(keys, counts, offsets): on_counts(keys[o[j]:o[j+1]], ...) after on_pass(j+1)."""
 # --- end policy ---
 
 # --- cache ---
@@ -89,6 +94,10 @@ class Cache:
     def take_prefetch_error(self) -> None:
         """Raise the first prefetch load error since the last call, if any."""
     def set_policy(self, policy: Any) -> None: ...
+    def observe_counts(self, keys: npt.ArrayLike, counts: npt.ArrayLike) -> None:
+        """Activation counts of one verification pass for the policy (no-op unless spac)."""
+    def utility(self, keys: npt.ArrayLike) -> npt.NDArray[np.int32]:
+        """The policy's utility per key; PolicyError when the policy has none."""
     def resident(self) -> np.ndarray:
         """int32 keys of the READY slots, in slot order."""
     def stats(self) -> dict[str, int | float]: ...
@@ -186,6 +195,13 @@ class NgramDrafter:
     def max_n(self) -> int: ...
     @property
     def min_n(self) -> int: ...
+
+def spec_accept(p: np.ndarray, draft: Any, q: Optional[np.ndarray] = None,
+                u: Optional[np.ndarray] = None, *, check: bool = True) -> tuple[int, int]:
+    """(n_accepted, next_token) of one speculative iteration; p float32 [K+1, V], draft K
+    integer ids, q float32 [K, V] or None (one-hot proposals), u float64 [K+1, 2] in [0, 1) or
+    None (greedy); check=False skips the scan of p's and q's entries.  See
+    csrc/spec/verify.h and specmoe.spec.accept."""
 # --- end spec ---
 
 # --- sim ---
@@ -194,6 +210,6 @@ def simulate(experts: np.ndarray, num_experts: int, policy: Any, nslots: int, *,
              percentile: float = 0.0, history: int = 16, cooc_weight: float = 0.8,
              expert_bytes: float, fast_bw: float, link_bw: float, link_latency_s: float,
              layer_fixed_s: float = 0.0, token_fixed_s: float = 0.0, seed: int = 0,
-             order: int = 0) -> dict[str, float]:
+             order: int = 0, levels: int = 0, verify_tokens: int = 1) -> dict[str, float]:
     """Replay a routing trace through the simulated cache; see specmoe.sim.simulate."""
 # --- end sim ---

@@ -13,6 +13,7 @@ from .traces import Trace, TraceError, load_puffin, load_trace
 from .cache import ExpertCache, parse_capacity
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
                        make_policy)
+from .policies import SpAc
 from . import kernels, quant  # expert FFN kernels and weight formats
 from .spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK,  # speculation
                    measure_tau)
@@ -57,6 +58,7 @@ __all__ = [
     "Random",
     "LeastStale",
     "Belady",
+    "SpAc",
     "PythonPolicy",
     "make_policy",
     "StaticK",

@@ -37,6 +37,9 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated policy specs (e.g. lru,least_stale:order=lru,belady)")
     p.add_argument("--capacity", default="5%,10%,25%",
                    help="comma-separated capacities: slots (40), percentages (10%%), bytes (2GB)")
+    p.add_argument("--verify-tokens", type=int, default=1,
+                   help="tokens per forward pass (a speculative verification of K drafts + 1; "
+                        "the union of their experts per layer; demand only); default 1")
 
 
 def _load(args) -> "object":
@@ -59,7 +62,8 @@ def _cmd_simulate(args) -> int:
     results = []
     for pol in _split(args.policies):
         for cap in _split(args.capacity):
-            results.append(simulate(tr, pol, _capacity(cap), args.prefetch, args.hardware))
+            results.append(simulate(tr, pol, _capacity(cap), args.prefetch, args.hardware,
+                                    verify_tokens=args.verify_tokens))
     acc = sum(r.accesses for r in results)
     el = sum(r.elapsed_s for r in results)
     out = {
@@ -67,6 +71,7 @@ def _cmd_simulate(args) -> int:
                   "requests": tr.num_requests, "layers": tr.num_layers,
                   "experts": tr.num_experts, "top_k": tr.top_k},
         "hardware": args.hardware, "prefetch": args.prefetch or "none",
+        "verify_tokens": args.verify_tokens,
         "results": [r.to_dict() for r in results],
         "accesses_per_s": acc / el if el > 0 else 0.0,
     }
@@ -91,7 +96,8 @@ def _cmd_sweep(args) -> int:
     tr = _load(args)
     rows = sweep(tr, _split(args.policies), [_capacity(c) for c in _split(args.capacity)],
                  hardware=_split(args.hardware), predictors=args.prefetch or ["none"],
-                 processes=args.processes, progress=not args.json)
+                 processes=args.processes, progress=not args.json,
+                 verify_tokens=args.verify_tokens)
     paths = write_results(rows, args.out, plots=not args.no_plots)
     if args.json:
         print(json.dumps({"results": rows, "files": {k: str(v) for k, v in paths.items()}}))

@@ -304,6 +304,69 @@ class ExpertCache:
         """Raise the first prefetch load error since the last call (StoreError), if any."""
         self._c.take_prefetch_error()
 
+    # -- utility-space policies (spac) ----------------------------------------------------
+    def _keys_of(self, what: str, layers: Any, experts: Any) -> np.ndarray:
+        la = np.asarray(layers)
+        ea = np.asarray(experts)
+        if la.ndim == 0:
+            la = la.reshape(1)
+        if ea.ndim == 0:
+            ea = ea.reshape(1)
+        if la.ndim != 1 or ea.ndim != 1:
+            raise ValueError(f"{what}: layers and experts must be 1-D (got {la.ndim}-D and "
+                             f"{ea.ndim}-D)")
+        if len(la) != len(ea):
+            raise ValueError(f"{what}: layers and experts differ in length ({len(la)}, {len(ea)})")
+        if len(la) and (not np.issubdtype(la.dtype, np.integer)
+                        or not np.issubdtype(ea.dtype, np.integer)):
+            raise ValueError(f"{what}: layer and expert ids must be integers")
+        li = la.astype(np.int64)
+        ei = ea.astype(np.int64)
+        nl, ne = self._c.num_layers, self._c.num_experts
+        bad = (li < 0) | (li >= nl) | (ei < 0) | (ei >= ne)
+        if np.any(bad):
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{what} entry {i}: expert (layer {li[i]}, expert {ei[i]}) out of "
+                             f"range: the store has {nl} layers of {ne} experts")
+        return (li * ne + ei).astype(np.int32)
+
+    def observe_counts(self, layers: Any, experts: Any, counts: Any) -> None:
+        """Feed the policy the activation counts of one verification pass.
+
+        ``counts[i]`` tokens of the pass (the K draft tokens plus one) activate expert
+        ``(layers[i], experts[i])``.  Every layer that appears in ``layers`` is *observed*:
+        its experts not listed count 0 this pass.  Call it once per pass, before the pass's
+        expert accesses (the draft's routing predicts them).  A no-op for policies that do not
+        use counts (every built-in except ``"spac"``).  ValueError on unequal lengths, ids out
+        of range, or negative / non-integer counts.
+        """
+        keys = self._keys_of("observe_counts", layers, experts)
+        ca = np.asarray(counts)
+        if ca.ndim == 0:
+            ca = ca.reshape(1)
+        if ca.ndim != 1 or len(ca) != len(keys):
+            raise ValueError(f"observe_counts: {len(keys)} experts but counts has shape "
+                             f"{ca.shape}")
+        if len(ca) and not np.issubdtype(ca.dtype, np.integer):
+            raise ValueError("observe_counts: counts must be integers")
+        ci = ca.astype(np.int64)
+        if np.any(ci < 0):
+            i = int(np.flatnonzero(ci < 0)[0])
+            raise ValueError(f"observe_counts: count {ci[i]} at entry {i} is negative")
+        if np.any(ci >= 2**31):
+            raise ValueError("observe_counts: counts must be below 2**31")
+        self._c.observe_counts(keys, ci.astype(np.int32))
+
+    def utility(self, layers: Any, experts: Any) -> np.ndarray:
+        """The policy's current integer utility of each expert (resident or not), int32.
+
+        For ``"spac"`` a level in ``0..levels``; victims are taken lowest utility first, and a
+        caller orders prefetches by passing these values as priorities to :meth:`prefetch`.
+        PolicyError when the current policy has no utility.
+        """
+        keys = self._keys_of("utility", layers, experts)
+        return self._c.utility(keys)
+
     # -- policy, contents, counters --------------------------------------------------------
     def set_policy(self, policy: Any) -> None:
         """Swap the eviction policy keeping the cache contents.

@@ -18,6 +18,13 @@ are reproduced by the plain-Python references in ``tests/ref_policies.py``):
                      furthest next use by layer position from the layer of the latest demand
                      access (d(j) = j-cur if j>cur else j-cur+L; max d first, ties oldest
                      touch), ``"lru"`` = oldest touch, ``"fifo"`` = oldest insert.
+``SpAc(levels)``     (MoE-SpAc) utility space: a per-expert integer utility in 0..levels from
+                     the activation counts of each verification pass (EMA with forgetting
+                     factor 0.1, per-layer quantile thresholds; see ``csrc/policy/spac.c``);
+                     victim = lowest utility, ties least recently touched.  Feed it with
+                     ``ExpertCache.observe_counts`` once per pass; read utilities with
+                     ``ExpertCache.utility`` (e.g. as prefetch priorities).  With no counts it
+                     is LRU.
 ``Belady(future)``   offline optimum: the key next used furthest in ``future`` (a key array or
                      a :class:`~specmoe.traces.Trace`); never again = infinitely far; ties:
                      lowest slot.
@@ -47,7 +54,8 @@ from . import _C
 from .traces import Trace
 
 __all__ = [
-    "PolicySpec", "LRU", "LFU", "FIFO", "MRU", "Random", "LeastStale", "Belady", "PythonPolicy",
+    "PolicySpec", "LRU", "LFU", "FIFO", "MRU", "Random", "LeastStale", "Belady", "SpAc",
+    "PythonPolicy",
     "PolicyLike", "POLICY_NAMES", "make_policy", "replay",
 ]
 
@@ -124,6 +132,22 @@ class LeastStale(PolicySpec):
         return {"order": self.order}
 
 
+@dataclass(frozen=True)
+class SpAc(PolicySpec):
+    """MoE-SpAc utility space: integer utility 0..levels from per-pass activation counts."""
+
+    levels: int = 4
+    name = "spac"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.levels, bool) or not isinstance(self.levels, (int, np.integer)) \
+                or not 1 <= int(self.levels) <= 255:
+            raise ValueError(f"SpAc levels must be an int in 1..255, got {self.levels!r}")
+
+    def _kwargs(self) -> dict:
+        return {"levels": int(self.levels)}
+
+
 @dataclass(frozen=True, eq=False)
 class Belady(PolicySpec):
     """Offline optimum over ``future``, the demand key sequence (array or Trace)."""
@@ -146,6 +170,11 @@ class PythonPolicy:
     False)`` (after ``on_evict`` of the victim), a hit ``on_access``, a prefetch load
     ``on_insert(slot, key, True)``, a new forward pass ``on_pass(pass_id)`` (ids 1, 2, ...).
     Keys are ``layer * num_experts + expert``.
+
+    Optional, not defined here (define them to opt in): ``on_counts(keys, counts)`` receives
+    the activation counts of each verification pass (lists of ints; see
+    ``ExpertCache.observe_counts`` and the simulator's ``verify_tokens``), and
+    ``utility(key) -> int`` (>= 0) makes ``ExpertCache.utility`` answer for the policy.
     """
 
     def on_insert(self, slot: int, key: int, prefetch: bool) -> None:
@@ -198,13 +227,15 @@ def make_policy(spec: PolicyLike, nslots: int, num_layers: int, num_experts: int
 def replay(policy: PolicyLike, keys: Union[np.ndarray, Trace], nslots: int, *,
            num_layers: int | None = None, num_experts: int | None = None,
            pass_starts: Union[int, np.ndarray, None, Literal["token"]] = "token",
-           mask_seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+           mask_seed: int = 0, counts: "tuple | None" = None) -> tuple[np.ndarray, np.ndarray]:
     """Demand-only replay of ``keys`` (or a Trace's :meth:`~Trace.keys`) through a fresh
     policy: returns ``(hits uint8[n], victims int32[n])`` (victim key or -1 per access).
 
     For a Trace, ``num_layers``/``num_experts`` default to the trace's and ``pass_starts="token"``
     starts a pass at every token; for a key array ``"token"`` means no passes.  The name
-    ``"belady"`` is accepted here and uses the replayed keys as its future.
+    ``"belady"`` is accepted here and uses the replayed keys as its future.  ``counts``:
+    ``(keys, counts, offsets)`` activation counts fed to the policy at each pass start
+    (entries ``offsets[j]:offsets[j+1]`` right after pass ``j+1`` begins; see ``_C.replay``).
     """
     if isinstance(keys, Trace):
         tr = keys
@@ -222,4 +253,4 @@ def replay(policy: PolicyLike, keys: Union[np.ndarray, Trace], nslots: int, *,
     if isinstance(policy, str) and policy.strip().lower() == "belady":
         policy = Belady(karr)
     pol = make_policy(policy, nslots, num_layers, num_experts)
-    return _C.replay(pol, karr, pass_starts, mask_seed=mask_seed)
+    return _C.replay(pol, karr, pass_starts, mask_seed=mask_seed, counts=counts)

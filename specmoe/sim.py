@@ -151,7 +151,8 @@ def parse_capacity(cap: "int | float | str", *, num_layers: int, num_experts: in
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
-    """``"lru"``, ``"least_stale:order=lru"``, ``"random:seed=3"`` -> (name, options)."""
+    """``"lru"``, ``"least_stale:order=lru"``, ``"random:seed=3"``, ``"spac:levels=3"`` ->
+    (name, options)."""
     name, _, opts = spec.strip().partition(":")
     kw: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in opts.split(","))):
@@ -160,9 +161,11 @@ def parse_policy(spec: str) -> tuple[str, dict]:
             kw["seed"] = int(v)
         elif k == "order" and eq and v in _LS_ORDERS:
             kw["order"] = _LS_ORDERS[v]
+        elif k == "levels" and eq and v.strip().isdigit() and 1 <= int(v) <= 255:
+            kw["levels"] = int(v)
         else:
-            raise ValueError(f"bad policy option {part!r} in {spec!r}: options are seed=N and "
-                             f"order=layer|lru|fifo")
+            raise ValueError(f"bad policy option {part!r} in {spec!r}: options are seed=N, "
+                             f"order=layer|lru|fifo and levels=1..255")
     return name, kw
 
 
@@ -222,7 +225,7 @@ def ttft_seconds(trace: Trace, hw: Hardware, model: ModelCost, overlap: bool) ->
 
 def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | str" = "10%",
              prefetch: "str | Predictor | None" = None, hardware: "str | Hardware" = "a100-pcie4",
-             *, model: ModelCost | None = None) -> SimResult:
+             *, model: ModelCost | None = None, verify_tokens: int = 1) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
     ``policy``: a built-in name with options (``"lru"``, ``"least_stale:order=lru"``,
@@ -233,7 +236,11 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     ``capacity``: slots, a fraction/percentage of all experts, or bytes (see
     :func:`parse_capacity`).  ``prefetch``: a predictor spec (see :class:`Predictor`).
     ``hardware``: a profile name or :class:`Hardware`; ``model`` the byte counts (default from
-    the trace's shape, see :meth:`ModelCost.for_trace`).
+    the trace's shape, see :meth:`ModelCost.for_trace`).  ``verify_tokens``: tokens per
+    forward pass (a speculative verification of ``verify_tokens - 1`` drafts plus one): each
+    pass accesses the union of its tokens' experts per layer once and first gives the policy
+    the per-expert activation counts of its tokens (what ``"spac"`` learns from); 1 = one token
+    per pass.  Values above 1 need ``prefetch=None`` (see ``csrc/sim.h``).
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a specmoe.Trace, got {type(trace).__name__}")
@@ -243,6 +250,12 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if pred.kind == "router" and trace.logits is None:
         raise ValueError("the router predictor needs router logits and this trace has none "
                          "(trace.logits is None)")
+    if isinstance(verify_tokens, bool) or not isinstance(verify_tokens, (int, np.integer)) \
+            or not 1 <= int(verify_tokens) <= 65536:
+        raise ValueError(f"verify_tokens must be an int in 1..65536, got {verify_tokens!r}")
+    if verify_tokens > 1 and pred.kind != "none":
+        raise ValueError("verify_tokens > 1 replays demand only: prefetch predictors are defined "
+                         "per token (use prefetch=None)")
     nl, E = trace.num_layers, trace.num_experts
     nslots = parse_capacity(capacity, num_layers=nl, num_experts=E,
                             expert_bytes=model.expert_bytes)
@@ -256,7 +269,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     t0 = time.perf_counter()
     r = _C.simulate(trace.experts, E, pol, nslots,
                     logits=trace.logits if pred.kind == "router" else None,
-                    **pred.c_args(), **sim_timing(hw, model), **kw)
+                    **pred.c_args(), **sim_timing(hw, model), verify_tokens=int(verify_tokens),
+                    **kw)
     wall = time.perf_counter() - t0
     n = max(trace.num_tokens, 1)
     acc = r["accesses"]
@@ -279,4 +293,4 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         est_tpot_ms=1e3 * r["total_s"] / n, ttft_ms=1e3 * float(ttft.mean()) if len(ttft) else 0.0,
         elapsed_s=r["elapsed_s"],
         accesses_per_s=acc / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
-        extra={"wall_s": wall})
+        extra={"wall_s": wall, "verify_tokens": int(verify_tokens)})

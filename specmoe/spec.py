@@ -18,6 +18,7 @@ Every controller has ``next_k()``, ``observe(k, accepted, t_iter, experts_loaded
 (K+1) * tau(K+1) > 1, tau from :func:`measure_tau`).
 
 Drafters share the :class:`Drafter` protocol; :class:`NgramDrafter` is prompt lookup in C.
+:func:`accept` is the per-iteration acceptance rule (greedy or speculative sampling) in C.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ __all__ = [
     "Drafter",
     "NgramDrafter",
     "measure_tau",
+    "accept",
 ]
 
 #: Phase codes found in ``telemetry()["phase"]`` and ``Controller.phase``.
@@ -296,11 +298,12 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
         forward_fn: called as ``forward_fn(g)``; runs one forward over g tokens at the batch
             size in use.
         gammas: the g values; must include 1.
-        repeats: timed calls per g (the median is used).
+        repeats: timed calls per g (the median is used), made in interleaved rounds over
+            all g.
         warmup: untimed calls per g first.
         sync: called after each forward before the clock is read (e.g.
             ``torch.cuda.synchronize``).
-        progress: show a tqdm bar over the g values.
+        progress: show a tqdm bar over the rounds.
 
     Returns:
         {g: tau(g)} in increasing g; pass it to ``Controller.set_tau``.
@@ -310,24 +313,28 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
         raise ValueError("gammas must include 1 (tau is relative to T(1))")
     repeats = _check_int("repeats", repeats, 1)
     warmup = _check_int("warmup", warmup, 0)
-    times: Dict[int, float] = {}
-    it: Iterable[int] = gs
+    def timed(g: int) -> float:
+        t0 = time.perf_counter()
+        forward_fn(g)
+        if sync is not None:
+            sync()
+        return time.perf_counter() - t0
+
+    for g in gs:
+        for _ in range(warmup):
+            timed(g)
+    # interleaved rounds (the g order rotates each round), so drift and bursts of load on a
+    # shared machine spread over every g instead of biasing the ones measured during them
+    samples: Dict[int, list] = {g: [] for g in gs}
+    rounds: Iterable[int] = range(repeats)
     if progress:
         from tqdm.auto import tqdm
-        it = tqdm(gs, desc="measure_tau", unit="gamma")
-    for g in it:
-        for _ in range(warmup):
-            forward_fn(g)
-            if sync is not None:
-                sync()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            forward_fn(g)
-            if sync is not None:
-                sync()
-            samples.append(time.perf_counter() - t0)
-        times[g] = statistics.median(samples)
+        rounds = tqdm(rounds, desc="measure_tau", unit="round")
+    for r in rounds:
+        shift = r % len(gs)
+        for g in gs[shift:] + gs[:shift]:
+            samples[g].append(timed(g))
+    times = {g: statistics.median(v) for g, v in samples.items()}
     t1 = times[1]
     out: Dict[int, float] = {}
     for g in gs:
@@ -335,3 +342,52 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
             raise ValueError(f"measure_tau: non-positive time for gamma={g}")
         out[g] = t1 / times[g]
     return out
+
+
+def accept(p: np.ndarray, draft: Union[Sequence[int], np.ndarray],
+           q: Optional[np.ndarray] = None,
+           u: Optional[np.ndarray] = None, *, check: bool = True) -> tuple[int, int]:
+    """How many of the K draft tokens one verification accepts, and the next token.
+
+    The iteration emits ``draft[:n]`` followed by ``next_token`` (n + 1 tokens).
+
+    Greedy (``u is None``): draft i is accepted, in order, while it equals ``argmax(p[i])``
+    (ties to the lowest id); ``next_token = argmax(p[n])``.  ``q`` is ignored.  Only each
+    row's argmax matters, so a greedy caller may pass rows of logits with ``check=False``
+    (what :func:`specmoe.generate` does: no softmax per token, ties decided on the logits).
+
+    Sampling (``u`` given): the speculative-sampling rule (Leviathan et al. 2023, Chen et al.
+    2023), under which every emitted token follows the target distribution exactly, whatever
+    the draft distribution.  Draft ``d = draft[i]`` is accepted iff
+    ``u[i, 0] < p[i, d] / q[i, d]`` (q = 0 < p: accepted; p = q = 0: rejected).  At the first
+    rejection the next token is drawn from the residual ``max(0, p[i] - q[i])`` renormalised
+    (from ``p[i]`` if that is all zero through rounding); if all K are accepted, the bonus
+    token is drawn from ``p[K]``.  Draws use ``u[row, 1]`` and the inverse CDF: the smallest
+    id whose cumulative weight (summed in float64) exceeds ``u * total``; an id of probability
+    0 is never drawn.  ``u[K, 0]`` is unused.
+
+    Args:
+        p: float32 C-contiguous ``[K+1, V]``, the target's probabilities; row i is the
+            distribution of the token after position i of the verified input.  Rows must be
+            non-negative, finite, and sum to 1 within 1e-3.
+        draft: the K draft ids in ``[0, V)`` (any integer sequence/array; K may be 0).
+        q: float32 C-contiguous ``[K, V]``, the draft's probabilities the drafts were
+            sampled from, or None for deterministic proposals (n-gram lookup, greedy drafter):
+            then ``q[i]`` is one-hot at ``draft[i]``.
+        u: float64 C-contiguous ``[K+1, 2]`` uniforms in ``[0, 1)`` from the caller's seeded
+            generator (e.g. ``rng.random((K + 1, 2))``), or None for greedy decoding.
+        check: scan every entry of p and q (finite, >= 0, rows summing to 1).  False skips
+            that O((2K+1)V) scan, for a loop that computes its rows with softmax itself;
+            shapes, dtypes, draft ids and u are still checked, so bad values cannot crash,
+            but they give an unspecified answer (or ValueError) instead of a named error.
+
+    Returns:
+        ``(n_accepted, next_token)``.
+
+    Raises:
+        TypeError: an array of the wrong type or dtype (no silent conversion of p, q, u), or
+            non-integer draft ids.
+        ValueError: wrong shapes or layout, a non-probability row (NaN, inf, negative, bad
+            sum), a draft id out of range, or u outside ``[0, 1)``.
+    """
+    return _C.spec_accept(p, draft, q, u, check=check)

@@ -29,7 +29,8 @@ _JOB: dict[str, Any] = {}
 def _run(i: int) -> dict:
     trace, tasks, model = _JOB["trace"], _JOB["tasks"], _JOB["model"]
     policy, cap, hw, pred = tasks[i]
-    d = simulate(trace, policy, cap, pred, hw, model=model).to_dict()
+    d = simulate(trace, policy, cap, pred, hw, model=model,
+                 verify_tokens=_JOB.get("verify_tokens", 1)).to_dict()
     d["capacity"] = str(cap)
     return d
 
@@ -38,19 +39,20 @@ def sweep(trace: Trace, policies: Sequence[Any], capacities: Sequence["int | flo
           hardware: Sequence["str | Hardware"] = ("a100-pcie4",),
           predictors: Sequence["str | Predictor | None"] = ("none",), *,
           processes: int | None = None, progress: bool = True,
-          model: ModelCost | None = None) -> list[dict]:
+          model: ModelCost | None = None, verify_tokens: int = 1) -> list[dict]:
     """Simulate every combination; returns one dict per run (``SimResult.to_dict()`` plus
     ``capacity`` as given), in product order.  ``processes``: worker processes (default: the
     CPU count; 1 runs in this process).  Policies are names, ``_C.Policy`` factories or other
     :func:`specmoe.sim.simulate` policy arguments (a ``_C.Policy`` object can serve one run
-    only, so pass a factory)."""
+    only, so pass a factory).  ``verify_tokens``: tokens per pass for every run (see
+    :func:`specmoe.sim.simulate`)."""
     hws = [get_hardware(h) for h in hardware]  # calibrate once, in the parent
     preds = [Predictor.parse(p) for p in predictors]
     tasks = list(product(policies, capacities, hws, preds))
     if processes is None:
         processes = os.cpu_count() or 1
     processes = max(1, min(processes, len(tasks)))
-    _JOB.update(trace=trace, tasks=tasks, model=model)
+    _JOB.update(trace=trace, tasks=tasks, model=model, verify_tokens=verify_tokens)
     bar = None
     if progress:
         from tqdm.auto import tqdm

@@ -212,10 +212,62 @@ class RefBelady(RefPolicy):
         return best
 
 
+class RefSpAc(RefPolicy):
+    """MoE-SpAc utility space, from the rules at the top of csrc/policy/spac.c: per key a
+    fixed-point score s (units 1/65536 token) updated for every expert of each observed layer
+    as s = (9 s + 65536 min(c, K)) // 10; per layer, Z = sorted non-zero scores (n of them),
+    theta_j = Z[(j-1) n // K] (j = 1..K), utility = 0 if s == 0 else #{j: s >= theta_j};
+    victim = min (utility, last touch)."""
+
+    ONE = 65536
+
+    def __init__(self, num_layers: int, num_experts: int, levels: int = 4) -> None:
+        self.L, self.E, self.K = num_layers, num_experts, levels
+        self.score = [0] * (num_layers * num_experts)
+        self.util = [0] * (num_layers * num_experts)
+        self.key_of: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.t = 0
+
+    def on_insert(self, slot, key, prefetch):
+        self.key_of[slot] = key
+        self.t += 1
+        self.last[slot] = self.t
+
+    def on_access(self, slot, key):
+        self.t += 1
+        self.last[slot] = self.t
+
+    def on_evict(self, slot, key):
+        del self.key_of[slot]
+        del self.last[slot]
+
+    def on_counts(self, keys, counts):
+        given: dict[int, int] = {}
+        for k, c in zip(keys, counts):
+            given[int(k)] = min(int(c), self.K)  # last one wins
+        for layer in sorted({k // self.E for k in given}):
+            ks = range(layer * self.E, (layer + 1) * self.E)
+            for k in ks:
+                self.score[k] = (9 * self.score[k] + self.ONE * given.get(k, 0)) // 10
+            z = sorted(self.score[k] for k in ks if self.score[k])
+            theta = [z[(j - 1) * len(z) // self.K] for j in range(1, self.K + 1)] if z else []
+            for k in ks:
+                s = self.score[k]
+                self.util[k] = sum(1 for th in theta if s >= th) if s else 0
+
+    def utility(self, key: int) -> int:
+        return self.util[key]
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda s: (self.util[self.key_of[s]], self.last[s]))
+
+
 def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
                pass_starts: Sequence[int] | int | None = None,
-               mask_seed: int = 0) -> tuple[list[int], list[int]]:
-    """Demand-only replay with the cache's semantics (replay.h): returns (hits, victim keys)."""
+               mask_seed: int = 0, counts=None) -> tuple[list[int], list[int]]:
+    """Demand-only replay with the cache's semantics (replay.h): returns (hits, victim keys).
+    ``counts=(keys, counts, offsets)``: fed with policy.on_counts right after on_pass(j+1)."""
     keys = [int(k) for k in keys]
     if isinstance(pass_starts, int):
         pass_starts = list(range(0, len(keys), pass_starts))
@@ -228,6 +280,10 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
     for i, k in enumerate(keys):
         if i in starts:
             policy.on_pass(starts[i])
+            if counts is not None:
+                j = starts[i] - 1
+                a, b = int(counts[2][j]), int(counts[2][j + 1])
+                policy.on_counts(list(counts[0][a:b]), list(counts[1][a:b]))
         if k in where:
             hits.append(1)
             victims.append(-1)
@@ -261,7 +317,8 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
 
 
 def make_ref(name: str, num_layers: int, num_experts: int, *, seed: int = 0,
-             order: str = "layer", future: Sequence[int] | None = None) -> RefPolicy:
+             order: str = "layer", future: Sequence[int] | None = None,
+             levels: int = 4) -> RefPolicy:
     if name == "lru":
         return RefLRU()
     if name == "fifo":
@@ -277,4 +334,6 @@ def make_ref(name: str, num_layers: int, num_experts: int, *, seed: int = 0,
     if name == "belady":
         assert future is not None
         return RefBelady(future)
+    if name == "spac":
+        return RefSpAc(num_layers, num_experts, levels)
     raise ValueError(name)

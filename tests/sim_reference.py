@@ -82,6 +82,40 @@ class RefBelady:
         return best
 
 
+class FromCandidates:
+    """Run a tests/ref_policies.py policy (victim(candidates)) here (victim(ok)): candidates
+    are the resident slots accepted by ok, in slot order; on_counts is passed through."""
+
+    def __init__(self, policy):
+        self.p = policy
+        self.resident: set[int] = set()
+        self.name = type(policy).__name__
+        if hasattr(policy, "utility"):
+            self.utility = policy.utility
+
+    def on_insert(self, slot, key, prefetch):
+        self.resident.add(slot)
+        self.p.on_insert(slot, key, bool(prefetch))
+
+    def on_access(self, slot, key):
+        self.p.on_access(slot, key)
+
+    def on_evict(self, slot, key):
+        self.resident.discard(slot)
+        self.p.on_evict(slot, key)
+
+    def on_pass(self, pass_id):
+        self.p.on_pass(pass_id)
+
+    def on_counts(self, keys, counts):
+        if hasattr(self.p, "on_counts"):
+            self.p.on_counts(keys, counts)
+
+    def victim(self, ok):
+        cands = [s for s in sorted(self.resident) if ok(s)]
+        return self.p.victim(cands) if cands else -1
+
+
 def _select(scores, k, topk, percentile):
     E = len(scores)
     scores = np.asarray(scores, np.float32)
@@ -96,8 +130,12 @@ def _select(scores, k, topk, percentile):
     return cand[:cap]
 
 
-def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None):
-    """Returns the counters and times of smoe_sim_result for the given run."""
+def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_tokens=1):
+    """Returns the counters and times of smoe_sim_result for the given run.  verify_tokens
+    g > 1 (demand only): each pass covers g consecutive tokens; the policy first gets
+    on_counts (if it has one) with, per layer, the number of the pass's tokens using each
+    expert; then per layer the union of their experts in first-appearance order; time per
+    pass token_fixed_s, per layer layer_fixed_s + distinct experts * expert_s."""
     N, L, K = experts.shape
     pred = dict(pred or {})
     kind = pred.get("kind", "none")
@@ -131,6 +169,9 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None):
             def ok(s):
                 if s == st["inflight"]:
                     return False
+                if prefetch and hasattr(policy, "utility") and \
+                        policy.utility(slot_key[s]) > policy.utility(key):
+                    return False  # no prefetch over a higher utility (utility-space policies)
                 return not (prefetch and slot_pass[s] == st["pass_"])
             s = policy.victim(ok)
             if s < 0:
@@ -251,11 +292,39 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None):
                     queued.add(key)
                     queue.append(key)
 
+    if verify_tokens > 1:
+        assert kind == "none"
+        for p, t0 in enumerate(range(0, N, verify_tokens)):
+            toks = range(t0, min(t0 + verify_tokens, N))
+            st["pass_"] = p + 1
+            policy.on_pass(p + 1)
+            if hasattr(policy, "on_counts"):
+                cnt: dict[int, int] = {}
+                for l in range(L):
+                    for t in toks:
+                        for e in set(int(x) for x in experts[t, l]):
+                            cnt[l * E + e] = cnt.get(l * E + e, 0) + 1
+                policy.on_counts(list(cnt), list(cnt.values()))
+            st["now"] += hw["token_fixed_s"]
+            c["compute_s"] += hw["token_fixed_s"]
+            for l in range(L):
+                st["now"] += hw["layer_fixed_s"]
+                union = list(dict.fromkeys(l * E + int(e) for t in toks for e in experts[t, l]))
+                for key in union:
+                    demand(key)
+                st["now"] += len(union) * expert_s
+                c["compute_s"] += hw["layer_fixed_s"] + len(union) * expert_s
+        c["total_s"] = st["now"]
+        return c
+
     for t in range(N):
         if kind != "none":
             run_engine(st["now"])
         st["pass_"] = t + 1
         policy.on_pass(t + 1)
+        if hasattr(policy, "on_counts"):  # one-token pass: count 1 per expert of each layer
+            ks = list(dict.fromkeys(l * E + int(e) for l in range(L) for e in experts[t, l]))
+            policy.on_counts(ks, [1] * len(ks))
         st["now"] += hw["token_fixed_s"]
         c["compute_s"] += hw["token_fixed_s"]
         for l in range(L):

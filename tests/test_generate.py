@@ -306,3 +306,33 @@ def test_bad_input(pair):
     # the model still generates correctly after the errors (no state left behind)
     out = generate(model, ids, NgramDrafter(), StaticK(2), max_new_tokens=5, eos_token_id=None)
     assert out.sequences[0, ids.shape[1]:].tolist() == hf_greedy(model, ids, 5)
+
+
+def test_spac_policy_learns_from_verification_counts(pair):
+    """With the utility-space policy, each verification's per-layer activation counts reach the
+    cache (utilities move off zero), self-draft prefetches are ordered by them, and greedy
+    output is unchanged."""
+    model, _, eng, ids = pair
+    ref = hf_greedy(model, ids, 16)
+    eng.set_policy("spac")
+    try:
+        E = eng.num_experts
+        L = len(eng.layer_ids)
+        lay = np.repeat(np.arange(L), E)
+        exp = np.tile(np.arange(E), L)
+        assert not eng._cache.utility(lay, exp).any()
+        out = generate(model, ids, SelfDraft(eng), StaticK(3), max_new_tokens=16,
+                       eos_token_id=None, tau=None)
+        assert out.sequences[0, ids.shape[1]:].tolist() == ref
+        u = eng._cache.utility(lay, exp).reshape(L, E)
+        assert u.max() >= 1 and (u >= 0).all()
+        # every layer's experts used by the last verification have a positive utility
+        with eng.trace() as t:
+            generate(model, ids, NgramDrafter(), StaticK(2), max_new_tokens=3,
+                     eos_token_id=None, tau=None)
+        last = t.result().experts[-1]  # [L, k] routing of the final token
+        u = eng._cache.utility(lay, exp).reshape(L, E)
+        for pos in range(L):
+            assert (u[pos, last[pos]] >= 1).all()
+    finally:
+        eng.set_policy("lru")

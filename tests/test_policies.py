@@ -376,7 +376,8 @@ def test_make_policy_forms():
     assert make_policy(p, 4, 2, 3) is p
     with pytest.raises(ValueError, match="built for"):
         make_policy(p, 5, 2, 3)
-    assert set(POLICY_NAMES) == {"lru", "lfu", "fifo", "mru", "random", "least_stale", "belady"}
+    assert set(POLICY_NAMES) == {"lru", "lfu", "fifo", "mru", "random", "least_stale", "belady",
+                                "spac"}
     assert make_policy(Belady(specmoe.Trace(np.zeros((2, 1, 1)), 3)), 1, 1, 3).name == "belady"
 
 

@@ -6,7 +6,7 @@
 
 static const smoe_policy_ops *const builtins[] = {
     &smoe_policy_lru, &smoe_policy_lfu, &smoe_policy_fifo, &smoe_policy_mru,
-    &smoe_policy_random, &smoe_policy_least_stale, &smoe_policy_belady,
+    &smoe_policy_random, &smoe_policy_least_stale, &smoe_policy_belady, &smoe_policy_spac,
 };
 
 const smoe_policy_ops *smoe_policy_find(const char *name) {
@@ -16,7 +16,7 @@ const smoe_policy_ops *smoe_policy_find(const char *name) {
 }
 
 const char *smoe_policy_names(void) {
-    return "lru, lfu, fifo, mru, random, least_stale, belady";
+    return "lru, lfu, fifo, mru, random, least_stale, belady, spac";
 }
 
 int smoe_policy_create(smoe_policy **out, const smoe_policy_ops *ops,

@@ -13,6 +13,7 @@
  *   forward pass boundary:  on_pass(pass_id)  (pass ids start at 1 and increase by one)
  *   policy swap:            the new policy gets on_insert(s, key, 0) for each resident slot,
  *                           oldest last access first
+ *   activation counts:      on_counts(keys, counts, n)  (optional op; see below)
  *
  * victim() must return a slot that is resident (inserted and not evicted) and for which
  * evictable(ctx, slot) is non-zero (evictable == NULL means every resident slot may go), or -1
@@ -45,6 +46,7 @@ typedef struct smoe_policy_params {
     int32_t order;        /* least_stale: SMOE_LS_ORDER_* */
     const int32_t *future; /* belady: the future demand access sequence of keys (copied) */
     uint64_t future_len;
+    int32_t levels;       /* spac: utility levels K (utility in 0..K); 0 = default (4) */
 } smoe_policy_params;
 
 typedef struct smoe_policy_ops {
@@ -56,6 +58,16 @@ typedef struct smoe_policy_ops {
     void (*on_evict)(smoe_policy *p, uint32_t slot, int32_t key);
     void (*on_pass)(smoe_policy *p, uint64_t pass_id);
     int32_t (*victim)(smoe_policy *p, smoe_evictable_fn evictable, void *ctx);
+    /* Optional (NULL for every policy but spac).  Activation counts of one verification pass:
+     * counts[i] tokens of the pass activated expert keys[i] (0 <= keys[i] < num_layers *
+     * num_experts; keys need not be resident).  A layer is "observed" by this call when at
+     * least one of keys[] belongs to it; experts of an observed layer absent from keys[] have
+     * count 0; layers not observed are left as they are.  A key listed twice: the last count
+     * wins.  Keys out of range are ignored.  Not an access: residency is unchanged. */
+    void (*on_counts)(smoe_policy *p, const int32_t *keys, const uint32_t *counts, uint32_t n);
+    /* Optional: the policy's current integer utility of any key (resident or not), >= 0, or -1
+     * for a key out of range. */
+    int32_t (*utility)(const smoe_policy *p, int32_t key);
 } smoe_policy_ops;
 
 struct smoe_policy {
@@ -77,8 +89,10 @@ extern const smoe_policy_ops smoe_policy_mru;
 extern const smoe_policy_ops smoe_policy_random;
 extern const smoe_policy_ops smoe_policy_least_stale;
 extern const smoe_policy_ops smoe_policy_belady;
+extern const smoe_policy_ops smoe_policy_spac;
 
-/* Look a built-in up by name ("lru", "lfu", "fifo", "mru", "random", "least_stale", "belady");
+/* Look a built-in up by name ("lru", "lfu", "fifo", "mru", "random", "least_stale", "belady",
+ * "spac");
  * NULL when unknown. */
 const smoe_policy_ops *smoe_policy_find(const char *name);
 
@@ -102,6 +116,15 @@ static inline void smoe_policy_evict(smoe_policy *p, uint32_t s, int32_t k) {
 }
 static inline void smoe_policy_pass(smoe_policy *p, uint64_t pass_id) {
     if (p->ops->on_pass) p->ops->on_pass(p, pass_id);
+}
+/* No-op for a policy without on_counts. */
+static inline void smoe_policy_counts(smoe_policy *p, const int32_t *keys, const uint32_t *counts,
+                                      uint32_t n) {
+    if (p->ops->on_counts) p->ops->on_counts(p, keys, counts, n);
+}
+/* -1 when the policy has no utility (or the key is out of range). */
+static inline int32_t smoe_policy_utility(const smoe_policy *p, int32_t key) {
+    return p->ops->utility ? p->ops->utility(p, key) : -1;
 }
 static inline int32_t smoe_policy_victim(smoe_policy *p, smoe_evictable_fn f, void *ctx) {
     return p->ops->victim(p, f, ctx);

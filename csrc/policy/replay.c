@@ -37,6 +37,24 @@ int smoe_policy_replay(smoe_policy *p, const int32_t *keys, uint64_t n,
                                 "(entry %" PRIu64 " is %" PRIu64 " after %" PRIu64 ")",
                                 j, ps[j], ps[j - 1]);
 
+    const uint64_t *co = (opts && npass) ? opts->count_offsets : NULL;
+    if (co) {
+        if (co[0] != 0)
+            return smoe_err_set(err, SMOE_EINVAL, "replay: count offsets must start at 0, got "
+                                "%" PRIu64, co[0]);
+        for (uint64_t j = 0; j < npass; j++) {
+            if (co[j + 1] < co[j] || co[j + 1] - co[j] > UINT32_MAX)
+                return smoe_err_set(err, SMOE_EINVAL, "replay: count offsets must not decrease "
+                                    "(pass %" PRIu64 ": %" PRIu64 " then %" PRIu64 ")", j,
+                                    co[j], co[j + 1]);
+        }
+        for (uint64_t i = 0; i < co[npass]; i++)
+            if (opts->count_keys[i] < 0 || (uint64_t)opts->count_keys[i] >= nkeys)
+                return smoe_err_set(err, SMOE_EINVAL, "replay: count key %" PRId32 " at entry %"
+                                    PRIu64 " is outside 0..%" PRIu64, opts->count_keys[i], i,
+                                    nkeys - 1);
+    }
+
     int32_t *slot_of = malloc(nkeys * sizeof *slot_of);   /* key -> slot or -1 */
     int32_t *key_of = malloc(nslots * sizeof *key_of);    /* slot -> key or -1 */
     uint8_t *ok = mask_seed ? malloc(nslots) : NULL;
@@ -56,7 +74,13 @@ int smoe_policy_replay(smoe_policy *p, const int32_t *keys, uint64_t n,
     smoe_err_clear(&p->failure);
     for (uint64_t i = 0; i < n; i++) {
         while (next_pass < npass && ps[next_pass] <= i) {
-            if (ps[next_pass] == i) smoe_policy_pass(p, next_pass + 1);
+            if (ps[next_pass] == i) {
+                smoe_policy_pass(p, next_pass + 1);
+                if (co)
+                    smoe_policy_counts(p, opts->count_keys + co[next_pass],
+                                       opts->count_vals + co[next_pass],
+                                       (uint32_t)(co[next_pass + 1] - co[next_pass]));
+            }
             next_pass++;
         }
         const int32_t key = keys[i];

@@ -16,6 +16,12 @@
  * from one splitmix64 stream seeded with mask_seed (state advanced once per draw), one value per
  * slot in slot order 0..nslots-1; slot s is evictable iff (draw & 3) != 0 (about 3 in 4).
  *
+ * Optional activation counts (opts->count_offsets != NULL; needs pass_starts): right after
+ * on_pass(j+1) the replay calls on_counts(count_keys + o[j], count_vals + o[j], o[j+1] - o[j])
+ * with o = count_offsets (npass + 1 entries, non-decreasing, o[0] = 0), i.e. the counts of a
+ * pass are fed before its accesses (as the live loop feeds the draft's counts before
+ * verification).  Count keys must be in range.  A policy without on_counts ignores them.
+ *
  * A victim() answer that is not a resident evictable slot, or a failure the policy records in
  * p->failure, stops the replay with SMOE_EPOLICY (message names the access index).
  * The policy must be fresh (no events seen yet): the replay starts from an empty cache.
@@ -29,10 +35,13 @@ typedef struct smoe_replay_opts {
     const uint64_t *pass_starts; /* sorted access indices at which a new pass begins, or NULL */
     uint64_t npass;              /* entries in pass_starts */
     uint64_t mask_seed;          /* 0: every resident slot evictable; else random mask (above) */
+    const uint64_t *count_offsets; /* NULL, or npass + 1 offsets into count_keys/count_vals */
+    const int32_t *count_keys;
+    const uint32_t *count_vals;
 } smoe_replay_opts;
 
 /* hits (n entries) and victims (n entries) are filled by the call.  opts may be NULL.
- * Returns 0, SMOE_EINVAL (key out of range, unsorted pass_starts), SMOE_ENOMEM or
+ * Returns 0, SMOE_EINVAL (key out of range, unsorted pass_starts, bad count offsets), SMOE_ENOMEM or
  * SMOE_EPOLICY, with err filled. */
 int smoe_policy_replay(smoe_policy *p, const int32_t *keys, uint64_t n,
                        const smoe_replay_opts *opts, uint8_t *hits, int32_t *victims,

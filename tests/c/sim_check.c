@@ -52,7 +52,7 @@ int main(void) {
         lg[i] = (float)(s >> 40) / (float)(1 << 24);
     }
     for (uint32_t i = 0; i < N * L * K; i++) fut[i] = (int32_t)(((i / K) % L) * E) + ex[i];
-    smoe_sim_trace tr = {ex, lg, N, L, K, E};
+    smoe_sim_trace tr = {ex, lg, N, L, K, E, 1};
     smoe_sim_hw hws[2] = {{17e6, 1e12, 25e9, 1e-5, 5e-5, 4e-4}, {17e6, 2e11, 4e12, 1e-6, 0, 0}};
     int runs = 0;
     for (int pi = 0; pi < 7; pi++)

@@ -203,15 +203,32 @@ int main(void) {
         pthread_create(&th[i], NULL, consumer, &args[i]);
     }
     /* swap policies while the consumers run: every built-in that exists */
-    static const char *names[] = {"lfu", "fifo", "lru", "mru", "random", "least_stale", "lru"};
+    static const char *names[] = {"lfu", "fifo", "lru", "mru", "random", "least_stale", "spac",
+                                  "lru"};
     for (int i = 0; i < 40; i++) {
-        const smoe_policy_ops *ops = smoe_policy_find(names[i % 7]);
+        const smoe_policy_ops *ops = smoe_policy_find(names[i % 8]);
         if (!ops) ops = smoe_policy_find("lru");
         smoe_policy *p2;
         if (smoe_policy_create(&p2, ops, &pp, &err) < 0) return 2;
         if (smoe_cache_set_policy(&cache, p2, &err) < 0) {
             fprintf(stderr, "set_policy: %s\n", err.msg);
             failures++;
+        }
+        /* activation counts and utilities under the cache mutex (no-op / PolicyError for the
+         * policies without them) while consumers and the worker run */
+        {
+            int32_t ck[3] = {i % (NL * NE), (i * 7) % (NL * NE), (i * 13) % (NL * NE)};
+            uint32_t cv[3] = {(uint32_t)(i % 5), 1, 3};
+            int32_t u[3];
+            if (smoe_cache_counts(&cache, ck, cv, 3, &err) < 0) {
+                fprintf(stderr, "counts: %s\n", err.msg);
+                failures++;
+            }
+            int urc = smoe_cache_utility(&cache, ck, u, 3, &err);
+            if (urc < 0 && urc != SMOE_EPOLICY) {
+                fprintf(stderr, "utility: %s\n", err.msg);
+                failures++;
+            }
         }
         smoe_cache_stats st;
         smoe_cache_get_stats(&cache, &st);
