@@ -62,6 +62,8 @@ def test_row_fields(result):
         assert not missing, (r, missing)
         assert _finite_pos(r["tok_per_s_vs_nospec"]), r
         assert _finite_pos(r["tok_per_s"]), r
+        assert _finite_pos(r["ratio_median_per_request"]), r
+        assert len(r["ratio_per_repeat"]) == result["config"]["repeats"]
         assert _finite_pos(r["etr"]) and r["etr"] >= 1.0, r
         assert isinstance(r["experts_loaded_per_token"], (int, float))
         assert r["experts_loaded_per_token"] >= 0
