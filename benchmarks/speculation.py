@@ -1,0 +1,440 @@
+"""Speculative decoding on the zoo pair with offloaded experts: does speculation pay, and does
+each controller find out when it does not?
+
+    python benchmarks/speculation.py [--json] [--quick] [--drafters ngram,draft[,self]]
+
+Setup: ``tiny-moe`` (target) with its routed experts offloaded by :func:`specmoe.offload`
+(store file, ``--cache`` 25% of the experts in the cache, LRU, next-layer prefetch on,
+``--dtype`` f32 like ``python -m specmoe demo``: the zoo's bf16 weights convert to f32
+exactly, so the offloaded model is the trained model bit for bit; bf16 measured the same within
+this machine's noise) and ``tiny-draft`` as the draft model.  One torch intra-op thread: on the
+shared 2-core machines two threads made single requests 2-20x slower and wildly variable
+(OpenMP threads spinning against other processes), one thread is both faster and steadier, and
+the cache's prefetch worker keeps the other core.
+
+Workloads (``--requests`` prompts each, ``--new-tokens`` greedy tokens per request, EOS
+ignored so every row does the same work):
+
+* ``code``: Python standard-library files of the interpreter running the script that fall in
+  the zoo corpus's held-out split (``training/corpus.py``: SHA-256 of the relative path), so the
+  target never trained on them.  Machine-generated files (codec tables, token lists, pydoc's
+  topic dump: "generated" in their first lines) are left out: they are tables, not code.
+* ``prose``: the docstrings (longer than 80 characters) of the same held-out files, joined as
+  ``corpus.docstring_domain`` joins them.  The zoo's prose domain came from Debian's
+  ``python3.11-doc``, which a fresh clone cannot count on having offline (``corpus.py``
+  downloads it); the docstrings ship with Python itself, are technical English like that
+  documentation, and belong to held-out files, so they too are unseen text.
+* ``mix``: a 50/50 mix of requests, alternating code and prose (the first half of each list).
+
+A prompt is a window of whole lines of a document, 64-128 tokens, starting at a line that opens
+a ``def``/``class`` (code) or a paragraph (prose); documents and windows are drawn with a fixed
+seed (``--seed``).
+
+Rows per workload: ``nospec`` (plain decoding through the same loop), and for each drafter
+(``ngram``: prompt lookup in C; ``draft``: tiny-draft; ``self``: the target with int4 experts
+resident, with draft-driven lookahead prefetch) the controllers ``static`` K=1,2,3,
+``heuristic``, ``cascade`` and ``speq``.  Static rows really run K (no gamma-tolerance
+pruning); adaptive rows get tau(g) = T(1)/T(g) of the target, measured once at the start
+(``specmoe.speculative.target_tau``, reported as ``tau``).
+
+Method (the machines are shared and noisy, so every comparison is paired in time):
+
+* a warm-up request (untimed) with every drafter first;
+* every row gets a fresh controller (and drafter) per repeat that keeps learning across that
+  row's requests, like a server's;
+* request-major rounds: for request j of workload w, every row of w (nospec included) runs
+  request j back to back, the rows' order rotated and its direction alternated from round to
+  round, so a slow spell of the machine hits all rows of a round alike instead of one row;
+* before every request of every row the engine's cache is rebuilt empty
+  (``Engine.set_cache``) and its statistics reset, so each starts from the same cold state
+  whatever ran before (16 loads to fill it, the same for every row);
+* a row's ``tok_per_s_vs_nospec`` is the median over the repeats of (row tok/s / nospec tok/s
+  of the same workload in the same repeat), ``ratio_per_repeat`` lists them, and
+  ``ratio_median_per_request`` is the median over every (repeat, request) of the row's tok/s on
+  that request over nospec's on it in the same round (less sensitive to one slow spell, but a
+  typical request rather than throughput over the whole row); ``tok_per_s`` is
+  the median tok/s; tok/s = new tokens / wall time of ``generate`` summed over the requests
+  (prefill included, the same for every row); ``etr``, ``acceptance``, ``k_mean`` and
+  ``experts_loaded_per_token`` (experts read from the store while decoding) pool all repeats;
+  self rows add the draft-driven lookahead's ``lookahead_precision`` / ``lookahead_recall``;
+* ``outputs_equal``: every request's tokens equal nospec's in every repeat (greedy decoding
+  must not change the output); a false value is a bug, reported not hidden.
+
+Defaults (4 requests x 64 tokens x 3 repeats, all three drafters: 57 rows, 684 requests) take
+about 5.5 minutes on the shared 2-core machine when it is quiet and about 9 when other jobs
+keep its load average near 4 (96 tokens took 12.6 minutes there); ``--drafters ngram,draft``
+drops the 18 self rows.
+
+``targets``: per drafter, Cascade's worst workload ratio vs nospec (target >= 0.95) and, on the
+mix, Cascade's ratio over the best static K's (target >= 1.0).
+
+``--json`` prints ONE JSON object; the tqdm bar goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "training"))
+
+import torch  # noqa: E402
+
+import specmoe  # noqa: E402
+from specmoe import spec, zoo  # noqa: E402
+from specmoe.speculative import DraftModel, SelfDraft, generate, target_tau  # noqa: E402
+
+import corpus  # noqa: E402  (training/corpus.py: the held-out split rule and stdlib walk)
+
+WORKLOADS = ("code", "prose", "mix")
+DRAFTERS = ("ngram", "draft", "self")
+CONTROLLERS: Tuple[Tuple[str, Optional[int]], ...] = (
+    ("static", 1), ("static", 2), ("static", 3), ("heuristic", None), ("cascade", None),
+    ("speq", None))
+K_MAX = 8  # the adaptive controllers' largest K (their default)
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts
+
+
+def _generated(text: str) -> bool:
+    return re.search(r"generated", text[:600], re.IGNORECASE) is not None
+
+
+def heldout_documents() -> Dict[str, List[Tuple[str, str]]]:
+    """{"code": [(rel, source)], "prose": [(rel, docstrings)]} of the held-out stdlib files."""
+    root = corpus.stdlib_dir()
+    code: List[Tuple[str, str]] = []
+    prose: List[Tuple[str, str]] = []
+    for p in corpus.stdlib_files(root):
+        rel = str(p.relative_to(root))
+        if not corpus.is_heldout(rel):
+            continue
+        text = corpus.read_source(p)
+        if not text or not text.strip() or _generated(text):
+            continue
+        code.append((rel, text))
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        docs = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)):
+                d = ast.get_docstring(node)
+                if d and len(d) > 80:
+                    docs.append(d)
+        if docs:
+            prose.append((rel, "\n\n".join(docs)))
+    return {"code": code, "prose": prose}
+
+
+def _starts(lines: List[str], domain: str) -> List[int]:
+    if domain == "code":
+        return [i for i, ln in enumerate(lines) if re.match(r"\s*(async\s+def|def|class)\s", ln)]
+    return [i for i, ln in enumerate(lines)
+            if ln.strip() and (i == 0 or not lines[i - 1].strip())]
+
+
+def make_prompts(tok: Any, docs: List[Tuple[str, str]], domain: str, n: int, seed: int,
+                 lo: int = 64, hi: int = 128) -> List[Tuple[str, List[int]]]:
+    """n prompts (source name, token ids) of lo..hi tokens cut at line boundaries, from n
+    different documents drawn with ``seed``."""
+    rng = random.Random(f"{seed}:{domain}")
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    out: List[Tuple[str, List[int]]] = []
+    for di in order:
+        rel, text = docs[di]
+        lines = text.split("\n")
+        starts = _starts(lines, domain)
+        rng.shuffle(starts)
+        for s in starts[:8]:
+            best: Optional[List[int]] = None
+            for e in range(s + 1, len(lines) + 1):
+                ids = tok("\n".join(lines[s:e]) + "\n").input_ids
+                if len(ids) > hi:
+                    break
+                if len(ids) >= lo:
+                    best = ids
+            if best is not None:
+                out.append((f"{rel}:{s + 1}", best))
+                break
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} {domain} prompts of {lo}-{hi} tokens found in "
+                       f"{len(docs)} held-out documents, {n} wanted")
+
+
+# ---------------------------------------------------------------------------------------------
+# rows
+
+
+def make_controller(name: str, k: Optional[int]) -> spec.Controller:
+    if name == "static":
+        assert k is not None
+        return spec.StaticK(k)
+    if name == "heuristic":
+        return spec.Heuristic(k_max=K_MAX)
+    if name == "cascade":
+        return spec.Cascade(k_max=K_MAX)
+    if name == "speq":
+        return spec.SpeqGovernor(k_max=K_MAX)
+    raise ValueError(name)
+
+
+class Row:
+    """One row's state across a repeat: its drafter and controller persist over its requests
+    (like a server's), its totals add up, its outputs are kept for the equality check."""
+
+    def __init__(self, spec_row: Dict[str, Any], eng: Any, draft_model: Any) -> None:
+        self.row = spec_row
+        self.drafter: Any = None
+        self.ctl: Optional[spec.Controller] = None
+        d = spec_row["drafter"]
+        if d == "ngram":
+            self.drafter = spec.NgramDrafter()
+        elif d == "draft":
+            self.drafter = DraftModel(draft_model)
+        elif d == "self":
+            self.drafter = SelfDraft(eng, "int4")
+        if self.drafter is not None:
+            self.ctl = make_controller(spec_row["controller"], spec_row["k"])
+        self.tot: Dict[str, Any] = {"tokens": 0, "time_s": 0.0, "iterations": 0, "proposed": 0,
+                                    "accepted": 0, "experts_loaded": 0, "la_predicted": 0,
+                                    "la_true_positive": 0, "la_actual": 0}
+        self.outputs: List[List[int]] = []
+        self.per_request: List[float] = []  # tok/s of each request
+
+    def run(self, model: Any, eng: Any, ids: List[int], a: argparse.Namespace,
+            tau: Optional[Dict[int, float]]) -> None:
+        eng.set_cache(a.cache)  # every request of every row starts from the same empty cache
+        eng.reset_stats()
+        row_tau = tau if self.row["controller"] != "static" else None
+        o = generate(model, torch.tensor([ids]), self.drafter, self.ctl,
+                     max_new_tokens=a.new_tokens, do_sample=False, eos_token_id=None,
+                     tau=row_tau, engine=eng)
+        s, t = o.stats, self.tot
+        t["tokens"] += s["new_tokens"]
+        t["time_s"] += s["time_s"]
+        t["iterations"] += s["iterations"]
+        t["proposed"] += s["proposed"]
+        t["accepted"] += s["accepted"]
+        t["experts_loaded"] += s["experts_loaded"]
+        la = eng._la  # lookahead counters since reset_stats (precision = tp / predicted)
+        t["la_predicted"] += la["predicted"]
+        t["la_true_positive"] += la["true_positive"]
+        t["la_actual"] += la["actual"]
+        self.outputs.append(o.sequences[0, len(ids):].tolist())
+        self.per_request.append(s["new_tokens"] / s["time_s"])
+
+
+def _median(xs: List[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def _r(x: Any, nd: int = 4) -> Any:
+    return None if x is None else (round(float(x), nd) if math.isfinite(float(x)) else None)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 2 requests of 8 tokens per workload, 1 repeat")
+    ap.add_argument("--drafters", default="ngram,draft,self",
+                    help=f"comma-separated subset of {','.join(DRAFTERS)} (self: int4 "
+                         f"self-draft with lookahead prefetch)")
+    ap.add_argument("--requests", type=int, default=4, help="requests per workload (even)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache", type=float, default=0.25, help="cache fraction of all experts")
+    ap.add_argument("--dtype", default="f32", help="store dtype of the offloaded experts")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--tau", choices=("auto", "off"), default="auto",
+                    help="gamma-tolerance pruning for the adaptive controllers")
+    ap.add_argument("--seed", type=int, default=0, help="choice of documents and windows")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.requests, a.new_tokens, a.repeats = 2, 8, 1
+    drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
+    bad = [d for d in drafters if d not in DRAFTERS]
+    if bad or not drafters:
+        ap.error(f"--drafters: unknown {bad}; choose from {DRAFTERS}")
+    if a.requests < 2 or a.requests % 2:
+        ap.error("--requests must be even and >= 2 (the mix alternates code and prose)")
+    if a.new_tokens < 2 or a.repeats < 1:
+        ap.error("--new-tokens must be >= 2 and --repeats >= 1")
+    from tqdm import tqdm
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    load0 = os.getloadavg()[0]
+    t_all = time.perf_counter()
+
+    model, tok = zoo.load("tiny-moe", experts_implementation="eager")
+    draft_model, _ = zoo.load("tiny-draft")
+    model.eval()
+    draft_model.eval()
+    docs = heldout_documents()
+    prompts = {d: make_prompts(tok, docs[d], d, a.requests + 1, a.seed) for d in ("code", "prose")}
+    warm = prompts["code"].pop()  # the extra prompt is the warm-up
+    prompts["prose"].pop()
+    half = a.requests // 2
+    mix = [p for pair in zip(prompts["code"][:half], prompts["prose"][:half]) for p in pair]
+    work = {"code": prompts["code"], "prose": prompts["prose"], "mix": mix}
+
+    eng = specmoe.offload(model, cache=a.cache, dtype=a.dtype)
+    try:
+        if "self" in drafters:
+            eng.enable_self_draft("int4")
+        # warm-up: every drafter once, untimed
+        for d in [None] + drafters:
+            dr = {None: None, "ngram": spec.NgramDrafter(), "draft": DraftModel(draft_model),
+                  "self": SelfDraft(eng, "int4") if d == "self" else None}[d]
+            generate(model, torch.tensor([warm[1]]), dr, spec.StaticK(2) if dr else None,
+                     max_new_tokens=min(a.new_tokens, 24), eos_token_id=None, tau=None,
+                     engine=eng)
+        tau: Optional[Dict[int, float]] = None
+        if a.tau == "auto":
+            tau = target_tau(model, warm[1], K_MAX + 1, eng, repeats=2 if a.quick else 7)
+
+        rows: List[Dict[str, Any]] = []
+        for w in WORKLOADS:
+            rows.append({"workload": w, "drafter": None, "controller": "nospec", "k": None})
+            for d in drafters:
+                for c, k in CONTROLLERS:
+                    rows.append({"workload": w, "drafter": d, "controller": c, "k": k})
+        per = len(rows) // len(WORKLOADS)
+        res: List[List[Row]] = [[] for _ in rows]  # [row][repeat]
+        bar = tqdm(total=len(rows) * a.repeats * a.requests, desc="speculation", unit="req",
+                   file=sys.stderr)
+        n_round = 0
+        for rep in range(a.repeats):
+            state = [Row(r, eng, draft_model) for r in rows]
+            for j in range(a.requests):
+                for wi in range(len(WORKLOADS)):
+                    w = WORKLOADS[(wi + rep + j) % len(WORKLOADS)]
+                    idx = [i for i, r in enumerate(rows) if r["workload"] == w]
+                    sh = n_round % per  # rotate (and alternate the direction of) the order
+                    idx = idx[sh:] + idx[:sh]
+                    if n_round % 2:
+                        idx.reverse()
+                    n_round += 1
+                    for i in idx:
+                        r = rows[i]
+                        bar.set_postfix_str(f"{w} {r['drafter'] or ''} {r['controller']}"
+                                            f"{'' if r['k'] is None else r['k']}")
+                        state[i].run(model, eng, work[w][j][1], a, tau)
+                        bar.update(1)
+            for i, st in enumerate(state):
+                res[i].append(st)
+        bar.close()
+    finally:
+        eng.close()
+
+    nospec = {rows[i]["workload"]: res[i] for i in range(len(rows))
+              if rows[i]["controller"] == "nospec"}
+    out_rows = []
+    for r, rr in zip(rows, res):
+        ratios, tps = [], []
+        for rep, x in enumerate(rr):
+            v = x.tot["tokens"] / x.tot["time_s"]
+            n = nospec[r["workload"]][rep].tot
+            tps.append(v)
+            ratios.append(v / (n["tokens"] / n["time_s"]))
+
+        def total(key: str) -> int:
+            return sum(x.tot[key] for x in rr)
+
+        paired = [v / nv for x, nx in zip(rr, nospec[r["workload"]])
+                  for v, nv in zip(x.per_request, nx.per_request)]
+        toks, its, prop = total("tokens"), total("iterations"), total("proposed")
+        equal = all(x.outputs == nx.outputs for x, nx in zip(rr, nospec[r["workload"]]))
+        row = dict(r)
+        row.update({
+            "tok_per_s_vs_nospec": _r(_median(ratios)),
+            "etr": _r(toks / its) if its else None,
+            "experts_loaded_per_token": _r(total("experts_loaded") / toks) if toks else None,
+            "tok_per_s": _r(_median(tps), 2),
+            "acceptance": _r(total("accepted") / prop) if prop else None,
+            "k_mean": _r(prop / its) if its else None,
+            "outputs_equal": bool(equal),
+            "ratio_per_repeat": [_r(x, 3) for x in ratios],
+            "ratio_median_per_request": _r(_median(paired)),
+        })
+        if r["drafter"] == "self":
+            pr, tp, ac = total("la_predicted"), total("la_true_positive"), total("la_actual")
+            row["lookahead_precision"] = _r(tp / pr) if pr else None
+            row["lookahead_recall"] = _r(tp / ac) if ac else None
+        out_rows.append(row)
+
+    def find(w: str, d: Optional[str], c: str, k: Optional[int] = None) -> Dict[str, Any]:
+        return next(x for x in out_rows if x["workload"] == w and x["drafter"] == d
+                    and x["controller"] == c and x["k"] == k)
+
+    targets: Dict[str, Any] = {"cascade_worst_vs_nospec": {}, "cascade_vs_best_static_on_mix": {}}
+    for d in drafters:
+        per_w = {w: find(w, d, "cascade")["tok_per_s_vs_nospec"] for w in WORKLOADS}
+        worst = min(per_w, key=lambda w: per_w[w])
+        targets["cascade_worst_vs_nospec"][d] = {
+            "workload": worst, "ratio": per_w[worst], "target": 0.95,
+            "met": bool(per_w[worst] >= 0.95),
+            "ratio_median_per_request": find(worst, d, "cascade")["ratio_median_per_request"]}
+        st = {k: find("mix", d, "static", k)["tok_per_s_vs_nospec"] for k in (1, 2, 3)}
+        kbest = max(st, key=lambda k: st[k])
+        casc = find("mix", d, "cascade")["tok_per_s_vs_nospec"]
+        ratio = casc / st[kbest]
+        targets["cascade_vs_best_static_on_mix"][d] = {
+            "best_static_k": kbest, "cascade_vs_nospec": casc, "static_vs_nospec": st[kbest],
+            "ratio": _r(ratio), "target": 1.0, "met": bool(ratio >= 1.0)}
+
+    result = {
+        "benchmark": "speculation",
+        "config": {
+            "target": "tiny-moe", "draft": "tiny-draft", "cache": a.cache, "dtype": a.dtype,
+            "policy": "lru", "prefetch": True, "threads": a.threads, "requests": a.requests,
+            "new_tokens": a.new_tokens, "repeats": a.repeats, "quick": a.quick,
+            "drafters": drafters, "k_max_adaptive": K_MAX, "seed": a.seed,
+            "prompts": {w: [name for name, _ in work[w]] for w in WORKLOADS},
+            "prompt_tokens": {w: [len(ids) for _, ids in work[w]] for w in WORKLOADS},
+            "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+            "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
+            "wall_s": round(time.perf_counter() - t_all, 1),
+        },
+        "tau": None if tau is None else {str(g): round(v, 4) for g, v in tau.items()},
+        "rows": out_rows,
+        "targets": targets,
+    }
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(f"{'workload':8} {'drafter':7} {'controller':10} {'k':>2} {'vs nospec':>9} "
+              f"{'tok/s':>8} {'etr':>5} {'acc':>5} {'k_mean':>6} {'loads/tok':>9} equal")
+        for x in out_rows:
+            print(f"{x['workload']:8} {str(x['drafter']):7} {x['controller']:10} "
+                  f"{'' if x['k'] is None else x['k']:>2} {x['tok_per_s_vs_nospec']:>9.3f} "
+                  f"{x['tok_per_s']:>8.1f} {x['etr']:>5.2f} "
+                  f"{'' if x['acceptance'] is None else round(x['acceptance'], 2):>5} "
+                  f"{x['k_mean']:>6.2f} {x['experts_loaded_per_token']:>9.2f} "
+                  f"{x['outputs_equal']}")
+        print(json.dumps(targets, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

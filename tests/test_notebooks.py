@@ -1,0 +1,43 @@
+"""Notebooks under notebooks/ execute top to bottom (nbclient), as `make test` runs them.
+
+notebooks/policy_playground.ipynb is executed by tests/test_sim.py; this file holds the others.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import HERE
+
+ROOT = HERE.parent
+
+
+def _execute(name: str):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(ROOT)}})
+    client.execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    assert not errors, [(o["ename"], o["evalue"]) for o in errors]
+    return nb, outputs
+
+
+def _zoo_ready() -> bool:
+    try:
+        from specmoe import zoo
+    except ImportError:
+        return False
+    return zoo.available("tiny-moe") and zoo.available("tiny-draft")
+
+
+@pytest.mark.skipif(not _zoo_ready(), reason="zoo weights not in the package")
+def test_speculation_notebook_runs():
+    """notebooks/speculation.ipynb runs one request under Cascade and plots its telemetry."""
+    nb, outputs = _execute("speculation.ipynb")
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "cascade:" in text and "tokens/iteration" in text
+    assert "iterations per phase:" in text and "back-off stretches" in text
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 2  # K/utility for the n-gram drafter and for the draft model

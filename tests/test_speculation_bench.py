@@ -1,0 +1,127 @@
+"""benchmarks/speculation.py --quick --json: a smoke run of the speculative-decoding benchmark.
+
+Checks the structure of its one JSON object (every row present with its fields, finite positive
+ratios) and that every speculative row's greedy output equals plain decoding's.  No timing
+assertions: speed is what the benchmark reports, not what a test checks."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import HERE
+
+ROOT = HERE.parent
+SCRIPT = ROOT / "benchmarks" / "speculation.py"
+
+WORKLOADS = ("code", "prose", "mix")
+DRAFTERS = ("ngram", "draft", "self")
+SPEC_ROWS = [("static", 1), ("static", 2), ("static", 3), ("heuristic", None),
+             ("cascade", None), ("speq", None)]
+FIELDS = ("workload", "drafter", "controller", "k", "tok_per_s_vs_nospec", "etr",
+          "experts_loaded_per_token", "tok_per_s", "acceptance", "k_mean", "outputs_equal")
+
+
+def _zoo_ready() -> bool:
+    try:
+        from specmoe import zoo
+    except ImportError:
+        return False
+    return zoo.available("tiny-moe") and zoo.available("tiny-draft")
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    if not _zoo_ready():
+        pytest.skip("zoo weights not in the package")
+    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one JSON line on stdout, got {len(lines)}"
+    return json.loads(lines[0])
+
+
+def _finite_pos(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_every_row_present_once(result):
+    got = [(r["workload"], r["drafter"], r["controller"], r["k"]) for r in result["rows"]]
+    want = [(w, None, "nospec", None) for w in WORKLOADS] + [
+        (w, d, c, k) for w in WORKLOADS for d in DRAFTERS for c, k in SPEC_ROWS]
+    assert sorted(got, key=repr) == sorted(want, key=repr)
+
+
+def test_row_fields(result):
+    for r in result["rows"]:
+        missing = [f for f in FIELDS if f not in r]
+        assert not missing, (r, missing)
+        assert _finite_pos(r["tok_per_s_vs_nospec"]), r
+        assert _finite_pos(r["tok_per_s"]), r
+        assert _finite_pos(r["ratio_median_per_request"]), r
+        assert len(r["ratio_per_repeat"]) == result["config"]["repeats"]
+        assert _finite_pos(r["etr"]) and r["etr"] >= 1.0, r
+        assert isinstance(r["experts_loaded_per_token"], (int, float))
+        assert r["experts_loaded_per_token"] >= 0
+        if r["controller"] == "nospec":
+            assert r["tok_per_s_vs_nospec"] == 1.0 and r["etr"] == 1.0 and r["k_mean"] == 0
+            assert r["acceptance"] is None
+        else:
+            assert r["k_mean"] >= 0
+            assert r["acceptance"] is None or 0.0 <= r["acceptance"] <= 1.0
+            # with accepted drafts the iteration yields more than one token on average
+            assert r["etr"] <= 1.0 + r["k_mean"] + 1e-9, r
+        if r["controller"] == "static":
+            assert r["k"] in (1, 2, 3)
+        else:
+            assert r["k"] is None
+        if r["drafter"] == "self":
+            for f in ("lookahead_precision", "lookahead_recall"):
+                assert f in r and (r[f] is None or 0.0 <= r[f] <= 1.0), r
+
+
+def test_greedy_outputs_equal_plain_decoding(result):
+    bad = [(r["workload"], r["drafter"], r["controller"], r["k"]) for r in result["rows"]
+           if r["outputs_equal"] is not True]
+    assert not bad
+
+
+def test_static_k_verifies_at_most_k(result):
+    for r in result["rows"]:
+        if r["controller"] == "static":
+            assert r["k_mean"] <= r["k"] + 1e-9, r
+            if r["drafter"] in ("draft", "self"):  # model drafters always propose k tokens
+                # (the last iteration of a request may be shortened by max_new_tokens)
+                assert r["k_mean"] > 0, r
+
+
+def test_targets(result):
+    t = result["targets"]
+    for d in DRAFTERS:
+        w = t["cascade_worst_vs_nospec"][d]
+        assert w["workload"] in WORKLOADS and _finite_pos(w["ratio"])
+        assert w["met"] == (w["ratio"] >= 0.95)
+        worst = min(r["tok_per_s_vs_nospec"] for r in result["rows"]
+                    if r["drafter"] == d and r["controller"] == "cascade")
+        assert w["ratio"] == worst
+        m = t["cascade_vs_best_static_on_mix"][d]
+        assert m["best_static_k"] in (1, 2, 3) and _finite_pos(m["ratio"])
+        assert m["met"] == (m["ratio"] >= 1.0)
+        statics = {r["k"]: r["tok_per_s_vs_nospec"] for r in result["rows"]
+                   if r["workload"] == "mix" and r["drafter"] == d and r["controller"] == "static"}
+        assert m["static_vs_nospec"] == max(statics.values())
+
+
+def test_config_and_tau(result):
+    c = result["config"]
+    assert c["quick"] is True and c["cache"] == 0.25
+    assert len(c["prompts"]["mix"]) == c["requests"]
+    for w in WORKLOADS:
+        assert all(64 <= n <= 128 for n in c["prompt_tokens"][w])
+    tau = result["tau"]
+    assert tau is not None and tau["1"] == 1.0
+    assert all(_finite_pos(v) for v in tau.values())
