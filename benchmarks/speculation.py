@@ -235,10 +235,10 @@ class Row:
         t["proposed"] += s["proposed"]
         t["accepted"] += s["accepted"]
         t["experts_loaded"] += s["experts_loaded"]
-        la = eng._la  # lookahead counters since reset_stats (precision = tp / predicted)
-        t["la_predicted"] += la["predicted"]
-        t["la_true_positive"] += la["true_positive"]
-        t["la_actual"] += la["actual"]
+        if "lookahead_predicted" in s:  # pooled over requests: precision = hits / predicted
+            t["la_predicted"] += s["lookahead_predicted"]
+            t["la_true_positive"] += s["lookahead_hits"]
+            t["la_actual"] += s["lookahead_used"]
         self.outputs.append(o.sequences[0, len(ids):].tolist())
         self.per_request.append(s["new_tokens"] / s["time_s"])
 

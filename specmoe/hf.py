@@ -549,6 +549,9 @@ class Engine:
                                     if self._la["predicted"] else None),
             "lookahead_recall": (self._la["true_positive"] / self._la["actual"]
                                  if self._la["actual"] else None),
+            "lookahead_predicted": self._la["predicted"],
+            "lookahead_used": self._la["actual"],
+            "lookahead_hits": self._la["true_positive"],
         }
         s.update(self._cache_stats())
         return s
@@ -583,6 +586,7 @@ class Engine:
         self.cache_frac = float(frac)
         if policy is not None:
             self.policy = policy
+        self._tau.clear()  # tau includes expert loads, which depend on the cache
         if self._store is not None:
             try:
                 self._open_cache()

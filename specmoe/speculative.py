@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .spec import Controller, NgramDrafter, SpeqGovernor, accept, measure_tau
+from .spec import Controller, NgramDrafter, SpeqGovernor, StaticK, accept, measure_tau
 
 __all__ = ["Draft", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput", "generate",
            "find_engine"]
@@ -143,6 +143,25 @@ class DraftModel:
     def propose(self, history: Sequence[int], k: int) -> List[int]:
         """Greedy draft of k tokens after ``history`` (the :class:`Drafter` protocol)."""
         return self.draft(history, k).tokens
+
+    def prefill(self, history: Sequence[int]) -> None:
+        """Run the draft over ``history`` (all but its last token) ahead of the first draft,
+        as the target's prefill does; :func:`generate` calls it before its first iteration so
+        that no iteration's time includes the draft's prompt."""
+        h = [int(t) for t in history]
+        if len(h) < 2:
+            return
+        n = 0
+        lim = min(len(self._seen), len(h) - 1)
+        while n < lim and self._seen[n] == h[n]:
+            n += 1
+        if self._kv is None or n == 0:
+            self._kv, n = _new_kv(self.model), 0
+        else:
+            _crop(self._kv, n)
+        if n < len(h) - 1:
+            self._run(h[n:-1])
+        self._seen = h[:-1]
 
     def _run(self, ids: Sequence[int]) -> torch.Tensor:
         return _forward(self.model, ids, self._kv)
@@ -262,7 +281,9 @@ class GenerateOutput:
     stats: ``new_tokens``, ``iterations``, ``time_s``, ``tok_per_s``, ``proposed``, ``accepted``,
         ``acceptance`` (accepted / proposed), ``etr`` (tokens per iteration), ``k_mean``,
         ``experts_loaded`` and ``experts_loaded_per_token`` (offloaded models),
-        ``stall_s``, ``lookahead_precision`` / ``lookahead_recall`` (draft-driven prefetch).
+        ``stall_s``, ``lookahead_precision`` / ``lookahead_recall`` (draft-driven prefetch) and
+        their counts ``lookahead_predicted`` (experts predicted, summed over layers and
+        passes), ``lookahead_used`` (experts the verifications used) and ``lookahead_hits``.
     iterations: one dict per iteration: ``k_planned``, ``k`` (drafts verified), ``accepted``,
         ``emitted``, ``t_iter``, ``t_draft``, ``experts_loaded``.
     """
@@ -358,9 +379,9 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             ``generation_config.eos_token_id``; None never stops early.
         seed: seeds the sampling generator (draws of the drafter and of the acceptance rule).
         tau: gamma-tolerance pruning: "auto" measures tau(g) = T(1)/T(g) of the target once
-            per model (:func:`target_tau`) and gives it to the controller, which then never
-            picks a K whose best case (K+1)*tau(K+1) <= 1; a mapping {g: tau} is used as is;
-            None switches pruning off.
+            per model (:func:`target_tau`) and gives it to an adaptive controller, which then
+            never picks a K whose best case (K+1)*tau(K+1) <= 1 (a StaticK keeps its K); a
+            mapping {g: tau} is given to any controller; None switches pruning off.
         engine: the model's Engine (found automatically when the model is offloaded).
         lookahead: with a drafter that reports routing (SelfDraft), prefetch its predicted
             experts before each verification.
@@ -414,7 +435,10 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         engine = find_engine(model)
     if isinstance(tau, str) and tau != "auto":
         raise ValueError(f"tau must be 'auto', a mapping or None, got {tau!r}")
-    if controller is not None and tau is not None:
+    if controller is not None and tau is not None and not (
+            isinstance(tau, str) and isinstance(controller, StaticK)):
+        # "auto" prunes the K an adaptive controller may choose; a static K is what the caller
+        # asked for and runs as given (pass a tau mapping to prune it anyway)
         controller.set_tau(target_tau(model, prompt, controller.k_max + 1, engine)
                            if isinstance(tau, str) else tau)
 
@@ -422,6 +446,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     kv = _new_kv(model)
     if len(prompt) > 1:
         _forward(model, prompt[:-1], kv)  # the last prompt token is the first pending one
+    if isinstance(drafter, DraftModel):
+        drafter.prefill(prompt)
     seq = list(prompt)
     its: List[Dict[str, Any]] = []
     loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
@@ -509,6 +535,9 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         stats.update({"experts_loaded": l1 - loaded0,
                       "experts_loaded_per_token": (l1 - loaded0) / max(1, new_tokens),
                       "stall_s": s1 - stall0,
+                      "lookahead_predicted": la["predicted"],
+                      "lookahead_used": la["actual"],
+                      "lookahead_hits": la["true_positive"],
                       "lookahead_precision": (la["true_positive"] / la["predicted"]
                                               if la["predicted"] else None),
                       "lookahead_recall": (la["true_positive"] / la["actual"]

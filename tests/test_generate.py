@@ -122,14 +122,28 @@ def test_gamma_tolerance_prunes_k(pair):
     out = generate(model, ids, NgramDrafter(), ctl, max_new_tokens=8, tau=tau, eos_token_id=None)
     assert ctl.allowed == [0]
     assert all(i["k_planned"] == 0 and i["k"] == 0 for i in out.iterations)
-    # "auto" measures tau of the target forward once; it is kept on the engine
-    ctl = StaticK(2)
+    # "auto" measures tau of the target forward once (kept on the engine, dropped when the
+    # cache changes) and prunes adaptive controllers
+    eng.set_cache(eng.cache_frac)
+    assert not eng._tau.get(1)
+    fake = {g: 1.0 / g for g in range(1, 10)}
+    eng._tau[1] = dict(fake)  # a table already measured is reused, not measured again
+    ctl = Cascade(k_max=3)
+    generate(model, ids, NgramDrafter(), ctl, max_new_tokens=4, eos_token_id=None)
+    assert ctl.allowed == [0] and eng._tau[1] == fake
+    eng._tau.clear()
+    ctl = Cascade(k_max=3)
     generate(model, ids, NgramDrafter(), ctl, max_new_tokens=4, eos_token_id=None)
     tau_auto = eng._tau[1]
-    assert sorted(tau_auto)[:3] == [1, 2, 3] and tau_auto[1] == pytest.approx(1.0)
+    assert sorted(tau_auto) == list(range(1, 10)) and tau_auto[1] == pytest.approx(1.0)
     assert all(t > 0 and math.isfinite(t) for t in tau_auto.values())
-    want = [0] + [k for k in range(1, 3) if (k + 1) * tau_auto[k + 1] > 1]
+    want = [0] + [k for k in range(1, 4) if (k + 1) * tau_auto[k + 1] > 1]
     assert ctl.allowed == want
+    # a static K is what the caller asked for: "auto" leaves it alone
+    ctl = StaticK(3)
+    eng._tau[1] = dict(fake)
+    out = generate(model, ids, NgramDrafter(), ctl, max_new_tokens=6, eos_token_id=None)
+    assert ctl.allowed == [0, 1, 2, 3] and max(i["k_planned"] for i in out.iterations) == 3
 
 
 def test_self_draft_proposals_match_int4_reference(pair):
@@ -371,3 +385,18 @@ def test_deepseek_v3_multi_token_forward_still_broken_upstream():
         model(ids[:, :-1], past_key_values=kv)
         with pytest.raises(RuntimeError):
             model(ids[:, -4:], past_key_values=kv)
+
+
+def test_draft_model_prefill_then_draft_matches_cold_draft(pair):
+    model, draft, eng, ids = pair
+    h = ids[0].tolist()
+    warm = DraftModel(draft)
+    warm.prefill(h)
+    assert warm._seen == h[:-1] and warm._kv.get_seq_length() == len(h) - 1
+    cold = DraftModel(draft).draft(h, 4).tokens
+    assert warm.draft(h, 4).tokens == cold
+    # prefill after drafting keeps the common prefix and drops the rest
+    warm.prefill(h + [cold[0], 7])
+    assert warm._seen == h + [cold[0]]
+    assert warm.draft(h + [cold[0], 7], 3).tokens == DraftModel(draft).draft(h + [cold[0], 7],
+                                                                            3).tokens
