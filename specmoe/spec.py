@@ -105,7 +105,7 @@ class Controller:
 
     @property
     def base(self) -> float:
-        """Mean t_iter of the last plain (K=0) iterations; NaN before the first one."""
+        """Median t_iter of the last plain (K=0) iterations; NaN before the first one."""
         return float(self._c.base)
 
     def next_k(self) -> int:
@@ -175,7 +175,7 @@ class Cascade(Controller):
         trial_len: t, iterations per trial.
         set_len: S, iterations of a set phase (and the first back-off length).
         backoff_max: cap of the doubling back-off length.
-        base_len: plain iterations averaged into t_iter_base.
+        base_len: plain iterations whose median is t_iter_base.
         base_refresh: iterations after which t_iter_base is measured again.
         initial: the first hill-climbing centre.
     """

@@ -9,6 +9,7 @@ are driven in lockstep, asserting the same K at every iteration.
 from __future__ import annotations
 
 import math
+import statistics
 import random
 from collections import deque
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -48,7 +49,7 @@ class Shared:
         self.i = -1  # index of the observation being processed
 
     def base(self) -> float:
-        return sum(self.times) / len(self.times) if self.times else math.nan
+        return statistics.median(self.times) if self.times else math.nan
 
     def see(self, k: int, t: float) -> None:
         self.i += 1

@@ -80,7 +80,8 @@ int smoe_spec_ctl_create(smoe_spec_ctl **out, const smoe_spec_ctl_ops *ops,
     for (int32_t k = 0; k <= c->params.k_max; k++) c->allowed[k] = 1;
     c->ring_cap = c->params.telemetry_cap;
     c->ring = malloc((size_t)c->ring_cap * sizeof *c->ring);
-    c->base_ring = malloc((size_t)c->params.base_len * sizeof *c->base_ring);
+    /* second half: scratch for the sorted copy smoe_spec_ctl_base takes the median of */
+    c->base_ring = malloc(2 * (size_t)c->params.base_len * sizeof *c->base_ring);
     if (!c->ring || !c->base_ring) {
         unsigned cap = (unsigned)c->ring_cap;
         free(c->ring);
@@ -119,10 +120,16 @@ int32_t smoe_spec_ctl_next_k(const smoe_spec_ctl *c) {
 }
 
 double smoe_spec_ctl_base(const smoe_spec_ctl *c) {
-    if (c->base_n == 0) return NAN;
-    double s = 0.0;
-    for (int32_t i = 0; i < c->base_n; i++) s += c->base_ring[i];
-    return s / c->base_n;
+    int32_t n = c->base_n;
+    if (n == 0) return NAN;
+    double *v = c->base_ring + c->params.base_len; /* scratch, see smoe_spec_ctl_create */
+    for (int32_t i = 0; i < n; i++) { /* insertion sort: base_len is a handful */
+        double x = c->base_ring[i];
+        int32_t j = i;
+        for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
+        v[j] = x;
+    }
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 int smoe_spec_ctl_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, smoe_err *err) {

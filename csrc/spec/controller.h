@@ -54,8 +54,11 @@
  *             which starts at set_len and doubles after each back-off phase (capped at
  *             backoff_max, default 1024); a test phase that ends with K > 0 resets it.
  *   Open choices, decided here:
- *   - t_base is the mean t_iter of the last base_len (default 4) observed iterations with
- *     k_used == 0, whatever phase they fell in (back-off iterations refresh it for free).
+ *   - t_base is the median t_iter of the last base_len (default 4) observed iterations with
+ *     k_used == 0, whatever phase they fell in (back-off iterations refresh it for free);
+ *     the median, not the mean: one plain step slowed down by another process would
+ *     inflate every utility of the next test phase and make a K that does not pay look
+ *     like it does.
  *     The machine starts in BASE.  At the end of a SET or BACKOFF phase, when at least
  *     base_refresh (default 100) iterations have passed since the last k_used == 0
  *     iteration (index of the iteration just observed minus index of that one >=
@@ -113,7 +116,7 @@
  *     any observed iteration with k_used >= 1 resets the count.
  *
  * Instant utility (static, heuristic): (accepted + 1) * t_base / t_iter, with t_base the
- * mean of the last base_len k_used == 0 iterations; NaN until one was observed.
+ * median of the last base_len k_used == 0 iterations; NaN until one was observed.
  *
  * Not thread-safe: callers serialise all calls on one object.  No global state.
  */
@@ -165,7 +168,7 @@ typedef struct smoe_spec_params {
     int32_t trial_len;      /* t (default 4) */
     int32_t set_len;        /* S (default 16) */
     int32_t backoff_max;    /* cap of the back-off length (default 1024) */
-    int32_t base_len;       /* K=0 iterations averaged for t_base (default 4) */
+    int32_t base_len;       /* K=0 iterations whose median is t_base (default 4) */
     int32_t base_refresh;   /* iterations between base measurements (default 100) */
     /* speq */
     double alpha;           /* EMA weight in (0, 1] (default 0.2) */
@@ -200,7 +203,8 @@ struct smoe_spec_ctl {
     uint8_t allowed[SMOE_SPEC_KMAX + 1];   /* allowed[k], k = 0..k_max */
     /* speq's per-k expected I/O seconds */
     double io_cost[SMOE_SPEC_KMAX + 1];
-    /* plain-iteration timing shared by all controllers (last base_len k == 0 iterations) */
+    /* plain-iteration timing shared by all controllers (last base_len k == 0 iterations);
+     * base_ring holds 2 * base_len doubles, the second half scratch for the median */
     double *base_ring;
     int32_t base_n, base_pos;
     uint64_t last_base_iter;               /* iteration index of the last k == 0 observation */
@@ -247,7 +251,7 @@ static inline int smoe_spec_ctl_allowed(const smoe_spec_ctl *c, int32_t k) {
 /* The `phase` op of controllers without phases. */
 int32_t smoe_spec_ctl_no_phase(const smoe_spec_ctl *c);
 
-/* Mean t_iter of the last base_len k == 0 iterations; NaN when none was observed. */
+/* Median t_iter of the last base_len k == 0 iterations; NaN when none was observed. */
 double smoe_spec_ctl_base(const smoe_spec_ctl *c);
 
 /* Copy the telemetry (oldest first) into out[0..min(n_obs, cap)-1]; returns the count. */
