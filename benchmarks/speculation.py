@@ -73,7 +73,6 @@ mix, Cascade's ratio over the best static K's (target >= 1.0).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
@@ -127,19 +126,9 @@ def heldout_documents() -> Dict[str, List[Tuple[str, str]]]:
         if not text or not text.strip() or _generated(text):
             continue
         code.append((rel, text))
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        docs = []
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                 ast.AsyncFunctionDef)):
-                d = ast.get_docstring(node)
-                if d and len(d) > 80:
-                    docs.append(d)
+        docs = corpus.docstrings(text)
         if docs:
-            prose.append((rel, "\n\n".join(docs)))
+            prose.append((rel, docs))
     return {"code": code, "prose": prose}
 
 

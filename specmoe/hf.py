@@ -138,11 +138,18 @@ def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.nd
 def _convert_experts(experts: nn.Module, gptoss: bool, dtype: str) -> dict[str, np.ndarray]:
     """The stored tensors [E, ...] of one layer in ``dtype``, converted one expert at a time
     (peak memory: one layer in the stored dtype plus one expert in f32)."""
+    return _stack_converted(int(experts.gate_up_proj.shape[0]),
+                            lambda e: _extract_one(experts, e, gptoss), dtype)
+
+
+def _stack_converted(E: int, expert_f32: Callable[[int], dict[str, np.ndarray]],
+                     dtype: str) -> dict[str, np.ndarray]:
+    """Tensors [E, ...] in ``dtype`` from ``expert_f32(e)``, the canonical f32 arrays of expert
+    e (biases included), converted one expert at a time."""
     from .quant import expert_tensors
-    E = experts.gate_up_proj.shape[0]
     out: dict[str, np.ndarray] = {}
     for e in range(E):
-        d = _extract_one(experts, e, gptoss)
+        d = expert_f32(e)
         biases = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
         t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=biases or None)
         if not out:
@@ -421,22 +428,13 @@ class Engine:
         if self.draft_dtype == dtype and self._draft_buf is not None:
             return
         from .kernels import FFNSpec
-        from .quant import dequantize_expert, expert_tensors, store_dtypes
+        from .quant import dequantize_expert, store_dtypes
         from .store import ExpertStore, aligned_empty, write_store
         src = self._store
         E, L = self.num_experts, len(self.layer_ids)
 
         def layer(p: int) -> dict[str, np.ndarray]:
-            out: dict[str, np.ndarray] = {}
-            for e in range(E):
-                d = dequantize_expert(src.read_expert(p, e))
-                b = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
-                t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=b or None)
-                if not out:
-                    out = {n: np.empty((E,) + a.shape, a.dtype) for n, a in t.items()}
-                for n, a in t.items():
-                    out[n][e] = a
-            return out
+            return _stack_converted(E, lambda e: dequantize_expert(src.read_expert(p, e)), dtype)
 
         fd, path = tempfile.mkstemp(prefix="specmoe-draft-", suffix=".smoe")
         os.close(fd)

@@ -151,6 +151,17 @@ class DraftModel:
         h = [int(t) for t in history]
         if len(h) < 2:
             return
+        n = self._sync(h)
+        if n < len(h) - 1:
+            self._run(h[n:-1])
+        self._seen = h[:-1]
+
+    def _run(self, ids: Sequence[int]) -> torch.Tensor:
+        return _forward(self.model, ids, self._kv)
+
+    def _sync(self, h: List[int]) -> int:
+        """Crop the cache to the longest prefix it shares with history ``h`` (never the last
+        token of h, which must be fed to get the next distribution); returns that length."""
         n = 0
         lim = min(len(self._seen), len(h) - 1)
         while n < lim and self._seen[n] == h[n]:
@@ -159,12 +170,7 @@ class DraftModel:
             self._kv, n = _new_kv(self.model), 0
         else:
             _crop(self._kv, n)
-        if n < len(h) - 1:
-            self._run(h[n:-1])
-        self._seen = h[:-1]
-
-    def _run(self, ids: Sequence[int]) -> torch.Tensor:
-        return _forward(self.model, ids, self._kv)
+        return n
 
     def draft(self, history: Sequence[int], k: int, sampling: Optional[Sampling] = None,
               generator: Optional[torch.Generator] = None) -> Draft:
@@ -174,14 +180,7 @@ class DraftModel:
             raise ValueError("draft: empty history")
         if k <= 0:
             return Draft([], None, None)
-        n = 0
-        lim = min(len(self._seen), len(h) - 1)  # the last history token is always fed
-        while n < lim and self._seen[n] == h[n]:
-            n += 1
-        if self._kv is None or n == 0:
-            self._kv, n = _new_kv(self.model), 0
-        else:
-            _crop(self._kv, n)
+        n = self._sync(h)
         logits = self._run(h[n:])[-1:]
         toks: List[int] = []
         rows: List[torch.Tensor] = []

@@ -140,22 +140,26 @@ def docstring_domain(limit_chars: int | None = None) -> Domain:
     )
     for p in stdlib_files(root):
         text = read_source(p)
-        if not text:
-            continue
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        docs = []
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                d = ast.get_docstring(node)
-                if d and len(d) > 80:
-                    docs.append(d)
-        if docs:
-            if dom.add(str(p.relative_to(root)), "\n\n".join(docs), limit_chars):
-                break
+        prose = docstrings(text) if text else ""
+        if prose and dom.add(str(p.relative_to(root)), prose, limit_chars):
+            break
     return dom
+
+
+def docstrings(source: str, min_chars: int = 80) -> str:
+    """The docstrings longer than ``min_chars`` of a Python source (module, classes,
+    functions), joined by blank lines; "" when it has none or does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ""
+    docs = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            d = ast.get_docstring(node)
+            if d and len(d) > min_chars:
+                docs.append(d)
+    return "\n\n".join(docs)
 
 
 def fetch_doc_package(cache: Path) -> Path:
