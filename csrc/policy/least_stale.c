@@ -35,16 +35,18 @@
  * (larger than any before: the normal case) every slot turns stale; each layer's fresh list
  * was touched after all of its stale list, so it is appended to it in O(1) per non-empty
  * layer (a merge by touch time when that does not hold).  Order FIFO keys slots by insert
- * time, which a touch does not change, so a fresh slot is not the newest of its group: there
- * the groups are two indexed heaps (slotheap.h), O(log n) per touch that turns a slot fresh,
- * on_pass moves the fresh heap into the stale one (O(log n) per slot touched in the pass) and
- * victim() costs O(1 + refused slots).  An on_pass back to an id seen before (never in the
- * cache or the simulator) rebuilds every group from the per-slot pass ids: O(nslots) for
- * LAYER/LRU, O(nslots log nslots) for FIFO.  Everything is sized at init. */
+ * time, which a touch does not change, so a touched slot is not the newest of the fresh group:
+ * there one list holds every resident slot in insert order, and a second, the stale list, is
+ * a copy of its links made at on_pass (every slot is stale then) from which a touch unlinks a
+ * slot (O(1)).  victim() walks the stale list, then the insert-order list for fresh slots:
+ * O(1 + refused slots) while a stale slot is evictable; O(nslots) when none is (every stale
+ * slot refused).  on_pass costs one O(nslots) copy of two int32 arrays.  An on_pass back to an
+ * id seen before (never in the cache or the simulator) rebuilds every group from the per-slot
+ * pass ids: O(nslots + L).  Everything is sized at init. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "policy.h"
-#include "slotheap.h"
 
 typedef struct ls_slot {
     int32_t key;
@@ -72,7 +74,9 @@ typedef struct ls_state {
     ls_list *list[2];  /* [group][bucket]: 0 stale, 1 fresh */
     uint64_t *busy[2]; /* [group] bitmap of non-empty lists */
     int32_t *scratch;  /* [nslots] one bucket's slots during a merge */
-    smoe_slotheap heap[2]; /* FIFO order: [group] keyed by insert time */
+    /* FIFO order: every resident slot in insert order (ins*), and the stale ones (stale*). */
+    int32_t *ins_prev, *ins_next, *stale_prev, *stale_next; /* [nslots] */
+    int32_t ins_head, ins_tail, stale_head, stale_tail;
 } ls_state;
 
 static void ls_free(smoe_policy *p) {
@@ -82,8 +86,11 @@ static void ls_free(smoe_policy *p) {
     for (int g = 0; g < 2; g++) {
         free(st->list[g]);
         free(st->busy[g]);
-        smoe_slotheap_free(&st->heap[g]);
     }
+    free(st->ins_prev);
+    free(st->ins_next);
+    free(st->stale_prev);
+    free(st->stale_next);
     free(st->scratch);
     free(st);
     p->state = NULL;
@@ -109,9 +116,15 @@ static int ls_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
         st->list[g] = malloc(st->nbuckets * sizeof *st->list[g]);
         st->busy[g] = calloc(st->nwords, sizeof *st->busy[g]);
         bad |= !st->list[g] || !st->busy[g];
-        if (params->order == SMOE_LS_ORDER_FIFO)
-            bad |= smoe_slotheap_init(&st->heap[g], params->nslots) < 0;
     }
+    if (params->order == SMOE_LS_ORDER_FIFO) {
+        st->ins_prev = malloc(n * sizeof *st->ins_prev);
+        st->ins_next = malloc(n * sizeof *st->ins_next);
+        st->stale_prev = malloc(n * sizeof *st->stale_prev);
+        st->stale_next = malloc(n * sizeof *st->stale_next);
+        bad |= !st->ins_prev || !st->ins_next || !st->stale_prev || !st->stale_next;
+    }
+    st->ins_head = st->ins_tail = st->stale_head = st->stale_tail = -1;
     if (bad) {
         ls_free(p);
         return smoe_err_set(err, SMOE_ENOMEM, "least_stale: out of memory for %u slots",
@@ -152,20 +165,27 @@ static void ls_list_remove(ls_state *st, int g, uint32_t s) {
     if (l->head < 0) st->busy[g][e->bucket >> 6] &= ~((uint64_t)1 << (e->bucket & 63));
 }
 
-/* Take a resident slot out of its group's structure (before its pass changes). */
-static void ls_detach(ls_state *st, uint32_t s) {
-    const int g = ls_fresh(st, s);
-    if (st->order == SMOE_LS_ORDER_FIFO) smoe_slotheap_remove(&st->heap[g], s);
-    else ls_list_remove(st, g, s);
+static void ls_unlink(int32_t *prev, int32_t *next, int32_t *head, int32_t *tail, uint32_t s) {
+    if (prev[s] >= 0) next[prev[s]] = next[s]; else *head = next[s];
+    if (next[s] >= 0) prev[next[s]] = prev[s]; else *tail = prev[s];
 }
 
-/* Put a resident slot into its group's structure (its pass, touched, inserted are set). */
-static void ls_attach(ls_state *st, uint32_t s) {
+static void ls_append(int32_t *prev, int32_t *next, int32_t *head, int32_t *tail, uint32_t s) {
+    prev[s] = *tail;
+    next[s] = -1;
+    if (*tail >= 0) next[*tail] = (int32_t)s; else *head = (int32_t)s;
+    *tail = (int32_t)s;
+}
+
+/* Take a resident slot out of the structures (before its pass changes). */
+static void ls_detach(ls_state *st, uint32_t s) {
     const int g = ls_fresh(st, s);
-    if (st->order == SMOE_LS_ORDER_FIFO)
-        smoe_slotheap_set(&st->heap[g], s, 0, st->slot[s].inserted);
-    else
-        ls_list_append(st, g, s); /* callers attach in increasing touch time */
+    if (st->order != SMOE_LS_ORDER_FIFO) {
+        ls_list_remove(st, g, s);
+        return;
+    }
+    if (!g) ls_unlink(st->stale_prev, st->stale_next, &st->stale_head, &st->stale_tail, s);
+    ls_unlink(st->ins_prev, st->ins_next, &st->ins_head, &st->ins_tail, s);
 }
 
 static void ls_demand(smoe_policy *p, ls_state *st, int32_t key) {
@@ -185,7 +205,10 @@ static void ls_insert(smoe_policy *p, uint32_t slot, int32_t key, int prefetch) 
     e->bucket = st->order == SMOE_LS_ORDER_LAYER ? ls_layer(p, key) : 0;
     e->pass = st->pass;
     e->touched = e->inserted = ++st->clock;
-    ls_attach(st, slot);
+    if (st->order == SMOE_LS_ORDER_FIFO) /* the newest insert, and fresh: not in the stale list */
+        ls_append(st->ins_prev, st->ins_next, &st->ins_head, &st->ins_tail, slot);
+    else
+        ls_list_append(st, 1, slot);
     if (!prefetch) ls_demand(p, st, key);
 }
 
@@ -193,12 +216,14 @@ static void ls_access(smoe_policy *p, uint32_t slot, int32_t key) {
     ls_state *st = p->state;
     if (slot >= p->nslots) return;
     ls_slot *e = &st->slot[slot];
-    if (e->resident && (st->order != SMOE_LS_ORDER_FIFO || !ls_fresh(st, slot))) {
-        ls_detach(st, slot);
+    if (e->resident && st->order != SMOE_LS_ORDER_FIFO) { /* the newest touch of its layer */
+        ls_list_remove(st, ls_fresh(st, slot), slot);
         e->pass = st->pass;
         e->touched = ++st->clock;
-        ls_attach(st, slot);
-    } else { /* FIFO and already fresh: its place does not change */
+        ls_list_append(st, 1, slot);
+    } else { /* FIFO: a stale slot leaves the stale list; the insert order does not change */
+        if (e->resident && !ls_fresh(st, slot))
+            ls_unlink(st->stale_prev, st->stale_next, &st->stale_head, &st->stale_tail, slot);
         e->pass = st->pass;
         e->touched = ++st->clock;
     }
@@ -242,18 +267,18 @@ static void ls_pass(smoe_policy *p, uint64_t pass_id) {
     st->pass = pass_id;
     if (pass_id > st->max_pass) st->max_pass = pass_id;
     if (st->order == SMOE_LS_ORDER_FIFO) {
-        smoe_slotheap *stale = &st->heap[0], *fresh = &st->heap[1];
-        if (all_stale) {
-            for (uint32_t i = 0; i < fresh->size; i++) {
-                uint32_t s = fresh->node[i];
-                smoe_slotheap_set(stale, s, 0, st->slot[s].inserted);
-            }
-            smoe_slotheap_clear(fresh);
+        if (all_stale) { /* the stale list is the insert-order list (links of non-residents
+                            are never followed) */
+            memcpy(st->stale_prev, st->ins_prev, p->nslots * sizeof *st->stale_prev);
+            memcpy(st->stale_next, st->ins_next, p->nslots * sizeof *st->stale_next);
+            st->stale_head = st->ins_head;
+            st->stale_tail = st->ins_tail;
         } else {
-            smoe_slotheap_clear(stale);
-            smoe_slotheap_clear(fresh);
-            for (uint32_t s = 0; s < p->nslots; s++)
-                if (st->slot[s].resident) ls_attach(st, s);
+            st->stale_head = st->stale_tail = -1;
+            for (int32_t s = st->ins_head; s >= 0; s = st->ins_next[s])
+                if (!ls_fresh(st, (uint32_t)s))
+                    ls_append(st->stale_prev, st->stale_next, &st->stale_head, &st->stale_tail,
+                              (uint32_t)s);
         }
         return;
     }
@@ -305,13 +330,15 @@ static int32_t ls_list_find(const ls_state *st, const ls_list *l, smoe_evictable
 
 static int32_t ls_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {
     ls_state *st = p->state;
+    if (st->order == SMOE_LS_ORDER_FIFO) {
+        for (int32_t s = st->stale_head; s >= 0; s = st->stale_next[s])
+            if (!ok || ok(ctx, (uint32_t)s)) return s;
+        for (int32_t s = st->ins_head; s >= 0; s = st->ins_next[s]) /* fresh, by insert */
+            if (ls_fresh(st, (uint32_t)s) && (!ok || ok(ctx, (uint32_t)s))) return s;
+        return -1;
+    }
     for (int g = 0; g < 2; g++) {
         int32_t v;
-        if (st->order == SMOE_LS_ORDER_FIFO) {
-            v = smoe_slotheap_find(&st->heap[g], ok, ctx);
-            if (v >= 0) return v;
-            continue;
-        }
         /* Layers by decreasing distance: cur, cur-1, .., 0, then L-1, .., cur+1. */
         const int64_t cur = st->nbuckets > 1 ? st->cur : 0;
         for (int64_t b = ls_bit_at_or_below(st->busy[g], cur); b >= 0;
