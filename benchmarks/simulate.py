@@ -1,5 +1,6 @@
-"""How fast is the simulator's per-access loop?  LRU, no prefetch, on the shared traces (or the
-carried subset when ../shared is absent), against two peers measured in the same run:
+"""How fast is the simulator's per-access loop?  LRU (or ``--policy``), no prefetch, on the shared
+traces (or the carried subset when ../shared is absent), against two peers measured in the same
+run:
 
 * ``python_lru``: the same LRU replay in plain Python (collections.OrderedDict), on a slice;
 * ``replay``: the policies' demand-only C replay (``_C.replay``, no time model), when built in;
@@ -40,6 +41,9 @@ def main() -> int:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--capacity", type=float, default=0.10, help="fraction of all experts")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--policy", default="lru", help="built-in policy name (simulate and replay)")
+    ap.add_argument("--order", type=int, default=0,
+                    help="least_stale order: 0 layer, 1 lru, 2 fifo")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     shared = ROOT.parent / "shared" / "traces" / "deepseek-v2-lite-puffin"
@@ -55,7 +59,7 @@ def main() -> int:
 
     sim_s = []
     for _ in range(args.reps):
-        r = _C.simulate(tr.experts, tr.num_experts, "lru", nslots, **kw)
+        r = _C.simulate(tr.experts, tr.num_experts, args.policy, nslots, order=args.order, **kw)
         sim_s.append(r["elapsed_s"])
     sim_best = min(sim_s)
 
@@ -79,7 +83,8 @@ def main() -> int:
 
     py_s = best_of(py_lru, 1) * n / m
     out = {
-        "trace": str(path), "accesses": n, "nslots": nslots,
+        "trace": str(path), "policy": args.policy, "order": args.order,
+        "accesses": n, "nslots": nslots,
         "sim_accesses_per_s": n / sim_best,
         "ceiling_bincount_accesses_per_s": n / ceiling,
         "python_lru_accesses_per_s": n / py_s,
@@ -93,7 +98,8 @@ def main() -> int:
         pass_stride = tr.num_layers * tr.top_k
         rep_s = float("inf")
         for _ in range(args.reps):
-            pol = _C.Policy("lru", nslots, tr.num_layers, tr.num_experts)
+            pol = _C.Policy(args.policy, nslots, tr.num_layers, tr.num_experts,
+                            order=args.order if args.policy == "least_stale" else None)
             t0 = time.perf_counter()
             hits, _v = _C.replay(pol, keys, pass_stride)
             rep_s = min(rep_s, time.perf_counter() - t0)

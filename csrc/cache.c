@@ -395,9 +395,10 @@ int smoe_cache_acquire(smoe_cache *c, uint32_t layer, uint32_t expert, const uin
             while (sl->state == SMOE_SLOT_LOADING && sl->load_seq == seq) wait_cv(c);
             if (sl->failed_seq == seq) {
                 if (err) *err = c->slot_err[s];
+                const int frc = c->slot_err[s].code < 0 ? c->slot_err[s].code : SMOE_EIO;
                 c->stats.stall_s += smoe_now() - t0;
                 pthread_mutex_unlock(&c->mu);
-                return c->slot_err[s].code < 0 ? c->slot_err[s].code : SMOE_EIO;
+                return frc; /* read under mu: a new load of the slot may rewrite slot_err */
             }
             continue; /* READY now (hit path pins it) or reused: look again */
         }

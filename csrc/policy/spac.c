@@ -45,11 +45,16 @@
  *  7. A policy swap (smoe_cache_set_policy) starts a fresh spac with all scores 0.
  *
  * Memory: fixed arrays allocated at init (scores and utilities per key, pending counts per key,
- * one layer of scratch, per-slot state); on_counts and victim allocate nothing.  victim() scans
- * the slots, O(nslots); on_counts costs O(n + observed layers * E log E). */
+ * one layer of scratch, per-slot state, an indexed heap of the resident slots keyed by
+ * (utility, last touch), per-layer lists of the resident slots); on_counts and victim allocate
+ * nothing.  An access or insert re-keys one slot, O(log nslots); on_counts re-keys the resident
+ * slots of each observed layer, O(n + observed layers * (E log E + resident slots of the layer
+ * * log nslots)); victim() walks the heap from the top past refused slots (slotheap.h):
+ * O(1 + refused slots), O(nslots) when almost nothing is evictable. */
 #include <stdlib.h>
 
 #include "policy.h"
+#include "slotheap.h"
 
 #define SPAC_ONE 65536u /* fixed-point unit of a score: one token */
 #define SPAC_DEFAULT_LEVELS 4
@@ -65,6 +70,9 @@ typedef struct spac_state {
     uint8_t *resident; /* [nslots] */
     uint64_t *touched; /* [nslots] clock of the last access/insert */
     uint64_t clock;
+    smoe_slotheap heap;  /* resident slots keyed by (utility of the key, touched) */
+    int32_t *lhead;      /* [num_layers] resident slots whose key is in the layer */
+    int32_t *lprev, *lnext; /* [nslots] links of those lists */
 } spac_state;
 
 static void spac_free(smoe_policy *p) {
@@ -78,6 +86,10 @@ static void spac_free(smoe_policy *p) {
     free(st->slot_key);
     free(st->resident);
     free(st->touched);
+    smoe_slotheap_free(&st->heap);
+    free(st->lhead);
+    free(st->lprev);
+    free(st->lnext);
     free(st);
     p->state = NULL;
 }
@@ -100,22 +112,60 @@ static int spac_init(smoe_policy *p, const smoe_policy_params *params, smoe_err 
         st->slot_key = calloc(params->nslots, sizeof *st->slot_key);
         st->resident = calloc(params->nslots, 1);
         st->touched = calloc(params->nslots, sizeof *st->touched);
+        st->lhead = malloc((params->num_layers ? params->num_layers : 1) * sizeof *st->lhead);
+        st->lprev = malloc((params->nslots ? params->nslots : 1) * sizeof *st->lprev);
+        st->lnext = malloc((params->nslots ? params->nslots : 1) * sizeof *st->lnext);
     }
     if (!st || !st->score || !st->util || !st->pending || !st->observed || !st->sorted ||
-        !st->slot_key || !st->resident || !st->touched) {
+        !st->slot_key || !st->resident || !st->touched || !st->lhead || !st->lprev ||
+        !st->lnext || smoe_slotheap_init(&st->heap, params->nslots) < 0) {
         spac_free(p);
         return smoe_err_set(err, SMOE_ENOMEM, "spac: out of memory for %zu keys", nkeys);
     }
+    for (uint32_t l = 0; l < params->num_layers; l++) st->lhead[l] = -1;
     return 0;
+}
+
+static int spac_key_ok(const smoe_policy *p, int32_t k) {
+    return k >= 0 && (uint64_t)k < (uint64_t)p->num_layers * p->num_experts;
+}
+
+/* Utility of a slot's key (0 for a key out of range, as victim() has always counted it). */
+static uint32_t spac_slot_util(const smoe_policy *p, const spac_state *st, uint32_t s) {
+    return spac_key_ok(p, st->slot_key[s]) ? st->util[st->slot_key[s]] : 0;
+}
+
+static void spac_rekey(smoe_policy *p, spac_state *st, uint32_t s) {
+    smoe_slotheap_set(&st->heap, s, spac_slot_util(p, st, s), st->touched[s]);
+}
+
+/* A resident slot joins / leaves the list of its key's layer (keys out of range: none). */
+static void spac_layer_link(smoe_policy *p, spac_state *st, uint32_t s) {
+    if (!spac_key_ok(p, st->slot_key[s])) return;
+    uint32_t l = (uint32_t)st->slot_key[s] / p->num_experts;
+    st->lprev[s] = -1;
+    st->lnext[s] = st->lhead[l];
+    if (st->lhead[l] >= 0) st->lprev[st->lhead[l]] = (int32_t)s;
+    st->lhead[l] = (int32_t)s;
+}
+
+static void spac_layer_unlink(smoe_policy *p, spac_state *st, uint32_t s) {
+    if (!spac_key_ok(p, st->slot_key[s])) return;
+    uint32_t l = (uint32_t)st->slot_key[s] / p->num_experts;
+    if (st->lprev[s] >= 0) st->lnext[st->lprev[s]] = st->lnext[s]; else st->lhead[l] = st->lnext[s];
+    if (st->lnext[s] >= 0) st->lprev[st->lnext[s]] = st->lprev[s];
 }
 
 static void spac_insert(smoe_policy *p, uint32_t slot, int32_t key, int prefetch) {
     spac_state *st = p->state;
     (void)prefetch;
     if (slot >= p->nslots) return;
+    if (st->resident[slot]) spac_layer_unlink(p, st, slot);
     st->slot_key[slot] = key;
     st->resident[slot] = 1;
     st->touched[slot] = ++st->clock;
+    spac_layer_link(p, st, slot);
+    spac_rekey(p, st, slot);
 }
 
 static void spac_access(smoe_policy *p, uint32_t slot, int32_t key) {
@@ -123,12 +173,16 @@ static void spac_access(smoe_policy *p, uint32_t slot, int32_t key) {
     (void)key;
     if (slot >= p->nslots) return;
     st->touched[slot] = ++st->clock;
+    if (st->resident[slot]) spac_rekey(p, st, slot);
 }
 
 static void spac_evict(smoe_policy *p, uint32_t slot, int32_t key) {
     spac_state *st = p->state;
     (void)key;
-    if (slot < p->nslots) st->resident[slot] = 0;
+    if (slot >= p->nslots || !st->resident[slot]) return;
+    spac_layer_unlink(p, st, slot);
+    smoe_slotheap_remove(&st->heap, slot);
+    st->resident[slot] = 0;
 }
 
 static int cmp_u64(const void *a, const void *b) {
@@ -171,6 +225,8 @@ static void spac_counts(smoe_policy *p, const int32_t *keys, const uint32_t *cou
         if (st->observed[l]) {
             spac_layer(p, st, l);
             st->observed[l] = 0;
+            for (int32_t s = st->lhead[l]; s >= 0; s = st->lnext[s])
+                spac_rekey(p, st, (uint32_t)s);
         }
 }
 
@@ -182,19 +238,7 @@ static int32_t spac_utility(const smoe_policy *p, int32_t key) {
 
 static int32_t spac_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {
     spac_state *st = p->state;
-    int32_t best = -1;
-    uint32_t best_u = 0;
-    for (uint32_t s = 0; s < p->nslots; s++) {
-        if (!st->resident[s] || (ok && !ok(ctx, s))) continue;
-        int32_t k = st->slot_key[s];
-        uint32_t u = (k >= 0 && (uint64_t)k < (uint64_t)p->num_layers * p->num_experts)
-                         ? st->util[k] : 0;
-        if (best < 0 || u < best_u || (u == best_u && st->touched[s] < st->touched[best])) {
-            best = (int32_t)s;
-            best_u = u;
-        }
-    }
-    return best;
+    return smoe_slotheap_find(&st->heap, ok, ctx);
 }
 
 const smoe_policy_ops smoe_policy_spac = {
