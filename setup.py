@@ -18,6 +18,10 @@ here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(
     os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "**", "*.c"), recursive=True)
 )
+# a header change recompiles every source (setuptools compares only .c times otherwise)
+headers = sorted(
+    os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "**", "*.h"), recursive=True)
+)
 cflags = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread", "-D_GNU_SOURCE"]
 ldflags = ["-pthread"]
 if os.environ.get("SPECMOE_DEBUG") == "1":
@@ -42,6 +46,7 @@ setup(
         Extension(
             "specmoe._C",
             sources=sources,
+            depends=headers,
             include_dirs=[np.get_include(), "csrc"],
             extra_compile_args=cflags,
             extra_link_args=ldflags,
