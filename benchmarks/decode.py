@@ -21,7 +21,6 @@ tok_per_s, vs_torch, vs_accelerate, ...}]}.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -125,18 +124,36 @@ def decode(model: nn.Module, replay: Replay, tokens: int, warm: int = 2) -> floa
     return tokens / (time.perf_counter() - t0)
 
 
+def _median(xs: list[float]) -> float | None:
+    return float(np.median(xs)) if xs else None
+
+
+def _release_cache(eng) -> None:
+    """Free the engine's cache slots (the next ``set_cache`` opens a new one).  Between specmoe
+    rows this keeps at most one cache in memory next to torch's resident experts."""
+    if eng._cache is not None:
+        eng._cache.close()
+        eng._cache = None
+        eng._source = None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=10)
-    ap.add_argument("--accel-tokens", type=int, default=1)
-    ap.add_argument("--warm", type=int, default=4, help="untimed tokens before each row")
+    ap.add_argument("--tokens", type=int, default=10, help="timed tokens per run")
+    ap.add_argument("--accel-tokens", type=int, default=1, help="timed tokens per accelerate run")
+    ap.add_argument("--warm", type=int, default=4,
+                    help="untimed tokens before each run (the cache is rebuilt cold per run)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds; each round runs every row once, in a rotated order")
     ap.add_argument("--fracs", default="1.0,0.25,0.1")
     ap.add_argument("--threads", type=int, default=1,
                     help="threads for torch and the specmoe kernels alike (1: shared machines)")
     ap.add_argument("--dir", default=None, help="where the store and accelerate's files go")
     a = ap.parse_args(argv)
+    if a.repeats < 1 or a.tokens < 1 or a.accel_tokens < 1 or a.warm < 0:
+        ap.error("--repeats, --tokens, --accel-tokens must be >= 1 and --warm >= 0")
     warnings.filterwarnings("ignore")
     import logging
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -145,6 +162,8 @@ def main(argv=None) -> int:
     from specmoe import kernels
     kernels.set_num_threads(a.threads)
     log = (lambda *x: print(*x, file=sys.stderr, flush=True))
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
 
     src = next(p for p in TRACES if p.is_dir())
     tr = load_puffin(src)
@@ -155,18 +174,35 @@ def main(argv=None) -> int:
     replay = Replay(ex)
     work = Path(a.dir or tempfile.mkdtemp(prefix="specmoe-decode-"))
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
 
-    log("building the model...")
-    model = build(a.layers, replay)
-    torch_tps = decode(model, replay, a.tokens, warm=a.warm)
-    log(f"torch: {torch_tps:.2f} tok/s")
-    rows.append(dict(name="torch", cache_frac=None, policy=None, prefetch=None, tok_per_s=torch_tps))
-
-    # specmoe: one store, several cache configurations
-    store = work / "experts.smoe"
-    eng = hf.offload(model, store=store, cache=1.0, dtype="bf16", prefetch=False, direct=True)
+    # Three models stay alive through all rounds so that rows can interleave:
+    # accelerate's (weights in its offload folder), torch's (every expert in RAM) and specmoe's
+    # (the same model object with its experts modules swapped for the engine's).
+    # accelerate first: building materializes every weight once; after disk_offload they live
+    # in files, so the peak stays at one resident copy plus the specmoe cache.
+    from accelerate import disk_offload
+    log("building the accelerate model...")
+    acc_model = build(a.layers, replay)
+    disk_offload(acc_model, str(work / "accelerate"))
     gc.collect()
+
+    log("building the model and the specmoe store...")
+    model = build(a.layers, replay)
+    layers = model.model.layers
+    torch_experts = [layer.mlp.experts for layer in layers]
+    fracs = [float(f) for f in a.fracs.split(",")]
+    store = work / "experts.smoe"
+    # offload only swaps each layer's experts module; the originals (kept above) keep their
+    # weights, so torch rows run the unmodified eager experts of the same model
+    eng = hf.offload(model, store=store, cache=min(fracs), dtype="bf16", prefetch=False,
+                     direct=True)
+    spec_experts = [layer.mlp.experts for layer in layers]
+    _release_cache(eng)
+    gc.collect()
+
+    def use(experts):
+        for layer, e in zip(layers, experts):
+            layer.mlp.experts = e
 
     def prev_token_predictor(pos, hidden):
         t = replay.t
@@ -179,50 +215,110 @@ def main(argv=None) -> int:
     # second policy: SpecMD's Least-Stale where built, else any other built-in
     policies = ["lru"] + (["least_stale"] if "least_stale" in avail else
                           [p for p in avail if p != "lru"][:1])
-    for frac in [float(f) for f in a.fracs.split(",")]:
+    rows = [dict(name="torch", cache_frac=None, policy=None, prefetch=None)]
+    for frac in fracs:
         for pol in policies if frac < 1 else ["lru"]:
             for pf in (False, True):
-                eng.set_cache(frac, policy=pol)
-                eng.set_prefetch(pf, overfetch=1.0, predictor=prev_token_predictor)
-                if frac >= 1.0:  # everything resident before timing, like torch
-                    eng._cache.prefetch((np.repeat(np.arange(a.layers), EXPERTS),
-                                         np.tile(np.arange(EXPERTS), a.layers),
-                                         np.zeros(a.layers * EXPERTS, np.float32)))
-                    eng._cache.wait_idle()
-                eng.reset_stats()
-                tps = decode(model, replay, a.tokens, warm=a.warm)
-                s = eng.stats()
-                log(f"specmoe cache={frac} {pol} prefetch={pf}: {tps:.2f} tok/s hit={s.get('hit_rate')}")
-                rows.append(dict(name="specmoe", cache_frac=frac, policy=pol, prefetch=pf,
-                                 tok_per_s=tps, hit_rate=s.get("hit_rate"),
-                                 stall_s=s.get("stall_s"), prefetch_precision=s["prefetch_precision"],
-                                 prefetch_recall=s["prefetch_recall"]))
-    eng.close()
-    del model, eng
-    gc.collect()
-
-    # the peer: accelerate's disk offload of the same model
-    from accelerate import disk_offload
-    model = build(a.layers, replay)
-    disk_offload(model, str(work / "accelerate"))
-    gc.collect()
-    acc_tps = decode(model, replay, a.accel_tokens, warm=0)  # nothing to warm: it reads every weight per token
-    log(f"accelerate disk_offload: {acc_tps:.3f} tok/s")
-    rows.append(dict(name="accelerate", cache_frac=None, policy=None, prefetch=None,
-                     tok_per_s=acc_tps))
+                rows.append(dict(name="specmoe", cache_frac=frac, policy=pol, prefetch=pf))
+    rows.append(dict(name="accelerate", cache_frac=None, policy=None, prefetch=None))
     for r in rows:
-        r["vs_torch"] = r["tok_per_s"] / torch_tps
-        r["vs_accelerate"] = r["tok_per_s"] / acc_tps
+        r["runs"] = []   # tok/s per round, in round order
+        r["stats"] = []  # specmoe cache statistics per round
+
+    full_resident = False  # the open cache holds every expert (kept between adjacent 100% rows)
+
+    def run_specmoe(r, keep_full: bool) -> float:
+        nonlocal full_resident
+        frac, pol, pf = r["cache_frac"], r["policy"], r["prefetch"]
+        use(spec_experts)
+        if not (frac >= 1.0 and full_resident):
+            _release_cache(eng)  # never two caches at once
+            full_resident = False
+            eng.set_cache(frac, policy=pol)
+        eng.set_prefetch(pf, overfetch=1.0, predictor=prev_token_predictor)
+        if frac >= 1.0 and not full_resident:  # everything resident before timing, like torch
+            eng._cache.prefetch((np.repeat(np.arange(a.layers), EXPERTS),
+                                 np.tile(np.arange(EXPERTS), a.layers),
+                                 np.zeros(a.layers * EXPERTS, np.float32)))
+            eng._cache.wait_idle()
+            full_resident = True
+        eng.reset_stats()
+        gc.collect()
+        tps = decode(model, replay, a.tokens, warm=a.warm)
+        s = eng.stats()
+        r["stats"].append(dict(hit_rate=s.get("hit_rate"), stall_s=s.get("stall_s"),
+                               prefetch_precision=s["prefetch_precision"],
+                               prefetch_recall=s["prefetch_recall"]))
+        if not (keep_full and full_resident):
+            _release_cache(eng)  # torch and accelerate rows run without a cache in memory
+            full_resident = False
+        return tps
+
+    def run_row(r, next_row) -> float:
+        if r["name"] == "torch":
+            use(torch_experts)
+            gc.collect()
+            return decode(model, replay, a.tokens, warm=a.warm)
+        if r["name"] == "accelerate":
+            gc.collect()
+            # nothing to warm: it reads every weight per token
+            return decode(acc_model, replay, a.accel_tokens, warm=0)
+        keep = (next_row is not None and next_row["name"] == "specmoe"
+                and next_row["cache_frac"] >= 1.0)
+        return run_specmoe(r, keep)
+
+    n = len(rows)
+    for rnd in range(a.repeats):
+        # rotate the order each round so every row meets every phase of the machine's load
+        off = (rnd * n) // a.repeats
+        order = rows[off:] + rows[:off]
+        for k, r in enumerate(order):
+            tps = run_row(r, order[k + 1] if k + 1 < n else None)
+            r["runs"].append(tps)
+            hit = r["stats"][-1]["hit_rate"] if r["stats"] else None
+            log(f"round {rnd + 1}/{a.repeats} {r['name']} cache={r['cache_frac']} "
+                f"{r['policy']} prefetch={r['prefetch']}: {tps:.3f} tok/s"
+                + (f" hit={hit:.3f}" if hit is not None else ""))
+    eng.close()
+
+    torch_runs, acc_runs = rows[0]["runs"], rows[-1]["runs"]
+    out_rows = []
+    for r in rows:
+        runs = r.pop("runs")
+        stats = r.pop("stats")
+        o = dict(r)
+        o["tok_per_s"] = _median(runs)
+        o["tok_per_s_runs"] = runs
+        if stats:
+            for key in ("hit_rate", "stall_s", "prefetch_precision", "prefetch_recall"):
+                vals = [s[key] for s in stats if s[key] is not None]
+                o[key] = _median(vals)
+        # ratios within each round (the same round's torch / accelerate run), then the median
+        # and the spread over rounds
+        for key, base in (("vs_torch", torch_runs), ("vs_accelerate", acc_runs)):
+            per = [x / b for x, b in zip(runs, base)]
+            o[key] = _median(per)
+            o[key + "_min"] = min(per)
+            o[key + "_max"] = max(per)
+        out_rows.append(o)
     res = dict(config=dict(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, top_k=TOPK,
                            moe_layers=a.layers, tokens=a.tokens, accel_tokens=a.accel_tokens,
-                           store_dtype="bf16", trace=str(src), threads=a.threads), rows=rows)
+                           warm=a.warm, repeats=a.repeats, order="interleaved, rotated per round",
+                           store_dtype="bf16", trace=str(src), threads=a.threads,
+                           loadavg_start=[round(x, 2) for x in load_start],
+                           loadavg_end=[round(x, 2) for x in os.getloadavg()],
+                           wall_s=round(time.perf_counter() - t_start, 1)),
+               rows=out_rows)
     if a.json:
         print(json.dumps(res))
     else:
-        for r in rows:
-            print(f"{r['name']:11s} {str(r['cache_frac']):5s} {str(r['policy']):8s} "
-                  f"{str(r['prefetch']):6s} {r['tok_per_s']:8.2f} tok/s  x{r['vs_torch']:.2f} torch  "
-                  f"x{r['vs_accelerate']:.1f} accelerate")
+        for r in out_rows:
+            print(f"{r['name']:11s} {str(r['cache_frac']):5s} {str(r['policy']):12s} "
+                  f"{str(r['prefetch']):6s} {r['tok_per_s']:8.3f} tok/s  "
+                  f"x{r['vs_torch']:.2f} [{r['vs_torch_min']:.2f}-{r['vs_torch_max']:.2f}] torch  "
+                  f"x{r['vs_accelerate']:.1f} [{r['vs_accelerate_min']:.1f}-"
+                  f"{r['vs_accelerate_max']:.1f}] accelerate")
+    del model, acc_model
     if not a.dir:
         import shutil
         shutil.rmtree(work, ignore_errors=True)
