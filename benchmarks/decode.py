@@ -15,8 +15,25 @@ Rows (same model, same tokens):
   experts at the next layer (temporal locality), which uses no future information.
 * ``accelerate``: accelerate's ``disk_offload`` of the same model (the peer).
 
+Method.  This machine is shared and drifts, so one short run per row means little (single
+10-token runs varied up to 2x).  All three models stay alive for the whole run (torch's experts
+are the original modules, swapped back in for torch rows; the specmoe cache is freed between
+rows), and the rows are measured in ``--repeats`` rounds: every round runs every row once, and
+the order is rotated by ``n_rows / repeats`` positions each round, so drift and load bursts spread
+over all rows instead of landing on a few.  Every specmoe run starts from a new cold cache
+(100%: preloaded untimed, kept between the two adjacent 100% rows) and decodes ``--warm``
+untimed tokens, then ``--tokens`` timed ones; torch runs the same tokens; accelerate times
+``--accel-tokens`` (it reads every weight per token: nothing to warm).  ``tok_per_s`` is the
+median over rounds and ``tok_per_s_runs`` the rounds in order; ``vs_torch`` / ``vs_accelerate``
+are computed within each round (against that round's torch / accelerate run) and reported as
+the median over rounds, with ``_min`` / ``_max`` giving their spread.  Cache statistics are
+medians over rounds.  The defaults (3 rounds, 4 + 10 tokens) take about 8 minutes with one
+thread.  Memory: torch's resident experts plus at most one specmoe cache (at 100%: twice the
+routed experts, about 18 GB at 8 layers).
+
 ``--json`` prints one JSON object: {"config": ..., "rows": [{name, cache_frac, policy, prefetch,
-tok_per_s, vs_torch, vs_accelerate, ...}]}.
+tok_per_s, tok_per_s_runs, vs_torch, vs_torch_min, vs_torch_max, vs_accelerate,
+vs_accelerate_min, vs_accelerate_max, ...}]}.
 """
 from __future__ import annotations
 
@@ -68,7 +85,9 @@ class ReplayRouter(nn.Module):
         return torch.zeros(T, EXPERTS), w, idx
 
 
-def build(layers: int, replay: Replay, seed: int = 0) -> nn.Module:
+def build(layers: int, replay: Replay, seed: int = 0, weights: bool = True) -> nn.Module:
+    """The benchmark model; ``weights=False`` leaves the parameters on the meta device (buffers
+    real), for accelerate to load from its offload folder."""
     import transformers as tf
     cfg = tf.DeepseekV3Config(
         vocab_size=256, hidden_size=HIDDEN, intermediate_size=FFN * 2, moe_intermediate_size=FFN,
@@ -96,7 +115,7 @@ def build(layers: int, replay: Replay, seed: int = 0) -> nn.Module:
         return out.view(shape)
 
     for name, mod in list(model.named_modules()):
-        for pname, p in list(mod.named_parameters(recurse=False)):
+        for pname, p in list(mod.named_parameters(recurse=False) if weights else []):
             t = torch.ones(p.shape, dtype=p.dtype) if "norm" in pname or "norm" in name.split(".")[-1] \
                 else fill(p.shape)
             setattr(mod, pname, nn.Parameter(t, requires_grad=False))
@@ -161,9 +180,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from specmoe import kernels
     kernels.set_num_threads(a.threads)
-    log = (lambda *x: print(*x, file=sys.stderr, flush=True))
     load_start = os.getloadavg()
     t_start = time.perf_counter()
+    log = (lambda *x: print(f"[{time.perf_counter() - t_start:6.0f}s]", *x, file=sys.stderr,
+                            flush=True))
 
     src = next(p for p in TRACES if p.is_dir())
     tr = load_puffin(src)
@@ -178,16 +198,19 @@ def main(argv=None) -> int:
     # Three models stay alive through all rounds so that rows can interleave:
     # accelerate's (weights in its offload folder), torch's (every expert in RAM) and specmoe's
     # (the same model object with its experts modules swapped for the engine's).
-    # accelerate first: building materializes every weight once; after disk_offload they live
-    # in files, so the peak stays at one resident copy plus the specmoe cache.
+    # accelerate's folder is written from the torch model's state dict (the same weights, one
+    # copy in RAM); its model is built on the meta device and disk_offload loads from the folder.
     from accelerate import disk_offload
-    log("building the accelerate model...")
-    acc_model = build(a.layers, replay)
-    disk_offload(acc_model, str(work / "accelerate"))
+    from accelerate.utils import offload_state_dict
+    log("building the model and accelerate's offload folder...")
+    model = build(a.layers, replay)
+    acc_dir = str(work / "accelerate")
+    offload_state_dict(acc_dir, model.state_dict())
+    acc_model = build(a.layers, replay, weights=False)
+    disk_offload(acc_model, acc_dir, execution_device=torch.device("cpu"))
     gc.collect()
 
-    log("building the model and the specmoe store...")
-    model = build(a.layers, replay)
+    log("writing the specmoe store...")
     layers = model.model.layers
     torch_experts = [layer.mlp.experts for layer in layers]
     fracs = [float(f) for f in a.fracs.split(",")]
@@ -267,8 +290,11 @@ def main(argv=None) -> int:
                 and next_row["cache_frac"] >= 1.0)
         return run_specmoe(r, keep)
 
+    setup_s = time.perf_counter() - t_start
+    round_s = []
     n = len(rows)
     for rnd in range(a.repeats):
+        t_round = time.perf_counter()
         # rotate the order each round so every row meets every phase of the machine's load
         off = (rnd * n) // a.repeats
         order = rows[off:] + rows[:off]
@@ -279,6 +305,7 @@ def main(argv=None) -> int:
             log(f"round {rnd + 1}/{a.repeats} {r['name']} cache={r['cache_frac']} "
                 f"{r['policy']} prefetch={r['prefetch']}: {tps:.3f} tok/s"
                 + (f" hit={hit:.3f}" if hit is not None else ""))
+        round_s.append(round(time.perf_counter() - t_round, 1))
     eng.close()
 
     torch_runs, acc_runs = rows[0]["runs"], rows[-1]["runs"]
@@ -307,6 +334,7 @@ def main(argv=None) -> int:
                            store_dtype="bf16", trace=str(src), threads=a.threads,
                            loadavg_start=[round(x, 2) for x in load_start],
                            loadavg_end=[round(x, 2) for x in os.getloadavg()],
+                           setup_s=round(setup_s, 1), round_s=round_s,
                            wall_s=round(time.perf_counter() - t_start, 1)),
                rows=out_rows)
     if a.json:
