@@ -27,9 +27,15 @@ untimed tokens, then ``--tokens`` timed ones; torch runs the same tokens; accele
 median over rounds and ``tok_per_s_runs`` the rounds in order; ``vs_torch`` / ``vs_accelerate``
 are computed within each round (against that round's torch / accelerate run) and reported as
 the median over rounds, with ``_min`` / ``_max`` giving their spread.  Cache statistics are
-medians over rounds.  The defaults (3 rounds, 4 + 10 tokens) take about 8 minutes with one
-thread.  Memory: torch's resident experts plus at most one specmoe cache (at 100%: twice the
-routed experts, about 18 GB at 8 layers).
+medians over rounds.  The defaults (3 rounds, 4 + 10 tokens, one thread) took 13 minutes on
+the shared 2-core VM at load 3: 2.5 minutes of setup (the store and accelerate's folder, 9 GB
+each, are written), then 3-4.5 minutes a round, about half of it disk reads (accelerate reads
+9 GB per token; the 100% rows preload 9 GB untimed); ``--repeats 2`` saves one round.
+Memory: torch's resident experts plus at most one specmoe cache (at 100%: twice the routed
+experts, about 18 GB at 8 layers).  accelerate's folder is written at setup, minutes before its
+first run, so it is read from disk like specmoe's store (the single-pass version ran it right
+after writing, partly from the page cache).  Even medians of whole runs still moved up to 2x
+between two runs on this machine (torch's own speed did): read a ratio with its min/max.
 
 ``--json`` prints one JSON object: {"config": ..., "rows": [{name, cache_frac, policy, prefetch,
 tok_per_s, tok_per_s_runs, vs_torch, vs_torch_min, vs_torch_max, vs_accelerate,
