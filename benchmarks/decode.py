@@ -33,8 +33,8 @@ each, are written), then 3-4.5 minutes a round, about half of it disk reads (acc
 9 GB per token; the 100% rows preload 9 GB untimed); ``--repeats 2`` saves one round.
 Memory: torch's resident experts plus at most one specmoe cache (at 100%: twice the routed
 experts, about 18 GB at 8 layers).  accelerate's folder is written at setup, minutes before its
-first run, so it is read from disk like specmoe's store (the single-pass version ran it right
-after writing, partly from the page cache).  Even medians of whole runs still moved up to 2x
+first run, so it is read cold from disk like specmoe's store (the single-pass version ran it
+right after writing its folder: 0.055 tok/s then, 0.009-0.03 in these rounds).  Even medians of whole runs still moved up to 2x
 between two runs on this machine (torch's own speed did): read a ratio with its min/max.
 
 ``--json`` prints one JSON object: {"config": ..., "rows": [{name, cache_frac, policy, prefetch,
