@@ -27,10 +27,11 @@ untimed tokens, then ``--tokens`` timed ones; torch runs the same tokens; accele
 median over rounds and ``tok_per_s_runs`` the rounds in order; ``vs_torch`` / ``vs_accelerate``
 are computed within each round (against that round's torch / accelerate run) and reported as
 the median over rounds, with ``_min`` / ``_max`` giving their spread.  Cache statistics are
-medians over rounds.  The defaults (3 rounds, 4 + 10 tokens, one thread) took 13 minutes on
-the shared 2-core VM at load 3: 2.5 minutes of setup (the store and accelerate's folder, 9 GB
-each, are written), then 3-4.5 minutes a round, about half of it disk reads (accelerate reads
-9 GB per token; the 100% rows preload 9 GB untimed); ``--repeats 2`` saves one round.
+medians over rounds.  The defaults (3 rounds, 4 + 10 tokens, one thread) took 7.5 minutes on
+the shared 2-core VM at load 2 and 13 at load 3: 1.5-2.5 minutes of setup (the store and
+accelerate's folder, 9 GB each, are written), then 2-4.5 minutes a round, a large part of it
+disk reads (accelerate reads 9 GB per token; the 100% rows preload 9 GB untimed);
+``--repeats 2`` saves one round.
 Memory: torch's resident experts plus at most one specmoe cache (at 100%: twice the routed
 experts, about 18 GB at 8 layers).  accelerate's folder is written at setup, minutes before its
 first run, so it is read cold from disk like specmoe's store (the single-pass version ran it
