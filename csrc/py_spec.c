@@ -51,14 +51,14 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
     static char *kwlist[] = {"name",         "k_max",    "k",           "initial",
                              "trials",       "trial_len", "set_len",    "backoff_max",
                              "base_len",     "base_refresh", "alpha",   "p_init",
-                             "telemetry_cap", "probe", NULL};
+                             "telemetry_cap", "probe", "trial_pool", NULL};
     const char *name;
     long long v[9] = {0};
     double alpha = 0.0, p_init = 0.0;
-    long long cap = 0, probe = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddLL:SpecController", kwlist, &name,
-                                     &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7],
-                                     &v[8], &alpha, &p_init, &cap, &probe))
+    long long cap = 0, probe = 0, pool = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddLLL:SpecController", kwlist,
+                                     &name, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6],
+                                     &v[7], &v[8], &alpha, &p_init, &cap, &probe, &pool))
         return -1;
     const smoe_spec_ctl_ops *ops = smoe_spec_ctl_find(name);
     if (!ops) {
@@ -79,6 +79,7 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
     }
     p.telemetry_cap = (uint32_t)cap;
     if (to_i32(probe, "probe", &p.probe) < 0) return -1;
+    if (to_i32(pool, "trial_pool", &p.trial_pool) < 0) return -1;
     if (isnan(alpha) || isnan(p_init)) {
         PyErr_SetString(PyExc_ValueError, "alpha and p_init must not be NaN");
         return -1;
@@ -303,7 +304,8 @@ static PyTypeObject SpecController_Type = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "SpecController(name, *, k_max=8, k=0, initial=0, trials=4, trial_len=4, "
               "set_len=16, backoff_max=1024, base_len=4, base_refresh=100, alpha=0.2, "
-              "p_init=0.6, telemetry_cap=65536, probe=16): a speculation controller (0 = default).",
+              "p_init=0.6, telemetry_cap=65536, probe=16, trial_pool=12): a speculation controller "
+              "(0 = default).",
     .tp_methods = SpecController_methods,
     .tp_getset = SpecController_getset,
     .tp_init = (initproc)SpecController_init,

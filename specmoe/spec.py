@@ -178,14 +178,16 @@ class Cascade(Controller):
         base_len: plain iterations whose median is t_iter_base.
         base_refresh: iterations after which t_iter_base is measured again.
         initial: the first hill-climbing centre.
+        trial_pool: iterations at a K whose ETR and time make a trial's utility: the trial's
+            own and the most recent earlier ones at that K (trial_len: the trial's alone).
     """
 
     def __init__(self, *, k_max: int = 8, trials: int = 4, trial_len: int = 4, set_len: int = 16,
                  backoff_max: int = 1024, base_len: int = 4, base_refresh: int = 100,
-                 initial: int = 1, telemetry_cap: int = 0) -> None:
+                 initial: int = 1, trial_pool: int = 12, telemetry_cap: int = 0) -> None:
         vals = dict(k_max=k_max, trials=trials, trial_len=trial_len, set_len=set_len,
                     backoff_max=backoff_max, base_len=base_len, base_refresh=base_refresh,
-                    initial=initial)
+                    initial=initial, trial_pool=trial_pool)
         for n, v in vals.items():
             _check_int(n, v, 1)
         if initial > k_max:

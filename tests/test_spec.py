@@ -59,10 +59,18 @@ class Shared:
 
 
 def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: int,
-                bmax: int, base_len: int, refresh: int, center: int) -> Iterator[Tuple[int, str]]:
+                bmax: int, base_len: int, refresh: int, center: int,
+                pool: int = 12) -> Iterator[Tuple[int, str]]:
     """Yields (K, phase); is sent (k_used, accepted, t_iter) after each iteration.  The
     Shared timing is updated by the driver before the send."""
     allow = set(allowed)
+    hist: Dict[int, List[Tuple[float, float, int]]] = {}  # K -> (etr, t, index) of TEST/SET
+
+    def pooled_u(k: int, b: float) -> float:
+        recs = hist[k][::-1]  # newest first
+        mine, older = recs[:t], recs[t:]
+        take = mine + [r for r in older if r[2] + refresh > sh.i][:max(pool, t) - t]
+        return sum(r[0] for r in take) / (sum(r[1] for r in take) / b)
     backoff = S
     need_base = True
     while True:
@@ -89,13 +97,11 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                 return None
 
             while True:
-                etr = tsum = 0.0
                 for _ in range(t):
                     _ku, acc, ti = yield k, "test"
-                    etr += acc + 1
-                    tsum += ti
+                    hist.setdefault(k, []).append((acc + 1, ti, sh.i))
                 b = sh.base()
-                u = (etr / t) / ((tsum / t) / b) if not math.isnan(b) else 0.0
+                u = pooled_u(k, b) if not math.isnan(b) else 0.0
                 tried[k] = u
                 first = len(tried) == 1
                 improved = u > best_u
@@ -119,7 +125,8 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
             center = best_k
             backoff = S
             for _ in range(S):
-                yield best_k, "set"
+                _ku, acc, ti = yield best_k, "set"
+                hist.setdefault(best_k, []).append((acc + 1, ti, sh.i))
         else:
             n = backoff
             backoff = min(2 * backoff, bmax)
@@ -148,17 +155,18 @@ def env_never(base: float = 0.010) -> Env:
 
 def drive_cascade(env: Env, n: int, *, k_max: int = 8, M: int = 4, t: int = 4, S: int = 16,
                   bmax: int = 1024, base_len: int = 4, refresh: int = 100, center: int = 1,
-                  tau: Optional[List[float]] = None) -> Tuple[Cascade, List[Tuple[int, str]]]:
+                  tau: Optional[List[float]] = None,
+                  pool: int = 12) -> Tuple[Cascade, List[Tuple[int, str]]]:
     """Run the C Cascade and the reference in lockstep; return the controller and the
     (K, phase) sequence."""
     c = Cascade(k_max=k_max, trials=M, trial_len=t, set_len=S, backoff_max=bmax,
-                base_len=base_len, base_refresh=refresh, initial=center)
+                base_len=base_len, base_refresh=refresh, initial=center, trial_pool=pool)
     if tau is not None:
         c.set_tau(tau)
     allowed = ref_allowed(k_max, tau)
     assert c.allowed == allowed
     sh = Shared(base_len)
-    gen = ref_cascade(sh, allowed, k_max, M, t, S, bmax, base_len, refresh, center)
+    gen = ref_cascade(sh, allowed, k_max, M, t, S, bmax, base_len, refresh, center, pool)
     kp = next(gen)
     seq = []
     for it in range(n):
@@ -762,3 +770,34 @@ def test_speq_probe_must_be_positive_or_never():
         SpeqGovernor(probe=0)
     with pytest.raises(ValueError):
         SpeqGovernor(probe=-2)
+
+
+def test_cascade_trial_pool_suppresses_lucky_trials():
+    """A drafter that never pays (each draft costs 0.9 plain steps, accepted 64% of the time:
+    U(1) = 1.64 / 1.9 = 0.86): 4-iteration trials often see four acceptances in a row and
+    measure U >= 1; pooling earlier iterations at the same K makes such lucky trials rare."""
+    def env(seed: int) -> Env:
+        rng = random.Random(seed)
+
+        def f(k: int, it: int) -> Tuple[int, int, float]:
+            acc = 0
+            while acc < k and rng.random() < 0.64:
+                acc += 1
+            return k, acc, 0.01 * (1 + 0.9 * k)
+        return f
+
+    spec_frac = {}
+    for pool in (4, 12):
+        ks = []
+        for seed in range(6):
+            c, seq = drive_cascade(env(seed), 1500, pool=pool, bmax=64)
+            ks += [k for k, _ in seq]
+        spec_frac[pool] = sum(k > 0 for k in ks) / len(ks)
+    assert spec_frac[12] < 0.7 * spec_frac[4], spec_frac
+
+
+def test_cascade_trial_pool_bounds():
+    with pytest.raises(ValueError):
+        Cascade(trial_pool=65)
+    with pytest.raises(ValueError):
+        Cascade(trial_pool=-1)

@@ -7,6 +7,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define CASCADE_POOL_MAX 64 /* largest trial_pool */
+
+/* One TEST or SET iteration remembered for the trial utilities (see controller.h, pool). */
+typedef struct pool_rec {
+    double etr, t;
+    uint64_t iter;
+} pool_rec;
+
 typedef struct cascade_state {
     int32_t phase;
     int32_t n;          /* iterations observed in the current phase (or trial) */
@@ -24,7 +32,40 @@ typedef struct cascade_state {
     int32_t backoff_len;     /* length of the next back-off phase */
     int32_t cur_backoff_len; /* length of the running back-off phase */
     int32_t center;          /* best non-zero K of the most recent test phase that found one */
+    /* per planned K, the last CASCADE_POOL_MAX TEST/SET iterations (ring, newest at pos-1) */
+    pool_rec pool[SMOE_SPEC_KMAX + 1][CASCADE_POOL_MAX];
+    int32_t pool_pos[SMOE_SPEC_KMAX + 1], pool_n[SMOE_SPEC_KMAX + 1];
 } cascade_state;
+
+static void pool_add(cascade_state *s, int32_t k, double etr, double t, uint64_t iter) {
+    pool_rec *r = &s->pool[k][s->pool_pos[k]];
+    r->etr = etr;
+    r->t = t;
+    r->iter = iter;
+    s->pool_pos[k] = (s->pool_pos[k] + 1) % CASCADE_POOL_MAX;
+    if (s->pool_n[k] < CASCADE_POOL_MAX) s->pool_n[k]++;
+}
+
+/* U of the trial at K that just ended with iteration `now`: its own trial_len iterations and
+ * earlier ones at K, newest first, up to trial_pool in all, those older than base_refresh
+ * iterations left out. */
+static double pooled_utility(const smoe_spec_ctl *c, const cascade_state *s, int32_t k,
+                             uint64_t now, double base) {
+    int32_t want = c->params.trial_pool > c->params.trial_len ? c->params.trial_pool
+                                                                : c->params.trial_len;
+    double etr = 0.0, t = 0.0;
+    int32_t used = 0;
+    for (int32_t i = 0; i < s->pool_n[k] && used < want; i++) {
+        const pool_rec *r =
+            &s->pool[k][(s->pool_pos[k] - 1 - i + CASCADE_POOL_MAX) % CASCADE_POOL_MAX];
+        if (used >= c->params.trial_len && r->iter + (uint64_t)c->params.base_refresh <= now)
+            break;
+        etr += r->etr;
+        t += r->t;
+        used++;
+    }
+    return etr / (t / base);
+}
 
 static int32_t nearest_untried(const smoe_spec_ctl *c, const cascade_state *s, int32_t from,
                                int32_t dir) {
@@ -156,13 +197,21 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
     s->t_sum += o->t_iter;
     /* running utility of the trial / set phase: mean(ETR) / (mean(t) / base) */
     double u = s->etr_sum / (s->t_sum / base);
+    uint64_t now = c->n_obs; /* index of this iteration */
+    if (s->phase == SMOE_SPEC_PHASE_TEST)
+        pool_add(s, s->cur_k, (double)(o->accepted + 1), o->t_iter, now);
+    else if (s->phase == SMOE_SPEC_PHASE_SET)
+        pool_add(s, s->set_k, (double)(o->accepted + 1), o->t_iter, now);
     switch (s->phase) {
     case SMOE_SPEC_PHASE_BASE:
         u = (double)(o->accepted + 1) * base / o->t_iter;
         if (s->n >= c->params.base_len) start_test(c, s);
         break;
     case SMOE_SPEC_PHASE_TEST:
-        if (s->n >= c->params.trial_len) finish_trial(c, s, u);
+        if (s->n >= c->params.trial_len) {
+            u = pooled_utility(c, s, s->cur_k, now, base);
+            finish_trial(c, s, u);
+        }
         break;
     case SMOE_SPEC_PHASE_SET:
         if (s->n >= c->params.set_len) end_set(c, s);

@@ -18,6 +18,7 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
     DEF(backoff_max, 1024);
     DEF(base_len, 4);
     DEF(base_refresh, 100);
+    DEF(trial_pool, 12);
     DEF(alpha, 0.2);
     DEF(p_init, 0.6);
     DEF(probe, 16);
@@ -40,6 +41,9 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
                             "and base_refresh must be >= 1 (got %d, %d, %d, %d, %d, %d)",
                             (int)p->trials, (int)p->trial_len, (int)p->set_len,
                             (int)p->backoff_max, (int)p->base_len, (int)p->base_refresh);
+    if (p->trial_pool < 1 || p->trial_pool > 64)
+        return smoe_err_set(err, SMOE_EINVAL, "spec controller: trial_pool must be in 1..64, got %d",
+                            (int)p->trial_pool);
     if (!(p->alpha > 0.0 && p->alpha <= 1.0))
         return smoe_err_set(err, SMOE_EINVAL, "spec controller: alpha must be in (0, 1], got %g",
                             p->alpha);
