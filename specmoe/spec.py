@@ -177,14 +177,18 @@ class Cascade(Controller):
         backoff_max: cap of the doubling back-off length.
         base_len: plain iterations whose median is t_iter_base.
         base_refresh: iterations after which t_iter_base is measured again.
-        initial: the first hill-climbing centre.
+        initial: the first hill-climbing centre (default 2, or k_max if smaller); after a
+            test phase that found nothing paying the centre is 1, after one that did, its best K.
         trial_pool: iterations at a K whose ETR and time make a trial's utility: the trial's
             own and the most recent earlier ones at that K (trial_len: the trial's alone).
     """
 
     def __init__(self, *, k_max: int = 8, trials: int = 4, trial_len: int = 4, set_len: int = 16,
                  backoff_max: int = 1024, base_len: int = 4, base_refresh: int = 100,
-                 initial: int = 1, trial_pool: int = 12, telemetry_cap: int = 0) -> None:
+                 initial: Optional[int] = None, trial_pool: int = 12,
+                 telemetry_cap: int = 0) -> None:
+        if initial is None:  # 2, lowered to k_max
+            initial = min(2, _check_int("k_max", k_max, 1))
         vals = dict(k_max=k_max, trials=trials, trial_len=trial_len, set_len=set_len,
                     backoff_max=backoff_max, base_len=base_len, base_refresh=base_refresh,
                     initial=initial, trial_pool=trial_pool)

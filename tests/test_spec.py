@@ -128,6 +128,7 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                 _ku, acc, ti = yield best_k, "set"
                 hist.setdefault(best_k, []).append((acc + 1, ti, sh.i))
         else:
+            center = 1
             n = backoff
             backoff = min(2 * backoff, bmax)
             for _ in range(n):
@@ -801,3 +802,19 @@ def test_cascade_trial_pool_bounds():
         Cascade(trial_pool=65)
     with pytest.raises(ValueError):
         Cascade(trial_pool=-1)
+
+
+def test_cascade_default_centre_and_reset_after_failure():
+    c = Cascade()
+    for _ in range(4):  # base phase
+        assert c.next_k() == 0
+        c.observe(0, 0, 0.01)
+    assert (c.next_k(), c.phase) == (2, "test")  # default first centre 2
+    assert Cascade(k_max=1).next_k() == 0 and Cascade(k_max=1)._c.k_max == 1
+    # nothing pays: trials at 2 then 1 fail, back-off, and the next test starts at K=1
+    while c.phase != "backoff":
+        k = c.next_k()
+        c.observe(k, 0, 0.01 * (1 + k))
+    while c.phase == "backoff":
+        c.observe(0, 0, 0.01)
+    assert (c.next_k(), c.phase) == (1, "test")

@@ -88,6 +88,7 @@ static void decide(const smoe_spec_ctl *c, cascade_state *s) {
         s->center = s->best_k;
         s->backoff_len = c->params.set_len;
     } else {
+        s->center = 1; /* nothing paid: the next test phase starts with the cheapest trial */
         enter(s, SMOE_SPEC_PHASE_BACKOFF);
         s->cur_backoff_len = s->backoff_len;
         int64_t nxt = 2 * (int64_t)s->backoff_len;
@@ -157,7 +158,7 @@ static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u) {
 }
 
 static int cascade_init(smoe_spec_ctl *c, const smoe_spec_params *p, smoe_err *err) {
-    int32_t init = p->initial == -1 ? 1 : p->initial;
+    int32_t init = p->initial == -1 ? 2 : p->initial;
     if (init < 1)
         return smoe_err_set(err, SMOE_EINVAL, "spec cascade: initial must be >= 1, got %d",
                             (int)init);
