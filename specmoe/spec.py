@@ -177,8 +177,8 @@ class Cascade(Controller):
         backoff_max: cap of the doubling back-off length.
         base_len: plain iterations whose median is t_iter_base.
         base_refresh: iterations after which t_iter_base is measured again.
-        initial: the first hill-climbing centre (default 2, or k_max if smaller); after a
-            test phase that found nothing paying the centre is 1, after one that did, its best K.
+        initial: the first hill-climbing centre (default 2, or k_max if smaller); later test
+            phases start from the best K of the last test phase that found one paying.
         trial_pool: iterations at a K whose ETR and time make a trial's utility: the trial's
             own and the most recent earlier ones at that K (trial_len: the trial's alone).
     """

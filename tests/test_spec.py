@@ -128,7 +128,6 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                 _ku, acc, ti = yield best_k, "set"
                 hist.setdefault(best_k, []).append((acc + 1, ti, sh.i))
         else:
-            center = 1
             n = backoff
             backoff = min(2 * backoff, bmax)
             for _ in range(n):
@@ -804,17 +803,20 @@ def test_cascade_trial_pool_bounds():
         Cascade(trial_pool=-1)
 
 
-def test_cascade_default_centre_and_reset_after_failure():
+def test_cascade_default_centre_kept_after_failure():
     c = Cascade()
     for _ in range(4):  # base phase
         assert c.next_k() == 0
         c.observe(0, 0, 0.01)
     assert (c.next_k(), c.phase) == (2, "test")  # default first centre 2
     assert Cascade(k_max=1).next_k() == 0 and Cascade(k_max=1)._c.k_max == 1
-    # nothing pays: trials at 2 then 1 fail, back-off, and the next test starts at K=1
+    # nothing pays: trials at 2 then 1 fail, back-off, and the next test starts at 2 again
+    tried = []
     while c.phase != "backoff":
         k = c.next_k()
+        tried.append(k)
         c.observe(k, 0, 0.01 * (1 + k))
+    assert sorted(set(tried)) == [1, 2]
     while c.phase == "backoff":
         c.observe(0, 0, 0.01)
-    assert (c.next_k(), c.phase) == (1, "test")
+    assert (c.next_k(), c.phase) == (2, "test")

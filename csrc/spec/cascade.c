@@ -88,7 +88,6 @@ static void decide(const smoe_spec_ctl *c, cascade_state *s) {
         s->center = s->best_k;
         s->backoff_len = c->params.set_len;
     } else {
-        s->center = 1; /* nothing paid: the next test phase starts with the cheapest trial */
         enter(s, SMOE_SPEC_PHASE_BACKOFF);
         s->cur_backoff_len = s->backoff_len;
         int64_t nxt = 2 * (int64_t)s->backoff_len;

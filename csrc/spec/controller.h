@@ -63,13 +63,13 @@
  *     base_refresh (default 100) iterations have passed since the last k_used == 0
  *     iteration (index of the iteration just observed minus index of that one >=
  *     base_refresh), or none was ever observed, a BASE phase runs before the next TEST.
- *   - Hill climbing: the first trial runs at the centre c = the best K of the previous test
- *     phase when it found one that pays; 1 when it found none (K=1 is the cheapest test of
- *     whether anything pays, so a drafter that never pays costs one trial per test phase);
- *     params.initial (default 2) before any test phase: a first trial at K=1 misjudges
- *     cheap drafters, whose gain grows with K while K=1 hovers near U=1 (measured on the
- *     zoo pair: n-gram lookup at K=1 1.02x plain decoding, at K=3 1.27x).  It is lowered to
- *     an allowed K by smoe_spec_ctl_clamp (or the smallest allowed K > c if none <= c; no
+ *   - Hill climbing: the first trial runs at the centre c = the best non-zero K of the most
+ *     recent test phase that found one that pays (params.initial, default 2, before any).
+ *     Not 1: cheap drafters gain more with K while K=1 hovers near U=1 (n-gram lookup on the
+ *     zoo pair: 1.02-1.05x plain decoding at K=1, 1.14-1.34x at K=3), so a first trial at 1
+ *     fails about half the time and the doubling back-off then keeps a paying drafter off;
+ *     a drafter that never pays costs one more trial per test phase (K=2, then K=1).  c is
+ *     lowered to an allowed K by smoe_spec_ctl_clamp (or the smallest allowed K > c if none <= c; no
  *     allowed K >= 1 at all -> straight to BACKOFF).  The search direction is up (+1) when
  *     U(c) >= 1, down (-1) otherwise.  Each next trial is the nearest allowed untried K in
  *     the current direction from the best K so far.  When that trial does not beat the best
