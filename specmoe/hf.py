@@ -336,11 +336,7 @@ class Engine:
             raise RuntimeError("this specmoe Engine is closed")
         if self._drafting is not None:
             return self._draft_layer(pos, hidden, idx, w)
-        x = hidden.detach().to(torch.float32).contiguous()
-        ix = idx.detach().to(torch.int64).contiguous()
-        wt = w.detach().to(torch.float32).contiguous()
-        out = torch.empty_like(x)
-        used = np.zeros(self.num_experts, np.uint8)
+        x, ix, wt, out, used = self._buffers(hidden, idx, w)
         if pos == 0:
             self._passes += 1
             self._tokens += x.shape[0]
@@ -365,6 +361,8 @@ class Engine:
             self._cache.observe_counts(np.full(len(nz), pos, np.int64), nz, cnt[nz])
         self._forward_c(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used)
         la = self._lookahead.pop(pos, None)
+        if pos == len(self.layer_ids) - 1:
+            self._lookahead.clear()  # a lookahead is for one pass
         if la is not None:
             act = used.astype(bool)
             self._la["predicted"] += int(la.sum())
@@ -459,15 +457,19 @@ class Engine:
         self._draft_buf, self._draft_desc, self._draft_block_bytes = buf, spec.desc(), bb
         self.draft_dtype = dtype
 
+    def _buffers(self, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple:
+        """The C layer's inputs (f32 hidden, int64 ids, f32 weights, contiguous), its output
+        buffer and the per-expert "used" flags."""
+        x = hidden.detach().to(torch.float32).contiguous()
+        return (x, idx.detach().to(torch.int64).contiguous(),
+                w.detach().to(torch.float32).contiguous(), torch.empty_like(x),
+                np.zeros(self.num_experts, np.uint8))
+
     def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                      w: torch.Tensor) -> torch.Tensor:
         if self._draft_buf is None:
             raise RuntimeError("drafting() needs enable_self_draft() first")
-        x = hidden.detach().to(torch.float32).contiguous()
-        ix = idx.detach().to(torch.int64).contiguous()
-        wt = w.detach().to(torch.float32).contiguous()
-        out = torch.empty_like(x)
-        used = np.zeros(self.num_experts, np.uint8)
+        x, ix, wt, out, used = self._buffers(hidden, idx, w)
         _C.moe_forward(self._draft_buf, self._kctx, self._draft_desc, self._draft_block_bytes,
                        pos, self.num_experts, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(),
                        used)
@@ -491,27 +493,30 @@ class Engine:
         finally:
             self._drafting = None
 
-    def lookahead(self, predicted: dict[int, np.ndarray], priority: dict[int, np.ndarray] | None
-                  = None) -> None:
+    def lookahead(self, counts: dict[int, np.ndarray]) -> None:
         """Draft-driven prefetch (MoE-SpeQ's expert lookahead buffer) for the next forward pass:
-        ``predicted[pos]`` is a bool mask [E] of the experts the draft expects MoE layer ``pos``
-        to use.  Every predicted expert is queued to the prefetch worker at once, earlier layers
-        first (and, within a layer, by ``priority[pos]``, higher first); the next pass's
-        per-layer router prefetch adds to this queue instead of replacing it.  The precision and
-        recall of the prediction against what the pass used are counted in :meth:`stats`
-        (``lookahead_precision``, ``lookahead_recall``)."""
+        ``counts[pos]`` [E] holds how many of the pass's tokens the draft expects to route to
+        each expert of MoE layer ``pos`` (0: not expected).  Every expected expert is queued to
+        the prefetch worker at once, earlier layers first; within a layer, under a
+        utility-space policy (spac), by utility and then count, higher first.  The next pass's
+        per-layer router prefetch adds to this queue instead of replacing it, and the pass's
+        last layer ends the lookahead.  The precision and recall of the prediction against what
+        the pass used are counted in :meth:`stats` (``lookahead_precision``,
+        ``lookahead_recall``)."""
         L, E = len(self.layer_ids), self.num_experts
         self._lookahead = {}
         lay, exp, pri = [], [], []
-        for pos, mask in predicted.items():
-            m = np.asarray(mask, bool)
-            if not (0 <= pos < L) or m.shape != (E,):
-                raise ValueError(f"lookahead: position {pos} with mask shape {m.shape}; expected "
-                                 f"0 <= position < {L} and shape ({E},)")
-            self._lookahead[pos] = m
-            ids = np.flatnonzero(m)
-            pr = np.zeros(len(ids), np.float64) if priority is None else \
-                np.asarray(priority[pos], np.float64)[ids]
+        for pos, c in counts.items():
+            c = np.asarray(c)
+            if not (0 <= pos < L) or c.shape != (E,):
+                raise ValueError(f"lookahead: position {pos} with counts of shape {c.shape}; "
+                                 f"expected 0 <= position < {L} and shape ({E},)")
+            self._lookahead[pos] = c > 0
+            ids = np.flatnonzero(c > 0)
+            pr = np.zeros(len(ids), np.float64)
+            if self._counts_fed:  # integer utility first, the count breaks ties
+                pr = self._cache.utility(np.full(len(ids), pos), ids).astype(np.float64) + \
+                    c[ids] / (c.max() + 1.0)
             # layer order dominates: squash the within-layer priority into (0, 1)
             lay.append(np.full(len(ids), pos, np.int64))
             exp.append(ids.astype(np.int64))

@@ -450,7 +450,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     seq = list(prompt)
     its: List[Dict[str, Any]] = []
     loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
-    la0 = dict(engine._la) if engine is not None else {}
+    la_keys = ("lookahead_predicted", "lookahead_used", "lookahead_hits")
+    la0 = {n: engine.stats()[n] for n in la_keys} if engine is not None else {}
     speq_loaded: Dict[int, float] = {}
     t_load = 0.0
     bar = None
@@ -469,14 +470,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             t_draft = time.perf_counter() - t0
             kd = len(d.tokens)
             if lookahead and d.routing and engine is not None:
-                pri = None
-                if engine.policy == "spac" and engine._cache is not None:
-                    pri = {p: engine._cache.utility(np.full(len(c), p), np.arange(len(c)))
-                           .astype(np.float64) + c / (kd + 2) for p, c in d.routing.items()}
-                engine.lookahead({p: c > 0 for p, c in d.routing.items()}, pri)
+                engine.lookahead(d.routing)
             logits = _forward(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
-            if engine is not None:
-                engine._lookahead.clear()
             if sampling is None:
                 p = logits.float().contiguous().numpy()
                 u = None
@@ -530,15 +525,12 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     }
     if engine is not None:
         l1, s1 = engine.loads()
-        la = {n: engine._la[n] - la0.get(n, 0) for n in engine._la}
+        es = engine.stats()
+        pr, used, hits = (es[n] - la0[n] for n in la_keys)
         stats.update({"experts_loaded": l1 - loaded0,
                       "experts_loaded_per_token": (l1 - loaded0) / max(1, new_tokens),
                       "stall_s": s1 - stall0,
-                      "lookahead_predicted": la["predicted"],
-                      "lookahead_used": la["actual"],
-                      "lookahead_hits": la["true_positive"],
-                      "lookahead_precision": (la["true_positive"] / la["predicted"]
-                                              if la["predicted"] else None),
-                      "lookahead_recall": (la["true_positive"] / la["actual"]
-                                           if la["actual"] else None)})
+                      "lookahead_predicted": pr, "lookahead_used": used, "lookahead_hits": hits,
+                      "lookahead_precision": hits / pr if pr else None,
+                      "lookahead_recall": hits / used if used else None})
     return GenerateOutput(torch.tensor([seq], dtype=torch.long), stats, its)
