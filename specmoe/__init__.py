@@ -28,9 +28,12 @@ _SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutp
 
 
 def __getattr__(name: str):  # HF integration loaded on first use (it imports torch)
-    if name in ("offload", "Engine"):
+    if name in ("offload", "Engine", "engine_of", "UnsupportedModelError"):
         from . import hf
         return getattr(hf, name)
+    if name in ("from_pretrained", "convert"):  # checkpoints larger than memory
+        from . import pretrained
+        return getattr(pretrained, name)
     if name in _SPECULATIVE:  # speculative decoding on transformers models (torch)
         from . import speculative
         return getattr(speculative, name)
@@ -74,6 +77,9 @@ __all__ = [
     "simulate",
     "sweep",
     "offload",
+    "from_pretrained",
+    "convert",
+    "engine_of",
     "Engine",
     "generate",
     "DraftModel",

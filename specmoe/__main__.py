@@ -107,6 +107,76 @@ def _cmd_sweep(args) -> int:
     return 0
 
 
+def _peak_rss() -> int:
+    """Peak resident memory of this process in bytes (VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _cmd_convert(args) -> int:
+    from .pretrained import convert
+
+    try:
+        path = convert(args.checkpoint, dtype=args.dtype, out=args.output, force=args.force,
+                       progress=not args.quiet)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"specmoe convert: {exc}") from None
+    print(path)
+    return 0
+
+
+def _cmd_run(args) -> int:
+    import time
+
+    import torch
+
+    from .hf import engine_of
+    from .pretrained import from_pretrained
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"specmoe run: {args.checkpoint} has no usable tokenizer ({exc})") \
+            from None
+    try:
+        model = from_pretrained(args.checkpoint, cache=_capacity(args.cache), dtype=args.dtype,
+                                policy=args.policy, prefetch=not args.no_prefetch,
+                                store=args.store)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"specmoe run: {exc}") from None
+    eng = engine_of(model)
+    ids = tok(args.prompt, return_tensors="pt").input_ids
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=args.max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None
+                             else tok.eos_token_id)
+    dt = time.perf_counter() - t0
+    new = out.shape[1] - ids.shape[1]
+    print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    s = eng.stats()
+    hr = s.get("hit_rate")
+    print(f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, prompt "
+          f"{ids.shape[1]} tokens included) | cache {s['capacity']} experts "
+          f"({s['cache_bytes'] / 2**20:.0f} MiB, {args.dtype}, {eng.policy}) | hit rate "
+          f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
+          f"peak memory {_peak_rss() / 2**20:.0f} MiB", file=sys.stderr if args.quiet else
+          sys.stdout)
+    eng.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,7 +201,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser("convert", help="convert a checkpoint's routed experts to a store")
+    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder")
+    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
+    p.add_argument("-o", "--output", default=None,
+                   help="store file (default: one per checkpoint and dtype under "
+                        "$SPECMOE_CACHE or ~/.cache/specmoe)")
+    p.add_argument("--force", action="store_true", help="rewrite an up-to-date store")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("run", help="generate text with a checkpoint's experts offloaded")
+    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--cache", default="25%",
+                   help="expert cache: a fraction (25%%), slots (40) or bytes (6GiB)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
+    p.add_argument("--policy", default="least_stale")
+    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--store", default=None, help="store file (default: see convert)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--quiet", action="store_true", help="statistics line to stderr")
+
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return _cmd_convert(args)
+    if args.command == "run":
+        return _cmd_run(args)
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -1,32 +1,31 @@
 """HuggingFace transformers (5.x) integration: run a MoE model with its routed experts offloaded.
 
-:func:`offload` takes a loaded ``transformers`` MoE model, writes every MoE layer's routed experts
-in the canonical layout to an expert store, deletes the expert parameters from the model and puts
-in their place a :class:`SpecmoeExperts` module.  That module is called exactly like the one it
-replaces (``experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k])``, after all of the
-model's own routing) and runs the whole layer in one C call (``_C.moe_forward``) with the GIL
-released: tokens grouped by expert, each needed expert fetched once, its FFN run on all of its
-tokens, ``weight * output`` accumulated.  Routers, attention, shared experts and dense layers
-stay in torch, untouched.
+Two ways in, one :class:`Engine`:
 
-Canonical expert layout (one dict per MoE layer, arrays over all E experts):
-``gate [E,I,H]``, ``up [E,I,H]``, ``down [E,H,I]`` and, for GPT-OSS, ``gate.bias [E,I]``,
-``up.bias [E,I]``, ``down.bias [E,H]`` (the names of csrc/kernels/kernels.h and
-:func:`specmoe.quant.expert_tensors`, which converts them per expert to the stored dtype).
-GPT-OSS stores ``gate_up_proj`` transposed ``[E,H,2I]`` with gate and up interleaved (even
-columns gate, odd up): :func:`extract_experts` de-interleaves and transposes it.
+* :func:`specmoe.from_pretrained` (``specmoe/pretrained.py``) builds the model from a checkpoint
+  folder without ever materialising its experts: the skeleton on the meta device, the other
+  weights loaded from the shards, the experts streamed into a persistent store.
+* :func:`offload` takes a model transformers already loaded, writes its experts to a store and
+  frees them layer by layer.
+
+Either way each MoE layer's ``experts`` module becomes a :class:`SpecmoeExperts`, called exactly
+like the one it replaces (``experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k])``, after
+all of the model's own routing), which runs the whole layer in one C call (``_C.moe_forward``)
+with the GIL released: tokens grouped by expert, each needed expert fetched once through the
+cache, its FFN run on all of its tokens, ``weight * output`` accumulated.  Routers, attention,
+shared experts and dense layers stay in torch, untouched.  Which models fit and how their
+experts are laid out: :mod:`specmoe.arch`; the store: :mod:`specmoe.conversion`.
 
 Typical use::
 
-    eng = specmoe.offload(model, cache=0.25, policy="lru", prefetch=True, dtype="bf16")
+    model = specmoe.from_pretrained("path/to/checkpoint", cache="6GiB", dtype="int4")
     model.generate(...)                 # unchanged transformers API (KV cache, batches)
+    eng = specmoe.engine_of(model)
     eng.stats()                         # hits, misses, hit_rate, stall_s, prefetch precision...
     with eng.trace() as t:
         model.generate(...)
     t.result().save("routing.npz")      # a specmoe.traces.Trace
     eng.close()
-
-Supported architectures (``config.model_type``): see :data:`SUPPORTED`.
 """
 from __future__ import annotations
 
@@ -42,13 +41,19 @@ import torch
 from torch import nn
 
 from . import _C
+from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, describe,
+                   expert_module, extract_expert, extract_experts, iter_experts_modules,
+                   moe_block, moe_layers)
+from .conversion import store_settings, write_experts
 
 __all__ = [
     "SUPPORTED",
+    "UNSUPPORTED",
     "Engine",
     "SpecmoeExperts",
     "UnsupportedModelError",
     "available_policies",
+    "engine_of",
     "extract_experts",
     "iter_experts_modules",
     "moe_layers",
@@ -57,106 +62,27 @@ __all__ = [
     "tiny_model",
 ]
 
-
-class UnsupportedModelError(ValueError):
-    """The model is not one of the MoE architectures specmoe can offload."""
-
-
-@dataclass(frozen=True)
-class _Arch:
-    router_attr: str  # attribute of the MoE block holding the router module
-    gptoss: bool = False  # transposed, interleaved, biased experts with clamped SwiGLU
-    sigmoid_router: bool = False  # DeepSeek-V3: sigmoid scores + correction bias choose experts
-
-
-SUPPORTED: dict[str, _Arch] = {
-    "mixtral": _Arch("gate"),
-    "qwen2_moe": _Arch("gate"),
-    "qwen3_moe": _Arch("gate"),
-    "olmoe": _Arch("gate"),
-    "phimoe": _Arch("router"),
-    "deepseek_v3": _Arch("gate", sigmoid_router=True),
-    "gpt_oss": _Arch("router", gptoss=True),
-}
-
 DTYPES = ("f32", "bf16", "int8", "int4")
 
 
-def _arch(model: nn.Module) -> tuple[str, _Arch]:
-    mt = getattr(getattr(model, "config", None), "model_type", None)
-    if mt not in SUPPORTED:
-        raise UnsupportedModelError(
-            f"model_type {mt!r} is not supported; supported MoE architectures: "
-            f"{', '.join(sorted(SUPPORTED))}")
-    return mt, SUPPORTED[mt]
+def _check_capacity(cache: Any, total: int, slot_bytes: int) -> None:
+    from .cache import parse_capacity
+    try:
+        parse_capacity(cache, total_experts=total, slot_bytes=slot_bytes)
+    except ValueError as exc:
+        raise ValueError(f"cache={cache!r}: {exc}") from None
 
 
-def _decoder(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "model", model)
-    if not hasattr(inner, "layers"):
-        raise UnsupportedModelError(f"{type(model).__name__} has no .model.layers")
-    return inner
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
 
 
-def moe_layers(model: nn.Module) -> list[int]:
-    """Decoder layer indices whose MLP has routed experts (dense layers, e.g. DeepSeek-V3's
-    first ``first_k_dense_replace``, are skipped)."""
-    _arch(model)
-    return [i for i, layer in enumerate(_decoder(model).layers)
-            if hasattr(getattr(layer, "mlp", None), "experts")]
-
-
-# ---------------------------------------------------------------------------------------------
-# conversion to the canonical layout
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().contiguous().numpy()
-
-
-def _extract_one(experts: nn.Module, e: int, gptoss: bool) -> dict[str, np.ndarray]:
-    """Expert e of one MoE layer as canonical float32 arrays (see module docstring)."""
-    gu, down = experts.gate_up_proj[e].detach(), experts.down_proj[e].detach()
-    if gptoss:  # gate_up [H, 2I] interleaved (even columns gate, odd up); down [I, H]
-        gu_t = gu.transpose(0, 1)
-        return {"gate": _np(gu_t[0::2]), "up": _np(gu_t[1::2]), "down": _np(down.transpose(0, 1)),
-                "gate.bias": _np(experts.gate_up_proj_bias[e, 0::2]),
-                "up.bias": _np(experts.gate_up_proj_bias[e, 1::2]),
-                "down.bias": _np(experts.down_proj_bias[e])}
-    I = gu.shape[0] // 2  # gate_up [2I, H]: first half gate, second half up; down [H, I]
-    return {"gate": _np(gu[:I]), "up": _np(gu[I:]), "down": _np(down)}
-
-
-def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.ndarray]:
-    """One MoE layer's routed experts as canonical float32 arrays [E, ...] (module docstring)."""
-    if isinstance(experts, SpecmoeExperts):
-        raise ValueError("these experts are already offloaded")
-    per = [_extract_one(experts, e, gptoss) for e in range(experts.gate_up_proj.shape[0])]
-    return {n: np.stack([p[n] for p in per]) for n in per[0]}
-
-
-def _convert_experts(experts: nn.Module, gptoss: bool, dtype: str) -> dict[str, np.ndarray]:
-    """The stored tensors [E, ...] of one layer in ``dtype``, converted one expert at a time
-    (peak memory: one layer in the stored dtype plus one expert in f32)."""
-    return _stack_converted(int(experts.gate_up_proj.shape[0]),
-                            lambda e: _extract_one(experts, e, gptoss), dtype)
-
-
-def _stack_converted(E: int, expert_f32: Callable[[int], dict[str, np.ndarray]],
-                     dtype: str) -> dict[str, np.ndarray]:
-    """Tensors [E, ...] in ``dtype`` from ``expert_f32(e)``, the canonical f32 arrays of expert
-    e (biases included), converted one expert at a time."""
-    from .quant import expert_tensors
-    out: dict[str, np.ndarray] = {}
-    for e in range(E):
-        d = expert_f32(e)
-        biases = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
-        t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=biases or None)
-        if not out:
-            out = {n: np.empty((E,) + a.shape, a.dtype) for n, a in t.items()}
-        for n, a in t.items():
-            out[n][e] = a
-    return out
+def __getattr__(name: str):  # the tiny test models live in specmoe.testing
+    if name in ("tiny_config", "tiny_model"):
+        from . import testing
+        return getattr(testing, name)
+    raise AttributeError(f"module 'specmoe.hf' has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,15 +92,18 @@ def _stack_converted(E: int, expert_f32: Callable[[int], dict[str, np.ndarray]],
 class SpecmoeExperts(nn.Module):
     """Drop-in replacement of a transformers experts module; holds no expert weights."""
 
-    def __init__(self, engine: "Engine", position: int, num_experts: int, hidden: int):
+    def __init__(self, engine: "Engine | None", position: int, num_experts: int, hidden: int):
         super().__init__()
-        self._engine = engine
+        self._engine = engine  # None while the store is being written
         self.position = position
         self.num_experts = num_experts
         self.hidden_dim = hidden
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self._engine is None:
+            raise RuntimeError("these experts were offloaded but no specmoe Engine serves them "
+                               "(the conversion failed): reload the model")
         return self._engine._layer_forward(self.position, hidden_states, top_k_index,
                                            top_k_weights)
 
@@ -255,38 +184,54 @@ class TraceRecording:
 
 
 class Engine:
-    """The running offload of one model.  Create with :func:`offload`."""
+    """The running offload of one model: the store, the cache over it, the kernels' context and
+    the per-layer path.  Made by :func:`offload` and :func:`specmoe.from_pretrained`; find a
+    model's with :func:`engine_of`."""
 
-    def __init__(self) -> None:  # filled by offload()
-        self.model: nn.Module | None = None
-        self.model_type = ""
-        self.layer_ids: list[int] = []
-        self.num_experts = 0
-        self.top_k = 0
-        self.dtype = "f32"
-        self.cache_frac = 1.0
-        self.policy = "lru"
-        self.prefetch = True
-        self.overfetch = 1.5
+    def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
+                 cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
+                 overfetch: float = 1.5, direct: bool | None = False, verify: bool = True,
+                 own_store: bool = False) -> None:
+        """Serve ``model``'s routed experts from the store file ``store`` (written for this
+        model by :mod:`specmoe.conversion`): every MoE layer's ``experts`` module becomes a
+        :class:`SpecmoeExperts` (whatever it held is dropped).
+
+        cache: slots (int), a fraction of all experts (``0.25``, ``"25%"``) or a byte size
+        (``"6GiB"``), as :func:`specmoe.parse_capacity`.  direct: read the store with O_DIRECT;
+        None decides by size (O_DIRECT when the store exceeds half the memory this process may
+        use: the page cache could not hold it anyway and would only compete with the cache).
+        verify: check every block read against its CRC32C.  own_store: delete the file on
+        :meth:`close`."""
+        from .kernels import FFNSpec, context
+        from .store import ExpertStore
+        info, ids = describe(model)
+        if overfetch < 1:
+            raise ValueError(f"overfetch must be >= 1, got {overfetch}")
+        cfg = model.config
+        self.model: nn.Module | None = model
+        self.arch: ArchInfo = info
+        self.model_type = info.model_type
+        self.layer_ids: list[int] = ids
+        self.top_k = int(cfg.num_experts_per_tok)
+        self.policy: Any = policy
+        self.prefetch = bool(prefetch)
+        self.overfetch = float(overfetch)
         self.mass: float | None = None
-        self._desc: dict[str, Any] = {}
-        self._block_bytes = 0
-        self._kctx: Any = None
-        self._source: Any = None
-        self._routers: list[nn.Module] = []
+        self._routers: list[nn.Module] = [getattr(moe_block(model, info, i), info.router_attr)
+                                          for i in ids]
         self._predictor: Callable[[int, torch.Tensor], Any] | None = None
-        self._sigmoid_router = False
+        self._sigmoid_router = info.sigmoid_router
         self._recorder: _Recorder | None = None
         self._pred: dict[int, np.ndarray] = {}
         self._pf = {"predicted": 0, "true_positive": 0, "actual": 0}
         self._tokens = 0
         self._passes = 0
-        self._store_path: str | None = None
+        self._store_path: str | None = os.fspath(store)
+        self._own_store = own_store
         self._store: Any = None
         self._cache: Any = None
-        self._own_store = False
+        self._source: Any = None
         self._closed = False
-        self._originals: list[tuple[nn.Module, nn.Module]] = []
         # self-draft (MoE-SpeQ): every routed expert resident in a low-bit copy
         self._draft_buf: np.ndarray | None = None
         self._draft_desc: dict[str, Any] = {}
@@ -297,6 +242,33 @@ class Engine:
         self._lookahead: dict[int, np.ndarray] = {}
         self._la = {"predicted": 0, "true_positive": 0, "actual": 0}
         self._tau: dict[int, dict[int, float]] = {}  # batch size -> tau(g), see generate()
+        try:
+            path = self._store_path
+            if direct is None:
+                direct = os.path.getsize(path) > _memory_limit() // 2
+            st = self._store = ExpertStore(path, direct=bool(direct), verify=verify)
+            ex = st.extra
+            if st.num_layers != len(ids) or ex.get("layer_ids", ids) != ids:
+                raise ValueError(f"{path}: the store holds {st.num_layers} MoE layers "
+                                 f"{ex.get('layer_ids')}, the model has {ids}")
+            self.num_experts = int(st.num_experts)
+            self.dtype = str(ex.get("dtype", "f32"))
+            act = ex.get("activation", "silu")
+            self._ffn_args = dict(activation=act, alpha=float(ex.get("alpha", 1.702)),
+                                  limit=float(ex.get("limit", 7.0)))
+            spec = FFNSpec.from_store_schema(st.tensors, int(st.block_bytes), **self._ffn_args)
+            self._desc = spec.desc()
+            self._block_bytes = int(st.block_bytes)
+            self._kctx = context()
+            if self.top_k > self.num_experts:
+                raise ValueError(f"top_k {self.top_k} > num_experts {self.num_experts}")
+            self._open_cache(cache)
+        except BaseException:
+            self.close()
+            raise
+        for pos, i in enumerate(ids):
+            moe_block(model, info, i).experts = SpecmoeExperts(self, pos, self.num_experts,
+                                                              spec.H)
 
     # -- the per-layer path -------------------------------------------------------------------
     def _router_scores(self, pos: int, x: torch.Tensor) -> torch.Tensor:
@@ -382,14 +354,22 @@ class Engine:
         return out.to(hidden.dtype)
 
     # backend: the ExpertCache over the store (or, in a build without them, a resident buffer)
-    def _open_cache(self) -> None:
+    def _open_cache(self, capacity: int | float | str) -> None:
         from .cache import ExpertCache
-        new = ExpertCache(self._store, self.cache_frac, self.policy, top_k=self.top_k,
+        _check_capacity(capacity, self.num_experts * len(self.layer_ids), self._block_bytes)
+        new = ExpertCache(self._store, capacity, self.policy, top_k=self.top_k,
                           prefetch=True)  # built first: a bad policy/capacity keeps the old one
         if self._cache is not None:
             self._cache.close()
         self._cache = new
         self._source = new._c
+
+    @property
+    def cache_frac(self) -> float:
+        """The cache's capacity as a fraction of all routed experts."""
+        if self._cache is None:
+            return 0.0
+        return self._cache.capacity / (self.num_experts * len(self.layer_ids))
 
     def _begin_pass(self) -> None:
         if self._cache is not None:
@@ -409,7 +389,8 @@ class Engine:
 
     @property
     def _counts_fed(self) -> bool:
-        return self._cache is not None and self.policy == "spac"
+        # any utility-space policy, named or given as an object
+        return self._cache is not None and self._cache.policy == "spac"
 
     # -- self-draft and draft-driven lookahead (used by specmoe.generate) ---------------------
     def enable_self_draft(self, dtype: str = "int4") -> None:
@@ -421,37 +402,27 @@ class Engine:
         (int4: about 1/7 of f32).  Calling it again with another dtype rebuilds the copy."""
         if self._closed or self._store is None:
             raise RuntimeError("this specmoe Engine is closed")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
+        _check_dtype(dtype)
         if self.draft_dtype == dtype and self._draft_buf is not None:
             return
         from .kernels import FFNSpec
-        from .quant import dequantize_expert, store_dtypes
-        from .store import ExpertStore, aligned_empty, write_store
+        from .quant import dequantize_expert
+        from .store import ExpertStore, aligned_empty
         src = self._store
         E, L = self.num_experts, len(self.layer_ids)
-
-        def layer(p: int) -> dict[str, np.ndarray]:
-            return _stack_converted(E, lambda e: dequantize_expert(src.read_expert(p, e)), dtype)
-
         fd, path = tempfile.mkstemp(prefix="specmoe-draft-", suffix=".smoe")
         os.close(fd)
         try:
-            first = layer(0)
-            write_store(path, lambda p: first if p == 0 else layer(p), num_layers=L,
-                        model=self.model_type, top_k=self.top_k, dtypes=store_dtypes(first),
-                        progress=False).close()
+            write_experts(path, lambda p, e: dequantize_expert(src.read_expert(p, e)),
+                          num_layers=L, num_experts=E, dtype=dtype, model=self.model_type,
+                          top_k=self.top_k, extra={}, progress=False)
             with ExpertStore(path, verify=False) as st:
                 bb = int(st.block_bytes)
                 buf = aligned_empty(L * E * bb)
                 for p in range(L):
                     for e in range(E):
                         st.read_block(p, e, out=buf[(p * E + e) * bb:(p * E + e + 1) * bb])
-                ex = dict(src.extra)
-                spec = FFNSpec.from_store_schema(st.tensors, bb,
-                                                 activation=ex.get("activation", "silu"),
-                                                 alpha=float(ex.get("alpha", 1.702)),
-                                                 limit=float(ex.get("limit", 7.0)))
+                spec = FFNSpec.from_store_schema(st.tensors, bb, **self._ffn_args)
         finally:
             os.unlink(path)
         self._draft_buf, self._draft_desc, self._draft_block_bytes = buf, spec.desc(), bb
@@ -576,26 +547,28 @@ class Engine:
         if self._cache is not None:
             self._cache.reset_stats()
 
-    def set_policy(self, policy: str) -> None:
-        """Switch the cache's eviction policy (contents kept)."""
-        self.set_cache(self.cache_frac, policy)
+    def set_policy(self, policy: Any) -> None:
+        """Switch the cache's eviction policy (a name or a policy object); contents kept."""
+        if self._cache is None:
+            raise RuntimeError("this specmoe Engine is closed")
+        self._cache.set_policy(policy)
+        self.policy = policy
 
-    def set_cache(self, frac: float, policy: str | None = None) -> None:
-        """Rebuild the cache over the same store with a new capacity (fraction of all experts)
-        and optionally a new policy.  Statistics restart."""
-        if not (0 < frac <= 1):
-            raise ValueError(f"cache must be a fraction in (0, 1], got {frac}")
-        old = (self.cache_frac, self.policy)
-        self.cache_frac = float(frac)
+    def set_cache(self, capacity: int | float | str, policy: Any = None) -> None:
+        """Rebuild the cache over the same store with a new capacity (slots, a fraction of all
+        experts, ``"25%"`` or a byte size such as ``"6GiB"``) and optionally a new policy.  The
+        cache starts empty and its statistics restart."""
+        if self._store is None:
+            raise RuntimeError("this specmoe Engine is closed")
+        old = self.policy
         if policy is not None:
             self.policy = policy
+        try:
+            self._open_cache(capacity)
+        except BaseException:
+            self.policy = old
+            raise
         self._tau.clear()  # tau includes expert loads, which depend on the cache
-        if self._store is not None:
-            try:
-                self._open_cache()
-            except BaseException:
-                self.cache_frac, self.policy = old
-                raise
         self._pred.clear()
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
@@ -650,6 +623,43 @@ class Engine:
         self.close()
 
 
+def _memory_limit() -> int:
+    """Bytes this process may still use: MemAvailable, or its memory cgroup's headroom
+    (v1 or v2) when that is lower."""
+    avail = 1 << 62
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return avail
+    for line in lines:
+        _, ctrl, rel = line.split(":", 2)
+        if ctrl == "memory":  # v1
+            files = (f"/sys/fs/cgroup/memory{rel}/memory.limit_in_bytes",
+                     f"/sys/fs/cgroup/memory{rel}/memory.usage_in_bytes")
+        elif ctrl == "":  # v2
+            files = (f"/sys/fs/cgroup{rel}/memory.max", f"/sys/fs/cgroup{rel}/memory.current")
+        else:
+            continue
+        try:
+            with open(files[0]) as f:
+                lim = f.read().strip()
+            with open(files[1]) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if lim.isdigit():
+            avail = min(avail, max(0, int(lim) - used))
+    return avail
+
+
 def available_policies() -> list[str]:
     """Eviction policy names :func:`offload` accepts."""
     names = getattr(_C, "POLICY_NAMES", "lru")
@@ -657,167 +667,70 @@ def available_policies() -> list[str]:
     return [n.strip() for n in names.split(",") if n.strip() and n.strip() != "belady"]
 
 
-def offload(model: nn.Module, store: str | os.PathLike | None = None, cache: float = 0.25,
-            policy: str = "lru", prefetch: bool = True, dtype: str = "f32",
-            overfetch: float = 1.5, direct: bool = False) -> Engine:
+def offload(model: nn.Module, store: str | os.PathLike | None = None,
+            cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
+            dtype: str = "f32", overfetch: float = 1.5, direct: bool | None = False,
+            progress: bool = False) -> Engine:
     """Move ``model``'s routed experts to a store and run them through specmoe.
 
+    For a model already in memory (loaded by transformers); to load a checkpoint larger than
+    memory use :func:`specmoe.from_pretrained`, which never materialises the experts.
+
     store: path of the store file to write (None: a temporary file, deleted by close());
-    direct: read it with O_DIRECT.  cache: fraction (0, 1] of all experts kept in fast memory.
-    policy: eviction policy name (:func:`available_policies`).  prefetch: next-layer lookahead
-    (the next layer's router on this layer's input, top ceil(k * overfetch) experts per token)
-    queued to the cache's prefetch worker.  dtype: how experts are stored ("f32", "bf16",
-    "int8" per-row, "int4" per-group; see specmoe.quant).  The model is modified in place: each MoE layer's ``mlp.experts`` becomes
-    a :class:`SpecmoeExperts` and the expert parameters are deleted, layer by layer while the
-    store is written; if writing fails part way, the layers already converted stay offloaded
-    to nothing usable (the Engine is closed and the error raised): reload the model.
+    direct: read it with O_DIRECT (None: decide by size, see :class:`Engine`).  cache: slots,
+    a fraction of all experts (``0.25``, ``"25%"``) or a byte size (``"512MiB"``).
+    policy: eviction policy name (:func:`available_policies`) or policy object.  prefetch:
+    next-layer lookahead (the next layer's router on this layer's input, top
+    ceil(k * overfetch) experts per token) queued to the cache's prefetch worker.  dtype: how
+    experts are stored ("f32", "bf16", "int8" per-row, "int4" per-group; see specmoe.quant).
+    progress: a progress bar while converting.  The model is modified in place: each MoE
+    layer's ``experts`` becomes a :class:`SpecmoeExperts` and the expert parameters are
+    deleted, layer by layer while the store is written; if writing fails part way, the layers
+    already converted stay offloaded to nothing usable (the error is raised): reload the model.
     """
-    mt, arch = _arch(model)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
-    if not (0 < cache <= 1):
-        raise ValueError(f"cache must be a fraction in (0, 1], got {cache}")
+    info, ids = describe(model)
+    _check_dtype(dtype)
+    if overfetch < 1:
+        raise ValueError(f"overfetch must be >= 1, got {overfetch}")
+    first = expert_module(model, info, ids[0])
+    if isinstance(first, SpecmoeExperts):
+        raise ValueError("this model's experts are already offloaded")
+    E = int(first.gate_up_proj.shape[0])
+    H = int(first.gate_up_proj.shape[1] if info.gptoss else first.gate_up_proj.shape[2])
+    _check_capacity(cache, len(ids) * E, 1)  # bad specs fail before the model is touched
     cfg = model.config
-    act = getattr(cfg, "hidden_act", "silu")
-    if not arch.gptoss and act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} not supported (only silu)")
-    ids = moe_layers(model)
-    if not ids:
-        raise UnsupportedModelError(f"{type(model).__name__} has no MoE layers")
-    dec = _decoder(model)
-    eng = Engine()
-    eng.model, eng.model_type, eng.layer_ids = model, mt, ids
-    eng.dtype, eng.cache_frac, eng.policy, eng.prefetch = dtype, float(cache), policy, prefetch
-    eng.overfetch = float(overfetch)
-    eng._sigmoid_router = arch.sigmoid_router
-    for i in ids:
-        eng._routers.append(getattr(dec.layers[i].mlp, arch.router_attr))
-    gu = dec.layers[ids[0]].mlp.experts.gate_up_proj
-    E = int(gu.shape[0])
-    H = int(gu.shape[1] if arch.gptoss else gu.shape[2])
-    eng.num_experts = E
-    eng.top_k = int(cfg.num_experts_per_tok)
-    if eng.top_k > E:
-        raise ValueError(f"top_k {eng.top_k} > num_experts {E}")
-    alpha = float(getattr(cfg, "swiglu_alpha", 1.702)) if arch.gptoss else 1.702
-    limit = float(getattr(cfg, "swiglu_limit", 7.0)) if arch.gptoss else 7.0
-
-    def layer(pos: int) -> dict[str, Any]:
-        mlp = dec.layers[ids[pos]].mlp
-        t = _convert_experts(mlp.experts, arch.gptoss, dtype)
-        # free this layer's expert parameters as soon as they are converted (peak memory stays
-        # about one layer above the model's own size)
-        mlp.experts = SpecmoeExperts(eng, pos, E, H)
-        return t
-
-    from .kernels import FFNSpec, context
-    from .quant import store_dtypes
-    from .store import ExpertStore, write_store
     if store is None:
         fd, path = tempfile.mkstemp(prefix="specmoe-", suffix=".smoe")
         os.close(fd)
-        eng._own_store = True
     else:
         path = os.fspath(store)
-    eng._store_path = path
+
+    def expert_f32(pos: int, e: int) -> dict[str, np.ndarray]:
+        return extract_expert(expert_module(model, info, ids[pos]), e, info.gptoss)
+
+    def free(pos: int) -> None:
+        # this layer's expert parameters go as soon as they are converted (peak memory stays
+        # about one layer above the model's own size); the Engine attaches the placeholder
+        moe_block(model, info, ids[pos]).experts = SpecmoeExperts(None, pos, E, H)
+
     try:
-        first = layer(0)
-        write_store(path, lambda p: first if p == 0 else layer(p), num_layers=len(ids), model=mt,
-                    top_k=eng.top_k, dtypes=store_dtypes(first),
-                    extra={"architecture": mt, "dtype": dtype, "layer_ids": ids,
-                           "activation": "gptoss" if arch.gptoss else "silu",
-                           "alpha": alpha, "limit": limit},
-                    progress=False).close()
-        del first
-        eng._store = ExpertStore(path, direct=direct, verify=False)
-        spec = FFNSpec.from_store_schema(eng._store.tensors, int(eng._store.block_bytes),
-                                         activation="gptoss" if arch.gptoss else "silu",
-                                         alpha=alpha, limit=limit)
-        eng._desc = spec.desc()
-        eng._block_bytes = int(eng._store.block_bytes)
-        eng._kctx = context()
-        eng._open_cache()
+        write_experts(path, expert_f32, num_layers=len(ids), num_experts=E, dtype=dtype,
+                      model=info.model_type, top_k=int(cfg.num_experts_per_tok),
+                      extra=store_settings(cfg, info, ids, dtype), progress=progress,
+                      after_layer=free)
+        return Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
+                      overfetch=overfetch, direct=direct, verify=False,
+                      own_store=store is None)
     except BaseException:
-        eng.close()
-        if eng._own_store and os.path.exists(path):
+        if store is None and os.path.exists(path):
             os.unlink(path)
         raise
-    return eng
 
 
-# ---------------------------------------------------------------------------------------------
-# tiny offline models for tests, the demo and benchmarks
-
-
-def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3,
-                experts: int = 8, top_k: int = 2, vocab: int = 128):
-    """A small config of architecture ``arch`` (a key of SUPPORTED) that builds offline."""
-    import transformers as tf
-    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    hd = hidden // 4
-    if arch == "mixtral":
-        return tf.MixtralConfig(intermediate_size=inter, num_local_experts=experts,
-                                num_experts_per_tok=top_k, **common)
-    if arch == "qwen2_moe":
-        return tf.Qwen2MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter,
-                                 shared_expert_intermediate_size=inter, num_experts=experts,
-                                 num_experts_per_tok=top_k, **common)
-    if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter,
-                                 num_experts=experts, num_experts_per_tok=top_k, head_dim=hd,
-                                 **common)
-    if arch == "olmoe":
-        return tf.OlmoeConfig(intermediate_size=inter, num_experts=experts,
-                              num_experts_per_tok=top_k, **common)
-    if arch == "phimoe":
-        return tf.PhimoeConfig(intermediate_size=inter, num_local_experts=experts,
-                               num_experts_per_tok=top_k, **common)
-    if arch == "deepseek_v3":
-        return tf.DeepseekV3Config(intermediate_size=2 * inter, moe_intermediate_size=inter,
-                                   n_routed_experts=experts, num_experts_per_tok=top_k,
-                                   n_shared_experts=1, first_k_dense_replace=1, n_group=2,
-                                   topk_group=2, q_lora_rank=None, kv_lora_rank=32,
-                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=hd,
-                                   **common)
-    if arch == "gpt_oss":
-        return tf.GptOssConfig(intermediate_size=inter, num_local_experts=experts,
-                               num_experts_per_tok=top_k, head_dim=hd, sliding_window=64,
-                               **common)
-    raise UnsupportedModelError(f"no tiny config for {arch!r}; supported: {sorted(SUPPORTED)}")
-
-
-def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-               router_std: float = 1.0, **kw) -> nn.Module:
-    """A randomly initialised eval-mode model from :func:`tiny_config`, eager experts, with its
-    routers re-initialised at ``router_std`` so routing is far from uniform."""
-    import logging
-
-    from transformers import AutoModelForCausalLM
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.manual_seed(seed)
-    cfg = tiny_config(arch, **kw)
-    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", dtype=dtype)
-    a = SUPPORTED[arch]
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for i in moe_layers(model):
-            mlp = model.model.layers[i].mlp
-            r = getattr(mlp, a.router_attr)
-            r.weight.copy_(torch.randn(r.weight.shape, generator=g) * router_std
-                           / math.sqrt(r.weight.shape[1]) * 4)
-            if getattr(r, "bias", None) is not None:
-                r.bias.copy_(torch.randn(r.bias.shape, generator=g) * 0.5)
-            ex = mlp.experts
-            for name, p in ex.named_parameters():
-                if "bias" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model.eval()
-
-
-def iter_experts_modules(model: nn.Module) -> Iterator[nn.Module]:
-    """The routed-experts module of every MoE layer, in layer order."""
-    dec = _decoder(model)
-    for i in moe_layers(model):
-        yield dec.layers[i].mlp.experts
+def engine_of(model: nn.Module) -> Engine:
+    """The :class:`Engine` serving ``model``'s experts (ValueError if specmoe does not)."""
+    for m in model.modules():
+        if isinstance(m, SpecmoeExperts) and m._engine is not None:
+            return m._engine
+    raise ValueError(f"{type(model).__name__} is not served by specmoe (use "
+                     "specmoe.from_pretrained or specmoe.offload)")
