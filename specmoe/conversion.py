@@ -12,8 +12,8 @@ the original checkpoints store them, and transformers 5's fused ``gate_up_proj``
 (GPT-OSS's MXFP4 ``_blocks``/``_scales`` are dequantized on the way).
 
 Persistent stores.  A store converted from a checkpoint records in its header a fingerprint of
-the checkpoint (every shard's name, size and a SHA-256 of its safetensors header, and of
-config.json) and the conversion settings (:func:`store_settings`).  :func:`open_or_convert`
+the checkpoint (every shard's name, size, modification time and a SHA-256 of its safetensors
+header, and of config.json) and the conversion settings (:func:`store_settings`).  :func:`open_or_convert`
 reuses a store whose record matches and rebuilds, saying why, one that is missing, stale (the
 checkpoint changed), foreign (not converted from this checkpoint, or with other settings),
 truncated or damaged.  Opening reads the header, checks the file size and the checksums of the
@@ -109,15 +109,18 @@ class Checkpoint:
         return self.handle(self.keys[key]).get_slice(key)[index]
 
     def fingerprint(self) -> dict[str, Any]:
-        """Names, sizes and header digests of the shards and the digest of config.json: what
-        changes whenever the checkpoint's tensors or configuration change."""
+        """Names, sizes, modification times and header digests of the shards and the digest
+        of config.json.  A shard rewritten with new values but the same shapes keeps its size
+        and header; its modification time is what tells (a ``touch`` also does: the store is
+        then rebuilt without need, the safe side)."""
         files = []
         for s in self.shards:
             with open(s, "rb") as f:
                 head = f.read(8)
                 n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
                 digest = hashlib.sha256(head + f.read(min(n, _HEADER_MAX))).hexdigest()
-            files.append([s.name, s.stat().st_size, digest])
+            stat = s.stat()
+            files.append([s.name, stat.st_size, stat.st_mtime_ns, digest])
         cfg = hashlib.sha256((self.folder / "config.json").read_bytes()).hexdigest()
         whole = hashlib.sha256(json.dumps([files, cfg]).encode()).hexdigest()
         return {"digest": whole, "files": files, "config": cfg}
