@@ -37,6 +37,7 @@ __all__ = [
     "UnsupportedModelError",
     "describe",
     "decoder",
+    "getpath",
     "moe_layers",
     "expert_module",
     "extract_expert",
@@ -57,10 +58,13 @@ class UnsupportedModelError(ValueError):
 class ArchInfo:
     """How one architecture's routed experts are laid out.
 
-    block_attr: attribute of a decoder layer holding its MoE block; router_attr: attribute of
-    the MoE block holding the router; gptoss: transposed, interleaved, biased experts with a
-    clamped SwiGLU; sigmoid_router: the router's scores are ``sigmoid(logits) + bias`` (the
-    prefetch predictor imitates it); activation: the kernels' activation name."""
+    block_attr: attribute of a decoder layer holding its MoE block; router_attr: (dotted) path
+    from the MoE block to the module whose ``weight [E, H]`` (and ``bias``) gives the router
+    logits; bias_attr: path from the block to a per-expert correction bias added to the scores
+    when choosing experts (DeepSeek-V3 family), if any; sigmoid_router: the scores are
+    ``sigmoid(logits)`` before that bias (the prefetch predictor imitates both); gptoss:
+    transposed, interleaved, biased experts with a clamped SwiGLU; activation: the kernels'
+    activation name."""
 
     model_type: str
     block_attr: str = "mlp"
@@ -68,6 +72,7 @@ class ArchInfo:
     gptoss: bool = False
     sigmoid_router: bool = False
     activation: str = "silu"
+    bias_attr: str | None = None
 
 
 # Deviations from the common form, by config.model_type.  Everything else is read from the
@@ -83,15 +88,49 @@ _DEVIATIONS: dict[str, dict] = {
 SUPPORTED: dict[str, ArchInfo] = {
     mt: ArchInfo(mt, **_DEVIATIONS.get(mt, {}))
     for mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v2",
-               "deepseek_v3", "gpt_oss")
+               "deepseek_v3", "gpt_oss", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
+               "granitemoe", "qwen3_next", "qwen3_5_moe_text", "minimax", "flex_olmo",
+               "lfm2_moe", "jamba")
 }
-SUPPORTED["deepseek_v3"] = replace(SUPPORTED["deepseek_v3"], sigmoid_router=True)
+SUPPORTED["deepseek_v3"] = replace(SUPPORTED["deepseek_v3"], sigmoid_router=True,
+                                   bias_attr="gate.e_score_correction_bias")
 
 # Architectures tried and not supported, with the reason (README lists them).
-UNSUPPORTED: dict[str, str] = {}
+UNSUPPORTED: dict[str, str] = {
+    "llama4_text": "its experts module takes only the hidden states and runs every expert "
+                   "densely, and the routing weight scales each expert's input, not its output "
+                   "(FFN_e(w*x)); the kernels have no input-scaling mode yet",
+    "llama4": "see llama4_text (and the vision tower is not an MoE)",
+    "dbrx": "its experts live in transformer.blocks[i].ffn as w1/v1/w2 [E*I, H] and receive "
+            "3-D hidden states; not adapted yet",
+    "deepseek_v4": "its SwiGLU clamps gate and up (swiglu_limit) before the activation; the "
+                   "kernels have no clamped-SiLU mode",
+    "hy_v4": "clamped SwiGLU (swiglu_limit), as deepseek_v4",
+    "glm5_next": "clamped SwiGLU (swiglu_limit), as deepseek_v4",
+    "minimax_m3_vl": "GPT-OSS-style clamped activation without interleaving or biases",
+    "inkling2_text": "soft-capped gate and up projections",
+    "nemotron_h": "experts without a gate (ReLU squared on up only)",
+    "longcat_flash": "identity ('zero') experts among the routed experts",
+    "jetmoe": "no fused experts module (ParallelExperts with its own call)",
+    "gemma4_text": "GELU experts directly on the decoder layer",
+}
 
 _BLOCK_ATTRS = ("mlp", "block_sparse_moe", "feed_forward", "moe")
-_ROUTER_ATTRS = ("gate", "router")
+# where routers keep their [E, H] weight, relative to the MoE block
+_ROUTER_ATTRS = ("gate", "router", "gate.wg", "router.gate")
+# where correction biases (added to the scores to choose experts) live
+_BIAS_ATTRS = ("gate.e_score_correction_bias", "router.e_score_correction_bias",
+               "expert_bias", "gate.moe_statics.e_score_correction_bias")
+_SOFTMAX_BIASED = ("ernie4_5_moe",)  # correction bias on softmax scores, not sigmoid
+
+
+def getpath(obj: object, path: str) -> object:
+    """``obj.a.b`` for path ``"a.b"`` (None where an attribute is missing)."""
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def decoder(model: nn.Module) -> nn.Module:
@@ -143,21 +182,23 @@ def describe(model: nn.Module) -> tuple[ArchInfo, list[int]]:
             f"(an `experts` child with gate_up_proj and down_proj in one of "
             f"{', '.join(attrs)}); {_supported_line()}")
     block_attr, blk = found[ids[0]][1]  # type: ignore[misc]
-    router_attr = dev.get("router_attr")
-    if router_attr is None:
-        router_attr = next((a for a in _ROUTER_ATTRS
-                            if isinstance(getattr(getattr(blk, a, None), "weight", None),
-                                          torch.Tensor)), None)
-    if router_attr is None or getattr(getattr(blk, router_attr, None), "weight", None) is None:
+
+    def weight2d(path: str) -> bool:
+        w = getpath(blk, path + ".weight")
+        return isinstance(w, torch.Tensor) and w.dim() == 2
+
+    router_attr = dev.get("router_attr") or next((a for a in _ROUTER_ATTRS if weight2d(a)), None)
+    if router_attr is None or not weight2d(router_attr):
         raise UnsupportedModelError(f"model_type {mt!r}: the MoE block has no router with a "
-                                    f"weight (looked for {', '.join(_ROUTER_ATTRS)})")
-    router = getattr(blk, router_attr)
+                                    f"[E, H] weight (looked for {', '.join(_ROUTER_ATTRS)})")
+    bias_attr = next((a for a in _BIAS_ATTRS if isinstance(getpath(blk, a), torch.Tensor)),
+                     None)
     info = ArchInfo(mt or type(model).__name__, block_attr=block_attr, router_attr=router_attr,
                     gptoss=dev.get("gptoss", False),
-                    sigmoid_router=hasattr(router, "e_score_correction_bias"),
-                    activation=dev.get("activation", "silu"))
+                    sigmoid_router=bias_attr is not None and mt not in _SOFTMAX_BIASED,
+                    activation=dev.get("activation", "silu"), bias_attr=bias_attr)
     if not info.gptoss:
-        act = getattr(cfg, "hidden_act", "silu")
+        act = getattr(cfg, "hidden_act", None) or "silu"  # lfm2_moe hard-codes silu
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"model_type {mt!r}: hidden_act {act!r} is not "
                                         "supported by the expert kernels (silu only)")

@@ -42,8 +42,8 @@ from torch import nn
 
 from . import _C
 from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, describe,
-                   expert_module, extract_expert, extract_experts, iter_experts_modules,
-                   moe_block, moe_layers)
+                   expert_module, extract_expert, extract_experts, getpath,
+                   iter_experts_modules, moe_block, moe_layers)
 from .conversion import store_settings, write_experts
 
 __all__ = [
@@ -217,10 +217,13 @@ class Engine:
         self.prefetch = bool(prefetch)
         self.overfetch = float(overfetch)
         self.mass: float | None = None
-        self._routers: list[nn.Module] = [getattr(moe_block(model, info, i), info.router_attr)
-                                          for i in ids]
+        blocks = [moe_block(model, info, i) for i in ids]
+        # the prefetch predictor's view of each layer's router: the module holding weight [E,H]
+        # (and bias), and the correction bias added to the scores when choosing experts
+        self._routers: list[nn.Module] = [getpath(b, info.router_attr) for b in blocks]
+        self._router_bias: list[torch.Tensor | None] = [
+            getpath(b, info.bias_attr) if info.bias_attr else None for b in blocks]
         self._predictor: Callable[[int, torch.Tensor], Any] | None = None
-        self._sigmoid_router = info.sigmoid_router
         self._recorder: _Recorder | None = None
         self._pred: dict[int, np.ndarray] = {}
         self._pf = {"predicted": 0, "true_positive": 0, "actual": 0}
@@ -275,8 +278,10 @@ class Engine:
         r = self._routers[pos]
         w = r.weight
         lg = torch.nn.functional.linear(x.to(w.dtype), w, getattr(r, "bias", None)).float()
-        if self._sigmoid_router:
-            lg = lg.sigmoid() + r.e_score_correction_bias.float()
+        bias = self._router_bias[pos]
+        if bias is not None:
+            lg = (lg.sigmoid() if self.arch.sigmoid_router else lg.softmax(-1)) + \
+                bias.float().reshape(-1)
         return lg
 
     def _predict(self, sc: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -108,6 +108,19 @@ def _forward(model: nn.Module, ids: Sequence[int], kv: Any) -> torch.Tensor:
     return out.logits[0]
 
 
+def recurrent_layer_types(config: Any) -> List[str]:
+    """The layer kinds of ``config`` whose cache holds a recurrent state (linear attention,
+    Mamba, short convolutions) rather than per-position keys and values: such a cache cannot
+    be cropped back to an accepted prefix."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    try:
+        kinds += list(getattr(config, "layers_block_type", None) or [])
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return sorted({str(k) for k in kinds
+                   if any(r in str(k) for r in ("linear", "conv", "mamba"))})
+
+
 def _new_kv(model: nn.Module) -> Any:
     from transformers import DynamicCache
     return DynamicCache(config=model.config)
@@ -441,6 +454,14 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         controller.set_tau(target_tau(model, prompt, controller.k_max + 1, engine)
                            if isinstance(tau, str) else tau)
 
+    rec = recurrent_layer_types(model.config)
+    if rec:
+        # (plain decoding through this loop is not supported either: its prefill-then-pending
+        # split is not bit-exact with transformers' own decoding for chunked linear attention)
+        raise ValueError(
+            f"specmoe.generate rolls the cache back to the accepted prefix, and "
+            f"{model.config.model_type}'s {'/'.join(rec)} layers keep a recurrent state that "
+            "cannot be rolled back; use model.generate() (offloading works as usual)")
     t_start = time.perf_counter()
     kv = _new_kv(model)
     if len(prompt) > 1:

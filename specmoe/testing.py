@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import SUPPORTED, UnsupportedModelError, describe, moe_block
+from .arch import SUPPORTED, UnsupportedModelError, describe, getpath, moe_block
 
 __all__ = ["tiny_config", "tiny_model", "save_checkpoint"]
 
@@ -62,6 +62,53 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
         return tf.GptOssConfig(intermediate_size=inter, num_local_experts=experts,
                                num_experts_per_tok=top_k, head_dim=hd, sliding_window=64,
                                **common)
+    L = layers
+    alt = lambda *kinds: (list(kinds) * L)[:L]  # noqa: E731
+    more = {
+        "glm4_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                         n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
+                         first_k_dense_replace=1, n_group=2, topk_group=2, head_dim=hd,
+                         num_nextn_predict_layers=0),
+        "ernie4_5_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                             moe_num_experts=experts, moe_k=top_k, moe_num_shared_experts=1,
+                             moe_layer_start_index=1, moe_layer_end_index=L - 1,
+                             moe_layer_interval=1),
+        "hunyuan_v1_moe": dict(intermediate_size=inter, num_experts=experts, moe_topk=top_k,
+                               head_dim=hd),
+        "dots1": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                      n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
+                      first_k_dense_replace=1, n_group=1, topk_group=1, max_window_layers=L,
+                      layer_types=["full_attention"] * L),
+        "granitemoe": dict(intermediate_size=inter, num_local_experts=experts,
+                           num_experts_per_tok=top_k),
+        "qwen3_next": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                           shared_expert_intermediate_size=inter, num_experts=experts,
+                           num_experts_per_tok=top_k, head_dim=hd, linear_key_head_dim=16,
+                           linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4,
+                           layer_types=alt("linear_attention", "full_attention")),
+        "qwen3_5_moe_text": dict(moe_intermediate_size=inter,
+                                 shared_expert_intermediate_size=inter, num_experts=experts,
+                                 num_experts_per_tok=top_k, head_dim=hd, linear_key_head_dim=16,
+                                 linear_value_head_dim=16, linear_num_key_heads=2,
+                                 linear_num_value_heads=4,
+                                 layer_types=alt("linear_attention", "full_attention")),
+        "minimax": dict(intermediate_size=inter, num_local_experts=experts,
+                        num_experts_per_tok=top_k, head_dim=hd, block_size=16,
+                        layer_types=alt("linear_attention", "full_attention")),
+        "flex_olmo": dict(intermediate_size=inter, num_experts=experts,
+                          num_experts_per_tok=top_k),
+        "lfm2_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                         num_experts=experts, num_experts_per_tok=top_k, num_dense_layers=1,
+                         layer_types=alt("conv", "full_attention")),
+        "jamba": dict(intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k,
+                      expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+                      attn_layer_offset=0, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                      mamba_dt_rank=8, use_mamba_kernels=False),
+    }
+    if arch in more:
+        from transformers import CONFIG_MAPPING
+        return CONFIG_MAPPING[arch](**{**common, **more[arch]})
     raise UnsupportedModelError(f"no tiny config for {arch!r}; supported: {sorted(SUPPORTED)}")
 
 
@@ -81,7 +128,7 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     with torch.no_grad():
         for i in ids:
             mlp = moe_block(model, info, i)
-            r = getattr(mlp, info.router_attr)
+            r = getpath(mlp, info.router_attr)
             r.weight.copy_(torch.randn(r.weight.shape, generator=g) * router_std
                            / math.sqrt(r.weight.shape[1]) * 4)
             if getattr(r, "bias", None) is not None:

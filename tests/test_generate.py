@@ -18,6 +18,7 @@ import specmoe  # noqa: E402
 from specmoe import zoo  # noqa: E402
 from specmoe.speculative import DraftModel, SelfDraft, generate  # noqa: E402
 from specmoe.hf import tiny_model  # noqa: E402
+from specmoe.speculative import recurrent_layer_types  # noqa: E402
 from specmoe.spec import Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK  # noqa: E402
 
 PROMPT = ("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n"
@@ -366,6 +367,12 @@ def test_every_architecture_greedy_equal(arch):
     try:
         ids = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 30, 31, 5, 9]])
         ref = hf_greedy(model, ids, 16)
+        if recurrent_layer_types(model.config):
+            # linear attention / Mamba / conv states cannot be cropped to the accepted prefix:
+            # a named error (model.generate on the offloaded model: tests/test_hf.py)
+            with pytest.raises(ValueError, match="cannot be rolled back"):
+                generate(model, ids, NgramDrafter(), StaticK(3), max_new_tokens=4, tau=None)
+            return
         for drafter in (NgramDrafter(), RandomDrafter(64)):
             out = generate(model, ids, drafter, StaticK(3), max_new_tokens=16,
                            eos_token_id=None, tau=None)
