@@ -201,7 +201,10 @@ def _ensure_store(plan: _Plan, folder: Path, dtype: str, store: Any, force: bool
         write_experts(str(p), _expert_reader(plan), num_layers=len(plan.layer_ids),
                       num_experts=plan.num_experts, dtype=dtype, model=plan.info.model_type,
                       top_k=int(cfg.num_experts_per_tok), extra=extra, progress=progress,
-                      expert_bytes=_expert_nbytes(plan))
+                      expert_bytes=_expert_nbytes(plan),
+                      # unmap the shards after each layer: their pages read so far leave this
+                      # process's resident set (they stay in the page cache, reclaimable)
+                      after_layer=lambda pos: plan.ckpt.close())
 
     open_or_convert(path, plan.ckpt.fingerprint(), settings, convert_to, force=force)
     return path

@@ -299,7 +299,9 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
                         if i >= nl:
                             raise ValueError(f"`layers` yielded more than num_layers={nl} layers")
                         layer = convert(i, raw)
+                    start = f.tell()
                     crcs.append(_write_layer(f, i, layer, tensors, ne, block_bytes))
+                    _drop_written(f, start)
                     if bar is not None:
                         bar.update(1)
                     i += 1
@@ -331,6 +333,16 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
     finally:
         os.close(dfd)
     return ExpertStore(path)
+
+
+def _drop_written(f: Any, start: int) -> None:
+    """Write one layer's bytes out and drop them from the page cache: a store larger than
+    memory is written with page cache bounded by one layer (dirty pages count against a
+    memory cgroup's limit, and the data is not read back soon)."""
+    f.flush()
+    os.fdatasync(f.fileno())
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), start, f.tell() - start, os.POSIX_FADV_DONTNEED)
 
 
 def _umask() -> int:
