@@ -90,12 +90,24 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(arch)
         prompt = torch.tensor([list(b"The expert cache says: ")])
         show = _text
-    ref = copy.deepcopy(model)
+    ref = model if zoo_pair is not None else copy.deepcopy(model)
     n_exp = sum(p.numel() for e in hf.iter_experts_modules(model) for p in e.parameters())
     n_all = sum(p.numel() for p in model.parameters())
     greedy = zoo_pair is not None
     out_ref, dt_ref = _generate(ref, prompt, a.tokens, greedy)
-    eng = hf.offload(model, cache=a.cache, dtype=a.dtype, prefetch=not a.no_prefetch)
+    if zoo_pair is not None:
+        # the checkpoint folder the way a user runs a large model: built without its experts,
+        # which stream into a persistent store (converted on the first run, reused after)
+        from . import zoo
+        from .pretrained import from_pretrained
+        print(f"specmoe.from_pretrained({zoo.path('tiny-moe')}, cache={a.cache}, "
+              f"dtype={a.dtype!r}, policy='lru')")
+        model = from_pretrained(zoo.path("tiny-moe"), cache=a.cache, dtype=a.dtype,
+                                policy="lru", prefetch=not a.no_prefetch,
+                                torch_dtype=torch.float32, progress=False)
+        eng = hf.engine_of(model)
+    else:
+        eng = hf.offload(model, cache=a.cache, dtype=a.dtype, prefetch=not a.no_prefetch)
     try:
         n_left = sum(p.numel() for p in model.parameters())
         eng.reset_stats()

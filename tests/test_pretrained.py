@@ -269,3 +269,38 @@ def test_cli_convert_and_run_on_the_zoo_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "specmoe", "run", str(tmp_path), "--prompt", "x"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0 and "specmoe run:" in r.stderr
+
+
+def test_gpt_oss_mxfp4_checkpoint_dequantized_while_converting(tmp_path):
+    """GPT-OSS's original release stores experts as MXFP4 blocks + scales; the reference is
+    transformers' own loader dequantizing them (Mxfp4Config(dequantize=True))."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    m = testing.tiny_model("gpt_oss", inter=64)
+    folder = testing.save_checkpoint(m, tmp_path / "ckpt")
+    sd = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, n_in, n_out = sd.pop(k).shape  # blocks: [E, out, in / 32, 16] (two nibbles a byte)
+        sd[k + "_blocks"] = torch.randint(0, 256, (E, n_out, n_in // 32, 16), dtype=torch.uint8,
+                                          generator=g)
+        sd[k + "_scales"] = torch.randint(120, 128, (E, n_out, n_in // 32), dtype=torch.uint8,
+                                          generator=g)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                               quantization_config=Mxfp4Config(dequantize=True))
+    model = _load(folder)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(PROMPT).logits, ref.eval()(PROMPT).logits,
+                                       atol=1e-5, rtol=1e-5)
+        assert torch.equal(_greedy(model), _greedy(ref))
+    finally:
+        specmoe.engine_of(model).close()
