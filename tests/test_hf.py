@@ -431,3 +431,27 @@ def test_store_path_kept_and_temp_removed(tmp_path):
     assert tmp and os.path.exists(tmp)
     eng2.close()
     assert not os.path.exists(tmp)  # the temporary store is deleted by close()
+
+
+def test_set_policy_keeps_contents_and_any_spac_policy_learns():
+    """Engine.set_policy swaps the policy without emptying the cache; a SpAc object (not only
+    the string "spac") receives the per-pass activation counts."""
+    import specmoe
+    m = hf.tiny_model("mixtral")
+    eng = hf.offload(m, cache=0.5, policy=specmoe.SpAc(levels=4))
+    try:
+        with torch.no_grad():
+            m.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        L, E = len(eng.layer_ids), eng.num_experts
+        layers = np.repeat(np.arange(L), E)
+        experts = np.tile(np.arange(E), L)
+        assert eng._cache.utility(layers, experts).max() > 0  # counts were fed
+        before = sorted(eng._cache.resident())
+        assert len(before) == eng._cache.capacity
+        eng.set_policy("lfu")
+        assert eng._cache.policy == "lfu" and eng.policy == "lfu"
+        assert sorted(eng._cache.resident()) == before
+        eng.set_cache("25%")  # a new capacity rebuilds (and empties) the cache
+        assert eng._cache.capacity == L * E // 4 and eng._cache.resident() == []
+    finally:
+        eng.close()
