@@ -225,15 +225,11 @@ class Engine:
             getpath(b, info.bias_attr) if info.bias_attr else None for b in blocks]
         self._predictor: Callable[[int, torch.Tensor], Any] | None = None
         self._recorder: _Recorder | None = None
-        self._pred: dict[int, np.ndarray] = {}
-        self._pf = {"predicted": 0, "true_positive": 0, "actual": 0}
-        self._tokens = 0
-        self._passes = 0
         self._store_path: str | None = os.fspath(store)
         self._own_store = own_store
         self._store: Any = None
         self._cache: Any = None
-        self._source: Any = None
+        self._layers: Any = None  # _C.Layers over the cache: the per-layer path and counters
         self._closed = False
         # self-draft (MoE-SpeQ): every routed expert resident in a low-bit copy
         self._draft_buf: np.ndarray | None = None
@@ -263,6 +259,7 @@ class Engine:
             self._desc = spec.desc()
             self._block_bytes = int(st.block_bytes)
             self._kctx = context()
+            self._used = np.zeros(self.num_experts, np.uint8)
             if self.top_k > self.num_experts:
                 raise ValueError(f"top_k {self.top_k} > num_experts {self.num_experts}")
             self._open_cache(cache)
@@ -284,74 +281,34 @@ class Engine:
                 bias.float().reshape(-1)
         return lg
 
-    def _predict(self, sc: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Experts to prefetch from next-layer scores [T,E]: per token the top
-        ceil(k * overfetch), or (mass mode) the fewest experts, at least k, whose softmax
-        probability sums to >= mass.  Returns (mask [E], priority [E]: max over tokens)."""
-        E = self.num_experts
-        if self.mass is None:
-            m = min(E, max(self.top_k, math.ceil(self.top_k * self.overfetch)))
-            top = torch.topk(sc, m, dim=-1)
-            ids, vals = top.indices, top.values
-            keep = torch.ones_like(ids, dtype=torch.bool)
-        else:
-            prob = torch.softmax(sc, dim=-1)
-            vals, ids = torch.sort(prob, dim=-1, descending=True)
-            before = torch.cumsum(vals, dim=-1) - vals  # mass of the experts ranked above
-            keep = before < self.mass
-            keep[:, :min(E, self.top_k)] = True
-        ids_k = ids[keep].numpy()
-        p = np.zeros(E, bool)
-        p[ids_k] = True
-        pri = np.full(E, -np.inf, np.float32)
-        np.maximum.at(pri, ids_k, vals[keep].float().numpy())
-        return p, pri
-
     def _layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                        w: torch.Tensor) -> torch.Tensor:
+        """One MoE layer: everything per token runs in ``_C.Layers.forward`` (csrc/layer.h):
+        pass start, next-layer router prediction and prefetch, policy counts, the experts,
+        prediction counters.  Python keeps the torch glue, the optional Python predictor,
+        the draft-driven lookahead accounting and trace recording."""
         if self._closed:
             raise RuntimeError("this specmoe Engine is closed")
         if self._drafting is not None:
             return self._draft_layer(pos, hidden, idx, w)
         x, ix, wt, out, used = self._buffers(hidden, idx, w)
-        if pos == 0:
-            self._passes += 1
-            self._tokens += x.shape[0]
-            self._begin_pass()
-        # lookahead: queue layer pos+1's predicted experts before running this layer, so their
-        # loads overlap this layer's compute
-        if self.prefetch and pos + 1 < len(self._routers):
-            with torch.no_grad():
-                if self._predictor is not None:
-                    sc = torch.as_tensor(self._predictor(pos + 1, hidden.detach())).float()
-                else:
-                    sc = self._router_scores(pos + 1, hidden.detach())
-                p, pri = self._predict(sc)
-            self._pred[pos + 1] = p
-            experts = np.nonzero(p)[0]
-            self._queue_prefetch(pos + 1, experts, pri[experts])
-        if self._counts_fed:
-            # utility-space policies (spac) learn from how many of this pass's tokens use each
-            # expert, before the pass's accesses (the simulator feeds them at the same point)
-            cnt = np.bincount(ix.numpy().ravel(), minlength=self.num_experts)
-            nz = np.flatnonzero(cnt)
-            self._cache.observe_counts(np.full(len(nz), pos, np.int64), nz, cnt[nz])
-        self._forward_c(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used)
-        la = self._lookahead.pop(pos, None)
-        if pos == len(self.layer_ids) - 1:
-            self._lookahead.clear()  # a lookahead is for one pass
-        if la is not None:
-            act = used.astype(bool)
-            self._la["predicted"] += int(la.sum())
-            self._la["actual"] += int(act.sum())
-            self._la["true_positive"] += int((la & act).sum())
-        # prefetch accounting: compare this layer's prediction with what it used
-        pred = self._pred.pop(pos, None)
-        if pred is not None:
-            act = used.astype(bool)
-            self._pf["predicted"] += int(pred.sum())
-            self._pf["actual"] += int(act.sum())
-            self._pf["true_positive"] += int((pred & act).sum())
+        scores = None
+        if self._predictor is not None and self.prefetch and pos + 1 < len(self.layer_ids):
+            with torch.no_grad():  # the documented slow path: a predictor written in Python
+                sc = torch.as_tensor(self._predictor(pos + 1, hidden.detach()))
+                scores = sc.detach().to(torch.float32).contiguous().numpy()
+        # a draft-driven lookahead queued for this pass must survive the per-layer requests
+        self._layers.forward(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used, scores,
+                             not self._lookahead)
+        if self._lookahead:
+            la = self._lookahead.pop(pos, None)
+            if pos == len(self.layer_ids) - 1:
+                self._lookahead.clear()  # a lookahead is for one pass
+            if la is not None:
+                act = used.astype(bool)
+                self._la["predicted"] += int(la.sum())
+                self._la["actual"] += int(act.sum())
+                self._la["true_positive"] += int((la & act).sum())
         rec = self._recorder
         if rec is not None:
             lg = self._router_scores(pos, hidden.detach()) if rec.logits else None
@@ -364,10 +321,33 @@ class Engine:
         _check_capacity(capacity, self.num_experts * len(self.layer_ids), self._block_bytes)
         new = ExpertCache(self._store, capacity, self.policy, top_k=self.top_k,
                           prefetch=True)  # built first: a bad policy/capacity keeps the old one
+        try:
+            layers = _C.Layers(new, self._kctx, self._desc, self._router_copies(), self.top_k,
+                               sigmoid=self.arch.sigmoid_router)
+        except BaseException:
+            new.close()
+            raise
         if self._cache is not None:
             self._cache.close()
-        self._cache = new
-        self._source = new._c
+        self._cache, self._layers = new, layers
+        self._configure_layers()
+
+    def _router_copies(self) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
+        """Each MoE layer's router as f32 arrays (weight [E,H], bias, correction bias) for the
+        C prediction; the Python predictor hook replaces them when set."""
+        def f32(t: torch.Tensor | None) -> np.ndarray | None:
+            return None if t is None else \
+                np.ascontiguousarray(t.detach().to(torch.float32).reshape(t.shape[0], -1)
+                                     .squeeze(-1).numpy())
+        out = []
+        for r, corr in zip(self._routers, self._router_bias):
+            out.append((f32(r.weight), f32(getattr(r, "bias", None)),
+                        None if corr is None else f32(corr.reshape(-1))))
+        return out
+
+    def _configure_layers(self) -> None:
+        self._layers.configure(self.prefetch, self.overfetch,
+                               0.0 if self.mass is None else self.mass, self._counts_fed)
 
     @property
     def cache_frac(self) -> float:
@@ -375,22 +355,6 @@ class Engine:
         if self._cache is None:
             return 0.0
         return self._cache.capacity / (self.num_experts * len(self.layer_ids))
-
-    def _begin_pass(self) -> None:
-        if self._cache is not None:
-            self._cache.begin_pass()
-
-    def _forward_c(self, pos, x, ix, wt, out, used) -> None:
-        _C.moe_forward(self._source, self._kctx, self._desc, self._block_bytes, pos,
-                       self.num_experts, x, ix, wt, out, used)
-
-    def _queue_prefetch(self, pos: int, experts: np.ndarray, priorities: np.ndarray) -> None:
-        if self._cache is not None and len(experts):
-            layers = np.full(len(experts), pos, np.int64)
-            # a draft-driven lookahead queued for this pass must survive the per-layer requests
-            self._cache.prefetch((layers, experts.astype(np.int64),
-                                  np.asarray(priorities, np.float32)),
-                                 replace=not self._lookahead)
 
     @property
     def _counts_fed(self) -> bool:
@@ -435,11 +399,10 @@ class Engine:
 
     def _buffers(self, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple:
         """The C layer's inputs (f32 hidden, int64 ids, f32 weights, contiguous), its output
-        buffer and the per-expert "used" flags."""
+        buffer and the per-expert "used" flags (one array per Engine, overwritten by C)."""
         x = hidden.detach().to(torch.float32).contiguous()
         return (x, idx.detach().to(torch.int64).contiguous(),
-                w.detach().to(torch.float32).contiguous(), torch.empty_like(x),
-                np.zeros(self.num_experts, np.uint8))
+                w.detach().to(torch.float32).contiguous(), torch.empty_like(x), self._used)
 
     def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                      w: torch.Tensor) -> torch.Tensor:
@@ -518,9 +481,10 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset: tokens, forward passes, prefetch precision/recall of
         the next-layer router predictor, and the cache's hits/misses/stall time."""
-        pf = self._pf
+        pf = self._layers.counters() if self._layers is not None else \
+            {"tokens": 0, "passes": 0, "predicted": 0, "true_positive": 0, "actual": 0}
         s: dict[str, Any] = {
-            "tokens": self._tokens, "passes": self._passes, "policy": self.policy,
+            "tokens": pf["tokens"], "passes": pf["passes"], "policy": self.policy,
             "cache_frac": self.cache_frac, "dtype": self.dtype, "prefetch": self.prefetch,
             "prefetch_precision": pf["true_positive"] / pf["predicted"] if pf["predicted"] else None,
             "prefetch_recall": pf["true_positive"] / pf["actual"] if pf["actual"] else None,
@@ -546,9 +510,9 @@ class Engine:
         return c
 
     def reset_stats(self) -> None:
-        self._pf = {"predicted": 0, "true_positive": 0, "actual": 0}
         self._la = {"predicted": 0, "true_positive": 0, "actual": 0}
-        self._tokens = self._passes = 0
+        if self._layers is not None:
+            self._layers.counters(reset=True)
         if self._cache is not None:
             self._cache.reset_stats()
 
@@ -558,6 +522,7 @@ class Engine:
             raise RuntimeError("this specmoe Engine is closed")
         self._cache.set_policy(policy)
         self.policy = policy
+        self._configure_layers()  # a utility-space policy is fed activation counts
 
     def set_cache(self, capacity: int | float | str, policy: Any = None) -> None:
         """Rebuild the cache over the same store with a new capacity (slots, a fraction of all
@@ -574,7 +539,6 @@ class Engine:
             self.policy = old
             raise
         self._tau.clear()  # tau includes expert loads, which depend on the cache
-        self._pred.clear()
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
                      predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep",
@@ -585,18 +549,19 @@ class Engine:
         (None: back to overfetch).  predictor: ``f(next_layer_position, hidden[T,H]) ->
         scores[T,E]`` (higher = more likely needed), or None for the default, layer l+1's router
         applied to layer l's router input."""
+        if not isinstance(mass, str) and mass is not None and not (0 < mass <= 1):
+            raise ValueError(f"mass must be in (0, 1], got {mass}")
+        if overfetch is not None and not overfetch >= 1:
+            raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         if not isinstance(mass, str):
-            if mass is not None and not (0 < mass <= 1):
-                raise ValueError(f"mass must be in (0, 1], got {mass}")
             self.mass = mass
         self.prefetch = bool(on)
         if not isinstance(predictor, str):
             self._predictor = predictor
         if overfetch is not None:
-            if overfetch < 1:
-                raise ValueError(f"overfetch must be >= 1, got {overfetch}")
             self.overfetch = float(overfetch)
-        self._pred.clear()
+        if self._layers is not None:
+            self._configure_layers()  # also forgets predictions made with the old settings
 
     def trace(self, logits: bool = False) -> TraceRecording:
         """``with engine.trace() as t: model.generate(...)``; then ``t.result()`` is a
@@ -610,7 +575,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._source = None
+        self._layers = None
         self._draft_buf = None
         if self._cache is not None:
             self._cache.close()

@@ -278,9 +278,9 @@ def test_moe_forward_rejects_bad_input():
         with pytest.raises(TypeError):
             call(source=object())
         with pytest.raises(ValueError, match="does not match"):
-            call(source=eng._source, layer=5)
+            call(source=eng._cache._c, layer=5)
     finally:
-        cache_obj = eng._source
+        cache_obj = eng._cache._c
         eng.close()
     from specmoe import CacheError
     with pytest.raises(CacheError, match="closed"):

@@ -1,0 +1,278 @@
+/* Python binding of the per-layer path (layer.h): _C.Layers.
+ *
+ *   Layers(cache, kctx, desc, routers, top_k, sigmoid=False)
+ *     cache: a _C.Cache or specmoe.ExpertCache (kept referenced; close() of it is refused
+ *     while a forward call runs, and a later forward on a closed cache raises CacheError);
+ *     kctx: a _C.KernelContext or None; desc: the expert FFN descriptor dict;
+ *     routers: one (w [E,H], b [E] or None, corr [E] or None) float32 tuple per MoE layer.
+ *   forward(pos, x, idx, w, out, used, scores=None, replace=True)   METH_FASTCALL, GIL released
+ *   configure(prefetch, overfetch, mass, feed_counts)
+ *   counters(reset=False) -> dict
+ */
+#include "py_common.h"
+/* kernels.h before numpy: <complex.h> (pulled in by numpy) defines the macro I */
+#include "layer.h"
+#include "py_cache.h"
+#include "py_kernels.h"
+#include "py_numpy.h"
+
+typedef struct {
+    PyObject_HEAD
+    smoe_layers g;
+    int initialized;
+    PyObject *cache_obj; /* strong */
+    PyObject *kctx_obj;  /* strong, or NULL */
+} LayersObject;
+
+static void Layers_dealloc(LayersObject *self) {
+    if (self->initialized) smoe_layers_free(&self->g);
+    Py_XDECREF(self->cache_obj);
+    Py_XDECREF(self->kctx_obj);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A C-contiguous array of `type` with `ndim` dims (writable if asked), else an exception. */
+static PyArrayObject *arr(PyObject *o, const char *name, int type, int ndim, int writable) {
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (PyArray_TYPE(a) != type || PyArray_NDIM(a) != ndim || !PyArray_IS_C_CONTIGUOUS(a) ||
+        (writable && !PyArray_ISWRITEABLE(a))) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous %s%s array of %d dims", name,
+                     writable ? "writable " : "",
+                     type == NPY_FLOAT32 ? "float32" : type == NPY_INT64 ? "int64" : "uint8",
+                     ndim);
+        return NULL;
+    }
+    return a;
+}
+
+static int Layers_init(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"cache", "kctx", "desc", "routers", "top_k", "sigmoid", NULL};
+    PyObject *cache_obj, *kctx_obj, *desc, *routers;
+    unsigned int top_k;
+    int sigmoid = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO!OI|p:Layers", kwlist, &cache_obj, &kctx_obj,
+                                     &PyDict_Type, &desc, &routers, &top_k, &sigmoid))
+        return -1;
+    if (self->initialized) {
+        PyErr_SetString(PyExc_RuntimeError, "Layers is already initialized");
+        return -1;
+    }
+    smoe_kctx *kc = NULL;
+    if (kctx_obj != Py_None && !(kc = smoe_py_kctx(kctx_obj))) return -1;
+    smoe_cache *cache = smoe_py_cache_begin(cache_obj);
+    if (!cache) return -1;
+    smoe_ffn_desc d;
+    int rc = -1;
+    const float **w = NULL, **b = NULL, **corr = NULL;
+    PyObject *seq = PySequence_Fast(routers, "routers must be a sequence of (w, b, corr)");
+    if (!seq) goto out;
+    if (smoe_py_ffn_desc_parse(desc, cache->slot_bytes, &d) < 0) goto out;
+    Py_ssize_t L = PySequence_Fast_GET_SIZE(seq);
+    uint32_t E = cache->num_experts, H = d.H;
+    if ((uint32_t)L != cache->num_layers) {
+        PyErr_Format(PyExc_ValueError, "routers: %zd layers, the cache has %u", L,
+                     cache->num_layers);
+        goto out;
+    }
+    w = calloc((size_t)L, sizeof *w), b = calloc((size_t)L, sizeof *b);
+    corr = calloc((size_t)L, sizeof *corr);
+    if (!w || !b || !corr) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t l = 0; l < L; l++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, l);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
+            PyErr_Format(PyExc_TypeError, "routers[%zd] must be a tuple (w, b, corr)", l);
+            goto out;
+        }
+        PyArrayObject *a = arr(PyTuple_GET_ITEM(t, 0), "router weight", NPY_FLOAT32, 2, 0);
+        if (!a) goto out;
+        if (PyArray_DIM(a, 0) != (npy_intp)E || PyArray_DIM(a, 1) != (npy_intp)H) {
+            PyErr_Format(PyExc_ValueError, "routers[%zd] weight is %ldx%ld, expected %ux%u", l,
+                         (long)PyArray_DIM(a, 0), (long)PyArray_DIM(a, 1), E, H);
+            goto out;
+        }
+        w[l] = PyArray_DATA(a);
+        for (int j = 1; j <= 2; j++) {
+            PyObject *v = PyTuple_GET_ITEM(t, j);
+            if (v == Py_None) continue;
+            PyArrayObject *bv = arr(v, j == 1 ? "router bias" : "correction bias", NPY_FLOAT32,
+                                    1, 0);
+            if (!bv) goto out;
+            if (PyArray_DIM(bv, 0) != (npy_intp)E) {
+                PyErr_Format(PyExc_ValueError, "routers[%zd] %s has %ld entries, expected %u",
+                             l, j == 1 ? "bias" : "correction bias", (long)PyArray_DIM(bv, 0),
+                             E);
+                goto out;
+            }
+            (j == 1 ? b : corr)[l] = PyArray_DATA(bv);
+        }
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    if (smoe_layers_init(&self->g, cache, kc, &d, (uint32_t)L, E, H, top_k, w, b, corr, sigmoid,
+                         &e)) {
+        smoe_py_raise(&e);
+        goto out;
+    }
+    self->initialized = 1;
+    Py_INCREF(cache_obj);
+    self->cache_obj = cache_obj;
+    if (kctx_obj != Py_None) {
+        Py_INCREF(kctx_obj);
+        self->kctx_obj = kctx_obj;
+    }
+    rc = 0;
+out:
+    free(w);
+    free(b);
+    free(corr);
+    Py_XDECREF(seq);
+    PyObject *et, *ev, *tb; /* ending the use may look up attributes: keep the error */
+    PyErr_Fetch(&et, &ev, &tb);
+    smoe_py_cache_end(cache_obj);
+    PyErr_Restore(et, ev, tb);
+    return rc;
+}
+
+static int check_init(LayersObject *self) {
+    if (!self->initialized) {
+        PyErr_SetString(PyExc_RuntimeError, "Layers is not initialized");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(forward_doc,
+             "forward(pos, x, idx, w, out, used, scores=None, replace=True)\n\n"
+             "One MoE layer with the GIL released (csrc/layer.h): next-layer prediction and "
+             "prefetch, policy counts, the experts through the cache, prediction counters.  x, "
+             "out: float32 [T,H]; idx: int64 [T,k]; w: float32 [T,k]; used: uint8 [E]; scores: "
+             "None or float32 [T,E] of layer pos+1 from a Python predictor.");
+
+static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (check_init(self) < 0) return NULL;
+    if (n < 6 || n > 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "forward(pos, x, idx, w, out, used, scores=None, replace=True)");
+        return NULL;
+    }
+    smoe_layers *g = &self->g;
+    long pos = PyLong_AsLong(args[0]);
+    if (pos == -1 && PyErr_Occurred()) return NULL;
+    if (pos < 0 || pos >= (long)g->L) {
+        PyErr_Format(PyExc_ValueError, "pos %ld outside 0..%u", pos, g->L - 1);
+        return NULL;
+    }
+    PyArrayObject *x, *idx, *w, *out, *used, *sc = NULL;
+    if (!(x = arr(args[1], "x", NPY_FLOAT32, 2, 0)) ||
+        !(idx = arr(args[2], "idx", NPY_INT64, 2, 0)) ||
+        !(w = arr(args[3], "w", NPY_FLOAT32, 2, 0)) ||
+        !(out = arr(args[4], "out", NPY_FLOAT32, 2, 1)) ||
+        !(used = arr(args[5], "used", NPY_UINT8, 1, 1)))
+        return NULL;
+    if (n > 6 && args[6] != Py_None && !(sc = arr(args[6], "scores", NPY_FLOAT32, 2, 0)))
+        return NULL;
+    int replace = 1;
+    if (n > 7 && (replace = PyObject_IsTrue(args[7])) < 0) return NULL;
+    npy_intp T = PyArray_DIM(x, 0);
+    if (PyArray_DIM(x, 1) != (npy_intp)g->H || PyArray_DIM(idx, 0) != T ||
+        PyArray_DIM(idx, 1) != (npy_intp)g->k || PyArray_DIM(w, 0) != T ||
+        PyArray_DIM(w, 1) != (npy_intp)g->k || PyArray_DIM(out, 0) != T ||
+        PyArray_DIM(out, 1) != (npy_intp)g->H || PyArray_DIM(used, 0) != (npy_intp)g->E ||
+        (sc && (PyArray_DIM(sc, 0) != T || PyArray_DIM(sc, 1) != (npy_intp)g->E)) ||
+        T > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "shape mismatch: x %ldx%ld, idx %ldx%ld, w %ldx%ld, out %ldx%ld, used %ld "
+                     "(hidden %u, top_k %u, experts %u)",
+                     (long)T, (long)PyArray_DIM(x, 1), (long)PyArray_DIM(idx, 0),
+                     (long)PyArray_DIM(idx, 1), (long)PyArray_DIM(w, 0), (long)PyArray_DIM(w, 1),
+                     (long)PyArray_DIM(out, 0), (long)PyArray_DIM(out, 1),
+                     (long)PyArray_DIM(used, 0), g->H, g->k, g->E);
+        return NULL;
+    }
+    if (out == x) {
+        PyErr_SetString(PyExc_ValueError, "out must not be x");
+        return NULL;
+    }
+    if (!smoe_py_cache_begin(self->cache_obj)) return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_layers_forward(g, (uint32_t)pos, PyArray_DATA(x), (uint32_t)T, PyArray_DATA(idx),
+                             PyArray_DATA(w), PyArray_DATA(out), PyArray_DATA(used),
+                             sc ? PyArray_DATA(sc) : NULL, replace, &e);
+    Py_END_ALLOW_THREADS
+    smoe_py_cache_end(self->cache_obj);
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"prefetch", "overfetch", "mass", "feed_counts", NULL};
+    int prefetch, feed;
+    double overfetch, mass;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "pddp:configure", kwlist, &prefetch, &overfetch,
+                                     &mass, &feed))
+        return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    if (smoe_layers_configure(&self->g, prefetch, overfetch, mass, feed, &e))
+        return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"reset", NULL};
+    int reset = 0;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "|p:counters", kwlist, &reset))
+        return NULL;
+    smoe_layer_counters c;
+    Py_BEGIN_ALLOW_THREADS
+    smoe_layers_counters(&self->g, &c, reset);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K}", "tokens", (unsigned long long)c.tokens,
+                         "passes", (unsigned long long)c.passes, "predicted",
+                         (unsigned long long)c.predicted, "true_positive",
+                         (unsigned long long)c.true_positive, "actual",
+                         (unsigned long long)c.actual);
+}
+
+static PyMethodDef Layers_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))Layers_forward, METH_FASTCALL, forward_doc},
+    {"configure", (PyCFunction)(void (*)(void))Layers_configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(prefetch, overfetch, mass, feed_counts): prediction settings (mass 0: top-m "
+     "mode); forgets pending predictions."},
+    {"counters", (PyCFunction)(void (*)(void))Layers_counters, METH_VARARGS | METH_KEYWORDS,
+     "counters(reset=False) -> dict of tokens, passes, predicted, true_positive, actual."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject LayersType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.Layers",
+    .tp_basicsize = sizeof(LayersObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Layers(cache, kctx, desc, routers, top_k, sigmoid=False): the per-layer path of "
+              "an offloaded model in one C call (csrc/layer.h).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Layers_init,
+    .tp_dealloc = (destructor)Layers_dealloc,
+    .tp_methods = Layers_methods,
+};
+
+int smoe_py_layer_init(PyObject *m) {
+    if (PyType_Ready(&LayersType) < 0) return -1;
+    Py_INCREF(&LayersType);
+    if (PyModule_AddObject(m, "Layers", (PyObject *)&LayersType) < 0) {
+        Py_DECREF(&LayersType);
+        return -1;
+    }
+    return 0;
+}
