@@ -307,11 +307,11 @@ class GenerateOutput:
 
 def find_engine(model: nn.Module) -> Any:
     """The :class:`specmoe.hf.Engine` that offloaded ``model``, or None."""
-    from .hf import SpecmoeExperts
-    for m in model.modules():
-        if isinstance(m, SpecmoeExperts):
-            return m._engine
-    return None
+    from .hf import engine_of
+    try:
+        return engine_of(model)
+    except ValueError:
+        return None
 
 
 _TAU: "weakref.WeakKeyDictionary[nn.Module, Dict[int, float]]" = weakref.WeakKeyDictionary()
