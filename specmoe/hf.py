@@ -30,9 +30,9 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import tempfile
+import threading
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -159,6 +159,11 @@ class Engine:
         self._cache: Any = None
         self._layers: Any = None  # _C.Layers over the cache: the per-layer path and counters
         self._closed = False
+        # Threads: layer calls run concurrently (the C objects lock for themselves); close()
+        # and set_cache() wait for the calls in flight and hold new ones off meanwhile.
+        self._cv = threading.Condition()
+        self._inflight = 0  # [_cv] layer calls running
+        self._exclusive_owner = False  # [_cv] close/set_cache running
         # self-draft (MoE-SpeQ): every routed expert resident in a low-bit copy
         self._draft_buf: np.ndarray | None = None
         self._draft_desc: dict[str, Any] = {}
@@ -187,7 +192,6 @@ class Engine:
             self._desc = spec.desc()
             self._block_bytes = int(st.block_bytes)
             self._kctx = context()
-            self._used = np.zeros(self.num_experts, np.uint8)
             if self.top_k > self.num_experts:
                 raise ValueError(f"top_k {self.top_k} > num_experts {self.num_experts}")
             self._open_cache(cache)
@@ -215,10 +219,40 @@ class Engine:
         pass start, next-layer router prediction and prefetch, policy counts, the experts,
         prediction counters.  Python keeps the torch glue, the optional Python predictor,
         the draft-driven lookahead accounting and trace recording."""
-        if self._closed:
-            raise RuntimeError("this specmoe Engine is closed")
-        if self._drafting is not None:
-            return self._draft_layer(pos, hidden, idx, w)
+        with self._cv:
+            while self._exclusive_owner:
+                self._cv.wait()
+            if self._closed:
+                raise RuntimeError("this specmoe Engine is closed")
+            self._inflight += 1
+        try:
+            if self._drafting is not None:
+                return self._draft_layer(pos, hidden, idx, w)
+            return self._layer_call(pos, hidden, idx, w)
+        finally:
+            with self._cv:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """No layer call runs inside the block (they wait at its end)."""
+        with self._cv:
+            while self._exclusive_owner:
+                self._cv.wait()
+            self._exclusive_owner = True
+            while self._inflight:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._exclusive_owner = False
+                self._cv.notify_all()
+
+    def _layer_call(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
+                    w: torch.Tensor) -> torch.Tensor:
         x, ix, wt, out, used = self._buffers(hidden, idx, w)
         scores = None
         if self._predictor is not None and self.prefetch and pos + 1 < len(self.layer_ids):
@@ -327,10 +361,11 @@ class Engine:
 
     def _buffers(self, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple:
         """The C layer's inputs (f32 hidden, int64 ids, f32 weights, contiguous), its output
-        buffer and the per-expert "used" flags (one array per Engine, overwritten by C)."""
+        buffer and the per-expert "used" flags (per call: calls may run in several threads)."""
         x = hidden.detach().to(torch.float32).contiguous()
         return (x, idx.detach().to(torch.int64).contiguous(),
-                w.detach().to(torch.float32).contiguous(), torch.empty_like(x), self._used)
+                w.detach().to(torch.float32).contiguous(), torch.empty_like(x),
+                np.empty(self.num_experts, np.uint8))
 
     def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                      w: torch.Tensor) -> torch.Tensor:
@@ -456,17 +491,18 @@ class Engine:
         """Rebuild the cache over the same store with a new capacity (slots, a fraction of all
         experts, ``"25%"`` or a byte size such as ``"6GiB"``) and optionally a new policy.  The
         cache starts empty and its statistics restart."""
-        if self._store is None:
-            raise RuntimeError("this specmoe Engine is closed")
-        old = self.policy
-        if policy is not None:
-            self.policy = policy
-        try:
-            self._open_cache(capacity)
-        except BaseException:
-            self.policy = old
-            raise
-        self._tau.clear()  # tau includes expert loads, which depend on the cache
+        with self._exclusive():  # layer calls in other threads finish first, then wait
+            if self._store is None or self._closed:
+                raise RuntimeError("this specmoe Engine is closed")
+            old = self.policy
+            if policy is not None:
+                self.policy = policy
+            try:
+                self._open_cache(capacity)
+            except BaseException:
+                self.policy = old
+                raise
+            self._tau.clear()  # tau includes expert loads, which depend on the cache
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
                      predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep",
@@ -499,10 +535,15 @@ class Engine:
     def close(self) -> None:
         """Release the cache and the store (deleting the temporary store file if offload made
         one).  The model keeps its SpecmoeExperts modules, which raise RuntimeError when called
-        afterwards: the expert weights are gone from the model and are not restored."""
-        if self._closed:
-            return
-        self._closed = True
+        afterwards: the expert weights are gone from the model and are not restored.  Layer
+        calls running in other threads finish first; their next call raises RuntimeError."""
+        with self._exclusive():
+            if self._closed:
+                return
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
         self._layers = None
         self._draft_buf = None
         if self._cache is not None:
