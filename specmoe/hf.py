@@ -10,9 +10,10 @@ Two ways in, one :class:`Engine`:
 
 Either way each MoE layer's ``experts`` module becomes a :class:`SpecmoeExperts`, called exactly
 like the one it replaces (``experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k])``, after
-all of the model's own routing), which runs the whole layer in one C call (``_C.moe_forward``)
-with the GIL released: tokens grouped by expert, each needed expert fetched once through the
-cache, its FFN run on all of its tokens, ``weight * output`` accumulated.  Routers, attention,
+all of the model's own routing), which runs the whole layer in one C call (``_C.Layers``,
+csrc/layer.h) with the GIL released: the next layer's prediction and prefetch, tokens grouped
+by expert, each needed expert fetched once through the cache, its FFN run on all of its tokens,
+``weight * output`` accumulated.  Routers, attention,
 shared experts and dense layers stay in torch, untouched.  Which models fit and how their
 experts are laid out: :mod:`specmoe.arch`; the store: :mod:`specmoe.conversion`.
 

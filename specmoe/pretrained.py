@@ -238,10 +238,10 @@ def convert(path: str | os.PathLike[str], *, dtype: str = "bf16",
 def _load_dense(plan: _Plan) -> None:
     """Load every non-expert tensor of the checkpoint into the skeleton, in the skeleton's
     dtypes, then tie weights; a parameter left on the meta device is an error."""
+    from .arch import moe_block
+    from .hf import SpecmoeExperts
     model = plan.model
     for pos, i in enumerate(plan.layer_ids):  # drop the meta expert parameters first
-        from .hf import SpecmoeExperts
-        from .arch import moe_block
         moe_block(model, plan.info, i).experts = SpecmoeExperts(None, pos, plan.num_experts,
                                                                 plan.shapes[1])
     for target, key in plan.dense.items():

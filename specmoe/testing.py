@@ -7,7 +7,6 @@ tested against the unmodified model.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
