@@ -51,14 +51,15 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
     static char *kwlist[] = {"name",         "k_max",    "k",           "initial",
                              "trials",       "trial_len", "set_len",    "backoff_max",
                              "base_len",     "base_refresh", "alpha",   "p_init",
-                             "telemetry_cap", "probe", "trial_pool", NULL};
+                             "telemetry_cap", "probe", "trial_pool", "converge", NULL};
     const char *name;
     long long v[9] = {0};
-    double alpha = 0.0, p_init = 0.0;
+    double alpha = 0.0, p_init = 0.0, converge = 0.0;
     long long cap = 0, probe = 0, pool = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddLLL:SpecController", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddLLLd:SpecController", kwlist,
                                      &name, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6],
-                                     &v[7], &v[8], &alpha, &p_init, &cap, &probe, &pool))
+                                     &v[7], &v[8], &alpha, &p_init, &cap, &probe, &pool,
+                                     &converge))
         return -1;
     const smoe_spec_ctl_ops *ops = smoe_spec_ctl_find(name);
     if (!ops) {
@@ -86,6 +87,11 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
     }
     p.alpha = alpha;
     p.p_init = p_init;
+    if (isnan(converge)) {
+        PyErr_SetString(PyExc_ValueError, "converge must not be NaN");
+        return -1;
+    }
+    p.converge = converge;
     smoe_err err;
     smoe_err_clear(&err);
     smoe_spec_ctl *c = NULL;
@@ -267,7 +273,19 @@ static PyObject *SpecController_get_allowed(SpecControllerObject *self, void *cl
     return l;
 }
 
+static PyObject *SpecController_begin_request(SpecControllerObject *self,
+                                              PyObject *Py_UNUSED(ignored)) {
+    if (!self->c) {
+        PyErr_SetString(PyExc_RuntimeError, "SpecController is not initialised");
+        return NULL;
+    }
+    smoe_spec_ctl_begin_request(self->c);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef SpecController_methods[] = {
+    {"begin_request", (PyCFunction)SpecController_begin_request, METH_NOARGS,
+     "begin_request(): a new request starts (cascade drops its per-request state)."},
     {"next_k", (PyCFunction)SpecController_next_k, METH_NOARGS,
      "next_k() -> int: K for the next iteration (0 = no speculation); does not change state."},
     {"observe", (PyCFunction)(void (*)(void))SpecController_observe, METH_VARARGS | METH_KEYWORDS,

@@ -108,6 +108,12 @@ class Controller:
         """Median t_iter of the last plain (K=0) iterations; NaN before the first one."""
         return float(self._c.base)
 
+    def begin_request(self) -> None:
+        """A new request starts (:func:`specmoe.generate` calls it).  Cascade drops its
+        per-request state (phase, trial pools, back-off, hill-climbing centre) and keeps the
+        measured plain-step time; the other controllers keep theirs (see controller.h)."""
+        self._c.begin_request()
+
     def next_k(self) -> int:
         """K for the next iteration (0 = plain decoding).  Does not change state."""
         return int(self._c.next_k())
@@ -181,12 +187,14 @@ class Cascade(Controller):
             phases start from the best K of the last test phase that found one paying.
         trial_pool: iterations at a K whose ETR and time make a trial's utility: the trial's
             own and the most recent earlier ones at that K (trial_len: the trial's alone).
+        converge: a test phase ends when two successive trials' utilities differ by at most
+            this fraction of the larger (the paper's third early exit, 10 %); None: never.
     """
 
     def __init__(self, *, k_max: int = 8, trials: int = 4, trial_len: int = 4, set_len: int = 16,
                  backoff_max: int = 1024, base_len: int = 4, base_refresh: int = 100,
                  initial: Optional[int] = None, trial_pool: int = 12,
-                 telemetry_cap: int = 0) -> None:
+                 converge: Optional[float] = 0.10, telemetry_cap: int = 0) -> None:
         if initial is None:  # 2, lowered to k_max
             initial = min(2, _check_int("k_max", k_max, 1))
         vals = dict(k_max=k_max, trials=trials, trial_len=trial_len, set_len=set_len,
@@ -196,7 +204,11 @@ class Cascade(Controller):
             _check_int(n, v, 1)
         if initial > k_max:
             raise ValueError(f"initial={initial} exceeds k_max={k_max}")
-        super().__init__("cascade", telemetry_cap=telemetry_cap, **vals)
+        if converge is not None and not (isinstance(converge, (int, float)) and
+                                         0 < converge < 1):
+            raise ValueError(f"converge must be in (0, 1) or None, got {converge!r}")
+        super().__init__("cascade", telemetry_cap=telemetry_cap,
+                         converge=-1.0 if converge is None else float(converge), **vals)
 
 
 class SpeqGovernor(Controller):

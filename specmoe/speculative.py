@@ -453,6 +453,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         # asked for and runs as given (pass a tau mapping to prune it anyway)
         controller.set_tau(target_tau(model, prompt, controller.k_max + 1, engine)
                            if isinstance(tau, str) else tau)
+    if controller is not None and hasattr(controller, "begin_request"):
+        controller.begin_request()  # Cascade's state is per request (controller.h)
 
     rec = recurrent_layer_types(model.config)
     if rec:

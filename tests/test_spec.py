@@ -12,7 +12,7 @@ import math
 import statistics
 import random
 from collections import deque
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
@@ -60,9 +60,11 @@ class Shared:
 
 def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: int,
                 bmax: int, base_len: int, refresh: int, center: int,
-                pool: int = 12) -> Iterator[Tuple[int, str]]:
+                pool: int = 12, converge: Optional[float] = 0.10,
+                need_base: bool = True) -> Iterator[Tuple[int, str]]:
     """Yields (K, phase); is sent (k_used, accepted, t_iter) after each iteration.  The
-    Shared timing is updated by the driver before the send."""
+    Shared timing is updated by the driver before the send.  A new request is a new
+    generator over the same Shared (need_base as Cascade decides it at that point)."""
     allow = set(allowed)
     hist: Dict[int, List[Tuple[float, float, int]]] = {}  # K -> (etr, t, index) of TEST/SET
 
@@ -72,7 +74,6 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
         take = mine + [r for r in older if r[2] + refresh > sh.i][:max(pool, t) - t]
         return sum(r[0] for r in take) / (sum(r[1] for r in take) / b)
     backoff = S
-    need_base = True
     while True:
         if need_base:
             for _ in range(base_len):
@@ -82,6 +83,7 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
         above = [k for k in cands if k > center]
         start = max(below) if below else (min(above) if above else None)
         tried: Dict[int, float] = {}
+        prev_k = 0
         best_k, best_u = 0, -INF
         if start is not None:
             k = start
@@ -102,7 +104,9 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                     hist.setdefault(k, []).append((acc + 1, ti, sh.i))
                 b = sh.base()
                 u = pooled_u(k, b) if not math.isnan(b) else 0.0
+                prev_u = tried[prev_k] if tried else None
                 tried[k] = u
+                prev_k = k
                 first = len(tried) == 1
                 improved = u > best_u
                 if improved or (u == best_u and k < best_k):
@@ -111,6 +115,9 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                     direction = 1 if u >= 1 else -1
                 if (k == 1 and u < 1) or len(tried) >= M:
                     break
+                if not first and converge is not None and \
+                        abs(u - prev_u) <= converge * max(abs(u), abs(prev_u)):
+                    break  # successive utilities converged (the paper's third early exit)
                 nxt = step(best_k, direction) if (first or improved) else None
                 if nxt is None:
                     if flipped:
@@ -155,21 +162,32 @@ def env_never(base: float = 0.010) -> Env:
 
 def drive_cascade(env: Env, n: int, *, k_max: int = 8, M: int = 4, t: int = 4, S: int = 16,
                   bmax: int = 1024, base_len: int = 4, refresh: int = 100, center: int = 1,
-                  tau: Optional[List[float]] = None,
-                  pool: int = 12) -> Tuple[Cascade, List[Tuple[int, str]]]:
+                  tau: Optional[List[float]] = None, pool: int = 12,
+                  converge: Optional[float] = 0.10,
+                  requests: Sequence[int] = ()) -> Tuple[Cascade, List[Tuple[int, str]]]:
     """Run the C Cascade and the reference in lockstep; return the controller and the
-    (K, phase) sequence."""
+    (K, phase) sequence.  ``requests``: iteration indices where a new request begins
+    (begin_request on the controller, a fresh reference generator over the same timing)."""
     c = Cascade(k_max=k_max, trials=M, trial_len=t, set_len=S, backoff_max=bmax,
-                base_len=base_len, base_refresh=refresh, initial=center, trial_pool=pool)
+                base_len=base_len, base_refresh=refresh, initial=center, trial_pool=pool,
+                converge=converge)
     if tau is not None:
         c.set_tau(tau)
     allowed = ref_allowed(k_max, tau)
     assert c.allowed == allowed
     sh = Shared(base_len)
-    gen = ref_cascade(sh, allowed, k_max, M, t, S, bmax, base_len, refresh, center, pool)
+
+    def fresh(need_base: bool) -> Iterator[Tuple[int, str]]:
+        return ref_cascade(sh, allowed, k_max, M, t, S, bmax, base_len, refresh, center, pool,
+                           converge, need_base)
+    gen = fresh(True)
     kp = next(gen)
     seq = []
     for it in range(n):
+        if it in requests:
+            c.begin_request()
+            gen = fresh(sh.last_plain is None or sh.i - sh.last_plain >= refresh)
+            kp = next(gen)
         k = c.next_k()
         assert (k, c.phase) == kp, f"iteration {it}: C says {(k, c.phase)}, reference {kp}"
         assert k in allowed
@@ -224,9 +242,10 @@ def test_cascade_base_refreshed_about_every_100_iterations():
     starts = [i for i in range(len(seq)) if seq[i][1] == "base" and (i == 0 or seq[i - 1][1] != "base")]
     assert len(starts) >= 5
     gaps = np.diff(starts)
-    # a refresh happens at the first phase end at least 100 iterations after the last plain
-    # iteration; phases are at most max(S, M*t) = 16 long
-    assert all(100 <= g <= 100 + 16 + 4 for g in gaps), gaps
+    # a refresh happens at the first SET/BACKOFF end at least 100 iterations after the last
+    # plain iteration; between two such ends lie at most a test phase (M*t = 16) and a set
+    # phase (S = 16), and the base phase itself is 4 long
+    assert all(100 <= g <= 100 + 16 + 16 + 4 for g in gaps), gaps
 
 
 def test_cascade_never_pays_backs_off_doubling():
@@ -297,10 +316,45 @@ def test_cascade_ties_go_to_smaller_k():
     def env(k: int, it: int) -> Tuple[int, int, float]:
         return k, k, 0.01 * (k + 1) if k else 0.01
 
-    _, seq = drive_cascade(env, 60, center=2)
+    _, seq = drive_cascade(env, 60, center=2, converge=None)
     # U(2) = 1 >= 1 -> up to 3 (tie: no improvement) -> flip -> 1 (tie) -> end; best = 1
+    # (without the convergence exit, which would end the phase after the tie at 3)
     assert [k for k, p in seq if p == "test"][:12] == [2] * 4 + [3] * 4 + [1] * 4
     assert {k for k, p in seq if p == "set"} == {1}
+
+
+def test_cascade_converged_utilities_end_the_test_phase():
+    """Section 5.5's third early exit: U(2) and U(3) within 10% end the phase after two
+    trials; with the exit off the hill climbing goes on to K=4."""
+    def env(k: int, it: int) -> Tuple[int, int, float]:  # U(1)=1.5, U(2)=2.0, U(3)=2.1
+        u = {1: 1.5, 2: 2.0, 3: 2.1, 4: 1.2}
+        return (k, k, 0.010 * (k + 1) / u[k]) if k else (0, 0, 0.010)
+    _, seq = drive_cascade(env, 40, center=2, k_max=4)
+    assert [k for k, p in seq if p == "test"][:8] == [2] * 4 + [3] * 4
+    assert [p for _, p in seq[12:14]] == ["set", "set"] and seq[12][0] == 3
+    _, seq = drive_cascade(env, 40, center=2, k_max=4, converge=None)
+    assert [k for k, p in seq if p == "test"][:12] == [2] * 4 + [3] * 4 + [4] * 4
+
+
+def test_cascade_state_is_per_request():
+    """A request where speculation never pays, then one where it always pays: with
+    begin_request the second request speculates about as much as a fresh controller would;
+    without it, the back-off learnt on the first request keeps speculation off (the issue's
+    300 + 200 iteration case).  C and reference in lockstep across the boundary."""
+    def env(k: int, it: int) -> Tuple[int, int, float]:
+        return env_never()(k, it) if it < 300 else env_pays()(k, it)
+
+    def spec_iters(seq: List[Tuple[int, str]]) -> int:
+        return sum(1 for k, _ in seq[300:] if k > 0)
+
+    _, per_request = drive_cascade(env, 500, requests=[300])
+    _, carried = drive_cascade(env, 500)
+    _, fresh = drive_cascade(env_pays(), 200)
+    fresh_n = sum(1 for k, _ in fresh if k > 0)
+    assert spec_iters(per_request) >= fresh_n - 8, (spec_iters(per_request), fresh_n)
+    assert spec_iters(carried) < fresh_n / 2, (spec_iters(carried), fresh_n)
+    # the plain-step time carries over: the second request starts testing at once
+    assert per_request[300][1] == "test"
 
 
 # ------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ typedef struct cascade_state {
     int32_t backoff_len;     /* length of the next back-off phase */
     int32_t cur_backoff_len; /* length of the running back-off phase */
     int32_t center;          /* best non-zero K of the most recent test phase that found one */
+    int32_t initial;         /* the first centre of every request */
+    double last_u;           /* U of the previous trial of the running test phase */
     /* per planned K, the last CASCADE_POOL_MAX TEST/SET iterations (ring, newest at pos-1) */
     pool_rec pool[SMOE_SPEC_KMAX + 1][CASCADE_POOL_MAX];
     int32_t pool_pos[SMOE_SPEC_KMAX + 1], pool_n[SMOE_SPEC_KMAX + 1];
@@ -112,14 +114,18 @@ static void start_test(const smoe_spec_ctl *c, cascade_state *s) {
     s->cur_k = k0;
 }
 
-/* End of a SET or BACKOFF phase: measure the base again when it is stale, else test. */
-static void end_set(const smoe_spec_ctl *c, cascade_state *s) {
-    uint64_t now = c->n_obs; /* index of the iteration just observed */
+/* A new cycle after the iteration with index `now`: measure the base again when it is
+ * stale, else test. */
+static void new_cycle(const smoe_spec_ctl *c, cascade_state *s, uint64_t now) {
     if (c->base_n == 0 || now - c->last_base_iter >= (uint64_t)c->params.base_refresh)
         enter(s, SMOE_SPEC_PHASE_BASE);
     else
         start_test(c, s);
 }
+
+/* End of a SET or BACKOFF phase (called from observe: c->n_obs is the index of the
+ * iteration just observed). */
+static void end_set(const smoe_spec_ctl *c, cascade_state *s) { new_cycle(c, s, c->n_obs); }
 
 static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u) {
     if (isnan(u)) u = 0.0; /* no plain iteration observed: cannot show that K pays */
@@ -133,8 +139,15 @@ static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u) {
         s->best_k = k;
     }
     if (first) s->dir = u >= 1.0 ? 1 : -1;
+    double prev = s->last_u;
+    s->last_u = u;
     if ((k == 1 && !(u >= 1.0)) || s->ntrials >= c->params.trials) {
         decide(c, s);
+        return;
+    }
+    if (!first && c->params.converge > 0.0 &&
+        fabs(u - prev) <= c->params.converge * fmax(fabs(u), fabs(prev))) {
+        decide(c, s); /* successive utilities converged */
         return;
     }
     int32_t next = 0;
@@ -164,6 +177,7 @@ static int cascade_init(smoe_spec_ctl *c, const smoe_spec_params *p, smoe_err *e
     cascade_state *s = calloc(1, sizeof *s);
     if (!s) return smoe_err_set(err, SMOE_ENOMEM, "spec cascade: out of memory");
     s->center = init;
+    s->initial = init;
     s->backoff_len = p->set_len;
     enter(s, SMOE_SPEC_PHASE_BASE);
     c->state = s;
@@ -225,5 +239,19 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
     return u;
 }
 
-const smoe_spec_ctl_ops smoe_spec_cascade = {"cascade",      cascade_init,    cascade_free,
-                                             cascade_next_k, cascade_observe, cascade_phase};
+static void cascade_begin_request(smoe_spec_ctl *c) {
+    cascade_state *s = c->state;
+    memset(s->pool_n, 0, sizeof s->pool_n);
+    memset(s->pool_pos, 0, sizeof s->pool_pos);
+    s->center = s->initial;
+    s->backoff_len = c->params.set_len;
+    if (c->n_obs == 0) {
+        enter(s, SMOE_SPEC_PHASE_BASE);
+        return;
+    }
+    new_cycle(c, s, c->n_obs - 1); /* index of the last iteration observed */
+}
+
+const smoe_spec_ctl_ops smoe_spec_cascade = {"cascade",       cascade_init,    cascade_free,
+                                             cascade_next_k,  cascade_observe, cascade_phase,
+                                             cascade_begin_request};

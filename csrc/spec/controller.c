@@ -19,6 +19,7 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
     DEF(base_len, 4);
     DEF(base_refresh, 100);
     DEF(trial_pool, 12);
+    DEF(converge, 0.10);
     DEF(alpha, 0.2);
     DEF(p_init, 0.6);
     DEF(probe, 16);
@@ -50,6 +51,10 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
     if (!(p->p_init >= 0.0 && p->p_init <= 1.0))
         return smoe_err_set(err, SMOE_EINVAL, "spec controller: p_init must be in [0, 1], got %g",
                             p->p_init);
+    if (!(p->converge == -1.0 || (p->converge > 0.0 && p->converge < 1.0)))
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "spec controller: converge must be in (0, 1) or -1 (never), got %g",
+                            p->converge);
     if (p->probe < -1)
         return smoe_err_set(err, SMOE_EINVAL, "spec controller: probe must be >= 1 or -1 (never), "
                             "got %d", (int)p->probe);
@@ -117,6 +122,10 @@ int32_t smoe_spec_ctl_clamp(const smoe_spec_ctl *c, int32_t k) {
     if (k > c->params.k_max) k = c->params.k_max;
     while (k > 0 && !c->allowed[k]) k--;
     return k < 0 ? 0 : k;
+}
+
+void smoe_spec_ctl_begin_request(smoe_spec_ctl *c) {
+    if (c->ops->begin_request) c->ops->begin_request(c);
 }
 
 int32_t smoe_spec_ctl_next_k(const smoe_spec_ctl *c) {
@@ -251,7 +260,7 @@ int32_t smoe_spec_ctl_no_phase(const smoe_spec_ctl *c) {
 }
 
 const smoe_spec_ctl_ops smoe_spec_static = {"static",       static_init,    NULL, static_next_k,
-                                            static_observe, smoe_spec_ctl_no_phase};
+                                            static_observe, smoe_spec_ctl_no_phase, NULL};
 
 /* ---- transformers' heuristic schedule ----------------------------------------------------- */
 
@@ -291,4 +300,5 @@ static double heur_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *ph
 }
 
 const smoe_spec_ctl_ops smoe_spec_heuristic = {"heuristic",  heur_init,   heur_free,
-                                               heur_next_k, heur_observe, smoe_spec_ctl_no_phase};
+                                               heur_next_k, heur_observe, smoe_spec_ctl_no_phase,
+                                               NULL};

@@ -83,8 +83,22 @@
  *     iterations cost 1.9 plain steps (true U 0.86), all four are accepted, and U >= 1
  *     measured, 17% of the time; over twelve it is about 3%.  The first trial at a K has
  *     nothing earlier to pool; trial_pool = trial_len gives the plain per-trial estimate.
- *   - "Exit early when K=1 already fails": a trial at K=1 with U(1) < 1 ends the test phase
- *     at once (no further trials).
+ *   - Early exits (Cascade section 5.5 lists three): "K=1 already fails": a trial at K=1 with
+ *     U(1) < 1 ends the test phase at once; "the current K reaches 0" cannot happen here
+ *     (trials run at K >= 1; a phase whose best U < 1 goes to BACKOFF, K=0); "utilities of
+ *     successive K converge within 10%": after the second and later trials, when
+ *     |U(this trial) - U(previous trial)| <= converge * max(|U(this)|, |U(previous)|)
+ *     (converge = 0.10), the test phase ends.  The three are checked in that order after the
+ *     best K is updated; the paper's first rule (utility keeps decreasing) is the hill
+ *     climbing's second failure below.
+ *   - Per request (section 5: "for each request, Cascade tracks recent speculation costs and
+ *     benefits"): begin_request drops what belongs to the request: the phase, the trial
+ *     pools, the back-off length (back to set_len) and the hill-climbing centre (back to
+ *     params.initial), then starts a cycle as at the end of a SET phase (BASE when t_base is
+ *     missing or older than base_refresh iterations, else TEST).  What carries over, on
+ *     purpose: t_base (the median plain-step time: a property of the model and machine, not
+ *     of the request), the tau pruning and the telemetry.  specmoe.generate calls it at the
+ *     start of every request.
  *   - Decision: best = the tried K with the largest U; ties go to the smaller K (fewer
  *     experts touched).  U(best) >= 1 -> SET at best (U exactly 1 counts as paying, following
  *     "K=0 when U<1"); otherwise BACKOFF.
@@ -183,6 +197,8 @@ typedef struct smoe_spec_params {
     int32_t base_len;       /* K=0 iterations whose median is t_base (default 4) */
     int32_t base_refresh;   /* iterations between base measurements (default 100) */
     int32_t trial_pool;     /* cascade: iterations at a K behind a trial's U (default 12, <= 64) */
+    double converge;        /* cascade: a test phase ends when two successive trials' U differ
+                               by at most this fraction of the larger (default 0.10; -1 never) */
     /* speq */
     double alpha;           /* EMA weight in (0, 1] (default 0.2) */
     double p_init;          /* initial per-position acceptance in [0, 1] (default 0.6) */
@@ -204,6 +220,8 @@ typedef struct smoe_spec_ctl_ops {
     double (*observe)(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *phase);
     /* Current phase (smoe_spec_phase), for telemetry and inspection. */
     int32_t (*phase)(const smoe_spec_ctl *c);
+    /* A new request starts (NULL: the controller keeps no per-request state). */
+    void (*begin_request)(smoe_spec_ctl *c);
 } smoe_spec_ctl_ops;
 
 struct smoe_spec_ctl {
@@ -239,6 +257,11 @@ const smoe_spec_ctl_ops *smoe_spec_ctl_find(const char *name);
 int smoe_spec_ctl_create(smoe_spec_ctl **out, const smoe_spec_ctl_ops *ops,
                          const smoe_spec_params *params, smoe_err *err);
 void smoe_spec_ctl_destroy(smoe_spec_ctl *c);
+
+/* A new request starts: the controller drops its per-request state (cascade: see above;
+ * the others keep theirs: the heuristic's K, as transformers keeps num_assistant_tokens
+ * across calls, and speq's acceptance and timing models, which describe the model pair). */
+void smoe_spec_ctl_begin_request(smoe_spec_ctl *c);
 
 /* K for the next iteration (allowed, 0..k_max).  Pure. */
 int32_t smoe_spec_ctl_next_k(const smoe_spec_ctl *c);

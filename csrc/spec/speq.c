@@ -127,7 +127,7 @@ static double speq_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *ph
 }
 
 const smoe_spec_ctl_ops smoe_spec_speq = {"speq", speq_init, speq_free, speq_next_k,
-                                          speq_observe, smoe_spec_ctl_no_phase};
+                                          speq_observe, smoe_spec_ctl_no_phase, NULL};
 
 double smoe_spec_speq_expected_tokens(const smoe_spec_ctl *c, int32_t k) {
     if (c->ops != &smoe_spec_speq || k < 0 || k > c->params.k_max) return NAN;
