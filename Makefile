@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.specmoe-setup
 CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
 
-.PHONY: setup build demo test test-sanitize bench clean
+.PHONY: setup build demo test test-sanitize bench clean fuzz fuzz-deps
 
 setup: $(STAMP)
 
@@ -27,8 +27,22 @@ build: specmoe/.build-stamp
 demo: build
 	$(PY) -m specmoe demo
 
-test: build
+test: build fuzz-deps
 	$(PY) -m pytest -q tests
+
+# clang + libFuzzer for the C fuzz target (tests/fuzz): installed when missing and we are root
+# on Debian/Ubuntu (best effort: without it tests/test_fuzz_smoke.py skips the C target only).
+fuzz-deps:
+	@command -v clang >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang \
+	   libclang-rt-14-dev >/dev/null) || echo "fuzz-deps: clang not installed; C fuzz target skipped"; }
+
+# Long fuzz runs (issue 15): FUZZ_RUNS executions of the libFuzzer store target and
+# FUZZ_PYRUNS seeded mutations of each Python loader; findings land in tests/fuzz/bin/.
+FUZZ_RUNS   ?= 10000000
+FUZZ_PYRUNS ?= 20000
+fuzz: build fuzz-deps
+	$(MAKE) -C tests/fuzz run RUNS=$(FUZZ_RUNS) PYRUNS=$(FUZZ_PYRUNS) PY=$(abspath $(PY))
 
 # The C stress test of the cache and prefetch worker under ThreadSanitizer and
 # AddressSanitizer (plain C binaries: no interpreter in the way).
@@ -39,4 +53,4 @@ bench: build
 	$(PY) benchmarks/cache.py --json
 
 clean:
-	rm -rf build specmoe/_C*.so specmoe/.build-stamp tests/c/bin
+	rm -rf build specmoe/_C*.so specmoe/.build-stamp tests/c/bin tests/fuzz/bin

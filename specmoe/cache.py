@@ -78,6 +78,8 @@ def parse_capacity(capacity: int | float | str, *, total_experts: int, slot_byte
             raise ValueError(f"cannot parse capacity {capacity!r}: expected e.g. '512MiB', "
                              "'2GB' or '25%'")
         value, unit = float(m.group(1)), m.group(2).lower()
+        if not math.isfinite(value):  # "1e400GiB": math.floor(inf) would be OverflowError
+            raise ValueError(f"capacity {capacity!r}: value out of range")
         if unit == "%":
             if not (0.0 < value <= 100.0):
                 raise ValueError(f"capacity {capacity!r}: percentage must be in (0, 100]")

@@ -11,6 +11,7 @@ hit and miss counts equal the live cache's on the same trace.  The time model is
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Union
@@ -52,6 +53,25 @@ class Predictor:
         if self.kind not in PREDICTORS:
             raise ValueError(f"unknown predictor {self.kind!r}; known: {', '.join(PREDICTORS)}")
 
+        def whole(name: str, lo: int, hi: int) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+                raise ValueError(f"predictor {name} must be an int in {lo}..{hi}, got {v!r}")
+
+        def frac(name: str, hi_open: bool) -> None:
+            v = getattr(self, name)
+            ok = (not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating))
+                  and 0.0 <= float(v) and (float(v) < 1.0 if hi_open else float(v) <= 1.0))
+            if not ok:
+                raise ValueError(f"predictor {name} must be a number in "
+                                 f"[0, 1{')' if hi_open else ']'}, got {v!r}")
+
+        whole("depth", 1, 4096)
+        whole("topk", 0, 32768)  # 0: the trace's top-k (the default; see the class docstring)
+        whole("history", 1, 2**32 - 1)
+        frac("percentile", True)
+        frac("cooc_weight", False)
+
     @staticmethod
     def parse(spec: "str | Predictor | None") -> "Predictor":
         """``"none"``, ``"oracle:depth=2"``, ``"history:topk=8,history=32"``,
@@ -76,6 +96,11 @@ class Predictor:
                 kw[k] = float(v) if k in ("percentile", "cooc_weight") else int(v)
             except ValueError:
                 raise ValueError(f"bad value {v!r} for {k} in {spec!r}") from None
+            if k == "topk" and kw[k] < 1:
+                # Written out, topk means "this many experts per layer": 0 would silently mean
+                # "the trace's top-k" (the default), so it is refused; omit topk for that.
+                raise ValueError(f"predictor topk must be >= 1 in {spec!r} (omit topk for the "
+                                 f"trace's top-k), got {kw[k]}")
         return Predictor(kind=kind.strip() or "none", **kw)
 
     @property
@@ -144,7 +169,7 @@ def parse_capacity(cap: "int | float | str", *, num_layers: int, num_experts: in
     one slot.  (The cache's :func:`specmoe.parse_capacity` with digit strings as slots.)"""
     from .cache import parse_capacity as cache_capacity
 
-    if isinstance(cap, str) and cap.strip().isdigit():
+    if isinstance(cap, str) and re.fullmatch(r"[0-9]+", cap.strip()):
         cap = int(cap.strip())
     return cache_capacity(cap, total_experts=num_layers * num_experts,
                           slot_bytes=max(1, int(round(expert_bytes))))
@@ -153,15 +178,22 @@ def parse_capacity(cap: "int | float | str", *, num_layers: int, num_experts: in
 def parse_policy(spec: str) -> tuple[str, dict]:
     """``"lru"``, ``"least_stale:order=lru"``, ``"random:seed=3"``, ``"spac:levels=3"`` ->
     (name, options)."""
+    if not isinstance(spec, str):
+        raise TypeError(f"policy spec must be a str, got {type(spec).__name__}")
     name, _, opts = spec.strip().partition(":")
     kw: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in opts.split(","))):
         k, eq, v = part.partition("=")
+        k, v = k.strip(), v.strip()
         if k == "seed" and eq:
+            # an explicit range check: the C binding would wrap -1 to 2**64 - 1 silently
+            if not re.fullmatch(r"[0-9]{1,20}", v) or int(v) > 2**64 - 1:
+                raise ValueError(f"policy seed must be an int in 0..2**64-1 in {spec!r}, "
+                                 f"got {v!r}")
             kw["seed"] = int(v)
         elif k == "order" and eq and v in _LS_ORDERS:
             kw["order"] = _LS_ORDERS[v]
-        elif k == "levels" and eq and v.strip().isdigit() and 1 <= int(v) <= 255:
+        elif k == "levels" and eq and re.fullmatch(r"[0-9]{1,3}", v) and 1 <= int(v) <= 255:
             kw["levels"] = int(v)
         else:
             raise ValueError(f"bad policy option {part!r} in {spec!r}: options are seed=N, "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -321,11 +322,14 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and exc.filename is None and exc.errno:
+            # ENOSPC, EIO, EDQUOT...: same type and errno, with the store's name in it
+            raise OSError(exc.errno, f"writing store: {exc.strerror}", path) from exc
         raise
     dfd = os.open(directory, os.O_RDONLY)
     try:
@@ -387,6 +391,33 @@ def _write_layer(f: Any, i: int, layer: dict[str, tuple[np.ndarray, str]],
 # reading
 # --------------------------------------------------------------------------------------------
 
+MAX_JSON_DEPTH = 64  # the store header nests 5 deep; anything deeper is not ours
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_HEX8 = re.compile(r"[0-9a-fA-F]{8}")
+
+
+def _json_depth(raw: bytes) -> int:
+    """Deepest ``[``/``{`` nesting of JSON text ``raw``, brackets inside strings ignored; one
+    C-speed regex pass and a numpy cumulative sum, so a 100 MB header costs milliseconds."""
+    bare = _JSON_STRING.sub(b"", raw)
+    b = np.frombuffer(bare, dtype=np.uint8)
+    step = (np.isin(b, (ord("["), ord("{"))).astype(np.int32)
+            - np.isin(b, (ord("]"), ord("}"))).astype(np.int32))
+    return int(np.cumsum(step).max()) if step.size else 0
+
+
+def _load_json(path: str, what: str, raw: bytes) -> Any:
+    """json.loads of attacker-controlled bytes, bounded: the size is bounded by the caller
+    (MAX_HEADER), the nesting here (MAX_JSON_DEPTH) before parsing, so the parser can neither
+    recurse past the interpreter's limit nor raise anything but StoreError."""
+    if _json_depth(raw) > MAX_JSON_DEPTH:
+        raise StoreError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise StoreError(f"{path}: {what} is not valid JSON: {exc}") from None
+
+
 def _parse_header(path: str) -> tuple[dict[str, Any], dict[str, Any], int]:
     """Read and validate the header; return (specmoe metadata, safetensors entries, file size)."""
     try:
@@ -404,19 +435,18 @@ def _parse_header(path: str) -> tuple[dict[str, Any], dict[str, Any], int]:
         raise StoreError(f"{path}: is a directory") from None
     except PermissionError as exc:
         raise StoreError(f"{path}: cannot open: {exc.strerror}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise StoreError(f"{path}: header is not valid JSON: {exc}") from None
+    except OSError as exc:  # EIO, ELOOP, ENAMETOOLONG, ...: still this store's error
+        raise StoreError(f"{path}: cannot read header: {exc.strerror or exc}") from None
+    if len(raw) != n:
+        raise StoreError(f"{path}: truncated: header of {n} bytes, read {len(raw)}")
+    header = _load_json(path, "header", raw)
     if not isinstance(header, dict):
         raise StoreError(f"{path}: header is not a JSON object")
     md = header.get("__metadata__")
     if not isinstance(md, dict) or "specmoe" not in md:
         raise StoreError(f"{path}: not a specmoe store (safetensors file without specmoe metadata)")
-    try:
-        meta = json.loads(md["specmoe"]) if isinstance(md["specmoe"], str) else None
-    except ValueError as exc:
-        raise StoreError(f"{path}: specmoe metadata is not valid JSON: {exc}") from None
+    meta = (_load_json(path, "specmoe metadata", md["specmoe"].encode("utf-8", "surrogatepass"))
+            if isinstance(md["specmoe"], str) else None)
     if not isinstance(meta, dict):
         raise StoreError(f"{path}: specmoe metadata is not a JSON object")
     if meta.get("format") != FORMAT:
@@ -514,15 +544,14 @@ class ExpertStore(_C.Store):
         meta, _, size = _parse_header(path)
         nl, ne = meta["num_layers"], meta["num_experts"]
         crc = np.empty(nl * ne, dtype=np.uint32)
-        try:
-            for l, row in enumerate(meta["crc32c"]):
-                for e, h in enumerate(row):
-                    if not isinstance(h, str) or len(h) != 8:
-                        raise ValueError(h)
-                    crc[l * ne + e] = int(h, 16)
-        except ValueError:
-            raise StoreError(f"{path}: inconsistent store header: bad crc32c entry for layer {l}, "
-                             f"expert {e}") from None
+        for l, row in enumerate(meta["crc32c"]):
+            for e, h in enumerate(row):
+                # exactly 8 hex digits: int(h, 16) alone would take "-0000001" (OverflowError
+                # in the uint32 array), " 1", "0x1" or "1_2"
+                if not isinstance(h, str) or not _HEX8.fullmatch(h):
+                    raise StoreError(f"{path}: inconsistent store header: crc32c entry "
+                                     f"{h!r} for layer {l}, expert {e} is not 8 hex digits")
+                crc[l * ne + e] = int(h, 16)
         self._meta = meta
         self._size = size
         self._tensors = [dict(t) for t in meta["tensors"]]

@@ -33,6 +33,8 @@ import io
 import json
 import os
 import re
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -49,6 +51,44 @@ class TraceError(ValueError):
     """A trace file or trace data is malformed; the message names the file and the row."""
 
 
+MAX_EXPERTS = 32768  # expert ids are stored as int16: 0..32767
+
+
+def _int_array(name: str, value: object) -> np.ndarray:
+    """``value`` as an integer array, checked before any cast: bools, non-numbers, and floats
+    that are not whole finite numbers (1.7, NaN, inf) raise TraceError naming ``name``."""
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise TraceError(f"{name}: not an array of integers ({e})") from None
+    if a.dtype.kind in "iu":
+        return a
+    if a.dtype.kind == "f":
+        if a.size and not np.all(np.isfinite(a)):
+            raise TraceError(f"{name}: non-finite value {a[~np.isfinite(a)].flat[0]} (ids "
+                             f"must be integers)")
+        if a.size and not np.all(a == np.floor(a)):
+            raise TraceError(f"{name}: non-integer value {a[a != np.floor(a)].flat[0]} (ids "
+                             f"must be integers)")
+        if a.size and np.abs(a).max() >= 2.0 ** 62:
+            raise TraceError(f"{name}: value {np.abs(a).max()} out of range")
+        return a.astype(np.int64)
+    if a.dtype.kind == "O" and a.size == 0:
+        return a.astype(np.int64)
+    raise TraceError(f"{name}: expected integers, got dtype {a.dtype}")
+
+
+def _float_array(name: str, value: object) -> np.ndarray:
+    """``value`` as float32; non-numeric dtypes raise TraceError naming ``name``."""
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise TraceError(f"{name}: not a numeric array ({e})") from None
+    if a.dtype.kind not in "iuf":
+        raise TraceError(f"{name}: expected numbers, got dtype {a.dtype}")
+    return np.asarray(a, dtype=np.float32)
+
+
 @dataclass
 class Trace:
     experts: np.ndarray
@@ -62,34 +102,46 @@ class Trace:
     source: str = ""
 
     def __post_init__(self) -> None:
-        self.experts = np.ascontiguousarray(self.experts, dtype=np.int16)
-        if self.experts.ndim != 3:
-            raise TraceError(f"experts must be [tokens, layers, k], got shape {self.experts.shape}")
-        n, nl, k = self.experts.shape
-        self.num_experts = int(self.num_experts)
-        if self.num_experts <= 0:
-            raise TraceError(f"num_experts must be positive, got {self.num_experts}")
-        if n and (self.experts.min() < 0 or self.experts.max() >= self.num_experts):
-            bad = np.argwhere((self.experts < 0) | (self.experts >= self.num_experts))[0]
+        # Every check runs on the values as given, before any narrowing cast: an id of 70000,
+        # 1.7 or NaN is an error, never a wrapped, truncated or NaN-cast int16.
+        ne = self.num_experts
+        if isinstance(ne, (bool, np.bool_)) or not isinstance(ne, (int, np.integer)):
+            raise TraceError(f"num_experts must be an int, got {ne!r}")
+        self.num_experts = int(ne)
+        if not 1 <= self.num_experts <= MAX_EXPERTS:
+            raise TraceError(f"num_experts must be in 1..{MAX_EXPERTS} (ids are int16), got "
+                             f"{self.num_experts}")
+        ex = _int_array("experts", self.experts)
+        if ex.ndim != 3:
+            raise TraceError(f"experts must be [tokens, layers, k], got shape {ex.shape}")
+        n, nl, k = ex.shape
+        if ex.size and (ex.min() < 0 or ex.max() >= self.num_experts):
+            bad = np.argwhere((ex < 0) | (ex >= self.num_experts))[0]
             raise TraceError(
-                f"expert id {int(self.experts[tuple(bad)])} at token {bad[0]}, layer position "
+                f"expert id {int(ex[tuple(bad)])} at token {bad[0]}, layer position "
                 f"{bad[1]} is outside 0..{self.num_experts - 1}")
+        self.experts = np.ascontiguousarray(ex, dtype=np.int16)  # range checked: exact
         if self.layer_ids is None:
             self.layer_ids = np.arange(nl, dtype=np.int32)
-        self.layer_ids = np.asarray(self.layer_ids, dtype=np.int32)
+        li = _int_array("layer_ids", self.layer_ids)
+        if li.size and (li.min() < 0 or li.max() > np.iinfo(np.int32).max):
+            raise TraceError(f"layer_ids must be in 0..{np.iinfo(np.int32).max}, got "
+                             f"{int(li.min())}..{int(li.max())}")
+        self.layer_ids = li.astype(np.int32)
         if self.layer_ids.shape != (nl,):
             raise TraceError(f"layer_ids has shape {self.layer_ids.shape}, expected ({nl},)")
-        self.request_starts = np.asarray(self.request_starts, dtype=np.int64)
+        self.request_starts = _int_array("request_starts", self.request_starts).astype(np.int64)
         rs = self.request_starts
         if n and (rs.ndim != 1 or len(rs) == 0 or rs[0] != 0 or np.any(np.diff(rs) <= 0)
                   or rs[-1] >= n):
-            raise TraceError(f"request_starts must start at 0 and increase strictly below {n}: {rs[:8]}")
+            raise TraceError(f"request_starts must be 1-D, start at 0 and increase strictly "
+                             f"below {n}: {rs.reshape(-1)[:8]}")
         if self.weights is not None:
-            self.weights = np.asarray(self.weights, dtype=np.float32)
+            self.weights = _float_array("weights", self.weights)
             if self.weights.shape != self.experts.shape:
                 raise TraceError(f"weights shape {self.weights.shape} != experts shape {self.experts.shape}")
         if self.logits is not None:
-            self.logits = np.asarray(self.logits, dtype=np.float32)
+            self.logits = _float_array("logits", self.logits)
             if self.logits.shape != (n, nl, self.num_experts):
                 raise TraceError(f"logits shape {self.logits.shape} != {(n, nl, self.num_experts)}")
         if self.tokens is not None and len(self.tokens) != n:
@@ -199,35 +251,95 @@ class Trace:
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Trace":
-        """Read a trace written by :meth:`save`."""
+        """Read a trace written by :meth:`save`.
+
+        Any problem with the file (unreadable, not a zip, truncated, corrupt compressed data,
+        a missing or malformed array or metadata field, expert ids out of range) raises
+        :class:`TraceError` naming the file and the field; no other exception escapes for bad
+        bytes.  The file is closed on every path."""
         path = os.fspath(path)
         try:
-            z = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise TraceError(f"{path}: not a readable .npz trace ({e})") from None
-        with z:
-            if "meta" not in z or "experts" not in z:
-                raise TraceError(f"{path}: not a specmoe trace (no meta/experts arrays)")
+            f = open(path, "rb")
+        except OSError as e:
+            raise TraceError(f"{path}: cannot open ({e.strerror or e})") from None
+        with f:
             try:
-                meta = json.loads(str(z["meta"]))
-            except ValueError as e:
-                raise TraceError(f"{path}: damaged trace metadata ({e})") from None
-            if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-                raise TraceError(f"{path}: format {meta.get('format')!r} version "
-                                 f"{meta.get('version')!r}, expected {FORMAT!r} version {VERSION}")
-            get = lambda k: z[k] if k in z else None  # noqa: E731
-            toks = get("tokens")
-            return Trace(experts=z["experts"], num_experts=int(meta["num_experts"]),
-                         request_starts=z["request_starts"], layer_ids=z["layer_ids"],
-                         weights=get("weights"), logits=get("logits"),
+                z = np.load(f, allow_pickle=False)
+            except _NPZ_ERRORS as e:
+                raise TraceError(f"{path}: not a readable .npz trace ({type(e).__name__}: "
+                                 f"{e})") from None
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise TraceError(f"{path}: not a .npz archive (a single .npy array)")
+            with z:
+                return Trace._from_npz(path, z)
+
+    @staticmethod
+    def _from_npz(path: str, z: "np.lib.npyio.NpzFile") -> "Trace":
+        names = set(z.files)
+        if "meta" not in names or "experts" not in names:
+            raise TraceError(f"{path}: not a specmoe trace (no meta/experts arrays)")
+
+        def get(key: str) -> np.ndarray | None:
+            if key not in names:
+                return None
+            try:
+                return z[key]
+            except _NPZ_ERRORS as e:
+                raise TraceError(f"{path}: field {key!r} is damaged ({type(e).__name__}: "
+                                 f"{e})") from None
+
+        m = get("meta")
+        if m is None or m.dtype.kind not in "US" or m.size != 1:
+            raise TraceError(f"{path}: field 'meta' must be one JSON string, got "
+                             f"{'nothing' if m is None else f'{m.dtype} {m.shape}'}")
+        try:
+            meta = json.loads(str(m.reshape(()).item()))
+        except (ValueError, RecursionError) as e:
+            raise TraceError(f"{path}: damaged trace metadata ({e})") from None
+        if not isinstance(meta, dict):
+            raise TraceError(f"{path}: field 'meta' is not a JSON object")
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise TraceError(f"{path}: format {meta.get('format')!r} version "
+                             f"{meta.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+        ne = meta.get("num_experts")
+        if isinstance(ne, bool) or not isinstance(ne, int):
+            raise TraceError(f"{path}: meta field 'num_experts' must be an int, got {ne!r}")
+        model, source = meta.get("model", ""), meta.get("source", path)
+        if not isinstance(model, str) or not isinstance(source, str):
+            raise TraceError(f"{path}: meta fields 'model' and 'source' must be strings")
+        toks = get("tokens")
+        if toks is not None and toks.dtype.kind not in "US":
+            raise TraceError(f"{path}: field 'tokens' must be strings, got {toks.dtype}")
+        if toks is not None and toks.ndim != 1:
+            raise TraceError(f"{path}: field 'tokens' must be 1-D, got shape {toks.shape}")
+        rs, li = get("request_starts"), get("layer_ids")
+        for key, val in (("request_starts", rs), ("layer_ids", li)):
+            if val is None:
+                raise TraceError(f"{path}: not a specmoe trace (no {key!r} array)")
+        try:
+            return Trace(experts=get("experts"), num_experts=ne, request_starts=rs, layer_ids=li, weights=get("weights"), logits=get("logits"),
                          tokens=None if toks is None else [str(s) for s in toks],
-                         model=meta.get("model", ""), source=meta.get("source", path))
+                         model=model, source=source)
+        except TraceError as e:
+            raise TraceError(f"{path}: {e}") from None
 
 
-_LIST = re.compile(r"^\[\s*(\d+(?:\s*,\s*\d+)*)\s*\]$")
+# What numpy's npz reader raises for damaged bytes (zip structure, zlib stream, .npy header;
+# RuntimeError: zipfile's "encrypted, password required" when a flag bit is flipped).
+_NPZ_ERRORS = (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError, RuntimeError,
+               OverflowError, MemoryError, zipfile.BadZipFile, zlib.error, NotImplementedError,
+               RecursionError, SyntaxError, UnicodeDecodeError)
+
+
+_LIST = re.compile(r"^\[\s*([0-9]+(?:\s*,\s*[0-9]+)*)\s*\]$", re.ASCII)
+_LAYER = re.compile(r"^\s*([0-9]{1,9})\s*$", re.ASCII)
 
 
 def _puffin_file(path: Path, num_experts: int) -> Trace:
+    """One puffin CSV (or .csv.gz) file as a one-request Trace.  Every id is range-checked as
+    text-parsed Python int against ``num_experts`` before the int16 array is built; every
+    failure (I/O, gzip/zlib, encoding, CSV syntax, a bad row) is a TraceError naming the file
+    and line."""
     opener = gzip.open if path.suffix == ".gz" else open
     by_layer: dict[int, list[list[int]]] = {}
     toks: dict[int, list[str]] = {}
@@ -237,21 +349,31 @@ def _puffin_file(path: Path, num_experts: int) -> Trace:
             header = next(rows, None)
             if header is None or [h.strip() for h in header] != [
                     "Layer ID", "Batch Number", "Token", "Activated Expert IDs"]:
-                raise TraceError(f"{path}: unexpected header {header!r}")
-            for lineno, row in enumerate(rows, start=2):
+                raise TraceError(f"{path}: unexpected header {header!r}"[:300])
+            for row in rows:
+                lineno = rows.line_num
                 if len(row) != 4:
                     raise TraceError(f"{path}:{lineno}: expected 4 fields, got {len(row)}")
                 m = _LIST.match(row[3].strip())
                 if not m:
-                    raise TraceError(f"{path}:{lineno}: bad expert list {row[3]!r}")
-                try:
-                    layer = int(row[0])
-                except ValueError:
-                    raise TraceError(f"{path}:{lineno}: bad layer id {row[0]!r}") from None
-                by_layer.setdefault(layer, []).append([int(x) for x in m.group(1).split(",")])
+                    raise TraceError(f"{path}:{lineno}: bad expert list {row[3][:80]!r}")
+                lm = _LAYER.match(row[0])
+                if not lm:
+                    raise TraceError(f"{path}:{lineno}: bad layer id {row[0][:80]!r}")
+                layer = int(lm.group(1))
+                ids = []
+                for x in m.group(1).split(","):
+                    x = x.strip()
+                    # compare as text first: a 5000-digit id must not reach int()'s limit
+                    if len(x) > 6 or int(x) >= num_experts:
+                        raise TraceError(f"{path}:{lineno}: expert id {x[:20]} outside "
+                                         f"0..{num_experts - 1}")
+                    ids.append(int(x))
+                by_layer.setdefault(layer, []).append(ids)
                 toks.setdefault(layer, []).append(row[2])
-    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
-        raise TraceError(f"{path}: cannot read ({e})") from None
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error, zlib.error) as e:
+        # gzip.BadGzipFile is an OSError; zlib.error comes from a corrupt deflate stream.
+        raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     if not by_layer:
         raise TraceError(f"{path}: no rows")
     layers = sorted(by_layer)
@@ -262,9 +384,12 @@ def _puffin_file(path: Path, num_experts: int) -> Trace:
             raise TraceError(f"{path}: layer {l} has {len(by_layer[l])} tokens, layer {layers[0]} has {n}")
         if any(len(e) != k for e in by_layer[l]):
             raise TraceError(f"{path}: layer {l} has a row with other than {k} experts")
-    experts = np.array([by_layer[l] for l in layers], dtype=np.int16).transpose(1, 0, 2)
-    return Trace(experts=experts, num_experts=num_experts, layer_ids=np.array(layers, np.int32),
-                 tokens=toks[layers[0]], model="DeepSeek-V2-Lite-Chat", source=str(path))
+    experts = np.array([by_layer[l] for l in layers], dtype=np.int64).transpose(1, 0, 2)
+    try:
+        return Trace(experts=experts, num_experts=num_experts, layer_ids=np.array(layers),
+                     tokens=toks[layers[0]], model="DeepSeek-V2-Lite-Chat", source=str(path))
+    except TraceError as e:
+        raise TraceError(f"{path}: {e}") from None
 
 
 def _prompt_number(p: Path) -> tuple[int, str]:
@@ -277,8 +402,15 @@ def load_puffin(path: str | os.PathLike, *, limit: int | None = None, num_expert
     """Import the DeepSeek-V2-Lite "puffin" routing traces (one CSV or CSV.gz per prompt).
 
     ``path`` is one file or a directory of ``*.csv``/``*.csv.gz`` files; files are read in
-    prompt-number order and each becomes one request.  ``limit`` caps the number of files.
+    prompt-number order and each becomes one request.  ``limit`` caps the number of files
+    (None or >= 1; anything else is ValueError, as is ``num_experts`` outside 1..32768).  A
+    malformed file raises :class:`TraceError` naming the file and line.
     """
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be None or an int >= 1, got {limit!r}")
+    if (isinstance(num_experts, bool) or not isinstance(num_experts, int)
+            or not 1 <= num_experts <= MAX_EXPERTS):
+        raise ValueError(f"num_experts must be an int in 1..{MAX_EXPERTS}, got {num_experts!r}")
     p = Path(path)
     if p.is_dir():
         files = sorted([f for f in p.iterdir() if f.name.endswith((".csv", ".csv.gz"))],
