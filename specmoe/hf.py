@@ -659,7 +659,7 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
                       extra=store_settings(cfg, info, ids, dtype), progress=progress,
                       after_layer=free)
         return Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
-                      overfetch=overfetch, direct=direct, verify=False,
+                      overfetch=overfetch, direct=direct, verify=True,
                       own_store=store is None)
     except BaseException:
         if store is None and os.path.exists(path):
