@@ -46,7 +46,10 @@ Rows (same checkpoint, same prompt, same threads: ``torch.set_num_threads`` / ll
   ``convert_hf_to_gguf.py`` (bf16 GGUF; the converter merges the per-expert tensors itself),
   then ``llama-quantize`` to Q4_0 / Q8_0; run by ``llama-completion`` with mmap (the default),
   ``--temp 0`` (greedy), ``--ignore-eos``, ``--no-warmup`` (its warm-up runs every expert once,
-  which under the cap would only evict the warm pages), ``-n 33``.  llama.cpp is built from the
+  which under the cap would only evict the warm pages), ``-n 33``, and ``--no-repack`` under a
+  cap: by default llama.cpp repacks Q4_0/Q8_0 weights at load into an interleaved copy in
+  anonymous memory (the whole model), which the budget cannot hold (the first 12-layer run
+  was OOM-killed at the cap that way); without repacking the weights stay in the mmap'd file.  llama.cpp is built from the
   llama-cpp-python source distribution on PyPI, which vendors llama.cpp (``--peers``, default
   ``$SPECMOE_PEERS`` or ``~/.cache/specmoe/peers``; built there with cmake if its binaries are
   missing: ``-DGGML_NATIVE=ON``, CPU only, Release).  The converter's pre-tokenizer check only
@@ -738,7 +741,8 @@ class LlamaCpp:
             return [str(self.bin / "llama-completion"), "-m", str(gguf), "-f", str(f),
                     "-n", str(DECODE_TOKENS + 1), "-t", str(threads), "-tb", str(threads),
                     "-c", "256", "--temp", "0", "--seed", "0", "--ignore-eos", "-no-cnv",
-                    "--no-display-prompt", "--no-warmup"]
+                    "--no-display-prompt", "--no-warmup"] + \
+                (["--no-repack"] if cg is not None else [])  # see the module docstring
 
         w = run_process(argv(wf), cg, timeout)
         if w["rc"] != 0:
