@@ -1,0 +1,703 @@
+"""Decode speed with every expert resident: specmoe vs llama.cpp vs unmodified transformers,
+at real MoE shapes, plus where a specmoe decode step spends its time.
+
+    python benchmarks/decode_peers.py --json [--repeats 3] [--threads 1,2] [--models olmoe,dsv2lite]
+    python benchmarks/decode_peers.py --quick --json     # tiny shapes, 1 round: a smoke test
+
+Models.  Random-weight checkpoints at real MoE shapes, written as checkpoint folders (bf16
+safetensors, tensor names as on the Hub, the zoo ``tiny-moe`` tokenizer, 64-token prompts that
+re-tokenize to themselves) by :func:`big_model.write_checkpoint` and converted to GGUF by
+llama.cpp's own converter (:class:`big_model.LlamaCpp`; pre-tokenizer answered ``gpt-2``,
+``q_lora_rank`` 0 for DeepSeek-V2), under ``--workdir`` (default ``~/.cache/specmoe/bench``;
+never committed):
+
+* ``olmoe``: ``model_type olmoe`` as OLMoE-1B-7B: hidden 2048, 16 heads (q/k norms), 64
+  experts of FFN 1024, top-8 softmax, vocab 50304; ``--olmoe-layers`` (default 4) MoE layers.
+* ``dsv2lite``: ``model_type deepseek_v2`` as DeepSeek-V2-Lite (:func:`big_model.make_config`:
+  MLA with kv_lora_rank 512, 64 routed experts of FFN 1408 + 2 shared, top-6, vocab 102400);
+  ``--dsv2-layers`` (default 4): the dense first layer (FFN 10944) + 3 MoE layers.
+
+Weights N(0, 0.02), norms 1, router rows scaled by exp(z), z ~ N(0, 1) (big_model's
+``--router-skew`` 1), so routing is skewed as in trained models rather than uniform.
+
+Rows (one checkpoint, one prompt, every row with all experts in memory):
+
+* ``torch-f32`` / ``torch-bf16``: unmodified transformers,
+  ``AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager", dtype=...)``.
+* ``specmoe-f32`` / ``-bf16`` / ``-int8`` / ``-int4``: ``specmoe.from_pretrained(ckpt,
+  cache=1.0, dtype=..., policy="lru", prefetch=False, torch_dtype=<float32 for f32, bfloat16
+  otherwise>, store=<workdir>)``; the store is converted before the rounds (untimed) and every
+  expert is loaded into the cache before timing (``prefetch`` of all (layer, expert) pairs, then
+  ``wait_idle``); the row reports the cache hit rate of the timed run (1.0 expected).
+* ``llama.cpp-F32`` / ``-BF16`` / ``-Q8_0`` / ``-Q4_0``: ``convert_hf_to_gguf.py --outtype
+  bf16`` (that file is the BF16 row), ``llama-quantize`` to F32 / Q8_0 / Q4_0 (its defaults: for
+  Q8_0 / Q4_0 the output matrix gets its own type, e.g. Q6_K, norms stay F32); run by
+  ``llama-completion`` with mmap, greedy, ``-t``/``-tb`` = threads, ``-c 256``, after a separate
+  warm-up process on another prompt (:meth:`big_model.LlamaCpp.run_row`).
+
+Precision is NOT equal in the same sense on both sides: specmoe quantizes only the routed
+experts (attention, router, shared experts, dense FFN, embeddings and lm_head stay in torch at
+``torch_dtype``: bf16 for the int8/int4 rows), while llama.cpp quantizes every weight matrix.
+At these shapes the non-expert weights are a large part of the bytes read per token (DeepSeek-
+V2-Lite: lm_head 210 M, dense FFN 67 M, attention ~ 20 M per layer, vs 6 x 8.6 M expert weights
+per MoE layer), so at int8/int4 llama.cpp reads fewer bytes per token.  Closing that gap is
+issue 16.
+
+Timing.  Each (model, row) runs in its own subprocess per round (peak RSS = that process's
+``VmHWM``; for llama.cpp ``ru_maxrss`` of the timed process, which counts the mmapped GGUF pages
+it touched).  Inside it every thread count of ``--threads`` is measured in turn (order alternates
+per round): ``torch.set_num_threads`` + ``specmoe.kernels.set_num_threads`` (llama.cpp: ``-t
+-tb``); a warm-up generation (another 64-token prompt, ``--warm-tokens`` tokens), then the timed
+one: the 64-token prompt, then 33 greedy tokens, i.e. 32 decode forward passes; ``tok_per_s`` =
+32 / their time (a logits processor timestamps every forward pass; llama.cpp: its ``eval time``
+over 32 runs).  Rounds are interleaved: every round runs every row once, the row order rotated
+by one each round; ``vs_llama_cpp`` (specmoe f32:F32, bf16:BF16, int8:Q8_0, int4:Q4_0) and
+``vs_torch`` (specmoe-f32 and llama.cpp-F32 vs torch-f32, every other row vs torch-bf16, the
+checkpoint dtype) are
+ratios within a round, reported as medians over rounds, like ``tok_per_s``.
+
+Per-step breakdown (specmoe and torch rows).  After the timed generation, one more generation of
+the same prompt runs instrumented: forward hooks time each layer's ``self_attn``, each layer's
+``mlp`` and its ``experts`` module, and ``lm_head``; for specmoe the Engine's C per-layer object
+(``specmoe.engine_of(model)._layers``) is wrapped by a proxy whose ``forward`` is timed (the
+pattern of ``benchmarks/layer_overhead.py``), which is the time inside the expert kernels and
+the C cache path.  Over the 32 decode steps (between the logits-processor timestamps):
+``attention``, ``experts`` (the C call; torch rows: the eager experts module), ``experts_glue``
+(specmoe's Python around the C call: casts, buffers), ``router_shared_dense`` (the rest of the
+MLP block: router, top-k, shared experts, layer 0's dense FFN), ``lm_head``, ``other`` (the step
+minus all that: embeddings, norms, residuals, decoder-layer and ``generate`` Python, logits
+processing), each as ms per step and share of the step.  ``outside_experts_share`` =
+1 - C time / step time is the framework overhead around the expert kernels (it includes the
+attention and lm_head matmuls, which torch runs); ``glue_share`` = (experts_glue + other) /
+step is the part that is neither expert kernels nor a torch matmul.  The hooks cost a few
+microseconds per module call; the instrumented run's tok/s is reported beside the plain one.
+
+Targets: specmoe >= 1.0x llama.cpp at every equal precision and thread count; specmoe >= 1.5x
+unmodified torch; at DeepSeek-V2-Lite shapes the share of a specmoe decode step outside the
+expert kernels <= 25 % (and, for information, the glue-only share).
+
+``--json`` prints one JSON object ``{"config", "rows", "targets"}``; progress goes to stderr.
+A row that cannot run carries ``error`` with the reason.  Disk: a model's files (checkpoint,
+four stores, four GGUF) take ~30-35 GB at the default shapes; ``--cleanup`` deletes a model's
+stores and GGUF files once its rounds are done.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import big_model as bm  # noqa: E402  (checkpoint writer, prompts, llama.cpp, process runner)
+
+MiB = 1 << 20
+SPECMOE_PRECS = ("f32", "bf16", "int8", "int4")
+LLAMA_OF = {"f32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+TORCH_OF = {"f32": "f32", "bf16": "bf16", "int8": "bf16", "int4": "bf16"}  # torch_dtype
+DECODE_TOKENS = bm.DECODE_TOKENS  # llama.cpp rows (run_row) decode this many
+PROMPT_TOKENS = bm.PROMPT_TOKENS
+
+
+def log(*a: Any) -> None:
+    print("[decode_peers]", *a, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# models
+
+
+def olmoe_config(layers: int, vocab: int = 50304, quick: bool = False) -> dict[str, Any]:
+    """OLMoE-1B-7B's config.json with ``layers`` MoE layers (``quick``: tiny dims)."""
+    c = {
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": vocab,
+        "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": layers,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+        "num_experts_per_tok": 8, "norm_topk_prob": False, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None,
+        "router_aux_loss_coef": 0.01, "output_router_logits": False,
+        "initializer_range": 0.02, "tie_word_embeddings": False, "bos_token_id": 0,
+        "eos_token_id": 0, "pad_token_id": 0, "use_cache": True, "torch_dtype": "bfloat16"}
+    if quick:
+        c.update(hidden_size=256, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=4, num_experts=16, num_experts_per_tok=4)
+    return c
+
+
+def dsv2_config(layers: int, vocab: int = 102400, quick: bool = False) -> dict[str, Any]:
+    c = bm.make_config(layers, vocab)
+    if quick:
+        c.update(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+                 kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    return c
+
+
+def olmoe_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """OLMoE tensors in Hub naming, as :func:`big_model.tensor_specs` lists DeepSeek-V2's."""
+    h, v, nh, kvh = (cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"],
+                     cfg["num_key_value_heads"])
+    hd, f, E = h // nh, cfg["intermediate_size"], cfg["num_experts"]
+    out: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (v, h), "w")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,), "norm"),
+                (p + "self_attn.q_proj.weight", (nh * hd, h), "w"),
+                (p + "self_attn.k_proj.weight", (kvh * hd, h), "w"),
+                (p + "self_attn.v_proj.weight", (kvh * hd, h), "w"),
+                (p + "self_attn.o_proj.weight", (h, nh * hd), "w"),
+                (p + "self_attn.q_norm.weight", (nh * hd,), "norm"),
+                (p + "self_attn.k_norm.weight", (kvh * hd,), "norm"),
+                (p + "post_attention_layernorm.weight", (h,), "norm"),
+                (p + "mlp.gate.weight", (E, h), "router")]
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            out += [(q + "gate_proj.weight", (f, h), "expert"),
+                    (q + "up_proj.weight", (f, h), "expert"),
+                    (q + "down_proj.weight", (h, f), "expert")]
+    out += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (v, h), "w")]
+    return out
+
+
+# big_model's writer and parameter counts call its module-level tensor_specs(cfg), which knows
+# only DeepSeek-V2; route OLMoE configs to olmoe_specs (a `specs` argument there would be
+# cleaner -- see the report to the lead).
+_dsv2_specs = bm.tensor_specs
+
+
+def _specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    return olmoe_specs(cfg) if cfg.get("model_type") == "olmoe" else _dsv2_specs(cfg)
+
+
+bm.tensor_specs = _specs
+
+
+def model_summary(cfg: dict[str, Any]) -> dict[str, Any]:
+    pc = bm.param_counts(cfg)
+    if cfg["model_type"] == "olmoe":
+        moe, k, E, f = (cfg["num_hidden_layers"], cfg["num_experts_per_tok"],
+                        cfg["num_experts"], cfg["intermediate_size"])
+        dense = 0
+    else:
+        dense = cfg["first_k_dense_replace"]
+        moe, k, E, f = (cfg["num_hidden_layers"] - dense, cfg["num_experts_per_tok"],
+                        cfg["n_routed_experts"], cfg["moe_intermediate_size"])
+    active = moe * k * 3 * cfg["hidden_size"] * f
+    return {"model_type": cfg["model_type"], "layers": cfg["num_hidden_layers"],
+            "dense_layers": dense, "moe_layers": moe, "hidden": cfg["hidden_size"],
+            "experts": E, "top_k": k, "expert_ffn": f, "vocab": cfg["vocab_size"],
+            "heads": cfg["num_attention_heads"], **pc,
+            "active_expert_params_per_token": active,
+            "non_expert_share_of_active_params": round(
+                pc["non_expert_params"] / (pc["non_expert_params"] + active), 3)}
+
+
+# --------------------------------------------------------------------------------------------
+# python rows (torch, specmoe): ``decode_peers.py --_worker spec.json``
+
+
+class _Acc:
+    """Cumulative seconds per category, timed by forward hooks."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {}
+        self._t0: dict[int, float] = {}
+        self.handles: list[Any] = []
+
+    def hook(self, module: Any, cat: str) -> None:
+        def pre(m: Any, args: Any) -> None:
+            self._t0[id(m)] = time.perf_counter()
+
+        def post(m: Any, args: Any, out: Any) -> None:
+            self.t[cat] = self.t.get(cat, 0.0) + time.perf_counter() - self._t0.pop(id(m))
+
+        self.handles += [module.register_forward_pre_hook(pre),
+                         module.register_forward_hook(post)]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def worker(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+    phase = Path(spec["result"] + ".phase")
+
+    def enter(what: str) -> None:
+        phase.write_text(what)
+
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[spec["torch_dtype"]]
+    enter("loading the model")
+    t0 = time.perf_counter()
+    eng = None
+    kernels = None
+    if spec["kind"] == "specmoe":
+        import specmoe
+        from specmoe import kernels
+        model = specmoe.from_pretrained(spec["ckpt"], cache=1.0, dtype=spec["dtype"],
+                                        policy="lru", prefetch=False, store=spec["store"],
+                                        torch_dtype=dt, progress=False)
+        eng = specmoe.engine_of(model)
+        enter("loading every expert into the cache")
+        L, E = len(eng.layer_ids), eng.num_experts
+        eng._cache.prefetch((np.repeat(np.arange(L), E), np.tile(np.arange(E), L),
+                             np.zeros(L * E, np.float32)))
+        eng._cache.wait_idle()
+        resident = len(eng._cache.resident())
+        if resident != L * E:
+            raise RuntimeError(f"only {resident} of {L * E} experts resident after warming")
+    else:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=dt,
+                                                     experts_implementation="eager")
+    model.eval()
+    res: dict[str, Any] = {"load_s": time.perf_counter() - t0, "threads": {}}
+
+    class Stamp(LogitsProcessor):
+        def __init__(self, acc: _Acc | None = None, c: dict[str, float] | None = None):
+            self.t: list[float] = []
+            self.snap: list[dict[str, float]] = []
+            self.acc, self.c = acc, c
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            self.t.append(time.perf_counter())
+            if self.acc is not None:
+                s = dict(self.acc.t)
+                if self.c is not None:
+                    s["experts_c"] = self.c["t"]
+                self.snap.append(s)
+            return scores
+
+    def gen(ids: list[int], n: int, st: Stamp) -> Stamp:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n + 1,
+                           min_new_tokens=n + 1, do_sample=False,
+                           logits_processor=LogitsProcessorList([st]), pad_token_id=0)
+        if len(st.t) != n + 1:
+            raise RuntimeError(f"expected {n + 1} forward passes, saw {len(st.t)}")
+        return st
+
+    n = spec["decode_tokens"]
+    layers = model.model.layers
+    for th in spec["threads"]:
+        torch.set_num_threads(th)
+        if kernels is not None:
+            kernels.set_num_threads(th)
+        enter(f"the warm-up generation ({th} threads)")
+        gen(spec["warm_ids"], spec["warm_tokens"], Stamp())
+        if eng is not None:
+            eng.reset_stats()
+        enter(f"the timed generation ({th} threads)")
+        st = gen(spec["prompt_ids"], n, Stamp())
+        r: dict[str, Any] = {"tok_per_s": n / (st.t[-1] - st.t[0]),
+                             "decode_s": st.t[-1] - st.t[0]}
+        if eng is not None:
+            s = eng.stats()
+            r["hit_rate"] = s.get("hit_rate")
+            r["misses"] = s.get("misses")
+        # ---- instrumented generation: where a decode step goes
+        enter(f"the instrumented generation ({th} threads)")
+        acc = _Acc()
+        for lyr in layers:
+            acc.hook(lyr.self_attn, "attention")
+            acc.hook(lyr.mlp, "mlp")
+            if hasattr(lyr.mlp, "experts"):
+                acc.hook(lyr.mlp.experts, "experts_module")
+        acc.hook(model.lm_head, "lm_head")
+        c = None
+        if eng is not None:
+            from layer_overhead import _Proxy
+            c = {"t": 0.0, "n": 0}
+            eng._layers = _Proxy(eng._layers, c)
+        try:
+            sti = gen(spec["prompt_ids"], n, Stamp(acc, c))
+        finally:
+            acc.remove()
+            if eng is not None and c is not None:
+                eng._layers = eng._layers.inner
+        step = (sti.t[-1] - sti.t[0]) / n
+
+        def per_step(k: str) -> float:
+            return (sti.snap[-1].get(k, 0.0) - sti.snap[0].get(k, 0.0)) / n
+
+        attn, mlp, exm, lm = (per_step("attention"), per_step("mlp"),
+                              per_step("experts_module"), per_step("lm_head"))
+        if eng is not None:
+            exc = per_step("experts_c")
+            parts = {"attention": attn, "experts": exc, "experts_glue": exm - exc,
+                     "router_shared_dense": mlp - exm, "lm_head": lm,
+                     "other": step - attn - mlp - lm}
+            r["outside_experts_share"] = 1 - exc / step
+            r["glue_share"] = (parts["experts_glue"] + parts["other"]) / step
+        else:
+            parts = {"attention": attn, "experts": exm, "router_shared_dense": mlp - exm,
+                     "lm_head": lm, "other": step - attn - mlp - lm}
+            r["outside_experts_share"] = 1 - exm / step
+            r["glue_share"] = parts["other"] / step
+        r["breakdown"] = {k: {"ms_per_step": v * 1e3, "share": v / step}
+                          for k, v in parts.items()}
+        r["step_ms_instrumented"] = step * 1e3
+        r["tok_per_s_instrumented"] = 1 / step
+        res["threads"][str(th)] = r
+    if eng is not None:
+        eng.close()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            res["vmhwm_bytes"] = int(line.split()[1]) * 1024
+    Path(spec["result"]).write_text(json.dumps(res))
+
+
+def run_python(name: str, spec: dict[str, Any], work: Path, timeout: float) -> dict[str, Any]:
+    """One python row in its own process; {threads: result} or {"error": ...}."""
+    spec_path, result = work / f"spec-{name}.json", work / f"result-{name}.json"
+    phase = Path(str(result) + ".phase")
+    result.unlink(missing_ok=True)
+    phase.unlink(missing_ok=True)
+    spec["result"] = str(result)
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(spec["threads"])),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    r = bm.run_process([sys.executable, str(Path(__file__).resolve()), "--_worker",
+                        str(spec_path)], None, timeout, env=env)
+    if r["rc"] != 0 or not result.is_file():
+        where = phase.read_text() if phase.is_file() else "start-up"
+        return {"error": bm._fail_reason(r, None, f"{name} (during {where})")}
+    res = json.loads(result.read_text())
+    out = {}
+    for th, x in res["threads"].items():
+        x.update(peak_rss_bytes=res.get("vmhwm_bytes", r["maxrss_bytes"]), load_s=res["load_s"])
+        out[int(th)] = x
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# main
+
+
+def targets_of(rows_out: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets over the rows: met or not, with the worst figure."""
+    sm = [r for r in rows_out if r["kind"] == "specmoe"]
+
+    def summary(vals: list[tuple[str, float | None]], goal: float, higher: bool = True
+                ) -> dict[str, Any]:
+        got = [v for _, v in vals if v is not None]
+        worst = (min(got) if higher else max(got)) if got else None
+        return {"value": worst, "target": goal,
+                "met": (all((v >= goal) if higher else (v <= goal) for v in got)
+                        if got and len(got) == len(vals) else None),
+                "per_row": {k: (round(v, 3) if v is not None else None) for k, v in vals}}
+
+    def key(r: dict[str, Any]) -> str:
+        return f"{r['model']} {r['name']} t{r['threads']}"
+
+    dsv = [r for r in sm if r["model"] == "dsv2lite"]
+    return {
+        "specmoe >= 1.0x llama.cpp at equal precision (every model, precision, threads; "
+        "value = worst)": summary([(key(r), r.get("vs_llama_cpp")) for r in sm], 1.0),
+        "specmoe >= 1.5x unmodified torch (value = worst)":
+            summary([(key(r), r.get("vs_torch")) for r in sm], 1.5),
+        "dsv2lite: share of a specmoe decode step outside the expert kernels <= 0.25 "
+        "(value = worst)": summary([(key(r), r.get("outside_experts_share")) for r in dsv],
+                                    0.25, higher=False),
+        "dsv2lite, for information: glue-only share (expert-call glue + other, excluding "
+        "attention, lm_head, router/shared/dense matmuls) <= 0.25 (value = worst)":
+            summary([(key(r), r.get("glue_share")) for r in dsv], 0.25, higher=False),
+    }
+
+
+def _median(xs: list[Any]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return statistics.median(v) if v else None
+
+
+def prepare(model: str, cfg: dict[str, Any], a: argparse.Namespace, rows: list[dict[str, Any]],
+            lc: bm.LlamaCpp | None) -> dict[str, Any]:
+    """Checkpoint, prompts, specmoe stores, GGUF files of one model; errors per row."""
+    chash = bm.config_hash(cfg, a.seed, a.router_skew)
+    root = Path(a.workdir).expanduser() / (f"{model}-L{cfg['num_hidden_layers']}-"
+                                           f"V{cfg['vocab_size']}-{chash}")
+    ckpt, work = root / "ckpt", root / "run"
+    work.mkdir(parents=True, exist_ok=True)
+    bm.write_checkpoint(ckpt, cfg, a.seed, a.router_skew)
+    prompt_ids, warm_ids = bm.make_prompts(ckpt, PROMPT_TOKENS, a.seed)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    prep: dict[str, Any] = {"root": root, "ckpt": ckpt, "work": work, "prompt_ids": prompt_ids,
+                            "warm_ids": warm_ids, "prompt_txt": tok.decode(prompt_ids),
+                            "warm_txt": tok.decode(warm_ids), "err": {}, "store": {},
+                            "gguf": {}}
+    for r in rows:
+        if r["kind"] == "specmoe":
+            p = root / f"store-{r['precision']}.smoe"
+            if not p.is_file():
+                err = bm.convert_store(ckpt, r["precision"], p, a.row_timeout)
+                if err:
+                    prep["err"][r["name"]] = err
+            prep["store"][r["name"]] = p
+    ll = [r for r in rows if r["kind"] == "llama.cpp"]
+    if ll:
+        if lc is None or lc.error:
+            for r in ll:
+                prep["err"][r["name"]] = lc.error if lc else "llama.cpp unavailable"
+        else:
+            # the converter's bf16 GGUF is the BF16 row; the others are quantized from it
+            # (convert writes it only when some type is missing: ask for BF16 if alone)
+            types = [r["type"] for r in ll if r["type"] != "BF16"] or ["BF16"]
+            got = lc.convert(ckpt, root / "gguf", types, chash, keep_bf16=True)
+            bf16 = root / "gguf" / "model-bf16.gguf"
+            if "BF16" not in got:
+                got["BF16"] = bf16 if bf16.is_file() else "the bf16 GGUF was not written"
+            for r in ll:
+                g = got.get(r["type"])
+                if isinstance(g, Path):
+                    prep["gguf"][r["name"]] = g
+                else:
+                    prep["err"][r["name"]] = str(g)
+    return prep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny shapes (hidden 256, 16 experts, 2 layers), 1 round, 4 warm tokens")
+    ap.add_argument("--models", default="olmoe,dsv2lite")
+    ap.add_argument("--olmoe-layers", type=int, default=4)
+    ap.add_argument("--dsv2-layers", type=int, default=4, help="the first one is dense")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warm-tokens", type=int, default=8,
+                    help="tokens of the warm-up generation (python rows)")
+    ap.add_argument("--rows", default="torch-f32,torch-bf16,specmoe-f32,specmoe-bf16,"
+                    "specmoe-int8,specmoe-int4,llama.cpp-F32,llama.cpp-BF16,llama.cpp-Q8_0,"
+                    "llama.cpp-Q4_0", help="comma-separated subset, in first-round order")
+    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
+    ap.add_argument("--peers", default=os.environ.get(
+        "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")),
+        help="llama.cpp sdist, build and binaries (as big_model.py)")
+    ap.add_argument("--no-build-peers", action="store_true")
+    ap.add_argument("--router-skew", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--row-timeout", type=float, default=1800.0)
+    ap.add_argument("--cleanup", action="store_true",
+                    help="delete a model's stores and GGUF files after its rounds")
+    ap.add_argument("--save", help="also write the JSON object to this file (after each model)")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._worker:
+        worker(a._worker)
+        return
+    if a.quick:
+        a.olmoe_layers, a.dsv2_layers, a.repeats = 2, 2, 1
+        a.warm_tokens = min(a.warm_tokens, 4)
+    threads = [int(t) for t in a.threads.split(",") if t.strip()]
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    for m in models:
+        if m not in ("olmoe", "dsv2lite"):
+            ap.error(f"unknown model {m} (olmoe, dsv2lite)")
+    if a.dsv2_layers < 2:
+        ap.error("--dsv2-layers must be >= 2 (layer 0 is dense)")
+
+    rows_def: list[dict[str, Any]] = []
+    for n in (x.strip() for x in a.rows.split(",") if x.strip()):
+        kind, _, p = n.partition("-")
+        if kind == "torch" and p in ("f32", "bf16"):
+            rows_def.append({"name": n, "kind": "torch", "precision": p, "torch_dtype": p})
+        elif kind == "specmoe" and p in SPECMOE_PRECS:
+            rows_def.append({"name": n, "kind": "specmoe", "precision": p,
+                             "torch_dtype": TORCH_OF[p]})
+        elif kind == "llama.cpp" and p in LLAMA_OF.values():
+            rows_def.append({"name": n, "kind": "llama.cpp", "type": p,
+                             "precision": {v: k for k, v in LLAMA_OF.items()}[p]})
+        else:
+            ap.error(f"unknown row {n}")
+
+    lc = None
+    if any(r["kind"] == "llama.cpp" for r in rows_def):
+        lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, max(threads))
+
+    t_start = time.time()
+    config: dict[str, Any] = {
+        "method": "random-weight checkpoints at real MoE shapes, all experts resident; "
+                  "interleaved rounds (row order rotated per round), medians; ratios within "
+                  "a round",
+        "precision_note": "specmoe quantizes only the routed experts: attention, router, shared "
+                          "experts, dense FFN, embeddings and lm_head stay in torch at "
+                          "torch_dtype (bf16 for int8/int4, f32 for f32); llama.cpp "
+                          "(llama-quantize defaults) quantizes every weight matrix. That gap is "
+                          "issue 16.",
+        "threads": threads, "repeats": a.repeats, "prompt_tokens": PROMPT_TOKENS,
+        "decode_tokens": DECODE_TOKENS, "warm_tokens": a.warm_tokens, "quick": a.quick,
+        "router_skew": a.router_skew, "seed": a.seed,
+        "specmoe": {"cache": 1.0, "policy": "lru", "prefetch": False, "warmed": True,
+                    "torch_dtype": TORCH_OF},
+        "torch": "transformers AutoModelForCausalLM.from_pretrained(experts_implementation="
+                 "'eager')",
+        "llama_cpp": {"bin": str(lc.bin) if lc else None, "mmap": True, "ctx": 256,
+                      "warmup": "a separate llama-completion process on another prompt"},
+        "pairing": {"vs_llama_cpp": LLAMA_OF,
+                    "vs_torch": {**{f"specmoe-{p}": f"torch-{TORCH_OF[p]}" for p in SPECMOE_PRECS},
+                                 **{f"llama.cpp-{LLAMA_OF[p]}": f"torch-{TORCH_OF[p]}"
+                                    for p in SPECMOE_PRECS}}},
+        "models": {}, "loadavg_start": os.getloadavg(),
+    }
+    rows_out: list[dict[str, Any]] = []
+    for model in models:
+        cfg = (olmoe_config(a.olmoe_layers, 16384 if a.quick else 50304, a.quick)
+               if model == "olmoe" else
+               dsv2_config(a.dsv2_layers, 16384 if a.quick else 102400, a.quick))
+        config["models"][model] = model_summary(cfg)
+        t0 = time.time()
+        prep = prepare(model, cfg, a, rows_def, lc)
+        config["models"][model]["checkpoint"] = str(prep["ckpt"])
+        config["models"][model]["setup_s"] = round(time.time() - t0, 1)
+        # runs[name][threads] = list over rounds of result dicts
+        runs: dict[str, dict[int, list[dict[str, Any]]]] = {
+            r["name"]: {t: [] for t in threads} for r in rows_def}
+        round_s = []
+        for rep in range(a.repeats):
+            tr0 = time.time()
+            k = rep % len(rows_def)
+            ths = threads if rep % 2 == 0 else threads[::-1]
+            for r in rows_def[k:] + rows_def[:k]:
+                name = r["name"]
+                if name in prep["err"]:
+                    for t in threads:
+                        runs[name][t].append({"error": prep["err"][name]})
+                    continue
+                log(f"{model} round {rep + 1}/{a.repeats}: {name} (threads {ths})")
+                try:
+                    if r["kind"] == "llama.cpp":
+                        assert lc is not None
+                        res: dict[Any, Any] = {}
+                        for t in ths:
+                            res[t] = lc.run_row(prep["gguf"][name], prep["prompt_txt"],
+                                                prep["warm_txt"], t, None, prep["work"],
+                                                a.row_timeout)
+                    else:
+                        spec = {"kind": r["kind"], "ckpt": str(prep["ckpt"]),
+                                "dtype": r["precision"], "torch_dtype": r["torch_dtype"],
+                                "store": str(prep["store"].get(name, "")), "threads": ths,
+                                "prompt_ids": prep["prompt_ids"], "warm_ids": prep["warm_ids"],
+                                "decode_tokens": DECODE_TOKENS, "warm_tokens": a.warm_tokens}
+                        res = run_python(f"{model}-{name}", spec, prep["work"], a.row_timeout)
+                        if "error" in res:
+                            res = {t: {"error": res["error"]} for t in threads}
+                except Exception as e:  # noqa: BLE001 -- recorded in the row
+                    res = {t: {"error": f"{type(e).__name__}: {e}"} for t in threads}
+                for t in threads:
+                    x = res.get(t, {"error": "no result"})
+                    runs[name][t].append(x)
+                    if "error" in x:
+                        log(f"  {t} threads: error: {x['error']}")
+                    else:
+                        extra = (f", outside experts {x['outside_experts_share']:.0%}"
+                                 if "outside_experts_share" in x else "")
+                        log(f"  {t} threads: {x['tok_per_s']:.2f} tok/s, peak RSS "
+                            f"{x['peak_rss_bytes'] / MiB:.0f} MiB{extra}")
+            round_s.append(round(time.time() - tr0, 1))
+        config["models"][model]["round_s"] = round_s
+
+        def ratio(rep: int, t: int, name: str, other: str | None) -> float | None:
+            if other is None or other not in runs:
+                return None
+            x, y = runs[name][t][rep].get("tok_per_s"), runs[other][t][rep].get("tok_per_s")
+            return x / y if x and y else None
+
+        for r in rows_def:
+            name = r["name"]
+            peer = f"llama.cpp-{LLAMA_OF[r['precision']]}" if r["kind"] == "specmoe" else None
+            tpeer = (name if r["kind"] == "torch" else
+                     f"torch-{TORCH_OF[r['precision']]}")  # llama.cpp too, for information
+            for t in threads:
+                rr = runs[name][t]
+                ok = [x for x in rr if "error" not in x]
+                row: dict[str, Any] = {"model": model, "name": name, "kind": r["kind"],
+                                       "precision": r["precision"], "threads": t}
+                if r["kind"] == "llama.cpp":
+                    row["gguf_type"] = r["type"]
+                else:
+                    row["torch_dtype"] = r["torch_dtype"]
+                if not ok:
+                    row.update(tok_per_s=None, vs_llama_cpp=None, vs_torch=None,
+                               peak_rss_bytes=None, error=rr[0]["error"] if rr else "not run")
+                    rows_out.append(row)
+                    continue
+                row["tok_per_s"] = _median([x["tok_per_s"] for x in ok])
+                row["tok_per_s_runs"] = [x.get("tok_per_s") for x in rr]
+                row["vs_llama_cpp"] = _median([ratio(i, t, name, peer)
+                                               for i in range(len(rr))]) if peer else None
+                row["vs_torch"] = _median([ratio(i, t, name, tpeer)
+                                           for i in range(len(rr))]) if tpeer else None
+                row["peak_rss_bytes"] = _median([x.get("peak_rss_bytes") for x in ok])
+                for key in ("load_s", "hit_rate", "outside_experts_share", "glue_share",
+                            "step_ms_instrumented", "tok_per_s_instrumented", "gguf_bytes",
+                            "prompt_tokens_seen", "decode_tokens"):
+                    v = _median([x.get(key) for x in ok])
+                    if v is not None:
+                        row[key] = v
+                if "breakdown" in ok[0]:
+                    row["breakdown"] = {
+                        c: {f: _median([x["breakdown"][c][f] for x in ok])
+                            for f in ("ms_per_step", "share")}
+                        for c in ok[0]["breakdown"]}
+                if r["kind"] == "llama.cpp":
+                    notes = [x["note"] for x in ok if "note" in x]
+                    if notes:
+                        row["note"] = notes[0]
+                errs = [x["error"] for x in rr if "error" in x]
+                if errs:
+                    row["errors"] = errs
+                rows_out.append(row)
+        if a.cleanup:
+            for p in list(prep["store"].values()) + [prep["root"] / "gguf"]:
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                elif p.is_file():
+                    p.unlink()
+            log(f"{model}: stores and GGUF files deleted (--cleanup)")
+        if a.save:  # what is done so far, in case a later model fails or is cut off
+            Path(a.save).write_text(json.dumps(
+                {"config": config, "rows": rows_out, "targets": targets_of(rows_out),
+                 "partial": True}, indent=1) + "\n")
+
+    config["wall_s"] = round(time.time() - t_start, 1)
+    config["loadavg_end"] = os.getloadavg()
+    targets = targets_of(rows_out)
+    result = {"config": config, "rows": rows_out, "targets": targets}
+    if a.save:
+        Path(a.save).write_text(json.dumps(result, indent=1) + "\n")
+    if a.json:
+        print(json.dumps(result))
+    else:
+        for r in rows_out:
+            if r.get("error"):
+                print(f"{r['model']:<9} {r['name']:<15} t{r['threads']} ERROR {r['error']}")
+                continue
+            vl, vt = r.get("vs_llama_cpp"), r.get("vs_torch")
+            print(f"{r['model']:<9} {r['name']:<15} t{r['threads']} {r['tok_per_s']:8.2f} tok/s"
+                  f"  vs llama.cpp {vl if vl is None else round(vl, 2)}"
+                  f"  vs torch {vt if vt is None else round(vt, 2)}"
+                  f"  peak RSS {r['peak_rss_bytes'] / MiB:6.0f} MiB"
+                  + (f"  outside experts {r['outside_experts_share']:.0%}"
+                     if "outside_experts_share" in r else ""))
+        for k, v in targets.items():
+            print(f"target {k}: value {v['value']} met {v['met']}")
+
+
+if __name__ == "__main__":
+    main()
