@@ -7,15 +7,6 @@
 
 #include "moe.h"
 
-static int cache_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
-                         smoe_err *err) {
-    return smoe_cache_acquire(ctx, layer, expert, data, err);
-}
-
-static int cache_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
-    return smoe_cache_release(ctx, layer, expert, err);
-}
-
 static float *copy_f32(const float *src, size_t n) {
     float *p = malloc(sizeof *p * n);
     if (p) memcpy(p, src, sizeof *p * n);
@@ -251,7 +242,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
             }
         if ((rc = smoe_cache_counts(g->cache, g->keys, g->counts, n, err))) return rc;
     }
-    struct smoe_moe_source src = {g->cache, cache_acquire, cache_release};
+    smoe_moe_source src = smoe_moe_cache_source(g->cache);
     rc = smoe_moe_forward(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, out, used, err);
     if (rc) return rc;
     if (g->pred_valid[pos]) {

@@ -2,6 +2,8 @@
  * See moe.h. */
 #include "moe.h"
 
+#include "cache.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -77,4 +79,17 @@ done:
     free(scale);
     free(scratch);
     return rc;
+}
+
+static int cache_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
+                         smoe_err *err) {
+    return smoe_cache_acquire(ctx, layer, expert, data, err);
+}
+
+static int cache_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
+    return smoe_cache_release(ctx, layer, expert, err);
+}
+
+smoe_moe_source smoe_moe_cache_source(struct smoe_cache *cache) {
+    return (smoe_moe_source){cache, cache_acquire, cache_release};
 }

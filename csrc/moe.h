@@ -24,6 +24,10 @@ typedef struct smoe_moe_source {
     int (*release)(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err);
 } smoe_moe_source;
 
+/* The expert source that pins blocks in a cache (smoe_cache_acquire / smoe_cache_release). */
+struct smoe_cache;
+smoe_moe_source smoe_moe_cache_source(struct smoe_cache *cache);
+
 /* out[T,H] = sum_j w[t,j] * FFN_{idx[t,j]}(x[t]) with the expert FFN described by d (a
  * descriptor validated by smoe_ffn_desc_check against the block size).  x, out: f32 [T,H]
  * row-major (out is overwritten).  idx: int64 [T,k], each in 0..num_experts-1 (else

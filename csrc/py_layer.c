@@ -31,23 +31,6 @@ static void Layers_dealloc(LayersObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* A C-contiguous array of `type` with `ndim` dims (writable if asked), else an exception. */
-static PyArrayObject *arr(PyObject *o, const char *name, int type, int ndim, int writable) {
-    if (!PyArray_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
-        return NULL;
-    }
-    PyArrayObject *a = (PyArrayObject *)o;
-    if (PyArray_TYPE(a) != type || PyArray_NDIM(a) != ndim || !PyArray_IS_C_CONTIGUOUS(a) ||
-        (writable && !PyArray_ISWRITEABLE(a))) {
-        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous %s%s array of %d dims", name,
-                     writable ? "writable " : "",
-                     type == NPY_FLOAT32 ? "float32" : type == NPY_INT64 ? "int64" : "uint8",
-                     ndim);
-        return NULL;
-    }
-    return a;
-}
 
 static int Layers_init(LayersObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"cache", "kctx", "desc", "routers", "top_k", "sigmoid", NULL};
@@ -90,7 +73,7 @@ static int Layers_init(LayersObject *self, PyObject *args, PyObject *kw) {
             PyErr_Format(PyExc_TypeError, "routers[%zd] must be a tuple (w, b, corr)", l);
             goto out;
         }
-        PyArrayObject *a = arr(PyTuple_GET_ITEM(t, 0), "router weight", NPY_FLOAT32, 2, 0);
+        PyArrayObject *a = smoe_py_want_array(PyTuple_GET_ITEM(t, 0), "router weight", NPY_FLOAT32, 2, 0);
         if (!a) goto out;
         if (PyArray_DIM(a, 0) != (npy_intp)E || PyArray_DIM(a, 1) != (npy_intp)H) {
             PyErr_Format(PyExc_ValueError, "routers[%zd] weight is %ldx%ld, expected %ux%u", l,
@@ -101,7 +84,7 @@ static int Layers_init(LayersObject *self, PyObject *args, PyObject *kw) {
         for (int j = 1; j <= 2; j++) {
             PyObject *v = PyTuple_GET_ITEM(t, j);
             if (v == Py_None) continue;
-            PyArrayObject *bv = arr(v, j == 1 ? "router bias" : "correction bias", NPY_FLOAT32,
+            PyArrayObject *bv = smoe_py_want_array(v, j == 1 ? "router bias" : "correction bias", NPY_FLOAT32,
                                     1, 0);
             if (!bv) goto out;
             if (PyArray_DIM(bv, 0) != (npy_intp)E) {
@@ -170,13 +153,13 @@ static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ss
         return NULL;
     }
     PyArrayObject *x, *idx, *w, *out, *used, *sc = NULL;
-    if (!(x = arr(args[1], "x", NPY_FLOAT32, 2, 0)) ||
-        !(idx = arr(args[2], "idx", NPY_INT64, 2, 0)) ||
-        !(w = arr(args[3], "w", NPY_FLOAT32, 2, 0)) ||
-        !(out = arr(args[4], "out", NPY_FLOAT32, 2, 1)) ||
-        !(used = arr(args[5], "used", NPY_UINT8, 1, 1)))
+    if (!(x = smoe_py_want_array(args[1], "x", NPY_FLOAT32, 2, 0)) ||
+        !(idx = smoe_py_want_array(args[2], "idx", NPY_INT64, 2, 0)) ||
+        !(w = smoe_py_want_array(args[3], "w", NPY_FLOAT32, 2, 0)) ||
+        !(out = smoe_py_want_array(args[4], "out", NPY_FLOAT32, 2, 1)) ||
+        !(used = smoe_py_want_array(args[5], "used", NPY_UINT8, 1, 1)))
         return NULL;
-    if (n > 6 && args[6] != Py_None && !(sc = arr(args[6], "scores", NPY_FLOAT32, 2, 0)))
+    if (n > 6 && args[6] != Py_None && !(sc = smoe_py_want_array(args[6], "scores", NPY_FLOAT32, 2, 0)))
         return NULL;
     int replace = 1;
     if (n > 7 && (replace = PyObject_IsTrue(args[7])) < 0) return NULL;

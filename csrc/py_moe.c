@@ -37,32 +37,6 @@ static int resident_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err
     return SMOE_OK;
 }
 
-static int cache_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
-                         smoe_err *err) {
-    return smoe_cache_acquire(ctx, layer, expert, data, err);
-}
-
-static int cache_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
-    return smoe_cache_release(ctx, layer, expert, err);
-}
-
-static PyArrayObject *want(PyObject *o, const char *name, int type, int ndim, int writable) {
-    if (!PyArray_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
-        return NULL;
-    }
-    PyArrayObject *a = (PyArrayObject *)o;
-    if (PyArray_TYPE(a) != type || PyArray_NDIM(a) != ndim || !PyArray_IS_C_CONTIGUOUS(a) ||
-        (writable && !PyArray_ISWRITEABLE(a))) {
-        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous %s%s array of %d dims", name,
-                     writable ? "writable " : "",
-                     type == NPY_FLOAT32 ? "float32" : type == NPY_INT64 ? "int64" : "uint8",
-                     ndim);
-        return NULL;
-    }
-    return a;
-}
-
 PyDoc_STRVAR(moe_forward_doc,
              "moe_forward(source, kctx, desc, block_bytes, layer, num_experts, x, idx, w, out, "
              "used=None)\n\n"
@@ -96,12 +70,12 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "num_experts must be positive");
         return NULL;
     }
-    PyArrayObject *x = want(xo, "x", NPY_FLOAT32, 2, 0), *idx = NULL, *w = NULL, *out = NULL,
+    PyArrayObject *x = smoe_py_want_array(xo, "x", NPY_FLOAT32, 2, 0), *idx = NULL, *w = NULL, *out = NULL,
                   *used = NULL;
-    if (!x || !(idx = want(io, "idx", NPY_INT64, 2, 0)) || !(w = want(wo, "w", NPY_FLOAT32, 2, 0)) ||
-        !(out = want(oo, "out", NPY_FLOAT32, 2, 1)))
+    if (!x || !(idx = smoe_py_want_array(io, "idx", NPY_INT64, 2, 0)) || !(w = smoe_py_want_array(wo, "w", NPY_FLOAT32, 2, 0)) ||
+        !(out = smoe_py_want_array(oo, "out", NPY_FLOAT32, 2, 1)))
         return NULL;
-    if (uo != Py_None && !(used = want(uo, "used", NPY_UINT8, 1, 1))) return NULL;
+    if (uo != Py_None && !(used = smoe_py_want_array(uo, "used", NPY_UINT8, 1, 1))) return NULL;
     npy_intp T = PyArray_DIM(x, 0), k = PyArray_DIM(idx, 1);
     if (PyArray_DIM(x, 1) != (npy_intp)d.H || PyArray_DIM(idx, 0) != T ||
         PyArray_DIM(w, 0) != T || PyArray_DIM(w, 1) != k || PyArray_DIM(out, 0) != T ||
@@ -144,7 +118,7 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
                          (unsigned long long)block_bytes);
             return NULL;
         }
-        src = (smoe_moe_source){cache, cache_acquire, cache_release};
+        src = smoe_moe_cache_source(cache);
     }
     smoe_err e;
     smoe_err_clear(&e);

@@ -13,4 +13,10 @@
  * ValueError raised otherwise.  Returns NULL with an exception set. */
 PyArrayObject *smoe_py_index_array(PyObject *obj, uint64_t limit, const char *what,
                                    const char *noun);
+
+/* obj itself (borrowed) when it is a C-contiguous numpy array of `type` (NPY_FLOAT32,
+ * NPY_INT64 or NPY_UINT8) with `ndim` dims, writable if asked; else NULL with TypeError (not
+ * an array) or ValueError naming `name`.  No copy: the per-layer calls take caller buffers. */
+PyArrayObject *smoe_py_want_array(PyObject *obj, const char *name, int type, int ndim,
+                                  int writable);
 #endif

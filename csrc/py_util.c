@@ -33,3 +33,21 @@ PyArrayObject *smoe_py_index_array(PyObject *obj, uint64_t limit, const char *wh
     Py_DECREF(a64);
     return out;
 }
+
+PyArrayObject *smoe_py_want_array(PyObject *obj, const char *name, int type, int ndim,
+                                  int writable) {
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    if (PyArray_TYPE(a) != type || PyArray_NDIM(a) != ndim || !PyArray_IS_C_CONTIGUOUS(a) ||
+        (writable && !PyArray_ISWRITEABLE(a))) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous %s%s array of %d dims", name,
+                     writable ? "writable " : "",
+                     type == NPY_FLOAT32 ? "float32" : type == NPY_INT64 ? "int64" : "uint8",
+                     ndim);
+        return NULL;
+    }
+    return a;
+}
