@@ -563,6 +563,19 @@ class Engine:
         self.close()
 
 
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim; a no-op elsewhere): freed
+    tensors of a few MB stay in malloc's arenas otherwise, and the process's resident memory
+    would not show the experts that offload freed."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _memory_limit() -> int:
     """Bytes this process may still use: MemAvailable, or its memory cgroup's headroom
     (v1 or v2) when that is lower."""
@@ -658,9 +671,10 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
                       model=info.model_type, top_k=int(cfg.num_experts_per_tok),
                       extra=store_settings(cfg, info, ids, dtype), progress=progress,
                       after_layer=free)
-        return Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
-                      overfetch=overfetch, direct=direct, verify=True,
-                      own_store=store is None)
+        eng = Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
+                     overfetch=overfetch, direct=direct, verify=True, own_store=store is None)
+        _trim_heap()  # the freed expert parameters leave the resident set now, not later
+        return eng
     except BaseException:
         if store is None and os.path.exists(path):
             os.unlink(path)
