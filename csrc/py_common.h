@@ -27,5 +27,6 @@ int smoe_py_sim_init(PyObject *m);
 int smoe_py_moe_init(PyObject *m);
 int smoe_py_spec_init(PyObject *m);
 int smoe_py_layer_init(PyObject *m);
+int smoe_py_linear_init(PyObject *m);
 
 #endif

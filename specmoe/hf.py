@@ -45,6 +45,7 @@ from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, desc
                    expert_module, extract_expert, extract_experts, getpath,
                    iter_experts_modules, moe_block, moe_layers)
 from .conversion import store_settings, write_experts
+from .dense import resolve_dense
 from .recording import TraceRecording, _Recorder
 
 __all__ = [
@@ -120,7 +121,7 @@ class Engine:
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
                  cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
                  overfetch: float = 1.5, direct: bool | None = False, verify: bool = True,
-                 own_store: bool = False) -> None:
+                 own_store: bool = False, dense: str | bool | None = "auto") -> None:
         """Serve ``model``'s routed experts from the store file ``store`` (written for this
         model by :mod:`specmoe.conversion`): every MoE layer's ``experts`` module becomes a
         :class:`SpecmoeExperts` (whatever it held is dropped).
@@ -130,12 +131,18 @@ class Engine:
         None decides by size (O_DIRECT when the store exceeds half the memory this process may
         use: the page cache could not hold it anyway and would only compete with the cache).
         verify: check every block read against its CRC32C.  own_store: delete the file on
-        :meth:`close`."""
+        :meth:`close`.  dense: the model's other linear layers (attention projections,
+        shared-expert and dense MLPs, lm_head; never the routers) through specmoe's C kernels:
+        ``"auto"`` (bf16 weights kept exactly where the kernels are faster), ``"torch"``/None
+        (untouched), or a format ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"`` (see
+        :mod:`specmoe.dense`); what was done is in ``engine.dense``."""
+        from .dense import convert_dense
         from .kernels import FFNSpec, context
         from .store import ExpertStore
         info, ids = describe(model)
         if overfetch < 1:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
+        resolve_dense(dense, torch.float32)  # a bad value fails before anything is touched
         cfg = model.config
         self.model: nn.Module | None = model
         self.arch: ArchInfo = info
@@ -202,6 +209,7 @@ class Engine:
         for pos, i in enumerate(ids):
             moe_block(model, info, i).experts = SpecmoeExperts(self, pos, self.num_experts,
                                                               spec.H)
+        self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
 
     # -- the per-layer path -------------------------------------------------------------------
     def _router_scores(self, pos: int, x: torch.Tensor) -> torch.Tensor:
@@ -623,7 +631,7 @@ def available_policies() -> list[str]:
 def offload(model: nn.Module, store: str | os.PathLike | None = None,
             cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
             dtype: str = "f32", overfetch: float = 1.5, direct: bool | None = False,
-            progress: bool = False) -> Engine:
+            progress: bool = False, dense: str | bool | None = "auto") -> Engine:
     """Move ``model``'s routed experts to a store and run them through specmoe.
 
     For a model already in memory (loaded by transformers); to load a checkpoint larger than
@@ -636,7 +644,9 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     next-layer lookahead (the next layer's router on this layer's input, top
     ceil(k * overfetch) experts per token) queued to the cache's prefetch worker.  dtype: how
     experts are stored ("f32", "bf16", "int8" per-row, "int4" per-group; see specmoe.quant).
-    progress: a progress bar while converting.  The model is modified in place: each MoE
+    progress: a progress bar while converting.  dense: the other linear layers through the C
+    kernels (``"auto"``, ``"torch"``, ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"``; see
+    :class:`Engine`).  The model is modified in place: each MoE
     layer's ``experts`` becomes a :class:`SpecmoeExperts` and the expert parameters are
     deleted, layer by layer while the store is written; if writing fails part way, the layers
     already converted stay offloaded to nothing usable (the error is raised): reload the model.
@@ -651,6 +661,7 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     E = int(first.gate_up_proj.shape[0])
     H = int(first.gate_up_proj.shape[1] if info.gptoss else first.gate_up_proj.shape[2])
     _check_capacity(cache, len(ids) * E, 1)  # bad specs fail before the model is touched
+    resolve_dense(dense, torch.float32)
     cfg = model.config
     if store is None:
         fd, path = tempfile.mkstemp(prefix="specmoe-", suffix=".smoe")
@@ -672,7 +683,8 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
                       extra=store_settings(cfg, info, ids, dtype), progress=progress,
                       after_layer=free)
         eng = Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
-                     overfetch=overfetch, direct=direct, verify=True, own_store=store is None)
+                     overfetch=overfetch, direct=direct, verify=True, own_store=store is None,
+                     dense=dense)
         _trim_heap()  # the freed expert parameters leave the resident set now, not later
         return eng
     except BaseException:

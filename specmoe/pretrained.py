@@ -269,7 +269,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                     dtype: str = "bf16", policy: Any = "least_stale", prefetch: bool = True,
                     store: str | os.PathLike[str] | None = None, direct: bool | None = None,
                     progress: bool = True, force_convert: bool = False,
-                    torch_dtype: Any = "auto", **hf_kwargs: Any) -> nn.Module:
+                    torch_dtype: Any = "auto", dense: str | bool | None = "auto",
+                    **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
     (stats, policy, trace, close).
@@ -284,9 +285,13 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     the first call and reused after; ``force_convert=True`` rewrites it.  direct: O_DIRECT
     reads (None: when the store exceeds half the memory this process may use).  progress: a
     progress bar while converting.  torch_dtype: dtype of the non-expert weights ("auto": the
-    checkpoint's).  hf_kwargs: ``attn_implementation`` and config overrides, as for
-    transformers."""
+    checkpoint's).  dense: the other linear layers (attention, shared/dense MLPs, lm_head)
+    through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly), ``"torch"``, or
+    ``"f32"``/``"bf16"``/``"int8"``/``"int4"`` (:mod:`specmoe.dense`).  hf_kwargs:
+    ``attn_implementation`` and config overrides, as for transformers."""
+    from .dense import resolve_dense
     from .hf import Engine
+    resolve_dense(dense, torch.float32)  # bad values fail before any work
     plan = _prepare(path, dtype, torch_dtype, dict(hf_kwargs))
     try:
         spath = _ensure_store(plan, plan.ckpt.folder, dtype, store, force_convert, progress)
@@ -303,5 +308,5 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
         model.generation_config = GenerationConfig.from_pretrained(plan.ckpt.folder)
     model.eval()
     Engine(model, spath, cache=cache, policy=policy, prefetch=prefetch, direct=direct,
-           verify=True)
+           verify=True, dense=dense)
     return model

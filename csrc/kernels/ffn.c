@@ -44,16 +44,16 @@ uint64_t smoe_ffn_scale_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t co
 static int check_tensor(const char *name, uint64_t off, uint64_t nbytes, uint64_t align,
                         int required, uint64_t block_bytes, smoe_err *err) {
     if (off == SMOE_NO_TENSOR) {
-        if (required) return smoe_err_set(err, SMOE_EINVAL, "expert tensor '%s' is missing", name);
+        if (required) return smoe_err_set(err, SMOE_EINVAL, "tensor '%s' is missing", name);
         return SMOE_OK;
     }
     if (off % align)
         return smoe_err_set(err, SMOE_EINVAL,
-                            "expert tensor '%s' at offset %llu is not %llu-byte aligned", name,
+                            "tensor '%s' at offset %llu is not %llu-byte aligned", name,
                             (unsigned long long)off, (unsigned long long)align);
     if (block_bytes && (off > block_bytes || nbytes > block_bytes - off))
         return smoe_err_set(err, SMOE_EINVAL,
-                            "expert tensor '%s' (%llu bytes at offset %llu) does not fit in the "
+                            "tensor '%s' (%llu bytes at offset %llu) does not fit in the "
                             "%llu-byte block",
                             name, (unsigned long long)nbytes, (unsigned long long)off,
                             (unsigned long long)block_bytes);
@@ -280,15 +280,49 @@ static void phase_run(void *varg, uint32_t k, uint32_t n) {
     }
 }
 
-/* Whether the fast (rounded-activation) path serves d on this context (see ffn_fast.c). */
-static int fast_ok(const smoe_ffn_desc *d, int32_t isa, int has_bf16, int has_vnni) {
-    if (!smoe_ffn_fast_built || d->precise || isa < SMOE_ISA_AVX512) return 0;
-    if (d->H % 128 || d->I % 128 || d->H > 65536 || d->I > 65536) return 0;
-    switch (d->dtype) {
+/* Whether the fast (rounded-activation) path can serve weights of this dtype/group on this
+ * context (see ffn_fast.c); the callers add their shape rules (every INPUT dimension a multiple
+ * of 128, at most 65536). */
+static int fast_dtype_ok(int32_t dtype, uint32_t group, uint32_t precise, int32_t isa,
+                         int has_bf16, int has_vnni) {
+    if (!smoe_ffn_fast_built || precise || isa < SMOE_ISA_AVX512) return 0;
+    switch (dtype) {
     case SMOE_WDT_BF16: return has_bf16;
     case SMOE_WDT_I8: return has_vnni;
-    case SMOE_WDT_I4: return has_vnni && group_of(d) % 128 == 0;
+    case SMOE_WDT_I4: return has_vnni && group % 128 == 0;
     default: return 0;
+    }
+}
+
+static int fast_dim_ok(uint32_t n) { return n % 128 == 0 && n <= 65536; }
+
+/* ISA and features of c, or of a throwaway single-threaded context when c is NULL. */
+static int ctx_features(smoe_kctx *c, int32_t *isa, int *has_bf16, int *has_vnni, smoe_err *err) {
+    smoe_kctx local;
+    if (!c) {
+        int rc = smoe_kctx_init(&local, 1, err);
+        if (rc) return rc;
+        c = &local;
+    }
+    *isa = c->isa;
+    *has_bf16 = c->has_bf16;
+    *has_vnni = c->has_vnni;
+    if (c == &local) smoe_kctx_free(&local);
+    return SMOE_OK;
+}
+
+/* Copy T rows of x (n columns; row rows[t] or t) into dst [T, n], in the permuted column order
+ * of BF16/I4 weights when perm (see smoe_perm_pos). */
+static void gather_rows(const float *x, size_t x_stride, const int32_t *rows, uint32_t T,
+                        uint32_t n, int perm, float *dst) {
+    for (uint32_t t = 0; t < T; t++) {
+        size_t r = rows ? (size_t)rows[t] : t;
+        const float *src = x + r * x_stride;
+        float *o = dst + (size_t)t * n;
+        if (perm)
+            for (uint32_t col = 0; col < n; col++) o[smoe_perm_pos(col, n)] = src[col];
+        else
+            memcpy(o, src, (size_t)n * 4);
     }
 }
 
@@ -302,26 +336,16 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
         return smoe_err_set(err, SMOE_EINVAL,
                             "smoe_ffn_forward: row strides (x %zu, out %zu) below H=%u", x_stride,
                             out_stride, d->H);
-    int32_t isa = SMOE_ISA_SCALAR;
-    int has_bf16 = 0, has_vnni = 0;
-    smoe_kctx local;
-    if (!c) {
-        int rc = smoe_kctx_init(&local, 1, err);
-        if (rc) return rc;
-        isa = local.isa;
-        has_bf16 = local.has_bf16;
-        has_vnni = local.has_vnni;
-        smoe_kctx_free(&local);
-    } else {
-        isa = c->isa;
-        has_bf16 = c->has_bf16;
-        has_vnni = c->has_vnni;
-    }
+    int32_t isa;
+    int has_bf16, has_vnni;
+    int rc = ctx_features(c, &isa, &has_bf16, &has_vnni, err);
+    if (rc) return rc;
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     float *xs = (float *)base;
     float *act = (float *)(base + round64((size_t)T * d->H * 4));
     smoe_kpool *pool = c ? c->pool : NULL;
-    if (fast_ok(d, isa, has_bf16, has_vnni)) {
+    if (fast_dtype_ok(d->dtype, group_of(d), d->precise, isa, has_bf16, has_vnni) &&
+        fast_dim_ok(d->H) && fast_dim_ok(d->I)) {
         void *aq = (uint8_t *)act + round64((size_t)T * d->I * 4);
         float *sc = (float *)((uint8_t *)aq + round64((size_t)T * d->I * 2));
         float *xsc = sc, *asc = sc + (size_t)T * (d->H / 128 + 1);
@@ -343,16 +367,7 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
         smoe_kpool_unlock(pool);
         return SMOE_OK;
     }
-    int perm = smoe_dtype_permuted(d->dtype);
-    for (uint32_t t = 0; t < T; t++) {
-        size_t r = rows ? (size_t)rows[t] : t;
-        const float *src = x + r * x_stride;
-        float *dst = xs + (size_t)t * d->H;
-        if (perm)
-            for (uint32_t col = 0; col < d->H; col++) dst[smoe_perm_pos(col, d->H)] = src[col];
-        else
-            memcpy(dst, src, (size_t)d->H * 4);
-    }
+    gather_rows(x, x_stride, rows, T, d->H, smoe_dtype_permuted(d->dtype), xs);
     smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride,
                         NULL, NULL, NULL};
     phase_arg pa = {impl_for(isa), &job, 1, 0};
@@ -361,6 +376,108 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
     pa.phase = 2;
     pa.next = 0;
     smoe_kpool_run(pool, phase_run, &pa);
+    smoe_kpool_unlock(pool);
+    return SMOE_OK;
+}
+
+/* ---- dense linear layers ---- */
+
+/* The FFN descriptor whose down projection is the linear layer: phase 2 of a job over it is
+ * exactly out = W . act + bias, so the linear layer reuses every per-ISA down kernel. */
+static void linear_as_down(const smoe_linear_desc *l, smoe_ffn_desc *d) {
+    smoe_ffn_desc_default(d, l->N, l->K, l->dtype, SMOE_ACT_SILU);
+    d->group = l->group ? l->group : 128u;
+    d->precise = l->precise;
+    d->down = l->w;
+    d->down_scale = l->w_scale;
+    d->down_bias = l->bias;
+}
+
+int smoe_linear_desc_check(const smoe_linear_desc *l, uint64_t block_bytes, smoe_err *err) {
+    if (l->dtype < SMOE_WDT_F32 || l->dtype > SMOE_WDT_I4)
+        return smoe_err_set(err, SMOE_EINVAL, "unknown linear weight dtype %d", l->dtype);
+    if (l->N == 0 || l->K == 0 || l->N > (1u << 24) || l->K > (1u << 24))
+        return smoe_err_set(err, SMOE_EINVAL, "linear shape N=%u K=%u out of range (1..2^24)",
+                            l->N, l->K);
+    smoe_ffn_desc d;
+    linear_as_down(l, &d);
+    if (l->dtype == SMOE_WDT_I4) {
+        uint32_t g = group_of(&d);
+        if (g % 32 || g > 4096 || l->K % g)
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "int4 linear: group %u must be a multiple of 32 (at most 4096) "
+                                "dividing K=%u",
+                                g, l->K);
+    }
+    uint64_t wal = l->dtype == SMOE_WDT_F32 ? 4 : l->dtype == SMOE_WDT_BF16 ? 2 : 1;
+    int q = l->dtype == SMOE_WDT_I8 || l->dtype == SMOE_WDT_I4;
+    int rc = check_tensor("weight", l->w, smoe_ffn_weight_bytes(&d, l->N, l->K), wal, 1,
+                          block_bytes, err);
+    if (rc) return rc;
+    if (q) {
+        rc = check_tensor("weight.scale", l->w_scale, smoe_ffn_scale_bytes(&d, l->N, l->K), 4, 1,
+                          block_bytes, err);
+        if (rc) return rc;
+    } else if (l->w_scale != SMOE_NO_TENSOR) {
+        return smoe_err_set(err, SMOE_EINVAL, "linear scale given for an unquantized dtype");
+    }
+    return check_tensor("bias", l->bias, (uint64_t)l->N * 4, 4, 0, block_bytes, err);
+}
+
+/* Layout: act [Tc, K] f32 (exact path: x in the weights' column order) | prepared x (fast
+ * path, <= 2 bytes per value) | its scales and block sums.  Tc = min(T, SMOE_LINEAR_TCHUNK). */
+size_t smoe_linear_scratch_bytes(const smoe_linear_desc *l, uint32_t T) {
+    size_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
+    if (tc == 0) tc = 1;
+    return 64 + round64(tc * l->K * 4) + round64(tc * l->K * 2) +
+           round64(tc * (l->K / 128 + 2) * 8);
+}
+
+int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *block,
+                        const float *x, size_t x_stride, uint32_t T, float *out,
+                        size_t out_stride, void *scratch, smoe_err *err) {
+    if (T == 0) return SMOE_OK;
+    if (!l || !block || !x || !out || !scratch)
+        return smoe_err_set(err, SMOE_EINVAL, "smoe_linear_forward: NULL argument");
+    if (x_stride < l->K || out_stride < l->N)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "smoe_linear_forward: row strides (x %zu, out %zu) below K=%u / N=%u",
+                            x_stride, out_stride, l->K, l->N);
+    int32_t isa;
+    int has_bf16, has_vnni;
+    int rc = ctx_features(c, &isa, &has_bf16, &has_vnni, err);
+    if (rc) return rc;
+    smoe_ffn_desc d;
+    linear_as_down(l, &d);
+    int fast = fast_dtype_ok(d.dtype, d.group, d.precise, isa, has_bf16, has_vnni) &&
+               fast_dim_ok(l->K);
+    uint32_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
+    uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
+    float *act = (float *)base;
+    void *q = (uint8_t *)act + round64((size_t)tc * l->K * 4);
+    float *qs = (float *)((uint8_t *)q + round64((size_t)tc * l->K * 2));
+    float *qsum = qs + (size_t)tc * (l->K / 128 + 1);
+    smoe_kpool *pool = c ? c->pool : NULL;
+    smoe_kpool_lock(pool);
+    for (uint32_t t0 = 0; t0 < T; t0 += tc) {
+        uint32_t nt = T - t0 < tc ? T - t0 : tc;
+        const float *xc = x + (size_t)t0 * x_stride;
+        float *oc = out + (size_t)t0 * out_stride;
+        for (uint32_t t = 0; t < nt; t++) memset(oc + (size_t)t * out_stride, 0, (size_t)l->N * 4);
+        smoe_ffn_job job = {&d,   block, nt,         d.group, NULL, act, NULL,
+                            NULL, oc,    out_stride, NULL,    NULL, NULL};
+        phase_arg pa = {impl_for(isa), &job, 2, 0};
+        if (fast) {
+            smoe_fast_prepare(d.dtype, xc, x_stride, NULL, nt, l->K, q, qs, qsum);
+            job.q = q;
+            job.qs = qs;
+            job.qsum = qsum;
+            pa.impl = &smoe_ffn_impl_fast;
+        } else {
+            gather_rows(xc, x_stride, NULL, nt, l->K, smoe_dtype_permuted(d.dtype), act);
+        }
+        smoe_kpool_run(pool, phase_run, &pa);
+    }
     smoe_kpool_unlock(pool);
     return SMOE_OK;
 }

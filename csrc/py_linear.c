@@ -1,0 +1,200 @@
+/* Python binding of the dense linear kernel: specmoe._C.Linear, one object per nn.Linear
+ * replaced by specmoe.dense.  The descriptor is parsed and checked once at construction; the
+ * per-token call (forward, METH_FASTCALL) only checks the two arrays' shapes and runs the
+ * kernel without the GIL. */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "py_kernels.h"
+#include "py_numpy.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx_obj;   /* the KernelContext (strong reference) */
+    PyObject *block_obj; /* uint8 array holding the weights (strong reference, never written) */
+    smoe_linear_desc d;
+    void *scratch;       /* smoe_linear_scratch_bytes(d, SMOE_LINEAR_TCHUNK); guarded by mu */
+    pthread_mutex_t mu;  /* serializes forward calls on this object (they share scratch) */
+    int ready;
+} LinearObject;
+
+static int dict_u64_opt(PyObject *dict, const char *key, uint64_t *out, int required) {
+    PyObject *v = PyDict_GetItemString(dict, key); /* borrowed */
+    if (!v || v == Py_None) {
+        if (required) {
+            PyErr_Format(PyExc_ValueError, "linear descriptor: missing %s", key);
+            return -1;
+        }
+        *out = SMOE_NO_TENSOR;
+        return 0;
+    }
+    unsigned long long x = PyLong_AsUnsignedLongLong(v);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "linear descriptor: %s must be a non-negative int, got %R",
+                     key, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int lin_init(LinearObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ctx", "desc", "block", NULL};
+    PyObject *ctx_o, *desc_o, *block_o;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO:Linear", kwlist, &ctx_o, &desc_o, &block_o))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Linear is already initialised");
+        return -1;
+    }
+    if (!smoe_py_kctx(ctx_o)) return -1;
+    PyArrayObject *block = smoe_py_want_array(block_o, "block", NPY_UINT8, 1, 0);
+    if (!block) return -1;
+    if (!PyDict_Check(desc_o)) {
+        PyErr_SetString(PyExc_TypeError, "linear descriptor must be a dict (LinearSpec.desc())");
+        return -1;
+    }
+    uint64_t n, k, dt, group, precise;
+    smoe_linear_desc d;
+    if (dict_u64_opt(desc_o, "N", &n, 1) || dict_u64_opt(desc_o, "K", &k, 1) ||
+        dict_u64_opt(desc_o, "dtype", &dt, 1) || dict_u64_opt(desc_o, "group", &group, 0) ||
+        dict_u64_opt(desc_o, "precise", &precise, 0) ||
+        dict_u64_opt(desc_o, "weight", &d.w, 1) ||
+        dict_u64_opt(desc_o, "weight_scale", &d.w_scale, 0) ||
+        dict_u64_opt(desc_o, "bias", &d.bias, 0))
+        return -1;
+    if (n > UINT32_MAX || k > UINT32_MAX || dt > 100 ||
+        (group != SMOE_NO_TENSOR && group > UINT32_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "linear descriptor: field out of range");
+        return -1;
+    }
+    d.N = (uint32_t)n;
+    d.K = (uint32_t)k;
+    d.dtype = (int32_t)dt;
+    d.group = group == SMOE_NO_TENSOR ? 0 : (uint32_t)group;
+    d.precise = precise != SMOE_NO_TENSOR && precise != 0;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_linear_desc_check(&d, (uint64_t)PyArray_SIZE(block), &err) != 0) {
+        smoe_py_raise(&err);
+        return -1;
+    }
+    self->scratch = malloc(smoe_linear_scratch_bytes(&d, SMOE_LINEAR_TCHUNK));
+    if (!self->scratch) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (pthread_mutex_init(&self->mu, NULL) != 0) {
+        free(self->scratch);
+        self->scratch = NULL;
+        PyErr_SetString(PyExc_RuntimeError, "Linear: pthread_mutex_init failed");
+        return -1;
+    }
+    Py_INCREF(ctx_o);
+    Py_INCREF(block_o);
+    self->ctx_obj = ctx_o;
+    self->block_obj = block_o;
+    self->d = d;
+    self->ready = 1;
+    return 0;
+}
+
+static void lin_dealloc(LinearObject *self) {
+    if (self->ready) {
+        pthread_mutex_destroy(&self->mu);
+        free(self->scratch);
+    }
+    Py_XDECREF(self->ctx_obj);
+    Py_XDECREF(self->block_obj);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* forward(x, out): x float32 [T, K], out float32 [T, N] (both C-contiguous); out = x W^T + b. */
+static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "Linear is not initialised");
+        return NULL;
+    }
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "forward(x, out) takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyArrayObject *x = smoe_py_want_array(args[0], "x", NPY_FLOAT32, 2, 0);
+    if (!x) return NULL;
+    PyArrayObject *out = smoe_py_want_array(args[1], "out", NPY_FLOAT32, 2, 1);
+    if (!out) return NULL;
+    npy_intp T = PyArray_DIM(x, 0);
+    if (PyArray_DIM(x, 1) != (npy_intp)self->d.K || PyArray_DIM(out, 1) != (npy_intp)self->d.N ||
+        PyArray_DIM(out, 0) != T) {
+        PyErr_Format(PyExc_ValueError,
+                     "Linear(%u -> %u): x must be [T, %u] and out [T, %u]; got x [%zd, %zd], "
+                     "out [%zd, %zd]",
+                     self->d.K, self->d.N, self->d.K, self->d.N, (Py_ssize_t)T,
+                     (Py_ssize_t)PyArray_DIM(x, 1), (Py_ssize_t)PyArray_DIM(out, 0),
+                     (Py_ssize_t)PyArray_DIM(out, 1));
+        return NULL;
+    }
+    if (T > (npy_intp)UINT32_MAX / 2) {
+        PyErr_SetString(PyExc_ValueError, "Linear: too many tokens");
+        return NULL;
+    }
+    if ((const void *)PyArray_DATA(out) == (const void *)PyArray_DATA(x) && T > 0) {
+        PyErr_SetString(PyExc_ValueError, "Linear: out must not alias x");
+        return NULL;
+    }
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    /* x, out stay referenced by the caller's frame for the whole call; block by self. */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    rc = smoe_linear_forward(c, &self->d,
+                             (const uint8_t *)PyArray_DATA((PyArrayObject *)self->block_obj),
+                             (const float *)PyArray_DATA(x), self->d.K, (uint32_t)T,
+                             (float *)PyArray_DATA(out), self->d.N, self->scratch, &err);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *lin_get_shape(LinearObject *self, void *closure) {
+    (void)closure;
+    return Py_BuildValue("(II)", self->d.N, self->d.K);
+}
+
+static PyMethodDef lin_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))lin_forward, METH_FASTCALL,
+     "forward(x, out): out = x @ W.T + bias; x float32 [T, K], out float32 [T, N], "
+     "C-contiguous (GIL released)."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef lin_getset[] = {
+    {"shape", (getter)lin_get_shape, NULL, "(N, K): output and input features.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject LinearType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.Linear",
+    .tp_basicsize = sizeof(LinearObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Linear(ctx, desc, block): a dense linear layer y = x W^T + b run by the expert "
+              "kernels (W f32/bf16/int8/int4 in block at the descriptor's offsets).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)lin_init,
+    .tp_dealloc = (destructor)lin_dealloc,
+    .tp_methods = lin_methods,
+    .tp_getset = lin_getset,
+};
+
+int smoe_py_linear_init(PyObject *m) {
+    if (PyType_Ready(&LinearType) < 0) return -1;
+    Py_INCREF(&LinearType);
+    if (PyModule_AddObject(m, "Linear", (PyObject *)&LinearType) < 0) {
+        Py_DECREF(&LinearType);
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,248 @@
+"""Dense layers through specmoe's C kernels: attention projections, shared-expert and dense MLP
+projections and ``lm_head``.
+
+At decode a MoE model's step is mostly matrix-vector products: once the routed experts run in
+C, torch's attention projections and ``lm_head`` are most of what is left (docs/architecture.md,
+benchmarks/decode_peers.py).  :func:`convert_dense` replaces every such ``nn.Linear`` with a
+:class:`CLinear` that runs specmoe's expert kernels (the down-projection row kernels of
+``csrc/kernels``, one routine per weight format) on decode-sized inputs:
+
+* ``"f32"`` / ``"bf16"`` keep the weights exactly (a bf16 model's weights are copied bit for
+  bit); inputs of more than ``torch_above`` tokens (prefill) go to torch's ``F.linear`` on a view
+  of the same bytes, so nothing is stored twice.
+* ``"int8"`` (per output row) and ``"int4"`` (groups of 128, 64 or 32 input columns) quantize
+  the weights like the experts (:mod:`specmoe.quant`); every input size then runs in C (long
+  inputs in chunks of 64 tokens), so prefill and decode see the same weights.
+
+The routers are never converted (routing must match the model's); neither are the routed
+experts (they are specmoe's already) nor the input embeddings.  A tied ``lm_head`` shares its
+bytes with the embedding table when the format keeps the weights exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _C
+from .kernels import context
+from .quant import f32_to_bf16, quantize_int4, quantize_int8
+
+__all__ = ["DENSE_DTYPES", "CLinear", "DenseReport", "convert_dense", "resolve_dense"]
+
+DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
+_WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+_ALIGN = 64
+# Decode-sized inputs: up to this many tokens the C kernels beat torch's GEMM on this machine
+# class (benchmarks/dense_linear.py measures the crossover); beyond it f32/bf16 go to torch.
+TORCH_ABOVE = 16
+
+
+def _int4_group(K: int) -> int | None:
+    for g in (128, 64, 32):
+        if K % g == 0:
+            return g
+    return None
+
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None, dtype: str
+          ) -> tuple[np.ndarray, dict[str, Any]]:
+    """One uint8 block [weight | scale | bias] (64-byte aligned parts) and its descriptor."""
+    N, K = (int(s) for s in weight.shape)
+    w = weight.detach()
+    parts: list[tuple[str, np.ndarray]] = []
+    group = 0
+    if dtype == "bf16":
+        if w.dtype == torch.bfloat16:  # exact bits, no rounding
+            parts.append(("weight", w.contiguous().view(torch.int16).numpy().view(np.uint16)))
+        else:
+            parts.append(("weight", f32_to_bf16(w.float().numpy())))
+    elif dtype == "f32":
+        parts.append(("weight", np.ascontiguousarray(w.float().numpy())))
+    elif dtype == "int8":
+        q, s = quantize_int8(w.float().numpy())
+        parts += [("weight", q), ("weight_scale", s)]
+    else:
+        group = _int4_group(K) or 0
+        q, s = quantize_int4(w.float().numpy(), group)
+        parts += [("weight", q), ("weight_scale", s)]
+    if bias is not None:
+        parts.append(("bias", np.ascontiguousarray(bias.detach().float().numpy())))
+    desc: dict[str, Any] = {"N": N, "K": K, "dtype": _WDT[dtype], "group": group or None}
+    off = 0
+    offsets = []
+    for name, a in parts:
+        off = -(-off // _ALIGN) * _ALIGN
+        desc[name] = off
+        offsets.append(off)
+        off += a.nbytes
+    block = np.empty(max(off, 1), dtype=np.uint8)
+    for (name, a), o in zip(parts, offsets):
+        block[o:o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return block, desc
+
+
+class CLinear(nn.Module):
+    """Inference-only replacement of an ``nn.Linear`` computed by specmoe's C kernels.
+
+    ``CLinear(linear, dtype, ctx=None, torch_above=TORCH_ABOVE)``: ``dtype`` is one of
+    :data:`DENSE_DTYPES`; ``ctx`` the :class:`specmoe._C.KernelContext` (default: the process
+    one).  Output dtype and shape are those of ``linear``; the computation is in f32 on the
+    stored weights.  The original module's parameters are not kept.
+    """
+
+    def __init__(self, linear: nn.Linear, dtype: str, ctx: _C.KernelContext | None = None,
+                 torch_above: int | None = TORCH_ABOVE):
+        super().__init__()
+        if dtype not in DENSE_DTYPES:
+            raise ValueError(f"dense dtype must be one of {DENSE_DTYPES}, got {dtype!r}")
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"CLinear replaces an nn.Linear, got {type(linear).__name__}")
+        if linear.weight.device.type != "cpu" or linear.weight.is_meta:
+            raise ValueError("CLinear needs the layer's weights on the CPU")
+        if dtype == "int4" and _int4_group(linear.in_features) is None:
+            raise ValueError(f"int4 needs in_features to be a multiple of 32, got "
+                             f"{linear.in_features}")
+        self.in_features = int(linear.in_features)
+        self.out_features = int(linear.out_features)
+        self.dtype = dtype
+        self.out_dtype = linear.weight.dtype
+        self._block, self._desc = _pack(linear.weight, linear.bias, dtype)
+        self._c = _C.Linear(ctx if ctx is not None else context(), self._desc, self._block)
+        # f32/bf16: the same bytes seen by torch, for long inputs
+        self._tw: torch.Tensor | None = None
+        self._tb: torch.Tensor | None = None
+        self.torch_above = torch_above
+        if dtype in ("f32", "bf16") and torch_above is not None:
+            tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+            n = self.out_features * self.in_features * (4 if dtype == "f32" else 2)
+            o = self._desc["weight"]
+            raw = torch.from_numpy(self._block[o:o + n])
+            self._tw = raw.view(tdt).view(self.out_features, self.in_features)
+            if linear.bias is not None:
+                self._tb = linear.bias.detach().to(tdt).clone()
+
+    @property
+    def weight_view(self) -> torch.Tensor | None:
+        """The stored f32/bf16 weight as a tensor sharing the C kernel's bytes (None for
+        int8/int4 or when torch is never used)."""
+        return self._tw
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for this layer (weights, scales, bias)."""
+        return int(self._block.nbytes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"CLinear({self.in_features} -> {self.out_features}): input has "
+                             f"{x.shape[-1]} features")
+        lead = x.shape[:-1]
+        T = x.numel() // self.in_features if self.in_features else 0
+        if self._tw is not None and T > self.torch_above:
+            return F.linear(x.to(self._tw.dtype), self._tw, self._tb).to(self.out_dtype)
+        xf = x.detach().reshape(T, self.in_features)
+        if xf.dtype != torch.float32 or not xf.is_contiguous():
+            xf = xf.to(torch.float32).contiguous()
+        out = torch.empty(T, self.out_features, dtype=torch.float32)
+        self._c.forward(xf.numpy(), out.numpy())
+        if self.out_dtype != torch.float32:
+            out = out.to(self.out_dtype)
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"dtype={self.dtype}, bias={'bias' in self._desc}")
+
+
+@dataclasses.dataclass
+class DenseReport:
+    """What :func:`convert_dense` did: layers converted (qualified names), bytes before and
+    after, and layers left in torch with the reason."""
+
+    dtype: str | None
+    converted: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def __str__(self) -> str:
+        if self.dtype is None:
+            return "dense layers: torch"
+        return (f"dense layers: {len(self.converted)} in C ({self.dtype}), "
+                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
+                + (f", {len(self.skipped)} left in torch" if self.skipped else ""))
+
+
+def resolve_dense(dense: str | bool | None, model_dtype: torch.dtype) -> str | None:
+    """The dense format ``dense`` asks for with weights of ``model_dtype``: None (torch) for
+    ``None``/``False``/``"torch"``; for ``"auto"``/``True``: ``"bf16"`` (weights kept exactly)
+    for a bf16 model on a CPU with AVX2 or better, else None -- the documented rule measured by
+    benchmarks/dense_linear.py: at decode sizes the bf16 kernels beat torch's bf16 GEMM
+    (1.1-1.35x up to 16 tokens), while torch's f32 GEMV (MKL) already reads at the memory
+    limit, so f32 models stay in torch; an explicit format otherwise."""
+    if dense is None or dense is False or dense == "torch":
+        return None
+    if dense is True or dense == "auto":
+        if model_dtype != torch.bfloat16 or context().isa == "scalar":
+            return None
+        return "bf16"
+    if dense not in DENSE_DTYPES:
+        raise ValueError(f"dense must be 'auto', 'torch', None or one of {DENSE_DTYPES}, "
+                         f"got {dense!r}")
+    return dense
+
+
+def _tied_embedding(model: nn.Module, lm_head: nn.Module) -> nn.Embedding | None:
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if isinstance(emb, nn.Embedding) and getattr(lm_head, "weight", None) is emb.weight:
+        return emb
+    return None
+
+
+def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
+                  skip: Iterable[nn.Module] = (), ctx: _C.KernelContext | None = None,
+                  torch_above: int | None = TORCH_ABOVE) -> DenseReport:
+    """Replace ``model``'s dense ``nn.Linear`` layers by :class:`CLinear` in place.
+
+    dtype: see :func:`resolve_dense` (``"auto"``: the model's precision where the C kernels
+    are faster, else nothing changes).  skip: modules whose ``nn.Linear`` descendants stay in
+    torch (the engine passes the routers).  Layers whose shape the format cannot hold (int4
+    with in_features not a multiple of 32) stay in torch and are listed in the report.
+    """
+    params = [p for p in model.parameters()]
+    model_dtype = params[0].dtype if params else torch.float32
+    fmt = resolve_dense(dtype, model_dtype)
+    report = DenseReport(fmt)
+    if fmt is None:
+        return report
+    skipped_ids = set()
+    for m in skip:
+        for sub in m.modules():
+            skipped_ids.add(id(sub))
+    out_emb = getattr(model, "get_output_embeddings", None)
+    lm_head = out_emb() if callable(out_emb) else None
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and id(mod) not in skipped_ids]
+    for name, mod in targets:
+        if fmt == "int4" and _int4_group(mod.in_features) is None:
+            report.skipped[name] = f"in_features {mod.in_features} is not a multiple of 32"
+            continue
+        tied = _tied_embedding(model, mod) if mod is lm_head else None
+        report.bytes_before += mod.weight.numel() * mod.weight.element_size()
+        new = CLinear(mod, fmt, ctx, torch_above)
+        report.bytes_after += new.nbytes
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, new)
+        if tied is not None and new.weight_view is not None and \
+                new.weight_view.dtype == tied.weight.dtype:
+            # one copy of the table: the embedding reads the CLinear's bytes
+            tied.weight = nn.Parameter(new.weight_view, requires_grad=False)
+        report.converted.append(name)
+    return report
