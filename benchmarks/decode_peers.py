@@ -35,13 +35,19 @@ Rows (one checkpoint, one prompt, every row with all experts in memory):
   ``llama-completion`` with mmap, greedy, ``-t``/``-tb`` = threads, ``-c 256``, after a separate
   warm-up process on another prompt (:meth:`big_model.LlamaCpp.run_row`).
 
-Precision is NOT equal in the same sense on both sides: specmoe quantizes only the routed
-experts (attention, router, shared experts, dense FFN, embeddings and lm_head stay in torch at
-``torch_dtype``: bf16 for the int8/int4 rows), while llama.cpp quantizes every weight matrix.
+* ``specmoe+dense-f32`` / ``-bf16`` / ``-int8`` / ``-int4``: the same, with ``dense=<p>``: every
+  dense linear layer except the routers (attention projections, shared experts, the dense FFN,
+  lm_head) runs through specmoe's C kernels at the row's precision (:mod:`specmoe.dense`).
+  These are the rows at equal precision of all weights with llama.cpp's.
+
+In the ``specmoe-<p>`` rows precision is NOT equal in the same sense on both sides: specmoe
+quantizes only the routed experts (attention, router, shared experts, dense FFN, embeddings
+and lm_head stay in torch at ``torch_dtype``: bf16 for the int8/int4 rows, ``dense="torch"``),
+while llama.cpp quantizes every weight matrix.
 At these shapes the non-expert weights are a large part of the bytes read per token (DeepSeek-
 V2-Lite: lm_head 210 M, dense FFN 67 M, attention ~ 20 M per layer, vs 6 x 8.6 M expert weights
-per MoE layer), so at int8/int4 llama.cpp reads fewer bytes per token.  Closing that gap is
-issue 16.
+per MoE layer), so at int8/int4 llama.cpp reads fewer bytes per token; the ``specmoe+dense``
+rows close that gap (issue 16).
 
 Timing.  Each (model, row) runs in its own subprocess per round (peak RSS = that process's
 ``VmHWM``; for llama.cpp ``ru_maxrss`` of the timed process, which counts the mmapped GGUF pages
@@ -72,7 +78,7 @@ attention and lm_head matmuls, which torch runs); ``glue_share`` = (experts_glue
 step is the part that is neither expert kernels nor a torch matmul.  The hooks cost a few
 microseconds per module call; the instrumented run's tok/s is reported beside the plain one.
 
-Targets: specmoe >= 1.0x llama.cpp at every equal precision and thread count; specmoe >= 1.5x
+Targets: specmoe+dense >= 1.0x llama.cpp at every equal precision and thread count; specmoe >= 1.5x
 unmodified torch; at DeepSeek-V2-Lite shapes the share of a specmoe decode step outside the
 expert kernels <= 25 % (and, for information, the glue-only share).
 
@@ -249,7 +255,7 @@ def worker(spec_path: str) -> None:
         from specmoe import kernels
         model = specmoe.from_pretrained(spec["ckpt"], cache=1.0, dtype=spec["dtype"],
                                         policy="lru", prefetch=False, store=spec["store"],
-                                        torch_dtype=dt, progress=False)
+                                        torch_dtype=dt, progress=False, dense=spec["dense"])
         eng = specmoe.engine_of(model)
         enter("loading every expert into the cache")
         L, E = len(eng.layer_ids), eng.num_experts
@@ -405,9 +411,14 @@ def targets_of(rows_out: list[dict[str, Any]]) -> dict[str, Any]:
         return f"{r['model']} {r['name']} t{r['threads']}"
 
     dsv = [r for r in sm if r["model"] == "dsv2lite"]
+    eq = [r for r in sm if r.get("dense") == r["precision"]]  # all weights at the precision
+    ex = [r for r in sm if r.get("dense") != r["precision"]]
     return {
-        "specmoe >= 1.0x llama.cpp at equal precision (every model, precision, threads; "
-        "value = worst)": summary([(key(r), r.get("vs_llama_cpp")) for r in sm], 1.0),
+        "specmoe >= 1.0x llama.cpp at equal precision of all weights (specmoe+dense rows; "
+        "every model, precision, threads; value = worst)":
+            summary([(key(r), r.get("vs_llama_cpp")) for r in eq], 1.0),
+        "for information: experts-only rows (dense layers in torch) vs llama.cpp "
+        "(value = worst)": summary([(key(r), r.get("vs_llama_cpp")) for r in ex], 1.0),
         "specmoe >= 1.5x unmodified torch (value = worst)":
             summary([(key(r), r.get("vs_torch")) for r in sm], 1.5),
         "dsv2lite: share of a specmoe decode step outside the expert kernels <= 0.25 "
@@ -443,10 +454,11 @@ def prepare(model: str, cfg: dict[str, Any], a: argparse.Namespace, rows: list[d
     for r in rows:
         if r["kind"] == "specmoe":
             p = root / f"store-{r['precision']}.smoe"
-            if not p.is_file():
-                err = bm.convert_store(ckpt, r["precision"], p, a.row_timeout)
-                if err:
-                    prep["err"][r["name"]] = err
+            errs = prep.setdefault("store_err", {})  # one conversion per precision
+            if r["precision"] not in errs and not p.is_file():
+                errs[r["precision"]] = bm.convert_store(ckpt, r["precision"], p, a.row_timeout)
+            if errs.get(r["precision"]):
+                prep["err"][r["name"]] = errs[r["precision"]]
             prep["store"][r["name"]] = p
     ll = [r for r in rows if r["kind"] == "llama.cpp"]
     if ll:
@@ -483,8 +495,10 @@ def main() -> None:
     ap.add_argument("--warm-tokens", type=int, default=8,
                     help="tokens of the warm-up generation (python rows)")
     ap.add_argument("--rows", default="torch-f32,torch-bf16,specmoe-f32,specmoe-bf16,"
-                    "specmoe-int8,specmoe-int4,llama.cpp-F32,llama.cpp-BF16,llama.cpp-Q8_0,"
-                    "llama.cpp-Q4_0", help="comma-separated subset, in first-round order")
+                    "specmoe-int8,specmoe-int4,specmoe+dense-f32,specmoe+dense-bf16,"
+                    "specmoe+dense-int8,specmoe+dense-int4,llama.cpp-F32,llama.cpp-BF16,"
+                    "llama.cpp-Q8_0,llama.cpp-Q4_0",
+                    help="comma-separated subset, in first-round order")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
     ap.add_argument("--peers", default=os.environ.get(
         "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")),
@@ -519,7 +533,10 @@ def main() -> None:
             rows_def.append({"name": n, "kind": "torch", "precision": p, "torch_dtype": p})
         elif kind == "specmoe" and p in SPECMOE_PRECS:
             rows_def.append({"name": n, "kind": "specmoe", "precision": p,
-                             "torch_dtype": TORCH_OF[p]})
+                             "torch_dtype": TORCH_OF[p], "dense": "torch"})
+        elif kind == "specmoe+dense" and p in SPECMOE_PRECS:
+            rows_def.append({"name": n, "kind": "specmoe", "precision": p,
+                             "torch_dtype": TORCH_OF[p], "dense": p})
         elif kind == "llama.cpp" and p in LLAMA_OF.values():
             rows_def.append({"name": n, "kind": "llama.cpp", "type": p,
                              "precision": {v: k for k, v in LLAMA_OF.items()}[p]})
@@ -535,11 +552,13 @@ def main() -> None:
         "method": "random-weight checkpoints at real MoE shapes, all experts resident; "
                   "interleaved rounds (row order rotated per round), medians; ratios within "
                   "a round",
-        "precision_note": "specmoe quantizes only the routed experts: attention, router, shared "
-                          "experts, dense FFN, embeddings and lm_head stay in torch at "
-                          "torch_dtype (bf16 for int8/int4, f32 for f32); llama.cpp "
-                          "(llama-quantize defaults) quantizes every weight matrix. That gap is "
-                          "issue 16.",
+        "precision_note": "specmoe-<p> rows quantize only the routed experts (attention, "
+                          "router, shared experts, dense FFN, embeddings and lm_head stay in "
+                          "torch at torch_dtype: bf16 for int8/int4, f32 for f32); "
+                          "specmoe+dense-<p> rows also run every dense linear layer except the "
+                          "routers through specmoe's C kernels at <p> (specmoe.dense); "
+                          "llama.cpp (llama-quantize defaults) quantizes every weight matrix "
+                          "(its output matrix gets its own type, e.g. Q6_K for Q4_0).",
         "threads": threads, "repeats": a.repeats, "prompt_tokens": PROMPT_TOKENS,
         "decode_tokens": DECODE_TOKENS, "warm_tokens": a.warm_tokens, "quick": a.quick,
         "router_skew": a.router_skew, "seed": a.seed,
@@ -590,6 +609,7 @@ def main() -> None:
                                                 a.row_timeout)
                     else:
                         spec = {"kind": r["kind"], "ckpt": str(prep["ckpt"]),
+                                "dense": r.get("dense"),
                                 "dtype": r["precision"], "torch_dtype": r["torch_dtype"],
                                 "store": str(prep["store"].get(name, "")), "threads": ths,
                                 "prompt_ids": prep["prompt_ids"], "warm_ids": prep["warm_ids"],
@@ -632,6 +652,8 @@ def main() -> None:
                     row["gguf_type"] = r["type"]
                 else:
                     row["torch_dtype"] = r["torch_dtype"]
+                if r["kind"] == "specmoe":
+                    row["dense"] = r["dense"]
                 if not ok:
                     row.update(tok_per_s=None, vs_llama_cpp=None, vs_torch=None,
                                peak_rss_bytes=None, error=rr[0]["error"] if rr else "not run")

@@ -141,7 +141,9 @@ def _cmd_run(args) -> int:
     from .pretrained import from_pretrained
 
     if args.threads:
+        from . import kernels
         torch.set_num_threads(args.threads)
+        kernels.set_num_threads(args.threads)
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
@@ -151,7 +153,7 @@ def _cmd_run(args) -> int:
     try:
         model = from_pretrained(args.checkpoint, cache=_capacity(args.cache), dtype=args.dtype,
                                 policy=args.policy, prefetch=not args.no_prefetch,
-                                store=args.store)
+                                store=args.store, dense=args.dense)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"specmoe run: {exc}") from None
     eng = engine_of(model)
@@ -169,7 +171,8 @@ def _cmd_run(args) -> int:
     hr = s.get("hit_rate")
     print(f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, prompt "
           f"{ids.shape[1]} tokens included) | cache {s['capacity']} experts "
-          f"({s['cache_bytes'] / 2**20:.0f} MiB, {args.dtype}, {eng.policy}) | hit rate "
+          f"({s['cache_bytes'] / 2**20:.0f} MiB, {args.dtype}, {eng.policy}) | {eng.dense} | "
+          f"hit rate "
           f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
           f"peak memory {_peak_rss() / 2**20:.0f} MiB", file=sys.stderr if args.quiet else
           sys.stdout)
@@ -220,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="least_stale")
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--store", default=None, help="store file (default: see convert)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of torch and of specmoe's kernels")
+    p.add_argument("--dense", default="auto",
+                   choices=["auto", "torch", "f32", "bf16", "int8", "int4"],
+                   help="attention, shared/dense MLP and lm_head through specmoe's C kernels "
+                        "(auto: bf16 weights kept exactly; int8/int4 quantize them)")
     p.add_argument("--quiet", action="store_true", help="statistics line to stderr")
 
     args = parser.parse_args(argv)

@@ -259,12 +259,13 @@ def test_cli_convert_and_run_on_the_zoo_model(tmp_path):
     assert "64/64 experts" in r.stderr  # the progress bar counted every expert
     r = subprocess.run([sys.executable, "-m", "specmoe", "run", folder, "--prompt",
                         "def parse(line):", "--cache", "25%", "--max-new-tokens", "8",
-                        "--dtype", "int8", "--store", str(tmp_path / "t.smoe")],
+                        "--dtype", "int8", "--store", str(tmp_path / "t.smoe"), "--dense", "int8"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[-1].startswith("[specmoe] 8 tokens") and "hit rate" in lines[-1]
     assert "peak memory" in lines[-1] and "tok/s" in lines[-1]
+    assert "dense layers: 17 in C (int8)" in lines[-1]  # 4 x (q, k, v, o) + lm_head
     assert "converting" not in r.stderr  # the store written by convert was reused
     r = subprocess.run([sys.executable, "-m", "specmoe", "run", str(tmp_path), "--prompt", "x"],
                        capture_output=True, text=True, env=env, timeout=300)
