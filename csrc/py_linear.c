@@ -12,6 +12,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *ctx_obj;   /* the KernelContext (strong reference) */
     PyObject *block_obj; /* uint8 array holding the weights (strong reference, never written) */
+    PyObject *bias_obj;  /* float32 [N] array or NULL (strong reference, never written) */
     smoe_linear_desc d;
     void *scratch;       /* smoe_linear_scratch_bytes(d, SMOE_LINEAR_TCHUNK); guarded by mu */
     pthread_mutex_t mu;  /* serializes forward calls on this object (they share scratch) */
@@ -40,9 +41,10 @@ static int dict_u64_opt(PyObject *dict, const char *key, uint64_t *out, int requ
 }
 
 static int lin_init(LinearObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"ctx", "desc", "block", NULL};
-    PyObject *ctx_o, *desc_o, *block_o;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO:Linear", kwlist, &ctx_o, &desc_o, &block_o))
+    static char *kwlist[] = {"ctx", "desc", "block", "bias", NULL};
+    PyObject *ctx_o, *desc_o, *block_o, *bias_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|O:Linear", kwlist, &ctx_o, &desc_o, &block_o,
+                                     &bias_o))
         return -1;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "Linear is already initialised");
@@ -61,8 +63,7 @@ static int lin_init(LinearObject *self, PyObject *args, PyObject *kw) {
         dict_u64_opt(desc_o, "dtype", &dt, 1) || dict_u64_opt(desc_o, "group", &group, 0) ||
         dict_u64_opt(desc_o, "precise", &precise, 0) ||
         dict_u64_opt(desc_o, "weight", &d.w, 1) ||
-        dict_u64_opt(desc_o, "weight_scale", &d.w_scale, 0) ||
-        dict_u64_opt(desc_o, "bias", &d.bias, 0))
+        dict_u64_opt(desc_o, "weight_scale", &d.w_scale, 0))
         return -1;
     if (n > UINT32_MAX || k > UINT32_MAX || dt > 100 ||
         (group != SMOE_NO_TENSOR && group > UINT32_MAX)) {
@@ -80,6 +81,15 @@ static int lin_init(LinearObject *self, PyObject *args, PyObject *kw) {
         smoe_py_raise(&err);
         return -1;
     }
+    if (bias_o != Py_None) {
+        PyArrayObject *b = smoe_py_want_array(bias_o, "bias", NPY_FLOAT32, 1, 0);
+        if (!b) return -1;
+        if (PyArray_DIM(b, 0) != (npy_intp)d.N) {
+            PyErr_Format(PyExc_ValueError, "bias has %zd entries, the layer has N=%u outputs",
+                         (Py_ssize_t)PyArray_DIM(b, 0), d.N);
+            return -1;
+        }
+    }
     self->scratch = malloc(smoe_linear_scratch_bytes(&d, SMOE_LINEAR_TCHUNK));
     if (!self->scratch) {
         PyErr_NoMemory();
@@ -95,6 +105,10 @@ static int lin_init(LinearObject *self, PyObject *args, PyObject *kw) {
     Py_INCREF(block_o);
     self->ctx_obj = ctx_o;
     self->block_obj = block_o;
+    if (bias_o != Py_None) {
+        Py_INCREF(bias_o);
+        self->bias_obj = bias_o;
+    }
     self->d = d;
     self->ready = 1;
     return 0;
@@ -107,6 +121,7 @@ static void lin_dealloc(LinearObject *self) {
     }
     Py_XDECREF(self->ctx_obj);
     Py_XDECREF(self->block_obj);
+    Py_XDECREF(self->bias_obj);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -153,6 +168,9 @@ static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize
     pthread_mutex_lock(&self->mu);
     rc = smoe_linear_forward(c, &self->d,
                              (const uint8_t *)PyArray_DATA((PyArrayObject *)self->block_obj),
+                             self->bias_obj ? (const float *)PyArray_DATA(
+                                                  (PyArrayObject *)self->bias_obj)
+                                            : NULL,
                              (const float *)PyArray_DATA(x), self->d.K, (uint32_t)T,
                              (float *)PyArray_DATA(out), self->d.N, self->scratch, &err);
     pthread_mutex_unlock(&self->mu);
@@ -180,8 +198,9 @@ static PyTypeObject LinearType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.Linear",
     .tp_basicsize = sizeof(LinearObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Linear(ctx, desc, block): a dense linear layer y = x W^T + b run by the expert "
-              "kernels (W f32/bf16/int8/int4 in block at the descriptor's offsets).",
+    .tp_doc = "Linear(ctx, desc, block, bias=None): a dense linear layer y = x W^T + b run by "
+              "the expert kernels (W f32/bf16/int8/int4 in block at the descriptor's offsets, "
+              "bias float32 [N]).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)lin_init,
     .tp_dealloc = (destructor)lin_dealloc,

@@ -7,16 +7,16 @@ benchmarks/decode_peers.py).  :func:`convert_dense` replaces every such ``nn.Lin
 :class:`CLinear` that runs specmoe's expert kernels (the down-projection row kernels of
 ``csrc/kernels``, one routine per weight format) on decode-sized inputs:
 
-* ``"f32"`` / ``"bf16"`` keep the weights exactly (a bf16 model's weights are copied bit for
-  bit); inputs of more than ``torch_above`` tokens (prefill) go to torch's ``F.linear`` on a view
-  of the same bytes, so nothing is stored twice.
+* ``"f32"`` / ``"bf16"`` keep the weights exactly: the kernels read the model's own weight
+  tensors (no copy when the model already has that dtype); inputs of more than
+  ``torch_above`` tokens (prefill) go to torch's ``F.linear`` on the same tensors.
 * ``"int8"`` (per output row) and ``"int4"`` (groups of 128, 64 or 32 input columns) quantize
   the weights like the experts (:mod:`specmoe.quant`); every input size then runs in C (long
   inputs in chunks of 64 tokens), so prefill and decode see the same weights.
 
 The routers are never converted (routing must match the model's); neither are the routed
-experts (they are specmoe's already) nor the input embeddings.  A tied ``lm_head`` shares its
-bytes with the embedding table when the format keeps the weights exactly.
+experts (they are specmoe's already) nor the input embeddings.  A tied ``lm_head`` keeps
+sharing its table with the embedding when the format keeps the weights exactly.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from torch import nn
 
 from . import _C
 from .kernels import context
-from .quant import f32_to_bf16, quantize_int4, quantize_int8
+from .quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "CLinear", "DenseReport", "convert_dense", "resolve_dense"]
 
@@ -49,41 +49,31 @@ def _int4_group(K: int) -> int | None:
     return None
 
 
-def _pack(weight: torch.Tensor, bias: torch.Tensor | None, dtype: str
-          ) -> tuple[np.ndarray, dict[str, Any]]:
-    """One uint8 block [weight | scale | bias] (64-byte aligned parts) and its descriptor."""
+def _pack(weight: torch.Tensor, dtype: str
+          ) -> tuple[np.ndarray, dict[str, Any], torch.Tensor | None]:
+    """The weight as the kernels read it: (uint8 block, descriptor, torch view).  f32/bf16: the
+    block IS the weight tensor's memory when it already has that dtype (shared, not copied;
+    else a converted copy) and the torch view is that tensor; int8/int4: quantized weight and
+    scales in one block (64-byte aligned parts), no torch view."""
     N, K = (int(s) for s in weight.shape)
     w = weight.detach()
-    parts: list[tuple[str, np.ndarray]] = []
-    group = 0
-    if dtype == "bf16":
-        if w.dtype == torch.bfloat16:  # exact bits, no rounding
-            parts.append(("weight", w.contiguous().view(torch.int16).numpy().view(np.uint16)))
-        else:
-            parts.append(("weight", f32_to_bf16(w.float().numpy())))
-    elif dtype == "f32":
-        parts.append(("weight", np.ascontiguousarray(w.float().numpy())))
-    elif dtype == "int8":
+    if dtype in ("f32", "bf16"):
+        tw = w.to(torch.float32 if dtype == "f32" else torch.bfloat16).contiguous()
+        block = tw.view(torch.uint8).reshape(-1).numpy()
+        return block, {"N": N, "K": K, "dtype": _WDT[dtype], "weight": 0}, tw
+    if dtype == "int8":
         q, s = quantize_int8(w.float().numpy())
-        parts += [("weight", q), ("weight_scale", s)]
+        group = None
     else:
-        group = _int4_group(K) or 0
-        q, s = quantize_int4(w.float().numpy(), group)
-        parts += [("weight", q), ("weight_scale", s)]
-    if bias is not None:
-        parts.append(("bias", np.ascontiguousarray(bias.detach().float().numpy())))
-    desc: dict[str, Any] = {"N": N, "K": K, "dtype": _WDT[dtype], "group": group or None}
-    off = 0
-    offsets = []
-    for name, a in parts:
-        off = -(-off // _ALIGN) * _ALIGN
-        desc[name] = off
-        offsets.append(off)
-        off += a.nbytes
-    block = np.empty(max(off, 1), dtype=np.uint8)
-    for (name, a), o in zip(parts, offsets):
-        block[o:o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return block, desc
+        group = _int4_group(K)
+        q, s = quantize_int4(w.float().numpy(), group or 0)
+    s_off = -(-q.nbytes // _ALIGN) * _ALIGN
+    block = np.zeros(s_off + s.nbytes, dtype=np.uint8)
+    block[:q.nbytes] = q.reshape(-1).view(np.uint8)
+    block[s_off:] = s.reshape(-1).view(np.uint8)
+    desc = {"N": N, "K": K, "dtype": _WDT[dtype], "group": group, "weight": 0,
+            "weight_scale": s_off}
+    return block, desc, None
 
 
 class CLinear(nn.Module):
@@ -111,30 +101,24 @@ class CLinear(nn.Module):
         self.out_features = int(linear.out_features)
         self.dtype = dtype
         self.out_dtype = linear.weight.dtype
-        self._block, self._desc = _pack(linear.weight, linear.bias, dtype)
-        self._c = _C.Linear(ctx if ctx is not None else context(), self._desc, self._block)
-        # f32/bf16: the same bytes seen by torch, for long inputs
-        self._tw: torch.Tensor | None = None
-        self._tb: torch.Tensor | None = None
+        # f32/bf16: _tw is the weight tensor the kernels read (torch runs long inputs on it)
+        self._block, self._desc, self._tw = _pack(linear.weight, dtype)
+        b = linear.bias
+        self._bias = None if b is None else np.ascontiguousarray(b.detach().float().numpy())
+        self._tb = None if b is None or self._tw is None else b.detach().to(self._tw.dtype)
+        self._c = _C.Linear(ctx if ctx is not None else context(), self._desc, self._block,
+                            self._bias)
         self.torch_above = torch_above
-        if dtype in ("f32", "bf16") and torch_above is not None:
-            tdt = torch.float32 if dtype == "f32" else torch.bfloat16
-            n = self.out_features * self.in_features * (4 if dtype == "f32" else 2)
-            o = self._desc["weight"]
-            raw = torch.from_numpy(self._block[o:o + n])
-            self._tw = raw.view(tdt).view(self.out_features, self.in_features)
-            if linear.bias is not None:
-                self._tb = linear.bias.detach().to(tdt).clone()
 
     @property
     def weight_view(self) -> torch.Tensor | None:
-        """The stored f32/bf16 weight as a tensor sharing the C kernel's bytes (None for
-        int8/int4 or when torch is never used)."""
+        """The f32/bf16 weight the C kernel reads, as a tensor (the original parameter's memory
+        when it had that dtype); None for int8/int4."""
         return self._tw
 
     @property
     def nbytes(self) -> int:
-        """Bytes held for this layer (weights, scales, bias)."""
+        """Bytes of this layer's weights and scales as the kernels read them."""
         return int(self._block.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +127,7 @@ class CLinear(nn.Module):
                              f"{x.shape[-1]} features")
         lead = x.shape[:-1]
         T = x.numel() // self.in_features if self.in_features else 0
-        if self._tw is not None and T > self.torch_above:
+        if self._tw is not None and self.torch_above is not None and T > self.torch_above:
             return F.linear(x.to(self._tw.dtype), self._tw, self._tb).to(self.out_dtype)
         xf = x.detach().reshape(T, self.in_features)
         if xf.dtype != torch.float32 or not xf.is_contiguous():
@@ -156,7 +140,7 @@ class CLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"dtype={self.dtype}, bias={'bias' in self._desc}")
+                f"dtype={self.dtype}, bias={self._bias is not None}")
 
 
 @dataclasses.dataclass
@@ -197,14 +181,6 @@ def resolve_dense(dense: str | bool | None, model_dtype: torch.dtype) -> str | N
     return dense
 
 
-def _tied_embedding(model: nn.Module, lm_head: nn.Module) -> nn.Embedding | None:
-    get = getattr(model, "get_input_embeddings", None)
-    emb = get() if callable(get) else None
-    if isinstance(emb, nn.Embedding) and getattr(lm_head, "weight", None) is emb.weight:
-        return emb
-    return None
-
-
 def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
                   skip: Iterable[nn.Module] = (), ctx: _C.KernelContext | None = None,
                   torch_above: int | None = TORCH_ABOVE) -> DenseReport:
@@ -225,24 +201,17 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     for m in skip:
         for sub in m.modules():
             skipped_ids.add(id(sub))
-    out_emb = getattr(model, "get_output_embeddings", None)
-    lm_head = out_emb() if callable(out_emb) else None
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and id(mod) not in skipped_ids]
     for name, mod in targets:
         if fmt == "int4" and _int4_group(mod.in_features) is None:
             report.skipped[name] = f"in_features {mod.in_features} is not a multiple of 32"
             continue
-        tied = _tied_embedding(model, mod) if mod is lm_head else None
         report.bytes_before += mod.weight.numel() * mod.weight.element_size()
         new = CLinear(mod, fmt, ctx, torch_above)
         report.bytes_after += new.nbytes
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
-        if tied is not None and new.weight_view is not None and \
-                new.weight_view.dtype == tied.weight.dtype:
-            # one copy of the table: the embedding reads the CLinear's bytes
-            tied.weight = nn.Parameter(new.weight_view, requires_grad=False)
         report.converted.append(name)
     return report

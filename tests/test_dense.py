@@ -73,7 +73,8 @@ def test_long_inputs_use_torch_on_the_same_bytes(dtype):
     tdt = torch.float32 if dtype == "f32" else torch.bfloat16
     lin = nn.Linear(64, 48).to(tdt)
     c = CLinear(lin, dtype, torch_above=4)
-    # the torch view holds the weights exactly (bf16 bits copied, not re-rounded)
+    # the kernels read the model's own weight tensor: shared, not copied
+    assert c.weight_view.data_ptr() == lin.weight.data_ptr()
     assert torch.equal(c.weight_view, lin.weight.detach())
     x = torch.randn(1, 9, 64).to(tdt)
     torch.testing.assert_close(c(x), F.linear(x, lin.weight, lin.bias), atol=0, rtol=0)
@@ -216,6 +217,8 @@ def test_bad_input():
         _C.Linear(context(), dict(desc, weight=64), block)
     with pytest.raises(ValueError, match="weight.scale"):
         _C.Linear(context(), dict(desc, dtype=2), block)
+    with pytest.raises(ValueError, match="bias has 7 entries"):
+        _C.Linear(context(), desc, block, np.zeros(7, np.float32))
     with pytest.raises(ValueError, match="missing K"):
         _C.Linear(context(), {"N": 8, "dtype": 0, "weight": 0}, block)
     with pytest.raises(ValueError, match="group"):

@@ -390,7 +390,6 @@ static void linear_as_down(const smoe_linear_desc *l, smoe_ffn_desc *d) {
     d->precise = l->precise;
     d->down = l->w;
     d->down_scale = l->w_scale;
-    d->down_bias = l->bias;
 }
 
 int smoe_linear_desc_check(const smoe_linear_desc *l, uint64_t block_bytes, smoe_err *err) {
@@ -421,7 +420,7 @@ int smoe_linear_desc_check(const smoe_linear_desc *l, uint64_t block_bytes, smoe
     } else if (l->w_scale != SMOE_NO_TENSOR) {
         return smoe_err_set(err, SMOE_EINVAL, "linear scale given for an unquantized dtype");
     }
-    return check_tensor("bias", l->bias, (uint64_t)l->N * 4, 4, 0, block_bytes, err);
+    return SMOE_OK;
 }
 
 /* Layout: act [Tc, K] f32 (exact path: x in the weights' column order) | prepared x (fast
@@ -434,7 +433,7 @@ size_t smoe_linear_scratch_bytes(const smoe_linear_desc *l, uint32_t T) {
 }
 
 int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *block,
-                        const float *x, size_t x_stride, uint32_t T, float *out,
+                        const float *bias, const float *x, size_t x_stride, uint32_t T, float *out,
                         size_t out_stride, void *scratch, smoe_err *err) {
     if (T == 0) return SMOE_OK;
     if (!l || !block || !x || !out || !scratch)
@@ -463,7 +462,13 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
         uint32_t nt = T - t0 < tc ? T - t0 : tc;
         const float *xc = x + (size_t)t0 * x_stride;
         float *oc = out + (size_t)t0 * out_stride;
-        for (uint32_t t = 0; t < nt; t++) memset(oc + (size_t)t * out_stride, 0, (size_t)l->N * 4);
+        for (uint32_t t = 0; t < nt; t++) {
+            float *o = oc + (size_t)t * out_stride;
+            if (bias)
+                memcpy(o, bias, (size_t)l->N * 4);
+            else
+                memset(o, 0, (size_t)l->N * 4);
+        }
         smoe_ffn_job job = {&d,   block, nt,         d.group, NULL, act, NULL,
                             NULL, oc,    out_stride, NULL,    NULL, NULL};
         phase_arg pa = {impl_for(isa), &job, 2, 0};

@@ -136,11 +136,12 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
  *
  * out[t, :] = W . x[t, :] + bias for t in [0, T): W [N, K] row-major in one of the expert weight
  * formats above (F32, BF16, I8 per-row scales, I4 groups of `group` input columns), bias [N]
- * f32 optional.  The rows are computed by the same per-ISA row kernels as the expert FFN's down
+ * f32 optional and separate (so that an f32/bf16 block can be the framework's own weight
+ * tensor, shared rather than copied).  The rows are computed by the same per-ISA row kernels as the expert FFN's down
  * projection (one routine per format, shared), so accuracy is as stated at smoe_ffn_forward:
  * precise = 1 is exact f32 math on the widened weights; precise = 0 lets the AVX-512 fast paths
  * round x once per call (bf16 / int16 / int8 per 128 columns) when K is a multiple of 128.
- * Offsets are from the start of one block holding the tensors (as for an expert). */
+ * Offsets are from the start of the block holding the weight and its scales. */
 typedef struct smoe_linear_desc {
     uint32_t N;        /* output features (rows of W) */
     uint32_t K;        /* input features */
@@ -149,7 +150,6 @@ typedef struct smoe_linear_desc {
     uint32_t precise;  /* as smoe_ffn_desc.precise */
     uint64_t w;        /* weight (required) */
     uint64_t w_scale;  /* required for I8/I4, else SMOE_NO_TENSOR */
-    uint64_t bias;     /* optional */
 } smoe_linear_desc;
 
 /* Validate d against a block of block_bytes (0 skips the bounds check); errors name the tensor. */
@@ -162,11 +162,11 @@ int smoe_linear_desc_check(const smoe_linear_desc *d, uint64_t block_bytes, smoe
 /* Scratch bytes smoe_linear_forward needs for any T (sized for min(T, SMOE_LINEAR_TCHUNK)). */
 size_t smoe_linear_scratch_bytes(const smoe_linear_desc *d, uint32_t T);
 
-/* out[t, :] = W . x[t, :] + bias (out is overwritten, not accumulated).  x f32 rows at
- * x + t * x_stride (x_stride >= K), out f32 rows at out + t * out_stride (>= N).  Same threads,
- * serialization and GIL rule as smoe_ffn_forward.  T = 0 is a no-op. */
+/* out[t, :] = W . x[t, :] + bias (out is overwritten, not accumulated; bias [N] f32 or NULL).
+ * x f32 rows at x + t * x_stride (x_stride >= K), out f32 rows at out + t * out_stride (>= N).
+ * Same threads, serialization and GIL rule as smoe_ffn_forward.  T = 0 is a no-op. */
 int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *d, const uint8_t *block,
-                        const float *x, size_t x_stride, uint32_t T, float *out,
+                        const float *bias, const float *x, size_t x_stride, uint32_t T, float *out,
                         size_t out_stride, void *scratch, smoe_err *err);
 
 /* Ceiling for benchmarks: read `bytes` of buf `iters` times with the same threads and ISA as
