@@ -136,7 +136,7 @@ class Engine:
         ``"auto"`` (bf16 weights kept exactly where the kernels are faster), ``"torch"``/None
         (untouched), or a format ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"`` (see
         :mod:`specmoe.dense`); what was done is in ``engine.dense``."""
-        from .dense import convert_dense
+        from .dense import convert_dense, share_threads
         from .kernels import FFNSpec, context
         from .store import ExpertStore
         info, ids = describe(model)
@@ -210,6 +210,8 @@ class Engine:
             moe_block(model, info, i).experts = SpecmoeExperts(self, pos, self.num_experts,
                                                               spec.H)
         self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
+        # decode steps then run every matrix product in the kernels' pool: torch steps aside
+        self._thread_hooks = share_threads(model) if self.dense.converted else []
 
     # -- the per-layer path -------------------------------------------------------------------
     def _router_scores(self, pos: int, x: torch.Tensor) -> torch.Tensor:
@@ -458,6 +460,7 @@ class Engine:
         s: dict[str, Any] = {
             "tokens": pf["tokens"], "passes": pf["passes"], "policy": self.policy,
             "cache_frac": self.cache_frac, "dtype": self.dtype, "prefetch": self.prefetch,
+            "dense": self.dense.dtype, "dense_layers": len(self.dense.converted),
             "prefetch_precision": pf["true_positive"] / pf["predicted"] if pf["predicted"] else None,
             "prefetch_recall": pf["true_positive"] / pf["actual"] if pf["actual"] else None,
             "lookahead_precision": (self._la["true_positive"] / self._la["predicted"]
@@ -553,6 +556,9 @@ class Engine:
             self._release()
 
     def _release(self) -> None:
+        for h in getattr(self, "_thread_hooks", ()):
+            h.remove()
+        self._thread_hooks = []
         self._layers = None
         self._draft_buf = None
         if self._cache is not None:
