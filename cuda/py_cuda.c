@@ -14,6 +14,8 @@
 #include <Python.h>
 #include <string.h>
 
+#include <cuda_runtime_api.h>
+
 #include "gcache.h"
 #include "gpu.h"
 
@@ -127,6 +129,25 @@ static PyObject *py_device_info(PyObject *self, PyObject *arg) {
         return raise_err(&e);
     return Py_BuildValue("{s:s,s:(ii),s:K}", "name", name, "capability", major, minor,
                          "total_memory", (unsigned long long)mem);
+}
+
+static PyObject *py_memcpy_async(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long dst, src, n, stream = 0;
+    if (!PyArg_ParseTuple(args, "KKK|K", &dst, &src, &n, &stream)) return NULL;
+    if (!dst || !src) {
+        PyErr_SetString(PyExc_ValueError, "memcpy_async: null address");
+        return NULL;
+    }
+    cudaError_t e;
+    Py_BEGIN_ALLOW_THREADS e = cudaMemcpyAsync((void *)(uintptr_t)dst, (const void *)(uintptr_t)src,
+                                               (size_t)n, cudaMemcpyDefault,
+                                               (cudaStream_t)(uintptr_t)stream);
+    Py_END_ALLOW_THREADS if (e != cudaSuccess) {
+        PyErr_Format(Err_Cuda, "CUDA error in cudaMemcpyAsync: %s", cudaGetErrorString(e));
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* ---- FFN type ------------------------------------------------------------------------------- */
@@ -706,6 +727,8 @@ static PyTypeObject GC_Type = {
 static PyMethodDef module_methods[] = {
     {"device_count", py_device_count, METH_NOARGS,
      "Number of CUDA devices; CudaError with the runtime's reason when there is no driver."},
+    {"memcpy_async", py_memcpy_async, METH_VARARGS,
+     "memcpy_async(dst, src, nbytes, stream=0): cudaMemcpyAsync(cudaMemcpyDefault) (tests)"},
     {"device_info", py_device_info, METH_O, "device_info(dev) -> {name, capability, memory}"},
     {NULL, NULL, 0, NULL}};
 

@@ -330,8 +330,7 @@ def test_gpu_cache_slots_hold_the_store_blocks(store, written, mode):
             addr = cache.acquire(l, e, s)
             # copy the slot out on the same stream: ordered after the slot's copy by the event
             dst = torch.empty(bb, dtype=torch.uint8, device="cuda")
-            cudart = torch.cuda.cudart()
-            cudart.cudaMemcpyAsync(dst.data_ptr(), addr, bb, 3, s.cuda_stream)  # D2D
+            cuda.load().memcpy_async(dst.data_ptr(), addr, bb, s.cuda_stream)
             cache.release(l, e, s)
             got = store.tensors_of(dst.cpu().numpy())
             np.testing.assert_array_equal(got["w"], written[1][l]["w"][e])
