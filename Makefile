@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.specmoe-setup
-CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
+CSRC   := $(shell find csrc cuda -name '*.c' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: setup build demo test test-sanitize bench clean fuzz fuzz-deps
+.PHONY: setup build demo test test-gpu test-sanitize bench clean fuzz fuzz-deps
 
 setup: $(STAMP)
 
@@ -29,6 +29,16 @@ demo: build
 
 test: build fuzz-deps
 	$(PY) -m pytest -q tests
+
+# The GPU tier on a machine with a GPU (issue 12; docs/gpu.md): rebuild with the toolkit
+# required (SPECMOE_CUDA=1, so a missing nvcc is an error, not a skip), run the GPU tests with
+# skips reported, then the decode benchmark.  GPU_PY: an interpreter whose torch has CUDA (the
+# GPU machines' python3); it gets this checkout on PYTHONPATH instead of .venv.
+GPU_PY ?= $(PY)
+test-gpu:
+	SPECMOE_CUDA=1 SPECMOE_WERROR=1 $(GPU_PY) setup.py --quiet build_ext --inplace
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs tests/test_cuda.py
+	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/gpu_decode.py --json
 
 # clang + libFuzzer for the C fuzz target (tests/fuzz): installed when missing and we are root
 # on Debian/Ubuntu (best effort: without it tests/test_fuzz_smoke.py skips the C target only).
@@ -53,4 +63,4 @@ bench: build
 	$(PY) benchmarks/cache.py --json
 
 clean:
-	rm -rf build specmoe/_C*.so specmoe/.build-stamp tests/c/bin tests/fuzz/bin
+	rm -rf build specmoe/_C*.so specmoe/_cuda*.so specmoe/.build-stamp tests/c/bin tests/fuzz/bin

@@ -1,0 +1,766 @@
+/* specmoe._cuda: the CPython binding of the GPU tier (cuda/gpu.h, cuda/gcache.h).
+ *
+ * A separate extension from specmoe._C: only this module links the CUDA runtime (statically)
+ * and cuBLAS, so `import specmoe` never needs CUDA.  Loaded lazily by specmoe/cuda.py, which
+ * preloads libcublas and turns import failures into a clear message.
+ *
+ * Device memory is passed as integer addresses (torch.Tensor.data_ptr()), streams as integer
+ * cudaStream_t handles (torch.cuda.Stream.cuda_stream; 0 = legacy default stream): this module
+ * allocates no tensors itself.  Errors map to the exceptions of specmoe._C (ValueError,
+ * MemoryError, StoreError, CacheError, PolicyError) and to CudaError (a SpecmoeError) for
+ * CUDA failures.  The GIL is released around every call into the cache or a kernel launch.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "gcache.h"
+#include "gpu.h"
+
+static PyObject *Err_Base, *Err_Store, *Err_Cache, *Err_Policy, *Err_Cuda; /* set at init */
+
+static PyObject *raise_err(const smoe_err *e) {
+    PyObject *type;
+    switch (e->code) {
+    case SMOE_EINVAL: type = PyExc_ValueError; break;
+    case SMOE_ENOMEM: type = PyExc_MemoryError; break;
+    case SMOE_EIO:
+    case SMOE_ECORRUPT: type = Err_Store; break;
+    case SMOE_EPOLICY: type = Err_Policy; break;
+    case SMOE_ECACHE: type = Err_Cache; break;
+    case SMOE_ESTATE: type = strstr(e->msg, "CUDA") || strstr(e->msg, "cuBLAS") ||
+                             strstr(e->msg, "GPU") ? Err_Cuda : Err_Cache; break;
+    default: type = Err_Base; break;
+    }
+    PyErr_SetString(type, e->msg[0] ? e->msg : "specmoe._cuda: unknown error");
+    return NULL;
+}
+
+/* ---- descriptor dict (same keys as specmoe.kernels.FFNSpec.desc()) ------------------------- */
+
+static int get_u64(PyObject *d, const char *k, int required, uint64_t *out) {
+    PyObject *v = PyDict_GetItemString(d, k); /* borrowed */
+    if (!v || v == Py_None) {
+        if (required) {
+            PyErr_Format(PyExc_ValueError, "expert descriptor: missing %s", k);
+            return -1;
+        }
+        *out = SMOE_NO_TENSOR;
+        return 0;
+    }
+    unsigned long long x = PyLong_AsUnsignedLongLong(v);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_ValueError, "expert descriptor: %s must be a non-negative int", k);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int get_f(PyObject *d, const char *k, float *out) {
+    PyObject *v = PyDict_GetItemString(d, k);
+    if (!v) return 0;
+    double x = PyFloat_AsDouble(v);
+    if (x == -1.0 && PyErr_Occurred()) return -1;
+    *out = (float)x;
+    return 0;
+}
+
+static int parse_desc(PyObject *d, smoe_ffn_desc *out) {
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "desc must be a dict (specmoe.kernels.FFNSpec.desc())");
+        return -1;
+    }
+    uint64_t H, I, dt, act, group = 128, precise = 0;
+    if (get_u64(d, "H", 1, &H) || get_u64(d, "I", 1, &I) || get_u64(d, "dtype", 1, &dt) ||
+        get_u64(d, "act", 1, &act))
+        return -1;
+    if (H > UINT32_MAX || I > UINT32_MAX || dt > 3 || act > 1) {
+        PyErr_SetString(PyExc_ValueError, "expert descriptor: H, I, dtype or act out of range");
+        return -1;
+    }
+    smoe_ffn_desc_default(out, (uint32_t)H, (uint32_t)I, (int32_t)dt, (int32_t)act);
+    if (get_u64(d, "group", 0, &group) || get_u64(d, "precise", 0, &precise)) return -1;
+    if (group != SMOE_NO_TENSOR) out->group = (uint32_t)group;
+    if (precise != SMOE_NO_TENSOR) out->precise = precise != 0;
+    if (get_f(d, "alpha", &out->alpha) || get_f(d, "limit", &out->limit)) return -1;
+    if (get_u64(d, "gate", 1, &out->gate) || get_u64(d, "up", 1, &out->up) ||
+        get_u64(d, "down", 1, &out->down) || get_u64(d, "gate_scale", 0, &out->gate_scale) ||
+        get_u64(d, "up_scale", 0, &out->up_scale) ||
+        get_u64(d, "down_scale", 0, &out->down_scale) ||
+        get_u64(d, "gate_bias", 0, &out->gate_bias) ||
+        get_u64(d, "up_bias", 0, &out->up_bias) || get_u64(d, "down_bias", 0, &out->down_bias))
+        return -1;
+    smoe_err e;
+    smoe_err_clear(&e);
+    if (smoe_ffn_desc_check(out, 0, &e) < 0) {
+        raise_err(&e);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- module functions ----------------------------------------------------------------------- */
+
+static PyObject *py_device_count(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    int n = 0;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gpu_device_count(&n, &e);
+    Py_END_ALLOW_THREADS if (rc < 0) return raise_err(&e);
+    return PyLong_FromLong(n);
+}
+
+static PyObject *py_device_info(PyObject *self, PyObject *arg) {
+    (void)self;
+    long dev = PyLong_AsLong(arg);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    char name[256];
+    int major = 0, minor = 0;
+    uint64_t mem = 0;
+    smoe_err e;
+    smoe_err_clear(&e);
+    if (smoe_gpu_device_info((int)dev, name, sizeof name, &major, &minor, &mem, &e) < 0)
+        return raise_err(&e);
+    return Py_BuildValue("{s:s,s:(ii),s:K}", "name", name, "capability", major, minor,
+                         "total_memory", (unsigned long long)mem);
+}
+
+static PyObject *py_memcpy_async(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long dst, src, n, stream = 0;
+    if (!PyArg_ParseTuple(args, "KKK|K", &dst, &src, &n, &stream)) return NULL;
+    if (!dst || !src) {
+        PyErr_SetString(PyExc_ValueError, "memcpy_async: null address");
+        return NULL;
+    }
+    cudaError_t e;
+    Py_BEGIN_ALLOW_THREADS e = cudaMemcpyAsync((void *)(uintptr_t)dst, (const void *)(uintptr_t)src,
+                                               (size_t)n, cudaMemcpyDefault,
+                                               (cudaStream_t)(uintptr_t)stream);
+    Py_END_ALLOW_THREADS if (e != cudaSuccess) {
+        PyErr_Format(Err_Cuda, "CUDA error in cudaMemcpyAsync: %s", cudaGetErrorString(e));
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- FFN type ------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    smoe_gpu_ffn f;
+    int ready;
+    int busy; /* [GIL] a forward is running with the GIL released */
+} FFNObject;
+
+static int FFN_init(FFNObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"device", "H", "I", "max_tokens", NULL};
+    int device = 0;
+    unsigned int H = 0, I = 0, maxt = 256;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iII|I", kwlist, &device, &H, &I, &maxt))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "FFN.__init__ called twice");
+        return -1;
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gpu_ffn_init(&self->f, device, H, I, maxt, &e);
+    Py_END_ALLOW_THREADS if (rc < 0) {
+        raise_err(&e);
+        return -1;
+    }
+    self->ready = 1;
+    return 0;
+}
+
+static void FFN_dealloc(FFNObject *self) {
+    if (self->ready) smoe_gpu_ffn_free(&self->f);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *FFN_forward(FFNObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"desc", "block", "x", "x_stride", "rows", "scale", "T", "out",
+                             "out_stride", "path", "stream", NULL};
+    PyObject *desc;
+    unsigned long long block, x, rows, scale, out, stream = 0;
+    Py_ssize_t xs, os;
+    unsigned int T;
+    int path = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKKnKKIKn|iK", kwlist, &desc, &block, &x, &xs,
+                                     &rows, &scale, &T, &out, &os, &path, &stream))
+        return NULL;
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "FFN not initialised");
+        return NULL;
+    }
+    if (!block || !x || !out) {
+        PyErr_SetString(PyExc_ValueError, "block, x and out must be non-null device addresses");
+        return NULL;
+    }
+    if (xs <= 0 || os <= 0) {
+        PyErr_SetString(PyExc_ValueError, "x_stride and out_stride must be positive");
+        return NULL;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "FFN.forward: this context is in use by another "
+                        "thread (one context per thread)");
+        return NULL;
+    }
+    smoe_ffn_desc d;
+    if (parse_desc(desc, &d) < 0) return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gpu_ffn_forward(
+        &self->f, &d, (const uint8_t *)(uintptr_t)block, (const float *)(uintptr_t)x,
+        (size_t)xs, (const int32_t *)(uintptr_t)rows, (const float *)(uintptr_t)scale, T,
+        (float *)(uintptr_t)out, (size_t)os, path, (void *)(uintptr_t)stream, &e);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc < 0) return raise_err(&e);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef FFN_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))FFN_forward, METH_VARARGS | METH_KEYWORDS,
+     "forward(desc, block, x, x_stride, rows, scale, T, out, out_stride, path=0, stream=0):\n"
+     "out[rows[t]] += scale[t] * FFN(x[rows[t]]) on the GPU (device addresses; 0 for rows or\n"
+     "scale means none).  path: 0 auto, 1 dequantizing kernels, 2 cuBLAS (f32/bf16)."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject FFN_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._cuda.FFN",
+    .tp_basicsize = sizeof(FFNObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "FFN(device, H, I, max_tokens=256): GPU expert FFN context (cuBLAS handle and\n"
+              "scratch for max_tokens tokens, allocated once).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FFN_init,
+    .tp_dealloc = (destructor)FFN_dealloc,
+    .tp_methods = FFN_methods,
+};
+
+/* ---- GpuCache type -------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    smoe_store store;
+    smoe_gcache cache;
+    int store_open, ready, closed;
+    int busy; /* [GIL] calls in flight with the GIL released */
+} GCacheObject;
+
+static smoe_policy *make_policy(const char *name, uint32_t nslots, uint32_t nl, uint32_t ne) {
+    const smoe_policy_ops *ops = smoe_policy_find(name);
+    if (!ops) {
+        PyErr_Format(PyExc_ValueError, "unknown eviction policy '%s'; built-in policies: %s",
+                     name, smoe_policy_names());
+        return NULL;
+    }
+    smoe_policy_params pp;
+    memset(&pp, 0, sizeof pp);
+    pp.nslots = nslots;
+    pp.num_layers = nl;
+    pp.num_experts = ne;
+    smoe_policy *p = NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    if (smoe_policy_create(&p, ops, &pp, &e) < 0) {
+        raise_err(&e);
+        return NULL;
+    }
+    return p;
+}
+
+static int GC_init(GCacheObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"path", "data_offset", "block_bytes", "num_layers", "num_experts",
+                             "nslots", "policy", "device", "mode", "stages", "min_slots",
+                             "prefetch", "crc", NULL};
+    PyObject *path_bytes = NULL, *crc_obj = Py_None;
+    unsigned long long off, bb;
+    unsigned int nl, ne, nslots, stages = 2, min_slots = 1;
+    const char *policy = "lru", *mode = "host";
+    int device = 0, prefetch = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&KKIII|sisIIpO", kwlist, PyUnicode_FSConverter,
+                                     &path_bytes, &off, &bb, &nl, &ne, &nslots, &policy, &device,
+                                     &mode, &stages, &min_slots, &prefetch, &crc_obj))
+        return -1;
+    int rc = -1;
+    Py_buffer view = {0};
+    int have_view = 0;
+    if (self->ready || self->store_open) {
+        PyErr_SetString(PyExc_RuntimeError, "GpuCache.__init__ called twice");
+        goto done;
+    }
+    int m;
+    if (strcmp(mode, "host") == 0) m = SMOE_GC_HOSTCOPY;
+    else if (strcmp(mode, "staged") == 0) m = SMOE_GC_STAGED;
+    else {
+        PyErr_Format(PyExc_ValueError, "mode must be 'host' (pinned copy of the store in host "
+                     "memory) or 'staged' (store reads into pinned staging buffers), got '%s'",
+                     mode);
+        goto done;
+    }
+    const uint32_t *crc = NULL;
+    if (crc_obj != Py_None) {
+        if (PyObject_GetBuffer(crc_obj, &view, PyBUF_C_CONTIGUOUS) < 0) goto done;
+        have_view = 1;
+        if ((uint64_t)view.len != (uint64_t)nl * ne * 4 || (uintptr_t)view.buf % 4) {
+            PyErr_Format(PyExc_ValueError, "crc must hold one aligned uint32 per block (%llu "
+                         "bytes), got %zd", (unsigned long long)nl * ne * 4, view.len);
+            goto done;
+        }
+        crc = view.buf;
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    if (smoe_store_open(&self->store, PyBytes_AS_STRING(path_bytes), off, bb, nl, ne, crc,
+                        crc ? SMOE_STORE_VERIFY : 0, &e) < 0) {
+        raise_err(&e);
+        goto done;
+    }
+    self->store_open = 1;
+    smoe_policy *p = make_policy(policy, nslots, nl, ne);
+    if (!p) goto done;
+    int crc2;
+    Py_BEGIN_ALLOW_THREADS crc2 = smoe_gcache_init(&self->cache, &self->store, device, nslots,
+                                                   min_slots, p, m, stages, prefetch, &e);
+    Py_END_ALLOW_THREADS if (crc2 < 0) {
+        smoe_policy_destroy(p);
+        raise_err(&e);
+        goto done;
+    }
+    self->ready = 1;
+    rc = 0;
+done:
+    if (rc < 0 && self->store_open) {
+        smoe_store_close(&self->store);
+        self->store_open = 0;
+    }
+    if (have_view) PyBuffer_Release(&view);
+    Py_XDECREF(path_bytes);
+    return rc;
+}
+
+static void GC_shutdown(GCacheObject *self) {
+    if (self->ready) {
+        Py_BEGIN_ALLOW_THREADS smoe_gcache_free(&self->cache);
+        Py_END_ALLOW_THREADS self->ready = 0;
+    }
+    if (self->store_open) {
+        smoe_store_close(&self->store);
+        self->store_open = 0;
+    }
+}
+
+static void GC_dealloc(GCacheObject *self) {
+    GC_shutdown(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int GC_check(GCacheObject *self) {
+    if (!self->ready || self->closed) {
+        PyErr_SetString(Err_Cache, "the GPU cache is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *GC_close(GCacheObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (self->busy) {
+        PyErr_SetString(Err_Cache, "close() while another thread is inside a GPU cache call");
+        return NULL;
+    }
+    self->closed = 1;
+    GC_shutdown(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *GC_acquire(GCacheObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"layer", "expert", "stream", NULL};
+    unsigned int layer, expert;
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "II|K", kwlist, &layer, &expert, &stream))
+        return NULL;
+    if (GC_check(self) < 0) return NULL;
+    const uint8_t *data = NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_acquire(&self->cache, layer, expert,
+                                                    (void *)(uintptr_t)stream, &data, &e);
+    Py_END_ALLOW_THREADS self->busy--;
+    if (rc < 0) return raise_err(&e);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)data);
+}
+
+static PyObject *GC_release(GCacheObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"layer", "expert", "stream", NULL};
+    unsigned int layer, expert;
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "II|K", kwlist, &layer, &expert, &stream))
+        return NULL;
+    if (GC_check(self) < 0) return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_release(&self->cache, layer, expert,
+                                                    (void *)(uintptr_t)stream, &e);
+    Py_END_ALLOW_THREADS self->busy--;
+    if (rc < 0) return raise_err(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *GC_begin_pass(GCacheObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (GC_check(self) < 0) return NULL;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS smoe_gcache_begin_pass(&self->cache);
+    Py_END_ALLOW_THREADS self->busy--;
+    Py_RETURN_NONE;
+}
+
+/* keys (and values) from a sequence of ints into a new malloc'd int64 list. */
+static long long *seq_ints(PyObject *obj, const char *what, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(obj, what);
+    if (!seq) return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    long long *v = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof *v);
+    if (!v) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        v[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v[i] == -1 && PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError, "%s must hold ints", what);
+            PyMem_Free(v);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return v;
+}
+
+static PyObject *GC_prefetch(GCacheObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"keys", "priorities", "replace", NULL};
+    PyObject *ko, *po = Py_None;
+    int replace = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Op", kwlist, &ko, &po, &replace)) return NULL;
+    if (GC_check(self) < 0) return NULL;
+    Py_ssize_t n = 0;
+    long long *k = seq_ints(ko, "keys", &n);
+    if (!k) return NULL;
+    int32_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *keys);
+    float *pr = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *pr);
+    PyObject *res = NULL;
+    if (!keys || !pr) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject *pseq = NULL;
+    if (po != Py_None) {
+        pseq = PySequence_Fast(po, "priorities must be a sequence");
+        if (!pseq) goto done;
+        if (PySequence_Fast_GET_SIZE(pseq) != n) {
+            Py_DECREF(pseq);
+            PyErr_SetString(PyExc_ValueError, "keys and priorities differ in length");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (k[i] < INT32_MIN || k[i] > INT32_MAX) {
+            Py_XDECREF(pseq);
+            PyErr_Format(PyExc_ValueError, "prefetch key %lld out of range", k[i]);
+            goto done;
+        }
+        keys[i] = (int32_t)k[i];
+        pr[i] = 0.0f;
+        if (pseq) {
+            double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(pseq, i));
+            if (v == -1.0 && PyErr_Occurred()) {
+                Py_DECREF(pseq);
+                goto done;
+            }
+            pr[i] = (float)v;
+        }
+    }
+    Py_XDECREF(pseq);
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_prefetch(&self->cache, keys, pr, (uint32_t)n,
+                                                     replace, &e);
+    Py_END_ALLOW_THREADS self->busy--;
+    if (rc < 0) {
+        raise_err(&e);
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyMem_Free(k);
+    PyMem_Free(keys);
+    PyMem_Free(pr);
+    return res;
+}
+
+static PyObject *GC_cancel(GCacheObject *self, PyObject *args) {
+    int key = -1;
+    if (!PyArg_ParseTuple(args, "|i", &key)) return NULL;
+    if (GC_check(self) < 0) return NULL;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS smoe_gcache_cancel(&self->cache, key);
+    Py_END_ALLOW_THREADS self->busy--;
+    Py_RETURN_NONE;
+}
+
+static PyObject *GC_wait_idle(GCacheObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (GC_check(self) < 0) return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_wait_idle(&self->cache, &e);
+    if (rc == 0) rc = smoe_gcache_take_worker_error(&self->cache, &e);
+    Py_END_ALLOW_THREADS self->busy--;
+    if (rc < 0) return raise_err(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *GC_pause_worker(GCacheObject *self, PyObject *arg) {
+    int p = PyObject_IsTrue(arg);
+    if (p < 0) return NULL;
+    if (GC_check(self) < 0) return NULL;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS smoe_gcache_pause_worker(&self->cache, p);
+    Py_END_ALLOW_THREADS self->busy--;
+    Py_RETURN_NONE;
+}
+
+static PyObject *GC_stats(GCacheObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (GC_check(self) < 0) return NULL;
+    smoe_gcache_stats s;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS smoe_gcache_get_stats(&self->cache, &s);
+    Py_END_ALLOW_THREADS self->busy--;
+    return Py_BuildValue(
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d}", "hits",
+        (unsigned long long)s.hits, "misses", (unsigned long long)s.misses, "collision_misses",
+        (unsigned long long)s.collision_misses, "prefetch_issued",
+        (unsigned long long)s.prefetch_issued, "prefetch_used",
+        (unsigned long long)s.prefetch_used, "prefetch_late", (unsigned long long)s.prefetch_late,
+        "prefetch_wasted", (unsigned long long)s.prefetch_wasted, "prefetch_dropped",
+        (unsigned long long)s.prefetch_dropped, "prefetch_failed",
+        (unsigned long long)s.prefetch_failed, "evictions", (unsigned long long)s.evictions,
+        "bytes_read", (unsigned long long)s.bytes_read, "inflight_hits",
+        (unsigned long long)s.inflight_hits, "stall_s", s.stall_s);
+}
+
+static PyObject *GC_reset_stats(GCacheObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (GC_check(self) < 0) return NULL;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS smoe_gcache_reset_stats(&self->cache);
+    Py_END_ALLOW_THREADS self->busy--;
+    Py_RETURN_NONE;
+}
+
+static PyObject *GC_resident(GCacheObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (GC_check(self) < 0) return NULL;
+    int32_t *keys = PyMem_Malloc((size_t)self->cache.nslots * sizeof *keys);
+    if (!keys) return PyErr_NoMemory();
+    uint32_t n;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS n = smoe_gcache_resident(&self->cache, keys);
+    Py_END_ALLOW_THREADS self->busy--;
+    PyObject *l = PyList_New(n);
+    for (uint32_t i = 0; l && i < n; i++) PyList_SET_ITEM(l, i, PyLong_FromLong(keys[i]));
+    PyMem_Free(keys);
+    return l;
+}
+
+static PyObject *GC_set_policy(GCacheObject *self, PyObject *arg) {
+    if (GC_check(self) < 0) return NULL;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    smoe_policy *p = make_policy(name, self->cache.nslots, self->cache.num_layers,
+                                 self->cache.num_experts);
+    if (!p) return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_set_policy(&self->cache, p, &e);
+    Py_END_ALLOW_THREADS self->busy--;
+    if (rc < 0) return raise_err(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *GC_counts(GCacheObject *self, PyObject *args) {
+    PyObject *ko, *co;
+    if (!PyArg_ParseTuple(args, "OO", &ko, &co)) return NULL;
+    if (GC_check(self) < 0) return NULL;
+    Py_ssize_t n = 0, m = 0;
+    long long *k = seq_ints(ko, "keys", &n);
+    if (!k) return NULL;
+    long long *c = seq_ints(co, "counts", &m);
+    PyObject *res = NULL;
+    int32_t *keys = NULL;
+    uint32_t *cnt = NULL;
+    if (!c) goto done;
+    if (n != m) {
+        PyErr_SetString(PyExc_ValueError, "keys and counts differ in length");
+        goto done;
+    }
+    keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *keys);
+    cnt = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *cnt);
+    if (!keys || !cnt) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (k[i] < INT32_MIN || k[i] > INT32_MAX || c[i] < 0 || c[i] > UINT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "counts: key or count out of range");
+            goto done;
+        }
+        keys[i] = (int32_t)k[i];
+        cnt[i] = (uint32_t)c[i];
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_counts(&self->cache, keys, cnt, (uint32_t)n, &e);
+    Py_END_ALLOW_THREADS self->busy--;
+    if (rc < 0) {
+        raise_err(&e);
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyMem_Free(k);
+    PyMem_Free(c);
+    PyMem_Free(keys);
+    PyMem_Free(cnt);
+    return res;
+}
+
+static PyObject *GC_get_nslots(GCacheObject *self, void *cl) {
+    (void)cl;
+    return PyLong_FromUnsignedLong(self->ready ? self->cache.nslots : 0);
+}
+static PyObject *GC_get_slot_bytes(GCacheObject *self, void *cl) {
+    (void)cl;
+    return PyLong_FromUnsignedLongLong(self->ready ? self->cache.slot_bytes : 0);
+}
+static PyObject *GC_get_device(GCacheObject *self, void *cl) {
+    (void)cl;
+    return PyLong_FromLong(self->ready ? self->cache.device : 0);
+}
+static PyObject *GC_get_slab(GCacheObject *self, void *cl) {
+    (void)cl;
+    return PyLong_FromUnsignedLongLong(self->ready ? (uintptr_t)self->cache.slab : 0);
+}
+
+static PyMethodDef GC_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))GC_acquire, METH_VARARGS | METH_KEYWORDS,
+     "acquire(layer, expert, stream=0) -> device address of the pinned block"},
+    {"release", (PyCFunction)(void (*)(void))GC_release, METH_VARARGS | METH_KEYWORDS,
+     "release(layer, expert, stream=0): record the slot's free event on stream, unpin"},
+    {"begin_pass", (PyCFunction)GC_begin_pass, METH_NOARGS, "start the next forward pass"},
+    {"prefetch", (PyCFunction)(void (*)(void))GC_prefetch, METH_VARARGS | METH_KEYWORDS,
+     "prefetch(keys, priorities=None, replace=False)"},
+    {"cancel", (PyCFunction)GC_cancel, METH_VARARGS, "cancel(key=-1)"},
+    {"wait_idle", (PyCFunction)GC_wait_idle, METH_NOARGS,
+     "wait for the prefetch queue and the copy stream; raises the first prefetch error"},
+    {"pause_worker", (PyCFunction)GC_pause_worker, METH_O, "pause_worker(paused)"},
+    {"stats", (PyCFunction)GC_stats, METH_NOARGS, "counters (dict)"},
+    {"reset_stats", (PyCFunction)GC_reset_stats, METH_NOARGS, "zero the counters"},
+    {"resident", (PyCFunction)GC_resident, METH_NOARGS, "keys of the READY slots, slot order"},
+    {"set_policy", (PyCFunction)GC_set_policy, METH_O, "set_policy(name): swap, keep contents"},
+    {"counts", (PyCFunction)GC_counts, METH_VARARGS, "counts(keys, counts): activation counts"},
+    {"close", (PyCFunction)GC_close, METH_NOARGS, "stop the worker, free device memory"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef GC_getset[] = {
+    {"nslots", (getter)GC_get_nslots, NULL, "number of slots", NULL},
+    {"slot_bytes", (getter)GC_get_slot_bytes, NULL, "bytes per slot (one store block)", NULL},
+    {"device", (getter)GC_get_device, NULL, "CUDA device (-1: host emulation)", NULL},
+    {"slab", (getter)GC_get_slab, NULL, "address of slot 0 (device memory)", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject GC_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._cuda.GpuCache",
+    .tp_basicsize = sizeof(GCacheObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "GpuCache(path, data_offset, block_bytes, num_layers, num_experts, nslots,\n"
+              "policy='lru', device=0, mode='host', stages=2, min_slots=1, prefetch=True,\n"
+              "crc=None): expert slots in GPU memory (device=-1: host emulation for tests).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)GC_init,
+    .tp_dealloc = (destructor)GC_dealloc,
+    .tp_methods = GC_methods,
+    .tp_getset = GC_getset,
+};
+
+/* ---- module --------------------------------------------------------------------------------- */
+
+static PyMethodDef module_methods[] = {
+    {"device_count", py_device_count, METH_NOARGS,
+     "Number of CUDA devices; CudaError with the runtime's reason when there is no driver."},
+    {"memcpy_async", py_memcpy_async, METH_VARARGS,
+     "memcpy_async(dst, src, nbytes, stream=0): cudaMemcpyAsync(cudaMemcpyDefault) (tests)"},
+    {"device_info", py_device_info, METH_O, "device_info(dev) -> {name, capability, memory}"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef cuda_module = {
+    PyModuleDef_HEAD_INIT, "specmoe._cuda",
+    "specmoe GPU tier: expert FFN kernels (CUDA, cuBLAS) and the GPU expert cache.", -1,
+    module_methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__cuda(void) {
+    PyObject *c = PyImport_ImportModule("specmoe._C");
+    if (!c) return NULL;
+    Err_Base = PyObject_GetAttrString(c, "SpecmoeError");
+    Err_Store = PyObject_GetAttrString(c, "StoreError");
+    Err_Cache = PyObject_GetAttrString(c, "CacheError");
+    Err_Policy = PyObject_GetAttrString(c, "PolicyError");
+    Py_DECREF(c);
+    if (!Err_Base || !Err_Store || !Err_Cache || !Err_Policy) return NULL;
+    Err_Cuda = PyErr_NewExceptionWithDoc("specmoe.CudaError",
+                                         "A CUDA or cuBLAS call failed, or no GPU is usable.",
+                                         Err_Base, NULL);
+    if (!Err_Cuda) return NULL;
+    if (PyType_Ready(&FFN_Type) < 0 || PyType_Ready(&GC_Type) < 0) return NULL;
+    PyObject *m = PyModule_Create(&cuda_module);
+    if (!m) return NULL;
+    Py_INCREF(Err_Cuda);
+    Py_INCREF(&FFN_Type);
+    Py_INCREF(&GC_Type);
+    if (PyModule_AddObject(m, "CudaError", Err_Cuda) < 0 ||
+        PyModule_AddObject(m, "FFN", (PyObject *)&FFN_Type) < 0 ||
+        PyModule_AddObject(m, "GpuCache", (PyObject *)&GC_Type) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

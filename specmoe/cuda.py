@@ -1,0 +1,352 @@
+"""The GPU tier (issue 12): expert FFN kernels on the GPU and a GPU expert cache.
+
+Everything here goes through the separate extension ``specmoe._cuda``, built only where a CUDA
+toolkit was found (see setup.py) and imported lazily on first use, so ``import specmoe`` never
+needs CUDA.  :func:`load` returns the module or raises :class:`CudaUnavailable` saying why
+(not built, cuBLAS library missing, no driver, no device); :func:`available` answers without
+raising.
+
+* :func:`ffn` runs one expert block that lives in GPU memory (a torch uint8 CUDA tensor, or
+  a slot of :class:`GpuExpertCache`) on CUDA tensors, with the same block layout and math as
+  :func:`specmoe.kernels.ffn` (bf16/f32 by cuBLAS or by the dequantizing kernels, int8 and
+  int4 by the dequantizing kernels).
+* :func:`moe_forward` groups the tokens of one MoE layer by expert and runs each expert
+  through a cache on torch's current CUDA stream.
+* :class:`GpuExpertCache` keeps expert blocks in one GPU allocation; loads are
+  ``cudaMemcpyAsync`` from pinned host memory on the cache's copy stream, ordered by one
+  event per slot (details in cuda/gcache.h).  ``device=-1`` runs the same bookkeeping on host
+  memory, without CUDA (used by the tests on machines without a GPU).
+
+Nothing in this module has run on a GPU in the session that wrote it: see docs/gpu.md.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CudaUnavailable", "load", "available", "ffn", "GpuExpertCache", "moe_forward",
+           "PATHS"]
+
+PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
+
+
+class CudaUnavailable(RuntimeError):
+    """The GPU tier cannot be used here; the message says why."""
+
+
+_MOD: ModuleType | None = None
+_WHY: str | None = None
+
+
+def _preload_cublas() -> str | None:
+    """Load libcublasLt/libcublas (RTLD_GLOBAL) from the nvidia-cublas wheel or the system,
+    so that specmoe._cuda's dependency on the soname resolves.  Returns a reason on failure."""
+    names = ("libcublasLt.so.13", "libcublas.so.13")
+    dirs: list[str] = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cublas/lib"):
+            d = os.path.join(entry or ".", sub)
+            if os.path.isdir(d):
+                dirs.append(d)
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            dirs += [os.path.join(os.environ[env], "lib64"), os.path.join(os.environ[env], "lib")]
+    errors = []
+    for name in names:
+        for d in dirs + [""]:
+            path = os.path.join(d, name) if d else name
+            if d and not glob.glob(path):
+                continue
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                break
+            except OSError as e:
+                errors.append(f"{path}: {e}")
+        else:
+            return (f"cannot load {name} (install the nvidia-cublas wheel or a CUDA toolkit): "
+                    + "; ".join(errors[-2:]))
+    return None
+
+
+def load() -> ModuleType:
+    """Import ``specmoe._cuda`` (once) and check that a device is usable; raises
+    :class:`CudaUnavailable` naming the reason otherwise."""
+    global _MOD, _WHY
+    if _MOD is not None:
+        return _MOD
+    if _WHY is not None:
+        raise CudaUnavailable(_WHY)
+    mod = _import_ext()
+    try:
+        n = mod.device_count()
+    except mod.CudaError as e:
+        _WHY = f"specmoe._cuda is built but no GPU is usable: {e}"
+        raise CudaUnavailable(_WHY) from None
+    if n == 0:
+        _WHY = "specmoe._cuda is built but the CUDA runtime sees no device"
+        raise CudaUnavailable(_WHY)
+    _MOD = mod
+    return mod
+
+
+def _import_ext() -> ModuleType:
+    """specmoe._cuda without the device check (the host-emulated cache needs no GPU)."""
+    global _WHY
+    from importlib.util import find_spec
+
+    if find_spec("specmoe._cuda") is None:
+        _WHY = ("specmoe._cuda is not built: no CUDA toolkit was found at build time (install "
+                "requirements-dev.txt's nvidia-* wheels or set SPECMOE_NVCC/CUDA_HOME, then "
+                "rebuild; SPECMOE_CUDA=1 makes a missing toolkit an error)")
+        raise CudaUnavailable(_WHY)
+    why = _preload_cublas()
+    try:
+        return importlib.import_module("specmoe._cuda")
+    except ImportError as e:
+        _WHY = f"specmoe._cuda is built but cannot be loaded: {e}" + (f" ({why})" if why else "")
+        raise CudaUnavailable(_WHY) from None
+
+
+def available() -> tuple[bool, str]:
+    """(True, device name) when a GPU is usable, else (False, the reason)."""
+    try:
+        mod = load()
+    except CudaUnavailable as e:
+        return False, str(e)
+    return True, str(mod.device_info(0)["name"])
+
+
+def extension() -> ModuleType:
+    """``specmoe._cuda`` itself (no device needed), or CudaUnavailable."""
+    return _import_ext()
+
+
+# ---- FFN -----------------------------------------------------------------------------------
+
+_FFN_CTX: dict[tuple[int, int, int], tuple[Any, int]] = {}
+
+
+def ffn_context(device: int, H: int, I: int, max_tokens: int = 256) -> Any:
+    """The cached ``_cuda.FFN`` context (cuBLAS handle + scratch for ``max_tokens`` tokens;
+    more are processed in chunks) for (device, H, I)."""
+    key = (device, H, I)
+    have = _FFN_CTX.get(key)
+    if have is None or have[1] < max_tokens:
+        have = (load().FFN(device, H, I, max_tokens), max_tokens)
+        _FFN_CTX[key] = have
+    return have[0]
+
+
+def ffn(block: Any, spec: Any, x: Any, *, rows: Any = None, scale: Any = None, out: Any = None,
+        path: str = "auto", stream: Any = None) -> Any:
+    """``out[rows[t]] += scale[t] * FFN(x[rows[t]])`` on the GPU for one expert block.
+
+    ``block``: a 1-D uint8 CUDA tensor laid out as ``spec`` (:class:`specmoe.kernels.FFNSpec`)
+    says, or an int device address (a cache slot); ``x``: f32 CUDA tensor [N, H]; ``rows``
+    int32 CUDA tensor (default all rows), ``scale`` f32 CUDA tensor (default 1); ``out``
+    f32 CUDA tensor [N, H] (zeros if None).  ``path``: "auto" (cuBLAS for f32/bf16 unless
+    ``spec.precise``), "dequant" (exact widening, f32 accumulation: the CPU precise math) or
+    "cublas".  Runs on ``stream`` (a torch.cuda.Stream; default torch's current stream),
+    asynchronously."""
+    import torch
+
+    load()
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {tuple(PATHS)}, got {path!r}")
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == torch.float32 and x.dim() == 2):
+        raise ValueError("x must be a 2-D float32 CUDA tensor")
+    if x.shape[1] != spec.H or x.stride(1) != 1:
+        raise ValueError(f"x must be [N, {spec.H}] with unit column stride, got {tuple(x.shape)}")
+    if out is None:
+        out = torch.zeros_like(x)
+    if not (isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.float32
+            and out.dim() == 2 and out.shape[1] == spec.H and out.stride(1) == 1):
+        raise ValueError(f"out must be a float32 CUDA tensor [N, {spec.H}]")
+    if isinstance(block, torch.Tensor):
+        if not (block.is_cuda and block.dtype == torch.uint8 and block.dim() == 1
+                and block.is_contiguous()):
+            raise ValueError("block must be a contiguous 1-D uint8 CUDA tensor")
+        if block.numel() < spec.block_bytes:
+            raise ValueError(f"block has {block.numel()} bytes, the spec needs {spec.block_bytes}")
+        baddr = block.data_ptr()
+    elif isinstance(block, int) and block > 0:
+        baddr = block
+    else:
+        raise TypeError("block must be a uint8 CUDA tensor or a device address (int)")
+    if rows is None:
+        T = x.shape[0]
+        raddr = 0
+        if out.shape[0] < T:
+            raise ValueError("out has fewer rows than x")
+    else:
+        if not (isinstance(rows, torch.Tensor) and rows.is_cuda and rows.dtype == torch.int32
+                and rows.dim() == 1 and rows.is_contiguous()):
+            raise ValueError("rows must be a contiguous 1-D int32 CUDA tensor")
+        T = rows.numel()
+        raddr = rows.data_ptr()
+    if scale is not None:
+        if not (isinstance(scale, torch.Tensor) and scale.is_cuda
+                and scale.dtype == torch.float32 and scale.numel() == T and scale.is_contiguous()):
+            raise ValueError(f"scale must be a contiguous float32 CUDA tensor of {T} values")
+    st = stream if stream is not None else torch.cuda.current_stream(x.device)
+    ctx = ffn_context(x.device.index or 0, spec.H, spec.I)
+    ctx.forward(spec.desc(), baddr, x.data_ptr(), x.stride(0), raddr,
+                0 if scale is None else scale.data_ptr(), T, out.data_ptr(), out.stride(0),
+                PATHS[path], st.cuda_stream)
+    return out
+
+
+# ---- cache ---------------------------------------------------------------------------------
+
+class GpuExpertCache:
+    """Expert blocks of ``store`` cached in GPU memory.
+
+    ``GpuExpertCache(store, capacity, policy="lru", *, device=0, mode="host", stages=2,
+    top_k=None, prefetch=True)``
+
+    * ``capacity``: slots, as :func:`specmoe.parse_capacity` reads it (int, fraction, size,
+      percentage).  One ``cudaMalloc`` of capacity x block bytes at construction.
+    * ``policy``: a built-in policy name (the C objects of csrc/policy; Python policies are not
+      supported on the GPU cache).
+    * ``mode``: ``"host"`` keeps a pinned copy of the whole store in host memory (read once
+      now; loads are pure PCIe copies) or ``"staged"`` reads the store file into ``stages``
+      pinned staging buffers per load.
+    * ``device=-1``: host emulation (no CUDA; for tests of the bookkeeping).
+
+    ``acquire(layer, expert, stream)`` returns the slot's device address and makes ``stream``
+    wait for the slot's copy; ``release(layer, expert, stream)`` records the slot's free
+    event on ``stream``.  ``stream`` is a torch.cuda.Stream, a raw handle (int), or None (torch's
+    current stream on a GPU, 0 in emulation).
+    """
+
+    def __init__(self, store: Any, capacity: int | float | str, policy: str = "lru", *,
+                 device: int = 0, mode: str = "host", stages: int = 2,
+                 top_k: int | None = None, prefetch: bool = True) -> None:
+        from .cache import parse_capacity
+
+        if not isinstance(policy, str):
+            raise TypeError("the GPU cache takes a built-in policy name (str), got "
+                            f"{type(policy).__name__}")
+        if not isinstance(device, int) or device < -1:
+            raise ValueError(f"device must be a CUDA device index or -1 (emulation), got {device!r}")
+        mod = extension() if device < 0 else load()
+        total = store.num_layers * store.num_experts
+        n = parse_capacity(capacity, total_experts=total, slot_bytes=store.block_bytes)
+        crc = None
+        meta = getattr(store, "metadata", None)
+        if getattr(store, "verify", False) and isinstance(meta, dict) and "crc32c" in meta:
+            crc = np.array([int(h, 16) for row in meta["crc32c"] for h in row], dtype=np.uint32)
+        self.store = store
+        self.device = device
+        self._c = mod.GpuCache(store.path, store.data_offset, store.block_bytes,
+                               store.num_layers, store.num_experts, n, policy, device, mode,
+                               stages, int(top_k or 1), bool(prefetch), crc)
+
+    @property
+    def capacity(self) -> int:
+        return int(self._c.nslots)
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(self._c.slot_bytes)
+
+    def _stream(self, stream: Any) -> int:
+        if stream is None:
+            if self.device < 0:
+                return 0
+            import torch
+
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+        if isinstance(stream, int):
+            return stream
+        return int(stream.cuda_stream)
+
+    def acquire(self, layer: int, expert: int, stream: Any = None) -> int:
+        return int(self._c.acquire(layer, expert, self._stream(stream)))
+
+    def release(self, layer: int, expert: int, stream: Any = None) -> None:
+        self._c.release(layer, expert, self._stream(stream))
+
+    def begin_pass(self) -> None:
+        self._c.begin_pass()
+
+    def prefetch(self, keys: Sequence[int] | Sequence[tuple[int, int]],
+                 priorities: Sequence[float] | None = None, replace: bool = False) -> None:
+        """Queue prefetches of keys (layer * num_experts + expert) or (layer, expert) pairs."""
+        ne = self.store.num_experts
+        ks = [int(k[0]) * ne + int(k[1]) if isinstance(k, tuple) else int(k) for k in keys]
+        self._c.prefetch(ks, None if priorities is None else [float(p) for p in priorities],
+                         replace)
+
+    def cancel(self, key: int = -1) -> None:
+        self._c.cancel(key)
+
+    def wait_idle(self) -> None:
+        self._c.wait_idle()
+
+    def pause_worker(self, paused: bool = True) -> None:
+        self._c.pause_worker(paused)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._c.stats())
+
+    def reset_stats(self) -> None:
+        self._c.reset_stats()
+
+    def resident(self) -> list[int]:
+        return list(self._c.resident())
+
+    def set_policy(self, policy: str) -> None:
+        self._c.set_policy(policy)
+
+    def counts(self, keys: Sequence[int], counts: Sequence[int]) -> None:
+        self._c.counts(list(keys), list(counts))
+
+    def close(self) -> None:
+        self._c.close()
+
+    def __enter__(self) -> "GpuExpertCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_ids: Any,
+                topk_w: Any, *, path: str = "auto", out: Any = None) -> Any:
+    """One MoE layer's routed experts on the GPU: tokens grouped by expert (as on the CPU),
+    each expert acquired from ``cache`` on torch's current stream, run by :func:`ffn`,
+    released.  ``hidden`` f32 [T, H] CUDA; ``topk_ids`` int [T, k]; ``topk_w`` float [T, k].
+    Returns ``out`` [T, H] (zeros + the weighted expert outputs)."""
+    import torch
+
+    T, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    rows = (order // k).to(torch.int32)
+    weights = topk_w.reshape(-1).to(torch.float32)[order].contiguous()
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    experts_h = experts.tolist()  # one device-to-host sync per layer
+    counts_h = counts.tolist()
+    if out is None:
+        out = torch.zeros_like(hidden)
+    stream = torch.cuda.current_stream(hidden.device)
+    start = 0
+    for e, n in zip(experts_h, counts_h):
+        addr = cache.acquire(layer, int(e), stream)
+        try:
+            ffn(addr, spec, hidden, rows=rows[start:start + n], scale=weights[start:start + n],
+                out=out, path=path, stream=stream)
+        finally:
+            cache.release(layer, int(e), stream)
+        start += n
+    return out
