@@ -131,11 +131,12 @@ static PyObject *kc_get_features(KernelContextObject *self, void *closure) {
 
 /* ---- descriptor ---- */
 
-static int dict_u64(PyObject *dict, const char *key, uint64_t *out, int required) {
+int smoe_py_dict_u64(PyObject *dict, const char *what, const char *key, uint64_t *out,
+                     int required) {
     PyObject *v = PyDict_GetItemString(dict, key); /* borrowed */
     if (!v || v == Py_None) {
         if (required) {
-            PyErr_Format(PyExc_ValueError, "FFN descriptor: missing %s", key);
+            PyErr_Format(PyExc_ValueError, "%s: missing %s", what, key);
             return -1;
         }
         *out = SMOE_NO_TENSOR;
@@ -144,12 +145,16 @@ static int dict_u64(PyObject *dict, const char *key, uint64_t *out, int required
     unsigned long long x = PyLong_AsUnsignedLongLong(v);
     if (x == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "FFN descriptor: %s must be a non-negative int, got %R",
-                     key, v);
+        PyErr_Format(PyExc_ValueError, "%s: %s must be a non-negative int, got %R", what, key,
+                     v);
         return -1;
     }
     *out = x;
     return 0;
+}
+
+static int dict_u64(PyObject *dict, const char *key, uint64_t *out, int required) {
+    return smoe_py_dict_u64(dict, "FFN descriptor", key, out, required);
 }
 
 int smoe_py_ffn_desc_parse(PyObject *dict, uint64_t block_bytes, smoe_ffn_desc *d) {

@@ -9,6 +9,11 @@
 /* The context of a specmoe._C.KernelContext object, or NULL with TypeError set. */
 smoe_kctx *smoe_py_kctx(PyObject *obj);
 
+/* dict[key] as a non-negative int into *out; absent or None -> SMOE_NO_TENSOR, or a ValueError
+ * "<what>: missing <key>" when required.  Returns 0, or -1 with an exception set. */
+int smoe_py_dict_u64(PyObject *dict, const char *what, const char *key, uint64_t *out,
+                     int required);
+
 /* Parse a descriptor dict (keys H, I, dtype, act, alpha, limit, group, and tensor offsets
  * gate, up, down, gate_scale, up_scale, down_scale, gate_bias, up_bias, down_bias; absent or
  * None offsets mean "no tensor"), as built by specmoe.kernels.FFNSpec.desc().  Checks it

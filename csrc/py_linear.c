@@ -20,24 +20,7 @@ typedef struct {
 } LinearObject;
 
 static int dict_u64_opt(PyObject *dict, const char *key, uint64_t *out, int required) {
-    PyObject *v = PyDict_GetItemString(dict, key); /* borrowed */
-    if (!v || v == Py_None) {
-        if (required) {
-            PyErr_Format(PyExc_ValueError, "linear descriptor: missing %s", key);
-            return -1;
-        }
-        *out = SMOE_NO_TENSOR;
-        return 0;
-    }
-    unsigned long long x = PyLong_AsUnsignedLongLong(v);
-    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "linear descriptor: %s must be a non-negative int, got %R",
-                     key, v);
-        return -1;
-    }
-    *out = x;
-    return 0;
+    return smoe_py_dict_u64(dict, "linear descriptor", key, out, required);
 }
 
 static int lin_init(LinearObject *self, PyObject *args, PyObject *kw) {
