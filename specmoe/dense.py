@@ -32,8 +32,7 @@ from . import _C
 from .kernels import context
 from .quant import quantize_int4, quantize_int8
 
-__all__ = ["DENSE_DTYPES", "CLinear", "DenseReport", "convert_dense", "resolve_dense",
-           "share_threads"]
+__all__ = ["DENSE_DTYPES", "CLinear", "DenseReport", "convert_dense", "resolve_dense"]
 
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 _WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
@@ -217,39 +216,3 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         report.converted.append(name)
     return report
 
-
-def _tokens_of(args: tuple, kwargs: dict) -> int | None:
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if isinstance(ids, torch.Tensor):
-        return int(ids.numel())
-    emb = kwargs.get("inputs_embeds")
-    if isinstance(emb, torch.Tensor) and emb.dim() >= 2:
-        return int(emb.numel() // emb.shape[-1])
-    return None
-
-
-def share_threads(model: nn.Module, torch_above: int = TORCH_ABOVE) -> list[Any]:
-    """One thread budget for torch and the kernels: during a forward of ``model`` on at most
-    ``torch_above`` tokens (a decode step, whose matrix products all run in specmoe's pool),
-    torch runs on one intra-op thread and gets its thread count back afterwards (also when
-    the forward raises).  torch's OpenMP workers spin-wait after each parallel region; on a
-    machine with as many kernel threads as cores they would compete with the kernels' pool
-    for the same cores (issue 16, item 2).  Returns the hook handles (``.remove()`` undoes)."""
-    saved: list[int] = []
-
-    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        n = _tokens_of(args, kwargs)
-        if n is not None and n <= torch_above and torch.get_num_threads() > 1:
-            saved.append(torch.get_num_threads())
-            torch.set_num_threads(1)
-        else:
-            saved.append(0)
-
-    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        if saved:
-            n = saved.pop()
-            if n:
-                torch.set_num_threads(n)
-
-    return [model.register_forward_pre_hook(pre, with_kwargs=True),
-            model.register_forward_hook(post, with_kwargs=True, always_call=True)]

@@ -136,7 +136,7 @@ class Engine:
         ``"auto"`` (bf16 weights kept exactly where the kernels are faster), ``"torch"``/None
         (untouched), or a format ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"`` (see
         :mod:`specmoe.dense`); what was done is in ``engine.dense``."""
-        from .dense import convert_dense, share_threads
+        from .dense import convert_dense
         from .kernels import FFNSpec, context
         from .store import ExpertStore
         info, ids = describe(model)
@@ -210,8 +210,6 @@ class Engine:
             moe_block(model, info, i).experts = SpecmoeExperts(self, pos, self.num_experts,
                                                               spec.H)
         self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
-        # decode steps then run every matrix product in the kernels' pool: torch steps aside
-        self._thread_hooks = share_threads(model) if self.dense.converted else []
 
     # -- the per-layer path -------------------------------------------------------------------
     def _router_scores(self, pos: int, x: torch.Tensor) -> torch.Tensor:
@@ -556,9 +554,6 @@ class Engine:
             self._release()
 
     def _release(self) -> None:
-        for h in getattr(self, "_thread_hooks", ()):
-            h.remove()
-        self._thread_hooks = []
         self._layers = None
         self._draft_buf = None
         if self._cache is not None:

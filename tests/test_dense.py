@@ -225,32 +225,3 @@ def test_bad_input():
         _C.Linear(context(), {"N": 8, "K": 40, "dtype": 3, "weight": 0, "weight_scale": 0},
                   np.zeros(4096, np.uint8))
 
-
-def test_decode_steps_leave_the_cores_to_the_kernels():
-    """With dense layers in C, a decode-sized forward runs torch on one thread and restores
-    torch's thread count afterwards (also after an error); a prefill keeps torch's threads."""
-    m = tiny_model("mixtral", dtype=torch.bfloat16)
-    eng = hf.offload(m, dtype="bf16", dense="bf16")
-    seen = []
-    h = m.model.layers[0].register_forward_pre_hook(
-        lambda mod, a: seen.append(torch.get_num_threads()))
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with torch.no_grad():
-            m(PROMPT[:, :1])              # decode-sized: 1 token
-            m(torch.randint(3, 100, (1, 40)))  # prefill: more than torch_above tokens
-        assert seen == [1, 2] and torch.get_num_threads() == 2
-        with pytest.raises(Exception):
-            m(torch.tensor([[10**6]]))  # an out-of-vocabulary id raises inside the forward
-        assert torch.get_num_threads() == 2
-    finally:
-        h.remove()
-        torch.set_num_threads(old)
-        eng.close()
-    # close() removes the hooks
-    torch.set_num_threads(2)
-    try:
-        assert not m._forward_pre_hooks
-    finally:
-        torch.set_num_threads(old)
