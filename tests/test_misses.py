@@ -1,0 +1,354 @@
+"""SpecMD miss handling and cache-aware routing on the per-layer C path (csrc/layer.h step 4)
+and the link throttle of the cache (csrc/cache.h), each against a plain numpy re-implementation
+of the same rule: the reference decides which expert serves each (token, slot) pair with which
+weight, and the output is then computed by _C.moe_forward over a resident buffer of every block
+(a dropped pair gets weight 0, which adds exactly 0)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from specmoe import _C, quant
+from specmoe.cache import ExpertCache
+from specmoe.kernels import FFNSpec
+from specmoe.store import aligned_empty, write_store
+
+L, E, H, I, K = 2, 12, 32, 32, 4
+
+
+def _write(path, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(L):
+        per = [quant.expert_tensors(rng.standard_normal((I, H), dtype=np.float32) * 0.2,
+                                    rng.standard_normal((I, H), dtype=np.float32) * 0.2,
+                                    rng.standard_normal((H, I), dtype=np.float32) * 0.2, dtype)
+               for _ in range(E)]
+        layers.append({n: np.stack([p[n] for p in per]) for n in per[0]})
+    return write_store(path, layers, top_k=K, progress=False)
+
+
+def _resident(st):
+    bb = int(st.block_bytes)
+    buf = aligned_empty(L * E * bb)
+    for p in range(L):
+        for e in range(E):
+            st.read_block(p, e, out=buf[(p * E + e) * bb:(p * E + e + 1) * bb])
+    return buf, FFNSpec.from_store_schema(st.tensors, bb).desc(), bb
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    d = tmp_path_factory.mktemp("misses")
+    full, low = _write(d / "f32.smoe", "f32"), _write(d / "int4.smoe", "int4")
+    yield full, _resident(full), _resident(low)
+    full.close()
+    low.close()
+
+
+def _routers(seed=1):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((E, H), dtype=np.float32),
+             rng.standard_normal(E, dtype=np.float32) * 0.1, None) for _ in range(L)]
+
+
+def _make(full, routers, resident, capacity=8):
+    """A cache holding exactly `resident` (layer, expert) pairs, prefetch off."""
+    cache = ExpertCache(full, capacity, "lru", top_k=K)
+    for p, e in resident:
+        cache.acquire(p, e)
+        cache.release(p, e)
+    desc = FFNSpec.from_store_schema(full.tensors, int(full.block_bytes)).desc()
+    lay = _C.Layers(cache, None, desc, routers, K)
+    lay.configure(False, 1.0, 0.0, False)
+    cache.reset_stats()
+    return cache, lay
+
+
+def _inputs(routers, pos, T, seed=2):
+    """x, and the model's own routing: top-k of the logits, weights = softmax renormalised over
+    the top-k (the norm_topk_prob convention)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    z = _logits(routers, pos, x)
+    idx = np.argsort(-z, axis=1, kind="stable")[:, :K].astype(np.int64)
+    p = _softmax(z)
+    w = np.take_along_axis(p, idx, 1)
+    w = (w / w.sum(1, keepdims=True)).astype(np.float32)
+    return x, idx, w
+
+
+def _logits(routers, pos, x):
+    wr, b, _ = routers[pos]
+    return x.astype(np.float64) @ wr.T.astype(np.float64) + b
+
+
+def _softmax(z):
+    p = np.exp(z - z.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
+def _moe(buf_desc_bb, pos, x, idx, w):
+    buf, desc, bb = buf_desc_bb
+    out = np.empty_like(x)
+    _C.moe_forward(buf, None, desc, bb, pos, E, x, idx, w.astype(np.float32), out)
+    return out
+
+
+def _run(lay, pos, x, idx, w):
+    out = np.empty_like(x)
+    used = np.zeros(E, np.uint8)
+    lay.forward(pos, x, idx, w, out, used)
+    return out, used
+
+
+# ---- the reference rules ----------------------------------------------------------------------
+
+def ref_drop(idx, w, res, keep):
+    """SpecMD drop: a missing expert is skipped unless some token ranks it (by weight, ties by
+    slot) in its top `keep`; then it is fetched and serves every token."""
+    need = set()
+    for t in range(idx.shape[0]):
+        order = sorted(range(K), key=lambda j: (-w[t, j], j))
+        for r, j in enumerate(order):
+            if r < keep and not res[idx[t, j]]:
+                need.add(int(idx[t, j]))
+    w2 = w.copy()
+    for t in range(idx.shape[0]):
+        for j in range(K):
+            e = int(idx[t, j])
+            if not res[e] and e not in need:
+                w2[t, j] = 0.0
+    return w2, need
+
+
+def ref_substitute(idx, z, res):
+    idx2 = idx.copy()
+    n = 0
+    for t in range(idx.shape[0]):
+        have = set(int(e) for e in idx[t])
+        for j in range(K):
+            e = int(idx[t, j])
+            if res[e]:
+                continue
+            cands = [c for c in range(E) if res[c] and c not in have]
+            if not cands:
+                continue
+            c = min(cands, key=lambda c: (abs(z[t, c] - z[t, e]), c))
+            idx2[t, j] = c
+            have.add(c)
+            n += 1
+    return idx2, n
+
+
+def ref_route(idx, w, z, res, lam, hist):
+    """Eq. 1 of SpecMD, z' = z + lambda * Delta_avg * 1_C, with Delta_avg the running mean of the
+    per-token logit range (hist: [sum, n], updated); the new set is the top-k of z' (the test
+    inputs route by the top-k of z, so the C rule's swaps must give exactly that), weights of
+    the newcomers from the unmodified probabilities scaled like the model's own."""
+    p = _softmax(z)
+    idx2, w2 = idx.copy(), w.copy()
+    moved = 0
+    for t in range(idx.shape[0]):
+        hist[0] += z[t].max() - z[t].min()
+        hist[1] += 1
+        zp = z[t] + lam * hist[0] / hist[1] * res
+        new = set(np.argsort(-zp, kind="stable")[:K].tolist())
+        old = [int(e) for e in idx[t]]
+        c = w[t].sum() / p[t, old].sum()
+        gone = [j for j in range(K) if old[j] not in new]
+        come = sorted(new - set(old), key=lambda e: -zp[e])
+        # C swaps the lowest-scoring leaver for the best newcomer first
+        gone.sort(key=lambda j: z[t, old[j]])
+        for j, e in zip(gone, come):
+            idx2[t, j] = e
+            w2[t, j] = c * p[t, e]
+            moved += 1
+    return idx2, w2, moved
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+
+RES = [(0, 0), (0, 3), (0, 5), (0, 7), (0, 9), (1, 2)]
+
+
+def _mask(pos):
+    m = np.zeros(E, bool)
+    for p, e in RES:
+        if p == pos:
+            m[e] = True
+    return m
+
+
+def test_fetch_is_unchanged(stores):
+    full, fullbuf, _ = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES)
+    x, idx, w = _inputs(routers, 0, 6)
+    out, _ = _run(lay, 0, x, idx, w)
+    np.testing.assert_array_equal(out, _moe(fullbuf, 0, x, idx, w))
+    c = lay.counters()
+    assert c["missing"] == 0 and c["dropped"] == 0  # step 4 off: nothing counted
+    cache.close()
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2, K])
+def test_drop_matches_reference(stores, keep):
+    full, fullbuf, _ = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES, capacity=12)
+    lay.set_miss("drop", keep, 0.0)
+    x, idx, w = _inputs(routers, 0, 6)
+    res = _mask(0)
+    w_ref, need = ref_drop(idx, w, res, keep)
+    out, used = _run(lay, 0, x, idx, w)
+    np.testing.assert_allclose(out, _moe(fullbuf, 0, x, idx, w_ref), rtol=1e-5, atol=1e-6)
+    c = lay.counters()
+    assert c["missing"] == int((~res[idx]).sum())
+    assert c["dropped"] == int(((~res[idx]) & (w_ref == 0)).sum())
+    assert cache.stats()["misses"] == len(need)  # only the kept ranks were fetched
+    assert set(np.flatnonzero(used)) == set(int(e) for e in idx[w_ref != 0])
+    if keep == K:
+        assert c["dropped"] == 0
+    if keep == 0:
+        assert cache.stats()["misses"] == 0
+    cache.close()
+
+
+def test_substitute_matches_reference(stores):
+    full, fullbuf, _ = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES)
+    lay.set_miss("substitute", 2, 0.0)
+    x, idx, w = _inputs(routers, 0, 6)
+    res = _mask(0)
+    z = _logits(routers, 0, x)
+    idx_ref, n = ref_substitute(idx, z, res)
+    assert n > 0
+    out, _ = _run(lay, 0, x, idx, w)
+    np.testing.assert_allclose(out, _moe(fullbuf, 0, x, idx_ref, w), rtol=1e-5, atol=1e-6)
+    assert lay.counters()["substituted"] == n
+    assert cache.stats()["misses"] == 0
+    # layer 1 has one resident expert: tokens whose every expert misses get it once, the
+    # rest of their misses are fetched
+    x1, idx1, w1 = _inputs(routers, 1, 4, seed=5)
+    idx1_ref, _ = ref_substitute(idx1, _logits(routers, 1, x1), _mask(1))
+    out1, _ = _run(lay, 1, x1, idx1, w1)
+    np.testing.assert_allclose(out1, _moe(fullbuf, 1, x1, idx1_ref, w1), rtol=1e-5, atol=1e-6)
+    cache.close()
+
+
+def test_lowest_bit_matches_reference(stores):
+    full, fullbuf, lowbuf = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES)
+    with pytest.raises(ValueError, match="low-bit copy"):
+        lay.set_miss("lowest_bit", 2, 0.0)  # nothing to compute from yet
+    lay.set_lowbit(*lowbuf)
+    lay.set_miss("lowest_bit", 2, 0.0)
+    x, idx, w = _inputs(routers, 0, 6)
+    res = _mask(0)
+    hit = res[idx]
+    ref = _moe(fullbuf, 0, x, idx, np.where(hit, w, 0)) + \
+        _moe(lowbuf, 0, x, idx, np.where(hit, 0, w))
+    out, used = _run(lay, 0, x, idx, w)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert lay.counters()["lowbit"] == int((~hit).sum()) > 0
+    assert cache.stats()["misses"] == 0
+    assert set(np.flatnonzero(used)) == set(idx.ravel().tolist())
+    with pytest.raises(_C.CacheError if hasattr(_C, "CacheError") else Exception):
+        lay.set_lowbit(None)  # in use
+    lay.set_miss("fetch", 2, 0.0)
+    lay.set_lowbit(None)
+    cache.close()
+
+
+def test_cache_aware_routing_matches_reference(stores):
+    full, fullbuf, _ = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES)
+    lam = 0.3
+    lay.set_miss("fetch", 2, lam)
+    hist = [0.0, 0]
+    moved_all = 0
+    for seed in (2, 3):  # Delta_avg carries over between calls; the fetches change the cache
+        res = np.zeros(E, bool)
+        res[[e for p, e in cache.resident() if p == 0]] = True
+        x, idx, w = _inputs(routers, 0, 6, seed=seed)
+        z = _logits(routers, 0, x)
+        idx_ref, w_ref, moved = ref_route(idx, w, z, res, lam, hist)
+        moved_all += moved
+        out, used = _run(lay, 0, x, idx, w)
+        np.testing.assert_allclose(out, _moe(fullbuf, 0, x, idx_ref, w_ref), rtol=1e-4,
+                                   atol=1e-5)
+        assert set(np.flatnonzero(used)) == set(idx_ref.ravel().tolist())
+    assert moved_all > 0 and lay.counters()["rerouted"] == moved_all
+    # a stronger boost moves more, and lambda 0 moves nothing
+    lay.set_miss("fetch", 2, 0.0)
+    lay.counters(reset=True)
+    _run(lay, 0, *_inputs(routers, 0, 6, seed=2))
+    assert lay.counters()["rerouted"] == 0
+    cache.close()
+
+
+def test_routing_then_drop(stores):
+    """Routing first, then the miss policy on what routing left uncached (Algorithm 1)."""
+    full, fullbuf, _ = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES, capacity=12)
+    lay.set_miss("drop", 1, 0.2)
+    x, idx, w = _inputs(routers, 0, 6, seed=4)
+    res = _mask(0)
+    idx_r, w_r, _ = ref_route(idx, w, _logits(routers, 0, x), res, 0.2, [0.0, 0])
+    w_ref, _ = ref_drop(idx_r, w_r, res, 1)
+    out, _ = _run(lay, 0, x, idx, w)
+    np.testing.assert_allclose(out, _moe(fullbuf, 0, x, idx_r, w_ref), rtol=1e-4, atol=1e-5)
+    cache.close()
+
+
+def test_bad_settings(stores):
+    full, _, _ = stores
+    cache, lay = _make(full, _routers(), [])
+    with pytest.raises(ValueError, match="miss mode"):
+        lay.set_miss("skip", 2, 0.0)
+    with pytest.raises(ValueError, match="miss_keep"):
+        lay.set_miss("drop", K + 1, 0.0)
+    with pytest.raises(ValueError, match="route_lambda"):
+        lay.set_miss("fetch", 2, -0.1)
+    with pytest.raises(ValueError, match="route_lambda"):
+        lay.set_miss("fetch", 2, float("nan"))
+    cache.close()
+
+
+# ---- the link throttle ------------------------------------------------------------------------
+
+def test_throttle_bounds_read_time(stores):
+    full = stores[0]
+    bb = int(full.block_bytes)
+    cache = ExpertCache(full, 8, "lru", top_k=K)
+    with pytest.raises(ValueError, match="throttle"):
+        cache.native.set_throttle(-1.0, 0.0)
+    bw, lat = bb / 0.02, 0.005  # one block: 20 ms on the link + 5 ms latency
+    cache.native.set_throttle(bw, lat)
+    for n in (1, 3):
+        t0 = time.perf_counter()
+        for e in range(n):
+            cache.acquire(1, 8 + e + (n == 3))
+            cache.release(1, 8 + e + (n == 3))
+        dt = time.perf_counter() - t0
+        assert dt >= n * (lat + bb / bw) * 0.999, (n, dt)
+    st = cache.stats()["stall_s"]
+    assert st >= 4 * (lat + bb / bw) * 0.999
+    # prefetch reads share the link: three prefetches take at least three link times
+    t0 = time.perf_counter()
+    cache.prefetch([(0, 1, 1.0), (0, 2, 1.0), (0, 4, 1.0)])
+    cache.wait_idle()
+    assert time.perf_counter() - t0 >= 3 * (lat + bb / bw) * 0.999
+    cache.native.set_throttle(0.0, 0.0)  # off: a read is quick again
+    t0 = time.perf_counter()
+    cache.acquire(1, 0)
+    cache.release(1, 0)
+    assert time.perf_counter() - t0 < lat + bb / bw
+    cache.close()
