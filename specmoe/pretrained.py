@@ -269,7 +269,9 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                     dtype: str = "bf16", policy: Any = "least_stale", prefetch: bool = True,
                     store: str | os.PathLike[str] | None = None, direct: bool | None = None,
                     progress: bool = True, force_convert: bool = False,
-                    torch_dtype: Any = "auto", **hf_kwargs: Any) -> nn.Module:
+                    torch_dtype: Any = "auto", miss: str = "fetch", miss_keep: int = 2,
+                    route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
+                    **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
     (stats, policy, trace, close).
@@ -284,9 +286,14 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     the first call and reused after; ``force_convert=True`` rewrites it.  direct: O_DIRECT
     reads (None: when the store exceeds half the memory this process may use).  progress: a
     progress bar while converting.  torch_dtype: dtype of the non-expert weights ("auto": the
-    checkpoint's).  hf_kwargs: ``attn_implementation`` and config overrides, as for
-    transformers."""
+    checkpoint's).  miss, miss_keep, route_lambda, throttle: SpecMD's miss handling
+    (``"fetch"``, ``"drop"``, ``"substitute"``, ``"lowest_bit"``), cache-aware routing and
+    link emulation (:mod:`specmoe.misses`).  hf_kwargs: ``attn_implementation`` and config
+    overrides, as for transformers."""
+    from . import misses
     from .hf import Engine
+    misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
+    misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
     plan = _prepare(path, dtype, torch_dtype, dict(hf_kwargs))
     try:
         spath = _ensure_store(plan, plan.ckpt.folder, dtype, store, force_convert, progress)
@@ -303,5 +310,6 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
         model.generation_config = GenerationConfig.from_pretrained(plan.ckpt.folder)
     model.eval()
     Engine(model, spath, cache=cache, policy=policy, prefetch=prefetch, direct=direct,
-           verify=True)
+           verify=True, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
+           throttle=throttle)
     return model

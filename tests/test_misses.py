@@ -352,3 +352,97 @@ def test_throttle_bounds_read_time(stores):
     cache.release(1, 0)
     assert time.perf_counter() - t0 < lat + bb / bw
     cache.close()
+
+
+# ---- the Engine's options ---------------------------------------------------------------------
+
+def _tiny():
+    import torch
+
+    from specmoe import testing
+    torch.manual_seed(0)
+    m = testing.tiny_model("mixtral", experts=8, top_k=2, layers=3)
+    return m.eval()
+
+
+def test_engine_rejects_bad_options():
+    from specmoe import hf
+    m = _tiny()
+    for kw, exc, word in [({"miss": "skip"}, ValueError, "miss"),
+                          ({"miss": 1}, TypeError, "miss"),
+                          ({"miss": "drop", "miss_keep": 3}, ValueError, "miss_keep"),
+                          ({"route_lambda": -1.0}, ValueError, "route_lambda"),
+                          ({"throttle": (1.0,)}, TypeError, "throttle"),
+                          ({"throttle": (-1.0, 0.0)}, ValueError, "throttle")]:
+        with pytest.raises(exc, match=word):
+            hf.offload(m, **kw)
+    assert not isinstance(m.model.layers[0].mlp.experts, hf.SpecmoeExperts)  # untouched
+
+
+def test_engine_modes_against_plain_decoding():
+    import copy
+
+    import torch
+
+    from specmoe import hf
+    m = _tiny()
+    ref_model = copy.deepcopy(m)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    eng = hf.offload(m, cache=12, prefetch=False, policy="least_stale")  # 12 of 24 experts
+    out = {}
+    for mode, keep in [("fetch", 2), ("drop", 2), ("drop", 1), ("drop", 0),
+                       ("substitute", 2), ("lowest_bit", 2)]:
+        eng.set_miss(mode, keep)
+        eng.reset_stats()
+        with torch.no_grad():
+            out[mode, keep] = m(ids).logits
+        s = eng.stats()
+        if mode == "fetch" or (mode == "drop" and keep == 2):
+            # nothing skipped: the exact output
+            torch.testing.assert_close(out[mode, keep], ref, rtol=1e-4, atol=1e-4)
+            assert s["dropped"] == 0 and s["misses"] > 0
+        elif mode == "drop":
+            assert s["dropped"] > 0 and s["missing"] >= s["dropped"]
+        elif mode == "substitute":
+            assert s["substituted"] > 0
+        else:
+            assert s["lowbit"] == s["missing"] > 0 and s["misses"] == 0
+            assert eng.draft_dtype == "int4"  # the self-draft's copy, built on demand
+        if (mode, keep) in [("drop", 0), ("lowest_bit", 2)]:
+            assert s["misses"] == 0  # nothing fetched on demand
+        if (mode, keep) in [("drop", 0), ("substitute", 2), ("lowest_bit", 2)]:
+            assert not torch.allclose(out[mode, keep], ref, atol=1e-4)
+    # int4 stands in for the missing experts: much closer to the exact output than dropping
+    err = {k: (v - ref).abs().mean().item() for k, v in out.items()}
+    assert err["lowest_bit", 2] < err["drop", 0]
+    # cache-aware routing moves pairs to resident experts and so fetches less (one-token
+    # passes, as in decoding: a prefill's union of experts is the whole layer anyway)
+    misses = {}
+    for lam in (0.0, 0.5):
+        eng.set_miss("fetch", 2, lam)
+        eng.reset_stats()
+        with torch.no_grad():
+            for t in range(ids.shape[1]):
+                m(ids[:, t:t + 1])
+        misses[lam] = eng.stats()["misses"]
+    base = misses[0.0]
+    s = eng.stats()
+    assert s["rerouted"] > 0 and s["misses"] < base
+    eng.close()
+
+
+def test_engine_throttle_slows_loads():
+    import torch
+
+    from specmoe import hf
+    m = _tiny()
+    ids = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(2))
+    eng = hf.offload(m, cache=4, prefetch=False, throttle=(0.0, 2000.0))  # 2 ms per read
+    with torch.no_grad():
+        m(ids)
+    s = eng.stats()
+    assert s["misses"] > 0 and s["stall_s"] >= s["misses"] * 2e-3 * 0.999
+    eng.set_miss(throttle=None)
+    eng.close()
