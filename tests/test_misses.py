@@ -557,3 +557,18 @@ def test_simulate_api_and_cli_take_miss(tmp_path):
                          check=True)
     res = json.loads(out.stdout)
     assert res["miss"] == "drop" and res["results"][0]["dropped"] > 0
+
+
+def test_expert_cache_set_throttle(stores):
+    full = stores[0]
+    bb = int(full.block_bytes)
+    cache = ExpertCache(full, 8, "lru", top_k=K)
+    with pytest.raises(TypeError, match="throttle"):
+        cache.set_throttle(5.0)
+    cache.set_throttle((bb / 0.01 / 1e9, 1000.0))  # 10 ms per block + 1 ms
+    t0 = time.perf_counter()
+    cache.acquire(0, 0)
+    cache.release(0, 0)
+    assert time.perf_counter() - t0 >= 0.011 * 0.999
+    cache.set_throttle(None)
+    cache.close()
