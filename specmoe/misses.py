@@ -38,21 +38,22 @@ MISS_MODES = ("fetch", "drop", "substitute", "lowest_bit")
 
 
 def check_miss(miss: Any, miss_keep: Any, route_lambda: Any, top_k: int) -> tuple[str, int, float]:
-    """Validate the miss settings; returns them normalised.  ValueError/TypeError name the
-    argument that is wrong."""
+    """Validate the miss settings; returns them normalised (miss_keep capped at top_k).
+    ValueError/TypeError name the argument that is wrong."""
     if not isinstance(miss, str):
         raise TypeError(f"miss must be a string, one of {MISS_MODES}; got {miss!r}")
     if miss not in MISS_MODES:
         raise ValueError(f"miss={miss!r} is not a miss mode; choose one of {MISS_MODES}")
     if isinstance(miss_keep, bool) or not isinstance(miss_keep, int):
         raise TypeError(f"miss_keep must be an int, got {miss_keep!r}")
-    if not 0 <= miss_keep <= top_k:
-        raise ValueError(f"miss_keep must be in 0..top_k={top_k}, got {miss_keep}")
+    if miss_keep < 0:
+        raise ValueError(f"miss_keep must be >= 0, got {miss_keep}")
     if isinstance(route_lambda, bool) or not isinstance(route_lambda, (int, float)):
         raise TypeError(f"route_lambda must be a number, got {route_lambda!r}")
     if not (math.isfinite(route_lambda) and route_lambda >= 0):
         raise ValueError(f"route_lambda must be finite and >= 0, got {route_lambda}")
-    return miss, int(miss_keep), float(route_lambda)
+    # keep >= top_k: every rank is fetched (the default 2 on a top-1 model)
+    return miss, min(int(miss_keep), top_k), float(route_lambda)
 
 
 def check_throttle(throttle: Any) -> tuple[float, float]:

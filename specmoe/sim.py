@@ -302,8 +302,9 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if not isinstance(miss, str) or miss not in MISS_MODES:
         raise ValueError(f"miss={miss!r} is not a miss mode; choose one of {MISS_MODES}")
     if isinstance(miss_keep, bool) or not isinstance(miss_keep, (int, np.integer)) \
-            or not 0 <= int(miss_keep) <= trace.top_k:
-        raise ValueError(f"miss_keep must be an int in 0..top_k={trace.top_k}, got {miss_keep!r}")
+            or int(miss_keep) < 0:
+        raise ValueError(f"miss_keep must be an int >= 0, got {miss_keep!r}")
+    miss_keep = min(int(miss_keep), trace.top_k)  # keep >= top_k: every rank is fetched
     if isinstance(lowbit_ratio, bool) or not isinstance(lowbit_ratio, (int, float)) \
             or not 0 < float(lowbit_ratio) <= 1:
         raise ValueError(f"lowbit_ratio must be a number in (0, 1], got {lowbit_ratio!r}")

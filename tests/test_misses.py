@@ -370,7 +370,8 @@ def test_engine_rejects_bad_options():
     m = _tiny()
     for kw, exc, word in [({"miss": "skip"}, ValueError, "miss"),
                           ({"miss": 1}, TypeError, "miss"),
-                          ({"miss": "drop", "miss_keep": 3}, ValueError, "miss_keep"),
+                          ({"miss": "drop", "miss_keep": -1}, ValueError, "miss_keep"),
+                          ({"miss": "drop", "miss_keep": 1.0}, TypeError, "miss_keep"),
                           ({"route_lambda": -1.0}, ValueError, "route_lambda"),
                           ({"throttle": (1.0,)}, TypeError, "throttle"),
                           ({"throttle": (-1.0, 0.0)}, ValueError, "throttle")]:
@@ -546,7 +547,9 @@ def test_simulate_api_and_cli_take_miss(tmp_path):
     with pytest.raises(ValueError, match="miss"):
         simulate(tr, "lru", 12, miss="skip")
     with pytest.raises(ValueError, match="miss_keep"):
-        simulate(tr, "lru", 12, miss="drop", miss_keep=4)
+        simulate(tr, "lru", 12, miss="drop", miss_keep=-1)
+    # a keep above top_k fetches every rank: the same as fetch
+    assert simulate(tr, "lru", 12, miss="drop", miss_keep=9).misses == base.misses
     with pytest.raises(ValueError, match="verify_tokens"):
         simulate(tr, "lru", 12, miss="drop", verify_tokens=2)
     path = tmp_path / "t.npz"
@@ -572,3 +575,11 @@ def test_expert_cache_set_throttle(stores):
     assert time.perf_counter() - t0 >= 0.011 * 0.999
     cache.set_throttle(None)
     cache.close()
+
+
+def test_from_pretrained_checks_miss_options_first(tmp_path):
+    import specmoe
+    for kw, exc in [({"miss": "skip"}, ValueError), ({"route_lambda": -1.0}, ValueError),
+                    ({"throttle": "fast"}, TypeError)]:
+        with pytest.raises(exc, match=next(iter(kw))):
+            specmoe.from_pretrained(tmp_path / "no-such-checkpoint", **kw)
