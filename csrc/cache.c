@@ -4,8 +4,10 @@
 #include "cache.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ---- small helpers (all with mu held) ---------------------------------------------------- */
 
@@ -114,6 +116,32 @@ static void load_done(smoe_cache *c, uint32_t s, int rc, const smoe_err *lerr) {
     if (c->waiters) pthread_cond_broadcast(&c->cv);
 }
 
+/* Link emulation (cache.h, SpecMD A.4).  With mu held, before a store read starts: reserve the
+ * emulated link for one block and return the time the read may return (0: no throttle). */
+static double link_reserve(smoe_cache *c) {
+    if (c->throttle_bw <= 0.0 && c->throttle_lat_s <= 0.0) return 0.0;
+    double now = smoe_now();
+    double start = c->link_free_s > now ? c->link_free_s : now;
+    double dur = c->throttle_lat_s;
+    if (c->throttle_bw > 0.0) dur += (double)c->slot_bytes / c->throttle_bw;
+    c->link_free_s = start + dur;
+    return c->link_free_s;
+}
+
+/* Without mu: sleep until smoe_now() >= until (no-op for 0). */
+static void link_wait(double until) {
+    if (until <= 0.0) return;
+    for (;;) {
+        double left = until - smoe_now();
+        if (left <= 0.0) return;
+        struct timespec ts;
+        ts.tv_sec = (time_t)left;
+        ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
+        if (ts.tv_nsec >= 1000000000L) ts.tv_nsec = 999999999L;
+        nanosleep(&ts, NULL);
+    }
+}
+
 static uint8_t *slot_data(const smoe_cache *c, uint32_t s) {
     return c->slab + (uint64_t)s * c->slot_bytes;
 }
@@ -215,10 +243,12 @@ static void *worker_main(void *arg) {
         c->stats.prefetch_issued++;
         uint32_t layer = (uint32_t)r.key / c->num_experts, expert = (uint32_t)r.key % c->num_experts;
         uint8_t *dst = slot_data(c, (uint32_t)s);
+        double until = link_reserve(c);
         pthread_mutex_unlock(&c->mu);
         smoe_err lerr;
         smoe_err_clear(&lerr);
         int rc = smoe_store_read(c->store, layer, expert, dst, &lerr);
+        link_wait(until);
         pthread_mutex_lock(&c->mu);
         if (rc < 0) {
             c->stats.prefetch_failed++;
@@ -414,10 +444,12 @@ int smoe_cache_acquire(smoe_cache *c, uint32_t layer, uint32_t expert, const uin
         }
         load_begin(c, (uint32_t)s, key, 0);
         uint8_t *dst = slot_data(c, (uint32_t)s);
+        double until = link_reserve(c);
         pthread_mutex_unlock(&c->mu);
         smoe_err lerr;
         smoe_err_clear(&lerr);
         rc = smoe_store_read(c->store, layer, expert, dst, &lerr);
+        link_wait(until);
         pthread_mutex_lock(&c->mu);
         load_done(c, (uint32_t)s, rc, &lerr);
         c->stats.stall_s += smoe_now() - t0;
@@ -600,6 +632,32 @@ int smoe_cache_set_policy(smoe_cache *c, smoe_policy *p, smoe_err *err) {
     free(order);
     smoe_policy_destroy(old);
     return rc;
+}
+
+int smoe_cache_set_throttle(smoe_cache *c, double bytes_per_s, double latency_s, smoe_err *err) {
+    if (!isfinite(bytes_per_s) || !isfinite(latency_s) || bytes_per_s < 0.0 || latency_s < 0.0)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "throttle: bandwidth and latency must be finite and >= 0 (got %g "
+                            "bytes/s, %g s)", bytes_per_s, latency_s);
+    pthread_mutex_lock(&c->mu);
+    c->throttle_bw = bytes_per_s;
+    c->throttle_lat_s = latency_s;
+    c->link_free_s = 0.0;
+    pthread_mutex_unlock(&c->mu);
+    return SMOE_OK;
+}
+
+int smoe_cache_resident_mask(smoe_cache *c, uint32_t layer, uint8_t *mask, smoe_err *err) {
+    if (layer >= c->num_layers)
+        return smoe_err_set(err, SMOE_EINVAL, "resident mask: layer %u of %u", layer,
+                            c->num_layers);
+    const uint32_t E = c->num_experts;
+    pthread_mutex_lock(&c->mu);
+    const int32_t *m = c->map + (size_t)layer * E;
+    for (uint32_t e = 0; e < E; e++)
+        mask[e] = (uint8_t)(m[e] >= 0 && c->slots[m[e]].state == SMOE_SLOT_READY);
+    pthread_mutex_unlock(&c->mu);
+    return SMOE_OK;
 }
 
 uint32_t smoe_cache_resident(smoe_cache *c, int32_t *keys) {

@@ -110,6 +110,14 @@ typedef struct smoe_cache {
     uint32_t queue_len, queue_cap; /* [mu] */
     uint64_t queue_seq;    /* [mu] */
     smoe_err worker_err;   /* [mu] first load error in the worker (reported by stats/wait) */
+
+    /* link emulation (SpecMD Appendix A.4, "hardware emulation"): every store read of this
+     * cache, demand or prefetch, occupies one emulated link for latency + bytes / bandwidth;
+     * reads queue on it in the order they start, and a read returns no earlier than its end
+     * on the link.  0/0: off (reads take what the storage takes). */
+    double throttle_bw;    /* [mu] bytes per second, 0: no bandwidth limit */
+    double throttle_lat_s; /* [mu] seconds added to every read */
+    double link_free_s;    /* [mu] smoe_now() time at which the emulated link becomes free */
 } smoe_cache;
 
 /* Create a cache of `nslots` slots over `store` with `policy` (ownership of policy passes to
@@ -171,6 +179,17 @@ int smoe_cache_take_worker_error(smoe_cache *c, smoe_err *err);
  * LOADING), oldest last_tick first.  p must have been built for this cache's nslots,
  * num_layers and num_experts (SMOE_EINVAL otherwise). */
 int smoe_cache_set_policy(smoe_cache *c, smoe_policy *p, smoe_err *err);
+
+/* Emulate a slower link (SpecMD A.4): from now on every store read of the cache takes at
+ * least latency_s + block_bytes / bytes_per_s, reads sharing one emulated link (a read that
+ * starts while another occupies it waits for it).  bytes_per_s = 0 and latency_s = 0 turn it
+ * off; negative or non-finite values are SMOE_EINVAL. */
+int smoe_cache_set_throttle(smoe_cache *c, double bytes_per_s, double latency_s, smoe_err *err);
+
+/* mask[e] = 1 when expert (layer, e) is READY in the cache now, else 0 (absent or still
+ * loading), for e in 0..num_experts-1, under one hold of mu (a snapshot: the prefetch worker
+ * may evict or finish loading right after).  SMOE_EINVAL for a layer out of range. */
+int smoe_cache_resident_mask(smoe_cache *c, uint32_t layer, uint8_t *mask, smoe_err *err);
 
 /* Keys of the READY slots, in slot order, into keys (room for nslots); returns the count. */
 uint32_t smoe_cache_resident(smoe_cache *c, int32_t *keys);

@@ -42,9 +42,19 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
     g->counts = malloc(sizeof *g->counts * E);
     g->order = malloc(sizeof *g->order * E);
     g->prob = malloc(sizeof *g->prob * E);
+    g->delta_sum = calloc(L, sizeof *g->delta_sum);
+    g->delta_n = calloc(L, sizeof *g->delta_n);
+    g->zt = malloc(sizeof *g->zt * E);
+    g->vt = malloc(sizeof *g->vt * E);
+    g->pt = malloc(sizeof *g->pt * E);
+    g->resident = malloc(E);
+    g->mark = malloc(E);
+    g->used2 = malloc(E);
     if (!g->routers || !g->pred || !g->pred_valid || !g->best || !g->keys || !g->prios ||
-        !g->counts || !g->order || !g->prob)
+        !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n || !g->zt ||
+        !g->vt || !g->pt || !g->resident || !g->mark || !g->used2)
         goto nomem;
+    g->miss = SMOE_MISS_FETCH, g->miss_keep = k < 2 ? k : 2, g->route_lambda = 0.0;
     for (uint32_t l = 0; l < L; l++) {
         smoe_layer_router *r = &g->routers[l];
         if (!w[l]) {
@@ -81,6 +91,19 @@ void smoe_layers_free(smoe_layers *g) {
     free(g->counts);
     free(g->order);
     free(g->prob);
+    free(g->delta_sum);
+    free(g->delta_n);
+    free(g->idx2);
+    free(g->w2);
+    free(g->take);
+    free(g->take_lb);
+    free(g->out2);
+    free(g->zt);
+    free(g->vt);
+    free(g->pt);
+    free(g->resident);
+    free(g->mark);
+    free(g->used2);
     memset(g, 0, sizeof *g);
 }
 
@@ -96,6 +119,57 @@ int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double
     memset(g->pred_valid, 0, g->L);
     pthread_mutex_unlock(&g->mu);
     return SMOE_OK;
+}
+
+int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
+                         smoe_err *err) {
+    if (miss < SMOE_MISS_FETCH || miss > SMOE_MISS_LOWEST_BIT)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: unknown miss mode %d", miss);
+    if (miss_keep > g->k)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: miss_keep %u exceeds top_k %u",
+                            miss_keep, g->k);
+    if (!isfinite(route_lambda) || route_lambda < 0.0)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: route_lambda must be finite and >= 0, "
+                            "got %g", route_lambda);
+    pthread_mutex_lock(&g->mu);
+    int rc = SMOE_OK;
+    if (miss == SMOE_MISS_LOWEST_BIT && !g->lowbit.base)
+        rc = smoe_err_set(err, SMOE_EINVAL, "layers: miss mode lowest_bit needs a resident "
+                          "low-bit copy of the experts (the self-draft's, "
+                          "Engine.enable_self_draft)");
+    else
+        g->miss = miss, g->miss_keep = miss_keep, g->route_lambda = route_lambda;
+    pthread_mutex_unlock(&g->mu);
+    return rc;
+}
+
+int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
+                           uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err) {
+    if (base) {
+        if (desc->H != g->H)
+            return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy has hidden size %u, "
+                                "the model %u", desc->H, g->H);
+        int rc = smoe_ffn_desc_check(desc, block_bytes, err);
+        if (rc) return rc;
+        if (size < (uint64_t)g->L * g->E * block_bytes)
+            return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy of %llu bytes, %u x %u "
+                                "blocks of %llu bytes need %llu", (unsigned long long)size,
+                                g->L, g->E, (unsigned long long)block_bytes,
+                                (unsigned long long)g->L * g->E * block_bytes);
+    }
+    pthread_mutex_lock(&g->mu);
+    int rc = SMOE_OK;
+    if (!base && g->miss == SMOE_MISS_LOWEST_BIT) {
+        rc = smoe_err_set(err, SMOE_ESTATE, "layers: the low-bit copy is in use by miss mode "
+                          "lowest_bit");
+    } else if (!base) {
+        memset(&g->lowbit, 0, sizeof g->lowbit);
+    } else {
+        g->lowbit = (smoe_moe_resident){base, size, block_bytes, g->E};
+        g->lowbit_desc = *desc;
+    }
+    pthread_mutex_unlock(&g->mu);
+    return rc;
 }
 
 void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset) {
@@ -195,6 +269,162 @@ static int grow_scores(smoe_layers *g, uint32_t T, smoe_err *err) {
     return SMOE_OK;
 }
 
+static int grow_pairs(smoe_layers *g, uint32_t T, smoe_err *err) {
+    if (T <= g->cap_pairs) return SMOE_OK;
+    const size_t nk = (size_t)T * g->k;
+    int64_t *i2 = realloc(g->idx2, sizeof *i2 * nk);
+    if (i2) g->idx2 = i2;
+    float *w2 = realloc(g->w2, sizeof *w2 * nk);
+    if (w2) g->w2 = w2;
+    uint8_t *tk = realloc(g->take, nk);
+    if (tk) g->take = tk;
+    uint8_t *tl = realloc(g->take_lb, nk);
+    if (tl) g->take_lb = tl;
+    float *o2 = realloc(g->out2, sizeof *o2 * (size_t)T * g->H);
+    if (o2) g->out2 = o2;
+    if (!i2 || !w2 || !tk || !tl || !o2)
+        return smoe_err_set(err, SMOE_ENOMEM, "layers: no memory for %u tokens' routing", T);
+    g->cap_pairs = T;
+    return SMOE_OK;
+}
+
+/* One token's router logits zt (raw, plus bias) of layer pos, selection values vt (zt, or
+ * score(zt) + corr with a correction bias) and probabilities pt (softmax or sigmoid of zt). */
+static void token_scores(smoe_layers *g, uint32_t pos, const float *xt) {
+    const smoe_layer_router *r = &g->routers[pos];
+    const uint32_t E = g->E, H = g->H;
+    for (uint32_t e = 0; e < E; e++) {
+        const float *we = r->w + (size_t)e * H;
+        float acc = 0.0f;
+        for (uint32_t h = 0; h < H; h++) acc += we[h] * xt[h];
+        g->zt[e] = acc + (r->b ? r->b[e] : 0.0f);
+    }
+    if (g->sigmoid) {
+        for (uint32_t e = 0; e < E; e++) g->pt[e] = 1.0f / (1.0f + expf(-g->zt[e]));
+    } else {
+        float mx = g->zt[0], sum = 0.0f;
+        for (uint32_t e = 1; e < E; e++) mx = g->zt[e] > mx ? g->zt[e] : mx;
+        for (uint32_t e = 0; e < E; e++) sum += (g->pt[e] = expf(g->zt[e] - mx));
+        for (uint32_t e = 0; e < E; e++) g->pt[e] /= sum;
+    }
+    for (uint32_t e = 0; e < E; e++) g->vt[e] = r->corr ? g->pt[e] + r->corr[e] : g->zt[e];
+}
+
+/* Cache-aware routing of one token (layer.h step 4): ix/wx its k ids and weights, rewritten. */
+static void route_token(smoe_layers *g, uint32_t pos, int64_t *ix, float *wx) {
+    const uint32_t E = g->E, k = g->k;
+    const float *v = g->vt, *p = g->pt;
+    float mx = v[0], mn = v[0];
+    for (uint32_t e = 1; e < E; e++) {
+        mx = v[e] > mx ? v[e] : mx;
+        mn = v[e] < mn ? v[e] : mn;
+    }
+    g->delta_sum[pos] += (double)mx - (double)mn;
+    g->delta_n[pos]++;
+    const float boost = (float)(g->route_lambda * g->delta_sum[pos] / (double)g->delta_n[pos]);
+    double sw = 0.0, sp = 0.0;
+    memset(g->mark, 0, E);
+    for (uint32_t j = 0; j < k; j++) {
+        g->mark[ix[j]] = 1;
+        sw += wx[j];
+        sp += p[ix[j]];
+    }
+    const double c = sp > 0.0 ? sw / sp : 1.0;
+    rank(v, E, g->order);
+    int32_t ic = 0, iu = (int32_t)E - 1;
+    for (;;) {
+        while (ic < (int32_t)E && !(g->resident[g->order[ic]] && !g->mark[g->order[ic]])) ic++;
+        while (iu >= 0 && !(!g->resident[g->order[iu]] && g->mark[g->order[iu]])) iu--;
+        if (ic >= (int32_t)E || iu < 0) break;
+        const int32_t ec = g->order[ic], eu = g->order[iu];
+        if (!(v[ec] + boost > v[eu])) break;
+        for (uint32_t j = 0; j < k; j++)
+            if (ix[j] == eu) {
+                ix[j] = ec;
+                wx[j] = (float)(c * p[ec]);
+                break;
+            }
+        g->mark[eu] = 0, g->mark[ec] = 1;
+        g->counters.rerouted++;
+        ic++, iu--;
+    }
+}
+
+/* Substitution of one token's missing experts (layer.h step 4). */
+static void substitute_token(smoe_layers *g, int64_t *ix) {
+    const uint32_t E = g->E, k = g->k;
+    const float *v = g->vt;
+    memset(g->mark, 0, E);
+    for (uint32_t j = 0; j < k; j++) g->mark[ix[j]] = 1;
+    for (uint32_t j = 0; j < k; j++) {
+        const int64_t e = ix[j];
+        if (g->resident[e]) continue;
+        int32_t best = -1;
+        float bd = 0.0f;
+        for (uint32_t c = 0; c < E; c++) {
+            if (!g->resident[c] || g->mark[c]) continue;
+            const float d = fabsf(v[c] - v[e]);
+            if (best < 0 || d < bd) best = (int32_t)c, bd = d;
+        }
+        if (best < 0) continue; /* nothing resident to stand in: fetch */
+        ix[j] = best;
+        g->mark[best] = 1;
+        g->counters.substituted++;
+    }
+}
+
+/* Step 4 of layer.h on (idx, w) -> (g->idx2, g->w2) with g->take / g->take_lb filled for the
+ * modes that need them; *lowbit_pairs = pairs for the low-bit copy. */
+static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
+                             const int64_t *idx, const float *w, uint32_t *lowbit_pairs,
+                             smoe_err *err) {
+    const uint32_t E = g->E, k = g->k;
+    const size_t nk = (size_t)T * k;
+    int rc;
+    if ((rc = grow_pairs(g, T, err))) return rc;
+    if ((rc = smoe_cache_resident_mask(g->cache, pos, g->resident, err))) return rc;
+    memcpy(g->idx2, idx, sizeof *idx * nk);
+    memcpy(g->w2, w, sizeof *w * nk);
+    const int scores = g->route_lambda > 0.0 || g->miss == SMOE_MISS_SUBSTITUTE;
+    for (uint32_t t = 0; t < T; t++) {
+        int64_t *ix = g->idx2 + (size_t)t * k;
+        float *wx = g->w2 + (size_t)t * k;
+        if (scores) token_scores(g, pos, x + (size_t)t * g->H);
+        if (g->route_lambda > 0.0) route_token(g, pos, ix, wx);
+        for (uint32_t j = 0; j < k; j++) g->counters.missing += !g->resident[ix[j]];
+        if (g->miss == SMOE_MISS_SUBSTITUTE) substitute_token(g, ix);
+    }
+    *lowbit_pairs = 0;
+    if (g->miss == SMOE_MISS_DROP) {
+        uint8_t *need = g->mark; /* per expert: some token ranks it in its top miss_keep */
+        memset(need, 0, E);
+        for (size_t i = 0; i < nk; i++) {
+            const int64_t e = g->idx2[i];
+            if (g->resident[e] || need[e]) continue;
+            const float *wt = g->w2 + (i / k) * k;
+            const uint32_t j = (uint32_t)(i % k);
+            uint32_t r = 0;
+            for (uint32_t q = 0; q < k; q++)
+                r += wt[q] > wt[j] || (wt[q] == wt[j] && q < j);
+            if (r < g->miss_keep) need[e] = 1;
+        }
+        for (size_t i = 0; i < nk; i++) {
+            const int64_t e = g->idx2[i];
+            g->take[i] = (uint8_t)(g->resident[e] || need[e]);
+            g->counters.dropped += !g->take[i];
+        }
+    } else if (g->miss == SMOE_MISS_LOWEST_BIT) {
+        for (size_t i = 0; i < nk; i++) {
+            const uint8_t lb = (uint8_t)!g->resident[g->idx2[i]];
+            g->take[i] = (uint8_t)!lb;
+            g->take_lb[i] = lb;
+            *lowbit_pairs += lb;
+        }
+        g->counters.lowbit += *lowbit_pairs;
+    }
+    return SMOE_OK;
+}
+
 static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                           const int64_t *idx, const float *w, float *out, uint8_t *used,
                           const float *scores, int replace, smoe_err *err) {
@@ -230,6 +460,14 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
             }
         if ((rc = smoe_cache_prefetch(g->cache, g->keys, g->prios, n, replace, err))) return rc;
     }
+    const int step4 = T > 0 && (g->route_lambda > 0.0 || g->miss != SMOE_MISS_FETCH);
+    uint32_t lowbit_pairs = 0;
+    if (step4) {
+        if ((rc = route_and_resolve(g, pos, x, T, idx, w, &lowbit_pairs, err))) return rc;
+        idx = g->idx2, w = g->w2;
+    }
+    const uint8_t *take =
+        step4 && (g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_LOWEST_BIT) ? g->take : NULL;
     if (g->feed_counts && T > 0) {
         memset(g->counts, 0, sizeof *g->counts * E);
         for (size_t i = 0; i < (size_t)T * k; i++) g->counts[idx[i]]++;
@@ -243,8 +481,17 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         if ((rc = smoe_cache_counts(g->cache, g->keys, g->counts, n, err))) return rc;
     }
     smoe_moe_source src = smoe_moe_cache_source(g->cache);
-    rc = smoe_moe_forward(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, out, used, err);
+    rc = smoe_moe_forward_ex(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take, out, used,
+                             err);
     if (rc) return rc;
+    if (lowbit_pairs) { /* the missing experts from the resident low-bit copy, added to out */
+        smoe_moe_source lsrc = smoe_moe_resident_source(&g->lowbit);
+        rc = smoe_moe_forward_ex(g->kc, &g->lowbit_desc, &lsrc, pos, E, x, T, idx, w, k,
+                                 g->take_lb, g->out2, g->used2, err);
+        if (rc) return rc;
+        for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];
+        for (uint32_t e = 0; e < E; e++) used[e] |= g->used2[e];
+    }
     if (g->pred_valid[pos]) {
         const uint8_t *p = g->pred + (size_t)pos * E;
         for (uint32_t e = 0; e < E; e++) {

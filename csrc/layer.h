@@ -14,8 +14,47 @@
  *        worker with priority = the best score (probability in mass mode) over the tokens;
  *     3. feed_counts (a utility-space policy): how many tokens route to each expert of this
  *        layer, to the policy before the layer's accesses (smoe_cache_counts);
- *     4. the experts (smoe_moe_forward through the cache), out overwritten, used[e] = 1;
- *     5. precision/recall of the prediction made for this layer against `used`.
+ *     4. cache-aware routing and miss handling (SpecMD Sec. 3.1.1 and 3.1.2, below), when on;
+ *     5. the experts (smoe_moe_forward through the cache), out overwritten, used[e] = 1;
+ *     6. precision/recall of the prediction made for this layer against `used`.
+ *
+ * Step 4 (SpecMD, Algorithm 1 phases 1 and 2), from one snapshot of which of the layer's experts
+ * are READY in the cache (smoe_cache_resident_mask; a prefetch still loading is not resident):
+ *   - cache-aware routing (Sec. 3.1.1, Eq. 1: z' = z + lambda * Delta_avg * 1_C), on when
+ *     route_lambda > 0.  z: this layer's router logits recomputed from x with the router copy
+ *     (or, for a model with a correction bias, the selection scores score(z) + corr).
+ *     Delta_avg: the running mean over every token this layer has seen (this call's included)
+ *     of the token's logit range max(z) - min(z).  SpecMD calls Delta_avg "the historical
+ *     average logit value"; a mean logit can be ~0 or negative and would make the boost
+ *     vanish or penalise cached experts, so we read it as the average logit *range*, the
+ *     scale of the MixtureCache prior SpecMD cites (Skliar et al. 2025), which makes lambda
+ *     scale-free (SpecMD Sec. 5.4: lambda in 0.1..0.5 works best).  The model's own top-k
+ *     (idx) is kept except where a boosted cached expert now beats an uncached selected one:
+ *     per token the lowest uncached selected expert is swapped for the highest cached
+ *     unselected one while z'[cached] > z[uncached] -- the top-k of z' whenever idx is the
+ *     top-k of z, and the model's own routing elsewhere (group-limited routing).  Dual-logit
+ *     weights (Appendix A.1): an expert swapped in gets c_t * p_t[e], p = softmax(z) (sigmoid
+ *     for sigmoid routers) of the *unmodified* logits, c_t = sum_j w[t,j] / sum_j p_t[idx[t,j]]
+ *     carrying the model's own scaling (top-k renormalisation, routed scaling factor);
+ *   - miss handling (Sec. 3.1.2) of the (token, slot) pairs whose expert is not resident:
+ *       FETCH       load it (blocking; today's behaviour, the default);
+ *       DROP        skip it -- unless some token ranks it (by routing weight, ties by slot)
+ *                   among its top miss_keep, then it is fetched and serves all its tokens
+ *                   ("dropping only low-rank experts and always fetching high-rank ones",
+ *                   Sec. 3.1.2; Skliar et al.: models are resilient beyond rank 2, so the
+ *                   default keep is 2).  The remaining weights are not renormalised
+ *                   (Algorithm 1 line 6: weights' = router_weights[experts'], no
+ *                   renormalisation step);
+ *       SUBSTITUTE  per token, the resident expert of the layer not already in the token's
+ *                   set whose selection score is closest to the missing one's (score
+ *                   proximity, Sec. 3.1.2 after Zhu et al. 2025; ties: lower id) takes its
+ *                   place with the missing expert's weight; no candidate: fetch.  No score
+ *                   tolerance (Zhu et al.'s threshold is not given in SpecMD);
+ *       LOWEST_BIT  compute it from the resident low-bit copy (smoe_layers_set_lowbit: the
+ *                   self-draft's int4 experts), no load ("fetch-lowest-bit", Sec. 3.1.2: the
+ *                   lowest precision available; here it is already in memory).
+ *   A resident expert evicted between the snapshot and its acquire is fetched (a miss).
+ *   Counted in smoe_layer_counters: missing, dropped, substituted, lowbit, rerouted.
  *
  * Exactly the Python path it replaces (tests/test_layers.py checks the prediction and the
  * counters against a numpy reference).  Ties in the top-m choose the lower expert id.
@@ -33,6 +72,7 @@
 #include "cache.h"
 #include "common.h"
 #include "kernels/kernels.h"
+#include "moe.h"
 
 typedef struct smoe_layer_router {
     float *w;    /* owned; [E, H] f32 */
@@ -46,7 +86,17 @@ typedef struct smoe_layer_counters {
     uint64_t predicted;       /* experts predicted for a layer, summed over layers and passes */
     uint64_t true_positive;   /* of those, used by the layer */
     uint64_t actual;          /* experts used by layers that had a prediction */
+    /* step 4 (only while routing or a miss mode other than FETCH is on), in (token, slot)
+     * pairs: */
+    uint64_t rerouted;        /* pairs cache-aware routing moved to a cached expert */
+    uint64_t missing;         /* pairs whose expert was not resident (after routing) */
+    uint64_t dropped;         /* of those, skipped (DROP) */
+    uint64_t substituted;     /* of those, served by a resident substitute (SUBSTITUTE) */
+    uint64_t lowbit;          /* of those, computed from the low-bit copy (LOWEST_BIT) */
 } smoe_layer_counters;
+
+enum { SMOE_MISS_FETCH = 0, SMOE_MISS_DROP = 1, SMOE_MISS_SUBSTITUTE = 2,
+       SMOE_MISS_LOWEST_BIT = 3 };
 
 typedef struct smoe_layers {
     pthread_mutex_t mu;
@@ -61,7 +111,14 @@ typedef struct smoe_layers {
     double overfetch;         /* >= 1 */
     double mass;              /* (0, 1]: mass mode; 0: top-m mode */
     int feed_counts;          /* feed per-layer activation counts to the policy */
+    int miss;                 /* SMOE_MISS_* */
+    uint32_t miss_keep;       /* DROP: ranks 0..miss_keep-1 are always fetched */
+    double route_lambda;      /* cache-aware routing strength, 0: off */
+    smoe_moe_resident lowbit; /* the low-bit copy (base NULL: none); memory borrowed */
+    smoe_ffn_desc lowbit_desc;
     /* state [mu] */
+    double *delta_sum;        /* owned; [L] sum of tokens' logit ranges (routing's Delta_avg) */
+    uint64_t *delta_n;        /* owned; [L] tokens in delta_sum */
     smoe_layer_counters counters;
     uint8_t *pred;            /* owned; [L * E] the prediction made for each layer */
     uint8_t *pred_valid;      /* owned; [L] */
@@ -74,6 +131,17 @@ typedef struct smoe_layers {
     uint32_t *counts;         /* owned; [E] */
     int32_t *order;           /* owned; [E] per-token ranking */
     float *prob;              /* owned; [E] one token's probabilities (mass mode) */
+    /* scratch of step 4 [mu] */
+    uint32_t cap_pairs;       /* tokens the buffers below hold */
+    int64_t *idx2;            /* owned; [cap * k] routed ids after step 4 */
+    float *w2;                /* owned; [cap * k] their weights */
+    uint8_t *take;            /* owned; [cap * k] pair served by the cache */
+    uint8_t *take_lb;         /* owned; [cap * k] pair served by the low-bit copy */
+    float *out2;              /* owned; [cap * H] the low-bit copy's share of out */
+    float *zt, *vt, *pt;      /* owned; [E] one token's logits, selection values, probs */
+    uint8_t *resident;        /* owned; [E] snapshot of the layer's READY experts */
+    uint8_t *mark;            /* owned; [E] one token's current experts; DROP: needed */
+    uint8_t *used2;           /* owned; [E] */
 } smoe_layers;
 
 /* Build for L layers of E experts, hidden H, top-k k, over `cache` (block size checked against
@@ -88,6 +156,17 @@ void smoe_layers_free(smoe_layers *g);
 /* Settings (validated: overfetch >= 1, mass in [0, 1]); forgets pending predictions. */
 int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double mass,
                           int feed_counts, smoe_err *err);
+
+/* Step 4 settings (validated): miss in SMOE_MISS_*, miss_keep <= k, route_lambda finite >= 0.
+ * LOWEST_BIT needs a low-bit copy (smoe_layers_set_lowbit), else SMOE_EINVAL. */
+int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
+                         smoe_err *err);
+
+/* The resident low-bit copy for LOWEST_BIT: every block in store order at base (size bytes,
+ * block_bytes each, the FFN in desc, same H), borrowed until replaced; base NULL removes it
+ * (SMOE_ESTATE while LOWEST_BIT is on). */
+int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
+                           uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err);
 
 /* One MoE layer (see the top of this file).  scores: NULL (use the router) or [T, E] f32
  * scores of layer pos+1 from the caller.  replace: the prefetch request replaces the queue

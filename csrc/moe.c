@@ -11,6 +11,14 @@ int smoe_moe_forward(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_sourc
                      uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
                      const int64_t *idx, const float *w, uint32_t k, float *out, uint8_t *used,
                      smoe_err *err) {
+    return smoe_moe_forward_ex(kc, d, src, layer, num_experts, x, T, idx, w, k, NULL, out, used,
+                               err);
+}
+
+int smoe_moe_forward_ex(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_source *src,
+                        uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
+                        const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
+                        float *out, uint8_t *used, smoe_err *err) {
     const uint32_t H = d->H;
     const size_t nk = (size_t)T * k;
     memset(out, 0, sizeof(float) * (size_t)T * H);
@@ -33,7 +41,8 @@ int smoe_moe_forward(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_sourc
         rc = smoe_err_set(err, SMOE_ENOMEM, "moe layer %u: no memory for %u tokens", layer, T);
         goto done;
     }
-    for (size_t i = 0; i < nk; i++) start[idx[i] + 1]++;
+    for (size_t i = 0; i < nk; i++)
+        if (!take || take[i]) start[idx[i] + 1]++;
     uint32_t maxn = 0;
     for (uint32_t e = 0; e < num_experts; e++) {
         uint32_t n = start[e + 1];
@@ -42,6 +51,7 @@ int smoe_moe_forward(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_sourc
     }
     memcpy(fill, start, sizeof *fill * num_experts);
     for (size_t i = 0; i < nk; i++) {
+        if (take && !take[i]) continue;
         uint32_t p = fill[idx[i]]++;
         rows[p] = (int32_t)(i / k);
         scale[p] = w[i];
@@ -92,4 +102,25 @@ static int cache_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *e
 
 smoe_moe_source smoe_moe_cache_source(struct smoe_cache *cache) {
     return (smoe_moe_source){cache, cache_acquire, cache_release};
+}
+
+static int resident_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
+                            smoe_err *err) {
+    const smoe_moe_resident *r = ctx;
+    uint64_t off = ((uint64_t)layer * r->num_experts + expert) * r->block_bytes;
+    if (off + r->block_bytes > r->size)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "moe: layer %u expert %u lies past the end of the %llu-byte resident "
+                            "buffer", layer, expert, (unsigned long long)r->size);
+    *data = r->base + off;
+    return SMOE_OK;
+}
+
+static int resident_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
+    (void)ctx, (void)layer, (void)expert, (void)err;
+    return SMOE_OK;
+}
+
+smoe_moe_source smoe_moe_resident_source(smoe_moe_resident *r) {
+    return (smoe_moe_source){r, resident_acquire, resident_release};
 }

@@ -40,4 +40,22 @@ int smoe_moe_forward(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_sourc
                      const int64_t *idx, const float *w, uint32_t k, float *out, uint8_t *used,
                      smoe_err *err);
 
+/* smoe_moe_forward over the (token, slot) pairs i with take[i] != 0 only (take: [T*k], NULL =
+ * all): the others are neither fetched nor computed (their ids are still range-checked).  The
+ * miss handling of the per-layer path (layer.h) uses it to skip dropped experts and to split
+ * a layer between the cache and a resident low-bit copy. */
+int smoe_moe_forward_ex(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_source *src,
+                        uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
+                        const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
+                        float *out, uint8_t *used, smoe_err *err);
+
+/* The expert source over a resident buffer of every block in store order (block (layer, e)
+ * at (layer * num_experts + e) * block_bytes, `size` bytes in all).  ctx must outlive uses. */
+typedef struct smoe_moe_resident {
+    const uint8_t *base;
+    uint64_t size, block_bytes;
+    uint32_t num_experts;
+} smoe_moe_resident;
+smoe_moe_source smoe_moe_resident_source(smoe_moe_resident *r);
+
 #endif

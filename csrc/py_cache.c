@@ -473,6 +473,20 @@ static PyObject *Cache_reset_stats(CacheObject *self, PyObject *Py_UNUSED(ignore
     Py_RETURN_NONE;
 }
 
+static PyObject *Cache_set_throttle(CacheObject *self, PyObject *args) {
+    double bw, lat;
+    if (!PyArg_ParseTuple(args, "dd:set_throttle", &bw, &lat) || check_open(self) < 0)
+        return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_cache_set_throttle(&self->cache, bw, lat, &e);
+    Py_END_ALLOW_THREADS
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
 /* acquire+release of each key in `keys`, `iters` times, in one C loop without the GIL;
  * returns the elapsed seconds.  Benchmarks the hit path (keys should be resident). */
 static PyObject *Cache_bench_hits(CacheObject *self, PyObject *args) {
@@ -626,6 +640,9 @@ static PyMethodDef Cache_methods[] = {
      "utility(keys) -> int32 array: the policy's utility per key (PolicyError if it has none)."},
     {"stats", (PyCFunction)Cache_stats, METH_NOARGS, "stats() -> dict of counters."},
     {"reset_stats", (PyCFunction)Cache_reset_stats, METH_NOARGS, "reset_stats(): zero the counters."},
+    {"set_throttle", (PyCFunction)Cache_set_throttle, METH_VARARGS,
+     "set_throttle(bytes_per_s, latency_s): emulate a slower link for every store read "
+     "(SpecMD A.4; 0, 0: off)."},
     {"bench_hits", (PyCFunction)Cache_bench_hits, METH_VARARGS,
      "bench_hits(keys, iters) -> seconds for iters rounds of acquire+release over keys in C."},
     {"close", (PyCFunction)Cache_close, METH_NOARGS,

@@ -8,6 +8,8 @@
  *   forward(pos, x, idx, w, out, used, scores=None, replace=True)   METH_FASTCALL, GIL released
  *   configure(prefetch, overfetch, mass, feed_counts)
  *   counters(reset=False) -> dict
+ *   set_miss(miss, keep, route_lambda)       miss: "fetch", "drop", "substitute", "lowest_bit"
+ *   set_lowbit(buf, desc, block_bytes) / set_lowbit(None)   the resident low-bit copy
  */
 #include "py_common.h"
 /* kernels.h before numpy: <complex.h> (pulled in by numpy) defines the macro I */
@@ -22,10 +24,15 @@ typedef struct {
     int initialized;
     PyObject *cache_obj; /* strong */
     PyObject *kctx_obj;  /* strong, or NULL */
+    Py_buffer lowbit;    /* the low-bit copy's buffer while has_lowbit (g borrows it) */
+    int has_lowbit;
 } LayersObject;
+
+static const char *const miss_names[] = {"fetch", "drop", "substitute", "lowest_bit"};
 
 static void Layers_dealloc(LayersObject *self) {
     if (self->initialized) smoe_layers_free(&self->g);
+    if (self->has_lowbit) PyBuffer_Release(&self->lowbit);
     Py_XDECREF(self->cache_obj);
     Py_XDECREF(self->kctx_obj);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -212,6 +219,72 @@ static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *
     Py_RETURN_NONE;
 }
 
+static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"miss", "keep", "route_lambda", NULL};
+    const char *name;
+    unsigned int keep;
+    double lam;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "sId:set_miss", kwlist, &name, &keep, &lam))
+        return NULL;
+    int mode = -1;
+    for (int i = 0; i < 4; i++)
+        if (!strcmp(name, miss_names[i])) mode = i;
+    if (mode < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "miss='%s' is not a miss mode: choose fetch, drop, substitute or lowest_bit",
+                     name);
+        return NULL;
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_layers_set_miss(&self->g, mode, keep, lam, &e);
+    Py_END_ALLOW_THREADS
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Layers_set_lowbit(LayersObject *self, PyObject *args) {
+    PyObject *buf, *desc = Py_None;
+    unsigned long long bb = 0;
+    if (check_init(self) < 0 || !PyArg_ParseTuple(args, "O|OK:set_lowbit", &buf, &desc, &bb))
+        return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    if (buf == Py_None) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = smoe_layers_set_lowbit(&self->g, NULL, 0, 0, NULL, &e);
+        Py_END_ALLOW_THREADS
+        if (rc) return smoe_py_raise(&e);
+        if (self->has_lowbit) PyBuffer_Release(&self->lowbit);
+        self->has_lowbit = 0;
+        Py_RETURN_NONE;
+    }
+    if (!PyDict_Check(desc) || bb == 0) {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_lowbit(buf, desc, block_bytes): desc a dict, block_bytes > 0");
+        return NULL;
+    }
+    smoe_ffn_desc d;
+    if (smoe_py_ffn_desc_parse(desc, bb, &d) < 0) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_layers_set_lowbit(&self->g, view.buf, (uint64_t)view.len, bb, &d, &e);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyBuffer_Release(&view);
+        return smoe_py_raise(&e);
+    }
+    if (self->has_lowbit) PyBuffer_Release(&self->lowbit); /* no longer borrowed by g */
+    self->lowbit = view;
+    self->has_lowbit = 1;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"reset", NULL};
     int reset = 0;
@@ -222,11 +295,15 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
     Py_BEGIN_ALLOW_THREADS
     smoe_layers_counters(&self->g, &c, reset);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K}", "tokens", (unsigned long long)c.tokens,
-                         "passes", (unsigned long long)c.passes, "predicted",
-                         (unsigned long long)c.predicted, "true_positive",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tokens",
+                         (unsigned long long)c.tokens, "passes", (unsigned long long)c.passes,
+                         "predicted", (unsigned long long)c.predicted, "true_positive",
                          (unsigned long long)c.true_positive, "actual",
-                         (unsigned long long)c.actual);
+                         (unsigned long long)c.actual, "rerouted",
+                         (unsigned long long)c.rerouted, "missing", (unsigned long long)c.missing,
+                         "dropped", (unsigned long long)c.dropped, "substituted",
+                         (unsigned long long)c.substituted, "lowbit",
+                         (unsigned long long)c.lowbit);
 }
 
 static PyMethodDef Layers_methods[] = {
@@ -234,6 +311,13 @@ static PyMethodDef Layers_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))Layers_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(prefetch, overfetch, mass, feed_counts): prediction settings (mass 0: top-m "
      "mode); forgets pending predictions."},
+    {"set_miss", (PyCFunction)(void (*)(void))Layers_set_miss, METH_VARARGS | METH_KEYWORDS,
+     "set_miss(miss, keep, route_lambda): SpecMD miss handling (fetch, drop, substitute, "
+     "lowest_bit), drop's always-fetched top ranks, cache-aware routing strength (0: off); "
+     "see csrc/layer.h."},
+    {"set_lowbit", (PyCFunction)Layers_set_lowbit, METH_VARARGS,
+     "set_lowbit(buf, desc, block_bytes) or set_lowbit(None): the resident low-bit copy of "
+     "every expert (store order) used by miss='lowest_bit'."},
     {"counters", (PyCFunction)(void (*)(void))Layers_counters, METH_VARARGS | METH_KEYWORDS,
      "counters(reset=False) -> dict of tokens, passes, predicted, true_positive, actual."},
     {NULL, NULL, 0, NULL}};

@@ -13,30 +13,6 @@
 #include "py_cache.h"
 #include "py_numpy.h"
 
-typedef struct resident_src {
-    const uint8_t *base;
-    uint64_t size, block_bytes;
-    uint32_t num_experts;
-} resident_src;
-
-static int resident_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
-                            smoe_err *err) {
-    resident_src *r = ctx;
-    uint64_t off = ((uint64_t)layer * r->num_experts + expert) * r->block_bytes;
-    if (off + r->block_bytes > r->size)
-        return smoe_err_set(err, SMOE_EINVAL,
-                            "moe: layer %u expert %u lies past the end of the %llu-byte resident "
-                            "buffer",
-                            layer, expert, (unsigned long long)r->size);
-    *data = r->base + off;
-    return SMOE_OK;
-}
-
-static int resident_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
-    (void)ctx, (void)layer, (void)expert, (void)err;
-    return SMOE_OK;
-}
-
 PyDoc_STRVAR(moe_forward_doc,
              "moe_forward(source, kctx, desc, block_bytes, layer, num_experts, x, idx, w, out, "
              "used=None)\n\n"
@@ -96,15 +72,15 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     }
     Py_buffer view;
-    resident_src r;
+    smoe_moe_resident r;
     smoe_moe_source src;
     smoe_cache *cache = NULL;
     int have_view = 0;
     if (PyObject_CheckBuffer(source)) {
         if (PyObject_GetBuffer(source, &view, PyBUF_SIMPLE) < 0) return NULL;
         have_view = 1;
-        r = (resident_src){view.buf, (uint64_t)view.len, block_bytes, E};
-        src = (smoe_moe_source){&r, resident_acquire, resident_release};
+        r = (smoe_moe_resident){view.buf, (uint64_t)view.len, block_bytes, E};
+        src = smoe_moe_resident_source(&r);
     } else {
         if (!(cache = smoe_py_cache_begin(source))) return NULL;
         if (cache->slot_bytes != block_bytes || cache->num_experts != E ||

@@ -33,7 +33,8 @@ static PyObject *result_dict(const smoe_sim_result *r) {
     if (U(accesses) || U(hits) || U(misses) || U(collision_misses) || U(evictions) ||
         U(prefetch_issued) || U(prefetch_used) || U(prefetch_late) || U(prefetch_wasted) ||
         U(prefetch_dropped) || U(predicted) || U(predicted_true) || U(next_true) ||
-        F(stall_s) || F(compute_s) || F(total_s) || F(elapsed_s)) {
+        F(stall_s) || F(compute_s) || F(total_s) || F(elapsed_s) || U(missing) || U(dropped) ||
+        U(substituted) || U(lowbit)) {
         Py_DECREF(d);
         return NULL;
     }
@@ -46,13 +47,15 @@ PyDoc_STRVAR(simulate_doc,
 "simulate(experts, num_experts, policy, nslots, *, logits=None, predictor=0, depth=1, topk=0,\n"
 "         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
-"         verify_tokens=1) -> dict\n\n"
+"         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
 "`seed`, least_stale `order`, spac `levels`) or a _C.Policy (taken: it cannot be used again).\n"
 "verify_tokens g > 1: each pass verifies g consecutive tokens (union of their experts per\n"
 "layer; on_counts before the pass; demand only, see csrc/sim.h).  predictor:\n"
 "0 none, 1 oracle, 2 router (needs logits float32 [tokens, layers, num_experts]), 3 history.\n"
+"miss: 0 fetch, 1 drop (ranks >= miss_keep), 2 substitute, 3 lowest_bit (compute\n"
+"lowbit_ratio of an expert's), see smoe_sim_miss in csrc/sim.h.\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
 
 static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
@@ -61,7 +64,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                              "depth", "topk", "percentile", "history", "cooc_weight",
                              "expert_bytes", "fast_bw", "link_bw", "link_latency_s",
                              "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
-                             "verify_tokens", NULL};
+                             "verify_tokens", "miss", "miss_keep", "lowbit_ratio", NULL};
     PyObject *experts_o, *policy_o, *logits_o = Py_None;
     long long num_experts, nslots;
     int predictor = 0, order = 0;
@@ -72,12 +75,15 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     unsigned long long seed = 0;
     int levels = 0;
     long long verify_tokens = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiL", kwlist, &experts_o,
+    int miss = 0;
+    unsigned int miss_keep = 0;
+    double lowbit_ratio = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiId", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
                                      &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
-                                     &verify_tokens))
+                                     &verify_tokens, &miss, &miss_keep, &lowbit_ratio))
         return NULL;
     if (verify_tokens < 1 || verify_tokens > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: verify_tokens (tokens per pass) must be in "
@@ -181,10 +187,11 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     smoe_sim_hw hw = {.expert_bytes = expert_bytes, .fast_bw = fast_bw, .link_bw = link_bw,
                       .link_latency_s = link_latency_s, .layer_fixed_s = layer_fixed_s,
                       .token_fixed_s = token_fixed_s};
+    smoe_sim_miss mh = {.mode = miss, .keep = miss_keep, .lowbit_ratio = lowbit_ratio};
     smoe_sim_result res;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_sim_run(&tr, pol, (uint32_t)nslots, &pf, &hw, &res, &err);
+    rc = smoe_sim_run_miss(&tr, pol, (uint32_t)nslots, &pf, &hw, &mh, &res, &err);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         if (!PyErr_Occurred()) smoe_py_raise(&err);

@@ -51,6 +51,10 @@ typedef struct sim {
     int32_t *ckeys;        /* [nkeys] keys with a count */
     uint32_t *cvals;       /* [nkeys] their counts */
     uint64_t *seen;        /* [nkeys] groups: pass id that last demanded the key */
+
+    /* miss handling (NULL: fetch) */
+    const smoe_sim_miss *miss;
+    uint8_t *tok_mark;     /* [E] one token's experts (and substitutes) at a layer */
 } sim;
 
 static const int16_t *row(const sim *s, uint64_t t, uint32_t l) {
@@ -178,6 +182,66 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
     }
     r->stall_s += s->load_s;
     s->now += s->load_s;
+    return 0;
+}
+
+static int resident(const sim *s, int32_t key) {
+    return s->map[key] >= 0 && s->map[key] != s->inflight;
+}
+
+/* The demand accesses of token t at layer l under the miss rule (sim.h); returns through
+ * *computed and *low the experts computed at full and at low precision. */
+static int layer_accesses(sim *s, uint64_t t, uint32_t l, const int16_t *ex, uint32_t *computed,
+                          uint32_t *low, smoe_err *err) {
+    const uint32_t K = s->K, E = s->E;
+    const int32_t base = (int32_t)(l * E);
+    const smoe_sim_miss *m = s->miss;
+    const float *lg = s->tr->logits ? s->tr->logits + ((size_t)t * s->L + l) * E : NULL;
+    int rc;
+    *computed = 0, *low = 0;
+    if (m && m->mode == SMOE_SIM_SUBSTITUTE) {
+        memset(s->tok_mark, 0, E);
+        for (uint32_t i = 0; i < K; i++) s->tok_mark[ex[i]] = 1;
+    }
+    for (uint32_t i = 0; i < K; i++) {
+        if (s->pf && (rc = advance(s, s->now, err)) < 0) return rc;
+        int32_t key = base + ex[i];
+        if (m && m->mode != SMOE_SIM_FETCH && !resident(s, key)) {
+            s->r->missing++;
+            if (m->mode == SMOE_SIM_LOWEST_BIT) {
+                s->r->lowbit++;
+                (*low)++;
+                continue;
+            }
+            if (m->mode == SMOE_SIM_DROP) {
+                uint32_t r = i;
+                if (lg) {
+                    r = 0;
+                    for (uint32_t q = 0; q < K; q++)
+                        r += lg[ex[q]] > lg[ex[i]] || (lg[ex[q]] == lg[ex[i]] && q < i);
+                }
+                if (r >= m->keep) {
+                    s->r->dropped++;
+                    continue;
+                }
+            } else { /* substitute */
+                int32_t best = -1;
+                float bd = 0.0f;
+                for (uint32_t c = 0; c < E; c++) {
+                    if (s->tok_mark[c] || !resident(s, base + (int32_t)c)) continue;
+                    float d = lg ? fabsf(lg[c] - lg[ex[i]]) : 0.0f;
+                    if (best < 0 || d < bd) best = (int32_t)c, bd = d;
+                }
+                if (best >= 0) {
+                    s->tok_mark[best] = 1;
+                    s->r->substituted++;
+                    key = base + best;
+                }
+            }
+        }
+        if ((rc = demand(s, key, err)) < 0) return rc;
+        (*computed)++;
+    }
     return 0;
 }
 
@@ -405,10 +469,12 @@ static void sim_free(sim *s) {
     free(s->ckeys);
     free(s->cvals);
     free(s->seen);
+    free(s->tok_mark);
 }
 
 static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
-                      const smoe_sim_prefetch *pf, const smoe_sim_hw *hw, smoe_err *err) {
+                      const smoe_sim_prefetch *pf, const smoe_sim_hw *hw,
+                      const smoe_sim_miss *miss, smoe_err *err) {
     if (!tr || !tr->experts || !pol || !hw)
         return smoe_err_set(err, SMOE_EINVAL, "simulate: trace, policy and hardware are required");
     if (tr->num_layers == 0 || tr->top_k == 0 || tr->num_experts == 0 ||
@@ -432,6 +498,16 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         if (!isfinite(v[i]) || v[i] < 0 || (i < 3 && v[i] <= 0))
             return smoe_err_set(err, SMOE_EINVAL, "simulate: hardware %s must be %s, got %g",
                                 names[i], i < 3 ? "positive" : "non-negative", v[i]);
+    if (tr->verify_tokens > 1 && miss && miss->mode != SMOE_SIM_FETCH)
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: miss handling other than fetch "
+                            "replays one token per pass; verify_tokens = %u needs miss fetch",
+                            tr->verify_tokens);
+    if (miss && (miss->mode < SMOE_SIM_FETCH || miss->mode > SMOE_SIM_LOWEST_BIT ||
+                 miss->keep > tr->top_k ||
+                 !(miss->lowbit_ratio > 0.0 && miss->lowbit_ratio <= 1.0)))
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: miss mode %d must be 0..3, keep %u "
+                            "at most top_k %u, lowbit_ratio %g in (0, 1]", (int)miss->mode,
+                            miss->keep, tr->top_k, miss->lowbit_ratio);
     if (tr->verify_tokens > 1 && pf && pf->predictor != SMOE_PRED_NONE)
         return smoe_err_set(err, SMOE_EINVAL, "simulate: prefetch predictors replay one token "
                             "per pass; verify_tokens = %u needs predictor none",
@@ -473,8 +549,14 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
 int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
                  const smoe_sim_prefetch *pf, const smoe_sim_hw *hw, smoe_sim_result *out,
                  smoe_err *err) {
+    return smoe_sim_run_miss(tr, pol, nslots, pf, hw, NULL, out, err);
+}
+
+int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
+                      const smoe_sim_prefetch *pf, const smoe_sim_hw *hw,
+                      const smoe_sim_miss *miss, smoe_sim_result *out, smoe_err *err) {
     memset(out, 0, sizeof *out);
-    int rc = check_args(tr, pol, nslots, pf, hw, err);
+    int rc = check_args(tr, pol, nslots, pf, hw, miss, err);
     if (rc < 0) return rc;
     double t0 = smoe_now();
     sim s;
@@ -497,7 +579,9 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
     s.slot_pf = calloc(nslots, 1);
     s.map = malloc(s.nkeys * sizeof *s.map);
     s.evicted_pass = calloc(s.nkeys, sizeof *s.evicted_pass);
-    int ok = s.slot_key && s.slot_pass && s.slot_pf && s.map && s.evicted_pass;
+    s.miss = (miss && miss->mode != SMOE_SIM_FETCH) ? miss : NULL;
+    s.tok_mark = malloc(s.E);
+    int ok = s.slot_key && s.slot_pass && s.slot_pf && s.map && s.evicted_pass && s.tok_mark;
     if (ok && s.pf) {
         s.q_cap = s.pf->depth * s.E;
         s.q_key = malloc(s.q_cap * sizeof *s.q_key);
@@ -530,7 +614,7 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
     for (uint32_t i = 0; i < s.nkeys; i++) s.map[i] = -1;
 
     const int hist = s.pf && s.pf->predictor == SMOE_PRED_HISTORY;
-    const double layer_compute = hw->layer_fixed_s + s.K * s.expert_s;
+    const double low_s = s.expert_s * (miss ? miss->lowbit_ratio : 1.0);
     const int16_t *ex = tr->experts;
     rc = 0;
     if (tr->verify_tokens > 1) rc = run_groups(&s, err);
@@ -541,20 +625,17 @@ int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
         if (feed) feed_counts(&s, t, t + 1);
         s.now += hw->token_fixed_s;
         out->compute_s += hw->token_fixed_s;
-        for (uint32_t l = 0; l < s.L; l++) {
+        for (uint32_t l = 0; l < s.L; l++, ex += s.K) {
             s.now += hw->layer_fixed_s;
-            int32_t base = (int32_t)(l * s.E);
-            for (uint32_t i = 0; i < s.K; i++, ex++) {
-                if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
-                if ((rc = demand(&s, base + *ex, err)) < 0) break;
-            }
-            if (rc < 0) break;
+            uint32_t full = 0, low = 0;
+            if ((rc = layer_accesses(&s, t, l, ex, &full, &low, err)) < 0) break;
             if (s.pf) {
                 if (hist) learn(&s, t, l);
                 predict(&s, t, l);
             }
-            s.now += s.K * s.expert_s;
-            out->compute_s += layer_compute;
+            const double c = full * s.expert_s + low * low_s;
+            s.now += c;
+            out->compute_s += hw->layer_fixed_s + c;
         }
         if (rc == 0 && hist) learn_token(&s, t);
         if (rc == 0 && pol->failure.code) {

@@ -102,7 +102,36 @@ typedef struct smoe_sim_result {
     uint64_t next_true;        /* true experts of the next layer at prediction points */
     double stall_s, compute_s, total_s;
     double elapsed_s;          /* wall time of the replay */
+    /* miss handling (smoe_sim_miss), in accesses: */
+    uint64_t missing;          /* demanded experts not resident (absent or still in flight) */
+    uint64_t dropped;          /* of those, skipped */
+    uint64_t substituted;      /* of those, replaced by a resident expert (counted a hit) */
+    uint64_t lowbit;           /* of those, computed from the resident low-bit copy */
 } smoe_sim_result;
+
+/* SpecMD miss handling (Sec. 3.1.2), the live rule of csrc/layer.h step 4 on a trace.  An
+ * expert is resident when its slot is loaded (a prefetch still in flight is not, as in the
+ * live cache).  A missing expert of token t at layer l is
+ *   FETCH       demanded as usual (load, stall);
+ *   DROP        skipped (no load, no compute, the cache and policy see nothing) unless its
+ *               rank in the token's routing is below keep -- the rank by the trace's router
+ *               logits (descending, ties by recorded position) when the trace has them, else
+ *               its recorded position (the real traces list the router's top-k unsorted, so
+ *               there the rank is only the router's output order);
+ *   SUBSTITUTE  replaced by the resident expert of layer l not in the token's set (nor already
+ *               substituting in it) whose logit is closest to the missing one's (ties: lower
+ *               id; without logits: the lowest resident id), demanded instead (a hit); none:
+ *               fetched;
+ *   LOWEST_BIT  computed from a resident low-bit copy: no load, compute lowbit_ratio *
+ *               expert_bytes / fast_bw.
+ * Not available with verification groups (verify_tokens > 1): SMOE_EINVAL. */
+enum { SMOE_SIM_FETCH = 0, SMOE_SIM_DROP = 1, SMOE_SIM_SUBSTITUTE = 2, SMOE_SIM_LOWEST_BIT = 3 };
+
+typedef struct smoe_sim_miss {
+    int32_t mode;        /* SMOE_SIM_*, numbered as layer.h's SMOE_MISS_* */
+    uint32_t keep;       /* DROP: ranks 0..keep-1 are always fetched */
+    double lowbit_ratio; /* LOWEST_BIT: bytes of the low-bit copy / expert_bytes, in (0, 1] */
+} smoe_sim_miss;
 
 /* Replay `tr` through a cache of `nslots` slots managed by `policy` (built for nslots,
  * tr->num_layers, tr->num_experts; borrowed, left in its final state).  `pf` may be NULL
@@ -111,5 +140,10 @@ typedef struct smoe_sim_result {
 int smoe_sim_run(const smoe_sim_trace *tr, smoe_policy *policy, uint32_t nslots,
                  const smoe_sim_prefetch *pf, const smoe_sim_hw *hw, smoe_sim_result *out,
                  smoe_err *err);
+
+/* smoe_sim_run with a miss-handling rule (NULL: FETCH). */
+int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *policy, uint32_t nslots,
+                      const smoe_sim_prefetch *pf, const smoe_sim_hw *hw,
+                      const smoe_sim_miss *miss, smoe_sim_result *out, smoe_err *err);
 
 #endif

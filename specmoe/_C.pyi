@@ -102,6 +102,8 @@ class Cache:
         """int32 keys of the READY slots, in slot order."""
     def stats(self) -> dict[str, int | float]: ...
     def reset_stats(self) -> None: ...
+    def set_throttle(self, bytes_per_s: float, latency_s: float) -> None:
+        """Emulate a slower link for every store read (SpecMD A.4); 0, 0: off."""
     def bench_hits(self, keys: Any, iters: int) -> float:
         """Seconds for iters rounds of acquire+release over keys, in one C loop."""
     def close(self) -> None: ...
@@ -124,6 +126,21 @@ class Cache:
 # --- end cache ---
 
 # --- moe ---
+class Layers:
+    """The per-layer path of an offloaded model in one C call (csrc/layer.h)."""
+    def __init__(self, cache: Any, kctx: Optional[Any], desc: dict[str, Any], routers: Any,
+                 top_k: int, sigmoid: bool = False) -> None: ...
+    def forward(self, pos: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray, out: np.ndarray,
+                used: np.ndarray, scores: Optional[np.ndarray] = None,
+                replace: bool = True) -> None: ...
+    def configure(self, prefetch: bool, overfetch: float, mass: float,
+                  feed_counts: bool) -> None: ...
+    def set_miss(self, miss: str, keep: int, route_lambda: float) -> None:
+        """SpecMD miss handling (fetch, drop, substitute, lowest_bit) and cache-aware routing."""
+    def set_lowbit(self, buf: Any, desc: Optional[dict[str, Any]] = None,
+                   block_bytes: int = 0) -> None: ...
+    def counters(self, reset: bool = False) -> dict[str, int]: ...
+
 def moe_forward(source: Any, kctx: Optional[Any], desc: dict[str, Any], block_bytes: int,
                 layer: int, num_experts: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray,
                 out: np.ndarray, used: Optional[np.ndarray] = None) -> None:
@@ -221,6 +238,7 @@ def simulate(experts: np.ndarray, num_experts: int, policy: Any, nslots: int, *,
              percentile: float = 0.0, history: int = 16, cooc_weight: float = 0.8,
              expert_bytes: float, fast_bw: float, link_bw: float, link_latency_s: float,
              layer_fixed_s: float = 0.0, token_fixed_s: float = 0.0, seed: int = 0,
-             order: int = 0, levels: int = 0, verify_tokens: int = 1) -> dict[str, float]:
+             order: int = 0, levels: int = 0, verify_tokens: int = 1, miss: int = 0,
+             miss_keep: int = 0, lowbit_ratio: float = 1.0) -> dict[str, float]:
     """Replay a routing trace through the simulated cache; see specmoe.sim.simulate."""
 # --- end sim ---

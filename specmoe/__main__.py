@@ -63,7 +63,8 @@ def _cmd_simulate(args) -> int:
     for pol in _split(args.policies):
         for cap in _split(args.capacity):
             results.append(simulate(tr, pol, _capacity(cap), args.prefetch, args.hardware,
-                                    verify_tokens=args.verify_tokens))
+                                    verify_tokens=args.verify_tokens, miss=args.miss,
+                                    miss_keep=args.miss_keep))
     acc = sum(r.accesses for r in results)
     el = sum(r.elapsed_s for r in results)
     out = {
@@ -71,14 +72,15 @@ def _cmd_simulate(args) -> int:
                   "requests": tr.num_requests, "layers": tr.num_layers,
                   "experts": tr.num_experts, "top_k": tr.top_k},
         "hardware": args.hardware, "prefetch": args.prefetch or "none",
-        "verify_tokens": args.verify_tokens,
+        "verify_tokens": args.verify_tokens, "miss": args.miss,
         "results": [r.to_dict() for r in results],
         "accesses_per_s": acc / el if el > 0 else 0.0,
     }
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{tr!r}  hardware={args.hardware}  prefetch={args.prefetch or 'none'}")
+    print(f"{tr!r}  hardware={args.hardware}  prefetch={args.prefetch or 'none'}  "
+          f"miss={args.miss}")
     hdr = f"{'policy':<22}{'slots':>6}{'hit':>8}{'collis':>8}{'stall_s':>10}{'tpot_ms':>9}" \
           f"{'ttft_ms':>9}{'Macc/s':>8}"
     print(hdr)
@@ -192,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                         "percentile=Q,history=N,cooc_weight=W]")
     p.add_argument("--hardware", default="a100-pcie4",
                    help="a100-pcie4, rtx4090, laptop or calibrate")
+    p.add_argument("--miss", default="fetch",
+                   choices=["fetch", "drop", "substitute", "lowest_bit"],
+                   help="SpecMD miss handling (see specmoe.sim.simulate)")
+    p.add_argument("--miss-keep", type=int, default=2,
+                   help="drop: ranks below this are always fetched (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("sweep", help="simulate policies x capacities x hardware x predictors")

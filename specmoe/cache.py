@@ -391,6 +391,13 @@ class ExpertCache:
         """Zero every counter."""
         self._c.reset_stats()
 
+    def set_throttle(self, throttle: tuple[float, float] | None) -> None:
+        """Emulate a slower link (SpecMD Appendix A.4): ``(GB_per_s, latency_us)`` makes every
+        store read of this cache, demand or prefetch, take at least ``latency + block_bytes /
+        bandwidth``, the reads queueing on one emulated link; None turns it off."""
+        from .misses import check_throttle
+        self._c.set_throttle(*check_throttle(throttle))
+
     def bench_hits(self, experts: Sequence[tuple[int, int]] | np.ndarray, iters: int) -> float:
         """Seconds for ``iters`` rounds of acquire+release over ``experts`` in one C loop.
 

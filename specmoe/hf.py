@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, misses
 from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, describe,
                    expert_module, extract_expert, extract_experts, getpath,
                    iter_experts_modules, moe_block, moe_layers)
@@ -121,7 +121,9 @@ class Engine:
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
                  cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
                  overfetch: float = 1.5, direct: bool | None = False, verify: bool = True,
-                 own_store: bool = False, dense: str | bool | None = "auto") -> None:
+                 own_store: bool = False, dense: str | bool | None = "auto",
+                 miss: str = "fetch", miss_keep: int = 2,
+                 route_lambda: float = 0.0, throttle: tuple[float, float] | None = None) -> None:
         """Serve ``model``'s routed experts from the store file ``store`` (written for this
         model by :mod:`specmoe.conversion`): every MoE layer's ``experts`` module becomes a
         :class:`SpecmoeExperts` (whatever it held is dropped).
@@ -135,7 +137,10 @@ class Engine:
         shared-expert and dense MLPs, lm_head; never the routers) through specmoe's C kernels:
         ``"auto"`` (bf16 weights kept exactly where the kernels are faster), ``"torch"``/None
         (untouched), or a format ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"`` (see
-        :mod:`specmoe.dense`); what was done is in ``engine.dense``."""
+        :mod:`specmoe.dense`); what was done is in ``engine.dense``.  miss, miss_keep,
+        route_lambda, throttle: SpecMD's miss handling (``"fetch"``, ``"drop"``,
+        ``"substitute"``, ``"lowest_bit"``), cache-aware routing and link emulation, see
+        :mod:`specmoe.misses`."""
         from .dense import convert_dense
         from .kernels import FFNSpec, context
         from .store import ExpertStore
@@ -144,6 +149,10 @@ class Engine:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         resolve_dense(dense, torch.float32)  # a bad value fails before anything is touched
         cfg = model.config
+        self.miss, self.miss_keep, self.route_lambda = misses.check_miss(
+            miss, miss_keep, route_lambda, int(cfg.num_experts_per_tok))
+        misses.check_throttle(throttle)
+        self.throttle = throttle
         self.model: nn.Module | None = model
         self.arch: ArchInfo = info
         self.model_type = info.model_type
@@ -319,6 +328,23 @@ class Engine:
     def _configure_layers(self) -> None:
         self._layers.configure(self.prefetch, self.overfetch,
                                0.0 if self.mass is None else self.mass, self._counts_fed)
+        misses.apply(self)
+
+    def set_miss(self, miss: str | None = None, miss_keep: int | None = None,
+                 route_lambda: float | None = None,
+                 throttle: tuple[float, float] | None | str = "keep") -> None:
+        """Change SpecMD's miss handling, cache-aware routing or link throttle (None / "keep":
+        unchanged); see :mod:`specmoe.misses`."""
+        m, k, lam = misses.check_miss(self.miss if miss is None else miss,
+                                      self.miss_keep if miss_keep is None else miss_keep,
+                                      self.route_lambda if route_lambda is None else route_lambda,
+                                      self.top_k)
+        if not isinstance(throttle, str):
+            misses.check_throttle(throttle)
+            self.throttle = throttle
+        self.miss, self.miss_keep, self.route_lambda = m, k, lam
+        if self._layers is not None:
+            misses.apply(self)
 
     @property
     def cache_frac(self) -> float:
@@ -367,6 +393,8 @@ class Engine:
             os.unlink(path)
         self._draft_buf, self._draft_desc, self._draft_block_bytes = buf, spec.desc(), bb
         self.draft_dtype = dtype
+        if self._layers is not None:  # miss="lowest_bit" computes from this copy
+            self._layers.set_lowbit(buf, self._draft_desc, bb)
 
     def _buffers(self, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple:
         """The C layer's inputs (f32 hidden, int64 ids, f32 weights, contiguous), its output
@@ -468,6 +496,9 @@ class Engine:
             "lookahead_predicted": self._la["predicted"],
             "lookahead_used": self._la["actual"],
             "lookahead_hits": self._la["true_positive"],
+            "miss": self.miss, "route_lambda": self.route_lambda,
+            **{k: pf.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
+                                          "lowbit")},
         }
         s.update(self._cache_stats())
         return s
@@ -632,7 +663,9 @@ def available_policies() -> list[str]:
 def offload(model: nn.Module, store: str | os.PathLike | None = None,
             cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
             dtype: str = "f32", overfetch: float = 1.5, direct: bool | None = False,
-            progress: bool = False, dense: str | bool | None = "auto") -> Engine:
+            progress: bool = False, dense: str | bool | None = "auto", miss: str = "fetch",
+            miss_keep: int = 2, route_lambda: float = 0.0,
+            throttle: tuple[float, float] | None = None) -> Engine:
     """Move ``model``'s routed experts to a store and run them through specmoe.
 
     For a model already in memory (loaded by transformers); to load a checkpoint larger than
@@ -647,7 +680,9 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     experts are stored ("f32", "bf16", "int8" per-row, "int4" per-group; see specmoe.quant).
     progress: a progress bar while converting.  dense: the other linear layers through the C
     kernels (``"auto"``, ``"torch"``, ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"``; see
-    :class:`Engine`).  The model is modified in place: each MoE
+    :class:`Engine`).  miss, miss_keep, route_lambda, throttle: SpecMD's miss handling,
+    cache-aware routing and link emulation (:mod:`specmoe.misses`).  The model is modified in
+    place: each MoE
     layer's ``experts`` becomes a :class:`SpecmoeExperts` and the expert parameters are
     deleted, layer by layer while the store is written; if writing fails part way, the layers
     already converted stay offloaded to nothing usable (the error is raised): reload the model.
@@ -664,6 +699,8 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     _check_capacity(cache, len(ids) * E, 1)  # bad specs fail before the model is touched
     resolve_dense(dense, torch.float32)
     cfg = model.config
+    misses.check_miss(miss, miss_keep, route_lambda, int(cfg.num_experts_per_tok))
+    misses.check_throttle(throttle)
     if store is None:
         fd, path = tempfile.mkstemp(prefix="specmoe-", suffix=".smoe")
         os.close(fd)
@@ -685,7 +722,8 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
                       after_layer=free)
         eng = Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
                      overfetch=overfetch, direct=direct, verify=True, own_store=store is None,
-                     dense=dense)
+                     dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
+                     throttle=throttle)
         _trim_heap()  # the freed expert parameters leave the resident set now, not later
         return eng
     except BaseException:

@@ -270,6 +270,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                     store: str | os.PathLike[str] | None = None, direct: bool | None = None,
                     progress: bool = True, force_convert: bool = False,
                     torch_dtype: Any = "auto", dense: str | bool | None = "auto",
+                    miss: str = "fetch", miss_keep: int = 2,
+                    route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
                     **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
@@ -287,11 +289,16 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     progress bar while converting.  torch_dtype: dtype of the non-expert weights ("auto": the
     checkpoint's).  dense: the other linear layers (attention, shared/dense MLPs, lm_head)
     through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly), ``"torch"``, or
-    ``"f32"``/``"bf16"``/``"int8"``/``"int4"`` (:mod:`specmoe.dense`).  hf_kwargs:
-    ``attn_implementation`` and config overrides, as for transformers."""
+    ``"f32"``/``"bf16"``/``"int8"``/``"int4"`` (:mod:`specmoe.dense`).  miss, miss_keep,
+    route_lambda, throttle: SpecMD's miss handling (``"fetch"``, ``"drop"``, ``"substitute"``,
+    ``"lowest_bit"``), cache-aware routing and link emulation (:mod:`specmoe.misses`).
+    hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
+    from . import misses
     from .dense import resolve_dense
     from .hf import Engine
     resolve_dense(dense, torch.float32)  # bad values fail before any work
+    misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
+    misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
     plan = _prepare(path, dtype, torch_dtype, dict(hf_kwargs))
     try:
         spath = _ensure_store(plan, plan.ckpt.folder, dtype, store, force_convert, progress)
@@ -308,5 +315,6 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
         model.generation_config = GenerationConfig.from_pretrained(plan.ckpt.folder)
     model.eval()
     Engine(model, spath, cache=cache, policy=policy, prefetch=prefetch, direct=direct,
-           verify=True, dense=dense)
+           verify=True, dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
+           throttle=throttle)
     return model

@@ -257,7 +257,8 @@ def ttft_seconds(trace: Trace, hw: Hardware, model: ModelCost, overlap: bool) ->
 
 def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | str" = "10%",
              prefetch: "str | Predictor | None" = None, hardware: "str | Hardware" = "a100-pcie4",
-             *, model: ModelCost | None = None, verify_tokens: int = 1) -> SimResult:
+             *, model: ModelCost | None = None, verify_tokens: int = 1, miss: str = "fetch",
+             miss_keep: int = 2, lowbit_ratio: float = 0.25) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
     ``policy``: a built-in name with options (``"lru"``, ``"least_stale:order=lru"``,
@@ -273,6 +274,15 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     pass accesses the union of its tokens' experts per layer once and first gives the policy
     the per-expert activation counts of its tokens (what ``"spac"`` learns from); 1 = one token
     per pass.  Values above 1 need ``prefetch=None`` (see ``csrc/sim.h``).
+    ``miss``: SpecMD's miss handling (Sec. 3.1.2) -- ``"fetch"`` (load and wait), ``"drop"``
+    (skip a missing expert the token ranks at ``miss_keep`` or below; ranks from the trace's
+    logits when it has them, else its recorded order), ``"substitute"`` (the resident expert
+    of the layer with the closest logit, counted a hit), ``"lowest_bit"`` (computed from a
+    resident low-bit copy costing ``lowbit_ratio`` of an expert's compute, no load; 0.25 =
+    int4 of a 16-bit expert); the result's ``extra`` counts ``missing``, ``dropped``,
+    ``substituted`` and ``lowbit`` accesses (``csrc/sim.h``, ``smoe_sim_miss``).  Needs
+    ``verify_tokens=1``.  The simulator measures speed only: the quality cost of a miss mode
+    is measured on the live engine (``benchmarks/misses.py``).
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a specmoe.Trace, got {type(trace).__name__}")
@@ -288,6 +298,18 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if verify_tokens > 1 and pred.kind != "none":
         raise ValueError("verify_tokens > 1 replays demand only: prefetch predictors are defined "
                          "per token (use prefetch=None)")
+    from .misses import MISS_MODES
+    if not isinstance(miss, str) or miss not in MISS_MODES:
+        raise ValueError(f"miss={miss!r} is not a miss mode; choose one of {MISS_MODES}")
+    if isinstance(miss_keep, bool) or not isinstance(miss_keep, (int, np.integer)) \
+            or int(miss_keep) < 0:
+        raise ValueError(f"miss_keep must be an int >= 0, got {miss_keep!r}")
+    miss_keep = min(int(miss_keep), trace.top_k)  # keep >= top_k: every rank is fetched
+    if isinstance(lowbit_ratio, bool) or not isinstance(lowbit_ratio, (int, float)) \
+            or not 0 < float(lowbit_ratio) <= 1:
+        raise ValueError(f"lowbit_ratio must be a number in (0, 1], got {lowbit_ratio!r}")
+    if miss != "fetch" and verify_tokens > 1:
+        raise ValueError(f"miss={miss!r} replays one token per pass: use verify_tokens=1")
     nl, E = trace.num_layers, trace.num_experts
     nslots = parse_capacity(capacity, num_layers=nl, num_experts=E,
                             expert_bytes=model.expert_bytes)
@@ -300,9 +322,11 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         pol = _policy_object(policy, nslots, nl, E)
     t0 = time.perf_counter()
     r = _C.simulate(trace.experts, E, pol, nslots,
-                    logits=trace.logits if pred.kind == "router" else None,
+                    logits=trace.logits if pred.kind == "router" or miss in ("drop", "substitute")
+                    else None,
                     **pred.c_args(), **sim_timing(hw, model), verify_tokens=int(verify_tokens),
-                    **kw)
+                    miss=MISS_MODES.index(miss), miss_keep=int(miss_keep),
+                    lowbit_ratio=float(lowbit_ratio), **kw)
     wall = time.perf_counter() - t0
     n = max(trace.num_tokens, 1)
     acc = r["accesses"]
@@ -325,4 +349,5 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         est_tpot_ms=1e3 * r["total_s"] / n, ttft_ms=1e3 * float(ttft.mean()) if len(ttft) else 0.0,
         elapsed_s=r["elapsed_s"],
         accesses_per_s=acc / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
-        extra={"wall_s": wall, "verify_tokens": int(verify_tokens)})
+        extra={"wall_s": wall, "verify_tokens": int(verify_tokens), "miss": miss,
+               **{k: r[k] for k in ("missing", "dropped", "substituted", "lowbit")}})
