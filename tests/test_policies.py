@@ -29,6 +29,11 @@ VARIANTS = [
     ("least_stale", {"order": "layer"}, {"order": "layer"}),
     ("least_stale", {"order": "lru"}, {"order": "lru"}),
     ("least_stale", {"order": "fifo"}, {"order": "fifo"}),
+    ("lhu", {}, {}),
+    ("fld", {}, {}),
+    ("score", {}, {}),
+    ("spac_ema", {}, {}),
+    ("spac", {}, {}),
 ]
 VARIANT_IDS = [n + "".join(f"-{v}" for v in kw.values()) for n, kw, _ in VARIANTS]
 
@@ -377,7 +382,7 @@ def test_make_policy_forms():
     with pytest.raises(ValueError, match="built for"):
         make_policy(p, 5, 2, 3)
     assert set(POLICY_NAMES) == {"lru", "lfu", "fifo", "mru", "random", "least_stale", "belady",
-                                "spac"}
+                                "spac", "spac_ema", "lhu", "fld", "score"}
     assert make_policy(Belady(specmoe.Trace(np.zeros((2, 1, 1)), 3)), 1, 1, 3).name == "belady"
 
 

@@ -56,7 +56,7 @@ static int ref_before(const char *name, int order, const smoe_policy *p, const r
         if (x->count != y->count) return x->count < y->count;
         return x->touched < y->touched;
     }
-    if (!strcmp(name, "spac")) {
+    if (!strcmp(name, "spac_ema")) {
         int32_t ux = smoe_policy_utility(p, x->key), uy = smoe_policy_utility(p, y->key);
         if (ux < 0) ux = 0;
         if (uy < 0) uy = 0;
@@ -167,7 +167,7 @@ static int run(const char *name, int order, uint32_t ns, uint64_t seed, uint64_t
 int main(void) {
     const struct { const char *name; int order; } pols[] = {
         {"lfu", 0}, {"least_stale", SMOE_LS_ORDER_LAYER}, {"least_stale", SMOE_LS_ORDER_LRU},
-        {"least_stale", SMOE_LS_ORDER_FIFO}, {"spac", 0}};
+        {"least_stale", SMOE_LS_ORDER_FIFO}, {"spac_ema", 0}};
     const uint32_t sizes[] = {1, 2, 5, 33, 280, 700};
     int fails = 0, runs = 0;
     for (size_t i = 0; i < sizeof pols / sizeof pols[0]; i++)
