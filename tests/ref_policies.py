@@ -458,7 +458,8 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
             if counts is not None:
                 j = starts[i] - 1
                 a, b = int(counts[2][j]), int(counts[2][j + 1])
-                policy.on_counts(list(counts[0][a:b]), list(counts[1][a:b]))
+                if hasattr(policy, "on_counts"):  # policies without it ignore counts
+                    policy.on_counts(list(counts[0][a:b]), list(counts[1][a:b]))
         if k in where:
             hits.append(1)
             victims.append(-1)
