@@ -17,7 +17,9 @@ are reproduced by the plain-Python references in ``tests/ref_policies.py``):
                      evictable.  ``order`` ranks inside each group: ``"layer"`` (default) =
                      furthest next use by layer position from the layer of the latest demand
                      access (d(j) = j-cur if j>cur else j-cur+L; max d first, ties oldest
-                     touch), ``"lru"`` = oldest touch, ``"fifo"`` = oldest insert.
+                     touch; among stale slots the current layer's come last, since the
+                     layer's remaining accesses may still want them), ``"lru"`` = oldest
+                     touch, ``"fifo"`` = oldest insert.
 ``SpAc(levels, gamma)`` (MoE-SpAc, as published) Algorithm 1: a per-expert integer utility
                      in 0..levels moved by +-1 when the change of its activation count between
                      verification passes crosses per-expert adaptive boundaries (initial
@@ -46,9 +48,9 @@ are reproduced by the plain-Python references in ``tests/ref_policies.py``):
 
 Least-Stale order, measured by demand-only replay of all 200 DeepSeek-V2-Lite puffin traces
 (one pass per token, 1664 expert keys), hit rate at 5% / 10% / 25% of the experts:
-``layer`` 0.121 / 0.234 / 0.440, ``lru`` 0.000 / 0.262 / 0.439 (identical to plain LRU: with
+``layer`` 0.133 / 0.263 / 0.458, ``lru`` 0.000 / 0.262 / 0.439 (identical to plain LRU: with
 one pass per token the stale slots are exactly the oldest), ``fifo`` 0.000 / 0.197 / 0.402.
-``layer`` is best at 5% and 25% and by the mean, so it is the default; at 10% ``lru`` wins.
+``layer`` is best at every size, so it is the default (docs/simulator.md for longer passes).
 
 A policy in Python: subclass :class:`PythonPolicy` and implement ``victim``.  Its methods are
 called by C through the Python bridge with the GIL taken on each event: this is the slow path

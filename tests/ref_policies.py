@@ -161,6 +161,8 @@ class RefLeastStale(RefPolicy):
         if self.order == "layer":
             j = self.key[s] // self.E
             dist = j - self.cur if j > self.cur else j - self.cur + self.L
+            if not fresh and j == self.cur:
+                dist = 0  # a stale expert of the current layer may still be routed to: last
             return (fresh, -dist, self.touched[s])
         if self.order == "lru":
             return (fresh, self.touched[s])

@@ -489,6 +489,20 @@ def test_least_stale_prefers_stale():
     assert v[4] == 0
 
 
+def test_least_stale_keeps_current_layer_stale_experts():
+    """Hand-made regression for the collision-miss defect (docs/simulator.md): pass 1 uses
+    keys 0, 1 (layer 0) and 4, 5 (layer 1), filling 4 slots; pass 2 hits 0, then misses on 2
+    (layer 0, so the current layer is 0).  Every other slot is stale; the stale expert of the
+    current layer (key 1) may still be routed to by this layer and must go last, so key 4
+    (layer 1) is evicted, and the layer's next access, key 1, hits.  Evicting key 1 (the old
+    rule: the current layer is the furthest) turned that access into a collision miss."""
+    keys = np.array([0, 1, 4, 5, 0, 2, 1], np.int32)
+    h, v = replay(LeastStale("layer"), keys, 4, num_layers=2, num_experts=4,
+                  pass_starts=np.array([0, 4]))
+    assert v.tolist() == [-1, -1, -1, -1, -1, 4, -1]
+    assert h.tolist() == [0, 0, 0, 0, 1, 0, 1]
+
+
 def test_python_policies_in_threads():
     """Replays release the GIL and the bridge re-takes it per event: several threads running
     Python and C policies at once give the same answers as one at a time."""

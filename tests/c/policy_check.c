@@ -70,6 +70,8 @@ static int ref_before(const char *name, int order, const smoe_policy *p, const r
         uint32_t jx = layer_of(r, x->key), jy = layer_of(r, y->key);
         uint32_t dx = jx > r->cur ? jx - r->cur : jx + r->L - r->cur;
         uint32_t dy = jy > r->cur ? jy - r->cur : jy + r->L - r->cur;
+        if (xs && jx == r->cur) dx = 0; /* stale and of the current layer: last */
+        if (ys && jy == r->cur) dy = 0;
         if (dx != dy) return dx > dy;
     }
     return x->touched < y->touched;
