@@ -363,21 +363,25 @@ static int parse_order(PyObject *o, int32_t *out) {
 
 static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"name", "nslots", "num_layers", "num_experts", "seed", "order",
-                             "future", "pyobj", "levels", NULL};
+                             "future", "pyobj", "levels", "gamma", NULL};
     const char *name;
     PyObject *o_nslots, *o_nl, *o_ne, *o_seed = NULL, *o_order = NULL, *o_future = Py_None,
-                                           *o_pyobj = Py_None, *o_levels = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOOO:Policy", kwlist, &name, &o_nslots,
+                                           *o_pyobj = Py_None, *o_levels = NULL,
+                                           *o_gamma = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOOOO:Policy", kwlist, &name, &o_nslots,
                                      &o_nl, &o_ne, &o_seed, &o_order, &o_future, &o_pyobj,
-                                     &o_levels))
+                                     &o_levels, &o_gamma))
         return -1;
     if (self->p || self->taken) {
         PyErr_SetString(PyExc_TypeError, "Policy objects cannot be re-initialised");
         return -1;
     }
-    unsigned long long nslots, nl, ne, seed = 0, levels = 0;
+    unsigned long long nslots, nl, ne, seed = 0, levels = 0, gamma = 8;
     if (o_levels && o_levels != Py_None &&
         parse_range(o_levels, "levels (0 = default)", 0, 255, &levels) < 0)
+        return -1;
+    if (o_gamma && o_gamma != Py_None &&
+        parse_range(o_gamma, "gamma (draft length)", 0, 65536, &gamma) < 0)
         return -1;
     if (parse_range(o_nslots, "nslots", 1, UINT32_MAX, &nslots) < 0 ||
         parse_range(o_nl, "num_layers", 1, UINT32_MAX, &nl) < 0 ||
@@ -391,7 +395,9 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
     }
     smoe_policy_params params = {.nslots = (uint32_t)nslots, .num_layers = (uint32_t)nl,
                                  .num_experts = (uint32_t)ne, .seed = seed,
-                                 .order = SMOE_LS_ORDER_LAYER, .levels = (int32_t)levels};
+                                 .order = SMOE_LS_ORDER_LAYER, .levels = (int32_t)levels,
+                                 /* spac: θ0 = ⌊γ/2⌋, at least 1 (see policy/spac.c) */
+                                 .theta0 = gamma < 2 ? 1 : (int32_t)(gamma / 2)};
     int is_py = strcmp(name, "python") == 0;
     const smoe_policy_ops *ops = is_py ? NULL : smoe_policy_find(name);
     if (!is_py && !ops) {
@@ -399,7 +405,7 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
                      smoe_policy_names());
         return -1;
     }
-    /* seed=, order= and levels= are validated always and ignored by the policies that do not use them
+    /* seed=, order=, levels= and gamma= are validated always and ignored by the policies that do not use them
      * (so generic callers may pass them); future= and pyobj= must match the policy. */
     if (o_order && o_order != Py_None && parse_order(o_order, &params.order) < 0) return -1;
     if (o_pyobj != Py_None && !is_py) {
@@ -486,12 +492,14 @@ static PyGetSetDef Policy_getset[] = {
 
 PyDoc_STRVAR(Policy_doc,
 "Policy(name, nslots, num_layers, num_experts, *, seed=0, order='layer', future=None, pyobj=None,\n"
-"       levels=0)\n"
+"       levels=0, gamma=8)\n"
 "\n"
 "An eviction policy in C for a cache of nslots slots over num_layers*num_experts expert keys.\n"
 "name: lru, lfu, fifo, mru, random (seed=), least_stale (order='layer'|'lru'|'fifo' or 0..2),\n"
-"belady (future= the demand key sequence), spac (levels= utility levels K, 1..255, 0 = 4;\n"
-"utility from activation counts, see csrc/policy/spac.c), or python (pyobj= an object with\n"
+"belady (future= the demand key sequence), spac (MoE-SpAc Algorithm 1: levels= K, 1..255,\n"
+"0 = 4; gamma= draft length, initial boundaries floor(gamma/2); see csrc/policy/spac.c),\n"
+"spac_ema (levels=; the EMA estimator, csrc/policy/spac_ema.c), lhu, fld, score (SpecMD's\n"
+"baselines, csrc/policy/{lhu,fld,score}.c), or python (pyobj= an object with\n"
 "victim(candidates) and optional on_insert/on_access/on_evict/on_pass/on_counts(keys,\n"
 "counts)/utility(key); the slow path).  A Policy is consumed by\n"
 "the first cache, simulator or replay that takes it; taking it again raises PolicyError.");

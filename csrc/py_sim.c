@@ -47,10 +47,11 @@ PyDoc_STRVAR(simulate_doc,
 "simulate(experts, num_experts, policy, nslots, *, logits=None, predictor=0, depth=1, topk=0,\n"
 "         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
-"         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0) -> dict\n\n"
+"         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
-"`seed`, least_stale `order`, spac `levels`) or a _C.Policy (taken: it cannot be used again).\n"
+"`seed`, least_stale `order`, spac/spac_ema `levels`, spac `gamma` = draft length, -1 = 8)\n"
+"or a _C.Policy (taken: it cannot be used again).\n"
 "verify_tokens g > 1: each pass verifies g consecutive tokens (union of their experts per\n"
 "layer; on_counts before the pass; demand only, see csrc/sim.h).  predictor:\n"
 "0 none, 1 oracle, 2 router (needs logits float32 [tokens, layers, num_experts]), 3 history.\n"
@@ -64,7 +65,8 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                              "depth", "topk", "percentile", "history", "cooc_weight",
                              "expert_bytes", "fast_bw", "link_bw", "link_latency_s",
                              "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
-                             "verify_tokens", "miss", "miss_keep", "lowbit_ratio", NULL};
+                             "verify_tokens", "miss", "miss_keep", "lowbit_ratio", "gamma",
+                             NULL};
     PyObject *experts_o, *policy_o, *logits_o = Py_None;
     long long num_experts, nslots;
     int predictor = 0, order = 0;
@@ -74,17 +76,23 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     double layer_fixed_s = 0.0, token_fixed_s = 0.0;
     unsigned long long seed = 0;
     int levels = 0;
-    long long verify_tokens = 1;
+    long long verify_tokens = 1, gamma = -1;
     int miss = 0;
     unsigned int miss_keep = 0;
     double lowbit_ratio = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiId", kwlist, &experts_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdL", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
                                      &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
-                                     &verify_tokens, &miss, &miss_keep, &lowbit_ratio))
+                                     &verify_tokens, &miss, &miss_keep, &lowbit_ratio,
+                                     &gamma))
         return NULL;
+    if (gamma < -1 || gamma > 65536) {
+        PyErr_Format(PyExc_ValueError, "simulate: gamma (spac's draft length) must be in "
+                     "0..65536 or -1 (default), got %lld", gamma);
+        return NULL;
+    }
     if (verify_tokens < 1 || verify_tokens > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: verify_tokens (tokens per pass) must be in "
                      "1..65536, got %lld", verify_tokens);
@@ -160,7 +168,8 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
         uint64_t n = (uint64_t)dims[0] * (uint64_t)dims[1] * (uint64_t)dims[2];
         smoe_policy_params params = {.nslots = (uint32_t)nslots, .num_layers = tr.num_layers,
                                      .num_experts = tr.num_experts, .seed = seed,
-                                     .order = order, .levels = levels};
+                                     .order = order, .levels = levels,
+                                     .theta0 = gamma < 0 ? 0 : gamma < 2 ? 1 : (int32_t)(gamma / 2)};
         if (strcmp(name, "belady") == 0) {
             future = malloc((n ? n : 1) * sizeof *future);
             if (!future) {

@@ -124,6 +124,13 @@ static int advance(sim *s, double now, smoe_err *err) {
         s->q_head++;
         s->q_len--;
         if (s->map[key] >= 0) continue;
+        /* A policy with a hot/cold threshold (spac): only hot experts are prefetched (MoE-SpAc
+         * §3.4, "the prefetcher only processes queues with levels s >= τ"). */
+        if (s->pol->ops->threshold &&
+            smoe_policy_utility(s->pol, key) < smoe_policy_threshold(s->pol)) {
+            s->r->prefetch_dropped++;
+            continue;
+        }
         s->pf_key = key;
         int32_t slot = take_slot(s, key, 1, err);
         if (slot < -1) return SMOE_EPOLICY;

@@ -20,13 +20,15 @@
  *
  * Cache semantics (policy.h's event contract, the same as cache.c's):
  *   - pass boundary at every token: on_pass(t + 1) for token t = 0, 1, ... (ids start at 1);
- *     a policy with on_counts (spac) then gets the token's experts with count 1 for every
+ *     a policy with on_counts (spac, spac_ema, score) then gets the token's experts with count 1 for every
  *     layer (the one-token case of the verification groups below; other policies see nothing);
  *   - demand hit: on_access;  demand miss: the lowest-numbered free slot, else the policy's
  *     victim among slots not being loaded right now (on_evict), then on_insert(s, key, 0);
  *   - prefetch load: the same with on_insert(s, key, 1), but the victim must also not have
  *     been used by demand in the current pass and, under a policy with a utility (spac), not
  *     have a higher utility than the prefetched key; no victim -> the request is dropped;
+ *     under a policy with a threshold (spac's τ_t) a request whose key's utility is below it
+ *     is dropped before a slot is looked for (only hot experts are prefetched);
  *   - nothing is pinned between accesses (each access is acquire + release, as in the
  *     agreement test), so with no prefetch the hit/miss counts equal the live cache's.
  * A collision miss is a miss on an expert evicted earlier in the same pass.  A demand access

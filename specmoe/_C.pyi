@@ -53,8 +53,10 @@ class Policy:
     def __init__(self, name: str, nslots: int, num_layers: int, num_experts: int, *,
                  seed: Optional[int] = ..., order: Union[str, int, None] = ...,
                  future: Optional[npt.ArrayLike] = ..., pyobj: Any = ...,
-                 levels: Optional[int] = ...) -> None:
-        """levels: spac utility levels K (1..255; 0/None = 4), ignored by other policies."""
+                 levels: Optional[int] = ..., gamma: Optional[int] = ...) -> None:
+        """levels: spac/spac_ema utility levels K (1..255; 0/None = 4); gamma: spac's draft
+        length (0..65536; None = 8), initial boundaries floor(gamma/2); both ignored by other
+        policies."""
     @property
     def name(self) -> str: ...
     @property
@@ -239,6 +241,7 @@ def simulate(experts: np.ndarray, num_experts: int, policy: Any, nslots: int, *,
              expert_bytes: float, fast_bw: float, link_bw: float, link_latency_s: float,
              layer_fixed_s: float = 0.0, token_fixed_s: float = 0.0, seed: int = 0,
              order: int = 0, levels: int = 0, verify_tokens: int = 1, miss: int = 0,
-             miss_keep: int = 0, lowbit_ratio: float = 1.0) -> dict[str, float]:
+             miss_keep: int = 0, lowbit_ratio: float = 1.0,
+             gamma: int = -1) -> dict[str, float]:
     """Replay a routing trace through the simulated cache; see specmoe.sim.simulate."""
 # --- end sim ---

@@ -13,7 +13,7 @@ from .traces import Trace, TraceError, load_puffin, load_trace
 from .cache import ExpertCache, parse_capacity
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
                        make_policy)
-from .policies import SpAc
+from .policies import FLD, LHU, Score, SpAc, SpAcEMA
 from . import kernels, quant  # expert FFN kernels and weight formats
 from .spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK,  # speculation
                    measure_tau)
@@ -62,6 +62,10 @@ __all__ = [
     "LeastStale",
     "Belady",
     "SpAc",
+    "SpAcEMA",
+    "LHU",
+    "FLD",
+    "Score",
     "PythonPolicy",
     "make_policy",
     "StaticK",

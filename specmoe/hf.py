@@ -47,6 +47,7 @@ from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, desc
 from .conversion import store_settings, write_experts
 from .dense import resolve_dense
 from .recording import TraceRecording, _Recorder
+from .policies import COUNT_POLICIES, UTILITY_POLICIES
 
 __all__ = [
     "SUPPORTED",
@@ -356,7 +357,7 @@ class Engine:
     @property
     def _counts_fed(self) -> bool:
         # any utility-space policy, named or given as an object
-        return self._cache is not None and self._cache.policy == "spac"
+        return self._cache is not None and self._cache.policy in COUNT_POLICIES
 
     # -- self-draft and draft-driven lookahead (used by specmoe.generate) ---------------------
     def enable_self_draft(self, dtype: str = "int4") -> None:
@@ -437,7 +438,7 @@ class Engine:
         ``counts[pos]`` [E] holds how many of the pass's tokens the draft expects to route to
         each expert of MoE layer ``pos`` (0: not expected).  Every expected expert is queued to
         the prefetch worker at once, earlier layers first; within a layer, under a
-        utility-space policy (spac), by utility and then count, higher first.  The next pass's
+        utility-space policy (spac, spac_ema), by utility and then count, higher first.  The next pass's
         per-layer router prefetch adds to this queue instead of replacing it, and the pass's
         last layer ends the lookahead.  The precision and recall of the prediction against what
         the pass used are counted in :meth:`stats` (``lookahead_precision``,
@@ -453,7 +454,8 @@ class Engine:
             self._lookahead[pos] = c > 0
             ids = np.flatnonzero(c > 0)
             pr = np.zeros(len(ids), np.float64)
-            if self._counts_fed:  # integer utility first, the count breaks ties
+            if self._counts_fed and self._cache.policy in UTILITY_POLICIES:
+                # integer utility first, the count breaks ties
                 pr = self._cache.utility(np.full(len(ids), pos), ids).astype(np.float64) + \
                     c[ids] / (c.max() + 1.0)
             # layer order dominates: squash the within-layer priority into (0, 1)

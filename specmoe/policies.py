@@ -17,23 +17,40 @@ are reproduced by the plain-Python references in ``tests/ref_policies.py``):
                      evictable.  ``order`` ranks inside each group: ``"layer"`` (default) =
                      furthest next use by layer position from the layer of the latest demand
                      access (d(j) = j-cur if j>cur else j-cur+L; max d first, ties oldest
-                     touch), ``"lru"`` = oldest touch, ``"fifo"`` = oldest insert.
-``SpAc(levels)``     (MoE-SpAc) utility space: a per-expert integer utility in 0..levels from
-                     the activation counts of each verification pass (EMA with forgetting
-                     factor 0.1, per-layer quantile thresholds; see ``csrc/policy/spac.c``);
-                     victim = lowest utility, ties least recently touched.  Feed it with
+                     touch; among stale slots the current layer's come last, since the
+                     layer's remaining accesses may still want them), ``"lru"`` = oldest
+                     touch, ``"fifo"`` = oldest insert.
+``SpAc(levels, gamma)`` (MoE-SpAc, as published) Algorithm 1: a per-expert integer utility
+                     in 0..levels moved by +-1 when the change of its activation count between
+                     verification passes crosses per-expert adaptive boundaries (initial
+                     floor(gamma/2), calibrated with forgetting factor 0.1); the hot/cold
+                     threshold tau_t (the simulator prefetches only utility >= tau); eviction
+                     from multi-level queues: lowest utility first, FIFO inside a level (see
+                     ``csrc/policy/spac.c``).  ``gamma`` is the draft length (paper: 8).
+``SpAcEMA(levels)``  our earlier reading of MoE-SpAc from its abstract: EMA of the clamped
+                     counts (forgetting factor 0.1), per-layer quantile levels; victim = lowest
+                     utility, ties least recently touched; with no counts it is LRU
+                     (``csrc/policy/spac_ema.c``).  Both are fed with
                      ``ExpertCache.observe_counts`` once per pass; read utilities with
-                     ``ExpertCache.utility`` (e.g. as prefetch priorities).  With no counts it
-                     is LRU.
+                     ``ExpertCache.utility`` (e.g. as prefetch priorities).
+``LHU()``            (SpecMD App. B, after HOBBIT) fewest demand uses over the whole run (counts
+                     survive eviction; a prefetch insert is not a use); ties least recently
+                     touched.  One precision per cache, so every use is high-precision.
+``FLD()``            (SpecMD App. B, after HOBBIT) largest |layer - current layer| first (current
+                     = layer of the latest demand access); ties least recently touched.
+``Score()``          (SpecMD App. B, after Zhu et al. 2025) lowest accumulated activation score
+                     (the per-pass activation counts fed with ``observe_counts``, summed over
+                     the run; a token adds 1 where the paper adds its gate weight); ties least
+                     recently touched.
 ``Belady(future)``   offline optimum: the key next used furthest in ``future`` (a key array or
                      a :class:`~specmoe.traces.Trace`); never again = infinitely far; ties:
                      lowest slot.
 
 Least-Stale order, measured by demand-only replay of all 200 DeepSeek-V2-Lite puffin traces
 (one pass per token, 1664 expert keys), hit rate at 5% / 10% / 25% of the experts:
-``layer`` 0.121 / 0.234 / 0.440, ``lru`` 0.000 / 0.262 / 0.439 (identical to plain LRU: with
+``layer`` 0.133 / 0.263 / 0.458, ``lru`` 0.000 / 0.262 / 0.439 (identical to plain LRU: with
 one pass per token the stale slots are exactly the oldest), ``fifo`` 0.000 / 0.197 / 0.402.
-``layer`` is best at 5% and 25% and by the mean, so it is the default; at 10% ``lru`` wins.
+``layer`` is best at every size, so it is the default (docs/simulator.md for longer passes).
 
 A policy in Python: subclass :class:`PythonPolicy` and implement ``victim``.  Its methods are
 called by C through the Python bridge with the GIL taken on each event: this is the slow path
@@ -46,7 +63,7 @@ A ``_C.Policy`` object serves exactly one cache, simulator or replay; build a ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import numpy as np
 
@@ -55,6 +72,7 @@ from .traces import Trace
 
 __all__ = [
     "PolicySpec", "LRU", "LFU", "FIFO", "MRU", "Random", "LeastStale", "Belady", "SpAc",
+    "SpAcEMA", "LHU", "FLD", "Score", "COUNT_POLICIES", "UTILITY_POLICIES",
     "PythonPolicy",
     "PolicyLike", "POLICY_NAMES", "make_policy", "replay",
 ]
@@ -132,20 +150,76 @@ class LeastStale(PolicySpec):
         return {"order": self.order}
 
 
+def _check_levels(cls: str, levels: object) -> None:
+    if isinstance(levels, bool) or not isinstance(levels, (int, np.integer)) \
+            or not 1 <= int(levels) <= 255:
+        raise ValueError(f"{cls} levels must be an int in 1..255, got {levels!r}")
+
+
 @dataclass(frozen=True)
 class SpAc(PolicySpec):
-    """MoE-SpAc utility space: integer utility 0..levels from per-pass activation counts."""
+    """MoE-SpAc as published (Algorithm 1, tau_t, multi-level eviction queues): integer utility
+    0..levels from per-pass activation counts; ``gamma`` the draft length (initial boundaries
+    floor(gamma/2); None = the paper's 8, and the simulator uses ``verify_tokens - 1``)."""
 
     levels: int = 4
+    gamma: Optional[int] = None
     name = "spac"
 
     def __post_init__(self) -> None:
-        if isinstance(self.levels, bool) or not isinstance(self.levels, (int, np.integer)) \
-                or not 1 <= int(self.levels) <= 255:
-            raise ValueError(f"SpAc levels must be an int in 1..255, got {self.levels!r}")
+        _check_levels("SpAc", self.levels)
+        if self.gamma is not None and (isinstance(self.gamma, bool) or
+                                       not isinstance(self.gamma, (int, np.integer)) or
+                                       not 0 <= int(self.gamma) <= 65536):
+            raise ValueError(f"SpAc gamma (draft length) must be an int in 0..65536 or None, "
+                             f"got {self.gamma!r}")
+
+    def _kwargs(self) -> dict:
+        kw = {"levels": int(self.levels)}
+        if self.gamma is not None:
+            kw["gamma"] = int(self.gamma)
+        return kw
+
+
+@dataclass(frozen=True)
+class SpAcEMA(PolicySpec):
+    """The earlier utility estimator (EMA of the counts, per-layer quantile levels)."""
+
+    levels: int = 4
+    name = "spac_ema"
+
+    def __post_init__(self) -> None:
+        _check_levels("SpAcEMA", self.levels)
 
     def _kwargs(self) -> dict:
         return {"levels": int(self.levels)}
+
+
+@dataclass(frozen=True)
+class LHU(PolicySpec):
+    """SpecMD's Least High-precision Used: fewest demand uses over the whole run."""
+
+    name = "lhu"
+
+
+@dataclass(frozen=True)
+class FLD(PolicySpec):
+    """SpecMD's Farthest Layer Distance: largest |layer - current layer| first."""
+
+    name = "fld"
+
+
+@dataclass(frozen=True)
+class Score(PolicySpec):
+    """SpecMD's score-based eviction: lowest accumulated activation score first."""
+
+    name = "score"
+
+
+#: Built-in policies that learn from per-pass activation counts (``observe_counts``).
+COUNT_POLICIES: frozenset[str] = frozenset({"spac", "spac_ema", "score"})
+#: Built-in policies with an integer utility per expert (``ExpertCache.utility``).
+UTILITY_POLICIES: frozenset[str] = frozenset({"spac", "spac_ema"})
 
 
 @dataclass(frozen=True, eq=False)

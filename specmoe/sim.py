@@ -11,6 +11,7 @@ hit and miss counts equal the live cache's on the same trace.  The time model is
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -176,8 +177,8 @@ def parse_capacity(cap: "int | float | str", *, num_layers: int, num_experts: in
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
-    """``"lru"``, ``"least_stale:order=lru"``, ``"random:seed=3"``, ``"spac:levels=3"`` ->
-    (name, options)."""
+    """``"lru"``, ``"least_stale:order=lru"``, ``"random:seed=3"``, ``"spac:levels=3"``,
+    ``"spac:gamma=7"`` -> (name, options)."""
     if not isinstance(spec, str):
         raise TypeError(f"policy spec must be a str, got {type(spec).__name__}")
     name, _, opts = spec.strip().partition(":")
@@ -195,9 +196,11 @@ def parse_policy(spec: str) -> tuple[str, dict]:
             kw["order"] = _LS_ORDERS[v]
         elif k == "levels" and eq and re.fullmatch(r"[0-9]{1,3}", v) and 1 <= int(v) <= 255:
             kw["levels"] = int(v)
+        elif k == "gamma" and eq and re.fullmatch(r"[0-9]{1,5}", v) and int(v) <= 65536:
+            kw["gamma"] = int(v)
         else:
             raise ValueError(f"bad policy option {part!r} in {spec!r}: options are seed=N, "
-                             f"order=layer|lru|fifo and levels=1..255")
+                             f"order=layer|lru|fifo, levels=1..255 and gamma=0..65536")
     return name, kw
 
 
@@ -272,8 +275,10 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     the trace's shape, see :meth:`ModelCost.for_trace`).  ``verify_tokens``: tokens per
     forward pass (a speculative verification of ``verify_tokens - 1`` drafts plus one): each
     pass accesses the union of its tokens' experts per layer once and first gives the policy
-    the per-expert activation counts of its tokens (what ``"spac"`` learns from); 1 = one token
-    per pass.  Values above 1 need ``prefetch=None`` (see ``csrc/sim.h``).
+    the per-expert activation counts of its tokens (what ``"spac"``, ``"spac_ema"`` and
+    ``"score"`` learn from); 1 = one token per pass.  ``"spac"`` without an explicit ``gamma``
+    takes the draft length ``verify_tokens - 1`` (its boundaries start at floor(gamma/2)).
+    Values above 1 need ``prefetch=None`` (see ``csrc/sim.h``).
     ``miss``: SpecMD's miss handling (Sec. 3.1.2) -- ``"fetch"`` (load and wait), ``"drop"``
     (skip a missing expert the token ranks at ``miss_keep`` or below; ranks from the trace's
     logits when it has them, else its recorded order), ``"substitute"`` (the resident expert
@@ -318,7 +323,13 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if isinstance(policy, str):
         name, kw = parse_policy(policy)
         pol: Any = name
+        if name == "spac" and "gamma" not in kw:  # the pass's draft length (spac.c)
+            kw["gamma"] = int(verify_tokens) - 1
     else:
+        from .policies import SpAc
+
+        if isinstance(policy, SpAc) and policy.gamma is None:
+            policy = dataclasses.replace(policy, gamma=int(verify_tokens) - 1)
         pol = _policy_object(policy, nslots, nl, E)
     t0 = time.perf_counter()
     r = _C.simulate(trace.experts, E, pol, nslots,

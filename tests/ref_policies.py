@@ -161,6 +161,8 @@ class RefLeastStale(RefPolicy):
         if self.order == "layer":
             j = self.key[s] // self.E
             dist = j - self.cur if j > self.cur else j - self.cur + self.L
+            if not fresh and j == self.cur:
+                dist = 0  # a stale expert of the current layer may still be routed to: last
             return (fresh, -dist, self.touched[s])
         if self.order == "lru":
             return (fresh, self.touched[s])
@@ -212,8 +214,8 @@ class RefBelady(RefPolicy):
         return best
 
 
-class RefSpAc(RefPolicy):
-    """MoE-SpAc utility space, from the rules at the top of csrc/policy/spac.c: per key a
+class RefSpAcEMA(RefPolicy):
+    """The EMA utility estimator ("spac_ema"), from the rules at the top of csrc/policy/spac_ema.c: per key a
     fixed-point score s (units 1/65536 token) updated for every expert of each observed layer
     as s = (9 s + 65536 min(c, K)) // 10; per layer, Z = sorted non-zero scores (n of them),
     theta_j = Z[(j-1) n // K] (j = 1..K), utility = 0 if s == 0 else #{j: s >= theta_j};
@@ -263,6 +265,181 @@ class RefSpAc(RefPolicy):
         return min(candidates, key=lambda s: (self.util[self.key_of[s]], self.last[s]))
 
 
+class RefSpAc(RefPolicy):
+    """MoE-SpAc as published, written from the paper (§3.2 Algorithm 1, §3.3 Eq. 11-12, §3.4):
+    per key utility s (0..K), last frequency f_prev, boundaries up/dn (initial max(1, gamma//2)).
+    One step per observed layer and expert:  d = f - f_prev;  s += 1 (capped at K) if d >= up,
+    else s -= 1 (floored at 0) if -d >= dn;  up = (9 up + d) // 10 if d > 0;
+    dn = (9 dn - d) // 10 if d < 0 (lambda = 0.1, exact).  tau = smallest t in 1..K with
+    #{keys: s >= t} <= nslots, else K.  Eviction: lowest level first, FIFO by entry into the
+    level (insert, or a level change; changed keys enter in increasing key order)."""
+
+    def __init__(self, num_layers: int, num_experts: int, levels: int = 4,
+                 gamma: int = 8, nslots: int = 1) -> None:
+        self.L, self.E, self.K = num_layers, num_experts, levels
+        n = num_layers * num_experts
+        th = max(1, gamma // 2)
+        self.util = [0] * n
+        self.fprev = [0] * n
+        self.up = [th] * n
+        self.dn = [th] * n
+        self.nslots = nslots
+        self.tau = 1
+        self.key_of: dict[int, int] = {}
+        self.entry: dict[int, int] = {}
+        self.t = 0
+
+    def _enter(self, slot):
+        self.t += 1
+        self.entry[slot] = self.t
+
+    def on_insert(self, slot, key, prefetch):
+        self.key_of[slot] = key
+        self._enter(slot)
+
+    def on_evict(self, slot, key):
+        del self.key_of[slot]
+        del self.entry[slot]
+
+    def on_counts(self, keys, counts):
+        f_now: dict[int, int] = {}
+        for k, c in zip(keys, counts):
+            if 0 <= int(k) < self.L * self.E:
+                f_now[int(k)] = int(c)  # last one wins
+        slot_of = {k: s for s, k in self.key_of.items()}
+        for layer in sorted({k // self.E for k in f_now}):
+            for k in range(layer * self.E, (layer + 1) * self.E):
+                f = f_now.get(k, 0)
+                d = f - self.fprev[k]
+                self.fprev[k] = f
+                s = self.util[k]
+                if d >= self.up[k]:
+                    s = min(self.K, s + 1)
+                elif -d >= self.dn[k]:
+                    s = max(0, s - 1)
+                if d > 0:
+                    self.up[k] = (9 * self.up[k] + d) // 10
+                elif d < 0:
+                    self.dn[k] = (9 * self.dn[k] - d) // 10
+                if s != self.util[k]:
+                    self.util[k] = s
+                    if k in slot_of:
+                        self._enter(slot_of[k])
+        self.tau = next((t for t in range(1, self.K + 1)
+                         if sum(1 for u in self.util if u >= t) <= self.nslots), self.K)
+
+    def utility(self, key: int) -> int:
+        return self.util[key]
+
+    def threshold(self) -> int:
+        return self.tau
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda s: (self.util[self.key_of[s]], self.entry[s]))
+
+
+class RefLHU(RefPolicy):
+    """SpecMD App. B LHU: per key the number of demand uses over the whole run (accesses and
+    demand inserts; prefetch inserts do not count; kept across evictions); victim = fewest uses,
+    ties least recently touched."""
+
+    def __init__(self) -> None:
+        self.uses: dict[int, int] = {}
+        self.key_of: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.t = 0
+
+    def _touch(self, slot, use):
+        k = self.key_of[slot]
+        if use:
+            self.uses[k] = self.uses.get(k, 0) + 1
+        self.t += 1
+        self.last[slot] = self.t
+
+    def on_insert(self, slot, key, prefetch):
+        self.key_of[slot] = key
+        self._touch(slot, not prefetch)
+
+    def on_access(self, slot, key):
+        self._touch(slot, True)
+
+    def on_evict(self, slot, key):
+        del self.key_of[slot]
+        del self.last[slot]
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda s: (self.uses.get(self.key_of[s], 0), self.last[s]))
+
+
+class RefFLD(RefPolicy):
+    """SpecMD App. B FLD: victim = largest |layer(key) - cur| (cur = layer of the latest demand
+    access or demand insert), ties least recently touched."""
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.L, self.E = num_layers, num_experts
+        self.cur = 0
+        self.key_of: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.t = 0
+
+    def _layer(self, key):
+        return 0 if key < 0 else min(key // self.E, self.L - 1)
+
+    def on_insert(self, slot, key, prefetch):
+        self.key_of[slot] = key
+        self.t += 1
+        self.last[slot] = self.t
+        if not prefetch and 0 <= key < self.L * self.E:
+            self.cur = key // self.E
+
+    def on_access(self, slot, key):
+        self.t += 1
+        self.last[slot] = self.t
+        if 0 <= key < self.L * self.E:
+            self.cur = key // self.E
+
+    def on_evict(self, slot, key):
+        del self.key_of[slot]
+        del self.last[slot]
+
+    def victim(self, candidates):
+        return min(candidates,
+                   key=lambda s: (-abs(self._layer(self.key_of[s]) - self.cur), self.last[s]))
+
+
+class RefScore(RefPolicy):
+    """SpecMD App. B score-based: per key the sum of all activation counts fed (a key listed
+    twice in one call: the last count), kept across evictions; victim = lowest sum, ties least
+    recently touched."""
+
+    def __init__(self) -> None:
+        self.score: dict[int, int] = {}
+        self.key_of: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.t = 0
+
+    def on_insert(self, slot, key, prefetch):
+        self.key_of[slot] = key
+        self.t += 1
+        self.last[slot] = self.t
+
+    def on_access(self, slot, key):
+        self.t += 1
+        self.last[slot] = self.t
+
+    def on_evict(self, slot, key):
+        del self.key_of[slot]
+        del self.last[slot]
+
+    def on_counts(self, keys, counts):
+        given = {int(k): int(c) for k, c in zip(keys, counts)}
+        for k, c in given.items():
+            self.score[k] = self.score.get(k, 0) + c
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda s: (self.score.get(self.key_of[s], 0), self.last[s]))
+
+
 def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
                pass_starts: Sequence[int] | int | None = None,
                mask_seed: int = 0, counts=None) -> tuple[list[int], list[int]]:
@@ -283,7 +460,8 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
             if counts is not None:
                 j = starts[i] - 1
                 a, b = int(counts[2][j]), int(counts[2][j + 1])
-                policy.on_counts(list(counts[0][a:b]), list(counts[1][a:b]))
+                if hasattr(policy, "on_counts"):  # policies without it ignore counts
+                    policy.on_counts(list(counts[0][a:b]), list(counts[1][a:b]))
         if k in where:
             hits.append(1)
             victims.append(-1)
@@ -318,7 +496,7 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
 
 def make_ref(name: str, num_layers: int, num_experts: int, *, seed: int = 0,
              order: str = "layer", future: Sequence[int] | None = None,
-             levels: int = 4) -> RefPolicy:
+             levels: int = 4, gamma: int = 8, nslots: int = 1) -> RefPolicy:
     if name == "lru":
         return RefLRU()
     if name == "fifo":
@@ -335,5 +513,13 @@ def make_ref(name: str, num_layers: int, num_experts: int, *, seed: int = 0,
         assert future is not None
         return RefBelady(future)
     if name == "spac":
-        return RefSpAc(num_layers, num_experts, levels)
+        return RefSpAc(num_layers, num_experts, levels, gamma, nslots)
+    if name == "spac_ema":
+        return RefSpAcEMA(num_layers, num_experts, levels)
+    if name == "lhu":
+        return RefLHU()
+    if name == "fld":
+        return RefFLD(num_layers, num_experts)
+    if name == "score":
+        return RefScore()
     raise ValueError(name)

@@ -92,6 +92,8 @@ class FromCandidates:
         self.name = type(policy).__name__
         if hasattr(policy, "utility"):
             self.utility = policy.utility
+        if hasattr(policy, "threshold"):
+            self.threshold = policy.threshold
 
     def on_insert(self, slot, key, prefetch):
         self.resident.add(slot)
@@ -205,6 +207,9 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                 return
             key = queue.pop(0)
             if key in where:
+                continue
+            if hasattr(policy, "threshold") and policy.utility(key) < policy.threshold():
+                c["prefetch_dropped"] += 1  # spac: only hot experts are prefetched (sim.h)
                 continue
             s = give_slot(key, True)
             if s < 0:

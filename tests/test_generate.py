@@ -324,12 +324,13 @@ def test_bad_input(pair):
 
 
 def test_spac_policy_learns_from_verification_counts(pair):
-    """With the utility-space policy, each verification's per-layer activation counts reach the
+    """With a utility-space policy (spac_ema here; spac's inertia is tested in
+    tests/test_spac_paper.py), each verification's per-layer activation counts reach the
     cache (utilities move off zero), self-draft prefetches are ordered by them, and greedy
     output is unchanged."""
     model, _, eng, ids = pair
     ref = hf_greedy(model, ids, 16)
-    eng.set_policy("spac")
+    eng.set_policy("spac_ema")  # its EMA moves every activated expert off zero at once
     try:
         E = eng.num_experts
         L = len(eng.layer_ids)

@@ -438,7 +438,8 @@ def test_set_policy_keeps_contents_and_any_spac_policy_learns():
     the string "spac") receives the per-pass activation counts."""
     import specmoe
     m = hf.tiny_model("mixtral")
-    eng = hf.offload(m, cache=0.5, policy=specmoe.SpAc(levels=4))
+    # gamma=2: boundaries of 1, so one activation (0 -> 1 token) already moves a utility up
+    eng = hf.offload(m, cache=0.5, policy=specmoe.SpAc(levels=4, gamma=2))
     try:
         with torch.no_grad():
             m.generate(PROMPT, max_new_tokens=6, do_sample=False)

@@ -29,6 +29,11 @@ VARIANTS = [
     ("least_stale", {"order": "layer"}, {"order": "layer"}),
     ("least_stale", {"order": "lru"}, {"order": "lru"}),
     ("least_stale", {"order": "fifo"}, {"order": "fifo"}),
+    ("lhu", {}, {}),
+    ("fld", {}, {}),
+    ("score", {}, {}),
+    ("spac_ema", {}, {}),
+    ("spac", {}, {}),
 ]
 VARIANT_IDS = [n + "".join(f"-{v}" for v in kw.values()) for n, kw, _ in VARIANTS]
 
@@ -377,7 +382,7 @@ def test_make_policy_forms():
     with pytest.raises(ValueError, match="built for"):
         make_policy(p, 5, 2, 3)
     assert set(POLICY_NAMES) == {"lru", "lfu", "fifo", "mru", "random", "least_stale", "belady",
-                                "spac"}
+                                "spac", "spac_ema", "lhu", "fld", "score"}
     assert make_policy(Belady(specmoe.Trace(np.zeros((2, 1, 1)), 3)), 1, 1, 3).name == "belady"
 
 
@@ -482,6 +487,20 @@ def test_least_stale_prefers_stale():
     h, v = replay(LeastStale("layer"), keys, 3, num_layers=L, num_experts=E,
                   pass_starts=np.array([0, 3]))
     assert v[4] == 0
+
+
+def test_least_stale_keeps_current_layer_stale_experts():
+    """Hand-made regression for the collision-miss defect (docs/simulator.md): pass 1 uses
+    keys 0, 1 (layer 0) and 4, 5 (layer 1), filling 4 slots; pass 2 hits 0, then misses on 2
+    (layer 0, so the current layer is 0).  Every other slot is stale; the stale expert of the
+    current layer (key 1) may still be routed to by this layer and must go last, so key 4
+    (layer 1) is evicted, and the layer's next access, key 1, hits.  Evicting key 1 (the old
+    rule: the current layer is the furthest) turned that access into a collision miss."""
+    keys = np.array([0, 1, 4, 5, 0, 2, 1], np.int32)
+    h, v = replay(LeastStale("layer"), keys, 4, num_layers=2, num_experts=4,
+                  pass_starts=np.array([0, 4]))
+    assert v.tolist() == [-1, -1, -1, -1, -1, 4, -1]
+    assert h.tolist() == [0, 0, 0, 0, 1, 0, 1]
 
 
 def test_python_policies_in_threads():

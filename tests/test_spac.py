@@ -1,8 +1,9 @@
-"""The MoE-SpAc utility-space policy ("spac", csrc/policy/spac.c) against the plain-Python
-reference RefSpAc (tests/ref_policies.py): the same hits and victims on random access streams
+"""The EMA utility-space policy ("spac_ema", csrc/policy/spac_ema.c; MoE-SpAc read from its
+abstract) against the plain-Python reference RefSpAcEMA (tests/ref_policies.py): the same hits and victims on random access streams
 with pass boundaries and activation counts (_C.replay), the same utilities after every
 observation (through the real ExpertCache), the same victims in the cache, and the
-simulator's verification-group replay against tests/sim_reference.py for spac and lru."""
+simulator's verification-group replay against tests/sim_reference.py for spac_ema and lru.
+The published estimator ("spac") is tested in tests/test_spac_paper.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,11 +12,11 @@ import pytest
 import specmoe
 from specmoe import _C
 from specmoe.cache import ExpertCache
-from specmoe.policies import LRU, SpAc, make_policy, replay
+from specmoe.policies import LRU, SpAcEMA, make_policy, replay
 from specmoe.sim import parse_policy, simulate
 from specmoe.store import ExpertStore, write_store
 
-from .ref_policies import RefLRU, RefSpAc, ref_replay
+from .ref_policies import RefLRU, RefSpAcEMA, ref_replay
 from .sim_reference import FromCandidates, RefLRU as SimRefLRU, ref_simulate
 
 NL, NE, TOPK = 4, 8, 2
@@ -85,9 +86,9 @@ def test_replay_matches_reference(levels, nslots, mask_seed):
     rng = np.random.default_rng(levels * 100 + nslots + mask_seed)
     L, E, k = 4, 8, 2
     keys, starts, counts = verify_stream(rng, 200, L, E, k, gmax=5)
-    pol = _C.Policy("spac", nslots, L, E, levels=levels)
+    pol = _C.Policy("spac_ema", nslots, L, E, levels=levels)
     got = _C.replay(pol, keys, starts, mask_seed=mask_seed, counts=counts)
-    ref = ref_replay(RefSpAc(L, E, levels), keys.tolist(), nslots, starts.tolist(), mask_seed,
+    ref = ref_replay(RefSpAcEMA(L, E, levels), keys.tolist(), nslots, starts.tolist(), mask_seed,
                      counts=counts)
     _assert_same(got, ref)
     assert (got[0] == 0).sum() > nslots  # the stream really evicts
@@ -96,12 +97,12 @@ def test_replay_matches_reference(levels, nslots, mask_seed):
 def test_default_levels_is_four_and_counts_matter():
     rng = np.random.default_rng(3)
     keys, starts, counts = verify_stream(rng, 200, 4, 8, 2, gmax=4)
-    a = replay(SpAc(), keys, 7, num_layers=4, num_experts=8, pass_starts=starts, counts=counts)
-    b = replay("spac", keys, 7, num_layers=4, num_experts=8, pass_starts=starts, counts=counts)
-    ref = ref_replay(RefSpAc(4, 8, 4), keys.tolist(), 7, starts.tolist(), counts=counts)
+    a = replay(SpAcEMA(), keys, 7, num_layers=4, num_experts=8, pass_starts=starts, counts=counts)
+    b = replay("spac_ema", keys, 7, num_layers=4, num_experts=8, pass_starts=starts, counts=counts)
+    ref = ref_replay(RefSpAcEMA(4, 8, 4), keys.tolist(), 7, starts.tolist(), counts=counts)
     _assert_same(a, ref)
     _assert_same(b, ref)
-    # the counts change the decisions: without them spac is plain LRU (spac.c rule 5)
+    # the counts change the decisions: without them spac is plain LRU (spac_ema.c rule 5)
     lru = ref_replay(RefLRU(), keys.tolist(), 7, starts.tolist())
     assert not np.array_equal(a[1], np.array(lru[1], np.int32))
 
@@ -110,7 +111,7 @@ def test_without_counts_spac_is_lru():
     rng = np.random.default_rng(11)
     keys, starts, _ = verify_stream(rng, 150, 4, 8, 2, gmax=3)
     for nslots in (1, 6, 13):
-        got = _C.replay(_C.Policy("spac", nslots, 4, 8), keys, starts)
+        got = _C.replay(_C.Policy("spac_ema", nslots, 4, 8), keys, starts)
         _assert_same(got, ref_replay(RefLRU(), keys.tolist(), nslots, starts.tolist()))
 
 
@@ -119,8 +120,8 @@ def test_python_policy_receives_counts():
     the C policy; a Python policy without on_counts is unaffected by counts."""
     rng = np.random.default_rng(21)
     keys, starts, counts = verify_stream(rng, 120, 4, 8, 2, gmax=4)
-    c = _C.replay(_C.Policy("spac", 6, 4, 8, levels=3), keys, starts, counts=counts)
-    py = _C.replay(make_policy(RefSpAc(4, 8, 3), 6, 4, 8), keys, starts, counts=counts)
+    c = _C.replay(_C.Policy("spac_ema", 6, 4, 8, levels=3), keys, starts, counts=counts)
+    py = _C.replay(make_policy(RefSpAcEMA(4, 8, 3), 6, 4, 8), keys, starts, counts=counts)
     _assert_same(py, (c[0].tolist(), c[1].tolist()))
     lru = _C.replay(make_policy(RefLRU(), 6, 4, 8), keys, starts, counts=counts)
     _assert_same(lru, ref_replay(RefLRU(), keys.tolist(), 6, starts.tolist()))
@@ -132,7 +133,7 @@ def test_python_policy_receives_counts():
 def store_path(tmp_path_factory):
     rng = np.random.default_rng(0)
     layers = [{"w": rng.standard_normal((NE, 4, 64)).astype(np.float32)} for _ in range(NL)]
-    path = tmp_path_factory.mktemp("spac") / "experts.smoe"
+    path = tmp_path_factory.mktemp("spac_ema") / "experts.smoe"
     write_store(path, layers, top_k=TOPK, progress=False).close()
     return path
 
@@ -151,8 +152,8 @@ ALL_E = np.tile(np.arange(NE), NL)
 @pytest.mark.parametrize("levels", [1, 3, 4, 9])
 def test_cache_utility_after_each_observation(store, levels):
     rng = np.random.default_rng(levels)
-    ref = RefSpAc(NL, NE, levels)
-    with ExpertCache(store, 4, SpAc(levels=levels), top_k=1, prefetch=False) as cache:
+    ref = RefSpAcEMA(NL, NE, levels)
+    with ExpertCache(store, 4, SpAcEMA(levels=levels), top_k=1, prefetch=False) as cache:
         assert np.array_equal(cache.utility(ALL_L, ALL_E), np.zeros(NL * NE, np.int32))
         for _ in range(60):
             n = int(rng.integers(0, 12))
@@ -176,7 +177,7 @@ def test_cache_utility_ranks_by_activation(store):
     expert 1 gets 1 (same layer), 0 is above 1 and both above an expert never activated; a
     layer not observed keeps its utilities; once expert 0 stops being activated it decays to
     utility 0 (forgetting factor 0.1: about 120 passes from 3 tokens)."""
-    with ExpertCache(store, 4, SpAc(levels=4), top_k=1, prefetch=False) as cache:
+    with ExpertCache(store, 4, SpAcEMA(levels=4), top_k=1, prefetch=False) as cache:
         cache.observe_counts([3], [5], [2])  # layer 3 observed once
         before = cache.utility([3], [5])[0]
         assert before > 0
@@ -200,10 +201,10 @@ def test_cache_utility_ranks_by_activation(store):
 def test_cache_victims_match_reference(store):
     rng = np.random.default_rng(5)
     nslots = 5
-    ref = RefSpAc(NL, NE, 3)
+    ref = RefSpAcEMA(NL, NE, 3)
     where: dict[int, int] = {}
     holds: dict[int, int] = {}
-    with ExpertCache(store, nslots, SpAc(levels=3), top_k=1, prefetch=False) as cache:
+    with ExpertCache(store, nslots, SpAcEMA(levels=3), top_k=1, prefetch=False) as cache:
         for step in range(300):
             if rng.random() < 0.25:
                 n = int(rng.integers(1, 8))
@@ -241,7 +242,7 @@ def test_observe_counts_is_noop_for_other_policies(store):
 
 
 def test_python_policy_utility_in_cache(store):
-    ref = RefSpAc(NL, NE, 2)
+    ref = RefSpAcEMA(NL, NE, 2)
     with ExpertCache(store, 3, ref, top_k=1, prefetch=False) as cache:
         cache.observe_counts([0, 0, 2], [1, 2, 3], [2, 1, 1])
         assert cache.utility(ALL_L, ALL_E).tolist() == ref.util
@@ -264,7 +265,7 @@ def test_prefetch_does_not_evict_higher_utility(store):
     """Admission in utility space: with the cache full of experts of utility > 0, a prefetch
     of an expert of utility 0 is dropped; one of the top utility evicts the lowest-utility
     resident expert.  The same requests under lru evict."""
-    with ExpertCache(store, 2, SpAc(levels=2), top_k=1) as cache:
+    with ExpertCache(store, 2, SpAcEMA(levels=2), top_k=1) as cache:
         cache.observe_counts([0, 0, 0], [0, 1, 2], [1, 2, 2])  # layer 0: u = 1, 2, 2
         u = cache.utility([0, 0, 0, 0], [0, 1, 2, 3])
         assert u.tolist() == [1, 2, 2, 0]
@@ -293,11 +294,11 @@ def test_prefetch_does_not_evict_higher_utility(store):
 
 def test_policy_swap_to_spac_and_prefetch_by_utility(store):
     with ExpertCache(store, 4, "lru", top_k=1) as cache:
-        cache.set_policy(SpAc(levels=2))
-        assert cache.policy == "spac"
+        cache.set_policy(SpAcEMA(levels=2))
+        assert cache.policy == "spac_ema"
         cache.observe_counts([1, 1, 1], [0, 1, 2], [2, 1, 0])
         u = cache.utility([1, 1, 1], [0, 1, 2])
-        ref = RefSpAc(NL, NE, 2)
+        ref = RefSpAcEMA(NL, NE, 2)
         ref.on_counts([8, 9, 10], [2, 1, 0])
         assert u.tolist() == [ref.util[8], ref.util[9], ref.util[10]]
         # the caller orders prefetches by utility: priorities = utility
@@ -309,17 +310,17 @@ def test_policy_swap_to_spac_and_prefetch_by_utility(store):
 def test_bad_input(store):
     for bad in (-1, 256, 1000):
         with pytest.raises(ValueError, match="levels"):
-            _C.Policy("spac", 4, NL, NE, levels=bad)
+            _C.Policy("spac_ema", 4, NL, NE, levels=bad)
         with pytest.raises(ValueError, match="levels"):
-            SpAc(levels=bad)
+            SpAcEMA(levels=bad)
     with pytest.raises(TypeError):
-        _C.Policy("spac", 4, NL, NE, levels="4")
+        _C.Policy("spac_ema", 4, NL, NE, levels="4")
     with pytest.raises(ValueError, match="levels"):
-        SpAc(levels=0)
+        SpAcEMA(levels=0)
     with pytest.raises(ValueError, match="levels"):
-        parse_policy("spac:levels=0")
-    assert parse_policy("spac:levels=3") == ("spac", {"levels": 3})
-    with ExpertCache(store, 4, "spac", top_k=1, prefetch=False) as cache:
+        parse_policy("spac_ema:levels=0")
+    assert parse_policy("spac_ema:levels=3") == ("spac_ema", {"levels": 3})
+    with ExpertCache(store, 4, "spac_ema", top_k=1, prefetch=False) as cache:
         with pytest.raises(ValueError, match="differ in length"):
             cache.observe_counts([0, 1], [0], [1, 1])
         with pytest.raises(ValueError, match="counts has shape"):
@@ -341,16 +342,16 @@ def test_bad_input(store):
         assert np.array_equal(cache.utility(ALL_L, ALL_E), np.zeros(NL * NE, np.int32))
     keys = np.arange(6, dtype=np.int32)
     with pytest.raises(ValueError, match="offsets"):
-        _C.replay(_C.Policy("spac", 2, NL, NE), keys, 3,
+        _C.replay(_C.Policy("spac_ema", 2, NL, NE), keys, 3,
                   counts=(np.array([0]), np.array([1]), np.array([0, 1])))  # needs 3 offsets
     with pytest.raises(ValueError, match="pass_starts"):
-        _C.replay(_C.Policy("spac", 2, NL, NE), keys, None,
+        _C.replay(_C.Policy("spac_ema", 2, NL, NE), keys, None,
                   counts=(np.array([0]), np.array([1]), np.array([0, 1])))
     with pytest.raises(ValueError, match="count"):
-        _C.replay(_C.Policy("spac", 2, NL, NE), keys, 3,
+        _C.replay(_C.Policy("spac_ema", 2, NL, NE), keys, 3,
                   counts=(np.array([0]), np.array([-1]), np.array([0, 1, 1])))
     with pytest.raises(TypeError, match="tuple"):
-        _C.replay(_C.Policy("spac", 2, NL, NE), keys, 3, counts=[1, 2, 3])
+        _C.replay(_C.Policy("spac_ema", 2, NL, NE), keys, 3, counts=[1, 2, 3])
 
 
 # -- the simulator ------------------------------------------------------------------------------
@@ -375,8 +376,8 @@ def test_sim_groups_match_reference(g, nslots):
     rng = np.random.default_rng(g * 10 + nslots)
     L, E, k = 3, 12, 2
     ex = _random_trace(rng, 61, L, E, k)  # 61: the last group is partial for g > 1
-    for name, ref_pol in (("lru", SimRefLRU()), ("spac", FromCandidates(RefSpAc(L, E, 3)))):
-        kw = {"levels": 3} if name == "spac" else {}
+    for name, ref_pol in (("lru", SimRefLRU()), ("spac_ema", FromCandidates(RefSpAcEMA(L, E, 3)))):
+        kw = {"levels": 3} if name == "spac_ema" else {}
         got = _C.simulate(ex, E, name, nslots, verify_tokens=g, **kw, **HW)
         ref = ref_simulate(ex, E, nslots, ref_pol, HW, verify_tokens=g)
         _compare(got, ref)
@@ -399,8 +400,8 @@ def test_sim_prefetch_in_utility_space_matches_reference(hw, pred, nslots):
     rng = np.random.default_rng(nslots)
     L, E, k = 4, 12, 2
     ex = _random_trace(rng, 50, L, E, k)
-    got = _C.simulate(ex, E, "spac", nslots, levels=3, **Predictor(**pred).c_args(), **hw)
-    ref = ref_simulate(ex, E, nslots, FromCandidates(RefSpAc(L, E, 3)), hw, pred)
+    got = _C.simulate(ex, E, "spac_ema", nslots, levels=3, **Predictor(**pred).c_args(), **hw)
+    ref = ref_simulate(ex, E, nslots, FromCandidates(RefSpAcEMA(L, E, 3)), hw, pred)
     _compare(got, ref)
     if nslots == 8:  # the cache is tight: prefetches are issued and some are refused
         assert got["prefetch_issued"] > 0 and got["prefetch_dropped"] > 0
@@ -415,27 +416,27 @@ def test_sim_verify_tokens_one_is_unchanged():
         if key != "elapsed_s":
             assert a[key] == b[key], key
     # spac through a Policy object equals spac by name
-    c = _C.simulate(ex, 10, _C.Policy("spac", 7, 3, 10, levels=2), 7, verify_tokens=3, **HW)
-    d = _C.simulate(ex, 10, "spac", 7, verify_tokens=3, levels=2, **HW)
+    c = _C.simulate(ex, 10, _C.Policy("spac_ema", 7, 3, 10, levels=2), 7, verify_tokens=3, **HW)
+    d = _C.simulate(ex, 10, "spac_ema", 7, verify_tokens=3, levels=2, **HW)
     assert c["hits"] == d["hits"] and c["evictions"] == d["evictions"]
 
 
 def test_simulate_wrapper(puffin_subset):
     tr = puffin_subset.slice(0, 24)
     E, L = tr.num_experts, tr.num_layers
-    r = simulate(tr, "spac:levels=3", 80, verify_tokens=4)
-    ref = ref_simulate(tr.experts, E, 80, FromCandidates(RefSpAc(L, E, 3)),
+    r = simulate(tr, "spac_ema:levels=3", 80, verify_tokens=4)
+    ref = ref_simulate(tr.experts, E, 80, FromCandidates(RefSpAcEMA(L, E, 3)),
                        dict(zip(("expert_bytes", "fast_bw", "link_bw", "link_latency_s",
                                  "layer_fixed_s", "token_fixed_s"),
                                 _timing(tr))), verify_tokens=4)
     assert r.hits == ref["hits"] and r.evictions == ref["evictions"]
     assert r.accesses == ref["accesses"] and r.extra["verify_tokens"] == 4
-    r2 = simulate(tr, SpAc(levels=3), 80, verify_tokens=4)
+    r2 = simulate(tr, SpAcEMA(levels=3), 80, verify_tokens=4)
     assert r2.hits == r.hits
     with pytest.raises(ValueError, match="verify_tokens"):
-        simulate(tr, "spac", 80, verify_tokens=0)
+        simulate(tr, "spac_ema", 80, verify_tokens=0)
     with pytest.raises(ValueError, match="prefetch"):
-        simulate(tr, "spac", 80, "oracle", verify_tokens=2)
+        simulate(tr, "spac_ema", 80, "oracle", verify_tokens=2)
     with pytest.raises(ValueError, match="verify_tokens"):
         _C.simulate(tr.experts, E, "lru", 80, verify_tokens=0, **HW)
     with pytest.raises(ValueError, match="predictor none"):
@@ -454,7 +455,7 @@ def test_sweep_passes_verify_tokens(puffin_subset):
     from specmoe.sweep import sweep
 
     tr = puffin_subset.slice(0, 12)
-    rows = sweep(tr, ["lru", "spac"], [60], processes=1, progress=False, verify_tokens=3)
-    direct = [simulate(tr, p, 60, verify_tokens=3) for p in ("lru", "spac")]
+    rows = sweep(tr, ["lru", "spac_ema"], [60], processes=1, progress=False, verify_tokens=3)
+    direct = [simulate(tr, p, 60, verify_tokens=3) for p in ("lru", "spac_ema")]
     assert [r["hits"] for r in rows] == [d.hits for d in direct]
     assert all(r["verify_tokens"] == 3 for r in rows)

@@ -41,8 +41,9 @@ def check(name, ckw, rkw, keys, starts, L, E, mask_seed, counts=None):
 
 @pytest.mark.parametrize("name,kw", [("lfu", {}), ("least_stale", {"order": "layer"}),
                                      ("least_stale", {"order": "lru"}),
-                                     ("least_stale", {"order": "fifo"})],
-                         ids=["lfu", "ls-layer", "ls-lru", "ls-fifo"])
+                                     ("least_stale", {"order": "fifo"}), ("lhu", {}),
+                                     ("fld", {})],
+                         ids=["lfu", "ls-layer", "ls-lru", "ls-fifo", "lhu", "fld"])
 @pytest.mark.parametrize("mask_seed", [0, 5])
 def test_many_slots(name, kw, mask_seed):
     L, E = 16, 256
@@ -55,4 +56,6 @@ def test_many_slots_spac(mask_seed):
     rng = np.random.default_rng(11 + mask_seed)
     L, E = 16, 256
     keys, starts, counts = verify_stream(rng, 25, L, E, 8, gmax=6)
-    check("spac", {"levels": 4}, {"levels": 4}, keys, starts, L, E, mask_seed, counts)
+    for name in ("spac", "spac_ema", "score"):
+        kw = {"levels": 4} if name.startswith("spac") else {}
+        check(name, kw, kw, keys, starts, L, E, mask_seed, counts)

@@ -7,6 +7,7 @@
 static const smoe_policy_ops *const builtins[] = {
     &smoe_policy_lru, &smoe_policy_lfu, &smoe_policy_fifo, &smoe_policy_mru,
     &smoe_policy_random, &smoe_policy_least_stale, &smoe_policy_belady, &smoe_policy_spac,
+    &smoe_policy_spac_ema, &smoe_policy_lhu, &smoe_policy_fld, &smoe_policy_score,
 };
 
 const smoe_policy_ops *smoe_policy_find(const char *name) {
@@ -16,7 +17,7 @@ const smoe_policy_ops *smoe_policy_find(const char *name) {
 }
 
 const char *smoe_policy_names(void) {
-    return "lru, lfu, fifo, mru, random, least_stale, belady, spac";
+    return "lru, lfu, fifo, mru, random, least_stale, belady, spac, spac_ema, lhu, fld, score";
 }
 
 int smoe_policy_create(smoe_policy **out, const smoe_policy_ops *ops,

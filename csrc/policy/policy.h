@@ -46,7 +46,9 @@ typedef struct smoe_policy_params {
     int32_t order;        /* least_stale: SMOE_LS_ORDER_* */
     const int32_t *future; /* belady: the future demand access sequence of keys (copied) */
     uint64_t future_len;
-    int32_t levels;       /* spac: utility levels K (utility in 0..K); 0 = default (4) */
+    int32_t levels;       /* spac, spac_ema: utility levels K (utility in 0..K); 0 = default (4) */
+    int32_t theta0;       /* spac: initial boundaries θ↑ = θ↓ = ⌊γ/2⌋ (MoE-SpAc Alg. 1 line 3;
+                             raised to 1 when 0 is meant, see spac.c); 0 = default 4 (γ = 8) */
 } smoe_policy_params;
 
 typedef struct smoe_policy_ops {
@@ -58,7 +60,7 @@ typedef struct smoe_policy_ops {
     void (*on_evict)(smoe_policy *p, uint32_t slot, int32_t key);
     void (*on_pass)(smoe_policy *p, uint64_t pass_id);
     int32_t (*victim)(smoe_policy *p, smoe_evictable_fn evictable, void *ctx);
-    /* Optional (NULL for every policy but spac).  Activation counts of one verification pass:
+    /* Optional (spac, spac_ema and score use it).  Activation counts of one verification pass:
      * counts[i] tokens of the pass activated expert keys[i] (0 <= keys[i] < num_layers *
      * num_experts; keys need not be resident).  A layer is "observed" by this call when at
      * least one of keys[] belongs to it; experts of an observed layer absent from keys[] have
@@ -68,6 +70,9 @@ typedef struct smoe_policy_ops {
     /* Optional: the policy's current integer utility of any key (resident or not), >= 0, or -1
      * for a key out of range. */
     int32_t (*utility)(const smoe_policy *p, int32_t key);
+    /* Optional (spac): the hot/cold threshold τ_t on the utility scale (MoE-SpAc §3.3): keys
+     * with utility >= τ are hot; a prefetcher processes only hot keys (§3.4). */
+    int32_t (*threshold)(const smoe_policy *p);
 } smoe_policy_ops;
 
 struct smoe_policy {
@@ -90,9 +95,13 @@ extern const smoe_policy_ops smoe_policy_random;
 extern const smoe_policy_ops smoe_policy_least_stale;
 extern const smoe_policy_ops smoe_policy_belady;
 extern const smoe_policy_ops smoe_policy_spac;
+extern const smoe_policy_ops smoe_policy_spac_ema;
+extern const smoe_policy_ops smoe_policy_lhu;
+extern const smoe_policy_ops smoe_policy_fld;
+extern const smoe_policy_ops smoe_policy_score;
 
 /* Look a built-in up by name ("lru", "lfu", "fifo", "mru", "random", "least_stale", "belady",
- * "spac");
+ * "spac", "spac_ema", "lhu", "fld", "score");
  * NULL when unknown. */
 const smoe_policy_ops *smoe_policy_find(const char *name);
 
@@ -125,6 +134,10 @@ static inline void smoe_policy_counts(smoe_policy *p, const int32_t *keys, const
 /* -1 when the policy has no utility (or the key is out of range). */
 static inline int32_t smoe_policy_utility(const smoe_policy *p, int32_t key) {
     return p->ops->utility ? p->ops->utility(p, key) : -1;
+}
+/* -1 when the policy has no threshold. */
+static inline int32_t smoe_policy_threshold(const smoe_policy *p) {
+    return p->ops->threshold ? p->ops->threshold(p) : -1;
 }
 static inline int32_t smoe_policy_victim(smoe_policy *p, smoe_evictable_fn f, void *ctx) {
     return p->ops->victim(p, f, ctx);

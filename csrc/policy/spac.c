@@ -1,95 +1,101 @@
-/* SpAc: utility-space caching after MoE-SpAc (Li, Lin, Ge, Ye, 2026, arXiv:2603.09983).
+/* spac: MoE-SpAc's Speculative Utility Estimator and utility-guided eviction as published
+ * (Li, Lin, Ge, Ye, 2026, arXiv:2603.09983; the copy in ../shared/papers/moe-spac.txt).
+ * The plain-Python reference is tests/ref_policies.py RefSpAc; the older estimator written from
+ * the abstract (an EMA with quantile levels) lives on as "spac_ema" (policy/spac_ema.c).
  *
- * The paper's Speculative Utility Estimator gives every expert an integer utility derived from
- * how many of a verification pass's speculated tokens activate it, and its execution engine
- * decides prefetch order and eviction in that one utility space.  Only the paper's abstract
- * was available when this was written, so the estimator below is our own concrete reading of
- * it; every choice is listed here and mirrored by the plain-Python reference
- * (tests/ref_policies.py RefSpAc).
+ * Estimator: Algorithm 1 (§3.2), per expert key i, one step t per on_counts call:
+ *   f_{i,t}   the activation frequency of the verification pass (the count given; §2.3: the
+ *             number of the pass's tokens routed to the expert, in 0..γ+1; not clamped);
+ *   Δ_{i,t} = f_{i,t} - f_{i,t-1}   (line 7; f_{i,0} = 0)
+ *   s_{i,t+1} = min(K, s+1)  if Δ >= θ↑_{i,t}                        (line 9-10, Eq. 6)
+ *               max(0, s-1)  else if -Δ >= θ↓_{i,t}                   (line 11-12)
+ *               s            otherwise                                (line 14)
+ *   θ↑ <- ⌊(1-λ)θ↑ + λΔ⌋ if Δ > 0;  θ↓ <- ⌊(1-λ)θ↓ + λ|Δ|⌋ if Δ < 0   (lines 17-25)
+ *   with λ = 0.1 (§4.1), computed exactly in integers as ⌊(9θ + |Δ|) / 10⌋ (no floating
+ *   point, so the Python reference agrees bit for bit).  Initial s = 0 (line 2) and
+ *   θ↑ = θ↓ = ⌊γ/2⌋ (line 3), where γ is the draft length: params->theta0 carries ⌊γ/2⌋
+ *   (0 means the paper's γ = 8, §4.1, so 4).  K = params->levels (0 means the paper's K = 4).
+ *   Deviation: a boundary of 0 (γ <= 1: plain decoding or one draft token) is raised to 1.  With
+ *   θ↑ = 0 the test Δ >= θ↑ holds for Δ = 0, so every expert whose frequency did not change,
+ *   dormant ones (0 -> 0) included, would climb one level per step up to K; the update rule
+ *   never makes a boundary of 1 or more fall to 0 (⌊(9θ + |Δ|)/10⌋ >= 1 for θ, |Δ| >= 1), so the
+ *   clamp only touches the initial value.
+ * Observation (same contract as policy.h's on_counts): the layers of the listed keys are
+ * observed; every expert of an observed layer takes one step (absent ones with f = 0, as
+ * Algorithm 1 loops over all N experts); layers not listed take no step.  A key listed twice:
+ * the last count wins.  Keys out of range are ignored.
  *
- *  1. Levels.  K = params->levels (1..255; 0 means the default 4).  Utility is an integer in
- *     0..K.  K is fixed per policy while the draft length may vary per iteration, so a count
- *     is clamped to K before use: a pass of K_draft+1 > K tokens cannot push an expert above
- *     the top level, and a shorter pass simply produces smaller counts.
- *  2. Score.  Per key an exponential moving average of the clamped counts with forgetting
- *     factor beta = 0.1:  s <- (1 - beta) s + beta c.  It is kept in fixed point (units of
- *     1/65536 token) and computed in integers, s <- floor((9 s + 65536 c) / 10), so the C
- *     policy and the Python reference agree bit for bit (no floating point anywhere).  With
- *     floor rounding a score left alone decays to exactly 0 (about 100 passes after a count of
- *     1).
- *  3. Observation.  on_counts(keys, counts, n) carries one pass's counts.  The layers of the
- *     listed keys are "observed": every expert of an observed layer is updated (an absent one
- *     with c = 0, so it decays); layers not listed are untouched, so a caller may feed one
- *     layer at a time or all layers at once with the same result.  A key listed twice: the last
- *     count wins; keys out of range are ignored.
- *  4. Adaptive thresholds, per layer.  After a layer's scores are updated its K thresholds are
- *     re-derived from the current score distribution of that layer: with Z the ascending list
- *     of the layer's n non-zero scores, theta_j = Z[floor((j - 1) n / K)] for j = 1..K
- *     (equal-frequency bins of the non-zero scores).  The utility of an expert is 0 if its
- *     score is 0, else the number of j with s >= theta_j (so 1..K; equal scores share a
- *     level).  Thresholds are per layer because every layer sees the same number of
- *     activations per token (top-k), so layer-relative levels are comparable across layers, and
- *     re-ranking one layer costs O(E log E) instead of all L*E keys.  Utilities change only in
- *     on_counts; before any counts every key has utility 0.
- *  5. Victim: the resident evictable slot whose key has the lowest utility; ties go to the
- *     least recently touched slot (touch = access or insert of either kind, a logical clock
- *     advanced by each on_insert/on_access, so no ties remain).  With no counts ever fed the
- *     policy is therefore exactly LRU.
- *  6. Prefetch order is not decided inside the policy: the caller orders prefetch requests by
- *     utility (ExpertCache.utility -> ExpertCache.prefetch priorities), and the cache's worker
- *     evicts through victim(), so both sides use the same utilities.  Admission in the same
- *     space: the cache (and the simulator) let a prefetch evict only a slot whose utility is
- *     <= the prefetched key's utility (any policy with a utility op); a demand miss may evict
- *     any unpinned slot.  "<=" rather than "<" keeps prefetching alive before any counts
- *     (all utilities 0) and between experts of one level.
- *  7. A policy swap (smoe_cache_set_policy) starts a fresh spac with all scores 0.
+ * Threshold τ_t (§3.3, Eq. 9-12, Appendix C.2): the hot experts are those with s >= τ.  The
+ * paper picks τ in 1..K to balance CPU and GPU execution (Eq. 9) under an I/O budget (Eq. 10)
+ * and a memory budget (Eq. 11).  specmoe computes every expert on one device after loading it
+ * (no CPU execution of cold experts, so no T_cpu/T_gpu balance) and the policy sees no timings,
+ * so only Eq. 11 and 12 remain: with n(τ) the number of hot experts not resident and VRAM_left
+ * the slots left once the evictor has removed the cold residents (nslots - hot residents),
+ * W n(τ) <= VRAM_left is exactly "#{i : s_i >= τ} <= nslots".  τ_t is the smallest feasible τ
+ * (the largest hot set that fits, i.e. the fewest cold misses), and K when none is (the
+ * paper's fallback, Appendix C.2).  It is recomputed after every on_counts over all keys (one
+ * cache shared by all layers, where the paper solves per layer) and read through the
+ * threshold op; the simulator's prefetcher processes only requests with s >= τ (§3.4 "the
+ * prefetcher only processes queues with levels s >= τ"), see sim.c.
  *
- * Memory: fixed arrays allocated at init (scores and utilities per key, pending counts per key,
- * one layer of scratch, per-slot state, an indexed heap of the resident slots keyed by
- * (utility, last touch), per-layer lists of the resident slots); on_counts and victim allocate
- * nothing.  An access or insert re-keys one slot, O(log nslots); on_counts re-keys the resident
- * slots of each observed layer, O(n + observed layers * (E log E + resident slots of the layer
- * * log nslots)); victim() walks the heap from the top past refused slots (slotheap.h):
- * O(1 + refused slots), O(nslots) when almost nothing is evictable. */
+ * Eviction (§3.4 Utility-Guided Eviction): resident experts are indexed by their current
+ * utility; the evictor removes those with s < τ first, lowest utility first.  Within one
+ * utility level the order is FIFO by entry into the level (the multi-level queues of §3.4 are
+ * FIFO per level; an ordered index with equal keys kept in insertion order gives the same):
+ * a slot enters a level's queue when it is inserted (demand or prefetch) or when on_counts moves
+ * its key to another level; an access does not reorder it.  Keys moved by one on_counts call
+ * enter their new queues in increasing key order.  victim() is the head of the lowest
+ * non-empty level that evictable() accepts: since every cold level lies below every hot one,
+ * this is "cold first" for any τ.  Not taken from Appendix D: the implementation note that
+ * sets a used expert's tag to 0 right after its computation (so it is recycled first); with
+ * it, eviction would no longer follow the utility and §3.4's description (which this follows)
+ * would not hold.  Experts in use are "frozen" there; here the cache's pins do that (a pinned
+ * slot is not evictable).
+ *
+ * Memory: per key s, f_{t-1}, θ↑, θ↓, the pending count and the resident slot; per layer an
+ * observed flag; per slot its key and an indexed heap keyed (level, entry clock) (slotheap.h);
+ * per level the number of keys on it (for τ).  All sized at init; nothing allocates later.
+ * Costs: insert/evict O(log nslots); access O(1); on_counts O(n + observed layers * E +
+ * moved resident slots * log nslots + K); victim O(1 + refused slots) (slotheap.h). */
 #include <stdlib.h>
 
 #include "policy.h"
 #include "slotheap.h"
 
-#define SPAC_ONE 65536u /* fixed-point unit of a score: one token */
-#define SPAC_DEFAULT_LEVELS 4
+#define SPAC_DEFAULT_LEVELS 4 /* K = 4 (§4.1) */
+#define SPAC_DEFAULT_THETA0 4 /* ⌊γ/2⌋ with γ = 8 (§4.1) */
 
 typedef struct spac_state {
-    uint32_t levels;
-    uint64_t *score;   /* [nkeys] fixed-point EMA of clamped counts */
-    uint8_t *util;     /* [nkeys] 0..levels */
-    uint32_t *pending; /* [nkeys] clamped count of the current on_counts call */
+    uint32_t levels;   /* K */
+    uint32_t tau;      /* τ_t, 1..K */
+    uint8_t *util;     /* [nkeys] s, 0..K */
+    uint32_t *fprev;   /* [nkeys] f_{t-1} */
+    uint32_t *th_up;   /* [nkeys] θ↑ (>= 1) */
+    uint32_t *th_dn;   /* [nkeys] θ↓ (>= 1) */
+    uint32_t *pending; /* [nkeys] f of the current on_counts call */
+    int32_t *key_slot; /* [nkeys] resident slot of the key, -1 when none */
+    uint64_t *nlevel;  /* [K + 1] keys on each level */
     uint8_t *observed; /* [num_layers] scratch of the current on_counts call */
-    uint64_t *sorted;  /* [num_experts] scratch: a layer's non-zero scores */
     int32_t *slot_key; /* [nslots] */
     uint8_t *resident; /* [nslots] */
-    uint64_t *touched; /* [nslots] clock of the last access/insert */
-    uint64_t clock;
-    smoe_slotheap heap;  /* resident slots keyed by (utility of the key, touched) */
-    int32_t *lhead;      /* [num_layers] resident slots whose key is in the layer */
-    int32_t *lprev, *lnext; /* [nslots] links of those lists */
+    uint64_t clock;    /* entry order into the level queues */
+    smoe_slotheap heap; /* resident slots keyed (level, entry clock) */
 } spac_state;
 
 static void spac_free(smoe_policy *p) {
     spac_state *st = p->state;
     if (!st) return;
-    free(st->score);
     free(st->util);
+    free(st->fprev);
+    free(st->th_up);
+    free(st->th_dn);
     free(st->pending);
+    free(st->key_slot);
+    free(st->nlevel);
     free(st->observed);
-    free(st->sorted);
     free(st->slot_key);
     free(st->resident);
-    free(st->touched);
     smoe_slotheap_free(&st->heap);
-    free(st->lhead);
-    free(st->lprev);
-    free(st->lnext);
     free(st);
     p->state = NULL;
 }
@@ -99,30 +105,38 @@ static int spac_init(smoe_policy *p, const smoe_policy_params *params, smoe_err 
     if (levels < 1 || levels > 255)
         return smoe_err_set(err, SMOE_EINVAL, "spac: levels must be in 1..255 (0 = default %d), "
                             "got %d", SPAC_DEFAULT_LEVELS, (int)params->levels);
+    if (params->theta0 < 0)
+        return smoe_err_set(err, SMOE_EINVAL, "spac: theta0 must be >= 0 (0 = default %d), got %d",
+                            SPAC_DEFAULT_THETA0, (int)params->theta0);
+    const uint32_t theta0 = params->theta0 ? (uint32_t)params->theta0 : SPAC_DEFAULT_THETA0;
     const size_t nkeys = (size_t)params->num_layers * params->num_experts;
     spac_state *st = calloc(1, sizeof *st);
     p->state = st;
     if (st) {
         st->levels = (uint32_t)levels;
-        st->score = calloc(nkeys, sizeof *st->score);
         st->util = calloc(nkeys, 1);
+        st->fprev = calloc(nkeys, sizeof *st->fprev);
+        st->th_up = malloc(nkeys * sizeof *st->th_up);
+        st->th_dn = malloc(nkeys * sizeof *st->th_dn);
         st->pending = calloc(nkeys, sizeof *st->pending);
+        st->key_slot = malloc(nkeys * sizeof *st->key_slot);
+        st->nlevel = calloc((size_t)levels + 1, sizeof *st->nlevel);
         st->observed = calloc(params->num_layers, 1);
-        st->sorted = calloc(params->num_experts, sizeof *st->sorted);
         st->slot_key = calloc(params->nslots, sizeof *st->slot_key);
         st->resident = calloc(params->nslots, 1);
-        st->touched = calloc(params->nslots, sizeof *st->touched);
-        st->lhead = malloc((params->num_layers ? params->num_layers : 1) * sizeof *st->lhead);
-        st->lprev = malloc((params->nslots ? params->nslots : 1) * sizeof *st->lprev);
-        st->lnext = malloc((params->nslots ? params->nslots : 1) * sizeof *st->lnext);
     }
-    if (!st || !st->score || !st->util || !st->pending || !st->observed || !st->sorted ||
-        !st->slot_key || !st->resident || !st->touched || !st->lhead || !st->lprev ||
-        !st->lnext || smoe_slotheap_init(&st->heap, params->nslots) < 0) {
+    if (!st || !st->util || !st->fprev || !st->th_up || !st->th_dn || !st->pending ||
+        !st->key_slot || !st->nlevel || !st->observed || !st->slot_key || !st->resident ||
+        smoe_slotheap_init(&st->heap, params->nslots) < 0) {
         spac_free(p);
         return smoe_err_set(err, SMOE_ENOMEM, "spac: out of memory for %zu keys", nkeys);
     }
-    for (uint32_t l = 0; l < params->num_layers; l++) st->lhead[l] = -1;
+    for (size_t k = 0; k < nkeys; k++) {
+        st->th_up[k] = st->th_dn[k] = theta0;
+        st->key_slot[k] = -1;
+    }
+    st->nlevel[0] = nkeys;
+    st->tau = 1; /* every key on level 0: n(1) = 0 fits */
     return 0;
 }
 
@@ -130,110 +144,100 @@ static int spac_key_ok(const smoe_policy *p, int32_t k) {
     return k >= 0 && (uint64_t)k < (uint64_t)p->num_layers * p->num_experts;
 }
 
-/* Utility of a slot's key (0 for a key out of range, as victim() has always counted it). */
-static uint32_t spac_slot_util(const smoe_policy *p, const spac_state *st, uint32_t s) {
-    return spac_key_ok(p, st->slot_key[s]) ? st->util[st->slot_key[s]] : 0;
+/* (Re-)enter slot s at the tail of its key's level queue. */
+static void spac_enqueue(smoe_policy *p, spac_state *st, uint32_t s) {
+    const int32_t k = st->slot_key[s];
+    smoe_slotheap_set(&st->heap, s, spac_key_ok(p, k) ? st->util[k] : 0, ++st->clock);
 }
 
-static void spac_rekey(smoe_policy *p, spac_state *st, uint32_t s) {
-    smoe_slotheap_set(&st->heap, s, spac_slot_util(p, st, s), st->touched[s]);
-}
-
-/* A resident slot joins / leaves the list of its key's layer (keys out of range: none). */
-static void spac_layer_link(smoe_policy *p, spac_state *st, uint32_t s) {
-    if (!spac_key_ok(p, st->slot_key[s])) return;
-    uint32_t l = (uint32_t)st->slot_key[s] / p->num_experts;
-    st->lprev[s] = -1;
-    st->lnext[s] = st->lhead[l];
-    if (st->lhead[l] >= 0) st->lprev[st->lhead[l]] = (int32_t)s;
-    st->lhead[l] = (int32_t)s;
-}
-
-static void spac_layer_unlink(smoe_policy *p, spac_state *st, uint32_t s) {
-    if (!spac_key_ok(p, st->slot_key[s])) return;
-    uint32_t l = (uint32_t)st->slot_key[s] / p->num_experts;
-    if (st->lprev[s] >= 0) st->lnext[st->lprev[s]] = st->lnext[s]; else st->lhead[l] = st->lnext[s];
-    if (st->lnext[s] >= 0) st->lprev[st->lnext[s]] = st->lprev[s];
+static void spac_drop(smoe_policy *p, spac_state *st, uint32_t s) {
+    const int32_t k = st->slot_key[s];
+    if (spac_key_ok(p, k) && st->key_slot[k] == (int32_t)s) st->key_slot[k] = -1;
+    smoe_slotheap_remove(&st->heap, s);
+    st->resident[s] = 0;
 }
 
 static void spac_insert(smoe_policy *p, uint32_t slot, int32_t key, int prefetch) {
     spac_state *st = p->state;
     (void)prefetch;
     if (slot >= p->nslots) return;
-    if (st->resident[slot]) spac_layer_unlink(p, st, slot);
+    if (st->resident[slot]) spac_drop(p, st, slot);
     st->slot_key[slot] = key;
     st->resident[slot] = 1;
-    st->touched[slot] = ++st->clock;
-    spac_layer_link(p, st, slot);
-    spac_rekey(p, st, slot);
+    if (spac_key_ok(p, key)) st->key_slot[key] = (int32_t)slot;
+    spac_enqueue(p, st, slot);
 }
 
 static void spac_access(smoe_policy *p, uint32_t slot, int32_t key) {
-    spac_state *st = p->state;
-    (void)key;
-    if (slot >= p->nslots) return;
-    st->touched[slot] = ++st->clock;
-    if (st->resident[slot]) spac_rekey(p, st, slot);
+    (void)p;
+    (void)slot;
+    (void)key; /* FIFO inside a level: an access does not reorder (see the header) */
 }
 
 static void spac_evict(smoe_policy *p, uint32_t slot, int32_t key) {
     spac_state *st = p->state;
     (void)key;
     if (slot >= p->nslots || !st->resident[slot]) return;
-    spac_layer_unlink(p, st, slot);
-    smoe_slotheap_remove(&st->heap, slot);
-    st->resident[slot] = 0;
+    spac_drop(p, st, slot);
 }
 
-static int cmp_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
+/* τ_t: the smallest τ in 1..K with #{keys on levels >= τ} <= nslots, else K (see header). */
+static void spac_threshold_update(smoe_policy *p, spac_state *st) {
+    uint64_t hot = 0;
+    for (uint32_t v = 1; v <= st->levels; v++) hot += st->nlevel[v];
+    uint32_t tau = 1;
+    while (tau < st->levels && hot > p->nslots) hot -= st->nlevel[tau++];
+    st->tau = tau;
 }
 
-/* Update layer l's scores from st->pending (then cleared) and re-derive its utilities. */
+/* Algorithm 1, lines 5-26, for every expert of layer l (f from st->pending, then cleared). */
 static void spac_layer(smoe_policy *p, spac_state *st, uint32_t l) {
     const uint32_t E = p->num_experts, K = st->levels;
-    uint64_t *sc = st->score + (size_t)l * E;
-    uint32_t *pend = st->pending + (size_t)l * E;
-    uint8_t *ut = st->util + (size_t)l * E;
-    uint32_t n = 0;
     for (uint32_t e = 0; e < E; e++) {
-        sc[e] = (9 * sc[e] + (uint64_t)SPAC_ONE * pend[e]) / 10;
-        pend[e] = 0;
-        if (sc[e]) st->sorted[n++] = sc[e];
-    }
-    qsort(st->sorted, n, sizeof *st->sorted, cmp_u64);
-    for (uint32_t e = 0; e < E; e++) {
-        uint32_t u = 0;
-        if (sc[e])
-            for (uint32_t j = 1; j <= K; j++)
-                if (sc[e] >= st->sorted[((uint64_t)(j - 1) * n) / K]) u++;
-        ut[e] = (uint8_t)u;
+        const size_t k = (size_t)l * E + e;
+        const uint32_t f = st->pending[k];
+        st->pending[k] = 0;
+        const int64_t d = (int64_t)f - (int64_t)st->fprev[k]; /* Δ, line 7 */
+        st->fprev[k] = f;
+        const uint32_t s = st->util[k];
+        uint32_t ns = s;
+        if (d >= (int64_t)st->th_up[k]) ns = s < K ? s + 1 : K;      /* lines 9-10 */
+        else if (-d >= (int64_t)st->th_dn[k]) ns = s > 0 ? s - 1 : 0; /* lines 11-12 */
+        if (d > 0) st->th_up[k] = (uint32_t)((9 * (uint64_t)st->th_up[k] + (uint64_t)d) / 10);
+        else if (d < 0) st->th_dn[k] = (uint32_t)((9 * (uint64_t)st->th_dn[k] + (uint64_t)-d) / 10);
+        if (ns != s) {
+            st->util[k] = (uint8_t)ns;
+            st->nlevel[s]--;
+            st->nlevel[ns]++;
+            if (st->key_slot[k] >= 0) spac_enqueue(p, st, (uint32_t)st->key_slot[k]);
+        }
     }
 }
 
 static void spac_counts(smoe_policy *p, const int32_t *keys, const uint32_t *counts,
                         uint32_t n) {
     spac_state *st = p->state;
-    const uint64_t nkeys = (uint64_t)p->num_layers * p->num_experts;
     for (uint32_t i = 0; i < n; i++) {
-        if (keys[i] < 0 || (uint64_t)keys[i] >= nkeys) continue;
-        st->pending[keys[i]] = counts[i] < st->levels ? counts[i] : st->levels;
+        if (!spac_key_ok(p, keys[i])) continue;
+        st->pending[keys[i]] = counts[i];
         st->observed[(uint32_t)keys[i] / p->num_experts] = 1;
     }
     for (uint32_t l = 0; l < p->num_layers; l++)
         if (st->observed[l]) {
             spac_layer(p, st, l);
             st->observed[l] = 0;
-            for (int32_t s = st->lhead[l]; s >= 0; s = st->lnext[s])
-                spac_rekey(p, st, (uint32_t)s);
         }
+    spac_threshold_update(p, st);
 }
 
 static int32_t spac_utility(const smoe_policy *p, int32_t key) {
     const spac_state *st = p->state;
-    if (key < 0 || (uint64_t)key >= (uint64_t)p->num_layers * p->num_experts) return -1;
-    return st->util[key];
+    return spac_key_ok(p, key) ? st->util[key] : -1;
+}
+
+static int32_t spac_threshold(const smoe_policy *p) {
+    const spac_state *st = p->state;
+    return (int32_t)st->tau;
 }
 
 static int32_t spac_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {
@@ -252,4 +256,5 @@ const smoe_policy_ops smoe_policy_spac = {
     .victim = spac_victim,
     .on_counts = spac_counts,
     .utility = spac_utility,
+    .threshold = spac_threshold,
 };

@@ -56,7 +56,7 @@ static int ref_before(const char *name, int order, const smoe_policy *p, const r
         if (x->count != y->count) return x->count < y->count;
         return x->touched < y->touched;
     }
-    if (!strcmp(name, "spac")) {
+    if (!strcmp(name, "spac_ema")) {
         int32_t ux = smoe_policy_utility(p, x->key), uy = smoe_policy_utility(p, y->key);
         if (ux < 0) ux = 0;
         if (uy < 0) uy = 0;
@@ -70,6 +70,8 @@ static int ref_before(const char *name, int order, const smoe_policy *p, const r
         uint32_t jx = layer_of(r, x->key), jy = layer_of(r, y->key);
         uint32_t dx = jx > r->cur ? jx - r->cur : jx + r->L - r->cur;
         uint32_t dy = jy > r->cur ? jy - r->cur : jy + r->L - r->cur;
+        if (xs && jx == r->cur) dx = 0; /* stale and of the current layer: last */
+        if (ys && jy == r->cur) dy = 0;
         if (dx != dy) return dx > dy;
     }
     return x->touched < y->touched;
@@ -167,7 +169,7 @@ static int run(const char *name, int order, uint32_t ns, uint64_t seed, uint64_t
 int main(void) {
     const struct { const char *name; int order; } pols[] = {
         {"lfu", 0}, {"least_stale", SMOE_LS_ORDER_LAYER}, {"least_stale", SMOE_LS_ORDER_LRU},
-        {"least_stale", SMOE_LS_ORDER_FIFO}, {"spac", 0}};
+        {"least_stale", SMOE_LS_ORDER_FIFO}, {"spac_ema", 0}};
     const uint32_t sizes[] = {1, 2, 5, 33, 280, 700};
     int fails = 0, runs = 0;
     for (size_t i = 0; i < sizeof pols / sizeof pols[0]; i++)
