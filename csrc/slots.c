@@ -21,16 +21,12 @@ static int evictable_demand(void *ctx, uint32_t s) {
     return s < t->nslots && t->slots[s].state == SMOE_SLOT_READY && t->slots[s].pins == 0;
 }
 
-/* The prefetcher never evicts an expert used in the current pass, nor, under a policy with a
- * utility (spac), one whose utility exceeds that of the expert being prefetched (prefetch and
- * eviction decided in one utility space: MoE-SpAc). */
+/* A demand-evictable slot that the prefetch admission rule (policy.h) lets go for pf_key. */
 static int evictable_prefetch(void *ctx, uint32_t s) {
     const smoe_slots *t = ctx;
-    if (!evictable_demand(ctx, s) || t->slots[s].last_pass == t->pass_id) return 0;
-    if (t->policy->ops->utility &&
-        smoe_policy_utility(t->policy, t->slots[s].key) > smoe_policy_utility(t->policy, t->pf_key))
-        return 0;
-    return 1;
+    return evictable_demand(ctx, s) &&
+           smoe_policy_prefetch_may_evict(t->policy, t->slots[s].last_pass, t->pass_id,
+                                          t->slots[s].key, t->pf_key);
 }
 
 static int32_t lowest_free(const smoe_slots *t) {
