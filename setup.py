@@ -205,9 +205,10 @@ if plan is None:
     if "build_ext" in sys.argv or "develop" in sys.argv or "editable_wheel" in sys.argv:
         print(f"specmoe._cuda not built: {why}")
 else:
-    # The GPU module carries its own copies of the C pieces it needs (store reads, policies,
-    # descriptor checks): nothing is shared with specmoe._C at the C level.
-    shared_c = ["csrc/common.c", "csrc/store.c"] + rel(
+    # The GPU module carries its own compiled copies of the C pieces it needs (the slot table
+    # of csrc/slots.c, store reads, policies, descriptor checks): one source, built into both
+    # extensions; nothing is shared with specmoe._C at run time.
+    shared_c = ["csrc/common.c", "csrc/slots.c", "csrc/store.c"] + rel(
         glob.glob(os.path.join(here, "csrc", "kernels", "*.c"))) + rel(
         glob.glob(os.path.join(here, "csrc", "policy", "*.c")))
     cuda_c = rel(glob.glob(os.path.join(here, "cuda", "*.c")))

@@ -22,13 +22,13 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
         return smoe_err_set(err, SMOE_EINVAL,
                             "layers: need L, E, H, k > 0 and k <= E (got %u, %u, %u, %u)", L, E,
                             H, k);
-    if (cache->num_layers != L || cache->num_experts != E)
+    if (cache->tab.num_layers != L || cache->tab.num_experts != E)
         return smoe_err_set(err, SMOE_EINVAL,
                             "layers: the cache holds %u layers x %u experts, the model %u x %u",
-                            cache->num_layers, cache->num_experts, L, E);
+                            cache->tab.num_layers, cache->tab.num_experts, L, E);
     if (d->H != H)
         return smoe_err_set(err, SMOE_EINVAL, "layers: expert hidden size %u, model %u", d->H, H);
-    int rc = smoe_ffn_desc_check(d, cache->slot_bytes, err);
+    int rc = smoe_ffn_desc_check(d, cache->tab.slot_bytes, err);
     if (rc) return rc;
     g->L = L, g->E = E, g->H = H, g->k = k;
     g->cache = cache, g->kc = kc, g->desc = *d, g->sigmoid = sigmoid;
@@ -441,7 +441,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
     if (pos == 0) {
         g->counters.passes++;
         g->counters.tokens += T;
-        smoe_cache_begin_pass(g->cache);
+        smoe_slots_begin_pass(&g->cache->tab);
     }
     if (g->prefetch && pos + 1 < g->L && T > 0) {
         if (!scores) {
@@ -458,7 +458,8 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
                 g->prios[n] = g->best[e];
                 n++;
             }
-        if ((rc = smoe_cache_prefetch(g->cache, g->keys, g->prios, n, replace, err))) return rc;
+        rc = smoe_slots_prefetch(&g->cache->tab, g->keys, g->prios, n, replace, err);
+        if (rc) return rc;
     }
     const int step4 = T > 0 && (g->route_lambda > 0.0 || g->miss != SMOE_MISS_FETCH);
     uint32_t lowbit_pairs = 0;
@@ -478,7 +479,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
                 g->counts[n] = g->counts[e];
                 n++;
             }
-        if ((rc = smoe_cache_counts(g->cache, g->keys, g->counts, n, err))) return rc;
+        if ((rc = smoe_slots_counts(&g->cache->tab, g->keys, g->counts, n, err))) return rc;
     }
     smoe_moe_source src = smoe_moe_cache_source(g->cache);
     rc = smoe_moe_forward_ex(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take, out, used,

@@ -5,7 +5,7 @@
  * called once per MoE layer and forward pass, with the GIL released:
  *
  *   smoe_layers_forward(g, pos, x[T,H], idx[T,k], w[T,k], out[T,H], used[E], ...)
- *     1. pos == 0: a new forward pass (passes++, tokens += T, smoe_cache_begin_pass);
+ *     1. pos == 0: a new forward pass (passes++, tokens += T, smoe_slots_begin_pass);
  *     2. prefetch on and pos+1 < L: the next layer's router on x (scores[T,E] = x Wr^T + b,
  *        then sigmoid or softmax plus the correction bias where the model has one), or the
  *        scores the caller passes (a Python predictor); per token the top
@@ -13,7 +13,7 @@
  *        least k, whose softmax probability reaches mass; the union queued to the prefetch
  *        worker with priority = the best score (probability in mass mode) over the tokens;
  *     3. feed_counts (a utility-space policy): how many tokens route to each expert of this
- *        layer, to the policy before the layer's accesses (smoe_cache_counts);
+ *        layer, to the policy before the layer's accesses (smoe_slots_counts);
  *     4. cache-aware routing and miss handling (SpecMD Sec. 3.1.1 and 3.1.2, below), when on;
  *     5. the experts (smoe_moe_forward through the cache), out overwritten, used[e] = 1;
  *     6. precision/recall of the prediction made for this layer against `used`.

@@ -193,7 +193,7 @@ static PyObject *Cache_acquire(CacheObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     self->busy--;
     if (rc < 0) return smoe_py_raise(&err);
-    npy_intp dims[1] = {(npy_intp)self->cache.slot_bytes};
+    npy_intp dims[1] = {(npy_intp)self->cache.tab.slot_bytes};
     PyObject *arr = PyArray_New(&PyArray_Type, 1, dims, NPY_UINT8, NULL, (void *)data, 0,
                                 NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL);
     if (!arr) goto undo;
@@ -227,9 +227,9 @@ static PyObject *Cache_release(CacheObject *self, PyObject *args) {
 static PyObject *Cache_begin_pass(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    smoe_cache_begin_pass(&self->cache);
+    smoe_slots_begin_pass(&self->cache.tab);
     Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLongLong(self->cache.pass_id);
+    return PyLong_FromUnsignedLongLong(self->cache.tab.pass_id);
 }
 
 static PyObject *Cache_prefetch(CacheObject *self, PyObject *args, PyObject *kwds) {
@@ -262,7 +262,7 @@ static PyObject *Cache_prefetch(CacheObject *self, PyObject *args, PyObject *kwd
     const int32_t *kd = PyArray_DATA(k);
     const float *pd = PyArray_DATA(p);
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_cache_prefetch(&self->cache, kd, pd, (uint32_t)n, replace, &err);
+    rc = smoe_slots_prefetch(&self->cache.tab, kd, pd, (uint32_t)n, replace, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(k);
     Py_DECREF(p);
@@ -273,14 +273,14 @@ static PyObject *Cache_prefetch(CacheObject *self, PyObject *args, PyObject *kwd
 static PyObject *Cache_cancel(CacheObject *self, PyObject *args) {
     long long key = -1;
     if (!PyArg_ParseTuple(args, "|L:cancel", &key) || check_open(self) < 0) return NULL;
-    uint64_t nkeys = (uint64_t)self->cache.num_layers * self->cache.num_experts;
+    uint64_t nkeys = (uint64_t)self->cache.tab.num_layers * self->cache.tab.num_experts;
     if (key < -1 || (key >= 0 && (uint64_t)key >= nkeys)) {
         PyErr_Format(PyExc_ValueError, "cancel: key %lld out of range [0, %llu) (or -1 for all)",
                      key, (unsigned long long)nkeys);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    smoe_cache_cancel(&self->cache, (int32_t)key);
+    smoe_slots_cancel(&self->cache.tab, (int32_t)key);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -289,7 +289,7 @@ static PyObject *Cache_wait_idle(CacheObject *self, PyObject *Py_UNUSED(ignored)
     if (check_open(self) < 0) return NULL;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    smoe_cache_wait_idle(&self->cache);
+    smoe_slots_wait_idle(&self->cache.tab);
     Py_END_ALLOW_THREADS
     self->busy--;
     Py_RETURN_NONE;
@@ -300,7 +300,7 @@ static PyObject *Cache_pause_prefetch(CacheObject *self, PyObject *arg) {
     int paused = PyObject_IsTrue(arg);
     if (paused < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    smoe_cache_pause_worker(&self->cache, paused);
+    smoe_slots_pause_worker(&self->cache.tab, paused);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -309,7 +309,7 @@ static PyObject *Cache_queue_len(CacheObject *self, PyObject *Py_UNUSED(ignored)
     if (check_open(self) < 0) return NULL;
     uint32_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = smoe_cache_queue_len(&self->cache);
+    n = smoe_slots_queue_len(&self->cache.tab);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(n);
 }
@@ -320,7 +320,7 @@ static PyObject *Cache_take_prefetch_error(CacheObject *self, PyObject *Py_UNUSE
     smoe_err_clear(&err);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_cache_take_worker_error(&self->cache, &err);
+    rc = smoe_slots_take_worker_error(&self->cache.tab, &err);
     Py_END_ALLOW_THREADS
     if (rc < 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
@@ -328,14 +328,14 @@ static PyObject *Cache_take_prefetch_error(CacheObject *self, PyObject *Py_UNUSE
 
 static PyObject *Cache_set_policy(CacheObject *self, PyObject *arg) {
     if (check_open(self) < 0) return NULL;
-    smoe_policy *p = policy_from(arg, self->cache.nslots, self->cache.num_layers,
-                                 self->cache.num_experts);
+    smoe_policy *p = policy_from(arg, self->cache.tab.nslots, self->cache.tab.num_layers,
+                                 self->cache.tab.num_experts);
     if (!p) return NULL;
     smoe_err err;
     smoe_err_clear(&err);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_cache_set_policy(&self->cache, p, &err);
+    rc = smoe_slots_set_policy(&self->cache.tab, p, &err);
     Py_END_ALLOW_THREADS
     if (rc < 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
@@ -345,7 +345,7 @@ static PyObject *Cache_observe_counts(CacheObject *self, PyObject *args) {
     PyObject *ko, *co;
     if (!PyArg_ParseTuple(args, "OO:observe_counts", &ko, &co)) return NULL;
     if (check_open(self) < 0) return NULL;
-    const uint64_t nkeys = (uint64_t)self->cache.num_layers * self->cache.num_experts;
+    const uint64_t nkeys = (uint64_t)self->cache.tab.num_layers * self->cache.tab.num_experts;
     PyArrayObject *k = smoe_py_index_array(ko, nkeys, "observe_counts keys", "key");
     if (!k) return NULL;
     PyArrayObject *c = smoe_py_index_array(co, (uint64_t)1 << 31, "observe_counts counts",
@@ -368,7 +368,7 @@ static PyObject *Cache_observe_counts(CacheObject *self, PyObject *args) {
     const int32_t *kd = PyArray_DATA(k);
     const uint32_t *cd = PyArray_DATA(c); /* non-negative int32 values: same bits as uint32 */
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_cache_counts(&self->cache, kd, cd, (uint32_t)n, &err);
+    rc = smoe_slots_counts(&self->cache.tab, kd, cd, (uint32_t)n, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(k);
     Py_DECREF(c);
@@ -378,7 +378,7 @@ static PyObject *Cache_observe_counts(CacheObject *self, PyObject *args) {
 
 static PyObject *Cache_utility(CacheObject *self, PyObject *ko) {
     if (check_open(self) < 0) return NULL;
-    const uint64_t nkeys = (uint64_t)self->cache.num_layers * self->cache.num_experts;
+    const uint64_t nkeys = (uint64_t)self->cache.tab.num_layers * self->cache.tab.num_experts;
     PyArrayObject *k = smoe_py_index_array(ko, nkeys, "utility keys", "key");
     if (!k) return NULL;
     npy_intp n = PyArray_DIM(k, 0);
@@ -398,7 +398,7 @@ static PyObject *Cache_utility(CacheObject *self, PyObject *ko) {
     const int32_t *kd = PyArray_DATA(k);
     int32_t *od = PyArray_DATA(out);
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_cache_utility(&self->cache, kd, od, (uint32_t)n, &err);
+    rc = smoe_slots_utility(&self->cache.tab, kd, od, (uint32_t)n, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(k);
     if (rc < 0) {
@@ -410,13 +410,13 @@ static PyObject *Cache_utility(CacheObject *self, PyObject *ko) {
 
 static PyObject *Cache_resident(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
-    npy_intp dims[1] = {(npy_intp)self->cache.nslots};
+    npy_intp dims[1] = {(npy_intp)self->cache.tab.nslots};
     PyArrayObject *a = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_INT32);
     if (!a) return NULL;
     int32_t *keys = PyArray_DATA(a);
     uint32_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = smoe_cache_resident(&self->cache, keys);
+    n = smoe_slots_resident(&self->cache.tab, keys);
     Py_END_ALLOW_THREADS
     PyObject *out = PySequence_GetSlice((PyObject *)a, 0, (Py_ssize_t)n);
     Py_DECREF(a);
@@ -443,7 +443,7 @@ static PyObject *Cache_stats(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     smoe_cache_stats s;
     Py_BEGIN_ALLOW_THREADS
-    smoe_cache_get_stats(&self->cache, &s);
+    smoe_slots_get_stats(&self->cache.tab, &s);
     Py_END_ALLOW_THREADS
     PyObject *d = PyDict_New();
     if (!d) return NULL;
@@ -468,7 +468,7 @@ static PyObject *Cache_stats(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Cache_reset_stats(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    smoe_cache_reset_stats(&self->cache);
+    smoe_slots_reset_stats(&self->cache.tab);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -503,8 +503,8 @@ static PyObject *Cache_bench_hits(CacheObject *self, PyObject *args) {
     if (!k) return NULL;
     npy_intp n = PyArray_DIM(k, 0);
     const int32_t *kd = PyArray_DATA(k);
-    uint32_t ne = self->cache.num_experts;
-    uint64_t nkeys = (uint64_t)self->cache.num_layers * ne;
+    uint32_t ne = self->cache.tab.num_experts;
+    uint64_t nkeys = (uint64_t)self->cache.tab.num_layers * ne;
     for (npy_intp i = 0; i < n; i++)
         if (kd[i] < 0 || (uint64_t)kd[i] >= nkeys) {
             PyErr_Format(PyExc_ValueError, "bench_hits: key %d out of range", (int)kd[i]);
@@ -542,26 +542,26 @@ static PyObject *Cache_close(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     }
     self->closed = 1;
     Py_BEGIN_ALLOW_THREADS
-    smoe_cache_stop_worker(&self->cache);
+    smoe_slots_stop_worker(&self->cache.tab);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyObject *Cache_get_nslots(CacheObject *self, void *c) {
     (void)c;
-    return PyLong_FromUnsignedLong(self->cache.nslots);
+    return PyLong_FromUnsignedLong(self->cache.tab.nslots);
 }
 static PyObject *Cache_get_slot_bytes(CacheObject *self, void *c) {
     (void)c;
-    return PyLong_FromUnsignedLongLong(self->cache.slot_bytes);
+    return PyLong_FromUnsignedLongLong(self->cache.tab.slot_bytes);
 }
 static PyObject *Cache_get_num_layers(CacheObject *self, void *c) {
     (void)c;
-    return PyLong_FromUnsignedLong(self->cache.num_layers);
+    return PyLong_FromUnsignedLong(self->cache.tab.num_layers);
 }
 static PyObject *Cache_get_num_experts(CacheObject *self, void *c) {
     (void)c;
-    return PyLong_FromUnsignedLong(self->cache.num_experts);
+    return PyLong_FromUnsignedLong(self->cache.tab.num_experts);
 }
 static PyObject *Cache_get_closed(CacheObject *self, void *c) {
     (void)c;
@@ -578,9 +578,9 @@ static PyObject *Cache_get_policy_name(CacheObject *self, void *c) {
     if (check_open(self) < 0) return NULL;
     const char *name;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&self->cache.mu);
-    name = self->cache.policy->ops->name;
-    pthread_mutex_unlock(&self->cache.mu);
+    pthread_mutex_lock(&self->cache.tab.mu);
+    name = self->cache.tab.policy->ops->name;
+    pthread_mutex_unlock(&self->cache.tab.mu);
     Py_END_ALLOW_THREADS
     return PyUnicode_FromString(name);
 }
@@ -589,9 +589,9 @@ static PyObject *Cache_get_pass_id(CacheObject *self, void *c) {
     if (check_open(self) < 0) return NULL;
     uint64_t id;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&self->cache.mu);
-    id = self->cache.pass_id;
-    pthread_mutex_unlock(&self->cache.mu);
+    pthread_mutex_lock(&self->cache.tab.mu);
+    id = self->cache.tab.pass_id;
+    pthread_mutex_unlock(&self->cache.tab.mu);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLongLong(id);
 }

@@ -60,12 +60,12 @@ static int Layers_init(LayersObject *self, PyObject *args, PyObject *kw) {
     const float **w = NULL, **b = NULL, **corr = NULL;
     PyObject *seq = PySequence_Fast(routers, "routers must be a sequence of (w, b, corr)");
     if (!seq) goto out;
-    if (smoe_py_ffn_desc_parse(desc, cache->slot_bytes, &d) < 0) goto out;
+    if (smoe_py_ffn_desc_parse(desc, cache->tab.slot_bytes, &d) < 0) goto out;
     Py_ssize_t L = PySequence_Fast_GET_SIZE(seq);
-    uint32_t E = cache->num_experts, H = d.H;
-    if ((uint32_t)L != cache->num_layers) {
+    uint32_t E = cache->tab.num_experts, H = d.H;
+    if ((uint32_t)L != cache->tab.num_layers) {
         PyErr_Format(PyExc_ValueError, "routers: %zd layers, the cache has %u", L,
-                     cache->num_layers);
+                     cache->tab.num_layers);
         goto out;
     }
     w = calloc((size_t)L, sizeof *w), b = calloc((size_t)L, sizeof *b);

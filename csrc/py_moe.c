@@ -83,14 +83,14 @@ static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {
         src = smoe_moe_resident_source(&r);
     } else {
         if (!(cache = smoe_py_cache_begin(source))) return NULL;
-        if (cache->slot_bytes != block_bytes || cache->num_experts != E ||
-            layer >= cache->num_layers) {
+        if (cache->tab.slot_bytes != block_bytes || cache->tab.num_experts != E ||
+            layer >= cache->tab.num_layers) {
             smoe_py_cache_end(source);
             PyErr_Format(PyExc_ValueError,
                          "cache (%u layers x %u experts, %llu-byte blocks) does not match layer "
                          "%u, num_experts %u, block_bytes %llu",
-                         cache->num_layers, cache->num_experts,
-                         (unsigned long long)cache->slot_bytes, layer, E,
+                         cache->tab.num_layers, cache->tab.num_experts,
+                         (unsigned long long)cache->tab.slot_bytes, layer, E,
                          (unsigned long long)block_bytes);
             return NULL;
         }

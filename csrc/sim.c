@@ -64,11 +64,9 @@ static const int16_t *row(const sim *s, uint64_t t, uint32_t l) {
 static int sim_evictable(void *ctx, uint32_t slot) {
     const sim *s = ctx;
     if ((int32_t)slot == s->inflight) return 0;
-    if (s->prefetch_mode && s->slot_pass[slot] == s->pass) return 0;
-    if (s->prefetch_mode && s->pol->ops->utility &&
-        smoe_policy_utility(s->pol, s->slot_key[slot]) > smoe_policy_utility(s->pol, s->pf_key))
-        return 0;
-    return 1;
+    return !s->prefetch_mode ||
+           smoe_policy_prefetch_may_evict(s->pol, s->slot_pass[slot], s->pass, s->slot_key[slot],
+                                          s->pf_key);
 }
 
 /* Give `key` a slot: the lowest free one, else the policy's victim.  Returns the slot, -1 when

@@ -426,7 +426,7 @@ static PyObject *GC_begin_pass(GCacheObject *self, PyObject *noargs) {
     (void)noargs;
     if (GC_check(self) < 0) return NULL;
     self->busy++;
-    Py_BEGIN_ALLOW_THREADS smoe_gcache_begin_pass(&self->cache);
+    Py_BEGIN_ALLOW_THREADS smoe_slots_begin_pass(&self->cache.tab);
     Py_END_ALLOW_THREADS self->busy--;
     Py_RETURN_NONE;
 }
@@ -503,7 +503,7 @@ static PyObject *GC_prefetch(GCacheObject *self, PyObject *args, PyObject *kw) {
     smoe_err_clear(&e);
     int rc;
     self->busy++;
-    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_prefetch(&self->cache, keys, pr, (uint32_t)n,
+    Py_BEGIN_ALLOW_THREADS rc = smoe_slots_prefetch(&self->cache.tab, keys, pr, (uint32_t)n,
                                                      replace, &e);
     Py_END_ALLOW_THREADS self->busy--;
     if (rc < 0) {
@@ -524,7 +524,7 @@ static PyObject *GC_cancel(GCacheObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "|i", &key)) return NULL;
     if (GC_check(self) < 0) return NULL;
     self->busy++;
-    Py_BEGIN_ALLOW_THREADS smoe_gcache_cancel(&self->cache, key);
+    Py_BEGIN_ALLOW_THREADS smoe_slots_cancel(&self->cache.tab, key);
     Py_END_ALLOW_THREADS self->busy--;
     Py_RETURN_NONE;
 }
@@ -537,7 +537,7 @@ static PyObject *GC_wait_idle(GCacheObject *self, PyObject *noargs) {
     int rc;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_wait_idle(&self->cache, &e);
-    if (rc == 0) rc = smoe_gcache_take_worker_error(&self->cache, &e);
+    if (rc == 0) rc = smoe_slots_take_worker_error(&self->cache.tab, &e);
     Py_END_ALLOW_THREADS self->busy--;
     if (rc < 0) return raise_err(&e);
     Py_RETURN_NONE;
@@ -548,7 +548,7 @@ static PyObject *GC_pause_worker(GCacheObject *self, PyObject *arg) {
     if (p < 0) return NULL;
     if (GC_check(self) < 0) return NULL;
     self->busy++;
-    Py_BEGIN_ALLOW_THREADS smoe_gcache_pause_worker(&self->cache, p);
+    Py_BEGIN_ALLOW_THREADS smoe_slots_pause_worker(&self->cache.tab, p);
     Py_END_ALLOW_THREADS self->busy--;
     Py_RETURN_NONE;
 }
@@ -560,17 +560,19 @@ static PyObject *GC_stats(GCacheObject *self, PyObject *noargs) {
     self->busy++;
     Py_BEGIN_ALLOW_THREADS smoe_gcache_get_stats(&self->cache, &s);
     Py_END_ALLOW_THREADS self->busy--;
+    const smoe_cache_stats *t = &s.c;
     return Py_BuildValue(
         "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d}", "hits",
-        (unsigned long long)s.hits, "misses", (unsigned long long)s.misses, "collision_misses",
-        (unsigned long long)s.collision_misses, "prefetch_issued",
-        (unsigned long long)s.prefetch_issued, "prefetch_used",
-        (unsigned long long)s.prefetch_used, "prefetch_late", (unsigned long long)s.prefetch_late,
-        "prefetch_wasted", (unsigned long long)s.prefetch_wasted, "prefetch_dropped",
-        (unsigned long long)s.prefetch_dropped, "prefetch_failed",
-        (unsigned long long)s.prefetch_failed, "evictions", (unsigned long long)s.evictions,
-        "bytes_read", (unsigned long long)s.bytes_read, "inflight_hits",
-        (unsigned long long)s.inflight_hits, "stall_s", s.stall_s);
+        (unsigned long long)t->hits, "misses", (unsigned long long)t->misses, "collision_misses",
+        (unsigned long long)t->collision_misses, "prefetch_issued",
+        (unsigned long long)t->prefetch_issued, "prefetch_used",
+        (unsigned long long)t->prefetch_used, "prefetch_late",
+        (unsigned long long)t->prefetch_late, "prefetch_wasted",
+        (unsigned long long)t->prefetch_wasted, "prefetch_dropped",
+        (unsigned long long)t->prefetch_dropped, "prefetch_failed",
+        (unsigned long long)t->prefetch_failed, "evictions", (unsigned long long)t->evictions,
+        "bytes_read", (unsigned long long)t->bytes_read, "inflight_hits",
+        (unsigned long long)s.inflight_hits, "stall_s", t->stall_s);
 }
 
 static PyObject *GC_reset_stats(GCacheObject *self, PyObject *noargs) {
@@ -585,11 +587,11 @@ static PyObject *GC_reset_stats(GCacheObject *self, PyObject *noargs) {
 static PyObject *GC_resident(GCacheObject *self, PyObject *noargs) {
     (void)noargs;
     if (GC_check(self) < 0) return NULL;
-    int32_t *keys = PyMem_Malloc((size_t)self->cache.nslots * sizeof *keys);
+    int32_t *keys = PyMem_Malloc((size_t)self->cache.tab.nslots * sizeof *keys);
     if (!keys) return PyErr_NoMemory();
     uint32_t n;
     self->busy++;
-    Py_BEGIN_ALLOW_THREADS n = smoe_gcache_resident(&self->cache, keys);
+    Py_BEGIN_ALLOW_THREADS n = smoe_slots_resident(&self->cache.tab, keys);
     Py_END_ALLOW_THREADS self->busy--;
     PyObject *l = PyList_New(n);
     for (uint32_t i = 0; l && i < n; i++) PyList_SET_ITEM(l, i, PyLong_FromLong(keys[i]));
@@ -601,14 +603,14 @@ static PyObject *GC_set_policy(GCacheObject *self, PyObject *arg) {
     if (GC_check(self) < 0) return NULL;
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
-    smoe_policy *p = make_policy(name, self->cache.nslots, self->cache.num_layers,
-                                 self->cache.num_experts);
+    smoe_policy *p = make_policy(name, self->cache.tab.nslots, self->cache.tab.num_layers,
+                                 self->cache.tab.num_experts);
     if (!p) return NULL;
     smoe_err e;
     smoe_err_clear(&e);
     int rc;
     self->busy++;
-    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_set_policy(&self->cache, p, &e);
+    Py_BEGIN_ALLOW_THREADS rc = smoe_slots_set_policy(&self->cache.tab, p, &e);
     Py_END_ALLOW_THREADS self->busy--;
     if (rc < 0) return raise_err(&e);
     Py_RETURN_NONE;
@@ -648,7 +650,7 @@ static PyObject *GC_counts(GCacheObject *self, PyObject *args) {
     smoe_err_clear(&e);
     int rc;
     self->busy++;
-    Py_BEGIN_ALLOW_THREADS rc = smoe_gcache_counts(&self->cache, keys, cnt, (uint32_t)n, &e);
+    Py_BEGIN_ALLOW_THREADS rc = smoe_slots_counts(&self->cache.tab, keys, cnt, (uint32_t)n, &e);
     Py_END_ALLOW_THREADS self->busy--;
     if (rc < 0) {
         raise_err(&e);
@@ -666,11 +668,11 @@ done:
 
 static PyObject *GC_get_nslots(GCacheObject *self, void *cl) {
     (void)cl;
-    return PyLong_FromUnsignedLong(self->ready ? self->cache.nslots : 0);
+    return PyLong_FromUnsignedLong(self->ready ? self->cache.tab.nslots : 0);
 }
 static PyObject *GC_get_slot_bytes(GCacheObject *self, void *cl) {
     (void)cl;
-    return PyLong_FromUnsignedLongLong(self->ready ? self->cache.slot_bytes : 0);
+    return PyLong_FromUnsignedLongLong(self->ready ? self->cache.tab.slot_bytes : 0);
 }
 static PyObject *GC_get_device(GCacheObject *self, void *cl) {
     (void)cl;

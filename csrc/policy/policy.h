@@ -143,4 +143,17 @@ static inline int32_t smoe_policy_victim(smoe_policy *p, smoe_evictable_fn f, vo
     return p->ops->victim(p, f, ctx);
 }
 
+/* The prefetch admission rule, one routine for the live caches (slots.c) and the simulator
+ * (sim.c): a prefetch load of key `want` may evict an otherwise evictable slot holding
+ * `victim` only when that slot was not used by demand in the current pass (last_pass !=
+ * pass_id) and, under a policy with a utility (spac: prefetch and eviction decided in one
+ * utility space, MoE-SpAc), utility(victim) <= utility(want).  Called where policy calls are
+ * serialised (the cache's mutex held). */
+static inline int smoe_policy_prefetch_may_evict(const smoe_policy *p, uint64_t last_pass,
+                                                 uint64_t pass_id, int32_t victim,
+                                                 int32_t want) {
+    if (last_pass == pass_id) return 0;
+    return !p->ops->utility || smoe_policy_utility(p, victim) <= smoe_policy_utility(p, want);
+}
+
 #endif

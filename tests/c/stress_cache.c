@@ -80,7 +80,7 @@ static void *consumer(void *p) {
     worker_arg *a = p;
     uint64_t rng = 0x1234567ull + (uint64_t)a->id * 7919u;
     for (int r = 0; r < a->rounds; r++) {
-        if (a->id == 0) smoe_cache_begin_pass(a->cache);
+        if (a->id == 0) smoe_slots_begin_pass(&a->cache->tab);
         for (uint32_t l = 0; l < NL; l++) {
             uint32_t e[TOPK];
             e[0] = (uint32_t)(rng_next(&rng) % NE);
@@ -93,10 +93,10 @@ static void *consumer(void *p) {
                     pr[i] = (float)(rng_next(&rng) % 4);
                 }
                 smoe_err err;
-                if (smoe_cache_prefetch(a->cache, keys, pr, 3, (int)(r & 1), &err) < 0)
+                if (smoe_slots_prefetch(&a->cache->tab, keys, pr, 3, (int)(r & 1), &err) < 0)
                     FAIL(a, "prefetch: %s", err.msg);
-                if (rng_next(&rng) % 5 == 0) smoe_cache_cancel(a->cache, keys[0]);
-                if (rng_next(&rng) % 17 == 0) smoe_cache_cancel(a->cache, -1);
+                if (rng_next(&rng) % 5 == 0) smoe_slots_cancel(&a->cache->tab, keys[0]);
+                if (rng_next(&rng) % 17 == 0) smoe_slots_cancel(&a->cache->tab, -1);
             }
             int held[TOPK] = {0, 0};
             for (uint32_t i = 0; i < TOPK; i++) {
@@ -132,25 +132,25 @@ static void *consumer(void *p) {
 
 static int check_invariants(smoe_cache *c) {
     int bad = 0;
-    pthread_mutex_lock(&c->mu);
-    uint32_t nkeys = c->num_layers * c->num_experts;
-    for (uint32_t s = 0; s < c->nslots; s++) {
-        smoe_slot *sl = &c->slots[s];
+    pthread_mutex_lock(&c->tab.mu);
+    uint32_t nkeys = c->tab.num_layers * c->tab.num_experts;
+    for (uint32_t s = 0; s < c->tab.nslots; s++) {
+        smoe_slot *sl = &c->tab.slots[s];
         if (sl->pins != 0) bad++, fprintf(stderr, "slot %u still pinned (%d)\n", s, sl->pins);
         if (sl->state == SMOE_SLOT_LOADING) bad++, fprintf(stderr, "slot %u still loading\n", s);
         if (sl->state == SMOE_SLOT_READY) {
-            if (sl->key < 0 || (uint32_t)sl->key >= nkeys || c->map[sl->key] != (int32_t)s)
+            if (sl->key < 0 || (uint32_t)sl->key >= nkeys || c->tab.map[sl->key] != (int32_t)s)
                 bad++, fprintf(stderr, "slot %u key %d not mapped back\n", s, sl->key);
-            else if (check_block(c->slab + (uint64_t)s * c->slot_bytes, sl->key) < 0)
+            else if (check_block(c->slab + (uint64_t)s * c->tab.slot_bytes, sl->key) < 0)
                 bad++, fprintf(stderr, "slot %u holds wrong bytes\n", s);
         }
     }
     for (uint32_t k = 0; k < nkeys; k++) {
-        int32_t s = c->map[k];
-        if (s >= 0 && ((uint32_t)s >= c->nslots || c->slots[s].key != (int32_t)k))
+        int32_t s = c->tab.map[k];
+        if (s >= 0 && ((uint32_t)s >= c->tab.nslots || c->tab.slots[s].key != (int32_t)k))
             bad++, fprintf(stderr, "map[%u] = %d inconsistent\n", k, s);
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->tab.mu);
     return bad;
 }
 
@@ -210,7 +210,7 @@ int main(void) {
         if (!ops) ops = smoe_policy_find("lru");
         smoe_policy *p2;
         if (smoe_policy_create(&p2, ops, &pp, &err) < 0) return 2;
-        if (smoe_cache_set_policy(&cache, p2, &err) < 0) {
+        if (smoe_slots_set_policy(&cache.tab, p2, &err) < 0) {
             fprintf(stderr, "set_policy: %s\n", err.msg);
             failures++;
         }
@@ -220,30 +220,30 @@ int main(void) {
             int32_t ck[3] = {i % (NL * NE), (i * 7) % (NL * NE), (i * 13) % (NL * NE)};
             uint32_t cv[3] = {(uint32_t)(i % 5), 1, 3};
             int32_t u[3];
-            if (smoe_cache_counts(&cache, ck, cv, 3, &err) < 0) {
+            if (smoe_slots_counts(&cache.tab, ck, cv, 3, &err) < 0) {
                 fprintf(stderr, "counts: %s\n", err.msg);
                 failures++;
             }
-            int urc = smoe_cache_utility(&cache, ck, u, 3, &err);
+            int urc = smoe_slots_utility(&cache.tab, ck, u, 3, &err);
             if (urc < 0 && urc != SMOE_EPOLICY) {
                 fprintf(stderr, "utility: %s\n", err.msg);
                 failures++;
             }
         }
         smoe_cache_stats st;
-        smoe_cache_get_stats(&cache, &st);
-        if (i % 5 == 1) smoe_cache_pause_worker(&cache, 1); /* requests pile up, then resume */
-        if (i % 5 == 3) (void)smoe_cache_queue_len(&cache);
+        smoe_slots_get_stats(&cache.tab, &st);
+        if (i % 5 == 1) smoe_slots_pause_worker(&cache.tab, 1); /* requests pile up, then resume */
+        if (i % 5 == 3) (void)smoe_slots_queue_len(&cache.tab);
         usleep(2000);
-        if (i % 5 == 1) smoe_cache_pause_worker(&cache, 0);
-        if (i % 9 == 4) smoe_cache_wait_idle(&cache);
+        if (i % 5 == 1) smoe_slots_pause_worker(&cache.tab, 0);
+        if (i % 9 == 4) smoe_slots_wait_idle(&cache.tab);
     }
     for (int i = 0; i < NCONSUMERS; i++) pthread_join(th[i], NULL);
     atomic_store(&g_done, 1);
-    smoe_cache_wait_idle(&cache);
+    smoe_slots_wait_idle(&cache.tab);
 
     smoe_cache_stats st;
-    smoe_cache_get_stats(&cache, &st);
+    smoe_slots_get_stats(&cache.tab, &st);
     failures += check_invariants(&cache);
     if (st.hits + st.misses != acquires) {
         fprintf(stderr, "hits %llu + misses %llu != acquires %llu\n",
