@@ -18,8 +18,8 @@ which cache positions are real per sequence with a 2-D attention mask [B, L] (1 
 * after verification, row b keeps its pending token and its n_b accepted drafts; its rejected
   drafts become holes (mask 0), the "padding-out" of rejected positions.  Columns that are
   holes in every row at the end are cropped (``DynamicCache.crop``);
-* when holes make up more than half of the cache (and at least 32 columns), the cache is
-  compacted: every row's real positions are gathered right-aligned (left padding, the layout
+* when the cache is longer than the longest row's real positions by half of them (and by
+  32 columns or more), it is compacted: every row's real positions are gathered right-aligned (left padding, the layout
   transformers itself uses), one ``gather`` per layer.
 
 Chosen over re-aligning the rows after every step (a copy of the whole cache per step) because
@@ -129,7 +129,8 @@ class BatchKV:
         if last < L:
             self.kv.crop(last - L)
             self.mask = self.mask[:, :last]
-        if self.length - max(self.npos) >= 32 and self.mask.sum() * 2 < self.mask.numel():
+        top = max(self.npos)
+        if self.length - top >= max(32, top // 2):  # compaction saves a third or more
             self.compact()
 
     def compact(self) -> None:
