@@ -138,9 +138,9 @@ def test_batch_table_smoke():
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.strip()][-1])
     assert res["batch_sizes"] == [1, 2] and sorted(res["tau_by_batch"]) == ["1", "2"]
-    got = sorted((r["batch"], r["drafter"], r["controller"]) for r in res["rows"])
+    got = sorted(((r["batch"], r["drafter"], r["controller"]) for r in res["rows"]), key=repr)
     want = sorted([(b, None, "nospec") for b in (1, 2)] + [
-        (b, "ngram", c) for b in (1, 2) for c in ("static", "cascade", "speq")])
+        (b, "ngram", c) for b in (1, 2) for c in ("static", "cascade", "speq")], key=repr)
     assert got == want
     for r in res["rows"]:
         assert r["outputs_equal"] is True
