@@ -2,6 +2,9 @@
 each controller find out when it does not?
 
     python benchmarks/speculation.py [--json] [--quick] [--drafters ngram,draft[,self]]
+    python benchmarks/speculation.py --batch 1,4,16 [--new-tokens N] [--repeats R] [--json]
+
+(``--batch``: the batched table instead, see :func:`run_batches`.)
 
 Setup: ``tiny-moe`` (target) with its routed experts offloaded by :func:`specmoe.offload`
 (store file, ``--cache`` 25% of the experts in the cache, LRU, next-layer prefetch on,
@@ -240,6 +243,100 @@ def _r(x: Any, nd: int = 4) -> Any:
     return None if x is None else (round(float(x), nd) if math.isfinite(float(x)) else None)
 
 
+BATCH_CONTROLLERS: Tuple[Tuple[str, Optional[int]], ...] = (
+    ("static", 2), ("cascade", None), ("speq", None))
+
+
+def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, eng: Any,
+                drafters: List[str], prompts: Dict[str, List[Tuple[str, List[int]]]],
+                warm: List[int]) -> Dict[str, Any]:
+    """``--batch``: per batch size B, B requests (code and prose alternating) decoded together
+    (left-padded, :func:`specmoe.generate` with an attention mask): plain batched decoding
+    (``nospec``, the same loop without a drafter) and each drafter under StaticK(2), Cascade
+    and the speq governor, all with tau(g, B) measured at the batch sizes in use (the static
+    row runs K as given) and the success condition on.  Rows report the whole batch's tok/s,
+    its ratio over nospec at the same B (median over repeats, rows rotated per repeat),
+    acceptance per draft position, experts loaded per token, K=0 steps (speculation switched
+    off) and whether each sequence's output equals nospec's."""
+    from specmoe.speculative import measure_tau_grid
+    sizes = sorted({int(b) for b in a.batch.split(",") if b.strip()})
+    pool = [p for pair in zip(prompts["code"], prompts["prose"]) for p in pair]
+    tau_grid = measure_tau_grid(model, warm, sizes, g_max=K_MAX + 1, engine=eng,
+                                repeats=2 if a.quick else 5)
+    tau_grid = {b: dict(t) for b, t in tau_grid.items()}  # set_cache below clears the engine's
+    rows: List[Dict[str, Any]] = []
+    for b in sizes:
+        rows.append({"batch": b, "drafter": None, "controller": "nospec", "k": None})
+        for d in drafters:
+            for c, k in BATCH_CONTROLLERS:
+                rows.append({"batch": b, "drafter": d, "controller": c, "k": k})
+    res: Dict[int, List[Dict[str, Any]]] = {i: [] for i in range(len(rows))}
+    from tqdm import tqdm
+    bar = tqdm(total=len(rows) * a.repeats, desc="speculation --batch", unit="run",
+               file=sys.stderr)
+    for rep in range(a.repeats):
+        for b in sizes:
+            idx = [i for i, r in enumerate(rows) if r["batch"] == b]
+            sh = rep % len(idx)
+            idx = idx[sh:] + idx[:sh]
+            if rep % 2:
+                idx.reverse()
+            batch = [pool[(j + rep * b) % len(pool)][1] for j in range(b)]
+            L = max(map(len, batch))
+            ids = torch.tensor([[0] * (L - len(x)) + x for x in batch])
+            mask = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in batch])
+            for i in idx:
+                r = rows[i]
+                eng.set_cache(a.cache)
+                eng.reset_stats()
+                eng._tau.update({bb: dict(t) for bb, t in tau_grid.items()})
+                dr: Any = {None: None, "ngram": spec.NgramDrafter(),
+                           "draft": DraftModel(draft_model),
+                           "self": SelfDraft(eng, "int4") if r["drafter"] == "self" else None
+                           }[r["drafter"]]
+                ctl = make_controller(r["controller"], r["k"]) if dr is not None else None
+                tau_arg: Any = None if r["controller"] == "static" else tau_grid
+                o = generate(model, ids, dr, ctl, attention_mask=mask,
+                             max_new_tokens=a.new_tokens, eos_token_id=None, tau=tau_arg,
+                             engine=eng)
+                st = o.stats
+                res[i].append({"tok_per_s": st["new_tokens"] / st["time_s"],
+                               "out": o.sequences[:, L:].tolist(), "stats": st,
+                               "its": o.iterations})
+                bar.update(1)
+    bar.close()
+    out_rows = []
+    from specmoe.spec_batch import per_position_acceptance
+    for i, r in enumerate(rows):
+        base = next(j for j, x in enumerate(rows) if x["batch"] == r["batch"]
+                    and x["controller"] == "nospec")
+        ratios = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(res[i], res[base])]
+        its = [it for x in res[i] for it in x["its"]]
+        pairs = [(k, acc) for it in its for k, acc in zip(it.get("k_rows", [it["k"]]),
+                                                         it.get("accepted_rows",
+                                                                [it["accepted"]]))]
+        toks = sum(x["stats"]["new_tokens"] for x in res[i])
+        prop = sum(k for k, _ in pairs)
+        row = dict(r)
+        row.update({
+            "tok_per_s": _r(_median([x["tok_per_s"] for x in res[i]]), 2),
+            "tok_per_s_vs_nospec": _r(_median(ratios)),
+            "ratio_per_repeat": [_r(x, 3) for x in ratios],
+            "acceptance": _r(sum(acc for _, acc in pairs) / prop) if prop else None,
+            "acceptance_per_position": [_r(x, 3) for x in per_position_acceptance(pairs)],
+            "k_mean": _r(sum(it["k"] for it in its) / len(its)) if its else None,
+            "spec_off_steps": _r(sum(1 for it in its if it["k"] == 0) / len(its)) if its else None,
+            "experts_loaded_per_token": _r(sum(x["stats"]["experts_loaded"] for x in res[i])
+                                           / toks) if toks else None,
+            "outputs_equal": all(x["out"] == y["out"] for x, y in zip(res[i], res[base])),
+        })
+        out_rows.append(row)
+    return {"batch_sizes": sizes,
+            "tau_by_batch": {str(b): {str(g): round(v, 4) for g, v in t.items()}
+                             for b, t in tau_grid.items()},
+            "rows": out_rows}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -257,6 +354,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tau", choices=("auto", "off"), default="auto",
                     help="gamma-tolerance pruning for the adaptive controllers")
     ap.add_argument("--seed", type=int, default=0, help="choice of documents and windows")
+    ap.add_argument("--batch", default=None,
+                    help="comma-separated batch sizes (e.g. 1,4,16): run the batched table "
+                         "instead of the batch-1 one (see run_batches)")
     a = ap.parse_args(argv)
     if a.quick:
         a.requests, a.new_tokens, a.repeats = 2, 8, 1
@@ -280,7 +380,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     model.eval()
     draft_model.eval()
     docs = heldout_documents()
-    prompts = {d: make_prompts(tok, docs[d], d, a.requests + 1, a.seed) for d in ("code", "prose")}
+    n_prompts = a.requests + 1
+    if a.batch:
+        try:
+            bmax = max(int(b) for b in a.batch.split(",") if b.strip())
+        except ValueError:
+            ap.error(f"--batch: comma-separated ints, got {a.batch!r}")
+        if bmax < 1:
+            ap.error("--batch sizes must be >= 1")
+        n_prompts = max(n_prompts, (bmax + 1) // 2 + 1)
+    prompts = {d: make_prompts(tok, docs[d], d, n_prompts, a.seed) for d in ("code", "prose")}
     warm = prompts["code"].pop()  # the extra prompt is the warm-up
     prompts["prose"].pop()
     half = a.requests // 2
@@ -298,6 +407,30 @@ def main(argv: Optional[List[str]] = None) -> int:
             generate(model, torch.tensor([warm[1]]), dr, spec.StaticK(2) if dr else None,
                      max_new_tokens=min(a.new_tokens, 24), eos_token_id=None, tau=None,
                      engine=eng)
+        if a.batch:
+            bres = run_batches(a, model, tok, draft_model, eng, drafters, prompts, warm[1])
+            result_b = {"benchmark": "speculation_batch",
+                        "config": {"target": "tiny-moe", "draft": "tiny-draft",
+                                   "cache": a.cache, "dtype": a.dtype, "threads": a.threads,
+                                   "new_tokens": a.new_tokens, "repeats": a.repeats,
+                                   "drafters": drafters, "k_max_adaptive": K_MAX,
+                                   "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+                                   "loadavg_start": round(load0, 2),
+                                   "loadavg_end": round(os.getloadavg()[0], 2),
+                                   "wall_s": round(time.perf_counter() - t_all, 1)},
+                        **bres}
+            if a.json:
+                print(json.dumps(result_b))
+            else:
+                print(f"{'B':>3} {'drafter':7} {'controller':10} {'vs nospec':>9} {'tok/s':>8} "
+                      f"{'k_mean':>6} {'off':>5} {'loads/tok':>9} equal  acceptance/position")
+                for x in bres["rows"]:
+                    print(f"{x['batch']:>3} {str(x['drafter']):7} {x['controller']:10} "
+                          f"{x['tok_per_s_vs_nospec']:>9.3f} {x['tok_per_s']:>8.1f} "
+                          f"{x['k_mean']:>6.2f} {x['spec_off_steps']:>5.2f} "
+                          f"{x['experts_loaded_per_token']:>9.2f} {x['outputs_equal']!s:5} "
+                          f"{x['acceptance_per_position']}")
+            return 0
         tau: Optional[Dict[int, float]] = None
         if a.tau == "auto":
             tau = target_tau(model, warm[1], K_MAX + 1, eng, repeats=2 if a.quick else 7)

@@ -118,24 +118,114 @@ static PyObject *SpecController_next_k(SpecControllerObject *self, PyObject *unu
     return PyLong_FromLong(smoe_spec_ctl_next_k(self->c));
 }
 
+/* A 1-D C-contiguous int32 ndarray (the Python layer converts and checks); NULL + TypeError. */
+static int i32_rows(PyObject *obj, const char *what, npy_intp *n) {
+    if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_INT32 ||
+        PyArray_NDIM((PyArrayObject *)obj) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D C-contiguous int32 array", what);
+        return -1;
+    }
+    *n = PyArray_DIM((PyArrayObject *)obj, 0);
+    return 0;
+}
+
 static PyObject *SpecController_observe(SpecControllerObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"k", "accepted", "t_iter", "experts_loaded", "t_draft", "t_io", NULL};
+    static char *kwlist[] = {"k",      "accepted", "t_iter",        "experts_loaded",
+                             "t_draft", "t_io",    "rows_k",        "rows_accepted", NULL};
     long long k, acc, loaded = 0;
     double t_iter, t_draft = 0.0, t_io = 0.0;
+    PyObject *rk = Py_None, *ra = Py_None;
     CTL_CHECK(self);
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLd|Ldd:observe", kwlist, &k, &acc, &t_iter,
-                                     &loaded, &t_draft, &t_io))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLd|LddOO:observe", kwlist, &k, &acc, &t_iter,
+                                     &loaded, &t_draft, &t_io, &rk, &ra))
         return NULL;
     smoe_spec_obs o;
+    memset(&o, 0, sizeof o);
     if (to_i32(k, "k", &o.k) < 0 || to_i32(acc, "accepted", &o.accepted) < 0) return NULL;
     o.t_iter = t_iter;
     o.experts_loaded = loaded;
     o.t_draft = t_draft;
     o.t_io = t_io;
+    if ((rk == Py_None) != (ra == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "observe: give both rows_k and rows_accepted or neither");
+        return NULL;
+    }
+    if (rk != Py_None) {
+        npy_intp n1, n2;
+        if (i32_rows(rk, "rows_k", &n1) < 0 || i32_rows(ra, "rows_accepted", &n2) < 0)
+            return NULL;
+        if (n1 != n2 || n1 < 1 || n1 > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError,
+                         "observe: rows_k and rows_accepted must have the same length >= 1, "
+                         "got %lld and %lld", (long long)n1, (long long)n2);
+            return NULL;
+        }
+        o.nrows = (int32_t)n1;
+        o.row_k = PyArray_DATA((PyArrayObject *)rk);
+        o.row_acc = PyArray_DATA((PyArrayObject *)ra);
+    }
     smoe_err err;
     smoe_err_clear(&err);
     if (smoe_spec_ctl_observe(self->c, &o, &err) < 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
+}
+
+static PyObject *SpecController_set_success(SpecControllerObject *self, PyObject *args,
+                                            PyObject *kw) {
+    static char *kwlist[] = {"on", "min_obs", "probe", NULL};
+    int on = 1;
+    long long min_obs = 4, probe = 64;
+    CTL_CHECK(self);
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "p|LL:set_success", kwlist, &on, &min_obs,
+                                     &probe))
+        return NULL;
+    int32_t m, p;
+    if (to_i32(min_obs, "min_obs", &m) < 0 || to_i32(probe, "probe", &p) < 0) return NULL;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_spec_ctl_set_success(self->c, on, m, p, &err) < 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *SpecController_set_batch(SpecControllerObject *self, PyObject *arg) {
+    CTL_CHECK(self);
+    long long b = PyLong_AsLongLong(arg);
+    if (b == -1 && PyErr_Occurred()) return NULL;
+    int32_t b32;
+    if (to_i32(b, "batch", &b32) < 0) return NULL;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_spec_ctl_set_batch(self->c, b32, &err) < 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+/* success_model() -> (lambda[0..k_max], speedup[0..k_max], delta, has_delta, batch) */
+static PyObject *SpecController_success_model(SpecControllerObject *self, PyObject *unused) {
+    (void)unused;
+    CTL_CHECK(self);
+    int32_t km = self->c->params.k_max;
+    PyObject *lam = PyList_New(km + 1), *sp = PyList_New(km + 1);
+    if (!lam || !sp) {
+        Py_XDECREF(lam);
+        Py_XDECREF(sp);
+        return NULL;
+    }
+    for (int32_t k = 0; k <= km; k++) {
+        PyObject *a = PyFloat_FromDouble(smoe_spec_ctl_lambda(self->c, k));
+        PyObject *b = PyFloat_FromDouble(smoe_spec_ctl_speedup(self->c, k));
+        if (!a || !b) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            Py_DECREF(lam);
+            Py_DECREF(sp);
+            return NULL;
+        }
+        PyList_SET_ITEM(lam, k, a);
+        PyList_SET_ITEM(sp, k, b);
+    }
+    return Py_BuildValue("(NNdii)", lam, sp, self->c->has_delta ? self->c->delta : 0.0,
+                         (int)self->c->has_delta, (int)self->c->batch);
 }
 
 static PyObject *SpecController_set_tau(SpecControllerObject *self, PyObject *arg) {
@@ -289,8 +379,15 @@ static PyMethodDef SpecController_methods[] = {
     {"next_k", (PyCFunction)SpecController_next_k, METH_NOARGS,
      "next_k() -> int: K for the next iteration (0 = no speculation); does not change state."},
     {"observe", (PyCFunction)(void (*)(void))SpecController_observe, METH_VARARGS | METH_KEYWORDS,
-     "observe(k, accepted, t_iter, experts_loaded=0, t_draft=0.0, t_io=0.0): learn from one "
-     "iteration."},
+     "observe(k, accepted, t_iter, experts_loaded=0, t_draft=0.0, t_io=0.0, rows_k=None, "
+     "rows_accepted=None): learn from one iteration (rows: a batch step)."},
+    {"set_success", (PyCFunction)(void (*)(void))SpecController_set_success,
+     METH_VARARGS | METH_KEYWORDS,
+     "set_success(on, min_obs=4, probe=64): success-condition pruning S(K) > 1 (controller.h)."},
+    {"set_batch", (PyCFunction)SpecController_set_batch, METH_O,
+     "set_batch(b): batch size of the next steps; a change re-measures the plain step."},
+    {"success_model", (PyCFunction)SpecController_success_model, METH_NOARGS,
+     "success_model() -> (lambda list, speedup list, delta, has_delta, batch)."},
     {"set_tau", (PyCFunction)SpecController_set_tau, METH_O,
      "set_tau(tau): tau[i] = tau(i+1) = T(1)/T(i+1); K allowed iff (K+1)*tau(K+1) > 1."},
     {"set_io_cost", (PyCFunction)SpecController_set_io_cost, METH_O,

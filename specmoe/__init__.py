@@ -16,7 +16,7 @@ from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, Pyth
 from .policies import FLD, LHU, Score, SpAc, SpAcEMA
 from . import kernels, quant  # expert FFN kernels and weight formats
 from .spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK,  # speculation
-                   measure_tau)
+                   measure_tau, speedup)
 from .hardware import Hardware, ModelCost  # simulator time model
 from .sim import Predictor, SimResult, simulate  # trace-driven simulator
 from .sweep import sweep  # simulator sweeps
@@ -24,7 +24,8 @@ from .sweep import sweep  # simulator sweeps
 __version__ = "0.1.0"
 
 
-_SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput")
+_SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput",
+                "measure_tau_grid")
 
 
 def __getattr__(name: str):  # HF integration loaded on first use (it imports torch)
@@ -74,6 +75,7 @@ __all__ = [
     "SpeqGovernor",
     "NgramDrafter",
     "measure_tau",
+    "speedup",
     "Hardware",
     "ModelCost",
     "Predictor",
@@ -90,4 +92,5 @@ __all__ = [
     "SelfDraft",
     "Sampling",
     "GenerateOutput",
+    "measure_tau_grid",
 ]

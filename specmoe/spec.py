@@ -41,6 +41,7 @@ __all__ = [
     "Drafter",
     "NgramDrafter",
     "measure_tau",
+    "speedup",
     "accept",
 ]
 
@@ -56,6 +57,35 @@ def _check_int(name: str, v: object, lo: int) -> int:
     if int(v) < lo:
         raise ValueError(f"{name} must be >= {lo}, got {v}")
     return int(v)
+
+
+def _rows(name: str, x: Sequence[int]) -> np.ndarray:
+    """Per-sequence counts as a 1-D int32 array (integers >= 0 only)."""
+    a = np.asarray(x)
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.min() < 0 or a.max() > 2**31 - 1:
+        raise ValueError(f"{name} must lie in [0, 2**31), got {a.min()}..{a.max()}")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def speedup(lam: float, tau_next: float, delta: float, gamma: int) -> float:
+    """The gamma-tolerance paper's speedup model, section 3.1, equation (1):
+    S = lambda * tau(gamma+1) / (1 + gamma * delta * tau(gamma+1)), for gamma draft tokens
+    verified over gamma+1 positions, lambda the expected tokens per step (accepted drafts plus
+    the bonus token), tau_next = tau(gamma+1) = T(1)/T(gamma+1) and delta = T_D/T(1) the
+    drafter's per-token cost relative to a plain step.  S > 1: speculation pays."""
+    gamma = _check_int("gamma", gamma, 0)
+    for n, v in (("lam", lam), ("tau_next", tau_next), ("delta", delta)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{n} must be a finite number >= 0, got {v!r}")
+    if lam < 1:
+        raise ValueError(f"lam counts the bonus token and must be >= 1, got {lam}")
+    if tau_next <= 0:
+        raise ValueError(f"tau_next must be > 0, got {tau_next}")
+    return lam * tau_next / (1.0 + gamma * delta * tau_next)
 
 
 def _tau_vector(tau: TauLike) -> np.ndarray:
@@ -119,7 +149,9 @@ class Controller:
         return int(self._c.next_k())
 
     def observe(self, k: int, accepted: int, t_iter: float, experts_loaded: int = 0, *,
-                t_draft: float = 0.0, t_io: float = 0.0) -> None:
+                t_draft: float = 0.0, t_io: float = 0.0,
+                rows_k: Optional[Sequence[int]] = None,
+                rows_accepted: Optional[Sequence[int]] = None) -> None:
         """Learn from one iteration.
 
         Args:
@@ -129,11 +161,46 @@ class Controller:
             experts_loaded: experts loaded from the slow tier during the iteration.
             t_draft: seconds of ``t_iter`` spent drafting (used by the speq governor).
             t_io: seconds of ``t_iter`` stalled on expert loads (used by the speq governor).
+            rows_k, rows_accepted: a batch step: drafts verified and accepted per sequence
+                (``k`` their maximum).  The step's ETR is then the mean of rows_accepted + 1
+                (the batch's tokens per sequence; controller.h, "Batches"), and per-position
+                acceptance learns from every row.
 
         Raises:
             ValueError: any argument out of range or not finite.
         """
-        self._c.observe(k, accepted, t_iter, experts_loaded, t_draft, t_io)
+        if rows_k is None and rows_accepted is None:
+            self._c.observe(k, accepted, t_iter, experts_loaded, t_draft, t_io)
+            return
+        if rows_k is None or rows_accepted is None:
+            raise ValueError("observe: give both rows_k and rows_accepted or neither")
+        rk, ra = _rows("rows_k", rows_k), _rows("rows_accepted", rows_accepted)
+        self._c.observe(k, accepted, t_iter, experts_loaded, t_draft, t_io, rk, ra)
+
+    def set_batch(self, batch: int) -> None:
+        """Batch size of the coming steps (:func:`specmoe.generate` calls it).  A change
+        empties the plain-step timing (measured again at the new size) and begins a new
+        request (controller.h, "Batches")."""
+        self._c.set_batch(_check_int("batch", batch, 1))
+
+    def set_success(self, on: bool = True, *, min_obs: int = 4, probe: int = 64) -> None:
+        """Prune K by the gamma-tolerance paper's success condition (section 3.1, eq. 1):
+        K >= 1 is allowed only when S(K) = lambda(K) tau(K+1) / (1 + K delta tau(K+1)) > 1,
+        lambda and delta measured online (controller.h, "Success condition"), on top of the
+        tau rule.  ``min_obs`` decisions per draft position before its acceptance counts
+        (optimistic 1 until then); ``probe`` blocked plain steps before the measurements are
+        forgotten and K may be tried again.  ``on=False`` returns to the tau rule alone."""
+        if not isinstance(on, bool):
+            raise TypeError(f"on must be a bool, got {type(on).__name__}")
+        self._c.set_success(on, _check_int("min_obs", min_obs, 1), _check_int("probe", probe, 1))
+
+    def success_model(self) -> Dict[str, object]:
+        """The success model now: ``lambda`` [k_max+1] (expected tokens per step at each K),
+        ``speedup`` [k_max+1] (S(K), S(0) = 1), ``delta`` (drafter cost per draft token over
+        a plain step; None before it was measured) and ``batch``."""
+        lam, sp, delta, has, batch = self._c.success_model()
+        return {"lambda": list(lam), "speedup": list(sp), "delta": delta if has else None,
+                "batch": int(batch)}
 
     def set_tau(self, tau: TauLike) -> None:
         """Gamma-tolerance pruning from tau(g) = T(1)/T(g) (g = 1..n, e.g. from
@@ -276,6 +343,12 @@ class NgramDrafter:
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         self._g = _C.NgramDrafter(_check_int("max_n", max_n, 1), _check_int("min_n", min_n, 1))
+        self._n = (int(max_n), int(min_n))
+
+    def clone(self) -> "NgramDrafter":
+        """A new drafter with the same settings and an empty history (one per sequence of a
+        batch: :func:`specmoe.generate` gives every sequence its own index)."""
+        return NgramDrafter(*self._n)
 
     @property
     def length(self) -> int:

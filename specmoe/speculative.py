@@ -20,7 +20,8 @@ below also return their distributions and routing through ``draft(...)``):
 
 With an :class:`specmoe.hf.Engine` (offloaded model) the statistics also count the experts
 loaded per iteration, and with the ``spac`` policy the cache learns expert utilities from each
-verification's activation counts.  Only batch size 1 is supported.
+verification's activation counts.  Batches of sequences (left-padded, with an attention mask)
+run through :mod:`specmoe.spec_batch`.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from torch import nn
 from .spec import Controller, NgramDrafter, SpeqGovernor, StaticK, accept, measure_tau
 
 __all__ = ["Draft", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput", "generate",
-           "find_engine"]
+           "find_engine", "measure_tau_grid", "target_tau"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,37 +315,75 @@ def find_engine(model: nn.Module) -> Any:
         return None
 
 
-_TAU: "weakref.WeakKeyDictionary[nn.Module, Dict[int, float]]" = weakref.WeakKeyDictionary()
+# model -> batch size -> tau(g), for models without an engine
+_TAU: "weakref.WeakKeyDictionary[nn.Module, Dict[int, Dict[int, float]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def measure_tau_grid(model: nn.Module, prompt: Sequence[int],
+                     batch_sizes: Sequence[int] = (1, 4, 16), g_max: int = 9,
+                     engine: Any = None, repeats: int = 5,
+                     progress: bool = False) -> Dict[int, Dict[int, float]]:
+    """tau(g, B) over g = 1..g_max and the given batch sizes: {B: {g: tau}}, each row by
+    :func:`target_tau` (the offloaded forward as it runs, expert loads included; kept on the
+    engine, so :func:`generate` at those batch sizes reuses them).  tau falls with B (the
+    gamma-tolerance paper, Fig. 1 left): which K can pay depends on the batch."""
+    if engine is None:
+        engine = find_engine(model)
+    bs = sorted({int(b) for b in batch_sizes})
+    if not bs or bs[0] < 1:
+        raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
+    if isinstance(g_max, bool) or not isinstance(g_max, int) or g_max < 1:
+        raise ValueError(f"g_max must be an int >= 1, got {g_max!r}")
+    if not len(prompt):
+        raise ValueError("measure_tau_grid: empty prompt")
+    it: Any = bs
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(bs, desc="tau(g, B)", unit="batch")
+    return {b: target_tau(model, prompt, g_max, engine, repeats, batch=b) for b in it}
 
 
 def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any = None,
-               repeats: int = 5) -> Dict[int, float]:
-    """tau(g) = T(1)/T(g) of the target forward over g = 1..g_max tokens at batch size 1,
-    measured once per model (kept on its engine, or in a per-model table) on a scratch KV
-    cache prefilled with the end of ``prompt``, T(g) the fastest of ``repeats`` interleaved
-    calls.  Expert loads count: this is the forward as it runs, cache misses included."""
-    table: Dict[int, float] = engine._tau.setdefault(1, {}) if engine is not None \
-        else _TAU.setdefault(model, {})
+               repeats: int = 5, batch: int = 1, progress: bool = False) -> Dict[int, float]:
+    """tau(g) = T(1)/T(g) of the target forward over g = 1..g_max tokens per sequence at batch
+    size ``batch`` (T(g): one forward of [batch, g] tokens), measured once per model and batch
+    size (kept on its engine, or in a per-model table) on a scratch KV cache prefilled with
+    the end of ``prompt`` (each row a different rotation of it, so the rows route to different
+    experts), T(g) the fastest of ``repeats`` interleaved calls.  Expert loads count: this is
+    the forward as it runs, cache misses included (gamma-tolerance paper, section 3.1)."""
+    batch = int(batch)
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if engine is not None:
+        table: Dict[int, float] = engine._tau.setdefault(batch, {})
+    else:
+        table = _TAU.setdefault(model, {}).setdefault(batch, {})  # type: ignore[assignment]
     if table and max(table) >= g_max:
         return {g: t for g, t in table.items() if g <= g_max}
     kv = _new_kv(model)
     base = list(prompt)[-64:]
-    _forward(model, base, kv)
+    rows = [base[(b * 5) % len(base):] + base[:(b * 5) % len(base)] for b in range(batch)]
+    with torch.no_grad():
+        model(input_ids=torch.tensor(rows, dtype=torch.long), past_key_values=kv, use_cache=True)
     n = kv.get_seq_length()
     calls = [0]
 
     def fwd(g: int) -> None:
         # a different window of the prompt each call, so cache misses happen as in decoding
         calls[0] += 1
-        toks = [base[(calls[0] * 7 + i) % len(base)] for i in range(g)]
-        _forward(model, toks, kv)
+        toks = [[base[(calls[0] * 7 + b * 3 + i) % len(base)] for i in range(g)]
+                for b in range(batch)]
+        with torch.no_grad():
+            model(input_ids=torch.tensor(toks, dtype=torch.long), past_key_values=kv,
+                  use_cache=True)
         _crop(kv, n)
 
     table.clear()  # measured up to g = 9 at least: K up to 8 needs no second measurement
     # the fastest of the repeats: tau bounds the best case, and on shared cores other
     # processes only ever slow a forward down (a median can prune every K on a busy machine)
     table.update(measure_tau(fwd, range(1, max(g_max, 9) + 1), repeats=repeats, warmup=1,
-                             stat="min"))
+                             stat="min", progress=progress))
     return {g: t for g, t in table.items() if g <= g_max}
 
 
@@ -370,14 +409,17 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
              max_new_tokens: int = 32, do_sample: bool = False, *,
              temperature: float = 1.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, eos_token_id: Union[int, Sequence[int], None] = -1,
-             seed: Optional[int] = None, tau: Union[str, Mapping[int, float], None] = "auto",
-             engine: Any = None, lookahead: bool = True, progress: bool = False
-             ) -> GenerateOutput:
+             seed: Optional[int] = None, tau: Union[str, Mapping[int, Any], None] = "auto",
+             engine: Any = None, lookahead: bool = True, progress: bool = False,
+             attention_mask: Optional[torch.Tensor] = None, success: bool = True,
+             pad_token_id: Optional[int] = None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens with speculative decoding.
 
     Args:
         model: a transformers causal LM, offloaded by :func:`specmoe.offload` or not.
-        input_ids: the prompt, [1, n] or [n] token ids (batch size 1 only).
+        input_ids: the prompt, [n] or [B, n] token ids; B > 1 prompts of different lengths
+            are left-padded with ``attention_mask`` marking the real tokens, as for
+            transformers' batched ``generate`` (the batch path: :mod:`specmoe.spec_batch`).
         drafter: :class:`specmoe.spec.NgramDrafter`, :class:`DraftModel`, :class:`SelfDraft`,
             or any object with ``propose(history, k) -> list[int]``.  None: plain decoding.
         controller: chooses K per iteration (:mod:`specmoe.spec`: StaticK, Heuristic, Cascade,
@@ -398,13 +440,27 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         lookahead: with a drafter that reports routing (SelfDraft), prefetch its predicted
             experts before each verification.
         progress: show a tqdm bar over the new tokens.
+        attention_mask: [B, n] of 0/1, left padding only (None: every token is real).
+        success: with tau pruning on, also prune K by the gamma-tolerance paper's success
+            condition S(K) > 1 (section 3.1, eq. 1) with the acceptance and drafter cost the
+            controller measures (:meth:`specmoe.spec.Controller.set_success`).
+        pad_token_id: fills a batch's rows after their EOS (default: the model's
+            ``generation_config.pad_token_id``, else the first EOS id, else 0), as
+            transformers does.
+
+    With B > 1: each sequence has its own drafts, accepted prefix and EOS; one K per batch
+    step; tau is measured per batch size in use (``tau`` may also map batch sizes to tau
+    tables); ``sequences`` is [B, n + longest new] with finished rows padded; ``stats`` add
+    ``batch``, ``new_tokens_per_row`` and ``acceptance_per_position``; iterations add
+    ``batch``, ``k_rows`` and ``accepted_rows`` (``accepted`` and ``emitted`` are batch sums).
 
     Returns:
         :class:`GenerateOutput` (``.sequences``, ``.stats``, ``.iterations``).
 
     Raises:
-        ValueError: batch size other than 1, empty prompt, bad lengths or sampling settings, a
-            controller without a drafter, a drafter proposing ids outside the vocabulary.
+        ValueError: empty prompt, a mask that is not left padding, bad lengths or sampling
+            settings, a controller without a drafter, a drafter proposing ids outside the
+            vocabulary.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 1:
@@ -412,18 +468,34 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     ids = torch.as_tensor(input_ids)
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got {ids.dtype}")
-    if ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise ValueError(f"generate supports batch size 1 only, got input_ids of shape "
+    batch_ids: Optional[torch.Tensor] = None
+    batch_mask: Optional[torch.Tensor] = None
+    if ids.dim() == 2 and ids.numel():
+        mask = torch.ones_like(ids) if attention_mask is None \
+            else torch.as_tensor(attention_mask)
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids "
                              f"{tuple(ids.shape)}")
-        ids = ids[0]
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError(f"input_ids must be a non-empty [1, n] or [n] tensor, got shape "
+        if mask.dtype.is_floating_point:
+            raise TypeError(f"attention_mask must hold integers 0/1, got {mask.dtype}")
+        from .spec_batch import check_left_padded
+        check_left_padded(ids, mask)
+        if ids.shape[0] == 1:
+            ids = ids[0][mask[0] == 1]  # batch size 1: the single-sequence loop
+        else:
+            batch_ids, batch_mask = ids.to(torch.long), mask.to(torch.long)
+            ids = ids[mask == 1]  # for the checks below
+    elif attention_mask is not None and ids.dim() == 1:
+        raise ValueError("attention_mask needs [B, n] input_ids")
+    if batch_ids is None and (ids.dim() != 1 or ids.numel() == 0):
+        raise ValueError(f"input_ids must be a non-empty [B, n] or [n] tensor, got shape "
                          f"{tuple(torch.as_tensor(input_ids).shape)}")
     vocab = int(model.get_output_embeddings().weight.shape[0])
     prompt = [int(t) for t in ids.tolist()]
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"input_ids must lie in [0, {vocab})")
+    if batch_ids is not None and (int(batch_ids.min()) < 0 or int(batch_ids.max()) >= vocab):
+        raise ValueError(f"input_ids (padding included) must lie in [0, {vocab})")
     if controller is not None and drafter is None:
         raise ValueError("a controller needs a drafter (drafter=None decodes plainly)")
     if controller is not None and not isinstance(controller, Controller):
@@ -447,15 +519,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         engine = find_engine(model)
     if isinstance(tau, str) and tau != "auto":
         raise ValueError(f"tau must be 'auto', a mapping or None, got {tau!r}")
-    if controller is not None and tau is not None and not (
-            isinstance(tau, str) and isinstance(controller, StaticK)):
-        # "auto" prunes the K an adaptive controller may choose; a static K is what the caller
-        # asked for and runs as given (pass a tau mapping to prune it anyway)
-        controller.set_tau(target_tau(model, prompt, controller.k_max + 1, engine)
-                           if isinstance(tau, str) else tau)
-    if controller is not None and hasattr(controller, "begin_request"):
-        controller.begin_request()  # Cascade's state is per request (controller.h)
-
+    if not isinstance(success, bool):
+        raise TypeError(f"success must be a bool, got {type(success).__name__}")
     rec = recurrent_layer_types(model.config)
     if rec:
         # (plain decoding through this loop is not supported either: its prefill-then-pending
@@ -464,6 +529,36 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             f"specmoe.generate rolls the cache back to the accepted prefix, and "
             f"{model.config.model_type}'s {'/'.join(rec)} layers keep a recurrent state that "
             "cannot be rolled back; use model.generate() (offloading works as usual)")
+    prune = controller is not None and tau is not None and not (
+        isinstance(tau, str) and isinstance(controller, StaticK))
+    if controller is not None:
+        # the success condition rides on the tau pruning (a StaticK under "auto" runs as given)
+        controller.set_success(bool(success and prune))
+    if batch_ids is not None:
+        if pad_token_id is None:
+            pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id",
+                                   None)
+        if pad_token_id is None:
+            pad_token_id = min(eos) if eos else 0
+        from .spec_batch import run_batch
+        return run_batch(model, batch_ids, batch_mask, drafter, controller, max_new_tokens,
+                         sampling, eos, gen, tau if prune else None, engine, lookahead,
+                         progress, int(pad_token_id), vocab)
+    if controller is not None:
+        controller.set_batch(1)
+    if prune:
+        assert controller is not None and tau is not None
+        # "auto" prunes the K an adaptive controller may choose; a static K is what the caller
+        # asked for and runs as given (pass a tau mapping to prune it anyway)
+        if not isinstance(tau, str) and tau and all(isinstance(v, Mapping)
+                                                    for v in tau.values()):
+            from .spec_batch import tau_for_batch  # {batch size: tau table}
+            tau = tau_for_batch({int(b): v for b, v in tau.items()}, 1)
+        controller.set_tau(target_tau(model, prompt, controller.k_max + 1, engine)
+                           if isinstance(tau, str) else tau)
+    if controller is not None and hasattr(controller, "begin_request"):
+        controller.begin_request()  # Cascade's state is per request (controller.h)
+
     t_start = time.perf_counter()
     kv = _new_kv(model)
     if len(prompt) > 1:

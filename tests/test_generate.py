@@ -281,8 +281,10 @@ def test_sampling_is_reproducible_with_a_seed(pair):
 
 def test_bad_input(pair):
     model, draft, eng, ids = pair
-    with pytest.raises(ValueError, match="batch size 1"):
-        generate(model, ids.repeat(2, 1), NgramDrafter(), StaticK(1))
+    with pytest.raises(ValueError, match="left-padded"):  # batches: left padding only
+        mask = torch.ones((2, ids.shape[1]), dtype=torch.long)
+        mask[1, -1] = 0
+        generate(model, ids.repeat(2, 1), NgramDrafter(), StaticK(1), attention_mask=mask)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, ids, max_new_tokens=0)
     with pytest.raises(ValueError, match="non-empty"):

@@ -41,3 +41,16 @@ def test_speculation_notebook_runs():
     assert "iterations per phase:" in text and "back-off stretches" in text
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) == 2  # K/utility for the n-gram drafter and for the draft model
+
+
+@pytest.mark.skipif(not _zoo_ready(), reason="zoo weights not in the package")
+def test_gamma_tolerance_notebook_runs():
+    """notebooks/gamma_tolerance.ipynb measures tau(g, B) for three batch sizes, plots tau
+    against gamma and prints the success condition per batch size."""
+    nb, outputs = _execute("gamma_tolerance.ipynb")
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "tau(g, B)" in text
+    assert all(f"B={b:2d}:" in text for b in (1, 4, 16))
+    assert "pays:" in text
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 1

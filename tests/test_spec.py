@@ -874,3 +874,189 @@ def test_cascade_default_centre_kept_after_failure():
     while c.phase == "backoff":
         c.observe(0, 0, 0.01)
     assert (c.next_k(), c.phase) == (2, "test")
+
+
+# ---------------------------------------------------------------------------------------------
+# batches and the gamma-tolerance success condition (controller.h, "Batches" and "Success
+# condition"; the paper's section 3.1, equation (1))
+
+
+def test_speedup_model_hand_values():
+    from specmoe.spec import speedup
+    # the paper's own numbers (section 3.2): tau(5) = 0.81 at batch 128, lambda = 3, free
+    # drafting -> 2.43; tau(25) = 0.34 caps near 1x (1.02)
+    assert speedup(3.0, 0.81, 0.0, 4) == pytest.approx(2.43)
+    assert speedup(3.0, 0.34, 0.0, 24) == pytest.approx(1.02)
+    # 2.5 * 0.8 / (1 + 3 * 0.1 * 0.8) = 2 / 1.24
+    assert speedup(2.5, 0.8, 0.1, 3) == pytest.approx(2.0 / 1.24)
+    # tau = 1: S = lambda / (1 + gamma delta) (section 4.1)
+    assert speedup(2.0, 1.0, 0.5, 2) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="lam"):
+        speedup(0.5, 1.0, 0.0, 1)
+    with pytest.raises(ValueError, match="tau_next"):
+        speedup(2.0, 0.0, 0.0, 1)
+    with pytest.raises(ValueError, match="delta"):
+        speedup(2.0, 1.0, float("nan"), 1)
+
+
+class SuccessRef:
+    """Plain-Python reference of the success model in controller.h."""
+
+    def __init__(self, k_max, alpha, min_obs, probe, tau=None):
+        self.k_max, self.a, self.min_obs, self.probe = k_max, alpha, min_obs, probe
+        self.p = [1.0] * (k_max + 1)
+        self.n = [0] * (k_max + 1)
+        self.delta = None
+        self.tau = tau
+        self.zero_run = 0
+        self.base = []
+
+    def tau_ok(self, k):
+        if self.tau is None:
+            return True
+        return k + 1 <= len(self.tau) and (k + 1) * self.tau[k] > 1
+
+    def lam(self, k):
+        e, prod = 1.0, 1.0
+        for j in range(1, k + 1):
+            prod *= self.p[j] if self.n[j] >= self.min_obs else 1.0
+            e += prod
+        return e
+
+    def S(self, k):
+        if k == 0:
+            return 1.0
+        t = 1.0 if self.tau is None else self.tau[k]
+        d = self.delta or 0.0
+        return self.lam(k) * t / (1 + k * d * t)
+
+    def allowed(self):
+        return [0] + [k for k in range(1, self.k_max + 1) if self.tau_ok(k) and self.S(k) > 1]
+
+    def observe(self, k, acc, t, t_draft, rows=None):
+        if k == 0:
+            self.base = (self.base + [t])[-4:]
+        for rk, ra in (rows or [(k, acc)]):
+            for j in range(1, min(rk, ra + 1) + 1):
+                x = 1.0 if j <= ra else 0.0
+                self.p[j] = (1 - self.a) * self.p[j] + self.a * x
+                self.n[j] += 1
+        if k >= 1 and t_draft > 0 and self.base:
+            d = t_draft / k / float(np.median(self.base))
+            self.delta = d if self.delta is None else (1 - self.a) * self.delta + self.a * d
+        ks = [j for j in range(1, self.k_max + 1) if self.tau_ok(j)]
+        blocked = bool(ks) and all(self.S(j) <= 1 for j in ks)
+        self.zero_run = self.zero_run + 1 if (k == 0 and blocked) else 0
+        if self.zero_run >= self.probe:
+            self.p = [1.0] * (self.k_max + 1)
+            self.n = [0] * (self.k_max + 1)
+            self.delta = None
+            self.zero_run = 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_success_model_matches_reference(seed):
+    rng = np.random.default_rng(seed)
+    tau = [1.0, 0.9, 0.8, 0.7, 0.55, 0.5, 0.45]
+    ctl = StaticK(3, k_max=5)
+    ctl.set_tau(tau)
+    ctl.set_success(True, min_obs=3, probe=6)
+    ref = SuccessRef(5, 0.2, 3, 6, tau)
+    assert ctl.allowed == ref.allowed()
+    for i in range(120):
+        k = int(rng.integers(0, 6)) if i % 7 else 0
+        batch = i % 3 == 0
+        if batch:
+            rk = rng.integers(0, k + 1, size=3)
+            rk[0] = k
+            ra = [int(rng.integers(0, x + 1)) for x in rk]
+            rows = list(zip(rk.tolist(), ra))
+            acc = min([a for a, x in rows if a < x] or [k])
+        else:
+            acc = int(rng.binomial(k, 0.3)) if k else 0
+            rows = None
+        t = float(rng.uniform(0.5, 2.0))
+        td = float(rng.uniform(0.0, 0.4)) * t if k else 0.0
+        kw = {} if rows is None else {"rows_k": [r[0] for r in rows],
+                                      "rows_accepted": [r[1] for r in rows]}
+        ctl.observe(k, acc, t, t_draft=td, **kw)
+        ref.observe(k, acc, t, td, rows)
+        m = ctl.success_model()
+        assert m["lambda"] == pytest.approx([ref.lam(j) for j in range(6)])
+        assert m["speedup"] == pytest.approx([ref.S(j) for j in range(6)])
+        assert (m["delta"] is None) == (ref.delta is None)
+        if ref.delta is not None:
+            assert m["delta"] == pytest.approx(ref.delta)
+        assert ctl.allowed == ref.allowed(), i
+        # a static K is lowered to the largest allowed K
+        assert ctl.next_k() == max(j for j in ref.allowed() if j <= 3)
+
+
+def test_success_model_skips_k_that_cannot_pay_and_reprobes():
+    """A drafter never accepted and costing half a plain step per token: S(K) <= 1 for every
+    K once measured, so Cascade stops speculating; after `probe` blocked plain steps the
+    measurements are forgotten and K is allowed again."""
+    ctl = Cascade(k_max=4, trial_len=2, set_len=4, base_len=2, backoff_max=4)
+    ctl.set_success(True, min_obs=2, probe=10)
+    assert ctl.allowed == [0, 1, 2, 3, 4]
+    for _ in range(2):
+        ctl.observe(0, 0, 1.0)
+    ks = []
+    for _ in range(40):
+        k = ctl.next_k()
+        ks.append(k)
+        ctl.observe(k, 0, 1.0 + 0.5 * k + 0.1, t_draft=0.5 * k)
+        if len(ks) == 6:
+            assert ctl.allowed == [0]
+            m = ctl.success_model()
+            assert m["delta"] == pytest.approx(0.5)
+            assert m["lambda"][1] < 1.5
+    assert ks[:2] != [0, 0]  # it tried K first
+    assert 0 in ks and ks.count(0) >= 10
+    # blocked plain steps >= probe: forgotten, optimistic again (S(K) = K+1 with no tau)
+    assert any(k > 0 for k in ks[8:])
+    # off: the tau rule alone
+    ctl.set_success(False)
+    assert ctl.allowed == [0, 1, 2, 3, 4]
+
+
+def test_batch_rows_etr_counts_the_batch_tokens():
+    """Cascade's utility of a batch step uses mean(rows_accepted + 1) as ETR; a set_batch
+    change re-measures the plain step (BASE phase)."""
+    ctl = Cascade(k_max=3, trial_len=2, set_len=4, base_len=2)
+    ctl.set_batch(4)
+    assert ctl.phase == "base"
+    for _ in range(2):
+        ctl.observe(0, 0, 2.0, rows_k=[0] * 4, rows_accepted=[0] * 4)
+    assert ctl.phase == "test" and ctl.base == pytest.approx(2.0)
+    k = ctl.next_k()
+    rows_k, rows_acc = [k, k, 1, 0], [k, 0, 1, 0]
+    etr = np.mean(np.array(rows_acc) + 1)
+    ctl.observe(k, 0, 3.0, rows_k=rows_k, rows_accepted=rows_acc)
+    u = ctl.telemetry()["utility"][-1]
+    assert u == pytest.approx(etr / (3.0 / 2.0))
+    ctl.set_batch(2)
+    assert math.isnan(ctl.base) and ctl.phase == "base"
+    ctl.set_batch(2)  # unchanged: nothing dropped
+    assert ctl.phase == "base"
+    with pytest.raises(ValueError, match="rows_k"):
+        ctl.observe(1, 0, 1.0, rows_k=[2], rows_accepted=[0])
+    with pytest.raises(ValueError, match="rows_accepted"):
+        ctl.observe(2, 0, 1.0, rows_k=[1], rows_accepted=[2])
+    with pytest.raises(ValueError, match="both"):
+        ctl.observe(1, 0, 1.0, rows_k=[1])
+    with pytest.raises(TypeError, match="integers"):
+        ctl.observe(1, 0, 1.0, rows_k=[1.0], rows_accepted=[0])
+    with pytest.raises(ValueError, match="batch"):
+        ctl.set_batch(0)
+    with pytest.raises(ValueError, match="min_obs"):
+        ctl.set_success(True, min_obs=0)
+
+
+def test_speq_learns_every_row():
+    a = SpeqGovernor(k_max=3, alpha=0.5, p_init=0.5)
+    b = SpeqGovernor(k_max=3, alpha=0.5, p_init=0.5)
+    a.observe(2, 0, 1.0, rows_k=[2, 2], rows_accepted=[2, 0])
+    b.observe(2, 2, 1.0)
+    b.observe(2, 0, 1.0)  # the same position decisions one row after the other
+    assert a.model(2)[0] == pytest.approx(b.model(2)[0])

@@ -125,3 +125,25 @@ def test_config_and_tau(result):
     tau = result["tau"]
     assert tau is not None and tau["1"] == 1.0
     assert all(_finite_pos(v) for v in tau.values())
+
+
+def test_batch_table_smoke():
+    """--batch: one row per (batch size, drafter, controller) plus nospec, per-position
+    acceptance, tau per batch size, and greedy outputs equal to plain batched decoding."""
+    if not _zoo_ready():
+        pytest.skip("zoo weights not in the package")
+    p = subprocess.run([sys.executable, str(SCRIPT), "--batch", "1,2", "--new-tokens", "4",
+                        "--repeats", "1", "--drafters", "ngram", "--json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.strip()][-1])
+    assert res["batch_sizes"] == [1, 2] and sorted(res["tau_by_batch"]) == ["1", "2"]
+    got = sorted(((r["batch"], r["drafter"], r["controller"]) for r in res["rows"]), key=repr)
+    want = sorted([(b, None, "nospec") for b in (1, 2)] + [
+        (b, "ngram", c) for b in (1, 2) for c in ("static", "cascade", "speq")], key=repr)
+    assert got == want
+    for r in res["rows"]:
+        assert r["outputs_equal"] is True
+        assert _finite_pos(r["tok_per_s"]) and _finite_pos(r["tok_per_s_vs_nospec"])
+        assert isinstance(r["acceptance_per_position"], list)
+        assert 0 <= r["spec_off_steps"] <= 1

@@ -207,18 +207,19 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
     double base = smoe_spec_ctl_base(c); /* already includes o when o->k == 0 */
     *phase = s->phase;
     s->n++;
-    s->etr_sum += (double)(o->accepted + 1);
+    double etr = smoe_spec_obs_etr(o); /* a batch step: the batch's tokens per sequence */
+    s->etr_sum += etr;
     s->t_sum += o->t_iter;
     /* running utility of the trial / set phase: mean(ETR) / (mean(t) / base) */
     double u = s->etr_sum / (s->t_sum / base);
     uint64_t now = c->n_obs; /* index of this iteration */
     if (s->phase == SMOE_SPEC_PHASE_TEST)
-        pool_add(s, s->cur_k, (double)(o->accepted + 1), o->t_iter, now);
+        pool_add(s, s->cur_k, etr, o->t_iter, now);
     else if (s->phase == SMOE_SPEC_PHASE_SET)
-        pool_add(s, s->set_k, (double)(o->accepted + 1), o->t_iter, now);
+        pool_add(s, s->set_k, etr, o->t_iter, now);
     switch (s->phase) {
     case SMOE_SPEC_PHASE_BASE:
-        u = (double)(o->accepted + 1) * base / o->t_iter;
+        u = etr * base / o->t_iter;
         if (s->n >= c->params.base_len) start_test(c, s);
         break;
     case SMOE_SPEC_PHASE_TEST:
@@ -232,7 +233,7 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
         break;
     case SMOE_SPEC_PHASE_BACKOFF:
     default:
-        u = (double)(o->accepted + 1) * base / o->t_iter;
+        u = etr * base / o->t_iter;
         if (s->n >= s->cur_backoff_len) end_set(c, s);
         break;
     }

@@ -86,7 +86,9 @@ int smoe_spec_ctl_create(smoe_spec_ctl **out, const smoe_spec_ctl_ops *ops,
         free(c);
         return rc;
     }
-    for (int32_t k = 0; k <= c->params.k_max; k++) c->allowed[k] = 1;
+    for (int32_t k = 0; k <= c->params.k_max; k++) c->allowed[k] = c->tau_ok[k] = 1;
+    for (int32_t j = 0; j <= SMOE_SPEC_KMAX; j++) c->acc_p[j] = 1.0;
+    c->batch = 1;
     c->ring_cap = c->params.telemetry_cap;
     c->ring = malloc((size_t)c->ring_cap * sizeof *c->ring);
     /* second half: scratch for the sorted copy smoe_spec_ctl_base takes the median of */
@@ -145,6 +147,112 @@ double smoe_spec_ctl_base(const smoe_spec_ctl *c) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+double smoe_spec_obs_etr(const smoe_spec_obs *o) {
+    if (o->nrows <= 0) return (double)(o->accepted + 1);
+    double s = 0.0;
+    for (int32_t i = 0; i < o->nrows; i++) s += (double)(o->row_acc[i] + 1);
+    return s / (double)o->nrows;
+}
+
+double smoe_spec_ctl_lambda(const smoe_spec_ctl *c, int32_t k) {
+    if (k < 0 || k > c->params.k_max) return NAN;
+    double e = 1.0, prod = 1.0;
+    for (int32_t j = 1; j <= k; j++) {
+        prod *= c->acc_n[j] >= c->succ_min ? c->acc_p[j] : 1.0;
+        e += prod;
+    }
+    return e;
+}
+
+double smoe_spec_ctl_speedup(const smoe_spec_ctl *c, int32_t k) {
+    if (k < 0 || k > c->params.k_max) return NAN;
+    if (k == 0) return 1.0;
+    double tau = 1.0;
+    if (c->ntau > 0) {
+        if (k + 1 > c->ntau) return 0.0; /* beyond the measured range: cannot be shown to pay */
+        tau = c->tau[k + 1];
+    }
+    double delta = c->has_delta ? c->delta : 0.0;
+    /* gamma-tolerance paper, section 3.1, equation (1), gamma = k */
+    return smoe_spec_ctl_lambda(c, k) * tau / (1.0 + (double)k * delta * tau);
+}
+
+static void recompute_allowed(smoe_spec_ctl *c) {
+    c->allowed[0] = 1;
+    for (int32_t k = 1; k <= c->params.k_max; k++)
+        c->allowed[k] = c->tau_ok[k] && (!c->succ_on || smoe_spec_ctl_speedup(c, k) > 1.0);
+}
+
+/* The success model learns from one validated observation (controller.h). */
+static void success_learn(smoe_spec_ctl *c, const smoe_spec_obs *o) {
+    double a = c->params.alpha;
+    int32_t rows = o->nrows > 0 ? o->nrows : 1;
+    for (int32_t r = 0; r < rows; r++) {
+        int32_t k = o->nrows > 0 ? o->row_k[r] : o->k;
+        int32_t acc = o->nrows > 0 ? o->row_acc[r] : o->accepted;
+        for (int32_t j = 1; j <= k && j <= acc + 1; j++) {
+            double x = j <= acc ? 1.0 : 0.0;
+            c->acc_p[j] = (1.0 - a) * c->acc_p[j] + a * x;
+            c->acc_n[j]++;
+        }
+    }
+    double base = smoe_spec_ctl_base(c);
+    if (o->k >= 1 && o->t_draft > 0.0 && !isnan(base) && base > 0.0) {
+        double d = o->t_draft / (double)o->k / base;
+        c->delta = c->has_delta ? (1.0 - a) * c->delta + a * d : d;
+        c->has_delta = 1;
+    }
+    if (!c->succ_on) return;
+    int any_tau = 0, any_pays = 0; /* is every K that tau allows ruled out by S? */
+    for (int32_t k = 1; k <= c->params.k_max; k++) {
+        if (!c->tau_ok[k]) continue;
+        any_tau = 1;
+        if (smoe_spec_ctl_speedup(c, k) > 1.0) any_pays = 1;
+    }
+    int all_blocked = any_tau && !any_pays;
+    c->succ_zero_run = (o->k == 0 && all_blocked) ? c->succ_zero_run + 1 : 0;
+    if (c->succ_zero_run >= (uint64_t)c->succ_probe) {
+        for (int32_t j = 0; j <= SMOE_SPEC_KMAX; j++) {
+            c->acc_p[j] = 1.0;
+            c->acc_n[j] = 0;
+        }
+        c->has_delta = 0;
+        c->delta = 0.0;
+        c->succ_zero_run = 0;
+    }
+}
+
+int smoe_spec_ctl_set_success(smoe_spec_ctl *c, int on, int32_t min_obs, int32_t probe,
+                              smoe_err *err) {
+    if (on && (min_obs < 1 || probe < 1))
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "spec %s: success model needs min_obs >= 1 and probe >= 1 "
+                            "(got %d, %d)", c->ops->name, (int)min_obs, (int)probe);
+    c->succ_on = on ? 1 : 0;
+    if (on) {
+        c->succ_min = min_obs;
+        c->succ_probe = probe;
+    }
+    c->succ_zero_run = 0;
+    recompute_allowed(c);
+    return SMOE_OK;
+}
+
+int smoe_spec_ctl_set_batch(smoe_spec_ctl *c, int32_t batch, smoe_err *err) {
+    if (batch < 1)
+        return smoe_err_set(err, SMOE_EINVAL, "spec %s: batch must be >= 1, got %d",
+                            c->ops->name, (int)batch);
+    if (batch == c->batch) return SMOE_OK;
+    c->batch = batch;
+    c->base_n = 0; /* plain-step time depends on the batch size: measure it again */
+    c->base_pos = 0;
+    c->has_delta = 0; /* relative to t_base */
+    c->delta = 0.0;
+    recompute_allowed(c);
+    smoe_spec_ctl_begin_request(c);
+    return SMOE_OK;
+}
+
 int smoe_spec_ctl_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, smoe_err *err) {
     if (o->k < 0 || o->k > c->params.k_max)
         return smoe_err_set(err, SMOE_EINVAL, "spec %s: k must be in 0..k_max=%d, got %d",
@@ -167,6 +275,19 @@ int smoe_spec_ctl_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, smoe_err *er
     if (o->experts_loaded < 0)
         return smoe_err_set(err, SMOE_EINVAL, "spec %s: experts_loaded must be >= 0, got %lld",
                             c->ops->name, (long long)o->experts_loaded);
+    if (o->nrows < 0 || (o->nrows > 0 && (!o->row_k || !o->row_acc)))
+        return smoe_err_set(err, SMOE_EINVAL, "spec %s: nrows must be >= 0 with both row arrays",
+                            c->ops->name);
+    for (int32_t i = 0; i < o->nrows; i++) {
+        if (o->row_k[i] < 0 || o->row_k[i] > o->k)
+            return smoe_err_set(err, SMOE_EINVAL, "spec %s: rows_k[%d] must be in 0..k=%d, got %d",
+                                c->ops->name, (int)i, (int)o->k, (int)o->row_k[i]);
+        if (o->row_acc[i] < 0 || o->row_acc[i] > o->row_k[i])
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "spec %s: rows_accepted[%d] must be in 0..rows_k[%d]=%d, got %d",
+                                c->ops->name, (int)i, (int)i, (int)o->row_k[i],
+                                (int)o->row_acc[i]);
+    }
     int32_t planned = smoe_spec_ctl_next_k(c);
     if (o->k == 0) {
         c->base_ring[c->base_pos] = o->t_iter;
@@ -174,6 +295,8 @@ int smoe_spec_ctl_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, smoe_err *er
         if (c->base_n < c->params.base_len) c->base_n++;
         c->last_base_iter = c->n_obs;
     }
+    success_learn(c, o);
+    if (c->succ_on) recompute_allowed(c);
     int32_t phase = SMOE_SPEC_PHASE_NONE;
     double u = c->ops->observe(c, o, &phase);
     if (c->ring_cap) {
@@ -202,14 +325,15 @@ int smoe_spec_ctl_set_tau(smoe_spec_ctl *c, const double *tau, int32_t n, smoe_e
                                 (int)(i + 1), tau[i]);
     c->ntau = n;
     for (int32_t g = 1; g <= n; g++) c->tau[g] = tau[g - 1];
-    c->allowed[0] = 1;
+    c->tau_ok[0] = 1;
     for (int32_t k = 1; k <= c->params.k_max; k++) {
         int32_t g = k + 1;
         if (n == 0)
-            c->allowed[k] = 1;
+            c->tau_ok[k] = 1;
         else
-            c->allowed[k] = g <= n && (double)g * c->tau[g] > 1.0;
+            c->tau_ok[k] = g <= n && (double)g * c->tau[g] > 1.0;
     }
+    recompute_allowed(c);
     return SMOE_OK;
 }
 
@@ -238,7 +362,7 @@ uint32_t smoe_spec_ctl_telemetry(const smoe_spec_ctl *c, smoe_spec_rec *out) {
 /* Instant utility of one iteration against the shared plain-iteration timing. */
 static double instant_utility(const smoe_spec_ctl *c, const smoe_spec_obs *o) {
     double base = smoe_spec_ctl_base(c);
-    return isnan(base) ? NAN : (double)(o->accepted + 1) * base / o->t_iter;
+    return isnan(base) ? NAN : smoe_spec_obs_etr(o) * base / o->t_iter;
 }
 
 /* ---- static K -------------------------------------------------------------------------- */

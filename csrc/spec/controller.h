@@ -141,7 +141,41 @@
  *     k >= 1 by the same objective (ties to the smaller k; 0 when no k >= 1 is allowed);
  *     any observed iteration with k_used >= 1 resets the count.
  *
- * Instant utility (static, heuristic): (accepted + 1) * t_base / t_iter, with t_base the
+ * Batches (smoe_spec_obs.nrows > 0): one observation is one batch step of nrows sequences,
+ *   all verified in one forward; row_k[i] drafts verified and row_acc[i] accepted for
+ *   sequence i (k = max row_k, accepted as the caller's scalar summary, see py_spec.c).
+ *   ETR of the step = mean over rows of (row_acc[i] + 1): the batch's tokens per sequence, so
+ *   that against t_base measured at the same batch size, U = ETR / (t_iter / t_base) is the
+ *   batch's tokens per second relative to plain batched decoding (Cascade's utility counts
+ *   the batch's tokens).  The speq governor and the success model below learn per-position
+ *   acceptance from every row.  smoe_spec_ctl_set_batch(c, B) tells the controller the batch
+ *   size of the next steps; when it changes, t_base is measured again (the base ring is
+ *   emptied) and the controller's per-request state is dropped (begin_request: Cascade
+ *   starts a new cycle with a BASE phase), since plain-step time and tau depend on B.
+ *
+ * Success condition (smoe_spec_ctl_set_success; off until called):
+ *   the gamma-tolerance paper's speedup model, section 3.1, equation (1):
+ *       S(K) = lambda(K) * tau(K+1) / (1 + K * delta * tau(K+1))
+ *   with gamma = K drafts verified over K+1 positions, lambda(K) the expected tokens of a
+ *   step (accepted drafts plus the bonus token) and delta = T_D / T(1) the drafter's cost
+ *   per draft token relative to a plain step.  Measured here:
+ *     lambda(K) = 1 + sum_{i=1..K} prod_{j=1..i} p_j, p_j an EMA (weight alpha, from 1) of the
+ *       acceptance of draft position j given positions < j were accepted, over the rows of
+ *       every observation (positions 1..acc accepted, acc+1 rejected if drafted); a position
+ *       with fewer than min_obs decisions counts p_j = 1 (optimistic until measured);
+ *     delta = EMA (weight alpha) of (t_draft / k) / t_base over observations with k >= 1,
+ *       t_draft > 0 and t_base known; 0 until then;
+ *     tau(g) from set_tau; 1 when no tau is set.
+ *   K >= 1 is ALLOWED iff the tau rule above allows it AND S(K) > 1.  With p_j = 1 and
+ *   delta = 0, S(K) = (K+1) tau(K+1): the tau rule is the success condition at its best case.
+ *   Re-probe (decided here): a measured model can rule every K out and then never learn
+ *   again (no K >= 1 runs), so after `probe` (default 64) consecutive observations with
+ *   k == 0 while the success model forbids every K that tau allows, the acceptance counts
+ *   and delta are forgotten (optimistic again) and the controllers may try K again (Cascade
+ *   still at the pace of its back-off).  allowed[] is recomputed after every observation,
+ *   before the controller's own update sees it.
+ *
+ * Instant utility (static, heuristic): ETR * t_base / t_iter, with t_base the
  * median of the last base_len k_used == 0 iterations; NaN until one was observed.
  *
  * Not thread-safe: callers serialise all calls on one object.  No global state.
@@ -170,7 +204,13 @@ typedef struct smoe_spec_obs {
     int64_t experts_loaded; /* experts loaded from the slow tier during the iteration, >= 0 */
     double t_draft;         /* seconds of t_iter spent drafting, 0 <= t_draft <= t_iter (0: unknown) */
     double t_io;            /* seconds of t_iter stalled on expert loads, 0 <= t_io <= t_iter */
+    int32_t nrows;          /* 0: one sequence; else a batch step of nrows sequences */
+    const int32_t *row_k;   /* [nrows] drafts verified per sequence, 0..k (borrowed) */
+    const int32_t *row_acc; /* [nrows] drafts accepted per sequence, 0..row_k[i] (borrowed) */
 } smoe_spec_obs;
+
+/* ETR of an observation: accepted + 1, or the mean of row_acc + 1 over a batch step. */
+double smoe_spec_obs_etr(const smoe_spec_obs *o);
 
 /* One telemetry record. */
 typedef struct smoe_spec_rec {
@@ -232,6 +272,15 @@ struct smoe_spec_ctl {
     int32_t ntau;                          /* 0: no tau set */
     double tau[SMOE_SPEC_TAU_MAX + 1];     /* tau[g], g = 1..ntau */
     uint8_t allowed[SMOE_SPEC_KMAX + 1];   /* allowed[k], k = 0..k_max */
+    uint8_t tau_ok[SMOE_SPEC_KMAX + 1];    /* the tau rule alone */
+    /* success model (see "Success condition" above) */
+    int32_t succ_on, succ_min, succ_probe;
+    double acc_p[SMOE_SPEC_KMAX + 1];      /* acc_p[j], j = 1..k_max */
+    int64_t acc_n[SMOE_SPEC_KMAX + 1];     /* decisions seen at position j */
+    double delta;
+    int32_t has_delta;
+    uint64_t succ_zero_run;                /* consecutive k == 0 observations while blocked */
+    int32_t batch;                         /* batch size of the coming steps (1 default) */
     /* speq's per-k expected I/O seconds */
     double io_cost[SMOE_SPEC_KMAX + 1];
     /* plain-iteration timing shared by all controllers (last base_len k == 0 iterations);
@@ -274,6 +323,20 @@ int smoe_spec_ctl_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, smoe_err *er
 /* tau[i] = tau(i+1) for i = 0..n-1, each finite and > 0, 1 <= n <= SMOE_SPEC_TAU_MAX.
  * n == 0 clears the pruning (every K allowed). */
 int smoe_spec_ctl_set_tau(smoe_spec_ctl *c, const double *tau, int32_t n, smoe_err *err);
+
+/* Switch the success-condition pruning on (on = 1; min_obs >= 1 decisions per position
+ * before its acceptance counts, probe >= 1 blocked k == 0 steps before a re-probe) or off
+ * (on = 0, back to the tau rule alone). */
+int smoe_spec_ctl_set_success(smoe_spec_ctl *c, int on, int32_t min_obs, int32_t probe,
+                              smoe_err *err);
+
+/* The success model's lambda(k) and S(k) (k = 0..k_max; S(0) = 1) and delta; NaN when k is
+ * out of range. */
+double smoe_spec_ctl_lambda(const smoe_spec_ctl *c, int32_t k);
+double smoe_spec_ctl_speedup(const smoe_spec_ctl *c, int32_t k);
+
+/* Batch size of the next steps (>= 1); see "Batches" above. */
+int smoe_spec_ctl_set_batch(smoe_spec_ctl *c, int32_t batch, smoe_err *err);
 
 /* cost[k] for k = 0..n-1 (finite, >= 0), n <= k_max + 1; entries beyond n become 0. */
 int smoe_spec_ctl_set_io_cost(smoe_spec_ctl *c, const double *cost, int32_t n, smoe_err *err);

@@ -93,9 +93,14 @@ static double speq_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *ph
     double a = c->params.alpha;
     *phase = SMOE_SPEC_PHASE_NONE;
     /* acceptance per position: 1..accepted accepted, accepted+1 rejected (if drafted) */
-    for (int32_t j = 1; j <= o->k && j <= o->accepted + 1; j++) {
-        double x = j <= o->accepted ? 1.0 : 0.0;
-        s->p[j] = (1.0 - a) * s->p[j] + a * x;
+    int32_t rows = o->nrows > 0 ? o->nrows : 1; /* a batch step: every row's positions */
+    for (int32_t r = 0; r < rows; r++) {
+        int32_t k = o->nrows > 0 ? o->row_k[r] : o->k;
+        int32_t acc = o->nrows > 0 ? o->row_acc[r] : o->accepted;
+        for (int32_t j = 1; j <= k && j <= acc + 1; j++) {
+            double x = j <= acc ? 1.0 : 0.0;
+            s->p[j] = (1.0 - a) * s->p[j] + a * x;
+        }
     }
     if (o->k >= 1 && o->t_draft > 0.0) {
         double d = o->t_draft / (double)o->k;
