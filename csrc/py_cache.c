@@ -34,12 +34,6 @@ static smoe_policy *policy_from(PyObject *spec, uint32_t nslots, uint32_t nl, ui
     if (PyUnicode_Check(spec)) {
         const char *name = PyUnicode_AsUTF8(spec);
         if (!name) return NULL;
-        const smoe_policy_ops *ops = smoe_policy_find(name);
-        if (!ops) {
-            PyErr_Format(PyExc_ValueError, "unknown eviction policy %R; built-in policies: %s",
-                         spec, smoe_policy_names());
-            return NULL;
-        }
         smoe_policy_params pp;
         memset(&pp, 0, sizeof pp);
         pp.nslots = nslots;
@@ -48,7 +42,7 @@ static smoe_policy *policy_from(PyObject *spec, uint32_t nslots, uint32_t nl, ui
         smoe_policy *p = NULL;
         smoe_err err;
         smoe_err_clear(&err);
-        if (smoe_policy_create(&p, ops, &pp, &err) < 0) {
+        if (smoe_policy_create_named(&p, name, &pp, &err) < 0) {
             smoe_py_raise(&err);
             return NULL;
         }

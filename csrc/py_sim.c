@@ -159,12 +159,6 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     if (PyUnicode_Check(policy_o)) {
         const char *name = PyUnicode_AsUTF8(policy_o);
         if (!name) goto done;
-        const smoe_policy_ops *ops = smoe_policy_find(name);
-        if (!ops) {
-            PyErr_Format(PyExc_ValueError, "simulate: unknown policy %R (built-ins: %s)",
-                         policy_o, smoe_policy_names());
-            goto done;
-        }
         uint64_t n = (uint64_t)dims[0] * (uint64_t)dims[1] * (uint64_t)dims[2];
         smoe_policy_params params = {.nslots = (uint32_t)nslots, .num_layers = tr.num_layers,
                                      .num_experts = tr.num_experts, .seed = seed,
@@ -182,7 +176,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
             params.future = future;
             params.future_len = n;
         }
-        if (smoe_policy_create(&pol, ops, &params, &err) < 0) {
+        if (smoe_policy_create_named(&pol, name, &params, &err) < 0) {
             smoe_py_raise(&err);
             goto done;
         }

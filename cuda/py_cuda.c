@@ -259,12 +259,6 @@ typedef struct {
 } GCacheObject;
 
 static smoe_policy *make_policy(const char *name, uint32_t nslots, uint32_t nl, uint32_t ne) {
-    const smoe_policy_ops *ops = smoe_policy_find(name);
-    if (!ops) {
-        PyErr_Format(PyExc_ValueError, "unknown eviction policy '%s'; built-in policies: %s",
-                     name, smoe_policy_names());
-        return NULL;
-    }
     smoe_policy_params pp;
     memset(&pp, 0, sizeof pp);
     pp.nslots = nslots;
@@ -273,7 +267,7 @@ static smoe_policy *make_policy(const char *name, uint32_t nslots, uint32_t nl, 
     smoe_policy *p = NULL;
     smoe_err e;
     smoe_err_clear(&e);
-    if (smoe_policy_create(&p, ops, &pp, &e) < 0) {
+    if (smoe_policy_create_named(&p, name, &pp, &e) < 0) {
         raise_err(&e);
         return NULL;
     }

@@ -300,7 +300,7 @@ def test_hardware_profiles_and_calibrate():
 
 def test_bad_input_raises(small):
     ex = small.experts
-    with pytest.raises(ValueError, match="unknown policy"):
+    with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
         _C.simulate(ex, 64, "nope", 10, **HW)
     with pytest.raises(ValueError, match="nslots"):
         _C.simulate(ex, 64, "lru", 0, **HW)

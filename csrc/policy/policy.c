@@ -20,6 +20,16 @@ const char *smoe_policy_names(void) {
     return "lru, lfu, fifo, mru, random, least_stale, belady, spac, spac_ema, lhu, fld, score";
 }
 
+int smoe_policy_create_named(smoe_policy **out, const char *name,
+                             const smoe_policy_params *params, smoe_err *err) {
+    *out = NULL;
+    const smoe_policy_ops *ops = smoe_policy_find(name);
+    if (!ops)
+        return smoe_err_set(err, SMOE_EINVAL, "unknown eviction policy '%s'; built-in policies: %s",
+                            name, smoe_policy_names());
+    return smoe_policy_create(out, ops, params, err);
+}
+
 int smoe_policy_create(smoe_policy **out, const smoe_policy_ops *ops,
                        const smoe_policy_params *params, smoe_err *err) {
     *out = NULL;

@@ -108,6 +108,11 @@ const smoe_policy_ops *smoe_policy_find(const char *name);
 /* Comma-separated names of the built-ins, for error messages. */
 const char *smoe_policy_names(void);
 
+/* The one policy-from-name rule: smoe_policy_find(name) then smoe_policy_create; an unknown
+ * name is SMOE_EINVAL "unknown eviction policy '<name>'; built-in policies: ...". */
+int smoe_policy_create_named(smoe_policy **out, const char *name,
+                             const smoe_policy_params *params, smoe_err *err);
+
 /* Allocate and init a policy; *out owned by the caller, free with smoe_policy_destroy. */
 int smoe_policy_create(smoe_policy **out, const smoe_policy_ops *ops,
                        const smoe_policy_params *params, smoe_err *err);
