@@ -238,6 +238,8 @@ class _Acc:
 
 def worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    if spec["kind"] == "specmoe":
+        import specmoe  # noqa: F401  -- before torch, as users should (OMP_WAIT_POLICY)
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
     phase = Path(spec["result"] + ".phase")

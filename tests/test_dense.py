@@ -225,3 +225,23 @@ def test_bad_input():
         _C.Linear(context(), {"N": 8, "K": 40, "dtype": 3, "weight": 0, "weight_scale": 0},
                   np.zeros(4096, np.uint8))
 
+
+
+def test_openmp_wait_policy_default():
+    """Imported before torch, specmoe makes torch's OpenMP workers sleep instead of spinning
+    between regions (they would hold the kernels' cores); a user's own choice is kept."""
+    import os
+    import subprocess
+    import sys
+    code = "import specmoe, torch, os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()[-1]
+    assert out == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, OMP_WAIT_POLICY="ACTIVE"),
+                         capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert out == "ACTIVE"
+    code = "import torch, specmoe, os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()[-1]
+    assert out == "None"  # too late to matter: left alone
