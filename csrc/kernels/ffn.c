@@ -382,8 +382,9 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
 
 /* ---- dense linear layers ---- */
 
-/* The FFN descriptor whose down projection is the linear layer: phase 2 of a job over it is
- * exactly out = W . act + bias, so the linear layer reuses every per-ISA down kernel. */
+/* The FFN descriptor whose down projection is the linear layer: phase 2 of a job over it
+ * accumulates W . act into out (which smoe_linear_forward first fills with the bias or zeros),
+ * so the linear layer reuses every per-ISA down kernel. */
 static void linear_as_down(const smoe_linear_desc *l, smoe_ffn_desc *d) {
     smoe_ffn_desc_default(d, l->N, l->K, l->dtype, SMOE_ACT_SILU);
     d->group = l->group ? l->group : 128u;
