@@ -34,11 +34,7 @@ static smoe_policy *policy_from(PyObject *spec, uint32_t nslots, uint32_t nl, ui
     if (PyUnicode_Check(spec)) {
         const char *name = PyUnicode_AsUTF8(spec);
         if (!name) return NULL;
-        smoe_policy_params pp;
-        memset(&pp, 0, sizeof pp);
-        pp.nslots = nslots;
-        pp.num_layers = nl;
-        pp.num_experts = ne;
+        const smoe_policy_params pp = {.nslots = nslots, .num_layers = nl, .num_experts = ne};
         smoe_policy *p = NULL;
         smoe_err err;
         smoe_err_clear(&err);

@@ -259,11 +259,7 @@ typedef struct {
 } GCacheObject;
 
 static smoe_policy *make_policy(const char *name, uint32_t nslots, uint32_t nl, uint32_t ne) {
-    smoe_policy_params pp;
-    memset(&pp, 0, sizeof pp);
-    pp.nslots = nslots;
-    pp.num_layers = nl;
-    pp.num_experts = ne;
+    const smoe_policy_params pp = {.nslots = nslots, .num_layers = nl, .num_experts = ne};
     smoe_policy *p = NULL;
     smoe_err e;
     smoe_err_clear(&e);
