@@ -30,6 +30,7 @@ from torch import nn
 
 from . import _C
 from .kernels import context
+from .mla import absorb_mla
 from .quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "CLinear", "DenseReport", "convert_dense", "resolve_dense"]
@@ -146,11 +147,13 @@ class CLinear(nn.Module):
 @dataclasses.dataclass
 class DenseReport:
     """What :func:`convert_dense` did: layers converted (qualified names), bytes before and
-    after, and layers left in torch with the reason."""
+    after, layers left in torch with the reason, and the MLA attention modules decoded in
+    the absorbed form (:mod:`specmoe.mla`)."""
 
     dtype: str | None
     converted: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    mla: list[str] = dataclasses.field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
 
@@ -159,7 +162,8 @@ class DenseReport:
             return "dense layers: torch"
         return (f"dense layers: {len(self.converted)} in C ({self.dtype}), "
                 f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
-                + (f", {len(self.skipped)} left in torch" if self.skipped else ""))
+                + (f", {len(self.skipped)} left in torch" if self.skipped else "")
+                + (f", {len(self.mla)} MLA attentions absorbed" if self.mla else ""))
 
 
 def resolve_dense(dense: str | bool | None, model_dtype: torch.dtype) -> str | None:
@@ -190,6 +194,9 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     are faster, else nothing changes).  skip: modules whose ``nn.Linear`` descendants stay in
     torch (the engine passes the routers).  Layers whose shape the format cannot hold (int4
     with in_features not a multiple of 32) stay in torch and are listed in the report.
+    MLA attention modules (DeepSeek-V2/V3) also switch to the absorbed decode form
+    (:func:`specmoe.mla.absorb_mla`), which reads ``kv_b_proj``'s weights in float: with
+    int8/int4 that layer stays in torch.
     """
     params = [p for p in model.parameters()]
     model_dtype = params[0].dtype if params else torch.float32
@@ -201,6 +208,13 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     for m in skip:
         for sub in m.modules():
             skipped_ids.add(id(sub))
+    report.mla = absorb_mla(model)
+    if fmt in ("int8", "int4"):
+        for name in report.mla:
+            kv_b = model.get_submodule(name).kv_b_proj
+            skipped_ids.add(id(kv_b))
+            report.skipped[f"{name}.kv_b_proj"] = ("MLA's absorbed decode reads it in float "
+                                                   "(specmoe.mla)")
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and id(mod) not in skipped_ids]
     for name, mod in targets:

@@ -51,7 +51,9 @@ def test_f32_matches_unmodified(arch):
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "deepseek_v3"])
 def test_bf16_store_close_to_bf16_model(arch):
     m, ref = _pair(arch, dtype=torch.bfloat16)
-    eng = hf.offload(m, dtype="bf16")
+    # the store's effect alone: dense layers in C (another rounding, which can flip a tiny
+    # model's near-tied routing) are tested against references in test_dense / test_mla
+    eng = hf.offload(m, dtype="bf16", dense="torch")
     try:
         with torch.no_grad():
             lr, lo = ref(PROMPT).logits.float(), m(PROMPT).logits.float()

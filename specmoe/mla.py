@@ -1,0 +1,183 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) decoded in the absorbed form.
+
+transformers caches MLA's compressed latent ``c_KV`` (``kv_lora_rank`` wide, after
+``kv_a_layernorm``) and the shared rotary key, but at every step it expands the *whole* cached
+latent back into per-head keys and values with ``kv_b_proj`` (DeepSeek-V2 paper, Sec. 2.1.2,
+Eq. 10-11): a ``[S, r] x [r, H*(d_nope+d_v)]`` product whose cost grows with the context and
+that, on DeepSeek-V2-Lite shapes on a CPU, is about half of a decode step.
+
+The same paper (Sec. 2.1.2, "during inference ... W^UK can be absorbed into W^Q, and W^UV
+into W^O") gives the decode form used here, per head h:
+
+    q_lat_h = W^UK_h^T q^C_h                       (d_nope -> r)
+    score_h(j) = q_lat_h . c_j + q^R_h . k^R_j      (no per-position key expansion)
+    o_lat_h = sum_j softmax(score_h)(j) c_j         (r wide)
+    o_h = W^UV_h o_lat_h                            (r -> d_v), then W^O as before
+
+which reads ``kv_b_proj``'s weight once per step and the cached latent once per head group,
+whatever the context length.  Scores are the same numbers as the expanded form's up to
+rounding: (W^UK_h^T q_h) . c_j = q_h . (W^UK_h c_j).
+
+:func:`absorb_mla` installs this on every MLA attention module of a model for inputs of at
+most ``max_tokens`` tokens (decode and speculative verification); longer inputs (prefill),
+training mode and attention masks it cannot read go to the module's own forward, so the KV
+cache layout is transformers' own and both paths share it.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MLA_MAX_TOKENS", "absorb_mla", "is_mla_attention"]
+
+# Inputs up to this many tokens take the absorbed path: the absorbed form's per-query work
+# is r/(d_nope) ~ 4x the expanded form's, so for long inputs (prefill) expanding the latent
+# once is cheaper; at decode and verification sizes the expansion of the whole context
+# dominates.
+MLA_MAX_TOKENS = 16
+# masked scores: the most negative finite f32, as transformers' eager masks, so that a query
+# row with every key masked (a left-padding position) gets finite uniform weights, not NaN
+_NEG = torch.finfo(torch.float32).min
+
+
+def is_mla_attention(mod: nn.Module) -> bool:
+    """True for a transformers MLA attention module (DeepSeek-V2/V3 layout): ``kv_b_proj``
+    expanding a ``kv_lora_rank`` latent, and the head dimensions the absorbed form needs."""
+    return (hasattr(mod, "kv_b_proj") and hasattr(mod, "kv_a_proj_with_mqa")
+            and hasattr(mod, "kv_a_layernorm") and hasattr(mod, "qk_nope_head_dim")
+            and hasattr(mod, "v_head_dim") and hasattr(mod, "kv_lora_rank")
+            and hasattr(mod, "qk_rope_head_dim") and hasattr(mod, "scaling"))
+
+
+def _kv_b_weight(mod: nn.Module) -> torch.Tensor:
+    """kv_b_proj's float weight [H*(d_nope+d_v), r]: an nn.Linear's, or the tensor a
+    CLinear's f32/bf16 kernel reads (the same memory)."""
+    kv_b = mod.kv_b_proj
+    w = getattr(kv_b, "weight", None)
+    if w is None:
+        w = getattr(kv_b, "weight_view", None)
+    if not isinstance(w, torch.Tensor):
+        raise ValueError("absorbed MLA needs kv_b_proj's weights in f32/bf16 (an int8/int4 "
+                         "kv_b_proj cannot be absorbed; convert it after absorb_mla)")
+    return w
+
+
+def _rope(mod: nn.Module, q: torch.Tensor, k: torch.Tensor,
+          position_embeddings: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's own rotary embedding, as its forward applies it: DeepSeek-V2 passes
+    complex frequencies to ``apply_rotary_emb``; DeepSeek-V3 passes (cos, sin) to
+    ``apply_rotary_pos_emb`` or its interleaved variant."""
+    ns = sys.modules[type(mod).__module__]
+    if hasattr(ns, "apply_rotary_emb") and isinstance(position_embeddings, torch.Tensor):
+        return ns.apply_rotary_emb(q, k, position_embeddings.to(q.device))
+    cos, sin = position_embeddings
+    if getattr(mod.config, "rope_interleave", False):
+        return ns.apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    return ns.apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def _mask_readable(mask: Any, T: int) -> bool:
+    """Whether this path reads ``mask``: None, or a 4-D boolean or additive tensor with T
+    query rows (a flex-attention BlockMask and the like go to the module's own forward)."""
+    return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4
+                            and mask.shape[-2] == T)
+
+
+def _mask_bias(mask: torch.Tensor | None, T: int, S: int,
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask [B or 1, 1, T, S] for scores; None when nothing is masked."""
+    if mask is None:
+        if T == 1:
+            return None
+        # causal, the T queries being the last T positions of the S keys
+        i = torch.arange(T).unsqueeze(1) + (S - T)
+        j = torch.arange(S).unsqueeze(0)
+        return torch.zeros(T, S, dtype=dtype).masked_fill_(j > i, _NEG)[None, None]
+    if mask.shape[-1] < S:
+        raise ValueError(f"attention mask covers {mask.shape[-1]} keys, the cache holds {S}")
+    mask = mask[..., :S]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, _NEG)
+    return mask.to(dtype)
+
+
+def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any,
+                      attention_mask: torch.Tensor | None, past_key_values: Any) -> torch.Tensor:
+    """One MLA attention in the absorbed form (the mask already checked by _mask_readable)."""
+    B, T = hidden_states.shape[:2]
+    H = mod.num_heads
+    dn, dr, dv, r = mod.qk_nope_head_dim, mod.qk_rope_head_dim, mod.v_head_dim, mod.kv_lora_rank
+    if mod.q_lora_rank is None:
+        q = mod.q_proj(hidden_states)
+    else:
+        q = mod.q_b_proj(mod.q_a_layernorm(mod.q_a_proj(hidden_states)))
+    q = q.view(B, T, H, dn + dr).transpose(1, 2)
+    q_nope, q_pe = torch.split(q, [dn, dr], dim=-1)
+    ckv = mod.kv_a_proj_with_mqa(hidden_states)
+    c, k_pe = torch.split(ckv, [r, dr], dim=-1)
+    c = mod.kv_a_layernorm(c).view(B, 1, T, r)
+    k_pe = k_pe.view(B, 1, T, dr)
+    q_pe, k_pe = _rope(mod, q_pe, k_pe, position_embeddings)
+    if past_key_values is not None:
+        c, k_pe = past_key_values.update(c, k_pe, mod.layer_idx)
+    S = c.shape[2]
+    cdt = c.dtype
+    bias = _mask_bias(attention_mask, T, S, torch.float32)
+    w = _kv_b_weight(mod).view(H, dn + dv, r)
+    if w.dtype != cdt:
+        w = w.to(cdt)
+    w_uk = w[:, :dn, :]                                   # [H, dn, r]
+    w_uv_t = w[:, dn:, :].transpose(1, 2)                 # [H, r, dv]
+    # q_lat_h = W^UK_h^T q_h: heads as the batch of one bmm, (B, T) as its rows
+    qn = q_nope.to(cdt).transpose(0, 1).reshape(H, B * T, dn)
+    q_lat = torch.bmm(qn, w_uk).view(H, B, T, r).transpose(0, 1).reshape(B, H * T, r)
+    # the rotary part in f32 (DeepSeek-V3's rotation returns f32, which its own forward keeps)
+    qp = q_pe.float().reshape(B, H * T, dr)
+    c0, kp0 = c[:, 0], k_pe[:, 0].float()                 # [B, S, r], [B, S, dr]
+    scores = torch.bmm(q_lat, c0.transpose(1, 2)).float()
+    scores = scores.baddbmm_(qp, kp0.transpose(1, 2)).mul_(mod.scaling).view(B, H, T, S)
+    if bias is not None:
+        scores = scores + bias
+    p = torch.softmax(scores, dim=-1).to(cdt).view(B, H * T, S)
+    o_lat = torch.bmm(p, c0)                              # [B, H*T, r]
+    o_lat = o_lat.view(B, H, T, r).transpose(0, 1).reshape(H, B * T, r)
+    o = torch.bmm(o_lat, w_uv_t).view(H, B, T, dv).permute(1, 2, 0, 3).reshape(B, T, H * dv)
+    return mod.o_proj(o.to(hidden_states.dtype))
+
+
+def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS) -> list[str]:
+    """Decode ``model``'s MLA attention modules in the absorbed form (see the module
+    docstring) for inputs of at most ``max_tokens`` tokens; returns the modules' names.
+    Idempotent; the KV cache and the prefill path stay transformers' own."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    done = []
+    for name, mod in model.named_modules():
+        if not is_mla_attention(mod):
+            continue
+        _kv_b_weight(mod)  # fails now, not at the first token, if it cannot be absorbed
+        orig = getattr(mod, "_specmoe_orig_forward", None) or mod.forward
+        sig = inspect.signature(orig)
+
+        def forward(*args: Any, _mod: nn.Module = mod,
+                    _sig: inspect.Signature = sig, **kwargs: Any) -> Any:
+            a = _sig.bind(*args, **kwargs).arguments
+            hs = a["hidden_states"]
+            if (not _mod.training and hs.dim() == 3 and hs.shape[1] <= _mod._specmoe_mla_max
+                    and a.get("position_embeddings") is not None
+                    and _mask_readable(a.get("attention_mask"), hs.shape[1])):
+                with torch.no_grad():
+                    return _absorbed_forward(_mod, hs, a["position_embeddings"],
+                                             a.get("attention_mask"),
+                                             a.get("past_key_values")), None
+            return _mod._specmoe_orig_forward(*args, **kwargs)
+
+        mod._specmoe_orig_forward = orig
+        mod._specmoe_mla_max = max_tokens
+        mod.forward = forward
+        done.append(name)
+    return done
