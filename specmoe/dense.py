@@ -21,6 +21,7 @@ sharing its table with the embedding when the format keeps the weights exactly.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Iterable
 
 import numpy as np
@@ -33,7 +34,8 @@ from .kernels import context
 from .mla import absorb_mla
 from .quant import quantize_int4, quantize_int8
 
-__all__ = ["DENSE_DTYPES", "CLinear", "DenseReport", "convert_dense", "resolve_dense"]
+__all__ = ["DENSE_DTYPES", "CLinear", "DecodeThreads", "DenseReport", "convert_dense",
+           "resolve_dense"]
 
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 _WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
@@ -148,12 +150,14 @@ class CLinear(nn.Module):
 class DenseReport:
     """What :func:`convert_dense` did: layers converted (qualified names), bytes before and
     after, layers left in torch with the reason, and the MLA attention modules decoded in
-    the absorbed form (:mod:`specmoe.mla`)."""
+    the absorbed form (:mod:`specmoe.mla`); ``decode_torch_threads``: torch's intra-op
+    threads during decode-sized forwards (:class:`DecodeThreads`), None when unchanged."""
 
     dtype: str | None
     converted: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     mla: list[str] = dataclasses.field(default_factory=list)
+    decode_torch_threads: int | None = None
     bytes_before: int = 0
     bytes_after: int = 0
 
@@ -185,6 +189,67 @@ def resolve_dense(dense: str | bool | None, model_dtype: torch.dtype) -> str | N
     return dense
 
 
+class DecodeThreads:
+    """Forward hooks that run torch single-threaded during decode-sized forwards of a model
+    whose dense layers are in C.
+
+    Once the matrix products of a decode step run in specmoe's kernel pool, what torch still
+    runs is a few hundred small operations (norms, rotary embeddings, casts, softmax, cache
+    appends) on tensors of a few kilobytes; each intra-op parallel region then costs a thread
+    wake-up (OpenMP waits passively, see ``specmoe/__init__``) that is more than its work.
+    Measured on DeepSeek-V2-Lite shapes, int4, 2 threads: 36.4 tok/s with torch on 2 threads
+    vs 43.5 with torch on 1 and the kernel pool on 2 (benchmarks/decode_peers.py).  Forwards
+    of more than ``max_tokens`` tokens (prefill, large batches), whose torch GEMMs do use the
+    threads, keep the user's setting.  Process-wide (torch's thread count is global): the first
+    decode forward in flight saves the count and sets 1, the last one out restores it, also
+    when the forward raises."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()
+        self._depth = 0          # [_lock] decode forwards in flight
+        self._saved = 1          # [_lock] torch's thread count before the first of them
+        self._tls = threading.local()  # per thread: stack of "this forward entered" flags
+
+    @staticmethod
+    def _tokens(args: tuple, kwargs: dict) -> int | None:
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(x, torch.Tensor) and x.dim() == 2:
+            return int(x.numel())
+        e = kwargs.get("inputs_embeds")
+        if isinstance(e, torch.Tensor) and e.dim() == 3:
+            return int(e.shape[0] * e.shape[1])
+        return None
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        n = self._tokens(args, kwargs)
+        entered = n is not None and n <= self.max_tokens
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        stack.append(entered)
+        if entered:
+            with self._lock:
+                if self._depth == 0:
+                    self._saved = torch.get_num_threads()
+                    if self._saved > 1:
+                        torch.set_num_threads(1)
+                self._depth += 1
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        stack = getattr(self._tls, "stack", None)
+        if not stack or not stack.pop():
+            return
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._saved > 1:
+                torch.set_num_threads(self._saved)
+
+    def install(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self.pre, with_kwargs=True)
+        model.register_forward_hook(self.post, with_kwargs=True, always_call=True)
+
+
 def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
                   skip: Iterable[nn.Module] = (), ctx: _C.KernelContext | None = None,
                   torch_above: int | None = TORCH_ABOVE) -> DenseReport:
@@ -196,7 +261,8 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     with in_features not a multiple of 32) stay in torch and are listed in the report.
     MLA attention modules (DeepSeek-V2/V3) also switch to the absorbed decode form
     (:func:`specmoe.mla.absorb_mla`), which reads ``kv_b_proj``'s weights in float: with
-    int8/int4 that layer stays in torch.
+    int8/int4 that layer stays in torch.  Decode-sized forwards of ``model`` then run torch
+    single-threaded (:class:`DecodeThreads`).
     """
     params = [p for p in model.parameters()]
     model_dtype = params[0].dtype if params else torch.float32
@@ -228,5 +294,11 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         report.converted.append(name)
+    if report.converted and getattr(model, "_specmoe_decode_threads", None) is None:
+        hooks = DecodeThreads(torch_above if torch_above is not None else TORCH_ABOVE)
+        hooks.install(model)
+        model._specmoe_decode_threads = hooks
+    if getattr(model, "_specmoe_decode_threads", None) is not None:
+        report.decode_torch_threads = 1
     return report
 

@@ -245,3 +245,48 @@ def test_openmp_wait_policy_default():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()[-1]
     assert out == "None"  # too late to matter: left alone
+
+
+def test_decode_forwards_run_torch_single_threaded():
+    """With dense layers in C, forwards of at most torch_above tokens run torch on one
+    thread; longer ones keep the user's count, which is restored afterwards, also when the
+    forward raises."""
+    m = tiny_model("mixtral")
+    eng = hf.offload(m, dtype="f32", dense="f32")
+    seen = []
+    h = m.model.layers[0].register_forward_pre_hook(
+        lambda *_: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert eng.dense.decode_torch_threads == 1
+        with torch.no_grad():
+            m(torch.randint(3, 100, (1, 20)))      # 20 tokens > 16: prefill keeps 2
+            m(torch.randint(3, 100, (1, 1)))       # decode: 1
+            m(torch.randint(3, 100, (2, 8)))       # batch of 2 x 8 = 16 tokens: decode
+        assert seen == [2, 1, 1]
+        assert torch.get_num_threads() == 2
+        with pytest.raises(Exception):
+            m(torch.full((1, 1), 10_000))          # out-of-vocabulary id raises inside
+        assert torch.get_num_threads() == 2
+        seen.clear()
+        hooks = m._specmoe_decode_threads          # concurrent decode forwards: restored once
+        hooks.pre(m, (torch.zeros(1, 1, dtype=torch.long),), {})
+        hooks.pre(m, (torch.zeros(1, 1, dtype=torch.long),), {})
+        assert torch.get_num_threads() == 1
+        hooks.post(m, (), {}, None)
+        assert torch.get_num_threads() == 1
+        hooks.post(m, (), {}, None)
+        assert torch.get_num_threads() == 2
+    finally:
+        h.remove()
+        torch.set_num_threads(before)
+        eng.close()
+    # torch dense layers: nothing installed
+    m2 = tiny_model("mixtral")
+    eng = hf.offload(m2, dtype="f32", dense="torch")
+    try:
+        assert eng.dense.decode_torch_threads is None
+        assert getattr(m2, "_specmoe_decode_threads", None) is None
+    finally:
+        eng.close()
