@@ -69,8 +69,9 @@ static int sim_evictable(void *ctx, uint32_t slot) {
                                           s->pf_key);
 }
 
-/* Give `key` a slot: the lowest free one, else the policy's victim.  Returns the slot, -1 when
- * nothing may be evicted, or SMOE_EPOLICY-1 (< -1) on an invalid victim (err filled). */
+/* Give `key` a slot: the lowest free one (slots are used in order and never freed), else the
+ * policy's checked victim (policy.h).  Returns the slot, -1 when nothing may be evicted, or -2
+ * on a policy failure or invalid victim (err filled). */
 static int32_t take_slot(sim *s, int32_t key, int prefetch, smoe_err *err) {
     int32_t slot;
     if (s->next_free < s->nslots) {
@@ -78,19 +79,9 @@ static int32_t take_slot(sim *s, int32_t key, int prefetch, smoe_err *err) {
     } else {
         s->prefetch_mode = prefetch;
         smoe_evictable_fn ok = (prefetch || s->inflight >= 0) ? sim_evictable : NULL;
-        int32_t v = smoe_policy_victim(s->pol, ok, s);
-        if (s->pol->failure.code) {
-            *err = s->pol->failure;
-            err->code = SMOE_EPOLICY;
-            return -2;
-        }
+        int32_t v;
+        if (smoe_policy_checked_victim(s->pol, ok, s, &v, err) < 0) return -2;
         if (v == -1) return -1;
-        if (v < 0 || (uint32_t)v >= s->nslots || s->slot_key[v] < 0 || !sim_evictable(s, (uint32_t)v)) {
-            smoe_err_set(err, SMOE_EPOLICY, "policy %s returned victim slot %d, which is not a "
-                         "resident evictable slot of 0..%u", s->pol->ops->name, (int)v,
-                         s->nslots - 1);
-            return -2;
-        }
         int32_t old = s->slot_key[v];
         s->map[old] = -1;
         s->evicted_pass[old] = s->pass;

@@ -52,18 +52,10 @@ static void evict(smoe_slots *t, uint32_t s) {
  * the slots `ok` accepts (evicted here).  Returns the slot, or -1 when there is none; a
  * policy failure sets *rc to SMOE_EPOLICY (and fills err). */
 static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int *rc, smoe_err *err) {
-    *rc = 0;
     int32_t s = lowest_free(t);
+    *rc = 0;
     if (s >= 0) return s;
-    s = smoe_policy_victim(t->policy, ok, t);
-    if ((*rc = policy_failed(t, err)) < 0) return -1;
-    if (s < 0) return -1;
-    if ((uint32_t)s >= t->nslots || !ok(t, (uint32_t)s)) {
-        *rc = smoe_err_set(err, SMOE_EPOLICY,
-                           "policy %s returned slot %d, which is not an evictable slot of "
-                           "this %u-slot %s", t->policy->ops->name, (int)s, t->nslots, t->what);
-        return -1;
-    }
+    if ((*rc = smoe_policy_checked_victim(t->policy, ok, t, &s, err)) < 0 || s < 0) return -1;
     evict(t, (uint32_t)s);
     return s;
 }

@@ -20,6 +20,28 @@ const char *smoe_policy_names(void) {
     return "lru, lfu, fifo, mru, random, least_stale, belady, spac, spac_ema, lhu, fld, score";
 }
 
+int smoe_policy_checked_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx, int32_t *slot,
+                               smoe_err *err) {
+    int32_t v = smoe_policy_victim(p, ok, ctx);
+    *slot = -1;
+    if (p->failure.code) {
+        smoe_err_set(err, SMOE_EPOLICY, "policy %s: %s", p->ops->name,
+                     p->failure.msg[0] ? p->failure.msg : "(no message)");
+        smoe_err_clear(&p->failure);
+        return SMOE_EPOLICY;
+    }
+    if (v == -1) return 0;
+    if (v < 0 || (uint32_t)v >= p->nslots || (ok && !ok(ctx, (uint32_t)v)))
+        return smoe_err_set(err, SMOE_EPOLICY,
+                            "policy %s returned slot %d, which is %s of its %u slots",
+                            p->ops->name, (int)v,
+                            v < 0 || (uint32_t)v >= p->nslots ? "out of range"
+                                                              : "not an evictable one",
+                            p->nslots);
+    *slot = v;
+    return 0;
+}
+
 int smoe_policy_create_named(smoe_policy **out, const char *name,
                              const smoe_policy_params *params, smoe_err *err) {
     *out = NULL;

@@ -148,6 +148,15 @@ static inline int32_t smoe_policy_victim(smoe_policy *p, smoe_evictable_fn f, vo
     return p->ops->victim(p, f, ctx);
 }
 
+/* The victim rule, one routine for the live caches (slots.c), the simulator (sim.c) and replay
+ * (replay.c): ask p for a victim among the slots `ok` accepts (NULL: every slot), then check
+ * the answer.  Returns 0 with *slot = the victim, or -1 when the policy found none (every
+ * candidate refused); SMOE_EPOLICY with err filled when the policy failed (its failure message,
+ * p->failure cleared) or returned a slot out of range or not accepted by `ok`.  The caller
+ * owns what happens next (the free-slot rule before it, the eviction bookkeeping after it). */
+int smoe_policy_checked_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx, int32_t *slot,
+                               smoe_err *err);
+
 /* The prefetch admission rule, one routine for the live caches (slots.c) and the simulator
  * (sim.c): a prefetch load of key `want` may evict an otherwise evictable slot holding
  * `victim` only when that slot was not used by demand in the current pass (last_pass !=

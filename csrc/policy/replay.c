@@ -97,9 +97,12 @@ int smoe_policy_replay(smoe_policy *p, const int32_t *keys, uint64_t n,
                 if (ok)
                     for (uint32_t t = 0; t < nslots; t++)
                         ok[t] = (smoe_splitmix64(&rng) & 3) != 0;
-                s = smoe_policy_victim(p, ok ? replay_evictable : NULL, &mask);
-                if (p->failure.code) {
-                    rc = replay_failed(p, i, err);
+                smoe_err verr;
+                smoe_err_clear(&verr);
+                if (smoe_policy_checked_victim(p, ok ? replay_evictable : NULL, &mask, &s,
+                                               &verr) < 0) {
+                    rc = smoe_err_set(err, SMOE_EPOLICY, "at access %" PRIu64 ": %s", i,
+                                      verr.msg);
                     break;
                 }
                 if (s < 0) {
@@ -110,12 +113,6 @@ int smoe_policy_replay(smoe_policy *p, const int32_t *keys, uint64_t n,
                         break;
                     }
                     continue; /* bypass: nothing evictable */
-                }
-                if ((uint32_t)s >= nslots || (ok && !ok[s])) {
-                    rc = smoe_err_set(err, SMOE_EPOLICY, "policy %s returned slot %" PRId32
-                                      " at access %" PRIu64 ", which is %s", p->ops->name, s, i,
-                                      (uint32_t)s >= nslots ? "out of range" : "not evictable");
-                    break;
                 }
                 const int32_t old = key_of[s];
                 smoe_policy_evict(p, (uint32_t)s, old);
