@@ -38,7 +38,7 @@ Rows per workload: ``nospec`` (plain decoding through the same loop), and for ea
 resident, with draft-driven lookahead prefetch) the controllers ``static`` K=1,2,3,
 ``heuristic``, ``cascade`` and ``speq``.  Static rows really run K (no gamma-tolerance
 pruning); adaptive rows get tau(g) = T(1)/T(g) of the target, measured once at the start
-(``specmoe.speculative.target_tau``, reported as ``tau``).
+(``specmoe.generation.target_tau``, reported as ``tau``).
 
 Method (the machines are shared and noisy, so every comparison is paired in time):
 
@@ -95,8 +95,9 @@ sys.path.insert(0, str(ROOT / "training"))
 import torch  # noqa: E402
 
 import specmoe  # noqa: E402
-from specmoe import spec, zoo  # noqa: E402
-from specmoe.speculative import DraftModel, SelfDraft, generate, target_tau  # noqa: E402
+from specmoe import controllers as spec, zoo  # noqa: E402
+from specmoe.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
+from specmoe.generation import generate, target_tau  # noqa: E402
 
 import corpus  # noqa: E402  (training/corpus.py: the held-out split rule and stdlib walk)
 
@@ -199,7 +200,7 @@ class Row:
         self.ctl: Optional[spec.Controller] = None
         d = spec_row["drafter"]
         if d == "ngram":
-            self.drafter = spec.NgramDrafter()
+            self.drafter = NgramDrafter()
         elif d == "draft":
             self.drafter = DraftModel(draft_model)
         elif d == "self":
@@ -258,7 +259,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
     its ratio over nospec at the same B (median over repeats, rows rotated per repeat),
     acceptance per draft position, experts loaded per token, K=0 steps (speculation switched
     off) and whether each sequence's output equals nospec's."""
-    from specmoe.speculative import measure_tau_grid
+    from specmoe.generation import measure_tau_grid
     sizes = sorted({int(b) for b in a.batch.split(",") if b.strip()})
     pool = [p for pair in zip(prompts["code"], prompts["prose"]) for p in pair]
     tau_grid = measure_tau_grid(model, warm, sizes, g_max=K_MAX + 1, engine=eng,
@@ -290,7 +291,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
                 eng.set_cache(a.cache)
                 eng.reset_stats()
                 eng._tau.update({bb: dict(t) for bb, t in tau_grid.items()})
-                dr: Any = {None: None, "ngram": spec.NgramDrafter(),
+                dr: Any = {None: None, "ngram": NgramDrafter(),
                            "draft": DraftModel(draft_model),
                            "self": SelfDraft(eng, "int4") if r["drafter"] == "self" else None
                            }[r["drafter"]]
@@ -306,7 +307,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
                 bar.update(1)
     bar.close()
     out_rows = []
-    from specmoe.spec_batch import per_position_acceptance
+    from specmoe.generation_batch import per_position_acceptance
     for i, r in enumerate(rows):
         base = next(j for j, x in enumerate(rows) if x["batch"] == r["batch"]
                     and x["controller"] == "nospec")
@@ -402,7 +403,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             eng.enable_self_draft("int4")
         # warm-up: every drafter once, untimed
         for d in [None] + drafters:
-            dr = {None: None, "ngram": spec.NgramDrafter(), "draft": DraftModel(draft_model),
+            dr = {None: None, "ngram": NgramDrafter(), "draft": DraftModel(draft_model),
                   "self": SelfDraft(eng, "int4") if d == "self" else None}[d]
             generate(model, torch.tensor([warm[1]]), dr, spec.StaticK(2) if dr else None,
                      max_new_tokens=min(a.new_tokens, 24), eos_token_id=None, tau=None,

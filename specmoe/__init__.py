@@ -26,8 +26,9 @@ from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, Pyth
                        make_policy)
 from .policies import FLD, LHU, Score, SpAc, SpAcEMA
 from . import kernels, quant  # expert FFN kernels and weight formats
-from .spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK,  # speculation
-                   measure_tau, speedup)
+from .controllers import (Cascade, Heuristic, SpeqGovernor, StaticK,  # speculation
+                          measure_tau, speedup)
+from .drafters import NgramDrafter
 from .hardware import Hardware, ModelCost  # simulator time model
 from .sim import Predictor, SimResult, simulate  # trace-driven simulator
 from .sweep import sweep  # simulator sweeps
@@ -47,8 +48,8 @@ def __getattr__(name: str):  # HF integration loaded on first use (it imports to
         from . import pretrained
         return getattr(pretrained, name)
     if name in _SPECULATIVE:  # speculative decoding on transformers models (torch)
-        from . import speculative
-        return getattr(speculative, name)
+        from . import generation
+        return getattr(generation, name)
     raise AttributeError(f"module 'specmoe' has no attribute {name!r}")
 
 

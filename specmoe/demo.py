@@ -138,8 +138,9 @@ def _speculative(model, eng, prompt: torch.Tensor, want: list[int], n: int) -> b
     """Speculative decoding rows on the same offloaded model: plain decoding through the same
     loop, then each drafter under the Cascade controller; greedy output must not change."""
     from . import zoo
-    from .spec import Cascade, NgramDrafter
-    from .speculative import DraftModel, SelfDraft, generate
+    from .controllers import Cascade
+    from .drafters import DraftModel, NgramDrafter, SelfDraft
+    from .generation import generate
     drafters = [("n-gram lookup", NgramDrafter)]
     if zoo.available("tiny-draft"):
         draft, _ = zoo.load("tiny-draft", dtype=torch.float32)

@@ -362,7 +362,7 @@ class Engine:
     # -- self-draft and draft-driven lookahead (used by specmoe.generate) ---------------------
     def enable_self_draft(self, dtype: str = "int4") -> None:
         """Keep a ``dtype`` copy of every routed expert resident in memory, so the target itself
-        can draft (MoE-SpeQ's quantized self-draft, see :class:`specmoe.speculative.SelfDraft`).
+        can draft (MoE-SpeQ's quantized self-draft, see :class:`specmoe.drafters.SelfDraft`).
 
         The copy is built from the store (dequantized to f32, requantized to ``dtype``) through
         a temporary store file that is deleted at once; it costs ``dtype``'s size of all experts
@@ -476,7 +476,7 @@ class Engine:
 
     def generate(self, input_ids: Any, **kw: Any) -> Any:
         """:func:`specmoe.generate` on this engine's model (same arguments)."""
-        from .speculative import generate
+        from .generation import generate
         return generate(self.model, input_ids, engine=self, **kw)
 
     # -- public -------------------------------------------------------------------------------

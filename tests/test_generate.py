@@ -1,4 +1,4 @@
-"""specmoe.speculative: speculative decoding on offloaded models.
+"""specmoe.generation: speculative decoding on offloaded models.
 
 References: transformers' own greedy ``model.generate`` (greedy outputs must be identical), the
 exact target distribution computed by full forwards (sampled outputs must follow it, chi-square
@@ -16,10 +16,12 @@ torch.set_num_threads(1)
 
 import specmoe  # noqa: E402
 from specmoe import zoo  # noqa: E402
-from specmoe.speculative import DraftModel, SelfDraft, generate  # noqa: E402
+from specmoe.drafters import DraftModel, SelfDraft  # noqa: E402
+from specmoe.generation import generate  # noqa: E402
 from specmoe.hf import tiny_model  # noqa: E402
-from specmoe.speculative import recurrent_layer_types  # noqa: E402
-from specmoe.spec import Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK  # noqa: E402
+from specmoe.drafters import recurrent_layer_types  # noqa: E402
+from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
+from specmoe.drafters import NgramDrafter  # noqa: E402
 
 PROMPT = ("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n"
           "        if os.path.exists(name):\n            print(name)\n")

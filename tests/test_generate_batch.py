@@ -16,9 +16,10 @@ torch.set_num_threads(1)
 import specmoe  # noqa: E402
 from specmoe import zoo  # noqa: E402
 from specmoe.hf import tiny_model  # noqa: E402
-from specmoe.spec import Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK  # noqa: E402
-from specmoe.spec_batch import BatchKV, per_position_acceptance  # noqa: E402
-from specmoe.speculative import DraftModel, SelfDraft, generate, measure_tau_grid  # noqa: E402
+from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
+from specmoe.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
+from specmoe.generation import generate, measure_tau_grid  # noqa: E402
+from specmoe.generation_batch import BatchKV, per_position_acceptance  # noqa: E402
 
 from tests.test_generate import RandomDrafter, chi2_critical, chi2_stat, exact_joint  # noqa: E402
 

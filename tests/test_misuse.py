@@ -157,7 +157,7 @@ def test_accept_nan_checked(where):
     (p if where == "p" else q)[1, 4] = np.nan
     u = rng.random((3, 2))
     with pytest.raises(ValueError, match=f"{where}\\[1, 4\\] = nan"):
-        specmoe.spec.accept(p, [1, 2], q, u)
+        specmoe.verify.accept(p, [1, 2], q, u)
 
 
 @pytest.mark.parametrize("sampling", [False, True])
@@ -174,7 +174,7 @@ def test_accept_nan_unchecked_is_bounded(sampling):
         u = rng.random((4, 2)) if sampling else None
         draft = rng.integers(0, 16, 3)
         try:
-            n, tok = specmoe.spec.accept(p, draft, q, u, check=False)
+            n, tok = specmoe.verify.accept(p, draft, q, u, check=False)
         except ValueError:
             continue
         assert 0 <= n <= 3 and 0 <= tok < 16
@@ -200,4 +200,4 @@ def test_accept_mismatched_shapes(case):
     elif case == "draft_range":
         draft = np.array([1, 10])
     with pytest.raises(ValueError):
-        specmoe.spec.accept(p, draft, q, u)
+        specmoe.verify.accept(p, draft, q, u)

@@ -19,7 +19,8 @@ import pytest
 
 import specmoe
 from specmoe import _C
-from specmoe.spec import (Cascade, Heuristic, NgramDrafter, SpeqGovernor, StaticK, measure_tau)
+from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK, measure_tau
+from specmoe.drafters import NgramDrafter
 
 INF = float("inf")
 PHASE = {"none": 0, "base": 1, "test": 2, "set": 3, "backoff": 4}
@@ -587,7 +588,7 @@ def test_measure_tau_with_fake_clock(monkeypatch):
         calls.append(g)
         clock[0] += cost[g]
 
-    import specmoe.spec as sp
+    import specmoe.controllers.base as sp
     monkeypatch.setattr(sp.time, "perf_counter", lambda: clock[0])
     tau = measure_tau(fwd, gammas=[1, 2, 3, 4, 5], repeats=3, warmup=1)
     assert tau == pytest.approx({g: cost[1] / cost[g] for g in cost})
@@ -609,7 +610,7 @@ def test_measure_tau_interleaves_rounds_and_takes_min_or_median(monkeypatch):
         seen[g] = seen.get(g, 0) + 1
         clock[0] += g * (10.0 if seen[g] == 3 else 1.0)  # call 1 is the warm-up
 
-    import specmoe.spec as sp
+    import specmoe.controllers.base as sp
     monkeypatch.setattr(sp.time, "perf_counter", lambda: clock[0])
     tau = measure_tau(fwd, gammas=[1, 2, 3], repeats=3, warmup=1, stat="min")
     assert tau == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
@@ -882,7 +883,7 @@ def test_cascade_default_centre_kept_after_failure():
 
 
 def test_speedup_model_hand_values():
-    from specmoe.spec import speedup
+    from specmoe.controllers import speedup
     # the paper's own numbers (section 3.2): tau(5) = 0.81 at batch 128, lambda = 3, free
     # drafting -> 2.43; tau(25) = 0.34 caps near 1x (1.02)
     assert speedup(3.0, 0.81, 0.0, 4) == pytest.approx(2.43)
@@ -1060,3 +1061,20 @@ def test_speq_learns_every_row():
     b.observe(2, 2, 1.0)
     b.observe(2, 0, 1.0)  # the same position decisions one row after the other
     assert a.model(2)[0] == pytest.approx(b.model(2)[0])
+
+
+def test_old_module_names_still_import():
+    """specmoe.spec and specmoe.speculative were split into controllers / drafters / verify /
+    generation / sampling; the old names stay importable and are the same objects."""
+    import specmoe.controllers as controllers
+    import specmoe.drafters as drafters
+    import specmoe.generation as generation
+    import specmoe.spec as old_spec
+    import specmoe.speculative as old_speculative
+    import specmoe.verify as verify
+    assert old_spec.Cascade is controllers.Cascade and old_spec.StaticK is controllers.StaticK
+    assert old_spec.NgramDrafter is drafters.NgramDrafter and old_spec.accept is verify.accept
+    assert old_speculative.generate is generation.generate
+    assert old_speculative.SelfDraft is drafters.SelfDraft
+    import specmoe
+    assert specmoe.generate is generation.generate and specmoe.Cascade is controllers.Cascade

@@ -52,7 +52,7 @@ class BatchKV:
     (the position id of its next token)."""
 
     def __init__(self, model: nn.Module, batch: int) -> None:
-        from .speculative import _new_kv
+        from .drafters import _new_kv
         self.model = model
         self.kv = _new_kv(model)
         self.mask = torch.zeros((batch, 0), dtype=torch.long)
@@ -169,7 +169,7 @@ class BatchKV:
 
 
 class BatchDraftModel:
-    """Batched drafting with a :class:`specmoe.speculative.DraftModel` (or SelfDraft): one
+    """Batched drafting with a :class:`specmoe.drafters.DraftModel` (or SelfDraft): one
     :class:`BatchKV` for the draft, each row rolled back to the prefix it shares with its
     sequence, all rows drafted together token by token."""
 
@@ -184,7 +184,7 @@ class BatchDraftModel:
 
     def _run(self, rows: List[List[int]], rec_rows: List[Tuple[List[int], int]],
              routing: Optional[Dict[int, np.ndarray]]) -> torch.Tensor:
-        from .speculative import SelfDraft
+        from .drafters import SelfDraft
         d = self.drafter
         if not isinstance(d, SelfDraft):
             return self.state.forward(rows)
@@ -205,7 +205,7 @@ class BatchDraftModel:
               gen: Optional[torch.Generator]) -> Tuple[List[List[int]], List[Optional[torch.Tensor]],
                                                       Optional[Dict[int, np.ndarray]]]:
         """(drafts per row, their distributions per row or None, union routing or None)."""
-        from .speculative import SelfDraft
+        from .drafters import SelfDraft
         K = max(ks) if ks else 0
         B = len(hists)
         if K <= 0:
@@ -285,9 +285,10 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
               gen: torch.Generator, tau: Any, engine: Any, lookahead: bool, progress: bool,
               pad_token_id: int, vocab: int) -> Any:
     """The batched loop of :func:`specmoe.generate` (arguments already checked there)."""
-    from .spec import NgramDrafter, SpeqGovernor, StaticK, accept
-    from .speculative import (DraftModel, GenerateOutput, _draft, _speq_io_cost, Draft,
-                              target_tau)
+    from .controllers import SpeqGovernor, StaticK
+    from .drafters import DraftModel, NgramDrafter, _draft
+    from .generation import GenerateOutput, _speq_io_cost, target_tau
+    from .verify import accept
     B, n = ids.shape
     prompts = [ids[b][mask[b] == 1].tolist() for b in range(B)]
     # tau per batch size: measured lazily at the batch sizes in use ("auto"), or given
