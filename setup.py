@@ -210,7 +210,8 @@ else:
     # extensions; nothing is shared with specmoe._C at run time.
     shared_c = ["csrc/common.c", "csrc/slots.c", "csrc/store.c"] + rel(
         glob.glob(os.path.join(here, "csrc", "kernels", "*.c"))) + rel(
-        glob.glob(os.path.join(here, "csrc", "policy", "*.c")))
+        [p for p in glob.glob(os.path.join(here, "csrc", "policy", "*.c"))
+         if not os.path.basename(p).startswith("py_")])  # the Python bridge is _C's alone
     cuda_c = rel(glob.glob(os.path.join(here, "cuda", "*.c")))
     cuda_ext = Extension(
         "specmoe._cuda",

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import specmoe
+import specmoe.verify
 from specmoe.cache import ExpertCache
 from specmoe.policies import PythonPolicy
 from specmoe.store import write_store
