@@ -35,7 +35,10 @@ seed (``--seed``).
 
 Rows per workload: ``nospec`` (plain decoding through the same loop), and for each drafter
 (``ngram``: prompt lookup in C; ``draft``: tiny-draft; ``self``: the target with int4 experts
-resident, with draft-driven lookahead prefetch) the controllers ``static`` K=1,2,3,
+resident, with draft-driven lookahead prefetch once the draft is done; ``self-overlap``: the
+same with each draft step's experts queued as soon as it routes them, MoE-SpeQ's overlapped
+pipeline; ``--throttle GBPS,LATENCY_US`` makes every expert load emulate a slower link, where
+the overlap should matter) the controllers ``static`` K=1,2,3,
 ``heuristic``, ``cascade`` and ``speq``.  Static rows really run K (no gamma-tolerance
 pruning); adaptive rows get tau(g) = T(1)/T(g) of the target, measured once at the start
 (``specmoe.generation.target_tau``, reported as ``tau``).
@@ -102,7 +105,7 @@ from specmoe.generation import generate, target_tau  # noqa: E402
 import corpus  # noqa: E402  (training/corpus.py: the held-out split rule and stdlib walk)
 
 WORKLOADS = ("code", "prose", "mix")
-DRAFTERS = ("ngram", "draft", "self")
+DRAFTERS = ("ngram", "draft", "self", "self-overlap")
 CONTROLLERS: Tuple[Tuple[str, Optional[int]], ...] = (
     ("static", 1), ("static", 2), ("static", 3), ("heuristic", None), ("cascade", None),
     ("speq", None))
@@ -205,6 +208,8 @@ class Row:
             self.drafter = DraftModel(draft_model)
         elif d == "self":
             self.drafter = SelfDraft(eng, "int4")
+        elif d == "self-overlap":  # each draft step's experts queued as it routes
+            self.drafter = SelfDraft(eng, "int4", overlap=True)
         if self.drafter is not None:
             self.ctl = make_controller(spec_row["controller"], spec_row["k"])
         self.tot: Dict[str, Any] = {"tokens": 0, "time_s": 0.0, "iterations": 0, "proposed": 0,
@@ -293,8 +298,9 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
                 eng._tau.update({bb: dict(t) for bb, t in tau_grid.items()})
                 dr: Any = {None: None, "ngram": NgramDrafter(),
                            "draft": DraftModel(draft_model),
-                           "self": SelfDraft(eng, "int4") if r["drafter"] == "self" else None
-                           }[r["drafter"]]
+                           "self": SelfDraft(eng, "int4") if r["drafter"] == "self" else None,
+                           "self-overlap": SelfDraft(eng, "int4", overlap=True)
+                           if r["drafter"] == "self-overlap" else None}[r["drafter"]]
                 ctl = make_controller(r["controller"], r["k"]) if dr is not None else None
                 tau_arg: Any = None if r["controller"] == "static" else tau_grid
                 o = generate(model, ids, dr, ctl, attention_mask=mask,
@@ -351,6 +357,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=float, default=0.25, help="cache fraction of all experts")
     ap.add_argument("--dtype", default="f32", help="store dtype of the offloaded experts")
+    ap.add_argument("--throttle", default=None, metavar="GBPS,LATENCY_US",
+                    help="emulate a slower link for every expert load (specmoe.misses)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--tau", choices=("auto", "off"), default="auto",
                     help="gamma-tolerance pruning for the adaptive controllers")
@@ -397,14 +405,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     mix = [p for pair in zip(prompts["code"][:half], prompts["prose"][:half]) for p in pair]
     work = {"code": prompts["code"], "prose": prompts["prose"], "mix": mix}
 
-    eng = specmoe.offload(model, cache=a.cache, dtype=a.dtype)
+    throttle = None
+    if a.throttle:
+        gbps, lat = (float(x) for x in a.throttle.split(","))
+        throttle = (gbps, lat)
+    eng = specmoe.offload(model, cache=a.cache, dtype=a.dtype, throttle=throttle)
     try:
-        if "self" in drafters:
+        if "self" in drafters or "self-overlap" in drafters:
             eng.enable_self_draft("int4")
         # warm-up: every drafter once, untimed
         for d in [None] + drafters:
             dr = {None: None, "ngram": NgramDrafter(), "draft": DraftModel(draft_model),
-                  "self": SelfDraft(eng, "int4") if d == "self" else None}[d]
+                  "self": SelfDraft(eng, "int4") if d == "self" else None,
+                  "self-overlap": SelfDraft(eng, "int4", overlap=True) if d == "self-overlap"
+                  else None}[d]
             generate(model, torch.tensor([warm[1]]), dr, spec.StaticK(2) if dr else None,
                      max_new_tokens=min(a.new_tokens, 24), eos_token_id=None, tau=None,
                      engine=eng)
@@ -500,7 +514,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "ratio_per_repeat": [_r(x, 3) for x in ratios],
             "ratio_median_per_request": _r(_median(paired)),
         })
-        if r["drafter"] == "self":
+        if r["drafter"] in ("self", "self-overlap"):
             pr, tp, ac = total("la_predicted"), total("la_true_positive"), total("la_actual")
             row["lookahead_precision"] = _r(tp / pr) if pr else None
             row["lookahead_recall"] = _r(tp / ac) if ac else None
@@ -533,6 +547,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "policy": "lru", "prefetch": True, "threads": a.threads, "requests": a.requests,
             "new_tokens": a.new_tokens, "repeats": a.repeats, "quick": a.quick,
             "drafters": drafters, "k_max_adaptive": K_MAX, "seed": a.seed,
+            "throttle": a.throttle,
             "prompts": {w: [name for name, _ in work[w]] for w in WORKLOADS},
             "prompt_tokens": {w: [len(ids) for _, ids in work[w]] for w in WORKLOADS},
             "machine": f"{platform.machine()}, {os.cpu_count()} cpus",

@@ -193,7 +193,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             mapping {g: tau} is given to any controller; None switches pruning off.
         engine: the model's Engine (found automatically when the model is offloaded).
         lookahead: with a drafter that reports routing (SelfDraft), prefetch its predicted
-            experts before each verification.
+            experts: each draft step's as soon as it routes (overlapping the rest of the
+            draft), then the whole lookahead buffer, reordered, before each verification.
         progress: show a tqdm bar over the new tokens.
         attention_mask: [B, n] of 0/1, left padding only (None: every token is real).
         success: with tau pruning on, also prune K by the gamma-tolerance paper's success
@@ -339,7 +340,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             k = min(k_plan, left - 1)  # the target always adds one token of its own
             t0 = time.perf_counter()
             l0, s0 = engine.loads() if engine is not None else (0, 0.0)
-            d = _draft(drafter, seq, k, sampling, gen, vocab)
+            d = _draft(drafter, seq, k, sampling, gen, vocab,
+                       prefetch=lookahead and engine is not None)
             t_draft = time.perf_counter() - t0
             kd = len(d.tokens)
             if lookahead and d.routing and engine is not None:

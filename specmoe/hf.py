@@ -188,6 +188,8 @@ class Engine:
         self._draft_block_bytes = 0
         self.draft_dtype: str | None = None
         self._drafting: list[tuple[int, np.ndarray]] | None = None  # routing of draft forwards
+        self._draft_prefetch = False  # drafting(prefetch=True) in progress
+        self._draft_queued = 0  # experts queued by draft steps since the last reset
         # draft-driven lookahead (position -> predicted experts mask) and its accounting
         self._lookahead: dict[int, np.ndarray] = {}
         self._la = {"predicted": 0, "true_positive": 0, "actual": 0}
@@ -415,23 +417,43 @@ class Engine:
                        used)
         assert self._drafting is not None
         self._drafting.append((pos, ix.numpy().copy()))
+        if self._draft_prefetch and self.prefetch and self._cache is not None:
+            # MoE-SpeQ's draft-guided pipeline (Sec. 3): the experts this draft step routes
+            # its newest token to are queued now, with the router's weight as confidence,
+            # so the target's copies load while the draft goes on.  Earlier layers first, as
+            # lookahead() orders them; lookahead() later replaces the queue with the whole
+            # buffer.  (Only the last row: a first draft forward also re-reads tokens the
+            # target has already verified.)
+            e = ix[-1].numpy()
+            conf = wt[-1].numpy().astype(np.float64)
+            L = len(self.layer_ids)
+            pri = (L - pos) + 0.5 + np.arctan(conf) / np.pi
+            self._cache.prefetch((np.full(len(e), pos, np.int64), e.astype(np.int64),
+                                  pri.astype(np.float32)))
+            self._draft_queued += len(e)
         return out.to(hidden.dtype)
 
     @contextlib.contextmanager
-    def drafting(self) -> Iterator[list[tuple[int, np.ndarray]]]:
+    def drafting(self, prefetch: bool = False) -> Iterator[list[tuple[int, np.ndarray]]]:
         """Within the block, the model's MoE layers run on the resident self-draft copy
-        (:meth:`enable_self_draft`), touch neither the cache nor the statistics, and append
-        ``(moe_layer_position, top_k_index[T, k])`` of every layer call to the yielded list."""
+        (:meth:`enable_self_draft`), touch no expert of the cache, and append
+        ``(moe_layer_position, top_k_index[T, k])`` of every layer call to the yielded list.
+        ``prefetch``: also queue, layer by layer as the draft routes it, the experts of the
+        newest token to the cache's prefetch worker (when the engine prefetches), so their
+        loads overlap the rest of the draft; ``stats()["draft_prefetch_queued"]`` counts
+        them."""
         if self._draft_buf is None:
             raise RuntimeError("drafting() needs enable_self_draft() first")
         if self._drafting is not None:
             raise RuntimeError("drafting() does not nest")
         rec: list[tuple[int, np.ndarray]] = []
         self._drafting = rec
+        self._draft_prefetch = bool(prefetch)
         try:
             yield rec
         finally:
             self._drafting = None
+            self._draft_prefetch = False
 
     def lookahead(self, counts: dict[int, np.ndarray]) -> None:
         """Draft-driven prefetch (MoE-SpeQ's expert lookahead buffer) for the next forward pass:
@@ -498,6 +520,7 @@ class Engine:
             "lookahead_predicted": self._la["predicted"],
             "lookahead_used": self._la["actual"],
             "lookahead_hits": self._la["true_positive"],
+            "draft_prefetch_queued": self._draft_queued,
             "miss": self.miss, "route_lambda": self.route_lambda,
             **{k: pf.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
                                           "lowbit")},
@@ -517,6 +540,7 @@ class Engine:
 
     def reset_stats(self) -> None:
         self._la = {"predicted": 0, "true_positive": 0, "actual": 0}
+        self._draft_queued = 0
         if self._layers is not None:
             self._layers.counters(reset=True)
         if self._cache is not None:

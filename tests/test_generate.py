@@ -195,6 +195,35 @@ def test_self_draft_lookahead_prefetch(pair):
     assert nodraft.stats["lookahead_recall"] is None
 
 
+def test_self_draft_queues_each_step_as_it_routes(pair, monkeypatch):
+    """MoE-SpeQ's pipeline: with prefetch on, every draft step queues the experts it routes
+    its newest token to while the draft goes on -- the same experts as the lookahead buffer
+    the finished draft reports, earlier layers at higher priority; with prefetch off, none."""
+    model, _, eng, ids = pair
+    calls = []
+    real = eng._cache.prefetch
+    monkeypatch.setattr(eng._cache, "prefetch",
+                        lambda req, replace=False: (calls.append((req, replace)),
+                                                    real(req, replace=replace))[1])
+    sd = SelfDraft(eng, overlap=True)
+    hist = ids[0].tolist()
+    eng.reset_stats()
+    d = sd.draft(hist, 3, prefetch=True)
+    L, E, k = len(eng.layer_ids), eng.num_experts, eng.top_k
+    assert len(calls) == 3 * L                     # one call per draft forward and MoE layer
+    assert not any(rep for _, rep in calls)        # appended, never replacing the queue
+    queued = {(int(l), int(e)) for (ls, es, _), _ in calls for l, e in zip(ls, es)}
+    want = {(pos, int(e)) for pos, c in d.routing.items() for e in np.flatnonzero(c)}
+    assert queued == want
+    assert eng.stats()["draft_prefetch_queued"] == 3 * L * k
+    for (ls, es, pr), _ in calls:                  # layer order dominates the priorities
+        assert np.all((pr > L - ls[0]) & (pr < L - ls[0] + 1))
+    calls.clear()
+    sd.draft(hist, 3)                              # prefetch off (the default)
+    SelfDraft(eng).draft(hist, 3, prefetch=True)   # overlap off (the default)
+    assert calls == [] and E > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # sampling follows the target's distribution
 
