@@ -357,6 +357,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=float, default=0.25, help="cache fraction of all experts")
     ap.add_argument("--dtype", default="f32", help="store dtype of the offloaded experts")
+    ap.add_argument("--protect", choices=("on", "off"), default="on",
+                    help="lookahead-aware eviction of the self-draft rows (Engine."
+                         "protect_lookahead)")
     ap.add_argument("--throttle", default=None, metavar="GBPS,LATENCY_US",
                     help="emulate a slower link for every expert load (specmoe.misses)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -410,6 +413,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         gbps, lat = (float(x) for x in a.throttle.split(","))
         throttle = (gbps, lat)
     eng = specmoe.offload(model, cache=a.cache, dtype=a.dtype, throttle=throttle)
+    eng.protect_lookahead = a.protect == "on"
     try:
         if "self" in drafters or "self-overlap" in drafters:
             eng.enable_self_draft("int4")
@@ -547,7 +551,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "policy": "lru", "prefetch": True, "threads": a.threads, "requests": a.requests,
             "new_tokens": a.new_tokens, "repeats": a.repeats, "quick": a.quick,
             "drafters": drafters, "k_max_adaptive": K_MAX, "seed": a.seed,
-            "throttle": a.throttle,
+            "throttle": a.throttle, "protect_lookahead": a.protect == "on",
             "prompts": {w: [name for name, _ in work[w]] for w in WORKLOADS},
             "prompt_tokens": {w: [len(ids) for _, ids in work[w]] for w in WORKLOADS},
             "machine": f"{platform.machine()}, {os.cpu_count()} cpus",

@@ -398,6 +398,29 @@ static PyObject *Cache_utility(CacheObject *self, PyObject *ko) {
     return (PyObject *)out;
 }
 
+static PyObject *Cache_protect(CacheObject *self, PyObject *ko) {
+    if (check_open(self) < 0) return NULL;
+    const uint64_t nkeys = (uint64_t)self->cache.tab.num_layers * self->cache.tab.num_experts;
+    PyArrayObject *k = smoe_py_index_array(ko, nkeys, "protect keys", "key");
+    if (!k) return NULL;
+    npy_intp n = PyArray_DIM(k, 0);
+    if (n > (npy_intp)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "protect: too many keys");
+        Py_DECREF(k);
+        return NULL;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    const int32_t *kd = PyArray_DATA(k);
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_slots_set_protected(&self->cache.tab, kd, (uint32_t)n, &err);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(k);
+    if (rc < 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Cache_resident(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     if (check_open(self) < 0) return NULL;
     npy_intp dims[1] = {(npy_intp)self->cache.tab.nslots};
@@ -448,6 +471,7 @@ static PyObject *Cache_stats(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
         put_u64(d, "prefetch_dropped", s.prefetch_dropped) < 0 ||
         put_u64(d, "prefetch_failed", s.prefetch_failed) < 0 ||
         put_u64(d, "evictions", s.evictions) < 0 || put_u64(d, "bytes_read", s.bytes_read) < 0 ||
+        put_u64(d, "protected_evictions", s.protected_evictions) < 0 ||
         put_f64(d, "stall_s", s.stall_s) < 0) {
         Py_DECREF(d);
         return NULL;
@@ -626,6 +650,9 @@ static PyMethodDef Cache_methods[] = {
      "observe_counts(keys, counts): activation counts of one verification pass for the policy "
      "(counts[i] tokens activate keys[i]; the keys' layers are observed; no-op for a policy "
      "without counts)."},
+    {"protect", (PyCFunction)Cache_protect, METH_O,
+     "protect(keys): the keys evicted last, after every unprotected evictable slot (the "
+     "lookahead buffer; replaces the previous set; an empty array clears it)."},
     {"utility", (PyCFunction)Cache_utility, METH_O,
      "utility(keys) -> int32 array: the policy's utility per key (PolicyError if it has none)."},
     {"stats", (PyCFunction)Cache_stats, METH_NOARGS, "stats() -> dict of counters."},

@@ -18,7 +18,8 @@ static int policy_failed(smoe_slots *t, smoe_err *err) {
 
 static int evictable_demand(void *ctx, uint32_t s) {
     const smoe_slots *t = ctx;
-    return s < t->nslots && t->slots[s].state == SMOE_SLOT_READY && t->slots[s].pins == 0;
+    return s < t->nslots && t->slots[s].state == SMOE_SLOT_READY && t->slots[s].pins == 0 &&
+           !(t->shield && t->protect[t->slots[s].key]);
 }
 
 /* A demand-evictable slot that the prefetch admission rule (policy.h) lets go for pf_key. */
@@ -42,6 +43,7 @@ static void evict(smoe_slots *t, uint32_t s) {
     t->map[key] = -1;
     t->evicted_pass[key] = t->pass_id;
     t->stats.evictions++;
+    if (t->protect[key]) t->stats.protected_evictions++;
     if (sl->prefetched) t->stats.prefetch_wasted++;
     sl->key = -1;
     sl->state = SMOE_SLOT_EMPTY;
@@ -55,7 +57,15 @@ static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int *rc, smoe_err 
     int32_t s = lowest_free(t);
     *rc = 0;
     if (s >= 0) return s;
-    if ((*rc = smoe_policy_checked_victim(t->policy, ok, t, &s, err)) < 0 || s < 0) return -1;
+    /* lookahead-aware: protected keys go last (smoe_slots_set_protected) */
+    t->shield = t->nprotected > 0;
+    *rc = smoe_policy_checked_victim(t->policy, ok, t, &s, err);
+    if (*rc == 0 && s < 0 && t->shield) {
+        t->shield = 0;
+        *rc = smoe_policy_checked_victim(t->policy, ok, t, &s, err);
+    }
+    t->shield = 0;
+    if (*rc < 0 || s < 0) return -1;
     evict(t, (uint32_t)s);
     return s;
 }
@@ -235,6 +245,7 @@ static void free_arrays(smoe_slots *t) {
     free(t->map);
     free(t->qpos);
     free(t->evicted_pass);
+    free(t->protect);
     free(t->queue);
     memset(t, 0, sizeof *t);
 }
@@ -277,9 +288,11 @@ int smoe_slots_init(smoe_slots *t, const char *what, uint32_t num_layers, uint32
     t->map = malloc(nkeys * sizeof *t->map);
     t->qpos = malloc(nkeys * sizeof *t->qpos);
     t->evicted_pass = calloc(nkeys, sizeof *t->evicted_pass);
+    t->protect = calloc(nkeys, 1);
     t->queue_cap = 64;
     t->queue = malloc(t->queue_cap * sizeof *t->queue);
-    if (!t->slots || !t->slot_err || !t->map || !t->qpos || !t->evicted_pass || !t->queue) {
+    if (!t->slots || !t->slot_err || !t->map || !t->qpos || !t->evicted_pass || !t->protect ||
+        !t->queue) {
         free_arrays(t);
         return smoe_err_set(err, SMOE_ENOMEM, "%s: out of memory for %u slots", what, nslots);
     }
@@ -600,6 +613,23 @@ int smoe_slots_resident_mask(smoe_slots *t, uint32_t layer, uint8_t *mask, smoe_
     const int32_t *m = t->map + (size_t)layer * E;
     for (uint32_t e = 0; e < E; e++)
         mask[e] = (uint8_t)(m[e] >= 0 && t->slots[m[e]].state == SMOE_SLOT_READY);
+    pthread_mutex_unlock(&t->mu);
+    return SMOE_OK;
+}
+
+int smoe_slots_set_protected(smoe_slots *t, const int32_t *keys, uint32_t n, smoe_err *err) {
+    const uint64_t nkeys = (uint64_t)t->num_layers * t->num_experts;
+    for (uint32_t i = 0; i < n; i++)
+        if (keys[i] < 0 || (uint64_t)keys[i] >= nkeys)
+            return smoe_err_set(err, SMOE_EINVAL, "protect: key %d of %llu", (int)keys[i],
+                                (unsigned long long)nkeys);
+    pthread_mutex_lock(&t->mu);
+    memset(t->protect, 0, nkeys);
+    t->nprotected = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        t->nprotected += !t->protect[keys[i]];
+        t->protect[keys[i]] = 1;
+    }
     pthread_mutex_unlock(&t->mu);
     return SMOE_OK;
 }

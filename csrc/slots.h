@@ -71,6 +71,8 @@ typedef struct smoe_cache_stats {
     uint64_t prefetch_dropped; /* prefetch requests dropped: no evictable slot */
     uint64_t prefetch_failed;  /* prefetch loads that failed (store error; see worker_err) */
     uint64_t evictions;
+    uint64_t protected_evictions; /* evictions of a protected key (lookahead buffer), taken
+                                     only when no unprotected slot could go */
     uint64_t bytes_read;       /* bytes loaded into slots (one block per successful load) */
     double stall_s;            /* seconds callers blocked in acquire waiting for a load */
 } smoe_cache_stats;
@@ -115,6 +117,10 @@ typedef struct smoe_slots {
     smoe_slot *slots;      /* owned; [mu] */
     int32_t *map;          /* owned; [mu] key -> slot or -1; num_layers*num_experts */
     uint64_t *evicted_pass;/* owned; [mu] per key: pass id when last evicted (collisions) */
+    uint8_t *protect;      /* owned; [mu] per key: 1 = in the lookahead buffer, evicted last
+                              (smoe_slots_set_protected) */
+    uint32_t nprotected;   /* [mu] keys marked in protect */
+    int shield;            /* [mu] set while a victim search must skip protected keys */
     smoe_policy *policy;   /* owned; [mu] */
     smoe_cache_stats stats;/* [mu] */
     uint64_t pass_id;      /* [mu] current forward pass, starts at 1 */
@@ -225,6 +231,13 @@ int smoe_slots_counts(smoe_slots *t, const int32_t *keys, const uint32_t *counts
  * the policy has no utility; SMOE_EINVAL for a key out of range. */
 int smoe_slots_utility(smoe_slots *t, const int32_t *keys, int32_t *out, uint32_t n,
                        smoe_err *err);
+
+/* Lookahead-aware eviction (MoE-SpeQ Sec. 3, the expert lookahead buffer; any policy): the n
+ * keys become the protected set (replacing the previous one; n = 0 clears it).  A victim is
+ * then first sought among the evictable slots holding unprotected keys, and only when the
+ * policy finds none there among all evictable slots (counted in protected_evictions).
+ * SMOE_EINVAL on a key out of range (the set is unchanged).  Takes mu. */
+int smoe_slots_set_protected(smoe_slots *t, const int32_t *keys, uint32_t n, smoe_err *err);
 
 void smoe_slots_get_stats(smoe_slots *t, smoe_cache_stats *out);
 void smoe_slots_reset_stats(smoe_slots *t);

@@ -98,6 +98,7 @@ class Cache:
     def set_policy(self, policy: Any) -> None: ...
     def observe_counts(self, keys: npt.ArrayLike, counts: npt.ArrayLike) -> None:
         """Activation counts of one verification pass for the policy (no-op unless spac)."""
+    def protect(self, keys: npt.ArrayLike) -> None: ...
     def utility(self, keys: npt.ArrayLike) -> npt.NDArray[np.int32]:
         """The policy's utility per key; PolicyError when the policy has none."""
     def resident(self) -> np.ndarray:

@@ -359,6 +359,18 @@ class ExpertCache:
             raise ValueError("observe_counts: counts must be below 2**31")
         self._c.observe_counts(keys, ci.astype(np.int32))
 
+    def protect(self, layers: Any = (), experts: Any = ()) -> None:
+        """Lookahead-aware eviction for any policy (MoE-SpeQ's expert lookahead buffer): the
+        given experts become the protected set, replacing the previous one (no arguments:
+        clear it).  A victim is then chosen by the policy among the evictable slots holding
+        unprotected experts, and only when there is none among all evictable slots;
+        ``stats()["protected_evictions"]`` counts the latter."""
+        la, ea = np.asarray(layers), np.asarray(experts)
+        if la.size == 0 and ea.size == 0:
+            self._c.protect(np.zeros(0, np.int32))
+            return
+        self._c.protect(self._keys_of("protect", la, ea))
+
     def utility(self, layers: Any, experts: Any) -> np.ndarray:
         """The policy's current integer utility of each expert (resident or not), int32.
 

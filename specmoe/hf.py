@@ -189,6 +189,9 @@ class Engine:
         self.draft_dtype: str | None = None
         self._drafting: list[tuple[int, np.ndarray]] | None = None  # routing of draft forwards
         self._draft_prefetch = False  # drafting(prefetch=True) in progress
+        # lookahead-aware eviction (MoE-SpeQ): the lookahead buffer's experts are evicted last
+        # (ExpertCache.protect), each layer's until that layer of the verification has run
+        self.protect_lookahead = True
         self._draft_queued = 0  # experts queued by draft steps since the last reset
         # draft-driven lookahead (position -> predicted experts mask) and its accounting
         self._lookahead: dict[int, np.ndarray] = {}
@@ -287,6 +290,8 @@ class Engine:
             la = self._lookahead.pop(pos, None)
             if pos == len(self.layer_ids) - 1:
                 self._lookahead.clear()  # a lookahead is for one pass
+            if self.protect_lookahead and self._cache is not None:
+                self._protect(self._lookahead)  # this layer's experts are used: unprotect
             if la is not None:
                 act = used.astype(bool)
                 self._la["predicted"] += int(la.sum())
@@ -462,9 +467,11 @@ class Engine:
         the prefetch worker at once, earlier layers first; within a layer, under a
         utility-space policy (spac, spac_ema), by utility and then count, higher first.  The next pass's
         per-layer router prefetch adds to this queue instead of replacing it, and the pass's
-        last layer ends the lookahead.  The precision and recall of the prediction against what
-        the pass used are counted in :meth:`stats` (``lookahead_precision``,
-        ``lookahead_recall``)."""
+        last layer ends the lookahead.  With ``protect_lookahead`` (default True) the expected
+        experts are also evicted last, under any policy (:meth:`ExpertCache.protect`), each
+        layer's until the pass has run that layer (MoE-SpeQ's lookahead-aware eviction).  The
+        precision and recall of the prediction against what the pass used are counted in
+        :meth:`stats` (``lookahead_precision``, ``lookahead_recall``)."""
         L, E = len(self.layer_ids), self.num_experts
         self._lookahead = {}
         lay, exp, pri = [], [], []
@@ -484,9 +491,20 @@ class Engine:
             lay.append(np.full(len(ids), pos, np.int64))
             exp.append(ids.astype(np.int64))
             pri.append((L - pos) + 0.5 + np.arctan(pr) / np.pi)
+        if self.protect_lookahead and self._cache is not None:
+            self._protect(self._lookahead)
         if self.prefetch and self._cache is not None and lay:
             self._cache.prefetch((np.concatenate(lay), np.concatenate(exp),
                                   np.concatenate(pri).astype(np.float32)), replace=True)
+
+    def _protect(self, la: dict[int, np.ndarray]) -> None:
+        """Protect the experts of the lookahead layers still to run (none: clear)."""
+        lay = [np.full(int(m.sum()), p, np.int64) for p, m in la.items()]
+        exp = [np.flatnonzero(m).astype(np.int64) for m in la.values()]
+        if lay:
+            self._cache.protect(np.concatenate(lay), np.concatenate(exp))
+        else:
+            self._cache.protect()
 
     def loads(self) -> tuple[int, float]:
         """(experts loaded from the store, seconds stalled on loads) since the last reset."""

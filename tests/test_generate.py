@@ -224,6 +224,39 @@ def test_self_draft_queues_each_step_as_it_routes(pair, monkeypatch):
     assert calls == [] and E > 0
 
 
+def test_lookahead_protects_its_experts_until_their_layer_runs(pair, monkeypatch):
+    """Lookahead-aware eviction: lookahead() protects the buffer's experts, each layer's
+    are released once the verification has run that layer, nothing stays protected after the
+    pass; protect_lookahead=False never protects."""
+    model, _, eng, ids = pair
+    calls = []
+    real = eng._cache.protect
+    monkeypatch.setattr(eng._cache, "protect",
+                        lambda *a: (calls.append(tuple(np.asarray(x).tolist() for x in a)),
+                                    real(*a))[1])
+    L, E = len(eng.layer_ids), eng.num_experts
+    counts = {p: np.zeros(E, np.int64) for p in range(L)}
+    for p in range(L):
+        counts[p][[p % E, (p + 3) % E]] = 1
+    eng.lookahead(counts)
+    assert calls[-1] == ([p for p in range(L) for _ in (0, 1)],
+                         [e for p in range(L) for e in sorted({p % E, (p + 3) % E})])
+    with torch.no_grad():
+        model(ids[:, -1:])                          # one pass through every layer
+    layers_left = [sorted(set(c[0])) if c else [] for c in calls[1:]]
+    assert layers_left == [list(range(p + 1, L)) for p in range(L)]
+    assert calls[-1] == ()                          # cleared after the last layer
+    calls.clear()
+    eng.protect_lookahead = False
+    try:
+        eng.lookahead(counts)
+        with torch.no_grad():
+            model(ids[:, -1:])
+        assert calls == []
+    finally:
+        eng.protect_lookahead = True
+
+
 # ---------------------------------------------------------------------------------------------
 # sampling follows the target's distribution
 
