@@ -51,15 +51,16 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
     static char *kwlist[] = {"name",         "k_max",    "k",           "initial",
                              "trials",       "trial_len", "set_len",    "backoff_max",
                              "base_len",     "base_refresh", "alpha",   "p_init",
-                             "telemetry_cap", "probe", "trial_pool", "converge", NULL};
+                             "telemetry_cap", "probe", "trial_pool", "converge", "t_first",
+                             NULL};
     const char *name;
     long long v[9] = {0};
-    double alpha = 0.0, p_init = 0.0, converge = 0.0;
+    double alpha = 0.0, p_init = 0.0, converge = 0.0, t_first = 0.0;
     long long cap = 0, probe = 0, pool = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddLLLd:SpecController", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddLLLdd:SpecController", kwlist,
                                      &name, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6],
                                      &v[7], &v[8], &alpha, &p_init, &cap, &probe, &pool,
-                                     &converge))
+                                     &converge, &t_first))
         return -1;
     const smoe_spec_ctl_ops *ops = smoe_spec_ctl_find(name);
     if (!ops) {
@@ -92,6 +93,11 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
         return -1;
     }
     p.converge = converge;
+    if (isnan(t_first)) {
+        PyErr_SetString(PyExc_ValueError, "t_first must not be NaN");
+        return -1;
+    }
+    p.t_first = t_first;
     smoe_err err;
     smoe_err_clear(&err);
     smoe_spec_ctl *c = NULL;

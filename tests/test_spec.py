@@ -513,6 +513,52 @@ def test_speq_constructed_tables():
     assert g.next_k() == 3
 
 
+def test_speq_first_fetch_term():
+    """MoE-SpeQ Eq. 3's first-fetch term: the same constant in every T_cycle(k), so it moves
+    the argmax of E[N(k)] / T_cycle(k) towards longer drafts.  The table of the test above
+    with t_first = 20 ms: E/T = 1/.030, 2/.031, 3/.032, 4/.033, 4/.034, ... -> k = 3 still;
+    with a flatter acceptance (p = 1 on every position) the longest draft wins."""
+    for t_first, want in ((0.0, 3), (0.020, 3)):
+        g = SpeqGovernor(k_max=6, alpha=1.0, p_init=0.5, t_first=t_first)
+        g.observe(6, 3, 0.016, t_draft=0.006)
+        assert [g.model(k)[1] for k in range(7)] == pytest.approx(
+            [0.010 + t_first + 0.001 * k for k in range(7)])
+        assert g.next_k() == want
+    # every draft accepted (p = 1), 12 ms per draft token, verify 10 ms: E/T = (k+1) /
+    # (0.010 + 0.012k + t_first) falls with k without a first fetch (K = 0) and rises with a
+    # 50 ms one (K = k_max): the constant is amortized over more tokens
+    picks = {}
+    for t_first in (0.0, 0.050):
+        g = SpeqGovernor(k_max=6, alpha=1.0, p_init=1.0, t_first=t_first)
+        g.observe(6, 6, 0.010 + 6 * 0.012, t_draft=6 * 0.012)
+        ref = max(range(7), key=lambda k: ((k + 1) / (0.010 + 0.012 * k + t_first), -k))
+        picks[t_first] = g.next_k()
+        assert picks[t_first] == ref
+    assert picks[0.0] == 0 and picks[0.050] == 6
+    for bad in (-0.1, float("nan"), float("inf"), "1", True):
+        with pytest.raises(ValueError, match="t_first"):
+            SpeqGovernor(t_first=bad)
+
+
+def test_ttft_k_max_against_brute_force():
+    from specmoe.controllers import ttft_k_max
+    rng = random.Random(3)
+    for _ in range(200):
+        tp, td, tf = rng.uniform(0, 0.2), rng.uniform(0, 0.02), rng.uniform(0, 0.05)
+        tv = {g: 0.01 + 0.003 * g * rng.uniform(0.5, 1.5) for g in range(1, 10)}
+        budget = rng.uniform(0.05, 0.4)
+        ok = [k for k in range(9) if tp + k * td + tf + tv[k + 1] <= budget]
+        if not ok:
+            with pytest.raises(ValueError, match="budget"):
+                ttft_k_max(budget, tp, td, tv, tf, k_max=8)
+        else:
+            assert ttft_k_max(budget, tp, td, tv, tf, k_max=8) == max(ok)
+    with pytest.raises(ValueError, match="no entry"):
+        ttft_k_max(1.0, 0.0, 0.0, {1: 0.1}, k_max=3)
+    with pytest.raises(ValueError, match="budget_s"):
+        ttft_k_max(float("nan"), 0.0, 0.0, {1: 0.1})
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_speq_matches_reference_on_random_streams(seed):
     rng = random.Random(seed)

@@ -55,6 +55,9 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
         return smoe_err_set(err, SMOE_EINVAL,
                             "spec controller: converge must be in (0, 1) or -1 (never), got %g",
                             p->converge);
+    if (!(p->t_first >= 0.0 && p->t_first < 1e6))
+        return smoe_err_set(err, SMOE_EINVAL, "spec controller: t_first must be in [0, 1e6) "
+                            "seconds, got %g", p->t_first);
     if (p->probe < -1)
         return smoe_err_set(err, SMOE_EINVAL, "spec controller: probe must be >= 1 or -1 (never), "
                             "got %d", (int)p->probe);

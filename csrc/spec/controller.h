@@ -118,7 +118,10 @@
  *             (default 0.6) and is an EMA (weight alpha, default 0.2) over the positions an
  *             iteration actually decided: positions 1..accepted count as accepted, position
  *             accepted+1 (if <= k_used) as rejected, later positions are not observed.
- *     T_cycle(k) = k * t_draft_tok + T_verify(k+1) + io_cost[k].
+ *     T_cycle(k) = k * t_draft_tok + t_first + T_verify(k+1) + io_cost[k]  (MoE-SpeQ Eq. 3).
+ *             t_first: the first mandatory expert fetch of a cycle, a profiled constant
+ *             (params.t_first, default 0); being the same for every k it favours longer
+ *             drafts, which amortize it over more tokens.
  *             t_draft_tok: EMA of t_draft / k_used over iterations that report t_draft > 0.
  *             T_verify(g): compute time of a verify over g tokens, sample v = t_iter -
  *             t_draft - t_io (t_io = stall seconds the caller measured on expert loads,
@@ -243,6 +246,7 @@ typedef struct smoe_spec_params {
     double alpha;           /* EMA weight in (0, 1] (default 0.2) */
     double p_init;          /* initial per-position acceptance in [0, 1] (default 0.6) */
     int32_t probe;          /* speq: K=0 iterations before a k >= 1 probe (default 16; -1 never) */
+    double t_first;         /* speq: seconds of the first mandatory expert fetch (default 0) */
     /* all */
     uint32_t telemetry_cap; /* ring capacity in records (default 65536, at most 2^26) */
 } smoe_spec_params;

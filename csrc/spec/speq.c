@@ -61,7 +61,8 @@ static double verify_time(const smoe_spec_ctl *c, const speq_state *s, int32_t g
 }
 
 static double cycle_time(const smoe_spec_ctl *c, const speq_state *s, int32_t k) {
-    double t = (double)k * s->t_draft_tok + verify_time(c, s, k + 1) + c->io_cost[k];
+    double t = (double)k * s->t_draft_tok + c->params.t_first + verify_time(c, s, k + 1) +
+               c->io_cost[k];
     return t > 1e-12 ? t : 1e-12;
 }
 

@@ -25,8 +25,8 @@ base class, :func:`speedup` and :func:`measure_tau` are in ``base.py``.  Drafter
 from .base import PHASES, Controller, TauLike, measure_tau, speedup
 from .cascade import Cascade
 from .heuristic import Heuristic
-from .speq import SpeqGovernor
+from .speq import SpeqGovernor, ttft_k_max
 from .static import StaticK
 
 __all__ = ["PHASES", "Controller", "StaticK", "Heuristic", "Cascade", "SpeqGovernor",
-           "TauLike", "measure_tau", "speedup"]
+           "TauLike", "measure_tau", "speedup", "ttft_k_max"]
