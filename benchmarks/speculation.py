@@ -110,6 +110,7 @@ CONTROLLERS: Tuple[Tuple[str, Optional[int]], ...] = (
     ("static", 1), ("static", 2), ("static", 3), ("heuristic", None), ("cascade", None),
     ("speq", None))
 K_MAX = 8  # the adaptive controllers' largest K (their default)
+SHARE_KV = [True]  # --self-kv: the self-draft on the target's KV cache (set in main)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,9 +208,9 @@ class Row:
         elif d == "draft":
             self.drafter = DraftModel(draft_model)
         elif d == "self":
-            self.drafter = SelfDraft(eng, "int4")
+            self.drafter = SelfDraft(eng, "int4", share_kv=SHARE_KV[0])
         elif d == "self-overlap":  # each draft step's experts queued as it routes
-            self.drafter = SelfDraft(eng, "int4", overlap=True)
+            self.drafter = SelfDraft(eng, "int4", overlap=True, share_kv=SHARE_KV[0])
         if self.drafter is not None:
             self.ctl = make_controller(spec_row["controller"], spec_row["k"])
         self.tot: Dict[str, Any] = {"tokens": 0, "time_s": 0.0, "iterations": 0, "proposed": 0,
@@ -298,8 +299,8 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
                 eng._tau.update({bb: dict(t) for bb, t in tau_grid.items()})
                 dr: Any = {None: None, "ngram": NgramDrafter(),
                            "draft": DraftModel(draft_model),
-                           "self": SelfDraft(eng, "int4") if r["drafter"] == "self" else None,
-                           "self-overlap": SelfDraft(eng, "int4", overlap=True)
+                           "self": SelfDraft(eng, "int4", share_kv=SHARE_KV[0]) if r["drafter"] == "self" else None,
+                           "self-overlap": SelfDraft(eng, "int4", overlap=True, share_kv=SHARE_KV[0])
                            if r["drafter"] == "self-overlap" else None}[r["drafter"]]
                 ctl = make_controller(r["controller"], r["k"]) if dr is not None else None
                 tau_arg: Any = None if r["controller"] == "static" else tau_grid
@@ -357,6 +358,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=float, default=0.25, help="cache fraction of all experts")
     ap.add_argument("--dtype", default="f32", help="store dtype of the offloaded experts")
+    ap.add_argument("--self-kv", choices=("shared", "own"), default="shared",
+                    help="the self-draft rows draft on the target's KV cache (MoE-SpeQ) or on "
+                         "a cache of their own")
     ap.add_argument("--protect", choices=("on", "off"), default="on",
                     help="lookahead-aware eviction of the self-draft rows (Engine."
                          "protect_lookahead)")
@@ -414,14 +418,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         throttle = (gbps, lat)
     eng = specmoe.offload(model, cache=a.cache, dtype=a.dtype, throttle=throttle)
     eng.protect_lookahead = a.protect == "on"
+    SHARE_KV[0] = a.self_kv == "shared"
     try:
         if "self" in drafters or "self-overlap" in drafters:
             eng.enable_self_draft("int4")
         # warm-up: every drafter once, untimed
         for d in [None] + drafters:
             dr = {None: None, "ngram": NgramDrafter(), "draft": DraftModel(draft_model),
-                  "self": SelfDraft(eng, "int4") if d == "self" else None,
-                  "self-overlap": SelfDraft(eng, "int4", overlap=True) if d == "self-overlap"
+                  "self": SelfDraft(eng, "int4", share_kv=SHARE_KV[0]) if d == "self" else None,
+                  "self-overlap": SelfDraft(eng, "int4", overlap=True, share_kv=SHARE_KV[0]) if d == "self-overlap"
                   else None}[d]
             generate(model, torch.tensor([warm[1]]), dr, spec.StaticK(2) if dr else None,
                      max_new_tokens=min(a.new_tokens, 24), eos_token_id=None, tau=None,
@@ -552,6 +557,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "new_tokens": a.new_tokens, "repeats": a.repeats, "quick": a.quick,
             "drafters": drafters, "k_max_adaptive": K_MAX, "seed": a.seed,
             "throttle": a.throttle, "protect_lookahead": a.protect == "on",
+            "self_kv": a.self_kv,
             "prompts": {w: [name for name, _ in work[w]] for w in WORKLOADS},
             "prompt_tokens": {w: [len(ids) for _, ids in work[w]] for w in WORKLOADS},
             "machine": f"{platform.machine()}, {os.cpu_count()} cpus",

@@ -233,6 +233,13 @@ class SelfDraft(DraftModel):
     counts are :attr:`Draft.routing`, the expert lookahead buffer :func:`generate` prefetches
     before verifying.
 
+    ``share_kv`` (default True): :func:`specmoe.generate` binds the target's own KV cache
+    (:meth:`bind_kv`); a draft then feeds only the pending token and its drafts on top of the
+    verified prefix the target already cached, in full precision, and crops its positions
+    off again before returning, so verification overwrites them (MoE-SpeQ Sec. 3.4: no
+    second KV cache, and the draft sees the target's context).  Unbound (batches, direct
+    calls) it keeps a cache of its own like :class:`DraftModel`.
+
     ``overlap=True``: with ``draft(..., prefetch=True)`` (what :func:`specmoe.generate` does
     when its ``lookahead`` is on) each draft step's experts are queued to the prefetch worker
     as soon as that step routes them, layer by layer, so the loads overlap the rest of the
@@ -244,7 +251,8 @@ class SelfDraft(DraftModel):
     later ones when the lookahead buffer is as large as the cache
     (benchmarks/results/speculation_overlap.json, ``self-overlap`` rows)."""
 
-    def __init__(self, engine: Any, dtype: str = "int4", *, overlap: bool = False) -> None:
+    def __init__(self, engine: Any, dtype: str = "int4", *, overlap: bool = False,
+                 share_kv: bool = True) -> None:
         from .hf import Engine
         if not isinstance(engine, Engine):
             raise TypeError("SelfDraft needs the specmoe Engine of an offloaded model "
@@ -254,11 +262,37 @@ class SelfDraft(DraftModel):
         engine.enable_self_draft(dtype)
         self._rec: List[Any] = []
         self.overlap = bool(overlap)  # queue each draft step's experts as it routes
+        self.share_kv = bool(share_kv)  # draft on the target's KV cache (generate binds it)
+        self._shared: Any = None  # the target's cache while bound (bind_kv)
+        self._n0 = 0  # its length when the current draft began
         self._prefetch = False
 
     def reset(self) -> None:
         super().reset()
         self._rec = []
+
+    def bind_kv(self, kv: Any) -> None:
+        """Draft on ``kv``, the target's KV cache, which must hold every token of the history
+        but the last at each :meth:`draft` (what :func:`specmoe.generate` keeps); None: back
+        to the drafter's own cache.  No-op unless ``share_kv``."""
+        if not self.share_kv:
+            return
+        self._shared = kv
+        self._kv, self._seen = None, []
+
+    def prefill(self, history: Sequence[int]) -> None:
+        if self._shared is None:  # bound: the target's prefill is the draft's
+            super().prefill(history)
+
+    def _sync(self, h: List[int]) -> int:
+        if self._shared is None:
+            return super()._sync(h)
+        n = self._shared.get_seq_length()
+        if n != len(h) - 1:
+            raise RuntimeError(f"SelfDraft: the bound KV cache holds {n} positions, the "
+                               f"history {len(h)} tokens (expected {len(h) - 1})")
+        self._kv, self._n0 = self._shared, n
+        return n
 
     def _run(self, ids: Sequence[int]) -> torch.Tensor:
         with self.engine.drafting(prefetch=self._prefetch) as rec:
@@ -274,6 +308,9 @@ class SelfDraft(DraftModel):
             return super().draft(history, k, sampling, generator)
         finally:
             self._prefetch = False
+            if self._shared is not None:  # the draft's positions go; verification rewrites
+                _crop(self._shared, self._n0)
+                self._kv, self._seen = None, []
 
     def _routing(self, fed_first: int, k: int) -> Optional[Dict[int, np.ndarray]]:
         E = self.engine.num_experts

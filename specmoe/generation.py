@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .controllers import Controller, SpeqGovernor, StaticK, measure_tau
-from .drafters import (DraftModel, NgramDrafter, _crop, _draft, _forward, _new_kv,
+from .drafters import (DraftModel, NgramDrafter, SelfDraft, _crop, _draft, _forward, _new_kv,
                        recurrent_layer_types)
 from .sampling import Sampling
 from .verify import accept
@@ -319,6 +319,9 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     kv = _new_kv(model)
     if len(prompt) > 1:
         _forward(model, prompt[:-1], kv)  # the last prompt token is the first pending one
+    bound = isinstance(drafter, SelfDraft) and drafter.share_kv
+    if bound:
+        drafter.bind_kv(kv)  # MoE-SpeQ: the self-draft writes on the target's cache
     if isinstance(drafter, DraftModel):
         drafter.prefill(prompt)
     seq = list(prompt)
@@ -386,6 +389,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     finally:
         if bar is not None:
             bar.close()
+        if bound:
+            drafter.bind_kv(None)
     elapsed = time.perf_counter() - t_start
     new_tokens = len(seq) - len(prompt)
     proposed = sum(i["k"] for i in its)

@@ -257,6 +257,39 @@ def test_lookahead_protects_its_experts_until_their_layer_runs(pair, monkeypatch
         eng.protect_lookahead = True
 
 
+def test_self_draft_shares_the_target_kv(pair):
+    """MoE-SpeQ's shared KV: bound to the target's cache, a draft writes its positions after
+    the verified prefix and crops them off again, leaving the prefix's tensors untouched;
+    generate binds and unbinds it; a cache of the wrong length is refused."""
+    from specmoe.drafters import _crop, _forward, _new_kv
+    model, _, eng, ids = pair
+    hist = ids[0].tolist()
+    kv = _new_kv(model)
+    _forward(model, hist[:-1], kv)
+    before = [(lay.keys.clone(), lay.values.clone()) for lay in kv.layers]
+    sd = SelfDraft(eng)
+    sd.bind_kv(kv)
+    d = sd.draft(hist, 4)
+    assert len(d.tokens) == 4 and kv.get_seq_length() == len(hist) - 1
+    for (k0, v0), lay in zip(before, kv.layers):
+        assert torch.equal(k0, lay.keys) and torch.equal(v0, lay.values)
+    # the first draft token is the self-draft's argmax after the pending token on this cache
+    with eng.drafting():
+        first = int(torch.argmax(_forward(model, hist[-1:], kv)[-1]))
+    _crop(kv, len(hist) - 1)
+    assert d.tokens[0] == first
+    with pytest.raises(RuntimeError, match="bound KV cache holds"):
+        sd.draft(hist + [5], 2)                   # the cache lacks a token of the history
+    sd.bind_kv(None)
+    own = SelfDraft(eng, share_kv=False)
+    own.bind_kv(kv)                               # no-op without share_kv
+    assert own._shared is None
+    out = generate(model, ids, sd, StaticK(3), max_new_tokens=12, eos_token_id=None, tau=None)
+    assert sd._shared is None                     # unbound after generate
+    plain = model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12)
+    assert torch.equal(out.sequences, plain)
+
+
 # ---------------------------------------------------------------------------------------------
 # sampling follows the target's distribution
 
