@@ -89,7 +89,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -181,6 +181,19 @@ def make_prompts(tok: Any, docs: List[Tuple[str, str]], domain: str, n: int, see
 # rows
 
 
+def make_drafter(name: Optional[str], eng: Any, draft_model: Any) -> Any:
+    """The drafter of a row (None: plain decoding).  ``self-overlap`` queues each draft
+    step's experts as soon as it routes them; the self-drafts use the target's KV cache
+    unless ``--self-kv own``."""
+    if name is None:
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "draft":
+        return DraftModel(draft_model)
+    return SelfDraft(eng, "int4", overlap=name == "self-overlap", share_kv=SHARE_KV[0])
+
+
 def make_controller(name: str, k: Optional[int]) -> spec.Controller:
     if name == "static":
         assert k is not None
@@ -202,15 +215,7 @@ class Row:
         self.row = spec_row
         self.drafter: Any = None
         self.ctl: Optional[spec.Controller] = None
-        d = spec_row["drafter"]
-        if d == "ngram":
-            self.drafter = NgramDrafter()
-        elif d == "draft":
-            self.drafter = DraftModel(draft_model)
-        elif d == "self":
-            self.drafter = SelfDraft(eng, "int4", share_kv=SHARE_KV[0])
-        elif d == "self-overlap":  # each draft step's experts queued as it routes
-            self.drafter = SelfDraft(eng, "int4", overlap=True, share_kv=SHARE_KV[0])
+        self.drafter = make_drafter(spec_row["drafter"], eng, draft_model)
         if self.drafter is not None:
             self.ctl = make_controller(spec_row["controller"], spec_row["k"])
         self.tot: Dict[str, Any] = {"tokens": 0, "time_s": 0.0, "iterations": 0, "proposed": 0,
@@ -297,11 +302,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
                 eng.set_cache(a.cache)
                 eng.reset_stats()
                 eng._tau.update({bb: dict(t) for bb, t in tau_grid.items()})
-                dr: Any = {None: None, "ngram": NgramDrafter(),
-                           "draft": DraftModel(draft_model),
-                           "self": SelfDraft(eng, "int4", share_kv=SHARE_KV[0]) if r["drafter"] == "self" else None,
-                           "self-overlap": SelfDraft(eng, "int4", overlap=True, share_kv=SHARE_KV[0])
-                           if r["drafter"] == "self-overlap" else None}[r["drafter"]]
+                dr: Any = make_drafter(r["drafter"], eng, draft_model)
                 ctl = make_controller(r["controller"], r["k"]) if dr is not None else None
                 tau_arg: Any = None if r["controller"] == "static" else tau_grid
                 o = generate(model, ids, dr, ctl, attention_mask=mask,
@@ -424,10 +425,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             eng.enable_self_draft("int4")
         # warm-up: every drafter once, untimed
         for d in [None] + drafters:
-            dr = {None: None, "ngram": NgramDrafter(), "draft": DraftModel(draft_model),
-                  "self": SelfDraft(eng, "int4", share_kv=SHARE_KV[0]) if d == "self" else None,
-                  "self-overlap": SelfDraft(eng, "int4", overlap=True, share_kv=SHARE_KV[0]) if d == "self-overlap"
-                  else None}[d]
+            dr = make_drafter(d, eng, draft_model)
             generate(model, torch.tensor([warm[1]]), dr, spec.StaticK(2) if dr else None,
                      max_new_tokens=min(a.new_tokens, 24), eos_token_id=None, tau=None,
                      engine=eng)
