@@ -10,6 +10,7 @@
  * never by close().  close() stops the prefetch worker and makes further calls raise
  * CacheError; it refuses while another thread is inside a call on the same object.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "cache.h"
@@ -331,6 +332,26 @@ static PyObject *Cache_set_policy(CacheObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* ko as the cache's keys: a new contiguous int32 array of at most UINT32_MAX keys, each in
+ * 0..num_layers*num_experts-1 (`what` names the call in errors), its length in *n.  The
+ * cache must be open.  NULL with an exception set. */
+static PyArrayObject *cache_keys(CacheObject *self, PyObject *ko, const char *what,
+                                 npy_intp *n) {
+    if (check_open(self) < 0) return NULL;
+    const uint64_t nkeys = (uint64_t)self->cache.tab.num_layers * self->cache.tab.num_experts;
+    char name[48];
+    snprintf(name, sizeof name, "%s keys", what);
+    PyArrayObject *k = smoe_py_index_array(ko, nkeys, name, "key");
+    if (!k) return NULL;
+    *n = PyArray_DIM(k, 0);
+    if (*n > (npy_intp)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: too many keys", what);
+        Py_DECREF(k);
+        return NULL;
+    }
+    return k;
+}
+
 static PyObject *Cache_observe_counts(CacheObject *self, PyObject *args) {
     PyObject *ko, *co;
     if (!PyArg_ParseTuple(args, "OO:observe_counts", &ko, &co)) return NULL;
@@ -367,16 +388,9 @@ static PyObject *Cache_observe_counts(CacheObject *self, PyObject *args) {
 }
 
 static PyObject *Cache_utility(CacheObject *self, PyObject *ko) {
-    if (check_open(self) < 0) return NULL;
-    const uint64_t nkeys = (uint64_t)self->cache.tab.num_layers * self->cache.tab.num_experts;
-    PyArrayObject *k = smoe_py_index_array(ko, nkeys, "utility keys", "key");
+    npy_intp n;
+    PyArrayObject *k = cache_keys(self, ko, "utility", &n);
     if (!k) return NULL;
-    npy_intp n = PyArray_DIM(k, 0);
-    if (n > (npy_intp)UINT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "utility: too many keys");
-        Py_DECREF(k);
-        return NULL;
-    }
     PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
     if (!out) {
         Py_DECREF(k);
@@ -399,16 +413,9 @@ static PyObject *Cache_utility(CacheObject *self, PyObject *ko) {
 }
 
 static PyObject *Cache_protect(CacheObject *self, PyObject *ko) {
-    if (check_open(self) < 0) return NULL;
-    const uint64_t nkeys = (uint64_t)self->cache.tab.num_layers * self->cache.tab.num_experts;
-    PyArrayObject *k = smoe_py_index_array(ko, nkeys, "protect keys", "key");
+    npy_intp n;
+    PyArrayObject *k = cache_keys(self, ko, "protect", &n);
     if (!k) return NULL;
-    npy_intp n = PyArray_DIM(k, 0);
-    if (n > (npy_intp)UINT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "protect: too many keys");
-        Py_DECREF(k);
-        return NULL;
-    }
     smoe_err err;
     smoe_err_clear(&err);
     int rc;
