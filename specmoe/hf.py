@@ -46,6 +46,7 @@ from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, desc
                    iter_experts_modules, moe_block, moe_layers)
 from .conversion import store_settings, write_experts
 from .dense import resolve_dense
+from .lookahead import LookaheadBuffer
 from .recording import TraceRecording, _Recorder
 from .policies import COUNT_POLICIES, UTILITY_POLICIES
 
@@ -193,9 +194,8 @@ class Engine:
         # (ExpertCache.protect), each layer's until that layer of the verification has run
         self.protect_lookahead = True
         self._draft_queued = 0  # experts queued by draft steps since the last reset
-        # draft-driven lookahead (position -> predicted experts mask) and its accounting
-        self._lookahead: dict[int, np.ndarray] = {}
-        self._la = {"predicted": 0, "true_positive": 0, "actual": 0}
+        # draft-driven lookahead: the next pass's predicted experts and their accounting
+        self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
         self._tau: dict[int, dict[int, float]] = {}  # batch size -> tau(g), see generate()
         try:
             path = self._store_path
@@ -207,6 +207,7 @@ class Engine:
                 raise ValueError(f"{path}: the store holds {st.num_layers} MoE layers "
                                  f"{ex.get('layer_ids')}, the model has {ids}")
             self.num_experts = int(st.num_experts)
+            self._la = LookaheadBuffer(len(ids), self.num_experts)
             self.dtype = str(ex.get("dtype", "f32"))
             act = ex.get("activation", "silu")
             self._ffn_args = dict(activation=act, alpha=float(ex.get("alpha", 1.702)),
@@ -285,18 +286,11 @@ class Engine:
                 scores = sc.detach().to(torch.float32).contiguous().numpy()
         # a draft-driven lookahead queued for this pass must survive the per-layer requests
         self._layers.forward(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used, scores,
-                             not self._lookahead)
-        if self._lookahead:
-            la = self._lookahead.pop(pos, None)
-            if pos == len(self.layer_ids) - 1:
-                self._lookahead.clear()  # a lookahead is for one pass
+                             not self._la.active)
+        if self._la.active:
+            self._la.layer_done(pos, used)
             if self.protect_lookahead and self._cache is not None:
-                self._protect(self._lookahead)  # this layer's experts are used: unprotect
-            if la is not None:
-                act = used.astype(bool)
-                self._la["predicted"] += int(la.sum())
-                self._la["actual"] += int(act.sum())
-                self._la["true_positive"] += int((la & act).sum())
+                self._protect()  # this layer's experts are used: unprotect them
         rec = self._recorder
         if rec is not None:
             lg = self._router_scores(pos, hidden.detach()) if rec.logits else None
@@ -472,15 +466,10 @@ class Engine:
         layer's until the pass has run that layer (MoE-SpeQ's lookahead-aware eviction).  The
         precision and recall of the prediction against what the pass used are counted in
         :meth:`stats` (``lookahead_precision``, ``lookahead_recall``)."""
-        L, E = len(self.layer_ids), self.num_experts
-        self._lookahead = {}
+        L = len(self.layer_ids)
+        arrays = self._la.set(counts)  # validated before anything changes
         lay, exp, pri = [], [], []
-        for pos, c in counts.items():
-            c = np.asarray(c)
-            if not (0 <= pos < L) or c.shape != (E,):
-                raise ValueError(f"lookahead: position {pos} with counts of shape {c.shape}; "
-                                 f"expected 0 <= position < {L} and shape ({E},)")
-            self._lookahead[pos] = c > 0
+        for pos, c in arrays.items():
             ids = np.flatnonzero(c > 0)
             pr = np.zeros(len(ids), np.float64)
             if self._counts_fed and self._cache.policy in UTILITY_POLICIES:
@@ -492,17 +481,16 @@ class Engine:
             exp.append(ids.astype(np.int64))
             pri.append((L - pos) + 0.5 + np.arctan(pr) / np.pi)
         if self.protect_lookahead and self._cache is not None:
-            self._protect(self._lookahead)
+            self._protect()
         if self.prefetch and self._cache is not None and lay:
             self._cache.prefetch((np.concatenate(lay), np.concatenate(exp),
                                   np.concatenate(pri).astype(np.float32)), replace=True)
 
-    def _protect(self, la: dict[int, np.ndarray]) -> None:
-        """Protect the experts of the lookahead layers still to run (none: clear)."""
-        lay = [np.full(int(m.sum()), p, np.int64) for p, m in la.items()]
-        exp = [np.flatnonzero(m).astype(np.int64) for m in la.values()]
-        if lay:
-            self._cache.protect(np.concatenate(lay), np.concatenate(exp))
+    def _protect(self) -> None:
+        """Protect the lookahead's experts of the layers still to run (none: clear)."""
+        lay, exp = self._la.pending()
+        if len(lay):
+            self._cache.protect(lay, exp)
         else:
             self._cache.protect()
 
@@ -531,13 +519,7 @@ class Engine:
             "dense": self.dense.dtype, "dense_layers": len(self.dense.converted),
             "prefetch_precision": pf["true_positive"] / pf["predicted"] if pf["predicted"] else None,
             "prefetch_recall": pf["true_positive"] / pf["actual"] if pf["actual"] else None,
-            "lookahead_precision": (self._la["true_positive"] / self._la["predicted"]
-                                    if self._la["predicted"] else None),
-            "lookahead_recall": (self._la["true_positive"] / self._la["actual"]
-                                 if self._la["actual"] else None),
-            "lookahead_predicted": self._la["predicted"],
-            "lookahead_used": self._la["actual"],
-            "lookahead_hits": self._la["true_positive"],
+            **self._la.stats(),
             "draft_prefetch_queued": self._draft_queued,
             "miss": self.miss, "route_lambda": self.route_lambda,
             **{k: pf.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
@@ -557,7 +539,7 @@ class Engine:
         return c
 
     def reset_stats(self) -> None:
-        self._la = {"predicted": 0, "true_positive": 0, "actual": 0}
+        self._la.reset_stats()
         self._draft_queued = 0
         if self._layers is not None:
             self._layers.counters(reset=True)
