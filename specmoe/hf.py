@@ -46,6 +46,7 @@ from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, desc
                    iter_experts_modules, moe_block, moe_layers)
 from .conversion import store_settings, write_experts
 from .dense import resolve_dense
+from .drafters import ExpertCopy
 from .lookahead import LookaheadBuffer
 from .recording import TraceRecording, _Recorder
 from .policies import COUNT_POLICIES, UTILITY_POLICIES
@@ -184,10 +185,7 @@ class Engine:
         self._inflight = 0  # [_cv] layer calls running
         self._exclusive_owner = False  # [_cv] close/set_cache running
         # self-draft (MoE-SpeQ): every routed expert resident in a low-bit copy
-        self._draft_buf: np.ndarray | None = None
-        self._draft_desc: dict[str, Any] = {}
-        self._draft_block_bytes = 0
-        self.draft_dtype: str | None = None
+        self._draft: ExpertCopy | None = None
         self._drafting: list[tuple[int, np.ndarray]] | None = None  # routing of draft forwards
         self._draft_prefetch = False  # drafting(prefetch=True) in progress
         # lookahead-aware eviction (MoE-SpeQ): the lookahead buffer's experts are evicted last
@@ -371,32 +369,16 @@ class Engine:
         if self._closed or self._store is None:
             raise RuntimeError("this specmoe Engine is closed")
         _check_dtype(dtype)
-        if self.draft_dtype == dtype and self._draft_buf is not None:
+        if self._draft is not None and self._draft.dtype == dtype:
             return
-        from .kernels import FFNSpec
-        from .quant import dequantize_expert
-        from .store import ExpertStore, aligned_empty
-        src = self._store
-        E, L = self.num_experts, len(self.layer_ids)
-        fd, path = tempfile.mkstemp(prefix="specmoe-draft-", suffix=".smoe")
-        os.close(fd)
-        try:
-            write_experts(path, lambda p, e: dequantize_expert(src.read_expert(p, e)),
-                          num_layers=L, num_experts=E, dtype=dtype, model=self.model_type,
-                          top_k=self.top_k, extra={}, progress=False)
-            with ExpertStore(path, verify=False) as st:
-                bb = int(st.block_bytes)
-                buf = aligned_empty(L * E * bb)
-                for p in range(L):
-                    for e in range(E):
-                        st.read_block(p, e, out=buf[(p * E + e) * bb:(p * E + e + 1) * bb])
-                spec = FFNSpec.from_store_schema(st.tensors, bb, **self._ffn_args)
-        finally:
-            os.unlink(path)
-        self._draft_buf, self._draft_desc, self._draft_block_bytes = buf, spec.desc(), bb
-        self.draft_dtype = dtype
-        if self._layers is not None:  # miss="lowest_bit" computes from this copy
-            self._layers.set_lowbit(buf, self._draft_desc, bb)
+        self._draft = ExpertCopy(self._store, dtype, self._ffn_args, self.model_type,
+                                 self.top_k)
+        misses.apply(self)  # miss="lowest_bit" computes from this copy
+
+    @property
+    def draft_dtype(self) -> str | None:
+        """The self-draft copy's format, None before :meth:`enable_self_draft`."""
+        return self._draft.dtype if self._draft is not None else None
 
     def _buffers(self, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple:
         """The C layer's inputs (f32 hidden, int64 ids, f32 weights, contiguous), its output
@@ -408,12 +390,11 @@ class Engine:
 
     def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                      w: torch.Tensor) -> torch.Tensor:
-        if self._draft_buf is None:
+        if self._draft is None:
             raise RuntimeError("drafting() needs enable_self_draft() first")
         x, ix, wt, out, used = self._buffers(hidden, idx, w)
-        _C.moe_forward(self._draft_buf, self._kctx, self._draft_desc, self._draft_block_bytes,
-                       pos, self.num_experts, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(),
-                       used)
+        self._draft.forward(self._kctx, pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(),
+                            used)
         assert self._drafting is not None
         self._drafting.append((pos, ix.numpy().copy()))
         if self._draft_prefetch and self.prefetch and self._cache is not None:
@@ -441,7 +422,7 @@ class Engine:
         newest token to the cache's prefetch worker (when the engine prefetches), so their
         loads overlap the rest of the draft; ``stats()["draft_prefetch_queued"]`` counts
         them."""
-        if self._draft_buf is None:
+        if self._draft is None:
             raise RuntimeError("drafting() needs enable_self_draft() first")
         if self._drafting is not None:
             raise RuntimeError("drafting() does not nest")
@@ -612,7 +593,7 @@ class Engine:
 
     def _release(self) -> None:
         self._layers = None
-        self._draft_buf = None
+        self._draft = None
         if self._cache is not None:
             self._cache.close()
             self._cache = None

@@ -76,9 +76,11 @@ def apply(engine: Any) -> None:
     lay, cache = engine._layers, engine._cache
     if lay is None or cache is None:
         return
-    if engine.miss == "lowest_bit" and engine._draft_buf is None:
-        engine.enable_self_draft("int4")  # sets the low-bit copy on the layers itself
-    if engine._draft_buf is not None:
-        lay.set_lowbit(engine._draft_buf, engine._draft_desc, engine._draft_block_bytes)
+    if engine.miss == "lowest_bit" and engine._draft is None:
+        engine.enable_self_draft("int4")  # calls apply() again with the copy in place
+        return
+    if engine._draft is not None:
+        d = engine._draft
+        lay.set_lowbit(d.buf, d.desc, d.block_bytes)
     lay.set_miss(engine.miss, engine.miss_keep, engine.route_lambda)
     cache.native.set_throttle(*check_throttle(engine.throttle))
