@@ -171,11 +171,11 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS) -> list[str]:
     Idempotent; the KV cache and the prefill path stay transformers' own."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    done = []
-    for name, mod in model.named_modules():
-        if not is_mla_attention(mod):
-            continue
+    found = [(name, mod) for name, mod in model.named_modules() if is_mla_attention(mod)]
+    for _, mod in found:  # every module checked before any is changed
         _absorbed_weights(mod)  # fails now, not at the first token, if it cannot be absorbed
+    done = []
+    for name, mod in found:
         orig = getattr(mod, "_specmoe_orig_forward", None) or mod.forward
         sig = inspect.signature(orig)
 

@@ -96,10 +96,12 @@ def test_idempotent_and_bad_input():
     assert absorb_mla(tiny_model("mixtral")) == []
     # an int8 kv_b_proj cannot be absorbed: said at install time, not at the first token
     m2 = copy.deepcopy(ref)
-    attn = m2.model.layers[0].self_attn
+    attn = m2.model.layers[-1].self_attn
     attn.kv_b_proj = CLinear(attn.kv_b_proj, "int8")
     with pytest.raises(ValueError, match="kv_b_proj"):
         absorb_mla(m2)
+    # nothing was changed on the way (the bad module is the last one)
+    assert not any(hasattr(mod, "_specmoe_orig_forward") for mod in m2.modules())
 
 
 @pytest.mark.parametrize("dense", ["f32", "int8"])
