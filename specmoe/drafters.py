@@ -22,6 +22,7 @@ from torch import nn
 
 from . import _C
 from .controllers.base import _check_int
+from .mtp import MtpDrafter
 from .sampling import Sampling
 
 __all__ = ["Drafter", "NgramDrafter", "Draft", "DraftModel", "SelfDraft", "ExpertCopy",
@@ -378,7 +379,7 @@ def _draft(drafter: Any, history: List[int], k: int, sampling: Optional[Sampling
         return Draft([])
     if isinstance(drafter, SelfDraft):
         d = drafter.draft(history, k, sampling, gen, prefetch=prefetch)
-    elif isinstance(drafter, DraftModel):
+    elif isinstance(drafter, (DraftModel, MtpDrafter)):
         d = drafter.draft(history, k, sampling, gen)
     else:
         d = Draft([int(t) for t in drafter.propose(history, k)])

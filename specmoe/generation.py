@@ -30,6 +30,7 @@ from torch import nn
 from .controllers import Controller, SpeqGovernor, StaticK, measure_tau
 from .drafters import (DraftModel, NgramDrafter, SelfDraft, _crop, _draft, _forward, _new_kv,
                        recurrent_layer_types)
+from .mtp import MtpDrafter
 from .sampling import Sampling
 from .verify import accept
 
@@ -176,6 +177,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             are left-padded with ``attention_mask`` marking the real tokens, as for
             transformers' batched ``generate`` (the batch path: :mod:`specmoe.generation_batch`).
         drafter: :class:`specmoe.drafters.NgramDrafter`, :class:`DraftModel`, :class:`SelfDraft`,
+            :class:`specmoe.mtp.MtpDrafter` (multi-token prediction with gated LoRA: drafts
+            and verification in one forward; K <= the adapter's k),
             or any object with ``propose(history, k) -> list[int]``.  None: plain decoding.
         controller: chooses K per iteration (:mod:`specmoe.controllers`: StaticK, Heuristic, Cascade,
             SpeqGovernor).  Default with a drafter: ``Cascade()``.  It keeps learning across
@@ -260,9 +263,13 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     if drafter is not None and not (isinstance(drafter, (DraftModel, NgramDrafter))
                                     or callable(getattr(drafter, "propose", None))):
         raise TypeError(f"drafter {type(drafter).__name__} has no propose(history, k)")
+    mtp = drafter if isinstance(drafter, MtpDrafter) else None
+    if mtp is not None and controller is not None and controller.k_max > mtp.k:
+        raise ValueError(f"the MTP adapter drafts at most k={mtp.k} tokens, the controller's "
+                         f"k_max is {controller.k_max}: pass e.g. Cascade(k_max={mtp.k})")
     if drafter is not None and controller is None:
         from .controllers import Cascade
-        controller = Cascade()
+        controller = Cascade(k_max=mtp.k) if mtp is not None else Cascade()
     sampling = Sampling(temperature, top_k, top_p) if do_sample else None
     if eos_token_id == -1:
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -324,6 +331,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         drafter.bind_kv(kv)  # MoE-SpeQ: the self-draft writes on the target's cache
     if isinstance(drafter, DraftModel):
         drafter.prefill(prompt)
+    if mtp is not None:
+        mtp.reset()  # drafts of an earlier request never carry over
     seq = list(prompt)
     its: List[Dict[str, Any]] = []
     loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
@@ -349,7 +358,13 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             kd = len(d.tokens)
             if lookahead and d.routing and engine is not None:
                 engine.lookahead(d.routing)
-            logits = _forward(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
+            if mtp is not None:
+                # one forward verifies the drafts and (masks after each anchor) drafts the next
+                # step's tokens; no masks when the controller chose a plain step
+                logits = mtp.verify(kv, len(seq) - 1, [seq[-1]] + d.tokens,
+                                    mtp.k if k_plan > 0 else 0)
+            else:
+                logits = _forward(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
             if sampling is None:
                 p = logits.float().contiguous().numpy()
                 u = None
@@ -368,6 +383,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                     done = True
                     break
             seq.extend(new)
+            if mtp is not None and not done:
+                mtp.advance(seq, n_acc, sampling, gen)
             t_iter = time.perf_counter() - t0
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))

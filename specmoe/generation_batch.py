@@ -111,6 +111,43 @@ class BatchKV:
         self.npos = [p + n for p, n in zip(self.npos, c)]
         return logits
 
+    def forward_mtp(self, rows: Sequence[Sequence[int]], n_masks: int,
+                    adapter: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` for the MTP drafter: each row's anchors (its pending token and
+        drafts, different counts allowed) followed by ``n_masks`` masks per anchor slot, in one
+        forward (:meth:`specmoe.mtp.MtpAdapter.forward_mtp`).  Past holes and the padding
+        anchors of shorter rows are hidden from every query; the masks' KV columns are cropped
+        before returning.  Returns (anchor logits [B, A, V], mask logits [B, A, m, V])."""
+        from .mtp import mtp_layout
+        if len(rows) != self.batch:
+            raise ValueError(f"BatchKV.forward_mtp: {len(rows)} rows for a batch of "
+                             f"{self.batch}")
+        c = [len(r) for r in rows]
+        if min(c) < 1:
+            raise ValueError("BatchKV.forward_mtp: every row needs at least one token")
+        A, m, L, B = max(c), int(n_masks), self.length, self.batch
+        dt = self.model.get_input_embeddings().weight.dtype
+        rel, bias1 = mtp_layout(A, m, L, dt)
+        q = rel.numel()
+        bias = bias1.expand(B, 1, q, L + q).clone()
+        lo = torch.finfo(dt).min
+        real = torch.zeros((B, A), dtype=torch.long)
+        for b in range(B):
+            real[b, :c[b]] = 1
+            bias[b, 0, :, :L].masked_fill_(self.mask[b] == 0, lo)      # past holes
+            bias[b, 0, :, L + c[b]:L + A] = lo                        # padding anchors
+        pos = torch.stack([rel - L + p for p in self.npos])
+        ids = torch.tensor([list(r) + [r[-1]] * (A - len(r)) for r in rows], dtype=torch.long)
+        with torch.no_grad():
+            lg, ml = adapter.forward_mtp(self.model, ids, m, past=L, kv=self.kv,
+                                         layout=(pos, bias))
+        self._check_layers()
+        if m:
+            self.kv.crop(-(A * m))
+        self.mask = torch.cat([self.mask, real], 1)
+        self.npos = [p + n for p, n in zip(self.npos, c)]
+        return lg, ml
+
     def keep(self, b: int, n_real: int) -> None:
         """Row b keeps its first ``n_real`` real positions; later ones become holes."""
         if n_real < self.npos[b]:
@@ -287,6 +324,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
     """The batched loop of :func:`specmoe.generate` (arguments already checked there)."""
     from .controllers import SpeqGovernor, StaticK
     from .drafters import DraftModel, NgramDrafter, _draft
+    from .mtp import MtpDrafter, next_drafts
     from .generation import GenerateOutput, _speq_io_cost, target_tau
     from .verify import accept
     B, n = ids.shape
@@ -323,6 +361,9 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
     active = list(range(B))
     ngrams: Optional[List[Any]] = None
     bdraft: Optional[BatchDraftModel] = None
+    mtp = drafter if isinstance(drafter, MtpDrafter) else None
+    # MTP: each row's next drafts (and their distributions) from its last step's masks
+    mtp_next: List[Tuple[List[int], Optional[torch.Tensor]]] = [([], None)] * B
     if isinstance(drafter, DraftModel):
         bdraft = BatchDraftModel(drafter, B)
     elif isinstance(drafter, NgramDrafter):
@@ -354,6 +395,10 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             dprobs: List[Optional[torch.Tensor]] = [None] * Ba
             if drafter is None or max(ks) == 0:
                 drafts: List[List[int]] = [[] for _ in active]
+            elif mtp is not None:
+                drafts = [mtp_next[r][0][:ks[i]] for i, r in enumerate(active)]
+                dprobs = [None if mtp_next[r][1] is None or not ks[i]
+                          else mtp_next[r][1][:len(drafts[i])] for i, r in enumerate(active)]
             elif bdraft is not None:
                 drafts, dprobs, routing = bdraft.draft([seqs[r] for r in active], ks,
                                                        sampling, gen)
@@ -369,7 +414,13 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             kd = [len(d) for d in drafts]
             if lookahead and routing and engine is not None:
                 engine.lookahead(routing)
-            logits = state.forward([[seqs[r][-1]] + drafts[i] for i, r in enumerate(active)])
+            anchors = [[seqs[r][-1]] + drafts[i] for i, r in enumerate(active)]
+            if mtp is not None:
+                # one forward verifies every row's drafts and drafts its next ones
+                logits, mask_logits = state.forward_mtp(anchors, mtp.k if k_plan > 0 else 0,
+                                                        mtp.adapter)
+            else:
+                logits = state.forward(anchors)
             acc: List[int] = []
             emitted: List[int] = []
             finished: List[int] = []
@@ -391,6 +442,9 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
                         new, stop = new[:j + 1], True
                         break
                 seqs[r].extend(new)
+                if mtp is not None:
+                    mtp_next[r] = next_drafts(mask_logits[i, n_acc], sampling, gen) \
+                        if mask_logits.shape[2] else ([], None)
                 if stop or len(seqs[r]) - len(prompts[r]) >= max_new_tokens:
                     finished.append(i)
                 acc.append(int(n_acc))

@@ -20,6 +20,7 @@ from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noq
 from specmoe.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
 from specmoe.generation import generate, measure_tau_grid  # noqa: E402
 from specmoe.generation_batch import BatchKV, per_position_acceptance  # noqa: E402
+from specmoe.mtp import MtpAdapter, MtpDrafter  # noqa: E402
 
 from tests.test_generate import RandomDrafter, chi2_critical, chi2_stat, exact_joint  # noqa: E402
 
@@ -49,13 +50,28 @@ def hf_batch_greedy(model, ids, mask, n, **kw):
 N_NEW = 20
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "draft", "self", "random"])
+@pytest.mark.parametrize("drafter_name", ["ngram", "draft", "self", "random", "mtp"])
 def test_batched_greedy_equals_transformers_batched_greedy(batch_pair, drafter_name):
     model, draft, eng, ids, mask = batch_pair
     ref = hf_batch_greedy(model, ids, mask, N_NEW, min_new_tokens=N_NEW)[:, ids.shape[1]:]
+    adapter = None
+    if drafter_name == "mtp":  # an untrained-but-nonzero adapter: few drafts accepted
+        adapter = MtpAdapter.for_model(model, k=5, rank=4, seed=2)
+        with torch.no_grad():
+            for m in adapter.trainable()[1:]:
+                m.add_(torch.randn(m.shape, generator=torch.Generator().manual_seed(3)) * 0.01)
     make = {"ngram": NgramDrafter, "draft": lambda: DraftModel(draft),
             "self": lambda: SelfDraft(eng),
-            "random": lambda: RandomDrafter(model.config.vocab_size)}[drafter_name]
+            "random": lambda: RandomDrafter(model.config.vocab_size),
+            "mtp": lambda: MtpDrafter(model, adapter)}[drafter_name]
+    try:
+        _batched_greedy_rows(model, ids, mask, ref, make, drafter_name)
+    finally:
+        if adapter is not None:
+            adapter.uninstall()
+
+
+def _batched_greedy_rows(model, ids, mask, ref, make, drafter_name):
     ctls = {"static3": StaticK(3), "cascade": Cascade(k_max=4, trial_len=2, set_len=4,
                                                       base_len=2),
             "heuristic": Heuristic(initial=2, k_max=5), "speq": SpeqGovernor(k_max=4)}
@@ -72,6 +88,8 @@ def test_batched_greedy_equals_transformers_batched_greedy(batch_pair, drafter_n
             assert it["batch"] == len(it["k_rows"]) == len(it["accepted_rows"])
             assert it["k"] == max(it["k_rows"]) <= max(it["k_planned"], 0)
             assert all(0 <= a <= k for a, k in zip(it["accepted_rows"], it["k_rows"]))
+        if drafter_name == "mtp":  # drafts come from the masks of the step before
+            assert st["proposed"] > 0 and out.iterations[0]["k"] == 0
         if drafter_name == "self" and name == "static3":
             # sequences advanced by different amounts in one step at least once
             assert any(len(set(i["accepted_rows"])) > 1 for i in out.iterations)

@@ -1,0 +1,363 @@
+"""Multi-token prediction with gated LoRA (specmoe.mtp): the input layout against cacheless
+forwards of the explicit sequences, the gate's exactness on real tokens, greedy equality and the
+sampling distribution through specmoe.generate, adapter files and their errors, the training
+script's smoke run, and the shipped adapter."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import specmoe  # noqa: E402
+from specmoe import mtp, zoo  # noqa: E402
+from specmoe.controllers import Cascade, StaticK  # noqa: E402
+from specmoe.drafters import _forward, _new_kv  # noqa: E402
+from specmoe.testing import tiny_model  # noqa: E402
+
+from .test_generate import chi2_critical, chi2_stat  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _randomise(ad: mtp.MtpAdapter, seed: int, scale: float = 0.05) -> None:
+    """A trained-looking adapter: B != 0 and distinct mask embeddings."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in ad._lora_modules.values():
+            m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=g) * scale)
+        ad.mask_emb.add_(torch.randn(ad.mask_emb.shape, generator=g) * 0.5)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    model, tok = zoo.load("tiny-moe")
+    ad = mtp.MtpAdapter.for_model(model, k=3, rank=8, seed=3)
+    _randomise(ad, 4)
+    return model, tok, ad
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+def test_layout_positions_and_visibility():
+    pos, bias = mtp.mtp_layout(3, 2, past=5)
+    assert pos.tolist() == [5, 6, 7, 6, 7, 7, 8, 8, 9]
+    see = (bias[0, 0] == 0).int()
+    assert see.shape == (9, 14)
+    assert bool(see[:, :5].all())                       # everyone sees the context
+    assert see[:3, 5:8].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]   # anchors: causal
+    assert int(see[:3, 8:].sum()) == 0                  # anchors never see masks
+    # mask 2 of anchor 1 (row 3 + 1*2 + 1 = 6): anchors 0..1, its group's masks 1..2
+    assert see[6, 5:].tolist() == [1, 1, 0, 0, 0, 1, 1, 0, 0]
+    assert see[3, 5:].tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 0]
+
+
+def test_mtp_forward_matches_explicit_sequences(moe):
+    """Each mask group's logits equal a cacheless forward of context + anchors[:i+1] + its masks
+    with plain causal attention (the layout the paper interleaves); anchors equal a plain
+    forward of the anchors."""
+    model, _, ad = moe
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 8000, (12,), generator=g).tolist()
+    prompt, anchors = ids[:8], ids[8:]
+    kv = _new_kv(model)
+    _forward(model, prompt, kv)
+    with torch.no_grad():
+        lg, ml = ad.forward_mtp(model, torch.tensor([anchors]), 3, past=8, kv=kv)
+    assert kv.get_seq_length() == 8 + 4 + 12
+    kv2 = _new_kv(model)
+    _forward(model, prompt, kv2)
+    ref = _forward(model, anchors, kv2)
+    torch.testing.assert_close(lg[0], ref, rtol=0, atol=5e-5)
+    emb = model.get_input_embeddings()
+    for i in range(4):
+        seq = prompt + anchors[:i + 1]
+        n = len(seq)
+        x = torch.cat([emb(torch.tensor([seq])), ad.mask_emb[:3].unsqueeze(0)], 1)
+        ad.gate.index = torch.arange(n, n + 3)
+        try:
+            with torch.no_grad():
+                want = model(inputs_embeds=x).logits[0, n:]
+        finally:
+            ad.gate.index = None
+        torch.testing.assert_close(ml[0, i], want, rtol=0, atol=5e-5)
+
+
+# ------------------------------------------------------------------------------ the gate
+
+
+def test_gated_lora_leaves_real_rows_bit_identical(moe):
+    """Inside one MTP forward every adapted projection's real-token rows are exactly its base
+    layer's output; the masks' rows are not."""
+    model, _, ad = moe
+    seen = []
+
+    def hook(mod, inp, out):
+        x = inp[0]
+        base = mod.base(x)
+        idx = ad.gate.index
+        real = torch.ones(x.shape[-2], dtype=torch.bool)
+        real[idx] = False
+        seen.append((torch.equal(out[..., real, :], base[..., real, :]),
+                     bool((out[..., ~real, :] != base[..., ~real, :]).any())))
+
+    hs = [m.register_forward_hook(hook) for m in ad._lora_modules.values()]
+    try:
+        with torch.no_grad():
+            ad.forward_mtp(model, torch.tensor([[5, 6, 7, 8]]), 3)
+    finally:
+        for h in hs:
+            h.remove()
+    assert len(seen) == len(ad._lora_modules) == 16
+    assert all(eq for eq, _ in seen)
+    assert all(changed for _, changed in seen)
+
+
+def test_dense_model_anchor_logits_bit_identical_with_adapter_on():
+    """Whole model: with a dense MLP (no expert grouping across positions) the anchors' logits
+    are bit-identical whether the adapter's LoRA path is trained or zero.  (In an MoE layer the
+    masks share expert groups with the anchors, so there they agree to float rounding, as any
+    verification forward of K+1 tokens does with a 1-token one.)"""
+    draft, _ = zoo.load("tiny-draft")
+    ad = mtp.MtpAdapter.for_model(draft, k=3, rank=4)
+    x = torch.tensor([[11, 22, 33, 44, 55]])
+    with torch.no_grad():
+        off, m_off = ad.forward_mtp(draft, x, 3)
+        _randomise(ad, 9)
+        on, m_on = ad.forward_mtp(draft, x, 3)
+    assert torch.equal(on, off)
+    assert (m_on - m_off).abs().max() > 1e-3
+
+
+def test_no_gate_means_the_base_model():
+    model = tiny_model("mixtral", seed=2, vocab=64, layers=2, hidden=32, inter=32, experts=4)
+    x = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        before = model(x).logits
+        ad = mtp.MtpAdapter.for_model(model, k=2, rank=4)
+        _randomise(ad, 1)
+        after = model(x).logits
+        ad.uninstall()
+        again = model(x).logits
+    assert torch.equal(before, after) and torch.equal(before, again)
+    assert not any(isinstance(m, mtp.GatedLoRA) for m in model.modules())
+
+
+# ------------------------------------------------------------------------------ generate
+
+
+@pytest.mark.parametrize("where", ["torch", "offloaded"])
+def test_greedy_output_equals_plain_greedy(where):
+    model, tok = zoo.load("tiny-moe", experts_implementation="eager")
+    eng = specmoe.offload(model, cache=0.25, dtype="f32") if where == "offloaded" else None
+    try:
+        ad = mtp.MtpAdapter.for_model(model, k=3, rank=8, seed=5)
+        _randomise(ad, 6, scale=0.02)
+        ids = tok("import os\nimport sys\n\ndef main(argv):\n    for name in argv:\n",
+                  return_tensors="pt").input_ids
+        ref = model.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+        dr = mtp.MtpDrafter(model, ad)
+        for ctl in (StaticK(3), StaticK(1), Cascade(k_max=3, trial_len=2, set_len=4,
+                                                    base_len=2)):
+            out = specmoe.generate(model, ids, drafter=dr, controller=ctl, max_new_tokens=20,
+                                   eos_token_id=None)
+            assert out.sequences[0].tolist() == ref[0].tolist(), type(ctl).__name__
+            assert out.stats["new_tokens"] == 20
+        out = specmoe.generate(model, ids, drafter=dr, controller=StaticK(3), max_new_tokens=20,
+                               eos_token_id=None)
+        assert out.stats["proposed"] > 0
+        assert out.iterations[0]["k"] == 0   # no masks have run before the first step
+        assert all(it["k"] > 0 for it in out.iterations[1:-1])
+        if eng is not None:
+            assert out.stats["experts_loaded"] > 0
+    finally:
+        if eng is not None:
+            eng.close()
+
+
+V_SMALL = 5
+T_SAMPLE = 1.3
+
+
+@pytest.fixture(scope="module")
+def small_mtp():
+    target = tiny_model("mixtral", seed=0, vocab=V_SMALL, layers=2, hidden=32, inter=32,
+                        experts=4)
+    ad = mtp.MtpAdapter.for_model(target, k=2, rank=4, seed=1)
+    _randomise(ad, 2, scale=0.5)
+    return target, mtp.MtpDrafter(target, ad)
+
+
+def exact_joint3(target, prompt):
+    """p(t1, t2, t3 | prompt) of the target at T_SAMPLE by cacheless forwards."""
+    V = V_SMALL
+
+    def probs(seq):
+        with torch.no_grad():
+            lg = target(torch.tensor([seq])).logits[0, -1].float()
+        return torch.softmax(lg / T_SAMPLE, -1).numpy().astype(np.float64)
+
+    joint = np.zeros((V, V, V))
+    p1 = probs(prompt)
+    for a in range(V):
+        p2 = probs(prompt + [a])
+        for b in range(V):
+            joint[a, b] = p1[a] * p2[b] * probs(prompt + [a, b])
+    return joint
+
+
+def test_sampling_follows_target_distribution(small_mtp):
+    """Three sampled tokens: the first from a plain step (no drafts yet), the last two from
+    one verification of the masks' sampled draft; their joint law must be the target's."""
+    target, dr = small_mtp
+    V, T = V_SMALL, T_SAMPLE
+    prompt = [3, 1, 4, 1, 3]
+    joint = exact_joint3(target, prompt)
+    n = 1500
+    counts = np.zeros((V, V, V))
+    accepted = proposed = 0
+    for s in range(n):
+        out = specmoe.generate(target, prompt, dr, StaticK(2), max_new_tokens=3, do_sample=True,
+                               temperature=T, seed=s, tau=None, eos_token_id=None)
+        a, b, c = out.sequences[0, len(prompt):].tolist()
+        counts[a, b, c] += 1
+        accepted += out.stats["accepted"]
+        proposed += out.stats["proposed"]
+    assert 0 < accepted < proposed
+    stat, df = chi2_stat(counts.ravel(), n * joint.ravel())
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_batched_sampling_follows_target_distribution(small_mtp):
+    """The batch path: 2n rows of two prompts of different lengths (left-padded) in one
+    batch; each prompt's three tokens must follow its exact joint."""
+    target, dr = small_mtp
+    V = V_SMALL
+    prompts = [[3, 1, 4, 1, 3], [2, 0, 3]]
+    n = 1200
+    L = max(map(len, prompts))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts] * n)
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts] * n)
+    out = specmoe.generate(target, ids, dr, StaticK(2), attention_mask=mask, max_new_tokens=3,
+                           do_sample=True, temperature=T_SAMPLE, seed=5, tau=None,
+                           eos_token_id=None)
+    assert 0 < out.stats["accepted"] < out.stats["proposed"]
+    got = out.sequences[:, L:].numpy()
+    for j, p in enumerate(prompts):
+        counts = np.zeros((V, V, V))
+        for a, b, c in got[j::2]:
+            counts[a, b, c] += 1
+        stat, df = chi2_stat(counts.ravel(), n * exact_joint3(target, p).ravel())
+        assert stat < chi2_critical(df), (j, stat, df)
+
+
+# ------------------------------------------------------------------------------ files, errors
+
+
+def test_save_load_round_trip(tmp_path, moe):
+    model, _, ad = moe
+    ad.save(tmp_path / "a")
+    x = torch.tensor([[7, 8, 9]])
+    with torch.no_grad():
+        want = ad.forward_mtp(model, x, 3)[1]
+    ad.uninstall()
+    try:
+        ad2 = mtp.MtpAdapter.load(tmp_path / "a", model)
+        with torch.no_grad():
+            got = ad2.forward_mtp(model, x, 3)[1]
+        assert torch.equal(got, want)
+        assert json.loads((tmp_path / "a" / mtp.CONFIG_FILE).read_text())["k"] == 3
+        ad2.uninstall()
+    finally:
+        ad.install(model)
+
+
+def test_bad_input(tmp_path, moe):
+    model, tok, ad = moe
+    with pytest.raises(FileNotFoundError, match="mtp_config.json"):
+        mtp.MtpAdapter.load(tmp_path)
+    ad.save(tmp_path / "ok")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / mtp.CONFIG_FILE).write_text((tmp_path / "ok" / mtp.CONFIG_FILE).read_text())
+    (bad / mtp.ADAPTER_FILE).write_bytes(b"\x00" * 40)
+    with pytest.raises(ValueError, match="cannot read"):
+        mtp.MtpAdapter.load(bad)
+    (bad / mtp.CONFIG_FILE).write_text("{\"k\": 0}")
+    with pytest.raises(ValueError, match="k must be"):
+        mtp.MtpAdapter.load(bad)
+    draft, _ = zoo.load("tiny-draft")
+    with pytest.raises(ValueError, match="trained for"):
+        mtp.MtpAdapter.load(tmp_path / "ok", draft)
+    assert not any(isinstance(m, mtp.GatedLoRA) for m in draft.modules())
+    with pytest.raises(ValueError, match="installed on another model"):
+        ad.install(zoo.load("tiny-moe")[0])
+    with pytest.raises(ValueError, match="n_masks"):
+        ad.forward_mtp(model, torch.tensor([[1, 2]]), 4)
+    dr = mtp.MtpDrafter(model, ad)
+    ids = torch.tensor([5, 6, 7])
+    with pytest.raises(ValueError, match="k_max"):
+        specmoe.generate(model, ids, drafter=dr, controller=StaticK(4), max_new_tokens=4)
+    with pytest.raises(TypeError):
+        mtp.MtpDrafter("not a model", ad)
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def test_training_smoke(tmp_path):
+    out = tmp_path / "mtp"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run([sys.executable, str(REPO / "training" / "mtp.py"), "--smoke", "--out",
+                        str(out), "--threads", "1"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for f in (mtp.CONFIG_FILE, mtp.ADAPTER_FILE, "MODEL_CARD.md", "metrics.json", "loss.png"):
+        assert (out / f).is_file(), f
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps_done"] == 3 and len(m["history"]["loss"]) == 3
+    assert all(math.isfinite(v) for v in m["history"]["loss"])
+    for r_ in m["acceptance"].values():
+        assert r_["output_equals_plain_greedy"] is True
+    model, _ = zoo.load("tiny-moe")
+    mtp.MtpAdapter.load(out, model)
+
+
+SHIPPED = zoo.root() / "tiny-moe-mtp"
+
+
+@pytest.mark.skipif(not (SHIPPED / mtp.ADAPTER_FILE).is_file(),
+                    reason="no shipped MTP adapter (training/mtp.py writes it)")
+def test_shipped_adapter_card_matches_its_metrics():
+    m = json.loads((SHIPPED / "metrics.json").read_text())
+    card = (SHIPPED / "MODEL_CARD.md").read_text()
+    for r in m["acceptance"].values():
+        assert r["output_equals_plain_greedy"] is True
+        assert f"{r['acceptance_rate']:.1%}" in card
+        assert f"{r['tokens_per_target_forward']:.2f}" in card
+    model, tok = zoo.load("tiny-moe")
+    dr = mtp.MtpDrafter(model, SHIPPED)
+    ids = tok("def read(path):\n    with open(path) as f:\n        return f.",
+              return_tensors="pt").input_ids
+    out = specmoe.generate(model, ids, drafter=dr, controller=StaticK(dr.k), max_new_tokens=24,
+                           eos_token_id=None)
+    plain = specmoe.generate(model, ids, max_new_tokens=24, eos_token_id=None)
+    assert out.sequences.tolist() == plain.sequences.tolist()
+    assert out.stats["accepted"] > 0
