@@ -47,6 +47,9 @@ def __getattr__(name: str):  # HF integration loaded on first use (it imports to
     if name in ("from_pretrained", "convert"):  # checkpoints larger than memory
         from . import pretrained
         return getattr(pretrained, name)
+    if name in ("MtpDrafter", "MtpAdapter"):  # multi-token prediction with gated LoRA
+        from . import mtp
+        return getattr(mtp, name)
     if name in _SPECULATIVE:  # speculative decoding on transformers models (torch)
         from . import generation
         return getattr(generation, name)
@@ -102,6 +105,8 @@ __all__ = [
     "generate",
     "DraftModel",
     "SelfDraft",
+    "MtpDrafter",
+    "MtpAdapter",
     "Sampling",
     "GenerateOutput",
     "measure_tau_grid",

@@ -46,7 +46,7 @@ from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, desc
                    iter_experts_modules, moe_block, moe_layers)
 from .conversion import store_settings, write_experts
 from .dense import resolve_dense
-from .drafters import ExpertCopy
+from .expert_copy import ExpertCopy
 from .lookahead import LookaheadBuffer
 from .recording import TraceRecording, _Recorder
 from .policies import COUNT_POLICIES, UTILITY_POLICIES
