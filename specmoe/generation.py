@@ -192,8 +192,10 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         seed: seeds the sampling generator (draws of the drafter and of the acceptance rule).
         tau: gamma-tolerance pruning: "auto" measures tau(g) = T(1)/T(g) of the target once
             per model (:func:`target_tau`) and gives it to an adaptive controller, which then
-            never picks a K whose best case (K+1)*tau(K+1) <= 1 (a StaticK keeps its K); a
-            mapping {g: tau} is given to any controller; None switches pruning off.
+            never picks a K whose best case (K+1)*tau(K+1) <= 1 (a StaticK keeps its K); with
+            the MTP drafter tau(g) is that of g anchors plus their masks
+            (:meth:`specmoe.mtp.MtpDrafter.tau`); a mapping {g: tau} is given to any
+            controller as it is; None switches pruning off.
         engine: the model's Engine (found automatically when the model is offloaded).
         lookahead: with a drafter that reports routing (SelfDraft), prefetch its predicted
             experts: each draft step's as soon as it routes (overlapping the rest of the
@@ -317,8 +319,13 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                                                     for v in tau.values()):
             from .generation_batch import tau_for_batch  # {batch size: tau table}
             tau = tau_for_batch({int(b): v for b, v in tau.items()}, 1)
-        controller.set_tau(target_tau(model, prompt, controller.k_max + 1, engine)
-                           if isinstance(tau, str) else tau)
+        g_max = controller.k_max + 1
+        if isinstance(tau, str) and mtp is not None:  # drafts and masks ride the verification
+            controller.set_tau(mtp.tau(target_tau(model, prompt, mtp.tau_tokens(g_max), engine),
+                                       g_max))
+        else:
+            controller.set_tau(target_tau(model, prompt, g_max, engine)
+                               if isinstance(tau, str) else tau)
     if controller is not None and hasattr(controller, "begin_request"):
         controller.begin_request()  # Cascade's state is per request (controller.h)
 

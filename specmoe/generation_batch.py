@@ -329,6 +329,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
     from .verify import accept
     B, n = ids.shape
     prompts = [ids[b][mask[b] == 1].tolist() for b in range(B)]
+    mtp = drafter if isinstance(drafter, MtpDrafter) else None
     # tau per batch size: measured lazily at the batch sizes in use ("auto"), or given
     tau_tables: Optional[Dict[int, Mapping[int, float]]] = None
     if controller is not None and tau is not None and not (
@@ -347,8 +348,12 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             b2 = 1 << max(0, (bsz - 1).bit_length())
             if b2 not in tau_tables:
                 longest = max(prompts, key=len)
-                tau_tables[b2] = target_tau(model, longest, controller.k_max + 1, engine,
-                                            batch=b2)
+                g_max = controller.k_max + 1
+                if mtp is not None:  # g anchors and their masks per sequence
+                    tau_tables[b2] = mtp.tau(target_tau(model, longest, mtp.tau_tokens(g_max),
+                                                        engine, batch=b2), g_max)
+                else:
+                    tau_tables[b2] = target_tau(model, longest, g_max, engine, batch=b2)
             return tau_tables[b2]
         return tau_for_batch(tau_tables, bsz)
 
@@ -361,7 +366,6 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
     active = list(range(B))
     ngrams: Optional[List[Any]] = None
     bdraft: Optional[BatchDraftModel] = None
-    mtp = drafter if isinstance(drafter, MtpDrafter) else None
     # MTP: each row's next drafts (and their distributions) from its last step's masks
     mtp_next: List[Tuple[List[int], Optional[torch.Tensor]]] = [([], None)] * B
     if isinstance(drafter, DraftModel):

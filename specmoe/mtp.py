@@ -417,6 +417,25 @@ class MtpDrafter:
     def reset(self) -> None:
         self._mask_logits, self._drafts, self._probs, self._for = None, [], None, None
 
+    def tau_tokens(self, g_max: int) -> int:
+        """Tokens per sequence of the largest MTP forward for anchors up to ``g_max``."""
+        return int(g_max) * (self.k + 1)
+
+    def tau(self, table: Dict[int, float], g_max: int) -> Dict[int, float]:
+        """The gamma-tolerance table the controllers should see with this drafter: verifying
+        g - 1 drafts runs g anchors *and* their g*k masks, so tau'(g) = T(1) / T(g(k+1)) =
+        table[g(k+1)] (drafting costs nothing extra: it is in that forward, delta ~ 0);
+        tau'(1) = 1, a K = 0 step runs no masks.  ``table``: the target's tau(g) measured up to
+        :meth:`tau_tokens` (g_max) tokens."""
+        out = {1: 1.0}
+        for g in range(2, int(g_max) + 1):
+            n = g * (self.k + 1)
+            if n not in table:
+                raise ValueError(f"MtpDrafter.tau: the table stops at g = {max(table)}, "
+                                 f"{n} needed")
+            out[g] = float(table[n])
+        return out
+
     def propose(self, history: Sequence[int], k: int) -> List[int]:
         """The drafts made for ``history`` by the last step (at most k; [] if none)."""
         return self.draft(history, k).tokens

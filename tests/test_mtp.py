@@ -361,3 +361,39 @@ def test_shipped_adapter_card_matches_its_metrics():
     plain = specmoe.generate(model, ids, max_new_tokens=24, eos_token_id=None)
     assert out.sequences.tolist() == plain.sequences.tolist()
     assert out.stats["accepted"] > 0
+
+
+def test_tau_counts_the_masks(moe):
+    """gamma-tolerance with MTP: verifying g anchors runs g(k+1) positions."""
+    model, _, ad = moe
+    dr = mtp.MtpDrafter(model, ad)
+    table = {g: 1.0 / g for g in range(1, 17)}
+    assert dr.tau_tokens(4) == 16
+    assert dr.tau(table, 4) == {1: 1.0, 2: 1 / 8, 3: 1 / 12, 4: 1 / 16}
+    with pytest.raises(ValueError, match="stops at g = 16"):
+        dr.tau(table, 5)
+
+
+
+def test_generate_prunes_with_the_mtp_tau(moe, monkeypatch):
+    """tau="auto" asks for (k_max+1)(k+1) tokens and hands the remapped table to the
+    controller: with T(g) ~ sqrt(g) every K pays for a plain drafter ((K+1)/sqrt(K+1) > 1) and
+    none for MTP ((K+1)/sqrt(4(K+1)) <= 1 for K <= 3)."""
+    from specmoe import generation
+    model, _, ad = moe
+    asked = []
+
+    def fake_tau(model_, prompt, g_max, engine=None, *a, **kw):
+        asked.append(g_max)
+        return {g: g ** -0.5 for g in range(1, g_max + 1)}
+
+    monkeypatch.setattr(generation, "target_tau", fake_tau)
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    ctl = Cascade(k_max=3)
+    specmoe.generate(model, ids, drafter=mtp.MtpDrafter(model, ad), controller=ctl,
+                     max_new_tokens=4, eos_token_id=None, success=False)
+    assert asked == [16] and ctl.allowed == [0]
+    ctl2 = Cascade(k_max=3)
+    specmoe.generate(model, ids, drafter=specmoe.NgramDrafter(), controller=ctl2,
+                     max_new_tokens=4, eos_token_id=None, success=False)
+    assert asked == [16, 4] and ctl2.allowed == [0, 1, 2, 3]
