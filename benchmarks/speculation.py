@@ -37,11 +37,14 @@ Rows per workload: ``nospec`` (plain decoding through the same loop), and for ea
 (``ngram``: prompt lookup in C; ``draft``: tiny-draft; ``self``: the target with int4 experts
 resident, with draft-driven lookahead prefetch once the draft is done; ``self-overlap``: the
 same with each draft step's experts queued as soon as it routes them, MoE-SpeQ's overlapped
-pipeline; ``--throttle GBPS,LATENCY_US`` makes every expert load emulate a slower link, where
+pipeline; ``mtp``: multi-token prediction with gated LoRA on the target itself, the
+gamma-tolerance paper's drafter, adapter from ``--mtp-adapter``, K <= its k, adaptive
+controllers capped at k; ``--throttle GBPS,LATENCY_US`` makes every expert load emulate a slower link, where
 the overlap should matter) the controllers ``static`` K=1,2,3,
 ``heuristic``, ``cascade`` and ``speq``.  Static rows really run K (no gamma-tolerance
 pruning); adaptive rows get tau(g) = T(1)/T(g) of the target, measured once at the start
-(``specmoe.generation.target_tau``, reported as ``tau``).
+(``specmoe.generation.target_tau``, reported as ``tau``; the mtp rows get tau(g(k+1)), the
+cost of g anchors with their masks, :meth:`specmoe.mtp.MtpDrafter.tau`).
 
 Method (the machines are shared and noisy, so every comparison is paired in time):
 
@@ -88,8 +91,9 @@ import re
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -100,17 +104,19 @@ import torch  # noqa: E402
 import specmoe  # noqa: E402
 from specmoe import controllers as spec, zoo  # noqa: E402
 from specmoe.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
+from specmoe.mtp import MtpAdapter, MtpDrafter  # noqa: E402
 from specmoe.generation import generate, target_tau  # noqa: E402
 
 import corpus  # noqa: E402  (training/corpus.py: the held-out split rule and stdlib walk)
 
 WORKLOADS = ("code", "prose", "mix")
-DRAFTERS = ("ngram", "draft", "self", "self-overlap")
+DRAFTERS = ("ngram", "draft", "self", "self-overlap", "mtp")
 CONTROLLERS: Tuple[Tuple[str, Optional[int]], ...] = (
     ("static", 1), ("static", 2), ("static", 3), ("heuristic", None), ("cascade", None),
     ("speq", None))
 K_MAX = 8  # the adaptive controllers' largest K (their default)
 SHARE_KV = [True]  # --self-kv: the self-draft on the target's KV cache (set in main)
+MTP: List[Any] = [None]  # --mtp-adapter: the loaded MtpAdapter (set in main)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,20 +197,61 @@ def make_drafter(name: Optional[str], eng: Any, draft_model: Any) -> Any:
         return NgramDrafter()
     if name == "draft":
         return DraftModel(draft_model)
+    if name == "mtp":
+        # the adapter's gated LoRA wraps the target's attention projections only while an mtp
+        # row runs (mtp_installed), so that the other rows time the unmodified model
+        dr = MtpDrafter(eng.model, MTP[0])
+        MTP[0].uninstall()
+        return dr
     return SelfDraft(eng, "int4", overlap=name == "self-overlap", share_kv=SHARE_KV[0])
 
 
-def make_controller(name: str, k: Optional[int]) -> spec.Controller:
+def make_controller(name: str, k: Optional[int], drafter: Any = None) -> spec.Controller:
+    """A fresh controller; the adaptive ones go up to K_MAX, or the MTP adapter's k (the most
+    it drafts)."""
+    k_max = drafter.k if isinstance(drafter, MtpDrafter) else K_MAX
     if name == "static":
         assert k is not None
         return spec.StaticK(k)
     if name == "heuristic":
-        return spec.Heuristic(k_max=K_MAX)
+        return spec.Heuristic(initial=min(5, k_max), k_max=k_max)
     if name == "cascade":
-        return spec.Cascade(k_max=K_MAX)
+        return spec.Cascade(k_max=k_max)
     if name == "speq":
-        return spec.SpeqGovernor(k_max=K_MAX)
+        return spec.SpeqGovernor(k_max=k_max)
     raise ValueError(name)
+
+
+def tau_g_max(drafters: List[str]) -> int:
+    """How far tau(g) is measured: K_MAX + 1 tokens, or (k + 1)^2 for the MTP rows (k + 1
+    anchors, each with k masks)."""
+    g = K_MAX + 1
+    if "mtp" in drafters and MTP[0] is not None:
+        g = max(g, (MTP[0].cfg.k + 1) ** 2)
+    return g
+
+
+def row_tau_table(tau: Optional[Dict[int, float]], drafter: Any) -> Optional[Dict[int, float]]:
+    """The tau table a row's controller gets: the target's tau(g) for g <= K_MAX + 1, or for
+    the MTP drafter tau'(g) = tau(g(k+1)) (MtpDrafter.tau: its verifications carry masks)."""
+    if tau is None:
+        return None
+    if isinstance(drafter, MtpDrafter):
+        return drafter.tau(tau, drafter.k + 1)
+    return {g: t for g, t in tau.items() if g <= K_MAX + 1}
+
+
+@contextmanager
+def mtp_installed(drafter: Any) -> Iterator[None]:
+    """The MTP adapter on the target for the duration of one run of an mtp row."""
+    if not isinstance(drafter, MtpDrafter):
+        yield
+        return
+    drafter.adapter.install(drafter.model)
+    try:
+        yield
+    finally:
+        drafter.adapter.uninstall()
 
 
 class Row:
@@ -217,7 +264,7 @@ class Row:
         self.ctl: Optional[spec.Controller] = None
         self.drafter = make_drafter(spec_row["drafter"], eng, draft_model)
         if self.drafter is not None:
-            self.ctl = make_controller(spec_row["controller"], spec_row["k"])
+            self.ctl = make_controller(spec_row["controller"], spec_row["k"], self.drafter)
         self.tot: Dict[str, Any] = {"tokens": 0, "time_s": 0.0, "iterations": 0, "proposed": 0,
                                     "accepted": 0, "experts_loaded": 0, "la_predicted": 0,
                                     "la_true_positive": 0, "la_actual": 0}
@@ -228,10 +275,12 @@ class Row:
             tau: Optional[Dict[int, float]]) -> None:
         eng.set_cache(a.cache)  # every request of every row starts from the same empty cache
         eng.reset_stats()
-        row_tau = tau if self.row["controller"] != "static" else None
-        o = generate(model, torch.tensor([ids]), self.drafter, self.ctl,
-                     max_new_tokens=a.new_tokens, do_sample=False, eos_token_id=None,
-                     tau=row_tau, engine=eng)
+        row_tau = row_tau_table(tau, self.drafter) if self.row["controller"] != "static" \
+            else None
+        with mtp_installed(self.drafter):
+            o = generate(model, torch.tensor([ids]), self.drafter, self.ctl,
+                         max_new_tokens=a.new_tokens, do_sample=False, eos_token_id=None,
+                         tau=row_tau, engine=eng)
         s, t = o.stats, self.tot
         t["tokens"] += s["new_tokens"]
         t["time_s"] += s["time_s"]
@@ -273,7 +322,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
     from specmoe.generation import measure_tau_grid
     sizes = sorted({int(b) for b in a.batch.split(",") if b.strip()})
     pool = [p for pair in zip(prompts["code"], prompts["prose"]) for p in pair]
-    tau_grid = measure_tau_grid(model, warm, sizes, g_max=K_MAX + 1, engine=eng,
+    tau_grid = measure_tau_grid(model, warm, sizes, g_max=tau_g_max(drafters), engine=eng,
                                 repeats=2 if a.quick else 5)
     tau_grid = {b: dict(t) for b, t in tau_grid.items()}  # set_cache below clears the engine's
     rows: List[Dict[str, Any]] = []
@@ -303,11 +352,13 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
                 eng.reset_stats()
                 eng._tau.update({bb: dict(t) for bb, t in tau_grid.items()})
                 dr: Any = make_drafter(r["drafter"], eng, draft_model)
-                ctl = make_controller(r["controller"], r["k"]) if dr is not None else None
-                tau_arg: Any = None if r["controller"] == "static" else tau_grid
-                o = generate(model, ids, dr, ctl, attention_mask=mask,
-                             max_new_tokens=a.new_tokens, eos_token_id=None, tau=tau_arg,
-                             engine=eng)
+                ctl = make_controller(r["controller"], r["k"], dr) if dr is not None else None
+                tau_arg: Any = None if r["controller"] == "static" else {
+                    bb: row_tau_table(t, dr) for bb, t in tau_grid.items()}
+                with mtp_installed(dr):
+                    o = generate(model, ids, dr, ctl, attention_mask=mask,
+                                 max_new_tokens=a.new_tokens, eos_token_id=None, tau=tau_arg,
+                                 engine=eng)
                 st = o.stats
                 res[i].append({"tok_per_s": st["new_tokens"] / st["time_s"],
                                "out": o.sequences[:, L:].tolist(), "stats": st,
@@ -367,6 +418,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "protect_lookahead)")
     ap.add_argument("--throttle", default=None, metavar="GBPS,LATENCY_US",
                     help="emulate a slower link for every expert load (specmoe.misses)")
+    ap.add_argument("--mtp-adapter", type=Path, default=None,
+                    help="the mtp rows' adapter folder (default: the zoo's tiny-moe-mtp, "
+                         "written by training/mtp.py)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--tau", choices=("auto", "off"), default="auto",
                     help="gamma-tolerance pruning for the adaptive controllers")
@@ -419,6 +473,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         throttle = (gbps, lat)
     eng = specmoe.offload(model, cache=a.cache, dtype=a.dtype, throttle=throttle)
     eng.protect_lookahead = a.protect == "on"
+    if "mtp" in drafters:
+        path = a.mtp_adapter or zoo.root() / "tiny-moe-mtp"
+        if not (path / "mtp_adapter.safetensors").is_file():
+            ap.error(f"--drafters mtp: no adapter in {path} (train one with training/mtp.py)")
+        MTP[0] = MtpAdapter.load(path)
     SHARE_KV[0] = a.self_kv == "shared"
     try:
         if "self" in drafters or "self-overlap" in drafters:
@@ -426,9 +485,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # warm-up: every drafter once, untimed
         for d in [None] + drafters:
             dr = make_drafter(d, eng, draft_model)
-            generate(model, torch.tensor([warm[1]]), dr, spec.StaticK(2) if dr else None,
-                     max_new_tokens=min(a.new_tokens, 24), eos_token_id=None, tau=None,
-                     engine=eng)
+            with mtp_installed(dr):
+                generate(model, torch.tensor([warm[1]]), dr, spec.StaticK(2) if dr else None,
+                         max_new_tokens=min(a.new_tokens, 24), eos_token_id=None, tau=None,
+                         engine=eng)
         if a.batch:
             bres = run_batches(a, model, tok, draft_model, eng, drafters, prompts, warm[1])
             result_b = {"benchmark": "speculation_batch",
@@ -455,7 +515,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         tau: Optional[Dict[int, float]] = None
         if a.tau == "auto":
-            tau = target_tau(model, warm[1], K_MAX + 1, eng, repeats=2 if a.quick else 7)
+            tau = target_tau(model, warm[1], tau_g_max(drafters), eng,
+                             repeats=2 if a.quick else 7)
 
         rows: List[Dict[str, Any]] = []
         for w in WORKLOADS:

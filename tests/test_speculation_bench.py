@@ -132,15 +132,20 @@ def test_batch_table_smoke():
     acceptance, tau per batch size, and greedy outputs equal to plain batched decoding."""
     if not _zoo_ready():
         pytest.skip("zoo weights not in the package")
+    from specmoe import zoo
+    drafters = ["ngram"]
+    if (zoo.root() / "tiny-moe-mtp" / "mtp_adapter.safetensors").is_file():
+        drafters.append("mtp")  # the shipped MTP adapter (training/mtp.py)
     p = subprocess.run([sys.executable, str(SCRIPT), "--batch", "1,2", "--new-tokens", "4",
-                        "--repeats", "1", "--drafters", "ngram", "--json"], cwd=ROOT,
+                        "--repeats", "1", "--drafters", ",".join(drafters), "--json"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.strip()][-1])
     assert res["batch_sizes"] == [1, 2] and sorted(res["tau_by_batch"]) == ["1", "2"]
     got = sorted(((r["batch"], r["drafter"], r["controller"]) for r in res["rows"]), key=repr)
     want = sorted([(b, None, "nospec") for b in (1, 2)] + [
-        (b, "ngram", c) for b in (1, 2) for c in ("static", "cascade", "speq")], key=repr)
+        (b, d, c) for b in (1, 2) for d in drafters for c in ("static", "cascade", "speq")],
+        key=repr)
     assert got == want
     for r in res["rows"]:
         assert r["outputs_equal"] is True

@@ -329,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
          "total_minutes": (time.time() - t_all) / 60,
          "eval_tokens": a.eval_tokens, "agreement": agreement, "acceptance": accept,
          "final_train_loss": float(np.mean(hist["loss"][-20:])),
-         "command": "python training/mtp.py" + ("" if a.smoke else
-                                                f" --steps {a.steps} --threads {a.threads}"),
+         "command": " ".join(["python training/mtp.py"] + [
+             x for x in (sys.argv[1:] if argv is None else argv)]),
          "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, "
                      f"tokenizers {tokenizers.__version__}, Python {platform.python_version()}, "
                      f"{platform.machine()}"}
