@@ -1,6 +1,7 @@
 /* The per-layer path of an offloaded model (layer.h). */
 #include "layer.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,9 +51,13 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
     g->resident = malloc(E);
     g->mark = malloc(E);
     g->used2 = malloc(E);
+    g->visit = malloc(sizeof *g->visit * E);
+    g->pinned = calloc(E, 1);
+    g->blocks = calloc(E, sizeof *g->blocks);
     if (!g->routers || !g->pred || !g->pred_valid || !g->best || !g->keys || !g->prios ||
         !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n || !g->zt ||
-        !g->vt || !g->pt || !g->resident || !g->mark || !g->used2)
+        !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit || !g->pinned ||
+        !g->blocks)
         goto nomem;
     g->miss = SMOE_MISS_FETCH, g->miss_keep = k < 2 ? k : 2, g->route_lambda = 0.0;
     for (uint32_t l = 0; l < L; l++) {
@@ -104,6 +109,9 @@ void smoe_layers_free(smoe_layers *g) {
     free(g->resident);
     free(g->mark);
     free(g->used2);
+    free(g->visit);
+    free(g->pinned);
+    free(g->blocks);
     memset(g, 0, sizeof *g);
 }
 
@@ -119,6 +127,12 @@ int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double
     memset(g->pred_valid, 0, g->L);
     pthread_mutex_unlock(&g->mu);
     return SMOE_OK;
+}
+
+void smoe_layers_set_parallel(smoe_layers *g, int on) {
+    pthread_mutex_lock(&g->mu);
+    g->parallel_misses = on != 0;
+    pthread_mutex_unlock(&g->mu);
 }
 
 int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
@@ -425,6 +439,92 @@ static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint3
     return SMOE_OK;
 }
 
+/* ---- step 5 with parallel_misses: the layer's misses load while its residents compute ---- */
+
+/* The expert source of an overlapped layer: an expert pinned ahead (g->pinned) is served from
+ * that pin, which its release drops; any other goes through the cache as usual. */
+static int pinned_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
+                          smoe_err *err) {
+    smoe_layers *g = ctx;
+    if (layer == g->pos_pinned && g->pinned[expert]) {
+        *data = g->blocks[expert];
+        return SMOE_OK;
+    }
+    return smoe_cache_acquire(g->cache, layer, expert, data, err);
+}
+
+static int pinned_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
+    smoe_layers *g = ctx;
+    if (layer == g->pos_pinned && g->pinned[expert]) g->pinned[expert] = 0;
+    return smoe_cache_release(g->cache, layer, expert, err);
+}
+
+/* Drop the pins taken ahead that the forward did not consume (an error part way). */
+static void unpin_rest(smoe_layers *g) {
+    for (uint32_t e = 0; e < g->E; e++)
+        if (g->pinned[e]) {
+            smoe_err ignore;
+            smoe_cache_release(g->cache, g->pos_pinned, e, &ignore);
+            g->pinned[e] = 0;
+        }
+}
+
+/* Before the layer's experts run: queue its missing experts (needed by a taken pair, not READY
+ * in the snapshot) to the prefetch worker at the highest priority, pin its resident ones, and
+ * write the visit order (resident, then missing, then the rest) to g->visit.  *overlap = 1
+ * when there was something to overlap (a miss and a resident expert), else nothing is pinned
+ * or queued and the caller keeps the plain order.  A cache without a worker: *overlap = 0. */
+static int queue_layer_misses(smoe_layers *g, uint32_t pos, const int64_t *idx,
+                              const uint8_t *take, uint32_t T, int *overlap, smoe_err *err) {
+    const uint32_t E = g->E;
+    const size_t nk = (size_t)T * g->k;
+    uint8_t *need = g->mark; /* scratch: step 4 is done with it */
+    int rc;
+    *overlap = 0;
+    memset(need, 0, E);
+    for (size_t i = 0; i < nk; i++)
+        if (!take || take[i]) need[idx[i]] = 1;
+    if ((rc = smoe_cache_resident_mask(g->cache, pos, g->resident, err))) return rc;
+    uint32_t nmiss = 0, nres = 0;
+    for (uint32_t e = 0; e < E; e++) {
+        if (!need[e]) continue;
+        if (g->resident[e]) {
+            nres++;
+        } else {
+            g->keys[nmiss] = (int32_t)(pos * E + e);
+            g->prios[nmiss] = FLT_MAX;
+            nmiss++;
+        }
+    }
+    if (!nmiss || !nres) return SMOE_OK; /* nothing to overlap */
+    smoe_err qerr;
+    smoe_err_clear(&qerr);
+    rc = smoe_slots_prefetch(&g->cache->tab, g->keys, g->prios, nmiss, 0, &qerr);
+    if (rc == SMOE_ESTATE) return SMOE_OK; /* no prefetch worker: plain order */
+    if (rc) {
+        *err = qerr;
+        return rc;
+    }
+    g->pos_pinned = pos;
+    uint32_t n = 0;
+    for (uint32_t e = 0; e < E; e++) /* resident first (pinned now), then missing, then rest */
+        if (need[e] && g->resident[e]) {
+            if ((rc = smoe_cache_acquire(g->cache, pos, e, &g->blocks[e], err))) {
+                unpin_rest(g);
+                return rc;
+            }
+            g->pinned[e] = 1;
+            g->visit[n++] = e;
+        }
+    for (uint32_t e = 0; e < E; e++)
+        if (need[e] && !g->resident[e]) g->visit[n++] = e;
+    for (uint32_t e = 0; e < E; e++)
+        if (!need[e]) g->visit[n++] = e;
+    g->counters.overlapped += nmiss;
+    *overlap = 1;
+    return SMOE_OK;
+}
+
 static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                           const int64_t *idx, const float *w, float *out, uint8_t *used,
                           const float *scores, int replace, smoe_err *err) {
@@ -482,8 +582,14 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         if ((rc = smoe_slots_counts(&g->cache->tab, g->keys, g->counts, n, err))) return rc;
     }
     smoe_moe_source src = smoe_moe_cache_source(g->cache);
-    rc = smoe_moe_forward_ex(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take, out, used,
-                             err);
+    int overlap = 0;
+    if (g->parallel_misses && T > 0) {
+        if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
+        if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release};
+    }
+    rc = smoe_moe_forward_order(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take,
+                                overlap ? g->visit : NULL, out, used, err);
+    if (overlap) unpin_rest(g);
     if (rc) return rc;
     if (lowbit_pairs) { /* the missing experts from the resident low-bit copy, added to out */
         smoe_moe_source lsrc = smoe_moe_resident_source(&g->lowbit);

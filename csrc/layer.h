@@ -16,6 +16,13 @@
  *        layer, to the policy before the layer's accesses (smoe_slots_counts);
  *     4. cache-aware routing and miss handling (SpecMD Sec. 3.1.1 and 3.1.2, below), when on;
  *     5. the experts (smoe_moe_forward through the cache), out overwritten, used[e] = 1;
+ *        with parallel_misses on (smoe_layers_set_parallel), the layer's misses are queued to
+ *        the prefetch worker first (highest priority) and its resident experts pinned and
+ *        computed first, so the loads overlap that compute; the missing experts come last
+ *        (acquire waits for a load in flight, or loads a request the worker has not started
+ *        yet itself).  The pins keep the worker from evicting an expert this layer is about
+ *        to use; each is dropped as soon as its expert is computed, so the misses' own
+ *        acquires never wait on this call's pins.  Off: ascending expert id, blocking loads;
  *     6. precision/recall of the prediction made for this layer against `used`.
  *
  * Step 4 (SpecMD, Algorithm 1 phases 1 and 2), from one snapshot of which of the layer's experts
@@ -93,6 +100,8 @@ typedef struct smoe_layer_counters {
     uint64_t dropped;         /* of those, skipped (DROP) */
     uint64_t substituted;     /* of those, served by a resident substitute (SUBSTITUTE) */
     uint64_t lowbit;          /* of those, computed from the low-bit copy (LOWEST_BIT) */
+    uint64_t overlapped;      /* experts queued to the worker ahead of their layer's compute
+                               * (parallel_misses), summed over layers and passes */
 } smoe_layer_counters;
 
 enum { SMOE_MISS_FETCH = 0, SMOE_MISS_DROP = 1, SMOE_MISS_SUBSTITUTE = 2,
@@ -116,6 +125,7 @@ typedef struct smoe_layers {
     double route_lambda;      /* cache-aware routing strength, 0: off */
     smoe_moe_resident lowbit; /* the low-bit copy (base NULL: none); memory borrowed */
     smoe_ffn_desc lowbit_desc;
+    int parallel_misses;      /* step 5: misses load on the worker while residents compute */
     /* state [mu] */
     double *delta_sum;        /* owned; [L] sum of tokens' logit ranges (routing's Delta_avg) */
     uint64_t *delta_n;        /* owned; [L] tokens in delta_sum */
@@ -142,6 +152,11 @@ typedef struct smoe_layers {
     uint8_t *resident;        /* owned; [E] snapshot of the layer's READY experts */
     uint8_t *mark;            /* owned; [E] one token's current experts; DROP: needed */
     uint8_t *used2;           /* owned; [E] */
+    /* scratch of step 5 with parallel_misses [mu] */
+    uint32_t *visit;          /* owned; [E] expert visit order: resident, then missing */
+    uint8_t *pinned;          /* owned; [E] resident experts pinned ahead of their compute */
+    const uint8_t **blocks;   /* owned; [E] the pinned experts' blocks */
+    uint32_t pos_pinned;      /* the layer those pins belong to */
 } smoe_layers;
 
 /* Build for L layers of E experts, hidden H, top-k k, over `cache` (block size checked against
@@ -161,6 +176,10 @@ int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double
  * LOWEST_BIT needs a low-bit copy (smoe_layers_set_lowbit), else SMOE_EINVAL. */
 int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
                          smoe_err *err);
+
+/* Step 5's overlap of a layer's misses with its resident experts' compute (on != 0); needs the
+ * cache's prefetch worker (without one it changes nothing). */
+void smoe_layers_set_parallel(smoe_layers *g, int on);
 
 /* The resident low-bit copy for LOWEST_BIT: every block in store order at base (size bytes,
  * block_bytes each, the FFN in desc, same H), borrowed until replaced; base NULL removes it

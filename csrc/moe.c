@@ -19,6 +19,14 @@ int smoe_moe_forward_ex(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_so
                         uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
                         const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
                         float *out, uint8_t *used, smoe_err *err) {
+    return smoe_moe_forward_order(kc, d, src, layer, num_experts, x, T, idx, w, k, take, NULL,
+                                  out, used, err);
+}
+
+int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_source *src,
+                           uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
+                           const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
+                           const uint32_t *order, float *out, uint8_t *used, smoe_err *err) {
     const uint32_t H = d->H;
     const size_t nk = (size_t)T * k;
     memset(out, 0, sizeof(float) * (size_t)T * H);
@@ -69,7 +77,13 @@ int smoe_moe_forward_ex(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_so
                           layer, maxn);
         goto done;
     }
-    for (uint32_t e = 0; e < num_experts; e++) {
+    for (uint32_t q = 0; q < num_experts; q++) {
+        const uint32_t e = order ? order[q] : q;
+        if (e >= num_experts) {
+            rc = smoe_err_set(err, SMOE_EINVAL, "moe layer %u: visit order names expert %u of "
+                              "%u", layer, e, num_experts);
+            goto done;
+        }
         uint32_t n = start[e + 1] - start[e];
         if (!n) continue;
         if (used) used[e] = 1;

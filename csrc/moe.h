@@ -3,8 +3,9 @@
  * kernel (kernels/kernels.h) once on all of that expert's tokens (its weights are read once
  * per call), accumulating routing weight * output.
  *
- * Order: experts in ascending id, each expert's tokens in token order, so an f32 store
- * reproduces transformers' eager experts forward up to the kernel's own summation order.
+ * Order: experts in ascending id (or the caller's visit order, smoe_moe_forward_order), each
+ * expert's tokens in token order, so an f32 store in id order reproduces transformers' eager
+ * experts forward up to the kernel's own summation order.
  *
  * Thread safety: smoe_moe_forward touches only its arguments, the source and the kernel
  * context (whose calls serialize on its pool); it may run without the GIL.  Scratch memory is
@@ -48,6 +49,15 @@ int smoe_moe_forward_ex(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_so
                         uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
                         const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
                         float *out, uint8_t *used, smoe_err *err);
+
+/* smoe_moe_forward_ex visiting the experts in `order` (a permutation of 0..num_experts-1;
+ * NULL = ascending id).  Each token's output sums its experts in that order, so a different
+ * order changes f32 results by rounding only.  The per-layer path computes a layer's resident
+ * experts first while its misses load on the prefetch worker (layer.h). */
+int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_source *src,
+                           uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
+                           const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
+                           const uint32_t *order, float *out, uint8_t *used, smoe_err *err);
 
 /* The expert source over a resident buffer of every block in store order (block (layer, e)
  * at (layer * num_experts + e) * block_bytes, `size` bytes in all).  ctx must outlive uses. */

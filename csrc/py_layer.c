@@ -9,6 +9,7 @@
  *   configure(prefetch, overfetch, mass, feed_counts)
  *   counters(reset=False) -> dict
  *   set_miss(miss, keep, route_lambda)       miss: "fetch", "drop", "substitute", "lowest_bit"
+ *   set_parallel(on)                         misses load while resident experts compute
  *   set_lowbit(buf, desc, block_bytes) / set_lowbit(None)   the resident low-bit copy
  */
 #include "py_common.h"
@@ -219,6 +220,13 @@ static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *
     Py_RETURN_NONE;
 }
 
+static PyObject *Layers_set_parallel(LayersObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (check_init(self) < 0 || on < 0) return NULL;
+    smoe_layers_set_parallel(&self->g, on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"miss", "keep", "route_lambda", NULL};
     const char *name;
@@ -295,7 +303,7 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
     Py_BEGIN_ALLOW_THREADS
     smoe_layers_counters(&self->g, &c, reset);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tokens",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tokens",
                          (unsigned long long)c.tokens, "passes", (unsigned long long)c.passes,
                          "predicted", (unsigned long long)c.predicted, "true_positive",
                          (unsigned long long)c.true_positive, "actual",
@@ -303,7 +311,8 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
                          (unsigned long long)c.rerouted, "missing", (unsigned long long)c.missing,
                          "dropped", (unsigned long long)c.dropped, "substituted",
                          (unsigned long long)c.substituted, "lowbit",
-                         (unsigned long long)c.lowbit);
+                         (unsigned long long)c.lowbit, "overlapped",
+                         (unsigned long long)c.overlapped);
 }
 
 static PyMethodDef Layers_methods[] = {
@@ -315,6 +324,9 @@ static PyMethodDef Layers_methods[] = {
      "set_miss(miss, keep, route_lambda): SpecMD miss handling (fetch, drop, substitute, "
      "lowest_bit), drop's always-fetched top ranks, cache-aware routing strength (0: off); "
      "see csrc/layer.h."},
+    {"set_parallel", (PyCFunction)Layers_set_parallel, METH_O,
+     "set_parallel(on): a layer's misses load on the prefetch worker while its resident "
+     "experts compute (layer.h, step 5)."},
     {"set_lowbit", (PyCFunction)Layers_set_lowbit, METH_VARARGS,
      "set_lowbit(buf, desc, block_bytes) or set_lowbit(None): the resident low-bit copy of "
      "every expert (store order) used by miss='lowest_bit'."},

@@ -191,6 +191,9 @@ class Engine:
         # lookahead-aware eviction (MoE-SpeQ): the lookahead buffer's experts are evicted last
         # (ExpertCache.protect), each layer's until that layer of the verification has run
         self.protect_lookahead = True
+        # each layer's misses load on the prefetch worker while its resident experts compute
+        # (csrc/layer.h step 5); set_parallel_misses()
+        self.parallel_misses = False
         self._draft_queued = 0  # experts queued by draft steps since the last reset
         # draft-driven lookahead: the next pass's predicted experts and their accounting
         self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
@@ -328,6 +331,7 @@ class Engine:
     def _configure_layers(self) -> None:
         self._layers.configure(self.prefetch, self.overfetch,
                                0.0 if self.mass is None else self.mass, self._counts_fed)
+        self._layers.set_parallel(self.parallel_misses)
         misses.apply(self)
 
     def set_miss(self, miss: str | None = None, miss_keep: int | None = None,
@@ -504,7 +508,8 @@ class Engine:
             "draft_prefetch_queued": self._draft_queued,
             "miss": self.miss, "route_lambda": self.route_lambda,
             **{k: pf.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
-                                          "lowbit")},
+                                          "lowbit", "overlapped")},
+            "parallel_misses": self.parallel_misses,
         }
         s.update(self._cache_stats())
         return s
@@ -551,6 +556,19 @@ class Engine:
                 self.policy = old
                 raise
             self._tau.clear()  # tau includes expert loads, which depend on the cache
+
+    def set_parallel_misses(self, on: bool) -> None:
+        """Overlap each MoE layer's cache misses with the compute of its resident experts: the
+        misses are queued to the prefetch worker at the highest priority, the resident experts
+        pinned and computed first, the missing ones last (csrc/layer.h, step 5).  Needs the
+        prefetch worker (a cache built with prefetch on).  Changes the order in which a token's
+        experts are summed, so f32 outputs move by rounding; ``stats()["overlapped"]`` counts
+        the experts queued this way."""
+        if not isinstance(on, bool):
+            raise TypeError(f"set_parallel_misses(on): a bool, got {type(on).__name__}")
+        self.parallel_misses = on
+        if self._layers is not None:
+            self._layers.set_parallel(on)
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
                      predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep",
