@@ -192,8 +192,10 @@ class Engine:
         # (ExpertCache.protect), each layer's until that layer of the verification has run
         self.protect_lookahead = True
         # each layer's misses load on the prefetch worker while its resident experts compute
-        # (csrc/layer.h step 5); set_parallel_misses()
-        self.parallel_misses = False
+        # (csrc/layer.h step 5); set_parallel_misses().  On by default: 1.09-1.12x tok/s behind
+        # emulated 4 and 1 GB/s links at hidden 1024, 0.98-1.02x from the page cache
+        # (benchmarks/results/parallel_misses_*.json)
+        self.parallel_misses = True
         self._draft_queued = 0  # experts queued by draft steps since the last reset
         # draft-driven lookahead: the next pass's predicted experts and their accounting
         self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
