@@ -42,7 +42,8 @@ import corpus  # noqa: E402  (training/corpus.py: the held-out split rule and st
 
 SETTINGS = [  # (miss, keep, route_lambda)
     ("fetch", 2, 0.0), ("drop", 1, 0.0), ("drop", 0, 0.0), ("substitute", 2, 0.0),
-    ("lowest_bit", 2, 0.0), ("fetch", 2, 0.3), ("fetch", 2, 0.5), ("lowest_bit", 2, 0.3),
+    ("lowest_bit", 2, 0.0), ("priority", 1, 0.0), ("fetch", 2, 0.3), ("fetch", 2, 0.5),
+    ("lowest_bit", 2, 0.3),
 ]
 
 

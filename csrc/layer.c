@@ -135,9 +135,14 @@ void smoe_layers_set_parallel(smoe_layers *g, int on) {
     pthread_mutex_unlock(&g->mu);
 }
 
+/* The miss modes that compute from the resident low-bit copy. */
+static int uses_lowbit(int miss) {
+    return miss == SMOE_MISS_LOWEST_BIT || miss == SMOE_MISS_PRIORITY;
+}
+
 int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
                          smoe_err *err) {
-    if (miss < SMOE_MISS_FETCH || miss > SMOE_MISS_LOWEST_BIT)
+    if (miss < SMOE_MISS_FETCH || miss > SMOE_MISS_PRIORITY)
         return smoe_err_set(err, SMOE_EINVAL, "layers: unknown miss mode %d", miss);
     if (miss_keep > g->k)
         return smoe_err_set(err, SMOE_EINVAL, "layers: miss_keep %u exceeds top_k %u",
@@ -147,10 +152,11 @@ int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double ro
                             "got %g", route_lambda);
     pthread_mutex_lock(&g->mu);
     int rc = SMOE_OK;
-    if (miss == SMOE_MISS_LOWEST_BIT && !g->lowbit.base)
-        rc = smoe_err_set(err, SMOE_EINVAL, "layers: miss mode lowest_bit needs a resident "
+    if (uses_lowbit(miss) && !g->lowbit.base)
+        rc = smoe_err_set(err, SMOE_EINVAL, "layers: miss mode %s needs a resident "
                           "low-bit copy of the experts (the self-draft's, "
-                          "Engine.enable_self_draft)");
+                          "Engine.enable_self_draft)",
+                          miss == SMOE_MISS_PRIORITY ? "priority" : "lowest_bit");
     else
         g->miss = miss, g->miss_keep = miss_keep, g->route_lambda = route_lambda;
     pthread_mutex_unlock(&g->mu);
@@ -173,9 +179,9 @@ int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
     }
     pthread_mutex_lock(&g->mu);
     int rc = SMOE_OK;
-    if (!base && g->miss == SMOE_MISS_LOWEST_BIT) {
+    if (!base && uses_lowbit(g->miss)) {
         rc = smoe_err_set(err, SMOE_ESTATE, "layers: the low-bit copy is in use by miss mode "
-                          "lowest_bit");
+                          "%s", g->miss == SMOE_MISS_PRIORITY ? "priority" : "lowest_bit");
     } else if (!base) {
         memset(&g->lowbit, 0, sizeof g->lowbit);
     } else {
@@ -389,10 +395,31 @@ static void substitute_token(smoe_layers *g, int64_t *ix) {
 
 /* Step 4 of layer.h on (idx, w) -> (g->idx2, g->w2) with g->take / g->take_lb filled for the
  * modes that need them; *lowbit_pairs = pairs for the low-bit copy. */
+/* The rank of slot j among a token's k routing weights (descending; ties by slot). */
+static uint32_t weight_rank(const float *wt, uint32_t k, uint32_t j) {
+    uint32_t r = 0;
+    for (uint32_t q = 0; q < k; q++) r += wt[q] > wt[j] || (wt[q] == wt[j] && q < j);
+    return r;
+}
+
+/* Per expert of the layer (g->mark): 1 when it is missing and some token ranks it among its
+ * top miss_keep by routing weight -- the experts DROP and PRIORITY still fetch. */
+static const uint8_t *mark_kept(smoe_layers *g, size_t nk) {
+    const uint32_t k = g->k;
+    uint8_t *need = g->mark;
+    memset(need, 0, g->E);
+    for (size_t i = 0; i < nk; i++) {
+        const int64_t e = g->idx2[i];
+        if (g->resident[e] || need[e]) continue;
+        if (weight_rank(g->w2 + (i / k) * k, k, (uint32_t)(i % k)) < g->miss_keep) need[e] = 1;
+    }
+    return need;
+}
+
 static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                              const int64_t *idx, const float *w, uint32_t *lowbit_pairs,
                              smoe_err *err) {
-    const uint32_t E = g->E, k = g->k;
+    const uint32_t k = g->k;
     const size_t nk = (size_t)T * k;
     int rc;
     if ((rc = grow_pairs(g, T, err))) return rc;
@@ -409,24 +436,20 @@ static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint3
         if (g->miss == SMOE_MISS_SUBSTITUTE) substitute_token(g, ix);
     }
     *lowbit_pairs = 0;
-    if (g->miss == SMOE_MISS_DROP) {
-        uint8_t *need = g->mark; /* per expert: some token ranks it in its top miss_keep */
-        memset(need, 0, E);
-        for (size_t i = 0; i < nk; i++) {
-            const int64_t e = g->idx2[i];
-            if (g->resident[e] || need[e]) continue;
-            const float *wt = g->w2 + (i / k) * k;
-            const uint32_t j = (uint32_t)(i % k);
-            uint32_t r = 0;
-            for (uint32_t q = 0; q < k; q++)
-                r += wt[q] > wt[j] || (wt[q] == wt[j] && q < j);
-            if (r < g->miss_keep) need[e] = 1;
-        }
+    if (g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_PRIORITY) {
+        /* the missing experts some token ranks in its top miss_keep: fetched */
+        const uint8_t *need = mark_kept(g, nk);
         for (size_t i = 0; i < nk; i++) {
             const int64_t e = g->idx2[i];
             g->take[i] = (uint8_t)(g->resident[e] || need[e]);
-            g->counters.dropped += !g->take[i];
+            if (g->miss == SMOE_MISS_DROP) {
+                g->counters.dropped += !g->take[i];
+            } else { /* PRIORITY: the rest from the low-bit copy */
+                g->take_lb[i] = (uint8_t)!g->take[i];
+                *lowbit_pairs += g->take_lb[i];
+            }
         }
+        if (g->miss == SMOE_MISS_PRIORITY) g->counters.lowbit += *lowbit_pairs;
     } else if (g->miss == SMOE_MISS_LOWEST_BIT) {
         for (size_t i = 0; i < nk; i++) {
             const uint8_t lb = (uint8_t)!g->resident[g->idx2[i]];
@@ -567,8 +590,10 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         if ((rc = route_and_resolve(g, pos, x, T, idx, w, &lowbit_pairs, err))) return rc;
         idx = g->idx2, w = g->w2;
     }
-    const uint8_t *take =
-        step4 && (g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_LOWEST_BIT) ? g->take : NULL;
+    const uint8_t *take = step4 && (g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_LOWEST_BIT ||
+                                    g->miss == SMOE_MISS_PRIORITY)
+                              ? g->take
+                              : NULL;
     if (g->feed_counts && T > 0) {
         memset(g->counts, 0, sizeof *g->counts * E);
         for (size_t i = 0; i < (size_t)T * k; i++) g->counts[idx[i]]++;

@@ -59,7 +59,14 @@
  *                   tolerance (Zhu et al.'s threshold is not given in SpecMD);
  *       LOWEST_BIT  compute it from the resident low-bit copy (smoe_layers_set_lowbit: the
  *                   self-draft's int4 experts), no load ("fetch-lowest-bit", Sec. 3.1.2: the
- *                   lowest precision available; here it is already in memory).
+ *                   lowest precision available; here it is already in memory);
+ *       PRIORITY    "fetch-priority" (Sec. 3.1.2 and 5.3: "always fetches highest precision
+ *                   with fallback levels ... selectively degrades low-importance experts"):
+ *                   the experts some token ranks among its top miss_keep are fetched at full
+ *                   precision (DROP's rule), the other missing pairs are computed from the
+ *                   low-bit copy.  SpecMD degrades the bottom 60 % by gating score, i.e.
+ *                   miss_keep = ceil(0.4 k).  Two levels only (store precision, then the int4
+ *                   copy): there is no int2 format, so SpecMD's third level is not here.
  *   A resident expert evicted between the snapshot and its acquire is fetched (a miss).
  *   Counted in smoe_layer_counters: missing, dropped, substituted, lowbit, rerouted.
  *
@@ -105,7 +112,7 @@ typedef struct smoe_layer_counters {
 } smoe_layer_counters;
 
 enum { SMOE_MISS_FETCH = 0, SMOE_MISS_DROP = 1, SMOE_MISS_SUBSTITUTE = 2,
-       SMOE_MISS_LOWEST_BIT = 3 };
+       SMOE_MISS_LOWEST_BIT = 3, SMOE_MISS_PRIORITY = 4 };
 
 typedef struct smoe_layers {
     pthread_mutex_t mu;
@@ -173,7 +180,7 @@ int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double
                           int feed_counts, smoe_err *err);
 
 /* Step 4 settings (validated): miss in SMOE_MISS_*, miss_keep <= k, route_lambda finite >= 0.
- * LOWEST_BIT needs a low-bit copy (smoe_layers_set_lowbit), else SMOE_EINVAL. */
+ * LOWEST_BIT and PRIORITY need a low-bit copy (smoe_layers_set_lowbit), else SMOE_EINVAL. */
 int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
                          smoe_err *err);
 

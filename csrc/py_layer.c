@@ -8,7 +8,8 @@
  *   forward(pos, x, idx, w, out, used, scores=None, replace=True)   METH_FASTCALL, GIL released
  *   configure(prefetch, overfetch, mass, feed_counts)
  *   counters(reset=False) -> dict
- *   set_miss(miss, keep, route_lambda)       miss: "fetch", "drop", "substitute", "lowest_bit"
+ *   set_miss(miss, keep, route_lambda)       miss: "fetch", "drop", "substitute", "lowest_bit",
+ *                                            "priority"
  *   set_parallel(on)                         misses load while resident experts compute
  *   set_lowbit(buf, desc, block_bytes) / set_lowbit(None)   the resident low-bit copy
  */
@@ -29,7 +30,8 @@ typedef struct {
     int has_lowbit;
 } LayersObject;
 
-static const char *const miss_names[] = {"fetch", "drop", "substitute", "lowest_bit"};
+static const char *const miss_names[] = {"fetch", "drop", "substitute", "lowest_bit",
+                                         "priority"};
 
 static void Layers_dealloc(LayersObject *self) {
     if (self->initialized) smoe_layers_free(&self->g);
@@ -236,11 +238,12 @@ static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *k
         !PyArg_ParseTupleAndKeywords(args, kw, "sId:set_miss", kwlist, &name, &keep, &lam))
         return NULL;
     int mode = -1;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < (int)(sizeof miss_names / sizeof *miss_names); i++)
         if (!strcmp(name, miss_names[i])) mode = i;
     if (mode < 0) {
         PyErr_Format(PyExc_ValueError,
-                     "miss='%s' is not a miss mode: choose fetch, drop, substitute or lowest_bit",
+                     "miss='%s' is not a miss mode: choose fetch, drop, substitute, lowest_bit "
+                     "or priority",
                      name);
         return NULL;
     }
@@ -322,7 +325,8 @@ static PyMethodDef Layers_methods[] = {
      "mode); forgets pending predictions."},
     {"set_miss", (PyCFunction)(void (*)(void))Layers_set_miss, METH_VARARGS | METH_KEYWORDS,
      "set_miss(miss, keep, route_lambda): SpecMD miss handling (fetch, drop, substitute, "
-     "lowest_bit), drop's always-fetched top ranks, cache-aware routing strength (0: off); "
+     "lowest_bit, priority), the top ranks drop and priority always fetch, cache-aware "
+     "routing strength (0: off); "
      "see csrc/layer.h."},
     {"set_parallel", (PyCFunction)Layers_set_parallel, METH_O,
      "set_parallel(on): a layer's misses load on the prefetch worker while its resident "

@@ -56,7 +56,8 @@ PyDoc_STRVAR(simulate_doc,
 "layer; on_counts before the pass; demand only, see csrc/sim.h).  predictor:\n"
 "0 none, 1 oracle, 2 router (needs logits float32 [tokens, layers, num_experts]), 3 history.\n"
 "miss: 0 fetch, 1 drop (ranks >= miss_keep), 2 substitute, 3 lowest_bit (compute\n"
-"lowbit_ratio of an expert's), see smoe_sim_miss in csrc/sim.h.\n"
+"lowbit_ratio of an expert's), 4 priority (ranks >= miss_keep as lowest_bit, the others\n"
+"fetched), see smoe_sim_miss in csrc/sim.h.\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
 
 static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {

@@ -185,6 +185,16 @@ static int resident(const sim *s, int32_t key) {
     return s->map[key] >= 0 && s->map[key] != s->inflight;
 }
 
+/* The rank of the token's i-th recorded expert among its K: by the router logits (descending,
+ * ties by recorded position) when the trace has them, else the recorded position. */
+static uint32_t routing_rank(const int16_t *ex, const float *lg, uint32_t K, uint32_t i) {
+    if (!lg) return i;
+    uint32_t r = 0;
+    for (uint32_t q = 0; q < K; q++)
+        r += lg[ex[q]] > lg[ex[i]] || (lg[ex[q]] == lg[ex[i]] && q < i);
+    return r;
+}
+
 /* The demand accesses of token t at layer l under the miss rule (sim.h); returns through
  * *computed and *low the experts computed at full and at low precision. */
 static int layer_accesses(sim *s, uint64_t t, uint32_t l, const int16_t *ex, uint32_t *computed,
@@ -204,23 +214,19 @@ static int layer_accesses(sim *s, uint64_t t, uint32_t l, const int16_t *ex, uin
         int32_t key = base + ex[i];
         if (m && m->mode != SMOE_SIM_FETCH && !resident(s, key)) {
             s->r->missing++;
-            if (m->mode == SMOE_SIM_LOWEST_BIT) {
+            const int low_rank = (m->mode == SMOE_SIM_DROP || m->mode == SMOE_SIM_PRIORITY) &&
+                                 routing_rank(ex, lg, K, i) >= m->keep;
+            if (m->mode == SMOE_SIM_LOWEST_BIT || (m->mode == SMOE_SIM_PRIORITY && low_rank)) {
                 s->r->lowbit++;
                 (*low)++;
                 continue;
             }
             if (m->mode == SMOE_SIM_DROP) {
-                uint32_t r = i;
-                if (lg) {
-                    r = 0;
-                    for (uint32_t q = 0; q < K; q++)
-                        r += lg[ex[q]] > lg[ex[i]] || (lg[ex[q]] == lg[ex[i]] && q < i);
-                }
-                if (r >= m->keep) {
+                if (low_rank) {
                     s->r->dropped++;
                     continue;
                 }
-            } else { /* substitute */
+            } else if (m->mode == SMOE_SIM_SUBSTITUTE) {
                 int32_t best = -1;
                 float bd = 0.0f;
                 for (uint32_t c = 0; c < E; c++) {
@@ -498,10 +504,10 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         return smoe_err_set(err, SMOE_EINVAL, "simulate: miss handling other than fetch "
                             "replays one token per pass; verify_tokens = %u needs miss fetch",
                             tr->verify_tokens);
-    if (miss && (miss->mode < SMOE_SIM_FETCH || miss->mode > SMOE_SIM_LOWEST_BIT ||
+    if (miss && (miss->mode < SMOE_SIM_FETCH || miss->mode > SMOE_SIM_PRIORITY ||
                  miss->keep > tr->top_k ||
                  !(miss->lowbit_ratio > 0.0 && miss->lowbit_ratio <= 1.0)))
-        return smoe_err_set(err, SMOE_EINVAL, "simulate: miss mode %d must be 0..3, keep %u "
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: miss mode %d must be 0..4, keep %u "
                             "at most top_k %u, lowbit_ratio %g in (0, 1]", (int)miss->mode,
                             miss->keep, tr->top_k, miss->lowbit_ratio);
     if (tr->verify_tokens > 1 && pf && pf->predictor != SMOE_PRED_NONE)

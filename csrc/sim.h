@@ -125,13 +125,16 @@ typedef struct smoe_sim_result {
  *               id; without logits: the lowest resident id), demanded instead (a hit); none:
  *               fetched;
  *   LOWEST_BIT  computed from a resident low-bit copy: no load, compute lowbit_ratio *
- *               expert_bytes / fast_bw.
+ *               expert_bytes / fast_bw;
+ *   PRIORITY    fetch-priority: a rank below keep (DROP's rank) is demanded as usual, the
+ *               others are computed from the low-bit copy as LOWEST_BIT.
  * Not available with verification groups (verify_tokens > 1): SMOE_EINVAL. */
-enum { SMOE_SIM_FETCH = 0, SMOE_SIM_DROP = 1, SMOE_SIM_SUBSTITUTE = 2, SMOE_SIM_LOWEST_BIT = 3 };
+enum { SMOE_SIM_FETCH = 0, SMOE_SIM_DROP = 1, SMOE_SIM_SUBSTITUTE = 2, SMOE_SIM_LOWEST_BIT = 3,
+       SMOE_SIM_PRIORITY = 4 };
 
 typedef struct smoe_sim_miss {
     int32_t mode;        /* SMOE_SIM_*, numbered as layer.h's SMOE_MISS_* */
-    uint32_t keep;       /* DROP: ranks 0..keep-1 are always fetched */
+    uint32_t keep;       /* DROP, PRIORITY: ranks 0..keep-1 are always fetched */
     double lowbit_ratio; /* LOWEST_BIT: bytes of the low-bit copy / expert_bytes, in (0, 1] */
 } smoe_sim_miss;
 

@@ -195,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="a100-pcie4",
                    help="a100-pcie4, rtx4090, laptop or calibrate")
     p.add_argument("--miss", default="fetch",
-                   choices=["fetch", "drop", "substitute", "lowest_bit"],
+                   choices=["fetch", "drop", "substitute", "lowest_bit", "priority"],
                    help="SpecMD miss handling (see specmoe.sim.simulate)")
     p.add_argument("--miss-keep", type=int, default=2,
-                   help="drop: ranks below this are always fetched (default 2)")
+                   help="drop, priority: ranks below this are always fetched (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("sweep", help="simulate policies x capacities x hardware x predictors")

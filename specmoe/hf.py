@@ -142,7 +142,7 @@ class Engine:
         (untouched), or a format ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"`` (see
         :mod:`specmoe.dense`); what was done is in ``engine.dense``.  miss, miss_keep,
         route_lambda, throttle: SpecMD's miss handling (``"fetch"``, ``"drop"``,
-        ``"substitute"``, ``"lowest_bit"``), cache-aware routing and link emulation, see
+        ``"substitute"``, ``"lowest_bit"``, ``"priority"``), cache-aware routing and link emulation, see
         :mod:`specmoe.misses`."""
         from .dense import convert_dense
         from .kernels import FFNSpec, context

@@ -16,6 +16,11 @@ SpecMD (Hoang et al., "SpecMD: A Comprehensive Study on Speculative Expert Prefe
   - ``"lowest_bit"`` -- compute it from a resident low-bit copy (fetch-lowest-bit): the int4
     copy of every expert the self-draft keeps (:meth:`Engine.enable_self_draft`, built on
     first use if absent: about 1/7 of the f32 size of all experts);
+  - ``"priority"`` -- fetch-priority (Sec. 3.1.2, 5.3): fetch it at full precision if some
+    token ranks it in its top ``miss_keep``, else compute it from the low-bit copy.  SpecMD
+    degrades the bottom 60 % by gating score: ``miss_keep = ceil(0.4 * top_k)``.  Two levels
+    (the store's precision, then int4); SpecMD's int8 -> int4 -> int2 cascade has a third,
+    int2, which specmoe has no format for;
 
 * **cache-aware routing** (Sec. 3.1.1, Eq. 1): ``z' = z + lambda * Delta_avg * 1_C`` on the
   router logits of each token before its experts are chosen, the resident experts' logits
@@ -34,7 +39,7 @@ from typing import Any
 
 __all__ = ["MISS_MODES", "check_miss", "check_throttle"]
 
-MISS_MODES = ("fetch", "drop", "substitute", "lowest_bit")
+MISS_MODES = ("fetch", "drop", "substitute", "lowest_bit", "priority")
 
 
 def check_miss(miss: Any, miss_keep: Any, route_lambda: Any, top_k: int) -> tuple[str, int, float]:
@@ -76,7 +81,7 @@ def apply(engine: Any) -> None:
     lay, cache = engine._layers, engine._cache
     if lay is None or cache is None:
         return
-    if engine.miss == "lowest_bit" and engine._draft is None:
+    if engine.miss in ("lowest_bit", "priority") and engine._draft is None:
         engine.enable_self_draft("int4")  # calls apply() again with the copy in place
         return
     if engine._draft is not None:

@@ -291,7 +291,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly), ``"torch"``, or
     ``"f32"``/``"bf16"``/``"int8"``/``"int4"`` (:mod:`specmoe.dense`).  miss, miss_keep,
     route_lambda, throttle: SpecMD's miss handling (``"fetch"``, ``"drop"``, ``"substitute"``,
-    ``"lowest_bit"``), cache-aware routing and link emulation (:mod:`specmoe.misses`).
+    ``"lowest_bit"``, ``"priority"``), cache-aware routing and link emulation (:mod:`specmoe.misses`).
     hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
     from . import misses
     from .dense import resolve_dense

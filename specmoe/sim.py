@@ -284,7 +284,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     logits when it has them, else its recorded order), ``"substitute"`` (the resident expert
     of the layer with the closest logit, counted a hit), ``"lowest_bit"`` (computed from a
     resident low-bit copy costing ``lowbit_ratio`` of an expert's compute, no load; 0.25 =
-    int4 of a 16-bit expert); the result's ``extra`` counts ``missing``, ``dropped``,
+    int4 of a 16-bit expert), ``"priority"`` (fetch-priority: ranks below ``miss_keep``
+    demanded, the others as ``"lowest_bit"``); the result's ``extra`` counts ``missing``, ``dropped``,
     ``substituted`` and ``lowbit`` accesses (``csrc/sim.h``, ``smoe_sim_miss``).  Needs
     ``verify_tokens=1``.  The simulator measures speed only: the quality cost of a miss mode
     is measured on the live engine (``benchmarks/misses.py``).
@@ -333,7 +334,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         pol = _policy_object(policy, nslots, nl, E)
     t0 = time.perf_counter()
     r = _C.simulate(trace.experts, E, pol, nslots,
-                    logits=trace.logits if pred.kind == "router" or miss in ("drop", "substitute")
+                    logits=trace.logits if pred.kind == "router" or miss in ("drop", "substitute",
+                                                                              "priority")
                     else None,
                     **pred.c_args(), **sim_timing(hw, model), verify_tokens=int(verify_tokens),
                     miss=MISS_MODES.index(miss), miss_keep=int(miss_keep),

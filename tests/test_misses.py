@@ -265,6 +265,38 @@ def test_lowest_bit_matches_reference(stores):
     cache.close()
 
 
+@pytest.mark.parametrize("keep", [0, 1, 2])
+def test_priority_matches_reference(stores, keep):
+    """fetch-priority: the missing experts some token ranks in its top `keep` are fetched at
+    full precision (drop's rule, ref_drop), the other missing pairs come from the int4 copy."""
+    full, fullbuf, lowbuf = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES, capacity=12)
+    with pytest.raises(ValueError, match="priority needs a resident"):
+        lay.set_miss("priority", keep, 0.0)
+    lay.set_lowbit(*lowbuf)
+    lay.set_miss("priority", keep, 0.0)
+    x, idx, w = _inputs(routers, 0, 6)
+    res = _mask(0)
+    w_full, need = ref_drop(idx, w, res, keep)  # pairs served at full precision
+    ref = _moe(fullbuf, 0, x, idx, w_full) + _moe(lowbuf, 0, x, idx, w - w_full)
+    out, used = _run(lay, 0, x, idx, w)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    c = lay.counters()
+    assert c["missing"] == int((~res[idx]).sum())
+    assert c["lowbit"] == int(((~res[idx]) & (w_full == 0)).sum())
+    assert c["dropped"] == 0
+    assert cache.stats()["misses"] == len(need)
+    assert set(np.flatnonzero(used)) == set(idx.ravel().tolist())
+    if keep == 0:
+        assert cache.stats()["misses"] == 0 and c["lowbit"] == c["missing"] > 0
+    with pytest.raises(Exception, match="in use by miss mode priority"):
+        lay.set_lowbit(None)
+    lay.set_miss("fetch", 2, 0.0)
+    lay.set_lowbit(None)
+    cache.close()
+
+
 def test_cache_aware_routing_matches_reference(stores):
     full, fullbuf, _ = stores
     routers = _routers()
@@ -394,7 +426,7 @@ def test_engine_modes_against_plain_decoding():
     eng = hf.offload(m, cache=12, prefetch=False, policy="least_stale")  # 12 of 24 experts
     out = {}
     for mode, keep in [("fetch", 2), ("drop", 2), ("drop", 1), ("drop", 0),
-                       ("substitute", 2), ("lowest_bit", 2)]:
+                       ("substitute", 2), ("lowest_bit", 2), ("priority", 1)]:
         eng.set_miss(mode, keep)
         eng.reset_stats()
         with torch.no_grad():
@@ -408,6 +440,8 @@ def test_engine_modes_against_plain_decoding():
             assert s["dropped"] > 0 and s["missing"] >= s["dropped"]
         elif mode == "substitute":
             assert s["substituted"] > 0
+        elif mode == "priority":  # rank 0 fetched, rank 1 from int4
+            assert 0 < s["lowbit"] < s["missing"] and s["misses"] > 0
         else:
             assert s["lowbit"] == s["missing"] > 0 and s["misses"] == 0
             assert eng.draft_dtype == "int4"  # the self-draft's copy, built on demand
@@ -418,6 +452,8 @@ def test_engine_modes_against_plain_decoding():
     # int4 stands in for the missing experts: much closer to the exact output than dropping
     err = {k: (v - ref).abs().mean().item() for k, v in out.items()}
     assert err["lowest_bit", 2] < err["drop", 0]
+    # fetch-priority degrades only the low-rank misses: closer still
+    assert err["priority", 1] < err["lowest_bit", 2]
     # cache-aware routing moves pairs to resident experts and so fetches less (one-token
     # passes, as in decoding: a prefill's union of experts is the whole layer anyway)
     misses = {}
@@ -482,13 +518,15 @@ def ref_sim_misses(experts, logits, E, nslots, mode, keep, ratio, load_s, expert
                 key = l * E + e
                 if mode != "fetch" and key not in lru:
                     c["missing"] += 1
-                    if mode == "lowest_bit":
+                    r = i if lg is None else sum(
+                        1 for q in range(K) if lg[row[q]] > lg[e] or (lg[row[q]] == lg[e] and q < i))
+                    if mode == "lowest_bit" or (mode == "priority" and r >= keep):
                         c["lowbit"] += 1
                         low += 1
                         continue
-                    if mode == "drop":
-                        r = i if lg is None else sum(
-                            1 for q in range(K) if lg[row[q]] > lg[e] or (lg[row[q]] == lg[e] and q < i))
+                    if mode == "priority":
+                        pass  # a high rank: fetched below
+                    elif mode == "drop":
                         if r >= keep:
                             c["dropped"] += 1
                             continue
@@ -507,7 +545,8 @@ def ref_sim_misses(experts, logits, E, nslots, mode, keep, ratio, load_s, expert
 
 
 @pytest.mark.parametrize("mode,keep", [("fetch", 2), ("drop", 0), ("drop", 1), ("drop", 2),
-                                       ("substitute", 2), ("lowest_bit", 2)])
+                                       ("substitute", 2), ("lowest_bit", 2), ("priority", 0),
+                                       ("priority", 1), ("priority", 2)])
 @pytest.mark.parametrize("with_logits", [False, True])
 def test_simulator_miss_modes_match_reference(mode, keep, with_logits):
     rng = np.random.default_rng(7)
@@ -518,7 +557,8 @@ def test_simulator_miss_modes_match_reference(mode, keep, with_logits):
     lg = logits if with_logits else None
     hw = dict(expert_bytes=1e6, fast_bw=1e9, link_bw=1e8, link_latency_s=1e-4)
     r = _C.simulate(experts, Es, "lru", 12, logits=lg, **hw, miss=
-                    ["fetch", "drop", "substitute", "lowest_bit"].index(mode), miss_keep=keep,
+                    ["fetch", "drop", "substitute", "lowest_bit", "priority"].index(mode),
+                    miss_keep=keep,
                     lowbit_ratio=0.3)
     c, stall, compute = ref_sim_misses(experts, lg, Es, 12, mode, keep, 0.3,
                                        1e-4 + 1e6 / 1e8, 1e6 / 1e9)
