@@ -23,3 +23,14 @@ def puffin_subset():
     from specmoe.traces import load_puffin
 
     return load_puffin(SUBSET)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch intra-op thread for the test (tiny models run faster and steadier so on the
+    shared 2-core machines); the previous count is restored."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -28,12 +28,7 @@ from .test_generate import chi2_critical, chi2_stat  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 
 def _randomise(ad: mtp.MtpAdapter, seed: int, scale: float = 0.05) -> None:
