@@ -98,6 +98,16 @@ static void *consumer(void *p) {
                 if (rng_next(&rng) % 5 == 0) smoe_slots_cancel(&a->cache->tab, keys[0]);
                 if (rng_next(&rng) % 17 == 0) smoe_slots_cancel(&a->cache->tab, -1);
             }
+            if (a->id == 1 && rng_next(&rng) % 3 == 0) { /* lookahead-buffer churn */
+                int32_t keys[4];
+                uint32_t n = (uint32_t)(rng_next(&rng) % 5); /* 0 clears the set */
+                for (uint32_t i = 0; i < n; i++)
+                    keys[i] = smoe_key((uint32_t)(rng_next(&rng) % NL),
+                                       (uint32_t)(rng_next(&rng) % NE), NE);
+                smoe_err err;
+                if (smoe_slots_set_protected(&a->cache->tab, keys, n, &err) < 0)
+                    FAIL(a, "set_protected: %s", err.msg);
+            }
             int held[TOPK] = {0, 0};
             for (uint32_t i = 0; i < TOPK; i++) {
                 const uint8_t *data = NULL;
@@ -258,14 +268,15 @@ int main(void) {
     }
     if (load_errors == 0) fprintf(stderr, "note: the corrupt block was never requested\n");
     printf("stress_cache: %llu acquires, %llu hits, %llu misses (%llu collision), prefetch "
-           "issued %llu used %llu late %llu wasted %llu dropped %llu failed %llu, %llu load "
-           "errors: %s\n",
+           "issued %llu used %llu late %llu wasted %llu dropped %llu failed %llu, %llu "
+           "protected evictions, %llu load errors: %s\n",
            (unsigned long long)acquires, (unsigned long long)st.hits,
            (unsigned long long)st.misses, (unsigned long long)st.collision_misses,
            (unsigned long long)st.prefetch_issued, (unsigned long long)st.prefetch_used,
            (unsigned long long)st.prefetch_late, (unsigned long long)st.prefetch_wasted,
            (unsigned long long)st.prefetch_dropped, (unsigned long long)st.prefetch_failed,
-           (unsigned long long)load_errors, failures ? "FAILED" : "ok");
+           (unsigned long long)st.protected_evictions, (unsigned long long)load_errors,
+           failures ? "FAILED" : "ok");
     smoe_cache_free(&cache);
     smoe_store_close(&store);
     unlink(path);
