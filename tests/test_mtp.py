@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import specmoe  # noqa: E402
+import specmoe.hf  # noqa: E402,F401  (SUPPORTED)
 from specmoe import mtp, zoo  # noqa: E402
 from specmoe.controllers import Cascade, StaticK  # noqa: E402
 from specmoe.drafters import _forward, _new_kv  # noqa: E402
@@ -392,3 +393,30 @@ def test_generate_prunes_with_the_mtp_tau(moe, monkeypatch):
     specmoe.generate(model, ids, drafter=specmoe.NgramDrafter(), controller=ctl2,
                      max_new_tokens=4, eos_token_id=None, success=False)
     assert asked == [16, 4] and ctl2.allowed == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("arch", sorted(specmoe.hf.SUPPORTED))
+def test_every_architecture_greedy_equal(arch):
+    """The adapter installs on every supported MoE architecture's attention projections, and
+    greedy MTP speculation on the offloaded tiny model equals transformers' greedy decoding
+    (DeepSeek-V2/V3: no multi-token forward over a KV cache upstream, see test_generate;
+    recurrent layers: no rollback)."""
+    from specmoe.drafters import recurrent_layer_types
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        pytest.skip("transformers 5.x: multi-token forward with a KV cache fails")
+    model = tiny_model(arch, vocab=64)
+    if recurrent_layer_types(model.config):
+        pytest.skip("recurrent layers cannot be rolled back (generate refuses them)")
+    eng = specmoe.offload(model, cache=0.5)
+    try:
+        ad = mtp.MtpAdapter.for_model(model, k=2, rank=4, seed=1)
+        _randomise(ad, 2)
+        assert len(ad._lora_modules) == 4 * model.config.num_hidden_layers
+        ids = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 30, 31, 5, 9]])
+        ref = model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12)
+        out = specmoe.generate(model, ids, mtp.MtpDrafter(model, ad), StaticK(2),
+                               max_new_tokens=12, eos_token_id=None, tau=None)
+        assert out.sequences[0].tolist() == ref[0].tolist()
+        assert out.stats["proposed"] > 0
+    finally:
+        eng.close()
