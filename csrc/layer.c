@@ -242,8 +242,10 @@ static void rank(const float *v, uint32_t E, int32_t *order) {
     }
 }
 
-/* The experts predicted for layer `next` from scores[T,E]: marks g->pred, fills g->best. */
-static void predict(smoe_layers *g, uint32_t next, const float *scores, uint32_t T) {
+/* The experts predicted for layer `next` from scores[T,E] of the tokens not flagged in draft
+ * (NULL: all): marks g->pred, fills g->best. */
+static void predict(smoe_layers *g, uint32_t next, const float *scores, uint32_t T,
+                    const uint8_t *draft) {
     const uint32_t E = g->E, k = g->k;
     uint8_t *p = g->pred + (size_t)next * E;
     memset(p, 0, E);
@@ -253,6 +255,7 @@ static void predict(smoe_layers *g, uint32_t next, const float *scores, uint32_t
     if (m > E) m = E;
     float *prob = g->prob;
     for (uint32_t t = 0; t < T; t++) {
+        if (draft && draft[t]) continue;
         const float *s = scores + (size_t)t * E;
         if (g->mass <= 0.0) {
             rank(s, E, g->order);
@@ -402,23 +405,52 @@ static uint32_t weight_rank(const float *wt, uint32_t k, uint32_t j) {
     return r;
 }
 
-/* Per expert of the layer (g->mark): 1 when it is missing and some token ranks it among its
- * top miss_keep by routing weight -- the experts DROP and PRIORITY still fetch. */
-static const uint8_t *mark_kept(smoe_layers *g, size_t nk) {
+/* Per expert of the layer (g->mark): 1 when it is missing and some token (not a draft token)
+ * ranks it among its top miss_keep by routing weight -- the experts DROP and PRIORITY still
+ * fetch. */
+static const uint8_t *mark_kept(smoe_layers *g, size_t nk, const uint8_t *draft) {
     const uint32_t k = g->k;
     uint8_t *need = g->mark;
     memset(need, 0, g->E);
     for (size_t i = 0; i < nk; i++) {
         const int64_t e = g->idx2[i];
-        if (g->resident[e] || need[e]) continue;
+        if (g->resident[e] || need[e] || (draft && draft[i / k])) continue;
         if (weight_rank(g->w2 + (i / k) * k, k, (uint32_t)(i % k)) < g->miss_keep) need[e] = 1;
     }
     return need;
 }
 
+/* Draft tokens (layer.h): after the miss mode has decided, a draft token's pair keeps its
+ * expert at full precision only when it is resident or fetched anyway for a real token; else
+ * it is computed from the low-bit copy when there is one, or skipped.  g->take / g->take_lb
+ * hold every pair's decision on return (they are written here for any mode). */
+static void resolve_draft(smoe_layers *g, size_t nk, const uint8_t *draft, int take_set,
+                          uint32_t *lowbit_pairs) {
+    const uint32_t k = g->k;
+    const int lb = g->lowbit.base != NULL;
+    uint8_t *fetched = g->mark; /* per expert: served at full precision to a real token */
+    memset(fetched, 0, g->E);
+    for (size_t i = 0; i < nk; i++) {
+        if (!take_set) g->take[i] = 1, g->take_lb[i] = 0;
+        if (!draft[i / k] && g->take[i]) fetched[g->idx2[i]] = 1;
+    }
+    for (size_t i = 0; i < nk; i++) {
+        if (!draft[i / k]) continue;
+        const int64_t e = g->idx2[i];
+        const uint8_t full = (uint8_t)(g->resident[e] || fetched[e]);
+        const uint8_t low = (uint8_t)(!full && lb);
+        if (low && !g->take_lb[i]) (*lowbit_pairs)++, g->counters.lowbit++;
+        if (!low && g->take_lb[i]) (*lowbit_pairs)--, g->counters.lowbit--; /* fetched anyway */
+        if (!full && !low && (g->take[i] || g->take_lb[i])) g->counters.dropped++;
+        g->counters.draft_kept += !full;
+        g->take[i] = full;
+        g->take_lb[i] = low;
+    }
+}
+
 static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
-                             const int64_t *idx, const float *w, uint32_t *lowbit_pairs,
-                             smoe_err *err) {
+                             const int64_t *idx, const float *w, const uint8_t *draft,
+                             uint32_t *lowbit_pairs, smoe_err *err) {
     const uint32_t k = g->k;
     const size_t nk = (size_t)T * k;
     int rc;
@@ -438,7 +470,7 @@ static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint3
     *lowbit_pairs = 0;
     if (g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_PRIORITY) {
         /* the missing experts some token ranks in its top miss_keep: fetched */
-        const uint8_t *need = mark_kept(g, nk);
+        const uint8_t *need = mark_kept(g, nk, draft);
         for (size_t i = 0; i < nk; i++) {
             const int64_t e = g->idx2[i];
             g->take[i] = (uint8_t)(g->resident[e] || need[e]);
@@ -459,6 +491,10 @@ static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint3
         }
         g->counters.lowbit += *lowbit_pairs;
     }
+    if (draft)
+        resolve_draft(g, nk, draft, g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_PRIORITY ||
+                                        g->miss == SMOE_MISS_LOWEST_BIT,
+                      lowbit_pairs);
     return SMOE_OK;
 }
 
@@ -550,7 +586,8 @@ static int queue_layer_misses(smoe_layers *g, uint32_t pos, const int64_t *idx,
 
 static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                           const int64_t *idx, const float *w, float *out, uint8_t *used,
-                          const float *scores, int replace, smoe_err *err) {
+                          const float *scores, int replace, const uint8_t *draft,
+                          smoe_err *err) {
     const uint32_t E = g->E, k = g->k;
     int rc;
     if (pos >= g->L)
@@ -561,6 +598,11 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
                                 "moe layer %u: token %zu slot %zu routes to expert %lld, "
                                 "outside 0..%u",
                                 pos, i / k, i % k, (long long)idx[i], E - 1);
+    if (draft) { /* no flagged token: the plain path */
+        uint32_t t = 0;
+        while (t < T && !draft[t]) t++;
+        if (t == T) draft = NULL;
+    }
     if (pos == 0) {
         g->counters.passes++;
         g->counters.tokens += T;
@@ -572,7 +614,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
             router_scores(g, &g->routers[pos + 1], x, T, g->scores);
             scores = g->scores;
         }
-        predict(g, pos + 1, scores, T);
+        predict(g, pos + 1, scores, T, draft);
         uint32_t n = 0;
         const uint8_t *p = g->pred + (size_t)(pos + 1) * E;
         for (uint32_t e = 0; e < E; e++)
@@ -584,19 +626,20 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         rc = smoe_slots_prefetch(&g->cache->tab, g->keys, g->prios, n, replace, err);
         if (rc) return rc;
     }
-    const int step4 = T > 0 && (g->route_lambda > 0.0 || g->miss != SMOE_MISS_FETCH);
+    const int step4 = T > 0 && (g->route_lambda > 0.0 || g->miss != SMOE_MISS_FETCH || draft);
     uint32_t lowbit_pairs = 0;
     if (step4) {
-        if ((rc = route_and_resolve(g, pos, x, T, idx, w, &lowbit_pairs, err))) return rc;
+        if ((rc = route_and_resolve(g, pos, x, T, idx, w, draft, &lowbit_pairs, err))) return rc;
         idx = g->idx2, w = g->w2;
     }
     const uint8_t *take = step4 && (g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_LOWEST_BIT ||
-                                    g->miss == SMOE_MISS_PRIORITY)
+                                    g->miss == SMOE_MISS_PRIORITY || draft)
                               ? g->take
                               : NULL;
-    if (g->feed_counts && T > 0) {
+    if (g->feed_counts && T > 0) { /* the real tokens' activations (drafts are not demand) */
         memset(g->counts, 0, sizeof *g->counts * E);
-        for (size_t i = 0; i < (size_t)T * k; i++) g->counts[idx[i]]++;
+        for (size_t i = 0; i < (size_t)T * k; i++)
+            if (!draft || !draft[i / k]) g->counts[idx[i]]++;
         uint32_t n = 0;
         for (uint32_t e = 0; e < E; e++)
             if (g->counts[e]) {
@@ -638,9 +681,10 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
 
 int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                         const int64_t *idx, const float *w, float *out, uint8_t *used,
-                        const float *scores, int replace, smoe_err *err) {
+                        const float *scores, int replace, const uint8_t *draft,
+                        smoe_err *err) {
     pthread_mutex_lock(&g->mu);
-    int rc = forward_locked(g, pos, x, T, idx, w, out, used, scores, replace, err);
+    int rc = forward_locked(g, pos, x, T, idx, w, out, used, scores, replace, draft, err);
     pthread_mutex_unlock(&g->mu);
     return rc;
 }

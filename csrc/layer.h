@@ -109,6 +109,8 @@ typedef struct smoe_layer_counters {
     uint64_t lowbit;          /* of those, computed from the low-bit copy (LOWEST_BIT) */
     uint64_t overlapped;      /* experts queued to the worker ahead of their layer's compute
                                * (parallel_misses), summed over layers and passes */
+    uint64_t draft_kept;      /* draft-token pairs whose missing expert was not fetched for
+                               * them (low-bit copy or skipped; also in lowbit / dropped) */
 } smoe_layer_counters;
 
 enum { SMOE_MISS_FETCH = 0, SMOE_MISS_DROP = 1, SMOE_MISS_SUBSTITUTE = 2,
@@ -196,10 +198,16 @@ int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
 
 /* One MoE layer (see the top of this file).  scores: NULL (use the router) or [T, E] f32
  * scores of layer pos+1 from the caller.  replace: the prefetch request replaces the queue
- * (else it adds to it, e.g. behind a draft-driven lookahead).  Blocks; call without the GIL. */
+ * (else it adds to it, e.g. behind a draft-driven lookahead).  draft: NULL or [T] flags of
+ * draft tokens (the MTP drafter's masks, specmoe/mtp.py), which never make an expert load: a
+ * draft token's missing expert is computed from the low-bit copy when the layer has one, else
+ * skipped (weights not renormalised), unless it is resident or fetched for a real token
+ * anyway; draft tokens take no part in the next-layer prediction, in DROP/PRIORITY's kept
+ * ranks or in the policy's counts.  Blocks; call without the GIL. */
 int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                         const int64_t *idx, const float *w, float *out, uint8_t *used,
-                        const float *scores, int replace, smoe_err *err);
+                        const float *scores, int replace, const uint8_t *draft,
+                        smoe_err *err);
 
 /* Copy the counters (and reset them when reset != 0), forget pending predictions when reset. */
 void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset);

@@ -5,7 +5,8 @@
  *     while a forward call runs, and a later forward on a closed cache raises CacheError);
  *     kctx: a _C.KernelContext or None; desc: the expert FFN descriptor dict;
  *     routers: one (w [E,H], b [E] or None, corr [E] or None) float32 tuple per MoE layer.
- *   forward(pos, x, idx, w, out, used, scores=None, replace=True)   METH_FASTCALL, GIL released
+ *   forward(pos, x, idx, w, out, used, scores=None, replace=True, draft=None)
+ *                                            METH_FASTCALL, GIL released
  *   configure(prefetch, overfetch, mass, feed_counts)
  *   counters(reset=False) -> dict
  *   set_miss(miss, keep, route_lambda)       miss: "fetch", "drop", "substitute", "lowest_bit",
@@ -142,17 +143,19 @@ static int check_init(LayersObject *self) {
 }
 
 PyDoc_STRVAR(forward_doc,
-             "forward(pos, x, idx, w, out, used, scores=None, replace=True)\n\n"
+             "forward(pos, x, idx, w, out, used, scores=None, replace=True, draft=None)\n\n"
              "One MoE layer with the GIL released (csrc/layer.h): next-layer prediction and "
              "prefetch, policy counts, the experts through the cache, prediction counters.  x, "
              "out: float32 [T,H]; idx: int64 [T,k]; w: float32 [T,k]; used: uint8 [E]; scores: "
-             "None or float32 [T,E] of layer pos+1 from a Python predictor.");
+             "None or float32 [T,E] of layer pos+1 from a Python predictor; draft: None or "
+             "uint8 [T], draft tokens whose missing experts are never fetched.");
 
 static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ssize_t n) {
     if (check_init(self) < 0) return NULL;
-    if (n < 6 || n > 8) {
+    if (n < 6 || n > 9) {
         PyErr_SetString(PyExc_TypeError,
-                        "forward(pos, x, idx, w, out, used, scores=None, replace=True)");
+                        "forward(pos, x, idx, w, out, used, scores=None, replace=True, "
+                        "draft=None)");
         return NULL;
     }
     smoe_layers *g = &self->g;
@@ -173,12 +176,16 @@ static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ss
         return NULL;
     int replace = 1;
     if (n > 7 && (replace = PyObject_IsTrue(args[7])) < 0) return NULL;
+    PyArrayObject *dr = NULL;
+    if (n > 8 && args[8] != Py_None && !(dr = smoe_py_want_array(args[8], "draft", NPY_UINT8, 1, 0)))
+        return NULL;
     npy_intp T = PyArray_DIM(x, 0);
     if (PyArray_DIM(x, 1) != (npy_intp)g->H || PyArray_DIM(idx, 0) != T ||
         PyArray_DIM(idx, 1) != (npy_intp)g->k || PyArray_DIM(w, 0) != T ||
         PyArray_DIM(w, 1) != (npy_intp)g->k || PyArray_DIM(out, 0) != T ||
         PyArray_DIM(out, 1) != (npy_intp)g->H || PyArray_DIM(used, 0) != (npy_intp)g->E ||
         (sc && (PyArray_DIM(sc, 0) != T || PyArray_DIM(sc, 1) != (npy_intp)g->E)) ||
+        (dr && PyArray_DIM(dr, 0) != T) ||
         T > UINT32_MAX) {
         PyErr_Format(PyExc_ValueError,
                      "shape mismatch: x %ldx%ld, idx %ldx%ld, w %ldx%ld, out %ldx%ld, used %ld "
@@ -200,7 +207,8 @@ static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ss
     Py_BEGIN_ALLOW_THREADS
     rc = smoe_layers_forward(g, (uint32_t)pos, PyArray_DATA(x), (uint32_t)T, PyArray_DATA(idx),
                              PyArray_DATA(w), PyArray_DATA(out), PyArray_DATA(used),
-                             sc ? PyArray_DATA(sc) : NULL, replace, &e);
+                             sc ? PyArray_DATA(sc) : NULL, replace,
+                             dr ? PyArray_DATA(dr) : NULL, &e);
     Py_END_ALLOW_THREADS
     smoe_py_cache_end(self->cache_obj);
     if (rc) return smoe_py_raise(&e);
@@ -306,7 +314,7 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
     Py_BEGIN_ALLOW_THREADS
     smoe_layers_counters(&self->g, &c, reset);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tokens",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tokens",
                          (unsigned long long)c.tokens, "passes", (unsigned long long)c.passes,
                          "predicted", (unsigned long long)c.predicted, "true_positive",
                          (unsigned long long)c.true_positive, "actual",
@@ -315,7 +323,8 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
                          "dropped", (unsigned long long)c.dropped, "substituted",
                          (unsigned long long)c.substituted, "lowbit",
                          (unsigned long long)c.lowbit, "overlapped",
-                         (unsigned long long)c.overlapped);
+                         (unsigned long long)c.overlapped, "draft_kept",
+                         (unsigned long long)c.draft_kept);
 }
 
 static PyMethodDef Layers_methods[] = {

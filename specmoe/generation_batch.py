@@ -111,8 +111,8 @@ class BatchKV:
         self.npos = [p + n for p, n in zip(self.npos, c)]
         return logits
 
-    def forward_mtp(self, rows: Sequence[Sequence[int]], n_masks: int,
-                    adapter: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward_mtp(self, rows: Sequence[Sequence[int]], n_masks: int, adapter: Any,
+                    fetch_masks: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` for the MTP drafter: each row's anchors (its pending token and
         drafts, different counts allowed) followed by ``n_masks`` masks per anchor slot, in one
         forward (:meth:`specmoe.mtp.MtpAdapter.forward_mtp`).  Past holes and the padding
@@ -140,7 +140,7 @@ class BatchKV:
         ids = torch.tensor([list(r) + [r[-1]] * (A - len(r)) for r in rows], dtype=torch.long)
         with torch.no_grad():
             lg, ml = adapter.forward_mtp(self.model, ids, m, past=L, kv=self.kv,
-                                         layout=(pos, bias))
+                                         layout=(pos, bias), fetch_masks=fetch_masks)
         self._check_layers()
         if m:
             self.kv.crop(-(A * m))
@@ -422,7 +422,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             if mtp is not None:
                 # one forward verifies every row's drafts and drafts its next ones
                 logits, mask_logits = state.forward_mtp(anchors, mtp.k if k_plan > 0 else 0,
-                                                        mtp.adapter)
+                                                        mtp.adapter, mtp.fetch_masks)
             else:
                 logits = state.forward(anchors)
             acc: List[int] = []

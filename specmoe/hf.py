@@ -196,6 +196,8 @@ class Engine:
         # emulated 4 and 1 GB/s links at hidden 1024, 0.98-1.02x from the page cache
         # (benchmarks/results/parallel_misses_*.json)
         self.parallel_misses = True
+        # draft tokens of the forward in progress (draft_tokens()): their misses never load
+        self._draft_flags: np.ndarray | None = None
         self._draft_queued = 0  # experts queued by draft steps since the last reset
         # draft-driven lookahead: the next pass's predicted experts and their accounting
         self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
@@ -287,9 +289,13 @@ class Engine:
             with torch.no_grad():  # the documented slow path: a predictor written in Python
                 sc = torch.as_tensor(self._predictor(pos + 1, hidden.detach()))
                 scores = sc.detach().to(torch.float32).contiguous().numpy()
+        flags = self._draft_flags
+        if flags is not None and flags.shape[0] != x.shape[0]:
+            raise ValueError(f"draft_tokens: {flags.shape[0]} flags, but MoE layer {pos} got "
+                             f"{x.shape[0]} tokens")
         # a draft-driven lookahead queued for this pass must survive the per-layer requests
         self._layers.forward(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used, scores,
-                             not self._la.active)
+                             not self._la.active, flags)
         if self._la.active:
             self._la.layer_done(pos, used)
             if self.protect_lookahead and self._cache is not None:
@@ -510,7 +516,7 @@ class Engine:
             "draft_prefetch_queued": self._draft_queued,
             "miss": self.miss, "route_lambda": self.route_lambda,
             **{k: pf.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
-                                          "lowbit", "overlapped")},
+                                          "lowbit", "overlapped", "draft_kept")},
             "parallel_misses": self.parallel_misses,
         }
         s.update(self._cache_stats())
@@ -558,6 +564,24 @@ class Engine:
                 self.policy = old
                 raise
             self._tau.clear()  # tau includes expert loads, which depend on the cache
+
+    @contextlib.contextmanager
+    def draft_tokens(self, flags: Any) -> Iterator[None]:
+        """Within the block, the MoE layers treat the flagged tokens as draft tokens (one flag
+        per token of each forward, in the flattened [batch, sequence] order the layers see):
+        their missing experts are never loaded -- computed from the resident low-bit copy when
+        there is one (:meth:`enable_self_draft`), else skipped -- unless resident or loaded for
+        a real token anyway, and they take no part in next-layer prediction or the policy's
+        counts (csrc/layer.h).  The MTP drafter's mask tokens run this way.  One forward at a
+        time; ``stats()["draft_kept"]`` counts the pairs served without a load."""
+        f = np.ascontiguousarray(np.asarray(flags).reshape(-1).astype(bool), dtype=np.uint8)
+        if self._draft_flags is not None:
+            raise RuntimeError("draft_tokens: already inside a draft_tokens block")
+        self._draft_flags = f
+        try:
+            yield
+        finally:
+            self._draft_flags = None
 
     def set_parallel_misses(self, on: bool) -> None:
         """Overlap each MoE layer's cache misses with the compute of its resident experts: the

@@ -35,6 +35,7 @@ an MTP step: prefill, plain decoding, other drafters) the model is exactly the b
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -316,14 +317,16 @@ class MtpAdapter(nn.Module):
 
     def forward_mtp(self, model: nn.Module, anchors: torch.Tensor, n_masks: int,
                     past: int = 0, kv: Any = None,
-                    layout: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+                    layout: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                    fetch_masks: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward: ``anchors`` [B, A] token ids after ``past`` cached positions, with
         ``n_masks`` (<= k) masks after each anchor.  Returns (anchor logits [B, A, V], mask
         logits [B, A, n_masks, V]); the KV cache (if any) then holds past + A + A*n_masks
         positions -- crop it to drop the masks.  ``layout``: (position ids [B, q], additive
         bias [B, 1, q, past + q]) instead of :func:`mtp_layout`'s (a batch with holes builds
-        its own).  Gradients flow when called under grad mode (training)."""
+        its own).  ``fetch_masks=False`` on an offloaded model: the masks are the Engine's
+        draft tokens (:meth:`specmoe.hf.Engine.draft_tokens`), whose missing experts never
+        load.  Gradients flow when called under grad mode (training)."""
         if self.model is not model:
             raise ValueError("forward_mtp: the adapter is not installed on this model")
         B, A = anchors.shape
@@ -343,9 +346,19 @@ class MtpAdapter(nn.Module):
         else:
             x = emb
         self.gate.index = torch.arange(A, A + A * m) if m else None
+        engine = None
+        if m and not fetch_masks:
+            from .generation import find_engine
+            engine = find_engine(model)
+        drafts = contextlib.nullcontext()
+        if engine is not None:
+            flags = torch.zeros((B, A + A * m), dtype=torch.uint8)
+            flags[:, A:] = 1
+            drafts = engine.draft_tokens(flags.numpy())
         try:
-            out = model(inputs_embeds=x, position_ids=pos, attention_mask=bias,
-                        past_key_values=kv, use_cache=kv is not None)
+            with drafts:
+                out = model(inputs_embeds=x, position_ids=pos, attention_mask=bias,
+                            past_key_values=kv, use_cache=kv is not None)
         finally:
             self.gate.index = None
         lg = out.logits
@@ -399,16 +412,26 @@ class MtpDrafter:
     Args:
         model: the target (offloaded or not); the adapter is installed on it.
         adapter: an :class:`MtpAdapter` or the path of an adapter folder.
+        fetch_masks: on an offloaded model, whether the masks may load the experts they route
+            to.  False (default): the masks are draft tokens
+            (:meth:`specmoe.hf.Engine.draft_tokens`): a missing expert is computed from the
+            low-bit copy when the engine has one, else skipped, so drafting adds no expert
+            traffic; the anchors (verification) are unaffected.  True: the masks load like any
+            token.
     """
 
-    def __init__(self, model: nn.Module, adapter: Union[MtpAdapter, str, Path]) -> None:
+    def __init__(self, model: nn.Module, adapter: Union[MtpAdapter, str, Path], *,
+                 fetch_masks: bool = False) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError("MtpDrafter needs a transformers causal LM")
         if not isinstance(adapter, MtpAdapter):
             adapter = MtpAdapter.load(adapter)
+        if not isinstance(fetch_masks, bool):
+            raise TypeError(f"fetch_masks must be a bool, got {type(fetch_masks).__name__}")
         adapter.install(model)
         self.model, self.adapter = model, adapter
         self.k = adapter.cfg.k
+        self.fetch_masks = fetch_masks
         self._mask_logits: Optional[torch.Tensor] = None   # [A, m, V] of the last verify
         self._drafts: List[int] = []
         self._probs: Optional[torch.Tensor] = None
@@ -457,7 +480,8 @@ class MtpDrafter:
         from .drafters import _crop
         a = torch.tensor([list(anchors)], dtype=torch.long)
         with torch.no_grad():
-            lg, ml = self.adapter.forward_mtp(self.model, a, n_masks, past=past, kv=kv)
+            lg, ml = self.adapter.forward_mtp(self.model, a, n_masks, past=past, kv=kv,
+                                              fetch_masks=self.fetch_masks)
         _crop(kv, past + len(anchors))
         self._mask_logits = ml[0] if n_masks else None
         return lg[0]

@@ -297,6 +297,39 @@ def test_priority_matches_reference(stores, keep):
     cache.close()
 
 
+@pytest.mark.parametrize("lowbit", [False, True])
+def test_draft_tokens_never_fetch(stores, lowbit):
+    """Draft tokens (the MTP masks): a missing expert of a draft token is not loaded for it --
+    full precision only when resident or fetched for a real token, else the int4 copy (when
+    there is one) or nothing; real tokens are served as usual."""
+    full, fullbuf, lowbuf = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES, capacity=12)
+    if lowbit:
+        lay.set_lowbit(*lowbuf)
+    x, idx, w = _inputs(routers, 0, 8)
+    draft = np.array([0, 1, 1, 0, 1, 0, 1, 1], np.uint8)
+    res = _mask(0)
+    fetched = {int(e) for t in range(8) if not draft[t] for e in idx[t]}  # fetch mode: all
+    served = res[idx] | np.isin(idx, list(fetched))   # pairs at full precision
+    w_full = np.where(served, w, 0).astype(np.float32)
+    ref = _moe(fullbuf, 0, x, idx, w_full)
+    if lowbit:
+        ref = ref + _moe(lowbuf, 0, x, idx, w - w_full)
+    out = np.empty_like(x)
+    used = np.zeros(E, np.uint8)
+    lay.forward(0, x, idx, w, out, used, None, True, draft)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    c = lay.counters()
+    kept = int((~served).sum())
+    assert kept > 0 and c["draft_kept"] == kept
+    assert c["lowbit"] == (kept if lowbit else 0) and c["dropped"] == (0 if lowbit else kept)
+    assert cache.stats()["misses"] == len([e for e in fetched if not res[e]])
+    with pytest.raises(ValueError, match="shape"):
+        lay.forward(0, x, idx, w, out, used, None, True, draft[:3])
+    cache.close()
+
+
 def test_cache_aware_routing_matches_reference(stores):
     full, fullbuf, _ = stores
     routers = _routers()

@@ -420,3 +420,48 @@ def test_every_architecture_greedy_equal(arch):
         assert out.stats["proposed"] > 0
     finally:
         eng.close()
+
+
+def test_masks_load_no_experts_by_default():
+    """Offloaded: the masks are draft tokens (Engine.draft_tokens), so MTP loads fewer experts
+    than with fetch_masks=True; the output is plain greedy's either way."""
+    model, tok = zoo.load("tiny-moe", experts_implementation="eager")
+    eng = specmoe.offload(model, cache=0.25, dtype="f32")
+    try:
+        ad = mtp.MtpAdapter.load(zoo.root() / "tiny-moe-mtp", model) if (
+            zoo.root() / "tiny-moe-mtp" / mtp.ADAPTER_FILE).is_file() else \
+            mtp.MtpAdapter.for_model(model, k=3, rank=8, seed=5)
+        ids = tok("def parse(line):\n    fields = line.split(',')\n", return_tensors="pt").input_ids
+        plain = specmoe.generate(model, ids, max_new_tokens=16, eos_token_id=None)
+        loads = {}
+        for fetch in (True, False):
+            eng.set_cache(0.25)
+            dr = mtp.MtpDrafter(model, ad, fetch_masks=fetch)
+            eng.reset_stats()
+            out = specmoe.generate(model, ids, drafter=dr, controller=StaticK(3),
+                                   max_new_tokens=16, eos_token_id=None, tau=None)
+            assert out.sequences.tolist() == plain.sequences.tolist()
+            loads[fetch] = out.stats["experts_loaded"]
+            assert (eng.stats()["draft_kept"] > 0) == (not fetch)
+        assert loads[False] < loads[True]
+        with pytest.raises(TypeError, match="fetch_masks"):
+            mtp.MtpDrafter(model, ad, fetch_masks="no")
+    finally:
+        eng.close()
+
+
+def test_engine_draft_tokens_errors():
+    model = tiny_model("mixtral", seed=3, vocab=64, layers=2, hidden=32, inter=32, experts=4)
+    eng = specmoe.offload(model, cache=0.5)
+    try:
+        with eng.draft_tokens([0, 1, 1]):
+            with pytest.raises(RuntimeError, match="already inside"):
+                with eng.draft_tokens([1]):
+                    pass
+            with pytest.raises(ValueError, match="3 flags"):
+                with torch.no_grad():
+                    model(torch.tensor([[1, 2, 3, 4, 5]]))
+        with torch.no_grad():  # the block's end restores plain layer calls
+            model(torch.tensor([[1, 2, 3, 4, 5]]))
+    finally:
+        eng.close()
