@@ -552,7 +552,7 @@ static PyObject *GC_stats(GCacheObject *self, PyObject *noargs) {
     Py_END_ALLOW_THREADS self->busy--;
     const smoe_cache_stats *t = &s.c;
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d}", "hits",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d}", "hits",
         (unsigned long long)t->hits, "misses", (unsigned long long)t->misses, "collision_misses",
         (unsigned long long)t->collision_misses, "prefetch_issued",
         (unsigned long long)t->prefetch_issued, "prefetch_used",
@@ -562,7 +562,8 @@ static PyObject *GC_stats(GCacheObject *self, PyObject *noargs) {
         (unsigned long long)t->prefetch_dropped, "prefetch_failed",
         (unsigned long long)t->prefetch_failed, "evictions", (unsigned long long)t->evictions,
         "bytes_read", (unsigned long long)t->bytes_read, "inflight_hits",
-        (unsigned long long)s.inflight_hits, "stall_s", t->stall_s);
+        (unsigned long long)s.inflight_hits, "protected_evictions",
+        (unsigned long long)t->protected_evictions, "stall_s", t->stall_s);
 }
 
 static PyObject *GC_reset_stats(GCacheObject *self, PyObject *noargs) {
@@ -656,6 +657,44 @@ done:
     return res;
 }
 
+/* protect(keys): the lookahead buffer's keys, evicted last (smoe_slots_set_protected, the
+ * rule the CPU cache uses); an empty sequence clears the set. */
+static PyObject *GC_protect(GCacheObject *self, PyObject *ko) {
+    if (GC_check(self) < 0) return NULL;
+    Py_ssize_t n = 0;
+    long long *k = seq_ints(ko, "keys", &n);
+    if (!k) return NULL;
+    PyObject *res = NULL;
+    int32_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *keys);
+    if (!keys) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (k[i] < INT32_MIN || k[i] > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "protect: key out of range");
+            goto done;
+        }
+        keys[i] = (int32_t)k[i];
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_slots_set_protected(&self->cache.tab, keys, (uint32_t)n, &e);
+    Py_END_ALLOW_THREADS self->busy--;
+    if (rc < 0) {
+        raise_err(&e);
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyMem_Free(k);
+    PyMem_Free(keys);
+    return res;
+}
+
 static PyObject *GC_get_nslots(GCacheObject *self, void *cl) {
     (void)cl;
     return PyLong_FromUnsignedLong(self->ready ? self->cache.tab.nslots : 0);
@@ -690,6 +729,8 @@ static PyMethodDef GC_methods[] = {
     {"resident", (PyCFunction)GC_resident, METH_NOARGS, "keys of the READY slots, slot order"},
     {"set_policy", (PyCFunction)GC_set_policy, METH_O, "set_policy(name): swap, keep contents"},
     {"counts", (PyCFunction)GC_counts, METH_VARARGS, "counts(keys, counts): activation counts"},
+    {"protect", (PyCFunction)GC_protect, METH_O,
+     "protect(keys): evicted last, after every unprotected evictable slot ([]: clear)"},
     {"close", (PyCFunction)GC_close, METH_NOARGS, "stop the worker, free device memory"},
     {NULL, NULL, 0, NULL}};
 

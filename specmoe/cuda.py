@@ -310,6 +310,21 @@ class GpuExpertCache:
     def counts(self, keys: Sequence[int], counts: Sequence[int]) -> None:
         self._c.counts(list(keys), list(counts))
 
+    def protect(self, keys: Sequence[int] | Sequence[tuple[int, int]] = ()) -> None:
+        """Lookahead-aware eviction, as :meth:`specmoe.cache.ExpertCache.protect`: these keys
+        (layer * num_experts + expert, or (layer, expert) pairs) become the protected set,
+        evicted only when no unprotected slot is evictable (``stats()["protected_evictions"]``);
+        no keys clears it.  Integer keys only (TypeError otherwise)."""
+        ne = self.store.num_experts
+        ks = []
+        for k in keys:
+            parts = k if isinstance(k, tuple) else (k,)
+            if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in parts):
+                raise TypeError(f"protect: keys must be integers or (layer, expert) pairs, "
+                                f"got {k!r}")
+            ks.append(int(k[0]) * ne + int(k[1]) if isinstance(k, tuple) else int(k))
+        self._c.protect(ks)
+
     def close(self) -> None:
         self._c.close()
 

@@ -150,6 +150,10 @@ def test_emulated_gpu_cache_matches_cpu_cache_and_model(store, written, mode, na
                 cpu.set_policy(name)
                 if ref is not None:
                     ref.set_policy(_ref_policy(name))
+            elif r < 0.32 and ref is None:  # lookahead-aware eviction (the model has none)
+                keys = rng.choice(NL * NE, int(rng.integers(0, 4)), replace=False)
+                cache.protect([(int(k) // NE, int(k) % NE) for k in keys])
+                cpu.protect([int(k) // NE for k in keys], [int(k) % NE for k in keys])
             else:
                 key = int(rng.integers(0, NL * NE))
                 l, e = divmod(key, NE)
@@ -172,6 +176,7 @@ def test_emulated_gpu_cache_matches_cpu_cache_and_model(store, written, mode, na
             assert res == [l * NE + e for l, e in cpu.resident()], f"step {step}"
             st = cache.stats()
             assert _counters(st) == _counters(cpu.stats()), f"step {step}"
+            assert st["protected_evictions"] == cpu.stats()["protected_evictions"], f"step {step}"
             if ref is not None:
                 assert sorted(res) == sorted(ref.resident()), f"step {step}"
                 assert _counters(st)[:8] == (ref.hits, ref.misses, ref.collisions,
@@ -185,6 +190,20 @@ def test_emulated_gpu_cache_matches_cpu_cache_and_model(store, written, mode, na
             cpu.release(k // NE, k % NE)
         cache.close()
         cpu.close()
+
+
+@need_ext
+def test_emulated_gpu_cache_protect_bad_input(store):
+    c = cuda.GpuExpertCache(store, 3, device=-1, prefetch=False)
+    try:
+        with pytest.raises(TypeError, match="integers"):
+            c.protect([1.5])
+        with pytest.raises(ValueError):
+            c.protect([NL * NE])  # outside the store's keys
+        c.protect([(0, 1), 2])
+        c.protect()  # clears
+    finally:
+        c.close()
 
 
 @need_ext
