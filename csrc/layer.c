@@ -102,6 +102,7 @@ void smoe_layers_free(smoe_layers *g) {
     free(g->w2);
     free(g->take);
     free(g->take_lb);
+    free(g->take2);
     free(g->out2);
     free(g->zt);
     free(g->vt);
@@ -303,9 +304,11 @@ static int grow_pairs(smoe_layers *g, uint32_t T, smoe_err *err) {
     if (tk) g->take = tk;
     uint8_t *tl = realloc(g->take_lb, nk);
     if (tl) g->take_lb = tl;
+    uint8_t *t2 = realloc(g->take2, nk);
+    if (t2) g->take2 = t2;
     float *o2 = realloc(g->out2, sizeof *o2 * (size_t)T * g->H);
     if (o2) g->out2 = o2;
-    if (!i2 || !w2 || !tk || !tl || !o2)
+    if (!i2 || !w2 || !tk || !tl || !t2 || !o2)
         return smoe_err_set(err, SMOE_ENOMEM, "layers: no memory for %u tokens' routing", T);
     g->cap_pairs = T;
     return SMOE_OK;
@@ -655,10 +658,28 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
         if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release};
     }
+    if (draft) { /* take == g->take here: split it into the real and the draft tokens' pairs */
+        for (size_t i = 0; i < (size_t)T * k; i++) {
+            g->take2[i] = (uint8_t)(g->take[i] && draft[i / k]);
+            g->take[i] = (uint8_t)(g->take[i] && !draft[i / k]);
+        }
+    }
     rc = smoe_moe_forward_order(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take,
                                 overlap ? g->visit : NULL, out, used, err);
     if (overlap) unpin_rest(g);
     if (rc) return rc;
+    if (draft) {
+        /* The draft tokens' full-precision pairs in expert calls of their own: the real
+         * tokens' groups never contain a draft row, so their results (f32/bf16 kernels round
+         * differently with the group size) do not depend on the drafts or on which of the
+         * drafts' experts happened to be resident.  Rows are disjoint: adding is exact. */
+        smoe_moe_source csrc = smoe_moe_cache_source(g->cache);
+        rc = smoe_moe_forward_ex(g->kc, &g->desc, &csrc, pos, E, x, T, idx, w, k, g->take2,
+                                 g->out2, g->used2, err);
+        if (rc) return rc;
+        for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];
+        for (uint32_t e = 0; e < E; e++) used[e] |= g->used2[e];
+    }
     if (lowbit_pairs) { /* the missing experts from the resident low-bit copy, added to out */
         smoe_moe_source lsrc = smoe_moe_resident_source(&g->lowbit);
         rc = smoe_moe_forward_ex(g->kc, &g->lowbit_desc, &lsrc, pos, E, x, T, idx, w, k,

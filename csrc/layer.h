@@ -156,6 +156,7 @@ typedef struct smoe_layers {
     float *w2;                /* owned; [cap * k] their weights */
     uint8_t *take;            /* owned; [cap * k] pair served by the cache */
     uint8_t *take_lb;         /* owned; [cap * k] pair served by the low-bit copy */
+    uint8_t *take2;           /* owned; [cap * k] draft tokens' pairs served by the cache */
     float *out2;              /* owned; [cap * H] the low-bit copy's share of out */
     float *zt, *vt, *pt;      /* owned; [E] one token's logits, selection values, probs */
     uint8_t *resident;        /* owned; [E] snapshot of the layer's READY experts */
@@ -203,7 +204,9 @@ int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
  * draft token's missing expert is computed from the low-bit copy when the layer has one, else
  * skipped (weights not renormalised), unless it is resident or fetched for a real token
  * anyway; draft tokens take no part in the next-layer prediction, in DROP/PRIORITY's kept
- * ranks or in the policy's counts.  Blocks; call without the GIL. */
+ * ranks or in the policy's counts, and their pairs run in expert calls of their own, so the
+ * real tokens' outputs are those of a forward whose draft rows hold anything else (exact
+ * for f32/bf16 whatever the drafts route to).  Blocks; call without the GIL. */
 int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                         const int64_t *idx, const float *w, float *out, uint8_t *used,
                         const float *scores, int replace, const uint8_t *draft,
