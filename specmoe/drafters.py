@@ -239,8 +239,9 @@ class SelfDraft(DraftModel):
     (:meth:`bind_kv`); a draft then feeds only the pending token and its drafts on top of the
     verified prefix the target already cached, in full precision, and crops its positions
     off again before returning, so verification overwrites them (MoE-SpeQ Sec. 3.4: no
-    second KV cache, and the draft sees the target's context).  Unbound (batches, direct
-    calls) it keeps a cache of its own like :class:`DraftModel`.
+    second KV cache, and the draft sees the target's context).  Batches do the same on the
+    target's batched cache (:class:`specmoe.generation_batch.BatchDraftModel`).  Unbound
+    (direct calls, ``share_kv=False``) it keeps a cache of its own like :class:`DraftModel`.
 
     ``overlap=True``: with ``draft(..., prefetch=True)`` (what :func:`specmoe.generate` does
     when its ``lookahead`` is on) each draft step's experts are queued to the prefetch worker

@@ -208,15 +208,22 @@ class BatchKV:
 class BatchDraftModel:
     """Batched drafting with a :class:`specmoe.drafters.DraftModel` (or SelfDraft): one
     :class:`BatchKV` for the draft, each row rolled back to the prefix it shares with its
-    sequence, all rows drafted together token by token."""
+    sequence, all rows drafted together token by token.
 
-    def __init__(self, drafter: Any, batch: int) -> None:
+    ``shared``: the target's own :class:`BatchKV` (a SelfDraft with ``share_kv``, MoE-SpeQ
+    Sec. 3.4, as at batch size 1): the draft feeds each row's pending token and drafts on top
+    of the verified prefix the target cached, then turns those positions back into holes and
+    crops them, so there is no second cache and no draft prefill of the prompt."""
+
+    def __init__(self, drafter: Any, batch: int, shared: Optional[BatchKV] = None) -> None:
         self.drafter = drafter
-        self.state = BatchKV(drafter.model, batch)
+        self.shared = shared is not None
+        self.state = shared if shared is not None else BatchKV(drafter.model, batch)
         self.seen: List[List[int]] = [[] for _ in range(batch)]
 
     def select(self, rows: Sequence[int]) -> None:
-        self.state.select(rows)
+        if not self.shared:  # a shared state is selected by its owner
+            self.state.select(rows)
         self.seen = [self.seen[r] for r in rows]
 
     def _run(self, rows: List[List[int]], rec_rows: List[Tuple[List[int], int]],
@@ -249,6 +256,13 @@ class BatchDraftModel:
             return [[] for _ in range(B)], [None] * B, None
         rows = []
         for b, h in enumerate(hists):
+            if self.shared:  # the target's cache holds every token of the row but the last
+                if self.state.npos[b] != len(h) - 1:
+                    raise RuntimeError(f"BatchDraftModel: row {b} of the shared cache holds "
+                                       f"{self.state.npos[b]} positions, its history "
+                                       f"{len(h)} tokens (expected {len(h) - 1})")
+                rows.append(h[-1:])
+                continue
             n, lim, s = 0, min(len(self.seen[b]), len(h) - 1), self.seen[b]
             while n < lim and s[n] == h[n]:
                 n += 1
@@ -275,8 +289,13 @@ class BatchDraftModel:
             if i + 1 < K:
                 live = [b for b in range(B) if ks[b] > i + 1]
                 last = self._run([[x[-1]] for x in toks], [(live, 0)], routing)[:, 0]
-        for b in range(B):  # the cache holds history + toks[:-1] of every row
-            self.seen[b] = list(hists[b]) + toks[b][:-1]
+        if self.shared:  # the draft's positions become holes and are cropped off again
+            for b in range(B):
+                self.state.keep(b, len(hists[b]) - 1)
+            self.state.trim()
+        else:
+            for b in range(B):  # the cache holds history + toks[:-1] of every row
+                self.seen[b] = list(hists[b]) + toks[b][:-1]
         drafts = [toks[b][:ks[b]] for b in range(B)]
         dprobs = [torch.stack(probs[b][:ks[b]]) if sampling is not None and ks[b] else None
                   for b in range(B)]
@@ -323,7 +342,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
               pad_token_id: int, vocab: int) -> Any:
     """The batched loop of :func:`specmoe.generate` (arguments already checked there)."""
     from .controllers import SpeqGovernor, StaticK
-    from .drafters import DraftModel, NgramDrafter, _draft
+    from .drafters import DraftModel, NgramDrafter, SelfDraft, _draft
     from .mtp import MtpDrafter, next_drafts
     from .generation import GenerateOutput, _speq_io_cost, target_tau
     from .verify import accept
@@ -369,7 +388,8 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
     # MTP: each row's next drafts (and their distributions) from its last step's masks
     mtp_next: List[Tuple[List[int], Optional[torch.Tensor]]] = [([], None)] * B
     if isinstance(drafter, DraftModel):
-        bdraft = BatchDraftModel(drafter, B)
+        share = isinstance(drafter, SelfDraft) and drafter.share_kv
+        bdraft = BatchDraftModel(drafter, B, shared=state if share else None)
     elif isinstance(drafter, NgramDrafter):
         ngrams = [drafter.clone() for _ in range(B)]
     its: List[Dict[str, Any]] = []

@@ -313,3 +313,28 @@ def test_batch_bad_input(batch_pair):
         generate(model, ids, attention_mask=mask.float())
     with pytest.raises(ValueError, match="attention_mask needs"):
         generate(model, ids[0], attention_mask=mask[0])
+
+
+@pytest.mark.parametrize("share_kv", [True, False])
+def test_batched_self_draft_on_the_target_cache(batch_pair, share_kv):
+    """SelfDraft(share_kv=True) drafts on the target's own batched cache (its positions become
+    holes and are cropped again: no second cache, no draft prefill of the prompts); with
+    share_kv=False it keeps a cache of its own.  Both give transformers' batched greedy, and
+    the shared one feeds the drafter far fewer tokens."""
+    model, _, eng, ids, mask = batch_pair
+    ref = hf_batch_greedy(model, ids, mask, N_NEW, min_new_tokens=N_NEW)[:, ids.shape[1]:]
+    fed = []
+    h = model.register_forward_pre_hook(
+        lambda mod, args, kw: fed.append(kw["input_ids"].numel()) if eng._drafting is not None
+        else None, with_kwargs=True)
+    try:
+        out = generate(model, ids, SelfDraft(eng, share_kv=share_kv), StaticK(2),
+                       attention_mask=mask, max_new_tokens=N_NEW, eos_token_id=None, tau=None)
+    finally:
+        h.remove()
+    assert torch.equal(out.sequences[:, ids.shape[1]:], ref)
+    drafted = sum(fed)
+    if share_kv:  # one token per row per draft step
+        assert drafted <= len(TEXTS) * 2 * len(out.iterations)
+    else:  # the first draft feeds every prompt
+        assert drafted > int(mask.sum())
