@@ -654,7 +654,12 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
     }
     smoe_moe_source src = smoe_moe_cache_source(g->cache);
     int overlap = 0;
-    if (g->parallel_misses && T > 0) {
+    /* parallel misses: with the fixed-order sum for every call it is on (overlap or not), so
+     * outputs depend on the inputs and T only, never on which experts the worker had loaded;
+     * beyond SMOE_PARALLEL_MAX_FLOATS of per-pair rows (large prefills) the plain path */
+    const int par = g->parallel_misses && T > 0 &&
+                    (uint64_t)T * k * g->H <= SMOE_PARALLEL_MAX_FLOATS;
+    if (par) {
         if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
         if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release};
     }
@@ -665,7 +670,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         }
     }
     rc = smoe_moe_forward_order(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take,
-                                overlap ? g->visit : NULL, out, used, err);
+                                overlap ? g->visit : NULL, par, out, used, err);
     if (overlap) unpin_rest(g);
     if (rc) return rc;
     if (draft) {

@@ -22,7 +22,11 @@
  *        (acquire waits for a load in flight, or loads a request the worker has not started
  *        yet itself).  The pins keep the worker from evicting an expert this layer is about
  *        to use; each is dropped as soon as its expert is computed, so the misses' own
- *        acquires never wait on this call's pins.  Off: ascending expert id, blocking loads;
+ *        acquires never wait on this call's pins.  Every call with parallel_misses on sums a
+ *        token's experts in ascending id from per-pair rows (smoe_moe_forward_order's
+ *        fixed_sum), whatever order they were computed in, so the outputs never depend on the
+ *        worker's timing; calls above SMOE_PARALLEL_MAX_FLOATS (T * k * H) take the plain
+ *        path.  Off: ascending expert id, blocking loads;
  *     6. precision/recall of the prediction made for this layer against `used`.
  *
  * Step 4 (SpecMD, Algorithm 1 phases 1 and 2), from one snapshot of which of the layer's experts
@@ -112,6 +116,9 @@ typedef struct smoe_layer_counters {
     uint64_t draft_kept;      /* draft-token pairs whose missing expert was not fetched for
                                * them (low-bit copy or skipped; also in lowbit / dropped) */
 } smoe_layer_counters;
+
+/* Largest T * k * H (floats of per-pair rows) that takes the parallel-misses path: 16 MiB. */
+#define SMOE_PARALLEL_MAX_FLOATS (4u << 20)
 
 enum { SMOE_MISS_FETCH = 0, SMOE_MISS_DROP = 1, SMOE_MISS_SUBSTITUTE = 2,
        SMOE_MISS_LOWEST_BIT = 3, SMOE_MISS_PRIORITY = 4 };

@@ -20,13 +20,14 @@ int smoe_moe_forward_ex(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_so
                         const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
                         float *out, uint8_t *used, smoe_err *err) {
     return smoe_moe_forward_order(kc, d, src, layer, num_experts, x, T, idx, w, k, take, NULL,
-                                  out, used, err);
+                                  0, out, used, err);
 }
 
 int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_source *src,
                            uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
                            const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
-                           const uint32_t *order, float *out, uint8_t *used, smoe_err *err) {
+                           const uint32_t *order, int fixed_sum, float *out, uint8_t *used,
+                           smoe_err *err) {
     const uint32_t H = d->H;
     const size_t nk = (size_t)T * k;
     memset(out, 0, sizeof(float) * (size_t)T * H);
@@ -44,6 +45,7 @@ int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe
     int32_t *rows = malloc(sizeof *rows * nk);
     float *scale = malloc(sizeof *scale * nk);
     void *scratch = NULL;
+    float *contrib = NULL, *xg = NULL; /* fixed_sum: per-pair contributions, gathered rows */
     int rc = SMOE_OK;
     if (!start || !fill || !rows || !scale) {
         rc = smoe_err_set(err, SMOE_ENOMEM, "moe layer %u: no memory for %u tokens", layer, T);
@@ -72,7 +74,9 @@ int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe
                                   layer, rows[p], e);
                 goto done;
             }
-    if (!(scratch = malloc(smoe_ffn_scratch_bytes(d, maxn)))) {
+    if (!(scratch = malloc(smoe_ffn_scratch_bytes(d, maxn))) ||
+        (fixed_sum && (!(contrib = malloc(sizeof *contrib * ((size_t)start[num_experts] + 1) * H)) ||
+                       !(xg = malloc(sizeof *xg * ((size_t)maxn + 1) * H))))) {
         rc = smoe_err_set(err, SMOE_ENOMEM, "moe layer %u: no kernel scratch for %u tokens",
                           layer, maxn);
         goto done;
@@ -90,18 +94,35 @@ int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe
         const uint8_t *block = NULL;
         rc = src->acquire(src->ctx, layer, e, &block, err);
         if (rc) goto done;
-        rc = smoe_ffn_forward(kc, d, block, x, H, rows + start[e], scale + start[e], n, out, H,
-                              scratch, err);
+        if (fixed_sum) { /* this expert's weighted outputs into rows of their own */
+            float *c = contrib + (size_t)start[e] * H;
+            memset(c, 0, sizeof *c * (size_t)n * H);
+            for (uint32_t i = 0; i < n; i++)
+                memcpy(xg + (size_t)i * H, x + (size_t)rows[start[e] + i] * H, sizeof *xg * H);
+            rc = smoe_ffn_forward(kc, d, block, xg, H, NULL, scale + start[e], n, c, H, scratch,
+                                  err);
+        } else {
+            rc = smoe_ffn_forward(kc, d, block, x, H, rows + start[e], scale + start[e], n, out,
+                                  H, scratch, err);
+        }
         int rr = src->release(src->ctx, layer, e, rc ? NULL : err);
         if (!rc) rc = rr;
         if (rc) goto done;
     }
+    if (fixed_sum) /* each token's experts summed in ascending id, whatever the visit order */
+        for (uint32_t p = 0; p < start[num_experts]; p++) {
+            float *o = out + (size_t)rows[p] * H;
+            const float *c = contrib + (size_t)p * H;
+            for (uint32_t h = 0; h < H; h++) o[h] += c[h];
+        }
 done:
     free(start);
     free(fill);
     free(rows);
     free(scale);
     free(scratch);
+    free(contrib);
+    free(xg);
     return rc;
 }
 

@@ -51,13 +51,18 @@ int smoe_moe_forward_ex(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_so
                         float *out, uint8_t *used, smoe_err *err);
 
 /* smoe_moe_forward_ex visiting the experts in `order` (a permutation of 0..num_experts-1;
- * NULL = ascending id).  Each token's output sums its experts in that order, so a different
- * order changes f32 results by rounding only.  The per-layer path computes a layer's resident
- * experts first while its misses load on the prefetch worker (layer.h). */
+ * NULL = ascending id).  fixed_sum = 0: each expert accumulates into out as it is visited, so
+ * a token's sum follows the visit order.  fixed_sum != 0: each (token, expert) pair's weighted
+ * output goes to a row of its own (scratch: pairs x H floats), and the rows are then added
+ * into out per token in ascending expert id, so the result does not depend on the visit order
+ * (transformers' eager order of operations: weight * expert(x), then index_add per expert).
+ * The per-layer path computes a layer's resident experts first while its misses load on the
+ * prefetch worker, with fixed_sum so that outputs do not depend on that timing (layer.h). */
 int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_source *src,
                            uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
                            const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
-                           const uint32_t *order, float *out, uint8_t *used, smoe_err *err);
+                           const uint32_t *order, int fixed_sum, float *out, uint8_t *used,
+                           smoe_err *err);
 
 /* The expert source over a resident buffer of every block in store order (block (layer, e)
  * at (layer * num_experts + e) * block_bytes, `size` bytes in all).  ctx must outlive uses. */

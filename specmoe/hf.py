@@ -192,11 +192,11 @@ class Engine:
         # (ExpertCache.protect), each layer's until that layer of the verification has run
         self.protect_lookahead = True
         # each layer's misses load on the prefetch worker while its resident experts compute
-        # (csrc/layer.h step 5); set_parallel_misses().  Off by default: it makes a token's
-        # expert order depend on which experts the prefetch worker had loaded, so f32 outputs
-        # vary at the rounding level from run to run (1.09-1.12x tok/s behind emulated 4 and
-        # 1 GB/s links at hidden 1024: benchmarks/results/parallel_misses_*.json)
-        self.parallel_misses = False
+        # (csrc/layer.h step 5); set_parallel_misses().  On by default: 1.10-1.12x tok/s behind
+        # emulated 4 and 1 GB/s links at hidden 1024, 1.04x from the page cache
+        # (benchmarks/results/parallel_misses_*.json); outputs never depend on the worker's
+        # timing (a token's experts are summed in ascending id, csrc/moe.h fixed_sum)
+        self.parallel_misses = True
         # draft tokens of the forward in progress (draft_tokens()): their misses never load
         self._draft_flags: np.ndarray | None = None
         self._draft_queued = 0  # experts queued by draft steps since the last reset
@@ -588,11 +588,11 @@ class Engine:
         """Overlap each MoE layer's cache misses with the compute of its resident experts: the
         misses are queued to the prefetch worker at the highest priority, the resident experts
         pinned and computed first, the missing ones last (csrc/layer.h, step 5).  Needs the
-        prefetch worker (a cache built with prefetch on).  Off by default: a token's experts
-        are then summed in an order that depends on which of them were resident, i.e. on the
-        prefetch worker's timing, so f32 outputs differ from run to run at the rounding level
-        (greedy tokens can flip on a near tie); ``stats()["overlapped"]`` counts the experts
-        queued this way."""
+        prefetch worker (a cache built with prefetch on).  On by default.  Each token's
+        experts are then summed in ascending id from per-pair outputs whatever order they were
+        computed in, so results never depend on the worker's timing (they differ from the
+        plain path's accumulate-as-you-go sum at the f32 rounding level);
+        ``stats()["overlapped"]`` counts the experts queued this way."""
         if not isinstance(on, bool):
             raise TypeError(f"set_parallel_misses(on): a bool, got {type(on).__name__}")
         self.parallel_misses = on
