@@ -656,9 +656,12 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
     int overlap = 0;
     /* parallel misses: with the fixed-order sum for every call it is on (overlap or not), so
      * outputs depend on the inputs and T only, never on which experts the worker had loaded;
-     * beyond SMOE_PARALLEL_MAX_FLOATS of per-pair rows (large prefills) the plain path */
+     * beyond SMOE_PARALLEL_MAX_FLOATS of per-pair rows (large prefills), and with a cache
+     * that holds every expert (nothing can miss for long: tab.nslots is fixed at init), the
+     * plain path */
     const int par = g->parallel_misses && T > 0 &&
-                    (uint64_t)T * k * g->H <= SMOE_PARALLEL_MAX_FLOATS;
+                    (uint64_t)T * k * g->H <= SMOE_PARALLEL_MAX_FLOATS &&
+                    (uint64_t)g->cache->tab.nslots < (uint64_t)g->L * E;
     if (par) {
         if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
         if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release};

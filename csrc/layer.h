@@ -25,8 +25,9 @@
  *        acquires never wait on this call's pins.  Every call with parallel_misses on sums a
  *        token's experts in ascending id from per-pair rows (smoe_moe_forward_order's
  *        fixed_sum), whatever order they were computed in, so the outputs never depend on the
- *        worker's timing; calls above SMOE_PARALLEL_MAX_FLOATS (T * k * H) take the plain
- *        path.  Off: ascending expert id, blocking loads;
+ *        worker's timing; calls above SMOE_PARALLEL_MAX_FLOATS (T * k * H), and every call
+ *        when the cache has a slot for every expert, take the plain path.  Off: ascending
+ *        expert id, blocking loads;
  *     6. precision/recall of the prediction made for this layer against `used`.
  *
  * Step 4 (SpecMD, Algorithm 1 phases 1 and 2), from one snapshot of which of the layer's experts

@@ -39,8 +39,6 @@ def test_same_tokens_and_logits_to_rounding():
     torch.testing.assert_close(lo_on, lo_off, rtol=1e-5, atol=1e-5)
     assert st_off["overlapped"] == 0 and st_off["parallel_misses"] is False
     assert st_on["overlapped"] > 0 and st_on["parallel_misses"] is True
-    # the queued misses were loaded by the worker (or by the layer when it got there first)
-    assert st_on["prefetch_issued"] > st_off["prefetch_issued"]
 
 
 def test_behind_a_slow_link():
@@ -91,11 +89,12 @@ def test_bad_input():
 def test_outputs_do_not_depend_on_residency(parallel):
     """A token's experts are summed in ascending id whatever order they were computed in
     (parallel misses: from per-pair rows, csrc/moe.h fixed_sum): a cold small cache (many
-    misses, resident experts computed first) and a full one give bit-identical logits.  Top-4,
-    so that the order of the sum matters (a + b == b + a, but not for three terms)."""
+    misses, resident experts computed first) and a larger one give bit-identical logits.
+    Top-4, so that the order of the sum matters (a + b == b + a, but not for three terms).
+    (A cache holding every expert takes the plain path.)"""
     from specmoe.testing import tiny_model
     out = []
-    for cache in (0.25, 1.0):
+    for cache in (0.25, 0.75):
         model = tiny_model("mixtral", seed=4, vocab=96, layers=3, hidden=64, inter=64,
                            experts=8, top_k=4)
         eng = specmoe.offload(model, cache=cache, dtype="f32")
@@ -109,4 +108,4 @@ def test_outputs_do_not_depend_on_residency(parallel):
             eng.close()
     assert torch.equal(out[0][0], out[1][0])
     if parallel:
-        assert out[0][1] > 0
+        assert out[0][1] > 0 and out[1][1] > 0  # both overlapped, with different residency
