@@ -165,6 +165,19 @@ def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embe
     return mod.o_proj(o.to(hidden_states.dtype))
 
 
+def _cache_of(a: dict[str, Any]) -> Any:
+    """The KV cache among an attention forward's bound arguments: ``past_key_values`` up to
+    transformers 5.23, ``cache`` from 5.24 (which still accepts the old name as a deprecated
+    keyword: then it may arrive in ``**kwargs``)."""
+    extra = a.get("kwargs") or {}
+    for name in ("cache", "past_key_values"):
+        if a.get(name) is not None:
+            return a[name]
+        if extra.get(name) is not None:
+            return extra[name]
+    return None
+
+
 def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS) -> list[str]:
     """Decode ``model``'s MLA attention modules in the absorbed form (see the module
     docstring) for inputs of at most ``max_tokens`` tokens; returns the modules' names.
@@ -188,8 +201,7 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS) -> list[str]:
                     and _mask_readable(a.get("attention_mask"), hs.shape[1])):
                 with torch.no_grad():
                     return _absorbed_forward(_mod, hs, a["position_embeddings"],
-                                             a.get("attention_mask"),
-                                             a.get("past_key_values")), None
+                                             a.get("attention_mask"), _cache_of(a)), None
             return _mod._specmoe_orig_forward(*args, **kwargs)
 
         mod._specmoe_orig_forward = orig
