@@ -112,10 +112,25 @@ class Draft:
     routing: Optional[Dict[int, np.ndarray]] = None
 
 
+def cache_kwargs(model: nn.Module, kv: Any) -> Dict[str, Any]:
+    """The keyword that hands ``kv`` to ``model``'s forward: ``cache`` from transformers 5.24
+    (``past_key_values`` is deprecated there, to go in 5.40), ``past_key_values`` before."""
+    fwd = type(model).forward
+    name = _CACHE_KW.get(fwd)
+    if name is None:
+        import inspect
+        name = "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
+        _CACHE_KW[fwd] = name
+    return {name: kv}
+
+
+_CACHE_KW: Dict[Any, str] = {}  # forward function -> its cache keyword
+
+
 def _forward(model: nn.Module, ids: Sequence[int], kv: Any) -> torch.Tensor:
     x = torch.tensor([list(ids)], dtype=torch.long)
     with torch.no_grad():
-        out = model(input_ids=x, past_key_values=kv, use_cache=True)
+        out = model(input_ids=x, use_cache=True, **cache_kwargs(model, kv))
     return out.logits[0]
 
 

@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .drafters import cache_kwargs
+
 __all__ = ["BatchKV", "per_position_acceptance"]
 
 
@@ -70,7 +72,7 @@ class BatchKV:
     def _call(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=self.kv, use_cache=True)
+                             use_cache=True, **cache_kwargs(self.model, self.kv))
         self._check_layers()
         return out.logits
 

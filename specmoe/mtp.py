@@ -346,6 +346,7 @@ class MtpAdapter(nn.Module):
         else:
             x = emb
         self.gate.index = torch.arange(A, A + A * m) if m else None
+        from .drafters import cache_kwargs
         engine = None
         if m and not fetch_masks:
             from .generation import find_engine
@@ -358,7 +359,7 @@ class MtpAdapter(nn.Module):
         try:
             with drafts:
                 out = model(inputs_embeds=x, position_ids=pos, attention_mask=bias,
-                            past_key_values=kv, use_cache=kv is not None)
+                            use_cache=kv is not None, **cache_kwargs(model, kv))
         finally:
             self.gate.index = None
         lg = out.logits

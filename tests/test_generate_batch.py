@@ -89,7 +89,9 @@ def _batched_greedy_rows(model, ids, mask, ref, make, drafter_name):
             assert it["k"] == max(it["k_rows"]) <= max(it["k_planned"], 0)
             assert all(0 <= a <= k for a, k in zip(it["accepted_rows"], it["k_rows"]))
         if drafter_name == "mtp":  # drafts come from the masks of the step before
-            assert st["proposed"] > 0 and out.iterations[0]["k"] == 0
+            assert out.iterations[0]["k"] == 0
+            if name == "static3":  # (adaptive controllers may prune every K on timing)
+                assert st["proposed"] > 0
         if drafter_name == "self" and name == "static3":
             # sequences advanced by different amounts in one step at least once
             assert any(len(set(i["accepted_rows"])) > 1 for i in out.iterations)
