@@ -141,6 +141,13 @@ static int uses_lowbit(int miss) {
     return miss == SMOE_MISS_LOWEST_BIT || miss == SMOE_MISS_PRIORITY;
 }
 
+/* The miss modes whose step 4 decides per pair what the cache serves (g->take). */
+static int sets_take(int miss) { return miss == SMOE_MISS_DROP || uses_lowbit(miss); }
+
+static const char *lowbit_mode_name(int miss) {
+    return miss == SMOE_MISS_PRIORITY ? "priority" : "lowest_bit";
+}
+
 int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
                          smoe_err *err) {
     if (miss < SMOE_MISS_FETCH || miss > SMOE_MISS_PRIORITY)
@@ -157,7 +164,7 @@ int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double ro
         rc = smoe_err_set(err, SMOE_EINVAL, "layers: miss mode %s needs a resident "
                           "low-bit copy of the experts (the self-draft's, "
                           "Engine.enable_self_draft)",
-                          miss == SMOE_MISS_PRIORITY ? "priority" : "lowest_bit");
+                          lowbit_mode_name(miss));
     else
         g->miss = miss, g->miss_keep = miss_keep, g->route_lambda = route_lambda;
     pthread_mutex_unlock(&g->mu);
@@ -182,7 +189,7 @@ int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
     int rc = SMOE_OK;
     if (!base && uses_lowbit(g->miss)) {
         rc = smoe_err_set(err, SMOE_ESTATE, "layers: the low-bit copy is in use by miss mode "
-                          "%s", g->miss == SMOE_MISS_PRIORITY ? "priority" : "lowest_bit");
+                          "%s", lowbit_mode_name(g->miss));
     } else if (!base) {
         memset(&g->lowbit, 0, sizeof g->lowbit);
     } else {
@@ -494,10 +501,7 @@ static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint3
         }
         g->counters.lowbit += *lowbit_pairs;
     }
-    if (draft)
-        resolve_draft(g, nk, draft, g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_PRIORITY ||
-                                        g->miss == SMOE_MISS_LOWEST_BIT,
-                      lowbit_pairs);
+    if (draft) resolve_draft(g, nk, draft, sets_take(g->miss), lowbit_pairs);
     return SMOE_OK;
 }
 
@@ -635,10 +639,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         if ((rc = route_and_resolve(g, pos, x, T, idx, w, draft, &lowbit_pairs, err))) return rc;
         idx = g->idx2, w = g->w2;
     }
-    const uint8_t *take = step4 && (g->miss == SMOE_MISS_DROP || g->miss == SMOE_MISS_LOWEST_BIT ||
-                                    g->miss == SMOE_MISS_PRIORITY || draft)
-                              ? g->take
-                              : NULL;
+    const uint8_t *take = step4 && (sets_take(g->miss) || draft) ? g->take : NULL;
     if (g->feed_counts && T > 0) { /* the real tokens' activations (drafts are not demand) */
         memset(g->counts, 0, sizeof *g->counts * E);
         for (size_t i = 0; i < (size_t)T * k; i++)
