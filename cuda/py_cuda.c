@@ -77,6 +77,11 @@ static int parse_desc(PyObject *d, smoe_ffn_desc *out) {
     if (get_u64(d, "H", 1, &H) || get_u64(d, "I", 1, &I) || get_u64(d, "dtype", 1, &dt) ||
         get_u64(d, "act", 1, &act))
         return -1;
+    if (dt == SMOE_WDT_I2) {
+        PyErr_SetString(PyExc_ValueError, "int2 expert weights run on the CPU only (the GPU "
+                        "kernels take f32, bf16, int8 and int4)");
+        return -1;
+    }
     if (H > UINT32_MAX || I > UINT32_MAX || dt > 3 || act > 1) {
         PyErr_SetString(PyExc_ValueError, "expert descriptor: H, I, dtype or act out of range");
         return -1;

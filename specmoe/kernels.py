@@ -4,7 +4,7 @@ One call applies one routed expert to the tokens routed to it, reading its weigh
 
     out[rows[t]] += scale[t] * down(act(gate(x[rows[t]]), up(x[rows[t]])))
 
-Weights are in the canonical layout of :mod:`specmoe.quant` (f32, bf16, int8, int4) inside one
+Weights are in the canonical layout of :mod:`specmoe.quant` (f32, bf16, int8, int4, int2) in
 byte block (a store block or :func:`pack_block`); :class:`FFNSpec` says where each tensor is.
 The context owns a persistent thread pool and the ISA choice (AVX-512, AVX2, scalar, detected
 at run time; ``SPECMOE_ISA=avx2`` or :func:`set_isa` forces a lower one).
@@ -33,11 +33,13 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("silu", "gptoss")
-_DT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+_DT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "int2": 4}
 _ACT_CODE = {"silu": 0, "gptoss": 1}
-# store schema dtype (either spelling) of the weight matrices -> kernel dtype
+# store schema dtype (either spelling) of the weight matrices -> kernel dtype; packed U8 is int4,
+# or int2 when its scales are [rows, groups, 2] (scale, offset) pairs
 _SCHEMA_WDT = {"f32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
                "i8": "int8", "int8": "int8", "u8": "int4", "uint8": "int4"}
+_PACK = {"int4": 2, "int2": 4}  # values per byte of the packed formats
 _NAMES = ("gate", "up", "down", "gate.scale", "up.scale", "down.scale",
           "gate.bias", "up.bias", "down.bias")
 _ALIGN = 64
@@ -87,13 +89,15 @@ class FFNSpec:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the three weight matrices plus scales (what one call streams)."""
-        per = {"f32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}[self.dtype]
+        per = {"f32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}[self.dtype]
         n = 3 * self.H * self.I
         extra = 0
         if self.dtype == "int8":
             extra = 4 * (2 * self.I + self.H)
         elif self.dtype == "int4":
             extra = 4 * (3 * self.H * self.I // self.group)
+        elif self.dtype == "int2":
+            extra = 8 * (3 * self.H * self.I // self.group)
         return int(n * per) + extra
 
     @classmethod
@@ -118,22 +122,25 @@ class FFNSpec:
         wdt = {n: str(by[n]["dtype"]).lower() for n in ("gate", "up", "down")}
         if len(set(wdt.values())) != 1 or wdt["gate"] not in _SCHEMA_WDT:
             raise ValueError(f"store schema: gate/up/down dtypes {wdt} must be equal and one of "
-                             f"F32, BF16, I8, U8 (int4)")
+                             f"F32, BF16, I8, U8 (int4 or int2)")
         dtype = _SCHEMA_WDT[wdt["gate"]]
+        if dtype == "int4" and "gate.scale" in by and len(by["gate.scale"]["shape"]) == 3:
+            dtype = "int2"
         gs = [int(s) for s in by["gate"]["shape"]]
         if len(gs) != 2:
             raise ValueError(f"store schema: gate must be 2-D, got shape {gs}")
+        pack = _PACK.get(dtype, 1)
         I = gs[0]
-        H = gs[1] * 2 if dtype == "int4" else gs[1]
+        H = gs[1] * pack
         cols = {"gate": H, "up": H, "down": I}
         rows = {"gate": I, "up": I, "down": H}
         group = 128
         for n in ("gate", "up", "down"):
-            want = [rows[n], cols[n] // 2 if dtype == "int4" else cols[n]]
+            want = [rows[n], cols[n] // pack]
             if [int(s) for s in by[n]["shape"]] != want:
                 raise ValueError(f"store schema: {n} has shape {list(by[n]['shape'])}, expected "
                                  f"{want}")
-        quant = dtype in ("int8", "int4")
+        quant = dtype in ("int8", "int4", "int2")
         for n in ("gate", "up", "down"):
             sn = n + ".scale"
             if quant and sn not in by:
@@ -150,9 +157,11 @@ class FFNSpec:
                         raise ValueError(f"store schema: {sn} has shape {shp}, expected "
                                          f"{[rows[n]]}")
                 else:
-                    if len(shp) != 2 or shp[0] != rows[n] or shp[1] <= 0 or cols[n] % shp[1]:
+                    tail = [2] if dtype == "int2" else []
+                    if (len(shp) != 2 + len(tail) or shp[0] != rows[n] or shp[1] <= 0
+                            or cols[n] % shp[1] or shp[2:] != tail):
                         raise ValueError(f"store schema: {sn} has shape {shp}, expected "
-                                         f"[{rows[n]}, {cols[n]}/group]")
+                                         f"{[rows[n], f'{cols[n]}/group'] + tail}")
                     g = cols[n] // shp[1]
                     if n == "gate":
                         group = g

@@ -1,4 +1,4 @@
-"""Weight formats of the expert kernels: bf16 conversion, int8 and int4 quantization, and the
+"""Weight formats of the expert kernels: bf16 conversion, int8, int4 and int2 quantization, and the
 canonical expert tensor dict the store writer stores.
 
 Canonical expert (see ``csrc/kernels/kernels.h``): ``gate`` [I, H], ``up`` [I, H], ``down``
@@ -12,6 +12,11 @@ Canonical expert (see ``csrc/kernels/kernels.h``): ``gate`` [I, H], ``up`` [I, H
 * ``"int4"``: packed uint8 [rows, cols/2] and ``<name>.scale`` f32 [rows, cols/group]; a value
   u in [1, 15] per nibble, column 2j in the low nibble of byte j, 2j+1 in the high nibble;
   w = (u - 8) * scale[row, col // group].  ``group`` is a multiple of 32 dividing H and I.
+* ``"int2"``: packed uint8 [rows, cols/4] and ``<name>.scale`` f32 [rows, cols/group, 2]
+  holding (scale s, offset m) per group; w = u * s + m with u in [0, 3] (asymmetric, HQQ-style:
+  SpecMD's int2 fallback level).  Planar packing per 64 columns: byte j of a block's 16 bytes
+  holds columns 16i + j of the block in bits 2i..2i+1.  ``group`` is a multiple of 64 dividing
+  H and I (64 by default: 3 bits per weight with the f32 pair).
 """
 from __future__ import annotations
 
@@ -27,13 +32,15 @@ __all__ = [
     "dequantize_int8",
     "quantize_int4",
     "dequantize_int4",
+    "quantize_int2",
+    "dequantize_int2",
     "pick_group",
     "expert_tensors",
     "dequantize_expert",
     "store_dtypes",
 ]
 
-DTYPES = ("f32", "bf16", "int8", "int4")
+DTYPES = ("f32", "bf16", "int8", "int4", "int2")
 
 
 def f32_to_bf16(a: np.ndarray) -> np.ndarray:
@@ -112,23 +119,91 @@ def dequantize_int4(packed: np.ndarray, scale: np.ndarray, group: int | None = N
     return (q.reshape(rows, cols // group, group) * scale[:, :, None]).reshape(rows, cols)
 
 
-def pick_group(H: int, I: int) -> int:
-    """Largest int4 group size among 128, 64, 32 dividing both H and I (ValueError if none)."""
-    for g in (128, 64, 32):
+def quantize_int2(w: np.ndarray, group: int = 64,
+                  iters: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Asymmetric int2 in groups of ``group`` columns: returns (packed uint8 [rows, cols/4],
+    scale f32 [rows, cols/group, 2] = (s, m)), w ~ u * s + m with u in [0, 3].
+
+    Starts from the group's range (m = min, s = (max - min) / 3), then ``iters`` rounds of
+    alternating least squares, as HQQ refines its zero point and scale: round u for the
+    current (s, m), then refit (s, m) to minimise the group's squared error for those u.
+    Each round can only lower the error (both steps are exact minimisers of their part)."""
+    w = _matrix(w, "w")
+    if group <= 0 or group % 64:
+        raise ValueError(f"int2 group size must be a positive multiple of 64, got {group}")
+    rows, cols = w.shape
+    if cols % group:
+        raise ValueError(f"int2: {cols} columns are not a multiple of the group size {group}")
+    g = w.reshape(rows, cols // group, group).astype(np.float64)
+    lo, hi = g.min(axis=2), g.max(axis=2)
+    s, m = (hi - lo) / 3.0, lo
+
+    def assign(s: np.ndarray, m: np.ndarray) -> np.ndarray:
+        safe = np.where(s > 0, s, 1.0)
+        u = np.rint((g - m[:, :, None]) / safe[:, :, None])
+        return np.where(s[:, :, None] > 0, np.clip(u, 0, 3), 0.0)
+
+    def err(u: np.ndarray, s: np.ndarray, m: np.ndarray) -> np.ndarray:
+        return ((u * s[:, :, None] + m[:, :, None] - g) ** 2).sum(axis=2)
+
+    u = assign(s, m)
+    for _ in range(iters):
+        mu, mw = u.mean(axis=2), g.mean(axis=2)
+        var = ((u - mu[:, :, None]) ** 2).mean(axis=2)
+        cov = ((u - mu[:, :, None]) * (g - mw[:, :, None])).mean(axis=2)
+        s2 = np.where(var > 0, cov / np.where(var > 0, var, 1.0), 0.0)
+        m2 = mw - s2 * mu
+        better = err(u, s2, m2) < err(u, s, m)  # the refit is optimal; keep ties stable
+        s, m = np.where(better, s2, s), np.where(better, m2, m)
+        u2 = assign(s, m)
+        better = err(u2, s, m) < err(u, s, m)
+        u = np.where(better[:, :, None], u2, u)
+    scale = np.stack([s, m], axis=2).astype(np.float32)
+    # recompute u against the f32 (s, m) the kernels will use
+    u = assign(scale[:, :, 0].astype(np.float64), scale[:, :, 1].astype(np.float64))
+    u = u.astype(np.uint8).reshape(rows, cols // 64, 4, 16)  # [.., block, i, j]: column 16i + j
+    packed = (u[:, :, 0] | (u[:, :, 1] << np.uint8(2)) | (u[:, :, 2] << np.uint8(4))
+              | (u[:, :, 3] << np.uint8(6))).reshape(rows, cols // 4)
+    return np.ascontiguousarray(packed.astype(np.uint8)), np.ascontiguousarray(scale)
+
+
+def dequantize_int2(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`quantize_int2` (float32 [rows, 4*packed cols])."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    scale = np.asarray(scale, dtype=np.float32)
+    rows, quarter = packed.shape
+    cols = 4 * quarter
+    if scale.ndim != 3 or scale.shape[0] != rows or scale.shape[2] != 2 or cols % scale.shape[1]:
+        raise ValueError(f"int2 scale must be [rows, cols/group, 2]; got {scale.shape} for "
+                         f"{rows} x {cols}")
+    group = cols // scale.shape[1]
+    b = packed.reshape(rows, cols // 64, 1, 16)
+    u = ((b >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3)
+    u = u.reshape(rows, cols // group, group).astype(np.float32)
+    return (u * scale[:, :, None, 0] + scale[:, :, None, 1]).reshape(rows, cols)
+
+
+def pick_group(H: int, I: int, dtype: str = "int4") -> int:
+    """Largest group size dividing both H and I: among 128, 64, 32 for int4; for int2 64 (its
+    default: 3 bits per weight) or else 128.  ValueError if none."""
+    cands = (64, 128) if dtype == "int2" else (128, 64, 32)
+    for g in cands:
         if H % g == 0 and I % g == 0:
             return g
-    raise ValueError(f"int4 needs H and I multiples of 32; got H={H}, I={I}")
+    need = 64 if dtype == "int2" else 32
+    raise ValueError(f"{dtype} needs H and I multiples of {need}; got H={H}, I={I}")
 
 
 def expert_tensors(gate: np.ndarray, up: np.ndarray, down: np.ndarray, dtype: str,
                    biases: Mapping[str, np.ndarray] | None = None,
                    group: int | None = None) -> dict[str, np.ndarray]:
-    """Canonical tensors of one expert in ``dtype`` (``f32``, ``bf16``, ``int8``, ``int4``).
+    """Canonical tensors of one expert in ``dtype`` (``f32``, ``bf16``, ``int8``, ``int4``,
+    ``int2``).
 
     ``gate``/``up`` are [I, H] and ``down`` [H, I] (output rows).  ``biases`` maps any of
     ``gate``/``up``/``down`` to an f32 vector.  Keys of the result, in this order: ``gate``,
     ``up``, ``down``, then ``gate.scale``, ``up.scale``, ``down.scale`` (int8/int4), then the
-    given ``<name>.bias``.  ``group`` (int4 only) defaults to :func:`pick_group`.
+    given ``<name>.bias``.  ``group`` (int4/int2 only) defaults to :func:`pick_group`.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown expert dtype {dtype!r}; expected one of {DTYPES}")
@@ -140,15 +215,15 @@ def expert_tensors(gate: np.ndarray, up: np.ndarray, down: np.ndarray, dtype: st
         raise ValueError(f"down has shape {mats['down'].shape}, expected {(H, I)}")
     out: dict[str, np.ndarray] = {}
     scales: dict[str, np.ndarray] = {}
-    if dtype == "int4":
+    if dtype in ("int4", "int2"):
         if group is None:
-            group = pick_group(H, I)
+            group = pick_group(H, I, dtype)
         for n, m in (("gate", H), ("up", H), ("down", I)):
             if m % group:
-                raise ValueError(f"int4: {n} has {m} input columns, not a multiple of the group "
-                                 f"size {group}")
+                raise ValueError(f"{dtype}: {n} has {m} input columns, not a multiple of the "
+                                 f"group size {group}")
     elif group is not None:
-        raise ValueError("group is only meaningful for int4")
+        raise ValueError("group is only meaningful for int4 and int2")
     for name, w in mats.items():
         if dtype == "f32":
             out[name] = w
@@ -156,8 +231,10 @@ def expert_tensors(gate: np.ndarray, up: np.ndarray, down: np.ndarray, dtype: st
             out[name] = f32_to_bf16(w)
         elif dtype == "int8":
             out[name], scales[name + ".scale"] = quantize_int8(w)
-        else:
+        elif dtype == "int4":
             out[name], scales[name + ".scale"] = quantize_int4(w, group)  # type: ignore[arg-type]
+        else:
+            out[name], scales[name + ".scale"] = quantize_int2(w, group)  # type: ignore[arg-type]
     out.update(scales)
     want = {"gate": I, "up": I, "down": H}
     for name, b in (biases or {}).items():
@@ -184,6 +261,8 @@ def dequantize_expert(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray
             res[name] = bf16_to_f32(w)
         elif w.dtype == np.int8:
             res[name] = dequantize_int8(w, s)  # type: ignore[arg-type]
+        elif w.dtype == np.uint8 and np.ndim(s) == 3:  # int2: (scale, offset) per group
+            res[name] = dequantize_int2(w, s)  # type: ignore[arg-type]
         elif w.dtype == np.uint8:
             res[name] = dequantize_int4(w, s)  # type: ignore[arg-type]
         else:

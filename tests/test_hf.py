@@ -364,11 +364,12 @@ def _nll(model, ids):
     return torch.nn.functional.cross_entropy(lg, ids[0, 1:]).item()
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int2"])
 def test_quantized_store_perplexity(dtype):
-    """int8/int4 experts change the model's perplexity on a fixed text only a little.  The
-    text is the f32 model's own greedy continuation, so its perplexity is low and a broken
-    quantized path shows up as a large jump."""
+    """int8/int4 experts change the model's perplexity on a fixed text only a little (int2, the
+    fallback level of SpecMD's cascade, by more).  The text is the f32 model's own greedy
+    continuation, so its perplexity is low and a broken quantized path shows up as a large
+    jump."""
     m, ref = _pair("qwen3_moe", hidden=128, inter=128)
     text = ref.generate(PROMPT, max_new_tokens=40, do_sample=False)
     p_ref = math.exp(_nll(ref, text))
@@ -383,9 +384,9 @@ def test_quantized_store_perplexity(dtype):
     print(f"perplexity f32 {p_ref:.4f} -> {dtype} {p_q:.4f} ({(p_q / p_ref - 1) * 100:+.2f}%), "
           f"logit correlation {corr:.5f}")
     assert math.isfinite(p_q)
-    assert abs(p_q / p_ref - 1) < (0.02 if dtype == "int8" else 0.15)
+    assert abs(p_q / p_ref - 1) < {"int8": 0.02, "int4": 0.15, "int2": 0.3}[dtype]
     # logits track the f32 model's (a wrong dequantization decorrelates them)
-    assert corr > (0.999 if dtype == "int8" else 0.98)
+    assert corr > {"int8": 0.999, "int4": 0.98, "int2": 0.97}[dtype]
 
 
 def test_cache_sees_one_access_per_layer_expert_and_pass():

@@ -123,6 +123,54 @@ def test_int4_group_errors():
         quant.pick_group(40, 64)
 
 
+@pytest.mark.parametrize("group", [64, 128])
+def test_int2_pack_order_and_roundtrip(group):
+    """Planar packing (byte j of a 64-column block: columns 16i + j in bits 2i..2i+1), unpacked
+    bit by bit here, and the (scale, offset) dequantization w = u * s + m."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((3, 2 * group)).astype(np.float32)
+    p, s = quant.quantize_int2(w, group)
+    assert p.shape == (3, group // 2) and p.dtype == np.uint8 and s.shape == (3, 2, 2)
+    u = np.empty((3, 2 * group), np.int64)
+    for r in range(3):
+        for c in range(2 * group):
+            byte = int(p[r, (c // 64) * 16 + c % 16])
+            u[r, c] = (byte >> (2 * ((c % 64) // 16))) & 3
+    sc = np.repeat(s[:, :, 0], group, axis=1)
+    off = np.repeat(s[:, :, 1], group, axis=1)
+    np.testing.assert_allclose(u * sc + off, quant.dequantize_int2(p, s), rtol=0, atol=1e-6)
+    # each weight is at its nearest level of the group's grid {m, m+s, m+2s, m+3s}
+    levels = off[:, :, None] + sc[:, :, None] * np.arange(4)[None, None, :]
+    nearest = np.abs(levels - w[:, :, None]).min(axis=2)
+    assert np.allclose(np.abs(u * sc + off - w), nearest, atol=1e-5)
+
+
+def test_int2_least_squares_beats_range_and_keeps_constant_groups():
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((16, 256)).astype(np.float32)
+    err = [np.linalg.norm(quant.dequantize_int2(*quant.quantize_int2(w, 64, iters=i)) - w)
+           for i in (0, 1, 4)]
+    assert err[1] <= err[0] and err[2] <= err[1] and err[2] < 0.8 * err[0], err
+    # Gaussian weights: within 5 % of the optimal 4-level quantizer's error (Lloyd-Max,
+    # distortion 0.1175 per unit variance -> relative error 0.343)
+    assert err[2] / np.linalg.norm(w) < 1.05 * 0.343
+    const = np.full((2, 64), -0.25, np.float32)
+    np.testing.assert_array_equal(quant.dequantize_int2(*quant.quantize_int2(const)), const)
+
+
+def test_int2_group_errors():
+    w = np.ones((2, 192), np.float32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quant.quantize_int2(w, 32)
+    with pytest.raises(ValueError, match="multiple of the group size 128"):
+        quant.quantize_int2(w, 128)
+    assert quant.pick_group(192, 128, "int2") == 64 and quant.pick_group(384, 640, "int2") == 64
+    with pytest.raises(ValueError, match="int2 needs H and I multiples of 64"):
+        quant.pick_group(96, 64, "int2")
+    with pytest.raises(ValueError, match="scale must be"):
+        quant.dequantize_int2(np.zeros((2, 16), np.uint8), np.zeros((2, 1), np.float32))
+
+
 def test_expert_tensors_names_and_store_dtypes():
     g, u, d, b = make_expert(np.random.default_rng(4), 64, 32, bias=True)
     t = quant.expert_tensors(g, u, d, "int4", biases=b)
@@ -145,8 +193,9 @@ TOKENS = [1, 3, 8]
 
 
 def _shape_for(dtype, H, I):
-    if dtype == "int4":
-        return max(32, H // 32 * 32), max(32, I // 32 * 32)
+    if dtype in ("int4", "int2"):
+        m = 32 if dtype == "int4" else 64
+        return max(m, H // m * m), max(m, I // m * m)
     return H, I
 
 
@@ -175,7 +224,7 @@ def test_ffn_matches_reference(ctx, dtype, activation, isa, T, shape, seed=0):
     full = ref_ffn({"gate": g, "up": u, "down": d, **({} if b is None else
                    {k + ".bias": v for k, v in b.items()})}, x, activation)
     rel = np.linalg.norm(y - full) / max(np.linalg.norm(full), 1e-6)
-    assert rel < {"f32": 1e-4, "bf16": 3e-2, "int8": 5e-2, "int4": 0.4}[dtype], rel
+    assert rel < {"f32": 1e-4, "bf16": 3e-2, "int8": 5e-2, "int4": 0.4, "int2": 1.0}[dtype], rel
 
 
 # The default (fast) path rounds activations: bf16 -> bf16 x (vdpbf16ps), int8 -> int16 x
@@ -310,7 +359,7 @@ def test_rows_scale_accumulate_many_tokens(ctx, isa, dtype):
     into an out that already holds values; untouched rows stay as they were."""
     _isa(ctx, isa)
     rng = np.random.default_rng(9)
-    H, I = 128, 96
+    H, I = _shape_for(dtype, 128, 96)
     g, u, d, _ = make_expert(rng, H, I, std=0.1)
     t = quant.expert_tensors(g, u, d, dtype)
     x = rng.standard_normal((30, H)).astype(np.float32)
@@ -400,6 +449,29 @@ def test_from_store_schema_int4_group():
     _, entries = kernels.pack_block(quant.expert_tensors(g, u, d, "int4"))
     spec = kernels.FFNSpec.from_store_schema(entries)
     assert (spec.H, spec.I, spec.group) == (192, 64, 64)
+
+
+def test_from_store_schema_int2():
+    """Packed U8 with [rows, groups, 2] scales is int2 (int4's scales are 2-D)."""
+    g, u, d, _ = make_expert(np.random.default_rng(12), 192, 128)
+    t = quant.expert_tensors(g, u, d, "int2")
+    _, entries = kernels.pack_block(t)
+    spec = kernels.FFNSpec.from_store_schema(entries)
+    assert (spec.dtype, spec.H, spec.I, spec.group) == ("int2", 192, 128, 64)
+    assert spec.weight_bytes == sum(v.nbytes for v in t.values())
+    bad = [dict(e, shape=[128, 3, 3]) if e["name"] == "gate.scale" else e for e in entries]
+    with pytest.raises(ValueError, match="gate.scale has shape"):
+        kernels.FFNSpec.from_store_schema(bad)
+
+
+def test_int2_rejected_for_linear_layers(ctx):
+    w = np.zeros((64, 64), np.float32)
+    p, s = quant.quantize_int2(w)
+    block, entries = kernels.pack_block({"w": p, "s": s})
+    desc = {"N": 64, "K": 64, "dtype": 4, "group": 64, "weight": 0,
+            "weight_scale": entries[1]["offset"]}
+    with pytest.raises(ValueError, match="int2 weights are for expert FFNs only"):
+        _C.Linear(ctx, desc, block)
 
 
 def test_from_store_schema_errors():

@@ -29,6 +29,7 @@ uint64_t smoe_ffn_weight_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t c
     case SMOE_WDT_BF16: return n * 2;
     case SMOE_WDT_I8: return n;
     case SMOE_WDT_I4: return n / 2;
+    case SMOE_WDT_I2: return n / 4;
     default: return 0;
     }
 }
@@ -37,6 +38,7 @@ uint64_t smoe_ffn_scale_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t co
     switch (d->dtype) {
     case SMOE_WDT_I8: return (uint64_t)rows * 4;
     case SMOE_WDT_I4: return (uint64_t)rows * (cols / group_of(d)) * 4;
+    case SMOE_WDT_I2: return (uint64_t)rows * (cols / group_of(d)) * 8; /* (scale, offset) */
     default: return 0;
     }
 }
@@ -61,7 +63,7 @@ static int check_tensor(const char *name, uint64_t off, uint64_t nbytes, uint64_
 }
 
 int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *err) {
-    if (d->dtype < SMOE_WDT_F32 || d->dtype > SMOE_WDT_I4)
+    if (d->dtype < SMOE_WDT_F32 || d->dtype > SMOE_WDT_I2)
         return smoe_err_set(err, SMOE_EINVAL, "unknown expert weight dtype %d", d->dtype);
     if (d->act != SMOE_ACT_SILU && d->act != SMOE_ACT_GPTOSS)
         return smoe_err_set(err, SMOE_EINVAL, "unknown expert activation %d", d->act);
@@ -71,26 +73,28 @@ int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *
     if (d->H > (1u << 24) || d->I > (1u << 24))
         return smoe_err_set(err, SMOE_EINVAL, "expert shape H=%u I=%u is implausibly large",
                             d->H, d->I);
-    if (d->dtype == SMOE_WDT_I4) {
-        uint32_t g = group_of(d);
-        if (g % 32 || g > 4096)
+    if (d->dtype == SMOE_WDT_I4 || d->dtype == SMOE_WDT_I2) {
+        const char *nm = d->dtype == SMOE_WDT_I4 ? "int4" : "int2";
+        uint32_t g = group_of(d), mult = d->dtype == SMOE_WDT_I4 ? 32 : 64;
+        if (g % mult || g > 4096)
             return smoe_err_set(err, SMOE_EINVAL,
-                                "int4 group size %u must be a multiple of 32 (at most 4096)", g);
+                                "%s group size %u must be a multiple of %u (at most 4096)", nm, g,
+                                mult);
         if (d->H % g)
             return smoe_err_set(err, SMOE_EINVAL,
-                                "int4: hidden size H=%u is not a multiple of the group size %u",
+                                "%s: hidden size H=%u is not a multiple of the group size %u", nm,
                                 d->H, g);
         if (d->I % g)
             return smoe_err_set(err, SMOE_EINVAL,
-                                "int4: intermediate size I=%u is not a multiple of the group size "
+                                "%s: intermediate size I=%u is not a multiple of the group size "
                                 "%u",
-                                d->I, g);
+                                nm, d->I, g);
     }
     if (d->act == SMOE_ACT_GPTOSS && !(d->limit > 0.0f && d->alpha == d->alpha))
         return smoe_err_set(err, SMOE_EINVAL, "gptoss activation needs limit > 0 (got %g)",
                             (double)d->limit);
     uint64_t wal = d->dtype == SMOE_WDT_F32 ? 4 : d->dtype == SMOE_WDT_BF16 ? 2 : 1;
-    int q = d->dtype == SMOE_WDT_I8 || d->dtype == SMOE_WDT_I4;
+    int q = d->dtype == SMOE_WDT_I8 || d->dtype == SMOE_WDT_I4 || d->dtype == SMOE_WDT_I2;
     int rc;
     if ((rc = check_tensor("gate", d->gate, smoe_ffn_weight_bytes(d, d->I, d->H), wal, 1,
                            block_bytes, err)) ||
@@ -238,7 +242,9 @@ const smoe_ffn_impl smoe_ffn_impl_scalar = {scalar_gateup, scalar_down, scalar_r
 
 /* ---- driver ---- */
 
-static const smoe_ffn_impl *impl_for(int32_t isa) {
+/* The exact path's entry points for weights of `dtype` on `isa` (int2 has its own, ffn_i2.c). */
+static const smoe_ffn_impl *impl_for(int32_t isa, int32_t dtype) {
+    if (dtype == SMOE_WDT_I2) return smoe_ffn_impl_i2(isa);
     switch (isa) {
     case SMOE_ISA_AVX512: return &smoe_ffn_impl_avx512;
     case SMOE_ISA_AVX2: return &smoe_ffn_impl_avx2;
@@ -370,7 +376,7 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
     gather_rows(x, x_stride, rows, T, d->H, smoe_dtype_permuted(d->dtype), xs);
     smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride,
                         NULL, NULL, NULL};
-    phase_arg pa = {impl_for(isa), &job, 1, 0};
+    phase_arg pa = {impl_for(isa, d->dtype), &job, 1, 0};
     smoe_kpool_lock(pool);
     smoe_kpool_run(pool, phase_run, &pa);
     pa.phase = 2;
@@ -394,6 +400,9 @@ static void linear_as_down(const smoe_linear_desc *l, smoe_ffn_desc *d) {
 }
 
 int smoe_linear_desc_check(const smoe_linear_desc *l, uint64_t block_bytes, smoe_err *err) {
+    if (l->dtype == SMOE_WDT_I2)
+        return smoe_err_set(err, SMOE_EINVAL, "int2 weights are for expert FFNs only, not for "
+                            "linear layers (use f32, bf16, int8 or int4)");
     if (l->dtype < SMOE_WDT_F32 || l->dtype > SMOE_WDT_I4)
         return smoe_err_set(err, SMOE_EINVAL, "unknown linear weight dtype %d", l->dtype);
     if (l->N == 0 || l->K == 0 || l->N > (1u << 24) || l->K > (1u << 24))
@@ -472,7 +481,7 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
         }
         smoe_ffn_job job = {&d,   block, nt,         d.group, NULL, act, NULL,
                             NULL, oc,    out_stride, NULL,    NULL, NULL};
-        phase_arg pa = {impl_for(isa), &job, 2, 0};
+        phase_arg pa = {impl_for(isa, d.dtype), &job, 2, 0};
         if (fast) {
             smoe_fast_prepare(d.dtype, xc, x_stride, NULL, nt, l->K, q, qs, qsum);
             job.q = q;
@@ -519,7 +528,7 @@ int smoe_read_bw(smoe_kctx *c, const uint8_t *buf, size_t bytes, uint32_t iters,
         return smoe_err_set(err, SMOE_EINVAL, "smoe_read_bw: bad argument");
     read_arg *ra = calloc(1, sizeof *ra);
     if (!ra) return smoe_err_set(err, SMOE_ENOMEM, "smoe_read_bw: out of memory");
-    ra->impl = impl_for(c->isa);
+    ra->impl = impl_for(c->isa, SMOE_WDT_F32);
     ra->buf = buf;
     ra->bytes = bytes;
     uint32_t parts = c->pool ? c->nthreads : 1;

@@ -16,6 +16,14 @@
  *         nibble of byte j of the row, column 2j+1 in the high nibble: packed [rows, cols/2] u8;
  *         scale [rows, cols/group] f32 (f32 rather than f16: exact, and only 1/32 extra bytes
  *         per weight byte at group 128).
+ *   I2    int2 asymmetric in groups of `group` consecutive input columns (group a multiple of
+ *         64 dividing both H and I): w[r,c] = u[r,c] * scale[r,c/group,0] + scale[r,c/group,1]
+ *         with u in [0, 3] (HQQ-style scale and zero point, SpecMD's lowest fallback level);
+ *         four values per byte in a planar order per 64 columns: byte j (0..15) of the 16-byte
+ *         block holding columns [64b, 64b+64) of a row has column 64b + 16i + j in bits
+ *         2i..2i+1, so one 16-byte load widens to four vectors of 16 consecutive columns with
+ *         shifts and a mask: packed [rows, cols/4] u8; scale [rows, cols/group, 2] f32
+ *         (scale, offset).  For expert FFNs only (not smoe_linear_forward, not the GPU).
  * Activations (smoe_act), with g = gate row . x + gate.bias, u = up row . x + up.bias:
  *   SILU    a = silu(g) * u = g / (1 + exp(-g)) * u        (Mixtral, Qwen2/3-MoE, OLMoE,
  *                                                             PhiMoE, DeepSeek-V2/V3)
@@ -40,7 +48,8 @@ typedef enum smoe_wdtype {
     SMOE_WDT_F32 = 0,
     SMOE_WDT_BF16 = 1,
     SMOE_WDT_I8 = 2,
-    SMOE_WDT_I4 = 3
+    SMOE_WDT_I4 = 3,
+    SMOE_WDT_I2 = 4
 } smoe_wdtype;
 
 typedef enum smoe_act { SMOE_ACT_SILU = 0, SMOE_ACT_GPTOSS = 1 } smoe_act;
@@ -62,7 +71,7 @@ typedef struct smoe_ffn_desc {
     int32_t act;     /* smoe_act */
     float alpha;     /* GPTOSS only */
     float limit;     /* GPTOSS only */
-    uint32_t group;  /* I4 only: group size along the input dim; 0 -> 128 */
+    uint32_t group;  /* I4, I2: group size along the input dim; 0 -> 128 */
     uint64_t gate, up, down;                   /* weights (required) */
     uint64_t gate_scale, up_scale, down_scale; /* required for I8/I4, else SMOE_NO_TENSOR */
     uint64_t gate_bias, up_bias, down_bias;    /* optional, SMOE_NO_TENSOR when absent */
@@ -74,7 +83,8 @@ typedef struct smoe_ffn_desc {
  * group 128, precise 0). */
 void smoe_ffn_desc_default(smoe_ffn_desc *d, uint32_t H, uint32_t I, int32_t dtype, int32_t act);
 
-/* Validate d: dtype/act known, H,I > 0, group valid for I4 (multiple of 32 dividing H and I),
+/* Validate d: dtype/act known, H,I > 0, group valid for I4 (multiple of 32 dividing H and I)
+ * and I2 (multiple of 64 dividing H and I),
  * required tensors present, every tensor inside [0, block_bytes) and aligned.  Errors name the
  * tensor.  block_bytes = 0 skips the bounds check. */
 int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *err);

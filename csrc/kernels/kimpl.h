@@ -51,6 +51,8 @@ typedef struct smoe_ffn_impl {
 extern const smoe_ffn_impl smoe_ffn_impl_scalar;
 extern const smoe_ffn_impl smoe_ffn_impl_avx2;
 extern const smoe_ffn_impl smoe_ffn_impl_avx512;
+/* Int2 weights on `isa` (ffn_i2.c): exact f32 math on the widened weights, every ISA. */
+const smoe_ffn_impl *smoe_ffn_impl_i2(int32_t isa);
 /* Fast paths with rounded activations (ffn_fast.c); smoe_ffn_fast_built is 0 when the compiler
  * could not build them.  smoe_fast_prepare rounds/quantizes T rows of src (n columns; row
  * rows[t] or t) into q [T, n] (bf16 / int8+128 / int4-partner int8 layout), qs (int8: [T]
