@@ -1,7 +1,9 @@
 """What SpecMD's miss handling and cache-aware routing cost in output quality, next to what they
 save in time, on the zoo's trained tiny-moe (specmoe/zoo, docs/zoo.md).
 
-For each setting (miss mode, drop's keep, routing lambda) the offloaded model decodes held-out
+For each setting (miss mode, drop's keep, routing lambda, the low-bit levels of lowest_bit and
+priority -- SpecMD's int4 -> int2 cascade -- and priority's int2 rank) the offloaded model
+decodes held-out
 text (the zoo corpus's held-out stdlib files, code and docstrings; training/corpus.py) teacher-
 forced, one token per forward pass with the KV cache, exactly as generation runs; the unmodified
 transformers model does the same.  Per setting:
@@ -10,7 +12,8 @@ transformers model does the same.  Per setting:
   plain model's (token agreement with plain decoding);
 * ``ppl`` / ``ppl_plain``: perplexity of the held-out continuation under each;
 * ``tok_per_s``, ``stall_s``, ``hit_rate``, ``misses`` (demand loads) and the step-4 counters
-  per token (``dropped``, ``substituted``, ``lowbit``, ``rerouted``).
+  per token (``dropped``, ``substituted``, ``lowbit``, ``lowbit2`` -- of those, from the int2
+  level --, ``rerouted``).
 
 The cache holds ``--cache`` of the experts with prefetch on and Least-Stale; the store reads go
 through the link throttle (``--throttle GBps,latency_us``; SpecMD A.4) so that a load costs what
@@ -40,11 +43,28 @@ from specmoe import zoo  # noqa: E402
 
 import corpus  # noqa: E402  (training/corpus.py: the held-out split rule and stdlib walk)
 
-SETTINGS = [  # (miss, keep, route_lambda)
-    ("fetch", 2, 0.0), ("drop", 1, 0.0), ("drop", 0, 0.0), ("substitute", 2, 0.0),
-    ("lowest_bit", 2, 0.0), ("priority", 1, 0.0), ("fetch", 2, 0.3), ("fetch", 2, 0.5),
-    ("lowest_bit", 2, 0.3),
+SETTINGS = [  # (miss, keep, route_lambda, miss_levels, miss_keep2 or None for the default)
+    ("fetch", 2, 0.0, "int4", None), ("drop", 1, 0.0, "int4", None),
+    ("drop", 0, 0.0, "int4", None), ("substitute", 2, 0.0, "int4", None),
+    ("lowest_bit", 2, 0.0, "int4", None), ("lowest_bit", 2, 0.0, "int2", None),
+    ("priority", 1, 0.0, "int4", None), ("priority", 1, 0.0, "int2", None),
+    ("priority", 0, 0.0, "int4:int2", None),  # rank 0 from int4, rank 1 from int2
+    ("fetch", 2, 0.3, "int4", None), ("fetch", 2, 0.5, "int4", None),
+    ("lowest_bit", 2, 0.3, "int4", None),
 ]
+
+
+def parse_settings(spec: str) -> List[tuple]:
+    """``miss:keep:lambda[:levels[:keep2]]`` comma-separated, levels joined by ``+``
+    (``priority:0:0:int4+int2``)."""
+    out = []
+    for item in spec.split(","):
+        f = item.split(":")
+        if not 3 <= len(f) <= 5:
+            raise SystemExit(f"--settings: {item!r} is not miss:keep:lambda[:levels[:keep2]]")
+        levels = f[3].replace("+", ":") if len(f) > 3 else "int4"
+        out.append((f[0], int(f[1]), float(f[2]), levels, int(f[4]) if len(f) > 4 else None))
+    return out
 
 
 def heldout_texts(n: int, seed: int) -> List[str]:
@@ -114,7 +134,8 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settings", default=None,
-                    help="comma-separated miss:keep:lambda (default: the built-in list)")
+                    help="comma-separated miss:keep:lambda[:levels[:keep2]], levels joined by + "
+                    "(default: the built-in list)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -134,10 +155,10 @@ def main(argv: List[str] | None = None) -> int:
     eng = specmoe.offload(target, cache=a.cache, dtype=a.dtype, policy="least_stale",
                           throttle=(gbps, lat))
     rows: List[Dict[str, Any]] = []
-    settings = SETTINGS if not a.settings else [
-        (m, int(k), float(lam)) for m, k, lam in (x.split(":") for x in a.settings.split(","))]
-    for miss, keep, lam in settings:
-        eng.set_miss(miss, keep, lam)
+    settings = SETTINGS if not a.settings else parse_settings(a.settings)
+    for miss, keep, lam, levels, keep2 in settings:
+        eng.set_miss(miss, keep, lam, miss_levels=levels,
+                     miss_keep2="auto" if keep2 is None else keep2)
         eng.set_cache(a.cache)  # every setting starts from an empty cache
         eng.reset_stats()
         agree = 0
@@ -151,12 +172,14 @@ def main(argv: List[str] | None = None) -> int:
         s = eng.stats()
         rows.append({
             "miss": miss, "miss_keep": keep, "route_lambda": lam,
+            "miss_levels": levels if miss in ("lowest_bit", "priority") else None,
+            "miss_keep2": eng.miss_keep2 if miss == "priority" else None,
             "agreement": agree / n_tok, "ppl": math.exp(total_nll / n_tok),
             "ppl_vs_plain": math.exp(total_nll / n_tok) / ppl_plain,
             "tok_per_s": n_tok / dt, "stall_s": s["stall_s"], "hit_rate": s["hit_rate"],
             "misses_per_token": s["misses"] / s["tokens"],
             **{f"{k}_per_token": s[k] / s["tokens"]
-               for k in ("dropped", "substituted", "lowbit", "rerouted")},
+               for k in ("dropped", "substituted", "lowbit", "lowbit2", "rerouted")},
         })
     eng.close()
     out = {
@@ -171,10 +194,11 @@ def main(argv: List[str] | None = None) -> int:
     else:
         print(f"{len(wins)} windows, {n_tok} tokens scored; plain ppl {ppl_plain:.3f}, "
               f"{out['plain_tok_per_s']:.1f} tok/s (torch, all in memory)")
-        print(f"{'miss':<11}{'keep':>5}{'lam':>5}{'agree':>8}{'ppl':>8}{'tok/s':>8}"
-              f"{'stall_s':>9}{'hit':>7}{'miss/t':>8}")
+        print(f"{'miss':<11}{'levels':>10}{'keep':>5}{'lam':>5}{'agree':>8}{'ppl':>8}"
+              f"{'tok/s':>8}{'stall_s':>9}{'hit':>7}{'miss/t':>8}")
         for r in rows:
-            print(f"{r['miss']:<11}{r['miss_keep']:>5}{r['route_lambda']:>5}"
+            print(f"{r['miss']:<11}{r['miss_levels'] or '-':>10}{r['miss_keep']:>5}"
+                  f"{r['route_lambda']:>5}"
                   f"{r['agreement']:>8.3f}{r['ppl']:>8.3f}{r['tok_per_s']:>8.1f}"
                   f"{r['stall_s']:>9.3f}{r['hit_rate']:>7.3f}{r['misses_per_token']:>8.2f}")
     return 0

@@ -59,7 +59,8 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
         !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit || !g->pinned ||
         !g->blocks)
         goto nomem;
-    g->miss = SMOE_MISS_FETCH, g->miss_keep = k < 2 ? k : 2, g->route_lambda = 0.0;
+    g->miss = SMOE_MISS_FETCH, g->miss_keep = k < 2 ? k : 2, g->miss_keep2 = k;
+    g->route_lambda = 0.0;
     for (uint32_t l = 0; l < L; l++) {
         smoe_layer_router *r = &g->routers[l];
         if (!w[l]) {
@@ -102,6 +103,7 @@ void smoe_layers_free(smoe_layers *g) {
     free(g->w2);
     free(g->take);
     free(g->take_lb);
+    free(g->take_lv);
     free(g->take2);
     free(g->out2);
     free(g->zt);
@@ -148,31 +150,46 @@ static const char *lowbit_mode_name(int miss) {
     return miss == SMOE_MISS_PRIORITY ? "priority" : "lowest_bit";
 }
 
-int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
-                         smoe_err *err) {
+/* Whether settings (miss, keep2) compute some pair from low-bit copy `level`. */
+static int uses_copy(const smoe_layers *g, int miss, uint32_t keep2, uint32_t level) {
+    if (level == 0) return uses_lowbit(miss);
+    return miss == SMOE_MISS_PRIORITY && keep2 < g->k;
+}
+
+int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, uint32_t miss_keep2,
+                         double route_lambda, smoe_err *err) {
     if (miss < SMOE_MISS_FETCH || miss > SMOE_MISS_PRIORITY)
         return smoe_err_set(err, SMOE_EINVAL, "layers: unknown miss mode %d", miss);
     if (miss_keep > g->k)
         return smoe_err_set(err, SMOE_EINVAL, "layers: miss_keep %u exceeds top_k %u",
                             miss_keep, g->k);
+    if (miss_keep2 < miss_keep || miss_keep2 > g->k)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: miss_keep2 %u must be in "
+                            "[miss_keep %u, top_k %u]", miss_keep2, miss_keep, g->k);
     if (!isfinite(route_lambda) || route_lambda < 0.0)
         return smoe_err_set(err, SMOE_EINVAL, "layers: route_lambda must be finite and >= 0, "
                             "got %g", route_lambda);
     pthread_mutex_lock(&g->mu);
     int rc = SMOE_OK;
-    if (uses_lowbit(miss) && !g->lowbit.base)
+    if (uses_copy(g, miss, miss_keep2, 0) && !g->lowbit[0].base)
         rc = smoe_err_set(err, SMOE_EINVAL, "layers: miss mode %s needs a resident "
                           "low-bit copy of the experts (the self-draft's, "
                           "Engine.enable_self_draft)",
                           lowbit_mode_name(miss));
+    else if (uses_copy(g, miss, miss_keep2, 1) && !g->lowbit[1].base)
+        rc = smoe_err_set(err, SMOE_EINVAL, "layers: miss mode priority with miss_keep2 %u < "
+                          "top_k %u needs a second resident low-bit copy", miss_keep2, g->k);
     else
-        g->miss = miss, g->miss_keep = miss_keep, g->route_lambda = route_lambda;
+        g->miss = miss, g->miss_keep = miss_keep, g->miss_keep2 = miss_keep2,
+        g->route_lambda = route_lambda;
     pthread_mutex_unlock(&g->mu);
     return rc;
 }
 
-int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
+int smoe_layers_set_lowbit(smoe_layers *g, uint32_t level, const uint8_t *base, uint64_t size,
                            uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err) {
+    if (level > 1)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy level %u (0 or 1)", level);
     if (base) {
         if (desc->H != g->H)
             return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy has hidden size %u, "
@@ -187,14 +204,18 @@ int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
     }
     pthread_mutex_lock(&g->mu);
     int rc = SMOE_OK;
-    if (!base && uses_lowbit(g->miss)) {
-        rc = smoe_err_set(err, SMOE_ESTATE, "layers: the low-bit copy is in use by miss mode "
-                          "%s", lowbit_mode_name(g->miss));
+    if (!base && uses_copy(g, g->miss, g->miss_keep2, level)) {
+        rc = smoe_err_set(err, SMOE_ESTATE, "layers: low-bit copy %u is in use by miss mode "
+                          "%s", level, lowbit_mode_name(g->miss));
+    } else if (!base && level == 0 && g->lowbit[1].base) {
+        rc = smoe_err_set(err, SMOE_ESTATE, "layers: remove low-bit copy 1 before copy 0");
+    } else if (base && level == 1 && !g->lowbit[0].base) {
+        rc = smoe_err_set(err, SMOE_ESTATE, "layers: set low-bit copy 0 before copy 1");
     } else if (!base) {
-        memset(&g->lowbit, 0, sizeof g->lowbit);
+        memset(&g->lowbit[level], 0, sizeof g->lowbit[level]);
     } else {
-        g->lowbit = (smoe_moe_resident){base, size, block_bytes, g->E};
-        g->lowbit_desc = *desc;
+        g->lowbit[level] = (smoe_moe_resident){base, size, block_bytes, g->E};
+        g->lowbit_desc[level] = *desc;
     }
     pthread_mutex_unlock(&g->mu);
     return rc;
@@ -311,11 +332,13 @@ static int grow_pairs(smoe_layers *g, uint32_t T, smoe_err *err) {
     if (tk) g->take = tk;
     uint8_t *tl = realloc(g->take_lb, nk);
     if (tl) g->take_lb = tl;
+    uint8_t *tv = realloc(g->take_lv, nk);
+    if (tv) g->take_lv = tv;
     uint8_t *t2 = realloc(g->take2, nk);
     if (t2) g->take2 = t2;
     float *o2 = realloc(g->out2, sizeof *o2 * (size_t)T * g->H);
     if (o2) g->out2 = o2;
-    if (!i2 || !w2 || !tk || !tl || !t2 || !o2)
+    if (!i2 || !w2 || !tk || !tl || !tv || !t2 || !o2)
         return smoe_err_set(err, SMOE_ENOMEM, "layers: no memory for %u tokens' routing", T);
     g->cap_pairs = T;
     return SMOE_OK;
@@ -432,12 +455,12 @@ static const uint8_t *mark_kept(smoe_layers *g, size_t nk, const uint8_t *draft)
 
 /* Draft tokens (layer.h): after the miss mode has decided, a draft token's pair keeps its
  * expert at full precision only when it is resident or fetched anyway for a real token; else
- * it is computed from the low-bit copy when there is one, or skipped.  g->take / g->take_lb
+ * it is computed from low-bit copy 0 when there is one, or skipped.  g->take / g->take_lb
  * hold every pair's decision on return (they are written here for any mode). */
 static void resolve_draft(smoe_layers *g, size_t nk, const uint8_t *draft, int take_set,
                           uint32_t *lowbit_pairs) {
     const uint32_t k = g->k;
-    const int lb = g->lowbit.base != NULL;
+    const int lb = g->lowbit[0].base != NULL;
     uint8_t *fetched = g->mark; /* per expert: served at full precision to a real token */
     memset(fetched, 0, g->E);
     for (size_t i = 0; i < nk; i++) {
@@ -449,9 +472,11 @@ static void resolve_draft(smoe_layers *g, size_t nk, const uint8_t *draft, int t
         const int64_t e = g->idx2[i];
         const uint8_t full = (uint8_t)(g->resident[e] || fetched[e]);
         const uint8_t low = (uint8_t)(!full && lb);
-        if (low && !g->take_lb[i]) (*lowbit_pairs)++, g->counters.lowbit++;
-        if (!low && g->take_lb[i]) (*lowbit_pairs)--, g->counters.lowbit--; /* fetched anyway */
-        if (!full && !low && (g->take[i] || g->take_lb[i])) g->counters.dropped++;
+        const uint8_t prev = g->take_lb[i];
+        if (low && !prev) (*lowbit_pairs)++, g->counters.lowbit++;
+        if (!low && prev) (*lowbit_pairs)--, g->counters.lowbit--; /* fetched anyway */
+        if (prev == 2) g->counters.lowbit2--; /* drafts use copy 0 */
+        if (!full && !low) g->counters.dropped++;
         g->counters.draft_kept += !full;
         g->take[i] = full;
         g->take_lb[i] = low;
@@ -485,10 +510,17 @@ static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint3
             const int64_t e = g->idx2[i];
             g->take[i] = (uint8_t)(g->resident[e] || need[e]);
             if (g->miss == SMOE_MISS_DROP) {
-                g->counters.dropped += !g->take[i];
-            } else { /* PRIORITY: the rest from the low-bit copy */
-                g->take_lb[i] = (uint8_t)!g->take[i];
-                *lowbit_pairs += g->take_lb[i];
+                /* a draft pair's fate (and count) is resolve_draft's */
+                g->counters.dropped += !g->take[i] && !(draft && draft[i / k]);
+                g->take_lb[i] = 0; /* read by resolve_draft */
+            } else { /* PRIORITY: the rest from a low-bit copy, by the pair's own rank */
+                uint8_t lv = 0;
+                if (!g->take[i])
+                    lv = weight_rank(g->w2 + (i / k) * k, k, (uint32_t)(i % k)) < g->miss_keep2
+                             ? 1 : 2;
+                g->take_lb[i] = lv;
+                *lowbit_pairs += lv != 0;
+                g->counters.lowbit2 += lv == 2;
             }
         }
         if (g->miss == SMOE_MISS_PRIORITY) g->counters.lowbit += *lowbit_pairs;
@@ -689,10 +721,14 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];
         for (uint32_t e = 0; e < E; e++) used[e] |= g->used2[e];
     }
-    if (lowbit_pairs) { /* the missing experts from the resident low-bit copy, added to out */
-        smoe_moe_source lsrc = smoe_moe_resident_source(&g->lowbit);
-        rc = smoe_moe_forward_ex(g->kc, &g->lowbit_desc, &lsrc, pos, E, x, T, idx, w, k,
-                                 g->take_lb, g->out2, g->used2, err);
+    for (uint8_t lv = 1; lv <= 2 && lowbit_pairs; lv++) {
+        /* the missing experts from resident low-bit copy lv - 1, added to out */
+        size_t n = 0;
+        for (size_t i = 0; i < (size_t)T * k; i++) n += g->take_lv[i] = g->take_lb[i] == lv;
+        if (!n) continue;
+        smoe_moe_source lsrc = smoe_moe_resident_source(&g->lowbit[lv - 1]);
+        rc = smoe_moe_forward_ex(g->kc, &g->lowbit_desc[lv - 1], &lsrc, pos, E, x, T, idx, w, k,
+                                 g->take_lv, g->out2, g->used2, err);
         if (rc) return rc;
         for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];
         for (uint32_t e = 0; e < E; e++) used[e] |= g->used2[e];

@@ -62,18 +62,23 @@
  *                   proximity, Sec. 3.1.2 after Zhu et al. 2025; ties: lower id) takes its
  *                   place with the missing expert's weight; no candidate: fetch.  No score
  *                   tolerance (Zhu et al.'s threshold is not given in SpecMD);
- *       LOWEST_BIT  compute it from the resident low-bit copy (smoe_layers_set_lowbit: the
- *                   self-draft's int4 experts), no load ("fetch-lowest-bit", Sec. 3.1.2: the
- *                   lowest precision available; here it is already in memory);
+ *       LOWEST_BIT  compute it from the resident low-bit copy (smoe_layers_set_lowbit level 0:
+ *                   e.g. the self-draft's int4 experts, or an int2 copy), no load
+ *                   ("fetch-lowest-bit", Sec. 3.1.2: the lowest precision available; here it
+ *                   is already in memory);
  *       PRIORITY    "fetch-priority" (Sec. 3.1.2 and 5.3: "always fetches highest precision
- *                   with fallback levels ... selectively degrades low-importance experts"):
- *                   the experts some token ranks among its top miss_keep are fetched at full
- *                   precision (DROP's rule), the other missing pairs are computed from the
- *                   low-bit copy.  SpecMD degrades the bottom 60 % by gating score, i.e.
- *                   miss_keep = ceil(0.4 k).  Two levels only (store precision, then the int4
- *                   copy): there is no int2 format, so SpecMD's third level is not here.
+ *                   with fallback levels (int8 -> int4 -> int2) ... selectively degrades
+ *                   low-importance experts"): the experts some token ranks among its top
+ *                   miss_keep are fetched at full precision (DROP's rule); every other missing
+ *                   pair is computed from a low-bit copy chosen by the pair's own rank: ranks
+ *                   miss_keep..miss_keep2-1 from copy 0 (e.g. int4), ranks miss_keep2.. from
+ *                   copy 1 (e.g. int2; miss_keep2 = k: copy 0 for all, two levels).  SpecMD
+ *                   degrades the bottom 60 % by gating score, i.e. miss_keep = ceil(0.4 k);
+ *                   how the degraded ranks split between its int4 and int2 levels it does not
+ *                   say (HOBBIT, which it cites for the cascade, uses gating-score thresholds),
+ *                   so miss_keep2 is a setting (specmoe/misses.py picks the lower half).
  *   A resident expert evicted between the snapshot and its acquire is fetched (a miss).
- *   Counted in smoe_layer_counters: missing, dropped, substituted, lowbit, rerouted.
+ *   Counted in smoe_layer_counters: missing, dropped, substituted, lowbit, lowbit2, rerouted.
  *
  * Exactly the Python path it replaces (tests/test_layers.py checks the prediction and the
  * counters against a numpy reference).  Ties in the top-m choose the lower expert id.
@@ -111,7 +116,9 @@ typedef struct smoe_layer_counters {
     uint64_t missing;         /* pairs whose expert was not resident (after routing) */
     uint64_t dropped;         /* of those, skipped (DROP) */
     uint64_t substituted;     /* of those, served by a resident substitute (SUBSTITUTE) */
-    uint64_t lowbit;          /* of those, computed from the low-bit copy (LOWEST_BIT) */
+    uint64_t lowbit;          /* of those, computed from a low-bit copy (LOWEST_BIT, PRIORITY,
+                               * draft tokens) */
+    uint64_t lowbit2;         /* of those, from low-bit copy 1 (PRIORITY's lowest ranks) */
     uint64_t overlapped;      /* experts queued to the worker ahead of their layer's compute
                                * (parallel_misses), summed over layers and passes */
     uint64_t draft_kept;      /* draft-token pairs whose missing expert was not fetched for
@@ -138,10 +145,14 @@ typedef struct smoe_layers {
     double mass;              /* (0, 1]: mass mode; 0: top-m mode */
     int feed_counts;          /* feed per-layer activation counts to the policy */
     int miss;                 /* SMOE_MISS_* */
-    uint32_t miss_keep;       /* DROP: ranks 0..miss_keep-1 are always fetched */
+    uint32_t miss_keep;       /* DROP, PRIORITY: ranks 0..miss_keep-1 are always fetched */
+    uint32_t miss_keep2;      /* PRIORITY: ranks miss_keep..miss_keep2-1 from low-bit copy 0,
+                               * the rest from copy 1 (miss_keep <= miss_keep2 <= k) */
     double route_lambda;      /* cache-aware routing strength, 0: off */
-    smoe_moe_resident lowbit; /* the low-bit copy (base NULL: none); memory borrowed */
-    smoe_ffn_desc lowbit_desc;
+    smoe_moe_resident lowbit[2]; /* low-bit copies (base NULL: none), memory borrowed: [0] for
+                               * LOWEST_BIT, draft tokens and PRIORITY's first fallback level,
+                               * [1] for PRIORITY's second (only with [0]) */
+    smoe_ffn_desc lowbit_desc[2];
     int parallel_misses;      /* step 5: misses load on the worker while residents compute */
     /* state [mu] */
     double *delta_sum;        /* owned; [L] sum of tokens' logit ranges (routing's Delta_avg) */
@@ -163,7 +174,8 @@ typedef struct smoe_layers {
     int64_t *idx2;            /* owned; [cap * k] routed ids after step 4 */
     float *w2;                /* owned; [cap * k] their weights */
     uint8_t *take;            /* owned; [cap * k] pair served by the cache */
-    uint8_t *take_lb;         /* owned; [cap * k] pair served by the low-bit copy */
+    uint8_t *take_lb;         /* owned; [cap * k] 0, or 1 + the low-bit copy serving the pair */
+    uint8_t *take_lv;         /* owned; [cap * k] the pairs of one low-bit copy (a call's mask) */
     uint8_t *take2;           /* owned; [cap * k] draft tokens' pairs served by the cache */
     float *out2;              /* owned; [cap * H] the low-bit copy's share of out */
     float *zt, *vt, *pt;      /* owned; [E] one token's logits, selection values, probs */
@@ -190,19 +202,20 @@ void smoe_layers_free(smoe_layers *g);
 int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double mass,
                           int feed_counts, smoe_err *err);
 
-/* Step 4 settings (validated): miss in SMOE_MISS_*, miss_keep <= k, route_lambda finite >= 0.
- * LOWEST_BIT and PRIORITY need a low-bit copy (smoe_layers_set_lowbit), else SMOE_EINVAL. */
-int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, double route_lambda,
-                         smoe_err *err);
+/* Step 4 settings (validated): miss in SMOE_MISS_*, miss_keep <= miss_keep2 <= k,
+ * route_lambda finite >= 0.  LOWEST_BIT and PRIORITY need low-bit copy 0, PRIORITY with
+ * miss_keep2 < k also copy 1 (smoe_layers_set_lowbit), else SMOE_EINVAL. */
+int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, uint32_t miss_keep2,
+                         double route_lambda, smoe_err *err);
 
 /* Step 5's overlap of a layer's misses with its resident experts' compute (on != 0); needs the
  * cache's prefetch worker (without one it changes nothing). */
 void smoe_layers_set_parallel(smoe_layers *g, int on);
 
-/* The resident low-bit copy for LOWEST_BIT: every block in store order at base (size bytes,
- * block_bytes each, the FFN in desc, same H), borrowed until replaced; base NULL removes it
- * (SMOE_ESTATE while LOWEST_BIT is on). */
-int smoe_layers_set_lowbit(smoe_layers *g, const uint8_t *base, uint64_t size,
+/* Resident low-bit copy `level` (0 or 1, see lowbit above): every block in store order at base
+ * (size bytes, block_bytes each, the FFN in desc, same H), borrowed until replaced; base NULL
+ * removes it (SMOE_ESTATE while the miss mode uses it, or for copy 0 while copy 1 is set). */
+int smoe_layers_set_lowbit(smoe_layers *g, uint32_t level, const uint8_t *base, uint64_t size,
                            uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err);
 
 /* One MoE layer (see the top of this file).  scores: NULL (use the router) or [T, E] f32

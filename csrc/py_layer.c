@@ -9,10 +9,11 @@
  *                                            METH_FASTCALL, GIL released
  *   configure(prefetch, overfetch, mass, feed_counts)
  *   counters(reset=False) -> dict
- *   set_miss(miss, keep, route_lambda)       miss: "fetch", "drop", "substitute", "lowest_bit",
- *                                            "priority"
+ *   set_miss(miss, keep, route_lambda, keep2=top_k)  miss: "fetch", "drop", "substitute",
+ *                                            "lowest_bit", "priority"
  *   set_parallel(on)                         misses load while resident experts compute
- *   set_lowbit(buf, desc, block_bytes) / set_lowbit(None)   the resident low-bit copy
+ *   set_lowbit(buf, desc, block_bytes, level=0) / set_lowbit(None, level=0)
+ *                                            resident low-bit copy 0 or 1
  */
 #include "py_common.h"
 /* kernels.h before numpy: <complex.h> (pulled in by numpy) defines the macro I */
@@ -27,8 +28,8 @@ typedef struct {
     int initialized;
     PyObject *cache_obj; /* strong */
     PyObject *kctx_obj;  /* strong, or NULL */
-    Py_buffer lowbit;    /* the low-bit copy's buffer while has_lowbit (g borrows it) */
-    int has_lowbit;
+    Py_buffer lowbit[2]; /* low-bit copy i's buffer while has_lowbit[i] (g borrows it) */
+    int has_lowbit[2];
 } LayersObject;
 
 static const char *const miss_names[] = {"fetch", "drop", "substitute", "lowest_bit",
@@ -36,7 +37,8 @@ static const char *const miss_names[] = {"fetch", "drop", "substitute", "lowest_
 
 static void Layers_dealloc(LayersObject *self) {
     if (self->initialized) smoe_layers_free(&self->g);
-    if (self->has_lowbit) PyBuffer_Release(&self->lowbit);
+    for (int i = 0; i < 2; i++)
+        if (self->has_lowbit[i]) PyBuffer_Release(&self->lowbit[i]);
     Py_XDECREF(self->cache_obj);
     Py_XDECREF(self->kctx_obj);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -238,13 +240,15 @@ static PyObject *Layers_set_parallel(LayersObject *self, PyObject *arg) {
 }
 
 static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"miss", "keep", "route_lambda", NULL};
+    static char *kwlist[] = {"miss", "keep", "route_lambda", "keep2", NULL};
     const char *name;
-    unsigned int keep;
+    unsigned int keep, keep2 = UINT32_MAX;
     double lam;
     if (check_init(self) < 0 ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "sId:set_miss", kwlist, &name, &keep, &lam))
+        !PyArg_ParseTupleAndKeywords(args, kw, "sId|I:set_miss", kwlist, &name, &keep, &lam,
+                                     &keep2))
         return NULL;
+    if (keep2 == UINT32_MAX) keep2 = self->g.k;
     int mode = -1;
     for (int i = 0; i < (int)(sizeof miss_names / sizeof *miss_names); i++)
         if (!strcmp(name, miss_names[i])) mode = i;
@@ -259,27 +263,35 @@ static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *k
     smoe_err_clear(&e);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_layers_set_miss(&self->g, mode, keep, lam, &e);
+    rc = smoe_layers_set_miss(&self->g, mode, keep, keep2, lam, &e);
     Py_END_ALLOW_THREADS
     if (rc) return smoe_py_raise(&e);
     Py_RETURN_NONE;
 }
 
-static PyObject *Layers_set_lowbit(LayersObject *self, PyObject *args) {
+static PyObject *Layers_set_lowbit(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"buf", "desc", "block_bytes", "level", NULL};
     PyObject *buf, *desc = Py_None;
     unsigned long long bb = 0;
-    if (check_init(self) < 0 || !PyArg_ParseTuple(args, "O|OK:set_lowbit", &buf, &desc, &bb))
+    unsigned int level = 0;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "O|OKI:set_lowbit", kwlist, &buf, &desc, &bb,
+                                     &level))
         return NULL;
+    if (level > 1) {
+        PyErr_Format(PyExc_ValueError, "set_lowbit: level %u (0 or 1)", level);
+        return NULL;
+    }
     smoe_err e;
     smoe_err_clear(&e);
     int rc;
     if (buf == Py_None) {
         Py_BEGIN_ALLOW_THREADS
-        rc = smoe_layers_set_lowbit(&self->g, NULL, 0, 0, NULL, &e);
+        rc = smoe_layers_set_lowbit(&self->g, level, NULL, 0, 0, NULL, &e);
         Py_END_ALLOW_THREADS
         if (rc) return smoe_py_raise(&e);
-        if (self->has_lowbit) PyBuffer_Release(&self->lowbit);
-        self->has_lowbit = 0;
+        if (self->has_lowbit[level]) PyBuffer_Release(&self->lowbit[level]);
+        self->has_lowbit[level] = 0;
         Py_RETURN_NONE;
     }
     if (!PyDict_Check(desc) || bb == 0) {
@@ -292,15 +304,16 @@ static PyObject *Layers_set_lowbit(LayersObject *self, PyObject *args) {
     Py_buffer view;
     if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_layers_set_lowbit(&self->g, view.buf, (uint64_t)view.len, bb, &d, &e);
+    rc = smoe_layers_set_lowbit(&self->g, level, view.buf, (uint64_t)view.len, bb, &d, &e);
     Py_END_ALLOW_THREADS
     if (rc) {
         PyBuffer_Release(&view);
         return smoe_py_raise(&e);
     }
-    if (self->has_lowbit) PyBuffer_Release(&self->lowbit); /* no longer borrowed by g */
-    self->lowbit = view;
-    self->has_lowbit = 1;
+    if (self->has_lowbit[level]) /* no longer borrowed by g */
+        PyBuffer_Release(&self->lowbit[level]);
+    self->lowbit[level] = view;
+    self->has_lowbit[level] = 1;
     Py_RETURN_NONE;
 }
 
@@ -314,7 +327,7 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
     Py_BEGIN_ALLOW_THREADS
     smoe_layers_counters(&self->g, &c, reset);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tokens",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tokens",
                          (unsigned long long)c.tokens, "passes", (unsigned long long)c.passes,
                          "predicted", (unsigned long long)c.predicted, "true_positive",
                          (unsigned long long)c.true_positive, "actual",
@@ -322,7 +335,8 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
                          (unsigned long long)c.rerouted, "missing", (unsigned long long)c.missing,
                          "dropped", (unsigned long long)c.dropped, "substituted",
                          (unsigned long long)c.substituted, "lowbit",
-                         (unsigned long long)c.lowbit, "overlapped",
+                         (unsigned long long)c.lowbit, "lowbit2", (unsigned long long)c.lowbit2,
+                         "overlapped",
                          (unsigned long long)c.overlapped, "draft_kept",
                          (unsigned long long)c.draft_kept);
 }
@@ -333,16 +347,17 @@ static PyMethodDef Layers_methods[] = {
      "configure(prefetch, overfetch, mass, feed_counts): prediction settings (mass 0: top-m "
      "mode); forgets pending predictions."},
     {"set_miss", (PyCFunction)(void (*)(void))Layers_set_miss, METH_VARARGS | METH_KEYWORDS,
-     "set_miss(miss, keep, route_lambda): SpecMD miss handling (fetch, drop, substitute, "
-     "lowest_bit, priority), the top ranks drop and priority always fetch, cache-aware "
-     "routing strength (0: off); "
-     "see csrc/layer.h."},
+     "set_miss(miss, keep, route_lambda, keep2=top_k): SpecMD miss handling (fetch, drop, "
+     "substitute, lowest_bit, priority), the top ranks drop and priority always fetch, "
+     "cache-aware routing strength (0: off); priority computes ranks keep..keep2-1 from "
+     "low-bit copy 0 and the rest from copy 1; see csrc/layer.h."},
     {"set_parallel", (PyCFunction)Layers_set_parallel, METH_O,
      "set_parallel(on): a layer's misses load on the prefetch worker while its resident "
      "experts compute (layer.h, step 5)."},
-    {"set_lowbit", (PyCFunction)Layers_set_lowbit, METH_VARARGS,
-     "set_lowbit(buf, desc, block_bytes) or set_lowbit(None): the resident low-bit copy of "
-     "every expert (store order) used by miss='lowest_bit'."},
+    {"set_lowbit", (PyCFunction)(void (*)(void))Layers_set_lowbit, METH_VARARGS | METH_KEYWORDS,
+     "set_lowbit(buf, desc, block_bytes, level=0) or set_lowbit(None, level=0): resident "
+     "low-bit copy 0 (miss='lowest_bit', draft tokens, priority's first fallback) or 1 "
+     "(priority's second) of every expert, in store order."},
     {"counters", (PyCFunction)(void (*)(void))Layers_counters, METH_VARARGS | METH_KEYWORDS,
      "counters(reset=False) -> dict of tokens, passes, predicted, true_positive, actual."},
     {NULL, NULL, 0, NULL}};

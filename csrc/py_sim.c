@@ -34,7 +34,7 @@ static PyObject *result_dict(const smoe_sim_result *r) {
         U(prefetch_issued) || U(prefetch_used) || U(prefetch_late) || U(prefetch_wasted) ||
         U(prefetch_dropped) || U(predicted) || U(predicted_true) || U(next_true) ||
         F(stall_s) || F(compute_s) || F(total_s) || F(elapsed_s) || U(missing) || U(dropped) ||
-        U(substituted) || U(lowbit)) {
+        U(substituted) || U(lowbit) || U(lowbit2)) {
         Py_DECREF(d);
         return NULL;
     }
@@ -47,7 +47,8 @@ PyDoc_STRVAR(simulate_doc,
 "simulate(experts, num_experts, policy, nslots, *, logits=None, predictor=0, depth=1, topk=0,\n"
 "         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
-"         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1) -> dict\n\n"
+"         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1,\n"
+"         miss_keep2=top_k, lowbit2_ratio=1.0) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
 "`seed`, least_stale `order`, spac/spac_ema `levels`, spac `gamma` = draft length, -1 = 8)\n"
@@ -57,7 +58,8 @@ PyDoc_STRVAR(simulate_doc,
 "0 none, 1 oracle, 2 router (needs logits float32 [tokens, layers, num_experts]), 3 history.\n"
 "miss: 0 fetch, 1 drop (ranks >= miss_keep), 2 substitute, 3 lowest_bit (compute\n"
 "lowbit_ratio of an expert's), 4 priority (ranks >= miss_keep as lowest_bit, the others\n"
-"fetched), see smoe_sim_miss in csrc/sim.h.\n"
+"fetched; ranks >= miss_keep2 from a second copy costing lowbit2_ratio), see\n"
+"smoe_sim_miss in csrc/sim.h.\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
 
 static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
@@ -67,6 +69,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                              "expert_bytes", "fast_bw", "link_bw", "link_latency_s",
                              "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
                              "verify_tokens", "miss", "miss_keep", "lowbit_ratio", "gamma",
+                             "miss_keep2", "lowbit2_ratio",
                              NULL};
     PyObject *experts_o, *policy_o, *logits_o = Py_None;
     long long num_experts, nslots;
@@ -79,15 +82,15 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     int levels = 0;
     long long verify_tokens = 1, gamma = -1;
     int miss = 0;
-    unsigned int miss_keep = 0;
-    double lowbit_ratio = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdL", kwlist, &experts_o,
+    unsigned int miss_keep = 0, miss_keep2 = UINT32_MAX;
+    double lowbit_ratio = 1.0, lowbit2_ratio = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLId", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
                                      &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
                                      &verify_tokens, &miss, &miss_keep, &lowbit_ratio,
-                                     &gamma))
+                                     &gamma, &miss_keep2, &lowbit2_ratio))
         return NULL;
     if (gamma < -1 || gamma > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: gamma (spac's draft length) must be in "
@@ -191,7 +194,8 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     smoe_sim_hw hw = {.expert_bytes = expert_bytes, .fast_bw = fast_bw, .link_bw = link_bw,
                       .link_latency_s = link_latency_s, .layer_fixed_s = layer_fixed_s,
                       .token_fixed_s = token_fixed_s};
-    smoe_sim_miss mh = {.mode = miss, .keep = miss_keep, .lowbit_ratio = lowbit_ratio};
+    smoe_sim_miss mh = {.mode = miss, .keep = miss_keep, .lowbit_ratio = lowbit_ratio,
+                        .keep2 = miss_keep2, .lowbit2_ratio = lowbit2_ratio};
     smoe_sim_result res;
     int rc;
     Py_BEGIN_ALLOW_THREADS

@@ -196,15 +196,16 @@ static uint32_t routing_rank(const int16_t *ex, const float *lg, uint32_t K, uin
 }
 
 /* The demand accesses of token t at layer l under the miss rule (sim.h); returns through
- * *computed and *low the experts computed at full and at low precision. */
+ * *computed, *low and *low2 the experts computed at full precision and from the first and
+ * the second low-bit copy. */
 static int layer_accesses(sim *s, uint64_t t, uint32_t l, const int16_t *ex, uint32_t *computed,
-                          uint32_t *low, smoe_err *err) {
+                          uint32_t *low, uint32_t *low2, smoe_err *err) {
     const uint32_t K = s->K, E = s->E;
     const int32_t base = (int32_t)(l * E);
     const smoe_sim_miss *m = s->miss;
     const float *lg = s->tr->logits ? s->tr->logits + ((size_t)t * s->L + l) * E : NULL;
     int rc;
-    *computed = 0, *low = 0;
+    *computed = 0, *low = 0, *low2 = 0;
     if (m && m->mode == SMOE_SIM_SUBSTITUTE) {
         memset(s->tok_mark, 0, E);
         for (uint32_t i = 0; i < K; i++) s->tok_mark[ex[i]] = 1;
@@ -214,11 +215,17 @@ static int layer_accesses(sim *s, uint64_t t, uint32_t l, const int16_t *ex, uin
         int32_t key = base + ex[i];
         if (m && m->mode != SMOE_SIM_FETCH && !resident(s, key)) {
             s->r->missing++;
-            const int low_rank = (m->mode == SMOE_SIM_DROP || m->mode == SMOE_SIM_PRIORITY) &&
-                                 routing_rank(ex, lg, K, i) >= m->keep;
+            const int ranked = m->mode == SMOE_SIM_DROP || m->mode == SMOE_SIM_PRIORITY;
+            const uint32_t rank = ranked ? routing_rank(ex, lg, K, i) : 0;
+            const int low_rank = ranked && rank >= m->keep;
             if (m->mode == SMOE_SIM_LOWEST_BIT || (m->mode == SMOE_SIM_PRIORITY && low_rank)) {
                 s->r->lowbit++;
-                (*low)++;
+                if (m->mode == SMOE_SIM_PRIORITY && rank >= m->keep2) {
+                    s->r->lowbit2++;
+                    (*low2)++;
+                } else {
+                    (*low)++;
+                }
                 continue;
             }
             if (m->mode == SMOE_SIM_DROP) {
@@ -510,6 +517,12 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         return smoe_err_set(err, SMOE_EINVAL, "simulate: miss mode %d must be 0..4, keep %u "
                             "at most top_k %u, lowbit_ratio %g in (0, 1]", (int)miss->mode,
                             miss->keep, tr->top_k, miss->lowbit_ratio);
+    if (miss && (miss->keep2 < miss->keep ||
+                 (miss->keep2 < tr->top_k &&
+                  !(miss->lowbit2_ratio > 0.0 && miss->lowbit2_ratio <= 1.0))))
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: miss keep2 %u must be >= keep %u, "
+                            "and lowbit2_ratio %g in (0, 1] when keep2 < top_k %u",
+                            miss->keep2, miss->keep, miss->lowbit2_ratio, tr->top_k);
     if (tr->verify_tokens > 1 && pf && pf->predictor != SMOE_PRED_NONE)
         return smoe_err_set(err, SMOE_EINVAL, "simulate: prefetch predictors replay one token "
                             "per pass; verify_tokens = %u needs predictor none",
@@ -617,6 +630,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
 
     const int hist = s.pf && s.pf->predictor == SMOE_PRED_HISTORY;
     const double low_s = s.expert_s * (miss ? miss->lowbit_ratio : 1.0);
+    const double low2_s = s.expert_s * (miss ? miss->lowbit2_ratio : 1.0);
     const int16_t *ex = tr->experts;
     rc = 0;
     if (tr->verify_tokens > 1) rc = run_groups(&s, err);
@@ -629,13 +643,13 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         out->compute_s += hw->token_fixed_s;
         for (uint32_t l = 0; l < s.L; l++, ex += s.K) {
             s.now += hw->layer_fixed_s;
-            uint32_t full = 0, low = 0;
-            if ((rc = layer_accesses(&s, t, l, ex, &full, &low, err)) < 0) break;
+            uint32_t full = 0, low = 0, low2 = 0;
+            if ((rc = layer_accesses(&s, t, l, ex, &full, &low, &low2, err)) < 0) break;
             if (s.pf) {
                 if (hist) learn(&s, t, l);
                 predict(&s, t, l);
             }
-            const double c = full * s.expert_s + low * low_s;
+            const double c = full * s.expert_s + low * low_s + low2 * low2_s;
             s.now += c;
             out->compute_s += hw->layer_fixed_s + c;
         }

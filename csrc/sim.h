@@ -108,7 +108,8 @@ typedef struct smoe_sim_result {
     uint64_t missing;          /* demanded experts not resident (absent or still in flight) */
     uint64_t dropped;          /* of those, skipped */
     uint64_t substituted;      /* of those, replaced by a resident expert (counted a hit) */
-    uint64_t lowbit;           /* of those, computed from the resident low-bit copy */
+    uint64_t lowbit;           /* of those, computed from a resident low-bit copy */
+    uint64_t lowbit2;          /* of those, from the second copy (PRIORITY, ranks >= keep2) */
 } smoe_sim_result;
 
 /* SpecMD miss handling (Sec. 3.1.2), the live rule of csrc/layer.h step 4 on a trace.  An
@@ -127,7 +128,9 @@ typedef struct smoe_sim_result {
  *   LOWEST_BIT  computed from a resident low-bit copy: no load, compute lowbit_ratio *
  *               expert_bytes / fast_bw;
  *   PRIORITY    fetch-priority: a rank below keep (DROP's rank) is demanded as usual, the
- *               others are computed from the low-bit copy as LOWEST_BIT.
+ *               others are computed from a low-bit copy as LOWEST_BIT: ranks keep..keep2-1
+ *               from the first (lowbit_ratio), ranks keep2.. from the second (lowbit2_ratio;
+ *               SpecMD's int8 -> int4 -> int2 cascade, layer.h step 4).
  * Not available with verification groups (verify_tokens > 1): SMOE_EINVAL. */
 enum { SMOE_SIM_FETCH = 0, SMOE_SIM_DROP = 1, SMOE_SIM_SUBSTITUTE = 2, SMOE_SIM_LOWEST_BIT = 3,
        SMOE_SIM_PRIORITY = 4 };
@@ -135,7 +138,11 @@ enum { SMOE_SIM_FETCH = 0, SMOE_SIM_DROP = 1, SMOE_SIM_SUBSTITUTE = 2, SMOE_SIM_
 typedef struct smoe_sim_miss {
     int32_t mode;        /* SMOE_SIM_*, numbered as layer.h's SMOE_MISS_* */
     uint32_t keep;       /* DROP, PRIORITY: ranks 0..keep-1 are always fetched */
-    double lowbit_ratio; /* LOWEST_BIT: bytes of the low-bit copy / expert_bytes, in (0, 1] */
+    double lowbit_ratio; /* LOWEST_BIT, PRIORITY: bytes of the low-bit copy / expert_bytes,
+                            in (0, 1] */
+    uint32_t keep2;      /* PRIORITY: ranks keep2.. from the second copy; >= top_k: none
+                            (keep <= keep2) */
+    double lowbit2_ratio; /* the second copy's bytes / expert_bytes, in (0, 1] when used */
 } smoe_sim_miss;
 
 /* Replay `tr` through a cache of `nslots` slots managed by `policy` (built for nslots,

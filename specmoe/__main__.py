@@ -64,7 +64,7 @@ def _cmd_simulate(args) -> int:
         for cap in _split(args.capacity):
             results.append(simulate(tr, pol, _capacity(cap), args.prefetch, args.hardware,
                                     verify_tokens=args.verify_tokens, miss=args.miss,
-                                    miss_keep=args.miss_keep))
+                                    miss_keep=args.miss_keep, miss_keep2=args.miss_keep2))
     acc = sum(r.accesses for r in results)
     el = sum(r.elapsed_s for r in results)
     out = {
@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="SpecMD miss handling (see specmoe.sim.simulate)")
     p.add_argument("--miss-keep", type=int, default=2,
                    help="drop, priority: ranks below this are always fetched (default 2)")
+    p.add_argument("--miss-keep2", type=int, default=None,
+                   help="priority: ranks from this on come from a second, int2 copy (SpecMD's "
+                        "int4 -> int2 cascade; default: none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("sweep", help="simulate policies x capacities x hardware x predictors")

@@ -34,7 +34,7 @@ import contextlib
 import os
 import tempfile
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ __all__ = [
     "tiny_model",
 ]
 
-DTYPES = ("f32", "bf16", "int8", "int4")
+DTYPES = ("f32", "bf16", "int8", "int4", "int2")
 
 
 def _check_capacity(cache: Any, total: int, slot_bytes: int) -> None:
@@ -126,7 +126,9 @@ class Engine:
                  overfetch: float = 1.5, direct: bool | None = False, verify: bool = True,
                  own_store: bool = False, dense: str | bool | None = "auto",
                  miss: str = "fetch", miss_keep: int = 2,
-                 route_lambda: float = 0.0, throttle: tuple[float, float] | None = None) -> None:
+                 route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
+                 miss_levels: str | Sequence[str] = "int4",
+                 miss_keep2: int | None = None) -> None:
         """Serve ``model``'s routed experts from the store file ``store`` (written for this
         model by :mod:`specmoe.conversion`): every MoE layer's ``experts`` module becomes a
         :class:`SpecmoeExperts` (whatever it held is dropped).
@@ -141,8 +143,9 @@ class Engine:
         ``"auto"`` (bf16 weights kept exactly where the kernels are faster), ``"torch"``/None
         (untouched), or a format ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"`` (see
         :mod:`specmoe.dense`); what was done is in ``engine.dense``.  miss, miss_keep,
-        route_lambda, throttle: SpecMD's miss handling (``"fetch"``, ``"drop"``,
-        ``"substitute"``, ``"lowest_bit"``, ``"priority"``), cache-aware routing and link emulation, see
+        route_lambda, throttle, miss_levels, miss_keep2: SpecMD's miss handling (``"fetch"``,
+        ``"drop"``, ``"substitute"``, ``"lowest_bit"``, ``"priority"``), cache-aware routing,
+        link emulation and the low-bit fallback levels (``"int4"``, ``"int4:int2"``), see
         :mod:`specmoe.misses`."""
         from .dense import convert_dense
         from .kernels import FFNSpec, context
@@ -154,6 +157,8 @@ class Engine:
         cfg = model.config
         self.miss, self.miss_keep, self.route_lambda = misses.check_miss(
             miss, miss_keep, route_lambda, int(cfg.num_experts_per_tok))
+        self.miss_levels, self.miss_keep2 = misses.check_levels(
+            miss_levels, miss_keep2, self.miss_keep, int(cfg.num_experts_per_tok))
         misses.check_throttle(throttle)
         self.throttle = throttle
         self.model: nn.Module | None = model
@@ -184,7 +189,10 @@ class Engine:
         self._cv = threading.Condition()
         self._inflight = 0  # [_cv] layer calls running
         self._exclusive_owner = False  # [_cv] close/set_cache running
-        # self-draft (MoE-SpeQ): every routed expert resident in a low-bit copy
+        # resident low-bit copies of every routed expert, by format: the self-draft's
+        # (MoE-SpeQ) and SpecMD's fallback levels share them (_lowbit_copy)
+        self._copies: dict[str, ExpertCopy] = {}
+        # self-draft (MoE-SpeQ): one of _copies, the one the draft forwards run on
         self._draft: ExpertCopy | None = None
         self._drafting: list[tuple[int, np.ndarray]] | None = None  # routing of draft forwards
         self._draft_prefetch = False  # drafting(prefetch=True) in progress
@@ -345,17 +353,26 @@ class Engine:
 
     def set_miss(self, miss: str | None = None, miss_keep: int | None = None,
                  route_lambda: float | None = None,
-                 throttle: tuple[float, float] | None | str = "keep") -> None:
-        """Change SpecMD's miss handling, cache-aware routing or link throttle (None / "keep":
-        unchanged); see :mod:`specmoe.misses`."""
+                 throttle: tuple[float, float] | None | str = "keep",
+                 miss_levels: str | Sequence[str] | None = None,
+                 miss_keep2: int | None | str = "auto") -> None:
+        """Change SpecMD's miss handling, cache-aware routing, link throttle or low-bit levels
+        (None / "keep": unchanged; miss_keep2 "auto": the default for the levels, see
+        :mod:`specmoe.misses`)."""
         m, k, lam = misses.check_miss(self.miss if miss is None else miss,
                                       self.miss_keep if miss_keep is None else miss_keep,
                                       self.route_lambda if route_lambda is None else route_lambda,
                                       self.top_k)
+        if isinstance(miss_keep2, str) and miss_keep2 != "auto":
+            raise ValueError(f"miss_keep2 must be an int, None or 'auto', got {miss_keep2!r}")
+        levels, keep2 = misses.check_levels(
+            self.miss_levels if miss_levels is None else miss_levels,
+            None if miss_keep2 == "auto" else miss_keep2, k, self.top_k)
         if not isinstance(throttle, str):
             misses.check_throttle(throttle)
             self.throttle = throttle
         self.miss, self.miss_keep, self.route_lambda = m, k, lam
+        self.miss_levels, self.miss_keep2 = levels, keep2
         if self._layers is not None:
             misses.apply(self)
 
@@ -378,15 +395,32 @@ class Engine:
 
         The copy is built from the store (dequantized to f32, requantized to ``dtype``) through
         a temporary store file that is deleted at once; it costs ``dtype``'s size of all experts
-        (int4: about 1/7 of f32).  Calling it again with another dtype rebuilds the copy."""
-        if self._closed or self._store is None:
-            raise RuntimeError("this specmoe Engine is closed")
+        (int4: about 1/7 of f32).  It is shared with SpecMD's miss handling when that uses the
+        same format (``miss_levels``).  Calling it again with another dtype switches copies."""
         _check_dtype(dtype)
         if self._draft is not None and self._draft.dtype == dtype:
             return
-        self._draft = ExpertCopy(self._store, dtype, self._ffn_args, self.model_type,
-                                 self.top_k)
-        misses.apply(self)  # miss="lowest_bit" computes from this copy
+        self._draft = self._lowbit_copy(dtype)
+        misses.apply(self)  # the draft tokens' copy when no miss mode uses one
+
+    def _lowbit_copy(self, dtype: str) -> ExpertCopy:
+        """The resident ``dtype`` copy of every routed expert, built on first use."""
+        if self._closed or self._store is None:
+            raise RuntimeError("this specmoe Engine is closed")
+        if dtype not in self._copies:
+            self._copies[dtype] = ExpertCopy(self._store, dtype, self._ffn_args,
+                                             self.model_type, self.top_k)
+        return self._copies[dtype]
+
+    def _prune_copies(self, in_use: set[str]) -> None:
+        """Free the copies neither the C layers (``in_use``) nor the self-draft use."""
+        keep = in_use | ({self._draft.dtype} if self._draft is not None else set())
+        self._copies = {k: v for k, v in self._copies.items() if k in keep}
+
+    @property
+    def lowbit_copies(self) -> tuple[str, ...]:
+        """Formats of the resident low-bit copies of every expert (self-draft, miss levels)."""
+        return tuple(self._copies)
 
     @property
     def draft_dtype(self) -> str | None:
@@ -516,8 +550,9 @@ class Engine:
             **self._la.stats(),
             "draft_prefetch_queued": self._draft_queued,
             "miss": self.miss, "route_lambda": self.route_lambda,
+            "miss_levels": ":".join(self.miss_levels), "miss_keep2": self.miss_keep2,
             **{k: pf.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
-                                          "lowbit", "overlapped", "draft_kept")},
+                                          "lowbit", "lowbit2", "overlapped", "draft_kept")},
             "parallel_misses": self.parallel_misses,
         }
         s.update(self._cache_stats())
@@ -641,6 +676,7 @@ class Engine:
     def _release(self) -> None:
         self._layers = None
         self._draft = None
+        self._copies = {}
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -719,7 +755,8 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
             dtype: str = "f32", overfetch: float = 1.5, direct: bool | None = False,
             progress: bool = False, dense: str | bool | None = "auto", miss: str = "fetch",
             miss_keep: int = 2, route_lambda: float = 0.0,
-            throttle: tuple[float, float] | None = None) -> Engine:
+            throttle: tuple[float, float] | None = None,
+            miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None) -> Engine:
     """Move ``model``'s routed experts to a store and run them through specmoe.
 
     For a model already in memory (loaded by transformers); to load a checkpoint larger than
@@ -731,11 +768,13 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     policy: eviction policy name (:func:`available_policies`) or policy object.  prefetch:
     next-layer lookahead (the next layer's router on this layer's input, top
     ceil(k * overfetch) experts per token) queued to the cache's prefetch worker.  dtype: how
-    experts are stored ("f32", "bf16", "int8" per-row, "int4" per-group; see specmoe.quant).
+    experts are stored ("f32", "bf16", "int8" per-row, "int4" per-group, "int2" per-group with
+    scale and offset; see specmoe.quant).
     progress: a progress bar while converting.  dense: the other linear layers through the C
     kernels (``"auto"``, ``"torch"``, ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"``; see
-    :class:`Engine`).  miss, miss_keep, route_lambda, throttle: SpecMD's miss handling,
-    cache-aware routing and link emulation (:mod:`specmoe.misses`).  The model is modified in
+    :class:`Engine`).  miss, miss_keep, route_lambda, throttle, miss_levels, miss_keep2:
+    SpecMD's miss handling, cache-aware routing, link emulation and low-bit fallback levels
+    (:mod:`specmoe.misses`).  The model is modified in
     place: each MoE
     layer's ``experts`` becomes a :class:`SpecmoeExperts` and the expert parameters are
     deleted, layer by layer while the store is written; if writing fails part way, the layers
@@ -753,7 +792,9 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     _check_capacity(cache, len(ids) * E, 1)  # bad specs fail before the model is touched
     resolve_dense(dense, torch.float32)
     cfg = model.config
-    misses.check_miss(miss, miss_keep, route_lambda, int(cfg.num_experts_per_tok))
+    k = int(cfg.num_experts_per_tok)
+    misses.check_levels(miss_levels, miss_keep2,
+                        misses.check_miss(miss, miss_keep, route_lambda, k)[1], k)
     misses.check_throttle(throttle)
     if store is None:
         fd, path = tempfile.mkstemp(prefix="specmoe-", suffix=".smoe")
@@ -777,7 +818,7 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
         eng = Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
                      overfetch=overfetch, direct=direct, verify=True, own_store=store is None,
                      dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
-                     throttle=throttle)
+                     throttle=throttle, miss_levels=miss_levels, miss_keep2=miss_keep2)
         _trim_heap()  # the freed expert parameters leave the resident set now, not later
         return eng
     except BaseException:

@@ -21,7 +21,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -272,6 +272,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                     torch_dtype: Any = "auto", dense: str | bool | None = "auto",
                     miss: str = "fetch", miss_keep: int = 2,
                     route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
+                    miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None,
                     **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
@@ -280,7 +281,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     path: a local HuggingFace checkpoint folder (config.json, safetensors shards with or
     without an index, tokenizer files).  cache: the expert cache as slots, a fraction
     (``0.25``, ``"25%"``) or a byte size (``"6GiB"``).  dtype: the store's expert format
-    (``f32``, ``bf16``, ``int8`` per row, ``int4`` in groups).  policy: eviction policy name or
+    (``f32``, ``bf16``, ``int8`` per row, ``int4`` in groups, ``int2`` in groups with scale and
+    offset).  policy: eviction policy name or
     object (:func:`specmoe.hf.available_policies`).  prefetch: the next layer's router
     predicts the experts to load while this layer computes.  store: the store file (default
     one per checkpoint and dtype under ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``), converted on
@@ -290,8 +292,10 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     checkpoint's).  dense: the other linear layers (attention, shared/dense MLPs, lm_head)
     through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly), ``"torch"``, or
     ``"f32"``/``"bf16"``/``"int8"``/``"int4"`` (:mod:`specmoe.dense`).  miss, miss_keep,
-    route_lambda, throttle: SpecMD's miss handling (``"fetch"``, ``"drop"``, ``"substitute"``,
-    ``"lowest_bit"``, ``"priority"``), cache-aware routing and link emulation (:mod:`specmoe.misses`).
+    route_lambda, throttle, miss_levels, miss_keep2: SpecMD's miss handling (``"fetch"``,
+    ``"drop"``, ``"substitute"``, ``"lowest_bit"``, ``"priority"``), cache-aware routing, link
+    emulation and the low-bit fallback levels (``"int4"``, ``"int4:int2"``;
+    :mod:`specmoe.misses`).
     hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
     from . import misses
     from .dense import resolve_dense
@@ -299,6 +303,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     resolve_dense(dense, torch.float32)  # bad values fail before any work
     misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
     misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
+    misses.check_levels(miss_levels, None, 0, 2)  # (miss_keep2 too)
     plan = _prepare(path, dtype, torch_dtype, dict(hf_kwargs))
     try:
         spath = _ensure_store(plan, plan.ckpt.folder, dtype, store, force_convert, progress)
@@ -316,5 +321,5 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     model.eval()
     Engine(model, spath, cache=cache, policy=policy, prefetch=prefetch, direct=direct,
            verify=True, dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
-           throttle=throttle)
+           throttle=throttle, miss_levels=miss_levels, miss_keep2=miss_keep2)
     return model

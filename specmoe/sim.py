@@ -261,7 +261,8 @@ def ttft_seconds(trace: Trace, hw: Hardware, model: ModelCost, overlap: bool) ->
 def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | str" = "10%",
              prefetch: "str | Predictor | None" = None, hardware: "str | Hardware" = "a100-pcie4",
              *, model: ModelCost | None = None, verify_tokens: int = 1, miss: str = "fetch",
-             miss_keep: int = 2, lowbit_ratio: float = 0.25) -> SimResult:
+             miss_keep: int = 2, lowbit_ratio: float = 0.25, miss_keep2: int | None = None,
+             lowbit2_ratio: float = 0.1875) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
     ``policy``: a built-in name with options (``"lru"``, ``"least_stale:order=lru"``,
@@ -285,8 +286,11 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     of the layer with the closest logit, counted a hit), ``"lowest_bit"`` (computed from a
     resident low-bit copy costing ``lowbit_ratio`` of an expert's compute, no load; 0.25 =
     int4 of a 16-bit expert), ``"priority"`` (fetch-priority: ranks below ``miss_keep``
-    demanded, the others as ``"lowest_bit"``); the result's ``extra`` counts ``missing``, ``dropped``,
-    ``substituted`` and ``lowbit`` accesses (``csrc/sim.h``, ``smoe_sim_miss``).  Needs
+    demanded, the others as ``"lowest_bit"``, except ranks from ``miss_keep2`` on (None: none),
+    which come from a second copy costing ``lowbit2_ratio``: SpecMD's int4 -> int2 cascade;
+    0.1875 = specmoe's int2, 2 bits plus 1 bit of scale and offset per weight, of a 16-bit
+    expert); the result's ``extra`` counts ``missing``, ``dropped``, ``substituted``,
+    ``lowbit`` and ``lowbit2`` accesses (``csrc/sim.h``, ``smoe_sim_miss``).  Needs
     ``verify_tokens=1``.  The simulator measures speed only: the quality cost of a miss mode
     is measured on the live engine (``benchmarks/misses.py``).
     """
@@ -314,6 +318,15 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if isinstance(lowbit_ratio, bool) or not isinstance(lowbit_ratio, (int, float)) \
             or not 0 < float(lowbit_ratio) <= 1:
         raise ValueError(f"lowbit_ratio must be a number in (0, 1], got {lowbit_ratio!r}")
+    if miss_keep2 is None:
+        miss_keep2 = trace.top_k
+    if isinstance(miss_keep2, bool) or not isinstance(miss_keep2, (int, np.integer)) \
+            or not miss_keep <= int(miss_keep2):
+        raise ValueError(f"miss_keep2 must be None or an int >= miss_keep ({miss_keep}), got "
+                         f"{miss_keep2!r}")
+    if isinstance(lowbit2_ratio, bool) or not isinstance(lowbit2_ratio, (int, float)) \
+            or not 0 < float(lowbit2_ratio) <= 1:
+        raise ValueError(f"lowbit2_ratio must be a number in (0, 1], got {lowbit2_ratio!r}")
     if miss != "fetch" and verify_tokens > 1:
         raise ValueError(f"miss={miss!r} replays one token per pass: use verify_tokens=1")
     nl, E = trace.num_layers, trace.num_experts
@@ -339,7 +352,9 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
                     else None,
                     **pred.c_args(), **sim_timing(hw, model), verify_tokens=int(verify_tokens),
                     miss=MISS_MODES.index(miss), miss_keep=int(miss_keep),
-                    lowbit_ratio=float(lowbit_ratio), **kw)
+                    lowbit_ratio=float(lowbit_ratio),
+                    miss_keep2=min(int(miss_keep2), trace.top_k),
+                    lowbit2_ratio=float(lowbit2_ratio), **kw)
     wall = time.perf_counter() - t0
     n = max(trace.num_tokens, 1)
     acc = r["accesses"]
@@ -363,4 +378,4 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         elapsed_s=r["elapsed_s"],
         accesses_per_s=acc / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
         extra={"wall_s": wall, "verify_tokens": int(verify_tokens), "miss": miss,
-               **{k: r[k] for k in ("missing", "dropped", "substituted", "lowbit")}})
+               **{k: r[k] for k in ("missing", "dropped", "substituted", "lowbit", "lowbit2")}})

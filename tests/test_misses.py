@@ -15,7 +15,7 @@ from specmoe.cache import ExpertCache
 from specmoe.kernels import FFNSpec
 from specmoe.store import aligned_empty, write_store
 
-L, E, H, I, K = 2, 12, 32, 32, 4
+L, E, H, I, K = 2, 12, 64, 64, 4  # int2 needs multiples of 64
 
 
 def _write(path, dtype, seed=0):
@@ -46,6 +46,14 @@ def stores(tmp_path_factory):
     yield full, _resident(full), _resident(low)
     full.close()
     low.close()
+
+
+@pytest.fixture(scope="module")
+def int2buf(tmp_path_factory):
+    """The int2 copy of the same experts as `stores` (same seed)."""
+    st = _write(tmp_path_factory.mktemp("misses2") / "int2.smoe", "int2")
+    yield _resident(st)
+    st.close()
 
 
 def _routers(seed=1):
@@ -297,6 +305,103 @@ def test_priority_matches_reference(stores, keep):
     cache.close()
 
 
+def _rank(w, t, j):
+    """Rank of slot j among token t's weights (descending, ties by slot), as the C rule."""
+    return sorted(range(K), key=lambda q: (-w[t, q], q)).index(j)
+
+
+@pytest.mark.parametrize("keep,keep2", [(1, 2), (0, 2), (1, 1), (2, 3), (1, K)])
+def test_priority_three_levels_matches_reference(stores, int2buf, keep, keep2):
+    """SpecMD's int8 -> int4 -> int2 cascade: fetched as drop's rule keeps (ranks < keep),
+    then per pair by its own rank: ranks < keep2 from copy 0 (int4), the rest from copy 1
+    (int2); keep2 = K is the two-level mode."""
+    full, fullbuf, lowbuf = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES, capacity=12)
+    lay.set_lowbit(*lowbuf)
+    if keep2 < K:
+        with pytest.raises(ValueError, match="needs a second resident low-bit copy"):
+            lay.set_miss("priority", keep, 0.0, keep2=keep2)
+    with pytest.raises(Exception, match="set low-bit copy 0 before copy 1"):
+        lay.set_lowbit(None)
+        lay.set_lowbit(*int2buf, level=1)
+    lay.set_lowbit(*lowbuf)
+    lay.set_lowbit(*int2buf, level=1)
+    lay.set_miss("priority", keep, 0.0, keep2=keep2)
+    x, idx, w = _inputs(routers, 0, 6)
+    res = _mask(0)
+    w_full, need = ref_drop(idx, w, res, keep)
+    low = np.array([[w_full[t, j] == 0 and _rank(w, t, j) >= keep2 for j in range(K)]
+                    for t in range(idx.shape[0])])
+    w4 = np.where((w_full == 0) & ~low, w, 0).astype(np.float32)
+    w2 = np.where(low, w, 0).astype(np.float32)
+    ref = _moe(fullbuf, 0, x, idx, w_full) + _moe(lowbuf, 0, x, idx, w4) + \
+        _moe(int2buf, 0, x, idx, w2)
+    out, used = _run(lay, 0, x, idx, w)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    c = lay.counters()
+    assert c["lowbit"] == int((w_full == 0).sum()) and c["lowbit2"] == int(low.sum())
+    assert cache.stats()["misses"] == len(need)
+    assert set(np.flatnonzero(used)) == set(idx.ravel().tolist())
+    if (keep, keep2) in [(1, 2), (0, 2)]:
+        assert 0 < c["lowbit2"] < c["lowbit"]  # both low-bit levels served something
+    if keep2 < K:
+        with pytest.raises(Exception, match="low-bit copy 1 is in use"):
+            lay.set_lowbit(None, level=1)
+    with pytest.raises(ValueError, match="miss_keep2"):
+        lay.set_miss("priority", keep, 0.0, keep2=K + 1)
+    lay.set_miss("fetch", 2, 0.0)
+    with pytest.raises(Exception, match="remove low-bit copy 1 before copy 0"):
+        lay.set_lowbit(None, level=0)
+    lay.set_lowbit(None, level=1)
+    lay.set_lowbit(None)
+    cache.close()
+
+
+@pytest.mark.parametrize("mode", ["drop", "priority"])
+def test_draft_tokens_with_rank_modes(stores, int2buf, mode):
+    """Draft tokens under drop and three-level priority: the kept ranks come from the real
+    tokens only; a draft pair is at full precision when its expert is resident or fetched for
+    a real token, else from low-bit copy 0 (never copy 1, never a load)."""
+    full, fullbuf, lowbuf = stores
+    routers = _routers()
+    cache, lay = _make(full, routers, RES, capacity=12)
+    lay.set_lowbit(*lowbuf)
+    lay.set_lowbit(*int2buf, level=1)
+    lay.set_miss(mode, 1, 0.0, keep2=2 if mode == "priority" else K)
+    x, idx, w = _inputs(routers, 0, 8)
+    draft = np.array([0, 1, 1, 0, 1, 0, 1, 1], bool)
+    res = _mask(0)
+    real = ~draft
+    w_real_full, need = ref_drop(idx[real], w[real], res, 1)
+    served = res[idx] | np.isin(idx, list(need))  # full precision, any token
+    w_full = np.where(served, w, 0).astype(np.float32)
+    w4 = np.zeros_like(w)
+    w2 = np.zeros_like(w)
+    for t in range(8):
+        for j in range(K):
+            if served[t, j]:
+                continue
+            if draft[t]:
+                w4[t, j] = w[t, j]
+            elif mode == "priority":
+                (w4 if _rank(w, t, j) < 2 else w2)[t, j] = w[t, j]
+    ref = _moe(fullbuf, 0, x, idx, w_full) + _moe(lowbuf, 0, x, idx, w4) + \
+        _moe(int2buf, 0, x, idx, w2)
+    out = np.empty_like(x)
+    used = np.zeros(E, np.uint8)
+    lay.forward(0, x, idx, w, out, used, None, True, draft.astype(np.uint8))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    c = lay.counters()
+    assert c["lowbit"] == int((w4 != 0).sum() + (w2 != 0).sum())
+    assert c["lowbit2"] == int((w2 != 0).sum())
+    assert c["draft_kept"] == int((~served & draft[:, None]).sum()) > 0
+    assert c["dropped"] == (int((~served & real[:, None]).sum()) if mode == "drop" else 0)
+    assert cache.stats()["misses"] == len(need)
+    lay.set_miss("fetch", 2, 0.0)
+    cache.close()
+
+
 @pytest.mark.parametrize("lowbit", [False, True])
 def test_draft_tokens_never_fetch(stores, lowbit):
     """Draft tokens (the MTP masks): a missing expert of a draft token is not loaded for it --
@@ -445,6 +550,64 @@ def test_engine_rejects_bad_options():
     assert not isinstance(m.model.layers[0].mlp.experts, hf.SpecmoeExperts)  # untouched
 
 
+def test_engine_low_bit_levels():
+    """miss_levels: SpecMD's int4 -> int2 cascade through the Engine, the copies built on demand,
+    shared with the self-draft and freed when no longer used; bad levels are refused."""
+    import copy
+
+    import torch
+
+    from specmoe import hf, testing
+    torch.manual_seed(0)
+    m = testing.tiny_model("mixtral", experts=8, top_k=2, layers=3, inter=128).eval()
+    ref_model = copy.deepcopy(m)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    for kw, exc, word in [({"miss_levels": "int2:int4"}, ValueError, "fewer bits"),
+                          ({"miss_levels": "fp4"}, ValueError, "miss_levels"),
+                          ({"miss_levels": 4}, TypeError, "miss_levels"),
+                          ({"miss_levels": "int4", "miss_keep2": 1}, ValueError, "has one"),
+                          ({"miss_levels": "int4:int2", "miss_keep": 2, "miss_keep2": 1},
+                           ValueError, "miss_keep2")]:
+        with pytest.raises(exc, match=word):
+            hf.offload(m, **kw)
+    # rank 0 of a missing pair from int4, rank 1 from int2 (keep2 = 0 + (2 - 0) // 2 = 1)
+    eng = hf.offload(m, cache=12, prefetch=False, policy="least_stale", miss="priority",
+                     miss_keep=0, miss_levels="int4:int2")
+    assert (eng.miss_levels, eng.miss_keep2) == (("int4", "int2"), 1)
+    err = {}
+
+    def run(name):
+        eng.reset_stats()
+        with torch.no_grad():
+            out = m(ids).logits
+        err[name] = (out - ref).abs().mean().item()
+        return eng.stats()
+
+    s = run("int4:int2")
+    assert eng.lowbit_copies == ("int4", "int2")
+    assert s["miss_levels"] == "int4:int2" and s["miss_keep2"] == 1
+    assert s["lowbit"] == s["missing"] > 0 and 0 < s["lowbit2"] < s["lowbit"]
+    assert s["misses"] == 0
+    eng.set_miss("lowest_bit", miss_levels="int4")
+    s = run("int4")
+    assert eng.lowbit_copies == ("int4",) and s["lowbit2"] == 0  # the int2 copy is freed
+    eng.set_miss(miss_levels="int2")
+    s = run("int2")
+    assert eng.lowbit_copies == ("int2",) and s["lowbit"] == s["missing"] > 0
+    # the higher-ranked half at int4 lands between the two single levels
+    assert err["int4"] < err["int4:int2"] < err["int2"], err
+    eng.enable_self_draft("int2")  # shares the miss level's copy
+    assert eng.lowbit_copies == ("int2",) and eng.draft_dtype == "int2"
+    eng.set_miss("fetch")
+    assert eng.lowbit_copies == ("int2",)  # still the self-draft's
+    run("fetch")
+    assert err["fetch"] < 1e-4
+    eng.close()
+    assert eng.lowbit_copies == ()
+
+
 def test_engine_modes_against_plain_decoding():
     import copy
 
@@ -477,7 +640,8 @@ def test_engine_modes_against_plain_decoding():
             assert 0 < s["lowbit"] < s["missing"] and s["misses"] > 0
         else:
             assert s["lowbit"] == s["missing"] > 0 and s["misses"] == 0
-            assert eng.draft_dtype == "int4"  # the self-draft's copy, built on demand
+            assert eng.lowbit_copies == ("int4",)  # built on demand
+            assert eng.draft_dtype is None  # without turning the self-draft on
         if (mode, keep) in [("drop", 0), ("lowest_bit", 2)]:
             assert s["misses"] == 0  # nothing fetched on demand
         if (mode, keep) in [("drop", 0), ("substitute", 2), ("lowest_bit", 2)]:
@@ -520,12 +684,13 @@ def test_engine_throttle_slows_loads():
 
 # ---- the simulator ------------------------------------------------------------------------------
 
-def ref_sim_misses(experts, logits, E, nslots, mode, keep, ratio, load_s, expert_s):
+def ref_sim_misses(experts, logits, E, nslots, mode, keep, ratio, load_s, expert_s, keep2=None,
+                   ratio2=1.0):
     """Demand-only LRU replay with SpecMD's miss rules (csrc/sim.h smoe_sim_miss), written from
-    that description: counts and times."""
+    that description: counts and times (keep2: priority's ranks from a second copy)."""
     from collections import OrderedDict
     lru: OrderedDict[int, None] = OrderedDict()
-    c = dict(hits=0, misses=0, missing=0, dropped=0, substituted=0, lowbit=0)
+    c = dict(hits=0, misses=0, missing=0, dropped=0, substituted=0, lowbit=0, lowbit2=0)
     stall = compute = 0.0
 
     def demand(key):
@@ -546,7 +711,7 @@ def ref_sim_misses(experts, logits, E, nslots, mode, keep, ratio, load_s, expert
             row = [int(e) for e in experts[t, l]]
             lg = logits[t, l] if logits is not None else None
             mark = set(row)
-            full = low = 0
+            full = low = low2 = 0
             for i, e in enumerate(row):
                 key = l * E + e
                 if mode != "fetch" and key not in lru:
@@ -555,7 +720,11 @@ def ref_sim_misses(experts, logits, E, nslots, mode, keep, ratio, load_s, expert
                         1 for q in range(K) if lg[row[q]] > lg[e] or (lg[row[q]] == lg[e] and q < i))
                     if mode == "lowest_bit" or (mode == "priority" and r >= keep):
                         c["lowbit"] += 1
-                        low += 1
+                        if mode == "priority" and keep2 is not None and r >= keep2:
+                            c["lowbit2"] += 1
+                            low2 += 1
+                        else:
+                            low += 1
                         continue
                     if mode == "priority":
                         pass  # a high rank: fetched below
@@ -573,7 +742,7 @@ def ref_sim_misses(experts, logits, E, nslots, mode, keep, ratio, load_s, expert
                             key = l * E + best
                 demand(key)
                 full += 1
-            compute += full * expert_s + low * expert_s * ratio
+            compute += full * expert_s + low * expert_s * ratio + low2 * expert_s * ratio2
     return c, stall, compute
 
 
@@ -602,6 +771,32 @@ def test_simulator_miss_modes_match_reference(mode, keep, with_logits):
         assert r["missing"] > 0
 
 
+@pytest.mark.parametrize("keep,keep2", [(0, 1), (1, 2), (0, 0), (1, 3)])
+def test_simulator_priority_three_levels_match_reference(keep, keep2):
+    """fetch-priority with an int2 level: ranks keep..keep2-1 cost lowbit_ratio, ranks keep2..
+    lowbit2_ratio (keep2 = top_k: the two-level mode)."""
+    rng = np.random.default_rng(8)
+    T, Ls, Es, Ks = 60, 4, 10, 3
+    logits = rng.standard_normal((T, Ls, Es)).astype(np.float32)
+    experts = np.ascontiguousarray(np.argsort(-logits, axis=2)[:, :, :Ks][:, :, ::-1])
+    experts = experts.astype(np.int16)
+    hw = dict(expert_bytes=1e6, fast_bw=1e9, link_bw=1e8, link_latency_s=1e-4)
+    r = _C.simulate(experts, Es, "lru", 12, logits=logits, **hw, miss=4, miss_keep=keep,
+                    lowbit_ratio=0.3, miss_keep2=keep2, lowbit2_ratio=0.2)
+    c, stall, compute = ref_sim_misses(experts, logits, Es, 12, "priority", keep, 0.3,
+                                       1e-4 + 1e6 / 1e8, 1e6 / 1e9, keep2=keep2, ratio2=0.2)
+    for k, v in c.items():
+        assert r[k] == v, (k, r[k], v)
+    assert r["stall_s"] == pytest.approx(stall) and r["compute_s"] == pytest.approx(compute)
+    if keep2 < Ks:
+        assert r["lowbit2"] > 0
+    else:
+        assert r["lowbit2"] == 0
+    with pytest.raises(ValueError, match="keep2"):
+        _C.simulate(experts, Es, "lru", 12, logits=logits, **hw, miss=4, miss_keep=2,
+                    miss_keep2=1, lowbit2_ratio=0.2)
+
+
 def test_simulate_api_and_cli_take_miss(tmp_path):
     import json
     import subprocess
@@ -625,6 +820,13 @@ def test_simulate_api_and_cli_take_miss(tmp_path):
     assert simulate(tr, "lru", 12, miss="drop", miss_keep=9).misses == base.misses
     with pytest.raises(ValueError, match="verify_tokens"):
         simulate(tr, "lru", 12, miss="drop", verify_tokens=2)
+    # an int2 band below rank 1: cheaper compute than the two-level mode, same loads
+    two = simulate(tr, "lru", 12, miss="priority", miss_keep=1)
+    three = simulate(tr, "lru", 12, miss="priority", miss_keep=1, miss_keep2=2)
+    assert three.misses == two.misses and 0 < three.extra["lowbit2"] < three.extra["lowbit"]
+    assert three.compute_s < two.compute_s and two.extra["lowbit2"] == 0
+    with pytest.raises(ValueError, match="miss_keep2"):
+        simulate(tr, "lru", 12, miss="priority", miss_keep=2, miss_keep2=1)
     path = tmp_path / "t.npz"
     tr.save(path)
     out = subprocess.run([sys.executable, "-m", "specmoe", "simulate", "--trace", str(path),
@@ -633,6 +835,11 @@ def test_simulate_api_and_cli_take_miss(tmp_path):
                          check=True)
     res = json.loads(out.stdout)
     assert res["miss"] == "drop" and res["results"][0]["dropped"] > 0
+    out = subprocess.run([sys.executable, "-m", "specmoe", "simulate", "--trace", str(path),
+                          "--policies", "lru", "--capacity", "12", "--miss", "priority",
+                          "--miss-keep", "0", "--miss-keep2", "1", "--json"],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["results"][0]["lowbit2"] > 0
 
 
 def test_expert_cache_set_throttle(stores):
