@@ -370,11 +370,19 @@ class Engine:
             None if miss_keep2 == "auto" else miss_keep2, k, self.top_k)
         if not isinstance(throttle, str):
             misses.check_throttle(throttle)
-            self.throttle = throttle
+        old = (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
+               self.throttle)
         self.miss, self.miss_keep, self.route_lambda = m, k, lam
         self.miss_levels, self.miss_keep2 = levels, keep2
+        if not isinstance(throttle, str):
+            self.throttle = throttle
         if self._layers is not None:
-            misses.apply(self)
+            try:
+                misses.apply(self)  # builds any new copy before it changes the C layers
+            except BaseException:
+                (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
+                 self.throttle) = old
+                raise
 
     @property
     def cache_frac(self) -> float:

@@ -608,6 +608,25 @@ def test_engine_low_bit_levels():
     assert eng.lowbit_copies == ()
 
 
+def test_engine_int2_level_needs_multiples_of_64():
+    """A model whose expert shapes int2 cannot group (inter 96) refuses the level with the
+    reason and keeps its settings and output."""
+    import torch
+
+    from specmoe import hf
+    m = _tiny()  # hidden 64, inter 96
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    eng = hf.offload(m, cache=12, prefetch=False, miss="lowest_bit")
+    with torch.no_grad():
+        before = m(ids).logits
+    with pytest.raises(ValueError, match="int2 needs H and I multiples of 64"):
+        eng.set_miss(miss_levels="int2")
+    assert eng.miss_levels == ("int4",) and eng.lowbit_copies == ("int4",)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, before)
+    eng.close()
+
+
 def test_engine_modes_against_plain_decoding():
     import copy
 
