@@ -86,16 +86,24 @@ def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * np.asarray(scale, dtype=np.float32)[:, None]
 
 
+def _grouped(w: np.ndarray, group: int, name: str, mult: int) -> np.ndarray:
+    """``w`` as an f32 matrix whose columns split into groups of ``group`` (a positive multiple
+    of ``mult``), or ValueError naming the format."""
+    w = _matrix(w, "w")
+    if group <= 0 or group % mult:
+        raise ValueError(f"{name} group size must be a positive multiple of {mult}, got {group}")
+    if w.shape[1] % group:
+        raise ValueError(f"{name}: {w.shape[1]} columns are not a multiple of the group size "
+                         f"{group}")
+    return w
+
+
 def quantize_int4(w: np.ndarray, group: int = 128) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int4 in groups of ``group`` columns: returns (packed uint8 [rows, cols/2],
     scale f32 [rows, cols/group]), scale = max|group| / 7, nibble u = q + 8 with q in [-7, 7];
     column 2j in the low nibble of byte j."""
-    w = _matrix(w, "w")
-    if group <= 0 or group % 32:
-        raise ValueError(f"int4 group size must be a positive multiple of 32, got {group}")
+    w = _grouped(w, group, "int4", 32)
     rows, cols = w.shape
-    if cols % group:
-        raise ValueError(f"int4: {cols} columns are not a multiple of the group size {group}")
     g = w.reshape(rows, cols // group, group)
     scale = (np.abs(g).max(axis=2) / 7.0).astype(np.float32)
     safe = np.where(scale > 0, scale, 1.0).astype(np.float32)
@@ -128,12 +136,8 @@ def quantize_int2(w: np.ndarray, group: int = 64,
     alternating least squares, as HQQ refines its zero point and scale: round u for the
     current (s, m), then refit (s, m) to minimise the group's squared error for those u.
     Each round can only lower the error (both steps are exact minimisers of their part)."""
-    w = _matrix(w, "w")
-    if group <= 0 or group % 64:
-        raise ValueError(f"int2 group size must be a positive multiple of 64, got {group}")
+    w = _grouped(w, group, "int2", 64)
     rows, cols = w.shape
-    if cols % group:
-        raise ValueError(f"int2: {cols} columns are not a multiple of the group size {group}")
     g = w.reshape(rows, cols // group, group).astype(np.float64)
     lo, hi = g.min(axis=2), g.max(axis=2)
     s, m = (hi - lo) / 3.0, lo
