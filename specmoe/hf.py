@@ -801,8 +801,15 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     resolve_dense(dense, torch.float32)
     cfg = model.config
     k = int(cfg.num_experts_per_tok)
-    misses.check_levels(miss_levels, miss_keep2,
-                        misses.check_miss(miss, miss_keep, route_lambda, k)[1], k)
+    levels, _ = misses.check_levels(miss_levels, miss_keep2,
+                                    misses.check_miss(miss, miss_keep, route_lambda, k)[1], k)
+    # the grouped formats need expert shapes they can group: fail before the model is touched
+    # (the gate/up projection is [E, 2I, H], or [E, H, 2I] for gpt-oss)
+    I = int(first.gate_up_proj.shape[2] if info.gptoss else first.gate_up_proj.shape[1]) // 2
+    for fmt in {dtype} | (set(levels) if miss in ("lowest_bit", "priority") else set()):
+        if fmt in ("int4", "int2"):
+            from .quant import pick_group
+            pick_group(H, I, fmt)
     misses.check_throttle(throttle)
     if store is None:
         fd, path = tempfile.mkstemp(prefix="specmoe-", suffix=".smoe")

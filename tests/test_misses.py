@@ -616,6 +616,10 @@ def test_engine_int2_level_needs_multiples_of_64():
     from specmoe import hf
     m = _tiny()  # hidden 64, inter 96
     ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    for kw in ({"dtype": "int2"}, {"miss": "lowest_bit", "miss_levels": "int2"}):
+        with pytest.raises(ValueError, match="int2 needs H and I multiples of 64"):
+            hf.offload(m, **kw)  # refused before the model is touched
+    assert not isinstance(m.model.layers[0].mlp.experts, hf.SpecmoeExperts)
     eng = hf.offload(m, cache=12, prefetch=False, miss="lowest_bit")
     with torch.no_grad():
         before = m(ids).logits
