@@ -697,7 +697,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
                     (uint64_t)g->cache->tab.nslots < (uint64_t)g->L * E;
     if (par) {
         if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
-        if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release};
+        if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release, 0};
     }
     if (draft) { /* take == g->take here: split it into the real and the draft tokens' pairs */
         for (size_t i = 0; i < (size_t)T * k; i++) {

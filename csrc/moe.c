@@ -23,6 +23,65 @@ int smoe_moe_forward_ex(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_so
                                   0, out, used, err);
 }
 
+/* Add each pair's row of contrib into its token's row of out, pairs in expert order: a token's
+ * experts in ascending id. */
+static void sum_pairs(float *out, const float *contrib, const int32_t *rows, uint32_t npairs,
+                      uint32_t H) {
+    for (uint32_t p = 0; p < npairs; p++) {
+        float *o = out + (size_t)rows[p] * H;
+        const float *c = contrib + (size_t)p * H;
+        for (uint32_t h = 0; h < H; h++) o[h] += c[h];
+    }
+}
+
+/* The expert-parallel path (moe.h): pairs sorted by expert (start, rows, scale), at most
+ * maxn per expert; out zeroed.  All needed experts are pinned in the visit order, computed
+ * by smoe_ffn_forward_many into per-pair rows, released, then summed. */
+static int forward_parallel(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_source *src,
+                            uint32_t layer, uint32_t num_experts, const float *x,
+                            const uint32_t *start, const int32_t *rows, const float *scale,
+                            uint32_t maxn, const uint32_t *order, float *out, uint8_t *used,
+                            smoe_err *err) {
+    const uint32_t H = d->H, npairs = start[num_experts];
+    float *xg = malloc(sizeof *xg * (size_t)npairs * H);
+    float *contrib = calloc((size_t)npairs * H, sizeof *contrib);
+    smoe_ffn_task *tasks = malloc(sizeof *tasks * num_experts);
+    uint32_t *pinned = malloc(sizeof *pinned * num_experts);
+    void *scratch = malloc(smoe_ffn_many_scratch_bytes(kc, d, maxn));
+    uint32_t n = 0;
+    int rc = SMOE_OK;
+    if (!xg || !contrib || !tasks || !pinned || !scratch) {
+        rc = smoe_err_set(err, SMOE_ENOMEM, "moe layer %u: no memory for %u expert pairs", layer,
+                          npairs);
+        goto done;
+    }
+    for (uint32_t p = 0; p < npairs; p++)
+        memcpy(xg + (size_t)p * H, x + (size_t)rows[p] * H, sizeof *xg * H);
+    for (uint32_t q = 0; q < num_experts; q++) {
+        const uint32_t e = order ? order[q] : q;
+        if (start[e + 1] == start[e]) continue;
+        if (used) used[e] = 1;
+        const uint8_t *block = NULL;
+        if ((rc = src->acquire(src->ctx, layer, e, &block, err))) goto done;
+        pinned[n] = e;
+        tasks[n++] = (smoe_ffn_task){block, xg + (size_t)start[e] * H, H, NULL, scale + start[e],
+                                     start[e + 1] - start[e], contrib + (size_t)start[e] * H, H};
+    }
+    rc = smoe_ffn_forward_many(kc, d, tasks, n, scratch, err);
+done:
+    for (uint32_t i = 0; i < n; i++) { /* the first error wins */
+        int rr = src->release(src->ctx, layer, pinned[i], rc ? NULL : err);
+        if (!rc) rc = rr;
+    }
+    if (!rc) sum_pairs(out, contrib, rows, npairs, H);
+    free(xg);
+    free(contrib);
+    free(tasks);
+    free(pinned);
+    free(scratch);
+    return rc;
+}
+
 int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe_source *src,
                            uint32_t layer, uint32_t num_experts, const float *x, uint32_t T,
                            const int64_t *idx, const float *w, uint32_t k, const uint8_t *take,
@@ -53,10 +112,11 @@ int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe
     }
     for (size_t i = 0; i < nk; i++)
         if (!take || take[i]) start[idx[i] + 1]++;
-    uint32_t maxn = 0;
+    uint32_t maxn = 0, nexp = 0;
     for (uint32_t e = 0; e < num_experts; e++) {
         uint32_t n = start[e + 1];
         if (n > maxn) maxn = n;
+        nexp += n > 0;
         start[e + 1] += start[e];
     }
     memcpy(fill, start, sizeof *fill * num_experts);
@@ -74,6 +134,19 @@ int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe
                                   layer, rows[p], e);
                 goto done;
             }
+    if (order) /* checked before anything is pinned */
+        for (uint32_t q = 0; q < num_experts; q++)
+            if (order[q] >= num_experts) {
+                rc = smoe_err_set(err, SMOE_EINVAL, "moe layer %u: visit order names expert %u "
+                                  "of %u", layer, order[q], num_experts);
+                goto done;
+            }
+    if (src->multi_pin && kc && kc->pool && nexp >= kc->nthreads && nexp >= 2 &&
+        maxn <= SMOE_MOE_EP_MAX_TOKENS) {
+        rc = forward_parallel(kc, d, src, layer, num_experts, x, start, rows, scale, maxn, order,
+                              out, used, err);
+        goto done;
+    }
     if (!(scratch = malloc(smoe_ffn_scratch_bytes(d, maxn))) ||
         (fixed_sum && (!(contrib = malloc(sizeof *contrib * ((size_t)start[num_experts] + 1) * H)) ||
                        !(xg = malloc(sizeof *xg * ((size_t)maxn + 1) * H))))) {
@@ -83,11 +156,6 @@ int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe
     }
     for (uint32_t q = 0; q < num_experts; q++) {
         const uint32_t e = order ? order[q] : q;
-        if (e >= num_experts) {
-            rc = smoe_err_set(err, SMOE_EINVAL, "moe layer %u: visit order names expert %u of "
-                              "%u", layer, e, num_experts);
-            goto done;
-        }
         uint32_t n = start[e + 1] - start[e];
         if (!n) continue;
         if (used) used[e] = 1;
@@ -110,11 +178,7 @@ int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe
         if (rc) goto done;
     }
     if (fixed_sum) /* each token's experts summed in ascending id, whatever the visit order */
-        for (uint32_t p = 0; p < start[num_experts]; p++) {
-            float *o = out + (size_t)rows[p] * H;
-            const float *c = contrib + (size_t)p * H;
-            for (uint32_t h = 0; h < H; h++) o[h] += c[h];
-        }
+        sum_pairs(out, contrib, rows, start[num_experts], H);
 done:
     free(start);
     free(fill);
@@ -136,7 +200,9 @@ static int cache_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *e
 }
 
 smoe_moe_source smoe_moe_cache_source(struct smoe_cache *cache) {
-    return (smoe_moe_source){cache, cache_acquire, cache_release};
+    const int all = (uint64_t)cache->tab.nslots >=
+                    (uint64_t)cache->tab.num_layers * cache->tab.num_experts;
+    return (smoe_moe_source){cache, cache_acquire, cache_release, all};
 }
 
 static int resident_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
@@ -157,5 +223,5 @@ static int resident_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err
 }
 
 smoe_moe_source smoe_moe_resident_source(smoe_moe_resident *r) {
-    return (smoe_moe_source){r, resident_acquire, resident_release};
+    return (smoe_moe_source){r, resident_acquire, resident_release, 1};
 }

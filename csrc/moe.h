@@ -7,6 +7,14 @@
  * expert's tokens in token order, so an f32 store in id order reproduces transformers' eager
  * experts forward up to the kernel's own summation order.
  *
+ * Decode-sized calls run expert-parallel: when every expert of the call sees at most
+ * SMOE_MOE_EP_MAX_TOKENS tokens, at least as many experts are used as the kernel context has
+ * threads, and the source can hold all of them pinned at once (multi_pin), the experts are
+ * acquired first, then computed side by side, one whole expert per thread
+ * (smoe_ffn_forward_many: no barrier per expert), each into rows of its own that are summed per
+ * token in ascending expert id -- the same values, bit for bit, as one expert at a time with
+ * its rows split across the threads.
+ *
  * Thread safety: smoe_moe_forward touches only its arguments, the source and the kernel
  * context (whose calls serialize on its pool); it may run without the GIL.  Scratch memory is
  * allocated per call.
@@ -23,9 +31,15 @@ typedef struct smoe_moe_source {
     int (*acquire)(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **data,
                    smoe_err *err);
     int (*release)(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err);
+    int multi_pin; /* every expert of a layer can be pinned at once (a resident buffer, or a
+                      cache with a slot for every expert); 0 (the default): one at a time */
 } smoe_moe_source;
 
-/* The expert source that pins blocks in a cache (smoe_cache_acquire / smoe_cache_release). */
+/* Most tokens per expert for the expert-parallel path (above: experts one at a time). */
+#define SMOE_MOE_EP_MAX_TOKENS 4u
+
+/* The expert source that pins blocks in a cache (smoe_cache_acquire / smoe_cache_release);
+ * multi_pin when the cache has a slot for every expert. */
 struct smoe_cache;
 smoe_moe_source smoe_moe_cache_source(struct smoe_cache *cache);
 

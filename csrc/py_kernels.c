@@ -121,6 +121,12 @@ static PyObject *kc_get_threads(KernelContextObject *self, void *closure) {
     smoe_kctx *c = smoe_py_kctx((PyObject *)self);
     return c ? PyLong_FromUnsignedLong(c->nthreads) : NULL;
 }
+static PyObject *kc_get_parallel_calls(KernelContextObject *self, void *closure) {
+    (void)closure;
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    return c ? PyLong_FromUnsignedLongLong(__atomic_load_n(&c->many_calls, __ATOMIC_RELAXED))
+             : NULL;
+}
 static PyObject *kc_get_features(KernelContextObject *self, void *closure) {
     (void)closure;
     smoe_kctx *c = smoe_py_kctx((PyObject *)self);
@@ -365,6 +371,9 @@ static PyGetSetDef kc_getset[] = {
     {"isa_max", (getter)kc_get_isa_max, NULL, "Best ISA this CPU supports.", NULL},
     {"threads", (getter)kc_get_threads, NULL, "Threads per call (including the caller).", NULL},
     {"features", (getter)kc_get_features, NULL, "CPU extensions detected.", NULL},
+    {"parallel_calls", (getter)kc_get_parallel_calls, NULL,
+     "MoE layer calls run expert-parallel on this context (a whole expert per thread; "
+     "csrc/moe.h).", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyTypeObject KernelContextType = {

@@ -332,24 +332,15 @@ static void gather_rows(const float *x, size_t x_stride, const int32_t *rows, ui
     }
 }
 
-int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
-                     size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
-                     float *out, size_t out_stride, void *scratch, smoe_err *err) {
-    if (T == 0) return SMOE_OK;
-    if (!d || !block || !x || !out || !scratch)
-        return smoe_err_set(err, SMOE_EINVAL, "smoe_ffn_forward: NULL argument");
-    if (x_stride < d->H || out_stride < d->H)
-        return smoe_err_set(err, SMOE_EINVAL,
-                            "smoe_ffn_forward: row strides (x %zu, out %zu) below H=%u", x_stride,
-                            out_stride, d->H);
-    int32_t isa;
-    int has_bf16, has_vnni;
-    int rc = ctx_features(c, &isa, &has_bf16, &has_vnni, err);
-    if (rc) return rc;
+/* One FFN call on `pool` (NULL: this thread alone) with the given ISA and features; the
+ * arguments are checked by the callers. */
+static void ffn_run(smoe_kpool *pool, int32_t isa, int has_bf16, int has_vnni,
+                    const smoe_ffn_desc *d, const uint8_t *block, const float *x,
+                    size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
+                    float *out, size_t out_stride, void *scratch) {
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     float *xs = (float *)base;
     float *act = (float *)(base + round64((size_t)T * d->H * 4));
-    smoe_kpool *pool = c ? c->pool : NULL;
     if (fast_dtype_ok(d->dtype, group_of(d), d->precise, isa, has_bf16, has_vnni) &&
         fast_dim_ok(d->H) && fast_dim_ok(d->I)) {
         void *aq = (uint8_t *)act + round64((size_t)T * d->I * 4);
@@ -361,7 +352,6 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
         smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act, rows,
                             scale, out,   out_stride, xs,          xsc,  xsum};
         phase_arg pa = {&smoe_ffn_impl_fast, &job, 1, 0};
-        smoe_kpool_lock(pool);
         smoe_kpool_run(pool, phase_run, &pa);
         smoe_fast_prepare(d->dtype, act, d->I, NULL, T, d->I, aq, asc, asum);
         job.q = aq;
@@ -370,18 +360,97 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
         pa.phase = 2;
         pa.next = 0;
         smoe_kpool_run(pool, phase_run, &pa);
-        smoe_kpool_unlock(pool);
-        return SMOE_OK;
+        return;
     }
     gather_rows(x, x_stride, rows, T, d->H, smoe_dtype_permuted(d->dtype), xs);
     smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride,
                         NULL, NULL, NULL};
     phase_arg pa = {impl_for(isa, d->dtype), &job, 1, 0};
-    smoe_kpool_lock(pool);
     smoe_kpool_run(pool, phase_run, &pa);
     pa.phase = 2;
     pa.next = 0;
     smoe_kpool_run(pool, phase_run, &pa);
+}
+
+static int check_call(const smoe_ffn_desc *d, const uint8_t *block, const float *x,
+                      size_t x_stride, const float *out, size_t out_stride, const void *scratch,
+                      const char *fn, smoe_err *err) {
+    if (!d || !block || !x || !out || !scratch)
+        return smoe_err_set(err, SMOE_EINVAL, "%s: NULL argument", fn);
+    if (x_stride < d->H || out_stride < d->H)
+        return smoe_err_set(err, SMOE_EINVAL, "%s: row strides (x %zu, out %zu) below H=%u", fn,
+                            x_stride, out_stride, d->H);
+    return SMOE_OK;
+}
+
+int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
+                     size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
+                     float *out, size_t out_stride, void *scratch, smoe_err *err) {
+    if (T == 0) return SMOE_OK;
+    int rc = check_call(d, block, x, x_stride, out, out_stride, scratch, "smoe_ffn_forward", err);
+    if (rc) return rc;
+    int32_t isa;
+    int has_bf16, has_vnni;
+    if ((rc = ctx_features(c, &isa, &has_bf16, &has_vnni, err))) return rc;
+    smoe_kpool *pool = c ? c->pool : NULL;
+    smoe_kpool_lock(pool);
+    ffn_run(pool, isa, has_bf16, has_vnni, d, block, x, x_stride, rows, scale, T, out, out_stride,
+            scratch);
+    smoe_kpool_unlock(pool);
+    return SMOE_OK;
+}
+
+static uint32_t pool_threads(const smoe_kctx *c) { return c && c->pool ? c->nthreads : 1; }
+
+size_t smoe_ffn_many_scratch_bytes(const smoe_kctx *c, const smoe_ffn_desc *d, uint32_t maxT) {
+    return pool_threads(c) * smoe_ffn_scratch_bytes(d, maxT ? maxT : 1);
+}
+
+typedef struct many_arg {
+    const smoe_ffn_desc *d;
+    const smoe_ffn_task *tasks;
+    uint32_t n;
+    int32_t isa;
+    int has_bf16, has_vnni;
+    uint8_t *scratch;
+    size_t per;    /* scratch bytes per thread */
+    uint32_t next; /* next task to take (atomic) */
+} many_arg;
+
+/* Each thread takes whole tasks (an atomic counter, as phase_run) and runs them alone. */
+static void many_run(void *varg, uint32_t k, uint32_t n) {
+    (void)n;
+    many_arg *ma = varg;
+    for (;;) {
+        uint32_t i = __atomic_fetch_add(&ma->next, 1u, __ATOMIC_RELAXED);
+        if (i >= ma->n) break;
+        const smoe_ffn_task *t = &ma->tasks[i];
+        if (t->T)
+            ffn_run(NULL, ma->isa, ma->has_bf16, ma->has_vnni, ma->d, t->block, t->x,
+                    t->x_stride, t->rows, t->scale, t->T, t->out, t->out_stride,
+                    ma->scratch + (size_t)k * ma->per);
+    }
+}
+
+int smoe_ffn_forward_many(smoe_kctx *c, const smoe_ffn_desc *d, const smoe_ffn_task *tasks,
+                          uint32_t n, void *scratch, smoe_err *err) {
+    if (n == 0) return SMOE_OK;
+    if (!tasks) return smoe_err_set(err, SMOE_EINVAL, "smoe_ffn_forward_many: NULL tasks");
+    uint32_t maxT = 0;
+    int rc;
+    for (uint32_t i = 0; i < n; i++) {
+        const smoe_ffn_task *t = &tasks[i];
+        if ((rc = check_call(d, t->block, t->x, t->x_stride, t->out, t->out_stride, scratch,
+                             "smoe_ffn_forward_many", err)))
+            return rc;
+        if (t->T > maxT) maxT = t->T;
+    }
+    many_arg ma = {d, tasks, n, 0, 0, 0, scratch, smoe_ffn_scratch_bytes(d, maxT ? maxT : 1), 0};
+    if ((rc = ctx_features(c, &ma.isa, &ma.has_bf16, &ma.has_vnni, err))) return rc;
+    smoe_kpool *pool = c ? c->pool : NULL;
+    if (c) __atomic_fetch_add(&c->many_calls, 1u, __ATOMIC_RELAXED);
+    smoe_kpool_lock(pool);
+    smoe_kpool_run(pool, many_run, &ma);
     smoe_kpool_unlock(pool);
     return SMOE_OK;
 }

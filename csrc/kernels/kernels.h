@@ -107,6 +107,7 @@ typedef struct smoe_kctx {
     int32_t isa_max;    /* best smoe_isa this CPU supports */
     int32_t has_bf16;   /* CPU has AVX512_BF16 */
     int32_t has_vnni;   /* CPU has AVX512_VNNI */
+    uint64_t many_calls; /* smoe_ffn_forward_many calls on this context (atomic) */
 } smoe_kctx;
 
 /* nthreads = 0 -> number of online CPUs.  ISA: the best supported, unless the environment
@@ -141,6 +142,32 @@ const char *smoe_isa_name(int32_t isa);
 int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
                      size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
                      float *out, size_t out_stride, void *scratch, smoe_err *err);
+
+/* One expert's share of a smoe_ffn_forward_many call: smoe_ffn_forward's arguments. */
+typedef struct smoe_ffn_task {
+    const uint8_t *block;
+    const float *x;
+    size_t x_stride;
+    const int32_t *rows; /* or NULL */
+    const float *scale;  /* or NULL */
+    uint32_t T;
+    float *out;
+    size_t out_stride;
+} smoe_ffn_task;
+
+/* Scratch bytes smoe_ffn_forward_many needs on c for tasks of at most maxT tokens: one
+ * smoe_ffn_scratch_bytes(d, maxT) per thread of c. */
+size_t smoe_ffn_many_scratch_bytes(const smoe_kctx *c, const smoe_ffn_desc *d, uint32_t maxT);
+
+/* Several experts of one descriptor side by side: each task runs whole on one thread of c's
+ * pool (threads claim tasks in order), instead of each expert's rows split across the threads
+ * with two barriers per expert as smoe_ffn_forward does.  For decode-sized calls, where a
+ * handful of experts each see a token or two.  Every output element is computed by the same
+ * per-row code as in smoe_ffn_forward, so each task's result is bit-identical to a
+ * smoe_ffn_forward call on it.  The tasks' output rows must not overlap (tasks may then
+ * accumulate concurrently).  Same serialization and GIL rule as smoe_ffn_forward. */
+int smoe_ffn_forward_many(smoe_kctx *c, const smoe_ffn_desc *d, const smoe_ffn_task *tasks,
+                          uint32_t n, void *scratch, smoe_err *err);
 
 /* ---- dense linear layers (attention projections, shared/dense MLP, lm_head) ----
  *
