@@ -66,7 +66,8 @@ typedef struct smoe_cache_stats {
     uint64_t collision_misses; /* misses on an expert evicted earlier in the same pass */
     uint64_t prefetch_issued;  /* prefetch loads started */
     uint64_t prefetch_used;    /* prefetched experts later used by demand (incl. late) */
-    uint64_t prefetch_late;    /* demand found a prefetch still loading (a miss; waited) */
+    uint64_t prefetch_late;    /* demand accesses that found a prefetch still loading (each a
+                                * miss that waited; several can wait on one load) */
     uint64_t prefetch_wasted;  /* prefetched experts evicted before any demand use */
     uint64_t prefetch_dropped; /* prefetch requests dropped: no evictable slot */
     uint64_t prefetch_failed;  /* prefetch loads that failed (store error; see worker_err) */
