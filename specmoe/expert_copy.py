@@ -33,7 +33,7 @@ class ExpertCopy:
         from .conversion import write_experts
         from .kernels import FFNSpec
         from .quant import dequantize_expert
-        from .store import ExpertStore, aligned_empty
+        from .store import ExpertStore
         L, E = int(store.num_layers), int(store.num_experts)
         fd, path = tempfile.mkstemp(prefix="specmoe-draft-", suffix=".smoe")
         os.close(fd)
@@ -43,10 +43,7 @@ class ExpertCopy:
                           top_k=top_k, extra={}, progress=False)
             with ExpertStore(path, verify=False) as st:
                 bb = int(st.block_bytes)
-                buf = aligned_empty(L * E * bb)
-                for p in range(L):
-                    for e in range(E):
-                        st.read_block(p, e, out=buf[(p * E + e) * bb:(p * E + e + 1) * bb])
+                buf = st.read_all()
                 spec = FFNSpec.from_store_schema(st.tensors, bb, **ffn_args)
         finally:
             os.unlink(path)

@@ -604,6 +604,16 @@ class ExpertStore(_C.Store):
         """
         return self.read(layer, expert, out)
 
+    def read_all(self) -> np.ndarray:
+        """Every block in store order in one SMOE_ALIGN-aligned uint8 buffer (block (layer, e)
+        at ``(layer * num_experts + e) * block_bytes``): the layout of a resident expert
+        source (``_C.moe_forward`` on a buffer, ``_C.Layers.set_lowbit``)."""
+        L, E, bb = int(self.num_layers), int(self.num_experts), int(self.block_bytes)
+        buf = aligned_empty(L * E * bb)
+        for i in range(L * E):
+            self.read_block(i // E, i % E, out=buf[i * bb:(i + 1) * bb])
+        return buf
+
     def tensors_of(self, block: np.ndarray) -> dict[str, np.ndarray]:
         """Views of the tensors inside a block buffer (bf16 as uint16 bit patterns)."""
         b = np.asarray(block)

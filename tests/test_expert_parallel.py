@@ -10,7 +10,7 @@ import pytest
 from specmoe import _C, quant
 from specmoe.cache import ExpertCache
 from specmoe.kernels import FFNSpec
-from specmoe.store import ExpertStore, aligned_empty, write_store
+from specmoe.store import ExpertStore, write_store
 
 L, E, H, I, K = 2, 8, 128, 128, 4  # H, I multiples of 128: the fast bf16/int4 paths too
 
@@ -37,15 +37,6 @@ def store(request, tmp_path_factory):
     st = _write(tmp_path_factory.mktemp("ep") / f"{request.param}.smoe", request.param)
     yield st, request.param
     st.close()
-
-
-def _resident(st):
-    bb = int(st.block_bytes)
-    buf = aligned_empty(L * E * bb)
-    for p in range(L):
-        for e in range(E):
-            st.read_block(p, e, out=buf[(p * E + e) * bb:(p * E + e + 1) * bb])
-    return buf
 
 
 def _inputs(T, seed):
@@ -85,7 +76,7 @@ def test_parallel_equals_one_at_a_time(store, T):
     route more than 4 to some expert: one at a time everywhere."""
     desc = FFNSpec.from_store_schema(store.tensors, int(store.block_bytes)).desc()
     bb = int(store.block_bytes)
-    buf = _resident(store)
+    buf = store.read_all()
     full = ExpertCache(store, L * E, "lru", top_k=K, prefetch=False)
     part = ExpertCache(store, K + 1, "lru", top_k=K, prefetch=False)
     k1, k2 = _C.KernelContext(1), _C.KernelContext(2)

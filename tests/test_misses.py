@@ -13,7 +13,7 @@ import pytest
 from specmoe import _C, quant
 from specmoe.cache import ExpertCache
 from specmoe.kernels import FFNSpec
-from specmoe.store import aligned_empty, write_store
+from specmoe.store import write_store
 
 L, E, H, I, K = 2, 12, 64, 64, 4  # int2 needs multiples of 64
 
@@ -32,11 +32,7 @@ def _write(path, dtype, seed=0):
 
 def _resident(st):
     bb = int(st.block_bytes)
-    buf = aligned_empty(L * E * bb)
-    for p in range(L):
-        for e in range(E):
-            st.read_block(p, e, out=buf[(p * E + e) * bb:(p * E + e + 1) * bb])
-    return buf, FFNSpec.from_store_schema(st.tensors, bb).desc(), bb
+    return st.read_all(), FFNSpec.from_store_schema(st.tensors, bb).desc(), bb
 
 
 @pytest.fixture(scope="module")
