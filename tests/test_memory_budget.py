@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -76,12 +77,28 @@ def _run_capped(code: str, limit: int, name: str) -> tuple[dict, dict]:
 HWM = "int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024"
 
 
+# The f32 checkpoint and the f32 store converted from it each hold every expert once.
+EXPERT_BYTES = LAYERS * EXPERTS * 3 * HIDDEN * INTER * 4
+DISK_NEEDED = 2 * EXPERT_BYTES + 512 * MiB
+
+
+def _disk_ok(folder: Path) -> str | None:
+    free = shutil.disk_usage(folder).free
+    if free < DISK_NEEDED:
+        return (f"needs {DISK_NEEDED / MiB:.0f} MiB of free disk under {folder} for the "
+                f"checkpoint and its store, {free / MiB:.0f} MiB free")
+    return None
+
+
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory):
     why = _cgroup_ok()
     if why:
         pytest.skip(why)
     folder = tmp_path_factory.mktemp("bigckpt")
+    why = _disk_ok(folder)
+    if why:
+        pytest.skip(why)
     m = testing.tiny_model("mixtral", hidden=HIDDEN, inter=INTER, layers=LAYERS,
                            experts=EXPERTS, vocab=VOCAB)
     testing.save_checkpoint(m, folder, max_shard_size="400MB")
@@ -92,10 +109,13 @@ def big_checkpoint(tmp_path_factory):
     with torch.no_grad():
         ref = m.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False)
     del m
+    assert expert_bytes == EXPERT_BYTES
     base = subprocess.run([sys.executable, "-c", IMPORTS + f"print({HWM})"],
                           capture_output=True, text=True, check=True)
     baseline = int(base.stdout.strip())
-    return folder, expert_bytes, dense_bytes, ref[0, len(PROMPT):].tolist(), baseline
+    yield folder, expert_bytes, dense_bytes, ref[0, len(PROMPT):].tolist(), baseline
+    # pytest keeps the last three runs' temporary folders: do not leave 2 GB in each
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_convert_and_generate_within_budget(big_checkpoint, tmp_path):
@@ -108,7 +128,15 @@ def test_convert_and_generate_within_budget(big_checkpoint, tmp_path):
     assert expert_bytes >= 4 * max(budget_convert, budget_generate), \
         (expert_bytes, budget_convert, budget_generate)
     store = tmp_path / "experts.smoe"
+    try:
+        _convert_and_generate(folder, store, expert_bytes, ref_tokens, baseline,
+                              budget_convert, budget_generate)
+    finally:
+        store.unlink(missing_ok=True)
 
+
+def _convert_and_generate(folder, store, expert_bytes, ref_tokens, baseline, budget_convert,
+                          budget_generate):
     out, cg_convert = _run_capped(f"""
         import specmoe
         specmoe.convert({str(folder)!r}, dtype="f32", out={str(store)!r}, progress=False)
