@@ -186,6 +186,18 @@ class Linear:
     @property
     def shape(self) -> tuple[int, int]: ...
     def forward(self, x: np.ndarray, out: np.ndarray) -> None: ...
+
+class MLADecode:
+    """Multi-head latent attention in the absorbed form (specmoe.mla, csrc/kernels/attn.h).
+    w_uk [H, dn, r] and w_uv [H, dv, r]: float32 or bf16 bits (uint16/int16), C-contiguous,
+    kept referenced."""
+
+    def __init__(self, ctx: KernelContext, w_uk: np.ndarray, w_uv: np.ndarray, rope_dim: int,
+                 scale: float) -> None: ...
+    @property
+    def shape(self) -> dict[str, int]: ...
+    def forward(self, q_nope: np.ndarray, q_pe: np.ndarray, ckv: np.ndarray, kpe: np.ndarray,
+                bias: np.ndarray | None, out: np.ndarray) -> None: ...
 # --- end kernels ---
 
 # --- spec ---

@@ -274,7 +274,7 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     for m in skip:
         for sub in m.modules():
             skipped_ids.add(id(sub))
-    report.mla = absorb_mla(model)
+    report.mla = absorb_mla(model, ctx=ctx)
     if fmt in ("int8", "int4"):
         for name in report.mla:
             kv_b = model.get_submodule(name).kv_b_proj

@@ -22,6 +22,14 @@ rounding: (W^UK_h^T q_h) . c_j = q_h . (W^UK_h c_j).
 most ``max_tokens`` tokens (decode and speculative verification); longer inputs (prefill),
 training mode and attention masks it cannot read go to the module's own forward, so the KV
 cache layout is transformers' own and both paths share it.
+
+The absorbed attention itself (scores, softmax, the two per-head products) runs in C
+(``specmoe._C.MLADecode``, ``csrc/kernels/mla.c``) on the kernel context's threads, for CPU
+tensors with an f32 or bf16 cache: torch's CPU ``bmm`` in bf16 runs about 8x slower than in f32
+at these shapes (1.5 ms against 0.19 ms for a [16,1,128]x[16,128,512] product), and the
+attention was most of a DeepSeek-V2-Lite decode step outside the experts.  The C kernel reads
+bf16 weights and cache directly and computes in f32.  Other cases (a CUDA model, an f16 cache)
+take the same algebra in torch (:func:`_attend_torch`).
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from . import _C
 
 __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "is_mla_attention"]
 
@@ -66,21 +76,38 @@ def _kv_b_weight(mod: nn.Module) -> torch.Tensor:
     return w
 
 
-def _absorbed_weights(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def _absorbed_weights(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """W^UK [H, d_nope, r] and W^UV [H, d_v, r], each contiguous, copied from kv_b_proj's
-    weight once and again only when that tensor changes.  In kv_b_proj's own layout each
-    head's d_nope and d_v rows alternate, and torch's bmm copies such strided views on every
-    call (1.5 ms for W^UV at DeepSeek-V2-Lite shapes, against 0.15 ms contiguous); the copies
-    cost as much memory as kv_b_proj itself."""
+    weight once and again only when that tensor changes, and the C kernel object reading them
+    (None when the module has no kernel context: :func:`absorb_mla` with ``use_c=False``).
+    In kv_b_proj's own layout each head's d_nope and d_v rows alternate, and torch's bmm copies
+    such strided views on every call (1.5 ms for W^UV at DeepSeek-V2-Lite shapes, against
+    0.15 ms contiguous); the copies cost as much memory as kv_b_proj itself."""
     w = _kv_b_weight(mod)
-    key = (w.data_ptr(), w.dtype, w._version)
+    ctx = getattr(mod, "_specmoe_mla_ctx", None)
+    key = (w.data_ptr(), w.dtype, w._version, id(ctx))
     cached = getattr(mod, "_specmoe_mla_w", None)
     if cached is None or cached[0] != key:
         H, dn, dv, r = mod.num_heads, mod.qk_nope_head_dim, mod.v_head_dim, mod.kv_lora_rank
         wv = w.detach().view(H, dn + dv, r)
-        cached = (key, wv[:, :dn, :].contiguous(), wv[:, dn:, :].contiguous())
+        w_uk, w_uv = wv[:, :dn, :].contiguous(), wv[:, dn:, :].contiguous()
+        kernel = None
+        if ctx is not None and w.device.type == "cpu":
+            kernel = _C.MLADecode(ctx, _c_array(w_uk, True), _c_array(w_uv, True),
+                                  mod.qk_rope_head_dim, float(mod.scaling))
+        cached = (key, w_uk, w_uv, kernel)
         mod._specmoe_mla_w = cached
-    return cached[1], cached[2]
+    return cached[1], cached[2], cached[3]
+
+
+def _c_array(t: torch.Tensor, convert: bool) -> Any:
+    """A CPU tensor as the array the C kernel reads (float32, or bf16 as its int16 bits, no
+    copy); other dtypes become float32 when ``convert``, else None."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    if t.dtype == torch.float32:
+        return t.numpy()
+    return t.float().numpy() if convert else None
 
 
 def _rope(mod: nn.Module, q: torch.Tensor, k: torch.Tensor,
@@ -142,9 +169,41 @@ def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embe
     if past_key_values is not None:
         c, k_pe = past_key_values.update(c, k_pe, mod.layer_idx)
     S = c.shape[2]
-    cdt = c.dtype
     bias = _mask_bias(attention_mask, T, S, torch.float32)
-    w_uk, w_uv = _absorbed_weights(mod)                   # [H, dn, r], [H, dv, r]
+    w_uk, w_uv, kernel = _absorbed_weights(mod)           # [H, dn, r], [H, dv, r]
+    o = None
+    if kernel is not None and c.device.type == "cpu":
+        o = _attend_c(kernel, q_nope, q_pe, c[:, 0], k_pe[:, 0], bias)
+    if o is None:
+        o = _attend_torch(mod, q_nope, q_pe, c[:, 0], k_pe[:, 0], bias, w_uk, w_uv)
+    return mod.o_proj(o.to(hidden_states.dtype))
+
+
+def _attend_c(kernel: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,
+              k_pe: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The absorbed attention in C: [B, T, H*d_v] float32, or None when the cache's dtype is
+    one the kernel does not read (then the torch path runs)."""
+    ca, ka = _c_array(c.contiguous(), False), _c_array(k_pe.contiguous(), False)
+    if ca is None or ka is None or (bias is not None and bias.shape[1] != 1):
+        return None
+    B, H, T, _ = q_nope.shape
+    out = torch.empty(B, T, H * kernel.shape["v_head_dim"], dtype=torch.float32)
+    b = None
+    if bias is not None:
+        b = bias.reshape(bias.shape[0], T, bias.shape[-1]).contiguous().numpy()
+    kernel.forward(q_nope.float().contiguous().numpy(), q_pe.float().contiguous().numpy(), ca,
+                   ka, b, out.numpy())
+    return out
+
+
+def _attend_torch(mod: nn.Module, q_nope: torch.Tensor, q_pe: torch.Tensor, c0: torch.Tensor,
+                  kp0: torch.Tensor, bias: torch.Tensor | None, w_uk: torch.Tensor,
+                  w_uv: torch.Tensor) -> torch.Tensor:
+    """The absorbed attention in torch, in the cache's dtype: [B, T, H*d_v]."""
+    B, H, T, dn = q_nope.shape
+    dr, dv, r = mod.qk_rope_head_dim, mod.v_head_dim, mod.kv_lora_rank
+    S = c0.shape[1]
+    cdt = c0.dtype
     if w_uk.dtype != cdt:
         w_uk, w_uv = w_uk.to(cdt), w_uv.to(cdt)
     w_uv_t = w_uv.transpose(1, 2)                         # [H, r, dv], a view
@@ -153,7 +212,7 @@ def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embe
     q_lat = torch.bmm(qn, w_uk).view(H, B, T, r).transpose(0, 1).reshape(B, H * T, r)
     # the rotary part in f32 (DeepSeek-V3's rotation returns f32, which its own forward keeps)
     qp = q_pe.float().reshape(B, H * T, dr)
-    c0, kp0 = c[:, 0], k_pe[:, 0].float()                 # [B, S, r], [B, S, dr]
+    kp0 = kp0.float()                                     # [B, S, dr]
     scores = torch.bmm(q_lat, c0.transpose(1, 2)).float()
     scores = scores.baddbmm_(qp, kp0.transpose(1, 2)).mul_(mod.scaling).view(B, H, T, S)
     if bias is not None:
@@ -161,8 +220,7 @@ def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embe
     p = torch.softmax(scores, dim=-1).to(cdt).view(B, H * T, S)
     o_lat = torch.bmm(p, c0)                              # [B, H*T, r]
     o_lat = o_lat.view(B, H, T, r).transpose(0, 1).reshape(H, B * T, r)
-    o = torch.bmm(o_lat, w_uv_t).view(H, B, T, dv).permute(1, 2, 0, 3).reshape(B, T, H * dv)
-    return mod.o_proj(o.to(hidden_states.dtype))
+    return torch.bmm(o_lat, w_uv_t).view(H, B, T, dv).permute(1, 2, 0, 3).reshape(B, T, H * dv)
 
 
 def _cache_of(a: dict[str, Any]) -> Any:
@@ -178,15 +236,28 @@ def _cache_of(a: dict[str, Any]) -> Any:
     return None
 
 
-def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS) -> list[str]:
+def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
+               kernel: str = "c", ctx: _C.KernelContext | None = None) -> list[str]:
     """Decode ``model``'s MLA attention modules in the absorbed form (see the module
     docstring) for inputs of at most ``max_tokens`` tokens; returns the modules' names.
-    Idempotent; the KV cache and the prefill path stay transformers' own."""
+
+    kernel: ``"c"`` (the C kernel on ``ctx``, default the process's
+    :func:`specmoe.kernels.context`, where the tensors allow it) or ``"torch"``.  Idempotent
+    (a second call changes the settings); the KV cache and the prefill path stay
+    transformers' own."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    if kernel not in ("c", "torch"):
+        raise ValueError(f"kernel must be 'c' or 'torch', got {kernel!r}")
+    if kernel == "c" and ctx is None:
+        from .kernels import context
+        ctx = context()
     found = [(name, mod) for name, mod in model.named_modules() if is_mla_attention(mod)]
     for _, mod in found:  # every module checked before any is changed
-        _absorbed_weights(mod)  # fails now, not at the first token, if it cannot be absorbed
+        _kv_b_weight(mod)  # fails now, not at the first token, if it cannot be absorbed
+    for _, mod in found:
+        mod._specmoe_mla_ctx = ctx if kernel == "c" else None
+        _absorbed_weights(mod)
     done = []
     for name, mod in found:
         orig = getattr(mod, "_specmoe_orig_forward", None) or mod.forward

@@ -26,10 +26,21 @@ def _pair(arch, kv_heads=None):
     return ref, m
 
 
+def _only(kernel, monkeypatch):
+    """Make the other implementation of the absorbed attention fail if it is called."""
+    import specmoe.mla as mla
+
+    def boom(*a, **k):
+        raise AssertionError(f"the {kernel!r} path was asked for")
+    monkeypatch.setattr(mla, "_attend_torch" if kernel == "c" else "_attend_c", boom)
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_decode_and_verify_chunks_match_expanded(arch):
+def test_decode_and_verify_chunks_match_expanded(arch, kernel, monkeypatch):
     ref, m = _pair(arch)
-    names = absorb_mla(m)
+    _only(kernel, monkeypatch)
+    names = absorb_mla(m, kernel=kernel)
     assert names == [n for n, mod in ref.named_modules() if is_mla_attention(mod)]
     assert len(names) == ref.config.num_hidden_layers
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(1))
@@ -48,12 +59,14 @@ def test_decode_and_verify_chunks_match_expanded(arch):
     torch.testing.assert_close(got, full[:, :pos], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["c", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_left_padded_batch_matches(arch, impl):
+def test_left_padded_batch_matches(arch, impl, kernel, monkeypatch):
     # transformers' own MLA needs as many KV heads as heads for batched masks
     ref, m = _pair(arch, kv_heads=tiny_config(arch).num_attention_heads)
-    absorb_mla(m)
+    _only(kernel, monkeypatch)
+    absorb_mla(m, kernel=kernel)
     for mod in (ref, m):
         mod.config._attn_implementation = impl
     a = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]])
@@ -93,6 +106,14 @@ def test_idempotent_and_bad_input():
     for bad in (0, -1, 2.5, True, "4"):
         with pytest.raises(ValueError, match="max_tokens"):
             absorb_mla(m, max_tokens=bad)
+    with pytest.raises(ValueError, match="kernel"):
+        absorb_mla(m, kernel="cuda")
+    attn0 = m.model.layers[0].self_attn
+    assert attn0._specmoe_mla_w[3] is not None            # the C kernel object
+    absorb_mla(m, kernel="torch")                          # a second call changes the setting
+    assert attn0._specmoe_mla_w[3] is None
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, ref(ids).logits, atol=2e-5, rtol=1e-4)
     assert absorb_mla(tiny_model("mixtral")) == []
     # an int8 kv_b_proj cannot be absorbed: said at install time, not at the first token
     m2 = copy.deepcopy(ref)

@@ -1,0 +1,69 @@
+/* Attention at decode sizes in C: multi-head latent attention (DeepSeek-V2/V3) in the absorbed
+ * form.
+ *
+ * DeepSeek-V2 (arXiv 2405.04434) Sec. 2.1.2, Eq. 9-11 and "W^UK can be absorbed into W^Q, and
+ * W^UV into W^O": for a query token t and head h, with the cached compressed latent c_j
+ * ([r] wide, after kv_a_layernorm) and the shared rotary key k^R_j ([dr]) of every cached
+ * position j < S,
+ *
+ *     q_lat[t,h]    = W_UK[h]^T q_nope[t,h]                        (dn -> r)
+ *     score[t,h,j]  = (q_lat[t,h] . c_j + q_pe[t,h] . k^R_j) * scale + bias[t,j]
+ *     p[t,h,:]      = softmax_j(score[t,h,:])
+ *     o_lat[t,h]    = sum_j p[t,h,j] c_j                            (r wide)
+ *     out[t, h*dv:(h+1)*dv] = W_UV[h] o_lat[t,h]                    (r -> dv)
+ *
+ * out then goes through o_proj (outside).  W_UK [H, dn, r] and W_UV [H, dv, r] are kv_b_proj's
+ * weight split per head (each head's dn rows, then its dv rows), made contiguous by the caller.
+ *
+ * Arithmetic is f32 throughout (bf16 inputs widened exactly; no fused multiply-add, so every ISA
+ * gives the same bits).  The softmax is computed in one pass over the positions (running
+ * maximum and rescaled sums, Milakov & Gimelshein 2018), so no buffer grows with S.  Positions
+ * whose score is -inf take no part; a query row whose every position is -inf gets zeros
+ * (torch would give NaN).  A finite large negative bias (transformers' masks use the most
+ * negative float) behaves as torch's softmax does: such positions get weight 0 next to any
+ * unmasked one, uniform weight in a fully masked row.
+ *
+ * Threads: the (batch row, head) pairs are shared among the threads of c's pool; every output
+ * element is computed by one thread in a fixed order, so results do not depend on the thread
+ * count.  Same serialization and GIL rule as smoe_ffn_forward. */
+#ifndef SMOE_ATTN_H
+#define SMOE_ATTN_H
+
+#include "kernels.h"
+
+typedef struct smoe_mla_desc {
+    uint32_t H;      /* heads */
+    uint32_t dn;     /* qk_nope_head_dim */
+    uint32_t dr;     /* qk_rope_head_dim */
+    uint32_t dv;     /* v_head_dim */
+    uint32_t r;      /* kv_lora_rank */
+    int32_t wdtype;  /* SMOE_WDT_F32 or SMOE_WDT_BF16: w_uk and w_uv */
+    float scale;     /* softmax scale (the module's `scaling`) */
+} smoe_mla_desc;
+
+/* Shapes and dtypes in range (every dim in 1..65536, wdtype F32/BF16, finite scale > 0). */
+int smoe_mla_desc_check(const smoe_mla_desc *d, smoe_err *err);
+
+/* Scratch bytes smoe_mla_decode needs for T query tokens on c (per thread: q_lat and o_lat,
+ * [T, r] f32 each, and the running softmax state). */
+size_t smoe_mla_scratch_bytes(const smoe_kctx *c, const smoe_mla_desc *d, uint32_t T);
+
+/* One call for B batch rows of T query tokens each, against S cached positions per row.
+ * Arrays are dense except where a stride is given (strides in elements):
+ *   q_nope  f32 [B, H, T, dn]          q_pe  f32 [B, H, T, dr] (rotary already applied)
+ *   ckv     [B] rows of [S, r]: row b, position j at ckv + b * ckv_bstride + j * r elements;
+ *           F32 or BF16 (ckv_dtype)
+ *   kpe     likewise [B] x [S, dr] at kpe + b * kpe_bstride + j * dr; F32 or BF16 (kpe_dtype)
+ *   w_uk    [H, dn, r], w_uv [H, dv, r], in d->wdtype
+ *   bias    f32 [Bb, T, S] additive (Bb = 1: shared by every row, or B), or NULL (nothing
+ *           masked: every query sees every cached position)
+ *   out     f32 [B, T, H * dv], overwritten
+ * S >= 1, T >= 1.  scratch: scratch_bytes of it, smoe_mla_scratch_bytes(c, d, T) for every
+ * thread of c to take part (less lets fewer threads work; less than one thread's is EINVAL). */
+int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T, uint32_t S,
+                    const float *q_nope, const float *q_pe, const void *ckv, int32_t ckv_dtype,
+                    size_t ckv_bstride, const void *kpe, int32_t kpe_dtype, size_t kpe_bstride,
+                    const void *w_uk, const void *w_uv, const float *bias, uint32_t bias_rows,
+                    float *out, void *scratch, size_t scratch_bytes, smoe_err *err);
+
+#endif

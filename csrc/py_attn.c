@@ -1,0 +1,247 @@
+/* Python binding of the decode-attention kernels: specmoe._C.MLADecode, one object per MLA
+ * attention module decoded in the absorbed form (specmoe.mla).  The absorbed weights are
+ * checked and referenced once at construction; the per-token call (forward, METH_FASTCALL)
+ * checks the arrays' shapes and runs smoe_mla_decode without the GIL. */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "kernels/attn.h"
+#include "py_kernels.h"
+#include "py_numpy.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx_obj;  /* the KernelContext (strong reference) */
+    PyObject *w_uk_obj; /* [H, dn, r] float32 or uint16 (bf16 bits); strong, never written */
+    PyObject *w_uv_obj; /* [H, dv, r], same dtype */
+    smoe_mla_desc d;
+    void *scratch;      /* scratch_cap bytes; guarded by mu */
+    size_t scratch_cap;
+    pthread_mutex_t mu; /* serializes forward calls on this object (they share scratch) */
+    int ready;
+} MLADecodeObject;
+
+/* float32 -> SMOE_WDT_F32, uint16/int16 (bf16 bit patterns) -> SMOE_WDT_BF16, else -1 with a
+ * TypeError naming the argument.  The array must be C-contiguous with ndim dims. */
+static int f32_or_bf16(PyObject *o, const char *name, int ndim) {
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    int t = PyArray_TYPE(a);
+    if ((t != NPY_FLOAT32 && t != NPY_UINT16 && t != NPY_INT16) || PyArray_NDIM(a) != ndim ||
+        !PyArray_IS_C_CONTIGUOUS(a)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be a C-contiguous float32 or bf16 (uint16 bits) array of %d dims",
+                     name, ndim);
+        return -1;
+    }
+    return t == NPY_FLOAT32 ? SMOE_WDT_F32 : SMOE_WDT_BF16;
+}
+
+static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ctx", "w_uk", "w_uv", "rope_dim", "scale", NULL};
+    PyObject *ctx_o, *uk_o, *uv_o;
+    unsigned int dr;
+    float scale;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOIf:MLADecode", kwlist, &ctx_o, &uk_o, &uv_o,
+                                     &dr, &scale))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "MLADecode is already initialised");
+        return -1;
+    }
+    if (!smoe_py_kctx(ctx_o)) return -1;
+    int wk = f32_or_bf16(uk_o, "w_uk", 3), wv = f32_or_bf16(uv_o, "w_uv", 3);
+    if (wk < 0 || wv < 0) return -1;
+    PyArrayObject *uk = (PyArrayObject *)uk_o, *uv = (PyArrayObject *)uv_o;
+    if (wk != wv || PyArray_DIM(uk, 0) != PyArray_DIM(uv, 0) ||
+        PyArray_DIM(uk, 2) != PyArray_DIM(uv, 2)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "w_uk [H, dn, r] and w_uv [H, dv, r] must share dtype, H and r");
+        return -1;
+    }
+    smoe_mla_desc d;
+    memset(&d, 0, sizeof d);
+    npy_intp dims[4] = {PyArray_DIM(uk, 0), PyArray_DIM(uk, 1), PyArray_DIM(uv, 1),
+                        PyArray_DIM(uk, 2)};
+    for (int i = 0; i < 4; i++)
+        if (dims[i] > 65536) {
+            PyErr_SetString(PyExc_ValueError, "MLADecode: a weight dimension exceeds 65536");
+            return -1;
+        }
+    d.H = (uint32_t)dims[0];
+    d.dn = (uint32_t)dims[1];
+    d.dv = (uint32_t)dims[2];
+    d.r = (uint32_t)dims[3];
+    d.dr = dr;
+    d.wdtype = wk;
+    d.scale = scale;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_mla_desc_check(&d, &err) != 0) {
+        smoe_py_raise(&err);
+        return -1;
+    }
+    if (pthread_mutex_init(&self->mu, NULL) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "MLADecode: pthread_mutex_init failed");
+        return -1;
+    }
+    Py_INCREF(ctx_o);
+    Py_INCREF(uk_o);
+    Py_INCREF(uv_o);
+    self->ctx_obj = ctx_o;
+    self->w_uk_obj = uk_o;
+    self->w_uv_obj = uv_o;
+    self->d = d;
+    self->ready = 1;
+    return 0;
+}
+
+static void mla_dealloc(MLADecodeObject *self) {
+    if (self->ready) pthread_mutex_destroy(&self->mu);
+    free(self->scratch);
+    Py_XDECREF(self->ctx_obj);
+    Py_XDECREF(self->w_uk_obj);
+    Py_XDECREF(self->w_uv_obj);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The array's dims must equal want[0..n) (a want of -1 matches any size). */
+static int dims_are(PyObject *o, const char *name, const npy_intp *want, int n) {
+    PyArrayObject *a = (PyArrayObject *)o;
+    for (int i = 0; i < n; i++)
+        if (want[i] >= 0 && PyArray_DIM(a, i) != want[i]) {
+            PyErr_Format(PyExc_ValueError, "%s: dimension %d is %zd, expected %zd", name, i,
+                         (Py_ssize_t)PyArray_DIM(a, i), (Py_ssize_t)want[i]);
+            return -1;
+        }
+    return 0;
+}
+
+/* forward(q_nope, q_pe, ckv, kpe, bias, out); shapes in the method doc. */
+static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "MLADecode is not initialised");
+        return NULL;
+    }
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError,
+                     "forward(q_nope, q_pe, ckv, kpe, bias, out) takes 6 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    const smoe_mla_desc *d = &self->d;
+    PyArrayObject *qn = smoe_py_want_array(args[0], "q_nope", NPY_FLOAT32, 4, 0);
+    if (!qn) return NULL;
+    PyArrayObject *qp = smoe_py_want_array(args[1], "q_pe", NPY_FLOAT32, 4, 0);
+    if (!qp) return NULL;
+    int cdt = f32_or_bf16(args[2], "ckv", 3), kdt = f32_or_bf16(args[3], "kpe", 3);
+    if (cdt < 0 || kdt < 0) return NULL;
+    PyArrayObject *out = smoe_py_want_array(args[5], "out", NPY_FLOAT32, 3, 1);
+    if (!out) return NULL;
+    npy_intp B = PyArray_DIM(qn, 0), T = PyArray_DIM(qn, 2);
+    npy_intp S = PyArray_DIM((PyArrayObject *)args[2], 1);
+    npy_intp w_qn[4] = {B, d->H, T, d->dn}, w_qp[4] = {B, d->H, T, d->dr};
+    npy_intp w_c[3] = {B, S, d->r}, w_k[3] = {B, S, d->dr}, w_o[3] = {B, T, (npy_intp)d->H * d->dv};
+    if (dims_are(args[0], "q_nope [B, H, T, qk_nope_head_dim]", w_qn, 4) ||
+        dims_are(args[1], "q_pe [B, H, T, qk_rope_head_dim]", w_qp, 4) ||
+        dims_are(args[2], "ckv [B, S, kv_lora_rank]", w_c, 3) ||
+        dims_are(args[3], "kpe [B, S, qk_rope_head_dim]", w_k, 3) ||
+        dims_are(args[5], "out [B, T, heads * v_head_dim]", w_o, 3))
+        return NULL;
+    if (B < 1 || T < 1 || S < 1 || B > 65536 || T > 65536 || S > (npy_intp)UINT32_MAX / 2) {
+        PyErr_Format(PyExc_ValueError, "MLADecode: B=%zd T=%zd S=%zd out of range",
+                     (Py_ssize_t)B, (Py_ssize_t)T, (Py_ssize_t)S);
+        return NULL;
+    }
+    const float *bias = NULL;
+    uint32_t bias_rows = 0;
+    if (args[4] != Py_None) {
+        PyArrayObject *b = smoe_py_want_array(args[4], "bias", NPY_FLOAT32, 3, 0);
+        if (!b) return NULL;
+        npy_intp w_b[3] = {-1, T, S};
+        if (dims_are(args[4], "bias [1 or B, T, S]", w_b, 3)) return NULL;
+        if (PyArray_DIM(b, 0) != 1 && PyArray_DIM(b, 0) != B) {
+            PyErr_Format(PyExc_ValueError, "bias has %zd rows, expected 1 or B=%zd",
+                         (Py_ssize_t)PyArray_DIM(b, 0), (Py_ssize_t)B);
+            return NULL;
+        }
+        bias = (const float *)PyArray_DATA(b);
+        bias_rows = (uint32_t)PyArray_DIM(b, 0);
+    }
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    size_t need = smoe_mla_scratch_bytes(c, d, (uint32_t)T);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = SMOE_OK;
+    /* the arrays stay referenced by the caller's frame for the whole call; weights by self */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    if (need > self->scratch_cap) { /* first call, more tokens or more threads than before */
+        void *p = realloc(self->scratch, need);
+        if (p) {
+            self->scratch = p;
+            self->scratch_cap = need;
+        } else {
+            rc = smoe_err_set(&err, SMOE_ENOMEM, "MLADecode: %zu bytes of scratch", need);
+        }
+    }
+    if (rc == SMOE_OK)
+        rc = smoe_mla_decode(
+            c, d, (uint32_t)B, (uint32_t)T, (uint32_t)S, (const float *)PyArray_DATA(qn),
+            (const float *)PyArray_DATA(qp), PyArray_DATA((PyArrayObject *)args[2]), cdt,
+            (size_t)S * d->r, PyArray_DATA((PyArrayObject *)args[3]), kdt, (size_t)S * d->dr,
+            PyArray_DATA((PyArrayObject *)self->w_uk_obj),
+            PyArray_DATA((PyArrayObject *)self->w_uv_obj), bias, bias_rows,
+            (float *)PyArray_DATA(out), self->scratch, self->scratch_cap, &err);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mla_get_shape(MLADecodeObject *self, void *closure) {
+    (void)closure;
+    return Py_BuildValue("{sIsIsIsIsI}", "heads", self->d.H, "qk_nope_head_dim", self->d.dn,
+                         "qk_rope_head_dim", self->d.dr, "v_head_dim", self->d.dv,
+                         "kv_lora_rank", self->d.r);
+}
+
+static PyMethodDef mla_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))mla_forward, METH_FASTCALL,
+     "forward(q_nope, q_pe, ckv, kpe, bias, out): absorbed MLA attention (csrc/kernels/attn.h)."
+     " q_nope float32 [B, H, T, dn]; q_pe float32 [B, H, T, dr] after rotary; ckv [B, S, r] and "
+     "kpe [B, S, dr] float32 or uint16 (bf16 bits); bias float32 [1 or B, T, S] additive or "
+     "None; out float32 [B, T, H * dv], overwritten.  All C-contiguous; GIL released."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef mla_getset[] = {
+    {"shape", (getter)mla_get_shape, NULL, "The attention's dimensions, as a dict.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject MLADecodeType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.MLADecode",
+    .tp_basicsize = sizeof(MLADecodeObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "MLADecode(ctx, w_uk, w_uv, rope_dim, scale): multi-head latent attention in the "
+              "absorbed form for decode-sized inputs; w_uk [H, dn, r] and w_uv [H, dv, r] "
+              "float32 or uint16 (bf16 bits), C-contiguous, kept referenced.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)mla_init,
+    .tp_dealloc = (destructor)mla_dealloc,
+    .tp_methods = mla_methods,
+    .tp_getset = mla_getset,
+};
+
+int smoe_py_attn_init(PyObject *m) {
+    if (PyType_Ready(&MLADecodeType) < 0) return -1;
+    Py_INCREF(&MLADecodeType);
+    if (PyModule_AddObject(m, "MLADecode", (PyObject *)&MLADecodeType) < 0) {
+        Py_DECREF(&MLADecodeType);
+        return -1;
+    }
+    return 0;
+}
