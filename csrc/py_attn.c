@@ -12,9 +12,12 @@
 typedef struct {
     PyObject_HEAD
     PyObject *ctx_obj;  /* the KernelContext (strong reference) */
-    PyObject *w_uk_obj; /* [H, dn, r] float32 or uint16 (bf16 bits); strong, never written */
+    PyObject *w_uk_obj; /* [H, dn, r] float32, uint16 (bf16 bits) or int8, or [H, dn, r / 2]
+                           uint8 (int4); strong, never written */
     PyObject *w_uv_obj; /* [H, dv, r], same dtype */
+    PyObject *uk_scale_obj, *uv_scale_obj; /* int8/int4 scales (float32) or NULL; strong */
     smoe_mla_desc d;
+    smoe_mla_weights w;
     void *scratch;      /* scratch_cap bytes; guarded by mu */
     size_t scratch_cap;
     pthread_mutex_t mu; /* serializes forward calls on this object (they share scratch) */
@@ -40,20 +43,59 @@ static int f32_or_bf16(PyObject *o, const char *name, int ndim) {
     return t == NPY_FLOAT32 ? SMOE_WDT_F32 : SMOE_WDT_BF16;
 }
 
+/* The weight format of w_uk / w_uv: float32 -> F32, uint16/int16 -> BF16, int8 -> I8 (a scale
+ * per row) or I4 (int4 values a byte, a scale per group: told apart by the scales' dims, see
+ * mla_init), else -1 with an error naming the argument.  C-contiguous, 3 dims. */
+static int weight_dtype(PyObject *o, const char *name) {
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    int t = PyArray_TYPE(a);
+    if (PyArray_NDIM(a) == 3 && PyArray_IS_C_CONTIGUOUS(a)) {
+        if (t == NPY_FLOAT32) return SMOE_WDT_F32;
+        if (t == NPY_UINT16 || t == NPY_INT16) return SMOE_WDT_BF16;
+        if (t == NPY_INT8) return SMOE_WDT_I8;
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "%s must be a C-contiguous 3-dim array: float32, bf16 (uint16 bits) or int8 "
+                 "(int8 or int4 values)", name);
+    return -1;
+}
+
+/* An int8/int4 scale array: float32, C-contiguous, dims [H, rows] (int8) or [H, rows, groups]
+ * (int4), the weight's H and rows. */
+static int scale_ok(PyObject *o, const char *name, PyArrayObject *w, int wdt) {
+    int nd = wdt == SMOE_WDT_I8 ? 2 : 3;
+    if (o == Py_None || !PyArray_Check(o) || PyArray_TYPE((PyArrayObject *)o) != NPY_FLOAT32 ||
+        PyArray_NDIM((PyArrayObject *)o) != nd ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o) ||
+        PyArray_DIM((PyArrayObject *)o, 0) != PyArray_DIM(w, 0) ||
+        PyArray_DIM((PyArrayObject *)o, 1) != PyArray_DIM(w, 1)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be a C-contiguous float32 array [heads, rows%s] for %s weights",
+                     name, nd == 3 ? ", groups" : "", nd == 3 ? "int4" : "int8");
+        return -1;
+    }
+    return 0;
+}
+
 static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"ctx", "w_uk", "w_uv", "rope_dim", "scale", NULL};
-    PyObject *ctx_o, *uk_o, *uv_o;
+    static char *kwlist[] = {"ctx", "w_uk", "w_uv", "rope_dim", "scale", "uk_scale",
+                             "uv_scale", NULL};
+    PyObject *ctx_o, *uk_o, *uv_o, *uks_o = Py_None, *uvs_o = Py_None;
     unsigned int dr;
     float scale;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOIf:MLADecode", kwlist, &ctx_o, &uk_o, &uv_o,
-                                     &dr, &scale))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOIf|OO:MLADecode", kwlist, &ctx_o, &uk_o,
+                                     &uv_o, &dr, &scale, &uks_o, &uvs_o))
         return -1;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "MLADecode is already initialised");
         return -1;
     }
     if (!smoe_py_kctx(ctx_o)) return -1;
-    int wk = f32_or_bf16(uk_o, "w_uk", 3), wv = f32_or_bf16(uv_o, "w_uv", 3);
+    int wk = weight_dtype(uk_o, "w_uk"), wv = weight_dtype(uv_o, "w_uv");
     if (wk < 0 || wv < 0) return -1;
     PyArrayObject *uk = (PyArrayObject *)uk_o, *uv = (PyArrayObject *)uv_o;
     if (wk != wv || PyArray_DIM(uk, 0) != PyArray_DIM(uv, 0) ||
@@ -62,10 +104,34 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
                         "w_uk [H, dn, r] and w_uv [H, dv, r] must share dtype, H and r");
         return -1;
     }
+    /* int8 weights with [H, rows, groups] scales hold int4 values */
+    if (wk == SMOE_WDT_I8 && uks_o != Py_None && PyArray_Check(uks_o) &&
+        PyArray_NDIM((PyArrayObject *)uks_o) == 3)
+        wk = SMOE_WDT_I4;
+    const int quant = wk == SMOE_WDT_I8 || wk == SMOE_WDT_I4;
+    if (wk == SMOE_WDT_I4) {
+        /* every value must be an int4 one */
+        for (int a = 0; a < 2; a++) {
+            PyArrayObject *arr = a ? uv : uk;
+            const int8_t *v = (const int8_t *)PyArray_DATA(arr);
+            for (npy_intp i = 0, n = PyArray_SIZE(arr); i < n; i++)
+                if (v[i] < -8 || v[i] > 7) {
+                    PyErr_Format(PyExc_ValueError, "%s: value %d at %zd is not an int4 value "
+                                 "(-8..7)", a ? "w_uv" : "w_uk", (int)v[i], (Py_ssize_t)i);
+                    return -1;
+                }
+        }
+    }
+    if (!quant && (uks_o != Py_None || uvs_o != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "uk_scale / uv_scale are for int8/int4 weights only");
+        return -1;
+    }
+    if (quant && (scale_ok(uks_o, "uk_scale", uk, wk) || scale_ok(uvs_o, "uv_scale", uv, wk)))
+        return -1;
     smoe_mla_desc d;
     memset(&d, 0, sizeof d);
-    npy_intp dims[4] = {PyArray_DIM(uk, 0), PyArray_DIM(uk, 1), PyArray_DIM(uv, 1),
-                        PyArray_DIM(uk, 2)};
+    npy_intp r = PyArray_DIM(uk, 2);
+    npy_intp dims[4] = {PyArray_DIM(uk, 0), PyArray_DIM(uk, 1), PyArray_DIM(uv, 1), r};
     for (int i = 0; i < 4; i++)
         if (dims[i] > 65536) {
             PyErr_SetString(PyExc_ValueError, "MLADecode: a weight dimension exceeds 65536");
@@ -78,6 +144,16 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
     d.dr = dr;
     d.wdtype = wk;
     d.scale = scale;
+    if (wk == SMOE_WDT_I4) {
+        npy_intp g = PyArray_DIM((PyArrayObject *)uks_o, 2);
+        if (g != PyArray_DIM((PyArrayObject *)uvs_o, 2) || g < 1 || r % g) {
+            PyErr_SetString(PyExc_ValueError,
+                            "uk_scale and uv_scale must have the same number of groups, "
+                            "dividing kv_lora_rank");
+            return -1;
+        }
+        d.group = (uint32_t)(r / g);
+    }
     smoe_err err;
     smoe_err_clear(&err);
     if (smoe_mla_desc_check(&d, &err) != 0) {
@@ -94,6 +170,16 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
     self->ctx_obj = ctx_o;
     self->w_uk_obj = uk_o;
     self->w_uv_obj = uv_o;
+    self->w.uk = PyArray_DATA(uk);
+    self->w.uv = PyArray_DATA(uv);
+    if (quant) {
+        Py_INCREF(uks_o);
+        Py_INCREF(uvs_o);
+        self->uk_scale_obj = uks_o;
+        self->uv_scale_obj = uvs_o;
+        self->w.uk_scale = (const float *)PyArray_DATA((PyArrayObject *)uks_o);
+        self->w.uv_scale = (const float *)PyArray_DATA((PyArrayObject *)uvs_o);
+    }
     self->d = d;
     self->ready = 1;
     return 0;
@@ -105,6 +191,8 @@ static void mla_dealloc(MLADecodeObject *self) {
     Py_XDECREF(self->ctx_obj);
     Py_XDECREF(self->w_uk_obj);
     Py_XDECREF(self->w_uv_obj);
+    Py_XDECREF(self->uk_scale_obj);
+    Py_XDECREF(self->uv_scale_obj);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -194,8 +282,7 @@ static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ss
             c, d, (uint32_t)B, (uint32_t)T, (uint32_t)S, (const float *)PyArray_DATA(qn),
             (const float *)PyArray_DATA(qp), PyArray_DATA((PyArrayObject *)args[2]), cdt,
             (size_t)S * d->r, PyArray_DATA((PyArrayObject *)args[3]), kdt, (size_t)S * d->dr,
-            PyArray_DATA((PyArrayObject *)self->w_uk_obj),
-            PyArray_DATA((PyArrayObject *)self->w_uv_obj), bias, bias_rows,
+            &self->w, bias, bias_rows,
             (float *)PyArray_DATA(out), self->scratch, self->scratch_cap, &err);
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
@@ -205,9 +292,11 @@ static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ss
 
 static PyObject *mla_get_shape(MLADecodeObject *self, void *closure) {
     (void)closure;
-    return Py_BuildValue("{sIsIsIsIsI}", "heads", self->d.H, "qk_nope_head_dim", self->d.dn,
+    static const char *names[] = {"f32", "bf16", "int8", "int4"};
+    return Py_BuildValue("{sIsIsIsIsIsssI}", "heads", self->d.H, "qk_nope_head_dim", self->d.dn,
                          "qk_rope_head_dim", self->d.dr, "v_head_dim", self->d.dv,
-                         "kv_lora_rank", self->d.r);
+                         "kv_lora_rank", self->d.r, "dtype", names[self->d.wdtype], "group",
+                         self->d.group);
 }
 
 static PyMethodDef mla_methods[] = {
@@ -226,9 +315,11 @@ static PyTypeObject MLADecodeType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.MLADecode",
     .tp_basicsize = sizeof(MLADecodeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "MLADecode(ctx, w_uk, w_uv, rope_dim, scale): multi-head latent attention in the "
-              "absorbed form for decode-sized inputs; w_uk [H, dn, r] and w_uv [H, dv, r] "
-              "float32 or uint16 (bf16 bits), C-contiguous, kept referenced.",
+    .tp_doc = "MLADecode(ctx, w_uk, w_uv, rope_dim, scale, uk_scale=None, uv_scale=None): "
+              "multi-head latent attention in the absorbed form for decode-sized inputs; w_uk "
+              "[H, dn, r] and w_uv [H, dv, r] float32, uint16 (bf16 bits) or int8 (scales "
+              "float32 [H, rows]) or int4 values in int8 (specmoe.mla.int4_values; scales "
+              "float32 [H, rows, r / group]); C-contiguous, kept referenced.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)mla_init,
     .tp_dealloc = (destructor)mla_dealloc,

@@ -189,13 +189,16 @@ class Linear:
 
 class MLADecode:
     """Multi-head latent attention in the absorbed form (specmoe.mla, csrc/kernels/attn.h).
-    w_uk [H, dn, r] and w_uv [H, dv, r]: float32 or bf16 bits (uint16/int16), C-contiguous,
-    kept referenced."""
+    w_uk [H, dn, r] and w_uv [H, dv, r]: float32, bf16 bits (uint16/int16), int8 (scales
+    float32 [H, rows]) or uint8 [H, rows, r / 2] int4 in the kernel's blocked layout
+    (specmoe.mla.int4_blocked; scales float32 [H, rows, r / group]); C-contiguous, kept
+    referenced."""
 
     def __init__(self, ctx: KernelContext, w_uk: np.ndarray, w_uv: np.ndarray, rope_dim: int,
-                 scale: float) -> None: ...
+                 scale: float, uk_scale: np.ndarray | None = None,
+                 uv_scale: np.ndarray | None = None) -> None: ...
     @property
-    def shape(self) -> dict[str, int]: ...
+    def shape(self) -> dict[str, Any]: ...
     def forward(self, q_nope: np.ndarray, q_pe: np.ndarray, ckv: np.ndarray, kpe: np.ndarray,
                 bias: np.ndarray | None, out: np.ndarray) -> None: ...
 # --- end kernels ---

@@ -260,8 +260,8 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     torch (the engine passes the routers).  Layers whose shape the format cannot hold (int4
     with in_features not a multiple of 32) stay in torch and are listed in the report.
     MLA attention modules (DeepSeek-V2/V3) also switch to the absorbed decode form
-    (:func:`specmoe.mla.absorb_mla`), which reads ``kv_b_proj``'s weights in float: with
-    int8/int4 that layer stays in torch.  Decode-sized forwards of ``model`` then run torch
+    (:func:`specmoe.mla.absorb_mla`, the C kernel at the same precision: int8/int4 absorbed
+    weights are ``kv_b_proj``'s rows quantized as here).  Decode-sized forwards of ``model`` then run torch
     single-threaded (:class:`DecodeThreads`).
     """
     params = [p for p in model.parameters()]
@@ -274,13 +274,9 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     for m in skip:
         for sub in m.modules():
             skipped_ids.add(id(sub))
-    report.mla = absorb_mla(model, ctx=ctx)
-    if fmt in ("int8", "int4"):
-        for name in report.mla:
-            kv_b = model.get_submodule(name).kv_b_proj
-            skipped_ids.add(id(kv_b))
-            report.skipped[f"{name}.kv_b_proj"] = ("MLA's absorbed decode reads it in float "
-                                                   "(specmoe.mla)")
+    # absorbed before kv_b_proj is converted: with int8/int4 the absorbed weights are its rows
+    # quantized as CLinear quantizes them, then kv_b_proj itself (the prefill path) converts
+    report.mla = absorb_mla(model, ctx=ctx, weights=fmt if fmt in ("int8", "int4") else None)
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and id(mod) not in skipped_ids]
     for name, mod in targets:

@@ -37,12 +37,14 @@ import inspect
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from . import _C
+from .quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
-__all__ = ["MLA_MAX_TOKENS", "absorb_mla", "is_mla_attention"]
+__all__ = ["MLA_MAX_TOKENS", "absorb_mla", "int4_values", "is_mla_attention"]
 
 # Inputs up to this many tokens take the absorbed path: the absorbed form's per-query work
 # is r/(d_nope) ~ 4x the expanded form's, so for long inputs (prefill) expanding the latent
@@ -63,41 +65,120 @@ def is_mla_attention(mod: nn.Module) -> bool:
             and hasattr(mod, "qk_rope_head_dim") and hasattr(mod, "scaling"))
 
 
-def _kv_b_weight(mod: nn.Module) -> torch.Tensor:
+def _kv_b_weight(mod: nn.Module) -> torch.Tensor | None:
     """kv_b_proj's float weight [H*(d_nope+d_v), r]: an nn.Linear's, or the tensor a
-    CLinear's f32/bf16 kernel reads (the same memory)."""
+    CLinear's f32/bf16 kernel reads (the same memory); None for an int8/int4 CLinear."""
     kv_b = mod.kv_b_proj
     w = getattr(kv_b, "weight", None)
     if w is None:
         w = getattr(kv_b, "weight_view", None)
-    if not isinstance(w, torch.Tensor):
-        raise ValueError("absorbed MLA needs kv_b_proj's weights in f32/bf16 (an int8/int4 "
-                         "kv_b_proj cannot be absorbed; convert it after absorb_mla)")
-    return w
+    return w if isinstance(w, torch.Tensor) else None
 
 
-def _absorbed_weights(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """W^UK [H, d_nope, r] and W^UV [H, d_v, r], each contiguous, copied from kv_b_proj's
-    weight once and again only when that tensor changes, and the C kernel object reading them
-    (None when the module has no kernel context: :func:`absorb_mla` with ``use_c=False``).
-    In kv_b_proj's own layout each head's d_nope and d_v rows alternate, and torch's bmm copies
-    such strided views on every call (1.5 ms for W^UV at DeepSeek-V2-Lite shapes, against
-    0.15 ms contiguous); the copies cost as much memory as kv_b_proj itself."""
+def int4_values(packed: np.ndarray) -> np.ndarray:
+    """int4 rows packed as :func:`specmoe.quant.quantize_int4` packs them (column 2j in the low
+    nibble of byte j, value u - 8) as the MLA kernel holds them: one int8 value in [-8, 7] per
+    column (``csrc/kernels/attn.h`` says why)."""
+    p = np.asarray(packed, dtype=np.uint8)
+    q = np.empty(p.shape[:-1] + (2 * p.shape[-1],), dtype=np.int8)
+    q[..., 0::2] = (p & 15).astype(np.int8) - 8
+    q[..., 1::2] = (p >> 4).astype(np.int8) - 8
+    return q
+
+
+class _Absorbed:
+    """One module's absorbed weights: the C kernel object (None without a kernel context) and
+    the float W^UK [H, d_nope, r] / W^UV [H, d_v, r] the torch path reads (built when first
+    needed).  ``fmt``: None (kv_b_proj's own float dtype), "int8" or "int4" (specmoe.quant's
+    formats per row of kv_b_proj, the torch path reading their dequantized values)."""
+
+    def __init__(self, mod: nn.Module, w: torch.Tensor, fmt: str | None, ctx: Any, key: Any):
+        H, dn, dv, r = mod.num_heads, mod.qk_nope_head_dim, mod.v_head_dim, mod.kv_lora_rank
+        self.key, self.fmt, self.dtype, self.ctx = key, fmt, w.dtype, ctx
+        self._rope_dim, self._scale = mod.qk_rope_head_dim, float(mod.scaling)
+        wv = w.detach().view(H, dn + dv, r)
+        uk, uv = wv[:, :dn, :], wv[:, dn:, :]
+        self.kernel = None
+        self._uk: torch.Tensor | None = None
+        self._uv: torch.Tensor | None = None
+        if fmt is None:
+            # contiguous per-head copies: in kv_b_proj's layout each head's d_nope and d_v
+            # rows alternate, and torch's bmm copies such strided views on every call
+            self._uk, self._uv = uk.contiguous(), uv.contiguous()
+            if ctx is not None and w.device.type == "cpu":
+                self.kernel = _C.MLADecode(ctx, _c_array(self._uk, True),
+                                           _c_array(self._uv, True), mod.qk_rope_head_dim,
+                                           float(mod.scaling))
+            return
+        from .dense import _int4_group
+        group = _int4_group(r) if fmt == "int4" else None
+        if fmt == "int4" and group is None:
+            raise ValueError(f"int4 absorbed MLA weights need kv_lora_rank ({r}) divisible by "
+                             "32")
+        self._q = [self._quantize(t.float().cpu().numpy(), fmt, group) for t in (uk, uv)]
+        self._device = w.device
+        self.set_ctx(ctx)
+
+    def set_ctx(self, ctx: Any) -> None:
+        """Run the C kernel on ``ctx`` (None: the torch path).  For quantized weights this
+        needs no float weights (kv_b_proj may be int8/int4 by now)."""
+        self.ctx = ctx
+        if self.fmt is None:
+            raise AssertionError("float absorbed weights are rebuilt from kv_b_proj instead")
+        self.kernel = None
+        if ctx is not None and self._device.type == "cpu":
+            (quk, suk, _), (quv, suv, _) = self._q
+            self.kernel = _C.MLADecode(ctx, quk, quv, self._rope_dim, self._scale, suk, suv)
+
+    @staticmethod
+    def _quantize(w: np.ndarray, fmt: str, group: int | None) -> tuple[Any, Any, Any]:
+        """[H, rows, r] float -> (q, scale, dequantized [H, rows, r] float32) as the kernel
+        takes them: the rows quantized as CLinear quantizes kv_b_proj's rows."""
+        h, rows, r = w.shape
+        flat = w.reshape(h * rows, r)
+        if fmt == "int8":
+            q, sc = quantize_int8(flat)
+            return q.reshape(h, rows, r), sc.reshape(h, rows), dequantize_int8(q, sc)
+        q, sc = quantize_int4(flat, group or 0)
+        return (int4_values(q.reshape(h, rows, r // 2)), sc.reshape(h, rows, r // (group or 1)),
+                dequantize_int4(q, sc, group))
+
+    def torch_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W^UK, W^UV as float tensors for the torch path."""
+        if self._uk is None:
+            (quk, _, duk), (quv, _, duv) = self._q
+            self._uk = torch.from_numpy(duk).view(quk.shape[0], quk.shape[1], -1).to(
+                self._device, self.dtype)
+            self._uv = torch.from_numpy(duv).view(quv.shape[0], quv.shape[1], -1).to(
+                self._device, self.dtype)
+        return self._uk, self._uv  # type: ignore[return-value]
+
+
+def _absorbed(mod: nn.Module) -> _Absorbed:
+    """The module's absorbed weights, built from kv_b_proj's float weight once and again when
+    that tensor or the settings change.  Once kv_b_proj itself is int8/int4 (converted after
+    :func:`absorb_mla`) the weights absorbed before stay in use; ValueError if there are
+    none."""
     w = _kv_b_weight(mod)
     ctx = getattr(mod, "_specmoe_mla_ctx", None)
-    key = (w.data_ptr(), w.dtype, w._version, id(ctx))
+    fmt = getattr(mod, "_specmoe_mla_fmt", None)
     cached = getattr(mod, "_specmoe_mla_w", None)
-    if cached is None or cached[0] != key:
-        H, dn, dv, r = mod.num_heads, mod.qk_nope_head_dim, mod.v_head_dim, mod.kv_lora_rank
-        wv = w.detach().view(H, dn + dv, r)
-        w_uk, w_uv = wv[:, :dn, :].contiguous(), wv[:, dn:, :].contiguous()
-        kernel = None
-        if ctx is not None and w.device.type == "cpu":
-            kernel = _C.MLADecode(ctx, _c_array(w_uk, True), _c_array(w_uv, True),
-                                  mod.qk_rope_head_dim, float(mod.scaling))
-        cached = (key, w_uk, w_uv, kernel)
+    if w is None:
+        if cached is None:
+            raise ValueError("absorbed MLA needs kv_b_proj's weights in f32/bf16 (an int8/int4 "
+                             "kv_b_proj cannot be absorbed: absorb_mla(weights='int8' or "
+                             "'int4') first, then convert kv_b_proj)")
+        if cached.fmt != fmt:
+            raise ValueError(f"kv_b_proj is int8/int4 now: the absorbed weights "
+                             f"({cached.fmt}) cannot be rebuilt at another precision ({fmt})")
+        if cached.ctx is not ctx:
+            cached.set_ctx(ctx)
+        return cached
+    key = (w.data_ptr(), w.dtype, w._version, fmt)
+    if cached is None or cached.key != key or cached.ctx is not ctx:
+        cached = _Absorbed(mod, w, fmt, ctx, key)
         mod._specmoe_mla_w = cached
-    return cached[1], cached[2], cached[3]
+    return cached
 
 
 def _c_array(t: torch.Tensor, convert: bool) -> Any:
@@ -170,11 +251,12 @@ def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embe
         c, k_pe = past_key_values.update(c, k_pe, mod.layer_idx)
     S = c.shape[2]
     bias = _mask_bias(attention_mask, T, S, torch.float32)
-    w_uk, w_uv, kernel = _absorbed_weights(mod)           # [H, dn, r], [H, dv, r]
+    ab = _absorbed(mod)
     o = None
-    if kernel is not None and c.device.type == "cpu":
-        o = _attend_c(kernel, q_nope, q_pe, c[:, 0], k_pe[:, 0], bias)
+    if ab.kernel is not None and c.device.type == "cpu":
+        o = _attend_c(ab.kernel, q_nope, q_pe, c[:, 0], k_pe[:, 0], bias)
     if o is None:
+        w_uk, w_uv = ab.torch_weights()                   # [H, dn, r], [H, dv, r]
         o = _attend_torch(mod, q_nope, q_pe, c[:, 0], k_pe[:, 0], bias, w_uk, w_uv)
     return mod.o_proj(o.to(hidden_states.dtype))
 
@@ -237,27 +319,49 @@ def _cache_of(a: dict[str, Any]) -> Any:
 
 
 def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
-               kernel: str = "c", ctx: _C.KernelContext | None = None) -> list[str]:
+               kernel: str = "c", ctx: _C.KernelContext | None = None,
+               weights: str | None = None) -> list[str]:
     """Decode ``model``'s MLA attention modules in the absorbed form (see the module
     docstring) for inputs of at most ``max_tokens`` tokens; returns the modules' names.
 
     kernel: ``"c"`` (the C kernel on ``ctx``, default the process's
-    :func:`specmoe.kernels.context`, where the tensors allow it) or ``"torch"``.  Idempotent
-    (a second call changes the settings); the KV cache and the prefill path stay
-    transformers' own."""
+    :func:`specmoe.kernels.context`, where the tensors allow it) or ``"torch"``.  weights:
+    ``"int8"`` / ``"int4"`` (kv_b_proj's rows quantized as :class:`specmoe.dense.CLinear`
+    quantizes them, so that kv_b_proj itself can then be converted for prefill) or None (as
+    kv_b_proj is: its float dtype, or, once it is int8/int4, the weights absorbed before).
+    Idempotent; a second call changes the settings (the precision only while kv_b_proj is
+    float).  The KV cache and the prefill path stay transformers' own."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
     if kernel not in ("c", "torch"):
         raise ValueError(f"kernel must be 'c' or 'torch', got {kernel!r}")
+    if weights not in (None, "int8", "int4"):
+        raise ValueError(f"weights must be None, 'int8' or 'int4', got {weights!r}")
     if kernel == "c" and ctx is None:
         from .kernels import context
         ctx = context()
     found = [(name, mod) for name, mod in model.named_modules() if is_mla_attention(mod)]
-    for _, mod in found:  # every module checked before any is changed
-        _kv_b_weight(mod)  # fails now, not at the first token, if it cannot be absorbed
-    for _, mod in found:
+    fmts: list[str | None] = []
+    for _, mod in found:  # every module checked before any is changed: fails now, not at
+        # the first token, if it cannot be absorbed
+        fmts.append(weights)
+        if _kv_b_weight(mod) is None:
+            cached = getattr(mod, "_specmoe_mla_w", None)
+            if cached is None:
+                _absorbed(mod)  # raises
+            if weights is None:
+                fmts[-1] = cached.fmt
+            elif cached.fmt != weights:
+                raise ValueError(f"kv_b_proj is int8/int4 now: the absorbed weights "
+                                 f"({cached.fmt}) cannot be rebuilt at another precision "
+                                 f"({weights})")
+        if weights == "int4" and mod.kv_lora_rank % 32:
+            raise ValueError(f"int4 absorbed MLA weights need kv_lora_rank "
+                             f"({mod.kv_lora_rank}) divisible by 32")
+    for (_, mod), fmt in zip(found, fmts):
         mod._specmoe_mla_ctx = ctx if kernel == "c" else None
-        _absorbed_weights(mod)
+        mod._specmoe_mla_fmt = fmt
+        _absorbed(mod)
     done = []
     for name, mod in found:
         orig = getattr(mod, "_specmoe_orig_forward", None) or mod.forward

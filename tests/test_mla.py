@@ -109,9 +109,9 @@ def test_idempotent_and_bad_input():
     with pytest.raises(ValueError, match="kernel"):
         absorb_mla(m, kernel="cuda")
     attn0 = m.model.layers[0].self_attn
-    assert attn0._specmoe_mla_w[3] is not None            # the C kernel object
+    assert attn0._specmoe_mla_w.kernel is not None         # the C kernel object
     absorb_mla(m, kernel="torch")                          # a second call changes the setting
-    assert attn0._specmoe_mla_w[3] is None
+    assert attn0._specmoe_mla_w.kernel is None
     with torch.no_grad():
         torch.testing.assert_close(m(ids).logits, ref(ids).logits, atol=2e-5, rtol=1e-4)
     assert absorb_mla(tiny_model("mixtral")) == []
@@ -123,9 +123,29 @@ def test_idempotent_and_bad_input():
         absorb_mla(m2)
     # nothing was changed on the way (the bad module is the last one)
     assert not any(hasattr(mod, "_specmoe_orig_forward") for mod in m2.modules())
+    with pytest.raises(ValueError, match="weights"):
+        absorb_mla(m, weights="int3")
+    # absorbed at int8, then kv_b_proj converted: other settings can no longer be applied
+    m3 = copy.deepcopy(ref)
+    absorb_mla(m3, weights="int8")
+    for layer in m3.model.layers:
+        layer.self_attn.kv_b_proj = CLinear(layer.self_attn.kv_b_proj, "int8")
+    with torch.no_grad():
+        before = m3(ids).logits
+    assert absorb_mla(m3, weights="int8") == a             # the same settings: fine
+    with pytest.raises(ValueError, match="cannot be rebuilt"):
+        absorb_mla(m3, weights="int4")
+    assert all(mod._specmoe_mla_fmt == "int8" for mod in m3.modules() if is_mla_attention(mod))
+    absorb_mla(m3, kernel="torch")          # None: as kv_b_proj is, i.e. the int8 weights
+    attn3 = m3.model.layers[0].self_attn
+    assert attn3._specmoe_mla_w.fmt == "int8" and attn3._specmoe_mla_w.kernel is None
+    with torch.no_grad():
+        torch.testing.assert_close(m3(ids).logits, before, atol=1e-4, rtol=1e-3)
+    absorb_mla(m3)                          # back on the C kernel, from the int8 weights
+    assert attn3._specmoe_mla_w.kernel.shape["dtype"] == "int8"
 
 
-@pytest.mark.parametrize("dense", ["f32", "int8"])
+@pytest.mark.parametrize("dense", ["f32", "int8", "int4"])
 def test_offload_with_dense_absorbs(dense):
     ref = tiny_model("deepseek_v2")
     m = tiny_model("deepseek_v2")
@@ -134,12 +154,27 @@ def test_offload_with_dense_absorbs(dense):
     try:
         assert len(eng.dense.mla) == m.config.num_hidden_layers
         kvb = {f"{n}.kv_b_proj" for n in eng.dense.mla}
-        if dense == "int8":
-            assert kvb <= set(eng.dense.skipped)          # kept in float for the absorption
-        else:
-            assert kvb <= set(eng.dense.converted)
+        assert kvb <= set(eng.dense.converted)            # prefill reads it at `dense` too
+        attn = m.model.layers[0].self_attn
+        assert attn._specmoe_mla_w.kernel.shape["dtype"] == dense
+        if dense == "f32":
             assert torch.equal(ref.generate(prompt, max_new_tokens=12, do_sample=False),
                                m.generate(prompt, max_new_tokens=12, do_sample=False))
+        else:
+            # the absorbed weights are kv_b_proj's rows quantized as CLinear quantized them:
+            # a decode step (absorbed, C) agrees with the expanded prefill of the same
+            # sequence (transformers' attention through the converted kv_b_proj)
+            ids = torch.randint(3, 128, (1, MLA_MAX_TOKENS + 4),
+                                generator=torch.Generator().manual_seed(2))
+            with torch.no_grad():
+                full = m(ids).logits[:, -1]
+                kv = DynamicCache(config=m.config)
+                m(ids[:, :-1], past_key_values=kv, use_cache=True)
+                step = m(ids[:, -1:], past_key_values=kv, use_cache=True).logits[:, -1]
+                fl = ref(ids).logits[:, -1]
+            err = ((step - full).norm() / full.norm()).item()
+            q_err = ((full - fl).norm() / fl.norm()).item()   # the quantization's own error
+            assert err < 0.1 * q_err + 1e-4, (err, q_err)
         assert "MLA" in str(eng.dense)
     finally:
         eng.close()

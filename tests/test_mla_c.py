@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 from specmoe import _C
+from specmoe.mla import int4_values
+from specmoe.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 H, DN, DR, DV, R = 4, 16, 8, 12, 40  # R not a multiple of 16: the dot products' tails run
+# (DV = 12 < 8 + 8: the blocks of 8 output rows and the single-row tail both run)
 SCALE = 0.19
 ISAS = [i for i in ("scalar", "avx2", "avx512")
         if ["scalar", "avx2", "avx512"].index(i)
@@ -48,13 +51,37 @@ def _reference(q_nope, q_pe, ckv, kpe, w_uk, w_uv, bias):
     return out
 
 
-def _inputs(rng, B, T, S):
+def _inputs(rng, B, T, S, r=R):
     return (rng.standard_normal((B, H, T, DN), dtype=np.float32),
             rng.standard_normal((B, H, T, DR), dtype=np.float32),
-            rng.standard_normal((B, S, R), dtype=np.float32),
+            rng.standard_normal((B, S, r), dtype=np.float32),
             rng.standard_normal((B, S, DR), dtype=np.float32),
-            (rng.standard_normal((H, DN, R), dtype=np.float32) * 0.3),
-            (rng.standard_normal((H, DV, R), dtype=np.float32) * 0.3))
+            (rng.standard_normal((H, DN, r), dtype=np.float32) * 0.3),
+            (rng.standard_normal((H, DV, r), dtype=np.float32) * 0.3))
+
+
+def _quantized(w: np.ndarray, fmt: str, group: int = 32):
+    """[H, rows, R4] weights in specmoe.quant's int8/int4 formats per row: (q, scale) as the
+    kernel takes them, and the dequantized float32 the reference uses."""
+    h, rows, cols = w.shape
+    flat = w.reshape(h * rows, cols)
+    if fmt == "int8":
+        q, s = quantize_int8(flat)
+        deq = dequantize_int8(q, s)
+        return q.reshape(h, rows, cols), s.reshape(h, rows), deq.reshape(w.shape)
+    q, s = quantize_int4(flat, group)
+    deq = dequantize_int4(q, s, group)
+    return (int4_values(q.reshape(h, rows, cols // 2)), s.reshape(h, rows, cols // group),
+            deq.reshape(w.shape))
+
+
+def test_int4_values():
+    """One value a column: nibble u of column c (low for even c) minus 8."""
+    rng = np.random.default_rng(4)
+    u = rng.integers(0, 16, size=(3, 64), dtype=np.uint8)
+    canon = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)      # specmoe.quant's packing
+    np.testing.assert_array_equal(int4_values(canon), u.astype(np.int16) - 8)
+    assert int4_values(canon).dtype == np.int8
 
 
 def _causal(T, S, rows=1, neg=np.finfo(np.float32).min):
@@ -88,6 +115,64 @@ def test_matches_expanded_reference(isa, B, T, S, mask, bf16):
     out = np.full((B, T, H * DV), np.nan, dtype=np.float32)
     att.forward(qn, qp, ckv, kpe, bias, out)
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-5)
+
+
+R4 = 96  # int4 groups of 32 need a kv_lora_rank divisible by 32
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt,group", [("int8", 0), ("int4", 32), ("int4", 96)])
+@pytest.mark.parametrize("B,T,S", [(1, 1, 5), (2, 3, 19)])
+def test_quantized_weights_match_dequantized_reference(isa, fmt, group, B, T, S):
+    """int8 (a scale per row) and int4 (a scale per group of columns) absorbed weights, as
+    specmoe.quant stores kv_b_proj's rows: the kernel against the expanded reference on the
+    dequantized weights."""
+    rng = np.random.default_rng(11 + B + T)
+    qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, B, T, S, R4)
+    uk, uks, uk_f = _quantized(w_uk, fmt, group)
+    uv, uvs, uv_f = _quantized(w_uv, fmt, group)
+    bias = _causal(T, S)
+    ref = _reference(qn, qp, ckv, kpe, uk_f, uv_f, bias)
+    ctx = _C.KernelContext(2)
+    ctx.set_isa(isa)
+    att = _C.MLADecode(ctx, uk, uv, DR, SCALE, uks, uvs)
+    assert att.shape["dtype"] == fmt and att.shape["kv_lora_rank"] == R4
+    assert att.shape["group"] == (group if fmt == "int4" else 0)
+    out = np.full((B, T, H * DV), np.nan, dtype=np.float32)
+    att.forward(qn, qp, ckv, kpe, bias, out)
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-5)
+    # and the quantization error is what it should be next to the float weights
+    exact = _reference(qn, qp, ckv, kpe, w_uk, w_uv, bias)
+    rel = np.linalg.norm(out - exact) / np.linalg.norm(exact)
+    assert 0 < rel < (0.02 if fmt == "int8" else 0.25), rel
+
+
+def test_quantized_weights_bad_input():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((H, DN, R4), dtype=np.float32)
+    v = rng.standard_normal((H, DV, R4), dtype=np.float32)
+    ctx = _C.KernelContext(1)
+    uk8, uks8, _ = _quantized(w, "int8")
+    uv8, uvs8, _ = _quantized(v, "int8")
+    uk4, uks4, _ = _quantized(w, "int4", 32)
+    uv4, uvs4, _ = _quantized(v, "int4", 32)
+    with pytest.raises(ValueError, match="uk_scale"):
+        _C.MLADecode(ctx, uk8, uv8, DR, SCALE)                  # scales missing
+    with pytest.raises(ValueError, match="uv_scale"):
+        _C.MLADecode(ctx, uk8, uv8, DR, SCALE, uks8, uvs8[:, :-1].copy())
+    with pytest.raises(ValueError, match="int8/int4 weights only"):
+        _C.MLADecode(ctx, w, v, DR, SCALE, uks8, uvs8)
+    with pytest.raises(ValueError, match="same number of groups"):
+        _C.MLADecode(ctx, uk4, uv4, DR, SCALE, uks4, uvs4[:, :, :1].copy())
+    with pytest.raises(ValueError, match="multiple of 32"):      # 96 / 6 = 16 columns a group
+        _C.MLADecode(ctx, uk4, uv4, DR, SCALE, np.ones((H, DN, 6), np.float32),
+                     np.ones((H, DV, 6), np.float32))
+    with pytest.raises(ValueError, match="uv_scale"):            # int8 and int4 mixed
+        _C.MLADecode(ctx, uk8, uv4, DR, SCALE, uks8, uvs4)
+    bad = uk4.copy()
+    bad[1, 2, 3] = 8
+    with pytest.raises(ValueError, match="not an int4 value"):
+        _C.MLADecode(ctx, bad, uv4, DR, SCALE, uks4, uvs4)
 
 
 def test_bits_do_not_depend_on_threads_or_isa():
@@ -135,7 +220,7 @@ def test_scratch_grows_with_tokens_and_threads():
     np.testing.assert_allclose(out, _reference(qn, qp, ckv, kpe, w_uk, w_uv, bias),
                                rtol=2e-4, atol=2e-5)
     assert att.shape == {"heads": H, "qk_nope_head_dim": DN, "qk_rope_head_dim": DR,
-                         "v_head_dim": DV, "kv_lora_rank": R}
+                         "v_head_dim": DV, "kv_lora_rank": R, "dtype": "f32", "group": 0}
 
 
 def test_bad_input_raises_and_leaves_out_alone():
@@ -144,7 +229,7 @@ def test_bad_input_raises_and_leaves_out_alone():
     ctx = _C.KernelContext(1)
     with pytest.raises(ValueError, match="share dtype, H and r"):
         _C.MLADecode(ctx, w_uk, w_uv[:, :, :-1].copy(), DR, SCALE)
-    with pytest.raises(ValueError, match="float32 or bf16"):
+    with pytest.raises(ValueError, match="float32, bf16"):
         _C.MLADecode(ctx, w_uk.astype(np.float64), w_uv, DR, SCALE)
     with pytest.raises(ValueError, match="scale"):
         _C.MLADecode(ctx, w_uk, w_uv, DR, -1.0)

@@ -15,9 +15,10 @@
  * out then goes through o_proj (outside).  W_UK [H, dn, r] and W_UV [H, dv, r] are kv_b_proj's
  * weight split per head (each head's dn rows, then its dv rows), made contiguous by the caller.
  *
- * Arithmetic is f32 throughout (bf16 inputs widened exactly; no fused multiply-add, so every ISA
- * gives the same bits).  The softmax is computed in one pass over the positions (running
- * maximum and rescaled sums, Milakov & Gimelshein 2018), so no buffer grows with S.  Positions
+ * Arithmetic is f32 throughout (bf16 inputs widened exactly, int8/int4 weights converted in
+ * the inner loops; no fused multiply-add, so every ISA gives the same bits).  The softmax is
+ * computed in one pass over the positions (running maximum and rescaled sums, Milakov &
+ * Gimelshein 2018), so no buffer grows with S.  Positions
  * whose score is -inf take no part; a query row whose every position is -inf gets zeros
  * (torch would give NaN).  A finite large negative bias (transformers' masks use the most
  * negative float) behaves as torch's softmax does: such positions get weight 0 next to any
@@ -37,11 +38,26 @@ typedef struct smoe_mla_desc {
     uint32_t dr;     /* qk_rope_head_dim */
     uint32_t dv;     /* v_head_dim */
     uint32_t r;      /* kv_lora_rank */
-    int32_t wdtype;  /* SMOE_WDT_F32 or SMOE_WDT_BF16: w_uk and w_uv */
+    int32_t wdtype;  /* SMOE_WDT_F32, BF16, I8 or I4: w_uk and w_uv */
+    uint32_t group;  /* I4: columns per scale (a multiple of 32 dividing r); else unused */
     float scale;     /* softmax scale (the module's `scaling`) */
 } smoe_mla_desc;
 
-/* Shapes and dtypes in range (every dim in 1..65536, wdtype F32/BF16, finite scale > 0). */
+/* The absorbed weights, kv_b_proj's rows regrouped per head (specmoe.quant's quantization):
+ *   uk [H, dn, r], uv [H, dv, r] in the descriptor's wdtype.  I4 holds one value q in [-8, 7]
+ *   per byte (specmoe.quant's nibble u minus 8; specmoe.mla.int4_values converts): the same
+ *   values and scales as the packed format at twice its memory, because unpacking nibbles in
+ *   the inner loops measured slower than reading bytes (this kernel is bound by arithmetic,
+ *   not by the weight read: 2 MB a layer at DeepSeek-V2-Lite shapes);
+ *   uk_scale, uv_scale: I8 f32 [H, dn] / [H, dv] (one per row); I4 f32 [H, dn, r / group] /
+ *   [H, dv, r / group]; NULL for F32/BF16. */
+typedef struct smoe_mla_weights {
+    const void *uk, *uv;
+    const float *uk_scale, *uv_scale;
+} smoe_mla_weights;
+
+/* Shapes and dtypes in range (every dim in 1..65536, wdtype F32/BF16/I8/I4 with a valid I4
+ * group, finite scale > 0). */
 int smoe_mla_desc_check(const smoe_mla_desc *d, smoe_err *err);
 
 /* Scratch bytes smoe_mla_decode needs for T query tokens on c (per thread: q_lat and o_lat,
@@ -54,7 +70,7 @@ size_t smoe_mla_scratch_bytes(const smoe_kctx *c, const smoe_mla_desc *d, uint32
  *   ckv     [B] rows of [S, r]: row b, position j at ckv + b * ckv_bstride + j * r elements;
  *           F32 or BF16 (ckv_dtype)
  *   kpe     likewise [B] x [S, dr] at kpe + b * kpe_bstride + j * dr; F32 or BF16 (kpe_dtype)
- *   w_uk    [H, dn, r], w_uv [H, dv, r], in d->wdtype
+ *   w       the absorbed weights (smoe_mla_weights)
  *   bias    f32 [Bb, T, S] additive (Bb = 1: shared by every row, or B), or NULL (nothing
  *           masked: every query sees every cached position)
  *   out     f32 [B, T, H * dv], overwritten
@@ -63,7 +79,7 @@ size_t smoe_mla_scratch_bytes(const smoe_kctx *c, const smoe_mla_desc *d, uint32
 int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T, uint32_t S,
                     const float *q_nope, const float *q_pe, const void *ckv, int32_t ckv_dtype,
                     size_t ckv_bstride, const void *kpe, int32_t kpe_dtype, size_t kpe_bstride,
-                    const void *w_uk, const void *w_uv, const float *bias, uint32_t bias_rows,
+                    const smoe_mla_weights *w, const float *bias, uint32_t bias_rows,
                     float *out, void *scratch, size_t scratch_bytes, smoe_err *err);
 
 #endif

@@ -5,9 +5,14 @@
  * W_UV[h] are read once per call and each cached latent row c_j once per head (from cache: a
  * row is r * 2 bytes).  Per item:
  *   1. q_lat[t] = sum_d q_nope[t,d] * W_UK[h,d,:]      weight rows streamed, T axpys per row
- *   2. for each position j: s = (q_lat[t] . c_j + q_pe[t] . k_j) * scale + bias[t,j], folded
- *      into a running softmax (max m, sum l) and o_lat[t] += exp(s - m) * c_j
- *   3. out[t, h*dv + e] = W_UV[h,e,:] . (o_lat[t] / l)  weight rows streamed, T dots per row
+ *   2. for each block of PB positions j: s = (q_lat[t] . c_j + q_pe[t] . k_j) * scale +
+ *      bias[t,j], the block's PB dot products computed together (dot_rows), folded into a
+ *      running softmax (max m, sum l, the maximum moved once per block) and
+ *      o_lat[t] += exp(s - m) * c_j
+ *   3. out[t, h*dv + e] = W_UV[h,e,:] . (o_lat[t] / l)  PB weight rows at a time per token
+ *
+ * A single dot product of r = 512 with one vector of partial sums is bound by the add latency
+ * (32 dependent adds); PB rows at once give PB independent chains and load x once for PB rows.
  *
  * One body, written once (mla_item and its helpers, plain loops the compiler vectorises), is
  * instantiated for three ISAs by inlining it into functions compiled for AVX-512 / AVX2 / the
@@ -64,6 +69,112 @@ AI float dot_w(const float *restrict x, const void *restrict w, int bf16, uint32
     return acc[0];
 }
 
+/* res[q] = dot_w(x, row q) for the PB rows at w + q * wstride bytes, computed together so
+ * that PB independent accumulator chains hide the add latency and each x chunk is loaded once
+ * for PB rows.  Each res[q] has exactly dot_w's bits (same lanes, order and reduction). */
+#define PB 8
+AI void dot_rows(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
+                 uint32_t n, float *restrict res) {
+    float acc[PB][LANES];
+    for (uint32_t q = 0; q < PB; q++)
+        for (uint32_t k = 0; k < LANES; k++) acc[q][k] = 0.0f;
+    uint32_t i = 0;
+    if (bf16) {
+        for (; i + LANES <= n; i += LANES)
+            for (uint32_t q = 0; q < PB; q++) {
+                const uint16_t *p = (const uint16_t *)(w + q * wstride) + i;
+                for (uint32_t k = 0; k < LANES; k++) acc[q][k] += x[i + k] * bf16_f32(p[k]);
+            }
+        for (; i < n; i++)
+            for (uint32_t q = 0; q < PB; q++)
+                acc[q][i % LANES] += x[i] * bf16_f32(((const uint16_t *)(w + q * wstride))[i]);
+    } else {
+        for (; i + LANES <= n; i += LANES)
+            for (uint32_t q = 0; q < PB; q++) {
+                const float *p = (const float *)(w + q * wstride) + i;
+                for (uint32_t k = 0; k < LANES; k++) acc[q][k] += x[i + k] * p[k];
+            }
+        for (; i < n; i++)
+            for (uint32_t q = 0; q < PB; q++)
+                acc[q][i % LANES] += x[i] * ((const float *)(w + q * wstride))[i];
+    }
+    for (uint32_t q = 0; q < PB; q++) {
+        for (uint32_t w2 = LANES / 2; w2 > 0; w2 /= 2)
+            for (uint32_t k = 0; k < w2; k++) acc[q][k] += acc[q][k + w2];
+        res[q] = acc[q][0];
+    }
+}
+
+/* res[q] = dot_w(x, row q) for nrows rows at w + q * wstride: blocks of PB, then single rows */
+AI void dot_many(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
+                 uint32_t n, uint32_t nrows, float *restrict res) {
+    uint32_t q = 0;
+    for (; q + PB <= nrows; q += PB)
+        dot_rows(x, w + (size_t)q * wstride, wstride, bf16, n, res + q);
+    for (; q < nrows; q++) res[q] = dot_w(x, w + (size_t)q * wstride, bf16, n);
+}
+
+/* y[0..n) += a * row for an int8 row (value q * sc[0]) or an int4 row (one value q in
+ * [-8, 7] a byte, value q * sc[column / group]).  Plain loops the compiler vectorises. */
+AI void axpy_q(float *restrict y, float a, const int8_t *restrict q, const float *restrict sc,
+               int32_t kind, uint32_t n, uint32_t group) {
+    if (kind == SMOE_WDT_I8) {
+        const float as = a * sc[0];
+        for (uint32_t i = 0; i < n; i++) y[i] += as * (float)q[i];
+        return;
+    }
+    for (uint32_t g = 0; g < n / group; g++) {
+        const float as = a * sc[g];
+        const int8_t *qg = q + (size_t)g * group;
+        float *yg = y + (size_t)g * group;
+        for (uint32_t i = 0; i < group; i++) yg[i] += as * (float)qg[i];
+    }
+}
+
+/* res[q] = x . row q for NR (1..PB) int8/int4 rows at w + q * wstride bytes (one value a
+ * byte), their scales at sc + q * sstride: NR accumulator chains of LANES lanes in a fixed
+ * order (so every ISA gives the same bits).  int8: the row's scale applied after the
+ * reduction; int4 (group a multiple of LANES): each product scaled by its group's scale. */
+AI void dotq_rows(const float *restrict x, const int8_t *restrict w, size_t wstride,
+                  const float *restrict sc, size_t sstride, int32_t kind, uint32_t n,
+                  uint32_t group, uint32_t NR, float *restrict res) {
+    float acc[PB][LANES];
+    for (uint32_t q = 0; q < NR; q++)
+        for (uint32_t k = 0; k < LANES; k++) acc[q][k] = 0.0f;
+    uint32_t i = 0;
+    if (kind == SMOE_WDT_I8) {
+        for (; i + LANES <= n; i += LANES)
+            for (uint32_t q = 0; q < NR; q++) {
+                const int8_t *p = w + q * wstride + i;
+                for (uint32_t k = 0; k < LANES; k++) acc[q][k] += x[i + k] * (float)p[k];
+            }
+        for (; i < n; i++)
+            for (uint32_t q = 0; q < NR; q++) acc[q][i % LANES] += x[i] * (float)w[q * wstride + i];
+    } else {
+        /* per group: the int8 loop's partial sums, then scaled into acc (group is a multiple
+         * of LANES) */
+        for (uint32_t g = 0; g < n / group; g++) {
+            float part[PB][LANES];
+            for (uint32_t q = 0; q < NR; q++)
+                for (uint32_t k = 0; k < LANES; k++) part[q][k] = 0.0f;
+            for (const uint32_t end = i + group; i < end; i += LANES)
+                for (uint32_t q = 0; q < NR; q++) {
+                    const int8_t *p = w + q * wstride + i;
+                    for (uint32_t k = 0; k < LANES; k++) part[q][k] += x[i + k] * (float)p[k];
+                }
+            for (uint32_t q = 0; q < NR; q++) {
+                const float s = sc[q * sstride + g];
+                for (uint32_t k = 0; k < LANES; k++) acc[q][k] += s * part[q][k];
+            }
+        }
+    }
+    for (uint32_t q = 0; q < NR; q++) {
+        for (uint32_t w2 = LANES / 2; w2 > 0; w2 /= 2)
+            for (uint32_t k = 0; k < w2; k++) acc[q][k] += acc[q][k + w2];
+        res[q] = kind == SMOE_WDT_I8 ? acc[q][0] * sc[q * sstride] : acc[q][0];
+    }
+}
+
 AI void scale_vec(float *restrict y, float a, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) y[i] *= a;
 }
@@ -75,7 +186,9 @@ typedef struct mla_job {
     const uint8_t *ckv, *kpe;
     int ckv_bf16, kpe_bf16;
     size_t ckv_bstride, kpe_bstride; /* elements */
-    const uint8_t *w_uk, *w_uv;
+    const uint8_t *w_uk, *w_uv;     /* [H, rows, r] in wdtype (int4: a value a byte) */
+    const float *uk_scale, *uv_scale; /* int8 [H, rows], int4 [H, rows, r / group]; else NULL */
+    int32_t wdtype;
     int w_bf16;
     const float *bias;
     uint32_t bias_rows;
@@ -91,18 +204,30 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
     const smoe_mla_desc *d = j->d;
     const uint32_t T = j->T, S = j->S, r = d->r, dn = d->dn, dr = d->dr, dv = d->dv;
     const uint32_t b = item / d->H, h = item % d->H;
-    const size_t wsz = j->w_bf16 ? 2 : 4, csz = j->ckv_bf16 ? 2 : 4, ksz = j->kpe_bf16 ? 2 : 4;
+    const size_t wsz = j->wdtype == SMOE_WDT_F32 ? 4 : j->wdtype == SMOE_WDT_BF16 ? 2 : 1;
+    const size_t csz = j->ckv_bf16 ? 2 : 4, ksz = j->kpe_bf16 ? 2 : 4;
     const float *qn = j->q_nope + ((size_t)b * d->H + h) * T * dn;
     const float *qp = j->q_pe + ((size_t)b * d->H + h) * T * dr;
     /* 1. q_lat */
     memset(q_lat, 0, (size_t)T * r * 4);
-    const uint8_t *wuk = j->w_uk + (size_t)h * dn * r * wsz;
+    const int quant = j->wdtype == SMOE_WDT_I8 || j->wdtype == SMOE_WDT_I4;
+    const size_t wrow = (size_t)r * wsz; /* bytes a row */
+    const size_t srow = j->wdtype == SMOE_WDT_I4 ? r / d->group : 1;         /* scales a row */
+    const uint8_t *wuk = j->w_uk + (size_t)h * dn * wrow;
     for (uint32_t dd = 0; dd < dn; dd++) {
-        const void *row = wuk + (size_t)dd * r * wsz;
-        for (uint32_t t = 0; t < T; t++)
-            axpy_w(q_lat + (size_t)t * r, qn[(size_t)t * dn + dd], row, j->w_bf16, r);
+        const uint8_t *row = wuk + (size_t)dd * wrow;
+        const float *rs = quant ? j->uk_scale + ((size_t)h * dn + dd) * srow : NULL;
+        for (uint32_t t = 0; t < T; t++) {
+            float *y = q_lat + (size_t)t * r;
+            const float a = qn[(size_t)t * dn + dd];
+            if (quant)
+                axpy_q(y, a, (const int8_t *)row, rs, j->wdtype, r, d->group);
+            else
+                axpy_w(y, a, row, j->w_bf16, r);
+        }
     }
-    /* 2. scores, running softmax, o_lat */
+    /* 2. scores, running softmax, o_lat: positions in blocks of PB, the running maximum
+     * moved once per block */
     memset(o_lat, 0, (size_t)T * r * 4);
     for (uint32_t t = 0; t < T; t++) {
         m[t] = -INFINITY;
@@ -111,35 +236,55 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
     const uint8_t *cb = j->ckv + (size_t)b * j->ckv_bstride * csz;
     const uint8_t *kb = j->kpe + (size_t)b * j->kpe_bstride * ksz;
     const float *bias = j->bias ? j->bias + (size_t)(j->bias_rows == 1 ? 0 : b) * T * S : NULL;
-    for (uint32_t p = 0; p < S; p++) {
-        const void *cj = cb + (size_t)p * r * csz;
-        const void *kj = kb + (size_t)p * dr * ksz;
+    for (uint32_t p0 = 0; p0 < S; p0 += PB) {
+        const uint32_t np = S - p0 < PB ? S - p0 : PB;
+        const uint8_t *c0 = cb + (size_t)p0 * r * csz;
         for (uint32_t t = 0; t < T; t++) {
-            float s = (dot_w(q_lat + (size_t)t * r, cj, j->ckv_bf16, r) +
-                       dot_w(qp + (size_t)t * dr, kj, j->kpe_bf16, dr)) * d->scale;
-            if (bias) s += bias[(size_t)t * S + p];
-            if (s == -INFINITY) continue;
+            float s[PB], sr[PB];
+            dot_many(q_lat + (size_t)t * r, c0, (size_t)r * csz, j->ckv_bf16, r, np, s);
+            dot_many(qp + (size_t)t * dr, kb + (size_t)p0 * dr * ksz, (size_t)dr * ksz,
+                     j->kpe_bf16, dr, np, sr);
+            float bmax = -INFINITY;
+            for (uint32_t q = 0; q < np; q++) {
+                s[q] = (s[q] + sr[q]) * d->scale;
+                if (bias) s[q] += bias[(size_t)t * S + p0 + q];
+                if (s[q] > bmax) bmax = s[q];
+            }
+            if (bmax == -INFINITY) continue; /* every position of the block masked out */
             float *ol = o_lat + (size_t)t * r;
-            if (s > m[t]) { /* new maximum: rescale what was summed so far */
-                float corr = m[t] == -INFINITY ? 0.0f : expf(m[t] - s);
+            if (bmax > m[t]) { /* new maximum: rescale what was summed so far */
+                float corr = m[t] == -INFINITY ? 0.0f : expf(m[t] - bmax);
                 l[t] *= corr;
                 scale_vec(ol, corr, r);
-                m[t] = s;
+                m[t] = bmax;
             }
-            float e = expf(s - m[t]);
-            l[t] += e;
-            axpy_w(ol, e, cj, j->ckv_bf16, r);
+            for (uint32_t q = 0; q < np; q++) {
+                if (s[q] == -INFINITY) continue;
+                float e = expf(s[q] - m[t]);
+                l[t] += e;
+                axpy_w(ol, e, c0 + (size_t)q * r * csz, j->ckv_bf16, r);
+            }
         }
     }
     /* 3. out */
-    const uint8_t *wuv = j->w_uv + (size_t)h * dv * r * wsz;
+    const uint8_t *wuv = j->w_uv + (size_t)h * dv * wrow;
     for (uint32_t t = 0; t < T; t++)
         if (l[t] > 0.0f) scale_vec(o_lat + (size_t)t * r, 1.0f / l[t], r);
-    for (uint32_t e = 0; e < dv; e++) {
-        const void *row = wuv + (size_t)e * r * wsz;
-        for (uint32_t t = 0; t < T; t++)
-            j->out[((size_t)b * T + t) * d->H * dv + (size_t)h * dv + e] =
-                dot_w(o_lat + (size_t)t * r, row, j->w_bf16, r);
+    for (uint32_t t = 0; t < T; t++) {
+        const float *x = o_lat + (size_t)t * r;
+        float *o = j->out + ((size_t)b * T + t) * d->H * dv + (size_t)h * dv;
+        if (!quant) {
+            dot_many(x, wuv, wrow, j->w_bf16, r, dv, o);
+            continue;
+        }
+        const float *us = j->uv_scale + (size_t)h * dv * srow;
+        uint32_t e = 0;
+        for (; e + PB <= dv; e += PB)
+            dotq_rows(x, (const int8_t *)(wuv + e * wrow), wrow, us + e * srow, srow,
+                      j->wdtype, r, d->group, PB, o + e);
+        for (; e < dv; e++)
+            dotq_rows(x, (const int8_t *)(wuv + e * wrow), wrow, us + e * srow, srow,
+                      j->wdtype, r, d->group, 1, o + e);
     }
 }
 
@@ -186,9 +331,15 @@ int smoe_mla_desc_check(const smoe_mla_desc *d, smoe_err *err) {
         if (dims[i] == 0 || dims[i] > 65536)
             return smoe_err_set(err, SMOE_EINVAL, "MLA: %s = %u out of range (1..65536)",
                                 names[i], dims[i]);
-    if (d->wdtype != SMOE_WDT_F32 && d->wdtype != SMOE_WDT_BF16)
-        return smoe_err_set(err, SMOE_EINVAL, "MLA: weights must be f32 or bf16 (dtype %d)",
-                            d->wdtype);
+    if (d->wdtype != SMOE_WDT_F32 && d->wdtype != SMOE_WDT_BF16 && d->wdtype != SMOE_WDT_I8 &&
+        d->wdtype != SMOE_WDT_I4)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "MLA: weights must be f32, bf16, int8 or int4 (dtype %d)", d->wdtype);
+    if (d->wdtype == SMOE_WDT_I4 &&
+        (d->group == 0 || d->group % 32 != 0 || d->r % d->group != 0))
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "MLA: int4 group %u must be a multiple of 32 dividing kv_lora_rank %u",
+                            d->group, d->r);
     if (!(d->scale > 0.0f) || !isfinite(d->scale))
         return smoe_err_set(err, SMOE_EINVAL, "MLA: scale must be finite and > 0");
     return SMOE_OK;
@@ -206,12 +357,16 @@ size_t smoe_mla_scratch_bytes(const smoe_kctx *c, const smoe_mla_desc *d, uint32
 int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T, uint32_t S,
                     const float *q_nope, const float *q_pe, const void *ckv, int32_t ckv_dtype,
                     size_t ckv_bstride, const void *kpe, int32_t kpe_dtype, size_t kpe_bstride,
-                    const void *w_uk, const void *w_uv, const float *bias, uint32_t bias_rows,
+                    const smoe_mla_weights *w, const float *bias, uint32_t bias_rows,
                     float *out, void *scratch, size_t scratch_bytes, smoe_err *err) {
     int rc = smoe_mla_desc_check(d, err);
     if (rc) return rc;
-    if (!q_nope || !q_pe || !ckv || !kpe || !w_uk || !w_uv || !out || !scratch)
+    if (!q_nope || !q_pe || !ckv || !kpe || !w || !w->uk || !w->uv || !out || !scratch)
         return smoe_err_set(err, SMOE_EINVAL, "smoe_mla_decode: NULL argument");
+    const int quant = d->wdtype == SMOE_WDT_I8 || d->wdtype == SMOE_WDT_I4;
+    if (quant != (w->uk_scale != NULL) || quant != (w->uv_scale != NULL))
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "smoe_mla_decode: int8/int4 weights need scales, float ones none");
     if (B == 0 || T == 0 || S == 0)
         return smoe_err_set(err, SMOE_EINVAL, "smoe_mla_decode: B=%u T=%u S=%u must be >= 1", B,
                             T, S);
@@ -231,7 +386,8 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
     mla_job job = {.d = d, .B = B, .T = T, .S = S, .q_nope = q_nope, .q_pe = q_pe,
                    .ckv = ckv, .kpe = kpe, .ckv_bf16 = ckv_dtype == SMOE_WDT_BF16,
                    .kpe_bf16 = kpe_dtype == SMOE_WDT_BF16, .ckv_bstride = ckv_bstride,
-                   .kpe_bstride = kpe_bstride, .w_uk = w_uk, .w_uv = w_uv,
+                   .kpe_bstride = kpe_bstride, .w_uk = w->uk, .w_uv = w->uv,
+                   .uk_scale = w->uk_scale, .uv_scale = w->uv_scale, .wdtype = d->wdtype,
                    .w_bf16 = d->wdtype == SMOE_WDT_BF16, .bias = bias, .bias_rows = bias_rows,
                    .out = out,
                    .scratch = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63),
