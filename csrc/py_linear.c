@@ -4,6 +4,7 @@
  * kernel without the GIL. */
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "py_kernels.h"
 #include "py_numpy.h"
@@ -15,7 +16,10 @@ typedef struct {
     PyObject *bias_obj;  /* float32 [N] array or NULL (strong reference, never written) */
     smoe_linear_desc d;
     void *scratch;       /* smoe_linear_scratch_bytes(d, SMOE_LINEAR_TCHUNK); guarded by mu */
-    pthread_mutex_t mu;  /* serializes forward calls on this object (they share scratch) */
+    float *io;           /* bf16 inputs/outputs widened: io_cap floats, grown on first use
+                            (min(T, SMOE_LINEAR_TCHUNK) * (K + N)); guarded by mu */
+    size_t io_cap;
+    pthread_mutex_t mu;  /* serializes forward calls on this object (they share scratch, io) */
     int ready;
 } LinearObject;
 
@@ -101,6 +105,7 @@ static void lin_dealloc(LinearObject *self) {
     if (self->ready) {
         pthread_mutex_destroy(&self->mu);
         free(self->scratch);
+        free(self->io);
     }
     Py_XDECREF(self->ctx_obj);
     Py_XDECREF(self->block_obj);
@@ -108,7 +113,39 @@ static void lin_dealloc(LinearObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* forward(x, out): x float32 [T, K], out float32 [T, N] (both C-contiguous); out = x W^T + b. */
+/* f32 -> bf16 bits, round to nearest even: what torch's Tensor.to(torch.bfloat16) gives, so a
+ * bf16 output is the same bits either way (a NaN keeps its sign and top payload bits, made
+ * quiet, as vcvtneps2bf16 does). */
+static inline uint16_t f32_to_bf16_rne(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40u);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+/* float32 or bf16 bits (uint16/int16) as a 2-dim C-contiguous array: 0 f32, 1 bf16, -1 with an
+ * error naming it otherwise. */
+static int f32_or_bf16_2d(PyObject *o, const char *name, int writable) {
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    int t = PyArray_TYPE(a);
+    if ((t != NPY_FLOAT32 && t != NPY_UINT16 && t != NPY_INT16) || PyArray_NDIM(a) != 2 ||
+        !PyArray_IS_C_CONTIGUOUS(a) || (writable && !PyArray_ISWRITEABLE(a))) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be a C-contiguous%s float32 or bf16 (uint16 bits) array of 2 dims",
+                     name, writable ? ", writable" : "");
+        return -1;
+    }
+    return t == NPY_FLOAT32 ? 0 : 1;
+}
+
+/* forward(x, out): x [T, K], out [T, N], each float32 or bf16 bits (C-contiguous); out = x W^T
+ * + b.  bf16 is widened / rounded here (chunks of SMOE_LINEAR_TCHUNK tokens through io), so
+ * the caller needs no casts. */
 static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!self->ready) {
         PyErr_SetString(PyExc_ValueError, "Linear is not initialised");
@@ -118,19 +155,20 @@ static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_TypeError, "forward(x, out) takes 2 arguments, got %zd", nargs);
         return NULL;
     }
-    PyArrayObject *x = smoe_py_want_array(args[0], "x", NPY_FLOAT32, 2, 0);
-    if (!x) return NULL;
-    PyArrayObject *out = smoe_py_want_array(args[1], "out", NPY_FLOAT32, 2, 1);
-    if (!out) return NULL;
+    int xb = f32_or_bf16_2d(args[0], "x", 0);
+    if (xb < 0) return NULL;
+    int ob = f32_or_bf16_2d(args[1], "out", 1);
+    if (ob < 0) return NULL;
+    PyArrayObject *x = (PyArrayObject *)args[0], *out = (PyArrayObject *)args[1];
     npy_intp T = PyArray_DIM(x, 0);
-    if (PyArray_DIM(x, 1) != (npy_intp)self->d.K || PyArray_DIM(out, 1) != (npy_intp)self->d.N ||
+    const uint32_t K = self->d.K, N = self->d.N;
+    if (PyArray_DIM(x, 1) != (npy_intp)K || PyArray_DIM(out, 1) != (npy_intp)N ||
         PyArray_DIM(out, 0) != T) {
         PyErr_Format(PyExc_ValueError,
                      "Linear(%u -> %u): x must be [T, %u] and out [T, %u]; got x [%zd, %zd], "
                      "out [%zd, %zd]",
-                     self->d.K, self->d.N, self->d.K, self->d.N, (Py_ssize_t)T,
-                     (Py_ssize_t)PyArray_DIM(x, 1), (Py_ssize_t)PyArray_DIM(out, 0),
-                     (Py_ssize_t)PyArray_DIM(out, 1));
+                     K, N, K, N, (Py_ssize_t)T, (Py_ssize_t)PyArray_DIM(x, 1),
+                     (Py_ssize_t)PyArray_DIM(out, 0), (Py_ssize_t)PyArray_DIM(out, 1));
         return NULL;
     }
     if (T > (npy_intp)UINT32_MAX / 2) {
@@ -145,17 +183,51 @@ static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize
     if (!c) return NULL;
     smoe_err err;
     smoe_err_clear(&err);
-    int rc;
+    int rc = SMOE_OK;
+    const uint8_t *block = (const uint8_t *)PyArray_DATA((PyArrayObject *)self->block_obj);
+    const float *bias =
+        self->bias_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->bias_obj) : NULL;
+    uint8_t *xp = (uint8_t *)PyArray_DATA(x), *op = (uint8_t *)PyArray_DATA(out);
     /* x, out stay referenced by the caller's frame for the whole call; block by self. */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    rc = smoe_linear_forward(c, &self->d,
-                             (const uint8_t *)PyArray_DATA((PyArrayObject *)self->block_obj),
-                             self->bias_obj ? (const float *)PyArray_DATA(
-                                                  (PyArrayObject *)self->bias_obj)
-                                            : NULL,
-                             (const float *)PyArray_DATA(x), self->d.K, (uint32_t)T,
-                             (float *)PyArray_DATA(out), self->d.N, self->scratch, &err);
+    if (!xb && !ob) {
+        rc = smoe_linear_forward(c, &self->d, block, bias, (const float *)xp, K, (uint32_t)T,
+                                 (float *)op, N, self->scratch, &err);
+    } else {
+        const uint32_t tc = T < SMOE_LINEAR_TCHUNK ? (uint32_t)T : SMOE_LINEAR_TCHUNK;
+        const size_t need = (size_t)tc * ((xb ? K : 0) + (ob ? N : 0));
+        if (need > self->io_cap) {
+            float *p = realloc(self->io, need * sizeof(float));
+            if (p) {
+                self->io = p;
+                self->io_cap = need;
+            } else {
+                rc = smoe_err_set(&err, SMOE_ENOMEM, "Linear: %zu bytes of bf16 I/O buffer",
+                                  need * sizeof(float));
+            }
+        }
+        float *xf = self->io, *of = self->io + (xb ? (size_t)tc * K : 0);
+        for (uint32_t t0 = 0; rc == SMOE_OK && t0 < (uint32_t)T; t0 += tc) {
+            const uint32_t n = (uint32_t)T - t0 < tc ? (uint32_t)T - t0 : tc;
+            const float *xin = (const float *)xp + (size_t)t0 * K;
+            if (xb) {
+                const uint16_t *src = (const uint16_t *)xp + (size_t)t0 * K;
+                for (size_t i = 0; i < (size_t)n * K; i++) {
+                    uint32_t u = (uint32_t)src[i] << 16;
+                    memcpy(&xf[i], &u, 4);
+                }
+                xin = xf;
+            }
+            float *dst = ob ? of : (float *)op + (size_t)t0 * N;
+            rc = smoe_linear_forward(c, &self->d, block, bias, xin, K, n, dst, N, self->scratch,
+                                     &err);
+            if (rc == SMOE_OK && ob) {
+                uint16_t *o16 = (uint16_t *)op + (size_t)t0 * N;
+                for (size_t i = 0; i < (size_t)n * N; i++) o16[i] = f32_to_bf16_rne(of[i]);
+            }
+        }
+    }
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     if (rc != 0) return smoe_py_raise(&err);
@@ -169,8 +241,8 @@ static PyObject *lin_get_shape(LinearObject *self, void *closure) {
 
 static PyMethodDef lin_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))lin_forward, METH_FASTCALL,
-     "forward(x, out): out = x @ W.T + bias; x float32 [T, K], out float32 [T, N], "
-     "C-contiguous (GIL released)."},
+     "forward(x, out): out = x @ W.T + bias; x [T, K], out [T, N], each float32 or bf16 "
+     "(uint16 bits, rounded to nearest even as torch does), C-contiguous (GIL released)."},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef lin_getset[] = {

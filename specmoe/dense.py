@@ -52,6 +52,12 @@ def _int4_group(K: int) -> int | None:
     return None
 
 
+def _np_view(t: torch.Tensor) -> np.ndarray:
+    """A contiguous f32 or bf16 CPU tensor as the array the C kernels take (bf16 as its int16
+    bits), sharing memory."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def _pack(weight: torch.Tensor, dtype: str
           ) -> tuple[np.ndarray, dict[str, Any], torch.Tensor | None]:
     """The weight as the kernels read it: (uint8 block, descriptor, torch view).  f32/bf16: the
@@ -132,12 +138,18 @@ class CLinear(nn.Module):
         T = x.numel() // self.in_features if self.in_features else 0
         if self._tw is not None and self.torch_above is not None and T > self.torch_above:
             return F.linear(x.to(self._tw.dtype), self._tw, self._tb).to(self.out_dtype)
+        # f32 and bf16 go to the kernel as they are (it widens bf16 and rounds a bf16 output
+        # as torch would): no casts around the call at decode sizes
         xf = x.detach().reshape(T, self.in_features)
-        if xf.dtype != torch.float32 or not xf.is_contiguous():
-            xf = xf.to(torch.float32).contiguous()
-        out = torch.empty(T, self.out_features, dtype=torch.float32)
-        self._c.forward(xf.numpy(), out.numpy())
-        if self.out_dtype != torch.float32:
+        if xf.dtype not in (torch.float32, torch.bfloat16):
+            xf = xf.to(torch.float32)
+        if not xf.is_contiguous():
+            xf = xf.contiguous()
+        odt = self.out_dtype if self.out_dtype in (torch.float32, torch.bfloat16) \
+            else torch.float32
+        out = torch.empty(T, self.out_features, dtype=odt)
+        self._c.forward(_np_view(xf), _np_view(out))
+        if odt != self.out_dtype:
             out = out.to(self.out_dtype)
         return out.reshape(*lead, self.out_features)
 

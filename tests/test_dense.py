@@ -68,6 +68,39 @@ def test_leading_dims_and_output_dtype():
     torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+def test_bf16_io_same_bits_as_f32_io_and_torch_casts(dtype):
+    """The binding takes bf16 x and out directly (widening x, rounding out to nearest even):
+    the same bits as f32 in / out with torch's casts around the call, over several internal
+    chunks of 64 tokens, a NaN row and values past bf16's range included."""
+    torch.manual_seed(1)
+    lin = nn.Linear(64, 40, bias=True)
+    c = CLinear(lin, dtype, torch_above=None)
+    for T in (1, 3, 130):
+        x = (torch.randn(T, 64) * 3).to(torch.bfloat16)
+        x[0, 5] = float("nan")                        # row 0: NaN everywhere
+        if T > 1:
+            x[1] = x[1] * 1e37                        # row 1: near / past the float range
+        ref = torch.empty(T, 40)
+        c._c.forward(x.float().numpy(), ref.numpy())
+        y32 = torch.empty(T, 40)
+        c._c.forward(x.view(torch.int16).numpy(), y32.numpy())     # bf16 in, f32 out
+        assert torch.equal(y32.view(torch.int32), ref.view(torch.int32))
+        y16 = torch.empty(T, 40, dtype=torch.bfloat16)
+        c._c.forward(x.view(torch.int16).numpy(), y16.view(torch.int16).numpy())
+        assert torch.isnan(y16[0]).all()
+        r16 = ref.to(torch.bfloat16)                  # the same bits, NaN payloads aside
+        nan = torch.isnan(r16)
+        assert torch.equal(torch.isnan(y16), nan)
+        assert torch.equal(y16.view(torch.int16)[~nan], r16.view(torch.int16)[~nan])
+    with pytest.raises(ValueError, match="writable"):
+        ro = np.zeros((1, 40), np.float32)
+        ro.flags.writeable = False
+        c._c.forward(np.zeros((1, 64), np.float32), ro)
+    with pytest.raises(ValueError, match="bf16"):
+        c._c.forward(np.zeros((1, 64), np.float16), np.zeros((1, 40), np.float32))
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_long_inputs_use_torch_on_the_same_bytes(dtype):
     tdt = torch.float32 if dtype == "f32" else torch.bfloat16
