@@ -1,4 +1,5 @@
-/* Python binding of the decode-attention kernels: specmoe._C.MLADecode, one object per MLA
+/* Python binding of the decode-attention kernels: specmoe._C.AttnDecode (the models' own
+ * multi-head attention, specmoe.attention, at the end of this file) and specmoe._C.MLADecode, one object per MLA
  * attention module decoded in the absorbed form (specmoe.mla).  The absorbed weights are
  * checked and referenced once at construction; the per-token call (forward, METH_FASTCALL)
  * checks the arrays' shapes and runs smoe_mla_decode without the GIL. */
@@ -327,11 +328,185 @@ static PyTypeObject MLADecodeType = {
     .tp_getset = mla_getset,
 };
 
+/* ---- AttnDecode: the models' own multi-head / grouped-query attention at decode sizes ---- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx_obj;  /* the KernelContext (strong reference) */
+    void *scratch;      /* scratch_cap bytes; guarded by mu */
+    size_t scratch_cap;
+    pthread_mutex_t mu; /* serializes forward calls on this object (they share scratch) */
+    int ready;
+} AttnDecodeObject;
+
+static int ad_init(AttnDecodeObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ctx", NULL};
+    PyObject *ctx_o;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O:AttnDecode", kwlist, &ctx_o)) return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "AttnDecode is already initialised");
+        return -1;
+    }
+    if (!smoe_py_kctx(ctx_o)) return -1;
+    if (pthread_mutex_init(&self->mu, NULL) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "AttnDecode: pthread_mutex_init failed");
+        return -1;
+    }
+    Py_INCREF(ctx_o);
+    self->ctx_obj = ctx_o;
+    self->ready = 1;
+    return 0;
+}
+
+static void ad_dealloc(AttnDecodeObject *self) {
+    if (self->ready) pthread_mutex_destroy(&self->mu);
+    free(self->scratch);
+    Py_XDECREF(self->ctx_obj);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* k or v [B, Hkv, S, D], f32 or bf16 bits, each [S, D] block dense: the element strides of
+ * dims 0 and 1 in *bs, *hs; -1 with an error otherwise. */
+static int kv_layout(PyObject *o, const char *name, int *dt, npy_intp *bs, npy_intp *hs) {
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    int t = PyArray_TYPE(a);
+    npy_intp esz = t == NPY_FLOAT32 ? 4 : 2;
+    if ((t != NPY_FLOAT32 && t != NPY_UINT16 && t != NPY_INT16) || PyArray_NDIM(a) != 4 ||
+        PyArray_STRIDE(a, 3) != esz || PyArray_STRIDE(a, 2) != esz * PyArray_DIM(a, 3) ||
+        PyArray_STRIDE(a, 1) % esz || PyArray_STRIDE(a, 0) % esz || PyArray_STRIDE(a, 1) < 0 ||
+        PyArray_STRIDE(a, 0) < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be a float32 or bf16 (uint16 bits) array [B, kv_heads, S, D] whose "
+                     "[S, D] blocks are dense",
+                     name);
+        return -1;
+    }
+    *dt = t == NPY_FLOAT32 ? SMOE_WDT_F32 : SMOE_WDT_BF16;
+    *bs = PyArray_STRIDE(a, 0) / esz;
+    *hs = PyArray_STRIDE(a, 1) / esz;
+    return 0;
+}
+
+/* forward(q, k, v, bias, out, scale); shapes in the method doc. */
+static PyObject *ad_forward(AttnDecodeObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "AttnDecode is not initialised");
+        return NULL;
+    }
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError,
+                     "forward(q, k, v, bias, out, scale) takes 6 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyArrayObject *q = smoe_py_want_array(args[0], "q", NPY_FLOAT32, 4, 0);
+    if (!q) return NULL;
+    int kdt, vdt;
+    npy_intp kbs, khs, vbs, vhs;
+    if (kv_layout(args[1], "k", &kdt, &kbs, &khs) || kv_layout(args[2], "v", &vdt, &vbs, &vhs))
+        return NULL;
+    PyArrayObject *k = (PyArrayObject *)args[1], *v = (PyArrayObject *)args[2];
+    PyArrayObject *out = smoe_py_want_array(args[4], "out", NPY_FLOAT32, 4, 1);
+    if (!out) return NULL;
+    double scale = PyFloat_AsDouble(args[5]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    npy_intp B = PyArray_DIM(q, 0), H = PyArray_DIM(q, 1), T = PyArray_DIM(q, 2);
+    npy_intp D = PyArray_DIM(q, 3), Hkv = PyArray_DIM(k, 1), S = PyArray_DIM(k, 2);
+    npy_intp w_k[4] = {B, Hkv, S, D}, w_o[4] = {B, T, H, D};
+    if (dims_are(args[1], "k [B, kv_heads, S, D]", w_k, 4) ||
+        dims_are(args[2], "v [B, kv_heads, S, D]", w_k, 4) ||
+        dims_are(args[4], "out [B, T, heads, D]", w_o, 4))
+        return NULL;
+    if (kdt != vdt || kbs != vbs || khs != vhs) {
+        PyErr_SetString(PyExc_ValueError, "k and v must have the same dtype and layout");
+        return NULL;
+    }
+    if (B < 1 || T < 1 || S < 1 || Hkv < 1 || B > 65536 || T > 65536 || H > 65536 ||
+        D > 65536 || S > (npy_intp)UINT32_MAX / 2 || H % Hkv) {
+        PyErr_Format(PyExc_ValueError,
+                     "AttnDecode: B=%zd T=%zd S=%zd heads=%zd kv_heads=%zd out of range (heads "
+                     "must be a multiple of kv_heads)",
+                     (Py_ssize_t)B, (Py_ssize_t)T, (Py_ssize_t)S, (Py_ssize_t)H,
+                     (Py_ssize_t)Hkv);
+        return NULL;
+    }
+    const float *bias = NULL;
+    uint32_t bias_rows = 0;
+    if (args[3] != Py_None) {
+        PyArrayObject *b = smoe_py_want_array(args[3], "bias", NPY_FLOAT32, 3, 0);
+        if (!b) return NULL;
+        npy_intp w_b[3] = {-1, T, S};
+        if (dims_are(args[3], "bias [1 or B, T, S]", w_b, 3)) return NULL;
+        if (PyArray_DIM(b, 0) != 1 && PyArray_DIM(b, 0) != B) {
+            PyErr_Format(PyExc_ValueError, "bias has %zd rows, expected 1 or B=%zd",
+                         (Py_ssize_t)PyArray_DIM(b, 0), (Py_ssize_t)B);
+            return NULL;
+        }
+        bias = (const float *)PyArray_DATA(b);
+        bias_rows = (uint32_t)PyArray_DIM(b, 0);
+    }
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_mha_desc d = {(uint32_t)H, (uint32_t)Hkv, (uint32_t)D, (float)scale};
+    size_t need = smoe_mha_scratch_bytes(c, (uint32_t)D, (uint32_t)T);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = SMOE_OK;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    if (need > self->scratch_cap) {
+        void *p = realloc(self->scratch, need);
+        if (p) {
+            self->scratch = p;
+            self->scratch_cap = need;
+        } else {
+            rc = smoe_err_set(&err, SMOE_ENOMEM, "AttnDecode: %zu bytes of scratch", need);
+        }
+    }
+    if (rc == SMOE_OK)
+        rc = smoe_mha_decode(c, &d, (uint32_t)B, (uint32_t)T, (uint32_t)S,
+                             (const float *)PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                             kdt, (size_t)kbs, (size_t)khs, bias, bias_rows,
+                             (float *)PyArray_DATA(out), self->scratch, self->scratch_cap, &err);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ad_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))ad_forward, METH_FASTCALL,
+     "forward(q, k, v, bias, out, scale): attention at decode sizes (csrc/kernels/attn.h). q "
+     "float32 [B, H, T, D] C-contiguous; k, v [B, Hkv, S, D] float32 or uint16 (bf16 bits), "
+     "same dtype and strides, each [S, D] block dense; bias float32 [1 or B, T, S] additive or "
+     "None; out float32 [B, T, H, D], overwritten; GIL released."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject AttnDecodeType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.AttnDecode",
+    .tp_basicsize = sizeof(AttnDecodeObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "AttnDecode(ctx): multi-head / grouped-query attention for decode-sized inputs on "
+              "ctx's threads (specmoe.attention); one object can serve every layer.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ad_init,
+    .tp_dealloc = (destructor)ad_dealloc,
+    .tp_methods = ad_methods,
+};
+
 int smoe_py_attn_init(PyObject *m) {
-    if (PyType_Ready(&MLADecodeType) < 0) return -1;
+    if (PyType_Ready(&MLADecodeType) < 0 || PyType_Ready(&AttnDecodeType) < 0) return -1;
     Py_INCREF(&MLADecodeType);
     if (PyModule_AddObject(m, "MLADecode", (PyObject *)&MLADecodeType) < 0) {
         Py_DECREF(&MLADecodeType);
+        return -1;
+    }
+    Py_INCREF(&AttnDecodeType);
+    if (PyModule_AddObject(m, "AttnDecode", (PyObject *)&AttnDecodeType) < 0) {
+        Py_DECREF(&AttnDecodeType);
         return -1;
     }
     return 0;

@@ -31,6 +31,7 @@ from torch import nn
 
 from . import _C
 from .kernels import context
+from .attention import use_c_attention
 from .mla import absorb_mla
 from .quant import quantize_int4, quantize_int8
 
@@ -161,14 +162,17 @@ class CLinear(nn.Module):
 @dataclasses.dataclass
 class DenseReport:
     """What :func:`convert_dense` did: layers converted (qualified names), bytes before and
-    after, layers left in torch with the reason, and the MLA attention modules decoded in
-    the absorbed form (:mod:`specmoe.mla`); ``decode_torch_threads``: torch's intra-op
-    threads during decode-sized forwards (:class:`DecodeThreads`), None when unchanged."""
+    after, layers left in torch with the reason, the MLA attention modules decoded in the
+    absorbed form (:mod:`specmoe.mla`), the attention implementation running the other
+    attention modules' decode steps in C (:mod:`specmoe.attention`; None: unchanged);
+    ``decode_torch_threads``: torch's intra-op threads during decode-sized forwards
+    (:class:`DecodeThreads`), None when unchanged."""
 
     dtype: str | None
     converted: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     mla: list[str] = dataclasses.field(default_factory=list)
+    attention: str | None = None
     decode_torch_threads: int | None = None
     bytes_before: int = 0
     bytes_after: int = 0
@@ -179,7 +183,8 @@ class DenseReport:
         return (f"dense layers: {len(self.converted)} in C ({self.dtype}), "
                 f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
                 + (f", {len(self.skipped)} left in torch" if self.skipped else "")
-                + (f", {len(self.mla)} MLA attentions absorbed" if self.mla else ""))
+                + (f", {len(self.mla)} MLA attentions absorbed" if self.mla else "")
+                + (f", attention {self.attention}" if self.attention else ""))
 
 
 def resolve_dense(dense: str | bool | None, model_dtype: torch.dtype) -> str | None:
@@ -273,7 +278,9 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     with in_features not a multiple of 32) stay in torch and are listed in the report.
     MLA attention modules (DeepSeek-V2/V3) also switch to the absorbed decode form
     (:func:`specmoe.mla.absorb_mla`, the C kernel at the same precision: int8/int4 absorbed
-    weights are ``kv_b_proj``'s rows quantized as here).  Decode-sized forwards of ``model`` then run torch
+    weights are ``kv_b_proj``'s rows quantized as here); the other attention modules run their
+    decode steps through the C attention kernel (:func:`specmoe.attention.use_c_attention`).
+    Decode-sized forwards of ``model`` then run torch
     single-threaded (:class:`DecodeThreads`).
     """
     params = [p for p in model.parameters()]
@@ -289,6 +296,7 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     # absorbed before kv_b_proj is converted: with int8/int4 the absorbed weights are its rows
     # quantized as CLinear quantizes them, then kv_b_proj itself (the prefill path) converts
     report.mla = absorb_mla(model, ctx=ctx, weights=fmt if fmt in ("int8", "int4") else None)
+    report.attention = use_c_attention(model, ctx)
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and id(mod) not in skipped_ids]
     for name, mod in targets:

@@ -82,4 +82,31 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
                     const smoe_mla_weights *w, const float *bias, uint32_t bias_rows,
                     float *out, void *scratch, size_t scratch_bytes, smoe_err *err);
 
+/* Multi-head attention with grouped keys (MHA / GQA / MQA) at decode sizes, for the models'
+ * own attention (specmoe.attention): for query token t of batch row b and head h, with
+ * G = H / Hkv query heads per key head,
+ *
+ *     out[b, t, h, :] = sum_j softmax_j(q[b, h, t] . k[b, h / G, j] * scale + bias[b, t, j])
+ *                       v[b, h / G, j]
+ *
+ * the same online softmax, masking rules, arithmetic (f32, no FMA: the same bits on every
+ * ISA) and threading ((b, h) pairs on c's pool) as smoe_mla_decode.
+ *   q     f32 [B, H, T, D]
+ *   k, v  F32 or BF16 (kv_dtype): position j of (b, g) at k + b * kv_bstride + g * kv_hstride
+ *         + j * D elements (v likewise, with the same strides)
+ *   bias  f32 [Bb, T, S] additive (Bb = 1 or B), or NULL
+ *   out   f32 [B, T, H, D], overwritten
+ * scratch: smoe_mha_scratch_bytes(c, D, T) for every thread of c to take part. */
+typedef struct smoe_mha_desc {
+    uint32_t H, Hkv, D; /* query heads, key/value heads (H % Hkv == 0), head dim; 1..65536 */
+    float scale;        /* softmax scale */
+} smoe_mha_desc;
+
+size_t smoe_mha_scratch_bytes(const smoe_kctx *c, uint32_t D, uint32_t T);
+
+int smoe_mha_decode(smoe_kctx *c, const smoe_mha_desc *d, uint32_t B, uint32_t T, uint32_t S,
+                    const float *q, const void *k, const void *v, int32_t kv_dtype,
+                    size_t kv_bstride, size_t kv_hstride, const float *bias, uint32_t bias_rows,
+                    float *out, void *scratch, size_t scratch_bytes, smoe_err *err);
+
 #endif

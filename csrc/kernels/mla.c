@@ -19,103 +19,10 @@
  * baseline; the kernel context's ISA picks one at run time.  Dot products keep 16 partial sums
  * in a fixed order, so they vectorise without reassociation and give the same bits on every
  * ISA (ISO C mode: no contraction into FMA). */
-#include <math.h>
-#include <string.h>
-
 #include "attn.h"
+#include "attn_impl.h"
 #include "kimpl.h"
 
-#define AI static inline __attribute__((always_inline))
-#define LANES 16
-
-static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
-
-/* bf16 bit pattern -> f32, exact */
-AI float bf16_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* y[0..n) += a * w[0..n), w in f32 or bf16 */
-AI void axpy_w(float *restrict y, float a, const void *restrict w, int bf16, uint32_t n) {
-    if (bf16) {
-        const uint16_t *p = (const uint16_t *)w;
-        for (uint32_t i = 0; i < n; i++) y[i] += a * bf16_f32(p[i]);
-    } else {
-        const float *p = (const float *)w;
-        for (uint32_t i = 0; i < n; i++) y[i] += a * p[i];
-    }
-}
-
-/* sum x[i] * w[i], w in f32 or bf16: LANES partial sums, then a fixed pairwise reduction */
-AI float dot_w(const float *restrict x, const void *restrict w, int bf16, uint32_t n) {
-    float acc[LANES] = {0};
-    uint32_t i = 0;
-    if (bf16) {
-        const uint16_t *p = (const uint16_t *)w;
-        for (; i + LANES <= n; i += LANES)
-            for (uint32_t k = 0; k < LANES; k++) acc[k] += x[i + k] * bf16_f32(p[i + k]);
-        for (; i < n; i++) acc[i % LANES] += x[i] * bf16_f32(p[i]);
-    } else {
-        const float *p = (const float *)w;
-        for (; i + LANES <= n; i += LANES)
-            for (uint32_t k = 0; k < LANES; k++) acc[k] += x[i + k] * p[i + k];
-        for (; i < n; i++) acc[i % LANES] += x[i] * p[i];
-    }
-    for (uint32_t w2 = LANES / 2; w2 > 0; w2 /= 2)
-        for (uint32_t k = 0; k < w2; k++) acc[k] += acc[k + w2];
-    return acc[0];
-}
-
-/* res[q] = dot_w(x, row q) for the PB rows at w + q * wstride bytes, computed together so
- * that PB independent accumulator chains hide the add latency and each x chunk is loaded once
- * for PB rows.  Each res[q] has exactly dot_w's bits (same lanes, order and reduction). */
-#define PB 8
-AI void dot_rows(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
-                 uint32_t n, float *restrict res) {
-    float acc[PB][LANES];
-    for (uint32_t q = 0; q < PB; q++)
-        for (uint32_t k = 0; k < LANES; k++) acc[q][k] = 0.0f;
-    uint32_t i = 0;
-    if (bf16) {
-        for (; i + LANES <= n; i += LANES)
-            for (uint32_t q = 0; q < PB; q++) {
-                const uint16_t *p = (const uint16_t *)(w + q * wstride) + i;
-                for (uint32_t k = 0; k < LANES; k++) acc[q][k] += x[i + k] * bf16_f32(p[k]);
-            }
-        for (; i < n; i++)
-            for (uint32_t q = 0; q < PB; q++)
-                acc[q][i % LANES] += x[i] * bf16_f32(((const uint16_t *)(w + q * wstride))[i]);
-    } else {
-        for (; i + LANES <= n; i += LANES)
-            for (uint32_t q = 0; q < PB; q++) {
-                const float *p = (const float *)(w + q * wstride) + i;
-                for (uint32_t k = 0; k < LANES; k++) acc[q][k] += x[i + k] * p[k];
-            }
-        for (; i < n; i++)
-            for (uint32_t q = 0; q < PB; q++)
-                acc[q][i % LANES] += x[i] * ((const float *)(w + q * wstride))[i];
-    }
-    for (uint32_t q = 0; q < PB; q++) {
-        for (uint32_t w2 = LANES / 2; w2 > 0; w2 /= 2)
-            for (uint32_t k = 0; k < w2; k++) acc[q][k] += acc[q][k + w2];
-        res[q] = acc[q][0];
-    }
-}
-
-/* res[q] = dot_w(x, row q) for nrows rows at w + q * wstride: blocks of PB, then single rows */
-AI void dot_many(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
-                 uint32_t n, uint32_t nrows, float *restrict res) {
-    uint32_t q = 0;
-    for (; q + PB <= nrows; q += PB)
-        dot_rows(x, w + (size_t)q * wstride, wstride, bf16, n, res + q);
-    for (; q < nrows; q++) res[q] = dot_w(x, w + (size_t)q * wstride, bf16, n);
-}
-
-/* y[0..n) += a * row for an int8 row (value q * sc[0]) or an int4 row (one value q in
- * [-8, 7] a byte, value q * sc[column / group]).  Plain loops the compiler vectorises. */
 AI void axpy_q(float *restrict y, float a, const int8_t *restrict q, const float *restrict sc,
                int32_t kind, uint32_t n, uint32_t group) {
     if (kind == SMOE_WDT_I8) {
@@ -175,9 +82,6 @@ AI void dotq_rows(const float *restrict x, const int8_t *restrict w, size_t wstr
     }
 }
 
-AI void scale_vec(float *restrict y, float a, uint32_t n) {
-    for (uint32_t i = 0; i < n; i++) y[i] *= a;
-}
 
 typedef struct mla_job {
     const smoe_mla_desc *d;
@@ -244,26 +148,12 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
             dot_many(q_lat + (size_t)t * r, c0, (size_t)r * csz, j->ckv_bf16, r, np, s);
             dot_many(qp + (size_t)t * dr, kb + (size_t)p0 * dr * ksz, (size_t)dr * ksz,
                      j->kpe_bf16, dr, np, sr);
-            float bmax = -INFINITY;
             for (uint32_t q = 0; q < np; q++) {
                 s[q] = (s[q] + sr[q]) * d->scale;
                 if (bias) s[q] += bias[(size_t)t * S + p0 + q];
-                if (s[q] > bmax) bmax = s[q];
             }
-            if (bmax == -INFINITY) continue; /* every position of the block masked out */
-            float *ol = o_lat + (size_t)t * r;
-            if (bmax > m[t]) { /* new maximum: rescale what was summed so far */
-                float corr = m[t] == -INFINITY ? 0.0f : expf(m[t] - bmax);
-                l[t] *= corr;
-                scale_vec(ol, corr, r);
-                m[t] = bmax;
-            }
-            for (uint32_t q = 0; q < np; q++) {
-                if (s[q] == -INFINITY) continue;
-                float e = expf(s[q] - m[t]);
-                l[t] += e;
-                axpy_w(ol, e, c0 + (size_t)q * r * csz, j->ckv_bf16, r);
-            }
+            softmax_fold(&m[t], &l[t], o_lat + (size_t)t * r, s, np, c0, (size_t)r * csz,
+                         j->ckv_bf16, r);
         }
     }
     /* 3. out */

@@ -1,0 +1,133 @@
+/* Shared inner loops of the decode-attention kernels (mla.c, mha.c): f32 / bf16 dot products
+ * and axpys in a fixed lane order, several rows at a time, and the online-softmax fold.  Every
+ * function is always_inline, so each kernel instantiates them in its per-ISA runners (target
+ * attributes) and the compiler vectorises them for that ISA.  Arithmetic: f32, no contraction
+ * into FMA (ISO C mode), so every ISA gives the same bits. */
+#ifndef SMOE_ATTN_IMPL_H
+#define SMOE_ATTN_IMPL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define AI static inline __attribute__((always_inline))
+#define LANES 16
+
+static inline size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* bf16 bit pattern -> f32, exact */
+AI float bf16_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* y[0..n) += a * w[0..n), w in f32 or bf16 */
+AI void axpy_w(float *restrict y, float a, const void *restrict w, int bf16, uint32_t n) {
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)w;
+        for (uint32_t i = 0; i < n; i++) y[i] += a * bf16_f32(p[i]);
+    } else {
+        const float *p = (const float *)w;
+        for (uint32_t i = 0; i < n; i++) y[i] += a * p[i];
+    }
+}
+
+/* sum x[i] * w[i], w in f32 or bf16: LANES partial sums, then a fixed pairwise reduction */
+AI float dot_w(const float *restrict x, const void *restrict w, int bf16, uint32_t n) {
+    float acc[LANES] = {0};
+    uint32_t i = 0;
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)w;
+        for (; i + LANES <= n; i += LANES)
+            for (uint32_t k = 0; k < LANES; k++) acc[k] += x[i + k] * bf16_f32(p[i + k]);
+        for (; i < n; i++) acc[i % LANES] += x[i] * bf16_f32(p[i]);
+    } else {
+        const float *p = (const float *)w;
+        for (; i + LANES <= n; i += LANES)
+            for (uint32_t k = 0; k < LANES; k++) acc[k] += x[i + k] * p[i + k];
+        for (; i < n; i++) acc[i % LANES] += x[i] * p[i];
+    }
+    for (uint32_t w2 = LANES / 2; w2 > 0; w2 /= 2)
+        for (uint32_t k = 0; k < w2; k++) acc[k] += acc[k + w2];
+    return acc[0];
+}
+
+/* res[q] = dot_w(x, row q) for the PB rows at w + q * wstride bytes, computed together so
+ * that PB independent accumulator chains hide the add latency and each x chunk is loaded once
+ * for PB rows.  Each res[q] has exactly dot_w's bits (same lanes, order and reduction). */
+#define PB 8
+AI void dot_rows(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
+                 uint32_t n, float *restrict res) {
+    float acc[PB][LANES];
+    for (uint32_t q = 0; q < PB; q++)
+        for (uint32_t k = 0; k < LANES; k++) acc[q][k] = 0.0f;
+    uint32_t i = 0;
+    if (bf16) {
+        for (; i + LANES <= n; i += LANES)
+            for (uint32_t q = 0; q < PB; q++) {
+                const uint16_t *p = (const uint16_t *)(w + q * wstride) + i;
+                for (uint32_t k = 0; k < LANES; k++) acc[q][k] += x[i + k] * bf16_f32(p[k]);
+            }
+        for (; i < n; i++)
+            for (uint32_t q = 0; q < PB; q++)
+                acc[q][i % LANES] += x[i] * bf16_f32(((const uint16_t *)(w + q * wstride))[i]);
+    } else {
+        for (; i + LANES <= n; i += LANES)
+            for (uint32_t q = 0; q < PB; q++) {
+                const float *p = (const float *)(w + q * wstride) + i;
+                for (uint32_t k = 0; k < LANES; k++) acc[q][k] += x[i + k] * p[k];
+            }
+        for (; i < n; i++)
+            for (uint32_t q = 0; q < PB; q++)
+                acc[q][i % LANES] += x[i] * ((const float *)(w + q * wstride))[i];
+    }
+    for (uint32_t q = 0; q < PB; q++) {
+        for (uint32_t w2 = LANES / 2; w2 > 0; w2 /= 2)
+            for (uint32_t k = 0; k < w2; k++) acc[q][k] += acc[q][k + w2];
+        res[q] = acc[q][0];
+    }
+}
+
+/* res[q] = dot_w(x, row q) for nrows rows at w + q * wstride: blocks of PB, then single rows */
+AI void dot_many(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
+                 uint32_t n, uint32_t nrows, float *restrict res) {
+    uint32_t q = 0;
+    for (; q + PB <= nrows; q += PB)
+        dot_rows(x, w + (size_t)q * wstride, wstride, bf16, n, res + q);
+    for (; q < nrows; q++) res[q] = dot_w(x, w + (size_t)q * wstride, bf16, n);
+}
+
+/* y[0..n) += a * row for an int8 row (value q * sc[0]) or an int4 row (one value q in
+ * [-8, 7] a byte, value q * sc[column / group]).  Plain loops the compiler vectorises. */
+AI void scale_vec(float *restrict y, float a, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) y[i] *= a;
+}
+
+/* One block of np <= PB positions folded into a query's running softmax (Milakov &
+ * Gimelshein 2018): s[q] are the block's final scores (-inf: masked), (m, l) the running
+ * maximum and sum, o[0..n) the running weighted sum of rows; row q at rows + q * rstride bytes
+ * (f32 or bf16).  The maximum moves once per block; the caller divides o by l at the end. */
+AI void softmax_fold(float *restrict m, float *restrict l, float *restrict o, const float *s,
+                     uint32_t np, const uint8_t *restrict rows, size_t rstride, int bf16,
+                     uint32_t n) {
+    float bmax = -INFINITY;
+    for (uint32_t q = 0; q < np; q++)
+        if (s[q] > bmax) bmax = s[q];
+    if (bmax == -INFINITY) return; /* every position of the block masked out */
+    if (bmax > *m) {               /* new maximum: rescale what was summed so far */
+        float corr = *m == -INFINITY ? 0.0f : expf(*m - bmax);
+        *l *= corr;
+        scale_vec(o, corr, n);
+        *m = bmax;
+    }
+    for (uint32_t q = 0; q < np; q++) {
+        if (s[q] == -INFINITY) continue;
+        float e = expf(s[q] - *m);
+        *l += e;
+        axpy_w(o, e, rows + (size_t)q * rstride, bf16, n);
+    }
+}
+
+#endif
