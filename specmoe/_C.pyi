@@ -187,6 +187,14 @@ class Linear:
     def shape(self) -> tuple[int, int]: ...
     def forward(self, x: np.ndarray, out: np.ndarray) -> None: ...
 
+class AttnDecode:
+    """Multi-head / grouped-query attention at decode sizes (specmoe.attention,
+    csrc/kernels/attn.h); one object may serve every layer."""
+
+    def __init__(self, ctx: KernelContext) -> None: ...
+    def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
+                out: np.ndarray, scale: float) -> None: ...
+
 class MLADecode:
     """Multi-head latent attention in the absorbed form (specmoe.mla, csrc/kernels/attn.h).
     w_uk [H, dn, r] and w_uv [H, dv, r]: float32, bf16 bits (uint16/int16), int8 (scales
