@@ -209,6 +209,37 @@ static int dims_are(PyObject *o, const char *name, const npy_intp *want, int n) 
     return 0;
 }
 
+/* The optional additive bias argument: None -> NULL, 0 rows; else float32 [1 or B, T, S]. */
+static int bias_arg(PyObject *o, npy_intp B, npy_intp T, npy_intp S, const float **bias,
+                    uint32_t *rows) {
+    *bias = NULL;
+    *rows = 0;
+    if (o == Py_None) return 0;
+    PyArrayObject *b = smoe_py_want_array(o, "bias", NPY_FLOAT32, 3, 0);
+    if (!b) return -1;
+    npy_intp w_b[3] = {-1, T, S};
+    if (dims_are(o, "bias [1 or B, T, S]", w_b, 3)) return -1;
+    if (PyArray_DIM(b, 0) != 1 && PyArray_DIM(b, 0) != B) {
+        PyErr_Format(PyExc_ValueError, "bias has %zd rows, expected 1 or B=%zd",
+                     (Py_ssize_t)PyArray_DIM(b, 0), (Py_ssize_t)B);
+        return -1;
+    }
+    *bias = (const float *)PyArray_DATA(b);
+    *rows = (uint32_t)PyArray_DIM(b, 0);
+    return 0;
+}
+
+/* Grow a kernel object's scratch to need bytes (first call, more tokens or more threads than
+ * before); called under the object's mutex, without the GIL. */
+static int grow_scratch(void **scratch, size_t *cap, size_t need, smoe_err *err) {
+    if (need <= *cap) return SMOE_OK;
+    void *p = realloc(*scratch, need);
+    if (!p) return smoe_err_set(err, SMOE_ENOMEM, "attention: %zu bytes of scratch", need);
+    *scratch = p;
+    *cap = need;
+    return SMOE_OK;
+}
+
 /* forward(q_nope, q_pe, ckv, kpe, bias, out); shapes in the method doc. */
 static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!self->ready) {
@@ -245,21 +276,9 @@ static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ss
                      (Py_ssize_t)B, (Py_ssize_t)T, (Py_ssize_t)S);
         return NULL;
     }
-    const float *bias = NULL;
-    uint32_t bias_rows = 0;
-    if (args[4] != Py_None) {
-        PyArrayObject *b = smoe_py_want_array(args[4], "bias", NPY_FLOAT32, 3, 0);
-        if (!b) return NULL;
-        npy_intp w_b[3] = {-1, T, S};
-        if (dims_are(args[4], "bias [1 or B, T, S]", w_b, 3)) return NULL;
-        if (PyArray_DIM(b, 0) != 1 && PyArray_DIM(b, 0) != B) {
-            PyErr_Format(PyExc_ValueError, "bias has %zd rows, expected 1 or B=%zd",
-                         (Py_ssize_t)PyArray_DIM(b, 0), (Py_ssize_t)B);
-            return NULL;
-        }
-        bias = (const float *)PyArray_DATA(b);
-        bias_rows = (uint32_t)PyArray_DIM(b, 0);
-    }
+    const float *bias;
+    uint32_t bias_rows;
+    if (bias_arg(args[4], B, T, S, &bias, &bias_rows)) return NULL;
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
     size_t need = smoe_mla_scratch_bytes(c, d, (uint32_t)T);
@@ -269,15 +288,7 @@ static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ss
     /* the arrays stay referenced by the caller's frame for the whole call; weights by self */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    if (need > self->scratch_cap) { /* first call, more tokens or more threads than before */
-        void *p = realloc(self->scratch, need);
-        if (p) {
-            self->scratch = p;
-            self->scratch_cap = need;
-        } else {
-            rc = smoe_err_set(&err, SMOE_ENOMEM, "MLADecode: %zu bytes of scratch", need);
-        }
-    }
+    rc = grow_scratch(&self->scratch, &self->scratch_cap, need, &err);
     if (rc == SMOE_OK)
         rc = smoe_mla_decode(
             c, d, (uint32_t)B, (uint32_t)T, (uint32_t)S, (const float *)PyArray_DATA(qn),
@@ -433,21 +444,9 @@ static PyObject *ad_forward(AttnDecodeObject *self, PyObject *const *args, Py_ss
                      (Py_ssize_t)Hkv);
         return NULL;
     }
-    const float *bias = NULL;
-    uint32_t bias_rows = 0;
-    if (args[3] != Py_None) {
-        PyArrayObject *b = smoe_py_want_array(args[3], "bias", NPY_FLOAT32, 3, 0);
-        if (!b) return NULL;
-        npy_intp w_b[3] = {-1, T, S};
-        if (dims_are(args[3], "bias [1 or B, T, S]", w_b, 3)) return NULL;
-        if (PyArray_DIM(b, 0) != 1 && PyArray_DIM(b, 0) != B) {
-            PyErr_Format(PyExc_ValueError, "bias has %zd rows, expected 1 or B=%zd",
-                         (Py_ssize_t)PyArray_DIM(b, 0), (Py_ssize_t)B);
-            return NULL;
-        }
-        bias = (const float *)PyArray_DATA(b);
-        bias_rows = (uint32_t)PyArray_DIM(b, 0);
-    }
+    const float *bias;
+    uint32_t bias_rows;
+    if (bias_arg(args[3], B, T, S, &bias, &bias_rows)) return NULL;
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
     smoe_mha_desc d = {(uint32_t)H, (uint32_t)Hkv, (uint32_t)D, (float)scale};
@@ -457,15 +456,7 @@ static PyObject *ad_forward(AttnDecodeObject *self, PyObject *const *args, Py_ss
     int rc = SMOE_OK;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    if (need > self->scratch_cap) {
-        void *p = realloc(self->scratch, need);
-        if (p) {
-            self->scratch = p;
-            self->scratch_cap = need;
-        } else {
-            rc = smoe_err_set(&err, SMOE_ENOMEM, "AttnDecode: %zu bytes of scratch", need);
-        }
-    }
+    rc = grow_scratch(&self->scratch, &self->scratch_cap, need, &err);
     if (rc == SMOE_OK)
         rc = smoe_mha_decode(c, &d, (uint32_t)B, (uint32_t)T, (uint32_t)S,
                              (const float *)PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),

@@ -17,9 +17,8 @@ from specmoe.attention import ATTENTION_MAX_TOKENS, use_c_attention
 from specmoe.quant import bf16_to_f32, f32_to_bf16
 from specmoe.testing import tiny_model
 
-ISAS = [i for i in ("scalar", "avx2", "avx512")
-        if ["scalar", "avx2", "avx512"].index(i)
-        <= ["scalar", "avx2", "avx512"].index(_C.KernelContext(1).isa_max)]
+from .attn_helpers import ISAS, causal, mask_of
+
 D = 24  # not a multiple of 16: the dot products' tails run
 
 
@@ -41,13 +40,6 @@ def _reference(q, k, v, bias, scale):
     return out
 
 
-def _causal(T, S, rows=1):
-    i = np.arange(T)[:, None] + (S - T)
-    j = np.arange(S)[None, :]
-    m = np.where(j > i, np.finfo(np.float32).min, 0.0).astype(np.float32)
-    return np.broadcast_to(m, (rows, T, S)).copy()
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("B,T,S", [(1, 1, 1), (1, 1, 37), (2, 3, 20)])
@@ -58,13 +50,7 @@ def test_matches_reference(isa, H, Hkv, B, T, S, mask, bf16):
     q = rng.standard_normal((B, H, T, D), dtype=np.float32)
     k = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
     v = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
-    bias = None
-    if mask == "shared":
-        bias = _causal(T, S)
-    elif mask == "per_row":  # left padding: row b's first b positions masked (-inf here)
-        bias = _causal(T, S, B)
-        for b in range(B):
-            bias[b, :, :min(b, S - 1)] = -np.inf
+    bias = mask_of(mask, T, S, B)
     if bf16:
         k, v = f32_to_bf16(k), f32_to_bf16(v)
         ref = _reference(q, bf16_to_f32(k).reshape(k.shape), bf16_to_f32(v).reshape(v.shape),
@@ -89,7 +75,7 @@ def test_strided_cache_and_thread_independent_bits():
     vb = rng.standard_normal((B, Hkv, Smax, D), dtype=np.float32)
     k, v = kb[:, :, :S], vb[:, :, :S]
     assert not k.flags.c_contiguous
-    bias = _causal(T, S)
+    bias = causal(T, S)
     ref = _reference(q, k, v, bias, 0.2)
     outs = []
     for isa in ISAS:

@@ -11,12 +11,11 @@ from specmoe import _C
 from specmoe.mla import int4_values
 from specmoe.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
+from .attn_helpers import ISAS, causal, mask_of
+
 H, DN, DR, DV, R = 4, 16, 8, 12, 40  # R not a multiple of 16: the dot products' tails run
 # (DV = 12 < 8 + 8: the blocks of 8 output rows and the single-row tail both run)
 SCALE = 0.19
-ISAS = [i for i in ("scalar", "avx2", "avx512")
-        if ["scalar", "avx2", "avx512"].index(i)
-        <= ["scalar", "avx2", "avx512"].index(_C.KernelContext(1).isa_max)]
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -84,12 +83,6 @@ def test_int4_values():
     assert int4_values(canon).dtype == np.int8
 
 
-def _causal(T, S, rows=1, neg=np.finfo(np.float32).min):
-    i = np.arange(T)[:, None] + (S - T)
-    j = np.arange(S)[None, :]
-    return np.broadcast_to(np.where(j > i, neg, 0.0).astype(np.float32), (rows, T, S)).copy()
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("B,T,S", [(1, 1, 1), (1, 1, 37), (2, 3, 20), (3, 1, 65)])
 @pytest.mark.parametrize("mask", ["none", "shared", "per_row"])
@@ -97,13 +90,7 @@ def _causal(T, S, rows=1, neg=np.finfo(np.float32).min):
 def test_matches_expanded_reference(isa, B, T, S, mask, bf16):
     rng = np.random.default_rng(B * 1000 + T * 100 + S)
     qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, B, T, S)
-    bias = None
-    if mask == "shared":
-        bias = _causal(T, S)
-    elif mask == "per_row":  # left padding: row b's first b positions masked (-inf here)
-        bias = _causal(T, S, B)
-        for b in range(B):
-            bias[b, :, :min(b, S - 1)] = -np.inf
+    bias = mask_of(mask, T, S, B)
     if bf16:  # weights and cache in bf16: the reference sees the same rounded values
         w_uk, w_uv, ckv, kpe = (_bf16(a) for a in (w_uk, w_uv, ckv, kpe))
         ref = _reference(qn, qp, _f32(ckv), _f32(kpe), _f32(w_uk), _f32(w_uv), bias)
@@ -131,7 +118,7 @@ def test_quantized_weights_match_dequantized_reference(isa, fmt, group, B, T, S)
     qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, B, T, S, R4)
     uk, uks, uk_f = _quantized(w_uk, fmt, group)
     uv, uvs, uv_f = _quantized(w_uv, fmt, group)
-    bias = _causal(T, S)
+    bias = causal(T, S)
     ref = _reference(qn, qp, ckv, kpe, uk_f, uv_f, bias)
     ctx = _C.KernelContext(2)
     ctx.set_isa(isa)
@@ -178,7 +165,7 @@ def test_quantized_weights_bad_input():
 def test_bits_do_not_depend_on_threads_or_isa():
     rng = np.random.default_rng(7)
     qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, 2, 2, 50)
-    bias = _causal(2, 50)
+    bias = causal(2, 50)
     outs = []
     for isa in ISAS:
         for n in (1, 2, 3):
@@ -215,7 +202,7 @@ def test_scratch_grows_with_tokens_and_threads():
     ctx.set_threads(3)
     qn, qp, ckv, kpe, _, _ = _inputs(rng, 2, 5, 10)
     out = np.empty((2, 5, H * DV), dtype=np.float32)
-    bias = _causal(5, 10)
+    bias = causal(5, 10)
     att.forward(qn, qp, ckv, kpe, bias, out)
     np.testing.assert_allclose(out, _reference(qn, qp, ckv, kpe, w_uk, w_uv, bias),
                                rtol=2e-4, atol=2e-5)

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kimpl.h"
+
 #define AI static inline __attribute__((always_inline))
 #define LANES 16
 
@@ -128,6 +130,47 @@ AI void softmax_fold(float *restrict m, float *restrict l, float *restrict o, co
         *l += e;
         axpy_w(o, e, rows + (size_t)q * rstride, bf16, n);
     }
+}
+
+/* The per-ISA pool functions of a kernel: NAME_scalar, NAME_avx2, NAME_avx512 (x86 only),
+ * each running BODY((JOB *)arg, thread index) with BODY always_inline, so the body is compiled
+ * once per ISA; attn_pool_fn picks one by the context's ISA.  attn_run runs it on c's pool. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ATTN_RUNNERS(NAME, BODY, JOB)                                                          \
+    static void NAME##_scalar(void *arg, uint32_t k, uint32_t n) {                             \
+        (void)n;                                                                               \
+        BODY((JOB *)arg, k);                                                                   \
+    }                                                                                          \
+    __attribute__((target("avx2,fma,f16c"))) static void NAME##_avx2(void *arg, uint32_t k,    \
+                                                                     uint32_t n) {             \
+        (void)n;                                                                               \
+        BODY((JOB *)arg, k);                                                                   \
+    }                                                                                          \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq"))) static void    \
+        NAME##_avx512(void *arg, uint32_t k, uint32_t n) {                                     \
+        (void)n;                                                                               \
+        BODY((JOB *)arg, k);                                                                   \
+    }
+#define ATTN_POOL_FN(c, NAME)                                                                  \
+    ((c) && (c)->isa >= SMOE_ISA_AVX512 ? NAME##_avx512                                        \
+     : (c) && (c)->isa >= SMOE_ISA_AVX2 ? NAME##_avx2                                          \
+                                        : NAME##_scalar)
+#else
+#define ATTN_RUNNERS(NAME, BODY, JOB)                                                          \
+    static void NAME##_scalar(void *arg, uint32_t k, uint32_t n) {                             \
+        (void)n;                                                                               \
+        BODY((JOB *)arg, k);                                                                   \
+    }
+#define ATTN_POOL_FN(c, NAME) ((void)(c), NAME##_scalar)
+#endif
+
+/* Run fn(job, thread) on every thread of c's pool (the caller's thread included), holding the
+ * pool for the call. */
+static inline void attn_run(smoe_kctx *c, smoe_kpool_fn fn, void *job) {
+    smoe_kpool *pool = c ? c->pool : NULL;
+    smoe_kpool_lock(pool);
+    smoe_kpool_run(pool, fn, job);
+    smoe_kpool_unlock(pool);
 }
 
 #endif

@@ -73,24 +73,7 @@ AI void mha_run_body(mha_job *j, uint32_t k) {
     }
 }
 
-static void mha_run_scalar(void *arg, uint32_t k, uint32_t n) {
-    (void)n;
-    mha_run_body((mha_job *)arg, k);
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2,fma,f16c"))) static void mha_run_avx2(void *arg, uint32_t k,
-                                                                  uint32_t n) {
-    (void)n;
-    mha_run_body((mha_job *)arg, k);
-}
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq"))) static void
-mha_run_avx512(void *arg, uint32_t k, uint32_t n) {
-    (void)n;
-    mha_run_body((mha_job *)arg, k);
-}
-#define MHA_HAVE_X86 1
-#endif
+ATTN_RUNNERS(mha_run, mha_run_body, mha_job)
 
 static size_t per_thread(uint32_t D, uint32_t T) {
     return round64(((size_t)T * D + 2 * (size_t)T) * 4);
@@ -137,17 +120,6 @@ int smoe_mha_decode(smoe_kctx *c, const smoe_mha_desc *d, uint32_t B, uint32_t T
                    .scratch = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63),
                    .scratch_per = per, .nslots = slots > 1024 ? 1024u : (uint32_t)slots,
                    .next = 0};
-    smoe_kpool_fn fn = mha_run_scalar;
-#ifdef MHA_HAVE_X86
-    int32_t isa = c ? c->isa : SMOE_ISA_SCALAR;
-    if (isa >= SMOE_ISA_AVX512)
-        fn = mha_run_avx512;
-    else if (isa >= SMOE_ISA_AVX2)
-        fn = mha_run_avx2;
-#endif
-    smoe_kpool *pool = c ? c->pool : NULL;
-    smoe_kpool_lock(pool);
-    smoe_kpool_run(pool, fn, &job);
-    smoe_kpool_unlock(pool);
+    attn_run(c, ATTN_POOL_FN(c, mha_run), &job);
     return SMOE_OK;
 }

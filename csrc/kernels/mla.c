@@ -193,24 +193,7 @@ AI void mla_run_body(mla_job *j, uint32_t k) {
     }
 }
 
-static void mla_run_scalar(void *arg, uint32_t k, uint32_t n) {
-    (void)n;
-    mla_run_body((mla_job *)arg, k);
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2,fma,f16c"))) static void mla_run_avx2(void *arg, uint32_t k,
-                                                                  uint32_t n) {
-    (void)n;
-    mla_run_body((mla_job *)arg, k);
-}
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq"))) static void
-mla_run_avx512(void *arg, uint32_t k, uint32_t n) {
-    (void)n;
-    mla_run_body((mla_job *)arg, k);
-}
-#define MLA_HAVE_X86 1
-#endif
+ATTN_RUNNERS(mla_run, mla_run_body, mla_job)
 
 int smoe_mla_desc_check(const smoe_mla_desc *d, smoe_err *err) {
     if (!d) return smoe_err_set(err, SMOE_EINVAL, "MLA descriptor: NULL");
@@ -283,17 +266,6 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
                    .scratch = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63),
                    .scratch_per = per, .nslots = slots > 1024 ? 1024u : (uint32_t)slots,
                    .next = 0};
-    smoe_kpool_fn fn = mla_run_scalar;
-#ifdef MLA_HAVE_X86
-    int32_t isa = c ? c->isa : SMOE_ISA_SCALAR;
-    if (isa >= SMOE_ISA_AVX512)
-        fn = mla_run_avx512;
-    else if (isa >= SMOE_ISA_AVX2)
-        fn = mla_run_avx2;
-#endif
-    smoe_kpool *pool = c ? c->pool : NULL;
-    smoe_kpool_lock(pool);
-    smoe_kpool_run(pool, fn, &job);
-    smoe_kpool_unlock(pool);
+    attn_run(c, ATTN_POOL_FN(c, mla_run), &job);
     return SMOE_OK;
 }
