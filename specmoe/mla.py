@@ -25,11 +25,13 @@ cache layout is transformers' own and both paths share it.
 
 The absorbed attention itself (scores, softmax, the two per-head products) runs in C
 (``specmoe._C.MLADecode``, ``csrc/kernels/mla.c``) on the kernel context's threads, for CPU
-tensors with an f32 or bf16 cache: torch's CPU ``bmm`` in bf16 runs about 8x slower than in f32
-at these shapes (1.5 ms against 0.19 ms for a [16,1,128]x[16,128,512] product), and the
-attention was most of a DeepSeek-V2-Lite decode step outside the experts.  The C kernel reads
-bf16 weights and cache directly and computes in f32.  Other cases (a CUDA model, an f16 cache)
-take the same algebra in torch (:func:`_attend_torch`).
+tensors with an f32 or bf16 cache.  At DeepSeek-V2-Lite shapes (16 heads, r = 512, bf16, 97
+cached positions) it takes 0.19-0.22 ms per layer on one thread against 0.24-0.27 ms for the
+same algebra in torch, and 0.09-0.11 ms on two threads, where torch runs single-threaded
+during decode (specmoe.dense.DecodeThreads); at 512 positions on one thread torch's bf16 GEMMs
+are faster (0.4 against 0.5 ms).  It reads bf16 caches and f32/bf16/int8/int4 weights
+directly and computes in f32.  Other cases (a CUDA model, an f16 cache) take the same algebra
+in torch (:func:`_attend_torch`).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import torch
 from torch import nn
 
 from . import _C
-from .quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from .quant import quantize_int4, quantize_int8
 
 __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "int4_values", "is_mla_attention"]
 
@@ -115,6 +117,7 @@ class _Absorbed:
         if fmt == "int4" and group is None:
             raise ValueError(f"int4 absorbed MLA weights need kv_lora_rank ({r}) divisible by "
                              "32")
+        self._group = group
         self._q = [self._quantize(t.float().cpu().numpy(), fmt, group) for t in (uk, uv)]
         self._device = w.device
         self.set_ctx(ctx)
@@ -127,30 +130,34 @@ class _Absorbed:
             raise AssertionError("float absorbed weights are rebuilt from kv_b_proj instead")
         self.kernel = None
         if ctx is not None and self._device.type == "cpu":
-            (quk, suk, _), (quv, suv, _) = self._q
+            (quk, suk), (quv, suv) = self._q
             self.kernel = _C.MLADecode(ctx, quk, quv, self._rope_dim, self._scale, suk, suv)
 
     @staticmethod
-    def _quantize(w: np.ndarray, fmt: str, group: int | None) -> tuple[Any, Any, Any]:
-        """[H, rows, r] float -> (q, scale, dequantized [H, rows, r] float32) as the kernel
-        takes them: the rows quantized as CLinear quantizes kv_b_proj's rows."""
+    def _quantize(w: np.ndarray, fmt: str, group: int | None) -> tuple[Any, Any]:
+        """[H, rows, r] float -> (values, scale) as the kernel takes them: the rows quantized
+        as CLinear quantizes kv_b_proj's rows (int4: one value a byte, int4_values)."""
         h, rows, r = w.shape
         flat = w.reshape(h * rows, r)
         if fmt == "int8":
             q, sc = quantize_int8(flat)
-            return q.reshape(h, rows, r), sc.reshape(h, rows), dequantize_int8(q, sc)
+            return q.reshape(h, rows, r), sc.reshape(h, rows)
         q, sc = quantize_int4(flat, group or 0)
-        return (int4_values(q.reshape(h, rows, r // 2)), sc.reshape(h, rows, r // (group or 1)),
-                dequantize_int4(q, sc, group))
+        return int4_values(q.reshape(h, rows, r // 2)), sc.reshape(h, rows, r // (group or 1))
 
     def torch_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W^UK, W^UV as float tensors for the torch path."""
+        """W^UK, W^UV as float tensors for the torch path (dequantized on first use)."""
         if self._uk is None:
-            (quk, _, duk), (quv, _, duv) = self._q
-            self._uk = torch.from_numpy(duk).view(quk.shape[0], quk.shape[1], -1).to(
-                self._device, self.dtype)
-            self._uv = torch.from_numpy(duv).view(quv.shape[0], quv.shape[1], -1).to(
-                self._device, self.dtype)
+            deq = []
+            for q, sc in self._q:
+                v = q.astype(np.float32)
+                if self.fmt == "int8":
+                    v *= sc[..., None]
+                else:
+                    g = self._group or 1
+                    v = (v.reshape(*q.shape[:2], -1, g) * sc[..., None]).reshape(q.shape)
+                deq.append(torch.from_numpy(v).to(self._device, self.dtype))
+            self._uk, self._uv = deq
         return self._uk, self._uv  # type: ignore[return-value]
 
 

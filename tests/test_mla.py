@@ -175,6 +175,13 @@ def test_offload_with_dense_absorbs(dense):
             err = ((step - full).norm() / full.norm()).item()
             q_err = ((full - fl).norm() / fl.norm()).item()   # the quantization's own error
             assert err < 0.1 * q_err + 1e-4, (err, q_err)
+            # the torch path reads the same quantized values (dequantized)
+            absorb_mla(m, kernel="torch")
+            with torch.no_grad():
+                kv = DynamicCache(config=m.config)
+                m(ids[:, :-1], past_key_values=kv, use_cache=True)
+                step_t = m(ids[:, -1:], past_key_values=kv, use_cache=True).logits[:, -1]
+            torch.testing.assert_close(step_t, step, atol=1e-4, rtol=1e-3)
         assert "MLA" in str(eng.dense)
     finally:
         eng.close()
