@@ -54,7 +54,10 @@ Timing.  Each (model, row) runs in its own subprocess per round (peak RSS = that
 it touched).  Inside it every thread count of ``--threads`` is measured in turn (order alternates
 per round): ``torch.set_num_threads`` + ``specmoe.kernels.set_num_threads`` (llama.cpp: ``-t
 -tb``); a warm-up generation (another 64-token prompt, ``--warm-tokens`` tokens), then the timed
-one: the 64-token prompt, then 33 greedy tokens, i.e. 32 decode forward passes; ``tok_per_s`` =
+one: the 64-token prompt, then 33 greedy tokens with no end-of-sequence stop (the model's
+``generation_config.eos_token_id`` set to None, as llama.cpp's ``--ignore-eos``; until
+2026-11-25 ``min_new_tokens``, whose per-step vocabulary scan cost the python rows ~0.5 ms a
+step), i.e. 32 decode forward passes; ``tok_per_s`` =
 32 / their time (a logits processor timestamps every forward pass; llama.cpp: its ``eval time``
 over 32 runs).  Rounds are interleaved: every round runs every row once, the row order rotated
 by one each round; ``vs_llama_cpp`` (specmoe f32:F32, bf16:BF16, int8:Q8_0, int4:Q4_0) and
@@ -275,6 +278,10 @@ def worker(spec_path: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=dt,
                                                      experts_implementation="eager")
     model.eval()
+    # no end-of-sequence stop, as llama.cpp's --ignore-eos: every row decodes n + 1 tokens.
+    # (min_new_tokens would do it too, but its logits processor scans the whole vocabulary
+    # with torch.isin at every step, ~0.5 ms a step here, a cost llama.cpp's rows do not pay.)
+    model.generation_config.eos_token_id = None
     res: dict[str, Any] = {"load_s": time.perf_counter() - t0, "threads": {}}
 
     class Stamp(LogitsProcessor):
@@ -299,8 +306,8 @@ def worker(spec_path: str) -> None:
         x = torch.tensor([ids])
         with torch.inference_mode():
             model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n + 1,
-                           min_new_tokens=n + 1, do_sample=False,
-                           logits_processor=LogitsProcessorList([st]), pad_token_id=0)
+                           do_sample=False, logits_processor=LogitsProcessorList([st]),
+                           pad_token_id=0)
         if len(st.t) != n + 1:
             raise RuntimeError(f"expected {n + 1} forward passes, saw {len(st.t)}")
         return st
