@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import _C
+from .kernels import tensor_array
 from .mla import _mask_bias, _mask_readable
 
 __all__ = ["ATTENTION_MAX_TOKENS", "use_c_attention"]
@@ -74,15 +75,11 @@ def _c_attention(orig_name: str) -> Any:
             v = v.contiguous()
             k = k.contiguous()
         out = torch.empty(B, T, H, D, dtype=torch.float32)
-        kernel.forward(query.float().contiguous().numpy(), _np(k), _np(v), bias, out.numpy(),
+        kernel.forward(query.float().contiguous().numpy(), tensor_array(k), tensor_array(v), bias, out.numpy(),
                        float(scaling if scaling is not None else 1.0 / math.sqrt(D)))
         return out.to(query.dtype), None
     attention.__name__ = f"specmoe_c_attention_over_{orig_name}"
     return attention
-
-
-def _np(t: torch.Tensor) -> Any:
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _register() -> None:

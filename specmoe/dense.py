@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _C
-from .kernels import context
+from .kernels import context, tensor_array
 from .attention import use_c_attention
 from .mla import absorb_mla
 from .quant import quantize_int4, quantize_int8
@@ -51,12 +51,6 @@ def _int4_group(K: int) -> int | None:
         if K % g == 0:
             return g
     return None
-
-
-def _np_view(t: torch.Tensor) -> np.ndarray:
-    """A contiguous f32 or bf16 CPU tensor as the array the C kernels take (bf16 as its int16
-    bits), sharing memory."""
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _pack(weight: torch.Tensor, dtype: str
@@ -149,7 +143,7 @@ class CLinear(nn.Module):
         odt = self.out_dtype if self.out_dtype in (torch.float32, torch.bfloat16) \
             else torch.float32
         out = torch.empty(T, self.out_features, dtype=odt)
-        self._c.forward(_np_view(xf), _np_view(out))
+        self._c.forward(tensor_array(xf), tensor_array(out))
         if odt != self.out_dtype:
             out = out.to(self.out_dtype)
         return out.reshape(*lead, self.out_features)

@@ -209,6 +209,18 @@ def pack_block(tensors: Mapping[str, np.ndarray]) -> tuple[np.ndarray, list[dict
     return block, entries
 
 
+def tensor_array(t: Any, convert: bool = False) -> np.ndarray | None:
+    """A contiguous CPU torch tensor as the numpy array the C kernels take, sharing its memory:
+    float32 as it is, bfloat16 as its int16 bit patterns; another dtype becomes a float32 copy
+    when ``convert``, else None (the caller takes another path)."""
+    import torch
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    if t.dtype == torch.float32:
+        return t.numpy()
+    return t.float().numpy() if convert else None
+
+
 _CTX: _C.KernelContext | None = None
 
 

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from . import _C
+from .kernels import tensor_array
 from .quant import quantize_int4, quantize_int8
 
 __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "int4_values", "is_mla_attention"]
@@ -108,8 +109,8 @@ class _Absorbed:
             # rows alternate, and torch's bmm copies such strided views on every call
             self._uk, self._uv = uk.contiguous(), uv.contiguous()
             if ctx is not None and w.device.type == "cpu":
-                self.kernel = _C.MLADecode(ctx, _c_array(self._uk, True),
-                                           _c_array(self._uv, True), mod.qk_rope_head_dim,
+                self.kernel = _C.MLADecode(ctx, tensor_array(self._uk, True),
+                                           tensor_array(self._uv, True), mod.qk_rope_head_dim,
                                            float(mod.scaling))
             return
         from .dense import _int4_group
@@ -188,16 +189,6 @@ def _absorbed(mod: nn.Module) -> _Absorbed:
     return cached
 
 
-def _c_array(t: torch.Tensor, convert: bool) -> Any:
-    """A CPU tensor as the array the C kernel reads (float32, or bf16 as its int16 bits, no
-    copy); other dtypes become float32 when ``convert``, else None."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy()
-    if t.dtype == torch.float32:
-        return t.numpy()
-    return t.float().numpy() if convert else None
-
-
 def _rope(mod: nn.Module, q: torch.Tensor, k: torch.Tensor,
           position_embeddings: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The module's own rotary embedding, as its forward applies it: DeepSeek-V2 passes
@@ -261,22 +252,22 @@ def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embe
     ab = _absorbed(mod)
     o = None
     if ab.kernel is not None and c.device.type == "cpu":
-        o = _attend_c(ab.kernel, q_nope, q_pe, c[:, 0], k_pe[:, 0], bias)
+        o = _attend_c(ab.kernel, dv, q_nope, q_pe, c[:, 0], k_pe[:, 0], bias)
     if o is None:
         w_uk, w_uv = ab.torch_weights()                   # [H, dn, r], [H, dv, r]
         o = _attend_torch(mod, q_nope, q_pe, c[:, 0], k_pe[:, 0], bias, w_uk, w_uv)
     return mod.o_proj(o.to(hidden_states.dtype))
 
 
-def _attend_c(kernel: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,
+def _attend_c(kernel: Any, dv: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,
               k_pe: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The absorbed attention in C: [B, T, H*d_v] float32, or None when the cache's dtype is
     one the kernel does not read (then the torch path runs)."""
-    ca, ka = _c_array(c.contiguous(), False), _c_array(k_pe.contiguous(), False)
+    ca, ka = tensor_array(c.contiguous()), tensor_array(k_pe.contiguous())
     if ca is None or ka is None or (bias is not None and bias.shape[1] != 1):
         return None
     B, H, T, _ = q_nope.shape
-    out = torch.empty(B, T, H * kernel.shape["v_head_dim"], dtype=torch.float32)
+    out = torch.empty(B, T, H * dv, dtype=torch.float32)
     b = None
     if bias is not None:
         b = bias.reshape(bias.shape[0], T, bias.shape[-1]).contiguous().numpy()
