@@ -276,6 +276,26 @@ def test_fast_path_int4_group_256(ctx, T):
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < FAST_TOL["int4"]
 
 
+@pytest.mark.parametrize("activation", ["silu", "gptoss"])
+def test_fast_path_vector_activation_is_accurate(ctx, activation):
+    """The fast path's activation runs a vector exp (ffn_fast.c exp16) instead of libm's expf.
+    int8's own rounding is ~1e-4, so a bound of 3e-4 over gate values spanning +-120 (exp
+    overflow/underflow clamps, the gptoss limits) would catch an exp off by more than ~1e-4."""
+    _isa(ctx, "avx512")
+    if not _FAST_HW["int8"]:
+        pytest.skip("no AVX512_VNNI: the int8 fast path does not run here")
+    rng = np.random.default_rng(21)
+    H, I = 256, 384
+    g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
+    g *= np.linspace(0.05, 120.0, I, dtype=np.float32)[:, None]  # rows from tiny to huge gates
+    t = quant.expert_tensors(g, u, d, "int8")
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    y = kernels.ffn(t, x, "int8", activation, ctx=ctx)
+    ref = ref_ffn(quant.dequantize_expert(t), x, activation)
+    assert np.isfinite(y).all()
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 3e-4
+
+
 def test_fast_path_falls_back_when_shape_or_group_unsupported(ctx):
     _isa(ctx, "avx512")
     rng = np.random.default_rng(7)

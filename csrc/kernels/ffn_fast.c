@@ -30,26 +30,31 @@
 
 #define AI static inline __attribute__((always_inline))
 #define NTMAX 8
-#ifndef SMOE_FPF_DIST
-#define SMOE_FPF_DIST 4096 /* to L2, bytes ahead per weight stream (4096 beat 512 and 16384); plus
-                            a T0 prefetch 512 B ahead (T1+T0 beat T0-only by ~15-25% on bf16/int8,
-                            1 thread, OLMoE, DRAM) */
-#endif
+/* Software prefetch per weight stream: to L2 `l2` bytes ahead, to L1 `l1` bytes ahead.
+ * int4 and the bf16 tiles of 3+ tokens: 4096 / 512 (4096 beat 512 and 16384; T1+T0 beat
+ * T0-only by ~15-25% on bf16/int8, 1 thread, OLMoE, DRAM).  int8: 16384 / 1024, which moved
+ * OLMoE-shape int8 at 1 token, 1 thread from ~16.0 to ~18.3 GB/s (DRAM, 6 interleaved samples
+ * each, 2026-11-25) and was neutral at Mixtral shape and at 2 threads; int4 did not gain. */
 #ifdef SMOE_FPF_OFF
-#define FPF(p) ((void)(p))
+#define FPF_AT(p, l2, l1) ((void)(p))
 #else
-#define FPF(p)                                                                                 \
-    (_mm_prefetch((const char *)(p) + SMOE_FPF_DIST, _MM_HINT_T1),                             \
-     _mm_prefetch((const char *)(p) + 512, _MM_HINT_T0))
+#define FPF_AT(p, l2, l1)                                                                      \
+    (_mm_prefetch((const char *)(p) + (l2), _MM_HINT_T1),                                      \
+     _mm_prefetch((const char *)(p) + (l1), _MM_HINT_T0))
 #endif
+#define FPF(p) FPF_AT(p, 4096, 512)
+#define FPF8(p) FPF_AT(p, 16384, 1024)
 
-/* ---- activation preparation (scalar; O(T * n), negligible next to the weights) ---- */
+/* ---- activation preparation (O(T * n) vector work, small next to the weights) ----
+ * Bit-identical to the scalar definitions in the comments: max|x| is exact, x * inv is one f32
+ * multiply, and the conversions round to nearest even (MXCSR default, as nearbyintf), saturating
+ * at the same bounds the scalar clamps give. */
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
+/* max |x[k]| over n (a multiple of 16) floats */
+AI float absmax16(const float *x, uint32_t n) {
+    __m512 m = _mm512_setzero_ps();
+    for (uint32_t k = 0; k < n; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    return _mm512_reduce_max_ps(m);
 }
 
 void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
@@ -57,44 +62,98 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
     for (uint32_t t = 0; t < T; t++) {
         size_t r = rows ? (size_t)rows[t] : t;
         const float *x = src + r * src_stride;
-        if (dtype == SMOE_WDT_BF16) {
+        if (dtype == SMOE_WDT_BF16) { /* o[k] = bf16(x[k]), round to nearest even */
             uint16_t *o = (uint16_t *)q + (size_t)t * n;
-            for (uint32_t k = 0; k < n; k++) o[k] = f32_to_bf16(x[k]);
-        } else if (dtype == SMOE_WDT_I8) {
-            float m = 0.0f;
-            for (uint32_t k = 0; k < n; k++) m = fmaxf(m, fabsf(x[k]));
-            float s = m > 0.0f ? m / 32767.0f : 1.0f, inv = 1.0f / s;
+            for (uint32_t k = 0; k < n; k += 16)
+                _mm256_storeu_si256((__m256i *)(void *)(o + k),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
+        } else if (dtype == SMOE_WDT_I8) { /* o[k] = clamp(rint(x[k] / s), +-32767), s = max/32767 */
+            float m = absmax16(x, n);
+            float s = m > 0.0f ? m / 32767.0f : 1.0f;
+            __m512 inv = _mm512_set1_ps(1.0f / s);
             int16_t *o = (int16_t *)q + (size_t)t * n;
-            for (uint32_t k = 0; k < n; k++) {
-                float v = nearbyintf(x[k] * inv);
-                v = v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
-                o[k] = (int16_t)v;
+            for (uint32_t k = 0; k < n; k += 16) {
+                __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
+                v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(32767)),
+                                     _mm512_set1_epi32(-32767));
+                _mm256_storeu_si256((__m256i *)(void *)(o + k), _mm512_cvtepi32_epi16(v));
             }
             qs[t] = s;
-        } else { /* I4: per 128 columns: 64 low-nibble partners, then 64 high-nibble partners */
+        } else { /* I4: per 128 columns, s = max|x_block| / 127, v = clamp(rint(x / s), +-127);
+                    within each 32-column group g the even columns go to o[16g..16g+16) and the
+                    odd ones to o[64+16g..), the partners of the low and high nibbles */
+            const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                                 26, 28, 30);
+            const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+            const __m512i lim = _mm512_set1_epi32(127);
             uint32_t nb = n / 128;
             int8_t *o = (int8_t *)q + (size_t)t * n;
             for (uint32_t b = 0; b < nb; b++) {
                 const float *xb = x + (size_t)b * 128;
-                float m = 0.0f;
-                for (uint32_t k = 0; k < 128; k++) m = fmaxf(m, fabsf(xb[k]));
-                float s = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / s;
-                int32_t sum = 0;
+                float m = absmax16(xb, 128);
+                float s = m > 0.0f ? m / 127.0f : 1.0f;
+                __m512 inv = _mm512_set1_ps(1.0f / s);
+                __m512i sum = _mm512_setzero_si512();
                 int8_t *ob = o + (size_t)b * 128;
-                for (uint32_t i = 0; i < 64; i++) {
-                    uint32_t c = (i / 16) * 32 + 2 * (i % 16);
-                    float lo = nearbyintf(xb[c] * inv), hi = nearbyintf(xb[c + 1] * inv);
-                    lo = lo > 127.0f ? 127.0f : lo < -127.0f ? -127.0f : lo;
-                    hi = hi > 127.0f ? 127.0f : hi < -127.0f ? -127.0f : hi;
-                    ob[i] = (int8_t)lo;
-                    ob[64 + i] = (int8_t)hi;
-                    sum += (int32_t)lo + (int32_t)hi;
+                for (uint32_t g = 0; g < 4; g++) {
+                    __m512i va = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 32 * g), inv));
+                    __m512i vb =
+                        _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 32 * g + 16), inv));
+                    va = _mm512_max_epi32(_mm512_min_epi32(va, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+                    vb = _mm512_max_epi32(_mm512_min_epi32(vb, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+                    sum = _mm512_add_epi32(sum, _mm512_add_epi32(va, vb));
+                    _mm_storeu_si128((__m128i *)(void *)(ob + 16 * g),
+                                     _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(va, ev, vb)));
+                    _mm_storeu_si128((__m128i *)(void *)(ob + 64 + 16 * g),
+                                     _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(va, od, vb)));
                 }
                 qs[(size_t)t * nb + b] = s;
-                qsum[(size_t)t * nb + b] = s * (float)sum;
+                qsum[(size_t)t * nb + b] = s * (float)_mm512_reduce_add_epi32(sum);
             }
         }
     }
+}
+
+/* e^x on 16 lanes: n = rint(x log2 e), r = x - n ln 2 (two-part ln 2), degree-6 Taylor
+ * polynomial of e^r on |r| <= ln2/2 (truncation < 1.3e-7 relative), times 2^n with scalef
+ * (overflow to inf, underflow to 0).  x is clamped first so that r stays finite. */
+AI __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The activation of kernels.h (smoe_ffn_activate's formula, with exp16 for expf) on the m <= 16
+ * rows i0.. of one token: g, u the gate/up dot products, biases added here; result to dst. */
+AI void act16(const smoe_ffn_desc *d, const float *gb, const float *ub, uint32_t i0, uint32_t m,
+              const float *g, const float *u, float *dst) {
+    __mmask16 mk = (__mmask16)((1u << m) - 1u);
+    __m512 vg = _mm512_maskz_loadu_ps(mk, g), vu = _mm512_maskz_loadu_ps(mk, u);
+    if (gb) vg = _mm512_add_ps(vg, _mm512_maskz_loadu_ps(mk, gb + i0));
+    if (ub) vu = _mm512_add_ps(vu, _mm512_maskz_loadu_ps(mk, ub + i0));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 a;
+    if (d->act == SMOE_ACT_GPTOSS) {
+        __m512 lim = _mm512_set1_ps(d->limit);
+        vg = _mm512_min_ps(vg, lim);
+        vu = _mm512_max_ps(_mm512_min_ps(vu, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
+        __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-d->alpha), vg));
+        a = _mm512_mul_ps(_mm512_add_ps(vu, one), _mm512_div_ps(vg, _mm512_add_ps(one, e)));
+    } else {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), vg));
+        a = _mm512_mul_ps(_mm512_div_ps(vg, _mm512_add_ps(one, e)), vu);
+    }
+    _mm512_mask_storeu_ps(dst, mk, a);
 }
 
 /* ---- dot products: NR weight rows x NT tokens ---- */
@@ -158,7 +217,7 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
         if (NT <= 2) {
             for (; k + 64 <= k1; k += 64) {
                 for (int q = 0; q < NR; q++) {
-                    FPF(w[q] + k);
+                    FPF8(w[q] + k);
                     __m512i w0 = _mm512_cvtepi8_epi16(
                         _mm256_loadu_si256((const __m256i *)(const void *)(w[q] + k)));
                     __m512i w1 = _mm512_cvtepi8_epi16(
@@ -175,7 +234,7 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
         }
         for (; k < k1; k += 32) {
             for (int q = 0; q < NR; q++) {
-                if ((k & 63) == 0) FPF(w[q] + k);
+                if ((k & 63) == 0) FPF8(w[q] + k);
                 __m512i w0 = _mm512_cvtepi8_epi16(
                     _mm256_loadu_si256((const __m256i *)(const void *)(w[q] + k)));
                 for (int t = 0; t < NT; t++)
@@ -192,6 +251,23 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
         for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]);
 }
 
+/* One 128-column block b (index bi within the current 16) of every row into accumulators F. */
+#define I4_BLOCK(b, bi, F)                                                                     \
+    for (int q = 0; q < NR; q++) {                                                             \
+        FPF(w[q] + (size_t)(b) * 64);                                                          \
+        __m512i v = _mm512_loadu_si512((const void *)(w[q] + (size_t)(b) * 64));              \
+        __m512i lo = _mm512_and_si512(v, m4);                                                  \
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);                            \
+        for (int t = 0; t < NT; t++) {                                                         \
+            const int8_t *xb = x + (size_t)t * n + (size_t)(b) * 128;                          \
+            __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,                      \
+                                              _mm512_loadu_si512((const void *)xb));           \
+            acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void *)(xb + 64)));   \
+            F[q][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(S[q][t][bi]),    \
+                                      F[q][t]);                                                \
+        }                                                                                      \
+    }
+
 /* int4: r[q][t] = sum over 128-column blocks b of sw_q[g(b)] * xsc_t[b] * (u - 8) . xq_t.
  * Per 16 blocks the combined scales S = sw * xsc are formed with one vector multiply and kept
  * in a small array, so the per-block flush is cvt + fma with a broadcast memory operand (no
@@ -202,12 +278,12 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                float (*r)[NTMAX]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const uint32_t nb = n / 128, bpg = group / 128;
-    __m512 f[4][NTMAX];
+    __m512 f[4][NTMAX], f2[4][NTMAX];
     float corr[4][NTMAX];
     float S[4][NTMAX][16] __attribute__((aligned(64)));
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) {
-            f[q][t] = _mm512_setzero_ps();
+            f[q][t] = f2[q][t] = _mm512_setzero_ps();
             corr[q][t] = 0.0f;
         }
     for (uint32_t b0 = 0; b0 < nb; b0 += 16) {
@@ -229,24 +305,17 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                     _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mk, xc + (size_t)t * nb + b0)));
             }
         }
-        for (uint32_t bi = 0; bi < m; bi++) {
-            uint32_t b = b0 + bi;
-            for (int q = 0; q < NR; q++) {
-                FPF(w[q] + (size_t)b * 64);
-                __m512i v = _mm512_loadu_si512((const void *)(w[q] + (size_t)b * 64));
-                __m512i lo = _mm512_and_si512(v, m4);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                for (int t = 0; t < NT; t++) {
-                    const int8_t *xb = x + (size_t)t * n + (size_t)b * 128;
-                    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                      _mm512_loadu_si512((const void *)xb));
-                    acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512((const void *)(xb + 64)));
-                    f[q][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(S[q][t][bi]),
-                                              f[q][t]);
-                }
+        uint32_t bi = 0;
+        if (NT <= 2) /* blocks in pairs into two accumulator sets: two fma chains per row */
+            for (; bi + 2 <= m; bi += 2) {
+                I4_BLOCK(b0 + bi, bi, f);
+                I4_BLOCK(b0 + bi + 1, bi + 1, f2);
             }
-        }
+        for (; bi < m; bi++) I4_BLOCK(b0 + bi, bi, f);
     }
+    if (NT <= 2)
+        for (int q = 0; q < NR; q++)
+            for (int t = 0; t < NT; t++) f[q][t] = _mm512_add_ps(f[q][t], f2[q][t]);
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]) - 8.0f * corr[q][t];
 }
@@ -303,34 +372,37 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
     }
 }
 
-/* act is natural order [T, I] on this path. */
-static inline void store_act(const smoe_ffn_job *j, uint32_t i, uint32_t t, float g, float u) {
-    const smoe_ffn_desc *d = j->d;
-    const float *gb = (const float *)smoe_ffn_ptr(j, d->gate_bias);
-    const float *ub = (const float *)smoe_ffn_ptr(j, d->up_bias);
-    if (gb) g += gb[i];
-    if (ub) u += ub[i];
-    j->act[(size_t)t * d->I + i] = smoe_ffn_activate(d, g, u);
-}
-
 /* Gate and up rows in pairs (gate_i, up_i) at every token count.  At 1 token this beat four
  * rows per pass (gate_i, up_i, gate_i+1, up_i+1), which halves the activation loads but keeps
  * four weight streams in flight: with two streams a thread got 0.72 -> 0.90 (bf16), 0.56 ->
  * 0.75 (int8) of the read ceiling at Mixtral shape, 1 thread (2026-11-24, interleaved builds;
  * int4, bound by its unpacking, unchanged).  The down projection keeps four rows: they are
- * contiguous, one stream, and measured better than two. */
+ * contiguous, one stream, and measured better than two.  Rows go in chunks of 16 so that the
+ * activation (exp) runs on whole vectors: per chunk, per tile of NTMAX tokens, the chunk's 16
+ * row pairs (at most 256 KB at H = 4096 bf16, re-read from L2 for further tiles), then act16.
+ * act is natural order [T, I] on this path. */
 static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const smoe_ffn_desc *d = j->d;
-    float r[4][NTMAX];
-    uint32_t i = i0;
+    const float *gb = (const float *)smoe_ffn_ptr(j, d->gate_bias);
+    const float *ub = (const float *)smoe_ffn_ptr(j, d->up_bias);
     const uint64_t off[2] = {d->gate, d->up};
     const uint64_t soff[2] = {d->gate_scale, d->up_scale};
-    for (; i < i1; i++) {
-        const uint32_t row[2] = {i, i};
+    float r[4][NTMAX];
+    float g[NTMAX][16], u[NTMAX][16];
+    for (uint32_t c0 = i0; c0 < i1; c0 += 16) {
+        uint32_t m = i1 - c0 < 16 ? i1 - c0 : 16;
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
-            rows_dispatch(j, off, soff, row, 2, d->H, t0, nt, r);
-            for (uint32_t t = 0; t < nt; t++) store_act(j, i, t0 + t, r[0][t], r[1][t]);
+            for (uint32_t i = 0; i < m; i++) {
+                const uint32_t row[2] = {c0 + i, c0 + i};
+                rows_dispatch(j, off, soff, row, 2, d->H, t0, nt, r);
+                for (uint32_t t = 0; t < nt; t++) {
+                    g[t][i] = r[0][t];
+                    u[t][i] = r[1][t];
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                act16(d, gb, ub, c0, m, g[t], u[t], j->act + (size_t)(t0 + t) * d->I + c0);
         }
     }
 }
