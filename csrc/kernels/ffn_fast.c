@@ -31,10 +31,13 @@
 #define AI static inline __attribute__((always_inline))
 #define NTMAX 8
 /* Software prefetch per weight stream: to L2 `l2` bytes ahead, to L1 `l1` bytes ahead.
- * int4 and the bf16 tiles of 3+ tokens: 4096 / 512 (4096 beat 512 and 16384; T1+T0 beat
- * T0-only by ~15-25% on bf16/int8, 1 thread, OLMoE, DRAM).  int8: 16384 / 1024, which moved
- * OLMoE-shape int8 at 1 token, 1 thread from ~16.0 to ~18.3 GB/s (DRAM, 6 interleaved samples
- * each, 2026-11-25) and was neutral at Mixtral shape and at 2 threads; int4 did not gain. */
+ * bf16 (tiles of 3+ tokens only, see dot_bf16): 4096 / 512 (4096 beat 512 and 16384; T1+T0
+ * beat T0-only by ~15-25% on bf16/int8, 1 thread, OLMoE, DRAM).  int8 and int4: 16384 / 1024
+ * (2026-11-25, DRAM, interleaved builds, 1 token): OLMoE-shape int8 experts at 1 thread ~16.0
+ * -> ~18.3 GB/s; int4 linear rows 50304 x 2048 (an lm_head) 0.50-0.52 -> 0.68 of the read
+ * ceiling at 1 thread and 0.71 -> 0.79 at 2; int4 experts 0.89-0.95 -> 0.97-1.07; neutral at
+ * Mixtral shape.  Rows of 1-2 KB in groups of four (the down/linear path) put 4096 bytes
+ * only one group ahead, too close at DRAM latency. */
 #ifdef SMOE_FPF_OFF
 #define FPF_AT(p, l2, l1) ((void)(p))
 #else
@@ -43,7 +46,7 @@
      _mm_prefetch((const char *)(p) + (l1), _MM_HINT_T0))
 #endif
 #define FPF(p) FPF_AT(p, 4096, 512)
-#define FPF8(p) FPF_AT(p, 16384, 1024)
+#define FPFQ(p) FPF_AT(p, 16384, 1024)
 
 /* ---- activation preparation (O(T * n) vector work, small next to the weights) ----
  * Bit-identical to the scalar definitions in the comments: max|x| is exact, x * inv is one f32
@@ -158,8 +161,9 @@ AI void act16(const smoe_ffn_desc *d, const float *gb, const float *ub, uint32_t
 
 /* ---- dot products: NR weight rows x NT tokens ---- */
 
-/* bf16: r[q][t] = w_q . x_t, x bf16 [NT][n] (row stride n).  Software prefetch only with 3+
- * tokens: at 1-2 tokens the hardware prefetcher alone streams bf16 rows faster (0.72 -> 0.83
+/* bf16: r[q][t] = w_q . x_t, x bf16 [NT][n] (row stride n).  Software prefetch with 3+
+ * tokens, and at 1-2 tokens only on short rows (below): there the hardware prefetcher alone
+ * streams long bf16 rows faster (0.72 -> 0.83
  * of the read ceiling at 1 token, Mixtral shape, 1 thread; 2026-11-24, interleaved builds),
  * while at 8 tokens dropping it halves the rate (OLMoE 0.56 -> 0.28). */
 AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint32_t n,
@@ -168,12 +172,16 @@ AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) a[q][t] = b[q][t] = _mm512_setzero_ps();
     uint32_t k = 0;
+    /* rows of at most 4 KB (a page: the hardware prefetcher starts over on every row) get
+     * software prefetch: 50304 x 2048 linear rows at 1 thread 0.65 -> 0.72-0.77 of the read
+     * ceiling; long rows (Mixtral's 8-28 KB) lost with it (1.0 -> 0.82), 2026-11-25 */
+    const int pf = n <= 2048;
     if (NT <= 2) { /* two accumulator sets for enough independent chains */
         for (; k + 64 <= n; k += 64) {
             for (int q = 0; q < NR; q++) {
-                if (NT > 2) {
-                    FPF(w[q] + k);
-                    FPF(w[q] + k + 32); /* 64 bf16 = two cache lines per step */
+                if (pf) {
+                    FPFQ(w[q] + k);
+                    FPFQ(w[q] + k + 32); /* 64 bf16 = two cache lines per step */
                 }
                 __m512i w0 = _mm512_loadu_si512((const void *)(w[q] + k));
                 __m512i w1 = _mm512_loadu_si512((const void *)(w[q] + k + 32));
@@ -217,7 +225,7 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
         if (NT <= 2) {
             for (; k + 64 <= k1; k += 64) {
                 for (int q = 0; q < NR; q++) {
-                    FPF8(w[q] + k);
+                    FPFQ(w[q] + k);
                     __m512i w0 = _mm512_cvtepi8_epi16(
                         _mm256_loadu_si256((const __m256i *)(const void *)(w[q] + k)));
                     __m512i w1 = _mm512_cvtepi8_epi16(
@@ -234,7 +242,7 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
         }
         for (; k < k1; k += 32) {
             for (int q = 0; q < NR; q++) {
-                if ((k & 63) == 0) FPF8(w[q] + k);
+                if ((k & 63) == 0) FPFQ(w[q] + k);
                 __m512i w0 = _mm512_cvtepi8_epi16(
                     _mm256_loadu_si256((const __m256i *)(const void *)(w[q] + k)));
                 for (int t = 0; t < NT; t++)
@@ -254,7 +262,7 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
 /* One 128-column block b (index bi within the current 16) of every row into accumulators F. */
 #define I4_BLOCK(b, bi, F)                                                                     \
     for (int q = 0; q < NR; q++) {                                                             \
-        FPF(w[q] + (size_t)(b) * 64);                                                          \
+        FPFQ(w[q] + (size_t)(b) * 64);                                                         \
         __m512i v = _mm512_loadu_si512((const void *)(w[q] + (size_t)(b) * 64));              \
         __m512i lo = _mm512_and_si512(v, m4);                                                  \
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);                            \
@@ -413,7 +421,11 @@ static void fast_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const uint64_t off[4] = {d->down, d->down, d->down, d->down};
     const uint64_t soff[4] = {d->down_scale, d->down_scale, d->down_scale, d->down_scale};
     uint32_t h = h0;
-    if (j->T == 1)
+    /* four rows at a time at 1 token, except int4 rows of 2048+ columns: 50304 x 2048 (1 KB
+     * rows) measured 0.71-0.77 of the read ceiling in fours and 0.84-0.86 in pairs, while the
+     * OLMoE expert's down rows (1024 columns) lost in pairs (hot 32.6 -> 27.5 GB/s); 1 thread,
+     * 2026-11-25 */
+    if (j->T == 1 && (d->dtype != SMOE_WDT_I4 || d->I < 2048))
         for (; h + 4 <= h1; h += 4) {
             const uint32_t row[4] = {h, h + 1, h + 2, h + 3};
             rows_dispatch(j, off, soff, row, 4, d->I, 0, 1, r);
