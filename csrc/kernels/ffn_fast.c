@@ -280,21 +280,17 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
 /* int4: r[q][t] = sum over 128-column blocks b of sw_q[g(b)] * xsc_t[b] * (u - 8) . xq_t.
  * Per 16 blocks the combined scales S = sw * xsc are formed with one vector multiply and kept
  * in a small array, so the per-block flush is cvt + fma with a broadcast memory operand (no
- * scalar work); the -8 offset term sum_b S_b * sum(xq_b) is one multiply-reduce per 16 blocks
- * (xc = xsc * sum(xq) comes precomputed per block). */
+ * scalar work); the -8 offset term -8 * sum_b sw_b * xc_b (xc = xsc * sum(xq), precomputed per
+ * block) is one fma per 16 blocks into the accumulator's lanes, summed with them at the end. */
 AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, const int8_t *x,
                const float *xsc, const float *xc, uint32_t n, uint32_t group, const int NT,
                float (*r)[NTMAX]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const uint32_t nb = n / 128, bpg = group / 128;
     __m512 f[4][NTMAX], f2[4][NTMAX];
-    float corr[4][NTMAX];
     float S[4][NTMAX][16] __attribute__((aligned(64)));
     for (int q = 0; q < NR; q++)
-        for (int t = 0; t < NT; t++) {
-            f[q][t] = f2[q][t] = _mm512_setzero_ps();
-            corr[q][t] = 0.0f;
-        }
+        for (int t = 0; t < NT; t++) f[q][t] = f2[q][t] = _mm512_setzero_ps();
     for (uint32_t b0 = 0; b0 < nb; b0 += 16) {
         uint32_t m = nb - b0 < 16 ? nb - b0 : 16;
         __mmask16 mk = (__mmask16)((1u << m) - 1u);
@@ -307,11 +303,14 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                 for (uint32_t i = 0; i < 16; i++) tmp[i] = i < m ? ws[q][(b0 + i) / bpg] : 0.0f;
                 sw = _mm512_load_ps(tmp);
             }
+            __m512 swm8 = _mm512_mul_ps(sw, _mm512_set1_ps(-8.0f));
             for (int t = 0; t < NT; t++) {
                 __m512 sv = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mk, xsc + (size_t)t * nb + b0));
                 _mm512_store_ps(S[q][t], sv);
-                corr[q][t] += _mm512_reduce_add_ps(
-                    _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mk, xc + (size_t)t * nb + b0)));
+                /* the -8 offset of these 16 blocks, one lane each, into f's lanes (all lanes
+                 * are summed at the end; masked-off lanes load 0) */
+                f[q][t] = _mm512_fmadd_ps(swm8, _mm512_maskz_loadu_ps(mk, xc + (size_t)t * nb + b0),
+                                          f[q][t]);
             }
         }
         uint32_t bi = 0;
@@ -326,7 +325,7 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
         for (int q = 0; q < NR; q++)
             for (int t = 0; t < NT; t++) f[q][t] = _mm512_add_ps(f[q][t], f2[q][t]);
     for (int q = 0; q < NR; q++)
-        for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]) - 8.0f * corr[q][t];
+        for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]);
 }
 
 /* NR rows (matrix offsets off[q], scale offsets soff[q], row indices row[q]) against NT tokens
