@@ -57,8 +57,15 @@
 /* max |x[k]| over n (a multiple of 16) floats */
 AI float absmax16(const float *x, uint32_t n) {
     __m512 m = _mm512_setzero_ps();
-    for (uint32_t k = 0; k < n; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    for (uint32_t k = 0; k < n; k += 16)
+        m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
     return _mm512_reduce_max_ps(m);
+}
+
+/* clamp(rint(x[0..16) * inv), -lim, lim) as int32 lanes */
+AI __m512i quant16(const float *x, __m512 inv, int32_t lim) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), inv));
+    return _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(lim)), _mm512_set1_epi32(-lim));
 }
 
 void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
@@ -71,17 +78,15 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
             for (uint32_t k = 0; k < n; k += 16)
                 _mm256_storeu_si256((__m256i *)(void *)(o + k),
                                     (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
-        } else if (dtype == SMOE_WDT_I8) { /* o[k] = clamp(rint(x[k] / s), +-32767), s = max/32767 */
+        } else if (dtype == SMOE_WDT_I8) { /* o[k] = clamp(rint(x[k] / s), +-32767),
+                                               s = max|x| / 32767 */
             float m = absmax16(x, n);
             float s = m > 0.0f ? m / 32767.0f : 1.0f;
             __m512 inv = _mm512_set1_ps(1.0f / s);
             int16_t *o = (int16_t *)q + (size_t)t * n;
-            for (uint32_t k = 0; k < n; k += 16) {
-                __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
-                v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(32767)),
-                                     _mm512_set1_epi32(-32767));
-                _mm256_storeu_si256((__m256i *)(void *)(o + k), _mm512_cvtepi32_epi16(v));
-            }
+            for (uint32_t k = 0; k < n; k += 16)
+                _mm256_storeu_si256((__m256i *)(void *)(o + k),
+                                    _mm512_cvtepi32_epi16(quant16(x + k, inv, 32767)));
             qs[t] = s;
         } else { /* I4: per 128 columns, s = max|x_block| / 127, v = clamp(rint(x / s), +-127);
                     within each 32-column group g the even columns go to o[16g..16g+16) and the
@@ -89,7 +94,6 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
             const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
                                                  26, 28, 30);
             const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
-            const __m512i lim = _mm512_set1_epi32(127);
             uint32_t nb = n / 128;
             int8_t *o = (int8_t *)q + (size_t)t * n;
             for (uint32_t b = 0; b < nb; b++) {
@@ -100,11 +104,8 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
                 __m512i sum = _mm512_setzero_si512();
                 int8_t *ob = o + (size_t)b * 128;
                 for (uint32_t g = 0; g < 4; g++) {
-                    __m512i va = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 32 * g), inv));
-                    __m512i vb =
-                        _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 32 * g + 16), inv));
-                    va = _mm512_max_epi32(_mm512_min_epi32(va, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-                    vb = _mm512_max_epi32(_mm512_min_epi32(vb, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+                    __m512i va = quant16(xb + 32 * g, inv, 127);
+                    __m512i vb = quant16(xb + 32 * g + 16, inv, 127);
                     sum = _mm512_add_epi32(sum, _mm512_add_epi32(va, vb));
                     _mm_storeu_si128((__m128i *)(void *)(ob + 16 * g),
                                      _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(va, ev, vb)));
