@@ -1,12 +1,16 @@
-/* Python binding of the decode-attention kernels: specmoe._C.AttnDecode (the models' own
- * multi-head attention, specmoe.attention, at the end of this file) and specmoe._C.MLADecode, one object per MLA
- * attention module decoded in the absorbed form (specmoe.mla).  The absorbed weights are
+/* Python binding of the decode-attention kernels: specmoe._C.MLADecode, one object per MLA
+ * attention module decoded in the absorbed form (specmoe.mla); specmoe._C.AttnDecode (the
+ * models' own multi-head attention, specmoe.attention); specmoe._C.AttnBlock, a whole
+ * Llama-family attention module (projections, q/k norms, rotary, attention, output
+ * projection) in two calls around transformers' KV-cache update (specmoe.attention).  The absorbed weights are
  * checked and referenced once at construction; the per-token call (forward, METH_FASTCALL)
  * checks the arrays' shapes and runs smoe_mla_decode without the GIL. */
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels/attn.h"
+#include "kernels/block.h"
 #include "py_kernels.h"
 #include "py_numpy.h"
 
@@ -476,6 +480,393 @@ static PyMethodDef ad_methods[] = {
      "None; out float32 [B, T, H, D], overwritten; GIL released."},
     {NULL, NULL, 0, NULL}};
 
+
+/* ---- AttnBlock: a decoder layer's whole attention module at decode sizes ---- */
+
+enum { NORM_NONE = 0, NORM_FULL = 1, NORM_HEAD = 2 };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx_obj;         /* the KernelContext (strong reference) */
+    PyObject *lin_obj[4];      /* q, k, v, o projections: specmoe._C.Linear (strong) */
+    PyObject *qn_obj, *kn_obj; /* float32 q_norm / k_norm weights or NULL (strong) */
+    const smoe_linear_desc *ld[4]; /* borrowed from lin_obj (immutable) */
+    const uint8_t *lb[4];
+    const float *lbias[4];
+    uint32_t H, Hkv, D, hidden, max_tokens;
+    int norm;                  /* NORM_NONE, NORM_FULL (over all heads), NORM_HEAD (per head) */
+    float eps;
+    int bf16;                  /* round as a bf16 model does (kernels/block.h) */
+    float *buf;                /* max_tokens * (hidden + (H + 2 Hkv) * D + H * D) + 2 D floats:
+                                  input, q|k|v projections, attention output, one token's cos
+                                  and sin; guarded by mu */
+    void *lscratch;            /* linear scratch for max_tokens (fixed size); guarded by mu */
+    void *ascratch;            /* attention scratch (grows with the thread count); guarded by mu */
+    size_t ascratch_cap;
+    pthread_mutex_t mu;        /* serializes pre/post calls on this object */
+    int ready;
+} AttnBlockObject;
+
+static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ctx", "q", "k", "v", "o", "heads", "kv_heads", "head_dim",
+                             "norm", "q_norm", "k_norm", "eps", "bf16", "max_tokens", NULL};
+    PyObject *ctx_o, *lin[4], *qn_o = Py_None, *kn_o = Py_None;
+    unsigned int H, Hkv, D, max_tokens = 16;
+    const char *norm = "none";
+    double eps = 1e-6;
+    int bf16 = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpI:AttnBlock", kwlist, &ctx_o,
+                                     &lin[0], &lin[1], &lin[2], &lin[3], &H, &Hkv, &D, &norm,
+                                     &qn_o, &kn_o, &eps, &bf16, &max_tokens))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "AttnBlock is already initialised");
+        return -1;
+    }
+    if (!smoe_py_kctx(ctx_o)) return -1;
+    for (int i = 0; i < 4; i++)
+        if (smoe_py_linear_parts(lin[i], &self->ld[i], &self->lb[i], &self->lbias[i])) return -1;
+    int nk = !strcmp(norm, "none") ? NORM_NONE
+             : !strcmp(norm, "full") ? NORM_FULL
+             : !strcmp(norm, "head") ? NORM_HEAD : -1;
+    if (nk < 0) {
+        PyErr_Format(PyExc_ValueError, "AttnBlock: norm must be 'none', 'full' or 'head', got '%s'",
+                     norm);
+        return -1;
+    }
+    if (H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || H > 65536 || D > 65536 ||
+        max_tokens < 1 || max_tokens > 4096) {
+        PyErr_Format(PyExc_ValueError,
+                     "AttnBlock: heads=%u kv_heads=%u head_dim=%u max_tokens=%u out of range "
+                     "(heads a multiple of kv_heads, head_dim even, max_tokens 1..4096)",
+                     H, Hkv, D, max_tokens);
+        return -1;
+    }
+    const uint32_t hidden = self->ld[0]->K;
+    const uint32_t want_n[4] = {H * D, Hkv * D, Hkv * D, hidden};
+    const uint32_t want_k[4] = {hidden, hidden, hidden, H * D};
+    static const char *names[4] = {"q", "k", "v", "o"};
+    for (int i = 0; i < 4; i++)
+        if (self->ld[i]->N != want_n[i] || self->ld[i]->K != want_k[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "AttnBlock: the %s projection is %u -> %u, expected %u -> %u (heads=%u "
+                         "kv_heads=%u head_dim=%u hidden=%u)",
+                         names[i], self->ld[i]->K, self->ld[i]->N, want_k[i], want_n[i], H, Hkv,
+                         D, hidden);
+            return -1;
+        }
+    PyObject *nw[2] = {qn_o, kn_o};
+    const npy_intp nlen[2] = {nk == NORM_HEAD ? (npy_intp)D : (npy_intp)H * D,
+                              nk == NORM_HEAD ? (npy_intp)D : (npy_intp)Hkv * D};
+    for (int i = 0; i < 2; i++) {
+        if (nk == NORM_NONE) {
+            if (nw[i] != Py_None) {
+                PyErr_SetString(PyExc_ValueError, "AttnBlock: norm='none' takes no norm weights");
+                return -1;
+            }
+            continue;
+        }
+        PyArrayObject *a = smoe_py_want_array(nw[i], i ? "k_norm" : "q_norm", NPY_FLOAT32, 1, 0);
+        if (!a) return -1;
+        if (PyArray_DIM(a, 0) != nlen[i]) {
+            PyErr_Format(PyExc_ValueError, "AttnBlock: %s has %zd weights, expected %zd",
+                         i ? "k_norm" : "q_norm", (Py_ssize_t)PyArray_DIM(a, 0),
+                         (Py_ssize_t)nlen[i]);
+            return -1;
+        }
+    }
+    size_t ls = 0;
+    for (int i = 0; i < 4; i++) {
+        size_t s = smoe_linear_scratch_bytes(self->ld[i], max_tokens);
+        if (s > ls) ls = s;
+    }
+    const size_t per_tok = (size_t)hidden + (size_t)(H + 2 * Hkv) * D + (size_t)H * D;
+    self->buf = malloc(((size_t)max_tokens * per_tok + 2 * (size_t)D) * sizeof(float));
+    self->lscratch = malloc(ls ? ls : 1);
+    if (!self->buf || !self->lscratch) {
+        free(self->buf);
+        free(self->lscratch);
+        self->buf = NULL;
+        self->lscratch = NULL;
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (pthread_mutex_init(&self->mu, NULL) != 0) {
+        free(self->buf);
+        free(self->lscratch);
+        self->buf = NULL;
+        self->lscratch = NULL;
+        PyErr_SetString(PyExc_RuntimeError, "AttnBlock: pthread_mutex_init failed");
+        return -1;
+    }
+    Py_INCREF(ctx_o);
+    self->ctx_obj = ctx_o;
+    for (int i = 0; i < 4; i++) {
+        Py_INCREF(lin[i]);
+        self->lin_obj[i] = lin[i];
+    }
+    if (nk != NORM_NONE) {
+        Py_INCREF(qn_o);
+        Py_INCREF(kn_o);
+        self->qn_obj = qn_o;
+        self->kn_obj = kn_o;
+    }
+    self->H = H;
+    self->Hkv = Hkv;
+    self->D = D;
+    self->hidden = hidden;
+    self->max_tokens = max_tokens;
+    self->norm = nk;
+    self->eps = (float)eps;
+    self->bf16 = bf16;
+    self->ready = 1;
+    return 0;
+}
+
+static void ab_dealloc(AttnBlockObject *self) {
+    if (self->ready) pthread_mutex_destroy(&self->mu);
+    free(self->buf);
+    free(self->lscratch);
+    free(self->ascratch);
+    Py_XDECREF(self->ctx_obj);
+    for (int i = 0; i < 4; i++) Py_XDECREF(self->lin_obj[i]);
+    Py_XDECREF(self->qn_obj);
+    Py_XDECREF(self->kn_obj);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A C-contiguous float32 or bf16 (uint16/int16 bits) array of ndim dims: 0 f32, 1 bf16; -1
+ * with an error naming it otherwise. */
+static int f32_or_bf16_io(PyObject *o, const char *name, int ndim, int writable) {
+    int dt = f32_or_bf16(o, name, ndim);
+    if (dt < 0) return -1;
+    if (writable && !PyArray_ISWRITEABLE((PyArrayObject *)o)) {
+        PyErr_Format(PyExc_ValueError, "%s must be writable", name);
+        return -1;
+    }
+    return dt == SMOE_WDT_BF16;
+}
+
+/* n values of src (f32, or bf16 bits when bf16) into dst as f32. */
+static void widen(float *dst, const void *src, int bf16, size_t n) {
+    if (!bf16) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src;
+    for (size_t i = 0; i < n; i++) dst[i] = smoe_bf16_f32(h[i]);
+}
+
+/* T tokens' heads, token t's head h at src + t * src_stride + h * D (f32), into dst [heads, T,
+ * D] (transformers' [B = 1, heads, T, D] layout): f32, or bf16 bits when bf16 (the values are
+ * bf16 already when the block rounds as a bf16 model, so the conversion is exact then). */
+static void to_head_major(void *dst, int bf16, const float *src, size_t src_stride, uint32_t T,
+                          uint32_t heads, uint32_t D) {
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t h = 0; h < heads; h++) {
+            const float *s = src + (size_t)t * src_stride + (size_t)h * D;
+            const size_t o = ((size_t)h * T + t) * D;
+            if (bf16)
+                for (uint32_t i = 0; i < D; i++) ((uint16_t *)dst)[o + i] = smoe_bf16_rne(s[i]);
+            else
+                memcpy((float *)dst + o, s, (size_t)D * sizeof(float));
+        }
+}
+
+/* pre(x, cos, sin, q, k, v): projections, q/k norms and rotary embedding of T tokens. */
+static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
+        return NULL;
+    }
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "pre(x, cos, sin, q, k, v) takes 6 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
+    int xb = f32_or_bf16_io(args[0], "x", 2, 0), cb = f32_or_bf16_io(args[1], "cos", 2, 0);
+    int sb = f32_or_bf16_io(args[2], "sin", 2, 0);
+    if (xb < 0 || cb < 0 || sb < 0) return NULL;
+    PyArrayObject *qo = smoe_py_want_array(args[3], "q", NPY_FLOAT32, 4, 1);
+    if (!qo) return NULL;
+    int kb = f32_or_bf16_io(args[4], "k", 4, 1), vb = f32_or_bf16_io(args[5], "v", 4, 1);
+    if (kb < 0 || vb < 0) return NULL;
+    npy_intp T = PyArray_DIM((PyArrayObject *)args[0], 0);
+    if (T < 1 || T > (npy_intp)self->max_tokens) {
+        PyErr_Format(PyExc_ValueError, "AttnBlock: %zd tokens, expected 1..%u",
+                     (Py_ssize_t)T, self->max_tokens);
+        return NULL;
+    }
+    npy_intp w_x[2] = {T, hid}, w_cs[2] = {T, D}, w_q[4] = {1, H, T, D}, w_kv[4] = {1, Hkv, T, D};
+    if (dims_are(args[0], "x [T, hidden]", w_x, 2) || dims_are(args[1], "cos [T, head_dim]", w_cs, 2) ||
+        dims_are(args[2], "sin [T, head_dim]", w_cs, 2) ||
+        dims_are(args[3], "q [1, heads, T, head_dim]", w_q, 4) ||
+        dims_are(args[4], "k [1, kv_heads, T, head_dim]", w_kv, 4) ||
+        dims_are(args[5], "v [1, kv_heads, T, head_dim]", w_kv, 4))
+        return NULL;
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    const void *xp = PyArray_DATA((PyArrayObject *)args[0]);
+    const void *cp = PyArray_DATA((PyArrayObject *)args[1]);
+    const void *sp = PyArray_DATA((PyArrayObject *)args[2]);
+    float *qp = (float *)PyArray_DATA(qo);
+    void *kp = PyArray_DATA((PyArrayObject *)args[4]), *vp = PyArray_DATA((PyArrayObject *)args[5]);
+    const uint32_t nt = (uint32_t)T, nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv;
+    const float *qn = self->qn_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->qn_obj)
+                                   : NULL;
+    const float *kn = self->kn_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->kn_obj)
+                                   : NULL;
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = SMOE_OK;
+    /* every array stays referenced by the caller's frame for the whole call */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    float *x = self->buf, *y = self->buf + (size_t)self->max_tokens * hid; /* y [T, q|k|v] */
+    const float *xin = (const float *)xp;
+    if (xb) {
+        widen(x, xp, 1, (size_t)nt * hid);
+        xin = x;
+    }
+    for (int i = 0; i < 3 && rc == SMOE_OK; i++) {
+        const uint32_t off = i == 0 ? 0 : i == 1 ? nq : nq + nkv;
+        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], xin, hid, nt,
+                                 y + off, qkv, self->lscratch, &err);
+    }
+    if (rc == SMOE_OK) {
+        const int b = self->bf16;
+        float *cosf = self->buf + (size_t)self->max_tokens * (hid + qkv + nq), *sinf = cosf + D;
+        if (b) smoe_bf16_round(y, (size_t)nt * qkv); /* the projections' bf16 outputs */
+        for (uint32_t t = 0; t < nt; t++) {
+            float *qt = y + (size_t)t * qkv, *kt = qt + nq;
+            if (self->norm == NORM_FULL) {
+                smoe_rmsnorm(qt, 1, nq, qn, self->eps, b);
+                smoe_rmsnorm(kt, 1, nkv, kn, self->eps, b);
+            } else if (self->norm == NORM_HEAD) {
+                smoe_rmsnorm(qt, H, D, qn, self->eps, b);
+                smoe_rmsnorm(kt, Hkv, D, kn, self->eps, b);
+            }
+            widen(cosf, (const uint8_t *)cp + (size_t)t * D * (cb ? 2 : 4), cb, D);
+            widen(sinf, (const uint8_t *)sp + (size_t)t * D * (sb ? 2 : 4), sb, D);
+            smoe_rotary_half(qt, H, D, cosf, sinf, b);
+            smoe_rotary_half(kt, Hkv, D, cosf, sinf, b);
+        }
+        /* q for the attention kernel (f32, values already bf16 when b); k, v for the cache */
+        to_head_major(qp, 0, y, qkv, nt, H, D);
+        to_head_major(kp, kb, y + nq, qkv, nt, Hkv, D);
+        to_head_major(vp, vb, y + nq + nkv, qkv, nt, Hkv, D);
+    }
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+/* post(q, k, v, bias, scale, out): attention over the cache, then the output projection. */
+static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
+        return NULL;
+    }
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError,
+                     "post(q, k, v, bias, scale, out) takes 6 arguments, got %zd", nargs);
+        return NULL;
+    }
+    const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
+    PyArrayObject *q = smoe_py_want_array(args[0], "q", NPY_FLOAT32, 4, 0);
+    if (!q) return NULL;
+    int kdt, vdt;
+    npy_intp kbs, khs, vbs, vhs;
+    if (kv_layout(args[1], "k", &kdt, &kbs, &khs) || kv_layout(args[2], "v", &vdt, &vbs, &vhs))
+        return NULL;
+    double scale = PyFloat_AsDouble(args[4]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    int ob = f32_or_bf16_io(args[5], "out", 2, 1);
+    if (ob < 0) return NULL;
+    npy_intp T = PyArray_DIM(q, 2), S = PyArray_DIM((PyArrayObject *)args[1], 2);
+    if (T < 1 || T > (npy_intp)self->max_tokens || S < 1 || S > (npy_intp)UINT32_MAX / 2) {
+        PyErr_Format(PyExc_ValueError, "AttnBlock: T=%zd tokens (1..%u), S=%zd positions",
+                     (Py_ssize_t)T, self->max_tokens, (Py_ssize_t)S);
+        return NULL;
+    }
+    npy_intp w_q[4] = {1, H, T, D}, w_kv[4] = {1, Hkv, S, D}, w_o[2] = {T, hid};
+    if (dims_are(args[0], "q [1, heads, T, head_dim]", w_q, 4) ||
+        dims_are(args[1], "k [1, kv_heads, S, head_dim]", w_kv, 4) ||
+        dims_are(args[2], "v [1, kv_heads, S, head_dim]", w_kv, 4) ||
+        dims_are(args[5], "out [T, hidden]", w_o, 2))
+        return NULL;
+    if (kdt != vdt || kbs != vbs || khs != vhs) {
+        PyErr_SetString(PyExc_ValueError, "k and v must have the same dtype and layout");
+        return NULL;
+    }
+    const float *bias;
+    uint32_t bias_rows;
+    if (bias_arg(args[3], 1, T, S, &bias, &bias_rows)) return NULL;
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_mha_desc d = {H, Hkv, D, (float)scale};
+    const uint32_t nt = (uint32_t)T, qkv = (H + 2 * Hkv) * D;
+    size_t need = smoe_mha_scratch_bytes(c, D, nt);
+    void *op = PyArray_DATA((PyArrayObject *)args[5]);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = SMOE_OK;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    float *att = self->buf + (size_t)self->max_tokens * (hid + qkv); /* [T, H, D] */
+    float *of = ob ? self->buf : (float *)op;                         /* [T, hidden] */
+    rc = grow_scratch(&self->ascratch, &self->ascratch_cap, need, &err);
+    if (rc == SMOE_OK)
+        rc = smoe_mha_decode(c, &d, 1, nt, (uint32_t)S, (const float *)PyArray_DATA(q),
+                             PyArray_DATA((PyArrayObject *)args[1]),
+                             PyArray_DATA((PyArrayObject *)args[2]), kdt, (size_t)kbs,
+                             (size_t)khs, bias, bias_rows, att, self->ascratch,
+                             self->ascratch_cap, &err);
+    if (rc == SMOE_OK) {
+        if (self->bf16) smoe_bf16_round(att, (size_t)nt * H * D); /* torch's bf16 output */
+        rc = smoe_linear_forward(c, self->ld[3], self->lb[3], self->lbias[3], att, (size_t)H * D,
+                                 nt, of, hid, self->lscratch, &err);
+    }
+    if (rc == SMOE_OK && ob)
+        for (size_t i = 0; i < (size_t)nt * hid; i++) ((uint16_t *)op)[i] = smoe_bf16_rne(of[i]);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ab_methods[] = {
+    {"pre", (PyCFunction)(void (*)(void))ab_pre, METH_FASTCALL,
+     "pre(x, cos, sin, q, k, v): the q/k/v projections of x [T, hidden], the q/k norms and the "
+     "rotary embedding (cos, sin [T, head_dim]); writes q float32 [1, heads, T, head_dim] and "
+     "k, v [1, kv_heads, T, head_dim] (float32 or bf16 bits, for the KV cache).  x, cos, sin "
+     "float32 or bf16 bits, C-contiguous; GIL released."},
+    {"post", (PyCFunction)(void (*)(void))ab_post, METH_FASTCALL,
+     "post(q, k, v, bias, scale, out): attention of q (pre's) over the cache k, v [1, kv_heads, "
+     "S, head_dim] (float32 or bf16 bits, each [S, head_dim] block dense) with the additive "
+     "bias float32 [1, T, S] or None, then the output projection into out [T, hidden] (float32 "
+     "or bf16 bits); GIL released."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject AttnBlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.AttnBlock",
+    .tp_basicsize = sizeof(AttnBlockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "AttnBlock(ctx, q, k, v, o, heads, kv_heads, head_dim, norm='none', q_norm=None, "
+              "k_norm=None, eps=1e-6, bf16=False, max_tokens=16): one decoder layer's attention "
+              "module at decode sizes (specmoe.attention.fuse_attention) in two calls around "
+              "the KV cache update: pre (projections, q/k RMSNorm over all heads ('full') or "
+              "per head ('head'), rotary) and post (attention, output projection).  q, k, v, o "
+              "are specmoe._C.Linear objects; q_norm, k_norm float32 weights; bf16: round "
+              "every intermediate as a bf16 model does (csrc/kernels/block.h).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ab_init,
+    .tp_dealloc = (destructor)ab_dealloc,
+    .tp_methods = ab_methods,
+};
+
 static PyTypeObject AttnDecodeType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.AttnDecode",
     .tp_basicsize = sizeof(AttnDecodeObject),
@@ -489,7 +880,9 @@ static PyTypeObject AttnDecodeType = {
 };
 
 int smoe_py_attn_init(PyObject *m) {
-    if (PyType_Ready(&MLADecodeType) < 0 || PyType_Ready(&AttnDecodeType) < 0) return -1;
+    if (PyType_Ready(&MLADecodeType) < 0 || PyType_Ready(&AttnDecodeType) < 0 ||
+        PyType_Ready(&AttnBlockType) < 0)
+        return -1;
     Py_INCREF(&MLADecodeType);
     if (PyModule_AddObject(m, "MLADecode", (PyObject *)&MLADecodeType) < 0) {
         Py_DECREF(&MLADecodeType);
@@ -498,6 +891,11 @@ int smoe_py_attn_init(PyObject *m) {
     Py_INCREF(&AttnDecodeType);
     if (PyModule_AddObject(m, "AttnDecode", (PyObject *)&AttnDecodeType) < 0) {
         Py_DECREF(&AttnDecodeType);
+        return -1;
+    }
+    Py_INCREF(&AttnBlockType);
+    if (PyModule_AddObject(m, "AttnBlock", (PyObject *)&AttnBlockType) < 0) {
+        Py_DECREF(&AttnBlockType);
         return -1;
     }
     return 0;

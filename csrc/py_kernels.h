@@ -20,4 +20,10 @@ int smoe_py_dict_u64(PyObject *dict, const char *what, const char *key, uint64_t
  * against block_bytes (0: no bounds check).  Returns 0, or -1 with an exception set. */
 int smoe_py_ffn_desc_parse(PyObject *dict, uint64_t block_bytes, smoe_ffn_desc *d);
 
+/* The descriptor, weight block and bias (NULL when none) of a specmoe._C.Linear object,
+ * borrowed: valid while the caller holds a reference to obj (all are immutable after
+ * construction).  Returns 0, or -1 with TypeError set when obj is not an initialised Linear. */
+int smoe_py_linear_parts(PyObject *obj, const smoe_linear_desc **d, const uint8_t **block,
+                         const float **bias);
+
 #endif

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/block.h"
 #include "py_kernels.h"
 #include "py_numpy.h"
 
@@ -113,17 +114,6 @@ static void lin_dealloc(LinearObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* f32 -> bf16 bits, round to nearest even: what torch's Tensor.to(torch.bfloat16) gives, so a
- * bf16 output is the same bits either way (a NaN keeps its sign and top payload bits, made
- * quiet, as vcvtneps2bf16 does). */
-static inline uint16_t f32_to_bf16_rne(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40u);
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
-
 /* float32 or bf16 bits (uint16/int16) as a 2-dim C-contiguous array: 0 f32, 1 bf16, -1 with an
  * error naming it otherwise. */
 static int f32_or_bf16_2d(PyObject *o, const char *name, int writable) {
@@ -224,7 +214,7 @@ static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize
                                      &err);
             if (rc == SMOE_OK && ob) {
                 uint16_t *o16 = (uint16_t *)op + (size_t)t0 * N;
-                for (size_t i = 0; i < (size_t)n * N; i++) o16[i] = f32_to_bf16_rne(of[i]);
+                for (size_t i = 0; i < (size_t)n * N; i++) o16[i] = smoe_bf16_rne(of[i]);
             }
         }
     }
@@ -262,6 +252,20 @@ static PyTypeObject LinearType = {
     .tp_methods = lin_methods,
     .tp_getset = lin_getset,
 };
+
+int smoe_py_linear_parts(PyObject *obj, const smoe_linear_desc **d, const uint8_t **block,
+                         const float **bias) {
+    if (!PyObject_TypeCheck(obj, &LinearType) || !((LinearObject *)obj)->ready) {
+        PyErr_Format(PyExc_TypeError, "expected an initialised specmoe._C.Linear, got %s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    LinearObject *l = (LinearObject *)obj;
+    *d = &l->d;
+    *block = (const uint8_t *)PyArray_DATA((PyArrayObject *)l->block_obj);
+    *bias = l->bias_obj ? (const float *)PyArray_DATA((PyArrayObject *)l->bias_obj) : NULL;
+    return 0;
+}
 
 int smoe_py_linear_init(PyObject *m) {
     if (PyType_Ready(&LinearType) < 0) return -1;

@@ -14,6 +14,14 @@ transformers keeps it, the mask as transformers builds it for the original imple
 arithmetic with one online softmax (``csrc/kernels/mha.c``) on specmoe's kernel threads -- and
 hands everything else (prefill, training, attention sinks, soft-capping, other devices and
 dtypes) to the original function, so prefill and the cache stay transformers' own.
+
+:func:`fuse_attention` goes one step further for the Llama-family attention modules whose
+projections are specmoe's (:class:`specmoe.dense.CLinear`): at decode sizes the whole module
+runs in two C calls around transformers' KV-cache update (``specmoe._C.AttnBlock``): the q/k/v
+projections, OLMoE's / Qwen3's q and k RMSNorms and the rotary embedding in one, attention and
+the output projection in the other -- instead of some thirty torch operations, each a few
+microseconds of dispatch at one token.  A bf16 model's intermediate roundings are reproduced
+step by step (``csrc/kernels/block.h``).
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import math
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,7 +37,7 @@ from . import _C
 from .kernels import tensor_array
 from .mla import _mask_bias, _mask_readable
 
-__all__ = ["ATTENTION_MAX_TOKENS", "use_c_attention"]
+__all__ = ["ATTENTION_MAX_TOKENS", "fuse_attention", "use_c_attention"]
 
 # Query tokens up to which the C kernel runs (decode and verification chunks); longer inputs
 # are prefill, where torch's attention is the better kernel.
@@ -131,3 +140,117 @@ def use_c_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> st
     for m in mods:
         m._specmoe_attn = kernel
     return _OURS[impl]
+
+
+# attention classes whose forward is, at decode: q/k/v projections; q and k RMSNorm (none; over
+# all heads: OLMoE; per head: Qwen3); the rotate-half rotary embedding with the decoder's
+# (cos, sin); the cache update; attention over the cache (sdpa/eager: the mask says what is
+# seen); o_proj.  Value: the q/k norm form.
+_FUSABLE = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
+            "Qwen2MoeAttention": "none", "MixtralAttention": "none"}
+_BLOCK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _norm_weight(norm: nn.Module | None) -> np.ndarray | None:
+    """An RMSNorm of the Llama family's form (``weight * normed.to(dtype)``) as its f32 weights,
+    or None when ``norm`` is not one."""
+    if norm is None or not type(norm).__name__.endswith("RMSNorm") \
+            or not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
+        return None
+    return np.ascontiguousarray(norm.weight.detach().float().numpy())
+
+
+def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]:
+    """Run each fusable attention module of ``model`` through one ``specmoe._C.AttnBlock`` at
+    decode sizes (module docstring); returns the qualified names of the modules switched.
+
+    A module is fusable when its class is one of the Llama-family forms listed in
+    ``_FUSABLE``, it runs the C attention (:func:`use_c_attention`), its four projections are :class:`specmoe.dense.CLinear`, its q/k norms (if
+    the form has them) are plain RMSNorms, nothing clips q/k/v, and the model's weights are f32
+    or bf16.  Everything the block does not cover at call time -- more than
+    ``ATTENTION_MAX_TOKENS`` tokens, a batch of several rows, another device or dtype, a mask
+    or argument the C attention does not read, training -- goes to the module's own forward.
+    Idempotent."""
+    from .dense import CLinear
+    if ctx is None:
+        from .kernels import context
+        ctx = context()
+    done = []
+    for name, m in model.named_modules():
+        form = _FUSABLE.get(type(m).__name__)
+        if form is None or getattr(m, "_specmoe_block", None) is not None:
+            if getattr(m, "_specmoe_block", None) is not None:
+                done.append(name)
+            continue
+        projs = [getattr(m, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if getattr(m, "_specmoe_attn", None) is None or not all(isinstance(p, CLinear)
+                                                                for p in projs):
+            continue
+        dt = projs[0].out_dtype
+        if dt not in _BLOCK_DTYPES or getattr(m.config, "clip_qkv", None) is not None:
+            continue
+        cfg = m.config
+        D = int(m.head_dim)
+        H = int(cfg.num_attention_heads)
+        Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
+        kw: dict[str, Any] = {"norm": form}
+        if form != "none":
+            qn, kn = _norm_weight(getattr(m, "q_norm", None)), _norm_weight(getattr(m, "k_norm", None))
+            if qn is None or kn is None or m.q_norm.variance_epsilon != m.k_norm.variance_epsilon:
+                continue
+            kw.update(q_norm=qn, k_norm=kn, eps=float(m.q_norm.variance_epsilon))
+        try:
+            blk = _C.AttnBlock(ctx, *(p._c for p in projs), H, Hkv, D,
+                               bf16=dt == torch.bfloat16, max_tokens=ATTENTION_MAX_TOKENS, **kw)
+        except (ValueError, TypeError):
+            continue  # shapes this form does not have (e.g. a head_dim the config disagrees on)
+        m._specmoe_block = blk
+        m._specmoe_block_shape = (H, Hkv, D, int(projs[3].out_features), dt)
+        m.forward = _fused_forward(m, m.forward)
+        done.append(name)
+    return done
+
+
+def _fused_forward(module: nn.Module, original: Any) -> Any:
+    """``module``'s forward with its decode steps through its AttnBlock (looked up at each call:
+    one attribute read, and tests may wrap it)."""
+    H, Hkv, D, hidden, dt = module._specmoe_block_shape
+    scaling = float(getattr(module, "scaling", None) or 1.0 / math.sqrt(D))
+
+    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None,
+                attention_mask: torch.Tensor | None = None, cache: Any = None,
+                **kwargs: Any) -> Any:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        x = hidden_states
+        B, T = x.shape[0], x.shape[1]
+        pe = position_embeddings
+        if (B != 1 or T > ATTENTION_MAX_TOKENS or x.dtype != dt or x.device.type != "cpu"
+                or module.training or pe is None or pe[0].shape[-1] != D
+                or pe[0].dtype not in _BLOCK_DTYPES or pe[1].dtype != pe[0].dtype
+                or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
+                or not _mask_readable(attention_mask, T)
+                or (attention_mask is not None and attention_mask.shape[1] != 1)):
+            return original(hidden_states=hidden_states, position_embeddings=pe,
+                            attention_mask=attention_mask, cache=cache, **kwargs)
+        blk = module._specmoe_block
+        cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
+        q = torch.empty(1, H, T, D, dtype=torch.float32)
+        k = torch.empty(1, Hkv, T, D, dtype=dt)
+        v = torch.empty(1, Hkv, T, D, dtype=dt)
+        blk.pre(tensor_array(x.reshape(T, hidden).contiguous()), tensor_array(cos.contiguous()),
+                tensor_array(sin.contiguous()), q.numpy(), tensor_array(k), tensor_array(v))
+        if cache is not None:
+            k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)
+        S = k.shape[2]
+        bias = _mask_bias(attention_mask, T, S, torch.float32)
+        if bias is not None:
+            bias = bias.reshape(bias.shape[0], T, S).contiguous().numpy()
+        if k.stride(-1) != 1 or k.stride(-2) != D or v.stride() != k.stride():
+            k, v = k.contiguous(), v.contiguous()
+        out = torch.empty(1, T, hidden, dtype=dt)
+        blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, scaling,
+                 tensor_array(out.view(T, hidden)))
+        return out, None
+    forward.__name__ = f"specmoe_fused_{type(module).__name__}_forward"
+    return forward

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import _C
 from .kernels import context, tensor_array
-from .attention import use_c_attention
+from .attention import fuse_attention, use_c_attention
 from .mla import absorb_mla
 from .quant import quantize_int4, quantize_int8
 
@@ -158,7 +158,9 @@ class DenseReport:
     """What :func:`convert_dense` did: layers converted (qualified names), bytes before and
     after, layers left in torch with the reason, the MLA attention modules decoded in the
     absorbed form (:mod:`specmoe.mla`), the attention implementation running the other
-    attention modules' decode steps in C (:mod:`specmoe.attention`; None: unchanged);
+    attention modules' decode steps in C (:mod:`specmoe.attention`; None: unchanged), the
+    attention modules whose decode steps run whole in C (``fused``,
+    :func:`specmoe.attention.fuse_attention`);
     ``decode_torch_threads``: torch's intra-op threads during decode-sized forwards
     (:class:`DecodeThreads`), None when unchanged."""
 
@@ -167,6 +169,7 @@ class DenseReport:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     mla: list[str] = dataclasses.field(default_factory=list)
     attention: str | None = None
+    fused: list[str] = dataclasses.field(default_factory=list)
     decode_torch_threads: int | None = None
     bytes_before: int = 0
     bytes_after: int = 0
@@ -178,7 +181,8 @@ class DenseReport:
                 f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
                 + (f", {len(self.skipped)} left in torch" if self.skipped else "")
                 + (f", {len(self.mla)} MLA attentions absorbed" if self.mla else "")
-                + (f", attention {self.attention}" if self.attention else ""))
+                + (f", attention {self.attention}" if self.attention else "")
+                + (f" ({len(self.fused)} fused)" if self.fused else ""))
 
 
 def resolve_dense(dense: str | bool | None, model_dtype: torch.dtype) -> str | None:
@@ -304,6 +308,7 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         report.converted.append(name)
+    report.fused = fuse_attention(model, ctx)
     if report.converted and getattr(model, "_specmoe_decode_threads", None) is None:
         hooks = DecodeThreads(torch_above if torch_above is not None else TORCH_ABOVE)
         hooks.install(model)

@@ -1,0 +1,55 @@
+/* The element-wise pieces of a decoder layer's attention block between its matrix products, at
+ * decode sizes, for specmoe._C.AttnBlock (csrc/py_attn.c): RMSNorm and the rotary embedding
+ * (the rotate-half form of the Llama family) on f32 rows.
+ *
+ * bf16 models: with `bf16` set, every intermediate that torch would store as a bf16 tensor is
+ * rounded to bf16 (round to nearest even, smoe_bf16_rne) at the same point, so that the block
+ * follows the bf16 model's own arithmetic step by step (f32 math, bf16 storage) instead of
+ * carrying extra f32 precision the unmodified model does not have.  With `bf16` clear the
+ * arithmetic is torch's f32: no roundings beyond f32's, no fused multiply-add (-std=c11 turns
+ * contraction off). */
+#ifndef SMOE_BLOCK_H
+#define SMOE_BLOCK_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* f32 -> bf16 bits, round to nearest even: what torch's Tensor.to(torch.bfloat16) gives (a NaN
+ * keeps its sign and top payload bits, made quiet, as vcvtneps2bf16 does). */
+static inline uint16_t smoe_bf16_rne(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40u);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+/* bf16 bits -> f32 (exact). */
+static inline float smoe_bf16_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* f32 rounded to the nearest bf16 value, kept as f32. */
+static inline float smoe_bf16_round1(float f) { return smoe_bf16_f32(smoe_bf16_rne(f)); }
+
+/* x[i] = smoe_bf16_round1(x[i]) for i < n. */
+void smoe_bf16_round(float *x, size_t n);
+
+/* RMSNorm of `rows` rows of n values each, in place (transformers' Llama-family RMSNorm):
+ *     y = x * rsqrt(mean(x^2) + eps)        (f32; bf16: y rounded to bf16)
+ *     x = w * y                             (bf16: rounded to bf16)
+ * w: n weights (the module's weight, widened to f32), or NULL for none. */
+void smoe_rmsnorm(float *x, uint32_t rows, uint32_t n, const float *w, float eps, int bf16);
+
+/* Rotary embedding of `heads` vectors of D values (D even) of one token, in place, with that
+ * token's cos and sin (D values each):
+ *     x = x * cos + rotate_half(x) * sin,   rotate_half(x) = (-x[D/2:], x[:D/2])
+ * (bf16: each product and the sum rounded to bf16, as torch's three bf16 ops). */
+void smoe_rotary_half(float *x, uint32_t heads, uint32_t D, const float *cos, const float *sin,
+                      int bf16);
+
+#endif

@@ -1,0 +1,244 @@
+"""A decoder layer's whole attention module at decode sizes in C (specmoe._C.AttnBlock,
+specmoe.attention.fuse_attention): on tiny models of each fusable form (OLMoE's q/k norm over
+all heads, Qwen3's per head, Qwen2-MoE's projection biases, Mixtral's plain form), decode steps
+and verification chunks on a cache against the unmodified transformers model (f32) and, for bf16
+models, bit for bit against the same model with torch doing the norms, rotary and casts between
+the same C projections; the fall-back to the module's own forward; bad input."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specmoe import _C
+from specmoe.attention import ATTENTION_MAX_TOKENS, fuse_attention
+from specmoe.dense import CLinear, convert_dense
+from specmoe.testing import tiny_model
+
+ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral"]
+STEPS = (1, 4, 1, 3, 1)
+
+
+class _Counting:
+    """Stands in for a module's AttnBlock and records each pre call's token count."""
+
+    def __init__(self, blk, calls):
+        self.blk, self.calls = blk, calls
+
+    def pre(self, x, *a):
+        self.calls.append(x.shape[0])
+        return self.blk.pre(x, *a)
+
+    def post(self, *a):
+        return self.blk.post(*a)
+
+
+def _fused(model, fmt):
+    rep = convert_dense(model, fmt)
+    calls: list[int] = []
+    for mod in model.modules():
+        if getattr(mod, "_specmoe_block", None) is not None:
+            mod._specmoe_block = _Counting(mod._specmoe_block, calls)
+    return rep, calls
+
+
+def _unfused(model):
+    """The same conversion with the fusion undone: torch runs norms, rotary and casts around
+    the same C projections and C attention kernel."""
+    for mod in model.modules():
+        if getattr(mod, "_specmoe_block", None) is not None:
+            del mod.forward
+    return model
+
+
+def _decode(model, ids, first):
+    kv = DynamicCache(config=model.config)
+    with torch.no_grad():
+        parts = [model(ids[:, :first], cache=kv, use_cache=True).logits]
+        pos = first
+        for T in STEPS:
+            parts.append(model(ids[:, pos:pos + T], cache=kv, use_cache=True).logits)
+            pos += T
+    return torch.cat(parts, 1), pos
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_decode_matches_transformers(arch):
+    ref = tiny_model(arch)
+    m = copy.deepcopy(ref)
+    rep, calls = _fused(m, "f32")
+    L = m.config.num_hidden_layers
+    assert len(rep.fused) == L and f"({L} fused)" in str(rep)
+    assert fuse_attention(m) == rep.fused                       # idempotent
+    ids = torch.randint(3, 100, (1, ATTENTION_MAX_TOKENS + 14),
+                        generator=torch.Generator().manual_seed(1))
+    first = ATTENTION_MAX_TOKENS + 4                            # prefill: the module's own
+    got, pos = _decode(m, ids, first)
+    assert calls == [T for T in STEPS for _ in range(L)]
+    with torch.no_grad():
+        full = ref(ids[:, :pos]).logits
+    torch.testing.assert_close(got, full, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_decode_bit_identical_to_torch_glue(arch):
+    """A bf16 model's roundings (projection outputs, norm, rotary products and sum, attention
+    output) are reproduced step by step: the attention modules' outputs equal, bit for bit,
+    those of the same model with torch doing everything between the C kernels."""
+    base = tiny_model(arch, dtype=torch.bfloat16)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    _, calls = _fused(a, "bf16")
+    convert_dense(b, "bf16")
+    _unfused(b)
+    outs: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    for tag, mdl in (("a", a), ("b", b)):
+        for layer in mdl.model.layers:
+            layer.self_attn.register_forward_hook(
+                lambda mod, args, out, tag=tag: outs[tag].append(out[0].clone()))
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(2))
+    la, _ = _decode(a, ids, 10)
+    lb, _ = _decode(b, ids, 10)
+    assert len(calls) == (1 + len(STEPS)) * a.config.num_hidden_layers  # prefill of 10 too
+    assert len(outs["a"]) == len(outs["b"]) > 0
+    for x, y in zip(outs["a"], outs["b"]):
+        assert x.dtype == torch.bfloat16 and torch.equal(x, y)
+    assert torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
+def test_left_padded_batch_and_long_prefill_fall_back(arch):
+    ref = tiny_model(arch)
+    m = copy.deepcopy(ref)
+    _, calls = _fused(m, "f32")
+    a = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]])
+    am = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+    kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ref.generate(a, **kw), m.generate(a, **kw))
+    assert calls == []                                          # batch 2: the module's own
+    long = torch.randint(3, 100, (1, ATTENTION_MAX_TOKENS + 1),
+                         generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(ref.generate(long, **kw), m.generate(long, **kw))
+    assert calls == [1] * (4 * m.config.num_hidden_layers)      # 4 decode steps in C
+
+
+def test_not_fused_without_c_projections_or_with_clipping():
+    m = tiny_model("olmoe")
+    assert fuse_attention(m) == []                              # torch projections
+    m.config.clip_qkv = 4.0
+    rep = convert_dense(m, "f32")
+    assert rep.fused == [] and rep.converted
+    assert not any(hasattr(mod, "_specmoe_block") for mod in m.modules())
+
+
+def _block_parts(H=4, Hkv=2, D=8, hidden=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lin = [torch.nn.Linear(i, o, bias=False) for i, o in
+           ((hidden, H * D), (hidden, Hkv * D), (hidden, Hkv * D), (H * D, hidden))]
+    for li in lin:
+        li.weight.data = torch.randn(li.weight.shape, generator=g) * 0.1
+    return [CLinear(li, "f32")._c for li in lin]
+
+
+def test_bad_input_raises_and_leaves_outputs_alone():
+    ctx = _C.KernelContext(1)
+    q, k, v, o = _block_parts()
+    with pytest.raises(TypeError, match="Linear"):
+        _C.AttnBlock(ctx, q, k, v, "o", 4, 2, 8)
+    with pytest.raises(ValueError, match="the k projection"):
+        _C.AttnBlock(ctx, q, q, v, o, 4, 2, 8)
+    with pytest.raises(ValueError, match="norm must be"):
+        _C.AttnBlock(ctx, q, k, v, o, 4, 2, 8, norm="layer")
+    with pytest.raises(ValueError, match="q_norm has 8 weights, expected 32"):
+        _C.AttnBlock(ctx, q, k, v, o, 4, 2, 8, norm="full", q_norm=np.ones(8, np.float32),
+                     k_norm=np.ones(16, np.float32))
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        _C.AttnBlock(ctx, q, k, v, o, 4, 3, 8)
+    blk = _C.AttnBlock(ctx, q, k, v, o, 4, 2, 8, max_tokens=4)
+    x = np.ones((2, 32), np.float32)
+    cs = np.ones((2, 8), np.float32)
+    qo = np.full((1, 4, 2, 8), 7.0, np.float32)
+    ko = np.full((1, 2, 2, 8), 7.0, np.float32)
+    vo = ko.copy()
+    bad = [((np.ones((5, 32), np.float32), np.ones((5, 8), np.float32),
+             np.ones((5, 8), np.float32), qo, ko, vo), "5 tokens"),
+           ((x, cs[:, :6].copy(), cs, qo, ko, vo), "cos"),
+           ((x, cs, cs, qo[:, :3].copy(), ko, vo), "q"),
+           ((x, cs, cs, qo, ko, vo[:, :, :1].copy()), "v"),
+           ((x.astype(np.float64), cs, cs, qo, ko, vo), "x")]
+    for args, what in bad:
+        with pytest.raises(ValueError, match=what):
+            blk.pre(*args)
+    for arr in (qo, ko, vo):
+        np.testing.assert_array_equal(arr, 7.0)
+    blk.pre(x, cs, np.zeros((2, 8), np.float32), qo, ko, vo)
+    out = np.full((2, 32), 7.0, np.float32)
+    with pytest.raises(ValueError, match="out"):
+        blk.post(qo, ko, vo, None, 0.3, np.zeros((2, 31), np.float32))
+    with pytest.raises(ValueError, match="same dtype"):
+        blk.post(qo, ko, vo.astype(np.float32).view(np.uint16)[..., :8].copy(), None, 0.3, out)
+    np.testing.assert_array_equal(out, 7.0)
+    with pytest.raises(TypeError, match="6 arguments"):
+        blk.post(qo, ko, vo, None, 0.3)
+
+
+def test_block_against_numpy_reference():
+    """pre + post for 2 tokens on a 3-position cache against float64 numpy: projections, the
+    per-head RMSNorm, rotate-half rotary, softmax attention with a causal bias, o_proj."""
+    H, Hkv, D, hid = 4, 2, 8, 32
+    parts = _block_parts(H, Hkv, D, hid, seed=5)
+    rng = np.random.default_rng(0)
+    qn = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    kn = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    blk = _C.AttnBlock(_C.KernelContext(2), *parts, H, Hkv, D, norm="head", q_norm=qn,
+                       k_norm=kn, eps=1e-6)
+    T, S0 = 2, 3
+    x = rng.standard_normal((T, hid)).astype(np.float32)
+    ang = rng.uniform(0, 6, (T, D // 2))
+    cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
+    sin = np.sin(np.concatenate([ang, ang], 1)).astype(np.float32)
+    q = np.zeros((1, H, T, D), np.float32)
+    k = np.zeros((1, Hkv, T, D), np.float32)
+    v = np.zeros((1, Hkv, T, D), np.float32)
+    blk.pre(x, cos, sin, q, k, v)
+    Wq, Wk, Wv, Wo = (_weights(p) for p in parts)
+
+    def norm_rope(y, heads, w):
+        y = y.reshape(T, heads, D).astype(np.float64)
+        y = y / np.sqrt((y ** 2).mean(-1, keepdims=True) + 1e-6) * w
+        rh = np.concatenate([-y[..., D // 2:], y[..., :D // 2]], -1)
+        return (y * cos[:, None] + rh * sin[:, None]).transpose(1, 0, 2)
+
+    rq = norm_rope(x @ Wq.T, H, qn)
+    rk = norm_rope(x @ Wk.T, Hkv, kn)
+    rv = (x.astype(np.float64) @ Wv.T).reshape(T, Hkv, D).transpose(1, 0, 2)
+    np.testing.assert_allclose(q[0], rq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k[0], rk, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v[0], rv, rtol=1e-5, atol=1e-5)
+    old = rng.standard_normal((1, Hkv, S0, D)).astype(np.float32)
+    K = np.concatenate([old, k], 2)
+    V = np.concatenate([old[..., ::-1].copy(), v], 2)
+    S = S0 + T
+    bias = np.zeros((1, T, S), np.float32)
+    bias[0, 0, S - 1] = np.finfo(np.float32).min                # token 0 does not see token 1
+    out = np.zeros((T, hid), np.float32)
+    blk.post(q, K, V, bias, 0.35, out)
+    att = np.zeros((T, H, D))
+    for h in range(H):
+        g = h // (H // Hkv)
+        s = q[0, h].astype(np.float64) @ K[0, g].T * 0.35 + bias[0]
+        p = np.exp(s - s.max(1, keepdims=True))
+        att[:, h] = (p / p.sum(1, keepdims=True)) @ V[0, g]
+    np.testing.assert_allclose(out, att.reshape(T, H * D) @ Wo.T, rtol=1e-4, atol=1e-5)
+
+
+def _weights(lin_c):
+    """The f32 weight matrix a CLinear's C object reads (N, K)."""
+    N, K = lin_c.shape
+    eye = np.eye(K, dtype=np.float32)
+    out = np.zeros((K, N), np.float32)
+    lin_c.forward(eye, out)
+    return out.T.astype(np.float64)
