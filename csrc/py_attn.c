@@ -488,11 +488,12 @@ enum { NORM_NONE = 0, NORM_FULL = 1, NORM_HEAD = 2 };
 typedef struct {
     PyObject_HEAD
     PyObject *ctx_obj;         /* the KernelContext (strong reference) */
-    PyObject *lin_obj[4];      /* q, k, v, o projections: specmoe._C.Linear (strong) */
+    PyObject *lin_obj[5];      /* q, k, v, o projections and optionally q|k|v in one:
+                                  specmoe._C.Linear (strong; [4] may be NULL) */
     PyObject *qn_obj, *kn_obj; /* float32 q_norm / k_norm weights or NULL (strong) */
-    const smoe_linear_desc *ld[4]; /* borrowed from lin_obj (immutable) */
-    const uint8_t *lb[4];
-    const float *lbias[4];
+    const smoe_linear_desc *ld[5]; /* borrowed from lin_obj (immutable) */
+    const uint8_t *lb[5];
+    const float *lbias[5];
     uint32_t H, Hkv, D, hidden, max_tokens;
     int norm;                  /* NORM_NONE, NORM_FULL (over all heads), NORM_HEAD (per head) */
     float eps;
@@ -509,22 +510,25 @@ typedef struct {
 
 static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"ctx", "q", "k", "v", "o", "heads", "kv_heads", "head_dim",
-                             "norm", "q_norm", "k_norm", "eps", "bf16", "max_tokens", NULL};
-    PyObject *ctx_o, *lin[4], *qn_o = Py_None, *kn_o = Py_None;
+                             "norm", "q_norm", "k_norm", "eps", "bf16", "max_tokens", "qkv",
+                             NULL};
+    PyObject *ctx_o, *lin[5] = {NULL, NULL, NULL, NULL, Py_None}, *qn_o = Py_None,
+             *kn_o = Py_None;
     unsigned int H, Hkv, D, max_tokens = 16;
     const char *norm = "none";
     double eps = 1e-6;
     int bf16 = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpI:AttnBlock", kwlist, &ctx_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpIO:AttnBlock", kwlist, &ctx_o,
                                      &lin[0], &lin[1], &lin[2], &lin[3], &H, &Hkv, &D, &norm,
-                                     &qn_o, &kn_o, &eps, &bf16, &max_tokens))
+                                     &qn_o, &kn_o, &eps, &bf16, &max_tokens, &lin[4]))
         return -1;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "AttnBlock is already initialised");
         return -1;
     }
     if (!smoe_py_kctx(ctx_o)) return -1;
-    for (int i = 0; i < 4; i++)
+    const int nlin = lin[4] == Py_None ? 4 : 5;
+    for (int i = 0; i < nlin; i++)
         if (smoe_py_linear_parts(lin[i], &self->ld[i], &self->lb[i], &self->lbias[i])) return -1;
     int nk = !strcmp(norm, "none") ? NORM_NONE
              : !strcmp(norm, "full") ? NORM_FULL
@@ -543,10 +547,10 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     const uint32_t hidden = self->ld[0]->K;
-    const uint32_t want_n[4] = {H * D, Hkv * D, Hkv * D, hidden};
-    const uint32_t want_k[4] = {hidden, hidden, hidden, H * D};
-    static const char *names[4] = {"q", "k", "v", "o"};
-    for (int i = 0; i < 4; i++)
+    const uint32_t want_n[5] = {H * D, Hkv * D, Hkv * D, hidden, (H + 2 * Hkv) * D};
+    const uint32_t want_k[5] = {hidden, hidden, hidden, H * D, hidden};
+    static const char *names[5] = {"q", "k", "v", "o", "qkv"};
+    for (int i = 0; i < nlin; i++)
         if (self->ld[i]->N != want_n[i] || self->ld[i]->K != want_k[i]) {
             PyErr_Format(PyExc_ValueError,
                          "AttnBlock: the %s projection is %u -> %u, expected %u -> %u (heads=%u "
@@ -576,7 +580,7 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
         }
     }
     size_t ls = 0;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < nlin; i++) {
         size_t s = smoe_linear_scratch_bytes(self->ld[i], max_tokens);
         if (s > ls) ls = s;
     }
@@ -601,7 +605,7 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     }
     Py_INCREF(ctx_o);
     self->ctx_obj = ctx_o;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < nlin; i++) {
         Py_INCREF(lin[i]);
         self->lin_obj[i] = lin[i];
     }
@@ -629,7 +633,7 @@ static void ab_dealloc(AttnBlockObject *self) {
     free(self->lscratch);
     free(self->ascratch);
     Py_XDECREF(self->ctx_obj);
-    for (int i = 0; i < 4; i++) Py_XDECREF(self->lin_obj[i]);
+    for (int i = 0; i < 5; i++) Py_XDECREF(self->lin_obj[i]);
     Py_XDECREF(self->qn_obj);
     Py_XDECREF(self->kn_obj);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -673,14 +677,36 @@ static void to_head_major(void *dst, int bf16, const float *src, size_t src_stri
         }
 }
 
-/* pre(x, cos, sin, q, k, v): projections, q/k norms and rotary embedding of T tokens. */
+/* An RMSNorm's weights (float32 [n], C-contiguous) and eps (a float >= 0) into *w, *eps; -1
+ * with an error otherwise. */
+static int norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, float *eps) {
+    PyArrayObject *a = smoe_py_want_array(wo, "ln", NPY_FLOAT32, 1, 0);
+    if (!a) return -1;
+    if (PyArray_DIM(a, 0) != (npy_intp)n) {
+        PyErr_Format(PyExc_ValueError, "ln has %zd weights, expected hidden=%u",
+                     (Py_ssize_t)PyArray_DIM(a, 0), n);
+        return -1;
+    }
+    double e = PyFloat_AsDouble(eo);
+    if (e == -1.0 && PyErr_Occurred()) return -1;
+    if (!(e >= 0.0) || e > 1.0) {
+        PyErr_Format(PyExc_ValueError, "ln_eps must be in [0, 1], got %g", e);
+        return -1;
+    }
+    *w = (const float *)PyArray_DATA(a);
+    *eps = (float)e;
+    return 0;
+}
+
+/* pre(x, cos, sin, q, k, v[, ln, ln_eps]): the input RMSNorm (when ln is given), projections, q/k norms and rotary embedding of T tokens. */
 static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!self->ready) {
         PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
         return NULL;
     }
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "pre(x, cos, sin, q, k, v) takes 6 arguments, got %zd",
+    if (nargs != 6 && nargs != 8) {
+        PyErr_Format(PyExc_TypeError,
+                     "pre(x, cos, sin, q, k, v[, ln, ln_eps]) takes 6 or 8 arguments, got %zd",
                      nargs);
         return NULL;
     }
@@ -705,6 +731,9 @@ static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t
         dims_are(args[4], "k [1, kv_heads, T, head_dim]", w_kv, 4) ||
         dims_are(args[5], "v [1, kv_heads, T, head_dim]", w_kv, 4))
         return NULL;
+    const float *ln = NULL;
+    float ln_eps = 0.0f;
+    if (nargs == 8 && norm_arg(args[6], args[7], hid, &ln, &ln_eps)) return NULL;
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
     const void *xp = PyArray_DATA((PyArrayObject *)args[0]);
@@ -725,11 +754,15 @@ static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t
     pthread_mutex_lock(&self->mu);
     float *x = self->buf, *y = self->buf + (size_t)self->max_tokens * hid; /* y [T, q|k|v] */
     const float *xin = (const float *)xp;
-    if (xb) {
-        widen(x, xp, 1, (size_t)nt * hid);
+    if (xb || ln) {
+        widen(x, xp, xb, (size_t)nt * hid);
+        if (ln) smoe_rmsnorm(x, nt, hid, ln, ln_eps, self->bf16); /* the input layernorm */
         xin = x;
     }
-    for (int i = 0; i < 3 && rc == SMOE_OK; i++) {
+    if (self->lin_obj[4]) /* q|k|v in one call: its output rows are y's */
+        rc = smoe_linear_forward(c, self->ld[4], self->lb[4], self->lbias[4], xin, hid, nt, y,
+                                 qkv, self->lscratch, &err);
+    for (int i = 0; i < 3 && rc == SMOE_OK && !self->lin_obj[4]; i++) {
         const uint32_t off = i == 0 ? 0 : i == 1 ? nq : nq + nkv;
         rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], xin, hid, nt,
                                  y + off, qkv, self->lscratch, &err);
@@ -769,9 +802,10 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
         return NULL;
     }
-    if (nargs != 6) {
+    if (nargs != 6 && nargs != 10) {
         PyErr_Format(PyExc_TypeError,
-                     "post(q, k, v, bias, scale, out) takes 6 arguments, got %zd", nargs);
+                     "post(q, k, v, bias, scale, out[, resid, ln, ln_eps, normed]) takes 6 or "
+                     "10 arguments, got %zd", nargs);
         return NULL;
     }
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
@@ -804,6 +838,30 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
     const float *bias;
     uint32_t bias_rows;
     if (bias_arg(args[3], 1, T, S, &bias, &bias_rows)) return NULL;
+    const void *rp = NULL;
+    void *np_ = NULL;
+    const float *ln = NULL;
+    float ln_eps = 0.0f;
+    if (nargs == 10) {
+        int rb = f32_or_bf16_io(args[6], "resid", 2, 0);
+        int nb = f32_or_bf16_io(args[9], "normed", 2, 1);
+        if (rb < 0 || nb < 0) return NULL;
+        if (rb != ob || nb != ob) {
+            PyErr_SetString(PyExc_ValueError, "resid, out and normed must have the same dtype");
+            return NULL;
+        }
+        if (dims_are(args[6], "resid [T, hidden]", w_o, 2) ||
+            dims_are(args[9], "normed [T, hidden]", w_o, 2) ||
+            norm_arg(args[7], args[8], hid, &ln, &ln_eps))
+            return NULL;
+        rp = PyArray_DATA((PyArrayObject *)args[6]);
+        np_ = PyArray_DATA((PyArrayObject *)args[9]);
+        if (rp == PyArray_DATA((PyArrayObject *)args[5]) || np_ == rp ||
+            np_ == PyArray_DATA((PyArrayObject *)args[5])) {
+            PyErr_SetString(PyExc_ValueError, "resid, out and normed must not alias");
+            return NULL;
+        }
+    }
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
     smoe_mha_desc d = {H, Hkv, D, (float)scale};
@@ -816,7 +874,7 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
     float *att = self->buf + (size_t)self->max_tokens * (hid + qkv); /* [T, H, D] */
-    float *of = ob ? self->buf : (float *)op;                         /* [T, hidden] */
+    float *of = ob || rp ? self->buf : (float *)op;                   /* [T, hidden] */
     rc = grow_scratch(&self->ascratch, &self->ascratch_cap, need, &err);
     if (rc == SMOE_OK)
         rc = smoe_mha_decode(c, &d, 1, nt, (uint32_t)S, (const float *)PyArray_DATA(q),
@@ -829,8 +887,26 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
         rc = smoe_linear_forward(c, self->ld[3], self->lb[3], self->lbias[3], att, (size_t)H * D,
                                  nt, of, hid, self->lscratch, &err);
     }
+    const size_t n = (size_t)nt * hid;
+    if (rc == SMOE_OK && rp) {
+        /* the decoder layer's residual add (a bf16 model rounds the projection's output, then
+         * the sum) */
+        if (self->bf16) smoe_bf16_round(of, n);
+        for (size_t i = 0; i < n; i++)
+            of[i] += ob ? smoe_bf16_f32(((const uint16_t *)rp)[i]) : ((const float *)rp)[i];
+        if (self->bf16) smoe_bf16_round(of, n);
+    }
     if (rc == SMOE_OK && ob)
-        for (size_t i = 0; i < (size_t)nt * hid; i++) ((uint16_t *)op)[i] = smoe_bf16_rne(of[i]);
+        for (size_t i = 0; i < n; i++) ((uint16_t *)op)[i] = smoe_bf16_rne(of[i]);
+    else if (rc == SMOE_OK && rp)
+        memcpy(op, of, n * sizeof(float));
+    if (rc == SMOE_OK && rp) { /* then the post-attention RMSNorm of the sum, in place */
+        smoe_rmsnorm(of, nt, hid, ln, ln_eps, self->bf16);
+        if (ob)
+            for (size_t i = 0; i < n; i++) ((uint16_t *)np_)[i] = smoe_bf16_rne(of[i]);
+        else
+            memcpy(np_, of, n * sizeof(float));
+    }
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     if (rc != 0) return smoe_py_raise(&err);
@@ -839,15 +915,19 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
 
 static PyMethodDef ab_methods[] = {
     {"pre", (PyCFunction)(void (*)(void))ab_pre, METH_FASTCALL,
-     "pre(x, cos, sin, q, k, v): the q/k/v projections of x [T, hidden], the q/k norms and the "
-     "rotary embedding (cos, sin [T, head_dim]); writes q float32 [1, heads, T, head_dim] and "
-     "k, v [1, kv_heads, T, head_dim] (float32 or bf16 bits, for the KV cache).  x, cos, sin "
-     "float32 or bf16 bits, C-contiguous; GIL released."},
+     "pre(x, cos, sin, q, k, v[, ln, ln_eps]): the q/k/v projections of x [T, hidden] (first "
+     "RMSNorm-ed with the weights ln float32 [hidden] and ln_eps when given: the decoder "
+     "layer's input layernorm), the q/k norms and the rotary embedding (cos, sin [T, "
+     "head_dim]); writes q float32 [1, heads, T, head_dim] and k, v [1, kv_heads, T, head_dim] "
+     "(float32 or bf16 bits, for the KV cache).  x, cos, sin float32 or bf16 bits, "
+     "C-contiguous; GIL released."},
     {"post", (PyCFunction)(void (*)(void))ab_post, METH_FASTCALL,
      "post(q, k, v, bias, scale, out): attention of q (pre's) over the cache k, v [1, kv_heads, "
      "S, head_dim] (float32 or bf16 bits, each [S, head_dim] block dense) with the additive "
      "bias float32 [1, T, S] or None, then the output projection into out [T, hidden] (float32 "
-     "or bf16 bits); GIL released."},
+     "or bf16 bits).  With resid, ln, ln_eps, normed (the decoder layer's residual stream "
+     "[T, hidden], post-attention RMSNorm weights and eps, and its output [T, hidden], all of "
+     "out's dtype): out = resid + the projection, normed = RMSNorm(out).  GIL released."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject AttnBlockType = {
@@ -855,11 +935,13 @@ static PyTypeObject AttnBlockType = {
     .tp_basicsize = sizeof(AttnBlockObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "AttnBlock(ctx, q, k, v, o, heads, kv_heads, head_dim, norm='none', q_norm=None, "
-              "k_norm=None, eps=1e-6, bf16=False, max_tokens=16): one decoder layer's attention "
+              "k_norm=None, eps=1e-6, bf16=False, max_tokens=16, qkv=None): one decoder "
+              "layer's attention "
               "module at decode sizes (specmoe.attention.fuse_attention) in two calls around "
               "the KV cache update: pre (projections, q/k RMSNorm over all heads ('full') or "
               "per head ('head'), rotary) and post (attention, output projection).  q, k, v, o "
-              "are specmoe._C.Linear objects; q_norm, k_norm float32 weights; bf16: round "
+              "are specmoe._C.Linear objects (qkv, optional: the three projections' rows in one, "
+              "used by pre instead of q, k, v); q_norm, k_norm float32 weights; bf16: round "
               "every intermediate as a bf16 model does (csrc/kernels/block.h).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)ab_init,

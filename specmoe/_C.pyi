@@ -200,13 +200,15 @@ class AttnBlock:
     the KV-cache update (specmoe.attention.fuse_attention, csrc/kernels/block.h): ``pre``
     runs the q/k/v projections (the given Linear objects), the q/k RMSNorm (``norm``:
     ``"none"``, ``"full"`` over all heads, ``"head"`` per head) and the rotary embedding;
-    ``post`` the attention over the cache and the output projection.  ``bf16``: round every
+    ``post`` the attention over the cache and the output projection.  ``qkv``: the q, k and v
+    rows in one Linear, which ``pre`` then runs instead of the three.  ``bf16``: round every
     intermediate as a bf16 model does."""
 
     def __init__(self, ctx: KernelContext, q: Linear, k: Linear, v: Linear, o: Linear,
                  heads: int, kv_heads: int, head_dim: int, norm: str = "none",
                  q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
-                 eps: float = 1e-6, bf16: bool = False, max_tokens: int = 16) -> None: ...
+                 eps: float = 1e-6, bf16: bool = False, max_tokens: int = 16,
+                 qkv: Linear | None = None) -> None: ...
     def pre(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, q: np.ndarray,
             k: np.ndarray, v: np.ndarray) -> None: ...
     def post(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,

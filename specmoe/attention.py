@@ -149,6 +149,11 @@ def use_c_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> st
 _FUSABLE = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
             "Qwen2MoeAttention": "none", "MixtralAttention": "none"}
 _BLOCK_DTYPES = (torch.float32, torch.bfloat16)
+# decoder layers of those forms whose forward is: h + attn(input_layernorm(h)), then that plus
+# mlp(post_attention_layernorm(that)) -- the input norm, the first residual add and the
+# post-attention norm then go into the attention block's two calls
+_FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
+                   "MixtralDecoderLayer")
 
 
 def _norm_weight(norm: nn.Module | None) -> np.ndarray | None:
@@ -199,6 +204,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
             if qn is None or kn is None or m.q_norm.variance_epsilon != m.k_norm.variance_epsilon:
                 continue
             kw.update(q_norm=qn, k_norm=kn, eps=float(m.q_norm.variance_epsilon))
+        kw["qkv"] = _fuse_qkv(projs[:3], ctx)
         try:
             blk = _C.AttnBlock(ctx, *(p._c for p in projs), H, Hkv, D,
                                bf16=dt == torch.bfloat16, max_tokens=ATTENTION_MAX_TOKENS, **kw)
@@ -208,49 +214,155 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         m._specmoe_block_shape = (H, Hkv, D, int(projs[3].out_features), dt)
         m.forward = _fused_forward(m, m.forward)
         done.append(name)
+    for layer in model.modules():
+        attn = getattr(layer, "self_attn", None)
+        if type(layer).__name__ not in _FUSABLE_LAYERS or attn is None \
+                or getattr(attn, "_specmoe_block", None) is None \
+                or getattr(layer, "_specmoe_norms", None) is not None:
+            continue
+        ln = [_norm_weight(getattr(layer, n, None))
+              for n in ("input_layernorm", "post_attention_layernorm")]
+        if ln[0] is None or ln[1] is None:
+            continue
+        layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
+                                ln[1], float(layer.post_attention_layernorm.variance_epsilon))
+        layer.forward = _fused_layer_forward(layer, layer.forward)
     return done
 
 
-def _fused_forward(module: nn.Module, original: Any) -> Any:
-    """``module``'s forward with its decode steps through its AttnBlock (looked up at each call:
-    one attribute read, and tests may wrap it)."""
+def _fuse_qkv(projs: list[Any], ctx: _C.KernelContext) -> _C.Linear | None:
+    """One ``_C.Linear`` over the q, k and v projections' rows together, for int8/int4
+    projections (None otherwise): one call streams the three matrices (an int4 2048x2048
+    projection ran at ~14 GB/s alone, the three together at ~18.5; bf16 gained nothing).  The
+    three CLinears are rebuilt over the joint block (their rows and scales at offsets in it),
+    so the weights are held once.  Rows are quantized independently (int8 per row, int4 per
+    row group), so the rows of the joint matrix are exactly the three's."""
+    if any(p.dtype not in ("int8", "int4") for p in projs) \
+            or len({(p.dtype, p._desc.get("group"), p.in_features) for p in projs}) != 1:
+        return None
+    K = projs[0].in_features
+    rb = K if projs[0].dtype == "int8" else K // 2        # weight bytes per row
+    sb = 4 * (1 if projs[0].dtype == "int8" else K // projs[0]._desc["group"])  # scale bytes
+    Ns = [p.out_features for p in projs]
+    N = sum(Ns)
+    s_off = -(-N * rb // 64) * 64
+    block = np.zeros(s_off + N * sb, np.uint8)
+    row = 0
+    for p, n in zip(projs, Ns):
+        w0, s0 = p._desc["weight"], p._desc["weight_scale"]
+        block[row * rb:(row + n) * rb] = p._block[w0:w0 + n * rb]
+        block[s_off + row * sb:s_off + (row + n) * sb] = p._block[s0:s0 + n * sb]
+        row += n
+    biases = [p._bias for p in projs]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = np.concatenate([b if b is not None else np.zeros(n, np.float32)
+                               for b, n in zip(biases, Ns)])
+    row = 0
+    for p, n in zip(projs, Ns):                 # each projection now reads the joint block
+        p._desc = dict(p._desc, weight=row * rb, weight_scale=s_off + row * sb)
+        p._block = block
+        p._c = _C.Linear(ctx, p._desc, block, p._bias)
+        row += n
+    desc = dict(projs[0]._desc, N=N, weight=0, weight_scale=s_off)
+    return _C.Linear(ctx, desc, block, bias)
+
+
+def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
+               kwargs: dict[str, Any]) -> bool:
+    """Whether the attention block serves this call of ``module`` (else its own forward)."""
     H, Hkv, D, hidden, dt = module._specmoe_block_shape
-    scaling = float(getattr(module, "scaling", None) or 1.0 / math.sqrt(D))
+    T = x.shape[1]
+    return not (x.shape[0] != 1 or T > ATTENTION_MAX_TOKENS or x.dtype != dt
+                or x.device.type != "cpu" or module.training or pe is None
+                or pe[0].shape[-1] != D or pe[0].dtype not in _BLOCK_DTYPES
+                or pe[1].dtype != pe[0].dtype
+                or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
+                or not _mask_readable(attention_mask, T)
+                or (attention_mask is not None and attention_mask.shape[1] != 1))
+
+
+def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, cache: Any,
+                kwargs: dict[str, Any], norms: tuple | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One attention module of T <= ATTENTION_MAX_TOKENS tokens through its AttnBlock: pre,
+    transformers' cache update, post.  norms None: returns (attention output, None); else
+    (input_layernorm w, eps, post_attention_layernorm w, eps): x is the decoder layer's input,
+    the input norm runs first, and the return is (x + attention output, its post-attention
+    norm)."""
+    blk = module._specmoe_block        # looked up at each call: one attribute read, and
+    H, Hkv, D, hidden, dt = module._specmoe_block_shape  # tests may wrap it
+    T = x.shape[1]
+    cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
+    q = torch.empty(1, H, T, D, dtype=torch.float32)
+    k = torch.empty(1, Hkv, T, D, dtype=dt)
+    v = torch.empty(1, Hkv, T, D, dtype=dt)
+    xa = tensor_array(x.reshape(T, hidden).contiguous())
+    if norms is None:
+        blk.pre(xa, tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), q.numpy(),
+                tensor_array(k), tensor_array(v))
+    else:
+        blk.pre(xa, tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), q.numpy(),
+                tensor_array(k), tensor_array(v), norms[0], norms[1])
+    if cache is not None:
+        k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)
+    S = k.shape[2]
+    bias = _mask_bias(attention_mask, T, S, torch.float32)
+    if bias is not None:
+        bias = bias.reshape(bias.shape[0], T, S).contiguous().numpy()
+    if k.stride(-1) != 1 or k.stride(-2) != D or v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty(1, T, hidden, dtype=dt)
+    if norms is None:
+        blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, module._specmoe_scaling,
+                 tensor_array(out.view(T, hidden)))
+        return out, None
+    normed = torch.empty(1, T, hidden, dtype=dt)
+    blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, module._specmoe_scaling,
+             tensor_array(out.view(T, hidden)), xa, norms[2], norms[3],
+             tensor_array(normed.view(T, hidden)))
+    return out, normed
+
+
+def _fused_forward(module: nn.Module, original: Any) -> Any:
+    """``module``'s forward with its decode steps through its AttnBlock."""
+    D = module._specmoe_block_shape[2]
+    module._specmoe_scaling = float(getattr(module, "scaling", None) or 1.0 / math.sqrt(D))
 
     def forward(hidden_states: torch.Tensor, position_embeddings: Any = None,
                 attention_mask: torch.Tensor | None = None, cache: Any = None,
                 **kwargs: Any) -> Any:
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
-        x = hidden_states
-        B, T = x.shape[0], x.shape[1]
-        pe = position_embeddings
-        if (B != 1 or T > ATTENTION_MAX_TOKENS or x.dtype != dt or x.device.type != "cpu"
-                or module.training or pe is None or pe[0].shape[-1] != D
-                or pe[0].dtype not in _BLOCK_DTYPES or pe[1].dtype != pe[0].dtype
-                or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
-                or not _mask_readable(attention_mask, T)
-                or (attention_mask is not None and attention_mask.shape[1] != 1)):
-            return original(hidden_states=hidden_states, position_embeddings=pe,
+        if not _decodable(module, hidden_states, position_embeddings, attention_mask, kwargs):
+            return original(hidden_states=hidden_states, position_embeddings=position_embeddings,
                             attention_mask=attention_mask, cache=cache, **kwargs)
-        blk = module._specmoe_block
-        cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
-        q = torch.empty(1, H, T, D, dtype=torch.float32)
-        k = torch.empty(1, Hkv, T, D, dtype=dt)
-        v = torch.empty(1, Hkv, T, D, dtype=dt)
-        blk.pre(tensor_array(x.reshape(T, hidden).contiguous()), tensor_array(cos.contiguous()),
-                tensor_array(sin.contiguous()), q.numpy(), tensor_array(k), tensor_array(v))
-        if cache is not None:
-            k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)
-        S = k.shape[2]
-        bias = _mask_bias(attention_mask, T, S, torch.float32)
-        if bias is not None:
-            bias = bias.reshape(bias.shape[0], T, S).contiguous().numpy()
-        if k.stride(-1) != 1 or k.stride(-2) != D or v.stride() != k.stride():
-            k, v = k.contiguous(), v.contiguous()
-        out = torch.empty(1, T, hidden, dtype=dt)
-        blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, scaling,
-                 tensor_array(out.view(T, hidden)))
-        return out, None
+        return _block_call(module, hidden_states, position_embeddings, attention_mask, cache,
+                           kwargs, None)
     forward.__name__ = f"specmoe_fused_{type(module).__name__}_forward"
+    return forward
+
+
+def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
+    """A decoder layer's forward (the ``_FUSABLE_LAYERS`` form) with its decode steps as: the
+    attention block with the input norm, the residual add and the post-attention norm folded
+    into its two calls; then the layer's own ``mlp`` and the second residual add in torch."""
+    attn = layer.self_attn
+
+    def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: Any = None, cache: Any = None, use_cache: Any = False,
+                position_embeddings: Any = None, **kwargs: Any) -> Any:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        if layer.training or not _decodable(attn, hidden_states, position_embeddings,
+                                             attention_mask, kwargs):
+            return original(hidden_states, attention_mask=attention_mask,
+                            position_ids=position_ids, cache=cache, use_cache=use_cache,
+                            position_embeddings=position_embeddings, **kwargs)
+        kwargs["position_ids"] = position_ids
+        kwargs["use_cache"] = use_cache
+        h, normed = _block_call(attn, hidden_states, position_embeddings, attention_mask,
+                                cache, kwargs, layer._specmoe_norms)
+        return h + layer.mlp(normed)
+    forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"
     return forward

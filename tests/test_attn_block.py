@@ -46,10 +46,11 @@ def _fused(model, fmt):
 
 
 def _unfused(model):
-    """The same conversion with the fusion undone: torch runs norms, rotary and casts around
-    the same C projections and C attention kernel."""
+    """The same conversion with the fusion undone: torch runs norms, rotary, residual adds and
+    casts around the same C projections and C attention kernel."""
     for mod in model.modules():
-        if getattr(mod, "_specmoe_block", None) is not None:
+        if getattr(mod, "_specmoe_block", None) is not None \
+                or getattr(mod, "_specmoe_norms", None) is not None:
             del mod.forward
     return model
 
@@ -72,6 +73,7 @@ def test_f32_decode_matches_transformers(arch):
     rep, calls = _fused(m, "f32")
     L = m.config.num_hidden_layers
     assert len(rep.fused) == L and f"({L} fused)" in str(rep)
+    assert all(getattr(layer, "_specmoe_norms", None) is not None for layer in m.model.layers)
     assert fuse_attention(m) == rep.fused                       # idempotent
     ids = torch.randint(3, 100, (1, ATTENTION_MAX_TOKENS + 14),
                         generator=torch.Generator().manual_seed(1))
@@ -83,21 +85,24 @@ def test_f32_decode_matches_transformers(arch):
     torch.testing.assert_close(got, full, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_decode_bit_identical_to_torch_glue(arch):
-    """A bf16 model's roundings (projection outputs, norm, rotary products and sum, attention
-    output) are reproduced step by step: the attention modules' outputs equal, bit for bit,
-    those of the same model with torch doing everything between the C kernels."""
+@pytest.mark.parametrize("arch,fmt", [(a, "bf16") for a in ARCHS]
+                         + [("olmoe", "int4"), ("qwen2_moe", "int8")])
+def test_bf16_decode_bit_identical_to_torch_glue(arch, fmt):
+    """A bf16 model's roundings (input norm, projection outputs, q/k norms, rotary products and
+    sum, attention output, residual add, post-attention norm) are reproduced step by step: the
+    decoder layers' outputs equal, bit for bit, those of the same model with torch doing
+    everything between the C kernels.  int8/int4 projections run as one q|k|v matrix in the
+    fused path: its rows are the three's."""
     base = tiny_model(arch, dtype=torch.bfloat16)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    _, calls = _fused(a, "bf16")
-    convert_dense(b, "bf16")
+    _, calls = _fused(a, fmt)
+    convert_dense(b, fmt)
     _unfused(b)
     outs: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
     for tag, mdl in (("a", a), ("b", b)):
         for layer in mdl.model.layers:
-            layer.self_attn.register_forward_hook(
-                lambda mod, args, out, tag=tag: outs[tag].append(out[0].clone()))
+            layer.register_forward_hook(
+                lambda mod, args, out, tag=tag: outs[tag].append(out.clone()))
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(2))
     la, _ = _decode(a, ids, 10)
     lb, _ = _decode(b, ids, 10)
@@ -181,13 +186,30 @@ def test_bad_input_raises_and_leaves_outputs_alone():
     with pytest.raises(ValueError, match="same dtype"):
         blk.post(qo, ko, vo.astype(np.float32).view(np.uint16)[..., :8].copy(), None, 0.3, out)
     np.testing.assert_array_equal(out, 7.0)
-    with pytest.raises(TypeError, match="6 arguments"):
+    with pytest.raises(TypeError, match="6 or 10 arguments"):
         blk.post(qo, ko, vo, None, 0.3)
+    with pytest.raises(TypeError, match="6 or 8 arguments"):
+        blk.pre(x, cs, cs, qo, ko, vo, np.ones(32, np.float32))
+    ln = np.ones(32, np.float32)
+    with pytest.raises(ValueError, match="ln has 31 weights"):
+        blk.pre(x, cs, cs, qo, ko, vo, np.ones(31, np.float32), 1e-6)
+    with pytest.raises(ValueError, match="ln_eps"):
+        blk.pre(x, cs, cs, qo, ko, vo, ln, -1.0)
+    normed = np.full((2, 32), 7.0, np.float32)
+    with pytest.raises(ValueError, match="same dtype"):
+        blk.post(qo, ko, vo, None, 0.3, out, x.view(np.uint16)[:, :32].copy(), ln, 1e-6, normed)
+    with pytest.raises(ValueError, match="alias"):
+        blk.post(qo, ko, vo, None, 0.3, out, x, ln, 1e-6, out)
+    with pytest.raises(ValueError, match="resid"):
+        blk.post(qo, ko, vo, None, 0.3, out, x[:1].copy(), ln, 1e-6, normed)
+    np.testing.assert_array_equal(out, 7.0)
+    np.testing.assert_array_equal(normed, 7.0)
 
 
 def test_block_against_numpy_reference():
-    """pre + post for 2 tokens on a 3-position cache against float64 numpy: projections, the
-    per-head RMSNorm, rotate-half rotary, softmax attention with a causal bias, o_proj."""
+    """pre + post for 2 tokens on a 3-position cache against float64 numpy: the input RMSNorm,
+    projections, the per-head RMSNorm, rotate-half rotary, softmax attention with a causal
+    bias, o_proj, the residual add and the post-attention RMSNorm."""
     H, Hkv, D, hid = 4, 2, 8, 32
     parts = _block_parts(H, Hkv, D, hid, seed=5)
     rng = np.random.default_rng(0)
@@ -203,8 +225,16 @@ def test_block_against_numpy_reference():
     q = np.zeros((1, H, T, D), np.float32)
     k = np.zeros((1, Hkv, T, D), np.float32)
     v = np.zeros((1, Hkv, T, D), np.float32)
-    blk.pre(x, cos, sin, q, k, v)
+    ln1 = rng.uniform(0.5, 1.5, hid).astype(np.float32)
+    ln2 = rng.uniform(0.5, 1.5, hid).astype(np.float32)
+    blk.pre(x, cos, sin, q, k, v, ln1, 1e-5)                    # with the input layernorm
     Wq, Wk, Wv, Wo = (_weights(p) for p in parts)
+
+    def rms(y, w, eps):
+        y = y.astype(np.float64)
+        return y / np.sqrt((y ** 2).mean(-1, keepdims=True) + eps) * w
+
+    xn = rms(x, ln1, 1e-5)
 
     def norm_rope(y, heads, w):
         y = y.reshape(T, heads, D).astype(np.float64)
@@ -212,9 +242,9 @@ def test_block_against_numpy_reference():
         rh = np.concatenate([-y[..., D // 2:], y[..., :D // 2]], -1)
         return (y * cos[:, None] + rh * sin[:, None]).transpose(1, 0, 2)
 
-    rq = norm_rope(x @ Wq.T, H, qn)
-    rk = norm_rope(x @ Wk.T, Hkv, kn)
-    rv = (x.astype(np.float64) @ Wv.T).reshape(T, Hkv, D).transpose(1, 0, 2)
+    rq = norm_rope(xn @ Wq.T, H, qn)
+    rk = norm_rope(xn @ Wk.T, Hkv, kn)
+    rv = (xn @ Wv.T).reshape(T, Hkv, D).transpose(1, 0, 2)
     np.testing.assert_allclose(q[0], rq, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k[0], rk, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(v[0], rv, rtol=1e-5, atol=1e-5)
@@ -225,14 +255,20 @@ def test_block_against_numpy_reference():
     bias = np.zeros((1, T, S), np.float32)
     bias[0, 0, S - 1] = np.finfo(np.float32).min                # token 0 does not see token 1
     out = np.zeros((T, hid), np.float32)
-    blk.post(q, K, V, bias, 0.35, out)
+    normed = np.zeros((T, hid), np.float32)
+    blk.post(q, K, V, bias, 0.35, out, x, ln2, 1e-5, normed)   # residual + post norm
     att = np.zeros((T, H, D))
     for h in range(H):
         g = h // (H // Hkv)
         s = q[0, h].astype(np.float64) @ K[0, g].T * 0.35 + bias[0]
         p = np.exp(s - s.max(1, keepdims=True))
         att[:, h] = (p / p.sum(1, keepdims=True)) @ V[0, g]
-    np.testing.assert_allclose(out, att.reshape(T, H * D) @ Wo.T, rtol=1e-4, atol=1e-5)
+    want = x + att.reshape(T, H * D) @ Wo.T
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(normed, rms(want, ln2, 1e-5), rtol=1e-4, atol=1e-5)
+    plain = np.zeros((T, hid), np.float32)
+    blk.post(q, K, V, bias, 0.35, plain)                        # the attention module alone
+    np.testing.assert_allclose(plain, want - x, rtol=1e-4, atol=1e-5)
 
 
 def _weights(lin_c):
@@ -242,3 +278,31 @@ def _weights(lin_c):
     out = np.zeros((K, N), np.float32)
     lin_c.forward(eye, out)
     return out.T.astype(np.float64)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_joint_qkv_rows_are_the_three_projections(fmt):
+    """The q|k|v Linear the block runs for int8/int4 projections: its output is the three
+    projections' outputs side by side, and the three CLinears rebuilt over its block give
+    the same bits as before."""
+    from specmoe.attention import _fuse_qkv
+    ctx = _C.KernelContext(1)
+    g = torch.Generator().manual_seed(7)
+    lins = []
+    for n, bias in ((64, True), (32, False), (32, True)):
+        li = torch.nn.Linear(128, n, bias=bias)
+        li.weight.data = torch.randn(li.weight.shape, generator=g)
+        if bias:
+            li.bias.data = torch.randn(n, generator=g)
+        lins.append(CLinear(li, fmt, ctx))
+    x = torch.randn(3, 128, generator=g)
+    before = [c(x) for c in lins]
+    qkv = _fuse_qkv(lins, ctx)
+    assert qkv is not None and qkv.shape == (128, 128)
+    assert lins[0]._block is lins[2]._block                      # one joint block
+    for c, want in zip(lins, before):
+        assert torch.equal(c(x), want)
+    out = np.zeros((3, 128), np.float32)
+    qkv.forward(x.numpy(), out)
+    np.testing.assert_array_equal(out, torch.cat(before, 1).numpy())
+    assert _fuse_qkv([CLinear(torch.nn.Linear(128, 8), "bf16", ctx)] * 3, ctx) is None
