@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/block.h"
 #include "moe.h"
 
 static float *copy_f32(const float *src, size_t n) {
@@ -91,6 +92,7 @@ void smoe_layers_free(smoe_layers *g) {
     free(g->pred);
     free(g->pred_valid);
     free(g->scores);
+    free(g->lin_scratch);
     free(g->best);
     free(g->keys);
     free(g->prios);
@@ -231,21 +233,35 @@ void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset) {
     pthread_mutex_unlock(&g->mu);
 }
 
-/* scores[t, e] of router r on x[t] (the logits, then the model's score function when it has a
- * correction bias: sigmoid(l) + corr, or softmax(l) + corr). */
-static void router_scores(const smoe_layers *g, const smoe_layer_router *r, const float *x,
-                          uint32_t T, float *scores) {
-    const uint32_t E = g->E, H = g->H;
+/* logits[t, e] = x[t] . W_pos[e] + b_pos[e] for t < T: router pos's f32 copy through the
+ * dense linear kernel (exact f32 products, vector accumulation; threads of g->kc).  The one
+ * routine for a router's logits over a call's tokens (next-layer prediction, this layer's
+ * routing). */
+static int router_logits(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
+                         float *logits, smoe_err *err) {
+    const smoe_layer_router *r = &g->routers[pos];
+    smoe_linear_desc d = {g->E, g->H, SMOE_WDT_F32, 0, 1, 0, SMOE_NO_TENSOR};
+    const size_t need = smoe_linear_scratch_bytes(&d, T);
+    if (need > g->lin_scratch_cap) {
+        void *p = realloc(g->lin_scratch, need);
+        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "layers: %zu bytes of router scratch", need);
+        g->lin_scratch = p;
+        g->lin_scratch_cap = need;
+    }
+    return smoe_linear_forward(g->kc, &d, (const uint8_t *)r->w, r->b, x, g->H, T, logits, g->E,
+                               g->lin_scratch, err);
+}
+
+/* scores[t, e] of router pos on x[t] (the logits, then the model's score function when it has
+ * a correction bias: sigmoid(l) + corr, or softmax(l) + corr). */
+static int router_scores(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
+                         float *scores, smoe_err *err) {
+    const smoe_layer_router *r = &g->routers[pos];
+    const uint32_t E = g->E;
+    int rc = router_logits(g, pos, x, T, scores, err);
+    if (rc || !r->corr) return rc;
     for (uint32_t t = 0; t < T; t++) {
-        const float *xt = x + (size_t)t * H;
         float *s = scores + (size_t)t * E;
-        for (uint32_t e = 0; e < E; e++) {
-            const float *we = r->w + (size_t)e * H;
-            float acc = 0.0f;
-            for (uint32_t h = 0; h < H; h++) acc += we[h] * xt[h];
-            s[e] = acc + (r->b ? r->b[e] : 0.0f);
-        }
-        if (!r->corr) continue;
         if (g->sigmoid) {
             for (uint32_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-s[e])) + r->corr[e];
         } else {
@@ -255,6 +271,7 @@ static void router_scores(const smoe_layers *g, const smoe_layer_router *r, cons
             for (uint32_t e = 0; e < E; e++) s[e] = s[e] / sum + r->corr[e];
         }
     }
+    return SMOE_OK;
 }
 
 /* order[0..E) = expert ids by value descending, ties by lower id (insertion sort: E is small
@@ -650,7 +667,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
     if (g->prefetch && pos + 1 < g->L && T > 0) {
         if (!scores) {
             if ((rc = grow_scores(g, T, err))) return rc;
-            router_scores(g, &g->routers[pos + 1], x, T, g->scores);
+            if ((rc = router_scores(g, pos + 1, x, T, g->scores, err))) return rc;
             scores = g->scores;
         }
         predict(g, pos + 1, scores, T, draft);
@@ -743,6 +760,47 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
         g->pred_valid[pos] = 0;
     }
     return SMOE_OK;
+}
+
+/* This layer's routing (layer.h, smoe_layers_forward_routed) into idx, w [T, k]. */
+static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int flags,
+                 int64_t *idx, float *w, smoe_err *err) {
+    const uint32_t E = g->E, k = g->k;
+    if (g->sigmoid || g->routers[pos].corr)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "layers: routing in C covers softmax top-k routers only (layer %u "
+                            "has a sigmoid score or a correction bias)", pos);
+    int rc = grow_scores(g, T, err);
+    if (!rc) rc = router_logits(g, pos, x, T, g->scores, err);
+    if (rc) return rc;
+    for (uint32_t t = 0; t < T; t++) {
+        float *z = g->scores + (size_t)t * E, *p = g->prob;
+        if (flags & SMOE_ROUTE_BF16_LOGITS) smoe_bf16_round(z, E);
+        float mx = z[0], sum = 0.0f;
+        for (uint32_t e = 1; e < E; e++) mx = z[e] > mx ? z[e] : mx;
+        for (uint32_t e = 0; e < E; e++) sum += (p[e] = expf(z[e] - mx));
+        for (uint32_t e = 0; e < E; e++) p[e] = p[e] / sum;
+        rank(p, E, g->order);
+        float tot = 0.0f;
+        for (uint32_t j = 0; j < k; j++) tot += p[g->order[j]];
+        for (uint32_t j = 0; j < k; j++) {
+            const int32_t e = g->order[j];
+            float v = flags & SMOE_ROUTE_RENORM ? p[e] / tot : p[e];
+            idx[(size_t)t * k + j] = e;
+            w[(size_t)t * k + j] = flags & SMOE_ROUTE_BF16_WEIGHTS ? smoe_bf16_round1(v) : v;
+        }
+    }
+    return SMOE_OK;
+}
+
+int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
+                               int flags, int64_t *idx, float *w, float *out, uint8_t *used,
+                               int replace, const uint8_t *draft, smoe_err *err) {
+    pthread_mutex_lock(&g->mu);
+    int rc = route(g, pos, x, T, flags, idx, w, err);
+    if (!rc) rc = forward_locked(g, pos, x, T, idx, w, out, used, NULL, replace, draft, err);
+    pthread_mutex_unlock(&g->mu);
+    return rc;
 }
 
 int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,

@@ -163,6 +163,8 @@ typedef struct smoe_layers {
     /* scratch [mu] */
     float *scores;            /* owned; [cap_tokens * E] */
     uint32_t cap_tokens;
+    void *lin_scratch;        /* owned; the router GEMV's kernel scratch (lin_scratch_cap) */
+    size_t lin_scratch_cap;
     float *best;              /* owned; [E] priority per expert of the next layer */
     int32_t *keys;            /* owned; [E] */
     float *prios;             /* owned; [E] */
@@ -232,6 +234,26 @@ int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T
                         const int64_t *idx, const float *w, float *out, uint8_t *used,
                         const float *scores, int replace, const uint8_t *draft,
                         smoe_err *err);
+
+/* route_flags of smoe_layers_forward_routed. */
+enum { SMOE_ROUTE_RENORM = 1, SMOE_ROUTE_BF16_LOGITS = 2, SMOE_ROUTE_BF16_WEIGHTS = 4 };
+
+/* smoe_layers_forward with this layer's routing computed here first, from the same router
+ * copy as the prediction (the model's softmax top-k router: OLMoE, Qwen-MoE, Mixtral; a layer
+ * with a sigmoid score or a correction bias is SMOE_EINVAL):
+ *     z = x W^T + b                 (f32; rounded to bf16 with SMOE_ROUTE_BF16_LOGITS, as a
+ *                                    bf16 model's F.linear output)
+ *     p = softmax(z)                (f32)
+ *     the k largest p per token, in descending order (ties: lower id), into idx;
+ *     their p into w, divided by their sum with SMOE_ROUTE_RENORM, rounded to bf16 with
+ *     SMOE_ROUTE_BF16_WEIGHTS (a bf16 model's weights cast back to its dtype).
+ * idx, w: [T, k] outputs.  The logits' summation order differs from torch's GEMV, so a
+ * near-tie at the k-th place (equal bf16 logits are not rare) may choose differently from
+ * transformers' router (whose topk breaks ties in no documented order). */
+int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
+                               int route_flags, int64_t *idx, float *w, float *out,
+                               uint8_t *used, int replace, const uint8_t *draft,
+                               smoe_err *err);
 
 /* Copy the counters (and reset them when reset != 0), forget pending predictions when reset. */
 void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset);

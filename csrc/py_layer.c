@@ -152,12 +152,17 @@ PyDoc_STRVAR(forward_doc,
              "None or float32 [T,E] of layer pos+1 from a Python predictor; draft: None or "
              "uint8 [T], draft tokens whose missing experts are never fetched.");
 
-static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ssize_t n) {
+/* forward (routed = 0) and forward_routed (routed = 1): the same arguments but the 7th,
+ * scores=None or route_flags; forward_routed's idx and w are written. */
+static PyObject *layers_call(LayersObject *self, PyObject *const *args, Py_ssize_t n,
+                             int routed) {
     if (check_init(self) < 0) return NULL;
-    if (n < 6 || n > 9) {
+    if (n < (routed ? 7 : 6) || n > 9) {
         PyErr_SetString(PyExc_TypeError,
-                        "forward(pos, x, idx, w, out, used, scores=None, replace=True, "
-                        "draft=None)");
+                        routed ? "forward_routed(pos, x, idx, w, out, used, route_flags, "
+                                 "replace=True, draft=None)"
+                               : "forward(pos, x, idx, w, out, used, scores=None, "
+                                 "replace=True, draft=None)");
         return NULL;
     }
     smoe_layers *g = &self->g;
@@ -169,13 +174,24 @@ static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ss
     }
     PyArrayObject *x, *idx, *w, *out, *used, *sc = NULL;
     if (!(x = smoe_py_want_array(args[1], "x", NPY_FLOAT32, 2, 0)) ||
-        !(idx = smoe_py_want_array(args[2], "idx", NPY_INT64, 2, 0)) ||
-        !(w = smoe_py_want_array(args[3], "w", NPY_FLOAT32, 2, 0)) ||
+        !(idx = smoe_py_want_array(args[2], "idx", NPY_INT64, 2, routed)) ||
+        !(w = smoe_py_want_array(args[3], "w", NPY_FLOAT32, 2, routed)) ||
         !(out = smoe_py_want_array(args[4], "out", NPY_FLOAT32, 2, 1)) ||
         !(used = smoe_py_want_array(args[5], "used", NPY_UINT8, 1, 1)))
         return NULL;
-    if (n > 6 && args[6] != Py_None && !(sc = smoe_py_want_array(args[6], "scores", NPY_FLOAT32, 2, 0)))
+    long flags = 0;
+    if (routed) {
+        flags = PyLong_AsLong(args[6]);
+        if (flags == -1 && PyErr_Occurred()) return NULL;
+        if (flags < 0 || flags > (SMOE_ROUTE_RENORM | SMOE_ROUTE_BF16_LOGITS |
+                                  SMOE_ROUTE_BF16_WEIGHTS)) {
+            PyErr_Format(PyExc_ValueError, "route_flags %ld: not a combination of ROUTE_*", flags);
+            return NULL;
+        }
+    } else if (n > 6 && args[6] != Py_None &&
+               !(sc = smoe_py_want_array(args[6], "scores", NPY_FLOAT32, 2, 0))) {
         return NULL;
+    }
     int replace = 1;
     if (n > 7 && (replace = PyObject_IsTrue(args[7])) < 0) return NULL;
     PyArrayObject *dr = NULL;
@@ -207,14 +223,36 @@ static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ss
     smoe_err_clear(&e);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_layers_forward(g, (uint32_t)pos, PyArray_DATA(x), (uint32_t)T, PyArray_DATA(idx),
-                             PyArray_DATA(w), PyArray_DATA(out), PyArray_DATA(used),
-                             sc ? PyArray_DATA(sc) : NULL, replace,
-                             dr ? PyArray_DATA(dr) : NULL, &e);
+    if (routed)
+        rc = smoe_layers_forward_routed(g, (uint32_t)pos, PyArray_DATA(x), (uint32_t)T,
+                                        (int)flags, PyArray_DATA(idx), PyArray_DATA(w),
+                                        PyArray_DATA(out), PyArray_DATA(used), replace,
+                                        dr ? PyArray_DATA(dr) : NULL, &e);
+    else
+        rc = smoe_layers_forward(g, (uint32_t)pos, PyArray_DATA(x), (uint32_t)T,
+                                 PyArray_DATA(idx), PyArray_DATA(w), PyArray_DATA(out),
+                                 PyArray_DATA(used), sc ? PyArray_DATA(sc) : NULL, replace,
+                                 dr ? PyArray_DATA(dr) : NULL, &e);
     Py_END_ALLOW_THREADS
     smoe_py_cache_end(self->cache_obj);
     if (rc) return smoe_py_raise(&e);
     Py_RETURN_NONE;
+}
+
+static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ssize_t n) {
+    return layers_call(self, args, n, 0);
+}
+
+PyDoc_STRVAR(forward_routed_doc,
+             "forward_routed(pos, x, idx, w, out, used, route_flags, replace=True, draft=None)\n\n"
+             "forward with this layer's routing computed in C first (csrc/layer.h, "
+             "smoe_layers_forward_routed): the softmax top-k router from the layer's router "
+             "copy; idx int64 [T,k] and w float32 [T,k] receive it (written); route_flags: "
+             "ROUTE_RENORM | ROUTE_BF16_LOGITS | ROUTE_BF16_WEIGHTS.");
+
+static PyObject *Layers_forward_routed(LayersObject *self, PyObject *const *args,
+                                       Py_ssize_t n) {
+    return layers_call(self, args, n, 1);
 }
 
 static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *kw) {
@@ -343,6 +381,8 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
 
 static PyMethodDef Layers_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))Layers_forward, METH_FASTCALL, forward_doc},
+    {"forward_routed", (PyCFunction)(void (*)(void))Layers_forward_routed, METH_FASTCALL,
+     forward_routed_doc},
     {"configure", (PyCFunction)(void (*)(void))Layers_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(prefetch, overfetch, mass, feed_counts): prediction settings (mass 0: top-m "
      "mode); forgets pending predictions."},
@@ -381,5 +421,9 @@ int smoe_py_layer_init(PyObject *m) {
         Py_DECREF(&LayersType);
         return -1;
     }
+    if (PyModule_AddIntConstant(m, "ROUTE_RENORM", SMOE_ROUTE_RENORM) < 0 ||
+        PyModule_AddIntConstant(m, "ROUTE_BF16_LOGITS", SMOE_ROUTE_BF16_LOGITS) < 0 ||
+        PyModule_AddIntConstant(m, "ROUTE_BF16_WEIGHTS", SMOE_ROUTE_BF16_WEIGHTS) < 0)
+        return -1;
     return 0;
 }

@@ -90,6 +90,14 @@ def __getattr__(name: str):  # the tiny test models live in specmoe.testing
     raise AttributeError(f"module 'specmoe.hf' has no attribute {name!r}")
 
 
+# MoE blocks whose forward is router + experts only, with a softmax top-k router: OLMoE and
+# Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's dtype) and
+# Mixtral (always renormalised, f32 weights).  With the dense layers in C their decode steps
+# route in C too (Engine._install_routing).
+_ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen",
+                  "MixtralSparseMoeBlock": "mixtral"}
+
+
 # ---------------------------------------------------------------------------------------------
 # the replacement experts module
 
@@ -240,6 +248,66 @@ class Engine:
             moe_block(model, info, i).experts = SpecmoeExperts(self, pos, self.num_experts,
                                                               spec.H)
         self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
+        # the MoE blocks whose routing runs in C (layer positions), see _install_routing
+        self.routed_in_c: list[int] = self._install_routing(model, info, ids)
+
+    def _install_routing(self, model: nn.Module, info: ArchInfo, ids: list[int]) -> list[int]:
+        """With the dense layers in C (``dense`` a format), each MoE block of a
+        ``_ROUTED_BLOCKS`` form computes its routing in the same C call as its experts
+        (``_C.Layers.forward_routed``: the router copy's GEMV, softmax, top-k, the model's
+        renormalisation and casts) instead of torch's router module plus the experts call.  The
+        routing equals torch's up to the logits' summation order, the same order of difference
+        as the C projections feeding it (a near-tie at the k-th expert may go either way).
+        Returns the layer positions switched; the routers stay in torch without dense layers
+        in C, and every call the path does not cover (drafts, a Python predictor, trace
+        recording, a lookahead, training, another dtype) takes the block's own forward."""
+        if self.dense.dtype is None or not hasattr(self._layers, "forward_routed"):
+            return []
+        done = []
+        for pos, i in enumerate(ids):
+            block = moe_block(model, info, i)
+            kind = _ROUTED_BLOCKS.get(type(block).__name__)
+            gate = getattr(block, "gate", None)
+            if kind is None or gate is None or gate is not self._routers[pos] \
+                    or self._router_bias[pos] is not None or self.arch.sigmoid_router \
+                    or getattr(gate, "weight", None) is None \
+                    or gate.weight.dtype not in (torch.float32, torch.bfloat16):
+                continue
+            bf16 = gate.weight.dtype == torch.bfloat16
+            flags = 0
+            if kind == "mixtral" or getattr(gate, "norm_topk_prob", False):
+                flags |= _C.ROUTE_RENORM
+            if bf16:
+                flags |= _C.ROUTE_BF16_LOGITS | (_C.ROUTE_BF16_WEIGHTS if kind == "qwen" else 0)
+            block.forward = self._routed_forward(block, pos, flags, gate.weight.dtype,
+                                                 block.forward)
+            done.append(pos)
+        return done
+
+    def _routed_forward(self, block: nn.Module, pos: int, flags: int, dtype: torch.dtype,
+                        original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+            if (block.training or hidden_states.dtype != dtype
+                    or hidden_states.device.type != "cpu" or self._drafting is not None
+                    or self._predictor is not None or self._recorder is not None
+                    or self._la.active or self._draft_flags is not None):
+                return original(hidden_states)
+            shape = hidden_states.shape
+            return self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
+                                      flags).reshape(shape)
+        forward.__name__ = f"specmoe_routed_{type(block).__name__}_forward"
+        return forward
+
+    def _layer_routed(self, pos: int, hidden: torch.Tensor, flags: int) -> torch.Tensor:
+        """One MoE block, routing and experts, in one C call (see _install_routing)."""
+        with self._layer_call_slot():
+            x = hidden.detach().to(torch.float32).contiguous()
+            T = x.shape[0]
+            out = torch.empty_like(x)
+            self._layers.forward_routed(pos, x.numpy(), np.empty((T, self.top_k), np.int64),
+                                        np.empty((T, self.top_k), np.float32), out.numpy(),
+                                        np.empty(self.num_experts, np.uint8), flags)
+            return out.to(hidden.dtype)
 
     # -- the per-layer path -------------------------------------------------------------------
     def _router_scores(self, pos: int, x: torch.Tensor) -> torch.Tensor:
@@ -258,6 +326,15 @@ class Engine:
         pass start, next-layer router prediction and prefetch, policy counts, the experts,
         prediction counters.  Python keeps the torch glue, the optional Python predictor,
         the draft-driven lookahead accounting and trace recording."""
+        with self._layer_call_slot():
+            if self._drafting is not None:
+                return self._draft_layer(pos, hidden, idx, w)
+            return self._layer_call(pos, hidden, idx, w)
+
+    @contextlib.contextmanager
+    def _layer_call_slot(self) -> Iterator[None]:
+        """A layer call in flight: waits out close/set_cache (_exclusive), refuses a closed
+        Engine, and counts itself in _inflight for them."""
         with self._cv:
             while self._exclusive_owner:
                 self._cv.wait()
@@ -265,9 +342,7 @@ class Engine:
                 raise RuntimeError("this specmoe Engine is closed")
             self._inflight += 1
         try:
-            if self._drafting is not None:
-                return self._draft_layer(pos, hidden, idx, w)
-            return self._layer_call(pos, hidden, idx, w)
+            yield
         finally:
             with self._cv:
                 self._inflight -= 1

@@ -1,0 +1,174 @@
+"""MoE blocks routed in C (Engine._install_routing, _C.Layers.forward_routed): with the dense
+layers in C, the OLMoE, Qwen3-MoE and Mixtral blocks compute their softmax top-k routing in the
+experts' C call.  Checked against transformers' own router modules on the hidden states the
+blocks see (f32: the same experts and weights to f32 rounding; bf16: the same weights bit for
+bit wherever the expert sets agree, and sets that disagree only at a near-tie), greedy tokens
+against the unmodified model, the paths left to torch, and bad input."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from specmoe import _C, hf
+from specmoe.testing import tiny_model
+
+ARCHS = ["olmoe", "qwen3_moe", "mixtral"]
+
+
+def _offload(arch, dt, **kw):
+    m = tiny_model(arch, dtype=dt)
+    fmt = "f32" if dt == torch.float32 else "bf16"
+    eng = hf.offload(m, dtype=fmt, dense=kw.pop("dense", fmt), cache=1.0, **kw)
+    return m, eng
+
+
+def _flags(block, dt):
+    """The route flags transformers' router of `block` implies (independent of the Engine)."""
+    f = _C.ROUTE_RENORM if type(block).__name__.startswith("Mixtral") \
+        or block.gate.norm_topk_prob else 0
+    if dt == torch.bfloat16:
+        f |= _C.ROUTE_BF16_LOGITS
+        if not type(block).__name__.startswith("Mixtral"):
+            f |= _C.ROUTE_BF16_WEIGHTS
+    return f
+
+
+def _compare(m, eng, dt):
+    """(tokens, set mismatches, worst weight difference where sets agree, near-tie failures)."""
+    hs: list[torch.Tensor] = []
+    hooks = [layer.mlp.register_forward_pre_hook(
+        lambda mod, args: hs.append(args[0].detach().clone())) for layer in m.model.layers]
+    ids = torch.randint(3, 100, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        m(ids)
+    for h in hooks:
+        h.remove()
+    tot = bad = near_fail = 0
+    wdiff = 0.0
+    k = eng.top_k
+    for pos, h in enumerate(hs):
+        block = m.model.layers[pos].mlp
+        x = h.reshape(-1, h.shape[-1])
+        with torch.no_grad():
+            logits, w_t, i_t = block.gate(x)
+            p_t = torch.softmax(logits.float(), -1).numpy()
+        T = x.shape[0]
+        ix = np.empty((T, k), np.int64)
+        wt = np.empty((T, k), np.float32)
+        out = np.empty((T, x.shape[1]), np.float32)
+        eng._layers.forward_routed(pos, x.float().numpy(), ix, wt, out,
+                                   np.empty(eng.num_experts, np.uint8), _flags(block, dt))
+        for t in range(T):
+            tot += 1
+            if sorted(ix[t]) == sorted(i_t[t].tolist()):
+                order = np.argsort(ix[t])
+                want = w_t[t].float().numpy()[np.argsort(i_t[t].numpy())]
+                wdiff = max(wdiff, float(np.abs(wt[t][order] - want).max()))
+            else:
+                bad += 1
+                kth = np.sort(p_t[t])[::-1][k - 1]
+                if p_t[t][ix[t]].min() < kth * 0.98:    # more than a bf16 near-tie apart
+                    near_fail += 1
+    return tot, bad, wdiff, near_fail
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_routing_equals_transformers(arch):
+    m, eng = _offload(arch, torch.float32)
+    try:
+        assert eng.routed_in_c == list(range(len(eng.layer_ids)))
+        tot, bad, wdiff, _ = _compare(m, eng, torch.float32)
+        assert tot == 200 * len(eng.layer_ids) and bad == 0
+        assert wdiff < 2e-6
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_routing_equals_transformers_but_near_ties(arch):
+    m, eng = _offload(arch, torch.bfloat16)
+    try:
+        tot, bad, wdiff, near_fail = _compare(m, eng, torch.bfloat16)
+        assert bad <= tot // 100 and near_fail == 0
+        assert wdiff <= (2e-7 if arch == "mixtral" else 0.0)    # bf16 weights: the same bits
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_equal_unmodified_model(arch):
+    ref = tiny_model(arch)
+    m, eng = _offload(arch, torch.float32)
+    try:
+        p = torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]])
+        kw = dict(max_new_tokens=16, do_sample=False)
+        assert torch.equal(ref.generate(p, **kw), m.generate(p, **kw))
+    finally:
+        eng.close()
+
+
+def test_paths_left_to_torch():
+    m, eng = _offload("olmoe", torch.float32, dense="torch")
+    try:
+        assert eng.routed_in_c == []                      # routers stay torch's
+    finally:
+        eng.close()
+    m, eng = _offload("qwen2_moe", torch.float32)         # a shared expert: not this form
+    try:
+        assert eng.routed_in_c == []
+    finally:
+        eng.close()
+    m, eng = _offload("olmoe", torch.float32)
+    try:
+        calls: list[int] = []
+        real = eng._layers
+
+        class Spy:
+            def __getattr__(self, n):
+                return getattr(real, n)
+
+            def forward_routed(self, pos, *a):
+                calls.append(pos)
+                return real.forward_routed(pos, *a)
+        eng._layers = Spy()
+        p = torch.tensor([[1, 5, 9, 14]])
+        with eng.trace() as rec:                         # recording: the torch router
+            m.generate(p, max_new_tokens=3, do_sample=False)
+        assert calls == [] and rec.result().num_tokens > 0
+        m.generate(p, max_new_tokens=3, do_sample=False)
+        assert calls == [0, 1, 2] * 3                    # prefill + 2 decode steps in C
+    finally:
+        eng._layers = real
+        eng.close()
+
+
+def test_bad_input():
+    m, eng = _offload("olmoe", torch.float32)
+    try:
+        x = np.zeros((2, m.config.hidden_size), np.float32)
+        k, E = eng.top_k, eng.num_experts
+        args = (0, x, np.empty((2, k), np.int64), np.empty((2, k), np.float32),
+                np.empty_like(x), np.empty(E, np.uint8))
+        with pytest.raises(ValueError, match="route_flags"):
+            eng._layers.forward_routed(*args, 99)
+        with pytest.raises(TypeError, match="forward_routed"):
+            eng._layers.forward_routed(*args)
+        with pytest.raises(ValueError, match="writ"):
+            ro = np.empty((2, k), np.int64)
+            ro.flags.writeable = False
+            eng._layers.forward_routed(0, x, ro, args[3], args[4], args[5], 0)
+    finally:
+        eng.close()
+    m, eng = _offload("deepseek_v3", torch.float32, dense="torch")
+    try:
+        x = np.zeros((1, m.config.hidden_size), np.float32)
+        k, E = eng.top_k, eng.num_experts
+        with pytest.raises(Exception, match="softmax top-k routers only"):
+            eng._layers.forward_routed(0, x, np.empty((1, k), np.int64),
+                                       np.empty((1, k), np.float32), np.empty_like(x),
+                                       np.empty(E, np.uint8), 0)
+    finally:
+        eng.close()
