@@ -83,6 +83,12 @@ attention and lm_head matmuls, which torch runs in the ``specmoe-<p>`` rows);
 where those matmuls are in C too; ``glue_share`` = (experts_glue + other) /
 step is the part that is neither expert kernels nor a torch matmul.  The hooks cost a few
 microseconds per module call; the instrumented run's tok/s is reported beside the plain one.
+Rows whose decoder layers run as one C call each (``specmoe+dense`` at OLMoE shapes,
+specmoe.attention's fused layers; ``breakdown_kind`` says so): ``attention`` and ``experts``
+are the C time of that call's two parts (it reports them), ``lm_head`` the module's time, and
+``other`` everything else -- embeddings, the final norm, the Python around each layer call, the
+KV-cache bookkeeping, ``generate``; ``glue_share`` = other / step and
+``outside_c_kernels_share`` = 1 - (all C time) / step.
 
 Targets: specmoe+dense >= 1.0x llama.cpp at every equal precision and thread count; specmoe >= 1.5x
 unmodified torch; at DeepSeek-V2-Lite shapes the share of a specmoe decode step outside the
@@ -218,6 +224,32 @@ def model_summary(cfg: dict[str, Any]) -> dict[str, Any]:
 # python rows (torch, specmoe): ``decode_peers.py --_worker spec.json``
 
 
+class _BlockTimer:
+    """An attention module's _C.AttnBlock with its calls timed: pre/post into acc["attn"];
+    a fused decoder layer's call reports its own attention / MoE split."""
+
+    def __init__(self, inner: Any, acc: dict[str, float]) -> None:
+        self.inner, self.acc = inner, acc
+
+    def pre(self, *a: Any) -> Any:
+        t0 = time.perf_counter()
+        r = self.inner.pre(*a)
+        self.acc["attn"] += time.perf_counter() - t0
+        return r
+
+    def post(self, *a: Any) -> Any:
+        t0 = time.perf_counter()
+        r = self.inner.post(*a)
+        self.acc["attn"] += time.perf_counter() - t0
+        return r
+
+    def layer(self, *a: Any) -> Any:
+        ta, tm = self.inner.layer(*a)
+        self.acc["attn"] += ta
+        self.acc["moe"] += tm
+        return ta, tm
+
+
 class _Acc:
     """Cumulative seconds per category, timed by forward hooks."""
 
@@ -286,10 +318,10 @@ def worker(spec_path: str) -> None:
 
     class Stamp(LogitsProcessor):
         def __init__(self, acc: _Acc | None = None, c: dict[str, float] | None = None,
-                     dc: dict[str, float] | None = None):
+                     dc: dict[str, float] | None = None, ab: dict[str, float] | None = None):
             self.t: list[float] = []
             self.snap: list[dict[str, float]] = []
-            self.acc, self.c, self.dc = acc, c, dc
+            self.acc, self.c, self.dc, self.ab = acc, c, dc, ab
 
         def __call__(self, input_ids: Any, scores: Any) -> Any:
             self.t.append(time.perf_counter())
@@ -299,6 +331,8 @@ def worker(spec_path: str) -> None:
                     s["experts_c"] = self.c["t"]
                 if self.dc is not None:
                     s["dense_c"] = self.dc["t"]
+                if self.ab is not None:
+                    s["attn_c"], s["moe_c"] = self.ab["attn"], self.ab["moe"]
                 self.snap.append(s)
             return scores
 
@@ -339,25 +373,36 @@ def worker(spec_path: str) -> None:
             if hasattr(lyr.mlp, "experts"):
                 acc.hook(lyr.mlp.experts, "experts_module")
         acc.hook(model.lm_head, "lm_head")
-        c = dc = None
+        c = dc = ab = None
         from layer_overhead import _Proxy
         from specmoe.dense import CLinear
         clin = [m for m in model.modules() if isinstance(m, CLinear)]
-        if eng is not None:
+        # decoder layers fused into one C call each (specmoe.attention): that call hands the
+        # Engine's C layer object to C, so it is not proxied; the call reports its own split
+        fused = any(getattr(lyr, "_specmoe_norms", None) is not None for lyr in layers)
+        blocks = [lyr.self_attn for lyr in layers
+                  if getattr(lyr.self_attn, "_specmoe_block", None) is not None]
+        if eng is not None and not fused:
             c = {"t": 0.0, "n": 0}
             eng._layers = _Proxy(eng._layers, c)
+        if blocks:
+            ab = {"attn": 0.0, "moe": 0.0}
+            for a in blocks:
+                a._specmoe_block = _BlockTimer(a._specmoe_block, ab)
         if clin:  # the dense layers' C calls (attention projections, shared/dense MLP, lm_head)
             dc = {"t": 0.0, "n": 0}
             for m in clin:
                 m._c = _Proxy(m._c, dc)
         try:
-            sti = gen(spec["prompt_ids"], n, Stamp(acc, c, dc))
+            sti = gen(spec["prompt_ids"], n, Stamp(acc, c, dc, ab))
         finally:
             acc.remove()
             if eng is not None and c is not None:
                 eng._layers = eng._layers.inner
             for m in clin:
                 m._c = m._c.inner
+            for a in blocks:
+                a._specmoe_block = a._specmoe_block.inner
         step = (sti.t[-1] - sti.t[0]) / n
 
         def per_step(k: str) -> float:
@@ -365,8 +410,23 @@ def worker(spec_path: str) -> None:
 
         attn, mlp, exm, lm = (per_step("attention"), per_step("mlp"),
                               per_step("experts_module"), per_step("lm_head"))
-        if eng is not None:
+        if eng is not None and fused:
+            # one C call per decoder layer: attention and experts are the C time of its two
+            # parts (with the fused attention's pre/post calls of a prefill-free step: none);
+            # everything else -- embeddings, the final norm, the Python around each layer
+            # call, KV bookkeeping, lm_head's glue, generate -- is "other"
+            attn_c, exc = per_step("attn_c"), per_step("moe_c") + per_step("experts_c")
+            parts = {"attention": attn_c, "experts": exc, "lm_head": lm,
+                     "other": step - attn_c - exc - lm}
+            r["breakdown_kind"] = "fused layers: attention and experts are C time"
+            r["outside_experts_share"] = 1 - exc / step
+            r["glue_share"] = parts["other"] / step
+            dense_c = per_step("dense_c")
+            r["dense_c_ms_per_step"] = dense_c * 1e3
+            r["outside_c_kernels_share"] = 1 - (exc + attn_c + dense_c) / step
+        elif eng is not None:
             exc = per_step("experts_c")
+            attn_c = per_step("attn_c")
             parts = {"attention": attn, "experts": exc, "experts_glue": exm - exc,
                      "router_shared_dense": mlp - exm, "lm_head": lm,
                      "other": step - attn - mlp - lm}
@@ -375,7 +435,7 @@ def worker(spec_path: str) -> None:
             if dc is not None:
                 dense_c = per_step("dense_c")
                 r["dense_c_ms_per_step"] = dense_c * 1e3
-                r["outside_c_kernels_share"] = 1 - (exc + dense_c) / step
+                r["outside_c_kernels_share"] = 1 - (exc + dense_c + attn_c) / step
         else:
             parts = {"attention": attn, "experts": exm, "router_shared_dense": mlp - exm,
                      "lm_head": lm, "other": step - attn - mlp - lm}

@@ -2,9 +2,10 @@
  * attention module decoded in the absorbed form (specmoe.mla); specmoe._C.AttnDecode (the
  * models' own multi-head attention, specmoe.attention); specmoe._C.AttnBlock, a whole
  * Llama-family attention module (projections, q/k norms, rotary, attention, output
- * projection) in two calls around transformers' KV-cache update (specmoe.attention).  The absorbed weights are
- * checked and referenced once at construction; the per-token call (forward, METH_FASTCALL)
- * checks the arrays' shapes and runs smoe_mla_decode without the GIL. */
+ * projection) in two calls around transformers' KV-cache update, or with its decoder layer
+ * (norms, residual adds, the MoE block through a _C.Layers) in one (specmoe.attention).
+ * Weights are checked and referenced once at construction; the per-token calls (METH_FASTCALL)
+ * check the arrays' shapes and run the kernels without the GIL. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 #include "kernels/attn.h"
 #include "kernels/block.h"
 #include "py_kernels.h"
+#include "py_layer.h"
 #include "py_numpy.h"
 
 typedef struct {
@@ -500,7 +502,12 @@ typedef struct {
     int bf16;                  /* round as a bf16 model does (kernels/block.h) */
     float *buf;                /* max_tokens * (hidden + (H + 2 Hkv) * D + H * D) + 2 D floats:
                                   input, q|k|v projections, attention output, one token's cos
-                                  and sin; guarded by mu */
+                                  and sin; then max_tokens * (H * D + 3 hidden) for the layer
+                                  call: q, the residual stream, the normed input of the MoE
+                                  block, its output; guarded by mu */
+    void *route;               /* the layer call's routing: route_cap tokens of (k int64 ids, k
+                                  f32 weights) and E used flags; guarded by mu */
+    size_t route_cap;
     void *lscratch;            /* linear scratch for max_tokens (fixed size); guarded by mu */
     void *ascratch;            /* attention scratch (grows with the thread count); guarded by mu */
     size_t ascratch_cap;
@@ -585,7 +592,8 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
         if (s > ls) ls = s;
     }
     const size_t per_tok = (size_t)hidden + (size_t)(H + 2 * Hkv) * D + (size_t)H * D;
-    self->buf = malloc(((size_t)max_tokens * per_tok + 2 * (size_t)D) * sizeof(float));
+    self->buf = malloc(((size_t)max_tokens * (per_tok + (size_t)H * D + 3 * (size_t)hidden) +
+                        2 * (size_t)D) * sizeof(float));
     self->lscratch = malloc(ls ? ls : 1);
     if (!self->buf || !self->lscratch) {
         free(self->buf);
@@ -632,6 +640,7 @@ static void ab_dealloc(AttnBlockObject *self) {
     free(self->buf);
     free(self->lscratch);
     free(self->ascratch);
+    free(self->route);
     Py_XDECREF(self->ctx_obj);
     for (int i = 0; i < 5; i++) Py_XDECREF(self->lin_obj[i]);
     Py_XDECREF(self->qn_obj);
@@ -661,15 +670,17 @@ static void widen(float *dst, const void *src, int bf16, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = smoe_bf16_f32(h[i]);
 }
 
-/* T tokens' heads, token t's head h at src + t * src_stride + h * D (f32), into dst [heads, T,
- * D] (transformers' [B = 1, heads, T, D] layout): f32, or bf16 bits when bf16 (the values are
- * bf16 already when the block rounds as a bf16 model, so the conversion is exact then). */
-static void to_head_major(void *dst, int bf16, const float *src, size_t src_stride, uint32_t T,
-                          uint32_t heads, uint32_t D) {
+/* T tokens' heads, token t's head h at src + t * src_stride + h * D (f32), into dst with token
+ * t of head h at dst + h * hs + t * D elements: f32, or bf16 bits when bf16 (the values are
+ * bf16 already when the block rounds as a bf16 model, so the conversion is exact then).
+ * hs = T * D is transformers' [B = 1, heads, T, D] layout; a KV buffer's head stride is its
+ * capacity times D. */
+static void to_head_major(void *dst, int bf16, size_t hs, const float *src, size_t src_stride,
+                          uint32_t T, uint32_t heads, uint32_t D) {
     for (uint32_t t = 0; t < T; t++)
         for (uint32_t h = 0; h < heads; h++) {
             const float *s = src + (size_t)t * src_stride + (size_t)h * D;
-            const size_t o = ((size_t)h * T + t) * D;
+            const size_t o = (size_t)h * hs + (size_t)t * D;
             if (bf16)
                 for (uint32_t i = 0; i < D; i++) ((uint16_t *)dst)[o + i] = smoe_bf16_rne(s[i]);
             else
@@ -698,7 +709,122 @@ static int norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, flo
     return 0;
 }
 
-/* pre(x, cos, sin, q, k, v[, ln, ln_eps]): the input RMSNorm (when ln is given), projections, q/k norms and rotary embedding of T tokens. */
+/* x, cos, sin of pre/layer: x [T, hidden], cos and sin [T, head_dim], float32 or bf16 bits;
+ * *T from x (1..max_tokens); *xb, *cb, *sb: 1 for bf16.  -1 with an error otherwise. */
+static int block_inputs(AttnBlockObject *self, PyObject *x, PyObject *cos, PyObject *sin,
+                        npy_intp *T, int *xb, int *cb, int *sb) {
+    if ((*xb = f32_or_bf16_io(x, "x", 2, 0)) < 0 || (*cb = f32_or_bf16_io(cos, "cos", 2, 0)) < 0 ||
+        (*sb = f32_or_bf16_io(sin, "sin", 2, 0)) < 0)
+        return -1;
+    *T = PyArray_DIM((PyArrayObject *)x, 0);
+    if (*T < 1 || *T > (npy_intp)self->max_tokens) {
+        PyErr_Format(PyExc_ValueError, "AttnBlock: %zd tokens, expected 1..%u", (Py_ssize_t)*T,
+                     self->max_tokens);
+        return -1;
+    }
+    npy_intp w_x[2] = {*T, self->hidden}, w_cs[2] = {*T, self->D};
+    return dims_are(x, "x [T, hidden]", w_x, 2) || dims_are(cos, "cos [T, head_dim]", w_cs, 2) ||
+                   dims_are(sin, "sin [T, head_dim]", w_cs, 2)
+               ? -1
+               : 0;
+}
+
+/* The first half of the block, under mu without the GIL: x widened (and RMSNorm-ed with ln
+ * when given: the decoder layer's input layernorm), the q/k/v projections into buf's y, the
+ * q/k norms, the rotary embedding; q into qp ([H, T, D] f32), k and v into kp, vp (token t of
+ * kv head h at + h * kv_hs + t * D elements; bf16 bits when kb / vb). */
+static int block_pre(AttnBlockObject *self, smoe_kctx *c, const void *xp, int xb, const void *cp,
+                     int cb, const void *sp, int sb, uint32_t nt, const float *ln, float ln_eps,
+                     float *qp, void *kp, int kb, void *vp, int vb, size_t kv_hs, smoe_err *err) {
+    const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
+    const uint32_t nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv;
+    const float *qn = self->qn_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->qn_obj)
+                                   : NULL;
+    const float *kn = self->kn_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->kn_obj)
+                                   : NULL;
+    float *x = self->buf, *y = self->buf + (size_t)self->max_tokens * hid; /* y [T, q|k|v] */
+    const float *xin = (const float *)xp;
+    int rc = SMOE_OK;
+    if (xb || ln) {
+        widen(x, xp, xb, (size_t)nt * hid);
+        if (ln) smoe_rmsnorm(x, nt, hid, ln, ln_eps, self->bf16); /* the input layernorm */
+        xin = x;
+    }
+    if (self->lin_obj[4]) /* q|k|v in one call: its output rows are y's */
+        rc = smoe_linear_forward(c, self->ld[4], self->lb[4], self->lbias[4], xin, hid, nt, y,
+                                 qkv, self->lscratch, err);
+    for (int i = 0; i < 3 && rc == SMOE_OK && !self->lin_obj[4]; i++) {
+        const uint32_t off = i == 0 ? 0 : i == 1 ? nq : nq + nkv;
+        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], xin, hid, nt,
+                                 y + off, qkv, self->lscratch, err);
+    }
+    if (rc != SMOE_OK) return rc;
+    const int b = self->bf16;
+    float *cosf = self->buf + (size_t)self->max_tokens * (hid + qkv + nq), *sinf = cosf + D;
+    if (b) smoe_bf16_round(y, (size_t)nt * qkv); /* the projections' bf16 outputs */
+    for (uint32_t t = 0; t < nt; t++) {
+        float *qt = y + (size_t)t * qkv, *kt = qt + nq;
+        if (self->norm == NORM_FULL) {
+            smoe_rmsnorm(qt, 1, nq, qn, self->eps, b);
+            smoe_rmsnorm(kt, 1, nkv, kn, self->eps, b);
+        } else if (self->norm == NORM_HEAD) {
+            smoe_rmsnorm(qt, H, D, qn, self->eps, b);
+            smoe_rmsnorm(kt, Hkv, D, kn, self->eps, b);
+        }
+        widen(cosf, (const uint8_t *)cp + (size_t)t * D * (cb ? 2 : 4), cb, D);
+        widen(sinf, (const uint8_t *)sp + (size_t)t * D * (sb ? 2 : 4), sb, D);
+        smoe_rotary_half(qt, H, D, cosf, sinf, b);
+        smoe_rotary_half(kt, Hkv, D, cosf, sinf, b);
+    }
+    /* q for the attention kernel (f32, values already bf16 when b); k, v for the cache */
+    to_head_major(qp, 0, (size_t)nt * D, y, qkv, nt, H, D);
+    to_head_major(kp, kb, kv_hs, y + nq, qkv, nt, Hkv, D);
+    to_head_major(vp, vb, kv_hs, y + nq + nkv, qkv, nt, Hkv, D);
+    return SMOE_OK;
+}
+
+/* The second half, under mu without the GIL: attention of q ([H, T, D]) over S cached
+ * positions (k, v as smoe_mha_decode takes them), then the output projection into of
+ * ([T, hidden] f32; rounded to bf16 values when the block rounds as a bf16 model). */
+static int block_post(AttnBlockObject *self, smoe_kctx *c, const float *q, const void *kp,
+                      const void *vp, int kdt, size_t kbs, size_t khs, uint32_t nt, uint32_t S,
+                      const float *bias, uint32_t bias_rows, float scale, float *of,
+                      smoe_err *err) {
+    const uint32_t H = self->H, D = self->D, hid = self->hidden;
+    const uint32_t qkv = (H + 2 * self->Hkv) * D;
+    smoe_mha_desc d = {H, self->Hkv, D, scale};
+    float *att = self->buf + (size_t)self->max_tokens * (hid + qkv); /* [T, H, D] */
+    int rc = grow_scratch(&self->ascratch, &self->ascratch_cap, smoe_mha_scratch_bytes(c, D, nt),
+                          err);
+    if (rc == SMOE_OK)
+        rc = smoe_mha_decode(c, &d, 1, nt, S, q, kp, vp, kdt, kbs, khs, bias, bias_rows, att,
+                             self->ascratch, self->ascratch_cap, err);
+    if (rc != SMOE_OK) return rc;
+    if (self->bf16) smoe_bf16_round(att, (size_t)nt * H * D); /* torch's bf16 output */
+    rc = smoe_linear_forward(c, self->ld[3], self->lb[3], self->lbias[3], att, (size_t)H * D, nt,
+                             of, hid, self->lscratch, err);
+    if (rc == SMOE_OK && self->bf16) smoe_bf16_round(of, (size_t)nt * hid);
+    return rc;
+}
+
+/* of += the residual rp (f32, or bf16 bits when rb), rounded as a bf16 model rounds the sum. */
+static void residual_add(const AttnBlockObject *self, float *of, const void *rp, int rb,
+                         size_t n) {
+    for (size_t i = 0; i < n; i++)
+        of[i] += rb ? smoe_bf16_f32(((const uint16_t *)rp)[i]) : ((const float *)rp)[i];
+    if (self->bf16) smoe_bf16_round(of, n);
+}
+
+/* n values of src into dst: f32, or bf16 bits when ob (src holds bf16 values then). */
+static void store(void *dst, int ob, const float *src, size_t n) {
+    if (ob)
+        for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = smoe_bf16_rne(src[i]);
+    else
+        memcpy(dst, src, n * sizeof(float));
+}
+
+/* pre(x, cos, sin, q, k, v[, ln, ln_eps]): the input RMSNorm (when ln is given), projections,
+ * q/k norms and rotary embedding of T tokens. */
 static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!self->ready) {
         PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
@@ -711,23 +837,15 @@ static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
-    int xb = f32_or_bf16_io(args[0], "x", 2, 0), cb = f32_or_bf16_io(args[1], "cos", 2, 0);
-    int sb = f32_or_bf16_io(args[2], "sin", 2, 0);
-    if (xb < 0 || cb < 0 || sb < 0) return NULL;
+    npy_intp T;
+    int xb, cb, sb;
+    if (block_inputs(self, args[0], args[1], args[2], &T, &xb, &cb, &sb)) return NULL;
     PyArrayObject *qo = smoe_py_want_array(args[3], "q", NPY_FLOAT32, 4, 1);
     if (!qo) return NULL;
     int kb = f32_or_bf16_io(args[4], "k", 4, 1), vb = f32_or_bf16_io(args[5], "v", 4, 1);
     if (kb < 0 || vb < 0) return NULL;
-    npy_intp T = PyArray_DIM((PyArrayObject *)args[0], 0);
-    if (T < 1 || T > (npy_intp)self->max_tokens) {
-        PyErr_Format(PyExc_ValueError, "AttnBlock: %zd tokens, expected 1..%u",
-                     (Py_ssize_t)T, self->max_tokens);
-        return NULL;
-    }
-    npy_intp w_x[2] = {T, hid}, w_cs[2] = {T, D}, w_q[4] = {1, H, T, D}, w_kv[4] = {1, Hkv, T, D};
-    if (dims_are(args[0], "x [T, hidden]", w_x, 2) || dims_are(args[1], "cos [T, head_dim]", w_cs, 2) ||
-        dims_are(args[2], "sin [T, head_dim]", w_cs, 2) ||
-        dims_are(args[3], "q [1, heads, T, head_dim]", w_q, 4) ||
+    npy_intp w_q[4] = {1, H, T, D}, w_kv[4] = {1, Hkv, T, D};
+    if (dims_are(args[3], "q [1, heads, T, head_dim]", w_q, 4) ||
         dims_are(args[4], "k [1, kv_heads, T, head_dim]", w_kv, 4) ||
         dims_are(args[5], "v [1, kv_heads, T, head_dim]", w_kv, 4))
         return NULL;
@@ -741,62 +859,22 @@ static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t
     const void *sp = PyArray_DATA((PyArrayObject *)args[2]);
     float *qp = (float *)PyArray_DATA(qo);
     void *kp = PyArray_DATA((PyArrayObject *)args[4]), *vp = PyArray_DATA((PyArrayObject *)args[5]);
-    const uint32_t nt = (uint32_t)T, nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv;
-    const float *qn = self->qn_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->qn_obj)
-                                   : NULL;
-    const float *kn = self->kn_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->kn_obj)
-                                   : NULL;
     smoe_err err;
     smoe_err_clear(&err);
-    int rc = SMOE_OK;
+    int rc;
     /* every array stays referenced by the caller's frame for the whole call */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    float *x = self->buf, *y = self->buf + (size_t)self->max_tokens * hid; /* y [T, q|k|v] */
-    const float *xin = (const float *)xp;
-    if (xb || ln) {
-        widen(x, xp, xb, (size_t)nt * hid);
-        if (ln) smoe_rmsnorm(x, nt, hid, ln, ln_eps, self->bf16); /* the input layernorm */
-        xin = x;
-    }
-    if (self->lin_obj[4]) /* q|k|v in one call: its output rows are y's */
-        rc = smoe_linear_forward(c, self->ld[4], self->lb[4], self->lbias[4], xin, hid, nt, y,
-                                 qkv, self->lscratch, &err);
-    for (int i = 0; i < 3 && rc == SMOE_OK && !self->lin_obj[4]; i++) {
-        const uint32_t off = i == 0 ? 0 : i == 1 ? nq : nq + nkv;
-        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], xin, hid, nt,
-                                 y + off, qkv, self->lscratch, &err);
-    }
-    if (rc == SMOE_OK) {
-        const int b = self->bf16;
-        float *cosf = self->buf + (size_t)self->max_tokens * (hid + qkv + nq), *sinf = cosf + D;
-        if (b) smoe_bf16_round(y, (size_t)nt * qkv); /* the projections' bf16 outputs */
-        for (uint32_t t = 0; t < nt; t++) {
-            float *qt = y + (size_t)t * qkv, *kt = qt + nq;
-            if (self->norm == NORM_FULL) {
-                smoe_rmsnorm(qt, 1, nq, qn, self->eps, b);
-                smoe_rmsnorm(kt, 1, nkv, kn, self->eps, b);
-            } else if (self->norm == NORM_HEAD) {
-                smoe_rmsnorm(qt, H, D, qn, self->eps, b);
-                smoe_rmsnorm(kt, Hkv, D, kn, self->eps, b);
-            }
-            widen(cosf, (const uint8_t *)cp + (size_t)t * D * (cb ? 2 : 4), cb, D);
-            widen(sinf, (const uint8_t *)sp + (size_t)t * D * (sb ? 2 : 4), sb, D);
-            smoe_rotary_half(qt, H, D, cosf, sinf, b);
-            smoe_rotary_half(kt, Hkv, D, cosf, sinf, b);
-        }
-        /* q for the attention kernel (f32, values already bf16 when b); k, v for the cache */
-        to_head_major(qp, 0, y, qkv, nt, H, D);
-        to_head_major(kp, kb, y + nq, qkv, nt, Hkv, D);
-        to_head_major(vp, vb, y + nq + nkv, qkv, nt, Hkv, D);
-    }
+    rc = block_pre(self, c, xp, xb, cp, cb, sp, sb, (uint32_t)T, ln, ln_eps, qp, kp, kb, vp, vb,
+                   (size_t)T * D, &err);
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     if (rc != 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
 }
 
-/* post(q, k, v, bias, scale, out): attention over the cache, then the output projection. */
+/* post(q, k, v, bias, scale, out[, resid, ln, ln_eps, normed]): attention over the cache, the
+ * output projection, and with resid the residual add and the post-attention RMSNorm. */
 static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!self->ready) {
         PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
@@ -864,53 +942,153 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
     }
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
-    smoe_mha_desc d = {H, Hkv, D, (float)scale};
-    const uint32_t nt = (uint32_t)T, qkv = (H + 2 * Hkv) * D;
-    size_t need = smoe_mha_scratch_bytes(c, D, nt);
+    const uint32_t nt = (uint32_t)T;
+    const size_t n = (size_t)nt * hid;
     void *op = PyArray_DATA((PyArrayObject *)args[5]);
     smoe_err err;
     smoe_err_clear(&err);
-    int rc = SMOE_OK;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    float *att = self->buf + (size_t)self->max_tokens * (hid + qkv); /* [T, H, D] */
-    float *of = ob || rp ? self->buf : (float *)op;                   /* [T, hidden] */
-    rc = grow_scratch(&self->ascratch, &self->ascratch_cap, need, &err);
-    if (rc == SMOE_OK)
-        rc = smoe_mha_decode(c, &d, 1, nt, (uint32_t)S, (const float *)PyArray_DATA(q),
-                             PyArray_DATA((PyArrayObject *)args[1]),
-                             PyArray_DATA((PyArrayObject *)args[2]), kdt, (size_t)kbs,
-                             (size_t)khs, bias, bias_rows, att, self->ascratch,
-                             self->ascratch_cap, &err);
-    if (rc == SMOE_OK) {
-        if (self->bf16) smoe_bf16_round(att, (size_t)nt * H * D); /* torch's bf16 output */
-        rc = smoe_linear_forward(c, self->ld[3], self->lb[3], self->lbias[3], att, (size_t)H * D,
-                                 nt, of, hid, self->lscratch, &err);
-    }
-    const size_t n = (size_t)nt * hid;
-    if (rc == SMOE_OK && rp) {
-        /* the decoder layer's residual add (a bf16 model rounds the projection's output, then
-         * the sum) */
-        if (self->bf16) smoe_bf16_round(of, n);
-        for (size_t i = 0; i < n; i++)
-            of[i] += ob ? smoe_bf16_f32(((const uint16_t *)rp)[i]) : ((const float *)rp)[i];
-        if (self->bf16) smoe_bf16_round(of, n);
-    }
-    if (rc == SMOE_OK && ob)
-        for (size_t i = 0; i < n; i++) ((uint16_t *)op)[i] = smoe_bf16_rne(of[i]);
-    else if (rc == SMOE_OK && rp)
-        memcpy(op, of, n * sizeof(float));
+    float *of = self->buf; /* [T, hidden]: pre's x, free again */
+    rc = block_post(self, c, (const float *)PyArray_DATA(q),
+                    PyArray_DATA((PyArrayObject *)args[1]), PyArray_DATA((PyArrayObject *)args[2]),
+                    kdt, (size_t)kbs, (size_t)khs, nt, (uint32_t)S, bias, bias_rows,
+                    (float)scale, of, &err);
+    if (rc == SMOE_OK && rp) residual_add(self, of, rp, ob, n); /* the decoder layer's add */
+    if (rc == SMOE_OK) store(op, ob, of, n);
     if (rc == SMOE_OK && rp) { /* then the post-attention RMSNorm of the sum, in place */
         smoe_rmsnorm(of, nt, hid, ln, ln_eps, self->bf16);
-        if (ob)
-            for (size_t i = 0; i < n; i++) ((uint16_t *)np_)[i] = smoe_bf16_rne(of[i]);
-        else
-            memcpy(np_, of, n * sizeof(float));
+        store(np_, ob, of, n);
     }
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     if (rc != 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
+}
+
+
+/* layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, ln1, eps1, ln2, eps2,
+ * out): one whole decoder layer of T tokens (the method doc). */
+static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
+        return NULL;
+    }
+    if (nargs != 16) {
+        PyErr_Format(PyExc_TypeError,
+                     "layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, "
+                     "ln1, eps1, ln2, eps2, out) takes 16 arguments, got %zd", nargs);
+        return NULL;
+    }
+    const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
+    long pos = PyLong_AsLong(args[1]), flags = PyLong_AsLong(args[2]);
+    long long S = PyLong_AsLongLong(args[8]);
+    double scale = PyFloat_AsDouble(args[10]);
+    if (PyErr_Occurred()) return NULL;
+    npy_intp T;
+    int xb, cb, sb;
+    if (block_inputs(self, args[3], args[4], args[5], &T, &xb, &cb, &sb)) return NULL;
+    int kb = f32_or_bf16_io(args[6], "kbuf", 4, 1), vb = f32_or_bf16_io(args[7], "vbuf", 4, 1);
+    if (kb < 0 || vb < 0) return NULL;
+    npy_intp cap = PyArray_DIM((PyArrayObject *)args[6], 2);
+    npy_intp w_kv[4] = {1, Hkv, cap, D}, w_o[2] = {T, hid};
+    if (dims_are(args[6], "kbuf [1, kv_heads, capacity, head_dim]", w_kv, 4) ||
+        dims_are(args[7], "vbuf [1, kv_heads, capacity, head_dim]", w_kv, 4))
+        return NULL;
+    if (kb != vb) {
+        PyErr_SetString(PyExc_ValueError, "kbuf and vbuf must have the same dtype");
+        return NULL;
+    }
+    if (S < 0 || S + T > cap) {
+        PyErr_Format(PyExc_ValueError, "layer: S=%lld cached + %zd new positions do not fit a "
+                     "capacity of %zd", S, (Py_ssize_t)T, (Py_ssize_t)cap);
+        return NULL;
+    }
+    const float *bias;
+    uint32_t bias_rows;
+    if (bias_arg(args[9], 1, T, (npy_intp)S + T, &bias, &bias_rows)) return NULL;
+    const float *ln1, *ln2;
+    float eps1, eps2;
+    if (norm_arg(args[11], args[12], hid, &ln1, &eps1) ||
+        norm_arg(args[13], args[14], hid, &ln2, &eps2))
+        return NULL;
+    int ob = f32_or_bf16_io(args[15], "out", 2, 1);
+    if (ob < 0 || dims_are(args[15], "out [T, hidden]", w_o, 2)) return NULL;
+    if (ob != xb) {
+        PyErr_SetString(PyExc_ValueError, "x and out must have the same dtype");
+        return NULL;
+    }
+    if (PyArray_DATA((PyArrayObject *)args[15]) == PyArray_DATA((PyArrayObject *)args[3])) {
+        PyErr_SetString(PyExc_ValueError, "out must not alias x");
+        return NULL;
+    }
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_layers *g = smoe_py_layers_begin(args[0]);
+    if (!g) return NULL;
+    if (pos < 0 || pos >= (long)g->L || g->H != hid) {
+        smoe_py_layers_end(args[0]);
+        PyErr_Format(PyExc_ValueError, "layer: pos %ld outside 0..%u, or the MoE hidden size %u "
+                     "is not the block's %u", pos, g->L - 1, g->H, hid);
+        return NULL;
+    }
+    const uint32_t nt = (uint32_t)T, k = g->k;
+    const size_t n = (size_t)nt * hid, esz = kb ? 2 : 4, kv_hs = (size_t)cap * D;
+    const void *xp = PyArray_DATA((PyArrayObject *)args[3]);
+    const void *cp = PyArray_DATA((PyArrayObject *)args[4]);
+    const void *sp = PyArray_DATA((PyArrayObject *)args[5]);
+    uint8_t *kp = PyArray_DATA((PyArrayObject *)args[6]);
+    uint8_t *vp = PyArray_DATA((PyArrayObject *)args[7]);
+    void *op = PyArray_DATA((PyArrayObject *)args[15]);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = SMOE_OK;
+    double t0, t1, t2; /* the method's return: time in the attention and MoE parts */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    const size_t mt = self->max_tokens;
+    float *extra = self->buf + mt * (hid + (size_t)(H + 2 * Hkv) * D + (size_t)H * D) + 2 * D;
+    float *q = extra, *h = q + mt * H * D, *nrm = h + mt * hid, *moe = nrm + mt * hid;
+    const size_t need = (size_t)nt * k * (sizeof(int64_t) + sizeof(float)) + g->E;
+    if (need > self->route_cap) {
+        void *p = realloc(self->route, need);
+        if (p) {
+            self->route = p;
+            self->route_cap = need;
+        } else {
+            rc = smoe_err_set(&err, SMOE_ENOMEM, "layer: %zu bytes of routing buffer", need);
+        }
+    }
+    int64_t *idx = self->route;
+    float *w = (float *)(idx + (size_t)nt * k);
+    uint8_t *used = (uint8_t *)(w + (size_t)nt * k);
+    t0 = t1 = smoe_now();
+    if (rc == SMOE_OK) /* input norm, projections, q/k norms, rotary; k, v appended at S */
+        rc = block_pre(self, c, xp, xb, cp, cb, sp, sb, nt, ln1, eps1, q, kp + (size_t)S * D * esz,
+                       kb, vp + (size_t)S * D * esz, vb, kv_hs, &err);
+    if (rc == SMOE_OK) /* attention over the S + T positions, output projection */
+        rc = block_post(self, c, q, kp, vp, kb ? SMOE_WDT_BF16 : SMOE_WDT_F32, (size_t)Hkv * kv_hs,
+                        kv_hs, nt, (uint32_t)(S + nt), bias, bias_rows, (float)scale, h, &err);
+    if (rc == SMOE_OK) {
+        residual_add(self, h, xp, xb, n); /* h = x + attention */
+        memcpy(nrm, h, n * sizeof(float));
+        smoe_rmsnorm(nrm, nt, hid, ln2, eps2, self->bf16); /* the post-attention norm */
+        t1 = smoe_now();
+        rc = smoe_layers_forward_routed(g, (uint32_t)pos, nrm, nt, (int)flags, idx, w, moe, used,
+                                        1, NULL, &err);
+    }
+    if (rc == SMOE_OK) { /* out = h + the MoE block's output (cast to the model's dtype) */
+        if (self->bf16) smoe_bf16_round(moe, n);
+        residual_add(self, moe, h, 0, n);
+        store(op, ob, moe, n);
+    }
+    t2 = smoe_now();
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    smoe_py_layers_end(args[0]);
+    if (rc != 0) return smoe_py_raise(&err);
+    return Py_BuildValue("(dd)", t1 - t0, t2 - t1);
 }
 
 static PyMethodDef ab_methods[] = {
@@ -928,6 +1106,18 @@ static PyMethodDef ab_methods[] = {
      "or bf16 bits).  With resid, ln, ln_eps, normed (the decoder layer's residual stream "
      "[T, hidden], post-attention RMSNorm weights and eps, and its output [T, hidden], all of "
      "out's dtype): out = resid + the projection, normed = RMSNorm(out).  GIL released."},
+    {"layer", (PyCFunction)(void (*)(void))ab_layer, METH_FASTCALL,
+     "layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, ln1, eps1, ln2, "
+     "eps2, out): one decoder layer of T tokens in one call: x [T, hidden] RMSNorm-ed (ln1, "
+     "eps1), pre's projections, norms and rotary, the new k, v written into the KV buffers "
+     "kbuf, vbuf [1, kv_heads, capacity, head_dim] (float32 or bf16 bits, C-contiguous) at "
+     "positions S..S+T-1, attention over positions 0..S+T-1 with the additive bias float32 [1, "
+     "T, S+T] or None, the output projection, the residual add, the post-attention RMSNorm "
+     "(ln2, eps2), the MoE block of MoE layer pos of the _C.Layers object layers (its "
+     "forward_routed with route_flags), the second residual add, into out [T, hidden] (x's "
+     "dtype).  Every intermediate as pre, post and forward_routed compute it; GIL released.  "
+     "Returns (seconds in the attention block with its norms and first residual add, seconds "
+     "in the MoE block and the second add), for benchmarks."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject AttnBlockType = {

@@ -19,6 +19,7 @@
 /* kernels.h before numpy: <complex.h> (pulled in by numpy) defines the macro I */
 #include "layer.h"
 #include "py_cache.h"
+#include "py_layer.h"
 #include "py_kernels.h"
 #include "py_numpy.h"
 
@@ -195,7 +196,8 @@ static PyObject *layers_call(LayersObject *self, PyObject *const *args, Py_ssize
     int replace = 1;
     if (n > 7 && (replace = PyObject_IsTrue(args[7])) < 0) return NULL;
     PyArrayObject *dr = NULL;
-    if (n > 8 && args[8] != Py_None && !(dr = smoe_py_want_array(args[8], "draft", NPY_UINT8, 1, 0)))
+    if (n > 8 && args[8] != Py_None &&
+        !(dr = smoe_py_want_array(args[8], "draft", NPY_UINT8, 1, 0)))
         return NULL;
     npy_intp T = PyArray_DIM(x, 0);
     if (PyArray_DIM(x, 1) != (npy_intp)g->H || PyArray_DIM(idx, 0) != T ||
@@ -413,6 +415,19 @@ static PyTypeObject LayersType = {
     .tp_dealloc = (destructor)Layers_dealloc,
     .tp_methods = Layers_methods,
 };
+
+smoe_layers *smoe_py_layers_begin(PyObject *obj) {
+    if (!PyObject_TypeCheck(obj, &LayersType) || !((LayersObject *)obj)->initialized) {
+        PyErr_Format(PyExc_TypeError, "expected an initialised specmoe._C.Layers, got %s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    LayersObject *l = (LayersObject *)obj;
+    if (!smoe_py_cache_begin(l->cache_obj)) return NULL;
+    return &l->g;
+}
+
+void smoe_py_layers_end(PyObject *obj) { smoe_py_cache_end(((LayersObject *)obj)->cache_obj); }
 
 int smoe_py_layer_init(PyObject *m) {
     if (PyType_Ready(&LayersType) < 0) return -1;

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from . import _C
 from .kernels import tensor_array
@@ -84,7 +85,8 @@ def _c_attention(orig_name: str) -> Any:
             v = v.contiguous()
             k = k.contiguous()
         out = torch.empty(B, T, H, D, dtype=torch.float32)
-        kernel.forward(query.float().contiguous().numpy(), tensor_array(k), tensor_array(v), bias, out.numpy(),
+        kernel.forward(query.float().contiguous().numpy(), tensor_array(k), tensor_array(v),
+                       bias, out.numpy(),
                        float(scaling if scaling is not None else 1.0 / math.sqrt(D)))
         return out.to(query.dtype), None
     attention.__name__ = f"specmoe_c_attention_over_{orig_name}"
@@ -170,12 +172,19 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     decode sizes (module docstring); returns the qualified names of the modules switched.
 
     A module is fusable when its class is one of the Llama-family forms listed in
-    ``_FUSABLE``, it runs the C attention (:func:`use_c_attention`), its four projections are :class:`specmoe.dense.CLinear`, its q/k norms (if
-    the form has them) are plain RMSNorms, nothing clips q/k/v, and the model's weights are f32
-    or bf16.  Everything the block does not cover at call time -- more than
-    ``ATTENTION_MAX_TOKENS`` tokens, a batch of several rows, another device or dtype, a mask
-    or argument the C attention does not read, training -- goes to the module's own forward.
-    Idempotent."""
+    ``_FUSABLE``, it runs the C attention (:func:`use_c_attention`), its four projections are
+    :class:`specmoe.dense.CLinear`, its q/k norms (if the form has them) are plain RMSNorms,
+    nothing clips q/k/v, and the model's weights are f32 or bf16.  Everything the block does
+    not cover at call time -- more than ``ATTENTION_MAX_TOKENS`` tokens, a batch of several
+    rows, another device or dtype, a mask or argument the C attention does not read, training
+    -- goes to the module's own forward.
+
+    The decoder layers around fused modules, when of a ``_FUSABLE_LAYERS`` form with plain
+    RMSNorms, fold their input norm, first residual add and post-attention norm into the
+    block's calls; and when their MoE block routes in C (``Engine._install_routing``) and the
+    KV cache is transformers' ``DynamicCache``, a decode step of the layer is one C call
+    (``_C.AttnBlock.layer``: the block, the new positions written into the cache's buffers
+    (:func:`_kv_buffers`), the MoE block, the residual adds).  Idempotent."""
     from .dense import CLinear
     if ctx is None:
         from .kernels import context
@@ -200,7 +209,8 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
         kw: dict[str, Any] = {"norm": form}
         if form != "none":
-            qn, kn = _norm_weight(getattr(m, "q_norm", None)), _norm_weight(getattr(m, "k_norm", None))
+            qn = _norm_weight(getattr(m, "q_norm", None))
+            kn = _norm_weight(getattr(m, "k_norm", None))
             if qn is None or kn is None or m.q_norm.variance_epsilon != m.k_norm.variance_epsilon:
                 continue
             kw.update(q_norm=qn, k_norm=kn, eps=float(m.q_norm.variance_epsilon))
@@ -268,6 +278,102 @@ def _fuse_qkv(projs: list[Any], ctx: _C.KernelContext) -> _C.Linear | None:
     return _C.Linear(ctx, desc, block, bias)
 
 
+_KV_SPARE = 256  # positions of spare room at least, when _kv_append (re)allocates a layer
+
+
+def _kv_append(cache: Any, idx: int, k: torch.Tensor, v: torch.Tensor,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' cache update of layer ``idx`` with T new positions; returns the layer's
+    whole keys and values.  A plain ``DynamicCache`` layer concatenates its whole cache with the
+    new positions at every step (``torch.cat``: O(S) copying per layer and token, ~0.13 ms a
+    layer at S ~ 100 on an OLMoE-shaped model, growing with S); here its keys/values become
+    prefix views of buffers with spare room (:func:`_kv_buffers`), so a step copies only its
+    own positions.  The layer stays a DynamicLayer: every other operation (crop, reset,
+    reorder, its own update in a prefill) works on the views or replaces them, and the next
+    append notices and re-buffers.  Other caches and layer types take their own ``update``."""
+    T = k.shape[2]
+    bufs = _kv_buffers(cache, idx, T) if k.shape[0] == 1 else None
+    if bufs is None or bufs[1].dtype != k.dtype or bufs[2].dtype != v.dtype:
+        return cache.update(k, v, idx, kwargs=kwargs)
+    lay, kt, vt, _, _, S = bufs
+    kt[:, :, S:S + T].copy_(k)
+    vt[:, :, S:S + T].copy_(v)
+    lay.keys = kt[:, :, :S + T]
+    lay.values = vt[:, :, :S + T]
+    return lay.keys, lay.values
+
+
+def _kv_buffers(cache: Any, idx: int, T: int) -> tuple | None:
+    """The KV buffers of a plain DynamicCache layer of batch 1 with room for T more positions:
+    (layer, keys buffer, values buffer [1, kv_heads, capacity, D], their numpy views, S cached
+    positions), the layer's keys/values being the buffers' first S positions -- made so
+    (copied into new buffers with a quarter more room, at least ``_KV_SPARE`` positions) when
+    they are not.  The buffers hold up to that much more memory than the cache itself.  None
+    for any other cache or a layer holding nothing yet (the caller takes ``cache.update``,
+    which initialises it)."""
+    layers = getattr(cache, "layers", None)
+    if (type(cache) is not DynamicCache or getattr(cache, "offloading", False)
+            or layers is None or idx >= len(layers) or type(layers[idx]) is not DynamicLayer):
+        return None
+    lay = layers[idx]
+    if not lay.is_initialized:
+        return None
+    buf = getattr(lay, "_specmoe_kv", None)
+    keys, values = lay.keys, lay.values
+    S = 0 if keys is None or keys.numel() == 0 else keys.shape[2]
+    if (buf is None or S + T > buf[0].shape[2]
+            or (S and not (keys.data_ptr() == buf[0].data_ptr()
+                           and values.data_ptr() == buf[1].data_ptr()
+                           and keys.stride() == buf[0].stride()
+                           and values.stride() == buf[1].stride()
+                           and keys.dtype == buf[0].dtype))):
+        return _rebuffer(lay, keys, values, S, T)
+    return (lay, *buf, S)
+
+
+def _rebuffer(lay: Any, keys: torch.Tensor | None, values: torch.Tensor | None, S: int,
+              T: int) -> tuple | None:
+    """New KV buffers for a DynamicLayer holding S positions, with room for T more."""
+    if keys is None or keys.dim() != 4 or keys.shape[0] != 1:
+        return None
+    B, H, _, D = keys.shape
+    cap = S + T + max(_KV_SPARE, (S + T) // 4)
+    kt = torch.empty(B, H, cap, D, dtype=keys.dtype)
+    vt = torch.empty(B, H, cap, D, dtype=values.dtype)
+    if S:
+        kt[:, :, :S].copy_(keys)
+        vt[:, :, :S].copy_(values)
+    lay._specmoe_kv = (kt, vt, tensor_array(kt), tensor_array(vt))
+    return (lay, *lay._specmoe_kv, S)
+
+
+def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, bufs: tuple,
+                route: tuple) -> torch.Tensor:
+    """A whole decoder layer of T tokens in one C call (``_C.AttnBlock.layer``): the attention
+    block with its norms and residual add, the new positions written straight into the KV
+    buffers, the MoE block routed in C, the second residual add."""
+    attn = layer.self_attn
+    blk = attn._specmoe_block
+    H, Hkv, D, hidden, dt = attn._specmoe_block_shape
+    lay, kt, vt, ka, va, S = bufs
+    eng, pos, flags, _ = route
+    T = x.shape[1]
+    cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
+    bias = _mask_bias(attention_mask, T, S + T, torch.float32)
+    if bias is not None:
+        bias = bias.reshape(bias.shape[0], T, S + T).contiguous().numpy()
+    out = torch.empty(1, T, hidden, dtype=dt)
+    ln1, e1, ln2, e2 = layer._specmoe_norms
+    with eng._layer_call_slot():
+        blk.layer(eng._layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()),
+                  tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), ka, va, S,
+                  bias, attn._specmoe_scaling, ln1, e1, ln2, e2,
+                  tensor_array(out.view(T, hidden)))
+    lay.keys = kt[:, :, :S + T]
+    lay.values = vt[:, :, :S + T]
+    return out
+
+
 def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
                kwargs: dict[str, Any]) -> bool:
     """Whether the attention block serves this call of ``module`` (else its own forward)."""
@@ -305,7 +411,7 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
         blk.pre(xa, tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), q.numpy(),
                 tensor_array(k), tensor_array(v), norms[0], norms[1])
     if cache is not None:
-        k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)
+        k, v = _kv_append(cache, module.layer_idx, k, v, kwargs)
     S = k.shape[2]
     bias = _mask_bias(attention_mask, T, S, torch.float32)
     if bias is not None:
@@ -359,6 +465,13 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
             return original(hidden_states, attention_mask=attention_mask,
                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
+        route = getattr(layer.mlp, "_specmoe_route", None)
+        if route is not None and not layer.mlp.training \
+                and route[0]._routable(hidden_states, route[3]):
+            bufs = _kv_buffers(cache, attn.layer_idx, hidden_states.shape[1])
+            if bufs is not None:
+                return _layer_call(layer, hidden_states, position_embeddings, attention_mask,
+                                   bufs, route)
         kwargs["position_ids"] = position_ids
         kwargs["use_cache"] = use_cache
         h, normed = _block_call(attn, hidden_states, position_embeddings, attention_mask,

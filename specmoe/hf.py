@@ -281,22 +281,30 @@ class Engine:
                 flags |= _C.ROUTE_BF16_LOGITS | (_C.ROUTE_BF16_WEIGHTS if kind == "qwen" else 0)
             block.forward = self._routed_forward(block, pos, flags, gate.weight.dtype,
                                                  block.forward)
+            # what a fused decoder layer needs to run this block inside its own C call
+            # (specmoe.attention, _C.AttnBlock.layer)
+            block._specmoe_route = (self, pos, flags, gate.weight.dtype)
             done.append(pos)
         return done
 
     def _routed_forward(self, block: nn.Module, pos: int, flags: int, dtype: torch.dtype,
                         original: Callable[..., Any]) -> Callable[..., Any]:
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if (block.training or hidden_states.dtype != dtype
-                    or hidden_states.device.type != "cpu" or self._drafting is not None
-                    or self._predictor is not None or self._recorder is not None
-                    or self._la.active or self._draft_flags is not None):
+            if block.training or not self._routable(hidden_states, dtype):
                 return original(hidden_states)
             shape = hidden_states.shape
             return self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
                                       flags).reshape(shape)
         forward.__name__ = f"specmoe_routed_{type(block).__name__}_forward"
         return forward
+
+    def _routable(self, hidden: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether a routed block's call on ``hidden`` may route in C now: none of the paths
+        that need the routing in Python (drafts, a Python predictor, trace recording, a
+        lookahead) is on."""
+        return (hidden.dtype == dtype and hidden.device.type == "cpu" and self._drafting is None
+                and self._predictor is None and self._recorder is None and not self._la.active
+                and self._draft_flags is None)
 
     def _layer_routed(self, pos: int, hidden: torch.Tensor, flags: int) -> torch.Tensor:
         """One MoE block, routing and experts, in one C call (see _install_routing)."""

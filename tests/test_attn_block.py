@@ -306,3 +306,45 @@ def test_joint_qkv_rows_are_the_three_projections(fmt):
     qkv.forward(x.numpy(), out)
     np.testing.assert_array_equal(out, torch.cat(before, 1).numpy())
     assert _fuse_qkv([CLinear(torch.nn.Linear(128, 8), "bf16", ctx)] * 3, ctx) is None
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_kv_buffers_read_as_transformers_cache(monkeypatch, dt):
+    """The fused path keeps a DynamicCache layer's keys/values as prefix views of buffers with
+    spare room: after decode steps that outgrow them (spare room forced down to 2 positions),
+    a crop (speculative decoding's rollback) and more steps, the cache holds exactly what the
+    unfused model's cache holds, and the logits agree."""
+    import specmoe.attention as attention
+    monkeypatch.setattr(attention, "_KV_SPARE", 2)
+    base = tiny_model("qwen3_moe", dtype=dt)
+    fmt = "f32" if dt == torch.float32 else "bf16"
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    convert_dense(a, fmt)
+    convert_dense(b, fmt)
+    _unfused(b)
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(6))
+    caches, logits = [], []
+    for mdl in (a, b):
+        kv = DynamicCache(config=mdl.config)
+        out = []
+        with torch.no_grad():
+            out.append(mdl(ids[:, :6], cache=kv, use_cache=True).logits)
+            for t in range(6, 30):
+                out.append(mdl(ids[:, t:t + 1], cache=kv, use_cache=True).logits)
+            kv.crop(-5)                                         # roll back 5 positions
+            out.append(mdl(ids[:, 25:29], cache=kv, use_cache=True).logits)
+            for t in range(29, 40):
+                out.append(mdl(ids[:, t:t + 1], cache=kv, use_cache=True).logits)
+        caches.append(kv)
+        logits.append(torch.cat(out, 1))
+    assert any(hasattr(lay, "_specmoe_kv") for lay in caches[0].layers)
+    for la, lb in zip(caches[0].layers, caches[1].layers):
+        assert la.keys.shape == lb.keys.shape == (1, 2, 40, 16)
+        if dt == torch.bfloat16:                                # f32: the norms' sum order
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+        torch.testing.assert_close(la.keys, lb.keys, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(la.values, lb.values, atol=1e-6, rtol=1e-6)
+    if dt == torch.bfloat16:
+        assert torch.equal(logits[0], logits[1])
+    else:
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)

@@ -123,26 +123,56 @@ def test_paths_left_to_torch():
         eng.close()
     m, eng = _offload("olmoe", torch.float32)
     try:
-        calls: list[int] = []
-        real = eng._layers
+        calls: list[str] = []
 
         class Spy:
-            def __getattr__(self, n):
-                return getattr(real, n)
+            def __init__(self, blk):
+                self.blk = blk
 
-            def forward_routed(self, pos, *a):
-                calls.append(pos)
-                return real.forward_routed(pos, *a)
-        eng._layers = Spy()
+            def __getattr__(self, n):
+                f = getattr(self.blk, n)
+
+                def call(*a):
+                    calls.append(n)
+                    return f(*a)
+                return call
+        for layer in m.model.layers:
+            layer.self_attn._specmoe_block = Spy(layer.self_attn._specmoe_block)
         p = torch.tensor([[1, 5, 9, 14]])
         with eng.trace() as rec:                         # recording: the torch router
             m.generate(p, max_new_tokens=3, do_sample=False)
-        assert calls == [] and rec.result().num_tokens > 0
+        assert "layer" not in calls and rec.result().num_tokens > 0
+        calls.clear()
         m.generate(p, max_new_tokens=3, do_sample=False)
-        assert calls == [0, 1, 2] * 3                    # prefill + 2 decode steps in C
+        # the prefill initialises the cache through pre/post; the 2 decode steps: one call a layer
+        assert calls == ["pre", "post"] * 3 + ["layer"] * 6
     finally:
-        eng._layers = real
         eng.close()
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_call_layer_equals_the_three_call_path(arch, dt):
+    """_C.AttnBlock.layer (attention block, KV append, MoE block in one call) computes every
+    intermediate as pre, post and forward_routed do: the same logits, bit for bit."""
+    base = tiny_model(arch, dtype=dt)
+    fmt = "f32" if dt == torch.float32 else "bf16"
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    ea = hf.offload(a, dtype=fmt, dense=fmt, cache=1.0)
+    eb = hf.offload(b, dtype=fmt, dense=fmt, cache=1.0)
+    try:
+        for layer in b.model.layers:
+            del layer.mlp._specmoe_route                # b: pre, post, forward_routed
+        p = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(5))
+        kw = dict(max_new_tokens=40, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+        ra, rb = a.generate(p, **kw), b.generate(p, **kw)
+        assert torch.equal(ra.sequences, rb.sequences)
+        for x, y in zip(ra.logits, rb.logits):
+            assert torch.equal(x, y)
+    finally:
+        ea.close()
+        eb.close()
 
 
 def test_bad_input():

@@ -1,0 +1,15 @@
+/* What other bindings may use of specmoe._C.Layers (py_layer.c). */
+#ifndef SMOE_PY_LAYER_H
+#define SMOE_PY_LAYER_H
+
+#include "py_common.h"
+#include "layer.h"
+
+/* The smoe_layers of a _C.Layers object, its cache marked in use (smoe_py_cache_begin) so that
+ * it cannot close under a call; NULL with TypeError (not an initialised Layers) or CacheError
+ * (closed).  End with smoe_py_layers_end(obj).  Both with the GIL held; the smoe_layers is
+ * used between them without it (its own mutex serialises calls). */
+smoe_layers *smoe_py_layers_begin(PyObject *obj);
+void smoe_py_layers_end(PyObject *obj);
+
+#endif
