@@ -202,3 +202,25 @@ def test_bad_input():
                                        np.empty(E, np.uint8), 0)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_generate_through_fused_layers(arch):
+    """specmoe.generate on a model with dense layers in C (lm_head a CLinear, which has no
+    weight tensor: it used to fail there) and fused decoder layers: verification chunks of
+    K + 1 tokens run through the one-call path, rejected drafts crop the KV buffers, and the
+    tokens equal the unmodified model's greedy ones."""
+    import specmoe
+    from specmoe.controllers.static import StaticK
+    from specmoe.drafters import NgramDrafter
+    ref = tiny_model(arch)
+    m, eng = _offload(arch, torch.float32)
+    try:
+        p = torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60, 5, 9, 14, 3, 27, 8]])
+        want = ref.generate(p, max_new_tokens=24, do_sample=False)
+        for k in (2, 8):
+            out = specmoe.generate(m, p, drafter=NgramDrafter(), controller=StaticK(k),
+                                   max_new_tokens=24)
+            assert torch.equal(out.sequences[:, :want.shape[1]], want)
+    finally:
+        eng.close()
