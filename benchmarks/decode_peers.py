@@ -79,8 +79,9 @@ minus all that: embeddings, norms, residuals, decoder-layer and ``generate`` Pyt
 processing), each as ms per step and share of the step.  ``outside_experts_share`` =
 1 - C time / step time is the framework overhead around the expert kernels (it includes the
 attention and lm_head matmuls, which torch runs in the ``specmoe-<p>`` rows);
-``outside_c_kernels_share`` = 1 - (expert C + dense C) / step, for the ``specmoe+dense`` rows
-where those matmuls are in C too; ``glue_share`` = (experts_glue + other) /
+``outside_c_kernels_share`` = 1 - (expert C + dense C + attention C) / step, for the
+``specmoe+dense`` rows where those matmuls are in C too (attention C: the C attention kernels,
+MLA's absorbed one included, which earlier runs counted as outside); ``glue_share`` = (experts_glue + other) /
 step is the part that is neither expert kernels nor a torch matmul.  The hooks cost a few
 microseconds per module call; the instrumented run's tok/s is reported beside the plain one.
 Rows whose decoder layers run as one C call each (``specmoe+dense`` at OLMoE shapes,
@@ -318,10 +319,11 @@ def worker(spec_path: str) -> None:
 
     class Stamp(LogitsProcessor):
         def __init__(self, acc: _Acc | None = None, c: dict[str, float] | None = None,
-                     dc: dict[str, float] | None = None, ab: dict[str, float] | None = None):
+                     dc: dict[str, float] | None = None, ab: dict[str, float] | None = None,
+                     mc: dict[str, float] | None = None):
             self.t: list[float] = []
             self.snap: list[dict[str, float]] = []
-            self.acc, self.c, self.dc, self.ab = acc, c, dc, ab
+            self.acc, self.c, self.dc, self.ab, self.mc = acc, c, dc, ab, mc
 
         def __call__(self, input_ids: Any, scores: Any) -> Any:
             self.t.append(time.perf_counter())
@@ -333,6 +335,8 @@ def worker(spec_path: str) -> None:
                     s["dense_c"] = self.dc["t"]
                 if self.ab is not None:
                     s["attn_c"], s["moe_c"] = self.ab["attn"], self.ab["moe"]
+                if self.mc is not None:
+                    s["attn_c"] = s.get("attn_c", 0.0) + self.mc["t"]
                 self.snap.append(s)
             return scores
 
@@ -389,12 +393,22 @@ def worker(spec_path: str) -> None:
             ab = {"attn": 0.0, "moe": 0.0}
             for a in blocks:
                 a._specmoe_block = _BlockTimer(a._specmoe_block, ab)
+        # MLA's absorbed attention in C (specmoe.mla): its C time counts as attention C
+        mlas = [m._specmoe_mla_w for m in model.modules()
+                if getattr(getattr(m, "_specmoe_mla_w", None), "kernel", None) is not None]
+        # and so does the models' own attention kernel where a module calls it (not fused)
+        attns = [m for m in model.modules() if getattr(m, "_specmoe_attn", None) is not None]
+        mc = {"t": 0.0, "n": 0} if mlas or attns else None
+        for w in mlas:
+            w.kernel = _Proxy(w.kernel, mc)
+        for m in attns:
+            m._specmoe_attn = _Proxy(m._specmoe_attn, mc)
         if clin:  # the dense layers' C calls (attention projections, shared/dense MLP, lm_head)
             dc = {"t": 0.0, "n": 0}
             for m in clin:
                 m._c = _Proxy(m._c, dc)
         try:
-            sti = gen(spec["prompt_ids"], n, Stamp(acc, c, dc, ab))
+            sti = gen(spec["prompt_ids"], n, Stamp(acc, c, dc, ab, mc))
         finally:
             acc.remove()
             if eng is not None and c is not None:
@@ -403,6 +417,10 @@ def worker(spec_path: str) -> None:
                 m._c = m._c.inner
             for a in blocks:
                 a._specmoe_block = a._specmoe_block.inner
+            for w in mlas:
+                w.kernel = w.kernel.inner
+            for m in attns:
+                m._specmoe_attn = m._specmoe_attn.inner
         step = (sti.t[-1] - sti.t[0]) / n
 
         def per_step(k: str) -> float:

@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from . import _C
 from .kernels import tensor_array
+from .kvcache import kv_append, kv_buffers
 from .mla import _mask_bias, _mask_readable
 
 __all__ = ["ATTENTION_MAX_TOKENS", "fuse_attention", "use_c_attention"]
@@ -184,7 +184,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     block's calls; and when their MoE block routes in C (``Engine._install_routing``) and the
     KV cache is transformers' ``DynamicCache``, a decode step of the layer is one C call
     (``_C.AttnBlock.layer``: the block, the new positions written into the cache's buffers
-    (:func:`_kv_buffers`), the MoE block, the residual adds).  Idempotent."""
+    (:func:`specmoe.kvcache.kv_buffers`), the MoE block, the residual adds).  Idempotent."""
     from .dense import CLinear
     if ctx is None:
         from .kernels import context
@@ -278,75 +278,6 @@ def _fuse_qkv(projs: list[Any], ctx: _C.KernelContext) -> _C.Linear | None:
     return _C.Linear(ctx, desc, block, bias)
 
 
-_KV_SPARE = 256  # positions of spare room at least, when _kv_append (re)allocates a layer
-
-
-def _kv_append(cache: Any, idx: int, k: torch.Tensor, v: torch.Tensor,
-               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' cache update of layer ``idx`` with T new positions; returns the layer's
-    whole keys and values.  A plain ``DynamicCache`` layer concatenates its whole cache with the
-    new positions at every step (``torch.cat``: O(S) copying per layer and token, ~0.13 ms a
-    layer at S ~ 100 on an OLMoE-shaped model, growing with S); here its keys/values become
-    prefix views of buffers with spare room (:func:`_kv_buffers`), so a step copies only its
-    own positions.  The layer stays a DynamicLayer: every other operation (crop, reset,
-    reorder, its own update in a prefill) works on the views or replaces them, and the next
-    append notices and re-buffers.  Other caches and layer types take their own ``update``."""
-    T = k.shape[2]
-    bufs = _kv_buffers(cache, idx, T) if k.shape[0] == 1 else None
-    if bufs is None or bufs[1].dtype != k.dtype or bufs[2].dtype != v.dtype:
-        return cache.update(k, v, idx, kwargs=kwargs)
-    lay, kt, vt, _, _, S = bufs
-    kt[:, :, S:S + T].copy_(k)
-    vt[:, :, S:S + T].copy_(v)
-    lay.keys = kt[:, :, :S + T]
-    lay.values = vt[:, :, :S + T]
-    return lay.keys, lay.values
-
-
-def _kv_buffers(cache: Any, idx: int, T: int) -> tuple | None:
-    """The KV buffers of a plain DynamicCache layer of batch 1 with room for T more positions:
-    (layer, keys buffer, values buffer [1, kv_heads, capacity, D], their numpy views, S cached
-    positions), the layer's keys/values being the buffers' first S positions -- made so
-    (copied into new buffers with a quarter more room, at least ``_KV_SPARE`` positions) when
-    they are not.  The buffers hold up to that much more memory than the cache itself.  None
-    for any other cache or a layer holding nothing yet (the caller takes ``cache.update``,
-    which initialises it)."""
-    layers = getattr(cache, "layers", None)
-    if (type(cache) is not DynamicCache or getattr(cache, "offloading", False)
-            or layers is None or idx >= len(layers) or type(layers[idx]) is not DynamicLayer):
-        return None
-    lay = layers[idx]
-    if not lay.is_initialized:
-        return None
-    buf = getattr(lay, "_specmoe_kv", None)
-    keys, values = lay.keys, lay.values
-    S = 0 if keys is None or keys.numel() == 0 else keys.shape[2]
-    if (buf is None or S + T > buf[0].shape[2]
-            or (S and not (keys.data_ptr() == buf[0].data_ptr()
-                           and values.data_ptr() == buf[1].data_ptr()
-                           and keys.stride() == buf[0].stride()
-                           and values.stride() == buf[1].stride()
-                           and keys.dtype == buf[0].dtype))):
-        return _rebuffer(lay, keys, values, S, T)
-    return (lay, *buf, S)
-
-
-def _rebuffer(lay: Any, keys: torch.Tensor | None, values: torch.Tensor | None, S: int,
-              T: int) -> tuple | None:
-    """New KV buffers for a DynamicLayer holding S positions, with room for T more."""
-    if keys is None or keys.dim() != 4 or keys.shape[0] != 1:
-        return None
-    B, H, _, D = keys.shape
-    cap = S + T + max(_KV_SPARE, (S + T) // 4)
-    kt = torch.empty(B, H, cap, D, dtype=keys.dtype)
-    vt = torch.empty(B, H, cap, D, dtype=values.dtype)
-    if S:
-        kt[:, :, :S].copy_(keys)
-        vt[:, :, :S].copy_(values)
-    lay._specmoe_kv = (kt, vt, tensor_array(kt), tensor_array(vt))
-    return (lay, *lay._specmoe_kv, S)
-
-
 def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, bufs: tuple,
                 route: tuple) -> torch.Tensor:
     """A whole decoder layer of T tokens in one C call (``_C.AttnBlock.layer``): the attention
@@ -411,7 +342,7 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
         blk.pre(xa, tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), q.numpy(),
                 tensor_array(k), tensor_array(v), norms[0], norms[1])
     if cache is not None:
-        k, v = _kv_append(cache, module.layer_idx, k, v, kwargs)
+        k, v = kv_append(cache, module.layer_idx, k, v, kwargs)
     S = k.shape[2]
     bias = _mask_bias(attention_mask, T, S, torch.float32)
     if bias is not None:
@@ -468,7 +399,7 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
         route = getattr(layer.mlp, "_specmoe_route", None)
         if route is not None and not layer.mlp.training \
                 and route[0]._routable(hidden_states, route[3]):
-            bufs = _kv_buffers(cache, attn.layer_idx, hidden_states.shape[1])
+            bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1])
             if bufs is not None:
                 return _layer_call(layer, hidden_states, position_embeddings, attention_mask,
                                    bufs, route)

@@ -45,6 +45,7 @@ from torch import nn
 
 from . import _C
 from .kernels import tensor_array
+from .kvcache import kv_append
 from .quant import quantize_int4, quantize_int8
 
 __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "int4_values", "is_mla_attention"]
@@ -245,8 +246,8 @@ def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embe
     c = mod.kv_a_layernorm(c).view(B, 1, T, r)
     k_pe = k_pe.view(B, 1, T, dr)
     q_pe, k_pe = _rope(mod, q_pe, k_pe, position_embeddings)
-    if past_key_values is not None:
-        c, k_pe = past_key_values.update(c, k_pe, mod.layer_idx)
+    if past_key_values is not None:   # the latent as keys, the rotary key as values
+        c, k_pe = kv_append(past_key_values, mod.layer_idx, c, k_pe, {})
     S = c.shape[2]
     bias = _mask_bias(attention_mask, T, S, torch.float32)
     ab = _absorbed(mod)

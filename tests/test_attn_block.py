@@ -314,8 +314,8 @@ def test_kv_buffers_read_as_transformers_cache(monkeypatch, dt):
     spare room: after decode steps that outgrow them (spare room forced down to 2 positions),
     a crop (speculative decoding's rollback) and more steps, the cache holds exactly what the
     unfused model's cache holds, and the logits agree."""
-    import specmoe.attention as attention
-    monkeypatch.setattr(attention, "_KV_SPARE", 2)
+    import specmoe.kvcache as kvcache
+    monkeypatch.setattr(kvcache, "_KV_SPARE", 2)
     base = tiny_model("qwen3_moe", dtype=dt)
     fmt = "f32" if dt == torch.float32 else "bf16"
     a, b = copy.deepcopy(base), copy.deepcopy(base)
@@ -348,3 +348,37 @@ def test_kv_buffers_read_as_transformers_cache(monkeypatch, dt):
         assert torch.equal(logits[0], logits[1])
     else:
         torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def test_mla_latent_cache_through_kv_buffers(monkeypatch):
+    """MLA (DeepSeek-V2) appends its latent and rotary key (different widths) through the
+    same buffers: after decode steps, a crop and a 2-token chunk, the cache holds what
+    transformers' own DynamicLayer.update gives the same model, and so do the logits."""
+    import specmoe.mla as mla
+    m = tiny_model("deepseek_v2")
+    rep = convert_dense(m, "f32")
+    assert rep.mla
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(8))
+
+    def run():
+        kv = DynamicCache(config=m.config)
+        out = []
+        with torch.no_grad():
+            out.append(m(ids[:, :5], cache=kv, use_cache=True).logits)
+            for t in range(5, 27):
+                out.append(m(ids[:, t:t + 1], cache=kv, use_cache=True).logits)
+            kv.crop(-3)
+            out.append(m(ids[:, 24:26], cache=kv, use_cache=True).logits)
+        return kv, torch.cat(out, 1)
+
+    got, lg = run()
+    monkeypatch.setattr(mla, "kv_append",
+                        lambda cache, idx, k, v, kw: cache.update(k, v, idx))
+    want, lw = run()
+    buffered = [la for la in got.layers if hasattr(la, "_specmoe_kv")]
+    assert len(buffered) == m.config.num_hidden_layers
+    for la, lb in zip(got.layers, want.layers):
+        assert la.keys.shape == lb.keys.shape == (1, 1, 26, 32)
+        assert la.values.shape == lb.values.shape == (1, 1, 26, 8)
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    assert torch.equal(lg, lw)
