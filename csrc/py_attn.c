@@ -546,11 +546,13 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || H > 65536 || D > 65536 ||
-        max_tokens < 1 || max_tokens > 4096) {
+        (uint64_t)(H + 2 * (uint64_t)Hkv) * D > (1u << 24) || max_tokens < 1 ||
+        max_tokens > 4096 || !(eps >= 0.0) || eps > 1.0) {
         PyErr_Format(PyExc_ValueError,
-                     "AttnBlock: heads=%u kv_heads=%u head_dim=%u max_tokens=%u out of range "
-                     "(heads a multiple of kv_heads, head_dim even, max_tokens 1..4096)",
-                     H, Hkv, D, max_tokens);
+                     "AttnBlock: heads=%u kv_heads=%u head_dim=%u max_tokens=%u eps=%g out of "
+                     "range (heads a multiple of kv_heads, head_dim even, (heads + 2 kv_heads) "
+                     "* head_dim <= 2^24, max_tokens 1..4096, eps in [0, 1])",
+                     H, Hkv, D, max_tokens, eps);
         return -1;
     }
     const uint32_t hidden = self->ld[0]->K;
@@ -982,10 +984,12 @@ static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
-    long pos = PyLong_AsLong(args[1]), flags = PyLong_AsLong(args[2]);
+    long pos = PyLong_AsLong(args[1]);
     long long S = PyLong_AsLongLong(args[8]);
     double scale = PyFloat_AsDouble(args[10]);
     if (PyErr_Occurred()) return NULL;
+    int flags;
+    if (smoe_py_route_flags(args[2], &flags)) return NULL;
     npy_intp T;
     int xb, cb, sb;
     if (block_inputs(self, args[3], args[4], args[5], &T, &xb, &cb, &sb)) return NULL;
@@ -1075,8 +1079,8 @@ static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize
         memcpy(nrm, h, n * sizeof(float));
         smoe_rmsnorm(nrm, nt, hid, ln2, eps2, self->bf16); /* the post-attention norm */
         t1 = smoe_now();
-        rc = smoe_layers_forward_routed(g, (uint32_t)pos, nrm, nt, (int)flags, idx, w, moe, used,
-                                        1, NULL, &err);
+        rc = smoe_layers_forward_routed(g, (uint32_t)pos, nrm, nt, flags, idx, w, moe, used, 1,
+                                        NULL, &err);
     }
     if (rc == SMOE_OK) { /* out = h + the MoE block's output (cast to the model's dtype) */
         if (self->bf16) smoe_bf16_round(moe, n);

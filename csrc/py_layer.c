@@ -180,15 +180,9 @@ static PyObject *layers_call(LayersObject *self, PyObject *const *args, Py_ssize
         !(out = smoe_py_want_array(args[4], "out", NPY_FLOAT32, 2, 1)) ||
         !(used = smoe_py_want_array(args[5], "used", NPY_UINT8, 1, 1)))
         return NULL;
-    long flags = 0;
+    int flags = 0;
     if (routed) {
-        flags = PyLong_AsLong(args[6]);
-        if (flags == -1 && PyErr_Occurred()) return NULL;
-        if (flags < 0 || flags > (SMOE_ROUTE_RENORM | SMOE_ROUTE_BF16_LOGITS |
-                                  SMOE_ROUTE_BF16_WEIGHTS)) {
-            PyErr_Format(PyExc_ValueError, "route_flags %ld: not a combination of ROUTE_*", flags);
-            return NULL;
-        }
+        if (smoe_py_route_flags(args[6], &flags)) return NULL;
     } else if (n > 6 && args[6] != Py_None &&
                !(sc = smoe_py_want_array(args[6], "scores", NPY_FLOAT32, 2, 0))) {
         return NULL;
@@ -226,8 +220,7 @@ static PyObject *layers_call(LayersObject *self, PyObject *const *args, Py_ssize
     int rc;
     Py_BEGIN_ALLOW_THREADS
     if (routed)
-        rc = smoe_layers_forward_routed(g, (uint32_t)pos, PyArray_DATA(x), (uint32_t)T,
-                                        (int)flags, PyArray_DATA(idx), PyArray_DATA(w),
+        rc = smoe_layers_forward_routed(g, (uint32_t)pos, PyArray_DATA(x), (uint32_t)T, flags, PyArray_DATA(idx), PyArray_DATA(w),
                                         PyArray_DATA(out), PyArray_DATA(used), replace,
                                         dr ? PyArray_DATA(dr) : NULL, &e);
     else
@@ -415,6 +408,17 @@ static PyTypeObject LayersType = {
     .tp_dealloc = (destructor)Layers_dealloc,
     .tp_methods = Layers_methods,
 };
+
+int smoe_py_route_flags(PyObject *o, int *flags) {
+    long f = PyLong_AsLong(o);
+    if (f == -1 && PyErr_Occurred()) return -1;
+    if (f < 0 || f > (SMOE_ROUTE_RENORM | SMOE_ROUTE_BF16_LOGITS | SMOE_ROUTE_BF16_WEIGHTS)) {
+        PyErr_Format(PyExc_ValueError, "route_flags %ld: not a combination of ROUTE_*", f);
+        return -1;
+    }
+    *flags = (int)f;
+    return 0;
+}
 
 smoe_layers *smoe_py_layers_begin(PyObject *obj) {
     if (!PyObject_TypeCheck(obj, &LayersType) || !((LayersObject *)obj)->initialized) {

@@ -224,3 +224,43 @@ def test_speculative_generate_through_fused_layers(arch):
             assert torch.equal(out.sequences[:, :want.shape[1]], want)
     finally:
         eng.close()
+
+
+def test_layer_call_bad_input_leaves_everything_alone():
+    m, eng = _offload("olmoe", torch.float32)
+    try:
+        attn = m.model.layers[0].self_attn
+        blk = attn._specmoe_block
+        H, Hkv, D, hid, _ = attn._specmoe_block_shape
+        x = np.ones((1, hid), np.float32)
+        cs = np.ones((1, D), np.float32)
+        kb = np.full((1, Hkv, 8, D), 7.0, np.float32)
+        vb = kb.copy()
+        ln = np.ones(hid, np.float32)
+        out = np.full((1, hid), 7.0, np.float32)
+
+        def call(**kw):
+            a = dict(layers=eng._layers, pos=0, flags=0, x=x, cos=cs, sin=cs, kb=kb, vb=vb, S=3,
+                     bias=None, scale=0.1, ln1=ln, e1=1e-6, ln2=ln, e2=1e-6, out=out)
+            a.update(kw)
+            return blk.layer(*a.values())
+        bad = [(dict(flags=99), ValueError, "route_flags"),
+               (dict(layers=object()), TypeError, "Layers"),
+               (dict(pos=7), ValueError, "pos 7"),
+               (dict(S=8), ValueError, "do not fit"),
+               (dict(vb=np.zeros((1, Hkv, 8, D), np.float32).view(np.uint16)[..., :D]
+                     .copy()), ValueError, "same dtype"),
+               (dict(kb=np.zeros((1, Hkv + 1, 8, D), np.float32)), ValueError, "kbuf"),
+               (dict(bias=np.zeros((1, 1, 3), np.float32)), ValueError, "bias"),
+               (dict(ln2=np.ones(hid - 1, np.float32)), ValueError, "ln has"),
+               (dict(out=x), ValueError, "alias")]
+        for kw, exc, what in bad:
+            with pytest.raises(exc, match=what):
+                call(**kw)
+        np.testing.assert_array_equal(kb, 7.0)
+        np.testing.assert_array_equal(out, 7.0)
+        ta, tm = call()                                   # and a good call goes through
+        assert ta > 0 and tm > 0 and np.isfinite(out).all()
+        assert (kb[:, :, 3] != 7.0).any() and (kb[:, :, 4:] == 7.0).all()
+    finally:
+        eng.close()
