@@ -1155,9 +1155,55 @@ static PyTypeObject AttnDecodeType = {
     .tp_methods = ad_methods,
 };
 
+
+/* rms_norm(x, w, eps, out, bf16): the RMSNorm of block.h over the rows of x [T, n] into out
+ * (float32 or bf16 bits, x's dtype); w float32 [n].  Short inputs: no GIL release. */
+static PyObject *py_rms_norm(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError,
+                     "rms_norm(x, w, eps, out, bf16) takes 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    int xb = f32_or_bf16_io(args[0], "x", 2, 0), ob = f32_or_bf16_io(args[3], "out", 2, 1);
+    if (xb < 0 || ob < 0) return NULL;
+    int bf16 = PyObject_IsTrue(args[4]);
+    if (bf16 < 0) return NULL;
+    npy_intp T = PyArray_DIM((PyArrayObject *)args[0], 0);
+    npy_intp n = PyArray_DIM((PyArrayObject *)args[0], 1);
+    npy_intp w_o[2] = {T, n};
+    const float *w;
+    float eps;
+    if (n < 1 || n > (1 << 24) || norm_arg(args[1], args[2], (uint32_t)n, &w, &eps) ||
+        dims_are(args[3], "out [T, n]", w_o, 2))
+        return NULL;
+    if (xb != ob) {
+        PyErr_SetString(PyExc_ValueError, "x and out must have the same dtype");
+        return NULL;
+    }
+    const void *xp = PyArray_DATA((PyArrayObject *)args[0]);
+    void *op = PyArray_DATA((PyArrayObject *)args[3]);
+    float row[4096], *buf = n <= 4096 ? row : malloc((size_t)n * sizeof(float));
+    if (!buf) return PyErr_NoMemory();
+    for (npy_intp t = 0; t < T; t++) {
+        widen(buf, (const uint8_t *)xp + (size_t)t * n * (xb ? 2 : 4), xb, (size_t)n);
+        smoe_rmsnorm(buf, 1, (uint32_t)n, w, eps, bf16);
+        store((uint8_t *)op + (size_t)t * n * (ob ? 2 : 4), ob, buf, (size_t)n);
+    }
+    if (buf != row) free(buf);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef attn_functions[] = {
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
+     "rms_norm(x, w, eps, out, bf16): out = w * x * rsqrt(mean(x^2) + eps) per row of x [T, n] "
+     "(float32 or bf16 bits; out the same dtype and shape), w float32 [n]; bf16: round as a "
+     "bf16 model's RMSNorm does (csrc/kernels/block.h).  For decode-sized inputs."},
+    {NULL, NULL, 0, NULL}};
+
 int smoe_py_attn_init(PyObject *m) {
     if (PyType_Ready(&MLADecodeType) < 0 || PyType_Ready(&AttnDecodeType) < 0 ||
-        PyType_Ready(&AttnBlockType) < 0)
+        PyType_Ready(&AttnBlockType) < 0 || PyModule_AddFunctions(m, attn_functions) < 0)
         return -1;
     Py_INCREF(&MLADecodeType);
     if (PyModule_AddObject(m, "MLADecode", (PyObject *)&MLADecodeType) < 0) {

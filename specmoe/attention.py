@@ -38,7 +38,8 @@ from .kernels import tensor_array
 from .kvcache import kv_append, kv_buffers
 from .mla import _mask_bias, _mask_readable
 
-__all__ = ["ATTENTION_MAX_TOKENS", "fuse_attention", "use_c_attention"]
+__all__ = ["ATTENTION_MAX_TOKENS", "CRMSNorm", "convert_norms", "fuse_attention",
+           "use_c_attention"]
 
 # Query tokens up to which the C kernel runs (decode and verification chunks); longer inputs
 # are prefill, where torch's attention is the better kernel.
@@ -158,13 +159,71 @@ _FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoder
                    "MixtralDecoderLayer")
 
 
+# RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
+# (Gemma's ``1 + weight`` and other variants are not in it)
+_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm",
+             "DeepseekV2RMSNorm", "DeepseekV3RMSNorm", "CRMSNorm")
+# rows up to which CRMSNorm runs in C (one thread); longer inputs are prefill, torch's
+_NORM_MAX_ROWS = 64
+
+
 def _norm_weight(norm: nn.Module | None) -> np.ndarray | None:
-    """An RMSNorm of the Llama family's form (``weight * normed.to(dtype)``) as its f32 weights,
-    or None when ``norm`` is not one."""
-    if norm is None or not type(norm).__name__.endswith("RMSNorm") \
+    """An RMSNorm of the Llama family's form as its f32 weights, or None when ``norm`` is not
+    one."""
+    if norm is None or type(norm).__name__ not in _RMSNORMS \
             or not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
         return None
     return np.ascontiguousarray(norm.weight.detach().float().numpy())
+
+
+class CRMSNorm(nn.Module):
+    """A Llama-form RMSNorm whose decode-sized calls run in C (``specmoe._C.rms_norm``, one
+    call instead of seven torch operations; a bf16 model's roundings as torch makes them).
+    ``inner`` is the original module: it serves training, other devices and dtypes, and inputs
+    of more than ``_NORM_MAX_ROWS`` rows; ``weight`` and ``variance_epsilon`` are its."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        w = _norm_weight(norm)
+        if w is None:
+            raise TypeError(f"CRMSNorm replaces a Llama-form RMSNorm ({', '.join(_RMSNORMS)}), "
+                            f"got {type(norm).__name__}")
+        self.inner = norm
+        self._w = w
+        self.variance_epsilon = float(norm.variance_epsilon)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        dt = self.inner.weight.dtype
+        if (self.training or x.device.type != "cpu" or x.dtype != dt or n != self._w.shape[0]
+                or dt not in _BLOCK_DTYPES or x.numel() > _NORM_MAX_ROWS * n):
+            return self.inner(x)
+        xf = x.reshape(-1, n).contiguous()
+        out = torch.empty_like(xf)
+        _C.rms_norm(tensor_array(xf), self._w, self.variance_epsilon, tensor_array(out),
+                    dt == torch.bfloat16)
+        return out.reshape(x.shape)
+
+
+def convert_norms(model: nn.Module) -> list[str]:
+    """Replace every Llama-form RMSNorm module of ``model`` by a :class:`CRMSNorm` (the final
+    norm, MLA's latent norm, and the layer norms of decoder layers that are not fused);
+    returns their qualified names.  Idempotent."""
+    done = []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, CRMSNorm) or _norm_weight(mod) is None or not name:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, CRMSNorm):                  # an earlier call's inner module
+            continue
+        setattr(parent, attr, CRMSNorm(mod))
+        done.append(name)
+    return done
 
 
 def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]:

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import _C
 from .kernels import context, tensor_array
-from .attention import fuse_attention, use_c_attention
+from .attention import convert_norms, fuse_attention, use_c_attention
 from .mla import absorb_mla
 from .quant import quantize_int4, quantize_int8
 
@@ -160,7 +160,8 @@ class DenseReport:
     absorbed form (:mod:`specmoe.mla`), the attention implementation running the other
     attention modules' decode steps in C (:mod:`specmoe.attention`; None: unchanged), the
     attention modules whose decode steps run whole in C (``fused``,
-    :func:`specmoe.attention.fuse_attention`);
+    :func:`specmoe.attention.fuse_attention`), the RMSNorms run in C at decode sizes
+    (``norms``, :class:`specmoe.attention.CRMSNorm`);
     ``decode_torch_threads``: torch's intra-op threads during decode-sized forwards
     (:class:`DecodeThreads`), None when unchanged."""
 
@@ -170,6 +171,7 @@ class DenseReport:
     mla: list[str] = dataclasses.field(default_factory=list)
     attention: str | None = None
     fused: list[str] = dataclasses.field(default_factory=list)
+    norms: list[str] = dataclasses.field(default_factory=list)
     decode_torch_threads: int | None = None
     bytes_before: int = 0
     bytes_after: int = 0
@@ -309,6 +311,8 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         setattr(parent, attr, new)
         report.converted.append(name)
     report.fused = fuse_attention(model, ctx)
+    if report.converted:
+        report.norms = convert_norms(model)
     if report.converted and getattr(model, "_specmoe_decode_threads", None) is None:
         hooks = DecodeThreads(torch_above if torch_above is not None else TORCH_ABOVE)
         hooks.install(model)

@@ -382,3 +382,37 @@ def test_mla_latent_cache_through_kv_buffers(monkeypatch):
         assert la.values.shape == lb.values.shape == (1, 1, 26, 8)
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
     assert torch.equal(lg, lw)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_crmsnorm_against_the_module_it_replaces(dt):
+    """CRMSNorm (the final norm, MLA's latent norm, unfused layers' norms): a bf16 model's
+    RMSNorm bit for bit, f32 to rounding; training, long inputs and other dtypes go to the
+    original module; convert_norms is idempotent and leaves other norm forms alone."""
+    from specmoe.attention import CRMSNorm, convert_norms
+    m = tiny_model("deepseek_v2", dtype=dt)
+    norm = m.model.norm
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+    c = CRMSNorm(norm)
+    for T in (1, 5, 64):
+        x = (torch.randn(1, T, norm.weight.shape[0], generator=g) * 3).to(dt)
+        with torch.no_grad():
+            want, got = norm(x), c(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if dt == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    calls = []
+    norm.register_forward_hook(lambda mod, a, o: calls.append(a[0].shape))
+    with torch.no_grad():
+        c(torch.randn(1, 65, norm.weight.shape[0]).to(dt))          # prefill: torch's
+        c(torch.randn(1, 1, norm.weight.shape[0], dtype=torch.float64))
+    assert len(calls) == 2
+    names = convert_norms(m)
+    assert "model.norm" in names and convert_norms(m) == []
+    assert all(isinstance(m.get_submodule(n), CRMSNorm) for n in names)
+    with pytest.raises(TypeError, match="Llama-form"):
+        CRMSNorm(torch.nn.LayerNorm(8))
