@@ -31,25 +31,6 @@ typedef struct {
     int ready;
 } MLADecodeObject;
 
-/* float32 -> SMOE_WDT_F32, uint16/int16 (bf16 bit patterns) -> SMOE_WDT_BF16, else -1 with a
- * TypeError naming the argument.  The array must be C-contiguous with ndim dims. */
-static int f32_or_bf16(PyObject *o, const char *name, int ndim) {
-    if (!PyArray_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
-        return -1;
-    }
-    PyArrayObject *a = (PyArrayObject *)o;
-    int t = PyArray_TYPE(a);
-    if ((t != NPY_FLOAT32 && t != NPY_UINT16 && t != NPY_INT16) || PyArray_NDIM(a) != ndim ||
-        !PyArray_IS_C_CONTIGUOUS(a)) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s must be a C-contiguous float32 or bf16 (uint16 bits) array of %d dims",
-                     name, ndim);
-        return -1;
-    }
-    return t == NPY_FLOAT32 ? SMOE_WDT_F32 : SMOE_WDT_BF16;
-}
-
 /* The weight format of w_uk / w_uv: float32 -> F32, uint16/int16 -> BF16, int8 -> I8 (a scale
  * per row) or I4 (int4 values a byte, a scale per group: told apart by the scales' dims, see
  * mla_init), else -1 with an error naming the argument.  C-contiguous, 3 dims. */
@@ -263,8 +244,11 @@ static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ss
     if (!qn) return NULL;
     PyArrayObject *qp = smoe_py_want_array(args[1], "q_pe", NPY_FLOAT32, 4, 0);
     if (!qp) return NULL;
-    int cdt = f32_or_bf16(args[2], "ckv", 3), kdt = f32_or_bf16(args[3], "kpe", 3);
+    int cdt = smoe_py_f32_or_bf16(args[2], "ckv", 3, 0);
+    int kdt = smoe_py_f32_or_bf16(args[3], "kpe", 3, 0);
     if (cdt < 0 || kdt < 0) return NULL;
+    cdt = cdt ? SMOE_WDT_BF16 : SMOE_WDT_F32;
+    kdt = kdt ? SMOE_WDT_BF16 : SMOE_WDT_F32;
     PyArrayObject *out = smoe_py_want_array(args[5], "out", NPY_FLOAT32, 3, 1);
     if (!out) return NULL;
     npy_intp B = PyArray_DIM(qn, 0), T = PyArray_DIM(qn, 2);
@@ -650,18 +634,6 @@ static void ab_dealloc(AttnBlockObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* A C-contiguous float32 or bf16 (uint16/int16 bits) array of ndim dims: 0 f32, 1 bf16; -1
- * with an error naming it otherwise. */
-static int f32_or_bf16_io(PyObject *o, const char *name, int ndim, int writable) {
-    int dt = f32_or_bf16(o, name, ndim);
-    if (dt < 0) return -1;
-    if (writable && !PyArray_ISWRITEABLE((PyArrayObject *)o)) {
-        PyErr_Format(PyExc_ValueError, "%s must be writable", name);
-        return -1;
-    }
-    return dt == SMOE_WDT_BF16;
-}
-
 /* n values of src (f32, or bf16 bits when bf16) into dst as f32. */
 static void widen(float *dst, const void *src, int bf16, size_t n) {
     if (!bf16) {
@@ -715,8 +687,9 @@ static int norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, flo
  * *T from x (1..max_tokens); *xb, *cb, *sb: 1 for bf16.  -1 with an error otherwise. */
 static int block_inputs(AttnBlockObject *self, PyObject *x, PyObject *cos, PyObject *sin,
                         npy_intp *T, int *xb, int *cb, int *sb) {
-    if ((*xb = f32_or_bf16_io(x, "x", 2, 0)) < 0 || (*cb = f32_or_bf16_io(cos, "cos", 2, 0)) < 0 ||
-        (*sb = f32_or_bf16_io(sin, "sin", 2, 0)) < 0)
+    if ((*xb = smoe_py_f32_or_bf16(x, "x", 2, 0)) < 0 ||
+        (*cb = smoe_py_f32_or_bf16(cos, "cos", 2, 0)) < 0 ||
+        (*sb = smoe_py_f32_or_bf16(sin, "sin", 2, 0)) < 0)
         return -1;
     *T = PyArray_DIM((PyArrayObject *)x, 0);
     if (*T < 1 || *T > (npy_intp)self->max_tokens) {
@@ -844,7 +817,7 @@ static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t
     if (block_inputs(self, args[0], args[1], args[2], &T, &xb, &cb, &sb)) return NULL;
     PyArrayObject *qo = smoe_py_want_array(args[3], "q", NPY_FLOAT32, 4, 1);
     if (!qo) return NULL;
-    int kb = f32_or_bf16_io(args[4], "k", 4, 1), vb = f32_or_bf16_io(args[5], "v", 4, 1);
+    int kb = smoe_py_f32_or_bf16(args[4], "k", 4, 1), vb = smoe_py_f32_or_bf16(args[5], "v", 4, 1);
     if (kb < 0 || vb < 0) return NULL;
     npy_intp w_q[4] = {1, H, T, D}, w_kv[4] = {1, Hkv, T, D};
     if (dims_are(args[3], "q [1, heads, T, head_dim]", w_q, 4) ||
@@ -897,7 +870,7 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     double scale = PyFloat_AsDouble(args[4]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
-    int ob = f32_or_bf16_io(args[5], "out", 2, 1);
+    int ob = smoe_py_f32_or_bf16(args[5], "out", 2, 1);
     if (ob < 0) return NULL;
     npy_intp T = PyArray_DIM(q, 2), S = PyArray_DIM((PyArrayObject *)args[1], 2);
     if (T < 1 || T > (npy_intp)self->max_tokens || S < 1 || S > (npy_intp)UINT32_MAX / 2) {
@@ -923,8 +896,8 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
     const float *ln = NULL;
     float ln_eps = 0.0f;
     if (nargs == 10) {
-        int rb = f32_or_bf16_io(args[6], "resid", 2, 0);
-        int nb = f32_or_bf16_io(args[9], "normed", 2, 1);
+        int rb = smoe_py_f32_or_bf16(args[6], "resid", 2, 0);
+        int nb = smoe_py_f32_or_bf16(args[9], "normed", 2, 1);
         if (rb < 0 || nb < 0) return NULL;
         if (rb != ob || nb != ob) {
             PyErr_SetString(PyExc_ValueError, "resid, out and normed must have the same dtype");
@@ -993,7 +966,8 @@ static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize
     npy_intp T;
     int xb, cb, sb;
     if (block_inputs(self, args[3], args[4], args[5], &T, &xb, &cb, &sb)) return NULL;
-    int kb = f32_or_bf16_io(args[6], "kbuf", 4, 1), vb = f32_or_bf16_io(args[7], "vbuf", 4, 1);
+    int kb = smoe_py_f32_or_bf16(args[6], "kbuf", 4, 1);
+    int vb = smoe_py_f32_or_bf16(args[7], "vbuf", 4, 1);
     if (kb < 0 || vb < 0) return NULL;
     npy_intp cap = PyArray_DIM((PyArrayObject *)args[6], 2);
     npy_intp w_kv[4] = {1, Hkv, cap, D}, w_o[2] = {T, hid};
@@ -1017,7 +991,7 @@ static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize
     if (norm_arg(args[11], args[12], hid, &ln1, &eps1) ||
         norm_arg(args[13], args[14], hid, &ln2, &eps2))
         return NULL;
-    int ob = f32_or_bf16_io(args[15], "out", 2, 1);
+    int ob = smoe_py_f32_or_bf16(args[15], "out", 2, 1);
     if (ob < 0 || dims_are(args[15], "out [T, hidden]", w_o, 2)) return NULL;
     if (ob != xb) {
         PyErr_SetString(PyExc_ValueError, "x and out must have the same dtype");
@@ -1165,7 +1139,8 @@ static PyObject *py_rms_norm(PyObject *mod, PyObject *const *args, Py_ssize_t na
                      "rms_norm(x, w, eps, out, bf16) takes 5 arguments, got %zd", nargs);
         return NULL;
     }
-    int xb = f32_or_bf16_io(args[0], "x", 2, 0), ob = f32_or_bf16_io(args[3], "out", 2, 1);
+    int xb = smoe_py_f32_or_bf16(args[0], "x", 2, 0);
+    int ob = smoe_py_f32_or_bf16(args[3], "out", 2, 1);
     if (xb < 0 || ob < 0) return NULL;
     int bf16 = PyObject_IsTrue(args[4]);
     if (bf16 < 0) return NULL;

@@ -14,6 +14,23 @@ typedef struct {
 
 static PyTypeObject KernelContextType;
 
+int smoe_py_f32_or_bf16(PyObject *o, const char *name, int ndim, int writable) {
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    int t = PyArray_TYPE(a);
+    if ((t != NPY_FLOAT32 && t != NPY_UINT16 && t != NPY_INT16) || PyArray_NDIM(a) != ndim ||
+        !PyArray_IS_C_CONTIGUOUS(a) || (writable && !PyArray_ISWRITEABLE(a))) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be a C-contiguous%s float32 or bf16 (uint16 bits) array of %d dims",
+                     name, writable ? ", writable" : "", ndim);
+        return -1;
+    }
+    return t != NPY_FLOAT32;
+}
+
 smoe_kctx *smoe_py_kctx(PyObject *obj) {
     if (!PyObject_TypeCheck(obj, &KernelContextType)) {
         PyErr_Format(PyExc_TypeError, "expected specmoe._C.KernelContext, got %.100s",

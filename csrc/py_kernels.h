@@ -20,6 +20,11 @@ int smoe_py_dict_u64(PyObject *dict, const char *what, const char *key, uint64_t
  * against block_bytes (0: no bounds check).  Returns 0, or -1 with an exception set. */
 int smoe_py_ffn_desc_parse(PyObject *dict, uint64_t block_bytes, smoe_ffn_desc *d);
 
+/* A C-contiguous (and, when writable, writable) float32 or bf16 (uint16/int16 bits) array of
+ * ndim dims, the kernels' f32/bf16 inputs and outputs: 0 for float32, 1 for bf16; -1 with
+ * TypeError (not an array) or ValueError naming it otherwise. */
+int smoe_py_f32_or_bf16(PyObject *o, const char *name, int ndim, int writable);
+
 /* The descriptor, weight block and bias (NULL when none) of a specmoe._C.Linear object,
  * borrowed: valid while the caller holds a reference to obj (all are immutable after
  * construction).  Returns 0, or -1 with TypeError set when obj is not an initialised Linear. */

@@ -114,25 +114,6 @@ static void lin_dealloc(LinearObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* float32 or bf16 bits (uint16/int16) as a 2-dim C-contiguous array: 0 f32, 1 bf16, -1 with an
- * error naming it otherwise. */
-static int f32_or_bf16_2d(PyObject *o, const char *name, int writable) {
-    if (!PyArray_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a numpy array", name);
-        return -1;
-    }
-    PyArrayObject *a = (PyArrayObject *)o;
-    int t = PyArray_TYPE(a);
-    if ((t != NPY_FLOAT32 && t != NPY_UINT16 && t != NPY_INT16) || PyArray_NDIM(a) != 2 ||
-        !PyArray_IS_C_CONTIGUOUS(a) || (writable && !PyArray_ISWRITEABLE(a))) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s must be a C-contiguous%s float32 or bf16 (uint16 bits) array of 2 dims",
-                     name, writable ? ", writable" : "");
-        return -1;
-    }
-    return t == NPY_FLOAT32 ? 0 : 1;
-}
-
 /* forward(x, out): x [T, K], out [T, N], each float32 or bf16 bits (C-contiguous); out = x W^T
  * + b.  bf16 is widened / rounded here (chunks of SMOE_LINEAR_TCHUNK tokens through io), so
  * the caller needs no casts. */
@@ -145,9 +126,9 @@ static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_TypeError, "forward(x, out) takes 2 arguments, got %zd", nargs);
         return NULL;
     }
-    int xb = f32_or_bf16_2d(args[0], "x", 0);
+    int xb = smoe_py_f32_or_bf16(args[0], "x", 2, 0);
     if (xb < 0) return NULL;
-    int ob = f32_or_bf16_2d(args[1], "out", 1);
+    int ob = smoe_py_f32_or_bf16(args[1], "out", 2, 1);
     if (ob < 0) return NULL;
     PyArrayObject *x = (PyArrayObject *)args[0], *out = (PyArrayObject *)args[1];
     npy_intp T = PyArray_DIM(x, 0);
@@ -203,10 +184,7 @@ static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize
             const float *xin = (const float *)xp + (size_t)t0 * K;
             if (xb) {
                 const uint16_t *src = (const uint16_t *)xp + (size_t)t0 * K;
-                for (size_t i = 0; i < (size_t)n * K; i++) {
-                    uint32_t u = (uint32_t)src[i] << 16;
-                    memcpy(&xf[i], &u, 4);
-                }
+                for (size_t i = 0; i < (size_t)n * K; i++) xf[i] = smoe_bf16_f32(src[i]);
                 xin = xf;
             }
             float *dst = ob ? of : (float *)op + (size_t)t0 * N;

@@ -47,6 +47,10 @@ __all__ = [
     "GATE_NAMES",
     "UP_NAMES",
     "DOWN_NAMES",
+    "FUSABLE_ATTENTION",
+    "FUSABLE_LAYERS",
+    "LLAMA_RMSNORMS",
+    "ROUTED_BLOCKS",
 ]
 
 
@@ -280,6 +284,29 @@ def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.nd
 
 # per-expert tensor names of the original checkpoints: Mixtral/PhiMoE w1/w3/w2, the Qwen,
 # OLMoE and DeepSeek families gate_proj/up_proj/down_proj
+# Decoder pieces specmoe runs whole in C at decode sizes (specmoe.attention, Engine routing).
+# Attention classes whose forward is, at decode: q/k/v projections; q and k RMSNorm (none; over
+# all heads: OLMoE; per head: Qwen3); the rotate-half rotary embedding with the decoder's
+# (cos, sin); the cache update; attention over the cache (sdpa/eager: the mask says what is
+# seen); o_proj.  Value: the q/k norm form.
+FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
+                     "Qwen2MoeAttention": "none", "MixtralAttention": "none"}
+# decoder layers of those forms whose forward is: h + attn(input_layernorm(h)), then that plus
+# mlp(post_attention_layernorm(that)) -- the input norm, the first residual add and the
+# post-attention norm then go into the attention block's calls
+FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
+                  "MixtralDecoderLayer")
+# RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
+# (Gemma's ``1 + weight`` and other variants are not in it)
+LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
+                  "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm")
+# MoE blocks whose forward is router + experts only, with a softmax top-k router: OLMoE and
+# Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's dtype) and
+# Mixtral (always renormalised, f32 weights).  With the dense layers in C their decode steps
+# route in C too (Engine._install_routing).
+ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen",
+                 "MixtralSparseMoeBlock": "mixtral"}
+
 GATE_NAMES = ("w1", "gate_proj")
 UP_NAMES = ("w3", "up_proj")
 DOWN_NAMES = ("w2", "down_proj")

@@ -35,6 +35,7 @@ from torch import nn
 
 from . import _C
 from .kernels import tensor_array
+from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, LLAMA_RMSNORMS
 from .kvcache import kv_append, kv_buffers
 from .mla import _mask_bias, _mask_readable
 
@@ -58,6 +59,13 @@ def _original(name: str, module: nn.Module) -> Any:
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
+def _bias_array(mask: torch.Tensor | None, T: int, S: int) -> np.ndarray | None:
+    """transformers' mask as the C attention kernels take it: additive float32 [1 or B, T, S],
+    or None when nothing is masked."""
+    bias = _mask_bias(mask, T, S, torch.float32)
+    return None if bias is None else bias.reshape(bias.shape[0], T, S).contiguous().numpy()
+
+
 def _c_attention(orig_name: str) -> Any:
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -76,9 +84,7 @@ def _c_attention(orig_name: str) -> Any:
         if attention_mask is None and not getattr(module, "is_causal", True):
             bias = None
         else:
-            bias = _mask_bias(attention_mask, T, S, torch.float32)
-            if bias is not None:
-                bias = bias.reshape(bias.shape[0], T, S).contiguous().numpy()
+            bias = _bias_array(attention_mask, T, S)
         k, v = key, value
         if k.stride(-1) != 1 or k.stride(-2) != D:
             k = k.contiguous()
@@ -145,24 +151,9 @@ def use_c_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> st
     return _OURS[impl]
 
 
-# attention classes whose forward is, at decode: q/k/v projections; q and k RMSNorm (none; over
-# all heads: OLMoE; per head: Qwen3); the rotate-half rotary embedding with the decoder's
-# (cos, sin); the cache update; attention over the cache (sdpa/eager: the mask says what is
-# seen); o_proj.  Value: the q/k norm form.
-_FUSABLE = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
-            "Qwen2MoeAttention": "none", "MixtralAttention": "none"}
 _BLOCK_DTYPES = (torch.float32, torch.bfloat16)
-# decoder layers of those forms whose forward is: h + attn(input_layernorm(h)), then that plus
-# mlp(post_attention_layernorm(that)) -- the input norm, the first residual add and the
-# post-attention norm then go into the attention block's two calls
-_FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
-                   "MixtralDecoderLayer")
-
-
-# RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
-# (Gemma's ``1 + weight`` and other variants are not in it)
-_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm",
-             "DeepseekV2RMSNorm", "DeepseekV3RMSNorm", "CRMSNorm")
+# the Llama-form RMSNorm classes, and specmoe's own replacement of them
+_RMSNORMS = LLAMA_RMSNORMS + ("CRMSNorm",)
 # rows up to which CRMSNorm runs in C (one thread); longer inputs are prefill, torch's
 _NORM_MAX_ROWS = 64
 
@@ -186,7 +177,8 @@ class CRMSNorm(nn.Module):
         super().__init__()
         w = _norm_weight(norm)
         if w is None:
-            raise TypeError(f"CRMSNorm replaces a Llama-form RMSNorm ({', '.join(_RMSNORMS)}), "
+            raise TypeError("CRMSNorm replaces a Llama-form RMSNorm "
+                            f"({', '.join(LLAMA_RMSNORMS)}), "
                             f"got {type(norm).__name__}")
         self.inner = norm
         self._w = w
@@ -231,15 +223,15 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     decode sizes (module docstring); returns the qualified names of the modules switched.
 
     A module is fusable when its class is one of the Llama-family forms listed in
-    ``_FUSABLE``, it runs the C attention (:func:`use_c_attention`), its four projections are
-    :class:`specmoe.dense.CLinear`, its q/k norms (if the form has them) are plain RMSNorms,
-    nothing clips q/k/v, and the model's weights are f32 or bf16.  Everything the block does
-    not cover at call time -- more than ``ATTENTION_MAX_TOKENS`` tokens, a batch of several
-    rows, another device or dtype, a mask or argument the C attention does not read, training
-    -- goes to the module's own forward.
+    ``specmoe.arch.FUSABLE_ATTENTION``, it runs the C attention (:func:`use_c_attention`),
+    its four projections are :class:`specmoe.dense.CLinear`, its q/k norms (if the form has
+    them) are plain RMSNorms, nothing clips q/k/v, and the model's weights are f32 or bf16.
+    Everything the block does not cover at call time -- more than ``ATTENTION_MAX_TOKENS``
+    tokens, a batch of several rows, another device or dtype, a mask or argument the C
+    attention does not read, training -- goes to the module's own forward.
 
-    The decoder layers around fused modules, when of a ``_FUSABLE_LAYERS`` form with plain
-    RMSNorms, fold their input norm, first residual add and post-attention norm into the
+    The decoder layers around fused modules, when of a ``specmoe.arch.FUSABLE_LAYERS`` form
+    with plain RMSNorms, fold their input norm, first residual add and post-attention norm into the
     block's calls; and when their MoE block routes in C (``Engine._install_routing``) and the
     KV cache is transformers' ``DynamicCache``, a decode step of the layer is one C call
     (``_C.AttnBlock.layer``: the block, the new positions written into the cache's buffers
@@ -250,7 +242,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         ctx = context()
     done = []
     for name, m in model.named_modules():
-        form = _FUSABLE.get(type(m).__name__)
+        form = FUSABLE_ATTENTION.get(type(m).__name__)
         if form is None or getattr(m, "_specmoe_block", None) is not None:
             if getattr(m, "_specmoe_block", None) is not None:
                 done.append(name)
@@ -285,7 +277,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         done.append(name)
     for layer in model.modules():
         attn = getattr(layer, "self_attn", None)
-        if type(layer).__name__ not in _FUSABLE_LAYERS or attn is None \
+        if type(layer).__name__ not in FUSABLE_LAYERS or attn is None \
                 or getattr(attn, "_specmoe_block", None) is None \
                 or getattr(layer, "_specmoe_norms", None) is not None:
             continue
@@ -349,9 +341,7 @@ def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
     eng, pos, flags, _ = route
     T = x.shape[1]
     cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
-    bias = _mask_bias(attention_mask, T, S + T, torch.float32)
-    if bias is not None:
-        bias = bias.reshape(bias.shape[0], T, S + T).contiguous().numpy()
+    bias = _bias_array(attention_mask, T, S + T)
     out = torch.empty(1, T, hidden, dtype=dt)
     ln1, e1, ln2, e2 = layer._specmoe_norms
     with eng._layer_call_slot():
@@ -403,9 +393,7 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
     if cache is not None:
         k, v = kv_append(cache, module.layer_idx, k, v, kwargs)
     S = k.shape[2]
-    bias = _mask_bias(attention_mask, T, S, torch.float32)
-    if bias is not None:
-        bias = bias.reshape(bias.shape[0], T, S).contiguous().numpy()
+    bias = _bias_array(attention_mask, T, S)
     if k.stride(-1) != 1 or k.stride(-2) != D or v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty(1, T, hidden, dtype=dt)
@@ -440,9 +428,10 @@ def _fused_forward(module: nn.Module, original: Any) -> Any:
 
 
 def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
-    """A decoder layer's forward (the ``_FUSABLE_LAYERS`` form) with its decode steps as: the
-    attention block with the input norm, the residual add and the post-attention norm folded
-    into its two calls; then the layer's own ``mlp`` and the second residual add in torch."""
+    """A decoder layer's forward (a ``specmoe.arch.FUSABLE_LAYERS`` form) with its decode steps
+    as: the attention block with the input norm, the residual add and the post-attention norm
+    folded into its two calls; then the layer's own ``mlp`` and the second residual add in
+    torch (or all of it in one call, see :func:`fuse_attention`)."""
     attn = layer.self_attn
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,

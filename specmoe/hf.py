@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from . import _C, misses
-from .arch import (SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, describe,
-                   expert_module, extract_expert, extract_experts, getpath,
+from .arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError,
+                   describe, expert_module, extract_expert, extract_experts, getpath,
                    iter_experts_modules, moe_block, moe_layers)
 from .conversion import store_settings, write_experts
 from .dense import resolve_dense
@@ -88,14 +88,6 @@ def __getattr__(name: str):  # the tiny test models live in specmoe.testing
         from . import testing
         return getattr(testing, name)
     raise AttributeError(f"module 'specmoe.hf' has no attribute {name!r}")
-
-
-# MoE blocks whose forward is router + experts only, with a softmax top-k router: OLMoE and
-# Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's dtype) and
-# Mixtral (always renormalised, f32 weights).  With the dense layers in C their decode steps
-# route in C too (Engine._install_routing).
-_ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen",
-                  "MixtralSparseMoeBlock": "mixtral"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +245,7 @@ class Engine:
 
     def _install_routing(self, model: nn.Module, info: ArchInfo, ids: list[int]) -> list[int]:
         """With the dense layers in C (``dense`` a format), each MoE block of a
-        ``_ROUTED_BLOCKS`` form computes its routing in the same C call as its experts
+        ``ROUTED_BLOCKS`` form computes its routing in the same C call as its experts
         (``_C.Layers.forward_routed``: the router copy's GEMV, softmax, top-k, the model's
         renormalisation and casts) instead of torch's router module plus the experts call.  The
         routing equals torch's up to the logits' summation order, the same order of difference
@@ -266,7 +258,7 @@ class Engine:
         done = []
         for pos, i in enumerate(ids):
             block = moe_block(model, info, i)
-            kind = _ROUTED_BLOCKS.get(type(block).__name__)
+            kind = ROUTED_BLOCKS.get(type(block).__name__)
             gate = getattr(block, "gate", None)
             if kind is None or gate is None or gate is not self._routers[pos] \
                     or self._router_bias[pos] is not None or self.arch.sigmoid_router \
