@@ -178,6 +178,29 @@ def test_bits_do_not_depend_on_threads_or_isa():
         np.testing.assert_array_equal(o, outs[0])
 
 
+@pytest.mark.parametrize("fmt,group,r", [("int8", 0, R), ("int4", 32, R4), ("int4", 96, R4)])
+def test_quantized_bits_do_not_depend_on_threads_or_isa(fmt, group, r):
+    """The int8/int4 weight loops have an AVX-512 form of their own (mla_avx512.c): it must
+    give the plain loops' bits (R = 40: the int8 rows' masked tails; DV = 12: a block of 8
+    output rows and 4 single ones)."""
+    rng = np.random.default_rng(17)
+    qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, 2, 3, 21, r)
+    uk, uks, _ = _quantized(w_uk, fmt, group)
+    uv, uvs, _ = _quantized(w_uv, fmt, group)
+    bias = causal(3, 21)
+    outs = []
+    for isa in ISAS:
+        for n in (1, 2):
+            ctx = _C.KernelContext(n)
+            ctx.set_isa(isa)
+            out = np.empty((2, 3, H * DV), dtype=np.float32)
+            _C.MLADecode(ctx, uk, uv, DR, SCALE, uks, uvs).forward(qn, qp, ckv, kpe, bias, out)
+            outs.append(out)
+    assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
 def test_fully_masked_row_is_uniform_or_zero():
     """A query row whose every key carries transformers' most-negative-float mask gets torch's
     uniform weights (the mean of the values); an all -inf row gets zeros, not NaN."""
