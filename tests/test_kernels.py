@@ -263,6 +263,26 @@ def test_fast_path_within_documented_error(ctx, dtype, activation, T, shape):
         assert not np.array_equal(y, yp)
 
 
+@pytest.mark.parametrize("shape", [(128, 256), (2048, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_fast_path_one_token_equals_its_row_of_two(ctx, dtype, shape):
+    """One token reads one weight row at a time (ffn_fast.c), two tokens read rows in pairs:
+    the same arithmetic per row and token, so the one-token output is bit for bit the first
+    row of the two-token one -- and within the documented error of the reference."""
+    _isa(ctx, "avx512")
+    H, I = shape
+    rng = np.random.default_rng(zlib.crc32(f"one{dtype}{H}".encode()))
+    g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
+    t = quant.expert_tensors(g, u, d, dtype)
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    y1 = kernels.ffn(t, x[:1], dtype, "silu", ctx=ctx)
+    y2 = kernels.ffn(t, x, dtype, "silu", ctx=ctx)
+    np.testing.assert_array_equal(y1[0], y2[0])
+    ref = ref_ffn(quant.dequantize_expert(t), x[:1], "silu")
+    assert np.linalg.norm(y1 - ref) / np.linalg.norm(ref) < FAST_TOL[dtype]
+
+
+
 @pytest.mark.parametrize("T", [1, 5])
 def test_fast_path_int4_group_256(ctx, T):
     _isa(ctx, "avx512")

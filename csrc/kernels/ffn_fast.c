@@ -36,8 +36,9 @@
  * (2026-11-25, DRAM, interleaved builds, 1 token): OLMoE-shape int8 experts at 1 thread ~16.0
  * -> ~18.3 GB/s; int4 linear rows 50304 x 2048 (an lm_head) 0.50-0.52 -> 0.68 of the read
  * ceiling at 1 thread and 0.71 -> 0.79 at 2; int4 experts 0.89-0.95 -> 0.97-1.07; neutral at
- * Mixtral shape.  Rows of 1-2 KB in groups of four (the down/linear path) put 4096 bytes
- * only one group ahead, too close at DRAM latency. */
+ * Mixtral shape (measured with rows two and four at a time; one token now reads one row at a
+ * time, see fast_gateup).  Rows of 1-2 KB in groups of four put 4096 bytes only one group
+ * ahead, too close at DRAM latency. */
 #ifdef SMOE_FPF_OFF
 #define FPF_AT(p, l2, l1) ((void)(p))
 #else
@@ -170,14 +171,18 @@ AI void act16(const smoe_ffn_desc *d, const float *gb, const float *ub, uint32_t
  * (OLMoE 0.56 -> 0.28). */
 AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint32_t n,
                  const int NT, float (*r)[NTMAX]) {
-    __m512 a[4][NTMAX], b[4][NTMAX];
+    __m512 a[2][NTMAX], b[2][NTMAX];
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) a[q][t] = b[q][t] = _mm512_setzero_ps();
     uint32_t k = 0;
-    /* rows of at most 4 KB (a page: the hardware prefetcher starts over on every row) get
-     * software prefetch: 50304 x 2048 linear rows at 1 thread 0.65 -> 0.72-0.77 of the read
-     * ceiling; long rows (Mixtral's 8-28 KB) lost with it (1.0 -> 0.82), 2026-11-25 */
-    const int pf = n <= 2048;
+    /* Several rows of at most 4 KB (a page: the hardware prefetcher starts over on every row)
+     * get software prefetch: 50304 x 2048 linear rows four at a time at 1 thread 0.65 ->
+     * 0.72-0.77 of the read ceiling; long rows (Mixtral's 8-28 KB) lost with it (1.0 ->
+     * 0.82), 2026-11-25.  A single row (NR = 1, the one-token path) is one sequential stream,
+     * which the hardware prefetcher alone serves best: a plain read loop at 1 thread got
+     * 23.0 GB/s alone and 9.8-14.1 GB/s with software prefetch 512-16384 bytes ahead
+     * (2026-11-25). */
+    const int pf = NR > 1 && n <= 2048;
     if (NT <= 2) { /* two accumulator sets for enough independent chains */
         for (; k + 64 <= n; k += 64) {
             for (int q = 0; q < NR; q++) {
@@ -215,12 +220,12 @@ AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint
  * products |127 * 32767| each, < 2^31. */
 AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t n, const int NT,
                float (*r)[NTMAX]) {
-    __m512 f[4][NTMAX];
+    __m512 f[2][NTMAX];
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) f[q][t] = _mm512_setzero_ps();
     for (uint32_t k0 = 0; k0 < n; k0 += 4096) {
         uint32_t k1 = n - k0 < 4096 ? n : k0 + 4096;
-        __m512i a[4][NTMAX], b[4][NTMAX];
+        __m512i a[2][NTMAX], b[2][NTMAX];
         for (int q = 0; q < NR; q++)
             for (int t = 0; t < NT; t++) a[q][t] = b[q][t] = _mm512_setzero_si512();
         uint32_t k = k0;
@@ -288,8 +293,8 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                float (*r)[NTMAX]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const uint32_t nb = n / 128, bpg = group / 128;
-    __m512 f[4][NTMAX], f2[4][NTMAX];
-    float S[4][NTMAX][16] __attribute__((aligned(64)));
+    __m512 f[2][NTMAX], f2[2][NTMAX];
+    float S[2][NTMAX][16] __attribute__((aligned(64)));
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) f[q][t] = f2[q][t] = _mm512_setzero_ps();
     for (uint32_t b0 = 0; b0 < nb; b0 += 16) {
@@ -337,12 +342,12 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
               float (*r)[NTMAX]) {
     const smoe_ffn_desc *d = j->d;
     if (d->dtype == SMOE_WDT_BF16) {
-        const uint16_t *w[4];
+        const uint16_t *w[2];
         for (int q = 0; q < NR; q++)
             w[q] = (const uint16_t *)(j->block + off[q]) + (size_t)row[q] * n;
         dot_bf16(w, NR, (const uint16_t *)j->q + (size_t)t0 * n, n, NT, r);
     } else if (d->dtype == SMOE_WDT_I8) {
-        const int8_t *w[4];
+        const int8_t *w[2];
         for (int q = 0; q < NR; q++) w[q] = (const int8_t *)(j->block + off[q]) + (size_t)row[q] * n;
         dot_i8(w, NR, (const int16_t *)j->q + (size_t)t0 * n, n, NT, r);
         for (int q = 0; q < NR; q++) {
@@ -351,8 +356,8 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
         }
     } else {
         uint32_t ng = n / j->group, nb = n / 128;
-        const uint8_t *w[4];
-        const float *ws[4];
+        const uint8_t *w[2];
+        const float *ws[2];
         for (int q = 0; q < NR; q++) {
             w[q] = j->block + off[q] + (size_t)row[q] * (n / 2);
             ws[q] = (const float *)(j->block + soff[q]) + (size_t)row[q] * ng;
@@ -365,8 +370,8 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
 static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
                           const uint32_t *row, int NR, uint32_t n, uint32_t t0, uint32_t nt,
                           float (*r)[NTMAX]) {
-    if (NR == 4) {
-        rowsN(j, off, soff, row, 4, n, t0, 1, r);
+    if (nt == 1 && NR == 1) {
+        rowsN(j, off, soff, row, 1, n, t0, 1, r);
         return;
     }
     switch (nt) {
@@ -381,27 +386,48 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
     }
 }
 
-/* Gate and up rows in pairs (gate_i, up_i) at every token count.  At 1 token this beat four
- * rows per pass (gate_i, up_i, gate_i+1, up_i+1), which halves the activation loads but keeps
- * four weight streams in flight: with two streams a thread got 0.72 -> 0.90 (bf16), 0.56 ->
- * 0.75 (int8) of the read ceiling at Mixtral shape, 1 thread (2026-11-24, interleaved builds;
- * int4, bound by its unpacking, unchanged).  The down projection keeps four rows: they are
- * contiguous, one stream, and measured better than two.  Rows go in chunks of 16 so that the
- * activation (exp) runs on whole vectors: per chunk, per tile of NTMAX tokens, the chunk's 16
- * row pairs (at most 256 KB at H = 4096 bf16, re-read from L2 for further tiles), then act16.
- * act is natural order [T, I] on this path. */
+/* One token: one weight row at a time, each matrix's rows in order, so that every thread reads
+ * one sequential stream (the gate rows of a chunk of 16, then its up rows).  Rows in pairs or
+ * fours (two to four streams a thread, software prefetch) measured well below that, 1 token,
+ * DRAM, interleaved with the read ceiling (2026-11-25, 1 / 2 threads): linear rows 102400 x
+ * 2048 bf16 0.81 -> 1.02 / 0.85 -> 1.01, int8 0.80 -> 0.85 / 0.88 -> 0.98, int4 0.83 -> 0.97
+ * / 1.05 -> 0.96; 2048 x 1408 (DeepSeek-V2-Lite's expert down) bf16 0.72 -> 0.80 / 0.79 ->
+ * 0.95, int4 0.79 -> 0.91 / 0.63 -> 0.79; whole experts, 8 a layer, OLMoE shape bf16 0.81 ->
+ * 0.94 / 0.91 -> 1.01, DSV2-Lite shape bf16 0.86 -> 0.98 / 0.87 -> 0.99, int8 / int4 within
+ * the noise (0.89-1.11 either way).
+ * Two or more tokens: gate and up rows in pairs (gate_i, up_i), the down projection's rows in
+ * pairs, a loaded weight vector feeding every token of the tile.  Rows go in chunks of 16 so
+ * that the activation (exp) runs on whole vectors: per chunk, per tile of NTMAX tokens, the
+ * chunk's 16 row pairs (at most 256 KB at H = 4096 bf16, re-read from L2 for further tiles),
+ * then act16.  act is natural order [T, I] on this path. */
 static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const smoe_ffn_desc *d = j->d;
     const float *gb = (const float *)smoe_ffn_ptr(j, d->gate_bias);
     const float *ub = (const float *)smoe_ffn_ptr(j, d->up_bias);
     const uint64_t off[2] = {d->gate, d->up};
     const uint64_t soff[2] = {d->gate_scale, d->up_scale};
-    float r[4][NTMAX];
+    float r[2][NTMAX];
     float g[NTMAX][16], u[NTMAX][16];
     for (uint32_t c0 = i0; c0 < i1; c0 += 16) {
         uint32_t m = i1 - c0 < 16 ? i1 - c0 : 16;
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
+            if (j->T == 1) {
+                const uint64_t og[1] = {d->gate}, sg[1] = {d->gate_scale};
+                const uint64_t ou[1] = {d->up}, su[1] = {d->up_scale};
+                for (uint32_t i = 0; i < m; i++) {
+                    const uint32_t row[1] = {c0 + i};
+                    rows_dispatch(j, og, sg, row, 1, d->H, 0, 1, r);
+                    g[0][i] = r[0][0];
+                }
+                for (uint32_t i = 0; i < m; i++) {
+                    const uint32_t row[1] = {c0 + i};
+                    rows_dispatch(j, ou, su, row, 1, d->H, 0, 1, r);
+                    u[0][i] = r[0][0];
+                }
+                act16(d, gb, ub, c0, m, g[0], u[0], j->act + c0);
+                continue;
+            }
             for (uint32_t i = 0; i < m; i++) {
                 const uint32_t row[2] = {c0 + i, c0 + i};
                 rows_dispatch(j, off, soff, row, 2, d->H, t0, nt, r);
@@ -418,20 +444,18 @@ static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
 
 static void fast_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const smoe_ffn_desc *d = j->d;
-    float r[4][NTMAX];
-    const uint64_t off[4] = {d->down, d->down, d->down, d->down};
-    const uint64_t soff[4] = {d->down_scale, d->down_scale, d->down_scale, d->down_scale};
+    float r[2][NTMAX];
+    const uint64_t off[2] = {d->down, d->down};
+    const uint64_t soff[2] = {d->down_scale, d->down_scale};
     uint32_t h = h0;
-    /* four rows at a time at 1 token, except int4 rows of 2048+ columns: 50304 x 2048 (1 KB
-     * rows) measured 0.71-0.77 of the read ceiling in fours and 0.84-0.86 in pairs, while the
-     * OLMoE expert's down rows (1024 columns) lost in pairs (hot 32.6 -> 27.5 GB/s); 1 thread,
-     * 2026-11-25 */
-    if (j->T == 1 && (d->dtype != SMOE_WDT_I4 || d->I < 2048))
-        for (; h + 4 <= h1; h += 4) {
-            const uint32_t row[4] = {h, h + 1, h + 2, h + 3};
-            rows_dispatch(j, off, soff, row, 4, d->I, 0, 1, r);
-            for (uint32_t q = 0; q < 4; q++) smoe_ffn_store_out(j, h + q, 0, r[q][0]);
+    if (j->T == 1) { /* one row at a time (see fast_gateup) */
+        for (; h < h1; h++) {
+            const uint32_t row[1] = {h};
+            rows_dispatch(j, off, soff, row, 1, d->I, 0, 1, r);
+            smoe_ffn_store_out(j, h, 0, r[0][0]);
         }
+        return;
+    }
     for (; h < h1; h += 2) {
         uint32_t hb = h + 1 < h1 ? h + 1 : h;
         const uint32_t row[2] = {h, hb};
