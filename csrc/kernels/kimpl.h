@@ -59,12 +59,11 @@ const smoe_ffn_impl *smoe_ffn_impl_i2(int32_t isa);
  * scales, int4: [T, n/128]) and qsum (int4: [T, n/128] scale * sum of the int8 values). */
 extern const smoe_ffn_impl smoe_ffn_impl_fast;
 /* AVX-512 forms of the MLA kernel's int8/int4 weight loops (mla_avx512.c, same bits as
- * mla.c's plain loops; group 0 = int8, a scale a row).  y[c] = sum_d (a[d] * scale) * w[d, c]
- * over dn rows of r columns; res[e] = row e of nrows . x (n columns). */
+ * mla.c's plain loops; group 0 = int8, a scale a row).  y[c] += (a * scale) * q[c] over one
+ * row of n columns; res[e] = row e of nrows . x (n columns). */
 #if defined(__x86_64__) && defined(__GNUC__)
-void smoe_mla_qlat_q_avx512(float *y, const float *a, const int8_t *w, size_t wrow,
-                            const float *sc, size_t srow, uint32_t group, uint32_t dn,
-                            uint32_t r);
+void smoe_mla_axpy_q_avx512(float *y, float a, const int8_t *q, const float *sc,
+                            uint32_t group, uint32_t n);
 void smoe_mla_dotq_avx512(const float *x, const int8_t *w, size_t wrow, const float *sc,
                           size_t srow, uint32_t group, uint32_t n, uint32_t nrows, float *res);
 #endif

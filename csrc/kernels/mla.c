@@ -4,7 +4,7 @@
  * Work item: one (batch row b, head h) pair, all T query tokens together, so W_UK[h] and
  * W_UV[h] are read once per call and each cached latent row c_j once per head (from cache: a
  * row is r * 2 bytes).  Per item:
- *   1. q_lat[t] = sum_d q_nope[t,d] * W_UK[h,d,:]      columns in register blocks (qlat_cols)
+ *   1. q_lat[t] = sum_d q_nope[t,d] * W_UK[h,d,:]      weight rows streamed, T axpys per row
  *   2. for each block of PB positions j: s = (q_lat[t] . c_j + q_pe[t] . k_j) * scale +
  *      bias[t,j], the block's PB dot products computed together (dot_rows), folded into a
  *      running softmax (max m, sum l, the maximum moved once per block) and
@@ -25,51 +25,18 @@
 #include "attn_impl.h"
 #include "kimpl.h"
 
-/* y[0..r) = sum over d < dn, in order, of a[d] * W[d, :] (rows wrow bytes apart; quantized:
- * (a[d] * scale) * q, the scale of the row's int8 row or of the int4 column's group).  The
- * columns go in blocks of QB held in registers across all dn rows (a per-row axpy would load
- * and store y once a row); each column's sum runs over d in the same order as row-by-row
- * axpys would, so the bits are theirs.  QB divides every int4 group (a multiple of 32). */
-#define QB 32
-AI void qlat_cols(float *restrict y, const float *restrict a, const uint8_t *restrict w,
-                  size_t wrow, int32_t wdtype, const float *restrict sc, size_t srow,
-                  uint32_t group, uint32_t dn, uint32_t r) {
-    uint32_t c0 = 0;
-    for (; c0 + QB <= r; c0 += QB) {
-        float acc[QB];
-        for (uint32_t k = 0; k < QB; k++) acc[k] = 0.0f;
-        if (wdtype == SMOE_WDT_F32) {
-            for (uint32_t d = 0; d < dn; d++) {
-                const float *p = (const float *)(w + d * wrow) + c0;
-                for (uint32_t k = 0; k < QB; k++) acc[k] += a[d] * p[k];
-            }
-        } else if (wdtype == SMOE_WDT_BF16) {
-            for (uint32_t d = 0; d < dn; d++) {
-                const uint16_t *p = (const uint16_t *)(w + d * wrow) + c0;
-                for (uint32_t k = 0; k < QB; k++) acc[k] += a[d] * bf16_f32(p[k]);
-            }
-        } else {
-            const size_t g = wdtype == SMOE_WDT_I8 ? 0 : c0 / group;
-            for (uint32_t d = 0; d < dn; d++) {
-                const int8_t *p = (const int8_t *)(w + d * wrow) + c0;
-                const float as = a[d] * sc[d * srow + g];
-                for (uint32_t k = 0; k < QB; k++) acc[k] += as * (float)p[k];
-            }
-        }
-        for (uint32_t k = 0; k < QB; k++) y[c0 + k] = acc[k];
+AI void axpy_q(float *restrict y, float a, const int8_t *restrict q, const float *restrict sc,
+               int32_t kind, uint32_t n, uint32_t group) {
+    if (kind == SMOE_WDT_I8) {
+        const float as = a * sc[0];
+        for (uint32_t i = 0; i < n; i++) y[i] += as * (float)q[i];
+        return;
     }
-    for (; c0 < r; c0++) { /* columns past the last full block (r % QB; never int4) */
-        float acc = 0.0f;
-        for (uint32_t d = 0; d < dn; d++) {
-            const uint8_t *p = w + d * wrow;
-            if (wdtype == SMOE_WDT_F32)
-                acc += a[d] * ((const float *)p)[c0];
-            else if (wdtype == SMOE_WDT_BF16)
-                acc += a[d] * bf16_f32(((const uint16_t *)p)[c0]);
-            else
-                acc += (a[d] * sc[d * srow]) * (float)((const int8_t *)p)[c0];
-        }
-        y[c0] = acc;
+    for (uint32_t g = 0; g < n / group; g++) {
+        const float as = a * sc[g];
+        const int8_t *qg = q + (size_t)g * group;
+        float *yg = y + (size_t)g * group;
+        for (uint32_t i = 0; i < group; i++) yg[i] += as * (float)qg[i];
     }
 }
 
@@ -148,23 +115,30 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
     const size_t csz = j->ckv_bf16 ? 2 : 4, ksz = j->kpe_bf16 ? 2 : 4;
     const float *qn = j->q_nope + ((size_t)b * d->H + h) * T * dn;
     const float *qp = j->q_pe + ((size_t)b * d->H + h) * T * dr;
-    /* 1. q_lat */
+    /* 1. q_lat, the weight rows in order (one sequential stream per head) */
+    memset(q_lat, 0, (size_t)T * r * 4);
     const int quant = j->wdtype == SMOE_WDT_I8 || j->wdtype == SMOE_WDT_I4;
     const size_t wrow = (size_t)r * wsz; /* bytes a row */
     const size_t srow = j->wdtype == SMOE_WDT_I4 ? r / d->group : 1;         /* scales a row */
-    const uint8_t *wuk = j->w_uk + (size_t)h * dn * wrow;
-    const float *uks = quant ? j->uk_scale + (size_t)h * dn * srow : NULL;
     const uint32_t qgroup = j->wdtype == SMOE_WDT_I4 ? d->group : 0;
-    for (uint32_t t = 0; t < T; t++) {
+    const uint8_t *wuk = j->w_uk + (size_t)h * dn * wrow;
+    for (uint32_t dd = 0; dd < dn; dd++) {
+        const uint8_t *row = wuk + (size_t)dd * wrow;
+        const float *rs = quant ? j->uk_scale + ((size_t)h * dn + dd) * srow : NULL;
+        for (uint32_t t = 0; t < T; t++) {
+            float *y = q_lat + (size_t)t * r;
+            const float a = qn[(size_t)t * dn + dd];
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (quant && j->avx512) {
-            smoe_mla_qlat_q_avx512(q_lat + (size_t)t * r, qn + (size_t)t * dn,
-                                   (const int8_t *)wuk, wrow, uks, srow, qgroup, dn, r);
-            continue;
-        }
+            if (quant && j->avx512) {
+                smoe_mla_axpy_q_avx512(y, a, (const int8_t *)row, rs, qgroup, r);
+                continue;
+            }
 #endif
-        qlat_cols(q_lat + (size_t)t * r, qn + (size_t)t * dn, wuk, wrow, j->wdtype, uks, srow,
-                  d->group, dn, r);
+            if (quant)
+                axpy_q(y, a, (const int8_t *)row, rs, j->wdtype, r, d->group);
+            else
+                axpy_w(y, a, row, j->w_bf16, r);
+        }
     }
     /* 2. scores, running softmax, o_lat: positions in blocks of PB, the running maximum
      * moved once per block */
@@ -303,7 +277,8 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
                    .kpe_bf16 = kpe_dtype == SMOE_WDT_BF16, .ckv_bstride = ckv_bstride,
                    .kpe_bstride = kpe_bstride, .w_uk = w->uk, .w_uv = w->uv,
                    .uk_scale = w->uk_scale, .uv_scale = w->uv_scale, .wdtype = d->wdtype,
-                   .w_bf16 = d->wdtype == SMOE_WDT_BF16, .avx512 = c && c->isa >= SMOE_ISA_AVX512, .bias = bias, .bias_rows = bias_rows,
+                   .w_bf16 = d->wdtype == SMOE_WDT_BF16, .avx512 = c && c->isa >= SMOE_ISA_AVX512,
+                   .bias = bias, .bias_rows = bias_rows,
                    .out = out,
                    .scratch = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63),
                    .scratch_per = per, .nslots = slots > 1024 ? 1024u : (uint32_t)slots,

@@ -1,9 +1,9 @@
 /* AVX-512 forms of mla.c's two loops over int8 / int4 absorbed weights (one value a byte):
- * q_lat = W_UK^T q (qlat_cols) and the output rows W_UV . o (dotq_rows).  Written with
+ * q_lat = W_UK^T q (axpy_q, a row at a time) and the output rows W_UV . o (dotq_rows).  Written with
  * intrinsics because the compiler's code for mla.c's plain loops (int8 -> int16 -> int32
  * widening in 256-bit halves, accumulators spilled) ran these at ~5 GB/s of weights, a third
  * of the bf16 weights' rate.  The arithmetic is the plain loops' lane for lane: every
- * column (qlat) or lane (dot) sums in the same order, products and sums rounded separately
+ * column (axpy) or lane (dot) sums in the same order, products and sums rounded separately
  * (no FMA: mla.c is compiled as ISO C, which does not contract), the same pairwise reduction,
  * so every ISA still gives the same bits (test_mla_c.py checks it).  Compiled for the target
  * below and called only when the kernel context runs AVX-512 (mla.c). */
@@ -23,42 +23,26 @@ AI __m512 ldm_q(const int8_t *p, __mmask16 m) {
 }
 AI __mmask16 tail_mask(uint32_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
 
-/* One block of up to QV vectors of 16 columns from c0 (nc columns, the last vector masked);
- * QV a compile-time constant after inlining. */
-#define QV 8
-AI void qlat_block(float *y, const float *a, const int8_t *w, size_t wrow, const float *sc,
-                   size_t srow, uint32_t group, uint32_t dn, uint32_t c0, uint32_t nc) {
-    __m512 acc[QV];
-    const uint32_t nv = (nc + 15) / 16;
-    const __mmask16 last = tail_mask(nc - (nv - 1) * 16);
-    uint32_t gi[QV]; /* each vector's scale index in a row */
-    for (uint32_t v = 0; v < QV; v++) {
-        acc[v] = _mm512_setzero_ps();
-        gi[v] = group ? (c0 + 16 * v) / group : 0;
-    }
-    for (uint32_t d = 0; d < dn; d++) {
-        const int8_t *p = w + d * wrow + c0;
-        const float *s = sc + d * srow;
-        for (uint32_t v = 0; v < QV; v++) {
-            if (v >= nv) break;
-            /* int8: the row's scale; int4: the scale of this vector's group (group is a
-             * multiple of 32, so a vector never straddles two) */
-            const float as = a[d] * s[gi[v]];
-            const __mmask16 m = v + 1 == nv ? last : (__mmask16)0xFFFF;
-            const __m512 prod = _mm512_mul_ps(_mm512_set1_ps(as), ldm_q(p + 16 * v, m));
-            acc[v] = _mm512_mask_add_ps(acc[v], m, acc[v], prod);
+/* y[0..n) += (a * scale) * q for one int8 row (group 0: the row's scale sc[0]) or int4 row
+ * (the scale of each column's group, sc[c / group]): mla.c's axpy_q.  A product and its sum
+ * are rounded separately, as there.  Row by row, so the weights stream in order (column blocks
+ * held in registers across rows, tried first, read the head's rows strided and ran slower from
+ * DRAM than this from L1-resident y). */
+void smoe_mla_axpy_q_avx512(float *y, float a, const int8_t *q, const float *sc,
+                            uint32_t group, uint32_t n) {
+    const uint32_t g_n = group ? group : n; /* columns per scale */
+    for (uint32_t g0 = 0; g0 < n; g0 += g_n) {
+        const __m512 as = _mm512_set1_ps(a * sc[group ? g0 / group : 0]);
+        const uint32_t end = g0 + g_n < n ? g0 + g_n : n;
+        uint32_t i = g0;
+        for (; i + 16 <= end; i += 16)
+            _mm512_storeu_ps(y + i, _mm512_add_ps(_mm512_loadu_ps(y + i),
+                                                  _mm512_mul_ps(as, ld_q(q + i))));
+        if (i < end) {
+            const __mmask16 m = tail_mask(end - i);
+            _mm512_mask_storeu_ps(y + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i),
+                                                          _mm512_mul_ps(as, ldm_q(q + i, m))));
         }
-    }
-    for (uint32_t v = 0; v < nv; v++)
-        _mm512_mask_storeu_ps(y + c0 + 16 * v, v + 1 == nv ? last : (__mmask16)0xFFFF, acc[v]);
-}
-
-void smoe_mla_qlat_q_avx512(float *y, const float *a, const int8_t *w, size_t wrow,
-                            const float *sc, size_t srow, uint32_t group, uint32_t dn,
-                            uint32_t r) {
-    for (uint32_t c0 = 0; c0 < r; c0 += 16 * QV) {
-        const uint32_t nc = r - c0 < 16 * QV ? r - c0 : 16 * QV;
-        qlat_block(y, a, w, wrow, sc, srow, group, dn, c0, nc);
     }
 }
 
