@@ -36,6 +36,7 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
     g->cache = cache, g->kc = kc, g->desc = *d, g->sigmoid = sigmoid;
     g->prefetch = 1, g->overfetch = 1.5, g->mass = 0.0;
     g->routers = calloc(L, sizeof *g->routers);
+    g->shared = calloc(L, sizeof *g->shared);
     g->pred = calloc((size_t)L * E, 1);
     g->pred_valid = calloc(L, 1);
     g->best = malloc(sizeof *g->best * E);
@@ -55,7 +56,7 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
     g->visit = malloc(sizeof *g->visit * E);
     g->pinned = calloc(E, 1);
     g->blocks = calloc(E, sizeof *g->blocks);
-    if (!g->routers || !g->pred || !g->pred_valid || !g->best || !g->keys || !g->prios ||
+    if (!g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys || !g->prios ||
         !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n || !g->zt ||
         !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit || !g->pinned ||
         !g->blocks)
@@ -64,6 +65,7 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
     g->route_lambda = 0.0;
     for (uint32_t l = 0; l < L; l++) {
         smoe_layer_router *r = &g->routers[l];
+        r->scale = 1.0f;
         if (!w[l]) {
             smoe_layers_free(g);
             return smoe_err_set(err, SMOE_EINVAL, "layers: layer %u has no router weight", l);
@@ -89,6 +91,8 @@ void smoe_layers_free(smoe_layers *g) {
         pthread_mutex_destroy(&g->mu);
     }
     free(g->routers);
+    free(g->shared);
+    free(g->sh_buf);
     free(g->pred);
     free(g->pred_valid);
     free(g->scores);
@@ -237,17 +241,24 @@ void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset) {
  * dense linear kernel (exact f32 products, vector accumulation; threads of g->kc).  The one
  * routine for a router's logits over a call's tokens (next-layer prediction, this layer's
  * routing). */
+/* lin_scratch large enough for smoe_linear_forward on d with T tokens. */
+static int grow_lin_scratch(smoe_layers *g, const smoe_linear_desc *d, uint32_t T,
+                            smoe_err *err) {
+    const size_t need = smoe_linear_scratch_bytes(d, T);
+    if (need <= g->lin_scratch_cap) return SMOE_OK;
+    void *p = realloc(g->lin_scratch, need);
+    if (!p) return smoe_err_set(err, SMOE_ENOMEM, "layers: %zu bytes of linear scratch", need);
+    g->lin_scratch = p;
+    g->lin_scratch_cap = need;
+    return SMOE_OK;
+}
+
 static int router_logits(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                          float *logits, smoe_err *err) {
     const smoe_layer_router *r = &g->routers[pos];
     smoe_linear_desc d = {g->E, g->H, SMOE_WDT_F32, 0, 1, 0, SMOE_NO_TENSOR};
-    const size_t need = smoe_linear_scratch_bytes(&d, T);
-    if (need > g->lin_scratch_cap) {
-        void *p = realloc(g->lin_scratch, need);
-        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "layers: %zu bytes of router scratch", need);
-        g->lin_scratch = p;
-        g->lin_scratch_cap = need;
-    }
+    int rc = grow_lin_scratch(g, &d, T, err);
+    if (rc) return rc;
     return smoe_linear_forward(g->kc, &d, (const uint8_t *)r->w, r->b, x, g->H, T, logits, g->E,
                                g->lin_scratch, err);
 }
@@ -783,13 +794,58 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
         rank(p, E, g->order);
         float tot = 0.0f;
         for (uint32_t j = 0; j < k; j++) tot += p[g->order[j]];
+        const float scale = g->routers[pos].scale;
         for (uint32_t j = 0; j < k; j++) {
             const int32_t e = g->order[j];
-            float v = flags & SMOE_ROUTE_RENORM ? p[e] / tot : p[e];
+            float v = (flags & SMOE_ROUTE_RENORM ? p[e] / tot : p[e]) * scale;
             idx[(size_t)t * k + j] = e;
             w[(size_t)t * k + j] = flags & SMOE_ROUTE_BF16_WEIGHTS ? smoe_bf16_round1(v) : v;
         }
     }
+    return SMOE_OK;
+}
+
+/* out += layer pos's shared FFN on x (layer.h, smoe_layers_forward_routed), under mu. */
+static int shared_ffn(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int bf16,
+                      float *out, smoe_err *err) {
+    const smoe_shared_ffn *s = &g->shared[pos];
+    const uint32_t H = g->H, I = s->d[0]->N;
+    const size_t need = (size_t)T * (2 * (size_t)I + H);
+    if (need > g->sh_cap) {
+        float *p = realloc(g->sh_buf, sizeof *p * need);
+        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "layers: no memory for the shared FFN");
+        g->sh_buf = p;
+        g->sh_cap = need;
+    }
+    float *gt = g->sh_buf, *ut = gt + (size_t)T * I, *st = ut + (size_t)T * I;
+    int rc = SMOE_OK;
+    for (int i = 0; i < 3 && rc == SMOE_OK; i++) rc = grow_lin_scratch(g, s->d[i], T, err);
+    if (rc == SMOE_OK)
+        rc = smoe_linear_forward(g->kc, s->d[0], s->block[0], s->bias[0], x, H, T, gt, I,
+                                 g->lin_scratch, err);
+    if (rc == SMOE_OK)
+        rc = smoe_linear_forward(g->kc, s->d[1], s->block[1], s->bias[1], x, H, T, ut, I,
+                                 g->lin_scratch, err);
+    if (rc != SMOE_OK) return rc;
+    const size_t n = (size_t)T * I;
+    if (bf16) {
+        smoe_bf16_round(gt, n);
+        smoe_bf16_round(ut, n);
+    }
+    for (size_t i = 0; i < n; i++) gt[i] = gt[i] / (1.0f + expf(-gt[i])); /* silu */
+    if (bf16) smoe_bf16_round(gt, n);
+    for (size_t i = 0; i < n; i++) gt[i] *= ut[i];
+    if (bf16) smoe_bf16_round(gt, n);
+    rc = smoe_linear_forward(g->kc, s->d[2], s->block[2], s->bias[2], gt, I, T, st, H,
+                             g->lin_scratch, err);
+    if (rc != SMOE_OK) return rc;
+    const size_t m = (size_t)T * H;
+    if (bf16) {
+        smoe_bf16_round(st, m);
+        smoe_bf16_round(out, m); /* the experts' output in the model's dtype */
+    }
+    for (size_t i = 0; i < m; i++) out[i] += st[i];
+    if (bf16) smoe_bf16_round(out, m);
     return SMOE_OK;
 }
 
@@ -799,8 +855,40 @@ int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uin
     pthread_mutex_lock(&g->mu);
     int rc = route(g, pos, x, T, flags, idx, w, err);
     if (!rc) rc = forward_locked(g, pos, x, T, idx, w, out, used, NULL, replace, draft, err);
+    if (!rc && T && g->shared[pos].d[0])
+        rc = shared_ffn(g, pos, x, T, flags & SMOE_ROUTE_BF16_OUT, out, err);
     pthread_mutex_unlock(&g->mu);
     return rc;
+}
+
+int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale,
+                          const smoe_shared_ffn *shared, smoe_err *err) {
+    if (pos >= g->L) return smoe_err_set(err, SMOE_EINVAL, "layers: pos %u outside 0..%u", pos,
+                                         g->L - 1);
+    if (!(route_scale > 0.0f) || !isfinite(route_scale))
+        return smoe_err_set(err, SMOE_EINVAL, "layers: routing scale must be finite and > 0");
+    smoe_shared_ffn none = {{NULL, NULL, NULL}, {NULL, NULL, NULL}, {NULL, NULL, NULL}};
+    if (shared && shared->d[0]) {
+        for (int i = 0; i < 3; i++)
+            if (!shared->d[i] || !shared->block[i])
+                return smoe_err_set(err, SMOE_EINVAL, "layers: shared FFN projection %d missing",
+                                    i);
+        const uint32_t I = shared->d[0]->N;
+        if (shared->d[0]->K != g->H || shared->d[1]->K != g->H || shared->d[1]->N != I ||
+            shared->d[2]->K != I || shared->d[2]->N != g->H)
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "layers: shared FFN shapes gate %ux%u, up %ux%u, down %ux%u do "
+                                "not chain hidden %u -> I -> hidden",
+                                shared->d[0]->N, shared->d[0]->K, shared->d[1]->N,
+                                shared->d[1]->K, shared->d[2]->N, shared->d[2]->K, g->H);
+    } else {
+        shared = &none;
+    }
+    pthread_mutex_lock(&g->mu);
+    g->routers[pos].scale = route_scale;
+    g->shared[pos] = *shared;
+    pthread_mutex_unlock(&g->mu);
+    return SMOE_OK;
 }
 
 int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,

@@ -102,7 +102,19 @@ typedef struct smoe_layer_router {
     float *w;    /* owned; [E, H] f32 */
     float *b;    /* owned; [E] or NULL */
     float *corr; /* owned; [E] or NULL: added to the scores when choosing experts */
+    float scale; /* routing weights' factor in smoe_layers_forward_routed (1: none) [mu] */
 } smoe_layer_router;
+
+/* A block's shared FFN (DeepSeek's shared experts), run by smoe_layers_forward_routed after
+ * the routed experts and added to their output: down(silu(gate x) * up x), each projection a
+ * linear descriptor, weight block and bias (NULL: none) -- gate and up [I, H], down [H, I].
+ * Borrowed: the caller keeps them alive and unchanged while they are set (the binding holds
+ * the specmoe._C.Linear objects that own them). */
+typedef struct smoe_shared_ffn {
+    const smoe_linear_desc *d[3]; /* gate, up, down; d[0] NULL: the layer has none */
+    const uint8_t *block[3];
+    const float *bias[3];
+} smoe_shared_ffn;
 
 typedef struct smoe_layer_counters {
     uint64_t tokens;          /* tokens through layer 0 (all forward passes) */
@@ -138,6 +150,7 @@ typedef struct smoe_layers {
     smoe_kctx *kc;            /* borrowed; may be NULL (single-threaded kernels) */
     smoe_ffn_desc desc;       /* validated against the cache's block size */
     smoe_layer_router *routers; /* owned; [L] */
+    smoe_shared_ffn *shared;  /* owned array, borrowed contents; [L] (smoe_layers_set_block) [mu] */
     int sigmoid;              /* scores = sigmoid(logits) + corr (else softmax + corr) */
     /* settings [mu] */
     int prefetch;             /* next-layer prediction and prefetch on */
@@ -163,8 +176,10 @@ typedef struct smoe_layers {
     /* scratch [mu] */
     float *scores;            /* owned; [cap_tokens * E] */
     uint32_t cap_tokens;
-    void *lin_scratch;        /* owned; the router GEMV's kernel scratch (lin_scratch_cap) */
+    void *lin_scratch;        /* owned; the linear kernels' scratch (router GEMV, shared FFN) */
     size_t lin_scratch_cap;
+    float *sh_buf;            /* owned; [sh_cap] the shared FFN's gate, up and output rows */
+    size_t sh_cap;
     float *best;              /* owned; [E] priority per expert of the next layer */
     int32_t *keys;            /* owned; [E] */
     float *prios;             /* owned; [E] */
@@ -236,17 +251,28 @@ int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T
                         smoe_err *err);
 
 /* route_flags of smoe_layers_forward_routed. */
-enum { SMOE_ROUTE_RENORM = 1, SMOE_ROUTE_BF16_LOGITS = 2, SMOE_ROUTE_BF16_WEIGHTS = 4 };
+enum {
+    SMOE_ROUTE_RENORM = 1,
+    SMOE_ROUTE_BF16_LOGITS = 2,
+    SMOE_ROUTE_BF16_WEIGHTS = 4,
+    SMOE_ROUTE_BF16_OUT = 8 /* the block's output as a bf16 model adds it up (shared FFN) */
+};
 
 /* smoe_layers_forward with this layer's routing computed here first, from the same router
- * copy as the prediction (the model's softmax top-k router: OLMoE, Qwen-MoE, Mixtral; a layer
- * with a sigmoid score or a correction bias is SMOE_EINVAL):
+ * copy as the prediction (the model's softmax top-k router: OLMoE, Qwen-MoE, Mixtral,
+ * DeepSeek-V2's greedy top-k; a layer with a sigmoid score or a correction bias is
+ * SMOE_EINVAL):
  *     z = x W^T + b                 (f32; rounded to bf16 with SMOE_ROUTE_BF16_LOGITS, as a
  *                                    bf16 model's F.linear output)
  *     p = softmax(z)                (f32)
  *     the k largest p per token, in descending order (ties: lower id), into idx;
- *     their p into w, divided by their sum with SMOE_ROUTE_RENORM, rounded to bf16 with
+ *     their p into w, divided by their sum with SMOE_ROUTE_RENORM, times the layer's routing
+ *     scale (smoe_layers_set_block; DeepSeek's routed_scaling_factor), rounded to bf16 with
  *     SMOE_ROUTE_BF16_WEIGHTS (a bf16 model's weights cast back to its dtype).
+ * Then, when the layer has a shared FFN (smoe_layers_set_block), out += its output on x, as
+ * DeepSeek's MoE block adds them: f32 throughout, or with SMOE_ROUTE_BF16_OUT as a bf16 model
+ * computes it -- the experts' sum rounded to bf16, each projection's output, the activation
+ * silu(g) and the product with u rounded to bf16, and the sum rounded to bf16.
  * idx, w: [T, k] outputs.  The logits' summation order differs from torch's GEMV, so a
  * near-tie at the k-th place (equal bf16 logits are not rare) may choose differently from
  * transformers' router (whose topk breaks ties in no documented order). */
@@ -254,6 +280,12 @@ int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uin
                                int route_flags, int64_t *idx, float *w, float *out,
                                uint8_t *used, int replace, const uint8_t *draft,
                                smoe_err *err);
+
+/* Layer pos's routing scale (finite, > 0) and shared FFN (NULL or d[0] NULL: none; else the
+ * three projections' shapes must chain H -> I -> H), used by smoe_layers_forward_routed.
+ * Takes mu: waits for a forward in flight. */
+int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale,
+                          const smoe_shared_ffn *shared, smoe_err *err);
 
 /* Copy the counters (and reset them when reset != 0), forget pending predictions when reset. */
 void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset);

@@ -14,6 +14,8 @@
  *   set_parallel(on)                         misses load while resident experts compute
  *   set_lowbit(buf, desc, block_bytes, level=0) / set_lowbit(None, level=0)
  *                                            resident low-bit copy 0 or 1
+ *   set_block(pos, route_scale=1.0, shared=None)  forward_routed's routing scale and shared
+ *                                            FFN of layer pos
  */
 #include "py_common.h"
 /* kernels.h before numpy: <complex.h> (pulled in by numpy) defines the macro I */
@@ -31,6 +33,8 @@ typedef struct {
     PyObject *kctx_obj;  /* strong, or NULL */
     Py_buffer lowbit[2]; /* low-bit copy i's buffer while has_lowbit[i] (g borrows it) */
     int has_lowbit[2];
+    PyObject *shared;    /* strong, or NULL: list [L] of each layer's shared-FFN Linear tuple
+                          * or None (g borrows their weights; set_block) */
 } LayersObject;
 
 static const char *const miss_names[] = {"fetch", "drop", "substitute", "lowest_bit",
@@ -42,6 +46,7 @@ static void Layers_dealloc(LayersObject *self) {
         if (self->has_lowbit[i]) PyBuffer_Release(&self->lowbit[i]);
     Py_XDECREF(self->cache_obj);
     Py_XDECREF(self->kctx_obj);
+    Py_XDECREF(self->shared);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -243,11 +248,55 @@ PyDoc_STRVAR(forward_routed_doc,
              "forward with this layer's routing computed in C first (csrc/layer.h, "
              "smoe_layers_forward_routed): the softmax top-k router from the layer's router "
              "copy; idx int64 [T,k] and w float32 [T,k] receive it (written); route_flags: "
-             "ROUTE_RENORM | ROUTE_BF16_LOGITS | ROUTE_BF16_WEIGHTS.");
+             "ROUTE_RENORM | ROUTE_BF16_LOGITS | ROUTE_BF16_WEIGHTS | ROUTE_BF16_OUT; then the "
+             "layer's shared FFN (set_block), if any, added to out.");
 
 static PyObject *Layers_forward_routed(LayersObject *self, PyObject *const *args,
                                        Py_ssize_t n) {
     return layers_call(self, args, n, 1);
+}
+
+static PyObject *Layers_set_block(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"pos", "route_scale", "shared", NULL};
+    unsigned int pos;
+    float scale = 1.0f;
+    PyObject *sh = Py_None;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "I|fO:set_block", kwlist, &pos, &scale, &sh))
+        return NULL;
+    if (pos >= self->g.L) {
+        PyErr_Format(PyExc_ValueError, "pos %u outside 0..%u", pos, self->g.L - 1);
+        return NULL;
+    }
+    smoe_shared_ffn f = {{NULL, NULL, NULL}, {NULL, NULL, NULL}, {NULL, NULL, NULL}};
+    if (sh != Py_None) {
+        if (!PyTuple_Check(sh) || PyTuple_GET_SIZE(sh) != 3) {
+            PyErr_SetString(PyExc_TypeError,
+                            "shared must be None or a (gate, up, down) tuple of _C.Linear");
+            return NULL;
+        }
+        for (int i = 0; i < 3; i++)
+            if (smoe_py_linear_parts(PyTuple_GET_ITEM(sh, i), &f.d[i], &f.block[i],
+                                     &f.bias[i]) < 0)
+                return NULL;
+    }
+    if (!self->shared) {
+        if (!(self->shared = PyList_New(self->g.L))) return NULL;
+        for (uint32_t l = 0; l < self->g.L; l++) {
+            Py_INCREF(Py_None);
+            PyList_SET_ITEM(self->shared, l, Py_None);
+        }
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight */
+    rc = smoe_layers_set_block(&self->g, pos, scale, &f, &e);
+    Py_END_ALLOW_THREADS
+    if (rc) return smoe_py_raise(&e);
+    Py_INCREF(sh); /* the old tuple is released only now: g no longer borrows from it */
+    if (PyList_SetItem(self->shared, pos, sh) < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *kw) {
@@ -378,6 +427,11 @@ static PyMethodDef Layers_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))Layers_forward, METH_FASTCALL, forward_doc},
     {"forward_routed", (PyCFunction)(void (*)(void))Layers_forward_routed, METH_FASTCALL,
      forward_routed_doc},
+    {"set_block", (PyCFunction)(void (*)(void))Layers_set_block, METH_VARARGS | METH_KEYWORDS,
+     "set_block(pos, route_scale=1.0, shared=None): forward_routed's routing-weight factor for "
+     "layer pos (DeepSeek's routed_scaling_factor) and its shared FFN, None or a (gate, up, "
+     "down) tuple of _C.Linear whose down(silu(gate x) * up x) is added to the experts' "
+     "output (ROUTE_BF16_OUT: with a bf16 model's roundings); see csrc/layer.h."},
     {"configure", (PyCFunction)(void (*)(void))Layers_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(prefetch, overfetch, mass, feed_counts): prediction settings (mass 0: top-m "
      "mode); forgets pending predictions."},
@@ -412,7 +466,8 @@ static PyTypeObject LayersType = {
 int smoe_py_route_flags(PyObject *o, int *flags) {
     long f = PyLong_AsLong(o);
     if (f == -1 && PyErr_Occurred()) return -1;
-    if (f < 0 || f > (SMOE_ROUTE_RENORM | SMOE_ROUTE_BF16_LOGITS | SMOE_ROUTE_BF16_WEIGHTS)) {
+    if (f < 0 || f > (SMOE_ROUTE_RENORM | SMOE_ROUTE_BF16_LOGITS | SMOE_ROUTE_BF16_WEIGHTS |
+                      SMOE_ROUTE_BF16_OUT)) {
         PyErr_Format(PyExc_ValueError, "route_flags %ld: not a combination of ROUTE_*", f);
         return -1;
     }
@@ -442,7 +497,8 @@ int smoe_py_layer_init(PyObject *m) {
     }
     if (PyModule_AddIntConstant(m, "ROUTE_RENORM", SMOE_ROUTE_RENORM) < 0 ||
         PyModule_AddIntConstant(m, "ROUTE_BF16_LOGITS", SMOE_ROUTE_BF16_LOGITS) < 0 ||
-        PyModule_AddIntConstant(m, "ROUTE_BF16_WEIGHTS", SMOE_ROUTE_BF16_WEIGHTS) < 0)
+        PyModule_AddIntConstant(m, "ROUTE_BF16_WEIGHTS", SMOE_ROUTE_BF16_WEIGHTS) < 0 ||
+        PyModule_AddIntConstant(m, "ROUTE_BF16_OUT", SMOE_ROUTE_BF16_OUT) < 0)
         return -1;
     return 0;
 }

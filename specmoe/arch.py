@@ -300,12 +300,13 @@ FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderL
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
                   "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm")
-# MoE blocks whose forward is router + experts only, with a softmax top-k router: OLMoE and
-# Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's dtype) and
-# Mixtral (always renormalised, f32 weights).  With the dense layers in C their decode steps
-# route in C too (Engine._install_routing).
+# MoE blocks whose forward is router + experts (+ shared experts) with a softmax top-k router:
+# OLMoE and Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's
+# dtype), Mixtral (always renormalised, f32 weights) and DeepSeek-V2 (f32 router, greedy top-k
+# times routed_scaling_factor, plus the shared experts' MLP).  With the dense layers in C their
+# decode steps route in C too (Engine._install_routing).
 ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen",
-                 "MixtralSparseMoeBlock": "mixtral"}
+                 "MixtralSparseMoeBlock": "mixtral", "DeepseekV2Moe": "deepseek"}
 
 GATE_NAMES = ("w1", "gate_proj")
 UP_NAMES = ("w3", "up_proj")

@@ -70,6 +70,25 @@ __all__ = [
 DTYPES = ("f32", "bf16", "int8", "int4", "int2")
 
 
+def _shared_ffn(block: nn.Module) -> tuple[tuple[Any, Any, Any], torch.dtype, int | None] | None:
+    """A DeepSeek MoE block's shared experts as the C layer call runs them: their (gate, up,
+    down) _C.Linear, the dtype they compute in and the most tokens they run in C (their
+    CLinears' torch_above for f32/bf16 weights, else None) -- or None unless they are a SiLU
+    MLP whose three projections are specmoe.dense.CLinear."""
+    from .dense import CLinear
+    mlp = getattr(block, "shared_experts", None)
+    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(mlp, "act_fn", None)
+    if mlp is None or not all(isinstance(p, CLinear) for p in projs) or \
+            type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        return None
+    dtypes = {p.out_dtype for p in projs}
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16}:
+        return None
+    most = projs[0].torch_above if projs[0].weight_view is not None else None
+    return (projs[0]._c, projs[1]._c, projs[2]._c), dtypes.pop(), most
+
+
 def _check_capacity(cache: Any, total: int, slot_bytes: int) -> None:
     from .cache import parse_capacity
     try:
@@ -211,6 +230,10 @@ class Engine:
         # draft-driven lookahead: the next pass's predicted experts and their accounting
         self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
         self._tau: dict[int, dict[int, float]] = {}  # batch size -> tau(g), see generate()
+        # per MoE layer routed in C with a routing scale and a shared FFN: (scale, its (gate,
+        # up, down) _C.Linear, the most tokens it runs in C or None), applied to every
+        # _C.Layers built (_configure_layers)
+        self._blocks: dict[int, tuple[float, tuple[Any, Any, Any], int | None]] = {}
         try:
             path = self._store_path
             if direct is None:
@@ -265,24 +288,42 @@ class Engine:
                     or getattr(gate, "weight", None) is None \
                     or gate.weight.dtype not in (torch.float32, torch.bfloat16):
                 continue
-            bf16 = gate.weight.dtype == torch.bfloat16
+            dtype = gate.weight.dtype  # the dtype the block computes in
             flags = 0
-            if kind == "mixtral" or getattr(gate, "norm_topk_prob", False):
-                flags |= _C.ROUTE_RENORM
-            if bf16:
-                flags |= _C.ROUTE_BF16_LOGITS | (_C.ROUTE_BF16_WEIGHTS if kind == "qwen" else 0)
-            block.forward = self._routed_forward(block, pos, flags, gate.weight.dtype,
-                                                 block.forward)
+            if kind == "deepseek":
+                shared = _shared_ffn(block)
+                if getattr(gate, "topk_method", None) != "greedy" or shared is None:
+                    continue
+                # DeepSeek-V2's router: f32 logits and weights, no renormalisation, times
+                # routed_scaling_factor; the shared experts' MLP added in the same call
+                scale = float(gate.routed_scaling_factor)
+                linears, dtype, most = shared
+                flags = _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
+                self._blocks[pos] = (scale, linears, most)
+                self._layers.set_block(pos, scale, linears)
+            else:
+                if kind == "mixtral" or getattr(gate, "norm_topk_prob", False):
+                    flags |= _C.ROUTE_RENORM
+                if dtype == torch.bfloat16:
+                    flags |= _C.ROUTE_BF16_LOGITS | (_C.ROUTE_BF16_WEIGHTS if kind == "qwen"
+                                                     else 0)
+            block.forward = self._routed_forward(block, pos, flags, dtype, block.forward)
             # what a fused decoder layer needs to run this block inside its own C call
             # (specmoe.attention, _C.AttnBlock.layer)
-            block._specmoe_route = (self, pos, flags, gate.weight.dtype)
+            block._specmoe_route = (self, pos, flags, dtype)
             done.append(pos)
         return done
 
     def _routed_forward(self, block: nn.Module, pos: int, flags: int, dtype: torch.dtype,
                         original: Callable[..., Any]) -> Callable[..., Any]:
+        # a shared FFN of f32/bf16 weights goes to torch above its CLinears' torch_above
+        # tokens (prefill): then the block's own forward runs
+        most = self._blocks[pos][2] if pos in self._blocks else None
+
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if block.training or not self._routable(hidden_states, dtype):
+            if block.training or not self._routable(hidden_states, dtype) or \
+                    (most is not None and hidden_states.numel() // hidden_states.shape[-1]
+                     > most):
                 return original(hidden_states)
             shape = hidden_states.shape
             return self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
@@ -423,6 +464,8 @@ class Engine:
     def _configure_layers(self) -> None:
         self._layers.configure(self.prefetch, self.overfetch,
                                0.0 if self.mass is None else self.mass, self._counts_fed)
+        for pos, (scale, shared, _) in self._blocks.items():
+            self._layers.set_block(pos, scale, shared)
         self._layers.set_parallel(self.parallel_misses)
         misses.apply(self)
 
