@@ -89,7 +89,10 @@ specmoe.attention's fused layers; ``breakdown_kind`` says so): ``attention`` and
 are the C time of that call's two parts (it reports them), ``lm_head`` the module's time, and
 ``other`` everything else -- embeddings, the final norm, the Python around each layer call, the
 KV-cache bookkeeping, ``generate``; ``glue_share`` = other / step and
-``outside_c_kernels_share`` = 1 - (all C time) / step.
+``outside_c_kernels_share`` = 1 - (all C time) / step.  Rows whose MoE blocks are routed in C
+but whose layers are not fused (DeepSeek-V2 shapes, ``specmoe+dense``): ``experts`` is that
+one call's time -- the routing, the experts and the shared experts' MLP (C time in
+``outside_c_kernels_share``).
 
 Targets: specmoe+dense >= 1.0x llama.cpp at every equal precision and thread count; specmoe >= 1.5x
 unmodified torch; at DeepSeek-V2-Lite shapes the share of a specmoe decode step outside the
@@ -331,6 +334,7 @@ def worker(spec_path: str) -> None:
                 s = dict(self.acc.t)
                 if self.c is not None:
                     s["experts_c"] = self.c["t"]
+                    s["routed_c"] = self.c.get("routed", 0.0)
                 if self.dc is not None:
                     s["dense_c"] = self.dc["t"]
                 if self.ab is not None:
@@ -378,7 +382,7 @@ def worker(spec_path: str) -> None:
                 acc.hook(lyr.mlp.experts, "experts_module")
         acc.hook(model.lm_head, "lm_head")
         c = dc = ab = None
-        from layer_overhead import _Proxy
+        from layer_overhead import _Proxy, _timed
         from specmoe.dense import CLinear
         clin = [m for m in model.modules() if isinstance(m, CLinear)]
         # decoder layers fused into one C call each (specmoe.attention): that call hands the
@@ -387,8 +391,19 @@ def worker(spec_path: str) -> None:
         blocks = [lyr.self_attn for lyr in layers
                   if getattr(lyr.self_attn, "_specmoe_block", None) is not None]
         if eng is not None and not fused:
-            c = {"t": 0.0, "n": 0}
+            c = {"t": 0.0, "n": 0, "routed": 0.0}
             eng._layers = _Proxy(eng._layers, c)
+            # MoE blocks routed in C (hf.Engine._install_routing): routing, experts and a
+            # DeepSeek block's shared MLP in one forward_routed call, timed on its own
+            rc = {"t": 0.0, "n": 0}
+            routed = _timed(eng._layers.inner.forward_routed, rc)
+
+            def forward_routed(*a: Any, _f: Any = routed, _rc: dict = rc) -> Any:
+                t0 = _rc["t"]
+                r = _f(*a)
+                c["routed"] += _rc["t"] - t0
+                return r
+            eng._layers.forward_routed = forward_routed
         if blocks:
             ab = {"attn": 0.0, "moe": 0.0}
             for a in blocks:
@@ -443,17 +458,22 @@ def worker(spec_path: str) -> None:
             r["dense_c_ms_per_step"] = dense_c * 1e3
             r["outside_c_kernels_share"] = 1 - (exc + attn_c + dense_c) / step
         elif eng is not None:
-            exc = per_step("experts_c")
+            # routed blocks (rtc): their one C call holds the routing, the experts and, for
+            # DeepSeek, the shared MLP -- counted as experts here, as C time below
+            exc, rtc = per_step("experts_c"), per_step("routed_c")
             attn_c = per_step("attn_c")
-            parts = {"attention": attn, "experts": exc, "experts_glue": exm - exc,
-                     "router_shared_dense": mlp - exm, "lm_head": lm,
+            parts = {"attention": attn, "experts": exc + rtc, "experts_glue": exm - exc,
+                     "router_shared_dense": mlp - exm - rtc, "lm_head": lm,
                      "other": step - attn - mlp - lm}
-            r["outside_experts_share"] = 1 - exc / step
+            if rtc:
+                r["breakdown_kind"] = ("MoE blocks routed in C: experts include their "
+                                       "routing and shared MLP")
+            r["outside_experts_share"] = 1 - (exc + rtc) / step
             r["glue_share"] = (parts["experts_glue"] + parts["other"]) / step
             if dc is not None:
                 dense_c = per_step("dense_c")
                 r["dense_c_ms_per_step"] = dense_c * 1e3
-                r["outside_c_kernels_share"] = 1 - (exc + dense_c + attn_c) / step
+                r["outside_c_kernels_share"] = 1 - (exc + rtc + dense_c + attn_c) / step
         else:
             parts = {"attention": attn, "experts": exm, "router_shared_dense": mlp - exm,
                      "lm_head": lm, "other": step - attn - mlp - lm}
@@ -782,6 +802,8 @@ def main() -> None:
                     v = _median([x.get(key) for x in ok])
                     if v is not None:
                         row[key] = v
+                if "breakdown_kind" in ok[0]:
+                    row["breakdown_kind"] = ok[0]["breakdown_kind"]
                 if "breakdown" in ok[0]:
                     row["breakdown"] = {
                         c: {f: _median([x["breakdown"][c][f] for x in ok])
