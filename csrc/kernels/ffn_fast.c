@@ -171,7 +171,7 @@ AI void act16(const smoe_ffn_desc *d, const float *gb, const float *ub, uint32_t
  * (OLMoE 0.56 -> 0.28). */
 AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint32_t n,
                  const int NT, float (*r)[NTMAX]) {
-    __m512 a[2][NTMAX], b[2][NTMAX];
+    __m512 a[4][NTMAX], b[4][NTMAX];
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) a[q][t] = b[q][t] = _mm512_setzero_ps();
     uint32_t k = 0;
@@ -220,12 +220,12 @@ AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint
  * products |127 * 32767| each, < 2^31. */
 AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t n, const int NT,
                float (*r)[NTMAX]) {
-    __m512 f[2][NTMAX];
+    __m512 f[4][NTMAX];
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) f[q][t] = _mm512_setzero_ps();
     for (uint32_t k0 = 0; k0 < n; k0 += 4096) {
         uint32_t k1 = n - k0 < 4096 ? n : k0 + 4096;
-        __m512i a[2][NTMAX], b[2][NTMAX];
+        __m512i a[4][NTMAX], b[4][NTMAX];
         for (int q = 0; q < NR; q++)
             for (int t = 0; t < NT; t++) a[q][t] = b[q][t] = _mm512_setzero_si512();
         uint32_t k = k0;
@@ -293,8 +293,8 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                float (*r)[NTMAX]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const uint32_t nb = n / 128, bpg = group / 128;
-    __m512 f[2][NTMAX], f2[2][NTMAX];
-    float S[2][NTMAX][16] __attribute__((aligned(64)));
+    __m512 f[4][NTMAX], f2[4][NTMAX];
+    float S[4][NTMAX][16] __attribute__((aligned(64)));
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) f[q][t] = f2[q][t] = _mm512_setzero_ps();
     for (uint32_t b0 = 0; b0 < nb; b0 += 16) {
@@ -342,12 +342,12 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
               float (*r)[NTMAX]) {
     const smoe_ffn_desc *d = j->d;
     if (d->dtype == SMOE_WDT_BF16) {
-        const uint16_t *w[2];
+        const uint16_t *w[4];
         for (int q = 0; q < NR; q++)
             w[q] = (const uint16_t *)(j->block + off[q]) + (size_t)row[q] * n;
         dot_bf16(w, NR, (const uint16_t *)j->q + (size_t)t0 * n, n, NT, r);
     } else if (d->dtype == SMOE_WDT_I8) {
-        const int8_t *w[2];
+        const int8_t *w[4];
         for (int q = 0; q < NR; q++) w[q] = (const int8_t *)(j->block + off[q]) + (size_t)row[q] * n;
         dot_i8(w, NR, (const int16_t *)j->q + (size_t)t0 * n, n, NT, r);
         for (int q = 0; q < NR; q++) {
@@ -356,8 +356,8 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
         }
     } else {
         uint32_t ng = n / j->group, nb = n / 128;
-        const uint8_t *w[2];
-        const float *ws[2];
+        const uint8_t *w[4];
+        const float *ws[4];
         for (int q = 0; q < NR; q++) {
             w[q] = j->block + off[q] + (size_t)row[q] * (n / 2);
             ws[q] = (const float *)(j->block + soff[q]) + (size_t)row[q] * ng;
@@ -370,6 +370,10 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
 static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
                           const uint32_t *row, int NR, uint32_t n, uint32_t t0, uint32_t nt,
                           float (*r)[NTMAX]) {
+    if (NR == 4) {
+        rowsN(j, off, soff, row, 4, n, t0, 1, r);
+        return;
+    }
     if (nt == 1 && NR == 1) {
         rowsN(j, off, soff, row, 1, n, t0, 1, r);
         return;
@@ -386,20 +390,33 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
     }
 }
 
-/* One token: one weight row at a time, each matrix's rows in order, so that every thread reads
- * one sequential stream (the gate rows of a chunk of 16, then its up rows).  Rows in pairs or
- * fours (two to four streams a thread, software prefetch) measured well below that, 1 token,
- * DRAM, interleaved with the read ceiling (2026-11-25, 1 / 2 threads): linear rows 102400 x
- * 2048 bf16 0.81 -> 1.02 / 0.85 -> 1.01, int8 0.80 -> 0.85 / 0.88 -> 0.98, int4 0.83 -> 0.97
- * / 1.05 -> 0.96; 2048 x 1408 (DeepSeek-V2-Lite's expert down) bf16 0.72 -> 0.80 / 0.79 ->
- * 0.95, int4 0.79 -> 0.91 / 0.63 -> 0.79; whole experts, 8 a layer, OLMoE shape bf16 0.81 ->
- * 0.94 / 0.91 -> 1.01, DSV2-Lite shape bf16 0.86 -> 0.98 / 0.87 -> 0.99, int8 / int4 within
- * the noise (0.89-1.11 either way).
+/* One token, rows of at most 4 KB (one_row): one weight row at a time, each matrix's rows in
+ * order, so that every thread reads one sequential stream (the gate rows of a chunk of 16,
+ * then its up rows).  Rows in pairs or fours (two to four streams a thread, software
+ * prefetch) measured well below that, 1 token, DRAM, interleaved with the read ceiling
+ * (2026-11-25, 1 / 2 threads): linear rows 102400 x 2048 bf16 0.81 -> 1.02 / 0.85 -> 1.01,
+ * int8 0.80 -> 0.85 / 0.88 -> 0.98, int4 0.83 -> 0.97 / 1.05 -> 0.96; 2048 x 1408
+ * (DeepSeek-V2-Lite's expert down) bf16 0.72 -> 0.80 / 0.79 -> 0.95, int4 0.79 -> 0.91 / 0.63
+ * -> 0.79; whole experts, 8 a layer, OLMoE shape bf16 0.81 -> 0.94 / 0.91 -> 1.01, DSV2-Lite
+ * shape bf16 0.86 -> 0.98 / 0.87 -> 0.99, int8 / int4 within the noise (0.89-1.11 either
+ * way).  Longer rows keep the pairs (gate_i, up_i) and the down projection's fours: at
+ * Mixtral shape (8-28 KB bf16 rows) one row at a time lost, bf16 0.95-1.00 -> 0.77, int8
+ * 0.69-0.73 -> 0.64 of the ceiling (benchmarks/kernels.py, 1 thread, interleaved builds).
+ * int4, whose unpacking makes it closer to compute-bound at 1 thread, lost with one row where
+ * it had pairs/fours (OLMoE experts 0.82-0.92 -> 0.72-0.73, Mixtral 0.83-0.91 -> 0.78-0.80),
+ * so it reads one row at a time only where its down/linear rows went in pairs (2048+
+ * columns: the 102400 x 2048 lm_head above, 0.83 -> 0.97).
  * Two or more tokens: gate and up rows in pairs (gate_i, up_i), the down projection's rows in
  * pairs, a loaded weight vector feeding every token of the tile.  Rows go in chunks of 16 so
  * that the activation (exp) runs on whole vectors: per chunk, per tile of NTMAX tokens, the
  * chunk's 16 row pairs (at most 256 KB at H = 4096 bf16, re-read from L2 for further tiles),
  * then act16.  act is natural order [T, I] on this path. */
+static int one_row(int32_t dtype, uint32_t n, int down) {
+    if (dtype == SMOE_WDT_I4) /* see above: only the down/linear rows that went in pairs */
+        return down && n >= 2048 && n <= 8192;
+    return (dtype == SMOE_WDT_BF16 ? 2 * (size_t)n : n) <= 4096;
+}
+
 static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const smoe_ffn_desc *d = j->d;
     const float *gb = (const float *)smoe_ffn_ptr(j, d->gate_bias);
@@ -412,7 +429,7 @@ static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
         uint32_t m = i1 - c0 < 16 ? i1 - c0 : 16;
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
-            if (j->T == 1) {
+            if (j->T == 1 && one_row(d->dtype, d->H, 0)) {
                 const uint64_t og[1] = {d->gate}, sg[1] = {d->gate_scale};
                 const uint64_t ou[1] = {d->up}, su[1] = {d->up_scale};
                 for (uint32_t i = 0; i < m; i++) {
@@ -444,11 +461,11 @@ static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
 
 static void fast_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const smoe_ffn_desc *d = j->d;
-    float r[2][NTMAX];
-    const uint64_t off[2] = {d->down, d->down};
-    const uint64_t soff[2] = {d->down_scale, d->down_scale};
+    float r[4][NTMAX];
+    const uint64_t off[4] = {d->down, d->down, d->down, d->down};
+    const uint64_t soff[4] = {d->down_scale, d->down_scale, d->down_scale, d->down_scale};
     uint32_t h = h0;
-    if (j->T == 1) { /* one row at a time (see fast_gateup) */
+    if (j->T == 1 && one_row(d->dtype, d->I, 1)) { /* one row at a time (see fast_gateup) */
         for (; h < h1; h++) {
             const uint32_t row[1] = {h};
             rows_dispatch(j, off, soff, row, 1, d->I, 0, 1, r);
@@ -456,6 +473,15 @@ static void fast_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
         }
         return;
     }
+    /* longer rows at 1 token: four rows at a time, except int4 rows of 2048+ columns (beyond
+     * one_row's 8192) in pairs (fours measured 0.71-0.77 of the read ceiling, pairs
+     * 0.84-0.86, 1 thread, 2026-11-25) */
+    if (j->T == 1 && (d->dtype != SMOE_WDT_I4 || d->I < 2048))
+        for (; h + 4 <= h1; h += 4) {
+            const uint32_t row[4] = {h, h + 1, h + 2, h + 3};
+            rows_dispatch(j, off, soff, row, 4, d->I, 0, 1, r);
+            for (uint32_t q = 0; q < 4; q++) smoe_ffn_store_out(j, h + q, 0, r[q][0]);
+        }
     for (; h < h1; h += 2) {
         uint32_t hb = h + 1 < h1 ? h + 1 : h;
         const uint32_t row[2] = {h, hb};
