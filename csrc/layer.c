@@ -56,10 +56,10 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
     g->visit = malloc(sizeof *g->visit * E);
     g->pinned = calloc(E, 1);
     g->blocks = calloc(E, sizeof *g->blocks);
-    if (!g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys || !g->prios ||
-        !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n || !g->zt ||
-        !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit || !g->pinned ||
-        !g->blocks)
+    if (!g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys ||
+        !g->prios || !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n ||
+        !g->zt || !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit ||
+        !g->pinned || !g->blocks)
         goto nomem;
     g->miss = SMOE_MISS_FETCH, g->miss_keep = k < 2 ? k : 2, g->miss_keep2 = k;
     g->route_lambda = 0.0;
@@ -237,10 +237,6 @@ void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset) {
     pthread_mutex_unlock(&g->mu);
 }
 
-/* logits[t, e] = x[t] . W_pos[e] + b_pos[e] for t < T: router pos's f32 copy through the
- * dense linear kernel (exact f32 products, vector accumulation; threads of g->kc).  The one
- * routine for a router's logits over a call's tokens (next-layer prediction, this layer's
- * routing). */
 /* lin_scratch large enough for smoe_linear_forward on d with T tokens. */
 static int grow_lin_scratch(smoe_layers *g, const smoe_linear_desc *d, uint32_t T,
                             smoe_err *err) {
@@ -253,6 +249,10 @@ static int grow_lin_scratch(smoe_layers *g, const smoe_linear_desc *d, uint32_t 
     return SMOE_OK;
 }
 
+/* logits[t, e] = x[t] . W_pos[e] + b_pos[e] for t < T: router pos's f32 copy through the
+ * dense linear kernel (exact f32 products, vector accumulation; threads of g->kc).  The one
+ * routine for a router's logits over a call's tokens (next-layer prediction, this layer's
+ * routing). */
 static int router_logits(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                          float *logits, smoe_err *err) {
     const smoe_layer_router *r = &g->routers[pos];
@@ -820,11 +820,9 @@ static int shared_ffn(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, 
     float *gt = g->sh_buf, *ut = gt + (size_t)T * I, *st = ut + (size_t)T * I;
     int rc = SMOE_OK;
     for (int i = 0; i < 3 && rc == SMOE_OK; i++) rc = grow_lin_scratch(g, s->d[i], T, err);
-    if (rc == SMOE_OK)
-        rc = smoe_linear_forward(g->kc, s->d[0], s->block[0], s->bias[0], x, H, T, gt, I,
-                                 g->lin_scratch, err);
-    if (rc == SMOE_OK)
-        rc = smoe_linear_forward(g->kc, s->d[1], s->block[1], s->bias[1], x, H, T, ut, I,
+    float *const gu[2] = {gt, ut}; /* gate and up on x */
+    for (int i = 0; i < 2 && rc == SMOE_OK; i++)
+        rc = smoe_linear_forward(g->kc, s->d[i], s->block[i], s->bias[i], x, H, T, gu[i], I,
                                  g->lin_scratch, err);
     if (rc != SMOE_OK) return rc;
     const size_t n = (size_t)T * I;

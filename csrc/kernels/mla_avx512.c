@@ -1,8 +1,8 @@
 /* AVX-512 forms of mla.c's two loops over int8 / int4 absorbed weights (one value a byte):
- * q_lat = W_UK^T q (axpy_q, a row at a time) and the output rows W_UV . o (dotq_rows).  Written with
- * intrinsics because the compiler's code for mla.c's plain loops (int8 -> int16 -> int32
- * widening in 256-bit halves, accumulators spilled) ran these at ~5 GB/s of weights, a third
- * of the bf16 weights' rate.  The arithmetic is the plain loops' lane for lane: every
+ * q_lat = W_UK^T q (axpy_q, a row at a time) and the output rows W_UV . o (dotq_rows).
+ * Written with intrinsics because the compiler's code for mla.c's plain loops (int8 -> int16
+ * -> int32 widening in 256-bit halves, accumulators spilled) ran these at ~5 GB/s of weights,
+ * a third of the bf16 weights' rate.  The arithmetic is the plain loops' lane for lane: every
  * column (axpy) or lane (dot) sums in the same order, products and sums rounded separately
  * (no FMA: mla.c is compiled as ISO C, which does not contract), the same pairwise reduction,
  * so every ISA still gives the same bits (test_mla_c.py checks it).  Compiled for the target
@@ -21,7 +21,9 @@ AI __m512 ld_q(const int8_t *p) { /* 16 int8 -> f32, exact */
 AI __m512 ldm_q(const int8_t *p, __mmask16 m) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
-AI __mmask16 tail_mask(uint32_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+AI __mmask16 tail_mask(uint32_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
 
 /* y[0..n) += (a * scale) * q for one int8 row (group 0: the row's scale sc[0]) or int4 row
  * (the scale of each column's group, sc[c / group]): mla.c's axpy_q.  A product and its sum
