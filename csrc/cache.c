@@ -81,6 +81,9 @@ int smoe_cache_init(smoe_cache *c, smoe_store *store, uint32_t nslots, uint32_t 
                             nslots, (unsigned long long)store->block_bytes);
     }
     c->slab = slab;
+    /* slots fault in as the store fills them: huge pages then (no collapse: that would commit
+     * the whole slab now) */
+    smoe_advise_huge(slab, (size_t)nslots * store->block_bytes, 0);
     if (prefetch_worker && (rc = smoe_slots_start_worker(&c->tab, err)) < 0) {
         c->tab.policy = NULL;
         smoe_cache_free(c);

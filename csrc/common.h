@@ -57,6 +57,16 @@ static inline void smoe_err_clear(smoe_err *e) {
 /* Monotonic clock in seconds. */
 double smoe_now(void);
 
+/* Ask Linux to back [p, p + n) with 2 MB pages where it holds whole ones (a hint: errors are
+ * ignored, contents never change): MADV_HUGEPAGE, and with collapse also MADV_COLLAPSE
+ * (Linux 6.1+), which moves already-written memory onto huge pages now.  A core streams
+ * weights markedly faster from huge pages -- a plain one-stream read loop here went from
+ * 18-21 to 27-30 GB/s -- since a 4 KB page is where the hardware prefetcher stops and a TLB
+ * miss starts.  For weights that stay for the model's lifetime (the dense layers' blocks, the
+ * cache's slots); with THP "never" it does nothing.  No-op off Linux, and with the
+ * environment variable SPECMOE_HUGEPAGES=0. */
+void smoe_advise_huge(const void *p, size_t n, int collapse);
+
 /* Expert key: layer * num_experts + expert.  Layers are 0-based positions in the store. */
 static inline int32_t smoe_key(uint32_t layer, uint32_t expert, uint32_t num_experts) {
     return (int32_t)(layer * num_experts + expert);

@@ -152,6 +152,8 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "MLADecode: pthread_mutex_init failed");
         return -1;
     }
+    smoe_advise_huge(PyArray_DATA(uk), (size_t)PyArray_NBYTES(uk), 1); /* as _C.Linear's */
+    smoe_advise_huge(PyArray_DATA(uv), (size_t)PyArray_NBYTES(uv), 1);
     Py_INCREF(ctx_o);
     Py_INCREF(uk_o);
     Py_INCREF(uv_o);

@@ -98,6 +98,8 @@ static int lin_init(LinearObject *self, PyObject *args, PyObject *kw) {
         self->bias_obj = bias_o;
     }
     self->d = d;
+    /* the weights stay for the layer's lifetime and are streamed at every call */
+    smoe_advise_huge(PyArray_DATA(block), (size_t)PyArray_NBYTES(block), 1);
     self->ready = 1;
     return 0;
 }

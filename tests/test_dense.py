@@ -3,6 +3,8 @@ numpy reference on the dequantized weights, the torch path on the same bytes, of
 dense layers converted (greedy tokens equal to the unmodified model), and bad input."""
 import math
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -56,6 +58,30 @@ def test_clinear_matches_numpy(dtype, N, K, bias):
         # rows are independent: the first row alone gives the same answer
         y1 = c(x[:1]).numpy()
         np.testing.assert_allclose(y1[0], y[0], rtol=1e-5, atol=1e-5)
+
+
+def _anon_huge_kb() -> int:
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") or
+                    "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+                    reason="needs Linux transparent huge pages (not 'never')")
+def test_linear_weights_move_to_huge_pages():
+    """A _C.Linear asks for its (already written) weights on 2 MB pages (smoe_advise_huge:
+    MADV_HUGEPAGE + MADV_COLLAPSE); the values are unchanged."""
+    lin = nn.Linear(4096, 2048, bias=False)
+    before = _anon_huge_kb()
+    c = CLinear(lin, "int8", torch_above=None)   # an 8 MB block, written before the call
+    x = torch.randn(1, 4096)
+    if _anon_huge_kb() - before < 2048:
+        pytest.skip("the kernel gave no huge page (memory too fragmented to collapse now)")
+    ref = x.numpy().astype(np.float64) @ _ref_weight(lin.weight.detach().numpy(), "int8").T
+    err = np.linalg.norm(c(x).numpy() - ref) / np.linalg.norm(ref)
+    assert err < TOL["int8"]
 
 
 def test_leading_dims_and_output_dtype():
