@@ -60,9 +60,15 @@ def test_clinear_matches_numpy(dtype, N, K, bias):
         np.testing.assert_allclose(y1[0], y[0], rtol=1e-5, atol=1e-5)
 
 
-def _anon_huge_kb() -> int:
-    for line in open("/proc/self/smaps_rollup"):
-        if line.startswith("AnonHugePages:"):
+def _huge_kb_at(addr: int) -> int:
+    """AnonHugePages (kB) of the mapping holding address addr (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("AnonHugePages:"):
             return int(line.split()[1])
     return 0
 
@@ -72,13 +78,19 @@ def _anon_huge_kb() -> int:
                     reason="needs Linux transparent huge pages (not 'never')")
 def test_linear_weights_move_to_huge_pages():
     """A _C.Linear asks for its (already written) weights on 2 MB pages (smoe_advise_huge:
-    MADV_HUGEPAGE + MADV_COLLAPSE); the values are unchanged."""
+    MADV_HUGEPAGE + MADV_COLLAPSE): the mapping holding its block gains huge pages (fails
+    with SPECMOE_HUGEPAGES=0) and the values are unchanged."""
+    from numpy._core import multiarray
     lin = nn.Linear(4096, 2048, bias=False)
-    before = _anon_huge_kb()
-    c = CLinear(lin, "int8", torch_above=None)   # an 8 MB block, written before the call
+    # numpy itself asks for huge pages on large arrays: not for this 8 MB block, so that
+    # only the Linear's own request can put it there
+    was = multiarray._set_madvise_hugepage(False)
+    try:
+        c = CLinear(lin, "int8", torch_above=None)
+    finally:
+        multiarray._set_madvise_hugepage(was)
+    assert _huge_kb_at(c._block.ctypes.data + c._block.nbytes // 2) >= 2048
     x = torch.randn(1, 4096)
-    if _anon_huge_kb() - before < 2048:
-        pytest.skip("the kernel gave no huge page (memory too fragmented to collapse now)")
     ref = x.numpy().astype(np.float64) @ _ref_weight(lin.weight.detach().numpy(), "int8").T
     err = np.linalg.norm(c(x).numpy() - ref) / np.linalg.norm(ref)
     assert err < TOL["int8"]
