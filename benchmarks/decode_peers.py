@@ -334,7 +334,7 @@ def worker(spec_path: str) -> None:
                 s = dict(self.acc.t)
                 if self.c is not None:
                     s["experts_c"] = self.c["t"]
-                    s["routed_c"] = self.c.get("routed", 0.0)
+                    s["routed_c"] = self.c["routed"]["t"]
                 if self.dc is not None:
                     s["dense_c"] = self.dc["t"]
                 if self.ab is not None:
@@ -391,19 +391,11 @@ def worker(spec_path: str) -> None:
         blocks = [lyr.self_attn for lyr in layers
                   if getattr(lyr.self_attn, "_specmoe_block", None) is not None]
         if eng is not None and not fused:
-            c = {"t": 0.0, "n": 0, "routed": 0.0}
+            c = {"t": 0.0, "n": 0, "routed": {"t": 0.0, "n": 0}}
             eng._layers = _Proxy(eng._layers, c)
             # MoE blocks routed in C (hf.Engine._install_routing): routing, experts and a
             # DeepSeek block's shared MLP in one forward_routed call, timed on its own
-            rc = {"t": 0.0, "n": 0}
-            routed = _timed(eng._layers.inner.forward_routed, rc)
-
-            def forward_routed(*a: Any, _f: Any = routed, _rc: dict = rc) -> Any:
-                t0 = _rc["t"]
-                r = _f(*a)
-                c["routed"] += _rc["t"] - t0
-                return r
-            eng._layers.forward_routed = forward_routed
+            eng._layers.forward_routed = _timed(eng._layers.inner.forward_routed, c["routed"])
         if blocks:
             ab = {"attn": 0.0, "moe": 0.0}
             for a in blocks:

@@ -308,6 +308,25 @@ def test_joint_qkv_rows_are_the_three_projections(fmt):
     assert _fuse_qkv([CLinear(torch.nn.Linear(128, 8), "bf16", ctx)] * 3, ctx) is None
 
 
+def _decode_with_crop(mdl, ids, prefill, upto, crop, chunk, end=None):
+    """A DynamicCache generation of ids: a prefill of `prefill` tokens, one-token steps up to
+    position `upto`, a crop of `crop` positions, a chunk of `chunk` tokens from there, then
+    one-token steps up to `end` (default: all of ids).  Returns (cache, logits)."""
+    kv = DynamicCache(config=mdl.config)
+    out = []
+    end = ids.shape[1] if end is None else end
+    with torch.no_grad():
+        out.append(mdl(ids[:, :prefill], cache=kv, use_cache=True).logits)
+        for t in range(prefill, upto):
+            out.append(mdl(ids[:, t:t + 1], cache=kv, use_cache=True).logits)
+        kv.crop(-crop)
+        c0 = upto - crop
+        out.append(mdl(ids[:, c0:c0 + chunk], cache=kv, use_cache=True).logits)
+        for t in range(c0 + chunk, end):
+            out.append(mdl(ids[:, t:t + 1], cache=kv, use_cache=True).logits)
+    return kv, torch.cat(out, 1)
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_kv_buffers_read_as_transformers_cache(monkeypatch, dt):
     """The fused path keeps a DynamicCache layer's keys/values as prefix views of buffers with
@@ -325,18 +344,9 @@ def test_kv_buffers_read_as_transformers_cache(monkeypatch, dt):
     ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(6))
     caches, logits = [], []
     for mdl in (a, b):
-        kv = DynamicCache(config=mdl.config)
-        out = []
-        with torch.no_grad():
-            out.append(mdl(ids[:, :6], cache=kv, use_cache=True).logits)
-            for t in range(6, 30):
-                out.append(mdl(ids[:, t:t + 1], cache=kv, use_cache=True).logits)
-            kv.crop(-5)                                         # roll back 5 positions
-            out.append(mdl(ids[:, 25:29], cache=kv, use_cache=True).logits)
-            for t in range(29, 40):
-                out.append(mdl(ids[:, t:t + 1], cache=kv, use_cache=True).logits)
+        kv, lg = _decode_with_crop(mdl, ids, 6, 30, 5, 4)     # roll back 5 positions
         caches.append(kv)
-        logits.append(torch.cat(out, 1))
+        logits.append(lg)
     assert any(hasattr(lay, "_specmoe_kv") for lay in caches[0].layers)
     for la, lb in zip(caches[0].layers, caches[1].layers):
         assert la.keys.shape == lb.keys.shape == (1, 2, 40, 16)
@@ -360,21 +370,10 @@ def test_mla_latent_cache_through_kv_buffers(monkeypatch):
     assert rep.mla
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(8))
 
-    def run():
-        kv = DynamicCache(config=m.config)
-        out = []
-        with torch.no_grad():
-            out.append(m(ids[:, :5], cache=kv, use_cache=True).logits)
-            for t in range(5, 27):
-                out.append(m(ids[:, t:t + 1], cache=kv, use_cache=True).logits)
-            kv.crop(-3)
-            out.append(m(ids[:, 24:26], cache=kv, use_cache=True).logits)
-        return kv, torch.cat(out, 1)
-
-    got, lg = run()
+    got, lg = _decode_with_crop(m, ids, 5, 27, 3, 2, end=26)
     monkeypatch.setattr(mla, "kv_append",
                         lambda cache, idx, k, v, kw: cache.update(k, v, idx))
-    want, lw = run()
+    want, lw = _decode_with_crop(m, ids, 5, 27, 3, 2, end=26)
     buffered = [la for la in got.layers if hasattr(la, "_specmoe_kv")]
     assert len(buffered) == m.config.num_hidden_layers
     for la, lb in zip(got.layers, want.layers):

@@ -98,11 +98,12 @@ def test_bf16_routing_equals_transformers_but_near_ties(arch):
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["deepseek_v2"])  # tests/test_routed_deepseek.py
 def test_greedy_tokens_equal_unmodified_model(arch):
     ref = tiny_model(arch)
     m, eng = _offload(arch, torch.float32)
     try:
+        assert eng.routed_in_c
         p = torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]])
         kw = dict(max_new_tokens=16, do_sample=False)
         assert torch.equal(ref.generate(p, **kw), m.generate(p, **kw))

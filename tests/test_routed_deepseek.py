@@ -2,7 +2,7 @@
 dense layers in C, the block's greedy softmax top-k routing times routed_scaling_factor, the
 routed experts and the shared experts' MLP run in one C call.  Checked against the same block
 with transformers' router and the shared MLP in torch (the block's own forward over the same
-experts), against the unmodified model's greedy tokens, and on bad input."""
+experts), on bad input; greedy tokens against the unmodified model: tests/test_routed.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -95,18 +95,6 @@ def test_bf16_block_matches_torch_roundings():
             assert (diff <= 2 * ulp + 1e-6).all(), float((diff / ulp).max())
             assert (diff > 0).float().mean() < 0.02
         assert calls[0] == len(m.model.layers) - 1
-    finally:
-        eng.close()
-
-
-def test_greedy_tokens_equal_unmodified_model():
-    ref = tiny_model("deepseek_v2")
-    m, eng = _offload(torch.float32)
-    try:
-        assert eng.routed_in_c
-        p = torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]])
-        kw = dict(max_new_tokens=16, do_sample=False)
-        assert torch.equal(ref.generate(p, **kw), m.generate(p, **kw))
     finally:
         eng.close()
 
