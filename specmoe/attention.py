@@ -183,6 +183,7 @@ class CRMSNorm(nn.Module):
         self.inner = norm
         self._w = w
         self.variance_epsilon = float(norm.variance_epsilon)
+        self.train(norm.training)  # an eval-mode model stays in eval mode (C path on)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -113,6 +113,7 @@ class CLinear(nn.Module):
         self._c = _C.Linear(ctx if ctx is not None else context(), self._desc, self._block,
                             self._bias)
         self.torch_above = torch_above
+        self.train(linear.training)
 
     @property
     def weight_view(self) -> torch.Tensor | None:

@@ -260,8 +260,9 @@ class Engine:
             self.close()
             raise
         for pos, i in enumerate(ids):
-            moe_block(model, info, i).experts = SpecmoeExperts(self, pos, self.num_experts,
-                                                              spec.H)
+            block = moe_block(model, info, i)
+            block.experts = SpecmoeExperts(self, pos, self.num_experts, spec.H)
+            block.experts.train(block.training)
         self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
         # the MoE blocks whose routing runs in C (layer positions), see _install_routing
         self.routed_in_c: list[int] = self._install_routing(model, info, ids)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 from specmoe import _C, hf
 from specmoe.dense import DENSE_DTYPES, CLinear, convert_dense, resolve_dense
@@ -175,6 +176,33 @@ def test_offload_bf16_dense_greedy_equal(dense):
         g_ref = ref.generate(PROMPT, max_new_tokens=12, do_sample=False)
         g_off = m.generate(PROMPT, max_new_tokens=12, do_sample=False)
         assert torch.equal(g_ref, g_off)
+    finally:
+        eng.close()
+
+
+def test_replacements_keep_the_models_eval_mode():
+    """Every module offload puts in (CLinear, CRMSNorm, the experts' placeholder) takes the mode
+    of the module it replaces: an eval-mode model needs no second eval() for its decode steps
+    to take the C paths (a CRMSNorm left in training mode ran torch's norm at every step)."""
+    from specmoe.attention import CRMSNorm
+    m = tiny_model("deepseek_v2", dtype=torch.bfloat16)
+    eng = hf.offload(m, dtype="bf16", dense="bf16")
+    try:
+        assert not m.training
+        assert [n for n, mod in m.named_modules() if mod.training] == []
+        norms = [mod for mod in m.modules() if isinstance(mod, CRMSNorm)]
+        assert norms
+        calls = []
+        for mod in norms:
+            mod.inner.register_forward_hook(lambda mod, a, o: calls.append(a[0].shape))
+        kv = DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(PROMPT[:, :-1], cache=kv, use_cache=True)
+            calls.clear()
+            m(PROMPT[:, -1:], cache=kv, use_cache=True)          # one decode step: all C
+        assert calls == []
+        m.train()
+        assert all(mod.training for mod in norms)
     finally:
         eng.close()
 
