@@ -263,14 +263,16 @@ def test_fast_path_within_documented_error(ctx, dtype, activation, T, shape):
         assert not np.array_equal(y, yp)
 
 
-@pytest.mark.parametrize("shape", [(128, 256), (2048, 1024), (2304, 4608)],
+@pytest.mark.parametrize("shape", [(128, 256), (2048, 1024), (2304, 4608), (384, 9344)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_fast_path_one_token_equals_its_row_of_two(ctx, dtype, shape):
-    """One token reads short rows one at a time and long ones (2304 x 4608: 4.5 / 9 KB bf16
-    rows) two or four at a time (ffn_fast.c), two tokens read rows in pairs: the same
-    arithmetic per row and token, so the one-token output is bit for bit the first row of the
-    two-token one -- and within the documented error of the reference."""
+    """One token reads short rows one at a time (bf16: up to 16 KB, sixteen rows' sums at once)
+    and long ones (int8/int4 beyond 4 KB; bf16's 18 KB down rows of 384 x 9344) two or four at
+    a time (ffn_fast.c), two tokens read rows in pairs: the same arithmetic per row and token,
+    so the one-token output is bit for bit the first row of the two-token one -- and within the
+    documented error of the reference.  9344 = 73 x 128: row counts that leave a partial chunk
+    of 16."""
     _isa(ctx, "avx512")
     H, I = shape
     rng = np.random.default_rng(zlib.crc32(f"one{dtype}{H}".encode()))

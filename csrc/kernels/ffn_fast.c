@@ -162,6 +162,38 @@ AI void act16(const smoe_ffn_desc *d, const float *gb, const float *ub, uint32_t
     _mm512_mask_storeu_ps(dst, mk, a);
 }
 
+/* ---- horizontal sums ----
+ * One summation tree for every dot product of this file, so that a row's result does not
+ * depend on the path that computed it (a one-token output is bit for bit its row of a
+ * two-token call): lanes i and i+8, then i and i+4 of those, then 0+2 and 1+3, then the two. */
+AI float hsum16(__m512 v) {
+    __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_movehdup_ps(w)));
+}
+
+/* hsum16 of 16 vectors at once: lane i of the result is hsum16(v[i]), the same additions of the
+ * same pairs (a transposition between the levels of the tree: 15 vector adds for the 16 rows
+ * instead of 4 dependent adds and 4 shuffles each). */
+AI __m512 hsum16x16(const __m512 *v) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* rows 2i | 2i+1: lanes j and j+8 of each */
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* rows 4i..4i+3, four lanes each: j and j+4 of the above */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane k: rows 8i+k and 8i+4+k, two lanes each */
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    /* per 128-bit lane k: rows k, k+4, k+8, k+12 */
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
+                             _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, r);
+}
+
 /* ---- dot products: NR weight rows x NT tokens ---- */
 
 /* bf16: r[q][t] = w_q . x_t, x bf16 [NT][n] (row stride n).  Software prefetch with 3+
@@ -212,7 +244,31 @@ AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint
         }
     }
     for (int q = 0; q < NR; q++)
-        for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(_mm512_add_ps(a[q][t], b[q][t]));
+        for (int t = 0; t < NT; t++) r[q][t] = hsum16(_mm512_add_ps(a[q][t], b[q][t]));
+}
+
+/* bf16, one token, m <= 16 consecutive rows w, w + n, ... (n columns, a multiple of 64):
+ * res[i] = w_i . x with dot_bf16's two accumulator chains and hsum16's sums, so bit for bit
+ * dot_bf16's result for the row, but the horizontal sums are done for all 16 rows at once
+ * (hsum16x16) instead of after each row: on rows of 2-3 KB the per-row sums cost ~13 % of a
+ * one-stream read (a read loop of 2048 x 1408 bf16 rows, 1 thread: 25.7 GB/s with a sum per
+ * row, 29.1 without; 2026-11-25).  One sequential stream, no software prefetch (see
+ * dot_bf16). */
+AI void rows16_bf16(const uint16_t *w, uint32_t n, const uint16_t *x, uint32_t m, float *res) {
+    __m512 v[16];
+    for (uint32_t i = 0; i < m; i++) {
+        const uint16_t *p = w + (size_t)i * n;
+        __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+        for (uint32_t k = 0; k < n; k += 64) {
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(p + k)),
+                                 (__m512bh)_mm512_loadu_si512((const void *)(x + k)));
+            b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512((const void *)(p + k + 32)),
+                                 (__m512bh)_mm512_loadu_si512((const void *)(x + k + 32)));
+        }
+        v[i] = _mm512_add_ps(a, b);
+    }
+    for (uint32_t i = m; i < 16; i++) v[i] = _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(res, (__mmask16)((1u << m) - 1u), hsum16x16(v));
 }
 
 /* int8: r[q][t] = w_q . xq_t (integer products, f32 sums), x int16 [NT][n].  Lanes are
@@ -263,7 +319,44 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
                                                                _mm512_cvtepi32_ps(b[q][t])));
     }
     for (int q = 0; q < NR; q++)
-        for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]);
+        for (int t = 0; t < NT; t++) r[q][t] = hsum16(f[q][t]);
+}
+
+/* int8, one token, m <= 16 consecutive rows w, w + n, ... (n columns, a multiple of 32), row
+ * scales ws[0..m), token scale xs: res[i] = (w_i . x) * (ws[i] * xs), bit for bit dot_i8's
+ * result times rowsN's scale (the same columns in each int32 chain, exact integer sums, the
+ * same flushes and hsum16), the horizontal sums deferred to 16 rows at once as rows16_bf16's.
+ * One sequential stream, no software prefetch. */
+AI void rows16_i8(const int8_t *w, uint32_t n, const int16_t *x, uint32_t m, const float *ws,
+                  float xs, float *res) {
+    __m512 v[16];
+    for (uint32_t i = 0; i < m; i++) {
+        const int8_t *p = w + (size_t)i * n;
+        __m512 f = _mm512_setzero_ps();
+        for (uint32_t k0 = 0; k0 < n; k0 += 4096) {
+            uint32_t k1 = n - k0 < 4096 ? n : k0 + 4096, k = k0;
+            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+            for (; k + 64 <= k1; k += 64) {
+                __m512i w0 = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(const void *)(p + k)));
+                __m512i w1 = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(const void *)(p + k + 32)));
+                a = _mm512_dpwssd_epi32(a, w0, _mm512_loadu_si512((const void *)(x + k)));
+                b = _mm512_dpwssd_epi32(b, w1, _mm512_loadu_si512((const void *)(x + k + 32)));
+            }
+            for (; k < k1; k += 32) {
+                __m512i w0 = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(const void *)(p + k)));
+                a = _mm512_dpwssd_epi32(a, w0, _mm512_loadu_si512((const void *)(x + k)));
+            }
+            f = _mm512_add_ps(f, _mm512_add_ps(_mm512_cvtepi32_ps(a), _mm512_cvtepi32_ps(b)));
+        }
+        v[i] = f;
+    }
+    for (uint32_t i = m; i < 16; i++) v[i] = _mm512_setzero_ps();
+    const __mmask16 mk = (__mmask16)((1u << m) - 1u);
+    __m512 sc = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, ws), _mm512_set1_ps(xs));
+    _mm512_mask_storeu_ps(res, mk, _mm512_mul_ps(hsum16x16(v), sc));
 }
 
 /* One 128-column block b (index bi within the current 16) of every row into accumulators F. */
@@ -331,7 +424,7 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
         for (int q = 0; q < NR; q++)
             for (int t = 0; t < NT; t++) f[q][t] = _mm512_add_ps(f[q][t], f2[q][t]);
     for (int q = 0; q < NR; q++)
-        for (int t = 0; t < NT; t++) r[q][t] = _mm512_reduce_add_ps(f[q][t]);
+        for (int t = 0; t < NT; t++) r[q][t] = hsum16(f[q][t]);
 }
 
 /* NR rows (matrix offsets off[q], scale offsets soff[q], row indices row[q]) against NT tokens
@@ -367,6 +460,19 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
     }
 }
 
+/* One token, bf16 or int8: rows row0 .. row0 + m - 1 (m <= 16) of the matrix at `off` (scales at
+ * `soff`), n columns, into res[0..m): rowsN's results, the horizontal sums of the 16 at once. */
+static void rows16(const smoe_ffn_job *j, uint64_t off, uint64_t soff, uint32_t row0, uint32_t m,
+                   uint32_t n, float *res) {
+    if (j->d->dtype == SMOE_WDT_BF16)
+        rows16_bf16((const uint16_t *)(j->block + off) + (size_t)row0 * n, n,
+                    (const uint16_t *)j->q, m, res);
+    else
+        rows16_i8((const int8_t *)(j->block + off) + (size_t)row0 * n, n,
+                  (const int16_t *)j->q, m, (const float *)(j->block + soff) + row0, j->qs[0],
+                  res);
+}
+
 static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
                           const uint32_t *row, int NR, uint32_t n, uint32_t t0, uint32_t nt,
                           float (*r)[NTMAX]) {
@@ -390,9 +496,9 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
     }
 }
 
-/* One token, rows of at most 4 KB (one_row): one weight row at a time, each matrix's rows in
- * order, so that every thread reads one sequential stream (the gate rows of a chunk of 16,
- * then its up rows).  Rows in pairs or fours (two to four streams a thread, software
+/* One token, rows of at most 8192 columns (int4: see one_row): one weight row at a time, each
+ * matrix's rows in order, so that every thread reads one sequential stream (the gate rows of a
+ * chunk of 16, then its up rows).  Rows in pairs or fours (two to four streams a thread, software
  * prefetch) measured well below that, 1 token, DRAM, interleaved with the read ceiling
  * (2026-11-25, 1 / 2 threads): linear rows 102400 x 2048 bf16 0.81 -> 1.02 / 0.85 -> 1.01,
  * int8 0.80 -> 0.85 / 0.88 -> 0.98, int4 0.83 -> 0.97 / 1.05 -> 0.96; 2048 x 1408
@@ -402,6 +508,16 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
  * way).  Longer rows keep the pairs (gate_i, up_i) and the down projection's fours: at
  * Mixtral shape (8-28 KB bf16 rows) one row at a time lost, bf16 0.95-1.00 -> 0.77, int8
  * 0.69-0.73 -> 0.64 of the ceiling (benchmarks/kernels.py, 1 thread, interleaved builds).
+ * bf16 then moved to rows16_bf16 (the horizontal sums deferred to 16 rows at once), which
+ * reads rows of up to 16 KB one at a time at the ceiling (C harness, 1 thread, weights on 2 MB
+ * pages, 9 interleaved repeats with the read loop, 2026-11-25; before -> after): 2048 x 1408
+ * 0.82 -> 1.03, 4096 x 1024 0.86 -> 0.99, 14336 x 4096 (Mixtral's gate/up, in pairs before)
+ * 0.66 -> 1.06, 2048 x 7168 0.70 -> 0.90; Mixtral's down rows (28 KB: the activation no longer
+ * stays in L1 beside the stream) keep the fours, 0.87 against 0.64 one at a time.  int8
+ * likewise (rows16_i8, same harness): 14336 x 4096 0.70-0.74 -> 0.83-0.89, 2048 x 7168 and
+ * 1024 x 8192 (fours before) 0.54-0.62 -> 0.80-0.85, 2-KB rows within the noise (int8 at 1
+ * thread is near its instruction limit, ~20 GB/s here, with or without software prefetch or
+ * more accumulator chains); 4096 x 14336 keeps the fours (0.60-0.63 against 0.45-0.47).
  * int4, whose unpacking makes it closer to compute-bound at 1 thread, lost with one row where
  * it had pairs/fours (OLMoE experts 0.82-0.92 -> 0.72-0.73, Mixtral 0.83-0.91 -> 0.78-0.80),
  * so it reads one row at a time only where its down/linear rows went in pairs (2048+
@@ -414,7 +530,9 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
 static int one_row(int32_t dtype, uint32_t n, int down) {
     if (dtype == SMOE_WDT_I4) /* see above: only the down/linear rows that went in pairs */
         return down && n >= 2048 && n <= 8192;
-    return (dtype == SMOE_WDT_BF16 ? 2 * (size_t)n : n) <= 4096;
+    /* bf16 and int8 (rows16): the activation (bf16 / int16, 2n bytes) stays in L1 beside the
+     * stream up to 16 KB (see above) */
+    return n <= 8192;
 }
 
 static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
@@ -429,6 +547,12 @@ static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
         uint32_t m = i1 - c0 < 16 ? i1 - c0 : 16;
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
+            if (j->T == 1 && d->dtype != SMOE_WDT_I4 && one_row(d->dtype, d->H, 0)) {
+                rows16(j, d->gate, d->gate_scale, c0, m, d->H, g[0]);
+                rows16(j, d->up, d->up_scale, c0, m, d->H, u[0]);
+                act16(d, gb, ub, c0, m, g[0], u[0], j->act + c0);
+                continue;
+            }
             if (j->T == 1 && one_row(d->dtype, d->H, 0)) {
                 const uint64_t og[1] = {d->gate}, sg[1] = {d->gate_scale};
                 const uint64_t ou[1] = {d->up}, su[1] = {d->up_scale};
@@ -465,6 +589,15 @@ static void fast_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const uint64_t off[4] = {d->down, d->down, d->down, d->down};
     const uint64_t soff[4] = {d->down_scale, d->down_scale, d->down_scale, d->down_scale};
     uint32_t h = h0;
+    if (j->T == 1 && d->dtype != SMOE_WDT_I4 && one_row(d->dtype, d->I, 1)) {
+        float y[16];
+        for (; h < h1; h += 16) {
+            uint32_t m = h1 - h < 16 ? h1 - h : 16;
+            rows16(j, d->down, d->down_scale, h, m, d->I, y);
+            for (uint32_t i = 0; i < m; i++) smoe_ffn_store_out(j, h + i, 0, y[i]);
+        }
+        return;
+    }
     if (j->T == 1 && one_row(d->dtype, d->I, 1)) { /* one row at a time (see fast_gateup) */
         for (; h < h1; h++) {
             const uint32_t row[1] = {h};
