@@ -20,9 +20,11 @@ sharing its table with the embedding when the format keeps the weights exactly.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -220,14 +222,45 @@ class DecodeThreads:
     of more than ``max_tokens`` tokens (prefill, large batches), whose torch GEMMs do use the
     threads, keep the user's setting.  Process-wide (torch's thread count is global): the first
     decode forward in flight saves the count and sets 1, the last one out restores it, also
-    when the forward raises."""
+    when the forward raises.
+
+    Inside a generation (:meth:`session`: ``model.generate`` and :func:`specmoe.generate` open
+    one) the count stays at 1 from one decode forward to the next, through the sampling
+    operations between them (a logits copy, argmax, the id concatenation), and is restored when
+    the generation ends or before its next long forward: restoring it after every step made
+    each step's first parallel torch operation wake the OpenMP workers, and the step's kernels
+    ran slower beside them (OLMoE shape, int4, torch and the kernel pool on 2 threads: 13.7 ms a
+    step, 11.7 with torch held at 1; 2026-11-25)."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
         self._depth = 0          # [_lock] decode forwards in flight
         self._saved = 1          # [_lock] torch's thread count before the first of them
+        self._sessions = 0       # [_lock] generations in flight (session())
+        self._held = False       # [_lock] count left at 1 after the last decode forward, for a
+        #                          generation in flight
         self._tls = threading.local()  # per thread: stack of "this forward entered" flags
+
+    def _restore(self) -> None:
+        """Give torch back the saved count ([_lock] held by the caller)."""
+        self._held = False
+        if self._saved > 1:
+            torch.set_num_threads(self._saved)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """A generation: torch stays single-threaded between its decode forwards (see the class
+        docstring); the user's count is back when the block exits, also on an exception."""
+        with self._lock:
+            self._sessions += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sessions -= 1
+                if self._sessions == 0 and self._held and self._depth == 0:
+                    self._restore()
 
     @staticmethod
     def _tokens(args: tuple, kwargs: dict) -> int | None:
@@ -246,13 +279,17 @@ class DecodeThreads:
         if stack is None:
             stack = self._tls.stack = []
         stack.append(entered)
-        if entered:
-            with self._lock:
-                if self._depth == 0:
-                    self._saved = torch.get_num_threads()
-                    if self._saved > 1:
-                        torch.set_num_threads(1)
-                self._depth += 1
+        with self._lock:
+            if not entered:             # a long forward: the user's count, if we still hold 1
+                if self._held and self._depth == 0:
+                    self._restore()
+                return
+            if self._depth == 0 and not self._held:
+                self._saved = torch.get_num_threads()
+                if self._saved > 1:
+                    torch.set_num_threads(1)
+            self._held = False
+            self._depth += 1
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         stack = getattr(self._tls, "stack", None)
@@ -260,12 +297,36 @@ class DecodeThreads:
             return
         with self._lock:
             self._depth -= 1
-            if self._depth == 0 and self._saved > 1:
-                torch.set_num_threads(self._saved)
+            if self._depth == 0:
+                if self._sessions:
+                    self._held = True   # until the generation ends or runs a long forward
+                else:
+                    self._restore()
 
     def install(self, model: nn.Module) -> None:
+        """The hooks on ``model``, and ``model.generate`` wrapped in :meth:`session`."""
         model.register_forward_pre_hook(self.pre, with_kwargs=True)
         model.register_forward_hook(self.post, with_kwargs=True, always_call=True)
+        gen = getattr(model, "generate", None)
+        if callable(gen):
+            @functools.wraps(gen)
+            def generate(*args: Any, **kwargs: Any) -> Any:
+                with self.session():
+                    return gen(*args, **kwargs)
+            model.generate = generate
+
+
+def decode_session(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for generation loops ``fn(model, ...)``: the call runs in the model's
+    :meth:`DecodeThreads.session` when it has one (dense layers in C)."""
+    @functools.wraps(fn)
+    def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        hooks = getattr(model, "_specmoe_decode_threads", None)
+        if hooks is None:
+            return fn(model, *args, **kwargs)
+        with hooks.session():
+            return fn(model, *args, **kwargs)
+    return wrapper
 
 
 def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .controllers import Controller, SpeqGovernor, StaticK, measure_tau
+from .dense import decode_session
 from .drafters import (DraftModel, NgramDrafter, SelfDraft, _crop, _draft, _forward, _new_kv,
                        cache_kwargs, recurrent_layer_types)
 from .mtp import MtpDrafter
@@ -161,6 +162,7 @@ def _speq_io_cost(ctl: SpeqGovernor, loaded: Dict[int, float], t_load: float) ->
     ctl.set_io_cost(cost)
 
 
+@decode_session
 def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
              drafter: Any = None, controller: Optional[Controller] = None,
              max_new_tokens: int = 32, do_sample: bool = False, *,

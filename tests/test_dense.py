@@ -346,6 +346,54 @@ def test_openmp_wait_policy_default():
     assert out == "None"  # too late to matter: left alone
 
 
+def test_generate_holds_one_thread_between_decode_steps():
+    """Inside model.generate / specmoe.generate torch stays on one thread from one decode
+    forward to the next (the sampling between them included), a long forward gets the user's
+    count back, and the count is back after the call, also when it raises."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from specmoe import generate
+    m = tiny_model("mixtral")
+    eng = hf.offload(m, dtype="f32", dense="f32")
+    fwd, between = [], []
+    h = m.model.layers[0].register_forward_pre_hook(
+        lambda *_: fwd.append(torch.get_num_threads()))
+
+    class Probe(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            between.append(torch.get_num_threads())
+            return scores
+
+    prompt = torch.randint(3, 100, (1, 20))          # 20 tokens > 16: a long prefill
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        m.generate(prompt, max_new_tokens=4, do_sample=False,
+                   logits_processor=LogitsProcessorList([Probe()]))
+        assert fwd == [2, 1, 1, 1]                   # the prefill keeps 2, decode steps 1
+        assert between == [2, 1, 1, 1]               # after the prefill 2; held from then on
+        assert torch.get_num_threads() == 2
+        hooks = m._specmoe_decode_threads
+        with hooks.session():                        # a long forward inside: the count is back
+            with torch.no_grad():
+                m(torch.randint(3, 100, (1, 1)))
+                assert torch.get_num_threads() == 1
+                fwd.clear()
+                m(torch.randint(3, 100, (1, 20)))
+            assert fwd == [2]
+        with pytest.raises(Exception):               # out-of-vocabulary id raises inside
+            m.generate(torch.full((1, 1), 10_000), max_new_tokens=2, do_sample=False)
+        assert torch.get_num_threads() == 2
+        fwd.clear()
+        out = generate(m, prompt[0].tolist(), max_new_tokens=3)
+        assert len(out.sequences[0]) == 23 and fwd[0] == 2 and set(fwd[1:]) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        h.remove()
+        torch.set_num_threads(before)
+        eng.close()
+
+
 def test_decode_forwards_run_torch_single_threaded():
     """With dense layers in C, forwards of at most torch_above tokens run torch on one
     thread; longer ones keep the user's count, which is restored afterwards, also when the
