@@ -20,8 +20,9 @@
  * 16 rows at a time with a polynomial exp (exp16, ~1e-7 relative) instead of libm's expf; a
  * test bounds its effect through the int8 path (3e-4 over gate values up to +-120).
  *
- * Used only when the CPU has the feature, H and I are multiples of 128 (at most 65536) and, for
- * I4, the group is a multiple of 128; otherwise the exact path of ffn_avx512.c runs. */
+ * Used only when the CPU has the feature, H and I are multiples of 64 (I4: of 128; at most
+ * 65536) and, for I4, the group is a multiple of 128; otherwise the exact path of ffn_avx512.c
+ * runs. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")
 #include <immintrin.h>
@@ -55,12 +56,18 @@
  * clamped to the bounds given; the bf16 conversion (vcvtneps2bf16) rounds to nearest even and
  * treats denormal inputs as zero. */
 
-/* max |x[k]| over n (a multiple of 16) floats */
+/* max |x[k]| over n (a multiple of 16) floats; NaN if any x[k] is NaN (vmaxps alone would drop
+ * it), so that the scale made from it, and every output of the token or block, is NaN as in
+ * the f32 math */
 AI float absmax16(const float *x, uint32_t n) {
     __m512 m = _mm512_setzero_ps();
-    for (uint32_t k = 0; k < n; k += 16)
-        m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    return _mm512_reduce_max_ps(m);
+    __mmask16 nan = 0;
+    for (uint32_t k = 0; k < n; k += 16) {
+        __m512 v = _mm512_loadu_ps(x + k);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, _mm512_abs_ps(v));
+    }
+    return nan ? __builtin_nanf("") : _mm512_reduce_max_ps(m);
 }
 
 /* clamp(rint(x[0..16) * inv), -lim, lim) as int32 lanes */
@@ -82,7 +89,7 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
         } else if (dtype == SMOE_WDT_I8) { /* o[k] = clamp(rint(x[k] / s), +-32767),
                                                s = max|x| / 32767 */
             float m = absmax16(x, n);
-            float s = m > 0.0f ? m / 32767.0f : 1.0f;
+            float s = !(m <= 0.0f) ? m / 32767.0f : 1.0f; /* NaN stays NaN */
             __m512 inv = _mm512_set1_ps(1.0f / s);
             int16_t *o = (int16_t *)q + (size_t)t * n;
             for (uint32_t k = 0; k < n; k += 16)
@@ -100,7 +107,7 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
             for (uint32_t b = 0; b < nb; b++) {
                 const float *xb = x + (size_t)b * 128;
                 float m = absmax16(xb, 128);
-                float s = m > 0.0f ? m / 127.0f : 1.0f;
+                float s = !(m <= 0.0f) ? m / 127.0f : 1.0f; /* NaN stays NaN */
                 __m512 inv = _mm512_set1_ps(1.0f / s);
                 __m512i sum = _mm512_setzero_si512();
                 int8_t *ob = o + (size_t)b * 128;
