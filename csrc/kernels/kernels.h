@@ -135,8 +135,8 @@ const char *smoe_isa_name(int32_t isa);
  * Accuracy: with d->precise = 1 (and on every path below AVX-512, and for F32) weights are
  * widened exactly to f32 and accumulated in f32 against f32 x, so the result matches an f32
  * computation on the dequantized weights to f32 rounding.  With precise = 0 (default) and
- * H, I multiples of 64 (int4: 128), the AVX-512 fast paths round the activations once per call (x and
- * the intermediate act): BF16 to bf16 (vdpbf16ps; FFN output error ~3e-3 relative, in norm),
+ * H, I multiples of 64 (int4: 128), the AVX-512 fast paths round the activations once per
+ * call (x and the intermediate act): BF16 to bf16 (vdpbf16ps; FFN output error ~3e-3 relative, in norm),
  * I8 to int16 per token (vpdpwssd; ~1e-4), I4 to int8 per 128 columns (vpdpbusd; ~2e-2,
  * small next to int4's own weight error) -- details and bounds in ffn_fast.c. */
 int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
