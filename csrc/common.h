@@ -66,8 +66,9 @@ double smoe_now(void);
  * cache's slots).  NumPy already asks for huge pages on its large arrays (the quantized
  * blocks), so what this adds in practice is the cache's slab (C memory: DeepSeek-V2-Lite int4
  * decode 20.2-21.2 -> 17.9-18.6 ms a step at 1 thread) and any block allocated without that
- * request; transformers' bf16 weights mapped from the safetensors file are file pages and
- * stay small.  With THP "never" it does nothing.  No-op off Linux, and with the environment
+ * request; transformers' bf16 weights mapped from the safetensors file are file pages, left
+ * to the page cache (which held them in 2 MB folios here).  With THP "never" it does
+ * nothing.  No-op off Linux, and with the environment
  * variable SPECMOE_HUGEPAGES=0. */
 void smoe_advise_huge(const void *p, size_t n, int collapse);
 

@@ -535,7 +535,8 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
  * chunk's 16 row pairs (at most 256 KB at H = 4096 bf16, re-read from L2 for further tiles),
  * then act16.  act is natural order [T, I] on this path. */
 static int one_row(int32_t dtype, uint32_t n, int down) {
-    if (dtype == SMOE_WDT_I4) /* see above: only the down/linear rows that went in pairs */
+    if (dtype == SMOE_WDT_I4) /* see above: only the down/linear rows that went in pairs (so
+                               * never gate/up: fast_gateup's one-row path is bf16/int8's) */
         return down && n >= 2048 && n <= 8192;
     /* bf16 and int8 (rows16): the activation (bf16 / int16, 2n bytes) stays in L1 beside the
      * stream up to 16 KB (see above) */
@@ -554,25 +555,9 @@ static void fast_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
         uint32_t m = i1 - c0 < 16 ? i1 - c0 : 16;
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
-            if (j->T == 1 && d->dtype != SMOE_WDT_I4 && one_row(d->dtype, d->H, 0)) {
+            if (j->T == 1 && one_row(d->dtype, d->H, 0)) { /* bf16 / int8 only (one_row) */
                 rows16(j, d->gate, d->gate_scale, c0, m, d->H, g[0]);
                 rows16(j, d->up, d->up_scale, c0, m, d->H, u[0]);
-                act16(d, gb, ub, c0, m, g[0], u[0], j->act + c0);
-                continue;
-            }
-            if (j->T == 1 && one_row(d->dtype, d->H, 0)) {
-                const uint64_t og[1] = {d->gate}, sg[1] = {d->gate_scale};
-                const uint64_t ou[1] = {d->up}, su[1] = {d->up_scale};
-                for (uint32_t i = 0; i < m; i++) {
-                    const uint32_t row[1] = {c0 + i};
-                    rows_dispatch(j, og, sg, row, 1, d->H, 0, 1, r);
-                    g[0][i] = r[0][0];
-                }
-                for (uint32_t i = 0; i < m; i++) {
-                    const uint32_t row[1] = {c0 + i};
-                    rows_dispatch(j, ou, su, row, 1, d->H, 0, 1, r);
-                    u[0][i] = r[0][0];
-                }
                 act16(d, gb, ub, c0, m, g[0], u[0], j->act + c0);
                 continue;
             }
@@ -596,20 +581,20 @@ static void fast_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const uint64_t off[4] = {d->down, d->down, d->down, d->down};
     const uint64_t soff[4] = {d->down_scale, d->down_scale, d->down_scale, d->down_scale};
     uint32_t h = h0;
-    if (j->T == 1 && d->dtype != SMOE_WDT_I4 && one_row(d->dtype, d->I, 1)) {
+    if (j->T == 1 && one_row(d->dtype, d->I, 1)) { /* one row at a time (see fast_gateup) */
+        if (d->dtype == SMOE_WDT_I4) {
+            for (; h < h1; h++) {
+                const uint32_t row[1] = {h};
+                rows_dispatch(j, off, soff, row, 1, d->I, 0, 1, r);
+                smoe_ffn_store_out(j, h, 0, r[0][0]);
+            }
+            return;
+        }
         float y[16];
         for (; h < h1; h += 16) {
             uint32_t m = h1 - h < 16 ? h1 - h : 16;
             rows16(j, d->down, d->down_scale, h, m, d->I, y);
             for (uint32_t i = 0; i < m; i++) smoe_ffn_store_out(j, h + i, 0, y[i]);
-        }
-        return;
-    }
-    if (j->T == 1 && one_row(d->dtype, d->I, 1)) { /* one row at a time (see fast_gateup) */
-        for (; h < h1; h++) {
-            const uint32_t row[1] = {h};
-            rows_dispatch(j, off, soff, row, 1, d->I, 0, 1, r);
-            smoe_ffn_store_out(j, h, 0, r[0][0]);
         }
         return;
     }
