@@ -84,14 +84,16 @@ attention and lm_head matmuls, which torch runs in the ``specmoe-<p>`` rows);
 MLA's absorbed one included, which earlier runs counted as outside); ``glue_share`` = (experts_glue + other) /
 step is the part that is neither expert kernels nor a torch matmul.  The hooks cost a few
 microseconds per module call; the instrumented run's tok/s is reported beside the plain one.
-Rows whose decoder layers run as one C call each (``specmoe+dense`` at OLMoE shapes,
-specmoe.attention's fused layers; ``breakdown_kind`` says so): ``attention`` and ``experts``
-are the C time of that call's two parts (it reports them), ``lm_head`` the module's time, and
-``other`` everything else -- embeddings, the final norm, the Python around each layer call, the
-KV-cache bookkeeping, ``generate``; ``glue_share`` = other / step and
-``outside_c_kernels_share`` = 1 - (all C time) / step.  Rows whose MoE blocks are routed in C
-but whose layers are not fused (DeepSeek-V2 shapes, ``specmoe+dense``): ``experts`` is that
-one call's time -- the routing, the experts and the shared experts' MLP (C time in
+Rows whose decoder layers run as one C call each (``specmoe+dense``: specmoe.attention's fused
+layers at OLMoE shapes, specmoe.mla's at DeepSeek-V2 shapes; ``breakdown_kind`` says so):
+``attention`` and ``experts`` are the C time of that call's two parts (it reports them; with
+the routing and shared experts at DeepSeek shapes), ``lm_head`` the module's time,
+``mlp_outside_the_call`` the MLPs the layer calls from Python after its attention call
+(DeepSeek-V2's dense first layer), and ``other`` everything else -- embeddings, the final
+norm, the Python around each layer call, the KV-cache bookkeeping, ``generate``;
+``glue_share`` = other / step and ``outside_c_kernels_share`` = 1 - (all C time) / step.  Rows
+whose MoE blocks are routed in C but whose layers are not fused: ``experts`` is that one call's
+time -- the routing, the experts and the shared experts' MLP (C time in
 ``outside_c_kernels_share``).
 
 Targets: specmoe+dense >= 1.0x llama.cpp at every equal precision and thread count; specmoe >= 1.5x
@@ -229,8 +231,9 @@ def model_summary(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 class _BlockTimer:
-    """An attention module's _C.AttnBlock with its calls timed: pre/post into acc["attn"];
-    a fused decoder layer's call reports its own attention / MoE split."""
+    """An attention module's _C.AttnBlock or a layer's _C.MLABlock with its calls timed:
+    pre/post/attn into acc["attn"]; a fused decoder layer's call reports its own attention /
+    MoE split."""
 
     def __init__(self, inner: Any, acc: dict[str, float]) -> None:
         self.inner, self.acc = inner, acc
@@ -244,6 +247,12 @@ class _BlockTimer:
     def post(self, *a: Any) -> Any:
         t0 = time.perf_counter()
         r = self.inner.post(*a)
+        self.acc["attn"] += time.perf_counter() - t0
+        return r
+
+    def attn(self, *a: Any) -> Any:  # an MLABlock's attention half (a dense-MLP layer)
+        t0 = time.perf_counter()
+        r = self.inner.attn(*a)
         self.acc["attn"] += time.perf_counter() - t0
         return r
 
@@ -390,19 +399,25 @@ def worker(spec_path: str) -> None:
         fused = any(getattr(lyr, "_specmoe_norms", None) is not None for lyr in layers)
         blocks = [lyr.self_attn for lyr in layers
                   if getattr(lyr.self_attn, "_specmoe_block", None) is not None]
+        mlabs = [lyr for lyr in layers if getattr(lyr, "_specmoe_mlab", None) is not None]
         if eng is not None and not fused:
             c = {"t": 0.0, "n": 0, "routed": {"t": 0.0, "n": 0}}
             eng._layers = _Proxy(eng._layers, c)
             # MoE blocks routed in C (hf.Engine._install_routing): routing, experts and a
             # DeepSeek block's shared MLP in one forward_routed call, timed on its own
             eng._layers.forward_routed = _timed(eng._layers.inner.forward_routed, c["routed"])
-        if blocks:
+        if blocks or mlabs:
             ab = {"attn": 0.0, "moe": 0.0}
             for a in blocks:
                 a._specmoe_block = _BlockTimer(a._specmoe_block, ab)
-        # MLA's absorbed attention in C (specmoe.mla): its C time counts as attention C
+            for lyr in mlabs:  # (block, its MLA kernel, max tokens): the block timed
+                lyr._specmoe_mlab = (_BlockTimer(lyr._specmoe_mlab[0], ab),
+                                     *lyr._specmoe_mlab[1:])
+        # MLA's absorbed attention in C (specmoe.mla), where a layer is not one call: its C
+        # time counts as attention C (a fused layer's MLABlock holds the kernel itself)
         mlas = [m._specmoe_mla_w for m in model.modules()
-                if getattr(getattr(m, "_specmoe_mla_w", None), "kernel", None) is not None]
+                if getattr(getattr(m, "_specmoe_mla_w", None), "kernel", None) is not None
+                and not any(lyr.self_attn is m for lyr in mlabs)]
         # and so does the models' own attention kernel where a module calls it (not fused)
         attns = [m for m in model.modules() if getattr(m, "_specmoe_attn", None) is not None]
         mc = {"t": 0.0, "n": 0} if mlas or attns else None
@@ -424,6 +439,8 @@ def worker(spec_path: str) -> None:
                 m._c = m._c.inner
             for a in blocks:
                 a._specmoe_block = a._specmoe_block.inner
+            for lyr in mlabs:
+                lyr._specmoe_mlab = (lyr._specmoe_mlab[0].inner, *lyr._specmoe_mlab[1:])
             for w in mlas:
                 w.kernel = w.kernel.inner
             for m in attns:
@@ -442,7 +459,10 @@ def worker(spec_path: str) -> None:
             # call, KV bookkeeping, lm_head's glue, generate -- is "other"
             attn_c, exc = per_step("attn_c"), per_step("moe_c") + per_step("experts_c")
             parts = {"attention": attn_c, "experts": exc, "lm_head": lm,
-                     "other": step - attn_c - exc - lm}
+                     "other": step - attn_c - exc - mlp - lm}
+            if mlp:  # MLPs called from Python after the attention's call (DeepSeek's dense
+                # first layer; a block routed in Python): their module time
+                parts["mlp_outside_the_call"] = mlp
             r["breakdown_kind"] = "fused layers: attention and experts are C time"
             r["outside_experts_share"] = 1 - exc / step
             r["glue_share"] = parts["other"] / step

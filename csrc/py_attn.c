@@ -1,11 +1,12 @@
 /* Python binding of the decode-attention kernels: specmoe._C.MLADecode, one object per MLA
- * attention module decoded in the absorbed form (specmoe.mla); specmoe._C.AttnDecode (the
- * models' own multi-head attention, specmoe.attention); specmoe._C.AttnBlock, a whole
- * Llama-family attention module (projections, q/k norms, rotary, attention, output
- * projection) in two calls around transformers' KV-cache update, or with its decoder layer
- * (norms, residual adds, the MoE block through a _C.Layers) in one (specmoe.attention).
- * Weights are checked and referenced once at construction; the per-token calls (METH_FASTCALL)
- * check the arrays' shapes and run the kernels without the GIL. */
+ * attention module decoded in the absorbed form (specmoe.mla), and specmoe._C.MLABlock, such
+ * a module with its decoder layer's norms, residual adds and MoE block in one call;
+ * specmoe._C.AttnDecode (the models' own multi-head attention, specmoe.attention);
+ * specmoe._C.AttnBlock, a whole Llama-family attention module (projections, q/k norms, rotary,
+ * attention, output projection) in two calls around transformers' KV-cache update, or with its
+ * decoder layer (norms, residual adds, the MoE block through a _C.Layers) in one
+ * (specmoe.attention).  Weights are checked and referenced once at construction; the per-token
+ * calls (METH_FASTCALL) check the arrays' shapes and run the kernels without the GIL. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -784,12 +785,12 @@ static int block_post(AttnBlockObject *self, smoe_kctx *c, const float *q, const
     return rc;
 }
 
-/* of += the residual rp (f32, or bf16 bits when rb), rounded as a bf16 model rounds the sum. */
-static void residual_add(const AttnBlockObject *self, float *of, const void *rp, int rb,
-                         size_t n) {
+/* of += the residual rp (f32, or bf16 bits when rb), rounded as a bf16 model rounds the sum
+ * (bf16 set). */
+static void residual_add(int bf16, float *of, const void *rp, int rb, size_t n) {
     for (size_t i = 0; i < n; i++)
         of[i] += rb ? smoe_bf16_f32(((const uint16_t *)rp)[i]) : ((const float *)rp)[i];
-    if (self->bf16) smoe_bf16_round(of, n);
+    if (bf16) smoe_bf16_round(of, n);
 }
 
 /* n values of src into dst: f32, or bf16 bits when ob (src holds bf16 values then). */
@@ -798,6 +799,39 @@ static void store(void *dst, int ob, const float *src, size_t n) {
         for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = smoe_bf16_rne(src[i]);
     else
         memcpy(dst, src, n * sizeof(float));
+}
+
+/* The rest of a decoder layer after its attention (AttnBlock.layer, MLABlock.layer), under the
+ * block's mutex without the GIL: h (the attention output, f32 [nt, hid]) += the layer input xp
+ * (f32, or bf16 bits when xb); nrm = the post-attention RMSNorm of h; the MoE block routed in C
+ * on nrm into moe; out op = h + moe in the model's dtype (bf16 bits when ob).  bf16: every sum
+ * rounded as a bf16 model rounds it.  The routing buffers (nt x k expert ids and weights, E
+ * used flags) grow in *route; *t1 is set when the MoE block begins. */
+static int decoder_tail(int bf16, smoe_layers *g, uint32_t pos, int flags, uint32_t nt,
+                        uint32_t hid, float *h, const void *xp, int xb, const float *ln2,
+                        float eps2, float *nrm, float *moe, void **route, size_t *route_cap,
+                        void *op, int ob, double *t1, smoe_err *err) {
+    const size_t n = (size_t)nt * hid, k = g->k;
+    const size_t need = (size_t)nt * k * (sizeof(int64_t) + sizeof(float)) + g->E;
+    if (need > *route_cap) {
+        void *p = realloc(*route, need);
+        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "layer: %zu bytes of routing buffer", need);
+        *route = p;
+        *route_cap = need;
+    }
+    int64_t *idx = *route;
+    float *w = (float *)(idx + (size_t)nt * k);
+    uint8_t *used = (uint8_t *)(w + (size_t)nt * k);
+    residual_add(bf16, h, xp, xb, n); /* h = x + attention */
+    memcpy(nrm, h, n * sizeof(float));
+    smoe_rmsnorm(nrm, nt, hid, ln2, eps2, bf16); /* the post-attention norm */
+    *t1 = smoe_now();
+    int rc = smoe_layers_forward_routed(g, pos, nrm, nt, flags, idx, w, moe, used, 1, NULL, err);
+    if (rc != SMOE_OK) return rc;
+    if (bf16) smoe_bf16_round(moe, n); /* the MoE block's output cast to the model's dtype */
+    residual_add(bf16, moe, h, 0, n);  /* out = h + moe */
+    store(op, ob, moe, n);
+    return SMOE_OK;
 }
 
 /* pre(x, cos, sin, q, k, v[, ln, ln_eps]): the input RMSNorm (when ln is given), projections,
@@ -932,7 +966,7 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
                     PyArray_DATA((PyArrayObject *)args[1]), PyArray_DATA((PyArrayObject *)args[2]),
                     kdt, (size_t)kbs, (size_t)khs, nt, (uint32_t)S, bias, bias_rows,
                     (float)scale, of, &err);
-    if (rc == SMOE_OK && rp) residual_add(self, of, rp, ob, n); /* the decoder layer's add */
+    if (rc == SMOE_OK && rp) residual_add(self->bf16, of, rp, ob, n); /* the decoder layer's add */
     if (rc == SMOE_OK) store(op, ob, of, n);
     if (rc == SMOE_OK && rp) { /* then the post-attention RMSNorm of the sum, in place */
         smoe_rmsnorm(of, nt, hid, ln, ln_eps, self->bf16);
@@ -1013,8 +1047,8 @@ static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize
                      "is not the block's %u", pos, g->L - 1, g->H, hid);
         return NULL;
     }
-    const uint32_t nt = (uint32_t)T, k = g->k;
-    const size_t n = (size_t)nt * hid, esz = kb ? 2 : 4, kv_hs = (size_t)cap * D;
+    const uint32_t nt = (uint32_t)T;
+    const size_t esz = kb ? 2 : 4, kv_hs = (size_t)cap * D;
     const void *xp = PyArray_DATA((PyArrayObject *)args[3]);
     const void *cp = PyArray_DATA((PyArrayObject *)args[4]);
     const void *sp = PyArray_DATA((PyArrayObject *)args[5]);
@@ -1030,39 +1064,16 @@ static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize
     const size_t mt = self->max_tokens;
     float *extra = self->buf + mt * (hid + (size_t)(H + 2 * Hkv) * D + (size_t)H * D) + 2 * D;
     float *q = extra, *h = q + mt * H * D, *nrm = h + mt * hid, *moe = nrm + mt * hid;
-    const size_t need = (size_t)nt * k * (sizeof(int64_t) + sizeof(float)) + g->E;
-    if (need > self->route_cap) {
-        void *p = realloc(self->route, need);
-        if (p) {
-            self->route = p;
-            self->route_cap = need;
-        } else {
-            rc = smoe_err_set(&err, SMOE_ENOMEM, "layer: %zu bytes of routing buffer", need);
-        }
-    }
-    int64_t *idx = self->route;
-    float *w = (float *)(idx + (size_t)nt * k);
-    uint8_t *used = (uint8_t *)(w + (size_t)nt * k);
     t0 = t1 = smoe_now();
-    if (rc == SMOE_OK) /* input norm, projections, q/k norms, rotary; k, v appended at S */
-        rc = block_pre(self, c, xp, xb, cp, cb, sp, sb, nt, ln1, eps1, q, kp + (size_t)S * D * esz,
-                       kb, vp + (size_t)S * D * esz, vb, kv_hs, &err);
+    /* input norm, projections, q/k norms, rotary; k, v appended at S */
+    rc = block_pre(self, c, xp, xb, cp, cb, sp, sb, nt, ln1, eps1, q, kp + (size_t)S * D * esz,
+                   kb, vp + (size_t)S * D * esz, vb, kv_hs, &err);
     if (rc == SMOE_OK) /* attention over the S + T positions, output projection */
         rc = block_post(self, c, q, kp, vp, kb ? SMOE_WDT_BF16 : SMOE_WDT_F32, (size_t)Hkv * kv_hs,
                         kv_hs, nt, (uint32_t)(S + nt), bias, bias_rows, (float)scale, h, &err);
-    if (rc == SMOE_OK) {
-        residual_add(self, h, xp, xb, n); /* h = x + attention */
-        memcpy(nrm, h, n * sizeof(float));
-        smoe_rmsnorm(nrm, nt, hid, ln2, eps2, self->bf16); /* the post-attention norm */
-        t1 = smoe_now();
-        rc = smoe_layers_forward_routed(g, (uint32_t)pos, nrm, nt, flags, idx, w, moe, used, 1,
-                                        NULL, &err);
-    }
-    if (rc == SMOE_OK) { /* out = h + the MoE block's output (cast to the model's dtype) */
-        if (self->bf16) smoe_bf16_round(moe, n);
-        residual_add(self, moe, h, 0, n);
-        store(op, ob, moe, n);
-    }
+    if (rc == SMOE_OK)
+        rc = decoder_tail(self->bf16, g, (uint32_t)pos, flags, nt, hid, h, xp, xb, ln2, eps2, nrm,
+                          moe, &self->route, &self->route_cap, op, ob, &t1, &err);
     t2 = smoe_now();
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
@@ -1131,6 +1142,465 @@ static PyTypeObject AttnDecodeType = {
     .tp_methods = ad_methods,
 };
 
+/* ---- MLABlock: a DeepSeek-V2 decoder layer's MLA attention module at decode sizes ---- */
+
+/* Linear slots of an MLABlock */
+enum { ML_Q = 0, ML_KVA = 1, ML_O = 2, ML_QA = 3, ML_JOINT = 4, ML_N = 5 };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx_obj;            /* the KernelContext (strong) */
+    PyObject *mla_obj;            /* the MLADecode whose absorbed weights the block reads
+                                     (strong; immutable after its construction) */
+    PyObject *lin_obj[ML_N];      /* specmoe._C.Linear (strong): q_proj (q_b_proj when q_a is
+                                     set), kv_a_proj_with_mqa, o_proj, q_a_proj or NULL, and
+                                     (q or q_a) | kv_a in one or NULL */
+    PyObject *kvn_obj, *qan_obj;  /* kv_a_layernorm / q_a_layernorm float32 weights (strong;
+                                     qan_obj NULL without q_a) */
+    const smoe_linear_desc *ld[ML_N]; /* borrowed from lin_obj (immutable) */
+    const uint8_t *lb[ML_N];
+    const float *lbias[ML_N];
+    uint32_t hidden, qa, nq0, max_tokens; /* qa: q_lora_rank (0: none); nq0: the first
+                                             projection's width (qa, or H * (dn + dr)) */
+    float kv_eps, qa_eps;
+    int bf16;                     /* round as a bf16 model does (kernels/block.h) */
+    float *buf;                   /* max_tokens * (hidden + nq0 + r + dr + H * (dn + dr) +
+                                     H * dn + H * dr + H * dv + 3 hidden) floats: see
+                                     mlab_pre_post and mlab_h; guarded by mu */
+    void *route;                  /* decoder_tail's routing buffers; guarded by mu */
+    size_t route_cap;
+    void *lscratch;               /* linear scratch for max_tokens (fixed size); guarded by mu */
+    void *ascratch;               /* MLA scratch (grows with the thread count); guarded by mu */
+    size_t ascratch_cap;
+    pthread_mutex_t mu;           /* serializes calls on this object */
+    int ready;
+} MLABlockObject;
+
+static int mlab_init(MLABlockObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ctx", "mla", "q", "kv_a", "o", "kv_norm", "kv_eps", "q_a",
+                             "q_a_norm", "q_a_eps", "joint", "bf16", "max_tokens", NULL};
+    PyObject *ctx_o, *mla_o, *kvn_o, *lin[ML_N] = {NULL, NULL, NULL, Py_None, Py_None},
+             *qan_o = Py_None;
+    double kv_eps, qa_eps = 1e-6;
+    int bf16 = 0;
+    unsigned int max_tokens = 16;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOd|OOdOpI:MLABlock", kwlist, &ctx_o,
+                                     &mla_o, &lin[ML_Q], &lin[ML_KVA], &lin[ML_O], &kvn_o,
+                                     &kv_eps, &lin[ML_QA], &qan_o, &qa_eps, &lin[ML_JOINT],
+                                     &bf16, &max_tokens))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "MLABlock is already initialised");
+        return -1;
+    }
+    if (!smoe_py_kctx(ctx_o)) return -1;
+    if (!PyObject_TypeCheck(mla_o, &MLADecodeType) || !((MLADecodeObject *)mla_o)->ready) {
+        PyErr_SetString(PyExc_TypeError, "MLABlock: mla must be an initialised _C.MLADecode");
+        return -1;
+    }
+    const smoe_mla_desc *d = &((MLADecodeObject *)mla_o)->d;
+    for (int i = 0; i < ML_N; i++)
+        if (lin[i] != Py_None &&
+            smoe_py_linear_parts(lin[i], &self->ld[i], &self->lb[i], &self->lbias[i]))
+            return -1;
+    const int has_qa = lin[ML_QA] != Py_None;
+    if (has_qa != (qan_o != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "MLABlock: q_a and q_a_norm go together");
+        return -1;
+    }
+    if (max_tokens < 1 || max_tokens > 4096 || !(kv_eps >= 0.0) || kv_eps > 1.0 ||
+        !(qa_eps >= 0.0) || qa_eps > 1.0 || d->dr % 2) {
+        PyErr_Format(PyExc_ValueError, "MLABlock: max_tokens=%u (1..4096), kv_eps=%g, q_a_eps=%g "
+                     "(0..1), rope dim %u (even) out of range", max_tokens, kv_eps, qa_eps, d->dr);
+        return -1;
+    }
+    const uint32_t hidden = self->ld[ML_KVA]->K, qa = has_qa ? self->ld[ML_QA]->N : 0;
+    const uint32_t nq = d->H * (d->dn + d->dr), nq0 = has_qa ? qa : nq, nkv = d->r + d->dr;
+    uint32_t want_n[ML_N] = {nq, nkv, hidden, qa, nq0 + nkv};
+    uint32_t want_k[ML_N] = {has_qa ? qa : hidden, hidden, d->H * d->dv, hidden, hidden};
+    static const char *names[ML_N] = {"q", "kv_a", "o", "q_a", "joint"};
+    for (int i = 0; i < ML_N; i++)
+        if (lin[i] != Py_None && (self->ld[i]->N != want_n[i] || self->ld[i]->K != want_k[i])) {
+            PyErr_Format(PyExc_ValueError,
+                         "MLABlock: the %s projection is %u -> %u, expected %u -> %u (heads=%u "
+                         "nope=%u rope=%u v=%u kv_lora_rank=%u hidden=%u q_lora_rank=%u)",
+                         names[i], self->ld[i]->K, self->ld[i]->N, want_k[i], want_n[i], d->H,
+                         d->dn, d->dr, d->dv, d->r, hidden, qa);
+            return -1;
+        }
+    PyArrayObject *kvn = smoe_py_want_array(kvn_o, "kv_norm", NPY_FLOAT32, 1, 0);
+    if (!kvn) return -1;
+    if (PyArray_DIM(kvn, 0) != (npy_intp)d->r) {
+        PyErr_Format(PyExc_ValueError, "MLABlock: kv_norm has %zd weights, expected %u",
+                     (Py_ssize_t)PyArray_DIM(kvn, 0), d->r);
+        return -1;
+    }
+    if (has_qa) {
+        PyArrayObject *qan = smoe_py_want_array(qan_o, "q_a_norm", NPY_FLOAT32, 1, 0);
+        if (!qan) return -1;
+        if (PyArray_DIM(qan, 0) != (npy_intp)qa) {
+            PyErr_Format(PyExc_ValueError, "MLABlock: q_a_norm has %zd weights, expected %u",
+                         (Py_ssize_t)PyArray_DIM(qan, 0), qa);
+            return -1;
+        }
+    }
+    size_t ls = 0;
+    for (int i = 0; i < ML_N; i++) {
+        size_t s = lin[i] == Py_None ? 0 : smoe_linear_scratch_bytes(self->ld[i], max_tokens);
+        if (s > ls) ls = s;
+    }
+    const size_t per_tok = (size_t)hidden + nq0 + nkv + nq + (size_t)d->H * (d->dn + d->dr) +
+                           (size_t)d->H * d->dv + 3 * (size_t)hidden;
+    self->buf = malloc((size_t)max_tokens * per_tok * sizeof(float));
+    self->lscratch = malloc(ls ? ls : 1);
+    int mu_ok = self->buf && self->lscratch && pthread_mutex_init(&self->mu, NULL) == 0;
+    if (!mu_ok) {
+        free(self->buf);
+        free(self->lscratch);
+        self->buf = NULL;
+        self->lscratch = NULL;
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        return -1;
+    }
+    Py_INCREF(ctx_o);
+    self->ctx_obj = ctx_o;
+    Py_INCREF(mla_o);
+    self->mla_obj = mla_o;
+    for (int i = 0; i < ML_N; i++)
+        if (lin[i] != Py_None) {
+            Py_INCREF(lin[i]);
+            self->lin_obj[i] = lin[i];
+        }
+    Py_INCREF(kvn_o);
+    self->kvn_obj = kvn_o;
+    if (has_qa) {
+        Py_INCREF(qan_o);
+        self->qan_obj = qan_o;
+    }
+    self->hidden = hidden;
+    self->qa = qa;
+    self->nq0 = nq0;
+    self->max_tokens = max_tokens;
+    self->kv_eps = (float)kv_eps;
+    self->qa_eps = (float)qa_eps;
+    self->bf16 = bf16;
+    self->ready = 1;
+    return 0;
+}
+
+static void mlab_dealloc(MLABlockObject *self) {
+    if (self->ready) pthread_mutex_destroy(&self->mu);
+    free(self->buf);
+    free(self->lscratch);
+    free(self->ascratch);
+    free(self->route);
+    Py_XDECREF(self->ctx_obj);
+    Py_XDECREF(self->mla_obj);
+    for (int i = 0; i < ML_N; i++) Py_XDECREF(self->lin_obj[i]);
+    Py_XDECREF(self->kvn_obj);
+    Py_XDECREF(self->qan_obj);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* One linear slot of the block on nt rows of x (stride ldx) into y (stride ldy). */
+static int mlab_linear(MLABlockObject *self, smoe_kctx *c, int i, const float *x, size_t ldx,
+                       uint32_t nt, float *y, size_t ldy, smoe_err *err) {
+    return smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], x, ldx, nt, y, ldy,
+                               self->lscratch, err);
+}
+
+/* The attention module of nt tokens, under mu without the GIL, as transformers' DeepSeek-V2
+ * attention in the absorbed form (specmoe.mla._absorbed_forward, the same roundings):
+ *   x = widen(xp) (RMSNorm-ed with ln1: the decoder layer's input norm)
+ *   y = [q_proj | kv_a_proj](x)                 (q_a_proj instead of q_proj with q_lora)
+ *   q = y's q part, or q_b_proj(q_a_layernorm(y's q_a part))
+ *   c = kv_a_layernorm(y's latent part), k_pe = y's rotary part
+ *   q_pe, k_pe rotated (complex form, freqs fp [nt, dr / 2, 2] f32)
+ *   c, k_pe written at positions S.. of the caches cp / kp (f32 or bf16 bits when cb)
+ *   o = MLA over S + nt positions (csrc/kernels/mla.c), then o_proj into of [nt, hidden].
+ * Buffer layout (floats, mt = max_tokens): x [mt, hidden], y [mt, nq0 + r + dr],
+ * qb [mt, H (dn + dr)], q_nope [H, mt, dn], q_pe [H, mt, dr], att [mt, H dv]; then the
+ * block's h, nrm, moe [mt, hidden] each (mlab_h). */
+static int mlab_pre_post(MLABlockObject *self, smoe_kctx *c, const void *xp, int xb,
+                         const float *fp, uint32_t nt, const float *ln1, float eps1, void *cp,
+                         void *kp, int cb, uint32_t S, const float *bias, uint32_t bias_rows,
+                         float *of, smoe_err *err) {
+    const MLADecodeObject *m = (const MLADecodeObject *)self->mla_obj;
+    const smoe_mla_desc *d = &m->d;
+    const uint32_t H = d->H, dn = d->dn, dr = d->dr, dv = d->dv, r = d->r, hid = self->hidden;
+    const uint32_t nq = H * (dn + dr), nq0 = self->nq0, ny = nq0 + r + dr;
+    const size_t mt = self->max_tokens;
+    const int b = self->bf16;
+    float *x = self->buf, *y = x + mt * hid, *qb = y + mt * ny, *qn = qb + mt * nq;
+    float *qp = qn + mt * H * dn, *att = qp + mt * H * dr;
+    widen(x, xp, xb, (size_t)nt * hid);
+    if (ln1) smoe_rmsnorm(x, nt, hid, ln1, eps1, b); /* the input layernorm */
+    int rc;
+    if (self->lin_obj[ML_JOINT]) {
+        rc = mlab_linear(self, c, ML_JOINT, x, hid, nt, y, ny, err);
+    } else {
+        rc = mlab_linear(self, c, self->qa ? ML_QA : ML_Q, x, hid, nt, y, ny, err);
+        if (rc == SMOE_OK) rc = mlab_linear(self, c, ML_KVA, x, hid, nt, y + nq0, ny, err);
+    }
+    if (rc != SMOE_OK) return rc;
+    if (b) smoe_bf16_round(y, (size_t)nt * ny); /* the projections' bf16 outputs */
+    const float *q = y;                           /* token t's q at q + t * qs */
+    size_t qs = ny;
+    if (self->qa) {
+        const float *qan = (const float *)PyArray_DATA((PyArrayObject *)self->qan_obj);
+        for (uint32_t t = 0; t < nt; t++) smoe_rmsnorm(y + (size_t)t * ny, 1, nq0, qan,
+                                                       self->qa_eps, b);
+        rc = mlab_linear(self, c, ML_Q, y, ny, nt, qb, nq, err);
+        if (rc != SMOE_OK) return rc;
+        if (b) smoe_bf16_round(qb, (size_t)nt * nq);
+        q = qb;
+        qs = nq;
+    }
+    const float *kvn = (const float *)PyArray_DATA((PyArrayObject *)self->kvn_obj);
+    const size_t esz = cb ? 2 : 4;
+    for (uint32_t t = 0; t < nt; t++) {
+        float *qt = (float *)q + (size_t)t * qs, *ct = y + (size_t)t * ny + nq0, *kt = ct + r;
+        const float *ft = fp + (size_t)t * dr;
+        smoe_rmsnorm(ct, 1, r, kvn, self->kv_eps, b);      /* kv_a_layernorm */
+        smoe_rotary_pairs(qt + dn, H, dn + dr, dr, ft, b); /* each head's q_pe */
+        smoe_rotary_pairs(kt, 1, dr, dr, ft, b);
+        store((uint8_t *)cp + ((size_t)S + t) * r * esz, cb, ct, r);
+        store((uint8_t *)kp + ((size_t)S + t) * dr * esz, cb, kt, dr);
+        for (uint32_t h = 0; h < H; h++) { /* [T, H, dn + dr] -> [H, T, dn], [H, T, dr] */
+            memcpy(qn + ((size_t)h * nt + t) * dn, qt + (size_t)h * (dn + dr), dn * 4);
+            memcpy(qp + ((size_t)h * nt + t) * dr, qt + (size_t)h * (dn + dr) + dn, dr * 4);
+        }
+    }
+    rc = grow_scratch(&self->ascratch, &self->ascratch_cap, smoe_mla_scratch_bytes(c, d, nt),
+                      err);
+    const int cdt = cb ? SMOE_WDT_BF16 : SMOE_WDT_F32;
+    if (rc == SMOE_OK)
+        rc = smoe_mla_decode(c, d, 1, nt, S + nt, qn, qp, cp, cdt, 0, kp, cdt, 0, &m->w, bias,
+                             bias_rows, att, self->ascratch, self->ascratch_cap, err);
+    if (rc != SMOE_OK) return rc;
+    if (b) smoe_bf16_round(att, (size_t)nt * H * dv); /* .to(the model's dtype) */
+    rc = mlab_linear(self, c, ML_O, att, (size_t)H * dv, nt, of, hid, err);
+    if (rc == SMOE_OK && b) smoe_bf16_round(of, (size_t)nt * hid);
+    return rc;
+}
+
+/* The layer's h [mt, hidden] in buf, after mlab_pre_post's buffers; nrm and moe follow it. */
+static float *mlab_h(const MLABlockObject *self) {
+    const smoe_mla_desc *d = &((const MLADecodeObject *)self->mla_obj)->d;
+    return self->buf + (size_t)self->max_tokens *
+                           (self->hidden + self->nq0 + d->r + d->dr +
+                            2 * (size_t)d->H * (d->dn + d->dr) + (size_t)d->H * d->dv);
+}
+
+/* The checked arguments common to attn and layer. */
+typedef struct {
+    uint32_t nt, S;
+    int xb, cb;
+    const void *xp;
+    const float *fp, *bias, *ln1, *ln2;
+    uint32_t bias_rows;
+    float eps1, eps2;
+    void *cp, *kp;
+} mlab_args;
+
+/* x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2 at args[0..10): x [T, hidden] f32/bf16;
+ * freqs float32 [T, rope_dim / 2, 2]; cbuf [1, 1, capacity, kv_lora_rank] and kbuf
+ * [1, 1, capacity, rope_dim], f32 or bf16 bits alike, with room for S + T positions; bias
+ * None or float32 [1, T, S + T]; the two RMSNorms' weights and eps. */
+static int mlab_parse(MLABlockObject *self, PyObject *const *args, mlab_args *a) {
+    const smoe_mla_desc *d = &((MLADecodeObject *)self->mla_obj)->d;
+    const uint32_t hid = self->hidden;
+    long long S = PyLong_AsLongLong(args[4]);
+    if (S == -1 && PyErr_Occurred()) return -1;
+    if ((a->xb = smoe_py_f32_or_bf16(args[0], "x", 2, 0)) < 0) return -1;
+    npy_intp T = PyArray_DIM((PyArrayObject *)args[0], 0);
+    if (T < 1 || T > (npy_intp)self->max_tokens) {
+        PyErr_Format(PyExc_ValueError, "MLABlock: %zd tokens, expected 1..%u", (Py_ssize_t)T,
+                     self->max_tokens);
+        return -1;
+    }
+    PyArrayObject *f = smoe_py_want_array(args[1], "freqs", NPY_FLOAT32, 3, 0);
+    if (!f) return -1;
+    int cb = smoe_py_f32_or_bf16(args[2], "cbuf", 4, 1);
+    int kb = smoe_py_f32_or_bf16(args[3], "kbuf", 4, 1);
+    if (cb < 0 || kb < 0) return -1;
+    npy_intp cap = PyArray_DIM((PyArrayObject *)args[2], 2);
+    npy_intp w_x[2] = {T, hid}, w_f[3] = {T, d->dr / 2, 2}, w_c[4] = {1, 1, cap, d->r},
+             w_k[4] = {1, 1, cap, d->dr};
+    if (dims_are(args[0], "x [T, hidden]", w_x, 2) ||
+        dims_are(args[1], "freqs [T, rope_dim / 2, 2]", w_f, 3) ||
+        dims_are(args[2], "cbuf [1, 1, capacity, kv_lora_rank]", w_c, 4) ||
+        dims_are(args[3], "kbuf [1, 1, capacity, rope_dim]", w_k, 4))
+        return -1;
+    if (cb != kb) {
+        PyErr_SetString(PyExc_ValueError, "cbuf and kbuf must have the same dtype");
+        return -1;
+    }
+    if (S < 0 || S + T > cap || S + T > (long long)UINT32_MAX / 2) {
+        PyErr_Format(PyExc_ValueError, "MLABlock: S=%lld cached + %zd new positions do not fit "
+                     "a capacity of %zd", S, (Py_ssize_t)T, (Py_ssize_t)cap);
+        return -1;
+    }
+    if (bias_arg(args[5], 1, T, (npy_intp)S + T, &a->bias, &a->bias_rows) ||
+        norm_arg(args[6], args[7], hid, &a->ln1, &a->eps1) ||
+        norm_arg(args[8], args[9], hid, &a->ln2, &a->eps2))
+        return -1;
+    a->nt = (uint32_t)T;
+    a->S = (uint32_t)S;
+    a->cb = cb;
+    a->xp = PyArray_DATA((PyArrayObject *)args[0]);
+    a->fp = (const float *)PyArray_DATA(f);
+    a->cp = PyArray_DATA((PyArrayObject *)args[2]);
+    a->kp = PyArray_DATA((PyArrayObject *)args[3]);
+    return 0;
+}
+
+/* An output argument: [T, hidden] in x's dtype, not aliasing x (or other, when given). */
+static int mlab_out(MLABlockObject *self, PyObject *o, const char *name, const mlab_args *a,
+                    const void *other) {
+    npy_intp w_o[2] = {a->nt, self->hidden};
+    int ob = smoe_py_f32_or_bf16(o, name, 2, 1);
+    if (ob < 0 || dims_are(o, name, w_o, 2)) return -1;
+    void *p = PyArray_DATA((PyArrayObject *)o);
+    if (ob != a->xb || p == a->xp || p == other) {
+        PyErr_Format(PyExc_ValueError, "%s must have x's dtype and alias no other argument",
+                     name);
+        return -1;
+    }
+    return 0;
+}
+
+/* attn(x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out, normed): the attention half
+ * of a decoder layer (the method doc). */
+static PyObject *mlab_attn(MLABlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "MLABlock is not initialised");
+        return NULL;
+    }
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "attn(x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, "
+                     "out, normed) takes 12 arguments, got %zd", nargs);
+        return NULL;
+    }
+    mlab_args a;
+    if (mlab_parse(self, args, &a) || mlab_out(self, args[10], "out", &a, NULL) ||
+        mlab_out(self, args[11], "normed", &a, PyArray_DATA((PyArrayObject *)args[10])))
+        return NULL;
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    void *op = PyArray_DATA((PyArrayObject *)args[10]);
+    void *np_ = PyArray_DATA((PyArrayObject *)args[11]);
+    const size_t n = (size_t)a.nt * self->hidden;
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    float *h = mlab_h(self);
+    rc = mlab_pre_post(self, c, a.xp, a.xb, a.fp, a.nt, a.ln1, a.eps1, a.cp, a.kp, a.cb, a.S,
+                       a.bias, a.bias_rows, h, &err);
+    if (rc == SMOE_OK) {
+        residual_add(self->bf16, h, a.xp, a.xb, n); /* h = x + attention */
+        store(op, a.xb, h, n);
+        smoe_rmsnorm(h, a.nt, self->hidden, a.ln2, a.eps2, self->bf16);
+        store(np_, a.xb, h, n);
+    }
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+/* layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out):
+ * one whole decoder layer (the method doc). */
+static PyObject *mlab_layer(MLABlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "MLABlock is not initialised");
+        return NULL;
+    }
+    if (nargs != 14) {
+        PyErr_Format(PyExc_TypeError, "layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, "
+                     "bias, ln1, eps1, ln2, eps2, out) takes 14 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long pos = PyLong_AsLong(args[1]);
+    if (pos == -1 && PyErr_Occurred()) return NULL;
+    int flags;
+    if (smoe_py_route_flags(args[2], &flags)) return NULL;
+    mlab_args a;
+    if (mlab_parse(self, args + 3, &a) || mlab_out(self, args[13], "out", &a, NULL)) return NULL;
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_layers *g = smoe_py_layers_begin(args[0]);
+    if (!g) return NULL;
+    const uint32_t hid = self->hidden;
+    if (pos < 0 || pos >= (long)g->L || g->H != hid) {
+        smoe_py_layers_end(args[0]);
+        PyErr_Format(PyExc_ValueError, "layer: pos %ld outside 0..%u, or the MoE hidden size %u "
+                     "is not the block's %u", pos, g->L - 1, g->H, hid);
+        return NULL;
+    }
+    void *op = PyArray_DATA((PyArrayObject *)args[13]);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    double t0, t1, t2;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    float *h = mlab_h(self), *nrm = h + self->max_tokens * hid;
+    float *moe = nrm + self->max_tokens * hid;
+    t0 = t1 = smoe_now();
+    rc = mlab_pre_post(self, c, a.xp, a.xb, a.fp, a.nt, a.ln1, a.eps1, a.cp, a.kp, a.cb, a.S,
+                       a.bias, a.bias_rows, h, &err);
+    if (rc == SMOE_OK)
+        rc = decoder_tail(self->bf16, g, (uint32_t)pos, flags, a.nt, hid, h, a.xp, a.xb, a.ln2,
+                          a.eps2, nrm, moe, &self->route, &self->route_cap, op, a.xb, &t1, &err);
+    t2 = smoe_now();
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    smoe_py_layers_end(args[0]);
+    if (rc != 0) return smoe_py_raise(&err);
+    return Py_BuildValue("(dd)", t1 - t0, t2 - t1);
+}
+
+static PyMethodDef mlab_methods[] = {
+    {"attn", (PyCFunction)(void (*)(void))mlab_attn, METH_FASTCALL,
+     "attn(x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out, normed): the attention "
+     "half of a DeepSeek-V2 decoder layer for T tokens: input RMSNorm (ln1), the MLA module "
+     "(projections, kv_a_layernorm, rotary, the new latent and rotary key written into cbuf / "
+     "kbuf at positions S..S+T-1, absorbed attention over S + T positions, o_proj), out = x + "
+     "that, normed = the post-attention RMSNorm (ln2) of out.  x, out, normed [T, hidden] f32 "
+     "or bf16 bits alike; freqs float32 [T, rope_dim / 2, 2] (the complex rotary frequencies "
+     "as (re, im)); cbuf [1, 1, capacity, kv_lora_rank], kbuf [1, 1, capacity, rope_dim] f32 "
+     "or bf16 bits; bias None or float32 [1, T, S + T] added to the scores; ln1, ln2 float32 "
+     "[hidden] with their eps."},
+    {"layer", (PyCFunction)(void (*)(void))mlab_layer, METH_FASTCALL,
+     "layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, "
+     "out): a whole DeepSeek-V2 MoE decoder layer of T tokens in one call: attn's part, then "
+     "the MoE block at position pos of the _C.Layers `layers` (routing, routed and shared "
+     "experts, as Layers.forward_routed with route_flags) on the normed sum, and out = the sum "
+     "+ the block's output.  Returns (seconds in the attention part, seconds in the MoE part)."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject MLABlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.MLABlock",
+    .tp_basicsize = sizeof(MLABlockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "MLABlock(ctx, mla, q, kv_a, o, kv_norm, kv_eps, q_a=None, q_a_norm=None, "
+              "q_a_eps=1e-6, joint=None, bf16=False, max_tokens=16): a DeepSeek-V2 decoder "
+              "layer's MLA attention module at decode sizes in one call (specmoe.mla."
+              "fuse_mla).  mla: the module's _C.MLADecode (absorbed weights); q, kv_a, o: "
+              "specmoe._C.Linear of q_proj (q_b_proj when q_a is given), kv_a_proj_with_mqa, "
+              "o_proj; q_a, q_a_norm, q_a_eps: q_a_proj and q_a_layernorm (q_lora_rank "
+              "models); joint: (q or q_a) | kv_a in one Linear, used instead of the two; "
+              "kv_norm, kv_eps: kv_a_layernorm's float32 weights and eps; bf16: round every "
+              "intermediate as a bf16 model does (csrc/kernels/block.h).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)mlab_init,
+    .tp_dealloc = (destructor)mlab_dealloc,
+    .tp_methods = mlab_methods,
+};
+
 
 /* rms_norm(x, w, eps, out, bf16): the RMSNorm of block.h over the rows of x [T, n] into out
  * (float32 or bf16 bits, x's dtype); w float32 [n].  Short inputs: no GIL release. */
@@ -1180,7 +1650,8 @@ static PyMethodDef attn_functions[] = {
 
 int smoe_py_attn_init(PyObject *m) {
     if (PyType_Ready(&MLADecodeType) < 0 || PyType_Ready(&AttnDecodeType) < 0 ||
-        PyType_Ready(&AttnBlockType) < 0 || PyModule_AddFunctions(m, attn_functions) < 0)
+        PyType_Ready(&AttnBlockType) < 0 || PyType_Ready(&MLABlockType) < 0 ||
+        PyModule_AddFunctions(m, attn_functions) < 0)
         return -1;
     Py_INCREF(&MLADecodeType);
     if (PyModule_AddObject(m, "MLADecode", (PyObject *)&MLADecodeType) < 0) {
@@ -1195,6 +1666,11 @@ int smoe_py_attn_init(PyObject *m) {
     Py_INCREF(&AttnBlockType);
     if (PyModule_AddObject(m, "AttnBlock", (PyObject *)&AttnBlockType) < 0) {
         Py_DECREF(&AttnBlockType);
+        return -1;
+    }
+    Py_INCREF(&MLABlockType);
+    if (PyModule_AddObject(m, "MLABlock", (PyObject *)&MLABlockType) < 0) {
+        Py_DECREF(&MLABlockType);
         return -1;
     }
     return 0;

@@ -214,12 +214,33 @@ class AttnBlock:
     def post(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
              scale: float, out: np.ndarray) -> None: ...
 
+class MLABlock:
+    """A DeepSeek-V2 decoder layer's MLA attention module at decode sizes in one call
+    (specmoe.mla.fuse_mla): ``attn`` runs the input norm, the projections, kv_a_layernorm, the
+    complex rotary, writes the new latent / rotary key into the cache buffers at ``S``, the
+    absorbed attention (``mla``'s weights) and o_proj, the residual add and the post-attention
+    norm; ``layer`` then also the MoE block of a ``Layers`` and the second add.  ``q`` is
+    q_b_proj when ``q_a`` (q_a_proj, with ``q_a_norm``) is given; ``joint``: (q or q_a) | kv_a
+    in one Linear.  ``bf16``: round every intermediate as a bf16 model does."""
+
+    def __init__(self, ctx: KernelContext, mla: MLADecode, q: Linear, kv_a: Linear, o: Linear,
+                 kv_norm: np.ndarray, kv_eps: float, q_a: Linear | None = None,
+                 q_a_norm: np.ndarray | None = None, q_a_eps: float = 1e-6,
+                 joint: Linear | None = None, bf16: bool = False,
+                 max_tokens: int = 16) -> None: ...
+    def attn(self, x: np.ndarray, freqs: np.ndarray, cbuf: np.ndarray, kbuf: np.ndarray,
+             S: int, bias: np.ndarray | None, ln1: np.ndarray, eps1: float, ln2: np.ndarray,
+             eps2: float, out: np.ndarray, normed: np.ndarray) -> None: ...
+    def layer(self, layers: Layers, pos: int, route_flags: int, x: np.ndarray,
+              freqs: np.ndarray, cbuf: np.ndarray, kbuf: np.ndarray, S: int,
+              bias: np.ndarray | None, ln1: np.ndarray, eps1: float, ln2: np.ndarray,
+              eps2: float, out: np.ndarray) -> tuple[float, float]: ...
+
 class MLADecode:
     """Multi-head latent attention in the absorbed form (specmoe.mla, csrc/kernels/attn.h).
     w_uk [H, dn, r] and w_uv [H, dv, r]: float32, bf16 bits (uint16/int16), int8 (scales
-    float32 [H, rows]) or uint8 [H, rows, r / 2] int4 in the kernel's blocked layout
-    (specmoe.mla.int4_blocked; scales float32 [H, rows, r / group]); C-contiguous, kept
-    referenced."""
+    float32 [H, rows]) or int4 as one int8 value in [-8, 7] a byte (specmoe.mla.int4_values;
+    scales float32 [H, rows, r / group]); C-contiguous, kept referenced."""
 
     def __init__(self, ctx: KernelContext, w_uk: np.ndarray, w_uv: np.ndarray, rope_dim: int,
                  scale: float, uk_scale: np.ndarray | None = None,

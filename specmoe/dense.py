@@ -34,7 +34,7 @@ from torch import nn
 from . import _C
 from .kernels import context, tensor_array
 from .attention import convert_norms, fuse_attention, use_c_attention
-from .mla import absorb_mla
+from .mla import absorb_mla, fuse_mla
 from .quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "CLinear", "DecodeThreads", "DenseReport", "convert_dense",
@@ -163,7 +163,7 @@ class DenseReport:
     absorbed form (:mod:`specmoe.mla`), the attention implementation running the other
     attention modules' decode steps in C (:mod:`specmoe.attention`; None: unchanged), the
     attention modules whose decode steps run whole in C (``fused``,
-    :func:`specmoe.attention.fuse_attention`), the RMSNorms run in C at decode sizes
+    :func:`specmoe.attention.fuse_attention`, :func:`specmoe.mla.fuse_mla`), the RMSNorms run in C at decode sizes
     (``norms``, :class:`specmoe.attention.CRMSNorm`);
     ``decode_torch_threads``: torch's intra-op threads during decode-sized forwards
     (:class:`DecodeThreads`), None when unchanged."""
@@ -372,7 +372,7 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         report.converted.append(name)
-    report.fused = fuse_attention(model, ctx)
+    report.fused = fuse_attention(model, ctx) + fuse_mla(model, ctx)
     if report.converted:
         report.norms = convert_norms(model)
     if report.converted and getattr(model, "_specmoe_decode_threads", None) is None:

@@ -45,10 +45,10 @@ from torch import nn
 
 from . import _C
 from .kernels import tensor_array
-from .kvcache import kv_append
+from .kvcache import kv_append, kv_buffers
 from .quant import quantize_int4, quantize_int8
 
-__all__ = ["MLA_MAX_TOKENS", "absorb_mla", "int4_values", "is_mla_attention"]
+__all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_attention"]
 
 # Inputs up to this many tokens take the absorbed path: the absorbed form's per-query work
 # is r/(d_nope) ~ 4x the expanded form's, so for long inputs (prefill) expanding the latent
@@ -386,3 +386,161 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
         mod.forward = forward
         done.append(name)
     return done
+
+
+# -- a whole DeepSeek-V2 decoder layer in one C call ------------------------------------------
+
+def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]:
+    """Run the decode steps of ``model``'s DeepSeek-V2 decoder layers through one
+    ``specmoe._C.MLABlock`` each; returns the qualified names of the attention modules
+    switched.
+
+    A layer qualifies when its class is in ``specmoe.arch.FUSABLE_MLA_LAYERS``, its attention
+    is absorbed with the C kernel (:func:`absorb_mla`), its projections (``q_proj`` or
+    ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa``, ``o_proj``) are
+    :class:`specmoe.dense.CLinear`, its norms plain RMSNorms, and the model's dtype f32 or
+    bf16.  A decode step of such a layer (batch 1, at most ``max_tokens`` tokens, transformers'
+    ``DynamicCache``, DeepSeek-V2's complex rotary frequencies) is then one C call: the input
+    norm, the MLA module with the new latent and rotary key written straight into the cache's
+    buffers (:func:`specmoe.kvcache.kv_buffers`), the residual add, the post-attention norm,
+    and -- when the MoE block routes in C (``Engine._install_routing``) -- the MoE block and
+    the second add (``MLABlock.layer``); a dense-MLP layer, or a block whose routing must stay
+    in Python at the time (drafts, a predictor, trace recording), runs its ``mlp`` in torch
+    after ``MLABlock.attn``.  The roundings are the absorbed path's (:func:`_absorbed_forward`)
+    step by step, so a bf16 layer's output is bit for bit that path's.  Everything else goes to
+    the layer's own forward.  Idempotent."""
+    from .arch import FUSABLE_MLA_LAYERS
+    from .attention import _norm_weight
+    from .dense import CLinear
+    if ctx is None:
+        from .kernels import context
+        ctx = context()
+    done = []
+    for name, layer in model.named_modules():
+        attn = getattr(layer, "self_attn", None)
+        if type(layer).__name__ not in FUSABLE_MLA_LAYERS or attn is None \
+                or not is_mla_attention(attn):
+            continue
+        if getattr(layer, "_specmoe_mlab", None) is not None:
+            done.append(f"{name}.self_attn" if name else "self_attn")
+            continue
+        ns = sys.modules[type(attn).__module__]
+        names = (("q_a_proj", "q_b_proj") if attn.q_lora_rank is not None else ("q_proj",)) \
+            + ("kv_a_proj_with_mqa", "o_proj")
+        projs = [getattr(attn, n, None) for n in names]
+        ln = [_norm_weight(getattr(layer, n, None))
+              for n in ("input_layernorm", "post_attention_layernorm")]
+        norms = [attn.kv_a_layernorm] + ([attn.q_a_layernorm] if attn.q_lora_rank else [])
+        if not all(isinstance(p, CLinear) for p in projs) or ln[0] is None or ln[1] is None \
+                or any(_norm_weight(n) is None for n in norms) \
+                or projs[0].out_dtype not in (torch.float32, torch.bfloat16) \
+                or getattr(attn, "_specmoe_mla_ctx", None) is not ctx \
+                or not hasattr(ns, "apply_rotary_emb"):
+            continue
+        layer._specmoe_mlab_parts = (projs, ctx, projs[0].out_dtype)
+        layer._specmoe_mlab = None
+        if _mla_block(layer) is None:
+            del layer._specmoe_mlab_parts, layer._specmoe_mlab
+            continue
+        layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
+                                ln[1], float(layer.post_attention_layernorm.variance_epsilon))
+        layer.forward = _mla_layer_forward(layer, layer.forward)
+        done.append(f"{name}.self_attn" if name else "self_attn")
+    return done
+
+
+def _mla_block(layer: nn.Module) -> Any:
+    """The layer's MLABlock over its attention's current absorbed kernel and token limit
+    (built again when the kernel was rebuilt -- kv_b_proj's weights or the settings changed --
+    or absorb_mla changed max_tokens); None when the module has no C kernel now."""
+    attn = layer.self_attn
+    ab = _absorbed(attn)
+    cur = layer._specmoe_mlab
+    if cur is not None and cur[1] is ab.kernel and cur[2] == attn._specmoe_mla_max:
+        return cur[0]
+    if ab.kernel is None:
+        return None
+    from .attention import _fuse_qkv, _norm_weight
+    projs, ctx, dt = layer._specmoe_mlab_parts
+    kw: dict[str, Any] = {}
+    if attn.q_lora_rank is not None:
+        q_a, q_b, kv_a, o = projs
+        kw.update(q_a=q_a._c, q_a_norm=_norm_weight(attn.q_a_layernorm),
+                  q_a_eps=float(attn.q_a_layernorm.variance_epsilon))
+        first = [q_a, kv_a]
+    else:
+        q_b, kv_a, o = projs
+        first = [q_b, kv_a]
+    joint = _fuse_qkv(first, ctx)    # int8/int4: the two matrices read as one
+    if joint is not None:
+        kw["joint"] = joint
+    blk = _C.MLABlock(ctx, ab.kernel, q_b._c, kv_a._c, o._c, _norm_weight(attn.kv_a_layernorm),
+                      float(attn.kv_a_layernorm.variance_epsilon), bf16=dt == torch.bfloat16,
+                      max_tokens=attn._specmoe_mla_max, **kw)
+    layer._specmoe_mlab = (blk, ab.kernel, attn._specmoe_mla_max)
+    return blk
+
+
+def _mla_layer_forward(layer: nn.Module, original: Any) -> Any:
+    """A DeepSeek-V2 decoder layer's forward with its decode steps through its MLABlock
+    (:func:`fuse_mla`)."""
+    attn = layer.self_attn
+    dt = layer._specmoe_mlab_parts[2]
+    half = attn.qk_rope_head_dim // 2
+
+    def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: Any = None, cache: Any = None, use_cache: Any = False,
+                position_embeddings: Any = None, **kwargs: Any) -> Any:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        x = hidden_states
+        T = x.shape[1] if x.dim() == 3 else 0
+        pe = position_embeddings
+        bufs = None
+        if (not layer.training and x.dim() == 3 and x.shape[0] == 1
+                and 1 <= T <= attn._specmoe_mla_max and x.dtype == dt and x.device.type == "cpu"
+                and isinstance(pe, torch.Tensor) and pe.dtype == torch.complex64
+                and pe.shape[-1] == half and pe.numel() >= T * half
+                and _mask_readable(attention_mask, T)
+                and (attention_mask is None or attention_mask.shape[:2] == (1, 1))):
+            bufs = kv_buffers(cache, attn.layer_idx, T)
+        blk = _mla_block(layer) if bufs is not None else None
+        if blk is None:
+            return original(hidden_states, attention_mask=attention_mask,
+                            position_ids=position_ids, cache=cache, use_cache=use_cache,
+                            position_embeddings=position_embeddings, **kwargs)
+        with torch.no_grad():
+            return _mla_layer_call(layer, blk, x, pe, attention_mask, bufs)
+    forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"
+    return forward
+
+
+def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: torch.Tensor,
+                    attention_mask: torch.Tensor | None, bufs: tuple) -> torch.Tensor:
+    """One decode step of the layer through its MLABlock (see :func:`fuse_mla`)."""
+    lay, ct, kt, ca, ka, S = bufs
+    T, hidden = x.shape[1], x.shape[2]
+    half = layer.self_attn.qk_rope_head_dim // 2
+    freqs = torch.view_as_real(pe.reshape(-1, half)[-T:]).contiguous().numpy()
+    bias = _mask_bias(attention_mask, T, S + T, torch.float32)
+    if bias is not None:
+        bias = bias.reshape(1, T, S + T).contiguous().numpy()
+    xa = tensor_array(x.reshape(T, hidden).contiguous())
+    ln1, e1, ln2, e2 = layer._specmoe_norms
+    out = torch.empty(1, T, hidden, dtype=x.dtype)
+    route = getattr(layer.mlp, "_specmoe_route", None)
+    if route is not None and not layer.mlp.training and route[0]._routable(x, route[3]):
+        eng, pos, flags, _ = route
+        with eng._layer_call_slot():
+            blk.layer(eng._layers, pos, flags, xa, freqs, ca, ka, S, bias, ln1, e1, ln2, e2,
+                      tensor_array(out.view(T, hidden)))
+        normed = None
+    else:
+        normed = torch.empty(1, T, hidden, dtype=x.dtype)
+        blk.attn(xa, freqs, ca, ka, S, bias, ln1, e1, ln2, e2, tensor_array(out.view(T, hidden)),
+                 tensor_array(normed.view(T, hidden)))
+    lay.keys = ct[:, :, :S + T]
+    lay.values = kt[:, :, :S + T]
+    if normed is not None:
+        out = out + layer.mlp(normed)
+    return out

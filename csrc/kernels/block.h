@@ -52,4 +52,13 @@ void smoe_rmsnorm(float *x, uint32_t rows, uint32_t n, const float *w, float eps
 void smoe_rotary_half(float *x, uint32_t heads, uint32_t D, const float *cos, const float *sin,
                       int bf16);
 
+/* Rotary embedding in DeepSeek-V2's complex form (transformers' apply_rotary_emb) of `heads`
+ * vectors of D values (D even), head h at x + h * stride, in place, with one token's
+ * frequencies f (D / 2 complex numbers as (re, im) pairs):
+ *     (x[2i], x[2i+1]) = (x[2i] f_re[i] - x[2i+1] f_im[i], x[2i] f_im[i] + x[2i+1] f_re[i])
+ * in f32 (torch's complex64 product: the two products rounded, then one add or subtract),
+ * bf16: the results rounded to bf16 once (the .type_as of the bf16 input). */
+void smoe_rotary_pairs(float *x, uint32_t heads, size_t stride, uint32_t D, const float *f,
+                       int bf16);
+
 #endif

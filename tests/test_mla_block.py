@@ -1,0 +1,322 @@
+"""A DeepSeek-V2 decoder layer at decode sizes in one C call (specmoe._C.MLABlock,
+specmoe.mla.fuse_mla): bf16 layers bit for bit against the same model decoding through the
+absorbed attention with torch doing the norms, rotary, casts and residual adds between the same
+C kernels (decode steps, verification chunks, a crop; with and without q compression; bf16,
+int8 and int4 projections); f32 against the unmodified transformers model; an offloaded model's
+MoE layers in one call with its routing and experts, greedy tokens unchanged; the fall-backs;
+bad input.
+
+The tiny configs use a rotary dimension of 16: at 8 (tiny_config's) transformers' complex
+product runs its scalar loop, which this CPU build of torch compiles with fused multiply-adds,
+while real models' dimensions (64) take its vector loop -- plain products and one add, as the C
+rotary (csrc/kernels/block.c) -- so an f32 comparison at 8 would differ by an ulp for a reason
+that is torch's, not ours.  (As in DeepSeek-V2, kv heads = heads: transformers' DeepSeek-V2
+attention fails at a rotary dimension of 16 with fewer kv heads.)"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from specmoe import _C, hf
+from specmoe.dense import convert_dense
+from specmoe.mla import absorb_mla, fuse_mla
+from specmoe.testing import tiny_config
+
+STEPS = (1, 4, 1, 3, 1)
+
+
+def _model(dt=torch.float32, q_lora=None, seed=3, layers=3):
+    cfg = tiny_config("deepseek_v2", layers=layers)
+    cfg = type(cfg)(**{**cfg.to_dict(), "qk_rope_head_dim": 16, "q_lora_rank": q_lora,
+                       "num_key_value_heads": cfg.num_attention_heads})  # as DeepSeek-V2's
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, experts_implementation="eager",
+                                            dtype=dt).eval()
+
+
+class _Counting:
+    """Stands in for a layer's MLABlock and records each call's kind and token count."""
+
+    def __init__(self, blk, calls):
+        self.blk, self.calls = blk, calls
+
+    def attn(self, x, *a):
+        self.calls.append(("attn", x.shape[0]))
+        return self.blk.attn(x, *a)
+
+    def layer(self, layers, pos, flags, x, *a):
+        self.calls.append(("layer", x.shape[0]))
+        return self.blk.layer(layers, pos, flags, x, *a)
+
+
+def _count(model):
+    calls: list[tuple[str, int]] = []
+    for layer in model.model.layers:
+        blk, kern, mx = layer._specmoe_mlab
+        layer._specmoe_mlab = (_Counting(blk, calls), kern, mx)
+    return calls
+
+
+def _unfused(model):
+    """The same model with the one-call layers undone: the absorbed attention
+    (specmoe.mla._absorbed_forward) with torch between the same C kernels."""
+    for layer in model.model.layers:
+        if "forward" in vars(layer):
+            del layer.forward
+    return model
+
+
+def _steps(model, ids, first, crop=0):
+    """Prefill `first` tokens, then STEPS chunks (after a crop of `crop` positions when
+    given); returns the cache and the logits of every call."""
+    kv = DynamicCache(config=model.config)
+    out = []
+    with torch.no_grad():
+        out.append(model(ids[:, :first], cache=kv, use_cache=True).logits)
+        pos = first
+        for i, T in enumerate(STEPS):
+            if crop and i == 2:
+                kv.crop(-crop)
+                pos -= crop
+            out.append(model(ids[:, pos:pos + T], cache=kv, use_cache=True).logits)
+            pos += T
+    return kv, torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("q_lora", [None, 32])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_bf16_layers_bit_identical_to_the_absorbed_path(fmt, q_lora):
+    base = _model(torch.bfloat16, q_lora)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    rep = convert_dense(a, fmt)
+    convert_dense(b, fmt)
+    _unfused(b)
+    L = a.config.num_hidden_layers
+    assert rep.fused == [f"model.layers.{i}.self_attn" for i in range(L)]
+    assert f"({L} fused)" in str(rep)
+    assert fuse_mla(a) == rep.fused                              # idempotent
+    calls = _count(a)
+    outs: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    for tag, mdl in (("a", a), ("b", b)):
+        for layer in mdl.model.layers:
+            layer.register_forward_hook(
+                lambda mod, args, out, tag=tag: outs[tag].append(out.clone()))
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(2))
+    ka, la = _steps(a, ids, 10, crop=2)
+    kb, lb = _steps(b, ids, 10, crop=2)
+    # the prefill finds no cache layer to write into: the layer's own forward; then C
+    assert calls == [("attn", T) for T in STEPS for _ in range(L)]
+    assert len(outs["a"]) == len(outs["b"]) == (1 + len(STEPS)) * L
+    for x, y in zip(outs["a"], outs["b"]):
+        assert x.dtype == torch.bfloat16 and torch.equal(x, y)
+    assert torch.equal(la, lb)
+    for p, q in zip(ka.layers, kb.layers):                       # latent and rotary key
+        assert torch.equal(p.keys, q.keys) and torch.equal(p.values, q.values)
+
+
+@pytest.mark.parametrize("q_lora", [None, 32])
+def test_f32_decode_matches_transformers(q_lora):
+    ref = _model(torch.float32, q_lora)
+    m = copy.deepcopy(ref)
+    convert_dense(m, "f32")
+    calls = _count(m)
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(1))
+    kv, got = _steps(m, ids, 20)
+    assert calls == [("attn", T) for T in STEPS for _ in range(3)]
+    with torch.no_grad():
+        full = ref(ids[:, :20 + sum(STEPS)]).logits
+    torch.testing.assert_close(got, full, atol=2e-5, rtol=1e-4)
+    assert kv.layers[0].keys.shape == (1, 1, 20 + sum(STEPS), 32)   # transformers' layout
+    assert kv.layers[0].values.shape == (1, 1, 20 + sum(STEPS), 16)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_offloaded_moe_layers_are_one_call(dt):
+    """With the Engine routing in C, each MoE layer's decode step is MLABlock.layer (the MoE
+    block inside the call), the dense first layer MLABlock.attn and its MLP in torch; greedy
+    tokens equal the unmodified model's (f32) and the unfused offloaded model's (bf16:
+    layer outputs bit for bit)."""
+    fmt = "f32" if dt == torch.float32 else "bf16"
+    ref = _model(dt, layers=4)
+    a, b = copy.deepcopy(ref), copy.deepcopy(ref)
+    ea = hf.offload(a, dtype=fmt, dense=fmt, cache=1.0)
+    eb = hf.offload(b, dtype=fmt, dense=fmt, cache=1.0)
+    try:
+        assert ea.routed_in_c == [0, 1, 2]
+        _unfused(b)
+        calls = _count(a)
+        prompt = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(5))
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        got = a.generate(prompt, **kw)
+        assert calls == [("attn", 1), ("layer", 1), ("layer", 1), ("layer", 1)] * 7
+        assert torch.equal(got, b.generate(prompt, **kw))
+        if dt == torch.float32:
+            assert torch.equal(got, ref.generate(prompt, **kw))
+    finally:
+        ea.close()
+        eb.close()
+
+
+def test_fallbacks_use_the_layers_own_forward():
+    """A left-padded batch of two and a prefill longer than max_tokens take the layer's own
+    forward; a model whose projections are torch's is not fused, nor a layer whose absorbed
+    attention runs in torch."""
+    ref = _model()
+    m = copy.deepcopy(ref)
+    convert_dense(m, "f32")
+    calls = _count(m)
+    a = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]])
+    am = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+    kw = dict(attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(ref.generate(a, **kw), m.generate(a, **kw))
+    assert calls == []
+    long = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        kv = DynamicCache(config=m.config)
+        m(long[:, :20], cache=kv, use_cache=True)
+        assert calls == []
+        m(long[:, 20:37], cache=kv, use_cache=True)                # 17 tokens: above 16
+        assert calls == []
+        m(long[:, 37:38], cache=kv, use_cache=True)
+    assert calls == [("attn", 1)] * 3
+    assert fuse_mla(_model()) == []                               # projections in torch
+    t = _model()
+    convert_dense(t, "f32")
+    tcalls = _count(t)
+    absorb_mla(t, kernel="torch")       # the absorbed attention in torch: no one-call layers
+    _, got = _steps(t, long, 20)
+    assert tcalls == []
+    with torch.no_grad():
+        full = ref(long[:, :20 + sum(STEPS)]).logits
+    torch.testing.assert_close(got, full, atol=2e-5, rtol=1e-4)
+
+
+def _block_args(m, S=3, T=1, cap=8, dt=np.float32):
+    layer = m.model.layers[0]
+    attn = layer.self_attn
+    blk = layer._specmoe_mlab[0]
+    hid, r, dr = m.config.hidden_size, attn.kv_lora_rank, attn.qk_rope_head_dim
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((T, hid)).astype(np.float32)
+    f = np.ascontiguousarray(torch.view_as_real(torch.polar(
+        torch.ones(T, dr // 2), torch.randn(T, dr // 2))).numpy())
+    cbuf = rng.standard_normal((1, 1, cap, r)).astype(dt)
+    kbuf = rng.standard_normal((1, 1, cap, dr)).astype(dt)
+    ln1, e1, ln2, e2 = layer._specmoe_norms
+    out = np.zeros((T, hid), np.float32)
+    normed = np.zeros((T, hid), np.float32)
+    return blk, [x, f, cbuf, kbuf, S, None, ln1, e1, ln2, e2, out, normed]
+
+
+def test_bad_input_raises_and_leaves_the_cache_alone():
+    m = _model()
+    convert_dense(m, "f32")
+    blk, args = _block_args(m)
+    blk.attn(*args)                                              # the good call runs
+    assert np.isfinite(args[10]).all() and np.abs(args[10]).sum() > 0
+
+    def bad(i, value, match, exc=ValueError):
+        blk2, a = _block_args(m)
+        c0, k0 = a[2].copy(), a[3].copy()
+        a[i] = value(a) if callable(value) else value
+        with pytest.raises(exc, match=match):
+            blk2.attn(*a)
+        if i not in (2, 3):                                      # nothing written
+            assert np.array_equal(a[2], c0) and np.array_equal(a[3], k0)
+
+    bad(4, 8, "do not fit")                                      # S + T > capacity 8
+    bad(4, -1, "do not fit")
+    bad(0, lambda a: np.zeros((1, 7), np.float32), "dimension 1")
+    bad(0, lambda a: np.zeros((17, a[0].shape[1]), np.float32), "tokens")
+    bad(1, lambda a: a[1][:, :-1], "freqs")
+    bad(1, lambda a: a[1].astype(np.float64), "freqs")
+    bad(3, lambda a: a[3].astype(np.uint16), "same dtype")
+    bad(2, lambda a: a[2][..., :-1].copy(), "cbuf")
+    bad(5, lambda a: np.zeros((1, 1, 9), np.float32), "bias")
+    bad(6, lambda a: a[6][:-1].copy(), "ln")
+    bad(7, -1.0, "ln_eps")
+    bad(10, lambda a: a[0], "alias")
+    bad(11, lambda a: a[10], "alias")
+    bad(10, lambda a: np.zeros(a[10].shape, np.float64), "out")
+    with pytest.raises(TypeError, match="12 arguments"):
+        blk.attn(*args[:-1])
+    with pytest.raises(TypeError, match="14 arguments"):
+        blk.layer(*args)
+    # construction: shapes and companions are checked
+    layer = m.model.layers[0]
+    at = layer.self_attn
+    mla = layer._specmoe_mlab[1]
+    ctx = layer._specmoe_mlab_parts[1]
+    q, kva, o = (p._c for p in layer._specmoe_mlab_parts[0])
+    kvn = np.ones(at.kv_lora_rank, np.float32)
+    with pytest.raises(ValueError, match="the q projection"):
+        _C.MLABlock(ctx, mla, kva, kva, o, kvn, 1e-6)
+    with pytest.raises(ValueError, match="kv_norm"):
+        _C.MLABlock(ctx, mla, q, kva, o, kvn[:-1], 1e-6)
+    with pytest.raises(ValueError, match="q_a and q_a_norm"):
+        _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, q_a_norm=kvn)
+    with pytest.raises(TypeError, match="MLADecode"):
+        _C.MLABlock(ctx, q, q, kva, o, kvn, 1e-6)
+    with pytest.raises(ValueError, match="max_tokens"):
+        _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, max_tokens=0)
+
+
+def test_block_against_numpy_reference():
+    """One f32 call against the layer computed in numpy from the module's own weights (the
+    latent form, expanded: scores q_nope . (W_UK c) + q_pe . k_pe), at S = 3 cached positions
+    and T = 2 new ones with a causal bias."""
+    m = _model()
+    convert_dense(m, "f32")
+    layer = m.model.layers[0]
+    at = layer.self_attn
+    H, dn, dr, dv, r = (at.num_heads, at.qk_nope_head_dim, at.qk_rope_head_dim, at.v_head_dim,
+                        at.kv_lora_rank)
+    S, T = 3, 2
+    blk, a = _block_args(m, S=S, T=T)
+    bias = np.zeros((1, T, S + T), np.float32)
+    bias[0, 0, S + 1] = np.finfo(np.float32).min
+    a[5] = bias
+    x, f, cbuf, kbuf = a[0].copy(), a[1], a[2].copy(), a[3].copy()
+    blk.attn(*a)
+    ref = _model()                                      # the same weights, torch modules
+    rat = ref.model.layers[0].self_attn
+    W = lambda name: getattr(rat, name).weight.detach().double().numpy()  # noqa: E731
+
+    def rms(v, w, eps):
+        return w * v / np.sqrt((v * v).mean(-1, keepdims=True) + eps)
+
+    def rot(v, fr):                                     # v [..., dr], fr [dr/2, 2]
+        z = v[..., 0::2] + 1j * v[..., 1::2]
+        z = z * (fr[:, 0] + 1j * fr[:, 1])
+        out = np.empty_like(v)
+        out[..., 0::2], out[..., 1::2] = z.real, z.imag
+        return out
+    ln1, e1, ln2, e2 = layer._specmoe_norms
+    h = rms(x.astype(np.float64), ln1, e1)
+    q = (h @ W('q_proj').T).reshape(T, H, dn + dr)
+    ckv = h @ W('kv_a_proj_with_mqa').T
+    c = rms(ckv[:, :r], at.kv_a_layernorm.weight.detach().double().numpy(),
+            at.kv_a_layernorm.variance_epsilon)
+    kp = np.stack([rot(ckv[t, r:], f[t]) for t in range(T)])
+    qp = np.stack([rot(q[t, :, dn:], f[t]) for t in range(T)])
+    np.testing.assert_allclose(a[2][0, 0, S:S + T], c, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(a[3][0, 0, S:S + T], kp, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(a[2][0, 0, :S], cbuf[0, 0, :S])    # old positions kept
+    np.testing.assert_array_equal(a[2][0, 0, S + T:], cbuf[0, 0, S + T:])
+    C = np.concatenate([cbuf[0, 0, :S], c]).astype(np.float64)
+    K = np.concatenate([kbuf[0, 0, :S], kp]).astype(np.float64)
+    wkv = W('kv_b_proj').reshape(H, dn + dv, r)
+    kn = np.einsum("hdr,sr->hsd", wkv[:, :dn], C)           # expanded keys
+    vv = np.einsum("hdr,sr->hsd", wkv[:, dn:], C)           # expanded values
+    sc = (np.einsum("thd,hsd->ths", q[:, :, :dn], kn) + np.einsum("thd,sd->ths", qp, K))
+    sc = sc * at.scaling + bias[0][:, None, :]
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = np.einsum("ths,hsd->thd", p, vv).reshape(T, H * dv) @ W('o_proj').T
+    hsum = x + o
+    np.testing.assert_allclose(a[10], hsum, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(a[11], rms(hsum, ln2, e2), rtol=1e-4, atol=1e-5)
