@@ -163,8 +163,8 @@ class DenseReport:
     absorbed form (:mod:`specmoe.mla`), the attention implementation running the other
     attention modules' decode steps in C (:mod:`specmoe.attention`; None: unchanged), the
     attention modules whose decode steps run whole in C (``fused``,
-    :func:`specmoe.attention.fuse_attention`, :func:`specmoe.mla.fuse_mla`), the RMSNorms run in C at decode sizes
-    (``norms``, :class:`specmoe.attention.CRMSNorm`);
+    :func:`specmoe.attention.fuse_attention`, :func:`specmoe.mla.fuse_mla`), the RMSNorms run
+    in C at decode sizes (``norms``, :class:`specmoe.attention.CRMSNorm`);
     ``decode_torch_threads``: torch's intra-op threads during decode-sized forwards
     (:class:`DecodeThreads`), None when unchanged."""
 
