@@ -39,7 +39,7 @@ TOL = {"f32": 1e-5, "bf16": 1e-2, "int8": 1e-3, "int4": 3e-2}
 
 
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
-@pytest.mark.parametrize("N,K", [(96, 64), (200, 256), (384, 384)])
+@pytest.mark.parametrize("N,K", [(96, 64), (200, 256), (384, 384), (136, 320)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_clinear_matches_numpy(dtype, N, K, bias):
     torch.manual_seed(N + K)

@@ -295,17 +295,19 @@ static int fast_dtype_ok(int32_t dtype, uint32_t group, uint32_t precise, int32_
     switch (dtype) {
     case SMOE_WDT_BF16: return has_bf16;
     case SMOE_WDT_I8: return has_vnni;
-    case SMOE_WDT_I4: return has_vnni && group % 128 == 0;
+    case SMOE_WDT_I4: return has_vnni && (group == 64 || group % 128 == 0);
     default: return 0;
     }
 }
 
-/* An input dimension the fast path reads: bf16 and int8 a multiple of 64 (the one-token rows
- * step 64 columns, the others 32), int4 of 128 (its per-128-column activation blocks); at most
- * 65536.  Multiples of 64 that are not of 128 (GPT-OSS's 2880) ran the exact path at ~0.43 of
- * the read rate before. */
+/* An input dimension the fast path reads: a multiple of 64 (bf16/int8: the one-token rows step
+ * 64 columns, the others 32; int4: per-128-column activation blocks and a trailing 64, which
+ * only group-64 weights have, ffn_fast.c dot_i4_g64); at most 65536.  Multiples of 64 that are
+ * not of 128 (GPT-OSS's 2880) ran the exact path at ~0.43 of the read rate before (bf16/int8),
+ * int4 with groups of 64 likewise (DeepSeek-V2-Lite's dense down projection, 10944 columns). */
 static int fast_dim_ok(int32_t dtype, uint32_t n) {
-    return n % (dtype == SMOE_WDT_I4 ? 128u : 64u) == 0 && n <= 65536;
+    (void)dtype;
+    return n % 64u == 0 && n <= 65536;
 }
 
 /* ISA and features of c, or of a throwaway single-threaded context when c is NULL. */

@@ -96,28 +96,31 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
                 _mm256_storeu_si256((__m256i *)(void *)(o + k),
                                     _mm512_cvtepi32_epi16(quant16(x + k, inv, 32767)));
             qs[t] = s;
-        } else { /* I4: per 128 columns, s = max|x_block| / 127, v = clamp(rint(x / s), +-127);
-                    within each 32-column group g the even columns go to o[16g..16g+16) and the
-                    odd ones to o[64+16g..), the partners of the low and high nibbles */
+        } else { /* I4: per 128 columns (a trailing 64 when n % 128 == 64: see dot_i4_g64),
+                    s = max|x_block| / 127, v = clamp(rint(x / s), +-127); within each 32-column
+                    group g the even columns go to o[16g..16g+16) and the odd ones to
+                    o[len/2+16g..) (len: the block's columns), the partners of the low and high
+                    nibbles */
             const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
                                                  26, 28, 30);
             const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
-            uint32_t nb = n / 128;
+            uint32_t nb = (n + 127) / 128;
             int8_t *o = (int8_t *)q + (size_t)t * n;
             for (uint32_t b = 0; b < nb; b++) {
                 const float *xb = x + (size_t)b * 128;
-                float m = absmax16(xb, 128);
+                const uint32_t len = n - b * 128 < 128 ? n - b * 128 : 128;
+                float m = absmax16(xb, len);
                 float s = !(m <= 0.0f) ? m / 127.0f : 1.0f; /* NaN stays NaN */
                 __m512 inv = _mm512_set1_ps(1.0f / s);
                 __m512i sum = _mm512_setzero_si512();
                 int8_t *ob = o + (size_t)b * 128;
-                for (uint32_t g = 0; g < 4; g++) {
+                for (uint32_t g = 0; g < len / 32; g++) {
                     __m512i va = quant16(xb + 32 * g, inv, 127);
                     __m512i vb = quant16(xb + 32 * g + 16, inv, 127);
                     sum = _mm512_add_epi32(sum, _mm512_add_epi32(va, vb));
                     _mm_storeu_si128((__m128i *)(void *)(ob + 16 * g),
                                      _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(va, ev, vb)));
-                    _mm_storeu_si128((__m128i *)(void *)(ob + 64 + 16 * g),
+                    _mm_storeu_si128((__m128i *)(void *)(ob + len / 2 + 16 * g),
                                      _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(va, od, vb)));
                 }
                 qs[(size_t)t * nb + b] = s;
@@ -383,6 +386,51 @@ AI void rows16_i8(const int8_t *w, uint32_t n, const int16_t *x, uint32_t m, con
         }                                                                                      \
     }
 
+/* int4 in groups of 64 (GPT-OSS's 2880, DeepSeek-V2-Lite's dense 10944): a 128-column block
+ * holds two groups.  Byte j of a block packs columns 2j and 2j+1, so the low 8 int32 lanes of
+ * its vpdpbusd sums are columns 0-63 and the high 8 columns 64-127: each half is scaled by its
+ * own group's scale (times the block's activation scale) in one vector.  The -8 offset is taken
+ * per lane in integers, 8 . xq by vpdpbusd beside (u . xq), so the difference is exact.  A
+ * trailing half block (n % 128 == 64; its activations prepared as 32 even then 32 odd columns)
+ * reads its 32 weight bytes and activations masked, its high lanes zero. */
+AI void dot_i4_g64(const uint8_t *const *w, const float *const *ws, const int NR,
+                   const int8_t *x, const float *xsc, uint32_t n, const int NT,
+                   float (*r)[NTMAX]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), c8 = _mm512_set1_epi8(8);
+    const uint32_t nb = (n + 127) / 128;
+    __m512 f[4][NTMAX];
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) f[q][t] = _mm512_setzero_ps();
+    for (uint32_t b = 0; b < nb; b++) {
+        const int half = n - b * 128 < 128;
+        const __mmask64 bm = half ? (__mmask64)0xFFFFFFFFu : ~(__mmask64)0;
+        const uint32_t xo = half ? 32 : 64; /* the odd columns' offset in the block */
+        for (int q = 0; q < NR; q++) {
+            FPFQ(w[q] + (size_t)b * 64);
+            __m512i v = _mm512_maskz_loadu_epi8(bm, w[q] + (size_t)b * 64);
+            __m512i lo = _mm512_and_si512(v, m4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            const float sa = ws[q][2 * b], sb = half ? 0.0f : ws[q][2 * b + 1];
+            for (int t = 0; t < NT; t++) {
+                const int8_t *xb = x + (size_t)t * n + (size_t)b * 128;
+                __m512i x0 = _mm512_maskz_loadu_epi8(bm, xb);
+                __m512i x1 = _mm512_maskz_loadu_epi8(bm, xb + xo);
+                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0);
+                acc = _mm512_dpbusd_epi32(acc, hi, x1);
+                __m512i off = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c8, x0);
+                off = _mm512_dpbusd_epi32(off, c8, x1);
+                const float xs = xsc[(size_t)t * nb + b];
+                __m512 sv = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(sa * xs),
+                                                 _mm512_set1_ps(sb * xs));
+                f[q][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off)), sv,
+                                          f[q][t]);
+            }
+        }
+    }
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) r[q][t] = hsum16(f[q][t]);
+}
+
 /* int4: r[q][t] = sum over 128-column blocks b of sw_q[g(b)] * xsc_t[b] * (u - 8) . xq_t.
  * Per 16 blocks the combined scales S = sw * xsc are formed with one vector multiply and kept
  * in a small array, so the per-block flush is cvt + fma with a broadcast memory operand (no
@@ -455,14 +503,18 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
             for (int t = 0; t < NT; t++) r[q][t] *= sw * j->qs[t0 + (uint32_t)t];
         }
     } else {
-        uint32_t ng = n / j->group, nb = n / 128;
+        uint32_t ng = n / j->group, nb = (n + 127) / 128;
         const uint8_t *w[4];
         const float *ws[4];
         for (int q = 0; q < NR; q++) {
             w[q] = j->block + off[q] + (size_t)row[q] * (n / 2);
             ws[q] = (const float *)(j->block + soff[q]) + (size_t)row[q] * ng;
         }
-        dot_i4(w, ws, NR, (const int8_t *)j->q + (size_t)t0 * n, j->qs + (size_t)t0 * nb,
+        if (j->group == 64)
+            dot_i4_g64(w, ws, NR, (const int8_t *)j->q + (size_t)t0 * n, j->qs + (size_t)t0 * nb,
+                       n, NT, r);
+        else
+            dot_i4(w, ws, NR, (const int8_t *)j->q + (size_t)t0 * n, j->qs + (size_t)t0 * nb,
                j->qsum + (size_t)t0 * nb, n, j->group, NT, r);
     }
 }

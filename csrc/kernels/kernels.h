@@ -135,10 +135,11 @@ const char *smoe_isa_name(int32_t isa);
  * Accuracy: with d->precise = 1 (and on every path below AVX-512, and for F32) weights are
  * widened exactly to f32 and accumulated in f32 against f32 x, so the result matches an f32
  * computation on the dequantized weights to f32 rounding.  With precise = 0 (default) and
- * H, I multiples of 64 (int4: 128), the AVX-512 fast paths round the activations once per
- * call (x and the intermediate act): BF16 to bf16 (vdpbf16ps; FFN output error ~3e-3 relative, in norm),
- * I8 to int16 per token (vpdpwssd; ~1e-4), I4 to int8 per 128 columns (vpdpbusd; ~2e-2,
- * small next to int4's own weight error) -- details and bounds in ffn_fast.c. */
+ * H, I multiples of 64 (int4: groups of 64 or a multiple of 128), the AVX-512 fast paths
+ * round the activations once per call (x and the intermediate act): BF16 to bf16 (vdpbf16ps;
+ * FFN output error ~3e-3 relative, in norm), I8 to int16 per token (vpdpwssd; ~1e-4), I4 to
+ * int8 per 128 columns (vpdpbusd; ~2e-2, small next to int4's own weight error) -- details and
+ * bounds in ffn_fast.c. */
 int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
                      size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
                      float *out, size_t out_stride, void *scratch, smoe_err *err);
@@ -178,7 +179,7 @@ int smoe_ffn_forward_many(smoe_kctx *c, const smoe_ffn_desc *d, const smoe_ffn_t
  * projection (one routine per format, shared), so accuracy is as stated at smoe_ffn_forward:
  * precise = 1 is exact f32 math on the widened weights; precise = 0 lets the AVX-512 fast paths
  * round x once per call (bf16 / int16 / int8 per 128 columns) when K is a multiple of 64
- * (int4: 128).
+ * (int4: with groups of 64 or a multiple of 128).
  * Offsets are from the start of the block holding the weight and its scales. */
 typedef struct smoe_linear_desc {
     uint32_t N;        /* output features (rows of W) */
