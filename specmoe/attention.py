@@ -37,7 +37,7 @@ from . import _C
 from .kernels import tensor_array
 from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, LLAMA_RMSNORMS
 from .kvcache import kv_append, kv_buffers
-from .mla import _mask_bias, _mask_readable
+from .mla import _mask_bias, _mask_readable, per_step_rope
 
 __all__ = ["ATTENTION_MAX_TOKENS", "CRMSNorm", "convert_norms", "fuse_attention",
            "use_c_attention"]
@@ -341,14 +341,14 @@ def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
     lay, kt, vt, ka, va, S = bufs
     eng, pos, flags, _ = route
     T = x.shape[1]
-    cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
+    cos, sin = per_step_rope(pe, T, D, lambda: tuple(
+        tensor_array(p.reshape(-1, D)[-T:].contiguous()) for p in pe))
     bias = _bias_array(attention_mask, T, S + T)
     out = torch.empty(1, T, hidden, dtype=dt)
     ln1, e1, ln2, e2 = layer._specmoe_norms
     with eng._layer_call_slot():
         blk.layer(eng._layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()),
-                  tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), ka, va, S,
-                  bias, attn._specmoe_scaling, ln1, e1, ln2, e2,
+                  cos, sin, ka, va, S, bias, attn._specmoe_scaling, ln1, e1, ln2, e2,
                   tensor_array(out.view(T, hidden)))
     lay.keys = kt[:, :, :S + T]
     lay.values = vt[:, :, :S + T]
