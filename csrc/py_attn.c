@@ -801,6 +801,21 @@ static void store(void *dst, int ob, const float *src, size_t n) {
         memcpy(dst, src, n * sizeof(float));
 }
 
+/* The _C.Layers of a layer call (AttnBlock.layer, MLABlock.layer), begun (smoe_py_layers_begin;
+ * end with smoe_py_layers_end) when pos is one of its MoE layers and its hidden size is the
+ * block's; NULL with an error otherwise. */
+static smoe_layers *layer_call_begin(PyObject *layers, long pos, uint32_t hid) {
+    smoe_layers *g = smoe_py_layers_begin(layers);
+    if (!g) return NULL;
+    if (pos < 0 || pos >= (long)g->L || g->H != hid) {
+        smoe_py_layers_end(layers);
+        PyErr_Format(PyExc_ValueError, "layer: pos %ld outside 0..%u, or the MoE hidden size %u "
+                     "is not the block's %u", pos, g->L - 1, g->H, hid);
+        return NULL;
+    }
+    return g;
+}
+
 /* The rest of a decoder layer after its attention (AttnBlock.layer, MLABlock.layer), under the
  * block's mutex without the GIL: h (the attention output, f32 [nt, hid]) += the layer input xp
  * (f32, or bf16 bits when xb); nrm = the post-attention RMSNorm of h; the MoE block routed in C
@@ -1039,14 +1054,8 @@ static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize
     }
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
-    smoe_layers *g = smoe_py_layers_begin(args[0]);
+    smoe_layers *g = layer_call_begin(args[0], pos, hid);
     if (!g) return NULL;
-    if (pos < 0 || pos >= (long)g->L || g->H != hid) {
-        smoe_py_layers_end(args[0]);
-        PyErr_Format(PyExc_ValueError, "layer: pos %ld outside 0..%u, or the MoE hidden size %u "
-                     "is not the block's %u", pos, g->L - 1, g->H, hid);
-        return NULL;
-    }
     const uint32_t nt = (uint32_t)T;
     const size_t esz = kb ? 2 : 4, kv_hs = (size_t)cap * D;
     const void *xp = PyArray_DATA((PyArrayObject *)args[3]);
@@ -1531,15 +1540,9 @@ static PyObject *mlab_layer(MLABlockObject *self, PyObject *const *args, Py_ssiz
     if (mlab_parse(self, args + 3, &a) || mlab_out(self, args[13], "out", &a, NULL)) return NULL;
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
-    smoe_layers *g = smoe_py_layers_begin(args[0]);
-    if (!g) return NULL;
     const uint32_t hid = self->hidden;
-    if (pos < 0 || pos >= (long)g->L || g->H != hid) {
-        smoe_py_layers_end(args[0]);
-        PyErr_Format(PyExc_ValueError, "layer: pos %ld outside 0..%u, or the MoE hidden size %u "
-                     "is not the block's %u", pos, g->L - 1, g->H, hid);
-        return NULL;
-    }
+    smoe_layers *g = layer_call_begin(args[0], pos, hid);
+    if (!g) return NULL;
     void *op = PyArray_DATA((PyArrayObject *)args[13]);
     smoe_err err;
     smoe_err_clear(&err);
