@@ -751,8 +751,8 @@ static int block_pre(AttnBlockObject *self, smoe_kctx *c, const void *xp, int xb
         }
         widen(cosf, (const uint8_t *)cp + (size_t)t * D * (cb ? 2 : 4), cb, D);
         widen(sinf, (const uint8_t *)sp + (size_t)t * D * (sb ? 2 : 4), sb, D);
-        smoe_rotary_half(qt, H, D, cosf, sinf, b);
-        smoe_rotary_half(kt, Hkv, D, cosf, sinf, b);
+        smoe_rotary_half(qt, H, D, D, cosf, sinf, b);
+        smoe_rotary_half(kt, Hkv, D, D, cosf, sinf, b);
     }
     /* q for the attention kernel (f32, values already bf16 when b); k, v for the cache */
     to_head_major(qp, 0, (size_t)nt * D, y, qkv, nt, H, D);
@@ -1155,6 +1155,9 @@ static PyTypeObject AttnDecodeType = {
 
 /* Linear slots of an MLABlock */
 enum { ML_Q = 0, ML_KVA = 1, ML_O = 2, ML_QA = 3, ML_JOINT = 4, ML_N = 5 };
+/* Rotary forms: DeepSeek-V2's complex product (freqs [T, rope_dim / 2, 2]), DeepSeek-V3's
+ * rotate-half and interleaved forms (freqs [T, 2, rope_dim]: cos, sin) -- kernels/block.h */
+enum { ROPE_COMPLEX = 0, ROPE_HALF = 1, ROPE_INTERLEAVE = 2 };
 
 typedef struct {
     PyObject_HEAD
@@ -1173,6 +1176,7 @@ typedef struct {
                                              projection's width (qa, or H * (dn + dr)) */
     float kv_eps, qa_eps;
     int bf16;                     /* round as a bf16 model does (kernels/block.h) */
+    int rope;                     /* ROPE_COMPLEX, ROPE_HALF or ROPE_INTERLEAVE */
     float *buf;                   /* max_tokens * (hidden + nq0 + r + dr + H * (dn + dr) +
                                      H * dn + H * dr + H * dv + 3 hidden) floats: see
                                      mlab_pre_post and mlab_h; guarded by mu */
@@ -1187,17 +1191,26 @@ typedef struct {
 
 static int mlab_init(MLABlockObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"ctx", "mla", "q", "kv_a", "o", "kv_norm", "kv_eps", "q_a",
-                             "q_a_norm", "q_a_eps", "joint", "bf16", "max_tokens", NULL};
+                             "q_a_norm", "q_a_eps", "joint", "bf16", "max_tokens", "rope", NULL};
     PyObject *ctx_o, *mla_o, *kvn_o, *lin[ML_N] = {NULL, NULL, NULL, Py_None, Py_None},
              *qan_o = Py_None;
     double kv_eps, qa_eps = 1e-6;
     int bf16 = 0;
     unsigned int max_tokens = 16;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOd|OOdOpI:MLABlock", kwlist, &ctx_o,
+    const char *rope = "complex";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOd|OOdOpIs:MLABlock", kwlist, &ctx_o,
                                      &mla_o, &lin[ML_Q], &lin[ML_KVA], &lin[ML_O], &kvn_o,
                                      &kv_eps, &lin[ML_QA], &qan_o, &qa_eps, &lin[ML_JOINT],
-                                     &bf16, &max_tokens))
+                                     &bf16, &max_tokens, &rope))
         return -1;
+    const int rk = !strcmp(rope, "complex") ? ROPE_COMPLEX
+                   : !strcmp(rope, "half") ? ROPE_HALF
+                   : !strcmp(rope, "interleave") ? ROPE_INTERLEAVE : -1;
+    if (rk < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "MLABlock: rope must be 'complex', 'half' or 'interleave', got '%s'", rope);
+        return -1;
+    }
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "MLABlock is already initialised");
         return -1;
@@ -1218,9 +1231,10 @@ static int mlab_init(MLABlockObject *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (max_tokens < 1 || max_tokens > 4096 || !(kv_eps >= 0.0) || kv_eps > 1.0 ||
-        !(qa_eps >= 0.0) || qa_eps > 1.0 || d->dr % 2) {
+        !(qa_eps >= 0.0) || qa_eps > 1.0 || d->dr % 2 || d->dr > SMOE_ROTARY_MAX) {
         PyErr_Format(PyExc_ValueError, "MLABlock: max_tokens=%u (1..4096), kv_eps=%g, q_a_eps=%g "
-                     "(0..1), rope dim %u (even) out of range", max_tokens, kv_eps, qa_eps, d->dr);
+                     "(0..1), rope dim %u (even, at most %u) out of range", max_tokens, kv_eps,
+                     qa_eps, d->dr, SMOE_ROTARY_MAX);
         return -1;
     }
     const uint32_t hidden = self->ld[ML_KVA]->K, qa = has_qa ? self->ld[ML_QA]->N : 0;
@@ -1293,6 +1307,7 @@ static int mlab_init(MLABlockObject *self, PyObject *args, PyObject *kw) {
     self->kv_eps = (float)kv_eps;
     self->qa_eps = (float)qa_eps;
     self->bf16 = bf16;
+    self->rope = rk;
     self->ready = 1;
     return 0;
 }
@@ -1316,6 +1331,18 @@ static int mlab_linear(MLABlockObject *self, smoe_kctx *c, int i, const float *x
                        uint32_t nt, float *y, size_t ldy, smoe_err *err) {
     return smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], x, ldx, nt, y, ldy,
                                self->lscratch, err);
+}
+
+/* The block's rotary form on `heads` vectors of dr values at x + h * stride, token row ft of
+ * the freqs argument (complex: dr / 2 (re, im) pairs; half, interleave: dr cos, dr sin). */
+static void mlab_rotary(const MLABlockObject *self, float *x, uint32_t heads, size_t stride,
+                        uint32_t dr, const float *ft, int b) {
+    if (self->rope == ROPE_COMPLEX)
+        smoe_rotary_pairs(x, heads, stride, dr, ft, b);
+    else if (self->rope == ROPE_HALF)
+        smoe_rotary_half(x, heads, stride, dr, ft, ft + dr, b);
+    else
+        smoe_rotary_interleave(x, heads, stride, dr, ft, ft + dr, b);
 }
 
 /* The attention module of nt tokens, under mu without the GIL, as transformers' DeepSeek-V2
@@ -1369,10 +1396,10 @@ static int mlab_pre_post(MLABlockObject *self, smoe_kctx *c, const void *xp, int
     const size_t esz = cb ? 2 : 4;
     for (uint32_t t = 0; t < nt; t++) {
         float *qt = (float *)q + (size_t)t * qs, *ct = y + (size_t)t * ny + nq0, *kt = ct + r;
-        const float *ft = fp + (size_t)t * dr;
-        smoe_rmsnorm(ct, 1, r, kvn, self->kv_eps, b);      /* kv_a_layernorm */
-        smoe_rotary_pairs(qt + dn, H, dn + dr, dr, ft, b); /* each head's q_pe */
-        smoe_rotary_pairs(kt, 1, dr, dr, ft, b);
+        const float *ft = fp + (size_t)t * (self->rope == ROPE_COMPLEX ? dr : 2 * dr);
+        smoe_rmsnorm(ct, 1, r, kvn, self->kv_eps, b);  /* kv_a_layernorm */
+        mlab_rotary(self, qt + dn, H, dn + dr, dr, ft, b); /* each head's q_pe */
+        mlab_rotary(self, kt, 1, dr, dr, ft, b);
         store((uint8_t *)cp + ((size_t)S + t) * r * esz, cb, ct, r);
         store((uint8_t *)kp + ((size_t)S + t) * dr * esz, cb, kt, dr);
         for (uint32_t h = 0; h < H; h++) { /* [T, H, dn + dr] -> [H, T, dn], [H, T, dr] */
@@ -1434,10 +1461,11 @@ static int mlab_parse(MLABlockObject *self, PyObject *const *args, mlab_args *a)
     int kb = smoe_py_f32_or_bf16(args[3], "kbuf", 4, 1);
     if (cb < 0 || kb < 0) return -1;
     npy_intp cap = PyArray_DIM((PyArrayObject *)args[2], 2);
-    npy_intp w_x[2] = {T, hid}, w_f[3] = {T, d->dr / 2, 2}, w_c[4] = {1, 1, cap, d->r},
-             w_k[4] = {1, 1, cap, d->dr};
+    const int cx = self->rope == ROPE_COMPLEX;
+    npy_intp w_x[2] = {T, hid}, w_c[4] = {1, 1, cap, d->r}, w_k[4] = {1, 1, cap, d->dr};
+    npy_intp w_f[3] = {T, cx ? d->dr / 2 : 2, cx ? 2 : d->dr};
     if (dims_are(args[0], "x [T, hidden]", w_x, 2) ||
-        dims_are(args[1], "freqs [T, rope_dim / 2, 2]", w_f, 3) ||
+        dims_are(args[1], cx ? "freqs [T, rope_dim / 2, 2]" : "freqs [T, 2, rope_dim]", w_f, 3) ||
         dims_are(args[2], "cbuf [1, 1, capacity, kv_lora_rank]", w_c, 4) ||
         dims_are(args[3], "kbuf [1, 1, capacity, rope_dim]", w_k, 4))
         return -1;
@@ -1573,8 +1601,8 @@ static PyMethodDef mlab_methods[] = {
      "(projections, kv_a_layernorm, rotary, the new latent and rotary key written into cbuf / "
      "kbuf at positions S..S+T-1, absorbed attention over S + T positions, o_proj), out = x + "
      "that, normed = the post-attention RMSNorm (ln2) of out.  x, out, normed [T, hidden] f32 "
-     "or bf16 bits alike; freqs float32 [T, rope_dim / 2, 2] (the complex rotary frequencies "
-     "as (re, im)); cbuf [1, 1, capacity, kv_lora_rank], kbuf [1, 1, capacity, rope_dim] f32 "
+     "or bf16 bits alike; freqs float32 [T, rope_dim / 2, 2] (rope 'complex': the rotary "
+     "frequencies as (re, im)) or [T, 2, rope_dim] ('half', 'interleave': cos, sin); cbuf [1, 1, capacity, kv_lora_rank], kbuf [1, 1, capacity, rope_dim] f32 "
      "or bf16 bits; bias None or float32 [1, T, S + T] added to the scores; ln1, ln2 float32 "
      "[hidden] with their eps."},
     {"layer", (PyCFunction)(void (*)(void))mlab_layer, METH_FASTCALL,
@@ -1590,8 +1618,9 @@ static PyTypeObject MLABlockType = {
     .tp_basicsize = sizeof(MLABlockObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "MLABlock(ctx, mla, q, kv_a, o, kv_norm, kv_eps, q_a=None, q_a_norm=None, "
-              "q_a_eps=1e-6, joint=None, bf16=False, max_tokens=16): a DeepSeek-V2 decoder "
-              "layer's MLA attention module at decode sizes in one call (specmoe.mla."
+              "q_a_eps=1e-6, joint=None, bf16=False, max_tokens=16, rope='complex'): a "
+              "DeepSeek-V2/V3 decoder layer's MLA attention module at decode sizes in one call "
+              "(rope: 'complex' DeepSeek-V2's, 'half' and 'interleave' DeepSeek-V3's; specmoe.mla."
               "fuse_mla).  mla: the module's _C.MLADecode (absorbed weights); q, kv_a, o: "
               "specmoe._C.Linear of q_proj (q_b_proj when q_a is given), kv_a_proj_with_mqa, "
               "o_proj; q_a, q_a_norm, q_a_eps: q_a_proj and q_a_layernorm (q_lora_rank "

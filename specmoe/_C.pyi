@@ -215,9 +215,10 @@ class AttnBlock:
              scale: float, out: np.ndarray) -> None: ...
 
 class MLABlock:
-    """A DeepSeek-V2 decoder layer's MLA attention module at decode sizes in one call
+    """A DeepSeek-V2/V3 decoder layer's MLA attention module at decode sizes in one call
     (specmoe.mla.fuse_mla): ``attn`` runs the input norm, the projections, kv_a_layernorm, the
-    complex rotary, writes the new latent / rotary key into the cache buffers at ``S``, the
+    rotary (``rope``: ``"complex"``, freqs [T, rope_dim / 2, 2]; ``"half"`` / ``"interleave"``,
+    freqs [T, 2, rope_dim] cos and sin), writes the new latent / rotary key into the cache buffers at ``S``, the
     absorbed attention (``mla``'s weights) and o_proj, the residual add and the post-attention
     norm; ``layer`` then also the MoE block of a ``Layers`` and the second add.  ``q`` is
     q_b_proj when ``q_a`` (q_a_proj, with ``q_a_norm``) is given; ``joint``: (q or q_a) | kv_a
@@ -227,7 +228,7 @@ class MLABlock:
                  kv_norm: np.ndarray, kv_eps: float, q_a: Linear | None = None,
                  q_a_norm: np.ndarray | None = None, q_a_eps: float = 1e-6,
                  joint: Linear | None = None, bf16: bool = False,
-                 max_tokens: int = 16) -> None: ...
+                 max_tokens: int = 16, rope: str = "complex") -> None: ...
     def attn(self, x: np.ndarray, freqs: np.ndarray, cbuf: np.ndarray, kbuf: np.ndarray,
              S: int, bias: np.ndarray | None, ln1: np.ndarray, eps1: float, ln2: np.ndarray,
              eps2: float, out: np.ndarray, normed: np.ndarray) -> None: ...

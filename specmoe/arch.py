@@ -297,10 +297,10 @@ FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
 # post-attention norm then go into the attention block's calls
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
                   "MixtralDecoderLayer")
-# DeepSeek-V2 decoder layers (the same residual form) whose MLA attention, absorbed, runs with
-# them in one C call (specmoe.mla.fuse_mla): transformers' DeepseekV2Attention caching the
-# latent, with complex rotary frequencies
-FUSABLE_MLA_LAYERS = ("DeepseekV2DecoderLayer",)
+# DeepSeek-V2/V3 decoder layers (the same residual form) whose MLA attention, absorbed, runs
+# with them in one C call (specmoe.mla.fuse_mla): transformers' DeepseekV2/V3Attention caching
+# the latent, with DeepSeek-V2's complex rotary or DeepSeek-V3's rotate-half / interleaved one
+FUSABLE_MLA_LAYERS = ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer")
 # RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",

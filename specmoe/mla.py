@@ -388,10 +388,10 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
     return done
 
 
-# -- a whole DeepSeek-V2 decoder layer in one C call ------------------------------------------
+# -- a whole DeepSeek-V2/V3 decoder layer in one C call ---------------------------------------
 
 def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]:
-    """Run the decode steps of ``model``'s DeepSeek-V2 decoder layers through one
+    """Run the decode steps of ``model``'s DeepSeek-V2/V3 decoder layers through one
     ``specmoe._C.MLABlock`` each; returns the qualified names of the attention modules
     switched.
 
@@ -400,7 +400,8 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
     ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa``, ``o_proj``) are
     :class:`specmoe.dense.CLinear`, its norms plain RMSNorms, and the model's dtype f32 or
     bf16.  A decode step of such a layer (batch 1, at most ``max_tokens`` tokens, transformers'
-    ``DynamicCache``, DeepSeek-V2's complex rotary frequencies) is then one C call: the input
+    ``DynamicCache``; DeepSeek-V2's complex rotary frequencies, or DeepSeek-V3's (cos, sin) in
+    its interleaved or rotate-half form) is then one C call: the input
     norm, the MLA module with the new latent and rotary key written straight into the cache's
     buffers (:func:`specmoe.kvcache.kv_buffers`), the residual add, the post-attention norm,
     and -- when the MoE block routes in C (``Engine._install_routing``) -- the MoE block and
@@ -424,7 +425,7 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
         if getattr(layer, "_specmoe_mlab", None) is not None:
             done.append(f"{name}.self_attn" if name else "self_attn")
             continue
-        ns = sys.modules[type(attn).__module__]
+        rope = _rope_form(attn)
         names = (("q_a_proj", "q_b_proj") if attn.q_lora_rank is not None else ("q_proj",)) \
             + ("kv_a_proj_with_mqa", "o_proj")
         projs = [getattr(attn, n, None) for n in names]
@@ -434,10 +435,9 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
         if not all(isinstance(p, CLinear) for p in projs) or ln[0] is None or ln[1] is None \
                 or any(_norm_weight(n) is None for n in norms) \
                 or projs[0].out_dtype not in (torch.float32, torch.bfloat16) \
-                or getattr(attn, "_specmoe_mla_ctx", None) is not ctx \
-                or not hasattr(ns, "apply_rotary_emb"):
+                or getattr(attn, "_specmoe_mla_ctx", None) is not ctx or rope is None:
             continue
-        layer._specmoe_mlab_parts = (projs, ctx, projs[0].out_dtype)
+        layer._specmoe_mlab_parts = (projs, ctx, projs[0].out_dtype, rope)
         layer._specmoe_mlab = None
         if _mla_block(layer) is None:
             del layer._specmoe_mlab_parts, layer._specmoe_mlab
@@ -461,7 +461,7 @@ def _mla_block(layer: nn.Module) -> Any:
     if ab.kernel is None:
         return None
     from .attention import _fuse_qkv, _norm_weight
-    projs, ctx, dt = layer._specmoe_mlab_parts
+    projs, ctx, dt, rope = layer._specmoe_mlab_parts
     kw: dict[str, Any] = {}
     if attn.q_lora_rank is not None:
         q_a, q_b, kv_a, o = projs
@@ -476,17 +476,51 @@ def _mla_block(layer: nn.Module) -> Any:
         kw["joint"] = joint
     blk = _C.MLABlock(ctx, ab.kernel, q_b._c, kv_a._c, o._c, _norm_weight(attn.kv_a_layernorm),
                       float(attn.kv_a_layernorm.variance_epsilon), bf16=dt == torch.bfloat16,
-                      max_tokens=attn._specmoe_mla_max, **kw)
+                      max_tokens=attn._specmoe_mla_max, rope=rope, **kw)
     layer._specmoe_mlab = (blk, ab.kernel, attn._specmoe_mla_max)
     return blk
 
 
+def _rope_form(attn: nn.Module) -> str | None:
+    """The MLABlock rotary form of ``attn``, as :func:`_rope` applies it: ``"complex"``
+    (DeepSeek-V2's apply_rotary_emb), ``"interleave"`` / ``"half"`` (DeepSeek-V3's
+    apply_rotary_pos_emb_interleave / apply_rotary_pos_emb, by ``config.rope_interleave``);
+    None for another module form."""
+    ns = sys.modules[type(attn).__module__]
+    if hasattr(ns, "apply_rotary_emb"):
+        return "complex"
+    if getattr(attn.config, "rope_interleave", False):
+        return "interleave" if hasattr(ns, "apply_rotary_pos_emb_interleave") else None
+    return "half" if hasattr(ns, "apply_rotary_pos_emb") else None
+
+
+def _rope_ok(pe: Any, rope: str, T: int, dr: int) -> bool:
+    """Whether the decoder's position embeddings ``pe`` are what the layer's rotary form reads:
+    complex64 frequencies [..., dr / 2] ("complex"), or a (cos, sin) pair of f32/bf16 tensors
+    [..., dr]; covering T tokens."""
+    if rope == "complex":
+        return isinstance(pe, torch.Tensor) and pe.dtype == torch.complex64 \
+            and pe.shape[-1] == dr // 2 and pe.numel() >= T * (dr // 2)
+    return isinstance(pe, tuple) and len(pe) == 2 and all(
+        isinstance(p, torch.Tensor) and p.dtype in (torch.float32, torch.bfloat16)
+        and p.shape[-1] == dr and p.numel() >= T * dr for p in pe)
+
+
+def _rope_array(pe: Any, rope: str, T: int, dr: int) -> np.ndarray:
+    """The freqs argument of MLABlock for T tokens: float32 [T, dr / 2, 2] ("complex") or
+    [T, 2, dr] (cos, sin)."""
+    if rope == "complex":
+        return torch.view_as_real(pe.reshape(-1, dr // 2)[-T:]).contiguous().numpy()
+    cos, sin = (p.reshape(-1, dr)[-T:].float() for p in pe)
+    return torch.stack((cos, sin), 1).contiguous().numpy()
+
+
 def _mla_layer_forward(layer: nn.Module, original: Any) -> Any:
-    """A DeepSeek-V2 decoder layer's forward with its decode steps through its MLABlock
+    """A DeepSeek-V2/V3 decoder layer's forward with its decode steps through its MLABlock
     (:func:`fuse_mla`)."""
     attn = layer.self_attn
-    dt = layer._specmoe_mlab_parts[2]
-    half = attn.qk_rope_head_dim // 2
+    dt, rope = layer._specmoe_mlab_parts[2:]
+    dr = attn.qk_rope_head_dim
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: Any = None, cache: Any = None, use_cache: Any = False,
@@ -499,9 +533,7 @@ def _mla_layer_forward(layer: nn.Module, original: Any) -> Any:
         bufs = None
         if (not layer.training and x.dim() == 3 and x.shape[0] == 1
                 and 1 <= T <= attn._specmoe_mla_max and x.dtype == dt and x.device.type == "cpu"
-                and isinstance(pe, torch.Tensor) and pe.dtype == torch.complex64
-                and pe.shape[-1] == half and pe.numel() >= T * half
-                and _mask_readable(attention_mask, T)
+                and _rope_ok(pe, rope, T, dr) and _mask_readable(attention_mask, T)
                 and (attention_mask is None or attention_mask.shape[:2] == (1, 1))):
             bufs = kv_buffers(cache, attn.layer_idx, T)
         blk = _mla_block(layer) if bufs is not None else None
@@ -540,9 +572,8 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: torch.Tenso
     """One decode step of the layer through its MLABlock (see :func:`fuse_mla`)."""
     lay, ct, kt, ca, ka, S = bufs
     T, hidden = x.shape[1], x.shape[2]
-    half = layer.self_attn.qk_rope_head_dim // 2
-    freqs = per_step_rope(pe, T, half, lambda: torch.view_as_real(
-        pe.reshape(-1, half)[-T:]).contiguous().numpy())
+    rope, dr = layer._specmoe_mlab_parts[3], layer.self_attn.qk_rope_head_dim
+    freqs = per_step_rope(pe, T, dr, lambda: _rope_array(pe, rope, T, dr))
     bias = _mask_bias(attention_mask, T, S + T, torch.float32)
     if bias is not None:
         bias = bias.reshape(1, T, S + T).contiguous().numpy()

@@ -1,8 +1,9 @@
-"""A DeepSeek-V2 decoder layer at decode sizes in one C call (specmoe._C.MLABlock,
+"""A DeepSeek-V2/V3 decoder layer at decode sizes in one C call (specmoe._C.MLABlock,
 specmoe.mla.fuse_mla): bf16 layers bit for bit against the same model decoding through the
 absorbed attention with torch doing the norms, rotary, casts and residual adds between the same
-C kernels (decode steps, verification chunks, a crop; with and without q compression; bf16,
-int8 and int4 projections); f32 against the unmodified transformers model; an offloaded model's
+C kernels (decode steps, verification chunks, a crop; DeepSeek-V2's complex rotary with and
+without q compression, DeepSeek-V3's interleaved and rotate-half ones; bf16, int8 and int4
+projections); f32 against the unmodified transformers model; an offloaded model's
 MoE layers in one call with its routing and experts, greedy tokens unchanged; the fall-backs;
 bad input.
 
@@ -29,10 +30,22 @@ from specmoe.testing import tiny_config
 STEPS = (1, 4, 1, 3, 1)
 
 
-def _model(dt=torch.float32, q_lora=None, seed=3, layers=3):
-    cfg = tiny_config("deepseek_v2", layers=layers)
-    cfg = type(cfg)(**{**cfg.to_dict(), "qk_rope_head_dim": 16, "q_lora_rank": q_lora,
-                       "num_key_value_heads": cfg.num_attention_heads})  # as DeepSeek-V2's
+# the forms of the block: (architecture, q_lora_rank, DeepSeek-V3's rope_interleave)
+FORMS = {"v2": ("deepseek_v2", None, None), "v2-qlora": ("deepseek_v2", 32, None),
+         "v3-interleave": ("deepseek_v3", 32, True), "v3-half": ("deepseek_v3", None, False)}
+
+
+def _model(dt=torch.float32, q_lora=None, seed=3, layers=3, form=None):
+    arch, interleave = "deepseek_v2", None
+    if form is not None:
+        arch, q_lora, interleave = FORMS[form]
+    cfg = tiny_config(arch, layers=layers)
+    over = {"q_lora_rank": q_lora}
+    if arch == "deepseek_v2":   # as DeepSeek-V2's: kv heads = heads
+        over.update(qk_rope_head_dim=16, num_key_value_heads=cfg.num_attention_heads)
+    else:                       # DeepSeek-V3's rotary forms have no complex product
+        over.update(rope_interleave=interleave)
+    cfg = type(cfg)(**{**cfg.to_dict(), **over})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, experts_implementation="eager",
                                             dtype=dt).eval()
@@ -87,10 +100,10 @@ def _steps(model, ids, first, crop=0):
     return kv, torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("q_lora", [None, 32])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_bf16_layers_bit_identical_to_the_absorbed_path(fmt, q_lora):
-    base = _model(torch.bfloat16, q_lora)
+def test_bf16_layers_bit_identical_to_the_absorbed_path(fmt, form):
+    base = _model(torch.bfloat16, form=form)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     rep = convert_dense(a, fmt)
     convert_dense(b, fmt)
@@ -118,9 +131,9 @@ def test_bf16_layers_bit_identical_to_the_absorbed_path(fmt, q_lora):
         assert torch.equal(p.keys, q.keys) and torch.equal(p.values, q.values)
 
 
-@pytest.mark.parametrize("q_lora", [None, 32])
-def test_f32_decode_matches_transformers(q_lora):
-    ref = _model(torch.float32, q_lora)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_f32_decode_matches_transformers(form):
+    ref = _model(torch.float32, form=form)
     m = copy.deepcopy(ref)
     convert_dense(m, "f32")
     calls = _count(m)
@@ -130,29 +143,33 @@ def test_f32_decode_matches_transformers(q_lora):
     with torch.no_grad():
         full = ref(ids[:, :20 + sum(STEPS)]).logits
     torch.testing.assert_close(got, full, atol=2e-5, rtol=1e-4)
-    assert kv.layers[0].keys.shape == (1, 1, 20 + sum(STEPS), 32)   # transformers' layout
-    assert kv.layers[0].values.shape == (1, 1, 20 + sum(STEPS), 16)
+    dr = ref.config.qk_rope_head_dim                                  # transformers' layout
+    assert kv.layers[0].keys.shape == (1, 1, 20 + sum(STEPS), 32)
+    assert kv.layers[0].values.shape == (1, 1, 20 + sum(STEPS), dr)
 
 
+@pytest.mark.parametrize("form", ["v2", "v3-interleave"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_offloaded_moe_layers_are_one_call(dt):
-    """With the Engine routing in C, each MoE layer's decode step is MLABlock.layer (the MoE
-    block inside the call), the dense first layer MLABlock.attn and its MLP in torch; greedy
-    tokens equal the unmodified model's (f32) and the unfused offloaded model's (bf16:
-    layer outputs bit for bit)."""
+def test_offloaded_moe_layers_are_one_call(dt, form):
+    """With the Engine routing in C (DeepSeek-V2's greedy router), each MoE layer's decode step
+    is MLABlock.layer (the MoE block inside the call), the dense first layer MLABlock.attn and
+    its MLP in torch; DeepSeek-V3's group-limited router stays in torch, so its layers take
+    attn and the block's own forward.  Greedy tokens equal the unmodified model's (f32) and the
+    unfused offloaded model's (bf16: layer outputs bit for bit)."""
     fmt = "f32" if dt == torch.float32 else "bf16"
-    ref = _model(dt, layers=4)
+    ref = _model(dt, layers=4, form=form)
     a, b = copy.deepcopy(ref), copy.deepcopy(ref)
     ea = hf.offload(a, dtype=fmt, dense=fmt, cache=1.0)
     eb = hf.offload(b, dtype=fmt, dense=fmt, cache=1.0)
     try:
-        assert ea.routed_in_c == [0, 1, 2]
+        moe = "layer" if form == "v2" else "attn"
+        assert ea.routed_in_c == ([0, 1, 2] if form == "v2" else [])
         _unfused(b)
         calls = _count(a)
         prompt = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(5))
         kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         got = a.generate(prompt, **kw)
-        assert calls == [("attn", 1), ("layer", 1), ("layer", 1), ("layer", 1)] * 7
+        assert calls == [("attn", 1), (moe, 1), (moe, 1), (moe, 1)] * 7
         assert torch.equal(got, b.generate(prompt, **kw))
         if dt == torch.float32:
             assert torch.equal(got, ref.generate(prompt, **kw))
@@ -263,6 +280,11 @@ def test_bad_input_raises_and_leaves_the_cache_alone():
         _C.MLABlock(ctx, q, q, kva, o, kvn, 1e-6)
     with pytest.raises(ValueError, match="max_tokens"):
         _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, max_tokens=0)
+    with pytest.raises(ValueError, match="rope must be"):
+        _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, rope="yarn")
+    half = _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, rope="half")   # freqs [T, 2, rope_dim]
+    with pytest.raises(ValueError, match=r"freqs \[T, 2, rope_dim\]"):
+        half.attn(*args)
 
 
 def test_block_against_numpy_reference():

@@ -22,11 +22,11 @@ void smoe_rmsnorm(float *x, uint32_t rows, uint32_t n, const float *w, float eps
     }
 }
 
-void smoe_rotary_half(float *x, uint32_t heads, uint32_t D, const float *cos, const float *sin,
-                      int bf16) {
+void smoe_rotary_half(float *x, uint32_t heads, size_t stride, uint32_t D, const float *cos,
+                      const float *sin, int bf16) {
     const uint32_t h2 = D / 2;
     for (uint32_t h = 0; h < heads; h++) {
-        float *v = x + (size_t)h * D;
+        float *v = x + (size_t)h * stride;
         for (uint32_t i = 0; i < h2; i++) {
             const float a = v[i], b = v[i + h2];
             float a1 = a * cos[i], a2 = -b * sin[i];         /* rotate_half: -x[D/2:] first */
@@ -54,5 +54,28 @@ void smoe_rotary_pairs(float *x, uint32_t heads, size_t stride, uint32_t D, cons
             v[2 * i] = bf16 ? smoe_bf16_round1(re) : re;
             v[2 * i + 1] = bf16 ? smoe_bf16_round1(im) : im;
         }
+    }
+}
+
+void smoe_rotary_interleave(float *x, uint32_t heads, size_t stride, uint32_t D,
+                            const float *cos, const float *sin, int bf16) {
+    const uint32_t h2 = D / 2;
+    float out[SMOE_ROTARY_MAX];
+    for (uint32_t h = 0; h < heads; h++) {
+        float *v = x + (size_t)h * stride;
+        for (uint32_t i = 0; i < h2; i++) {
+            const float a = v[2 * i], b = v[2 * i + 1];
+            float a1 = a * cos[i], a2 = b * sin[i], b1 = b * cos[i], b2 = a * sin[i];
+            if (bf16) {
+                a1 = smoe_bf16_round1(a1);
+                a2 = smoe_bf16_round1(a2);
+                b1 = smoe_bf16_round1(b1);
+                b2 = smoe_bf16_round1(b2);
+            }
+            const float ra = a1 - a2, rb = b1 + b2;
+            out[i] = bf16 ? smoe_bf16_round1(ra) : ra;
+            out[h2 + i] = bf16 ? smoe_bf16_round1(rb) : rb;
+        }
+        memcpy(v, out, (size_t)D * sizeof(float));
     }
 }

@@ -45,12 +45,21 @@ void smoe_bf16_round(float *x, size_t n);
  * w: n weights (the module's weight, widened to f32), or NULL for none. */
 void smoe_rmsnorm(float *x, uint32_t rows, uint32_t n, const float *w, float eps, int bf16);
 
-/* Rotary embedding of `heads` vectors of D values (D even) of one token, in place, with that
- * token's cos and sin (D values each):
+/* Rotary embedding of `heads` vectors of D values (D even) of one token, head h at
+ * x + h * stride, in place, with that token's cos and sin (D values each):
  *     x = x * cos + rotate_half(x) * sin,   rotate_half(x) = (-x[D/2:], x[:D/2])
  * (bf16: each product and the sum rounded to bf16, as torch's three bf16 ops). */
-void smoe_rotary_half(float *x, uint32_t heads, uint32_t D, const float *cos, const float *sin,
-                      int bf16);
+void smoe_rotary_half(float *x, uint32_t heads, size_t stride, uint32_t D, const float *cos,
+                      const float *sin, int bf16);
+
+/* DeepSeek-V3's interleaved form (transformers' apply_rotary_pos_emb_interleave): the pairs
+ * (x[2i], x[2i+1]) rotated by angle i, the results de-interleaved,
+ *     out[i] = x[2i] cos[i] - x[2i+1] sin[i],  out[D/2 + i] = x[2i+1] cos[i] + x[2i] sin[i]
+ * (cos, sin: the first D/2 of the token's D values; bf16: each product and the sum rounded);
+ * heads at x + h * stride, in place, D <= SMOE_ROTARY_MAX. */
+#define SMOE_ROTARY_MAX 1024u
+void smoe_rotary_interleave(float *x, uint32_t heads, size_t stride, uint32_t D,
+                            const float *cos, const float *sin, int bf16);
 
 /* Rotary embedding in DeepSeek-V2's complex form (transformers' apply_rotary_emb) of `heads`
  * vectors of D values (D even), head h at x + h * stride, in place, with one token's
