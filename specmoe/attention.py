@@ -37,7 +37,7 @@ from . import _C
 from .kernels import tensor_array
 from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, LLAMA_RMSNORMS
 from .kvcache import kv_append, kv_buffers
-from .mla import _mask_bias, _mask_readable, per_step_rope
+from .mla import _mask_bias, _mask_readable, decode_route, per_step_rope
 
 __all__ = ["ATTENTION_MAX_TOKENS", "CRMSNorm", "convert_norms", "fuse_attention",
            "use_c_attention"]
@@ -445,9 +445,8 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
             return original(hidden_states, attention_mask=attention_mask,
                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
-        route = getattr(layer.mlp, "_specmoe_route", None)
-        if route is not None and not layer.mlp.training \
-                and route[0]._routable(hidden_states, route[3]):
+        route = decode_route(layer, hidden_states)
+        if route is not None:
             bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1])
             if bufs is not None:
                 return _layer_call(layer, hidden_states, position_embeddings, attention_mask,

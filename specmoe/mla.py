@@ -196,10 +196,11 @@ def _rope(mod: nn.Module, q: torch.Tensor, k: torch.Tensor,
     complex frequencies to ``apply_rotary_emb``; DeepSeek-V3 passes (cos, sin) to
     ``apply_rotary_pos_emb`` or its interleaved variant."""
     ns = sys.modules[type(mod).__module__]
-    if hasattr(ns, "apply_rotary_emb") and isinstance(position_embeddings, torch.Tensor):
+    form = _rope_form(mod)
+    if form == "complex" and isinstance(position_embeddings, torch.Tensor):
         return ns.apply_rotary_emb(q, k, position_embeddings.to(q.device))
     cos, sin = position_embeddings
-    if getattr(mod.config, "rope_interleave", False):
+    if form == "interleave":
         return ns.apply_rotary_pos_emb_interleave(q, k, cos, sin)
     return ns.apply_rotary_pos_emb(q, k, cos, sin)
 
@@ -482,16 +483,16 @@ def _mla_block(layer: nn.Module) -> Any:
 
 
 def _rope_form(attn: nn.Module) -> str | None:
-    """The MLABlock rotary form of ``attn``, as :func:`_rope` applies it: ``"complex"``
-    (DeepSeek-V2's apply_rotary_emb), ``"interleave"`` / ``"half"`` (DeepSeek-V3's
-    apply_rotary_pos_emb_interleave / apply_rotary_pos_emb, by ``config.rope_interleave``);
-    None for another module form."""
+    """The rotary form of an MLA module, one rule for :func:`_rope` and the MLABlock:
+    ``"complex"`` (DeepSeek-V2's apply_rotary_emb), ``"interleave"`` / ``"half"``
+    (DeepSeek-V3's apply_rotary_pos_emb_interleave / apply_rotary_pos_emb, by
+    ``config.rope_interleave``); None for a module file with neither form."""
     ns = sys.modules[type(attn).__module__]
     if hasattr(ns, "apply_rotary_emb"):
         return "complex"
-    if getattr(attn.config, "rope_interleave", False):
-        return "interleave" if hasattr(ns, "apply_rotary_pos_emb_interleave") else None
-    return "half" if hasattr(ns, "apply_rotary_pos_emb") else None
+    if not hasattr(ns, "apply_rotary_pos_emb"):
+        return None
+    return "interleave" if getattr(attn.config, "rope_interleave", False) else "half"
 
 
 def _rope_ok(pe: Any, rope: str, T: int, dr: int) -> bool:
@@ -542,7 +543,7 @@ def _mla_layer_forward(layer: nn.Module, original: Any) -> Any:
                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
         with torch.no_grad():
-            return _mla_layer_call(layer, blk, x, pe, attention_mask, bufs)
+            return _mla_layer_call(layer, blk, x, pe, rope, dr, attention_mask, bufs)
     forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"
     return forward
 
@@ -559,20 +560,31 @@ def per_step_rope(pe: Any, T: int, width: int, make: Any) -> Any:
     just streamed through the CPU caches those few torch operations cost ~50 us a layer
     (DeepSeek-V2-Lite, int4, 2 threads).  The entry holds ``pe`` itself, so its identity is
     not reused while it is kept."""
+    global _ROPE_LAST
     last = _ROPE_LAST
     if last[0] is pe and last[1] == T and last[2] == width:
         return last[3]
     value = make()
-    globals()["_ROPE_LAST"] = (pe, T, width, value)
+    _ROPE_LAST = (pe, T, width, value)
     return value
 
 
-def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: torch.Tensor,
+def decode_route(layer: nn.Module, x: torch.Tensor) -> tuple | None:
+    """The Engine route (engine, layer position, route flags, dtype) under which a one-call
+    decoder layer (AttnBlock.layer, MLABlock.layer) runs its MoE block inside the call: set by
+    ``Engine._install_routing`` on the layer's ``mlp``; None when the block has none, is
+    training, or must route in Python now (``Engine._routable``)."""
+    route = getattr(layer.mlp, "_specmoe_route", None)
+    if route is None or layer.mlp.training or not route[0]._routable(x, route[3]):
+        return None
+    return route
+
+
+def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: str, dr: int,
                     attention_mask: torch.Tensor | None, bufs: tuple) -> torch.Tensor:
     """One decode step of the layer through its MLABlock (see :func:`fuse_mla`)."""
     lay, ct, kt, ca, ka, S = bufs
     T, hidden = x.shape[1], x.shape[2]
-    rope, dr = layer._specmoe_mlab_parts[3], layer.self_attn.qk_rope_head_dim
     freqs = per_step_rope(pe, T, dr, lambda: _rope_array(pe, rope, T, dr))
     bias = _mask_bias(attention_mask, T, S + T, torch.float32)
     if bias is not None:
@@ -580,8 +592,8 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: torch.Tenso
     xa = tensor_array(x.reshape(T, hidden).contiguous())
     ln1, e1, ln2, e2 = layer._specmoe_norms
     out = torch.empty(1, T, hidden, dtype=x.dtype)
-    route = getattr(layer.mlp, "_specmoe_route", None)
-    if route is not None and not layer.mlp.training and route[0]._routable(x, route[3]):
+    route = decode_route(layer, x)
+    if route is not None:
         eng, pos, flags, _ = route
         with eng._layer_call_slot():
             blk.layer(eng._layers, pos, flags, xa, freqs, ca, ka, S, bias, ln1, e1, ln2, e2,
