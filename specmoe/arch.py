@@ -47,6 +47,7 @@ __all__ = [
     "GATE_NAMES",
     "UP_NAMES",
     "DOWN_NAMES",
+    "DECODE_STEP_MODELS",
     "FUSABLE_ATTENTION",
     "FUSABLE_LAYERS",
     "FUSABLE_MLA_LAYERS",
@@ -301,6 +302,11 @@ FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderL
 # with them in one C call (specmoe.mla.fuse_mla): transformers' DeepseekV2/V3Attention caching
 # the latent, with DeepSeek-V2's complex rotary or DeepSeek-V3's rotate-half / interleaved one
 FUSABLE_MLA_LAYERS = ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer")
+# causal LMs whose forward, for one token of one sequence, is embed_tokens, rotary_emb over the
+# position, the decoder layers [:num_hidden_layers] with the causal mask, norm, lm_head (no
+# embedding scale, logit scale or soft-cap): specmoe.decode_step runs that sequence itself
+DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                      "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",

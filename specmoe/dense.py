@@ -34,6 +34,7 @@ from torch import nn
 from . import _C
 from .kernels import context, tensor_array
 from .attention import convert_norms, fuse_attention, use_c_attention
+from .decode_step import install_decode_step
 from .mla import absorb_mla, fuse_mla
 from .quant import quantize_int4, quantize_int8
 
@@ -166,7 +167,8 @@ class DenseReport:
     :func:`specmoe.attention.fuse_attention`, :func:`specmoe.mla.fuse_mla`), the RMSNorms run
     in C at decode sizes (``norms``, :class:`specmoe.attention.CRMSNorm`);
     ``decode_torch_threads``: torch's intra-op threads during decode-sized forwards
-    (:class:`DecodeThreads`), None when unchanged."""
+    (:class:`DecodeThreads`), None when unchanged; ``decode_step``: one-token forwards skip
+    the model's own Python around the layers (:mod:`specmoe.decode_step`)."""
 
     dtype: str | None
     converted: list[str] = dataclasses.field(default_factory=list)
@@ -176,6 +178,7 @@ class DenseReport:
     fused: list[str] = dataclasses.field(default_factory=list)
     norms: list[str] = dataclasses.field(default_factory=list)
     decode_torch_threads: int | None = None
+    decode_step: bool = False
     bytes_before: int = 0
     bytes_after: int = 0
 
@@ -381,5 +384,11 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         model._specmoe_decode_threads = hooks
     if getattr(model, "_specmoe_decode_threads", None) is not None:
         report.decode_torch_threads = 1
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is not None and len(layers) and all(
+            getattr(vars(lyr).get("forward"), "__name__", "").startswith("specmoe_fused_")
+            for lyr in layers):
+        # every decoder layer reads a None mask at one token as the model's full mask
+        report.decode_step = install_decode_step(model)
     return report
 

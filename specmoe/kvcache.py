@@ -64,6 +64,9 @@ def kv_buffers(cache: Any, idx: int, T: int) -> tuple | None:
     keys, values = lay.keys, lay.values
     S = 0 if keys is None or keys.numel() == 0 else keys.shape[2]
     if (buf is None or S + T > buf[0].shape[2]
+            # a deep copy of the cache copies the numpy views apart from their tensors
+            or buf[2].ctypes.data != buf[0].data_ptr()
+            or buf[3].ctypes.data != buf[1].data_ptr()
             or (S and not (keys.data_ptr() == buf[0].data_ptr()
                            and values.data_ptr() == buf[1].data_ptr()
                            and keys.stride() == buf[0].stride()

@@ -1,0 +1,208 @@
+"""specmoe.decode_step: one-token forwards of an offloaded model whose decoder layers are one C
+call each skip transformers' model-level Python.  Reference: the same model with the step
+switched off (its own forward, transformers' mask and output code): logits, caches and
+generated tokens bit for bit, on every architecture of DECODE_STEP_MODELS; the calls that must
+go to the model's own forward do; models it cannot serve are left alone."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import specmoe
+from specmoe import hf
+from specmoe.arch import DECODE_STEP_MODELS
+from specmoe.decode_step import DecodeStep, install_decode_step
+from specmoe.testing import tiny_config, tiny_model
+
+ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
+
+
+def _tiny(arch: str, dt: torch.dtype, **over) -> torch.nn.Module:
+    if not arch.startswith("deepseek") and not over:
+        return tiny_model(arch, dtype=dt)
+    cfg = tiny_config(arch)
+    if arch == "deepseek_v2":  # transformers' V2 attention needs kv heads = heads here
+        over = dict(over, qk_rope_head_dim=16, num_key_value_heads=cfg.num_attention_heads)
+    cfg = type(cfg)(**{**cfg.to_dict(), **over})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, experts_implementation="eager",
+                                            dtype=dt).eval()
+
+
+def _offloaded(arch: str, dt: torch.dtype, **over):
+    model = _tiny(arch, dt, **over)
+    fmt = "f32" if dt == torch.float32 else "bf16"
+    eng = hf.offload(model, dtype=fmt, dense=fmt, cache=1.0, prefetch=False)
+    return model, eng
+
+
+def _gen(model, ids, n=10, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_step_equals_the_models_own_forward(arch, dt):
+    model, eng = _offloaded(arch, dt)
+    try:
+        step = model._specmoe_decode_step
+        assert type(model).__name__ in DECODE_STEP_MODELS and isinstance(step, DecodeStep)
+        ids = torch.randint(0, model.config.vocab_size, (1, 6),
+                            generator=torch.Generator().manual_seed(1))
+        # logits and cache of each step, from the same cache, step on and off
+        kv = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model(input_ids=ids, cache=kv, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            for _ in range(5):
+                kv_off = copy.deepcopy(kv)  # (its KV buffers then re-made: kv_buffers)
+                n0 = step.steps
+                on = model(input_ids=tok, cache=kv, use_cache=True)
+                assert step.steps == n0 + 1
+                step.enabled = False
+                try:
+                    off = model(input_ids=tok, cache=kv_off, use_cache=True)
+                finally:
+                    step.enabled = True
+                assert type(on) is type(off)
+                assert torch.equal(on.logits, off.logits)
+                assert on.logits.dtype == off.logits.dtype and on.logits.shape == (1, 1, off.logits.shape[-1])
+                assert kv.get_seq_length() == kv_off.get_seq_length()
+                for a, b in zip(kv.layers, kv_off.layers):
+                    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                tok = on.logits[:, -1:].argmax(-1)
+        # whole generations: transformers' loop and specmoe's
+        n0 = step.steps
+        got = _gen(model, ids)
+        sg = specmoe.generate(model, ids[0], max_new_tokens=10, eos_token_id=None)
+        assert step.steps == n0 + 9 + 10  # every forward after the prefills (specmoe.generate
+        # prefills all but the last prompt token)
+        step.enabled = False
+        try:
+            ref = _gen(model, ids)
+            sg_ref = specmoe.generate(model, ids[0], max_new_tokens=10, eos_token_id=None)
+        finally:
+            step.enabled = True
+        assert torch.equal(got, ref)
+        assert torch.equal(sg.sequences, sg_ref.sequences)
+    finally:
+        eng.close()
+
+
+def test_calls_it_cannot_serve_go_to_the_models_forward():
+    model, eng = _offloaded("olmoe", torch.bfloat16)
+    try:
+        step = model._specmoe_decode_step
+        V = model.config.vocab_size
+        ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            kv = DynamicCache(config=model.config)
+            model(input_ids=ids, cache=kv, use_cache=True)
+        tok = torch.tensor([[7]])
+
+        def call(**kw):
+            c = copy.deepcopy(kv)
+            f0, s0 = step.fallbacks, step.steps
+            with torch.no_grad():
+                out = model(cache=c, use_cache=True, **kw)
+            step.enabled = False
+            try:
+                with torch.no_grad():
+                    ref = model(cache=copy.deepcopy(kv), use_cache=True, **kw)
+            finally:
+                step.enabled = True
+            return out, ref, (step.fallbacks - f0, step.steps - s0)
+
+        S = kv.get_seq_length()
+        cases = {
+            "two tokens": dict(input_ids=torch.tensor([[7, 8]])),
+            "padding": dict(input_ids=tok, attention_mask=torch.tensor([[0] + [1] * S])),
+            "other position": dict(input_ids=tok, position_ids=torch.tensor([[S + 3]])),
+            "hidden states": dict(input_ids=tok, output_hidden_states=True),
+            "embeddings": dict(inputs_embeds=model.model.embed_tokens(tok)),
+            "logits to keep": dict(input_ids=tok, logits_to_keep=torch.tensor([0])),
+        }
+        for name, kw in cases.items():
+            out, ref, (fell, took) = call(**kw)
+            assert (fell, took) == (1, 0), name
+            assert torch.equal(out.logits, ref.logits), name
+        # the plain call is taken: mask of ones, its position, logits_to_keep 1
+        out, ref, (fell, took) = call(input_ids=tok, attention_mask=torch.ones(1, S + 1,
+                                                                               dtype=torch.long),
+                                      position_ids=torch.tensor([[S]]), logits_to_keep=1)
+        assert (fell, took) == (0, 1) and torch.equal(out.logits, ref.logits)
+        # gradients on, a hook on the inner model, training mode
+        with torch.enable_grad():
+            f0 = step.fallbacks
+            model(input_ids=tok, cache=copy.deepcopy(kv), use_cache=True)
+            assert step.fallbacks == f0 + 1
+        seen = []
+        h = model.model.register_forward_hook(lambda m, a, o: seen.append(1))
+        try:
+            out, ref, (fell, took) = call(input_ids=tok)
+            assert (fell, took) == (1, 0) and seen and torch.equal(out.logits, ref.logits)
+        finally:
+            h.remove()
+        # a batch of two
+        with torch.no_grad():
+            kv2 = DynamicCache(config=model.config)
+            model(input_ids=ids.repeat(2, 1), cache=kv2, use_cache=True)
+            f0 = step.fallbacks
+            model(input_ids=tok.repeat(2, 1), cache=kv2, use_cache=True)
+            assert step.fallbacks == f0 + 1
+        # hooks on the causal LM itself still run (they wrap the step)
+        seen.clear()
+        h = model.register_forward_hook(lambda m, a, o: seen.append(1))
+        try:
+            out, ref, (fell, took) = call(input_ids=tok)
+            assert (fell, took) == (0, 1) and len(seen) == 2
+        finally:
+            h.remove()
+    finally:
+        eng.close()
+
+
+def test_past_the_sliding_window_the_models_mask_is_used():
+    model, eng = _offloaded("mixtral", torch.float32, sliding_window=8)
+    try:
+        step = model._specmoe_decode_step
+        ids = torch.randint(0, model.config.vocab_size, (1, 5),
+                            generator=torch.Generator().manual_seed(3))
+        f0, s0 = step.fallbacks, step.steps
+        got = _gen(model, ids, n=9)
+        # positions 5..7 fit the window of 8 (S + 1 <= 8), the steps from S = 8 on do not
+        assert step.steps - s0 == 3 and step.fallbacks - f0 == 1 + 5
+        step.enabled = False
+        try:
+            ref = _gen(model, ids, n=9)
+        finally:
+            step.enabled = True
+        assert torch.equal(got, ref)
+    finally:
+        eng.close()
+
+
+def test_not_installed_where_it_cannot_serve():
+    # layers not one C call each (dense layers in torch): no step
+    model = tiny_model("olmoe", dtype=torch.bfloat16)
+    eng = hf.offload(model, dtype="bf16", dense="torch", cache=1.0, prefetch=False)
+    try:
+        assert getattr(model, "_specmoe_decode_step", None) is None
+        assert "forward" not in vars(model)
+    finally:
+        eng.close()
+    # an architecture outside the list; a forward someone else replaced
+    other = tiny_model("gpt_oss")
+    assert install_decode_step(other) is False and "forward" not in vars(other)
+    m = tiny_model("olmoe")
+    m.model.forward = m.model.forward
+    assert install_decode_step(m) is False and "forward" not in vars(m)
+    m = tiny_model("olmoe")
+    assert install_decode_step(m) is True and install_decode_step(m) is True
+    assert isinstance(vars(m)["forward"], DecodeStep)
+    assert vars(m)["forward"].original.__func__ is type(m).forward
