@@ -59,7 +59,12 @@ one: the 64-token prompt, then 33 greedy tokens with no end-of-sequence stop (th
 2026-11-25 ``min_new_tokens``, whose per-step vocabulary scan cost the python rows ~0.5 ms a
 step), i.e. 32 decode forward passes; ``tok_per_s`` =
 32 / their time (a logits processor timestamps every forward pass; llama.cpp: its ``eval time``
-over 32 runs).  Rounds are interleaved: every round runs every row once, the row order rotated
+over 32 runs).  specmoe rows (``loop``: ``specmoe.generate``) then decode the same prompt with
+specmoe's own loop, :func:`specmoe.generate` without a drafter (prefill of the prompt but its
+last token, then 33 one-token steps; the time between the ends of the first and the last of
+its steps, ``iterations[i]["t_end"]``), which is their ``tok_per_s``; the ``model.generate``
+figure stays beside it as ``tok_per_s_model_generate`` (from 2026-11-26; earlier results'
+specmoe rows are ``model.generate``).  The per-step breakdown below runs ``model.generate``.  Rounds are interleaved: every round runs every row once, the row order rotated
 by one each round; ``vs_llama_cpp`` (specmoe f32:F32, bf16:BF16, int8:Q8_0, int4:Q4_0) and
 ``vs_torch`` (specmoe-f32 and llama.cpp-F32 vs torch-f32, every other row vs torch-bf16, the
 checkpoint dtype) are
@@ -363,6 +368,15 @@ def worker(spec_path: str) -> None:
             raise RuntimeError(f"expected {n + 1} forward passes, saw {len(st.t)}")
         return st
 
+    def gen_specmoe(ids: list[int], n: int) -> float:
+        """Seconds of n decode steps of specmoe.generate (no drafter: one token a step),
+        between the ends of its first and last steps, as the Stamp times model.generate."""
+        out = specmoe.generate(model, ids, max_new_tokens=n + 1, eos_token_id=None)
+        its = out.iterations
+        if len(its) != n + 1 or any(i["k"] for i in its):
+            raise RuntimeError(f"expected {n + 1} one-token steps, saw {len(its)}")
+        return its[-1]["t_end"] - its[0]["t_end"]
+
     n = spec["decode_tokens"]
     layers = model.model.layers
     for th in spec["threads"]:
@@ -377,6 +391,15 @@ def worker(spec_path: str) -> None:
         st = gen(spec["prompt_ids"], n, Stamp())
         r: dict[str, Any] = {"tok_per_s": n / (st.t[-1] - st.t[0]),
                              "decode_s": st.t[-1] - st.t[0]}
+        if eng is not None:
+            # specmoe's own loop (plain greedy decoding): the row's figure; transformers'
+            # generate loop, timed just before, is reported beside it
+            r["tok_per_s_model_generate"] = r["tok_per_s"]
+            enter(f"the timed specmoe.generate ({th} threads)")
+            gen_specmoe(spec["warm_ids"], spec["warm_tokens"])
+            d = gen_specmoe(spec["prompt_ids"], n)
+            r["tok_per_s"], r["decode_s"] = n / d, d
+            r["loop"] = "specmoe.generate"
         if eng is not None:
             s = eng.stats()
             r["hit_rate"] = s.get("hit_rate")
@@ -809,11 +832,14 @@ def main() -> None:
                 row["peak_rss_bytes"] = _median([x.get("peak_rss_bytes") for x in ok])
                 for key in ("load_s", "hit_rate", "outside_experts_share", "glue_share",
                             "outside_c_kernels_share", "dense_c_ms_per_step",
-                            "step_ms_instrumented", "tok_per_s_instrumented", "gguf_bytes",
+                            "step_ms_instrumented", "tok_per_s_instrumented",
+                            "tok_per_s_model_generate", "gguf_bytes",
                             "prompt_tokens_seen", "decode_tokens"):
                     v = _median([x.get(key) for x in ok])
                     if v is not None:
                         row[key] = v
+                if "loop" in ok[0]:
+                    row["loop"] = ok[0]["loop"]
                 if "breakdown_kind" in ok[0]:
                     row["breakdown_kind"] = ok[0]["breakdown_kind"]
                 if "breakdown" in ok[0]:

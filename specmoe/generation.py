@@ -55,7 +55,8 @@ class GenerateOutput:
         their counts ``lookahead_predicted`` (experts predicted, summed over layers and
         passes), ``lookahead_used`` (experts the verifications used) and ``lookahead_hits``.
     iterations: one dict per iteration: ``k_planned``, ``k`` (drafts verified), ``accepted``,
-        ``emitted``, ``t_iter``, ``t_draft``, ``experts_loaded``.
+        ``emitted``, ``t_iter``, ``t_end`` (its ``time.perf_counter()`` at the end: the time
+        between two ends spans every step in between), ``t_draft``, ``experts_loaded``.
     """
 
     sequences: torch.Tensor
@@ -396,7 +397,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             seq.extend(new)
             if mtp is not None and not done:
                 mtp.advance(seq, n_acc, sampling, gen)
-            t_iter = time.perf_counter() - t0
+            t_end = time.perf_counter()
+            t_iter = t_end - t0
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
             if controller is not None:
@@ -410,7 +412,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                 if isinstance(controller, SpeqGovernor):
                     _speq_io_cost(controller, speq_loaded, t_load)
             its.append({"k_planned": int(k_plan), "k": kd, "accepted": int(n_acc),
-                        "emitted": len(new), "t_iter": t_iter, "t_draft": t_draft,
+                        "emitted": len(new), "t_iter": t_iter, "t_end": t_end, "t_draft": t_draft,
                         "experts_loaded": n_load})
             if bar is not None:
                 bar.update(len(new))

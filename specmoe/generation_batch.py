@@ -476,7 +476,8 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
                 acc.append(int(n_acc))
                 emitted.append(len(new))
             state.trim()
-            t_iter = time.perf_counter() - t0
+            t_end = time.perf_counter()
+            t_iter = t_end - t0
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
             k_used = max(kd)
@@ -497,8 +498,8 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
                     _speq_io_cost(controller, speq_loaded, t_load)
             its.append({"k_planned": int(k_plan), "k": k_used, "accepted": sum(acc),
                         "emitted": sum(emitted), "batch": Ba, "k_rows": kd,
-                        "accepted_rows": acc, "t_iter": t_iter, "t_draft": t_draft,
-                        "experts_loaded": n_load})
+                        "accepted_rows": acc, "t_iter": t_iter, "t_end": t_end,
+                        "t_draft": t_draft, "experts_loaded": n_load})
             if bar is not None:
                 bar.update(sum(emitted))
             if finished:
