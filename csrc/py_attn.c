@@ -996,99 +996,135 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
 
 /* layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, ln1, eps1, ln2, eps2,
  * out): one whole decoder layer of T tokens (the method doc). */
-static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The checked arguments of AttnBlock.layer (ab_layer_parse), for ab_layer_run. */
+typedef struct {
+    long pos; /* checked by layer_call_begin */
+    uint32_t nt;
+    int flags, xb, cb, sb, kb, ob;
+    long long S;
+    npy_intp cap;
+    double scale;
+    const float *bias, *ln1, *ln2;
+    uint32_t bias_rows;
+    float eps1, eps2;
+    const void *xp, *cp, *sp;
+    uint8_t *kp, *vp;
+    void *op;
+} ab_layer_args;
+
+/* Check layer()'s 16 arguments (the method doc) into *a; -1 with the exception set.  Takes no
+ * lock and begins nothing: layer_call_begin comes after. */
+static int ab_layer_parse(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs,
+                          ab_layer_args *a) {
     if (!self->ready) {
         PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
-        return NULL;
+        return -1;
     }
     if (nargs != 16) {
         PyErr_Format(PyExc_TypeError,
                      "layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, "
                      "ln1, eps1, ln2, eps2, out) takes 16 arguments, got %zd", nargs);
-        return NULL;
+        return -1;
     }
-    const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
+    const uint32_t Hkv = self->Hkv, D = self->D, hid = self->hidden;
     long pos = PyLong_AsLong(args[1]);
     long long S = PyLong_AsLongLong(args[8]);
     double scale = PyFloat_AsDouble(args[10]);
-    if (PyErr_Occurred()) return NULL;
-    int flags;
-    if (smoe_py_route_flags(args[2], &flags)) return NULL;
+    if (PyErr_Occurred()) return -1;
+    if (smoe_py_route_flags(args[2], &a->flags)) return -1;
     npy_intp T;
-    int xb, cb, sb;
-    if (block_inputs(self, args[3], args[4], args[5], &T, &xb, &cb, &sb)) return NULL;
-    int kb = smoe_py_f32_or_bf16(args[6], "kbuf", 4, 1);
+    if (block_inputs(self, args[3], args[4], args[5], &T, &a->xb, &a->cb, &a->sb)) return -1;
+    a->kb = smoe_py_f32_or_bf16(args[6], "kbuf", 4, 1);
     int vb = smoe_py_f32_or_bf16(args[7], "vbuf", 4, 1);
-    if (kb < 0 || vb < 0) return NULL;
+    if (a->kb < 0 || vb < 0) return -1;
     npy_intp cap = PyArray_DIM((PyArrayObject *)args[6], 2);
     npy_intp w_kv[4] = {1, Hkv, cap, D}, w_o[2] = {T, hid};
     if (dims_are(args[6], "kbuf [1, kv_heads, capacity, head_dim]", w_kv, 4) ||
         dims_are(args[7], "vbuf [1, kv_heads, capacity, head_dim]", w_kv, 4))
-        return NULL;
-    if (kb != vb) {
+        return -1;
+    if (a->kb != vb) {
         PyErr_SetString(PyExc_ValueError, "kbuf and vbuf must have the same dtype");
-        return NULL;
+        return -1;
     }
     if (S < 0 || S + T > cap) {
         PyErr_Format(PyExc_ValueError, "layer: S=%lld cached + %zd new positions do not fit a "
                      "capacity of %zd", S, (Py_ssize_t)T, (Py_ssize_t)cap);
-        return NULL;
+        return -1;
     }
-    const float *bias;
-    uint32_t bias_rows;
-    if (bias_arg(args[9], 1, T, (npy_intp)S + T, &bias, &bias_rows)) return NULL;
-    const float *ln1, *ln2;
-    float eps1, eps2;
-    if (norm_arg(args[11], args[12], hid, &ln1, &eps1) ||
-        norm_arg(args[13], args[14], hid, &ln2, &eps2))
-        return NULL;
-    int ob = smoe_py_f32_or_bf16(args[15], "out", 2, 1);
-    if (ob < 0 || dims_are(args[15], "out [T, hidden]", w_o, 2)) return NULL;
-    if (ob != xb) {
+    if (bias_arg(args[9], 1, T, (npy_intp)S + T, &a->bias, &a->bias_rows)) return -1;
+    if (norm_arg(args[11], args[12], hid, &a->ln1, &a->eps1) ||
+        norm_arg(args[13], args[14], hid, &a->ln2, &a->eps2))
+        return -1;
+    a->ob = smoe_py_f32_or_bf16(args[15], "out", 2, 1);
+    if (a->ob < 0 || dims_are(args[15], "out [T, hidden]", w_o, 2)) return -1;
+    if (a->ob != a->xb) {
         PyErr_SetString(PyExc_ValueError, "x and out must have the same dtype");
-        return NULL;
+        return -1;
     }
     if (PyArray_DATA((PyArrayObject *)args[15]) == PyArray_DATA((PyArrayObject *)args[3])) {
         PyErr_SetString(PyExc_ValueError, "out must not alias x");
-        return NULL;
+        return -1;
     }
-    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
-    if (!c) return NULL;
-    smoe_layers *g = layer_call_begin(args[0], pos, hid);
-    if (!g) return NULL;
-    const uint32_t nt = (uint32_t)T;
-    const size_t esz = kb ? 2 : 4, kv_hs = (size_t)cap * D;
-    const void *xp = PyArray_DATA((PyArrayObject *)args[3]);
-    const void *cp = PyArray_DATA((PyArrayObject *)args[4]);
-    const void *sp = PyArray_DATA((PyArrayObject *)args[5]);
-    uint8_t *kp = PyArray_DATA((PyArrayObject *)args[6]);
-    uint8_t *vp = PyArray_DATA((PyArrayObject *)args[7]);
-    void *op = PyArray_DATA((PyArrayObject *)args[15]);
-    smoe_err err;
-    smoe_err_clear(&err);
-    int rc = SMOE_OK;
-    double t0, t1, t2; /* the method's return: time in the attention and MoE parts */
-    Py_BEGIN_ALLOW_THREADS
+    a->pos = pos;
+    a->nt = (uint32_t)T;
+    a->S = S;
+    a->cap = cap;
+    a->scale = scale;
+    a->xp = PyArray_DATA((PyArrayObject *)args[3]);
+    a->cp = PyArray_DATA((PyArrayObject *)args[4]);
+    a->sp = PyArray_DATA((PyArrayObject *)args[5]);
+    a->kp = PyArray_DATA((PyArrayObject *)args[6]);
+    a->vp = PyArray_DATA((PyArrayObject *)args[7]);
+    a->op = PyArray_DATA((PyArrayObject *)args[15]);
+    return 0;
+}
+
+/* One decoder layer of checked arguments on the MoE layers g, without the GIL, under the
+ * block's mutex; *ta and *tm get the time in its attention and MoE parts. */
+static int ab_layer_run(AttnBlockObject *self, smoe_kctx *c, smoe_layers *g,
+                        const ab_layer_args *a, double *ta, double *tm, smoe_err *err) {
+    const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden, nt = a->nt;
+    const size_t esz = a->kb ? 2 : 4, kv_hs = (size_t)a->cap * D, S = (size_t)a->S;
     pthread_mutex_lock(&self->mu);
     const size_t mt = self->max_tokens;
     float *extra = self->buf + mt * (hid + (size_t)(H + 2 * Hkv) * D + (size_t)H * D) + 2 * D;
     float *q = extra, *h = q + mt * H * D, *nrm = h + mt * hid, *moe = nrm + mt * hid;
-    t0 = t1 = smoe_now();
+    double t0 = smoe_now(), t1 = t0;
     /* input norm, projections, q/k norms, rotary; k, v appended at S */
-    rc = block_pre(self, c, xp, xb, cp, cb, sp, sb, nt, ln1, eps1, q, kp + (size_t)S * D * esz,
-                   kb, vp + (size_t)S * D * esz, vb, kv_hs, &err);
+    int rc = block_pre(self, c, a->xp, a->xb, a->cp, a->cb, a->sp, a->sb, nt, a->ln1, a->eps1, q,
+                       a->kp + S * D * esz, a->kb, a->vp + S * D * esz, a->kb, kv_hs, err);
     if (rc == SMOE_OK) /* attention over the S + T positions, output projection */
-        rc = block_post(self, c, q, kp, vp, kb ? SMOE_WDT_BF16 : SMOE_WDT_F32, (size_t)Hkv * kv_hs,
-                        kv_hs, nt, (uint32_t)(S + nt), bias, bias_rows, (float)scale, h, &err);
+        rc = block_post(self, c, q, a->kp, a->vp, a->kb ? SMOE_WDT_BF16 : SMOE_WDT_F32,
+                        (size_t)Hkv * kv_hs, kv_hs, nt, (uint32_t)(S + nt), a->bias,
+                        a->bias_rows, (float)a->scale, h, err);
     if (rc == SMOE_OK)
-        rc = decoder_tail(self->bf16, g, (uint32_t)pos, flags, nt, hid, h, xp, xb, ln2, eps2, nrm,
-                          moe, &self->route, &self->route_cap, op, ob, &t1, &err);
-    t2 = smoe_now();
+        rc = decoder_tail(self->bf16, g, (uint32_t)a->pos, a->flags, nt, hid, h, a->xp, a->xb,
+                          a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap, a->op, a->ob,
+                          &t1, err);
+    double t2 = smoe_now();
     pthread_mutex_unlock(&self->mu);
+    *ta = t1 - t0;
+    *tm = t2 - t1;
+    return rc;
+}
+
+static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    ab_layer_args a;
+    if (ab_layer_parse(self, args, nargs, &a)) return NULL;
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_layers *g = layer_call_begin(args[0], a.pos, self->hidden);
+    if (!g) return NULL;
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    double ta, tm; /* the method's return: time in the attention and MoE parts */
+    Py_BEGIN_ALLOW_THREADS
+    rc = ab_layer_run(self, c, g, &a, &ta, &tm, &err);
     Py_END_ALLOW_THREADS
     smoe_py_layers_end(args[0]);
     if (rc != 0) return smoe_py_raise(&err);
-    return Py_BuildValue("(dd)", t1 - t0, t2 - t1);
+    return Py_BuildValue("(dd)", ta, tm);
 }
 
 static PyMethodDef ab_methods[] = {
@@ -1548,50 +1584,78 @@ static PyObject *mlab_attn(MLABlockObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out):
- * one whole decoder layer (the method doc). */
-static PyObject *mlab_layer(MLABlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The checked arguments of MLABlock.layer (mlab_layer_parse), for mlab_layer_run. */
+typedef struct {
+    long pos; /* checked by layer_call_begin */
+    int flags;
+    mlab_args a;
+    void *op;
+} mlab_layer_args;
+
+/* Check layer()'s 14 arguments (the method doc) into *l; -1 with the exception set. */
+static int mlab_layer_parse(MLABlockObject *self, PyObject *const *args, Py_ssize_t nargs,
+                            mlab_layer_args *l) {
     if (!self->ready) {
         PyErr_SetString(PyExc_ValueError, "MLABlock is not initialised");
-        return NULL;
+        return -1;
     }
     if (nargs != 14) {
         PyErr_Format(PyExc_TypeError, "layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, "
                      "bias, ln1, eps1, ln2, eps2, out) takes 14 arguments, got %zd", nargs);
-        return NULL;
+        return -1;
     }
     long pos = PyLong_AsLong(args[1]);
-    if (pos == -1 && PyErr_Occurred()) return NULL;
-    int flags;
-    if (smoe_py_route_flags(args[2], &flags)) return NULL;
-    mlab_args a;
-    if (mlab_parse(self, args + 3, &a) || mlab_out(self, args[13], "out", &a, NULL)) return NULL;
-    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
-    if (!c) return NULL;
+    if (pos == -1 && PyErr_Occurred()) return -1;
+    if (smoe_py_route_flags(args[2], &l->flags)) return -1;
+    if (mlab_parse(self, args + 3, &l->a) || mlab_out(self, args[13], "out", &l->a, NULL))
+        return -1;
+    l->pos = pos;
+    l->op = PyArray_DATA((PyArrayObject *)args[13]);
+    return 0;
+}
+
+/* One decoder layer of checked arguments on the MoE layers g, without the GIL, under the
+ * block's mutex; *ta and *tm get the time in its attention and MoE parts. */
+static int mlab_layer_run(MLABlockObject *self, smoe_kctx *c, smoe_layers *g,
+                          const mlab_layer_args *l, double *ta, double *tm, smoe_err *err) {
+    const mlab_args *a = &l->a;
     const uint32_t hid = self->hidden;
-    smoe_layers *g = layer_call_begin(args[0], pos, hid);
-    if (!g) return NULL;
-    void *op = PyArray_DATA((PyArrayObject *)args[13]);
-    smoe_err err;
-    smoe_err_clear(&err);
-    int rc;
-    double t0, t1, t2;
-    Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
     float *h = mlab_h(self), *nrm = h + self->max_tokens * hid;
     float *moe = nrm + self->max_tokens * hid;
-    t0 = t1 = smoe_now();
-    rc = mlab_pre_post(self, c, a.xp, a.xb, a.fp, a.nt, a.ln1, a.eps1, a.cp, a.kp, a.cb, a.S,
-                       a.bias, a.bias_rows, h, &err);
+    double t0 = smoe_now(), t1 = t0;
+    int rc = mlab_pre_post(self, c, a->xp, a->xb, a->fp, a->nt, a->ln1, a->eps1, a->cp, a->kp,
+                           a->cb, a->S, a->bias, a->bias_rows, h, err);
     if (rc == SMOE_OK)
-        rc = decoder_tail(self->bf16, g, (uint32_t)pos, flags, a.nt, hid, h, a.xp, a.xb, a.ln2,
-                          a.eps2, nrm, moe, &self->route, &self->route_cap, op, a.xb, &t1, &err);
-    t2 = smoe_now();
+        rc = decoder_tail(self->bf16, g, (uint32_t)l->pos, l->flags, a->nt, hid, h, a->xp,
+                          a->xb, a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap, l->op,
+                          a->xb, &t1, err);
+    double t2 = smoe_now();
     pthread_mutex_unlock(&self->mu);
+    *ta = t1 - t0;
+    *tm = t2 - t1;
+    return rc;
+}
+
+/* layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out):
+ * one whole decoder layer (the method doc). */
+static PyObject *mlab_layer(MLABlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    mlab_layer_args l;
+    if (mlab_layer_parse(self, args, nargs, &l)) return NULL;
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_layers *g = layer_call_begin(args[0], l.pos, self->hidden);
+    if (!g) return NULL;
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    double ta, tm;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mlab_layer_run(self, c, g, &l, &ta, &tm, &err);
     Py_END_ALLOW_THREADS
     smoe_py_layers_end(args[0]);
     if (rc != 0) return smoe_py_raise(&err);
-    return Py_BuildValue("(dd)", t1 - t0, t2 - t1);
+    return Py_BuildValue("(dd)", ta, tm);
 }
 
 static PyMethodDef mlab_methods[] = {
@@ -1673,7 +1737,114 @@ static PyObject *py_rms_norm(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* The most decoder layers one layer_chain call takes (its items live on the stack). */
+#define CHAIN_MAX 128
+
+typedef struct {
+    int mla;           /* an MLABlock's layer, else an AttnBlock's */
+    PyObject *blk;     /* borrowed from the calls tuple */
+    PyObject *layers;  /* borrowed: the _C.Layers of the call, begun */
+    smoe_kctx *c;
+    smoe_layers *g;
+    union {
+        ab_layer_args ab;
+        mlab_layer_args ml;
+    } u;
+} chain_item;
+
+/* layer_chain(calls): decoder layers one after another with the GIL released once (see the
+ * method doc).  On a decode step whose weights stream through the CPU caches, each return to
+ * the interpreter between two layers costs tens of microseconds of cold Python. */
+static PyObject *py_layer_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 1 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "layer_chain(calls) takes one tuple of (block, args)");
+        return NULL;
+    }
+    PyObject *calls = args[0];
+    const Py_ssize_t n = PyTuple_GET_SIZE(calls);
+    if (n > CHAIN_MAX) {
+        PyErr_Format(PyExc_ValueError, "layer_chain: %zd layers, at most %d", n, CHAIN_MAX);
+        return NULL;
+    }
+    chain_item it[CHAIN_MAX];
+    Py_ssize_t begun = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *call = PyTuple_GET_ITEM(calls, i);
+        if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 2 ||
+            !PyTuple_Check(PyTuple_GET_ITEM(call, 1))) {
+            PyErr_Format(PyExc_TypeError, "layer_chain: call %zd is not (block, args tuple)", i);
+            goto fail;
+        }
+        PyObject *blk = PyTuple_GET_ITEM(call, 0), *a = PyTuple_GET_ITEM(call, 1);
+        PyObject *const *av = &PyTuple_GET_ITEM(a, 0);
+        const Py_ssize_t an = PyTuple_GET_SIZE(a);
+        chain_item *c = &it[i];
+        uint32_t hid;
+        long pos;
+        c->blk = blk;
+        if (PyObject_TypeCheck(blk, &AttnBlockType)) {
+            AttnBlockObject *b = (AttnBlockObject *)blk;
+            c->mla = 0;
+            if (ab_layer_parse(b, av, an, &c->u.ab)) goto fail;
+            c->c = smoe_py_kctx(b->ctx_obj);
+            hid = b->hidden;
+            pos = c->u.ab.pos;
+        } else if (PyObject_TypeCheck(blk, &MLABlockType)) {
+            MLABlockObject *b = (MLABlockObject *)blk;
+            c->mla = 1;
+            if (mlab_layer_parse(b, av, an, &c->u.ml)) goto fail;
+            c->c = smoe_py_kctx(b->ctx_obj);
+            hid = b->hidden;
+            pos = c->u.ml.pos;
+        } else {
+            PyErr_Format(PyExc_TypeError, "layer_chain: call %zd's block is a %s, not an "
+                         "AttnBlock or MLABlock", i, Py_TYPE(blk)->tp_name);
+            goto fail;
+        }
+        if (!c->c) goto fail;
+        c->layers = av[0];
+        if (!(c->g = layer_call_begin(c->layers, pos, hid))) goto fail;
+        begun = i + 1;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = SMOE_OK;
+    double ta = 0, tm = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && rc == SMOE_OK; i++) {
+        double a1, m1;
+        const chain_item *c = &it[i];
+        rc = c->mla ? mlab_layer_run((MLABlockObject *)c->blk, c->c, c->g, &c->u.ml, &a1, &m1,
+                                     &err)
+                    : ab_layer_run((AttnBlockObject *)c->blk, c->c, c->g, &c->u.ab, &a1, &m1,
+                                   &err);
+        ta += a1;
+        tm += m1;
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) smoe_py_layers_end(it[i].layers);
+    if (rc != 0) return smoe_py_raise(&err);
+    return Py_BuildValue("(dd)", ta, tm);
+fail: {
+    /* the ends look the cache up: they must not run with the exception pending */
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    for (Py_ssize_t i = 0; i < begun; i++) smoe_py_layers_end(it[i].layers);
+    PyErr_Restore(et, ev, tb);
+    return NULL;
+}
+}
+
 static PyMethodDef attn_functions[] = {
+    {"layer_chain", (PyCFunction)(void (*)(void))py_layer_chain, METH_FASTCALL,
+     "layer_chain(calls) -> (attention_s, moe_s): decoder layers one after another, the GIL "
+     "released once.  calls: a tuple of (block, args), block an AttnBlock or MLABlock and "
+     "args the tuple of its layer() arguments (one layer's out is typically the next one's "
+     "x).  Every call is checked first: a bad one raises before any layer runs.  A layer "
+     "failing stops the chain and raises (the layers before it have run: their KV positions "
+     "and outputs are written).  Returns the time in the layers' attention and MoE parts, "
+     "summed.  At most 128 layers."},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, w, eps, out, bf16): out = w * x * rsqrt(mean(x^2) + eps) per row of x [T, n] "
      "(float32 or bf16 bits; out the same dtype and shape), w float32 [n]; bf16: round as a "

@@ -213,6 +213,10 @@ class AttnBlock:
             k: np.ndarray, v: np.ndarray) -> None: ...
     def post(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
              scale: float, out: np.ndarray) -> None: ...
+    def layer(self, layers: Layers, pos: int, route_flags: int, x: np.ndarray,
+              cos: np.ndarray, sin: np.ndarray, kbuf: np.ndarray, vbuf: np.ndarray, S: int,
+              bias: np.ndarray | None, scale: float, ln1: np.ndarray, eps1: float,
+              ln2: np.ndarray, eps2: float, out: np.ndarray) -> tuple[float, float]: ...
 
 class MLABlock:
     """A DeepSeek-V2/V3 decoder layer's MLA attention module at decode sizes in one call
@@ -236,6 +240,12 @@ class MLABlock:
               freqs: np.ndarray, cbuf: np.ndarray, kbuf: np.ndarray, S: int,
               bias: np.ndarray | None, ln1: np.ndarray, eps1: float, ln2: np.ndarray,
               eps2: float, out: np.ndarray) -> tuple[float, float]: ...
+
+def layer_chain(calls: tuple[tuple[AttnBlock | MLABlock, tuple[Any, ...]], ...]
+                ) -> tuple[float, float]:
+    """Decoder layers one after another with the GIL released once (specmoe.decode_step):
+    each call is (block, the arguments of its ``layer`` method); all are checked before any
+    runs; returns the seconds in their attention and MoE parts, summed.  At most 128."""
 
 class MLADecode:
     """Multi-head latent attention in the absorbed form (specmoe.mla, csrc/kernels/attn.h).

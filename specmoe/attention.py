@@ -36,7 +36,7 @@ from torch import nn
 from . import _C
 from .kernels import tensor_array
 from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, LLAMA_RMSNORMS
-from .kvcache import kv_append, kv_buffers
+from .kvcache import kv_advance, kv_append, kv_buffers
 from .mla import _mask_bias, _mask_readable, decode_route, per_step_rope
 
 __all__ = ["ATTENTION_MAX_TOKENS", "CRMSNorm", "convert_norms", "fuse_attention",
@@ -289,6 +289,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
                                 ln[1], float(layer.post_attention_layernorm.variance_epsilon))
         layer.forward = _fused_layer_forward(layer, layer.forward)
+        layer._specmoe_chain = chain_call
     return done
 
 
@@ -330,29 +331,53 @@ def _fuse_qkv(projs: list[Any], ctx: _C.KernelContext) -> _C.Linear | None:
     return _C.Linear(ctx, desc, block, bias)
 
 
+def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
+                attention_mask: Any, bufs: tuple, route: tuple) -> tuple:
+    """The arguments of ``_C.AttnBlock.layer`` for T tokens x [1, T, hidden] into out (the
+    same shape and dtype, another tensor) on the KV buffers ``bufs`` (kv_buffers) and the
+    Engine route ``route`` (decode_route)."""
+    attn = layer.self_attn
+    D, hidden = attn._specmoe_block_shape[2:4]
+    _, _, _, ka, va, S = bufs
+    eng, pos, flags, _ = route
+    T = x.shape[1]
+    cos, sin = per_step_rope(pe, T, D, lambda: tuple(
+        tensor_array(p.reshape(-1, D)[-T:].contiguous()) for p in pe))
+    ln1, e1, ln2, e2 = layer._specmoe_norms
+    return (eng._layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()), cos, sin,
+            ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1, e1,
+            ln2, e2, tensor_array(out.view(T, hidden)))
+
+
 def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, bufs: tuple,
                 route: tuple) -> torch.Tensor:
     """A whole decoder layer of T tokens in one C call (``_C.AttnBlock.layer``): the attention
     block with its norms and residual add, the new positions written straight into the KV
     buffers, the MoE block routed in C, the second residual add."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    args = _layer_args(layer, x, out, pe, attention_mask, bufs, route)
+    with route[0]._layer_call_slot():
+        layer.self_attn._specmoe_block.layer(*args)
+    kv_advance(bufs, x.shape[1])
+    return out
+
+
+def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
+               cache: Any) -> tuple | None:
+    """One decode step of a fused decoder layer as an item of ``_C.layer_chain``: (block,
+    ``layer()`` arguments, KV buffers, Engine) for x [1, T, hidden] into out with no mask
+    (every cached position seen), or None when the step must take the layer's forward (the
+    checks of that forward; a block that is not a plain ``_C.AttnBlock``)."""
     attn = layer.self_attn
     blk = attn._specmoe_block
-    H, Hkv, D, hidden, dt = attn._specmoe_block_shape
-    lay, kt, vt, ka, va, S = bufs
-    eng, pos, flags, _ = route
-    T = x.shape[1]
-    cos, sin = per_step_rope(pe, T, D, lambda: tuple(
-        tensor_array(p.reshape(-1, D)[-T:].contiguous()) for p in pe))
-    bias = _bias_array(attention_mask, T, S + T)
-    out = torch.empty(1, T, hidden, dtype=dt)
-    ln1, e1, ln2, e2 = layer._specmoe_norms
-    with eng._layer_call_slot():
-        blk.layer(eng._layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()),
-                  cos, sin, ka, va, S, bias, attn._specmoe_scaling, ln1, e1, ln2, e2,
-                  tensor_array(out.view(T, hidden)))
-    lay.keys = kt[:, :, :S + T]
-    lay.values = vt[:, :, :S + T]
-    return out
+    if type(blk) is not _C.AttnBlock or layer.training \
+            or not _decodable(attn, x, pe, None, {}):
+        return None
+    route = decode_route(layer, x)
+    bufs = None if route is None else kv_buffers(cache, attn.layer_idx, x.shape[1])
+    if bufs is None:
+        return None
+    return blk, _layer_args(layer, x, out, pe, None, bufs, route), bufs, route[0]
 
 
 def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,

@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .kernels import tensor_array
 
-__all__ = ["kv_append", "kv_buffers"]
+__all__ = ["kv_advance", "kv_append", "kv_buffers"]
 
 _KV_SPARE = 256  # positions of spare room at least, when a layer is (re)buffered
 
@@ -39,9 +39,16 @@ def kv_append(cache: Any, idx: int, k: torch.Tensor, v: torch.Tensor,
     lay, kt, vt, _, _, S = bufs
     kt[:, :, S:S + T].copy_(k)
     vt[:, :, S:S + T].copy_(v)
+    kv_advance(bufs, T)
+    return lay.keys, lay.values
+
+
+def kv_advance(bufs: tuple, T: int) -> None:
+    """The layer of ``bufs`` (:func:`kv_buffers`) holds T more positions, written into its
+    buffers: its keys/values become the buffers' first S + T positions."""
+    lay, kt, vt, _, _, S = bufs
     lay.keys = kt[:, :, :S + T]
     lay.values = vt[:, :, :S + T]
-    return lay.keys, lay.values
 
 
 def kv_buffers(cache: Any, idx: int, T: int) -> tuple | None:

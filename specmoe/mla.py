@@ -45,7 +45,7 @@ from torch import nn
 
 from . import _C
 from .kernels import tensor_array
-from .kvcache import kv_append, kv_buffers
+from .kvcache import kv_advance, kv_append, kv_buffers
 from .quant import quantize_int4, quantize_int8
 
 __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_attention"]
@@ -446,6 +446,7 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
         layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
                                 ln[1], float(layer.post_attention_layernorm.variance_epsilon))
         layer.forward = _mla_layer_forward(layer, layer.forward)
+        layer._specmoe_chain = chain_call
         done.append(f"{name}.self_attn" if name else "self_attn")
     return done
 
@@ -520,7 +521,7 @@ def _mla_layer_forward(layer: nn.Module, original: Any) -> Any:
     """A DeepSeek-V2/V3 decoder layer's forward with its decode steps through its MLABlock
     (:func:`fuse_mla`)."""
     attn = layer.self_attn
-    dt, rope = layer._specmoe_mlab_parts[2:]
+    rope = layer._specmoe_mlab_parts[3]
     dr = attn.qk_rope_head_dim
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -529,14 +530,10 @@ def _mla_layer_forward(layer: nn.Module, original: Any) -> Any:
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         x = hidden_states
-        T = x.shape[1] if x.dim() == 3 else 0
         pe = position_embeddings
         bufs = None
-        if (not layer.training and x.dim() == 3 and x.shape[0] == 1
-                and 1 <= T <= attn._specmoe_mla_max and x.dtype == dt and x.device.type == "cpu"
-                and _rope_ok(pe, rope, T, dr) and _mask_readable(attention_mask, T)
-                and (attention_mask is None or attention_mask.shape[:2] == (1, 1))):
-            bufs = kv_buffers(cache, attn.layer_idx, T)
+        if _mla_decodable(layer, x, pe, attention_mask):
+            bufs = kv_buffers(cache, attn.layer_idx, x.shape[1])
         blk = _mla_block(layer) if bufs is not None else None
         if blk is None:
             return original(hidden_states, attention_mask=attention_mask,
@@ -580,31 +577,71 @@ def decode_route(layer: nn.Module, x: torch.Tensor) -> tuple | None:
     return route
 
 
-def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: str, dr: int,
-                    attention_mask: torch.Tensor | None, bufs: tuple) -> torch.Tensor:
-    """One decode step of the layer through its MLABlock (see :func:`fuse_mla`)."""
-    lay, ct, kt, ca, ka, S = bufs
+def _mla_args(layer: nn.Module, x: torch.Tensor, pe: Any, rope: str, dr: int,
+              attention_mask: torch.Tensor | None, bufs: tuple) -> tuple:
+    """The arguments common to ``_C.MLABlock.attn`` and ``.layer`` for x [1, T, hidden] on the
+    KV buffers ``bufs`` (kv_buffers): x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2."""
+    _, _, _, ca, ka, S = bufs
     T, hidden = x.shape[1], x.shape[2]
     freqs = per_step_rope(pe, T, dr, lambda: _rope_array(pe, rope, T, dr))
     bias = _mask_bias(attention_mask, T, S + T, torch.float32)
     if bias is not None:
         bias = bias.reshape(1, T, S + T).contiguous().numpy()
-    xa = tensor_array(x.reshape(T, hidden).contiguous())
-    ln1, e1, ln2, e2 = layer._specmoe_norms
+    return (tensor_array(x.reshape(T, hidden).contiguous()), freqs, ca, ka, S, bias,
+            *layer._specmoe_norms)
+
+
+def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: str, dr: int,
+                    attention_mask: torch.Tensor | None, bufs: tuple) -> torch.Tensor:
+    """One decode step of the layer through its MLABlock (see :func:`fuse_mla`)."""
+    T, hidden = x.shape[1], x.shape[2]
+    args = _mla_args(layer, x, pe, rope, dr, attention_mask, bufs)
     out = torch.empty(1, T, hidden, dtype=x.dtype)
     route = decode_route(layer, x)
     if route is not None:
         eng, pos, flags, _ = route
         with eng._layer_call_slot():
-            blk.layer(eng._layers, pos, flags, xa, freqs, ca, ka, S, bias, ln1, e1, ln2, e2,
-                      tensor_array(out.view(T, hidden)))
+            blk.layer(eng._layers, pos, flags, *args, tensor_array(out.view(T, hidden)))
         normed = None
     else:
         normed = torch.empty(1, T, hidden, dtype=x.dtype)
-        blk.attn(xa, freqs, ca, ka, S, bias, ln1, e1, ln2, e2, tensor_array(out.view(T, hidden)),
-                 tensor_array(normed.view(T, hidden)))
-    lay.keys = ct[:, :, :S + T]
-    lay.values = kt[:, :, :S + T]
+        blk.attn(*args, tensor_array(out.view(T, hidden)), tensor_array(normed.view(T, hidden)))
+    kv_advance(bufs, T)
     if normed is not None:
         out = out + layer.mlp(normed)
     return out
+
+
+def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
+                   attention_mask: torch.Tensor | None) -> bool:
+    """Whether the layer's MLABlock serves this call (else the layer's own forward)."""
+    attn = layer.self_attn
+    dt, rope = layer._specmoe_mlab_parts[2:]
+    T = x.shape[1] if x.dim() == 3 else 0
+    return (not layer.training and x.dim() == 3 and x.shape[0] == 1
+            and 1 <= T <= attn._specmoe_mla_max and x.dtype == dt and x.device.type == "cpu"
+            and _rope_ok(pe, rope, T, attn.qk_rope_head_dim)
+            and _mask_readable(attention_mask, T)
+            and (attention_mask is None or attention_mask.shape[:2] == (1, 1)))
+
+
+def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
+               cache: Any) -> tuple | None:
+    """One decode step of a fused DeepSeek decoder layer as an item of ``_C.layer_chain``:
+    (block, ``layer()`` arguments, KV buffers, Engine) for x [1, T, hidden] into out with no
+    mask, or None when the step must take the layer's forward (its checks; a layer whose MoE
+    block does not route in C, such as the dense first layer)."""
+    if not _mla_decodable(layer, x, pe, None):
+        return None
+    route = decode_route(layer, x)
+    attn = layer.self_attn
+    bufs = None if route is None else kv_buffers(cache, attn.layer_idx, x.shape[1])
+    blk = None if bufs is None else _mla_block(layer)
+    if type(blk) is not _C.MLABlock:
+        return None
+    eng, pos, flags, _ = route
+    T, hidden = x.shape[1], x.shape[2]
+    args = _mla_args(layer, x, pe, layer._specmoe_mlab_parts[3], attn.qk_rope_head_dim, None,
+                     bufs)
+    return (blk, (eng._layers, pos, flags, *args, tensor_array(out.view(T, hidden))), bufs,
+            eng)

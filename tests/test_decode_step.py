@@ -1,20 +1,24 @@
 """specmoe.decode_step: one-token forwards of an offloaded model whose decoder layers are one C
-call each skip transformers' model-level Python.  Reference: the same model with the step
-switched off (its own forward, transformers' mask and output code): logits, caches and
-generated tokens bit for bit, on every architecture of DECODE_STEP_MODELS; the calls that must
-go to the model's own forward do; models it cannot serve are left alone."""
+call each skip transformers' model-level Python, and run those layers in one
+``_C.layer_chain`` call.  Reference: the same model with the step switched off (its own
+forward, transformers' mask and output code) or its layers called one by one: logits, caches
+and generated tokens bit for bit, on every architecture of DECODE_STEP_MODELS; the calls that
+must go to the model's own forward do; models it cannot serve are left alone; a bad chain
+raises before any layer runs."""
 from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import specmoe
-from specmoe import hf
+from specmoe import _C, hf
 from specmoe.arch import DECODE_STEP_MODELS
 from specmoe.decode_step import DecodeStep, install_decode_step
+from specmoe.kvcache import kv_advance
 from specmoe.testing import tiny_config, tiny_model
 
 ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
@@ -76,6 +80,10 @@ def test_step_equals_the_models_own_forward(arch, dt):
                 for a, b in zip(kv.layers, kv_off.layers):
                     assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                 tok = on.logits[:, -1:].argmax(-1)
+        # layers that route their MoE block in C go through layer_chain (Qwen2-MoE's shared
+        # expert gate and DeepSeek-V3's group-limited router keep theirs in torch)
+        chains = arch not in ("qwen2_moe", "deepseek_v3")
+        assert (step.chained > 0) == chains
         # whole generations: transformers' loop and specmoe's
         n0 = step.steps
         got = _gen(model, ids)
@@ -90,6 +98,84 @@ def test_step_equals_the_models_own_forward(arch, dt):
             step.enabled = True
         assert torch.equal(got, ref)
         assert torch.equal(sg.sequences, sg_ref.sequences)
+        step.chaining = False  # every layer through its forward, one call each
+        try:
+            c0 = step.chained
+            assert torch.equal(_gen(model, ids), got) and step.chained == c0
+        finally:
+            step.chaining = True
+    finally:
+        eng.close()
+
+
+def _chain_items(layers, cache, h, pe):
+    """The layer_chain items of ``layers`` for one step (h [1, 1, hidden] input)."""
+    items, outs = [], []
+    for lyr in layers:
+        out = torch.empty_like(h)
+        it = lyr._specmoe_chain(lyr, h, out, pe, cache)
+        if it is None:
+            return items, outs
+        items.append(it)
+        outs.append(out)
+        h = out
+    return items, outs
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "deepseek_v2"])
+def test_layer_chain_equals_layer_calls_and_checks_first(arch):
+    model, eng = _offloaded(arch, torch.bfloat16)
+    try:
+        base = model.model
+        ids = torch.randint(0, model.config.vocab_size, (1, 5),
+                            generator=torch.Generator().manual_seed(4))
+        kv = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, cache=kv, use_cache=True)
+            S = kv.get_seq_length()
+            # the dense first layer of DeepSeek-V2 runs in torch: start after it
+            first = 1 if arch == "deepseek_v2" else 0
+            h0 = base.embed_tokens(torch.tensor([[9]]))
+            pos = torch.tensor([[S]])
+            pe = base.rotary_emb(h0, pos)
+            for lyr in base.layers[:first]:
+                h0 = lyr(h0, position_embeddings=pe, attention_mask=None, position_ids=pos,
+                         cache=kv, use_cache=True)
+        kv_ref = copy.deepcopy(kv)
+        items, outs = _chain_items(base.layers[first:], kv, h0, pe)
+        assert len(items) == len(base.layers) - first >= 2
+        before = [(it[2][3].copy(), it[2][4].copy()) for it in items]
+        calls = tuple((it[0], it[1]) for it in items)
+        # a bad item anywhere: nothing runs (the first layer's buffers stay as they were)
+        bad_args = list(calls[1][1])
+        bad_args[1] = 10 ** 6  # a layer position the Layers object does not have
+        bads = [(calls[0], (calls[1][0], tuple(bad_args))),   # the second call's position
+                (calls[0], (object(), ())),                    # not a block
+                (calls[0], (calls[1][0], calls[1][1][:-1])),   # an argument short
+                calls + ((calls[0][0],),)]                     # not (block, args)
+        for bad in bads:
+            with pytest.raises((TypeError, ValueError)):
+                _C.layer_chain(bad)
+            for it, (k0, v0) in zip(items, before):
+                assert np.array_equal(it[2][3], k0) and np.array_equal(it[2][4], v0)
+        with pytest.raises(TypeError):
+            _C.layer_chain([calls[0]])
+        with pytest.raises(ValueError):
+            _C.layer_chain(calls[:1] * 129)
+        assert _C.layer_chain(()) == (0.0, 0.0)
+        ta, tm = _C.layer_chain(calls)
+        assert ta > 0 and tm > 0
+        # the reference: each layer's own call on the copy of the cache
+        h = h0
+        with torch.no_grad():
+            for lyr in base.layers[first:]:
+                h = lyr(h, position_embeddings=pe, attention_mask=None, position_ids=pos,
+                        cache=kv_ref, use_cache=True)
+        assert torch.equal(outs[-1], h)
+        for it in items:
+            kv_advance(it[2], 1)
+        for a, b in zip(kv.layers, kv_ref.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     finally:
         eng.close()
 
