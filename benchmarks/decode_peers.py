@@ -92,7 +92,8 @@ microseconds per module call; the instrumented run's tok/s is reported beside th
 Rows whose decoder layers run as one C call each (``specmoe+dense``: specmoe.attention's fused
 layers at OLMoE shapes, specmoe.mla's at DeepSeek-V2 shapes; ``breakdown_kind`` says so):
 ``attention`` and ``experts`` are the C time of that call's two parts (it reports them; with
-the routing and shared experts at DeepSeek shapes), ``lm_head`` the module's time,
+the routing and shared experts at DeepSeek shapes; consecutive such layers run in one
+``_C.layer_chain`` call of specmoe.decode_step, which reports the same split summed), ``lm_head`` the module's time,
 ``mlp_outside_the_call`` the MLPs the layer calls from Python after its attention call
 (DeepSeek-V2's dense first layer), and ``other`` everything else -- embeddings, the final
 norm, the Python around each layer call, the KV-cache bookkeeping, ``generate``;
@@ -233,6 +234,20 @@ def model_summary(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 # python rows (torch, specmoe): ``decode_peers.py --_worker spec.json``
+
+
+class _ChainTimer:
+    """specmoe.decode_step's _C.layer_chain with the attention / MoE split it returns added
+    into acc, as _BlockTimer.layer does for one layer."""
+
+    def __init__(self, inner: Any, acc: dict[str, float]) -> None:
+        self.inner, self.acc = inner, acc
+
+    def __call__(self, calls: Any) -> Any:
+        ta, tm = self.inner(calls)
+        self.acc["attn"] += ta
+        self.acc["moe"] += tm
+        return ta, tm
 
 
 class _BlockTimer:
@@ -423,24 +438,38 @@ def worker(spec_path: str) -> None:
         blocks = [lyr.self_attn for lyr in layers
                   if getattr(lyr.self_attn, "_specmoe_block", None) is not None]
         mlabs = [lyr for lyr in layers if getattr(lyr, "_specmoe_mlab", None) is not None]
+        fused_mla = list(mlabs)
         if eng is not None and not fused:
             c = {"t": 0.0, "n": 0, "routed": {"t": 0.0, "n": 0}}
             eng._layers = _Proxy(eng._layers, c)
             # MoE blocks routed in C (hf.Engine._install_routing): routing, experts and a
             # DeepSeek block's shared MLP in one forward_routed call, timed on its own
             eng._layers.forward_routed = _timed(eng._layers.inner.forward_routed, c["routed"])
-        if blocks or mlabs:
+        # a decode step runs consecutive one-call layers in one _C.layer_chain call
+        # (specmoe.decode_step), which reports their attention / MoE split as the layer calls
+        # do: it is timed instead of those layers' blocks (a wrapped block is not chained)
+        dstep = getattr(model, "_specmoe_decode_step", None)
+        chained = dstep is not None and dstep.chaining
+        if chained:
+            def routed(lyr: Any) -> bool:
+                return getattr(lyr.mlp, "_specmoe_route", None) is not None
+            blocks = [lyr.self_attn for lyr in layers
+                      if any(lyr.self_attn is a for a in blocks) and not routed(lyr)]
+            mlabs = [lyr for lyr in mlabs if not routed(lyr)]
+        if blocks or mlabs or chained:
             ab = {"attn": 0.0, "moe": 0.0}
             for a in blocks:
                 a._specmoe_block = _BlockTimer(a._specmoe_block, ab)
             for lyr in mlabs:  # (block, its MLA kernel, max tokens): the block timed
                 lyr._specmoe_mlab = (_BlockTimer(lyr._specmoe_mlab[0], ab),
                                      *lyr._specmoe_mlab[1:])
+            if chained:
+                dstep.chain = _ChainTimer(dstep.chain, ab)
         # MLA's absorbed attention in C (specmoe.mla), where a layer is not one call: its C
         # time counts as attention C (a fused layer's MLABlock holds the kernel itself)
         mlas = [m._specmoe_mla_w for m in model.modules()
                 if getattr(getattr(m, "_specmoe_mla_w", None), "kernel", None) is not None
-                and not any(lyr.self_attn is m for lyr in mlabs)]
+                and not any(lyr.self_attn is m for lyr in fused_mla)]
         # and so does the models' own attention kernel where a module calls it (not fused)
         attns = [m for m in model.modules() if getattr(m, "_specmoe_attn", None) is not None]
         mc = {"t": 0.0, "n": 0} if mlas or attns else None
@@ -464,6 +493,8 @@ def worker(spec_path: str) -> None:
                 a._specmoe_block = a._specmoe_block.inner
             for lyr in mlabs:
                 lyr._specmoe_mlab = (lyr._specmoe_mlab[0].inner, *lyr._specmoe_mlab[1:])
+            if chained:
+                dstep.chain = dstep.chain.inner
             for w in mlas:
                 w.kernel = w.kernel.inner
             for m in attns:
