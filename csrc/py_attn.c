@@ -1108,24 +1108,8 @@ static int ab_layer_run(AttnBlockObject *self, smoe_kctx *c, smoe_layers *g,
     return rc;
 }
 
-static PyObject *ab_layer(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    ab_layer_args a;
-    if (ab_layer_parse(self, args, nargs, &a)) return NULL;
-    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
-    if (!c) return NULL;
-    smoe_layers *g = layer_call_begin(args[0], a.pos, self->hidden);
-    if (!g) return NULL;
-    smoe_err err;
-    smoe_err_clear(&err);
-    int rc;
-    double ta, tm; /* the method's return: time in the attention and MoE parts */
-    Py_BEGIN_ALLOW_THREADS
-    rc = ab_layer_run(self, c, g, &a, &ta, &tm, &err);
-    Py_END_ALLOW_THREADS
-    smoe_py_layers_end(args[0]);
-    if (rc != 0) return smoe_py_raise(&err);
-    return Py_BuildValue("(dd)", ta, tm);
-}
+/* AttnBlock.layer and MLABlock.layer, one routine (defined with layer_chain below). */
+static PyObject *layer_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 static PyMethodDef ab_methods[] = {
     {"pre", (PyCFunction)(void (*)(void))ab_pre, METH_FASTCALL,
@@ -1142,7 +1126,7 @@ static PyMethodDef ab_methods[] = {
      "or bf16 bits).  With resid, ln, ln_eps, normed (the decoder layer's residual stream "
      "[T, hidden], post-attention RMSNorm weights and eps, and its output [T, hidden], all of "
      "out's dtype): out = resid + the projection, normed = RMSNorm(out).  GIL released."},
-    {"layer", (PyCFunction)(void (*)(void))ab_layer, METH_FASTCALL,
+    {"layer", (PyCFunction)(void (*)(void))layer_method, METH_FASTCALL,
      "layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, ln1, eps1, ln2, "
      "eps2, out): one decoder layer of T tokens in one call: x [T, hidden] RMSNorm-ed (ln1, "
      "eps1), pre's projections, norms and rotary, the new k, v written into the KV buffers "
@@ -1637,27 +1621,6 @@ static int mlab_layer_run(MLABlockObject *self, smoe_kctx *c, smoe_layers *g,
     return rc;
 }
 
-/* layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out):
- * one whole decoder layer (the method doc). */
-static PyObject *mlab_layer(MLABlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    mlab_layer_args l;
-    if (mlab_layer_parse(self, args, nargs, &l)) return NULL;
-    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
-    if (!c) return NULL;
-    smoe_layers *g = layer_call_begin(args[0], l.pos, self->hidden);
-    if (!g) return NULL;
-    smoe_err err;
-    smoe_err_clear(&err);
-    int rc;
-    double ta, tm;
-    Py_BEGIN_ALLOW_THREADS
-    rc = mlab_layer_run(self, c, g, &l, &ta, &tm, &err);
-    Py_END_ALLOW_THREADS
-    smoe_py_layers_end(args[0]);
-    if (rc != 0) return smoe_py_raise(&err);
-    return Py_BuildValue("(dd)", ta, tm);
-}
-
 static PyMethodDef mlab_methods[] = {
     {"attn", (PyCFunction)(void (*)(void))mlab_attn, METH_FASTCALL,
      "attn(x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out, normed): the attention "
@@ -1669,7 +1632,7 @@ static PyMethodDef mlab_methods[] = {
      "frequencies as (re, im)) or [T, 2, rope_dim] ('half', 'interleave': cos, sin); cbuf [1, 1, capacity, kv_lora_rank], kbuf [1, 1, capacity, rope_dim] f32 "
      "or bf16 bits; bias None or float32 [1, T, S + T] added to the scores; ln1, ln2 float32 "
      "[hidden] with their eps."},
-    {"layer", (PyCFunction)(void (*)(void))mlab_layer, METH_FASTCALL,
+    {"layer", (PyCFunction)(void (*)(void))layer_method, METH_FASTCALL,
      "layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, "
      "out): a whole DeepSeek-V2 MoE decoder layer of T tokens in one call: attn's part, then "
      "the MoE block at position pos of the _C.Layers `layers` (routing, routed and shared "
@@ -1752,61 +1715,42 @@ typedef struct {
     } u;
 } chain_item;
 
-/* layer_chain(calls): decoder layers one after another with the GIL released once (see the
- * method doc).  On a decode step whose weights stream through the CPU caches, each return to
- * the interpreter between two layers costs tens of microseconds of cold Python. */
-static PyObject *py_layer_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    (void)mod;
-    if (nargs != 1 || !PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "layer_chain(calls) takes one tuple of (block, args)");
-        return NULL;
+/* Check one layer call -- blk an AttnBlock or MLABlock, av its layer() arguments -- into *c
+ * and begin its _C.Layers; -1 with the exception set (nothing begun).  i: the call's index in
+ * a chain, for messages (-1: the method itself). */
+static int chain_item_begin(PyObject *blk, PyObject *const *av, Py_ssize_t an, Py_ssize_t i,
+                            chain_item *c) {
+    uint32_t hid;
+    long pos;
+    c->blk = blk;
+    if (PyObject_TypeCheck(blk, &AttnBlockType)) {
+        AttnBlockObject *b = (AttnBlockObject *)blk;
+        c->mla = 0;
+        if (ab_layer_parse(b, av, an, &c->u.ab)) return -1;
+        c->c = smoe_py_kctx(b->ctx_obj);
+        hid = b->hidden;
+        pos = c->u.ab.pos;
+    } else if (PyObject_TypeCheck(blk, &MLABlockType)) {
+        MLABlockObject *b = (MLABlockObject *)blk;
+        c->mla = 1;
+        if (mlab_layer_parse(b, av, an, &c->u.ml)) return -1;
+        c->c = smoe_py_kctx(b->ctx_obj);
+        hid = b->hidden;
+        pos = c->u.ml.pos;
+    } else {
+        PyErr_Format(PyExc_TypeError, "layer_chain: call %zd's block is a %s, not an "
+                     "AttnBlock or MLABlock", i, Py_TYPE(blk)->tp_name);
+        return -1;
     }
-    PyObject *calls = args[0];
-    const Py_ssize_t n = PyTuple_GET_SIZE(calls);
-    if (n > CHAIN_MAX) {
-        PyErr_Format(PyExc_ValueError, "layer_chain: %zd layers, at most %d", n, CHAIN_MAX);
-        return NULL;
-    }
-    chain_item it[CHAIN_MAX];
-    Py_ssize_t begun = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *call = PyTuple_GET_ITEM(calls, i);
-        if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 2 ||
-            !PyTuple_Check(PyTuple_GET_ITEM(call, 1))) {
-            PyErr_Format(PyExc_TypeError, "layer_chain: call %zd is not (block, args tuple)", i);
-            goto fail;
-        }
-        PyObject *blk = PyTuple_GET_ITEM(call, 0), *a = PyTuple_GET_ITEM(call, 1);
-        PyObject *const *av = &PyTuple_GET_ITEM(a, 0);
-        const Py_ssize_t an = PyTuple_GET_SIZE(a);
-        chain_item *c = &it[i];
-        uint32_t hid;
-        long pos;
-        c->blk = blk;
-        if (PyObject_TypeCheck(blk, &AttnBlockType)) {
-            AttnBlockObject *b = (AttnBlockObject *)blk;
-            c->mla = 0;
-            if (ab_layer_parse(b, av, an, &c->u.ab)) goto fail;
-            c->c = smoe_py_kctx(b->ctx_obj);
-            hid = b->hidden;
-            pos = c->u.ab.pos;
-        } else if (PyObject_TypeCheck(blk, &MLABlockType)) {
-            MLABlockObject *b = (MLABlockObject *)blk;
-            c->mla = 1;
-            if (mlab_layer_parse(b, av, an, &c->u.ml)) goto fail;
-            c->c = smoe_py_kctx(b->ctx_obj);
-            hid = b->hidden;
-            pos = c->u.ml.pos;
-        } else {
-            PyErr_Format(PyExc_TypeError, "layer_chain: call %zd's block is a %s, not an "
-                         "AttnBlock or MLABlock", i, Py_TYPE(blk)->tp_name);
-            goto fail;
-        }
-        if (!c->c) goto fail;
-        c->layers = av[0];
-        if (!(c->g = layer_call_begin(c->layers, pos, hid))) goto fail;
-        begun = i + 1;
-    }
+    if (!c->c) return -1;
+    c->layers = av[0];
+    c->g = layer_call_begin(c->layers, pos, hid);
+    return c->g ? 0 : -1;
+}
+
+/* Run the n begun items in order with the GIL released once (a failing layer stops the run),
+ * end them all; returns (attention seconds, MoE seconds) summed, or NULL with the error. */
+static PyObject *chain_run(const chain_item *it, Py_ssize_t n) {
     smoe_err err;
     smoe_err_clear(&err);
     int rc = SMOE_OK;
@@ -1826,14 +1770,53 @@ static PyObject *py_layer_chain(PyObject *mod, PyObject *const *args, Py_ssize_t
     for (Py_ssize_t i = 0; i < n; i++) smoe_py_layers_end(it[i].layers);
     if (rc != 0) return smoe_py_raise(&err);
     return Py_BuildValue("(dd)", ta, tm);
-fail: {
-    /* the ends look the cache up: they must not run with the exception pending */
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    for (Py_ssize_t i = 0; i < begun; i++) smoe_py_layers_end(it[i].layers);
-    PyErr_Restore(et, ev, tb);
-    return NULL;
 }
+
+/* layer(...) of AttnBlock (16 arguments) and MLABlock (14): one whole decoder layer (the
+ * methods' docs), a chain of one. */
+static PyObject *layer_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    chain_item c;
+    if (chain_item_begin(self, args, nargs, -1, &c)) return NULL;
+    return chain_run(&c, 1);
+}
+
+/* layer_chain(calls): decoder layers one after another with the GIL released once (see the
+ * method doc).  On a decode step whose weights stream through the CPU caches, each return to
+ * the interpreter between two layers costs tens of microseconds of cold Python. */
+static PyObject *py_layer_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 1 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "layer_chain(calls) takes one tuple of (block, args)");
+        return NULL;
+    }
+    PyObject *calls = args[0];
+    const Py_ssize_t n = PyTuple_GET_SIZE(calls);
+    if (n > CHAIN_MAX) {
+        PyErr_Format(PyExc_ValueError, "layer_chain: %zd layers, at most %d", n, CHAIN_MAX);
+        return NULL;
+    }
+    chain_item it[CHAIN_MAX];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *call = PyTuple_GET_ITEM(calls, i);
+        int bad = !PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 2 ||
+                  !PyTuple_Check(PyTuple_GET_ITEM(call, 1));
+        if (bad)
+            PyErr_Format(PyExc_TypeError, "layer_chain: call %zd is not (block, args tuple)", i);
+        else {
+            PyObject *a = PyTuple_GET_ITEM(call, 1);
+            bad = chain_item_begin(PyTuple_GET_ITEM(call, 0), &PyTuple_GET_ITEM(a, 0),
+                                   PyTuple_GET_SIZE(a), i, &it[i]);
+        }
+        if (bad) {
+            /* the ends look the cache up: they must not run with the exception pending */
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            for (Py_ssize_t j = 0; j < i; j++) smoe_py_layers_end(it[j].layers);
+            PyErr_Restore(et, ev, tb);
+            return NULL;
+        }
+    }
+    return chain_run(it, n);
 }
 
 static PyMethodDef attn_functions[] = {
