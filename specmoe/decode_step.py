@@ -162,7 +162,7 @@ class DecodeStep:
             chain = getattr(lyr, "_specmoe_chain", None)
             if chain is not None and self.chaining \
                     and not (lyr._forward_hooks or lyr._forward_pre_hooks):
-                out = bufs[0] if h is not bufs[0] else bufs[1]
+                out = bufs[0] if h.data_ptr() != bufs[0].data_ptr() else bufs[1]
                 item = chain(lyr, h, out, pe, cache)
                 if item is not None:
                     run.append(item)
