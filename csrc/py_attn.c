@@ -230,18 +230,29 @@ static int grow_scratch(void **scratch, size_t *cap, size_t need, smoe_err *err)
     return SMOE_OK;
 }
 
+/* The start of every method of these objects: the object initialised (ready) and nargs one of
+ * n1, n2 (n2 = n1: exactly n1); -1 with the exception set.  usage: the call's form, for the
+ * message. */
+static int method_start(int ready, const char *type, const char *usage, Py_ssize_t nargs,
+                        Py_ssize_t n1, Py_ssize_t n2) {
+    if (!ready) {
+        PyErr_Format(PyExc_ValueError, "%s is not initialised", type);
+        return -1;
+    }
+    if (nargs == n1 || nargs == n2) return 0;
+    if (n1 == n2)
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", usage, n1, nargs);
+    else
+        PyErr_Format(PyExc_TypeError, "%s takes %zd or %zd arguments, got %zd", usage, n1, n2,
+                     nargs);
+    return -1;
+}
+
 /* forward(q_nope, q_pe, ckv, kpe, bias, out); shapes in the method doc. */
 static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_ValueError, "MLADecode is not initialised");
+    if (method_start(self->ready, "MLADecode",
+                     "forward(q_nope, q_pe, ckv, kpe, bias, out)", nargs, 6, 6))
         return NULL;
-    }
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError,
-                     "forward(q_nope, q_pe, ckv, kpe, bias, out) takes 6 arguments, got %zd",
-                     nargs);
-        return NULL;
-    }
     const smoe_mla_desc *d = &self->d;
     PyArrayObject *qn = smoe_py_want_array(args[0], "q_nope", NPY_FLOAT32, 4, 0);
     if (!qn) return NULL;
@@ -397,15 +408,9 @@ static int kv_layout(PyObject *o, const char *name, int *dt, npy_intp *bs, npy_i
 
 /* forward(q, k, v, bias, out, scale); shapes in the method doc. */
 static PyObject *ad_forward(AttnDecodeObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_ValueError, "AttnDecode is not initialised");
+    if (method_start(self->ready, "AttnDecode",
+                     "forward(q, k, v, bias, out, scale)", nargs, 6, 6))
         return NULL;
-    }
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError,
-                     "forward(q, k, v, bias, out, scale) takes 6 arguments, got %zd", nargs);
-        return NULL;
-    }
     PyArrayObject *q = smoe_py_want_array(args[0], "q", NPY_FLOAT32, 4, 0);
     if (!q) return NULL;
     int kdt, vdt;
@@ -852,16 +857,9 @@ static int decoder_tail(int bf16, smoe_layers *g, uint32_t pos, int flags, uint3
 /* pre(x, cos, sin, q, k, v[, ln, ln_eps]): the input RMSNorm (when ln is given), projections,
  * q/k norms and rotary embedding of T tokens. */
 static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
+    if (method_start(self->ready, "AttnBlock",
+                     "pre(x, cos, sin, q, k, v[, ln, ln_eps])", nargs, 6, 8))
         return NULL;
-    }
-    if (nargs != 6 && nargs != 8) {
-        PyErr_Format(PyExc_TypeError,
-                     "pre(x, cos, sin, q, k, v[, ln, ln_eps]) takes 6 or 8 arguments, got %zd",
-                     nargs);
-        return NULL;
-    }
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
     npy_intp T;
     int xb, cb, sb;
@@ -902,16 +900,9 @@ static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t
 /* post(q, k, v, bias, scale, out[, resid, ln, ln_eps, normed]): attention over the cache, the
  * output projection, and with resid the residual add and the post-attention RMSNorm. */
 static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
+    if (method_start(self->ready, "AttnBlock",
+                     "post(q, k, v, bias, scale, out[, resid, ln, ln_eps, normed])", nargs, 6, 10))
         return NULL;
-    }
-    if (nargs != 6 && nargs != 10) {
-        PyErr_Format(PyExc_TypeError,
-                     "post(q, k, v, bias, scale, out[, resid, ln, ln_eps, normed]) takes 6 or "
-                     "10 arguments, got %zd", nargs);
-        return NULL;
-    }
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
     PyArrayObject *q = smoe_py_want_array(args[0], "q", NPY_FLOAT32, 4, 0);
     if (!q) return NULL;
@@ -1016,16 +1007,11 @@ typedef struct {
  * lock and begins nothing: layer_call_begin comes after. */
 static int ab_layer_parse(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs,
                           ab_layer_args *a) {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_ValueError, "AttnBlock is not initialised");
-        return -1;
-    }
-    if (nargs != 16) {
-        PyErr_Format(PyExc_TypeError,
+    if (method_start(self->ready, "AttnBlock",
                      "layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, "
-                     "ln1, eps1, ln2, eps2, out) takes 16 arguments, got %zd", nargs);
+                     "ln1, eps1, ln2, eps2, out)",
+                     nargs, 16, 16))
         return -1;
-    }
     const uint32_t Hkv = self->Hkv, D = self->D, hid = self->hidden;
     long pos = PyLong_AsLong(args[1]);
     long long S = PyLong_AsLongLong(args[8]);
@@ -1530,15 +1516,10 @@ static int mlab_out(MLABlockObject *self, PyObject *o, const char *name, const m
 /* attn(x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out, normed): the attention half
  * of a decoder layer (the method doc). */
 static PyObject *mlab_attn(MLABlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_ValueError, "MLABlock is not initialised");
+    if (method_start(self->ready, "MLABlock",
+                     "attn(x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out, normed)",
+                     nargs, 12, 12))
         return NULL;
-    }
-    if (nargs != 12) {
-        PyErr_Format(PyExc_TypeError, "attn(x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, "
-                     "out, normed) takes 12 arguments, got %zd", nargs);
-        return NULL;
-    }
     mlab_args a;
     if (mlab_parse(self, args, &a) || mlab_out(self, args[10], "out", &a, NULL) ||
         mlab_out(self, args[11], "normed", &a, PyArray_DATA((PyArrayObject *)args[10])))
@@ -1579,15 +1560,11 @@ typedef struct {
 /* Check layer()'s 14 arguments (the method doc) into *l; -1 with the exception set. */
 static int mlab_layer_parse(MLABlockObject *self, PyObject *const *args, Py_ssize_t nargs,
                             mlab_layer_args *l) {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_ValueError, "MLABlock is not initialised");
+    if (method_start(self->ready, "MLABlock",
+                     "layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, bias, ln1, eps1, "
+                     "ln2, eps2, out)",
+                     nargs, 14, 14))
         return -1;
-    }
-    if (nargs != 14) {
-        PyErr_Format(PyExc_TypeError, "layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, "
-                     "bias, ln1, eps1, ln2, eps2, out) takes 14 arguments, got %zd", nargs);
-        return -1;
-    }
     long pos = PyLong_AsLong(args[1]);
     if (pos == -1 && PyErr_Occurred()) return -1;
     if (smoe_py_route_flags(args[2], &l->flags)) return -1;
@@ -1629,7 +1606,8 @@ static PyMethodDef mlab_methods[] = {
      "kbuf at positions S..S+T-1, absorbed attention over S + T positions, o_proj), out = x + "
      "that, normed = the post-attention RMSNorm (ln2) of out.  x, out, normed [T, hidden] f32 "
      "or bf16 bits alike; freqs float32 [T, rope_dim / 2, 2] (rope 'complex': the rotary "
-     "frequencies as (re, im)) or [T, 2, rope_dim] ('half', 'interleave': cos, sin); cbuf [1, 1, capacity, kv_lora_rank], kbuf [1, 1, capacity, rope_dim] f32 "
+     "frequencies as (re, im)) or [T, 2, rope_dim] ('half', 'interleave': cos, sin); cbuf "
+     "[1, 1, capacity, kv_lora_rank], kbuf [1, 1, capacity, rope_dim] f32 "
      "or bf16 bits; bias None or float32 [1, T, S + T] added to the scores; ln1, ln2 float32 "
      "[hidden] with their eps."},
     {"layer", (PyCFunction)(void (*)(void))layer_method, METH_FASTCALL,

@@ -386,9 +386,9 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         report.decode_torch_threads = 1
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is not None and len(layers) and all(
-            getattr(vars(lyr).get("forward"), "__name__", "").startswith("specmoe_fused_")
-            for lyr in layers):
-        # every decoder layer reads a None mask at one token as the model's full mask
+            getattr(lyr, "_specmoe_chain", None) is not None for lyr in layers):
+        # every decoder layer is fused (fuse_attention / fuse_mla gave it a chain item too):
+        # its forward reads a None mask at one token as the model's full mask
         report.decode_step = install_decode_step(model)
     return report
 

@@ -1,5 +1,6 @@
-"""Shared by the decode-attention kernel tests (test_mla_c.py, test_attention.py): the ISAs
-this CPU runs and transformers-style causal masks."""
+"""Shared by the decode-attention tests (test_mla_c.py, test_attention.py, test_attn_block.py,
+test_mla_block.py): the ISAs this CPU runs, transformers-style causal masks, and the decoder
+layers' outputs of models compared with each other."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,3 +31,14 @@ def mask_of(kind: str, T: int, S: int, B: int) -> np.ndarray | None:
     for b in range(B):
         bias[b, :, :min(b, S - 1)] = -np.inf
     return bias
+
+
+def layer_outputs(**models) -> dict:
+    """{name: list} filled with a clone of every decoder layer output of each model, in call
+    order (forward hooks on ``model.model.layers``)."""
+    outs: dict = {tag: [] for tag in models}
+    for tag, mdl in models.items():
+        for layer in mdl.model.layers:
+            layer.register_forward_hook(
+                lambda mod, args, out, tag=tag: outs[tag].append(out.clone()))
+    return outs

@@ -18,6 +18,8 @@ from specmoe.attention import ATTENTION_MAX_TOKENS, fuse_attention
 from specmoe.dense import CLinear, convert_dense
 from specmoe.testing import tiny_model
 
+from .attn_helpers import layer_outputs
+
 ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral"]
 STEPS = (1, 4, 1, 3, 1)
 
@@ -98,11 +100,7 @@ def test_bf16_decode_bit_identical_to_torch_glue(arch, fmt):
     _, calls = _fused(a, fmt)
     convert_dense(b, fmt)
     _unfused(b)
-    outs: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
-    for tag, mdl in (("a", a), ("b", b)):
-        for layer in mdl.model.layers:
-            layer.register_forward_hook(
-                lambda mod, args, out, tag=tag: outs[tag].append(out.clone()))
+    outs = layer_outputs(a=a, b=b)
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(2))
     la, _ = _decode(a, ids, 10)
     lb, _ = _decode(b, ids, 10)

@@ -27,6 +27,8 @@ from specmoe.dense import convert_dense
 from specmoe.mla import absorb_mla, fuse_mla
 from specmoe.testing import tiny_config
 
+from .attn_helpers import layer_outputs
+
 STEPS = (1, 4, 1, 3, 1)
 
 
@@ -113,11 +115,7 @@ def test_bf16_layers_bit_identical_to_the_absorbed_path(fmt, form):
     assert f"({L} fused)" in str(rep)
     assert fuse_mla(a) == rep.fused                              # idempotent
     calls = _count(a)
-    outs: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
-    for tag, mdl in (("a", a), ("b", b)):
-        for layer in mdl.model.layers:
-            layer.register_forward_hook(
-                lambda mod, args, out, tag=tag: outs[tag].append(out.clone()))
+    outs = layer_outputs(a=a, b=b)
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(2))
     ka, la = _steps(a, ids, 10, crop=2)
     kb, lb = _steps(b, ids, 10, crop=2)
