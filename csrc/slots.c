@@ -604,16 +604,23 @@ uint32_t smoe_slots_resident(smoe_slots *t, int32_t *keys) {
     return n;
 }
 
-int smoe_slots_resident_mask(smoe_slots *t, uint32_t layer, uint8_t *mask, smoe_err *err) {
+int smoe_slots_layer_states(smoe_slots *t, uint32_t layer, uint8_t *states, smoe_err *err) {
     if (layer >= t->num_layers)
-        return smoe_err_set(err, SMOE_EINVAL, "resident mask: layer %u of %u", layer,
+        return smoe_err_set(err, SMOE_EINVAL, "layer states: layer %u of %u", layer,
                             t->num_layers);
     const uint32_t E = t->num_experts;
     pthread_mutex_lock(&t->mu);
     const int32_t *m = t->map + (size_t)layer * E;
     for (uint32_t e = 0; e < E; e++)
-        mask[e] = (uint8_t)(m[e] >= 0 && t->slots[m[e]].state == SMOE_SLOT_READY);
+        states[e] = m[e] >= 0 ? t->slots[m[e]].state : (uint8_t)SMOE_SLOT_EMPTY;
     pthread_mutex_unlock(&t->mu);
+    return SMOE_OK;
+}
+
+int smoe_slots_resident_mask(smoe_slots *t, uint32_t layer, uint8_t *mask, smoe_err *err) {
+    int rc = smoe_slots_layer_states(t, layer, mask, err);
+    if (rc < 0) return rc;
+    for (uint32_t e = 0; e < t->num_experts; e++) mask[e] = mask[e] == SMOE_SLOT_READY;
     return SMOE_OK;
 }
 

@@ -217,9 +217,13 @@ int smoe_slots_set_policy(smoe_slots *t, smoe_policy *p, smoe_err *err);
 /* Keys of the READY slots, in slot order, into keys (room for nslots); returns the count. */
 uint32_t smoe_slots_resident(smoe_slots *t, int32_t *keys);
 
-/* mask[e] = 1 when expert (layer, e) is READY now, else 0 (absent or still loading), for e in
- * 0..num_experts-1, under one hold of mu (a snapshot: the prefetch worker may evict or finish
- * loading right after).  SMOE_EINVAL for a layer out of range. */
+/* states[e] = the SMOE_SLOT_* state of expert (layer, e)'s slot now (SMOE_SLOT_EMPTY when it
+ * has none), for e in 0..num_experts-1, under one hold of mu (a snapshot: the prefetch worker
+ * may evict or finish loading right after).  SMOE_EINVAL for a layer out of range. */
+int smoe_slots_layer_states(smoe_slots *t, uint32_t layer, uint8_t *states, smoe_err *err);
+
+/* mask[e] = 1 when expert (layer, e) is READY now, else 0 (absent or still loading): the
+ * states above reduced to READY or not. */
 int smoe_slots_resident_mask(smoe_slots *t, uint32_t layer, uint8_t *mask, smoe_err *err);
 
 /* Activation counts of one verification pass for the policy (policy.h on_counts: counts[i]

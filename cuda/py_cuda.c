@@ -524,6 +524,34 @@ static PyObject *GC_cancel(GCacheObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* layer_states(layer) -> bytes of num_experts SMOE_SLOT_* states (0 absent, 1 loading,
+ * 2 ready): a snapshot, taken without loading anything (the MoE-SpAc balancer's miss set). */
+static PyObject *GC_layer_states(GCacheObject *self, PyObject *arg) {
+    if (GC_check(self) < 0) return NULL;
+    long layer = PyLong_AsLong(arg);
+    if (layer == -1 && PyErr_Occurred()) return NULL;
+    if (layer < 0 || (unsigned long)layer >= self->cache.tab.num_layers) {
+        PyErr_Format(PyExc_ValueError, "layer_states: layer %ld of %u", layer,
+                     self->cache.tab.num_layers);
+        return NULL;
+    }
+    PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)self->cache.tab.num_experts);
+    if (!b) return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    uint8_t *states = (uint8_t *)PyBytes_AS_STRING(b);
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_slots_layer_states(&self->cache.tab, (uint32_t)layer,
+                                                        states, &e);
+    Py_END_ALLOW_THREADS self->busy--;
+    if (rc < 0) {
+        Py_DECREF(b);
+        return raise_err(&e);
+    }
+    return b;
+}
+
 static PyObject *GC_wait_idle(GCacheObject *self, PyObject *noargs) {
     (void)noargs;
     if (GC_check(self) < 0) return NULL;
@@ -717,6 +745,14 @@ static PyObject *GC_get_slab(GCacheObject *self, void *cl) {
     return PyLong_FromUnsignedLongLong(self->ready ? (uintptr_t)self->cache.slab : 0);
 }
 
+/* Address of the pinned host copy of the store (block of key k at host_copy + k * slot_bytes)
+ * in "host" mode; 0 in "staged" mode or when closed. */
+static PyObject *GC_get_host_copy(GCacheObject *self, void *cl) {
+    (void)cl;
+    return PyLong_FromUnsignedLongLong(
+        self->ready && !self->closed ? (uintptr_t)self->cache.host_copy : 0);
+}
+
 static PyMethodDef GC_methods[] = {
     {"acquire", (PyCFunction)(void (*)(void))GC_acquire, METH_VARARGS | METH_KEYWORDS,
      "acquire(layer, expert, stream=0) -> device address of the pinned block"},
@@ -732,6 +768,8 @@ static PyMethodDef GC_methods[] = {
     {"stats", (PyCFunction)GC_stats, METH_NOARGS, "counters (dict)"},
     {"reset_stats", (PyCFunction)GC_reset_stats, METH_NOARGS, "zero the counters"},
     {"resident", (PyCFunction)GC_resident, METH_NOARGS, "keys of the READY slots, slot order"},
+    {"layer_states", (PyCFunction)GC_layer_states, METH_O,
+     "layer_states(layer) -> bytes: each expert's slot state (0 absent, 1 loading, 2 ready)"},
     {"set_policy", (PyCFunction)GC_set_policy, METH_O, "set_policy(name): swap, keep contents"},
     {"counts", (PyCFunction)GC_counts, METH_VARARGS, "counts(keys, counts): activation counts"},
     {"protect", (PyCFunction)GC_protect, METH_O,
@@ -744,6 +782,8 @@ static PyGetSetDef GC_getset[] = {
     {"slot_bytes", (getter)GC_get_slot_bytes, NULL, "bytes per slot (one store block)", NULL},
     {"device", (getter)GC_get_device, NULL, "CUDA device (-1: host emulation)", NULL},
     {"slab", (getter)GC_get_slab, NULL, "address of slot 0 (device memory)", NULL},
+    {"host_copy", (getter)GC_get_host_copy, NULL,
+     "address of the pinned host copy of the store (\"host\" mode; 0 otherwise)", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyTypeObject GC_Type = {

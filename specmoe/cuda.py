@@ -24,16 +24,18 @@ from __future__ import annotations
 import ctypes
 import glob
 import importlib
+import math
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 __all__ = ["CudaUnavailable", "load", "available", "ffn", "GpuExpertCache", "moe_forward",
-           "PATHS"]
+           "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile"]
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
 
@@ -304,6 +306,25 @@ class GpuExpertCache:
     def resident(self) -> list[int]:
         return list(self._c.resident())
 
+    def layer_states(self, layer: int) -> np.ndarray:
+        """Each expert of ``layer``'s slot state now, without loading anything: uint8
+        [num_experts], 0 absent, 1 loading, 2 ready (a snapshot)."""
+        return np.frombuffer(self._c.layer_states(int(layer)), dtype=np.uint8)
+
+    def host_block(self, layer: int, expert: int) -> np.ndarray:
+        """The expert's block in the pinned host copy of the store (``mode="host"``), as a
+        uint8 array over that memory (no copy; valid until :meth:`close`)."""
+        base = int(self._c.host_copy)
+        if not base:
+            raise ValueError("the GPU cache keeps no host copy of the store (mode='staged', "
+                             "or closed)")
+        ne, nl = self.store.num_experts, self.store.num_layers
+        if not (0 <= layer < nl and 0 <= expert < ne):
+            raise ValueError(f"(layer, expert) ({layer}, {expert}) out of range {nl} x {ne}")
+        bb = self.slot_bytes
+        addr = base + (int(layer) * ne + int(expert)) * bb
+        return np.ctypeslib.as_array((ctypes.c_uint8 * bb).from_address(addr))
+
     def set_policy(self, policy: str) -> None:
         self._c.set_policy(policy)
 
@@ -335,12 +356,123 @@ class GpuExpertCache:
         self.close()
 
 
+# ---- MoE-SpAc's heterogeneous workload balancer --------------------------------------------
+
+@dataclass(frozen=True)
+class BalanceProfile:
+    """Per-expert costs of the balancer (MoE-SpAc §3.3, Table 1), in seconds, measured by
+    :func:`measure_balance_profile` (or given).
+
+    t_io: ``T_io^u``, one expert block copied host to device; t_gpu: ``T_gpu^u``, one expert's
+    FFN on the GPU at decode size; t_cpu: ``T_cpu^u``, one token through one expert on the CPU
+    kernels, reading the block from the pinned host copy."""
+
+    t_io: float
+    t_gpu: float
+    t_cpu: float
+
+    def __post_init__(self) -> None:
+        for name in ("t_io", "t_gpu", "t_cpu"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"BalanceProfile.{name} must be a finite number >= 0, got {v!r}")
+
+
+def balance_split(counts: Sequence[int], on_gpu: int, profile: BalanceProfile) -> int:
+    """How many of a layer's missing experts to copy to the GPU; the rest run on the CPU.
+
+    ``counts``: the tokens routed to each missing expert, in descending order (the ones
+    copied are the first n: hot on the GPU, cold on the CPU, MoE-SpAc §2.3).  ``on_gpu``:
+    experts of the layer already resident or loading.  For n copies (§3.3):
+
+    * ``T_cpu(n) = t_cpu * sum(counts[n:])`` (Eq. 7: the CPU's token-expert products);
+    * ``T_gpu(n) = t_io * n + t_gpu * (on_gpu + n)`` (Eq. 8: the GPU's experts, each once
+      for all its tokens; plus the n copies, Eq. 10's ``T_io^u n``, which at decode have no
+      drafting window to hide in and so lie on the GPU's path);
+
+    and the answer minimises ``|T_cpu(n) - T_gpu(n)|`` (Eq. 9) over n in 0..len(counts), the
+    smaller n on a tie.  Deviations: the decision variable is the cut n in the order of this
+    layer's token counts rather than a threshold tau on the estimator's utility levels
+    (every tau of Eq. 12 is such a cut; at decode the counts are what is known exactly); the
+    memory constraint (Eq. 11) holds by construction (the cache evicts to make room; experts
+    on the CPU take no slot).  Like Appendix C.2's solution it evaluates the convex
+    objective in O(len(counts))."""
+    m = len(counts)
+    tail = float(sum(counts))  # sum(counts[n:]) for the current n
+    best_n, best = 0, None
+    for n in range(m + 1):
+        if n:
+            tail -= counts[n - 1]
+        diff = abs(profile.t_cpu * tail - (profile.t_io * n + profile.t_gpu * (on_gpu + n)))
+        if best is None or diff < best:
+            best_n, best = n, diff
+    return best_n
+
+
+def measure_balance_profile(cache: GpuExpertCache, spec: Any, *, repeats: int = 5,
+                            batch: int = 8, layer: int = 0,
+                            expert: int = 0) -> BalanceProfile:
+    """Measure :class:`BalanceProfile` on this machine, the median of ``repeats`` rounds after
+    one warm-up: ``t_io``, ``batch`` back-to-back pinned host-to-device copies of one block
+    (CUDA events) over ``batch``; ``t_gpu``, ``batch`` one-token GPU FFNs of one expert,
+    launched and synchronised (wall clock, so the per-expert launch work of
+    :func:`moe_forward` counts) over ``batch``; ``t_cpu``, one token through the CPU kernels
+    over the block in the cache's pinned host copy (wall clock)."""
+    import time
+
+    import torch
+
+    from . import kernels
+
+    if repeats < 1 or batch < 1:
+        raise ValueError(f"repeats and batch must be >= 1, got {repeats}, {batch}")
+    load()
+    host = cache.host_block(layer, expert)
+    dev = torch.device("cuda", cache.device)
+    src = torch.from_numpy(np.array(host)).pin_memory()
+    block = torch.empty(cache.slot_bytes, dtype=torch.uint8, device=dev)
+    x = torch.randn(1, spec.H, device=dev) * 0.1
+    xh = x.cpu().numpy()
+    st = torch.cuda.current_stream(dev)
+    t_io, t_gpu, t_cpu = [], [], []
+    for i in range(repeats + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(st)
+        for _ in range(batch):
+            block.copy_(src, non_blocking=True)
+        b.record(st)
+        b.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            ffn(block, spec, x, stream=st)
+        st.synchronize()
+        t1 = time.perf_counter()
+        kernels.ffn(host, xh, spec=spec)
+        t2 = time.perf_counter()
+        if i:  # the first round warms up
+            t_io.append(a.elapsed_time(b) / 1e3 / batch)
+            t_gpu.append((t1 - t0) / batch)
+            t_cpu.append(t2 - t1)
+    return BalanceProfile(float(np.median(t_io)), float(np.median(t_gpu)),
+                          float(np.median(t_cpu)))
+
+
 def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_ids: Any,
-                topk_w: Any, *, path: str = "auto", out: Any = None) -> Any:
+                topk_w: Any, *, path: str = "auto", out: Any = None,
+                balance: BalanceProfile | None = None,
+                counters: dict[str, int] | None = None) -> Any:
     """One MoE layer's routed experts on the GPU: tokens grouped by expert (as on the CPU),
     each expert acquired from ``cache`` on torch's current stream, run by :func:`ffn`,
     released.  ``hidden`` f32 [T, H] CUDA; ``topk_ids`` int [T, k]; ``topk_w`` float [T, k].
-    Returns ``out`` [T, H] (zeros + the weighted expert outputs)."""
+    Returns ``out`` [T, H] (zeros + the weighted expert outputs).
+
+    ``balance``: MoE-SpAc's heterogeneous workload balancer (§3.3): of the layer's experts
+    that are neither resident nor loading, the :func:`balance_split` coldest run on the CPU
+    kernels from the cache's pinned host copy (``mode="host"``) while the GPU computes the
+    rest, instead of being copied; the CPU part is added to ``out`` on the stream.  The
+    experts' sums are then in another order (CPU part last): equal up to rounding.
+    ``counters``: a dict whose ``gpu_experts`` and ``cpu_experts`` (expert calls on each
+    device; every CPU one is a copy avoided) are incremented."""
     import torch
 
     T, k = topk_ids.shape
@@ -355,13 +487,41 @@ def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_
     if out is None:
         out = torch.zeros_like(hidden)
     stream = torch.cuda.current_stream(hidden.device)
-    start = 0
-    for e, n in zip(experts_h, counts_h):
+    starts = np.concatenate([[0], np.cumsum(counts_h)]).astype(np.int64)
+    on_cpu: list[int] = []  # indices into experts_h
+    if balance is not None:
+        states = cache.layer_states(layer)
+        missing = [i for i, e in enumerate(experts_h) if states[e] == 0]
+        if missing:
+            missing.sort(key=lambda i: (-counts_h[i], experts_h[i]))  # hot first
+            n = balance_split([counts_h[i] for i in missing], len(experts_h) - len(missing),
+                              balance)
+            on_cpu = sorted(missing[n:])
+    cpu_set = set(on_cpu)
+    if on_cpu:  # the CPU part's inputs, before the GPU work is queued behind them
+        rows_h = rows.cpu().numpy()
+        w_h = weights.cpu().numpy()
+        x_h = hidden.detach().cpu().numpy()
+    for i, (e, n) in enumerate(zip(experts_h, counts_h)):
+        if i in cpu_set:
+            continue
+        s = int(starts[i])
         addr = cache.acquire(layer, int(e), stream)
         try:
-            ffn(addr, spec, hidden, rows=rows[start:start + n], scale=weights[start:start + n],
-                out=out, path=path, stream=stream)
+            ffn(addr, spec, hidden, rows=rows[s:s + n], scale=weights[s:s + n], out=out,
+                path=path, stream=stream)
         finally:
             cache.release(layer, int(e), stream)
-        start += n
+    if on_cpu:
+        from . import kernels
+
+        part = np.zeros_like(x_h)
+        for i in on_cpu:  # meanwhile the GPU computes (and copies) its experts
+            s, n = int(starts[i]), counts_h[i]
+            kernels.ffn(cache.host_block(layer, int(experts_h[i])), x_h, spec=spec,
+                        rows=rows_h[s:s + n], scale=w_h[s:s + n], out=part)
+        out += torch.from_numpy(part).to(out.device)
+    if counters is not None:
+        counters["gpu_experts"] = counters.get("gpu_experts", 0) + len(experts_h) - len(on_cpu)
+        counters["cpu_experts"] = counters.get("cpu_experts", 0) + len(on_cpu)
     return out
