@@ -127,11 +127,21 @@ def cache_kwargs(model: nn.Module, kv: Any) -> Dict[str, Any]:
 _CACHE_KW: Dict[Any, str] = {}  # forward function -> its cache keyword
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where ``model`` takes its input ids (its input embeddings' device: a model on the GPU
+    tier takes them on the GPU)."""
+    emb = model.get_input_embeddings()
+    w = getattr(emb, "weight", None)
+    return w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
+
+
 def _forward(model: nn.Module, ids: Sequence[int], kv: Any) -> torch.Tensor:
-    x = torch.tensor([list(ids)], dtype=torch.long)
+    """Logits [n, V] of ``ids`` after the cache ``kv``, on the CPU (the decoding loop reads
+    them as numpy)."""
+    x = torch.tensor([list(ids)], dtype=torch.long, device=input_device(model))
     with torch.no_grad():
         out = model(input_ids=x, use_cache=True, **cache_kwargs(model, kv))
-    return out.logits[0]
+    return out.logits[0].cpu()
 
 
 def recurrent_layer_types(config: Any) -> List[str]:

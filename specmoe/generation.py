@@ -30,7 +30,7 @@ from torch import nn
 from .controllers import Controller, SpeqGovernor, StaticK, measure_tau
 from .dense import decode_session
 from .drafters import (DraftModel, NgramDrafter, SelfDraft, _crop, _draft, _forward, _new_kv,
-                       cache_kwargs, recurrent_layer_types)
+                       cache_kwargs, input_device, recurrent_layer_types)
 from .mtp import MtpDrafter
 from .sampling import Sampling
 from .verify import accept
@@ -123,8 +123,8 @@ def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any 
     base = list(prompt)[-64:]
     rows = [base[(b * 5) % len(base):] + base[:(b * 5) % len(base)] for b in range(batch)]
     with torch.no_grad():
-        model(input_ids=torch.tensor(rows, dtype=torch.long), use_cache=True,
-              **cache_kwargs(model, kv))
+        model(input_ids=torch.tensor(rows, dtype=torch.long, device=input_device(model)),
+              use_cache=True, **cache_kwargs(model, kv))
     n = kv.get_seq_length()
     calls = [0]
 
@@ -134,8 +134,8 @@ def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any 
         toks = [[base[(calls[0] * 7 + b * 3 + i) % len(base)] for i in range(g)]
                 for b in range(batch)]
         with torch.no_grad():
-            model(input_ids=torch.tensor(toks, dtype=torch.long), use_cache=True,
-                  **cache_kwargs(model, kv))
+            model(input_ids=torch.tensor(toks, dtype=torch.long, device=input_device(model)),
+                  use_cache=True, **cache_kwargs(model, kv))
         _crop(kv, n)
 
     table.clear()  # measured up to g = 9 at least: K up to 8 needs no second measurement

@@ -898,7 +898,8 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
             progress: bool = False, dense: str | bool | None = "auto", miss: str = "fetch",
             miss_keep: int = 2, route_lambda: float = 0.0,
             throttle: tuple[float, float] | None = None,
-            miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None) -> Engine:
+            miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None,
+            device: Any = "cpu", balance: Any = False) -> Any:
     """Move ``model``'s routed experts to a store and run them through specmoe.
 
     For a model already in memory (loaded by transformers); to load a checkpoint larger than
@@ -916,14 +917,28 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     kernels (``"auto"``, ``"torch"``, ``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"``; see
     :class:`Engine`).  miss, miss_keep, route_lambda, throttle, miss_levels, miss_keep2:
     SpecMD's miss handling, cache-aware routing, link emulation and low-bit fallback levels
-    (:mod:`specmoe.misses`).  The model is modified in
-    place: each MoE
+    (:mod:`specmoe.misses`).  device: ``"cpu"`` (an :class:`Engine`: experts cached in RAM,
+    run by the C kernels) or ``"cuda"``/``"cuda:N"`` (a :class:`specmoe.gpu_engine.GpuEngine`:
+    experts cached in GPU memory, the store's pinned copy in host memory behind it, the
+    model's other weights moved to that GPU; built-in policy names, ``dense`` "auto"/"torch",
+    ``miss="fetch"`` only; ``balance=True`` turns on MoE-SpAc's CPU/GPU workload balancer,
+    see :mod:`specmoe.gpu_engine`).  The model is modified in place: each MoE
     layer's ``experts`` becomes a :class:`SpecmoeExperts` and the expert parameters are
     deleted, layer by layer while the store is written; if writing fails part way, the layers
     already converted stay offloaded to nothing usable (the error is raised): reload the model.
+    Returns the engine.
     """
+    from .gpu_engine import check_gpu_options, cuda_device
     info, ids = describe(model)
     _check_dtype(dtype)
+    gpu = cuda_device(device)
+    if gpu is not None:
+        check_gpu_options(dtype=dtype, policy=policy, dense=dense, miss=miss,
+                          route_lambda=route_lambda, throttle=throttle, balance=balance)
+        from . import cuda
+        cuda.load()  # no usable GPU: CudaUnavailable with the reason, the model untouched
+    elif balance not in (False, None):
+        raise ValueError("balance: the CPU/GPU balancer needs device='cuda'")
     if overfetch < 1:
         raise ValueError(f"overfetch must be >= 1, got {overfetch}")
     first = expert_module(model, info, ids[0])
@@ -964,6 +979,11 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
                       model=info.model_type, top_k=int(cfg.num_experts_per_tok),
                       extra=store_settings(cfg, info, ids, dtype), progress=progress,
                       after_layer=free)
+        if gpu is not None:
+            from .gpu_engine import GpuEngine
+            return GpuEngine(model, path, device=gpu, cache=cache, policy=policy,
+                             prefetch=prefetch, overfetch=overfetch, verify=True,
+                             own_store=store is None, balance=balance)
         eng = Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
                      overfetch=overfetch, direct=direct, verify=True, own_store=store is None,
                      dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,

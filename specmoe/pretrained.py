@@ -273,6 +273,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                     miss: str = "fetch", miss_keep: int = 2,
                     route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
                     miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None,
+                    device: Any = "cpu", balance: Any = False,
                     **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
@@ -295,11 +296,24 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     route_lambda, throttle, miss_levels, miss_keep2: SpecMD's miss handling (``"fetch"``,
     ``"drop"``, ``"substitute"``, ``"lowest_bit"``, ``"priority"``), cache-aware routing, link
     emulation and the low-bit fallback levels (``"int4"``, ``"int4:int2"``;
-    :mod:`specmoe.misses`).
+    :mod:`specmoe.misses`).  device: ``"cpu"``, or ``"cuda"``/``"cuda:N"`` for the GPU tier
+    (experts cached in GPU memory behind a pinned host copy of the store, the other weights
+    on that GPU: :class:`specmoe.gpu_engine.GpuEngine`; ``dense`` "auto"/"torch" and
+    ``miss="fetch"`` only, ``direct`` unused; ``balance=True``: MoE-SpAc's CPU/GPU workload
+    balancer, :mod:`specmoe.gpu_engine`).
     hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
     from . import misses
     from .dense import resolve_dense
+    from .gpu_engine import check_gpu_options, cuda_device
     from .hf import Engine
+    gpu = cuda_device(device)
+    if gpu is not None:
+        check_gpu_options(dtype=dtype, policy=policy, dense=dense, miss=miss,
+                          route_lambda=route_lambda, throttle=throttle, balance=balance)
+        from . import cuda
+        cuda.load()  # no usable GPU: CudaUnavailable with the reason, before any conversion
+    elif balance not in (False, None):
+        raise ValueError("balance: the CPU/GPU balancer needs device='cuda'")
     resolve_dense(dense, torch.float32)  # bad values fail before any work
     misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
     misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
@@ -319,6 +333,11 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
         from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(plan.ckpt.folder)
     model.eval()
+    if gpu is not None:
+        from .gpu_engine import GpuEngine
+        GpuEngine(model, spath, device=gpu, cache=cache, policy=policy, prefetch=prefetch,
+                  verify=True, balance=balance)
+        return model
     Engine(model, spath, cache=cache, policy=policy, prefetch=prefetch, direct=direct,
            verify=True, dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
            throttle=throttle, miss_levels=miss_levels, miss_keep2=miss_keep2)

@@ -250,9 +250,16 @@ def test_emulated_spac_counts_drive_prefetch_refusal(store):
 
 # ---------- GPU: FFN kernels ----------
 
-def _ref_ffn(tensors, x, activation):
+def _round_bf16(a):
+    """float64 values rounded to bf16 (round to nearest even) and widened back."""
+    return quant.bf16_to_f32(quant.f32_to_bf16(np.asarray(a, np.float32))).astype(np.float64)
+
+
+def _ref_ffn(tensors, x, activation, bf16_inputs=False):
+    """float64 FFN of one expert.  bf16_inputs: x and the activation rounded to bf16 before
+    their products, as the cuBLAS bf16 path feeds its GEMMs (cuda/ffn.cu)."""
     w = {k: v.astype(np.float64) for k, v in quant.dequantize_expert(tensors).items()}
-    x = x.astype(np.float64)
+    x = _round_bf16(x) if bf16_inputs else x.astype(np.float64)
     g = x @ w["gate"].T + w.get("gate.bias", 0.0)
     u = x @ w["up"].T + w.get("up.bias", 0.0)
     if activation == "silu":
@@ -261,6 +268,8 @@ def _ref_ffn(tensors, x, activation):
         g = np.minimum(g, 7.0)
         u = np.clip(u, -7.0, 7.0)
         a = (u + 1.0) * g / (1.0 + np.exp(-1.702 * g))
+    if bf16_inputs:
+        a = _round_bf16(a)
     return a @ w["down"].T + w.get("down.bias", 0.0)
 
 
@@ -296,19 +305,35 @@ def test_gpu_ffn_matches_reference_and_cpu(dtype, activation, T, path):
     rows = rng.integers(0, N, T).astype(np.int32)
     rows[-1] = rows[0]  # a repeated row accumulates twice
     scale = rng.random(T).astype(np.float32)
-    want = np.zeros((N, H))
-    ref = _ref_ffn(tensors, x[rows], activation)
-    for t in range(T):
-        want[rows[t]] += scale[t] * ref[t]
+    rounded = path == "auto" and dtype == "bf16"  # cuBLAS GEMMs on bf16 x and activation
+
+    def reference(bf16_inputs):
+        want = np.zeros((N, H))
+        ref = _ref_ffn(tensors, x[rows], activation, bf16_inputs)
+        for t in range(T):
+            want[rows[t]] += scale[t] * ref[t]
+        return want
+
+    want = reference(rounded)
     cpu = kernels.ffn(block, x, spec=spec, rows=rows, scale=scale, precise=True)
     dev = torch.device("cuda", 0)
     out = cuda.ffn(torch.from_numpy(block).to(dev), spec, torch.from_numpy(x).to(dev),
                    rows=torch.from_numpy(rows).to(dev), scale=torch.from_numpy(scale).to(dev),
                    path=path)
     got = out.cpu().numpy()
-    tol = 2e-3 if (path == "auto" and dtype == "bf16") else 1e-4  # bf16 x/act rounding
     scale_ref = np.abs(want).max()
-    assert np.abs(got - want).max() <= tol * scale_ref + 1e-6
+    if rounded:
+        # Against the reference that rounds x and the activation as the GEMMs' inputs are
+        # rounded: the mean error is f32 summation order (~1e-7 of the largest output; the
+        # unrounded reference is ~4.5e-4 away on average).  The largest error is not: an
+        # activation the two round to neighbouring bf16 values (f32 vs float64 gate/up) moves
+        # its outputs by up to ~7e-4 of the largest (measured in numpy, 3 seeds).  The
+        # unrounded float64 reference bounds the rounding's total effect.
+        assert np.abs(got - want).mean() <= 2e-5 * scale_ref
+        assert np.abs(got - want).max() <= 3e-3 * scale_ref
+        assert np.abs(got - reference(False)).max() <= 1e-2 * scale_ref
+    else:
+        assert np.abs(got - want).max() <= 1e-4 * scale_ref + 1e-6
     if path == "dequant":  # same math as the CPU precise path, only summation order differs
         np.testing.assert_allclose(got, cpu, rtol=1e-4, atol=1e-5 * scale_ref)
 
@@ -353,9 +378,22 @@ def test_gpu_cache_slots_hold_the_store_blocks(store, written, mode):
             cache.release(l, e, s)
             got = store.tensors_of(dst.cpu().numpy())
             np.testing.assert_array_equal(got["w"], written[1][l]["w"][e])
+        # a new pass: a prefetch never evicts an expert the current pass used
+        # (smoe_policy_prefetch_may_evict), and every resident one was used in pass 0
+        cache.begin_pass()
         cache.prefetch([1, 3], [1.0, 2.0])
         cache.wait_idle()
         assert cache.stats()["prefetch_issued"] == 2
+        for key in (1, 3):  # the prefetched blocks are on the device too
+            l, e = divmod(key, NE)
+            addr = cache.acquire(l, e, s)
+            dst = torch.empty(bb, dtype=torch.uint8, device="cuda")
+            cuda.load().memcpy_async(dst.data_ptr(), addr, bb, s.cuda_stream)
+            cache.release(l, e, s)
+            np.testing.assert_array_equal(store.tensors_of(dst.cpu().numpy())["w"],
+                                          written[1][l]["w"][e])
+        st = cache.stats()  # the sequence above hit once (the second 0)
+        assert (st["hits"], st["prefetch_used"]) == (3, 2)
     finally:
         cache.close()
 
@@ -392,3 +430,332 @@ def test_gpu_moe_forward_matches_reference(tmp_path):
                                            atol=1e-4 * np.abs(want).max())
         finally:
             cache.close()
+
+
+# ---------- HF integration: offload(model, device="cuda"), from_pretrained(device="cuda") ----
+
+HF_PROMPT = [5, 17, 33, 64, 9, 100, 7, 41]
+
+
+def _tiny(arch, dtype=None):
+    import copy
+
+    import torch
+
+    from specmoe import testing
+    m = testing.tiny_model(arch, dtype=dtype or torch.float32)
+    return m, copy.deepcopy(m)
+
+
+def _is_offloaded(model):
+    from specmoe import hf
+    return any(isinstance(m, hf.SpecmoeExperts) for m in model.modules())
+
+
+def test_cuda_device_names():
+    import torch
+
+    from specmoe.gpu_engine import cuda_device
+    assert cuda_device("cpu") is None
+    assert cuda_device("cuda") == torch.device("cuda", 0)
+    assert cuda_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    for bad in ("tpu", "gpu:0", 3.5):
+        with pytest.raises(ValueError, match="device must be"):
+            cuda_device(bad)
+
+
+def test_offload_cuda_refuses_what_the_gpu_tier_lacks_before_touching_the_model():
+    from specmoe import hf
+    from specmoe.policies import LRU
+
+    m, _ = _tiny("qwen3_moe")
+    bad = [(dict(device="tpu"), ValueError, "device must be"),
+           (dict(device="cuda", policy=LRU()), TypeError, "built-in policy name"),
+           (dict(device="cuda", dtype="int2"), ValueError, "not int2"),
+           (dict(device="cuda", dense="int8"), ValueError, "dense="),
+           (dict(device="cuda", miss="drop"), ValueError, "miss='fetch'"),
+           (dict(device="cuda", throttle=(1e9, 0.0)), ValueError, "throttle=None")]
+    for kw, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            hf.offload(m, **kw)
+        assert not _is_offloaded(m), kw
+    if _GPU_WHY:  # no usable GPU here: the reason, and the model untouched
+        with pytest.raises(cuda.CudaUnavailable):
+            hf.offload(m, device="cuda")
+        assert not _is_offloaded(m)
+
+
+@need_gpu
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2",
+                                  "deepseek_v3", "gpt_oss", "glm4_moe", "phimoe"])
+def test_offload_cuda_f32_greedy_equal_to_unmodified(arch):
+    import torch
+
+    import specmoe
+    from specmoe import hf
+    m, ref = _tiny(arch)
+    ref = ref.cuda()
+    eng = hf.offload(m, device="cuda", dtype="f32", cache=0.5, policy="lru")
+    try:
+        assert type(eng).__name__ == "GpuEngine" and specmoe.engine_of(m) is eng
+        assert next(m.parameters()).is_cuda  # the other weights moved (a no-op here)
+        assert not any(".experts." in n for n, _ in m.named_parameters())
+        x = torch.tensor([HF_PROMPT], device="cuda")
+        with torch.no_grad():
+            torch.testing.assert_close(m(x).logits, ref(x).logits, atol=1e-4, rtol=1e-4)
+        g_ref = ref.generate(x, max_new_tokens=12, do_sample=False)
+        assert torch.equal(m.generate(x, max_new_tokens=12, do_sample=False), g_ref)
+        assert len(set(g_ref[0, len(HF_PROMPT):].tolist())) > 2  # not a degenerate repeat
+        out = specmoe.generate(m, x[0].cpu(), max_new_tokens=12)
+        assert out.sequences[0].tolist() == g_ref[0].cpu().tolist()
+        st = eng.stats()
+        assert st["misses"] > 0 and st["hits"] > 0 and st["device"] == "cuda:0"
+        assert st["passes"] > 12 and st["prefetch_issued"] > 0
+        assert 0.0 <= st["prefetch_precision"] <= 1.0 and 0.0 <= st["prefetch_recall"] <= 1.0
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        with torch.no_grad():
+            m(x)
+
+
+@need_gpu
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_offload_cuda_quantized_equals_cpu_engine(dtype):
+    """Same store format on the CPU Engine (C kernels) and the GPU tier: the same dequantized
+    weights in f32 arithmetic, so the logits agree to summation order."""
+    import torch
+
+    from specmoe import hf
+    m, m_cpu = _tiny("olmoe")
+    eng_c = hf.offload(m_cpu, dtype=dtype, dense="torch", cache=1.0)
+    eng_g = hf.offload(m, device="cuda", dtype=dtype, cache=0.25)
+    try:
+        with torch.no_grad():
+            lc = m_cpu(torch.tensor([HF_PROMPT])).logits
+            lg = m(torch.tensor([HF_PROMPT], device="cuda")).logits.cpu()
+        torch.testing.assert_close(lg, lc, atol=2e-4, rtol=2e-4)
+    finally:
+        eng_c.close()
+        eng_g.close()
+
+
+@need_gpu
+def test_offload_cuda_bf16_close_to_bf16_model():
+    import torch
+
+    from specmoe import hf
+    m, ref = _tiny("mixtral", dtype=torch.bfloat16)
+    ref = ref.cuda()
+    eng = hf.offload(m, device="cuda", dtype="bf16", cache=0.5)
+    try:
+        x = torch.tensor([HF_PROMPT], device="cuda")
+        with torch.no_grad():
+            lr, lo = ref(x).logits.float(), m(x).logits.float()
+        err = (lr - lo).abs().max().item()
+        assert err <= 0.05 * lr.abs().max().item(), err
+        assert lo.argmax(-1).eq(lr.argmax(-1)).float().mean().item() >= 0.85
+    finally:
+        eng.close()
+
+
+@need_gpu
+def test_offload_cuda_prefetch_off_and_policy_switch():
+    import torch
+
+    from specmoe import hf
+    m, _ = _tiny("qwen3_moe")
+    eng = hf.offload(m, device="cuda", dtype="f32", cache=0.25, prefetch=False)
+    try:
+        x = torch.tensor([HF_PROMPT], device="cuda")
+        with torch.no_grad():
+            a = m(x).logits
+        assert eng.stats()["prefetch_issued"] == 0
+        resident = sorted(eng._cache.resident())
+        eng.set_policy("lfu")  # contents kept
+        assert sorted(eng._cache.resident()) == resident
+        eng.set_prefetch(True, overfetch=2.0)
+        eng.reset_stats()
+        with torch.no_grad():
+            b = m(x).logits
+        torch.testing.assert_close(a, b)  # prefetching changes timing, never the outputs
+        assert eng.stats()["prefetch_issued"] > 0 and eng.stats()["passes"] == 1
+    finally:
+        eng.close()
+
+
+@need_gpu
+def test_from_pretrained_cuda_greedy_equal_to_unmodified(tmp_path, monkeypatch):
+    import torch
+
+    import specmoe
+    from specmoe import testing
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+    m, _ = _tiny("qwen3_moe")
+    folder = testing.save_checkpoint(m, tmp_path / "ckpt")
+    ref = m.cuda()
+    x = torch.tensor([HF_PROMPT], device="cuda")
+    g_ref = ref.generate(x, max_new_tokens=12, do_sample=False)
+    model = specmoe.from_pretrained(folder, dtype="f32", cache=0.5, device="cuda",
+                                    torch_dtype=torch.float32, progress=False)
+    eng = specmoe.engine_of(model)
+    try:
+        assert all(p.is_cuda for p in model.parameters())
+        assert not any(".experts." in n for n, _ in model.named_parameters())
+        assert torch.equal(model.generate(x, max_new_tokens=12, do_sample=False), g_ref)
+        assert eng.stats()["misses"] > 0
+    finally:
+        eng.close()
+
+
+# ---------- MoE-SpAc's CPU/GPU workload balancer ----------
+
+def _eq9_best(counts, on_gpu, prof):
+    """Brute force over every cut n of Eq. 9's objective (|T_cpu - T_gpu|, smaller n on a tie),
+    the costs written out per expert."""
+    best = None
+    for n in range(len(counts) + 1):
+        t_cpu = sum(prof.t_cpu * c for c in counts[n:])
+        t_gpu = sum(prof.t_io for _ in range(n)) + sum(prof.t_gpu for _ in range(on_gpu + n))
+        if best is None or abs(t_cpu - t_gpu) < best[1] - 1e-15:
+            best = (n, abs(t_cpu - t_gpu))
+    return best[0]
+
+
+def test_balance_split_solves_eq9():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        m = int(rng.integers(0, 9))
+        counts = sorted(rng.integers(1, 9, m).tolist(), reverse=True)
+        prof = cuda.BalanceProfile(*(float(v) for v in rng.random(3) * 1e-3))
+        on_gpu = int(rng.integers(0, 8))
+        assert cuda.balance_split(counts, on_gpu, prof) == _eq9_best(counts, on_gpu, prof)
+    counts = [3, 2, 1, 1]
+    assert cuda.balance_split(counts, 2, cuda.BalanceProfile(1e-4, 1e-5, 0.0)) == 0  # free CPU
+    assert cuda.balance_split(counts, 2, cuda.BalanceProfile(1.0, 0.0, 1e-6)) == 0  # slow link
+    assert cuda.balance_split(counts, 2, cuda.BalanceProfile(1e-6, 1e-6, 1.0)) == 4  # slow CPU
+    # a slower CPU never moves work to it
+    ns = [cuda.balance_split(counts, 1, cuda.BalanceProfile(1e-4, 1e-5, t))
+          for t in np.linspace(0, 1e-3, 50)]
+    assert ns == sorted(ns) and ns[0] == 0 and ns[-1] == 4
+    for bad in (-1.0, float("nan"), float("inf"), "1"):
+        with pytest.raises(ValueError, match="t_cpu"):
+            cuda.BalanceProfile(1e-4, 1e-5, bad)
+
+
+@need_ext
+def test_emulated_layer_states_and_host_block(store, written):
+    cache = cuda.GpuExpertCache(store, 4, "lru", device=-1, mode="host")
+    try:
+        assert cache.layer_states(1).tolist() == [0] * NE
+        cache.acquire(1, 3)
+        cache.release(1, 3)
+        assert cache.layer_states(1).tolist() == [0, 0, 0, 2, 0, 0]
+        for l, e in [(0, 0), (1, 3), (2, 5)]:  # resident or not: the pinned copy of the store
+            got = store.tensors_of(np.array(cache.host_block(l, e)))
+            np.testing.assert_array_equal(got["w"], written[1][l]["w"][e])
+        with pytest.raises(ValueError, match="layer_states"):
+            cache.layer_states(NL)
+        with pytest.raises(ValueError, match="out of range"):
+            cache.host_block(0, NE)
+    finally:
+        cache.close()
+    staged = cuda.GpuExpertCache(store, 4, "lru", device=-1, mode="staged")
+    try:
+        with pytest.raises(ValueError, match="no host copy"):
+            staged.host_block(0, 0)
+    finally:
+        staged.close()
+
+
+def test_balance_needs_a_gpu_and_a_profile():
+    from specmoe import hf
+    m, _ = _tiny("qwen3_moe")
+    with pytest.raises(ValueError, match="needs device='cuda'"):
+        hf.offload(m, balance=True)
+    with pytest.raises(TypeError, match="BalanceProfile"):
+        hf.offload(m, device="cuda", balance="yes")
+    assert not _is_offloaded(m)
+
+
+@need_gpu
+def test_gpu_moe_forward_balanced_matches_reference(tmp_path):
+    """Every split (all copied, all on the CPU, mixed) gives the reference's output; the
+    counters say where the experts ran and the cache copied only the GPU's misses."""
+    import torch
+
+    H, I, E, L, K = 128, 256, 8, 2, 2
+    rng = np.random.default_rng(6)
+    experts = [[_expert(200 * l + e, H, I, "bf16", bias=False) for e in range(E)]
+               for l in range(L)]
+    layers = [{n: np.stack([experts[l][e][n] for e in range(E)]) for n in experts[l][0]}
+              for l in range(L)]
+    path = tmp_path / "moe.smoe"
+    write_store(path, layers, top_k=K, progress=False,
+                dtypes={"gate": "bf16", "up": "bf16", "down": "bf16"}).close()
+    T = 6
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
+    w = rng.random((T, K)).astype(np.float32)
+    with ExpertStore(path) as st:
+        spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes,
+                                                 precise=True)
+        profiles = {"copy": None, "cpu": cuda.BalanceProfile(1.0, 0.0, 1e-9),
+                    "mixed": cuda.BalanceProfile(1e-4, 1e-5, 1e-4)}
+        for name, prof in profiles.items():
+            cache = cuda.GpuExpertCache(st, 5, "lru", device=0, top_k=K)
+            counters: dict = {}
+            try:
+                for layer in range(L):
+                    want = np.zeros((T, H))
+                    for t in range(T):
+                        for j in range(K):
+                            want[t] += w[t, j] * _ref_ffn(experts[layer][ids[t, j]],
+                                                          x[t:t + 1], "silu")[0]
+                    cache.begin_pass()
+                    got = cuda.moe_forward(cache, spec, layer, torch.from_numpy(x).cuda(),
+                                           torch.from_numpy(ids).cuda(),
+                                           torch.from_numpy(w).cuda(), balance=prof,
+                                           counters=counters)
+                    np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4,
+                                               atol=1e-4 * np.abs(want).max())
+                used = sum(len(np.unique(ids)) for _ in range(L))
+                st_c = cache.stats()
+                assert counters["gpu_experts"] + counters["cpu_experts"] == used, name
+                assert st_c["misses"] + st_c["hits"] == counters["gpu_experts"], name
+                if name == "copy":
+                    assert counters["cpu_experts"] == 0
+                elif name == "cpu":
+                    assert counters["gpu_experts"] == 0 and st_c["bytes_read"] == 0
+                else:
+                    assert counters["cpu_experts"] > 0 and counters["gpu_experts"] > 0
+            finally:
+                cache.close()
+        with cuda.GpuExpertCache(st, 5, "lru", device=0, top_k=K) as cache:
+            prof = cuda.measure_balance_profile(cache, spec, repeats=3)
+            assert 0 < prof.t_io < 1 and 0 < prof.t_gpu < 1 and 0 < prof.t_cpu < 1
+
+
+@need_gpu
+def test_offload_cuda_balanced_greedy_equal_to_unmodified():
+    import torch
+
+    from specmoe import hf
+    m, ref = _tiny("qwen3_moe")
+    ref = ref.cuda()
+    eng = hf.offload(m, device="cuda", dtype="f32", cache=0.25, policy="spac", balance=True)
+    try:
+        assert eng.stats()["balance"]["t_io"] > 0  # measured at load time
+        x = torch.tensor([HF_PROMPT], device="cuda")
+        g_ref = ref.generate(x, max_new_tokens=12, do_sample=False)
+        # a profile under which the CPU is cheap: misses run there, tokens unchanged
+        eng.set_balance(cuda.BalanceProfile(t_io=1e-3, t_gpu=1e-5, t_cpu=1e-6))
+        assert torch.equal(m.generate(x, max_new_tokens=12, do_sample=False), g_ref)
+        st = eng.stats()
+        assert st["cpu_experts"] > 0 and st["gpu_experts"] > 0
+        eng.set_balance(False)
+        eng.reset_stats()
+        assert torch.equal(m.generate(x, max_new_tokens=12, do_sample=False), g_ref)
+        assert eng.stats()["cpu_experts"] == 0
+    finally:
+        eng.close()
