@@ -42,8 +42,9 @@ import torch
 from torch import nn
 
 from .arch import describe, getpath, moe_block
+from .hf import EngineCommon
 
-__all__ = ["GpuEngine", "cuda_device", "check_gpu_options"]
+__all__ = ["GpuEngine", "cuda_device", "check_gpu_options", "resolve_device"]
 
 
 def cuda_device(device: Any) -> torch.device | None:
@@ -83,7 +84,24 @@ def check_gpu_options(*, dtype: str = "f32", policy: Any = "lru", dense: Any = "
                          "route_lambda=0, throttle=None")
 
 
-class GpuEngine:
+def resolve_device(device: Any, **options: Any) -> torch.device | None:
+    """The CUDA device :func:`specmoe.offload` / :func:`specmoe.from_pretrained` were asked for
+    (None: the CPU), after refusing what the GPU tier does not serve (``options``:
+    :func:`check_gpu_options`' keywords) and checking that a GPU is usable
+    (:class:`specmoe.cuda.CudaUnavailable` with the reason otherwise), all before anything is
+    touched."""
+    gpu = cuda_device(device)
+    if gpu is None:
+        if options.get("balance") not in (False, None):
+            raise ValueError("balance: the CPU/GPU balancer needs device='cuda'")
+        return None
+    check_gpu_options(**options)
+    from . import cuda
+    cuda.load()
+    return gpu
+
+
+class GpuEngine(EngineCommon):
     """The running GPU offload of one model: the store, the GPU cache over it and the per-layer
     path.  Made by :func:`specmoe.offload` / :func:`specmoe.from_pretrained` with
     ``device="cuda"``; :func:`specmoe.engine_of` finds it."""
@@ -241,23 +259,10 @@ class GpuEngine:
         self._cache.prefetch([nxt * self.num_experts + int(k) for k in e], v.tolist(),
                              replace=True)
 
-    # -- what specmoe.generate asks of an engine ------------------------------------------------
-    def loads(self) -> tuple[int, float]:
-        """(experts loaded, stall seconds) since the last reset."""
-        if self._cache is None:
-            return 0, 0.0
-        c = self._cache.stats()
-        return int(c.get("bytes_read", 0)) // max(1, self._cache.slot_bytes), float(
-            c.get("stall_s", 0.0))
-
+    # -- what specmoe.generate asks of an engine (loads, generate: EngineCommon) ---------------
     def lookahead(self, counts: Any) -> None:
         raise NotImplementedError("the GPU tier has no draft-driven lookahead yet (issue 12): "
                                   "use specmoe.generate(..., lookahead=False)")
-
-    def generate(self, input_ids: Any, **kw: Any) -> Any:
-        """:func:`specmoe.generate` on this engine's model (same arguments)."""
-        from .generation import generate
-        return generate(self.model, input_ids, engine=self, **kw)
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -341,15 +346,7 @@ class GpuEngine:
         a temporary one).  The model's MoE layers refuse calls afterwards."""
         with self._lock:
             self._closed = True
-            if self._cache is not None:
-                self._cache.close()
-                self._cache = None
-            if self._store is not None:
-                self._store.close()
-                self._store = None
-            if self._own_store and os.path.exists(self._store_path):
-                os.unlink(self._store_path)
-                self._own_store = False
+            self._close_storage()
 
     def __enter__(self) -> "GpuEngine":
         return self

@@ -163,7 +163,45 @@ class _LayerCallSlot:
                 e._cv.notify_all()
 
 
-class Engine:
+class EngineCommon:
+    """What the CPU :class:`Engine` and the GPU tier's
+    :class:`specmoe.gpu_engine.GpuEngine` share: both keep ``model`` and a cache ``_cache``
+    (``stats()``, ``slot_bytes``; None once closed) over a store file (``_store``, deleted on
+    close when ``_own_store``)."""
+
+    model: nn.Module | None
+    _cache: Any
+    _store: Any
+    _store_path: str | None
+    _own_store: bool
+
+    def _close_storage(self) -> None:
+        """Close the cache and the store; delete the store file when it was a temporary one."""
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._own_store and self._store_path and os.path.exists(self._store_path):
+            os.unlink(self._store_path)
+            self._own_store = False
+
+    def loads(self) -> tuple[int, float]:
+        """(experts loaded from the store, seconds stalled on loads) since the last reset."""
+        if self._cache is None:
+            return 0, 0.0
+        c = self._cache.stats()
+        return int(c.get("bytes_read", 0)) // max(1, self._cache.slot_bytes), float(
+            c.get("stall_s", 0.0))
+
+    def generate(self, input_ids: Any, **kw: Any) -> Any:
+        """:func:`specmoe.generate` on this engine's model (same arguments)."""
+        from .generation import generate
+        return generate(self.model, input_ids, engine=self, **kw)
+
+
+class Engine(EngineCommon):
     """The running offload of one model: the store, the cache over it, the kernels' context and
     the per-layer path.  Made by :func:`offload` and :func:`specmoe.from_pretrained`; find a
     model's with :func:`engine_of`."""
@@ -664,19 +702,6 @@ class Engine:
         else:
             self._cache.protect()
 
-    def loads(self) -> tuple[int, float]:
-        """(experts loaded from the store, seconds stalled on loads) since the last reset."""
-        if self._cache is None:
-            return 0, 0.0
-        c = self._cache.stats()
-        return int(c.get("bytes_read", 0)) // max(1, self._cache.slot_bytes), float(
-            c.get("stall_s", 0.0))
-
-    def generate(self, input_ids: Any, **kw: Any) -> Any:
-        """:func:`specmoe.generate` on this engine's model (same arguments)."""
-        from .generation import generate
-        return generate(self.model, input_ids, engine=self, **kw)
-
     # -- public -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset: tokens, forward passes, prefetch precision/recall of
@@ -819,14 +844,7 @@ class Engine:
         self._layers = None
         self._draft = None
         self._copies = {}
-        if self._cache is not None:
-            self._cache.close()
-            self._cache = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        if self._own_store and self._store_path and os.path.exists(self._store_path):
-            os.unlink(self._store_path)
+        self._close_storage()
 
     def __enter__(self) -> "Engine":
         return self
@@ -928,17 +946,11 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     already converted stay offloaded to nothing usable (the error is raised): reload the model.
     Returns the engine.
     """
-    from .gpu_engine import check_gpu_options, cuda_device
+    from .gpu_engine import resolve_device
     info, ids = describe(model)
     _check_dtype(dtype)
-    gpu = cuda_device(device)
-    if gpu is not None:
-        check_gpu_options(dtype=dtype, policy=policy, dense=dense, miss=miss,
-                          route_lambda=route_lambda, throttle=throttle, balance=balance)
-        from . import cuda
-        cuda.load()  # no usable GPU: CudaUnavailable with the reason, the model untouched
-    elif balance not in (False, None):
-        raise ValueError("balance: the CPU/GPU balancer needs device='cuda'")
+    gpu = resolve_device(device, dtype=dtype, policy=policy, dense=dense, miss=miss,
+                         route_lambda=route_lambda, throttle=throttle, balance=balance)
     if overfetch < 1:
         raise ValueError(f"overfetch must be >= 1, got {overfetch}")
     first = expert_module(model, info, ids[0])

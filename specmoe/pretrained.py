@@ -304,16 +304,10 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
     from . import misses
     from .dense import resolve_dense
-    from .gpu_engine import check_gpu_options, cuda_device
+    from .gpu_engine import resolve_device
     from .hf import Engine
-    gpu = cuda_device(device)
-    if gpu is not None:
-        check_gpu_options(dtype=dtype, policy=policy, dense=dense, miss=miss,
-                          route_lambda=route_lambda, throttle=throttle, balance=balance)
-        from . import cuda
-        cuda.load()  # no usable GPU: CudaUnavailable with the reason, before any conversion
-    elif balance not in (False, None):
-        raise ValueError("balance: the CPU/GPU balancer needs device='cuda'")
+    gpu = resolve_device(device, dtype=dtype, policy=policy, dense=dense, miss=miss,
+                         route_lambda=route_lambda, throttle=throttle, balance=balance)
     resolve_dense(dense, torch.float32)  # bad values fail before any work
     misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
     misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)

@@ -398,18 +398,26 @@ def test_gpu_cache_slots_hold_the_store_blocks(store, written, mode):
         cache.close()
 
 
+def _moe_store(path, seed, dtype, H, I, E, L, K):
+    """Write a store of L layers of E random experts (``_expert``, no biases) in ``dtype``;
+    returns the experts' tensors [layer][expert]."""
+    experts = [[_expert(seed * l + e, H, I, dtype, bias=False) for e in range(E)]
+               for l in range(L)]
+    layers = [{n: np.stack([experts[l][e][n] for e in range(E)]) for n in experts[l][0]}
+              for l in range(L)]
+    dtypes = {"gate": "bf16", "up": "bf16", "down": "bf16"} if dtype == "bf16" else None
+    write_store(path, layers, top_k=K, progress=False, dtypes=dtypes).close()
+    return experts
+
+
 @need_gpu
 def test_gpu_moe_forward_matches_reference(tmp_path):
     import torch
 
     H, I, E, L, K = 128, 256, 8, 2, 2
     rng = np.random.default_rng(5)
-    experts = [[_expert(100 * l + e, H, I, "int4", bias=False) for e in range(E)]
-               for l in range(L)]
-    layers = [{n: np.stack([experts[l][e][n] for e in range(E)]) for n in experts[l][0]}
-              for l in range(L)]
     path = tmp_path / "moe.smoe"
-    write_store(path, layers, top_k=K, progress=False).close()
+    experts = _moe_store(path, 100, "int4", H, I, E, L, K)
     with ExpertStore(path) as st:
         spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes)
         cache = cuda.GpuExpertCache(st, 5, "lru", device=0, top_k=K)
@@ -686,13 +694,8 @@ def test_gpu_moe_forward_balanced_matches_reference(tmp_path):
 
     H, I, E, L, K = 128, 256, 8, 2, 2
     rng = np.random.default_rng(6)
-    experts = [[_expert(200 * l + e, H, I, "bf16", bias=False) for e in range(E)]
-               for l in range(L)]
-    layers = [{n: np.stack([experts[l][e][n] for e in range(E)]) for n in experts[l][0]}
-              for l in range(L)]
     path = tmp_path / "moe.smoe"
-    write_store(path, layers, top_k=K, progress=False,
-                dtypes={"gate": "bf16", "up": "bf16", "down": "bf16"}).close()
+    experts = _moe_store(path, 200, "bf16", H, I, E, L, K)
     T = 6
     x = rng.standard_normal((T, H)).astype(np.float32)
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
