@@ -92,7 +92,7 @@ void smoe_layers_free(smoe_layers *g) {
     }
     free(g->routers);
     free(g->shared);
-    free(g->sh_buf);
+    smoe_mlp_bufs_free(&g->sh);
     free(g->pred);
     free(g->pred_valid);
     free(g->scores);
@@ -805,25 +805,51 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
     return SMOE_OK;
 }
 
-/* out += layer pos's shared FFN on x (layer.h, smoe_layers_forward_routed), under mu. */
-static int shared_ffn(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int bf16,
-                      float *out, smoe_err *err) {
-    const smoe_shared_ffn *s = &g->shared[pos];
-    const uint32_t H = g->H, I = s->d[0]->N;
+void smoe_mlp_bufs_free(smoe_mlp_bufs *b) {
+    free(b->rows);
+    free(b->scratch);
+    memset(b, 0, sizeof *b);
+}
+
+int smoe_silu_mlp_check(const smoe_shared_ffn *f, uint32_t H, const char *what, smoe_err *err) {
+    for (int i = 0; i < 3; i++)
+        if (!f->d[i] || !f->block[i])
+            return smoe_err_set(err, SMOE_EINVAL, "%s projection %d missing", what, i);
+    const uint32_t I = f->d[0]->N;
+    if (f->d[0]->K != H || f->d[1]->K != H || f->d[1]->N != I || f->d[2]->K != I ||
+        f->d[2]->N != H)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "%s shapes gate %ux%u, up %ux%u, down %ux%u do not chain hidden %u "
+                            "-> I -> hidden",
+                            what, f->d[0]->N, f->d[0]->K, f->d[1]->N, f->d[1]->K, f->d[2]->N,
+                            f->d[2]->K, H);
+    return SMOE_OK;
+}
+
+int smoe_silu_mlp_add(smoe_kctx *kc, const smoe_shared_ffn *f, const float *x, uint32_t H,
+                      uint32_t T, int bf16, smoe_mlp_bufs *b, float *out, smoe_err *err) {
+    const uint32_t I = f->d[0]->N;
     const size_t need = (size_t)T * (2 * (size_t)I + H);
-    if (need > g->sh_cap) {
-        float *p = realloc(g->sh_buf, sizeof *p * need);
-        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "layers: no memory for the shared FFN");
-        g->sh_buf = p;
-        g->sh_cap = need;
+    if (need > b->rows_cap) {
+        float *p = realloc(b->rows, sizeof *p * need);
+        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "SiLU MLP: no memory for %zu rows", need);
+        b->rows = p;
+        b->rows_cap = need;
     }
-    float *gt = g->sh_buf, *ut = gt + (size_t)T * I, *st = ut + (size_t)T * I;
+    for (int i = 0; i < 3; i++) {
+        const size_t sn = smoe_linear_scratch_bytes(f->d[i], T);
+        if (sn <= b->scratch_cap) continue;
+        void *p = realloc(b->scratch, sn);
+        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "SiLU MLP: %zu bytes of scratch", sn);
+        b->scratch = p;
+        b->scratch_cap = sn;
+    }
+    float *gt = b->rows, *ut = gt + (size_t)T * I, *st = ut + (size_t)T * I;
     int rc = SMOE_OK;
-    for (int i = 0; i < 3 && rc == SMOE_OK; i++) rc = grow_lin_scratch(g, s->d[i], T, err);
     float *const gu[2] = {gt, ut}; /* gate and up on x */
     for (int i = 0; i < 2 && rc == SMOE_OK; i++)
-        rc = smoe_linear_forward(g->kc, s->d[i], s->block[i], s->bias[i], x, H, T, gu[i], I,
-                                 g->lin_scratch, err);
+        rc = smoe_linear_forward(kc, f->d[i], f->block[i], f->bias[i], x, H, T, gu[i], I,
+                                 b->scratch, err);
     if (rc != SMOE_OK) return rc;
     const size_t n = (size_t)T * I;
     if (bf16) {
@@ -834,13 +860,13 @@ static int shared_ffn(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, 
     if (bf16) smoe_bf16_round(gt, n);
     for (size_t i = 0; i < n; i++) gt[i] *= ut[i];
     if (bf16) smoe_bf16_round(gt, n);
-    rc = smoe_linear_forward(g->kc, s->d[2], s->block[2], s->bias[2], gt, I, T, st, H,
-                             g->lin_scratch, err);
+    rc = smoe_linear_forward(kc, f->d[2], f->block[2], f->bias[2], gt, I, T, st, H, b->scratch,
+                             err);
     if (rc != SMOE_OK) return rc;
     const size_t m = (size_t)T * H;
     if (bf16) {
         smoe_bf16_round(st, m);
-        smoe_bf16_round(out, m); /* the experts' output in the model's dtype */
+        smoe_bf16_round(out, m); /* what out held, in the model's dtype */
     }
     for (size_t i = 0; i < m; i++) out[i] += st[i];
     if (bf16) smoe_bf16_round(out, m);
@@ -853,8 +879,9 @@ int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uin
     pthread_mutex_lock(&g->mu);
     int rc = route(g, pos, x, T, flags, idx, w, err);
     if (!rc) rc = forward_locked(g, pos, x, T, idx, w, out, used, NULL, replace, draft, err);
-    if (!rc && T && g->shared[pos].d[0])
-        rc = shared_ffn(g, pos, x, T, flags & SMOE_ROUTE_BF16_OUT, out, err);
+    if (!rc && T && g->shared[pos].d[0])  /* the shared experts, added to the routed ones */
+        rc = smoe_silu_mlp_add(g->kc, &g->shared[pos], x, g->H, T, flags & SMOE_ROUTE_BF16_OUT,
+                               &g->sh, out, err);
     pthread_mutex_unlock(&g->mu);
     return rc;
 }
@@ -867,18 +894,8 @@ int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale,
         return smoe_err_set(err, SMOE_EINVAL, "layers: routing scale must be finite and > 0");
     smoe_shared_ffn none = {{NULL, NULL, NULL}, {NULL, NULL, NULL}, {NULL, NULL, NULL}};
     if (shared && shared->d[0]) {
-        for (int i = 0; i < 3; i++)
-            if (!shared->d[i] || !shared->block[i])
-                return smoe_err_set(err, SMOE_EINVAL, "layers: shared FFN projection %d missing",
-                                    i);
-        const uint32_t I = shared->d[0]->N;
-        if (shared->d[0]->K != g->H || shared->d[1]->K != g->H || shared->d[1]->N != I ||
-            shared->d[2]->K != I || shared->d[2]->N != g->H)
-            return smoe_err_set(err, SMOE_EINVAL,
-                                "layers: shared FFN shapes gate %ux%u, up %ux%u, down %ux%u do "
-                                "not chain hidden %u -> I -> hidden",
-                                shared->d[0]->N, shared->d[0]->K, shared->d[1]->N,
-                                shared->d[1]->K, shared->d[2]->N, shared->d[2]->K, g->H);
+        int rc = smoe_silu_mlp_check(shared, g->H, "layers: shared FFN", err);
+        if (rc != SMOE_OK) return rc;
     } else {
         shared = &none;
     }

@@ -116,6 +116,29 @@ typedef struct smoe_shared_ffn {
     const float *bias[3];
 } smoe_shared_ffn;
 
+/* The growing buffers of smoe_silu_mlp_add, owned by its caller (released with
+ * smoe_mlp_bufs_free); zero-initialised means empty. */
+typedef struct smoe_mlp_bufs {
+    float *rows;        /* gate, up and output rows: T * (2 I + H) floats */
+    size_t rows_cap;    /* floats */
+    void *scratch;      /* the linear kernels' scratch */
+    size_t scratch_cap; /* bytes */
+} smoe_mlp_bufs;
+
+void smoe_mlp_bufs_free(smoe_mlp_bufs *b);
+
+/* SMOE_OK when f is a whole SiLU MLP whose projections chain H -> I -> H (gate and up
+ * [I, H], down [H, I]); else SMOE_EINVAL naming `what`. */
+int smoe_silu_mlp_check(const smoe_shared_ffn *f, uint32_t H, const char *what, smoe_err *err);
+
+/* out[T, H] += down(silu(gate x) * up x) for the T rows of x [T, H], on the threads of kc:
+ * the one routine for a SiLU MLP of three linear layers (a MoE block's shared experts in
+ * smoe_layers_forward_routed, a dense decoder layer's MLP in specmoe._C.MLABlock).  bf16:
+ * round every intermediate as a bf16 model does (gate, up, the activation, the product, the
+ * MLP's output, out before and after the sum).  The caller serialises calls on b. */
+int smoe_silu_mlp_add(smoe_kctx *kc, const smoe_shared_ffn *f, const float *x, uint32_t H,
+                      uint32_t T, int bf16, smoe_mlp_bufs *b, float *out, smoe_err *err);
+
 typedef struct smoe_layer_counters {
     uint64_t tokens;          /* tokens through layer 0 (all forward passes) */
     uint64_t passes;          /* forward passes (calls at layer 0) */
@@ -178,8 +201,7 @@ typedef struct smoe_layers {
     uint32_t cap_tokens;
     void *lin_scratch;        /* owned; the linear kernels' scratch (router GEMV, shared FFN) */
     size_t lin_scratch_cap;
-    float *sh_buf;            /* owned; [sh_cap] the shared FFN's gate, up and output rows */
-    size_t sh_cap;
+    smoe_mlp_bufs sh;         /* owned; the shared FFN's rows and scratch [mu] */
     float *best;              /* owned; [E] priority per expert of the next layer */
     int32_t *keys;            /* owned; [E] */
     float *prios;             /* owned; [E] */

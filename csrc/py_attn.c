@@ -821,32 +821,49 @@ static smoe_layers *layer_call_begin(PyObject *layers, long pos, uint32_t hid) {
     return g;
 }
 
+/* A dense decoder layer's MLP for decoder_tail (MLABlock.set_mlp): the SiLU MLP, its buffers
+ * and the kernel context it runs on. */
+typedef struct {
+    smoe_kctx *c;
+    const smoe_shared_ffn *f;
+    smoe_mlp_bufs *b;
+} dense_mlp;
+
 /* The rest of a decoder layer after its attention (AttnBlock.layer, MLABlock.layer), under the
  * block's mutex without the GIL: h (the attention output, f32 [nt, hid]) += the layer input xp
  * (f32, or bf16 bits when xb); nrm = the post-attention RMSNorm of h; the MoE block routed in C
- * on nrm into moe; out op = h + moe in the model's dtype (bf16 bits when ob).  bf16: every sum
- * rounded as a bf16 model rounds it.  The routing buffers (nt x k expert ids and weights, E
- * used flags) grow in *route; *t1 is set when the MoE block begins. */
-static int decoder_tail(int bf16, smoe_layers *g, uint32_t pos, int flags, uint32_t nt,
-                        uint32_t hid, float *h, const void *xp, int xb, const float *ln2,
-                        float eps2, float *nrm, float *moe, void **route, size_t *route_cap,
-                        void *op, int ob, double *t1, smoe_err *err) {
-    const size_t n = (size_t)nt * hid, k = g->k;
-    const size_t need = (size_t)nt * k * (sizeof(int64_t) + sizeof(float)) + g->E;
-    if (need > *route_cap) {
-        void *p = realloc(*route, need);
-        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "layer: %zu bytes of routing buffer", need);
-        *route = p;
-        *route_cap = need;
-    }
-    int64_t *idx = *route;
-    float *w = (float *)(idx + (size_t)nt * k);
-    uint8_t *used = (uint8_t *)(w + (size_t)nt * k);
+ * on nrm into moe -- or, for a dense layer (g NULL), the MLP `mlp` on nrm; out op = h + moe in
+ * the model's dtype (bf16 bits when ob).  bf16: every sum rounded as a bf16 model rounds it.
+ * The routing buffers (nt x k expert ids and weights, E used flags) grow in *route; *t1 is set
+ * when the MoE block (the MLP) begins. */
+static int decoder_tail(int bf16, smoe_layers *g, const dense_mlp *mlp, uint32_t pos, int flags,
+                        uint32_t nt, uint32_t hid, float *h, const void *xp, int xb,
+                        const float *ln2, float eps2, float *nrm, float *moe, void **route,
+                        size_t *route_cap, void *op, int ob, double *t1, smoe_err *err) {
+    const size_t n = (size_t)nt * hid;
     residual_add(bf16, h, xp, xb, n); /* h = x + attention */
     memcpy(nrm, h, n * sizeof(float));
     smoe_rmsnorm(nrm, nt, hid, ln2, eps2, bf16); /* the post-attention norm */
     *t1 = smoe_now();
-    int rc = smoe_layers_forward_routed(g, pos, nrm, nt, flags, idx, w, moe, used, 1, NULL, err);
+    int rc;
+    if (g) {
+        const size_t k = g->k;
+        const size_t need = (size_t)nt * k * (sizeof(int64_t) + sizeof(float)) + g->E;
+        if (need > *route_cap) {
+            void *p = realloc(*route, need);
+            if (!p)
+                return smoe_err_set(err, SMOE_ENOMEM, "layer: %zu bytes of routing buffer", need);
+            *route = p;
+            *route_cap = need;
+        }
+        int64_t *idx = *route;
+        float *w = (float *)(idx + (size_t)nt * k);
+        uint8_t *used = (uint8_t *)(w + (size_t)nt * k);
+        rc = smoe_layers_forward_routed(g, pos, nrm, nt, flags, idx, w, moe, used, 1, NULL, err);
+    } else {
+        memset(moe, 0, n * sizeof(float));
+        rc = smoe_silu_mlp_add(mlp->c, mlp->f, nrm, hid, nt, bf16, mlp->b, moe, err);
+    }
     if (rc != SMOE_OK) return rc;
     if (bf16) smoe_bf16_round(moe, n); /* the MoE block's output cast to the model's dtype */
     residual_add(bf16, moe, h, 0, n);  /* out = h + moe */
@@ -1084,9 +1101,9 @@ static int ab_layer_run(AttnBlockObject *self, smoe_kctx *c, smoe_layers *g,
                         (size_t)Hkv * kv_hs, kv_hs, nt, (uint32_t)(S + nt), a->bias,
                         a->bias_rows, (float)a->scale, h, err);
     if (rc == SMOE_OK)
-        rc = decoder_tail(self->bf16, g, (uint32_t)a->pos, a->flags, nt, hid, h, a->xp, a->xb,
-                          a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap, a->op, a->ob,
-                          &t1, err);
+        rc = decoder_tail(self->bf16, g, NULL, (uint32_t)a->pos, a->flags, nt, hid, h, a->xp,
+                          a->xb, a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap, a->op,
+                          a->ob, &t1, err);
     double t2 = smoe_now();
     pthread_mutex_unlock(&self->mu);
     *ta = t1 - t0;
@@ -1191,6 +1208,10 @@ typedef struct {
     void *lscratch;               /* linear scratch for max_tokens (fixed size); guarded by mu */
     void *ascratch;               /* MLA scratch (grows with the thread count); guarded by mu */
     size_t ascratch_cap;
+    PyObject *mlp_obj;            /* set_mlp's (gate, up, down) tuple of _C.Linear (strong) or
+                                     NULL; changed under the GIL and mu */
+    smoe_shared_ffn mlp;          /* borrowed from mlp_obj (d[0] NULL: none); guarded by mu */
+    smoe_mlp_bufs mlp_bufs;       /* the MLP's rows and scratch; guarded by mu */
     pthread_mutex_t mu;           /* serializes calls on this object */
     int ready;
 } MLABlockObject;
@@ -1324,6 +1345,8 @@ static void mlab_dealloc(MLABlockObject *self) {
     free(self->lscratch);
     free(self->ascratch);
     free(self->route);
+    smoe_mlp_bufs_free(&self->mlp_bufs);
+    Py_XDECREF(self->mlp_obj);
     Py_XDECREF(self->ctx_obj);
     Py_XDECREF(self->mla_obj);
     for (int i = 0; i < ML_N; i++) Py_XDECREF(self->lin_obj[i]);
@@ -1551,8 +1574,9 @@ static PyObject *mlab_attn(MLABlockObject *self, PyObject *const *args, Py_ssize
 
 /* The checked arguments of MLABlock.layer (mlab_layer_parse), for mlab_layer_run. */
 typedef struct {
-    long pos; /* checked by layer_call_begin */
+    long pos; /* checked by layer_call_begin (unused for a dense layer) */
     int flags;
+    int dense; /* layers None: the block's MLP (set_mlp) instead of a MoE block */
     mlab_args a;
     void *op;
 } mlab_layer_args;
@@ -1571,8 +1595,45 @@ static int mlab_layer_parse(MLABlockObject *self, PyObject *const *args, Py_ssiz
     if (mlab_parse(self, args + 3, &l->a) || mlab_out(self, args[13], "out", &l->a, NULL))
         return -1;
     l->pos = pos;
+    l->dense = args[0] == Py_None;
+    if (l->dense && !self->mlp.d[0]) {
+        PyErr_SetString(PyExc_ValueError, "MLABlock.layer: layers None runs the block's dense "
+                        "MLP, and none is set (set_mlp)");
+        return -1;
+    }
     l->op = PyArray_DATA((PyArrayObject *)args[13]);
     return 0;
+}
+
+/* set_mlp(mlp): the dense MLP that layer(None, ...) runs after the attention: a (gate, up,
+ * down) tuple of _C.Linear chaining hidden -> I -> hidden (the Linear objects are kept), or
+ * None (none). */
+static PyObject *mlab_set_mlp(MLABlockObject *self, PyObject *arg) {
+    if (method_start(self->ready, "MLABlock", "set_mlp(mlp)", 1, 1, 1)) return NULL;
+    smoe_shared_ffn f = {{NULL, NULL, NULL}, {NULL, NULL, NULL}, {NULL, NULL, NULL}};
+    if (arg != Py_None) {
+        if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 3) {
+            PyErr_SetString(PyExc_TypeError,
+                            "set_mlp: mlp must be None or a (gate, up, down) tuple of _C.Linear");
+            return NULL;
+        }
+        for (int i = 0; i < 3; i++)
+            if (smoe_py_linear_parts(PyTuple_GET_ITEM(arg, i), &f.d[i], &f.block[i], &f.bias[i]))
+                return NULL;
+        smoe_err e;
+        smoe_err_clear(&e);
+        if (smoe_silu_mlp_check(&f, self->hidden, "MLABlock.set_mlp: the MLP's", &e))
+            return smoe_py_raise(&e);
+    }
+    PyObject *old = self->mlp_obj, *keep = arg == Py_None ? NULL : arg;
+    Py_XINCREF(keep);
+    Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&self->mu); /* waits for a layer in flight */
+    self->mlp = f;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    self->mlp_obj = keep;
+    Py_XDECREF(old); /* released only now: the block no longer borrows from it */
+    Py_RETURN_NONE;
 }
 
 /* One decoder layer of checked arguments on the MoE layers g, without the GIL, under the
@@ -1587,8 +1648,11 @@ static int mlab_layer_run(MLABlockObject *self, smoe_kctx *c, smoe_layers *g,
     double t0 = smoe_now(), t1 = t0;
     int rc = mlab_pre_post(self, c, a->xp, a->xb, a->fp, a->nt, a->ln1, a->eps1, a->cp, a->kp,
                            a->cb, a->S, a->bias, a->bias_rows, h, err);
+    const dense_mlp mlp = {c, &self->mlp, &self->mlp_bufs};
+    if (rc == SMOE_OK && !g && !self->mlp.d[0]) /* set_mlp(None) since the call was checked */
+        rc = smoe_err_set(err, SMOE_ESTATE, "MLABlock.layer: the block's MLP was removed");
     if (rc == SMOE_OK)
-        rc = decoder_tail(self->bf16, g, (uint32_t)l->pos, l->flags, a->nt, hid, h, a->xp,
+        rc = decoder_tail(self->bf16, g, &mlp, (uint32_t)l->pos, l->flags, a->nt, hid, h, a->xp,
                           a->xb, a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap, l->op,
                           a->xb, &t1, err);
     double t2 = smoe_now();
@@ -1615,7 +1679,13 @@ static PyMethodDef mlab_methods[] = {
      "out): a whole DeepSeek-V2 MoE decoder layer of T tokens in one call: attn's part, then "
      "the MoE block at position pos of the _C.Layers `layers` (routing, routed and shared "
      "experts, as Layers.forward_routed with route_flags) on the normed sum, and out = the sum "
-     "+ the block's output.  Returns (seconds in the attention part, seconds in the MoE part)."},
+     "+ the block's output.  layers None: a dense layer, the block's MLP (set_mlp) in place "
+     "of the MoE block (pos and route_flags unused).  Returns (seconds in the attention part, "
+     "seconds in the MoE block or MLP)."},
+    {"set_mlp", (PyCFunction)mlab_set_mlp, METH_O,
+     "set_mlp(mlp): the dense MLP layer(None, ...) runs after the attention, down(silu(gate "
+     "x) * up x) rounded as the block's dtype: a (gate, up, down) tuple of _C.Linear chaining "
+     "hidden -> I -> hidden (kept by the block), or None."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject MLABlockType = {
@@ -1721,6 +1791,11 @@ static int chain_item_begin(PyObject *blk, PyObject *const *av, Py_ssize_t an, P
         return -1;
     }
     if (!c->c) return -1;
+    if (c->mla && c->u.ml.dense) { /* a dense layer: no MoE layers to begin */
+        c->layers = NULL;
+        c->g = NULL;
+        return 0;
+    }
     c->layers = av[0];
     c->g = layer_call_begin(c->layers, pos, hid);
     return c->g ? 0 : -1;
@@ -1745,7 +1820,8 @@ static PyObject *chain_run(const chain_item *it, Py_ssize_t n) {
         tm += m1;
     }
     Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) smoe_py_layers_end(it[i].layers);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (it[i].layers) smoe_py_layers_end(it[i].layers);
     if (rc != 0) return smoe_py_raise(&err);
     return Py_BuildValue("(dd)", ta, tm);
 }
@@ -1789,7 +1865,8 @@ static PyObject *py_layer_chain(PyObject *mod, PyObject *const *args, Py_ssize_t
             /* the ends look the cache up: they must not run with the exception pending */
             PyObject *et, *ev, *tb;
             PyErr_Fetch(&et, &ev, &tb);
-            for (Py_ssize_t j = 0; j < i; j++) smoe_py_layers_end(it[j].layers);
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (it[j].layers) smoe_py_layers_end(it[j].layers);
             PyErr_Restore(et, ev, tb);
             return NULL;
         }

@@ -33,6 +33,8 @@ full mask of one row alike.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 import torch
@@ -182,7 +184,10 @@ class DecodeStep:
         KV buffers, Engine) in one C call, then their caches advanced; ``run`` emptied."""
         if not run:
             return
-        with run[0][3]._layer_call_slot():
+        # the Engine of the chain's MoE layers holds close() off while they run (a chain of
+        # dense layers alone has none)
+        eng = next((it[3] for it in run if it[3] is not None), None)
+        with eng._layer_call_slot() if eng is not None else contextlib.nullcontext():
             self.chain(tuple((it[0], it[1]) for it in run))
         for it in run:
             kv_advance(it[2], 1)

@@ -193,6 +193,26 @@ class DenseReport:
                 + (f" ({len(self.fused)} fused)" if self.fused else ""))
 
 
+def silu_mlp_parts(mlp: nn.Module | None) -> tuple[tuple[Any, Any, Any], torch.dtype,
+                                                   int | None] | None:
+    """A SiLU MLP module (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) as specmoe's C
+    layer calls run it: its (gate, up, down) ``_C.Linear``, the dtype it computes in and the
+    most tokens it runs in C (its CLinears' ``torch_above`` for f32/bf16 weights, else None);
+    None unless the three projections are :class:`CLinear` of one f32/bf16 output dtype and
+    the activation is SiLU.  The one rule for a DeepSeek MoE block's shared experts
+    (``Engine._install_routing``) and a dense decoder layer's MLP (:mod:`specmoe.mla`)."""
+    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(mlp, "act_fn", None)
+    if mlp is None or not all(isinstance(p, CLinear) for p in projs) or \
+            type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        return None
+    dtypes = {p.out_dtype for p in projs}
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16}:
+        return None
+    most = projs[0].torch_above if projs[0].weight_view is not None else None
+    return (projs[0]._c, projs[1]._c, projs[2]._c), dtypes.pop(), most
+
+
 def resolve_dense(dense: str | bool | None, model_dtype: torch.dtype) -> str | None:
     """The dense format ``dense`` asks for with weights of ``model_dtype``: None (torch) for
     ``None``/``False``/``"torch"``; for ``"auto"``/``True``: ``"bf16"`` (weights kept exactly)

@@ -71,22 +71,10 @@ DTYPES = ("f32", "bf16", "int8", "int4", "int2")
 
 
 def _shared_ffn(block: nn.Module) -> tuple[tuple[Any, Any, Any], torch.dtype, int | None] | None:
-    """A DeepSeek MoE block's shared experts as the C layer call runs them: their (gate, up,
-    down) _C.Linear, the dtype they compute in and the most tokens they run in C (their
-    CLinears' torch_above for f32/bf16 weights, else None) -- or None unless they are a SiLU
-    MLP whose three projections are specmoe.dense.CLinear."""
-    from .dense import CLinear
-    mlp = getattr(block, "shared_experts", None)
-    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    act = getattr(mlp, "act_fn", None)
-    if mlp is None or not all(isinstance(p, CLinear) for p in projs) or \
-            type(act).__name__ not in ("SiLUActivation", "SiLU"):
-        return None
-    dtypes = {p.out_dtype for p in projs}
-    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16}:
-        return None
-    most = projs[0].torch_above if projs[0].weight_view is not None else None
-    return (projs[0]._c, projs[1]._c, projs[2]._c), dtypes.pop(), most
+    """A DeepSeek MoE block's shared experts as the C layer call runs them
+    (:func:`specmoe.dense.silu_mlp_parts`), or None."""
+    from .dense import silu_mlp_parts
+    return silu_mlp_parts(getattr(block, "shared_experts", None))
 
 
 def _check_capacity(cache: Any, total: int, slot_bytes: int) -> None:

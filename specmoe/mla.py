@@ -413,7 +413,7 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
     the layer's own forward.  Idempotent."""
     from .arch import FUSABLE_MLA_LAYERS
     from .attention import _norm_weight
-    from .dense import CLinear
+    from .dense import CLinear, silu_mlp_parts
     if ctx is None:
         from .kernels import context
         ctx = context()
@@ -440,8 +440,12 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
             continue
         layer._specmoe_mlab_parts = (projs, ctx, projs[0].out_dtype, rope)
         layer._specmoe_mlab = None
+        # a dense layer (DeepSeek's first_k_dense_replace): its MLP in the block's call too
+        dense = None if hasattr(layer.mlp, "experts") else silu_mlp_parts(layer.mlp)
+        layer._specmoe_dense = dense if dense is not None and dense[1] == projs[0].out_dtype \
+            else None
         if _mla_block(layer) is None:
-            del layer._specmoe_mlab_parts, layer._specmoe_mlab
+            del layer._specmoe_mlab_parts, layer._specmoe_mlab, layer._specmoe_dense
             continue
         layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
                                 ln[1], float(layer.post_attention_layernorm.variance_epsilon))
@@ -479,6 +483,8 @@ def _mla_block(layer: nn.Module) -> Any:
     blk = _C.MLABlock(ctx, ab.kernel, q_b._c, kv_a._c, o._c, _norm_weight(attn.kv_a_layernorm),
                       float(attn.kv_a_layernorm.variance_epsilon), bf16=dt == torch.bfloat16,
                       max_tokens=attn._specmoe_mla_max, rope=rope, **kw)
+    if layer._specmoe_dense is not None:
+        blk.set_mlp(layer._specmoe_dense[0])
     layer._specmoe_mlab = (blk, ab.kernel, attn._specmoe_mla_max)
     return blk
 
@@ -603,6 +609,9 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: 
         with eng._layer_call_slot():
             blk.layer(eng._layers, pos, flags, *args, tensor_array(out.view(T, hidden)))
         normed = None
+    elif _dense_in_call(layer, T):
+        blk.layer(None, -1, 0, *args, tensor_array(out.view(T, hidden)))
+        normed = None
     else:
         normed = torch.empty(1, T, hidden, dtype=x.dtype)
         blk.attn(*args, tensor_array(out.view(T, hidden)), tensor_array(normed.view(T, hidden)))
@@ -610,6 +619,13 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: 
     if normed is not None:
         out = out + layer.mlp(normed)
     return out
+
+
+def _dense_in_call(layer: nn.Module, T: int) -> bool:
+    """Whether a dense layer's MLP runs inside its MLABlock call for T tokens (set_mlp; its
+    CLinears' torch_above bounds the tokens, as for a shared FFN)."""
+    dense = layer._specmoe_dense
+    return dense is not None and not layer.mlp.training and (dense[2] is None or T <= dense[2])
 
 
 def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
@@ -628,20 +644,23 @@ def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
 def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
                cache: Any) -> tuple | None:
     """One decode step of a fused DeepSeek decoder layer as an item of ``_C.layer_chain``:
-    (block, ``layer()`` arguments, KV buffers, Engine) for x [1, T, hidden] into out with no
-    mask, or None when the step must take the layer's forward (its checks; a layer whose MoE
-    block does not route in C, such as the dense first layer)."""
+    (block, ``layer()`` arguments, KV buffers, Engine or None) for x [1, T, hidden] into out
+    with no mask, or None when the step must take the layer's forward (its checks; a layer
+    whose MoE block does not route in C now).  A dense layer whose MLP the block runs
+    (set_mlp) is an item too, with no Engine."""
     if not _mla_decodable(layer, x, pe, None):
         return None
+    T, hidden = x.shape[1], x.shape[2]
     route = decode_route(layer, x)
+    if route is None and not _dense_in_call(layer, T):
+        return None
     attn = layer.self_attn
-    bufs = None if route is None else kv_buffers(cache, attn.layer_idx, x.shape[1])
+    bufs = kv_buffers(cache, attn.layer_idx, T)
     blk = None if bufs is None else _mla_block(layer)
     if type(blk) is not _C.MLABlock:
         return None
-    eng, pos, flags, _ = route
-    T, hidden = x.shape[1], x.shape[2]
+    eng, pos, flags = (None, -1, 0) if route is None else route[:3]
     args = _mla_args(layer, x, pe, layer._specmoe_mlab_parts[3], attn.qk_rope_head_dim, None,
                      bufs)
-    return (blk, (eng._layers, pos, flags, *args, tensor_array(out.view(T, hidden))), bufs,
-            eng)
+    return (blk, (None if eng is None else eng._layers, pos, flags, *args,
+                  tensor_array(out.view(T, hidden))), bufs, eng)

@@ -81,9 +81,13 @@ def test_step_equals_the_models_own_forward(arch, dt):
                     assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                 tok = on.logits[:, -1:].argmax(-1)
         # layers that route their MoE block in C go through layer_chain (Qwen2-MoE's shared
-        # expert gate and DeepSeek-V3's group-limited router keep theirs in torch)
-        chains = arch not in ("qwen2_moe", "deepseek_v3")
+        # expert gate and DeepSeek-V3's group-limited router keep theirs in torch), and so do
+        # DeepSeek's dense first layers (their MLP in the MLABlock's call)
+        chains = arch != "qwen2_moe"
         assert (step.chained > 0) == chains
+        if arch == "deepseek_v3":  # the dense layers only
+            dense = sum(lyr._specmoe_dense is not None for lyr in model.model.layers)
+            assert dense >= 1 and step.chained == 5 * dense
         # whole generations: transformers' loop and specmoe's
         n0 = step.steps
         got = _gen(model, ids)

@@ -76,6 +76,13 @@ def _count(model):
     return calls
 
 
+def _kinds(model):
+    """The MLABlock method each layer's decode step calls: "layer" for a dense layer (its MLP in
+    the call, set_mlp) or a MoE block routed in C, else "attn" (the MLP in torch after it)."""
+    return ["layer" if layer._specmoe_dense is not None else "attn"
+            for layer in model.model.layers]
+
+
 def _unfused(model):
     """The same model with the one-call layers undone: the absorbed attention
     (specmoe.mla._absorbed_forward) with torch between the same C kernels."""
@@ -119,8 +126,10 @@ def test_bf16_layers_bit_identical_to_the_absorbed_path(fmt, form):
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(2))
     ka, la = _steps(a, ids, 10, crop=2)
     kb, lb = _steps(b, ids, 10, crop=2)
-    # the prefill finds no cache layer to write into: the layer's own forward; then C
-    assert calls == [("attn", T) for T in STEPS for _ in range(L)]
+    # the prefill finds no cache layer to write into: the layer's own forward; then C (the
+    # dense first layer's MLP inside its call: bit for bit the CLinears' path, below)
+    assert _kinds(a) == ["layer"] + ["attn"] * (L - 1)
+    assert calls == [(k, T) for T in STEPS for k in _kinds(a)]
     assert len(outs["a"]) == len(outs["b"]) == (1 + len(STEPS)) * L
     for x, y in zip(outs["a"], outs["b"]):
         assert x.dtype == torch.bfloat16 and torch.equal(x, y)
@@ -137,7 +146,7 @@ def test_f32_decode_matches_transformers(form):
     calls = _count(m)
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(1))
     kv, got = _steps(m, ids, 20)
-    assert calls == [("attn", T) for T in STEPS for _ in range(3)]
+    assert calls == [(k, T) for T in STEPS for k in _kinds(m)]
     with torch.no_grad():
         full = ref(ids[:, :20 + sum(STEPS)]).logits
     torch.testing.assert_close(got, full, atol=2e-5, rtol=1e-4)
@@ -150,9 +159,9 @@ def test_f32_decode_matches_transformers(form):
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_offloaded_moe_layers_are_one_call(dt, form):
     """With the Engine routing in C (DeepSeek-V2's greedy router), each MoE layer's decode step
-    is MLABlock.layer (the MoE block inside the call), the dense first layer MLABlock.attn and
-    its MLP in torch; DeepSeek-V3's group-limited router stays in torch, so its layers take
-    attn and the block's own forward.  Greedy tokens equal the unmodified model's (f32) and the
+    is MLABlock.layer (the MoE block inside the call), and so is the dense first layer's (its
+    MLP inside the call); DeepSeek-V3's group-limited router stays in torch, so its MoE layers
+    take attn and the block's own forward.  Greedy tokens equal the unmodified model's (f32) and the
     unfused offloaded model's (bf16: layer outputs bit for bit)."""
     fmt = "f32" if dt == torch.float32 else "bf16"
     ref = _model(dt, layers=4, form=form)
@@ -167,7 +176,7 @@ def test_offloaded_moe_layers_are_one_call(dt, form):
         prompt = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(5))
         kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         got = a.generate(prompt, **kw)
-        assert calls == [("attn", 1), (moe, 1), (moe, 1), (moe, 1)] * 7
+        assert calls == [("layer", 1), (moe, 1), (moe, 1), (moe, 1)] * 7
         assert torch.equal(got, b.generate(prompt, **kw))
         if dt == torch.float32:
             assert torch.equal(got, ref.generate(prompt, **kw))
@@ -197,7 +206,7 @@ def test_fallbacks_use_the_layers_own_forward():
         m(long[:, 20:37], cache=kv, use_cache=True)                # 17 tokens: above 16
         assert calls == []
         m(long[:, 37:38], cache=kv, use_cache=True)
-    assert calls == [("attn", 1)] * 3
+    assert calls == [(k, 1) for k in _kinds(m)]
     assert fuse_mla(_model()) == []                               # projections in torch
     t = _model()
     convert_dense(t, "f32")
@@ -340,3 +349,35 @@ def test_block_against_numpy_reference():
     hsum = x + o
     np.testing.assert_allclose(a[10], hsum, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(a[11], rms(hsum, ln2, e2), rtol=1e-4, atol=1e-5)
+
+
+def test_dense_mlp_in_the_block_checks_its_input():
+    """MLABlock.set_mlp takes a (gate, up, down) tuple of _C.Linear chaining hidden -> I ->
+    hidden, or None; layer(None, ...) without an MLP raises before anything runs (the KV cache
+    untouched), and with it back the step equals the unfused layers'."""
+    a, b = _model(), _model()  # the same seed: the same weights
+    convert_dense(a, "f32")
+    convert_dense(b, "f32")
+    _unfused(b)
+    layer = a.model.layers[0]
+    blk = layer._specmoe_mlab[0]
+    gate, up, down = layer._specmoe_dense[0]
+    with pytest.raises(TypeError, match="tuple of _C.Linear"):
+        blk.set_mlp(gate)
+    with pytest.raises(ValueError, match="do not chain"):
+        blk.set_mlp((down, up, gate))
+    with pytest.raises(TypeError):
+        blk.set_mlp((gate, up, "down"))
+    ids = torch.randint(3, 100, (1, 21), generator=torch.Generator().manual_seed(7))
+    ka, kb = DynamicCache(config=a.config), DynamicCache(config=b.config)
+    with torch.no_grad():
+        a(ids[:, :20], cache=ka, use_cache=True)
+        b(ids[:, :20], cache=kb, use_cache=True)
+        blk.set_mlp(None)
+        with pytest.raises(ValueError, match="none is set"):
+            a(ids[:, 20:], cache=ka, use_cache=True)
+        assert ka.get_seq_length() == 20
+        blk.set_mlp((gate, up, down))
+        la = a(ids[:, 20:], cache=ka, use_cache=True).logits
+        lb = b(ids[:, 20:], cache=kb, use_cache=True).logits
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
