@@ -94,8 +94,9 @@ layers at OLMoE shapes, specmoe.mla's at DeepSeek-V2 shapes; ``breakdown_kind`` 
 ``attention`` and ``experts`` are the C time of that call's two parts (it reports them; with
 the routing and shared experts at DeepSeek shapes; consecutive such layers run in one
 ``_C.layer_chain`` call of specmoe.decode_step, which reports the same split summed), ``lm_head`` the module's time,
-``mlp_outside_the_call`` the MLPs the layer calls from Python after its attention call
-(DeepSeek-V2's dense first layer), and ``other`` everything else -- embeddings, the final
+``dense_mlp_in_the_call`` a dense layer's MLP inside its call (DeepSeek-V2's dense first
+layer, ``MLABlock.set_mlp``), ``mlp_outside_the_call`` the MLPs a layer calls from Python after
+its attention call (a MoE block routed in Python), and ``other`` everything else -- embeddings, the final
 norm, the Python around each layer call, the KV-cache bookkeeping, ``generate``;
 ``glue_share`` = other / step and ``outside_c_kernels_share`` = 1 - (all C time) / step.  Rows
 whose MoE blocks are routed in C but whose layers are not fused: ``experts`` is that one call's
@@ -244,10 +245,11 @@ class _ChainTimer:
         self.inner, self.acc = inner, acc
 
     def __call__(self, calls: Any) -> Any:
-        ta, tm = self.inner(calls)
-        self.acc["attn"] += ta
-        self.acc["moe"] += tm
-        return ta, tm
+        r = self.inner(calls)
+        self.acc["attn"] += r[0]
+        self.acc["moe"] += r[1]
+        self.acc["mlp"] += r[2]
+        return r
 
 
 class _BlockTimer:
@@ -277,10 +279,11 @@ class _BlockTimer:
         return r
 
     def layer(self, *a: Any) -> Any:
-        ta, tm = self.inner.layer(*a)
-        self.acc["attn"] += ta
-        self.acc["moe"] += tm
-        return ta, tm
+        r = self.inner.layer(*a)
+        self.acc["attn"] += r[0]
+        self.acc["moe"] += r[1]
+        self.acc["mlp"] += r[2]
+        return r
 
 
 class _Acc:
@@ -368,6 +371,7 @@ def worker(spec_path: str) -> None:
                     s["dense_c"] = self.dc["t"]
                 if self.ab is not None:
                     s["attn_c"], s["moe_c"] = self.ab["attn"], self.ab["moe"]
+                    s["mlp_c"] = self.ab["mlp"]
                 if self.mc is not None:
                     s["attn_c"] = s.get("attn_c", 0.0) + self.mc["t"]
                 self.snap.append(s)
@@ -457,7 +461,7 @@ def worker(spec_path: str) -> None:
                       if any(lyr.self_attn is a for a in blocks) and not routed(lyr)]
             mlabs = [lyr for lyr in mlabs if not routed(lyr)]
         if blocks or mlabs or chained:
-            ab = {"attn": 0.0, "moe": 0.0}
+            ab = {"attn": 0.0, "moe": 0.0, "mlp": 0.0}
             for a in blocks:
                 a._specmoe_block = _BlockTimer(a._specmoe_block, ab)
             for lyr in mlabs:  # (block, its MLA kernel, max tokens): the block timed
@@ -512,17 +516,20 @@ def worker(spec_path: str) -> None:
             # everything else -- embeddings, the final norm, the Python around each layer
             # call, KV bookkeeping, lm_head's glue, generate -- is "other"
             attn_c, exc = per_step("attn_c"), per_step("moe_c") + per_step("experts_c")
+            mlp_c = per_step("mlp_c")
             parts = {"attention": attn_c, "experts": exc, "lm_head": lm,
-                     "other": step - attn_c - exc - mlp - lm}
-            if mlp:  # MLPs called from Python after the attention's call (DeepSeek's dense
-                # first layer; a block routed in Python): their module time
+                     "other": step - attn_c - exc - mlp_c - mlp - lm}
+            if mlp_c:  # a dense layer's MLP inside its call (DeepSeek's dense first layer)
+                parts["dense_mlp_in_the_call"] = mlp_c
+            if mlp:  # MLPs called from Python after the attention's call (a block routed in
+                # Python; before the dense layers' calls took theirs): their module time
                 parts["mlp_outside_the_call"] = mlp
             r["breakdown_kind"] = "fused layers: attention and experts are C time"
             r["outside_experts_share"] = 1 - exc / step
             r["glue_share"] = parts["other"] / step
             dense_c = per_step("dense_c")
             r["dense_c_ms_per_step"] = dense_c * 1e3
-            r["outside_c_kernels_share"] = 1 - (exc + attn_c + dense_c) / step
+            r["outside_c_kernels_share"] = 1 - (exc + attn_c + mlp_c + dense_c) / step
         elif eng is not None:
             # routed blocks (rtc): their one C call holds the routing, the experts and, for
             # DeepSeek, the shared MLP -- counted as experts here, as C time below

@@ -1140,7 +1140,8 @@ static PyMethodDef ab_methods[] = {
      "forward_routed with route_flags), the second residual add, into out [T, hidden] (x's "
      "dtype).  Every intermediate as pre, post and forward_routed compute it; GIL released.  "
      "Returns (seconds in the attention block with its norms and first residual add, seconds "
-     "in the MoE block and the second add), for benchmarks."},
+     "in the MoE block and the second add, 0.0 -- MLABlock.layer's dense-MLP seconds), for "
+     "benchmarks."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject AttnBlockType = {
@@ -1681,7 +1682,7 @@ static PyMethodDef mlab_methods[] = {
      "experts, as Layers.forward_routed with route_flags) on the normed sum, and out = the sum "
      "+ the block's output.  layers None: a dense layer, the block's MLP (set_mlp) in place "
      "of the MoE block (pos and route_flags unused).  Returns (seconds in the attention part, "
-     "seconds in the MoE block or MLP)."},
+     "seconds in the MoE block, seconds in the dense MLP)."},
     {"set_mlp", (PyCFunction)mlab_set_mlp, METH_O,
      "set_mlp(mlp): the dense MLP layer(None, ...) runs after the attention, down(silu(gate "
      "x) * up x) rounded as the block's dtype: a (gate, up, down) tuple of _C.Linear chaining "
@@ -1802,12 +1803,13 @@ static int chain_item_begin(PyObject *blk, PyObject *const *av, Py_ssize_t an, P
 }
 
 /* Run the n begun items in order with the GIL released once (a failing layer stops the run),
- * end them all; returns (attention seconds, MoE seconds) summed, or NULL with the error. */
+ * end them all; returns (attention seconds, MoE block seconds, dense MLP seconds) summed, or
+ * NULL with the error. */
 static PyObject *chain_run(const chain_item *it, Py_ssize_t n) {
     smoe_err err;
     smoe_err_clear(&err);
     int rc = SMOE_OK;
-    double ta = 0, tm = 0;
+    double ta = 0, tm = 0, td = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && rc == SMOE_OK; i++) {
         double a1, m1;
@@ -1817,13 +1819,13 @@ static PyObject *chain_run(const chain_item *it, Py_ssize_t n) {
                     : ab_layer_run((AttnBlockObject *)c->blk, c->c, c->g, &c->u.ab, &a1, &m1,
                                    &err);
         ta += a1;
-        tm += m1;
+        *(c->g ? &tm : &td) += m1; /* a dense layer's second part is its MLP */
     }
     Py_END_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
         if (it[i].layers) smoe_py_layers_end(it[i].layers);
     if (rc != 0) return smoe_py_raise(&err);
-    return Py_BuildValue("(dd)", ta, tm);
+    return Py_BuildValue("(ddd)", ta, tm, td);
 }
 
 /* layer(...) of AttnBlock (16 arguments) and MLABlock (14): one whole decoder layer (the
@@ -1881,8 +1883,8 @@ static PyMethodDef attn_functions[] = {
      "args the tuple of its layer() arguments (one layer's out is typically the next one's "
      "x).  Every call is checked first: a bad one raises before any layer runs.  A layer "
      "failing stops the chain and raises (the layers before it have run: their KV positions "
-     "and outputs are written).  Returns the time in the layers' attention and MoE parts, "
-     "summed.  At most 128 layers."},
+     "and outputs are written).  Returns the time in the layers' attention parts, MoE blocks "
+     "and dense MLPs (MLABlock.layer(None, ...)), summed.  At most 128 layers."},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, w, eps, out, bf16): out = w * x * rsqrt(mean(x^2) + eps) per row of x [T, n] "
      "(float32 or bf16 bits; out the same dtype and shape), w float32 [n]; bf16: round as a "

@@ -137,8 +137,7 @@ def test_layer_chain_equals_layer_calls_and_checks_first(arch):
         with torch.no_grad():
             model(input_ids=ids, cache=kv, use_cache=True)
             S = kv.get_seq_length()
-            # the dense first layer of DeepSeek-V2 runs in torch: start after it
-            first = 1 if arch == "deepseek_v2" else 0
+            first = 0  # (DeepSeek-V2's dense first layer is an item too: its MLP in the call)
             h0 = base.embed_tokens(torch.tensor([[9]]))
             pos = torch.tensor([[S]])
             pe = base.rotary_emb(h0, pos)
@@ -166,9 +165,9 @@ def test_layer_chain_equals_layer_calls_and_checks_first(arch):
             _C.layer_chain([calls[0]])
         with pytest.raises(ValueError):
             _C.layer_chain(calls[:1] * 129)
-        assert _C.layer_chain(()) == (0.0, 0.0)
-        ta, tm = _C.layer_chain(calls)
-        assert ta > 0 and tm > 0
+        assert _C.layer_chain(()) == (0.0, 0.0, 0.0)
+        ta, tm, td = _C.layer_chain(calls)
+        assert ta > 0 and tm > 0 and (td > 0) == (arch == "deepseek_v2")
         # the reference: each layer's own call on the copy of the cache
         h = h0
         with torch.no_grad():
