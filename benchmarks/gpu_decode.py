@@ -533,19 +533,14 @@ def main() -> None:
     a = ap.parse_args()
     t_start = time.perf_counter()
 
-    try:
-        import torch
-    except ImportError:
-        torch = None
     from specmoe import cuda
 
-    ok, why = (False, "torch is not installed") if torch is None else cuda.available()
-    if ok and not torch.cuda.is_available():
-        ok, why = False, "torch has no CUDA device (a CPU-only torch build?)"
-    if not ok:
+    why = cuda.unusable_reason()
+    if why:
         res = {"skipped": f"no usable GPU: {why}"}
         print(json.dumps(res) if a.json else res["skipped"])
         return
+    import torch
 
     from specmoe import kernels
     from specmoe.store import ExpertStore

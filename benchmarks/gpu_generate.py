@@ -106,14 +106,11 @@ def main() -> None:
     from specmoe import cuda
 
     dev = a.device
-    if dev != "cpu":
-        ok, why = cuda.available()
-        if ok and not torch.cuda.is_available():
-            ok, why = False, "torch has no CUDA device (a CPU-only torch build?)"
-        if not ok:
-            res = {"skipped": f"no usable GPU: {why}"}
-            print(json.dumps(res) if a.json else res["skipped"])
-            return
+    why = "" if dev == "cpu" else cuda.unusable_reason()
+    if why:
+        res = {"skipped": f"no usable GPU: {why}"}
+        print(json.dumps(res) if a.json else res["skipped"])
+        return
     import big_model
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CudaUnavailable", "load", "available", "ffn", "GpuExpertCache", "moe_forward",
+__all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache", "moe_forward",
            "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile"]
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
@@ -124,6 +124,19 @@ def available() -> tuple[bool, str]:
     except CudaUnavailable as e:
         return False, str(e)
     return True, str(mod.device_info(0)["name"])
+
+
+def unusable_reason() -> str:
+    """"" when torch and ``specmoe._cuda`` can both use a GPU here, else why not (torch not
+    installed, a CPU-only torch or no device, the extension not built or not loadable)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device: torch.cuda.is_available() is False"
+    ok, why = available()
+    return "" if ok else why
 
 
 def extension() -> ModuleType:

@@ -137,7 +137,7 @@ class GpuEngine(EngineCommon):
         if overfetch < 1:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         cuda.load()  # CudaUnavailable (with the reason) before anything is touched
-        if balance is not False and mode != "host":
+        if balance not in (False, None) and mode != "host":
             raise ValueError("the balancer computes cold experts from the pinned host copy of "
                              "the store: it needs mode='host'")
         info, ids = describe(model)

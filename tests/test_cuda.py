@@ -33,19 +33,9 @@ except cuda.CudaUnavailable as e:  # not built here, or cuBLAS missing
 need_ext = pytest.mark.skipif(_EXT is None, reason=f"specmoe._cuda unavailable: {_EXT_WHY}")
 
 
-def _gpu_reason() -> str:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device: torch.cuda.is_available() is False (GPU tests run on a GPU " \
-               "machine, see docs/gpu.md)"
-    ok, why = cuda.available()
-    return "" if ok else why
-
-
-_GPU_WHY = _gpu_reason()
+_GPU_WHY = cuda.unusable_reason()
+if _GPU_WHY:
+    _GPU_WHY += " (GPU tests run on a GPU machine, see docs/gpu.md)"
 need_gpu = pytest.mark.skipif(bool(_GPU_WHY), reason=_GPU_WHY)
 
 NL, NE = 3, 6

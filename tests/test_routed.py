@@ -260,8 +260,8 @@ def test_layer_call_bad_input_leaves_everything_alone():
                 call(**kw)
         np.testing.assert_array_equal(kb, 7.0)
         np.testing.assert_array_equal(out, 7.0)
-        ta, tm = call()                                   # and a good call goes through
-        assert ta > 0 and tm > 0 and np.isfinite(out).all()
+        ta, tm, td = call()                               # and a good call goes through
+        assert ta > 0 and tm > 0 and td == 0.0 and np.isfinite(out).all()
         assert (kb[:, :, 3] != 7.0).any() and (kb[:, :, 4:] == 7.0).all()
     finally:
         eng.close()
