@@ -34,7 +34,7 @@ import contextlib
 import os
 import tempfile
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ from .expert_copy import ExpertCopy
 from .lookahead import LookaheadBuffer
 from .recording import TraceRecording, _Recorder
 from .policies import COUNT_POLICIES, UTILITY_POLICIES
+
+if TYPE_CHECKING:
+    from .gpu_engine import GpuEngine
 
 __all__ = [
     "SUPPORTED",
@@ -905,7 +908,7 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
             miss_keep: int = 2, route_lambda: float = 0.0,
             throttle: tuple[float, float] | None = None,
             miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None,
-            device: Any = "cpu", balance: Any = False) -> Any:
+            device: Any = "cpu", balance: Any = False) -> Engine | GpuEngine:
     """Move ``model``'s routed experts to a store and run them through specmoe.
 
     For a model already in memory (loaded by transformers); to load a checkpoint larger than
@@ -996,8 +999,9 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
         raise
 
 
-def engine_of(model: nn.Module) -> Engine:
-    """The :class:`Engine` serving ``model``'s experts (ValueError if specmoe does not)."""
+def engine_of(model: nn.Module) -> Engine | GpuEngine:
+    """The engine serving ``model``'s experts: an :class:`Engine`, or a
+    :class:`specmoe.gpu_engine.GpuEngine` on the GPU tier (ValueError if specmoe does not)."""
     for m in model.modules():
         if isinstance(m, SpecmoeExperts) and m._engine is not None:
             return m._engine
