@@ -1611,16 +1611,9 @@ static int mlab_layer_parse(MLABlockObject *self, PyObject *const *args, Py_ssiz
  * None (none). */
 static PyObject *mlab_set_mlp(MLABlockObject *self, PyObject *arg) {
     if (method_start(self->ready, "MLABlock", "set_mlp(mlp)", 1, 1, 1)) return NULL;
-    smoe_shared_ffn f = {{NULL, NULL, NULL}, {NULL, NULL, NULL}, {NULL, NULL, NULL}};
+    smoe_shared_ffn f;
+    if (smoe_py_mlp_parts(arg, &f, "set_mlp: mlp") < 0) return NULL;
     if (arg != Py_None) {
-        if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 3) {
-            PyErr_SetString(PyExc_TypeError,
-                            "set_mlp: mlp must be None or a (gate, up, down) tuple of _C.Linear");
-            return NULL;
-        }
-        for (int i = 0; i < 3; i++)
-            if (smoe_py_linear_parts(PyTuple_GET_ITEM(arg, i), &f.d[i], &f.block[i], &f.bias[i]))
-                return NULL;
         smoe_err e;
         smoe_err_clear(&e);
         if (smoe_silu_mlp_check(&f, self->hidden, "MLABlock.set_mlp: the MLP's", &e))

@@ -17,6 +17,8 @@
  *   set_block(pos, route_scale=1.0, shared=None)  forward_routed's routing scale and shared
  *                                            FFN of layer pos
  */
+#include <string.h>
+
 #include "py_common.h"
 /* kernels.h before numpy: <complex.h> (pulled in by numpy) defines the macro I */
 #include "layer.h"
@@ -256,6 +258,20 @@ static PyObject *Layers_forward_routed(LayersObject *self, PyObject *const *args
     return layers_call(self, args, n, 1);
 }
 
+int smoe_py_mlp_parts(PyObject *t, smoe_shared_ffn *f, const char *what) {
+    memset(f, 0, sizeof *f);
+    if (t == Py_None) return 0;
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
+        PyErr_Format(PyExc_TypeError, "%s must be None or a (gate, up, down) tuple of _C.Linear",
+                     what);
+        return -1;
+    }
+    for (int i = 0; i < 3; i++)
+        if (smoe_py_linear_parts(PyTuple_GET_ITEM(t, i), &f->d[i], &f->block[i], &f->bias[i]))
+            return -1;
+    return 0;
+}
+
 static PyObject *Layers_set_block(LayersObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"pos", "route_scale", "shared", NULL};
     unsigned int pos;
@@ -268,18 +284,8 @@ static PyObject *Layers_set_block(LayersObject *self, PyObject *args, PyObject *
         PyErr_Format(PyExc_ValueError, "pos %u outside 0..%u", pos, self->g.L - 1);
         return NULL;
     }
-    smoe_shared_ffn f = {{NULL, NULL, NULL}, {NULL, NULL, NULL}, {NULL, NULL, NULL}};
-    if (sh != Py_None) {
-        if (!PyTuple_Check(sh) || PyTuple_GET_SIZE(sh) != 3) {
-            PyErr_SetString(PyExc_TypeError,
-                            "shared must be None or a (gate, up, down) tuple of _C.Linear");
-            return NULL;
-        }
-        for (int i = 0; i < 3; i++)
-            if (smoe_py_linear_parts(PyTuple_GET_ITEM(sh, i), &f.d[i], &f.block[i],
-                                     &f.bias[i]) < 0)
-                return NULL;
-    }
+    smoe_shared_ffn f;
+    if (smoe_py_mlp_parts(sh, &f, "shared") < 0) return NULL;
     if (!self->shared) {
         if (!(self->shared = PyList_New(self->g.L))) return NULL;
         for (uint32_t l = 0; l < self->g.L; l++) {

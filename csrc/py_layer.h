@@ -16,4 +16,9 @@ void smoe_py_layers_end(PyObject *obj);
  * into *flags; -1 with ValueError/TypeError otherwise. */
 int smoe_py_route_flags(PyObject *o, int *flags);
 
+/* A (gate, up, down) tuple of specmoe._C.Linear into *f (borrowed parts: valid while the
+ * caller keeps the tuple); None gives an empty *f (d[0] NULL).  -1 with TypeError naming
+ * `what` otherwise.  Shapes are not checked here (smoe_silu_mlp_check). */
+int smoe_py_mlp_parts(PyObject *t, smoe_shared_ffn *f, const char *what);
+
 #endif

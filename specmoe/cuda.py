@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache", "moe_forward",
-           "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile"]
+           "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile",
+           "ExpertGroups", "group_by_expert"]
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
 
@@ -470,10 +471,37 @@ def measure_balance_profile(cache: GpuExpertCache, spec: Any, *, repeats: int = 
                           float(np.median(t_cpu)))
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A layer's (token, slot) pairs grouped by expert, as :func:`moe_forward` runs them:
+    ``rows`` (int32 CUDA, each pair's token) and ``weights`` (f32 CUDA) in ascending expert
+    order; ``experts`` the distinct experts ascending and ``counts`` their pairs (host lists).
+    """
+
+    rows: Any
+    weights: Any
+    experts: list[int]
+    counts: list[int]
+
+
+def group_by_expert(topk_ids: Any, topk_w: Any) -> ExpertGroups:
+    """Group ``topk_ids`` [T, k] / ``topk_w`` [T, k] by expert: one device-to-host sync."""
+    import torch
+
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(ids, stable=True)
+    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    return ExpertGroups((order // k).to(torch.int32),
+                        topk_w.reshape(-1).to(torch.float32)[order].contiguous(),
+                        experts.tolist(), counts.tolist())
+
+
 def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_ids: Any,
                 topk_w: Any, *, path: str = "auto", out: Any = None,
                 balance: BalanceProfile | None = None,
-                counters: dict[str, int] | None = None) -> Any:
+                counters: dict[str, int] | None = None,
+                groups: ExpertGroups | None = None) -> Any:
     """One MoE layer's routed experts on the GPU: tokens grouped by expert (as on the CPU),
     each expert acquired from ``cache`` on torch's current stream, run by :func:`ffn`,
     released.  ``hidden`` f32 [T, H] CUDA; ``topk_ids`` int [T, k]; ``topk_w`` float [T, k].
@@ -485,18 +513,14 @@ def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_
     rest, instead of being copied; the CPU part is added to ``out`` on the stream.  The
     experts' sums are then in another order (CPU part last): equal up to rounding.
     ``counters``: a dict whose ``gpu_experts`` and ``cpu_experts`` (expert calls on each
-    device; every CPU one is a copy avoided) are incremented."""
+    device; every CPU one is a copy avoided) are incremented.  ``groups``: the pairs already
+    grouped by :func:`group_by_expert` (a caller that reads the experts itself)."""
     import torch
 
-    T, k = topk_ids.shape
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    rows = (order // k).to(torch.int32)
-    weights = topk_w.reshape(-1).to(torch.float32)[order].contiguous()
-    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    experts_h = experts.tolist()  # one device-to-host sync per layer
-    counts_h = counts.tolist()
+    if groups is None:
+        groups = group_by_expert(topk_ids, topk_w)
+    rows, weights = groups.rows, groups.weights
+    experts_h, counts_h = groups.experts, groups.counts
     if out is None:
         out = torch.zeros_like(hidden)
     stream = torch.cuda.current_stream(hidden.device)

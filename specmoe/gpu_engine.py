@@ -219,11 +219,11 @@ class GpuEngine(EngineCommon):
                 self._cache.begin_pass()
                 c["passes"] += 1
                 c["tokens"] += int(hidden.shape[0])
-            used_t, votes = torch.unique(idx, return_counts=True)
-            used = used_t.tolist()
+            groups = cuda.group_by_expert(idx, w)  # the layer's one device-to-host sync
+            used = groups.experts
             if self._feed_counts:  # the pass's activation counts (MoE-SpAc §2.3 f_{i,t})
                 ne = self.num_experts
-                self._cache.counts([pos * ne + e for e in used], votes.tolist())
+                self._cache.counts([pos * ne + e for e in used], groups.counts)
             pred = self._predicted
             if pred is not None and pred[0] == pos:
                 hit = np.intersect1d(pred[1], np.asarray(used, dtype=np.int64)).size
@@ -234,7 +234,7 @@ class GpuEngine(EngineCommon):
                 self._prefetch_next(pos + 1, hidden)
             x = hidden.detach().to(torch.float32).contiguous()
             out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
-                                   balance=self.balance, counters=c)
+                                   balance=self.balance, counters=c, groups=groups)
             return out.to(hidden.dtype)
 
     def _prefetch_next(self, nxt: int, hidden: torch.Tensor) -> None:

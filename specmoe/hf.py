@@ -45,7 +45,7 @@ from .arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedM
                    describe, expert_module, extract_expert, extract_experts, getpath,
                    iter_experts_modules, moe_block, moe_layers)
 from .conversion import store_settings, write_experts
-from .dense import resolve_dense
+from .dense import resolve_dense, silu_mlp_parts
 from .expert_copy import ExpertCopy
 from .lookahead import LookaheadBuffer
 from .recording import TraceRecording, _Recorder
@@ -71,13 +71,6 @@ __all__ = [
 ]
 
 DTYPES = ("f32", "bf16", "int8", "int4", "int2")
-
-
-def _shared_ffn(block: nn.Module) -> tuple[tuple[Any, Any, Any], torch.dtype, int | None] | None:
-    """A DeepSeek MoE block's shared experts as the C layer call runs them
-    (:func:`specmoe.dense.silu_mlp_parts`), or None."""
-    from .dense import silu_mlp_parts
-    return silu_mlp_parts(getattr(block, "shared_experts", None))
 
 
 def _check_capacity(cache: Any, total: int, slot_bytes: int) -> None:
@@ -349,7 +342,7 @@ class Engine(EngineCommon):
             dtype = gate.weight.dtype  # the dtype the block computes in
             flags = 0
             if kind == "deepseek":
-                shared = _shared_ffn(block)
+                shared = silu_mlp_parts(getattr(block, "shared_experts", None))
                 if getattr(gate, "topk_method", None) != "greedy" or shared is None:
                     continue
                 # DeepSeek-V2's router: f32 logits and weights, no renormalisation, times
