@@ -283,7 +283,16 @@ AI void rows16_bf16(const uint16_t *w, uint32_t n, const uint16_t *x, uint32_t m
 
 /* int8: r[q][t] = w_q . xq_t (integer products, f32 sums), x int16 [NT][n].  Lanes are
  * flushed to f32 every 4096 columns: a lane then holds at most 128 vpdpwssd steps of two
- * products |127 * 32767| each, < 2^31. */
+ * products |127 * 32767| each, < 2^31.
+ * Four rows (NR = 4: fast_down's fours, always rows h..h+3 of one matrix, so consecutive in
+ * memory) prefetch to L2 the same column of the next four rows, 4n bytes on, instead of FPFQ's
+ * 16 KB: on rows of 4+ KB that lands inside the sibling row being read now (14 KB rows: 2 KB
+ * ahead of row q+1), too close at DRAM latency.  Linear 4096 x 14336 (Mixtral's expert down),
+ * 1 token, 1 thread, DRAM, interleaved with the read ceiling (2026-11-26): 19.5-20.8 ->
+ * 22.1-23.4 GB/s (0.61-0.65 -> 0.68-0.74 of the ceiling); 8n and a sequential sweep of the
+ * next group read the same, 2n (half the streams prefetching their sibling) 17-19 GB/s.  The
+ * same rule measured neutral for int4 pairs and lost for bf16 fours (which prefetch nothing on
+ * long rows, see dot_bf16), so it is int8's alone. */
 AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t n, const int NT,
                float (*r)[NTMAX]) {
     __m512 f[4][NTMAX];
@@ -298,7 +307,10 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
         if (NT <= 2) {
             for (; k + 64 <= k1; k += 64) {
                 for (int q = 0; q < NR; q++) {
-                    FPFQ(w[q] + k);
+                    if (NR == 4)
+                        FPF_AT(w[q] + k, 4 * (size_t)n, 1024);
+                    else
+                        FPFQ(w[q] + k);
                     __m512i w0 = _mm512_cvtepi8_epi16(
                         _mm256_loadu_si256((const __m256i *)(const void *)(w[q] + k)));
                     __m512i w1 = _mm512_cvtepi8_epi16(
