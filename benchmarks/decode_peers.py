@@ -103,6 +103,16 @@ whose MoE blocks are routed in C but whose layers are not fused: ``experts`` is 
 time -- the routing, the experts and the shared experts' MLP (C time in
 ``outside_c_kernels_share``).
 
+Thread scaling.  Once per round, before its rows, the DRAM read ceiling is measured at each
+thread count (``KernelContext.read_bw`` over a 1 GiB buffer, three reads per count, alternating,
+median): ``config.models[m].read_ceiling_gbps`` {threads: median over rounds} and
+``read_ceiling_scaling`` (the most threads over 1, median of per-round ratios).  Every row with
+more than one thread count carries ``thread_scaling``: its tok/s at that count over its tok/s at
+1 thread, median of per-round ratios.  A decode step that streams its weights at the read
+ceiling cannot scale past ``read_ceiling_scaling``: on the development VM two threads read only
+~1.15x what one reads (29 vs 33 GB/s), so a row near the ceiling at 1 thread scales ~1.2x while
+one below it (more compute per byte) has room to scale further.
+
 Targets: specmoe+dense >= 1.0x llama.cpp at every equal precision and thread count; specmoe >= 1.5x
 unmodified torch; at DeepSeek-V2-Lite shapes the share of a specmoe decode step outside the
 expert kernels <= 25 % (and, for information, the glue-only share).
@@ -632,6 +642,25 @@ def targets_of(rows_out: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def read_ceiling(threads: list[int], quick: bool = False, reps: int = 3) -> dict[int, float]:
+    """The DRAM read ceiling, GB/s, at each thread count: ``KernelContext.read_bw`` over a
+    1 GiB buffer (far beyond the last-level cache), ``reps`` reads per count, the counts
+    alternating, median (``quick``: 256 MiB, which the last-level cache may partly serve).
+    The buffer is touched once before timing and freed on return."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from specmoe import _C
+    buf = np.ones((256 << 20) if quick else (1 << 30), np.uint8)
+    ctxs = {t: _C.KernelContext(t) for t in threads}
+    ctxs[threads[0]].read_bw(buf, 1)
+    got: dict[int, list[float]] = {t: [] for t in threads}
+    for _ in range(reps):
+        for t in threads:
+            got[t].append(ctxs[t].read_bw(buf, 1) / 1e9)
+    del buf
+    return {t: statistics.median(v) for t, v in got.items()}
+
+
 def _median(xs: list[Any]) -> float | None:
     v = [x for x in xs if x is not None]
     return statistics.median(v) if v else None
@@ -790,8 +819,12 @@ def main() -> None:
         runs: dict[str, dict[int, list[dict[str, Any]]]] = {
             r["name"]: {t: [] for t in threads} for r in rows_def}
         round_s = []
+        ceilings: list[dict[int, float]] = []
         for rep in range(a.repeats):
             tr0 = time.time()
+            ceilings.append(read_ceiling(threads, a.quick))
+            log(f"{model} round {rep + 1}/{a.repeats}: DRAM read ceiling "
+                + ", ".join(f"{t} threads {g:.1f} GB/s" for t, g in ceilings[-1].items()))
             k = rep % len(rows_def)
             ths = threads if rep % 2 == 0 else threads[::-1]
             for r in rows_def[k:] + rows_def[:k]:
@@ -833,6 +866,12 @@ def main() -> None:
                             f"{x['peak_rss_bytes'] / MiB:.0f} MiB{extra}")
             round_s.append(round(time.time() - tr0, 1))
         config["models"][model]["round_s"] = round_s
+        tmax = max(threads)
+        config["models"][model]["read_ceiling_gbps"] = {
+            t: round(_median([c[t] for c in ceilings]) or 0.0, 2) for t in threads}
+        if tmax > 1 and 1 in threads:
+            config["models"][model]["read_ceiling_scaling"] = _median(
+                [c[tmax] / c[1] for c in ceilings])
 
         def ratio(rep: int, t: int, name: str, other: str | None) -> float | None:
             if other is None or other not in runs:
@@ -889,6 +928,11 @@ def main() -> None:
                     notes = [x["note"] for x in ok if "note" in x]
                     if notes:
                         row["note"] = notes[0]
+                if t == tmax and tmax > 1 and 1 in threads:
+                    row["thread_scaling"] = _median([
+                        x.get("tok_per_s") / y.get("tok_per_s")
+                        if x.get("tok_per_s") and y.get("tok_per_s") else None
+                        for x, y in zip(runs[name][t], runs[name][1])])
                 errs = [x["error"] for x in rr if "error" in x]
                 if errs:
                     row["errors"] = errs
@@ -924,7 +968,14 @@ def main() -> None:
                   f"  vs torch {vt if vt is None else round(vt, 2)}"
                   f"  peak RSS {r['peak_rss_bytes'] / MiB:6.0f} MiB"
                   + (f"  outside experts {r['outside_experts_share']:.0%}"
-                     if "outside_experts_share" in r else ""))
+                     if "outside_experts_share" in r else "")
+                  + (f"  scaling {r['thread_scaling']:.2f}x"
+                     if r.get("thread_scaling") is not None else ""))
+        for m, c in config["models"].items():
+            if "read_ceiling_gbps" in c:
+                print(f"{m:<9} DRAM read ceiling (GB/s by threads) {c['read_ceiling_gbps']}"
+                      + (f", scaling {c['read_ceiling_scaling']:.2f}x"
+                         if c.get("read_ceiling_scaling") else ""))
         for k, v in targets.items():
             print(f"target {k}: value {v['value']} met {v['met']}")
 
