@@ -289,7 +289,8 @@ AI void rows16_bf16(const uint16_t *w, uint32_t n, const uint16_t *x, uint32_t m
  * 16 KB: on rows of 4+ KB that lands inside the sibling row being read now (14 KB rows: 2 KB
  * ahead of row q+1), too close at DRAM latency.  Linear 4096 x 14336 (Mixtral's expert down),
  * 1 token, 1 thread, DRAM, interleaved with the read ceiling (2026-11-26): 19.5-20.8 ->
- * 22.1-23.4 GB/s (0.61-0.65 -> 0.68-0.74 of the ceiling); 8n and a sequential sweep of the
+ * 22.1-23.4 GB/s (0.61-0.65 -> 0.68-0.74 of the ceiling), 2048 x 10944 (DeepSeek-V2-Lite's
+ * dense down) 17.3-18.1 -> 21.6-21.8 GB/s; 8n and a sequential sweep of the
  * next group read the same, 2n (half the streams prefetching their sibling) 17-19 GB/s.  The
  * same rule measured neutral for int4 pairs and lost for bf16 fours (which prefetch nothing on
  * long rows, see dot_bf16), so it is int8's alone. */
