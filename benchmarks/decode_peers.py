@@ -93,7 +93,10 @@ Rows whose decoder layers run as one C call each (``specmoe+dense``: specmoe.att
 layers at OLMoE shapes, specmoe.mla's at DeepSeek-V2 shapes; ``breakdown_kind`` says so):
 ``attention`` and ``experts`` are the C time of that call's two parts (it reports them; with
 the routing and shared experts at DeepSeek shapes; consecutive such layers run in one
-``_C.layer_chain`` call of specmoe.decode_step, which reports the same split summed), ``lm_head`` the module's time,
+``_C.layer_chain`` call of specmoe.decode_step, or in its one ``_C.DecodePlan.step`` a token
+(from 2026-11-26), which report the same split summed), ``lm_head`` the module's time (the
+hooks that time it keep ``lm_head`` out of the plan in this run: the plan then runs the
+embedding, the layers and the final norm, and the module the head),
 ``dense_mlp_in_the_call`` a dense layer's MLP inside its call (DeepSeek-V2's dense first
 layer, ``MLABlock.set_mlp``), ``mlp_outside_the_call`` the MLPs a layer calls from Python after
 its attention call (a MoE block routed in Python), and ``other`` everything else -- embeddings, the final
@@ -249,14 +252,16 @@ def model_summary(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 class _ChainTimer:
-    """specmoe.decode_step's _C.layer_chain with the attention / MoE split it returns added
-    into acc, as _BlockTimer.layer does for one layer."""
+    """specmoe.decode_step's _C.layer_chain, or its _C.DecodePlan.step, with the attention /
+    MoE / dense-MLP split it returns added into acc, as _BlockTimer.layer does for one layer
+    (a plan's fourth figure, its final norm and head, is left to the lm_head hook and
+    "other")."""
 
     def __init__(self, inner: Any, acc: dict[str, float]) -> None:
         self.inner, self.acc = inner, acc
 
-    def __call__(self, calls: Any) -> Any:
-        r = self.inner(calls)
+    def __call__(self, *args: Any) -> Any:
+        r = self.inner(*args)
         self.acc["attn"] += r[0]
         self.acc["moe"] += r[1]
         self.acc["mlp"] += r[2]
@@ -480,6 +485,7 @@ def worker(spec_path: str) -> None:
                                      *lyr._specmoe_mlab[1:])
             if chained:
                 dstep.chain = _ChainTimer(dstep.chain, ab)
+                dstep.plan_step = _ChainTimer(dstep.plan_step, ab)
         # MLA's absorbed attention in C (specmoe.mla), where a layer is not one call: its C
         # time counts as attention C (a fused layer's MLABlock holds the kernel itself)
         mlas = [m._specmoe_mla_w for m in model.modules()
@@ -510,6 +516,7 @@ def worker(spec_path: str) -> None:
                 lyr._specmoe_mlab = (lyr._specmoe_mlab[0].inner, *lyr._specmoe_mlab[1:])
             if chained:
                 dstep.chain = dstep.chain.inner
+                dstep.plan_step = dstep.plan_step.inner
             for w in mlas:
                 w.kernel = w.kernel.inner
             for m in attns:

@@ -1460,7 +1460,7 @@ static float *mlab_h(const MLABlockObject *self) {
 
 /* The checked arguments common to attn and layer. */
 typedef struct {
-    uint32_t nt, S;
+    uint32_t nt, S, cap; /* cap: the KV buffers' positions */
     int xb, cb;
     const void *xp;
     const float *fp, *bias, *ln1, *ln2;
@@ -1514,6 +1514,7 @@ static int mlab_parse(MLABlockObject *self, PyObject *const *args, mlab_args *a)
         return -1;
     a->nt = (uint32_t)T;
     a->S = (uint32_t)S;
+    a->cap = cap > (npy_intp)UINT32_MAX / 2 ? UINT32_MAX / 2 : (uint32_t)cap;
     a->cb = cb;
     a->xp = PyArray_DATA((PyArrayObject *)args[0]);
     a->fp = (const float *)PyArray_DATA(f);
@@ -1703,6 +1704,15 @@ static PyTypeObject MLABlockType = {
 };
 
 
+/* out = the RMSNorm (block.h) of one row x of n values, both f32 or bf16 bits (b), through the
+ * f32 row buf [n]: rms_norm's rows and DecodePlan's final norm. */
+static void rms_norm_row(const void *x, void *out, int b, const float *w, float eps, int bf16,
+                         float *buf, uint32_t n) {
+    widen(buf, x, b, n);
+    smoe_rmsnorm(buf, 1, n, w, eps, bf16);
+    store(out, b, buf, n);
+}
+
 /* rms_norm(x, w, eps, out, bf16): the RMSNorm of block.h over the rows of x [T, n] into out
  * (float32 or bf16 bits, x's dtype); w float32 [n].  Short inputs: no GIL release. */
 static PyObject *py_rms_norm(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
@@ -1733,11 +1743,10 @@ static PyObject *py_rms_norm(PyObject *mod, PyObject *const *args, Py_ssize_t na
     void *op = PyArray_DATA((PyArrayObject *)args[3]);
     float row[4096], *buf = n <= 4096 ? row : malloc((size_t)n * sizeof(float));
     if (!buf) return PyErr_NoMemory();
-    for (npy_intp t = 0; t < T; t++) {
-        widen(buf, (const uint8_t *)xp + (size_t)t * n * (xb ? 2 : 4), xb, (size_t)n);
-        smoe_rmsnorm(buf, 1, (uint32_t)n, w, eps, bf16);
-        store((uint8_t *)op + (size_t)t * n * (ob ? 2 : 4), ob, buf, (size_t)n);
-    }
+    for (npy_intp t = 0; t < T; t++)
+        rms_norm_row((const uint8_t *)xp + (size_t)t * n * (xb ? 2 : 4),
+                     (uint8_t *)op + (size_t)t * n * (ob ? 2 : 4), xb, w, eps, bf16, buf,
+                     (uint32_t)n);
     if (buf != row) free(buf);
     Py_RETURN_NONE;
 }
@@ -1748,84 +1757,130 @@ static PyObject *py_rms_norm(PyObject *mod, PyObject *const *args, Py_ssize_t na
 typedef struct {
     int mla;           /* an MLABlock's layer, else an AttnBlock's */
     PyObject *blk;     /* borrowed from the calls tuple */
-    PyObject *layers;  /* borrowed: the _C.Layers of the call, begun */
+    PyObject *layers;  /* borrowed: the call's _C.Layers, or NULL (a dense layer) */
+    long pos;          /* the MoE layer's position in layers */
+    uint32_t hid;      /* the block's hidden size */
     smoe_kctx *c;
-    smoe_layers *g;
+    smoe_layers *g;    /* begun layers (chain_item_begin), or NULL */
     union {
         ab_layer_args ab;
         mlab_layer_args ml;
     } u;
 } chain_item;
 
-/* Check one layer call -- blk an AttnBlock or MLABlock, av its layer() arguments -- into *c
- * and begin its _C.Layers; -1 with the exception set (nothing begun).  i: the call's index in
- * a chain, for messages (-1: the method itself). */
-static int chain_item_begin(PyObject *blk, PyObject *const *av, Py_ssize_t an, Py_ssize_t i,
+/* Check one layer call -- blk an AttnBlock or MLABlock, av its layer() arguments -- into *c,
+ * beginning nothing; -1 with the exception set.  i: the call's index in a chain, for messages
+ * (-1: the method itself). */
+static int chain_item_parse(PyObject *blk, PyObject *const *av, Py_ssize_t an, Py_ssize_t i,
                             chain_item *c) {
-    uint32_t hid;
-    long pos;
     c->blk = blk;
+    c->g = NULL;
     if (PyObject_TypeCheck(blk, &AttnBlockType)) {
         AttnBlockObject *b = (AttnBlockObject *)blk;
         c->mla = 0;
         if (ab_layer_parse(b, av, an, &c->u.ab)) return -1;
         c->c = smoe_py_kctx(b->ctx_obj);
-        hid = b->hidden;
-        pos = c->u.ab.pos;
+        c->hid = b->hidden;
+        c->pos = c->u.ab.pos;
     } else if (PyObject_TypeCheck(blk, &MLABlockType)) {
         MLABlockObject *b = (MLABlockObject *)blk;
         c->mla = 1;
         if (mlab_layer_parse(b, av, an, &c->u.ml)) return -1;
         c->c = smoe_py_kctx(b->ctx_obj);
-        hid = b->hidden;
-        pos = c->u.ml.pos;
+        c->hid = b->hidden;
+        c->pos = c->u.ml.pos;
     } else {
         PyErr_Format(PyExc_TypeError, "layer_chain: call %zd's block is a %s, not an "
                      "AttnBlock or MLABlock", i, Py_TYPE(blk)->tp_name);
         return -1;
     }
     if (!c->c) return -1;
-    if (c->mla && c->u.ml.dense) { /* a dense layer: no MoE layers to begin */
-        c->layers = NULL;
-        c->g = NULL;
-        return 0;
-    }
-    c->layers = av[0];
-    c->g = layer_call_begin(c->layers, pos, hid);
+    /* a dense MLABlock layer has no MoE layers to begin */
+    c->layers = c->mla && c->u.ml.dense ? NULL : av[0];
+    return 0;
+}
+
+/* Begin a parsed item's _C.Layers (GIL held); -1 with the exception set. */
+static int chain_item_begin(chain_item *c) {
+    if (!c->layers) return 0;
+    c->g = layer_call_begin(c->layers, c->pos, c->hid);
     return c->g ? 0 : -1;
 }
 
-/* Run the n begun items in order with the GIL released once (a failing layer stops the run),
- * end them all; returns (attention seconds, MoE block seconds, dense MLP seconds) summed, or
- * NULL with the error. */
-static PyObject *chain_run(const chain_item *it, Py_ssize_t n) {
-    smoe_err err;
-    smoe_err_clear(&err);
+/* End the begun items of it[0..n) (GIL held), keeping an exception that is pending: the ends
+ * look the cache up and must not run with one set. */
+static void chain_end(chain_item *it, Py_ssize_t n) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (it[i].g) {
+            smoe_py_layers_end(it[i].layers);
+            it[i].g = NULL;
+        }
+    PyErr_Restore(et, ev, tb);
+}
+
+/* Run the n begun items in order, no GIL (a failing layer stops the run); adds the seconds in
+ * their attention parts, MoE blocks and dense MLPs to t[0..3). */
+static int chain_exec(const chain_item *it, Py_ssize_t n, double t[3], smoe_err *err) {
     int rc = SMOE_OK;
-    double ta = 0, tm = 0, td = 0;
-    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && rc == SMOE_OK; i++) {
         double a1, m1;
         const chain_item *c = &it[i];
         rc = c->mla ? mlab_layer_run((MLABlockObject *)c->blk, c->c, c->g, &c->u.ml, &a1, &m1,
-                                     &err)
+                                     err)
                     : ab_layer_run((AttnBlockObject *)c->blk, c->c, c->g, &c->u.ab, &a1, &m1,
-                                   &err);
-        ta += a1;
-        *(c->g ? &tm : &td) += m1; /* a dense layer's second part is its MLP */
+                                   err);
+        t[0] += a1;
+        t[c->g ? 1 : 2] += m1; /* a dense layer's second part is its MLP */
     }
+    return rc;
+}
+
+/* Parse and begin calls[0..n) (layer_chain's items) into it; -1 with the exception set and
+ * nothing left begun.  begin 0: parse only. */
+static int chain_parse(PyObject *calls, chain_item *it, int begin) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(calls);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *call = PyTuple_GET_ITEM(calls, i);
+        int bad = !PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 2 ||
+                  !PyTuple_Check(PyTuple_GET_ITEM(call, 1));
+        if (bad)
+            PyErr_Format(PyExc_TypeError, "layer_chain: call %zd is not (block, args tuple)", i);
+        else {
+            PyObject *a = PyTuple_GET_ITEM(call, 1);
+            bad = chain_item_parse(PyTuple_GET_ITEM(call, 0), &PyTuple_GET_ITEM(a, 0),
+                                   PyTuple_GET_SIZE(a), i, &it[i]) ||
+                  (begin && chain_item_begin(&it[i]));
+        }
+        if (bad) {
+            chain_end(it, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Run the n begun items with the GIL released once, end them all; returns (attention seconds,
+ * MoE block seconds, dense MLP seconds) summed, or NULL with the error. */
+static PyObject *chain_run(chain_item *it, Py_ssize_t n) {
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    double t[3] = {0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    rc = chain_exec(it, n, t, &err);
     Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (it[i].layers) smoe_py_layers_end(it[i].layers);
+    chain_end(it, n);
     if (rc != 0) return smoe_py_raise(&err);
-    return Py_BuildValue("(ddd)", ta, tm, td);
+    return Py_BuildValue("(ddd)", t[0], t[1], t[2]);
 }
 
 /* layer(...) of AttnBlock (16 arguments) and MLABlock (14): one whole decoder layer (the
  * methods' docs), a chain of one. */
 static PyObject *layer_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     chain_item c;
-    if (chain_item_begin(self, args, nargs, -1, &c)) return NULL;
+    if (chain_item_parse(self, args, nargs, -1, &c) || chain_item_begin(&c)) return NULL;
     return chain_run(&c, 1);
 }
 
@@ -1845,29 +1900,352 @@ static PyObject *py_layer_chain(PyObject *mod, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     chain_item it[CHAIN_MAX];
+    if (chain_parse(calls, it, 1)) return NULL;
+    return chain_run(it, n);
+}
+
+/* ---- DecodePlan: a whole one-token decode step in one call ----
+ * specmoe.decode_step builds one per generation (its KV buffers, its layers) and calls step()
+ * once per token: the embedding row, the rotary rows of position S, the decoder layers (as
+ * layer_chain), the final RMSNorm and lm_head, with the GIL released once.  What step() leaves
+ * to Python is the KV cache's views (kv_advance) and the output object. */
+
+/* A per-step row copy: dst = table[r] (r: the token for the embedding, S for a rotary table). */
+typedef struct {
+    const uint8_t *table;
+    npy_intp rows;
+    size_t row_bytes;
+    uint8_t *dst;
+} plan_row;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *keep;        /* the constructor's arguments (strong): every array and object the
+                              plan points into stays alive and unresized while it lives */
+    Py_ssize_t n;          /* layer calls */
+    chain_item *it;        /* [n], parsed at construction; S written and layers begun by each
+                              step, under the GIL */
+    Py_ssize_t nrows;
+    plan_row *rows;        /* [nrows] rotary rows, copied from row S */
+    plan_row embed;        /* table NULL: none; else row `token` into the first layer's x */
+    const void *norm_x;    /* final RMSNorm: NULL none, else x [1, n] -> out, f32/bf16 (nb) */
+    void *norm_out;
+    const float *norm_w;
+    float norm_eps;
+    int nb, norm_bf16;
+    uint32_t norm_n;
+    float *norm_buf;       /* [norm_n] f32 row; used by the step in flight only */
+    PyObject *head;        /* the lm_head _C.Linear (borrowed from keep) or NULL */
+    const void *head_x;    /* its input [1, K], f32/bf16 (hb) */
+    int hb;
+    uint32_t head_n;
+    int busy;              /* a step in flight: set and cleared with the GIL held */
+} DecodePlanObject;
+
+/* A (table, dst) pair into *r: table C-contiguous with >= 1 dim, dst C-contiguous, writable,
+ * of table's dtype and one row's bytes.  -1 with ValueError naming what. */
+static int plan_row_parse(PyObject *table, PyObject *dst, const char *what, plan_row *r) {
+    if (!PyArray_Check(table) || !PyArray_Check(dst)) {
+        PyErr_Format(PyExc_TypeError, "DecodePlan: %s: table and row must be numpy arrays", what);
+        return -1;
+    }
+    PyArrayObject *t = (PyArrayObject *)table, *d = (PyArrayObject *)dst;
+    if (PyArray_NDIM(t) < 1 || PyArray_DIM(t, 0) < 1 || !PyArray_IS_C_CONTIGUOUS(t) ||
+        !PyArray_IS_C_CONTIGUOUS(d) || !PyArray_ISWRITEABLE(d) ||
+        !PyArray_EquivTypes(PyArray_DESCR(t), PyArray_DESCR(d)) ||
+        (size_t)PyArray_NBYTES(d) * (size_t)PyArray_DIM(t, 0) != (size_t)PyArray_NBYTES(t) ||
+        PyArray_NBYTES(d) == 0) {
+        PyErr_Format(PyExc_ValueError, "DecodePlan: %s: the row must be a writable C-contiguous "
+                     "array of the table's dtype holding one of its rows (table C-contiguous, "
+                     "rows first)", what);
+        return -1;
+    }
+    r->table = (const uint8_t *)PyArray_DATA(t);
+    r->rows = PyArray_DIM(t, 0);
+    r->row_bytes = (size_t)PyArray_NBYTES(d);
+    r->dst = (uint8_t *)PyArray_DATA(d);
+    return 0;
+}
+
+static void dp_dealloc(DecodePlanObject *self) {
+    free(self->it);
+    free(self->rows);
+    free(self->norm_buf);
+    Py_XDECREF(self->keep);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int dp_init(DecodePlanObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"calls", "rows", "embed", "norm", "head", NULL};
+    PyObject *calls, *rows = Py_None, *embed = Py_None, *norm = Py_None, *head = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|OOOO:DecodePlan", kwlist, &PyTuple_Type,
+                                     &calls, &rows, &embed, &norm, &head))
+        return -1;
+    if (self->keep) {
+        PyErr_SetString(PyExc_RuntimeError, "DecodePlan is already initialised");
+        return -1;
+    }
+    const Py_ssize_t n = PyTuple_GET_SIZE(calls);
+    if (n < 1 || n > CHAIN_MAX) {
+        PyErr_Format(PyExc_ValueError, "DecodePlan: %zd layer calls, expected 1..%d", n,
+                     CHAIN_MAX);
+        return -1;
+    }
+    if (rows != Py_None && !PyTuple_Check(rows)) {
+        PyErr_SetString(PyExc_TypeError, "DecodePlan: rows must be a tuple of (table, row)");
+        return -1;
+    }
+    const Py_ssize_t nr = rows == Py_None ? 0 : PyTuple_GET_SIZE(rows);
+    chain_item *it = calloc((size_t)n, sizeof(*it));
+    plan_row *rv = calloc((size_t)(nr ? nr : 1), sizeof(*rv));
+    float *nbuf = NULL;
+    if (!it || !rv) goto nomem;
+    if (chain_parse(calls, it, 0)) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *call = PyTuple_GET_ITEM(calls, i);
-        int bad = !PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 2 ||
-                  !PyTuple_Check(PyTuple_GET_ITEM(call, 1));
-        if (bad)
-            PyErr_Format(PyExc_TypeError, "layer_chain: call %zd is not (block, args tuple)", i);
-        else {
-            PyObject *a = PyTuple_GET_ITEM(call, 1);
-            bad = chain_item_begin(PyTuple_GET_ITEM(call, 0), &PyTuple_GET_ITEM(a, 0),
-                                   PyTuple_GET_SIZE(a), i, &it[i]);
+        /* an attention bias spans S + T positions: a plan's calls carry none */
+        const float *bias = it[i].mla ? it[i].u.ml.a.bias : it[i].u.ab.bias;
+        if (bias) {
+            PyErr_Format(PyExc_ValueError, "DecodePlan: call %zd has an attention bias (its "
+                         "length depends on S): a plan's calls take None", i);
+            goto fail;
         }
-        if (bad) {
-            /* the ends look the cache up: they must not run with the exception pending */
-            PyObject *et, *ev, *tb;
-            PyErr_Fetch(&et, &ev, &tb);
-            for (Py_ssize_t j = 0; j < i; j++)
-                if (it[j].layers) smoe_py_layers_end(it[j].layers);
-            PyErr_Restore(et, ev, tb);
+    }
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        PyObject *p = PyTuple_GET_ITEM(rows, i);
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2) {
+            PyErr_Format(PyExc_TypeError, "DecodePlan: rows[%zd] is not a (table, row) pair", i);
+            goto fail;
+        }
+        if (plan_row_parse(PyTuple_GET_ITEM(p, 0), PyTuple_GET_ITEM(p, 1), "rows", &rv[i]))
+            goto fail;
+    }
+    plan_row er = {0};
+    if (embed != Py_None) {
+        if (!PyTuple_Check(embed) || PyTuple_GET_SIZE(embed) != 2) {
+            PyErr_SetString(PyExc_TypeError, "DecodePlan: embed must be (table, x) or None");
+            goto fail;
+        }
+        if (plan_row_parse(PyTuple_GET_ITEM(embed, 0), PyTuple_GET_ITEM(embed, 1), "embed",
+                           &er))
+            goto fail;
+    }
+    const void *nx = NULL;
+    void *no = NULL;
+    const float *nw = NULL;
+    float neps = 0;
+    int nb = 0, nbf = 0;
+    uint32_t nn = 0;
+    if (norm != Py_None) {
+        if (!PyTuple_Check(norm) || PyTuple_GET_SIZE(norm) != 5) {
+            PyErr_SetString(PyExc_TypeError, "DecodePlan: norm must be (x, w, eps, out, bf16) "
+                            "or None");
+            goto fail;
+        }
+        PyObject *x = PyTuple_GET_ITEM(norm, 0), *o = PyTuple_GET_ITEM(norm, 3);
+        int xb = smoe_py_f32_or_bf16(x, "norm x", 2, 0);
+        int ob = smoe_py_f32_or_bf16(o, "norm out", 2, 1);
+        if (xb < 0 || ob < 0) goto fail;
+        npy_intp nd = PyArray_DIM((PyArrayObject *)x, 1), w_o[2] = {1, nd};
+        if (xb != ob || PyArray_DIM((PyArrayObject *)x, 0) != 1 || nd < 1 || nd > (1 << 24)) {
+            PyErr_SetString(PyExc_ValueError, "DecodePlan: norm x and out must be [1, n] of "
+                            "one dtype");
+            goto fail;
+        }
+        if (norm_arg(PyTuple_GET_ITEM(norm, 1), PyTuple_GET_ITEM(norm, 2), (uint32_t)nd, &nw,
+                     &neps) ||
+            dims_are(o, "norm out [1, n]", w_o, 2))
+            goto fail;
+        nbf = PyObject_IsTrue(PyTuple_GET_ITEM(norm, 4));
+        if (nbf < 0) goto fail;
+        nx = PyArray_DATA((PyArrayObject *)x);
+        no = PyArray_DATA((PyArrayObject *)o);
+        nb = xb;
+        nn = (uint32_t)nd;
+        if (!(nbuf = malloc((size_t)nn * sizeof(float)))) goto nomem;
+    }
+    PyObject *hl = NULL;
+    const void *hx = NULL;
+    int hb = 0;
+    uint32_t hn = 0;
+    if (head != Py_None) {
+        if (!PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2) {
+            PyErr_SetString(PyExc_TypeError, "DecodePlan: head must be (linear, x) or None");
+            goto fail;
+        }
+        const smoe_linear_desc *d;
+        const uint8_t *blk;
+        const float *bias;
+        hl = PyTuple_GET_ITEM(head, 0);
+        PyObject *x = PyTuple_GET_ITEM(head, 1);
+        if (smoe_py_linear_parts(hl, &d, &blk, &bias) ||
+            (hb = smoe_py_f32_or_bf16(x, "head x", 2, 0)) < 0)
+            goto fail;
+        npy_intp w_x[2] = {1, d->K};
+        if (dims_are(x, "head x [1, K]", w_x, 2)) goto fail;
+        hx = PyArray_DATA((PyArrayObject *)x);
+        hn = d->N;
+    }
+    self->keep = Py_BuildValue("(OOOOO)", calls, rows, embed, norm, head);
+    if (!self->keep) goto fail;
+    self->n = n;
+    self->it = it;
+    self->nrows = nr;
+    self->rows = rv;
+    self->embed = er;
+    self->norm_x = nx;
+    self->norm_out = no;
+    self->norm_w = nw;
+    self->norm_eps = neps;
+    self->nb = nb;
+    self->norm_bf16 = nbf;
+    self->norm_n = nn;
+    self->norm_buf = nbuf;
+    self->head = hl;
+    self->head_x = hx;
+    self->hb = hb;
+    self->head_n = hn;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+fail:
+    free(it);
+    free(rv);
+    free(nbuf);
+    return -1;
+}
+
+/* step(token, S, logits): the method doc. */
+static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->keep) {
+        PyErr_SetString(PyExc_ValueError, "DecodePlan is not initialised");
+        return NULL;
+    }
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "step(token, S, logits) takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long long tok = PyLong_AsLongLong(args[0]), S = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "DecodePlan.step: a step of this plan is already "
+                        "running (one at a time: its buffers are shared)");
+        return NULL;
+    }
+    if (self->embed.table && (tok < 0 || tok >= (long long)self->embed.rows)) {
+        PyErr_Format(PyExc_ValueError, "DecodePlan.step: token %lld outside [0, %zd)", tok,
+                     (Py_ssize_t)self->embed.rows);
+        return NULL;
+    }
+    if (S < 0) {
+        PyErr_Format(PyExc_ValueError, "DecodePlan.step: S=%lld cached positions", S);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->nrows; i++)
+        if (S >= (long long)self->rows[i].rows) {
+            PyErr_Format(PyExc_ValueError, "DecodePlan.step: position %lld outside its rotary "
+                         "table of %zd rows", S, (Py_ssize_t)self->rows[i].rows);
+            return NULL;
+        }
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        const chain_item *c = &self->it[i];
+        long long cap = c->mla ? (long long)c->u.ml.a.cap : (long long)c->u.ab.cap;
+        long long nt = c->mla ? (long long)c->u.ml.a.nt : (long long)c->u.ab.nt;
+        if (S + nt > cap) {
+            PyErr_Format(PyExc_ValueError, "DecodePlan.step: S=%lld cached + %lld new positions "
+                         "do not fit layer call %zd's KV capacity of %lld", S, nt, i, cap);
             return NULL;
         }
     }
-    return chain_run(it, n);
+    void *lp = NULL;
+    int lb = 0;
+    smoe_kctx *hc = NULL;
+    if (self->head) {
+        lb = smoe_py_f32_or_bf16(args[2], "logits", 2, 1);
+        if (lb < 0) return NULL;
+        npy_intp w_l[2] = {1, self->head_n};
+        if (dims_are(args[2], "logits [1, vocab]", w_l, 2)) return NULL;
+        lp = PyArray_DATA((PyArrayObject *)args[2]);
+        if (lp == self->head_x) {
+            PyErr_SetString(PyExc_ValueError, "DecodePlan.step: logits must not alias the "
+                            "head's input");
+            return NULL;
+        }
+        if (!(hc = smoe_py_linear_kctx(self->head))) return NULL;
+    } else if (args[2] != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "DecodePlan.step: logits must be None without a head");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        chain_item *c = &self->it[i];
+        if (c->mla)
+            c->u.ml.a.S = (uint32_t)S;
+        else
+            c->u.ab.S = S;
+        if (chain_item_begin(c)) {
+            chain_end(self->it, i);
+            return NULL;
+        }
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc = SMOE_OK;
+    double t[4] = {0, 0, 0, 0};
+    self->busy = 1;
+    /* logits stays referenced by the caller's frame for the call */
+    Py_BEGIN_ALLOW_THREADS
+    const plan_row *e = &self->embed;
+    if (e->table) memcpy(e->dst, e->table + (size_t)tok * e->row_bytes, e->row_bytes);
+    for (Py_ssize_t i = 0; i < self->nrows; i++) {
+        const plan_row *r = &self->rows[i];
+        memcpy(r->dst, r->table + (size_t)S * r->row_bytes, r->row_bytes);
+    }
+    rc = chain_exec(self->it, self->n, t, &err);
+    double t0 = smoe_now();
+    if (rc == SMOE_OK && self->norm_x)
+        rms_norm_row(self->norm_x, self->norm_out, self->nb, self->norm_w, self->norm_eps,
+                     self->norm_bf16, self->norm_buf, self->norm_n);
+    if (rc == SMOE_OK && self->head)
+        rc = smoe_py_linear_run(self->head, hc, self->head_x, self->hb, 1, lp, lb, &err);
+    t[3] = smoe_now() - t0;
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    chain_end(self->it, self->n);
+    if (rc != 0) return smoe_py_raise(&err);
+    return Py_BuildValue("(dddd)", t[0], t[1], t[2], t[3]);
 }
+
+static PyMethodDef dp_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))dp_step, METH_FASTCALL,
+     "step(token, S, logits) -> (attention_s, moe_s, dense_mlp_s, head_s): one decode step "
+     "of the plan with the GIL released once: the embedding's row `token` into the first "
+     "layer's x, every rotary table's row S into its row, the layer calls at S cached "
+     "positions (as layer_chain: each writes its new KV position S), the final norm, and the "
+     "head into logits [1, vocab] (float32 or bf16 bits; None without a head).  Checks first "
+     "(token, S against the tables and every KV capacity): a bad argument raises before "
+     "anything runs; a failing layer stops the step and raises.  One step of a plan at a "
+     "time.  Returns the seconds in the layers' attention parts, MoE blocks, dense MLPs, and "
+     "the norm and head, for benchmarks."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject DecodePlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.DecodePlan",
+    .tp_basicsize = sizeof(DecodePlanObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "DecodePlan(calls, rows=None, embed=None, norm=None, head=None): a one-token "
+              "decode step of a whole model in one call (specmoe.decode_step).  calls: "
+              "layer_chain's (block, layer() arguments) items, checked once, each with no "
+              "attention bias (its S is step()'s); rows: (table, row) pairs, table [P, ...] "
+              "C-contiguous and row one of its rows' worth (the rotary arrays the calls read), "
+              "copied from row S at each step; embed: (table [vocab, hidden], x) or None, row "
+              "`token` copied into x (the first call's input); norm: (x, w, eps, out, bf16) as "
+              "rms_norm's over x [1, n], or None; head: (linear, x), a _C.Linear run on x "
+              "[1, K] into step()'s logits, or None.  Every array is referenced, not copied: "
+              "the plan reads and writes them in place.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)dp_init,
+    .tp_dealloc = (destructor)dp_dealloc,
+    .tp_methods = dp_methods,
+};
 
 static PyMethodDef attn_functions[] = {
     {"layer_chain", (PyCFunction)(void (*)(void))py_layer_chain, METH_FASTCALL,
@@ -1887,6 +2265,7 @@ static PyMethodDef attn_functions[] = {
 int smoe_py_attn_init(PyObject *m) {
     if (PyType_Ready(&MLADecodeType) < 0 || PyType_Ready(&AttnDecodeType) < 0 ||
         PyType_Ready(&AttnBlockType) < 0 || PyType_Ready(&MLABlockType) < 0 ||
+        PyType_Ready(&DecodePlanType) < 0 ||
         PyModule_AddFunctions(m, attn_functions) < 0)
         return -1;
     Py_INCREF(&MLADecodeType);
@@ -1907,6 +2286,11 @@ int smoe_py_attn_init(PyObject *m) {
     Py_INCREF(&MLABlockType);
     if (PyModule_AddObject(m, "MLABlock", (PyObject *)&MLABlockType) < 0) {
         Py_DECREF(&MLABlockType);
+        return -1;
+    }
+    Py_INCREF(&DecodePlanType);
+    if (PyModule_AddObject(m, "DecodePlan", (PyObject *)&DecodePlanType) < 0) {
+        Py_DECREF(&DecodePlanType);
         return -1;
     }
     return 0;

@@ -31,4 +31,14 @@ int smoe_py_f32_or_bf16(PyObject *o, const char *name, int ndim, int writable);
 int smoe_py_linear_parts(PyObject *obj, const smoe_linear_desc **d, const uint8_t **block,
                          const float **bias);
 
+/* The KernelContext of a specmoe._C.Linear object (GIL held), or NULL with TypeError set. */
+smoe_kctx *smoe_py_linear_kctx(PyObject *obj);
+
+/* The Linear obj (checked by smoe_py_linear_kctx, which gave c) on T tokens: out [T, N] = x
+ * [T, K] W^T + b, x and out f32 or bf16 bits (xb, ob; bf16 widened and rounded as
+ * Linear.forward does), not aliasing.  Needs no GIL (the caller keeps obj, x and out alive);
+ * serialised with the object's other calls.  SMOE_OK or an error in *err. */
+int smoe_py_linear_run(PyObject *obj, smoe_kctx *c, const void *x, int xb, uint32_t T, void *out,
+                       int ob, smoe_err *err);
+
 #endif

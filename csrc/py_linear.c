@@ -116,6 +116,57 @@ static void lin_dealloc(LinearObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* out [T, N] = x [T, K] W^T + b on c's threads, x and out f32 or bf16 bits (xb, ob); bf16 is
+ * widened / rounded here in chunks of SMOE_LINEAR_TCHUNK tokens through self->io.  No GIL
+ * needed: takes self->mu; the weights are referenced by self, x and out by the caller. */
+static int linear_run(LinearObject *self, smoe_kctx *c, const void *x, int xb, uint32_t T,
+                      void *out, int ob, smoe_err *err) {
+    const uint32_t K = self->d.K, N = self->d.N;
+    const uint8_t *block = (const uint8_t *)PyArray_DATA((PyArrayObject *)self->block_obj);
+    const float *bias =
+        self->bias_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->bias_obj) : NULL;
+    const uint8_t *xp = (const uint8_t *)x;
+    uint8_t *op = (uint8_t *)out;
+    int rc = SMOE_OK;
+    pthread_mutex_lock(&self->mu);
+    if (!xb && !ob) {
+        rc = smoe_linear_forward(c, &self->d, block, bias, (const float *)xp, K, T, (float *)op,
+                                 N, self->scratch, err);
+    } else {
+        const uint32_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
+        const size_t need = (size_t)tc * ((xb ? K : 0) + (ob ? N : 0));
+        if (need > self->io_cap) {
+            float *p = realloc(self->io, need * sizeof(float));
+            if (p) {
+                self->io = p;
+                self->io_cap = need;
+            } else {
+                rc = smoe_err_set(err, SMOE_ENOMEM, "Linear: %zu bytes of bf16 I/O buffer",
+                                  need * sizeof(float));
+            }
+        }
+        float *xf = self->io, *of = self->io + (xb ? (size_t)tc * K : 0);
+        for (uint32_t t0 = 0; rc == SMOE_OK && t0 < T; t0 += tc) {
+            const uint32_t n = T - t0 < tc ? T - t0 : tc;
+            const float *xin = (const float *)xp + (size_t)t0 * K;
+            if (xb) {
+                const uint16_t *src = (const uint16_t *)xp + (size_t)t0 * K;
+                for (size_t i = 0; i < (size_t)n * K; i++) xf[i] = smoe_bf16_f32(src[i]);
+                xin = xf;
+            }
+            float *dst = ob ? of : (float *)op + (size_t)t0 * N;
+            rc = smoe_linear_forward(c, &self->d, block, bias, xin, K, n, dst, N, self->scratch,
+                                     err);
+            if (rc == SMOE_OK && ob) {
+                uint16_t *o16 = (uint16_t *)op + (size_t)t0 * N;
+                for (size_t i = 0; i < (size_t)n * N; i++) o16[i] = smoe_bf16_rne(of[i]);
+            }
+        }
+    }
+    pthread_mutex_unlock(&self->mu);
+    return rc;
+}
+
 /* forward(x, out): x [T, K], out [T, N], each float32 or bf16 bits (C-contiguous); out = x W^T
  * + b.  bf16 is widened / rounded here (chunks of SMOE_LINEAR_TCHUNK tokens through io), so
  * the caller needs no casts. */
@@ -156,49 +207,10 @@ static PyObject *lin_forward(LinearObject *self, PyObject *const *args, Py_ssize
     if (!c) return NULL;
     smoe_err err;
     smoe_err_clear(&err);
-    int rc = SMOE_OK;
-    const uint8_t *block = (const uint8_t *)PyArray_DATA((PyArrayObject *)self->block_obj);
-    const float *bias =
-        self->bias_obj ? (const float *)PyArray_DATA((PyArrayObject *)self->bias_obj) : NULL;
-    uint8_t *xp = (uint8_t *)PyArray_DATA(x), *op = (uint8_t *)PyArray_DATA(out);
-    /* x, out stay referenced by the caller's frame for the whole call; block by self. */
+    int rc;
+    /* x, out stay referenced by the caller's frame for the whole call */
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&self->mu);
-    if (!xb && !ob) {
-        rc = smoe_linear_forward(c, &self->d, block, bias, (const float *)xp, K, (uint32_t)T,
-                                 (float *)op, N, self->scratch, &err);
-    } else {
-        const uint32_t tc = T < SMOE_LINEAR_TCHUNK ? (uint32_t)T : SMOE_LINEAR_TCHUNK;
-        const size_t need = (size_t)tc * ((xb ? K : 0) + (ob ? N : 0));
-        if (need > self->io_cap) {
-            float *p = realloc(self->io, need * sizeof(float));
-            if (p) {
-                self->io = p;
-                self->io_cap = need;
-            } else {
-                rc = smoe_err_set(&err, SMOE_ENOMEM, "Linear: %zu bytes of bf16 I/O buffer",
-                                  need * sizeof(float));
-            }
-        }
-        float *xf = self->io, *of = self->io + (xb ? (size_t)tc * K : 0);
-        for (uint32_t t0 = 0; rc == SMOE_OK && t0 < (uint32_t)T; t0 += tc) {
-            const uint32_t n = (uint32_t)T - t0 < tc ? (uint32_t)T - t0 : tc;
-            const float *xin = (const float *)xp + (size_t)t0 * K;
-            if (xb) {
-                const uint16_t *src = (const uint16_t *)xp + (size_t)t0 * K;
-                for (size_t i = 0; i < (size_t)n * K; i++) xf[i] = smoe_bf16_f32(src[i]);
-                xin = xf;
-            }
-            float *dst = ob ? of : (float *)op + (size_t)t0 * N;
-            rc = smoe_linear_forward(c, &self->d, block, bias, xin, K, n, dst, N, self->scratch,
-                                     &err);
-            if (rc == SMOE_OK && ob) {
-                uint16_t *o16 = (uint16_t *)op + (size_t)t0 * N;
-                for (size_t i = 0; i < (size_t)n * N; i++) o16[i] = smoe_bf16_rne(of[i]);
-            }
-        }
-    }
-    pthread_mutex_unlock(&self->mu);
+    rc = linear_run(self, c, PyArray_DATA(x), xb, (uint32_t)T, PyArray_DATA(out), ob, &err);
     Py_END_ALLOW_THREADS
     if (rc != 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
@@ -245,6 +257,19 @@ int smoe_py_linear_parts(PyObject *obj, const smoe_linear_desc **d, const uint8_
     *block = (const uint8_t *)PyArray_DATA((PyArrayObject *)l->block_obj);
     *bias = l->bias_obj ? (const float *)PyArray_DATA((PyArrayObject *)l->bias_obj) : NULL;
     return 0;
+}
+
+smoe_kctx *smoe_py_linear_kctx(PyObject *obj) {
+    const smoe_linear_desc *d;
+    const uint8_t *b;
+    const float *bias;
+    if (smoe_py_linear_parts(obj, &d, &b, &bias)) return NULL;
+    return smoe_py_kctx(((LinearObject *)obj)->ctx_obj);
+}
+
+int smoe_py_linear_run(PyObject *obj, smoe_kctx *c, const void *x, int xb, uint32_t T, void *out,
+                       int ob, smoe_err *err) {
+    return linear_run((LinearObject *)obj, c, x, xb, T, out, ob, err);
 }
 
 int smoe_py_linear_init(PyObject *m) {

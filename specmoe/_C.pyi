@@ -242,10 +242,30 @@ class MLABlock:
               eps2: float, out: np.ndarray) -> tuple[float, float]: ...
 
 def layer_chain(calls: tuple[tuple[AttnBlock | MLABlock, tuple[Any, ...]], ...]
-                ) -> tuple[float, float]:
+                ) -> tuple[float, float, float]:
     """Decoder layers one after another with the GIL released once (specmoe.decode_step):
     each call is (block, the arguments of its ``layer`` method); all are checked before any
-    runs; returns the seconds in their attention and MoE parts, summed.  At most 128."""
+    runs; returns the seconds in their attention parts, MoE blocks and dense MLPs, summed.
+    At most 128."""
+
+class DecodePlan:
+    """A one-token decode step of a whole model in one call (specmoe.decode_step): the
+    embedding row of the token, the rotary rows of position S (``rows``: (table [P, ...],
+    row) pairs), the layer calls (``layer_chain``'s items, checked once, no attention bias;
+    their S is step()'s), the final RMSNorm (``norm``: rms_norm's (x, w, eps, out, bf16)
+    over [1, n]) and the head (``head``: a Linear and its input [1, K]).  The arrays are
+    referenced and read/written in place."""
+
+    def __init__(self, calls: tuple[tuple[AttnBlock | MLABlock, tuple[Any, ...]], ...],
+                 rows: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None,
+                 embed: tuple[np.ndarray, np.ndarray] | None = None,
+                 norm: tuple[np.ndarray, np.ndarray, float, np.ndarray, bool] | None = None,
+                 head: tuple[Linear, np.ndarray] | None = None) -> None: ...
+    def step(self, token: int, S: int, logits: np.ndarray | None
+             ) -> tuple[float, float, float, float]:
+        """One step at S cached positions, logits [1, vocab] f32/bf16 bits (None without a
+        head); everything checked before anything runs; GIL released once.  Returns the
+        seconds in attention, MoE blocks, dense MLPs, and the final norm and head."""
 
 class MLADecode:
     """Multi-head latent attention in the absorbed form (specmoe.mla, csrc/kernels/attn.h).

@@ -290,6 +290,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
                                 ln[1], float(layer.post_attention_layernorm.variance_epsilon))
         layer.forward = _fused_layer_forward(layer, layer.forward)
         layer._specmoe_chain = chain_call
+        layer._specmoe_chain_rope = chain_rope
     return done
 
 
@@ -341,8 +342,7 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     _, _, _, ka, va, S = bufs
     eng, pos, flags, _ = route
     T = x.shape[1]
-    cos, sin = per_step_rope(pe, T, D, lambda: tuple(
-        tensor_array(p.reshape(-1, D)[-T:].contiguous()) for p in pe))
+    cos, sin = per_step_rope(pe, T, D, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
     ln1, e1, ln2, e2 = layer._specmoe_norms
     return (eng._layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()), cos, sin,
             ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1, e1,
@@ -360,6 +360,15 @@ def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
         layer.self_attn._specmoe_block.layer(*args)
     kv_advance(bufs, x.shape[1])
     return out
+
+
+def chain_rope(layer: nn.Module, pe: Any, T: int) -> tuple:
+    """The rotary arrays among ``_C.AttnBlock.layer``'s arguments for the last T positions of
+    the decoder's position embeddings ``pe`` (cos, sin): ((index, array), ...).  Over a table
+    of every position they are a ``_C.DecodePlan``'s rotary tables (specmoe.decode_step)."""
+    D = layer.self_attn._specmoe_block_shape[2]
+    cos, sin = (tensor_array(p.reshape(-1, D)[-T:].contiguous()) for p in pe)
+    return ((4, cos), (5, sin))
 
 
 def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,

@@ -451,6 +451,7 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
                                 ln[1], float(layer.post_attention_layernorm.variance_epsilon))
         layer.forward = _mla_layer_forward(layer, layer.forward)
         layer._specmoe_chain = chain_call
+        layer._specmoe_chain_rope = chain_rope
         done.append(f"{name}.self_attn" if name else "self_attn")
     return done
 
@@ -639,6 +640,14 @@ def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
             and _rope_ok(pe, rope, T, attn.qk_rope_head_dim)
             and _mask_readable(attention_mask, T)
             and (attention_mask is None or attention_mask.shape[:2] == (1, 1)))
+
+
+def chain_rope(layer: nn.Module, pe: Any, T: int) -> tuple:
+    """The rotary array among ``_C.MLABlock.layer``'s arguments for the last T positions of the
+    decoder's position embeddings ``pe`` (freqs): ((index, array),), as :func:`chain_call`
+    passes it; over a table of every position, a ``_C.DecodePlan``'s rotary table."""
+    return ((4, _rope_array(pe, layer._specmoe_mlab_parts[3], T,
+                            layer.self_attn.qk_rope_head_dim)),)
 
 
 def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,

@@ -1,10 +1,11 @@
 """specmoe.decode_step: one-token forwards of an offloaded model whose decoder layers are one C
 call each skip transformers' model-level Python, and run those layers in one
-``_C.layer_chain`` call.  Reference: the same model with the step switched off (its own
-forward, transformers' mask and output code) or its layers called one by one: logits, caches
-and generated tokens bit for bit, on every architecture of DECODE_STEP_MODELS; the calls that
-must go to the model's own forward do; models it cannot serve are left alone; a bad chain
-raises before any layer runs."""
+``_C.layer_chain`` call, or the whole step in one ``_C.DecodePlan.step``.  Reference: the same
+model with the step switched off (its own forward, transformers' mask and output code) or its
+layers called one by one: logits, caches and generated tokens bit for bit, on every
+architecture of DECODE_STEP_MODELS, also while plans are rebuilt and set aside; the calls that
+must go to the model's own forward do; models it cannot serve are left alone; a bad chain or
+plan step raises before any layer runs."""
 from __future__ import annotations
 
 import copy
@@ -85,6 +86,9 @@ def test_step_equals_the_models_own_forward(arch, dt):
         # DeepSeek's dense first layers (their MLP in the MLABlock's call)
         chains = arch != "qwen2_moe"
         assert (step.chained > 0) == chains
+        # where every layer is one call, a step is one _C.DecodePlan call
+        full = arch not in ("qwen2_moe", "deepseek_v3")
+        assert (step.planned == 5) == full and (step.planned == 0) == (not full)
         if arch == "deepseek_v3":  # the dense layers only
             dense = sum(lyr._specmoe_dense is not None for lyr in model.model.layers)
             assert dense >= 1 and step.chained == 5 * dense
@@ -102,10 +106,19 @@ def test_step_equals_the_models_own_forward(arch, dt):
             step.enabled = True
         assert torch.equal(got, ref)
         assert torch.equal(sg.sequences, sg_ref.sequences)
+        step.planning = False  # the per-layer path: layer_chain
+        try:
+            p0 = step.planned
+            assert torch.equal(_gen(model, ids), got) and step.planned == p0
+            assert torch.equal(specmoe.generate(model, ids[0], max_new_tokens=10,
+                                                eos_token_id=None).sequences, sg.sequences)
+        finally:
+            step.planning = True
         step.chaining = False  # every layer through its forward, one call each
         try:
-            c0 = step.chained
+            c0, p0 = step.chained, step.planned
             assert torch.equal(_gen(model, ids), got) and step.chained == c0
+            assert step.planned == p0
         finally:
             step.chaining = True
     finally:
@@ -252,6 +265,126 @@ def test_calls_it_cannot_serve_go_to_the_models_forward():
             assert (fell, took) == (0, 1) and len(seen) == 2
         finally:
             h.remove()
+    finally:
+        eng.close()
+
+
+def _step_both(model, kv, kv_ref, tok):
+    """One step of tok on kv through the DecodeStep and on kv_ref through the model's own
+    forward: equal logits and caches asserted; the next greedy token."""
+    step = model._specmoe_decode_step
+    with torch.no_grad():
+        on = model(input_ids=tok, cache=kv, use_cache=True)
+        step.enabled = False
+        try:
+            off = model(input_ids=tok, cache=kv_ref, use_cache=True)
+        finally:
+            step.enabled = True
+    assert torch.equal(on.logits, off.logits)
+    for a, b in zip(kv.layers, kv_ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    return on.logits[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "deepseek_v2"])
+def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
+    """A plan is rebuilt when its rotary tables or KV buffers run out, when the cache is
+    cropped, when the Engine's cache is rebuilt; set aside while a layer has a hook (that step
+    runs the hook); and every step's logits and cache are the model's own."""
+    from specmoe import decode_step, kvcache
+    monkeypatch.setattr(decode_step, "_PLAN_MIN_POSITIONS", 8)   # tables run out at S = 8
+    monkeypatch.setattr(kvcache, "_KV_SPARE", 4)                 # and KV buffers often
+    model, eng = _offloaded(arch, torch.float32)
+    try:
+        step = model._specmoe_decode_step
+        ids = torch.randint(0, model.config.vocab_size, (1, 5),
+                            generator=torch.Generator().manual_seed(4))
+        kv = DynamicCache(config=model.config)
+        with torch.no_grad():
+            tok = model(input_ids=ids, cache=kv, use_cache=True).logits[:, -1:].argmax(-1)
+        kv_ref = copy.deepcopy(kv)
+        plans = []
+        p0 = step.planned
+        for _ in range(24):
+            tok = _step_both(model, kv, kv_ref, tok)
+            if not plans or plans[-1] is not step._plan:
+                plans.append(step._plan)
+        assert step.planned - p0 == 24
+        assert len(plans) >= 3  # tables of 8, then 2 (S + 1) positions; KV buffers regrown
+        kv.crop(-3)
+        kv_ref.crop(-3)
+        before = step._plan
+        tok = _step_both(model, kv, kv_ref, tok)
+        assert step._plan is not before and step.planned - p0 == 25
+        # a hook on a layer: the per-layer path runs it; plans again some steps later
+        seen = []
+        h = model.model.layers[1].register_forward_hook(lambda m, a, o: seen.append(1))
+        try:
+            tok = _step_both(model, kv, kv_ref, tok)
+        finally:
+            h.remove()
+        assert seen and step._plan is None and step.planned - p0 == 25
+        for _ in range(decode_step._PLAN_RETRY_STEPS + 1):
+            tok = _step_both(model, kv, kv_ref, tok)
+        assert step._plan is not None and step.planned > p0 + 25
+        # a rebuilt Engine cache: a new _C.Layers under the plan
+        before = step._plan
+        eng.set_cache(1.0)
+        tok = _step_both(model, kv, kv_ref, tok)
+        assert step._plan is not before and step._plan.eng_layers is eng._layers
+    finally:
+        eng.close()
+
+
+def test_a_decode_plan_checks_its_arguments_before_it_runs():
+    model, eng = _offloaded("olmoe", torch.float32)
+    try:
+        step = model._specmoe_decode_step
+        V = model.config.vocab_size
+        kv = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2, 3]]), cache=kv, use_cache=True)
+            model(input_ids=torch.tensor([[4]]), cache=kv, use_cache=True)
+        plan = step._plan
+        assert plan is not None and plan.cache is kv
+        S = kv.get_seq_length()
+        kt = [v[3].clone() for v in plan.views]
+        logits = np.zeros((1, V), np.float32)
+        bad = [((V, S, logits), ValueError, "token"), ((-1, S, logits), ValueError, "token"),
+               ((0, -1, logits), ValueError, "S=-1"),
+               ((0, 10 ** 6, logits), ValueError, "rotary table|capacity"),
+               ((0, S, np.zeros((1, V + 1), np.float32)), ValueError, "logits"),
+               ((0, S, np.zeros((1, V), np.float64)), ValueError, "logits"),
+               ((0, S, None), TypeError, "numpy array"),
+               ((0, S), TypeError, "3 arguments")]
+        for args, exc, msg in bad:
+            with pytest.raises(exc, match=msg):
+                plan.c.step(*args)
+        assert not logits.any()  # nothing ran: no logits, no KV position written
+        for v, k0 in zip(plan.views, kt):
+            assert torch.equal(v[3], k0)
+        # the constructor: layer_chain's items, pairs of one row's worth, no attention bias
+        x0 = plan.x0.view(1, -1).numpy()
+        with pytest.raises(TypeError):
+            _C.DecodePlan([])
+        with pytest.raises(ValueError, match="1..128"):
+            _C.DecodePlan(())
+        items, _ = _chain_items(list(model.model.layers), kv,
+                                torch.zeros(1, 1, x0.shape[1]),
+                                model.model.rotary_emb(plan.x0, torch.tensor([[S]])))
+        calls = tuple((it[0], it[1]) for it in items)
+        _C.DecodePlan(calls)  # layers alone
+        with pytest.raises(ValueError, match="one of its rows"):
+            _C.DecodePlan(calls, ((np.zeros((4, 8), np.float32), np.zeros(7, np.float32)),))
+        with pytest.raises(ValueError, match="one of its rows"):
+            _C.DecodePlan(calls, embed=(np.zeros((V, x0.shape[1]), np.float32),
+                                        np.zeros((1, x0.shape[1]), np.float64)))
+        with pytest.raises(TypeError, match="Linear"):
+            _C.DecodePlan(calls, head=(object(), x0))
+        a = list(calls[0][1])
+        a[9] = np.zeros((1, 1, S + 1), np.float32)  # an attention bias
+        with pytest.raises(ValueError, match="attention bias"):
+            _C.DecodePlan(((calls[0][0], tuple(a)),) + calls[1:])
     finally:
         eng.close()
 
