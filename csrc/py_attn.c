@@ -16,6 +16,7 @@
 #include "py_kernels.h"
 #include "py_layer.h"
 #include "py_numpy.h"
+#include "spec/verify.h"
 
 typedef struct {
     PyObject_HEAD
@@ -1939,6 +1940,8 @@ typedef struct {
     const void *head_x;    /* its input [1, K], f32/bf16 (hb) */
     int hb;
     uint32_t head_n;
+    float *logit_buf;      /* [head_n] f32 logits for step(argmax=True); used by the step in
+                              flight only */
     int busy;              /* a step in flight: set and cleared with the GIL held */
 } DecodePlanObject;
 
@@ -1971,6 +1974,7 @@ static void dp_dealloc(DecodePlanObject *self) {
     free(self->it);
     free(self->rows);
     free(self->norm_buf);
+    free(self->logit_buf);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1998,7 +2002,7 @@ static int dp_init(DecodePlanObject *self, PyObject *args, PyObject *kw) {
     const Py_ssize_t nr = rows == Py_None ? 0 : PyTuple_GET_SIZE(rows);
     chain_item *it = calloc((size_t)n, sizeof(*it));
     plan_row *rv = calloc((size_t)(nr ? nr : 1), sizeof(*rv));
-    float *nbuf = NULL;
+    float *nbuf = NULL, *lbuf = NULL;
     if (!it || !rv) goto nomem;
     if (chain_parse(calls, it, 0)) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -2084,6 +2088,7 @@ static int dp_init(DecodePlanObject *self, PyObject *args, PyObject *kw) {
         if (dims_are(x, "head x [1, K]", w_x, 2)) goto fail;
         hx = PyArray_DATA((PyArrayObject *)x);
         hn = d->N;
+        if (!(lbuf = malloc((size_t)hn * sizeof(float)))) goto nomem;
     }
     self->keep = Py_BuildValue("(OOOOO)", calls, rows, embed, norm, head);
     if (!self->keep) goto fail;
@@ -2104,6 +2109,7 @@ static int dp_init(DecodePlanObject *self, PyObject *args, PyObject *kw) {
     self->head_x = hx;
     self->hb = hb;
     self->head_n = hn;
+    self->logit_buf = lbuf;
     return 0;
 nomem:
     PyErr_NoMemory();
@@ -2111,21 +2117,29 @@ fail:
     free(it);
     free(rv);
     free(nbuf);
+    free(lbuf);
     return -1;
 }
 
-/* step(token, S, logits): the method doc. */
+/* step(token, S, logits[, argmax]): the method doc. */
 static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!self->keep) {
         PyErr_SetString(PyExc_ValueError, "DecodePlan is not initialised");
         return NULL;
     }
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "step(token, S, logits) takes 3 arguments, got %zd", nargs);
+    if (nargs != 3 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "step(token, S, logits[, argmax]) takes 3 or 4 "
+                     "arguments, got %zd", nargs);
         return NULL;
     }
     long long tok = PyLong_AsLongLong(args[0]), S = PyLong_AsLongLong(args[1]);
     if (PyErr_Occurred()) return NULL;
+    const int am = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (am < 0) return NULL;
+    if (am && !self->head) {
+        PyErr_SetString(PyExc_ValueError, "DecodePlan.step: argmax needs a head");
+        return NULL;
+    }
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "DecodePlan.step: a step of this plan is already "
                         "running (one at a time: its buffers are shared)");
@@ -2190,6 +2204,7 @@ static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize
     smoe_err_clear(&err);
     int rc = SMOE_OK;
     double t[4] = {0, 0, 0, 0};
+    long long best = -1;
     self->busy = 1;
     /* logits stays referenced by the caller's frame for the call */
     Py_BEGIN_ALLOW_THREADS
@@ -2207,24 +2222,30 @@ static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize
     if (rc == SMOE_OK && self->head)
         rc = smoe_py_linear_run(self->head, hc, self->head_x, self->hb, 1, lp, lb, &err);
     t[3] = smoe_now() - t0;
+    if (rc == SMOE_OK && am) { /* the greedy token of the logits as they are (bf16 rounded) */
+        widen(self->logit_buf, lp, lb, self->head_n);
+        best = smoe_spec_argmax(self->logit_buf, self->head_n);
+    }
     Py_END_ALLOW_THREADS
     self->busy = 0;
     chain_end(self->it, self->n);
     if (rc != 0) return smoe_py_raise(&err);
-    return Py_BuildValue("(dddd)", t[0], t[1], t[2], t[3]);
+    return Py_BuildValue("(ddddL)", t[0], t[1], t[2], t[3], best);
 }
 
 static PyMethodDef dp_methods[] = {
     {"step", (PyCFunction)(void (*)(void))dp_step, METH_FASTCALL,
-     "step(token, S, logits) -> (attention_s, moe_s, dense_mlp_s, head_s): one decode step "
-     "of the plan with the GIL released once: the embedding's row `token` into the first "
-     "layer's x, every rotary table's row S into its row, the layer calls at S cached "
-     "positions (as layer_chain: each writes its new KV position S), the final norm, and the "
-     "head into logits [1, vocab] (float32 or bf16 bits; None without a head).  Checks first "
-     "(token, S against the tables and every KV capacity): a bad argument raises before "
-     "anything runs; a failing layer stops the step and raises.  One step of a plan at a "
-     "time.  Returns the seconds in the layers' attention parts, MoE blocks, dense MLPs, and "
-     "the norm and head, for benchmarks."},
+     "step(token, S, logits, argmax=False) -> (attention_s, moe_s, dense_mlp_s, head_s, "
+     "next): one decode step of the plan with the GIL released once: the embedding's row "
+     "`token` into the first layer's x, every rotary table's row S into its row, the layer "
+     "calls at S cached positions (as layer_chain: each writes its new KV position S), the "
+     "final norm, and the head into logits [1, vocab] (float32 or bf16 bits; None without a "
+     "head).  Checks first (token, S against the tables and every KV capacity): a bad "
+     "argument raises before anything runs; a failing layer stops the step and raises.  One "
+     "step of a plan at a time.  Returns the seconds in the layers' attention parts, MoE "
+     "blocks, dense MLPs, and the norm and head, for benchmarks, and with argmax the greedy "
+     "next token (the lowest id of the largest logit, as specmoe.verify.accept reads the "
+     "logits; -1 without argmax)."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject DecodePlanType = {

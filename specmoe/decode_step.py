@@ -73,7 +73,7 @@ class _Plan:
     and the buffers it reads and writes."""
 
     __slots__ = ("c", "cache", "limit", "views", "layers", "mods", "engine", "eng_layers", "x0",
-                 "last", "normed", "vocab", "logits_dtype")
+                 "last", "normed", "vocab", "logits_dtype", "scratch")
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -194,16 +194,9 @@ class DecodeStep:
             self._learn(out, self._cache(kwargs))
             return out
         ids, cache, S = plain
-        if self.planning:
-            plan = self._plan
-            if plan is None or not self._plan_valid(plan, cache, S):
-                plan = self._plan = None
-                if self.steps >= self._plan_retry:
-                    plan = self._plan = self._make_plan(cache, S)
-                    if plan is None:
-                        self._plan_retry = self.steps + _PLAN_RETRY_STEPS
-            if plan is not None:
-                return self._run_plan(plan, int(ids[0, 0]), cache, S)
+        plan = self._plan_for(cache, S)
+        if plan is not None:
+            return self._run_plan(plan, int(ids[0, 0]), cache, S)
         model = self.model
         base = model.model
         h = base.embed_tokens(ids)
@@ -235,6 +228,52 @@ class DecodeStep:
         cls, field = self._out  # type: ignore[misc]
         return cls(logits=logits, **{field: cache})
 
+    def greedy_next(self, token: int, cache: Any) -> int | None:
+        """The greedy next token after ``token`` at the end of ``cache`` (the lowest id of the
+        largest logit, as :func:`specmoe.verify.accept` reads the model's logits), decoded
+        through the step's plan: what :func:`specmoe.generate` calls for a plain greedy step
+        instead of the model's forward, the logits staying in C.  None, with nothing run,
+        when no plan serves this step or the call must be the model's own: switched off,
+        training, another cache, hooks on the model other than specmoe's
+        :class:`specmoe.dense.DecodeThreads`, past a sliding window, no ``lm_head`` in the
+        plan."""
+        model = self.model
+        if not (self.enabled and self.planning) or model.training \
+                or type(cache) is not DynamicCache:
+            return None
+        own = getattr(model, "_specmoe_decode_threads", None)  # specmoe.dense's hooks
+        for hooks in (model._forward_pre_hooks, model._forward_hooks):
+            for h in hooks.values():
+                if own is None or getattr(h, "__self__", None) is not own:
+                    return None
+        base = model.model
+        if base._forward_hooks or base._forward_pre_hooks \
+                or torch.nn.modules.module._global_forward_hooks \
+                or torch.nn.modules.module._global_forward_pre_hooks:
+            return None
+        S = cache.get_seq_length()
+        if self._window is not None and S + 1 > self._window:
+            return None
+        plan = self._plan_for(cache, S)
+        if plan is None or plan.vocab is None:
+            return None
+        return self._plan_call(plan, token, S, True)[1]
+
+    def _plan_for(self, cache: Any, S: int) -> _Plan | None:
+        """The plan for a step on ``cache`` at S cached positions: the one kept while it is
+        valid, else a new one (not more often than every ``_PLAN_RETRY_STEPS`` steps after a
+        build declined); None when planning is off or no plan serves."""
+        if not self.planning:
+            return None
+        plan = self._plan
+        if plan is None or not self._plan_valid(plan, cache, S):
+            plan = self._plan = None
+            if self.steps >= self._plan_retry:
+                plan = self._plan = self._make_plan(cache, S)
+                if plan is None:
+                    self._plan_retry = self.steps + _PLAN_RETRY_STEPS
+        return plan
+
     def _make_plan(self, cache: Any, S: int) -> _Plan | None:
         """A plan for steps on ``cache`` from S cached positions on (the class docstring), or
         None when this model or this moment has none: a layer that is not a one-call layer
@@ -242,7 +281,7 @@ class DecodeStep:
         plainly, or rotary tables that differ from the per-step rows."""
         model = self.model
         base = model.model
-        if not self.chaining:
+        if not self.chaining or len(base.layers) < self._n_layers:
             return None
         layers = [base.layers[i] for i in range(self._n_layers)]
         emb = base.embed_tokens
@@ -318,7 +357,8 @@ class DecodeStep:
                      eng_layers=None if eng is None else eng._layers, x0=x0, last=h,
                      normed=None if norm is None else normed,
                      vocab=None if head is None else int(lm.out_features),
-                     logits_dtype=odt)
+                     logits_dtype=odt, scratch=None if head is None else tensor_array(
+                         torch.empty(1, int(lm.out_features), dtype=odt)))
 
     def _plan_valid(self, plan: _Plan, cache: Any, S: int) -> bool:
         """Whether ``plan`` still serves a step on ``cache`` at S cached positions: the same
@@ -345,31 +385,42 @@ class DecodeStep:
         return eng is None or (eng._layers is plan.eng_layers
                                and eng._routable(plan.x0, plan.x0.dtype))
 
-    def _run_plan(self, plan: _Plan, token: int, cache: Any, S: int) -> Any:
-        """One step through ``plan``: the C call, then the KV views advanced by one position
-        and the output object."""
-        logits = None
-        if plan.vocab is not None:
+    def _plan_call(self, plan: _Plan, token: int, S: int, argmax: bool
+                   ) -> tuple[torch.Tensor | None, int]:
+        """``plan``'s C step for ``token`` at S cached positions, then each layer's KV views
+        advanced by its new position; (logits [1, 1, vocab], or None without a head in the
+        plan or with ``argmax``; the greedy next token, or -1 without ``argmax``)."""
+        logits, out = None, None
+        if argmax:      # logits nobody sees: the plan's own buffer
+            out = plan.scratch
+        elif plan.vocab is not None:
             logits = torch.empty(1, 1, plan.vocab, dtype=plan.logits_dtype)
+            out = tensor_array(logits.view(1, plan.vocab))
         eng = plan.engine
         with eng._layer_call_slot() if eng is not None else contextlib.nullcontext():
-            self.plan_step(plan.c, token, S, None if logits is None
-                           else tensor_array(logits.view(1, plan.vocab)))
+            r = self.plan_step(plan.c, token, S, out, argmax)
         n = S + 1
         views = plan.views
         for i, (lay, _, _, kt, vt) in enumerate(views):
-            lay.keys = k = kt[:, :, :n]
-            lay.values = v = vt[:, :, :n]
+            # (narrow: one op, where kt[:, :, :n] parses three slices)
+            lay.keys = k = kt.narrow(2, 0, n)
+            lay.values = v = vt.narrow(2, 0, n)
             views[i] = (lay, k, v, kt, vt)
+        self.steps += 1
+        self.planned += 1
+        self.chained += len(views)
+        return logits, r[4]
+
+    def _run_plan(self, plan: _Plan, token: int, cache: Any, S: int) -> Any:
+        """One step through ``plan`` (:meth:`_plan_call`), the model's output object around
+        its logits."""
+        logits = self._plan_call(plan, token, S, False)[0]
         if logits is None:
             base = self.model.model
             h = plan.last if plan.normed is None else plan.normed
             if plan.normed is None:
                 h = base.norm(h)
             logits = self.model.lm_head(h)
-        self.steps += 1
-        self.planned += 1
-        self.chained += len(views)
         cls, field = self._out  # type: ignore[misc]
         return cls(logits=logits, **{field: cache})
 

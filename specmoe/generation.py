@@ -346,6 +346,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     if mtp is not None:
         mtp.reset()  # drafts of an earlier request never carry over
     seq = list(prompt)
+    # specmoe.decode_step's forward, whose plan decodes a plain greedy step in one C call
+    fast = getattr(model, "_specmoe_decode_step", None)
     its: List[Dict[str, Any]] = []
     loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
     la_keys = ("lookahead_predicted", "lookahead_used", "lookahead_hits")
@@ -370,23 +372,31 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             kd = len(d.tokens)
             if lookahead and d.routing and engine is not None:
                 engine.lookahead(d.routing)
-            if mtp is not None:
-                # one forward verifies the drafts and (masks after each anchor) drafts the next
-                # step's tokens; no masks when the controller chose a plain step
-                logits = mtp.verify(kv, len(seq) - 1, [seq[-1]] + d.tokens,
-                                    mtp.k if k_plan > 0 else 0)
+            nxt = None
+            if fast is not None and kd == 0 and sampling is None and mtp is None:
+                # a plain greedy step in one C call, its logits left in C (None: the forward)
+                nxt = fast.greedy_next(seq[-1], kv)
+            if nxt is not None:
+                n_acc = 0
             else:
-                logits = _forward(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
-            if sampling is None:
-                p = logits.float().contiguous().numpy()
-                u = None
-                q = None
-            else:
-                p = sampling.probs(logits).numpy()
-                u = torch.rand((kd + 1, 2), generator=gen, dtype=torch.float64).numpy()
-                q = None if d.probs is None else d.probs.float().contiguous().numpy()
-            # greedy: rows of logits, only their argmax matters (no per-token softmax)
-            n_acc, nxt = accept(p, np.asarray(d.tokens, np.int64), q, u, check=u is not None)
+                if mtp is not None:
+                    # one forward verifies the drafts and (masks after each anchor) drafts the
+                    # next step's tokens; no masks when the controller chose a plain step
+                    logits = mtp.verify(kv, len(seq) - 1, [seq[-1]] + d.tokens,
+                                        mtp.k if k_plan > 0 else 0)
+                else:
+                    logits = _forward(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
+                if sampling is None:
+                    p = logits.float().contiguous().numpy()
+                    u = None
+                    q = None
+                else:
+                    p = sampling.probs(logits).numpy()
+                    u = torch.rand((kd + 1, 2), generator=gen, dtype=torch.float64).numpy()
+                    q = None if d.probs is None else d.probs.float().contiguous().numpy()
+                # greedy: rows of logits, only their argmax matters (no per-token softmax)
+                n_acc, nxt = accept(p, np.asarray(d.tokens, np.int64), q, u,
+                                    check=u is not None)
             _crop(kv, len(seq) + n_acc)  # keep the pending token and the accepted drafts
             new = d.tokens[:n_acc] + [int(nxt)]
             for j, t in enumerate(new):

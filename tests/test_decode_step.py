@@ -332,6 +332,38 @@ def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
         eng.set_cache(1.0)
         tok = _step_both(model, kv, kv_ref, tok)
         assert step._plan is not before and step._plan.eng_layers is eng._layers
+        # greedy_next (specmoe.generate's plain greedy step): the argmax of the model's own
+        # logits, the same cache after it
+        for _ in range(3):
+            p0 = step.planned
+            nxt = step.greedy_next(int(tok), kv)
+            assert step.planned == p0 + 1
+            with torch.no_grad():
+                step.enabled = False
+                try:
+                    off = model(input_ids=tok, cache=kv_ref, use_cache=True)
+                finally:
+                    step.enabled = True
+            assert nxt == int(off.logits[0, -1].float().argmax())
+            for a, b in zip(kv.layers, kv_ref.layers):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            tok = torch.tensor([[nxt]])
+        # a hook on the model: greedy_next declines (nothing run), the forward runs the hook
+        seen = []
+        h = model.register_forward_hook(lambda m, a, o: seen.append(1))
+        try:
+            S = kv.get_seq_length()
+            assert step.greedy_next(int(tok), kv) is None and kv.get_seq_length() == S
+            got = specmoe.generate(model, ids[0], max_new_tokens=4, eos_token_id=None)
+            assert len(seen) == 5  # the prefill and four one-token steps
+        finally:
+            h.remove()
+        step.enabled = False
+        try:
+            ref = specmoe.generate(model, ids[0], max_new_tokens=4, eos_token_id=None)
+        finally:
+            step.enabled = True
+        assert torch.equal(got.sequences, ref.sequences)
     finally:
         eng.close()
 
@@ -356,13 +388,13 @@ def test_a_decode_plan_checks_its_arguments_before_it_runs():
                ((0, S, np.zeros((1, V + 1), np.float32)), ValueError, "logits"),
                ((0, S, np.zeros((1, V), np.float64)), ValueError, "logits"),
                ((0, S, None), TypeError, "numpy array"),
-               ((0, S), TypeError, "3 arguments")]
+               ((0, S), TypeError, "3 or 4 arguments")]
         for args, exc, msg in bad:
             with pytest.raises(exc, match=msg):
                 plan.c.step(*args)
         assert not logits.any()  # nothing ran: no logits, no KV position written
-        for v, k0 in zip(plan.views, kt):
-            assert torch.equal(v[3], k0)
+        for v, k0 in zip(plan.views, kt):  # (bytes: past S the buffers hold any bits)
+            assert v[3].numpy().tobytes() == k0.numpy().tobytes()
         # the constructor: layer_chain's items, pairs of one row's worth, no attention bias
         x0 = plan.x0.view(1, -1).numpy()
         with pytest.raises(TypeError):
@@ -373,7 +405,11 @@ def test_a_decode_plan_checks_its_arguments_before_it_runs():
                                 torch.zeros(1, 1, x0.shape[1]),
                                 model.model.rotary_emb(plan.x0, torch.tensor([[S]])))
         calls = tuple((it[0], it[1]) for it in items)
-        _C.DecodePlan(calls)  # layers alone
+        alone = _C.DecodePlan(calls)  # layers alone
+        with pytest.raises(ValueError, match="argmax needs a head"):
+            alone.step(0, S, None, True)
+        with pytest.raises(ValueError, match="None without a head"):
+            alone.step(0, S, logits)
         with pytest.raises(ValueError, match="one of its rows"):
             _C.DecodePlan(calls, ((np.zeros((4, 8), np.float32), np.zeros(7, np.float32)),))
         with pytest.raises(ValueError, match="one of its rows"):
