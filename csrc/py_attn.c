@@ -2189,6 +2189,7 @@ static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "DecodePlan.step: logits must be None without a head");
         return NULL;
     }
+    self->busy = 1; /* from here to the end: the items are this step's */
     for (Py_ssize_t i = 0; i < self->n; i++) {
         chain_item *c = &self->it[i];
         if (c->mla)
@@ -2197,6 +2198,7 @@ static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize
             c->u.ab.S = S;
         if (chain_item_begin(c)) {
             chain_end(self->it, i);
+            self->busy = 0;
             return NULL;
         }
     }
@@ -2205,7 +2207,6 @@ static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize
     int rc = SMOE_OK;
     double t[4] = {0, 0, 0, 0};
     long long best = -1;
-    self->busy = 1;
     /* logits stays referenced by the caller's frame for the call */
     Py_BEGIN_ALLOW_THREADS
     const plan_row *e = &self->embed;

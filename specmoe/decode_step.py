@@ -20,7 +20,11 @@ specmoe.mla's one-call layers, their MoE block routed in C) run together in one
 ``_C.layer_chain`` call, the GIL released once, each layer's output one of two buffers of the
 step and the next one's input.  After a layer's weights have streamed through the CPU caches,
 every return to the interpreter is cold: py-spy at OLMoE shapes, bf16, 2 threads, a step's
-time outside C fell from ~15 % (one call per layer) to ~9 % (one chain) of the samples.
+time outside C fell from ~15 % (one call per layer) to ~9 % (one chain) of the samples.  Where
+every layer is such a layer, the whole step -- embedding row, rotary row, layers, final norm,
+``lm_head`` -- is one ``_C.DecodePlan.step`` (:class:`DecodeStep`'s plans), and
+:func:`specmoe.generate`'s plain greedy steps call it without the forward around it
+(:meth:`DecodeStep.greedy_next`).
 
 The step serves every model in :data:`specmoe.arch.DECODE_STEP_MODELS` (their forwards were
 read for it), one token of one sequence on a ``DynamicCache``, no padding, no gradients,
@@ -35,10 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
@@ -73,7 +77,7 @@ class _Plan:
     and the buffers it reads and writes."""
 
     __slots__ = ("c", "cache", "limit", "views", "layers", "mods", "engine", "eng_layers", "x0",
-                 "last", "normed", "vocab", "logits_dtype", "scratch")
+                 "last", "normed", "vocab", "logits_dtype", "scratch", "__weakref__")
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -290,7 +294,7 @@ class DecodeStep:
                or getattr(lyr, "_specmoe_chain_rope", None) is None
                or lyr._forward_hooks or lyr._forward_pre_hooks for lyr in layers) \
                 or type(emb) is not nn.Embedding or emb._forward_hooks \
-                or emb._forward_pre_hooks or getattr(rot, "rope_type", "default") \
+                or emb._forward_pre_hooks or getattr(rot, "rope_type", None) \
                 not in _TABLE_ROPES or rot._forward_hooks or rot._forward_pre_hooks:
             return None
         w = emb.weight.detach()
@@ -351,7 +355,8 @@ class DecodeStep:
             _log.debug("decode plan declined: %s", e)
             return None
         kv = [(it[2][0], it[2][1], it[2][2]) for it in items]
-        return _Plan(c=c, cache=cache, limit=min(P, min(k.shape[2] for _, k, _ in kv)),
+        plan = _Plan(c=c, cache=weakref.ref(cache),
+                     limit=min(P, min(k.shape[2] for _, k, _ in kv)),
                      views=[(lay, lay.keys, lay.values, k, v) for lay, k, v in kv],
                      layers=layers, mods=(emb, rot, fn, lm), engine=eng,
                      eng_layers=None if eng is None else eng._layers, x0=x0, last=h,
@@ -359,13 +364,17 @@ class DecodeStep:
                      vocab=None if head is None else int(lm.out_features),
                      logits_dtype=odt, scratch=None if head is None else tensor_array(
                          torch.empty(1, int(lm.out_features), dtype=odt)))
+        # the plan references the cache's KV buffers: it goes when the cache does (a finished
+        # generation's memory is not held by the model)
+        weakref.finalize(cache, _forget_plan, weakref.ref(self), weakref.ref(plan))
+        return plan
 
     def _plan_valid(self, plan: _Plan, cache: Any, S: int) -> bool:
         """Whether ``plan`` still serves a step on ``cache`` at S cached positions: the same
         cache with each layer's keys/values the views the last step left, room for one more
         position, no hooks since, the same modules, the Engine's layers and routing as
         built."""
-        if cache is not plan.cache or S + 1 > plan.limit or not self.chaining:
+        if plan.cache() is not cache or S + 1 > plan.limit or not self.chaining:
             return False
         for lay, k, v, _, _ in plan.views:
             if lay.keys is not k or lay.values is not v:
@@ -438,6 +447,13 @@ class DecodeStep:
             kv_advance(it[2], 1)
         self.chained += len(run)
         run.clear()
+
+
+def _forget_plan(step_ref: Any, plan_ref: Any) -> None:
+    """A plan's cache is gone: its DecodeStep drops the plan (and the buffers it holds)."""
+    step, plan = step_ref(), plan_ref()
+    if step is not None and plan is not None and step._plan is plan:
+        step._plan = None
 
 
 def install_decode_step(model: nn.Module) -> bool:

@@ -9,6 +9,7 @@ plan step raises before any layer runs."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import numpy as np
 import pytest
@@ -364,6 +365,15 @@ def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
         finally:
             step.enabled = True
         assert torch.equal(got.sequences, ref.sequences)
+        # the plan goes with its cache: a finished generation's KV buffers are not held
+        specmoe.generate(model, ids[0], max_new_tokens=4, eos_token_id=None)
+        gc.collect()
+        assert step._plan is None
+        plan = step._plan_for(kv, kv.get_seq_length())
+        assert plan is not None and plan.cache() is kv
+        del kv
+        gc.collect()
+        assert step._plan is None
     finally:
         eng.close()
 
@@ -378,7 +388,7 @@ def test_a_decode_plan_checks_its_arguments_before_it_runs():
             model(input_ids=torch.tensor([[1, 2, 3]]), cache=kv, use_cache=True)
             model(input_ids=torch.tensor([[4]]), cache=kv, use_cache=True)
         plan = step._plan
-        assert plan is not None and plan.cache is kv
+        assert plan is not None and plan.cache() is kv
         S = kv.get_seq_length()
         kt = [v[3].clone() for v in plan.views]
         logits = np.zeros((1, V), np.float32)
