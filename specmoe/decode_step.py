@@ -267,8 +267,8 @@ class DecodeStep:
         """The plan for a step on ``cache`` at S cached positions: the one kept while it is
         valid, else a new one (not more often than every ``_PLAN_RETRY_STEPS`` steps after a
         build declined); None when planning is off or no plan serves."""
-        if not self.planning:
-            return None
+        if not self.planning or S == 0:  # (an empty cache: its layers get their buffers at
+            return None                  # the first step, through the model's own path)
         plan = self._plan
         if plan is None or not self._plan_valid(plan, cache, S):
             plan = self._plan = None

@@ -365,6 +365,17 @@ def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
         finally:
             step.enabled = True
         assert torch.equal(got.sequences, ref.sequences)
+        # a one-token prompt: the first step fills the empty cache through the model's path,
+        # every later one is planned
+        p0 = step.planned
+        one = specmoe.generate(model, ids[0, :1], max_new_tokens=6, eos_token_id=None)
+        assert step.planned - p0 == 5
+        step.enabled = False
+        try:
+            ref = specmoe.generate(model, ids[0, :1], max_new_tokens=6, eos_token_id=None)
+        finally:
+            step.enabled = True
+        assert torch.equal(one.sequences, ref.sequences)
         # the plan goes with its cache: a finished generation's KV buffers are not held
         specmoe.generate(model, ids[0], max_new_tokens=4, eos_token_id=None)
         gc.collect()
