@@ -250,6 +250,31 @@ def test_quantized_dense_perplexity(dtype):
     assert corr > (0.999 if dtype == "int8" else 0.93), corr
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_weights_in_a_file_mapping_are_read_from_a_copy(dtype, tmp_path):
+    """A checkpoint's mmap (as safetensors loads it) is read slower than memory of the layer's
+    own: such an f32/bf16 weight is copied, equal; one in ordinary memory stays shared."""
+    from specmoe.dense import _file_mapped
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    src = torch.randn(48, 64).to(tdt)
+    f = tmp_path / "w.bin"
+    src.view(torch.uint8).numpy().tofile(f)
+    mapped = torch.from_numpy(np.memmap(f, dtype=np.uint8, mode="r+")).view(tdt).view(48, 64)
+    lin = nn.Linear(64, 48).to(tdt)
+    with torch.no_grad():
+        lin.weight = nn.Parameter(mapped, requires_grad=False)
+    assert _file_mapped(lin.weight) and not _file_mapped(src)
+    c = CLinear(lin, dtype)
+    assert c.weight_view.data_ptr() != lin.weight.data_ptr()
+    assert not _file_mapped(c.weight_view) and torch.equal(c.weight_view, src)
+    x = torch.randn(1, 2, 64).to(tdt)
+    ref = F.linear(x, src, lin.bias)
+    torch.testing.assert_close(c(x).float(), ref.float(), atol=2e-2 if dtype == "bf16" else 1e-5,
+                               rtol=2e-2 if dtype == "bf16" else 1e-5)
+    kept = CLinear(lin, dtype, copy_mapped=False)  # (a tied table keeps its one copy)
+    assert kept.weight_view.data_ptr() == lin.weight.data_ptr()
+
+
 def test_tied_lm_head_shares_the_embedding_bytes():
     from transformers import AutoModelForCausalLM
 
