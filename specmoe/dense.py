@@ -8,8 +8,10 @@ benchmarks/decode_peers.py).  :func:`convert_dense` replaces every such ``nn.Lin
 ``csrc/kernels``, one routine per weight format) on decode-sized inputs:
 
 * ``"f32"`` / ``"bf16"`` keep the weights exactly: the kernels read the model's own weight
-  tensors (no copy when the model already has that dtype); inputs of more than
-  ``torch_above`` tokens (prefill) go to torch's ``F.linear`` on the same tensors.
+  tensors (no copy when the model already has that dtype -- except weights still in the
+  checkpoint's mmap, read ~15 % slower there: those get a copy of their own, the file's pages
+  left to the page cache); inputs of more than ``torch_above`` tokens (prefill) go to torch's
+  ``F.linear`` on the same tensors.
 * ``"int8"`` (per output row) and ``"int4"`` (groups of 128, 64 or 32 input columns) quantize
   the weights like the experts (:mod:`specmoe.quant`); every input size then runs in C (long
   inputs in chunks of 64 tokens), so prefill and decode see the same weights.
