@@ -1940,8 +1940,8 @@ typedef struct {
     const void *head_x;    /* its input [1, K], f32/bf16 (hb) */
     int hb;
     uint32_t head_n;
-    float *logit_buf;      /* [head_n] f32 logits for step(argmax=True); used by the step in
-                              flight only */
+    float *logit_buf;      /* [head_n] bf16 logits widened for step(argmax=True); used by the
+                              step in flight only */
     int busy;              /* a step in flight: set and cleared with the GIL held */
 } DecodePlanObject;
 
@@ -2224,8 +2224,12 @@ static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize
         rc = smoe_py_linear_run(self->head, hc, self->head_x, self->hb, 1, lp, lb, &err);
     t[3] = smoe_now() - t0;
     if (rc == SMOE_OK && am) { /* the greedy token of the logits as they are (bf16 rounded) */
-        widen(self->logit_buf, lp, lb, self->head_n);
-        best = smoe_spec_argmax(self->logit_buf, self->head_n);
+        const float *row = (const float *)lp;
+        if (lb) {
+            widen(self->logit_buf, lp, lb, self->head_n);
+            row = self->logit_buf;
+        }
+        best = smoe_spec_argmax(row, self->head_n);
     }
     Py_END_ALLOW_THREADS
     self->busy = 0;

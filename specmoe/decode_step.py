@@ -50,7 +50,7 @@ from transformers.cache_utils import DynamicCache
 from . import _C
 from .arch import DECODE_STEP_MODELS
 from .kernels import tensor_array
-from .kvcache import kv_advance
+from .kvcache import kv_advance, kv_views
 
 _log = logging.getLogger(__name__)
 
@@ -411,10 +411,7 @@ class DecodeStep:
         n = S + 1
         views = plan.views
         for i, (lay, _, _, kt, vt) in enumerate(views):
-            # (narrow: one op, where kt[:, :, :n] parses three slices)
-            lay.keys = k = kt.narrow(2, 0, n)
-            lay.values = v = vt.narrow(2, 0, n)
-            views[i] = (lay, k, v, kt, vt)
+            views[i] = (lay, *kv_views(lay, kt, vt, n), kt, vt)
         self.steps += 1
         self.planned += 1
         self.chained += len(views)

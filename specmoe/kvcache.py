@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .kernels import tensor_array
 
-__all__ = ["kv_advance", "kv_append", "kv_buffers"]
+__all__ = ["kv_advance", "kv_append", "kv_buffers", "kv_views"]
 
 _KV_SPARE = 256  # positions of spare room at least, when a layer is (re)buffered
 
@@ -47,8 +47,17 @@ def kv_advance(bufs: tuple, T: int) -> None:
     """The layer of ``bufs`` (:func:`kv_buffers`) holds T more positions, written into its
     buffers: its keys/values become the buffers' first S + T positions."""
     lay, kt, vt, _, _, S = bufs
-    lay.keys = kt[:, :, :S + T]
-    lay.values = vt[:, :, :S + T]
+    kv_views(lay, kt, vt, S + T)
+
+
+def kv_views(lay: Any, kt: torch.Tensor, vt: torch.Tensor, n: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DynamicCache layer's keys/values become the first n positions of its buffers kt, vt
+    [1, heads, capacity, D]; returns them (``narrow``: one op, where ``kt[:, :, :n]`` parses
+    three slices)."""
+    lay.keys = k = kt.narrow(2, 0, n)
+    lay.values = v = vt.narrow(2, 0, n)
+    return k, v
 
 
 def kv_buffers(cache: Any, idx: int, T: int) -> tuple | None:
