@@ -114,8 +114,8 @@ more than one thread count carries ``thread_scaling``: its tok/s at that count o
 1 thread, median of per-round ratios.  A decode step that streams its weights at the read
 ceiling cannot scale past ``read_ceiling_scaling``: on the development VM two threads read,
 most of the time, only ~1.15-1.2x what one reads (29 vs 33-35 GB/s; for stretches of seconds to
-minutes ~55 GB/s, README "Two threads on this VM"), so a row near the ceiling at 1 thread
-scales ~1.2x while one below it (more compute per byte) has room to scale further.
+minutes ~55 GB/s: docs/performance.md, "Two threads on this VM"), so a row near the ceiling at
+1 thread scales ~1.2x while one below it (more compute per byte) has room to scale further.
 
 Targets: specmoe+dense >= 1.0x llama.cpp at every equal precision and thread count; specmoe >= 1.5x
 unmodified torch; at DeepSeek-V2-Lite shapes the share of a specmoe decode step outside the
