@@ -35,7 +35,7 @@ import numpy as np
 from . import _C
 from ._C import CacheError
 
-__all__ = ["ExpertCache", "parse_capacity", "CacheError"]
+__all__ = ["ExpertCache", "parse_capacity", "check_capacity", "CacheError"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -43,6 +43,43 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
+
+
+def check_capacity(capacity: int | float | str) -> tuple[str, float]:
+    """Check a capacity spec's form and range without knowing the model: returns
+    ``("slots", n)``, ``("fraction", f)`` or ``("bytes", b)``.  Raises ValueError for anything
+    :func:`parse_capacity` would refuse whatever the model (so a bad spec fails before a
+    conversion, not after it)."""
+    if isinstance(capacity, bool):
+        raise ValueError(f"capacity must be an int, float or str, got {capacity!r}")
+    if isinstance(capacity, (int, np.integer)):
+        n = int(capacity)
+        if n < 1:
+            raise ValueError(f"capacity must be at least 1 slot, got {n}")
+        return "slots", n
+    if isinstance(capacity, (float, np.floating)):
+        f = float(capacity)
+        if not (0.0 < f <= 1.0):
+            raise ValueError("a float capacity is a fraction of all experts and must be in "
+                             f"(0, 1], got {f}")
+        return "fraction", f
+    if not isinstance(capacity, str):
+        raise ValueError(f"capacity must be an int, float or str, got {type(capacity).__name__}")
+    m = _SIZE_RE.match(capacity)
+    if not m:
+        raise ValueError(f"cannot parse capacity {capacity!r}: expected e.g. '512MiB', "
+                         "'2GB' or '25%'")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value):  # "1e400GiB": math.floor(inf) would be OverflowError
+        raise ValueError(f"capacity {capacity!r}: value out of range")
+    if unit == "%":
+        if not (0.0 < value <= 100.0):
+            raise ValueError(f"capacity {capacity!r}: percentage must be in (0, 100]")
+        return "fraction", value / 100.0
+    if unit not in _UNITS:
+        raise ValueError(f"capacity {capacity!r}: unknown unit {m.group(2)!r} (use B, KB, MB, "
+                         "GB, TB, KiB, MiB, GiB, TiB or %)")
+    return "bytes", value * _UNITS[unit]
 
 
 def parse_capacity(capacity: int | float | str, *, total_experts: int, slot_bytes: int) -> int:
@@ -55,46 +92,21 @@ def parse_capacity(capacity: int | float | str, *, total_experts: int, slot_byte
       ``floor(bytes / slot_bytes)`` slots, or a percentage (``"25%"``) of all experts.
 
     The result is capped at ``total_experts`` (more slots could never be used).  Raises
-    ValueError for anything else or a result below one slot.
+    ValueError for anything else (:func:`check_capacity`) or a result below one slot.
     """
     if total_experts <= 0 or slot_bytes <= 0:
         raise ValueError(f"total_experts ({total_experts}) and slot_bytes ({slot_bytes}) must be "
                          "positive")
-    if isinstance(capacity, bool):
-        raise ValueError(f"capacity must be an int, float or str, got {capacity!r}")
-    if isinstance(capacity, (int, np.integer)):
-        n = int(capacity)
-        if n < 1:
-            raise ValueError(f"capacity must be at least 1 slot, got {n}")
-    elif isinstance(capacity, (float, np.floating)):
-        f = float(capacity)
-        if not (0.0 < f <= 1.0):
-            raise ValueError(f"a float capacity is a fraction of all {total_experts} experts and "
-                             f"must be in (0, 1], got {f}")
-        n = max(1, math.floor(f * total_experts + 1e-9))
-    elif isinstance(capacity, str):
-        m = _SIZE_RE.match(capacity)
-        if not m:
-            raise ValueError(f"cannot parse capacity {capacity!r}: expected e.g. '512MiB', "
-                             "'2GB' or '25%'")
-        value, unit = float(m.group(1)), m.group(2).lower()
-        if not math.isfinite(value):  # "1e400GiB": math.floor(inf) would be OverflowError
-            raise ValueError(f"capacity {capacity!r}: value out of range")
-        if unit == "%":
-            if not (0.0 < value <= 100.0):
-                raise ValueError(f"capacity {capacity!r}: percentage must be in (0, 100]")
-            n = max(1, math.floor(value / 100.0 * total_experts + 1e-9))
-        elif unit in _UNITS:
-            nbytes = value * _UNITS[unit]
-            n = math.floor(nbytes / slot_bytes + 1e-9)
-            if n < 1:
-                raise ValueError(f"capacity {capacity!r} ({int(nbytes)} bytes) holds no expert: "
-                                 f"one slot is {slot_bytes} bytes")
-        else:
-            raise ValueError(f"capacity {capacity!r}: unknown unit {m.group(2)!r} (use B, KB, MB, "
-                             "GB, TB, KiB, MiB, GiB, TiB or %)")
+    kind, value = check_capacity(capacity)
+    if kind == "slots":
+        n = int(value)
+    elif kind == "fraction":
+        n = max(1, math.floor(value * total_experts + 1e-9))
     else:
-        raise ValueError(f"capacity must be an int, float or str, got {type(capacity).__name__}")
+        n = math.floor(value / slot_bytes + 1e-9)
+        if n < 1:
+            raise ValueError(f"capacity {capacity!r} ({int(value)} bytes) holds no expert: "
+                             f"one slot is {slot_bytes} bytes")
     return min(n, total_experts)
 
 

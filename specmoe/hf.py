@@ -73,12 +73,27 @@ __all__ = [
 DTYPES = ("f32", "bf16", "int8", "int4", "int2")
 
 
-def _check_capacity(cache: Any, total: int, slot_bytes: int) -> None:
-    from .cache import parse_capacity
+def _check_capacity(cache: Any, total: int | None = None, slot_bytes: int = 1) -> None:
+    """Raise ValueError naming ``cache=`` for a capacity spec the cache would refuse: its form
+    and range alone (``total`` None: before the model is known), else also that it holds at
+    least one ``slot_bytes`` expert of ``total``."""
+    from .cache import check_capacity, parse_capacity
     try:
-        parse_capacity(cache, total_experts=total, slot_bytes=slot_bytes)
+        if total is None:
+            check_capacity(cache)
+        else:
+            parse_capacity(cache, total_experts=total, slot_bytes=slot_bytes)
     except ValueError as exc:
         raise ValueError(f"cache={cache!r}: {exc}") from None
+
+
+def _check_early(dtype: str, cache: Any, policy: Any) -> None:
+    """The checks of offload/from_pretrained's arguments that need no model: they run before
+    any conversion, so a typo does not cost a conversion first."""
+    from .policies import check_policy
+    _check_dtype(dtype)
+    _check_capacity(cache)
+    check_policy(policy)
 
 
 def _check_dtype(dtype: str) -> None:
@@ -932,7 +947,7 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     """
     from .gpu_engine import resolve_device
     info, ids = describe(model)
-    _check_dtype(dtype)
+    _check_early(dtype, cache, policy)
     gpu = resolve_device(device, dtype=dtype, policy=policy, dense=dense, miss=miss,
                          route_lambda=route_lambda, throttle=throttle, balance=balance)
     if overfetch < 1:
@@ -942,7 +957,6 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
         raise ValueError("this model's experts are already offloaded")
     E = int(first.gate_up_proj.shape[0])
     H = int(first.gate_up_proj.shape[1] if info.gptoss else first.gate_up_proj.shape[2])
-    _check_capacity(cache, len(ids) * E, 1)  # bad specs fail before the model is touched
     resolve_dense(dense, torch.float32)
     cfg = model.config
     k = int(cfg.num_experts_per_tok)

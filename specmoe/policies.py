@@ -74,7 +74,7 @@ __all__ = [
     "PolicySpec", "LRU", "LFU", "FIFO", "MRU", "Random", "LeastStale", "Belady", "SpAc",
     "SpAcEMA", "LHU", "FLD", "Score", "COUNT_POLICIES", "UTILITY_POLICIES",
     "PythonPolicy",
-    "PolicyLike", "POLICY_NAMES", "make_policy", "replay",
+    "PolicyLike", "POLICY_NAMES", "check_policy", "make_policy", "replay",
 ]
 
 #: Names accepted by :func:`make_policy` as strings.
@@ -271,10 +271,30 @@ class PythonPolicy:
 PolicyLike = Union[PolicySpec, str, PythonPolicy, "_C.Policy"]
 
 
+def check_policy(spec: object) -> None:
+    """Raise, before any work, for a policy argument :func:`make_policy` would refuse whatever
+    the cache's size: an unknown name, ``"belady"`` (it needs the future), or an object that is
+    no policy.  Sizes of a ready ``_C.Policy`` are checked when the cache is built."""
+    if isinstance(spec, (_C.Policy, PolicySpec)):
+        return
+    if isinstance(spec, str):
+        name = spec.strip().lower()
+        if name == "belady":
+            raise ValueError("belady needs the future access sequence: use Belady(future)")
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {spec!r}; valid names: {', '.join(POLICY_NAMES)}")
+        return
+    if isinstance(spec, PythonPolicy) or callable(getattr(spec, "victim", None)):
+        return
+    raise TypeError(f"cannot make a policy from {type(spec).__name__}; pass a PolicySpec, a "
+                    f"name ({', '.join(POLICY_NAMES)}), a PythonPolicy or a _C.Policy")
+
+
 def make_policy(spec: PolicyLike, nslots: int, num_layers: int, num_experts: int) -> _C.Policy:
     """Build a C policy from a spec object, a name (``"lru"``, ``"least_stale"``, ...), a
     :class:`PythonPolicy` (or any object with a ``victim`` method), or pass through an existing
     ``_C.Policy`` after checking its sizes."""
+    check_policy(spec)
     if isinstance(spec, _C.Policy):
         if spec.in_use:
             raise _C.PolicyError(f"policy {spec.name} already in use; make a new one")
@@ -286,16 +306,8 @@ def make_policy(spec: PolicyLike, nslots: int, num_layers: int, num_experts: int
     if isinstance(spec, PolicySpec):
         return spec.build(nslots, num_layers, num_experts)
     if isinstance(spec, str):
-        name = spec.strip().lower()
-        if name == "belady":
-            raise ValueError("belady needs the future access sequence: use Belady(future)")
-        if name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {spec!r}; valid names: {', '.join(POLICY_NAMES)}")
-        return _C.Policy(name, nslots, num_layers, num_experts)
-    if isinstance(spec, PythonPolicy) or callable(getattr(spec, "victim", None)):
-        return _C.Policy("python", nslots, num_layers, num_experts, pyobj=spec)
-    raise TypeError(f"cannot make a policy from {type(spec).__name__}; pass a PolicySpec, a "
-                    f"name ({', '.join(POLICY_NAMES)}), a PythonPolicy or a _C.Policy")
+        return _C.Policy(spec.strip().lower(), nslots, num_layers, num_experts)
+    return _C.Policy("python", nslots, num_layers, num_experts, pyobj=spec)
 
 
 def replay(policy: PolicyLike, keys: Union[np.ndarray, Trace], nslots: int, *,

@@ -13,7 +13,7 @@ import pytest
 
 import specmoe
 from specmoe import _C
-from specmoe.cache import ExpertCache, parse_capacity
+from specmoe.cache import ExpertCache, check_capacity, parse_capacity
 from specmoe.store import ExpertStore, write_store
 
 NL, NE, TOPK = 4, 8, 2
@@ -371,6 +371,14 @@ def test_capacity_parsing(store):
     for bad in [0, -3, 0.0, 1.5, -0.5, "0%", "150%", "abc", "10XB", "", True, None, [4], "1B"]:
         with pytest.raises(ValueError):
             parse_capacity(bad, total_experts=total, slot_bytes=bb)
+    # the model-free part: every refusal above but "1B" (below one slot of this store)
+    for bad in [0, -3, 0.0, 1.5, -0.5, "0%", "150%", "abc", "10XB", "", True, None, [4]]:
+        with pytest.raises(ValueError):
+            check_capacity(bad)
+    assert check_capacity("1B") == ("bytes", 1.0)
+    assert check_capacity(np.int64(7)) == ("slots", 7)
+    assert check_capacity("12.5 %") == ("fraction", 0.125)
+    assert check_capacity("1.5GiB") == ("bytes", 1.5 * 2**30)
     c = ExpertCache(store, "25%", top_k=1, prefetch=False)
     assert c.capacity == total // 4
     c.close()

@@ -193,6 +193,26 @@ def test_capacity_forms(tmp_path):
     e2.close()
 
 
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"cache": "lots"}, ValueError, "cache='lots'"),
+    ({"cache": "150%"}, ValueError, "percentage"),
+    ({"cache": 1.5}, ValueError, "fraction"),
+    ({"cache": "2 parsecs"}, ValueError, "unknown unit"),
+    ({"policy": "lru2"}, ValueError, "unknown policy 'lru2'"),
+    ({"policy": "belady"}, ValueError, "future"),
+    ({"policy": 3}, TypeError, "cannot make a policy"),
+])
+def test_bad_cache_or_policy_fails_before_converting(tmp_path, kw, exc, match):
+    """A typo in cache= or policy= is reported before the (possibly hours-long) conversion and
+    the dense weights' load: no store is written."""
+    folder = testing.save_checkpoint(testing.tiny_model("mixtral"), tmp_path / "ckpt")
+    with pytest.raises(exc, match=match):
+        _load(folder, **kw)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    with pytest.raises(exc, match=match):  # offload: before any expert leaves the model
+        hf.offload(testing.tiny_model("mixtral"), **kw)
+
+
 def test_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
         specmoe.from_pretrained(tmp_path / "nope")
