@@ -87,13 +87,21 @@ def _check_capacity(cache: Any, total: int | None = None, slot_bytes: int = 1) -
         raise ValueError(f"cache={cache!r}: {exc}") from None
 
 
-def _check_early(dtype: str, cache: Any, policy: Any) -> None:
+def _check_flag(name: str, value: Any) -> None:
+    """A switch must be a bool (or 0/1): a string such as "no" would otherwise read as True."""
+    if not isinstance(value, (bool, np.bool_)) and (
+            not isinstance(value, (int, np.integer)) or value not in (0, 1)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_early(dtype: str, cache: Any, policy: Any, prefetch: Any) -> None:
     """The checks of offload/from_pretrained's arguments that need no model: they run before
     any conversion, so a typo does not cost a conversion first."""
     from .policies import check_policy
     _check_dtype(dtype)
     _check_capacity(cache)
     check_policy(policy)
+    _check_flag("prefetch", prefetch)
 
 
 def _check_dtype(dtype: str) -> None:
@@ -238,6 +246,7 @@ class Engine(EngineCommon):
         if overfetch < 1:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         resolve_dense(dense, torch.float32)  # a bad value fails before anything is touched
+        _check_flag("prefetch", prefetch)
         cfg = model.config
         self.miss, self.miss_keep, self.route_lambda = misses.check_miss(
             miss, miss_keep, route_lambda, int(cfg.num_experts_per_tok))
@@ -809,8 +818,16 @@ class Engine(EngineCommon):
         (None: back to overfetch).  predictor: ``f(next_layer_position, hidden[T,H]) ->
         scores[T,E]`` (higher = more likely needed), or None for the default, layer l+1's router
         applied to layer l's router input."""
+        _check_flag("on", on)
+        if isinstance(mass, str) and mass != "keep":
+            raise ValueError(f"mass must be a number in (0, 1], None or 'keep', got {mass!r}")
         if not isinstance(mass, str) and mass is not None and not (0 < mass <= 1):
             raise ValueError(f"mass must be in (0, 1], got {mass}")
+        if isinstance(predictor, str) and predictor != "keep":
+            raise ValueError(f"predictor must be a callable, None or 'keep', got {predictor!r}")
+        if predictor is not None and not isinstance(predictor, str) and not callable(predictor):
+            raise TypeError(f"predictor must be callable as f(next_layer_position, hidden), got "
+                            f"{type(predictor).__name__}")
         if overfetch is not None and not overfetch >= 1:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         if not isinstance(mass, str):
@@ -947,7 +964,7 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     """
     from .gpu_engine import resolve_device
     info, ids = describe(model)
-    _check_early(dtype, cache, policy)
+    _check_early(dtype, cache, policy, prefetch)
     gpu = resolve_device(device, dtype=dtype, policy=policy, dense=dense, miss=miss,
                          route_lambda=route_lambda, throttle=throttle, balance=balance)
     if overfetch < 1:

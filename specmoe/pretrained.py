@@ -306,7 +306,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     from .dense import resolve_dense
     from .gpu_engine import resolve_device
     from .hf import Engine, _check_early
-    _check_early(dtype, cache, policy)  # bad values fail before any conversion
+    _check_early(dtype, cache, policy, prefetch)  # bad values fail before any conversion
     gpu = resolve_device(device, dtype=dtype, policy=policy, dense=dense, miss=miss,
                          route_lambda=route_lambda, throttle=throttle, balance=balance)
     resolve_dense(dense, torch.float32)  # bad values fail before any work

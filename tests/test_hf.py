@@ -216,7 +216,21 @@ def test_bad_arguments():
         hf.extract_experts(m.model.layers[0].mlp.experts)
     with pytest.raises(ValueError, match="overfetch"):
         eng.set_prefetch(True, overfetch=0.5)
+    # a string is no switch ("no" would read as True), nor a predictor or a mass
+    with pytest.raises(TypeError, match="on must be a bool"):
+        eng.set_prefetch("no")
+    with pytest.raises(ValueError, match="mass"):
+        eng.set_prefetch(True, mass="0.5")
+    with pytest.raises(ValueError, match="predictor"):
+        eng.set_prefetch(True, predictor="router")
+    with pytest.raises(TypeError, match="predictor must be callable"):
+        eng.set_prefetch(True, predictor=5)
+    assert eng.prefetch and eng.mass is None and eng._predictor is None  # nothing changed
+    eng.set_prefetch(0)
+    assert not eng.prefetch
     eng.close()
+    with pytest.raises(TypeError, match="prefetch must be a bool"):
+        hf.offload(hf.tiny_model("mixtral"), prefetch="off")
     with pytest.raises(RuntimeError, match="closed"):
         m(PROMPT)
 
