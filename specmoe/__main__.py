@@ -27,17 +27,31 @@ def _capacity(s: str) -> "int | str":
     return int(s) if s.isdigit() else s
 
 
+def _at_least(lo: int):
+    """argparse type: an int >= lo, refused at parse time with argparse's usage message (not
+    as a traceback after the model has loaded)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None,
                    help="a specmoe .npz trace, or a puffin CSV file or directory (default: "
                         "../shared/traces/deepseek-v2-lite-puffin when present)")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--tokens", type=_at_least(1), default=None,
                    help="replay only the first N tokens of the trace")
     p.add_argument("--policies", default="lru,lfu,least_stale,belady",
                    help="comma-separated policy specs (e.g. lru,least_stale:order=lru,belady)")
     p.add_argument("--capacity", default="5%,10%,25%",
                    help="comma-separated capacities: slots (40), percentages (10%%), bytes (2GB)")
-    p.add_argument("--verify-tokens", type=int, default=1,
+    p.add_argument("--verify-tokens", type=_at_least(1), default=1,
                    help="tokens per forward pass (a speculative verification of K drafts + 1; "
                         "the union of their experts per layer; demand only); default 1")
 
@@ -142,7 +156,7 @@ def _cmd_run(args) -> int:
     from .hf import engine_of
     from .pretrained import from_pretrained
 
-    if args.threads:
+    if args.threads is not None:
         from . import kernels
         torch.set_num_threads(args.threads)
         kernels.set_num_threads(args.threads)
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch", action="append", default=None,
                    help="a predictor spec; repeat the flag for several (default: none)")
     p.add_argument("--hardware", default="a100-pcie4", help="comma-separated profiles")
-    p.add_argument("--processes", type=int, default=None, help="worker processes")
+    p.add_argument("--processes", type=_at_least(1), default=None, help="worker processes")
     p.add_argument("--out", default="sweep_out", help="output directory")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -228,13 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", required=True)
     p.add_argument("--cache", default="25%",
                    help="expert cache: a fraction (25%%), slots (40) or bytes (6GiB)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
     p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
     p.add_argument("--policy", default="least_stale")
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--store", default=None, help="store file (default: see convert)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads of torch and of specmoe's kernels")
+    p.add_argument("--threads", type=_at_least(1), default=None,
+                   help="threads of torch and of specmoe's kernels (default: torch's)")
     p.add_argument("--dense", default="auto",
                    choices=["auto", "torch", "f32", "bf16", "int8", "int4"],
                    help="attention, shared/dense MLP and lm_head through specmoe's C kernels "

@@ -292,6 +292,25 @@ def test_cli_convert_and_run_on_the_zoo_model(tmp_path):
     assert r.returncode != 0 and "specmoe run:" in r.stderr
 
 
+@pytest.mark.parametrize("argv, what", [
+    (["run", "ckpt", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+    (["run", "ckpt", "--prompt", "x", "--threads", "-2"], "--threads: must be >= 1"),
+    (["run", "ckpt", "--prompt", "x", "--threads", "two"], "--threads: expected an integer"),
+    (["simulate", "--tokens", "0"], "--tokens: must be >= 1"),
+    (["simulate", "--verify-tokens", "0"], "--verify-tokens: must be >= 1"),
+    (["sweep", "--processes", "0"], "--processes: must be >= 1"),
+])
+def test_cli_refuses_bad_counts_before_loading(argv, what, capsys):
+    """Counts the command line cannot use fail in argparse, with its usage message, before any
+    checkpoint is opened (they used to raise a traceback from transformers or torch after the
+    model had loaded)."""
+    from specmoe.__main__ import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert what in capsys.readouterr().err
+
+
 def test_gpt_oss_mxfp4_checkpoint_dequantized_while_converting(tmp_path):
     """GPT-OSS's original release stores experts as MXFP4 blocks + scales; the reference is
     transformers' own loader dequantizing them (Mxfp4Config(dequantize=True))."""
