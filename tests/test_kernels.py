@@ -287,15 +287,17 @@ def test_fast_path_nan_input_gives_nan_output(ctx, dtype, T):
 
 
 @pytest.mark.parametrize("shape", [(128, 256), (2048, 1024), (2304, 4608), (384, 9344),
-                                   (2880, 2880)], ids=lambda s: f"{s[0]}x{s[1]}")
+                                   (2880, 2880), (256, 10944)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_fast_path_one_token_equals_its_row_of_two(ctx, dtype, shape):
-    """One token reads short rows one at a time (bf16: up to 16 KB, sixteen rows' sums at once)
-    and long ones (int8/int4 beyond 4 KB; bf16's 18 KB down rows of 384 x 9344) two or four at
-    a time (ffn_fast.c), two tokens read rows in pairs: the same arithmetic per row and token,
-    so the one-token output is bit for bit the first row of the two-token one -- and within the
-    documented error of the reference.  9344 = 73 x 128: row counts that leave a partial chunk
-    of 16; 2880 x 2880 (GPT-OSS): multiples of 64, the fast path for bf16/int8."""
+    """One token reads short rows one at a time (bf16: up to 16 KB, sixteen rows' sums at once;
+    int4 down rows of 2048-16384 columns) and long ones (int8 beyond 8 KB; bf16's 18 KB down
+    rows of 384 x 9344) two or four at a time (ffn_fast.c), two tokens read rows in pairs: the
+    same arithmetic per row and token, so the one-token output is bit for bit the first row of
+    the two-token one -- and within the documented error of the reference.  9344 = 73 x 128:
+    row counts that leave a partial chunk of 16; 2880 x 2880 (GPT-OSS): multiples of 64, the
+    fast path for bf16/int8; 10944 (DeepSeek-V2-Lite's dense down): int4 in groups of 64 read
+    one row at a time."""
     _isa(ctx, "avx512")
     H, I = shape
     rng = np.random.default_rng(zlib.crc32(f"one{dtype}{H}".encode()))

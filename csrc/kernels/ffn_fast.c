@@ -568,9 +568,9 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
     }
 }
 
-/* One token, rows of at most 8192 columns (int4: see one_row): one weight row at a time, each
- * matrix's rows in order, so that every thread reads one sequential stream (the gate rows of a
- * chunk of 16, then its up rows).  Rows in pairs or fours (two to four streams a thread, software
+/* One token, rows of at most 8192 columns (int4: 2048-16384, see one_row): one weight row at a
+ * time, each matrix's rows in order, so that every thread reads one sequential stream (the gate
+ * rows of a chunk of 16, then its up rows).  Rows in pairs or fours (two to four streams a thread, software
  * prefetch) measured well below that, 1 token, DRAM, interleaved with the read ceiling
  * (2026-11-25, 1 / 2 threads): linear rows 102400 x 2048 bf16 0.81 -> 1.02 / 0.85 -> 1.01,
  * int8 0.80 -> 0.85 / 0.88 -> 0.98, int4 0.83 -> 0.97 / 1.05 -> 0.96; 2048 x 1408
@@ -593,7 +593,14 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
  * int4, whose unpacking makes it closer to compute-bound at 1 thread, lost with one row where
  * it had pairs/fours (OLMoE experts 0.82-0.92 -> 0.72-0.73, Mixtral 0.83-0.91 -> 0.78-0.80),
  * so it reads one row at a time only where its down/linear rows went in pairs (2048+
- * columns: the 102400 x 2048 lm_head above, 0.83 -> 0.97).
+ * columns: the 102400 x 2048 lm_head above, 0.83 -> 0.97), up to 16384 columns (its int8
+ * activation, n bytes, stays in L1 beside the stream): Mixtral's expert down (14336) and
+ * DeepSeek-V2-Lite's dense down (10944, groups of 64), which went in pairs, read 0.87-0.91 ->
+ * 0.96-1.06 and 0.78-0.88 -> 0.92-0.99 of the read loop (C harness calling fast_down, 1 thread,
+ * DRAM, 4 KB pages, best of 24-48, 3 interleaved runs each, 2026-11-26); kernels.py's int4
+ * Mixtral expert at 1 token, 4 alternating runs: 25.4 -> 26.9 GB/s (median), 0.82 -> 0.89 of
+ * the ceiling.  Shorter rows (OLMoE's 1024, DeepSeek-V2-Lite's 1408) keep the fours: one at a
+ * time read them at 0.80-0.88 against 0.92-1.0.
  * Two or more tokens: gate and up rows in pairs (gate_i, up_i), the down projection's rows in
  * pairs, a loaded weight vector feeding every token of the tile.  Rows go in chunks of 16 so
  * that the activation (exp) runs on whole vectors: per chunk, per tile of NTMAX tokens, the
@@ -602,7 +609,7 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
 static int one_row(int32_t dtype, uint32_t n, int down) {
     if (dtype == SMOE_WDT_I4) /* see above: only the down/linear rows that went in pairs (so
                                * never gate/up: fast_gateup's one-row path is bf16/int8's) */
-        return down && n >= 2048 && n <= 8192;
+        return down && n >= 2048 && n <= 16384;
     /* bf16 and int8 (rows16): the activation (bf16 / int16, 2n bytes) stays in L1 beside the
      * stream up to 16 KB (see above) */
     return n <= 8192;
@@ -664,7 +671,7 @@ static void fast_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
         return;
     }
     /* longer rows at 1 token: four rows at a time, except int4 rows of 2048+ columns (beyond
-     * one_row's 8192) in pairs (fours measured 0.71-0.77 of the read ceiling, pairs
+     * one_row's 16384) in pairs (fours measured 0.71-0.77 of the read ceiling, pairs
      * 0.84-0.86, 1 thread, 2026-11-25) */
     if (j->T == 1 && (d->dtype != SMOE_WDT_I4 || d->I < 2048))
         for (; h + 4 <= h1; h += 4) {
