@@ -7,6 +7,10 @@ reports
   read_gbps        the ceiling: a vectorized, multithreaded plain read (``KernelContext.read_bw``,
                    same threads, same ISA) of an expert block of the same size,
   frac_of_read_bw  gbps / read_gbps,
+  frac_paired_median  the median over the rotation of each kernel sample's rate divided by the
+                   ceiling sample taken just before it: steadier than the ratio of two bests on
+                   a host whose read rate moves 2x between single samples (one lucky read
+                   sample sets read_gbps for the whole row),
   vs_torch         torch's time / ours for the same expert in the same weight format, with
                    torch.set_num_threads equal to our threads:
                      f32  -> F.linear on f32 weights, f32 activations,
@@ -193,17 +197,21 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
                     tr0 = block.nbytes / ctx.read_bw(blocks[2 % ncopy], 1)
                     m = int(min(16, max(1, round(tk0 / tr0)), max(1, ncopy - 2)))
                     best_read, best_k, pos = 0.0, float("inf"), 3
+                    paired = []  # each kernel sample's rate over the read sample before it
                     for k in range(rounds):
                         secs = 0.0
                         for _ in range(m):
                             secs += block.nbytes / ctx.read_bw(blocks[pos % ncopy], 1)
                             pos += 1
-                        best_read = max(best_read, m * block.nbytes / secs)
+                        read_rate = m * block.nbytes / secs
+                        best_read = max(best_read, read_rate)
                         blk = blocks[pos % ncopy]
                         pos += 1
                         t0 = time.perf_counter()
                         ctx.ffn_forward(desc, blk, x, out)
-                        best_k = min(best_k, time.perf_counter() - t0)
+                        tk = time.perf_counter() - t0
+                        best_k = min(best_k, tk)
+                        paired.append(nbytes / tk / read_rate)
                     theirs = float("nan")
                     if mode == modes[0]:
                         xt = torch.from_numpy(x).to(tdt)
@@ -222,6 +230,7 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
                         "mode": mode, "gbps": round(gbps, 2), "read_span": m,
                         "read_gbps": round(best_read / 1e9, 2),
                         "frac_of_read_bw": round(gbps * 1e9 / best_read, 3),
+                        "frac_paired_median": round(statistics.median(paired), 3),
                         "ms": round(best_k * 1e3, 3), "torch_ms": round(theirs * 1e3, 3),
                         "vs_torch": round(theirs / best_k, 2),
                     })
