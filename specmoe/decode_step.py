@@ -49,6 +49,7 @@ from transformers.cache_utils import DynamicCache
 
 from . import _C
 from .arch import DECODE_STEP_MODELS
+from .attention import CRMSNorm
 from .kernels import tensor_array
 from .kvcache import kv_advance, kv_views
 
@@ -335,7 +336,7 @@ class DecodeStep:
         norm, head = None, None
         normed = torch.empty_like(x0)
         fn = base.norm
-        if getattr(fn, "_w", None) is not None and type(fn).__name__ == "CRMSNorm" \
+        if type(fn) is CRMSNorm and getattr(fn, "_w", None) is not None \
                 and not (fn.training or fn._forward_hooks or fn._forward_pre_hooks) \
                 and fn.weight.dtype == w.dtype and fn._w.shape == (hidden,):
             norm = (tensor_array(h.view(1, hidden)), fn._w, fn.variance_epsilon,
