@@ -570,9 +570,9 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
 
 /* One token, rows of at most 8192 columns (int4: 2048-16384, see one_row): one weight row at a
  * time, each matrix's rows in order, so that every thread reads one sequential stream (the gate
- * rows of a chunk of 16, then its up rows).  Rows in pairs or fours (two to four streams a thread, software
- * prefetch) measured well below that, 1 token, DRAM, interleaved with the read ceiling
- * (2026-11-25, 1 / 2 threads): linear rows 102400 x 2048 bf16 0.81 -> 1.02 / 0.85 -> 1.01,
+ * rows of a chunk of 16, then its up rows).  Rows in pairs or fours (two to four streams a
+ * thread, software prefetch) measured well below that, 1 token, DRAM, interleaved with the read
+ * ceiling (2026-11-25, 1 / 2 threads): linear rows 102400 x 2048 bf16 0.81 -> 1.02 / 0.85 -> 1.01,
  * int8 0.80 -> 0.85 / 0.88 -> 0.98, int4 0.83 -> 0.97 / 1.05 -> 0.96; 2048 x 1408
  * (DeepSeek-V2-Lite's expert down) bf16 0.72 -> 0.80 / 0.79 -> 0.95, int4 0.79 -> 0.91 / 0.63
  * -> 0.79; whole experts, 8 a layer, OLMoE shape bf16 0.81 -> 0.94 / 0.91 -> 1.01, DSV2-Lite
