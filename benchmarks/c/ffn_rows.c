@@ -13,7 +13,8 @@
  *       $K/ffn.c $K/ffn_avx2.c $K/ffn_avx512.c $K/ffn_i2.c $K/pool.c csrc/common.c -lm -lpthread
  *   /tmp/ffn_rows int4 4096 14336 128 [reps]     # dtype H I group (group: int4 only)
  *
- * Weights are N copies of one expert, N = 1 GiB / expert bytes (at least 2), rotated so that
+ * Weights are N copies of one expert, N = 1 GiB / expert bytes (at least 3; FFN_ROWS_ROTATION
+ * sets another footprint in bytes), rotated so that
  * every sample reads from DRAM; each repeat reads copy i with the read loop, runs gate/up on
  * copy i+1, down on copy i+2 and a whole expert call (smoe_ffn_forward: both phases with the
  * activation preparation between them, one thread) on a copy of a packed expert (interleaved,
@@ -70,12 +71,15 @@ int main(int argc, char **argv) {
     const size_t gsc = i4 ? (size_t)I * (H / G) * 4 : (size_t)I * 4;
     const size_t dsc = i4 ? (size_t)H * (I / G) * 4 : (size_t)H * 4;
     const size_t gub = 2 * wrow * I + 2 * gsc, db = drow * H + dsc;
-    size_t n = ((size_t)1 << 30) / (gub + db) + 1;
+    /* rotation footprint: 1 GiB, or FFN_ROWS_ROTATION bytes (a smoke test's small one) */
+    const char *rot_env = getenv("FFN_ROWS_ROTATION");
+    const size_t rot = rot_env ? (size_t)strtoull(rot_env, NULL, 10) : ((size_t)1 << 30);
+    size_t n = rot / (gub + db) + 1;
     if (n < 3) n = 3;
     uint8_t *gu = copies(gub, n, 2 * wrow * I, 2 * gsc), *dn = copies(db, n, drow * H, dsc);
     /* whole experts as kernels.pack_block lays them out: gate, up, down, then their scales */
     const size_t eb = 2 * wrow * I + drow * H + 2 * gsc + dsc;
-    size_t ne = ((size_t)1 << 30) / eb + 1;
+    size_t ne = rot / eb + 1;
     if (ne < 3) ne = 3;
     uint8_t *ex = copies(eb, ne, 2 * wrow * I + drow * H, 2 * gsc + dsc);
     uint8_t *rd = gu; /* the read loop reads the gate/up copies (the larger block) */

@@ -1,0 +1,54 @@
+"""benchmarks/c/ffn_rows.c (the one-token row loops timed in C, ffn_fast.c's notes cite it)
+includes ffn_fast.c itself, so a change to that file's internals can break it unseen: build it
+here with warnings as errors, and run it on a small rotation where the CPU has the fast path."""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from specmoe import _C
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ffn_rows(tmp_path_factory):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("harness") / "ffn_rows"
+    k = REPO / "csrc" / "kernels"
+    srcs = [REPO / "benchmarks" / "c" / "ffn_rows.c"] + [
+        k / f for f in ("ffn.c", "ffn_avx2.c", "ffn_avx512.c", "ffn_i2.c", "pool.c")] + [
+        REPO / "csrc" / "common.c"]
+    r = subprocess.run([cc, "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'csrc'}", f"-I{k}",
+                        "-o", str(out), *map(str, srcs), "-lm", "-lpthread"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize("args", [["int4", "256", "512", "128"], ["int4", "256", "2560", "64"],
+                                  ["int8", "256", "512"]])
+def test_ffn_rows_builds_and_reports(ffn_rows, args):
+    if not _C.KernelContext(1).features.get("avx512_vnni"):
+        pytest.skip("the harness runs the AVX-512 VNNI fast path only")
+    r = subprocess.run([str(ffn_rows), *args, "3"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, FFN_ROWS_ROTATION=str(8 << 20)))
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["dtype"] == args[0] and row["I"] == int(args[2]) and row["copies"] >= 3
+    for key in ("read_gbps", "gateup_gbps", "down_gbps", "expert_gbps"):
+        assert row[key] > 0, row
+
+
+def test_ffn_rows_refuses_bad_shapes(ffn_rows):
+    r = subprocess.run([str(ffn_rows), "int4", "100", "512"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "multiples of 64" in r.stderr
+    r = subprocess.run([str(ffn_rows), "f16", "256", "512"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "int4 or int8" in r.stderr
