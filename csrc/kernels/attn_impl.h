@@ -92,9 +92,19 @@ AI void dot_rows(const float *restrict x, const uint8_t *restrict w, size_t wstr
     }
 }
 
-/* res[q] = dot_w(x, row q) for nrows rows at w + q * wstride: blocks of PB, then single rows */
+/* res[q] = dot_w(x, row q) for nrows rows at w + q * wstride: blocks of PB, then single rows.
+ * avx512 (the context runs AVX-512): bf16 rows through mla_avx512.c's loop instead, the same
+ * bits (this instantiation's plain loop read ~20 GB/s from cache: see there). */
 AI void dot_many(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
-                 uint32_t n, uint32_t nrows, float *restrict res) {
+                 uint32_t n, uint32_t nrows, float *restrict res, int avx512) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (avx512 && bf16) {
+        smoe_attn_dot_bf16_avx512(x, (const uint16_t *)w, wstride / 2, n, nrows, res);
+        return;
+    }
+#else
+    (void)avx512;
+#endif
     uint32_t q = 0;
     for (; q + PB <= nrows; q += PB)
         dot_rows(x, w + (size_t)q * wstride, wstride, bf16, n, res + q);
@@ -110,10 +120,11 @@ AI void scale_vec(float *restrict y, float a, uint32_t n) {
 /* One block of np <= PB positions folded into a query's running softmax (Milakov &
  * Gimelshein 2018): s[q] are the block's final scores (-inf: masked), (m, l) the running
  * maximum and sum, o[0..n) the running weighted sum of rows; row q at rows + q * rstride bytes
- * (f32 or bf16).  The maximum moves once per block; the caller divides o by l at the end. */
+ * (f32 or bf16).  The maximum moves once per block; the caller divides o by l at the end.
+ * avx512: as dot_many's. */
 AI void softmax_fold(float *restrict m, float *restrict l, float *restrict o, const float *s,
                      uint32_t np, const uint8_t *restrict rows, size_t rstride, int bf16,
-                     uint32_t n) {
+                     uint32_t n, int avx512) {
     float bmax = -INFINITY;
     for (uint32_t q = 0; q < np; q++)
         if (s[q] > bmax) bmax = s[q];
@@ -124,6 +135,23 @@ AI void softmax_fold(float *restrict m, float *restrict l, float *restrict o, co
         scale_vec(o, corr, n);
         *m = bmax;
     }
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (avx512 && bf16) { /* the same sums: per column of o the rows in order (see dot_many) */
+        float e[PB];
+        const uint16_t *r[PB];
+        uint32_t k = 0;
+        for (uint32_t q = 0; q < np; q++) {
+            if (s[q] == -INFINITY) continue;
+            e[k] = expf(s[q] - *m);
+            *l += e[k];
+            r[k++] = (const uint16_t *)(rows + (size_t)q * rstride);
+        }
+        smoe_attn_axpy_bf16_avx512(o, e, r, k, n);
+        return;
+    }
+#else
+    (void)avx512;
+#endif
     for (uint32_t q = 0; q < np; q++) {
         if (s[q] == -INFINITY) continue;
         float e = expf(s[q] - *m);

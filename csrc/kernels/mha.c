@@ -16,6 +16,7 @@ typedef struct mha_job {
     const float *q;
     const uint8_t *k, *v;
     int kv_bf16;
+    int avx512; /* bf16 rows through mla_avx512.c's loops (attn_impl.h) */
     size_t kv_bstride, kv_hstride; /* elements */
     const float *bias;
     uint32_t bias_rows;
@@ -44,13 +45,14 @@ AI void mha_item(const mha_job *j, uint32_t item, float *o, float *m, float *l) 
         for (uint32_t t = 0; t < T; t++) {
             const float *qt = j->q + (((size_t)b * d->H + h) * T + t) * D;
             float s[PB];
-            dot_many(qt, kb + (size_t)p0 * D * esz, (size_t)D * esz, j->kv_bf16, D, np, s);
+            dot_many(qt, kb + (size_t)p0 * D * esz, (size_t)D * esz, j->kv_bf16, D, np, s,
+                     j->avx512);
             for (uint32_t q = 0; q < np; q++) {
                 s[q] *= d->scale;
                 if (bias) s[q] += bias[(size_t)t * S + p0 + q];
             }
             softmax_fold(&m[t], &l[t], o + (size_t)t * D, s, np, vb + (size_t)p0 * D * esz,
-                         (size_t)D * esz, j->kv_bf16, D);
+                         (size_t)D * esz, j->kv_bf16, D, j->avx512);
         }
     }
     for (uint32_t t = 0; t < T; t++) {
@@ -115,7 +117,8 @@ int smoe_mha_decode(smoe_kctx *c, const smoe_mha_desc *d, uint32_t B, uint32_t T
                             scratch_bytes, 64 + per);
     size_t slots = (scratch_bytes - 64) / per;
     mha_job job = {.d = d, .B = B, .T = T, .S = S, .q = q, .k = k, .v = v,
-                   .kv_bf16 = kv_dtype == SMOE_WDT_BF16, .kv_bstride = kv_bstride,
+                   .kv_bf16 = kv_dtype == SMOE_WDT_BF16,
+                   .avx512 = c && c->isa >= SMOE_ISA_AVX512, .kv_bstride = kv_bstride,
                    .kv_hstride = kv_hstride, .bias = bias, .bias_rows = bias_rows, .out = out,
                    .scratch = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63),
                    .scratch_per = per, .nslots = slots > 1024 ? 1024u : (uint32_t)slots,

@@ -9,18 +9,27 @@
  *      bias[t,j], the block's PB dot products computed together (dot_rows), folded into a
  *      running softmax (max m, sum l, the maximum moved once per block) and
  *      o_lat[t] += exp(s - m) * c_j
- *   3. out[t, h*dv + e] = W_UV[h,e,:] . (o_lat[t] / l)  PB weight rows at a time per token
+ *   3. out[t, h*dv + e] = W_UV[h,e,:] . (o_lat[t] / l)
  *
  * A single dot product of r = 512 with one vector of partial sums is bound by the add latency
- * (32 dependent adds); PB rows at once give PB independent chains and load x once for PB rows.
+ * (32 dependent adds); PB rows at once give PB independent chains and load x once for PB rows
+ * (the cached rows, read from cache).  Weight rows, streamed from DRAM, go one at a time
+ * instead (bf16, AVX-512): at DeepSeek-V2-Lite shapes (16 heads, r = 512, 4.2 MB of absorbed
+ * weights a layer), 1 thread, 4 KB pages, several rows at once (eight for W_UV, four for W_UK:
+ * several short streams) read 7-8 GB/s, one at a time 12-15, against 18-23 for a plain read
+ * loop over the same memory (a C harness, 2026-11-26).  Software prefetch 256 B - 64 KB
+ * ahead, tried on either, changed nothing or lost.  Reading a block of cached rows once for
+ * all heads (an item of several heads) measured the same as once per head up to 2048 cached
+ * positions: there the cost is the arithmetic (~75 ns a position and head), not the reads.
  *
  * One body, written once (mla_item and its helpers, plain loops the compiler vectorises), is
  * instantiated for three ISAs by inlining it into functions compiled for AVX-512 / AVX2 / the
  * baseline; the kernel context's ISA picks one at run time.  Dot products keep 16 partial sums
  * in a fixed order, so they vectorise without reassociation and give the same bits on every
- * ISA (ISO C mode: no contraction into FMA).  int8/int4 weights on AVX-512 go through
- * mla_avx512.c's intrinsics instead (the same arithmetic; the compiler's code for the plain
- * int8 loops ran at a third of the bf16 weights' rate). */
+ * ISA (ISO C mode: no contraction into FMA).  On AVX-512, int8/int4 weights and bf16 weights
+ * and cached rows go through mla_avx512.c's intrinsics instead (the same arithmetic; the
+ * compiler's code for the plain loops ran at a third (int8) to two thirds (bf16) of the
+ * intrinsics' rate). */
 #include "attn.h"
 #include "attn_impl.h"
 #include "kimpl.h"
@@ -95,8 +104,9 @@ typedef struct mla_job {
     const uint8_t *w_uk, *w_uv;     /* [H, rows, r] in wdtype (int4: a value a byte) */
     const float *uk_scale, *uv_scale; /* int8 [H, rows], int4 [H, rows, r / group]; else NULL */
     int32_t wdtype;
+    size_t wsz;         /* bytes a weight value */
     int w_bf16;
-    int avx512;         /* int8/int4 weights through mla_avx512.c's loops */
+    int avx512;         /* int8/int4/bf16 weights and bf16 rows through mla_avx512.c's loops */
     const float *bias;
     uint32_t bias_rows;
     float *out;
@@ -106,22 +116,18 @@ typedef struct mla_job {
     uint32_t next;      /* next (b, h) item; atomic */
 } mla_job;
 
-AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, float *m,
-                 float *l) {
+/* 1. q_lat [T, r] of head h of batch row b: W_UK[h]'s rows in order (one sequential stream),
+ * each added into every token's q_lat. */
+AI void mla_q_lat(const mla_job *j, uint32_t b, uint32_t h, float *q_lat) {
     const smoe_mla_desc *d = j->d;
-    const uint32_t T = j->T, S = j->S, r = d->r, dn = d->dn, dr = d->dr, dv = d->dv;
-    const uint32_t b = item / d->H, h = item % d->H;
-    const size_t wsz = j->wdtype == SMOE_WDT_F32 ? 4 : j->wdtype == SMOE_WDT_BF16 ? 2 : 1;
-    const size_t csz = j->ckv_bf16 ? 2 : 4, ksz = j->kpe_bf16 ? 2 : 4;
+    const uint32_t T = j->T, r = d->r, dn = d->dn;
     const float *qn = j->q_nope + ((size_t)b * d->H + h) * T * dn;
-    const float *qp = j->q_pe + ((size_t)b * d->H + h) * T * dr;
-    /* 1. q_lat, the weight rows in order (one sequential stream per head) */
-    memset(q_lat, 0, (size_t)T * r * 4);
     const int quant = j->wdtype == SMOE_WDT_I8 || j->wdtype == SMOE_WDT_I4;
-    const size_t wrow = (size_t)r * wsz; /* bytes a row */
-    const size_t srow = j->wdtype == SMOE_WDT_I4 ? r / d->group : 1;         /* scales a row */
+    const size_t wrow = (size_t)r * j->wsz;                           /* bytes a row */
+    const size_t srow = j->wdtype == SMOE_WDT_I4 ? r / d->group : 1; /* scales a row */
     const uint32_t qgroup = j->wdtype == SMOE_WDT_I4 ? d->group : 0;
     const uint8_t *wuk = j->w_uk + (size_t)h * dn * wrow;
+    memset(q_lat, 0, (size_t)T * r * 4);
     for (uint32_t dd = 0; dd < dn; dd++) {
         const uint8_t *row = wuk + (size_t)dd * wrow;
         const float *rs = quant ? j->uk_scale + ((size_t)h * dn + dd) * srow : NULL;
@@ -133,6 +139,11 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
                 smoe_mla_axpy_q_avx512(y, a, (const int8_t *)row, rs, qgroup, r);
                 continue;
             }
+            if (j->w_bf16 && j->avx512) { /* one row a call: one stream from DRAM */
+                const uint16_t *one = (const uint16_t *)row;
+                smoe_attn_axpy_bf16_avx512(y, &a, &one, 1, r);
+                continue;
+            }
 #endif
             if (quant)
                 axpy_q(y, a, (const int8_t *)row, rs, j->wdtype, r, d->group);
@@ -140,33 +151,16 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
                 axpy_w(y, a, row, j->w_bf16, r);
         }
     }
-    /* 2. scores, running softmax, o_lat: positions in blocks of PB, the running maximum
-     * moved once per block */
-    memset(o_lat, 0, (size_t)T * r * 4);
-    for (uint32_t t = 0; t < T; t++) {
-        m[t] = -INFINITY;
-        l[t] = 0.0f;
-    }
-    const uint8_t *cb = j->ckv + (size_t)b * j->ckv_bstride * csz;
-    const uint8_t *kb = j->kpe + (size_t)b * j->kpe_bstride * ksz;
-    const float *bias = j->bias ? j->bias + (size_t)(j->bias_rows == 1 ? 0 : b) * T * S : NULL;
-    for (uint32_t p0 = 0; p0 < S; p0 += PB) {
-        const uint32_t np = S - p0 < PB ? S - p0 : PB;
-        const uint8_t *c0 = cb + (size_t)p0 * r * csz;
-        for (uint32_t t = 0; t < T; t++) {
-            float s[PB], sr[PB];
-            dot_many(q_lat + (size_t)t * r, c0, (size_t)r * csz, j->ckv_bf16, r, np, s);
-            dot_many(qp + (size_t)t * dr, kb + (size_t)p0 * dr * ksz, (size_t)dr * ksz,
-                     j->kpe_bf16, dr, np, sr);
-            for (uint32_t q = 0; q < np; q++) {
-                s[q] = (s[q] + sr[q]) * d->scale;
-                if (bias) s[q] += bias[(size_t)t * S + p0 + q];
-            }
-            softmax_fold(&m[t], &l[t], o_lat + (size_t)t * r, s, np, c0, (size_t)r * csz,
-                         j->ckv_bf16, r);
-        }
-    }
-    /* 3. out */
+}
+
+/* 3. out[b, t, h * dv ..] = W_UV[h] . (o_lat[t] / l[t]) for every token t of head h. */
+AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const float *l) {
+    const smoe_mla_desc *d = j->d;
+    const uint32_t T = j->T, r = d->r, dv = d->dv;
+    const int quant = j->wdtype == SMOE_WDT_I8 || j->wdtype == SMOE_WDT_I4;
+    const size_t wrow = (size_t)r * j->wsz;
+    const size_t srow = j->wdtype == SMOE_WDT_I4 ? r / d->group : 1;
+    const uint32_t qgroup = j->wdtype == SMOE_WDT_I4 ? d->group : 0;
     const uint8_t *wuv = j->w_uv + (size_t)h * dv * wrow;
     for (uint32_t t = 0; t < T; t++)
         if (l[t] > 0.0f) scale_vec(o_lat + (size_t)t * r, 1.0f / l[t], r);
@@ -174,7 +168,15 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
         const float *x = o_lat + (size_t)t * r;
         float *o = j->out + ((size_t)b * T + t) * d->H * dv + (size_t)h * dv;
         if (!quant) {
-            dot_many(x, wuv, wrow, j->w_bf16, r, dv, o);
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (j->w_bf16 && j->avx512) { /* one row a call: one stream from DRAM */
+                for (uint32_t e = 0; e < dv; e++)
+                    smoe_attn_dot_bf16_avx512(x, (const uint16_t *)(wuv + e * wrow), r, r, 1,
+                                              o + e);
+                continue;
+            }
+#endif
+            dot_many(x, wuv, wrow, j->w_bf16, r, dv, o, j->avx512);
             continue;
         }
         const float *us = j->uv_scale + (size_t)h * dv * srow;
@@ -192,6 +194,45 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
             dotq_rows(x, (const int8_t *)(wuv + e * wrow), wrow, us + e * srow, srow,
                       j->wdtype, r, d->group, 1, o + e);
     }
+}
+
+/* One item: head h of batch row b.
+ * 2. scores, running softmax, o_lat: positions in blocks of PB, the running maximum moved
+ * once per block. */
+AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, float *m,
+                 float *l) {
+    const smoe_mla_desc *d = j->d;
+    const uint32_t T = j->T, S = j->S, r = d->r, dr = d->dr;
+    const uint32_t b = item / d->H, h = item % d->H;
+    const size_t csz = j->ckv_bf16 ? 2 : 4, ksz = j->kpe_bf16 ? 2 : 4;
+    const float *qp = j->q_pe + ((size_t)b * d->H + h) * T * dr;
+    mla_q_lat(j, b, h, q_lat);
+    memset(o_lat, 0, (size_t)T * r * 4);
+    for (uint32_t t = 0; t < T; t++) {
+        m[t] = -INFINITY;
+        l[t] = 0.0f;
+    }
+    const uint8_t *cb = j->ckv + (size_t)b * j->ckv_bstride * csz;
+    const uint8_t *kb = j->kpe + (size_t)b * j->kpe_bstride * ksz;
+    const float *bias = j->bias ? j->bias + (size_t)(j->bias_rows == 1 ? 0 : b) * T * S : NULL;
+    for (uint32_t p0 = 0; p0 < S; p0 += PB) {
+        const uint32_t np = S - p0 < PB ? S - p0 : PB;
+        const uint8_t *c0 = cb + (size_t)p0 * r * csz;
+        for (uint32_t t = 0; t < T; t++) {
+            float s[PB], sr[PB];
+            dot_many(q_lat + (size_t)t * r, c0, (size_t)r * csz, j->ckv_bf16, r, np, s,
+                     j->avx512);
+            dot_many(qp + (size_t)t * dr, kb + (size_t)p0 * dr * ksz, (size_t)dr * ksz,
+                     j->kpe_bf16, dr, np, sr, j->avx512);
+            for (uint32_t q = 0; q < np; q++) {
+                s[q] = (s[q] + sr[q]) * d->scale;
+                if (bias) s[q] += bias[(size_t)t * S + p0 + q];
+            }
+            softmax_fold(&m[t], &l[t], o_lat + (size_t)t * r, s, np, c0, (size_t)r * csz,
+                         j->ckv_bf16, r, j->avx512);
+        }
+    }
+    mla_out(j, b, h, o_lat, l);
 }
 
 /* Claim items until none is left; k indexes this thread's scratch. */
@@ -277,6 +318,7 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
                    .kpe_bf16 = kpe_dtype == SMOE_WDT_BF16, .ckv_bstride = ckv_bstride,
                    .kpe_bstride = kpe_bstride, .w_uk = w->uk, .w_uv = w->uv,
                    .uk_scale = w->uk_scale, .uv_scale = w->uv_scale, .wdtype = d->wdtype,
+                   .wsz = d->wdtype == SMOE_WDT_F32 ? 4 : d->wdtype == SMOE_WDT_BF16 ? 2 : 1,
                    .w_bf16 = d->wdtype == SMOE_WDT_BF16, .avx512 = c && c->isa >= SMOE_ISA_AVX512,
                    .bias = bias, .bias_rows = bias_rows,
                    .out = out,

@@ -97,6 +97,79 @@ AI void dotq_block(const float *x, const int8_t *w, size_t wrow, const float *sc
     for (uint32_t q = 0; q < NR; q++) res[q] = reduce16(acc[q]);
 }
 
+/* bf16 rows: the MLA kernel's absorbed weights and cached latent rows, and the MHA kernel's
+ * cached keys and values (attn_impl.h's dot_many and softmax_fold; 2026-11-26).  The
+ * compiler's code for the plain bf16 loops (a 64-byte load split in halves, each widened,
+ * shifted, multiplied and added) computed at 20-31 GB/s of weights from L3 and about a third
+ * of that from DRAM: a DeepSeek-V2-Lite layer's 4.2 MB of absorbed weights took 450-490 us at
+ * 1 thread, 600 us with 96 cached positions.  Here a row's 16 values are one widening load
+ * (vpmovzxwd from memory) and a shift, and the axpy adds up to four rows into y per load and
+ * store of y (the cached rows of a softmax block); mla.c streams the weight rows one at a time
+ * through these (see there): 285-340 and 410-440 us (C harness, 1 thread, interleaved with the
+ * old build).  The arithmetic is the plain loops' lane for lane: per column of y the rows in
+ * the same order, each product and sum rounded separately; per lane of a dot product the
+ * columns in the same order and the same pairwise reduction (reduce16), so the bits are those
+ * of every other ISA (test_mla_c.py, test_attention.py). */
+AI __m512 ld_bf(const uint16_t *p) { /* 16 bf16 -> f32, exact */
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+AI __m512 ldm_bf(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+void smoe_attn_axpy_bf16_avx512(float *y, const float *a, const uint16_t *const *rows,
+                                uint32_t nrows, uint32_t n) {
+    for (uint32_t q0 = 0; q0 < nrows; q0 += 4) { /* four rows per pass over y */
+        const uint32_t nr = nrows - q0 < 4 ? nrows - q0 : 4;
+        __m512 av[4];
+        for (uint32_t q = 0; q < nr; q++) av[q] = _mm512_set1_ps(a[q0 + q]);
+        const uint16_t *const *r = rows + q0;
+        uint32_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            __m512 v = _mm512_loadu_ps(y + i);
+            for (uint32_t q = 0; q < nr; q++)
+                v = _mm512_add_ps(v, _mm512_mul_ps(av[q], ld_bf(r[q] + i)));
+            _mm512_storeu_ps(y + i, v);
+        }
+        if (i < n) {
+            const __mmask16 m = tail_mask(n - i);
+            __m512 v = _mm512_maskz_loadu_ps(m, y + i);
+            for (uint32_t q = 0; q < nr; q++)
+                v = _mm512_add_ps(v, _mm512_mul_ps(av[q], ldm_bf(r[q] + i, m)));
+            _mm512_mask_storeu_ps(y + i, m, v);
+        }
+    }
+}
+
+AI void dotbf_block(const float *x, const uint16_t *w, size_t wrow, uint32_t n, const uint32_t NR,
+                    float *res) {
+    __m512 acc[DR];
+    for (uint32_t q = 0; q < NR; q++) acc[q] = _mm512_setzero_ps();
+    uint32_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        for (uint32_t q = 0; q < NR; q++)
+            acc[q] = _mm512_add_ps(acc[q], _mm512_mul_ps(xv, ld_bf(w + q * wrow + i)));
+    }
+    if (i < n) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+        for (uint32_t q = 0; q < NR; q++)
+            acc[q] = _mm512_mask_add_ps(acc[q], m, acc[q],
+                                        _mm512_mul_ps(xv, ldm_bf(w + q * wrow + i, m)));
+    }
+    for (uint32_t q = 0; q < NR; q++) res[q] = reduce16(acc[q]);
+}
+
+void smoe_attn_dot_bf16_avx512(const float *x, const uint16_t *w, size_t wrow, uint32_t n,
+                               uint32_t nrows, float *res) {
+    uint32_t e = 0;
+    for (; e + DR <= nrows; e += DR) dotbf_block(x, w + e * wrow, wrow, n, DR, res + e);
+    for (; e < nrows; e++) dotbf_block(x, w + e * wrow, wrow, n, 1, res + e);
+}
+
 void smoe_mla_dotq_avx512(const float *x, const int8_t *w, size_t wrow, const float *sc,
                           size_t srow, uint32_t group, uint32_t n, uint32_t nrows, float *res) {
     uint32_t e = 0;
