@@ -1,6 +1,8 @@
 """benchmarks/c/ffn_rows.c (the one-token row loops timed in C, ffn_fast.c's notes cite it)
 includes ffn_fast.c itself, so a change to that file's internals can break it unseen: build it
-here with warnings as errors, and run it on a small rotation where the CPU has the fast path."""
+here with warnings as errors, and run it on a small rotation where the CPU has the fast path.
+benchmarks/c/mla_decode.c (the absorbed MLA call timed in C, mla.c's notes cite it) likewise,
+against csrc/kernels/attn.h."""
 import json
 import os
 import shutil
@@ -52,3 +54,37 @@ def test_ffn_rows_refuses_bad_shapes(ffn_rows):
     r = subprocess.run([str(ffn_rows), "f16", "256", "512"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "int4 or int8" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def mla_decode(tmp_path_factory):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("harness") / "mla_decode"
+    k = REPO / "csrc" / "kernels"
+    srcs = [REPO / "benchmarks" / "c" / "mla_decode.c", k / "mla.c", k / "mla_avx512.c",
+            k / "pool.c", REPO / "csrc" / "common.c"]
+    r = subprocess.run([cc, "-O1", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror",
+                        f"-I{REPO / 'csrc'}", f"-I{k}", "-o", str(out), *map(str, srcs), "-lm",
+                        "-lpthread"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize("S,threads", [(1, 1), (37, 2)])
+def test_mla_decode_builds_and_reports(mla_decode, S, threads):
+    r = subprocess.run([str(mla_decode), str(S), str(threads), "2"], capture_output=True,
+                       text=True, timeout=120,
+                       env=dict(os.environ, MLA_ROTATION=str(4 << 20), MLA_HEADS="2"))
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["S"] == S and row["threads"] == threads and row["heads"] == 2
+    assert row["layers"] >= 2 and row["finite"] is True
+    for key in ("call_us", "call_gbps", "read_gbps", "frac_of_read"):
+        assert row[key] > 0, row
+
+
+def test_mla_decode_refuses_bad_arguments(mla_decode):
+    r = subprocess.run([str(mla_decode), "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "S must be" in r.stderr

@@ -97,19 +97,19 @@ AI void dotq_block(const float *x, const int8_t *w, size_t wrow, const float *sc
     for (uint32_t q = 0; q < NR; q++) res[q] = reduce16(acc[q]);
 }
 
-/* bf16 rows: the MLA kernel's absorbed weights and cached latent rows, and the MHA kernel's
- * cached keys and values (attn_impl.h's dot_many and softmax_fold; 2026-11-26).  The
- * compiler's code for the plain bf16 loops (a 64-byte load split in halves, each widened,
- * shifted, multiplied and added) computed at 20-31 GB/s of weights from L3 and about a third
- * of that from DRAM: a DeepSeek-V2-Lite layer's 4.2 MB of absorbed weights took 450-490 us at
- * 1 thread, 600 us with 96 cached positions.  Here a row's 16 values are one widening load
- * (vpmovzxwd from memory) and a shift, and the axpy adds up to four rows into y per load and
- * store of y (the cached rows of a softmax block); mla.c streams the weight rows one at a time
- * through these (see there): 285-340 and 410-440 us (C harness, 1 thread, interleaved with the
- * old build).  The arithmetic is the plain loops' lane for lane: per column of y the rows in
- * the same order, each product and sum rounded separately; per lane of a dot product the
- * columns in the same order and the same pairwise reduction (reduce16), so the bits are those
- * of every other ISA (test_mla_c.py, test_attention.py). */
+/* bf16 rows: the MLA kernel's absorbed weights and cached latent rows, and the MHA kernel's cached
+ * keys and values (attn_impl.h's dot_many and softmax_fold; 2026-11-26).  The compiler's code for
+ * the plain bf16 loops (a 64-byte load split in halves, each widened, shifted, multiplied and
+ * added) computed at 20-31 GB/s of weights from L3 and about a third of that from DRAM: a
+ * DeepSeek-V2-Lite layer's 4.2 MB of absorbed weights took 450-490 us at 1 thread, 600 us with 96
+ * cached positions.  Here a row's 16 values are one widening load (vpmovzxwd from memory) and a
+ * shift, and the axpy adds up to four rows into y per load and store of y (the cached rows of a
+ * softmax block); mla.c streams the weight rows one at a time through these (see there): 285-340
+ * and 410-440 us (benchmarks/c/mla_decode.c, 1 thread, interleaved with the old build).  The
+ * arithmetic is the plain loops' lane for lane: per column of y the rows in the same order, each
+ * product and sum rounded separately; per lane of a dot product the columns in the same order and
+ * the same pairwise reduction (reduce16), so the bits are those of every other ISA (test_mla_c.py,
+ * test_attention.py). */
 AI __m512 ld_bf(const uint16_t *p) { /* 16 bf16 -> f32, exact */
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
