@@ -18,9 +18,10 @@
  * weights a layer), 1 thread, 4 KB pages, several rows at once (eight for W_UV, four for W_UK:
  * several short streams) read 7-8 GB/s, one at a time 12-15, against 18-23 for a plain read
  * loop over the same memory (benchmarks/c/mla_decode.c, 2026-11-26).  Software prefetch
- * 256 B - 64 KB ahead, tried on either, changed nothing or lost.  Reading a block of cached rows once for
- * all heads (an item of several heads) measured the same as once per head up to 2048 cached
- * positions: there the cost is the arithmetic (~75 ns a position and head), not the reads.
+ * 256 B - 64 KB ahead, tried on either, changed nothing or lost.  Reading a block of cached
+ * rows once for all heads (an item of several heads) measured the same as once per head up to
+ * 2048 cached positions: there the cost is the arithmetic (~75 ns a position and head), not
+ * the reads.
  *
  * One body, written once (mla_item and its helpers, plain loops the compiler vectorises), is
  * instantiated for three ISAs by inlining it into functions compiled for AVX-512 / AVX2 / the
