@@ -24,9 +24,10 @@
  * negative float) behaves as torch's softmax does: such positions get weight 0 next to any
  * unmasked one, uniform weight in a fully masked row.
  *
- * Threads: the (batch row, head) pairs are shared among the threads of c's pool; every output
- * element is computed by one thread in a fixed order, so results do not depend on the thread
- * count.  Same serialization and GIL rule as smoe_ffn_forward. */
+ * Threads: the batch rows' groups of heads (all of a row's heads, or fewer when the threads
+ * outnumber the rows) are shared among the threads of c's pool; every output element is
+ * computed by one thread in a fixed order, so results do not depend on the thread count.
+ * Same serialization and GIL rule as smoe_ffn_forward. */
 #ifndef SMOE_ATTN_H
 #define SMOE_ATTN_H
 
@@ -60,8 +61,9 @@ typedef struct smoe_mla_weights {
  * group, finite scale > 0). */
 int smoe_mla_desc_check(const smoe_mla_desc *d, smoe_err *err);
 
-/* Scratch bytes smoe_mla_decode needs for T query tokens on c (per thread: q_lat and o_lat,
- * [T, r] f32 each, and the running softmax state). */
+/* Scratch bytes smoe_mla_decode needs for T query tokens on c (per thread, for each head of
+ * a group: q_lat and o_lat, [T, r] f32 each, and the running softmax state; a block of cached
+ * rows widened to f32). */
 size_t smoe_mla_scratch_bytes(const smoe_kctx *c, const smoe_mla_desc *d, uint32_t T);
 
 /* One call for B batch rows of T query tokens each, against S cached positions per row.
@@ -90,7 +92,7 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
  *                       v[b, h / G, j]
  *
  * the same online softmax, masking rules, arithmetic (f32, no FMA: the same bits on every
- * ISA) and threading ((b, h) pairs on c's pool) as smoe_mla_decode.
+ * ISA) as smoe_mla_decode; threads share the (b, h) pairs.
  *   q     f32 [B, H, T, D]
  *   k, v  F32 or BF16 (kv_dtype): position j of (b, g) at k + b * kv_bstride + g * kv_hstride
  *         + j * D elements (v likewise, with the same strides)

@@ -93,13 +93,13 @@ AI void dot_rows(const float *restrict x, const uint8_t *restrict w, size_t wstr
 }
 
 /* res[q] = dot_w(x, row q) for nrows rows at w + q * wstride: blocks of PB, then single rows.
- * avx512 (the context runs AVX-512): bf16 rows through mla_avx512.c's loop instead, the same
- * bits (this instantiation's plain loop read ~20 GB/s from cache: see there). */
+ * avx512 (the context runs AVX-512): through mla_avx512.c's loop instead, the same bits (the
+ * plain loops' code, bf16 or f32, ran well below it: see there). */
 AI void dot_many(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
                  uint32_t n, uint32_t nrows, float *restrict res, int avx512) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (avx512 && bf16) {
-        smoe_attn_dot_bf16_avx512(x, (const uint16_t *)w, wstride / 2, n, nrows, res);
+    if (avx512) {
+        smoe_attn_dot_avx512(x, w, wstride / (bf16 ? 2 : 4), n, nrows, res, bf16);
         return;
     }
 #else
@@ -136,17 +136,17 @@ AI void softmax_fold(float *restrict m, float *restrict l, float *restrict o, co
         *m = bmax;
     }
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (avx512 && bf16) { /* the same sums: per column of o the rows in order (see dot_many) */
+    if (avx512) { /* the same sums: per column of o the rows in order (see dot_many) */
         float e[PB];
-        const uint16_t *r[PB];
+        const void *r[PB];
         uint32_t k = 0;
         for (uint32_t q = 0; q < np; q++) {
             if (s[q] == -INFINITY) continue;
             e[k] = expf(s[q] - *m);
             *l += e[k];
-            r[k++] = (const uint16_t *)(rows + (size_t)q * rstride);
+            r[k++] = rows + (size_t)q * rstride;
         }
-        smoe_attn_axpy_bf16_avx512(o, e, r, k, n);
+        smoe_attn_axpy_avx512(o, e, r, k, n, bf16);
         return;
     }
 #else

@@ -66,13 +66,13 @@ void smoe_mla_axpy_q_avx512(float *y, float a, const int8_t *q, const float *sc,
                             uint32_t group, uint32_t n);
 void smoe_mla_dotq_avx512(const float *x, const int8_t *w, size_t wrow, const float *sc,
                           size_t srow, uint32_t group, uint32_t n, uint32_t nrows, float *res);
-/* bf16 rows for attn_impl.h's loops (weights or cached rows, values as uint16 bits):
- * y[c] += a[q] * rows[q][c] for q = 0 .. nrows - 1 in that order; res[e] = row e . x, rows
- * wrow values apart. */
-void smoe_attn_axpy_bf16_avx512(float *y, const float *a, const uint16_t *const *rows,
-                                uint32_t nrows, uint32_t n);
-void smoe_attn_dot_bf16_avx512(const float *x, const uint16_t *w, size_t wrow, uint32_t n,
-                               uint32_t nrows, float *res);
+/* f32 or bf16 rows (bf16: values as uint16 bits) for attn_impl.h's loops, weights or cached
+ * rows: y[c] += a[q] * rows[q][c] for q = 0 .. nrows - 1 in that order; res[e] = row e . x,
+ * rows wrow values apart. */
+void smoe_attn_axpy_avx512(float *y, const float *a, const void *const *rows, uint32_t nrows,
+                           uint32_t n, int bf16);
+void smoe_attn_dot_avx512(const float *x, const void *w, size_t wrow, uint32_t n, uint32_t nrows,
+                          float *res, int bf16);
 #endif
 extern const int smoe_ffn_fast_built;
 void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,

@@ -1,15 +1,16 @@
 /* Multi-head latent attention at decode sizes, absorbed form (contract and equations in
  * attn.h).
  *
- * Work item: one (batch row b, head h) pair, all T query tokens together, so W_UK[h] and
- * W_UV[h] are read once per call and each cached latent row c_j once per head (from cache: a
- * row is r * 2 bytes).  Per item:
- *   1. q_lat[t] = sum_d q_nope[t,d] * W_UK[h,d,:]      weight rows streamed, T axpys per row
- *   2. for each block of PB positions j: s = (q_lat[t] . c_j + q_pe[t] . k_j) * scale +
- *      bias[t,j], the block's PB dot products computed together (dot_rows), folded into a
- *      running softmax (max m, sum l, the maximum moved once per block) and
- *      o_lat[t] += exp(s - m) * c_j
- *   3. out[t, h*dv + e] = W_UV[h,e,:] . (o_lat[t] / l)
+ * Work item: one batch row b and a group of G heads (group_for: all of the row's heads, or as
+ * many groups as it takes to give every thread one), all T query tokens together, so W_UK[h]
+ * and W_UV[h] are read once per call and each cached latent row c_j once per group.  Per item:
+ *   1. per head, q_lat[t] = sum_d q_nope[t,d] * W_UK[h,d,:]    weight rows streamed, T axpys
+ *      per row
+ *   2. for each block of PB positions j (widened to f32 once, when bf16), for each head of the
+ *      group: s = (q_lat[t] . c_j + q_pe[t] . k_j) * scale + bias[t,j], the block's PB dot
+ *      products computed together (dot_rows), folded into a running softmax (max m, sum l,
+ *      the maximum moved once per block) and o_lat[t] += exp(s - m) * c_j
+ *   3. per head, out[t, h*dv + e] = W_UV[h,e,:] . (o_lat[t] / l)
  *
  * A single dot product of r = 512 with one vector of partial sums is bound by the add latency
  * (32 dependent adds); PB rows at once give PB independent chains and load x once for PB rows
@@ -18,19 +19,19 @@
  * weights a layer), 1 thread, 4 KB pages, several rows at once (eight for W_UV, four for W_UK:
  * several short streams) read 7-8 GB/s, one at a time 12-15, against 18-23 for a plain read
  * loop over the same memory (benchmarks/c/mla_decode.c, 2026-11-26).  Software prefetch
- * 256 B - 64 KB ahead, tried on either, changed nothing or lost.  Reading a block of cached
- * rows once for all heads (an item of several heads) measured the same as once per head up to
- * 2048 cached positions: there the cost is the arithmetic (~75 ns a position and head), not
- * the reads.
+ * 256 B - 64 KB ahead, tried on either, changed nothing or lost.  With many cached positions
+ * the cost is the arithmetic of step 2 (widening included): there an item of all 16 heads,
+ * each block widened once for them, took 1.65-1.8 ms at 2048 positions against 3.1 with one
+ * head an item (the same loops, 1 thread).
  *
  * One body, written once (mla_item and its helpers, plain loops the compiler vectorises), is
  * instantiated for three ISAs by inlining it into functions compiled for AVX-512 / AVX2 / the
  * baseline; the kernel context's ISA picks one at run time.  Dot products keep 16 partial sums
  * in a fixed order, so they vectorise without reassociation and give the same bits on every
- * ISA (ISO C mode: no contraction into FMA).  On AVX-512, int8/int4 weights and bf16 weights
- * and cached rows go through mla_avx512.c's intrinsics instead (the same arithmetic; the
- * compiler's code for the plain loops ran at a third (int8) to two thirds (bf16) of the
- * intrinsics' rate). */
+ * ISA (ISO C mode: no contraction into FMA), whatever the grouping of heads.  On AVX-512,
+ * int8/int4 weights and the f32/bf16 rows go through mla_avx512.c's intrinsics instead (the
+ * same arithmetic; the compiler's code for the plain loops ran at a third (int8) to two
+ * thirds (bf16) of the intrinsics' rate). */
 #include "attn.h"
 #include "attn_impl.h"
 #include "kimpl.h"
@@ -114,8 +115,27 @@ typedef struct mla_job {
     uint8_t *scratch;   /* per thread: scratch_per bytes, nslots threads' worth */
     size_t scratch_per;
     uint32_t nslots;    /* pool threads k >= nslots claim nothing (scratch sized for fewer) */
-    uint32_t next;      /* next (b, h) item; atomic */
+    uint32_t G;         /* heads an item (group_for) */
+    uint32_t next;      /* next (b, group of G heads) item; atomic */
 } mla_job;
+
+/* q_lat and o_lat of the heads of one item, at most this many bytes (they stay in L2) */
+#define MLA_GROUP_BYTES (256u << 10)
+
+/* The most heads an item may take at T tokens (what smoe_mla_scratch_bytes provides for). */
+static uint32_t group_max(const smoe_mla_desc *d, uint32_t T) {
+    size_t g = MLA_GROUP_BYTES / ((size_t)2 * T * d->r * 4);
+    return g < 1 ? 1u : g > d->H ? d->H : (uint32_t)g;
+}
+
+/* Heads an item takes: all of a batch row's (at most group_max), split into as many groups
+ * as it takes for B rows to give each of nt threads an item. */
+static uint32_t group_for(const smoe_mla_desc *d, uint32_t T, uint32_t B, uint32_t nt) {
+    uint32_t split = (nt + B - 1) / B;
+    if (split < 1) split = 1;
+    uint32_t g = (d->H + split - 1) / split, gm = group_max(d, T);
+    return g < gm ? g : gm;
+}
 
 /* 1. q_lat [T, r] of head h of batch row b: W_UK[h]'s rows in order (one sequential stream),
  * each added into every token's q_lat. */
@@ -141,8 +161,8 @@ AI void mla_q_lat(const mla_job *j, uint32_t b, uint32_t h, float *q_lat) {
                 continue;
             }
             if (j->w_bf16 && j->avx512) { /* one row a call: one stream from DRAM */
-                const uint16_t *one = (const uint16_t *)row;
-                smoe_attn_axpy_bf16_avx512(y, &a, &one, 1, r);
+                const void *one = row;
+                smoe_attn_axpy_avx512(y, &a, &one, 1, r, 1);
                 continue;
             }
 #endif
@@ -172,8 +192,7 @@ AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const fl
 #if defined(__x86_64__) && defined(__GNUC__)
             if (j->w_bf16 && j->avx512) { /* one row a call: one stream from DRAM */
                 for (uint32_t e = 0; e < dv; e++)
-                    smoe_attn_dot_bf16_avx512(x, (const uint16_t *)(wuv + e * wrow), r, r, 1,
-                                              o + e);
+                    smoe_attn_dot_avx512(x, wuv + e * wrow, r, r, 1, o + e, 1);
                 continue;
             }
 #endif
@@ -197,57 +216,78 @@ AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const fl
     }
 }
 
-/* One item: head h of batch row b.
+/* Rows [np, n] of a cached block as f32: `rows` itself when f32, else widened into `buf`
+ * (exact). */
+AI const uint8_t *rows_f32(const uint8_t *rows, int bf16, uint32_t np, uint32_t n, float *buf) {
+    if (!bf16) return rows;
+    const uint16_t *p = (const uint16_t *)rows;
+    for (size_t i = 0; i < (size_t)np * n; i++) buf[i] = bf16_f32(p[i]);
+    return (const uint8_t *)buf;
+}
+
+/* One item: heads h0 .. h0 + nh - 1 of batch row b (scratch: q_lat, o_lat [nh, T, r], m, l
+ * [nh, T], cf [PB, r], kf [PB, dr]).
  * 2. scores, running softmax, o_lat: positions in blocks of PB, the running maximum moved
- * once per block. */
+ * once per block.  A block's cached rows are widened to f32 once (cf, kf) and then serve
+ * every head of the item, the scores' dot products and the weighted sum alike.  Every head's
+ * arithmetic is a one-head item's, in the same order, so the bits do not depend on the
+ * grouping (nor on the widening: exact). */
 AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, float *m,
-                 float *l) {
+                 float *l, float *cf, float *kf) {
     const smoe_mla_desc *d = j->d;
     const uint32_t T = j->T, S = j->S, r = d->r, dr = d->dr;
-    const uint32_t b = item / d->H, h = item % d->H;
+    const uint32_t per_row = (d->H + j->G - 1) / j->G;
+    const uint32_t b = item / per_row, h0 = (item % per_row) * j->G;
+    const uint32_t nh = d->H - h0 < j->G ? d->H - h0 : j->G;
     const size_t csz = j->ckv_bf16 ? 2 : 4, ksz = j->kpe_bf16 ? 2 : 4;
-    const float *qp = j->q_pe + ((size_t)b * d->H + h) * T * dr;
-    mla_q_lat(j, b, h, q_lat);
-    memset(o_lat, 0, (size_t)T * r * 4);
-    for (uint32_t t = 0; t < T; t++) {
-        m[t] = -INFINITY;
-        l[t] = 0.0f;
+    const size_t TR = (size_t)T * r;
+    for (uint32_t g = 0; g < nh; g++) mla_q_lat(j, b, h0 + g, q_lat + g * TR);
+    memset(o_lat, 0, nh * TR * 4);
+    for (uint32_t k = 0; k < nh * T; k++) {
+        m[k] = -INFINITY;
+        l[k] = 0.0f;
     }
     const uint8_t *cb = j->ckv + (size_t)b * j->ckv_bstride * csz;
     const uint8_t *kb = j->kpe + (size_t)b * j->kpe_bstride * ksz;
     const float *bias = j->bias ? j->bias + (size_t)(j->bias_rows == 1 ? 0 : b) * T * S : NULL;
     for (uint32_t p0 = 0; p0 < S; p0 += PB) {
         const uint32_t np = S - p0 < PB ? S - p0 : PB;
-        const uint8_t *c0 = cb + (size_t)p0 * r * csz;
-        for (uint32_t t = 0; t < T; t++) {
-            float s[PB], sr[PB];
-            dot_many(q_lat + (size_t)t * r, c0, (size_t)r * csz, j->ckv_bf16, r, np, s,
-                     j->avx512);
-            dot_many(qp + (size_t)t * dr, kb + (size_t)p0 * dr * ksz, (size_t)dr * ksz,
-                     j->kpe_bf16, dr, np, sr, j->avx512);
-            for (uint32_t q = 0; q < np; q++) {
-                s[q] = (s[q] + sr[q]) * d->scale;
-                if (bias) s[q] += bias[(size_t)t * S + p0 + q];
+        const uint8_t *c0 = rows_f32(cb + (size_t)p0 * r * csz, j->ckv_bf16, np, r, cf);
+        const uint8_t *k0 = rows_f32(kb + (size_t)p0 * dr * ksz, j->kpe_bf16, np, dr, kf);
+        for (uint32_t g = 0; g < nh; g++) {
+            const float *qp = j->q_pe + ((size_t)b * d->H + h0 + g) * T * dr;
+            for (uint32_t t = 0; t < T; t++) {
+                const size_t k = (size_t)g * T + t;
+                float s[PB], sr[PB];
+                dot_many(q_lat + k * r, c0, (size_t)r * 4, 0, r, np, s, j->avx512);
+                dot_many(qp + (size_t)t * dr, k0, (size_t)dr * 4, 0, dr, np, sr, j->avx512);
+                for (uint32_t q = 0; q < np; q++) {
+                    s[q] = (s[q] + sr[q]) * d->scale;
+                    if (bias) s[q] += bias[(size_t)t * S + p0 + q];
+                }
+                softmax_fold(&m[k], &l[k], o_lat + k * r, s, np, c0, (size_t)r * 4, 0, r,
+                             j->avx512);
             }
-            softmax_fold(&m[t], &l[t], o_lat + (size_t)t * r, s, np, c0, (size_t)r * csz,
-                         j->ckv_bf16, r, j->avx512);
         }
     }
-    mla_out(j, b, h, o_lat, l);
+    for (uint32_t g = 0; g < nh; g++) mla_out(j, b, h0 + g, o_lat + g * TR, l + (size_t)g * T);
 }
 
-/* Claim items until none is left; k indexes this thread's scratch. */
+/* This thread's scratch (per_thread's layout) */
 AI void mla_run_body(mla_job *j, uint32_t k) {
     if (k >= j->nslots) return;
+    const size_t gt = (size_t)j->G * j->T;
     float *q_lat = (float *)(j->scratch + (size_t)k * j->scratch_per);
-    float *o_lat = q_lat + (size_t)j->T * j->d->r;
-    float *m = o_lat + (size_t)j->T * j->d->r;
-    float *l = m + j->T;
-    uint32_t n = j->B * j->d->H;
-    for (;;) {
+    float *o_lat = q_lat + gt * j->d->r;
+    float *m = o_lat + gt * j->d->r;
+    float *l = m + gt;
+    float *cf = l + gt;
+    float *kf = cf + (size_t)PB * j->d->r;
+    uint32_t n = j->B * ((j->d->H + j->G - 1) / j->G);
+    for (;;) { /* claim items until none is left */
         uint32_t it = __atomic_fetch_add(&j->next, 1u, __ATOMIC_RELAXED);
         if (it >= n) break;
-        mla_item(j, it, q_lat, o_lat, m, l);
+        mla_item(j, it, q_lat, o_lat, m, l, cf, kf);
     }
 }
 
@@ -276,13 +316,16 @@ int smoe_mla_desc_check(const smoe_mla_desc *d, smoe_err *err) {
     return SMOE_OK;
 }
 
-static size_t per_thread(const smoe_mla_desc *d, uint32_t T) {
-    return round64(((size_t)2 * T * d->r + 2 * (size_t)T) * 4);
+/* q_lat, o_lat [G, T, r], m, l [G, T], cf [PB, r], kf [PB, dr] */
+static size_t per_thread(const smoe_mla_desc *d, uint32_t T, uint32_t G) {
+    const size_t gt = (size_t)G * T;
+    return round64((2 * gt * d->r + 2 * gt + (size_t)PB * (d->r + d->dr)) * 4);
 }
 
 size_t smoe_mla_scratch_bytes(const smoe_kctx *c, const smoe_mla_desc *d, uint32_t T) {
     uint32_t nt = c && c->nthreads ? c->nthreads : 1;
-    return 64 + per_thread(d, T ? T : 1) * nt;
+    T = T ? T : 1;
+    return 64 + per_thread(d, T, group_max(d, T)) * nt;
 }
 
 int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T, uint32_t S,
@@ -307,7 +350,12 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
     if (bias && bias_rows != 1 && bias_rows != B)
         return smoe_err_set(err, SMOE_EINVAL, "smoe_mla_decode: bias has %u rows, not 1 or B=%u",
                             bias_rows, B);
-    size_t per = per_thread(d, T);
+    uint32_t G = group_for(d, T, B, c && c->nthreads ? c->nthreads : 1);
+    size_t per = per_thread(d, T, G);
+    if (scratch_bytes < 64 + per && G > 1) { /* scratch for fewer: one head an item */
+        G = 1;
+        per = per_thread(d, T, 1);
+    }
     if (scratch_bytes < 64 + per)
         return smoe_err_set(err, SMOE_EINVAL, "smoe_mla_decode: %zu bytes of scratch, need %zu",
                             scratch_bytes, 64 + per);
@@ -325,7 +373,7 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
                    .out = out,
                    .scratch = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63),
                    .scratch_per = per, .nslots = slots > 1024 ? 1024u : (uint32_t)slots,
-                   .next = 0};
+                   .G = G, .next = 0};
     attn_run(c, ATTN_POOL_FN(c, mla_run), &job);
     return SMOE_OK;
 }

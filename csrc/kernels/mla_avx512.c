@@ -49,12 +49,12 @@ void smoe_mla_axpy_q_avx512(float *y, float a, const int8_t *q, const float *sc,
 }
 
 /* mla.c's lane reduction: lanes k and k + w2 added for w2 = 8, 4, 2, 1 */
-AI float reduce16(__m512 v) {
-    float t[16];
-    _mm512_storeu_ps(t, v);
-    for (uint32_t w2 = 8; w2 > 0; w2 /= 2)
-        for (uint32_t k = 0; k < w2; k++) t[k] += t[k + w2];
-    return t[0];
+AI float reduce16(__m512 v) { /* the same pairs, in registers */
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));                 /* lanes k and k + 2 */
+    b = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));             /* lanes 0 and 1 */
+    return _mm_cvtss_f32(b);
 }
 
 /* NR rows (compile-time after inlining) of n columns from w (rows wrow bytes apart): int8
@@ -97,18 +97,20 @@ AI void dotq_block(const float *x, const int8_t *w, size_t wrow, const float *sc
     for (uint32_t q = 0; q < NR; q++) res[q] = reduce16(acc[q]);
 }
 
-/* bf16 rows: the MLA kernel's absorbed weights and cached latent rows, and the MHA kernel's cached
- * keys and values (attn_impl.h's dot_many and softmax_fold; 2026-11-26).  The compiler's code for
- * the plain bf16 loops (a 64-byte load split in halves, each widened, shifted, multiplied and
- * added) computed at 20-31 GB/s of weights from L3 and about a third of that from DRAM: a
- * DeepSeek-V2-Lite layer's 4.2 MB of absorbed weights took 450-490 us at 1 thread, 600 us with 96
- * cached positions.  Here a row's 16 values are one widening load (vpmovzxwd from memory) and a
- * shift, and the axpy adds up to four rows into y per load and store of y (the cached rows of a
- * softmax block); mla.c streams the weight rows one at a time through these (see there): 285-340
- * and 410-440 us (benchmarks/c/mla_decode.c, 1 thread, interleaved with the old build).  The
- * arithmetic is the plain loops' lane for lane: per column of y the rows in the same order, each
- * product and sum rounded separately; per lane of a dot product the columns in the same order and
- * the same pairwise reduction (reduce16), so the bits are those of every other ISA (test_mla_c.py,
+/* f32 and bf16 rows: the MLA kernel's absorbed weights and cached latent rows, and the MHA
+ * kernel's cached keys and values (attn_impl.h's dot_many and softmax_fold; 2026-11-26).  The
+ * compiler's code for the plain loops (bf16: a 64-byte load split in halves, each widened,
+ * shifted, multiplied and added; the reduction through memory) computed at 20-31 GB/s of
+ * weights from L3 and about a third of that from DRAM: a DeepSeek-V2-Lite layer's 4.2 MB of
+ * absorbed bf16 weights took 450-490 us at 1 thread, 600 us with 96 cached positions, 3.3 ms
+ * with 2048.  Here a bf16 row's 16 values are one widening load (vpmovzxwd from memory) and a
+ * shift, the axpy adds up to eight rows into y per load and store of y (the cached rows of a
+ * softmax block), and reduce16 stays in registers; with mla.c's streaming of weight rows and
+ * its items of several heads (see there): 265-310, 335-370 us and 1.65-1.8 ms
+ * (benchmarks/c/mla_decode.c, 1 thread, alternating with the old build).  The arithmetic is
+ * the plain loops' lane for lane: per column of y the rows in the same order, each product and
+ * sum rounded separately; per lane of a dot product the columns in the same order and the same
+ * pairwise reduction, so the bits are those of every other ISA (test_mla_c.py,
  * test_attention.py). */
 AI __m512 ld_bf(const uint16_t *p) { /* 16 bf16 -> f32, exact */
     return _mm512_castsi512_ps(
@@ -118,56 +120,100 @@ AI __m512 ldm_bf(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
+/* 16 values of row p from column i on, f32 or bf16 (bf16: compile-time after inlining) */
+AI __m512 ld_row(const void *p, uint32_t i, const int bf16) {
+    return bf16 ? ld_bf((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
+}
+AI __m512 ldm_row(const void *p, uint32_t i, __mmask16 m, const int bf16) {
+    return bf16 ? ldm_bf((const uint16_t *)p + i, m)
+                : _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
 
-void smoe_attn_axpy_bf16_avx512(float *y, const float *a, const uint16_t *const *rows,
-                                uint32_t nrows, uint32_t n) {
-    for (uint32_t q0 = 0; q0 < nrows; q0 += 4) { /* four rows per pass over y */
-        const uint32_t nr = nrows - q0 < 4 ? nrows - q0 : 4;
-        __m512 av[4];
-        for (uint32_t q = 0; q < nr; q++) av[q] = _mm512_set1_ps(a[q0 + q]);
-        const uint16_t *const *r = rows + q0;
-        uint32_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            __m512 v = _mm512_loadu_ps(y + i);
-            for (uint32_t q = 0; q < nr; q++)
-                v = _mm512_add_ps(v, _mm512_mul_ps(av[q], ld_bf(r[q] + i)));
-            _mm512_storeu_ps(y + i, v);
-        }
-        if (i < n) {
-            const __mmask16 m = tail_mask(n - i);
-            __m512 v = _mm512_maskz_loadu_ps(m, y + i);
-            for (uint32_t q = 0; q < nr; q++)
-                v = _mm512_add_ps(v, _mm512_mul_ps(av[q], ldm_bf(r[q] + i, m)));
-            _mm512_mask_storeu_ps(y + i, m, v);
-        }
+/* y += a[q] * rows[q] for NR rows (compile-time after inlining), in order, per 16 columns */
+AI void axpy_block(float *y, const float *a, const void *const *r, uint32_t n, const uint32_t NR,
+                   const int bf16) {
+    __m512 av[8];
+    for (uint32_t q = 0; q < NR; q++) av[q] = _mm512_set1_ps(a[q]);
+    uint32_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(y + i);
+        for (uint32_t q = 0; q < NR; q++)
+            v = _mm512_add_ps(v, _mm512_mul_ps(av[q], ld_row(r[q], i, bf16)));
+        _mm512_storeu_ps(y + i, v);
+    }
+    if (i < n) {
+        const __mmask16 m = tail_mask(n - i);
+        __m512 v = _mm512_maskz_loadu_ps(m, y + i);
+        for (uint32_t q = 0; q < NR; q++)
+            v = _mm512_add_ps(v, _mm512_mul_ps(av[q], ldm_row(r[q], i, m, bf16)));
+        _mm512_mask_storeu_ps(y + i, m, v);
     }
 }
 
-AI void dotbf_block(const float *x, const uint16_t *w, size_t wrow, uint32_t n, const uint32_t NR,
-                    float *res) {
+AI void axpy_rows(float *y, const float *a, const void *const *rows, uint32_t nrows, uint32_t n,
+                  const int bf16) {
+    uint32_t q = 0;
+    for (; q + 8 <= nrows; q += 8) axpy_block(y, a + q, rows + q, n, 8, bf16);
+    switch (nrows - q) { /* up to eight rows per pass over y */
+    case 7: axpy_block(y, a + q, rows + q, n, 7, bf16); break;
+    case 6: axpy_block(y, a + q, rows + q, n, 6, bf16); break;
+    case 5: axpy_block(y, a + q, rows + q, n, 5, bf16); break;
+    case 4: axpy_block(y, a + q, rows + q, n, 4, bf16); break;
+    case 3: axpy_block(y, a + q, rows + q, n, 3, bf16); break;
+    case 2: axpy_block(y, a + q, rows + q, n, 2, bf16); break;
+    case 1: axpy_block(y, a + q, rows + q, n, 1, bf16); break;
+    default: break;
+    }
+}
+
+void smoe_attn_axpy_avx512(float *y, const float *a, const void *const *rows, uint32_t nrows,
+                           uint32_t n, int bf16) {
+    if (bf16)
+        axpy_rows(y, a, rows, nrows, n, 1);
+    else
+        axpy_rows(y, a, rows, nrows, n, 0);
+}
+
+/* res[q] = x . row q for NR rows (compile-time after inlining) wrow values apart */
+AI void dot_block(const float *x, const void *w, size_t wrow, uint32_t n, const uint32_t NR,
+                  const int bf16, float *res) {
+    const size_t esz = bf16 ? 2 : 4;
     __m512 acc[DR];
     for (uint32_t q = 0; q < NR; q++) acc[q] = _mm512_setzero_ps();
     uint32_t i = 0;
     for (; i + 16 <= n; i += 16) {
         const __m512 xv = _mm512_loadu_ps(x + i);
         for (uint32_t q = 0; q < NR; q++)
-            acc[q] = _mm512_add_ps(acc[q], _mm512_mul_ps(xv, ld_bf(w + q * wrow + i)));
+            acc[q] = _mm512_add_ps(
+                acc[q], _mm512_mul_ps(xv, ld_row((const uint8_t *)w + q * wrow * esz, i, bf16)));
     }
     if (i < n) {
         const __mmask16 m = tail_mask(n - i);
         const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
         for (uint32_t q = 0; q < NR; q++)
-            acc[q] = _mm512_mask_add_ps(acc[q], m, acc[q],
-                                        _mm512_mul_ps(xv, ldm_bf(w + q * wrow + i, m)));
+            acc[q] = _mm512_mask_add_ps(
+                acc[q], m, acc[q],
+                _mm512_mul_ps(xv, ldm_row((const uint8_t *)w + q * wrow * esz, i, m, bf16)));
     }
     for (uint32_t q = 0; q < NR; q++) res[q] = reduce16(acc[q]);
 }
 
-void smoe_attn_dot_bf16_avx512(const float *x, const uint16_t *w, size_t wrow, uint32_t n,
-                               uint32_t nrows, float *res) {
+AI void dot_rows_x(const float *x, const void *w, size_t wrow, uint32_t n, uint32_t nrows,
+                   const int bf16, float *res) {
+    const size_t esz = bf16 ? 2 : 4;
     uint32_t e = 0;
-    for (; e + DR <= nrows; e += DR) dotbf_block(x, w + e * wrow, wrow, n, DR, res + e);
-    for (; e < nrows; e++) dotbf_block(x, w + e * wrow, wrow, n, 1, res + e);
+    for (; e + DR <= nrows; e += DR)
+        dot_block(x, (const uint8_t *)w + e * wrow * esz, wrow, n, DR, bf16, res + e);
+    for (; e < nrows; e++)
+        dot_block(x, (const uint8_t *)w + e * wrow * esz, wrow, n, 1, bf16, res + e);
+}
+
+void smoe_attn_dot_avx512(const float *x, const void *w, size_t wrow, uint32_t n, uint32_t nrows,
+                          float *res, int bf16) {
+    if (bf16)
+        dot_rows_x(x, w, wrow, n, nrows, 1, res);
+    else
+        dot_rows_x(x, w, wrow, n, nrows, 0, res);
 }
 
 void smoe_mla_dotq_avx512(const float *x, const int8_t *w, size_t wrow, const float *sc,
