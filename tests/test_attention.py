@@ -65,20 +65,23 @@ def test_matches_reference(isa, H, Hkv, B, T, S, mask, bf16):
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_strided_cache_and_thread_independent_bits(bf16):
+@pytest.mark.parametrize("B,H,Hkv", [(2, 6, 3), (1, 6, 1)])
+def test_strided_cache_and_thread_independent_bits(bf16, B, H, Hkv):
     """A cache buffer longer than the positions in use (each head's [S, D] block dense, heads
     and rows strided) reads as its first S positions; the bits do not depend on the thread
     count or the ISA (bf16 caches: AVX-512 has loops of its own for them, mla_avx512.c; the
-    left-padding mask's -inf positions are skipped there too)."""
+    left-padding mask's -inf positions are skipped there too), nor on how the query heads of
+    a key/value head are grouped into items (one key/value head and 1-4 threads: items of 6,
+    3, 2 and 2 heads)."""
     rng = np.random.default_rng(5)
-    B, H, Hkv, T, S, Smax = 2, 6, 3, 2, 29, 40
+    T, S, Smax = 2, 29, 40
     q = rng.standard_normal((B, H, T, D), dtype=np.float32)
     kb = rng.standard_normal((B, Hkv, Smax, D), dtype=np.float32)
     vb = rng.standard_normal((B, Hkv, Smax, D), dtype=np.float32)
     if bf16:
         kb, vb = f32_to_bf16(kb), f32_to_bf16(vb)
     k, v = kb[:, :, :S], vb[:, :, :S]
-    assert not k.flags.c_contiguous
+    assert not k.flags.c_contiguous or B * Hkv == 1  # (one block: strides without effect)
     bias = mask_of("per_row", T, S, B)
     if bf16:
         ref = _reference(q, bf16_to_f32(k).reshape(k.shape), bf16_to_f32(v).reshape(v.shape),
@@ -87,7 +90,7 @@ def test_strided_cache_and_thread_independent_bits(bf16):
         ref = _reference(q, k, v, bias, 0.2)
     outs = []
     for isa in ISAS:
-        for n in (1, 2, 3):
+        for n in (1, 2, 3, 4):
             ctx = _C.KernelContext(n)
             ctx.set_isa(isa)
             out = np.empty((B, T, H, D), np.float32)

@@ -92,7 +92,7 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
  *                       v[b, h / G, j]
  *
  * the same online softmax, masking rules, arithmetic (f32, no FMA: the same bits on every
- * ISA) as smoe_mla_decode; threads share the (b, h) pairs.
+ * ISA) as smoe_mla_decode; threads share the key/value heads' groups of query heads.
  *   q     f32 [B, H, T, D]
  *   k, v  F32 or BF16 (kv_dtype): position j of (b, g) at k + b * kv_bstride + g * kv_hstride
  *         + j * D elements (v likewise, with the same strides)

@@ -117,6 +117,15 @@ AI void scale_vec(float *restrict y, float a, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) y[i] *= a;
 }
 
+/* Rows [np, n] of a cached block as f32: `rows` itself when f32, else widened into `buf`
+ * (exact). */
+AI const uint8_t *rows_f32(const uint8_t *rows, int bf16, uint32_t np, uint32_t n, float *buf) {
+    if (!bf16) return rows;
+    const uint16_t *p = (const uint16_t *)rows;
+    for (size_t i = 0; i < (size_t)np * n; i++) buf[i] = bf16_f32(p[i]);
+    return (const uint8_t *)buf;
+}
+
 /* One block of np <= PB positions folded into a query's running softmax (Milakov &
  * Gimelshein 2018): s[q] are the block's final scores (-inf: masked), (m, l) the running
  * maximum and sum, o[0..n) the running weighted sum of rows; row q at rows + q * rstride bytes

@@ -216,20 +216,12 @@ AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const fl
     }
 }
 
-/* Rows [np, n] of a cached block as f32: `rows` itself when f32, else widened into `buf`
- * (exact). */
-AI const uint8_t *rows_f32(const uint8_t *rows, int bf16, uint32_t np, uint32_t n, float *buf) {
-    if (!bf16) return rows;
-    const uint16_t *p = (const uint16_t *)rows;
-    for (size_t i = 0; i < (size_t)np * n; i++) buf[i] = bf16_f32(p[i]);
-    return (const uint8_t *)buf;
-}
-
 /* One item: heads h0 .. h0 + nh - 1 of batch row b (scratch: q_lat, o_lat [nh, T, r], m, l
  * [nh, T], cf [PB, r], kf [PB, dr]).
  * 2. scores, running softmax, o_lat: positions in blocks of PB, the running maximum moved
- * once per block.  A block's cached rows are widened to f32 once (cf, kf) and then serve
- * every head of the item, the scores' dot products and the weighted sum alike.  Every head's
+ * once per block.  A block's cached rows are widened to f32 once (cf, kf; when bf16 and nh > 1)
+ * and then serve every head of the item, the scores' dot products and the weighted sum
+ * alike.  Every head's
  * arithmetic is a one-head item's, in the same order, so the bits do not depend on the
  * grouping (nor on the widening: exact). */
 AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, float *m,
@@ -250,23 +242,26 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
     const uint8_t *cb = j->ckv + (size_t)b * j->ckv_bstride * csz;
     const uint8_t *kb = j->kpe + (size_t)b * j->kpe_bstride * ksz;
     const float *bias = j->bias ? j->bias + (size_t)(j->bias_rows == 1 ? 0 : b) * T * S : NULL;
+    /* widened rows only where more than one head reads them (as mha.c) */
+    const int wc = j->ckv_bf16 && nh > 1, cbf = j->ckv_bf16 && !wc;
+    const int wk = j->kpe_bf16 && nh > 1, kbf = j->kpe_bf16 && !wk;
+    const size_t cst = (size_t)r * (cbf ? 2 : 4), kst = (size_t)dr * (kbf ? 2 : 4);
     for (uint32_t p0 = 0; p0 < S; p0 += PB) {
         const uint32_t np = S - p0 < PB ? S - p0 : PB;
-        const uint8_t *c0 = rows_f32(cb + (size_t)p0 * r * csz, j->ckv_bf16, np, r, cf);
-        const uint8_t *k0 = rows_f32(kb + (size_t)p0 * dr * ksz, j->kpe_bf16, np, dr, kf);
+        const uint8_t *c0 = rows_f32(cb + (size_t)p0 * r * csz, wc, np, r, cf);
+        const uint8_t *k0 = rows_f32(kb + (size_t)p0 * dr * ksz, wk, np, dr, kf);
         for (uint32_t g = 0; g < nh; g++) {
             const float *qp = j->q_pe + ((size_t)b * d->H + h0 + g) * T * dr;
             for (uint32_t t = 0; t < T; t++) {
                 const size_t k = (size_t)g * T + t;
                 float s[PB], sr[PB];
-                dot_many(q_lat + k * r, c0, (size_t)r * 4, 0, r, np, s, j->avx512);
-                dot_many(qp + (size_t)t * dr, k0, (size_t)dr * 4, 0, dr, np, sr, j->avx512);
+                dot_many(q_lat + k * r, c0, cst, cbf, r, np, s, j->avx512);
+                dot_many(qp + (size_t)t * dr, k0, kst, kbf, dr, np, sr, j->avx512);
                 for (uint32_t q = 0; q < np; q++) {
                     s[q] = (s[q] + sr[q]) * d->scale;
                     if (bias) s[q] += bias[(size_t)t * S + p0 + q];
                 }
-                softmax_fold(&m[k], &l[k], o_lat + k * r, s, np, c0, (size_t)r * 4, 0, r,
-                             j->avx512);
+                softmax_fold(&m[k], &l[k], o_lat + k * r, s, np, c0, cst, cbf, r, j->avx512);
             }
         }
     }
