@@ -732,7 +732,9 @@ class LlamaCpp:
         return res
 
     def run_row(self, gguf: Path, prompt: str, warm: str, threads: int, cg: Cgroup | None,
-                work: Path, timeout: float) -> dict[str, Any]:
+                work: Path, timeout: float, ctx: int = 256) -> dict[str, Any]:
+        """One llama-completion run of ``prompt`` after a warm-up run of ``warm`` (each a
+        process), ``ctx`` positions of context."""
         pf, wf = work / "prompt.txt", work / "warm.txt"
         pf.write_text(prompt)
         wf.write_text(warm)
@@ -740,7 +742,7 @@ class LlamaCpp:
         def argv(f: Path) -> list[str]:
             return [str(self.bin / "llama-completion"), "-m", str(gguf), "-f", str(f),
                     "-n", str(DECODE_TOKENS + 1), "-t", str(threads), "-tb", str(threads),
-                    "-c", "256", "--temp", "0", "--seed", "0", "--ignore-eos", "-no-cnv",
+                    "-c", str(ctx), "--temp", "0", "--seed", "0", "--ignore-eos", "-no-cnv",
                     "--no-display-prompt", "--no-warmup"] + \
                 (["--no-repack"] if cg is not None else [])  # see the module docstring
 

@@ -54,7 +54,8 @@ Timing.  Each (model, row) runs in its own subprocess per round (peak RSS = that
 it touched).  Inside it every thread count of ``--threads`` is measured in turn (order alternates
 per round): ``torch.set_num_threads`` + ``specmoe.kernels.set_num_threads`` (llama.cpp: ``-t
 -tb``); a warm-up generation (another 64-token prompt, ``--warm-tokens`` tokens), then the timed
-one: the 64-token prompt, then 33 greedy tokens with no end-of-sequence stop (the model's
+one: the 64-token prompt (``--prompt-tokens`` sets another length for both, e.g. to measure
+decode against a long cache), then 33 greedy tokens with no end-of-sequence stop (the model's
 ``generation_config.eos_token_id`` set to None, as llama.cpp's ``--ignore-eos``; until
 2026-11-25 ``min_new_tokens``, whose per-step vocabulary scan cost the python rows ~0.5 ms a
 step), i.e. 32 decode forward passes; ``tok_per_s`` =
@@ -683,7 +684,7 @@ def prepare(model: str, cfg: dict[str, Any], a: argparse.Namespace, rows: list[d
     ckpt, work = root / "ckpt", root / "run"
     work.mkdir(parents=True, exist_ok=True)
     bm.write_checkpoint(ckpt, cfg, a.seed, a.router_skew)
-    prompt_ids, warm_ids = bm.make_prompts(ckpt, PROMPT_TOKENS, a.seed)
+    prompt_ids, warm_ids = bm.make_prompts(ckpt, a.prompt_tokens, a.seed)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     prep: dict[str, Any] = {"root": root, "ckpt": ckpt, "work": work, "prompt_ids": prompt_ids,
@@ -731,6 +732,9 @@ def main() -> None:
     ap.add_argument("--dsv2-layers", type=int, default=4, help="the first one is dense")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                    help="tokens of the timed and the warm-up prompts: the cached positions "
+                    "every decode step attends to")
     ap.add_argument("--warm-tokens", type=int, default=8,
                     help="tokens of the warm-up generation (python rows)")
     ap.add_argument("--rows", default="torch-f32,torch-bf16,specmoe-f32,specmoe-bf16,"
@@ -764,6 +768,8 @@ def main() -> None:
             ap.error(f"unknown model {m} (olmoe, dsv2lite)")
     if a.dsv2_layers < 2:
         ap.error("--dsv2-layers must be >= 2 (layer 0 is dense)")
+    if not 1 <= a.prompt_tokens <= 32768:
+        ap.error("--prompt-tokens must be in 1..32768")
 
     rows_def: list[dict[str, Any]] = []
     for n in (x.strip() for x in a.rows.split(",") if x.strip()):
@@ -783,6 +789,8 @@ def main() -> None:
             ap.error(f"unknown row {n}")
 
     lc = None
+    # llama.cpp's context: the prompt, the decoded tokens and some room, in whole 256s
+    llama_ctx = max(256, -(-(a.prompt_tokens + DECODE_TOKENS + 16) // 256) * 256)
     if any(r["kind"] == "llama.cpp" for r in rows_def):
         lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, max(threads))
 
@@ -798,14 +806,14 @@ def main() -> None:
                           "routers through specmoe's C kernels at <p> (specmoe.dense); "
                           "llama.cpp (llama-quantize defaults) quantizes every weight matrix "
                           "(its output matrix gets its own type, e.g. Q6_K for Q4_0).",
-        "threads": threads, "repeats": a.repeats, "prompt_tokens": PROMPT_TOKENS,
+        "threads": threads, "repeats": a.repeats, "prompt_tokens": a.prompt_tokens,
         "decode_tokens": DECODE_TOKENS, "warm_tokens": a.warm_tokens, "quick": a.quick,
         "router_skew": a.router_skew, "seed": a.seed,
         "specmoe": {"cache": 1.0, "policy": "lru", "prefetch": False, "warmed": True,
                     "torch_dtype": TORCH_OF},
         "torch": "transformers AutoModelForCausalLM.from_pretrained(experts_implementation="
                  "'eager')",
-        "llama_cpp": {"bin": str(lc.bin) if lc else None, "mmap": True, "ctx": 256,
+        "llama_cpp": {"bin": str(lc.bin) if lc else None, "mmap": True, "ctx": llama_ctx,
                       "warmup": "a separate llama-completion process on another prompt"},
         "pairing": {"vs_llama_cpp": LLAMA_OF,
                     "vs_torch": {**{f"specmoe-{p}": f"torch-{TORCH_OF[p]}" for p in SPECMOE_PRECS},
@@ -849,7 +857,7 @@ def main() -> None:
                         for t in ths:
                             res[t] = lc.run_row(prep["gguf"][name], prep["prompt_txt"],
                                                 prep["warm_txt"], t, None, prep["work"],
-                                                a.row_timeout)
+                                                a.row_timeout, ctx=llama_ctx)
                     else:
                         spec = {"kind": r["kind"], "ckpt": str(prep["ckpt"]),
                                 "dense": r.get("dense"),

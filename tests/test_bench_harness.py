@@ -16,21 +16,26 @@ from specmoe import _C
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def ffn_rows(tmp_path_factory):
+def _build(tmp_path_factory, name: str, srcs: list, flags: list) -> Path:
+    """benchmarks/c/<name> and ``srcs`` built with warnings as errors (skip without a
+    compiler)."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if not cc:
         pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("harness") / "ffn_rows"
+    out = tmp_path_factory.mktemp("harness") / name
     k = REPO / "csrc" / "kernels"
-    srcs = [REPO / "benchmarks" / "c" / "ffn_rows.c"] + [
-        k / f for f in ("ffn.c", "ffn_avx2.c", "ffn_avx512.c", "ffn_i2.c", "pool.c")] + [
-        REPO / "csrc" / "common.c"]
-    r = subprocess.run([cc, "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'csrc'}", f"-I{k}",
-                        "-o", str(out), *map(str, srcs), "-lm", "-lpthread"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([cc, "-O1", *flags, "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'csrc'}",
+                        f"-I{k}", "-o", str(out), str(REPO / "benchmarks" / "c" / f"{name}.c"),
+                        *(str(k / f) for f in srcs), str(REPO / "csrc" / "common.c"), "-lm",
+                        "-lpthread"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def ffn_rows(tmp_path_factory):
+    return _build(tmp_path_factory, "ffn_rows",
+                  ["ffn.c", "ffn_avx2.c", "ffn_avx512.c", "ffn_i2.c", "pool.c"], [])
 
 
 @pytest.mark.parametrize("args", [["int4", "256", "512", "128"], ["int4", "256", "2560", "64"],
@@ -58,18 +63,8 @@ def test_ffn_rows_refuses_bad_shapes(ffn_rows):
 
 @pytest.fixture(scope="module")
 def mla_decode(tmp_path_factory):
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if not cc:
-        pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("harness") / "mla_decode"
-    k = REPO / "csrc" / "kernels"
-    srcs = [REPO / "benchmarks" / "c" / "mla_decode.c", k / "mla.c", k / "mla_avx512.c",
-            k / "pool.c", REPO / "csrc" / "common.c"]
-    r = subprocess.run([cc, "-O1", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror",
-                        f"-I{REPO / 'csrc'}", f"-I{k}", "-o", str(out), *map(str, srcs), "-lm",
-                        "-lpthread"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return out
+    return _build(tmp_path_factory, "mla_decode", ["mla.c", "mla_avx512.c", "pool.c"],
+                  ["-std=c11", "-D_GNU_SOURCE"])
 
 
 @pytest.mark.parametrize("S,threads", [(1, 1), (37, 2)])
