@@ -2,12 +2,12 @@
  *
  * Work item: the query heads of one key/value head (all of them, or as many chunks as it
  * takes to give every thread one: group_for) of one batch row, all T query tokens; per block
- * of PB cached positions, the block's key and value rows are widened to f32 once (when bf16),
- * then for every head and token the PB scores q . k_j (dot_many) and the fold into the
- * running softmax with the value rows (softmax_fold, attn_impl.h, the same rule as the MLA
- * kernel's).  Before 2026-11-26 an item was one query head, which widened its key/value
- * head's rows again for each of the H / Hkv heads sharing them.  Same per-ISA instantiation
- * as mla.c. */
+ * of PB cached positions, the block's key and value rows are widened to f32 once (when bf16
+ * and read by more than one head), then for every head and token the PB scores q . k_j
+ * (dot_many) and the fold into the running softmax with the value rows (softmax_fold,
+ * attn_impl.h, the same rule as the MLA kernel's).  Before 2026-11-26 an item was one query
+ * head, which read its key/value head's rows again for each of the H / Hkv heads sharing
+ * them, widening them each time.  Same per-ISA instantiation as mla.c. */
 #include "attn.h"
 #include "attn_impl.h"
 #include "kimpl.h"

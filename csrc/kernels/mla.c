@@ -6,10 +6,11 @@
  * and W_UV[h] are read once per call and each cached latent row c_j once per group.  Per item:
  *   1. per head, q_lat[t] = sum_d q_nope[t,d] * W_UK[h,d,:]    weight rows streamed, T axpys
  *      per row
- *   2. for each block of PB positions j (widened to f32 once, when bf16), for each head of the
- *      group: s = (q_lat[t] . c_j + q_pe[t] . k_j) * scale + bias[t,j], the block's PB dot
- *      products computed together (dot_rows), folded into a running softmax (max m, sum l,
- *      the maximum moved once per block) and o_lat[t] += exp(s - m) * c_j
+ *   2. for each block of PB positions j (widened to f32 once when bf16 and read by more than
+ *      one head), for each head of the group: s = (q_lat[t] . c_j + q_pe[t] . k_j) * scale +
+ *      bias[t,j], the block's PB dot products computed together (dot_rows), folded into a
+ *      running softmax (max m, sum l, the maximum moved once per block) and
+ *      o_lat[t] += exp(s - m) * c_j
  *   3. per head, out[t, h*dv + e] = W_UV[h,e,:] . (o_lat[t] / l)
  *
  * A single dot product of r = 512 with one vector of partial sums is bound by the add latency
@@ -108,7 +109,7 @@ typedef struct mla_job {
     int32_t wdtype;
     size_t wsz;         /* bytes a weight value */
     int w_bf16;
-    int avx512;         /* int8/int4/bf16 weights and bf16 rows through mla_avx512.c's loops */
+    int avx512;         /* int8/int4/bf16 weights and f32/bf16 rows: mla_avx512.c's loops */
     const float *bias;
     uint32_t bias_rows;
     float *out;
@@ -219,11 +220,10 @@ AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const fl
 /* One item: heads h0 .. h0 + nh - 1 of batch row b (scratch: q_lat, o_lat [nh, T, r], m, l
  * [nh, T], cf [PB, r], kf [PB, dr]).
  * 2. scores, running softmax, o_lat: positions in blocks of PB, the running maximum moved
- * once per block.  A block's cached rows are widened to f32 once (cf, kf; when bf16 and nh > 1)
- * and then serve every head of the item, the scores' dot products and the weighted sum
- * alike.  Every head's
- * arithmetic is a one-head item's, in the same order, so the bits do not depend on the
- * grouping (nor on the widening: exact). */
+ * once per block.  A block's cached rows are widened to f32 once (cf, kf; when bf16 and
+ * nh > 1) and then serve every head of the item, the scores' dot products and the weighted
+ * sum alike.  Every head's arithmetic is a one-head item's, in the same order, so the bits do
+ * not depend on the grouping (nor on the widening: exact). */
 AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, float *m,
                  float *l, float *cf, float *kf) {
     const smoe_mla_desc *d = j->d;
