@@ -1,7 +1,7 @@
 /* Multi-head (grouped-query) attention at decode sizes (contract in attn.h).
  *
  * Work item: the query heads of one key/value head (all of them, or as many chunks as it
- * takes to give every thread one: group_for) of one batch row, all T query tokens; per block
+ * takes to give every thread one: group_heads) of one batch row, all T query tokens; per block
  * of PB cached positions, the block's key and value rows are widened to f32 once (when bf16
  * and read by more than one head), then for every head and token the PB scores q . k_j
  * (dot_many) and the fold into the running softmax with the value rows (softmax_fold,
@@ -26,31 +26,20 @@ typedef struct mha_job {
     uint8_t *scratch; /* per thread: scratch_per bytes, nslots threads' worth */
     size_t scratch_per;
     uint32_t nslots;
-    uint32_t G;      /* query heads an item, all of one key/value head (group_for) */
+    uint32_t G;      /* query heads an item, all of one key/value head (group_heads) */
     uint32_t chunks; /* items per key/value head: ceil(H / Hkv / G) */
     uint32_t next;   /* next (b, key/value head, chunk) item; atomic */
 } mha_job;
 
 /* The most query heads an item may take (what smoe_mha_scratch_bytes provides for): their
- * running outputs [G, T, D] at most 256 KB (they stay in L2), at most 64. */
+ * running outputs [G, T, D] in L2 (group_max_of), at most 64. */
 static uint32_t group_max(uint32_t D, uint32_t T) {
-    size_t g = ((size_t)256 << 10) / ((size_t)T * D * 4);
-    return g < 1 ? 1u : g > 64 ? 64u : (uint32_t)g;
-}
-
-/* Query heads an item takes: all those of one key/value head (at most group_max), split into
- * as many chunks as it takes for the B x Hkv groups to give each of nt threads an item. */
-static uint32_t group_for(const smoe_mha_desc *d, uint32_t T, uint32_t B, uint32_t nt) {
-    const uint32_t rep = d->H / d->Hkv, groups = B * d->Hkv;
-    uint32_t split = (nt + groups - 1) / groups;
-    if (split < 1) split = 1;
-    uint32_t g = (rep + split - 1) / split, gm = group_max(d->D, T);
-    return g < gm ? g : gm;
+    return group_max_of((size_t)T * D * 4, 64);
 }
 
 /* One item: query heads h0 .. h0 + nh - 1 of batch row b, all of key/value head g (scratch:
- * o [nh, T, D], m, l [nh, T], kf, vf [PB, D]).  A block of PB cached key and value rows is
- * widened to f32 once (when bf16 and nh > 1) and serves every head of the item; each head's
+ * o [nh, T, D], m, l [nh, T], kf, vf [PB, D]).  A block of PB cached key and value rows,
+ * widened to f32 once where block_rows says, serves every head of the item; each head's
  * arithmetic is a one-head item's, in the same order, so the bits do not depend on the
  * grouping (the widening is exact). */
 AI void mha_item(const mha_job *j, uint32_t item, float *o, float *m, float *l, float *kf,
@@ -69,15 +58,14 @@ AI void mha_item(const mha_job *j, uint32_t item, float *o, float *m, float *l, 
         m[k] = -INFINITY;
         l[k] = 0.0f;
     }
-    /* widened rows only where more than one head reads them: one head alone reads the bf16
-     * rows faster than it widens them and reads twice the bytes (16 heads a key/value head,
-     * D = 128, 2048 positions, 1 thread: 1.1 against 2.0 ms) */
-    const int widen = j->kv_bf16 && nh > 1, rbf = j->kv_bf16 && !widen;
-    const size_t rst = (size_t)D * (rbf ? 2 : 4);
     for (uint32_t p0 = 0; p0 < S; p0 += PB) {
         const uint32_t np = S - p0 < PB ? S - p0 : PB;
-        const uint8_t *k0 = rows_f32(kb + (size_t)p0 * D * esz, widen, np, D, kf);
-        const uint8_t *v0 = rows_f32(vb + (size_t)p0 * D * esz, widen, np, D, vf);
+        int rbf;
+        const uint8_t *k0 = block_rows(kb + (size_t)p0 * D * esz, j->kv_bf16, nh, np, D, kf,
+                                       &rbf);
+        const uint8_t *v0 = block_rows(vb + (size_t)p0 * D * esz, j->kv_bf16, nh, np, D, vf,
+                                       &rbf);
+        const size_t rst = (size_t)D * (rbf ? 2 : 4);
         for (uint32_t i = 0; i < nh; i++)
             for (uint32_t t = 0; t < T; t++) {
                 const size_t k = (size_t)i * T + t;
@@ -157,7 +145,8 @@ int smoe_mha_decode(smoe_kctx *c, const smoe_mha_desc *d, uint32_t B, uint32_t T
     if ((d->Hkv > 1 && kv_hstride < (size_t)S * d->D) ||
         (B > 1 && kv_bstride < (size_t)(d->Hkv - 1) * kv_hstride + (size_t)S * d->D))
         return smoe_err_set(err, SMOE_EINVAL, "smoe_mha_decode: strides overlap rows");
-    uint32_t G = group_for(d, T, B, c && c->nthreads ? c->nthreads : 1);
+    uint32_t G = group_heads(d->H / d->Hkv, B * d->Hkv, c && c->nthreads ? c->nthreads : 1,
+                             group_max(d->D, T));
     size_t per = per_thread(d->D, T, G);
     if (scratch_bytes < 64 + per && G > 1) { /* scratch for fewer: one head an item */
         G = 1;

@@ -1,8 +1,8 @@
 /* Multi-head latent attention at decode sizes, absorbed form (contract and equations in
  * attn.h).
  *
- * Work item: one batch row b and a group of G heads (group_for: all of the row's heads, or as
- * many groups as it takes to give every thread one), all T query tokens together, so W_UK[h]
+ * Work item: one batch row b and a group of G heads (group_heads: all of the row's heads, or
+ * as many groups as it takes to give every thread one), all T query tokens together, so W_UK[h]
  * and W_UV[h] are read once per call and each cached latent row c_j once per group.  Per item:
  *   1. per head, q_lat[t] = sum_d q_nope[t,d] * W_UK[h,d,:]    weight rows streamed, T axpys
  *      per row
@@ -16,7 +16,7 @@
  * A single dot product of r = 512 with one vector of partial sums is bound by the add latency
  * (32 dependent adds); PB rows at once give PB independent chains and load x once for PB rows
  * (the cached rows, read from cache).  Weight rows, streamed from DRAM, go one at a time
- * instead (bf16, AVX-512): at DeepSeek-V2-Lite shapes (16 heads, r = 512, 4.2 MB of absorbed
+ * instead (f32/bf16, AVX-512): at DeepSeek-V2-Lite shapes (16 heads, r = 512, 4.2 MB of absorbed
  * weights a layer), 1 thread, 4 KB pages, several rows at once (eight for W_UV, four for W_UK:
  * several short streams) read 7-8 GB/s, one at a time 12-15, against 18-23 for a plain read
  * loop over the same memory (benchmarks/c/mla_decode.c, 2026-11-26).  Software prefetch
@@ -116,26 +116,14 @@ typedef struct mla_job {
     uint8_t *scratch;   /* per thread: scratch_per bytes, nslots threads' worth */
     size_t scratch_per;
     uint32_t nslots;    /* pool threads k >= nslots claim nothing (scratch sized for fewer) */
-    uint32_t G;         /* heads an item (group_for) */
+    uint32_t G;         /* heads an item (group_heads) */
     uint32_t next;      /* next (b, group of G heads) item; atomic */
 } mla_job;
 
-/* q_lat and o_lat of the heads of one item, at most this many bytes (they stay in L2) */
-#define MLA_GROUP_BYTES (256u << 10)
-
-/* The most heads an item may take at T tokens (what smoe_mla_scratch_bytes provides for). */
+/* The most heads an item may take at T tokens (what smoe_mla_scratch_bytes provides for):
+ * their q_lat and o_lat in L2 (group_max_of). */
 static uint32_t group_max(const smoe_mla_desc *d, uint32_t T) {
-    size_t g = MLA_GROUP_BYTES / ((size_t)2 * T * d->r * 4);
-    return g < 1 ? 1u : g > d->H ? d->H : (uint32_t)g;
-}
-
-/* Heads an item takes: all of a batch row's (at most group_max), split into as many groups
- * as it takes for B rows to give each of nt threads an item. */
-static uint32_t group_for(const smoe_mla_desc *d, uint32_t T, uint32_t B, uint32_t nt) {
-    uint32_t split = (nt + B - 1) / B;
-    if (split < 1) split = 1;
-    uint32_t g = (d->H + split - 1) / split, gm = group_max(d, T);
-    return g < gm ? g : gm;
+    return group_max_of((size_t)2 * T * d->r * 4, d->H);
 }
 
 /* 1. q_lat [T, r] of head h of batch row b: W_UK[h]'s rows in order (one sequential stream),
@@ -161,9 +149,9 @@ AI void mla_q_lat(const mla_job *j, uint32_t b, uint32_t h, float *q_lat) {
                 smoe_mla_axpy_q_avx512(y, a, (const int8_t *)row, rs, qgroup, r);
                 continue;
             }
-            if (j->w_bf16 && j->avx512) { /* one row a call: one stream from DRAM */
+            if (j->avx512) { /* f32/bf16: one row a call, one stream from DRAM */
                 const void *one = row;
-                smoe_attn_axpy_avx512(y, &a, &one, 1, r, 1);
+                smoe_attn_axpy_avx512(y, &a, &one, 1, r, j->w_bf16);
                 continue;
             }
 #endif
@@ -189,15 +177,10 @@ AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const fl
     for (uint32_t t = 0; t < T; t++) {
         const float *x = o_lat + (size_t)t * r;
         float *o = j->out + ((size_t)b * T + t) * d->H * dv + (size_t)h * dv;
-        if (!quant) {
-#if defined(__x86_64__) && defined(__GNUC__)
-            if (j->w_bf16 && j->avx512) { /* one row a call: one stream from DRAM */
-                for (uint32_t e = 0; e < dv; e++)
-                    smoe_attn_dot_avx512(x, wuv + e * wrow, r, r, 1, o + e, 1);
-                continue;
-            }
-#endif
-            dot_many(x, wuv, wrow, j->w_bf16, r, dv, o, j->avx512);
+        if (!quant) { /* AVX-512: one row a call, one stream from DRAM */
+            const uint32_t step = j->avx512 ? 1 : dv;
+            for (uint32_t e = 0; e < dv; e += step)
+                dot_many(x, wuv + e * wrow, wrow, j->w_bf16, r, step, o + e, j->avx512);
             continue;
         }
         const float *us = j->uv_scale + (size_t)h * dv * srow;
@@ -220,8 +203,8 @@ AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const fl
 /* One item: heads h0 .. h0 + nh - 1 of batch row b (scratch: q_lat, o_lat [nh, T, r], m, l
  * [nh, T], cf [PB, r], kf [PB, dr]).
  * 2. scores, running softmax, o_lat: positions in blocks of PB, the running maximum moved
- * once per block.  A block's cached rows are widened to f32 once (cf, kf; when bf16 and
- * nh > 1) and then serve every head of the item, the scores' dot products and the weighted
+ * once per block.  A block's cached rows, widened to f32 once where block_rows says (cf, kf),
+ * serve every head of the item, the scores' dot products and the weighted
  * sum alike.  Every head's arithmetic is a one-head item's, in the same order, so the bits do
  * not depend on the grouping (nor on the widening: exact). */
 AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, float *m,
@@ -242,14 +225,14 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
     const uint8_t *cb = j->ckv + (size_t)b * j->ckv_bstride * csz;
     const uint8_t *kb = j->kpe + (size_t)b * j->kpe_bstride * ksz;
     const float *bias = j->bias ? j->bias + (size_t)(j->bias_rows == 1 ? 0 : b) * T * S : NULL;
-    /* widened rows only where more than one head reads them (as mha.c) */
-    const int wc = j->ckv_bf16 && nh > 1, cbf = j->ckv_bf16 && !wc;
-    const int wk = j->kpe_bf16 && nh > 1, kbf = j->kpe_bf16 && !wk;
-    const size_t cst = (size_t)r * (cbf ? 2 : 4), kst = (size_t)dr * (kbf ? 2 : 4);
     for (uint32_t p0 = 0; p0 < S; p0 += PB) {
         const uint32_t np = S - p0 < PB ? S - p0 : PB;
-        const uint8_t *c0 = rows_f32(cb + (size_t)p0 * r * csz, wc, np, r, cf);
-        const uint8_t *k0 = rows_f32(kb + (size_t)p0 * dr * ksz, wk, np, dr, kf);
+        int cbf, kbf;
+        const uint8_t *c0 = block_rows(cb + (size_t)p0 * r * csz, j->ckv_bf16, nh, np, r, cf,
+                                       &cbf);
+        const uint8_t *k0 = block_rows(kb + (size_t)p0 * dr * ksz, j->kpe_bf16, nh, np, dr, kf,
+                                       &kbf);
+        const size_t cst = (size_t)r * (cbf ? 2 : 4), kst = (size_t)dr * (kbf ? 2 : 4);
         for (uint32_t g = 0; g < nh; g++) {
             const float *qp = j->q_pe + ((size_t)b * d->H + h0 + g) * T * dr;
             for (uint32_t t = 0; t < T; t++) {
@@ -345,7 +328,7 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
     if (bias && bias_rows != 1 && bias_rows != B)
         return smoe_err_set(err, SMOE_EINVAL, "smoe_mla_decode: bias has %u rows, not 1 or B=%u",
                             bias_rows, B);
-    uint32_t G = group_for(d, T, B, c && c->nthreads ? c->nthreads : 1);
+    uint32_t G = group_heads(d->H, B, c && c->nthreads ? c->nthreads : 1, group_max(d, T));
     size_t per = per_thread(d, T, G);
     if (scratch_bytes < 64 + per && G > 1) { /* scratch for fewer: one head an item */
         G = 1;
