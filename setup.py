@@ -14,6 +14,7 @@ Environment knobs:
   SPECMOE_NVCC=path       the nvcc to use (default: CUDA_HOME/bin/nvcc, then the
                           nvidia-cuda-nvcc wheel of this interpreter, then nvcc on PATH)
   SPECMOE_CUDA_ARCH="80;90"  compute capabilities: SASS for each, PTX for the lowest
+  SPECMOE_JOBS=N          compile N C sources at a time (default: one per CPU)
 """
 import glob
 import os
@@ -160,9 +161,37 @@ def _cuda_plan():
     return {"nvcc": nvcc, "inc": inc, "lib": lib, "cublas": cublas, "cu": cu_sources}, ""
 
 
+def _compile_in_parallel(compiler, jobs):
+    """Make ``compiler.compile`` build its sources on ``jobs`` threads (each source is its own
+    compiler process; setuptools runs them one after another).  Uses the compile steps of
+    distutils' CCompiler.compile itself (_setup_compile, _get_cc_args, _compile)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                extra_preargs=None, extra_postargs=None, depends=None):
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+        def one(obj):
+            src, ext = build[obj]
+            compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(one, [o for o in objects if o in build]))  # re-raises a failure
+        return objects
+    compiler.compile = compile
+
+
 class BuildExt(build_ext):
     """build_ext that compiles cuda/*.cu with nvcc into objects linked into specmoe._cuda
-    (static CUDA runtime; cuBLAS dynamic, preloaded by specmoe.cuda before the import)."""
+    (static CUDA runtime; cuBLAS dynamic, preloaded by specmoe.cuda before the import), and
+    the C sources of each extension in parallel, one job per CPU (SPECMOE_JOBS=N sets it)."""
+
+    def build_extensions(self):
+        jobs = int(os.environ.get("SPECMOE_JOBS") or os.cpu_count() or 1)
+        if jobs > 1:
+            _compile_in_parallel(self.compiler, jobs)
+        super().build_extensions()
 
     def build_extension(self, ext):
         cu = getattr(ext, "cu_sources", None)

@@ -123,7 +123,7 @@ def main() -> None:
                            "vocab": a.vocab, "tokens": a.tokens, "rounds": a.rounds,
                            "device": dev if dev == "cpu" else cuda.available()[1],
                            "checkpoint_s": time.perf_counter() - t0}
-    ids = torch.randint(100, 8000, (1, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, min(8000, a.vocab), (1, 32), generator=torch.Generator().manual_seed(0))
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Callable[[], tuple[float, list[int]]]] = {}
     engines: list[Any] = []

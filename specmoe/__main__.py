@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="predictor spec: none, oracle[:depth=N], router, history[:topk=N,"
                         "percentile=Q,history=N,cooc_weight=W]")
     p.add_argument("--hardware", default="a100-pcie4",
-                   help="a100-pcie4, rtx4090, laptop or calibrate")
+                   help="a100-pcie4, rtx4090, laptop, calibrate (this CPU) or "
+                        "calibrate-gpu (this GPU tier)")
     p.add_argument("--miss", default="fetch",
                    choices=["fetch", "drop", "substitute", "lowest_bit", "priority"],
                    help="SpecMD miss handling (see specmoe.sim.simulate)")

@@ -36,7 +36,7 @@ import numpy as np
 
 __all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache", "moe_forward",
            "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile",
-           "ExpertGroups", "group_by_expert"]
+           "ExpertGroups", "group_by_expert", "calibrate"]
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
 
@@ -562,3 +562,158 @@ def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_
         counters["gpu_experts"] = counters.get("gpu_experts", 0) + len(experts_h) - len(on_cpu)
         counters["cpu_experts"] = counters.get("cpu_experts", 0) + len(on_cpu)
     return out
+
+
+# ---- the simulator's profile of this GPU tier ----------------------------------------------
+
+_GPU_CALIBRATED: dict[int, Any] = {}
+
+
+def calibrate(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 1408), experts: int = 8,
+              top_k: int = 6, repeats: int = 3, refresh: bool = False,
+              directory: str | None = None) -> Any:
+    """Measure a simulator profile (:class:`specmoe.hardware.Hardware`) of the GPU tier on
+    CUDA device ``device``: the GPU counterpart of :func:`specmoe.hardware.calibrate`, and what
+    ``get_hardware("calibrate-gpu")`` returns.  Cached per device for the process (``refresh``
+    re-measures).  Takes a few seconds; writes two small stores in ``directory`` (default: the
+    temp dir) and removes them.
+
+    Every figure is taken through the paths a decode step takes (the time model of
+    :mod:`specmoe.hardware`):
+
+    * ``link_bw`` / ``link_latency_s``: demand misses of a :class:`GpuExpertCache`
+      (``mode="host"``: pinned host copy, ``cudaMemcpyAsync`` on the copy stream, the compute
+      stream waiting on the slot's event), two slots cycled over ``experts`` blocks so every
+      acquire misses; wall clock from ``acquire`` to the stream's completion, median per load.
+      Measured for bf16 experts of ``expert_shape`` = (hidden H, intermediate I) and for
+      4 KiB blocks; the latency is the intercept of the line through the two.
+    * ``fast_bw``: the expert's weight bytes over the wall-clock time per expert of
+      back-to-back one-token :func:`ffn` calls on a resident slot (``path="auto"``), as
+      :func:`moe_forward` issues them: launch work included.
+    * ``kernel_overhead_s``: one token's :func:`moe_forward` over ``top_k`` resident experts,
+      less ``top_k`` expert calls (grouping by expert, its device-to-host read, acquire and
+      release); 0 if negative.
+    * ``flops``: the same expert on 1024 tokens (CUDA events).
+    """
+    import statistics
+    import tempfile
+    import time
+
+    import torch
+
+    from . import kernels
+    from .hardware import Hardware
+    from .store import ExpertStore, write_store
+
+    have = _GPU_CALIBRATED.get(device)
+    if have is not None and not refresh:
+        return have
+    if experts < 3 or top_k < 1 or top_k > experts or repeats < 1:
+        raise ValueError(f"need experts >= 3, 1 <= top_k <= experts and repeats >= 1, got "
+                         f"experts={experts}, top_k={top_k}, repeats={repeats}")
+    load()
+    H, I = expert_shape
+    dev = torch.device("cuda", device)
+    stream = torch.cuda.current_stream(dev)
+    gen = torch.Generator().manual_seed(0)
+
+    def bf16(*shape: int) -> Any:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def miss_time(st: ExpertStore) -> float:
+        """Median seconds of one demand miss (every acquire of two slots cycled over the
+        store's experts misses)."""
+        cache = GpuExpertCache(st, 2, "lru", device=device, mode="host", prefetch=False)
+        try:
+            n = st.num_experts * (repeats + 1)
+            times = []
+            for i in range(n):
+                e = i % st.num_experts
+                stream.synchronize()
+                t0 = time.perf_counter()
+                cache.acquire(0, e, stream)
+                stream.synchronize()
+                t = time.perf_counter() - t0
+                cache.release(0, e, stream)
+                if i >= st.num_experts:  # the first round warms up
+                    times.append(t)
+            misses = cache.stats()["misses"]
+            if misses != n:
+                raise RuntimeError(f"calibrate: {misses} of {n} acquires missed; every one "
+                                   "must (two slots cycled over more experts)")
+        finally:
+            cache.close()
+        return statistics.median(times)
+
+    def per_call(fn: Any, n: int) -> float:
+        """Wall-clock seconds per call of n back-to-back calls, synchronised at the end."""
+        fn()
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        stream.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    tmp = tempfile.mkdtemp(prefix="specmoe-gpu-calib-", dir=directory)
+    big, small = os.path.join(tmp, "experts.smoe"), os.path.join(tmp, "small.smoe")
+    try:
+        layer = {"gate": bf16(experts, I, H), "up": bf16(experts, I, H),
+                 "down": bf16(experts, H, I)}
+        write_store(big, [layer], top_k=top_k, progress=False).close()
+        raw = np.frombuffer(os.urandom(4096 * experts), np.uint8).reshape(experts, 4096)
+        write_store(small, [{"w": raw}], progress=False).close()
+        with ExpertStore(small) as st:
+            t_small = miss_time(st)
+            small_bytes = st.block_bytes
+        with ExpertStore(big) as st:
+            t_big = miss_time(st)
+            spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes)
+            per_byte = max((t_big - t_small) / (st.block_bytes - small_bytes), 1e-15)
+            cache = GpuExpertCache(st, experts, "lru", device=device, mode="host",
+                                   prefetch=False, top_k=top_k)
+            try:
+                addrs = [cache.acquire(0, e, stream) for e in range(experts)]
+                stream.synchronize()
+                for e in range(experts):  # resident and unpinned: nothing evicts them here
+                    cache.release(0, e, stream)
+                x = torch.randn(1, H, generator=gen).to(dev) * 0.1
+                out = torch.zeros_like(x)
+                reps = 50 * repeats
+                t_expert = per_call(lambda: ffn(addrs[0], spec, x, out=out, stream=stream),
+                                    reps)
+                ids = torch.arange(top_k, dtype=torch.int64, device=dev).reshape(1, top_k)
+                w = torch.full((1, top_k), 1.0 / top_k, device=dev)
+                t_layer = per_call(lambda: moe_forward(cache, spec, 0, x, ids, w), reps)
+                ffn_context(device, H, I, max_tokens=1024)
+                xb = torch.randn(1024, H, generator=gen).to(dev) * 0.1
+                outb = torch.zeros_like(xb)
+                ffn(addrs[0], spec, xb, out=outb, stream=stream)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(stream)
+                for _ in range(10 * repeats):
+                    ffn(addrs[0], spec, xb, out=outb, stream=stream)
+                b.record(stream)
+                b.synchronize()
+                t_batch = a.elapsed_time(b) / 1e3 / (10 * repeats)
+                if cache.stats()["misses"] != experts:
+                    raise RuntimeError("calibrate: a resident expert was evicted")
+            finally:
+                cache.close()
+    finally:
+        for p in (big, small):
+            if os.path.exists(p):
+                os.unlink(p)
+        os.rmdir(tmp)
+    name = torch.cuda.get_device_name(dev)
+    prof = Hardware(
+        name="calibrate-gpu", fast_bw=spec.weight_bytes / t_expert, link_bw=1.0 / per_byte,
+        link_latency_s=max(t_small - small_bytes * per_byte, 0.0),
+        flops=2 * 3 * H * I * 1024 / t_batch,
+        fast_bytes=float(torch.cuda.get_device_properties(dev).total_memory),
+        kernel_overhead_s=max(t_layer - top_k * t_expert, 0.0),
+        description=f"measured by specmoe.cuda.calibrate on {name}: GpuExpertCache demand "
+                    f"misses from pinned host memory, bf16 {H}x{I} expert calls and "
+                    f"moe_forward of {top_k} resident experts, launch work included")
+    _GPU_CALIBRATED[device] = prof
+    return prof

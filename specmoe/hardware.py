@@ -115,18 +115,23 @@ PROFILES["a100"] = PROFILES["a100-pcie4"]
 
 
 def get_hardware(hw: "str | Hardware") -> Hardware:
-    """A profile by name (``a100-pcie4``, ``rtx4090``, ``laptop``, ``calibrate``) or as given."""
+    """A profile by name (``a100-pcie4``, ``rtx4090``, ``laptop``; ``calibrate`` measures this
+    machine's CPU tier, ``calibrate-gpu`` its GPU tier on device 0) or as given."""
     if isinstance(hw, Hardware):
         return hw
     if not isinstance(hw, str):
         raise TypeError(f"hardware must be a profile name or a Hardware, got {type(hw).__name__}")
     if hw == "calibrate":
         return calibrate()
+    if hw == "calibrate-gpu":
+        from . import cuda
+
+        return cuda.calibrate()
     try:
         return PROFILES[hw]
     except KeyError:
         raise ValueError(f"unknown hardware profile {hw!r}; known: "
-                         f"{', '.join(sorted(PROFILES))}, calibrate") from None
+                         f"{', '.join(sorted(PROFILES))}, calibrate, calibrate-gpu") from None
 
 
 _CALIBRATED: Hardware | None = None

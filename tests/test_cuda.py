@@ -752,3 +752,66 @@ def test_offload_cuda_balanced_greedy_equal_to_unmodified():
         assert eng.stats()["cpu_experts"] == 0
     finally:
         eng.close()
+
+
+# ---------- the simulator's profile of the GPU tier ----------
+
+def test_calibrate_gpu_bad_input_and_no_gpu():
+    from specmoe.hardware import get_hardware
+
+    with pytest.raises(ValueError, match="experts >= 3"):
+        cuda.calibrate(experts=2)
+    with pytest.raises(ValueError, match="top_k <= experts"):
+        cuda.calibrate(experts=4, top_k=5)
+    if _GPU_WHY:
+        with pytest.raises(cuda.CudaUnavailable):
+            get_hardware("calibrate-gpu")
+
+
+@need_gpu
+def test_calibrate_gpu_profile_against_torch_copies(tmp_path):
+    """The profile's link is within reach of torch's own pinned host-to-device copies of a
+    block of the same size (an independent measurement), its fast tier below the device's
+    own copy rate, and the simulator runs on it."""
+    import torch
+
+    from specmoe import sim
+    from specmoe.trace import Trace
+    from specmoe.hardware import DEEPSEEK_V2_LITE, get_hardware, sim_timing
+
+    H, I = 2048, 1408
+    prof = cuda.calibrate(0, expert_shape=(H, I), experts=4, top_k=2, repeats=1, refresh=True,
+                          directory=str(tmp_path))
+    assert get_hardware("calibrate-gpu") is prof  # cached for the process
+    assert list(tmp_path.iterdir()) == []  # its stores removed
+    nbytes = 3 * H * I * 2
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(8):
+        dst.copy_(src, non_blocking=True)
+    b.record()
+    b.synchronize()
+    pinned_bw = nbytes * 8 / (a.elapsed_time(b) / 1e3)
+    assert 0.3 * pinned_bw < prof.link_bw < 1.5 * pinned_bw, (prof, pinned_bw)
+    big = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+    big2 = torch.empty_like(big)
+    big2.copy_(big)
+    a.record()
+    big2.copy_(big)
+    b.record()
+    b.synchronize()
+    d2d_read_write = 2 * big.numel() / (a.elapsed_time(b) / 1e3)
+    assert 0 < prof.fast_bw < d2d_read_write, (prof, d2d_read_write)
+    assert 0 <= prof.link_latency_s < 1e-3 and 0 <= prof.kernel_overhead_s < 1e-2
+    assert 0 < prof.flops < 5e15 and prof.fast_bytes > 0
+    kw = sim_timing(prof, DEEPSEEK_V2_LITE)
+    assert kw["link_bw"] == prof.link_bw and kw["fast_bw"] == prof.fast_bw
+    rng = np.random.default_rng(0)
+    ids = np.stack([[rng.choice(16, 2, replace=False) for _ in range(4)] for _ in range(64)])
+    tr = Trace(experts=ids, num_experts=16)
+    fast, slow = sim.simulate(tr, "lru", 32, hardware=prof), sim.simulate(tr, "lru", 4,
+                                                                          hardware=prof)
+    assert 0 < fast.est_tpot_ms < slow.est_tpot_ms

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU tier's checks for one session on a lent GPU machine (docs/gpu.md), in one run:
+# build specmoe._C and specmoe._cuda with -Werror, measure the simulator's profile of the GPU
+# tier (specmoe.cuda.calibrate), run tests/test_cuda.py, then benchmarks/gpu_generate.py.
+#
+#   benchmarks/gpu_check.sh OUTDIR
+#
+# Needs a python3 with a CUDA build of torch (PY=... to choose another).  Wheels in .whl/
+# (git-ignored: the transformers/tokenizers/regex versions this checkout's tests use) are
+# installed into /tmp/site first.  Every step writes its log or JSON into OUTDIR and a
+# summary to stdout; BUDGET_S (default 560) bounds the whole run: the benchmark gets what is
+# left after the tests.
+set -u -o pipefail
+out=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - t0 )); }
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/smi.txt"
+SPECMOE_CUDA=1 SPECMOE_WERROR=1 SPECMOE_CUDA_ARCH=${SPECMOE_CUDA_ARCH:-90} \
+    $PY setup.py --quiet build_ext --inplace > "$out/build.log" 2>&1 \
+    || { tail -40 "$out/build.log"; exit 1; }
+echo "== built in $(elapsed) s"
+
+timeout 90 $PY -c 'import json; from specmoe import cuda; print(json.dumps(cuda.calibrate().to_dict()))' \
+    > "$out/gpu_profile.json" 2> "$out/gpu_profile.err"
+echo "== calibrate rc=$? at $(elapsed) s"; cat "$out/gpu_profile.json"; tail -5 "$out/gpu_profile.err"
+
+timeout 240 $PY -m pytest -q -rs --durations=15 tests/test_cuda.py > "$out/test_cuda.log" 2>&1
+echo "== test_cuda rc=$? at $(elapsed) s"; grep -E "passed|failed|error|SKIPPED|FAILED" "$out/test_cuda.log" | tail -25
+
+left=$(( ${BUDGET_S:-560} - $(elapsed) ))
+if [ "$left" -gt 60 ]; then
+    timeout "$left" $PY benchmarks/gpu_generate.py --json --workdir /tmp/specmoe-bench \
+        > "$out/gpu_generate.json" 2> "$out/gpu_generate.err"
+    echo "== gpu_generate rc=$? at $(elapsed) s"
+    $PY - "$out/gpu_generate.json" <<'PYEOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no JSON: {e}")
+for r in d.get("rows", []):
+    print(r["label"], {k: r.get(k) for k in ("tok_s", "tokens_equal", "hit_rate", "error")})
+print({k: v for k, v in d.items() if k != "rows"})
+PYEOF
+    tail -5 "$out/gpu_generate.err"
+else
+    echo "== gpu_generate skipped: $left s left"
+fi
