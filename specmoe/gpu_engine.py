@@ -230,11 +230,14 @@ class GpuEngine(EngineCommon):
                 c["true_positive"] += int(hit)
                 c["actual"] += len(used)
                 self._predicted = None
-            if self.prefetch and pos + 1 < len(self.layer_ids):
-                self._prefetch_next(pos + 1, hidden)
             x = hidden.detach().to(torch.float32).contiguous()
             out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
                                    balance=self.balance, counters=c, groups=groups)
+            # The next layer's prefetches are queued after this layer's demand loads: the
+            # cache has one copy stream, so prefetches queued first would delay them (measured
+            # on an H200 with the prefetches first: prefetch on 81 tok/s, off 115).
+            if self.prefetch and pos + 1 < len(self.layer_ids):
+                self._prefetch_next(pos + 1, hidden)
             return out.to(hidden.dtype)
 
     def _prefetch_next(self, nxt: int, hidden: torch.Tensor) -> None:
@@ -252,8 +255,8 @@ class GpuEngine(EngineCommon):
             n = min(self.num_experts, math.ceil(self.top_k * self.overfetch))
             top = lg.topk(n, dim=-1).indices.reshape(-1)
             experts, votes = torch.unique(top, return_counts=True)
-        e = experts.cpu().numpy().astype(np.int64)
-        v = votes.cpu().numpy().astype(np.float64)
+        both = torch.stack((experts, votes)).cpu().numpy()  # one device-to-host read
+        e, v = both[0].astype(np.int64), both[1].astype(np.float64)
         self._predicted = (nxt, e)
         self._counters["predicted"] += int(e.size)
         self._cache.prefetch([nxt * self.num_experts + int(k) for k in e], v.tolist(),

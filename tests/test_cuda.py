@@ -776,7 +776,7 @@ def test_calibrate_gpu_profile_against_torch_copies(tmp_path):
     import torch
 
     from specmoe import sim
-    from specmoe.trace import Trace
+    from specmoe.traces import Trace
     from specmoe.hardware import DEEPSEEK_V2_LITE, get_hardware, sim_timing
 
     H, I = 2048, 1408
