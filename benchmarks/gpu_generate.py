@@ -6,7 +6,8 @@ Rows, all loaded at once and timed in interleaved rounds (median):
 
 * ``unmodified on the GPU (upper bound)``: ``AutoModelForCausalLM.from_pretrained(ckpt,
   device_map=<device>, dtype=bfloat16)``, every weight on the GPU;
-* ``specmoe N%`` / ``+ prefetch`` / ``+ balancer``: ``specmoe.from_pretrained(ckpt,
+* ``specmoe N%`` / ``+ prefetch`` (at each ``--overfetch``) / ``+ balancer``:
+  ``specmoe.from_pretrained(ckpt,
   device=<device>, cache=N%, dtype="bf16", prefetch=...)`` (experts in the GPU cache behind a
   pinned host copy of the store; ``balance=True`` for MoE-SpAc's CPU/GPU balancer);
 * ``accelerate device_map offload of the experts``: the same ``from_pretrained`` with a
@@ -95,6 +96,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fractions", default="0.25")
+    ap.add_argument("--overfetch", default="1.5,1.0", help="the prefetch rows' overfetch "
+                    "values (experts predicted per token = ceil(top_k * overfetch)); the "
+                    "balancer row takes the first")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
     ap.add_argument("--json", action="store_true")
@@ -144,21 +148,29 @@ def main() -> None:
     add("unmodified on the GPU (upper bound)", lambda: AutoModelForCausalLM.from_pretrained(
         ckpt, device_map=dev, dtype=torch.bfloat16).eval())
     for f in [float(x) for x in a.fractions.split(",")]:
-        for pf, bal in ((False, False), (True, False), (True, True)):
+        ofs = [float(x) for x in a.overfetch.split(",")]
+        variants = [(False, False, None)] + [(True, False, o) for o in ofs] + [(True, True, ofs[0])]
+        for pf, bal, of in variants:
             if bal and dev == "cpu":
                 continue  # (the balancer splits work between a GPU and the CPU)
             label = f"specmoe {int(round(f * 100))}%" + (" + prefetch" if pf else "") + \
-                (" + balancer" if bal else "")
+                (" + balancer" if bal else "") + \
+                (f" (overfetch {of:g})" if pf and not bal and of != ofs[0] else "")
 
-            def load(f: float = f, pf: bool = pf, bal: bool = bal, label: str = label) -> Any:
+            def load(f: float = f, pf: bool = pf, bal: bool = bal, of: float | None = of,
+                     label: str = label) -> Any:
                 kw = {"balance": True} if bal else {}
                 m = specmoe.from_pretrained(ckpt, device=dev, cache=f, dtype="bf16",
                                             policy="lru", prefetch=pf, progress=False,
                                             store=str(ckpt.parent / "store-bf16.smoe"),
                                             torch_dtype=torch.bfloat16, **kw)
-                engines.append((label, specmoe.engine_of(m)))
+                eng = specmoe.engine_of(m)
+                if pf:
+                    eng.set_prefetch(True, overfetch=of)
+                engines.append((label, eng))
                 return m
-            add(label, load, cache_fraction=f, prefetch=pf, balance=bal)
+            add(label, load, cache_fraction=f, prefetch=pf, balance=bal,
+                overfetch=of if pf else None)
     add("accelerate device_map offload of the experts",
         lambda: AutoModelForCausalLM.from_pretrained(
             ckpt, device_map=experts_device_map(cfg, dev), dtype=torch.bfloat16).eval(),
@@ -186,7 +198,8 @@ def main() -> None:
         st = eng.stats()
         rows[label].update({k: st.get(k) for k in (
             "hit_rate", "hits", "misses", "stall_s", "prefetch_precision", "prefetch_recall",
-            "cpu_experts", "gpu_experts", "capacity", "cache_bytes")})
+            "cpu_experts", "gpu_experts", "capacity", "cache_bytes", "prefetch_issued",
+            "prefetch_used")})
         eng.close()
     res["rows"] = list(rows.values())
 

@@ -230,14 +230,16 @@ class GpuEngine(EngineCommon):
                 c["true_positive"] += int(hit)
                 c["actual"] += len(used)
                 self._predicted = None
+            # The next layer's prefetches are queued before this layer's experts run: its
+            # device-to-host read then follows the sync above at no cost, and the worker has
+            # the layer's compute to copy in.  (Queued after the demand loads, the read waits
+            # for the layer's work, and a pass's last prefetches come too late: measured on an
+            # H200, neither order made prefetch pay at batch 1; see docs/gpu.md.)
+            if self.prefetch and pos + 1 < len(self.layer_ids):
+                self._prefetch_next(pos + 1, hidden)
             x = hidden.detach().to(torch.float32).contiguous()
             out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
                                    balance=self.balance, counters=c, groups=groups)
-            # The next layer's prefetches are queued after this layer's demand loads: the
-            # cache has one copy stream, so prefetches queued first would delay them (measured
-            # on an H200 with the prefetches first: prefetch on 81 tok/s, off 115).
-            if self.prefetch and pos + 1 < len(self.layer_ids):
-                self._prefetch_next(pos + 1, hidden)
             return out.to(hidden.dtype)
 
     def _prefetch_next(self, nxt: int, hidden: torch.Tensor) -> None:

@@ -789,13 +789,16 @@ def test_calibrate_gpu_profile_against_torch_copies(tmp_path):
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst.copy_(src)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(8):
-        dst.copy_(src, non_blocking=True)
-    b.record()
-    b.synchronize()
-    pinned_bw = nbytes * 8 / (a.elapsed_time(b) / 1e3)
-    assert 0.3 * pinned_bw < prof.link_bw < 1.5 * pinned_bw, (prof, pinned_bw)
+    rates = []
+    for _ in range(5):  # the median of 5 rounds of 16 back-to-back copies
+        a.record()
+        for _ in range(16):
+            dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        rates.append(nbytes * 16 / (a.elapsed_time(b) / 1e3))
+    pinned_bw = float(np.median(rates))
+    assert 0.5 * pinned_bw < prof.link_bw < 1.5 * pinned_bw, (prof, rates)
     big = torch.empty(2**28, dtype=torch.uint8, device="cuda")
     big2 = torch.empty_like(big)
     big2.copy_(big)
