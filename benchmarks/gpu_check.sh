@@ -29,12 +29,14 @@ SPECMOE_CUDA=1 SPECMOE_WERROR=1 SPECMOE_CUDA_ARCH=${SPECMOE_CUDA_ARCH:-90} \
     || { tail -40 "$out/build.log"; exit 1; }
 echo "== built in $(elapsed) s"
 
-timeout 90 $PY -c 'import json; from specmoe import cuda; print(json.dumps(cuda.calibrate().to_dict()))' \
-    > "$out/gpu_profile.json" 2> "$out/gpu_profile.err"
-echo "== calibrate rc=$? at $(elapsed) s"; cat "$out/gpu_profile.json"; tail -5 "$out/gpu_profile.err"
+timeout 90 $PY -c 'import json; from specmoe import cuda
+print(json.dumps(cuda.calibrate().to_dict()))' > "$out/gpu_profile.json" 2> "$out/gpu_profile.err"
+echo "== calibrate rc=$? at $(elapsed) s"
+cat "$out/gpu_profile.json"; tail -5 "$out/gpu_profile.err"
 
 timeout 240 $PY -m pytest -q -rs --durations=15 tests/test_cuda.py > "$out/test_cuda.log" 2>&1
-echo "== test_cuda rc=$? at $(elapsed) s"; grep -E "passed|failed|error|SKIPPED|FAILED" "$out/test_cuda.log" | tail -25
+echo "== test_cuda rc=$? at $(elapsed) s"
+grep -E "passed|failed|error|SKIPPED|FAILED" "$out/test_cuda.log" | tail -25
 
 left=$(( ${BUDGET_S:-560} - $(elapsed) ))
 if [ "$left" -gt 60 ]; then

@@ -2,14 +2,15 @@
 random-weight DeepSeek-V2-Lite-shaped checkpoint (``benchmarks/big_model.py``'s writer: bf16,
 ``--layers`` layers, the first dense), greedy ``model.generate`` of ``--tokens`` tokens, tok/s.
 
-Rows, all loaded at once and timed in interleaved rounds (median):
+Rows, all loaded at once and timed in interleaved rounds (median), after ``--warm-rounds``
+untimed ones:
 
 * ``unmodified on the GPU (upper bound)``: ``AutoModelForCausalLM.from_pretrained(ckpt,
   device_map=<device>, dtype=bfloat16)``, every weight on the GPU;
 * ``specmoe N%`` / ``+ prefetch`` (at each ``--overfetch``) / ``+ balancer``:
-  ``specmoe.from_pretrained(ckpt,
-  device=<device>, cache=N%, dtype="bf16", prefetch=...)`` (experts in the GPU cache behind a
-  pinned host copy of the store; ``balance=True`` for MoE-SpAc's CPU/GPU balancer);
+  ``specmoe.from_pretrained(ckpt, device=<device>, cache=N%, dtype="bf16", prefetch=...)``
+  (experts in the GPU cache behind a pinned host copy of the store; ``balance=True`` for
+  MoE-SpAc's CPU/GPU balancer);
 * ``accelerate device_map offload of the experts``: the same ``from_pretrained`` with a
   device map that puts every MoE layer's ``mlp.experts`` on ``"cpu"`` and everything else on
   the GPU (accelerate's hooks copy an offloaded module's weights to the GPU at each call).
@@ -22,8 +23,8 @@ Without a usable GPU it prints ``{"skipped": reason}`` and exits 0; ``--device c
 same rows on the CPU (specmoe's CPU engine, accelerate offload to the CPU itself: a dry run of
 the script, not a benchmark).
 
-This script has not run on a GPU in the session that wrote it (the device time was spent on
-tests/test_cuda.py and benchmarks/gpu_decode.py).
+Ran on an H200 on 2026-11-26 (``benchmarks/results/gpu_generate_h200.json``, before
+``--warm-rounds`` existed: its first round is in the median's three).
 """
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warm-rounds", type=int, default=1, help="untimed rounds first (on the "
+                    "H200 the first round ran up to 10x slower: the unmodified model's)")
     ap.add_argument("--fractions", default="0.25")
     ap.add_argument("--overfetch", default="1.5,1.0", help="the prefetch rows' overfetch "
                     "values (experts predicted per token = ceil(top_k * overfetch)); the "
@@ -125,9 +128,11 @@ def main() -> None:
     cfg = AutoConfig.from_pretrained(ckpt)
     res: dict[str, Any] = {"model": "deepseek_v2 (DeepSeek-V2-Lite shapes)", "layers": a.layers,
                            "vocab": a.vocab, "tokens": a.tokens, "rounds": a.rounds,
+                           "warm_rounds": a.warm_rounds,
                            "device": dev if dev == "cpu" else cuda.available()[1],
                            "checkpoint_s": time.perf_counter() - t0}
-    ids = torch.randint(100, min(8000, a.vocab), (1, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, min(8000, a.vocab), (1, 32),
+                        generator=torch.Generator().manual_seed(0))
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Callable[[], tuple[float, list[int]]]] = {}
     engines: list[Any] = []
@@ -149,7 +154,8 @@ def main() -> None:
         ckpt, device_map=dev, dtype=torch.bfloat16).eval())
     for f in [float(x) for x in a.fractions.split(",")]:
         ofs = [float(x) for x in a.overfetch.split(",")]
-        variants = [(False, False, None)] + [(True, False, o) for o in ofs] + [(True, True, ofs[0])]
+        variants = [(False, False, None)] + [(True, False, o) for o in ofs] + \
+            [(True, True, ofs[0])]
         for pf, bal, of in variants:
             if bal and dev == "cpu":
                 continue  # (the balancer splits work between a GPU and the CPU)
@@ -178,12 +184,13 @@ def main() -> None:
 
     times: dict[str, list[float]] = {k: [] for k in runs}
     toks: dict[str, list[int]] = {}
-    for r in range(a.rounds):
+    for r in range(a.warm_rounds + a.rounds):
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
         for k in order:
             try:
                 s, tk = runs[k]()
-                times[k].append(s)
+                if r >= a.warm_rounds:
+                    times[k].append(s)
                 toks[k] = tk
             except Exception as e:
                 rows[k].update(_error(f"round {r} failed", e))

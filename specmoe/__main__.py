@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="predictor spec: none, oracle[:depth=N], router, history[:topk=N,"
                         "percentile=Q,history=N,cooc_weight=W]")
     p.add_argument("--hardware", default="a100-pcie4",
-                   help="a100-pcie4, rtx4090, laptop, calibrate (this CPU) or "
+                   help="a100-pcie4, rtx4090, laptop, h200, calibrate (this CPU) or "
                         "calibrate-gpu (this GPU tier)")
     p.add_argument("--miss", default="fetch",
                    choices=["fetch", "drop", "substitute", "lowest_bit", "priority"],

@@ -28,7 +28,10 @@ Time model (implemented in ``csrc/sim.c``; batch-1 decoding, one request stream)
 
 The built-in profiles use effective (not peak) bandwidths: about 75-80 % of the HBM/GDDR peak
 that decoding kernels reach, and about 25 GB/s for pinned host-to-device copies over PCIe 4.0
-x16 (31.5 GB/s raw).
+x16 (31.5 GB/s raw).  ``h200`` is measured instead (:func:`specmoe.cuda.calibrate`): specmoe's
+GPU tier is launch-bound at batch 1, so its ``fast_bw`` is one expert call's effective rate;
+the model charges the resident (non-expert) bytes at that rate too, which overstates them
+there (torch reads them at HBM speed).
 """
 from __future__ import annotations
 
@@ -110,13 +113,23 @@ PROFILES: dict[str, Hardware] = {
         fast_bytes=32e9, kernel_overhead_s=5e-6,
         description="laptop CPU: dual-channel DDR5-5600 (90 GB/s peak) as fast tier, PCIe 4.0 "
                     "x4 NVMe (7 GB/s sequential peak) as slow tier"),
+    "h200": Hardware(
+        name="h200", fast_bw=298e9, link_bw=54.9e9, link_latency_s=10.6e-6, flops=40.8e12,
+        fast_bytes=150e9, kernel_overhead_s=389e-6,
+        description="specmoe's GPU tier on an NVIDIA H200 (PCIe 5.0 host link), measured by "
+                    "specmoe.cuda.calibrate (median of 3 runs, 2026-11-26, "
+                    "benchmarks/results/gpu_profile_h200.json): fast_bw and flops are the "
+                    "effective rates of one bf16 expert call at 1 and 1024 tokens with its "
+                    "launch work (the tier is launch-bound at batch 1, far below HBM's 4.8 TB/s), "
+                    "kernel_overhead_s moe_forward's fixed cost per layer"),
 }
 PROFILES["a100"] = PROFILES["a100-pcie4"]
 
 
 def get_hardware(hw: "str | Hardware") -> Hardware:
-    """A profile by name (``a100-pcie4``, ``rtx4090``, ``laptop``; ``calibrate`` measures this
-    machine's CPU tier, ``calibrate-gpu`` its GPU tier on device 0) or as given."""
+    """A profile by name (``a100-pcie4``, ``rtx4090``, ``laptop``, ``h200``; ``calibrate``
+    measures this machine's CPU tier, ``calibrate-gpu`` its GPU tier on device 0) or as
+    given."""
     if isinstance(hw, Hardware):
         return hw
     if not isinstance(hw, str):

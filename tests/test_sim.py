@@ -285,7 +285,7 @@ def test_policy_factory_and_spec(small):
 
 
 def test_hardware_profiles_and_calibrate():
-    for name in ("a100-pcie4", "rtx4090", "laptop"):
+    for name in ("a100-pcie4", "rtx4090", "laptop", "h200"):
         hw = get_hardware(name)
         assert hw.fast_bw > hw.link_bw > 0 and hw.link_latency_s > 0
     cal = get_hardware("calibrate")
@@ -294,6 +294,9 @@ def test_hardware_profiles_and_calibrate():
         get_hardware("abacus")
     t = sim_timing(PROFILES["laptop"], ModelCost.for_trace(Trace(np.zeros((1, 26, 6)), 64)))
     assert t["layer_fixed_s"] > 0 and t["token_fixed_s"] > 0
+    # the measured H200 tier: its layer's fixed cost is the measured overhead plus reads
+    t = sim_timing(PROFILES["h200"], ModelCost.for_trace(Trace(np.zeros((1, 26, 6)), 64)))
+    assert t["layer_fixed_s"] > PROFILES["h200"].kernel_overhead_s
 
 
 # -- bad input --------------------------------------------------------------------------------
