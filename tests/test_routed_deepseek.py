@@ -70,7 +70,9 @@ def test_f32_routing_and_shared_mlp_equal_torch(scale):
                                        np.empty(eng.num_experts, np.uint8), 0)
             for t in range(x.shape[0]):
                 assert sorted(ix[t]) == sorted(i_t[t].tolist())
-                np.testing.assert_allclose(np.sort(wt[t]), np.sort(w_t[t].numpy()), rtol=2e-6)
+                # softmax over 64 logits: C and torch sum the exponentials in other orders
+                # (n * eps apart at worst; 2.07e-6 seen on an Intel Xeon, under 2e-6 on AMD)
+                np.testing.assert_allclose(np.sort(wt[t]), np.sort(w_t[t].numpy()), rtol=1e-5)
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(out.reshape(got.shape), got.numpy())
         assert calls[0] == len(blocks)
