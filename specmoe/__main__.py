@@ -69,14 +69,28 @@ def _load(args) -> "object":
     return tr
 
 
+def _hardware(names: str, command: str) -> list:
+    """The profiles named by ``--hardware`` (comma-separated), resolved once, before any
+    trace work: a bad name or profile file ends the command with its reason."""
+    from .hardware import get_hardware
+
+    try:
+        return [get_hardware(h) for h in _split(names)]
+    except ValueError as exc:
+        raise SystemExit(f"specmoe {command}: {exc}") from None
+
+
 def _cmd_simulate(args) -> int:
     from .sim import simulate
 
+    hw = _hardware(args.hardware, "simulate")
+    if len(hw) != 1:
+        raise SystemExit("specmoe simulate: --hardware takes one profile (sweep takes several)")
     tr = _load(args)
     results = []
     for pol in _split(args.policies):
         for cap in _split(args.capacity):
-            results.append(simulate(tr, pol, _capacity(cap), args.prefetch, args.hardware,
+            results.append(simulate(tr, pol, _capacity(cap), args.prefetch, hw[0],
                                     verify_tokens=args.verify_tokens, miss=args.miss,
                                     miss_keep=args.miss_keep, miss_keep2=args.miss_keep2))
     acc = sum(r.accesses for r in results)
@@ -85,7 +99,8 @@ def _cmd_simulate(args) -> int:
         "trace": {"source": str(args.trace or _SHARED_TRACES), "tokens": tr.num_tokens,
                   "requests": tr.num_requests, "layers": tr.num_layers,
                   "experts": tr.num_experts, "top_k": tr.top_k},
-        "hardware": args.hardware, "prefetch": args.prefetch or "none",
+        "hardware": args.hardware, "hardware_profile": hw[0].to_dict(),
+        "prefetch": args.prefetch or "none",
         "verify_tokens": args.verify_tokens, "miss": args.miss,
         "results": [r.to_dict() for r in results],
         "accesses_per_s": acc / el if el > 0 else 0.0,
@@ -109,9 +124,10 @@ def _cmd_simulate(args) -> int:
 def _cmd_sweep(args) -> int:
     from .sweep import sweep, write_results
 
+    hw = _hardware(args.hardware, "sweep")
     tr = _load(args)
     rows = sweep(tr, _split(args.policies), [_capacity(c) for c in _split(args.capacity)],
-                 hardware=_split(args.hardware), predictors=args.prefetch or ["none"],
+                 hardware=hw, predictors=args.prefetch or ["none"],
                  processes=args.processes, progress=not args.json,
                  verify_tokens=args.verify_tokens)
     paths = write_results(rows, args.out, plots=not args.no_plots)
@@ -207,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="predictor spec: none, oracle[:depth=N], router, history[:topk=N,"
                         "percentile=Q,history=N,cooc_weight=W]")
     p.add_argument("--hardware", default="a100-pcie4",
-                   help="a100-pcie4, rtx4090, laptop, h200, calibrate (this CPU) or "
-                        "calibrate-gpu (this GPU tier)")
+                   help="a100-pcie4, rtx4090, laptop, h200, calibrate (this CPU), "
+                        "calibrate-gpu (this GPU tier) or a profile .json file "
+                        "(Hardware.save)")
     p.add_argument("--miss", default="fetch",
                    choices=["fetch", "drop", "substitute", "lowest_bit", "priority"],
                    help="SpecMD miss handling (see specmoe.sim.simulate)")

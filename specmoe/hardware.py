@@ -35,19 +35,31 @@ there (torch reads them at HBM speed).
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Hardware", "ModelCost", "PROFILES", "get_hardware", "calibrate", "DEEPSEEK_V2_LITE"]
+__all__ = ["Hardware", "ModelCost", "PROFILES", "get_hardware", "calibrate", "load_profile",
+           "DEEPSEEK_V2_LITE"]
+
+_RATES = ("fast_bw", "link_bw", "flops")  # > 0
+_AMOUNTS = ("link_latency_s", "fast_bytes", "kernel_overhead_s")  # >= 0
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """One machine: fast tier, link, compute.  Bandwidths in bytes/s, times in seconds."""
+    """One machine: fast tier, link, compute.  Bandwidths in bytes/s, times in seconds.
+
+    A profile measured on one machine (:func:`calibrate`, :func:`specmoe.cuda.calibrate`) can
+    be saved with :meth:`save` and used elsewhere as ``get_hardware("profile.json")`` or
+    ``python -m specmoe simulate --hardware profile.json``."""
 
     name: str
     fast_bw: float
@@ -62,8 +74,37 @@ class Hardware:
         """Time to load one block of ``nbytes`` over the link."""
         return self.link_latency_s + nbytes / self.link_bw
 
+    def __post_init__(self) -> None:
+        for name in _RATES + _AMOUNTS:
+            v = getattr(self, name)
+            rate = name in _RATES
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or (v <= 0 if rate else v < 0)):
+                raise ValueError(f"Hardware.{name} must be a finite number "
+                                 f"{'> 0' if rate else '>= 0'}, got {v!r}")
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Hardware":
+        """The profile :meth:`to_dict` wrote (``name`` and the four rates required; unknown
+        keys are an error, so a misspelt field is never silently ignored)."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"unknown Hardware fields {unknown}; known: {', '.join(known)}")
+        missing = [k for k in ("name",) + _RATES + ("link_latency_s",) if k not in d]
+        if missing:
+            raise ValueError(f"Hardware profile lacks {', '.join(missing)}")
+        return cls(**d)
+
+    def save(self, path: "str | os.PathLike[str]") -> None:
+        """Write the profile as JSON; :func:`load_profile` (or ``get_hardware(path)``) reads it
+        back."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
 
 
 @dataclass(frozen=True)
@@ -128,8 +169,8 @@ PROFILES["a100"] = PROFILES["a100-pcie4"]
 
 def get_hardware(hw: "str | Hardware") -> Hardware:
     """A profile by name (``a100-pcie4``, ``rtx4090``, ``laptop``, ``h200``; ``calibrate``
-    measures this machine's CPU tier, ``calibrate-gpu`` its GPU tier on device 0) or as
-    given."""
+    measures this machine's CPU tier, ``calibrate-gpu`` its GPU tier on device 0), a
+    ``.json`` file :meth:`Hardware.save` wrote, or as given."""
     if isinstance(hw, Hardware):
         return hw
     if not isinstance(hw, str):
@@ -140,11 +181,34 @@ def get_hardware(hw: "str | Hardware") -> Hardware:
         from . import cuda
 
         return cuda.calibrate()
+    if hw.endswith(".json"):
+        return load_profile(hw)
     try:
         return PROFILES[hw]
     except KeyError:
         raise ValueError(f"unknown hardware profile {hw!r}; known: "
-                         f"{', '.join(sorted(PROFILES))}, calibrate, calibrate-gpu") from None
+                         f"{', '.join(sorted(PROFILES))}, calibrate, calibrate-gpu, or a "
+                         f"profile .json file") from None
+
+
+def load_profile(path: "str | os.PathLike[str]") -> Hardware:
+    """The profile :meth:`Hardware.save` wrote at ``path`` (ValueError naming the file and
+    what is wrong with it otherwise)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read the hardware profile {os.fspath(path)!r}: "
+                         f"{e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"the hardware profile {os.fspath(path)!r} is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"the hardware profile {os.fspath(path)!r} must hold one JSON object, "
+                         f"got {type(d).__name__}")
+    try:
+        return Hardware.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the hardware profile {os.fspath(path)!r}: {e}") from None
 
 
 _CALIBRATED: Hardware | None = None

@@ -378,6 +378,68 @@ def test_cli_simulate_json(tmp_path):
     assert res[1]["hit_rate"] == simulate(tr, "lru", 100).hit_rate
 
 
+def test_hardware_profile_saved_and_loaded(tmp_path):
+    """A profile measured on one machine, saved, and used on another: the same simulation."""
+    from specmoe.hardware import load_profile, with_
+    from specmoe.__main__ import main
+    from tests.conftest import SUBSET
+
+    hw = with_(PROFILES["h200"], name="measured-elsewhere", link_bw=31.5e9)
+    path = tmp_path / "gpu.json"
+    hw.save(path)
+    assert load_profile(path) == hw and get_hardware(str(path)) == hw
+    tr = specmoe.load_puffin(SUBSET).slice(0, 50)
+    want = simulate(tr, "lru", "10%", hardware=hw)
+    assert simulate(tr, "lru", "10%", hardware=str(path)).est_tpot_ms == want.est_tpot_ms
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(["simulate", "--trace", str(SUBSET), "--tokens", "50", "--policies", "lru",
+                     "--capacity", "10%", "--hardware", str(path), "--json"]) == 0
+    out = json.loads(buf.getvalue())
+    assert out["hardware_profile"] == hw.to_dict()
+    assert out["results"][0]["est_tpot_ms"] == want.est_tpot_ms
+
+
+@pytest.mark.parametrize("text, match", [
+    (None, "cannot read"),
+    ("{nope", "is not JSON"),
+    ("[1, 2]", "one JSON object"),
+    ('{"name": "x", "fast_bw": 1e12, "link_bw": 2e10, "link_latency_s": 0, "flops": 1e14, '
+     '"fast_bw_peak": 2e12}', "unknown Hardware fields \\['fast_bw_peak'\\]"),
+    ('{"name": "x", "fast_bw": 1e12}', "lacks link_bw, flops, link_latency_s"),
+    ('{"name": "x", "fast_bw": -1e12, "link_bw": 2e10, "link_latency_s": 0, "flops": 1e14}',
+     "fast_bw must be a finite number > 0"),
+    ('{"name": "x", "fast_bw": 1e12, "link_bw": 2e10, "link_latency_s": "1us", "flops": 1e14}',
+     "link_latency_s must be a finite number >= 0"),
+])
+def test_hardware_profile_bad_files(tmp_path, text, match):
+    from specmoe.__main__ import main
+    from tests.conftest import SUBSET
+
+    path = tmp_path / "p.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=match) as e:
+        get_hardware(str(path))
+    assert str(path) in str(e.value)
+    with pytest.raises(SystemExit, match=f"specmoe simulate: .*{match}"):
+        main(["simulate", "--trace", str(SUBSET), "--tokens", "5", "--hardware", str(path)])
+
+
+def test_hardware_rejects_impossible_rates():
+    from specmoe.hardware import with_
+
+    hw = PROFILES["a100-pcie4"]
+    for field, bad in [("fast_bw", 0.0), ("link_bw", float("nan")), ("flops", float("inf")),
+                       ("link_latency_s", -1e-6), ("kernel_overhead_s", True),
+                       ("fast_bytes", "40GB")]:
+        with pytest.raises(ValueError, match=f"Hardware.{field} must be a finite number"):
+            with_(hw, **{field: bad})
+    with pytest.raises(SystemExit, match="specmoe sweep: unknown hardware profile 'abacus'"):
+        from specmoe.__main__ import main
+        main(["sweep", "--hardware", "a100-pcie4,abacus", "--tokens", "5"])
+
+
 # -- agreement with the live cache ------------------------------------------------------------
 
 AGREE_POLICIES = ["lru", "lfu", "fifo", "mru", "random", "least_stale", "least_stale:order=lru",
