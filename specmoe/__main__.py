@@ -72,11 +72,12 @@ def _load(args) -> "object":
 def _hardware(names: str, command: str) -> list:
     """The profiles named by ``--hardware`` (comma-separated), resolved once, before any
     trace work: a bad name or profile file ends the command with its reason."""
+    from .cuda import CudaUnavailable  # (the module only: the extension loads on first use)
     from .hardware import get_hardware
 
     try:
         return [get_hardware(h) for h in _split(names)]
-    except ValueError as exc:
+    except (ValueError, CudaUnavailable) as exc:
         raise SystemExit(f"specmoe {command}: {exc}") from None
 
 

@@ -88,8 +88,9 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Hardware":
-        """The profile :meth:`to_dict` wrote (``name`` and the four rates required; unknown
-        keys are an error, so a misspelt field is never silently ignored)."""
+        """The profile :meth:`to_dict` wrote (``name``, ``fast_bw``, ``link_bw``, ``flops``
+        and ``link_latency_s`` required; unknown keys are an error, so a misspelt field is
+        never silently ignored)."""
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(known))
         if unknown:

@@ -764,8 +764,12 @@ def test_calibrate_gpu_bad_input_and_no_gpu():
     with pytest.raises(ValueError, match="top_k <= experts"):
         cuda.calibrate(experts=4, top_k=5)
     if _GPU_WHY:
+        from specmoe.__main__ import main
+
         with pytest.raises(cuda.CudaUnavailable):
             get_hardware("calibrate-gpu")
+        with pytest.raises(SystemExit, match="specmoe simulate: .*(GPU|CUDA|cuda)"):
+            main(["simulate", "--tokens", "5", "--hardware", "calibrate-gpu"])
 
 
 @need_gpu
