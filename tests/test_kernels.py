@@ -485,6 +485,58 @@ def test_env_forces_lower_isa():
     assert r.stdout.startswith("VE") and "SPECMOE_ISA" in r.stdout
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("shape", [(2048, 1024), (1408, 2816)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_stream_prefetch_never_changes_results(shape, dtype):
+    """The one-token bf16/int8 row loops' software prefetch (KernelContext.stream_prefetch,
+    default 4096 bytes on Intel CPUs, 0 elsewhere) moves data only: expert calls and linear
+    layers give the same bits at every distance."""
+    import torch
+    from torch import nn
+
+    from specmoe.dense import CLinear
+
+    c = _C.KernelContext(1)
+    _isa(c, "avx512")
+    H, I = shape
+    rng = np.random.default_rng(H + I)
+    g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
+    t = quant.expert_tensors(g, u, d, dtype)
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    lin = nn.Linear(H, I, bias=False)
+    xt = torch.from_numpy(x)
+    got = {}
+    for pf in (0, 64, 4096, 1 << 20):
+        c.stream_prefetch = pf
+        assert c.stream_prefetch == pf
+        with torch.no_grad():
+            got[pf] = (kernels.ffn(t, x, dtype, "silu", ctx=c),
+                       CLinear(lin, dtype, ctx=c, torch_above=None)(xt).numpy())
+    for pf in (64, 4096, 1 << 20):
+        np.testing.assert_array_equal(got[pf][0], got[0][0])
+        np.testing.assert_array_equal(got[pf][1], got[0][1])
+    for bad, err in ((-1, ValueError), ((1 << 20) + 1, ValueError), (True, TypeError),
+                     ("4096", TypeError)):
+        with pytest.raises(err, match="stream_prefetch"):
+            c.stream_prefetch = bad
+    assert c.stream_prefetch == 1 << 20  # unchanged by the refusals
+
+
+def test_env_sets_stream_prefetch():
+    code = "from specmoe import _C; print(_C.KernelContext(1).stream_prefetch)"
+    env = dict(os.environ, SPECMOE_STREAM_PREFETCH="8192")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.strip() == "8192"
+    for bad in ("-5", "4k", str((1 << 20) + 1)):
+        env["SPECMOE_STREAM_PREFETCH"] = bad
+        code = ("from specmoe import _C\ntry:\n _C.KernelContext(1)\nexcept ValueError as e:\n"
+                " print('VE', e)")
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, check=True)
+        assert r.stdout.startswith("VE") and "SPECMOE_STREAM_PREFETCH" in r.stdout, bad
+
+
 def test_read_bw_positive(ctx):
     assert ctx.read_bw(np.ones(1 << 16, np.uint8), 2) > 0
     with pytest.raises(ValueError):

@@ -310,17 +310,25 @@ static int fast_dim_ok(int32_t dtype, uint32_t n) {
     return n % 64u == 0 && n <= 65536;
 }
 
-/* ISA and features of c, or of a throwaway single-threaded context when c is NULL. */
-static int ctx_features(smoe_kctx *c, int32_t *isa, int *has_bf16, int *has_vnni, smoe_err *err) {
+/* What a call takes from its context: ISA, features, the stream prefetch distance. */
+typedef struct kfeat {
+    int32_t isa;
+    int has_bf16, has_vnni;
+    uint32_t stream_pf;
+} kfeat;
+
+/* The features of c, or of a throwaway single-threaded context when c is NULL. */
+static int ctx_features(smoe_kctx *c, kfeat *f, smoe_err *err) {
     smoe_kctx local;
     if (!c) {
         int rc = smoe_kctx_init(&local, 1, err);
         if (rc) return rc;
         c = &local;
     }
-    *isa = c->isa;
-    *has_bf16 = c->has_bf16;
-    *has_vnni = c->has_vnni;
+    f->isa = c->isa;
+    f->has_bf16 = c->has_bf16;
+    f->has_vnni = c->has_vnni;
+    f->stream_pf = __atomic_load_n(&c->stream_pf, __ATOMIC_RELAXED); /* settable from Python */
     if (c == &local) smoe_kctx_free(&local);
     return SMOE_OK;
 }
@@ -342,14 +350,13 @@ static void gather_rows(const float *x, size_t x_stride, const int32_t *rows, ui
 
 /* One FFN call on `pool` (NULL: this thread alone) with the given ISA and features; the
  * arguments are checked by the callers. */
-static void ffn_run(smoe_kpool *pool, int32_t isa, int has_bf16, int has_vnni,
-                    const smoe_ffn_desc *d, const uint8_t *block, const float *x,
+static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
                     size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
                     float *out, size_t out_stride, void *scratch) {
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     float *xs = (float *)base;
     float *act = (float *)(base + round64((size_t)T * d->H * 4));
-    if (fast_dtype_ok(d->dtype, group_of(d), d->precise, isa, has_bf16, has_vnni) &&
+    if (fast_dtype_ok(d->dtype, group_of(d), d->precise, f->isa, f->has_bf16, f->has_vnni) &&
         fast_dim_ok(d->dtype, d->H) && fast_dim_ok(d->dtype, d->I)) {
         void *aq = (uint8_t *)act + round64((size_t)T * d->I * 4);
         float *sc = (float *)((uint8_t *)aq + round64((size_t)T * d->I * 2));
@@ -357,8 +364,8 @@ static void ffn_run(smoe_kpool *pool, int32_t isa, int has_bf16, int has_vnni,
         float *xsum = asc + (size_t)T * (d->I / 128 + 1);
         float *asum = xsum + (size_t)T * (d->H / 128 + 1);
         smoe_fast_prepare(d->dtype, x, x_stride, rows, T, d->H, xs, xsc, xsum);
-        smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act, rows,
-                            scale, out,   out_stride, xs,          xsc,  xsum};
+        smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act,         rows,
+                            scale, out,   out_stride, xs,          xsc,  xsum, f->stream_pf};
         phase_arg pa = {&smoe_ffn_impl_fast, &job, 1, 0};
         smoe_kpool_run(pool, phase_run, &pa);
         smoe_fast_prepare(d->dtype, act, d->I, NULL, T, d->I, aq, asc, asum);
@@ -372,8 +379,8 @@ static void ffn_run(smoe_kpool *pool, int32_t isa, int has_bf16, int has_vnni,
     }
     gather_rows(x, x_stride, rows, T, d->H, smoe_dtype_permuted(d->dtype), xs);
     smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride,
-                        NULL, NULL, NULL};
-    phase_arg pa = {impl_for(isa, d->dtype), &job, 1, 0};
+                        NULL, NULL, NULL, f->stream_pf};
+    phase_arg pa = {impl_for(f->isa, d->dtype), &job, 1, 0};
     smoe_kpool_run(pool, phase_run, &pa);
     pa.phase = 2;
     pa.next = 0;
@@ -397,13 +404,11 @@ int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block,
     if (T == 0) return SMOE_OK;
     int rc = check_call(d, block, x, x_stride, out, out_stride, scratch, "smoe_ffn_forward", err);
     if (rc) return rc;
-    int32_t isa;
-    int has_bf16, has_vnni;
-    if ((rc = ctx_features(c, &isa, &has_bf16, &has_vnni, err))) return rc;
+    kfeat f;
+    if ((rc = ctx_features(c, &f, err))) return rc;
     smoe_kpool *pool = c ? c->pool : NULL;
     smoe_kpool_lock(pool);
-    ffn_run(pool, isa, has_bf16, has_vnni, d, block, x, x_stride, rows, scale, T, out, out_stride,
-            scratch);
+    ffn_run(pool, &f, d, block, x, x_stride, rows, scale, T, out, out_stride, scratch);
     smoe_kpool_unlock(pool);
     return SMOE_OK;
 }
@@ -418,8 +423,7 @@ typedef struct many_arg {
     const smoe_ffn_desc *d;
     const smoe_ffn_task *tasks;
     uint32_t n;
-    int32_t isa;
-    int has_bf16, has_vnni;
+    kfeat f;
     uint8_t *scratch;
     size_t per;    /* scratch bytes per thread */
     uint32_t next; /* next task to take (atomic) */
@@ -434,9 +438,8 @@ static void many_run(void *varg, uint32_t k, uint32_t n) {
         if (i >= ma->n) break;
         const smoe_ffn_task *t = &ma->tasks[i];
         if (t->T)
-            ffn_run(NULL, ma->isa, ma->has_bf16, ma->has_vnni, ma->d, t->block, t->x,
-                    t->x_stride, t->rows, t->scale, t->T, t->out, t->out_stride,
-                    ma->scratch + (size_t)k * ma->per);
+            ffn_run(NULL, &ma->f, ma->d, t->block, t->x, t->x_stride, t->rows, t->scale, t->T,
+                    t->out, t->out_stride, ma->scratch + (size_t)k * ma->per);
     }
 }
 
@@ -453,8 +456,9 @@ int smoe_ffn_forward_many(smoe_kctx *c, const smoe_ffn_desc *d, const smoe_ffn_t
             return rc;
         if (t->T > maxT) maxT = t->T;
     }
-    many_arg ma = {d, tasks, n, 0, 0, 0, scratch, smoe_ffn_scratch_bytes(d, maxT ? maxT : 1), 0};
-    if ((rc = ctx_features(c, &ma.isa, &ma.has_bf16, &ma.has_vnni, err))) return rc;
+    many_arg ma = {d, tasks, n, {0, 0, 0, 0}, scratch, smoe_ffn_scratch_bytes(d, maxT ? maxT : 1),
+                   0};
+    if ((rc = ctx_features(c, &ma.f, err))) return rc;
     smoe_kpool *pool = c ? c->pool : NULL;
     if (c) __atomic_fetch_add(&c->many_calls, 1u, __ATOMIC_RELAXED);
     smoe_kpool_lock(pool);
@@ -529,13 +533,12 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
         return smoe_err_set(err, SMOE_EINVAL,
                             "smoe_linear_forward: row strides (x %zu, out %zu) below K=%u / N=%u",
                             x_stride, out_stride, l->K, l->N);
-    int32_t isa;
-    int has_bf16, has_vnni;
-    int rc = ctx_features(c, &isa, &has_bf16, &has_vnni, err);
+    kfeat f;
+    int rc = ctx_features(c, &f, err);
     if (rc) return rc;
     smoe_ffn_desc d;
     linear_as_down(l, &d);
-    int fast = fast_dtype_ok(d.dtype, d.group, d.precise, isa, has_bf16, has_vnni) &&
+    int fast = fast_dtype_ok(d.dtype, d.group, d.precise, f.isa, f.has_bf16, f.has_vnni) &&
                fast_dim_ok(d.dtype, l->K);
     uint32_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
@@ -556,9 +559,9 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
             else
                 memset(o, 0, (size_t)l->N * 4);
         }
-        smoe_ffn_job job = {&d,   block, nt,         d.group, NULL, act, NULL,
-                            NULL, oc,    out_stride, NULL,    NULL, NULL};
-        phase_arg pa = {impl_for(isa, d.dtype), &job, 2, 0};
+        smoe_ffn_job job = {&d,   block, nt,         d.group, NULL, act,        NULL,
+                            NULL, oc,    out_stride, NULL,    NULL, NULL, f.stream_pf};
+        phase_arg pa = {impl_for(f.isa, d.dtype), &job, 2, 0};
         if (fast) {
             smoe_fast_prepare(d.dtype, xc, x_stride, NULL, nt, l->K, q, qs, qsum);
             job.q = q;

@@ -262,14 +262,24 @@ AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint
  * dot_bf16's result for the row, but the horizontal sums are done for all 16 rows at once
  * (hsum16x16) instead of after each row: on rows of 2-3 KB the per-row sums cost ~13 % of a
  * one-stream read (a read loop of 2048 x 1408 bf16 rows, 1 thread: 25.7 GB/s with a sum per
- * row, 29.1 without; 2026-11-25).  One sequential stream, no software prefetch (see
- * dot_bf16). */
-AI void rows16_bf16(const uint16_t *w, uint32_t n, const uint16_t *x, uint32_t m, float *res) {
+ * row, 29.1 without; 2026-11-25).  One sequential stream.  `pf`: bytes ahead to prefetch to
+ * L2 (the context's stream_pf), 0 for none.  Which is best depends on the CPU: on the AMD
+ * EPYC hosts the hardware prefetcher alone served a stream best (see dot_bf16); on an Intel
+ * Xeon (2026-11-26; a C loop of this one over 64 MB of 2048- and 1408-column rows rotated
+ * through 1 GB, best of 6, 1 thread, DRAM) none read 11.7-11.9 GB/s, 256-1024 bytes ahead
+ * 11.7-13.7, 2048 14.0-14.8, 4096 14.7-15.6 (T0, T1 or T2 alike), 8192-16384 the same,
+ * against 16.0-16.6 for the read loop: 0.73 -> 0.92-0.94 of it. */
+AI void rows16_bf16(const uint16_t *w, uint32_t n, const uint16_t *x, uint32_t m, uint32_t pf,
+                    float *res) {
     __m512 v[16];
     for (uint32_t i = 0; i < m; i++) {
         const uint16_t *p = w + (size_t)i * n;
         __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
         for (uint32_t k = 0; k < n; k += 64) {
+            if (pf) { /* 64 bf16 = two cache lines per step */
+                _mm_prefetch((const char *)(p + k) + pf, _MM_HINT_T1);
+                _mm_prefetch((const char *)(p + k) + pf + 64, _MM_HINT_T1);
+            }
             a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(p + k)),
                                  (__m512bh)_mm512_loadu_si512((const void *)(x + k)));
             b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512((const void *)(p + k + 32)),
@@ -349,9 +359,9 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
  * scales ws[0..m), token scale xs: res[i] = (w_i . x) * (ws[i] * xs), bit for bit dot_i8's
  * result times rowsN's scale (the same columns in each int32 chain, exact integer sums, the
  * same flushes and hsum16), the horizontal sums deferred to 16 rows at once as rows16_bf16's.
- * One sequential stream, no software prefetch. */
+ * One sequential stream; `pf` as rows16_bf16's. */
 AI void rows16_i8(const int8_t *w, uint32_t n, const int16_t *x, uint32_t m, const float *ws,
-                  float xs, float *res) {
+                  float xs, uint32_t pf, float *res) {
     __m512 v[16];
     for (uint32_t i = 0; i < m; i++) {
         const int8_t *p = w + (size_t)i * n;
@@ -360,6 +370,7 @@ AI void rows16_i8(const int8_t *w, uint32_t n, const int16_t *x, uint32_t m, con
             uint32_t k1 = n - k0 < 4096 ? n : k0 + 4096, k = k0;
             __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
             for (; k + 64 <= k1; k += 64) {
+                if (pf) _mm_prefetch((const char *)(p + k) + pf, _MM_HINT_T1); /* a line a step */
                 __m512i w0 = _mm512_cvtepi8_epi16(
                     _mm256_loadu_si256((const __m256i *)(const void *)(p + k)));
                 __m512i w1 = _mm512_cvtepi8_epi16(
@@ -538,11 +549,11 @@ static void rows16(const smoe_ffn_job *j, uint64_t off, uint64_t soff, uint32_t 
                    uint32_t n, float *res) {
     if (j->d->dtype == SMOE_WDT_BF16)
         rows16_bf16((const uint16_t *)(j->block + off) + (size_t)row0 * n, n,
-                    (const uint16_t *)j->q, m, res);
+                    (const uint16_t *)j->q, m, j->stream_pf, res);
     else
         rows16_i8((const int8_t *)(j->block + off) + (size_t)row0 * n, n,
                   (const int16_t *)j->q, m, (const float *)(j->block + soff) + row0, j->qs[0],
-                  res);
+                  j->stream_pf, res);
 }
 
 static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,

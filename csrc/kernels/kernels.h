@@ -107,11 +107,17 @@ typedef struct smoe_kctx {
     int32_t isa_max;    /* best smoe_isa this CPU supports */
     int32_t has_bf16;   /* CPU has AVX512_BF16 */
     int32_t has_vnni;   /* CPU has AVX512_VNNI */
+    uint32_t stream_pf; /* bytes ahead that the one-token bf16 and int8 row loops (one
+                         * sequential stream: ffn_fast.c rows16_*) prefetch to L2; 0: none,
+                         * the hardware prefetcher alone.  Init: 4096 on Intel CPUs, 0
+                         * elsewhere; SPECMOE_STREAM_PREFETCH=N overrides.  Read once per call
+                         * (atomically: Python may set it between calls). */
     uint64_t many_calls; /* smoe_ffn_forward_many calls on this context (atomic) */
 } smoe_kctx;
 
 /* nthreads = 0 -> number of online CPUs.  ISA: the best supported, unless the environment
- * variable SPECMOE_ISA=scalar|avx2|avx512 asks for a lower one. */
+ * variable SPECMOE_ISA=scalar|avx2|avx512 asks for a lower one; stream_pf: see above
+ * (SPECMOE_STREAM_PREFETCH: bytes, 0 to 1 MiB). */
 int smoe_kctx_init(smoe_kctx *c, uint32_t nthreads, smoe_err *err);
 void smoe_kctx_free(smoe_kctx *c);
 /* Change the thread count (restarts the pool) or the ISA: not while a call runs on c. */

@@ -23,6 +23,7 @@ typedef struct smoe_ffn_job {
     const void *q;
     const float *qs;
     const float *qsum; /* int4: [T, n/128] block scale * sum of the block's int8 values */
+    uint32_t stream_pf; /* the context's stream_pf (kernels.h) */
 } smoe_ffn_job;
 
 /* Position of column c (of n) in the permuted layout of x / act used by BF16 and I4 weights:

@@ -200,6 +200,10 @@ static void detect(smoe_kctx *c) {
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
     c->has_bf16 = __builtin_cpu_supports("avx512bf16");
 #endif
+    /* Measured on one CPU of each kind (ffn_fast.c, rows16_bf16): software prefetch lifts an
+     * Intel Xeon's one-stream bf16 and int8 row loops from 0.68-0.78 to 0.92-0.98 of its read
+     * loop, and slowed the AMD EPYC hosts' one-stream reads. */
+    c->stream_pf = __builtin_cpu_is("intel") ? 4096u : 0u;
 #endif
 }
 
@@ -216,6 +220,16 @@ int smoe_kctx_init(smoe_kctx *c, uint32_t nthreads, smoe_err *err) {
             return smoe_err_set(err, SMOE_EINVAL,
                                 "SPECMOE_ISA=%s: expected scalar, avx2, avx512 or auto", env);
         if (want < c->isa) c->isa = want;
+    }
+    env = getenv("SPECMOE_STREAM_PREFETCH");
+    if (env && *env) {
+        char *end = NULL;
+        unsigned long v = strtoul(env, &end, 10);
+        if (*end != '\0' || env[0] == '-' || v > (1ul << 20))
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "SPECMOE_STREAM_PREFETCH=%s: expected bytes from 0 to 1048576",
+                                env);
+        c->stream_pf = (uint32_t)v;
     }
     return smoe_kctx_set_threads(c, nthreads, err);
 }
