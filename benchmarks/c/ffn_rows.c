@@ -19,7 +19,9 @@
  * copy i+1, down on copy i+2 and a whole expert call (smoe_ffn_forward: both phases with the
  * activation preparation between them, one thread) on a copy of a packed expert (interleaved,
  * as kernels.py does).  Prints one JSON line: the best rate of each (GB/s of weight + scale
- * bytes) and their fractions of the read loop's best (FFN_ROWS_DEBUG=1: every sample to stderr).  On a shared VM single samples move
+ * bytes) and their fractions of the read loop's best (FFN_ROWS_DEBUG=1: every sample to stderr;
+ * the row loops and the whole call take the kernel context's stream_pf, which
+ * SPECMOE_STREAM_PREFETCH sets).  On a shared VM single samples move
  * by 2x; compare builds by alternating runs.  Needs a CPU with AVX-512 VNNI (the fast int4/int8
  * path). */
 #include <stdio.h>
@@ -130,6 +132,7 @@ int main(int argc, char **argv) {
     j.out = out;
     j.out_stride = H;
     j.block = gu;
+    j.stream_pf = kc.stream_pf; /* the context's, as smoe_ffn_forward's calls below use */
     fast_gateup(&j, 0, I); /* an activation for the down phase */
     smoe_fast_prepare(d.dtype, act, I, NULL, 1, I, qa, as, asum);
     smoe_ffn_job k = j;
@@ -167,9 +170,9 @@ int main(int argc, char **argv) {
     printf("{\"dtype\": \"%s\", \"H\": %u, \"I\": %u, \"group\": %u, \"copies\": %zu, "
            "\"reps\": %d, \"read_gbps\": %.2f, \"gateup_gbps\": %.2f, \"down_gbps\": %.2f, "
            "\"expert_gbps\": %.2f, \"gateup_frac\": %.3f, \"down_frac\": %.3f, "
-           "\"expert_frac\": %.3f, \"sink\": %u}\n",
+           "\"expert_frac\": %.3f, \"stream_pf\": %u, \"sink\": %u}\n",
            argv[1], H, I, G, n, reps, rr, rg, rdn, re, rg / rr, rdn / rr, re / rr,
-           (unsigned)(sink & 1));
+           kc.stream_pf, (unsigned)(sink & 1));
     smoe_kctx_free(&kc);
     return 0;
 }
