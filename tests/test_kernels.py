@@ -471,18 +471,20 @@ def test_default_context_controls():
         kernels.set_isa("sse9")
 
 
+def _context_under_env(var, value, attr):
+    """A fresh process's KernelContext(1).<attr> with var=value set: its value as printed, or
+    'VE <message>' when the context refuses the setting."""
+    code = (f"from specmoe import _C\ntry:\n print(_C.KernelContext(1).{attr})\n"
+            "except ValueError as e:\n print('VE', e)")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{var: value}),
+                       capture_output=True, text=True, check=True)
+    return r.stdout.strip()
+
+
 def test_env_forces_lower_isa():
-    code = "from specmoe import _C; print(_C.KernelContext(1).isa)"
-    env = dict(os.environ, SPECMOE_ISA="scalar")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       check=True)
-    assert r.stdout.strip() == "scalar"
-    env["SPECMOE_ISA"] = "bogus"
-    code = ("from specmoe import _C\ntry:\n _C.KernelContext(1)\nexcept ValueError as e:\n"
-            " print('VE', e)")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       check=True)
-    assert r.stdout.startswith("VE") and "SPECMOE_ISA" in r.stdout
+    assert _context_under_env("SPECMOE_ISA", "scalar", "isa") == "scalar"
+    out = _context_under_env("SPECMOE_ISA", "bogus", "isa")
+    assert out.startswith("VE") and "SPECMOE_ISA" in out
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
@@ -523,18 +525,10 @@ def test_stream_prefetch_never_changes_results(shape, dtype):
 
 
 def test_env_sets_stream_prefetch():
-    code = "from specmoe import _C; print(_C.KernelContext(1).stream_prefetch)"
-    env = dict(os.environ, SPECMOE_STREAM_PREFETCH="8192")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       check=True)
-    assert r.stdout.strip() == "8192"
+    assert _context_under_env("SPECMOE_STREAM_PREFETCH", "8192", "stream_prefetch") == "8192"
     for bad in ("-5", "4k", str((1 << 20) + 1)):
-        env["SPECMOE_STREAM_PREFETCH"] = bad
-        code = ("from specmoe import _C\ntry:\n _C.KernelContext(1)\nexcept ValueError as e:\n"
-                " print('VE', e)")
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, check=True)
-        assert r.stdout.startswith("VE") and "SPECMOE_STREAM_PREFETCH" in r.stdout, bad
+        out = _context_under_env("SPECMOE_STREAM_PREFETCH", bad, "stream_prefetch")
+        assert out.startswith("VE") and "SPECMOE_STREAM_PREFETCH" in out, bad
 
 
 def test_read_bw_positive(ctx):
