@@ -604,7 +604,7 @@ def calibrate(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 1408), 
     import torch
 
     from . import kernels
-    from .hardware import Hardware
+    from .hardware import Hardware, link_fit
     from .store import ExpertStore, write_store
 
     have = _GPU_CALIBRATED.get(device)
@@ -671,7 +671,7 @@ def calibrate(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 1408), 
         with ExpertStore(big) as st:
             t_big = miss_time(st)
             spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes)
-            per_byte = max((t_big - t_small) / (st.block_bytes - small_bytes), 1e-15)
+            link_bw, latency = link_fit(small_bytes, t_small, st.block_bytes, t_big)
             cache = GpuExpertCache(st, experts, "lru", device=device, mode="host",
                                    prefetch=False, top_k=top_k)
             try:
@@ -709,8 +709,8 @@ def calibrate(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 1408), 
         os.rmdir(tmp)
     name = torch.cuda.get_device_name(dev)
     prof = Hardware(
-        name="calibrate-gpu", fast_bw=spec.weight_bytes / t_expert, link_bw=1.0 / per_byte,
-        link_latency_s=max(t_small - small_bytes * per_byte, 0.0),
+        name="calibrate-gpu", fast_bw=spec.weight_bytes / t_expert, link_bw=link_bw,
+        link_latency_s=latency,
         flops=2 * 3 * H * I * 1024 / t_batch,
         fast_bytes=float(torch.cuda.get_device_properties(dev).total_memory),
         kernel_overhead_s=max(t_layer - top_k * t_expert, 0.0),

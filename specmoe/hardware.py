@@ -255,17 +255,23 @@ def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = 
     fast_bw = spec.weight_bytes / best(rng.standard_normal((1, H), dtype=np.float32), 10)
     flops = 2 * 3 * H * I * 64 / best(rng.standard_normal((64, H), dtype=np.float32), 3)
 
-    big = _store_read_time(block_bytes, blocks, directory)
-    small = _store_read_time(4096, blocks, directory)
-    per_byte = max((big - small) / (block_bytes - 4096), 1e-15)
-    link_bw = 1.0 / per_byte
-    latency = max(small - 4096 * per_byte, 0.0)
+    link_bw, latency = link_fit(4096, _store_read_time(4096, blocks, directory),
+                                block_bytes, _store_read_time(block_bytes, blocks, directory))
     _CALIBRATED = Hardware(name="calibrate", fast_bw=fast_bw, link_bw=link_bw,
                            link_latency_s=latency, flops=flops,
                            description=f"measured on this machine by specmoe.hardware.calibrate "
                                        f"(bf16 expert kernel, {kernels.isa()}, "
                                        f"{kernels.num_threads()} threads; ExpertStore reads)")
     return _CALIBRATED
+
+
+def link_fit(small_bytes: int, t_small: float, big_bytes: int, t_big: float
+             ) -> tuple[float, float]:
+    """``(link_bw, link_latency_s)`` of the line through two load times: the rate is the slope's
+    inverse, the latency the intercept (0 if the fit puts it below; the slope floored so that a
+    noisy pair never gives an infinite rate)."""
+    per_byte = max((t_big - t_small) / (big_bytes - small_bytes), 1e-15)
+    return 1.0 / per_byte, max(t_small - small_bytes * per_byte, 0.0)
 
 
 def _store_read_time(nbytes: int, blocks: int, directory: str | None) -> float:
