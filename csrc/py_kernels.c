@@ -159,8 +159,9 @@ static int kc_set_stream_pf(KernelContextObject *self, PyObject *v, void *closur
     }
     long n = PyLong_AsLong(v);
     if (n == -1 && PyErr_Occurred()) return -1;
-    if (n < 0 || n > (1l << 20)) {
-        PyErr_Format(PyExc_ValueError, "stream_prefetch must be 0 to 1048576 bytes, got %ld", n);
+    if (n < 0 || n > (long)SMOE_STREAM_PF_MAX) {
+        PyErr_Format(PyExc_ValueError, "stream_prefetch must be 0 to %u bytes, got %ld",
+                     SMOE_STREAM_PF_MAX, n);
         return -1;
     }
     __atomic_store_n(&c->stream_pf, (uint32_t)n, __ATOMIC_RELAXED); /* read once per call */

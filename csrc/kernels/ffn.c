@@ -350,9 +350,10 @@ static void gather_rows(const float *x, size_t x_stride, const int32_t *rows, ui
 
 /* One FFN call on `pool` (NULL: this thread alone) with the given ISA and features; the
  * arguments are checked by the callers. */
-static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
-                    size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
-                    float *out, size_t out_stride, void *scratch) {
+static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
+                    const uint8_t *block, const float *x, size_t x_stride, const int32_t *rows,
+                    const float *scale, uint32_t T, float *out, size_t out_stride,
+                    void *scratch) {
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     float *xs = (float *)base;
     float *act = (float *)(base + round64((size_t)T * d->H * 4));

@@ -115,6 +115,8 @@ typedef struct smoe_kctx {
     uint64_t many_calls; /* smoe_ffn_forward_many calls on this context (atomic) */
 } smoe_kctx;
 
+#define SMOE_STREAM_PF_MAX (1u << 20) /* the largest stream_pf accepted, bytes */
+
 /* nthreads = 0 -> number of online CPUs.  ISA: the best supported, unless the environment
  * variable SPECMOE_ISA=scalar|avx2|avx512 asks for a lower one; stream_pf: see above
  * (SPECMOE_STREAM_PREFETCH: bytes, 0 to 1 MiB). */

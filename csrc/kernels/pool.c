@@ -225,10 +225,10 @@ int smoe_kctx_init(smoe_kctx *c, uint32_t nthreads, smoe_err *err) {
     if (env && *env) {
         char *end = NULL;
         unsigned long v = strtoul(env, &end, 10);
-        if (*end != '\0' || env[0] == '-' || v > (1ul << 20))
+        if (*end != '\0' || env[0] == '-' || v > SMOE_STREAM_PF_MAX)
             return smoe_err_set(err, SMOE_EINVAL,
-                                "SPECMOE_STREAM_PREFETCH=%s: expected bytes from 0 to 1048576",
-                                env);
+                                "SPECMOE_STREAM_PREFETCH=%s: expected bytes from 0 to %u", env,
+                                SMOE_STREAM_PF_MAX);
         c->stream_pf = (uint32_t)v;
     }
     return smoe_kctx_set_threads(c, nthreads, err);
