@@ -253,10 +253,11 @@ static const smoe_ffn_impl *impl_for(int32_t isa, int32_t dtype) {
 }
 
 typedef struct phase_arg {
+    smoe_split split; /* the phase's chunks (phase_start) */
     const smoe_ffn_impl *impl;
     const smoe_ffn_job *job;
-    int phase;     /* 1: gate/up over I rows, 2: down over H rows */
-    uint32_t next; /* next chunk to take (atomic; reset per phase) */
+    int phase;   /* 1: gate/up over I rows, 2: down over H rows */
+    uint32_t ch; /* rows per chunk */
 } phase_arg;
 
 /* Rows per chunk: a multiple of 16 giving ~16 chunks per thread. */
@@ -266,18 +267,27 @@ static uint32_t chunk_rows(uint32_t n, uint32_t parts) {
     return c < 16 ? 16 : c;
 }
 
-/* Dynamic row chunks (an atomic counter) rather than a static split: this machine class is
- * shared, and a thread that is descheduled or wakes late then costs only the chunk it holds
- * -- the other threads take the rest (the caller starts at once, without waiting for the
- * workers to wake). */
+static uint32_t phase_rows(const phase_arg *pa) {
+    return pa->phase == 1 ? pa->job->d->I : pa->job->d->H;
+}
+
+/* Set pa up for `phase` on a pool of `threads`: its rows in chunks, a range of them per thread
+ * (smoe_split: a thread reads one sequential stream, and one that is descheduled or wakes late
+ * costs only the chunk it holds -- the caller starts at once, without waiting for the workers
+ * to wake, and takes what they have not). */
+static void phase_start(phase_arg *pa, int phase, uint32_t threads) {
+    pa->phase = phase;
+    uint32_t rows = phase_rows(pa);
+    pa->ch = chunk_rows(rows, threads);
+    smoe_split_init(&pa->split, (rows + pa->ch - 1) / pa->ch, threads);
+}
+
 static void phase_run(void *varg, uint32_t k, uint32_t n) {
-    (void)k;
+    (void)n;
     phase_arg *pa = varg;
-    uint32_t rows = pa->phase == 1 ? pa->job->d->I : pa->job->d->H;
-    uint32_t ch = chunk_rows(rows, n);
-    for (;;) {
-        uint32_t c = __atomic_fetch_add(&pa->next, 1u, __ATOMIC_RELAXED);
-        if ((uint64_t)c * ch >= rows) break;
+    const uint32_t rows = phase_rows(pa), ch = pa->ch;
+    uint32_t c;
+    while (smoe_split_next(&pa->split, k, &c)) {
         uint32_t a = c * ch, b = rows - a < ch ? rows : a + ch;
         if (pa->phase == 1)
             pa->impl->gateup(pa->job, a, b);
@@ -357,6 +367,8 @@ static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     float *xs = (float *)base;
     float *act = (float *)(base + round64((size_t)T * d->H * 4));
+    const uint32_t nt = smoe_kpool_threads(pool);
+    phase_arg pa;
     if (fast_dtype_ok(d->dtype, group_of(d), d->precise, f->isa, f->has_bf16, f->has_vnni) &&
         fast_dim_ok(d->dtype, d->H) && fast_dim_ok(d->dtype, d->I)) {
         void *aq = (uint8_t *)act + round64((size_t)T * d->I * 4);
@@ -367,24 +379,26 @@ static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
         smoe_fast_prepare(d->dtype, x, x_stride, rows, T, d->H, xs, xsc, xsum);
         smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act,         rows,
                             scale, out,   out_stride, xs,          xsc,  xsum, f->stream_pf};
-        phase_arg pa = {&smoe_ffn_impl_fast, &job, 1, 0};
+        pa.impl = &smoe_ffn_impl_fast;
+        pa.job = &job;
+        phase_start(&pa, 1, nt);
         smoe_kpool_run(pool, phase_run, &pa);
         smoe_fast_prepare(d->dtype, act, d->I, NULL, T, d->I, aq, asc, asum);
         job.q = aq;
         job.qs = asc;
         job.qsum = asum;
-        pa.phase = 2;
-        pa.next = 0;
+        phase_start(&pa, 2, nt);
         smoe_kpool_run(pool, phase_run, &pa);
         return;
     }
     gather_rows(x, x_stride, rows, T, d->H, smoe_dtype_permuted(d->dtype), xs);
     smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride,
                         NULL, NULL, NULL, f->stream_pf};
-    phase_arg pa = {impl_for(f->isa, d->dtype), &job, 1, 0};
+    pa.impl = impl_for(f->isa, d->dtype);
+    pa.job = &job;
+    phase_start(&pa, 1, nt);
     smoe_kpool_run(pool, phase_run, &pa);
-    pa.phase = 2;
-    pa.next = 0;
+    phase_start(&pa, 2, nt);
     smoe_kpool_run(pool, phase_run, &pa);
 }
 
@@ -562,7 +576,10 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
         }
         smoe_ffn_job job = {&d,   block, nt,         d.group, NULL, act,        NULL,
                             NULL, oc,    out_stride, NULL,    NULL, NULL, f.stream_pf};
-        phase_arg pa = {impl_for(f.isa, d.dtype), &job, 2, 0};
+        phase_arg pa;
+        pa.impl = impl_for(f.isa, d.dtype);
+        pa.job = &job;
+        phase_start(&pa, 2, smoe_kpool_threads(pool));
         if (fast) {
             smoe_fast_prepare(d.dtype, xc, x_stride, NULL, nt, l->K, q, qs, qsum);
             job.q = q;
@@ -581,23 +598,22 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
 /* ---- read-bandwidth ceiling ---- */
 
 typedef struct read_arg {
+    smoe_split split; /* the chunks of one iteration (reset per iteration) */
     const smoe_ffn_impl *impl;
     const uint8_t *buf;
     size_t bytes;
-    size_t chunk;  /* bytes per chunk, multiple of 64 */
-    uint32_t next; /* next chunk (atomic; reset per iteration) */
+    size_t chunk; /* bytes per chunk, multiple of 64 */
     uint64_t sums[1024];
 } read_arg;
 
-/* Same scheduling as the kernels (dynamic chunks, ~16 per thread), so the ceiling and the
- * kernel see the same exposure to a busy machine. */
+/* Same scheduling as the kernels (a range of ~16 chunks per thread, smoe_split), so the ceiling
+ * and the kernel see the same exposure to a busy machine. */
 static void read_run(void *varg, uint32_t k, uint32_t n) {
     (void)n;
     read_arg *ra = varg;
-    for (;;) {
-        size_t c = __atomic_fetch_add(&ra->next, 1u, __ATOMIC_RELAXED);
-        size_t a = c * ra->chunk;
-        if (a >= ra->bytes) break;
+    uint32_t c;
+    while (smoe_split_next(&ra->split, k, &c)) {
+        size_t a = (size_t)c * ra->chunk;
         size_t b = ra->bytes - a < ra->chunk ? ra->bytes : a + ra->chunk;
         ra->sums[k] += ra->impl->read_sum(ra->buf + a, b - a);
     }
@@ -607,18 +623,21 @@ int smoe_read_bw(smoe_kctx *c, const uint8_t *buf, size_t bytes, uint32_t iters,
                  double *bytes_per_s, smoe_err *err) {
     if (!c || !buf || !bytes_per_s || iters == 0)
         return smoe_err_set(err, SMOE_EINVAL, "smoe_read_bw: bad argument");
-    read_arg *ra = calloc(1, sizeof *ra);
+    const size_t rab = (sizeof(read_arg) + 63) & ~(size_t)63;
+    read_arg *ra = aligned_alloc(64, rab);
     if (!ra) return smoe_err_set(err, SMOE_ENOMEM, "smoe_read_bw: out of memory");
+    memset(ra, 0, rab);
     ra->impl = impl_for(c->isa, SMOE_WDT_F32);
     ra->buf = buf;
     ra->bytes = bytes;
-    uint32_t parts = c->pool ? c->nthreads : 1;
+    const uint32_t parts = smoe_kpool_threads(c->pool);
     ra->chunk = ((bytes / (16 * (size_t)parts)) + 63) & ~(size_t)63;
     if (ra->chunk < 4096) ra->chunk = 4096;
+    const uint32_t nchunks = (uint32_t)((bytes + ra->chunk - 1) / ra->chunk);
     smoe_kpool_lock(c->pool);
     double t0 = smoe_now();
     for (uint32_t it = 0; it < iters; it++) {
-        ra->next = 0;
+        smoe_split_init(&ra->split, nchunks, parts);
         smoe_kpool_run(c->pool, read_run, ra);
     }
     double dt = smoe_now() - t0;

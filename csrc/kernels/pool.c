@@ -165,6 +165,38 @@ void smoe_kpool_run(smoe_kpool *p, smoe_kpool_fn fn, void *arg) {
     pthread_mutex_unlock(&p->mu);
 }
 
+uint32_t smoe_kpool_threads(const smoe_kpool *p) { return p ? p->nworkers + 1 : 1; }
+
+void smoe_split_init(smoe_split *s, uint32_t n, uint32_t threads) {
+    uint32_t R = threads < 1 ? 1 : threads > SMOE_SPLIT_RANGES ? SMOE_SPLIT_RANGES : threads;
+    s->ranges = R;
+    for (uint32_t r = 0; r < R; r++) {
+        uint64_t a = (uint64_t)n * r / R, b = (uint64_t)n * (r + 1) / R;
+        __atomic_store_n(&s->r[r].fb, a | b << 32, __ATOMIC_RELAXED);
+    }
+}
+
+int smoe_split_next(smoe_split *s, uint32_t k, uint32_t *c) {
+    const uint32_t R = s->ranges;
+    for (uint32_t i = 0; i < R; i++) {
+        uint64_t *fb = &s->r[(k + i) % R].fb;
+        uint64_t v = __atomic_load_n(fb, __ATOMIC_RELAXED);
+        for (;;) {
+            uint32_t f = (uint32_t)v, b = (uint32_t)(v >> 32);
+            if (f >= b) break;
+            /* own range (i == 0): the front; another's: the back */
+            uint32_t take = i == 0 ? f : b - 1;
+            uint64_t nv = i == 0 ? (uint64_t)(f + 1) | (uint64_t)b << 32
+                                 : (uint64_t)f | (uint64_t)(b - 1) << 32;
+            if (__atomic_compare_exchange_n(fb, &v, nv, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+                *c = take;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
 void smoe_kpool_lock(smoe_kpool *p) {
     if (p) pthread_mutex_lock(&p->call_mu);
 }
