@@ -1,6 +1,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "common.h"
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
@@ -26,7 +27,10 @@ void smoe_advise_huge(const void *p, size_t n, int collapse) {
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25 /* Linux 6.1 */
 #endif
-    if (collapse) (void)madvise((void *)a, b - a, MADV_COLLAPSE);
+    /* EAGAIN is transient (pages busy, a temporary shortage): a few more tries, then the
+     * weights stay on whatever pages they have */
+    for (int tries = 0; collapse && tries < 3; tries++)
+        if (madvise((void *)a, b - a, MADV_COLLAPSE) == 0 || errno != EAGAIN) break;
 #else
     (void)p, (void)n, (void)collapse;
 #endif
