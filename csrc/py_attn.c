@@ -2289,35 +2289,9 @@ static PyMethodDef attn_functions[] = {
     {NULL, NULL, 0, NULL}};
 
 int smoe_py_attn_init(PyObject *m) {
-    if (PyType_Ready(&MLADecodeType) < 0 || PyType_Ready(&AttnDecodeType) < 0 ||
-        PyType_Ready(&AttnBlockType) < 0 || PyType_Ready(&MLABlockType) < 0 ||
-        PyType_Ready(&DecodePlanType) < 0 ||
-        PyModule_AddFunctions(m, attn_functions) < 0)
-        return -1;
-    Py_INCREF(&MLADecodeType);
-    if (PyModule_AddObject(m, "MLADecode", (PyObject *)&MLADecodeType) < 0) {
-        Py_DECREF(&MLADecodeType);
-        return -1;
-    }
-    Py_INCREF(&AttnDecodeType);
-    if (PyModule_AddObject(m, "AttnDecode", (PyObject *)&AttnDecodeType) < 0) {
-        Py_DECREF(&AttnDecodeType);
-        return -1;
-    }
-    Py_INCREF(&AttnBlockType);
-    if (PyModule_AddObject(m, "AttnBlock", (PyObject *)&AttnBlockType) < 0) {
-        Py_DECREF(&AttnBlockType);
-        return -1;
-    }
-    Py_INCREF(&MLABlockType);
-    if (PyModule_AddObject(m, "MLABlock", (PyObject *)&MLABlockType) < 0) {
-        Py_DECREF(&MLABlockType);
-        return -1;
-    }
-    Py_INCREF(&DecodePlanType);
-    if (PyModule_AddObject(m, "DecodePlan", (PyObject *)&DecodePlanType) < 0) {
-        Py_DECREF(&DecodePlanType);
-        return -1;
-    }
-    return 0;
+    PyTypeObject *types[] = {&MLADecodeType, &AttnDecodeType, &AttnBlockType, &MLABlockType,
+                             &DecodePlanType};
+    for (size_t i = 0; i < sizeof types / sizeof *types; i++) /* named by their tp_name */
+        if (PyModule_AddType(m, types[i]) < 0) return -1;
+    return PyModule_AddFunctions(m, attn_functions);
 }

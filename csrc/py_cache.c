@@ -689,11 +689,6 @@ static PyTypeObject Cache_Type = {
 };
 
 int smoe_py_cache_init(PyObject *m) {
-    if (PyType_Ready(&Cache_Type) < 0) return -1;
-    Py_INCREF(&Cache_Type);
-    if (PyModule_AddObject(m, "Cache", (PyObject *)&Cache_Type) < 0) {
-        Py_DECREF(&Cache_Type);
-        return -1;
-    }
+    if (PyModule_AddType(m, &Cache_Type) < 0) return -1; /* _C.Cache, from its tp_name */
     return 0;
 }

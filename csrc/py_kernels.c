@@ -433,11 +433,6 @@ static PyTypeObject KernelContextType = {
 };
 
 int smoe_py_kernels_init(PyObject *m) {
-    if (PyType_Ready(&KernelContextType) < 0) return -1;
-    Py_INCREF(&KernelContextType);
-    if (PyModule_AddObject(m, "KernelContext", (PyObject *)&KernelContextType) < 0) {
-        Py_DECREF(&KernelContextType);
-        return -1;
-    }
+    if (PyModule_AddType(m, &KernelContextType) < 0) return -1; /* _C.KernelContext, from its tp_name */
     return 0;
 }

@@ -273,11 +273,6 @@ int smoe_py_linear_run(PyObject *obj, smoe_kctx *c, const void *x, int xb, uint3
 }
 
 int smoe_py_linear_init(PyObject *m) {
-    if (PyType_Ready(&LinearType) < 0) return -1;
-    Py_INCREF(&LinearType);
-    if (PyModule_AddObject(m, "Linear", (PyObject *)&LinearType) < 0) {
-        Py_DECREF(&LinearType);
-        return -1;
-    }
+    if (PyModule_AddType(m, &LinearType) < 0) return -1; /* _C.Linear, from its tp_name */
     return 0;
 }

@@ -765,14 +765,7 @@ static PyMethodDef spec_functions[] = {
 
 int smoe_py_spec_init(PyObject *m) {
     PyTypeObject *types[] = {&SpecController_Type, &Ngram_Type};
-    const char *names[] = {"SpecController", "NgramDrafter"};
-    for (int i = 0; i < 2; i++) {
-        if (PyType_Ready(types[i]) < 0) return -1;
-        Py_INCREF(types[i]);
-        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
-            Py_DECREF(types[i]);
-            return -1;
-        }
-    }
+    for (size_t i = 0; i < sizeof types / sizeof *types; i++) /* named by their tp_name */
+        if (PyModule_AddType(m, types[i]) < 0) return -1;
     return PyModule_AddFunctions(m, spec_functions);
 }
