@@ -689,6 +689,6 @@ static PyTypeObject Cache_Type = {
 };
 
 int smoe_py_cache_init(PyObject *m) {
-    if (PyModule_AddType(m, &Cache_Type) < 0) return -1; /* _C.Cache, from its tp_name */
+    if (PyModule_AddType(m, &Cache_Type) < 0) return -1;
     return 0;
 }

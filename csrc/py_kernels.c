@@ -433,6 +433,6 @@ static PyTypeObject KernelContextType = {
 };
 
 int smoe_py_kernels_init(PyObject *m) {
-    if (PyModule_AddType(m, &KernelContextType) < 0) return -1; /* _C.KernelContext, from its tp_name */
+    if (PyModule_AddType(m, &KernelContextType) < 0) return -1;
     return 0;
 }

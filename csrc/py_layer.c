@@ -495,7 +495,7 @@ smoe_layers *smoe_py_layers_begin(PyObject *obj) {
 void smoe_py_layers_end(PyObject *obj) { smoe_py_cache_end(((LayersObject *)obj)->cache_obj); }
 
 int smoe_py_layer_init(PyObject *m) {
-    if (PyModule_AddType(m, &LayersType) < 0) return -1; /* _C.Layers, from its tp_name */
+    if (PyModule_AddType(m, &LayersType) < 0) return -1;
     if (PyModule_AddIntConstant(m, "ROUTE_RENORM", SMOE_ROUTE_RENORM) < 0 ||
         PyModule_AddIntConstant(m, "ROUTE_BF16_LOGITS", SMOE_ROUTE_BF16_LOGITS) < 0 ||
         PyModule_AddIntConstant(m, "ROUTE_BF16_WEIGHTS", SMOE_ROUTE_BF16_WEIGHTS) < 0 ||

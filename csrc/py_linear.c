@@ -273,6 +273,6 @@ int smoe_py_linear_run(PyObject *obj, smoe_kctx *c, const void *x, int xb, uint3
 }
 
 int smoe_py_linear_init(PyObject *m) {
-    if (PyModule_AddType(m, &LinearType) < 0) return -1; /* _C.Linear, from its tp_name */
+    if (PyModule_AddType(m, &LinearType) < 0) return -1;
     return 0;
 }

@@ -430,7 +430,7 @@ static PyMethodDef policy_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 int smoe_py_policy_init(PyObject *m) {
-    if (PyModule_AddType(m, &Policy_Type) < 0) return -1; /* _C.Policy, from its tp_name */
+    if (PyModule_AddType(m, &Policy_Type) < 0) return -1;
     if (PyModule_AddFunctions(m, policy_methods) < 0) return -1;
     PyObject *names = PyUnicode_FromString(smoe_policy_names());
     if (!names || PyModule_AddObject(m, "POLICY_NAMES", names) < 0) {

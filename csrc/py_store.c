@@ -361,7 +361,7 @@ static PyMethodDef store_functions[] = {
     {NULL, NULL, 0, NULL}};
 
 int smoe_py_store_init(PyObject *m) {
-    if (PyModule_AddType(m, &StoreType) < 0) return -1; /* _C.Store, from its tp_name */
+    if (PyModule_AddType(m, &StoreType) < 0) return -1;
     if (PyModule_AddFunctions(m, store_functions) < 0) return -1;
     return 0;
 }
