@@ -2,6 +2,8 @@
 set), else from the small subset carried in tests/data/puffin (see its README)."""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def c_compiler() -> str:
+    """The C compiler that tests build their C helpers with ($CC, else cc, gcc or clang); the
+    test is skipped where there is none."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        pytest.skip("no C compiler")
+    return cc

@@ -5,7 +5,6 @@ benchmarks/c/mla_decode.c (the absorbed MLA call timed in C, mla.c's notes cite 
 against csrc/kernels/attn.h."""
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,12 +15,8 @@ from specmoe import _C
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _build(tmp_path_factory, name: str, srcs: list, flags: list) -> Path:
-    """benchmarks/c/<name> and ``srcs`` built with warnings as errors (skip without a
-    compiler)."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if not cc:
-        pytest.skip("no C compiler")
+def _build(tmp_path_factory, cc: str, name: str, srcs: list, flags: list) -> Path:
+    """benchmarks/c/<name> and ``srcs`` built by cc with warnings as errors."""
     out = tmp_path_factory.mktemp("harness") / name
     k = REPO / "csrc" / "kernels"
     r = subprocess.run([cc, "-O1", *flags, "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'csrc'}",
@@ -33,8 +28,8 @@ def _build(tmp_path_factory, name: str, srcs: list, flags: list) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ffn_rows(tmp_path_factory):
-    return _build(tmp_path_factory, "ffn_rows",
+def ffn_rows(tmp_path_factory, c_compiler):
+    return _build(tmp_path_factory, c_compiler, "ffn_rows",
                   ["ffn.c", "ffn_avx2.c", "ffn_avx512.c", "ffn_i2.c", "pool.c"], [])
 
 
@@ -62,8 +57,8 @@ def test_ffn_rows_refuses_bad_shapes(ffn_rows):
 
 
 @pytest.fixture(scope="module")
-def mla_decode(tmp_path_factory):
-    return _build(tmp_path_factory, "mla_decode", ["mla.c", "mla_avx512.c", "pool.c"],
+def mla_decode(tmp_path_factory, c_compiler):
+    return _build(tmp_path_factory, c_compiler, "mla_decode", ["mla.c", "mla_avx512.c", "pool.c"],
                   ["-std=c11", "-D_GNU_SOURCE"])
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -46,12 +45,9 @@ NAMED = {1: "failed: Input/output error", 3: "truncated", 4: "checksum mismatch"
 
 
 @pytest.fixture(scope="module")
-def shim(tmp_path_factory) -> Path:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        pytest.skip("no C compiler to build the fault-injection shim")
+def shim(tmp_path_factory, c_compiler) -> Path:
     out = tmp_path_factory.mktemp("faultfs") / "faultfs.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o", str(out),
+    subprocess.run([c_compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o", str(out),
                     str(HERE / "c" / "faultfs.c"), "-ldl"], check=True)
     return out
 

@@ -6,7 +6,6 @@ store-schema descriptors, and bad input."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import zlib
@@ -456,17 +455,13 @@ def test_thread_counts_agree_with_reference(threads):
                                atol=1e-4)
 
 
-def test_split_check(tmp_path):
+def test_split_check(tmp_path, c_compiler):
     """The pool's chunk split (smoe_split: a contiguous range of chunks per thread, then steals
     from the other ranges' backs) takes every chunk exactly once and a thread's own chunks in
     order, in turns and with racing threads: tests/c/split_check.c, built here."""
-    import shutil
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        pytest.skip("no C compiler to build tests/c/split_check.c")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     exe = tmp_path / "split_check"
-    subprocess.run([cc, "-std=c11", "-D_GNU_SOURCE", "-O1", "-Wall", "-Wextra", "-Werror",
+    subprocess.run([c_compiler, "-std=c11", "-D_GNU_SOURCE", "-O1", "-Wall", "-Wextra", "-Werror",
                     "-pthread", "-I", os.path.join(root, "csrc"), "-o", str(exe),
                     os.path.join(root, "tests", "c", "split_check.c"),
                     os.path.join(root, "csrc", "kernels", "pool.c"),
