@@ -8,6 +8,17 @@
 
 #include "common.h"
 
+/* Lock order, for every binding.  A forward holds a block's mutex (py_attn.c), then the MoE
+ * layers' mutex (smoe_layers.mu), then the slot table's (smoe_slots.mu); with that last one
+ * held, a Python eviction policy's callbacks take the GIL (policy/py_bridge.c), on the calling
+ * thread or on the prefetch worker.  So the GIL comes after all three, and a thread that holds
+ * the GIL must never wait for any of them: every binding that calls a C function taking one of
+ * these mutexes releases the GIL first (Py_BEGIN_ALLOW_THREADS around the call), setters and
+ * getters included, however short the critical section.  Issue 43 found the three-way deadlock
+ * that breaking this rule causes (a setter holding the GIL, a forward holding the layers' mutex,
+ * the worker holding the slots' mutex in a Python policy); tests/test_threads.py keeps it
+ * covered for every setter. */
+
 /* Exception types created once at module init (module.c); read-only afterwards. */
 extern PyObject *smoe_py_Error;       /* specmoe.SpecmoeError, base of the others */
 extern PyObject *smoe_py_StoreError;  /* specmoe.StoreError */

@@ -315,15 +315,20 @@ static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *
         return NULL;
     smoe_err e;
     smoe_err_clear(&e);
-    if (smoe_layers_configure(&self->g, prefetch, overfetch, mass, feed, &e))
-        return smoe_py_raise(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
+    rc = smoe_layers_configure(&self->g, prefetch, overfetch, mass, feed, &e);
+    Py_END_ALLOW_THREADS
+    if (rc) return smoe_py_raise(&e);
     Py_RETURN_NONE;
 }
 
 static PyObject *Layers_set_parallel(LayersObject *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (check_init(self) < 0 || on < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
     smoe_layers_set_parallel(&self->g, on);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
