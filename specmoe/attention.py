@@ -355,9 +355,9 @@ def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
     block with its norms and residual add, the new positions written straight into the KV
     buffers, the MoE block routed in C, the second residual add."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    args = _layer_args(layer, x, out, pe, attention_mask, bufs, route)
-    with route[0]._layer_call_slot():
-        layer.self_attn._specmoe_block.layer(*args)
+    with route[0]._layer_call_slot():  # the Engine's layers read inside: set_cache swaps them
+        layer.self_attn._specmoe_block.layer(*_layer_args(layer, x, out, pe, attention_mask,
+                                                          bufs, route))
     kv_advance(bufs, x.shape[1])
     return out
 

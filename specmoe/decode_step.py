@@ -201,7 +201,9 @@ class DecodeStep:
         ids, cache, S = plain
         plan = self._plan_for(cache, S)
         if plan is not None:
-            return self._run_plan(plan, int(ids[0, 0]), cache, S)
+            out = self._run_plan(plan, int(ids[0, 0]), cache, S)
+            if out is not None:
+                return out
         model = self.model
         base = model.model
         h = base.embed_tokens(ids)
@@ -321,6 +323,12 @@ class DecodeStep:
         if len(engines) > 1:
             return None
         eng = next(iter(engines.values()), None)
+        # the Engine's layers the items captured (set_cache in another thread may swap them
+        # while the items are built): all one object, which the slot's check compares with
+        captured = {id(it[1][0]): it[1][0] for it in items if it[1][0] is not None}
+        if len(captured) > 1:
+            return None
+        eng_layers = next(iter(captured.values()), None)
         rows, seen = [], set()
         for lyr, it in zip(layers, items):
             for idx, tab in lyr._specmoe_chain_rope(lyr, table, P):
@@ -360,7 +368,7 @@ class DecodeStep:
                      limit=min(P, min(k.shape[2] for _, k, _ in kv)),
                      views=[(lay, lay.keys, lay.values, k, v) for lay, k, v in kv],
                      layers=layers, mods=(emb, rot, fn, lm), engine=eng,
-                     eng_layers=None if eng is None else eng._layers, x0=x0, last=h,
+                     eng_layers=eng_layers, x0=x0, last=h,
                      normed=None if norm is None else normed,
                      vocab=None if head is None else int(lm.out_features),
                      logits_dtype=odt, scratch=None if head is None else tensor_array(
@@ -396,10 +404,12 @@ class DecodeStep:
                                and eng._routable(plan.x0, plan.x0.dtype))
 
     def _plan_call(self, plan: _Plan, token: int, S: int, argmax: bool
-                   ) -> tuple[torch.Tensor | None, int]:
+                   ) -> tuple[torch.Tensor | None, int | None]:
         """``plan``'s C step for ``token`` at S cached positions, then each layer's KV views
         advanced by its new position; (logits [1, 1, vocab], or None without a head in the
-        plan or with ``argmax``; the greedy next token, or -1 without ``argmax``)."""
+        plan or with ``argmax``; the greedy next token, or -1 without ``argmax``).  (None,
+        None), with nothing run and the plan dropped, when the Engine's layers changed since
+        the plan was built (a ``set_cache`` in another thread after the validity check)."""
         logits, out = None, None
         if argmax:      # logits nobody sees: the plan's own buffer
             out = plan.scratch
@@ -408,6 +418,11 @@ class DecodeStep:
             out = tensor_array(logits.view(1, plan.vocab))
         eng = plan.engine
         with eng._layer_call_slot() if eng is not None else contextlib.nullcontext():
+            # checked inside the slot: Engine.set_cache swaps the layers (and closes the old
+            # cache) only while no layer call is in flight, so from here on they stay
+            if eng is not None and eng._layers is not plan.eng_layers:
+                self._plan = None
+                return None, None
             r = self.plan_step(plan.c, token, S, out, argmax)
         n = S + 1
         views = plan.views
@@ -420,8 +435,10 @@ class DecodeStep:
 
     def _run_plan(self, plan: _Plan, token: int, cache: Any, S: int) -> Any:
         """One step through ``plan`` (:meth:`_plan_call`), the model's output object around
-        its logits."""
-        logits = self._plan_call(plan, token, S, False)[0]
+        its logits; None, with nothing run, when the plan went stale (take another path)."""
+        logits, r = self._plan_call(plan, token, S, False)
+        if r is None:
+            return None
         if logits is None:
             base = self.model.model
             h = plan.last if plan.normed is None else plan.normed
@@ -440,7 +457,11 @@ class DecodeStep:
         # dense layers alone has none)
         eng = next((it[3] for it in run if it[3] is not None), None)
         with eng._layer_call_slot() if eng is not None else contextlib.nullcontext():
-            self.chain(tuple((it[0], it[1]) for it in run))
+            # the items were built outside the slot: a set_cache in another thread since then
+            # swapped the Engine's layers (argument 0 of an item's call), stable from here on
+            cur = None if eng is None else eng._layers
+            self.chain(tuple((it[0], it[1] if it[1][0] is None or it[1][0] is cur
+                              else (cur, *it[1][1:])) for it in run))
         for it in run:
             kv_advance(it[2], 1)
         self.chained += len(run)

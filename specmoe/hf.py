@@ -156,8 +156,17 @@ class _LayerCallSlot:
     def __enter__(self) -> None:
         e = self.eng
         with e._cv:
-            while e._exclusive_owner:
-                e._cv.wait()
+            if e._exclusive_owner:
+                # counted as waiting, so that the next exclusive section lets this call in
+                # first: a thread calling set_cache in a loop cannot starve generation
+                e._waiting += 1
+                try:
+                    while e._exclusive_owner:
+                        e._cv.wait()
+                finally:
+                    e._waiting -= 1
+                    if not e._waiting:
+                        e._cv.notify_all()
             if e._closed:
                 raise RuntimeError("this specmoe Engine is closed")
             e._inflight += 1
@@ -281,6 +290,7 @@ class Engine(EngineCommon):
         # and set_cache() wait for the calls in flight and hold new ones off meanwhile.
         self._cv = threading.Condition()
         self._inflight = 0  # [_cv] layer calls running
+        self._waiting = 0   # [_cv] layer calls waiting for an exclusive section to end
         self._exclusive_owner = False  # [_cv] close/set_cache running
         # resident low-bit copies of every routed expert, by format: the self-draft's
         # (MoE-SpeQ) and SpecMD's fallback levels share them (_lowbit_copy)
@@ -454,9 +464,10 @@ class Engine(EngineCommon):
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
-        """No layer call runs inside the block (they wait at its end)."""
+        """No layer call runs inside the block (they wait at its end, and the layer calls that
+        waited for one exclusive block run before the next block starts)."""
         with self._cv:
-            while self._exclusive_owner:
+            while self._exclusive_owner or self._waiting:  # (waiting calls go first)
                 self._cv.wait()
             self._exclusive_owner = True
             while self._inflight:
