@@ -19,7 +19,8 @@ if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ._C import CacheError, PolicyError, SpecmoeError, StoreError
-from .store import ExpertStore, write_store  # slow tier
+from .store import ExpertStore, StorePathError, write_store  # slow tier
+from .conversion import CheckpointError  # a checkpoint that cannot be converted
 from .traces import Trace, TraceError, load_puffin, load_trace
 from .cache import ExpertCache, parse_capacity
 from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
@@ -59,6 +60,8 @@ def __getattr__(name: str):  # HF integration loaded on first use (it imports to
 __all__ = [
     "SpecmoeError",
     "StoreError",
+    "StorePathError",
+    "CheckpointError",
     "CacheError",
     "PolicyError",
     "ExpertStore",

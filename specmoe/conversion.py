@@ -34,11 +34,24 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-__all__ = ["Checkpoint", "CONVERT_VERSION", "default_store_path", "open_or_convert",
-           "store_settings", "write_experts"]
+from ._C import SpecmoeError
+
+__all__ = ["Checkpoint", "CheckpointError", "CONVERT_VERSION", "default_store_path",
+           "open_or_convert", "store_settings", "write_experts", "check_store_location",
+           "expert_block_bytes"]
 
 CONVERT_VERSION = 1  # bump when the conversion of the same checkpoint would give other bytes
 _HEADER_MAX = 100_000_000  # safetensors' own limit on a shard's JSON header
+
+# safetensors dtypes that hold integers: where a float weight belongs (an expert projection, a
+# dense float parameter) one of these is refused rather than reinterpreted or cast
+INT_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+
+
+class CheckpointError(SpecmoeError, ValueError):
+    """A checkpoint folder cannot be used as it is: a shard truncated, inconsistent or unreadable,
+    config.json not JSON, a tensor of the wrong dtype, a weight with NaN or inf.  The message
+    names the file (and the tensor, layer and expert where one is at fault)."""
 
 
 def _log(msg: str) -> None:
@@ -58,6 +71,7 @@ class Checkpoint:
     shards: list[Path]
     keys: dict[str, Path]
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+    dtypes: dict[str, str] = field(default_factory=dict, repr=False)  # key -> safetensors dtype
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "Checkpoint":
@@ -66,7 +80,9 @@ class Checkpoint:
             raise FileNotFoundError(f"{folder}: not a checkpoint folder (expected a directory "
                                     "with config.json and *.safetensors shards)")
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder}: no config.json")
+            raise FileNotFoundError(f"{folder / 'config.json'}: missing (not a HuggingFace "
+                                    "checkpoint folder)")
+        _check_config(folder / "config.json")
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -85,28 +101,44 @@ class Checkpoint:
                 raise FileNotFoundError(f"{folder}: no *.safetensors shards (specmoe reads "
                                         "safetensors checkpoints only)")
         keys: dict[str, Path] = {}
+        dtypes: dict[str, str] = {}
         for s in shards:
-            for k in _shard_header(s):
+            for k, ent in _shard_header(s).items():
                 if k != "__metadata__":
                     keys[k] = s
-        return cls(folder, shards, keys)
+                    dtypes[k] = str(ent.get("dtype"))
+        return cls(folder, shards, keys, dtypes=dtypes)
 
     def handle(self, shard: Path) -> Any:
         """An open ``safe_open`` reader of ``shard`` (kept until :meth:`close`)."""
         h = self._handles.get(shard)
         if h is None:
             from safetensors import safe_open
-            h = safe_open(str(shard), framework="pt")
+            try:
+                h = safe_open(str(shard), framework="pt")
+            except Exception as exc:  # SafetensorError (no file name in it), OSError
+                raise CheckpointError(f"{shard}: cannot read this safetensors shard: "
+                                      f"{exc}") from exc
             self._handles[shard] = h
         return h
 
     def tensor(self, key: str) -> Any:
         """The whole tensor ``key`` (a torch tensor, read from its shard)."""
-        return self.handle(self.keys[key]).get_tensor(key)
+        shard = self.keys[key]
+        h = self.handle(shard)
+        try:
+            return h.get_tensor(key)
+        except Exception as exc:
+            raise CheckpointError(f"{shard}: cannot read tensor {key}: {exc}") from exc
 
     def slice(self, key: str, index: int) -> Any:
         """``tensor(key)[index]`` without reading the rest of the tensor."""
-        return self.handle(self.keys[key]).get_slice(key)[index]
+        shard = self.keys[key]
+        h = self.handle(shard)
+        try:
+            return h.get_slice(key)[index]
+        except Exception as exc:
+            raise CheckpointError(f"{shard}: cannot read tensor {key}[{index}]: {exc}") from exc
 
     def fingerprint(self) -> dict[str, Any]:
         """Names, sizes, modification times and header digests of the shards and the digest
@@ -129,21 +161,62 @@ class Checkpoint:
         self._handles.clear()
 
 
+def _check_config(path: Path) -> None:
+    """config.json must be a JSON object: the error names the file and where the JSON breaks
+    (transformers' own message names neither)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        cfg = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno} (char {exc.pos})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON: nested too deep") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: not a JSON object (a {type(cfg).__name__})")
+
+
 def _shard_header(path: Path) -> dict[str, Any]:
+    """The JSON header of safetensors shard ``path``, checked against the file's size (a
+    truncated shard is named here, before any conversion, not by the reader's error later)."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) != 8:
                 raise ValueError("shorter than 8 bytes")
             n = struct.unpack("<Q", head)[0]
-            if n > _HEADER_MAX or n > path.stat().st_size - 8:
+            if n > _HEADER_MAX or n > size - 8:
                 raise ValueError(f"header length {n} is out of range")
             h = json.loads(f.read(n))
             if not isinstance(h, dict):
                 raise ValueError("header is not a JSON object")
-            return h
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a safetensors file ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
+    end = 0
+    for k, ent in h.items():
+        if k == "__metadata__":
+            continue
+        off = ent.get("data_offsets") if isinstance(ent, dict) else None
+        if (not isinstance(off, list) or len(off) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in off)
+                or not 0 <= off[0] <= off[1] or not isinstance(ent.get("dtype"), str)):
+            raise CheckpointError(f"{path}: inconsistent safetensors header: tensor {k} has "
+                                  f"entry {ent!r}")
+        end = max(end, off[1])
+    data = size - 8 - n
+    if end > data:
+        raise CheckpointError(f"{path}: truncated: its header places tensor data up to byte "
+                              f"{8 + n + end}, the file has {size} bytes")
+    if end < data:
+        raise CheckpointError(f"{path}: inconsistent: {data - end} bytes after the last "
+                              "tensor (a safetensors shard's tensors cover its data exactly)")
+    return h
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,8 +235,11 @@ def write_experts(path: str, expert_f32: Callable[[int, int], dict[str, np.ndarr
     ``expert_bytes`` sizes it.  ``after_layer(position)`` runs once a layer is converted (offload
     uses it to free the model's expert parameters layer by layer)."""
     from .quant import expert_tensors, store_dtypes
-    from .store import write_store
+    from .store import check_store_target, write_store
 
+    # before the first expert is read (offload frees each layer once converted): only no
+    # file, an empty file or a specmoe store at ``path`` may be replaced
+    check_store_target(path)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -177,7 +253,10 @@ def write_experts(path: str, expert_f32: Callable[[int, int], dict[str, np.ndarr
         for e in range(num_experts):
             d = expert_f32(pos, e)
             biases = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
-            t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=biases or None)
+            try:
+                t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=biases or None)
+            except ValueError as exc:  # e.g. non-finite values: say which expert
+                raise ValueError(f"MoE layer {pos} expert {e}: {exc}") from exc
             if not out:
                 out = {n: np.empty((num_experts,) + a.shape, a.dtype) for n, a in t.items()}
             for n, a in t.items():
@@ -220,6 +299,74 @@ def cache_dir() -> Path:
     """``$SPECMOE_CACHE`` if set, else ``~/.cache/specmoe``."""
     env = os.environ.get("SPECMOE_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specmoe"
+
+
+def _dir_label(directory: Path) -> str:
+    try:
+        same = directory.expanduser().absolute() == cache_dir().absolute()
+    except OSError:
+        same = False
+    env = os.environ.get("SPECMOE_CACHE")
+    return (f"{directory} ($SPECMOE_CACHE)" if same and env else
+            f"{directory} (the store cache, ~/.cache/specmoe)" if same else str(directory))
+
+
+def check_store_location(path: str | os.PathLike[str], *,
+                         checkpoint: str | os.PathLike[str] | None = None) -> Path:
+    """Check, before any conversion work and without writing anything, that a store may be
+    written at ``path``: :func:`specmoe.store.check_store_target` (only no file, an empty file
+    or a specmoe store is replaced; never a directory, an empty path or a path inside
+    ``checkpoint``), and its directory is a directory this process can write (or can be
+    created).  Raises :class:`specmoe.store.StorePathError` naming the path or directory."""
+    from .store import StorePathError, check_store_target
+
+    raw = os.fspath(path) if not isinstance(path, bytes) else os.fsdecode(path)
+    if not isinstance(raw, str) or not raw.strip():
+        check_store_target(raw)  # raises, naming the empty path
+    p = Path(raw).expanduser()
+    check_store_target(str(p) + (os.sep if raw.endswith(os.sep) else ""), checkpoint=checkpoint)
+    d = p.parent
+    probe = d
+    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+        probe = probe.parent  # the nearest existing ancestor: where mkdir would start
+    if not probe.is_dir():
+        where = ("it is not a directory" if probe == d else
+                 f"{probe} is not a directory, so it cannot be created")
+        raise StorePathError(f"cannot write the store {p}: the store directory "
+                             f"{_dir_label(d)}: {where}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "is not writable" if probe == d else f"cannot be created ({probe} is not writable)"
+        raise StorePathError(f"cannot write the store {p}: the store directory "
+                             f"{_dir_label(d)} {where}")
+    return p
+
+
+def expert_block_bytes(I: int, H: int, dtype: str, *, biases: bool = False) -> int:
+    """Bytes of one store block (one cache slot) of an expert with ``gate``/``up`` [I, H] and
+    ``down`` [H, I] in ``dtype``, from the shapes alone (the layout :func:`write_experts`
+    writes), so a cache size can be checked before converting."""
+    from .quant import pick_group
+    from .store import ALIGN, TENSOR_ALIGN
+
+    rows = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    sizes: list[int] = []
+    if dtype in ("f32", "bf16"):
+        sizes = [r * c * (4 if dtype == "f32" else 2) for r, c in rows.values()]
+    elif dtype == "int8":
+        sizes = [r * c for r, c in rows.values()] + [r * 4 for r, _ in rows.values()]
+    elif dtype in ("int4", "int2"):
+        g = pick_group(H, I, dtype)
+        per, pair = (2, 1) if dtype == "int4" else (4, 2)
+        sizes = ([r * (c // per) for r, c in rows.values()]
+                 + [r * (c // g) * pair * 4 for r, c in rows.values()])
+    else:
+        raise ValueError(f"unknown expert dtype {dtype!r}")
+    if biases:
+        sizes += [I * 4, I * 4, H * 4]
+    off = 0
+    for n in sizes:
+        off = -(-off // TENSOR_ALIGN) * TENSOR_ALIGN + n
+    return max(ALIGN, -(-off // ALIGN) * ALIGN)
 
 
 def default_store_path(folder: str | os.PathLike[str], dtype: str) -> Path:
@@ -284,16 +431,32 @@ def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 def open_or_convert(store: Path, fingerprint: dict[str, Any], settings: dict[str, Any],
                     convert: Callable[[Path, dict[str, Any]], None], *,
-                    force: bool = False, verbose: bool = True) -> bool:
+                    force: bool = False, verbose: bool = True,
+                    checkpoint: str | os.PathLike[str] | None = None) -> bool:
     """Make sure ``store`` holds the experts described by (fingerprint, settings): reuse it
     when it does, else call ``convert(path, extra)`` to (re)write it, ``extra`` being the
     header record to write (the settings and the source fingerprint).  Returns True when it
-    converted."""
+    converted.
+
+    First, whatever the store's state: :func:`check_store_location` (only no file, an empty
+    file or a specmoe store is ever replaced, never a file inside ``checkpoint``, the folder
+    converted from), so a wrong path fails before any work with nothing changed on disk."""
+    from .store import StorePathError, remove_stale_temporaries
+
+    store = check_store_location(store, checkpoint=checkpoint)
     why = "rebuild requested" if force else check_store(store, fingerprint, settings)
     if why is None:
         return False
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorePathError(f"cannot create the store directory {_dir_label(store.parent)}: "
+                             f"{exc.strerror or exc}") from exc
+    if store.parent.absolute() == cache_dir().absolute():
+        # the cache is specmoe's own directory: the temporaries of every store there that a
+        # killed conversion left behind go too (write_store removes those of this store)
+        remove_stale_temporaries(store.parent, suffix=".smoe")
     if verbose:
         _log(f"converting the experts to {store} ({why})")
-    store.parent.mkdir(parents=True, exist_ok=True)
     convert(store, dict(settings, source={"fingerprint": fingerprint}))
     return True

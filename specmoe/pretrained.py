@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from .arch import ArchInfo, canonical, describe, expert_key, expert_module
-from .conversion import (Checkpoint, default_store_path, open_or_convert, store_settings,
-                      write_experts)
+from .conversion import (INT_DTYPES, Checkpoint, CheckpointError, check_store_location,
+                         default_store_path, expert_block_bytes, open_or_convert, store_settings,
+                         write_experts)
 
 __all__ = ["from_pretrained", "convert"]
 
@@ -50,6 +51,7 @@ class _Plan:
     # per MoE position: {(expert, canonical name) or (None, fused name): checkpoint key}
     experts: list[dict[tuple[int | None, str], str]] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
+    store: Path | None = None  # the store file, its location checked (_prepare)
 
 
 def _torch_dtype(spec: Any, config: Any) -> torch.dtype:
@@ -115,7 +117,34 @@ def _plan(ckpt: Checkpoint, model: nn.Module) -> _Plan:
             plan.unused.append(key)
     for pos, got in enumerate(plan.experts):
         _check_experts(plan, pos, got)
+    _check_dtypes(plan, meta_sd)
     return plan
+
+
+def _check_dtypes(plan: _Plan, meta_sd: dict[str, torch.Tensor]) -> None:
+    """An integer tensor where a float weight belongs is refused before any conversion: an
+    expert projection would be converted as if its integers were weights, a dense float
+    parameter would be assigned integers (garbage tokens).  GPT-OSS's MXFP4 ``_blocks`` /
+    ``_scales`` (uint8 by design) are the quantized layout that is dequantized on the way."""
+    ckpt = plan.ckpt
+
+    def refuse(key: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{ckpt.keys[key]}: tensor {key} has dtype {ckpt.dtypes[key]}, "
+                               f"an integer type, but {what} is a float weight (quantized "
+                               "checkpoints other than GPT-OSS's MXFP4 experts are not read)")
+
+    for pos, got in enumerate(plan.experts):
+        for (e, name), key in got.items():
+            if e is None and name.endswith(("_blocks", "_scales")):
+                continue
+            if ckpt.dtypes.get(key) in INT_DTYPES:
+                who = (f"expert {e}'s {name}" if e is not None else f"the fused {name}")
+                raise refuse(key, f"{who} (decoder layer {plan.layer_ids[pos]})")
+    for target, key in plan.dense.items():
+        want = meta_sd.get(target)
+        if (want is not None and want.is_floating_point()
+                and ckpt.dtypes.get(key) in INT_DTYPES):
+            raise refuse(key, f"the model's {target} ({str(want.dtype).replace('torch.', '')})")
 
 
 def _check_experts(plan: _Plan, pos: int, got: dict[tuple[int | None, str], str]) -> None:
@@ -173,9 +202,29 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
             if out[n].shape != shp:
                 raise ValueError(f"{ckpt.folder}: decoder layer {plan.layer_ids[pos]} expert "
                                  f"{e}: {n} has shape {out[n].shape}, the config says {shp}")
+        for n, a in out.items():
+            if not np.isfinite(a).all():
+                key = _source_key(keys, e, n)
+                bad = a[~np.isfinite(a)]
+                raise CheckpointError(
+                    f"{ckpt.keys[key]}: tensor {key} (decoder layer {plan.layer_ids[pos]}, "
+                    f"expert {e}, {n}): {bad.size} non-finite values (first: {bad.flat[0]}); "
+                    "the checkpoint is damaged or was saved from a diverged run")
         return out
 
     return read
+
+
+def _source_key(keys: dict[tuple[int | None, str], str], e: int, n: str) -> str:
+    """The checkpoint key canonical array ``n`` (gate, up, down, gate.bias, ...) of expert
+    ``e`` was read from."""
+    if (e, n) in keys:
+        return keys[(e, n)]
+    base = "down_proj" if n.startswith("down") else "gate_up_proj"
+    for cand in ((base + "_bias",) if n.endswith(".bias") else ()) + (base, base + "_blocks"):
+        if (None, cand) in keys:
+            return keys[(None, cand)]
+    return next(iter(keys.values()))
 
 
 def _expert_nbytes(plan: _Plan) -> int:
@@ -191,9 +240,37 @@ def _expert_nbytes(plan: _Plan) -> int:
     return total
 
 
-def _ensure_store(plan: _Plan, folder: Path, dtype: str, store: Any, force: bool,
+def _store_path(folder: Path, dtype: str, store: Any) -> Path:
+    """The store file for checkpoint ``folder`` (``store=``, else the default one under the
+    cache directory), checked before any work: never an existing file that is not a store, a
+    directory, an empty path or a path inside the checkpoint (:func:`check_store_location`)."""
+    return check_store_location(default_store_path(folder, dtype) if store is None else store,
+                                checkpoint=folder)
+
+
+def _check_cache_fits(plan: _Plan, cache: Any, dtype: str) -> None:
+    """``cache=`` against the model (from its config, before converting): at least one expert
+    of ``dtype`` and at least top_k slots (one token pins its top_k experts at once)."""
+    from .cache import parse_capacity
+    I, H = plan.shapes
+    bb = expert_block_bytes(I, H, dtype, biases=plan.info.gptoss)
+    total = plan.num_experts * len(plan.layer_ids)
+    k = int(plan.model.config.num_experts_per_tok)
+    try:
+        slots = parse_capacity(cache, total_experts=total, slot_bytes=bb)
+    except ValueError as exc:
+        raise ValueError(f"cache={cache!r}: {exc} ({dtype} experts of this model)") from None
+    if slots < k:
+        raise ValueError(f"cache={cache!r} gives {slots} slot{'s' * (slots != 1)} of {bb} bytes "
+                         f"({dtype} experts), fewer than the model's top_k = {k}: each token "
+                         f"needs its {k} experts in the cache at once (at least {k} slots, "
+                         f"{k * bb} bytes; the model has {total} experts)")
+
+
+def _ensure_store(plan: _Plan, folder: Path, dtype: str, path: Path | None, force: bool,
                   progress: bool) -> Path:
-    path = Path(store).expanduser() if store is not None else default_store_path(folder, dtype)
+    if path is None:
+        path = _store_path(folder, dtype, None)
     cfg = plan.model.config
     settings = store_settings(cfg, plan.info, plan.layer_ids, dtype)
 
@@ -206,17 +283,24 @@ def _ensure_store(plan: _Plan, folder: Path, dtype: str, store: Any, force: bool
                       # process's resident set (they stay in the page cache, reclaimable)
                       after_layer=lambda pos: plan.ckpt.close())
 
-    open_or_convert(path, plan.ckpt.fingerprint(), settings, convert_to, force=force)
+    open_or_convert(path, plan.ckpt.fingerprint(), settings, convert_to, force=force,
+                    checkpoint=folder)
     return path
 
 
 def _prepare(path: str | os.PathLike[str], dtype: str, torch_dtype: Any,
-             hf_kwargs: dict[str, Any]) -> _Plan:
+             hf_kwargs: dict[str, Any], store: Any = None) -> _Plan:
+    """The plan of checkpoint ``path``, with its store's path (``store``, None: the default
+    one), every check that needs no conversion done: the shards' headers, config.json, the
+    store's location, the tensors' names and dtypes."""
     from .hf import _check_dtype
     _check_dtype(dtype)
     ckpt = Checkpoint.open(path)
+    spath = _store_path(ckpt.folder, dtype, store)
     model = _skeleton(ckpt.folder, torch_dtype, hf_kwargs)
-    return _plan(ckpt, model)
+    plan = _plan(ckpt, model)
+    plan.store = spath
+    return plan
 
 
 def convert(path: str | os.PathLike[str], *, dtype: str = "bf16",
@@ -227,10 +311,16 @@ def convert(path: str | os.PathLike[str], *, dtype: str = "bf16",
 
     out: the store file (default: :func:`specmoe.conversion.default_store_path`, under
     ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``).  An up-to-date store there is kept as it is
-    (``force=True`` rewrites it); a stale, foreign or damaged one is rebuilt, saying why."""
-    plan = _prepare(path, dtype, None, {})
+    (``force=True`` rewrites it); a stale, foreign or damaged one is rebuilt, saying why.  Any
+    other file there is never replaced: a file that is not a specmoe store, a directory, an
+    empty path or a path inside the checkpoint folder raise
+    :class:`specmoe.store.StorePathError` (a ValueError) before any work.  A checkpoint that
+    cannot be converted (a truncated shard, config.json not JSON, an integer tensor where a
+    float weight belongs, NaN/inf in an expert) raises
+    :class:`specmoe.conversion.CheckpointError` (a ValueError) naming the file and tensor."""
+    plan = _prepare(path, dtype, None, {}, out)
     try:
-        return _ensure_store(plan, plan.ckpt.folder, dtype, out, force, progress)
+        return _ensure_store(plan, plan.ckpt.folder, dtype, plan.store, force, progress)
     finally:
         plan.ckpt.close()
 
@@ -287,7 +377,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     object (:func:`specmoe.hf.available_policies`).  prefetch: the next layer's router
     predicts the experts to load while this layer computes.  store: the store file (default
     one per checkpoint and dtype under ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``), converted on
-    the first call and reused after; ``force_convert=True`` rewrites it.  direct: O_DIRECT
+    the first call and reused after; ``force_convert=True`` rewrites it; only a specmoe store or
+    no file is ever replaced there (:func:`convert`).  direct: O_DIRECT
     reads (None: when the store exceeds half the memory this process may use).  progress: a
     progress bar while converting.  torch_dtype: dtype of the non-expert weights ("auto": the
     checkpoint's).  dense: the other linear layers (attention, shared/dense MLPs, lm_head)
@@ -313,9 +404,11 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
     misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
     misses.check_levels(miss_levels, None, 0, 2)  # (miss_keep2 too)
-    plan = _prepare(path, dtype, torch_dtype, dict(hf_kwargs))
+    plan = _prepare(path, dtype, torch_dtype, dict(hf_kwargs), store)
+    _check_cache_fits(plan, cache, dtype)  # from the config: before converting
     try:
-        spath = _ensure_store(plan, plan.ckpt.folder, dtype, store, force_convert, progress)
+        spath = _ensure_store(plan, plan.ckpt.folder, dtype, plan.store, force_convert,
+                              progress)
         if plan.unused:
             warnings.warn(f"{plan.ckpt.folder}: {len(plan.unused)} checkpoint tensors are not "
                           f"used by the model (e.g. {plan.unused[0]})", stacklevel=2)

@@ -31,7 +31,11 @@ import json
 import math
 import os
 import re
+import signal
+import stat
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -40,7 +44,9 @@ import numpy as np
 from . import _C
 from ._C import StoreError
 
-__all__ = ["ExpertStore", "write_store", "aligned_empty", "StoreError", "FORMAT", "VERSION"]
+__all__ = ["ExpertStore", "write_store", "aligned_empty", "StoreError", "StorePathError",
+           "check_store_target", "is_store_file", "remove_stale_temporaries", "FORMAT",
+           "VERSION"]
 
 FORMAT = "specmoe-store"
 VERSION = 1
@@ -62,6 +68,12 @@ _ALIASES = {
 }
 _NATIVE = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int8"): "I8",
            np.dtype("uint8"): "U8"}
+
+
+class StorePathError(_C.SpecmoeError, ValueError):
+    """A store may not be written at this path: it names a file that is not a specmoe store
+    (a checkpoint shard, a text file...), a directory, a location inside the checkpoint being
+    converted, or a directory that cannot hold the store.  Raised before anything is written."""
 
 
 def _round_up(n: int, a: int) -> int:
@@ -207,6 +219,215 @@ def _encode_header(meta: dict[str, Any], entries: list[tuple[str, dict[str, Any]
     return "".join(parts).encode("utf-8")
 
 
+# --------------------------------------------------------------------------------------------
+# where a store may be written
+
+# The first bytes of the JSON header write_store writes: the specmoe record comes first in
+# __metadata__ and starts with the format name.  Matched on the first bytes only, so a store
+# truncated anywhere after its first few hundred bytes still counts as one (and is rebuilt).
+_STORE_PREFIX = re.compile(
+    rb'\s*\{\s*"__metadata__"\s*:\s*\{\s*"specmoe"\s*:\s*"\{\s*\\"format\\"\s*:\s*'
+    rb'\\"specmoe-store\\"')
+
+
+def is_store_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file that starts with a specmoe store header (the
+    safetensors header whose ``__metadata__`` holds the specmoe record): a store, possibly
+    truncated or damaged past its header's first bytes.  False for anything else, a missing or
+    unreadable file included."""
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            head = f.read(8)
+            if len(head) != 8:
+                return False
+            n = int.from_bytes(head, "little")
+            if n < 2 or n > MAX_HEADER:
+                return False
+            raw = f.read(min(n, 1 << 16))
+    except OSError:
+        return False
+    if _STORE_PREFIX.match(raw):
+        return True
+    if len(raw) < n:  # a header too long for the prefix window and not ours by its start
+        return False
+    try:  # another writer's key order: parse the (small) header
+        md = json.loads(raw.decode("utf-8")).get("__metadata__", {})
+        return json.loads(md["specmoe"]).get("format") == FORMAT
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return False
+
+
+def check_store_target(path: str | os.PathLike[str], *,
+                       checkpoint: str | os.PathLike[str] | None = None) -> str:
+    """Raise :class:`StorePathError` unless a store may be written at ``path``; return the path.
+
+    Only a missing file, an empty file (a ``mkstemp`` placeholder: nothing to lose) or a file
+    that starts with a specmoe store header (:func:`is_store_file`; a truncated or damaged store
+    is rebuilt) may be replaced: never a checkpoint shard, a text file or anything else a typo
+    can name.  An empty path, a directory, a dangling symbolic link or a special file is
+    refused; so is any path inside ``checkpoint`` (the folder being converted, symbolic links
+    resolved, at any depth).  Nothing is written or created."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    p = os.fspath(path)
+    if not isinstance(p, str) or not p.strip():
+        raise StorePathError(f"the store path is empty ({path!r}): name a file, e.g. "
+                             "experts.smoe")
+    if checkpoint is not None:
+        ck = os.path.realpath(os.fspath(checkpoint))
+        real = os.path.realpath(p)
+        if real == ck or real.startswith(ck.rstrip(os.sep) + os.sep):
+            raise StorePathError(f"refusing to write the store to {p}: it is inside the "
+                                 f"checkpoint folder {ck} (write it elsewhere, e.g. the default "
+                                 "under $SPECMOE_CACHE)")
+    if p.endswith(os.sep) or os.path.isdir(p):
+        raise StorePathError(f"refusing to write the store to {p}: it is a directory "
+                             "(name a file in it, e.g. experts.smoe)")
+    if not os.path.lexists(p):
+        return p
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise StorePathError(f"refusing to overwrite {p}: it is a dangling symbolic "
+                             "link") from None
+    except OSError as exc:
+        raise StorePathError(f"refusing to overwrite {p}: cannot inspect it "
+                             f"({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StorePathError(f"refusing to overwrite {p}: it is not a regular file")
+    if st.st_size and not is_store_file(p):
+        raise StorePathError(f"refusing to overwrite {p}: it is not a specmoe store "
+                             "(only a store, or no file, is replaced; remove it yourself or "
+                             "choose another path)")
+    return p
+
+
+# Temporaries: write_store writes ".<name>.<8 random chars>.tmp" (tempfile.mkstemp) in the
+# store's directory and holds an exclusive flock on it from creation until it is renamed or
+# removed.  A process killed by SIGKILL (or a crash, power loss) cannot remove its temporary,
+# which can be as large as the store; the next writer into the same directory removes the
+# temporaries it can lock.  flock and not a pid file: the kernel drops a dead process's flock at
+# once, while a recorded pid can be reused by an unrelated live process (the temporary would be
+# kept forever) and says nothing true on another host (shared directories over NFS are out of
+# scope here: flock there is at best local to each client).
+_TMP_TAIL = r"\.[a-z0-9_]{8}\.tmp"
+_YOUNG_EMPTY_S = 60.0  # an empty, unlocked temporary this young may be a writer in its first
+# microseconds (between mkstemp and flock): left for a later run to remove
+
+
+def _lock_exclusive(fd: int) -> bool:
+    """Try a non-blocking exclusive flock on ``fd``; False when another open file holds it (or
+    the filesystem has no flock)."""
+    try:
+        import fcntl
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except (ImportError, OSError):
+        return False
+
+
+def remove_stale_temporaries(directory: str | os.PathLike[str], name: str | None = None,
+                             *, suffix: str = "") -> list[str]:
+    """Remove the temporaries that killed store writers left in ``directory``: those of store
+    ``name`` (``.<name>.XXXXXXXX.tmp``), or with ``name`` None every store temporary whose store
+    name ends in ``suffix``.  A temporary whose writer is alive is locked (flock) and kept; so is
+    a file that does not look like one of write_store's (its first 8 bytes are the zero
+    placeholder, or a whole store header).  Returns the paths removed; never raises for a file
+    it cannot inspect or remove."""
+    d = os.fspath(directory)
+    if name is not None:
+        pat = re.compile(r"\." + re.escape(name) + _TMP_TAIL + r"\Z")
+    else:
+        pat = re.compile(r"\..+" + re.escape(suffix) + _TMP_TAIL + r"\Z")
+    removed: list[str] = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed
+    for n in names:
+        if not pat.match(n):
+            continue
+        p = os.path.join(d, n)
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not _lock_exclusive(fd):
+                continue  # a live writer's (or not a file)
+            st = os.fstat(fd)  # its size now that no writer can be extending it
+            if st.st_size == 0:
+                if time.time() - st.st_mtime < _YOUNG_EMPTY_S:
+                    continue
+            else:
+                head = os.pread(fd, 8, 0)
+                if head != b"\0" * 8 and not is_store_file(p):
+                    continue  # not one of ours
+            try:
+                cur = os.stat(p, follow_symlinks=False)
+            except OSError:
+                continue
+            if (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
+                continue  # renamed/replaced meanwhile
+            os.unlink(p)
+            removed.append(p)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+class _Terminated(BaseException):
+    """SIGTERM/SIGHUP arrived while a store was being written (a BaseException, so no
+    ``except Exception`` in a layer source swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum} while writing a store")
+        self.signum = signum
+
+
+class _RemoveOnSignal:
+    """While a store is written in the main thread, SIGTERM and SIGHUP (whose default action
+    ends the process at once, leaving the temporary file behind) raise :class:`_Terminated`
+    instead, so write_store's cleanup removes the temporary; on the way out the previous
+    handlers are restored and the signal is sent again, so the process still ends with the
+    signal's conventional status.  Signals set to be ignored, or handled by the program, are
+    left alone (the program's handler decides), and so is every other thread."""
+
+    SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+    def __init__(self) -> None:
+        self.old: dict[int, Any] = {}
+        self.fired: int | None = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.fired is None:  # a second signal during the cleanup must not interrupt it
+            self.fired = signum
+            raise _Terminated(signum)
+
+    def __enter__(self) -> "_RemoveOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                try:
+                    if signal.getsignal(sig) is signal.SIG_DFL:
+                        self.old[sig] = signal.signal(sig, self._handler)
+                except (ValueError, OSError):  # not the main interpreter, ...
+                    pass
+        return self
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        for sig, h in self.old.items():
+            signal.signal(sig, h)
+        self.old.clear()
+        if self.fired is not None:
+            os.kill(os.getpid(), self.fired)  # default action: the process ends here
+            raise SystemExit(128 + self.fired)  # (only if the signal is blocked)
+
+
 def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
                 top_k: int | None = None, dtypes: Mapping[str, str] | None = None,
                 extra: Mapping[str, Any] | None = None, num_layers: int | None = None,
@@ -226,9 +447,16 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
 
     Crash-safe: the file is written to a temporary name in the same directory, fsynced and
     renamed over ``path``; on any failure the temporary file is removed and an existing file
-    at ``path`` is left untouched.
+    at ``path`` is left untouched.  SIGTERM or SIGHUP while writing (main thread, default
+    handlers) removes it too and then ends the process as the signal would have; the
+    temporaries of writers killed outright (SIGKILL) are removed by the next write of the same
+    store (:func:`remove_stale_temporaries`).
+
+    Only a missing file, an empty file or a specmoe store (even a damaged one) at ``path`` is
+    replaced: anything else raises :class:`StorePathError` before anything is written
+    (:func:`check_store_target`).
     """
-    path = os.fspath(path)
+    path = check_store_target(path)
     extra_d = dict(extra or {})
     try:
         json.dumps(extra_d)
@@ -250,11 +478,31 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
         return {k: _to_numpy(f"layers.{i}.{k}", v, dtypes.get(k)) for k, v in layer.items()}
 
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
+    remove_stale_temporaries(directory, os.path.basename(path))
+    with _RemoveOnSignal():
+        _write_file(path, directory, source, nl, convert, model, top_k, extra_d, progress)
+    dfd = os.open(directory, os.O_RDONLY)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return ExpertStore(path)
+
+
+def _write_file(path: str, directory: str, source: Iterable[Any], nl: int,
+                convert: Callable[[int, Any], dict[str, tuple[np.ndarray, str]]], model: str,
+                top_k: int | None, extra_d: dict[str, Any], progress: bool) -> None:
+    """write_store's body: the temporary file, written, locked, fsynced and renamed to ``path``
+    (removed on any failure)."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
+                                   suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
+            # held until the file is renamed or removed: tells remove_stale_temporaries that
+            # this temporary's writer is alive (the kernel drops it when the process dies)
+            _lock_exclusive(f.fileno())
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp creates 0600: the usual mode
             it = iter(source)
             try:
                 first = next(it)
@@ -321,22 +569,17 @@ def write_store(path: str | os.PathLike[str], layers: Any, *, model: str = "",
             f.write(header)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # still open, so still locked, until it has its final name
     except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         if isinstance(exc, OSError) and exc.filename is None and exc.errno:
             # ENOSPC, EIO, EDQUOT...: same type and errno, with the store's name in it
             raise OSError(exc.errno, f"writing store: {exc.strerror}", path) from exc
         raise
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return ExpertStore(path)
 
 
 def _drop_written(f: Any, start: int) -> None:
