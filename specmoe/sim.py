@@ -23,10 +23,14 @@ from . import _C
 from .hardware import Hardware, ModelCost, get_hardware, sim_timing
 from .traces import Trace
 
-__all__ = ["Predictor", "SimResult", "simulate", "parse_capacity", "parse_policy", "PREDICTORS"]
+__all__ = ["Predictor", "SimResult", "simulate", "parse_capacity", "parse_policy",
+           "live_policy", "PREDICTORS"]
 
 PREDICTORS = {"none": 0, "oracle": 1, "router": 2, "history": 3}
 _LS_ORDERS = {"layer": 0, "lru": 1, "fifo": 2}
+# The options each built-in policy takes in a spec string (the others take none).
+_POLICY_OPTIONS = {"random": ("seed",), "least_stale": ("order",), "spac": ("levels", "gamma"),
+                   "spac_ema": ("levels",)}
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,9 @@ def parse_policy(spec: str) -> tuple[str, dict]:
     if not isinstance(spec, str):
         raise TypeError(f"policy spec must be a str, got {type(spec).__name__}")
     name, _, opts = spec.strip().partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"no policy name in policy spec {spec!r}")
     kw: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in opts.split(","))):
         k, eq, v = part.partition("=")
@@ -201,7 +208,29 @@ def parse_policy(spec: str) -> tuple[str, dict]:
         else:
             raise ValueError(f"bad policy option {part!r} in {spec!r}: options are seed=N, "
                              f"order=layer|lru|fifo, levels=1..255 and gamma=0..65536")
+    takes = _POLICY_OPTIONS.get(name, ())
+    for k in kw:
+        if k not in takes:  # (it used to be ignored: "lru:seed=3" ran plain LRU)
+            raise ValueError(f"policy option {k!r} in {spec!r}: {name!r} takes "
+                             + (f"only {', '.join(takes)}" if takes else "no options"))
     return name, kw
+
+
+def live_policy(spec: str) -> Any:
+    """A simulator policy spec string in the form the live cache takes (:class:`ExpertCache`,
+    :func:`specmoe.offload`, :func:`specmoe.from_pretrained`): the name when it has no options
+    (``"lru"``), else the typed spec (``"random:seed=3"`` -> ``Random(seed=3)``,
+    ``"least_stale:order=lru"`` -> ``LeastStale(order="lru")``).  ValueError as
+    :func:`parse_policy`."""
+    name, kw = parse_policy(spec)
+    if not kw:
+        return name
+    from .policies import LeastStale, Random, SpAc, SpAcEMA
+
+    if "order" in kw:
+        kw["order"] = {v: k for k, v in _LS_ORDERS.items()}[kw["order"]]
+    cls = {"random": Random, "least_stale": LeastStale, "spac": SpAc, "spac_ema": SpAcEMA}[name]
+    return cls(**kw)
 
 
 def _policy_label(policy: PolicyArg) -> str:

@@ -2,7 +2,8 @@
 
 A :class:`Trace` holds one or more requests, token by token in text order:
 
-``experts``        int16 ``[N, L, k]``: routed expert ids of token n in MoE layer l (router order)
+``experts``        int16 ``[N, L, k]``: routed expert ids of token n in MoE layer l (router order;
+                   the k ids of one (token, layer) row are distinct)
 ``weights``        float32 ``[N, L, k]`` routing weights, or ``None`` when unknown
 ``logits``         float32 ``[N, L, E]`` router logits, or ``None`` when not recorded
 ``request_starts`` int64 ``[R]``: index of the first token of each request (``[0, ...]``)
@@ -146,6 +147,7 @@ class Trace:
                 raise TraceError(f"logits shape {self.logits.shape} != {(n, nl, self.num_experts)}")
         if self.tokens is not None and len(self.tokens) != n:
             raise TraceError(f"{len(self.tokens)} token strings for {n} tokens")
+        _check_distinct(self.experts, self.layer_ids)
 
     # -- shape -------------------------------------------------------------------------------
     @property
@@ -254,7 +256,8 @@ class Trace:
         """Read a trace written by :meth:`save`.
 
         Any problem with the file (unreadable, not a zip, truncated, corrupt compressed data,
-        a missing or malformed array or metadata field, expert ids out of range) raises
+        a missing or malformed array or metadata field, expert ids out of range or repeated
+        within a (token, layer) row) raises
         :class:`TraceError` naming the file and the field; no other exception escapes for bad
         bytes.  The file is closed on every path."""
         path = os.fspath(path)
@@ -324,6 +327,23 @@ class Trace:
             raise TraceError(f"{path}: {e}") from None
 
 
+def _check_distinct(ex: np.ndarray, layer_ids: np.ndarray) -> None:
+    """A token routes to k *distinct* experts per layer: an id repeated within one (token,
+    layer) row (``[8, 8, 8, 8, 8, 8]``) is a malformed trace, not k accesses (replayed, it
+    would count k-1 free hits and inflate the hit rate).  TraceError names the first such
+    position and id."""
+    if ex.ndim != 3 or ex.shape[2] < 2 or ex.size == 0:
+        return
+    s = np.sort(ex, axis=2)
+    dup = s[:, :, 1:] == s[:, :, :-1]
+    if not dup.any():
+        return
+    t, l, j = (int(i) for i in np.argwhere(dup)[0])
+    raise TraceError(f"token {t}, layer position {l} (layer {int(layer_ids[l])}): expert id "
+                     f"{int(s[t, l, j])} appears more than once in {ex[t, l].tolist()} (a token "
+                     f"routes to {ex.shape[2]} distinct experts per layer)")
+
+
 # What numpy's npz reader raises for damaged bytes (zip structure, zlib stream, .npy header;
 # RuntimeError: zipfile's "encrypted, password required" when a flag bit is flipped).
 _NPZ_ERRORS = (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError, RuntimeError,
@@ -369,6 +389,13 @@ def _puffin_file(path: Path, num_experts: int) -> Trace:
                         raise TraceError(f"{path}:{lineno}: expert id {x[:20]} outside "
                                          f"0..{num_experts - 1}")
                     ids.append(int(x))
+                if len(set(ids)) != len(ids):
+                    d = next(i for i in ids if ids.count(i) > 1)
+                    raise TraceError(f"{path}:{lineno}: expert id {d} appears more than once "
+                                     f"in the row of token "
+                                     f"{len(by_layer.get(layer, ()))}, layer {layer} "
+                                     f"({row[3].strip()[:80]}); a token routes to distinct "
+                                     f"experts")
                 by_layer.setdefault(layer, []).append(ids)
                 toks.setdefault(layer, []).append(row[2])
     except (OSError, EOFError, UnicodeDecodeError, csv.Error, zlib.error) as e:

@@ -151,7 +151,7 @@ def test_trace_num_experts_checked(ne):
 def test_trace_load_bad_bytes(tmp_path, case):
     """EOFError, BadZipFile, zlib.error, TypeError (.npy) and OSError escaped before."""
     good = tmp_path / "good.npz"
-    Trace(experts=np.ones((50, 2, 2), np.int16), num_experts=8).save(good)
+    Trace(experts=np.tile(np.array([1, 2], np.int16), (50, 2, 1)), num_experts=8).save(good)
     raw = good.read_bytes()
     p = tmp_path / "bad.npz"
     if case == "empty":
@@ -325,7 +325,9 @@ def test_puffin_good_file_still_loads(tmp_path):
 @pytest.fixture(scope="module")
 def small_trace():
     rng = np.random.default_rng(0)
-    return Trace(experts=rng.integers(0, 8, (20, 2, 2)), num_experts=8)
+    # two distinct experts per (token, layer) row, as a router picks them
+    ids = np.stack([rng.permutation(8)[:2] for _ in range(40)]).reshape(20, 2, 2)
+    return Trace(experts=ids, num_experts=8)
 
 
 @pytest.mark.parametrize("spec,match", [
