@@ -86,6 +86,29 @@ static void load_begin(smoe_slots *t, uint32_t s, int32_t key, int prefetch) {
     t->map[key] = (int32_t)s;
 }
 
+int32_t smoe_slots_claim(smoe_slots *t, int32_t key, int prefetch, int *rc, smoe_err *err) {
+    t->pf_key = key; /* (read by evictable_prefetch) */
+    int32_t s = take_slot(t, prefetch ? evictable_prefetch : evictable_demand, rc, err);
+    if (s >= 0) load_begin(t, (uint32_t)s, key, prefetch);
+    return s;
+}
+
+void smoe_slots_touch(smoe_slots *t, uint32_t s) {
+    smoe_slot *sl = &t->slots[s];
+    smoe_policy_access(t->policy, s, sl->key);
+    sl->last_pass = t->pass_id;
+    sl->last_tick = ++t->tick;
+    if (sl->prefetched) {
+        sl->prefetched = 0;
+        t->stats.prefetch_used++;
+    }
+}
+
+void smoe_slots_set_pass(smoe_slots *t, uint64_t pass_id) {
+    t->pass_id = pass_id;
+    smoe_policy_pass(t->policy, pass_id);
+}
+
 static void load_done(smoe_slots *t, uint32_t s, int rc, const smoe_err *lerr) {
     smoe_slot *sl = &t->slots[s];
     if (rc == 0) {
@@ -109,8 +132,13 @@ static void load_done(smoe_slots *t, uint32_t s, int rc, const smoe_err *lerr) {
     if (t->waiters) pthread_cond_broadcast(&t->cv);
 }
 
-/* Drop a pin taken by a demand access that then failed (policy or ops.pinned). */
-static void unpin(smoe_slots *t, uint32_t s) {
+void smoe_slots_loaded(smoe_slots *t, uint32_t s) {
+    smoe_err none;
+    smoe_err_clear(&none);
+    load_done(t, s, 0, &none);
+}
+
+void smoe_slots_unpin(smoe_slots *t, uint32_t s) {
     if (--t->slots[s].pins == 0 && t->waiters) pthread_cond_broadcast(&t->cv);
 }
 
@@ -205,8 +233,7 @@ static void *worker_main(void *arg) {
         if (t->map[r.key] >= 0) continue; /* became resident or loading meanwhile */
         smoe_err perr;
         int prc;
-        t->pf_key = r.key;
-        int32_t s = take_slot(t, evictable_prefetch, &prc, &perr);
+        int32_t s = smoe_slots_claim(t, r.key, 1, &prc, &perr);
         if (prc < 0) {
             if (t->worker_err.code == 0) t->worker_err = perr;
             t->stats.prefetch_dropped++;
@@ -216,7 +243,6 @@ static void *worker_main(void *arg) {
             t->stats.prefetch_dropped++;
             continue;
         }
-        load_begin(t, (uint32_t)s, r.key, 1);
         t->stats.prefetch_issued++;
         pthread_mutex_unlock(&t->mu);
         smoe_err lerr;
@@ -351,7 +377,7 @@ static void wait_cv(smoe_slots *t) {
 static int pinned(smoe_slots *t, uint32_t s, void *stream, int hit, smoe_err *err) {
     int rc = policy_failed(t, err);
     if (rc == 0 && t->ops->pinned) rc = t->ops->pinned(t->owner, s, stream, hit, err);
-    if (rc < 0) unpin(t, s);
+    if (rc < 0) smoe_slots_unpin(t, s);
     return rc;
 }
 
@@ -366,16 +392,9 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
     for (;;) {
         int32_t s = t->map[key];
         if (s >= 0 && t->slots[s].state == SMOE_SLOT_READY) {
-            smoe_slot *sl = &t->slots[s];
-            sl->pins++;
-            smoe_policy_access(t->policy, (uint32_t)s, key);
+            t->slots[s].pins++;
+            smoe_slots_touch(t, (uint32_t)s);
             if (!counted) t->stats.hits++;
-            sl->last_pass = t->pass_id;
-            sl->last_tick = ++t->tick;
-            if (sl->prefetched) {
-                sl->prefetched = 0;
-                t->stats.prefetch_used++;
-            }
             if (counted) t->stats.stall_s += smoe_now() - t0;
             rc = pinned(t, (uint32_t)s, stream, !counted, err);
             if (rc == 0) *slot = (uint32_t)s;
@@ -402,7 +421,7 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
             }
             continue; /* READY now (hit path pins it) or reused: look again */
         }
-        s = take_slot(t, evictable_demand, &rc, err);
+        s = smoe_slots_claim(t, key, 0, &rc, err);
         if (rc < 0) {
             t->stats.stall_s += smoe_now() - t0;
             pthread_mutex_unlock(&t->mu);
@@ -412,7 +431,6 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
             wait_cv(t);
             continue;
         }
-        load_begin(t, (uint32_t)s, key, 0);
         pthread_mutex_unlock(&t->mu);
         smoe_err lerr;
         smoe_err_clear(&lerr);
@@ -444,15 +462,14 @@ int smoe_slots_release(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
                             "is not pinned in the %s", layer, expert, t->what);
     }
     if (t->ops->released) rc = t->ops->released(t->owner, (uint32_t)s, stream, err);
-    unpin(t, (uint32_t)s);
+    smoe_slots_unpin(t, (uint32_t)s);
     pthread_mutex_unlock(&t->mu);
     return rc;
 }
 
 void smoe_slots_begin_pass(smoe_slots *t) {
     pthread_mutex_lock(&t->mu);
-    t->pass_id++;
-    smoe_policy_pass(t->policy, t->pass_id);
+    smoe_slots_set_pass(t, t->pass_id + 1);
     pthread_mutex_unlock(&t->mu);
 }
 

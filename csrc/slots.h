@@ -17,8 +17,8 @@
  * bridge policy takes the GIL inside mu, so no thread may hold the GIL while waiting for mu:
  * Python entry points release the GIL before calling in.
  *
- * Exact behaviour (what a simulator must mirror to get the same counts; policy events as in
- * policy/policy.h):
+ * Exact behaviour (the simulator, csrc/sim.c, runs these very rules through the entry points
+ * below smoe_slots_begin_pass; policy events as in policy/policy.h):
  *  - acquire, READY: hit; pins++; on_access; prefetched slot -> prefetch_used, flag cleared.
  *  - acquire, LOADING: miss (+ prefetch_late when it is a prefetch load, + collision_misses
  *    when evicted_pass[key] == pass_id); wait; then as a READY access but not counted again
@@ -130,7 +130,8 @@ typedef struct smoe_slots {
     smoe_err *slot_err;    /* owned; [mu] per slot: the error of its last failed load */
     uint32_t waiters;      /* [mu] threads waiting on cv (release broadcasts only if > 0) */
     int32_t *qpos;         /* owned; [mu] per key: index in queue, or -1 when not queued */
-    int32_t pf_key;        /* [mu] key the prefetch worker is finding a slot for */
+    int32_t pf_key;        /* [mu] key smoe_slots_claim is finding a slot for (the prefetch
+                              admission rule reads it) */
 
     /* prefetch worker */
     pthread_t worker;
@@ -182,6 +183,35 @@ int smoe_slots_release(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
 
 /* Start forward pass pass_id+1: notifies the policy (on_pass). */
 void smoe_slots_begin_pass(smoe_slots *t);
+
+/* ---- the rules alone, for a caller that drives the table itself --------------------------
+ * The steps acquire and the prefetch worker take, without the mutex, waiting or ops.load:
+ * the live paths call them with mu held; the simulator (csrc/sim.c), the table's only thread
+ * (no worker, no loads: it keeps a virtual clock of its own), calls them directly, so the
+ * simulated cache is this table and its rules (slot choice, victims, the lookahead shield,
+ * policy events, evictions, collisions) are written once.  None of them waits or loads. */
+
+/* Give `key` (absent from the table) a slot and mark it LOADING with the policy told
+ * (on_insert): the lowest EMPTY slot, else the policy's victim among the READY unpinned slots
+ * (protected keys last, smoe_slots_set_protected), evicted; a prefetch (prefetch != 0) also
+ * passes the admission rule of policy.h (not used in this pass; a utility policy: not above
+ * key's).  Returns the slot, or -1: none may go (*rc = 0), or the policy failed (*rc < 0,
+ * err filled).  Counts nothing but the eviction; the caller counts its miss or issue. */
+int32_t smoe_slots_claim(smoe_slots *t, int32_t key, int prefetch, int *rc, smoe_err *err);
+
+/* The load into LOADING slot s finished: READY (bytes_read counted). */
+void smoe_slots_loaded(smoe_slots *t, uint32_t s);
+
+/* Drop one pin of slot s (release's step; a demand claim starts with its acquirer's pin). */
+void smoe_slots_unpin(smoe_slots *t, uint32_t s);
+
+/* A demand access to READY slot s (a hit, or a late access after its load): on_access, the
+ * slot's last pass and tick, prefetch_used when a prefetch brought it.  Pins nothing. */
+void smoe_slots_touch(smoe_slots *t, uint32_t s);
+
+/* Set the pass id (> the previous one) and tell the policy (on_pass): begin_pass for a caller
+ * that numbers its passes itself. */
+void smoe_slots_set_pass(smoe_slots *t, uint64_t pass_id);
 
 /* Queue prefetch requests.  A request for a key already queued updates its priority
  * (supersedes); a key resident or loading is skipped.  replace != 0 cancels all queued
