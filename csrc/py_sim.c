@@ -34,7 +34,7 @@ static PyObject *result_dict(const smoe_sim_result *r) {
         U(prefetch_issued) || U(prefetch_used) || U(prefetch_late) || U(prefetch_wasted) ||
         U(prefetch_dropped) || U(predicted) || U(predicted_true) || U(next_true) ||
         F(stall_s) || F(compute_s) || F(total_s) || F(elapsed_s) || U(missing) || U(dropped) ||
-        U(substituted) || U(lowbit) || U(lowbit2)) {
+        U(substituted) || U(lowbit) || U(lowbit2) || U(protected_evictions)) {
         Py_DECREF(d);
         return NULL;
     }
@@ -48,7 +48,7 @@ PyDoc_STRVAR(simulate_doc,
 "         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
 "         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1,\n"
-"         miss_keep2=top_k, lowbit2_ratio=1.0) -> dict\n\n"
+"         miss_keep2=top_k, lowbit2_ratio=1.0, protect=False) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
 "`seed`, least_stale `order`, spac/spac_ema `levels`, spac `gamma` = draft length, -1 = 8)\n"
@@ -60,6 +60,7 @@ PyDoc_STRVAR(simulate_doc,
 "lowbit_ratio of an expert's), 4 priority (ranks >= miss_keep as lowest_bit, the others\n"
 "fetched; ranks >= miss_keep2 from a second copy costing lowbit2_ratio), see\n"
 "smoe_sim_miss in csrc/sim.h.\n"
+"protect: the expert lookahead buffer's eviction shield (demand only; csrc/sim.h).\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
 
 static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
@@ -69,7 +70,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                              "expert_bytes", "fast_bw", "link_bw", "link_latency_s",
                              "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
                              "verify_tokens", "miss", "miss_keep", "lowbit_ratio", "gamma",
-                             "miss_keep2", "lowbit2_ratio",
+                             "miss_keep2", "lowbit2_ratio", "protect",
                              NULL};
     PyObject *experts_o, *policy_o, *logits_o = Py_None;
     long long num_experts, nslots;
@@ -84,13 +85,14 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     int miss = 0;
     unsigned int miss_keep = 0, miss_keep2 = UINT32_MAX;
     double lowbit_ratio = 1.0, lowbit2_ratio = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLId", kwlist, &experts_o,
+    int protect = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdp", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
                                      &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
                                      &verify_tokens, &miss, &miss_keep, &lowbit_ratio,
-                                     &gamma, &miss_keep2, &lowbit2_ratio))
+                                     &gamma, &miss_keep2, &lowbit2_ratio, &protect))
         return NULL;
     if (gamma < -1 || gamma > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: gamma (spac's draft length) must be in "
@@ -157,6 +159,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
         .top_k = (uint32_t)dims[2],
         .num_experts = (uint32_t)num_experts,
         .verify_tokens = (uint32_t)verify_tokens,
+        .protect = (uint32_t)protect,
     };
     smoe_err err;
     smoe_err_clear(&err);

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "slots.h"
+
 typedef struct sim {
     const smoe_sim_trace *tr;
     const smoe_sim_hw *hw;
@@ -13,21 +15,19 @@ typedef struct sim {
     smoe_sim_result *r;
     uint32_t nslots, nkeys, L, K, E;
 
-    int32_t *slot_key;     /* -1 empty */
-    uint64_t *slot_pass;   /* pass of the last demand use (0 never) */
-    uint8_t *slot_pf;      /* loaded by prefetch, not yet used by demand */
-    int32_t *map;          /* key -> slot or -1 */
-    uint64_t *evicted_pass;/* per key, pass of its last eviction (0 never) */
-    uint32_t next_free;    /* slots >= next_free are free (slots are never emptied again) */
-    uint64_t pass;
+    /* The simulated cache is the live cache's slot table (slots.h), driven through its rules
+     * (smoe_slots_claim / loaded / touch) by this one thread: no worker, no loads, no mutex
+     * contention.  It borrows `pol` (set back to NULL before the table is freed).  The slot
+     * of the prefetch in flight is LOADING there, so no victim search takes it. */
+    smoe_slots tab;
+    int tab_ready;         /* tab initialised (sim_free frees it) */
+    uint64_t pass;         /* == tab.pass_id once the replay started */
     double now;
     double load_s;         /* link_latency_s + expert_bytes / link_bw */
     double expert_s;       /* expert_bytes / fast_bw */
-    int prefetch_mode;     /* evictable(): 1 for a prefetch victim, 0 for demand */
-    int32_t pf_key;        /* the key a prefetch victim is sought for */
 
     /* copy engine */
-    int32_t inflight;      /* slot being prefetched, -1 none */
+    int32_t inflight;      /* slot being prefetched (LOADING in tab), -1 none */
     double inflight_ready;
     double ce_free;        /* when the copy engine became / becomes free */
     int32_t *q_key;        /* FIFO of requested keys, replaced at every issue */
@@ -52,6 +52,11 @@ typedef struct sim {
     uint32_t *cvals;       /* [nkeys] their counts */
     uint64_t *seen;        /* [nkeys] groups: pass id that last demanded the key */
 
+    /* lookahead shield (tr->protect) */
+    int32_t *pkeys;        /* [nkeys] the protected keys of the pass's layers still to run */
+    uint64_t *pstamp;      /* [nkeys] dedup stamp of pkeys */
+    uint64_t pstamp_id;
+
     /* miss handling (NULL: fetch) */
     const smoe_sim_miss *miss;
     uint8_t *tok_mark;     /* [E] one token's experts (and substitutes) at a layer */
@@ -61,50 +66,45 @@ static const int16_t *row(const sim *s, uint64_t t, uint32_t l) {
     return s->tr->experts + ((size_t)t * s->L + l) * s->K;
 }
 
-static int sim_evictable(void *ctx, uint32_t slot) {
-    const sim *s = ctx;
-    if ((int32_t)slot == s->inflight) return 0;
-    return !s->prefetch_mode ||
-           smoe_policy_prefetch_may_evict(s->pol, s->slot_pass[slot], s->pass, s->slot_key[slot],
-                                          s->pf_key);
+/* A slot for `key` (absent) through the table's rule (smoe_slots_claim): the slot, LOADING;
+ * -1 when nothing may be evicted; -2 on a policy failure or invalid victim (err filled). */
+static int32_t take_slot(sim *s, int32_t key, int prefetch, smoe_err *err) {
+    int rc;
+    int32_t slot = smoe_slots_claim(&s->tab, key, prefetch, &rc, err);
+    return rc < 0 ? -2 : slot;
 }
 
-/* Give `key` a slot: the lowest free one (slots are used in order and never freed), else the
- * policy's checked victim (policy.h).  Returns the slot, -1 when nothing may be evicted, or -2
- * on a policy failure or invalid victim (err filled). */
-static int32_t take_slot(sim *s, int32_t key, int prefetch, smoe_err *err) {
-    int32_t slot;
-    if (s->next_free < s->nslots) {
-        slot = (int32_t)s->next_free++;
-    } else {
-        s->prefetch_mode = prefetch;
-        smoe_evictable_fn ok = (prefetch || s->inflight >= 0) ? sim_evictable : NULL;
-        int32_t v;
-        if (smoe_policy_checked_victim(s->pol, ok, s, &v, err) < 0) return -2;
-        if (v == -1) return -1;
-        int32_t old = s->slot_key[v];
-        s->map[old] = -1;
-        s->evicted_pass[old] = s->pass;
-        s->r->evictions++;
-        if (s->slot_pf[v]) s->r->prefetch_wasted++;
-        smoe_policy_evict(s->pol, (uint32_t)v, old);
-        slot = v;
-    }
-    s->slot_key[slot] = key;
-    s->map[key] = slot;
-    s->slot_pf[slot] = (uint8_t)(prefetch != 0);
-    if (!prefetch) s->slot_pass[slot] = s->pass;
-    smoe_policy_insert(s->pol, (uint32_t)slot, key, prefetch);
-    return slot;
+/* The prefetch in flight has landed (its slot READY); the copy engine is free from then. */
+static void land_inflight(sim *s) {
+    smoe_slots_loaded(&s->tab, (uint32_t)s->inflight);
+    s->ce_free = s->inflight_ready;
+    s->inflight = -1;
 }
+
+/* Demand waits for the prefetch in flight (stall up to its ready time), which then lands. */
+static void wait_inflight(sim *s) {
+    s->r->stall_s += s->inflight_ready - s->now;
+    s->now = s->inflight_ready;
+    land_inflight(s);
+}
+
+static int32_t slot_of(const sim *s, int32_t key) { return s->tab.map[key]; }
+
+/* The table's ops: the replay never asks it to load (it marks slots loaded itself). */
+static int sim_no_load(void *owner, uint32_t s, int32_t key, smoe_err *err) {
+    (void)owner;
+    return smoe_err_set(err, SMOE_ESTATE, "simulated cache: no loads (slot %u, key %d)", s,
+                        (int)key);
+}
+
+static const smoe_slots_ops sim_ops = {sim_no_load, NULL, NULL, NULL};
 
 /* Run the copy engine up to time `now`: finish the in-flight copy, start queued ones. */
 static int advance(sim *s, double now, smoe_err *err) {
     for (;;) {
         if (s->inflight >= 0) {
             if (s->inflight_ready > now) return 0;
-            s->ce_free = s->inflight_ready;
-            s->inflight = -1;
+            land_inflight(s);
         }
         if (!s->q_len) return 0;
         double start = s->ce_free > s->q_issue ? s->ce_free : s->q_issue;
@@ -112,7 +112,7 @@ static int advance(sim *s, double now, smoe_err *err) {
         int32_t key = s->q_key[s->q_head];
         s->q_head++;
         s->q_len--;
-        if (s->map[key] >= 0) continue;
+        if (slot_of(s, key) >= 0) continue;
         /* A policy with a hot/cold threshold (spac): only hot experts are prefetched (MoE-SpAc
          * §3.4, "the prefetcher only processes queues with levels s >= τ"). */
         if (s->pol->ops->threshold &&
@@ -120,7 +120,6 @@ static int advance(sim *s, double now, smoe_err *err) {
             s->r->prefetch_dropped++;
             continue;
         }
-        s->pf_key = key;
         int32_t slot = take_slot(s, key, 1, err);
         if (slot < -1) return SMOE_EPOLICY;
         if (slot < 0) {
@@ -137,34 +136,23 @@ static int advance(sim *s, double now, smoe_err *err) {
 static int demand(sim *s, int32_t key, smoe_err *err) {
     smoe_sim_result *r = s->r;
     r->accesses++;
-    int32_t slot = s->map[key];
+    int32_t slot = slot_of(s, key);
     if (slot >= 0) {
         if (slot == s->inflight) { /* late prefetch: wait for it */
             r->misses++;
             r->prefetch_late++;
-            r->stall_s += s->inflight_ready - s->now;
-            s->now = s->inflight_ready;
-            s->ce_free = s->inflight_ready;
-            s->inflight = -1;
+            wait_inflight(s);
         } else {
             r->hits++;
         }
-        if (s->slot_pf[slot]) {
-            r->prefetch_used++;
-            s->slot_pf[slot] = 0;
-        }
-        s->slot_pass[slot] = s->pass;
-        smoe_policy_access(s->pol, (uint32_t)slot, key);
+        smoe_slots_touch(&s->tab, (uint32_t)slot); /* on_access, prefetch_used */
         return 0;
     }
     r->misses++;
-    if (s->evicted_pass[key] == s->pass) r->collision_misses++;
+    if (s->tab.evicted_pass[key] == s->pass) r->collision_misses++;
     slot = take_slot(s, key, 0, err);
     if (slot == -1 && s->inflight >= 0) { /* only the in-flight slot could go: wait for it */
-        r->stall_s += s->inflight_ready - s->now;
-        s->now = s->inflight_ready;
-        s->ce_free = s->inflight_ready;
-        s->inflight = -1;
+        wait_inflight(s);
         slot = take_slot(s, key, 0, err);
     }
     if (slot < -1) return SMOE_EPOLICY;
@@ -172,6 +160,8 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
         return smoe_err_set(err, SMOE_EPOLICY, "policy %s found no victim for a demand miss on "
                             "key %d with all %u slots resident", s->pol->ops->name, (int)key,
                             s->nslots);
+    smoe_slots_loaded(&s->tab, (uint32_t)slot); /* (its time: the stall below) */
+    smoe_slots_unpin(&s->tab, (uint32_t)slot);  /* each access is acquire + release */
     if (s->inflight >= 0) { /* the demand load pre-empts the copy engine on the shared link */
         s->inflight_ready += s->load_s;
         s->ce_free = s->inflight_ready;
@@ -182,7 +172,8 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
 }
 
 static int resident(const sim *s, int32_t key) {
-    return s->map[key] >= 0 && s->map[key] != s->inflight;
+    const int32_t slot = slot_of(s, key);
+    return slot >= 0 && s->tab.slots[slot].state == SMOE_SLOT_READY;
 }
 
 /* The rank of the token's i-th recorded expert among its K: by the router logits (descending,
@@ -288,7 +279,7 @@ static uint32_t select_experts(sim *s) {
 }
 
 static void queue_push(sim *s, int32_t key) {
-    if (s->q_stamp[key] == s->issue_id || s->map[key] >= 0) return;
+    if (s->q_stamp[key] == s->issue_id || slot_of(s, key) >= 0) return;
     if (s->q_head + s->q_len >= s->q_cap) return; /* cannot happen: q_cap = depth * E */
     s->q_stamp[key] = s->issue_id;
     s->q_key[s->q_head + s->q_len++] = key;
@@ -419,19 +410,40 @@ static void feed_counts(sim *s, uint64_t t0, uint64_t t1) {
     smoe_policy_counts(s->pol, s->ckeys, s->cvals, n);
 }
 
-/* Replay with verification groups of g = tr->verify_tokens > 1 tokens per pass (sim.h);
- * demand only (check_args rejects predictors). */
+/* The lookahead shield (sim.h): protect the experts tokens t0..t1-1 route to in layers
+ * l0..L-1 (none when l0 == L: the set is cleared). */
+static int protect_rest(sim *s, uint64_t t0, uint64_t t1, uint32_t l0, smoe_err *err) {
+    const uint32_t K = s->K, E = s->E;
+    uint32_t n = 0;
+    s->pstamp_id++;
+    for (uint32_t l = l0; l < s->L; l++)
+        for (uint64_t t = t0; t < t1; t++) {
+            const int16_t *r = row(s, t, l);
+            for (uint32_t i = 0; i < K; i++) {
+                const uint32_t key = l * E + (uint32_t)r[i];
+                if (s->pstamp[key] == s->pstamp_id) continue;
+                s->pstamp[key] = s->pstamp_id;
+                s->pkeys[n++] = (int32_t)key;
+            }
+        }
+    return smoe_slots_set_protected(&s->tab, s->pkeys, n, err);
+}
+
+/* Replay with verification groups of g = tr->verify_tokens tokens per pass (sim.h; also the
+ * one-token passes of a replay with the lookahead shield); demand only (check_args rejects
+ * predictors and miss rules). */
 static int run_groups(sim *s, smoe_err *err) {
     const smoe_sim_trace *tr = s->tr;
     const smoe_sim_hw *hw = s->hw;
-    const uint32_t g = tr->verify_tokens, L = s->L, K = s->K, E = s->E;
+    const uint32_t g = tr->verify_tokens > 1 ? tr->verify_tokens : 1, L = s->L, K = s->K,
+                   E = s->E;
     const int feed = s->pol->ops->on_counts != NULL;
     int rc = 0;
     for (uint64_t t0 = 0; t0 < tr->num_tokens && rc == 0; t0 += g) {
         const uint64_t t1 = t0 + g < tr->num_tokens ? t0 + g : tr->num_tokens;
-        s->pass++;
-        smoe_policy_pass(s->pol, s->pass);
+        smoe_slots_set_pass(&s->tab, ++s->pass);
         if (feed) feed_counts(s, t0, t1);
+        if (tr->protect && (rc = protect_rest(s, t0, t1, 0, err)) < 0) break;
         s->now += hw->token_fixed_s;
         s->r->compute_s += hw->token_fixed_s;
         for (uint32_t l = 0; l < L && rc == 0; l++) {
@@ -449,6 +461,7 @@ static int run_groups(sim *s, smoe_err *err) {
             }
             s->now += distinct * s->expert_s;
             s->r->compute_s += hw->layer_fixed_s + distinct * s->expert_s;
+            if (rc == 0 && tr->protect) rc = protect_rest(s, t0, t1, l + 1, err);
         }
         if (rc == 0 && s->pol->failure.code) {
             *err = s->pol->failure;
@@ -460,11 +473,10 @@ static int run_groups(sim *s, smoe_err *err) {
 }
 
 static void sim_free(sim *s) {
-    free(s->slot_key);
-    free(s->slot_pass);
-    free(s->slot_pf);
-    free(s->map);
-    free(s->evicted_pass);
+    if (s->tab_ready) {
+        s->tab.policy = NULL; /* borrowed: the caller's */
+        smoe_slots_free(&s->tab);
+    }
     free(s->q_key);
     free(s->q_stamp);
     free(s->scores);
@@ -478,6 +490,8 @@ static void sim_free(sim *s) {
     free(s->ckeys);
     free(s->cvals);
     free(s->seen);
+    free(s->pkeys);
+    free(s->pstamp);
     free(s->tok_mark);
 }
 
@@ -523,6 +537,13 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         return smoe_err_set(err, SMOE_EINVAL, "simulate: miss keep2 %u must be >= keep %u, "
                             "and lowbit2_ratio %g in (0, 1] when keep2 < top_k %u",
                             miss->keep2, miss->keep, miss->lowbit2_ratio, tr->top_k);
+    if (tr->protect > 1)
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: protect must be 0 or 1, got %u",
+                            tr->protect);
+    if (tr->protect && ((pf && pf->predictor != SMOE_PRED_NONE) ||
+                        (miss && miss->mode != SMOE_SIM_FETCH)))
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: the lookahead shield (protect) replays "
+                            "demand only: it needs predictor none and miss fetch");
     if (tr->verify_tokens > 1 && pf && pf->predictor != SMOE_PRED_NONE)
         return smoe_err_set(err, SMOE_EINVAL, "simulate: prefetch predictors replay one token "
                             "per pass; verify_tokens = %u needs predictor none",
@@ -589,14 +610,16 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     s.inflight = -1;
     s.load_s = hw->link_latency_s + hw->expert_bytes / hw->link_bw;
     s.expert_s = hw->expert_bytes / hw->fast_bw;
-    s.slot_key = malloc(nslots * sizeof *s.slot_key);
-    s.slot_pass = calloc(nslots, sizeof *s.slot_pass);
-    s.slot_pf = calloc(nslots, 1);
-    s.map = malloc(s.nkeys * sizeof *s.map);
-    s.evicted_pass = calloc(s.nkeys, sizeof *s.evicted_pass);
+    /* slot_bytes only feeds the table's bytes_read statistic here */
+    const double eb = hw->expert_bytes;
+    rc = smoe_slots_init(&s.tab, "simulated cache", s.L, s.E,
+                         eb >= 1.0 && eb < 1e18 ? (uint64_t)eb : 1, nslots, 0, pol, &sim_ops, &s,
+                         err);
+    if (rc < 0) return rc;
+    s.tab_ready = 1;
     s.miss = (miss && miss->mode != SMOE_SIM_FETCH) ? miss : NULL;
     s.tok_mark = malloc(s.E);
-    int ok = s.slot_key && s.slot_pass && s.slot_pf && s.map && s.evicted_pass && s.tok_mark;
+    int ok = s.tok_mark != NULL;
     if (ok && s.pf) {
         s.q_cap = s.pf->depth * s.E;
         s.q_key = malloc(s.q_cap * sizeof *s.q_key);
@@ -613,7 +636,13 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         }
     }
     const int feed = pol->ops->on_counts != NULL;
-    if (ok && (feed || tr->verify_tokens > 1)) {
+    const int groups = tr->verify_tokens > 1 || tr->protect;
+    if (ok && tr->protect) {
+        s.pkeys = malloc(s.nkeys * sizeof *s.pkeys);
+        s.pstamp = calloc(s.nkeys, sizeof *s.pstamp);
+        ok = s.pkeys && s.pstamp;
+    }
+    if (ok && (feed || groups)) {
         s.cstamp = calloc(s.nkeys, sizeof *s.cstamp);
         s.ccnt = calloc(s.nkeys, sizeof *s.ccnt);
         s.ckeys = malloc(s.nkeys * sizeof *s.ckeys);
@@ -625,19 +654,18 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         sim_free(&s);
         return smoe_err_set(err, SMOE_ENOMEM, "simulate: out of memory for %u slots", nslots);
     }
-    for (uint32_t i = 0; i < nslots; i++) s.slot_key[i] = -1;
-    for (uint32_t i = 0; i < s.nkeys; i++) s.map[i] = -1;
+    s.tab.pass_id = 0; /* passes are numbered from 1 by the replay (smoe_slots_set_pass) */
 
     const int hist = s.pf && s.pf->predictor == SMOE_PRED_HISTORY;
     const double low_s = s.expert_s * (miss ? miss->lowbit_ratio : 1.0);
     const double low2_s = s.expert_s * (miss ? miss->lowbit2_ratio : 1.0);
     const int16_t *ex = tr->experts;
     rc = 0;
-    if (tr->verify_tokens > 1) rc = run_groups(&s, err);
-    for (uint64_t t = 0; tr->verify_tokens <= 1 && t < tr->num_tokens && rc == 0; t++) {
+    if (groups) rc = run_groups(&s, err);
+    for (uint64_t t = 0; !groups && t < tr->num_tokens && rc == 0; t++) {
         if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
         s.pass = t + 1;
-        smoe_policy_pass(pol, s.pass);
+        smoe_slots_set_pass(&s.tab, s.pass);
         if (feed) feed_counts(&s, t, t + 1);
         s.now += hw->token_fixed_s;
         out->compute_s += hw->token_fixed_s;
@@ -665,6 +693,11 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         err->code = SMOE_EPOLICY;
         rc = SMOE_EPOLICY;
     }
+    /* what the table counts itself, by the same rules as the live cache */
+    out->evictions = s.tab.stats.evictions;
+    out->prefetch_used = s.tab.stats.prefetch_used;
+    out->prefetch_wasted = s.tab.stats.prefetch_wasted;
+    out->protected_evictions = s.tab.stats.protected_evictions;
     out->total_s = s.now;
     out->elapsed_s = smoe_now() - t0;
     sim_free(&s);

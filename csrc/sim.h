@@ -18,7 +18,18 @@
  * once), per layer layer_fixed_s plus expert_bytes / fast_bw per distinct expert.  Prefetch
  * predictors are defined per token and are not available with g > 1 (SMOE_EINVAL).
  *
- * Cache semantics (policy.h's event contract, the same as cache.c's):
+ * Lookahead shield (tr->protect, demand only, any verify_tokens): MoE-SpeQ's expert lookahead
+ * buffer (Sec. 3.3) with lookahead-aware eviction, as Engine.protect_lookahead runs it live
+ * (smoe_slots_set_protected): before a pass's first access the experts its tokens route to in
+ * every layer are protected -- the draft's routing, made exact by the trace as for on_counts --
+ * and after each layer's accesses that layer's are released (the set becomes the keys of the
+ * layers still to run).  A victim is sought among unprotected slots first, and only when the
+ * policy finds none there among all (counted in protected_evictions).
+ *
+ * Cache semantics: the simulated cache is the live caches' slot table (slots.h), driven by
+ * the replay through its rules (smoe_slots_claim, _loaded, _touch, _unpin, _set_pass), so slot
+ * choice, victims (demand, prefetch admission, the lookahead shield), policy events and the
+ * eviction counts are the live code's; the replay adds only its clock.  In words:
  *   - pass boundary at every token: on_pass(t + 1) for token t = 0, 1, ... (ids start at 1);
  *     a policy with on_counts (spac, spac_ema, score) then gets the token's experts with count 1 for every
  *     layer (the one-token case of the verification groups below; other policies see nothing);
@@ -70,6 +81,7 @@ typedef struct smoe_sim_trace {
     uint64_t num_tokens;
     uint32_t num_layers, top_k, num_experts;
     uint32_t verify_tokens; /* tokens per pass (verification group); 0 or 1: one per pass */
+    uint32_t protect;       /* 1: the expert lookahead buffer's eviction shield (below) */
 } smoe_sim_trace;
 
 typedef struct smoe_sim_hw {
@@ -110,6 +122,7 @@ typedef struct smoe_sim_result {
     uint64_t substituted;      /* of those, replaced by a resident expert (counted a hit) */
     uint64_t lowbit;           /* of those, computed from a resident low-bit copy */
     uint64_t lowbit2;          /* of those, from the second copy (PRIORITY, ranks >= keep2) */
+    uint64_t protected_evictions; /* evictions of a protected key (tr->protect) */
 } smoe_sim_result;
 
 /* SpecMD miss handling (Sec. 3.1.2), the live rule of csrc/layer.h step 4 on a trace.  An

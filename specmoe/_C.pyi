@@ -343,6 +343,7 @@ def simulate(experts: np.ndarray, num_experts: int, policy: Any, nslots: int, *,
              layer_fixed_s: float = 0.0, token_fixed_s: float = 0.0, seed: int = 0,
              order: int = 0, levels: int = 0, verify_tokens: int = 1, miss: int = 0,
              miss_keep: int = 0, lowbit_ratio: float = 1.0,
-             gamma: int = -1) -> dict[str, float]:
+             gamma: int = -1, miss_keep2: int = ..., lowbit2_ratio: float = 1.0,
+             protect: bool = False) -> dict[str, float]:
     """Replay a routing trace through the simulated cache; see specmoe.sim.simulate."""
 # --- end sim ---

@@ -291,7 +291,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
              prefetch: "str | Predictor | None" = None, hardware: "str | Hardware" = "a100-pcie4",
              *, model: ModelCost | None = None, verify_tokens: int = 1, miss: str = "fetch",
              miss_keep: int = 2, lowbit_ratio: float = 0.25, miss_keep2: int | None = None,
-             lowbit2_ratio: float = 0.1875) -> SimResult:
+             lowbit2_ratio: float = 0.1875, protect: bool = False) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
     ``policy``: a built-in name with options (``"lru"``, ``"least_stale:order=lru"``,
@@ -322,6 +322,12 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     ``lowbit`` and ``lowbit2`` accesses (``csrc/sim.h``, ``smoe_sim_miss``).  Needs
     ``verify_tokens=1``.  The simulator measures speed only: the quality cost of a miss mode
     is measured on the live engine (``benchmarks/misses.py``).
+    ``protect``: MoE-SpeQ's lookahead-aware eviction (Sec. 3.3) as ``Engine.protect_lookahead``
+    runs it: before each pass the experts its tokens route to (the draft's routing, exact in a
+    trace) are protected from eviction, each layer's released once it has run; a protected
+    expert is evicted only when no other can go (``extra["protected_evictions"]``).  Demand
+    only (``prefetch=None``, ``miss="fetch"``).  The simulated cache is the live cache's slot
+    table (``csrc/slots.h``): the same victims and policy events for the same accesses.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a specmoe.Trace, got {type(trace).__name__}")
@@ -358,6 +364,11 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         raise ValueError(f"lowbit2_ratio must be a number in (0, 1], got {lowbit2_ratio!r}")
     if miss != "fetch" and verify_tokens > 1:
         raise ValueError(f"miss={miss!r} replays one token per pass: use verify_tokens=1")
+    if not isinstance(protect, (bool, np.bool_)):
+        raise TypeError(f"protect must be a bool, got {type(protect).__name__}")
+    if protect and (pred.kind != "none" or miss != "fetch"):
+        raise ValueError("protect (the lookahead shield) replays demand only: use prefetch=None "
+                         "and miss='fetch'")
     nl, E = trace.num_layers, trace.num_experts
     nslots = parse_capacity(capacity, num_layers=nl, num_experts=E,
                             expert_bytes=model.expert_bytes)
@@ -383,7 +394,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
                     miss=MISS_MODES.index(miss), miss_keep=int(miss_keep),
                     lowbit_ratio=float(lowbit_ratio),
                     miss_keep2=min(int(miss_keep2), trace.top_k),
-                    lowbit2_ratio=float(lowbit2_ratio), **kw)
+                    lowbit2_ratio=float(lowbit2_ratio), protect=bool(protect), **kw)
     wall = time.perf_counter() - t0
     n = max(trace.num_tokens, 1)
     acc = r["accesses"]
@@ -407,4 +418,6 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         elapsed_s=r["elapsed_s"],
         accesses_per_s=acc / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
         extra={"wall_s": wall, "verify_tokens": int(verify_tokens), "miss": miss,
-               **{k: r[k] for k in ("missing", "dropped", "substituted", "lowbit", "lowbit2")}})
+               "protect": bool(protect),
+               **{k: r[k] for k in ("missing", "dropped", "substituted", "lowbit", "lowbit2",
+                                    "protected_evictions")}})

@@ -132,12 +132,16 @@ def _select(scores, k, topk, percentile):
     return cand[:cap]
 
 
-def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_tokens=1):
+def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_tokens=1,
+                 protect=False):
     """Returns the counters and times of smoe_sim_result for the given run.  verify_tokens
     g > 1 (demand only): each pass covers g consecutive tokens; the policy first gets
     on_counts (if it has one) with, per layer, the number of the pass's tokens using each
     expert; then per layer the union of their experts in first-appearance order; time per
-    pass token_fixed_s, per layer layer_fixed_s + distinct experts * expert_s."""
+    pass token_fixed_s, per layer layer_fixed_s + distinct experts * expert_s.  protect (demand
+    only, any g): the lookahead shield -- at a pass's start the keys its tokens route to in
+    every layer are protected, after each layer the set is the keys of the layers still to
+    run; a victim is sought among unprotected slots first, then among all (csrc/slots.h)."""
     N, L, K = experts.shape
     pred = dict(pred or {})
     kind = pred.get("kind", "none")
@@ -150,7 +154,9 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
     expert_s = hw["expert_bytes"] / hw["fast_bw"]
     c = dict(accesses=0, hits=0, misses=0, collision_misses=0, evictions=0, prefetch_issued=0,
              prefetch_used=0, prefetch_late=0, prefetch_wasted=0, prefetch_dropped=0,
-             predicted=0, predicted_true=0, next_true=0, stall_s=0.0, compute_s=0.0)
+             predicted=0, predicted_true=0, next_true=0, stall_s=0.0, compute_s=0.0,
+             protected_evictions=0)
+    protected: set[int] = set()
     slot_key = [-1] * nslots
     slot_pass = [0] * nslots
     slot_pf = [False] * nslots
@@ -175,10 +181,15 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                         policy.utility(slot_key[s]) > policy.utility(key):
                     return False  # no prefetch over a higher utility (utility-space policies)
                 return not (prefetch and slot_pass[s] == st["pass_"])
-            s = policy.victim(ok)
+            s = -1
+            if protected:  # the shield: unprotected slots first
+                s = policy.victim(lambda s: ok(s) and slot_key[s] not in protected)
+            if s < 0:
+                s = policy.victim(ok)
             if s < 0:
                 return -1
             old = slot_key[s]
+            c["protected_evictions"] += old in protected
             del where[old]
             evicted[old] = st["pass_"]
             c["evictions"] += 1
@@ -297,7 +308,11 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                     queued.add(key)
                     queue.append(key)
 
-    if verify_tokens > 1:
+    def protect_rest(toks, l0):
+        protected.clear()
+        protected.update(l * E + int(e) for l in range(l0, L) for t in toks for e in experts[t, l])
+
+    if verify_tokens > 1 or protect:
         assert kind == "none"
         for p, t0 in enumerate(range(0, N, verify_tokens)):
             toks = range(t0, min(t0 + verify_tokens, N))
@@ -310,6 +325,8 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                         for e in set(int(x) for x in experts[t, l]):
                             cnt[l * E + e] = cnt.get(l * E + e, 0) + 1
                 policy.on_counts(list(cnt), list(cnt.values()))
+            if protect:
+                protect_rest(toks, 0)
             st["now"] += hw["token_fixed_s"]
             c["compute_s"] += hw["token_fixed_s"]
             for l in range(L):
@@ -319,6 +336,8 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                     demand(key)
                 st["now"] += len(union) * expert_s
                 c["compute_s"] += hw["layer_fixed_s"] + len(union) * expert_s
+                if protect:
+                    protect_rest(toks, l + 1)
         c["total_s"] = st["now"]
         return c
 

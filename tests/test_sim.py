@@ -83,6 +83,33 @@ def test_demand_only_matches_reference(small, nslots):
     _compare(_run(small, "lru", nslots), ref_simulate(small.experts, 64, nslots, RefLRU(), HW))
 
 
+@pytest.mark.parametrize("nslots", [6, 40, 166])
+@pytest.mark.parametrize("policy, g", [("lru", 1), ("lru", 3), ("belady", 1)])
+def test_lookahead_shield_matches_reference(small, nslots, g, policy):
+    """protect: MoE-SpeQ's lookahead-aware eviction on the live table's shield, against the
+    plain-Python replay of the documented rule (tests/sim_reference.py).  (Belady's future is
+    the per-token sequence: one-token passes.)"""
+    ref_pol = RefLRU() if policy == "lru" else RefBelady(small.keys().tolist())
+    got = _run(small, policy, nslots, verify_tokens=g, protect=True)
+    want = ref_simulate(small.experts, 64, nslots, ref_pol, HW, verify_tokens=g, protect=True)
+    _compare(got, want)
+    plain = _run(small, policy, nslots, verify_tokens=g)
+    assert plain["protected_evictions"] == 0 and got["accesses"] == plain["accesses"]
+    if nslots == 6:  # one token's experts do not fit: the shield must give way, counted
+        assert got["protected_evictions"] > 0
+
+
+def test_lookahead_shield_input_checked(small):
+    with pytest.raises(ValueError, match="protect"):
+        simulate(small, "lru", 40, "oracle", protect=True)
+    with pytest.raises(ValueError, match="protect"):
+        simulate(small, "lru", 40, miss="drop", protect=True)
+    with pytest.raises(TypeError, match="protect"):
+        simulate(small, "lru", 40, protect="yes")
+    r = simulate(small, "lru", 40, verify_tokens=2, protect=True)
+    assert r.extra["protect"] is True and r.extra["protected_evictions"] >= 0
+
+
 def test_collision_miss_definition():
     # one token, one layer: keys a b c a with 2 slots under LRU: c evicts a (same pass), the
     # second a is a miss on an expert evicted earlier in the same pass -> collision
@@ -493,6 +520,89 @@ def test_agreement_with_live_cache(tmp_path, puffin_subset, policy):
     finally:
         store.close()
 
+
+
+@pytest.mark.skipif(not hasattr(specmoe, "ExpertCache"), reason="specmoe.ExpertCache not merged yet")
+@pytest.mark.parametrize("protect", [False, True])
+@pytest.mark.parametrize("nslots", [6, 40])
+def test_same_policy_events_as_live_cache(tmp_path, puffin_subset, nslots, protect):
+    """The simulator drives the live cache's slot table (csrc/slots.h, smoe_slots_claim and
+    friends): one slot choice, one victim rule, one event order.  A recording Python policy
+    sees the same events, in the same order, with the same candidate lists, from a demand-only
+    replay and from the live ExpertCache fed the same accesses (pass ids counted from each
+    run's first); and both report the same evictions.  With ``protect`` the live cache gets
+    the lookahead shield as Engine.protect_lookahead sets it (each token's experts protected
+    before its pass, each layer's released after it) and the simulator replays the same."""
+    from specmoe.policies import PythonPolicy
+    from specmoe.store import write_store
+
+    from tests.ref_policies import RefLRU
+
+    class Recording(RefLRU, PythonPolicy):
+        def __init__(self):
+            super().__init__()
+            self.log = []
+
+        def on_insert(self, slot, key, prefetch):
+            self.log.append(("insert", slot, key, bool(prefetch)))
+            super().on_insert(slot, key, prefetch)
+
+        def on_access(self, slot, key):
+            self.log.append(("access", slot, key))
+            super().on_access(slot, key)
+
+        def on_evict(self, slot, key):
+            self.log.append(("evict", slot, key))
+            super().on_evict(slot, key)
+
+        def on_pass(self, pass_id):
+            self.log.append(("pass", pass_id))
+
+        def victim(self, candidates):
+            v = super().victim(candidates)
+            self.log.append(("victim", tuple(candidates), v))
+            return v
+
+    def rebased(log):
+        first = next(e[1] for e in log if e[0] == "pass")
+        return [("pass", e[1] - first) if e[0] == "pass" else e for e in log]
+
+    tr = puffin_subset.slice(0, 25)
+    L, E = tr.num_layers, tr.num_experts
+    store = write_store(tmp_path / "tiny.smoe", [{"w": np.full((E, 8), l, np.uint8)}
+                                                 for l in range(L)],
+                        top_k=tr.top_k, progress=False)
+    live_pol = Recording()
+    cache = specmoe.ExpertCache(store, nslots, live_pol, prefetch=False)
+    try:
+        def shield(t, l0):
+            lay = np.repeat(np.arange(l0, L), tr.top_k)
+            cache.protect(lay, tr.experts[t, l0:].reshape(-1)) if len(lay) else cache.protect()
+
+        for t in range(tr.num_tokens):
+            cache.begin_pass()
+            if protect:
+                shield(t, 0)
+            for l in range(L):
+                for e in tr.experts[t, l]:
+                    cache.acquire(l, int(e))
+                    cache.release(l, int(e))
+                if protect:
+                    shield(t, l + 1)
+        live = cache.stats()
+    finally:
+        cache.close()
+        store.close()
+    sim_pol = Recording()
+    r = simulate(tr, sim_pol, nslots, protect=protect)
+    assert len(sim_pol.log) > tr.num_tokens * L * tr.top_k  # every access is an event
+    assert any(e[0] == "victim" for e in sim_pol.log)
+    assert rebased(sim_pol.log) == rebased(live_pol.log)
+    assert (r.hits, r.misses, r.evictions, r.collision_misses) == \
+        (live["hits"], live["misses"], live["evictions"], live["collision_misses"])
+    assert r.extra["protected_evictions"] == live["protected_evictions"]
+    if protect and nslots == 6:
+        assert live["protected_evictions"] > 0
 
 # -- notebook ---------------------------------------------------------------------------------
 

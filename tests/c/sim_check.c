@@ -1,6 +1,7 @@
 /* Memory-safety sweep of the simulator (csrc/sim.c) under AddressSanitizer+UBSan, without
  * Python: a random trace replayed through every built-in policy at many capacities, with
- * every predictor, selection mode and two hardware balances (late and timely prefetches).
+ * every predictor, selection mode and two hardware balances (late and timely prefetches), and
+ * with the lookahead shield.
  * Checks counters add up and that a replay is deterministic. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,7 +53,7 @@ int main(void) {
         lg[i] = (float)(s >> 40) / (float)(1 << 24);
     }
     for (uint32_t i = 0; i < N * L * K; i++) fut[i] = (int32_t)(((i / K) % L) * E) + ex[i];
-    smoe_sim_trace tr = {ex, lg, N, L, K, E, 1};
+    smoe_sim_trace tr = {ex, lg, N, L, K, E, 1, 0};
     smoe_sim_hw hws[2] = {{17e6, 1e12, 25e9, 1e-5, 5e-5, 4e-4}, {17e6, 2e11, 4e12, 1e-6, 0, 0}};
     int runs = 0;
     for (int pi = 0; pi < 7; pi++)
@@ -73,6 +74,28 @@ int main(void) {
                     }
                     runs++;
                 }
+    /* the lookahead shield (demand only) in one-token and three-token passes */
+    smoe_sim_prefetch none = {0, 1, 0, 0.0, 4, 0.8};
+    for (int pi = 0; pi < 7; pi++)
+        for (uint32_t ns = 1; ns <= L * E; ns += 5)
+            for (uint32_t g = 1; g <= 3; g += 2) {
+                smoe_sim_trace tp = tr;
+                tp.protect = 1;
+                tp.verify_tokens = g;
+                smoe_sim_result a, b;
+                if (run(&tp, names[pi], ns, fut, N * L * K, &none, &hws[0], &a) < 0 ||
+                    run(&tp, names[pi], ns, fut, N * L * K, &none, &hws[0], &b) < 0)
+                    return 1;
+                if (a.hits + a.misses != a.accesses || a.protected_evictions > a.evictions ||
+                    a.hits != b.hits || a.protected_evictions != b.protected_evictions ||
+                    (g == 1 && a.accesses != (uint64_t)N * L * K) ||
+                    (ns < K && a.misses != a.accesses)) {
+                    fprintf(stderr, "%s nslots=%u g=%u protect: inconsistent counters\n",
+                            names[pi], ns, g);
+                    return 1;
+                }
+                runs++;
+            }
     printf("sim_check: %d runs ok\n", runs);
     free(ex);
     free(lg);
