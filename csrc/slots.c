@@ -31,6 +31,7 @@ static int evictable_prefetch(void *ctx, uint32_t s) {
 }
 
 static int32_t lowest_free(const smoe_slots *t) {
+    if (t->nempty == 0) return -1; /* the steady state of a full cache: no scan */
     for (uint32_t s = 0; s < t->nslots; s++)
         if (t->slots[s].state == SMOE_SLOT_EMPTY) return (int32_t)s;
     return -1;
@@ -48,6 +49,7 @@ static void evict(smoe_slots *t, uint32_t s) {
     sl->key = -1;
     sl->state = SMOE_SLOT_EMPTY;
     sl->prefetched = 0;
+    t->nempty++;
 }
 
 /* Choose a slot for a new block: the lowest-numbered free one, else the policy's victim among
@@ -75,6 +77,7 @@ static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int *rc, smoe_err 
 static void load_begin(smoe_slots *t, uint32_t s, int32_t key, int prefetch) {
     smoe_slot *sl = &t->slots[s];
     smoe_policy_insert(t->policy, s, key, prefetch);
+    t->nempty--; /* (take_slot gives only EMPTY slots: free or just evicted) */
     sl->key = key;
     sl->state = SMOE_SLOT_LOADING;
     sl->prefetched = (uint8_t)(prefetch != 0);
@@ -120,6 +123,7 @@ static void load_done(smoe_slots *t, uint32_t s, int rc, const smoe_err *lerr) {
         t->map[key] = -1;
         sl->key = -1;
         sl->state = SMOE_SLOT_EMPTY;
+        t->nempty++;
         sl->prefetched = 0;
         sl->pins = 0;
         sl->failed_seq = sl->load_seq;
@@ -324,6 +328,7 @@ int smoe_slots_init(smoe_slots *t, const char *what, uint32_t num_layers, uint32
     }
     for (uint64_t k = 0; k < nkeys; k++) t->map[k] = t->qpos[k] = -1;
     for (uint32_t s = 0; s < nslots; s++) t->slots[s].key = -1;
+    t->nempty = nslots;
     t->pass_id = 1;
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);

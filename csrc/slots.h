@@ -116,6 +116,7 @@ typedef struct smoe_slots {
     uint64_t slot_bytes;         /* bytes of one block (statistics) */
 
     smoe_slot *slots;      /* owned; [mu] */
+    uint32_t nempty;       /* [mu] slots in state EMPTY (lowest_free scans only when > 0) */
     int32_t *map;          /* owned; [mu] key -> slot or -1; num_layers*num_experts */
     uint64_t *evicted_pass;/* owned; [mu] per key: pass id when last evicted (collisions) */
     uint8_t *protect;      /* owned; [mu] per key: 1 = in the lookahead buffer, evicted last
