@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .controllers import Controller, SpeqGovernor, StaticK, measure_tau
+from .controllers import Controller, StaticK, measure_tau
 from .dense import decode_session
 from .drafters import (DraftModel, NgramDrafter, SelfDraft, _crop, _draft, _forward, _new_kv,
                        cache_kwargs, input_device, recurrent_layer_types)
@@ -144,23 +144,6 @@ def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any 
     table.update(measure_tau(fwd, range(1, max(g_max, 9) + 1), repeats=repeats, warmup=1,
                              stat="min", progress=progress))
     return {g: t for g, t in table.items() if g <= g_max}
-
-
-def _speq_io_cost(ctl: SpeqGovernor, loaded: Dict[int, float], t_load: float) -> None:
-    """io_cost[k] for the governor: seconds of loading the experts k drafts would add.
-
-    Decided here (the governor itself takes any cost vector): the experts loaded per iteration
-    verifying k drafts are tracked by an EMA per k; a k never observed is extrapolated from the
-    nearest observed one in proportion to the tokens verified (k+1); the cost is that count
-    times the measured seconds per load (the stall per loaded expert, an EMA)."""
-    km = ctl.k_max
-    seen = sorted(loaded)
-    cost = np.zeros(km + 1)
-    if seen and t_load > 0:
-        for k in range(km + 1):
-            j = min(seen, key=lambda s: (abs(s - k), s))
-            cost[k] = loaded[j] * (k + 1) / (j + 1) * t_load if j != k else loaded[k] * t_load
-    ctl.set_io_cost(cost)
 
 
 @decode_session
@@ -352,8 +335,6 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
     la_keys = ("lookahead_predicted", "lookahead_used", "lookahead_hits")
     la0 = {n: engine.stats()[n] for n in la_keys} if engine is not None else {}
-    speq_loaded: Dict[int, float] = {}
-    t_load = 0.0
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -411,16 +392,9 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             t_iter = t_end - t0
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
-            if controller is not None:
-                if isinstance(controller, SpeqGovernor):
-                    old = speq_loaded.get(kd)
-                    speq_loaded[kd] = n_load if old is None else 0.8 * old + 0.2 * n_load
-                    if n_load:
-                        t_load = t_io / n_load if t_load == 0 else 0.8 * t_load + 0.2 * t_io / n_load
+            if controller is not None:  # (the SpeQ governor learns its I/O cost from these)
                 controller.observe(kd, n_acc, t_iter, n_load, t_draft=min(t_draft, t_iter),
                                    t_io=t_io)
-                if isinstance(controller, SpeqGovernor):
-                    _speq_io_cost(controller, speq_loaded, t_load)
             its.append({"k_planned": int(k_plan), "k": kd, "accepted": int(n_acc),
                         "emitted": len(new), "t_iter": t_iter, "t_end": t_end, "t_draft": t_draft,
                         "experts_loaded": n_load})

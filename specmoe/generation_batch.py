@@ -343,10 +343,10 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
               gen: torch.Generator, tau: Any, engine: Any, lookahead: bool, progress: bool,
               pad_token_id: int, vocab: int) -> Any:
     """The batched loop of :func:`specmoe.generate` (arguments already checked there)."""
-    from .controllers import SpeqGovernor, StaticK
+    from .controllers import StaticK
     from .drafters import DraftModel, NgramDrafter, SelfDraft, _draft
     from .mtp import MtpDrafter, next_drafts
-    from .generation import GenerateOutput, _speq_io_cost, target_tau
+    from .generation import GenerateOutput, target_tau
     from .verify import accept
     B, n = ids.shape
     prompts = [ids[b][mask[b] == 1].tolist() for b in range(B)]
@@ -396,8 +396,6 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
         ngrams = [drafter.clone() for _ in range(B)]
     its: List[Dict[str, Any]] = []
     loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
-    speq_loaded: Dict[int, float] = {}
-    t_load = 0.0
     cur_b = -1
     bar = None
     if progress:
@@ -481,21 +479,13 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
             k_used = max(kd)
-            if controller is not None:
-                if isinstance(controller, SpeqGovernor):
-                    old = speq_loaded.get(k_used)
-                    speq_loaded[k_used] = n_load if old is None else 0.8 * old + 0.2 * n_load
-                    if n_load:
-                        t_load = t_io / n_load if t_load == 0 else \
-                            0.8 * t_load + 0.2 * t_io / n_load
+            if controller is not None:  # (the SpeQ governor learns its I/O cost from these)
                 # the scalar: k_used when every row accepted all its drafts (the heuristic's
                 # "+2"), else the fewest accepted by a row that had a draft rejected
                 short = [a for a, k in zip(acc, kd) if a < k]
                 controller.observe(k_used, min(short) if short else k_used, t_iter, n_load, t_draft=min(t_draft, t_iter),
                                    t_io=min(t_io, t_iter - min(t_draft, t_iter)),
                                    rows_k=kd, rows_accepted=acc)
-                if isinstance(controller, SpeqGovernor):
-                    _speq_io_cost(controller, speq_loaded, t_load)
             its.append({"k_planned": int(k_plan), "k": k_used, "accepted": sum(acc),
                         "emitted": sum(emitted), "batch": Ba, "k_rows": kd,
                         "accepted_rows": acc, "t_iter": t_iter, "t_end": t_end,

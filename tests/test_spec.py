@@ -1124,3 +1124,51 @@ def test_old_module_names_still_import():
     assert old_speculative.SelfDraft is drafters.SelfDraft
     import specmoe
     assert specmoe.generate is generation.generate and specmoe.Cascade is controllers.Cascade
+
+
+def _ref_io_cost(loaded, t_load, k_max):
+    """The documented I/O-cost rule (csrc/spec/controller.h, io_cost), in plain Python."""
+    cost = [0.0] * (k_max + 1)
+    if loaded and t_load > 0:
+        for k in range(k_max + 1):
+            j = min(loaded, key=lambda s: (abs(s - k), s))
+            cost[k] = loaded[k] * t_load if j == k else loaded[j] * (k + 1) / (j + 1) * t_load
+    return cost
+
+
+def test_speq_learns_its_io_cost():
+    """The SpeQ governor owns its I/O-cost estimate (it used to be computed by both driver
+    loops): learned from observe's experts_loaded and t_io, it equals the plain-Python rule fed
+    the same stream -- checked through a twin governor given that cost by set_io_cost -- and
+    set_io_cost replaces it for good."""
+    rng = random.Random(3)
+    g, twin = SpeqGovernor(k_max=6, alpha=0.5), SpeqGovernor(k_max=6, alpha=0.5)
+    loaded, t_load = {}, 0.0
+    for it in range(80):
+        k = rng.randint(0, 6) if it % 3 else g.next_k()
+        acc = rng.randint(0, k)
+        n = rng.randint(0, 30) if rng.random() < 0.8 else 0
+        t_iter = rng.uniform(0.01, 0.05)
+        t_draft = rng.uniform(0, 0.3) * t_iter if k else 0.0
+        t_io = rng.uniform(0, 0.5) * t_iter if n else 0.0
+        for c in (g, twin):
+            c.observe(k, acc, t_iter, n, t_draft=t_draft, t_io=t_io)
+        loaded[k] = n if k not in loaded else 0.8 * loaded[k] + 0.2 * n
+        if n:
+            t_load = t_io / n if t_load == 0 else 0.8 * t_load + 0.2 * t_io / n
+        twin.set_io_cost(_ref_io_cost(loaded, t_load, 6))
+        for kk in range(7):
+            assert g.model(kk)[1] == pytest.approx(twin.model(kk)[1], rel=1e-12, abs=1e-15)
+        assert g.next_k() == twin.next_k()
+    assert t_load > 0 and any(v > 0 for v in _ref_io_cost(loaded, t_load, 6))
+    # given, the cost stays what it was given whatever is observed next: g against a twin that
+    # is handed the same cost again after every observation
+    given = [0.0, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032]
+    g.set_io_cost(given)
+    for it in range(20):
+        n, t_iter = rng.randint(1, 30), rng.uniform(0.01, 0.05)
+        for c in (g, twin):
+            c.observe(2, 1, t_iter, n, t_io=0.5 * t_iter)
+        twin.set_io_cost(given)
+        for kk in range(7):
+            assert g.model(kk)[1] == pytest.approx(twin.model(kk)[1], rel=1e-12, abs=1e-15)

@@ -351,6 +351,7 @@ int smoe_spec_ctl_set_io_cost(smoe_spec_ctl *c, const double *cost, int32_t n, s
                                 "spec %s: io_cost[%d] must be finite and >= 0, got %g",
                                 c->ops->name, (int)i, cost[i]);
     for (int32_t k = 0; k <= c->params.k_max; k++) c->io_cost[k] = k < n ? cost[k] : 0.0;
+    c->io_given = 1; /* the learned estimate (speq.c) stops overwriting it */
     return SMOE_OK;
 }
 

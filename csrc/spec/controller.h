@@ -129,8 +129,15 @@
  *             Without tau: an exponentially weighted (decay 1 - alpha) least-squares line
  *             a + b*g over the samples; b = 0 while fewer than two distinct g were seen.
  *             io_cost[k]: expected seconds of loading the experts the draft predicts for the
- *             k drafts and that are missing from the cache, supplied by the caller before
- *             next_k (smoe_spec_ctl_set_io_cost; sticky until set again; 0 when never set).
+ *             k drafts and that are missing from the cache.  Learned from the observations
+ *             (decided here; the paper leaves the estimate to the system): n(k), an EMA
+ *             (weight 0.2) of experts_loaded over the iterations that verified k drafts, and
+ *             t_load, an EMA (0.2) of t_io / experts_loaded over iterations that loaded any;
+ *             io_cost[k] = n(k) * t_load, a k never observed extrapolated from the nearest
+ *             observed j (ties: the smaller) as n(j) * (k+1)/(j+1) * t_load; 0 while no load
+ *             was timed.  Updated after the observation's telemetry utility is computed, so
+ *             it applies from the next next_k.  smoe_spec_ctl_set_io_cost replaces the
+ *             learned estimate for good (a caller that knows better: sticky until set again).
  *     T_verify is clamped at 0 and T_cycle at 1e-12 s.  Note that once K=0 wins, the
  *     acceptance model no longer learns (no positions are decided); new io_cost or timing
  *     moves it again.
@@ -285,8 +292,9 @@ struct smoe_spec_ctl {
     int32_t has_delta;
     uint64_t succ_zero_run;                /* consecutive k == 0 observations while blocked */
     int32_t batch;                         /* batch size of the coming steps (1 default) */
-    /* speq's per-k expected I/O seconds */
+    /* speq's per-k expected I/O seconds, learned (speq.c) until set_io_cost (io_given) */
     double io_cost[SMOE_SPEC_KMAX + 1];
+    int32_t io_given;
     /* plain-iteration timing shared by all controllers (last base_len k == 0 iterations);
      * base_ring holds 2 * base_len doubles, the second half scratch for the median */
     double *base_ring;

@@ -18,7 +18,39 @@ typedef struct speq_state {
     int distinct;                  /* two different g were seen */
     uint64_t n;
     uint64_t zero_run;             /* consecutive latest observations with k == 0 */
+    /* the learned I/O cost (controller.h, io_cost) */
+    double loaded[SMOE_SPEC_KMAX + 1]; /* EMA of experts_loaded per k verified */
+    uint8_t loaded_seen[SMOE_SPEC_KMAX + 1];
+    double t_load;                 /* EMA of t_io / experts_loaded (0: none timed yet) */
 } speq_state;
+
+#define SPEQ_IO_EMA 0.2 /* the weight of a new sample in the I/O-cost EMAs */
+
+/* Learn the I/O cost from one observation and rewrite c->io_cost (controller.h). */
+static void speq_learn_io(smoe_spec_ctl *c, speq_state *s, const smoe_spec_obs *o) {
+    const double a = SPEQ_IO_EMA;
+    const int32_t k = o->k, km = c->params.k_max;
+    const double n = (double)o->experts_loaded;
+    s->loaded[k] = s->loaded_seen[k] ? (1.0 - a) * s->loaded[k] + a * n : n;
+    s->loaded_seen[k] = 1;
+    if (o->experts_loaded > 0) {
+        double per = o->t_io / n;
+        s->t_load = s->t_load == 0.0 ? per : (1.0 - a) * s->t_load + a * per;
+    }
+    for (int32_t q = 0; q <= km; q++) {
+        if (s->t_load <= 0.0) {
+            c->io_cost[q] = 0.0;
+            continue;
+        }
+        int32_t j = -1; /* the nearest observed k, the smaller on a tie */
+        for (int32_t d = 0; d <= km && j < 0; d++) {
+            if (q - d >= 0 && s->loaded_seen[q - d]) j = q - d;
+            else if (q + d <= km && s->loaded_seen[q + d]) j = q + d;
+        }
+        c->io_cost[q] = j == q ? s->loaded[q] * s->t_load
+                               : s->loaded[j] * (double)(q + 1) / (double)(j + 1) * s->t_load;
+    }
+}
 
 static int speq_init(smoe_spec_ctl *c, const smoe_spec_params *p, smoe_err *err) {
     (void)err;
@@ -129,7 +161,9 @@ static double speq_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *ph
     s->n++;
     s->zero_run = o->k == 0 ? s->zero_run + 1 : 0;
     int32_t k = speq_best(c, s, 0);
-    return expected_tokens(s, k) / cycle_time(c, s, k) * cycle_time(c, s, 0);
+    double u = expected_tokens(s, k) / cycle_time(c, s, k) * cycle_time(c, s, 0);
+    if (!c->io_given) speq_learn_io(c, s, o);
+    return u;
 }
 
 const smoe_spec_ctl_ops smoe_spec_speq = {"speq", speq_init, speq_free, speq_next_k,

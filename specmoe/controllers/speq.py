@@ -14,8 +14,11 @@ class SpeqGovernor(Controller):
 
     E[N(k)] = 1 + sum_i prod_{j<=i} p_j with per-position acceptance p_j tracked by an EMA;
     T_cycle(k) = k*t_draft_tok + t_first + T_verify(k+1) + io_cost[k] (Eq. 3), with the draft
-    and verify times learned online from ``observe(..., t_draft=, t_io=)``, io_cost supplied
-    per iteration through :meth:`set_io_cost` and ``t_first`` the profiled latency of a
+    and verify times learned online from ``observe(..., t_draft=, t_io=)``, io_cost[k] learned
+    from ``observe``'s ``experts_loaded`` and ``t_io`` (experts loaded per iteration verifying k
+    drafts times seconds per load, both EMAs; an unseen k extrapolated from the nearest seen in
+    proportion to k+1: ``csrc/spec/controller.h``) unless :meth:`set_io_cost` gives it, and
+    ``t_first`` the profiled latency of a
     cycle's first mandatory expert fetch (seconds, default 0).  After ``probe`` consecutive
     iterations at K=0 it tries the best K >= 1 once, so a pessimistic acceptance estimate
     cannot switch speculation off for good (-1: never probe).  ``k_max`` bounds the search;
@@ -43,7 +46,8 @@ class SpeqGovernor(Controller):
 
     def set_io_cost(self, cost: Union[Sequence[float], np.ndarray]) -> None:
         """cost[k] = expected seconds to load the experts that the draft predicts for k draft
-        tokens and that are missing from the cache (k = 0..len-1; the rest count as 0)."""
+        tokens and that are missing from the cache (k = 0..len-1; the rest count as 0).  From
+        then on this replaces the estimate the governor learns from its observations."""
         self._c.set_io_cost(np.asarray(cost, dtype=np.float64))
 
     def model(self, k: int) -> tuple[float, float]:
