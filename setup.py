@@ -24,6 +24,7 @@ import sys
 
 import numpy as np
 from setuptools import Extension, setup
+from setuptools.command.build_clib import build_clib
 from setuptools.command.build_ext import build_ext
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +37,19 @@ def rel(paths):
 sources = rel(glob.glob(os.path.join(here, "csrc", "**", "*.c"), recursive=True))
 # a header change recompiles every source (setuptools compares only .c times otherwise)
 headers = rel(glob.glob(os.path.join(here, "csrc", "**", "*.h"), recursive=True))
+
+
+def _binding(path):
+    """The CPython bindings (module.c, py_*.c, policy/py_*.c: they include Python.h)."""
+    name = os.path.basename(path)
+    return name == "module.c" or name.startswith("py_")
+
+
+# The pure-C core (no Python.h): slots, cache, store, policies, kernels, MoE layers, simulator,
+# speculation controllers.  Compiled once into the static library smoe_core (build_clib),
+# which specmoe._C and specmoe._cuda both link: no C source is compiled into two extensions.
+core_sources = [s for s in sources if not _binding(s)]
+binding_sources = [s for s in sources if _binding(s)]
 cflags = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread", "-D_GNU_SOURCE"]
 ldflags = ["-pthread"]
 if os.environ.get("SPECMOE_DEBUG") == "1":
@@ -50,11 +64,14 @@ if san:
     cflags += [f"-fsanitize={san}", "-g", "-fno-omit-frame-pointer"]
     ldflags += [f"-fsanitize={san}"]
 
+core_lib = ("smoe_core", {"sources": core_sources, "include_dirs": ["csrc"], "cflags": cflags,
+                         "depends": headers})
+
 ext_modules = [
     Extension(
         "specmoe._C",
-        sources=sources,
-        depends=headers,
+        sources=binding_sources,
+        depends=headers + core_sources,  # relinked when the core library changed
         include_dirs=[np.get_include(), "csrc"],
         extra_compile_args=cflags,
         extra_link_args=ldflags,
@@ -182,10 +199,38 @@ def _compile_in_parallel(compiler, jobs):
     compiler.compile = compile
 
 
+def _stale(target, deps):
+    """Whether ``target`` is missing or older than any of ``deps``."""
+    if not os.path.exists(target):
+        return True
+    t = os.path.getmtime(target)
+    return any(os.path.getmtime(d) > t for d in deps)
+
+
+class BuildClib(build_clib):
+    """build_clib that rebuilds a library only when one of its sources or headers is newer
+    (setuptools recompiles every source each time), compiling in parallel like BuildExt."""
+
+    def build_libraries(self, libraries):
+        jobs = int(os.environ.get("SPECMOE_JOBS") or os.cpu_count() or 1)
+        if jobs > 1:
+            _compile_in_parallel(self.compiler, jobs)
+        for name, info in libraries:
+            out = self.compiler.library_filename(name, output_dir=self.build_clib)
+            if self.force or _stale(out, list(info["sources"]) + list(info.get("depends", ()))):
+                super().build_libraries([(name, info)])
+
+
 class BuildExt(build_ext):
     """build_ext that compiles cuda/*.cu with nvcc into objects linked into specmoe._cuda
     (static CUDA runtime; cuBLAS dynamic, preloaded by specmoe.cuda before the import), and
     the C sources of each extension in parallel, one job per CPU (SPECMOE_JOBS=N sets it)."""
+
+    def run(self):
+        # `build` runs build_clib first, `build_ext --inplace` (make build, pip install -e)
+        # does not: the core library is built here either way (a no-op when up to date)
+        self.run_command("build_clib")
+        super().run()
 
     def build_extensions(self):
         jobs = int(os.environ.get("SPECMOE_JOBS") or os.cpu_count() or 1)
@@ -234,18 +279,13 @@ if plan is None:
     if "build_ext" in sys.argv or "develop" in sys.argv or "editable_wheel" in sys.argv:
         print(f"specmoe._cuda not built: {why}")
 else:
-    # The GPU module carries its own compiled copies of the C pieces it needs (the slot table
-    # of csrc/slots.c, store reads, policies, descriptor checks): one source, built into both
-    # extensions; nothing is shared with specmoe._C at run time.
-    shared_c = ["csrc/common.c", "csrc/slots.c", "csrc/store.c"] + rel(
-        glob.glob(os.path.join(here, "csrc", "kernels", "*.c"))) + rel(
-        [p for p in glob.glob(os.path.join(here, "csrc", "policy", "*.c"))
-         if not os.path.basename(p).startswith("py_")])  # the Python bridge is _C's alone
+    # The GPU module links the same core library as specmoe._C (the slot table, store reads,
+    # policies, descriptor checks): its own copy at run time, compiled once.
     cuda_c = rel(glob.glob(os.path.join(here, "cuda", "*.c")))
     cuda_ext = Extension(
         "specmoe._cuda",
-        sources=cuda_c + shared_c,
-        depends=headers + rel(glob.glob(os.path.join(here, "cuda", "*.h")))
+        sources=cuda_c,
+        depends=headers + core_sources + rel(glob.glob(os.path.join(here, "cuda", "*.h")))
         + plan["cu"],
         include_dirs=[np.get_include(), "csrc", "cuda"] + plan["inc"],
         library_dirs=plan["lib"],
@@ -256,4 +296,5 @@ else:
     cuda_ext.cuda_plan = plan
     ext_modules.append(cuda_ext)
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})
+setup(ext_modules=ext_modules, libraries=[core_lib],
+      cmdclass={"build_ext": BuildExt, "build_clib": BuildClib})
