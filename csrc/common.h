@@ -20,7 +20,9 @@ enum {
     SMOE_ECORRUPT = -4, /* truncated/damaged/foreign file, checksum mismatch -> StoreError */
     SMOE_ECACHE = -5,   /* cache cannot satisfy the request (all slots pinned, closed) -> CacheError */
     SMOE_EPOLICY = -6,  /* eviction policy failed (e.g. a Python policy raised) -> PolicyError */
-    SMOE_ESTATE = -7    /* object used in the wrong state (closed, released twice) -> CacheError */
+    SMOE_ESTATE = -7,   /* object used in the wrong state (closed, released twice) -> CacheError */
+    SMOE_EDEVICE = -8   /* a CUDA or cuBLAS call failed, or no GPU is usable -> specmoe.CudaError
+                           (raised by specmoe._cuda; the base SpecmoeError elsewhere) */
 };
 
 #define SMOE_ERR_MSG 512

@@ -1,6 +1,7 @@
 /* specmoe._C: module definition, exception types, error mapping.  The types and functions of
  * each area live in their own py_*.c file and are registered from here. */
 #include "py_common.h"
+#include "py_errors.h"
 
 #define NPY_NO_DEPRECATED_API NPY_1_20_API_VERSION
 #define PY_ARRAY_UNIQUE_SYMBOL smoe_ARRAY_API
@@ -12,19 +13,9 @@ PyObject *smoe_py_CacheError;
 PyObject *smoe_py_PolicyError;
 
 PyObject *smoe_py_raise(const smoe_err *err) {
-    PyObject *type;
-    switch (err->code) {
-    case SMOE_EINVAL: type = PyExc_ValueError; break;
-    case SMOE_ENOMEM: type = PyExc_MemoryError; break;
-    case SMOE_EIO:
-    case SMOE_ECORRUPT: type = smoe_py_StoreError; break;
-    case SMOE_EPOLICY: type = smoe_py_PolicyError; break;
-    case SMOE_ECACHE:
-    case SMOE_ESTATE: type = smoe_py_CacheError; break;
-    default: type = smoe_py_Error; break;
-    }
-    PyErr_SetString(type, err->msg[0] ? err->msg : "specmoe: unknown error");
-    return NULL;
+    const smoe_py_errors x = {smoe_py_Error, smoe_py_StoreError, smoe_py_CacheError,
+                              smoe_py_PolicyError, NULL};
+    return smoe_py_errors_raise(&x, err, "specmoe: unknown error");
 }
 
 static struct PyModuleDef smoe_module = {

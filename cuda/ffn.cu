@@ -270,12 +270,12 @@ __global__ void k_scatter(const float *y, const float *db, const int32_t *rows,
 /* ---- host side --------------------------------------------------------------------------- */
 
 static int cuda_fail(smoe_err *err, cudaError_t e, const char *what) {
-    return smoe_err_set(err, SMOE_ESTATE, "CUDA error in %s: %s (%s)", what,
+    return smoe_err_set(err, SMOE_EDEVICE, "CUDA error in %s: %s (%s)", what,
                         cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
 static int cublas_fail(smoe_err *err, cublasStatus_t s, const char *what) {
-    return smoe_err_set(err, SMOE_ESTATE, "cuBLAS error in %s: status %d", what, (int)s);
+    return smoe_err_set(err, SMOE_EDEVICE, "cuBLAS error in %s: status %d", what, (int)s);
 }
 
 extern "C" int smoe_gpu_device_count(int *n, smoe_err *err) {
@@ -283,7 +283,7 @@ extern "C" int smoe_gpu_device_count(int *n, smoe_err *err) {
     cudaError_t e = cudaGetDeviceCount(n);
     if (e != cudaSuccess) {
         *n = 0;
-        return smoe_err_set(err, SMOE_ESTATE, "no usable CUDA device: %s (%s)",
+        return smoe_err_set(err, SMOE_EDEVICE, "no usable CUDA device: %s (%s)",
                             cudaGetErrorName(e), cudaGetErrorString(e));
     }
     return 0;

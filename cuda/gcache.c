@@ -10,7 +10,7 @@
 /* ---- device operations (host emulation when c->device < 0) -------------------------------- */
 
 static int cu_fail(smoe_err *err, cudaError_t e, const char *what) {
-    return smoe_err_set(err, SMOE_ESTATE, "GPU cache: %s failed: %s (%s)", what,
+    return smoe_err_set(err, SMOE_EDEVICE, "GPU cache: %s failed: %s (%s)", what,
                         cudaGetErrorName(e), cudaGetErrorString(e));
 }
 

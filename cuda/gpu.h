@@ -22,7 +22,7 @@ extern "C" { /* the C core's headers have no guards of their own */
 
 /* ---- devices --------------------------------------------------------------------------- */
 
-/* Number of CUDA devices into *n.  No driver / no device: SMOE_ESTATE with the runtime's
+/* Number of CUDA devices into *n.  No driver / no device: SMOE_EDEVICE with the runtime's
  * reason (the caller turns it into a clear "no GPU" message). */
 int smoe_gpu_device_count(int *n, smoe_err *err);
 
@@ -66,7 +66,7 @@ enum {
  * x_stride floats), rows (T int32 row indices, or NULL for 0..T-1), scale (T f32, or NULL
  * for 1), out (f32, row stride out_stride).  d must pass smoe_ffn_desc_check and match the
  * context's H, I.  A row repeated in rows accumulates twice (one thread owns each out
- * element of a call, so that is race-free).  Launch errors come back as SMOE_ESTATE naming
+ * element of a call, so that is race-free).  Launch errors come back as SMOE_EDEVICE naming
  * the kernel. */
 int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, const uint8_t *block,
                          const float *x, size_t x_stride, const int32_t *rows,

@@ -18,24 +18,16 @@
 
 #include "gcache.h"
 #include "gpu.h"
+#include "py_errors.h"
 
 static PyObject *Err_Base, *Err_Store, *Err_Cache, *Err_Policy, *Err_Cuda; /* set at init */
 
+/* csrc/py_errors.h's mapping (the one specmoe._C uses), CUDA failures (SMOE_EDEVICE) to
+ * CudaError; it used to classify SMOE_ESTATE by searching the message for "CUDA" or "GPU",
+ * which also sent the GPU cache's state errors ("... in the GPU cache") to CudaError. */
 static PyObject *raise_err(const smoe_err *e) {
-    PyObject *type;
-    switch (e->code) {
-    case SMOE_EINVAL: type = PyExc_ValueError; break;
-    case SMOE_ENOMEM: type = PyExc_MemoryError; break;
-    case SMOE_EIO:
-    case SMOE_ECORRUPT: type = Err_Store; break;
-    case SMOE_EPOLICY: type = Err_Policy; break;
-    case SMOE_ECACHE: type = Err_Cache; break;
-    case SMOE_ESTATE: type = strstr(e->msg, "CUDA") || strstr(e->msg, "cuBLAS") ||
-                             strstr(e->msg, "GPU") ? Err_Cuda : Err_Cache; break;
-    default: type = Err_Base; break;
-    }
-    PyErr_SetString(type, e->msg[0] ? e->msg : "specmoe._cuda: unknown error");
-    return NULL;
+    const smoe_py_errors x = {Err_Base, Err_Store, Err_Cache, Err_Policy, Err_Cuda};
+    return smoe_py_errors_raise(&x, e, "specmoe._cuda: unknown error");
 }
 
 /* ---- descriptor dict (same keys as specmoe.kernels.FFNSpec.desc()) ------------------------- */
