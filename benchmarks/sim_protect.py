@@ -21,12 +21,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from specmoe import load_trace, simulate  # noqa: E402
+from specmoe.traces import shared_trace_dir  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--traces", default=str(HERE.parent.parent / "shared" / "traces" /
-                                            "deepseek-v2-lite-puffin"))
+    ap.add_argument("--traces", default=str(shared_trace_dir()))
     ap.add_argument("--passes", default="1,4", help="tokens per pass (K+1), comma-separated")
     ap.add_argument("--policies", default="lru,least_stale,spac")
     ap.add_argument("--capacities", default="5%,10%,25%")

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from .traces import shared_trace_dir
+
 # The kernel pool's largest thread count (csrc/kernels/pool.c, csrc/py_kernels.c).
 MAX_THREADS = 1024
 
@@ -22,17 +24,7 @@ class CliError(Exception):
     fault, is printed as ``specmoe: error: <message>``."""
 
 
-def _shared_traces() -> Path:
-    """../shared/traces/deepseek-v2-lite-puffin next to the checkout or the working directory."""
-    rel = Path("shared") / "traces" / "deepseek-v2-lite-puffin"
-    for base in (Path(__file__).resolve().parent.parent.parent, Path.cwd().parent,
-                 Path.cwd().parent.parent):
-        if (base / rel).is_dir():
-            return base / rel
-    return Path("..") / rel
-
-
-_SHARED_TRACES = _shared_traces()
+_SHARED_TRACES = shared_trace_dir()
 
 
 def _split(s: str) -> list[str]:

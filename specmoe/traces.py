@@ -42,7 +42,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["Trace", "TraceError", "load_puffin", "load_trace"]
+__all__ = ["Trace", "TraceError", "load_puffin", "load_trace", "shared_trace_dir"]
 
 FORMAT = "specmoe-trace"
 VERSION = 1
@@ -464,3 +464,16 @@ def load_trace(path: str | os.PathLike, **kw) -> Trace:
     if p.is_file() and p.suffix == ".npz":
         return Trace.load(p)
     return load_puffin(p, **kw)
+
+
+def shared_trace_dir() -> Path:
+    """The real DeepSeek-V2-Lite routing traces, ``shared/traces/deepseek-v2-lite-puffin``,
+    found beside the checkout or above the working directory (the command line's and the
+    benchmarks' default); the path beside the working directory when none exists (check
+    ``.is_dir()``)."""
+    rel = Path("shared") / "traces" / "deepseek-v2-lite-puffin"
+    for base in (Path(__file__).resolve().parent.parent.parent, Path.cwd().parent,
+                 Path.cwd().parent.parent):
+        if (base / rel).is_dir():
+            return base / rel
+    return Path("..") / rel
