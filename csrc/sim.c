@@ -21,7 +21,6 @@ typedef struct sim {
      * of the prefetch in flight is LOADING there, so no victim search takes it. */
     smoe_slots tab;
     int tab_ready;         /* tab initialised (sim_free frees it) */
-    uint64_t pass;         /* == tab.pass_id once the replay started */
     double now;
     double load_s;         /* link_latency_s + expert_bytes / link_bw */
     double expert_s;       /* expert_bytes / fast_bw */
@@ -149,7 +148,7 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
         return 0;
     }
     r->misses++;
-    if (s->tab.evicted_pass[key] == s->pass) r->collision_misses++;
+    if (s->tab.evicted_pass[key] == s->tab.pass_id) r->collision_misses++;
     slot = take_slot(s, key, 0, err);
     if (slot == -1 && s->inflight >= 0) { /* only the in-flight slot could go: wait for it */
         wait_inflight(s);
@@ -441,7 +440,7 @@ static int run_groups(sim *s, smoe_err *err) {
     int rc = 0;
     for (uint64_t t0 = 0; t0 < tr->num_tokens && rc == 0; t0 += g) {
         const uint64_t t1 = t0 + g < tr->num_tokens ? t0 + g : tr->num_tokens;
-        smoe_slots_set_pass(&s->tab, ++s->pass);
+        smoe_slots_set_pass(&s->tab, s->tab.pass_id + 1);
         if (feed) feed_counts(s, t0, t1);
         if (tr->protect && (rc = protect_rest(s, t0, t1, 0, err)) < 0) break;
         s->now += hw->token_fixed_s;
@@ -453,8 +452,8 @@ static int run_groups(sim *s, smoe_err *err) {
                 const int16_t *r = row(s, t, l);
                 for (uint32_t i = 0; i < K; i++) {
                     const uint32_t key = l * E + (uint32_t)r[i];
-                    if (s->seen[key] == s->pass) continue;
-                    s->seen[key] = s->pass;
+                    if (s->seen[key] == s->tab.pass_id) continue;
+                    s->seen[key] = s->tab.pass_id;
                     distinct++;
                     if ((rc = demand(s, (int32_t)key, err)) < 0) break;
                 }
@@ -664,8 +663,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     if (groups) rc = run_groups(&s, err);
     for (uint64_t t = 0; !groups && t < tr->num_tokens && rc == 0; t++) {
         if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
-        s.pass = t + 1;
-        smoe_slots_set_pass(&s.tab, s.pass);
+        smoe_slots_set_pass(&s.tab, t + 1);
         if (feed) feed_counts(&s, t, t + 1);
         s.now += hw->token_fixed_s;
         out->compute_s += hw->token_fixed_s;
