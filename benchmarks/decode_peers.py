@@ -451,7 +451,7 @@ def worker(spec_path: str) -> None:
         acc.hook(model.lm_head, "lm_head")
         c = dc = ab = None
         from layer_overhead import _Proxy, _timed
-        from specmoe.dense import CLinear
+        from specmoe.layers import CLinear
         clin = [m for m in model.modules() if isinstance(m, CLinear)]
         # decoder layers fused into one C call each (specmoe.attention): that call hands the
         # Engine's C layer object to C, so it is not proxied; the call reports its own split

@@ -1,4 +1,4 @@
-"""One dense linear layer: specmoe's C kernels (specmoe.dense.CLinear) vs torch's nn.Linear, by
+"""One dense linear layer: specmoe's C kernels (specmoe.layers.CLinear) vs torch's nn.Linear, by
 weight format and token count, and the kernels' read rate against the measured ceiling.
 
     python benchmarks/dense_linear.py --json [--shapes 2048x2048,50304x2048] [--tokens 1,4,16,32,64]
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from specmoe import kernels
-from specmoe.dense import CLinear
+from specmoe.layers import CLinear
 
 TORCH_DT = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16,
             "int4": torch.bfloat16}

@@ -16,7 +16,7 @@ hands everything else (prefill, training, attention sinks, soft-capping, other d
 dtypes) to the original function, so prefill and the cache stay transformers' own.
 
 :func:`fuse_attention` goes one step further for the Llama-family attention modules whose
-projections are specmoe's (:class:`specmoe.dense.CLinear`): at decode sizes the whole module
+projections are specmoe's (:class:`specmoe.layers.CLinear`): at decode sizes the whole module
 runs in two C calls around transformers' KV-cache update (``specmoe._C.AttnBlock``): the q/k/v
 projections, OLMoE's / Qwen3's q and k RMSNorms and the rotary embedding in one, attention and
 the output projection in the other -- instead of some thirty torch operations, each a few
@@ -35,11 +35,12 @@ from torch import nn
 
 from . import _C
 from .kernels import tensor_array
-from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, LLAMA_RMSNORMS
+from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS
+from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, fuse_qkv, norm_weight
 from .kvcache import kv_advance, kv_append, kv_buffers
-from .mla import _mask_bias, _mask_readable, decode_route, per_step_rope
+from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
-__all__ = ["ATTENTION_MAX_TOKENS", "CRMSNorm", "convert_norms", "fuse_attention",
+__all__ = ["ATTENTION_MAX_TOKENS", "convert_norms", "fuse_attention",
            "use_c_attention"]
 
 # Query tokens up to which the C kernel runs (decode and verification chunks); longer inputs
@@ -62,7 +63,7 @@ def _original(name: str, module: nn.Module) -> Any:
 def _bias_array(mask: torch.Tensor | None, T: int, S: int) -> np.ndarray | None:
     """transformers' mask as the C attention kernels take it: additive float32 [1 or B, T, S],
     or None when nothing is masked."""
-    bias = _mask_bias(mask, T, S, torch.float32)
+    bias = mask_bias(mask, T, S, torch.float32)
     return None if bias is None else bias.reshape(bias.shape[0], T, S).contiguous().numpy()
 
 
@@ -76,7 +77,7 @@ def _c_attention(orig_name: str) -> Any:
                 or query.device.type != "cpu" or key.dtype not in (torch.float32, torch.bfloat16)
                 or value.dtype != key.dtype or key.shape != value.shape
                 or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
-                or not _mask_readable(attention_mask, T)
+                or not mask_readable(attention_mask, T)
                 or (attention_mask is not None and attention_mask.shape[1] != 1)):
             return _original(orig_name, module)(module, query, key, value, attention_mask,
                                                 dropout=dropout, scaling=scaling, **kwargs)
@@ -151,64 +152,13 @@ def use_c_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> st
     return _OURS[impl]
 
 
-_BLOCK_DTYPES = (torch.float32, torch.bfloat16)
-# the Llama-form RMSNorm classes, and specmoe's own replacement of them
-_RMSNORMS = LLAMA_RMSNORMS + ("CRMSNorm",)
-# rows up to which CRMSNorm runs in C (one thread); longer inputs are prefill, torch's
-_NORM_MAX_ROWS = 64
-
-
-def _norm_weight(norm: nn.Module | None) -> np.ndarray | None:
-    """An RMSNorm of the Llama family's form as its f32 weights, or None when ``norm`` is not
-    one."""
-    if norm is None or type(norm).__name__ not in _RMSNORMS \
-            or not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
-        return None
-    return np.ascontiguousarray(norm.weight.detach().float().numpy())
-
-
-class CRMSNorm(nn.Module):
-    """A Llama-form RMSNorm whose decode-sized calls run in C (``specmoe._C.rms_norm``, one
-    call instead of seven torch operations; a bf16 model's roundings as torch makes them).
-    ``inner`` is the original module: it serves training, other devices and dtypes, and inputs
-    of more than ``_NORM_MAX_ROWS`` rows; ``weight`` and ``variance_epsilon`` are its."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        w = _norm_weight(norm)
-        if w is None:
-            raise TypeError("CRMSNorm replaces a Llama-form RMSNorm "
-                            f"({', '.join(LLAMA_RMSNORMS)}), "
-                            f"got {type(norm).__name__}")
-        self.inner = norm
-        self._w = w
-        self.variance_epsilon = float(norm.variance_epsilon)
-        self.train(norm.training)  # an eval-mode model stays in eval mode (C path on)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[-1]
-        dt = self.inner.weight.dtype
-        if (self.training or x.device.type != "cpu" or x.dtype != dt or n != self._w.shape[0]
-                or dt not in _BLOCK_DTYPES or x.numel() > _NORM_MAX_ROWS * n):
-            return self.inner(x)
-        xf = x.reshape(-1, n).contiguous()
-        out = torch.empty_like(xf)
-        _C.rms_norm(tensor_array(xf), self._w, self.variance_epsilon, tensor_array(out),
-                    dt == torch.bfloat16)
-        return out.reshape(x.shape)
-
-
 def convert_norms(model: nn.Module) -> list[str]:
     """Replace every Llama-form RMSNorm module of ``model`` by a :class:`CRMSNorm` (the final
     norm, MLA's latent norm, and the layer norms of decoder layers that are not fused);
     returns their qualified names.  Idempotent."""
     done = []
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, CRMSNorm) or _norm_weight(mod) is None or not name:
+        if isinstance(mod, CRMSNorm) or norm_weight(mod) is None or not name:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -225,7 +175,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
 
     A module is fusable when its class is one of the Llama-family forms listed in
     ``specmoe.arch.FUSABLE_ATTENTION``, it runs the C attention (:func:`use_c_attention`),
-    its four projections are :class:`specmoe.dense.CLinear`, its q/k norms (if the form has
+    its four projections are :class:`specmoe.layers.CLinear`, its q/k norms (if the form has
     them) are plain RMSNorms, nothing clips q/k/v, and the model's weights are f32 or bf16.
     Everything the block does not cover at call time -- more than ``ATTENTION_MAX_TOKENS``
     tokens, a batch of several rows, another device or dtype, a mask or argument the C
@@ -237,7 +187,6 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     KV cache is transformers' ``DynamicCache``, a decode step of the layer is one C call
     (``_C.AttnBlock.layer``: the block, the new positions written into the cache's buffers
     (:func:`specmoe.kvcache.kv_buffers`), the MoE block, the residual adds).  Idempotent."""
-    from .dense import CLinear
     if ctx is None:
         from .kernels import context
         ctx = context()
@@ -253,7 +202,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
                                                                 for p in projs):
             continue
         dt = projs[0].out_dtype
-        if dt not in _BLOCK_DTYPES or getattr(m.config, "clip_qkv", None) is not None:
+        if dt not in BLOCK_DTYPES or getattr(m.config, "clip_qkv", None) is not None:
             continue
         cfg = m.config
         D = int(m.head_dim)
@@ -261,12 +210,12 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
         kw: dict[str, Any] = {"norm": form}
         if form != "none":
-            qn = _norm_weight(getattr(m, "q_norm", None))
-            kn = _norm_weight(getattr(m, "k_norm", None))
+            qn = norm_weight(getattr(m, "q_norm", None))
+            kn = norm_weight(getattr(m, "k_norm", None))
             if qn is None or kn is None or m.q_norm.variance_epsilon != m.k_norm.variance_epsilon:
                 continue
             kw.update(q_norm=qn, k_norm=kn, eps=float(m.q_norm.variance_epsilon))
-        kw["qkv"] = _fuse_qkv(projs[:3], ctx)
+        kw["qkv"] = fuse_qkv(projs[:3], ctx)
         try:
             blk = _C.AttnBlock(ctx, *(p._c for p in projs), H, Hkv, D,
                                bf16=dt == torch.bfloat16, max_tokens=ATTENTION_MAX_TOKENS, **kw)
@@ -282,7 +231,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
                 or getattr(attn, "_specmoe_block", None) is None \
                 or getattr(layer, "_specmoe_norms", None) is not None:
             continue
-        ln = [_norm_weight(getattr(layer, n, None))
+        ln = [norm_weight(getattr(layer, n, None))
               for n in ("input_layernorm", "post_attention_layernorm")]
         if ln[0] is None or ln[1] is None:
             continue
@@ -292,44 +241,6 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         layer._specmoe_chain = chain_call
         layer._specmoe_chain_rope = chain_rope
     return done
-
-
-def _fuse_qkv(projs: list[Any], ctx: _C.KernelContext) -> _C.Linear | None:
-    """One ``_C.Linear`` over the q, k and v projections' rows together, for int8/int4
-    projections (None otherwise): one call streams the three matrices (an int4 2048x2048
-    projection ran at ~14 GB/s alone, the three together at ~18.5; bf16 gained nothing).  The
-    three CLinears are rebuilt over the joint block (their rows and scales at offsets in it),
-    so the weights are held once.  Rows are quantized independently (int8 per row, int4 per
-    row group), so the rows of the joint matrix are exactly the three's."""
-    if any(p.dtype not in ("int8", "int4") for p in projs) \
-            or len({(p.dtype, p._desc.get("group"), p.in_features) for p in projs}) != 1:
-        return None
-    K = projs[0].in_features
-    rb = K if projs[0].dtype == "int8" else K // 2        # weight bytes per row
-    sb = 4 * (1 if projs[0].dtype == "int8" else K // projs[0]._desc["group"])  # scale bytes
-    Ns = [p.out_features for p in projs]
-    N = sum(Ns)
-    s_off = -(-N * rb // 64) * 64
-    block = np.zeros(s_off + N * sb, np.uint8)
-    row = 0
-    for p, n in zip(projs, Ns):
-        w0, s0 = p._desc["weight"], p._desc["weight_scale"]
-        block[row * rb:(row + n) * rb] = p._block[w0:w0 + n * rb]
-        block[s_off + row * sb:s_off + (row + n) * sb] = p._block[s0:s0 + n * sb]
-        row += n
-    biases = [p._bias for p in projs]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = np.concatenate([b if b is not None else np.zeros(n, np.float32)
-                               for b, n in zip(biases, Ns)])
-    row = 0
-    for p, n in zip(projs, Ns):                 # each projection now reads the joint block
-        p._desc = dict(p._desc, weight=row * rb, weight_scale=s_off + row * sb)
-        p._block = block
-        p._c = _C.Linear(ctx, p._desc, block, p._bias)
-        row += n
-    desc = dict(projs[0]._desc, N=N, weight=0, weight_scale=s_off)
-    return _C.Linear(ctx, desc, block, bias)
 
 
 def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
@@ -396,10 +307,10 @@ def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
     T = x.shape[1]
     return not (x.shape[0] != 1 or T > ATTENTION_MAX_TOKENS or x.dtype != dt
                 or x.device.type != "cpu" or module.training or pe is None
-                or pe[0].shape[-1] != D or pe[0].dtype not in _BLOCK_DTYPES
+                or pe[0].shape[-1] != D or pe[0].dtype not in BLOCK_DTYPES
                 or pe[1].dtype != pe[0].dtype
                 or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
-                or not _mask_readable(attention_mask, T)
+                or not mask_readable(attention_mask, T)
                 or (attention_mask is not None and attention_mask.shape[1] != 1))
 
 

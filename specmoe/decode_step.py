@@ -1,7 +1,7 @@
 """A one-token decode forward without transformers' model-level Python around the layers.
 
 Once a decoder layer's decode step is one C call (:mod:`specmoe.attention`,
-:mod:`specmoe.mla`) and ``lm_head`` is a :class:`specmoe.dense.CLinear`, most of what is left of
+:mod:`specmoe.mla`) and ``lm_head`` is a :class:`specmoe.layers.CLinear`, most of what is left of
 a step's time outside C is the model's own forward around the layers: the output-capturing and
 config-merging decorators, ``create_causal_mask``, the output dataclasses, ``ModuleList``
 slicing.  py-spy on OLMoE shapes (int4, 1 thread, ``model.generate``): 20% of a step outside
@@ -49,7 +49,7 @@ from transformers.cache_utils import DynamicCache
 
 from . import _C
 from .arch import DECODE_STEP_MODELS
-from .attention import CRMSNorm
+from .layers import CRMSNorm
 from .kernels import tensor_array
 from .kvcache import kv_advance, kv_views
 

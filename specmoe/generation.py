@@ -238,7 +238,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     if batch_ids is None and (ids.dim() != 1 or ids.numel() == 0):
         raise ValueError(f"input_ids must be a non-empty [B, n] or [n] tensor, got shape "
                          f"{tuple(torch.as_tensor(input_ids).shape)}")
-    head = model.get_output_embeddings()   # an nn.Linear, or specmoe.dense.CLinear (no weight)
+    head = model.get_output_embeddings()   # an nn.Linear, or specmoe.layers.CLinear (no weight)
     vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
     prompt = [int(t) for t in ids.tolist()]
     if min(prompt) < 0 or max(prompt) >= vocab:

@@ -45,7 +45,8 @@ from .arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedM
                    describe, expert_module, extract_expert, extract_experts, getpath,
                    iter_experts_modules, moe_block, moe_layers)
 from .conversion import store_settings, write_experts
-from .dense import resolve_dense, silu_mlp_parts
+from .dense import resolve_dense
+from .layers import silu_mlp_parts
 from .expert_copy import ExpertCopy
 from .lookahead import LookaheadBuffer
 from .recording import TraceRecording, _Recorder

@@ -46,6 +46,7 @@ from torch import nn
 from . import _C
 from .kernels import tensor_array
 from .kvcache import kv_advance, kv_append, kv_buffers
+from .layers import CLinear, fuse_qkv, int4_group, norm_weight, silu_mlp_parts
 from .quant import quantize_int4, quantize_int8
 
 __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_attention"]
@@ -114,8 +115,7 @@ class _Absorbed:
                                            tensor_array(self._uv, True), mod.qk_rope_head_dim,
                                            float(mod.scaling))
             return
-        from .dense import _int4_group
-        group = _int4_group(r) if fmt == "int4" else None
+        group = int4_group(r) if fmt == "int4" else None
         if fmt == "int4" and group is None:
             raise ValueError(f"int4 absorbed MLA weights need kv_lora_rank ({r}) divisible by "
                              "32")
@@ -205,14 +205,14 @@ def _rope(mod: nn.Module, q: torch.Tensor, k: torch.Tensor,
     return ns.apply_rotary_pos_emb(q, k, cos, sin)
 
 
-def _mask_readable(mask: Any, T: int) -> bool:
+def mask_readable(mask: Any, T: int) -> bool:
     """Whether this path reads ``mask``: None, or a 4-D boolean or additive tensor with T
     query rows (a flex-attention BlockMask and the like go to the module's own forward)."""
     return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4
                             and mask.shape[-2] == T)
 
 
-def _mask_bias(mask: torch.Tensor | None, T: int, S: int,
+def mask_bias(mask: torch.Tensor | None, T: int, S: int,
                dtype: torch.dtype) -> torch.Tensor | None:
     """The additive mask [B or 1, 1, T, S] for scores; None when nothing is masked."""
     if mask is None:
@@ -232,7 +232,7 @@ def _mask_bias(mask: torch.Tensor | None, T: int, S: int,
 
 def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any,
                       attention_mask: torch.Tensor | None, past_key_values: Any) -> torch.Tensor:
-    """One MLA attention in the absorbed form (the mask already checked by _mask_readable)."""
+    """One MLA attention in the absorbed form (the mask already checked by mask_readable)."""
     B, T = hidden_states.shape[:2]
     H = mod.num_heads
     dn, dr, dv, r = mod.qk_nope_head_dim, mod.qk_rope_head_dim, mod.v_head_dim, mod.kv_lora_rank
@@ -250,7 +250,7 @@ def _absorbed_forward(mod: nn.Module, hidden_states: torch.Tensor, position_embe
     if past_key_values is not None:   # the latent as keys, the rotary key as values
         c, k_pe = kv_append(past_key_values, mod.layer_idx, c, k_pe, {})
     S = c.shape[2]
-    bias = _mask_bias(attention_mask, T, S, torch.float32)
+    bias = mask_bias(attention_mask, T, S, torch.float32)
     ab = _absorbed(mod)
     o = None
     if ab.kernel is not None and c.device.type == "cpu":
@@ -326,7 +326,7 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
 
     kernel: ``"c"`` (the C kernel on ``ctx``, default the process's
     :func:`specmoe.kernels.context`, where the tensors allow it) or ``"torch"``.  weights:
-    ``"int8"`` / ``"int4"`` (kv_b_proj's rows quantized as :class:`specmoe.dense.CLinear`
+    ``"int8"`` / ``"int4"`` (kv_b_proj's rows quantized as :class:`specmoe.layers.CLinear`
     quantizes them, so that kv_b_proj itself can then be converted for prefill) or None (as
     kv_b_proj is: its float dtype, or, once it is int8/int4, the weights absorbed before).
     Idempotent; a second call changes the settings (the precision only while kv_b_proj is
@@ -376,7 +376,7 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
             hs = a["hidden_states"]
             if (not _mod.training and hs.dim() == 3 and hs.shape[1] <= _mod._specmoe_mla_max
                     and a.get("position_embeddings") is not None
-                    and _mask_readable(a.get("attention_mask"), hs.shape[1])):
+                    and mask_readable(a.get("attention_mask"), hs.shape[1])):
                 with torch.no_grad():
                     return _absorbed_forward(_mod, hs, a["position_embeddings"],
                                              a.get("attention_mask"), _cache_of(a)), None
@@ -399,7 +399,7 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
     A layer qualifies when its class is in ``specmoe.arch.FUSABLE_MLA_LAYERS``, its attention
     is absorbed with the C kernel (:func:`absorb_mla`), its projections (``q_proj`` or
     ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa``, ``o_proj``) are
-    :class:`specmoe.dense.CLinear`, its norms plain RMSNorms, and the model's dtype f32 or
+    :class:`specmoe.layers.CLinear`, its norms plain RMSNorms, and the model's dtype f32 or
     bf16.  A decode step of such a layer (batch 1, at most ``max_tokens`` tokens, transformers'
     ``DynamicCache``; DeepSeek-V2's complex rotary frequencies, or DeepSeek-V3's (cos, sin) in
     its interleaved or rotate-half form) is then one C call: the input
@@ -412,8 +412,6 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
     step by step, so a bf16 layer's output is bit for bit that path's.  Everything else goes to
     the layer's own forward.  Idempotent."""
     from .arch import FUSABLE_MLA_LAYERS
-    from .attention import _norm_weight
-    from .dense import CLinear, silu_mlp_parts
     if ctx is None:
         from .kernels import context
         ctx = context()
@@ -430,11 +428,11 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
         names = (("q_a_proj", "q_b_proj") if attn.q_lora_rank is not None else ("q_proj",)) \
             + ("kv_a_proj_with_mqa", "o_proj")
         projs = [getattr(attn, n, None) for n in names]
-        ln = [_norm_weight(getattr(layer, n, None))
+        ln = [norm_weight(getattr(layer, n, None))
               for n in ("input_layernorm", "post_attention_layernorm")]
         norms = [attn.kv_a_layernorm] + ([attn.q_a_layernorm] if attn.q_lora_rank else [])
         if not all(isinstance(p, CLinear) for p in projs) or ln[0] is None or ln[1] is None \
-                or any(_norm_weight(n) is None for n in norms) \
+                or any(norm_weight(n) is None for n in norms) \
                 or projs[0].out_dtype not in (torch.float32, torch.bfloat16) \
                 or getattr(attn, "_specmoe_mla_ctx", None) is not ctx or rope is None:
             continue
@@ -467,21 +465,20 @@ def _mla_block(layer: nn.Module) -> Any:
         return cur[0]
     if ab.kernel is None:
         return None
-    from .attention import _fuse_qkv, _norm_weight
     projs, ctx, dt, rope = layer._specmoe_mlab_parts
     kw: dict[str, Any] = {}
     if attn.q_lora_rank is not None:
         q_a, q_b, kv_a, o = projs
-        kw.update(q_a=q_a._c, q_a_norm=_norm_weight(attn.q_a_layernorm),
+        kw.update(q_a=q_a._c, q_a_norm=norm_weight(attn.q_a_layernorm),
                   q_a_eps=float(attn.q_a_layernorm.variance_epsilon))
         first = [q_a, kv_a]
     else:
         q_b, kv_a, o = projs
         first = [q_b, kv_a]
-    joint = _fuse_qkv(first, ctx)    # int8/int4: the two matrices read as one
+    joint = fuse_qkv(first, ctx)    # int8/int4: the two matrices read as one
     if joint is not None:
         kw["joint"] = joint
-    blk = _C.MLABlock(ctx, ab.kernel, q_b._c, kv_a._c, o._c, _norm_weight(attn.kv_a_layernorm),
+    blk = _C.MLABlock(ctx, ab.kernel, q_b._c, kv_a._c, o._c, norm_weight(attn.kv_a_layernorm),
                       float(attn.kv_a_layernorm.variance_epsilon), bf16=dt == torch.bfloat16,
                       max_tokens=attn._specmoe_mla_max, rope=rope, **kw)
     if layer._specmoe_dense is not None:
@@ -591,7 +588,7 @@ def _mla_args(layer: nn.Module, x: torch.Tensor, pe: Any, rope: str, dr: int,
     _, _, _, ca, ka, S = bufs
     T, hidden = x.shape[1], x.shape[2]
     freqs = per_step_rope(pe, T, dr, lambda: _rope_array(pe, rope, T, dr))
-    bias = _mask_bias(attention_mask, T, S + T, torch.float32)
+    bias = mask_bias(attention_mask, T, S + T, torch.float32)
     if bias is not None:
         bias = bias.reshape(1, T, S + T).contiguous().numpy()
     return (tensor_array(x.reshape(T, hidden).contiguous()), freqs, ca, ka, S, bias,
@@ -638,7 +635,7 @@ def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
     return (not layer.training and x.dim() == 3 and x.shape[0] == 1
             and 1 <= T <= attn._specmoe_mla_max and x.dtype == dt and x.device.type == "cpu"
             and _rope_ok(pe, rope, T, attn.qk_rope_head_dim)
-            and _mask_readable(attention_mask, T)
+            and mask_readable(attention_mask, T)
             and (attention_mask is None or attention_mask.shape[:2] == (1, 1)))
 
 

@@ -15,7 +15,8 @@ from transformers import DynamicCache
 
 from specmoe import _C
 from specmoe.attention import ATTENTION_MAX_TOKENS, fuse_attention
-from specmoe.dense import CLinear, convert_dense
+from specmoe.dense import convert_dense
+from specmoe.layers import CLinear
 from specmoe.testing import tiny_model
 
 from .attn_helpers import layer_outputs
@@ -283,7 +284,7 @@ def test_joint_qkv_rows_are_the_three_projections(fmt):
     """The q|k|v Linear the block runs for int8/int4 projections: its output is the three
     projections' outputs side by side, and the three CLinears rebuilt over its block give
     the same bits as before."""
-    from specmoe.attention import _fuse_qkv
+    from specmoe.layers import fuse_qkv
     ctx = _C.KernelContext(1)
     g = torch.Generator().manual_seed(7)
     lins = []
@@ -295,7 +296,7 @@ def test_joint_qkv_rows_are_the_three_projections(fmt):
         lins.append(CLinear(li, fmt, ctx))
     x = torch.randn(3, 128, generator=g)
     before = [c(x) for c in lins]
-    qkv = _fuse_qkv(lins, ctx)
+    qkv = fuse_qkv(lins, ctx)
     assert qkv is not None and qkv.shape == (128, 128)
     assert lins[0]._block is lins[2]._block                      # one joint block
     for c, want in zip(lins, before):
@@ -303,7 +304,7 @@ def test_joint_qkv_rows_are_the_three_projections(fmt):
     out = np.zeros((3, 128), np.float32)
     qkv.forward(x.numpy(), out)
     np.testing.assert_array_equal(out, torch.cat(before, 1).numpy())
-    assert _fuse_qkv([CLinear(torch.nn.Linear(128, 8), "bf16", ctx)] * 3, ctx) is None
+    assert fuse_qkv([CLinear(torch.nn.Linear(128, 8), "bf16", ctx)] * 3, ctx) is None
 
 
 def _decode_with_crop(mdl, ids, prefill, upto, crop, chunk, end=None):
@@ -388,7 +389,8 @@ def test_crmsnorm_against_the_module_it_replaces(dt):
     """CRMSNorm (the final norm, MLA's latent norm, unfused layers' norms): a bf16 model's
     RMSNorm bit for bit, f32 to rounding; training, long inputs and other dtypes go to the
     original module; convert_norms is idempotent and leaves other norm forms alone."""
-    from specmoe.attention import CRMSNorm, convert_norms
+    from specmoe.attention import convert_norms
+    from specmoe.layers import CRMSNorm
     m = tiny_model("deepseek_v2", dtype=dt)
     norm = m.model.norm
     g = torch.Generator().manual_seed(3)

@@ -13,7 +13,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from specmoe import _C, hf
-from specmoe.dense import DENSE_DTYPES, CLinear, convert_dense, resolve_dense
+from specmoe.dense import convert_dense, resolve_dense
+from specmoe.layers import DENSE_DTYPES, CLinear
 from specmoe.kernels import context
 from specmoe.quant import (bf16_to_f32, dequantize_int4, dequantize_int8, f32_to_bf16,
                            quantize_int4, quantize_int8)
@@ -211,7 +212,7 @@ def test_replacements_keep_the_models_eval_mode():
     """Every module offload puts in (CLinear, CRMSNorm, the experts' placeholder) takes the mode
     of the module it replaces: an eval-mode model needs no second eval() for its decode steps
     to take the C paths (a CRMSNorm left in training mode ran torch's norm at every step)."""
-    from specmoe.attention import CRMSNorm
+    from specmoe.layers import CRMSNorm
     m = tiny_model("deepseek_v2", dtype=torch.bfloat16)
     eng = hf.offload(m, dtype="bf16", dense="bf16")
     try:
@@ -281,7 +282,7 @@ def test_quantized_dense_perplexity(dtype):
 def test_weights_in_a_file_mapping_are_read_from_a_copy(dtype, tmp_path):
     """A checkpoint's mmap (as safetensors loads it) is read slower than memory of the layer's
     own: such an f32/bf16 weight is copied, equal; one in ordinary memory stays shared."""
-    from specmoe.dense import _file_mapped
+    from specmoe.layers import _file_mapped
     tdt = torch.float32 if dtype == "f32" else torch.bfloat16
     src = torch.randn(48, 64).to(tdt)
     f = tmp_path / "w.bin"

@@ -511,7 +511,7 @@ def test_stream_prefetch_never_changes_results(shape, dtype):
     import torch
     from torch import nn
 
-    from specmoe.dense import CLinear
+    from specmoe.layers import CLinear
 
     c = _C.KernelContext(1)
     _isa(c, "avx512")

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specmoe import hf
-from specmoe.dense import CLinear, convert_dense
+from specmoe.dense import convert_dense
+from specmoe.layers import CLinear
 from specmoe.mla import MLA_MAX_TOKENS, absorb_mla, is_mla_attention
 from specmoe.testing import tiny_config, tiny_model
 
