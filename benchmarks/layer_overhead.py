@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specmoe  # noqa: E402
 from specmoe import hf  # noqa: E402
+from specmoe.experts import SpecmoeExperts  # noqa: E402
 
 
 def _timed(fn, acc):
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         prompt = tok("def read_config(path):\n", return_tensors="pt").input_ids
     eng = hf.offload(model, cache=0.25, dtype="f32")
     calls = {"t": 0.0, "n": 0}
-    orig = hf.SpecmoeExperts.forward
+    orig = SpecmoeExperts.forward
 
     def timed_forward(self, *args):
         t0 = time.perf_counter()
@@ -102,13 +103,13 @@ def main(argv=None) -> int:
         else:  # builds before the per-layer C object: the C call is _forward_c
             eng._forward_c = _timed(eng._forward_c, c)
         calls.update(t=0.0, n=0)
-        hf.SpecmoeExperts.forward = timed_forward
+        SpecmoeExperts.forward = timed_forward
         try:
             with torch.no_grad():
                 model.generate(prompt, max_new_tokens=a.tokens, min_new_tokens=a.tokens,
                                do_sample=False)
         finally:
-            hf.SpecmoeExperts.forward = orig
+            SpecmoeExperts.forward = orig
             if isinstance(getattr(eng, "_layers", None), _Proxy):
                 eng._layers = eng._layers.inner
             else:

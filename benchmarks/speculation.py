@@ -43,7 +43,7 @@ controllers capped at k; ``--throttle GBPS,LATENCY_US`` makes every expert load 
 the overlap should matter) the controllers ``static`` K=1,2,3,
 ``heuristic``, ``cascade`` and ``speq``.  Static rows really run K (no gamma-tolerance
 pruning); adaptive rows get tau(g) = T(1)/T(g) of the target, measured once at the start
-(``specmoe.generation.target_tau``, reported as ``tau``; the mtp rows get tau(g(k+1)), the
+(``specmoe.tau.target_tau``, reported as ``tau``; the mtp rows get tau(g(k+1)), the
 cost of g anchors with their masks, :meth:`specmoe.mtp.MtpDrafter.tau`).
 
 Method (the machines are shared and noisy, so every comparison is paired in time):
@@ -105,7 +105,8 @@ import specmoe  # noqa: E402
 from specmoe import controllers as spec, zoo  # noqa: E402
 from specmoe.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
 from specmoe.mtp import MtpAdapter, MtpDrafter  # noqa: E402
-from specmoe.generation import generate, target_tau  # noqa: E402
+from specmoe.generation import generate  # noqa: E402
+from specmoe.tau import target_tau  # noqa: E402
 
 import corpus  # noqa: E402  (training/corpus.py: the held-out split rule and stdlib walk)
 
@@ -319,7 +320,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
     its ratio over nospec at the same B (median over repeats, rows rotated per repeat),
     acceptance per draft position, experts loaded per token, K=0 steps (speculation switched
     off) and whether each sequence's output equals nospec's."""
-    from specmoe.generation import measure_tau_grid
+    from specmoe.tau import measure_tau_grid
     sizes = sorted({int(b) for b in a.batch.split(",") if b.strip()})
     pool = [p for pair in zip(prompts["code"], prompts["prose"]) for p in pair]
     tau_grid = measure_tau_grid(model, warm, sizes, g_max=tau_g_max(drafters), engine=eng,
@@ -350,7 +351,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
                 r = rows[i]
                 eng.set_cache(a.cache)
                 eng.reset_stats()
-                eng._tau.update({bb: dict(t) for bb, t in tau_grid.items()})
+                eng.tau.update({bb: dict(t) for bb, t in tau_grid.items()})
                 dr: Any = make_drafter(r["drafter"], eng, draft_model)
                 ctl = make_controller(r["controller"], r["k"], dr) if dr is not None else None
                 tau_arg: Any = None if r["controller"] == "static" else {

@@ -131,7 +131,7 @@ def _hardware(names: str) -> list:
     """The profiles named by ``--hardware`` (comma-separated), resolved once, before any
     trace work: a bad name or profile file ends the command with its reason."""
     from .cuda import CudaUnavailable  # (the module only: the extension loads on first use)
-    from .hardware import get_hardware
+    from .calibration import get_hardware
 
     try:
         return _options("--hardware", names, get_hardware)
@@ -277,7 +277,7 @@ def _cmd_run(args) -> int:
 
     import torch
 
-    from .hf import engine_of
+    from .experts import engine_of
     from .pretrained import from_pretrained
 
     if args.threads is not None:

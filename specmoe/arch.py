@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .experts import SpecmoeExperts  # an offloaded layer keeps its place
+
 __all__ = [
     "SUPPORTED",
     "UNSUPPORTED",
@@ -148,7 +150,6 @@ def decoder(model: nn.Module) -> nn.Module:
 
 
 def _is_fused_experts(m: nn.Module | None) -> bool:
-    from .hf import SpecmoeExperts  # an offloaded layer keeps its place
     if m is None:
         return False
     if isinstance(m, SpecmoeExperts):
@@ -274,7 +275,6 @@ def extract_expert(experts: nn.Module, e: int, gptoss: bool) -> dict[str, np.nda
 
 def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.ndarray]:
     """One MoE layer's routed experts as canonical float32 arrays [E, ...]."""
-    from .hf import SpecmoeExperts
     if isinstance(experts, SpecmoeExperts):
         raise ValueError("these experts are already offloaded")
     per = [extract_expert(experts, e, gptoss) for e in range(experts.gate_up_proj.shape[0])]

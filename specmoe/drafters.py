@@ -13,7 +13,6 @@ protocol); the model drafters also return their distributions and routing throug
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Union
 
 import numpy as np
@@ -21,13 +20,12 @@ import torch
 from torch import nn
 
 from . import _C
-from .controllers.base import _check_int
-from .expert_copy import ExpertCopy  # noqa: F401  (its old home; the Engine owns it)
+from .controllers.base import check_int
 from .mtp import MtpDrafter
+from .decoding import Draft, crop_kv, forward_tokens, new_kv
 from .sampling import Sampling
 
-__all__ = ["Drafter", "NgramDrafter", "Draft", "DraftModel", "SelfDraft", "ExpertCopy",
-           "recurrent_layer_types"]
+__all__ = ["Drafter", "NgramDrafter", "DraftModel", "SelfDraft", "propose"]
 
 
 class Drafter(Protocol):
@@ -59,7 +57,7 @@ class NgramDrafter:
     """
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
-        self._g = _C.NgramDrafter(_check_int("max_n", max_n, 1), _check_int("min_n", min_n, 1))
+        self._g = _C.NgramDrafter(check_int("max_n", max_n, 1), check_int("min_n", min_n, 1))
         self._n = (int(max_n), int(min_n))
 
     def clone(self) -> "NgramDrafter":
@@ -84,7 +82,7 @@ class NgramDrafter:
         Raises:
             ValueError: negative k, bad token ids, or an empty history.
         """
-        k = _check_int("k", k, 0)
+        k = check_int("k", k, 0)
         return list(self._g.propose(None if history is None else _tokens(history), k))
 
     def append(self, tokens: Union[Iterable[int], np.ndarray]) -> None:
@@ -94,80 +92,6 @@ class NgramDrafter:
     def reset(self) -> None:
         """Forget the history."""
         self._g.reset()
-
-
-@dataclass
-class Draft:
-    """What a drafter proposes for one iteration.
-
-    tokens: the draft token ids (may be fewer than asked, or none).
-    probs: float32 [len(tokens), V] distributions the tokens were sampled from, or None for a
-        deterministic proposal (n-gram lookup, greedy drafting).
-    routing: for a drafter that runs the target's routers (:class:`SelfDraft`): MoE layer
-        position -> activation counts [E] over the verification inputs the draft routed.
-    """
-
-    tokens: List[int]
-    probs: Optional[torch.Tensor] = None
-    routing: Optional[Dict[int, np.ndarray]] = None
-
-
-def cache_kwargs(model: nn.Module, kv: Any) -> Dict[str, Any]:
-    """The keyword that hands ``kv`` to ``model``'s forward: ``cache`` from transformers 5.24
-    (``past_key_values`` is deprecated there, to go in 5.40), ``past_key_values`` before."""
-    fwd = type(model).forward
-    name = _CACHE_KW.get(fwd)
-    if name is None:
-        import inspect
-        name = "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
-        _CACHE_KW[fwd] = name
-    return {name: kv}
-
-
-_CACHE_KW: Dict[Any, str] = {}  # forward function -> its cache keyword
-
-
-def input_device(model: nn.Module) -> torch.device:
-    """Where ``model`` takes its input ids (its input embeddings' device: a model on the GPU
-    tier takes them on the GPU)."""
-    emb = model.get_input_embeddings()
-    w = getattr(emb, "weight", None)
-    return w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
-
-
-def _forward(model: nn.Module, ids: Sequence[int], kv: Any) -> torch.Tensor:
-    """Logits [n, V] of ``ids`` after the cache ``kv``, on the CPU (the decoding loop reads
-    them as numpy)."""
-    x = torch.tensor([list(ids)], dtype=torch.long, device=input_device(model))
-    with torch.no_grad():
-        out = model(input_ids=x, use_cache=True, **cache_kwargs(model, kv))
-    return out.logits[0].cpu()
-
-
-def recurrent_layer_types(config: Any) -> List[str]:
-    """The layer kinds of ``config`` whose cache holds a recurrent state (linear attention,
-    Mamba, short convolutions) rather than per-position keys and values: such a cache cannot
-    be cropped back to an accepted prefix."""
-    kinds = list(getattr(config, "layer_types", None) or [])
-    try:
-        kinds += list(getattr(config, "layers_block_type", None) or [])
-    except (AttributeError, TypeError, ValueError):
-        pass
-    return sorted({str(k) for k in kinds
-                   if any(r in str(k) for r in ("linear", "conv", "mamba"))})
-
-
-def _new_kv(model: nn.Module) -> Any:
-    from transformers import DynamicCache
-    return DynamicCache(config=model.config)
-
-
-def _crop(kv: Any, keep: int) -> None:
-    """Drop KV entries beyond the first ``keep`` positions (transformers 5 crops by a negative
-    count of positions to remove)."""
-    n = kv.get_seq_length()
-    if keep < n:
-        kv.crop(keep - n)
 
 
 class DraftModel:
@@ -206,7 +130,7 @@ class DraftModel:
         self._seen = h[:-1]
 
     def _run(self, ids: Sequence[int]) -> torch.Tensor:
-        return _forward(self.model, ids, self._kv)
+        return forward_tokens(self.model, ids, self._kv)
 
     def _sync(self, h: List[int]) -> int:
         """Crop the cache to the longest prefix it shares with history ``h`` (never the last
@@ -216,9 +140,9 @@ class DraftModel:
         while n < lim and self._seen[n] == h[n]:
             n += 1
         if self._kv is None or n == 0:
-            self._kv, n = _new_kv(self.model), 0
+            self._kv, n = new_kv(self.model), 0
         else:
-            _crop(self._kv, n)
+            crop_kv(self._kv, n)
         return n
 
     def draft(self, history: Sequence[int], k: int, sampling: Optional[Sampling] = None,
@@ -281,8 +205,7 @@ class SelfDraft(DraftModel):
 
     def __init__(self, engine: Any, dtype: str = "int4", *, overlap: bool = False,
                  share_kv: bool = True) -> None:
-        from .hf import Engine
-        if not isinstance(engine, Engine):
+        if not callable(getattr(engine, "enable_self_draft", None)):
             raise TypeError("SelfDraft needs the specmoe Engine of an offloaded model "
                             "(specmoe.offload(...))")
         super().__init__(engine.model)
@@ -324,7 +247,7 @@ class SelfDraft(DraftModel):
 
     def _run(self, ids: Sequence[int]) -> torch.Tensor:
         with self.engine.drafting(prefetch=self._prefetch) as rec:
-            out = _forward(self.model, ids, self._kv)
+            out = forward_tokens(self.model, ids, self._kv)
         self._rec.append(rec)
         return out
 
@@ -337,7 +260,7 @@ class SelfDraft(DraftModel):
         finally:
             self._prefetch = False
             if self._shared is not None:  # the draft's positions go; verification rewrites
-                _crop(self._shared, self._n0)
+                crop_kv(self._shared, self._n0)
                 self._kv, self._seen = None, []
 
     def _routing(self, fed_first: int, k: int) -> Optional[Dict[int, np.ndarray]]:
@@ -351,7 +274,7 @@ class SelfDraft(DraftModel):
         return counts
 
 
-def _draft(drafter: Any, history: List[int], k: int, sampling: Optional[Sampling],
+def propose(drafter: Any, history: List[int], k: int, sampling: Optional[Sampling],
            gen: Optional[torch.Generator], vocab: int, prefetch: bool = False) -> Draft:
     if k <= 0:
         return Draft([])

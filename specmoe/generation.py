@@ -19,131 +19,28 @@ run through :mod:`specmoe.generation_batch`.
 from __future__ import annotations
 
 import time
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch import nn
 
-from .controllers import Controller, StaticK, measure_tau
+from .controllers import Controller, StaticK
+from .decoding import GenerateOutput, crop_kv, forward_tokens, new_kv, recurrent_layer_types
 from .dense import decode_session
-from .drafters import (DraftModel, NgramDrafter, SelfDraft, _crop, _draft, _forward, _new_kv,
-                       cache_kwargs, input_device, recurrent_layer_types)
+from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
+from .experts import find_engine
+from .generation_batch import check_left_padded, run_batch
 from .mtp import MtpDrafter
 from .sampling import Sampling
+from .tau import measure_tau_grid, target_tau, tau_for_batch
 from .verify import accept
 
-__all__ = ["Sampling", "GenerateOutput", "generate", "find_engine", "measure_tau_grid",
-           "target_tau"]
+__all__ = ["generate"]
 
 
 # ---------------------------------------------------------------------------------------------
 # the loop
-
-
-@dataclass
-class GenerateOutput:
-    """Result of :func:`generate`.
-
-    sequences: [1, prompt + new] token ids (like ``model.generate``).
-    stats: ``new_tokens``, ``iterations``, ``time_s``, ``tok_per_s``, ``proposed``, ``accepted``,
-        ``acceptance`` (accepted / proposed), ``etr`` (tokens per iteration), ``k_mean``,
-        ``experts_loaded`` and ``experts_loaded_per_token`` (offloaded models),
-        ``stall_s``, ``lookahead_precision`` / ``lookahead_recall`` (draft-driven prefetch) and
-        their counts ``lookahead_predicted`` (experts predicted, summed over layers and
-        passes), ``lookahead_used`` (experts the verifications used) and ``lookahead_hits``.
-    iterations: one dict per iteration: ``k_planned``, ``k`` (drafts verified), ``accepted``,
-        ``emitted``, ``t_iter``, ``t_end`` (its ``time.perf_counter()`` at the end: the time
-        between two ends spans every step in between), ``t_draft``, ``experts_loaded``.
-    """
-
-    sequences: torch.Tensor
-    stats: Dict[str, Any] = field(default_factory=dict)
-    iterations: List[Dict[str, Any]] = field(default_factory=list)
-
-
-def find_engine(model: nn.Module) -> Any:
-    """The :class:`specmoe.hf.Engine` that offloaded ``model``, or None."""
-    from .hf import engine_of
-    try:
-        return engine_of(model)
-    except ValueError:
-        return None
-
-
-# model -> batch size -> tau(g), for models without an engine
-_TAU: "weakref.WeakKeyDictionary[nn.Module, Dict[int, Dict[int, float]]]" = \
-    weakref.WeakKeyDictionary()
-
-
-def measure_tau_grid(model: nn.Module, prompt: Sequence[int],
-                     batch_sizes: Sequence[int] = (1, 4, 16), g_max: int = 9,
-                     engine: Any = None, repeats: int = 5,
-                     progress: bool = False) -> Dict[int, Dict[int, float]]:
-    """tau(g, B) over g = 1..g_max and the given batch sizes: {B: {g: tau}}, each row by
-    :func:`target_tau` (the offloaded forward as it runs, expert loads included; kept on the
-    engine, so :func:`generate` at those batch sizes reuses them).  tau falls with B (the
-    gamma-tolerance paper, Fig. 1 left): which K can pay depends on the batch."""
-    if engine is None:
-        engine = find_engine(model)
-    bs = sorted({int(b) for b in batch_sizes})
-    if not bs or bs[0] < 1:
-        raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
-    if isinstance(g_max, bool) or not isinstance(g_max, int) or g_max < 1:
-        raise ValueError(f"g_max must be an int >= 1, got {g_max!r}")
-    if not len(prompt):
-        raise ValueError("measure_tau_grid: empty prompt")
-    it: Any = bs
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(bs, desc="tau(g, B)", unit="batch")
-    return {b: target_tau(model, prompt, g_max, engine, repeats, batch=b) for b in it}
-
-
-def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any = None,
-               repeats: int = 5, batch: int = 1, progress: bool = False) -> Dict[int, float]:
-    """tau(g) = T(1)/T(g) of the target forward over g = 1..g_max tokens per sequence at batch
-    size ``batch`` (T(g): one forward of [batch, g] tokens), measured once per model and batch
-    size (kept on its engine, or in a per-model table) on a scratch KV cache prefilled with
-    the end of ``prompt`` (each row a different rotation of it, so the rows route to different
-    experts), T(g) the fastest of ``repeats`` interleaved calls.  Expert loads count: this is
-    the forward as it runs, cache misses included (gamma-tolerance paper, section 3.1)."""
-    batch = int(batch)
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    if engine is not None:
-        table: Dict[int, float] = engine._tau.setdefault(batch, {})
-    else:
-        table = _TAU.setdefault(model, {}).setdefault(batch, {})  # type: ignore[assignment]
-    if table and max(table) >= g_max:
-        return {g: t for g, t in table.items() if g <= g_max}
-    kv = _new_kv(model)
-    base = list(prompt)[-64:]
-    rows = [base[(b * 5) % len(base):] + base[:(b * 5) % len(base)] for b in range(batch)]
-    with torch.no_grad():
-        model(input_ids=torch.tensor(rows, dtype=torch.long, device=input_device(model)),
-              use_cache=True, **cache_kwargs(model, kv))
-    n = kv.get_seq_length()
-    calls = [0]
-
-    def fwd(g: int) -> None:
-        # a different window of the prompt each call, so cache misses happen as in decoding
-        calls[0] += 1
-        toks = [[base[(calls[0] * 7 + b * 3 + i) % len(base)] for i in range(g)]
-                for b in range(batch)]
-        with torch.no_grad():
-            model(input_ids=torch.tensor(toks, dtype=torch.long, device=input_device(model)),
-                  use_cache=True, **cache_kwargs(model, kv))
-        _crop(kv, n)
-
-    table.clear()  # measured up to g = 9 at least: K up to 8 needs no second measurement
-    # the fastest of the repeats: tau bounds the best case, and on shared cores other
-    # processes only ever slow a forward down (a median can prune every K on a busy machine)
-    table.update(measure_tau(fwd, range(1, max(g_max, 9) + 1), repeats=repeats, warmup=1,
-                             stat="min", progress=progress))
-    return {g: t for g, t in table.items() if g <= g_max}
 
 
 @decode_session
@@ -226,7 +123,6 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                              f"{tuple(ids.shape)}")
         if mask.dtype.is_floating_point:
             raise TypeError(f"attention_mask must hold integers 0/1, got {mask.dtype}")
-        from .generation_batch import check_left_padded
         check_left_padded(ids, mask)
         if ids.shape[0] == 1:
             ids = ids[0][mask[0] == 1]  # batch size 1: the single-sequence loop
@@ -293,7 +189,6 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                                    None)
         if pad_token_id is None:
             pad_token_id = min(eos) if eos else 0
-        from .generation_batch import run_batch
         return run_batch(model, batch_ids, batch_mask, drafter, controller, max_new_tokens,
                          sampling, eos, gen, tau if prune else None, engine, lookahead,
                          progress, int(pad_token_id), vocab)
@@ -305,7 +200,6 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         # asked for and runs as given (pass a tau mapping to prune it anyway)
         if not isinstance(tau, str) and tau and all(isinstance(v, Mapping)
                                                     for v in tau.values()):
-            from .generation_batch import tau_for_batch  # {batch size: tau table}
             tau = tau_for_batch({int(b): v for b, v in tau.items()}, 1)
         g_max = controller.k_max + 1
         if isinstance(tau, str) and mtp is not None:  # drafts and masks ride the verification
@@ -318,9 +212,9 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         controller.begin_request()  # Cascade's state is per request (controller.h)
 
     t_start = time.perf_counter()
-    kv = _new_kv(model)
+    kv = new_kv(model)
     if len(prompt) > 1:
-        _forward(model, prompt[:-1], kv)  # the last prompt token is the first pending one
+        forward_tokens(model, prompt[:-1], kv)  # the last prompt token is the first pending one
     bound = isinstance(drafter, SelfDraft) and drafter.share_kv
     if bound:
         drafter.bind_kv(kv)  # MoE-SpeQ: the self-draft writes on the target's cache
@@ -347,7 +241,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             k = min(k_plan, left - 1)  # the target always adds one token of its own
             t0 = time.perf_counter()
             l0, s0 = engine.loads() if engine is not None else (0, 0.0)
-            d = _draft(drafter, seq, k, sampling, gen, vocab,
+            d = propose(drafter, seq, k, sampling, gen, vocab,
                        prefetch=lookahead and engine is not None)
             t_draft = time.perf_counter() - t0
             kd = len(d.tokens)
@@ -366,7 +260,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                     logits = mtp.verify(kv, len(seq) - 1, [seq[-1]] + d.tokens,
                                         mtp.k if k_plan > 0 else 0)
                 else:
-                    logits = _forward(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
+                    logits = forward_tokens(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
                 if sampling is None:
                     p = logits.float().contiguous().numpy()
                     u = None
@@ -378,7 +272,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                 # greedy: rows of logits, only their argmax matters (no per-token softmax)
                 n_acc, nxt = accept(p, np.asarray(d.tokens, np.int64), q, u,
                                     check=u is not None)
-            _crop(kv, len(seq) + n_acc)  # keep the pending token and the accepted drafts
+            crop_kv(kv, len(seq) + n_acc)  # keep the pending token and the accepted drafts
             new = d.tokens[:n_acc] + [int(nxt)]
             for j, t in enumerate(new):
                 if t in eos:

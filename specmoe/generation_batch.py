@@ -42,7 +42,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .drafters import cache_kwargs
+from .controllers import StaticK
+from .decoding import GenerateOutput, cache_kwargs, new_kv
+from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
+from .mtp import MtpDrafter, mtp_layout, next_drafts
+from .tau import target_tau, tau_for_batch
+from .verify import accept
 
 __all__ = ["BatchKV", "per_position_acceptance"]
 
@@ -54,9 +59,8 @@ class BatchKV:
     (the position id of its next token)."""
 
     def __init__(self, model: nn.Module, batch: int) -> None:
-        from .drafters import _new_kv
         self.model = model
-        self.kv = _new_kv(model)
+        self.kv = new_kv(model)
         self.mask = torch.zeros((batch, 0), dtype=torch.long)
         self.npos: List[int] = [0] * batch
         self.compactions = 0
@@ -120,7 +124,6 @@ class BatchKV:
         forward (:meth:`specmoe.mtp.MtpAdapter.forward_mtp`).  Past holes and the padding
         anchors of shorter rows are hidden from every query; the masks' KV columns are cropped
         before returning.  Returns (anchor logits [B, A, V], mask logits [B, A, m, V])."""
-        from .mtp import mtp_layout
         if len(rows) != self.batch:
             raise ValueError(f"BatchKV.forward_mtp: {len(rows)} rows for a batch of "
                              f"{self.batch}")
@@ -230,7 +233,6 @@ class BatchDraftModel:
 
     def _run(self, rows: List[List[int]], rec_rows: List[Tuple[List[int], int]],
              routing: Optional[Dict[int, np.ndarray]]) -> torch.Tensor:
-        from .drafters import SelfDraft
         d = self.drafter
         if not isinstance(d, SelfDraft):
             return self.state.forward(rows)
@@ -251,7 +253,6 @@ class BatchDraftModel:
               gen: Optional[torch.Generator]) -> Tuple[List[List[int]], List[Optional[torch.Tensor]],
                                                       Optional[Dict[int, np.ndarray]]]:
         """(drafts per row, their distributions per row or None, union routing or None)."""
-        from .drafters import SelfDraft
         K = max(ks) if ks else 0
         B = len(hists)
         if K <= 0:
@@ -328,26 +329,11 @@ def check_left_padded(ids: torch.Tensor, mask: torch.Tensor) -> None:
                          "batched generate")
 
 
-def tau_for_batch(tables: Mapping[int, Mapping[int, float]], batch: int) -> Mapping[int, float]:
-    """The tau table measured at the smallest batch size >= ``batch`` (tau falls with the
-    batch size, so this errs on the side of pruning), else the largest measured."""
-    bs = sorted(tables)
-    for b in bs:
-        if b >= batch:
-            return tables[b]
-    return tables[bs[-1]]
-
-
 def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: Any,
               controller: Any, max_new_tokens: int, sampling: Any, eos: set,
               gen: torch.Generator, tau: Any, engine: Any, lookahead: bool, progress: bool,
               pad_token_id: int, vocab: int) -> Any:
     """The batched loop of :func:`specmoe.generate` (arguments already checked there)."""
-    from .controllers import StaticK
-    from .drafters import DraftModel, NgramDrafter, SelfDraft, _draft
-    from .mtp import MtpDrafter, next_drafts
-    from .generation import GenerateOutput, target_tau
-    from .verify import accept
     B, n = ids.shape
     prompts = [ids[b][mask[b] == 1].tolist() for b in range(B)]
     mtp = drafter if isinstance(drafter, MtpDrafter) else None
@@ -429,7 +415,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             else:
                 drafts = []
                 for i, r in enumerate(active):
-                    d = _draft(ngrams[r] if ngrams is not None else drafter, seqs[r], ks[i],
+                    d = propose(ngrams[r] if ngrams is not None else drafter, seqs[r], ks[i],
                                None, gen, vocab)
                     drafts.append(d.tokens)
             for i, d in enumerate(drafts):  # the same checks as batch size 1

@@ -42,7 +42,9 @@ import torch
 from torch import nn
 
 from .arch import describe, getpath, moe_block
-from .hf import EngineCommon
+from .engine_base import EngineCommon, TauTables
+
+from .experts import SpecmoeExperts
 
 __all__ = ["GpuEngine", "cuda_device", "check_gpu_options", "resolve_device"]
 
@@ -126,7 +128,6 @@ class GpuEngine(EngineCommon):
         :class:`specmoe.cuda.BalanceProfile` gives them, False copies every miss (needs
         ``mode="host"``; :meth:`set_balance` switches it later)."""
         from . import cuda
-        from .hf import SpecmoeExperts
         from .kernels import FFNSpec
         from .store import ExpertStore
 
@@ -163,7 +164,7 @@ class GpuEngine(EngineCommon):
         self._closed = False
         # [_lock] one layer call at a time (one compute stream), close() waits for it
         self._lock = threading.Lock()
-        self._tau: dict[int, dict[int, float]] = {}  # batch size -> tau(g), specmoe.generate
+        self.tau = TauTables()  # tau(g) per batch size, measured by specmoe.generate
         # [_lock] the predictor's last prediction (layer position, expert ids) and counters
         self._predicted: tuple[int, np.ndarray] | None = None
         self._counters = dict.fromkeys(("tokens", "passes", "predicted", "true_positive",

@@ -38,15 +38,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-import numpy as np
-
-__all__ = ["Hardware", "ModelCost", "PROFILES", "get_hardware", "calibrate", "load_profile",
+__all__ = ["Hardware", "ModelCost", "PROFILES", "load_profile", "link_fit", "sim_timing",
            "DEEPSEEK_V2_LITE"]
 
 _RATES = ("fast_bw", "link_bw", "flops")  # > 0
@@ -168,30 +164,6 @@ PROFILES: dict[str, Hardware] = {
 PROFILES["a100"] = PROFILES["a100-pcie4"]
 
 
-def get_hardware(hw: "str | Hardware") -> Hardware:
-    """A profile by name (``a100-pcie4``, ``rtx4090``, ``laptop``, ``h200``; ``calibrate``
-    measures this machine's CPU tier, ``calibrate-gpu`` its GPU tier on device 0), a
-    ``.json`` file :meth:`Hardware.save` wrote, or as given."""
-    if isinstance(hw, Hardware):
-        return hw
-    if not isinstance(hw, str):
-        raise TypeError(f"hardware must be a profile name or a Hardware, got {type(hw).__name__}")
-    if hw == "calibrate":
-        return calibrate()
-    if hw == "calibrate-gpu":
-        from . import cuda
-
-        return cuda.calibrate()
-    if hw.endswith(".json"):
-        return load_profile(hw)
-    try:
-        return PROFILES[hw]
-    except KeyError:
-        raise ValueError(f"unknown hardware profile {hw!r}; known: "
-                         f"{', '.join(sorted(PROFILES))}, calibrate, calibrate-gpu, or a "
-                         f"profile .json file") from None
-
-
 def load_profile(path: "str | os.PathLike[str]") -> Hardware:
     """The profile :meth:`Hardware.save` wrote at ``path`` (ValueError naming the file and
     what is wrong with it otherwise)."""
@@ -212,59 +184,6 @@ def load_profile(path: "str | os.PathLike[str]") -> Hardware:
         raise ValueError(f"the hardware profile {os.fspath(path)!r}: {e}") from None
 
 
-_CALIBRATED: Hardware | None = None
-
-
-def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = False,
-              directory: str | None = None, expert_shape: tuple[int, int] = (2048, 1408)
-              ) -> Hardware:
-    """Measure a profile on this machine with the real kernels and store (cached for the
-    process; ``refresh`` re-measures).  Takes about a second.
-
-    ``fast_bw``: bytes of one bf16 expert of ``expert_shape`` = (hidden H, intermediate I)
-    (default DeepSeek-V2-Lite's) divided by the time of one batch-1 call of the C expert
-    kernel (:func:`specmoe.kernels.ffn`, best of 10): the decode step the time model charges.
-    ``flops``: the same kernel on 64 tokens.  ``link_bw`` / ``link_latency_s``: a specmoe store
-    of ``blocks`` blocks of ``block_bytes`` is written in ``directory`` (default: the temp dir)
-    and read back block by block through :class:`specmoe.ExpertStore` with O_DIRECT (where
-    the filesystem allows it; the file is also dropped from the page cache), CRC checks on: the
-    path a cache miss takes.  The latency is the intercept of the line through the read times
-    of ``block_bytes`` and 4 KiB blocks.
-    """
-    global _CALIBRATED
-    if _CALIBRATED is not None and not refresh:
-        return _CALIBRATED
-    from . import kernels, quant
-
-    H, I = expert_shape
-    rng = np.random.default_rng(0)
-    g = rng.standard_normal((I, H), dtype=np.float32) * 0.02
-    d = rng.standard_normal((H, I), dtype=np.float32) * 0.02
-    block, entries = kernels.pack_block(quant.expert_tensors(g, g, d, "bf16"))
-    spec = kernels.FFNSpec.from_store_schema(entries, block_bytes=block.nbytes)
-
-    def best(x: np.ndarray, reps: int) -> float:
-        kernels.ffn(block, x, spec=spec)
-        t = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            kernels.ffn(block, x, spec=spec)
-            t = min(t, time.perf_counter() - t0)
-        return t
-
-    fast_bw = spec.weight_bytes / best(rng.standard_normal((1, H), dtype=np.float32), 10)
-    flops = 2 * 3 * H * I * 64 / best(rng.standard_normal((64, H), dtype=np.float32), 3)
-
-    link_bw, latency = link_fit(4096, _store_read_time(4096, blocks, directory),
-                                block_bytes, _store_read_time(block_bytes, blocks, directory))
-    _CALIBRATED = Hardware(name="calibrate", fast_bw=fast_bw, link_bw=link_bw,
-                           link_latency_s=latency, flops=flops,
-                           description=f"measured on this machine by specmoe.hardware.calibrate "
-                                       f"(bf16 expert kernel, {kernels.isa()}, "
-                                       f"{kernels.num_threads()} threads; ExpertStore reads)")
-    return _CALIBRATED
-
-
 def link_fit(small_bytes: int, t_small: float, big_bytes: int, t_big: float
              ) -> tuple[float, float]:
     """``(link_bw, link_latency_s)`` of the line through two load times: the rate is the slope's
@@ -272,30 +191,6 @@ def link_fit(small_bytes: int, t_small: float, big_bytes: int, t_big: float
     noisy pair never gives an infinite rate)."""
     per_byte = max((t_big - t_small) / (big_bytes - small_bytes), 1e-15)
     return 1.0 / per_byte, max(t_small - small_bytes * per_byte, 0.0)
-
-
-def _store_read_time(nbytes: int, blocks: int, directory: str | None) -> float:
-    """Mean seconds per block read of a fresh store with ``blocks`` blocks of ``nbytes``."""
-    from .store import ExpertStore, aligned_empty, write_store
-
-    tmp = tempfile.mkdtemp(prefix="specmoe-calib-", dir=directory)
-    path = os.path.join(tmp, "calib.smoe")
-    try:
-        layer = {"w": np.frombuffer(os.urandom(nbytes * blocks), np.uint8).reshape(blocks, nbytes)}
-        write_store(path, [layer], progress=False).close()
-        with open(path, "rb") as f:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        with ExpertStore(path, direct=True) as st:
-            out = aligned_empty(st.block_bytes)
-            t0 = time.perf_counter()
-            for e in range(blocks):
-                st.read_block(0, e, out)
-            return (time.perf_counter() - t0) / blocks
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-        os.rmdir(tmp)
 
 
 def sim_timing(hw: Hardware, model: ModelCost) -> dict:

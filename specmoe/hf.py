@@ -47,7 +47,10 @@ from .arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedM
 from .conversion import store_settings, write_experts
 from .dense import resolve_dense
 from .layers import silu_mlp_parts
+from .engine_base import EngineCommon, TauTables
+
 from .expert_copy import ExpertCopy
+from .experts import SpecmoeExperts, engine_of
 from .lookahead import LookaheadBuffer
 from .recording import TraceRecording, _Recorder
 from .policies import COUNT_POLICIES, UTILITY_POLICIES
@@ -67,8 +70,6 @@ __all__ = [
     "iter_experts_modules",
     "moe_layers",
     "offload",
-    "tiny_config",
-    "tiny_model",
 ]
 
 DTYPES = ("f32", "bf16", "int8", "int4", "int2")
@@ -110,38 +111,8 @@ def _check_dtype(dtype: str) -> None:
         raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
 
 
-def __getattr__(name: str):  # the tiny test models live in specmoe.testing
-    if name in ("tiny_config", "tiny_model"):
-        from . import testing
-        return getattr(testing, name)
-    raise AttributeError(f"module 'specmoe.hf' has no attribute {name!r}")
-
-
 # ---------------------------------------------------------------------------------------------
 # the replacement experts module
-
-
-class SpecmoeExperts(nn.Module):
-    """Drop-in replacement of a transformers experts module; holds no expert weights."""
-
-    def __init__(self, engine: "Engine | None", position: int, num_experts: int, hidden: int):
-        super().__init__()
-        self._engine = engine  # None while the store is being written
-        self.position = position
-        self.num_experts = num_experts
-        self.hidden_dim = hidden
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self._engine is None:
-            raise RuntimeError("these experts were offloaded but no specmoe Engine serves them "
-                               "(the conversion failed): reload the model")
-        return self._engine._layer_forward(self.position, hidden_states, top_k_index,
-                                           top_k_weights)
-
-    def extra_repr(self) -> str:
-        return f"position={self.position}, num_experts={self.num_experts}, offloaded"
-
 
 
 class _LayerCallSlot:
@@ -178,44 +149,6 @@ class _LayerCallSlot:
             e._inflight -= 1
             if not e._inflight:
                 e._cv.notify_all()
-
-
-class EngineCommon:
-    """What the CPU :class:`Engine` and the GPU tier's
-    :class:`specmoe.gpu_engine.GpuEngine` share: both keep ``model`` and a cache ``_cache``
-    (``stats()``, ``slot_bytes``; None once closed) over a store file (``_store``, deleted on
-    close when ``_own_store``)."""
-
-    model: nn.Module | None
-    _cache: Any
-    _store: Any
-    _store_path: str | None
-    _own_store: bool
-
-    def _close_storage(self) -> None:
-        """Close the cache and the store; delete the store file when it was a temporary one."""
-        if self._cache is not None:
-            self._cache.close()
-            self._cache = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        if self._own_store and self._store_path and os.path.exists(self._store_path):
-            os.unlink(self._store_path)
-            self._own_store = False
-
-    def loads(self) -> tuple[int, float]:
-        """(experts loaded from the store, seconds stalled on loads) since the last reset."""
-        if self._cache is None:
-            return 0, 0.0
-        c = self._cache.stats()
-        return int(c.get("bytes_read", 0)) // max(1, self._cache.slot_bytes), float(
-            c.get("stall_s", 0.0))
-
-    def generate(self, input_ids: Any, **kw: Any) -> Any:
-        """:func:`specmoe.generate` on this engine's model (same arguments)."""
-        from .generation import generate
-        return generate(self.model, input_ids, engine=self, **kw)
 
 
 class Engine(EngineCommon):
@@ -314,7 +247,7 @@ class Engine(EngineCommon):
         self._draft_queued = 0  # experts queued by draft steps since the last reset
         # draft-driven lookahead: the next pass's predicted experts and their accounting
         self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
-        self._tau: dict[int, dict[int, float]] = {}  # batch size -> tau(g), see generate()
+        self.tau = TauTables()  # tau(g) per batch size, measured by specmoe.generate
         # per MoE layer routed in C with a routing scale and a shared FFN: (scale, its (gate,
         # up, down) _C.Linear, the most tokens it runs in C or None), applied to every
         # _C.Layers built (_configure_layers)
@@ -786,7 +719,7 @@ class Engine(EngineCommon):
             except BaseException:
                 self.policy = old
                 raise
-            self._tau.clear()  # tau includes expert loads, which depend on the cache
+            self.tau.clear()  # tau includes expert loads, which depend on the cache
 
     @contextlib.contextmanager
     def draft_tokens(self, flags: Any) -> Iterator[None]:
@@ -1035,11 +968,3 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
         raise
 
 
-def engine_of(model: nn.Module) -> Engine | GpuEngine:
-    """The engine serving ``model``'s experts: an :class:`Engine`, or a
-    :class:`specmoe.gpu_engine.GpuEngine` on the GPU tier (ValueError if specmoe does not)."""
-    for m in model.modules():
-        if isinstance(m, SpecmoeExperts) and m._engine is not None:
-            return m._engine
-    raise ValueError(f"{type(model).__name__} is not served by specmoe (use "
-                     "specmoe.from_pretrained or specmoe.offload)")

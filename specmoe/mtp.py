@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from .decoding import Draft, cache_kwargs, crop_kv
 from .sampling import Sampling
 
 __all__ = ["MtpConfig", "MtpAdapter", "GatedLoRA", "MtpDrafter", "mtp_layout", "next_drafts",
@@ -346,10 +347,9 @@ class MtpAdapter(nn.Module):
         else:
             x = emb
         self.gate.index = torch.arange(A, A + A * m) if m else None
-        from .drafters import cache_kwargs
         engine = None
         if m and not fetch_masks:
-            from .generation import find_engine
+            from .experts import find_engine
             engine = find_engine(model)
         drafts = contextlib.nullcontext()
         if engine is not None:
@@ -466,7 +466,6 @@ class MtpDrafter:
 
     def draft(self, history: Sequence[int], k: int, sampling: Optional[Sampling] = None,
               generator: Optional[torch.Generator] = None) -> Any:
-        from .drafters import Draft
         h = list(history)
         if k <= 0 or not h or self._for != (len(h), int(h[-1])) or not self._drafts:
             return Draft([])
@@ -478,12 +477,11 @@ class MtpDrafter:
         """The target's logits [len(anchors), V] for the anchors (bit-identical to a plain
         forward over the same positions with the same masks absent from their view), with
         ``n_masks`` masks after each; the masks' KV entries are cropped before returning."""
-        from .drafters import _crop
         a = torch.tensor([list(anchors)], dtype=torch.long)
         with torch.no_grad():
             lg, ml = self.adapter.forward_mtp(self.model, a, n_masks, past=past, kv=kv,
                                               fetch_masks=self.fetch_masks)
-        _crop(kv, past + len(anchors))
+        crop_kv(kv, past + len(anchors))
         self._mask_logits = ml[0] if n_masks else None
         return lg[0]
 

@@ -329,7 +329,7 @@ def _load_dense(plan: _Plan) -> None:
     """Load every non-expert tensor of the checkpoint into the skeleton, in the skeleton's
     dtypes, then tie weights; a parameter left on the meta device is an error."""
     from .arch import moe_block
-    from .hf import SpecmoeExperts
+    from .experts import SpecmoeExperts
     model = plan.model
     for pos, i in enumerate(plan.layer_ids):  # drop the meta expert parameters first
         moe_block(model, plan.info, i).experts = SpecmoeExperts(None, pos, plan.num_experts,

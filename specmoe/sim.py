@@ -20,7 +20,8 @@ from typing import Any, Callable, Union
 import numpy as np
 
 from . import _C
-from .hardware import Hardware, ModelCost, get_hardware, sim_timing
+from .calibration import get_hardware
+from .hardware import Hardware, ModelCost, sim_timing
 from .traces import Trace
 
 __all__ = ["Predictor", "SimResult", "simulate", "parse_capacity", "parse_policy",

@@ -15,7 +15,8 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .hardware import Hardware, ModelCost, get_hardware
+from .calibration import get_hardware
+from .hardware import Hardware, ModelCost
 from .sim import Predictor, simulate
 from .traces import Trace
 

@@ -20,6 +20,7 @@ import pytest
 
 import specmoe
 from specmoe import kernels, quant
+from specmoe.experts import SpecmoeExperts
 from specmoe.store import ExpertStore, write_store
 
 cuda = pytest.importorskip("specmoe.cuda")
@@ -452,7 +453,7 @@ def _tiny(arch, dtype=None):
 
 def _is_offloaded(model):
     from specmoe import hf
-    return any(isinstance(m, hf.SpecmoeExperts) for m in model.modules())
+    return any(isinstance(m, SpecmoeExperts) for m in model.modules())
 
 
 def test_cuda_device_names():
@@ -762,12 +763,12 @@ def test_offload_cuda_balanced_greedy_equal_to_unmodified():
 # ---------- the simulator's profile of the GPU tier ----------
 
 def test_calibrate_gpu_bad_input_and_no_gpu(capsys):
-    from specmoe.hardware import get_hardware
+    from specmoe.calibration import calibrate_gpu, get_hardware
 
     with pytest.raises(ValueError, match="experts >= 3"):
-        cuda.calibrate(experts=2)
+        calibrate_gpu(experts=2)
     with pytest.raises(ValueError, match="top_k <= experts"):
-        cuda.calibrate(experts=4, top_k=5)
+        calibrate_gpu(experts=4, top_k=5)
     if _GPU_WHY:
         from specmoe.__main__ import main
 
@@ -790,10 +791,11 @@ def test_calibrate_gpu_profile_against_torch_copies(tmp_path):
 
     from specmoe import sim
     from specmoe.traces import Trace
-    from specmoe.hardware import DEEPSEEK_V2_LITE, get_hardware, sim_timing
+    from specmoe.calibration import calibrate_gpu, get_hardware
+    from specmoe.hardware import DEEPSEEK_V2_LITE, sim_timing
 
     H, I = 2048, 1408
-    prof = cuda.calibrate(0, expert_shape=(H, I), experts=4, top_k=2, repeats=1, refresh=True,
+    prof = calibrate_gpu(0, expert_shape=(H, I), experts=4, top_k=2, repeats=1, refresh=True,
                           directory=str(tmp_path))
     assert get_hardware("calibrate-gpu") is prof  # cached for the process
     assert list(tmp_path.iterdir()) == []  # its stores removed

@@ -15,11 +15,12 @@ import torch
 torch.set_num_threads(1)
 
 import specmoe  # noqa: E402
+import specmoe.arch  # noqa: E402
 from specmoe import zoo  # noqa: E402
 from specmoe.drafters import DraftModel, SelfDraft  # noqa: E402
 from specmoe.generation import generate  # noqa: E402
-from specmoe.hf import tiny_model  # noqa: E402
-from specmoe.drafters import recurrent_layer_types  # noqa: E402
+from specmoe.testing import tiny_model  # noqa: E402
+from specmoe.decoding import recurrent_layer_types  # noqa: E402
 from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
 from specmoe.drafters import NgramDrafter  # noqa: E402
 
@@ -128,23 +129,23 @@ def test_gamma_tolerance_prunes_k(pair):
     # "auto" measures tau of the target forward once (kept on the engine, dropped when the
     # cache changes) and prunes adaptive controllers
     eng.set_cache(eng.cache_frac)
-    assert not eng._tau.get(1)
+    assert not eng.tau.get(1)
     fake = {g: 1.0 / g for g in range(1, 10)}
-    eng._tau[1] = dict(fake)  # a table already measured is reused, not measured again
+    eng.tau[1] = dict(fake)  # a table already measured is reused, not measured again
     ctl = Cascade(k_max=3)
     generate(model, ids, NgramDrafter(), ctl, max_new_tokens=4, eos_token_id=None)
-    assert ctl.allowed == [0] and eng._tau[1] == fake
-    eng._tau.clear()
+    assert ctl.allowed == [0] and eng.tau[1] == fake
+    eng.tau.clear()
     ctl = Cascade(k_max=3)
     generate(model, ids, NgramDrafter(), ctl, max_new_tokens=4, eos_token_id=None)
-    tau_auto = eng._tau[1]
+    tau_auto = eng.tau[1]
     assert sorted(tau_auto) == list(range(1, 10)) and tau_auto[1] == pytest.approx(1.0)
     assert all(t > 0 and math.isfinite(t) for t in tau_auto.values())
     want = [0] + [k for k in range(1, 4) if (k + 1) * tau_auto[k + 1] > 1]
     assert ctl.allowed == want
     # a static K is what the caller asked for: "auto" leaves it alone
     ctl = StaticK(3)
-    eng._tau[1] = dict(fake)
+    eng.tau[1] = dict(fake)
     out = generate(model, ids, NgramDrafter(), ctl, max_new_tokens=6, eos_token_id=None)
     assert ctl.allowed == [0, 1, 2, 3] and max(i["k_planned"] for i in out.iterations) == 3
 
@@ -261,11 +262,11 @@ def test_self_draft_shares_the_target_kv(pair):
     """MoE-SpeQ's shared KV: bound to the target's cache, a draft writes its positions after
     the verified prefix and crops them off again, leaving the prefix's tensors untouched;
     generate binds and unbinds it; a cache of the wrong length is refused."""
-    from specmoe.drafters import _crop, _forward, _new_kv
+    from specmoe.decoding import crop_kv, forward_tokens, new_kv
     model, _, eng, ids = pair
     hist = ids[0].tolist()
-    kv = _new_kv(model)
-    _forward(model, hist[:-1], kv)
+    kv = new_kv(model)
+    forward_tokens(model, hist[:-1], kv)
     before = [(lay.keys.clone(), lay.values.clone()) for lay in kv.layers]
     sd = SelfDraft(eng)
     sd.bind_kv(kv)
@@ -275,8 +276,8 @@ def test_self_draft_shares_the_target_kv(pair):
         assert torch.equal(k0, lay.keys) and torch.equal(v0, lay.values)
     # the first draft token is the self-draft's argmax after the pending token on this cache
     with eng.drafting():
-        first = int(torch.argmax(_forward(model, hist[-1:], kv)[-1]))
-    _crop(kv, len(hist) - 1)
+        first = int(torch.argmax(forward_tokens(model, hist[-1:], kv)[-1]))
+    crop_kv(kv, len(hist) - 1)
     assert d.tokens[0] == first
     with pytest.raises(RuntimeError, match="bound KV cache holds"):
         sd.draft(hist + [5], 2)                   # the cache lacks a token of the history
@@ -453,7 +454,7 @@ def test_spac_policy_learns_from_verification_counts(pair):
         eng.set_policy("lru")
 
 
-@pytest.mark.parametrize("arch", sorted(specmoe.hf.SUPPORTED))
+@pytest.mark.parametrize("arch", sorted(specmoe.arch.SUPPORTED))
 def test_every_architecture_greedy_equal(arch):
     """Greedy speculative output equals transformers' greedy output on every supported MoE
     architecture (tiny random models), with drafts that are often accepted (n-gram on a

@@ -15,10 +15,11 @@ torch.set_num_threads(1)
 
 import specmoe  # noqa: E402
 from specmoe import zoo  # noqa: E402
-from specmoe.hf import tiny_model  # noqa: E402
+from specmoe.testing import tiny_model  # noqa: E402
 from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
 from specmoe.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
-from specmoe.generation import generate, measure_tau_grid  # noqa: E402
+from specmoe.generation import generate  # noqa: E402
+from specmoe.tau import measure_tau_grid  # noqa: E402
 from specmoe.generation_batch import BatchKV, per_position_acceptance  # noqa: E402
 from specmoe.mtp import MtpAdapter, MtpDrafter  # noqa: E402
 
@@ -274,17 +275,17 @@ def test_batched_sampling_is_reproducible(batch_pair):
 
 def test_tau_grid_and_per_batch_pruning(batch_pair):
     model, _, eng, ids, mask = batch_pair
-    eng._tau.clear()
+    eng.tau.clear()
     prompt = ids[0][mask[0] == 1].tolist()
     grid = measure_tau_grid(model, prompt, batch_sizes=(1, 2), g_max=4, repeats=2)
     assert sorted(grid) == [1, 2]
     for b, t in grid.items():
         assert sorted(t) == list(range(1, 5)) and t[1] == pytest.approx(1.0)
         assert all(v > 0 for v in t.values())
-        assert eng._tau[b] is not None
+        assert eng.tau[b] is not None
     # a tau table per batch size: at batch 4 (next power of two: 4) K must stay 0 where
     # the batch-4 table forbids every K, while batch 1's table allows them
-    eng._tau[4] = {g: 1.0 / g for g in range(1, 10)}
+    eng.tau[4] = {g: 1.0 / g for g in range(1, 10)}
     ctl = Cascade(k_max=3)
     out = generate(model, ids, NgramDrafter(), ctl, attention_mask=mask, max_new_tokens=6,
                    eos_token_id=None)
@@ -299,7 +300,7 @@ def test_tau_grid_and_per_batch_pruning(batch_pair):
     generate(model, ids[:1], NgramDrafter(), ctl, attention_mask=mask[:1], max_new_tokens=3,
              eos_token_id=None, tau=tables, success=False)
     assert ctl.allowed == [0, 1, 2]
-    eng._tau.clear()
+    eng.tau.clear()
 
 
 def test_batch_bad_input(batch_pair):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe import hf
+from specmoe import hf, testing
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)  # the C path is single-threaded; keep the reference comparable
@@ -19,7 +19,7 @@ PROMPT = torch.tensor([[5, 17, 33, 64, 9, 100, 7, 41]])
 
 
 def _pair(arch, dtype=torch.float32, **kw):
-    m = hf.tiny_model(arch, dtype=dtype, **kw)
+    m = testing.tiny_model(arch, dtype=dtype, **kw)
     return m, copy.deepcopy(m)
 
 
@@ -206,7 +206,7 @@ def test_unsupported_model_lists_supported():
 
 
 def test_bad_arguments():
-    m = hf.tiny_model("mixtral")
+    m = testing.tiny_model("mixtral")
     with pytest.raises(ValueError, match="dtype"):
         hf.offload(m, dtype="f16")
     with pytest.raises(ValueError, match="cache"):
@@ -230,7 +230,7 @@ def test_bad_arguments():
     assert not eng.prefetch
     eng.close()
     with pytest.raises(TypeError, match="prefetch must be a bool"):
-        hf.offload(hf.tiny_model("mixtral"), prefetch="off")
+        hf.offload(testing.tiny_model("mixtral"), prefetch="off")
     with pytest.raises(RuntimeError, match="closed"):
         m(PROMPT)
 
@@ -247,7 +247,7 @@ def _resident(store):
 
 def test_moe_forward_rejects_bad_input():
     from specmoe import _C
-    m = hf.tiny_model("mixtral")
+    m = testing.tiny_model("mixtral")
     eng = hf.offload(m)
     x = np.zeros((2, 64), np.float32)
     out = np.zeros((2, 64), np.float32)
@@ -311,7 +311,7 @@ def test_expert_memory_is_freed():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096
 
-    m = hf.tiny_model("mixtral", hidden=256, inter=512, layers=4, experts=32)
+    m = testing.tiny_model("mixtral", hidden=256, inter=512, layers=4, experts=32)
     exp = sum(p.numel() * p.element_size() for e in hf.iter_experts_modules(m)
               for p in e.parameters())
     gc.collect()
@@ -437,12 +437,12 @@ def test_cache_sees_one_access_per_layer_expert_and_pass():
 
 
 def test_store_path_kept_and_temp_removed(tmp_path):
-    m = hf.tiny_model("mixtral")
+    m = testing.tiny_model("mixtral")
     p = tmp_path / "experts.smoe"
     eng = hf.offload(m, store=p)
     eng.close()
     assert p.exists()  # a store the caller named is kept
-    m2 = hf.tiny_model("mixtral")
+    m2 = testing.tiny_model("mixtral")
     eng2 = hf.offload(m2)
     tmp = eng2._store_path
     assert tmp and os.path.exists(tmp)
@@ -454,7 +454,7 @@ def test_set_policy_keeps_contents_and_any_spac_policy_learns():
     """Engine.set_policy swaps the policy without emptying the cache; a SpAc object (not only
     the string "spac") receives the per-pass activation counts."""
     import specmoe
-    m = hf.tiny_model("mixtral")
+    m = testing.tiny_model("mixtral")
     # gamma=2: boundaries of 1, so one activation (0 -> 1 token) already moves a utility up
     eng = hf.offload(m, cache=0.5, policy=specmoe.SpAc(levels=4, gamma=2))
     try:
@@ -520,7 +520,7 @@ def test_close_while_another_thread_generates():
     RuntimeError naming the closed engine (no crash, no hang)."""
     import threading
     import time
-    m = hf.tiny_model("mixtral")
+    m = testing.tiny_model("mixtral")
     eng = hf.offload(m, cache=0.25)
     errors = []
 

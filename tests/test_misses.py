@@ -14,6 +14,7 @@ from specmoe import _C, quant
 from specmoe.cache import ExpertCache
 from specmoe.kernels import FFNSpec
 from specmoe.store import write_store
+from specmoe.experts import SpecmoeExperts
 
 L, E, H, I, K = 2, 12, 64, 64, 4  # int2 needs multiples of 64
 
@@ -543,7 +544,7 @@ def test_engine_rejects_bad_options():
                           ({"throttle": (-1.0, 0.0)}, ValueError, "throttle")]:
         with pytest.raises(exc, match=word):
             hf.offload(m, **kw)
-    assert not isinstance(m.model.layers[0].mlp.experts, hf.SpecmoeExperts)  # untouched
+    assert not isinstance(m.model.layers[0].mlp.experts, SpecmoeExperts)  # untouched
 
 
 def test_engine_low_bit_levels():
@@ -615,7 +616,7 @@ def test_engine_int2_level_needs_multiples_of_64():
     for kw in ({"dtype": "int2"}, {"miss": "lowest_bit", "miss_levels": "int2"}):
         with pytest.raises(ValueError, match="int2 needs H and I multiples of 64"):
             hf.offload(m, **kw)  # refused before the model is touched
-    assert not isinstance(m.model.layers[0].mlp.experts, hf.SpecmoeExperts)
+    assert not isinstance(m.model.layers[0].mlp.experts, SpecmoeExperts)
     eng = hf.offload(m, cache=12, prefetch=False, miss="lowest_bit")
     with torch.no_grad():
         before = m(ids).logits

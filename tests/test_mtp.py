@@ -21,7 +21,7 @@ import specmoe  # noqa: E402
 import specmoe.hf  # noqa: E402,F401  (SUPPORTED)
 from specmoe import mtp, zoo  # noqa: E402
 from specmoe.controllers import Cascade, StaticK  # noqa: E402
-from specmoe.drafters import _forward, _new_kv  # noqa: E402
+from specmoe.decoding import forward_tokens, new_kv  # noqa: E402
 from specmoe.testing import tiny_model  # noqa: E402
 
 from .test_generate import chi2_critical, chi2_stat  # noqa: E402
@@ -73,14 +73,14 @@ def test_mtp_forward_matches_explicit_sequences(moe):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 8000, (12,), generator=g).tolist()
     prompt, anchors = ids[:8], ids[8:]
-    kv = _new_kv(model)
-    _forward(model, prompt, kv)
+    kv = new_kv(model)
+    forward_tokens(model, prompt, kv)
     with torch.no_grad():
         lg, ml = ad.forward_mtp(model, torch.tensor([anchors]), 3, past=8, kv=kv)
     assert kv.get_seq_length() == 8 + 4 + 12
-    kv2 = _new_kv(model)
-    _forward(model, prompt, kv2)
-    ref = _forward(model, anchors, kv2)
+    kv2 = new_kv(model)
+    forward_tokens(model, prompt, kv2)
+    ref = forward_tokens(model, anchors, kv2)
     torch.testing.assert_close(lg[0], ref, rtol=0, atol=5e-5)
     emb = model.get_input_embeddings()
     for i in range(4):
@@ -401,7 +401,7 @@ def test_every_architecture_greedy_equal(arch):
     greedy MTP speculation on the offloaded tiny model equals transformers' greedy decoding
     (DeepSeek-V2/V3: no multi-token forward over a KV cache upstream, see test_generate;
     recurrent layers: no rollback)."""
-    from specmoe.drafters import recurrent_layer_types
+    from specmoe.decoding import recurrent_layer_types
     if arch in ("deepseek_v2", "deepseek_v3"):
         pytest.skip("transformers 5.x: multi-token forward with a KV cache fails")
     model = tiny_model(arch, vocab=64)
@@ -484,8 +484,8 @@ def test_offloaded_moe_anchor_logits_bit_identical_with_adapter_on():
                 for m in ad._lora_modules.values():
                     m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=g) * scale)
             eng.set_cache(0.25)
-            kv = _new_kv(model)
-            _forward(model, ids[:8], kv)
+            kv = new_kv(model)
+            forward_tokens(model, ids[:8], kv)
             with torch.no_grad():
                 res.append(ad.forward_mtp(model, torch.tensor([ids[8:]]), 3, past=8, kv=kv,
                                           fetch_masks=False))

@@ -15,7 +15,8 @@ import pytest
 
 import specmoe
 from specmoe import _C
-from specmoe.hardware import PROFILES, Hardware, ModelCost, get_hardware, sim_timing
+from specmoe.calibration import get_hardware
+from specmoe.hardware import PROFILES, Hardware, ModelCost, sim_timing
 from specmoe.sim import Predictor, parse_capacity, simulate, ttft_seconds
 from specmoe.traces import Trace
 from tests.sim_reference import RefBelady, RefLRU, ref_simulate

@@ -444,7 +444,8 @@ def test_simulate_wrapper(puffin_subset):
 
 
 def _timing(tr):
-    from specmoe.hardware import ModelCost, get_hardware, sim_timing
+    from specmoe.calibration import get_hardware
+    from specmoe.hardware import ModelCost, sim_timing
 
     t = sim_timing(get_hardware("a100-pcie4"), ModelCost.for_trace(tr))
     return [t[k] for k in ("expert_bytes", "fast_bw", "link_bw", "link_latency_s",

@@ -1109,23 +1109,6 @@ def test_speq_learns_every_row():
     assert a.model(2)[0] == pytest.approx(b.model(2)[0])
 
 
-def test_old_module_names_still_import():
-    """specmoe.spec and specmoe.speculative were split into controllers / drafters / verify /
-    generation / sampling; the old names stay importable and are the same objects."""
-    import specmoe.controllers as controllers
-    import specmoe.drafters as drafters
-    import specmoe.generation as generation
-    import specmoe.spec as old_spec
-    import specmoe.speculative as old_speculative
-    import specmoe.verify as verify
-    assert old_spec.Cascade is controllers.Cascade and old_spec.StaticK is controllers.StaticK
-    assert old_spec.NgramDrafter is drafters.NgramDrafter and old_spec.accept is verify.accept
-    assert old_speculative.generate is generation.generate
-    assert old_speculative.SelfDraft is drafters.SelfDraft
-    import specmoe
-    assert specmoe.generate is generation.generate and specmoe.Cascade is controllers.Cascade
-
-
 def _ref_io_cost(loaded, t_load, k_max):
     """The documented I/O-cost rule (csrc/spec/controller.h, io_cost), in plain Python."""
     cost = [0.0] * (k_max + 1)

@@ -17,7 +17,7 @@ PHASES: Dict[int, str] = {0: "none", 1: "base", 2: "test", 3: "set", 4: "backoff
 TauLike = Union[Sequence[float], np.ndarray, Mapping[int, float]]
 
 
-def _check_int(name: str, v: object, lo: int) -> int:
+def check_int(name: str, v: object, lo: int) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if int(v) < lo:
@@ -43,7 +43,7 @@ def speedup(lam: float, tau_next: float, delta: float, gamma: int) -> float:
     verified over gamma+1 positions, lambda the expected tokens per step (accepted drafts plus
     the bonus token), tau_next = tau(gamma+1) = T(1)/T(gamma+1) and delta = T_D/T(1) the
     drafter's per-token cost relative to a plain step.  S > 1: speculation pays."""
-    gamma = _check_int("gamma", gamma, 0)
+    gamma = check_int("gamma", gamma, 0)
     for n, v in (("lam", lam), ("tau_next", tau_next), ("delta", delta)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
             raise ValueError(f"{n} must be a finite number >= 0, got {v!r}")
@@ -147,7 +147,7 @@ class Controller:
         """Batch size of the coming steps (:func:`specmoe.generate` calls it).  A change
         empties the plain-step timing (measured again at the new size) and begins a new
         request (controller.h, "Batches")."""
-        self._c.set_batch(_check_int("batch", batch, 1))
+        self._c.set_batch(check_int("batch", batch, 1))
 
     def set_success(self, on: bool = True, *, min_obs: int = 4, probe: int = 64) -> None:
         """Prune K by the gamma-tolerance paper's success condition (section 3.1, eq. 1):
@@ -158,7 +158,7 @@ class Controller:
         forgotten and K may be tried again.  ``on=False`` returns to the tau rule alone."""
         if not isinstance(on, bool):
             raise TypeError(f"on must be a bool, got {type(on).__name__}")
-        self._c.set_success(on, _check_int("min_obs", min_obs, 1), _check_int("probe", probe, 1))
+        self._c.set_success(on, check_int("min_obs", min_obs, 1), check_int("probe", probe, 1))
 
     def success_model(self) -> Dict[str, object]:
         """The success model now: ``lambda`` [k_max+1] (expected tokens per step at each K),
@@ -206,11 +206,11 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
     Returns:
         {g: tau(g)} in increasing g; pass it to ``Controller.set_tau``.
     """
-    gs = sorted({_check_int("gamma", g, 1) for g in gammas})
+    gs = sorted({check_int("gamma", g, 1) for g in gammas})
     if not gs or gs[0] != 1:
         raise ValueError("gammas must include 1 (tau is relative to T(1))")
-    repeats = _check_int("repeats", repeats, 1)
-    warmup = _check_int("warmup", warmup, 0)
+    repeats = check_int("repeats", repeats, 1)
+    warmup = check_int("warmup", warmup, 0)
     if stat not in ("median", "min"):
         raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
     def timed(g: int) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import Controller, _check_int
+from .base import Controller, check_int
 
 
 class Cascade(Controller):
@@ -31,12 +31,12 @@ class Cascade(Controller):
                  initial: Optional[int] = None, trial_pool: int = 12,
                  converge: Optional[float] = 0.10, telemetry_cap: int = 0) -> None:
         if initial is None:  # 2, lowered to k_max
-            initial = min(2, _check_int("k_max", k_max, 1))
+            initial = min(2, check_int("k_max", k_max, 1))
         vals = dict(k_max=k_max, trials=trials, trial_len=trial_len, set_len=set_len,
                     backoff_max=backoff_max, base_len=base_len, base_refresh=base_refresh,
                     initial=initial, trial_pool=trial_pool)
         for n, v in vals.items():
-            _check_int(n, v, 1)
+            check_int(n, v, 1)
         if initial > k_max:
             raise ValueError(f"initial={initial} exceeds k_max={k_max}")
         if converge is not None and not (isinstance(converge, (int, float)) and

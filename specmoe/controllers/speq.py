@@ -6,7 +6,7 @@ from typing import Mapping, Sequence, Union
 
 import numpy as np
 
-from .base import Controller, _check_int
+from .base import Controller, check_int
 
 
 class SpeqGovernor(Controller):
@@ -29,10 +29,10 @@ class SpeqGovernor(Controller):
     def __init__(self, *, k_max: int = 8, alpha: float = 0.2, p_init: float = 0.6,
                  initial: int = 1, probe: int = 16, t_first: float = 0.0,
                  telemetry_cap: int = 0) -> None:
-        k_max = _check_int("k_max", k_max, 1)
+        k_max = check_int("k_max", k_max, 1)
         if probe != -1:
-            probe = _check_int("probe", probe, 1)
-        initial = _check_int("initial", initial, 1)
+            probe = check_int("probe", probe, 1)
+        initial = check_int("initial", initial, 1)
         if not (0.0 < alpha <= 1.0):
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if not (0.0 <= p_init <= 1.0):
@@ -71,7 +71,7 @@ def ttft_k_max(budget_s: float, t_prefill: float, t_draft_tok: float,
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                 or v < 0:
             raise ValueError(f"{n} must be a finite number of seconds >= 0, got {v!r}")
-    k_max = _check_int("k_max", k_max, 0)
+    k_max = check_int("k_max", k_max, 0)
     best = -1
     for k in range(k_max + 1):
         if k + 1 not in t_verify:

@@ -1,0 +1,109 @@
+"""Model calls shared by the drafters, MTP and the generation loops: the draft a drafter returns
+(:class:`Draft`), the result of :func:`specmoe.generate` (:class:`GenerateOutput`), and the
+transformers-cache plumbing (:func:`cache_kwargs`, :func:`new_kv`, :func:`crop_kv`,
+:func:`forward_tokens`).  It imports no other part of the speculation code, so every part can
+import it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
+           "input_device", "new_kv", "recurrent_layer_types"]
+
+
+@dataclass
+class Draft:
+    """What a drafter proposes for one iteration.
+
+    tokens: the draft token ids (may be fewer than asked, or none).
+    probs: float32 [len(tokens), V] distributions the tokens were sampled from, or None for a
+        deterministic proposal (n-gram lookup, greedy drafting).
+    routing: for a drafter that runs the target's routers (:class:`SelfDraft`): MoE layer
+        position -> activation counts [E] over the verification inputs the draft routed.
+    """
+
+    tokens: List[int]
+    probs: Optional[torch.Tensor] = None
+    routing: Optional[Dict[int, np.ndarray]] = None
+
+
+def cache_kwargs(model: nn.Module, kv: Any) -> Dict[str, Any]:
+    """The keyword that hands ``kv`` to ``model``'s forward: ``cache`` from transformers 5.24
+    (``past_key_values`` is deprecated there, to go in 5.40), ``past_key_values`` before."""
+    fwd = type(model).forward
+    name = _CACHE_KW.get(fwd)
+    if name is None:
+        import inspect
+        name = "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
+        _CACHE_KW[fwd] = name
+    return {name: kv}
+_CACHE_KW: Dict[Any, str] = {}  # forward function -> its cache keyword
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where ``model`` takes its input ids (its input embeddings' device: a model on the GPU
+    tier takes them on the GPU)."""
+    emb = model.get_input_embeddings()
+    w = getattr(emb, "weight", None)
+    return w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
+
+
+def forward_tokens(model: nn.Module, ids: Sequence[int], kv: Any) -> torch.Tensor:
+    """Logits [n, V] of ``ids`` after the cache ``kv``, on the CPU (the decoding loop reads
+    them as numpy)."""
+    x = torch.tensor([list(ids)], dtype=torch.long, device=input_device(model))
+    with torch.no_grad():
+        out = model(input_ids=x, use_cache=True, **cache_kwargs(model, kv))
+    return out.logits[0].cpu()
+
+
+def recurrent_layer_types(config: Any) -> List[str]:
+    """The layer kinds of ``config`` whose cache holds a recurrent state (linear attention,
+    Mamba, short convolutions) rather than per-position keys and values: such a cache cannot
+    be cropped back to an accepted prefix."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    try:
+        kinds += list(getattr(config, "layers_block_type", None) or [])
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return sorted({str(k) for k in kinds
+                   if any(r in str(k) for r in ("linear", "conv", "mamba"))})
+
+
+def new_kv(model: nn.Module) -> Any:
+    from transformers import DynamicCache
+    return DynamicCache(config=model.config)
+
+
+def crop_kv(kv: Any, keep: int) -> None:
+    """Drop KV entries beyond the first ``keep`` positions (transformers 5 crops by a negative
+    count of positions to remove)."""
+    n = kv.get_seq_length()
+    if keep < n:
+        kv.crop(keep - n)
+
+
+@dataclass
+class GenerateOutput:
+    """Result of :func:`generate`.
+
+    sequences: [1, prompt + new] token ids (like ``model.generate``).
+    stats: ``new_tokens``, ``iterations``, ``time_s``, ``tok_per_s``, ``proposed``, ``accepted``,
+        ``acceptance`` (accepted / proposed), ``etr`` (tokens per iteration), ``k_mean``,
+        ``experts_loaded`` and ``experts_loaded_per_token`` (offloaded models),
+        ``stall_s``, ``lookahead_precision`` / ``lookahead_recall`` (draft-driven prefetch) and
+        their counts ``lookahead_predicted`` (experts predicted, summed over layers and
+        passes), ``lookahead_used`` (experts the verifications used) and ``lookahead_hits``.
+    iterations: one dict per iteration: ``k_planned``, ``k`` (drafts verified), ``accepted``,
+        ``emitted``, ``t_iter``, ``t_end`` (its ``time.perf_counter()`` at the end: the time
+        between two ends spans every step in between), ``t_draft``, ``experts_loaded``.
+    """
+
+    sequences: torch.Tensor
+    stats: Dict[str, Any] = field(default_factory=dict)
+    iterations: List[Dict[str, Any]] = field(default_factory=list)
