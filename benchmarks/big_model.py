@@ -531,7 +531,7 @@ def worker(spec_path: str) -> None:
     eng = None
     if spec["kind"] == "specmoe":
         import specmoe
-        specmoe.kernels.set_num_threads(spec["threads"])  # the expert kernels' threads
+        specmoe.runtime.kernels.set_num_threads(spec["threads"])  # the expert kernels' threads
         model = specmoe.from_pretrained(spec["ckpt"], cache=spec["cache"], dtype=spec["dtype"],
                                         policy="least_stale", prefetch=True, store=spec["store"],
                                         progress=False)

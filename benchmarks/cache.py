@@ -40,8 +40,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from specmoe.cache import ExpertCache  # noqa: E402
-from specmoe.store import ExpertStore, aligned_empty, write_store  # noqa: E402
+from specmoe.runtime.cache import ExpertCache  # noqa: E402
+from specmoe.storage.store import ExpertStore, aligned_empty, write_store  # noqa: E402
 
 
 def _write(path: str, nl: int, ne: int, block_kib: int, progress: bool) -> None:

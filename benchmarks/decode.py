@@ -59,8 +59,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specmoe import hf  # noqa: E402
-from specmoe.traces import load_puffin  # noqa: E402
+from specmoe.runtime import engine as hf  # noqa: E402
+from specmoe.sim.traces import load_puffin  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, TOPK = 2048, 1408, 64, 6
 TRACES = [Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "deepseek-v2-lite-puffin",
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     # the same thread count for torch, accelerate and specmoe's kernels
     torch.set_num_threads(a.threads)
-    from specmoe import kernels
+    from specmoe.runtime import kernels
     kernels.set_num_threads(a.threads)
     load_start = os.getloadavg()
     t_start = time.perf_counter()

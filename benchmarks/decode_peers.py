@@ -37,7 +37,7 @@ Rows (one checkpoint, one prompt, every row with all experts in memory):
 
 * ``specmoe+dense-f32`` / ``-bf16`` / ``-int8`` / ``-int4``: the same, with ``dense=<p>``: every
   dense linear layer except the routers (attention projections, shared experts, the dense FFN,
-  lm_head) runs through specmoe's C kernels at the row's precision (:mod:`specmoe.dense`).
+  lm_head) runs through specmoe's C kernels at the row's precision (:mod:`specmoe.models.dense`).
   These are the rows at equal precision of all weights with llama.cpp's.
 
 In the ``specmoe-<p>`` rows precision is NOT equal in the same sense on both sides: specmoe
@@ -52,7 +52,7 @@ rows close that gap (issue 16).
 Timing.  Each (model, row) runs in its own subprocess per round (peak RSS = that process's
 ``VmHWM``; for llama.cpp ``ru_maxrss`` of the timed process, which counts the mmapped GGUF pages
 it touched).  Inside it every thread count of ``--threads`` is measured in turn (order alternates
-per round): ``torch.set_num_threads`` + ``specmoe.kernels.set_num_threads`` (llama.cpp: ``-t
+per round): ``torch.set_num_threads`` + ``specmoe.runtime.kernels.set_num_threads`` (llama.cpp: ``-t
 -tb``); a warm-up generation (another 64-token prompt, ``--warm-tokens`` tokens), then the timed
 one: the 64-token prompt (``--prompt-tokens`` sets another length for both, e.g. to measure
 decode against a long cache), then 33 greedy tokens with no end-of-sequence stop (the model's
@@ -90,11 +90,11 @@ attention and lm_head matmuls, which torch runs in the ``specmoe-<p>`` rows);
 MLA's absorbed one included, which earlier runs counted as outside); ``glue_share`` = (experts_glue + other) /
 step is the part that is neither expert kernels nor a torch matmul.  The hooks cost a few
 microseconds per module call; the instrumented run's tok/s is reported beside the plain one.
-Rows whose decoder layers run as one C call each (``specmoe+dense``: specmoe.attention's fused
-layers at OLMoE shapes, specmoe.mla's at DeepSeek-V2 shapes; ``breakdown_kind`` says so):
+Rows whose decoder layers run as one C call each (``specmoe+dense``: specmoe.models.attention's fused
+layers at OLMoE shapes, specmoe.models.mla's at DeepSeek-V2 shapes; ``breakdown_kind`` says so):
 ``attention`` and ``experts`` are the C time of that call's two parts (it reports them; with
 the routing and shared experts at DeepSeek shapes; consecutive such layers run in one
-``_C.layer_chain`` call of specmoe.decode_step, or in its one ``_C.DecodePlan.step`` a token
+``_C.layer_chain`` call of specmoe.models.decode_step, or in its one ``_C.DecodePlan.step`` a token
 (from 2026-11-26), which report the same split summed), ``lm_head`` the module's time (the
 hooks that time it keep ``lm_head`` out of the plan in this run: the plan then runs the
 embedding, the layers and the final norm, and the module the head),
@@ -253,7 +253,7 @@ def model_summary(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 class _ChainTimer:
-    """specmoe.decode_step's _C.layer_chain, or its _C.DecodePlan.step, with the attention /
+    """specmoe.models.decode_step's _C.layer_chain, or its _C.DecodePlan.step, with the attention /
     MoE / dense-MLP split it returns added into acc, as _BlockTimer.layer does for one layer
     (a plan's fourth figure, its final norm and head, is left to the lm_head hook and
     "other")."""
@@ -345,7 +345,7 @@ def worker(spec_path: str) -> None:
     kernels = None
     if spec["kind"] == "specmoe":
         import specmoe
-        from specmoe import kernels
+        from specmoe.runtime import kernels
         model = specmoe.from_pretrained(spec["ckpt"], cache=1.0, dtype=spec["dtype"],
                                         policy="lru", prefetch=False, store=spec["store"],
                                         torch_dtype=dt, progress=False, dense=spec["dense"])
@@ -451,9 +451,9 @@ def worker(spec_path: str) -> None:
         acc.hook(model.lm_head, "lm_head")
         c = dc = ab = None
         from layer_overhead import _Proxy, _timed
-        from specmoe.layers import CLinear
+        from specmoe.models.layers import CLinear
         clin = [m for m in model.modules() if isinstance(m, CLinear)]
-        # decoder layers fused into one C call each (specmoe.attention): that call hands the
+        # decoder layers fused into one C call each (specmoe.models.attention): that call hands the
         # Engine's C layer object to C, so it is not proxied; the call reports its own split
         fused = any(getattr(lyr, "_specmoe_norms", None) is not None for lyr in layers)
         blocks = [lyr.self_attn for lyr in layers
@@ -467,7 +467,7 @@ def worker(spec_path: str) -> None:
             # DeepSeek block's shared MLP in one forward_routed call, timed on its own
             eng._layers.forward_routed = _timed(eng._layers.inner.forward_routed, c["routed"])
         # a decode step runs consecutive one-call layers in one _C.layer_chain call
-        # (specmoe.decode_step), which reports their attention / MoE split as the layer calls
+        # (specmoe.models.decode_step), which reports their attention / MoE split as the layer calls
         # do: it is timed instead of those layers' blocks (a wrapped block is not chained)
         dstep = getattr(model, "_specmoe_decode_step", None)
         chained = dstep is not None and dstep.chaining
@@ -487,7 +487,7 @@ def worker(spec_path: str) -> None:
             if chained:
                 dstep.chain = _ChainTimer(dstep.chain, ab)
                 dstep.plan_step = _ChainTimer(dstep.plan_step, ab)
-        # MLA's absorbed attention in C (specmoe.mla), where a layer is not one call: its C
+        # MLA's absorbed attention in C (specmoe.models.mla), where a layer is not one call: its C
         # time counts as attention C (a fused layer's MLABlock holds the kernel itself)
         mlas = [m._specmoe_mla_w for m in model.modules()
                 if getattr(getattr(m, "_specmoe_mla_w", None), "kernel", None) is not None
@@ -803,7 +803,7 @@ def main() -> None:
                           "router, shared experts, dense FFN, embeddings and lm_head stay in "
                           "torch at torch_dtype: bf16 for int8/int4, f32 for f32); "
                           "specmoe+dense-<p> rows also run every dense linear layer except the "
-                          "routers through specmoe's C kernels at <p> (specmoe.dense); "
+                          "routers through specmoe's C kernels at <p> (specmoe.models.dense); "
                           "llama.cpp (llama-quantize defaults) quantizes every weight matrix "
                           "(its output matrix gets its own type, e.g. Q6_K for Q4_0).",
         "threads": threads, "repeats": a.repeats, "prompt_tokens": a.prompt_tokens,

@@ -1,4 +1,4 @@
-"""One dense linear layer: specmoe's C kernels (specmoe.layers.CLinear) vs torch's nn.Linear, by
+"""One dense linear layer: specmoe's C kernels (specmoe.models.layers.CLinear) vs torch's nn.Linear, by
 weight format and token count, and the kernels' read rate against the measured ceiling.
 
     python benchmarks/dense_linear.py --json [--shapes 2048x2048,50304x2048] [--tokens 1,4,16,32,64]
@@ -9,7 +9,7 @@ against torch bf16, what a bf16 model runs) and token count T: ``--repeats`` int
 the medians over rounds, ``c_vs_torch`` = torch time / C time (> 1: C faster), and
 ``c_read_gbps`` / ``ceiling_gbps``: weight bytes per call / C time against
 ``KernelContext.read_bw`` on a buffer of the same size with the same threads (measured in the
-same round).  This is the rule behind ``dense="auto"`` (specmoe.dense.resolve_dense) and the
+same round).  This is the rule behind ``dense="auto"`` (specmoe.models.dense.resolve_dense) and the
 ``TORCH_ABOVE`` crossover.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from specmoe import kernels
-from specmoe.layers import CLinear
+from specmoe.runtime import kernels
+from specmoe.models.layers import CLinear
 
 TORCH_DT = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16,
             "int4": torch.bfloat16}

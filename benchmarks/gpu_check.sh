@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier's checks for one session on a lent GPU machine (docs/gpu.md), in one run:
 # build specmoe._C and specmoe._cuda with -Werror, measure the simulator's profile of the GPU
-# tier (specmoe.calibration.calibrate_gpu), run tests/test_cuda.py, then benchmarks/gpu_generate.py.
+# tier (specmoe.sim.calibration.calibrate_gpu), run tests/test_cuda.py, then benchmarks/gpu_generate.py.
 #
 #   benchmarks/gpu_check.sh OUTDIR
 #
@@ -29,7 +29,7 @@ SPECMOE_CUDA=1 SPECMOE_WERROR=1 SPECMOE_CUDA_ARCH=${SPECMOE_CUDA_ARCH:-90} \
     || { tail -40 "$out/build.log"; exit 1; }
 echo "== built in $(elapsed) s"
 
-timeout 90 $PY -c 'import json; from specmoe.calibration import calibrate_gpu
+timeout 90 $PY -c 'import json; from specmoe.sim.calibration import calibrate_gpu
 print(json.dumps(calibrate_gpu().to_dict()))' > "$out/gpu_profile.json" 2> "$out/gpu_profile.err"
 echo "== calibrate rc=$? at $(elapsed) s"
 cat "$out/gpu_profile.json"; tail -5 "$out/gpu_profile.err"

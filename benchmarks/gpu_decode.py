@@ -93,8 +93,8 @@ def pinned_h2d_gbps(torch: Any, nbytes: int = 256 << 20, iters: int = 10) -> flo
 def make_store(path: str, H: int, I: int, E: int, L: int, seed: int = 0) -> None:
     """A bf16 store of L layers x E experts (gate [I, H], up [I, H], down [H, I]), weights
     0.02 x standard normal from ``seed``."""
-    from specmoe import quant
-    from specmoe.store import write_store
+    from specmoe.storage import quant
+    from specmoe.storage.store import write_store
 
     rng = np.random.default_rng(seed)
 
@@ -533,7 +533,7 @@ def main() -> None:
     a = ap.parse_args()
     t_start = time.perf_counter()
 
-    from specmoe import cuda
+    from specmoe.runtime import cuda
 
     why = cuda.unusable_reason()
     if why:
@@ -542,8 +542,8 @@ def main() -> None:
         return
     import torch
 
-    from specmoe import kernels
-    from specmoe.store import ExpertStore
+    from specmoe.runtime import kernels
+    from specmoe.storage.store import ExpertStore
 
     H, I, E, k, _ = SHAPES[a.shape]
     L = a.layers

@@ -110,7 +110,7 @@ def main() -> None:
     import torch
 
     import specmoe
-    from specmoe import cuda
+    from specmoe.runtime import cuda
 
     dev = a.device
     why = "" if dev == "cpu" else cuda.unusable_reason()

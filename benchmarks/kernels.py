@@ -56,7 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from specmoe import _C, kernels, quant  # noqa: E402
+from specmoe import _C
+from specmoe.runtime import kernels
+from specmoe.storage import quant  # noqa: E402
 
 SHAPES = {"olmoe": (2048, 1024), "mixtral": (4096, 14336)}
 # Rotation footprint floor (see the module docstring): on the development VM a 135 MB rotation

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specmoe  # noqa: E402
-from specmoe import hf  # noqa: E402
-from specmoe.experts import SpecmoeExperts  # noqa: E402
+from specmoe.runtime import engine as hf  # noqa: E402
+from specmoe.runtime.experts import SpecmoeExperts  # noqa: E402
 
 
 def _timed(fn, acc):
@@ -59,10 +59,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from specmoe import kernels
+    from specmoe.runtime import kernels
     kernels.set_num_threads(1)
     if a.arch:
-        model = specmoe.testing.tiny_model(a.arch, hidden=256, inter=512, layers=4, experts=16)
+        model = specmoe.models.testing.tiny_model(a.arch, hidden=256, inter=512, layers=4, experts=16)
         prompt = torch.tensor([[5, 17, 33, 64, 9, 100, 7, 41]])
     else:
         from specmoe import zoo

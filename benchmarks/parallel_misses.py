@@ -8,7 +8,7 @@ prompts) offloaded (``--cache`` 25 % of the experts, f32, LRU, next-layer
 prefetch on, one torch thread), plain greedy decoding of ``--new-tokens`` tokens (EOS ignored)
 on held-out code and prose prompts (``benchmarks/speculation.py``'s prompt rules).  Links:
 ``none`` (the store read from the page cache) or ``GBPS:LATENCY_US``, SpecMD's link emulation
-(``specmoe.misses``): every expert load occupies one emulated link for latency + bytes / bandwidth.
+(``specmoe.runtime.misses``): every expert load occupies one emulated link for latency + bytes / bandwidth.
 
 Method: per link, ``--repeats`` rounds; each round runs every prompt with parallel misses off and
 on back to back (order alternating by round), each request from an empty cache; tok/s = new
@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             H, I, E, K, L = (int(v) for v in a.shape.split(","))
         except ValueError:
             ap.error(f"--shape: H,I,E,K,L ints, got {a.shape!r}")
-        from specmoe.testing import tiny_model
+        from specmoe.models.testing import tiny_model
         model = tiny_model("mixtral", seed=0, hidden=H, inter=I, experts=E, top_k=K, layers=L,
                            vocab=1024)
         g = torch.Generator().manual_seed(1)

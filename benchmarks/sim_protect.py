@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from specmoe import load_trace, simulate  # noqa: E402
-from specmoe.traces import shared_trace_dir  # noqa: E402
+from specmoe.sim.traces import shared_trace_dir  # noqa: E402
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specmoe import _C  # noqa: E402
-from specmoe.__main__ import _shared_traces  # noqa: E402
-from specmoe.sweep import plot_hit_rate, plot_stall, sweep  # noqa: E402
-from specmoe.traces import load_puffin  # noqa: E402
+from specmoe.cli import _shared_traces  # noqa: E402
+from specmoe.sim.sweep import plot_hit_rate, plot_stall, sweep  # noqa: E402
+from specmoe.sim.traces import load_puffin  # noqa: E402
 
 ALL = ["lru", "lfu", "fifo", "mru", "random", "least_stale", "least_stale:order=lru", "belady"]
 PREDICTORS = ["none", "oracle:depth=2", "history", "history:topk=10"]

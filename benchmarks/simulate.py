@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specmoe import _C  # noqa: E402
-from specmoe.hardware import PROFILES, ModelCost, sim_timing  # noqa: E402
-from specmoe.traces import load_puffin  # noqa: E402
+from specmoe.sim.hardware import PROFILES, ModelCost, sim_timing  # noqa: E402
+from specmoe.sim.traces import load_puffin  # noqa: E402
 
 
 def best_of(fn, reps):

@@ -21,7 +21,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from specmoe.drafters import NgramDrafter  # noqa: E402
+from specmoe.speculation.drafters import NgramDrafter  # noqa: E402
 
 
 def tokens(n: int, seed: int = 0) -> np.ndarray:

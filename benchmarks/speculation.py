@@ -43,8 +43,8 @@ controllers capped at k; ``--throttle GBPS,LATENCY_US`` makes every expert load 
 the overlap should matter) the controllers ``static`` K=1,2,3,
 ``heuristic``, ``cascade`` and ``speq``.  Static rows really run K (no gamma-tolerance
 pruning); adaptive rows get tau(g) = T(1)/T(g) of the target, measured once at the start
-(``specmoe.tau.target_tau``, reported as ``tau``; the mtp rows get tau(g(k+1)), the
-cost of g anchors with their masks, :meth:`specmoe.mtp.MtpDrafter.tau`).
+(``specmoe.speculation.tau.target_tau``, reported as ``tau``; the mtp rows get tau(g(k+1)), the
+cost of g anchors with their masks, :meth:`specmoe.speculation.mtp.MtpDrafter.tau`).
 
 Method (the machines are shared and noisy, so every comparison is paired in time):
 
@@ -102,11 +102,12 @@ sys.path.insert(0, str(ROOT / "training"))
 import torch  # noqa: E402
 
 import specmoe  # noqa: E402
-from specmoe import controllers as spec, zoo  # noqa: E402
-from specmoe.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
-from specmoe.mtp import MtpAdapter, MtpDrafter  # noqa: E402
-from specmoe.generation import generate  # noqa: E402
-from specmoe.tau import target_tau  # noqa: E402
+from specmoe.speculation import controllers as spec
+from specmoe import zoo  # noqa: E402
+from specmoe.speculation.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
+from specmoe.speculation.mtp import MtpAdapter, MtpDrafter  # noqa: E402
+from specmoe.speculation.generation import generate  # noqa: E402
+from specmoe.speculation.tau import target_tau  # noqa: E402
 
 import corpus  # noqa: E402  (training/corpus.py: the held-out split rule and stdlib walk)
 
@@ -320,7 +321,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
     its ratio over nospec at the same B (median over repeats, rows rotated per repeat),
     acceptance per draft position, experts loaded per token, K=0 steps (speculation switched
     off) and whether each sequence's output equals nospec's."""
-    from specmoe.tau import measure_tau_grid
+    from specmoe.speculation.tau import measure_tau_grid
     sizes = sorted({int(b) for b in a.batch.split(",") if b.strip()})
     pool = [p for pair in zip(prompts["code"], prompts["prose"]) for p in pair]
     tau_grid = measure_tau_grid(model, warm, sizes, g_max=tau_g_max(drafters), engine=eng,
@@ -367,7 +368,7 @@ def run_batches(a: argparse.Namespace, model: Any, tok: Any, draft_model: Any, e
                 bar.update(1)
     bar.close()
     out_rows = []
-    from specmoe.generation_batch import per_position_acceptance
+    from specmoe.speculation.batch import per_position_acceptance
     for i, r in enumerate(rows):
         base = next(j for j, x in enumerate(rows) if x["batch"] == r["batch"]
                     and x["controller"] == "nospec")
@@ -418,7 +419,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="lookahead-aware eviction of the self-draft rows (Engine."
                          "protect_lookahead)")
     ap.add_argument("--throttle", default=None, metavar="GBPS,LATENCY_US",
-                    help="emulate a slower link for every expert load (specmoe.misses)")
+                    help="emulate a slower link for every expert load (specmoe.runtime.misses)")
     ap.add_argument("--mtp-adapter", type=Path, default=None,
                     help="the mtp rows' adapter folder (default: the zoo's tiny-moe-mtp, "
                          "written by training/mtp.py)")

@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import specmoe  # noqa: E402
 from specmoe import _C  # noqa: E402
-from specmoe.store import aligned_empty  # noqa: E402
+from specmoe.storage.store import aligned_empty  # noqa: E402
 
 
 def best(fn, repeat: int) -> float:

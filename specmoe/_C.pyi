@@ -345,5 +345,5 @@ def simulate(experts: np.ndarray, num_experts: int, policy: Any, nslots: int, *,
              miss_keep: int = 0, lowbit_ratio: float = 1.0,
              gamma: int = -1, miss_keep2: int = ..., lowbit2_ratio: float = 1.0,
              protect: bool = False) -> dict[str, float]:
-    """Replay a routing trace through the simulated cache; see specmoe.sim.simulate."""
+    """Replay a routing trace through the simulated cache; see specmoe.sim.replay.simulate."""
 # --- end sim ---

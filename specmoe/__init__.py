@@ -18,23 +18,29 @@ import sys as _sys
 if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from ._C import CacheError, PolicyError, SpecmoeError, StoreError
-from .store import ExpertStore, StorePathError, write_store  # slow tier
-from .conversion import CheckpointError  # a checkpoint that cannot be converted
-from .traces import Trace, TraceError, load_puffin, load_trace
-from .cache import ExpertCache, parse_capacity
-from .policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec, PythonPolicy, Random,
-                       make_policy)
-from .policies import FLD, LHU, Score, SpAc, SpAcEMA
-from . import kernels, quant  # expert FFN kernels and weight formats
-from .controllers import (Cascade, Heuristic, SpeqGovernor, StaticK,  # speculation
-                          measure_tau, speedup)
-from .drafters import NgramDrafter
-from .hardware import Hardware, ModelCost  # simulator time model
-from .sim import Predictor, SimResult, simulate  # trace-driven simulator
-from .sweep import sweep  # simulator sweeps
+from ._moved import MOVED as _MOVED, MovedModuleError, install as _install_moved
+from ._moved import moved_error as _moved_error
 
-__version__ = "0.1.0"
+_install_moved()  # ``import specmoe.hf`` and the like name their new module
+
+from ._C import CacheError, PolicyError, SpecmoeError, StoreError
+from .storage.store import ExpertStore, StorePathError, write_store  # slow tier
+from .storage.conversion import CheckpointError  # a checkpoint that cannot be converted
+from .sim.traces import Trace, TraceError, load_puffin, load_trace
+from .runtime.cache import ExpertCache, parse_capacity
+from .runtime.policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, PolicySpec,
+                               PythonPolicy, Random, make_policy)
+from .runtime.policies import FLD, LHU, Score, SpAc, SpAcEMA
+from .runtime import kernels  # expert FFN kernels (specmoe.kernels stays a public name)
+from .storage import quant  # weight formats (specmoe.quant likewise)
+from .speculation.controllers import (Cascade, Heuristic, SpeqGovernor, StaticK,  # speculation
+                                      measure_tau, speedup)
+from .speculation.drafters import NgramDrafter
+from .sim.hardware import Hardware, ModelCost  # simulator time model
+from .sim.replay import Predictor, SimResult, simulate  # trace-driven simulator
+from .sim.sweep import sweep  # simulator sweeps
+
+__version__ = "0.2.0"
 
 
 _SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput",
@@ -43,22 +49,27 @@ _SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutp
 
 def __getattr__(name: str):  # HF integration loaded on first use (it imports torch)
     if name in ("offload", "Engine", "engine_of", "UnsupportedModelError"):
-        from . import hf
-        return getattr(hf, name)
+        from .runtime import engine
+        return getattr(engine, name)
     if name in ("from_pretrained", "convert"):  # checkpoints larger than memory
-        from . import pretrained
+        from .models import pretrained
         return getattr(pretrained, name)
     if name in ("MtpDrafter", "MtpAdapter"):  # multi-token prediction with gated LoRA
-        from . import mtp
+        from .speculation import mtp
         return getattr(mtp, name)
     if name in _SPECULATIVE:  # speculative decoding on transformers models (torch)
-        from . import generation
-        return getattr(generation, name)
+        from .speculation import decoding, drafters, generation, sampling, tau
+        for mod in (generation, decoding, drafters, sampling, tau):
+            if hasattr(mod, name):
+                return getattr(mod, name)
+    if name in _MOVED:  # a module of the pre-0.2 flat layout
+        raise _moved_error(name)
     raise AttributeError(f"module 'specmoe' has no attribute {name!r}")
 
 
 __all__ = [
     "SpecmoeError",
+    "MovedModuleError",
     "StoreError",
     "StorePathError",
     "CheckpointError",

@@ -22,12 +22,13 @@ import warnings
 
 import torch
 
-from . import hf
+from .models import testing
+from .runtime import engine
 
 
 def build_model(arch: str = "mixtral", seed: int = 0) -> torch.nn.Module:
     """The demo's model: byte-level vocabulary (256), 4 MoE layers of 16 experts, top-2."""
-    return hf.tiny_model(arch, seed=seed, hidden=256, inter=512, layers=4, experts=16, top_k=2,
+    return testing.tiny_model(arch, seed=seed, hidden=256, inter=512, layers=4, experts=16, top_k=2,
                          vocab=256)
 
 
@@ -61,7 +62,7 @@ def _generate(model, prompt: torch.Tensor, n: int, greedy: bool) -> tuple[torch.
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specmoe demo", description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", default=None, choices=sorted(hf.SUPPORTED),
+    ap.add_argument("--arch", default=None, choices=sorted(engine.SUPPORTED),
                     help="use a random-weight model of this architecture instead of the zoo model")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--cache", type=float, default=0.25)
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             argv = argv[1:]
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
-    from . import kernels
+    from .runtime import kernels
     kernels.set_num_threads(torch.get_num_threads())  # same thread count as torch
 
     zoo_pair = None if a.arch else build_zoo_model()
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = torch.tensor([list(b"The expert cache says: ")])
         show = _text
     ref = model if zoo_pair is not None else copy.deepcopy(model)
-    n_exp = sum(p.numel() for e in hf.iter_experts_modules(model) for p in e.parameters())
+    n_exp = sum(p.numel() for e in engine.iter_experts_modules(model) for p in e.parameters())
     n_all = sum(p.numel() for p in model.parameters())
     greedy = zoo_pair is not None
     out_ref, dt_ref = _generate(ref, prompt, a.tokens, greedy)
@@ -99,15 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         # the checkpoint folder the way a user runs a large model: built without its experts,
         # which stream into a persistent store (converted on the first run, reused after)
         from . import zoo
-        from .pretrained import from_pretrained
+        from .models.pretrained import from_pretrained
         print(f"specmoe.from_pretrained({zoo.path('tiny-moe')}, cache={a.cache}, "
               f"dtype={a.dtype!r}, policy='lru')")
         model = from_pretrained(zoo.path("tiny-moe"), cache=a.cache, dtype=a.dtype,
                                 policy="lru", prefetch=not a.no_prefetch,
                                 torch_dtype=torch.float32, progress=False)
-        eng = hf.engine_of(model)
+        eng = engine.engine_of(model)
     else:
-        eng = hf.offload(model, cache=a.cache, dtype=a.dtype, prefetch=not a.no_prefetch)
+        eng = engine.offload(model, cache=a.cache, dtype=a.dtype, prefetch=not a.no_prefetch)
     try:
         n_left = sum(p.numel() for p in model.parameters())
         eng.reset_stats()
@@ -138,9 +139,9 @@ def _speculative(model, eng, prompt: torch.Tensor, want: list[int], n: int) -> b
     """Speculative decoding rows on the same offloaded model: plain decoding through the same
     loop, then each drafter under the Cascade controller; greedy output must not change."""
     from . import zoo
-    from .controllers import Cascade
-    from .drafters import DraftModel, NgramDrafter, SelfDraft
-    from .generation import generate
+    from .speculation.controllers import Cascade
+    from .speculation.drafters import DraftModel, NgramDrafter, SelfDraft
+    from .speculation.generation import generate
     drafters = [("n-gram lookup", NgramDrafter)]
     if zoo.available("tiny-draft"):
         draft, _ = zoo.load("tiny-draft", dtype=torch.float32)

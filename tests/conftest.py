@@ -22,7 +22,7 @@ def puffin_dir() -> Path:
 @pytest.fixture(scope="session")
 def puffin_subset():
     """The carried subset as a Trace (always available, small)."""
-    from specmoe.traces import load_puffin
+    from specmoe.sim.traces import load_puffin
 
     return load_puffin(SUBSET)
 

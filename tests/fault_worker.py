@@ -4,7 +4,7 @@ the LD_PRELOAD shim tests/c/faultfs.c injects read faults, and print one JSON li
     LD_PRELOAD=faultfs.so python tests/fault_worker.py {pretrained|offload} DIR CASES_JSON
 
 pretrained: specmoe.from_pretrained on a saved tiny Mixtral (store opened with verify=True);
-offload: specmoe.offload (its store is opened with verify=False by specmoe/hf.py).
+offload: specmoe.offload (its store is opened with verify=False by specmoe/runtime/engine.py).
 Each case is [name, mode, after, count, threads] as in faultfs.c; for each: arm, generate,
 disarm, generate again.  Outcome "ok" (the reference tokens), "WRONG" (other tokens) or the
 exception's type and message."""
@@ -19,7 +19,7 @@ import time
 import torch
 
 import specmoe
-from specmoe.testing import save_checkpoint, tiny_model
+from specmoe.models.testing import save_checkpoint, tiny_model
 
 which, folder, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 lib = ctypes.CDLL(None)

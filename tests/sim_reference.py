@@ -1,5 +1,5 @@
 """A plain-Python reference of the simulator, written from the description in csrc/sim.h and
-specmoe/hardware.py (not from sim.c): cache events per policy.h, copy-engine prefetch model,
+specmoe/sim/hardware.py (not from sim.c): cache events per policy.h, copy-engine prefetch model,
 predictors, time model.  Slow; for short traces only."""
 from __future__ import annotations
 

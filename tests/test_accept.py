@@ -1,4 +1,4 @@
-"""The speculative-decoding acceptance rule (_C.spec_accept / specmoe.verify.accept).
+"""The speculative-decoding acceptance rule (_C.spec_accept / specmoe.speculation.verify.accept).
 
 Checked three ways:
 * exactly, against the plain-numpy reference below (written from the rule's statement in the
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from specmoe import _C
-from specmoe.verify import accept
+from specmoe.speculation.verify import accept
 
 # ------------------------------------------------------------------------------------------
 # numpy reference

@@ -1,4 +1,4 @@
-"""The models' own attention at decode sizes in C (specmoe._C.AttnDecode, specmoe.attention):
+"""The models' own attention at decode sizes in C (specmoe._C.AttnDecode, specmoe.models.attention):
 the kernel against a float64 numpy softmax reference (multi-head, grouped-query, multi-query;
 masks; bf16 caches; strided caches), and on tiny models against transformers' own sdpa / eager
 attention -- decode steps and verification chunks on a cache, left-padded batches -- with the
@@ -13,9 +13,9 @@ import torch
 from transformers import DynamicCache
 
 from specmoe import _C
-from specmoe.attention import ATTENTION_MAX_TOKENS, use_c_attention
-from specmoe.quant import bf16_to_f32, f32_to_bf16
-from specmoe.testing import tiny_model
+from specmoe.models.attention import ATTENTION_MAX_TOKENS, use_c_attention
+from specmoe.storage.quant import bf16_to_f32, f32_to_bf16
+from specmoe.models.testing import tiny_model
 
 from .attn_helpers import ISAS, causal, mask_of
 
@@ -224,7 +224,7 @@ def test_left_alone_when_it_cannot_apply():
 
 
 def test_offload_with_dense_uses_it():
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     ref = tiny_model("mixtral")
     m = tiny_model("mixtral")
     eng = hf.offload(m, dtype="f32", dense="f32")

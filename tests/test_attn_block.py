@@ -1,5 +1,5 @@
 """A decoder layer's whole attention module at decode sizes in C (specmoe._C.AttnBlock,
-specmoe.attention.fuse_attention): on tiny models of each fusable form (OLMoE's q/k norm over
+specmoe.models.attention.fuse_attention): on tiny models of each fusable form (OLMoE's q/k norm over
 all heads, Qwen3's per head, Qwen2-MoE's projection biases, Mixtral's plain form), decode steps
 and verification chunks on a cache against the unmodified transformers model (f32) and, for bf16
 models, bit for bit against the same model with torch doing the norms, rotary and casts between
@@ -14,10 +14,10 @@ import torch
 from transformers import DynamicCache
 
 from specmoe import _C
-from specmoe.attention import ATTENTION_MAX_TOKENS, fuse_attention
-from specmoe.dense import convert_dense
-from specmoe.layers import CLinear
-from specmoe.testing import tiny_model
+from specmoe.models.attention import ATTENTION_MAX_TOKENS, fuse_attention
+from specmoe.models.dense import convert_dense
+from specmoe.models.layers import CLinear
+from specmoe.models.testing import tiny_model
 
 from .attn_helpers import layer_outputs
 
@@ -284,7 +284,7 @@ def test_joint_qkv_rows_are_the_three_projections(fmt):
     """The q|k|v Linear the block runs for int8/int4 projections: its output is the three
     projections' outputs side by side, and the three CLinears rebuilt over its block give
     the same bits as before."""
-    from specmoe.layers import fuse_qkv
+    from specmoe.models.layers import fuse_qkv
     ctx = _C.KernelContext(1)
     g = torch.Generator().manual_seed(7)
     lins = []
@@ -332,7 +332,7 @@ def test_kv_buffers_read_as_transformers_cache(monkeypatch, dt):
     spare room: after decode steps that outgrow them (spare room forced down to 2 positions),
     a crop (speculative decoding's rollback) and more steps, the cache holds exactly what the
     unfused model's cache holds, and the logits agree."""
-    import specmoe.kvcache as kvcache
+    import specmoe.runtime.kvcache as kvcache
     monkeypatch.setattr(kvcache, "_KV_SPARE", 2)
     base = tiny_model("qwen3_moe", dtype=dt)
     fmt = "f32" if dt == torch.float32 else "bf16"
@@ -363,7 +363,7 @@ def test_mla_latent_cache_through_kv_buffers(monkeypatch):
     """MLA (DeepSeek-V2) appends its latent and rotary key (different widths) through the
     same buffers: after decode steps, a crop and a 2-token chunk, the cache holds what
     transformers' own DynamicLayer.update gives the same model, and so do the logits."""
-    import specmoe.mla as mla
+    import specmoe.models.mla as mla
     m = tiny_model("deepseek_v2")
     rep = convert_dense(m, "f32")
     assert rep.mla
@@ -389,8 +389,8 @@ def test_crmsnorm_against_the_module_it_replaces(dt):
     """CRMSNorm (the final norm, MLA's latent norm, unfused layers' norms): a bf16 model's
     RMSNorm bit for bit, f32 to rounding; training, long inputs and other dtypes go to the
     original module; convert_norms is idempotent and leaves other norm forms alone."""
-    from specmoe.attention import convert_norms
-    from specmoe.layers import CRMSNorm
+    from specmoe.models.attention import convert_norms
+    from specmoe.models.layers import CRMSNorm
     m = tiny_model("deepseek_v2", dtype=dt)
     norm = m.model.norm
     g = torch.Generator().manual_seed(3)

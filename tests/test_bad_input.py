@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import specmoe
-from specmoe.sim import Predictor, parse_policy, simulate
-from specmoe.store import ExpertStore, StoreError, write_store
-from specmoe.traces import Trace, TraceError, load_puffin, load_trace
+from specmoe.sim.replay import Predictor, parse_policy, simulate
+from specmoe.storage.store import ExpertStore, StoreError, write_store
+from specmoe.sim.traces import Trace, TraceError, load_puffin, load_trace
 
 
 # ---------------------------------------------------------------------------------------------

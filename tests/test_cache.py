@@ -13,8 +13,8 @@ import pytest
 
 import specmoe
 from specmoe import _C
-from specmoe.cache import ExpertCache, check_capacity, parse_capacity
-from specmoe.store import ExpertStore, write_store
+from specmoe.runtime.cache import ExpertCache, check_capacity, parse_capacity
+from specmoe.storage.store import ExpertStore, write_store
 
 NL, NE, TOPK = 4, 8, 2
 ROWS, COLS = 16, 64  # one expert: 16x64 float32 = 4096 bytes -> one 4096-byte block
@@ -224,7 +224,7 @@ def _ref_policy(name: str):
         return LocalLRU()
     ref = pytest.importorskip("tests.ref_policies")  # the policies' plain-Python references
     if name == "python_lru":  # a Python object with victim(): runs through the C bridge
-        pytest.importorskip("specmoe.policies")
+        pytest.importorskip("specmoe.runtime.policies")
         return ref.RefLRU()
     return {"fifo": ref.RefFIFO, "mru": ref.RefMRU, "lfu": ref.RefLFU,
             "random": lambda: ref.RefRandom(0),

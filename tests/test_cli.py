@@ -5,7 +5,7 @@ consistency with the API: ``--cache`` text means what ``cache=`` means, ``run --
 simulate's policy specs, empty option lists are refused, and traces with an expert id repeated
 within a (token, layer) row are refused wherever a trace is built.
 
-Most cases call ``specmoe.__main__.main`` in-process (fast); one per command runs
+Most cases call ``specmoe.cli.main`` in-process (fast); one per command runs
 ``python -m specmoe`` in a subprocess to show that no traceback reaches the terminal."""
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from specmoe import Trace, TraceError, load_puffin, load_trace
-import specmoe.__main__ as cli
-from specmoe.__main__ import main
+import specmoe.cli as cli
+from specmoe.cli import main
 from tests.conftest import SUBSET
 
 ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
@@ -174,12 +174,12 @@ def test_errors_from_below_become_one_line(zoo_copy, cache_env, monkeypatch, cap
                                            names):
     """What the conversion may raise (a full disk, a file it may not write, ...) comes out as
     the one line, with the file named where the exception has one."""
-    import specmoe.pretrained
+    import specmoe.models.pretrained
 
     def convert(*a, **kw):
         raise make(zoo_copy)
 
-    monkeypatch.setattr(specmoe.pretrained, "convert", convert)
+    monkeypatch.setattr(specmoe.models.pretrained, "convert", convert)
     code, err = _cli(["convert", zoo_copy, "--quiet"], capsys)
     _assert_one_line(code, err, *names)
 
@@ -191,7 +191,7 @@ def test_run_truncated_shard(zoo_copy, cache_env, capsys):
 
 
 def test_run_threads_above_the_pool_limit_refused_at_parse_time(capsys):
-    assert cli.MAX_THREADS == 1024  # csrc/kernels/pool.c, csrc/py_kernels.c
+    assert cli.MAX_THREADS == 1024  # csrc/kernels/pool.c, csrc/bindings/py_kernels.c
     code, err = _cli(["run", "no-such-ckpt", "--prompt", "x", "--threads", "1025"], capsys)
     assert code == 2 and "--threads: must be <= 1024" in err and "Traceback" not in err
     assert "no-such-ckpt" not in err  # refused before the checkpoint is looked at
@@ -329,7 +329,7 @@ def test_run_bad_cache_refused_before_loading(zoo_copy, cache_env, capsys, text)
 ])
 def test_run_policy_spec_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch, capsys,
                                                  spec, want):
-    import specmoe.pretrained
+    import specmoe.models.pretrained
 
     seen = {}
 
@@ -337,7 +337,7 @@ def test_run_policy_spec_reaches_from_pretrained(zoo_copy, cache_env, monkeypatc
         seen.update(kw)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(specmoe.pretrained, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(specmoe.models.pretrained, "from_pretrained", from_pretrained)
     code, err = _cli(["run", zoo_copy, "--prompt", "x", "--policy", spec, "--cache", "0.5"],
                      capsys)
     _assert_one_line(code, err, "RuntimeError: stop here")
@@ -357,7 +357,7 @@ def test_run_bad_policy_refused_before_loading(zoo_copy, cache_env, capsys, spec
 def test_run_cache_fraction_and_policy_spec_end_to_end(zoo_copy, cache_env, capsys):
     """(7a, 7b) --cache 0.5 is half the experts, as from_pretrained(cache=0.5) (it was 0.5
     bytes: an error after the conversion), and random:seed=3 runs (it was refused)."""
-    from specmoe.cache import parse_capacity
+    from specmoe.runtime.cache import parse_capacity
 
     want = parse_capacity(0.5, total_experts=4 * 16, slot_bytes=1)
     assert main(["run", str(zoo_copy), "--prompt", "def f", "--max-new-tokens", "2",

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 import specmoe
-from specmoe import kernels, quant
-from specmoe.experts import SpecmoeExperts
-from specmoe.store import ExpertStore, write_store
+from specmoe.runtime import kernels
+from specmoe.storage import quant
+from specmoe.runtime.experts import SpecmoeExperts
+from specmoe.storage.store import ExpertStore, write_store
 
-cuda = pytest.importorskip("specmoe.cuda")
+cuda = pytest.importorskip("specmoe.runtime.cuda")
 
 try:
     _EXT = cuda.extension()
@@ -105,7 +106,7 @@ def test_emulated_gpu_cache_matches_cpu_cache_and_model(store, written, mode, na
     (csrc/cache.c) and, for lru and fifo, the plain-Python model of tests/test_cache.py:
     counters and residency equal at every step, and every acquired slot holds the expert's
     bytes as written."""
-    from specmoe.cache import ExpertCache
+    from specmoe.runtime.cache import ExpertCache
     from tests.test_cache import RefCache, _ref_policy
 
     nslots = 5
@@ -214,7 +215,7 @@ def test_emulated_gpu_cache_bad_input(store):
     with pytest.raises(ValueError, match="out of range"):
         c.acquire(NL, 0)
     # the cache's state errors are CacheError, as on the CPU (one error mapping,
-    # csrc/py_errors.h); they used to be CudaError because their message says "GPU cache"
+    # csrc/bindings/py_errors.h); they used to be CudaError because their message says "GPU cache"
     cuda_error = cuda.extension().CudaError
     for call, match in ((lambda: c.release(0, 0), "not pinned"),
                         (lambda: c.prefetch([1]), "no running prefetch worker")):
@@ -446,20 +447,20 @@ def _tiny(arch, dtype=None):
 
     import torch
 
-    from specmoe import testing
+    from specmoe.models import testing
     m = testing.tiny_model(arch, dtype=dtype or torch.float32)
     return m, copy.deepcopy(m)
 
 
 def _is_offloaded(model):
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     return any(isinstance(m, SpecmoeExperts) for m in model.modules())
 
 
 def test_cuda_device_names():
     import torch
 
-    from specmoe.gpu_engine import cuda_device
+    from specmoe.runtime.gpu_engine import cuda_device
     assert cuda_device("cpu") is None
     assert cuda_device("cuda") == torch.device("cuda", 0)
     assert cuda_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
@@ -469,8 +470,8 @@ def test_cuda_device_names():
 
 
 def test_offload_cuda_refuses_what_the_gpu_tier_lacks_before_touching_the_model():
-    from specmoe import hf
-    from specmoe.policies import LRU
+    from specmoe.runtime import engine as hf
+    from specmoe.runtime.policies import LRU
 
     m, _ = _tiny("qwen3_moe")
     bad = [(dict(device="tpu"), ValueError, "device must be"),
@@ -496,7 +497,7 @@ def test_offload_cuda_f32_greedy_equal_to_unmodified(arch):
     import torch
 
     import specmoe
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m, ref = _tiny(arch)
     ref = ref.cuda()
     eng = hf.offload(m, device="cuda", dtype="f32", cache=0.5, policy="lru")
@@ -530,7 +531,7 @@ def test_offload_cuda_quantized_equals_cpu_engine(dtype):
     weights in f32 arithmetic, so the logits agree to summation order."""
     import torch
 
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m, m_cpu = _tiny("olmoe")
     eng_c = hf.offload(m_cpu, dtype=dtype, dense="torch", cache=1.0)
     eng_g = hf.offload(m, device="cuda", dtype=dtype, cache=0.25)
@@ -548,7 +549,7 @@ def test_offload_cuda_quantized_equals_cpu_engine(dtype):
 def test_offload_cuda_bf16_close_to_bf16_model():
     import torch
 
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m, ref = _tiny("mixtral", dtype=torch.bfloat16)
     ref = ref.cuda()
     eng = hf.offload(m, device="cuda", dtype="bf16", cache=0.5)
@@ -567,7 +568,7 @@ def test_offload_cuda_bf16_close_to_bf16_model():
 def test_offload_cuda_prefetch_off_and_policy_switch():
     import torch
 
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m, _ = _tiny("qwen3_moe")
     eng = hf.offload(m, device="cuda", dtype="f32", cache=0.25, prefetch=False)
     try:
@@ -593,7 +594,7 @@ def test_from_pretrained_cuda_greedy_equal_to_unmodified(tmp_path, monkeypatch):
     import torch
 
     import specmoe
-    from specmoe import testing
+    from specmoe.models import testing
     monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
     m, _ = _tiny("qwen3_moe")
     folder = testing.save_checkpoint(m, tmp_path / "ckpt")
@@ -673,7 +674,7 @@ def test_emulated_layer_states_and_host_block(store, written):
 
 
 def test_balance_needs_a_gpu_and_a_profile():
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m, _ = _tiny("qwen3_moe")
     with pytest.raises(ValueError, match="needs device='cuda'"):
         hf.offload(m, balance=True)
@@ -739,7 +740,7 @@ def test_gpu_moe_forward_balanced_matches_reference(tmp_path):
 def test_offload_cuda_balanced_greedy_equal_to_unmodified():
     import torch
 
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m, ref = _tiny("qwen3_moe")
     ref = ref.cuda()
     eng = hf.offload(m, device="cuda", dtype="f32", cache=0.25, policy="spac", balance=True)
@@ -763,14 +764,14 @@ def test_offload_cuda_balanced_greedy_equal_to_unmodified():
 # ---------- the simulator's profile of the GPU tier ----------
 
 def test_calibrate_gpu_bad_input_and_no_gpu(capsys):
-    from specmoe.calibration import calibrate_gpu, get_hardware
+    from specmoe.sim.calibration import calibrate_gpu, get_hardware
 
     with pytest.raises(ValueError, match="experts >= 3"):
         calibrate_gpu(experts=2)
     with pytest.raises(ValueError, match="top_k <= experts"):
         calibrate_gpu(experts=4, top_k=5)
     if _GPU_WHY:
-        from specmoe.__main__ import main
+        from specmoe.cli import main
 
         with pytest.raises(cuda.CudaUnavailable):
             get_hardware("calibrate-gpu")
@@ -789,10 +790,10 @@ def test_calibrate_gpu_profile_against_torch_copies(tmp_path):
     own copy rate, and the simulator runs on it."""
     import torch
 
-    from specmoe import sim
-    from specmoe.traces import Trace
-    from specmoe.calibration import calibrate_gpu, get_hardware
-    from specmoe.hardware import DEEPSEEK_V2_LITE, sim_timing
+    from specmoe.sim.replay import replay as sim
+    from specmoe.sim.traces import Trace
+    from specmoe.sim.calibration import calibrate_gpu, get_hardware
+    from specmoe.sim.hardware import DEEPSEEK_V2_LITE, sim_timing
 
     H, I = 2048, 1408
     prof = calibrate_gpu(0, expert_shape=(H, I), experts=4, top_k=2, repeats=1, refresh=True,

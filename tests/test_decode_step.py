@@ -1,4 +1,4 @@
-"""specmoe.decode_step: one-token forwards of an offloaded model whose decoder layers are one C
+"""specmoe.models.decode_step: one-token forwards of an offloaded model whose decoder layers are one C
 call each skip transformers' model-level Python, and run those layers in one
 ``_C.layer_chain`` call, or the whole step in one ``_C.DecodePlan.step``.  Reference: the same
 model with the step switched off (its own forward, transformers' mask and output code) or its
@@ -17,11 +17,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import specmoe
-from specmoe import _C, hf
-from specmoe.arch import DECODE_STEP_MODELS
-from specmoe.decode_step import DecodeStep, install_decode_step
-from specmoe.kvcache import kv_advance
-from specmoe.testing import tiny_config, tiny_model
+from specmoe import _C
+from specmoe.runtime import engine as hf
+from specmoe.models.arch import DECODE_STEP_MODELS
+from specmoe.models.decode_step import DecodeStep, install_decode_step
+from specmoe.runtime.kvcache import kv_advance
+from specmoe.models.testing import tiny_config, tiny_model
 
 ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
 
@@ -292,7 +293,8 @@ def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
     """A plan is rebuilt when its rotary tables or KV buffers run out, when the cache is
     cropped, when the Engine's cache is rebuilt; set aside while a layer has a hook (that step
     runs the hook); and every step's logits and cache are the model's own."""
-    from specmoe import decode_step, kvcache
+    from specmoe.models import decode_step
+    from specmoe.runtime import kvcache
     monkeypatch.setattr(decode_step, "_PLAN_MIN_POSITIONS", 8)   # tables run out at S = 8
     monkeypatch.setattr(kvcache, "_KV_SPARE", 4)                 # and KV buffers often
     model, eng = _offloaded(arch, torch.float32)

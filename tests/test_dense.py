@@ -1,4 +1,4 @@
-"""Dense linear layers through the C kernels (specmoe.dense, issue 16): the kernel against a
+"""Dense linear layers through the C kernels (specmoe.models.dense, issue 16): the kernel against a
 numpy reference on the dequantized weights, the torch path on the same bytes, offload with
 dense layers converted (greedy tokens equal to the unmodified model), and bad input."""
 import math
@@ -12,19 +12,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specmoe import _C, hf
-from specmoe.dense import convert_dense, resolve_dense
-from specmoe.layers import DENSE_DTYPES, CLinear
-from specmoe.kernels import context
-from specmoe.quant import (bf16_to_f32, dequantize_int4, dequantize_int8, f32_to_bf16,
-                           quantize_int4, quantize_int8)
-from specmoe.testing import tiny_model
+from specmoe import _C
+from specmoe.runtime import engine as hf
+from specmoe.models.dense import convert_dense, resolve_dense
+from specmoe.models.layers import DENSE_DTYPES, CLinear
+from specmoe.runtime.kernels import context
+from specmoe.storage.quant import bf16_to_f32, dequantize_int4, dequantize_int8, f32_to_bf16, quantize_int4, quantize_int8
+from specmoe.models.testing import tiny_model
 
 PROMPT = torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]])
 
 
 def _ref_weight(w: np.ndarray, dtype: str) -> np.ndarray:
-    """The weights the kernel should compute with, made by specmoe.quant (not by the packer)."""
+    """The weights the kernel should compute with, made by specmoe.storage.quant (not by the packer)."""
     if dtype == "f32":
         return w
     if dtype == "bf16":
@@ -212,7 +212,7 @@ def test_replacements_keep_the_models_eval_mode():
     """Every module offload puts in (CLinear, CRMSNorm, the experts' placeholder) takes the mode
     of the module it replaces: an eval-mode model needs no second eval() for its decode steps
     to take the C paths (a CRMSNorm left in training mode ran torch's norm at every step)."""
-    from specmoe.layers import CRMSNorm
+    from specmoe.models.layers import CRMSNorm
     m = tiny_model("deepseek_v2", dtype=torch.bfloat16)
     eng = hf.offload(m, dtype="bf16", dense="bf16")
     try:
@@ -282,7 +282,7 @@ def test_quantized_dense_perplexity(dtype):
 def test_weights_in_a_file_mapping_are_read_from_a_copy(dtype, tmp_path):
     """A checkpoint's mmap (as safetensors loads it) is read slower than memory of the layer's
     own: such an f32/bf16 weight is copied, equal; one in ordinary memory stays shared."""
-    from specmoe.layers import _file_mapped
+    from specmoe.models.layers import _file_mapped
     tdt = torch.float32 if dtype == "f32" else torch.bfloat16
     src = torch.randn(48, 64).to(tdt)
     f = tmp_path / "w.bin"
@@ -306,7 +306,7 @@ def test_weights_in_a_file_mapping_are_read_from_a_copy(dtype, tmp_path):
 def test_tied_lm_head_shares_the_embedding_bytes():
     from transformers import AutoModelForCausalLM
 
-    from specmoe.testing import tiny_config
+    from specmoe.models.testing import tiny_config
     cfg = tiny_config("mixtral")
     cfg.tie_word_embeddings = True
     torch.manual_seed(0)

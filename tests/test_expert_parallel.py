@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specmoe import _C, quant
-from specmoe.cache import ExpertCache
-from specmoe.kernels import FFNSpec
-from specmoe.store import ExpertStore, write_store
+from specmoe import _C
+from specmoe.storage import quant
+from specmoe.runtime.cache import ExpertCache
+from specmoe.runtime.kernels import FFNSpec
+from specmoe.storage.store import ExpertStore, write_store
 
 L, E, H, I, K = 2, 8, 128, 128, 4  # H, I multiples of 128: the fast bf16/int4 paths too
 

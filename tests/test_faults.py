@@ -112,7 +112,7 @@ def small_tmpfs(tmp_path):
 
 
 def test_enospc_while_writing_store(small_tmpfs):
-    from specmoe.store import ExpertStore, write_store
+    from specmoe.storage.store import ExpertStore, write_store
 
     final = small_tmpfs / "experts.smoe"
     layers = [{"w": np.ones((8, 64, 64), np.float32)} for _ in range(2)]  # 2 x 128 KiB
@@ -133,7 +133,7 @@ def test_enospc_while_writing_store(small_tmpfs):
 
 WRITER = textwrap.dedent("""
     import sys, time, numpy as np
-    from specmoe.store import write_store
+    from specmoe.storage.store import write_store
     def layers():
         for i in range(6):
             if i == 2:
@@ -146,7 +146,7 @@ WRITER = textwrap.dedent("""
 
 @pytest.mark.parametrize("existing", [False, True])
 def test_sigkill_while_writing_store(tmp_path, existing):
-    from specmoe.store import ExpertStore, write_store
+    from specmoe.storage.store import ExpertStore, write_store
 
     final = tmp_path / "experts.smoe"
     if existing:

@@ -1,4 +1,4 @@
-"""specmoe.generation: speculative decoding on offloaded models.
+"""specmoe.speculation.generation: speculative decoding on offloaded models.
 
 References: transformers' own greedy ``model.generate`` (greedy outputs must be identical), the
 exact target distribution computed by full forwards (sampled outputs must follow it, chi-square
@@ -15,14 +15,14 @@ import torch
 torch.set_num_threads(1)
 
 import specmoe  # noqa: E402
-import specmoe.arch  # noqa: E402
+import specmoe.models.arch  # noqa: E402
 from specmoe import zoo  # noqa: E402
-from specmoe.drafters import DraftModel, SelfDraft  # noqa: E402
-from specmoe.generation import generate  # noqa: E402
-from specmoe.testing import tiny_model  # noqa: E402
-from specmoe.decoding import recurrent_layer_types  # noqa: E402
-from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
-from specmoe.drafters import NgramDrafter  # noqa: E402
+from specmoe.speculation.drafters import DraftModel, SelfDraft  # noqa: E402
+from specmoe.speculation.generation import generate  # noqa: E402
+from specmoe.models.testing import tiny_model  # noqa: E402
+from specmoe.speculation.decoding import recurrent_layer_types  # noqa: E402
+from specmoe.speculation.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
+from specmoe.speculation.drafters import NgramDrafter  # noqa: E402
 
 PROMPT = ("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n"
           "        if os.path.exists(name):\n            print(name)\n")
@@ -154,8 +154,8 @@ def test_self_draft_proposals_match_int4_reference(pair):
     """The self-draft's greedy proposals equal greedy decoding of a torch model whose experts
     hold the int4-quantized-then-dequantized weights (independent of the C kernels)."""
     model, _, eng, ids = pair
-    from specmoe.hf import extract_experts, iter_experts_modules
-    from specmoe.quant import dequantize_expert, expert_tensors
+    from specmoe.runtime.engine import extract_experts, iter_experts_modules
+    from specmoe.storage.quant import dequantize_expert, expert_tensors
     ref_model, _ = zoo.load("tiny-moe", experts_implementation="eager")
     with torch.no_grad():
         for ex in iter_experts_modules(ref_model):
@@ -262,7 +262,7 @@ def test_self_draft_shares_the_target_kv(pair):
     """MoE-SpeQ's shared KV: bound to the target's cache, a draft writes its positions after
     the verified prefix and crops them off again, leaving the prefix's tensors untouched;
     generate binds and unbinds it; a cache of the wrong length is refused."""
-    from specmoe.decoding import crop_kv, forward_tokens, new_kv
+    from specmoe.speculation.decoding import crop_kv, forward_tokens, new_kv
     model, _, eng, ids = pair
     hist = ids[0].tolist()
     kv = new_kv(model)
@@ -454,7 +454,7 @@ def test_spac_policy_learns_from_verification_counts(pair):
         eng.set_policy("lru")
 
 
-@pytest.mark.parametrize("arch", sorted(specmoe.arch.SUPPORTED))
+@pytest.mark.parametrize("arch", sorted(specmoe.models.arch.SUPPORTED))
 def test_every_architecture_greedy_equal(arch):
     """Greedy speculative output equals transformers' greedy output on every supported MoE
     architecture (tiny random models), with drafts that are often accepted (n-gram on a

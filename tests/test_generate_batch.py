@@ -15,13 +15,13 @@ torch.set_num_threads(1)
 
 import specmoe  # noqa: E402
 from specmoe import zoo  # noqa: E402
-from specmoe.testing import tiny_model  # noqa: E402
-from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
-from specmoe.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
-from specmoe.generation import generate  # noqa: E402
-from specmoe.tau import measure_tau_grid  # noqa: E402
-from specmoe.generation_batch import BatchKV, per_position_acceptance  # noqa: E402
-from specmoe.mtp import MtpAdapter, MtpDrafter  # noqa: E402
+from specmoe.models.testing import tiny_model  # noqa: E402
+from specmoe.speculation.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
+from specmoe.speculation.drafters import DraftModel, NgramDrafter, SelfDraft  # noqa: E402
+from specmoe.speculation.generation import generate  # noqa: E402
+from specmoe.speculation.tau import measure_tau_grid  # noqa: E402
+from specmoe.speculation.batch import BatchKV, per_position_acceptance  # noqa: E402
+from specmoe.speculation.mtp import MtpAdapter, MtpDrafter  # noqa: E402
 
 from tests.test_generate import RandomDrafter, chi2_critical, chi2_stat, exact_joint  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""specmoe.hf against the unmodified transformers models (eager experts) as the reference."""
+"""specmoe.runtime.engine against the unmodified transformers models (eager experts) as the reference."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe import hf, testing
+from specmoe.runtime import engine as hf
+from specmoe.models import testing
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)  # the C path is single-threaded; keep the reference comparable
@@ -335,8 +336,8 @@ def test_expert_memory_is_freed():
 def test_moe_forward_against_numpy(tmp_path, gptoss):
     """The C layer on random routing vs a plain numpy MoE (SiLU, or GPT-OSS with biases)."""
     from specmoe import _C
-    from specmoe.kernels import FFNSpec
-    from specmoe.store import write_store
+    from specmoe.runtime.kernels import FFNSpec
+    from specmoe.storage.store import write_store
     rng = np.random.default_rng(0)
     E, I, H, T, k = 4, 64, 32, 7, 2
     names = ["gate", "up", "down"] + (["gate.bias", "up.bias", "down.bias"] if gptoss else [])

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe import _C, kernels, quant
+from specmoe import _C
+from specmoe.runtime import kernels
+from specmoe.storage import quant
 
 ISAS = ["scalar", "avx2", "avx512"]
 _ORDER = {n: i for i, n in enumerate(ISAS)}
@@ -511,7 +513,7 @@ def test_stream_prefetch_never_changes_results(shape, dtype):
     import torch
     from torch import nn
 
-    from specmoe.layers import CLinear
+    from specmoe.models.layers import CLinear
 
     c = _C.KernelContext(1)
     _isa(c, "avx512")

@@ -9,10 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from specmoe import _C, quant
-from specmoe.cache import ExpertCache
-from specmoe.kernels import FFNSpec
-from specmoe.store import write_store
+from specmoe import _C
+from specmoe.storage import quant
+from specmoe.runtime.cache import ExpertCache
+from specmoe.runtime.kernels import FFNSpec
+from specmoe.storage.store import write_store
 
 L, E, H, I, K = 3, 16, 64, 32, 2
 
@@ -58,7 +59,7 @@ def ref_scores(router, x, sigmoid):
 
 
 def ref_predict(sc, overfetch, mass):
-    """The Python path that _C.Layers replaced (specmoe/hf.py before the C layer object)."""
+    """The Python path that _C.Layers replaced (specmoe/runtime/engine.py before the C layer object)."""
     T = sc.shape[0]
     pred = np.zeros(E, bool)
     if mass is None:

@@ -1,58 +1,225 @@
-"""The package's layering: the engine side (store, cache, kernels, the Engine and what it owns)
-never imports the speculative-decoding side (controllers, drafters, generate, MTP), so either
-can change without the other, and the old module names still resolve."""
+"""The package's layout, read from its sources (issue 36, item 5).
+
+* The import graph has no cycle.  Every import counts, those inside functions too (they are how
+  cycles used to be held apart); ``if TYPE_CHECKING:`` blocks do not (they never run).  Importing
+  ``specmoe.a.b`` runs ``specmoe/a/__init__.py`` first, so each module also depends on its
+  subpackage's ``__init__``; the root ``specmoe/__init__.py`` is the public facade that imports
+  from everything and is left out (nothing inside the package may import from it, see below).
+* No module imports a private name (``_x``) of another module, nor a name from the root facade.
+* The engine side (storage, runtime, models) never imports the speculation side, except the one
+  documented convenience ``EngineCommon.generate``.
+* The pre-0.2 module names raise with their new name; the public names of ``specmoe`` work.
+"""
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "specmoe"
-
-ENGINE_SIDE = ("arch", "cache", "conversion", "cuda", "dense", "expert_copy", "hardware", "hf",
-               "kernels", "lookahead", "misses", "mla", "policies", "pretrained", "quant",
-               "recording", "sim", "store", "sweep", "traces", "experts", "engine_base",
-               "layers", "calibration")
-SPEC_SIDE = ("controllers", "drafters", "generation", "generation_batch", "mtp", "verify",
-             "sampling", "decoding", "tau")
-# (module, enclosing function): the one documented way back -- Engine.generate is a
-# convenience that calls specmoe.generate
-ALLOWED = {("engine_base", "generate")}
+ROOT = Path(__file__).resolve().parent.parent / "specmoe"
+EXTENSIONS = {"specmoe._C", "specmoe._cuda"}
 
 
-def _imports(mod: str):
-    """(imported specmoe submodule, enclosing function or None) for every import in ``mod``."""
-    tree = ast.parse((PKG / f"{mod}.py").read_text())
-    out = []
-
-    def visit(node, fn):
-        for ch in ast.iter_child_nodes(node):
-            f = ch.name if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
-            if isinstance(ch, ast.ImportFrom) and ch.level >= 1:
-                if ch.module:
-                    out.append((ch.module.split(".")[0], f))
-                else:
-                    out.extend((a.name, f) for a in ch.names)
-            elif isinstance(ch, ast.ImportFrom) and (ch.module or "").startswith("specmoe."):
-                out.append((ch.module.split(".")[1], f))
-            elif isinstance(ch, ast.Import):
-                out.extend((a.name.split(".")[1], f) for a in ch.names
-                           if a.name.startswith("specmoe."))
-            visit(ch, f)
-
-    visit(tree, None)
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        parts = list(p.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
     return out
 
 
-@pytest.mark.parametrize("mod", ENGINE_SIDE)
-def test_engine_side_never_imports_the_speculative_side(mod):
-    bad = [(m, fn) for m, fn in _imports(mod) if m in SPEC_SIDE and (mod, fn) not in ALLOWED]
-    assert not bad, f"specmoe/{mod}.py imports {bad}"
+MODULES = _modules()
 
 
-def test_the_scan_sees_imports():
-    """The scanner itself: it finds hf's allowed import and drafters' imports."""
-    assert ("generation", "generate") in _imports("hf")
-    assert ("expert_copy", None) in _imports("drafters")
-    assert ("mtp", None) in _imports("drafters")
+def _is_package(mod: str) -> bool:
+    return MODULES[mod].name == "__init__.py"
+
+
+def _strip_type_checking(tree: ast.AST) -> None:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            t = node.test
+            if getattr(t, "id", None) == "TYPE_CHECKING" or getattr(t, "attr", None) == \
+                    "TYPE_CHECKING":
+                node.body = []
+
+
+def _imports(mod: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for each import in ``mod``."""
+    tree = ast.parse(MODULES[mod].read_text())
+    _strip_type_checking(tree)
+    pkg = mod.split(".") if _is_package(mod) else mod.split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names
+                    if a.name.split(".")[0] == "specmoe"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - (node.level - 1)] + (node.module.split(".")
+                                                              if node.module else [])
+            elif (node.module or "").split(".")[0] == "specmoe":
+                base = node.module.split(".")
+            else:
+                continue
+            b = ".".join(base)
+            for a in node.names:
+                sub = f"{b}.{a.name}"
+                if sub in MODULES or sub in EXTENSIONS:
+                    out.append((sub, None, node.lineno))
+                else:
+                    out.append((b, a.name, node.lineno))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    g: dict[str, set[str]] = {m: set() for m in MODULES}
+    for m in MODULES:
+        for target, _, _ in _imports(m):
+            if target in MODULES and target != m and target != "specmoe":
+                g[m].add(target)
+        parts = m.split(".")
+        for i in range(2, len(parts)):            # enclosing subpackages (not the root)
+            parent = ".".join(parts[:i])
+            if parent != m:
+                g[m].add(parent)
+    for m in MODULES:  # a package's __init__ that imports its own child is the facade pattern:
+        for child in [c for c in g[m] if _is_package(m) and c.startswith(m + ".")]:
+            g[child].discard(m)  # the child runs inside that import, the edge back is no cycle
+    return g
+
+
+def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_cycle():
+    g = _graph()
+    cycles = _cycles(g)
+    detail = "\n".join(f"  {c}: " + "; ".join(f"{m} -> {sorted(g[m] & set(c))}" for m in c)
+                       for c in cycles)
+    assert not cycles, f"import cycles:\n{detail}"
+
+
+def test_the_cycle_check_sees_cycles():
+    """The checker itself: a two-module cycle, a cycle through a function-level import and a
+    subpackage's __init__ edge are found; a chain is not a cycle."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    g = _graph()
+    # the scan sees function-level imports: EngineCommon.generate imports the generate loop
+    assert "specmoe.speculation.generation" in g["specmoe.runtime.engine_base"]
+    assert "specmoe.sim" in g["specmoe.sim.traces"]          # its subpackage's __init__
+    # ... unless that __init__ imports the module itself (controllers/__init__ re-exports)
+    assert "specmoe.speculation.controllers.cascade" in g["specmoe.speculation.controllers"]
+    assert "specmoe.speculation.controllers" not in g["specmoe.speculation.controllers.cascade"]
+
+
+def test_no_private_names_across_modules():
+    bad = []
+    for m in MODULES:
+        for target, name, line in _imports(m):
+            if name is not None and target == "specmoe" and m != "specmoe":
+                bad.append(f"{m}:{line} imports {name} from the root facade")
+            elif target in EXTENSIONS or target == m:
+                continue
+            elif name is not None and name.startswith("_") and not name.startswith("__"):
+                bad.append(f"{m}:{line} imports {target}.{name}")
+            elif name is None and target.rsplit(".", 1)[-1].startswith("_") \
+                    and target not in EXTENSIONS and target.rsplit(".", 1)[0] != m \
+                    and m != "specmoe":
+                bad.append(f"{m}:{line} imports the private module {target}")
+    assert not bad, "\n".join(bad)
+
+
+ENGINE_SIDE = ("specmoe.storage", "specmoe.runtime", "specmoe.models")
+# (module, function): the documented way up -- Engine.generate calls specmoe.generate
+ALLOWED_UP = {("specmoe.runtime.engine_base", "generate")}
+
+
+def _function_of(mod: str) -> dict[int, str]:
+    """line -> name of the innermost function enclosing it, for ``mod``."""
+    tree = ast.parse(MODULES[mod].read_text())
+    fns = sorted((n for n in ast.walk(tree)
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
+                 key=lambda n: n.lineno)
+    out: dict[int, str] = {}
+    for n in fns:                       # an inner function starts later: it overwrites
+        for ln in range(n.lineno, (n.end_lineno or n.lineno) + 1):
+            out[ln] = n.name
+    return out
+
+
+@pytest.mark.parametrize("mod", [m for m in MODULES if m.startswith(ENGINE_SIDE)])
+def test_engine_side_never_imports_the_speculation_side(mod):
+    fn = _function_of(mod)
+    bad = [(t, line) for t, _, line in _imports(mod)
+           if t.startswith("specmoe.speculation") and (mod, fn.get(line)) not in ALLOWED_UP]
+    assert not bad, f"{mod} imports {bad}"
+
+
+@pytest.mark.parametrize("old,new", [("hf", "specmoe.runtime.engine"),
+                                     ("store", "specmoe.storage.store"),
+                                     ("generation_batch", "specmoe.speculation.batch"),
+                                     ("spec", "specmoe.speculation"),
+                                     ("kernels", "specmoe.runtime.kernels")])
+def test_old_module_names_raise_with_the_new_name(old, new):
+    import specmoe
+    with pytest.raises(specmoe.MovedModuleError, match=f"specmoe.{old} moved to {new}"):
+        importlib.import_module(f"specmoe.{old}")
+    assert isinstance(specmoe.MovedModuleError("x"), ModuleNotFoundError)
+    if old != "kernels":        # specmoe.kernels stays a public attribute
+        with pytest.raises(specmoe.MovedModuleError, match=f"moved to {new}"):
+            exec(f"from specmoe import {old}", {})
+        with pytest.raises(specmoe.MovedModuleError, match=f"moved to {new}"):
+            getattr(specmoe, old)
+    assert f"specmoe.{old}" not in sys.modules
+
+
+def test_public_names_keep_working():
+    import specmoe
+    from specmoe.runtime import engine, kernels
+    from specmoe.speculation import generation
+    from specmoe.storage import quant
+    assert specmoe.kernels is kernels and specmoe.quant is quant
+    assert specmoe.generate is generation.generate and specmoe.offload is engine.offload
+    for name in specmoe.__all__:
+        assert getattr(specmoe, name) is not None, name
+    with pytest.raises(AttributeError):
+        specmoe.no_such_name

@@ -1,10 +1,10 @@
-"""specmoe.lookahead.LookaheadBuffer: MoE-SpeQ's expert lookahead buffer on its own -- masks,
+"""specmoe.runtime.lookahead.LookaheadBuffer: MoE-SpeQ's expert lookahead buffer on its own -- masks,
 the per-layer end of a pass, precision/recall counters against a direct count, and bad input
 that leaves the buffer as it was."""
 import numpy as np
 import pytest
 
-from specmoe.lookahead import LookaheadBuffer
+from specmoe.runtime.lookahead import LookaheadBuffer
 
 L, E = 4, 8
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmoe import testing
+from specmoe.models import testing
 
 CG_ROOT = Path("/sys/fs/cgroup/memory")
 MiB = 1 << 20
@@ -33,8 +33,8 @@ NEW = 8
 
 pytestmark = pytest.mark.slow
 
-IMPORTS = ("import torch, transformers, safetensors, accelerate, specmoe, specmoe.pretrained, "
-           "specmoe.hf\nfrom transformers import AutoModelForCausalLM, AutoConfig\n")
+IMPORTS = ("import torch, transformers, safetensors, accelerate, specmoe, specmoe.models.pretrained, "
+           "specmoe.runtime.engine\nfrom transformers import AutoModelForCausalLM, AutoConfig\n")
 
 
 def _cgroup_ok() -> str | None:

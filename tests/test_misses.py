@@ -10,11 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from specmoe import _C, quant
-from specmoe.cache import ExpertCache
-from specmoe.kernels import FFNSpec
-from specmoe.store import write_store
-from specmoe.experts import SpecmoeExperts
+from specmoe import _C
+from specmoe.storage import quant
+from specmoe.runtime.cache import ExpertCache
+from specmoe.runtime.kernels import FFNSpec
+from specmoe.storage.store import write_store
+from specmoe.runtime.experts import SpecmoeExperts
 
 L, E, H, I, K = 2, 12, 64, 64, 4  # int2 needs multiples of 64
 
@@ -526,14 +527,14 @@ def test_throttle_bounds_read_time(stores):
 def _tiny():
     import torch
 
-    from specmoe import testing
+    from specmoe.models import testing
     torch.manual_seed(0)
     m = testing.tiny_model("mixtral", experts=8, top_k=2, layers=3)
     return m.eval()
 
 
 def test_engine_rejects_bad_options():
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m = _tiny()
     for kw, exc, word in [({"miss": "skip"}, ValueError, "miss"),
                           ({"miss": 1}, TypeError, "miss"),
@@ -554,7 +555,8 @@ def test_engine_low_bit_levels():
 
     import torch
 
-    from specmoe import hf, testing
+    from specmoe.runtime import engine as hf
+    from specmoe.models import testing
     torch.manual_seed(0)
     m = testing.tiny_model("mixtral", experts=8, top_k=2, layers=3, inter=128).eval()
     ref_model = copy.deepcopy(m)
@@ -610,7 +612,7 @@ def test_engine_int2_level_needs_multiples_of_64():
     reason and keeps its settings and output."""
     import torch
 
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m = _tiny()  # hidden 64, inter 96
     ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(3))
     for kw in ({"dtype": "int2"}, {"miss": "lowest_bit", "miss_levels": "int2"}):
@@ -633,7 +635,7 @@ def test_engine_modes_against_plain_decoding():
 
     import torch
 
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m = _tiny()
     ref_model = copy.deepcopy(m)
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(1))
@@ -690,7 +692,7 @@ def test_engine_modes_against_plain_decoding():
 def test_engine_throttle_slows_loads():
     import torch
 
-    from specmoe import hf
+    from specmoe.runtime import engine as hf
     m = _tiny()
     ids = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(2))
     eng = hf.offload(m, cache=4, prefetch=False, throttle=(0.0, 2000.0))  # 2 ms per read
@@ -822,8 +824,8 @@ def test_simulate_api_and_cli_take_miss(tmp_path):
     import subprocess
     import sys
 
-    from specmoe.sim import simulate
-    from specmoe.traces import Trace
+    from specmoe.sim.replay import simulate
+    from specmoe.sim.traces import Trace
     rng = np.random.default_rng(3)
     ex = np.stack([rng.permutation(10)[:3] for _ in range(40 * 4)]).reshape(40, 4, 3)
     tr = Trace(experts=ex.astype(np.int16), num_experts=10)

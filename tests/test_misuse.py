@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import specmoe
-import specmoe.verify
-from specmoe.cache import ExpertCache
-from specmoe.policies import PythonPolicy
-from specmoe.store import write_store
+import specmoe.speculation.verify
+from specmoe.runtime.cache import ExpertCache
+from specmoe.runtime.policies import PythonPolicy
+from specmoe.storage.store import write_store
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_one_slot_cache(store):
 @pytest.fixture(scope="module")
 def tiny():
     torch = pytest.importorskip("torch")
-    from specmoe.testing import tiny_model
+    from specmoe.models.testing import tiny_model
 
     return torch, tiny_model
 
@@ -158,7 +158,7 @@ def test_accept_nan_checked(where):
     (p if where == "p" else q)[1, 4] = np.nan
     u = rng.random((3, 2))
     with pytest.raises(ValueError, match=f"{where}\\[1, 4\\] = nan"):
-        specmoe.verify.accept(p, [1, 2], q, u)
+        specmoe.speculation.verify.accept(p, [1, 2], q, u)
 
 
 @pytest.mark.parametrize("sampling", [False, True])
@@ -175,7 +175,7 @@ def test_accept_nan_unchecked_is_bounded(sampling):
         u = rng.random((4, 2)) if sampling else None
         draft = rng.integers(0, 16, 3)
         try:
-            n, tok = specmoe.verify.accept(p, draft, q, u, check=False)
+            n, tok = specmoe.speculation.verify.accept(p, draft, q, u, check=False)
         except ValueError:
             continue
         assert 0 <= n <= 3 and 0 <= tok < 16
@@ -201,4 +201,4 @@ def test_accept_mismatched_shapes(case):
     elif case == "draft_range":
         draft = np.array([1, 10])
     with pytest.raises(ValueError):
-        specmoe.verify.accept(p, draft, q, u)
+        specmoe.speculation.verify.accept(p, draft, q, u)

@@ -1,4 +1,4 @@
-"""MLA decoded in the absorbed form (specmoe.mla): against transformers' own expanded-latent
+"""MLA decoded in the absorbed form (specmoe.models.mla): against transformers' own expanded-latent
 attention on tiny DeepSeek-V2/V3 models -- decode steps, multi-token verification chunks on a
 cache, left-padded batches under both attention back ends --, the fall-backs to the module's
 own forward, and the dense conversion that turns it on."""
@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specmoe import hf
-from specmoe.dense import convert_dense
-from specmoe.layers import CLinear
-from specmoe.mla import MLA_MAX_TOKENS, absorb_mla, is_mla_attention
-from specmoe.testing import tiny_config, tiny_model
+from specmoe.runtime import engine as hf
+from specmoe.models.dense import convert_dense
+from specmoe.models.layers import CLinear
+from specmoe.models.mla import MLA_MAX_TOKENS, absorb_mla, is_mla_attention
+from specmoe.models.testing import tiny_config, tiny_model
 
 ARCHS = ["deepseek_v2", "deepseek_v3"]
 
@@ -29,7 +29,7 @@ def _pair(arch, kv_heads=None):
 
 def _only(kernel, monkeypatch):
     """Make the other implementation of the absorbed attention fail if it is called."""
-    import specmoe.mla as mla
+    import specmoe.models.mla as mla
 
     def boom(*a, **k):
         raise AssertionError(f"the {kernel!r} path was asked for")

@@ -1,5 +1,5 @@
 """A DeepSeek-V2/V3 decoder layer at decode sizes in one C call (specmoe._C.MLABlock,
-specmoe.mla.fuse_mla): bf16 layers bit for bit against the same model decoding through the
+specmoe.models.mla.fuse_mla): bf16 layers bit for bit against the same model decoding through the
 absorbed attention with torch doing the norms, rotary, casts and residual adds between the same
 C kernels (decode steps, verification chunks, a crop; DeepSeek-V2's complex rotary with and
 without q compression, DeepSeek-V3's interleaved and rotate-half ones; bf16, int8 and int4
@@ -22,10 +22,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specmoe import _C, hf
-from specmoe.dense import convert_dense
-from specmoe.mla import absorb_mla, fuse_mla
-from specmoe.testing import tiny_config
+from specmoe import _C
+from specmoe.runtime import engine as hf
+from specmoe.models.dense import convert_dense
+from specmoe.models.mla import absorb_mla, fuse_mla
+from specmoe.models.testing import tiny_config
 
 from .attn_helpers import layer_outputs
 
@@ -85,7 +86,7 @@ def _kinds(model):
 
 def _unfused(model):
     """The same model with the one-call layers undone: the absorbed attention
-    (specmoe.mla._absorbed_forward) with torch between the same C kernels."""
+    (specmoe.models.mla._absorbed_forward) with torch between the same C kernels."""
     for layer in model.model.layers:
         if "forward" in vars(layer):
             del layer.forward

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from specmoe import _C
-from specmoe.mla import int4_values
-from specmoe.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from specmoe.models.mla import int4_values
+from specmoe.storage.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 from .attn_helpers import ISAS, causal, mask_of
 
@@ -60,7 +60,7 @@ def _inputs(rng, B, T, S, r=R):
 
 
 def _quantized(w: np.ndarray, fmt: str, group: int = 32):
-    """[H, rows, R4] weights in specmoe.quant's int8/int4 formats per row: (q, scale) as the
+    """[H, rows, R4] weights in specmoe.storage.quant's int8/int4 formats per row: (q, scale) as the
     kernel takes them, and the dequantized float32 the reference uses."""
     h, rows, cols = w.shape
     flat = w.reshape(h * rows, cols)
@@ -78,7 +78,7 @@ def test_int4_values():
     """One value a column: nibble u of column c (low for even c) minus 8."""
     rng = np.random.default_rng(4)
     u = rng.integers(0, 16, size=(3, 64), dtype=np.uint8)
-    canon = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)      # specmoe.quant's packing
+    canon = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)      # specmoe.storage.quant's packing
     np.testing.assert_array_equal(int4_values(canon), u.astype(np.int16) - 8)
     assert int4_values(canon).dtype == np.int8
 
@@ -112,7 +112,7 @@ R4 = 96  # int4 groups of 32 need a kv_lora_rank divisible by 32
 @pytest.mark.parametrize("B,T,S", [(1, 1, 5), (2, 3, 19)])
 def test_quantized_weights_match_dequantized_reference(isa, fmt, group, B, T, S):
     """int8 (a scale per row) and int4 (a scale per group of columns) absorbed weights, as
-    specmoe.quant stores kv_b_proj's rows: the kernel against the expanded reference on the
+    specmoe.storage.quant stores kv_b_proj's rows: the kernel against the expanded reference on the
     dequantized weights."""
     rng = np.random.default_rng(11 + B + T)
     qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, B, T, S, R4)

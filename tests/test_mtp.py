@@ -1,4 +1,4 @@
-"""Multi-token prediction with gated LoRA (specmoe.mtp): the input layout against cacheless
+"""Multi-token prediction with gated LoRA (specmoe.speculation.mtp): the input layout against cacheless
 forwards of the explicit sequences, the gate's exactness on real tokens, greedy equality and the
 sampling distribution through specmoe.generate, adapter files and their errors, the training
 script's smoke run, and the shipped adapter."""
@@ -18,11 +18,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import specmoe  # noqa: E402
-import specmoe.hf  # noqa: E402,F401  (SUPPORTED)
-from specmoe import mtp, zoo  # noqa: E402
-from specmoe.controllers import Cascade, StaticK  # noqa: E402
-from specmoe.decoding import forward_tokens, new_kv  # noqa: E402
-from specmoe.testing import tiny_model  # noqa: E402
+import specmoe.runtime.engine  # noqa: E402,F401  (SUPPORTED)
+from specmoe.speculation import mtp
+from specmoe import zoo  # noqa: E402
+from specmoe.speculation.controllers import Cascade, StaticK  # noqa: E402
+from specmoe.speculation.decoding import forward_tokens, new_kv  # noqa: E402
+from specmoe.models.testing import tiny_model  # noqa: E402
 
 from .test_generate import chi2_critical, chi2_stat  # noqa: E402
 
@@ -375,7 +376,7 @@ def test_generate_prunes_with_the_mtp_tau(moe, monkeypatch):
     """tau="auto" asks for (k_max+1)(k+1) tokens and hands the remapped table to the
     controller: with T(g) ~ sqrt(g) every K pays for a plain drafter ((K+1)/sqrt(K+1) > 1) and
     none for MTP ((K+1)/sqrt(4(K+1)) <= 1 for K <= 3)."""
-    from specmoe import generation
+    from specmoe.speculation import generation
     model, _, ad = moe
     asked = []
 
@@ -395,13 +396,13 @@ def test_generate_prunes_with_the_mtp_tau(moe, monkeypatch):
     assert asked == [16, 4] and ctl2.allowed == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("arch", sorted(specmoe.hf.SUPPORTED))
+@pytest.mark.parametrize("arch", sorted(specmoe.runtime.engine.SUPPORTED))
 def test_every_architecture_greedy_equal(arch):
     """The adapter installs on every supported MoE architecture's attention projections, and
     greedy MTP speculation on the offloaded tiny model equals transformers' greedy decoding
     (DeepSeek-V2/V3: no multi-token forward over a KV cache upstream, see test_generate;
     recurrent layers: no rollback)."""
-    from specmoe.decoding import recurrent_layer_types
+    from specmoe.speculation.decoding import recurrent_layer_types
     if arch in ("deepseek_v2", "deepseek_v3"):
         pytest.skip("transformers 5.x: multi-token forward with a KV cache fails")
     model = tiny_model(arch, vocab=64)

@@ -92,7 +92,7 @@ def test_outputs_do_not_depend_on_residency(parallel):
     misses, resident experts computed first) and a larger one give bit-identical logits.
     Top-4, so that the order of the sum matters (a + b == b + a, but not for three terms).
     (A cache holding every expert takes the plain path.)"""
-    from specmoe.testing import tiny_model
+    from specmoe.models.testing import tiny_model
     out = []
     for cache in (0.25, 0.75):
         model = tiny_model("mixtral", seed=4, vocab=96, layers=3, hidden=64, inter=64,

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import specmoe
-from specmoe import hf, testing
-from specmoe.conversion import check_store, default_store_path
+from specmoe.runtime import engine as hf
+from specmoe.models import testing
+from specmoe.storage.conversion import check_store, default_store_path
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -258,8 +259,8 @@ def test_convert_then_from_pretrained_uses_it(tmp_path, capfd):
 
 
 def _record(folder, dtype):
-    from specmoe.conversion import Checkpoint, store_settings
-    from specmoe.pretrained import _prepare
+    from specmoe.storage.conversion import Checkpoint, store_settings
+    from specmoe.models.pretrained import _prepare
     plan = _prepare(folder, dtype, None, {})
     return (Checkpoint.open(folder).fingerprint(),
             store_settings(plan.model.config, plan.info, plan.layer_ids, dtype))
@@ -305,7 +306,7 @@ def test_cli_refuses_bad_counts_before_loading(argv, what, capsys):
     """Counts the command line cannot use fail in argparse, with its usage message, before any
     checkpoint is opened (they used to raise a traceback from transformers or torch after the
     model had loaded)."""
-    from specmoe.__main__ import main
+    from specmoe.cli import main
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2

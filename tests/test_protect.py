@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specmoe.cache import ExpertCache
-from specmoe.store import ExpertStore, write_store
+from specmoe.runtime.cache import ExpertCache
+from specmoe.storage.store import ExpertStore, write_store
 from tests import ref_policies as ref
 
 NL, NE = 3, 6

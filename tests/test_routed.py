@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe import _C, hf
-from specmoe.testing import tiny_model
+from specmoe import _C
+from specmoe.runtime import engine as hf
+from specmoe.models.testing import tiny_model
 
 ARCHS = ["olmoe", "qwen3_moe", "mixtral"]
 
@@ -212,8 +213,8 @@ def test_speculative_generate_through_fused_layers(arch):
     K + 1 tokens run through the one-call path, rejected drafts crop the KV buffers, and the
     tokens equal the unmodified model's greedy ones."""
     import specmoe
-    from specmoe.controllers.static import StaticK
-    from specmoe.drafters import NgramDrafter
+    from specmoe.speculation.controllers.static import StaticK
+    from specmoe.speculation.drafters import NgramDrafter
     ref = tiny_model(arch)
     m, eng = _offload(arch, torch.float32)
     try:

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe import _C, hf
-from specmoe.testing import tiny_model
+from specmoe import _C
+from specmoe.runtime import engine as hf
+from specmoe.models.testing import tiny_model
 
 
 def _offload(dt, scale=None):

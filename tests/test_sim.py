@@ -15,10 +15,10 @@ import pytest
 
 import specmoe
 from specmoe import _C
-from specmoe.calibration import get_hardware
-from specmoe.hardware import PROFILES, Hardware, ModelCost, sim_timing
-from specmoe.sim import Predictor, parse_capacity, simulate, ttft_seconds
-from specmoe.traces import Trace
+from specmoe.sim.calibration import get_hardware
+from specmoe.sim.hardware import PROFILES, Hardware, ModelCost, sim_timing
+from specmoe.sim.replay import Predictor, parse_capacity, simulate, ttft_seconds
+from specmoe.sim.traces import Trace
 from tests.sim_reference import RefBelady, RefLRU, ref_simulate
 
 HW = dict(expert_bytes=17.3e6, fast_bw=1.2e12, link_bw=25e9, link_latency_s=1e-5,
@@ -263,7 +263,7 @@ def test_ttft_against_loop(small):
 
 
 def test_python_policy_and_policy_objects(small):
-    from specmoe.policies import LRU, LeastStale, PythonPolicy, make_policy
+    from specmoe.runtime.policies import LRU, LeastStale, PythonPolicy, make_policy
 
     from tests.ref_policies import RefLRU as PlainLRU
 
@@ -368,7 +368,7 @@ def test_bad_input_raises(small):
 # -- sweep and CLI ----------------------------------------------------------------------------
 
 def test_sweep_equals_direct_runs_and_writes_files(small, tmp_path):
-    from specmoe.sweep import sweep, write_results
+    from specmoe.sim.sweep import sweep, write_results
 
     pols, caps, hws, preds = ["lru"], ["5%", 100], ["a100-pcie4", "laptop"], ["none", "oracle"]
     rows = sweep(small, pols, caps, hws, preds, processes=2, progress=False)
@@ -389,7 +389,7 @@ def test_sweep_equals_direct_runs_and_writes_files(small, tmp_path):
 
 
 def test_cli_simulate_json(tmp_path):
-    from specmoe.__main__ import main
+    from specmoe.cli import main
     from tests.conftest import SUBSET
 
     buf = io.StringIO()
@@ -410,8 +410,8 @@ def test_cli_simulate_json(tmp_path):
 
 def test_hardware_profile_saved_and_loaded(tmp_path):
     """A profile measured on one machine, saved, and used on another: the same simulation."""
-    from specmoe.hardware import load_profile, with_
-    from specmoe.__main__ import main
+    from specmoe.sim.hardware import load_profile, with_
+    from specmoe.cli import main
     from tests.conftest import SUBSET
 
     hw = with_(PROFILES["h200"], name="measured-elsewhere", link_bw=31.5e9)
@@ -443,7 +443,7 @@ def test_hardware_profile_saved_and_loaded(tmp_path):
      "link_latency_s must be a finite number >= 0"),
 ])
 def test_hardware_profile_bad_files(tmp_path, capsys, text, match):
-    from specmoe.__main__ import main
+    from specmoe.cli import main
     from tests.conftest import SUBSET
 
     path = tmp_path / "p.json"
@@ -459,7 +459,7 @@ def test_hardware_profile_bad_files(tmp_path, capsys, text, match):
 
 
 def test_hardware_rejects_impossible_rates(capsys):
-    from specmoe.hardware import with_
+    from specmoe.sim.hardware import with_
 
     hw = PROFILES["a100-pcie4"]
     for field, bad in [("fast_bw", 0.0), ("link_bw", float("nan")), ("flops", float("inf")),
@@ -467,7 +467,7 @@ def test_hardware_rejects_impossible_rates(capsys):
                        ("fast_bytes", "40GB")]:
         with pytest.raises(ValueError, match=f"Hardware.{field} must be a finite number"):
             with_(hw, **{field: bad})
-    from specmoe.__main__ import main
+    from specmoe.cli import main
     with pytest.raises(SystemExit) as e:
         main(["sweep", "--hardware", "a100-pcie4,abacus", "--tokens", "5"])
     assert e.value.code == 1
@@ -486,8 +486,8 @@ AGREE_POLICIES = ["lru", "lfu", "fifo", "mru", "random", "least_stale", "least_s
 def test_agreement_with_live_cache(tmp_path, puffin_subset, policy):
     """The simulator and the live ExpertCache fed the same trace (acquire + release per access,
     a pass per token) report identical hit, miss and collision-miss counts."""
-    from specmoe import policies as P
-    from specmoe.store import write_store
+    from specmoe.runtime import policies as P
+    from specmoe.storage.store import write_store
 
     name = policy.split(":")[0]
     if name not in BUILTINS:
@@ -534,8 +534,8 @@ def test_same_policy_events_as_live_cache(tmp_path, puffin_subset, nslots, prote
     run's first); and both report the same evictions.  With ``protect`` the live cache gets
     the lookahead shield as Engine.protect_lookahead sets it (each token's experts protected
     before its pass, each layer's released after it) and the simulator replays the same."""
-    from specmoe.policies import PythonPolicy
-    from specmoe.store import write_store
+    from specmoe.runtime.policies import PythonPolicy
+    from specmoe.storage.store import write_store
 
     from tests.ref_policies import RefLRU
 
@@ -609,13 +609,13 @@ def test_same_policy_events_as_live_cache(tmp_path, puffin_subset, nslots, prote
 
 def _has_policies_module() -> bool:
     try:
-        import specmoe.policies  # noqa: F401
+        import specmoe.runtime.policies  # noqa: F401
     except ImportError:
         return False
     return True
 
 
-@pytest.mark.skipif(not _has_policies_module(), reason="specmoe.policies not merged yet")
+@pytest.mark.skipif(not _has_policies_module(), reason="specmoe.runtime.policies not merged yet")
 def test_policy_playground_notebook_runs():
     """notebooks/policy_playground.ipynb executes top to bottom without error."""
     nbformat = pytest.importorskip("nbformat")

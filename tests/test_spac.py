@@ -11,10 +11,10 @@ import pytest
 
 import specmoe
 from specmoe import _C
-from specmoe.cache import ExpertCache
-from specmoe.policies import LRU, SpAcEMA, make_policy, replay
-from specmoe.sim import parse_policy, simulate
-from specmoe.store import ExpertStore, write_store
+from specmoe.runtime.cache import ExpertCache
+from specmoe.runtime.policies import LRU, SpAcEMA, make_policy, replay
+from specmoe.sim.replay import parse_policy, simulate
+from specmoe.storage.store import ExpertStore, write_store
 
 from .ref_policies import RefLRU, RefSpAcEMA, ref_replay
 from .sim_reference import FromCandidates, RefLRU as SimRefLRU, ref_simulate
@@ -395,7 +395,7 @@ def test_sim_prefetch_in_utility_space_matches_reference(hw, pred, nslots):
     """One token per pass with prefetch: spac learns from each token's experts and a prefetch
     may not evict a slot of higher utility than the prefetched expert (both as in
     csrc/sim.h); the reference applies the same rules."""
-    from specmoe.sim import Predictor
+    from specmoe.sim.replay import Predictor
 
     rng = np.random.default_rng(nslots)
     L, E, k = 4, 12, 2
@@ -444,8 +444,8 @@ def test_simulate_wrapper(puffin_subset):
 
 
 def _timing(tr):
-    from specmoe.calibration import get_hardware
-    from specmoe.hardware import ModelCost, sim_timing
+    from specmoe.sim.calibration import get_hardware
+    from specmoe.sim.hardware import ModelCost, sim_timing
 
     t = sim_timing(get_hardware("a100-pcie4"), ModelCost.for_trace(tr))
     return [t[k] for k in ("expert_bytes", "fast_bw", "link_bw", "link_latency_s",
@@ -453,7 +453,7 @@ def _timing(tr):
 
 
 def test_sweep_passes_verify_tokens(puffin_subset):
-    from specmoe.sweep import sweep
+    from specmoe.sim.sweep import sweep
 
     tr = puffin_subset.slice(0, 12)
     rows = sweep(tr, ["lru", "spac_ema"], [60], processes=1, progress=False, verify_tokens=3)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from specmoe import _C
-from specmoe.cache import ExpertCache
-from specmoe.policies import FLD, LHU, Score, SpAc, make_policy, replay
-from specmoe.sim import simulate
-from specmoe.store import ExpertStore, write_store
+from specmoe.runtime.cache import ExpertCache
+from specmoe.runtime.policies import FLD, LHU, Score, SpAc, make_policy, replay
+from specmoe.sim.replay import simulate
+from specmoe.storage.store import ExpertStore, write_store
 
 from .ref_policies import RefFLD, RefLHU, RefScore, RefSpAc, ref_replay
 from .sim_reference import FromCandidates, ref_simulate
@@ -109,7 +109,7 @@ def test_threshold_and_prefetch_admission_in_simulator():
     assert ref.threshold() == 2
     ref.on_counts(list(range(8)), [2, 0, 0, 0, 0, 0, 0, 0])
     assert [ref.utility(k) for k in range(3)] == [2, 0, 0] and ref.threshold() == 1
-    from specmoe.sim import Predictor
+    from specmoe.sim.replay import Predictor
 
     rng = np.random.default_rng(4)
     L, E, k = 4, 12, 2
@@ -249,7 +249,7 @@ def test_bad_input():
         SpAc(levels=0)
     with pytest.raises(ValueError, match="gamma"):
         _C.simulate(np.zeros((2, 1, 1), np.int16), 3, "spac", 2, gamma=-2, **HW)
-    from specmoe.sim import parse_policy
+    from specmoe.sim.replay import parse_policy
 
     assert parse_policy("spac:levels=3,gamma=7") == ("spac", {"levels": 3, "gamma": 7})
     with pytest.raises(ValueError, match="gamma"):

@@ -19,8 +19,8 @@ import pytest
 
 import specmoe
 from specmoe import _C
-from specmoe.controllers import Cascade, Heuristic, SpeqGovernor, StaticK, measure_tau
-from specmoe.drafters import NgramDrafter
+from specmoe.speculation.controllers import Cascade, Heuristic, SpeqGovernor, StaticK, measure_tau
+from specmoe.speculation.drafters import NgramDrafter
 
 INF = float("inf")
 PHASE = {"none": 0, "base": 1, "test": 2, "set": 3, "backoff": 4}
@@ -541,7 +541,7 @@ def test_speq_first_fetch_term():
 
 
 def test_ttft_k_max_against_brute_force():
-    from specmoe.controllers import ttft_k_max
+    from specmoe.speculation.controllers import ttft_k_max
     rng = random.Random(3)
     for _ in range(200):
         tp, td, tf = rng.uniform(0, 0.2), rng.uniform(0, 0.02), rng.uniform(0, 0.05)
@@ -634,7 +634,7 @@ def test_measure_tau_with_fake_clock(monkeypatch):
         calls.append(g)
         clock[0] += cost[g]
 
-    import specmoe.controllers.base as sp
+    import specmoe.speculation.controllers.base as sp
     monkeypatch.setattr(sp.time, "perf_counter", lambda: clock[0])
     tau = measure_tau(fwd, gammas=[1, 2, 3, 4, 5], repeats=3, warmup=1)
     assert tau == pytest.approx({g: cost[1] / cost[g] for g in cost})
@@ -656,7 +656,7 @@ def test_measure_tau_interleaves_rounds_and_takes_min_or_median(monkeypatch):
         seen[g] = seen.get(g, 0) + 1
         clock[0] += g * (10.0 if seen[g] == 3 else 1.0)  # call 1 is the warm-up
 
-    import specmoe.controllers.base as sp
+    import specmoe.speculation.controllers.base as sp
     monkeypatch.setattr(sp.time, "perf_counter", lambda: clock[0])
     tau = measure_tau(fwd, gammas=[1, 2, 3], repeats=3, warmup=1, stat="min")
     assert tau == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
@@ -929,7 +929,7 @@ def test_cascade_default_centre_kept_after_failure():
 
 
 def test_speedup_model_hand_values():
-    from specmoe.controllers import speedup
+    from specmoe.speculation.controllers import speedup
     # the paper's own numbers (section 3.2): tau(5) = 0.81 at batch 128, lambda = 3, free
     # drafting -> 2.43; tau(25) = 0.34 caps near 1x (1.02)
     assert speedup(3.0, 0.81, 0.0, 4) == pytest.approx(2.43)

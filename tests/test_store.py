@@ -15,7 +15,7 @@ import pytest
 
 import specmoe
 from specmoe import ExpertStore, StoreError, _C, write_store
-from specmoe.store import aligned_empty
+from specmoe.storage.store import aligned_empty
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402

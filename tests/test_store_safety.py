@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import specmoe
-from specmoe import hf, testing
-from specmoe.conversion import (CheckpointError, check_store, default_store_path,
-                                expert_block_bytes, write_experts)
-from specmoe.store import ExpertStore, StorePathError, write_store
+from specmoe.runtime import engine as hf
+from specmoe.models import testing
+from specmoe.storage.conversion import CheckpointError, check_store, default_store_path, expert_block_bytes, write_experts
+from specmoe.storage.store import ExpertStore, StorePathError, write_store
 
 warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +197,7 @@ SLOW = textwrap.dedent("""
     import runpy, signal, sys, time
     for sig in (signal.SIGTERM, signal.SIGHUP):  # as in a terminal, even if the tests run
         signal.signal(sig, signal.SIG_DFL)        # under nohup (SIGHUP ignored, inherited)
-    import specmoe.quant as q
+    import specmoe.storage.quant as q
     orig, calls = q.expert_tensors, [0]
     def held(*a, **k):
         calls[0] += 1
@@ -275,7 +275,7 @@ def test_sigkill_leftover_is_removed_by_the_next_conversion(tmp_path, ckpt, how,
 
 LIVE_WRITER = textwrap.dedent("""
     import sys, time, numpy as np
-    from specmoe.store import write_store
+    from specmoe.storage.store import write_store
     def layers():
         for i in range(4):
             if i == 2:
@@ -315,8 +315,8 @@ def test_a_live_writers_temporary_is_left_alone(tmp_path, ckpt):
 
 
 def _record(folder, dtype):
-    from specmoe.conversion import Checkpoint, store_settings
-    from specmoe.pretrained import _prepare
+    from specmoe.storage.conversion import Checkpoint, store_settings
+    from specmoe.models.pretrained import _prepare
     plan = _prepare(folder, dtype, None, {})
     fp = plan.ckpt.fingerprint()
     return fp, store_settings(plan.model.config, plan.info, plan.layer_ids, dtype)
@@ -364,7 +364,7 @@ def test_cache_size_check_uses_the_real_slot_size(tmp_path, ckpt):
         for dtype in ("f32", "bf16", "int8", "int4", "int2"):
             if dtype in ("int4", "int2"):
                 try:
-                    specmoe.quant.pick_group(H, I, dtype)
+                    specmoe.storage.quant.pick_group(H, I, dtype)
                 except ValueError:
                     continue
 

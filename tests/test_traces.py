@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from specmoe.traces import Trace, TraceError, load_puffin, load_trace
+from specmoe.sim.traces import Trace, TraceError, load_puffin, load_trace
 
 
 def _plain_read(path):

@@ -1,4 +1,4 @@
-"""Train the multi-token-prediction adapter (gated LoRA + mask embeddings, specmoe.mtp) of the
+"""Train the multi-token-prediction adapter (gated LoRA + mask embeddings, specmoe.speculation.mtp) of the
 zoo's tiny-moe on the zoo corpus, and measure what its card states.
 
 The gamma-tolerance paper (section 4.3) adopts Samragh et al.'s multi-token prediction with
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
-    from specmoe import mtp, zoo
+    from specmoe.speculation import mtp
+    from specmoe import zoo
 
     if a.smoke:
         a.steps, a.batch, a.seq_len, a.warmup = 3, 2, 24, 1

@@ -11,7 +11,7 @@ Each model is a folder in the standard HuggingFace layout (``config.json``,
 
 or directly with ``AutoModelForCausalLM.from_pretrained(zoo.path("tiny-moe"))``.
 ``tiny-moe-mtp/`` beside them is tiny-moe's multi-token-prediction adapter
-(:class:`specmoe.mtp.MtpDrafter`, ``training/mtp.py``).
+(:class:`specmoe.speculation.mtp.MtpDrafter`, ``training/mtp.py``).
 """
 from __future__ import annotations
 

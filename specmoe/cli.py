@@ -1,0 +1,462 @@
+"""Command line: ``python -m specmoe <command>`` (also installed as ``specmoe``).
+
+A failure ends with one line, ``specmoe: error: ...`` naming the file, field or option at
+fault, and exit status 1 (``--debug``, before or after the command: the traceback instead); an
+interrupt exits 130; a usage error is argparse's (exit 2)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .sim.traces import shared_trace_dir
+
+# The kernel pool's largest thread count (csrc/kernels/pool.c, csrc/bindings/py_kernels.c).
+MAX_THREADS = 1024
+
+
+class CliError(Exception):
+    """A command-line failure: its message, one line naming the file, field or option at
+    fault, is printed as ``specmoe: error: <message>``."""
+
+
+_SHARED_TRACES = shared_trace_dir()
+
+
+def _split(s: str) -> list[str]:
+    return [p.strip() for p in s.split(",") if p.strip()]
+
+
+def _capacity(s: str) -> "int | float | str":
+    """A capacity given as text, as the value the API's ``cache=`` / ``capacity=`` takes for
+    the same text: digits are slots (``"40"`` -> 40), a plain number a fraction of all experts
+    (``"0.5"`` -> 0.5, which must be in (0, 1]), anything else a percentage (``"25%"``) or a
+    size (``"6GiB"``); checked by :func:`specmoe.runtime.cache.check_capacity` (ValueError)."""
+    from .runtime.cache import check_capacity
+
+    t = s.strip()
+    v: "int | float | str"
+    if re.fullmatch(r"[0-9]+", t):
+        v = int(t)
+    else:
+        try:
+            v = float(t)
+        except ValueError:
+            v = t
+    check_capacity(v)
+    return v
+
+
+def _option(name: str, value: str, parse: Callable[[str], Any]) -> Any:
+    """``parse(value)``, its ValueError/TypeError turned into a CliError naming the option."""
+    try:
+        return parse(value)
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        raise CliError(f"{name}: {msg}" if value and value in msg else
+                       f"{name} {value!r}: {msg}") from None
+
+
+def _options(name: str, text: str, parse: Callable[[str], Any]) -> list:
+    """A comma-separated option, each item parsed with :func:`_option`; an empty list is an
+    error (it used to run nothing and exit 0)."""
+    items = _split(text)
+    if not items:
+        raise CliError(f"{name} {text!r}: empty list; give at least one value")
+    return [_option(name, x, parse) for x in items]
+
+
+def _sim_policy(spec: str) -> str:
+    """A simulator policy spec, checked (name and options) before any trace is read."""
+    from . import _C
+    from .sim.replay import parse_policy
+
+    name, _ = parse_policy(spec)
+    names = [n.strip() for n in _C.POLICY_NAMES.split(",")]
+    if name not in names:
+        raise ValueError(f"unknown policy {name!r}; valid names: {', '.join(names)}")
+    return spec
+
+
+def _at_least(lo: int, hi: "int | None" = None):
+    """argparse type: an int >= lo (and <= hi), refused at parse time with argparse's usage
+    message (not as a traceback after the model has loaded)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
+        return v
+    return parse
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None,
+                   help="a specmoe .npz trace, or a puffin CSV file or directory (default: "
+                        "../shared/traces/deepseek-v2-lite-puffin when present)")
+    p.add_argument("--tokens", type=_at_least(1), default=None,
+                   help="replay only the first N tokens of the trace")
+    p.add_argument("--policies", default="lru,lfu,least_stale,belady",
+                   help="comma-separated policy specs (e.g. lru,least_stale:order=lru,belady)")
+    p.add_argument("--capacity", default="5%,10%,25%",
+                   help="comma-separated capacities: slots (40), fractions (0.1), "
+                        "percentages (10%%), bytes (2GB)")
+    p.add_argument("--verify-tokens", type=_at_least(1, 65536), default=1,
+                   help="tokens per forward pass (a speculative verification of K drafts + 1; "
+                        "the union of their experts per layer; demand only); default 1")
+
+
+def _load(args) -> "object":
+    from .sim.traces import load_trace
+
+    path = args.trace or (_SHARED_TRACES if _SHARED_TRACES.exists() else None)
+    if path is None:
+        raise CliError(f"--trace: none given and the default {_SHARED_TRACES} is not present")
+    tr = load_trace(path, progress=not getattr(args, "json", False)) \
+        if Path(path).is_dir() else load_trace(path)
+    if args.tokens is not None:
+        tr = tr.slice(0, min(args.tokens, tr.num_tokens))
+    return tr
+
+
+def _hardware(names: str) -> list:
+    """The profiles named by ``--hardware`` (comma-separated), resolved once, before any
+    trace work: a bad name or profile file ends the command with its reason."""
+    from .runtime.cuda import CudaUnavailable  # (the module only: the extension loads on first use)
+    from .sim.calibration import get_hardware
+
+    try:
+        return _options("--hardware", names, get_hardware)
+    except CudaUnavailable as exc:
+        raise CliError(f"--hardware {names!r}: {exc}") from None
+
+
+def _one_token_options(args, predictors: list) -> None:
+    """Prefetch predictors are defined per token: refused with --verify-tokens above 1."""
+    if args.verify_tokens > 1 and any(p.kind != "none" for p in predictors):
+        raise CliError(f"--prefetch needs --verify-tokens 1 (a pass of {args.verify_tokens} "
+                       f"tokens replays demand only)")
+
+
+def _cmd_simulate(args) -> int:
+    from .sim.replay import Predictor, simulate
+
+    # every option is checked before the trace is read (it may be 200 files)
+    hw = _hardware(args.hardware)
+    if len(hw) != 1:
+        raise CliError("--hardware: simulate takes one profile (sweep takes several)")
+    policies = _options("--policies", args.policies, _sim_policy)
+    caps = _options("--capacity", args.capacity, _capacity)
+    pred = _option("--prefetch", args.prefetch or "none", Predictor.parse)
+    _one_token_options(args, [pred])
+    if args.miss != "fetch" and args.verify_tokens > 1:
+        raise CliError(f"--miss {args.miss} replays one token per pass: it needs "
+                       f"--verify-tokens 1, got {args.verify_tokens}")
+    tr = _load(args)
+    results = []
+    for pol in policies:
+        for cap in caps:
+            results.append(simulate(tr, pol, cap, args.prefetch, hw[0],
+                                    verify_tokens=args.verify_tokens, miss=args.miss,
+                                    miss_keep=args.miss_keep, miss_keep2=args.miss_keep2))
+    acc = sum(r.accesses for r in results)
+    el = sum(r.elapsed_s for r in results)
+    out = {
+        "trace": {"source": str(args.trace or _SHARED_TRACES), "tokens": tr.num_tokens,
+                  "requests": tr.num_requests, "layers": tr.num_layers,
+                  "experts": tr.num_experts, "top_k": tr.top_k},
+        "hardware": args.hardware, "hardware_profile": hw[0].to_dict(),
+        "prefetch": args.prefetch or "none",
+        "verify_tokens": args.verify_tokens, "miss": args.miss,
+        "results": [r.to_dict() for r in results],
+        "accesses_per_s": acc / el if el > 0 else 0.0,
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{tr!r}  hardware={args.hardware}  prefetch={args.prefetch or 'none'}  "
+          f"miss={args.miss}")
+    hdr = f"{'policy':<22}{'slots':>6}{'hit':>8}{'collis':>8}{'stall_s':>10}{'tpot_ms':>9}" \
+          f"{'ttft_ms':>9}{'Macc/s':>8}"
+    print(hdr)
+    for r in results:
+        print(f"{r.policy:<22}{r.capacity_slots:>6}{r.hit_rate:>8.4f}{r.collision_misses:>8}"
+              f"{r.stall_s:>10.2f}{r.est_tpot_ms:>9.2f}{r.ttft_ms:>9.1f}"
+              f"{r.accesses_per_s / 1e6:>8.1f}")
+    print(f"overall {out['accesses_per_s'] / 1e6:.1f} M accesses/s")
+    return 0
+
+
+def _cmd_sweep(args) -> int:
+    from .sim.replay import Predictor
+    from .sim.sweep import sweep, write_results
+
+    hw = _hardware(args.hardware)
+    policies = _options("--policies", args.policies, _sim_policy)
+    caps = _options("--capacity", args.capacity, _capacity)
+    _one_token_options(args, [_option("--prefetch", spec, Predictor.parse)
+                              for spec in args.prefetch or []])
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {args.out}: not a directory")
+    tr = _load(args)
+    rows = sweep(tr, policies, caps, hardware=hw, predictors=args.prefetch or ["none"],
+                 processes=args.processes, progress=not args.json,
+                 verify_tokens=args.verify_tokens)
+    paths = write_results(rows, args.out, plots=not args.no_plots)
+    if args.json:
+        print(json.dumps({"results": rows, "files": {k: str(v) for k, v in paths.items()}}))
+    else:
+        for k, v in paths.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+def _peak_rss() -> int:
+    """Peak resident memory of this process in bytes (VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _checkpoint(args: argparse.Namespace, store: "str | None") -> None:
+    """The checkpoint folder and the store's location checked before anything loads (torch
+    included): the library's own checks, as from_pretrained and convert make them
+    (a missing path used to be blamed on the tokenizer, a bad store path found only after a
+    whole conversion)."""
+    from .storage.conversion import Checkpoint, check_store_location, default_store_path
+
+    ck = Checkpoint.open(args.checkpoint)  # config.json, every shard's header
+    ck.close()
+    check_store_location(default_store_path(ck.folder, args.dtype) if store is None else store,
+                         checkpoint=ck.folder)
+
+
+def _cmd_convert(args) -> int:
+    from .models.pretrained import convert
+
+    _checkpoint(args, args.output)
+    path = convert(args.checkpoint, dtype=args.dtype, out=args.output, force=args.force,
+                   progress=not args.quiet)
+    print(path)
+    return 0
+
+
+def _cmd_run(args) -> int:
+    # every argument is checked before the model (and torch) loads
+    if args.prompt == "":
+        raise CliError("--prompt is empty")
+    cache = _option("--cache", args.cache, _capacity)
+    from .sim.replay import live_policy
+
+    def policy_arg(spec: str) -> Any:
+        from .runtime.policies import check_policy
+
+        pol = live_policy(spec)
+        check_policy(pol)
+        return pol
+
+    policy = _option("--policy", args.policy, policy_arg)
+    _checkpoint(args, args.store)
+
+    import time
+
+    import torch
+
+    from .runtime.experts import engine_of
+    from .models.pretrained import from_pretrained
+
+    if args.threads is not None:
+        from .runtime import kernels
+        torch.set_num_threads(args.threads)
+        kernels.set_num_threads(args.threads)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
+    ids = tok(args.prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise CliError(f"--prompt {args.prompt!r}: the tokenizer makes no tokens of it")
+    model = from_pretrained(args.checkpoint, cache=cache, dtype=args.dtype, policy=policy,
+                            prefetch=not args.no_prefetch, store=args.store, dense=args.dense)
+    eng = engine_of(model)
+    try:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=args.max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None
+                                 else tok.eos_token_id)
+        dt = time.perf_counter() - t0
+        new = out.shape[1] - ids.shape[1]
+        print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        s = eng.stats()
+        hr = s.get("hit_rate")
+        print(f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, "
+              f"prompt {ids.shape[1]} tokens included) | cache {s['capacity']} experts "
+              f"({s['cache_bytes'] / 2**20:.0f} MiB, {args.dtype}, {args.policy}) | "
+              f"{eng.dense} | hit rate "
+              f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
+              f"peak memory {_peak_rss() / 2**20:.0f} MiB", file=sys.stderr if args.quiet else
+              sys.stdout)
+    finally:
+        eng.close()
+    return 0
+
+
+def _describe(exc: BaseException, args: argparse.Namespace) -> str:
+    """The one-line message of ``exc`` for ``specmoe: error: ...``: specmoe's own errors,
+    ValueError and TypeError as they are (they name the file, field or option); OSError with
+    its file; anything else (a JSON error, which names no file) with its type's name."""
+    from ._C import SpecmoeError
+
+    checkpoint = getattr(args, "checkpoint", None)
+    if isinstance(exc, CliError):
+        msg = str(exc)
+    elif isinstance(exc, json.JSONDecodeError):  # (its message names no file)
+        where = checkpoint or getattr(args, "trace", None) or "input"
+        msg = f"{where}: invalid JSON ({exc})"
+    elif isinstance(exc, OSError):
+        if exc.filename is not None:
+            msg = f"{exc.filename}: {exc.strerror or exc}"
+            if exc.filename2 is not None:
+                msg += f" (-> {exc.filename2})"
+        else:
+            msg = str(exc) or type(exc).__name__
+    elif isinstance(exc, (SpecmoeError, ValueError, TypeError)):  # TraceError is a ValueError
+        msg = str(exc) or type(exc).__name__
+    else:
+        msg = f"{type(exc).__name__}: {exc}"
+    return " ".join(msg.split()) or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specmoe", description=__doc__)
+    debug_help = "on an error, show its traceback instead of the one-line message"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, **kw) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, **kw)
+        # also after the command; SUPPRESS: absent here, the global flag's value stands
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help=debug_help)
+        return p
+
+    command("demo", help="run the main job on an embedded default")
+
+    p = command("simulate", help="replay a routing trace through the cache simulator")
+    _add_trace_args(p)
+    p.add_argument("--prefetch", default=None,
+                   help="predictor spec: none, oracle[:depth=N], router, history[:topk=N,"
+                        "percentile=Q,history=N,cooc_weight=W]")
+    p.add_argument("--hardware", default="a100-pcie4",
+                   help="a100-pcie4, rtx4090, laptop, h200, calibrate (this CPU), "
+                        "calibrate-gpu (this GPU tier) or a profile .json file "
+                        "(Hardware.save)")
+    p.add_argument("--miss", default="fetch",
+                   choices=["fetch", "drop", "substitute", "lowest_bit", "priority"],
+                   help="SpecMD miss handling (see specmoe.sim.replay.simulate)")
+    p.add_argument("--miss-keep", type=_at_least(0), default=2,
+                   help="drop, priority: ranks below this are always fetched (default 2)")
+    p.add_argument("--miss-keep2", type=_at_least(0), default=None,
+                   help="priority: ranks from this on come from a second, int2 copy (SpecMD's "
+                        "int4 -> int2 cascade; default: none)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = command("sweep", help="simulate policies x capacities x hardware x predictors")
+    _add_trace_args(p)
+    p.add_argument("--prefetch", action="append", default=None,
+                   help="a predictor spec; repeat the flag for several (default: none)")
+    p.add_argument("--hardware", default="a100-pcie4", help="comma-separated profiles")
+    p.add_argument("--processes", type=_at_least(1), default=None, help="worker processes")
+    p.add_argument("--out", default="sweep_out", help="output directory")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = command("convert", help="convert a checkpoint's routed experts to a store")
+    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder")
+    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
+    p.add_argument("-o", "--output", default=None,
+                   help="store file (default: one per checkpoint and dtype under "
+                        "$SPECMOE_CACHE or ~/.cache/specmoe)")
+    p.add_argument("--force", action="store_true", help="rewrite an up-to-date store")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = command("run", help="generate text with a checkpoint's experts offloaded")
+    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--cache", default="25%",
+                   help="expert cache, as the API's cache=: slots (40), a fraction of all "
+                        "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%")
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
+    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
+    p.add_argument("--policy", default="least_stale",
+                   help="eviction policy spec, as simulate's --policies takes (e.g. lru, "
+                        "random:seed=3, least_stale:order=lru, spac:levels=3)")
+    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--store", default=None, help="store file (default: see convert)")
+    p.add_argument("--threads", type=_at_least(1, MAX_THREADS), default=None,
+                   help="threads of torch and of specmoe's kernels (default: torch's; at most "
+                        f"{MAX_THREADS})")
+    p.add_argument("--dense", default="auto",
+                   choices=["auto", "torch", "f32", "bf16", "int8", "int4"],
+                   help="attention, shared/dense MLP and lm_head through specmoe's C kernels "
+                        "(auto: bf16 weights kept exactly; int8/int4 quantize them)")
+    p.add_argument("--quiet", action="store_true", help="statistics line to stderr")
+
+    args = parser.parse_args(argv)  # usage errors: argparse's message, exit 2
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("specmoe: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except SystemExit as exc:  # a message string from below: the same one-line form
+        if args.debug or not isinstance(exc.code, str):
+            raise
+        msg = " ".join(exc.code.split())
+        print(msg if msg.startswith("specmoe: error:") else f"specmoe: error: {msg}",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"specmoe: error: {_describe(exc, args)}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "convert":
+        return _cmd_convert(args)
+    if args.command == "run":
+        return _cmd_run(args)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main([])
+    if args.command == "simulate":
+        return _cmd_simulate(args)
+    if args.command == "sweep":
+        return _cmd_sweep(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

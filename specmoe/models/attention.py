@@ -1,0 +1,405 @@
+"""The models' own attention at decode sizes in C (``specmoe._C.AttnDecode``).
+
+transformers runs a decoder's attention through one function chosen by
+``config._attn_implementation`` (its ``AttentionInterface``).  On a CPU, torch's
+``scaled_dot_product_attention`` in bf16 at one query token is slow: 254 us for 16 heads of
+128 over 100 cached positions on one thread, against 33 us in f32 and 62 us for the same
+products written out (eager) -- about 1 ms of a 4-layer OLMoE-shaped decode step.
+
+:func:`use_c_attention` registers two implementations with transformers, ``specmoe_sdpa`` and
+``specmoe_eager``, and switches a model from ``sdpa`` / ``eager`` to the matching one.  Each runs
+inputs of at most ``max_tokens`` query tokens on CPU tensors (decode, speculative verification)
+through the C kernel -- multi-head, grouped-query or multi-query attention over the KV cache as
+transformers keeps it, the mask as transformers builds it for the original implementation, f32
+arithmetic with one online softmax (``csrc/kernels/mha.c``) on specmoe's kernel threads -- and
+hands everything else (prefill, training, attention sinks, soft-capping, other devices and
+dtypes) to the original function, so prefill and the cache stay transformers' own.
+
+:func:`fuse_attention` goes one step further for the Llama-family attention modules whose
+projections are specmoe's (:class:`specmoe.models.layers.CLinear`): at decode sizes the whole module
+runs in two C calls around transformers' KV-cache update (``specmoe._C.AttnBlock``): the q/k/v
+projections, OLMoE's / Qwen3's q and k RMSNorms and the rotary embedding in one, attention and
+the output projection in the other -- instead of some thirty torch operations, each a few
+microseconds of dispatch at one token.  A bf16 model's intermediate roundings are reproduced
+step by step (``csrc/kernels/block.h``).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import _C
+from ..runtime.kernels import tensor_array
+from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS
+from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, fuse_qkv, norm_weight
+from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
+from .mla import mask_bias, mask_readable, decode_route, per_step_rope
+
+__all__ = ["ATTENTION_MAX_TOKENS", "convert_norms", "fuse_attention",
+           "use_c_attention"]
+
+# Query tokens up to which the C kernel runs (decode and verification chunks); longer inputs
+# are prefill, where torch's attention is the better kernel.
+ATTENTION_MAX_TOKENS = 16
+_OURS = {"sdpa": "specmoe_sdpa", "eager": "specmoe_eager"}
+# keyword arguments that change what attention computes: with any of them set, the original
+_UNSUPPORTED = ("s_aux", "sinks", "softcap", "head_mask", "position_bias")
+
+
+def _original(name: str, module: nn.Module) -> Any:
+    """The attention function the implementation ``name`` stands for, for ``module``'s model
+    (``eager`` is each model file's own ``eager_attention_forward``)."""
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _bias_array(mask: torch.Tensor | None, T: int, S: int) -> np.ndarray | None:
+    """transformers' mask as the C attention kernels take it: additive float32 [1 or B, T, S],
+    or None when nothing is masked."""
+    bias = mask_bias(mask, T, S, torch.float32)
+    return None if bias is None else bias.reshape(bias.shape[0], T, S).contiguous().numpy()
+
+
+def _c_attention(orig_name: str) -> Any:
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> Any:
+        kernel = getattr(module, "_specmoe_attn", None)
+        B, H, T, D = query.shape
+        if (kernel is None or T > ATTENTION_MAX_TOKENS or module.training or dropout
+                or query.device.type != "cpu" or key.dtype not in (torch.float32, torch.bfloat16)
+                or value.dtype != key.dtype or key.shape != value.shape
+                or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
+                or not mask_readable(attention_mask, T)
+                or (attention_mask is not None and attention_mask.shape[1] != 1)):
+            return _original(orig_name, module)(module, query, key, value, attention_mask,
+                                                dropout=dropout, scaling=scaling, **kwargs)
+        S = key.shape[2]
+        if attention_mask is None and not getattr(module, "is_causal", True):
+            bias = None
+        else:
+            bias = _bias_array(attention_mask, T, S)
+        k, v = key, value
+        if k.stride(-1) != 1 or k.stride(-2) != D:
+            k = k.contiguous()
+        if v.stride() != k.stride():
+            v = v.contiguous()
+            k = k.contiguous()
+        out = torch.empty(B, T, H, D, dtype=torch.float32)
+        kernel.forward(query.float().contiguous().numpy(), tensor_array(k), tensor_array(v),
+                       bias, out.numpy(),
+                       float(scaling if scaling is not None else 1.0 / math.sqrt(D)))
+        return out.to(query.dtype), None
+    attention.__name__ = f"specmoe_c_attention_over_{orig_name}"
+    return attention
+
+
+def _register() -> None:
+    """Make the two implementations known to transformers (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    for orig, ours in _OURS.items():
+        if ours not in ALL_ATTENTION_FUNCTIONS:
+            AttentionInterface.register(ours, _c_attention(orig))
+        if ours not in ALL_MASK_ATTENTION_FUNCTIONS:
+            # the original implementation's mask, so the fallback sees what it always saw
+            AttentionMaskInterface.register(ours, ALL_MASK_ATTENTION_FUNCTIONS[orig])
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules that call the attention interface: the ones with q/k/v projections and a
+    ``layer_idx`` (transformers' decoder attention classes), MLA excluded (specmoe.models.mla)."""
+    from .mla import is_mla_attention
+    return [m for m in model.modules()
+            if hasattr(m, "layer_idx") and hasattr(m, "o_proj") and not is_mla_attention(m)
+            and (hasattr(m, "q_proj") or hasattr(m, "qkv_proj"))]
+
+
+def use_c_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> str | None:
+    """Run ``model``'s attention through the C kernel at decode sizes (module docstring).
+
+    Returns the implementation now in use (``"specmoe_sdpa"`` / ``"specmoe_eager"``), or None
+    when nothing changed: an implementation other than sdpa/eager (flash, flex), a model that
+    cannot switch implementations, or no attention module found.  Idempotent.
+    """
+    cfg = getattr(model, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl in _OURS.values():
+        return impl
+    if impl not in _OURS or not hasattr(model, "set_attn_implementation"):
+        return None
+    mods = _attention_modules(model)
+    if not mods:
+        return None
+    if ctx is None:
+        from ..runtime.kernels import context
+        ctx = context()
+    _register()
+    kernel = _C.AttnDecode(ctx)
+    model.set_attn_implementation(_OURS[impl])
+    if cfg._attn_implementation != _OURS[impl]:      # transformers refused: leave it as it was
+        return None
+    for m in mods:
+        m._specmoe_attn = kernel
+    return _OURS[impl]
+
+
+def convert_norms(model: nn.Module) -> list[str]:
+    """Replace every Llama-form RMSNorm module of ``model`` by a :class:`CRMSNorm` (the final
+    norm, MLA's latent norm, and the layer norms of decoder layers that are not fused);
+    returns their qualified names.  Idempotent."""
+    done = []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, CRMSNorm) or norm_weight(mod) is None or not name:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, CRMSNorm):                  # an earlier call's inner module
+            continue
+        setattr(parent, attr, CRMSNorm(mod))
+        done.append(name)
+    return done
+
+
+def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]:
+    """Run each fusable attention module of ``model`` through one ``specmoe._C.AttnBlock`` at
+    decode sizes (module docstring); returns the qualified names of the modules switched.
+
+    A module is fusable when its class is one of the Llama-family forms listed in
+    ``specmoe.models.arch.FUSABLE_ATTENTION``, it runs the C attention (:func:`use_c_attention`),
+    its four projections are :class:`specmoe.models.layers.CLinear`, its q/k norms (if the form has
+    them) are plain RMSNorms, nothing clips q/k/v, and the model's weights are f32 or bf16.
+    Everything the block does not cover at call time -- more than ``ATTENTION_MAX_TOKENS``
+    tokens, a batch of several rows, another device or dtype, a mask or argument the C
+    attention does not read, training -- goes to the module's own forward.
+
+    The decoder layers around fused modules, when of a ``specmoe.models.arch.FUSABLE_LAYERS`` form
+    with plain RMSNorms, fold their input norm, first residual add and post-attention norm into the
+    block's calls; and when their MoE block routes in C (``Engine._install_routing``) and the
+    KV cache is transformers' ``DynamicCache``, a decode step of the layer is one C call
+    (``_C.AttnBlock.layer``: the block, the new positions written into the cache's buffers
+    (:func:`specmoe.runtime.kvcache.kv_buffers`), the MoE block, the residual adds).  Idempotent."""
+    if ctx is None:
+        from ..runtime.kernels import context
+        ctx = context()
+    done = []
+    for name, m in model.named_modules():
+        form = FUSABLE_ATTENTION.get(type(m).__name__)
+        if form is None or getattr(m, "_specmoe_block", None) is not None:
+            if getattr(m, "_specmoe_block", None) is not None:
+                done.append(name)
+            continue
+        projs = [getattr(m, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if getattr(m, "_specmoe_attn", None) is None or not all(isinstance(p, CLinear)
+                                                                for p in projs):
+            continue
+        dt = projs[0].out_dtype
+        if dt not in BLOCK_DTYPES or getattr(m.config, "clip_qkv", None) is not None:
+            continue
+        cfg = m.config
+        D = int(m.head_dim)
+        H = int(cfg.num_attention_heads)
+        Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
+        kw: dict[str, Any] = {"norm": form}
+        if form != "none":
+            qn = norm_weight(getattr(m, "q_norm", None))
+            kn = norm_weight(getattr(m, "k_norm", None))
+            if qn is None or kn is None or m.q_norm.variance_epsilon != m.k_norm.variance_epsilon:
+                continue
+            kw.update(q_norm=qn, k_norm=kn, eps=float(m.q_norm.variance_epsilon))
+        kw["qkv"] = fuse_qkv(projs[:3], ctx)
+        try:
+            blk = _C.AttnBlock(ctx, *(p._c for p in projs), H, Hkv, D,
+                               bf16=dt == torch.bfloat16, max_tokens=ATTENTION_MAX_TOKENS, **kw)
+        except (ValueError, TypeError):
+            continue  # shapes this form does not have (e.g. a head_dim the config disagrees on)
+        m._specmoe_block = blk
+        m._specmoe_block_shape = (H, Hkv, D, int(projs[3].out_features), dt)
+        m.forward = _fused_forward(m, m.forward)
+        done.append(name)
+    for layer in model.modules():
+        attn = getattr(layer, "self_attn", None)
+        if type(layer).__name__ not in FUSABLE_LAYERS or attn is None \
+                or getattr(attn, "_specmoe_block", None) is None \
+                or getattr(layer, "_specmoe_norms", None) is not None:
+            continue
+        ln = [norm_weight(getattr(layer, n, None))
+              for n in ("input_layernorm", "post_attention_layernorm")]
+        if ln[0] is None or ln[1] is None:
+            continue
+        layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
+                                ln[1], float(layer.post_attention_layernorm.variance_epsilon))
+        layer.forward = _fused_layer_forward(layer, layer.forward)
+        layer._specmoe_chain = chain_call
+        layer._specmoe_chain_rope = chain_rope
+    return done
+
+
+def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
+                attention_mask: Any, bufs: tuple, route: tuple) -> tuple:
+    """The arguments of ``_C.AttnBlock.layer`` for T tokens x [1, T, hidden] into out (the
+    same shape and dtype, another tensor) on the KV buffers ``bufs`` (kv_buffers) and the
+    Engine route ``route`` (decode_route)."""
+    attn = layer.self_attn
+    D, hidden = attn._specmoe_block_shape[2:4]
+    _, _, _, ka, va, S = bufs
+    eng, pos, flags, _ = route
+    T = x.shape[1]
+    cos, sin = per_step_rope(pe, T, D, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
+    ln1, e1, ln2, e2 = layer._specmoe_norms
+    return (eng._layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()), cos, sin,
+            ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1, e1,
+            ln2, e2, tensor_array(out.view(T, hidden)))
+
+
+def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, bufs: tuple,
+                route: tuple) -> torch.Tensor:
+    """A whole decoder layer of T tokens in one C call (``_C.AttnBlock.layer``): the attention
+    block with its norms and residual add, the new positions written straight into the KV
+    buffers, the MoE block routed in C, the second residual add."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    with route[0]._layer_call_slot():  # the Engine's layers read inside: set_cache swaps them
+        layer.self_attn._specmoe_block.layer(*_layer_args(layer, x, out, pe, attention_mask,
+                                                          bufs, route))
+    kv_advance(bufs, x.shape[1])
+    return out
+
+
+def chain_rope(layer: nn.Module, pe: Any, T: int) -> tuple:
+    """The rotary arrays among ``_C.AttnBlock.layer``'s arguments for the last T positions of
+    the decoder's position embeddings ``pe`` (cos, sin): ((index, array), ...).  Over a table
+    of every position they are a ``_C.DecodePlan``'s rotary tables (specmoe.models.decode_step)."""
+    D = layer.self_attn._specmoe_block_shape[2]
+    cos, sin = (tensor_array(p.reshape(-1, D)[-T:].contiguous()) for p in pe)
+    return ((4, cos), (5, sin))
+
+
+def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
+               cache: Any) -> tuple | None:
+    """One decode step of a fused decoder layer as an item of ``_C.layer_chain``: (block,
+    ``layer()`` arguments, KV buffers, Engine) for x [1, T, hidden] into out with no mask
+    (every cached position seen), or None when the step must take the layer's forward (the
+    checks of that forward; a block that is not a plain ``_C.AttnBlock``)."""
+    attn = layer.self_attn
+    blk = attn._specmoe_block
+    if type(blk) is not _C.AttnBlock or layer.training \
+            or not _decodable(attn, x, pe, None, {}):
+        return None
+    route = decode_route(layer, x)
+    bufs = None if route is None else kv_buffers(cache, attn.layer_idx, x.shape[1])
+    if bufs is None:
+        return None
+    return blk, _layer_args(layer, x, out, pe, None, bufs, route), bufs, route[0]
+
+
+def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
+               kwargs: dict[str, Any]) -> bool:
+    """Whether the attention block serves this call of ``module`` (else its own forward)."""
+    H, Hkv, D, hidden, dt = module._specmoe_block_shape
+    T = x.shape[1]
+    return not (x.shape[0] != 1 or T > ATTENTION_MAX_TOKENS or x.dtype != dt
+                or x.device.type != "cpu" or module.training or pe is None
+                or pe[0].shape[-1] != D or pe[0].dtype not in BLOCK_DTYPES
+                or pe[1].dtype != pe[0].dtype
+                or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
+                or not mask_readable(attention_mask, T)
+                or (attention_mask is not None and attention_mask.shape[1] != 1))
+
+
+def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, cache: Any,
+                kwargs: dict[str, Any], norms: tuple | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One attention module of T <= ATTENTION_MAX_TOKENS tokens through its AttnBlock: pre,
+    transformers' cache update, post.  norms None: returns (attention output, None); else
+    (input_layernorm w, eps, post_attention_layernorm w, eps): x is the decoder layer's input,
+    the input norm runs first, and the return is (x + attention output, its post-attention
+    norm)."""
+    blk = module._specmoe_block        # looked up at each call: one attribute read, and
+    H, Hkv, D, hidden, dt = module._specmoe_block_shape  # tests may wrap it
+    T = x.shape[1]
+    cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
+    q = torch.empty(1, H, T, D, dtype=torch.float32)
+    k = torch.empty(1, Hkv, T, D, dtype=dt)
+    v = torch.empty(1, Hkv, T, D, dtype=dt)
+    xa = tensor_array(x.reshape(T, hidden).contiguous())
+    if norms is None:
+        blk.pre(xa, tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), q.numpy(),
+                tensor_array(k), tensor_array(v))
+    else:
+        blk.pre(xa, tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), q.numpy(),
+                tensor_array(k), tensor_array(v), norms[0], norms[1])
+    if cache is not None:
+        k, v = kv_append(cache, module.layer_idx, k, v, kwargs)
+    S = k.shape[2]
+    bias = _bias_array(attention_mask, T, S)
+    if k.stride(-1) != 1 or k.stride(-2) != D or v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty(1, T, hidden, dtype=dt)
+    if norms is None:
+        blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, module._specmoe_scaling,
+                 tensor_array(out.view(T, hidden)))
+        return out, None
+    normed = torch.empty(1, T, hidden, dtype=dt)
+    blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, module._specmoe_scaling,
+             tensor_array(out.view(T, hidden)), xa, norms[2], norms[3],
+             tensor_array(normed.view(T, hidden)))
+    return out, normed
+
+
+def _fused_forward(module: nn.Module, original: Any) -> Any:
+    """``module``'s forward with its decode steps through its AttnBlock."""
+    D = module._specmoe_block_shape[2]
+    module._specmoe_scaling = float(getattr(module, "scaling", None) or 1.0 / math.sqrt(D))
+
+    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None,
+                attention_mask: torch.Tensor | None = None, cache: Any = None,
+                **kwargs: Any) -> Any:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        if not _decodable(module, hidden_states, position_embeddings, attention_mask, kwargs):
+            return original(hidden_states=hidden_states, position_embeddings=position_embeddings,
+                            attention_mask=attention_mask, cache=cache, **kwargs)
+        return _block_call(module, hidden_states, position_embeddings, attention_mask, cache,
+                           kwargs, None)
+    forward.__name__ = f"specmoe_fused_{type(module).__name__}_forward"
+    return forward
+
+
+def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
+    """A decoder layer's forward (a ``specmoe.models.arch.FUSABLE_LAYERS`` form) with its decode steps
+    as: the attention block with the input norm, the residual add and the post-attention norm
+    folded into its two calls; then the layer's own ``mlp`` and the second residual add in
+    torch (or all of it in one call, see :func:`fuse_attention`)."""
+    attn = layer.self_attn
+
+    def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: Any = None, cache: Any = None, use_cache: Any = False,
+                position_embeddings: Any = None, **kwargs: Any) -> Any:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        if layer.training or not _decodable(attn, hidden_states, position_embeddings,
+                                             attention_mask, kwargs):
+            return original(hidden_states, attention_mask=attention_mask,
+                            position_ids=position_ids, cache=cache, use_cache=use_cache,
+                            position_embeddings=position_embeddings, **kwargs)
+        route = decode_route(layer, hidden_states)
+        if route is not None:
+            bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1])
+            if bufs is not None:
+                return _layer_call(layer, hidden_states, position_embeddings, attention_mask,
+                                   bufs, route)
+        kwargs["position_ids"] = position_ids
+        kwargs["use_cache"] = use_cache
+        h, normed = _block_call(attn, hidden_states, position_embeddings, attention_mask,
+                                cache, kwargs, layer._specmoe_norms)
+        return h + layer.mlp(normed)
+    forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"
+    return forward

@@ -1,0 +1,275 @@
+"""The C-backed torch modules the model adapters build on: :class:`CLinear` (an ``nn.Linear``
+computed by specmoe's kernels), :class:`CRMSNorm` (a Llama-form RMSNorm at decode sizes) and
+the weight helpers shared by the attention, MLA and dense-layer conversions.
+
+This module sits below :mod:`specmoe.models.attention`, :mod:`specmoe.models.mla` and :mod:`specmoe.models.dense`,
+which all build on it and on nothing of each other's that would close a cycle.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _C
+from .arch import LLAMA_RMSNORMS
+from ..runtime.kernels import context, tensor_array
+from ..storage.quant import quantize_int4, quantize_int8
+
+__all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
+           "int4_group", "norm_weight", "silu_mlp_parts"]
+DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
+_WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+_ALIGN = 64
+
+
+# Decode-sized inputs: up to this many tokens the C kernels beat torch's GEMM on this machine
+# class (benchmarks/dense_linear.py measures the crossover); beyond it f32/bf16 go to torch.
+TORCH_ABOVE = 16
+
+
+def int4_group(K: int) -> int | None:
+    for g in (128, 64, 32):
+        if K % g == 0:
+            return g
+    return None
+
+
+def _file_mapped(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory lies in a mapping of a file (a checkpoint transformers loaded
+    through safetensors' mmap), per ``/proc/self/maps``; False where that cannot be read."""
+    p = t.data_ptr()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, _, rest = line.partition(" ")
+                lo, _, hi = span.partition("-")
+                if int(lo, 16) <= p < int(hi, 16):
+                    fields = rest.split(None, 4)  # perms, offset, device, inode, path
+                    return len(fields) > 3 and fields[3] != "0"
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True
+          ) -> tuple[np.ndarray, dict[str, Any], torch.Tensor | None]:
+    """The weight as the kernels read it: (uint8 block, descriptor, torch view).  f32/bf16: the
+    block IS the weight tensor's memory when it already has that dtype (shared, not copied;
+    else a converted copy) and the torch view is that tensor -- except, with ``copy_mapped``,
+    a tensor in a file mapping (a checkpoint's mmap), which is copied into memory of its own:
+    OLMoE's attention projections (bf16, 16 x 8 MB back to back, 1 thread, interleaved in one
+    process) read 20.0 GB/s from safetensors' mapping against 23.2 from an anonymous copy
+    (huge pages or not: 22.7), 27.7 against 29.1 at 2 threads; int8/int4: quantized weight and
+    scales in one block (64-byte aligned parts), no torch view."""
+    N, K = (int(s) for s in weight.shape)
+    w = weight.detach()
+    if dtype in ("f32", "bf16"):
+        tw = w.to(torch.float32 if dtype == "f32" else torch.bfloat16).contiguous()
+        if copy_mapped and tw.data_ptr() == w.data_ptr() and _file_mapped(tw):
+            tw = tw.clone()
+        block = tw.view(torch.uint8).reshape(-1).numpy()
+        return block, {"N": N, "K": K, "dtype": _WDT[dtype], "weight": 0}, tw
+    if dtype == "int8":
+        q, s = quantize_int8(w.float().numpy())
+        group = None
+    else:
+        group = int4_group(K)
+        q, s = quantize_int4(w.float().numpy(), group or 0)
+    s_off = -(-q.nbytes // _ALIGN) * _ALIGN
+    block = np.zeros(s_off + s.nbytes, dtype=np.uint8)
+    block[:q.nbytes] = q.reshape(-1).view(np.uint8)
+    block[s_off:] = s.reshape(-1).view(np.uint8)
+    desc = {"N": N, "K": K, "dtype": _WDT[dtype], "group": group, "weight": 0,
+            "weight_scale": s_off}
+    return block, desc, None
+
+
+class CLinear(nn.Module):
+    """Inference-only replacement of an ``nn.Linear`` computed by specmoe's C kernels.
+
+    ``CLinear(linear, dtype, ctx=None, torch_above=TORCH_ABOVE, copy_mapped=True)``: ``dtype``
+    is one of :data:`DENSE_DTYPES`; ``ctx`` the :class:`specmoe._C.KernelContext` (default:
+    the process one).  Output dtype and shape are those of ``linear``; the computation is in
+    f32 on the stored weights.  The original module's parameters are not kept.  f32/bf16
+    weights are read in place, unless they lie in a file mapping (a checkpoint's mmap) and
+    ``copy_mapped``: then the layer reads a copy of its own (faster; see ``_pack``).
+    """
+
+    def __init__(self, linear: nn.Linear, dtype: str, ctx: _C.KernelContext | None = None,
+                 torch_above: int | None = TORCH_ABOVE, copy_mapped: bool = True):
+        super().__init__()
+        if dtype not in DENSE_DTYPES:
+            raise ValueError(f"dense dtype must be one of {DENSE_DTYPES}, got {dtype!r}")
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"CLinear replaces an nn.Linear, got {type(linear).__name__}")
+        if linear.weight.device.type != "cpu" or linear.weight.is_meta:
+            raise ValueError("CLinear needs the layer's weights on the CPU")
+        if dtype == "int4" and int4_group(linear.in_features) is None:
+            raise ValueError(f"int4 needs in_features to be a multiple of 32, got "
+                             f"{linear.in_features}")
+        self.in_features = int(linear.in_features)
+        self.out_features = int(linear.out_features)
+        self.dtype = dtype
+        self.out_dtype = linear.weight.dtype
+        # f32/bf16: _tw is the weight tensor the kernels read (torch runs long inputs on it)
+        self._block, self._desc, self._tw = _pack(linear.weight, dtype, copy_mapped)
+        b = linear.bias
+        self._bias = None if b is None else np.ascontiguousarray(b.detach().float().numpy())
+        self._tb = None if b is None or self._tw is None else b.detach().to(self._tw.dtype)
+        self._c = _C.Linear(ctx if ctx is not None else context(), self._desc, self._block,
+                            self._bias)
+        self.torch_above = torch_above
+        self.train(linear.training)
+
+    @property
+    def weight_view(self) -> torch.Tensor | None:
+        """The f32/bf16 weight the C kernel reads, as a tensor (the original parameter's memory
+        when it had that dtype); None for int8/int4."""
+        return self._tw
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's weights and scales as the kernels read them."""
+        return int(self._block.nbytes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"CLinear({self.in_features} -> {self.out_features}): input has "
+                             f"{x.shape[-1]} features")
+        lead = x.shape[:-1]
+        T = x.numel() // self.in_features if self.in_features else 0
+        if self._tw is not None and self.torch_above is not None and T > self.torch_above:
+            return F.linear(x.to(self._tw.dtype), self._tw, self._tb).to(self.out_dtype)
+        # f32 and bf16 go to the kernel as they are (it widens bf16 and rounds a bf16 output
+        # as torch would): no casts around the call at decode sizes
+        xf = x.detach().reshape(T, self.in_features)
+        if xf.dtype not in (torch.float32, torch.bfloat16):
+            xf = xf.to(torch.float32)
+        if not xf.is_contiguous():
+            xf = xf.contiguous()
+        odt = self.out_dtype if self.out_dtype in (torch.float32, torch.bfloat16) \
+            else torch.float32
+        out = torch.empty(T, self.out_features, dtype=odt)
+        self._c.forward(tensor_array(xf), tensor_array(out))
+        if odt != self.out_dtype:
+            out = out.to(self.out_dtype)
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"dtype={self.dtype}, bias={self._bias is not None}")
+
+
+def silu_mlp_parts(mlp: nn.Module | None) -> tuple[tuple[Any, Any, Any], torch.dtype,
+                                                   int | None] | None:
+    """A SiLU MLP module (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) as specmoe's C
+    layer calls run it: its (gate, up, down) ``_C.Linear``, the dtype it computes in and the
+    most tokens it runs in C (its CLinears' ``torch_above`` for f32/bf16 weights, else None);
+    None unless the three projections are :class:`CLinear` of one f32/bf16 output dtype and
+    the activation is SiLU.  The one rule for a DeepSeek MoE block's shared experts
+    (``Engine._install_routing``) and a dense decoder layer's MLP (:mod:`specmoe.models.mla`)."""
+    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(mlp, "act_fn", None)
+    if mlp is None or not all(isinstance(p, CLinear) for p in projs) or \
+            type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        return None
+    dtypes = {p.out_dtype for p in projs}
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16}:
+        return None
+    most = projs[0].torch_above if projs[0].weight_view is not None else None
+    return (projs[0]._c, projs[1]._c, projs[2]._c), dtypes.pop(), most
+BLOCK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# the Llama-form RMSNorm classes, and specmoe's own replacement of them
+_RMSNORMS = LLAMA_RMSNORMS + ("CRMSNorm",)
+
+
+# rows up to which CRMSNorm runs in C (one thread); longer inputs are prefill, torch's
+_NORM_MAX_ROWS = 64
+
+
+def norm_weight(norm: nn.Module | None) -> np.ndarray | None:
+    """An RMSNorm of the Llama family's form as its f32 weights, or None when ``norm`` is not
+    one."""
+    if norm is None or type(norm).__name__ not in _RMSNORMS \
+            or not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
+        return None
+    return np.ascontiguousarray(norm.weight.detach().float().numpy())
+
+
+class CRMSNorm(nn.Module):
+    """A Llama-form RMSNorm whose decode-sized calls run in C (``specmoe._C.rms_norm``, one
+    call instead of seven torch operations; a bf16 model's roundings as torch makes them).
+    ``inner`` is the original module: it serves training, other devices and dtypes, and inputs
+    of more than ``_NORM_MAX_ROWS`` rows; ``weight`` and ``variance_epsilon`` are its."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        w = norm_weight(norm)
+        if w is None:
+            raise TypeError("CRMSNorm replaces a Llama-form RMSNorm "
+                            f"({', '.join(LLAMA_RMSNORMS)}), "
+                            f"got {type(norm).__name__}")
+        self.inner = norm
+        self._w = w
+        self.variance_epsilon = float(norm.variance_epsilon)
+        self.train(norm.training)  # an eval-mode model stays in eval mode (C path on)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        dt = self.inner.weight.dtype
+        if (self.training or x.device.type != "cpu" or x.dtype != dt or n != self._w.shape[0]
+                or dt not in BLOCK_DTYPES or x.numel() > _NORM_MAX_ROWS * n):
+            return self.inner(x)
+        xf = x.reshape(-1, n).contiguous()
+        out = torch.empty_like(xf)
+        _C.rms_norm(tensor_array(xf), self._w, self.variance_epsilon, tensor_array(out),
+                    dt == torch.bfloat16)
+        return out.reshape(x.shape)
+
+
+def fuse_qkv(projs: list[Any], ctx: _C.KernelContext) -> _C.Linear | None:
+    """One ``_C.Linear`` over the q, k and v projections' rows together, for int8/int4
+    projections (None otherwise): one call streams the three matrices (an int4 2048x2048
+    projection ran at ~14 GB/s alone, the three together at ~18.5; bf16 gained nothing).  The
+    three CLinears are rebuilt over the joint block (their rows and scales at offsets in it),
+    so the weights are held once.  Rows are quantized independently (int8 per row, int4 per
+    row group), so the rows of the joint matrix are exactly the three's."""
+    if any(p.dtype not in ("int8", "int4") for p in projs) \
+            or len({(p.dtype, p._desc.get("group"), p.in_features) for p in projs}) != 1:
+        return None
+    K = projs[0].in_features
+    rb = K if projs[0].dtype == "int8" else K // 2        # weight bytes per row
+    sb = 4 * (1 if projs[0].dtype == "int8" else K // projs[0]._desc["group"])  # scale bytes
+    Ns = [p.out_features for p in projs]
+    N = sum(Ns)
+    s_off = -(-N * rb // 64) * 64
+    block = np.zeros(s_off + N * sb, np.uint8)
+    row = 0
+    for p, n in zip(projs, Ns):
+        w0, s0 = p._desc["weight"], p._desc["weight_scale"]
+        block[row * rb:(row + n) * rb] = p._block[w0:w0 + n * rb]
+        block[s_off + row * sb:s_off + (row + n) * sb] = p._block[s0:s0 + n * sb]
+        row += n
+    biases = [p._bias for p in projs]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = np.concatenate([b if b is not None else np.zeros(n, np.float32)
+                               for b, n in zip(biases, Ns)])
+    row = 0
+    for p, n in zip(projs, Ns):                 # each projection now reads the joint block
+        p._desc = dict(p._desc, weight=row * rb, weight_scale=s_off + row * sb)
+        p._block = block
+        p._c = _C.Linear(ctx, p._desc, block, p._bias)
+        row += n
+    desc = dict(projs[0]._desc, N=N, weight=0, weight_scale=s_off)
+    return _C.Linear(ctx, desc, block, bias)

@@ -1,0 +1,430 @@
+"""Load a HuggingFace MoE checkpoint that does not fit in memory: :func:`from_pretrained`.
+
+The model is built on the meta device (accelerate's ``init_empty_weights``: parameters take no
+memory, buffers are real); every tensor that is not a routed expert is loaded from the shards
+into it; the routed experts are streamed from the shards, one expert at a time, into a
+persistent specmoe store (converted once, reused by later calls: :mod:`specmoe.storage.conversion`), and
+served through the Engine's cache.  Peak memory while converting: the non-expert weights, one
+layer of experts in the store dtype and one expert in f32; while generating: the non-expert
+weights, the cache and the KV cache.
+
+Checkpoint keys are mapped to the model's names with transformers' own renaming rules (e.g.
+Mixtral's ``block_sparse_moe`` -> ``mlp``), so the non-expert weights land where
+``AutoModelForCausalLM.from_pretrained`` would put them; transformers' expert-fusing
+converters are not used (they build whole layers in memory): the experts are read per expert by
+:func:`_expert_reader`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .arch import ArchInfo, canonical, describe, expert_key, expert_module
+from ..storage.conversion import INT_DTYPES, Checkpoint, CheckpointError, check_store_location, default_store_path, expert_block_bytes, open_or_convert, store_settings, write_experts
+
+__all__ = ["from_pretrained", "convert"]
+
+_EXPERTS_RE = re.compile(r"^(.*\.experts\.)(.+)$")
+
+
+@dataclass
+class _Plan:
+    """Where every tensor of the checkpoint goes."""
+
+    ckpt: Checkpoint
+    model: nn.Module  # the skeleton (meta parameters)
+    info: ArchInfo
+    layer_ids: list[int]
+    num_experts: int
+    shapes: tuple[int, int]  # (I, H) of one expert
+    dense: dict[str, str] = field(default_factory=dict)  # model name -> checkpoint key
+    # per MoE position: {(expert, canonical name) or (None, fused name): checkpoint key}
+    experts: list[dict[tuple[int | None, str], str]] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    store: Path | None = None  # the store file, its location checked (_prepare)
+
+
+def _torch_dtype(spec: Any, config: Any) -> torch.dtype:
+    if spec is None or spec == "auto":
+        spec = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if spec is None:
+        return torch.float32
+    if isinstance(spec, torch.dtype):
+        return spec
+    dt = getattr(torch, str(spec).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"torch_dtype {spec!r} is not a torch dtype")
+    return dt
+
+
+def _skeleton(folder: Path, torch_dtype: Any, hf_kwargs: dict[str, Any]) -> nn.Module:
+    """The model with every parameter on the meta device (no memory), eager experts."""
+    import logging
+
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    attn = hf_kwargs.pop("attn_implementation", None)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True, **hf_kwargs)
+    dt = _torch_dtype(torch_dtype, config)
+    kw: dict[str, Any] = {"experts_implementation": "eager", "dtype": dt}
+    if attn is not None:
+        kw["attn_implementation"] = attn
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, **kw)
+    return model
+
+
+def _plan(ckpt: Checkpoint, model: nn.Module) -> _Plan:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    info, ids = describe(model)
+    ex0 = expert_module(model, info, ids[0])
+    gu = ex0.gate_up_proj
+    E = int(gu.shape[0])
+    if info.gptoss:
+        I, H = int(gu.shape[2]) // 2, int(gu.shape[1])
+    else:
+        I, H = int(gu.shape[1]) // 2, int(gu.shape[2])
+    plan = _Plan(ckpt, model, info, ids, E, (I, H), experts=[{} for _ in ids])
+    names = {m: n for n, m in model.named_modules()}
+    prefix_pos = {names[expert_module(model, info, i)] + ".": pos for pos, i in enumerate(ids)}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    meta_sd = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    for key in ckpt.keys:
+        target, _ = rename_source_key(key, renamings, [], prefix, meta_sd)
+        m = _EXPERTS_RE.match(target)
+        if m and m.group(1) in prefix_pos:
+            what = expert_key(m.group(2))
+            if what is not None:
+                plan.experts[prefix_pos[m.group(1)]][what] = key
+                continue
+        if target in meta_sd:
+            plan.dense[target] = key
+        else:
+            plan.unused.append(key)
+    for pos, got in enumerate(plan.experts):
+        _check_experts(plan, pos, got)
+    _check_dtypes(plan, meta_sd)
+    return plan
+
+
+def _check_dtypes(plan: _Plan, meta_sd: dict[str, torch.Tensor]) -> None:
+    """An integer tensor where a float weight belongs is refused before any conversion: an
+    expert projection would be converted as if its integers were weights, a dense float
+    parameter would be assigned integers (garbage tokens).  GPT-OSS's MXFP4 ``_blocks`` /
+    ``_scales`` (uint8 by design) are the quantized layout that is dequantized on the way."""
+    ckpt = plan.ckpt
+
+    def refuse(key: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{ckpt.keys[key]}: tensor {key} has dtype {ckpt.dtypes[key]}, "
+                               f"an integer type, but {what} is a float weight (quantized "
+                               "checkpoints other than GPT-OSS's MXFP4 experts are not read)")
+
+    for pos, got in enumerate(plan.experts):
+        for (e, name), key in got.items():
+            if e is None and name.endswith(("_blocks", "_scales")):
+                continue
+            if ckpt.dtypes.get(key) in INT_DTYPES:
+                who = (f"expert {e}'s {name}" if e is not None else f"the fused {name}")
+                raise refuse(key, f"{who} (decoder layer {plan.layer_ids[pos]})")
+    for target, key in plan.dense.items():
+        want = meta_sd.get(target)
+        if (want is not None and want.is_floating_point()
+                and ckpt.dtypes.get(key) in INT_DTYPES):
+            raise refuse(key, f"the model's {target} ({str(want.dtype).replace('torch.', '')})")
+
+
+def _check_experts(plan: _Plan, pos: int, got: dict[tuple[int | None, str], str]) -> None:
+    layer = plan.layer_ids[pos]
+    fused = {n for (e, n) in got if e is None}
+    if fused:
+        need = {"gate_up_proj", "down_proj"}
+        if {"gate_up_proj_blocks", "down_proj_blocks"} <= fused:
+            need = {"gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                    "down_proj_scales"}
+        if plan.info.gptoss:
+            need |= {"gate_up_proj_bias", "down_proj_bias"}
+        missing = need - fused
+    else:
+        missing = {f"experts.{e}.{n}" for e in range(plan.num_experts)
+                   for n in ("gate", "up", "down") if (e, n) not in got}
+    if missing:
+        raise ValueError(f"{plan.ckpt.folder}: decoder layer {layer} lacks expert tensors: "
+                         f"{', '.join(sorted(missing)[:6])}"
+                         f"{' ...' if len(missing) > 6 else ''}")
+
+
+def _np32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).contiguous().numpy()
+
+
+def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
+    """``f(position, expert)`` -> that expert's canonical f32 arrays, read from the shards
+    (only that expert's bytes: per-expert tensors whole, fused tensors sliced)."""
+    ckpt, gptoss = plan.ckpt, plan.info.gptoss
+    I, H = plan.shapes
+
+    def read(pos: int, e: int) -> dict[str, np.ndarray]:
+        keys = plan.experts[pos]
+        if (e, "gate") in keys:
+            out = {n: _np32(ckpt.tensor(keys[(e, n)])) for n in ("gate", "up", "down")}
+        elif (None, "gate_up_proj_blocks") in keys:  # GPT-OSS MXFP4
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            def mx(name: str) -> torch.Tensor:
+                blocks = ckpt.slice(keys[(None, name + "_blocks")], slice(e, e + 1))
+                scales = ckpt.slice(keys[(None, name + "_scales")], slice(e, e + 1))
+                return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[0]
+
+            out = canonical(mx("gate_up_proj"), mx("down_proj"), gptoss,
+                            ckpt.slice(keys[(None, "gate_up_proj_bias")], e),
+                            ckpt.slice(keys[(None, "down_proj_bias")], e))
+        else:
+            out = canonical(ckpt.slice(keys[(None, "gate_up_proj")], e),
+                            ckpt.slice(keys[(None, "down_proj")], e), gptoss,
+                            ckpt.slice(keys[(None, "gate_up_proj_bias")], e) if gptoss else None,
+                            ckpt.slice(keys[(None, "down_proj_bias")], e) if gptoss else None)
+        want = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        for n, shp in want.items():
+            if out[n].shape != shp:
+                raise ValueError(f"{ckpt.folder}: decoder layer {plan.layer_ids[pos]} expert "
+                                 f"{e}: {n} has shape {out[n].shape}, the config says {shp}")
+        for n, a in out.items():
+            if not np.isfinite(a).all():
+                key = _source_key(keys, e, n)
+                bad = a[~np.isfinite(a)]
+                raise CheckpointError(
+                    f"{ckpt.keys[key]}: tensor {key} (decoder layer {plan.layer_ids[pos]}, "
+                    f"expert {e}, {n}): {bad.size} non-finite values (first: {bad.flat[0]}); "
+                    "the checkpoint is damaged or was saved from a diverged run")
+        return out
+
+    return read
+
+
+def _source_key(keys: dict[tuple[int | None, str], str], e: int, n: str) -> str:
+    """The checkpoint key canonical array ``n`` (gate, up, down, gate.bias, ...) of expert
+    ``e`` was read from."""
+    if (e, n) in keys:
+        return keys[(e, n)]
+    base = "down_proj" if n.startswith("down") else "gate_up_proj"
+    for cand in ((base + "_bias",) if n.endswith(".bias") else ()) + (base, base + "_blocks"):
+        if (None, cand) in keys:
+            return keys[(None, cand)]
+    return next(iter(keys.values()))
+
+
+def _expert_nbytes(plan: _Plan) -> int:
+    """Bytes of one expert in the checkpoint (for the progress bar)."""
+    keys = plan.experts[0]
+    total = 0
+    for (e, _), k in keys.items():
+        if e in (None, 0):
+            h = plan.ckpt.handle(plan.ckpt.keys[k]).get_slice(k)
+            n = int(np.prod(h.get_shape()))
+            size = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1}.get(h.get_dtype(), 4)
+            total += n * size // (plan.num_experts if e is None else 1)
+    return total
+
+
+def _store_path(folder: Path, dtype: str, store: Any) -> Path:
+    """The store file for checkpoint ``folder`` (``store=``, else the default one under the
+    cache directory), checked before any work: never an existing file that is not a store, a
+    directory, an empty path or a path inside the checkpoint (:func:`check_store_location`)."""
+    return check_store_location(default_store_path(folder, dtype) if store is None else store,
+                                checkpoint=folder)
+
+
+def _check_cache_fits(plan: _Plan, cache: Any, dtype: str) -> None:
+    """``cache=`` against the model (from its config, before converting): at least one expert
+    of ``dtype`` and at least top_k slots (one token pins its top_k experts at once)."""
+    from ..runtime.cache import parse_capacity
+    I, H = plan.shapes
+    bb = expert_block_bytes(I, H, dtype, biases=plan.info.gptoss)
+    total = plan.num_experts * len(plan.layer_ids)
+    k = int(plan.model.config.num_experts_per_tok)
+    try:
+        slots = parse_capacity(cache, total_experts=total, slot_bytes=bb)
+    except ValueError as exc:
+        raise ValueError(f"cache={cache!r}: {exc} ({dtype} experts of this model)") from None
+    if slots < k:
+        raise ValueError(f"cache={cache!r} gives {slots} slot{'s' * (slots != 1)} of {bb} bytes "
+                         f"({dtype} experts), fewer than the model's top_k = {k}: each token "
+                         f"needs its {k} experts in the cache at once (at least {k} slots, "
+                         f"{k * bb} bytes; the model has {total} experts)")
+
+
+def _ensure_store(plan: _Plan, folder: Path, dtype: str, path: Path | None, force: bool,
+                  progress: bool) -> Path:
+    if path is None:
+        path = _store_path(folder, dtype, None)
+    cfg = plan.model.config
+    settings = store_settings(cfg, plan.info, plan.layer_ids, dtype)
+
+    def convert_to(p: Path, extra: dict[str, Any]) -> None:
+        write_experts(str(p), _expert_reader(plan), num_layers=len(plan.layer_ids),
+                      num_experts=plan.num_experts, dtype=dtype, model=plan.info.model_type,
+                      top_k=int(cfg.num_experts_per_tok), extra=extra, progress=progress,
+                      expert_bytes=_expert_nbytes(plan),
+                      # unmap the shards after each layer: their pages read so far leave this
+                      # process's resident set (they stay in the page cache, reclaimable)
+                      after_layer=lambda pos: plan.ckpt.close())
+
+    open_or_convert(path, plan.ckpt.fingerprint(), settings, convert_to, force=force,
+                    checkpoint=folder)
+    return path
+
+
+def _prepare(path: str | os.PathLike[str], dtype: str, torch_dtype: Any,
+             hf_kwargs: dict[str, Any], store: Any = None) -> _Plan:
+    """The plan of checkpoint ``path``, with its store's path (``store``, None: the default
+    one), every check that needs no conversion done: the shards' headers, config.json, the
+    store's location, the tensors' names and dtypes."""
+    from ..runtime.engine import check_dtype
+    check_dtype(dtype)
+    ckpt = Checkpoint.open(path)
+    spath = _store_path(ckpt.folder, dtype, store)
+    model = _skeleton(ckpt.folder, torch_dtype, hf_kwargs)
+    plan = _plan(ckpt, model)
+    plan.store = spath
+    return plan
+
+
+def convert(path: str | os.PathLike[str], *, dtype: str = "bf16",
+            out: str | os.PathLike[str] | None = None, force: bool = False,
+            progress: bool = True) -> Path:
+    """Convert the routed experts of checkpoint folder ``path`` to a specmoe store in
+    ``dtype`` (``f32``, ``bf16``, ``int8``, ``int4``) and return the store's path.
+
+    out: the store file (default: :func:`specmoe.storage.conversion.default_store_path`, under
+    ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``).  An up-to-date store there is kept as it is
+    (``force=True`` rewrites it); a stale, foreign or damaged one is rebuilt, saying why.  Any
+    other file there is never replaced: a file that is not a specmoe store, a directory, an
+    empty path or a path inside the checkpoint folder raise
+    :class:`specmoe.storage.store.StorePathError` (a ValueError) before any work.  A checkpoint that
+    cannot be converted (a truncated shard, config.json not JSON, an integer tensor where a
+    float weight belongs, NaN/inf in an expert) raises
+    :class:`specmoe.storage.conversion.CheckpointError` (a ValueError) naming the file and tensor."""
+    plan = _prepare(path, dtype, None, {}, out)
+    try:
+        return _ensure_store(plan, plan.ckpt.folder, dtype, plan.store, force, progress)
+    finally:
+        plan.ckpt.close()
+
+
+def _load_dense(plan: _Plan) -> None:
+    """Load every non-expert tensor of the checkpoint into the skeleton, in the skeleton's
+    dtypes, then tie weights; a parameter left on the meta device is an error."""
+    from .arch import moe_block
+    from ..runtime.experts import SpecmoeExperts
+    model = plan.model
+    for pos, i in enumerate(plan.layer_ids):  # drop the meta expert parameters first
+        moe_block(model, plan.info, i).experts = SpecmoeExperts(None, pos, plan.num_experts,
+                                                                plan.shapes[1])
+    for target, key in plan.dense.items():
+        mod_name, _, attr = target.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        old = getattr(mod, attr)
+        t = plan.ckpt.tensor(key)
+        if tuple(t.shape) != tuple(old.shape):
+            raise ValueError(f"{plan.ckpt.folder}: {key} has shape {tuple(t.shape)}, the model "
+                             f"expects {tuple(old.shape)} for {target}")
+        if t.is_floating_point():
+            t = t.to(old.dtype)
+        if attr in mod._parameters:
+            mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+        else:
+            mod._buffers[attr] = t
+    model.tie_weights()
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"{plan.ckpt.folder}: the checkpoint lacks {len(left)} tensors the "
+                         f"model needs: {', '.join(left[:6])}{' ...' if len(left) > 6 else ''}")
+
+
+def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 0.25,
+                    dtype: str = "bf16", policy: Any = "least_stale", prefetch: bool = True,
+                    store: str | os.PathLike[str] | None = None, direct: bool | None = None,
+                    progress: bool = True, force_convert: bool = False,
+                    torch_dtype: Any = "auto", dense: str | bool | None = "auto",
+                    miss: str = "fetch", miss_keep: int = 2,
+                    route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
+                    miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None,
+                    device: Any = "cpu", balance: Any = False,
+                    **hf_kwargs: Any) -> nn.Module:
+    """The transformers model of checkpoint folder ``path`` with its routed experts served by
+    specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
+    (stats, policy, trace, close).
+
+    path: a local HuggingFace checkpoint folder (config.json, safetensors shards with or
+    without an index, tokenizer files).  cache: the expert cache as slots, a fraction
+    (``0.25``, ``"25%"``) or a byte size (``"6GiB"``).  dtype: the store's expert format
+    (``f32``, ``bf16``, ``int8`` per row, ``int4`` in groups, ``int2`` in groups with scale and
+    offset).  policy: eviction policy name or
+    object (:func:`specmoe.runtime.engine.available_policies`).  prefetch: the next layer's router
+    predicts the experts to load while this layer computes.  store: the store file (default
+    one per checkpoint and dtype under ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``), converted on
+    the first call and reused after; ``force_convert=True`` rewrites it; only a specmoe store or
+    no file is ever replaced there (:func:`convert`).  direct: O_DIRECT
+    reads (None: when the store exceeds half the memory this process may use).  progress: a
+    progress bar while converting.  torch_dtype: dtype of the non-expert weights ("auto": the
+    checkpoint's).  dense: the other linear layers (attention, shared/dense MLPs, lm_head)
+    through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly), ``"torch"``, or
+    ``"f32"``/``"bf16"``/``"int8"``/``"int4"`` (:mod:`specmoe.models.dense`).  miss, miss_keep,
+    route_lambda, throttle, miss_levels, miss_keep2: SpecMD's miss handling (``"fetch"``,
+    ``"drop"``, ``"substitute"``, ``"lowest_bit"``, ``"priority"``), cache-aware routing, link
+    emulation and the low-bit fallback levels (``"int4"``, ``"int4:int2"``;
+    :mod:`specmoe.runtime.misses`).  device: ``"cpu"``, or ``"cuda"``/``"cuda:N"`` for the GPU tier
+    (experts cached in GPU memory behind a pinned host copy of the store, the other weights
+    on that GPU: :class:`specmoe.runtime.gpu_engine.GpuEngine`; ``dense`` "auto"/"torch" and
+    ``miss="fetch"`` only, ``direct`` unused; ``balance=True``: MoE-SpAc's CPU/GPU workload
+    balancer, :mod:`specmoe.runtime.gpu_engine`).
+    hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
+    from ..runtime import misses
+    from .dense import resolve_dense
+    from ..runtime.gpu_engine import resolve_device
+    from ..runtime.engine import Engine, check_early
+    check_early(dtype, cache, policy, prefetch)  # bad values fail before any conversion
+    gpu = resolve_device(device, dtype=dtype, policy=policy, dense=dense, miss=miss,
+                         route_lambda=route_lambda, throttle=throttle, balance=balance)
+    resolve_dense(dense, torch.float32)  # bad values fail before any work
+    misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
+    misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
+    misses.check_levels(miss_levels, None, 0, 2)  # (miss_keep2 too)
+    plan = _prepare(path, dtype, torch_dtype, dict(hf_kwargs), store)
+    _check_cache_fits(plan, cache, dtype)  # from the config: before converting
+    try:
+        spath = _ensure_store(plan, plan.ckpt.folder, dtype, plan.store, force_convert,
+                              progress)
+        if plan.unused:
+            warnings.warn(f"{plan.ckpt.folder}: {len(plan.unused)} checkpoint tensors are not "
+                          f"used by the model (e.g. {plan.unused[0]})", stacklevel=2)
+        _load_dense(plan)
+    finally:
+        plan.ckpt.close()
+    model = plan.model
+    gen = plan.ckpt.folder / "generation_config.json"
+    if gen.is_file():
+        from transformers import GenerationConfig
+        model.generation_config = GenerationConfig.from_pretrained(plan.ckpt.folder)
+    model.eval()
+    if gpu is not None:
+        from ..runtime.gpu_engine import GpuEngine
+        GpuEngine(model, spath, device=gpu, cache=cache, policy=policy, prefetch=prefetch,
+                  verify=True, balance=balance)
+        return model
+    Engine(model, spath, cache=cache, policy=policy, prefetch=prefetch, direct=direct,
+           verify=True, dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
+           throttle=throttle, miss_levels=miss_levels, miss_keep2=miss_keep2)
+    return model

@@ -1,0 +1,571 @@
+"""The GPU tier (issue 12): expert FFN kernels on the GPU and a GPU expert cache.
+
+Everything here goes through the separate extension ``specmoe._cuda``, built only where a CUDA
+toolkit was found (see setup.py) and imported lazily on first use, so ``import specmoe`` never
+needs CUDA.  :func:`load` returns the module or raises :class:`CudaUnavailable` saying why
+(not built, cuBLAS library missing, no driver, no device); :func:`available` answers without
+raising.
+
+* :func:`ffn` runs one expert block that lives in GPU memory (a torch uint8 CUDA tensor, or
+  a slot of :class:`GpuExpertCache`) on CUDA tensors, with the same block layout and math as
+  :func:`specmoe.runtime.kernels.ffn` (bf16/f32 by cuBLAS or by the dequantizing kernels, int8 and
+  int4 by the dequantizing kernels).
+* :func:`moe_forward` groups the tokens of one MoE layer by expert and runs each expert
+  through a cache on torch's current CUDA stream.
+* :class:`GpuExpertCache` keeps expert blocks in one GPU allocation; loads are
+  ``cudaMemcpyAsync`` from pinned host memory on the cache's copy stream, ordered by one
+  event per slot (details in cuda/gcache.h).  ``device=-1`` runs the same bookkeeping on host
+  memory, without CUDA (used by the tests on machines without a GPU).
+
+* :func:`calibrate` measures the simulator's profile of this tier.
+
+Tested on an H200 (tests/test_cuda.py); what ran there and the figures: docs/gpu.md.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache", "moe_forward",
+           "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile",
+           "ExpertGroups", "group_by_expert"]
+
+PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
+
+
+class CudaUnavailable(RuntimeError):
+    """The GPU tier cannot be used here; the message says why."""
+
+
+_MOD: ModuleType | None = None
+_WHY: str | None = None
+
+
+def _preload_cublas() -> str | None:
+    """Load libcublasLt/libcublas (RTLD_GLOBAL) from the nvidia-cublas wheel or the system,
+    so that specmoe._cuda's dependency on the soname resolves.  Returns a reason on failure."""
+    names = ("libcublasLt.so.13", "libcublas.so.13")
+    dirs: list[str] = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cublas/lib"):
+            d = os.path.join(entry or ".", sub)
+            if os.path.isdir(d):
+                dirs.append(d)
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            dirs += [os.path.join(os.environ[env], "lib64"), os.path.join(os.environ[env], "lib")]
+    errors = []
+    for name in names:
+        for d in dirs + [""]:
+            path = os.path.join(d, name) if d else name
+            if d and not glob.glob(path):
+                continue
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                break
+            except OSError as e:
+                errors.append(f"{path}: {e}")
+        else:
+            return (f"cannot load {name} (install the nvidia-cublas wheel or a CUDA toolkit): "
+                    + "; ".join(errors[-2:]))
+    return None
+
+
+def load() -> ModuleType:
+    """Import ``specmoe._cuda`` (once) and check that a device is usable; raises
+    :class:`CudaUnavailable` naming the reason otherwise."""
+    global _MOD, _WHY
+    if _MOD is not None:
+        return _MOD
+    if _WHY is not None:
+        raise CudaUnavailable(_WHY)
+    mod = _import_ext()
+    try:
+        n = mod.device_count()
+    except mod.CudaError as e:
+        _WHY = f"specmoe._cuda is built but no GPU is usable: {e}"
+        raise CudaUnavailable(_WHY) from None
+    if n == 0:
+        _WHY = "specmoe._cuda is built but the CUDA runtime sees no device"
+        raise CudaUnavailable(_WHY)
+    _MOD = mod
+    return mod
+
+
+def _import_ext() -> ModuleType:
+    """specmoe._cuda without the device check (the host-emulated cache needs no GPU)."""
+    global _WHY
+    from importlib.util import find_spec
+
+    if find_spec("specmoe._cuda") is None:
+        _WHY = ("specmoe._cuda is not built: no CUDA toolkit was found at build time (install "
+                "requirements-dev.txt's nvidia-* wheels or set SPECMOE_NVCC/CUDA_HOME, then "
+                "rebuild; SPECMOE_CUDA=1 makes a missing toolkit an error)")
+        raise CudaUnavailable(_WHY)
+    why = _preload_cublas()
+    try:
+        return importlib.import_module("specmoe._cuda")
+    except ImportError as e:
+        _WHY = f"specmoe._cuda is built but cannot be loaded: {e}" + (f" ({why})" if why else "")
+        raise CudaUnavailable(_WHY) from None
+
+
+def available() -> tuple[bool, str]:
+    """(True, device name) when a GPU is usable, else (False, the reason)."""
+    try:
+        mod = load()
+    except CudaUnavailable as e:
+        return False, str(e)
+    return True, str(mod.device_info(0)["name"])
+
+
+def unusable_reason() -> str:
+    """"" when torch and ``specmoe._cuda`` can both use a GPU here, else why not (torch not
+    installed, a CPU-only torch or no device, the extension not built or not loadable)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device: torch.cuda.is_available() is False"
+    ok, why = available()
+    return "" if ok else why
+
+
+def extension() -> ModuleType:
+    """``specmoe._cuda`` itself (no device needed), or CudaUnavailable."""
+    return _import_ext()
+
+
+# ---- FFN -----------------------------------------------------------------------------------
+
+_FFN_CTX: dict[tuple[int, int, int], tuple[Any, int]] = {}
+
+
+def ffn_context(device: int, H: int, I: int, max_tokens: int = 256) -> Any:
+    """The cached ``_cuda.FFN`` context (cuBLAS handle + scratch for ``max_tokens`` tokens;
+    more are processed in chunks) for (device, H, I)."""
+    key = (device, H, I)
+    have = _FFN_CTX.get(key)
+    if have is None or have[1] < max_tokens:
+        have = (load().FFN(device, H, I, max_tokens), max_tokens)
+        _FFN_CTX[key] = have
+    return have[0]
+
+
+def ffn(block: Any, spec: Any, x: Any, *, rows: Any = None, scale: Any = None, out: Any = None,
+        path: str = "auto", stream: Any = None) -> Any:
+    """``out[rows[t]] += scale[t] * FFN(x[rows[t]])`` on the GPU for one expert block.
+
+    ``block``: a 1-D uint8 CUDA tensor laid out as ``spec`` (:class:`specmoe.runtime.kernels.FFNSpec`)
+    says, or an int device address (a cache slot); ``x``: f32 CUDA tensor [N, H]; ``rows``
+    int32 CUDA tensor (default all rows), ``scale`` f32 CUDA tensor (default 1); ``out``
+    f32 CUDA tensor [N, H] (zeros if None).  ``path``: "auto" (cuBLAS for f32/bf16 unless
+    ``spec.precise``), "dequant" (exact widening, f32 accumulation: the CPU precise math) or
+    "cublas".  Runs on ``stream`` (a torch.cuda.Stream; default torch's current stream),
+    asynchronously."""
+    import torch
+
+    load()
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {tuple(PATHS)}, got {path!r}")
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == torch.float32 and x.dim() == 2):
+        raise ValueError("x must be a 2-D float32 CUDA tensor")
+    if x.shape[1] != spec.H or x.stride(1) != 1:
+        raise ValueError(f"x must be [N, {spec.H}] with unit column stride, got {tuple(x.shape)}")
+    if out is None:
+        out = torch.zeros_like(x)
+    if not (isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.float32
+            and out.dim() == 2 and out.shape[1] == spec.H and out.stride(1) == 1):
+        raise ValueError(f"out must be a float32 CUDA tensor [N, {spec.H}]")
+    if isinstance(block, torch.Tensor):
+        if not (block.is_cuda and block.dtype == torch.uint8 and block.dim() == 1
+                and block.is_contiguous()):
+            raise ValueError("block must be a contiguous 1-D uint8 CUDA tensor")
+        if block.numel() < spec.block_bytes:
+            raise ValueError(f"block has {block.numel()} bytes, the spec needs {spec.block_bytes}")
+        baddr = block.data_ptr()
+    elif isinstance(block, int) and block > 0:
+        baddr = block
+    else:
+        raise TypeError("block must be a uint8 CUDA tensor or a device address (int)")
+    if rows is None:
+        T = x.shape[0]
+        raddr = 0
+        if out.shape[0] < T:
+            raise ValueError("out has fewer rows than x")
+    else:
+        if not (isinstance(rows, torch.Tensor) and rows.is_cuda and rows.dtype == torch.int32
+                and rows.dim() == 1 and rows.is_contiguous()):
+            raise ValueError("rows must be a contiguous 1-D int32 CUDA tensor")
+        T = rows.numel()
+        raddr = rows.data_ptr()
+    if scale is not None:
+        if not (isinstance(scale, torch.Tensor) and scale.is_cuda
+                and scale.dtype == torch.float32 and scale.numel() == T and scale.is_contiguous()):
+            raise ValueError(f"scale must be a contiguous float32 CUDA tensor of {T} values")
+    st = stream if stream is not None else torch.cuda.current_stream(x.device)
+    ctx = ffn_context(x.device.index or 0, spec.H, spec.I)
+    ctx.forward(spec.desc(), baddr, x.data_ptr(), x.stride(0), raddr,
+                0 if scale is None else scale.data_ptr(), T, out.data_ptr(), out.stride(0),
+                PATHS[path], st.cuda_stream)
+    return out
+
+
+# ---- cache ---------------------------------------------------------------------------------
+
+class GpuExpertCache:
+    """Expert blocks of ``store`` cached in GPU memory.
+
+    ``GpuExpertCache(store, capacity, policy="lru", *, device=0, mode="host", stages=2,
+    top_k=None, prefetch=True)``
+
+    * ``capacity``: slots, as :func:`specmoe.parse_capacity` reads it (int, fraction, size,
+      percentage).  One ``cudaMalloc`` of capacity x block bytes at construction.
+    * ``policy``: a built-in policy name (the C objects of csrc/policy; Python policies are not
+      supported on the GPU cache).
+    * ``mode``: ``"host"`` keeps a pinned copy of the whole store in host memory (read once
+      now; loads are pure PCIe copies) or ``"staged"`` reads the store file into ``stages``
+      pinned staging buffers per load.
+    * ``device=-1``: host emulation (no CUDA; for tests of the bookkeeping).
+
+    ``acquire(layer, expert, stream)`` returns the slot's device address and makes ``stream``
+    wait for the slot's copy; ``release(layer, expert, stream)`` records the slot's free
+    event on ``stream``.  ``stream`` is a torch.cuda.Stream, a raw handle (int), or None (torch's
+    current stream on a GPU, 0 in emulation).
+    """
+
+    def __init__(self, store: Any, capacity: int | float | str, policy: str = "lru", *,
+                 device: int = 0, mode: str = "host", stages: int = 2,
+                 top_k: int | None = None, prefetch: bool = True) -> None:
+        from .cache import parse_capacity
+
+        if not isinstance(policy, str):
+            raise TypeError("the GPU cache takes a built-in policy name (str), got "
+                            f"{type(policy).__name__}")
+        if not isinstance(device, int) or device < -1:
+            raise ValueError(f"device must be a CUDA device index or -1 (emulation), got {device!r}")
+        mod = extension() if device < 0 else load()
+        total = store.num_layers * store.num_experts
+        n = parse_capacity(capacity, total_experts=total, slot_bytes=store.block_bytes)
+        crc = None
+        meta = getattr(store, "metadata", None)
+        if getattr(store, "verify", False) and isinstance(meta, dict) and "crc32c" in meta:
+            crc = np.array([int(h, 16) for row in meta["crc32c"] for h in row], dtype=np.uint32)
+        self.store = store
+        self.device = device
+        self._c = mod.GpuCache(store.path, store.data_offset, store.block_bytes,
+                               store.num_layers, store.num_experts, n, policy, device, mode,
+                               stages, int(top_k or 1), bool(prefetch), crc)
+
+    @property
+    def capacity(self) -> int:
+        return int(self._c.nslots)
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(self._c.slot_bytes)
+
+    def _stream(self, stream: Any) -> int:
+        if stream is None:
+            if self.device < 0:
+                return 0
+            import torch
+
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+        if isinstance(stream, int):
+            return stream
+        return int(stream.cuda_stream)
+
+    def acquire(self, layer: int, expert: int, stream: Any = None) -> int:
+        return int(self._c.acquire(layer, expert, self._stream(stream)))
+
+    def release(self, layer: int, expert: int, stream: Any = None) -> None:
+        self._c.release(layer, expert, self._stream(stream))
+
+    def begin_pass(self) -> None:
+        self._c.begin_pass()
+
+    def prefetch(self, keys: Sequence[int] | Sequence[tuple[int, int]],
+                 priorities: Sequence[float] | None = None, replace: bool = False) -> None:
+        """Queue prefetches of keys (layer * num_experts + expert) or (layer, expert) pairs."""
+        ne = self.store.num_experts
+        ks = [int(k[0]) * ne + int(k[1]) if isinstance(k, tuple) else int(k) for k in keys]
+        self._c.prefetch(ks, None if priorities is None else [float(p) for p in priorities],
+                         replace)
+
+    def cancel(self, key: int = -1) -> None:
+        self._c.cancel(key)
+
+    def wait_idle(self) -> None:
+        self._c.wait_idle()
+
+    def pause_worker(self, paused: bool = True) -> None:
+        self._c.pause_worker(paused)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._c.stats())
+
+    def reset_stats(self) -> None:
+        self._c.reset_stats()
+
+    def resident(self) -> list[int]:
+        return list(self._c.resident())
+
+    def layer_states(self, layer: int) -> np.ndarray:
+        """Each expert of ``layer``'s slot state now, without loading anything: uint8
+        [num_experts], 0 absent, 1 loading, 2 ready (a snapshot)."""
+        return np.frombuffer(self._c.layer_states(int(layer)), dtype=np.uint8)
+
+    def host_block(self, layer: int, expert: int) -> np.ndarray:
+        """The expert's block in the pinned host copy of the store (``mode="host"``), as a
+        uint8 array over that memory (no copy; valid until :meth:`close`)."""
+        base = int(self._c.host_copy)
+        if not base:
+            raise ValueError("the GPU cache keeps no host copy of the store (mode='staged', "
+                             "or closed)")
+        ne, nl = self.store.num_experts, self.store.num_layers
+        if not (0 <= layer < nl and 0 <= expert < ne):
+            raise ValueError(f"(layer, expert) ({layer}, {expert}) out of range {nl} x {ne}")
+        bb = self.slot_bytes
+        addr = base + (int(layer) * ne + int(expert)) * bb
+        return np.ctypeslib.as_array((ctypes.c_uint8 * bb).from_address(addr))
+
+    def set_policy(self, policy: str) -> None:
+        self._c.set_policy(policy)
+
+    def counts(self, keys: Sequence[int], counts: Sequence[int]) -> None:
+        self._c.counts(list(keys), list(counts))
+
+    def protect(self, keys: Sequence[int] | Sequence[tuple[int, int]] = ()) -> None:
+        """Lookahead-aware eviction, as :meth:`specmoe.runtime.cache.ExpertCache.protect`: these keys
+        (layer * num_experts + expert, or (layer, expert) pairs) become the protected set,
+        evicted only when no unprotected slot is evictable (``stats()["protected_evictions"]``);
+        no keys clears it.  Integer keys only (TypeError otherwise)."""
+        ne = self.store.num_experts
+        ks = []
+        for k in keys:
+            parts = k if isinstance(k, tuple) else (k,)
+            if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in parts):
+                raise TypeError(f"protect: keys must be integers or (layer, expert) pairs, "
+                                f"got {k!r}")
+            ks.append(int(k[0]) * ne + int(k[1]) if isinstance(k, tuple) else int(k))
+        self._c.protect(ks)
+
+    def close(self) -> None:
+        self._c.close()
+
+    def __enter__(self) -> "GpuExpertCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- MoE-SpAc's heterogeneous workload balancer --------------------------------------------
+
+@dataclass(frozen=True)
+class BalanceProfile:
+    """Per-expert costs of the balancer (MoE-SpAc §3.3, Table 1), in seconds, measured by
+    :func:`measure_balance_profile` (or given).
+
+    t_io: ``T_io^u``, one expert block copied host to device; t_gpu: ``T_gpu^u``, one expert's
+    FFN on the GPU at decode size; t_cpu: ``T_cpu^u``, one token through one expert on the CPU
+    kernels, reading the block from the pinned host copy."""
+
+    t_io: float
+    t_gpu: float
+    t_cpu: float
+
+    def __post_init__(self) -> None:
+        for name in ("t_io", "t_gpu", "t_cpu"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"BalanceProfile.{name} must be a finite number >= 0, got {v!r}")
+
+
+def balance_split(counts: Sequence[int], on_gpu: int, profile: BalanceProfile) -> int:
+    """How many of a layer's missing experts to copy to the GPU; the rest run on the CPU.
+
+    ``counts``: the tokens routed to each missing expert, in descending order (the ones
+    copied are the first n: hot on the GPU, cold on the CPU, MoE-SpAc §2.3).  ``on_gpu``:
+    experts of the layer already resident or loading.  For n copies (§3.3):
+
+    * ``T_cpu(n) = t_cpu * sum(counts[n:])`` (Eq. 7: the CPU's token-expert products);
+    * ``T_gpu(n) = t_io * n + t_gpu * (on_gpu + n)`` (Eq. 8: the GPU's experts, each once
+      for all its tokens; plus the n copies, Eq. 10's ``T_io^u n``, which at decode have no
+      drafting window to hide in and so lie on the GPU's path);
+
+    and the answer minimises ``|T_cpu(n) - T_gpu(n)|`` (Eq. 9) over n in 0..len(counts), the
+    smaller n on a tie.  Deviations: the decision variable is the cut n in the order of this
+    layer's token counts rather than a threshold tau on the estimator's utility levels
+    (every tau of Eq. 12 is such a cut; at decode the counts are what is known exactly); the
+    memory constraint (Eq. 11) holds by construction (the cache evicts to make room; experts
+    on the CPU take no slot).  Like Appendix C.2's solution it evaluates the convex
+    objective in O(len(counts))."""
+    m = len(counts)
+    tail = float(sum(counts))  # sum(counts[n:]) for the current n
+    best_n, best = 0, None
+    for n in range(m + 1):
+        if n:
+            tail -= counts[n - 1]
+        diff = abs(profile.t_cpu * tail - (profile.t_io * n + profile.t_gpu * (on_gpu + n)))
+        if best is None or diff < best:
+            best_n, best = n, diff
+    return best_n
+
+
+def measure_balance_profile(cache: GpuExpertCache, spec: Any, *, repeats: int = 5,
+                            batch: int = 8, layer: int = 0,
+                            expert: int = 0) -> BalanceProfile:
+    """Measure :class:`BalanceProfile` on this machine, the median of ``repeats`` rounds after
+    one warm-up: ``t_io``, ``batch`` back-to-back pinned host-to-device copies of one block
+    (CUDA events) over ``batch``; ``t_gpu``, ``batch`` one-token GPU FFNs of one expert,
+    launched and synchronised (wall clock, so the per-expert launch work of
+    :func:`moe_forward` counts) over ``batch``; ``t_cpu``, one token through the CPU kernels
+    over the block in the cache's pinned host copy (wall clock)."""
+    import time
+
+    import torch
+
+    from . import kernels
+
+    if repeats < 1 or batch < 1:
+        raise ValueError(f"repeats and batch must be >= 1, got {repeats}, {batch}")
+    load()
+    host = cache.host_block(layer, expert)
+    dev = torch.device("cuda", cache.device)
+    src = torch.from_numpy(np.array(host)).pin_memory()
+    block = torch.empty(cache.slot_bytes, dtype=torch.uint8, device=dev)
+    x = torch.randn(1, spec.H, device=dev) * 0.1
+    xh = x.cpu().numpy()
+    st = torch.cuda.current_stream(dev)
+    t_io, t_gpu, t_cpu = [], [], []
+    for i in range(repeats + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(st)
+        for _ in range(batch):
+            block.copy_(src, non_blocking=True)
+        b.record(st)
+        b.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            ffn(block, spec, x, stream=st)
+        st.synchronize()
+        t1 = time.perf_counter()
+        kernels.ffn(host, xh, spec=spec)
+        t2 = time.perf_counter()
+        if i:  # the first round warms up
+            t_io.append(a.elapsed_time(b) / 1e3 / batch)
+            t_gpu.append((t1 - t0) / batch)
+            t_cpu.append(t2 - t1)
+    return BalanceProfile(float(np.median(t_io)), float(np.median(t_gpu)),
+                          float(np.median(t_cpu)))
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A layer's (token, slot) pairs grouped by expert, as :func:`moe_forward` runs them:
+    ``rows`` (int32 CUDA, each pair's token) and ``weights`` (f32 CUDA) in ascending expert
+    order; ``experts`` the distinct experts ascending and ``counts`` their pairs (host lists).
+    """
+
+    rows: Any
+    weights: Any
+    experts: list[int]
+    counts: list[int]
+
+
+def group_by_expert(topk_ids: Any, topk_w: Any) -> ExpertGroups:
+    """Group ``topk_ids`` [T, k] / ``topk_w`` [T, k] by expert: one device-to-host sync."""
+    import torch
+
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(ids, stable=True)
+    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    return ExpertGroups((order // k).to(torch.int32),
+                        topk_w.reshape(-1).to(torch.float32)[order].contiguous(),
+                        experts.tolist(), counts.tolist())
+
+
+def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_ids: Any,
+                topk_w: Any, *, path: str = "auto", out: Any = None,
+                balance: BalanceProfile | None = None,
+                counters: dict[str, int] | None = None,
+                groups: ExpertGroups | None = None) -> Any:
+    """One MoE layer's routed experts on the GPU: tokens grouped by expert (as on the CPU),
+    each expert acquired from ``cache`` on torch's current stream, run by :func:`ffn`,
+    released.  ``hidden`` f32 [T, H] CUDA; ``topk_ids`` int [T, k]; ``topk_w`` float [T, k].
+    Returns ``out`` [T, H] (zeros + the weighted expert outputs).
+
+    ``balance``: MoE-SpAc's heterogeneous workload balancer (§3.3): of the layer's experts
+    that are neither resident nor loading, the :func:`balance_split` coldest run on the CPU
+    kernels from the cache's pinned host copy (``mode="host"``) while the GPU computes the
+    rest, instead of being copied; the CPU part is added to ``out`` on the stream.  The
+    experts' sums are then in another order (CPU part last): equal up to rounding.
+    ``counters``: a dict whose ``gpu_experts`` and ``cpu_experts`` (expert calls on each
+    device; every CPU one is a copy avoided) are incremented.  ``groups``: the pairs already
+    grouped by :func:`group_by_expert` (a caller that reads the experts itself)."""
+    import torch
+
+    if groups is None:
+        groups = group_by_expert(topk_ids, topk_w)
+    rows, weights = groups.rows, groups.weights
+    experts_h, counts_h = groups.experts, groups.counts
+    if out is None:
+        out = torch.zeros_like(hidden)
+    stream = torch.cuda.current_stream(hidden.device)
+    starts = np.concatenate([[0], np.cumsum(counts_h)]).astype(np.int64)
+    on_cpu: list[int] = []  # indices into experts_h
+    if balance is not None:
+        states = cache.layer_states(layer)
+        missing = [i for i, e in enumerate(experts_h) if states[e] == 0]
+        if missing:
+            missing.sort(key=lambda i: (-counts_h[i], experts_h[i]))  # hot first
+            n = balance_split([counts_h[i] for i in missing], len(experts_h) - len(missing),
+                              balance)
+            on_cpu = sorted(missing[n:])
+    cpu_set = set(on_cpu)
+    if on_cpu:  # the CPU part's inputs, before the GPU work is queued behind them
+        rows_h = rows.cpu().numpy()
+        w_h = weights.cpu().numpy()
+        x_h = hidden.detach().cpu().numpy()
+    for i, (e, n) in enumerate(zip(experts_h, counts_h)):
+        if i in cpu_set:
+            continue
+        s = int(starts[i])
+        addr = cache.acquire(layer, int(e), stream)
+        try:
+            ffn(addr, spec, hidden, rows=rows[s:s + n], scale=weights[s:s + n], out=out,
+                path=path, stream=stream)
+        finally:
+            cache.release(layer, int(e), stream)
+    if on_cpu:
+        from . import kernels
+
+        part = np.zeros_like(x_h)
+        for i in on_cpu:  # meanwhile the GPU computes (and copies) its experts
+            s, n = int(starts[i]), counts_h[i]
+            kernels.ffn(cache.host_block(layer, int(experts_h[i])), x_h, spec=spec,
+                        rows=rows_h[s:s + n], scale=w_h[s:s + n], out=part)
+        out += torch.from_numpy(part).to(out.device)
+    if counters is not None:
+        counters["gpu_experts"] = counters.get("gpu_experts", 0) + len(experts_h) - len(on_cpu)
+        counters["cpu_experts"] = counters.get("cpu_experts", 0) + len(on_cpu)
+    return out
+
+
+# ---- the simulator's profile of this GPU tier ----------------------------------------------
+
+

@@ -1,0 +1,50 @@
+"""What the CPU :class:`specmoe.runtime.engine.Engine` and the GPU tier's
+:class:`specmoe.runtime.gpu_engine.GpuEngine` share (:class:`EngineCommon`)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+__all__ = ["EngineCommon"]
+
+
+class EngineCommon:
+    """What the CPU :class:`Engine` and the GPU tier's
+    :class:`specmoe.runtime.gpu_engine.GpuEngine` share: both keep ``model`` and a cache ``_cache``
+    (``stats()``, ``slot_bytes``; None once closed) over a store file (``_store``, deleted on
+    close when ``_own_store``)."""
+
+    model: nn.Module | None
+    _cache: Any
+    _store: Any
+    _store_path: str | None
+    _own_store: bool
+
+    def _close_storage(self) -> None:
+        """Close the cache and the store; delete the store file when it was a temporary one."""
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._own_store and self._store_path and os.path.exists(self._store_path):
+            os.unlink(self._store_path)
+            self._own_store = False
+
+    def loads(self) -> tuple[int, float]:
+        """(experts loaded from the store, seconds stalled on loads) since the last reset."""
+        if self._cache is None:
+            return 0, 0.0
+        c = self._cache.stats()
+        return int(c.get("bytes_read", 0)) // max(1, self._cache.slot_bytes), float(
+            c.get("stall_s", 0.0))
+
+    def generate(self, input_ids: Any, **kw: Any) -> Any:
+        """:func:`specmoe.generate` on this engine's model (same arguments)."""
+        from ..speculation.generation import generate
+        return generate(self.model, input_ids, engine=self, **kw)
+
+

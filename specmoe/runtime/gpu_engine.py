@@ -1,0 +1,362 @@
+"""A model's routed experts served from GPU memory (issue 12 item 4): :class:`GpuEngine`.
+
+The GPU counterpart of :class:`specmoe.runtime.engine.Engine`, made by ``specmoe.offload(model,
+device="cuda")`` and ``specmoe.from_pretrained(path, device="cuda")``.  The non-expert weights
+(attention, norms, routers, shared experts, lm_head) live on the GPU and run in torch; every
+MoE layer's ``experts`` module becomes a :class:`specmoe.runtime.engine.SpecmoeExperts` whose call runs
+:func:`specmoe.runtime.cuda.moe_forward`: the layer's tokens grouped by expert, each expert acquired
+from a :class:`specmoe.runtime.cuda.GpuExpertCache` (slots in one GPU allocation, filled from a pinned
+host copy of the store by ``cudaMemcpyAsync`` on the cache's copy stream) on torch's current
+stream, run by the GPU FFN kernels, released.
+
+Prefetch: at MoE layer ``l`` the next layer's router is applied to this layer's input, and
+the top ``ceil(k * overfetch)`` experts of each token are queued to the cache's prefetch
+worker, ranked by how many tokens chose them (the same predictor as the CPU path: MoE-SpAc's
+"next-layer gating", csrc/layer.h step 2).  Its precision and recall against the experts the
+next layer really used are counted in :meth:`GpuEngine.stats`.
+
+MoE-SpAc's heterogeneous workload balancer (``balance=True``, §3.3): per layer, the experts
+that are neither resident nor loading are split between a copy to the GPU and the CPU kernels
+over the pinned host copy, the split minimising ``|T_cpu - T_gpu|`` (Eq. 7-9) with measured
+per-expert costs (:func:`specmoe.runtime.cuda.balance_split`, :func:`specmoe.runtime.cuda.moe_forward`).
+A utility-space policy (``"spac"``, ``"spac_ema"``, ``"score"``) receives every layer's
+activation counts.
+
+What the CPU Engine has and this one has not (yet): dense layers in C (the model's own GPU
+layers run), SpecMD's miss handling, the self-draft and draft-driven lookahead, Python
+policies, trace recording.  Asking for them raises.
+
+One compute stream: all layer calls of one engine must come from one thread (the cache's slot
+events assume one stream); a lock serialises them and :meth:`close`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..models.arch import describe, getpath, moe_block
+from .engine_base import EngineCommon
+from .tau_tables import TauTables
+
+from .experts import SpecmoeExperts
+
+__all__ = ["GpuEngine", "cuda_device", "check_gpu_options", "resolve_device"]
+
+
+def cuda_device(device: Any) -> torch.device | None:
+    """``device`` as a CUDA ``torch.device`` with an index, or None for the CPU; ValueError
+    for anything else."""
+    try:
+        d = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if d.type == "cpu":
+        return None
+    if d.type != "cuda":
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return torch.device("cuda", 0 if d.index is None else d.index)
+
+
+def check_gpu_options(*, dtype: str = "f32", policy: Any = "lru", dense: Any = "auto",
+                      miss: str = "fetch", route_lambda: float = 0.0,
+                      throttle: Any = None, balance: Any = False) -> None:
+    """Refuse, before anything is touched, the options of :func:`specmoe.offload` /
+    :func:`specmoe.from_pretrained` that the GPU tier does not serve."""
+    from .cuda import BalanceProfile
+    if not (isinstance(balance, (bool, BalanceProfile)) or balance is None):
+        raise TypeError(f"balance must be a bool or a specmoe.runtime.cuda.BalanceProfile, got "
+                        f"{type(balance).__name__}")
+    if not isinstance(policy, str):
+        raise TypeError("the GPU tier takes a built-in policy name (str), got "
+                        f"{type(policy).__name__}: Python policies run on the CPU cache")
+    if dtype == "int2":
+        raise ValueError("the GPU kernels take f32, bf16, int8 and int4 experts, not int2")
+    if dense not in ("auto", "torch", None, False):
+        raise ValueError(f"dense={dense!r}: specmoe's dense kernels run on the CPU; with a "
+                         "CUDA device the model's own layers run on the GPU (dense='torch')")
+    if miss != "fetch" or route_lambda or throttle is not None:
+        raise ValueError("SpecMD's miss handling, cache-aware routing and the link throttle "
+                         "run on the CPU cache only: with a CUDA device use miss='fetch', "
+                         "route_lambda=0, throttle=None")
+
+
+def resolve_device(device: Any, **options: Any) -> torch.device | None:
+    """The CUDA device :func:`specmoe.offload` / :func:`specmoe.from_pretrained` were asked for
+    (None: the CPU), after refusing what the GPU tier does not serve (``options``:
+    :func:`check_gpu_options`' keywords) and checking that a GPU is usable
+    (:class:`specmoe.runtime.cuda.CudaUnavailable` with the reason otherwise), all before anything is
+    touched."""
+    gpu = cuda_device(device)
+    if gpu is None:
+        if options.get("balance") not in (False, None):
+            raise ValueError("balance: the CPU/GPU balancer needs device='cuda'")
+        return None
+    check_gpu_options(**options)
+    from . import cuda
+    cuda.load()
+    return gpu
+
+
+class GpuEngine(EngineCommon):
+    """The running GPU offload of one model: the store, the GPU cache over it and the per-layer
+    path.  Made by :func:`specmoe.offload` / :func:`specmoe.from_pretrained` with
+    ``device="cuda"``; :func:`specmoe.engine_of` finds it."""
+
+    def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
+                 device: Any = "cuda", cache: int | float | str = 0.25, policy: str = "lru",
+                 prefetch: bool = True, overfetch: float = 1.5, mode: str = "host",
+                 verify: bool = True, own_store: bool = False,
+                 balance: bool | Any = False) -> None:
+        """Serve ``model``'s routed experts from the store file ``store`` through a GPU cache
+        on ``device`` ("cuda" or "cuda:N"); the model's other weights are moved there.
+
+        cache: slots, a fraction of all experts or a byte size (:func:`specmoe.parse_capacity`),
+        allocated on the GPU at once.  policy: a built-in eviction policy name.  prefetch,
+        overfetch: the next-layer prediction (module docstring).  mode: the slow tier,
+        ``"host"`` (a pinned host-memory copy of the whole store, read now: loads are pure
+        host-to-device copies) or ``"staged"`` (the store file read per load into pinned
+        staging buffers).  verify: check every block read against its CRC32C.  own_store:
+        delete the store file on :meth:`close`.  balance: MoE-SpAc's CPU/GPU workload
+        balancer (:func:`specmoe.runtime.cuda.moe_forward`): True measures its costs now
+        (:func:`specmoe.runtime.cuda.measure_balance_profile`), a
+        :class:`specmoe.runtime.cuda.BalanceProfile` gives them, False copies every miss (needs
+        ``mode="host"``; :meth:`set_balance` switches it later)."""
+        from . import cuda
+        from .kernels import FFNSpec
+        from ..storage.store import ExpertStore
+
+        dev = cuda_device(device)
+        if dev is None:
+            raise ValueError("GpuEngine needs a CUDA device; the CPU path is specmoe.runtime.engine.Engine")
+        check_gpu_options(policy=policy)
+        if overfetch < 1:
+            raise ValueError(f"overfetch must be >= 1, got {overfetch}")
+        cuda.load()  # CudaUnavailable (with the reason) before anything is touched
+        if balance not in (False, None) and mode != "host":
+            raise ValueError("the balancer computes cold experts from the pinned host copy of "
+                             "the store: it needs mode='host'")
+        info, ids = describe(model)
+        cfg = model.config
+        self.model: nn.Module | None = model
+        self.arch = info
+        self.model_type = info.model_type
+        self.layer_ids: list[int] = ids
+        self.device = dev
+        self.top_k = int(cfg.num_experts_per_tok)
+        self.policy = policy
+        self.prefetch = bool(prefetch)
+        self.overfetch = float(overfetch)
+        self.mode = mode
+        self.balance: Any = None  # the BalanceProfile in use, None: every miss is copied
+        self._routers: list[nn.Module] = []  # set once the model is on the device
+        self._router_bias: list[torch.Tensor | None] = []
+        self._store_path = os.fspath(store)
+        self._own_store = own_store
+        self._store: Any = None
+        self._cache: Any = None
+        self._slots = 0
+        self._closed = False
+        # [_lock] one layer call at a time (one compute stream), close() waits for it
+        self._lock = threading.Lock()
+        self.tau = TauTables()  # tau(g) per batch size, measured by specmoe.generate
+        # [_lock] the predictor's last prediction (layer position, expert ids) and counters
+        self._predicted: tuple[int, np.ndarray] | None = None
+        self._counters = dict.fromkeys(("tokens", "passes", "predicted", "true_positive",
+                                        "actual", "gpu_experts", "cpu_experts"), 0)
+        try:
+            st = self._store = ExpertStore(self._store_path, verify=verify)
+            ex = st.extra
+            if st.num_layers != len(ids) or ex.get("layer_ids", ids) != ids:
+                raise ValueError(f"{self._store_path}: the store holds {st.num_layers} MoE "
+                                 f"layers {ex.get('layer_ids')}, the model has {ids}")
+            self.num_experts = int(st.num_experts)
+            if self.top_k > self.num_experts:
+                raise ValueError(f"top_k {self.top_k} > num_experts {self.num_experts}")
+            self.dtype = str(ex.get("dtype", "f32"))
+            self.spec = FFNSpec.from_store_schema(
+                st.tensors, int(st.block_bytes), activation=ex.get("activation", "silu"),
+                alpha=float(ex.get("alpha", 1.702)), limit=float(ex.get("limit", 7.0)))
+            self._cache = cuda.GpuExpertCache(st, cache, policy, device=dev.index, mode=mode,
+                                              top_k=self.top_k, prefetch=True)
+            self._slots = self._cache.capacity
+            self.set_balance(balance)
+        except BaseException:
+            self.close()
+            raise
+        from .policies import COUNT_POLICIES
+        self._feed_counts = policy in COUNT_POLICIES  # utility-space policies learn from counts
+        for pos, i in enumerate(ids):
+            block = moe_block(model, info, i)
+            block.experts = SpecmoeExperts(self, pos, self.num_experts, self.spec.H)
+            block.experts.train(block.training)
+        model.to(dev)  # the non-expert weights (a no-op where they are there already)
+        torch.cuda.empty_cache()  # the expert weights' GPU memory, if they were there
+        # the predictor's routers, taken after the move (.to() replaces buffers, such as the
+        # score-correction biases, by new tensors)
+        blocks = [moe_block(model, info, i) for i in ids]
+        self._routers = [getpath(b, info.router_attr) for b in blocks]
+        self._router_bias = [getpath(b, info.bias_attr) if info.bias_attr else None
+                             for b in blocks]
+
+    # -- the per-layer path -------------------------------------------------------------------
+    def _layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
+                       w: torch.Tensor) -> torch.Tensor:
+        """One MoE layer's routed experts on the GPU (SpecmoeExperts' call)."""
+        from . import cuda
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this specmoe GpuEngine is closed")
+            if hidden.device != self.device:
+                raise ValueError(f"MoE layer {pos} got hidden states on {hidden.device}, the "
+                                 f"engine serves {self.device}")
+            c = self._counters
+            if pos == 0:
+                self._cache.begin_pass()
+                c["passes"] += 1
+                c["tokens"] += int(hidden.shape[0])
+            groups = cuda.group_by_expert(idx, w)  # the layer's one device-to-host sync
+            used = groups.experts
+            if self._feed_counts:  # the pass's activation counts (MoE-SpAc §2.3 f_{i,t})
+                ne = self.num_experts
+                self._cache.counts([pos * ne + e for e in used], groups.counts)
+            pred = self._predicted
+            if pred is not None and pred[0] == pos:
+                hit = np.intersect1d(pred[1], np.asarray(used, dtype=np.int64)).size
+                c["true_positive"] += int(hit)
+                c["actual"] += len(used)
+                self._predicted = None
+            # The next layer's prefetches are queued before this layer's experts run: its
+            # device-to-host read then follows the sync above at no cost, and the worker has
+            # the layer's compute to copy in.  (Queued after the demand loads, the read waits
+            # for the layer's work, and a pass's last prefetches come too late: measured on an
+            # H200, neither order made prefetch pay at batch 1; see docs/gpu.md.)
+            if self.prefetch and pos + 1 < len(self.layer_ids):
+                self._prefetch_next(pos + 1, hidden)
+            x = hidden.detach().to(torch.float32).contiguous()
+            out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
+                                   balance=self.balance, counters=c, groups=groups)
+            return out.to(hidden.dtype)
+
+    def _prefetch_next(self, nxt: int, hidden: torch.Tensor) -> None:
+        """Queue layer ``nxt``'s predicted experts (next-layer router on this layer's input,
+        top ceil(k * overfetch) per token, ranked by votes)."""
+        with torch.no_grad():
+            r = self._routers[nxt]
+            wt = r.weight
+            lg = torch.nn.functional.linear(hidden.detach().to(wt.dtype), wt,
+                                            getattr(r, "bias", None)).float()
+            bias = self._router_bias[nxt]
+            if bias is not None:
+                lg = (lg.sigmoid() if self.arch.sigmoid_router else lg.softmax(-1)) + \
+                    bias.float().reshape(-1)
+            n = min(self.num_experts, math.ceil(self.top_k * self.overfetch))
+            top = lg.topk(n, dim=-1).indices.reshape(-1)
+            experts, votes = torch.unique(top, return_counts=True)
+        both = torch.stack((experts, votes)).cpu().numpy()  # one device-to-host read
+        e, v = both[0].astype(np.int64), both[1].astype(np.float64)
+        self._predicted = (nxt, e)
+        self._counters["predicted"] += int(e.size)
+        self._cache.prefetch([nxt * self.num_experts + int(k) for k in e], v.tolist(),
+                             replace=True)
+
+    # -- what specmoe.generate asks of an engine (loads, generate: EngineCommon) ---------------
+    def lookahead(self, counts: Any) -> None:
+        raise NotImplementedError("the GPU tier has no draft-driven lookahead yet (issue 12): "
+                                  "use specmoe.generate(..., lookahead=False)")
+
+    # -- public -------------------------------------------------------------------------------
+    @property
+    def cache_frac(self) -> float:
+        """The cache's slots as a fraction of all routed experts."""
+        return self._slots / (self.num_experts * len(self.layer_ids))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the last reset: tokens, forward passes, the next-layer predictor's
+        precision and recall, and the GPU cache's hits/misses/prefetches/stall time."""
+        c = dict(self._counters)
+        s: dict[str, Any] = {
+            "device": str(self.device), "tokens": c["tokens"], "passes": c["passes"],
+            "policy": self.policy, "cache_frac": self.cache_frac, "dtype": self.dtype,
+            "prefetch": self.prefetch, "mode": self.mode,
+            "prefetch_precision": c["true_positive"] / c["predicted"] if c["predicted"] else None,
+            "prefetch_recall": c["true_positive"] / c["actual"] if c["actual"] else None,
+            "lookahead_predicted": 0, "lookahead_used": 0, "lookahead_hits": 0,
+            "balance": None if self.balance is None else dataclasses.asdict(self.balance),
+            "gpu_experts": c["gpu_experts"], "cpu_experts": c["cpu_experts"],
+        }
+        if self._cache is not None:
+            cs = self._cache.stats()
+            n = cs.get("hits", 0) + cs.get("misses", 0)
+            s.update(cs)
+            s["hit_rate"] = cs.get("hits", 0) / n if n else None
+            s["capacity"] = self._slots
+            s["cache_bytes"] = self._slots * self._cache.slot_bytes
+        return s
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._counters = dict.fromkeys(self._counters, 0)
+            self._predicted = None
+            if self._cache is not None:
+                self._cache.reset_stats()
+
+    def set_prefetch(self, on: bool, overfetch: float | None = None) -> None:
+        """Turn the next-layer prefetch on or off (and change its overfetch)."""
+        if overfetch is not None and overfetch < 1:
+            raise ValueError(f"overfetch must be >= 1, got {overfetch}")
+        with self._lock:
+            self.prefetch = bool(on)
+            if overfetch is not None:
+                self.overfetch = float(overfetch)
+            self._predicted = None
+
+    def set_balance(self, balance: bool | Any) -> None:
+        """MoE-SpAc's CPU/GPU balancer on (True: measure its costs now; or a
+        :class:`specmoe.runtime.cuda.BalanceProfile`) or off (False: every miss is copied)."""
+        from . import cuda
+        if balance is False or balance is None:
+            with self._lock:
+                self.balance = None
+            return
+        if self.mode != "host":
+            raise ValueError("the balancer needs mode='host' (the pinned host copy)")
+        if balance is not True and not isinstance(balance, cuda.BalanceProfile):
+            raise TypeError(f"balance must be a bool or a specmoe.runtime.cuda.BalanceProfile, got "
+                            f"{type(balance).__name__}")
+        with self._lock:
+            if self._cache is None:
+                raise RuntimeError("this specmoe GpuEngine is closed")
+            if balance is True:
+                balance = cuda.measure_balance_profile(self._cache, self.spec)
+            self.balance = balance
+
+    def set_policy(self, policy: str) -> None:
+        """Switch the GPU cache's eviction policy (built-in names); contents kept."""
+        check_gpu_options(policy=policy)
+        with self._lock:
+            if self._cache is None:
+                raise RuntimeError("this specmoe GpuEngine is closed")
+            self._cache.set_policy(policy)
+            self.policy = policy
+            from .policies import COUNT_POLICIES
+            self._feed_counts = policy in COUNT_POLICIES
+
+    def close(self) -> None:
+        """Free the GPU cache and its pinned host memory, close the store (deleted if it was
+        a temporary one).  The model's MoE layers refuse calls afterwards."""
+        with self._lock:
+            self._closed = True
+            self._close_storage()
+
+    def __enter__(self) -> "GpuEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

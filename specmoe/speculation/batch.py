@@ -1,0 +1,534 @@
+"""Speculative decoding of a batch of sequences (the batch path of :func:`specmoe.generate`).
+
+B sequences of different lengths, given left-padded with an ``attention_mask`` as in
+transformers, advance by different amounts per iteration: each has its own drafts, its own
+accepted prefix and its own EOS.  The controller picks one K per batch step (drafts per
+sequence), with tau(g, B) measured at the batch size in use (the gamma-tolerance paper,
+section 3.1: tau falls with the batch size, Fig. 1 left).
+
+How the KV cache holds sequences that advance by different amounts (:class:`BatchKV`)
+--------------------------------------------------------------------------------------
+transformers' ``DynamicCache`` keeps one length L for the whole batch.  We keep it so and mark
+which cache positions are real per sequence with a 2-D attention mask [B, L] (1 real, 0 hole):
+
+* every forward appends m columns for all rows: row b's c_b real tokens first, then m - c_b
+  dummy tokens (copies of its last token) whose mask entries are 0 -- holes;
+* position ids are explicit per row (the count of real tokens before each one), so RoPE sees
+  each sequence as if it were alone, whatever holes its row has;
+* after verification, row b keeps its pending token and its n_b accepted drafts; its rejected
+  drafts become holes (mask 0), the "padding-out" of rejected positions.  Columns that are
+  holes in every row at the end are cropped (``DynamicCache.crop``);
+* when the cache is longer than the longest row's real positions by half of them (and by
+  32 columns or more), it is compacted: every row's real positions are gathered right-aligned (left padding, the layout
+  transformers itself uses), one ``gather`` per layer.
+
+Chosen over re-aligning the rows after every step (a copy of the whole cache per step) because
+a masked hole costs one extra key per attention row until the next compaction, while a
+re-alignment costs a full cache copy per iteration; the output is the same either way (masked
+keys get weight exactly 0).  Sequences that finish (EOS or max_new_tokens) leave the batch
+(``DynamicCache.batch_select_indices``), so later steps run at the smaller batch.
+
+Caveats, by construction: dummy tokens are routed by the MoE layers like any token (as the pad
+tokens of transformers' own batched decoding are), so a row with fewer drafts than the step's K
+adds expert traffic; caches with sliding-window or recurrent layers are refused (a hole would
+count against the window).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from .controllers import StaticK
+from .decoding import GenerateOutput, cache_kwargs, new_kv
+from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
+from .mtp import MtpDrafter, mtp_layout, next_drafts
+from .tau import target_tau, tau_for_batch
+from .verify import accept
+
+__all__ = ["BatchKV", "per_position_acceptance"]
+
+
+class BatchKV:
+    """A DynamicCache of B sequences with holes: see the module docstring.
+
+    ``mask`` [B, L] (int64, 1 = real position), ``npos[b]`` = real tokens of row b in the cache
+    (the position id of its next token)."""
+
+    def __init__(self, model: nn.Module, batch: int) -> None:
+        self.model = model
+        self.kv = new_kv(model)
+        self.mask = torch.zeros((batch, 0), dtype=torch.long)
+        self.npos: List[int] = [0] * batch
+        self.compactions = 0
+
+    @property
+    def batch(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.mask.shape[1])
+
+    def _call(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                             use_cache=True, **cache_kwargs(self.model, self.kv))
+        self._check_layers()
+        return out.logits
+
+    def _check_layers(self) -> None:
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+        for layer in getattr(self.kv, "layers", []):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                raise ValueError("batched speculative decoding keeps holes in the KV cache and "
+                                 "cannot run sliding-window attention layers; use batch "
+                                 "size 1 or model.generate()")
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Feed left-padded ``ids`` [B, n] with ``mask`` [B, n] (transformers' layout): pads are
+        holes, position ids count the real tokens (as transformers' generate computes them)."""
+        if ids.shape[1] == 0:
+            return
+        mask = mask.to(torch.long)
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        self._call(ids, torch.cat([self.mask, mask], 1), pos)
+        self.mask = torch.cat([self.mask, mask], 1)
+        self.npos = [p + int(c) for p, c in zip(self.npos, mask.sum(1).tolist())]
+
+    def forward(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append each row's tokens (>= 1 per row, different counts allowed) in one forward;
+        returns logits [B, m, V], row b's real outputs in [b, :len(rows[b])]."""
+        if len(rows) != self.batch:
+            raise ValueError(f"BatchKV.forward: {len(rows)} rows for a batch of {self.batch}")
+        c = [len(r) for r in rows]
+        if min(c) < 1:
+            raise ValueError("BatchKV.forward: every row needs at least one token")
+        m = max(c)
+        ids = torch.tensor([list(r) + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long)
+        new = torch.tensor([[1] * n + [0] * (m - n) for n in c], dtype=torch.long)
+        pos = torch.tensor([[p + j for j in range(m)] for p in self.npos], dtype=torch.long)
+        mask = torch.cat([self.mask, new], 1)
+        logits = self._call(ids, mask, pos)
+        self.mask = mask
+        self.npos = [p + n for p, n in zip(self.npos, c)]
+        return logits
+
+    def forward_mtp(self, rows: Sequence[Sequence[int]], n_masks: int, adapter: Any,
+                    fetch_masks: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` for the MTP drafter: each row's anchors (its pending token and
+        drafts, different counts allowed) followed by ``n_masks`` masks per anchor slot, in one
+        forward (:meth:`specmoe.speculation.mtp.MtpAdapter.forward_mtp`).  Past holes and the padding
+        anchors of shorter rows are hidden from every query; the masks' KV columns are cropped
+        before returning.  Returns (anchor logits [B, A, V], mask logits [B, A, m, V])."""
+        if len(rows) != self.batch:
+            raise ValueError(f"BatchKV.forward_mtp: {len(rows)} rows for a batch of "
+                             f"{self.batch}")
+        c = [len(r) for r in rows]
+        if min(c) < 1:
+            raise ValueError("BatchKV.forward_mtp: every row needs at least one token")
+        A, m, L, B = max(c), int(n_masks), self.length, self.batch
+        dt = self.model.get_input_embeddings().weight.dtype
+        rel, bias1 = mtp_layout(A, m, L, dt)
+        q = rel.numel()
+        bias = bias1.expand(B, 1, q, L + q).clone()
+        lo = torch.finfo(dt).min
+        real = torch.zeros((B, A), dtype=torch.long)
+        for b in range(B):
+            real[b, :c[b]] = 1
+            bias[b, 0, :, :L].masked_fill_(self.mask[b] == 0, lo)      # past holes
+            bias[b, 0, :, L + c[b]:L + A] = lo                        # padding anchors
+        pos = torch.stack([rel - L + p for p in self.npos])
+        ids = torch.tensor([list(r) + [r[-1]] * (A - len(r)) for r in rows], dtype=torch.long)
+        with torch.no_grad():
+            lg, ml = adapter.forward_mtp(self.model, ids, m, past=L, kv=self.kv,
+                                         layout=(pos, bias), fetch_masks=fetch_masks)
+        self._check_layers()
+        if m:
+            self.kv.crop(-(A * m))
+        self.mask = torch.cat([self.mask, real], 1)
+        self.npos = [p + n for p, n in zip(self.npos, c)]
+        return lg, ml
+
+    def keep(self, b: int, n_real: int) -> None:
+        """Row b keeps its first ``n_real`` real positions; later ones become holes."""
+        if n_real < self.npos[b]:
+            real = torch.nonzero(self.mask[b]).flatten()
+            self.mask[b, real[n_real:]] = 0
+            self.npos[b] = n_real
+
+    def trim(self) -> None:
+        """Crop the columns at the end that are holes in every row, and compact when holes
+        fill more than half of the cache."""
+        L = self.length
+        if L == 0:
+            return
+        any_real = self.mask.any(0)
+        last = int(torch.nonzero(any_real).max()) + 1 if bool(any_real.any()) else 0
+        if last < L:
+            self.kv.crop(last - L)
+            self.mask = self.mask[:, :last]
+        top = max(self.npos)
+        if self.length - top >= max(32, top // 2):  # compaction saves a third or more
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather every row's real positions right-aligned into max(npos) columns."""
+        L2 = max(self.npos)
+        B = self.batch
+        idx = torch.zeros((B, L2), dtype=torch.long)
+        mask = torch.zeros((B, L2), dtype=torch.long)
+        for b in range(B):
+            real = torch.nonzero(self.mask[b]).flatten()
+            n = real.numel()
+            if n:
+                idx[b, L2 - n:] = real
+                mask[b, L2 - n:] = 1
+        for layer in self.kv.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            g = idx.to(layer.keys.device)[:, None, :, None]
+            layer.keys = layer.keys.gather(2, g.expand(-1, layer.keys.shape[1], -1,
+                                                       layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, g.expand(-1, layer.values.shape[1], -1,
+                                                           layer.values.shape[3]))
+        self.mask = mask
+        self.compactions += 1
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (indices into the current batch), in that order."""
+        if list(rows) == list(range(self.batch)):
+            return
+        t = torch.tensor(list(rows), dtype=torch.long)
+        if self.length:
+            self.kv.batch_select_indices(t)
+        self.mask = self.mask[t]
+        self.npos = [self.npos[r] for r in rows]
+        self.trim()
+
+
+class BatchDraftModel:
+    """Batched drafting with a :class:`specmoe.speculation.drafters.DraftModel` (or SelfDraft): one
+    :class:`BatchKV` for the draft, each row rolled back to the prefix it shares with its
+    sequence, all rows drafted together token by token.
+
+    ``shared``: the target's own :class:`BatchKV` (a SelfDraft with ``share_kv``, MoE-SpeQ
+    Sec. 3.4, as at batch size 1): the draft feeds each row's pending token and drafts on top
+    of the verified prefix the target cached, then turns those positions back into holes and
+    crops them, so there is no second cache and no draft prefill of the prompt."""
+
+    def __init__(self, drafter: Any, batch: int, shared: Optional[BatchKV] = None) -> None:
+        self.drafter = drafter
+        self.shared = shared is not None
+        self.state = shared if shared is not None else BatchKV(drafter.model, batch)
+        self.seen: List[List[int]] = [[] for _ in range(batch)]
+
+    def select(self, rows: Sequence[int]) -> None:
+        if not self.shared:  # a shared state is selected by its owner
+            self.state.select(rows)
+        self.seen = [self.seen[r] for r in rows]
+
+    def _run(self, rows: List[List[int]], rec_rows: List[Tuple[List[int], int]],
+             routing: Optional[Dict[int, np.ndarray]]) -> torch.Tensor:
+        d = self.drafter
+        if not isinstance(d, SelfDraft):
+            return self.state.forward(rows)
+        m = max(len(r) for r in rows)
+        with d.engine.drafting() as rec:
+            out = self.state.forward(rows)
+        if routing is not None:
+            # tokens are flattened row-major [B, m]: count the inputs the verification will
+            # see again (each row's last fed token: its pending token or a draft)
+            take = [b * m + j for b_rows, j in rec_rows for b in b_rows]
+            E = d.engine.num_experts
+            for pos, idx in rec:
+                c = routing.setdefault(pos, np.zeros(E, np.int64))
+                np.add.at(c, idx[take].ravel(), 1)
+        return out
+
+    def draft(self, hists: List[List[int]], ks: List[int], sampling: Any,
+              gen: Optional[torch.Generator]) -> Tuple[List[List[int]], List[Optional[torch.Tensor]],
+                                                      Optional[Dict[int, np.ndarray]]]:
+        """(drafts per row, their distributions per row or None, union routing or None)."""
+        K = max(ks) if ks else 0
+        B = len(hists)
+        if K <= 0:
+            return [[] for _ in range(B)], [None] * B, None
+        rows = []
+        for b, h in enumerate(hists):
+            if self.shared:  # the target's cache holds every token of the row but the last
+                if self.state.npos[b] != len(h) - 1:
+                    raise RuntimeError(f"BatchDraftModel: row {b} of the shared cache holds "
+                                       f"{self.state.npos[b]} positions, its history "
+                                       f"{len(h)} tokens (expected {len(h) - 1})")
+                rows.append(h[-1:])
+                continue
+            n, lim, s = 0, min(len(self.seen[b]), len(h) - 1), self.seen[b]
+            while n < lim and s[n] == h[n]:
+                n += 1
+            self.state.keep(b, n)
+            rows.append(h[n:])
+        self.state.trim()
+        routing: Optional[Dict[int, np.ndarray]] = {} if isinstance(self.drafter, SelfDraft) \
+            else None
+        logits = self._run(rows, [([b], len(rows[b]) - 1) for b in range(B) if ks[b] > 0],
+                           routing)
+        last = torch.stack([logits[b, len(rows[b]) - 1] for b in range(B)])
+        toks: List[List[int]] = [[] for _ in range(B)]
+        probs: List[List[torch.Tensor]] = [[] for _ in range(B)]
+        for i in range(K):
+            if sampling is None:
+                t = torch.argmax(last, -1).tolist()
+            else:
+                p = sampling.probs(last)
+                t = torch.multinomial(p, 1, generator=gen)[:, 0].tolist()
+                for b in range(B):
+                    probs[b].append(p[b])
+            for b in range(B):
+                toks[b].append(int(t[b]))
+            if i + 1 < K:
+                live = [b for b in range(B) if ks[b] > i + 1]
+                last = self._run([[x[-1]] for x in toks], [(live, 0)], routing)[:, 0]
+        if self.shared:  # the draft's positions become holes and are cropped off again
+            for b in range(B):
+                self.state.keep(b, len(hists[b]) - 1)
+            self.state.trim()
+        else:
+            for b in range(B):  # the cache holds history + toks[:-1] of every row
+                self.seen[b] = list(hists[b]) + toks[b][:-1]
+        drafts = [toks[b][:ks[b]] for b in range(B)]
+        dprobs = [torch.stack(probs[b][:ks[b]]) if sampling is not None and ks[b] else None
+                  for b in range(B)]
+        return drafts, dprobs, routing
+
+
+def per_position_acceptance(pairs: Sequence[Tuple[int, int]]) -> List[Optional[float]]:
+    """Acceptance per draft position from (drafts verified, drafts accepted) per sequence and
+    iteration: entry j-1 = P(position j accepted | it was verified and positions < j were
+    accepted) = #(accepted >= j) / #(k >= j and accepted >= j - 1)."""
+    kmax = max((k for k, _ in pairs), default=0)
+    out: List[Optional[float]] = []
+    for j in range(1, kmax + 1):
+        reached = sum(1 for k, a in pairs if k >= j and a >= j - 1)
+        acc = sum(1 for k, a in pairs if a >= j)
+        out.append(acc / reached if reached else None)
+    return out
+
+
+def check_left_padded(ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """ValueError unless every row of ``mask`` is 0...0 1...1 with at least one 1."""
+    m = mask.to(torch.long)
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    if bool((m[:, 1:] < m[:, :-1]).any()) or bool((m[:, -1] != 1).any()):
+        raise ValueError("attention_mask must be left-padded (0...0 1...1 per row, the last "
+                         "column real): pad the prompts on the left, as for transformers' "
+                         "batched generate")
+
+
+def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: Any,
+              controller: Any, max_new_tokens: int, sampling: Any, eos: set,
+              gen: torch.Generator, tau: Any, engine: Any, lookahead: bool, progress: bool,
+              pad_token_id: int, vocab: int) -> Any:
+    """The batched loop of :func:`specmoe.generate` (arguments already checked there)."""
+    B, n = ids.shape
+    prompts = [ids[b][mask[b] == 1].tolist() for b in range(B)]
+    mtp = drafter if isinstance(drafter, MtpDrafter) else None
+    # tau per batch size: measured lazily at the batch sizes in use ("auto"), or given
+    tau_tables: Optional[Dict[int, Mapping[int, float]]] = None
+    if controller is not None and tau is not None and not (
+            isinstance(tau, str) and isinstance(controller, StaticK)):
+        if isinstance(tau, str):
+            tau_tables = {}
+        elif tau and all(isinstance(v, Mapping) for v in tau.values()):
+            tau_tables = {int(b): v for b, v in tau.items()}
+        else:
+            tau_tables = {0: tau}  # one table for every batch size
+
+    def tau_at(bsz: int) -> Mapping[int, float]:
+        assert tau_tables is not None
+        if isinstance(tau, str):
+            # measured at the next power of two >= bsz (a handful of sizes per run)
+            b2 = 1 << max(0, (bsz - 1).bit_length())
+            if b2 not in tau_tables:
+                longest = max(prompts, key=len)
+                g_max = controller.k_max + 1
+                if mtp is not None:  # g anchors and their masks per sequence
+                    tau_tables[b2] = mtp.tau(target_tau(model, longest, mtp.tau_tokens(g_max),
+                                                        engine, batch=b2), g_max)
+                else:
+                    tau_tables[b2] = target_tau(model, longest, g_max, engine, batch=b2)
+            return tau_tables[b2]
+        return tau_for_batch(tau_tables, bsz)
+
+    if controller is not None and hasattr(controller, "begin_request"):
+        controller.begin_request()
+    t_start = time.perf_counter()
+    state = BatchKV(model, B)
+    state.prefill(ids[:, :-1], mask[:, :-1])  # the last column holds every pending token
+    seqs = [list(p) for p in prompts]
+    active = list(range(B))
+    ngrams: Optional[List[Any]] = None
+    bdraft: Optional[BatchDraftModel] = None
+    # MTP: each row's next drafts (and their distributions) from its last step's masks
+    mtp_next: List[Tuple[List[int], Optional[torch.Tensor]]] = [([], None)] * B
+    if isinstance(drafter, DraftModel):
+        share = isinstance(drafter, SelfDraft) and drafter.share_kv
+        bdraft = BatchDraftModel(drafter, B, shared=state if share else None)
+    elif isinstance(drafter, NgramDrafter):
+        ngrams = [drafter.clone() for _ in range(B)]
+    its: List[Dict[str, Any]] = []
+    loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
+    cur_b = -1
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=max_new_tokens * B, desc="generate", unit="tok")
+    try:
+        while active:
+            Ba = len(active)
+            if controller is not None and Ba != cur_b:
+                if hasattr(controller, "set_batch"):
+                    controller.set_batch(Ba)
+                if tau_tables is not None:
+                    controller.set_tau(tau_at(Ba))
+                cur_b = Ba
+            k_plan = controller.next_k() if controller is not None else 0
+            ks = [max(0, min(k_plan, max_new_tokens - (len(seqs[r]) - len(prompts[r])) - 1))
+                  for r in active]
+            t0 = time.perf_counter()
+            l0, s0 = engine.loads() if engine is not None else (0, 0.0)
+            routing = None
+            dprobs: List[Optional[torch.Tensor]] = [None] * Ba
+            if drafter is None or max(ks) == 0:
+                drafts: List[List[int]] = [[] for _ in active]
+            elif mtp is not None:
+                drafts = [mtp_next[r][0][:ks[i]] for i, r in enumerate(active)]
+                dprobs = [None if mtp_next[r][1] is None or not ks[i]
+                          else mtp_next[r][1][:len(drafts[i])] for i, r in enumerate(active)]
+            elif bdraft is not None:
+                drafts, dprobs, routing = bdraft.draft([seqs[r] for r in active], ks,
+                                                       sampling, gen)
+            else:
+                drafts = []
+                for i, r in enumerate(active):
+                    d = propose(ngrams[r] if ngrams is not None else drafter, seqs[r], ks[i],
+                               None, gen, vocab)
+                    drafts.append(d.tokens)
+            for i, d in enumerate(drafts):  # the same checks as batch size 1
+                _draft_check(drafter, d, dprobs[i], ks[i], vocab)
+            t_draft = time.perf_counter() - t0
+            kd = [len(d) for d in drafts]
+            if lookahead and routing and engine is not None:
+                engine.lookahead(routing)
+            anchors = [[seqs[r][-1]] + drafts[i] for i, r in enumerate(active)]
+            if mtp is not None:
+                # one forward verifies every row's drafts and drafts its next ones
+                logits, mask_logits = state.forward_mtp(anchors, mtp.k if k_plan > 0 else 0,
+                                                        mtp.adapter, mtp.fetch_masks)
+            else:
+                logits = state.forward(anchors)
+            acc: List[int] = []
+            emitted: List[int] = []
+            finished: List[int] = []
+            for i, r in enumerate(active):
+                rows = logits[i, :kd[i] + 1]
+                if sampling is None:
+                    p, u, q = rows.float().contiguous().numpy(), None, None
+                else:
+                    p = sampling.probs(rows).numpy()
+                    u = torch.rand((kd[i] + 1, 2), generator=gen, dtype=torch.float64).numpy()
+                    q = None if dprobs[i] is None else dprobs[i].float().contiguous().numpy()
+                n_acc, nxt = accept(p, np.asarray(drafts[i], np.int64), q, u,
+                                    check=u is not None)
+                state.keep(i, len(seqs[r]) + n_acc)  # pending token + accepted drafts
+                new = drafts[i][:n_acc] + [int(nxt)]
+                stop = False
+                for j, t in enumerate(new):
+                    if t in eos:
+                        new, stop = new[:j + 1], True
+                        break
+                seqs[r].extend(new)
+                if mtp is not None:
+                    mtp_next[r] = next_drafts(mask_logits[i, n_acc], sampling, gen) \
+                        if mask_logits.shape[2] else ([], None)
+                if stop or len(seqs[r]) - len(prompts[r]) >= max_new_tokens:
+                    finished.append(i)
+                acc.append(int(n_acc))
+                emitted.append(len(new))
+            state.trim()
+            t_end = time.perf_counter()
+            t_iter = t_end - t0
+            l1, s1 = engine.loads() if engine is not None else (0, 0.0)
+            n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
+            k_used = max(kd)
+            if controller is not None:  # (the SpeQ governor learns its I/O cost from these)
+                # the scalar: k_used when every row accepted all its drafts (the heuristic's
+                # "+2"), else the fewest accepted by a row that had a draft rejected
+                short = [a for a, k in zip(acc, kd) if a < k]
+                controller.observe(k_used, min(short) if short else k_used, t_iter, n_load, t_draft=min(t_draft, t_iter),
+                                   t_io=min(t_io, t_iter - min(t_draft, t_iter)),
+                                   rows_k=kd, rows_accepted=acc)
+            its.append({"k_planned": int(k_plan), "k": k_used, "accepted": sum(acc),
+                        "emitted": sum(emitted), "batch": Ba, "k_rows": kd,
+                        "accepted_rows": acc, "t_iter": t_iter, "t_end": t_end,
+                        "t_draft": t_draft, "experts_loaded": n_load})
+            if bar is not None:
+                bar.update(sum(emitted))
+            if finished:
+                keep_rows = [i for i in range(Ba) if i not in finished]
+                active = [active[i] for i in keep_rows]
+                if active:
+                    state.select(keep_rows)
+                    if bdraft is not None:
+                        bdraft.select(keep_rows)
+    finally:
+        if bar is not None:
+            bar.close()
+    elapsed = time.perf_counter() - t_start
+    gen_rows = [s[len(p):] for s, p in zip(seqs, prompts)]
+    width = max(len(g) for g in gen_rows)
+    out = torch.full((B, n + width), int(pad_token_id), dtype=torch.long)
+    out[:, :n] = ids
+    for b, g in enumerate(gen_rows):
+        out[b, n:n + len(g)] = torch.tensor(g, dtype=torch.long)
+    new_tokens = sum(len(g) for g in gen_rows)
+    steps = sum(i["batch"] for i in its)
+    pairs = [(k, a) for i in its for k, a in zip(i["k_rows"], i["accepted_rows"])]
+    proposed = sum(k for k, _ in pairs)
+    accepted = sum(a for _, a in pairs)
+    stats: Dict[str, Any] = {
+        "batch": B, "new_tokens": new_tokens, "new_tokens_per_row": [len(g) for g in gen_rows],
+        "iterations": len(its), "time_s": elapsed,
+        "tok_per_s": new_tokens / elapsed if elapsed > 0 else float("nan"),
+        "proposed": proposed, "accepted": accepted,
+        "acceptance": accepted / proposed if proposed else None,
+        "acceptance_per_position": per_position_acceptance(pairs),
+        "etr": new_tokens / steps if steps else None,
+        "k_mean": sum(i["k"] for i in its) / len(its) if its else None,
+        "kv_compactions": state.compactions,
+    }
+    if engine is not None:
+        l1, s1 = engine.loads()
+        stats.update({"experts_loaded": l1 - loaded0,
+                      "experts_loaded_per_token": (l1 - loaded0) / max(1, new_tokens),
+                      "stall_s": s1 - stall0})
+    return GenerateOutput(out, stats, its)
+
+
+def _draft_check(drafter: Any, tokens: List[int], probs: Optional[torch.Tensor], k: int,
+                 vocab: int) -> None:
+    name = type(drafter).__name__
+    if len(tokens) > k:
+        raise ValueError(f"drafter {name} proposed {len(tokens)} tokens, more than the {k} "
+                         "asked for")
+    bad = [t for t in tokens if not (0 <= t < vocab)]
+    if bad:
+        raise ValueError(f"drafter {name} proposed token ids {bad} outside the vocabulary "
+                         f"[0, {vocab})")
+    if probs is not None and tuple(probs.shape) != (len(tokens), vocab):
+        raise ValueError(f"drafter {name} returned probs of shape {tuple(probs.shape)}, "
+                         f"expected ({len(tokens)}, {vocab})")

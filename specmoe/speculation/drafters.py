@@ -1,0 +1,297 @@
+"""Drafters for speculative decoding: what proposes the K tokens one verification checks.
+
+Anything with ``propose(history, k)`` returning token ids works (the :class:`Drafter`
+protocol); the model drafters also return their distributions and routing through
+``draft(...)``:
+
+* :class:`NgramDrafter` -- prompt lookup in C (deterministic proposals);
+* :class:`DraftModel` -- a small causal LM sharing the target's tokenizer (e.g. the zoo's
+  ``tiny-draft``), with its own KV cache rolled back to the accepted prefix;
+* :class:`SelfDraft` -- MoE-SpeQ's drafter: the target itself with every routed expert resident
+  in a low-bit copy (int4 by default); its routing of the draft tokens is the expert lookahead
+  buffer that is prefetched before verification (``Engine.lookahead``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import _C
+from .controllers.base import check_int
+from .mtp import MtpDrafter
+from .decoding import Draft, crop_kv, forward_tokens, new_kv
+from .sampling import Sampling
+
+__all__ = ["Drafter", "NgramDrafter", "DraftModel", "SelfDraft", "propose"]
+
+
+class Drafter(Protocol):
+    """What a drafter offers the generate loop."""
+
+    def propose(self, history: Optional[Sequence[int]], k: int) -> list[int]: ...
+    def append(self, tokens: Iterable[int]) -> None: ...
+    def reset(self) -> None: ...
+
+
+def _tokens(x: Union[Iterable[int], np.ndarray]) -> np.ndarray:
+    """Token ids as an integer array; floats and other dtypes are refused (TypeError)."""
+    if not isinstance(x, (np.ndarray, Sequence)):
+        x = list(x)
+    a = np.asarray(x)
+    if a.size == 0:
+        return a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {a.dtype}")
+    return a
+
+
+class NgramDrafter:
+    """Prompt-lookup drafter in C: the tokens that followed the most recent earlier occurrence
+    of the history's last n tokens (n = max_n down to min_n), continued periodically when the
+    match runs into the end of the history (definition in csrc/spec/ngram.h).
+
+    The index is incremental: appending a token costs O(max_n), a proposal O(max_n + k).
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        self._g = _C.NgramDrafter(check_int("max_n", max_n, 1), check_int("min_n", min_n, 1))
+        self._n = (int(max_n), int(min_n))
+
+    def clone(self) -> "NgramDrafter":
+        """A new drafter with the same settings and an empty history (one per sequence of a
+        batch: :func:`specmoe.generate` gives every sequence its own index)."""
+        return NgramDrafter(*self._n)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the drafter's history."""
+        return int(self._g.length)
+
+    def propose(self, history: Optional[Union[Sequence[int], np.ndarray]], k: int) -> list[int]:
+        """Propose k draft tokens, or none when no n-gram of the history's end recurs.
+
+        Args:
+            history: the full token history (ids >= 0).  The drafter compares it with the one
+                it holds (a memcmp), appends the new tail, and rebuilds its index only if the
+                history diverged.  None keeps the held history (after :meth:`append`).
+            k: number of tokens wanted (>= 0).
+
+        Raises:
+            ValueError: negative k, bad token ids, or an empty history.
+        """
+        k = check_int("k", k, 0)
+        return list(self._g.propose(None if history is None else _tokens(history), k))
+
+    def append(self, tokens: Union[Iterable[int], np.ndarray]) -> None:
+        """Extend the held history by tokens (ids >= 0)."""
+        self._g.append(_tokens(tokens))
+
+    def reset(self) -> None:
+        """Forget the history."""
+        self._g.reset()
+
+
+class DraftModel:
+    """A small causal LM that drafts for the target (same tokenizer and vocabulary).
+
+    It keeps its own KV cache of the history it has seen; each :meth:`draft` call crops it to the
+    common prefix with the current history (the rejected drafts go) and feeds the new tokens in
+    one forward before drafting token by token.  Greedy (``sampling=None``) drafts the argmax;
+    otherwise it samples from ``sampling.probs`` and returns those distributions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError("DraftModel needs a transformers causal LM")
+        self.model = model
+        self._kv: Any = None
+        self._seen: List[int] = []  # tokens whose keys/values are in self._kv
+
+    def reset(self) -> None:
+        """Forget the cached history (the next draft starts from scratch)."""
+        self._kv, self._seen = None, []
+
+    def propose(self, history: Sequence[int], k: int) -> List[int]:
+        """Greedy draft of k tokens after ``history`` (the :class:`Drafter` protocol)."""
+        return self.draft(history, k).tokens
+
+    def prefill(self, history: Sequence[int]) -> None:
+        """Run the draft over ``history`` (all but its last token) ahead of the first draft,
+        as the target's prefill does; :func:`generate` calls it before its first iteration so
+        that no iteration's time includes the draft's prompt."""
+        h = [int(t) for t in history]
+        if len(h) < 2:
+            return
+        n = self._sync(h)
+        if n < len(h) - 1:
+            self._run(h[n:-1])
+        self._seen = h[:-1]
+
+    def _run(self, ids: Sequence[int]) -> torch.Tensor:
+        return forward_tokens(self.model, ids, self._kv)
+
+    def _sync(self, h: List[int]) -> int:
+        """Crop the cache to the longest prefix it shares with history ``h`` (never the last
+        token of h, which must be fed to get the next distribution); returns that length."""
+        n = 0
+        lim = min(len(self._seen), len(h) - 1)
+        while n < lim and self._seen[n] == h[n]:
+            n += 1
+        if self._kv is None or n == 0:
+            self._kv, n = new_kv(self.model), 0
+        else:
+            crop_kv(self._kv, n)
+        return n
+
+    def draft(self, history: Sequence[int], k: int, sampling: Optional[Sampling] = None,
+              generator: Optional[torch.Generator] = None) -> Draft:
+        """Draft k tokens after ``history`` (a non-empty list of token ids)."""
+        h = [int(t) for t in history]
+        if not h:
+            raise ValueError("draft: empty history")
+        if k <= 0:
+            return Draft([], None, None)
+        n = self._sync(h)
+        logits = self._run(h[n:])[-1:]
+        toks: List[int] = []
+        rows: List[torch.Tensor] = []
+        for i in range(k):
+            if sampling is None:
+                t = int(torch.argmax(logits[-1]))
+            else:
+                p = sampling.probs(logits[-1:])
+                t = int(torch.multinomial(p[0], 1, generator=generator))
+                rows.append(p[0])
+            toks.append(t)
+            if i + 1 < k:
+                logits = self._run([t])
+        # the last draft token was not fed: the cache holds history + toks[:-1]
+        self._seen = h + toks[:-1]
+        return Draft(toks, torch.stack(rows) if rows else None, self._routing(len(h) - n, k))
+
+    def _routing(self, fed_first: int, k: int) -> Optional[Dict[int, np.ndarray]]:
+        return None
+
+
+class SelfDraft(DraftModel):
+    """MoE-SpeQ's drafter: the offloaded target itself, its routed experts resident in a
+    ``dtype`` copy (:meth:`specmoe.runtime.engine.Engine.enable_self_draft`), attention and routers shared.
+
+    Drafting k tokens routes the verification's first k inputs (the pending token and the
+    first k-1 drafts; the last draft is never fed to the draft): those per-layer activation
+    counts are :attr:`Draft.routing`, the expert lookahead buffer :func:`generate` prefetches
+    before verifying.
+
+    ``share_kv`` (default True): :func:`specmoe.generate` binds the target's own KV cache
+    (:meth:`bind_kv`); a draft then feeds only the pending token and its drafts on top of the
+    verified prefix the target already cached, in full precision, and crops its positions
+    off again before returning, so verification overwrites them (MoE-SpeQ Sec. 3.4: no
+    second KV cache, and the draft sees the target's context).  Batches do the same on the
+    target's batched cache (:class:`specmoe.speculation.batch.BatchDraftModel`).  Unbound
+    (direct calls, ``share_kv=False``) it keeps a cache of its own like :class:`DraftModel`.
+
+    ``overlap=True``: with ``draft(..., prefetch=True)`` (what :func:`specmoe.generate` does
+    when its ``lookahead`` is on) each draft step's experts are queued to the prefetch worker
+    as soon as that step routes them, layer by layer, so the loads overlap the rest of the
+    draft (MoE-SpeQ Sec. 3, the draft-guided pipeline; see
+    :meth:`specmoe.runtime.engine.Engine.drafting`).  Off by default: on the zoo model with an emulated
+    2 GB/s link it ran at 0.92-0.97x the sequential lookahead's tok/s (medians over 18 rows,
+    three runs, 25 % and 50 % cache) and loaded 6-16 % more experts: drafting the tiny model
+    takes a few milliseconds, so there is little to overlap, and early loads get evicted by
+    later ones when the lookahead buffer is as large as the cache
+    (benchmarks/results/speculation_overlap.json, ``self-overlap`` rows)."""
+
+    def __init__(self, engine: Any, dtype: str = "int4", *, overlap: bool = False,
+                 share_kv: bool = True) -> None:
+        if not callable(getattr(engine, "enable_self_draft", None)):
+            raise TypeError("SelfDraft needs the specmoe Engine of an offloaded model "
+                            "(specmoe.offload(...))")
+        super().__init__(engine.model)
+        self.engine = engine
+        engine.enable_self_draft(dtype)
+        self._rec: List[Any] = []
+        self.overlap = bool(overlap)  # queue each draft step's experts as it routes
+        self.share_kv = bool(share_kv)  # draft on the target's KV cache (generate binds it)
+        self._shared: Any = None  # the target's cache while bound (bind_kv)
+        self._n0 = 0  # its length when the current draft began
+        self._prefetch = False
+
+    def reset(self) -> None:
+        super().reset()
+        self._rec = []
+
+    def bind_kv(self, kv: Any) -> None:
+        """Draft on ``kv``, the target's KV cache, which must hold every token of the history
+        but the last at each :meth:`draft` (what :func:`specmoe.generate` keeps); None: back
+        to the drafter's own cache.  No-op unless ``share_kv``."""
+        if not self.share_kv:
+            return
+        self._shared = kv
+        self._kv, self._seen = None, []
+
+    def prefill(self, history: Sequence[int]) -> None:
+        if self._shared is None:  # bound: the target's prefill is the draft's
+            super().prefill(history)
+
+    def _sync(self, h: List[int]) -> int:
+        if self._shared is None:
+            return super()._sync(h)
+        n = self._shared.get_seq_length()
+        if n != len(h) - 1:
+            raise RuntimeError(f"SelfDraft: the bound KV cache holds {n} positions, the "
+                               f"history {len(h)} tokens (expected {len(h) - 1})")
+        self._kv, self._n0 = self._shared, n
+        return n
+
+    def _run(self, ids: Sequence[int]) -> torch.Tensor:
+        with self.engine.drafting(prefetch=self._prefetch) as rec:
+            out = forward_tokens(self.model, ids, self._kv)
+        self._rec.append(rec)
+        return out
+
+    def draft(self, history: Sequence[int], k: int, sampling: Optional[Sampling] = None,
+              generator: Optional[torch.Generator] = None, *, prefetch: bool = False) -> Draft:
+        self._rec = []
+        self._prefetch = bool(prefetch) and self.overlap
+        try:
+            return super().draft(history, k, sampling, generator)
+        finally:
+            self._prefetch = False
+            if self._shared is not None:  # the draft's positions go; verification rewrites
+                crop_kv(self._shared, self._n0)
+                self._kv, self._seen = None, []
+
+    def _routing(self, fed_first: int, k: int) -> Optional[Dict[int, np.ndarray]]:
+        E = self.engine.num_experts
+        counts: Dict[int, np.ndarray] = {}
+        for i, rec in enumerate(self._rec):
+            for pos, idx in rec:
+                rows = idx[-1:] if i == 0 else idx  # first forward: only the pending token
+                c = counts.setdefault(pos, np.zeros(E, np.int64))
+                np.add.at(c, rows.ravel(), 1)
+        return counts
+
+
+def propose(drafter: Any, history: List[int], k: int, sampling: Optional[Sampling],
+           gen: Optional[torch.Generator], vocab: int, prefetch: bool = False) -> Draft:
+    if k <= 0:
+        return Draft([])
+    if isinstance(drafter, SelfDraft):
+        d = drafter.draft(history, k, sampling, gen, prefetch=prefetch)
+    elif isinstance(drafter, (DraftModel, MtpDrafter)):
+        d = drafter.draft(history, k, sampling, gen)
+    else:
+        d = Draft([int(t) for t in drafter.propose(history, k)])
+    if len(d.tokens) > k:
+        raise ValueError(f"drafter {type(drafter).__name__} proposed {len(d.tokens)} tokens, "
+                         f"more than the {k} asked for")
+    bad = [t for t in d.tokens if not (0 <= t < vocab)]
+    if bad:
+        raise ValueError(f"drafter {type(drafter).__name__} proposed token ids {bad} outside "
+                         f"the vocabulary [0, {vocab})")
+    if d.probs is not None and tuple(d.probs.shape) != (len(d.tokens), vocab):
+        raise ValueError(f"drafter {type(drafter).__name__} returned probs of shape "
+                         f"{tuple(d.probs.shape)}, expected ({len(d.tokens)}, {vocab})")
+    return d

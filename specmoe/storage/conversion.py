@@ -1,0 +1,462 @@
+"""Routed experts -> a specmoe store: from a model in memory, or streamed from a checkpoint.
+
+One conversion path serves :func:`specmoe.offload` (a model already loaded by transformers) and
+:func:`specmoe.from_pretrained` / ``specmoe convert`` (a checkpoint folder on disk): both hand
+:func:`write_experts` a function that returns the canonical f32 arrays of one expert, and it
+converts them one expert at a time to the store dtype and writes the store layer by layer
+(peak memory: one layer in the store dtype plus one expert in f32).
+
+Checkpoints are read with the safetensors library's own reader (``safe_open``): one expert's
+tensors at a time, never a whole layer.  Both on-disk layouts are read: per-expert tensors as
+the original checkpoints store them, and transformers 5's fused ``gate_up_proj``/``down_proj``
+(GPT-OSS's MXFP4 ``_blocks``/``_scales`` are dequantized on the way).
+
+Persistent stores.  A store converted from a checkpoint records in its header a fingerprint of
+the checkpoint (every shard's name, size, modification time and a SHA-256 of its safetensors
+header, and of config.json) and the conversion settings (:func:`store_settings`).  :func:`open_or_convert`
+reuses a store whose record matches and rebuilds, saying why, one that is missing, stale (the
+checkpoint changed), foreign (not converted from this checkpoint, or with other settings),
+truncated or damaged.  Opening reads the header, checks the file size and the checksums of the
+first and last block of every layer: milliseconds, whatever the size.  Every block the cache
+reads later is checked against its CRC32C too, so damage elsewhere raises
+:class:`specmoe.StoreError` naming the block instead of computing with it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from .._C import SpecmoeError
+
+__all__ = ["Checkpoint", "CheckpointError", "CONVERT_VERSION", "default_store_path",
+           "open_or_convert", "store_settings", "write_experts", "check_store_location",
+           "expert_block_bytes"]
+
+CONVERT_VERSION = 1  # bump when the conversion of the same checkpoint would give other bytes
+_HEADER_MAX = 100_000_000  # safetensors' own limit on a shard's JSON header
+
+# safetensors dtypes that hold integers: where a float weight belongs (an expert projection, a
+# dense float parameter) one of these is refused rather than reinterpreted or cast
+INT_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+
+
+class CheckpointError(SpecmoeError, ValueError):
+    """A checkpoint folder cannot be used as it is: a shard truncated, inconsistent or unreadable,
+    config.json not JSON, a tensor of the wrong dtype, a weight with NaN or inf.  The message
+    names the file (and the tensor, layer and expert where one is at fault)."""
+
+
+def _log(msg: str) -> None:
+    print(f"specmoe: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint folders
+
+
+@dataclass
+class Checkpoint:
+    """A local HuggingFace checkpoint folder: config.json and safetensors shards (with or
+    without ``model.safetensors.index.json``).  ``keys`` maps every tensor name to its shard."""
+
+    folder: Path
+    shards: list[Path]
+    keys: dict[str, Path]
+    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+    dtypes: dict[str, str] = field(default_factory=dict, repr=False)  # key -> safetensors dtype
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> "Checkpoint":
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: not a checkpoint folder (expected a directory "
+                                    "with config.json and *.safetensors shards)")
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder / 'config.json'}: missing (not a HuggingFace "
+                                    "checkpoint folder)")
+        _check_config(folder / "config.json")
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index}: not a safetensors index ({exc})") from None
+            names = sorted(set(wm.values()))
+            shards = [folder / n for n in names]
+            missing = [str(s.name) for s in shards if not s.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{folder}: shards named in the index are missing: "
+                                        f"{', '.join(missing[:5])}")
+        else:
+            shards = sorted(folder.glob("*.safetensors"))
+            if not shards:
+                raise FileNotFoundError(f"{folder}: no *.safetensors shards (specmoe reads "
+                                        "safetensors checkpoints only)")
+        keys: dict[str, Path] = {}
+        dtypes: dict[str, str] = {}
+        for s in shards:
+            for k, ent in _shard_header(s).items():
+                if k != "__metadata__":
+                    keys[k] = s
+                    dtypes[k] = str(ent.get("dtype"))
+        return cls(folder, shards, keys, dtypes=dtypes)
+
+    def handle(self, shard: Path) -> Any:
+        """An open ``safe_open`` reader of ``shard`` (kept until :meth:`close`)."""
+        h = self._handles.get(shard)
+        if h is None:
+            from safetensors import safe_open
+            try:
+                h = safe_open(str(shard), framework="pt")
+            except Exception as exc:  # SafetensorError (no file name in it), OSError
+                raise CheckpointError(f"{shard}: cannot read this safetensors shard: "
+                                      f"{exc}") from exc
+            self._handles[shard] = h
+        return h
+
+    def tensor(self, key: str) -> Any:
+        """The whole tensor ``key`` (a torch tensor, read from its shard)."""
+        shard = self.keys[key]
+        h = self.handle(shard)
+        try:
+            return h.get_tensor(key)
+        except Exception as exc:
+            raise CheckpointError(f"{shard}: cannot read tensor {key}: {exc}") from exc
+
+    def slice(self, key: str, index: int) -> Any:
+        """``tensor(key)[index]`` without reading the rest of the tensor."""
+        shard = self.keys[key]
+        h = self.handle(shard)
+        try:
+            return h.get_slice(key)[index]
+        except Exception as exc:
+            raise CheckpointError(f"{shard}: cannot read tensor {key}[{index}]: {exc}") from exc
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Names, sizes, modification times and header digests of the shards and the digest
+        of config.json.  A shard rewritten with new values but the same shapes keeps its size
+        and header; its modification time is what tells (a ``touch`` also does: the store is
+        then rebuilt without need, the safe side)."""
+        files = []
+        for s in self.shards:
+            with open(s, "rb") as f:
+                head = f.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+                digest = hashlib.sha256(head + f.read(min(n, _HEADER_MAX))).hexdigest()
+            stat = s.stat()
+            files.append([s.name, stat.st_size, stat.st_mtime_ns, digest])
+        cfg = hashlib.sha256((self.folder / "config.json").read_bytes()).hexdigest()
+        whole = hashlib.sha256(json.dumps([files, cfg]).encode()).hexdigest()
+        return {"digest": whole, "files": files, "config": cfg}
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _check_config(path: Path) -> None:
+    """config.json must be a JSON object: the error names the file and where the JSON breaks
+    (transformers' own message names neither)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        cfg = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno} (char {exc.pos})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON: nested too deep") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: not a JSON object (a {type(cfg).__name__})")
+
+
+def _shard_header(path: Path) -> dict[str, Any]:
+    """The JSON header of safetensors shard ``path``, checked against the file's size (a
+    truncated shard is named here, before any conversion, not by the reader's error later)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError("shorter than 8 bytes")
+            n = struct.unpack("<Q", head)[0]
+            if n > _HEADER_MAX or n > size - 8:
+                raise ValueError(f"header length {n} is out of range")
+            h = json.loads(f.read(n))
+            if not isinstance(h, dict):
+                raise ValueError("header is not a JSON object")
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
+    end = 0
+    for k, ent in h.items():
+        if k == "__metadata__":
+            continue
+        off = ent.get("data_offsets") if isinstance(ent, dict) else None
+        if (not isinstance(off, list) or len(off) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in off)
+                or not 0 <= off[0] <= off[1] or not isinstance(ent.get("dtype"), str)):
+            raise CheckpointError(f"{path}: inconsistent safetensors header: tensor {k} has "
+                                  f"entry {ent!r}")
+        end = max(end, off[1])
+    data = size - 8 - n
+    if end > data:
+        raise CheckpointError(f"{path}: truncated: its header places tensor data up to byte "
+                              f"{8 + n + end}, the file has {size} bytes")
+    if end < data:
+        raise CheckpointError(f"{path}: inconsistent: {data - end} bytes after the last "
+                              "tensor (a safetensors shard's tensors cover its data exactly)")
+    return h
+
+
+# ---------------------------------------------------------------------------------------------
+# writing experts
+
+
+def write_experts(path: str, expert_f32: Callable[[int, int], dict[str, np.ndarray]], *,
+                  num_layers: int, num_experts: int, dtype: str, model: str, top_k: int,
+                  extra: dict[str, Any], progress: bool = True,
+                  expert_bytes: int | None = None,
+                  after_layer: Callable[[int], None] | None = None) -> None:
+    """Write a store at ``path`` from ``expert_f32(position, expert)``, the canonical f32
+    arrays of one expert (biases included), converted one expert at a time to ``dtype``.
+
+    progress: a tqdm bar over the experts (bytes of the source read, rate, ETA);
+    ``expert_bytes`` sizes it.  ``after_layer(position)`` runs once a layer is converted (offload
+    uses it to free the model's expert parameters layer by layer)."""
+    from .quant import expert_tensors, store_dtypes
+    from .store import check_store_target, write_store
+
+    # before the first expert is read (offload frees each layer once converted): only no
+    # file, an empty file or a specmoe store at ``path`` may be replaced
+    check_store_target(path)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        total = expert_bytes * num_layers * num_experts if expert_bytes else None
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"convert to {dtype}", file=sys.stderr, dynamic_ncols=True)
+    done = [0]
+
+    def layer(pos: int) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for e in range(num_experts):
+            d = expert_f32(pos, e)
+            biases = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
+            try:
+                t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=biases or None)
+            except ValueError as exc:  # e.g. non-finite values: say which expert
+                raise ValueError(f"MoE layer {pos} expert {e}: {exc}") from exc
+            if not out:
+                out = {n: np.empty((num_experts,) + a.shape, a.dtype) for n, a in t.items()}
+            for n, a in t.items():
+                out[n][e] = a
+            done[0] += 1
+            if bar is not None:
+                bar.update(expert_bytes or 0)
+                bar.set_postfix_str(f"{done[0]}/{num_layers * num_experts} experts",
+                                    refresh=False)
+        if after_layer is not None:
+            after_layer(pos)
+        return out
+
+    try:
+        first = layer(0)
+        write_store(path, lambda p: first if p == 0 else layer(p), num_layers=num_layers,
+                    model=model, top_k=top_k, dtypes=store_dtypes(first), extra=extra,
+                    progress=False).close()
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def store_settings(config: Any, arch: Any, layer_ids: Iterable[int], dtype: str) -> dict[str, Any]:
+    """What, besides the checkpoint's tensors, decides a store's bytes and how the kernels run
+    it; kept in the store header's ``extra`` (the Engine reads activation, alpha and limit from
+    there)."""
+    gptoss = bool(arch.gptoss)
+    return {"convert_version": CONVERT_VERSION, "dtype": dtype, "layer_ids": list(layer_ids),
+            "architecture": arch.model_type, "activation": arch.activation,
+            "alpha": float(getattr(config, "swiglu_alpha", 1.702)) if gptoss else 1.702,
+            "limit": float(getattr(config, "swiglu_limit", 7.0)) if gptoss else 7.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# persistent stores
+
+
+def cache_dir() -> Path:
+    """``$SPECMOE_CACHE`` if set, else ``~/.cache/specmoe``."""
+    env = os.environ.get("SPECMOE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specmoe"
+
+
+def _dir_label(directory: Path) -> str:
+    try:
+        same = directory.expanduser().absolute() == cache_dir().absolute()
+    except OSError:
+        same = False
+    env = os.environ.get("SPECMOE_CACHE")
+    return (f"{directory} ($SPECMOE_CACHE)" if same and env else
+            f"{directory} (the store cache, ~/.cache/specmoe)" if same else str(directory))
+
+
+def check_store_location(path: str | os.PathLike[str], *,
+                         checkpoint: str | os.PathLike[str] | None = None) -> Path:
+    """Check, before any conversion work and without writing anything, that a store may be
+    written at ``path``: :func:`specmoe.storage.store.check_store_target` (only no file, an empty file
+    or a specmoe store is replaced; never a directory, an empty path or a path inside
+    ``checkpoint``), and its directory is a directory this process can write (or can be
+    created).  Raises :class:`specmoe.storage.store.StorePathError` naming the path or directory."""
+    from .store import StorePathError, check_store_target
+
+    raw = os.fspath(path) if not isinstance(path, bytes) else os.fsdecode(path)
+    if not isinstance(raw, str) or not raw.strip():
+        check_store_target(raw)  # raises, naming the empty path
+    p = Path(raw).expanduser()
+    check_store_target(str(p) + (os.sep if raw.endswith(os.sep) else ""), checkpoint=checkpoint)
+    d = p.parent
+    probe = d
+    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+        probe = probe.parent  # the nearest existing ancestor: where mkdir would start
+    if not probe.is_dir():
+        where = ("it is not a directory" if probe == d else
+                 f"{probe} is not a directory, so it cannot be created")
+        raise StorePathError(f"cannot write the store {p}: the store directory "
+                             f"{_dir_label(d)}: {where}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "is not writable" if probe == d else f"cannot be created ({probe} is not writable)"
+        raise StorePathError(f"cannot write the store {p}: the store directory "
+                             f"{_dir_label(d)} {where}")
+    return p
+
+
+def expert_block_bytes(I: int, H: int, dtype: str, *, biases: bool = False) -> int:
+    """Bytes of one store block (one cache slot) of an expert with ``gate``/``up`` [I, H] and
+    ``down`` [H, I] in ``dtype``, from the shapes alone (the layout :func:`write_experts`
+    writes), so a cache size can be checked before converting."""
+    from .quant import pick_group
+    from .store import ALIGN, TENSOR_ALIGN
+
+    rows = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    sizes: list[int] = []
+    if dtype in ("f32", "bf16"):
+        sizes = [r * c * (4 if dtype == "f32" else 2) for r, c in rows.values()]
+    elif dtype == "int8":
+        sizes = [r * c for r, c in rows.values()] + [r * 4 for r, _ in rows.values()]
+    elif dtype in ("int4", "int2"):
+        g = pick_group(H, I, dtype)
+        per, pair = (2, 1) if dtype == "int4" else (4, 2)
+        sizes = ([r * (c // per) for r, c in rows.values()]
+                 + [r * (c // g) * pair * 4 for r, c in rows.values()])
+    else:
+        raise ValueError(f"unknown expert dtype {dtype!r}")
+    if biases:
+        sizes += [I * 4, I * 4, H * 4]
+    off = 0
+    for n in sizes:
+        off = -(-off // TENSOR_ALIGN) * TENSOR_ALIGN + n
+    return max(ALIGN, -(-off // ALIGN) * ALIGN)
+
+
+def default_store_path(folder: str | os.PathLike[str], dtype: str) -> Path:
+    """Where the store of checkpoint ``folder`` in ``dtype`` lives by default: one file per
+    (checkpoint location, dtype) in :func:`cache_dir`; its header says what it was made from."""
+    f = Path(folder).expanduser().resolve()
+    tag = hashlib.sha256(str(f).encode()).hexdigest()[:12]
+    return cache_dir() / f"{f.name}-{tag}-{dtype}.smoe"
+
+
+def check_store(path: Path, fingerprint: dict[str, Any],
+                settings: dict[str, Any]) -> str | None:
+    """None when the store at ``path`` was converted from this checkpoint with these settings
+    and passes the open-time checks; else why it cannot be used."""
+    from .store import ExpertStore, StoreError
+
+    if not path.exists():
+        return "no store yet"
+    try:
+        st = ExpertStore(path, verify=True)
+    except StoreError as exc:
+        return f"the store is truncated or damaged ({exc})"
+    try:
+        src = st.extra.get("source")
+        if not isinstance(src, dict) or "fingerprint" not in src:
+            return "the file is not a store converted from a checkpoint (foreign)"
+        old = src["fingerprint"]
+        if old.get("digest") != fingerprint["digest"]:
+            return "the checkpoint changed since the store was written (stale): " + \
+                _what_changed(old, fingerprint)
+        stored = {k: st.extra.get(k) for k in settings}
+        if stored != settings:
+            diff = {k: (stored[k], v) for k, v in settings.items() if stored[k] != v}
+            return f"the store was converted with other settings (stored, wanted): {diff}"
+        # cheap spot check of the data: the first and last block of every layer
+        for layer in range(st.num_layers):
+            for e in {0, st.num_experts - 1}:
+                st.read_block(layer, e)
+    except StoreError as exc:
+        return f"the store is damaged ({exc})"
+    except (TypeError, AttributeError, KeyError) as exc:
+        return f"the store's source record is malformed ({exc!r})"
+    finally:
+        st.close()
+    return None
+
+
+def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
+    if old.get("config") != new.get("config"):
+        return "config.json differs"
+    o = {f[0]: f[1:] for f in old.get("files", [])}
+    n = {f[0]: f[1:] for f in new.get("files", [])}
+    for name in sorted(set(o) | set(n)):
+        if name not in o:
+            return f"new shard {name}"
+        if name not in n:
+            return f"shard {name} is gone"
+        if o[name] != n[name]:
+            return f"shard {name} differs"
+    return "fingerprint differs"
+
+
+def open_or_convert(store: Path, fingerprint: dict[str, Any], settings: dict[str, Any],
+                    convert: Callable[[Path, dict[str, Any]], None], *,
+                    force: bool = False, verbose: bool = True,
+                    checkpoint: str | os.PathLike[str] | None = None) -> bool:
+    """Make sure ``store`` holds the experts described by (fingerprint, settings): reuse it
+    when it does, else call ``convert(path, extra)`` to (re)write it, ``extra`` being the
+    header record to write (the settings and the source fingerprint).  Returns True when it
+    converted.
+
+    First, whatever the store's state: :func:`check_store_location` (only no file, an empty
+    file or a specmoe store is ever replaced, never a file inside ``checkpoint``, the folder
+    converted from), so a wrong path fails before any work with nothing changed on disk."""
+    from .store import StorePathError, remove_stale_temporaries
+
+    store = check_store_location(store, checkpoint=checkpoint)
+    why = "rebuild requested" if force else check_store(store, fingerprint, settings)
+    if why is None:
+        return False
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorePathError(f"cannot create the store directory {_dir_label(store.parent)}: "
+                             f"{exc.strerror or exc}") from exc
+    if store.parent.absolute() == cache_dir().absolute():
+        # the cache is specmoe's own directory: the temporaries of every store there that a
+        # killed conversion left behind go too (write_store removes those of this store)
+        remove_stale_temporaries(store.parent, suffix=".smoe")
+    if verbose:
+        _log(f"converting the experts to {store} ({why})")
+    convert(store, dict(settings, source={"fingerprint": fingerprint}))
+    return True
