@@ -1,7 +1,7 @@
 """Build of the specmoe._C extension (CPython + NumPy C API, no pybind) and, where a CUDA
 toolkit is found, of the separate specmoe._cuda extension (cuda/: GPU kernels and the GPU
 cache).  specmoe._C never links CUDA, so `import specmoe` works on any machine; specmoe._cuda
-is imported lazily by specmoe.cuda.
+is imported lazily by specmoe.runtime.cuda.
 
 Environment knobs:
   SPECMOE_WERROR=1        add -Werror (CI and `make test` builds use it); for nvcc also
@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import numpy as np
 from setuptools import Extension, setup
@@ -40,16 +41,22 @@ headers = rel(glob.glob(os.path.join(here, "csrc", "**", "*.h"), recursive=True)
 
 
 def _binding(path):
-    """The CPython bindings (module.c, py_*.c, policy/py_*.c: they include Python.h)."""
-    name = os.path.basename(path)
-    return name == "module.c" or name.startswith("py_")
+    """The CPython bindings: every file under csrc/bindings/ (they include Python.h; the rest
+    of csrc/ does not)."""
+    return path.startswith(os.path.join("csrc", "bindings") + os.sep)
 
 
+# the GPU module's binding (built into specmoe._cuda with cuda/*.c, never into specmoe._C)
+CUDA_BINDING = os.path.join("csrc", "bindings", "py_cuda.c")
+# binding code both extensions use (the expert-descriptor parser): compiled once into the
+# static library smoe_pybind, like the core
+SHARED_BINDING = [os.path.join("csrc", "bindings", "py_desc.c")]
 # The pure-C core (no Python.h): slots, cache, store, policies, kernels, MoE layers, simulator,
 # speculation controllers.  Compiled once into the static library smoe_core (build_clib),
 # which specmoe._C and specmoe._cuda both link: no C source is compiled into two extensions.
 core_sources = [s for s in sources if not _binding(s)]
-binding_sources = [s for s in sources if _binding(s)]
+binding_sources = [s for s in sources
+                   if _binding(s) and s != CUDA_BINDING and s not in SHARED_BINDING]
 cflags = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread", "-D_GNU_SOURCE"]
 ldflags = ["-pthread"]
 if os.environ.get("SPECMOE_DEBUG") == "1":
@@ -66,6 +73,9 @@ if san:
 
 core_lib = ("smoe_core", {"sources": core_sources, "include_dirs": ["csrc"], "cflags": cflags,
                          "depends": headers})
+pybind_lib = ("smoe_pybind", {"sources": SHARED_BINDING, "cflags": cflags, "depends": headers,
+                              "include_dirs": ["csrc", "csrc/bindings",
+                                               sysconfig.get_paths()["include"]]})
 
 ext_modules = [
     Extension(
@@ -223,7 +233,7 @@ class BuildClib(build_clib):
 
 class BuildExt(build_ext):
     """build_ext that compiles cuda/*.cu with nvcc into objects linked into specmoe._cuda
-    (static CUDA runtime; cuBLAS dynamic, preloaded by specmoe.cuda before the import), and
+    (static CUDA runtime; cuBLAS dynamic, preloaded by specmoe.runtime.cuda before the import), and
     the C sources of each extension in parallel, one job per CPU (SPECMOE_JOBS=N sets it)."""
 
     def run(self):
@@ -281,13 +291,13 @@ if plan is None:
 else:
     # The GPU module links the same core library as specmoe._C (the slot table, store reads,
     # policies, descriptor checks): its own copy at run time, compiled once.
-    cuda_c = rel(glob.glob(os.path.join(here, "cuda", "*.c")))
+    cuda_c = rel(glob.glob(os.path.join(here, "cuda", "*.c"))) + [CUDA_BINDING]
     cuda_ext = Extension(
         "specmoe._cuda",
         sources=cuda_c,
         depends=headers + core_sources + rel(glob.glob(os.path.join(here, "cuda", "*.h")))
         + plan["cu"],
-        include_dirs=[np.get_include(), "csrc", "cuda"] + plan["inc"],
+        include_dirs=[np.get_include(), "csrc", "csrc/bindings", "cuda"] + plan["inc"],
         library_dirs=plan["lib"],
         extra_compile_args=cflags,
         extra_link_args=ldflags + ["-lcudart_static", plan["cublas"], "-ldl", "-lrt", "-lstdc++"],
@@ -296,5 +306,6 @@ else:
     cuda_ext.cuda_plan = plan
     ext_modules.append(cuda_ext)
 
-setup(ext_modules=ext_modules, libraries=[core_lib],
+# link order: smoe_pybind uses smoe_core, so it comes first
+setup(ext_modules=ext_modules, libraries=[pybind_lib, core_lib],
       cmdclass={"build_ext": BuildExt, "build_clib": BuildClib})

@@ -1,7 +1,7 @@
 /* The per-layer path of an offloaded model in one C call: smoe_layers holds, for every MoE
  * layer of one model, what the call needs (the cache, the kernel context, the parsed expert
  * FFN descriptor, a f32 copy of each layer's router for next-layer prediction, the prefetch
- * settings) and the counters the Engine reports.  Built once per Engine (specmoe/hf.py) and
+ * settings) and the counters the Engine reports.  Built once per Engine (specmoe/runtime/engine.py) and
  * called once per MoE layer and forward pass, with the GIL released:
  *
  *   smoe_layers_forward(g, pos, x[T,H], idx[T,k], w[T,k], out[T,H], used[E], ...)
@@ -76,7 +76,7 @@
  *                   degrades the bottom 60 % by gating score, i.e. miss_keep = ceil(0.4 k);
  *                   how the degraded ranks split between its int4 and int2 levels it does not
  *                   say (HOBBIT, which it cites for the cascade, uses gating-score thresholds),
- *                   so miss_keep2 is a setting (specmoe/misses.py picks the lower half).
+ *                   so miss_keep2 is a setting (specmoe/runtime/misses.py picks the lower half).
  *   A resident expert evicted between the snapshot and its acquire is fetched (a miss).
  *   Counted in smoe_layer_counters: missing, dropped, substituted, lowbit, lowbit2, rerouted.
  *
@@ -260,7 +260,7 @@ int smoe_layers_set_lowbit(smoe_layers *g, uint32_t level, const uint8_t *base, 
 /* One MoE layer (see the top of this file).  scores: NULL (use the router) or [T, E] f32
  * scores of layer pos+1 from the caller.  replace: the prefetch request replaces the queue
  * (else it adds to it, e.g. behind a draft-driven lookahead).  draft: NULL or [T] flags of
- * draft tokens (the MTP drafter's masks, specmoe/mtp.py), which never make an expert load: a
+ * draft tokens (the MTP drafter's masks, specmoe/speculation/mtp.py), which never make an expert load: a
  * draft token's missing expert is computed from the low-bit copy when the layer has one, else
  * skipped (weights not renormalised), unless it is resident or fetched for a real token
  * anyway; draft tokens take no part in the next-layer prediction, in DROP/PRIORITY's kept

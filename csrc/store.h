@@ -1,6 +1,6 @@
 /* Slow tier: expert blocks in one safetensors-compatible file.
  *
- * File layout (written by specmoe/store.py, see its docstring for the full format):
+ * File layout (written by specmoe/storage/store.py, see its docstring for the full format):
  *   [u64 little-endian header length N][N bytes JSON header, space padded][data]
  * The data section starts at `data_offset` (a multiple of SMOE_ALIGN).  Block (layer, expert)
  * occupies `block_bytes` (a multiple of SMOE_ALIGN) at

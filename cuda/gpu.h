@@ -1,7 +1,7 @@
 /* GPU tier (issue 12): expert FFN kernels on the GPU and the GPU expert cache.
  *
  * This header is plain C (no CUDA types): streams and device pointers are passed as void*,
- * so the CPython binding (cuda/py_cuda.c, compiled by the host C compiler) and the CUDA
+ * so the CPython binding (csrc/bindings/py_cuda.c, compiled by the host C compiler) and the CUDA
  * sources (cuda/ffn.cu, compiled by nvcc) share it.  Everything here is linked into the
  * separate extension specmoe._cuda only; specmoe._C never depends on CUDA.
  *

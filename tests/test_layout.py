@@ -223,3 +223,22 @@ def test_public_names_keep_working():
         assert getattr(specmoe, name) is not None, name
     with pytest.raises(AttributeError):
         specmoe.no_such_name
+
+
+CSRC = ROOT.parent / "csrc"
+
+
+def test_c_bindings_live_in_one_folder():
+    """Every C file that includes Python.h is under csrc/bindings/ (the core, csrc/ and cuda/,
+    stays plain C: setup.py compiles it once into smoe_core for both extensions)."""
+    bad = [str(p.relative_to(ROOT.parent)) for p in sorted(CSRC.rglob("*.[ch]"))
+           + sorted((ROOT.parent / "cuda").glob("*.[ch]"))
+           if "bindings" not in p.parts and "#include <Python.h>" in p.read_text()]
+    assert not bad, f"Python.h outside csrc/bindings: {bad}"
+
+
+def test_one_expert_descriptor_parser():
+    """The FFN descriptor dict is read in one place (csrc/bindings/py_desc.c, linked into both
+    extensions through smoe_pybind); py_cuda.c used to carry its own copy with other limits."""
+    readers = [p.name for p in sorted(CSRC.rglob("*.c")) if '"gate_scale"' in p.read_text()]
+    assert readers == ["py_desc.c"]

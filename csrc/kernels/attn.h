@@ -44,9 +44,9 @@ typedef struct smoe_mla_desc {
     float scale;     /* softmax scale (the module's `scaling`) */
 } smoe_mla_desc;
 
-/* The absorbed weights, kv_b_proj's rows regrouped per head (specmoe.quant's quantization):
+/* The absorbed weights, kv_b_proj's rows regrouped per head (specmoe.storage.quant's quantization):
  *   uk [H, dn, r], uv [H, dv, r] in the descriptor's wdtype.  I4 holds one value q in [-8, 7]
- *   per byte (specmoe.quant's nibble u minus 8; specmoe.mla.int4_values converts): the same
+ *   per byte (specmoe.storage.quant's nibble u minus 8; specmoe.models.mla.int4_values converts): the same
  *   values and scales as the packed format at twice its memory, because unpacking nibbles in
  *   the inner loops measured slower than reading bytes (this kernel is bound by arithmetic,
  *   not by the weight read: 2 MB a layer at DeepSeek-V2-Lite shapes);
@@ -85,7 +85,7 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
                     float *out, void *scratch, size_t scratch_bytes, smoe_err *err);
 
 /* Multi-head attention with grouped keys (MHA / GQA / MQA) at decode sizes, for the models'
- * own attention (specmoe.attention): for query token t of batch row b and head h, with
+ * own attention (specmoe.models.attention): for query token t of batch row b and head h, with
  * G = H / Hkv query heads per key head,
  *
  *     out[b, t, h, :] = sum_j softmax_j(q[b, h, t] . k[b, h / G, j] * scale + bias[b, t, j])

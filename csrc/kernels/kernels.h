@@ -1,7 +1,7 @@
 /* Expert FFN kernels: one routed expert applied to the tokens routed to it, weights read once.
  *
  * Canonical expert layout (the store writer converts every architecture to it; names are the
- * keys of specmoe.quant.expert_tensors and of the store schema):
+ * keys of specmoe.storage.quant.expert_tensors and of the store schema):
  *   "gate" [I,H], "up" [I,H], "down" [H,I]   row-major, one row per OUTPUT element
  *   "gate.bias" [I], "up.bias" [I], "down.bias" [H]   optional, always f32
  *   "gate.scale", "up.scale", "down.scale"           only for quantized dtypes, always f32

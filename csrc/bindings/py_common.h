@@ -10,7 +10,7 @@
 
 /* Lock order, for every binding.  A forward holds a block's mutex (py_attn.c), then the MoE
  * layers' mutex (smoe_layers.mu), then the slot table's (smoe_slots.mu); with that last one
- * held, a Python eviction policy's callbacks take the GIL (policy/py_bridge.c), on the calling
+ * held, a Python eviction policy's callbacks take the GIL (bindings/py_bridge.c), on the calling
  * thread or on the prefetch worker.  So the GIL comes after all three, and a thread that holds
  * the GIL must never wait for any of them: every binding that calls a C function taking one of
  * these mutexes releases the GIL first (Py_BEGIN_ALLOW_THREADS around the call), setters and

@@ -1,7 +1,7 @@
 /* specmoe._cuda: the CPython binding of the GPU tier (cuda/gpu.h, cuda/gcache.h).
  *
  * A separate extension from specmoe._C: only this module links the CUDA runtime (statically)
- * and cuBLAS, so `import specmoe` never needs CUDA.  Loaded lazily by specmoe/cuda.py, which
+ * and cuBLAS, so `import specmoe` never needs CUDA.  Loaded lazily by specmoe/runtime/cuda.py, which
  * preloads libcublas and turns import failures into a clear message.
  *
  * Device memory is passed as integer addresses (torch.Tensor.data_ptr()), streams as integer
@@ -18,11 +18,12 @@
 
 #include "gcache.h"
 #include "gpu.h"
+#include "py_desc.h"
 #include "py_errors.h"
 
 static PyObject *Err_Base, *Err_Store, *Err_Cache, *Err_Policy, *Err_Cuda; /* set at init */
 
-/* csrc/py_errors.h's mapping (the one specmoe._C uses), CUDA failures (SMOE_EDEVICE) to
+/* csrc/bindings/py_errors.h's mapping (the one specmoe._C uses), CUDA failures (SMOE_EDEVICE) to
  * CudaError; it used to classify SMOE_ESTATE by searching the message for "CUDA" or "GPU",
  * which also sent the GPU cache's state errors ("... in the GPU cache") to CudaError. */
 static PyObject *raise_err(const smoe_err *e) {
@@ -30,70 +31,14 @@ static PyObject *raise_err(const smoe_err *e) {
     return smoe_py_errors_raise(&x, e, "specmoe._cuda: unknown error");
 }
 
-/* ---- descriptor dict (same keys as specmoe.kernels.FFNSpec.desc()) ------------------------- */
+/* ---- descriptor ---------------------------------------------------------------------------- */
 
-static int get_u64(PyObject *d, const char *k, int required, uint64_t *out) {
-    PyObject *v = PyDict_GetItemString(d, k); /* borrowed */
-    if (!v || v == Py_None) {
-        if (required) {
-            PyErr_Format(PyExc_ValueError, "expert descriptor: missing %s", k);
-            return -1;
-        }
-        *out = SMOE_NO_TENSOR;
-        return 0;
-    }
-    unsigned long long x = PyLong_AsUnsignedLongLong(v);
-    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_ValueError, "expert descriptor: %s must be a non-negative int", k);
-        return -1;
-    }
-    *out = x;
-    return 0;
-}
-
-static int get_f(PyObject *d, const char *k, float *out) {
-    PyObject *v = PyDict_GetItemString(d, k);
-    if (!v) return 0;
-    double x = PyFloat_AsDouble(v);
-    if (x == -1.0 && PyErr_Occurred()) return -1;
-    *out = (float)x;
-    return 0;
-}
-
+/* The shared parser (py_desc.h), then what the GPU kernels (cuda/ffn.cu) do not take. */
 static int parse_desc(PyObject *d, smoe_ffn_desc *out) {
-    if (!PyDict_Check(d)) {
-        PyErr_SetString(PyExc_TypeError, "desc must be a dict (specmoe.kernels.FFNSpec.desc())");
-        return -1;
-    }
-    uint64_t H, I, dt, act, group = 128, precise = 0;
-    if (get_u64(d, "H", 1, &H) || get_u64(d, "I", 1, &I) || get_u64(d, "dtype", 1, &dt) ||
-        get_u64(d, "act", 1, &act))
-        return -1;
-    if (dt == SMOE_WDT_I2) {
+    if (smoe_py_ffn_desc_parse(d, 0, out) < 0) return -1;
+    if (out->dtype == SMOE_WDT_I2) {
         PyErr_SetString(PyExc_ValueError, "int2 expert weights run on the CPU only (the GPU "
                         "kernels take f32, bf16, int8 and int4)");
-        return -1;
-    }
-    if (H > UINT32_MAX || I > UINT32_MAX || dt > 3 || act > 1) {
-        PyErr_SetString(PyExc_ValueError, "expert descriptor: H, I, dtype or act out of range");
-        return -1;
-    }
-    smoe_ffn_desc_default(out, (uint32_t)H, (uint32_t)I, (int32_t)dt, (int32_t)act);
-    if (get_u64(d, "group", 0, &group) || get_u64(d, "precise", 0, &precise)) return -1;
-    if (group != SMOE_NO_TENSOR) out->group = (uint32_t)group;
-    if (precise != SMOE_NO_TENSOR) out->precise = precise != 0;
-    if (get_f(d, "alpha", &out->alpha) || get_f(d, "limit", &out->limit)) return -1;
-    if (get_u64(d, "gate", 1, &out->gate) || get_u64(d, "up", 1, &out->up) ||
-        get_u64(d, "down", 1, &out->down) || get_u64(d, "gate_scale", 0, &out->gate_scale) ||
-        get_u64(d, "up_scale", 0, &out->up_scale) ||
-        get_u64(d, "down_scale", 0, &out->down_scale) ||
-        get_u64(d, "gate_bias", 0, &out->gate_bias) ||
-        get_u64(d, "up_bias", 0, &out->up_bias) || get_u64(d, "down_bias", 0, &out->down_bias))
-        return -1;
-    smoe_err e;
-    smoe_err_clear(&e);
-    if (smoe_ffn_desc_check(out, 0, &e) < 0) {
-        raise_err(&e);
         return -1;
     }
     return 0;

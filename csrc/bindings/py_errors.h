@@ -1,5 +1,5 @@
 /* The one mapping from SMOE_E* codes (common.h) to Python exceptions, for both bindings:
- * csrc/module.c (specmoe._C) and cuda/py_cuda.c (specmoe._cuda).  Each binding passes its
+ * csrc/bindings/module.c (specmoe._C) and csrc/bindings/py_cuda.c (specmoe._cuda).  Each binding passes its
  * exception objects (the _cuda module takes specmoe._C's and adds CudaError), so an error code
  * means the same exception whichever extension raises it.  Header-only: it needs Python.h,
  * which the pure-C core does not include. */

@@ -1,4 +1,4 @@
-/* Python binding of the simulator: _C.simulate (see sim.h for the model, specmoe/sim.py for
+/* Python binding of the simulator: _C.simulate (see sim.h for the model, specmoe/sim/replay.py for
  * the public wrapper). */
 #include "py_numpy.h"
 #include "py_policy.h"

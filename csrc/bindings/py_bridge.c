@@ -1,5 +1,5 @@
 /* The Python bridge policy (declared in py_bridge.h). */
-#include "policy/py_bridge.h"
+#include "py_bridge.h"
 
 #include <inttypes.h>
 #include <stdarg.h>

@@ -5,20 +5,10 @@
 
 #include "py_common.h"
 #include "kernels/kernels.h"
+#include "py_desc.h"
 
 /* The context of a specmoe._C.KernelContext object, or NULL with TypeError set. */
 smoe_kctx *smoe_py_kctx(PyObject *obj);
-
-/* dict[key] as a non-negative int into *out; absent or None -> SMOE_NO_TENSOR, or a ValueError
- * "<what>: missing <key>" when required.  Returns 0, or -1 with an exception set. */
-int smoe_py_dict_u64(PyObject *dict, const char *what, const char *key, uint64_t *out,
-                     int required);
-
-/* Parse a descriptor dict (keys H, I, dtype, act, alpha, limit, group, and tensor offsets
- * gate, up, down, gate_scale, up_scale, down_scale, gate_bias, up_bias, down_bias; absent or
- * None offsets mean "no tensor"), as built by specmoe.kernels.FFNSpec.desc().  Checks it
- * against block_bytes (0: no bounds check).  Returns 0, or -1 with an exception set. */
-int smoe_py_ffn_desc_parse(PyObject *dict, uint64_t block_bytes, smoe_ffn_desc *d);
 
 /* A C-contiguous (and, when writable, writable) float32 or bf16 (uint16/int16 bits) array of
  * ndim dims, the kernels' f32/bf16 inputs and outputs: 0 for float32, 1 for bf16; -1 with

@@ -1,5 +1,5 @@
 /* Python binding for the store area: the _C.Store type (wrapping smoe_store), the borrow
- * contract of py_store.h, and _C.crc32c.  The JSON header is parsed in specmoe/store.py,
+ * contract of py_store.h, and _C.crc32c.  The JSON header is parsed in specmoe/storage/store.py,
  * whose ExpertStore subclasses _C.Store and passes the numbers to Store.__init__. */
 #include "py_numpy.h"
 #include "py_store.h"

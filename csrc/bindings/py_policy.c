@@ -1,9 +1,9 @@
 /* Python binding for the policy area: the _C.Policy type (which can wrap the Python bridge
- * policy of policy/py_bridge.c), _C.replay, and
+ * policy of bindings/py_bridge.c), _C.replay, and
  * smoe_py_policy_take (py_policy.h) through which the cache and the simulator take a policy. */
 #include "py_numpy.h"
 #include "py_policy.h"
-#include "policy/py_bridge.h"
+#include "py_bridge.h"
 #include "policy/replay.h"
 
 #include <inttypes.h>

@@ -1,5 +1,5 @@
 /* Python binding of the dense linear kernel: specmoe._C.Linear, one object per nn.Linear
- * replaced by specmoe.dense.  The descriptor is parsed and checked once at construction; the
+ * replaced by specmoe.models.dense.  The descriptor is parsed and checked once at construction; the
  * per-token call (forward, METH_FASTCALL) only checks the two arrays' shapes and runs the
  * kernel without the GIL. */
 #include <pthread.h>

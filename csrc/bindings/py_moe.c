@@ -20,7 +20,7 @@ PyDoc_STRVAR(moe_forward_doc,
              "GIL released.\nsource: a _C.Cache, or a buffer holding every expert block in store "
              "order (block (layer, e) at (layer * num_experts + e) * block_bytes).  kctx: a "
              "_C.KernelContext or None (single thread).  desc: the expert FFN descriptor dict "
-             "(specmoe.kernels.FFNSpec.desc()).  x, w, out: float32 [T,H], [T,k], [T,H]; idx: "
+             "(specmoe.runtime.kernels.FFNSpec.desc()).  x, w, out: float32 [T,H], [T,k], [T,H]; idx: "
              "int64 [T,k]; used: uint8[num_experts], set to 1 per expert used.");
 
 static PyObject *py_moe_forward(PyObject *self, PyObject *args, PyObject *kw) {

@@ -1,4 +1,4 @@
-/* Python binding of the fast tier: the _C.Cache type (see specmoe/cache.py for the public
+/* Python binding of the fast tier: the _C.Cache type (see specmoe/runtime/cache.py for the public
  * ExpertCache wrapper).
  *
  * Every call into the cache takes its mutex, and a Python-bridge policy may take the GIL while

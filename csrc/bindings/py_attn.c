@@ -1,11 +1,11 @@
 /* Python binding of the decode-attention kernels: specmoe._C.MLADecode, one object per MLA
- * attention module decoded in the absorbed form (specmoe.mla), and specmoe._C.MLABlock, such
+ * attention module decoded in the absorbed form (specmoe.models.mla), and specmoe._C.MLABlock, such
  * a module with its decoder layer's norms, residual adds and MoE block in one call;
- * specmoe._C.AttnDecode (the models' own multi-head attention, specmoe.attention);
+ * specmoe._C.AttnDecode (the models' own multi-head attention, specmoe.models.attention);
  * specmoe._C.AttnBlock, a whole Llama-family attention module (projections, q/k norms, rotary,
  * attention, output projection) in two calls around transformers' KV-cache update, or with its
  * decoder layer (norms, residual adds, the MoE block through a _C.Layers) in one
- * (specmoe.attention).  Weights are checked and referenced once at construction; the per-token
+ * (specmoe.models.attention).  Weights are checked and referenced once at construction; the per-token
  * calls (METH_FASTCALL) check the arrays' shapes and run the kernels without the GIL. */
 #include <pthread.h>
 #include <stdlib.h>
@@ -335,7 +335,7 @@ static PyTypeObject MLADecodeType = {
     .tp_doc = "MLADecode(ctx, w_uk, w_uv, rope_dim, scale, uk_scale=None, uv_scale=None): "
               "multi-head latent attention in the absorbed form for decode-sized inputs; w_uk "
               "[H, dn, r] and w_uv [H, dv, r] float32, uint16 (bf16 bits) or int8 (scales "
-              "float32 [H, rows]) or int4 values in int8 (specmoe.mla.int4_values; scales "
+              "float32 [H, rows]) or int4 values in int8 (specmoe.models.mla.int4_values; scales "
               "float32 [H, rows, r / group]); C-contiguous, kept referenced.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)mla_init,
@@ -1152,7 +1152,7 @@ static PyTypeObject AttnBlockType = {
     .tp_doc = "AttnBlock(ctx, q, k, v, o, heads, kv_heads, head_dim, norm='none', q_norm=None, "
               "k_norm=None, eps=1e-6, bf16=False, max_tokens=16, qkv=None): one decoder "
               "layer's attention "
-              "module at decode sizes (specmoe.attention.fuse_attention) in two calls around "
+              "module at decode sizes (specmoe.models.attention.fuse_attention) in two calls around "
               "the KV cache update: pre (projections, q/k RMSNorm over all heads ('full') or "
               "per head ('head'), rotary) and post (attention, output projection).  q, k, v, o "
               "are specmoe._C.Linear objects (qkv, optional: the three projections' rows in one, "
@@ -1169,7 +1169,7 @@ static PyTypeObject AttnDecodeType = {
     .tp_basicsize = sizeof(AttnDecodeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "AttnDecode(ctx): multi-head / grouped-query attention for decode-sized inputs on "
-              "ctx's threads (specmoe.attention); one object can serve every layer.",
+              "ctx's threads (specmoe.models.attention); one object can serve every layer.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)ad_init,
     .tp_dealloc = (destructor)ad_dealloc,
@@ -1377,7 +1377,7 @@ static void mlab_rotary(const MLABlockObject *self, float *x, uint32_t heads, si
 }
 
 /* The attention module of nt tokens, under mu without the GIL, as transformers' DeepSeek-V2
- * attention in the absorbed form (specmoe.mla._absorbed_forward, the same roundings):
+ * attention in the absorbed form (specmoe.models.mla._absorbed_forward, the same roundings):
  *   x = widen(xp) (RMSNorm-ed with ln1: the decoder layer's input norm)
  *   y = [q_proj | kv_a_proj](x)                 (q_a_proj instead of q_proj with q_lora)
  *   q = y's q part, or q_b_proj(q_a_layernorm(y's q_a part))
@@ -1691,7 +1691,7 @@ static PyTypeObject MLABlockType = {
     .tp_doc = "MLABlock(ctx, mla, q, kv_a, o, kv_norm, kv_eps, q_a=None, q_a_norm=None, "
               "q_a_eps=1e-6, joint=None, bf16=False, max_tokens=16, rope='complex'): a "
               "DeepSeek-V2/V3 decoder layer's MLA attention module at decode sizes in one call "
-              "(rope: 'complex' DeepSeek-V2's, 'half' and 'interleave' DeepSeek-V3's; specmoe.mla."
+              "(rope: 'complex' DeepSeek-V2's, 'half' and 'interleave' DeepSeek-V3's; specmoe.models.mla."
               "fuse_mla).  mla: the module's _C.MLADecode (absorbed weights); q, kv_a, o: "
               "specmoe._C.Linear of q_proj (q_b_proj when q_a is given), kv_a_proj_with_mqa, "
               "o_proj; q_a, q_a_norm, q_a_eps: q_a_proj and q_a_layernorm (q_lora_rank "
@@ -1906,7 +1906,7 @@ static PyObject *py_layer_chain(PyObject *mod, PyObject *const *args, Py_ssize_t
 }
 
 /* ---- DecodePlan: a whole one-token decode step in one call ----
- * specmoe.decode_step builds one per generation (its KV buffers, its layers) and calls step()
+ * specmoe.models.decode_step builds one per generation (its KV buffers, its layers) and calls step()
  * once per token: the embedding row, the rotary rows of position S, the decoder layers (as
  * layer_chain), the final RMSNorm and lm_head, with the GIL released once.  What step() leaves
  * to Python is the KV cache's views (kv_advance) and the output object. */
@@ -2249,7 +2249,7 @@ static PyMethodDef dp_methods[] = {
      "argument raises before anything runs; a failing layer stops the step and raises.  One "
      "step of a plan at a time.  Returns the seconds in the layers' attention parts, MoE "
      "blocks, dense MLPs, and the norm and head, for benchmarks, and with argmax the greedy "
-     "next token (the lowest id of the largest logit, as specmoe.verify.accept reads the "
+     "next token (the lowest id of the largest logit, as specmoe.speculation.verify.accept reads the "
      "logits; -1 without argmax)."},
     {NULL, NULL, 0, NULL}};
 
@@ -2258,7 +2258,7 @@ static PyTypeObject DecodePlanType = {
     .tp_basicsize = sizeof(DecodePlanObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "DecodePlan(calls, rows=None, embed=None, norm=None, head=None): a one-token "
-              "decode step of a whole model in one call (specmoe.decode_step).  calls: "
+              "decode step of a whole model in one call (specmoe.models.decode_step).  calls: "
               "layer_chain's (block, layer() arguments) items, checked once, each with no "
               "attention bias (its S is step()'s); rows: (table, row) pairs, table [P, ...] "
               "C-contiguous and row one of its rows' worth (the rotary arrays the calls read), "
