@@ -18,7 +18,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from specmoe import load_trace  # noqa: E402
-from specmoe.runtime.policies import FIFO, LFU, LRU, MRU, Belady, LeastStale, Random, replay  # noqa: E402
+from specmoe.runtime.policies import (FIFO, LFU, LRU, MRU, Belady, LeastStale, Random,
+                                      replay)  # noqa: E402
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from specmoe import load_trace  # noqa: E402
-from specmoe.speculation.controllers import Cascade, Controller, Heuristic, SpeqGovernor, StaticK  # noqa: E402
+from specmoe.speculation.controllers import (Cascade, Controller, Heuristic, SpeqGovernor,
+                                             StaticK)  # noqa: E402
 
 
 class Sim:

@@ -17,7 +17,8 @@ from specmoe.runtime import engine as hf
 from specmoe.models.dense import convert_dense, resolve_dense
 from specmoe.models.layers import DENSE_DTYPES, CLinear
 from specmoe.runtime.kernels import context
-from specmoe.storage.quant import bf16_to_f32, dequantize_int4, dequantize_int8, f32_to_bf16, quantize_int4, quantize_int8
+from specmoe.storage.quant import (bf16_to_f32, dequantize_int4, dequantize_int8, f32_to_bf16,
+                                   quantize_int4, quantize_int8)
 from specmoe.models.testing import tiny_model
 
 PROMPT = torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]])

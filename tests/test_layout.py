@@ -242,3 +242,16 @@ def test_one_expert_descriptor_parser():
     extensions through smoe_pybind); py_cuda.c used to carry its own copy with other limits."""
     readers = [p.name for p in sorted(CSRC.rglob("*.c")) if '"gate_scale"' in p.read_text()]
     assert readers == ["py_desc.c"]
+
+
+def test_no_module_reaches_into_an_engines_private_state():
+    """Outside the engines' own modules, an engine is used through its public surface
+    (``layers``, ``cache``, ``layer_call_slot``, ``routable``, ``layer_forward``,
+    ``draft_copy``, ``lowbit_copy``, ``recorder``...): the modules that used to read
+    ``eng._layers`` and friends named state whose owner could then not change it alone."""
+    import re
+    own = {"specmoe.runtime.engine", "specmoe.runtime.gpu_engine", "specmoe.runtime.engine_base"}
+    pat = re.compile(r"\b(eng|engine|_engine|self\.engine|self\._engine)\._[a-z]\w*")
+    bad = [f"{m}:{i}: {hit.group(0)}" for m, p in MODULES.items() if m not in own
+           for i, line in enumerate(p.read_text().splitlines(), 1) for hit in pat.finditer(line)]
+    assert not bad, "\n".join(bad)

@@ -12,7 +12,8 @@ import pytest
 
 import specmoe
 from specmoe import _C
-from specmoe.runtime.policies import FIFO, LFU, LRU, MRU, POLICY_NAMES, Belady, LeastStale, PythonPolicy, Random, make_policy, replay
+from specmoe.runtime.policies import (FIFO, LFU, LRU, MRU, POLICY_NAMES, Belady, LeastStale,
+                                      PythonPolicy, Random, make_policy, replay)
 
 from .conftest import SHARED
 from .ref_policies import RefLRU, make_ref, ref_replay

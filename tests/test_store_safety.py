@@ -23,7 +23,8 @@ import torch
 import specmoe
 from specmoe.runtime import engine as hf
 from specmoe.models import testing
-from specmoe.storage.conversion import CheckpointError, check_store, default_store_path, expert_block_bytes, write_experts
+from specmoe.storage.conversion import (CheckpointError, check_store, default_store_path,
+                                        expert_block_bytes, write_experts)
 from specmoe.storage.store import ExpertStore, StorePathError, write_store
 
 warnings.filterwarnings("ignore")

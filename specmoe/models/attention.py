@@ -255,7 +255,7 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     T = x.shape[1]
     cos, sin = per_step_rope(pe, T, D, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
     ln1, e1, ln2, e2 = layer._specmoe_norms
-    return (eng._layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()), cos, sin,
+    return (eng.layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()), cos, sin,
             ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1, e1,
             ln2, e2, tensor_array(out.view(T, hidden)))
 
@@ -266,7 +266,7 @@ def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
     block with its norms and residual add, the new positions written straight into the KV
     buffers, the MoE block routed in C, the second residual add."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    with route[0]._layer_call_slot():  # the Engine's layers read inside: set_cache swaps them
+    with route[0].layer_call_slot():  # the Engine's layers read inside: set_cache swaps them
         layer.self_attn._specmoe_block.layer(*_layer_args(layer, x, out, pe, attention_mask,
                                                           bufs, route))
     kv_advance(bufs, x.shape[1])

@@ -400,8 +400,8 @@ class DecodeStep:
             if m._forward_hooks or m._forward_pre_hooks:
                 return False
         eng = plan.engine
-        return eng is None or (eng._layers is plan.eng_layers
-                               and eng._routable(plan.x0, plan.x0.dtype))
+        return eng is None or (eng.layers is plan.eng_layers
+                               and eng.routable(plan.x0, plan.x0.dtype))
 
     def _plan_call(self, plan: _Plan, token: int, S: int, argmax: bool
                    ) -> tuple[torch.Tensor | None, int | None]:
@@ -417,10 +417,10 @@ class DecodeStep:
             logits = torch.empty(1, 1, plan.vocab, dtype=plan.logits_dtype)
             out = tensor_array(logits.view(1, plan.vocab))
         eng = plan.engine
-        with eng._layer_call_slot() if eng is not None else contextlib.nullcontext():
+        with eng.layer_call_slot() if eng is not None else contextlib.nullcontext():
             # checked inside the slot: Engine.set_cache swaps the layers (and closes the old
             # cache) only while no layer call is in flight, so from here on they stay
-            if eng is not None and eng._layers is not plan.eng_layers:
+            if eng is not None and eng.layers is not plan.eng_layers:
                 self._plan = None
                 return None, None
             r = self.plan_step(plan.c, token, S, out, argmax)
@@ -456,10 +456,10 @@ class DecodeStep:
         # the Engine of the chain's MoE layers holds close() off while they run (a chain of
         # dense layers alone has none)
         eng = next((it[3] for it in run if it[3] is not None), None)
-        with eng._layer_call_slot() if eng is not None else contextlib.nullcontext():
+        with eng.layer_call_slot() if eng is not None else contextlib.nullcontext():
             # the items were built outside the slot: a set_cache in another thread since then
             # swapped the Engine's layers (argument 0 of an item's call), stable from here on
-            cur = None if eng is None else eng._layers
+            cur = None if eng is None else eng.layers
             self.chain(tuple((it[0], it[1] if it[1][0] is None or it[1][0] is cur
                               else (cur, *it[1][1:])) for it in run))
         for it in run:

@@ -574,9 +574,9 @@ def decode_route(layer: nn.Module, x: torch.Tensor) -> tuple | None:
     """The Engine route (engine, layer position, route flags, dtype) under which a one-call
     decoder layer (AttnBlock.layer, MLABlock.layer) runs its MoE block inside the call: set by
     ``Engine._install_routing`` on the layer's ``mlp``; None when the block has none, is
-    training, or must route in Python now (``Engine._routable``)."""
+    training, or must route in Python now (``Engine.routable``)."""
     route = getattr(layer.mlp, "_specmoe_route", None)
-    if route is None or layer.mlp.training or not route[0]._routable(x, route[3]):
+    if route is None or layer.mlp.training or not route[0].routable(x, route[3]):
         return None
     return route
 
@@ -604,8 +604,8 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: 
     route = decode_route(layer, x)
     if route is not None:
         eng, pos, flags, _ = route
-        with eng._layer_call_slot():
-            blk.layer(eng._layers, pos, flags, *args, tensor_array(out.view(T, hidden)))
+        with eng.layer_call_slot():
+            blk.layer(eng.layers, pos, flags, *args, tensor_array(out.view(T, hidden)))
         normed = None
     elif _dense_in_call(layer, T):
         blk.layer(None, -1, 0, *args, tensor_array(out.view(T, hidden)))
@@ -668,5 +668,5 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     eng, pos, flags = (None, -1, 0) if route is None else route[:3]
     args = _mla_args(layer, x, pe, layer._specmoe_mlab_parts[3], attn.qk_rope_head_dim, None,
                      bufs)
-    return (blk, (None if eng is None else eng._layers, pos, flags, *args,
+    return (blk, (None if eng is None else eng.layers, pos, flags, *args,
                   tensor_array(out.view(T, hidden))), bufs, eng)

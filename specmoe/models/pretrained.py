@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from .arch import ArchInfo, canonical, describe, expert_key, expert_module
-from ..storage.conversion import INT_DTYPES, Checkpoint, CheckpointError, check_store_location, default_store_path, expert_block_bytes, open_or_convert, store_settings, write_experts
+from ..storage.conversion import (INT_DTYPES, Checkpoint, CheckpointError, check_store_location,
+                                  default_store_path, expert_block_bytes, open_or_convert,
+                                  store_settings, write_experts)
 
 __all__ = ["from_pretrained", "convert"]
 

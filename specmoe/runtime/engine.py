@@ -42,7 +42,9 @@ from torch import nn
 
 from .. import _C
 from . import misses
-from ..models.arch import ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError, describe, expert_module, extract_expert, extract_experts, getpath, iter_experts_modules, moe_block, moe_layers
+from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError,
+                           describe, expert_module, extract_expert, extract_experts, getpath,
+                           iter_experts_modules, moe_block, moe_layers)
 from ..storage.conversion import store_settings, write_experts
 from ..models.dense import resolve_dense
 from ..models.layers import silu_mlp_parts
@@ -116,7 +118,7 @@ def check_dtype(dtype: str) -> None:
 
 
 class _LayerCallSlot:
-    """Engine._layer_call_slot's context manager.  A class rather than a generator-based
+    """Engine.layer_call_slot's context manager.  A class rather than a generator-based
     context manager: on a decode step, whose weights have just streamed through the CPU caches,
     the generator's enter/exit cost ~35 us a layer call (DeepSeek-V2-Lite, int4, 2 threads)."""
 
@@ -213,7 +215,7 @@ class Engine(EngineCommon):
         self._router_bias: list[torch.Tensor | None] = [
             getpath(b, info.bias_attr) if info.bias_attr else None for b in blocks]
         self._predictor: Callable[[int, torch.Tensor], Any] | None = None
-        self._recorder: Recorder | None = None
+        self.recorder: Recorder | None = None
         self._store_path: str | None = os.fspath(store)
         self._own_store = own_store
         self._store: Any = None
@@ -227,7 +229,7 @@ class Engine(EngineCommon):
         self._waiting = 0   # [_cv] layer calls waiting for an exclusive section to end
         self._exclusive_owner = False  # [_cv] close/set_cache running
         # resident low-bit copies of every routed expert, by format: the self-draft's
-        # (MoE-SpeQ) and SpecMD's fallback levels share them (_lowbit_copy)
+        # (MoE-SpeQ) and SpecMD's fallback levels share them (lowbit_copy)
         self._copies: dict[str, ExpertCopy] = {}
         # self-draft (MoE-SpeQ): one of _copies, the one the draft forwards run on
         self._draft: ExpertCopy | None = None
@@ -340,7 +342,7 @@ class Engine(EngineCommon):
         most = self._blocks[pos][2] if pos in self._blocks else None
 
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if block.training or not self._routable(hidden_states, dtype) or \
+            if block.training or not self.routable(hidden_states, dtype) or \
                     (most is not None and hidden_states.numel() // hidden_states.shape[-1]
                      > most):
                 return original(hidden_states)
@@ -350,17 +352,17 @@ class Engine(EngineCommon):
         forward.__name__ = f"specmoe_routed_{type(block).__name__}_forward"
         return forward
 
-    def _routable(self, hidden: torch.Tensor, dtype: torch.dtype) -> bool:
+    def routable(self, hidden: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a routed block's call on ``hidden`` may route in C now: none of the paths
         that need the routing in Python (drafts, a Python predictor, trace recording, a
         lookahead) is on."""
         return (hidden.dtype == dtype and hidden.device.type == "cpu" and self._drafting is None
-                and self._predictor is None and self._recorder is None and not self._la.active
+                and self._predictor is None and self.recorder is None and not self._la.active
                 and self._draft_flags is None)
 
     def _layer_routed(self, pos: int, hidden: torch.Tensor, flags: int) -> torch.Tensor:
         """One MoE block, routing and experts, in one C call (see _install_routing)."""
-        with self._layer_call_slot():
+        with self.layer_call_slot():
             x = hidden.detach().to(torch.float32).contiguous()
             T = x.shape[0]
             out = torch.empty_like(x)
@@ -380,18 +382,29 @@ class Engine(EngineCommon):
                 bias.float().reshape(-1)
         return lg
 
-    def _layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
+    def layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                        w: torch.Tensor) -> torch.Tensor:
         """One MoE layer: everything per token runs in ``_C.Layers.forward`` (csrc/layer.h):
         pass start, next-layer router prediction and prefetch, policy counts, the experts,
         prediction counters.  Python keeps the torch glue, the optional Python predictor,
         the draft-driven lookahead accounting and trace recording."""
-        with self._layer_call_slot():
+        with self.layer_call_slot():
             if self._drafting is not None:
                 return self._draft_layer(pos, hidden, idx, w)
             return self._layer_call(pos, hidden, idx, w)
 
-    def _layer_call_slot(self) -> _LayerCallSlot:
+    @property
+    def layers(self) -> Any:
+        """The ``_C.Layers`` the per-layer calls go through (None once closed).  Replaced by
+        :meth:`set_cache`; hold it only inside :meth:`layer_call_slot`."""
+        return self._layers
+
+    @property
+    def draft_copy(self) -> ExpertCopy | None:
+        """The self-draft's resident low-bit copy of every expert (MoE-SpeQ), or None."""
+        return self._draft
+
+    def layer_call_slot(self) -> _LayerCallSlot:
         """A layer call in flight (``with``): waits out close/set_cache (_exclusive), refuses a
         closed Engine, and counts itself in _inflight for them."""
         return _LayerCallSlot(self)
@@ -432,7 +445,7 @@ class Engine(EngineCommon):
             self._la.layer_done(pos, used)
             if self.protect_lookahead and self._cache is not None:
                 self._protect()  # this layer's experts are used: unprotect them
-        rec = self._recorder
+        rec = self.recorder
         if rec is not None:
             lg = self._router_scores(pos, hidden.detach()) if rec.logits else None
             rec.layer(pos, idx, w, lg)
@@ -533,10 +546,10 @@ class Engine(EngineCommon):
         check_dtype(dtype)
         if self._draft is not None and self._draft.dtype == dtype:
             return
-        self._draft = self._lowbit_copy(dtype)
+        self._draft = self.lowbit_copy(dtype)
         misses.apply(self)  # the draft tokens' copy when no miss mode uses one
 
-    def _lowbit_copy(self, dtype: str) -> ExpertCopy:
+    def lowbit_copy(self, dtype: str) -> ExpertCopy:
         """The resident ``dtype`` copy of every routed expert, built on first use."""
         if self._closed or self._store is None:
             raise RuntimeError("this specmoe Engine is closed")
@@ -545,7 +558,7 @@ class Engine(EngineCommon):
                                              self.model_type, self.top_k)
         return self._copies[dtype]
 
-    def _prune_copies(self, in_use: set[str]) -> None:
+    def prune_copies(self, in_use: set[str]) -> None:
         """Free the copies neither the C layers (``in_use``) nor the self-draft use."""
         keep = in_use | ({self._draft.dtype} if self._draft is not None else set())
         self._copies = {k: v for k, v in self._copies.items() if k in keep}

@@ -34,6 +34,12 @@ class EngineCommon:
             os.unlink(self._store_path)
             self._own_store = False
 
+    @property
+    def cache(self) -> Any:
+        """The expert cache (an :class:`specmoe.ExpertCache`, or the GPU tier's
+        :class:`specmoe.runtime.cuda.GpuExpertCache`); None once closed."""
+        return self._cache
+
     def loads(self) -> tuple[int, float]:
         """(experts loaded from the store, seconds stalled on loads) since the last reset."""
         if self._cache is None:

@@ -34,7 +34,7 @@ class SpecmoeExperts(nn.Module):
         if self._engine is None:
             raise RuntimeError("these experts were offloaded but no specmoe Engine serves them "
                                "(the conversion failed): reload the model")
-        return self._engine._layer_forward(self.position, hidden_states, top_k_index,
+        return self._engine.layer_forward(self.position, hidden_states, top_k_index,
                                            top_k_weights)
 
     def extra_repr(self) -> str:

@@ -206,7 +206,7 @@ class GpuEngine(EngineCommon):
                              for b in blocks]
 
     # -- the per-layer path -------------------------------------------------------------------
-    def _layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
+    def layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                        w: torch.Tensor) -> torch.Tensor:
         """One MoE layer's routed experts on the GPU (SpecmoeExperts' call)."""
         from . import cuda

@@ -124,16 +124,16 @@ def copies_in_use(engine: Any) -> list[str]:
         return [engine.miss_levels[-1]]
     if engine.miss == "priority":
         return list(engine.miss_levels[:2 if engine.miss_keep2 < engine.top_k else 1])
-    return [engine._draft.dtype] if engine._draft is not None else []
+    return [engine.draft_copy.dtype] if engine.draft_copy is not None else []
 
 
 def apply(engine: Any) -> None:
     """Push the engine's settings into its C layer object and cache (called whenever either is
     (re)built or a setting changes)."""
-    lay, cache = engine._layers, engine._cache
+    lay, cache = engine.layers, engine.cache
     if lay is None or cache is None:
         return
-    copies = [engine._lowbit_copy(dt) for dt in copies_in_use(engine)]  # built before any change
+    copies = [engine.lowbit_copy(dt) for dt in copies_in_use(engine)]  # built before any change
     lay.set_miss("fetch", engine.miss_keep, 0.0)  # no copy in use while they change
     lay.set_lowbit(None, level=1)
     if copies:
@@ -144,4 +144,4 @@ def apply(engine: Any) -> None:
     keep2 = engine.miss_keep2 if len(copies) == 2 else engine.top_k
     lay.set_miss(engine.miss, engine.miss_keep, engine.route_lambda, keep2=keep2)
     cache.native.set_throttle(*check_throttle(engine.throttle))
-    engine._prune_copies({c.dtype for c in copies})
+    engine.prune_copies({c.dtype for c in copies})

@@ -66,12 +66,12 @@ class TraceRecording:
         self._rec = Recorder(len(engine.layer_ids), logits)
 
     def __enter__(self) -> "TraceRecording":
-        self._engine._recorder = self._rec
+        self._engine.recorder = self._rec
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._rec._flush()
-        self._engine._recorder = None
+        self._engine.recorder = None
 
     def result(self):
         """The recorded routing as a :class:`specmoe.sim.traces.Trace` (tokens in forward order;

@@ -33,7 +33,7 @@ from ..runtime.experts import find_engine
 from .batch import check_left_padded, run_batch
 from .mtp import MtpDrafter
 from .sampling import Sampling
-from .tau import measure_tau_grid, target_tau, tau_for_batch
+from .tau import target_tau, tau_for_batch
 from .verify import accept
 
 __all__ = ["generate"]

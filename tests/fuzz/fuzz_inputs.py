@@ -38,8 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import specmoe  # noqa: E402
-from specmoe.store import ExpertStore, StoreError, write_store  # noqa: E402
-from specmoe.traces import Trace, TraceError, load_puffin  # noqa: E402
+from specmoe.storage.store import ExpertStore, StoreError, write_store  # noqa: E402
+from specmoe.sim.traces import Trace, TraceError, load_puffin  # noqa: E402
 
 HOSTILE = [b"-1", b"-0000001", b"0", b"1e999", b"NaN", b"-Infinity", b"70000", b"1.7", b"true",
            b"null", b"[]", b"{}", b'"x"', b"9" * 30, b"9" * 5000, b"0x000001", b" 0000001",

@@ -2,7 +2,7 @@
  * header-derived numbers and file contents taken from the fuzzer's input, and the CRC32C
  * hardware path against the table path.
  *
- * The JSON header itself is parsed in Python (specmoe/store.py `_parse_header`, fuzzed by
+ * The JSON header itself is parsed in Python (specmoe/storage/store.py `_parse_header`, fuzzed by
  * tests/fuzz/fuzz_inputs.py); what reaches C from it is (data_offset, block_bytes,
  * num_layers, num_experts, crc table) and the file's bytes.  This target feeds arbitrary
  * values of those - valid-looking ones most of the time, raw 64/32-bit ones when the first
