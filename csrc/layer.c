@@ -8,6 +8,7 @@
 
 #include "kernels/block.h"
 #include "moe.h"
+#include "route.h"
 
 static float *copy_f32(const float *src, size_t n) {
     float *p = malloc(sizeof *p * n);
@@ -263,80 +264,22 @@ static int router_logits(smoe_layers *g, uint32_t pos, const float *x, uint32_t 
                                g->lin_scratch, err);
 }
 
-/* scores[t, e] of router pos on x[t] (the logits, then the model's score function when it has
- * a correction bias: sigmoid(l) + corr, or softmax(l) + corr). */
+/* scores[t, e] of router pos on x[t]: the logits, then the model's score function when it has
+ * a correction bias (route.h). */
 static int router_scores(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                          float *scores, smoe_err *err) {
-    const smoe_layer_router *r = &g->routers[pos];
-    const uint32_t E = g->E;
     int rc = router_logits(g, pos, x, T, scores, err);
-    if (rc || !r->corr) return rc;
-    for (uint32_t t = 0; t < T; t++) {
-        float *s = scores + (size_t)t * E;
-        if (g->sigmoid) {
-            for (uint32_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-s[e])) + r->corr[e];
-        } else {
-            float mx = s[0], sum = 0.0f;
-            for (uint32_t e = 1; e < E; e++) mx = s[e] > mx ? s[e] : mx;
-            for (uint32_t e = 0; e < E; e++) sum += (s[e] = expf(s[e] - mx));
-            for (uint32_t e = 0; e < E; e++) s[e] = s[e] / sum + r->corr[e];
-        }
-    }
+    if (rc) return rc;
+    smoe_route_scores(scores, T, g->E, g->sigmoid, g->routers[pos].corr);
     return SMOE_OK;
 }
 
-/* order[0..E) = expert ids by value descending, ties by lower id (insertion sort: E is small
- * and the caller needs only the first few, but a full order keeps the rule obvious). */
-static void rank(const float *v, uint32_t E, int32_t *order) {
-    for (uint32_t i = 0; i < E; i++) {
-        int32_t e = (int32_t)i;
-        uint32_t j = i;
-        while (j > 0 && v[order[j - 1]] < v[e]) {
-            order[j] = order[j - 1];
-            j--;
-        }
-        order[j] = e;
-    }
-}
-
-/* The experts predicted for layer `next` from scores[T,E] of the tokens not flagged in draft
- * (NULL: all): marks g->pred, fills g->best. */
+/* The experts predicted for layer `next` (route.h's rule) from scores[T,E] of the tokens not
+ * flagged in draft (NULL: all): marks g->pred, fills g->best. */
 static void predict(smoe_layers *g, uint32_t next, const float *scores, uint32_t T,
                     const uint8_t *draft) {
-    const uint32_t E = g->E, k = g->k;
-    uint8_t *p = g->pred + (size_t)next * E;
-    memset(p, 0, E);
-    for (uint32_t e = 0; e < E; e++) g->best[e] = -INFINITY;
-    uint32_t m = (uint32_t)ceil((double)k * g->overfetch - 1e-9);
-    if (m < k) m = k;
-    if (m > E) m = E;
-    float *prob = g->prob;
-    for (uint32_t t = 0; t < T; t++) {
-        if (draft && draft[t]) continue;
-        const float *s = scores + (size_t)t * E;
-        if (g->mass <= 0.0) {
-            rank(s, E, g->order);
-            for (uint32_t r = 0; r < m; r++) {
-                int32_t e = g->order[r];
-                p[e] = 1;
-                if (s[e] > g->best[e]) g->best[e] = s[e];
-            }
-        } else {
-            float mx = s[0], sum = 0.0f;
-            for (uint32_t e = 1; e < E; e++) mx = s[e] > mx ? s[e] : mx;
-            for (uint32_t e = 0; e < E; e++) sum += (prob[e] = expf(s[e] - mx));
-            for (uint32_t e = 0; e < E; e++) prob[e] /= sum;
-            rank(prob, E, g->order);
-            double before = 0.0; /* probability mass of the experts ranked above */
-            for (uint32_t r = 0; r < E; r++) {
-                int32_t e = g->order[r];
-                if (r >= k && before >= g->mass) break;
-                p[e] = 1;
-                if (prob[e] > g->best[e]) g->best[e] = prob[e];
-                before += prob[e];
-            }
-        }
-    }
+    smoe_route_predict(scores, T, g->E, g->k, g->overfetch, g->mass, draft,
+                       g->pred + (size_t)next * g->E, g->best, g->order, g->prob);
     g->pred_valid[next] = 1;
 }
 
@@ -414,7 +357,7 @@ static void route_token(smoe_layers *g, uint32_t pos, int64_t *ix, float *wx) {
         sp += p[ix[j]];
     }
     const double c = sp > 0.0 ? sw / sp : 1.0;
-    rank(v, E, g->order);
+    smoe_route_rank(v, E, g->order);
     int32_t ic = 0, iu = (int32_t)E - 1;
     for (;;) {
         while (ic < (int32_t)E && !(g->resident[g->order[ic]] && !g->mark[g->order[ic]])) ic++;
@@ -791,7 +734,7 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
         for (uint32_t e = 1; e < E; e++) mx = z[e] > mx ? z[e] : mx;
         for (uint32_t e = 0; e < E; e++) sum += (p[e] = expf(z[e] - mx));
         for (uint32_t e = 0; e < E; e++) p[e] = p[e] / sum;
-        rank(p, E, g->order);
+        smoe_route_rank(p, E, g->order);
         float tot = 0.0f;
         for (uint32_t j = 0; j < k; j++) tot += p[g->order[j]];
         const float scale = g->routers[pos].scale;

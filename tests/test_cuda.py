@@ -585,8 +585,40 @@ def test_offload_cuda_prefetch_off_and_policy_switch():
             b = m(x).logits
         torch.testing.assert_close(a, b)  # prefetching changes timing, never the outputs
         assert eng.stats()["prefetch_issued"] > 0 and eng.stats()["passes"] == 1
+        eng.set_prefetch(True, mass=0.9)  # the CPU tier's mass rule (csrc/route.h)
+        with torch.no_grad():
+            torch.testing.assert_close(a, m(x).logits)
+        with pytest.raises(ValueError, match="mass"):
+            eng.set_prefetch(True, mass=2.0)
     finally:
         eng.close()
+
+
+@need_gpu
+def test_gpu_and_cpu_tiers_predict_the_same_experts():
+    """One prediction rule (csrc/route.h): the same model and prompt on both tiers, prefetch
+    on, predict the same experts (precision and counts), overfetch and mass modes alike."""
+    import torch
+
+    from specmoe.runtime import engine as hf
+    x = torch.tensor([HF_PROMPT])
+    got = {}
+    for dev in ("cpu", "cuda"):
+        for mode in ({"overfetch": 2.0}, {"mass": 0.8}):
+            m, _ = _tiny("qwen3_moe")
+            kw = {"device": "cuda"} if dev == "cuda" else {}
+            eng = hf.offload(m, dtype="f32", cache=0.25, prefetch=True, **kw)
+            try:
+                eng.set_prefetch(True, **mode)
+                eng.reset_stats()
+                with torch.no_grad():
+                    m(x.to(dev))
+                st = eng.stats()
+                got[dev, tuple(mode)] = (st["prefetch_precision"], st["prefetch_recall"])
+            finally:
+                eng.close()
+    for mode in (("overfetch",), ("mass",)):  # the logits' GEMVs differ in summation order
+        assert got["cpu", mode] == pytest.approx(got["cuda", mode], abs=0.05), (mode, got)
 
 
 @need_gpu

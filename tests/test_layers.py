@@ -192,3 +192,53 @@ def test_bad_input_is_refused_before_anything_is_queued(store):
         cache.close()
     with pytest.raises(Exception, match="closed"):
         layers.forward(0, x, np.array([[1, 2]], np.int64), w, out, used)
+
+
+@pytest.mark.parametrize("corr,sigmoid", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("overfetch,mass", [(1.0, None), (1.5, None), (3.2, None), (1, 0.5),
+                                            (1, 0.9)])
+def test_predict_next_is_the_layers_rule(store, corr, sigmoid, overfetch, mass):
+    """_C.predict_next (what the GPU tier calls on its router logits) is the C layers' own
+    prediction rule (csrc/route.h): the same experts as the reference and as _C.Layers on the
+    same input, each with its best score (mass: probability) as the priority."""
+    rng = np.random.default_rng(11)
+    routers = _routers(rng, corr)
+    w, b, c = routers[1]
+    cache, layers = _make(store, routers, sigmoid)
+    try:
+        layers.configure(True, float(overfetch), 0.0 if mass is None else mass, False)
+        for trial in range(8):
+            T = int(rng.integers(1, 6))
+            x = rng.standard_normal((T, H), dtype=np.float32)
+            logits = (x @ w.T + b).astype(np.float32)
+            ids, prio = _C.predict_next(logits, K, float(overfetch), mass or 0.0, sigmoid, c)
+            sc = ref_scores(routers[1], x, sigmoid)
+            pred = ref_predict(sc, overfetch, mass)
+            assert ids.tolist() == np.flatnonzero(pred).tolist(), trial
+            if mass is None:  # the priority: the best score any token chose the expert with
+                best = [max(sc[t, e] for t in range(T)
+                            if e in np.argsort(-sc[t], kind="stable")[:max(K, math.ceil(
+                                K * overfetch))]) for e in ids]
+                np.testing.assert_allclose(prio, best, rtol=1e-4, atol=1e-5)
+            nxt = np.stack([rng.choice(E, K, replace=False) for _ in range(2)]).astype(np.int64)
+            cnt, _ = _run(layers, x, nxt)
+            assert cnt["predicted"] == ids.size
+    finally:
+        cache.close()
+
+
+def test_predict_next_bad_input():
+    lg = np.zeros((2, E), np.float32)
+    with pytest.raises(ValueError, match="overfetch"):
+        _C.predict_next(lg, K, 0.5)
+    with pytest.raises(ValueError, match="mass"):
+        _C.predict_next(lg, K, 1.0, 1.5)
+    with pytest.raises(ValueError, match="k <= E"):
+        _C.predict_next(lg, E + 1, 1.0)
+    with pytest.raises(ValueError, match="corr"):
+        _C.predict_next(lg, K, 1.0, 0.0, False, np.zeros(E + 1, np.float32))
+    with pytest.raises(ValueError, match="logits"):
+        _C.predict_next(lg.astype(np.float64), K, 1.0)
+    before = lg.copy()
+    _C.predict_next(lg, K, 1.5, 0.0, True, np.ones(E, np.float32))
+    assert (lg == before).all()  # the caller's logits are not written

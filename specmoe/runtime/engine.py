@@ -48,7 +48,7 @@ from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, Unsu
 from ..storage.conversion import store_settings, write_experts
 from ..models.dense import resolve_dense
 from ..models.layers import silu_mlp_parts
-from .engine_base import EngineCommon
+from .engine_base import EngineCommon, check_prefetch
 from .tau_tables import TauTables
 
 from .expert_copy import ExpertCopy
@@ -777,17 +777,12 @@ class Engine(EngineCommon):
         scores[T,E]`` (higher = more likely needed), or None for the default, layer l+1's router
         applied to layer l's router input."""
         _check_flag("on", on)
-        if isinstance(mass, str) and mass != "keep":
-            raise ValueError(f"mass must be a number in (0, 1], None or 'keep', got {mass!r}")
-        if not isinstance(mass, str) and mass is not None and not (0 < mass <= 1):
-            raise ValueError(f"mass must be in (0, 1], got {mass}")
+        check_prefetch(overfetch, mass)
         if isinstance(predictor, str) and predictor != "keep":
             raise ValueError(f"predictor must be a callable, None or 'keep', got {predictor!r}")
         if predictor is not None and not isinstance(predictor, str) and not callable(predictor):
             raise TypeError(f"predictor must be callable as f(next_layer_position, hidden), got "
                             f"{type(predictor).__name__}")
-        if overfetch is not None and not overfetch >= 1:
-            raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         if not isinstance(mass, str):
             self.mass = mass
         self.prefetch = bool(on)

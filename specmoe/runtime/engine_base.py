@@ -7,7 +7,18 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["EngineCommon"]
+__all__ = ["EngineCommon", "check_prefetch"]
+
+
+def check_prefetch(overfetch: float | None, mass: float | None | str) -> None:
+    """The prediction settings both engines' ``set_prefetch`` take: overfetch >= 1 (or None:
+    unchanged); mass in (0, 1], None (the overfetch rule) or "keep"."""
+    if isinstance(mass, str) and mass != "keep":
+        raise ValueError(f"mass must be a number in (0, 1], None or 'keep', got {mass!r}")
+    if not isinstance(mass, str) and mass is not None and not (0 < mass <= 1):
+        raise ValueError(f"mass must be in (0, 1], got {mass}")
+    if overfetch is not None and not overfetch >= 1:
+        raise ValueError(f"overfetch must be >= 1, got {overfetch}")
 
 
 class EngineCommon:

@@ -9,10 +9,11 @@ from a :class:`specmoe.runtime.cuda.GpuExpertCache` (slots in one GPU allocation
 host copy of the store by ``cudaMemcpyAsync`` on the cache's copy stream) on torch's current
 stream, run by the GPU FFN kernels, released.
 
-Prefetch: at MoE layer ``l`` the next layer's router is applied to this layer's input, and
-the top ``ceil(k * overfetch)`` experts of each token are queued to the cache's prefetch
-worker, ranked by how many tokens chose them (the same predictor as the CPU path: MoE-SpAc's
-"next-layer gating", csrc/layer.h step 2).  Its precision and recall against the experts the
+Prefetch: at MoE layer ``l`` the next layer's router is applied to this layer's input on the
+device, and the CPU tier's own rule (``_C.predict_next`` over csrc/route.h, the routine the C
+layers call: MoE-SpAc's "next-layer gating", csrc/layer.h step 1) picks the experts -- the top
+``ceil(k * overfetch)`` per token, or the ``mass`` rule -- queued to the cache's prefetch worker
+with each expert's best score as its priority.  Its precision and recall against the experts the
 next layer really used are counted in :meth:`GpuEngine.stats`.
 
 MoE-SpAc's heterogeneous workload balancer (``balance=True``, §3.3): per layer, the experts
@@ -32,7 +33,6 @@ events assume one stream); a lock serialises them and :meth:`close`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 from typing import Any
@@ -41,8 +41,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import _C
 from ..models.arch import describe, getpath, moe_block
-from .engine_base import EngineCommon
+from .engine_base import EngineCommon, check_prefetch
 from .tau_tables import TauTables
 
 from .experts import SpecmoeExperts
@@ -153,6 +154,7 @@ class GpuEngine(EngineCommon):
         self.policy = policy
         self.prefetch = bool(prefetch)
         self.overfetch = float(overfetch)
+        self.mass: float | None = None  # the prediction's mass rule (set_prefetch)
         self.mode = mode
         self.balance: Any = None  # the BalanceProfile in use, None: every miss is copied
         self._routers: list[nn.Module] = []  # set once the model is on the device
@@ -245,25 +247,24 @@ class GpuEngine(EngineCommon):
             return out.to(hidden.dtype)
 
     def _prefetch_next(self, nxt: int, hidden: torch.Tensor) -> None:
-        """Queue layer ``nxt``'s predicted experts (next-layer router on this layer's input,
-        top ceil(k * overfetch) per token, ranked by votes)."""
+        """Queue layer ``nxt``'s predicted experts: its router on this layer's input (on the
+        device), then the CPU tier's prediction rule (``_C.predict_next``, csrc/route.h: the
+        model's score function, top ceil(k * overfetch) per token or the ``mass`` rule, each
+        expert's best score its priority).  One device-to-host read: the logits [T, E]."""
         with torch.no_grad():
             r = self._routers[nxt]
             wt = r.weight
             lg = torch.nn.functional.linear(hidden.detach().to(wt.dtype), wt,
                                             getattr(r, "bias", None)).float()
-            bias = self._router_bias[nxt]
-            if bias is not None:
-                lg = (lg.sigmoid() if self.arch.sigmoid_router else lg.softmax(-1)) + \
-                    bias.float().reshape(-1)
-            n = min(self.num_experts, math.ceil(self.top_k * self.overfetch))
-            top = lg.topk(n, dim=-1).indices.reshape(-1)
-            experts, votes = torch.unique(top, return_counts=True)
-        both = torch.stack((experts, votes)).cpu().numpy()  # one device-to-host read
-        e, v = both[0].astype(np.int64), both[1].astype(np.float64)
+        logits = lg.reshape(-1, self.num_experts).cpu().numpy()
+        bias = self._router_bias[nxt]
+        corr = None if bias is None else \
+            np.ascontiguousarray(bias.detach().float().reshape(-1).cpu().numpy())
+        e, prio = _C.predict_next(logits, self.top_k, self.overfetch, self.mass or 0.0,
+                                  bool(self.arch.sigmoid_router), corr)
         self._predicted = (nxt, e)
         self._counters["predicted"] += int(e.size)
-        self._cache.prefetch([nxt * self.num_experts + int(k) for k in e], v.tolist(),
+        self._cache.prefetch([nxt * self.num_experts + int(k) for k in e], prio.tolist(),
                              replace=True)
 
     # -- what specmoe.generate asks of an engine (loads, generate: EngineCommon) ---------------
@@ -307,14 +308,19 @@ class GpuEngine(EngineCommon):
             if self._cache is not None:
                 self._cache.reset_stats()
 
-    def set_prefetch(self, on: bool, overfetch: float | None = None) -> None:
-        """Turn the next-layer prefetch on or off (and change its overfetch)."""
-        if overfetch is not None and overfetch < 1:
-            raise ValueError(f"overfetch must be >= 1, got {overfetch}")
+    def set_prefetch(self, on: bool, overfetch: float | None = None,
+                     mass: float | None | str = "keep") -> None:
+        """Turn the next-layer prefetch on or off, as :meth:`specmoe.Engine.set_prefetch`:
+        overfetch: experts predicted per token = ceil(top_k * overfetch); mass: instead, per
+        token the fewest experts (at least top_k) whose probability sums to >= mass (None: back
+        to overfetch)."""
+        check_prefetch(overfetch, mass)
         with self._lock:
             self.prefetch = bool(on)
             if overfetch is not None:
                 self.overfetch = float(overfetch)
+            if not isinstance(mass, str):
+                self.mass = mass
             self._predicted = None
 
     def set_balance(self, balance: bool | Any) -> None:

@@ -1,0 +1,87 @@
+/* specmoe._C.predict_next: the next-layer prediction rule of csrc/route.h for callers outside
+ * the CPU layers (the GPU tier computes its router logits on the device and hands them here, so
+ * both tiers prefetch by the same rule). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "py_numpy.h"
+#include "route.h"
+
+static PyObject *py_predict_next(PyObject *mod, PyObject *args, PyObject *kw) {
+    (void)mod;
+    static char *kwlist[] = {"logits", "k", "overfetch", "mass", "sigmoid", "corr", NULL};
+    PyObject *lo, *corr_o = Py_None;
+    unsigned int k;
+    double overfetch, mass = 0.0;
+    int sigmoid = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OId|dpO:predict_next", kwlist, &lo, &k,
+                                     &overfetch, &mass, &sigmoid, &corr_o))
+        return NULL;
+    PyArrayObject *lg = smoe_py_want_array(lo, "logits", NPY_FLOAT32, 2, 0);
+    if (!lg) return NULL;
+    const npy_intp T = PyArray_DIM(lg, 0), E = PyArray_DIM(lg, 1);
+    if (E < 1 || E > 65536 || k < 1 || (npy_intp)k > E) {
+        PyErr_Format(PyExc_ValueError, "predict_next: logits [T, E] with 1 <= k <= E <= 65536, "
+                     "got E=%zd k=%u", (Py_ssize_t)E, k);
+        return NULL;
+    }
+    if (!(overfetch >= 1.0) || !(mass >= 0.0 && mass <= 1.0)) {
+        PyErr_Format(PyExc_ValueError, "predict_next: overfetch must be >= 1 and mass in [0, 1] "
+                     "(got %g, %g)", overfetch, mass);
+        return NULL;
+    }
+    const float *corr = NULL;
+    if (corr_o != Py_None) {
+        PyArrayObject *c = smoe_py_want_array(corr_o, "corr", NPY_FLOAT32, 1, 0);
+        if (!c) return NULL;
+        if (PyArray_DIM(c, 0) != E) {
+            PyErr_Format(PyExc_ValueError, "predict_next: corr has %zd entries, the logits %zd "
+                         "experts", (Py_ssize_t)PyArray_DIM(c, 0), (Py_ssize_t)E);
+            return NULL;
+        }
+        corr = PyArray_DATA(c);
+    }
+    /* scores: a copy of the logits (the caller's array is not written), then E-sized scratch */
+    size_t n_sc = (size_t)T * (size_t)E;
+    float *sc = malloc(sizeof *sc * (n_sc + 2 * (size_t)E) + sizeof(int32_t) * (size_t)E +
+                       (size_t)E);
+    if (!sc) return PyErr_NoMemory();
+    float *best = sc + n_sc, *prob = best + E;
+    int32_t *order = (int32_t *)(prob + E);
+    uint8_t *mark = (uint8_t *)(order + E);
+    memcpy(sc, PyArray_DATA(lg), sizeof *sc * n_sc);
+    Py_BEGIN_ALLOW_THREADS
+    smoe_route_scores(sc, (uint32_t)T, (uint32_t)E, sigmoid, corr);
+    smoe_route_predict(sc, (uint32_t)T, (uint32_t)E, k, overfetch, mass, NULL, mark, best, order,
+                       prob);
+    Py_END_ALLOW_THREADS
+    npy_intp n = 0;
+    for (npy_intp e = 0; e < E; e++) n += mark[e] != 0;
+    PyObject *ids = PyArray_SimpleNew(1, &n, NPY_INT64);
+    PyObject *pri = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
+    if (!ids || !pri) {
+        free(sc);
+        Py_XDECREF(ids);
+        Py_XDECREF(pri);
+        return NULL;
+    }
+    int64_t *pi = PyArray_DATA((PyArrayObject *)ids);
+    float *pp = PyArray_DATA((PyArrayObject *)pri);
+    for (npy_intp e = 0, j = 0; e < E; e++)
+        if (mark[e]) pi[j] = e, pp[j] = best[e], j++;
+    free(sc);
+    return Py_BuildValue("(NN)", ids, pri);
+}
+
+static PyMethodDef route_functions[] = {
+    {"predict_next", (PyCFunction)(void (*)(void))py_predict_next, METH_VARARGS | METH_KEYWORDS,
+     "predict_next(logits, k, overfetch, mass=0.0, sigmoid=False, corr=None) -> (experts, "
+     "priorities)\n"
+     "The next-layer prediction rule of the CPU layers (csrc/route.h) over router logits\n"
+     "float32 [T, E]: the model's score function (sigmoid/softmax + corr when corr is given),\n"
+     "then per token the top ceil(k * overfetch) experts, or with mass > 0 the fewest (at least\n"
+     "k) whose softmax probability sums to mass.  experts: int64 ids ascending; priorities:\n"
+     "float32, each expert's best score (mass: probability), the prefetch priority."},
+    {NULL, NULL, 0, NULL}};
+
+int smoe_py_route_init(PyObject *m) { return PyModule_AddFunctions(m, route_functions); }

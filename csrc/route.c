@@ -1,0 +1,69 @@
+/* The routing rules shared by every tier (declared in route.h). */
+#include "route.h"
+
+#include <math.h>
+#include <string.h>
+
+void smoe_route_scores(float *s, uint32_t T, uint32_t E, int sigmoid, const float *corr) {
+    if (!corr) return;
+    for (uint32_t t = 0; t < T; t++, s += E) {
+        if (sigmoid) {
+            for (uint32_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-s[e])) + corr[e];
+        } else {
+            float mx = s[0], sum = 0.0f;
+            for (uint32_t e = 1; e < E; e++) mx = s[e] > mx ? s[e] : mx;
+            for (uint32_t e = 0; e < E; e++) sum += (s[e] = expf(s[e] - mx));
+            for (uint32_t e = 0; e < E; e++) s[e] = s[e] / sum + corr[e];
+        }
+    }
+}
+
+/* Insertion sort: E is small and callers need only the first few, but a full order keeps the
+ * rule obvious. */
+void smoe_route_rank(const float *v, uint32_t E, int32_t *order) {
+    for (uint32_t i = 0; i < E; i++) {
+        int32_t e = (int32_t)i;
+        uint32_t j = i;
+        while (j > 0 && v[order[j - 1]] < v[e]) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = e;
+    }
+}
+
+void smoe_route_predict(const float *scores, uint32_t T, uint32_t E, uint32_t k, double overfetch,
+                        double mass, const uint8_t *skip, uint8_t *mark, float *best,
+                        int32_t *order, float *prob) {
+    memset(mark, 0, E);
+    for (uint32_t e = 0; e < E; e++) best[e] = -INFINITY;
+    uint32_t m = (uint32_t)ceil((double)k * overfetch - 1e-9);
+    if (m < k) m = k;
+    if (m > E) m = E;
+    for (uint32_t t = 0; t < T; t++) {
+        if (skip && skip[t]) continue;
+        const float *s = scores + (size_t)t * E;
+        if (mass <= 0.0) {
+            smoe_route_rank(s, E, order);
+            for (uint32_t r = 0; r < m; r++) {
+                int32_t e = order[r];
+                mark[e] = 1;
+                if (s[e] > best[e]) best[e] = s[e];
+            }
+        } else {
+            float mx = s[0], sum = 0.0f;
+            for (uint32_t e = 1; e < E; e++) mx = s[e] > mx ? s[e] : mx;
+            for (uint32_t e = 0; e < E; e++) sum += (prob[e] = expf(s[e] - mx));
+            for (uint32_t e = 0; e < E; e++) prob[e] /= sum;
+            smoe_route_rank(prob, E, order);
+            double before = 0.0; /* probability mass of the experts ranked above */
+            for (uint32_t r = 0; r < E; r++) {
+                int32_t e = order[r];
+                if (r >= k && before >= mass) break;
+                mark[e] = 1;
+                if (prob[e] > best[e]) best[e] = prob[e];
+                before += prob[e];
+            }
+        }
+    }
+}

@@ -1,0 +1,30 @@
+/* The routing rules written once, for the CPU layers (layer.c), the GPU tier
+ * (specmoe.runtime.gpu_engine through _C.predict_next) and any later caller: the models' score
+ * function over router logits, the expert ranking, and the next-layer prediction that decides
+ * which experts are prefetched.  Plain loops over caller-owned buffers; no allocation. */
+#ifndef SMOE_ROUTE_H
+#define SMOE_ROUTE_H
+
+#include <stdint.h>
+
+/* s[T,E] in place: the score function of a model whose router has a correction bias corr[E]
+ * (DeepSeek-V3 and its kin): sigmoid(l) + corr when sigmoid, else softmax(l) + corr.  Without a
+ * correction bias (corr NULL) the logits are the scores and s is left as it is. */
+void smoe_route_scores(float *s, uint32_t T, uint32_t E, int sigmoid, const float *corr);
+
+/* order[0..E) = expert ids by v descending, ties by the lower id. */
+void smoe_route_rank(const float *v, uint32_t E, int32_t *order);
+
+/* The next-layer prediction (layer.h, step 1) from scores[T,E] of the tokens t with
+ * !(skip && skip[t]):
+ *   mass <= 0: per token the top m = clamp(ceil(k * overfetch), k, E) experts by score;
+ *   mass  > 0: per token the fewest experts, at least k, whose softmax probability of the
+ *              scores sums to >= mass (ranked by that probability).
+ * mark[E] = 1 for every expert chosen by some token (0 otherwise); best[E] = the highest score
+ * (mass mode: probability) with which a token chose it, -INFINITY when none did: the prefetch
+ * priority.  order[E] and prob[E] are scratch. */
+void smoe_route_predict(const float *scores, uint32_t T, uint32_t E, uint32_t k, double overfetch,
+                        double mass, const uint8_t *skip, uint8_t *mark, float *best,
+                        int32_t *order, float *prob);
+
+#endif
