@@ -453,7 +453,6 @@ def _tiny(arch, dtype=None):
 
 
 def _is_offloaded(model):
-    from specmoe.runtime import engine as hf
     return any(isinstance(m, SpecmoeExperts) for m in model.modules())
 
 
