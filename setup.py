@@ -48,9 +48,10 @@ def _binding(path):
 
 # the GPU module's binding (built into specmoe._cuda with cuda/*.c, never into specmoe._C)
 CUDA_BINDING = os.path.join("csrc", "bindings", "py_cuda.c")
-# binding code both extensions use (the expert-descriptor parser): compiled once into the
-# static library smoe_pybind, like the core
-SHARED_BINDING = [os.path.join("csrc", "bindings", "py_desc.c")]
+# binding code both extensions use (the expert-descriptor parser, the Python-policy bridge):
+# compiled once into the static library smoe_pybind, like the core
+SHARED_BINDING = [os.path.join("csrc", "bindings", "py_desc.c"),
+                  os.path.join("csrc", "bindings", "py_bridge.c")]
 # The pure-C core (no Python.h): slots, cache, store, policies, kernels, MoE layers, simulator,
 # speculation controllers.  Compiled once into the static library smoe_core (build_clib),
 # which specmoe._C and specmoe._cuda both link: no C source is compiled into two extensions.

@@ -468,6 +468,109 @@ def test_cuda_device_names():
             cuda_device(bad)
 
 
+class _PyLRU:
+    """A Python eviction policy (specmoe.PythonPolicy's protocol): least recently used by
+    slot, written here in plain Python, with a log of the events it received."""
+
+    def __init__(self):
+        self.t = 0
+        self.last: dict[int, int] = {}
+        self.log: list[tuple] = []
+
+    def on_insert(self, slot, key, prefetch):
+        self.t += 1
+        self.last[slot] = self.t
+        self.log.append(("insert", slot, key, bool(prefetch)))
+
+    def on_access(self, slot, key):
+        self.t += 1
+        self.last[slot] = self.t
+        self.log.append(("access", slot, key))
+
+    def on_evict(self, slot, key):
+        self.log.append(("evict", slot, key))
+
+    def on_pass(self, pass_id):
+        self.log.append(("pass", pass_id))
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda s: self.last.get(s, 0))
+
+
+@need_ext
+@pytest.mark.parametrize("mode", ["host", "staged"])
+def test_python_policy_on_the_emulated_gpu_cache_as_on_the_cpu_cache(store, written, mode):
+    """A Python policy runs on the GPU cache through the CPU cache's own bridge
+    (csrc/bindings/py_bridge.c, linked into both extensions): demand accesses with pins held,
+    passes, prefetch batches and a policy swap in lockstep on both give the same events, the
+    same residency and counters, and the bytes as written."""
+    from specmoe.runtime.cache import ExpertCache
+
+    nslots = 4
+    pg, pc = _PyLRU(), _PyLRU()
+    seen = [pg]
+    cache = cuda.GpuExpertCache(store, nslots, pg, device=-1, mode=mode)
+    cpu = ExpertCache(store, nslots, pc, top_k=1)
+    rng = np.random.default_rng(3)
+    held: list[int] = []
+    try:
+        for step in range(150):
+            r = rng.random()
+            if r < 0.08:
+                cache.begin_pass()
+                cpu.begin_pass()
+            elif r < 0.2:
+                keys = rng.choice(NL * NE, int(rng.integers(1, 3)), replace=False)
+                prios = rng.permutation(len(keys)).astype(float)
+                cache.pause_worker(True)
+                cache.prefetch([int(k) for k in keys], list(prios))
+                cache.pause_worker(False)
+                cache.wait_idle()
+                cpu.pause_prefetch()
+                cpu.prefetch([(int(k) // NE, int(k) % NE, p) for k, p in zip(keys, prios)])
+                cpu.resume_prefetch()
+                cpu.wait_idle()
+            elif r < 0.22:  # a fresh Python policy on both, contents kept
+                pg, pc = _PyLRU(), _PyLRU()
+                seen.append(pg)
+                cache.set_policy(pg)
+                cpu.set_policy(pc)
+            else:
+                key = int(rng.integers(0, NL * NE))
+                l, e = divmod(key, NE)
+                addr = cache.acquire(l, e)
+                cpu.acquire(l, e)
+                t = store.tensors_of(_host_bytes(addr, store.block_bytes))
+                np.testing.assert_array_equal(t["w"], written[1][l]["w"][e])
+                held.append(key)
+                while len(held) > 2 or (held and rng.random() < 0.5):
+                    k = held.pop(0)
+                    cache.release(k // NE, k % NE)
+                    cpu.release(k // NE, k % NE)
+            assert cache.resident() == [l * NE + e for l, e in cpu.resident()], step
+            assert _counters(cache.stats()) == _counters(cpu.stats()), step
+            assert pg.log == pc.log, step
+        assert sum(ev[0] == "evict" for p in seen for ev in p.log) > 10  # the policy chose
+    finally:
+        for k in held:
+            cache.release(k // NE, k % NE)
+            cpu.release(k // NE, k % NE)
+        cache.close()
+        cpu.close()
+
+
+@need_ext
+def test_gpu_cache_refuses_a_policy_object_without_victim(store):
+    with pytest.raises(TypeError, match="victim"):
+        cuda.GpuExpertCache(store, 2, object(), device=-1)
+    c = cuda.GpuExpertCache(store, 2, device=-1)
+    try:
+        with pytest.raises(TypeError, match="victim"):
+            c.set_policy(42)
+    finally:
+        c.close()
+
+
 def test_offload_cuda_refuses_what_the_gpu_tier_lacks_before_touching_the_model():
     from specmoe.runtime import engine as hf
     from specmoe.runtime.policies import LRU
@@ -589,6 +692,26 @@ def test_offload_cuda_prefetch_off_and_policy_switch():
             torch.testing.assert_close(a, m(x).logits)
         with pytest.raises(ValueError, match="mass"):
             eng.set_prefetch(True, mass=2.0)
+    finally:
+        eng.close()
+
+
+@need_gpu
+def test_offload_cuda_with_a_python_policy():
+    """A Python policy on the GPU tier (the CPU cache's bridge): same outputs as a built-in."""
+    import torch
+
+    from specmoe.runtime import engine as hf
+    m, ref = _tiny("qwen3_moe")
+    pol = _PyLRU()
+    eng = hf.offload(m, device="cuda", dtype="f32", cache=0.25, policy=pol)
+    try:
+        x = torch.tensor([HF_PROMPT], device="cuda")
+        with torch.no_grad():
+            got = m(x).logits
+            want = ref.to("cuda")(x).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert any(ev[0] == "insert" for ev in pol.log)
     finally:
         eng.close()
 

@@ -1,10 +1,13 @@
 /* The Python bridge policy ("python"): eviction decided by a Python object, the slow path for
- * experiments.  Built only into the _C extension (it needs Python.h); the C-only builds of
- * tests/c and the _cuda extension leave csrc/policy/py_*.c out. */
+ * experiments.  Compiled once into smoe_pybind (setup.py), which both extensions link: the CPU
+ * cache (specmoe._C) and the GPU cache (specmoe._cuda) take Python policies alike.  Needs only
+ * Python.h and the policy interface. */
 #ifndef SMOE_POLICY_PY_BRIDGE_H
 #define SMOE_POLICY_PY_BRIDGE_H
 
-#include "py_common.h"
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include "policy/policy.h"
 
 /* A bridge policy around obj (GIL held): each event calls obj's method of the same name

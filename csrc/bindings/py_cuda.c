@@ -18,6 +18,7 @@
 
 #include "gcache.h"
 #include "gpu.h"
+#include "py_bridge.h"
 #include "py_desc.h"
 #include "py_errors.h"
 
@@ -200,8 +201,22 @@ typedef struct {
     int busy; /* [GIL] calls in flight with the GIL released */
 } GCacheObject;
 
-static smoe_policy *make_policy(const char *name, uint32_t nslots, uint32_t nl, uint32_t ne) {
+/* A policy from a built-in name, or the Python bridge (py_bridge.h, the CPU cache's own) over
+ * an object with a victim(candidates) method: specmoe.PythonPolicy or any such object. */
+static smoe_policy *make_policy(PyObject *spec, uint32_t nslots, uint32_t nl, uint32_t ne) {
     const smoe_policy_params pp = {.nslots = nslots, .num_layers = nl, .num_experts = ne};
+    if (!PyUnicode_Check(spec)) {
+        int has = PyObject_HasAttrString(spec, "victim");
+        if (!has) {
+            PyErr_Format(PyExc_TypeError, "policy must be a built-in policy name or an object "
+                         "with a victim(candidates) method (specmoe.PythonPolicy), got %s",
+                         Py_TYPE(spec)->tp_name);
+            return NULL;
+        }
+        return smoe_py_bridge_create(spec, &pp);
+    }
+    const char *name = PyUnicode_AsUTF8(spec);
+    if (!name) return NULL;
     smoe_policy *p = NULL;
     smoe_err e;
     smoe_err_clear(&e);
@@ -216,12 +231,12 @@ static int GC_init(GCacheObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"path", "data_offset", "block_bytes", "num_layers", "num_experts",
                              "nslots", "policy", "device", "mode", "stages", "min_slots",
                              "prefetch", "crc", NULL};
-    PyObject *path_bytes = NULL, *crc_obj = Py_None;
+    PyObject *path_bytes = NULL, *crc_obj = Py_None, *policy = NULL;
     unsigned long long off, bb;
     unsigned int nl, ne, nslots, stages = 2, min_slots = 1;
-    const char *policy = "lru", *mode = "host";
+    const char *mode = "host";
     int device = 0, prefetch = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&KKIII|sisIIpO", kwlist, PyUnicode_FSConverter,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&KKIII|OisIIpO", kwlist, PyUnicode_FSConverter,
                                      &path_bytes, &off, &bb, &nl, &ne, &nslots, &policy, &device,
                                      &mode, &stages, &min_slots, &prefetch, &crc_obj))
         return -1;
@@ -260,7 +275,14 @@ static int GC_init(GCacheObject *self, PyObject *args, PyObject *kw) {
         goto done;
     }
     self->store_open = 1;
-    smoe_policy *p = make_policy(policy, nslots, nl, ne);
+    smoe_policy *p = NULL;
+    if (policy) {
+        p = make_policy(policy, nslots, nl, ne);
+    } else {
+        PyObject *lru = PyUnicode_FromString("lru");
+        if (lru) p = make_policy(lru, nslots, nl, ne);
+        Py_XDECREF(lru);
+    }
     if (!p) goto done;
     int crc2;
     Py_BEGIN_ALLOW_THREADS crc2 = smoe_gcache_init(&self->cache, &self->store, device, nslots,
@@ -562,9 +584,7 @@ static PyObject *GC_resident(GCacheObject *self, PyObject *noargs) {
 
 static PyObject *GC_set_policy(GCacheObject *self, PyObject *arg) {
     if (GC_check(self) < 0) return NULL;
-    const char *name = PyUnicode_AsUTF8(arg);
-    if (!name) return NULL;
-    smoe_policy *p = make_policy(name, self->cache.tab.nslots, self->cache.tab.num_layers,
+    smoe_policy *p = make_policy(arg, self->cache.tab.nslots, self->cache.tab.num_layers,
                                  self->cache.tab.num_experts);
     if (!p) return NULL;
     smoe_err e;
@@ -707,7 +727,7 @@ static PyMethodDef GC_methods[] = {
     {"resident", (PyCFunction)GC_resident, METH_NOARGS, "keys of the READY slots, slot order"},
     {"layer_states", (PyCFunction)GC_layer_states, METH_O,
      "layer_states(layer) -> bytes: each expert's slot state (0 absent, 1 loading, 2 ready)"},
-    {"set_policy", (PyCFunction)GC_set_policy, METH_O, "set_policy(name): swap, keep contents"},
+    {"set_policy", (PyCFunction)GC_set_policy, METH_O, "set_policy(policy): swap (a built-in name or a Python policy object), keep contents"},
     {"counts", (PyCFunction)GC_counts, METH_VARARGS, "counts(keys, counts): activation counts"},
     {"protect", (PyCFunction)GC_protect, METH_O,
      "protect(keys): evicted last, after every unprotected evictable slot ([]: clear)"},

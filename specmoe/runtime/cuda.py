@@ -232,8 +232,9 @@ class GpuExpertCache:
 
     * ``capacity``: slots, as :func:`specmoe.parse_capacity` reads it (int, fraction, size,
       percentage).  One ``cudaMalloc`` of capacity x block bytes at construction.
-    * ``policy``: a built-in policy name (the C objects of csrc/policy; Python policies are not
-      supported on the GPU cache).
+    * ``policy``: a built-in policy name (the C objects of csrc/policy) or a Python policy (an
+      object with a ``victim(candidates)`` method, :class:`specmoe.PythonPolicy`), run by the
+      same bridge as on the CPU cache (csrc/bindings/py_bridge.c).
     * ``mode``: ``"host"`` keeps a pinned copy of the whole store in host memory (read once
       now; loads are pure PCIe copies) or ``"staged"`` reads the store file into ``stages``
       pinned staging buffers per load.
@@ -245,13 +246,14 @@ class GpuExpertCache:
     current stream on a GPU, 0 in emulation).
     """
 
-    def __init__(self, store: Any, capacity: int | float | str, policy: str = "lru", *,
+    def __init__(self, store: Any, capacity: int | float | str, policy: Any = "lru", *,
                  device: int = 0, mode: str = "host", stages: int = 2,
                  top_k: int | None = None, prefetch: bool = True) -> None:
         from .cache import parse_capacity
 
-        if not isinstance(policy, str):
-            raise TypeError("the GPU cache takes a built-in policy name (str), got "
+        if not isinstance(policy, str) and not callable(getattr(policy, "victim", None)):
+            raise TypeError("the GPU cache takes a built-in policy name (str) or a Python "
+                            "policy (an object with a victim(candidates) method), got "
                             f"{type(policy).__name__}")
         if not isinstance(device, int) or device < -1:
             raise ValueError(f"device must be a CUDA device index or -1 (emulation), got {device!r}")
@@ -341,7 +343,7 @@ class GpuExpertCache:
         addr = base + (int(layer) * ne + int(expert)) * bb
         return np.ctypeslib.as_array((ctypes.c_uint8 * bb).from_address(addr))
 
-    def set_policy(self, policy: str) -> None:
+    def set_policy(self, policy: Any) -> None:
         self._c.set_policy(policy)
 
     def counts(self, keys: Sequence[int], counts: Sequence[int]) -> None:

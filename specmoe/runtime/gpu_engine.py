@@ -74,9 +74,10 @@ def check_gpu_options(*, dtype: str = "f32", policy: Any = "lru", dense: Any = "
     if not (isinstance(balance, (bool, BalanceProfile)) or balance is None):
         raise TypeError(f"balance must be a bool or a specmoe.runtime.cuda.BalanceProfile, got "
                         f"{type(balance).__name__}")
-    if not isinstance(policy, str):
-        raise TypeError("the GPU tier takes a built-in policy name (str), got "
-                        f"{type(policy).__name__}: Python policies run on the CPU cache")
+    if not isinstance(policy, str) and not callable(getattr(policy, "victim", None)):
+        raise TypeError("the GPU tier takes a built-in policy name (str) or a Python policy "
+                        "(an object with a victim(candidates) method, e.g. "
+                        f"specmoe.PythonPolicy), got {type(policy).__name__}")
     if dtype == "int2":
         raise ValueError("the GPU kernels take f32, bf16, int8 and int4 experts, not int2")
     if dense not in ("auto", "torch", None, False):
@@ -119,7 +120,8 @@ class GpuEngine(EngineCommon):
         on ``device`` ("cuda" or "cuda:N"); the model's other weights are moved there.
 
         cache: slots, a fraction of all experts or a byte size (:func:`specmoe.parse_capacity`),
-        allocated on the GPU at once.  policy: a built-in eviction policy name.  prefetch,
+        allocated on the GPU at once.  policy: a built-in eviction policy name or a Python
+        policy (:class:`specmoe.PythonPolicy`, the CPU cache's own bridge).  prefetch,
         overfetch: the next-layer prediction (module docstring).  mode: the slow tier,
         ``"host"`` (a pinned host-memory copy of the whole store, read now: loads are pure
         host-to-device copies) or ``"staged"`` (the store file read per load into pinned
@@ -343,8 +345,9 @@ class GpuEngine(EngineCommon):
                 balance = cuda.measure_balance_profile(self._cache, self.spec)
             self.balance = balance
 
-    def set_policy(self, policy: str) -> None:
-        """Switch the GPU cache's eviction policy (built-in names); contents kept."""
+    def set_policy(self, policy: Any) -> None:
+        """Switch the GPU cache's eviction policy (a built-in name or a Python policy);
+        contents kept."""
         check_gpu_options(policy=policy)
         with self._lock:
             if self._cache is None:
