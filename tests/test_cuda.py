@@ -717,6 +717,31 @@ def test_offload_cuda_with_a_python_policy():
 
 
 @need_gpu
+def test_trace_recording_on_the_gpu_tier_as_on_the_cpu():
+    """engine.trace() on the GPU tier (the CPU Engine's recorder): the same routing as the CPU
+    Engine records for the same model and prompt, logits included."""
+    import torch
+
+    from specmoe.runtime import engine as hf
+    x = torch.tensor([HF_PROMPT])
+    traces = {}
+    for dev in ("cpu", "cuda"):
+        m, _ = _tiny("qwen3_moe")
+        kw = {"device": "cuda"} if dev == "cuda" else {}
+        eng = hf.offload(m, dtype="f32", cache=0.5, **kw)
+        try:
+            with eng.trace(logits=True) as t, torch.no_grad():
+                m(x.to(dev))
+            traces[dev] = t.result()
+        finally:
+            eng.close()
+    a, b = traces["cpu"], traces["cuda"]
+    assert a.experts.shape == b.experts.shape and a.experts.shape[0] == len(HF_PROMPT)
+    assert (a.experts == b.experts).mean() >= 0.98  # near-ties may differ across devices
+    np.testing.assert_allclose(a.logits, b.logits, rtol=1e-3, atol=1e-3)
+
+
+@need_gpu
 def test_gpu_and_cpu_tiers_predict_the_same_experts():
     """One prediction rule (csrc/route.h): the same model and prompt on both tiers, prefetch
     on, predict the same experts (precision and counts), overfetch and mass modes alike."""
@@ -944,7 +969,7 @@ def test_calibrate_gpu_profile_against_torch_copies(tmp_path):
     own copy rate, and the simulator runs on it."""
     import torch
 
-    from specmoe.sim.replay import replay as sim
+    from specmoe.sim import replay as sim
     from specmoe.sim.traces import Trace
     from specmoe.sim.calibration import calibrate_gpu, get_hardware
     from specmoe.sim.hardware import DEEPSEEK_V2_LITE, sim_timing

@@ -54,7 +54,7 @@ from .tau_tables import TauTables
 from .expert_copy import ExpertCopy
 from .experts import SpecmoeExperts, engine_of
 from .lookahead import LookaheadBuffer
-from .recording import TraceRecording, Recorder
+from .recording import Recorder
 from .policies import COUNT_POLICIES, UTILITY_POLICIES
 
 if TYPE_CHECKING:
@@ -372,16 +372,6 @@ class Engine(EngineCommon):
             return out.to(hidden.dtype)
 
     # -- the per-layer path -------------------------------------------------------------------
-    def _router_scores(self, pos: int, x: torch.Tensor) -> torch.Tensor:
-        r = self._routers[pos]
-        w = r.weight
-        lg = torch.nn.functional.linear(x.to(w.dtype), w, getattr(r, "bias", None)).float()
-        bias = self._router_bias[pos]
-        if bias is not None:
-            lg = (lg.sigmoid() if self.arch.sigmoid_router else lg.softmax(-1)) + \
-                bias.float().reshape(-1)
-        return lg
-
     def layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                        w: torch.Tensor) -> torch.Tensor:
         """One MoE layer: everything per token runs in ``_C.Layers.forward`` (csrc/layer.h):
@@ -445,10 +435,7 @@ class Engine(EngineCommon):
             self._la.layer_done(pos, used)
             if self.protect_lookahead and self._cache is not None:
                 self._protect()  # this layer's experts are used: unprotect them
-        rec = self.recorder
-        if rec is not None:
-            lg = self._router_scores(pos, hidden.detach()) if rec.logits else None
-            rec.layer(pos, idx, w, lg)
+        self.record_layer(pos, hidden, idx, w)
         return out.to(hidden.dtype)
 
     # backend: the ExpertCache over the store (or, in a build without them, a resident buffer)
@@ -792,11 +779,6 @@ class Engine(EngineCommon):
             self.overfetch = float(overfetch)
         if self._layers is not None:
             self._configure_layers()  # also forgets predictions made with the old settings
-
-    def trace(self, logits: bool = False) -> TraceRecording:
-        """``with engine.trace() as t: model.generate(...)``; then ``t.result()`` is a
-        :class:`specmoe.sim.traces.Trace` (save with ``.save(path)`` as .npz)."""
-        return TraceRecording(self, logits)
 
     def close(self) -> None:
         """Release the cache and the store (deleting the temporary store file if offload made

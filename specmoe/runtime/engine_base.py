@@ -45,6 +45,40 @@ class EngineCommon:
             os.unlink(self._store_path)
             self._own_store = False
 
+    # set by the engines: the trace recorder in use (trace()), the routers the predictor reads
+    recorder: Any
+    model_type: str
+    _routers: list
+    _router_bias: list
+    arch: Any
+
+    def trace(self, logits: bool = False) -> Any:
+        """``with engine.trace() as t: model.generate(...)``; then ``t.result()`` is a
+        :class:`specmoe.sim.traces.Trace` (save with ``.save(path)`` as .npz).  The same on
+        both tiers: every MoE layer call hands its routing to the recorder."""
+        from .recording import TraceRecording
+        return TraceRecording(self, logits)
+
+    def router_scores(self, pos: int, x: Any) -> Any:
+        """Layer ``pos``'s router scores on ``x`` [T, H] (torch, on x's device): the logits, or
+        with a correction bias the model's score function plus it (csrc/route.h's rule)."""
+        import torch
+        r = self._routers[pos]
+        w = r.weight
+        lg = torch.nn.functional.linear(x.to(w.dtype), w, getattr(r, "bias", None)).float()
+        bias = self._router_bias[pos]
+        if bias is not None:
+            lg = (lg.sigmoid() if self.arch.sigmoid_router else lg.softmax(-1)) + \
+                bias.float().reshape(-1)
+        return lg
+
+    def record_layer(self, pos: int, hidden: Any, idx: Any, w: Any) -> None:
+        """Hand layer ``pos``'s routing to the trace recorder, if one is on (trace())."""
+        rec = self.recorder
+        if rec is not None:
+            lg = self.router_scores(pos, hidden.detach()) if rec.logits else None
+            rec.layer(pos, idx, w, lg)
+
     @property
     def cache(self) -> Any:
         """The expert cache (an :class:`specmoe.ExpertCache`, or the GPU tier's

@@ -24,8 +24,9 @@ A utility-space policy (``"spac"``, ``"spac_ema"``, ``"score"``) receives every 
 activation counts.
 
 What the CPU Engine has and this one has not (yet): dense layers in C (the model's own GPU
-layers run), SpecMD's miss handling, the self-draft and draft-driven lookahead, Python
-policies, trace recording.  Asking for them raises.
+layers run), SpecMD's miss handling, the self-draft and draft-driven lookahead.  Asking for
+them raises.  Shared with the CPU Engine: Python policies (the same bridge), the prediction
+rule (csrc/route.c), trace recording (:meth:`trace`, the same recorder).
 
 One compute stream: all layer calls of one engine must come from one thread (the cache's slot
 events assume one stream); a lock serialises them and :meth:`close`.
@@ -159,6 +160,7 @@ class GpuEngine(EngineCommon):
         self.mass: float | None = None  # the prediction's mass rule (set_prefetch)
         self.mode = mode
         self.balance: Any = None  # the BalanceProfile in use, None: every miss is copied
+        self.recorder: Any = None  # trace(): the routing recorder in use
         self._routers: list[nn.Module] = []  # set once the model is on the device
         self._router_bias: list[torch.Tensor | None] = []
         self._store_path = os.fspath(store)
@@ -246,6 +248,7 @@ class GpuEngine(EngineCommon):
             x = hidden.detach().to(torch.float32).contiguous()
             out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
                                    balance=self.balance, counters=c, groups=groups)
+            self.record_layer(pos, hidden, idx, w)  # trace(): the same recorder as the CPU's
             return out.to(hidden.dtype)
 
     def _prefetch_next(self, nxt: int, hidden: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .gpu_engine import GpuEngine
 
 __all__ = ["TraceRecording"]
 
@@ -38,10 +39,11 @@ class Recorder:
             self._cur_e, self._cur_w, self._cur_g = [], [], []
         if self._cur_e is None:
             return
-        self._cur_e.append(idx.detach().to(torch.int16).numpy().copy())
-        self._cur_w.append(w.detach().float().numpy().copy())
+        # .cpu(): the GPU tier records its device tensors (a copy; a no-op view on the CPU)
+        self._cur_e.append(idx.detach().to(torch.int16).cpu().numpy().copy())
+        self._cur_w.append(w.detach().float().cpu().numpy().copy())
         if lg is not None:
-            self._cur_g.append(lg.detach().float().numpy().copy())
+            self._cur_g.append(lg.detach().float().cpu().numpy().copy())
         if pos == self.num_layers - 1:
             self._flush()
 
@@ -59,9 +61,10 @@ class Recorder:
 
 
 class TraceRecording:
-    """Context manager returned by :meth:`Engine.trace`; :meth:`result` gives the Trace."""
+    """Context manager returned by ``engine.trace()`` (the CPU :class:`Engine` or the GPU
+    tier's ``GpuEngine``); :meth:`result` gives the Trace."""
 
-    def __init__(self, engine: "Engine", logits: bool):
+    def __init__(self, engine: "Engine | GpuEngine", logits: bool):
         self._engine = engine
         self._rec = Recorder(len(engine.layer_ids), logits)
 
@@ -88,4 +91,5 @@ class TraceRecording:
         return Trace(experts=ex, num_experts=self._engine.num_experts,
                      request_starts=np.asarray(r.starts or [0], np.int64),
                      layer_ids=np.asarray(self._engine.layer_ids, np.int32), weights=w,
-                     logits=lg, model=self._engine.model_type, source="specmoe.runtime.engine")
+                     logits=lg, model=self._engine.model_type,
+                     source=f"specmoe.runtime.{type(self._engine).__name__}")
