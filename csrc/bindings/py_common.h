@@ -8,7 +8,7 @@
 
 #include "common.h"
 
-/* Lock order, for every binding.  A forward holds a block's mutex (py_attn.c), then the MoE
+/* Lock order, for every binding.  A forward holds a block's mutex (csrc/decoder.h), then the MoE
  * layers' mutex (smoe_layers.mu), then the slot table's (smoe_slots.mu); with that last one
  * held, a Python eviction policy's callbacks take the GIL (bindings/py_bridge.c), on the calling
  * thread or on the prefetch worker.  So the GIL comes after all three, and a thread that holds

@@ -1,5 +1,5 @@
 /* The element-wise pieces of a decoder layer's attention block between its matrix products, at
- * decode sizes, for specmoe._C.AttnBlock (csrc/bindings/py_attn.c): RMSNorm and the rotary embedding
+ * decode sizes, for specmoe._C.AttnBlock (csrc/attn_block.c): RMSNorm and the rotary embedding
  * (the rotate-half form of the Llama family) on f32 rows.
  *
  * bf16 models: with `bf16` set, every intermediate that torch would store as a bf16 tensor is

@@ -1,0 +1,249 @@
+/* A Llama-family decoder layer's attention module at decode sizes (decoder.h): projections,
+ * q/k norms, rotary, attention, output projection, and the whole decoder layer with its MoE
+ * block.  The state of specmoe._C.AttnBlock (csrc/bindings/py_attn.c). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "decoder_impl.h"
+#include "kernels/block.h"
+
+int smoe_qknorm_kind(const char *name) {
+    return !strcmp(name, "none")   ? SMOE_QKNORM_NONE
+           : !strcmp(name, "full") ? SMOE_QKNORM_FULL
+           : !strcmp(name, "head") ? SMOE_QKNORM_HEAD
+                                   : -1;
+}
+
+int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err) {
+    const uint32_t H = cfg->H, Hkv = cfg->Hkv, D = cfg->D, max_tokens = cfg->max_tokens;
+    const double eps = cfg->eps;
+    if (H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || H > 65536 || D > 65536 ||
+        (uint64_t)(H + 2 * (uint64_t)Hkv) * D > (1u << 24) || max_tokens < 1 ||
+        max_tokens > 4096 || !(eps >= 0.0) || eps > 1.0)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "AttnBlock: heads=%u kv_heads=%u head_dim=%u max_tokens=%u eps=%g out "
+                            "of range (heads a multiple of kv_heads, head_dim even, (heads + 2 "
+                            "kv_heads) * head_dim <= 2^24, max_tokens 1..4096, eps in [0, 1])",
+                            H, Hkv, D, max_tokens, eps);
+    const uint32_t hidden = cfg->ld[SMOE_AB_Q]->K;
+    const uint32_t want_n[SMOE_AB_N] = {H * D, Hkv * D, Hkv * D, hidden, (H + 2 * Hkv) * D};
+    const uint32_t want_k[SMOE_AB_N] = {hidden, hidden, hidden, H * D, hidden};
+    static const char *names[SMOE_AB_N] = {"q", "k", "v", "o", "qkv"};
+    for (int i = 0; i < SMOE_AB_N; i++) {
+        const smoe_linear_desc *d = cfg->ld[i];
+        if (d && (d->N != want_n[i] || d->K != want_k[i]))
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "AttnBlock: the %s projection is %u -> %u, expected %u -> %u "
+                                "(heads=%u kv_heads=%u head_dim=%u hidden=%u)",
+                                names[i], d->K, d->N, want_k[i], want_n[i], H, Hkv, D, hidden);
+    }
+    return SMOE_OK;
+}
+
+int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smoe_err *err) {
+    int rc = smoe_attn_block_check(cfg, err);
+    if (rc != SMOE_OK) return rc;
+    const uint32_t H = cfg->H, Hkv = cfg->Hkv, D = cfg->D, mt = cfg->max_tokens;
+    const uint32_t hidden = cfg->ld[SMOE_AB_Q]->K;
+    size_t ls = 0;
+    for (int i = 0; i < SMOE_AB_N; i++) {
+        size_t s = cfg->ld[i] ? smoe_linear_scratch_bytes(cfg->ld[i], mt) : 0;
+        if (s > ls) ls = s;
+    }
+    const size_t per_tok = (size_t)hidden + (size_t)(H + 2 * Hkv) * D + (size_t)H * D;
+    b->buf = malloc(((size_t)mt * (per_tok + (size_t)H * D + 3 * (size_t)hidden) +
+                     2 * (size_t)D) * sizeof(float));
+    b->lscratch = malloc(ls ? ls : 1);
+    if (!b->buf || !b->lscratch) {
+        rc = smoe_err_set(err, SMOE_ENOMEM, "AttnBlock: out of memory for its buffers");
+    } else if (pthread_mutex_init(&b->mu, NULL) != 0) {
+        rc = smoe_err_set(err, SMOE_ESTATE, "AttnBlock: pthread_mutex_init failed");
+    }
+    if (rc != SMOE_OK) {
+        free(b->buf);
+        free(b->lscratch);
+        b->buf = NULL;
+        b->lscratch = NULL;
+        return rc;
+    }
+    for (int i = 0; i < SMOE_AB_N; i++) {
+        b->ld[i] = cfg->ld[i];
+        b->lb[i] = cfg->lb[i];
+        b->lbias[i] = cfg->lbias[i];
+    }
+    b->qn = cfg->norm == SMOE_QKNORM_NONE ? NULL : cfg->qn;
+    b->kn = cfg->norm == SMOE_QKNORM_NONE ? NULL : cfg->kn;
+    b->H = H;
+    b->Hkv = Hkv;
+    b->D = D;
+    b->hidden = hidden;
+    b->max_tokens = mt;
+    b->norm = cfg->norm;
+    b->eps = (float)cfg->eps;
+    b->bf16 = cfg->bf16;
+    b->ready = 1;
+    return SMOE_OK;
+}
+
+void smoe_attn_block_destroy(smoe_attn_block *b) {
+    if (b->ready) pthread_mutex_destroy(&b->mu);
+    b->ready = 0;
+    free(b->buf);
+    free(b->lscratch);
+    free(b->ascratch);
+    free(b->route);
+    b->buf = NULL;
+    b->lscratch = NULL;
+    b->ascratch = NULL;
+    b->route = NULL;
+    b->ascratch_cap = b->route_cap = 0;
+}
+
+/* T tokens' heads, token t's head h at src + t * src_stride + h * D (f32), into dst with token
+ * t of head h at dst + h * hs + t * D elements: f32, or bf16 bits when bf16 (the values are
+ * bf16 already when the block rounds as a bf16 model, so the conversion is exact then).
+ * hs = T * D is transformers' [B = 1, heads, T, D] layout; a KV buffer's head stride is its
+ * capacity times D. */
+static void to_head_major(void *dst, int bf16, size_t hs, const float *src, size_t src_stride,
+                          uint32_t T, uint32_t heads, uint32_t D) {
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t h = 0; h < heads; h++) {
+            const float *s = src + (size_t)t * src_stride + (size_t)h * D;
+            const size_t o = (size_t)h * hs + (size_t)t * D;
+            if (bf16)
+                for (uint32_t i = 0; i < D; i++) ((uint16_t *)dst)[o + i] = smoe_bf16_rne(s[i]);
+            else
+                memcpy((float *)dst + o, s, (size_t)D * sizeof(float));
+        }
+}
+
+/* smoe_attn_block_pre without the lock. */
+static int block_pre(smoe_attn_block *self, smoe_kctx *c, const void *xp, int xb, const void *cp,
+                     int cb, const void *sp, int sb, uint32_t nt, const float *ln, float ln_eps,
+                     float *qp, void *kp, int kb, void *vp, int vb, size_t kv_hs, smoe_err *err) {
+    const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
+    const uint32_t nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv;
+    const float *qn = self->qn, *kn = self->kn;
+    float *x = self->buf, *y = self->buf + (size_t)self->max_tokens * hid; /* y [T, q|k|v] */
+    const float *xin = (const float *)xp;
+    int rc = SMOE_OK;
+    if (xb || ln) {
+        smoe_dec_widen(x, xp, xb, (size_t)nt * hid);
+        if (ln) smoe_rmsnorm(x, nt, hid, ln, ln_eps, self->bf16); /* the input layernorm */
+        xin = x;
+    }
+    const int joint = self->ld[SMOE_AB_QKV] != NULL;
+    if (joint) /* q|k|v in one call: its output rows are y's */
+        rc = smoe_linear_forward(c, self->ld[SMOE_AB_QKV], self->lb[SMOE_AB_QKV],
+                                 self->lbias[SMOE_AB_QKV], xin, hid, nt, y, qkv, self->lscratch,
+                                 err);
+    for (int i = 0; i < 3 && rc == SMOE_OK && !joint; i++) {
+        const uint32_t off = i == 0 ? 0 : i == 1 ? nq : nq + nkv;
+        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], xin, hid, nt,
+                                 y + off, qkv, self->lscratch, err);
+    }
+    if (rc != SMOE_OK) return rc;
+    const int b = self->bf16;
+    float *cosf = self->buf + (size_t)self->max_tokens * (hid + qkv + nq), *sinf = cosf + D;
+    if (b) smoe_bf16_round(y, (size_t)nt * qkv); /* the projections' bf16 outputs */
+    for (uint32_t t = 0; t < nt; t++) {
+        float *qt = y + (size_t)t * qkv, *kt = qt + nq;
+        if (self->norm == SMOE_QKNORM_FULL) {
+            smoe_rmsnorm(qt, 1, nq, qn, self->eps, b);
+            smoe_rmsnorm(kt, 1, nkv, kn, self->eps, b);
+        } else if (self->norm == SMOE_QKNORM_HEAD) {
+            smoe_rmsnorm(qt, H, D, qn, self->eps, b);
+            smoe_rmsnorm(kt, Hkv, D, kn, self->eps, b);
+        }
+        smoe_dec_widen(cosf, (const uint8_t *)cp + (size_t)t * D * (cb ? 2 : 4), cb, D);
+        smoe_dec_widen(sinf, (const uint8_t *)sp + (size_t)t * D * (sb ? 2 : 4), sb, D);
+        smoe_rotary_half(qt, H, D, D, cosf, sinf, b);
+        smoe_rotary_half(kt, Hkv, D, D, cosf, sinf, b);
+    }
+    /* q for the attention kernel (f32, values already bf16 when b); k, v for the cache */
+    to_head_major(qp, 0, (size_t)nt * D, y, qkv, nt, H, D);
+    to_head_major(kp, kb, kv_hs, y + nq, qkv, nt, Hkv, D);
+    to_head_major(vp, vb, kv_hs, y + nq + nkv, qkv, nt, Hkv, D);
+    return SMOE_OK;
+}
+
+/* Attention of q ([H, T, D]) over S cached positions (k, v as smoe_mha_decode takes them),
+ * then the output projection into of ([T, hidden] f32; rounded to bf16 values when the block
+ * rounds as a bf16 model); without the lock. */
+static int block_post(smoe_attn_block *self, smoe_kctx *c, const float *q, const void *kp,
+                      const void *vp, int kdt, size_t kbs, size_t khs, uint32_t nt, uint32_t S,
+                      const float *bias, uint32_t bias_rows, float scale, float *of,
+                      smoe_err *err) {
+    const uint32_t H = self->H, D = self->D, hid = self->hidden;
+    const uint32_t qkv = (H + 2 * self->Hkv) * D;
+    smoe_mha_desc d = {H, self->Hkv, D, scale};
+    float *att = self->buf + (size_t)self->max_tokens * (hid + qkv); /* [T, H, D] */
+    int rc = smoe_grow_scratch(&self->ascratch, &self->ascratch_cap,
+                               smoe_mha_scratch_bytes(c, D, nt), err);
+    if (rc == SMOE_OK)
+        rc = smoe_mha_decode(c, &d, 1, nt, S, q, kp, vp, kdt, kbs, khs, bias, bias_rows, att,
+                             self->ascratch, self->ascratch_cap, err);
+    if (rc != SMOE_OK) return rc;
+    if (self->bf16) smoe_bf16_round(att, (size_t)nt * H * D); /* torch's bf16 output */
+    rc = smoe_linear_forward(c, self->ld[SMOE_AB_O], self->lb[SMOE_AB_O], self->lbias[SMOE_AB_O],
+                             att, (size_t)H * D, nt, of, hid, self->lscratch, err);
+    if (rc == SMOE_OK && self->bf16) smoe_bf16_round(of, (size_t)nt * hid);
+    return rc;
+}
+
+int smoe_attn_block_pre(smoe_attn_block *b, smoe_kctx *c, const void *xp, int xb,
+                        const void *cp, int cb, const void *sp, int sb, uint32_t nt,
+                        const float *ln, float ln_eps, float *qp, void *kp, int kb, void *vp,
+                        int vb, size_t kv_hs, smoe_err *err) {
+    pthread_mutex_lock(&b->mu);
+    int rc = block_pre(b, c, xp, xb, cp, cb, sp, sb, nt, ln, ln_eps, qp, kp, kb, vp, vb, kv_hs,
+                       err);
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const void *kp,
+                         const void *vp, int kdt, size_t kbs, size_t khs, uint32_t nt,
+                         uint32_t S, const float *bias, uint32_t bias_rows, float scale,
+                         void *op, int ob, const void *rp, const float *ln, float ln_eps,
+                         void *np_, smoe_err *err) {
+    const size_t n = (size_t)nt * b->hidden;
+    pthread_mutex_lock(&b->mu);
+    float *of = b->buf; /* [T, hidden]: pre's x, free again */
+    int rc = block_post(b, c, q, kp, vp, kdt, kbs, khs, nt, S, bias, bias_rows, scale, of, err);
+    if (rc == SMOE_OK && rp) smoe_dec_residual_add(b->bf16, of, rp, ob, n); /* the layer's add */
+    if (rc == SMOE_OK) smoe_dec_store(op, ob, of, n);
+    if (rc == SMOE_OK && rp) { /* then the post-attention RMSNorm of the sum, in place */
+        smoe_rmsnorm(of, nt, b->hidden, ln, ln_eps, b->bf16);
+        smoe_dec_store(np_, ob, of, n);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+int smoe_attn_block_layer(smoe_attn_block *self, smoe_kctx *c, smoe_layers *g,
+                          const smoe_attn_layer_args *a, double *ta, double *tm, smoe_err *err) {
+    const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden, nt = a->nt;
+    const size_t esz = a->kb ? 2 : 4, kv_hs = (size_t)a->cap * D, S = (size_t)a->S;
+    pthread_mutex_lock(&self->mu);
+    const size_t mt = self->max_tokens;
+    float *extra = self->buf + mt * (hid + (size_t)(H + 2 * Hkv) * D + (size_t)H * D) + 2 * D;
+    float *q = extra, *h = q + mt * H * D, *nrm = h + mt * hid, *moe = nrm + mt * hid;
+    double t0 = smoe_now(), t1 = t0;
+    /* input norm, projections, q/k norms, rotary; k, v appended at S */
+    int rc = block_pre(self, c, a->xp, a->xb, a->cp, a->cb, a->sp, a->sb, nt, a->ln1, a->eps1, q,
+                       a->kp + S * D * esz, a->kb, a->vp + S * D * esz, a->kb, kv_hs, err);
+    if (rc == SMOE_OK) /* attention over the S + T positions, output projection */
+        rc = block_post(self, c, q, a->kp, a->vp, a->kb ? SMOE_WDT_BF16 : SMOE_WDT_F32,
+                        (size_t)Hkv * kv_hs, kv_hs, nt, (uint32_t)(S + nt), a->bias,
+                        a->bias_rows, (float)a->scale, h, err);
+    if (rc == SMOE_OK)
+        rc = smoe_dec_tail(self->bf16, g, NULL, (uint32_t)a->pos, a->flags, nt, hid, h, a->xp,
+                           a->xb, a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap,
+                           a->op, a->ob, &t1, err);
+    double t2 = smoe_now();
+    pthread_mutex_unlock(&self->mu);
+    *ta = t1 - t0;
+    *tm = t2 - t1;
+    return rc;
+}

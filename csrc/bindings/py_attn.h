@@ -1,0 +1,49 @@
+/* What csrc/bindings/py_attn.c (MLADecode, AttnDecode, AttnBlock) and py_decode.c (MLABlock,
+ * layer_chain, rms_norm, DecodePlan) share: argument checks of the decode-attention calls,
+ * and the pieces of one file's types the other reads.  The state and compute behind them are
+ * plain C (csrc/decoder.h). */
+#ifndef SMOE_PY_ATTN_H
+#define SMOE_PY_ATTN_H
+
+#include "decoder.h"
+#include "py_common.h"
+#include "py_numpy.h"
+
+/* The array's dims must equal want[0..n) (a want of -1 matches any size); -1 with ValueError
+ * naming it otherwise. */
+int smoe_py_dims_are(PyObject *o, const char *name, const npy_intp *want, int n);
+
+/* The optional additive bias argument: None -> NULL, 0 rows; else float32 [1 or B, T, S]. */
+int smoe_py_bias_arg(PyObject *o, npy_intp B, npy_intp T, npy_intp S, const float **bias,
+                     uint32_t *rows);
+
+/* An RMSNorm's weights (float32 [n], C-contiguous) and eps (a float in [0, 1]) into *w, *eps;
+ * -1 with an error otherwise. */
+int smoe_py_norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, float *eps);
+
+/* The start of every method of these objects: the object initialised (ready) and nargs one of
+ * n1, n2 (n2 = n1: exactly n1); -1 with the exception set.  usage: the call's form. */
+int smoe_py_method_start(int ready, const char *type, const char *usage, Py_ssize_t nargs,
+                         Py_ssize_t n1, Py_ssize_t n2);
+
+/* The descriptor and absorbed weights of an initialised _C.MLADecode (borrowed: immutable
+ * while the object lives); -1 without an exception when o is none. */
+int smoe_py_mla_parts(PyObject *o, const smoe_mla_desc **d, const smoe_mla_weights **w);
+
+/* Whether o is a _C.AttnBlock. */
+int smoe_py_is_attn_block(PyObject *o);
+
+/* AttnBlock.layer's 16 arguments checked into *a (nothing begun, no lock taken), and the
+ * block's C state and kernel context (borrowed from blk, an AttnBlock); -1 with the exception
+ * set. */
+int smoe_py_attn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t nargs,
+                             smoe_attn_layer_args *a, smoe_attn_block **b, smoe_kctx **c);
+
+/* AttnBlock.layer and MLABlock.layer, one routine (py_decode.c). */
+PyObject *smoe_py_layer_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* Register MLABlock, DecodePlan, layer_chain and rms_norm (py_decode.c); called by
+ * smoe_py_attn_init after its own types. */
+int smoe_py_decode_init(PyObject *m);
+
+#endif

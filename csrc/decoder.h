@@ -1,0 +1,316 @@
+/* Decoder layers at decode sizes in plain C: the state and compute behind specmoe._C.AttnBlock,
+ * _C.MLABlock, _C.layer_chain and _C.DecodePlan (csrc/bindings/py_attn.c, py_decode.c, which
+ * parse and check the Python arguments, keep the Python objects whose memory these structs
+ * borrow, release the GIL around the calls here and raise the errors).
+ *
+ *   smoe_attn_block (attn_block.c)  a Llama-family attention module: projections, q/k norms,
+ *                                   rotary, smoe_mha_decode, output projection; a whole
+ *                                   decoder layer with a MoE block (smoe_layers)
+ *   smoe_mla_block (mla_block.c)    a DeepSeek-V2/V3 MLA attention module (absorbed form) and
+ *                                   its decoder layer (MoE block or a dense MLP)
+ *   smoe_chain_item (decoder.c)     one layer call of a chain: decoder layers in a row
+ *   smoe_decode_plan (decoder.c)    a one-token decode step: row copies, the chain, the final
+ *                                   RMSNorm and lm_head
+ *
+ * Conventions as the rest of the core: functions return SMOE_OK or a negative SMOE_E* code and
+ * fill *err.  Ownership: "borrowed" pointers are kept alive and unchanged by the caller (the
+ * binding holds the Python objects that own them) for the struct's lifetime; "owned" memory is
+ * released by the struct's destroy function.  A struct zeroed and then destroyed is fine (the
+ * Python objects embed them zero-filled).  No allocation on the per-token paths beyond the
+ * scratch and routing buffers that grow to the largest call seen (smoe_grow_scratch). */
+#ifndef SMOE_DECODER_H
+#define SMOE_DECODER_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common.h"
+#include "kernels/attn.h"
+#include "kernels/kernels.h"
+#include "layer.h"
+
+/* ---- shared helpers ---- */
+
+/* Grow a scratch buffer to need bytes (first call, more tokens or more threads than before);
+ * the caller serialises calls on *scratch.  SMOE_ENOMEM "attention: ..." on failure. */
+int smoe_grow_scratch(void **scratch, size_t *cap, size_t need, smoe_err *err);
+
+/* out = the RMSNorm (kernels/block.h) of one row x of n values, both f32 or bf16 bits (b),
+ * through the f32 row buf [n]: _C.rms_norm's rows and DecodePlan's final norm. */
+void smoe_rms_norm_row(const void *x, void *out, int b, const float *w, float eps, int bf16,
+                       float *buf, uint32_t n);
+
+/* ---- smoe_attn_block: a Llama-family decoder layer's attention module ---- */
+
+enum { SMOE_QKNORM_NONE = 0, SMOE_QKNORM_FULL = 1, SMOE_QKNORM_HEAD = 2 };
+
+/* The norm kind of a name ("none", "full" over all heads, "head" per head), or -1. */
+int smoe_qknorm_kind(const char *name);
+
+/* Linear slots of an attention block: q, k, v, o projections, and q|k|v in one (optional). */
+enum { SMOE_AB_Q = 0, SMOE_AB_K = 1, SMOE_AB_V = 2, SMOE_AB_O = 3, SMOE_AB_QKV = 4,
+       SMOE_AB_N = 5 };
+
+/* What smoe_attn_block_init takes; every pointer borrowed for the block's lifetime. */
+typedef struct smoe_attn_block_cfg {
+    const smoe_linear_desc *ld[SMOE_AB_N]; /* [QKV] NULL: none (pre runs q, k, v) */
+    const uint8_t *lb[SMOE_AB_N];           /* the weight blocks */
+    const float *lbias[SMOE_AB_N];          /* biases or NULL */
+    const float *qn, *kn; /* q/k norm weights ([H D] / [Hkv D] full, [D] head), NULL for none */
+    uint32_t H, Hkv, D, max_tokens;
+    int norm;   /* SMOE_QKNORM_* */
+    double eps; /* the q/k norms' eps */
+    int bf16;   /* round as a bf16 model does (kernels/block.h) */
+} smoe_attn_block_cfg;
+
+typedef struct smoe_attn_block {
+    /* immutable after init; borrowed (see smoe_attn_block_cfg) */
+    const smoe_linear_desc *ld[SMOE_AB_N];
+    const uint8_t *lb[SMOE_AB_N];
+    const float *lbias[SMOE_AB_N];
+    const float *qn, *kn;
+    uint32_t H, Hkv, D, hidden, max_tokens;
+    int norm;
+    float eps;
+    int bf16;
+    /* owned; guarded by mu */
+    float *buf;         /* max_tokens * (hidden + (H + 2 Hkv) * D + H * D) + 2 D floats: input,
+                           q|k|v projections, attention output, one token's cos and sin; then
+                           max_tokens * (H * D + 3 hidden) for the layer call: q, the residual
+                           stream, the normed input of the MoE block, its output */
+    void *route;        /* the layer call's routing: route_cap bytes of (k int64 ids, k f32
+                           weights) per token and E used flags; grows */
+    size_t route_cap;
+    void *lscratch;     /* linear scratch for max_tokens (fixed size) */
+    void *ascratch;     /* attention scratch (grows with the thread count) */
+    size_t ascratch_cap;
+    pthread_mutex_t mu; /* serializes pre / post / layer calls on the block; taken before a
+                           smoe_layers' own mu (always in that order) */
+    int ready;          /* init succeeded (mu initialised) */
+} smoe_attn_block;
+
+/* SMOE_EINVAL with the binding's message unless the dims and projections fit together
+ * (heads a multiple of kv_heads, head_dim even, (heads + 2 kv_heads) * head_dim <= 2^24,
+ * max_tokens 1..4096, eps in [0, 1]; q, k, v, o, qkv hidden -> H D, Hkv D, Hkv D, hidden,
+ * (H + 2 Hkv) D with hidden = q's K).  Reads cfg's dims and ld only. */
+int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err);
+
+/* Check cfg (as smoe_attn_block_check) and set *b up: buffers allocated (SMOE_ENOMEM), mutex
+ * initialised (SMOE_ESTATE "AttnBlock: pthread_mutex_init failed").  *b zeroed before; on
+ * failure nothing is left to release. */
+int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smoe_err *err);
+void smoe_attn_block_destroy(smoe_attn_block *b);
+
+/* The first half of the block for nt tokens (1..max_tokens), under b->mu: x [nt, hidden]
+ * (f32, or bf16 bits when xb) RMSNorm-ed with ln when given (the decoder layer's input
+ * layernorm), the q/k/v projections, the q/k norms, the rotary embedding with cos / sin
+ * [nt, D] (f32 or bf16 bits: cb, sb); q into qp ([H, nt, D] f32), k and v into kp, vp (token t
+ * of kv head h at + h * kv_hs + t * D elements; bf16 bits when kb / vb). */
+int smoe_attn_block_pre(smoe_attn_block *b, smoe_kctx *c, const void *xp, int xb,
+                        const void *cp, int cb, const void *sp, int sb, uint32_t nt,
+                        const float *ln, float ln_eps, float *qp, void *kp, int kb, void *vp,
+                        int vb, size_t kv_hs, smoe_err *err);
+
+/* The second half, under b->mu: attention of q ([H, nt, D] f32) over S cached positions (k, v
+ * as smoe_mha_decode takes them: kdt, element strides kbs, khs; bias f32 [bias_rows, nt, S] or
+ * NULL), the output projection into op [nt, hidden] (f32, or bf16 bits when ob).  With rp
+ * (the residual [nt, hidden] in op's dtype): op = rp + the projection, and np_ = the RMSNorm
+ * (ln, ln_eps) of that sum (rp, op, np_ distinct). */
+int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const void *kp,
+                         const void *vp, int kdt, size_t kbs, size_t khs, uint32_t nt,
+                         uint32_t S, const float *bias, uint32_t bias_rows, float scale,
+                         void *op, int ob, const void *rp, const float *ln, float ln_eps,
+                         void *np_, smoe_err *err);
+
+/* One whole decoder layer's arguments (AttnBlock.layer), checked by the caller. */
+typedef struct smoe_attn_layer_args {
+    long pos;    /* the MoE layer's position in the smoe_layers */
+    uint32_t nt; /* tokens, 1..max_tokens */
+    int flags;   /* route flags (layer.h) */
+    int xb, cb, sb, kb, ob; /* bf16 bits (1) or f32 (0): x, cos, sin, the KV buffers, out */
+    long long S; /* cached positions; S + nt <= cap */
+    int64_t cap; /* the KV buffers' capacity (positions) */
+    double scale;
+    const float *bias, *ln1, *ln2; /* bias f32 [bias_rows, nt, S + nt] or NULL */
+    uint32_t bias_rows;
+    float eps1, eps2;
+    const void *xp, *cp, *sp; /* x [nt, hidden], cos, sin [nt, D] */
+    uint8_t *kp, *vp;         /* KV buffers [Hkv, cap, D] */
+    void *op;                 /* out [nt, hidden], x's dtype, not aliasing x */
+} smoe_attn_layer_args;
+
+/* The layer on the begun MoE layers g (layer pos, hidden = b->hidden), under b->mu then g's:
+ * input norm, pre (new k, v written at S), attention over S + nt positions, output
+ * projection, residual add, post-attention norm, the MoE block, residual add into op.  *ta and
+ * *tm get the seconds in the attention and MoE parts. */
+int smoe_attn_block_layer(smoe_attn_block *b, smoe_kctx *c, smoe_layers *g,
+                          const smoe_attn_layer_args *a, double *ta, double *tm, smoe_err *err);
+
+/* ---- smoe_mla_block: a DeepSeek-V2/V3 decoder layer's MLA attention module ---- */
+
+/* Linear slots: q_proj (q_b_proj with q_a), kv_a_proj_with_mqa, o_proj, q_a_proj (optional),
+ * (q or q_a) | kv_a in one (optional). */
+enum { SMOE_ML_Q = 0, SMOE_ML_KVA = 1, SMOE_ML_O = 2, SMOE_ML_QA = 3, SMOE_ML_JOINT = 4,
+       SMOE_ML_N = 5 };
+/* Rotary forms: DeepSeek-V2's complex product (freqs [T, rope_dim / 2, 2]), DeepSeek-V3's
+ * rotate-half and interleaved forms (freqs [T, 2, rope_dim]: cos, sin) -- kernels/block.h */
+enum { SMOE_ROPE_COMPLEX = 0, SMOE_ROPE_HALF = 1, SMOE_ROPE_INTERLEAVE = 2 };
+
+/* The rope form of a name ("complex", "half", "interleave"), or -1. */
+int smoe_rope_kind(const char *name);
+
+/* What smoe_mla_block_init takes; every pointer borrowed for the block's lifetime. */
+typedef struct smoe_mla_block_cfg {
+    const smoe_mla_desc *d;     /* the MLADecode's descriptor (checked) and absorbed weights */
+    const smoe_mla_weights *w;
+    const smoe_linear_desc *ld[SMOE_ML_N]; /* NULL where absent (QA, JOINT optional) */
+    const uint8_t *lb[SMOE_ML_N];
+    const float *lbias[SMOE_ML_N];
+    const float *kvn, *qan; /* kv_a_layernorm [r], q_a_layernorm [q_lora_rank] (NULL w/o QA) */
+    double kv_eps, qa_eps;
+    uint32_t max_tokens;
+    int bf16, rope;
+} smoe_mla_block_cfg;
+
+typedef struct smoe_mla_block {
+    /* immutable after init; borrowed (see smoe_mla_block_cfg) */
+    const smoe_mla_desc *d;
+    const smoe_mla_weights *w;
+    const smoe_linear_desc *ld[SMOE_ML_N];
+    const uint8_t *lb[SMOE_ML_N];
+    const float *lbias[SMOE_ML_N];
+    const float *kvn, *qan;
+    uint32_t hidden, qa, nq0, max_tokens; /* qa: q_lora_rank (0: none); nq0: the first
+                                             projection's width (qa, or H * (dn + dr)) */
+    float kv_eps, qa_eps;
+    int bf16, rope;
+    /* owned; guarded by mu */
+    float *buf;         /* max_tokens * (hidden + nq0 + r + dr + H (dn + dr) + H dn + H dr +
+                           H dv + 3 hidden) floats: see mla_block.c */
+    void *route;        /* decoder tail's routing buffers; grows */
+    size_t route_cap;
+    void *lscratch;     /* linear scratch for max_tokens (fixed size) */
+    void *ascratch;     /* MLA scratch (grows with the thread count) */
+    size_t ascratch_cap;
+    smoe_shared_ffn mlp;    /* the dense MLP (set_mlp), borrowed (d[0] NULL: none); guarded
+                               by mu, changed by smoe_mla_block_set_mlp */
+    smoe_mlp_bufs mlp_bufs; /* the MLP's rows and scratch, owned */
+    pthread_mutex_t mu;     /* serializes calls on the block; before a smoe_layers' mu */
+    int ready;
+} smoe_mla_block;
+
+/* SMOE_EINVAL with the binding's message unless max_tokens, the eps and the rope dim are in
+ * range and the projections' shapes fit d (hidden = kv_a's K, q_lora_rank = q_a's N). */
+int smoe_mla_block_check(const smoe_mla_block_cfg *cfg, smoe_err *err);
+
+/* Check cfg and set *b up (zeroed before): SMOE_ENOMEM when the buffers or the mutex fail. */
+int smoe_mla_block_init(smoe_mla_block *b, const smoe_mla_block_cfg *cfg, smoe_err *err);
+void smoe_mla_block_destroy(smoe_mla_block *b);
+
+/* The dense MLP layer(dense) runs (f borrowed while set; d[0] NULL: none), under b->mu. */
+void smoe_mla_block_set_mlp(smoe_mla_block *b, const smoe_shared_ffn *f);
+
+/* The checked arguments common to attn and layer. */
+typedef struct smoe_mla_args {
+    uint32_t nt, S, cap; /* tokens, cached positions, the KV buffers' positions (S + nt <= cap) */
+    int xb, cb;          /* x and the caches: bf16 bits (1) or f32 */
+    const void *xp;      /* x [nt, hidden] */
+    const float *fp;     /* rotary freqs [nt, dr / 2, 2] complex, [nt, 2, dr] half/interleave */
+    const float *bias, *ln1, *ln2; /* bias [bias_rows, nt, S + nt] or NULL */
+    uint32_t bias_rows;
+    float eps1, eps2;
+    void *cp, *kp; /* latent cache [cap, r], rotary key cache [cap, dr] */
+} smoe_mla_args;
+
+/* MLABlock.attn under b->mu: the attention module, out op = x + it, np_ = the post-attention
+ * RMSNorm of that (op, np_ in x's dtype). */
+int smoe_mla_block_attn(smoe_mla_block *b, smoe_kctx *c, const smoe_mla_args *a, void *op,
+                        void *np_, smoe_err *err);
+
+/* MLABlock.layer's arguments. */
+typedef struct smoe_mla_layer_args {
+    long pos;  /* the MoE layer's position (unused for a dense layer) */
+    int flags;
+    int dense; /* the block's MLP (set_mlp) instead of a MoE block */
+    smoe_mla_args a;
+    void *op;  /* out [nt, hidden], x's dtype */
+} smoe_mla_layer_args;
+
+/* The whole layer on the begun MoE layers g (NULL: dense, the block's MLP), under b->mu;
+ * SMOE_ESTATE when dense and the MLP was removed since the call was checked.  *ta, *tm: the
+ * seconds in the attention part and the MoE block / MLP. */
+int smoe_mla_block_layer(smoe_mla_block *b, smoe_kctx *c, smoe_layers *g,
+                         const smoe_mla_layer_args *l, double *ta, double *tm, smoe_err *err);
+
+/* ---- layer chains ---- */
+
+/* One decoder layer call of a chain.  blk, c borrowed; g set by the caller (the begun
+ * smoe_layers, or NULL for a dense MLA layer) for the run and cleared after. */
+typedef struct smoe_chain_item {
+    int mla;    /* smoe_mla_block layer, else smoe_attn_block */
+    void *blk;  /* smoe_attn_block * or smoe_mla_block * */
+    smoe_kctx *c;
+    smoe_layers *g;
+    union {
+        smoe_attn_layer_args ab;
+        smoe_mla_layer_args ml;
+    } u;
+} smoe_chain_item;
+
+/* Run it[0..n) in order (a failing layer stops the run); adds the seconds in their attention
+ * parts, MoE blocks and dense MLPs to t[0..3). */
+int smoe_chain_exec(const smoe_chain_item *it, size_t n, double t[3], smoe_err *err);
+
+/* ---- smoe_decode_plan: a whole one-token decode step ---- */
+
+/* A per-step row copy: dst = table[r] (r: the token for the embedding, S for a rotary table).
+ * table and dst borrowed. */
+typedef struct smoe_plan_row {
+    const uint8_t *table;
+    int64_t rows;
+    size_t row_bytes;
+    uint8_t *dst;
+} smoe_plan_row;
+
+/* The lm_head: out [1, head_n] = the head's linear layer on x [1, K] (xb/ob: bf16 bits). */
+typedef int (*smoe_plan_head_fn)(void *arg, smoe_kctx *c, const void *x, int xb, uint32_t T,
+                                 void *out, int ob, smoe_err *err);
+
+/* Every pointer but it, rows, norm_buf and logit_buf (owned, malloc'ed by the creator and freed
+ * by smoe_decode_plan_destroy) is borrowed.  The fields are written once when the plan is
+ * built; a step writes the items' S and g, norm's out, the head's logits, and uses norm_buf and
+ * logit_buf: one step of a plan at a time (the caller's busy flag). */
+typedef struct smoe_decode_plan {
+    size_t n;
+    smoe_chain_item *it;  /* [n] */
+    size_t nrows;
+    smoe_plan_row *rows;  /* [nrows] rotary rows, copied from row S */
+    smoe_plan_row embed;  /* table NULL: none; else row `token` into the first layer's x */
+    const void *norm_x;   /* final RMSNorm: NULL none, else x [1, n] -> out, f32/bf16 (nb) */
+    void *norm_out;
+    const float *norm_w;
+    float norm_eps;
+    int nb, norm_bf16;
+    uint32_t norm_n;
+    float *norm_buf;      /* [norm_n] f32 row */
+    smoe_plan_head_fn head; /* NULL: none */
+    void *head_arg;
+    const void *head_x;   /* its input [1, K], f32/bf16 (hb) */
+    int hb;
+    uint32_t head_n;
+    float *logit_buf;     /* [head_n] bf16 logits widened for argmax */
+} smoe_decode_plan;
+
+void smoe_decode_plan_destroy(smoe_decode_plan *p);
+
+/* One step at S cached positions (token, S checked by the caller against the tables and every
+ * KV capacity; the items' g begun): embedding row, rotary rows, the chain (S written into
+ * every item first), the final norm, the head on head_c into logits lp (lb: bf16 bits), and
+ * with argmax the greedy token into *best (else -1).  t[0..4): seconds in attention, MoE
+ * blocks, dense MLPs, norm and head. */
+int smoe_decode_plan_step(smoe_decode_plan *p, int64_t tok, int64_t S, smoe_kctx *head_c,
+                          void *lp, int lb, int argmax, double t[4], int64_t *best,
+                          smoe_err *err);
+
+#endif
