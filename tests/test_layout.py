@@ -255,3 +255,11 @@ def test_no_module_reaches_into_an_engines_private_state():
     bad = [f"{m}:{i}: {hit.group(0)}" for m, p in MODULES.items() if m not in own
            for i, line in enumerate(p.read_text().splitlines(), 1) for hit in pat.finditer(line)]
     assert not bad, "\n".join(bad)
+
+
+def test_bindings_stay_thin():
+    """No binding file above about 1,000 lines: the decoder blocks, the MoE layer and the caches
+    are plain C in csrc/ (csrc/decoder.h and its files), the bindings parse and convert."""
+    big = {p.name: n for p in sorted((CSRC / "bindings").glob("*.c"))
+           if (n := len(p.read_text().splitlines())) > 1000}
+    assert not big, big

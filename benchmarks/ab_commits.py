@@ -1,0 +1,123 @@
+"""A/B of two checkouts of specmoe on one benchmark, interleaved: is a change speed-neutral?
+
+    python benchmarks/ab_commits.py --base /tmp/wt-base --new . --rounds 3 --out results/x.json \
+        -- decode_peers.py --models dsv2lite --rows specmoe-int4 --threads 1,2 --repeats 1
+
+Each round runs the benchmark script of each checkout (its own copy, with ``PYTHONPATH`` set to
+that checkout, so each side imports its own package and extension) once, the order alternating
+between rounds (base first in odd rounds, new first in even ones) so that drift on a shared
+machine does not favour one side.  The benchmark must accept ``--json`` and print one JSON
+object whose ``rows`` carry ``tok_per_s`` (decode_peers.py and big_model.py do).  Reported per
+row (model, name, threads): every round's tok/s on both sides, the per-round ratio new / base,
+and their median, min and max; with the host's CPU model, ISA and thread count.  A row that
+fails on one side is reported with the error, not dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def host() -> dict:
+    """CPU model, ISA level and core count of this machine."""
+    model, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", "x86_64"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "scalar"
+    return {"cpu": model, "isa": isa, "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def run(tree: Path, script: str, args: list[str], timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    cmd = [sys.executable, str(tree / "benchmarks" / script), *args, "--json"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        return {"error": f"rc={p.returncode}: {p.stderr.strip()[-800:]}", "wall_s": wall}
+    out = p.stdout.strip()
+    try:
+        d = json.loads(out[out.index("{"):])
+    except ValueError as e:
+        return {"error": f"no JSON on stdout ({e}): {out[-400:]}", "wall_s": wall}
+    d["wall_s"] = wall
+    return d
+
+
+def rows_of(d: dict) -> dict:
+    out = {}
+    for r in d.get("rows", []):
+        key = f"{r.get('model', '-')}/{r.get('name')}/t{r.get('threads', '-')}"
+        out[key] = r.get("tok_per_s") if not r.get("error") else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="checkout before the change")
+    ap.add_argument("--new", required=True, help="checkout after the change")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per benchmark run")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
+    a = ap.parse_args(argv)
+    bench = a.bench[1:] if a.bench[:1] == ["--"] else a.bench
+    if not bench:
+        ap.error("give the benchmark after --: SCRIPT [ARGS...]")
+    script, args = bench[0], bench[1:]
+    trees = {"base": Path(a.base).resolve(), "new": Path(a.new).resolve()}
+    per: dict[str, dict[str, list]] = {}
+    runs = []
+    for rnd in range(a.rounds):
+        order = ["base", "new"] if rnd % 2 == 0 else ["new", "base"]
+        got = {}
+        for side in order:
+            d = run(trees[side], script, args, a.timeout)
+            got[side] = d
+            runs.append({"round": rnd + 1, "side": side, "wall_s": d.get("wall_s"),
+                         "error": d.get("error")})
+            print(f"round {rnd + 1} {side}: {d.get('error') or rows_of(d)}", file=sys.stderr)
+        for side in ("base", "new"):
+            for k, v in rows_of(got[side]).items():
+                per.setdefault(k, {"base": [], "new": []})[side].append(v)
+    summary = {}
+    for k, v in sorted(per.items()):
+        ratios = [n / b for b, n in zip(v["base"], v["new"]) if b and n]
+        summary[k] = {"base_tok_per_s": v["base"], "new_tok_per_s": v["new"],
+                      "ratios_new_over_base": ratios,
+                      "median": statistics.median(ratios) if ratios else None,
+                      "min": min(ratios) if ratios else None,
+                      "max": max(ratios) if ratios else None}
+    res = {"host": host(), "benchmark": [script, *args], "rounds": a.rounds,
+           "base": str(trees["base"]), "new": str(trees["new"]),
+           "base_commit": _commit(trees["base"]), "new_commit": _commit(trees["new"]),
+           "rows": summary, "runs": runs}
+    text = json.dumps(res, indent=1)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    print(text)
+
+
+def _commit(tree: Path) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+if __name__ == "__main__":
+    main()
