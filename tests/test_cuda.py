@@ -97,6 +97,19 @@ def _counters(st):
                                  "prefetch_dropped", "bytes_read"))
 
 
+def _prefetch_both(cache, cpu, keys, prios):
+    """One prefetch batch on the (emulated) GPU cache and the CPU cache, each queued whole
+    before its worker starts, then both drained: the lockstep tests' prefetch step."""
+    cache.pause_worker(True)
+    cache.prefetch([int(k) for k in keys], list(prios))
+    cache.pause_worker(False)
+    cache.wait_idle()
+    cpu.pause_prefetch()
+    cpu.prefetch([(int(k) // NE, int(k) % NE, p) for k, p in zip(keys, prios)])
+    cpu.resume_prefetch()
+    cpu.wait_idle()
+
+
 @need_ext
 @pytest.mark.parametrize("mode", ["host", "staged"])
 @pytest.mark.parametrize("name", ["lru", "fifo", "lfu", "least_stale", "spac"])
@@ -126,14 +139,7 @@ def test_emulated_gpu_cache_matches_cpu_cache_and_model(store, written, mode, na
             elif r < 0.22:
                 keys = rng.choice(NL * NE, int(rng.integers(1, 4)), replace=False)
                 prios = rng.permutation(len(keys)).astype(float)
-                cache.pause_worker(True)
-                cache.prefetch([int(k) for k in keys], list(prios))
-                cache.pause_worker(False)
-                cache.wait_idle()
-                cpu.pause_prefetch()
-                cpu.prefetch([(int(k) // NE, int(k) % NE, p) for k, p in zip(keys, prios)])
-                cpu.resume_prefetch()
-                cpu.wait_idle()
+                _prefetch_both(cache, cpu, keys, prios)
                 if ref is not None:
                     for i in np.argsort(-prios, kind="stable"):
                         if int(keys[i]) not in ref.where:
@@ -522,14 +528,7 @@ def test_python_policy_on_the_emulated_gpu_cache_as_on_the_cpu_cache(store, writ
             elif r < 0.2:
                 keys = rng.choice(NL * NE, int(rng.integers(1, 3)), replace=False)
                 prios = rng.permutation(len(keys)).astype(float)
-                cache.pause_worker(True)
-                cache.prefetch([int(k) for k in keys], list(prios))
-                cache.pause_worker(False)
-                cache.wait_idle()
-                cpu.pause_prefetch()
-                cpu.prefetch([(int(k) // NE, int(k) % NE, p) for k, p in zip(keys, prios)])
-                cpu.resume_prefetch()
-                cpu.wait_idle()
+                _prefetch_both(cache, cpu, keys, prios)
             elif r < 0.22:  # a fresh Python policy on both, contents kept
                 pg, pc = _PyLRU(), _PyLRU()
                 seen.append(pg)
