@@ -35,7 +35,7 @@ from .runtime import kernels  # expert FFN kernels (specmoe.kernels stays a publ
 from .storage import quant  # weight formats (specmoe.quant likewise)
 from .speculation.controllers import (Cascade, Heuristic, SpeqGovernor, StaticK,  # speculation
                                       measure_tau, speedup)
-from .speculation.drafters import NgramDrafter
+from .speculation.ngram import NgramDrafter
 from .sim.hardware import Hardware, ModelCost  # simulator time model
 from .sim.replay import Predictor, SimResult, simulate  # trace-driven simulator
 from .sim.sweep import sweep  # simulator sweeps
@@ -47,7 +47,22 @@ _SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutp
                 "measure_tau_grid")
 
 
+_HF_EXTRA = ("torch", "transformers", "safetensors", "accelerate")
+
+
 def __getattr__(name: str):  # HF integration loaded on first use (it imports torch)
+    try:
+        return _lazy(name)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in _HF_EXTRA:
+            raise
+        raise ModuleNotFoundError(
+            f"specmoe.{name} needs {e.name}, which is not installed: it runs transformers "
+            "models, install the 'hf' extra (pip install 'specmoe[hf]').  The store, cache, "
+            "kernels and simulator work without it.", name=e.name) from e
+
+
+def _lazy(name: str):
     if name in ("offload", "Engine", "engine_of", "UnsupportedModelError"):
         from .runtime import engine
         return getattr(engine, name)
