@@ -501,6 +501,16 @@ def group_by_expert(topk_ids: Any, topk_w: Any) -> ExpertGroups:
                         experts.tolist(), counts.tolist())
 
 
+def _ffn_host(addr: int, spec: Any, x: Any, rows: Any, scale: Any, out: Any) -> None:
+    """:func:`ffn`'s work in the host emulation: the CPU kernels on the emulated slot at host
+    address ``addr``, on CPU tensors (``out`` written in place through its numpy view)."""
+    from . import kernels
+
+    block = np.ctypeslib.as_array((ctypes.c_uint8 * spec.block_bytes).from_address(addr))
+    kernels.ffn(block, x.detach().numpy(), spec=spec, rows=rows.numpy(), scale=scale.numpy(),
+                out=out.numpy())
+
+
 def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_ids: Any,
                 topk_w: Any, *, path: str = "auto", out: Any = None,
                 balance: BalanceProfile | None = None,
@@ -527,7 +537,8 @@ def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_
     experts_h, counts_h = groups.experts, groups.counts
     if out is None:
         out = torch.zeros_like(hidden)
-    stream = torch.cuda.current_stream(hidden.device)
+    emulated = hidden.device.type == "cpu"  # the host emulation (device=-1): CPU kernels
+    stream = None if emulated else torch.cuda.current_stream(hidden.device)
     starts = np.concatenate([[0], np.cumsum(counts_h)]).astype(np.int64)
     on_cpu: list[int] = []  # indices into experts_h
     if balance is not None:
@@ -549,8 +560,11 @@ def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_
         s = int(starts[i])
         addr = cache.acquire(layer, int(e), stream)
         try:
-            ffn(addr, spec, hidden, rows=rows[s:s + n], scale=weights[s:s + n], out=out,
-                path=path, stream=stream)
+            if emulated:
+                _ffn_host(addr, spec, hidden, rows[s:s + n], weights[s:s + n], out)
+            else:
+                ffn(addr, spec, hidden, rows=rows[s:s + n], scale=weights[s:s + n], out=out,
+                    path=path, stream=stream)
         finally:
             cache.release(layer, int(e), stream)
     if on_cpu:

@@ -889,9 +889,10 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     (:mod:`specmoe.runtime.misses`).  device: ``"cpu"`` (an :class:`Engine`: experts cached in RAM,
     run by the C kernels) or ``"cuda"``/``"cuda:N"`` (a :class:`specmoe.runtime.gpu_engine.GpuEngine`:
     experts cached in GPU memory, the store's pinned copy in host memory behind it, the
-    model's other weights moved to that GPU; built-in policy names, ``dense`` "auto"/"torch",
-    ``miss="fetch"`` only; ``balance=True`` turns on MoE-SpAc's CPU/GPU workload balancer,
-    see :mod:`specmoe.runtime.gpu_engine`).  The model is modified in place: each MoE
+    model's other weights moved to that GPU; ``dense`` "auto"/"torch", ``miss="fetch"``
+    only; ``balance=True`` turns on MoE-SpAc's CPU/GPU workload balancer, see
+    :mod:`specmoe.runtime.gpu_engine`), or ``"emulate"`` (that GPU tier's code on the CPU: its
+    cache in host memory, the CPU kernels for the CUDA ones; for tests).  The model is modified in place: each MoE
     layer's ``experts`` becomes a :class:`SpecmoeExperts` and the expert parameters are
     deleted, layer by layer while the store is written; if writing fails part way, the layers
     already converted stay offloaded to nothing usable (the error is raised): reload the model.

@@ -52,17 +52,26 @@ from .experts import SpecmoeExperts
 __all__ = ["GpuEngine", "cuda_device", "check_gpu_options", "resolve_device"]
 
 
+EMULATE = "emulate"  # the GPU tier's code on the CPU (host emulation; see cuda_device)
+
+
 def cuda_device(device: Any) -> torch.device | None:
-    """``device`` as a CUDA ``torch.device`` with an index, or None for the CPU; ValueError
-    for anything else."""
+    """``device`` as a CUDA ``torch.device`` with an index, or None for the CPU tier;
+    ValueError for anything else.  ``"emulate"`` gives ``torch.device("cpu")``: the GPU tier's
+    own code (its engine, cache bookkeeping, prediction, policies, recording) run on the CPU,
+    the GPU cache's slots in host memory and the CPU kernels in place of the CUDA ones -- how
+    every machine tests the GPU path (no CUDA device needed, only the built extension)."""
+    if device == EMULATE:
+        return torch.device("cpu")
     try:
         d = torch.device(device)
     except (TypeError, RuntimeError) as e:
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'emulate', got "
+                         f"{device!r}") from e
     if d.type == "cpu":
         return None
     if d.type != "cuda":
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'emulate', got {device!r}")
     return torch.device("cuda", 0 if d.index is None else d.index)
 
 
@@ -90,9 +99,9 @@ def check_gpu_options(*, dtype: str = "f32", policy: Any = "lru", dense: Any = "
                          "route_lambda=0, throttle=None")
 
 
-def resolve_device(device: Any, **options: Any) -> torch.device | None:
+def resolve_device(device: Any, **options: Any) -> torch.device | str | None:
     """The CUDA device :func:`specmoe.offload` / :func:`specmoe.from_pretrained` were asked for
-    (None: the CPU), after refusing what the GPU tier does not serve (``options``:
+    (None: the CPU tier; ``"emulate"``: the GPU tier's host emulation), after refusing what the GPU tier does not serve (``options``:
     :func:`check_gpu_options`' keywords) and checking that a GPU is usable
     (:class:`specmoe.runtime.cuda.CudaUnavailable` with the reason otherwise), all before anything is
     touched."""
@@ -103,6 +112,12 @@ def resolve_device(device: Any, **options: Any) -> torch.device | None:
         return None
     check_gpu_options(**options)
     from . import cuda
+    if gpu.type == "cpu":  # emulation: the extension without a device
+        if options.get("balance") is True:
+            raise ValueError("balance=True measures the GPU's costs: with device='emulate' "
+                             "give a specmoe.runtime.cuda.BalanceProfile")
+        cuda.extension()
+        return EMULATE
     cuda.load()
     return gpu
 
@@ -138,11 +153,19 @@ class GpuEngine(EngineCommon):
 
         dev = cuda_device(device)
         if dev is None:
-            raise ValueError("GpuEngine needs a CUDA device; the CPU path is specmoe.runtime.engine.Engine")
+            raise ValueError("GpuEngine needs a CUDA device (or 'emulate'); the CPU path is "
+                             "specmoe.runtime.engine.Engine")
         check_gpu_options(policy=policy)
         if overfetch < 1:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
-        cuda.load()  # CudaUnavailable (with the reason) before anything is touched
+        self.emulated = dev.type == "cpu"
+        if self.emulated:
+            cuda.extension()  # CudaUnavailable when specmoe._cuda was not built
+            if balance is True:
+                raise ValueError("balance=True measures the GPU's costs: with device='emulate' "
+                                 "give a specmoe.runtime.cuda.BalanceProfile")
+        else:
+            cuda.load()  # CudaUnavailable (with the reason) before anything is touched
         if balance not in (False, None) and mode != "host":
             raise ValueError("the balancer computes cold experts from the pinned host copy of "
                              "the store: it needs mode='host'")
@@ -189,8 +212,9 @@ class GpuEngine(EngineCommon):
             self.spec = FFNSpec.from_store_schema(
                 st.tensors, int(st.block_bytes), activation=ex.get("activation", "silu"),
                 alpha=float(ex.get("alpha", 1.702)), limit=float(ex.get("limit", 7.0)))
-            self._cache = cuda.GpuExpertCache(st, cache, policy, device=dev.index, mode=mode,
-                                              top_k=self.top_k, prefetch=True)
+            self._cache = cuda.GpuExpertCache(st, cache, policy,
+                                              device=-1 if self.emulated else dev.index,
+                                              mode=mode, top_k=self.top_k, prefetch=True)
             self._slots = self._cache.capacity
             self.set_balance(balance)
         except BaseException:
@@ -203,7 +227,8 @@ class GpuEngine(EngineCommon):
             block.experts = SpecmoeExperts(self, pos, self.num_experts, self.spec.H)
             block.experts.train(block.training)
         model.to(dev)  # the non-expert weights (a no-op where they are there already)
-        torch.cuda.empty_cache()  # the expert weights' GPU memory, if they were there
+        if not self.emulated:
+            torch.cuda.empty_cache()  # the expert weights' GPU memory, if they were there
         # the predictor's routers, taken after the move (.to() replaces buffers, such as the
         # score-correction biases, by new tensors)
         blocks = [moe_block(model, info, i) for i in ids]

@@ -1,0 +1,183 @@
+"""The GPU tier's engine on every machine: ``device="emulate"`` runs GpuEngine's own code (its
+layer path, the GPU cache's slot table with the slots in host memory, the prediction, the
+policies, the recorder, the SpAc balancer) with the CPU kernels in place of the CUDA ones, and
+``device="cuda"`` runs the same tests where a GPU is lent (issue 36, item 3).  Each test compares
+with the unmodified model or with the CPU Engine on the same input."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+cuda = pytest.importorskip("specmoe.runtime.cuda")
+
+from specmoe.models import testing  # noqa: E402
+from specmoe.runtime import engine as hf  # noqa: E402
+from specmoe.runtime.gpu_engine import GpuEngine  # noqa: E402
+
+try:
+    cuda.extension()
+    _EXT_WHY = ""
+except cuda.CudaUnavailable as e:  # specmoe._cuda not built on this machine
+    _EXT_WHY = str(e)
+pytestmark = pytest.mark.skipif(bool(_EXT_WHY), reason=f"specmoe._cuda unavailable: {_EXT_WHY}")
+
+_GPU_WHY = cuda.unusable_reason()
+DEVICES = ["emulate", pytest.param("cuda", marks=pytest.mark.skipif(
+    bool(_GPU_WHY), reason=f"{_GPU_WHY} (GPU tests run on a GPU machine, see docs/gpu.md)"))]
+PROMPT = [5, 17, 33, 64, 9, 100, 7, 41]
+
+
+def _dev(device: str) -> str:
+    """Where the model's inputs live for ``device``."""
+    return "cuda" if device == "cuda" else "cpu"
+
+
+def _tiny(arch: str = "qwen3_moe"):
+    m = testing.tiny_model(arch, dtype=torch.float32)
+    return m, copy.deepcopy(m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_greedy_equal_to_the_unmodified_model(device, arch):
+    m, ref = _tiny(arch)
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25)
+    try:
+        assert isinstance(eng, GpuEngine) and eng.emulated == (device == "emulate")
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            got = m.generate(x, max_new_tokens=6, do_sample=False)
+            want = ref.to(_dev(device)).generate(x, max_new_tokens=6, do_sample=False)
+        assert got.tolist() == want.tolist()
+        st = eng.stats()
+        assert st["misses"] > 0 and st["passes"] >= 6
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_both_tiers_predict_the_same_experts(device):
+    """One prediction rule (csrc/route.c, _C.predict_next on the GPU tier): the CPU Engine and
+    the GPU tier on the same model and prompt predict the same experts, overfetch and mass."""
+    got = {}
+    for dev in ("cpu", device):
+        for mode in ({"overfetch": 2.0}, {"mass": 0.8}):
+            m, _ = _tiny()
+            eng = hf.offload(m, dtype="f32", cache=0.25, prefetch=True, device=dev)
+            try:
+                eng.set_prefetch(True, **mode)
+                eng.reset_stats()
+                with torch.no_grad():
+                    m(torch.tensor([PROMPT], device=_dev(dev)))
+                st = eng.stats()
+                got[dev, tuple(mode)] = (st["prefetch_precision"], st["prefetch_recall"])
+            finally:
+                eng.close()
+    for mode in (("overfetch",), ("mass",)):  # the CPU's router GEMV sums in another order
+        assert got["cpu", mode] == pytest.approx(got[device, mode], abs=1e-9 if
+                                                 device == "emulate" else 0.05), (mode, got)
+    with pytest.raises(ValueError, match="mass"):
+        m, _ = _tiny()
+        eng = hf.offload(m, dtype="f32", cache=0.25, device=device)
+        try:
+            eng.set_prefetch(True, mass=1.5)
+        finally:
+            eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trace_recording_as_on_the_cpu(device):
+    traces = {}
+    for dev in ("cpu", device):
+        m, _ = _tiny()
+        eng = hf.offload(m, dtype="f32", cache=0.5, device=dev)
+        try:
+            with eng.trace(logits=True) as t, torch.no_grad():
+                m(torch.tensor([PROMPT], device=_dev(dev)))
+            traces[dev] = t.result()
+        finally:
+            eng.close()
+    a, b = traces["cpu"], traces[device]
+    assert a.experts.shape == b.experts.shape == (len(PROMPT), 3, 2)
+    assert (a.experts == b.experts).mean() >= 0.98
+    np.testing.assert_allclose(a.logits, b.logits, rtol=1e-3, atol=1e-3)
+    assert "GpuEngine" in b.source
+
+
+class _PyLRU:
+    def __init__(self):
+        self.t, self.last, self.events = 0, {}, []
+
+    def on_insert(self, slot, key, prefetch):
+        self.t += 1
+        self.last[slot] = self.t
+        self.events.append("insert")
+
+    def on_access(self, slot, key):
+        self.t += 1
+        self.last[slot] = self.t
+
+    def victim(self, candidates):
+        self.events.append("victim")
+        return min(candidates, key=lambda s: self.last.get(s, 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_python_policy(device):
+    m, ref = _tiny()
+    pol = _PyLRU()
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, policy=pol)
+    try:
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            torch.testing.assert_close(m(x).logits, ref.to(_dev(device))(x).logits,
+                                       rtol=1e-4, atol=1e-4)
+        assert "insert" in pol.events and "victim" in pol.events
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_balancer_moves_cold_misses_to_the_cpu_kernels_same_outputs(device):
+    """MoE-SpAc's balancer (§3.3) with a profile that makes the CPU cheap: misses run on the
+    CPU kernels from the host copy instead of being copied, the outputs stay the model's."""
+    m, ref = _tiny()
+    prof = cuda.BalanceProfile(t_io=1.0, t_gpu=1.0, t_cpu=1e-3)
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=False)
+    try:
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            torch.testing.assert_close(m(x).logits, ref.to(_dev(device))(x).logits,
+                                       rtol=1e-4, atol=1e-4)
+        st = eng.stats()
+        assert st["cpu_experts"] > 0, st
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_speculative_generate_with_ngram_drafts_equals_greedy(device):
+    import specmoe
+    m, ref = _tiny()
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.5)
+    try:
+        x = torch.tensor([PROMPT * 2], device=_dev(device))
+        out = specmoe.generate(m, x, max_new_tokens=8, drafter=specmoe.NgramDrafter(),
+                               lookahead=False)
+        with torch.no_grad():
+            want = ref.to(_dev(device)).generate(x, max_new_tokens=8, do_sample=False)
+        assert out.sequences.tolist() == want.tolist()
+        assert out.stats["experts_loaded"] > 0
+    finally:
+        eng.close()
+
+
+def test_emulate_refusals():
+    m, _ = _tiny()
+    with pytest.raises(ValueError, match="BalanceProfile"):
+        hf.offload(m, device="emulate", balance=True)
+    with pytest.raises(ValueError, match="emulate"):
+        hf.offload(m, device="tpu")
