@@ -181,3 +181,49 @@ def test_emulate_refusals():
         hf.offload(m, device="emulate", balance=True)
     with pytest.raises(ValueError, match="emulate"):
         hf.offload(m, device="tpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_self_draft_and_lookahead(device, overlap):
+    """MoE-SpeQ on the GPU tier: SelfDraft (an int4 copy of every expert resident on the
+    device) drafts, the draft's routing is the lookahead buffer queued and shielded before
+    verification; greedy output equals plain decoding, the lookahead's precision is counted,
+    and with overlap the draft's own steps queue prefetches."""
+    import specmoe
+    from specmoe.speculation.drafters import SelfDraft
+    m, ref = _tiny()
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25)
+    try:
+        x = torch.tensor([PROMPT], device=_dev(device))
+        drafter = SelfDraft(eng, "int4", overlap=overlap)
+        assert eng.draft_dtype == "int4"
+        out = specmoe.generate(m, x, max_new_tokens=10, drafter=drafter, lookahead=True)
+        with torch.no_grad():
+            want = ref.to(_dev(device)).generate(x, max_new_tokens=10, do_sample=False)
+        assert out.sequences.tolist() == want.tolist()
+        st = eng.stats()
+        assert st["lookahead_predicted"] > 0 and st["lookahead_precision"] is not None
+        assert (st["draft_prefetch_queued"] > 0) == overlap
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lookahead_counts_the_next_pass(device):
+    """engine.lookahead(counts): a bad call is refused; the expected experts are counted
+    against the layers the next pass runs (3 predicted: two in layer 0, one in layer 2)."""
+    m, _ = _tiny()
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.5, prefetch=False)
+    try:
+        E = eng.num_experts
+        with pytest.raises(ValueError, match="lookahead"):
+            eng.lookahead({7: np.ones(E)})
+        counts = {0: np.eye(E)[1] + np.eye(E)[3], 2: np.eye(E)[5]}
+        eng.lookahead(counts)
+        with torch.no_grad():
+            m(torch.tensor([PROMPT[:1]], device=_dev(device)))
+        st = eng.stats()
+        assert st["lookahead_predicted"] == 3 and st["lookahead_used"] > 0
+    finally:
+        eng.close()

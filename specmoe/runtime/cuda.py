@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache", "moe_forward",
            "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile",
-           "ExpertGroups", "group_by_expert"]
+           "ExpertGroups", "group_by_expert", "moe_forward_buffer"]
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
 
@@ -579,6 +579,32 @@ def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_
     if counters is not None:
         counters["gpu_experts"] = counters.get("gpu_experts", 0) + len(experts_h) - len(on_cpu)
         counters["cpu_experts"] = counters.get("cpu_experts", 0) + len(on_cpu)
+    return out
+
+
+def moe_forward_buffer(base: int, spec: Any, layer: int, num_experts: int, hidden: Any,
+                       topk_ids: Any, topk_w: Any, *, path: str = "auto",
+                       groups: ExpertGroups | None = None) -> Any:
+    """One MoE layer's routed experts from a buffer that holds every expert of every layer in
+    store order at ``base`` (a device address; a host one in the emulation): the self-draft's
+    resident low-bit copy, which needs no cache.  Grouped and computed as :func:`moe_forward`.
+    """
+    import torch
+
+    if groups is None:
+        groups = group_by_expert(topk_ids, topk_w)
+    out = torch.zeros_like(hidden)
+    emulated = hidden.device.type == "cpu"
+    stream = None if emulated else torch.cuda.current_stream(hidden.device)
+    s = 0
+    for e, n in zip(groups.experts, groups.counts):
+        addr = base + (int(layer) * num_experts + int(e)) * spec.block_bytes
+        rows, w = groups.rows[s:s + n], groups.weights[s:s + n]
+        if emulated:
+            _ffn_host(addr, spec, hidden, rows, w, out)
+        else:
+            ffn(addr, spec, hidden, rows=rows, scale=w, out=out, path=path, stream=stream)
+        s += n
     return out
 
 

@@ -53,7 +53,7 @@ from .tau_tables import TauTables
 
 from .expert_copy import ExpertCopy
 from .experts import SpecmoeExperts, engine_of
-from .lookahead import LookaheadBuffer
+from .lookahead import LookaheadBuffer, draft_step_priorities, lookahead_queue
 from .recording import Recorder
 from .policies import COUNT_POLICIES, UTILITY_POLICIES
 
@@ -585,35 +585,10 @@ class Engine(EngineCommon):
             # buffer.  (Only the last row: a first draft forward also re-reads tokens the
             # target has already verified.)
             e = ix[-1].numpy()
-            conf = wt[-1].numpy().astype(np.float64)
-            L = len(self.layer_ids)
-            pri = (L - pos) + 0.5 + np.arctan(conf) / np.pi
-            self._cache.prefetch((np.full(len(e), pos, np.int64), e.astype(np.int64),
-                                  pri.astype(np.float32)))
+            pri = draft_step_priorities(pos, wt[-1].numpy(), len(self.layer_ids))
+            self._cache.prefetch((np.full(len(e), pos, np.int64), e.astype(np.int64), pri))
             self._draft_queued += len(e)
         return out.to(hidden.dtype)
-
-    @contextlib.contextmanager
-    def drafting(self, prefetch: bool = False) -> Iterator[list[tuple[int, np.ndarray]]]:
-        """Within the block, the model's MoE layers run on the resident self-draft copy
-        (:meth:`enable_self_draft`), touch no expert of the cache, and append
-        ``(moe_layer_position, top_k_index[T, k])`` of every layer call to the yielded list.
-        ``prefetch``: also queue, layer by layer as the draft routes it, the experts of the
-        newest token to the cache's prefetch worker (when the engine prefetches), so their
-        loads overlap the rest of the draft; ``stats()["draft_prefetch_queued"]`` counts
-        them."""
-        if self._draft is None:
-            raise RuntimeError("drafting() needs enable_self_draft() first")
-        if self._drafting is not None:
-            raise RuntimeError("drafting() does not nest")
-        rec: list[tuple[int, np.ndarray]] = []
-        self._drafting = rec
-        self._draft_prefetch = bool(prefetch)
-        try:
-            yield rec
-        finally:
-            self._drafting = None
-            self._draft_prefetch = False
 
     def lookahead(self, counts: dict[int, np.ndarray]) -> None:
         """Draft-driven prefetch (MoE-SpeQ's expert lookahead buffer) for the next forward pass:
@@ -627,25 +602,14 @@ class Engine(EngineCommon):
         layer's until the pass has run that layer (MoE-SpeQ's lookahead-aware eviction).  The
         precision and recall of the prediction against what the pass used are counted in
         :meth:`stats` (``lookahead_precision``, ``lookahead_recall``)."""
-        L = len(self.layer_ids)
         arrays = self._la.set(counts)  # validated before anything changes
-        lay, exp, pri = [], [], []
-        for pos, c in arrays.items():
-            ids = np.flatnonzero(c > 0)
-            pr = np.zeros(len(ids), np.float64)
-            if self._counts_fed and self._cache.policy in UTILITY_POLICIES:
-                # integer utility first, the count breaks ties
-                pr = self._cache.utility(np.full(len(ids), pos), ids).astype(np.float64) + \
-                    c[ids] / (c.max() + 1.0)
-            # layer order dominates: squash the within-layer priority into (0, 1)
-            lay.append(np.full(len(ids), pos, np.int64))
-            exp.append(ids.astype(np.int64))
-            pri.append((L - pos) + 0.5 + np.arctan(pr) / np.pi)
+        utility = self._cache.utility if (self._counts_fed and self._cache is not None and
+                                          self._cache.policy in UTILITY_POLICIES) else None
+        lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids), utility)
         if self.protect_lookahead and self._cache is not None:
             self._protect()
-        if self.prefetch and self._cache is not None and lay:
-            self._cache.prefetch((np.concatenate(lay), np.concatenate(exp),
-                                  np.concatenate(pri).astype(np.float32)), replace=True)
+        if self.prefetch and self._cache is not None and len(lay):
+            self._cache.prefetch((lay, exp, pri), replace=True)
 
     def _protect(self) -> None:
         """Protect the lookahead's experts of the layers still to run (none: clear)."""

@@ -2,8 +2,9 @@
 :class:`specmoe.runtime.gpu_engine.GpuEngine` share (:class:`EngineCommon`)."""
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -45,8 +46,12 @@ class EngineCommon:
             os.unlink(self._store_path)
             self._own_store = False
 
-    # set by the engines: the trace recorder in use (trace()), the routers the predictor reads
+    # set by the engines: the trace recorder in use (trace()), the routers the predictor reads,
+    # the self-draft's copy and the draft forwards' routing (drafting())
     recorder: Any
+    _draft: Any
+    _drafting: list | None
+    _draft_prefetch: bool
     model_type: str
     _routers: list
     _router_bias: list
@@ -78,6 +83,28 @@ class EngineCommon:
         if rec is not None:
             lg = self.router_scores(pos, hidden.detach()) if rec.logits else None
             rec.layer(pos, idx, w, lg)
+
+    @contextlib.contextmanager
+    def drafting(self, prefetch: bool = False) -> Iterator[list[tuple[int, Any]]]:
+        """Within the block, the model's MoE layers run on the resident self-draft copy
+        (:meth:`enable_self_draft`), touch no expert of the cache, and append
+        ``(moe_layer_position, top_k_index[T, k])`` of every layer call to the yielded list.
+        ``prefetch``: also queue, layer by layer as the draft routes it, the experts of the
+        newest token to the cache's prefetch worker (when the engine prefetches), so their
+        loads overlap the rest of the draft; ``stats()["draft_prefetch_queued"]`` counts
+        them."""
+        if self._draft is None:
+            raise RuntimeError("drafting() needs enable_self_draft() first")
+        if self._drafting is not None:
+            raise RuntimeError("drafting() does not nest")
+        rec: list[tuple[int, Any]] = []
+        self._drafting = rec
+        self._draft_prefetch = bool(prefetch)
+        try:
+            yield rec
+        finally:
+            self._drafting = None
+            self._draft_prefetch = False
 
     @property
     def cache(self) -> Any:

@@ -50,6 +50,7 @@ class ExpertCopy:
         self.dtype = dtype
         self.num_experts = E
         self.buf: np.ndarray = buf
+        self.spec = spec  # the copy's FFNSpec (the GPU tier computes from it)
         self.desc: Dict[str, Any] = spec.desc()
         self.block_bytes = bb
 

@@ -23,10 +23,17 @@ per-expert costs (:func:`specmoe.runtime.cuda.balance_split`, :func:`specmoe.run
 A utility-space policy (``"spac"``, ``"spac_ema"``, ``"score"``) receives every layer's
 activation counts.
 
+MoE-SpeQ on this tier: :meth:`enable_self_draft` keeps a low-bit copy of every expert in GPU
+memory (built as the CPU Engine's :class:`~specmoe.runtime.expert_copy.ExpertCopy`, copied to
+the device once); inside :meth:`drafting` the MoE layers compute from it and record their
+routing; :meth:`lookahead` queues and shields the experts the draft expects (the CPU's rule,
+:mod:`specmoe.runtime.lookahead`).  So :class:`specmoe.speculation.drafters.SelfDraft` and
+``specmoe.generate(..., lookahead=True)`` run here as on the CPU.
+
 What the CPU Engine has and this one has not (yet): dense layers in C (the model's own GPU
-layers run), SpecMD's miss handling, the self-draft and draft-driven lookahead.  Asking for
-them raises.  Shared with the CPU Engine: Python policies (the same bridge), the prediction
-rule (csrc/route.c), trace recording (:meth:`trace`, the same recorder).
+layers run) and SpecMD's miss handling; asking for them raises.  Shared with the CPU Engine:
+Python policies (the same bridge), the prediction rule (csrc/route.c), trace recording
+(:meth:`trace`, the same recorder), the self-draft's copy and the lookahead's queue rule.
 
 One compute stream: all layer calls of one engine must come from one thread (the cache's slot
 events assume one stream); a lock serialises them and :meth:`close`.
@@ -48,6 +55,7 @@ from .engine_base import EngineCommon, check_prefetch
 from .tau_tables import TauTables
 
 from .experts import SpecmoeExperts
+from .lookahead import LookaheadBuffer, draft_step_priorities, lookahead_queue
 
 __all__ = ["GpuEngine", "cuda_device", "check_gpu_options", "resolve_device"]
 
@@ -184,6 +192,17 @@ class GpuEngine(EngineCommon):
         self.mode = mode
         self.balance: Any = None  # the BalanceProfile in use, None: every miss is copied
         self.recorder: Any = None  # trace(): the routing recorder in use
+        # MoE-SpeQ on this tier: the self-draft's resident low-bit copy (enable_self_draft),
+        # on the device in _draft_dev (host memory in the emulation), the draft forwards'
+        # routing while drafting(), the lookahead buffer (lookahead) and its eviction shield
+        self._draft: Any = None
+        self._draft_dev: Any = None
+        self._draft_base = 0
+        self._drafting: list[tuple[int, np.ndarray]] | None = None
+        self._draft_prefetch = False
+        self._draft_queued = 0
+        self.protect_lookahead = True
+        self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
         self._routers: list[nn.Module] = []  # set once the model is on the device
         self._router_bias: list[torch.Tensor | None] = []
         self._store_path = os.fspath(store)
@@ -206,12 +225,15 @@ class GpuEngine(EngineCommon):
                 raise ValueError(f"{self._store_path}: the store holds {st.num_layers} MoE "
                                  f"layers {ex.get('layer_ids')}, the model has {ids}")
             self.num_experts = int(st.num_experts)
+            self._la = LookaheadBuffer(len(ids), self.num_experts)
             if self.top_k > self.num_experts:
                 raise ValueError(f"top_k {self.top_k} > num_experts {self.num_experts}")
             self.dtype = str(ex.get("dtype", "f32"))
-            self.spec = FFNSpec.from_store_schema(
-                st.tensors, int(st.block_bytes), activation=ex.get("activation", "silu"),
-                alpha=float(ex.get("alpha", 1.702)), limit=float(ex.get("limit", 7.0)))
+            self._ffn_args = {"activation": ex.get("activation", "silu"),
+                              "alpha": float(ex.get("alpha", 1.702)),
+                              "limit": float(ex.get("limit", 7.0))}
+            self.spec = FFNSpec.from_store_schema(st.tensors, int(st.block_bytes),
+                                                  **self._ffn_args)
             self._cache = cuda.GpuExpertCache(st, cache, policy,
                                               device=-1 if self.emulated else dev.index,
                                               mode=mode, top_k=self.top_k, prefetch=True)
@@ -247,6 +269,8 @@ class GpuEngine(EngineCommon):
             if hidden.device != self.device:
                 raise ValueError(f"MoE layer {pos} got hidden states on {hidden.device}, the "
                                  f"engine serves {self.device}")
+            if self._drafting is not None:
+                return self._draft_layer(pos, hidden, idx, w)
             c = self._counters
             if pos == 0:
                 self._cache.begin_pass()
@@ -273,8 +297,35 @@ class GpuEngine(EngineCommon):
             x = hidden.detach().to(torch.float32).contiguous()
             out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
                                    balance=self.balance, counters=c, groups=groups)
+            if self._la.active:  # this layer of the lookahead's pass ran: count, unshield
+                flags = np.zeros(self.num_experts, np.uint8)
+                flags[np.asarray(used, np.int64)] = 1
+                self._la.layer_done(pos, flags)
+                if self.protect_lookahead:
+                    self._protect()
             self.record_layer(pos, hidden, idx, w)  # trace(): the same recorder as the CPU's
             return out.to(hidden.dtype)
+
+    def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
+                     w: torch.Tensor) -> torch.Tensor:
+        """A draft forward's MoE layer (inside :meth:`drafting`): the experts from the
+        resident self-draft copy, no cache access; the routing recorded for the lookahead and,
+        with ``drafting(prefetch=True)``, the newest token's experts queued to the cache (as
+        the CPU Engine's ``_draft_layer``).  Called with ``_lock`` held."""
+        from . import cuda
+        x = hidden.detach().to(torch.float32).contiguous()
+        out = cuda.moe_forward_buffer(self._draft_base, self._draft.spec, pos, self.num_experts,
+                                      x, idx, w)
+        ix = idx.detach().to(torch.int64).cpu().numpy()
+        assert self._drafting is not None
+        self._drafting.append((pos, ix.copy()))
+        if self._draft_prefetch and self.prefetch and self._cache is not None:
+            e = ix[-1]
+            pri = draft_step_priorities(pos, w[-1].detach().float().cpu().numpy(),
+                                        len(self.layer_ids))
+            self._cache.prefetch([pos * self.num_experts + int(k) for k in e], pri.tolist())
+            self._draft_queued += len(e)
+        return out.to(hidden.dtype)
 
     def _prefetch_next(self, nxt: int, hidden: torch.Tensor) -> None:
         """Queue layer ``nxt``'s predicted experts: its router on this layer's input (on the
@@ -294,13 +345,66 @@ class GpuEngine(EngineCommon):
                                   bool(self.arch.sigmoid_router), corr)
         self._predicted = (nxt, e)
         self._counters["predicted"] += int(e.size)
+        # a lookahead queued for this pass must survive the per-layer requests (as on the CPU)
         self._cache.prefetch([nxt * self.num_experts + int(k) for k in e], prio.tolist(),
-                             replace=True)
+                             replace=not self._la.active)
 
     # -- what specmoe.generate asks of an engine (loads, generate: EngineCommon) ---------------
-    def lookahead(self, counts: Any) -> None:
-        raise NotImplementedError("the GPU tier has no draft-driven lookahead yet (issue 12): "
-                                  "use specmoe.generate(..., lookahead=False)")
+    def enable_self_draft(self, dtype: str = "int4") -> None:
+        """Keep a ``dtype`` copy of every routed expert resident in GPU memory (host memory in
+        the emulation), so the target itself can draft (MoE-SpeQ's quantized self-draft,
+        :class:`specmoe.speculation.drafters.SelfDraft`): built as the CPU Engine builds it
+        (:class:`specmoe.runtime.expert_copy.ExpertCopy`), then copied to the device once.
+        Costs ``dtype``'s size of all experts in GPU memory besides the cache."""
+        from .expert_copy import ExpertCopy
+        if dtype not in ("f32", "bf16", "int8", "int4"):
+            raise ValueError(f"the GPU tier's self-draft copy takes f32, bf16, int8 or int4, "
+                             f"got {dtype!r}")
+        with self._lock:
+            if self._closed or self._store is None:
+                raise RuntimeError("this specmoe GpuEngine is closed")
+            if self._draft is not None and self._draft.dtype == dtype:
+                return
+            copy = ExpertCopy(self._store, dtype, self._ffn_args, self.model_type, self.top_k)
+            if self.emulated:
+                dev, base = copy.buf, int(copy.buf.ctypes.data)
+            else:
+                dev = torch.from_numpy(copy.buf).to(self.device)
+                base = int(dev.data_ptr())
+            self._draft, self._draft_dev, self._draft_base = copy, dev, base
+
+    @property
+    def draft_copy(self) -> Any:
+        """The self-draft's low-bit copy (its host-side :class:`ExpertCopy`), or None."""
+        return self._draft
+
+    @property
+    def draft_dtype(self) -> str | None:
+        """The self-draft copy's format, None before :meth:`enable_self_draft`."""
+        return self._draft.dtype if self._draft is not None else None
+
+    def lookahead(self, counts: dict[int, np.ndarray]) -> None:
+        """Draft-driven prefetch for the next forward pass, as :meth:`specmoe.Engine.lookahead`
+        (MoE-SpeQ's expert lookahead buffer): every expected expert queued at once, earlier
+        layers first (:func:`specmoe.runtime.lookahead.lookahead_queue`, the CPU's rule; the GPU
+        cache does not answer utilities, so within a layer the order is by expert), the next
+        pass's per-layer prefetch added to it, and with ``protect_lookahead`` the expected
+        experts evicted last until their layer has run."""
+        with self._lock:
+            arrays = self._la.set(counts)  # validated before anything changes
+            if self._cache is None:
+                return
+            lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids))
+            if self.protect_lookahead:
+                self._protect()
+            if self.prefetch and len(lay):
+                self._cache.prefetch([int(p) * self.num_experts + int(e)
+                                      for p, e in zip(lay, exp)], pri.tolist(), replace=True)
+
+    def _protect(self) -> None:
+        """Shield the lookahead's experts of the layers still to run (none: clear)."""
+        lay, exp = self._la.pending()
+        self._cache.protect([(int(p), int(e)) for p, e in zip(lay, exp)])
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -318,7 +422,7 @@ class GpuEngine(EngineCommon):
             "prefetch": self.prefetch, "mode": self.mode,
             "prefetch_precision": c["true_positive"] / c["predicted"] if c["predicted"] else None,
             "prefetch_recall": c["true_positive"] / c["actual"] if c["actual"] else None,
-            "lookahead_predicted": 0, "lookahead_used": 0, "lookahead_hits": 0,
+            **self._la.stats(), "draft_prefetch_queued": self._draft_queued,
             "balance": None if self.balance is None else dataclasses.asdict(self.balance),
             "gpu_experts": c["gpu_experts"], "cpu_experts": c["cpu_experts"],
         }
@@ -335,6 +439,8 @@ class GpuEngine(EngineCommon):
         with self._lock:
             self._counters = dict.fromkeys(self._counters, 0)
             self._predicted = None
+            self._la.reset_stats()
+            self._draft_queued = 0
             if self._cache is not None:
                 self._cache.reset_stats()
 
@@ -390,6 +496,8 @@ class GpuEngine(EngineCommon):
         a temporary one).  The model's MoE layers refuse calls afterwards."""
         with self._lock:
             self._closed = True
+            self._draft = self._draft_dev = None  # the self-draft copy's memory
+            self._draft_base = 0
             self._close_storage()
 
     def __enter__(self) -> "GpuEngine":

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["LookaheadBuffer"]
+__all__ = ["LookaheadBuffer", "draft_step_priorities", "lookahead_queue"]
 
 
 class LookaheadBuffer:
@@ -87,3 +87,33 @@ class LookaheadBuffer:
             "lookahead_used": self.actual,
             "lookahead_hits": self.true_positive,
         }
+
+
+def lookahead_queue(arrays: Mapping[int, np.ndarray], num_layers: int,
+                    utility: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prefetch queue of a lookahead (both engines' ``lookahead``): every expected expert
+    as (layers, experts, priorities), earlier layers first; within a layer, when ``utility``
+    (``f(layers, experts) -> int array``, a utility-space policy's) is given, by utility and
+    then count, higher first.  Priorities squash the within-layer order into (0, 1) above the
+    layer's rank ``num_layers - pos``."""
+    lay, exp, pri = [], [], []
+    for pos, c in arrays.items():
+        ids = np.flatnonzero(c > 0)
+        pr = np.zeros(len(ids), np.float64)
+        if utility is not None:  # integer utility first, the count breaks ties
+            pr = np.asarray(utility(np.full(len(ids), pos), ids), np.float64) + \
+                c[ids] / (c.max() + 1.0)
+        lay.append(np.full(len(ids), pos, np.int64))
+        exp.append(ids.astype(np.int64))
+        pri.append((num_layers - pos) + 0.5 + np.arctan(pr) / np.pi)
+    if not lay:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+    return np.concatenate(lay), np.concatenate(exp), np.concatenate(pri).astype(np.float32)
+
+
+def draft_step_priorities(pos: int, confidence: np.ndarray, num_layers: int) -> np.ndarray:
+    """Priorities of the experts one draft step routes its newest token to at MoE layer
+    ``pos`` (MoE-SpeQ's draft-guided pipeline, Sec. 3): earlier layers first, as
+    :func:`lookahead_queue` orders them, the router weight as confidence within the layer."""
+    c = np.asarray(confidence, np.float64)
+    return ((num_layers - pos) + 0.5 + np.arctan(c) / np.pi).astype(np.float32)
