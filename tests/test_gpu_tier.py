@@ -227,3 +227,22 @@ def test_lookahead_counts_the_next_pass(device):
         assert st["lookahead_predicted"] == 3 and st["lookahead_used"] > 0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_pretrained_on_the_gpu_tier(tmp_path, monkeypatch, device):
+    import specmoe
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+    m, ref = _tiny()
+    folder = testing.save_checkpoint(m, tmp_path / "ckpt")
+    model = specmoe.from_pretrained(folder, device=device, cache=0.25, dtype="f32")
+    eng = specmoe.engine_of(model)
+    try:
+        assert isinstance(eng, GpuEngine)
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            got = model.generate(x, max_new_tokens=5, do_sample=False)
+            want = ref.to(_dev(device)).generate(x, max_new_tokens=5, do_sample=False)
+        assert got.tolist() == want.tolist()
+    finally:
+        eng.close()
