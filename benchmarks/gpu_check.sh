@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier's checks for one session on a lent GPU machine (docs/gpu.md), in one run:
 # build specmoe._C and specmoe._cuda with -Werror, measure the simulator's profile of the GPU
-# tier (specmoe.sim.calibration.calibrate_gpu), run tests/test_cuda.py, then benchmarks/gpu_generate.py.
+# tier (specmoe.sim.calibration.calibrate_gpu), run tests/test_cuda.py and tests/test_gpu_tier.py (the engine on the device), then benchmarks/gpu_generate.py.
 #
 #   benchmarks/gpu_check.sh OUTDIR
 #
@@ -34,7 +34,7 @@ print(json.dumps(calibrate_gpu().to_dict()))' > "$out/gpu_profile.json" 2> "$out
 echo "== calibrate rc=$? at $(elapsed) s"
 cat "$out/gpu_profile.json"; tail -5 "$out/gpu_profile.err"
 
-timeout 240 $PY -m pytest -q -rs --durations=15 tests/test_cuda.py > "$out/test_cuda.log" 2>&1
+timeout 240 $PY -m pytest -q -rs --durations=15 tests/test_cuda.py tests/test_gpu_tier.py > "$out/test_cuda.log" 2>&1
 echo "== test_cuda rc=$? at $(elapsed) s"
 grep -E "passed|failed|error|SKIPPED|FAILED" "$out/test_cuda.log" | tail -25
 
