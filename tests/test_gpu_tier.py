@@ -246,3 +246,43 @@ def test_from_pretrained_on_the_gpu_tier(tmp_path, monkeypatch, device):
         assert got.tolist() == want.tolist()
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mtp_drafting_with_draft_tokens(device):
+    """The MTP drafter's mask tokens are draft tokens on the GPU tier as on the CPU
+    (engine.draft_tokens): greedy output equals plain greedy; the masks load fewer experts
+    than with fetch_masks=True (draft_kept counts the pairs served without a load)."""
+    import specmoe
+    from specmoe.speculation import mtp
+    from specmoe.speculation.controllers import StaticK
+    from tests.test_mtp import _randomise
+    model = testing.tiny_model("qwen3_moe", vocab=64, dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    eng = hf.offload(model, device=device, dtype="f32", cache=0.25)
+    try:
+        ad = mtp.MtpAdapter.for_model(model, k=2, rank=4, seed=1)
+        _randomise(ad, 2)
+        ad.to(_dev(device))
+        ids = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 30, 31, 5, 9]], device=_dev(device))
+        with torch.no_grad():
+            want = ref.to(_dev(device)).generate(ids, max_new_tokens=10, do_sample=False)
+        loads = {}
+        for fetch in (True, False):
+            eng.reset_stats()
+            out = specmoe.generate(model, ids, mtp.MtpDrafter(model, ad, fetch_masks=fetch),
+                                   StaticK(2), max_new_tokens=10, eos_token_id=None, tau=None)
+            assert out.sequences.tolist() == want.tolist(), fetch
+            assert out.stats["proposed"] > 0
+            loads[fetch] = out.stats["experts_loaded"]
+            assert (eng.stats()["draft_kept"] > 0) == (not fetch)
+        assert loads[False] <= loads[True]
+        with eng.draft_tokens([0, 1, 1]):
+            with pytest.raises(RuntimeError, match="already inside"):
+                with eng.draft_tokens([1]):
+                    pass
+            with pytest.raises(ValueError, match="3 flags"):
+                with torch.no_grad():
+                    model(torch.tensor([[1, 2, 3, 4, 5]], device=_dev(device)))
+    finally:
+        eng.close()

@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache", "moe_forward",
            "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile",
-           "ExpertGroups", "group_by_expert", "moe_forward_buffer"]
+           "ExpertGroups", "group_by_expert", "group_selected", "moe_forward_buffer"]
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
 
@@ -509,6 +509,21 @@ def _ffn_host(addr: int, spec: Any, x: Any, rows: Any, scale: Any, out: Any) -> 
     block = np.ctypeslib.as_array((ctypes.c_uint8 * spec.block_bytes).from_address(addr))
     kernels.ffn(block, x.detach().numpy(), spec=spec, rows=rows.numpy(), scale=scale.numpy(),
                 out=out.numpy())
+
+
+def group_selected(topk_ids: Any, topk_w: Any, take: np.ndarray) -> ExpertGroups:
+    """:func:`group_by_expert` over the pairs with ``take[t, j]`` (bool [T, k], host) only:
+    the pairs of a layer that go through the cache when others do not (draft tokens)."""
+    import torch
+
+    k = topk_ids.shape[1]
+    sel = torch.from_numpy(np.flatnonzero(np.asarray(take).reshape(-1))).to(topk_ids.device)
+    ids = topk_ids.reshape(-1).to(torch.int64)[sel]
+    order = torch.argsort(ids, stable=True)
+    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    return ExpertGroups((sel[order] // k).to(torch.int32),
+                        topk_w.reshape(-1).to(torch.float32)[sel][order].contiguous(),
+                        experts.tolist(), counts.tolist())
 
 
 def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_ids: Any,

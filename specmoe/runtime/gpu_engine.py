@@ -40,10 +40,11 @@ events assume one stream); a lock serialises them and :meth:`close`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -203,6 +204,8 @@ class GpuEngine(EngineCommon):
         self._draft_queued = 0
         self.protect_lookahead = True
         self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
+        # draft tokens of the forward in progress (draft_tokens()): their misses never load
+        self._draft_flags: np.ndarray | None = None
         self._routers: list[nn.Module] = []  # set once the model is on the device
         self._router_bias: list[torch.Tensor | None] = []
         self._store_path = os.fspath(store)
@@ -217,7 +220,8 @@ class GpuEngine(EngineCommon):
         # [_lock] the predictor's last prediction (layer position, expert ids) and counters
         self._predicted: tuple[int, np.ndarray] | None = None
         self._counters = dict.fromkeys(("tokens", "passes", "predicted", "true_positive",
-                                        "actual", "gpu_experts", "cpu_experts"), 0)
+                                        "actual", "gpu_experts", "cpu_experts",
+                                        "draft_kept"), 0)
         try:
             st = self._store = ExpertStore(self._store_path, verify=verify)
             ex = st.extra
@@ -272,15 +276,24 @@ class GpuEngine(EngineCommon):
             if self._drafting is not None:
                 return self._draft_layer(pos, hidden, idx, w)
             c = self._counters
+            flags = self._draft_flags
+            if flags is not None and flags.shape[0] != hidden.shape[0]:
+                raise ValueError(f"draft_tokens: {flags.shape[0]} flags, but MoE layer {pos} "
+                                 f"got {hidden.shape[0]} tokens")
             if pos == 0:
                 self._cache.begin_pass()
                 c["passes"] += 1
                 c["tokens"] += int(hidden.shape[0])
-            groups = cuda.group_by_expert(idx, w)  # the layer's one device-to-host sync
-            used = groups.experts
-            if self._feed_counts:  # the pass's activation counts (MoE-SpAc §2.3 f_{i,t})
+            kept = None  # draft tokens' pairs served without a load (draft_tokens())
+            if flags is None:
+                groups = cuda.group_by_expert(idx, w)  # the layer's one device-to-host sync
+                real = groups
+            else:
+                groups, kept, real = self._split_draft_pairs(pos, idx, w, flags)
+            used = real.experts  # what the real tokens use: counts, prediction hits
+            if self._feed_counts and real.experts:  # MoE-SpAc §2.3 f_{i,t}, real tokens only
                 ne = self.num_experts
-                self._cache.counts([pos * ne + e for e in used], groups.counts)
+                self._cache.counts([pos * ne + e for e in real.experts], real.counts)
             pred = self._predicted
             if pred is not None and pred[0] == pos:
                 hit = np.intersect1d(pred[1], np.asarray(used, dtype=np.int64)).size
@@ -293,10 +306,17 @@ class GpuEngine(EngineCommon):
             # for the layer's work, and a pass's last prefetches come too late: measured on an
             # H200, neither order made prefetch pay at batch 1; see docs/gpu.md.)
             if self.prefetch and pos + 1 < len(self.layer_ids):
-                self._prefetch_next(pos + 1, hidden)
+                # the draft tokens take no part in the prediction (as in csrc/layer.h)
+                self._prefetch_next(pos + 1, hidden if flags is None else
+                                    hidden[torch.from_numpy(flags == 0).to(hidden.device)])
             x = hidden.detach().to(torch.float32).contiguous()
             out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
                                    balance=self.balance, counters=c, groups=groups)
+            if kept is not None and kept.experts:
+                c["draft_kept"] += sum(kept.counts)
+                if self._draft is not None:  # from the self-draft's copy; else skipped
+                    out += cuda.moe_forward_buffer(self._draft_base, self._draft.spec, pos,
+                                                   self.num_experts, x, idx, w, groups=kept)
             if self._la.active:  # this layer of the lookahead's pass ran: count, unshield
                 flags = np.zeros(self.num_experts, np.uint8)
                 flags[np.asarray(used, np.int64)] = 1
@@ -305,6 +325,39 @@ class GpuEngine(EngineCommon):
                     self._protect()
             self.record_layer(pos, hidden, idx, w)  # trace(): the same recorder as the CPU's
             return out.to(hidden.dtype)
+
+    def _split_draft_pairs(self, pos: int, idx: torch.Tensor, w: torch.Tensor,
+                           flags: np.ndarray) -> tuple[Any, Any, Any]:
+        """The pairs of a layer with draft tokens (:meth:`draft_tokens`), grouped three ways:
+        (through the cache: the real tokens' pairs and the draft tokens' pairs whose expert is
+        resident, loading or needed by a real token anyway; kept: the draft tokens' other
+        pairs, never loaded; the real tokens' pairs alone).  The CPU rule (csrc/layer.h)."""
+        from . import cuda
+        ids = idx.detach().to(torch.int64).cpu().numpy()
+        real = flags == 0
+        needed = np.zeros(self.num_experts, bool)
+        needed[ids[real].reshape(-1)] = True
+        needed |= np.asarray(self._cache.layer_states(pos)) != 0
+        take = real[:, None] | needed[ids]
+        return (cuda.group_selected(idx, w, take), cuda.group_selected(idx, w, ~take),
+                cuda.group_selected(idx, w, np.broadcast_to(real[:, None], ids.shape)))
+
+    @contextlib.contextmanager
+    def draft_tokens(self, flags: Any) -> Iterator[None]:
+        """Within the block, the MoE layers treat the flagged tokens as draft tokens, as
+        :meth:`specmoe.Engine.draft_tokens` (the MTP drafter's mask tokens): their missing
+        experts are never loaded -- computed from the self-draft's copy when there is one
+        (:meth:`enable_self_draft`), else skipped -- unless resident, loading or needed by a
+        real token anyway; they take no part in the prediction or the policy's counts.  One
+        forward at a time; ``stats()["draft_kept"]`` counts the pairs served without a load."""
+        f = np.ascontiguousarray(np.asarray(flags).reshape(-1).astype(bool), dtype=np.uint8)
+        if self._draft_flags is not None:
+            raise RuntimeError("draft_tokens: already inside a draft_tokens block")
+        self._draft_flags = f
+        try:
+            yield
+        finally:
+            self._draft_flags = None
 
     def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                      w: torch.Tensor) -> torch.Tensor:
@@ -425,6 +478,7 @@ class GpuEngine(EngineCommon):
             **self._la.stats(), "draft_prefetch_queued": self._draft_queued,
             "balance": None if self.balance is None else dataclasses.asdict(self.balance),
             "gpu_experts": c["gpu_experts"], "cpu_experts": c["cpu_experts"],
+            "draft_kept": c["draft_kept"],
         }
         if self._cache is not None:
             cs = self._cache.stats()
