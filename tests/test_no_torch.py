@@ -76,3 +76,22 @@ def test_torch_features_name_the_extra(name):
     """)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "ERR specmoe." + name + " needs" in p.stdout and "specmoe[hf]" in p.stdout, p.stdout
+
+
+def test_version_from_one_place():
+    """``specmoe --version`` reads specmoe.__version__, the one place the version is written:
+    pyproject.toml takes it from there (setuptools' dynamic attr)."""
+    import specmoe
+    p = _run("""
+        from specmoe.cli import main
+        try:
+            main(["--version"])
+        except SystemExit as e:
+            print("exit", e.code)
+    """)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"specmoe {specmoe.__version__}" in p.stdout and "exit 0" in p.stdout
+    text = (ROOT / "pyproject.toml").read_text()
+    project = text.split("[project]")[1].split("\n[")[0]
+    assert 'dynamic = ["version"]' in project and "\nversion =" not in project
+    assert 'version = {attr = "specmoe.__version__"}' in text
