@@ -81,12 +81,14 @@ def main(argv: list[str] | None = None) -> None:
     trees = {"base": Path(a.base).resolve(), "new": Path(a.new).resolve()}
     per: dict[str, dict[str, list]] = {}
     runs = []
+    side_runs: dict[str, list] = {"base": [], "new": []}
     for rnd in range(a.rounds):
         order = ["base", "new"] if rnd % 2 == 0 else ["new", "base"]
         got = {}
         for side in order:
             d = run(trees[side], script, args, a.timeout)
             got[side] = d
+            side_runs[side].append(d)
             runs.append({"round": rnd + 1, "side": side, "wall_s": d.get("wall_s"),
                          "error": d.get("error")})
             print(f"round {rnd + 1} {side}: {d.get('error') or rows_of(d)}", file=sys.stderr)
@@ -101,7 +103,10 @@ def main(argv: list[str] | None = None) -> None:
                       "median": statistics.median(ratios) if ratios else None,
                       "min": min(ratios) if ratios else None,
                       "max": max(ratios) if ratios else None}
+    configs = {side: next((r["config"] for r in side_runs[side] if "config" in r), None)
+               for side in ("base", "new")}
     res = {"host": host(), "benchmark": [script, *args], "rounds": a.rounds,
+           "config": configs,  # each side's benchmark configuration (its first run's)
            "base": str(trees["base"]), "new": str(trees["new"]),
            "base_commit": _commit(trees["base"]), "new_commit": _commit(trees["new"]),
            "rows": summary, "runs": runs}
