@@ -28,7 +28,8 @@ memory (built as the CPU Engine's :class:`~specmoe.runtime.expert_copy.ExpertCop
 the device once); inside :meth:`drafting` the MoE layers compute from it and record their
 routing; :meth:`lookahead` queues and shields the experts the draft expects (the CPU's rule,
 :mod:`specmoe.runtime.lookahead`).  So :class:`specmoe.speculation.drafters.SelfDraft` and
-``specmoe.generate(..., lookahead=True)`` run here as on the CPU.
+``specmoe.generate(..., lookahead=True)`` run here as on the CPU, and so does the MTP
+drafter (:meth:`draft_tokens`: the mask tokens' missing experts never load).
 
 What the CPU Engine has and this one has not (yet): dense layers in C (the model's own GPU
 layers run) and SpecMD's miss handling; asking for them raises.  Shared with the CPU Engine:
