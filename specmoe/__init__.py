@@ -40,7 +40,7 @@ from .sim.hardware import Hardware, ModelCost  # simulator time model
 from .sim.replay import Predictor, SimResult, simulate  # trace-driven simulator
 from .sim.sweep import sweep  # simulator sweeps
 
-__version__ = "0.2.0"
+from .version import __version__  # noqa: E402  (the one place it is written)
 
 
 _SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput",

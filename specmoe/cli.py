@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specmoe", description=__doc__)
     debug_help = "on an error, show its traceback instead of the one-line message"
     parser.add_argument("--debug", action="store_true", help=debug_help)
-    from . import __version__
+    from .version import __version__
     parser.add_argument("--version", action="version", version=f"specmoe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -79,7 +79,7 @@ def test_torch_features_name_the_extra(name):
 
 
 def test_version_from_one_place():
-    """``specmoe --version`` reads specmoe.__version__, the one place the version is written:
+    """``specmoe --version`` reads specmoe/version.py, the one place the version is written:
     pyproject.toml takes it from there (setuptools' dynamic attr)."""
     import specmoe
     p = _run("""
@@ -94,4 +94,4 @@ def test_version_from_one_place():
     text = (ROOT / "pyproject.toml").read_text()
     project = text.split("[project]")[1].split("\n[")[0]
     assert 'dynamic = ["version"]' in project and "\nversion =" not in project
-    assert 'version = {attr = "specmoe.__version__"}' in text
+    assert 'version = {attr = "specmoe.version.__version__"}' in text
