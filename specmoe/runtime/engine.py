@@ -685,24 +685,6 @@ class Engine(EngineCommon):
                 raise
             self.tau.clear()  # tau includes expert loads, which depend on the cache
 
-    @contextlib.contextmanager
-    def draft_tokens(self, flags: Any) -> Iterator[None]:
-        """Within the block, the MoE layers treat the flagged tokens as draft tokens (one flag
-        per token of each forward, in the flattened [batch, sequence] order the layers see):
-        their missing experts are never loaded -- computed from the resident low-bit copy when
-        there is one (:meth:`enable_self_draft`), else skipped -- unless resident or loaded for
-        a real token anyway, and they take no part in next-layer prediction or the policy's
-        counts (csrc/layer.h).  The MTP drafter's mask tokens run this way.  One forward at a
-        time; ``stats()["draft_kept"]`` counts the pairs served without a load."""
-        f = np.ascontiguousarray(np.asarray(flags).reshape(-1).astype(bool), dtype=np.uint8)
-        if self._draft_flags is not None:
-            raise RuntimeError("draft_tokens: already inside a draft_tokens block")
-        self._draft_flags = f
-        try:
-            yield
-        finally:
-            self._draft_flags = None
-
     def set_parallel_misses(self, on: bool) -> None:
         """Overlap each MoE layer's cache misses with the compute of its resident experts: the
         misses are queued to the prefetch worker at the highest priority, the resident experts

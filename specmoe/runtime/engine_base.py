@@ -6,6 +6,7 @@ import contextlib
 import os
 from typing import Any, Iterator
 
+import numpy as np
 from torch import nn
 
 __all__ = ["EngineCommon", "check_prefetch"]
@@ -52,6 +53,7 @@ class EngineCommon:
     _draft: Any
     _drafting: list | None
     _draft_prefetch: bool
+    _draft_flags: Any
     model_type: str
     _routers: list
     _router_bias: list
@@ -105,6 +107,25 @@ class EngineCommon:
         finally:
             self._drafting = None
             self._draft_prefetch = False
+
+    @contextlib.contextmanager
+    def draft_tokens(self, flags: Any) -> Iterator[None]:
+        """Within the block, the MoE layers treat the flagged tokens as draft tokens (one flag
+        per token of each forward, in the flattened [batch, sequence] order the layers see):
+        their missing experts are never loaded -- computed from the resident low-bit copy when
+        there is one (:meth:`enable_self_draft`), else skipped -- unless resident or loaded for
+        a real token anyway, and they take no part in next-layer prediction or the policy's
+        counts (csrc/layer.h's rule; the GPU tier applies the same in
+        ``GpuEngine._split_draft_pairs``).  The MTP drafter's mask tokens run this way.  One forward at a
+        time; ``stats()["draft_kept"]`` counts the pairs served without a load."""
+        f = np.ascontiguousarray(np.asarray(flags).reshape(-1).astype(bool), dtype=np.uint8)
+        if self._draft_flags is not None:
+            raise RuntimeError("draft_tokens: already inside a draft_tokens block")
+        self._draft_flags = f
+        try:
+            yield
+        finally:
+            self._draft_flags = None
 
     @property
     def cache(self) -> Any:

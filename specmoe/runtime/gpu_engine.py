@@ -41,11 +41,10 @@ events assume one stream); a lock serialises them and :meth:`close`.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -342,23 +341,6 @@ class GpuEngine(EngineCommon):
         take = real[:, None] | needed[ids]
         return (cuda.group_selected(idx, w, take), cuda.group_selected(idx, w, ~take),
                 cuda.group_selected(idx, w, np.broadcast_to(real[:, None], ids.shape)))
-
-    @contextlib.contextmanager
-    def draft_tokens(self, flags: Any) -> Iterator[None]:
-        """Within the block, the MoE layers treat the flagged tokens as draft tokens, as
-        :meth:`specmoe.Engine.draft_tokens` (the MTP drafter's mask tokens): their missing
-        experts are never loaded -- computed from the self-draft's copy when there is one
-        (:meth:`enable_self_draft`), else skipped -- unless resident, loading or needed by a
-        real token anyway; they take no part in the prediction or the policy's counts.  One
-        forward at a time; ``stats()["draft_kept"]`` counts the pairs served without a load."""
-        f = np.ascontiguousarray(np.asarray(flags).reshape(-1).astype(bool), dtype=np.uint8)
-        if self._draft_flags is not None:
-            raise RuntimeError("draft_tokens: already inside a draft_tokens block")
-        self._draft_flags = f
-        try:
-            yield
-        finally:
-            self._draft_flags = None
 
     def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                      w: torch.Tensor) -> torch.Tensor:
