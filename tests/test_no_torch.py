@@ -55,9 +55,11 @@ def test_import_store_cache_kernels_and_simulator_without_torch(tmp_path):
 
 
 def test_cli_simulate_without_torch():
-    p = _run("""
+    trace = str(ROOT / "tests" / "data" / "puffin")  # the shipped subset of the real traces
+    p = _run(f"""
         from specmoe.cli import main
-        rc = main(["simulate", "--tokens", "3", "--policies", "lru", "--capacity", "10%"])
+        rc = main(["simulate", "--trace", {trace!r}, "--tokens", "3", "--policies", "lru",
+                   "--capacity", "10%"])
         assert rc == 0, rc
         assert "torch" not in sys.modules
         print("ok")
