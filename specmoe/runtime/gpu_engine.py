@@ -318,9 +318,9 @@ class GpuEngine(EngineCommon):
                     out += cuda.moe_forward_buffer(self._draft_base, self._draft.spec, pos,
                                                    self.num_experts, x, idx, w, groups=kept)
             if self._la.active:  # this layer of the lookahead's pass ran: count, unshield
-                flags = np.zeros(self.num_experts, np.uint8)
-                flags[np.asarray(used, np.int64)] = 1
-                self._la.layer_done(pos, flags)
+                used_mask = np.zeros(self.num_experts, np.uint8)
+                used_mask[np.asarray(used, np.int64)] = 1
+                self._la.layer_done(pos, used_mask)
                 if self.protect_lookahead:
                     self._protect()
             self.record_layer(pos, hidden, idx, w)  # trace(): the same recorder as the CPU's
