@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specmoe import _C  # noqa: E402
-from specmoe.cli import _shared_traces  # noqa: E402
+from specmoe.sim.traces import shared_trace_dir  # noqa: E402
 from specmoe.sim.sweep import plot_hit_rate, plot_stall, sweep  # noqa: E402
 from specmoe.sim.traces import load_puffin  # noqa: E402
 
@@ -40,7 +40,7 @@ def available(spec: str) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--trace", default=str(_shared_traces()))
+    ap.add_argument("--trace", default=str(shared_trace_dir()))
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--json", action="store_true")

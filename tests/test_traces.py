@@ -67,3 +67,17 @@ def test_bad_inputs(tmp_path):
         Trace.load(tmp_path / "junk.npz")
     with pytest.raises(TraceError, match="no such file"):
         load_puffin(tmp_path / "missing")
+
+
+def test_shared_trace_dir_found_beside_the_checkout_from_any_directory(tmp_path, monkeypatch):
+    """The shared traces beside the checkout are found whatever the working directory (the
+    module moved one package level down in 0.2: its path arithmetic must follow)."""
+    from pathlib import Path
+
+    from specmoe.sim.traces import shared_trace_dir
+    beside = Path(__file__).resolve().parents[2] / "shared" / "traces" / \
+        "deepseek-v2-lite-puffin"
+    if not beside.is_dir():
+        pytest.skip(f"no shared traces beside this checkout ({beside})")
+    monkeypatch.chdir(tmp_path)
+    assert shared_trace_dir().resolve() == beside

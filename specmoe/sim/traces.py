@@ -472,7 +472,7 @@ def shared_trace_dir() -> Path:
     benchmarks' default); the path beside the working directory when none exists (check
     ``.is_dir()``)."""
     rel = Path("shared") / "traces" / "deepseek-v2-lite-puffin"
-    for base in (Path(__file__).resolve().parent.parent.parent, Path.cwd().parent,
+    for base in (Path(__file__).resolve().parents[3], Path.cwd().parent,
                  Path.cwd().parent.parent):
         if (base / rel).is_dir():
             return base / rel
