@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import specmoe  # noqa: E402
+from specmoe.models import testing  # noqa: E402
 from specmoe.runtime import engine as hf  # noqa: E402
 from specmoe.runtime.experts import SpecmoeExperts  # noqa: E402
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from specmoe.runtime import kernels
     kernels.set_num_threads(1)
     if a.arch:
-        model = specmoe.models.testing.tiny_model(a.arch, hidden=256, inter=512, layers=4, experts=16)
+        model = testing.tiny_model(a.arch, hidden=256, inter=512, layers=4, experts=16)
         prompt = torch.tensor([[5, 17, 33, 64, 9, 100, 7, 41]])
     else:
         from specmoe import zoo
