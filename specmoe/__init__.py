@@ -43,8 +43,10 @@ from .sim.sweep import sweep  # simulator sweeps
 from .version import __version__  # noqa: E402  (the one place it is written)
 
 
-_SPECULATIVE = ("generate", "DraftModel", "SelfDraft", "Sampling", "GenerateOutput",
-                "measure_tau_grid")
+# speculative decoding on transformers models (torch): public name -> its module
+_SPECULATIVE = {"generate": "generation", "DraftModel": "drafters", "SelfDraft": "drafters",
+                "Sampling": "sampling", "GenerateOutput": "decoding",
+                "measure_tau_grid": "tau"}
 
 
 _HF_EXTRA = ("torch", "transformers", "safetensors", "accelerate")
@@ -72,11 +74,10 @@ def _lazy(name: str):
     if name in ("MtpDrafter", "MtpAdapter"):  # multi-token prediction with gated LoRA
         from .speculation import mtp
         return getattr(mtp, name)
-    if name in _SPECULATIVE:  # speculative decoding on transformers models (torch)
-        from .speculation import decoding, drafters, generation, sampling, tau
-        for mod in (generation, decoding, drafters, sampling, tau):
-            if hasattr(mod, name):
-                return getattr(mod, name)
+    if name in _SPECULATIVE:
+        import importlib
+        return getattr(importlib.import_module(f".speculation.{_SPECULATIVE[name]}", __name__),
+                       name)
     if name in _MOVED:  # a module of the pre-0.2 flat layout
         raise _moved_error(name)
     raise AttributeError(f"module 'specmoe' has no attribute {name!r}")

@@ -435,7 +435,8 @@ class Engine(EngineCommon):
             self._la.layer_done(pos, used)
             if self.protect_lookahead and self._cache is not None:
                 self._protect()  # this layer's experts are used: unprotect them
-        self.record_layer(pos, hidden, idx, w)
+        if self.recorder is not None:  # trace() on: no call per layer otherwise
+            self.record_layer(pos, hidden, idx, w)
         return out.to(hidden.dtype)
 
     # backend: the ExpertCache over the store (or, in a build without them, a resident buffer)

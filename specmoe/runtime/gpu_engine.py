@@ -323,7 +323,8 @@ class GpuEngine(EngineCommon):
                 self._la.layer_done(pos, used_mask)
                 if self.protect_lookahead:
                     self._protect()
-            self.record_layer(pos, hidden, idx, w)  # trace(): the same recorder as the CPU's
+            if self.recorder is not None:  # trace(): the same recorder as the CPU's
+                self.record_layer(pos, hidden, idx, w)
             return out.to(hidden.dtype)
 
     def _split_draft_pairs(self, pos: int, idx: torch.Tensor, w: torch.Tensor,
