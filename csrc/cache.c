@@ -1,6 +1,7 @@
 /* Fast tier in host memory: the slab and the store read; all bookkeeping is the slot table's
  * (slots.c).  Locking and behaviour: cache.h and slots.h. */
 #include "cache.h"
+#include "tier.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -126,4 +127,8 @@ int smoe_cache_set_throttle(smoe_cache *c, double bytes_per_s, double latency_s,
 
 int smoe_cache_resident_mask(smoe_cache *c, uint32_t layer, uint8_t *mask, smoe_err *err) {
     return smoe_slots_resident_mask(&c->tab, layer, mask, err);
+}
+
+smoe_tier smoe_tier_host(smoe_cache *c) {
+    return (smoe_tier){&c->tab, c, NULL, NULL};
 }

@@ -16,7 +16,7 @@ static float *copy_f32(const float *src, size_t n) {
     return p;
 }
 
-int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smoe_ffn_desc *d,
+int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc, const smoe_ffn_desc *d,
                      uint32_t L, uint32_t E, uint32_t H, uint32_t k, const float *const *w,
                      const float *const *b, const float *const *corr, int sigmoid,
                      smoe_err *err) {
@@ -25,16 +25,20 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
         return smoe_err_set(err, SMOE_EINVAL,
                             "layers: need L, E, H, k > 0 and k <= E (got %u, %u, %u, %u)", L, E,
                             H, k);
-    if (cache->tab.num_layers != L || cache->tab.num_experts != E)
+    if (!tier->tab || !tier->cache == !tier->ops)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: a tier is a CPU cache or device ops");
+    const smoe_slots *tab = tier->tab;
+    if (tab->num_layers != L || tab->num_experts != E)
         return smoe_err_set(err, SMOE_EINVAL,
                             "layers: the cache holds %u layers x %u experts, the model %u x %u",
-                            cache->tab.num_layers, cache->tab.num_experts, L, E);
+                            tab->num_layers, tab->num_experts, L, E);
     if (d->H != H)
         return smoe_err_set(err, SMOE_EINVAL, "layers: expert hidden size %u, model %u", d->H, H);
-    int rc = smoe_ffn_desc_check(d, cache->tab.slot_bytes, err);
+    int rc = smoe_ffn_desc_check(d, tab->slot_bytes, err);
+    if (!rc && tier->ops) rc = tier->ops->check(tier->ctx, d, err);
     if (rc) return rc;
     g->L = L, g->E = E, g->H = H, g->k = k;
-    g->cache = cache, g->kc = kc, g->desc = *d, g->sigmoid = sigmoid;
+    g->tier = *tier, g->kc = kc, g->desc = *d, g->sigmoid = sigmoid;
     g->prefetch = 1, g->overfetch = 1.5, g->mass = 0.0;
     g->routers = calloc(L, sizeof *g->routers);
     g->shared = calloc(L, sizeof *g->shared);
@@ -57,7 +61,8 @@ int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smo
     g->visit = malloc(sizeof *g->visit * E);
     g->pinned = calloc(E, 1);
     g->blocks = calloc(E, sizeof *g->blocks);
-    if (!g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys ||
+    g->grp_start = malloc(sizeof *g->grp_start * ((size_t)E + 1));
+    if (!g->grp_start || !g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys ||
         !g->prios || !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n ||
         !g->zt || !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit ||
         !g->pinned || !g->blocks)
@@ -122,6 +127,9 @@ void smoe_layers_free(smoe_layers *g) {
     free(g->visit);
     free(g->pinned);
     free(g->blocks);
+    free(g->grp_start);
+    free(g->grp_rows);
+    free(g->grp_scale);
     memset(g, 0, sizeof *g);
 }
 
@@ -202,6 +210,7 @@ int smoe_layers_set_lowbit(smoe_layers *g, uint32_t level, const uint8_t *base, 
             return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy has hidden size %u, "
                                 "the model %u", desc->H, g->H);
         int rc = smoe_ffn_desc_check(desc, block_bytes, err);
+        if (!rc && g->tier.ops) rc = g->tier.ops->check(g->tier.ctx, desc, err);
         if (rc) return rc;
         if (size < (uint64_t)g->L * g->E * block_bytes)
             return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy of %llu bytes, %u x %u "
@@ -461,7 +470,7 @@ static int route_and_resolve(smoe_layers *g, uint32_t pos, const float *x, uint3
     const size_t nk = (size_t)T * k;
     int rc;
     if ((rc = grow_pairs(g, T, err))) return rc;
-    if ((rc = smoe_cache_resident_mask(g->cache, pos, g->resident, err))) return rc;
+    if ((rc = smoe_slots_resident_mask(g->tier.tab, pos, g->resident, err))) return rc;
     memcpy(g->idx2, idx, sizeof *idx * nk);
     memcpy(g->w2, w, sizeof *w * nk);
     const int scores = g->route_lambda > 0.0 || g->miss == SMOE_MISS_SUBSTITUTE;
@@ -519,13 +528,13 @@ static int pinned_acquire(void *ctx, uint32_t layer, uint32_t expert, const uint
         *data = g->blocks[expert];
         return SMOE_OK;
     }
-    return smoe_cache_acquire(g->cache, layer, expert, data, err);
+    return smoe_cache_acquire(g->tier.cache, layer, expert, data, err);
 }
 
 static int pinned_release(void *ctx, uint32_t layer, uint32_t expert, smoe_err *err) {
     smoe_layers *g = ctx;
     if (layer == g->pos_pinned && g->pinned[expert]) g->pinned[expert] = 0;
-    return smoe_cache_release(g->cache, layer, expert, err);
+    return smoe_cache_release(g->tier.cache, layer, expert, err);
 }
 
 /* Drop the pins taken ahead that the forward did not consume (an error part way). */
@@ -533,7 +542,7 @@ static void unpin_rest(smoe_layers *g) {
     for (uint32_t e = 0; e < g->E; e++)
         if (g->pinned[e]) {
             smoe_err ignore;
-            smoe_cache_release(g->cache, g->pos_pinned, e, &ignore);
+            smoe_cache_release(g->tier.cache, g->pos_pinned, e, &ignore);
             g->pinned[e] = 0;
         }
 }
@@ -553,7 +562,7 @@ static int queue_layer_misses(smoe_layers *g, uint32_t pos, const int64_t *idx,
     memset(need, 0, E);
     for (size_t i = 0; i < nk; i++)
         if (!take || take[i]) need[idx[i]] = 1;
-    if ((rc = smoe_cache_resident_mask(g->cache, pos, g->resident, err))) return rc;
+    if ((rc = smoe_slots_resident_mask(g->tier.tab, pos, g->resident, err))) return rc;
     uint32_t nmiss = 0, nres = 0;
     for (uint32_t e = 0; e < E; e++) {
         if (!need[e]) continue;
@@ -568,7 +577,7 @@ static int queue_layer_misses(smoe_layers *g, uint32_t pos, const int64_t *idx,
     if (!nmiss || !nres) return SMOE_OK; /* nothing to overlap */
     smoe_err qerr;
     smoe_err_clear(&qerr);
-    rc = smoe_slots_prefetch(&g->cache->tab, g->keys, g->prios, nmiss, 0, &qerr);
+    rc = smoe_slots_prefetch(g->tier.tab, g->keys, g->prios, nmiss, 0, &qerr);
     if (rc == SMOE_ESTATE) return SMOE_OK; /* no prefetch worker: plain order */
     if (rc) {
         *err = qerr;
@@ -578,7 +587,7 @@ static int queue_layer_misses(smoe_layers *g, uint32_t pos, const int64_t *idx,
     uint32_t n = 0;
     for (uint32_t e = 0; e < E; e++) /* resident first (pinned now), then missing, then rest */
         if (need[e] && g->resident[e]) {
-            if ((rc = smoe_cache_acquire(g->cache, pos, e, &g->blocks[e], err))) {
+            if ((rc = smoe_cache_acquire(g->tier.cache, pos, e, &g->blocks[e], err))) {
                 unpin_rest(g);
                 return rc;
             }
@@ -594,10 +603,151 @@ static int queue_layer_misses(smoe_layers *g, uint32_t pos, const int64_t *idx,
     return SMOE_OK;
 }
 
-static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
-                          const int64_t *idx, const float *w, float *out, uint8_t *used,
+/* Step 5 on the host tier: the CPU cache's experts on the CPU kernels (moe.h) into out,
+ * then the draft tokens' and the low-bit copies' shares added. */
+static int host_moe(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
+                    const int64_t *idx, const float *w, const uint8_t *take,
+                    const uint8_t *draft, uint32_t lowbit_pairs, float *out, uint8_t *used,
+                    smoe_err *err) {
+    const uint32_t E = g->E, k = g->k;
+    int rc;
+    smoe_moe_source src = smoe_moe_cache_source(g->tier.cache);
+    int overlap = 0;
+    /* parallel misses: with the fixed-order sum for every call it is on (overlap or not), so
+     * outputs depend on the inputs and T only, never on which experts the worker had loaded;
+     * beyond SMOE_PARALLEL_MAX_FLOATS of per-pair rows (large prefills), and with a cache
+     * that holds every expert (nothing can miss for long: tab.nslots is fixed at init), the
+     * plain path */
+    const int par = g->parallel_misses && T > 0 &&
+                    (uint64_t)T * k * g->H <= SMOE_PARALLEL_MAX_FLOATS &&
+                    (uint64_t)g->tier.tab->nslots < (uint64_t)g->L * E;
+    if (par) {
+        if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
+        if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release, 0};
+    }
+    rc = smoe_moe_forward_order(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take,
+                                overlap ? g->visit : NULL, par, out, used, err);
+    if (overlap) unpin_rest(g);
+    if (rc) return rc;
+    if (draft) {
+        /* The draft tokens' full-precision pairs in expert calls of their own: the real
+         * tokens' groups never contain a draft row, so their results (f32/bf16 kernels round
+         * differently with the group size) do not depend on the drafts or on which of the
+         * drafts' experts happened to be resident.  Rows are disjoint: adding is exact. */
+        smoe_moe_source csrc = smoe_moe_cache_source(g->tier.cache);
+        rc = smoe_moe_forward_ex(g->kc, &g->desc, &csrc, pos, E, x, T, idx, w, k, g->take2,
+                                 g->out2, g->used2, err);
+        if (rc) return rc;
+        for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];
+        for (uint32_t e = 0; e < E; e++) used[e] |= g->used2[e];
+    }
+    for (uint8_t lv = 1; lv <= 2 && lowbit_pairs; lv++) {
+        /* the missing experts from resident low-bit copy lv - 1, added to out */
+        size_t n = 0;
+        for (size_t i = 0; i < (size_t)T * k; i++) n += g->take_lv[i] = g->take_lb[i] == lv;
+        if (!n) continue;
+        smoe_moe_source lsrc = smoe_moe_resident_source(&g->lowbit[lv - 1]);
+        rc = smoe_moe_forward_ex(g->kc, &g->lowbit_desc[lv - 1], &lsrc, pos, E, x, T, idx, w, k,
+                                 g->take_lv, g->out2, g->used2, err);
+        if (rc) return rc;
+        for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];
+        for (uint32_t e = 0; e < E; e++) used[e] |= g->used2[e];
+    }
+    return SMOE_OK;
+}
+
+/* ---- step 5 on a device tier (tier.h) ---------------------------------------------------- */
+
+/* What a forward call computes on: x on the host (routing), xd and out in the tier's memory,
+ * the device tier's stream. */
+typedef struct layer_io {
+    const float *x, *xd;
+    float *out;
+    void *stream;
+} layer_io;
+
+static int grow_groups(smoe_layers *g, size_t n, smoe_err *err) {
+    if (n <= g->cap_grp) return SMOE_OK;
+    int32_t *r = realloc(g->grp_rows, sizeof *r * n);
+    if (r) g->grp_rows = r;
+    float *c = realloc(g->grp_scale, sizeof *c * n);
+    if (c) g->grp_scale = c;
+    if (!r || !c) return smoe_err_set(err, SMOE_ENOMEM, "layers: no memory for %zu pairs", n);
+    g->cap_grp = (uint32_t)n;
+    return SMOE_OK;
+}
+
+/* The device tier's smoe_moe_forward_ex: out (tier memory) gets, on io->stream, the pairs with
+ * take[i] (NULL: all) -- zeroed first unless accumulate -- computed from the tier's cache
+ * (lv < 0) or resident low-bit copy lv, grouped as the CPU groups them (ascending expert,
+ * token order); used[e] = 1 for each expert computed (zeroed first unless accumulate). */
+static int dev_moe(smoe_layers *g, const layer_io *io, int lv, uint32_t pos, uint32_t T,
+                   const int64_t *idx, const float *w, const uint8_t *take, int accumulate,
+                   uint8_t *used, smoe_err *err) {
+    const smoe_tier_ops *ops = g->tier.ops;
+    void *ctx = g->tier.ctx;
+    const uint32_t E = g->E, k = g->k;
+    const size_t nk = (size_t)T * k;
+    const smoe_ffn_desc *d = lv < 0 ? &g->desc : &g->lowbit_desc[lv];
+    int rc;
+    if (!accumulate) {
+        memset(used, 0, E);
+        if ((rc = ops->zero(ctx, io->out, (size_t)T * g->H, io->stream, err))) return rc;
+    }
+    uint32_t *start = g->grp_start;
+    memset(start, 0, sizeof *start * ((size_t)E + 1));
+    for (size_t i = 0; i < nk; i++)
+        if (!take || take[i]) start[idx[i] + 1]++;
+    for (uint32_t e = 0; e < E; e++) start[e + 1] += start[e];
+    const uint32_t n = start[E];
+    if (!n) return SMOE_OK;
+    if ((rc = grow_groups(g, n, err))) return rc;
+    uint32_t *fill = g->counts; /* scratch [E]: step 3 is done with it */
+    memcpy(fill, start, sizeof *fill * E);
+    for (size_t i = 0; i < nk; i++) {
+        if (take && !take[i]) continue;
+        const uint32_t p = fill[idx[i]]++;
+        g->grp_rows[p] = (int32_t)(i / k);
+        g->grp_scale[p] = w[i];
+    }
+    for (uint32_t e = 0; e < E; e++) /* distinct rows: the kernels' contract */
+        for (uint32_t p = start[e] + 1; p < start[e + 1]; p++)
+            if (g->grp_rows[p] == g->grp_rows[p - 1])
+                return smoe_err_set(err, SMOE_EINVAL, "moe layer %u: token %d lists expert %u "
+                                    "twice", pos, g->grp_rows[p], e);
+    const int32_t *rows;
+    const float *scale;
+    if ((rc = ops->upload(ctx, g->grp_rows, g->grp_scale, n, &rows, &scale, io->stream, err)))
+        return rc;
+    for (uint32_t e = 0; e < E; e++) {
+        const uint32_t s0 = start[e], ne = start[e + 1] - s0;
+        if (!ne) continue;
+        const uint8_t *block;
+        if (lv < 0) {
+            if ((rc = ops->acquire(ctx, pos, e, io->stream, &block, err))) return rc;
+        } else {
+            const smoe_moe_resident *r = &g->lowbit[lv];
+            block = r->base + ((uint64_t)pos * E + e) * r->block_bytes;
+        }
+        rc = ops->expert(ctx, d, block, io->xd, rows + s0, scale + s0, ne, io->out, io->stream,
+                         err);
+        if (lv < 0) {
+            smoe_err rerr;
+            const int rr = ops->release(ctx, pos, e, io->stream, rc ? &rerr : err);
+            if (!rc) rc = rr;
+        }
+        if (rc) return rc;
+        used[e] = 1;
+    }
+    return SMOE_OK;
+}
+
+static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint32_t T,
+                          const int64_t *idx, const float *w, uint8_t *used,
                           const float *scores, int replace, const uint8_t *draft,
                           smoe_err *err) {
+    const float *x = io->x;
+    float *out = io->out;
     const uint32_t E = g->E, k = g->k;
     int rc;
     if (pos >= g->L)
@@ -616,7 +766,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
     if (pos == 0) {
         g->counters.passes++;
         g->counters.tokens += T;
-        smoe_slots_begin_pass(&g->cache->tab);
+        smoe_slots_begin_pass(g->tier.tab);
     }
     if (g->prefetch && pos + 1 < g->L && T > 0) {
         if (!scores) {
@@ -633,7 +783,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
                 g->prios[n] = g->best[e];
                 n++;
             }
-        rc = smoe_slots_prefetch(&g->cache->tab, g->keys, g->prios, n, replace, err);
+        rc = smoe_slots_prefetch(g->tier.tab, g->keys, g->prios, n, replace, err);
         if (rc) return rc;
     }
     const int step4 = T > 0 && (g->route_lambda > 0.0 || g->miss != SMOE_MISS_FETCH || draft);
@@ -654,21 +804,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
                 g->counts[n] = g->counts[e];
                 n++;
             }
-        if ((rc = smoe_slots_counts(&g->cache->tab, g->keys, g->counts, n, err))) return rc;
-    }
-    smoe_moe_source src = smoe_moe_cache_source(g->cache);
-    int overlap = 0;
-    /* parallel misses: with the fixed-order sum for every call it is on (overlap or not), so
-     * outputs depend on the inputs and T only, never on which experts the worker had loaded;
-     * beyond SMOE_PARALLEL_MAX_FLOATS of per-pair rows (large prefills), and with a cache
-     * that holds every expert (nothing can miss for long: tab.nslots is fixed at init), the
-     * plain path */
-    const int par = g->parallel_misses && T > 0 &&
-                    (uint64_t)T * k * g->H <= SMOE_PARALLEL_MAX_FLOATS &&
-                    (uint64_t)g->cache->tab.nslots < (uint64_t)g->L * E;
-    if (par) {
-        if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
-        if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release, 0};
+        if ((rc = smoe_slots_counts(g->tier.tab, g->keys, g->counts, n, err))) return rc;
     }
     if (draft) { /* take == g->take here: split it into the real and the draft tokens' pairs */
         for (size_t i = 0; i < (size_t)T * k; i++) {
@@ -676,33 +812,18 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const float *x, uint32_t
             g->take[i] = (uint8_t)(g->take[i] && !draft[i / k]);
         }
     }
-    rc = smoe_moe_forward_order(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take,
-                                overlap ? g->visit : NULL, par, out, used, err);
-    if (overlap) unpin_rest(g);
-    if (rc) return rc;
-    if (draft) {
-        /* The draft tokens' full-precision pairs in expert calls of their own: the real
-         * tokens' groups never contain a draft row, so their results (f32/bf16 kernels round
-         * differently with the group size) do not depend on the drafts or on which of the
-         * drafts' experts happened to be resident.  Rows are disjoint: adding is exact. */
-        smoe_moe_source csrc = smoe_moe_cache_source(g->cache);
-        rc = smoe_moe_forward_ex(g->kc, &g->desc, &csrc, pos, E, x, T, idx, w, k, g->take2,
-                                 g->out2, g->used2, err);
+    if (g->tier.ops) { /* a device tier: every share accumulates into out on its stream */
+        rc = dev_moe(g, io, -1, pos, T, idx, w, take, 0, used, err);
+        if (!rc && draft) rc = dev_moe(g, io, -1, pos, T, idx, w, g->take2, 1, used, err);
+        for (uint8_t lv = 1; lv <= 2 && lowbit_pairs && !rc; lv++) {
+            size_t n = 0;
+            for (size_t i = 0; i < (size_t)T * k; i++) n += g->take_lv[i] = g->take_lb[i] == lv;
+            if (n) rc = dev_moe(g, io, lv - 1, pos, T, idx, w, g->take_lv, 1, used, err);
+        }
         if (rc) return rc;
-        for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];
-        for (uint32_t e = 0; e < E; e++) used[e] |= g->used2[e];
-    }
-    for (uint8_t lv = 1; lv <= 2 && lowbit_pairs; lv++) {
-        /* the missing experts from resident low-bit copy lv - 1, added to out */
-        size_t n = 0;
-        for (size_t i = 0; i < (size_t)T * k; i++) n += g->take_lv[i] = g->take_lb[i] == lv;
-        if (!n) continue;
-        smoe_moe_source lsrc = smoe_moe_resident_source(&g->lowbit[lv - 1]);
-        rc = smoe_moe_forward_ex(g->kc, &g->lowbit_desc[lv - 1], &lsrc, pos, E, x, T, idx, w, k,
-                                 g->take_lv, g->out2, g->used2, err);
-        if (rc) return rc;
-        for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];
-        for (uint32_t e = 0; e < E; e++) used[e] |= g->used2[e];
+    } else if ((rc = host_moe(g, pos, x, T, idx, w, take, draft, lowbit_pairs, out, used,
+                              err))) {
+        return rc;
     }
     if (g->pred_valid[pos]) {
         const uint8_t *p = g->pred + (size_t)pos * E;
@@ -819,9 +940,13 @@ int smoe_silu_mlp_add(smoe_kctx *kc, const smoe_shared_ffn *f, const float *x, u
 int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
                                int flags, int64_t *idx, float *w, float *out, uint8_t *used,
                                int replace, const uint8_t *draft, smoe_err *err) {
+    if (g->tier.ops)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: forward_routed runs on the CPU tier "
+                            "(a device tier's model routes on its device)");
+    const layer_io io = {x, x, out, NULL};
     pthread_mutex_lock(&g->mu);
     int rc = route(g, pos, x, T, flags, idx, w, err);
-    if (!rc) rc = forward_locked(g, pos, x, T, idx, w, out, used, NULL, replace, draft, err);
+    if (!rc) rc = forward_locked(g, pos, &io, T, idx, w, used, NULL, replace, draft, err);
     if (!rc && T && g->shared[pos].d[0])  /* the shared experts, added to the routed ones */
         rc = smoe_silu_mlp_add(g->kc, &g->shared[pos], x, g->H, T, flags & SMOE_ROUTE_BF16_OUT,
                                &g->sh, out, err);
@@ -853,8 +978,19 @@ int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T
                         const int64_t *idx, const float *w, float *out, uint8_t *used,
                         const float *scores, int replace, const uint8_t *draft,
                         smoe_err *err) {
+    return smoe_layers_forward_on(g, pos, x, x, T, idx, w, out, used, scores, replace, draft,
+                                  NULL, err);
+}
+
+int smoe_layers_forward_on(smoe_layers *g, uint32_t pos, const float *x, const float *xd,
+                           uint32_t T, const int64_t *idx, const float *w, float *out,
+                           uint8_t *used, const float *scores, int replace,
+                           const uint8_t *draft, void *stream, smoe_err *err) {
+    if (!g->tier.ops && xd != x)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: the CPU tier computes on x itself");
+    const layer_io io = {x, xd, out, stream};
     pthread_mutex_lock(&g->mu);
-    int rc = forward_locked(g, pos, x, T, idx, w, out, used, scores, replace, draft, err);
+    int rc = forward_locked(g, pos, &io, T, idx, w, used, scores, replace, draft, err);
     pthread_mutex_unlock(&g->mu);
     return rc;
 }

@@ -97,6 +97,7 @@
 #include "common.h"
 #include "kernels/kernels.h"
 #include "moe.h"
+#include "tier.h"
 
 typedef struct smoe_layer_router {
     float *w;    /* owned; [E, H] f32 */
@@ -169,7 +170,8 @@ enum { SMOE_MISS_FETCH = 0, SMOE_MISS_DROP = 1, SMOE_MISS_SUBSTITUTE = 2,
 typedef struct smoe_layers {
     pthread_mutex_t mu;
     uint32_t L, E, H, k;
-    smoe_cache *cache;        /* borrowed; outlives every forward call (the binding pins it) */
+    smoe_tier tier;           /* where the experts are (tier.h); its cache and context are
+                               * borrowed and outlive every forward call (the binding pins them) */
     smoe_kctx *kc;            /* borrowed; may be NULL (single-threaded kernels) */
     smoe_ffn_desc desc;       /* validated against the cache's block size */
     smoe_layer_router *routers; /* owned; [L] */
@@ -226,12 +228,19 @@ typedef struct smoe_layers {
     uint8_t *pinned;          /* owned; [E] resident experts pinned ahead of their compute */
     const uint8_t **blocks;   /* owned; [E] the pinned experts' blocks */
     uint32_t pos_pinned;      /* the layer those pins belong to */
+    /* scratch of a device tier's compute (tier.h) [mu] */
+    uint32_t *grp_start;      /* owned; [E + 1] each expert's first pair */
+    uint32_t cap_grp;         /* pairs the buffers below hold */
+    int32_t *grp_rows;        /* owned; [cap_grp] each pair's token, grouped by expert */
+    float *grp_scale;         /* owned; [cap_grp] its weight */
 } smoe_layers;
 
-/* Build for L layers of E experts, hidden H, top-k k, over `cache` (block size checked against
- * desc) with routers[pos] = (w [E,H], b [E] or NULL, corr [E] or NULL) copied; `sigmoid`
- * chooses the score function used with a correction bias.  SMOE_EINVAL on bad shapes. */
-int smoe_layers_init(smoe_layers *g, smoe_cache *cache, smoe_kctx *kc, const smoe_ffn_desc *d,
+/* Build for L layers of E experts, hidden H, top-k k, over the expert tier `tier` (its cache's
+ * block size checked against desc; a device tier's kernels must take desc) with routers[pos] =
+ * (w [E,H], b [E] or NULL, corr [E] or NULL) copied; `sigmoid` chooses the score function
+ * used with a correction bias.  kc: the CPU kernels' threads (the host tier's experts, and on
+ * every tier the router GEMVs and the shared FFN).  SMOE_EINVAL on bad shapes. */
+int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc, const smoe_ffn_desc *d,
                      uint32_t L, uint32_t E, uint32_t H, uint32_t k, const float *const *w,
                      const float *const *b, const float *const *corr, int sigmoid,
                      smoe_err *err);
@@ -252,7 +261,8 @@ int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, uint32_t 
 void smoe_layers_set_parallel(smoe_layers *g, int on);
 
 /* Resident low-bit copy `level` (0 or 1, see lowbit above): every block in store order at base
- * (size bytes, block_bytes each, the FFN in desc, same H), borrowed until replaced; base NULL
+ * (size bytes, block_bytes each, the FFN in desc, same H; in the tier's memory: GPU memory on
+ * a GPU tier, and desc a format its kernels take), borrowed until replaced; base NULL
  * removes it (SMOE_ESTATE while the miss mode uses it, or for copy 0 while copy 1 is set). */
 int smoe_layers_set_lowbit(smoe_layers *g, uint32_t level, const uint8_t *base, uint64_t size,
                            uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err);
@@ -271,6 +281,15 @@ int smoe_layers_forward(smoe_layers *g, uint32_t pos, const float *x, uint32_t T
                         const int64_t *idx, const float *w, float *out, uint8_t *used,
                         const float *scores, int replace, const uint8_t *draft,
                         smoe_err *err);
+
+/* smoe_layers_forward on any tier: x [T,H] on the host (routing, prediction, step 4), xd the
+ * same rows in the tier's memory and out [T,H] there too (the host tier: xd == x, out host
+ * memory), stream the device tier's compute stream (NULL on the host tier).  The experts'
+ * work is enqueued on stream; it may still run when this returns. */
+int smoe_layers_forward_on(smoe_layers *g, uint32_t pos, const float *x, const float *xd,
+                           uint32_t T, const int64_t *idx, const float *w, float *out,
+                           uint8_t *used, const float *scores, int replace,
+                           const uint8_t *draft, void *stream, smoe_err *err);
 
 /* route_flags of smoe_layers_forward_routed. */
 enum {

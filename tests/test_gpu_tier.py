@@ -286,3 +286,27 @@ def test_mtp_drafting_with_draft_tokens(device):
                     model(torch.tensor([[1, 2, 3, 4, 5]], device=_dev(device)))
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_is_one_c_call(device, monkeypatch):
+    """Issue 36 item 2: without the balancer a GPU MoE layer runs in ``_C.Layers.forward_on``
+    (csrc/layer.c over cuda/gtier.c): the per-expert Python path is never entered, and the
+    layer counters come from C."""
+    def refuse(*a, **k):
+        raise AssertionError("the per-expert Python path ran")
+    monkeypatch.setattr(cuda, "moe_forward", refuse)
+    monkeypatch.setattr(cuda, "group_by_expert", refuse)
+    m, ref = _tiny("deepseek_v3")
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25)
+    try:
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            torch.testing.assert_close(m(x).logits, ref.to(_dev(device))(x).logits,
+                                       rtol=1e-4, atol=1e-4)
+        c = eng.layers.counters()
+        assert c["passes"] == 1 and c["tokens"] == len(PROMPT)
+        assert eng.stats()["gpu_experts"] > 0
+    finally:
+        eng.close()
+    assert eng.layers is None

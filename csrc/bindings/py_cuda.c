@@ -18,9 +18,11 @@
 
 #include "gcache.h"
 #include "gpu.h"
+#include "gtier.h"
 #include "py_bridge.h"
 #include "py_desc.h"
 #include "py_errors.h"
+#include "py_tier.h"
 
 static PyObject *Err_Base, *Err_Store, *Err_Cache, *Err_Policy, *Err_Cuda; /* set at init */
 
@@ -757,6 +759,98 @@ static PyTypeObject GC_Type = {
     .tp_getset = GC_getset,
 };
 
+/* ---- Tier type: the GPU cache as an expert tier of specmoe._C.Layers (cuda/gtier.h) ------- */
+
+typedef struct {
+    PyObject_HEAD
+    GCacheObject *cache; /* strong */
+    smoe_gtier t;
+    smoe_py_tier pt;     /* what the capsules point at (py_tier.h) */
+    int ready;
+} TierObject;
+
+static int Tier_begin(PyObject *owner) {
+    TierObject *self = (TierObject *)owner;
+    if (!self->ready || GC_check(self->cache) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(Err_Cache, "the GPU tier is not initialised");
+        return -1;
+    }
+    self->cache->busy++; /* close() of the cache is refused until Tier_end */
+    return 0;
+}
+
+static void Tier_end(PyObject *owner) { ((TierObject *)owner)->cache->busy--; }
+
+static int Tier_init(TierObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"cache", "H", "I", NULL};
+    PyObject *cache;
+    unsigned int H, I;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!II:Tier", kwlist, &GC_Type, &cache, &H, &I))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Tier.__init__ called twice");
+        return -1;
+    }
+    GCacheObject *gc = (GCacheObject *)cache;
+    if (GC_check(gc) < 0) return -1;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gtier_init(&self->t, &gc->cache, H, I, &e);
+    Py_END_ALLOW_THREADS if (rc) {
+        raise_err(&e);
+        return -1;
+    }
+    Py_INCREF(cache);
+    self->cache = gc;
+    self->pt = (smoe_py_tier){smoe_gtier_tier(&self->t), (PyObject *)self, Tier_begin, Tier_end};
+    self->ready = 1;
+    return 0;
+}
+
+static void Tier_dealloc(TierObject *self) {
+    if (self->ready) smoe_gtier_free(&self->t); /* no Layers uses it: they hold a capsule */
+    Py_XDECREF(self->cache);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static void capsule_free(PyObject *cap) { Py_XDECREF((PyObject *)PyCapsule_GetContext(cap)); }
+
+static PyObject *Tier_get_capsule(TierObject *self, void *cl) {
+    (void)cl;
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Tier not initialised");
+        return NULL;
+    }
+    PyObject *cap = PyCapsule_New(&self->pt, SMOE_PY_TIER_CAPSULE, capsule_free);
+    if (!cap) return NULL;
+    Py_INCREF(self); /* the capsule keeps the tier (and so its cache) alive */
+    if (PyCapsule_SetContext(cap, self) < 0) {
+        Py_DECREF(self);
+        Py_DECREF(cap);
+        return NULL;
+    }
+    return cap;
+}
+
+static PyGetSetDef Tier_getset[] = {
+    {"capsule", (getter)Tier_get_capsule, NULL,
+     "a new capsule for specmoe._C.Layers(cache=...) (keeps this tier alive)", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject Tier_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._cuda.Tier",
+    .tp_basicsize = sizeof(TierObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Tier(cache, H, I): the GPU cache as the expert tier of specmoe._C.Layers\n"
+              "(cuda/gtier.h): one C call per MoE layer on the GPU (the host emulation when the\n"
+              "cache's device is -1).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Tier_init,
+    .tp_dealloc = (destructor)Tier_dealloc,
+    .tp_getset = Tier_getset,
+};
+
 /* ---- module --------------------------------------------------------------------------------- */
 
 static PyMethodDef module_methods[] = {
@@ -785,15 +879,19 @@ PyMODINIT_FUNC PyInit__cuda(void) {
                                          "A CUDA or cuBLAS call failed, or no GPU is usable.",
                                          Err_Base, NULL);
     if (!Err_Cuda) return NULL;
-    if (PyType_Ready(&FFN_Type) < 0 || PyType_Ready(&GC_Type) < 0) return NULL;
+    if (PyType_Ready(&FFN_Type) < 0 || PyType_Ready(&GC_Type) < 0 ||
+        PyType_Ready(&Tier_Type) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&cuda_module);
     if (!m) return NULL;
     Py_INCREF(Err_Cuda);
     Py_INCREF(&FFN_Type);
     Py_INCREF(&GC_Type);
+    Py_INCREF(&Tier_Type);
     if (PyModule_AddObject(m, "CudaError", Err_Cuda) < 0 ||
         PyModule_AddObject(m, "FFN", (PyObject *)&FFN_Type) < 0 ||
-        PyModule_AddObject(m, "GpuCache", (PyObject *)&GC_Type) < 0) {
+        PyModule_AddObject(m, "GpuCache", (PyObject *)&GC_Type) < 0 ||
+        PyModule_AddObject(m, "Tier", (PyObject *)&Tier_Type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -2,11 +2,15 @@
  *
  *   Layers(cache, kctx, desc, routers, top_k, sigmoid=False)
  *     cache: a _C.Cache or specmoe.ExpertCache (kept referenced; close() of it is refused
- *     while a forward call runs, and a later forward on a closed cache raises CacheError);
+ *     while a forward call runs, and a later forward on a closed cache raises CacheError),
+ *     or a device tier's capsule (py_tier.h: specmoe._cuda.Tier.capsule, the GPU cache or
+ *     its host emulation; same guarantees);
  *     kctx: a _C.KernelContext or None; desc: the expert FFN descriptor dict;
  *     routers: one (w [E,H], b [E] or None, corr [E] or None) float32 tuple per MoE layer.
  *   forward(pos, x, idx, w, out, used, scores=None, replace=True, draft=None)
  *                                            METH_FASTCALL, GIL released
+ *   forward_on(pos, x, idx, w, used, xd, out, stream, scores=None, replace=True, draft=None)
+ *                                            a device tier: xd, out addresses in its memory
  *   configure(prefetch, overfetch, mass, feed_counts)
  *   counters(reset=False) -> dict
  *   set_miss(miss, keep, route_lambda, keep2=top_k)  miss: "fetch", "drop", "substitute",
@@ -26,12 +30,13 @@
 #include "py_layer.h"
 #include "py_kernels.h"
 #include "py_numpy.h"
+#include "py_tier.h"
 
 typedef struct {
     PyObject_HEAD
     smoe_layers g;
     int initialized;
-    PyObject *cache_obj; /* strong */
+    PyObject *cache_obj; /* strong: a _C.Cache (or its wrapper), or a device tier's capsule */
     PyObject *kctx_obj;  /* strong, or NULL */
     Py_buffer lowbit[2]; /* low-bit copy i's buffer while has_lowbit[i] (g borrows it) */
     int has_lowbit[2];
@@ -41,6 +46,30 @@ typedef struct {
 
 static const char *const miss_names[] = {"fetch", "drop", "substitute", "lowest_bit",
                                          "priority"};
+
+/* The tier of a Layers' cache argument, marked in use: a device tier's capsule (py_tier.h) or
+ * a CPU cache (smoe_py_cache_begin).  0, or -1 with an exception.  End with tier_end. */
+static int tier_begin(PyObject *obj, smoe_tier *out) {
+    if (PyCapsule_CheckExact(obj)) {
+        smoe_py_tier *t = PyCapsule_GetPointer(obj, SMOE_PY_TIER_CAPSULE);
+        if (!t || t->begin(t->owner) < 0) return -1;
+        *out = t->tier;
+        return 0;
+    }
+    smoe_cache *c = smoe_py_cache_begin(obj);
+    if (!c) return -1;
+    *out = smoe_tier_host(c);
+    return 0;
+}
+
+static void tier_end(PyObject *obj) {
+    if (PyCapsule_CheckExact(obj)) {
+        smoe_py_tier *t = PyCapsule_GetPointer(obj, SMOE_PY_TIER_CAPSULE);
+        if (t) t->end(t->owner);
+        return;
+    }
+    smoe_py_cache_end(obj);
+}
 
 static void Layers_dealloc(LayersObject *self) {
     if (self->initialized) smoe_layers_free(&self->g);
@@ -67,19 +96,20 @@ static int Layers_init(LayersObject *self, PyObject *args, PyObject *kw) {
     }
     smoe_kctx *kc = NULL;
     if (kctx_obj != Py_None && !(kc = smoe_py_kctx(kctx_obj))) return -1;
-    smoe_cache *cache = smoe_py_cache_begin(cache_obj);
-    if (!cache) return -1;
+    smoe_tier tier;
+    if (tier_begin(cache_obj, &tier) < 0) return -1;
+    const smoe_slots *tab = tier.tab;
     smoe_ffn_desc d;
     int rc = -1;
     const float **w = NULL, **b = NULL, **corr = NULL;
     PyObject *seq = PySequence_Fast(routers, "routers must be a sequence of (w, b, corr)");
     if (!seq) goto out;
-    if (smoe_py_ffn_desc_parse(desc, cache->tab.slot_bytes, &d) < 0) goto out;
+    if (smoe_py_ffn_desc_parse(desc, tab->slot_bytes, &d) < 0) goto out;
     Py_ssize_t L = PySequence_Fast_GET_SIZE(seq);
-    uint32_t E = cache->tab.num_experts, H = d.H;
-    if ((uint32_t)L != cache->tab.num_layers) {
+    uint32_t E = tab->num_experts, H = d.H;
+    if ((uint32_t)L != tab->num_layers) {
         PyErr_Format(PyExc_ValueError, "routers: %zd layers, the cache has %u", L,
-                     cache->tab.num_layers);
+                     tab->num_layers);
         goto out;
     }
     w = calloc((size_t)L, sizeof *w), b = calloc((size_t)L, sizeof *b);
@@ -119,7 +149,7 @@ static int Layers_init(LayersObject *self, PyObject *args, PyObject *kw) {
     }
     smoe_err e;
     smoe_err_clear(&e);
-    if (smoe_layers_init(&self->g, cache, kc, &d, (uint32_t)L, E, H, top_k, w, b, corr, sigmoid,
+    if (smoe_layers_init(&self->g, &tier, kc, &d, (uint32_t)L, E, H, top_k, w, b, corr, sigmoid,
                          &e)) {
         smoe_py_raise(&e);
         goto out;
@@ -139,7 +169,7 @@ out:
     Py_XDECREF(seq);
     PyObject *et, *ev, *tb; /* ending the use may look up attributes: keep the error */
     PyErr_Fetch(&et, &ev, &tb);
-    smoe_py_cache_end(cache_obj);
+    tier_end(cache_obj);
     PyErr_Restore(et, ev, tb);
     return rc;
 }
@@ -221,7 +251,13 @@ static PyObject *layers_call(LayersObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "out must not be x");
         return NULL;
     }
-    if (!smoe_py_cache_begin(self->cache_obj)) return NULL;
+    if (g->tier.ops) {
+        PyErr_SetString(PyExc_ValueError, "this Layers runs on a device tier: call forward_on "
+                        "with the device's x and out");
+        return NULL;
+    }
+    smoe_tier tier;
+    if (tier_begin(self->cache_obj, &tier) < 0) return NULL;
     smoe_err e;
     smoe_err_clear(&e);
     int rc;
@@ -236,7 +272,97 @@ static PyObject *layers_call(LayersObject *self, PyObject *const *args, Py_ssize
                                  PyArray_DATA(used), sc ? PyArray_DATA(sc) : NULL, replace,
                                  dr ? PyArray_DATA(dr) : NULL, &e);
     Py_END_ALLOW_THREADS
-    smoe_py_cache_end(self->cache_obj);
+    tier_end(self->cache_obj);
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
+/* An address argument (a Python int: a device pointer, or a host one in the emulation). */
+static int want_addr(PyObject *o, const char *what, void **out) {
+    unsigned long long a = PyLong_AsUnsignedLongLong(o);
+    if (a == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "%s must be an address (int)", what);
+        return -1;
+    }
+    if (!a) {
+        PyErr_Format(PyExc_ValueError, "%s is a null address", what);
+        return -1;
+    }
+    *out = (void *)(uintptr_t)a;
+    return 0;
+}
+
+PyDoc_STRVAR(forward_on_doc,
+             "forward_on(pos, x, idx, w, used, xd, out, stream, scores=None, replace=True, "
+             "draft=None)\n\n"
+             "forward on a device tier (csrc/layer.h smoe_layers_forward_on): x float32 [T,H], "
+             "idx int64 [T,k], w float32 [T,k] and used uint8 [E] on the host; xd and out the "
+             "addresses of x's rows and of the float32 [T,H] output in the tier's memory; "
+             "stream the compute stream (int cudaStream_t, 0 in the emulation), on which the "
+             "experts' work is enqueued.  With the GIL released.");
+
+static PyObject *Layers_forward_on(LayersObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (check_init(self) < 0) return NULL;
+    smoe_layers *g = &self->g;
+    if (n < 8 || n > 11) {
+        PyErr_SetString(PyExc_TypeError, "forward_on(pos, x, idx, w, used, xd, out, stream, "
+                        "scores=None, replace=True, draft=None)");
+        return NULL;
+    }
+    if (!g->tier.ops) {
+        PyErr_SetString(PyExc_ValueError, "forward_on runs on a device tier; this Layers is "
+                        "over a CPU cache (forward)");
+        return NULL;
+    }
+    long pos = PyLong_AsLong(args[0]);
+    if (pos == -1 && PyErr_Occurred()) return NULL;
+    if (pos < 0 || pos >= (long)g->L) {
+        PyErr_Format(PyExc_ValueError, "pos %ld outside 0..%u", pos, g->L - 1);
+        return NULL;
+    }
+    PyArrayObject *x, *idx, *w, *used, *sc = NULL, *dr = NULL;
+    void *xd, *out;
+    if (!(x = smoe_py_want_array(args[1], "x", NPY_FLOAT32, 2, 0)) ||
+        !(idx = smoe_py_want_array(args[2], "idx", NPY_INT64, 2, 0)) ||
+        !(w = smoe_py_want_array(args[3], "w", NPY_FLOAT32, 2, 0)) ||
+        !(used = smoe_py_want_array(args[4], "used", NPY_UINT8, 1, 1)) ||
+        want_addr(args[5], "xd", &xd) < 0 || want_addr(args[6], "out", &out) < 0)
+        return NULL;
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[7]);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (n > 8 && args[8] != Py_None &&
+        !(sc = smoe_py_want_array(args[8], "scores", NPY_FLOAT32, 2, 0)))
+        return NULL;
+    int replace = 1;
+    if (n > 9 && (replace = PyObject_IsTrue(args[9])) < 0) return NULL;
+    if (n > 10 && args[10] != Py_None &&
+        !(dr = smoe_py_want_array(args[10], "draft", NPY_UINT8, 1, 0)))
+        return NULL;
+    npy_intp T = PyArray_DIM(x, 0);
+    if (PyArray_DIM(x, 1) != (npy_intp)g->H || PyArray_DIM(idx, 0) != T ||
+        PyArray_DIM(idx, 1) != (npy_intp)g->k || PyArray_DIM(w, 0) != T ||
+        PyArray_DIM(w, 1) != (npy_intp)g->k || PyArray_DIM(used, 0) != (npy_intp)g->E ||
+        (sc && (PyArray_DIM(sc, 0) != T || PyArray_DIM(sc, 1) != (npy_intp)g->E)) ||
+        (dr && PyArray_DIM(dr, 0) != T) || T > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "shape mismatch: x %ldx%ld, idx %ldx%ld, w %ldx%ld, "
+                     "used %ld (hidden %u, top_k %u, experts %u)", (long)T,
+                     (long)PyArray_DIM(x, 1), (long)PyArray_DIM(idx, 0),
+                     (long)PyArray_DIM(idx, 1), (long)PyArray_DIM(w, 0),
+                     (long)PyArray_DIM(w, 1), (long)PyArray_DIM(used, 0), g->H, g->k, g->E);
+        return NULL;
+    }
+    smoe_tier tier;
+    if (tier_begin(self->cache_obj, &tier) < 0) return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_layers_forward_on(g, (uint32_t)pos, PyArray_DATA(x), xd, (uint32_t)T,
+                                PyArray_DATA(idx), PyArray_DATA(w), out, PyArray_DATA(used),
+                                sc ? PyArray_DATA(sc) : NULL, replace,
+                                dr ? PyArray_DATA(dr) : NULL, (void *)(uintptr_t)stream, &e);
+    Py_END_ALLOW_THREADS
+    tier_end(self->cache_obj);
     if (rc) return smoe_py_raise(&e);
     Py_RETURN_NONE;
 }
@@ -363,13 +489,13 @@ static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *k
 }
 
 static PyObject *Layers_set_lowbit(LayersObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"buf", "desc", "block_bytes", "level", NULL};
+    static char *kwlist[] = {"buf", "desc", "block_bytes", "level", "size", NULL};
     PyObject *buf, *desc = Py_None;
-    unsigned long long bb = 0;
+    unsigned long long bb = 0, size = 0;
     unsigned int level = 0;
     if (check_init(self) < 0 ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "O|OKI:set_lowbit", kwlist, &buf, &desc, &bb,
-                                     &level))
+        !PyArg_ParseTupleAndKeywords(args, kw, "O|OKIK:set_lowbit", kwlist, &buf, &desc, &bb,
+                                     &level, &size))
         return NULL;
     if (level > 1) {
         PyErr_Format(PyExc_ValueError, "set_lowbit: level %u (0 or 1)", level);
@@ -394,6 +520,22 @@ static PyObject *Layers_set_lowbit(LayersObject *self, PyObject *args, PyObject 
     }
     smoe_ffn_desc d;
     if (smoe_py_ffn_desc_parse(desc, bb, &d) < 0) return NULL;
+    if (PyLong_Check(buf)) { /* a device tier's copy in its memory: the caller keeps it */
+        void *base;
+        if (!self->g.tier.ops) {
+            PyErr_SetString(PyExc_TypeError, "set_lowbit: an address is for a device tier; "
+                            "give the CPU tier a buffer");
+            return NULL;
+        }
+        if (want_addr(buf, "buf", &base) < 0) return NULL;
+        Py_BEGIN_ALLOW_THREADS
+        rc = smoe_layers_set_lowbit(&self->g, level, base, size, bb, &d, &e);
+        Py_END_ALLOW_THREADS
+        if (rc) return smoe_py_raise(&e);
+        if (self->has_lowbit[level]) PyBuffer_Release(&self->lowbit[level]);
+        self->has_lowbit[level] = 0;
+        Py_RETURN_NONE;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -438,6 +580,8 @@ static PyMethodDef Layers_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))Layers_forward, METH_FASTCALL, forward_doc},
     {"forward_routed", (PyCFunction)(void (*)(void))Layers_forward_routed, METH_FASTCALL,
      forward_routed_doc},
+    {"forward_on", (PyCFunction)(void (*)(void))Layers_forward_on, METH_FASTCALL,
+     forward_on_doc},
     {"set_block", (PyCFunction)(void (*)(void))Layers_set_block, METH_VARARGS | METH_KEYWORDS,
      "set_block(pos, route_scale=1.0, shared=None): forward_routed's routing-weight factor for "
      "layer pos (DeepSeek's routed_scaling_factor) and its shared FFN, None or a (gate, up, "
@@ -455,9 +599,10 @@ static PyMethodDef Layers_methods[] = {
      "set_parallel(on): a layer's misses load on the prefetch worker while its resident "
      "experts compute (layer.h, step 5)."},
     {"set_lowbit", (PyCFunction)(void (*)(void))Layers_set_lowbit, METH_VARARGS | METH_KEYWORDS,
-     "set_lowbit(buf, desc, block_bytes, level=0) or set_lowbit(None, level=0): resident "
-     "low-bit copy 0 (miss='lowest_bit', draft tokens, priority's first fallback) or 1 "
-     "(priority's second) of every expert, in store order."},
+     "set_lowbit(buf, desc, block_bytes, level=0, size=0) or set_lowbit(None, level=0): "
+     "resident low-bit copy 0 (miss='lowest_bit', draft tokens, priority's first fallback) or 1 "
+     "(priority's second) of every expert, in store order; on a device tier buf may be the "
+     "copy's address in the tier's memory (size: its bytes; the caller keeps it alive)."},
     {"counters", (PyCFunction)(void (*)(void))Layers_counters, METH_VARARGS | METH_KEYWORDS,
      "counters(reset=False) -> dict of tokens, passes, predicted, true_positive, actual."},
     {NULL, NULL, 0, NULL}};
@@ -493,11 +638,16 @@ smoe_layers *smoe_py_layers_begin(PyObject *obj) {
         return NULL;
     }
     LayersObject *l = (LayersObject *)obj;
-    if (!smoe_py_cache_begin(l->cache_obj)) return NULL;
+    if (l->g.tier.ops) {
+        PyErr_SetString(PyExc_TypeError, "the C decoder runs the CPU tier's Layers only");
+        return NULL;
+    }
+    smoe_tier tier;
+    if (tier_begin(l->cache_obj, &tier) < 0) return NULL;
     return &l->g;
 }
 
-void smoe_py_layers_end(PyObject *obj) { smoe_py_cache_end(((LayersObject *)obj)->cache_obj); }
+void smoe_py_layers_end(PyObject *obj) { tier_end(((LayersObject *)obj)->cache_obj); }
 
 int smoe_py_layer_init(PyObject *m) {
     if (PyModule_AddType(m, &LayersType) < 0) return -1;

@@ -292,6 +292,13 @@ class GpuExpertCache:
     def acquire(self, layer: int, expert: int, stream: Any = None) -> int:
         return int(self._c.acquire(layer, expert, self._stream(stream)))
 
+    def tier(self, spec: Any) -> Any:
+        """This cache as the expert tier of ``specmoe._C.Layers`` (``_cuda.Tier``, cuda/gtier.h):
+        its ``capsule`` makes the C per-layer path run on this cache and the GPU kernels
+        (the CPU kernels in the host emulation) for experts of ``spec``'s shape."""
+        mod = extension() if self.device < 0 else load()
+        return mod.Tier(self._c, spec.H, spec.I)
+
     def release(self, layer: int, expert: int, stream: Any = None) -> None:
         self._c.release(layer, expert, self._stream(stream))
 

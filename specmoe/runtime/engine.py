@@ -456,19 +456,6 @@ class Engine(EngineCommon):
         self._cache, self._layers = new, layers
         self._configure_layers()
 
-    def _router_copies(self) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
-        """Each MoE layer's router as f32 arrays (weight [E,H], bias, correction bias) for the
-        C prediction; the Python predictor hook replaces them when set."""
-        def f32(t: torch.Tensor | None) -> np.ndarray | None:
-            return None if t is None else \
-                np.ascontiguousarray(t.detach().to(torch.float32).reshape(t.shape[0], -1)
-                                     .squeeze(-1).numpy())
-        out = []
-        for r, corr in zip(self._routers, self._router_bias):
-            out.append((f32(r.weight), f32(getattr(r, "bias", None)),
-                        None if corr is None else f32(corr.reshape(-1))))
-        return out
-
     def _configure_layers(self) -> None:
         self._layers.configure(self.prefetch, self.overfetch,
                                0.0 if self.mass is None else self.mass, self._counts_fed)

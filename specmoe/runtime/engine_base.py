@@ -59,6 +59,22 @@ class EngineCommon:
     _router_bias: list
     arch: Any
 
+    def _router_copies(self) -> list[tuple[Any, Any, Any]]:
+        """Each MoE layer's router as host f32 arrays (weight [E,H], bias, correction bias):
+        the C layers' copy, from which they predict the next layer's experts (and route,
+        where the C path routes) on either tier."""
+        import torch
+
+        def f32(t: Any) -> Any:
+            return None if t is None else \
+                np.ascontiguousarray(t.detach().to(torch.float32).cpu()
+                                     .reshape(t.shape[0], -1).squeeze(-1).numpy())
+        out = []
+        for r, corr in zip(self._routers, self._router_bias):
+            out.append((f32(r.weight), f32(getattr(r, "bias", None)),
+                        None if corr is None else f32(corr.reshape(-1))))
+        return out
+
     def trace(self, logits: bool = False) -> Any:
         """``with engine.trace() as t: model.generate(...)``; then ``t.result()`` is a
         :class:`specmoe.sim.traces.Trace` (save with ``.save(path)`` as .npz).  The same on

@@ -212,6 +212,8 @@ class GpuEngine(EngineCommon):
         self._own_store = own_store
         self._store: Any = None
         self._cache: Any = None
+        self._tier: Any = None  # _cuda.Tier: the GPU cache as the C layers' expert tier
+        self._layers: Any = None  # _C.Layers over it: the per-layer path and its counters
         self._slots = 0
         self._closed = False
         # [_lock] one layer call at a time (one compute stream), close() waits for it
@@ -261,6 +263,22 @@ class GpuEngine(EngineCommon):
         self._routers = [getpath(b, info.router_attr) for b in blocks]
         self._router_bias = [getpath(b, info.bias_attr) if info.bias_attr else None
                              for b in blocks]
+        try:  # the per-layer path: csrc/layer.c over the GPU cache as its expert tier
+            from .kernels import context
+            self._tier = self._cache.tier(self.spec)
+            self._layers = _C.Layers(self._tier.capsule, context(), self.spec.desc(),
+                                     self._router_copies(), self.top_k,
+                                     sigmoid=bool(self.arch.sigmoid_router))
+            self._configure_layers()
+        except BaseException:
+            self.close()
+            raise
+
+    def _configure_layers(self) -> None:
+        """Push the prediction settings into the C layers (their one owner while they run)."""
+        if self._layers is not None:
+            self._layers.configure(self.prefetch, self.overfetch, self.mass or 0.0,
+                                   self._feed_counts)
 
     # -- the per-layer path -------------------------------------------------------------------
     def layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
@@ -275,73 +293,101 @@ class GpuEngine(EngineCommon):
                                  f"engine serves {self.device}")
             if self._drafting is not None:
                 return self._draft_layer(pos, hidden, idx, w)
-            c = self._counters
             flags = self._draft_flags
             if flags is not None and flags.shape[0] != hidden.shape[0]:
                 raise ValueError(f"draft_tokens: {flags.shape[0]} flags, but MoE layer {pos} "
                                  f"got {hidden.shape[0]} tokens")
-            if pos == 0:
-                self._cache.begin_pass()
-                c["passes"] += 1
-                c["tokens"] += int(hidden.shape[0])
-            kept = None  # draft tokens' pairs served without a load (draft_tokens())
-            if flags is None:
-                groups = cuda.group_by_expert(idx, w)  # the layer's one device-to-host sync
-                real = groups
-            else:
-                groups, kept, real = self._split_draft_pairs(pos, idx, w, flags)
-            used = real.experts  # what the real tokens use: counts, prediction hits
-            if self._feed_counts and real.experts:  # MoE-SpAc §2.3 f_{i,t}, real tokens only
-                ne = self.num_experts
-                self._cache.counts([pos * ne + e for e in real.experts], real.counts)
-            pred = self._predicted
-            if pred is not None and pred[0] == pos:
-                hit = np.intersect1d(pred[1], np.asarray(used, dtype=np.int64)).size
-                c["true_positive"] += int(hit)
-                c["actual"] += len(used)
-                self._predicted = None
-            # The next layer's prefetches are queued before this layer's experts run: its
-            # device-to-host read then follows the sync above at no cost, and the worker has
-            # the layer's compute to copy in.  (Queued after the demand loads, the read waits
-            # for the layer's work, and a pass's last prefetches come too late: measured on an
-            # H200, neither order made prefetch pay at batch 1; see docs/gpu.md.)
-            if self.prefetch and pos + 1 < len(self.layer_ids):
-                # the draft tokens take no part in the prediction (as in csrc/layer.h)
-                self._prefetch_next(pos + 1, hidden if flags is None else
-                                    hidden[torch.from_numpy(flags == 0).to(hidden.device)])
-            x = hidden.detach().to(torch.float32).contiguous()
-            out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
-                                   balance=self.balance, counters=c, groups=groups)
-            if kept is not None and kept.experts:
-                c["draft_kept"] += sum(kept.counts)
-                if self._draft is not None:  # from the self-draft's copy; else skipped
-                    out += cuda.moe_forward_buffer(self._draft_base, self._draft.spec, pos,
-                                                   self.num_experts, x, idx, w, groups=kept)
-            if self._la.active:  # this layer of the lookahead's pass ran: count, unshield
-                used_mask = np.zeros(self.num_experts, np.uint8)
-                used_mask[np.asarray(used, np.int64)] = 1
-                self._la.layer_done(pos, used_mask)
-                if self.protect_lookahead:
-                    self._protect()
-            if self.recorder is not None:  # trace(): the same recorder as the CPU's
-                self.record_layer(pos, hidden, idx, w)
-            return out.to(hidden.dtype)
+            if self.balance is not None:
+                return self._balanced_layer(pos, hidden, idx, w, flags)
+            return self._layer_call(pos, hidden, idx, w, flags)
 
-    def _split_draft_pairs(self, pos: int, idx: torch.Tensor, w: torch.Tensor,
-                           flags: np.ndarray) -> tuple[Any, Any, Any]:
-        """The pairs of a layer with draft tokens (:meth:`draft_tokens`), grouped three ways:
-        (through the cache: the real tokens' pairs and the draft tokens' pairs whose expert is
-        resident, loading or needed by a real token anyway; kept: the draft tokens' other
-        pairs, never loaded; the real tokens' pairs alone).  The CPU rule (csrc/layer.h)."""
+    def _layer_call(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                    flags: np.ndarray | None) -> torch.Tensor:
+        """One MoE layer in one C call (``_C.Layers.forward_on``, csrc/layer.h over the GPU
+        tier, cuda/gtier.h): the pass, the next layer's prediction and prefetch, the policy's
+        counts, the draft tokens' rule, SpecMD's miss rules and cache-aware routing, then the
+        experts grouped and run on the compute stream -- the CPU tier's code.  Routing's
+        device-to-host read (the ids, the input and the weights, in one copy) is the layer's
+        only one.  Called with ``_lock`` held."""
+        x = hidden.detach().to(torch.float32).contiguous()
+        T, H = x.shape
+        k = self.top_k
+        ix = idx.detach().to(torch.int64).reshape(T, k)
+        wt = w.detach().to(torch.float32).reshape(T, k)
+        if self.emulated:
+            xh, ih, wh = x.numpy(), ix.contiguous().numpy(), wt.contiguous().numpy()
+            stream = 0
+        else:  # ids first: their int64 view needs an 8-byte aligned offset
+            packed = torch.cat([ix.reshape(-1).view(torch.float32), x.reshape(-1),
+                                wt.reshape(-1)]).cpu()
+            n = 2 * T * k
+            ih = packed[:n].view(torch.int64).view(T, k).numpy()
+            xh = packed[n:n + T * H].view(T, H).numpy()
+            wh = packed[n + T * H:].view(T, k).numpy()
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        out = torch.empty_like(x)
+        used = np.zeros(self.num_experts, np.uint8)
+        # a lookahead queued for this pass must survive the per-layer requests (as on the CPU)
+        self._layers.forward_on(pos, xh, ih, wh, used, x.data_ptr(), out.data_ptr(), stream,
+                                None, not self._la.active, flags)
+        self._counters["gpu_experts"] += int(used.sum())
+        self._after_layer(pos, used, hidden, idx, w)
+        return out.to(hidden.dtype)
+
+    def _after_layer(self, pos: int, used: np.ndarray, hidden: torch.Tensor,
+                     idx: torch.Tensor, w: torch.Tensor) -> None:
+        """What Python keeps after a layer (as the CPU Engine): the lookahead's accounting and
+        shield, and trace recording."""
+        if self._la.active:  # this layer of the lookahead's pass ran: count, unshield
+            self._la.layer_done(pos, used)
+            if self.protect_lookahead:
+                self._protect()
+        if self.recorder is not None:  # trace(): the same recorder as the CPU's
+            self.record_layer(pos, hidden, idx, w)
+
+    def _balanced_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
+                        w: torch.Tensor, flags: np.ndarray | None) -> torch.Tensor:
+        """One MoE layer with MoE-SpAc's CPU/GPU balancer on (:func:`specmoe.runtime.cuda.moe_forward`).
+        Not yet on the C path: the balancer's CPU share ("compute where it lives") is the
+        hybrid tier's to move into csrc/tier.h (issue 37), so this path keeps the per-expert
+        Python loop, with the same prediction rule (``_C.predict_next``) and counters kept here.
+        Called with ``_lock`` held."""
         from . import cuda
-        ids = idx.detach().to(torch.int64).cpu().numpy()
-        real = flags == 0
-        needed = np.zeros(self.num_experts, bool)
-        needed[ids[real].reshape(-1)] = True
-        needed |= np.asarray(self._cache.layer_states(pos)) != 0
-        take = real[:, None] | needed[ids]
-        return (cuda.group_selected(idx, w, take), cuda.group_selected(idx, w, ~take),
-                cuda.group_selected(idx, w, np.broadcast_to(real[:, None], ids.shape)))
+        c = self._counters
+        if pos == 0:
+            self._cache.begin_pass()
+            c["passes"] += 1
+            c["tokens"] += int(hidden.shape[0])
+        if flags is not None:
+            raise NotImplementedError("draft tokens (MTP) with the CPU/GPU balancer: the "
+                                      "balancer is not on the C layer path yet (issue 37); "
+                                      "turn it off with set_balance(False)")
+        groups = cuda.group_by_expert(idx, w)  # the layer's one device-to-host sync
+        real = groups
+        used = real.experts  # what the real tokens use: counts, prediction hits
+        if self._feed_counts and real.experts:  # MoE-SpAc §2.3 f_{i,t}, real tokens only
+            ne = self.num_experts
+            self._cache.counts([pos * ne + e for e in real.experts], real.counts)
+        pred = self._predicted
+        if pred is not None and pred[0] == pos:
+            hit = np.intersect1d(pred[1], np.asarray(used, dtype=np.int64)).size
+            c["true_positive"] += int(hit)
+            c["actual"] += len(used)
+            self._predicted = None
+        # The next layer's prefetches are queued before this layer's experts run: its
+        # device-to-host read then follows the sync above at no cost, and the worker has
+        # the layer's compute to copy in.  (Queued after the demand loads, the read waits
+        # for the layer's work, and a pass's last prefetches come too late: measured on an
+        # H200, neither order made prefetch pay at batch 1; see docs/gpu.md.)
+        if self.prefetch and pos + 1 < len(self.layer_ids):
+            self._prefetch_next(pos + 1, hidden)
+        x = hidden.detach().to(torch.float32).contiguous()
+        out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
+                               balance=self.balance, counters=c, groups=groups)
+        used_mask = np.zeros(self.num_experts, np.uint8)
+        used_mask[np.asarray(used, np.int64)] = 1
+        self._after_layer(pos, used_mask, hidden, idx, w)
+        return out.to(hidden.dtype)
 
     def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                      w: torch.Tensor) -> torch.Tensor:
@@ -411,6 +457,12 @@ class GpuEngine(EngineCommon):
             self._draft, self._draft_dev, self._draft_base = copy, dev, base
 
     @property
+    def layers(self) -> Any:
+        """The ``_C.Layers`` the per-layer calls go through (over this engine's GPU tier), None
+        once closed."""
+        return self._layers
+
+    @property
     def draft_copy(self) -> Any:
         """The self-draft's low-bit copy (its host-side :class:`ExpertCopy`), or None."""
         return self._draft
@@ -452,7 +504,10 @@ class GpuEngine(EngineCommon):
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset: tokens, forward passes, the next-layer predictor's
         precision and recall, and the GPU cache's hits/misses/prefetches/stall time."""
-        c = dict(self._counters)
+        c = dict(self._counters)  # the balancer's Python path (_balanced_layer)
+        if self._layers is not None:  # and the C layers' own: the two paths add up
+            for key, v in self._layers.counters().items():
+                c[key] = c.get(key, 0) + v
         s: dict[str, Any] = {
             "device": str(self.device), "tokens": c["tokens"], "passes": c["passes"],
             "policy": self.policy, "cache_frac": self.cache_frac, "dtype": self.dtype,
@@ -462,7 +517,8 @@ class GpuEngine(EngineCommon):
             **self._la.stats(), "draft_prefetch_queued": self._draft_queued,
             "balance": None if self.balance is None else dataclasses.asdict(self.balance),
             "gpu_experts": c["gpu_experts"], "cpu_experts": c["cpu_experts"],
-            "draft_kept": c["draft_kept"],
+            **{k: c.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
+                                         "lowbit", "lowbit2", "draft_kept")},
         }
         if self._cache is not None:
             cs = self._cache.stats()
@@ -479,6 +535,8 @@ class GpuEngine(EngineCommon):
             self._predicted = None
             self._la.reset_stats()
             self._draft_queued = 0
+            if self._layers is not None:
+                self._layers.counters(reset=True)
             if self._cache is not None:
                 self._cache.reset_stats()
 
@@ -496,6 +554,7 @@ class GpuEngine(EngineCommon):
             if not isinstance(mass, str):
                 self.mass = mass
             self._predicted = None
+            self._configure_layers()
 
     def set_balance(self, balance: bool | Any) -> None:
         """MoE-SpAc's CPU/GPU balancer on (True: measure its costs now; or a
@@ -528,12 +587,14 @@ class GpuEngine(EngineCommon):
             self.policy = policy
             from .policies import COUNT_POLICIES
             self._feed_counts = policy in COUNT_POLICIES
+            self._configure_layers()
 
     def close(self) -> None:
         """Free the GPU cache and its pinned host memory, close the store (deleted if it was
         a temporary one).  The model's MoE layers refuse calls afterwards."""
         with self._lock:
             self._closed = True
+            self._layers = self._tier = None  # before the cache they borrow closes
             self._draft = self._draft_dev = None  # the self-draft copy's memory
             self._draft_base = 0
             self._close_storage()

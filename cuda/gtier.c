@@ -1,0 +1,119 @@
+/* The GPU cache's ops as an expert tier (gtier.h). */
+#include "gtier.h"
+
+#include <cuda_runtime_api.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int cu_fail(smoe_err *err, cudaError_t e, const char *what) {
+    return smoe_err_set(err, SMOE_EDEVICE, "GPU tier: %s failed: %s (%s)", what,
+                        cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+static int emu(const smoe_gtier *t) { return t->device < 0; }
+
+static int t_check(void *ctx, const smoe_ffn_desc *d, smoe_err *err) {
+    const smoe_gtier *t = ctx;
+    if (d->H != t->H || d->I != t->I)
+        return smoe_err_set(err, SMOE_EINVAL, "GPU tier: built for experts of H=%u, I=%u; this "
+                            "one is H=%u, I=%u", t->H, t->I, d->H, d->I);
+    if (d->dtype == SMOE_WDT_I2)
+        return smoe_err_set(err, SMOE_EINVAL, "int2 expert weights run on the CPU only (the "
+                            "GPU kernels take f32, bf16, int8 and int4)");
+    return SMOE_OK;
+}
+
+static int t_zero(void *ctx, float *out, size_t n, void *stream, smoe_err *err) {
+    smoe_gtier *t = ctx;
+    if (emu(t)) {
+        memset(out, 0, sizeof *out * n);
+        return SMOE_OK;
+    }
+    cudaError_t e = cudaMemsetAsync(out, 0, sizeof *out * n, (cudaStream_t)stream);
+    return e == cudaSuccess ? SMOE_OK : cu_fail(err, e, "zeroing the layer's output");
+}
+
+static int t_upload(void *ctx, const int32_t *rows, const float *scale, uint32_t n,
+                    const int32_t **rows_t, const float **scale_t, void *stream,
+                    smoe_err *err) {
+    smoe_gtier *t = ctx;
+    if (emu(t)) { /* host memory already */
+        *rows_t = rows, *scale_t = scale;
+        return SMOE_OK;
+    }
+    const size_t rb = (sizeof *rows * (size_t)n + 255) & ~(size_t)255;
+    const size_t need = rb + sizeof *scale * (size_t)n;
+    cudaError_t e;
+    if (need > t->dcap) { /* grows with the largest call (a prefill), then stays */
+        if (t->dbuf && (e = cudaStreamSynchronize((cudaStream_t)stream)) != cudaSuccess)
+            return cu_fail(err, e, "waiting for the stream before growing the pair buffer");
+        cudaFree(t->dbuf);
+        t->dbuf = NULL, t->dcap = 0;
+        if ((e = cudaMalloc(&t->dbuf, need)) != cudaSuccess)
+            return cu_fail(err, e, "allocating the pair buffer");
+        t->dcap = need;
+    }
+    /* from pageable memory: each returns once its source is staged, so the caller may reuse
+     * rows and scale at once; the device copies stay ordered on stream before the kernels */
+    uint8_t *d = t->dbuf;
+    if ((e = cudaMemcpyAsync(d, rows, sizeof *rows * (size_t)n, cudaMemcpyHostToDevice,
+                             (cudaStream_t)stream)) != cudaSuccess ||
+        (e = cudaMemcpyAsync(d + rb, scale, sizeof *scale * (size_t)n, cudaMemcpyHostToDevice,
+                             (cudaStream_t)stream)) != cudaSuccess)
+        return cu_fail(err, e, "copying the layer's rows and weights");
+    *rows_t = (const int32_t *)d, *scale_t = (const float *)(d + rb);
+    return SMOE_OK;
+}
+
+static int t_expert(void *ctx, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
+                    const int32_t *rows, const float *scale, uint32_t n, float *out,
+                    void *stream, smoe_err *err) {
+    smoe_gtier *t = ctx;
+    if (!emu(t))
+        return smoe_gpu_ffn_forward(&t->ffn, d, block, x, d->H, rows, scale, n, out, d->H,
+                                    SMOE_GPU_PATH_AUTO, stream, err);
+    const size_t need = smoe_ffn_scratch_bytes(d, n);
+    if (need > t->scap) {
+        void *p = realloc(t->scratch, need);
+        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "GPU tier: %zu bytes of scratch", need);
+        t->scratch = p, t->scap = need;
+    }
+    return smoe_ffn_forward(NULL, d, block, x, d->H, rows, scale, n, out, d->H, t->scratch,
+                            err);
+}
+
+static int t_acquire(void *ctx, uint32_t layer, uint32_t expert, void *stream,
+                     const uint8_t **block, smoe_err *err) {
+    return smoe_gcache_acquire(((smoe_gtier *)ctx)->cache, layer, expert, stream, block, err);
+}
+
+static int t_release(void *ctx, uint32_t layer, uint32_t expert, void *stream, smoe_err *err) {
+    return smoe_gcache_release(((smoe_gtier *)ctx)->cache, layer, expert, stream, err);
+}
+
+static const smoe_tier_ops gtier_ops = {t_check, t_zero, t_upload, t_expert, t_acquire,
+                                        t_release};
+
+int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, smoe_err *err) {
+    memset(t, 0, sizeof *t);
+    t->cache = cache;
+    t->device = cache->device;
+    t->H = H, t->I = I;
+    if (!emu(t)) {
+        int rc = smoe_gpu_ffn_init(&t->ffn, t->device, H, I, 256, err);
+        if (rc) return rc;
+        t->ffn_ready = 1;
+    }
+    return SMOE_OK;
+}
+
+void smoe_gtier_free(smoe_gtier *t) {
+    if (t->ffn_ready) smoe_gpu_ffn_free(&t->ffn);
+    if (t->dbuf) cudaFree(t->dbuf);
+    free(t->scratch);
+    memset(t, 0, sizeof *t);
+}
+
+smoe_tier smoe_gtier_tier(smoe_gtier *t) {
+    return (smoe_tier){&t->cache->tab, NULL, &gtier_ops, t};
+}
