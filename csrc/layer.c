@@ -16,7 +16,8 @@ static float *copy_f32(const float *src, size_t n) {
     return p;
 }
 
-int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc, const smoe_ffn_desc *d,
+int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
+                     const smoe_ffn_desc *d,
                      uint32_t L, uint32_t E, uint32_t H, uint32_t k, const float *const *w,
                      const float *const *b, const float *const *corr, int sigmoid,
                      smoe_err *err) {
@@ -679,16 +680,17 @@ static int grow_groups(smoe_layers *g, size_t n, smoe_err *err) {
 
 /* The device tier's smoe_moe_forward_ex: out (tier memory) gets, on io->stream, the pairs with
  * take[i] (NULL: all) -- zeroed first unless accumulate -- computed from the tier's cache
- * (lv < 0) or resident low-bit copy lv, grouped as the CPU groups them (ascending expert,
- * token order); used[e] = 1 for each expert computed (zeroed first unless accumulate). */
-static int dev_moe(smoe_layers *g, const layer_io *io, int lv, uint32_t pos, uint32_t T,
-                   const int64_t *idx, const float *w, const uint8_t *take, int accumulate,
-                   uint8_t *used, smoe_err *err) {
+ * (res NULL) or the resident copy res (format d), grouped as the CPU groups them (ascending
+ * expert, token order); used[e] = 1 for each expert computed (zeroed first unless
+ * accumulate). */
+static int dev_moe(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d,
+                   const smoe_moe_resident *res, uint32_t pos, uint32_t T, const int64_t *idx,
+                   const float *w, const uint8_t *take, int accumulate, uint8_t *used,
+                   smoe_err *err) {
     const smoe_tier_ops *ops = g->tier.ops;
     void *ctx = g->tier.ctx;
     const uint32_t E = g->E, k = g->k;
     const size_t nk = (size_t)T * k;
-    const smoe_ffn_desc *d = lv < 0 ? &g->desc : &g->lowbit_desc[lv];
     int rc;
     if (!accumulate) {
         memset(used, 0, E);
@@ -723,15 +725,14 @@ static int dev_moe(smoe_layers *g, const layer_io *io, int lv, uint32_t pos, uin
         const uint32_t s0 = start[e], ne = start[e + 1] - s0;
         if (!ne) continue;
         const uint8_t *block;
-        if (lv < 0) {
+        if (!res) {
             if ((rc = ops->acquire(ctx, pos, e, io->stream, &block, err))) return rc;
         } else {
-            const smoe_moe_resident *r = &g->lowbit[lv];
-            block = r->base + ((uint64_t)pos * E + e) * r->block_bytes;
+            block = res->base + ((uint64_t)pos * E + e) * res->block_bytes;
         }
         rc = ops->expert(ctx, d, block, io->xd, rows + s0, scale + s0, ne, io->out, io->stream,
                          err);
-        if (lv < 0) {
+        if (!res) {
             smoe_err rerr;
             const int rr = ops->release(ctx, pos, e, io->stream, rc ? &rerr : err);
             if (!rc) rc = rr;
@@ -813,12 +814,15 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
         }
     }
     if (g->tier.ops) { /* a device tier: every share accumulates into out on its stream */
-        rc = dev_moe(g, io, -1, pos, T, idx, w, take, 0, used, err);
-        if (!rc && draft) rc = dev_moe(g, io, -1, pos, T, idx, w, g->take2, 1, used, err);
+        rc = dev_moe(g, io, &g->desc, NULL, pos, T, idx, w, take, 0, used, err);
+        if (!rc && draft)
+            rc = dev_moe(g, io, &g->desc, NULL, pos, T, idx, w, g->take2, 1, used, err);
         for (uint8_t lv = 1; lv <= 2 && lowbit_pairs && !rc; lv++) {
             size_t n = 0;
             for (size_t i = 0; i < (size_t)T * k; i++) n += g->take_lv[i] = g->take_lb[i] == lv;
-            if (n) rc = dev_moe(g, io, lv - 1, pos, T, idx, w, g->take_lv, 1, used, err);
+            if (n)
+                rc = dev_moe(g, io, &g->lowbit_desc[lv - 1], &g->lowbit[lv - 1], pos, T, idx, w,
+                             g->take_lv, 1, used, err);
         }
         if (rc) return rc;
     } else if ((rc = host_moe(g, pos, x, T, idx, w, take, draft, lowbit_pairs, out, used,
@@ -991,6 +995,60 @@ int smoe_layers_forward_on(smoe_layers *g, uint32_t pos, const float *x, const f
     const layer_io io = {x, xd, out, stream};
     pthread_mutex_lock(&g->mu);
     int rc = forward_locked(g, pos, &io, T, idx, w, used, scores, replace, draft, err);
+    pthread_mutex_unlock(&g->mu);
+    return rc;
+}
+
+int smoe_layers_set_draft(smoe_layers *g, const uint8_t *base, uint64_t size,
+                          uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err) {
+    if (base) {
+        if (desc->H != g->H)
+            return smoe_err_set(err, SMOE_EINVAL, "layers: draft copy has hidden size %u, the "
+                                "model %u", desc->H, g->H);
+        int rc = smoe_ffn_desc_check(desc, block_bytes, err);
+        if (!rc && g->tier.ops) rc = g->tier.ops->check(g->tier.ctx, desc, err);
+        if (rc) return rc;
+        if (size < (uint64_t)g->L * g->E * block_bytes)
+            return smoe_err_set(err, SMOE_EINVAL, "layers: draft copy of %llu bytes, %u x %u "
+                                "blocks of %llu bytes need more", (unsigned long long)size,
+                                g->L, g->E, (unsigned long long)block_bytes);
+    }
+    pthread_mutex_lock(&g->mu);
+    if (base) {
+        g->draft = (smoe_moe_resident){base, size, block_bytes, g->E};
+        g->draft_desc = *desc;
+    } else {
+        memset(&g->draft, 0, sizeof g->draft);
+    }
+    pthread_mutex_unlock(&g->mu);
+    return SMOE_OK;
+}
+
+int smoe_layers_forward_draft(smoe_layers *g, uint32_t pos, const float *xd, uint32_t T,
+                              const int64_t *idx, const float *w, float *out, uint8_t *used,
+                              void *stream, smoe_err *err) {
+    if (pos >= g->L)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: position %u of %u layers", pos, g->L);
+    const layer_io io = {xd, xd, out, stream};
+    pthread_mutex_lock(&g->mu);
+    int rc;
+    if (!g->draft.base) {
+        rc = smoe_err_set(err, SMOE_ESTATE, "layers: no draft copy (smoe_layers_set_draft)");
+    } else if (g->tier.ops) {
+        rc = SMOE_OK;
+        for (size_t i = 0; i < (size_t)T * g->k && !rc; i++)
+            if (idx[i] < 0 || idx[i] >= (int64_t)g->E)
+                rc = smoe_err_set(err, SMOE_EINVAL, "moe layer %u: token %zu routes to expert "
+                                  "%lld, outside 0..%u", pos, i / g->k, (long long)idx[i],
+                                  g->E - 1);
+        if (!rc)
+            rc = dev_moe(g, &io, &g->draft_desc, &g->draft, pos, T, idx, w, NULL, 0, used,
+                         err);
+    } else {
+        smoe_moe_source src = smoe_moe_resident_source(&g->draft);
+        rc = smoe_moe_forward(g->kc, &g->draft_desc, &src, pos, g->E, xd, T, idx, w, g->k, out,
+                              used, err);
+    }
     pthread_mutex_unlock(&g->mu);
     return rc;
 }

@@ -15,10 +15,14 @@
  *     3. feed_counts (a utility-space policy): how many tokens route to each expert of this
  *        layer, to the policy before the layer's accesses (smoe_slots_counts);
  *     4. cache-aware routing and miss handling (SpecMD Sec. 3.1.1 and 3.1.2, below), when on;
- *     5. the experts (smoe_moe_forward through the cache), out overwritten, used[e] = 1;
- *        with parallel_misses on (smoe_layers_set_parallel), the layer's misses are queued to
- *        the prefetch worker first (highest priority) and its resident experts pinned and
- *        computed first, so the loads overlap that compute; the missing experts come last
+ *     5. the experts on the layers' expert tier (tier.h), out overwritten, used[e] = 1: on
+ *        the host tier smoe_moe_forward through the CPU cache, as below; on a device tier
+ *        (the GPU cache, cuda/gtier.h) the same pairs grouped by expert in the same order and
+ *        run by the tier's kernels on its stream (dev_moe in layer.c), the low-bit copies'
+ *        and the draft tokens' shares accumulated into out there too;
+ *        with parallel_misses on (smoe_layers_set_parallel; host tier only), the layer's
+ *        misses are queued to the prefetch worker first (highest priority) and its resident
+ *        experts pinned and computed first, so the loads overlap that compute; the missing experts come last
  *        (acquire waits for a load in flight, or loads a request the worker has not started
  *        yet itself).  The pins keep the worker from evicting an expert this layer is about
  *        to use; each is dropped as soon as its expert is computed, so the misses' own
@@ -191,6 +195,9 @@ typedef struct smoe_layers {
                                * LOWEST_BIT, draft tokens and PRIORITY's first fallback level,
                                * [1] for PRIORITY's second (only with [0]) */
     smoe_ffn_desc lowbit_desc[2];
+    smoe_moe_resident draft;  /* the self-draft's copy (base NULL: none), memory borrowed: what
+                               * smoe_layers_forward_draft computes from (MoE-SpeQ) */
+    smoe_ffn_desc draft_desc;
     int parallel_misses;      /* step 5: misses load on the worker while residents compute */
     /* state [mu] */
     double *delta_sum;        /* owned; [L] sum of tokens' logit ranges (routing's Delta_avg) */
@@ -240,7 +247,8 @@ typedef struct smoe_layers {
  * (w [E,H], b [E] or NULL, corr [E] or NULL) copied; `sigmoid` chooses the score function
  * used with a correction bias.  kc: the CPU kernels' threads (the host tier's experts, and on
  * every tier the router GEMVs and the shared FFN).  SMOE_EINVAL on bad shapes. */
-int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc, const smoe_ffn_desc *d,
+int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
+                     const smoe_ffn_desc *d,
                      uint32_t L, uint32_t E, uint32_t H, uint32_t k, const float *const *w,
                      const float *const *b, const float *const *corr, int sigmoid,
                      smoe_err *err);
@@ -290,6 +298,19 @@ int smoe_layers_forward_on(smoe_layers *g, uint32_t pos, const float *x, const f
                            uint32_t T, const int64_t *idx, const float *w, float *out,
                            uint8_t *used, const float *scores, int replace,
                            const uint8_t *draft, void *stream, smoe_err *err);
+
+/* The self-draft's resident copy of every expert (store order at base, in the tier's memory,
+ * borrowed until replaced; base NULL removes it), for smoe_layers_forward_draft. */
+int smoe_layers_set_draft(smoe_layers *g, const uint8_t *base, uint64_t size,
+                          uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err);
+
+/* A draft forward's MoE layer (MoE-SpeQ's self-draft): out [T,H] (tier memory, overwritten) =
+ * the routed experts of idx/w computed from the draft copy, on the tier's kernels and stream;
+ * no cache access, no prediction, no counters.  xd: the layer's input in the tier's memory.
+ * SMOE_ESTATE without a draft copy.  Blocks; call without the GIL. */
+int smoe_layers_forward_draft(smoe_layers *g, uint32_t pos, const float *xd, uint32_t T,
+                              const int64_t *idx, const float *w, float *out, uint8_t *used,
+                              void *stream, smoe_err *err);
 
 /* route_flags of smoe_layers_forward_routed. */
 enum {

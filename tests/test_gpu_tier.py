@@ -310,3 +310,60 @@ def test_a_layer_is_one_c_call(device, monkeypatch):
     finally:
         eng.close()
     assert eng.layers is None
+
+
+MISS_CASES = [dict(miss="drop", miss_keep=1), dict(miss="substitute"),
+              dict(miss="lowest_bit", miss_levels="int4"),
+              dict(miss="priority", miss_keep=1, miss_levels="int8:int4", miss_keep2=1),
+              dict(route_lambda=0.5)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", MISS_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in
+                                                                      c.items()))
+def test_specmd_miss_rules_as_on_the_cpu(device, case):
+    """SpecMD's miss rules and cache-aware routing run on the GPU tier by the CPU's C code
+    (csrc/layer.c step 4 over the GPU cache): on the same model, prompt and cache (prefetch
+    off, so residency follows the demand accesses alone) both tiers make the same decisions --
+    equal counters -- and the same outputs."""
+    got = {}
+    for dev in ("cpu", device):
+        m, _ = _tiny("deepseek_v3")
+        eng = hf.offload(m, device=dev, dtype="f32", cache=0.25, prefetch=False,
+                         dense="torch", **case)
+        try:
+            x = torch.tensor([PROMPT], device=_dev(dev))
+            with torch.no_grad():
+                logits = m(x).logits.float().cpu()
+                step = m(x[:, :1]).logits.float().cpu()  # a decode-sized call too
+            st = eng.stats()
+            got[dev] = (logits, step, {k: st[k] for k in ("missing", "dropped", "substituted",
+                                                          "lowbit", "lowbit2", "rerouted")})
+        finally:
+            eng.close()
+    (la, sa, ca), (lb, sb, cb) = got["cpu"], got[device]
+    assert ca == cb
+    assert ca["missing"] > 0
+    key = {"drop": "dropped", "substitute": "substituted", "lowest_bit": "lowbit",
+           "priority": "lowbit2"}.get(case.get("miss"), "rerouted")
+    assert ca[key] > 0, ca
+    tol = 1e-5 if device == "emulate" else 2e-3
+    torch.testing.assert_close(lb, la, rtol=tol, atol=tol)
+    torch.testing.assert_close(sb, sa, rtol=tol, atol=tol)
+
+
+def test_gpu_refusals_name_the_reason():
+    m, _ = _tiny()
+    with pytest.raises(ValueError, match="int2"):
+        hf.offload(m, device="emulate", miss="lowest_bit", miss_levels="int2")
+    with pytest.raises(ValueError, match="throttle"):
+        hf.offload(m, device="emulate", throttle=(1.0, 0.0))
+    eng = hf.offload(m, device="emulate", dtype="f32", cache=0.25)
+    try:
+        with pytest.raises(ValueError, match="int2"):
+            eng.set_miss("priority", miss_levels="int4:int2")
+        assert eng.miss == "fetch"  # nothing changed
+        eng.set_miss("drop", miss_keep=1)
+        assert eng.stats()["miss"] == "drop"
+    finally:
+        eng.close()

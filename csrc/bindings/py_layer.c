@@ -38,8 +38,9 @@ typedef struct {
     int initialized;
     PyObject *cache_obj; /* strong: a _C.Cache (or its wrapper), or a device tier's capsule */
     PyObject *kctx_obj;  /* strong, or NULL */
-    Py_buffer lowbit[2]; /* low-bit copy i's buffer while has_lowbit[i] (g borrows it) */
-    int has_lowbit[2];
+    Py_buffer lowbit[3]; /* low-bit copy i's buffer (2: the draft copy's) while has_lowbit[i]
+                          * (g borrows it) */
+    int has_lowbit[3];
     PyObject *shared;    /* strong, or NULL: list [L] of each layer's shared-FFN Linear tuple
                           * or None (g borrows their weights; set_block) */
 } LayersObject;
@@ -73,7 +74,7 @@ static void tier_end(PyObject *obj) {
 
 static void Layers_dealloc(LayersObject *self) {
     if (self->initialized) smoe_layers_free(&self->g);
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 3; i++)
         if (self->has_lowbit[i]) PyBuffer_Release(&self->lowbit[i]);
     Py_XDECREF(self->cache_obj);
     Py_XDECREF(self->kctx_obj);
@@ -488,6 +489,61 @@ static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *k
     Py_RETURN_NONE;
 }
 
+/* What set_lowbit and set_draft share: slot i of self->lowbit (0, 1: the low-bit copies, 2:
+ * the draft copy) set from buf -- None (removed), a buffer (g borrows it: held in the slot),
+ * or on a device tier an address of `size` bytes in its memory (the caller keeps it) -- through
+ * set(g, level, base, size, bb, desc), which validates and takes g's mutex. */
+typedef int (*copy_setter)(smoe_layers *g, uint32_t level, const uint8_t *base, uint64_t size,
+                           uint64_t bb, const smoe_ffn_desc *d, smoe_err *e);
+
+static PyObject *set_copy(LayersObject *self, int slot, uint32_t level, copy_setter set,
+                          PyObject *buf, PyObject *desc, unsigned long long bb,
+                          unsigned long long size) {
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_buffer view;
+    const uint8_t *base = NULL;
+    int have_view = 0;
+    smoe_ffn_desc d;
+    memset(&d, 0, sizeof d);
+    if (buf != Py_None) {
+        if (!PyDict_Check(desc) || bb == 0) {
+            PyErr_SetString(PyExc_TypeError, "(buf, desc, block_bytes): desc a dict, "
+                            "block_bytes > 0");
+            return NULL;
+        }
+        if (smoe_py_ffn_desc_parse(desc, bb, &d) < 0) return NULL;
+        if (PyLong_Check(buf)) { /* a device tier's copy in its memory */
+            void *p;
+            if (!self->g.tier.ops) {
+                PyErr_SetString(PyExc_TypeError, "an address is for a device tier; give the "
+                                "CPU tier a buffer");
+                return NULL;
+            }
+            if (want_addr(buf, "buf", &p) < 0) return NULL;
+            base = p;
+        } else {
+            if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
+            have_view = 1;
+            base = view.buf;
+            size = (unsigned long long)view.len;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = set(&self->g, level, base, size, bb, &d, &e);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        if (have_view) PyBuffer_Release(&view);
+        return smoe_py_raise(&e);
+    }
+    if (self->has_lowbit[slot]) /* no longer borrowed by g */
+        PyBuffer_Release(&self->lowbit[slot]);
+    self->has_lowbit[slot] = have_view;
+    if (have_view) self->lowbit[slot] = view;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Layers_set_lowbit(LayersObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"buf", "desc", "block_bytes", "level", "size", NULL};
     PyObject *buf, *desc = Py_None;
@@ -501,54 +557,75 @@ static PyObject *Layers_set_lowbit(LayersObject *self, PyObject *args, PyObject 
         PyErr_Format(PyExc_ValueError, "set_lowbit: level %u (0 or 1)", level);
         return NULL;
     }
+    return set_copy(self, (int)level, level, smoe_layers_set_lowbit, buf, desc, bb, size);
+}
+
+static int set_draft(smoe_layers *g, uint32_t level, const uint8_t *base, uint64_t size,
+                     uint64_t bb, const smoe_ffn_desc *d, smoe_err *e) {
+    (void)level;
+    return smoe_layers_set_draft(g, base, size, bb, d, e);
+}
+
+static PyObject *Layers_set_draft(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"buf", "desc", "block_bytes", "size", NULL};
+    PyObject *buf, *desc = Py_None;
+    unsigned long long bb = 0, size = 0;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "O|OKK:set_draft", kwlist, &buf, &desc, &bb,
+                                     &size))
+        return NULL;
+    return set_copy(self, 2, 0, set_draft, buf, desc, bb, size);
+}
+
+static PyObject *Layers_forward_draft(LayersObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (check_init(self) < 0) return NULL;
+    smoe_layers *g = &self->g;
+    if (n != 7) {
+        PyErr_SetString(PyExc_TypeError, "forward_draft(pos, idx, w, used, xd, out, stream)");
+        return NULL;
+    }
+    if (!g->tier.ops) {
+        PyErr_SetString(PyExc_ValueError, "forward_draft runs on a device tier (the CPU Engine "
+                        "drafts through its ExpertCopy)");
+        return NULL;
+    }
+    long pos = PyLong_AsLong(args[0]);
+    if (pos == -1 && PyErr_Occurred()) return NULL;
+    if (pos < 0 || pos >= (long)g->L) {
+        PyErr_Format(PyExc_ValueError, "pos %ld outside 0..%u", pos, g->L - 1);
+        return NULL;
+    }
+    PyArrayObject *idx, *w, *used;
+    void *xd, *out;
+    if (!(idx = smoe_py_want_array(args[1], "idx", NPY_INT64, 2, 0)) ||
+        !(w = smoe_py_want_array(args[2], "w", NPY_FLOAT32, 2, 0)) ||
+        !(used = smoe_py_want_array(args[3], "used", NPY_UINT8, 1, 1)) ||
+        want_addr(args[4], "xd", &xd) < 0 || want_addr(args[5], "out", &out) < 0)
+        return NULL;
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[6]);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    npy_intp T = PyArray_DIM(idx, 0);
+    if (PyArray_DIM(idx, 1) != (npy_intp)g->k || PyArray_DIM(w, 0) != T ||
+        PyArray_DIM(w, 1) != (npy_intp)g->k || PyArray_DIM(used, 0) != (npy_intp)g->E ||
+        T > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "shape mismatch: idx %ldx%ld, w %ldx%ld, used %ld "
+                     "(top_k %u, experts %u)", (long)T, (long)PyArray_DIM(idx, 1),
+                     (long)PyArray_DIM(w, 0), (long)PyArray_DIM(w, 1),
+                     (long)PyArray_DIM(used, 0), g->k, g->E);
+        return NULL;
+    }
+    smoe_tier tier;
+    if (tier_begin(self->cache_obj, &tier) < 0) return NULL;
     smoe_err e;
     smoe_err_clear(&e);
     int rc;
-    if (buf == Py_None) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = smoe_layers_set_lowbit(&self->g, level, NULL, 0, 0, NULL, &e);
-        Py_END_ALLOW_THREADS
-        if (rc) return smoe_py_raise(&e);
-        if (self->has_lowbit[level]) PyBuffer_Release(&self->lowbit[level]);
-        self->has_lowbit[level] = 0;
-        Py_RETURN_NONE;
-    }
-    if (!PyDict_Check(desc) || bb == 0) {
-        PyErr_SetString(PyExc_TypeError,
-                        "set_lowbit(buf, desc, block_bytes): desc a dict, block_bytes > 0");
-        return NULL;
-    }
-    smoe_ffn_desc d;
-    if (smoe_py_ffn_desc_parse(desc, bb, &d) < 0) return NULL;
-    if (PyLong_Check(buf)) { /* a device tier's copy in its memory: the caller keeps it */
-        void *base;
-        if (!self->g.tier.ops) {
-            PyErr_SetString(PyExc_TypeError, "set_lowbit: an address is for a device tier; "
-                            "give the CPU tier a buffer");
-            return NULL;
-        }
-        if (want_addr(buf, "buf", &base) < 0) return NULL;
-        Py_BEGIN_ALLOW_THREADS
-        rc = smoe_layers_set_lowbit(&self->g, level, base, size, bb, &d, &e);
-        Py_END_ALLOW_THREADS
-        if (rc) return smoe_py_raise(&e);
-        if (self->has_lowbit[level]) PyBuffer_Release(&self->lowbit[level]);
-        self->has_lowbit[level] = 0;
-        Py_RETURN_NONE;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_layers_set_lowbit(&self->g, level, view.buf, (uint64_t)view.len, bb, &d, &e);
+    rc = smoe_layers_forward_draft(g, (uint32_t)pos, xd, (uint32_t)T, PyArray_DATA(idx),
+                                   PyArray_DATA(w), out, PyArray_DATA(used),
+                                   (void *)(uintptr_t)stream, &e);
     Py_END_ALLOW_THREADS
-    if (rc) {
-        PyBuffer_Release(&view);
-        return smoe_py_raise(&e);
-    }
-    if (self->has_lowbit[level]) /* no longer borrowed by g */
-        PyBuffer_Release(&self->lowbit[level]);
-    self->lowbit[level] = view;
-    self->has_lowbit[level] = 1;
+    tier_end(self->cache_obj);
+    if (rc) return smoe_py_raise(&e);
     Py_RETURN_NONE;
 }
 
@@ -603,6 +680,14 @@ static PyMethodDef Layers_methods[] = {
      "resident low-bit copy 0 (miss='lowest_bit', draft tokens, priority's first fallback) or 1 "
      "(priority's second) of every expert, in store order; on a device tier buf may be the "
      "copy's address in the tier's memory (size: its bytes; the caller keeps it alive)."},
+    {"set_draft", (PyCFunction)(void (*)(void))Layers_set_draft, METH_VARARGS | METH_KEYWORDS,
+     "set_draft(buf, desc, block_bytes, size=0) or set_draft(None): the self-draft's resident "
+     "copy of every expert for forward_draft (a buffer, or on a device tier an address in its "
+     "memory)."},
+    {"forward_draft", (PyCFunction)(void (*)(void))Layers_forward_draft, METH_FASTCALL,
+     "forward_draft(pos, idx, w, used, xd, out, stream): a draft forward's MoE layer on a "
+     "device tier, from the draft copy (csrc/layer.h smoe_layers_forward_draft); xd, out "
+     "addresses in the tier's memory."},
     {"counters", (PyCFunction)(void (*)(void))Layers_counters, METH_VARARGS | METH_KEYWORDS,
      "counters(reset=False) -> dict of tokens, passes, predicted, true_positive, actual."},
     {NULL, NULL, 0, NULL}};

@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache", "moe_forward",
            "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile",
-           "ExpertGroups", "group_by_expert", "group_selected", "moe_forward_buffer"]
+           "ExpertGroups", "group_by_expert"]
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
 
@@ -292,6 +292,12 @@ class GpuExpertCache:
     def acquire(self, layer: int, expert: int, stream: Any = None) -> int:
         return int(self._c.acquire(layer, expert, self._stream(stream)))
 
+    def set_throttle(self, throttle: Any) -> None:
+        """The link emulation (SpecMD A.4) is the CPU cache's: None only (a clear error else)."""
+        if throttle is not None:
+            raise ValueError("the link throttle emulates a slower store link for the CPU cache; "
+                             "the GPU cache's loads are host-to-device copies: throttle=None")
+
     def tier(self, spec: Any) -> Any:
         """This cache as the expert tier of ``specmoe._C.Layers`` (``_cuda.Tier``, cuda/gtier.h):
         its ``capsule`` makes the C per-layer path run on this cache and the GPU kernels
@@ -518,21 +524,6 @@ def _ffn_host(addr: int, spec: Any, x: Any, rows: Any, scale: Any, out: Any) -> 
                 out=out.numpy())
 
 
-def group_selected(topk_ids: Any, topk_w: Any, take: np.ndarray) -> ExpertGroups:
-    """:func:`group_by_expert` over the pairs with ``take[t, j]`` (bool [T, k], host) only:
-    the pairs of a layer that go through the cache when others do not (draft tokens)."""
-    import torch
-
-    k = topk_ids.shape[1]
-    sel = torch.from_numpy(np.flatnonzero(np.asarray(take).reshape(-1))).to(topk_ids.device)
-    ids = topk_ids.reshape(-1).to(torch.int64)[sel]
-    order = torch.argsort(ids, stable=True)
-    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
-    return ExpertGroups((sel[order] // k).to(torch.int32),
-                        topk_w.reshape(-1).to(torch.float32)[sel][order].contiguous(),
-                        experts.tolist(), counts.tolist())
-
-
 def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_ids: Any,
                 topk_w: Any, *, path: str = "auto", out: Any = None,
                 balance: BalanceProfile | None = None,
@@ -601,32 +592,6 @@ def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_
     if counters is not None:
         counters["gpu_experts"] = counters.get("gpu_experts", 0) + len(experts_h) - len(on_cpu)
         counters["cpu_experts"] = counters.get("cpu_experts", 0) + len(on_cpu)
-    return out
-
-
-def moe_forward_buffer(base: int, spec: Any, layer: int, num_experts: int, hidden: Any,
-                       topk_ids: Any, topk_w: Any, *, path: str = "auto",
-                       groups: ExpertGroups | None = None) -> Any:
-    """One MoE layer's routed experts from a buffer that holds every expert of every layer in
-    store order at ``base`` (a device address; a host one in the emulation): the self-draft's
-    resident low-bit copy, which needs no cache.  Grouped and computed as :func:`moe_forward`.
-    """
-    import torch
-
-    if groups is None:
-        groups = group_by_expert(topk_ids, topk_w)
-    out = torch.zeros_like(hidden)
-    emulated = hidden.device.type == "cpu"
-    stream = None if emulated else torch.cuda.current_stream(hidden.device)
-    s = 0
-    for e, n in zip(groups.experts, groups.counts):
-        addr = base + (int(layer) * num_experts + int(e)) * spec.block_bytes
-        rows, w = groups.rows[s:s + n], groups.weights[s:s + n]
-        if emulated:
-            _ffn_host(addr, spec, hidden, rows, w, out)
-        else:
-            ffn(addr, spec, hidden, rows=rows, scale=w, out=out, path=path, stream=stream)
-        s += n
     return out
 
 

@@ -464,39 +464,6 @@ class Engine(EngineCommon):
         self._layers.set_parallel(self.parallel_misses)
         misses.apply(self)
 
-    def set_miss(self, miss: str | None = None, miss_keep: int | None = None,
-                 route_lambda: float | None = None,
-                 throttle: tuple[float, float] | None | str = "keep",
-                 miss_levels: str | Sequence[str] | None = None,
-                 miss_keep2: int | None | str = "auto") -> None:
-        """Change SpecMD's miss handling, cache-aware routing, link throttle or low-bit levels
-        (None / "keep": unchanged; miss_keep2 "auto": the default for the levels, see
-        :mod:`specmoe.runtime.misses`)."""
-        m, k, lam = misses.check_miss(self.miss if miss is None else miss,
-                                      self.miss_keep if miss_keep is None else miss_keep,
-                                      self.route_lambda if route_lambda is None else route_lambda,
-                                      self.top_k)
-        if isinstance(miss_keep2, str) and miss_keep2 != "auto":
-            raise ValueError(f"miss_keep2 must be an int, None or 'auto', got {miss_keep2!r}")
-        levels, keep2 = misses.check_levels(
-            self.miss_levels if miss_levels is None else miss_levels,
-            None if miss_keep2 == "auto" else miss_keep2, k, self.top_k)
-        if not isinstance(throttle, str):
-            misses.check_throttle(throttle)
-        old = (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
-               self.throttle)
-        self.miss, self.miss_keep, self.route_lambda = m, k, lam
-        self.miss_levels, self.miss_keep2 = levels, keep2
-        if not isinstance(throttle, str):
-            self.throttle = throttle
-        if self._layers is not None:
-            try:
-                misses.apply(self)  # builds any new copy before it changes the C layers
-            except BaseException:
-                (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
-                 self.throttle) = old
-                raise
-
     @property
     def cache_frac(self) -> float:
         """The cache's capacity as a fraction of all routed experts."""
@@ -523,25 +490,6 @@ class Engine(EngineCommon):
             return
         self._draft = self.lowbit_copy(dtype)
         misses.apply(self)  # the draft tokens' copy when no miss mode uses one
-
-    def lowbit_copy(self, dtype: str) -> ExpertCopy:
-        """The resident ``dtype`` copy of every routed expert, built on first use."""
-        if self._closed or self._store is None:
-            raise RuntimeError("this specmoe Engine is closed")
-        if dtype not in self._copies:
-            self._copies[dtype] = ExpertCopy(self._store, dtype, self._ffn_args,
-                                             self.model_type, self.top_k)
-        return self._copies[dtype]
-
-    def prune_copies(self, in_use: set[str]) -> None:
-        """Free the copies neither the C layers (``in_use``) nor the self-draft use."""
-        keep = in_use | ({self._draft.dtype} if self._draft is not None else set())
-        self._copies = {k: v for k, v in self._copies.items() if k in keep}
-
-    @property
-    def lowbit_copies(self) -> tuple[str, ...]:
-        """Formats of the resident low-bit copies of every expert (self-draft, miss levels)."""
-        return tuple(self._copies)
 
     @property
     def draft_dtype(self) -> str | None:
@@ -836,7 +784,8 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
     info, ids = describe(model)
     check_early(dtype, cache, policy, prefetch)
     gpu = resolve_device(device, dtype=dtype, policy=policy, dense=dense, miss=miss,
-                         route_lambda=route_lambda, throttle=throttle, balance=balance)
+                         route_lambda=route_lambda, throttle=throttle, balance=balance,
+                         miss_levels=miss_levels)
     if overfetch < 1:
         raise ValueError(f"overfetch must be >= 1, got {overfetch}")
     first = expert_module(model, info, ids[0])
@@ -880,7 +829,9 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
             from .gpu_engine import GpuEngine
             return GpuEngine(model, path, device=gpu, cache=cache, policy=policy,
                              prefetch=prefetch, overfetch=overfetch, verify=True,
-                             own_store=store is None, balance=balance)
+                             own_store=store is None, balance=balance, miss=miss,
+                             miss_keep=miss_keep, route_lambda=route_lambda,
+                             miss_levels=miss_levels, miss_keep2=miss_keep2)
         eng = Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
                      overfetch=overfetch, direct=direct, verify=True, own_store=store is None,
                      dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 from torch import nn
+
+from . import misses
+from .expert_copy import ExpertCopy
 
 __all__ = ["EngineCommon", "check_prefetch"]
 
@@ -74,6 +77,78 @@ class EngineCommon:
             out.append((f32(r.weight), f32(getattr(r, "bias", None)),
                         None if corr is None else f32(corr.reshape(-1))))
         return out
+
+    # SpecMD's miss handling (specmoe.runtime.misses): the settings live here and misses.apply
+    # pushes them into the C layers (``layers``), which both tiers run; the resident low-bit
+    # copies it uses, and the self-draft's, are built once per format in _copies
+    miss: str
+    miss_keep: int
+    route_lambda: float
+    miss_levels: tuple[str, ...]
+    miss_keep2: int
+    throttle: Any
+    _copies: dict[str, ExpertCopy]
+    _closed: bool
+    _ffn_args: dict[str, Any]
+    top_k: int
+    layers: Any
+
+    def set_miss(self, miss: str | None = None, miss_keep: int | None = None,
+                 route_lambda: float | None = None,
+                 throttle: tuple[float, float] | None | str = "keep",
+                 miss_levels: str | Sequence[str] | None = None,
+                 miss_keep2: int | None | str = "auto") -> None:
+        """Change SpecMD's miss handling, cache-aware routing, link throttle or low-bit levels
+        (None / "keep": unchanged; miss_keep2 "auto": the default for the levels, see
+        :mod:`specmoe.runtime.misses`)."""
+        m, k, lam = misses.check_miss(self.miss if miss is None else miss,
+                                      self.miss_keep if miss_keep is None else miss_keep,
+                                      self.route_lambda if route_lambda is None else route_lambda,
+                                      self.top_k)
+        if isinstance(miss_keep2, str) and miss_keep2 != "auto":
+            raise ValueError(f"miss_keep2 must be an int, None or 'auto', got {miss_keep2!r}")
+        levels, keep2 = misses.check_levels(
+            self.miss_levels if miss_levels is None else miss_levels,
+            None if miss_keep2 == "auto" else miss_keep2, k, self.top_k)
+        if not isinstance(throttle, str):
+            misses.check_throttle(throttle)
+        old = (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
+               self.throttle)
+        self.miss, self.miss_keep, self.route_lambda = m, k, lam
+        self.miss_levels, self.miss_keep2 = levels, keep2
+        if not isinstance(throttle, str):
+            self.throttle = throttle
+        if self.layers is not None:
+            try:
+                misses.apply(self)  # builds any new copy before it changes the C layers
+            except BaseException:
+                (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
+                 self.throttle) = old
+                raise
+
+    def lowbit_copy(self, dtype: str) -> ExpertCopy:
+        """The resident ``dtype`` copy of every routed expert, built on first use."""
+        if self._closed or self._store is None:
+            raise RuntimeError(f"this specmoe {type(self).__name__} is closed")
+        if dtype not in self._copies:
+            self._copies[dtype] = ExpertCopy(self._store, dtype, self._ffn_args,
+                                             self.model_type, self.top_k)
+        return self._copies[dtype]
+
+    def prune_copies(self, in_use: set[str]) -> None:
+        """Free the copies neither the C layers (``in_use``) nor the self-draft use."""
+        keep = in_use | ({self._draft.dtype} if self._draft is not None else set())
+        self._copies = {k: v for k, v in self._copies.items() if k in keep}
+
+    @property
+    def lowbit_copies(self) -> tuple[str, ...]:
+        """Formats of the resident low-bit copies of every expert (self-draft, miss levels)."""
+        return tuple(self._copies)
+
+    def copy_buffer(self, copy: ExpertCopy) -> Any:
+        """What the C layers' ``set_lowbit`` takes for ``copy`` on this engine's tier: the host
+        buffer itself on the CPU (a GPU tier overrides it with the copy's device address)."""
+        return copy.buf
 
     def trace(self, logits: bool = False) -> Any:
         """``with engine.trace() as t: model.generate(...)``; then ``t.result()`` is a

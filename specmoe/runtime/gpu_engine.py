@@ -86,7 +86,8 @@ def cuda_device(device: Any) -> torch.device | None:
 
 def check_gpu_options(*, dtype: str = "f32", policy: Any = "lru", dense: Any = "auto",
                       miss: str = "fetch", route_lambda: float = 0.0,
-                      throttle: Any = None, balance: Any = False) -> None:
+                      throttle: Any = None, balance: Any = False,
+                      miss_levels: Any = "int4") -> None:
     """Refuse, before anything is touched, the options of :func:`specmoe.offload` /
     :func:`specmoe.from_pretrained` that the GPU tier does not serve."""
     from .cuda import BalanceProfile
@@ -102,10 +103,16 @@ def check_gpu_options(*, dtype: str = "f32", policy: Any = "lru", dense: Any = "
     if dense not in ("auto", "torch", None, False):
         raise ValueError(f"dense={dense!r}: specmoe's dense kernels run on the CPU; with a "
                          "CUDA device the model's own layers run on the GPU (dense='torch')")
-    if miss != "fetch" or route_lambda or throttle is not None:
-        raise ValueError("SpecMD's miss handling, cache-aware routing and the link throttle "
-                         "run on the CPU cache only: with a CUDA device use miss='fetch', "
-                         "route_lambda=0, throttle=None")
+    if throttle is not None:
+        raise ValueError("the link throttle emulates a slower store link for the CPU cache; "
+                         "the GPU cache's loads are host-to-device copies: throttle=None")
+    levels = miss_levels.split(":") if isinstance(miss_levels, str) else miss_levels
+    if miss in ("lowest_bit", "priority") and "int2" in tuple(levels or ()):
+        raise ValueError(f"miss_levels={miss_levels!r}: the GPU kernels take int8 and int4 "
+                         "low-bit copies, not int2 (SpecMD's int2 level runs on the CPU)")
+    if (miss != "fetch" or route_lambda) and balance not in (False, None):
+        raise ValueError("SpecMD's miss handling and cache-aware routing run on the C layer "
+                         "path; the CPU/GPU balancer is not on it yet (issue 37): use one")
 
 
 def resolve_device(device: Any, **options: Any) -> torch.device | str | None:
@@ -140,7 +147,9 @@ class GpuEngine(EngineCommon):
                  device: Any = "cuda", cache: int | float | str = 0.25, policy: str = "lru",
                  prefetch: bool = True, overfetch: float = 1.5, mode: str = "host",
                  verify: bool = True, own_store: bool = False,
-                 balance: bool | Any = False) -> None:
+                 balance: bool | Any = False, miss: str = "fetch", miss_keep: int = 2,
+                 route_lambda: float = 0.0, miss_levels: str | Any = "int4",
+                 miss_keep2: int | None = None) -> None:
         """Serve ``model``'s routed experts from the store file ``store`` through a GPU cache
         on ``device`` ("cuda" or "cuda:N"); the model's other weights are moved there.
 
@@ -155,7 +164,10 @@ class GpuEngine(EngineCommon):
         balancer (:func:`specmoe.runtime.cuda.moe_forward`): True measures its costs now
         (:func:`specmoe.runtime.cuda.measure_balance_profile`), a
         :class:`specmoe.runtime.cuda.BalanceProfile` gives them, False copies every miss (needs
-        ``mode="host"``; :meth:`set_balance` switches it later)."""
+        ``mode="host"``; :meth:`set_balance` switches it later).  miss, miss_keep,
+        route_lambda, miss_levels, miss_keep2: SpecMD's miss handling and cache-aware routing,
+        as on the CPU (:mod:`specmoe.runtime.misses`; the same C code), with the low-bit copies
+        resident in GPU memory (int8 or int4)."""
         from . import cuda
         from .kernels import FFNSpec
         from ..storage.store import ExpertStore
@@ -164,7 +176,15 @@ class GpuEngine(EngineCommon):
         if dev is None:
             raise ValueError("GpuEngine needs a CUDA device (or 'emulate'); the CPU path is "
                              "specmoe.runtime.engine.Engine")
-        check_gpu_options(policy=policy)
+        from . import misses
+        check_gpu_options(policy=policy, miss=miss, route_lambda=route_lambda,
+                          miss_levels=miss_levels, balance=balance)
+        k = int(model.config.num_experts_per_tok)
+        self.miss, self.miss_keep, self.route_lambda = misses.check_miss(miss, miss_keep,
+                                                                         route_lambda, k)
+        self.miss_levels, self.miss_keep2 = misses.check_levels(miss_levels, miss_keep2,
+                                                                self.miss_keep, k)
+        self.throttle = None  # the CPU cache's link emulation (check_gpu_options)
         if overfetch < 1:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         self.emulated = dev.type == "cpu"
@@ -193,12 +213,14 @@ class GpuEngine(EngineCommon):
         self.mode = mode
         self.balance: Any = None  # the BalanceProfile in use, None: every miss is copied
         self.recorder: Any = None  # trace(): the routing recorder in use
-        # MoE-SpeQ on this tier: the self-draft's resident low-bit copy (enable_self_draft),
-        # on the device in _draft_dev (host memory in the emulation), the draft forwards'
+        # the resident low-bit copies (host side, by format; EngineCommon.lowbit_copy) and
+        # their device copies (copy_buffer; the emulation uses the host ones)
+        self._copies: dict[str, Any] = {}
+        self._dev_copies: dict[str, torch.Tensor] = {}
+        # MoE-SpeQ on this tier: the self-draft's resident low-bit copy (enable_self_draft,
+        # one of _copies, lent to the C layers' set_draft), the draft forwards'
         # routing while drafting(), the lookahead buffer (lookahead) and its eviction shield
         self._draft: Any = None
-        self._draft_dev: Any = None
-        self._draft_base = 0
         self._drafting: list[tuple[int, np.ndarray]] | None = None
         self._draft_prefetch = False
         self._draft_queued = 0
@@ -270,6 +292,7 @@ class GpuEngine(EngineCommon):
                                      self._router_copies(), self.top_k,
                                      sigmoid=bool(self.arch.sigmoid_router))
             self._configure_layers()
+            misses.apply(self)
         except BaseException:
             self.close()
             raise
@@ -394,12 +417,17 @@ class GpuEngine(EngineCommon):
         """A draft forward's MoE layer (inside :meth:`drafting`): the experts from the
         resident self-draft copy, no cache access; the routing recorded for the lookahead and,
         with ``drafting(prefetch=True)``, the newest token's experts queued to the cache (as
-        the CPU Engine's ``_draft_layer``).  Called with ``_lock`` held."""
-        from . import cuda
+        the CPU Engine's ``_draft_layer``).  The experts run in one C call
+        (``_C.Layers.forward_draft``: the device tier's grouping and kernels on the draft copy).
+        Called with ``_lock`` held."""
         x = hidden.detach().to(torch.float32).contiguous()
-        out = cuda.moe_forward_buffer(self._draft_base, self._draft.spec, pos, self.num_experts,
-                                      x, idx, w)
-        ix = idx.detach().to(torch.int64).cpu().numpy()
+        T = x.shape[0]
+        ix = idx.detach().to(torch.int64).reshape(T, self.top_k).cpu().numpy()
+        wh = w.detach().to(torch.float32).reshape(T, self.top_k).contiguous().cpu().numpy()
+        out = torch.empty_like(x)
+        stream = 0 if self.emulated else torch.cuda.current_stream(self.device).cuda_stream
+        self._layers.forward_draft(pos, ix, wh, np.zeros(self.num_experts, np.uint8),
+                                   x.data_ptr(), out.data_ptr(), stream)
         assert self._drafting is not None
         self._drafting.append((pos, ix.copy()))
         if self._draft_prefetch and self.prefetch and self._cache is not None:
@@ -437,10 +465,11 @@ class GpuEngine(EngineCommon):
         """Keep a ``dtype`` copy of every routed expert resident in GPU memory (host memory in
         the emulation), so the target itself can draft (MoE-SpeQ's quantized self-draft,
         :class:`specmoe.speculation.drafters.SelfDraft`): built as the CPU Engine builds it
-        (:class:`specmoe.runtime.expert_copy.ExpertCopy`), then copied to the device once.
-        Costs ``dtype``'s size of all experts in GPU memory besides the cache."""
-        from .expert_copy import ExpertCopy
-        if dtype not in ("f32", "bf16", "int8", "int4"):
+        (:meth:`lowbit_copy`), then copied to the device once; SpecMD's miss handling shares it
+        when it uses the same format.  Costs ``dtype``'s size of all experts in GPU memory
+        besides the cache."""
+        from . import misses
+        if dtype not in ("int8", "int4", "bf16", "f32"):
             raise ValueError(f"the GPU tier's self-draft copy takes f32, bf16, int8 or int4, "
                              f"got {dtype!r}")
         with self._lock:
@@ -448,13 +477,31 @@ class GpuEngine(EngineCommon):
                 raise RuntimeError("this specmoe GpuEngine is closed")
             if self._draft is not None and self._draft.dtype == dtype:
                 return
-            copy = ExpertCopy(self._store, dtype, self._ffn_args, self.model_type, self.top_k)
-            if self.emulated:
-                dev, base = copy.buf, int(copy.buf.ctypes.data)
-            else:
-                dev = torch.from_numpy(copy.buf).to(self.device)
-                base = int(dev.data_ptr())
-            self._draft, self._draft_dev, self._draft_base = copy, dev, base
+            copy = self.lowbit_copy(dtype)
+            self._layers.set_draft(self.copy_buffer(copy), copy.desc, copy.block_bytes,
+                                   size=copy.buf.nbytes)
+            self._draft = copy
+        misses.apply(self)  # the draft tokens' copy when no miss mode uses one
+
+    def _copy_address(self, copy: Any) -> int:
+        """``copy``'s address in the tier's memory (copied to the device on first use)."""
+        if self.emulated:
+            return int(copy.buf.ctypes.data)
+        dev = self._dev_copies.get(copy.dtype)
+        if dev is None:
+            dev = self._dev_copies[copy.dtype] = torch.from_numpy(copy.buf).to(self.device)
+        return int(dev.data_ptr())
+
+    def copy_buffer(self, copy: Any) -> Any:
+        """What the C layers' ``set_lowbit`` takes: the host buffer in the emulation (the
+        tier's memory is host memory), else the copy's device address."""
+        return copy.buf if self.emulated else self._copy_address(copy)
+
+    def prune_copies(self, in_use: set[str]) -> None:
+        """Free the copies (and their device memory) neither the C layers nor the self-draft
+        use."""
+        super().prune_copies(in_use)
+        self._dev_copies = {k: v for k, v in self._dev_copies.items() if k in self._copies}
 
     @property
     def layers(self) -> Any:
@@ -516,6 +563,8 @@ class GpuEngine(EngineCommon):
             "prefetch_recall": c["true_positive"] / c["actual"] if c["actual"] else None,
             **self._la.stats(), "draft_prefetch_queued": self._draft_queued,
             "balance": None if self.balance is None else dataclasses.asdict(self.balance),
+            "miss": self.miss, "route_lambda": self.route_lambda,
+            "miss_levels": ":".join(self.miss_levels), "miss_keep2": self.miss_keep2,
             "gpu_experts": c["gpu_experts"], "cpu_experts": c["cpu_experts"],
             **{k: c.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
                                          "lowbit", "lowbit2", "draft_kept")},
@@ -566,6 +615,7 @@ class GpuEngine(EngineCommon):
             return
         if self.mode != "host":
             raise ValueError("the balancer needs mode='host' (the pinned host copy)")
+        check_gpu_options(miss=self.miss, route_lambda=self.route_lambda, balance=balance)
         if balance is not True and not isinstance(balance, cuda.BalanceProfile):
             raise TypeError(f"balance must be a bool or a specmoe.runtime.cuda.BalanceProfile, got "
                             f"{type(balance).__name__}")
@@ -575,6 +625,18 @@ class GpuEngine(EngineCommon):
             if balance is True:
                 balance = cuda.measure_balance_profile(self._cache, self.spec)
             self.balance = balance
+
+    def set_miss(self, miss: str | None = None, miss_keep: int | None = None,
+                 route_lambda: float | None = None, throttle: Any = "keep",
+                 miss_levels: Any = None, miss_keep2: int | None | str = "auto") -> None:
+        """SpecMD's miss handling and cache-aware routing, as :meth:`specmoe.Engine.set_miss`
+        (the same C code runs them), with int8/int4 low-bit levels and no link throttle."""
+        check_gpu_options(
+            miss=self.miss if miss is None else miss,
+            route_lambda=self.route_lambda if route_lambda is None else route_lambda,
+            throttle=None if isinstance(throttle, str) else throttle, balance=self.balance,
+            miss_levels=self.miss_levels if miss_levels is None else miss_levels)
+        super().set_miss(miss, miss_keep, route_lambda, throttle, miss_levels, miss_keep2)
 
     def set_policy(self, policy: Any) -> None:
         """Switch the GPU cache's eviction policy (a built-in name or a Python policy);
@@ -595,8 +657,8 @@ class GpuEngine(EngineCommon):
         with self._lock:
             self._closed = True
             self._layers = self._tier = None  # before the cache they borrow closes
-            self._draft = self._draft_dev = None  # the self-draft copy's memory
-            self._draft_base = 0
+            self._draft = None  # the low-bit copies' memory
+            self._copies, self._dev_copies = {}, {}
             self._close_storage()
 
     def __enter__(self) -> "GpuEngine":

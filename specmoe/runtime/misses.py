@@ -138,10 +138,11 @@ def apply(engine: Any) -> None:
     lay.set_lowbit(None, level=1)
     if copies:
         for level, c in enumerate(copies):
-            lay.set_lowbit(c.buf, c.desc, c.block_bytes, level=level)
+            lay.set_lowbit(engine.copy_buffer(c), c.desc, c.block_bytes, level=level,
+                           size=c.buf.nbytes)
     else:
         lay.set_lowbit(None, level=0)
     keep2 = engine.miss_keep2 if len(copies) == 2 else engine.top_k
     lay.set_miss(engine.miss, engine.miss_keep, engine.route_lambda, keep2=keep2)
-    cache.native.set_throttle(*check_throttle(engine.throttle))
+    cache.set_throttle(engine.throttle)
     engine.prune_copies({c.dtype for c in copies})
