@@ -124,6 +124,7 @@ class EngineCommon:
             except BaseException:
                 (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
                  self.throttle) = old
+                misses.apply(self)  # the C layers back to the old settings, not half-changed
                 raise
 
     def lowbit_copy(self, dtype: str) -> ExpertCopy:
