@@ -63,10 +63,10 @@ int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
     g->pinned = calloc(E, 1);
     g->blocks = calloc(E, sizeof *g->blocks);
     g->grp_start = malloc(sizeof *g->grp_start * ((size_t)E + 1));
-    if (!g->grp_start || !g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys ||
+    if (!g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys ||
         !g->prios || !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n ||
         !g->zt || !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit ||
-        !g->pinned || !g->blocks)
+        !g->pinned || !g->blocks || !g->grp_start)
         goto nomem;
     g->miss = SMOE_MISS_FETCH, g->miss_keep = k < 2 ? k : 2, g->miss_keep2 = k;
     g->route_lambda = 0.0;

@@ -22,16 +22,16 @@
  *        and the draft tokens' shares accumulated into out there too;
  *        with parallel_misses on (smoe_layers_set_parallel; host tier only), the layer's
  *        misses are queued to the prefetch worker first (highest priority) and its resident
- *        experts pinned and computed first, so the loads overlap that compute; the missing experts come last
- *        (acquire waits for a load in flight, or loads a request the worker has not started
- *        yet itself).  The pins keep the worker from evicting an expert this layer is about
- *        to use; each is dropped as soon as its expert is computed, so the misses' own
- *        acquires never wait on this call's pins.  Every call with parallel_misses on sums a
- *        token's experts in ascending id from per-pair rows (smoe_moe_forward_order's
- *        fixed_sum), whatever order they were computed in, so the outputs never depend on the
- *        worker's timing; calls above SMOE_PARALLEL_MAX_FLOATS (T * k * H), and every call
- *        when the cache has a slot for every expert, take the plain path.  Off: ascending
- *        expert id, blocking loads;
+ *        experts pinned and computed first, so the loads overlap that compute; the missing
+ *        experts come last (acquire waits for a load in flight, or loads a request the
+ *        worker has not started yet itself).  The pins keep the worker from evicting an
+ *        expert this layer is about to use; each is dropped as soon as its expert is
+ *        computed, so the misses' own acquires never wait on this call's pins.  Every call
+ *        with parallel_misses on sums a token's experts in ascending id from per-pair rows
+ *        (smoe_moe_forward_order's fixed_sum), whatever order they were computed in, so the
+ *        outputs never depend on the worker's timing; calls above SMOE_PARALLEL_MAX_FLOATS
+ *        (T * k * H), and every call when the cache has a slot for every expert, take the
+ *        plain path.  Off: ascending expert id, blocking loads;
  *     6. precision/recall of the prediction made for this layer against `used`.
  *
  * Step 4 (SpecMD, Algorithm 1 phases 1 and 2), from one snapshot of which of the layer's experts

@@ -242,3 +242,26 @@ def test_predict_next_bad_input():
     before = lg.copy()
     _C.predict_next(lg, K, 1.5, 0.0, True, np.ones(E, np.float32))
     assert (lg == before).all()  # the caller's logits are not written
+
+
+@pytest.mark.parametrize("sigmoid", [False, True])
+def test_route_scores_is_the_score_function(sigmoid):
+    """_C.route_scores (csrc/route.h, the one copy of the rule; trace recording's logits use
+    it) against numpy: with a correction bias, sigmoid or softmax of the logits plus the bias;
+    without one, the logits unchanged; bad shapes are refused."""
+    rng = np.random.default_rng(5)
+    lg = rng.standard_normal((3, 16)).astype(np.float32)
+    corr = rng.standard_normal(16).astype(np.float32)
+    s = lg.copy()
+    _C.route_scores(s, sigmoid, corr)
+    if sigmoid:
+        want = 1.0 / (1.0 + np.exp(-lg.astype(np.float64)))
+    else:
+        z = np.exp(lg.astype(np.float64) - lg.max(1, keepdims=True))
+        want = z / z.sum(1, keepdims=True)
+    np.testing.assert_allclose(s, want + corr, rtol=1e-5, atol=1e-6)
+    s = lg.copy()
+    _C.route_scores(s, sigmoid, None)
+    np.testing.assert_array_equal(s, lg)
+    with pytest.raises(ValueError, match="corr"):
+        _C.route_scores(lg.copy(), sigmoid, corr[:5])

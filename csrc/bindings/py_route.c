@@ -1,6 +1,6 @@
-/* specmoe._C.predict_next: the next-layer prediction rule of csrc/route.h for callers outside
- * the CPU layers (the GPU tier computes its router logits on the device and hands them here, so
- * both tiers prefetch by the same rule). */
+/* specmoe._C.predict_next and route_scores: the routing rules of csrc/route.h for callers
+ * outside the C layers (the SpAc balancer's path of the GPU tier predicts with them; trace
+ * recording scores router logits with them), so every caller applies the same rule. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -73,6 +73,36 @@ static PyObject *py_predict_next(PyObject *mod, PyObject *args, PyObject *kw) {
     return Py_BuildValue("(NN)", ids, pri);
 }
 
+static PyObject *py_route_scores(PyObject *mod, PyObject *args, PyObject *kw) {
+    (void)mod;
+    static char *kwlist[] = {"scores", "sigmoid", "corr", NULL};
+    PyObject *so, *corr_o = Py_None;
+    int sigmoid = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|pO:route_scores", kwlist, &so, &sigmoid,
+                                     &corr_o))
+        return NULL;
+    PyArrayObject *s = smoe_py_want_array(so, "scores", NPY_FLOAT32, 2, 1);
+    if (!s) return NULL;
+    const npy_intp T = PyArray_DIM(s, 0), E = PyArray_DIM(s, 1);
+    const float *corr = NULL;
+    if (corr_o != Py_None) {
+        PyArrayObject *c = smoe_py_want_array(corr_o, "corr", NPY_FLOAT32, 1, 0);
+        if (!c) return NULL;
+        if (PyArray_DIM(c, 0) != E) {
+            PyErr_Format(PyExc_ValueError, "route_scores: corr has %zd entries, the scores %zd "
+                         "experts", (Py_ssize_t)PyArray_DIM(c, 0), (Py_ssize_t)E);
+            return NULL;
+        }
+        corr = PyArray_DATA(c);
+    }
+    if (T > UINT32_MAX || E > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "route_scores: too many tokens or experts");
+        return NULL;
+    }
+    smoe_route_scores(PyArray_DATA(s), (uint32_t)T, (uint32_t)E, sigmoid, corr);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef route_functions[] = {
     {"predict_next", (PyCFunction)(void (*)(void))py_predict_next, METH_VARARGS | METH_KEYWORDS,
      "predict_next(logits, k, overfetch, mass=0.0, sigmoid=False, corr=None) -> (experts, "
@@ -82,6 +112,11 @@ static PyMethodDef route_functions[] = {
      "then per token the top ceil(k * overfetch) experts, or with mass > 0 the fewest (at least\n"
      "k) whose softmax probability sums to mass.  experts: int64 ids ascending; priorities:\n"
      "float32, each expert's best score (mass: probability), the prefetch priority."},
+    {"route_scores", (PyCFunction)(void (*)(void))py_route_scores, METH_VARARGS | METH_KEYWORDS,
+     "route_scores(scores, sigmoid=False, corr=None)\n"
+     "scores float32 [T, E] (writable, in place): router logits become the model's selection\n"
+     "scores (csrc/route.h): with a correction bias corr [E], sigmoid(l) + corr (sigmoid) or\n"
+     "softmax(l) + corr; without one the logits are left as they are."},
     {NULL, NULL, 0, NULL}};
 
 int smoe_py_route_init(PyObject *m) { return PyModule_AddFunctions(m, route_functions); }

@@ -159,17 +159,21 @@ class EngineCommon:
         return TraceRecording(self, logits)
 
     def router_scores(self, pos: int, x: Any) -> Any:
-        """Layer ``pos``'s router scores on ``x`` [T, H] (torch, on x's device): the logits, or
-        with a correction bias the model's score function plus it (csrc/route.h's rule)."""
+        """Layer ``pos``'s router scores on ``x`` [T, H] (a host float32 tensor): the logits,
+        or with a correction bias the model's score function plus it -- applied by
+        ``_C.route_scores``, csrc/route.h's one copy of the rule."""
         import torch
+
+        from .. import _C
         r = self._routers[pos]
         w = r.weight
-        lg = torch.nn.functional.linear(x.to(w.dtype), w, getattr(r, "bias", None)).float()
+        lg = torch.nn.functional.linear(x.to(w.dtype), w, getattr(r, "bias", None))
+        scores = np.ascontiguousarray(lg.detach().float().cpu().numpy())
         bias = self._router_bias[pos]
         if bias is not None:
-            lg = (lg.sigmoid() if self.arch.sigmoid_router else lg.softmax(-1)) + \
-                bias.float().reshape(-1)
-        return lg
+            corr = np.ascontiguousarray(bias.detach().float().reshape(-1).cpu().numpy())
+            _C.route_scores(scores, bool(self.arch.sigmoid_router), corr)
+        return torch.from_numpy(scores)
 
     def record_layer(self, pos: int, hidden: Any, idx: Any, w: Any) -> None:
         """Hand layer ``pos``'s routing to the trace recorder, if one is on (trace())."""
