@@ -202,22 +202,31 @@ int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, uint32_t 
     return rc;
 }
 
+/* A resident copy of every expert (size bytes of block_bytes blocks in desc's format) fits the
+ * layers: the model's hidden size, a valid descriptor the tier's kernels take, every block. */
+static int check_copy(const smoe_layers *g, uint64_t size, uint64_t block_bytes,
+                      const smoe_ffn_desc *desc, const char *what, smoe_err *err) {
+    if (desc->H != g->H)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: %s has hidden size %u, the model %u",
+                            what, desc->H, g->H);
+    int rc = smoe_ffn_desc_check(desc, block_bytes, err);
+    if (!rc && g->tier.ops) rc = g->tier.ops->check(g->tier.ctx, desc, err);
+    if (rc) return rc;
+    if (size < (uint64_t)g->L * g->E * block_bytes)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: %s of %llu bytes, %u x %u blocks of %llu "
+                            "bytes need %llu", what, (unsigned long long)size, g->L, g->E,
+                            (unsigned long long)block_bytes,
+                            (unsigned long long)g->L * g->E * block_bytes);
+    return SMOE_OK;
+}
+
 int smoe_layers_set_lowbit(smoe_layers *g, uint32_t level, const uint8_t *base, uint64_t size,
                            uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err) {
     if (level > 1)
         return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy level %u (0 or 1)", level);
     if (base) {
-        if (desc->H != g->H)
-            return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy has hidden size %u, "
-                                "the model %u", desc->H, g->H);
-        int rc = smoe_ffn_desc_check(desc, block_bytes, err);
-        if (!rc && g->tier.ops) rc = g->tier.ops->check(g->tier.ctx, desc, err);
+        int rc = check_copy(g, size, block_bytes, desc, "low-bit copy", err);
         if (rc) return rc;
-        if (size < (uint64_t)g->L * g->E * block_bytes)
-            return smoe_err_set(err, SMOE_EINVAL, "layers: low-bit copy of %llu bytes, %u x %u "
-                                "blocks of %llu bytes need %llu", (unsigned long long)size,
-                                g->L, g->E, (unsigned long long)block_bytes,
-                                (unsigned long long)g->L * g->E * block_bytes);
     }
     pthread_mutex_lock(&g->mu);
     int rc = SMOE_OK;
@@ -1002,16 +1011,8 @@ int smoe_layers_forward_on(smoe_layers *g, uint32_t pos, const float *x, const f
 int smoe_layers_set_draft(smoe_layers *g, const uint8_t *base, uint64_t size,
                           uint64_t block_bytes, const smoe_ffn_desc *desc, smoe_err *err) {
     if (base) {
-        if (desc->H != g->H)
-            return smoe_err_set(err, SMOE_EINVAL, "layers: draft copy has hidden size %u, the "
-                                "model %u", desc->H, g->H);
-        int rc = smoe_ffn_desc_check(desc, block_bytes, err);
-        if (!rc && g->tier.ops) rc = g->tier.ops->check(g->tier.ctx, desc, err);
+        int rc = check_copy(g, size, block_bytes, desc, "draft copy", err);
         if (rc) return rc;
-        if (size < (uint64_t)g->L * g->E * block_bytes)
-            return smoe_err_set(err, SMOE_EINVAL, "layers: draft copy of %llu bytes, %u x %u "
-                                "blocks of %llu bytes need more", (unsigned long long)size,
-                                g->L, g->E, (unsigned long long)block_bytes);
     }
     pthread_mutex_lock(&g->mu);
     if (base) {

@@ -400,3 +400,36 @@ def test_batched_speculation_equals_batched_greedy(device, drafter):
         assert out.iterations[0]["batch"] == len(texts)  # (finished rows leave the batch)
     finally:
         eng.close()
+
+
+def test_layers_refuse_calls_of_the_other_tier():
+    """_C.Layers over a CPU cache and over a device tier refuse each other's calls with a
+    named error, and a device tier's draft forward needs a draft copy."""
+    from specmoe import _C
+    m, _ = _tiny()
+    cpu = hf.offload(m, dtype="f32", cache=0.25)
+    try:
+        E, k = cpu.num_experts, cpu.top_k
+        x = np.zeros((1, m.config.hidden_size), np.float32)
+        idx, w = np.zeros((1, k), np.int64), np.zeros((1, k), np.float32)
+        idx[0] = np.arange(k)
+        used = np.zeros(E, np.uint8)
+        with pytest.raises(ValueError, match="device tier"):
+            cpu.layers.forward_on(0, x, idx, w, used, x.ctypes.data, x.ctypes.data, 0)
+        with pytest.raises(TypeError, match="device tier"):
+            c = cpu.lowbit_copy("int4")
+            cpu.layers.set_lowbit(c.buf.ctypes.data, c.desc, c.block_bytes, size=c.buf.nbytes)
+    finally:
+        cpu.close()
+    m, _ = _tiny()
+    gpu = hf.offload(m, device="emulate", dtype="f32", cache=0.25)
+    try:
+        out = np.zeros_like(x)
+        with pytest.raises(ValueError, match="forward_on"):
+            gpu.layers.forward(0, x, idx, w, out, used)
+        with pytest.raises(_C.CacheError, match="draft copy"):
+            gpu.layers.forward_draft(0, idx, w, used, x.ctypes.data, out.ctypes.data, 0)
+        gpu.layers.forward_on(0, x, idx, w, used, x.ctypes.data, out.ctypes.data, 0)
+        assert used[:k].all() and not used[k:].any()
+    finally:
+        gpu.close()

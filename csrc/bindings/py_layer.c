@@ -302,25 +302,35 @@ PyDoc_STRVAR(forward_on_doc,
              "stream the compute stream (int cudaStream_t, 0 in the emulation), on which the "
              "experts' work is enqueued.  With the GIL released.");
 
+/* The start of forward_on and forward_draft: initialised, n in [nmin, nmax] (else TypeError
+ * with usage), a device tier, args[0] a layer position into *pos.  0, or -1 with an error. */
+static int device_call_begin(LayersObject *self, PyObject *const *args, Py_ssize_t n,
+                             Py_ssize_t nmin, Py_ssize_t nmax, const char *usage, long *pos) {
+    if (check_init(self) < 0) return -1;
+    if (n < nmin || n > nmax) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    if (!self->g.tier.ops) {
+        PyErr_Format(PyExc_ValueError, "%s runs on a device tier; this Layers is over a CPU "
+                     "cache (forward; the CPU Engine drafts through its ExpertCopy)", usage);
+        return -1;
+    }
+    *pos = PyLong_AsLong(args[0]);
+    if (*pos == -1 && PyErr_Occurred()) return -1;
+    if (*pos < 0 || *pos >= (long)self->g.L) {
+        PyErr_Format(PyExc_ValueError, "pos %ld outside 0..%u", *pos, self->g.L - 1);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *Layers_forward_on(LayersObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (check_init(self) < 0) return NULL;
     smoe_layers *g = &self->g;
-    if (n < 8 || n > 11) {
-        PyErr_SetString(PyExc_TypeError, "forward_on(pos, x, idx, w, used, xd, out, stream, "
-                        "scores=None, replace=True, draft=None)");
+    long pos;
+    if (device_call_begin(self, args, n, 8, 11, "forward_on(pos, x, idx, w, used, xd, out, "
+                          "stream, scores=None, replace=True, draft=None)", &pos) < 0)
         return NULL;
-    }
-    if (!g->tier.ops) {
-        PyErr_SetString(PyExc_ValueError, "forward_on runs on a device tier; this Layers is "
-                        "over a CPU cache (forward)");
-        return NULL;
-    }
-    long pos = PyLong_AsLong(args[0]);
-    if (pos == -1 && PyErr_Occurred()) return NULL;
-    if (pos < 0 || pos >= (long)g->L) {
-        PyErr_Format(PyExc_ValueError, "pos %ld outside 0..%u", pos, g->L - 1);
-        return NULL;
-    }
     PyArrayObject *x, *idx, *w, *used, *sc = NULL, *dr = NULL;
     void *xd, *out;
     if (!(x = smoe_py_want_array(args[1], "x", NPY_FLOAT32, 2, 0)) ||
@@ -578,23 +588,11 @@ static PyObject *Layers_set_draft(LayersObject *self, PyObject *args, PyObject *
 }
 
 static PyObject *Layers_forward_draft(LayersObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (check_init(self) < 0) return NULL;
     smoe_layers *g = &self->g;
-    if (n != 7) {
-        PyErr_SetString(PyExc_TypeError, "forward_draft(pos, idx, w, used, xd, out, stream)");
+    long pos;
+    if (device_call_begin(self, args, n, 7, 7, "forward_draft(pos, idx, w, used, xd, out, "
+                          "stream)", &pos) < 0)
         return NULL;
-    }
-    if (!g->tier.ops) {
-        PyErr_SetString(PyExc_ValueError, "forward_draft runs on a device tier (the CPU Engine "
-                        "drafts through its ExpertCopy)");
-        return NULL;
-    }
-    long pos = PyLong_AsLong(args[0]);
-    if (pos == -1 && PyErr_Occurred()) return NULL;
-    if (pos < 0 || pos >= (long)g->L) {
-        PyErr_Format(PyExc_ValueError, "pos %ld outside 0..%u", pos, g->L - 1);
-        return NULL;
-    }
     PyArrayObject *idx, *w, *used;
     void *xd, *out;
     if (!(idx = smoe_py_want_array(args[1], "idx", NPY_INT64, 2, 0)) ||

@@ -7,6 +7,21 @@
 #include "py_numpy.h"
 #include "route.h"
 
+/* A correction-bias argument: None (*corr NULL) or float32 [E]; -1 with an error naming fn. */
+static int want_corr(PyObject *o, npy_intp E, const char *fn, const float **corr) {
+    *corr = NULL;
+    if (o == Py_None) return 0;
+    PyArrayObject *c = smoe_py_want_array(o, "corr", NPY_FLOAT32, 1, 0);
+    if (!c) return -1;
+    if (PyArray_DIM(c, 0) != E) {
+        PyErr_Format(PyExc_ValueError, "%s: corr has %zd entries, for %zd experts", fn,
+                     (Py_ssize_t)PyArray_DIM(c, 0), (Py_ssize_t)E);
+        return -1;
+    }
+    *corr = PyArray_DATA(c);
+    return 0;
+}
+
 static PyObject *py_predict_next(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
     static char *kwlist[] = {"logits", "k", "overfetch", "mass", "sigmoid", "corr", NULL};
@@ -30,17 +45,8 @@ static PyObject *py_predict_next(PyObject *mod, PyObject *args, PyObject *kw) {
                      "(got %g, %g)", overfetch, mass);
         return NULL;
     }
-    const float *corr = NULL;
-    if (corr_o != Py_None) {
-        PyArrayObject *c = smoe_py_want_array(corr_o, "corr", NPY_FLOAT32, 1, 0);
-        if (!c) return NULL;
-        if (PyArray_DIM(c, 0) != E) {
-            PyErr_Format(PyExc_ValueError, "predict_next: corr has %zd entries, the logits %zd "
-                         "experts", (Py_ssize_t)PyArray_DIM(c, 0), (Py_ssize_t)E);
-            return NULL;
-        }
-        corr = PyArray_DATA(c);
-    }
+    const float *corr;
+    if (want_corr(corr_o, E, "predict_next", &corr) < 0) return NULL;
     /* scores: a copy of the logits (the caller's array is not written), then E-sized scratch */
     size_t n_sc = (size_t)T * (size_t)E;
     float *sc = malloc(sizeof *sc * (n_sc + 2 * (size_t)E) + sizeof(int32_t) * (size_t)E +
@@ -84,17 +90,8 @@ static PyObject *py_route_scores(PyObject *mod, PyObject *args, PyObject *kw) {
     PyArrayObject *s = smoe_py_want_array(so, "scores", NPY_FLOAT32, 2, 1);
     if (!s) return NULL;
     const npy_intp T = PyArray_DIM(s, 0), E = PyArray_DIM(s, 1);
-    const float *corr = NULL;
-    if (corr_o != Py_None) {
-        PyArrayObject *c = smoe_py_want_array(corr_o, "corr", NPY_FLOAT32, 1, 0);
-        if (!c) return NULL;
-        if (PyArray_DIM(c, 0) != E) {
-            PyErr_Format(PyExc_ValueError, "route_scores: corr has %zd entries, the scores %zd "
-                         "experts", (Py_ssize_t)PyArray_DIM(c, 0), (Py_ssize_t)E);
-            return NULL;
-        }
-        corr = PyArray_DATA(c);
-    }
+    const float *corr;
+    if (want_corr(corr_o, E, "route_scores", &corr) < 0) return NULL;
     if (T > UINT32_MAX || E > UINT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "route_scores: too many tokens or experts");
         return NULL;
