@@ -12,45 +12,15 @@ static uint8_t *slot_data(const smoe_cache *c, uint32_t s) {
     return c->slab + (uint64_t)s * c->tab.slot_bytes;
 }
 
-/* Link emulation (cache.h, SpecMD A.4): reserve the emulated link for one block and return
- * the time the read may return (0: no throttle). */
-static double link_reserve(smoe_cache *c) {
-    pthread_mutex_lock(&c->link_mu);
-    double until = 0.0;
-    if (c->throttle_bw > 0.0 || c->throttle_lat_s > 0.0) {
-        double now = smoe_now();
-        double start = c->link_free_s > now ? c->link_free_s : now;
-        double dur = c->throttle_lat_s;
-        if (c->throttle_bw > 0.0) dur += (double)c->tab.slot_bytes / c->throttle_bw;
-        c->link_free_s = until = start + dur;
-    }
-    pthread_mutex_unlock(&c->link_mu);
-    return until;
-}
-
-/* Sleep until smoe_now() >= until (no-op for 0). */
-static void link_wait(double until) {
-    if (until <= 0.0) return;
-    for (;;) {
-        double left = until - smoe_now();
-        if (left <= 0.0) return;
-        struct timespec ts;
-        ts.tv_sec = (time_t)left;
-        ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
-        if (ts.tv_nsec >= 1000000000L) ts.tv_nsec = 999999999L;
-        nanosleep(&ts, NULL);
-    }
-}
-
 /* ops.load: read key's block from the store into slot s (mu released, slot LOADING), no
  * earlier than the emulated link allows. */
 static int cache_load(void *owner, uint32_t s, int32_t key, smoe_err *err) {
     smoe_cache *c = owner;
     uint32_t ne = c->tab.num_experts;
-    double until = link_reserve(c);
+    double until = smoe_link_reserve(&c->link, c->tab.slot_bytes);
     int rc = smoe_store_read(c->store, (uint32_t)key / ne, (uint32_t)key % ne, slot_data(c, s),
                              err);
-    link_wait(until);
+    smoe_link_wait(until);
     return rc;
 }
 
@@ -65,12 +35,12 @@ int smoe_cache_init(smoe_cache *c, smoe_store *store, uint32_t nslots, uint32_t 
         return smoe_err_set(err, SMOE_EINVAL,
                             "cache: store block size %llu is not a positive multiple of %u",
                             (unsigned long long)store->block_bytes, SMOE_ALIGN);
-    if (pthread_mutex_init(&c->link_mu, NULL) != 0)
-        return smoe_err_set(err, SMOE_ENOMEM, "cache: cannot create a mutex");
-    int rc = smoe_slots_init(&c->tab, "cache", store->num_layers, store->num_experts,
+    int rc = smoe_link_init(&c->link, err);
+    if (rc) return rc;
+    rc = smoe_slots_init(&c->tab, "cache", store->num_layers, store->num_experts,
                              store->block_bytes, nslots, min_slots, policy, &cache_ops, c, err);
     if (rc < 0) {
-        pthread_mutex_destroy(&c->link_mu);
+        smoe_link_free(&c->link);
         return rc;
     }
     c->store = store;
@@ -96,7 +66,7 @@ int smoe_cache_init(smoe_cache *c, smoe_store *store, uint32_t nslots, uint32_t 
 void smoe_cache_free(smoe_cache *c) {
     smoe_slots_free(&c->tab); /* stops the worker first: no load writes the slab after this */
     free(c->slab);
-    pthread_mutex_destroy(&c->link_mu);
+    smoe_link_free(&c->link);
     memset(c, 0, sizeof *c);
 }
 
@@ -113,16 +83,7 @@ int smoe_cache_release(smoe_cache *c, uint32_t layer, uint32_t expert, smoe_err 
 }
 
 int smoe_cache_set_throttle(smoe_cache *c, double bytes_per_s, double latency_s, smoe_err *err) {
-    if (!isfinite(bytes_per_s) || !isfinite(latency_s) || bytes_per_s < 0.0 || latency_s < 0.0)
-        return smoe_err_set(err, SMOE_EINVAL,
-                            "throttle: bandwidth and latency must be finite and >= 0 (got %g "
-                            "bytes/s, %g s)", bytes_per_s, latency_s);
-    pthread_mutex_lock(&c->link_mu);
-    c->throttle_bw = bytes_per_s;
-    c->throttle_lat_s = latency_s;
-    c->link_free_s = 0.0;
-    pthread_mutex_unlock(&c->link_mu);
-    return SMOE_OK;
+    return smoe_link_set(&c->link, bytes_per_s, latency_s, err);
 }
 
 int smoe_cache_resident_mask(smoe_cache *c, uint32_t layer, uint8_t *mask, smoe_err *err) {

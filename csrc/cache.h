@@ -19,6 +19,7 @@
 #define SMOE_CACHE_H
 
 #include "common.h"
+#include "link.h"
 #include "policy/policy.h"
 #include "slots.h"
 #include "store.h"
@@ -28,15 +29,8 @@ typedef struct smoe_cache {
     smoe_store *store; /* borrowed; must outlive the cache */
     uint8_t *slab;     /* owned; tab.nslots * tab.slot_bytes, SMOE_ALIGN-aligned */
 
-    /* link emulation (SpecMD Appendix A.4, "hardware emulation"): every store read of this
-     * cache, demand or prefetch, occupies one emulated link for latency + bytes / bandwidth;
-     * reads queue on it in the order they start, and a read returns no earlier than its end
-     * on the link.  0/0: off (reads take what the storage takes).  The loads run without
-     * tab.mu, so these fields have their own lock. */
-    pthread_mutex_t link_mu;
-    double throttle_bw;    /* [link_mu] bytes per second, 0: no bandwidth limit */
-    double throttle_lat_s; /* [link_mu] seconds added to every read */
-    double link_free_s;    /* [link_mu] smoe_now() time at which the emulated link is free */
+    smoe_link link; /* the emulated link of every store read, demand or prefetch (link.h,
+                     * SpecMD A.4); its own lock: the loads run without tab.mu */
 } smoe_cache;
 
 /* Create a cache of `nslots` slots over `store` with `policy` (ownership of policy passes to

@@ -36,8 +36,7 @@ static int dev_copy_to_slot(smoe_gcache *c, uint32_t s, const uint8_t *src, smoe
 
 /* ops.load (tab.mu NOT held): enqueue the copy of key's block into slot s; in STAGED mode the
  * store read into a staging buffer happens here, in the calling thread. */
-static int gcache_load(void *owner, uint32_t s, int32_t key, smoe_err *err) {
-    smoe_gcache *c = owner;
+static int gcache_load_now(smoe_gcache *c, uint32_t s, int32_t key, smoe_err *err) {
     const uint32_t ne = c->tab.num_experts;
     uint32_t layer = (uint32_t)key / ne, expert = (uint32_t)key % ne;
     if (c->mode == SMOE_GC_HOSTCOPY)
@@ -69,6 +68,21 @@ static int gcache_load(void *owner, uint32_t s, int32_t key, smoe_err *err) {
     pthread_cond_signal(&c->stage_cv);
     pthread_mutex_unlock(&c->stage_mu);
     return rc;
+}
+
+/* ops.load: gcache_load_now, returning no earlier than the emulated link allows (link.h: a
+ * throttle makes the demand thread or the worker wait as a slower link would). */
+static int gcache_load(void *owner, uint32_t s, int32_t key, smoe_err *err) {
+    smoe_gcache *c = owner;
+    double until = smoe_link_reserve(&c->link, c->tab.slot_bytes);
+    int rc = gcache_load_now(c, s, key, err);
+    smoe_link_wait(until);
+    return rc;
+}
+
+int smoe_gcache_set_throttle(smoe_gcache *c, double bytes_per_s, double latency_s,
+                             smoe_err *err) {
+    return smoe_link_set(&c->link, bytes_per_s, latency_s, err);
 }
 
 /* ops.pinned (tab.mu held): make `stream` wait for slot s's copy; count a hit whose copy is
@@ -209,6 +223,7 @@ int smoe_gcache_init(smoe_gcache *c, smoe_store *store, int device, uint32_t nsl
                              store->block_bytes, nslots, min_slots, policy, &gcache_ops, c, err);
     if (rc < 0) return rc;
     pthread_mutex_init(&c->stage_mu, NULL);
+    smoe_link_init(&c->link, err); /* (a mutex: fails only where stage_mu's would) */
     pthread_cond_init(&c->stage_cv, NULL);
     c->store = store;
     c->device = device;
@@ -256,6 +271,7 @@ void smoe_gcache_free(smoe_gcache *c) {
     free_device(c);
     pthread_mutex_destroy(&c->stage_mu);
     pthread_cond_destroy(&c->stage_cv);
+    smoe_link_free(&c->link);
     smoe_slots_free(&c->tab);
     memset(c, 0, sizeof *c);
 }

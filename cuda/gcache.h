@@ -39,6 +39,7 @@
 #define SMOE_GCACHE_H
 
 #include "common.h"
+#include "link.h"
 #include "policy/policy.h"
 #include "slots.h"
 #include "store.h"
@@ -72,6 +73,7 @@ typedef struct smoe_gcache {
     void **ready_ev;     /* owned, per slot cudaEvent_t */
     void **free_ev;      /* owned, per slot cudaEvent_t */
     uint64_t inflight_hits; /* [tab.mu] see smoe_gcache_stats */
+    smoe_link link;         /* the emulated link of every load (link.h; its own lock) */
 } smoe_gcache;
 
 /* Create the cache: one device allocation of nslots blocks, per-slot events, the copy stream,
@@ -93,6 +95,11 @@ int smoe_gcache_release(smoe_gcache *c, uint32_t layer, uint32_t expert, void *s
 /* Queue empty and worker idle, then the copy stream drained. */
 int smoe_gcache_wait_idle(smoe_gcache *c, smoe_err *err);
 void smoe_gcache_get_stats(smoe_gcache *c, smoe_gcache_stats *out);
+/* Emulate a slower link (SpecMD A.4, as the CPU cache's smoe_cache_set_throttle): every load,
+ * demand or prefetch, returns no earlier than latency_s + block_bytes / bytes_per_s after the
+ * link is free; 0/0 off. */
+int smoe_gcache_set_throttle(smoe_gcache *c, double bytes_per_s, double latency_s,
+                             smoe_err *err);
 void smoe_gcache_reset_stats(smoe_gcache *c);
 
 #endif

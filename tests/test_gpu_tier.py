@@ -357,7 +357,7 @@ def test_gpu_refusals_name_the_reason():
     with pytest.raises(ValueError, match="int2"):
         hf.offload(m, device="emulate", miss="lowest_bit", miss_levels="int2")
     with pytest.raises(ValueError, match="throttle"):
-        hf.offload(m, device="emulate", throttle=(1.0, 0.0))
+        hf.offload(m, device="emulate", throttle=(-1.0, 0.0))
     eng = hf.offload(m, device="emulate", dtype="f32", cache=0.25)
     try:
         with pytest.raises(ValueError, match="int2"):
@@ -433,3 +433,28 @@ def test_layers_refuse_calls_of_the_other_tier():
         assert used[:k].all() and not used[k:].any()
     finally:
         gpu.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_link_throttle_slows_the_gpu_cache_loads(device):
+    """SpecMD A.4's link emulation (csrc/link.h, the CPU cache's rule) on the GPU cache: with
+    a 20 ms latency per load, a forward's demand misses take at least that long each (stall
+    time >= misses * 20 ms, prefetch off), outputs unchanged; off again, stalls are short."""
+    import time
+    m, ref = _tiny()
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, prefetch=False,
+                     throttle=(1000.0, 20000.0))
+    try:
+        x = torch.tensor([PROMPT], device=_dev(device))
+        eng.reset_stats()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            torch.testing.assert_close(m(x).logits, ref.to(_dev(device))(x).logits,
+                                       rtol=1e-4, atol=1e-4)
+        wall = time.perf_counter() - t0
+        st = eng.stats()
+        assert st["misses"] > 0 and wall >= 0.02 * st["misses"] * 0.99, (wall, st["misses"])
+        eng.set_miss(throttle=None)
+        assert eng.throttle is None
+    finally:
+        eng.close()

@@ -569,6 +569,17 @@ static PyObject *GC_reset_stats(GCacheObject *self, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+static PyObject *GC_set_throttle(GCacheObject *self, PyObject *args) {
+    double bw, lat;
+    if (!PyArg_ParseTuple(args, "dd:set_throttle", &bw, &lat) || GC_check(self) < 0)
+        return NULL;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc = smoe_gcache_set_throttle(&self->cache, bw, lat, &e); /* its own short lock */
+    if (rc < 0) return raise_err(&e);
+    Py_RETURN_NONE;
+}
+
 static PyObject *GC_resident(GCacheObject *self, PyObject *noargs) {
     (void)noargs;
     if (GC_check(self) < 0) return NULL;
@@ -726,6 +737,8 @@ static PyMethodDef GC_methods[] = {
     {"pause_worker", (PyCFunction)GC_pause_worker, METH_O, "pause_worker(paused)"},
     {"stats", (PyCFunction)GC_stats, METH_NOARGS, "counters (dict)"},
     {"reset_stats", (PyCFunction)GC_reset_stats, METH_NOARGS, "zero the counters"},
+    {"set_throttle", (PyCFunction)GC_set_throttle, METH_VARARGS,
+     "set_throttle(bytes_per_s, latency_s): emulate a slower link for every load (0, 0: off)"},
     {"resident", (PyCFunction)GC_resident, METH_NOARGS, "keys of the READY slots, slot order"},
     {"layer_states", (PyCFunction)GC_layer_states, METH_O,
      "layer_states(layer) -> bytes: each expert's slot state (0 absent, 1 loading, 2 ready)"},

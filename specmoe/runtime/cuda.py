@@ -292,11 +292,14 @@ class GpuExpertCache:
     def acquire(self, layer: int, expert: int, stream: Any = None) -> int:
         return int(self._c.acquire(layer, expert, self._stream(stream)))
 
-    def set_throttle(self, throttle: Any) -> None:
-        """The link emulation (SpecMD A.4) is the CPU cache's: None only (a clear error else)."""
-        if throttle is not None:
-            raise ValueError("the link throttle emulates a slower store link for the CPU cache; "
-                             "the GPU cache's loads are host-to-device copies: throttle=None")
+    def set_throttle(self, throttle: tuple[float, float] | None) -> None:
+        """Emulate a slower link (SpecMD Appendix A.4, the CPU cache's rule, csrc/link.h):
+        ``(GB_per_s, latency_us)`` makes every load of this cache, demand or prefetch, return
+        no earlier than ``latency + block_bytes / bandwidth`` after the emulated link is free
+        (a demand load holds the layer call that long; the copy itself runs at the hardware's
+        speed); None turns it off."""
+        from .misses import check_throttle
+        self._c.set_throttle(*check_throttle(throttle))
 
     def tier(self, spec: Any) -> Any:
         """This cache as the expert tier of ``specmoe._C.Layers`` (``_cuda.Tier``, cuda/gtier.h):

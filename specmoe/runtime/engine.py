@@ -831,7 +831,8 @@ def offload(model: nn.Module, store: str | os.PathLike | None = None,
                              prefetch=prefetch, overfetch=overfetch, verify=True,
                              own_store=store is None, balance=balance, miss=miss,
                              miss_keep=miss_keep, route_lambda=route_lambda,
-                             miss_levels=miss_levels, miss_keep2=miss_keep2)
+                             miss_levels=miss_levels, miss_keep2=miss_keep2,
+                             throttle=throttle)
         eng = Engine(model, path, cache=cache, policy=policy, prefetch=prefetch,
                      overfetch=overfetch, direct=direct, verify=True, own_store=store is None,
                      dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,

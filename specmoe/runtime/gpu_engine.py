@@ -103,9 +103,8 @@ def check_gpu_options(*, dtype: str = "f32", policy: Any = "lru", dense: Any = "
     if dense not in ("auto", "torch", None, False):
         raise ValueError(f"dense={dense!r}: specmoe's dense kernels run on the CPU; with a "
                          "CUDA device the model's own layers run on the GPU (dense='torch')")
-    if throttle is not None:
-        raise ValueError("the link throttle emulates a slower store link for the CPU cache; "
-                         "the GPU cache's loads are host-to-device copies: throttle=None")
+    from .misses import check_throttle
+    check_throttle(throttle)  # (GB/s, latency_us) or None; the GPU cache emulates it too
     levels = miss_levels.split(":") if isinstance(miss_levels, str) else miss_levels
     if miss in ("lowest_bit", "priority") and "int2" in tuple(levels or ()):
         raise ValueError(f"miss_levels={miss_levels!r}: the GPU kernels take int8 and int4 "
@@ -149,7 +148,8 @@ class GpuEngine(EngineCommon):
                  verify: bool = True, own_store: bool = False,
                  balance: bool | Any = False, miss: str = "fetch", miss_keep: int = 2,
                  route_lambda: float = 0.0, miss_levels: str | Any = "int4",
-                 miss_keep2: int | None = None) -> None:
+                 miss_keep2: int | None = None, throttle: tuple[float, float] | None = None
+                 ) -> None:
         """Serve ``model``'s routed experts from the store file ``store`` through a GPU cache
         on ``device`` ("cuda" or "cuda:N"); the model's other weights are moved there.
 
@@ -167,7 +167,8 @@ class GpuEngine(EngineCommon):
         ``mode="host"``; :meth:`set_balance` switches it later).  miss, miss_keep,
         route_lambda, miss_levels, miss_keep2: SpecMD's miss handling and cache-aware routing,
         as on the CPU (:mod:`specmoe.runtime.misses`; the same C code), with the low-bit copies
-        resident in GPU memory (int8 or int4)."""
+        resident in GPU memory (int8 or int4).  throttle: ``(GB_per_s, latency_us)``, the
+        link emulation of SpecMD A.4 on the GPU cache's loads (None: off)."""
         from . import cuda
         from .kernels import FFNSpec
         from ..storage.store import ExpertStore
@@ -184,7 +185,8 @@ class GpuEngine(EngineCommon):
                                                                          route_lambda, k)
         self.miss_levels, self.miss_keep2 = misses.check_levels(miss_levels, miss_keep2,
                                                                 self.miss_keep, k)
-        self.throttle = None  # the CPU cache's link emulation (check_gpu_options)
+        misses.check_throttle(throttle)
+        self.throttle = throttle  # the link emulation of the GPU cache's loads (misses.apply)
         if overfetch < 1:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         self.emulated = dev.type == "cpu"
@@ -630,11 +632,12 @@ class GpuEngine(EngineCommon):
                  route_lambda: float | None = None, throttle: Any = "keep",
                  miss_levels: Any = None, miss_keep2: int | None | str = "auto") -> None:
         """SpecMD's miss handling and cache-aware routing, as :meth:`specmoe.Engine.set_miss`
-        (the same C code runs them), with int8/int4 low-bit levels and no link throttle."""
+        (the same C code runs them, and the same link emulation on the GPU cache's loads),
+        with int8/int4 low-bit levels."""
         check_gpu_options(
             miss=self.miss if miss is None else miss,
             route_lambda=self.route_lambda if route_lambda is None else route_lambda,
-            throttle=None if isinstance(throttle, str) else throttle, balance=self.balance,
+            balance=self.balance,
             miss_levels=self.miss_levels if miss_levels is None else miss_levels)
         super().set_miss(miss, miss_keep, route_lambda, throttle, miss_levels, miss_keep2)
 
