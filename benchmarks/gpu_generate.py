@@ -11,6 +11,11 @@ untimed ones:
   ``specmoe.from_pretrained(ckpt, device=<device>, cache=N%, dtype="bf16", prefetch=...)``
   (experts in the GPU cache behind a pinned host copy of the store; ``balance=True`` for
   MoE-SpAc's CPU/GPU balancer);
+* ``specmoe N% + prefetch + self-draft`` / ``+ n-gram``: speculative decoding on the tier,
+  ``specmoe.generate(model, ids, SelfDraft(engine) | NgramDrafter())`` with the library's
+  default controller (speculation length chosen by measured utility, off where it does not
+  pay); seconds per token from two runs, (t(n) - t(1)) / (n - 1), so the prefill and first
+  token are left out as in the greedy rows;
 * ``accelerate device_map offload of the experts``: the same ``from_pretrained`` with a
   device map that puts every MoE layer's ``mlp.experts`` on ``"cpu"`` and everything else on
   the GPU (accelerate's hooks copy an offloaded module's weights to the GPU at each call).
@@ -20,8 +25,9 @@ with a bf16 store the expert sums are in another order, so a near-tie may flip a
 GPU tests check exact equality with an f32 store.  ``specmoe_25pct_vs_accelerate`` and
 ``specmoe_25pct_vs_unmodified`` are tok/s ratios.  A row that cannot run says why (``error``).
 Without a usable GPU it prints ``{"skipped": reason}`` and exits 0; ``--device cpu`` runs the
-same rows on the CPU (specmoe's CPU engine, accelerate offload to the CPU itself: a dry run of
-the script, not a benchmark).
+same rows on the CPU (specmoe's CPU engine, accelerate offload to the CPU itself) and
+``--device emulate`` the GPU tier's own code on the CPU: dry runs of the script, not
+benchmarks.
 
 Ran on an H200 on 2026-11-26 (``benchmarks/results/gpu_generate_h200.json``, before
 ``--warm-rounds`` existed: its first round is in the median's three).
@@ -65,6 +71,25 @@ def experts_device_map(cfg: Any, device: str) -> dict[str, str]:
             dm[f"{p}.mlp.shared_experts"] = device
             dm[f"{p}.mlp.experts"] = "cpu"
     return dm
+
+
+def timed_speculative(torch: Any, model: Any, ids: Any, n: int,
+                      drafter: Callable[[], Any]) -> tuple[float, list[int]]:
+    """Seconds per token of ``specmoe.generate`` with a new ``drafter()`` (the default
+    controller), as (t(n) - t(1)) / (n - 1) over two runs, and the n tokens."""
+    import specmoe
+
+    def run(k: int) -> tuple[float, Any]:
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = specmoe.generate(model, ids, drafter(), max_new_tokens=k, eos_token_id=None)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, out
+    t1, _ = run(1)
+    tn, out = run(n)
+    return max(tn - t1, 1e-9) / (n - 1), out.sequences[0, ids.shape[1]:].tolist()
 
 
 def timed_generate(torch: Any, model: Any, ids: Any, n: int) -> tuple[float, list[int]]:
@@ -113,7 +138,8 @@ def main() -> None:
     from specmoe.runtime import cuda
 
     dev = a.device
-    why = "" if dev == "cpu" else cuda.unusable_reason()
+    tdev = "cpu" if dev in ("cpu", "emulate") else dev  # where torch puts the model's weights
+    why = "" if tdev == "cpu" else cuda.unusable_reason()
     if why:
         res = {"skipped": f"no usable GPU: {why}"}
         print(json.dumps(res) if a.json else res["skipped"])
@@ -129,7 +155,7 @@ def main() -> None:
     res: dict[str, Any] = {"model": "deepseek_v2 (DeepSeek-V2-Lite shapes)", "layers": a.layers,
                            "vocab": a.vocab, "tokens": a.tokens, "rounds": a.rounds,
                            "warm_rounds": a.warm_rounds,
-                           "device": dev if dev == "cpu" else cuda.available()[1],
+                           "device": dev if tdev == "cpu" else cuda.available()[1],
                            "checkpoint_s": time.perf_counter() - t0}
     ids = torch.randint(100, min(8000, a.vocab), (1, 32),
                         generator=torch.Generator().manual_seed(0))
@@ -137,28 +163,35 @@ def main() -> None:
     runs: dict[str, Callable[[], tuple[float, list[int]]]] = {}
     engines: list[Any] = []
 
-    def add(label: str, load: Callable[[], Any], **info: Any) -> None:
+    def add(label: str, load: Callable[[], Any], drafter: Callable[[Any], Any] | None = None,
+            **info: Any) -> None:
         row: dict[str, Any] = {"label": label, **info}
         rows[label] = row
         try:
             t = time.perf_counter()
             model = load()
             row["load_s"] = time.perf_counter() - t
-            x = ids.to(dev)
-            timed_generate(torch, model, x, 4)  # warm-up
-            runs[label] = lambda: timed_generate(torch, model, x, a.tokens)
+            x = ids.to(tdev)
+            if drafter is None:
+                timed_generate(torch, model, x, 4)  # warm-up
+                runs[label] = lambda: timed_generate(torch, model, x, a.tokens)
+            else:
+                eng = specmoe.engine_of(model)
+                timed_speculative(torch, model, x, 4, lambda: drafter(eng))
+                runs[label] = lambda: timed_speculative(torch, model, x, a.tokens,
+                                                        lambda: drafter(eng))
         except Exception as e:
             row.update(_error("load or warm-up failed", e))
 
     add("unmodified on the GPU (upper bound)", lambda: AutoModelForCausalLM.from_pretrained(
-        ckpt, device_map=dev, dtype=torch.bfloat16).eval())
+        ckpt, device_map=tdev, dtype=torch.bfloat16).eval())
     for f in [float(x) for x in a.fractions.split(",")]:
         ofs = [float(x) for x in a.overfetch.split(",")]
         variants = [(False, False, None)] + [(True, False, o) for o in ofs] + \
             [(True, True, ofs[0])]
         for pf, bal, of in variants:
-            if bal and dev == "cpu":
-                continue  # (the balancer splits work between a GPU and the CPU)
+            if bal and tdev == "cpu":
+                continue  # (the balancer measures a GPU's costs)
             label = f"specmoe {int(round(f * 100))}%" + (" + prefetch" if pf else "") + \
                 (" + balancer" if bal else "") + \
                 (f" (overfetch {of:g})" if pf and not bal and of != ofs[0] else "")
@@ -177,9 +210,23 @@ def main() -> None:
                 return m
             add(label, load, cache_fraction=f, prefetch=pf, balance=bal,
                 overfetch=of if pf else None)
+        from specmoe.speculation.drafters import NgramDrafter, SelfDraft
+        for name, make in (("self-draft", lambda eng: SelfDraft(eng, "int4")),
+                           ("n-gram", lambda eng: NgramDrafter())):
+            label = f"specmoe {int(round(f * 100))}% + prefetch + {name}"
+
+            def load_spec(f: float = f, label: str = label) -> Any:
+                m = specmoe.from_pretrained(ckpt, device=dev, cache=f, dtype="bf16",
+                                            policy="lru", prefetch=True, progress=False,
+                                            store=str(ckpt.parent / "store-bf16.smoe"),
+                                            torch_dtype=torch.bfloat16)
+                engines.append((label, specmoe.engine_of(m)))
+                return m
+            add(label, load_spec, drafter=make, cache_fraction=f, prefetch=True,
+                speculative=name)
     add("accelerate device_map offload of the experts",
         lambda: AutoModelForCausalLM.from_pretrained(
-            ckpt, device_map=experts_device_map(cfg, dev), dtype=torch.bfloat16).eval(),
+            ckpt, device_map=experts_device_map(cfg, tdev), dtype=torch.bfloat16).eval(),
         peer="accelerate")
 
     times: dict[str, list[float]] = {k: [] for k in runs}
@@ -219,6 +266,9 @@ def main() -> None:
         "target": 5.0}
     res["specmoe_25pct_vs_unmodified"] = ratio("specmoe 25% + prefetch",
                                                "unmodified on the GPU (upper bound)")
+    res["speculative_over_plain_25pct"] = {
+        name: ratio(f"specmoe 25% + prefetch + {name}", "specmoe 25% + prefetch")
+        for name in ("self-draft", "n-gram")}
     res["elapsed_s"] = time.perf_counter() - t0
     if a.json:
         print(json.dumps(res))
