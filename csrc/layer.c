@@ -148,6 +148,14 @@ int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double
     return SMOE_OK;
 }
 
+void smoe_layers_get_config(smoe_layers *g, int *prefetch, double *overfetch, double *mass,
+                            int *feed_counts) {
+    pthread_mutex_lock(&g->mu);
+    *prefetch = g->prefetch, *overfetch = g->overfetch, *mass = g->mass;
+    *feed_counts = g->feed_counts;
+    pthread_mutex_unlock(&g->mu);
+}
+
 void smoe_layers_set_parallel(smoe_layers *g, int on) {
     pthread_mutex_lock(&g->mu);
     g->parallel_misses = on != 0;

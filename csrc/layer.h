@@ -258,6 +258,11 @@ void smoe_layers_free(smoe_layers *g);
 int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double mass,
                           int feed_counts, smoe_err *err);
 
+/* The settings smoe_layers_configure set (read under mu): their one copy, which the engines
+ * read back (specmoe/runtime/engine_base.py: prefetch, overfetch, mass). */
+void smoe_layers_get_config(smoe_layers *g, int *prefetch, double *overfetch, double *mass,
+                            int *feed_counts);
+
 /* Step 4 settings (validated): miss in SMOE_MISS_*, miss_keep <= miss_keep2 <= k,
  * route_lambda finite >= 0.  LOWEST_BIT and PRIORITY need low-bit copy 0, PRIORITY with
  * miss_keep2 < k also copy 1 (smoe_layers_set_lowbit), else SMOE_EINVAL. */

@@ -458,3 +458,30 @@ def test_link_throttle_slows_the_gpu_cache_loads(device):
         assert eng.throttle is None
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + DEVICES)
+def test_prediction_settings_live_in_the_c_layers(device):
+    """prefetch, overfetch and mass have one owner, the C layers: the engine reads them back
+    from there (Layers.config()), a setter changes them there, and they survive a rebuilt
+    cache (CPU) and close()."""
+    m, _ = _tiny()
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, prefetch=False, overfetch=2.0)
+    try:
+        c = eng.layers.config()
+        assert (c["prefetch"], c["overfetch"], c["mass"]) == (False, 2.0, 0.0)
+        assert (eng.prefetch, eng.overfetch, eng.mass) == (False, 2.0, None)
+        eng.set_prefetch(True, mass=0.7)
+        c = eng.layers.config()
+        assert (c["prefetch"], c["overfetch"], c["mass"]) == (True, 2.0, pytest.approx(0.7))
+        assert eng.mass == pytest.approx(0.7) and eng.prefetch
+        eng.layers.configure(False, 1.25, 0.0, c["feed_counts"])  # the C side is the owner
+        assert (eng.prefetch, eng.overfetch, eng.mass) == (False, 1.25, None)
+        if device == "cpu":
+            eng.set_cache(0.5)  # new C layers: the settings carry over
+            assert (eng.prefetch, eng.overfetch) == (False, 1.25)
+        eng.set_policy("lfu")
+        assert (eng.prefetch, eng.overfetch) == (False, 1.25)
+    finally:
+        eng.close()
+    assert (eng.prefetch, eng.overfetch, eng.mass) == (False, 1.25, None)

@@ -460,6 +460,19 @@ static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *
     Py_RETURN_NONE;
 }
 
+static PyObject *Layers_config(LayersObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (check_init(self) < 0) return NULL;
+    int prefetch, feed;
+    double overfetch, mass;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
+    smoe_layers_get_config(&self->g, &prefetch, &overfetch, &mass, &feed);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("{s:O,s:d,s:d,s:O}", "prefetch", prefetch ? Py_True : Py_False,
+                         "overfetch", overfetch, "mass", mass, "feed_counts",
+                         feed ? Py_True : Py_False);
+}
+
 static PyObject *Layers_set_parallel(LayersObject *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (check_init(self) < 0 || on < 0) return NULL;
@@ -670,6 +683,9 @@ static PyMethodDef Layers_methods[] = {
      "substitute, lowest_bit, priority), the top ranks drop and priority always fetch, "
      "cache-aware routing strength (0: off); priority computes ranks keep..keep2-1 from "
      "low-bit copy 0 and the rest from copy 1; see csrc/layer.h."},
+    {"config", (PyCFunction)Layers_config, METH_NOARGS,
+     "config() -> dict of the prediction settings configure() set (prefetch, overfetch, "
+     "mass, feed_counts): the engines read them back from here."},
     {"set_parallel", (PyCFunction)Layers_set_parallel, METH_O,
      "set_parallel(on): a layer's misses load on the prefetch worker while its resident "
      "experts compute (layer.h, step 5)."},

@@ -205,9 +205,8 @@ class Engine(EngineCommon):
         self.layer_ids: list[int] = ids
         self.top_k = int(cfg.num_experts_per_tok)
         self.policy: Any = policy
-        self.prefetch = bool(prefetch)
-        self.overfetch = float(overfetch)
-        self.mass: float | None = None
+        self._prediction = {"prefetch": bool(prefetch), "overfetch": float(overfetch),
+                            "mass": 0.0}  # the C layers' once they exist (EngineCommon)
         blocks = [moe_block(model, info, i) for i in ids]
         # the prefetch predictor's view of each layer's router: the module holding weight [E,H]
         # (and bias), and the correction bias added to the scores when choosing experts
@@ -453,12 +452,14 @@ class Engine(EngineCommon):
             raise
         if self._cache is not None:
             self._cache.close()
+        self._keep_prediction()  # the old layers' settings go to the new ones
         self._cache, self._layers = new, layers
         self._configure_layers()
 
     def _configure_layers(self) -> None:
-        self._layers.configure(self.prefetch, self.overfetch,
-                               0.0 if self.mass is None else self.mass, self._counts_fed)
+        """Push every setting into the C layers (new ones, or after _keep_prediction)."""
+        p = self._prediction
+        self._layers.configure(p["prefetch"], p["overfetch"], p["mass"], self._counts_fed)
         for pos, (scale, shared, _) in self._blocks.items():
             self._layers.set_block(pos, scale, shared)
         self._layers.set_parallel(self.parallel_misses)
@@ -602,6 +603,7 @@ class Engine(EngineCommon):
             raise RuntimeError("this specmoe Engine is closed")
         self._cache.set_policy(policy)
         self.policy = policy
+        self._keep_prediction()  # (the settings stay; only the count feeding changes)
         self._configure_layers()  # a utility-space policy is fed activation counts
 
     def set_cache(self, capacity: int | float | str, policy: Any = None) -> None:
@@ -652,15 +654,9 @@ class Engine(EngineCommon):
         if predictor is not None and not isinstance(predictor, str) and not callable(predictor):
             raise TypeError(f"predictor must be callable as f(next_layer_position, hidden), got "
                             f"{type(predictor).__name__}")
-        if not isinstance(mass, str):
-            self.mass = mass
-        self.prefetch = bool(on)
         if not isinstance(predictor, str):
             self._predictor = predictor
-        if overfetch is not None:
-            self.overfetch = float(overfetch)
-        if self._layers is not None:
-            self._configure_layers()  # also forgets predictions made with the old settings
+        self._set_prediction(bool(on), overfetch, mass)  # the C layers forget old predictions
 
     def close(self) -> None:
         """Release the cache and the store (deleting the temporary store file if offload made
@@ -674,6 +670,7 @@ class Engine(EngineCommon):
             self._release()
 
     def _release(self) -> None:
+        self._keep_prediction()
         self._layers = None
         self._draft = None
         self._copies = {}

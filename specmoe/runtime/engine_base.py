@@ -78,6 +78,55 @@ class EngineCommon:
                         None if corr is None else f32(corr.reshape(-1))))
         return out
 
+    # The next-layer prediction's settings (prefetch, overfetch, mass) have one owner: the C
+    # layers (smoe_layers; Layers.config() reads them back, Layers.configure() sets them).
+    # _prediction holds them only while no C layers exist (before the first is built, across
+    # a rebuild, after close); _configure_layers pushes it into a new one.
+    _prediction: dict[str, Any]
+
+    def _prediction_settings(self) -> dict[str, Any]:
+        lay = self.layers
+        return lay.config() if lay is not None else self._prediction
+
+    @property
+    def prefetch(self) -> bool:
+        """Next-layer prediction and prefetch on (read from the C layers)."""
+        return bool(self._prediction_settings()["prefetch"])
+
+    @property
+    def overfetch(self) -> float:
+        """Experts predicted per token = ceil(top_k * overfetch) (read from the C layers)."""
+        return float(self._prediction_settings()["overfetch"])
+
+    @property
+    def mass(self) -> float | None:
+        """The prediction's mass rule (None: the overfetch count; read from the C layers)."""
+        m = float(self._prediction_settings()["mass"])
+        return m if m > 0.0 else None
+
+    def _set_prediction(self, prefetch: bool | None = None, overfetch: float | None = None,
+                        mass: float | None | str = "keep") -> None:
+        """Change the prediction settings where they live (the C layers, which forget the
+        predictions made with the old ones), after check_prefetch."""
+        cur = dict(self._prediction_settings())
+        if prefetch is not None:
+            cur["prefetch"] = bool(prefetch)
+        if overfetch is not None:
+            cur["overfetch"] = float(overfetch)
+        if not isinstance(mass, str):
+            cur["mass"] = 0.0 if mass is None else float(mass)
+        lay = self.layers
+        if lay is None:
+            self._prediction = cur
+        else:
+            lay.configure(cur["prefetch"], cur["overfetch"], cur["mass"],
+                          bool(cur.get("feed_counts", False)))
+
+    def _keep_prediction(self) -> None:
+        """Before the C layers are replaced or dropped: their settings into _prediction."""
+        if self.layers is not None:
+            self._prediction = self.layers.config()
+
     # SpecMD's miss handling (specmoe.runtime.misses): the settings live here and misses.apply
     # pushes them into the C layers (``layers``), which both tiers run; the resident low-bit
     # copies it uses, and the self-draft's, are built once per format in _copies

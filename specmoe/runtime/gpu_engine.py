@@ -209,9 +209,8 @@ class GpuEngine(EngineCommon):
         self.device = dev
         self.top_k = int(cfg.num_experts_per_tok)
         self.policy = policy
-        self.prefetch = bool(prefetch)
-        self.overfetch = float(overfetch)
-        self.mass: float | None = None  # the prediction's mass rule (set_prefetch)
+        self._prediction = {"prefetch": bool(prefetch), "overfetch": float(overfetch),
+                            "mass": 0.0}  # the C layers' once they exist (EngineCommon)
         self.mode = mode
         self.balance: Any = None  # the BalanceProfile in use, None: every miss is copied
         self.recorder: Any = None  # trace(): the routing recorder in use
@@ -300,10 +299,11 @@ class GpuEngine(EngineCommon):
             raise
 
     def _configure_layers(self) -> None:
-        """Push the prediction settings into the C layers (their one owner while they run)."""
+        """Push the prediction settings into the C layers (new ones, or after
+        _keep_prediction) with the policy's count feeding."""
         if self._layers is not None:
-            self._layers.configure(self.prefetch, self.overfetch, self.mass or 0.0,
-                                   self._feed_counts)
+            p = self._prediction
+            self._layers.configure(p["prefetch"], p["overfetch"], p["mass"], self._feed_counts)
 
     # -- the per-layer path -------------------------------------------------------------------
     def layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
@@ -599,13 +599,8 @@ class GpuEngine(EngineCommon):
         to overfetch)."""
         check_prefetch(overfetch, mass)
         with self._lock:
-            self.prefetch = bool(on)
-            if overfetch is not None:
-                self.overfetch = float(overfetch)
-            if not isinstance(mass, str):
-                self.mass = mass
+            self._set_prediction(bool(on), overfetch, mass)
             self._predicted = None
-            self._configure_layers()
 
     def set_balance(self, balance: bool | Any) -> None:
         """MoE-SpAc's CPU/GPU balancer on (True: measure its costs now; or a
@@ -652,6 +647,7 @@ class GpuEngine(EngineCommon):
             self.policy = policy
             from .policies import COUNT_POLICIES
             self._feed_counts = policy in COUNT_POLICIES
+            self._keep_prediction()
             self._configure_layers()
 
     def close(self) -> None:
@@ -659,6 +655,7 @@ class GpuEngine(EngineCommon):
         a temporary one).  The model's MoE layers refuse calls afterwards."""
         with self._lock:
             self._closed = True
+            self._keep_prediction()
             self._layers = self._tier = None  # before the cache they borrow closes
             self._draft = None  # the low-bit copies' memory
             self._copies, self._dev_copies = {}, {}
