@@ -230,11 +230,19 @@ def test_ffn_matches_reference(ctx, dtype, activation, isa, T, shape, seed=0):
 
 
 # The default (fast) path rounds activations: bf16 -> bf16 x (vdpbf16ps), int8 -> int16 x
-# (vpdpwssd), int4 -> int8 x per 128 columns (vpdpbusd); bounds documented in ffn_fast.c.
+# (vpdpwssd; AVX2: vpmaddwd), int4 -> int8 x per 128 columns (vpdpbusd; AVX2: vpmaddubsw);
+# bounds documented in ffn_fast.c, the arithmetic modelled in tests/test_lowbit_kernels.py.
 FAST_TOL = {"bf16": 1e-2, "int8": 1e-3, "int4": 3e-2}
 _FEAT = _C.KernelContext(1).features
-_FAST_HW = {"bf16": _FEAT.get("avx512_bf16", False), "int8": _FEAT.get("avx512_vnni", False),
-            "int4": _FEAT.get("avx512_vnni", False)}
+FAST_ISAS = ["avx2", "avx512"]
+
+
+def _fast_runs(dtype: str, isa: str) -> bool:
+    """Whether the fast path serves `dtype` on `isa` here: AVX-512 with its extensions, else
+    the AVX2 forms for int8/int4 (bf16 has none on AVX2)."""
+    if isa == "avx512" and _FEAT.get("avx512_bf16" if dtype == "bf16" else "avx512_vnni", False):
+        return True
+    return dtype in ("int8", "int4")
 
 
 @pytest.mark.parametrize("shape", [(128, 256), (384, 128), (2048, 1024), (320, 192)],
@@ -242,10 +250,11 @@ _FAST_HW = {"bf16": _FEAT.get("avx512_bf16", False), "int8": _FEAT.get("avx512_v
 @pytest.mark.parametrize("T", [1, 2, 8, 11])
 @pytest.mark.parametrize("activation", ["silu", "gptoss"])
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
-def test_fast_path_within_documented_error(ctx, dtype, activation, T, shape):
+@pytest.mark.parametrize("isa", FAST_ISAS)
+def test_fast_path_within_documented_error(ctx, isa, dtype, activation, T, shape):
     """320 x 192: multiples of 64 but not of 128 (as GPT-OSS's 2880): the fast path for every
     dtype (int4 in groups of 64, its last activation block 64 columns: dot_i4_g64)."""
-    _isa(ctx, "avx512")
+    _isa(ctx, isa)
     H, I = shape
     rng = np.random.default_rng(zlib.crc32(f"fast{dtype}{activation}{T}{H}".encode()))
     big = activation == "gptoss"
@@ -263,7 +272,7 @@ def test_fast_path_within_documented_error(ctx, dtype, activation, T, shape):
     yp = kernels.ffn(t, x, dtype, activation, rows=rows, scale=sc, precise=True, ctx=ctx)
     relp = np.linalg.norm(yp - ref) / np.linalg.norm(ref)
     assert relp < 1e-5, relp
-    fast = _FAST_HW[dtype]
+    fast = _fast_runs(dtype, isa)
     if fast:  # the fast path really ran: it rounds, so it differs from precise
         assert not np.array_equal(y, yp)
     else:
@@ -272,11 +281,12 @@ def test_fast_path_within_documented_error(ctx, dtype, activation, T, shape):
 
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
-def test_fast_path_nan_input_gives_nan_output(ctx, dtype, T):
+@pytest.mark.parametrize("isa", FAST_ISAS)
+def test_fast_path_nan_input_gives_nan_output(ctx, isa, dtype, T):
     """A NaN in a token's input makes that token's whole output NaN, as in the f32 math, and
     leaves the other tokens alone: the int8/int4 activation scales are taken from max|x|, which
     dropped a NaN (the int8 output came out finite)."""
-    _isa(ctx, "avx512")
+    _isa(ctx, isa)
     rng = np.random.default_rng(5 + T)
     H, I = 256, 384
     g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
@@ -291,7 +301,8 @@ def test_fast_path_nan_input_gives_nan_output(ctx, dtype, T):
 @pytest.mark.parametrize("shape", [(128, 256), (2048, 1024), (2304, 4608), (384, 9344),
                                    (2880, 2880), (256, 10944)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
-def test_fast_path_one_token_equals_its_row_of_two(ctx, dtype, shape):
+@pytest.mark.parametrize("isa", FAST_ISAS)
+def test_fast_path_one_token_equals_its_row_of_two(ctx, isa, dtype, shape):
     """One token reads short rows one at a time (bf16: up to 16 KB, sixteen rows' sums at once;
     int4 down rows of 2048-16384 columns) and long ones (int8 beyond 8 KB; bf16's 18 KB down
     rows of 384 x 9344) two or four at a time (ffn_fast.c), two tokens read rows in pairs: the
@@ -299,8 +310,10 @@ def test_fast_path_one_token_equals_its_row_of_two(ctx, dtype, shape):
     the two-token one -- and within the documented error of the reference.  9344 = 73 x 128:
     row counts that leave a partial chunk of 16; 2880 x 2880 (GPT-OSS): multiples of 64, the
     fast path for bf16/int8; 10944 (DeepSeek-V2-Lite's dense down): int4 in groups of 64 read
-    one row at a time."""
-    _isa(ctx, "avx512")
+    one row at a time.  AVX2 (ffn_fast_avx2.c): down rows of up to 8192 columns one at a time,
+    longer ones in fours, with the same accumulator pairs per row and token as two tokens'
+    row pairs."""
+    _isa(ctx, isa)
     H, I = shape
     rng = np.random.default_rng(zlib.crc32(f"one{dtype}{H}".encode()))
     g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
@@ -315,8 +328,9 @@ def test_fast_path_one_token_equals_its_row_of_two(ctx, dtype, shape):
 
 
 @pytest.mark.parametrize("T", [1, 5])
-def test_fast_path_int4_group_256(ctx, T):
-    _isa(ctx, "avx512")
+@pytest.mark.parametrize("isa", FAST_ISAS)
+def test_fast_path_int4_group_256(ctx, isa, T):
+    _isa(ctx, isa)
     rng = np.random.default_rng(11 + T)
     H, I = 512, 2304  # I/128 = 18 blocks: one full and one partial chunk of 16
     g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
@@ -328,13 +342,15 @@ def test_fast_path_int4_group_256(ctx, T):
 
 
 @pytest.mark.parametrize("activation", ["silu", "gptoss"])
-def test_fast_path_vector_activation_is_accurate(ctx, activation):
+@pytest.mark.parametrize("isa", FAST_ISAS)
+def test_fast_path_vector_activation_is_accurate(ctx, isa, activation):
     """The fast path's activation runs a vector exp (ffn_fast.c exp16) instead of libm's expf.
     int8's own rounding is ~1e-4, so a bound of 3e-4 over gate values spanning +-120 (exp
-    overflow/underflow clamps, the gptoss limits) would catch an exp off by more than ~1e-4."""
-    _isa(ctx, "avx512")
-    if not _FAST_HW["int8"]:
-        pytest.skip("no AVX512_VNNI: the int8 fast path does not run here")
+    overflow/underflow clamps, the gptoss limits) would catch an exp off by more than ~1e-4.
+    AVX2: ffn_fast_avx2.c exp8, the same polynomial."""
+    _isa(ctx, isa)
+    if not _fast_runs("int8", isa):
+        pytest.skip("no AVX512_VNNI: the AVX-512 int8 fast path does not run here")
     rng = np.random.default_rng(21)
     H, I = 256, 384
     g, u, d, _ = make_expert(rng, H, I, std=1.0 / np.sqrt(H))
@@ -347,8 +363,9 @@ def test_fast_path_vector_activation_is_accurate(ctx, activation):
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 3e-4
 
 
-def test_fast_path_falls_back_when_shape_or_group_unsupported(ctx):
-    _isa(ctx, "avx512")
+@pytest.mark.parametrize("isa", FAST_ISAS)
+def test_fast_path_falls_back_when_shape_or_group_unsupported(ctx, isa):
+    _isa(ctx, isa)
     rng = np.random.default_rng(7)
     # H or I not a multiple of 64, int4 group 32: exact path, same bits as precise
     for dtype, H, I, group in [("bf16", 96, 128, None), ("int8", 128, 160, None),

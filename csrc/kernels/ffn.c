@@ -129,7 +129,7 @@ static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
 /* Layout: xs [T,H] f32 (fast path: the prepared x) | act [T,I] f32 | prepared act (fast
  * path, <= 2 bytes per value) | scales and block sums of both prepared inputs. */
 static size_t aux_bytes(const smoe_ffn_desc *d, uint32_t T) {
-    return round64((size_t)T * (d->H / 128 + d->I / 128 + 2) * 8);
+    return round64((size_t)T * (d->H / 64 + d->I / 64 + 2) * 8);
 }
 
 size_t smoe_ffn_scratch_bytes(const smoe_ffn_desc *d, uint32_t T) {
@@ -296,19 +296,14 @@ static void phase_run(void *varg, uint32_t k, uint32_t n) {
     }
 }
 
-/* Whether the fast (rounded-activation) path can serve weights of this dtype/group on this
- * context (see ffn_fast.c); the callers add their shape rules (fast_dim_ok on every input
- * dimension). */
-static int fast_dtype_ok(int32_t dtype, uint32_t group, uint32_t precise, int32_t isa,
-                         int has_bf16, int has_vnni) {
-    if (!smoe_ffn_fast_built || precise || isa < SMOE_ISA_AVX512) return 0;
-    switch (dtype) {
-    case SMOE_WDT_BF16: return has_bf16;
-    case SMOE_WDT_I8: return has_vnni;
-    case SMOE_WDT_I4: return has_vnni && (group == 64 || group % 128 == 0);
-    default: return 0;
-    }
-}
+/* The fast (rounded-activation) path for weights of this dtype/group on a context with these
+ * features, or NULL for the exact path: ffn_fast.c's AVX-512 forms where the CPU has the
+ * extension, else ffn_fast_avx2.c's int8/int4 forms on AVX2 (same arithmetic; also what an
+ * AVX-512 CPU without VNNI runs).  The callers add their shape rules (fast_dim_ok on every
+ * input dimension). */
+typedef struct kfeat kfeat;
+static const smoe_ffn_impl *fast_impl(int32_t dtype, uint32_t group, uint32_t precise,
+                                      const kfeat *f);
 
 /* An input dimension the fast path reads: a multiple of 64 (bf16/int8: the one-token rows step
  * 64 columns, the others 32; int4: per-128-column activation blocks and a trailing 64, which
@@ -321,11 +316,37 @@ static int fast_dim_ok(int32_t dtype, uint32_t n) {
 }
 
 /* What a call takes from its context: ISA, features, the stream prefetch distance. */
-typedef struct kfeat {
+struct kfeat {
     int32_t isa;
     int has_bf16, has_vnni;
     uint32_t stream_pf;
-} kfeat;
+};
+
+static const smoe_ffn_impl *fast_impl(int32_t dtype, uint32_t group, uint32_t precise,
+                                      const kfeat *f) {
+    if (precise) return NULL;
+    const int g_ok = group == 64 || group % 128 == 0;
+    if (smoe_ffn_fast_built && f->isa >= SMOE_ISA_AVX512) {
+        int ok = dtype == SMOE_WDT_BF16 ? f->has_bf16
+                 : dtype == SMOE_WDT_I8 ? f->has_vnni
+                 : dtype == SMOE_WDT_I4 ? f->has_vnni && g_ok : 0;
+        if (ok) return &smoe_ffn_impl_fast;
+    }
+    if (smoe_ffn_fast_avx2_built && f->isa >= SMOE_ISA_AVX2 &&
+        (dtype == SMOE_WDT_I8 || (dtype == SMOE_WDT_I4 && g_ok)))
+        return &smoe_ffn_impl_fast_avx2;
+    return NULL;
+}
+
+/* Prepare T rows of src (n columns) for the fast path `impl` (fast_impl's answer). */
+static void fast_prepare(const smoe_ffn_impl *impl, int32_t dtype, uint32_t group,
+                         const float *src, size_t src_stride, const int32_t *rows, uint32_t T,
+                         uint32_t n, void *q, float *qs, float *qsum) {
+    if (impl == &smoe_ffn_impl_fast_avx2)
+        smoe_fast_prepare_avx2(dtype, group, src, src_stride, rows, T, n, q, qs, qsum);
+    else
+        smoe_fast_prepare(dtype, src, src_stride, rows, T, n, q, qs, qsum);
+}
 
 /* The features of c, or of a throwaway single-threaded context when c is NULL. */
 static int ctx_features(smoe_kctx *c, kfeat *f, smoe_err *err) {
@@ -369,21 +390,22 @@ static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     float *act = (float *)(base + round64((size_t)T * d->H * 4));
     const uint32_t nt = smoe_kpool_threads(pool);
     phase_arg pa;
-    if (fast_dtype_ok(d->dtype, group_of(d), d->precise, f->isa, f->has_bf16, f->has_vnni) &&
-        fast_dim_ok(d->dtype, d->H) && fast_dim_ok(d->dtype, d->I)) {
+    const smoe_ffn_impl *fast = fast_impl(d->dtype, group_of(d), d->precise, f);
+    if (fast && fast_dim_ok(d->dtype, d->H) && fast_dim_ok(d->dtype, d->I)) {
+        /* scales [T, n/128 + 1] and sums [T, n/64 + 1] of x, then of act (aux_bytes) */
         void *aq = (uint8_t *)act + round64((size_t)T * d->I * 4);
         float *sc = (float *)((uint8_t *)aq + round64((size_t)T * d->I * 2));
         float *xsc = sc, *asc = sc + (size_t)T * (d->H / 128 + 1);
         float *xsum = asc + (size_t)T * (d->I / 128 + 1);
-        float *asum = xsum + (size_t)T * (d->H / 128 + 1);
-        smoe_fast_prepare(d->dtype, x, x_stride, rows, T, d->H, xs, xsc, xsum);
+        float *asum = xsum + (size_t)T * (d->H / 64 + 1);
+        fast_prepare(fast, d->dtype, group_of(d), x, x_stride, rows, T, d->H, xs, xsc, xsum);
         smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act,         rows,
                             scale, out,   out_stride, xs,          xsc,  xsum, f->stream_pf};
-        pa.impl = &smoe_ffn_impl_fast;
+        pa.impl = fast;
         pa.job = &job;
         phase_start(&pa, 1, nt);
         smoe_kpool_run(pool, phase_run, &pa);
-        smoe_fast_prepare(d->dtype, act, d->I, NULL, T, d->I, aq, asc, asum);
+        fast_prepare(fast, d->dtype, group_of(d), act, d->I, NULL, T, d->I, aq, asc, asum);
         job.q = aq;
         job.qs = asc;
         job.qsum = asum;
@@ -535,7 +557,7 @@ size_t smoe_linear_scratch_bytes(const smoe_linear_desc *l, uint32_t T) {
     size_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
     if (tc == 0) tc = 1;
     return 64 + round64(tc * l->K * 4) + round64(tc * l->K * 2) +
-           round64(tc * (l->K / 128 + 2) * 8);
+           round64(tc * (l->K / 64 + 2) * 8);
 }
 
 int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *block,
@@ -553,8 +575,8 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
     if (rc) return rc;
     smoe_ffn_desc d;
     linear_as_down(l, &d);
-    int fast = fast_dtype_ok(d.dtype, d.group, d.precise, f.isa, f.has_bf16, f.has_vnni) &&
-               fast_dim_ok(d.dtype, l->K);
+    const smoe_ffn_impl *fast = fast_impl(d.dtype, d.group, d.precise, &f);
+    if (!fast_dim_ok(d.dtype, l->K)) fast = NULL;
     uint32_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     float *act = (float *)base;
@@ -581,11 +603,11 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
         pa.job = &job;
         phase_start(&pa, 2, smoe_kpool_threads(pool));
         if (fast) {
-            smoe_fast_prepare(d.dtype, xc, x_stride, NULL, nt, l->K, q, qs, qsum);
+            fast_prepare(fast, d.dtype, d.group, xc, x_stride, NULL, nt, l->K, q, qs, qsum);
             job.q = q;
             job.qs = qs;
             job.qsum = qsum;
-            pa.impl = &smoe_ffn_impl_fast;
+            pa.impl = fast;
         } else {
             gather_rows(xc, x_stride, NULL, nt, l->K, smoe_dtype_permuted(d.dtype), act);
         }

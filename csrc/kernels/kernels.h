@@ -147,7 +147,9 @@ const char *smoe_isa_name(int32_t isa);
  * round the activations once per call (x and the intermediate act): BF16 to bf16 (vdpbf16ps;
  * FFN output error ~3e-3 relative, in norm), I8 to int16 per token (vpdpwssd; ~1e-4), I4 to
  * int8 per 128 columns (vpdpbusd; ~2e-2, small next to int4's own weight error) -- details and
- * bounds in ffn_fast.c. */
+ * bounds in ffn_fast.c.  On AVX2 (a CPU without AVX-512 VNNI, or SPECMOE_ISA=avx2) int8 and
+ * int4 take the same arithmetic with AVX2 instructions (vpmaddwd / vpmaddubsw, ffn_fast_avx2.c:
+ * the same rounding, another f32 summation order); bf16 keeps the exact path there. */
 int smoe_ffn_forward(smoe_kctx *c, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
                      size_t x_stride, const int32_t *rows, const float *scale, uint32_t T,
                      float *out, size_t out_stride, void *scratch, smoe_err *err);
@@ -185,9 +187,9 @@ int smoe_ffn_forward_many(smoe_kctx *c, const smoe_ffn_desc *d, const smoe_ffn_t
  * f32 optional and separate (so that an f32/bf16 block can be the framework's own weight
  * tensor, shared rather than copied).  The rows are computed by the same per-ISA row kernels as the expert FFN's down
  * projection (one routine per format, shared), so accuracy is as stated at smoe_ffn_forward:
- * precise = 1 is exact f32 math on the widened weights; precise = 0 lets the AVX-512 fast paths
- * round x once per call (bf16 / int16 / int8 per 128 columns) when K is a multiple of 64
- * (int4: with groups of 64 or a multiple of 128).
+ * precise = 1 is exact f32 math on the widened weights; precise = 0 lets the fast paths (AVX-512,
+ * and int8/int4 on AVX2) round x once per call (bf16 / int16 / int8 per 128 columns) when K is
+ * a multiple of 64 (int4: with groups of 64 or a multiple of 128).
  * Offsets are from the start of the block holding the weight and its scales. */
 typedef struct smoe_linear_desc {
     uint32_t N;        /* output features (rows of W) */

@@ -22,7 +22,8 @@ typedef struct smoe_ffn_job {
      * act in phase 2): bf16 / u8 / s8 values, per-token or per-128-block scales, block sums */
     const void *q;
     const float *qs;
-    const float *qsum; /* int4: [T, n/128] block scale * sum of the block's int8 values */
+    const float *qsum; /* int4: [T, n/128] block scale * sum of the block's int8 values (AVX2:
+                        * [T, n/group], per weight group, see smoe_fast_prepare_avx2) */
     uint32_t stream_pf; /* the context's stream_pf (kernels.h) */
 } smoe_ffn_job;
 
@@ -76,6 +77,14 @@ void smoe_attn_dot_avx512(const float *x, const void *w, size_t wrow, uint32_t n
                           float *res, int bf16);
 #endif
 extern const int smoe_ffn_fast_built;
+/* The AVX2 fast paths for int8 and int4 (ffn_fast_avx2.c: ffn_fast.c's arithmetic with AVX2
+ * instructions; int4 groups of 64 or a multiple of 128).  Its preparation differs in qsum:
+ * [T, n/group], each weight group's sum of block scale * int8 values (prepare_avx2). */
+extern const smoe_ffn_impl smoe_ffn_impl_fast_avx2;
+extern const int smoe_ffn_fast_avx2_built;
+void smoe_fast_prepare_avx2(int32_t dtype, uint32_t group, const float *src, size_t src_stride,
+                            const int32_t *rows, uint32_t T, uint32_t n, void *q, float *qs,
+                            float *qsum);
 void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
                        uint32_t T, uint32_t n, void *q, float *qs, float *qsum);
 
