@@ -17,27 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostinfo  # noqa: E402
+
 
 def host() -> dict:
-    """CPU model, ISA level and core count of this machine."""
-    model, flags = platform.processor(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "scalar"
-    return {"cpu": model, "isa": isa, "cores": os.cpu_count(), "python": platform.python_version()}
+    """CPU model, ISA level and core count of this machine (hostinfo.cpu)."""
+    d = hostinfo.cpu()
+    d["isa"] = d["cpu_isa"]
+    return d
 
 
 def run(tree: Path, script: str, args: list[str], timeout: float) -> dict:

@@ -106,6 +106,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostinfo  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MiB = 1 << 20
@@ -625,10 +628,22 @@ def run_python_row(row: dict[str, Any], spec: dict[str, Any], cg: Cgroup | None,
 class LlamaCpp:
     """llama.cpp from the llama-cpp-python sdist: source, build, converter, binaries."""
 
-    def __init__(self, peers: Path, build: bool, threads: int):
+    # CMake options per ISA: "native" (-march=native: AVX-512 where the CPU has it) or "avx2"
+    # (AVX-512 off, for the AVX2 figures on any x86 host; issue 44)
+    ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"],
+                 "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                          "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF",
+                          "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+                          "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF"]}
+
+    def __init__(self, peers: Path, build: bool, threads: int, isa: str = "native"):
+        if isa not in self.ISA_FLAGS:
+            raise ValueError(f"llama.cpp isa must be one of {list(self.ISA_FLAGS)}, got {isa!r}")
         self.peers = peers
+        self.isa = isa
         self.error: str | None = None
-        self.bin = peers / "llama.cpp-build" / "bin"
+        self.build_dir = peers / ("llama.cpp-build" if isa == "native" else f"llama.cpp-build-{isa}")
+        self.bin = self.build_dir / "bin"
         srcs = sorted(glob.glob(str(peers / "llama_cpp_python-*" / "vendor" / "llama.cpp")))
         self.src = Path(srcs[-1]) if srcs else None
         try:
@@ -661,10 +676,10 @@ class LlamaCpp:
             self.src = Path(srcs[-1])
         if shutil.which("cmake") is None:
             raise RuntimeError("cmake not found (apt-get install cmake build-essential)")
-        b = self.peers / "llama.cpp-build"
-        log(f"building llama.cpp in {b} (several minutes)")
+        b = self.build_dir
+        log(f"building llama.cpp ({self.isa}) in {b} (several minutes)")
         subprocess.run(["cmake", "-S", str(self.src), "-B", str(b), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                        *self.ISA_FLAGS[self.isa], "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                         "-DBUILD_SHARED_LIBS=OFF"], check=True, stdout=sys.stderr)
         subprocess.run(["cmake", "--build", str(b), "--config", "Release", f"-j{threads}",
@@ -813,6 +828,8 @@ def main() -> None:
         help="llama.cpp sdist, build and binaries (built here if missing)")
     ap.add_argument("--no-build-peers", action="store_true",
                     help="do not download/build llama.cpp if missing (its rows then say so)")
+    ap.add_argument("--llama-isa", choices=sorted(LlamaCpp.ISA_FLAGS), default="native",
+                    help="llama.cpp build: native (-march=native) or avx2 (AVX-512 off)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--accel-tokens", type=int, default=4)
@@ -881,7 +898,7 @@ def main() -> None:
             stores[r["name"]] = p
     gguf: dict[str, Path | str] = {}
     if any(r["kind"] == "llama.cpp" for r in rows_def):
-        lc = LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads)
+        lc = LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads, a.llama_isa)
         if lc.error:
             for r in rows_def:
                 if r["kind"] == "llama.cpp":
@@ -1007,7 +1024,8 @@ def main() -> None:
                    "accel_tokens": a.accel_tokens, "repeats": a.repeats,
                    "router_skew": a.router_skew, "checkpoint": str(ckpt),
                    "cgroup": not a.no_cgroup, "reserve_bytes": RESERVE,
-                   "bits_per_weight": BITS},
+                   "bits_per_weight": BITS, "llama_cpp_isa": a.llama_isa},
+        "host": hostinfo.host(a.threads),
         "budget_bytes": {r["name"]: bud[r["precision"]]["budget_bytes"] for r in rows_def},
         "rows": rows_out,
         "targets": targets,

@@ -145,6 +145,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import big_model as bm  # noqa: E402  (checkpoint writer, prompts, llama.cpp, process runner)
+import hostinfo  # noqa: E402
 
 MiB = 1 << 20
 SPECMOE_PRECS = ("f32", "bf16", "int8", "int4")
@@ -747,6 +748,8 @@ def main() -> None:
         "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")),
         help="llama.cpp sdist, build and binaries (as big_model.py)")
     ap.add_argument("--no-build-peers", action="store_true")
+    ap.add_argument("--llama-isa", choices=sorted(bm.LlamaCpp.ISA_FLAGS), default="native",
+                    help="llama.cpp build: native (-march=native) or avx2 (AVX-512 off)")
     ap.add_argument("--router-skew", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--row-timeout", type=float, default=1800.0)
@@ -792,7 +795,8 @@ def main() -> None:
     # llama.cpp's context: the prompt, the decoded tokens and some room, in whole 256s
     llama_ctx = max(256, -(-(a.prompt_tokens + DECODE_TOKENS + 16) // 256) * 256)
     if any(r["kind"] == "llama.cpp" for r in rows_def):
-        lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, max(threads))
+        lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, max(threads),
+                         a.llama_isa)
 
     t_start = time.time()
     config: dict[str, Any] = {
@@ -813,7 +817,9 @@ def main() -> None:
                     "torch_dtype": TORCH_OF},
         "torch": "transformers AutoModelForCausalLM.from_pretrained(experts_implementation="
                  "'eager')",
-        "llama_cpp": {"bin": str(lc.bin) if lc else None, "mmap": True, "ctx": llama_ctx,
+        "host": hostinfo.host(threads),
+        "llama_cpp": {"bin": str(lc.bin) if lc else None, "isa": a.llama_isa, "mmap": True,
+                      "ctx": llama_ctx,
                       "warmup": "a separate llama-completion process on another prompt"},
         "pairing": {"vs_llama_cpp": LLAMA_OF,
                     "vs_torch": {**{f"specmoe-{p}": f"torch-{TORCH_OF[p]}" for p in SPECMOE_PRECS},

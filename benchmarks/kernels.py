@@ -1,7 +1,7 @@
 """Expert FFN kernel throughput against the DRAM read ceiling and torch, in one run.
 
 For each weight dtype (f32, bf16, int8, int4) x tokens (1, 8) x expert shape (OLMoE 2048x1024,
-Mixtral 4096x14336) it times one expert (gate, up, SiLU, down) through specmoe's C kernel and
+DeepSeek-V2-Lite 2048x1408, Mixtral 4096x14336) it times one expert (gate, up, SiLU, down) through specmoe's C kernel and
 reports
   gbps             weight (+scale) bytes streamed per second by the kernel,
   read_gbps        the ceiling: a vectorized, multithreaded plain read (``KernelContext.read_bw``,
@@ -50,17 +50,19 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from specmoe import _C
-from specmoe.runtime import kernels
+import hostinfo  # noqa: E402
+from specmoe import _C  # noqa: E402
+from specmoe.runtime import kernels  # noqa: E402
 from specmoe.storage import quant  # noqa: E402
 
-SHAPES = {"olmoe": (2048, 1024), "mixtral": (4096, 14336)}
+SHAPES = {"olmoe": (2048, 1024), "dsv2lite": (2048, 1408), "mixtral": (4096, 14336)}
 # Rotation footprint floor (see the module docstring): on the development VM a 135 MB rotation
 # of 3 MB blocks still read at ~75 GB/s on one core, rotations >= 768 MB settle at ~29 GB/s.
 MIN_ROTATION = 1 << 30
@@ -238,7 +240,8 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
                     })
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             del t, block, blocks, tfns
-    return {"machine": {"isa": ctx.isa, "threads": ctx.threads, "features": ctx.features,
+    return {"machine": {**hostinfo.host(ctx.threads),
+                        "isa": ctx.isa, "threads": ctx.threads, "features": ctx.features,
                         "torch": torch.__version__, "llc_bytes": llc,
                         "copies": copies_used},
             "rows": rows}
@@ -247,16 +250,20 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--shapes", default="olmoe,mixtral")
+    ap.add_argument("--shapes", default="olmoe,dsv2lite,mixtral",
+                    help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--dtypes", default="f32,bf16,int8,int4")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--modes", default="fast",
                     help="comma list of fast,precise (precise: desc precise=1, f32 math)")
+    ap.add_argument("--save", help="also write the JSON object to this file")
     a = ap.parse_args()
     res = bench(a.shapes.split(","), a.dtypes.split(","), [int(v) for v in a.tokens.split(",")],
                 a.threads, a.quick, a.modes.split(","))
+    if a.save:
+        Path(a.save).write_text(json.dumps(res, indent=1) + "\n")
     if a.json:
         print(json.dumps(res))
     else:
