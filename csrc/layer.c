@@ -149,10 +149,13 @@ int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double
 }
 
 void smoe_layers_get_config(smoe_layers *g, int *prefetch, double *overfetch, double *mass,
-                            int *feed_counts) {
+                            int *feed_counts, int *miss, uint32_t *miss_keep,
+                            uint32_t *miss_keep2, double *route_lambda) {
     pthread_mutex_lock(&g->mu);
     *prefetch = g->prefetch, *overfetch = g->overfetch, *mass = g->mass;
     *feed_counts = g->feed_counts;
+    *miss = g->miss, *miss_keep = g->miss_keep, *miss_keep2 = g->miss_keep2;
+    *route_lambda = g->route_lambda;
     pthread_mutex_unlock(&g->mu);
 }
 

@@ -258,10 +258,12 @@ void smoe_layers_free(smoe_layers *g);
 int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double mass,
                           int feed_counts, smoe_err *err);
 
-/* The settings smoe_layers_configure set (read under mu): their one copy, which the engines
- * read back (specmoe/runtime/engine_base.py: prefetch, overfetch, mass). */
+/* The settings smoe_layers_configure and smoe_layers_set_miss set (read under mu): their one
+ * copy, which the engines read back (specmoe/runtime/engine_base.py: prefetch, overfetch,
+ * mass; miss, miss_keep, miss_keep2, route_lambda). */
 void smoe_layers_get_config(smoe_layers *g, int *prefetch, double *overfetch, double *mass,
-                            int *feed_counts);
+                            int *feed_counts, int *miss, uint32_t *miss_keep,
+                            uint32_t *miss_keep2, double *route_lambda);
 
 /* Step 4 settings (validated): miss in SMOE_MISS_*, miss_keep <= miss_keep2 <= k,
  * route_lambda finite >= 0.  LOWEST_BIT and PRIORITY need low-bit copy 0, PRIORITY with

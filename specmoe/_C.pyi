@@ -138,8 +138,12 @@ class Layers:
                 replace: bool = True, draft: Optional[np.ndarray] = None) -> None: ...
     def configure(self, prefetch: bool, overfetch: float, mass: float,
                   feed_counts: bool) -> None: ...
-    def set_miss(self, miss: str, keep: int, route_lambda: float) -> None:
-        """SpecMD miss handling (fetch, drop, substitute, lowest_bit) and cache-aware routing."""
+    def set_miss(self, miss: str, keep: int, route_lambda: float, keep2: int = ...) -> None:
+        """SpecMD miss handling (fetch, drop, substitute, lowest_bit, priority) and cache-aware
+        routing."""
+    def config(self) -> dict[str, Any]:
+        """The settings configure() and set_miss() set: prefetch, overfetch, mass,
+        feed_counts, miss, miss_keep, miss_keep2, route_lambda."""
     def set_parallel(self, on: bool) -> None:
         """A layer's misses load on the prefetch worker while its resident experts compute."""
     def set_lowbit(self, buf: Any, desc: Optional[dict[str, Any]] = None,

@@ -17,6 +17,7 @@ from specmoe import _C
 from specmoe.models.attention import ATTENTION_MAX_TOKENS, fuse_attention
 from specmoe.models.dense import convert_dense
 from specmoe.models.layers import CLinear
+from specmoe.runtime.kvcache import BufferedLayer
 from specmoe.models.testing import tiny_model
 
 from .attn_helpers import layer_outputs
@@ -346,7 +347,8 @@ def test_kv_buffers_read_as_transformers_cache(monkeypatch, dt):
         kv, lg = _decode_with_crop(mdl, ids, 6, 30, 5, 4)     # roll back 5 positions
         caches.append(kv)
         logits.append(lg)
-    assert any(hasattr(lay, "_specmoe_kv") for lay in caches[0].layers)
+    assert any(isinstance(lay, BufferedLayer) and lay.buffers is not None
+               for lay in caches[0].layers)
     for la, lb in zip(caches[0].layers, caches[1].layers):
         assert la.keys.shape == lb.keys.shape == (1, 2, 40, 16)
         if dt == torch.bfloat16:                                # f32: the norms' sum order
@@ -375,7 +377,8 @@ def test_mla_latent_cache_through_kv_buffers(monkeypatch):
     monkeypatch.setattr(mla, "kv_append",
                         lambda cache, idx, k, v, kw: cache.update(k, v, idx))
     want, lw = _decode_with_crop(m, ids, 5, 27, 3, 2, end=26)
-    buffered = [la for la in got.layers if hasattr(la, "_specmoe_kv")]
+    buffered = [la for la in got.layers
+                if isinstance(la, BufferedLayer) and la.buffers is not None]
     assert len(buffered) == m.config.num_hidden_layers
     for la, lb in zip(got.layers, want.layers):
         assert la.keys.shape == lb.keys.shape == (1, 1, 26, 32)

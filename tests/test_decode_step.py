@@ -403,7 +403,7 @@ def test_a_decode_plan_checks_its_arguments_before_it_runs():
         plan = step._plan
         assert plan is not None and plan.cache() is kv
         S = kv.get_seq_length()
-        kt = [v[3].clone() for v in plan.views]
+        kt = [v[0].buffers[0].clone() for v in plan.views]
         logits = np.zeros((1, V), np.float32)
         bad = [((V, S, logits), ValueError, "token"), ((-1, S, logits), ValueError, "token"),
                ((0, -1, logits), ValueError, "S=-1"),
@@ -417,7 +417,7 @@ def test_a_decode_plan_checks_its_arguments_before_it_runs():
                 plan.c.step(*args)
         assert not logits.any()  # nothing ran: no logits, no KV position written
         for v, k0 in zip(plan.views, kt):  # (bytes: past S the buffers hold any bits)
-            assert v[3].numpy().tobytes() == k0.numpy().tobytes()
+            assert v[0].buffers[0].numpy().tobytes() == k0.numpy().tobytes()
         # the constructor: layer_chain's items, pairs of one row's worth, no attention bias
         x0 = plan.x0.view(1, -1).numpy()
         with pytest.raises(TypeError):

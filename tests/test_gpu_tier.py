@@ -485,3 +485,60 @@ def test_prediction_settings_live_in_the_c_layers(device):
     finally:
         eng.close()
     assert (eng.prefetch, eng.overfetch, eng.mass) == (False, 1.25, None)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + DEVICES)
+def test_miss_settings_live_in_the_c_layers(device, monkeypatch):
+    """miss, miss_keep, route_lambda and miss_keep2 have one owner too, the C layers: the
+    engine reads them back from Layers.config(), set_miss changes them there (a set_miss that
+    fails half-way leaves them, the levels and the throttle as they were), and they survive a
+    rebuilt cache (CPU), a policy switch and close()."""
+    m, _ = _tiny()
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, prefetch=False, miss="drop",
+                     miss_keep=1, route_lambda=0.25)
+    k = eng.top_k
+    assert k >= 2
+
+    def both():
+        c = eng.layers.config()
+        mine = (eng.miss, eng.miss_keep, eng.route_lambda, eng.miss_keep2)
+        assert (c["miss"], c["miss_keep"], c["route_lambda"], c["miss_keep2"]) == mine
+        return mine
+    try:
+        assert both() == ("drop", 1, 0.25, k)
+        eng.set_miss("priority", miss_keep=0, miss_levels="int8:int4")
+        assert both() == ("priority", 0, 0.25, k // 2)   # keep2: the lower half of the ranks
+        assert eng.lowbit_copies == ("int8", "int4")
+        eng.layers.set_miss("substitute", 1, 0.5)        # the C side is the owner
+        assert both() == ("substitute", 1, 0.5, k)
+        eng.set_miss(route_lambda=0.0)   # miss_keep2 "auto": the default for the two levels
+        half = 1 + (k - 1) // 2
+        assert both() == ("substitute", 1, 0.0, half)
+        # a failure after the C layers were set to "fetch" (set_lowbit of the new copy):
+        # everything back as it was
+        calls = []
+        real = eng.copy_buffer
+
+        def fail_once(c):
+            calls.append(c.dtype)
+            if len(calls) == 1:
+                raise MemoryError("no room for the copy")
+            return real(c)
+        monkeypatch.setattr(eng, "copy_buffer", fail_once)
+        with pytest.raises(MemoryError):
+            eng.set_miss("lowest_bit", miss_levels="int4", throttle=(100.0, 1.0))
+        assert calls and both() == ("substitute", 1, 0.0, half)
+        assert eng.miss_levels == ("int8", "int4") and eng.throttle is None
+        monkeypatch.undo()
+        eng.set_miss("priority", miss_keep=1, miss_keep2=1)
+        assert both() == ("priority", 1, 0.0, 1)
+        if device == "cpu":
+            old = eng.layers
+            eng.set_cache(0.5)  # new C layers: the settings carry over
+            assert eng.layers is not old and both() == ("priority", 1, 0.0, 1)
+        eng.set_policy("lfu")
+        assert both() == ("priority", 1, 0.0, 1)
+    finally:
+        eng.close()
+    assert eng.layers is None
+    assert (eng.miss, eng.miss_keep, eng.route_lambda, eng.miss_keep2) == ("priority", 1, 0.0, 1)

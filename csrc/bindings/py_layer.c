@@ -12,6 +12,7 @@
  *   forward_on(pos, x, idx, w, used, xd, out, stream, scores=None, replace=True, draft=None)
  *                                            a device tier: xd, out addresses in its memory
  *   configure(prefetch, overfetch, mass, feed_counts)
+ *   config() -> dict                         what configure and set_miss set
  *   counters(reset=False) -> dict
  *   set_miss(miss, keep, route_lambda, keep2=top_k)  miss: "fetch", "drop", "substitute",
  *                                            "lowest_bit", "priority"
@@ -463,14 +464,18 @@ static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *
 static PyObject *Layers_config(LayersObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_init(self) < 0) return NULL;
-    int prefetch, feed;
-    double overfetch, mass;
+    int prefetch, feed, miss;
+    double overfetch, mass, lam;
+    uint32_t keep, keep2;
     Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
-    smoe_layers_get_config(&self->g, &prefetch, &overfetch, &mass, &feed);
+    smoe_layers_get_config(&self->g, &prefetch, &overfetch, &mass, &feed, &miss, &keep, &keep2,
+                           &lam);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:O,s:d,s:d,s:O}", "prefetch", prefetch ? Py_True : Py_False,
-                         "overfetch", overfetch, "mass", mass, "feed_counts",
-                         feed ? Py_True : Py_False);
+    return Py_BuildValue("{s:O,s:d,s:d,s:O,s:s,s:I,s:I,s:d}", "prefetch",
+                         prefetch ? Py_True : Py_False, "overfetch", overfetch, "mass", mass,
+                         "feed_counts", feed ? Py_True : Py_False, "miss", miss_names[miss],
+                         "miss_keep", (unsigned int)keep, "miss_keep2", (unsigned int)keep2,
+                         "route_lambda", lam);
 }
 
 static PyObject *Layers_set_parallel(LayersObject *self, PyObject *arg) {
@@ -684,8 +689,9 @@ static PyMethodDef Layers_methods[] = {
      "cache-aware routing strength (0: off); priority computes ranks keep..keep2-1 from "
      "low-bit copy 0 and the rest from copy 1; see csrc/layer.h."},
     {"config", (PyCFunction)Layers_config, METH_NOARGS,
-     "config() -> dict of the prediction settings configure() set (prefetch, overfetch, "
-     "mass, feed_counts): the engines read them back from here."},
+     "config() -> dict of the settings configure() set (prefetch, overfetch, mass, "
+     "feed_counts) and set_miss() set (miss, miss_keep, miss_keep2, route_lambda): the engines "
+     "read them back from here."},
     {"set_parallel", (PyCFunction)Layers_set_parallel, METH_O,
      "set_parallel(on): a layer's misses load on the prefetch worker while its resident "
      "experts compute (layer.h, step 5)."},

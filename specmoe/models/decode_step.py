@@ -366,7 +366,7 @@ class DecodeStep:
         kv = [(it[2][0], it[2][1], it[2][2]) for it in items]
         plan = _Plan(c=c, cache=weakref.ref(cache),
                      limit=min(P, min(k.shape[2] for _, k, _ in kv)),
-                     views=[(lay, lay.keys, lay.values, k, v) for lay, k, v in kv],
+                     views=[(lay, lay.keys, lay.values) for lay, _, _ in kv],
                      layers=layers, mods=(emb, rot, fn, lm), engine=eng,
                      eng_layers=eng_layers, x0=x0, last=h,
                      normed=None if norm is None else normed,
@@ -385,7 +385,7 @@ class DecodeStep:
         built."""
         if plan.cache() is not cache or S + 1 > plan.limit or not self.chaining:
             return False
-        for lay, k, v, _, _ in plan.views:
+        for lay, k, v in plan.views:
             if lay.keys is not k or lay.values is not v:
                 return False
         for lyr in plan.layers:
@@ -426,8 +426,8 @@ class DecodeStep:
             r = self.plan_step(plan.c, token, S, out, argmax)
         n = S + 1
         views = plan.views
-        for i, (lay, _, _, kt, vt) in enumerate(views):
-            views[i] = (lay, *kv_views(lay, kt, vt, n), kt, vt)
+        for i, (lay, _, _) in enumerate(views):
+            views[i] = (lay, *kv_views(lay, n))
         self.steps += 1
         self.planned += 1
         self.chained += len(views)

@@ -193,10 +193,12 @@ class Engine(EngineCommon):
         resolve_dense(dense, torch.float32)  # a bad value fails before anything is touched
         _check_flag("prefetch", prefetch)
         cfg = model.config
-        self.miss, self.miss_keep, self.route_lambda = misses.check_miss(
+        miss, miss_keep, route_lambda = misses.check_miss(
             miss, miss_keep, route_lambda, int(cfg.num_experts_per_tok))
-        self.miss_levels, self.miss_keep2 = misses.check_levels(
-            miss_levels, miss_keep2, self.miss_keep, int(cfg.num_experts_per_tok))
+        self.miss_levels, miss_keep2 = misses.check_levels(
+            miss_levels, miss_keep2, miss_keep, int(cfg.num_experts_per_tok))
+        self._miss = {"miss": miss, "miss_keep": miss_keep, "route_lambda": route_lambda,
+                      "miss_keep2": miss_keep2}  # the C layers' once they exist (EngineCommon)
         misses.check_throttle(throttle)
         self.throttle = throttle
         self.model: nn.Module | None = model
@@ -452,18 +454,18 @@ class Engine(EngineCommon):
             raise
         if self._cache is not None:
             self._cache.close()
-        self._keep_prediction()  # the old layers' settings go to the new ones
+        self._keep_settings()  # the old layers' settings go to the new ones
         self._cache, self._layers = new, layers
         self._configure_layers()
 
     def _configure_layers(self) -> None:
-        """Push every setting into the C layers (new ones, or after _keep_prediction)."""
+        """Push every setting into the C layers (new ones, or after _keep_settings)."""
         p = self._prediction
         self._layers.configure(p["prefetch"], p["overfetch"], p["mass"], self._counts_fed)
         for pos, (scale, shared, _) in self._blocks.items():
             self._layers.set_block(pos, scale, shared)
         self._layers.set_parallel(self.parallel_misses)
-        misses.apply(self)
+        misses.apply(self, self._miss)
 
     @property
     def cache_frac(self) -> float:
@@ -603,7 +605,7 @@ class Engine(EngineCommon):
             raise RuntimeError("this specmoe Engine is closed")
         self._cache.set_policy(policy)
         self.policy = policy
-        self._keep_prediction()  # (the settings stay; only the count feeding changes)
+        self._keep_settings()  # (the settings stay; only the count feeding changes)
         self._configure_layers()  # a utility-space policy is fed activation counts
 
     def set_cache(self, capacity: int | float | str, policy: Any = None) -> None:
@@ -670,7 +672,7 @@ class Engine(EngineCommon):
             self._release()
 
     def _release(self) -> None:
-        self._keep_prediction()
+        self._keep_settings()
         self._layers = None
         self._draft = None
         self._copies = {}

@@ -122,25 +122,59 @@ class EngineCommon:
             lay.configure(cur["prefetch"], cur["overfetch"], cur["mass"],
                           bool(cur.get("feed_counts", False)))
 
-    def _keep_prediction(self) -> None:
-        """Before the C layers are replaced or dropped: their settings into _prediction."""
+    def _keep_settings(self) -> None:
+        """Before the C layers are replaced or dropped: their settings (prediction, miss) into
+        _prediction and _miss, which _configure_layers pushes into the next ones."""
         if self.layers is not None:
             self._prediction = self.layers.config()
+            self._miss = self._miss_settings()
 
-    # SpecMD's miss handling (specmoe.runtime.misses): the settings live here and misses.apply
-    # pushes them into the C layers (``layers``), which both tiers run; the resident low-bit
-    # copies it uses, and the self-draft's, are built once per format in _copies
-    miss: str
-    miss_keep: int
-    route_lambda: float
+    # SpecMD's miss handling (specmoe.runtime.misses): miss, miss_keep, route_lambda and
+    # miss_keep2 have one owner too, the C layers (Layers.set_miss sets them, Layers.config()
+    # reads them back); _miss holds them only while no C layers exist, as _prediction does,
+    # and misses.apply pushes it into new ones.  The low-bit levels (miss_levels) name the
+    # resident copies the engine builds and owns in Python (_copies, built once per format and
+    # shared with the self-draft; the C layers only borrow their memory), so they stay a
+    # Python attribute, as does the link throttle (a setting of the cache, set by
+    # misses.apply).
+    _miss: dict[str, Any]
     miss_levels: tuple[str, ...]
-    miss_keep2: int
     throttle: Any
     _copies: dict[str, ExpertCopy]
     _closed: bool
     _ffn_args: dict[str, Any]
     top_k: int
     layers: Any
+
+    def _miss_settings(self) -> dict[str, Any]:
+        """{miss, miss_keep, route_lambda, miss_keep2}: the C layers', else _miss."""
+        lay = self.layers
+        if lay is None:
+            return dict(self._miss)
+        c = lay.config()
+        return {k: c[k] for k in misses.MISS_SETTINGS}
+
+    @property
+    def miss(self) -> str:
+        """SpecMD's miss mode (:data:`specmoe.runtime.misses.MISS_MODES`; read from the C
+        layers)."""
+        return str(self._miss_settings()["miss"])
+
+    @property
+    def miss_keep(self) -> int:
+        """The top routing ranks drop and priority always fetch (read from the C layers)."""
+        return int(self._miss_settings()["miss_keep"])
+
+    @property
+    def route_lambda(self) -> float:
+        """Cache-aware routing's strength, 0: off (read from the C layers)."""
+        return float(self._miss_settings()["route_lambda"])
+
+    @property
+    def miss_keep2(self) -> int:
+        """priority: ranks miss_keep..miss_keep2-1 from the first low-bit level, the rest from
+        the second (read from the C layers)."""
+        return int(self._miss_settings()["miss_keep2"])
 
     def set_miss(self, miss: str | None = None, miss_keep: int | None = None,
                  route_lambda: float | None = None,
@@ -150,10 +184,11 @@ class EngineCommon:
         """Change SpecMD's miss handling, cache-aware routing, link throttle or low-bit levels
         (None / "keep": unchanged; miss_keep2 "auto": the default for the levels, see
         :mod:`specmoe.runtime.misses`)."""
-        m, k, lam = misses.check_miss(self.miss if miss is None else miss,
-                                      self.miss_keep if miss_keep is None else miss_keep,
-                                      self.route_lambda if route_lambda is None else route_lambda,
-                                      self.top_k)
+        cur = self._miss_settings()
+        m, k, lam = misses.check_miss(cur["miss"] if miss is None else miss,
+                                      cur["miss_keep"] if miss_keep is None else miss_keep,
+                                      cur["route_lambda"] if route_lambda is None
+                                      else route_lambda, self.top_k)
         if isinstance(miss_keep2, str) and miss_keep2 != "auto":
             raise ValueError(f"miss_keep2 must be an int, None or 'auto', got {miss_keep2!r}")
         levels, keep2 = misses.check_levels(
@@ -161,20 +196,20 @@ class EngineCommon:
             None if miss_keep2 == "auto" else miss_keep2, k, self.top_k)
         if not isinstance(throttle, str):
             misses.check_throttle(throttle)
-        old = (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
-               self.throttle)
-        self.miss, self.miss_keep, self.route_lambda = m, k, lam
-        self.miss_levels, self.miss_keep2 = levels, keep2
+        old_levels, old_throttle = self.miss_levels, self.throttle
+        self.miss_levels = levels
         if not isinstance(throttle, str):
             self.throttle = throttle
-        if self.layers is not None:
-            try:
-                misses.apply(self)  # builds any new copy before it changes the C layers
-            except BaseException:
-                (self.miss, self.miss_keep, self.route_lambda, self.miss_levels, self.miss_keep2,
-                 self.throttle) = old
-                misses.apply(self)  # the C layers back to the old settings, not half-changed
-                raise
+        new = {"miss": m, "miss_keep": k, "route_lambda": lam, "miss_keep2": keep2}
+        if self.layers is None:
+            self._miss = new
+            return
+        try:
+            misses.apply(self, new)  # builds any new copy before it changes the C layers
+        except BaseException:
+            self.miss_levels, self.throttle = old_levels, old_throttle
+            misses.apply(self, cur)  # the C layers back to the old settings, not half-changed
+            raise
 
     def lowbit_copy(self, dtype: str) -> ExpertCopy:
         """The resident ``dtype`` copy of every routed expert, built on first use."""

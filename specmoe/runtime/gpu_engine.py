@@ -181,10 +181,10 @@ class GpuEngine(EngineCommon):
         check_gpu_options(policy=policy, miss=miss, route_lambda=route_lambda,
                           miss_levels=miss_levels, balance=balance)
         k = int(model.config.num_experts_per_tok)
-        self.miss, self.miss_keep, self.route_lambda = misses.check_miss(miss, miss_keep,
-                                                                         route_lambda, k)
-        self.miss_levels, self.miss_keep2 = misses.check_levels(miss_levels, miss_keep2,
-                                                                self.miss_keep, k)
+        miss, miss_keep, route_lambda = misses.check_miss(miss, miss_keep, route_lambda, k)
+        self.miss_levels, miss_keep2 = misses.check_levels(miss_levels, miss_keep2, miss_keep, k)
+        self._miss = {"miss": miss, "miss_keep": miss_keep, "route_lambda": route_lambda,
+                      "miss_keep2": miss_keep2}  # the C layers' once they exist (EngineCommon)
         misses.check_throttle(throttle)
         self.throttle = throttle  # the link emulation of the GPU cache's loads (misses.apply)
         if overfetch < 1:
@@ -293,14 +293,14 @@ class GpuEngine(EngineCommon):
                                      self._router_copies(), self.top_k,
                                      sigmoid=bool(self.arch.sigmoid_router))
             self._configure_layers()
-            misses.apply(self)
+            misses.apply(self, self._miss)
         except BaseException:
             self.close()
             raise
 
     def _configure_layers(self) -> None:
         """Push the prediction settings into the C layers (new ones, or after
-        _keep_prediction) with the policy's count feeding."""
+        _keep_settings) with the policy's count feeding."""
         if self._layers is not None:
             p = self._prediction
             self._layers.configure(p["prefetch"], p["overfetch"], p["mass"], self._feed_counts)
@@ -647,7 +647,7 @@ class GpuEngine(EngineCommon):
             self.policy = policy
             from .policies import COUNT_POLICIES
             self._feed_counts = policy in COUNT_POLICIES
-            self._keep_prediction()
+            self._keep_settings()
             self._configure_layers()
 
     def close(self) -> None:
@@ -655,7 +655,7 @@ class GpuEngine(EngineCommon):
         a temporary one).  The model's MoE layers refuse calls afterwards."""
         with self._lock:
             self._closed = True
-            self._keep_prediction()
+            self._keep_settings()
             self._layers = self._tier = None  # before the cache they borrow closes
             self._draft = None  # the low-bit copies' memory
             self._copies, self._dev_copies = {}, {}

@@ -45,9 +45,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MISS_MODES", "LOWBIT_DTYPES", "check_miss", "check_levels", "check_throttle"]
+__all__ = ["MISS_MODES", "MISS_SETTINGS", "LOWBIT_DTYPES", "check_miss", "check_levels",
+           "check_throttle"]
 
 MISS_MODES = ("fetch", "drop", "substitute", "lowest_bit", "priority")
+# the settings the C layers hold (Layers.set_miss, read back by Layers.config())
+MISS_SETTINGS = ("miss", "miss_keep", "route_lambda", "miss_keep2")
 LOWBIT_DTYPES = ("int8", "int4", "int2")  # formats of a resident low-bit copy, highest first
 
 
@@ -116,25 +119,29 @@ def check_throttle(throttle: Any) -> tuple[float, float]:
     return gbps * 1e9, lat_us * 1e-6
 
 
-def copies_in_use(engine: Any) -> list[str]:
-    """The formats of the low-bit copies the C layers get, copy 0 first: the miss mode's levels
-    (lowest_bit: the lowest; priority: the first, and the second when some rank uses it), else
-    the self-draft's copy (the MTP drafter's masks compute their misses from copy 0)."""
-    if engine.miss == "lowest_bit":
+def copies_in_use(engine: Any, settings: dict[str, Any]) -> list[str]:
+    """The formats of the low-bit copies the C layers get under the miss ``settings``
+    (:data:`MISS_SETTINGS`), copy 0 first: the miss mode's levels (lowest_bit: the lowest;
+    priority: the first, and the second when some rank uses it), else the self-draft's copy
+    (the MTP drafter's masks compute their misses from copy 0)."""
+    if settings["miss"] == "lowest_bit":
         return [engine.miss_levels[-1]]
-    if engine.miss == "priority":
-        return list(engine.miss_levels[:2 if engine.miss_keep2 < engine.top_k else 1])
+    if settings["miss"] == "priority":
+        return list(engine.miss_levels[:2 if settings["miss_keep2"] < engine.top_k else 1])
     return [engine.draft_copy.dtype] if engine.draft_copy is not None else []
 
 
-def apply(engine: Any) -> None:
-    """Push the engine's settings into its C layer object and cache (called whenever either is
-    (re)built or a setting changes)."""
+def apply(engine: Any, settings: dict[str, Any] | None = None) -> None:
+    """Set the miss ``settings`` (:data:`MISS_SETTINGS`; None: the engine's own, as its C
+    layers hold them) in the engine's C layer object with the low-bit copies they use, and the
+    link throttle in its cache (called whenever either is (re)built or a setting changes)."""
     lay, cache = engine.layers, engine.cache
     if lay is None or cache is None:
         return
-    copies = [engine.lowbit_copy(dt) for dt in copies_in_use(engine)]  # built before any change
-    lay.set_miss("fetch", engine.miss_keep, 0.0)  # no copy in use while they change
+    s = {k: getattr(engine, k) for k in MISS_SETTINGS} if settings is None \
+        else dict(settings)  # (read before anything changes)
+    copies = [engine.lowbit_copy(dt) for dt in copies_in_use(engine, s)]  # built before any
+    lay.set_miss("fetch", s["miss_keep"], 0.0)  # no copy in use while they change
     lay.set_lowbit(None, level=1)
     if copies:
         for level, c in enumerate(copies):
@@ -142,7 +149,7 @@ def apply(engine: Any) -> None:
                            size=c.buf.nbytes)
     else:
         lay.set_lowbit(None, level=0)
-    keep2 = engine.miss_keep2 if len(copies) == 2 else engine.top_k
-    lay.set_miss(engine.miss, engine.miss_keep, engine.route_lambda, keep2=keep2)
+    # (keep2 < top_k with priority always has the second copy: check_levels)
+    lay.set_miss(s["miss"], s["miss_keep"], s["route_lambda"], keep2=s["miss_keep2"])
     cache.set_throttle(engine.throttle)
     engine.prune_copies({c.dtype for c in copies})
