@@ -16,6 +16,12 @@ dense torch / f32 / bf16 / int8 / int4, and experts int8 / int4 with dense at th
 greedy agreement with the unmodified model: the share of 32-token greedy continuations of
 ``--prompts`` held-out prompts that are identical token for token, and the share of tokens equal
 before the first difference.
+
+The int8/int4 rows run the kernels' fast paths where the CPU has one (activations quantized:
+int16 per token for int8 weights, int8 per 128 columns for int4; AVX-512 VNNI, or AVX2).
+``SPECMOE_ISA=scalar`` runs the exact f32 math on the same weights instead, so the difference
+between the two runs is the cost of the quantized activations alone; ``host`` in the JSON says
+which ISA ran.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import hostinfo  # noqa: E402
 import specmoe  # noqa: E402
 from specmoe import zoo  # noqa: E402
 
@@ -134,6 +141,7 @@ def main() -> None:
                       "window_tokens": a.window_tokens, "prompts": a.prompts,
                       "greedy_tokens": 32, "seed": a.seed,
                       "text": "held-out split of the zoo corpus (code; prose = docstrings)"},
+           "host": hostinfo.host(),
            "rows": rows}
     if a.json:
         print(json.dumps(res, indent=1))
