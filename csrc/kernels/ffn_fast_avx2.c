@@ -183,11 +183,26 @@ static void act16(const smoe_ffn_desc *d, const float *gb, const float *ub, uint
     memcpy(dst, A, (size_t)m * 4);
 }
 
+/* ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): one summation tree for every row of this
+ * file, hsum8x8's, so that a one-token row (summed 8 rows at once) is bit for bit its row of a
+ * two-token call */
 AI float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    __m256 h = _mm256_hadd_ps(v, v);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* hsum8 of 8 vectors at once: lane i of the result is hsum8(v[i]), the same additions. */
+AI __m256 hsum8x8(const __m256 *v) {
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* a: per 128-bit half, the half sums of v0..v3; b likewise of v4..v7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* lanes [0, m) all ones, as a maskload mask */
+AI __m256i lanes_below(uint32_t m) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 /* a . b over n floats */
@@ -202,10 +217,11 @@ AI float dotf(const float *a, const float *b, uint32_t n) {
 
 /* ---- dot products: NR weight rows x NT tokens ---- */
 
-/* int8: r[q][t] = w_q . x_t (exact integer products and sums per 4096 columns, f32 across),
- * x int16 [NT][n], n a multiple of 32.  Scales are applied by the caller. */
+/* int8: acc[q][t] = the lanes of w_q . x_t (exact integer products and sums per 4096 columns,
+ * f32 across), x int16 [NT][n], n a multiple of 32.  The caller sums the lanes and applies
+ * the scales. */
 AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t n, const int NT,
-               float (*r)[NTMAX]) {
+               __m256 (*acc)[NTMAX]) {
     __m256 f[4][NTMAX];
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) f[q][t] = _mm256_setzero_ps();
@@ -233,7 +249,7 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
                 f[q][t] = _mm256_add_ps(f[q][t], _mm256_cvtepi32_ps(a[q][t]));
     }
     for (int q = 0; q < NR; q++)
-        for (int t = 0; t < NT; t++) r[q][t] = hsum8(f[q][t]);
+        for (int t = 0; t < NT; t++) acc[q][t] = f[q][t];
 }
 
 /* The int16 products of one 64-column chunk of packed nibbles (32 bytes: columns 2j, 2j+1 in
@@ -284,40 +300,48 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
         }                                                                                      \
     }
 
-/* int4: r[q][t] = sum over 64-column chunks c of sw_q[g(c)] * xs_t[c/2] * ((u . xq_t)_c -
- * 8 * sum(xq_t)_c), w_q packed [n/2] bytes, ws_q its group scales, x int8 [NT][n] (layout of
- * prepare_avx2), xs [NT][nb] block scales, xg [NT][n/group] the groups' scaled sums of xq.
- * Groups of 128 or more: a scale per 128-column block (I4_BLOCK); groups of 64 (G64): a scale
- * per chunk (I4_CHUNK; a trailing half block when n % 128 == 64).  Per 8 blocks (chunks) the
- * combined scales S = sw * xs are formed in a small array first; with at most four (row,
- * token) pairs blocks go in pairs into two accumulator sets (two fma chains per pair). */
+/* int4: acc[q][t] = the lanes of sum over 64-column chunks c of sw_q[g(c)] * xs_t[c/2] *
+ * ((u . xq_t)_c - 8 * sum(xq_t)_c), w_q packed [n/2] bytes, ws_q its group scales, x int8
+ * [NT][n] (layout of prepare_avx2), xs [NT][nb] block scales, xg [NT][n/group] the groups'
+ * scaled sums of xq.  Groups of 128 or more: a scale per 128-column block (I4_BLOCK); groups
+ * of 64 (G64): a scale per chunk (I4_CHUNK; a trailing half block when n % 128 == 64).  Per 8
+ * units (blocks, or chunks) the combined scales S = sw * xs are formed in a small array first,
+ * and the units' -8 offsets, sw * -8 * xg, go into the accumulator's lanes with one fma (groups
+ * of 128 and 64: a group is a unit; larger groups: one dot product at the end); with at most
+ * four (row, token) pairs units go in pairs into two accumulator sets (two fma chains each). */
 AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, const int8_t *x,
                const float *xs, const float *xg, uint32_t n, uint32_t group, const int G64,
-               const int NT, float (*r)[NTMAX]) {
+               const int NT, __m256 (*acc)[NTMAX]) {
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const __m256 m8 = _mm256_set1_ps(-8.0f);
     const uint32_t nb = (n + 127) / 128, ng = n / group, bpg = group / 128;
     const uint32_t nu = G64 ? n / 64 : nb; /* units: chunks (G64) or blocks */
+    const int unit_groups = G64 || bpg == 1; /* a group per unit */
     __m256 f[4][NTMAX], f2[4][NTMAX];
     float S[4][NTMAX][8] __attribute__((aligned(32)));
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) f[q][t] = f2[q][t] = _mm256_setzero_ps();
     for (uint32_t u0 = 0; u0 < nu; u0 += 8) {
         const uint32_t m = nu - u0 < 8 ? nu - u0 : 8;
+        const __m256i mk = lanes_below(m);
         for (int q = 0; q < NR; q++)
             for (int t = 0; t < NT; t++) {
                 const float *xt = xs + (size_t)t * nb;
-                if (m == 8 && G64) { /* chunk scales ws[c], block scales xs[c / 2] */
-                    __m256 x2 = _mm256_permutevar8x32_ps(
-                        _mm256_castps128_ps256(_mm_loadu_ps(xt + u0 / 2)),
-                        _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-                    _mm256_store_ps(S[q][t], _mm256_mul_ps(_mm256_loadu_ps(ws[q] + u0), x2));
-                } else if (m == 8 && bpg == 1) {
-                    _mm256_store_ps(S[q][t], _mm256_mul_ps(_mm256_loadu_ps(ws[q] + u0),
-                                                           _mm256_loadu_ps(xt + u0)));
+                if (unit_groups) {
+                    __m256 sw = _mm256_maskload_ps(ws[q] + u0, mk), xv;
+                    if (G64) /* chunk c's block scale is xs[c / 2]; u0 is a multiple of 8 */
+                        xv = _mm256_permutevar8x32_ps(
+                            _mm256_castps128_ps256(_mm_maskload_ps(
+                                xt + u0 / 2, _mm256_castsi256_si128(lanes_below((m + 1) / 2)))),
+                            _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+                    else
+                        xv = _mm256_maskload_ps(xt + u0, mk);
+                    _mm256_store_ps(S[q][t], _mm256_mul_ps(sw, xv));
+                    f[q][t] = _mm256_fmadd_ps(_mm256_mul_ps(sw, m8),
+                                              _mm256_maskload_ps(xg + (size_t)t * ng + u0, mk),
+                                              f[q][t]);
                 } else {
-                    for (uint32_t i = 0; i < m; i++)
-                        S[q][t][i] = G64 ? ws[q][u0 + i] * xt[(u0 + i) / 2]
-                                         : ws[q][(u0 + i) / bpg] * xt[u0 + i];
+                    for (uint32_t i = 0; i < m; i++) S[q][t][i] = ws[q][(u0 + i) / bpg] * xt[u0 + i];
                 }
             }
         uint32_t i = 0;
@@ -337,26 +361,25 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
             for (; i < m; i++) I4_BLOCK(u0 + i, i, f);
         }
     }
-    /* the -8 offset: sum over groups of sw * xg (xg: the group's scaled sum of xq) */
     for (int q = 0; q < NR; q++)
-        for (int t = 0; t < NT; t++)
-            r[q][t] = hsum8(_mm256_add_ps(f[q][t], f2[q][t])) -
-                      8.0f * dotf(ws[q], xg + (size_t)t * ng, ng);
+        for (int t = 0; t < NT; t++) {
+            __m256 v = _mm256_add_ps(f[q][t], f2[q][t]);
+            if (!unit_groups) /* the offset of groups spanning several blocks, in lane 0 */
+                v = _mm256_add_ps(v, _mm256_setr_ps(-8.0f * dotf(ws[q], xg + (size_t)t * ng, ng),
+                                                    0, 0, 0, 0, 0, 0, 0));
+            acc[q][t] = v;
+        }
 }
 
 /* NR rows (matrix offsets off[q], scale offsets soff[q], row indices row[q]) against NT tokens
  * t0.. of the prepared input (j->q, j->qs, j->qsum), n columns: final dot products. */
-AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
+AI void rowsV(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
               const uint32_t *row, const int NR, uint32_t n, uint32_t t0, const int NT,
-              float (*r)[NTMAX]) {
+              __m256 (*acc)[NTMAX]) {
     if (j->d->dtype == SMOE_WDT_I8) {
         const int8_t *w[4];
         for (int q = 0; q < NR; q++) w[q] = (const int8_t *)(j->block + off[q]) + (size_t)row[q] * n;
-        dot_i8(w, NR, (const int16_t *)j->q + (size_t)t0 * n, n, NT, r);
-        for (int q = 0; q < NR; q++) {
-            float sw = ((const float *)(j->block + soff[q]))[row[q]];
-            for (int t = 0; t < NT; t++) r[q][t] *= sw * j->qs[t0 + (uint32_t)t];
-        }
+        dot_i8(w, NR, (const int16_t *)j->q + (size_t)t0 * n, n, NT, acc);
         return;
     }
     const uint32_t ng = n / j->group, nb = (n + 127) / 128;
@@ -369,9 +392,65 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
     const int8_t *x = (const int8_t *)j->q + (size_t)t0 * n;
     const float *xs = j->qs + (size_t)t0 * nb, *xg = j->qsum + (size_t)t0 * ng;
     if (j->group == 64)
-        dot_i4(w, ws, NR, x, xs, xg, n, 64, 1, NT, r);
+        dot_i4(w, ws, NR, x, xs, xg, n, 64, 1, NT, acc);
     else
-        dot_i4(w, ws, NR, x, xs, xg, n, j->group, 0, NT, r);
+        dot_i4(w, ws, NR, x, xs, xg, n, j->group, 0, NT, acc);
+}
+
+/* The int8 scale of row `row` of the matrix whose scales are at soff and of token t (1 for
+ * int4, whose scales are inside the dot product). */
+AI float i8_scale(const smoe_ffn_job *j, uint64_t soff, uint32_t row, uint32_t t) {
+    return j->d->dtype == SMOE_WDT_I8 ? ((const float *)(j->block + soff))[row] * j->qs[t] : 1.0f;
+}
+
+AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
+              const uint32_t *row, const int NR, uint32_t n, uint32_t t0, const int NT,
+              float (*r)[NTMAX]) {
+    __m256 acc[4][NTMAX];
+    rowsV(j, off, soff, row, NR, n, t0, NT, acc);
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++)
+            r[q][t] = hsum8(acc[q][t]) * i8_scale(j, soff[q], row[q], t0 + (uint32_t)t);
+}
+
+/* One token: rows row0 .. row0 + m - 1 (m <= 8) of the matrix at off (scales at soff), n
+ * columns, one at a time (one sequential stream), their lanes summed 8 rows at once
+ * (hsum8x8) instead of after each row; results (scales applied) to res[0..m). */
+static void rows8(const smoe_ffn_job *j, uint64_t off, uint64_t soff, uint32_t row0, uint32_t m,
+                  uint32_t n, float *res) {
+    __m256 v[8], acc[1][NTMAX];
+    float out[8];
+    for (uint32_t i = 0; i < m; i++) {
+        const uint32_t row[1] = {row0 + i};
+        rowsV(j, &off, &soff, row, 1, n, 0, 1, acc);
+        v[i] = acc[0][0];
+    }
+    for (uint32_t i = m; i < 8; i++) v[i] = _mm256_setzero_ps();
+    _mm256_storeu_ps(out, hsum8x8(v));
+    for (uint32_t i = 0; i < m; i++) res[i] = out[i] * i8_scale(j, soff, row0 + i, 0);
+}
+
+/* One token: the (gate_i, up_i) row pairs of rows row0 .. row0 + m - 1 (m <= 8), H columns,
+ * each pair's lanes summed 8 rows at once; results to g[0..m), u[0..m). */
+static void pairs8(const smoe_ffn_job *j, uint32_t row0, uint32_t m, float *g, float *u) {
+    const smoe_ffn_desc *d = j->d;
+    const uint64_t off[2] = {d->gate, d->up};
+    const uint64_t soff[2] = {d->gate_scale, d->up_scale};
+    __m256 vg[8], vu[8], acc[2][NTMAX];
+    float og[8], ou[8];
+    for (uint32_t i = 0; i < m; i++) {
+        const uint32_t row[2] = {row0 + i, row0 + i};
+        rowsV(j, off, soff, row, 2, d->H, 0, 1, acc);
+        vg[i] = acc[0][0];
+        vu[i] = acc[1][0];
+    }
+    for (uint32_t i = m; i < 8; i++) vg[i] = vu[i] = _mm256_setzero_ps();
+    _mm256_storeu_ps(og, hsum8x8(vg));
+    _mm256_storeu_ps(ou, hsum8x8(vu));
+    for (uint32_t i = 0; i < m; i++) {
+        g[i] = og[i] * i8_scale(j, d->gate_scale, row0 + i, 0);
+        u[i] = ou[i] * i8_scale(j, d->up_scale, row0 + i, 0);
+    }
 }
 
 static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
@@ -408,6 +487,12 @@ static void fast2_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
         uint32_t m = i1 - c0 < 16 ? i1 - c0 : 16;
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
+            if (j->T == 1) {
+                for (uint32_t i = 0; i < m; i += 8)
+                    pairs8(j, c0 + i, m - i < 8 ? m - i : 8, g[0] + i, u[0] + i);
+                act16(d, gb, ub, c0, m, g[0], u[0], j->act + c0);
+                continue;
+            }
             for (uint32_t i = 0; i < m; i++) {
                 const uint32_t row[2] = {c0 + i, c0 + i};
                 rows_dispatch(j, off, soff, row, 2, d->H, t0, nt, r);
@@ -438,10 +523,11 @@ static void fast2_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const uint64_t soff[4] = {d->down_scale, d->down_scale, d->down_scale, d->down_scale};
     uint32_t h = h0;
     if (j->T == 1 && d->I <= 8192)
-        for (; h < h1; h++) {
-            const uint32_t row[1] = {h};
-            rows_dispatch(j, off, soff, row, 1, d->I, 0, 1, r);
-            smoe_ffn_store_out(j, h, 0, r[0][0]);
+        for (; h < h1; h += 8) {
+            const uint32_t m = h1 - h < 8 ? h1 - h : 8;
+            float y[8];
+            rows8(j, d->down, d->down_scale, h, m, d->I, y);
+            for (uint32_t i = 0; i < m; i++) smoe_ffn_store_out(j, h + i, 0, y[i]);
         }
     if (j->T == 1)
         for (; h + 4 <= h1; h += 4) {
