@@ -453,15 +453,13 @@ static void pairs8(const smoe_ffn_job *j, uint32_t row0, uint32_t m, float *g, f
     }
 }
 
+/* Four rows against one token (the long down rows of fast2_down), or a pair of rows against
+ * nt <= NTMAX tokens (one token's rows of up to 8192 columns go through rows8 / pairs8). */
 static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
                           const uint32_t *row, int NR, uint32_t n, uint32_t t0, uint32_t nt,
                           float (*r)[NTMAX]) {
     if (NR == 4) {
         rowsN(j, off, soff, row, 4, n, t0, 1, r);
-        return;
-    }
-    if (NR == 1) {
-        rowsN(j, off, soff, row, 1, n, t0, 1, r);
         return;
     }
     switch (nt) {
