@@ -22,6 +22,8 @@ from specmoe.models.layers import CLinear
 from specmoe.runtime import kernels
 from specmoe.storage import quant
 
+from .test_kernels import make_expert, ref_act
+
 ORDER = ["scalar", "avx2", "avx512"]
 _BEST = _C.KernelContext(1).isa_max
 _FEAT = _C.KernelContext(1).features
@@ -134,9 +136,7 @@ def test_avx2_fast_path_runs_where_it_should(ctx):
     ctx.set_isa("avx2")
     rng = np.random.default_rng(3)
     H, I = 256, 384
-    g = (rng.standard_normal((I, H)) / 16).astype(np.float32)
-    u = (rng.standard_normal((I, H)) / 16).astype(np.float32)
-    d = (rng.standard_normal((H, I)) / 16).astype(np.float32)
+    g, u, d, _ = make_expert(rng, H, I, std=1 / 16)
     x = rng.standard_normal((3, H)).astype(np.float32)
     for dtype, fast in [("int8", True), ("int4", True), ("bf16", False), ("f32", False)]:
         t = quant.expert_tensors(g, u, d, dtype)
@@ -157,13 +157,7 @@ def _model_ffn(t: dict, x: np.ndarray, dtype: str, activation: str) -> np.ndarra
     else:
         def lin(name, v):
             return model_int4(w[name], v)
-    g, u = lin("gate", x), lin("up", x)
-    if activation == "silu":
-        a = g / (1.0 + np.exp(-g)) * u
-    else:
-        g = np.minimum(g, 7.0)
-        u = np.clip(u, -7.0, 7.0)
-        a = (u + 1.0) * g / (1.0 + np.exp(-1.702 * g))
+    a = ref_act(lin("gate", x), lin("up", x), activation)
     return lin("down", a.astype(np.float32))
 
 
@@ -186,9 +180,7 @@ def test_ffn_matches_the_model_of_its_arithmetic(ctx, isa, dtype, activation, H,
     rng = np.random.default_rng(H * 31 + I + T)
     big = activation == "gptoss"
     std = (1.0 / np.sqrt(H)) * (8 if big else 1)
-    g = (rng.standard_normal((I, H)) * std).astype(np.float32)
-    u = (rng.standard_normal((I, H)) * std).astype(np.float32)
-    d = (rng.standard_normal((H, I)) * std).astype(np.float32)
+    g, u, d, _ = make_expert(rng, H, I, std=std)
     t = quant.expert_tensors(g, u, d, dtype)
     x = rng.standard_normal((T, H)).astype(np.float32)
     y = kernels.ffn(t, x, dtype, activation, ctx=ctx)
@@ -205,8 +197,7 @@ def test_avx2_and_avx512_compute_the_same_arithmetic(ctx, dtype):
         pytest.skip("needs AVX-512 VNNI beside AVX2")
     rng = np.random.default_rng(9)
     H, I = 2048, 1408
-    g, u, d = ((rng.standard_normal(s) / 40).astype(np.float32)
-               for s in ((I, H), (I, H), (H, I)))
+    g, u, d, _ = make_expert(rng, H, I, std=1 / 40)
     t = quant.expert_tensors(g, u, d, dtype)
     x = rng.standard_normal((4, H)).astype(np.float32)
     ctx.set_isa("avx2")
@@ -224,8 +215,7 @@ def test_avx2_nan_input_gives_nan_output(ctx, dtype, T):
     ctx.set_isa("avx2")
     rng = np.random.default_rng(5 + T)
     H, I = 256, 384
-    g, u, d = ((rng.standard_normal(s) / 16).astype(np.float32)
-               for s in ((I, H), (I, H), (H, I)))
+    g, u, d, _ = make_expert(rng, H, I, std=1 / 16)
     t = quant.expert_tensors(g, u, d, dtype)
     x = rng.standard_normal((T, H)).astype(np.float32)
     x[T - 1, 7] = np.nan
@@ -241,8 +231,7 @@ def test_avx2_zero_input_gives_zero_output(ctx, dtype):
     ctx.set_isa("avx2")
     rng = np.random.default_rng(2)
     H, I = 256, 128
-    g, u, d = ((rng.standard_normal(s) / 16).astype(np.float32)
-               for s in ((I, H), (I, H), (H, I)))
+    g, u, d, _ = make_expert(rng, H, I, std=1 / 16)
     t = quant.expert_tensors(g, u, d, dtype)
     y = kernels.ffn(t, np.zeros((2, H), np.float32), dtype, "silu", ctx=ctx)
     assert (y == 0).all()
