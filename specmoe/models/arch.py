@@ -103,7 +103,7 @@ SUPPORTED: dict[str, ArchInfo] = {
 SUPPORTED["deepseek_v3"] = replace(SUPPORTED["deepseek_v3"], sigmoid_router=True,
                                    bias_attr="gate.e_score_correction_bias")
 
-# Architectures tried and not supported, with the reason (README lists them).
+# Architectures tried and not supported, with the reason (docs/usage.md lists them).
 UNSUPPORTED: dict[str, str] = {
     "llama4_text": "its experts module takes only the hidden states and runs every expert "
                    "densely, and the routing weight scales each expert's input, not its output "
