@@ -4,17 +4,19 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.specmoe-setup
+WHEELS := $(VENV)/wheelhouse
 CSRC   := $(shell find csrc cuda -name '*.c' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: setup build demo test test-gpu test-sanitize bench clean fuzz fuzz-deps
+.PHONY: setup build demo test test-install test-gpu test-sanitize bench clean fuzz fuzz-deps
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py requirements-dev.txt
+$(STAMP): pyproject.toml setup.py requirements-dev.txt tests/install/wheelhouse.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	$(PY) tests/install/wheelhouse.py $(WHEELS)
 	touch $@
 
 # Rebuild the extension in place whenever a C source changed (warnings are errors here).
@@ -29,6 +31,12 @@ demo: build
 
 test: build fuzz-deps
 	$(PY) -m pytest -q tests
+
+# A user's install (issue 40): the sdist built from this checkout, installed into a fresh
+# venv offline from the wheels `make setup` downloaded to $(WHEELS), the README's commands run
+# there (tests/install/test_sdist.py; minutes: it compiles the extension and installs torch).
+test-install: setup
+	SPECMOE_TEST_INSTALL=1 $(PY) -m pytest -q -rs tests/install
 
 # The GPU tier on a machine with a GPU (issue 12; docs/gpu.md): rebuild with the toolkit
 # required (SPECMOE_CUDA=1, so a missing nvcc is an error, not a skip), run the GPU tests with
