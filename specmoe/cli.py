@@ -238,11 +238,15 @@ def _checkpoint(args: argparse.Namespace, store: "str | None") -> None:
     included): the library's own checks, as from_pretrained and convert make them
     (a missing path used to be blamed on the tokenizer, a bad store path found only after a
     whole conversion)."""
-    from .storage.conversion import Checkpoint, check_store_location, default_store_path
+    from .storage.conversion import check_store_location, default_store_path, open_checkpoint
 
-    ck = Checkpoint.open(args.checkpoint)  # config.json, every shard's header
+    ck = open_checkpoint(args.checkpoint)  # config.json and every shard's header, or GGUF's
     ck.close()
-    check_store_location(default_store_path(ck.folder, args.dtype) if store is None else store,
+    dtype = args.dtype
+    if dtype == "auto":
+        from .storage.conversion import store_dtype
+        dtype = store_dtype(ck, dtype)
+    check_store_location(default_store_path(ck.folder, dtype) if store is None else store,
                          checkpoint=ck.folder)
 
 
@@ -286,7 +290,12 @@ def _cmd_run(args) -> int:
         kernels.set_num_threads(args.threads)
     try:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+        ck = Path(args.checkpoint).expanduser()
+        if ck.is_file():  # a GGUF file: its tokenizer is in its metadata
+            tok = AutoTokenizer.from_pretrained(ck.parent, gguf_file=ck.name,
+                                                local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(ck, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
     ids = tok(args.prompt, return_tensors="pt").input_ids
@@ -309,7 +318,8 @@ def _cmd_run(args) -> int:
         hr = s.get("hit_rate")
         print(f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, "
               f"prompt {ids.shape[1]} tokens included) | cache {s['capacity']} experts "
-              f"({s['cache_bytes'] / 2**20:.0f} MiB, {args.dtype}, {args.policy}) | "
+              f"({s['cache_bytes'] / 2**20:.0f} MiB, {getattr(eng, 'dtype', args.dtype)}, "
+              f"{args.policy}) | "
               f"{eng.dense} | hit rate "
               f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
               f"peak memory {_peak_rss() / 2**20:.0f} MiB", file=sys.stderr if args.quiet else
@@ -392,8 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = command("convert", help="convert a checkpoint's routed experts to a store")
-    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder")
-    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
+    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or a GGUF file")
+    p.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "int8", "int4"],
+                   help="store dtype of the experts (auto: bf16, or for a GGUF file the "
+                        "nearest to its experts' type)")
     p.add_argument("-o", "--output", default=None,
                    help="store file (default: one per checkpoint and dtype under "
                         "$SPECMOE_CACHE or ~/.cache/specmoe)")
@@ -401,13 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = command("run", help="generate text with a checkpoint's experts offloaded")
-    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder")
+    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or a GGUF file")
     p.add_argument("--prompt", required=True)
     p.add_argument("--cache", default="25%",
                    help="expert cache, as the API's cache=: slots (40), a fraction of all "
                         "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%")
     p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
-    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "int8", "int4"],
+                   help="store dtype of the experts (auto: bf16, or for a GGUF file the "
+                        "nearest to its experts' type)")
     p.add_argument("--policy", default="least_stale",
                    help="eviction policy spec, as simulate's --policies takes (e.g. lru, "
                         "random:seed=3, least_stale:order=lru, spac:levels=3)")

@@ -29,8 +29,8 @@ from torch import nn
 
 from .arch import ArchInfo, canonical, describe, expert_key, expert_module
 from ..storage.conversion import (INT_DTYPES, Checkpoint, CheckpointError, check_store_location,
-                                  default_store_path, expert_block_bytes, open_or_convert,
-                                  store_settings, write_experts)
+                                  default_store_path, expert_block_bytes, open_checkpoint,
+                                  open_or_convert, store_dtype, store_settings, write_experts)
 
 __all__ = ["from_pretrained", "convert"]
 
@@ -41,7 +41,7 @@ _EXPERTS_RE = re.compile(r"^(.*\.experts\.)(.+)$")
 class _Plan:
     """Where every tensor of the checkpoint goes."""
 
-    ckpt: Checkpoint
+    ckpt: Checkpoint  # or a GgufCheckpoint (specmoe.storage.gguf): the same questions answered
     model: nn.Module  # the skeleton (meta parameters)
     info: ArchInfo
     layer_ids: list[int]
@@ -52,6 +52,7 @@ class _Plan:
     experts: list[dict[tuple[int | None, str], str]] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
     store: Path | None = None  # the store file, its location checked (_prepare)
+    dtype: str = "bf16"  # the store dtype (_prepare: "auto" resolved)
 
 
 def _torch_dtype(spec: Any, config: Any) -> torch.dtype:
@@ -67,15 +68,20 @@ def _torch_dtype(spec: Any, config: Any) -> torch.dtype:
     return dt
 
 
-def _skeleton(folder: Path, torch_dtype: Any, hf_kwargs: dict[str, Any]) -> nn.Module:
-    """The model with every parameter on the meta device (no memory), eager experts."""
+def _skeleton(ckpt: Any, torch_dtype: Any, hf_kwargs: dict[str, Any]) -> nn.Module:
+    """The model with every parameter on the meta device (no memory), eager experts; its
+    config from the folder's config.json, or from a GGUF file's metadata."""
     import logging
 
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     logging.getLogger("transformers").setLevel(logging.ERROR)
     attn = hf_kwargs.pop("attn_implementation", None)
-    config = AutoConfig.from_pretrained(folder, local_files_only=True, **hf_kwargs)
+    if isinstance(ckpt, Checkpoint):
+        config = AutoConfig.from_pretrained(ckpt.folder, local_files_only=True, **hf_kwargs)
+    else:
+        cfg = dict(ckpt.config(), **hf_kwargs)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     dt = _torch_dtype(torch_dtype, config)
     kw: dict[str, Any] = {"experts_implementation": "eager", "dtype": dt}
     if attn is not None:
@@ -233,10 +239,7 @@ def _expert_nbytes(plan: _Plan) -> int:
     total = 0
     for (e, _), k in keys.items():
         if e in (None, 0):
-            h = plan.ckpt.handle(plan.ckpt.keys[k]).get_slice(k)
-            n = int(np.prod(h.get_shape()))
-            size = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1}.get(h.get_dtype(), 4)
-            total += n * size // (plan.num_experts if e is None else 1)
+            total += plan.ckpt.nbytes(k) // (plan.num_experts if e is None else 1)
     return total
 
 
@@ -288,26 +291,28 @@ def _ensure_store(plan: _Plan, folder: Path, dtype: str, path: Path | None, forc
     return path
 
 
-def _prepare(path: str | os.PathLike[str], dtype: str, torch_dtype: Any,
+def _prepare(path: Any, dtype: str, torch_dtype: Any,
              hf_kwargs: dict[str, Any], store: Any = None) -> _Plan:
-    """The plan of checkpoint ``path``, with its store's path (``store``, None: the default
-    one), every check that needs no conversion done: the shards' headers, config.json, the
-    store's location, the tensors' names and dtypes."""
-    from ..runtime.engine import check_dtype
-    check_dtype(dtype)
-    ckpt = Checkpoint.open(path)
+    """The plan of checkpoint ``path`` (a path, or a checkpoint already opened), with its
+    store's path (``store``, None: the default one), every check that needs no conversion
+    done: the shards' headers, config.json, the store's location, the tensors' names and
+    dtypes.  ``plan.dtype`` is the store dtype (:func:`store_dtype`)."""
+    ckpt = path if hasattr(path, "fingerprint") else open_checkpoint(path)
+    dtype = store_dtype(ckpt, dtype)
     spath = _store_path(ckpt.folder, dtype, store)
-    model = _skeleton(ckpt.folder, torch_dtype, hf_kwargs)
+    model = _skeleton(ckpt, torch_dtype, hf_kwargs)
     plan = _plan(ckpt, model)
     plan.store = spath
+    plan.dtype = dtype
     return plan
 
 
-def convert(path: str | os.PathLike[str], *, dtype: str = "bf16",
+def convert(path: str | os.PathLike[str], *, dtype: str = "auto",
             out: str | os.PathLike[str] | None = None, force: bool = False,
             progress: bool = True) -> Path:
-    """Convert the routed experts of checkpoint folder ``path`` to a specmoe store in
-    ``dtype`` (``f32``, ``bf16``, ``int8``, ``int4``) and return the store's path.
+    """Convert the routed experts of checkpoint folder (or GGUF file) ``path`` to a specmoe
+    store in ``dtype`` (``f32``, ``bf16``, ``int8``, ``int4``; ``"auto"``: bf16, or for a GGUF
+    file the nearest to its expert type, :func:`store_dtype`) and return the store's path.
 
     out: the store file (default: :func:`specmoe.storage.conversion.default_store_path`, under
     ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``).  An up-to-date store there is kept as it is
@@ -320,7 +325,7 @@ def convert(path: str | os.PathLike[str], *, dtype: str = "bf16",
     :class:`specmoe.storage.conversion.CheckpointError` (a ValueError) naming the file and tensor."""
     plan = _prepare(path, dtype, None, {}, out)
     try:
-        return _ensure_store(plan, plan.ckpt.folder, dtype, plan.store, force, progress)
+        return _ensure_store(plan, plan.ckpt.folder, plan.dtype, plan.store, force, progress)
     finally:
         plan.ckpt.close()
 
@@ -356,7 +361,7 @@ def _load_dense(plan: _Plan) -> None:
 
 
 def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 0.25,
-                    dtype: str = "bf16", policy: Any = "least_stale", prefetch: bool = True,
+                    dtype: str = "auto", policy: Any = "least_stale", prefetch: bool = True,
                     store: str | os.PathLike[str] | None = None, direct: bool | None = None,
                     progress: bool = True, force_convert: bool = False,
                     torch_dtype: Any = "auto", dense: str | bool | None = "auto",
@@ -370,10 +375,11 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     (stats, policy, trace, close).
 
     path: a local HuggingFace checkpoint folder (config.json, safetensors shards with or
-    without an index, tokenizer files).  cache: the expert cache as slots, a fraction
+    without an index, tokenizer files), or a GGUF file (llama.cpp's format; config from its
+    metadata, :mod:`specmoe.storage.gguf`).  cache: the expert cache as slots, a fraction
     (``0.25``, ``"25%"``) or a byte size (``"6GiB"``).  dtype: the store's expert format
     (``f32``, ``bf16``, ``int8`` per row, ``int4`` in groups, ``int2`` in groups with scale and
-    offset).  policy: eviction policy name or
+    offset; ``"auto"``: bf16, or for a GGUF file the nearest to its experts' type).  policy: eviction policy name or
     object (:func:`specmoe.runtime.engine.available_policies`).  prefetch: the next layer's router
     predicts the experts to load while this layer computes.  store: the store file (default
     one per checkpoint and dtype under ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``), converted on
@@ -397,14 +403,22 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     from .dense import resolve_dense
     from ..runtime.gpu_engine import resolve_device
     from ..runtime.engine import Engine, check_early
-    check_early(dtype, cache, policy, prefetch)  # bad values fail before any conversion
-    gpu = resolve_device(device, dtype=dtype, policy=policy, dense=dense, miss=miss,
-                         route_lambda=route_lambda, throttle=throttle, balance=balance)
+    # bad values fail before any conversion ("auto" is resolved once the checkpoint is open)
+    early = "bf16" if dtype == "auto" else dtype
+    check_early(early, cache, policy, prefetch)
+    gpu_opts = dict(policy=policy, dense=dense, miss=miss, route_lambda=route_lambda,
+                    throttle=throttle, balance=balance)
+    gpu = resolve_device(device, dtype=early, **gpu_opts)
     resolve_dense(dense, torch.float32)  # bad values fail before any work
     misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
     misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
     misses.check_levels(miss_levels, None, 0, 2)  # (miss_keep2 too)
-    plan = _prepare(path, dtype, torch_dtype, dict(hf_kwargs), store)
+    ckpt = open_checkpoint(path)
+    dtype = store_dtype(ckpt, dtype)
+    if gpu is not None and dtype != early:
+        from ..runtime.gpu_engine import check_gpu_options
+        check_gpu_options(dtype=dtype, **gpu_opts)
+    plan = _prepare(ckpt, dtype, torch_dtype, dict(hf_kwargs), store)
     _check_cache_fits(plan, cache, dtype)  # from the config: before converting
     try:
         spath = _ensure_store(plan, plan.ckpt.folder, dtype, plan.store, force_convert,
@@ -417,7 +431,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
         plan.ckpt.close()
     model = plan.model
     gen = plan.ckpt.folder / "generation_config.json"
-    if gen.is_file():
+    if isinstance(plan.ckpt, Checkpoint) and gen.is_file():
         from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(plan.ckpt.folder)
     model.eval()

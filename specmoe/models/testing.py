@@ -15,7 +15,7 @@ from torch import nn
 
 from .arch import SUPPORTED, UnsupportedModelError, describe, getpath, moe_block
 
-__all__ = ["tiny_config", "tiny_model", "save_checkpoint"]
+__all__ = ["tiny_config", "tiny_model", "save_checkpoint", "save_gguf"]
 
 
 def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3,
@@ -163,3 +163,133 @@ def save_checkpoint(model: nn.Module, folder: str | Path, *, layout: str = "per_
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return folder
+
+
+# the inverse of specmoe.storage.gguf's name map: transformers name -> GGUF name
+def _gguf_name(name: str) -> str | None:
+    from ..storage.gguf import _LAYER_NAMES, _TOP_NAMES
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    if name in top:
+        return top[name]
+    layer = {v: k for k, v in _LAYER_NAMES.items()}
+    parts = name.split(".", 3)  # model, layers, N, rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
+        return f"blk.{parts[2]}.{layer[parts[3]]}"
+    return None
+
+
+def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
+              tokenizer=None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe or olmoe) as a GGUF file the way
+    llama.cpp's converter does (architecture names and metadata keys, stacked experts
+    ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows), its
+    2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the
+    ``gguf`` package quantizes; routers, norms and biases stay F32, as llama-quantize keeps
+    them).  ``tokenizer``: a byte-level BPE fast tokenizer written into the metadata as
+    llama.cpp's ``gpt2`` tokenizer model (tokens, types, merges).  Returns the path and the
+    state dict as the file holds it (each quantized tensor dequantized by the ``gguf``
+    package): the reference the same weights give."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    from ..storage.gguf import ARCHITECTURES, _PERMUTED_QK
+
+    cfg = model.config
+    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
+    qt = gguf.GGMLQuantizationType[qtype]
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_vocab_size(cfg.vocab_size)
+    E = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    w.add_expert_count(E)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    else:
+        w.add_feed_forward_length(cfg.intermediate_size)
+    if cfg.model_type == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    hd = getattr(cfg, "head_dim", None)
+    if hd:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    for tid, fn in ((cfg.bos_token_id, w.add_bos_token_id),
+                    (cfg.eos_token_id, w.add_eos_token_id),
+                    (cfg.pad_token_id, w.add_pad_token_id)):
+        if isinstance(tid, int):
+            fn(tid)
+
+    def roundtrip(a: np.ndarray, quantized: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(what the file stores, what it dequantizes to) for f32 array ``a``."""
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if not quantized:
+            return a, a
+        q = quantize(a, qt)
+        return q, dequantize(q, qt).reshape(a.shape).astype(np.float32)
+
+    def put(gname: str, a: np.ndarray) -> np.ndarray:
+        # llama-quantize keeps 1-D tensors and the router (ffn_gate_inp) in F32
+        quantized = not (a.ndim == 1 or "ffn_gate_inp" in gname
+                         or qt == gguf.GGMLQuantizationType.F32)
+        stored, back = roundtrip(a, quantized)
+        if quantized:
+            w.add_tensor(gname, stored, raw_dtype=qt)
+        else:
+            w.add_tensor(gname, stored)
+        return back
+
+    if tokenizer is not None:
+        import json
+        tj = json.loads(tokenizer.backend_tokenizer.to_str())
+        vocab = tj["model"]["vocab"]
+        tokens = [""] * len(vocab)
+        for t, i in vocab.items():
+            tokens[i] = t
+        special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                           for i in range(len(tokens))])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                            for m in tj["model"]["merges"]])
+
+    held: dict[str, torch.Tensor] = {}
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    for name, a in sd.items():
+        blk = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("mlp.experts.gate_up_proj"):
+            I = a.shape[1] // 2
+            held[name] = torch.from_numpy(np.concatenate(
+                [put(f"blk.{blk}.ffn_gate_exps.weight", a[:, :I]),
+                 put(f"blk.{blk}.ffn_up_exps.weight", a[:, I:])], axis=1))
+        elif name.endswith("mlp.experts.down_proj"):
+            held[name] = torch.from_numpy(put(f"blk.{blk}.ffn_down_exps.weight", a))
+        elif (g := _gguf_name(name)) is None:
+            raise ValueError(f"save_gguf: no GGUF name for {name}")
+        elif arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            r, c = a.shape
+            # llama.cpp's converter: each head's rows from (pair, half) to (half, pair) order
+            back = put(g, a.reshape(n, 2, r // n // 2, c).swapaxes(1, 2).reshape(r, c))
+            held[name] = torch.from_numpy(
+                back.reshape(n, r // n // 2, 2, c).swapaxes(1, 2).reshape(r, c).copy())
+        else:
+            held[name] = torch.from_numpy(put(g, a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, held

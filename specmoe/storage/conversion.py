@@ -36,7 +36,7 @@ import numpy as np
 
 from .._C import SpecmoeError
 
-__all__ = ["Checkpoint", "CheckpointError", "CONVERT_VERSION", "default_store_path",
+__all__ = ["Checkpoint", "CheckpointError", "CONVERT_VERSION", "default_store_path", "open_checkpoint", "store_dtype",
            "open_or_convert", "store_settings", "write_experts", "check_store_location",
            "expert_block_bytes"]
 
@@ -140,6 +140,12 @@ class Checkpoint:
         except Exception as exc:
             raise CheckpointError(f"{shard}: cannot read tensor {key}[{index}]: {exc}") from exc
 
+    def nbytes(self, key: str) -> int:
+        """Bytes of tensor ``key`` in its shard."""
+        h = self.handle(self.keys[key]).get_slice(key)
+        size = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1}.get(h.get_dtype(), 4)
+        return int(np.prod(h.get_shape())) * size
+
     def fingerprint(self) -> dict[str, Any]:
         """Names, sizes, modification times and header digests of the shards and the digest
         of config.json.  A shard rewritten with new values but the same shapes keeps its size
@@ -159,6 +165,38 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Any:
+    """The checkpoint at ``path``: a :class:`Checkpoint` for a safetensors folder, a
+    :class:`specmoe.storage.gguf.GgufCheckpoint` for a GGUF file (``*.gguf``)."""
+    from .gguf import GgufCheckpoint, is_gguf
+
+    p = Path(path).expanduser()
+    if p.suffix.lower() == ".gguf" or is_gguf(p):
+        return GgufCheckpoint.open(p)
+    return Checkpoint.open(p)
+
+
+def store_dtype(ckpt: Any, dtype: str) -> str:
+    """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
+    (a safetensors folder) or the one nearest to a GGUF file's expert type (int4 for Q4_K,
+    int8 for Q8_0: :func:`specmoe.storage.gguf.natural_dtype`), said in one line."""
+    from .quant import DTYPES
+    from .gguf import natural_dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} not supported; choose one of "
+                             f"{('auto',) + DTYPES}")
+        return dtype
+    if isinstance(ckpt, Checkpoint):
+        return "bf16"
+    qt = ckpt.expert_type()
+    dt = natural_dtype(qt)
+    how = ("" if qt == "F32" else
+           f"; the {qt} blocks are dequantized and converted, not kept as they are")
+    _log(f"{ckpt.folder}: experts are {qt}: the store holds them as {dt} (dtype='auto'{how})")
+    return dt
 
 
 def _check_config(path: Path) -> None:

@@ -1,0 +1,347 @@
+"""GGUF files (llama.cpp's format) as checkpoints: the model's config and tensor names from the
+file's metadata, its tensors read one at a time (experts one expert at a time) with the
+``gguf`` package's reader and dequantization.
+
+:class:`GgufCheckpoint` answers what :class:`specmoe.storage.conversion.Checkpoint` answers
+for a safetensors folder (``keys``, ``dtypes``, ``tensor``, ``slice``, ``nbytes``,
+``fingerprint``, ``close``), under the names transformers' model of the architecture uses, so
+:func:`specmoe.from_pretrained` builds, loads and converts a GGUF file through the same plan as
+a safetensors folder.  Each layer's stacked experts (``blk.N.ffn_{gate,up}_exps``,
+``ffn_down_exps``) appear as the fused ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+``mlp.experts.down_proj`` [E, H, I] of transformers 5; ``slice(key, e)`` reads and dequantizes
+only expert ``e``'s bytes.
+
+What is converted: the llama.cpp architectures in :data:`ARCHITECTURES` (``llama`` with
+experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``).  Tensor types: whatever the
+``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
+MXFP4).  The routed experts are dequantized to f32 and written to the store in the store
+dtype (:func:`natural_dtype` picks the nearest one to the file's expert type); no GGUF block
+layout is kept as it is yet, so a Q4_K file's experts are re-quantized to specmoe's int4.
+
+Facts used from llama.cpp's converter (``convert_hf_to_gguf.py``): GGUF shapes are the numpy
+shapes reversed (``ne``); the ``llama`` architecture stores ``q_proj``/``k_proj`` with the rows
+of each head permuted for its rotary layout (undone here, :func:`_unpermute`); ``qwen2moe``,
+``qwen3moe`` and ``olmoe`` store them as they are.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ARCHITECTURES", "GgufCheckpoint", "GgufError", "is_gguf", "natural_dtype"]
+
+
+class GgufError(ValueError):
+    """A GGUF file that cannot be converted: not GGUF, an architecture or tensor type specmoe
+    does not read, metadata or tensors missing.  The message names the file."""
+
+
+# llama.cpp architecture -> transformers model_type (checked against the expert count)
+ARCHITECTURES: dict[str, str] = {
+    "llama": "mixtral",  # llama.cpp writes Mixtral as llama with expert_count > 0
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
+}
+
+# the rotary rows of q/k are permuted by llama.cpp's converter for these architectures
+_PERMUTED_QK = {"llama"}
+
+# GGUF tensor name (after "blk.N.") -> the transformers parameter (after "model.layers.N.")
+_LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_EXPERT_NAMES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# GGUF expert type -> the nearest store dtype (dtype="auto")
+_NEAREST = {"F32": "f32", "F16": "bf16", "BF16": "bf16", "Q8_0": "int8", "Q8_1": "int8",
+            "Q6_K": "int8", "Q8_K": "int8"}
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a GGUF file (a regular file starting with the GGUF magic)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return False
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def natural_dtype(qtype_name: str) -> str:
+    """The store dtype nearest to GGUF type ``qtype_name``: f32 for F32, bf16 for F16/BF16,
+    int8 for 8- and 6-bit types, int4 for everything at 5 bits or fewer."""
+    return _NEAREST.get(qtype_name, "int4")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary permutation of a q/k projection [n_head * d, H]: the converter
+    reorders each head's rows from (half, pair) to (pair, half) order."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+@dataclass
+class GgufCheckpoint:
+    """A GGUF file opened for conversion (the reader memory-maps it; nothing is read until a
+    tensor is asked for).  ``folder`` is the file's path (the checkpoint's location);
+    ``keys`` maps each transformers name to the file, ``dtypes`` to its GGUF type name."""
+
+    folder: Path
+    arch: str
+    model_type: str
+    meta: dict[str, Any]
+    keys: dict[str, Path]
+    dtypes: dict[str, str]
+    _tensors: dict[str, Any] = field(default_factory=dict, repr=False)  # GGUF name -> tensor
+    _sources: dict[str, Any] = field(default_factory=dict, repr=False)  # hf key -> GGUF names
+    _reader: Any = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> "GgufCheckpoint":
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: no such GGUF file")
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            raise ModuleNotFoundError(f"{p}: reading GGUF files needs the gguf package "
+                                      "(pip install gguf, or 'specmoe[hf]')") from None
+        try:
+            reader = GGUFReader(str(p))
+        except Exception as exc:  # ValueError (magic, version), IndexError on truncation
+            raise GgufError(f"{p}: not a readable GGUF file ({type(exc).__name__}: {exc})") \
+                from None
+        meta: dict[str, Any] = {}
+        for name, fld in reader.fields.items():
+            if name.startswith("tokenizer.ggml.") and name not in (
+                    "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.model"):
+                continue  # the vocabulary: read by the tokenizer, not needed here
+            try:
+                meta[name] = fld.contents()
+            except Exception:  # a field the reader cannot decode: not one we use
+                continue
+        arch = meta.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            known = ", ".join(sorted(ARCHITECTURES))
+            raise GgufError(f"{p}: architecture {arch!r} is not read by specmoe "
+                            f"(GGUF architectures read: {known})")
+        if int(meta.get(f"{arch}.expert_count", 0) or 0) <= 0:
+            raise GgufError(f"{p}: architecture {arch!r} without experts "
+                            f"({arch}.expert_count missing or 0): not a mixture-of-experts "
+                            "model")
+        ck = cls(p, arch, ARCHITECTURES[arch], meta, {}, {}, _reader=reader)
+        ck._tensors = {t.name: t for t in reader.tensors}
+        ck._map_names()
+        return ck
+
+    # -- names -------------------------------------------------------------------------------
+
+    def _map_names(self) -> None:
+        layers: dict[int, set[str]] = {}
+        for name, t in self._tensors.items():
+            if name in _TOP_NAMES:
+                self._add(_TOP_NAMES[name], [name])
+                continue
+            m = _BLK.match(name)
+            if m is None:
+                self._add(name, [name])  # unknown: reported as unused by the plan
+                continue
+            i, rest = int(m.group(1)), m.group(2)
+            if rest in _EXPERT_NAMES:
+                layers.setdefault(i, set()).add(rest)
+            elif rest in _LAYER_NAMES:
+                self._add(f"model.layers.{i}.{_LAYER_NAMES[rest]}", [name])
+            else:
+                self._add(f"model.layers.{i}.{rest}", [name])
+        for i, got in sorted(layers.items()):
+            missing = set(_EXPERT_NAMES) - got
+            if missing:
+                raise GgufError(f"{self.folder}: block {i} lacks expert tensors "
+                                f"{', '.join(f'blk.{i}.{n}' for n in sorted(missing))}")
+            self._add(f"model.layers.{i}.mlp.experts.gate_up_proj",
+                      [f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight"])
+            self._add(f"model.layers.{i}.mlp.experts.down_proj",
+                      [f"blk.{i}.ffn_down_exps.weight"])
+
+    def _add(self, key: str, names: list[str]) -> None:
+        self.keys[key] = self.folder
+        self._sources[key] = names
+        types = {self._tensors[n].tensor_type.name for n in names}
+        self.dtypes[key] = "/".join(sorted(types))
+
+    def expert_type(self) -> str:
+        """The GGUF type of the first layer's routed experts (e.g. ``Q4_K``)."""
+        for key, names in self._sources.items():
+            if key.endswith("experts.gate_up_proj"):
+                return self._tensors[names[0]].tensor_type.name
+        raise GgufError(f"{self.folder}: no routed expert tensors (blk.N.ffn_gate_exps)")
+
+    # -- config ------------------------------------------------------------------------------
+
+    def _m(self, key: str, default: Any = None, *, need: bool = False) -> Any:
+        full = f"{self.arch}.{key}"
+        if full in self.meta:
+            v = self.meta[full]
+            return v[0] if isinstance(v, list) and len(v) == 1 else v
+        if need:
+            raise GgufError(f"{self.folder}: metadata {full} is missing")
+        return default
+
+    def config(self) -> dict[str, Any]:
+        """The transformers config (as a dict with ``model_type``) of this file's model, from
+        its metadata with the key names llama.cpp's converter writes."""
+        H = int(self._m("embedding_length", need=True))
+        heads = int(self._m("attention.head_count", need=True))
+        kv = int(self._m("attention.head_count_kv", heads))
+        E = int(self._m("expert_count", need=True))
+        emb = self._tensors.get("token_embd.weight")
+        vocab = self._m("vocab_size") or (int(emb.shape[1]) if emb is not None else None)
+        if vocab is None:
+            raise GgufError(f"{self.folder}: neither {self.arch}.vocab_size nor "
+                            "token_embd.weight gives the vocabulary size")
+        cfg: dict[str, Any] = {
+            "model_type": self.model_type,
+            "vocab_size": int(vocab),
+            "hidden_size": H,
+            "num_hidden_layers": int(self._m("block_count", need=True)),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "num_experts_per_tok": int(self._m("expert_used_count", need=True)),
+            "rms_norm_eps": float(self._m("attention.layer_norm_rms_epsilon", 1e-6)),
+            "max_position_embeddings": int(self._m("context_length", 4096)),
+            "rope_parameters": {"rope_type": "default",
+                                "rope_theta": float(self._m("rope.freq_base", 10000.0))},
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            # the non-expert weights in memory: f32 from an F32 file, else bf16 (a Q4_K_M
+            # file's dense weights in f32 would take 7x their size in the file)
+            "dtype": "float32" if emb is None or emb.tensor_type.name == "F32" else "bfloat16",
+        }
+        key_len = self._m("attention.key_length")
+        if key_len is not None:
+            cfg["head_dim"] = int(key_len)
+        for src, dst in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                         ("padding_token_id", "pad_token_id")):
+            v = self.meta.get(f"tokenizer.ggml.{src}")
+            if v is not None:
+                cfg[dst] = int(v[0] if isinstance(v, list) else v)
+        ff = self._m("feed_forward_length")
+        eff = self._m("expert_feed_forward_length")
+        if self.model_type == "mixtral":
+            cfg["num_local_experts"] = E
+            cfg["intermediate_size"] = int(eff or ff)
+        elif self.model_type == "olmoe":
+            cfg["num_experts"] = E
+            cfg["intermediate_size"] = int(eff or ff)
+            cfg["norm_topk_prob"] = bool(self._m("expert_weights_norm", False))
+        else:  # qwen2_moe, qwen3_moe
+            cfg["num_experts"] = E
+            cfg["moe_intermediate_size"] = int(eff or ff)
+            if ff is not None:
+                cfg["intermediate_size"] = int(ff)
+            cfg["decoder_sparse_step"] = 1
+            cfg["mlp_only_layers"] = []
+            norm = self._m("expert_weights_norm")
+            if norm is not None:
+                cfg["norm_topk_prob"] = bool(norm)
+            elif self.model_type == "qwen2_moe":
+                cfg["norm_topk_prob"] = False
+            shared = self._m("expert_shared_feed_forward_length")
+            if self.model_type == "qwen2_moe":
+                cfg["shared_expert_intermediate_size"] = int(shared or 0)
+        return cfg
+
+    # -- tensors -----------------------------------------------------------------------------
+
+    def _dequant(self, name: str, index: int | None = None) -> np.ndarray:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        data = t.data if index is None else t.data[index]
+        try:
+            out = dequantize(np.asarray(data), GGMLQuantizationType(t.tensor_type))
+        except NotImplementedError as exc:
+            raise GgufError(f"{self.folder}: tensor {name} has type {t.tensor_type.name}, "
+                            f"which the gguf package does not dequantize ({exc})") from None
+        except (ValueError, IndexError, OSError) as exc:  # a truncated file, a bad shape
+            raise GgufError(f"{self.folder}: cannot read tensor {name}: {exc}") from None
+        out = np.ascontiguousarray(out, dtype=np.float32)
+        return out if out.flags.writeable else out.copy()  # F32 comes as a view of the map
+
+    def _fix(self, key: str, a: np.ndarray) -> np.ndarray:
+        """Undo the converter's permutation of q/k rows (``llama`` only)."""
+        if key.endswith("shared_expert_gate.weight") and a.ndim == 1:
+            a = a.reshape(1, -1)  # llama.cpp holds this [1, H] router as a vector
+        if self.arch in _PERMUTED_QK and key.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = int(self._m("attention.head_count"))
+            n = heads if key.endswith("q_proj.weight") else int(
+                self._m("attention.head_count_kv", heads))
+            a = _unpermute(a, n)
+        return a
+
+    def tensor(self, key: str) -> Any:
+        """The whole tensor ``key`` as a float32 torch tensor (dequantized)."""
+        import torch
+
+        names = self._sources[key]
+        parts = [self._dequant(n) for n in names]
+        a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)
+        return torch.from_numpy(self._fix(key, a))
+
+    def slice(self, key: str, index: int) -> Any:
+        """``tensor(key)[index]`` for a stacked expert tensor, reading only that expert."""
+        import torch
+
+        parts = [self._dequant(n, index) for n in self._sources[key]]
+        return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+
+    def nbytes(self, key: str) -> int:
+        """Bytes of tensor ``key`` in the file."""
+        return sum(int(self._tensors[n].n_bytes) for n in self._sources[key])
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The file's name, size and modification time, and a digest of its metadata and
+        tensor table (what decides the store's bytes)."""
+        st = self.folder.stat()
+        table = [[t.name, t.tensor_type.name, [int(x) for x in t.shape], int(t.data_offset)]
+                 for t in self._tensors.values()]
+        meta = {k: v for k, v in self.meta.items() if isinstance(v, (int, float, str, bool))}
+        digest = hashlib.sha256(json.dumps([table, meta], sort_keys=True,
+                                           default=str).encode()).hexdigest()
+        files = [[self.folder.name, st.st_size, st.st_mtime_ns, digest]]
+        whole = hashlib.sha256(json.dumps([files, digest]).encode()).hexdigest()
+        return {"digest": whole, "files": files, "config": digest}
+
+    def close(self) -> None:
+        """Nothing to release per layer (the reader's map stays until the checkpoint goes)."""

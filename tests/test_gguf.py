@@ -1,0 +1,127 @@
+"""GGUF files read as checkpoints (issue 40, item 2; specmoe.storage.gguf).
+
+The files are written by specmoe.models.testing.save_gguf the way llama.cpp's converter writes
+them (its names, metadata keys and q/k row permutation; checked once by hand against the
+converter's own output of the zoo model: same tokenizer ids, same greedy tokens).  The
+reference is the unmodified transformers model holding the weights the file holds (each
+quantized tensor dequantized by the ``gguf`` package, on the writer's side)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+import specmoe  # noqa: E402
+from specmoe import zoo  # noqa: E402
+from specmoe.models.testing import save_gguf, tiny_config, tiny_model  # noqa: E402
+from specmoe.storage.gguf import GgufCheckpoint, GgufError  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+
+
+def _greedy(model, n=10):
+    ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+
+
+def _reference(arch, held):
+    ref = tiny_model(arch)
+    missing, unexpected = ref.load_state_dict(held, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return ref
+
+
+@pytest.mark.parametrize("arch,qtype", [
+    ("mixtral", "F32"), ("qwen2_moe", "F32"), ("qwen3_moe", "F32"), ("olmoe", "F32"),
+    ("mixtral", "Q8_0"), ("qwen3_moe", "Q4_0"), ("olmoe", "Q8_0")])
+def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
+    path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
+    want = _greedy(_reference(arch, held))
+    # (dense weights: bf16 in memory from a quantized file unless asked otherwise)
+    model = specmoe.from_pretrained(path, cache=0.5, dtype="f32", progress=False,
+                                    torch_dtype=torch.float32)
+    try:
+        assert _greedy(model) == want
+        assert specmoe.engine_of(model).dtype == "f32"
+    finally:
+        specmoe.engine_of(model).close()
+    # the config read from the metadata is the model's
+    cfg, got = tiny_config(arch), GgufCheckpoint.open(path).config()
+    for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "num_experts_per_tok"):
+        assert got[k] == getattr(cfg, k), k
+    assert got.get("num_experts", got.get("num_local_experts")) == 8
+
+
+def test_auto_dtype_is_the_nearest_store_format(tmp_path, capfd):
+    from specmoe.storage.store import ExpertStore
+    path, _ = save_gguf(tiny_model("mixtral"), tmp_path / "m.gguf", qtype="Q8_0")
+    store = specmoe.convert(path, progress=False)
+    assert "experts are Q8_0: the store holds them as int8" in capfd.readouterr().err
+    st = ExpertStore(store)
+    try:
+        assert st.extra["dtype"] == "int8"
+    finally:
+        st.close()
+    # the second call reuses the store; an edited file is seen as stale
+    assert specmoe.convert(path, progress=False) == store
+    assert "converting" not in capfd.readouterr().err
+    save_gguf(tiny_model("mixtral", seed=3), path, qtype="Q8_0")
+    specmoe.convert(path, progress=False)
+    assert "(stale)" in capfd.readouterr().err
+
+
+def test_tokenizer_from_the_metadata(tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
+    path, _ = save_gguf(tiny_model("mixtral"), tmp_path / "t.gguf", tokenizer=tok)
+    got = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    text = "def parse(line):\n    return line.split(',')  # ok"
+    assert got(text).input_ids == tok(text).input_ids
+
+
+def test_bad_files_raise_naming_the_file(tmp_path):
+    import gguf
+    bad = tmp_path / "junk.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(GgufError, match="junk.gguf: not a readable GGUF"):
+        specmoe.convert(bad, progress=False)
+    path, _ = save_gguf(tiny_model("olmoe"), tmp_path / "o.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(GgufError, match="cut.gguf"):
+        specmoe.convert(cut, progress=False)
+    for arch, experts, what in (("gpt2", 8, "architecture 'gpt2' is not read"),
+                                ("llama", 0, "without experts")):
+        p = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(p), arch)
+        w.add_expert_count(experts)
+        w.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(GgufError, match=what):
+            specmoe.convert(p, progress=False)
+    assert not list(tmp_path.glob("cache/*.smoe"))  # nothing was written for any of them
+
+
+def test_cli_convert_and_run_a_gguf_file(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from specmoe.cli import main
+    tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
+    path, _ = save_gguf(tiny_model("mixtral", vocab=tok.vocab_size), tmp_path / "c.gguf",
+                        qtype="Q8_0", tokenizer=tok)
+    assert main(["convert", str(path), "--quiet"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.endswith("-int8.smoe")
+    assert main(["run", str(path), "--prompt", "def parse(line):", "--max-new-tokens", "4",
+                 "--cache", "50%"]) == 0
+    assert "| cache " in capsys.readouterr().out
