@@ -169,7 +169,9 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
         u = (rng.standard_normal((I, H), dtype=np.float32) * std)
         d = (rng.standard_normal((H, I), dtype=np.float32) * std)
         for dtype in dtypes:
-            t = quant.expert_tensors(g, u, d, dtype)
+            # int4g32: int4 in groups of 32, the layout GGUF's Q4_0 blocks are kept in
+            base, group = ("int4", 32) if dtype == "int4g32" else (dtype, None)
+            t = quant.expert_tensors(g, u, d, base, group=group)
             block, entries = kernels.pack_block(t)
             ncopy = max(2, -(-max(4 * llc, MIN_ROTATION) // block.nbytes))
             copies_used[f"{sname}/{dtype}"] = ncopy
@@ -181,7 +183,7 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
             tfns = []
             memo: dict = {}
             for _ in range(ncopy):
-                tfn, tdt = _torch_expert(dtype, t, H, I, spec.group, memo)
+                tfn, tdt = _torch_expert(base, t, H, I, spec.group, memo)
                 tfns.append(tfn)
             # enough rotations for best-of-N: every copy several times, but few Mixtral calls
             rounds = max(2 * ncopy, 6 if big else (20 if quick else 40))
@@ -252,7 +254,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--shapes", default="olmoe,dsv2lite,mixtral",
                     help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--dtypes", default="f32,bf16,int8,int4")
+    ap.add_argument("--dtypes", default="f32,bf16,int8,int4",
+                    help="comma-separated; also int4g32 (int4 in groups of 32: GGUF Q4_0 kept)")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
     ap.add_argument("--quick", action="store_true", help="fewer iterations")

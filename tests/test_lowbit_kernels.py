@@ -98,19 +98,22 @@ def _rel(a, b) -> float:
 # ---------- linear layers: one phase, the model to f32 rounding ----------
 
 @pytest.mark.parametrize("isa", FAST_ISAS)
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int4-g32"])
 @pytest.mark.parametrize("N,K", [(37, 64), (96, 128), (130, 320), (64, 1408), (41, 2048),
                                  (24, 10944)])
 def test_linear_matches_the_model_of_its_arithmetic(ctx, isa, dtype, N, K):
     """320 and 10944 (DeepSeek-V2-Lite's dense down) are multiples of 64 but not of 128: int4
     in groups of 64 with a trailing half block; 37, 41, 130 rows leave partial fours and
-    pairs; 70 tokens cross the linear kernel's chunk of 64."""
+    pairs; 70 tokens cross the linear kernel's chunk of 64.  int4-g32: groups of 32 (GGUF's
+    Q4_0 blocks; the AVX2 form on either ISA)."""
     _fast_isa(isa)
     ctx.set_isa(isa)
     torch.manual_seed(N * 7 + K)
     lin = nn.Linear(K, N, bias=False)
     w = lin.weight.detach().numpy()
-    c = CLinear(lin, dtype, ctx=ctx, torch_above=None)
+    group = 32 if dtype == "int4-g32" else None
+    dtype = dtype.split("-")[0]
+    c = CLinear(lin, dtype, ctx=ctx, torch_above=None, group=group)
     for T in (1, 2, 3, 5, 8, 70):
         x = torch.randn(T, K)
         x[0, :K // 3] *= 40.0  # blocks of very different scales in one token
@@ -120,7 +123,7 @@ def test_linear_matches_the_model_of_its_arithmetic(ctx, isa, dtype, N, K):
             want = model_int8(wq, sw, xn)
             plain = xn.astype(np.float64) @ quant.dequantize_int8(wq, sw).T.astype(np.float64)
         else:
-            wdeq = quant.dequantize_int4(*quant.quantize_int4(w, _group(K)))
+            wdeq = quant.dequantize_int4(*quant.quantize_int4(w, group or _group(K)))
             want = model_int4(wdeq, xn)
             plain = xn.astype(np.float64) @ wdeq.T.astype(np.float64)
         got = c(x).numpy()
@@ -163,7 +166,7 @@ def _model_ffn(t: dict, x: np.ndarray, dtype: str, activation: str) -> np.ndarra
 
 @pytest.mark.parametrize("isa", FAST_ISAS)
 @pytest.mark.parametrize("activation", ["silu", "gptoss"])
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int4-g32"])
 @pytest.mark.parametrize("H,I", [(256, 384), (320, 192), (2048, 1408)])
 @pytest.mark.parametrize("T", [1, 2, 5, 9])
 def test_ffn_matches_the_model_of_its_arithmetic(ctx, isa, dtype, activation, H, I, T):
@@ -181,7 +184,9 @@ def test_ffn_matches_the_model_of_its_arithmetic(ctx, isa, dtype, activation, H,
     big = activation == "gptoss"
     std = (1.0 / np.sqrt(H)) * (8 if big else 1)
     g, u, d, _ = make_expert(rng, H, I, std=std)
-    t = quant.expert_tensors(g, u, d, dtype)
+    group = 32 if dtype == "int4-g32" else None
+    dtype = dtype.split("-")[0]
+    t = quant.expert_tensors(g, u, d, dtype, group=group)
     x = rng.standard_normal((T, H)).astype(np.float32)
     y = kernels.ffn(t, x, dtype, activation, ctx=ctx)
     want = _model_ffn(t, x, dtype, activation)

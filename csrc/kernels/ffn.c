@@ -127,9 +127,10 @@ int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* Layout: xs [T,H] f32 (fast path: the prepared x) | act [T,I] f32 | prepared act (fast
- * path, <= 2 bytes per value) | scales and block sums of both prepared inputs. */
+ * path, <= 2 bytes per value) | scales [T, n/128 + 1] and group sums [T, n/32 + 1] of both
+ * prepared inputs (groups of 32 at the finest). */
 static size_t aux_bytes(const smoe_ffn_desc *d, uint32_t T) {
-    return round64((size_t)T * (d->H / 64 + d->I / 64 + 2) * 8);
+    return round64((size_t)T * (d->H / 128 + d->I / 128 + d->H / 32 + d->I / 32 + 4) * 4);
 }
 
 size_t smoe_ffn_scratch_bytes(const smoe_ffn_desc *d, uint32_t T) {
@@ -326,6 +327,8 @@ static const smoe_ffn_impl *fast_impl(int32_t dtype, uint32_t group, uint32_t pr
                                       const kfeat *f) {
     if (precise) return NULL;
     const int g_ok = group == 64 || group % 128 == 0;
+    /* groups of 32 (GGUF's Q4_0 blocks kept as they are) have the AVX2 form only, which an
+     * AVX-512 CPU runs too */
     if (smoe_ffn_fast_built && f->isa >= SMOE_ISA_AVX512) {
         int ok = dtype == SMOE_WDT_BF16 ? f->has_bf16
                  : dtype == SMOE_WDT_I8 ? f->has_vnni
@@ -333,7 +336,7 @@ static const smoe_ffn_impl *fast_impl(int32_t dtype, uint32_t group, uint32_t pr
         if (ok) return &smoe_ffn_impl_fast;
     }
     if (smoe_ffn_fast_avx2_built && f->isa >= SMOE_ISA_AVX2 &&
-        (dtype == SMOE_WDT_I8 || (dtype == SMOE_WDT_I4 && g_ok)))
+        (dtype == SMOE_WDT_I8 || (dtype == SMOE_WDT_I4 && (g_ok || group == 32))))
         return &smoe_ffn_impl_fast_avx2;
     return NULL;
 }
@@ -392,12 +395,12 @@ static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     phase_arg pa;
     const smoe_ffn_impl *fast = fast_impl(d->dtype, group_of(d), d->precise, f);
     if (fast && fast_dim_ok(d->dtype, d->H) && fast_dim_ok(d->dtype, d->I)) {
-        /* scales [T, n/128 + 1] and sums [T, n/64 + 1] of x, then of act (aux_bytes) */
+        /* scales [T, n/128 + 1] and sums [T, n/32 + 1] of x, then of act (aux_bytes) */
         void *aq = (uint8_t *)act + round64((size_t)T * d->I * 4);
         float *sc = (float *)((uint8_t *)aq + round64((size_t)T * d->I * 2));
         float *xsc = sc, *asc = sc + (size_t)T * (d->H / 128 + 1);
         float *xsum = asc + (size_t)T * (d->I / 128 + 1);
-        float *asum = xsum + (size_t)T * (d->H / 64 + 1);
+        float *asum = xsum + (size_t)T * (d->H / 32 + 1);
         fast_prepare(fast, d->dtype, group_of(d), x, x_stride, rows, T, d->H, xs, xsc, xsum);
         smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act,         rows,
                             scale, out,   out_stride, xs,          xsc,  xsum, f->stream_pf};
@@ -557,7 +560,7 @@ size_t smoe_linear_scratch_bytes(const smoe_linear_desc *l, uint32_t T) {
     size_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
     if (tc == 0) tc = 1;
     return 64 + round64(tc * l->K * 4) + round64(tc * l->K * 2) +
-           round64(tc * (l->K / 64 + 2) * 8);
+           round64(tc * (l->K / 128 + l->K / 32 + 2) * 4);
 }
 
 int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *block,

@@ -62,6 +62,14 @@ AI __m256i quant8(const float *x, __m256 inv, int32_t lim) {
     return _mm256_max_epi32(_mm256_min_epi32(v, _mm256_set1_epi32(lim)), _mm256_set1_epi32(-lim));
 }
 
+/* The sum of the 8 int32 lanes of v. */
+AI int32_t hsum_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+}
+
 static void prepare_avx2(int32_t dtype, uint32_t group, const float *src, size_t src_stride,
                          const int32_t *rows, uint32_t T, uint32_t n, void *q, float *qs,
                          float *qg) {
@@ -105,10 +113,13 @@ static void prepare_avx2(int32_t dtype, uint32_t group, const float *src, size_t
                 __m256i sum = _mm256_setzero_si256();
                 for (uint32_t g = 2 * h; g < 2 * h + 2; g++) {
                     __m256i v[4];
-                    for (int i = 0; i < 4; i++) {
-                        v[i] = quant8(xb + 32 * g + 8 * i, inv, 127);
-                        sum = _mm256_add_epi32(sum, v[i]);
-                    }
+                    for (int i = 0; i < 4; i++) v[i] = quant8(xb + 32 * g + 8 * i, inv, 127);
+                    __m256i sg = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]),
+                                                  _mm256_add_epi32(v[2], v[3]));
+                    if (group == 32) /* a weight group per 32 columns: its own sum */
+                        g_t[(b * 128 + 32 * g) / 32] += s * (float)hsum_epi32(sg);
+                    else
+                        sum = _mm256_add_epi32(sum, sg);
                     /* bytes: v0[0..4] v1[0..4] v2[0..4] v3[0..4] v0[4..8] v1[4..8] ... in 4-byte
                      * groups; `order` puts the 32 columns in their natural order, `split` the
                      * even ones of each 16 first, and the 64-bit permute the 16 even columns
@@ -121,11 +132,7 @@ static void prepare_avx2(int32_t dtype, uint32_t group, const float *src, size_t
                     _mm_storeu_si128((__m128i *)(void *)(ob + len / 2 + 16 * g),
                                      _mm256_extracti128_si256(p, 1));
                 }
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum),
-                                           _mm256_extracti128_si256(sum, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                g_t[(b * 128 + h * 64) / group] += s * (float)_mm_cvtsi128_si32(s4);
+                if (group != 32) g_t[(b * 128 + h * 64) / group] += s * (float)hsum_epi32(sum);
             }
             qs[(size_t)t * nb + b] = s;
         }
@@ -300,25 +307,46 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
         }                                                                                      \
     }
 
+/* 64-column chunk c (index ci of the current 8) of every row into F, groups of 32: as
+ * I4_CHUNK, but the chunk's two groups have their own scales, S[q][t][2ci] for the low 128-bit
+ * lane (bytes 0..15 of the chunk: columns 0..31) and S[q][t][2ci + 1] for the high one. */
+#define I4_CHUNK32(c, ci, F)                                                                   \
+    for (int q = 0; q < NR; q++) {                                                             \
+        __m256i lo, hi;                                                                        \
+        I4_NIBBLES(w[q] + (size_t)(c) * 32, lo, hi);                                           \
+        const uint32_t xo = (c) / 2 * 128 + 128 <= n ? 64 : 32;                                \
+        for (int t = 0; t < NT; t++) {                                                         \
+            const int8_t *xb = x + (size_t)t * n + (size_t)(c) / 2 * 128 + 32 * ((c) & 1);     \
+            __m256i p = i4_chunk(lo, hi, xb, xb + xo);                                         \
+            __m256 sc = _mm256_insertf128_ps(                                                  \
+                _mm256_castps128_ps256(_mm_broadcast_ss(&S[q][t][2 * (ci)])),                  \
+                _mm_broadcast_ss(&S[q][t][2 * (ci) + 1]), 1);                                  \
+            F[q][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), sc,      \
+                                      F[q][t]);                                                \
+        }                                                                                      \
+    }
+
 /* int4: acc[q][t] = the lanes of sum over 64-column chunks c of sw_q[g(c)] * xs_t[c/2] *
  * ((u . xq_t)_c - 8 * sum(xq_t)_c), w_q packed [n/2] bytes, ws_q its group scales, x int8
  * [NT][n] (layout of prepare_avx2), xs [NT][nb] block scales, xg [NT][n/group] the groups'
- * scaled sums of xq.  Groups of 128 or more: a scale per 128-column block (I4_BLOCK); groups
- * of 64 (G64): a scale per chunk (I4_CHUNK; a trailing half block when n % 128 == 64).  Per 8
- * units (blocks, or chunks) the combined scales S = sw * xs are formed in a small array first,
- * and the units' -8 offsets, sw * -8 * xg, go into the accumulator's lanes with one fma (groups
- * of 128 and 64: a group is a unit; larger groups: one dot product at the end); with at most
- * four (row, token) pairs units go in pairs into two accumulator sets (two fma chains each). */
+ * scaled sums of xq.  G: the group form.  0, groups of 128 or more: a scale per 128-column
+ * block (I4_BLOCK); 64: a scale per chunk (I4_CHUNK; a trailing half block when
+ * n % 128 == 64); 32: two scales per chunk (I4_CHUNK32; llama.cpp's Q4_0 blocks kept as they
+ * are).  Per 8 units (blocks, or chunks) the combined scales S = sw * xs are formed in a small
+ * array first, and the groups' -8 offsets, sw * -8 * xg, go into the accumulator's lanes with
+ * one fma per 8 groups (groups of 128, 64 and 32; larger groups: one dot product at the end);
+ * with at most four (row, token) pairs units go in pairs into two accumulator sets (two fma
+ * chains each). */
 AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, const int8_t *x,
-               const float *xs, const float *xg, uint32_t n, uint32_t group, const int G64,
+               const float *xs, const float *xg, uint32_t n, uint32_t group, const int G,
                const int NT, __m256 (*acc)[NTMAX]) {
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
     const __m256 m8 = _mm256_set1_ps(-8.0f);
     const uint32_t nb = (n + 127) / 128, ng = n / group, bpg = group / 128;
-    const uint32_t nu = G64 ? n / 64 : nb; /* units: chunks (G64) or blocks */
-    const int unit_groups = G64 || bpg == 1; /* a group per unit */
+    const uint32_t nu = G ? n / 64 : nb; /* units: chunks (G 64, 32) or blocks */
+    const int unit_groups = G || bpg == 1; /* the offsets per group, in the lanes */
     __m256 f[4][NTMAX], f2[4][NTMAX];
-    float S[4][NTMAX][8] __attribute__((aligned(32)));
+    float S[4][NTMAX][16] __attribute__((aligned(32)));
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) f[q][t] = f2[q][t] = _mm256_setzero_ps();
     for (uint32_t u0 = 0; u0 < nu; u0 += 8) {
@@ -326,10 +354,25 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
         const __m256i mk = lanes_below(m);
         for (int q = 0; q < NR; q++)
             for (int t = 0; t < NT; t++) {
-                const float *xt = xs + (size_t)t * nb;
-                if (unit_groups) {
+                const float *xt = xs + (size_t)t * nb, *xgt = xg + (size_t)t * ng;
+                if (G == 32) { /* 2m groups; group g's block scale is xs[g / 4] */
+                    const __m256 xv4 = _mm256_castps128_ps256(_mm_maskload_ps(
+                        xt + u0 / 2, _mm256_castsi256_si128(lanes_below((m + 1) / 2))));
+                    for (uint32_t h = 0; h < 2; h++) {
+                        const uint32_t gm = 2 * m > 8 * h ? 2 * m - 8 * h : 0;
+                        const __m256i gk = lanes_below(gm < 8 ? gm : 8);
+                        __m256 sw = _mm256_maskload_ps(ws[q] + 2 * u0 + 8 * h, gk);
+                        __m256 xv = _mm256_permutevar8x32_ps(
+                            xv4, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1,
+                                                   2 * h + 1, 2 * h + 1, 2 * h + 1));
+                        _mm256_store_ps(S[q][t] + 8 * h, _mm256_mul_ps(sw, xv));
+                        f[q][t] = _mm256_fmadd_ps(_mm256_mul_ps(sw, m8),
+                                                  _mm256_maskload_ps(xgt + 2 * u0 + 8 * h, gk),
+                                                  f[q][t]);
+                    }
+                } else if (unit_groups) {
                     __m256 sw = _mm256_maskload_ps(ws[q] + u0, mk), xv;
-                    if (G64) /* chunk c's block scale is xs[c / 2]; u0 is a multiple of 8 */
+                    if (G) /* chunk c's block scale is xs[c / 2]; u0 is a multiple of 8 */
                         xv = _mm256_permutevar8x32_ps(
                             _mm256_castps128_ps256(_mm_maskload_ps(
                                 xt + u0 / 2, _mm256_castsi256_si128(lanes_below((m + 1) / 2)))),
@@ -338,15 +381,21 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                         xv = _mm256_maskload_ps(xt + u0, mk);
                     _mm256_store_ps(S[q][t], _mm256_mul_ps(sw, xv));
                     f[q][t] = _mm256_fmadd_ps(_mm256_mul_ps(sw, m8),
-                                              _mm256_maskload_ps(xg + (size_t)t * ng + u0, mk),
-                                              f[q][t]);
+                                              _mm256_maskload_ps(xgt + u0, mk), f[q][t]);
                 } else {
                     for (uint32_t i = 0; i < m; i++) S[q][t][i] = ws[q][(u0 + i) / bpg] * xt[u0 + i];
                 }
             }
         uint32_t i = 0;
-        if (G64) {
+        if (G == 32) {
             if (NR * NT <= 4) /* a second set only while the accumulators fit in registers */
+                for (; i + 2 <= m; i += 2) {
+                    I4_CHUNK32(u0 + i, i, f);
+                    I4_CHUNK32(u0 + i + 1, i + 1, f2);
+                }
+            for (; i < m; i++) I4_CHUNK32(u0 + i, i, f);
+        } else if (G) {
+            if (NR * NT <= 4)
                 for (; i + 2 <= m; i += 2) {
                     I4_CHUNK(u0 + i, i, f);
                     I4_CHUNK(u0 + i + 1, i + 1, f2);
@@ -392,7 +441,9 @@ AI void rowsV(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
     const int8_t *x = (const int8_t *)j->q + (size_t)t0 * n;
     const float *xs = j->qs + (size_t)t0 * nb, *xg = j->qsum + (size_t)t0 * ng;
     if (j->group == 64)
-        dot_i4(w, ws, NR, x, xs, xg, n, 64, 1, NT, acc);
+        dot_i4(w, ws, NR, x, xs, xg, n, 64, 64, NT, acc);
+    else if (j->group == 32)
+        dot_i4(w, ws, NR, x, xs, xg, n, 32, 32, NT, acc);
     else
         dot_i4(w, ws, NR, x, xs, xg, n, j->group, 0, NT, acc);
 }

@@ -55,8 +55,8 @@ def _file_mapped(t: torch.Tensor) -> bool:
     return False
 
 
-def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True
-          ) -> tuple[np.ndarray, dict[str, Any], torch.Tensor | None]:
+def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True,
+          group: int | None = None) -> tuple[np.ndarray, dict[str, Any], torch.Tensor | None]:
     """The weight as the kernels read it: (uint8 block, descriptor, torch view).  f32/bf16: the
     block IS the weight tensor's memory when it already has that dtype (shared, not copied;
     else a converted copy) and the torch view is that tensor -- except, with ``copy_mapped``,
@@ -77,7 +77,7 @@ def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True
         q, s = quantize_int8(w.float().numpy())
         group = None
     else:
-        group = int4_group(K)
+        group = group or int4_group(K)
         q, s = quantize_int4(w.float().numpy(), group or 0)
     s_off = -(-q.nbytes // _ALIGN) * _ALIGN
     block = np.zeros(s_off + s.nbytes, dtype=np.uint8)
@@ -97,10 +97,13 @@ class CLinear(nn.Module):
     f32 on the stored weights.  The original module's parameters are not kept.  f32/bf16
     weights are read in place, unless they lie in a file mapping (a checkpoint's mmap) and
     ``copy_mapped``: then the layer reads a copy of its own (faster; see ``_pack``).
+    ``group``: int4's group size (default: the largest of 128, 64, 32 dividing in_features;
+    32 is GGUF's Q4_0 block).
     """
 
     def __init__(self, linear: nn.Linear, dtype: str, ctx: _C.KernelContext | None = None,
-                 torch_above: int | None = TORCH_ABOVE, copy_mapped: bool = True):
+                 torch_above: int | None = TORCH_ABOVE, copy_mapped: bool = True,
+                 group: int | None = None):
         super().__init__()
         if dtype not in DENSE_DTYPES:
             raise ValueError(f"dense dtype must be one of {DENSE_DTYPES}, got {dtype!r}")
@@ -111,12 +114,15 @@ class CLinear(nn.Module):
         if dtype == "int4" and int4_group(linear.in_features) is None:
             raise ValueError(f"int4 needs in_features to be a multiple of 32, got "
                              f"{linear.in_features}")
+        if group is not None and (dtype != "int4" or group % 32 or linear.in_features % group):
+            raise ValueError(f"group={group}: int4 only, a multiple of 32 dividing in_features "
+                             f"({linear.in_features}); got dtype {dtype!r}")
         self.in_features = int(linear.in_features)
         self.out_features = int(linear.out_features)
         self.dtype = dtype
         self.out_dtype = linear.weight.dtype
         # f32/bf16: _tw is the weight tensor the kernels read (torch runs long inputs on it)
-        self._block, self._desc, self._tw = _pack(linear.weight, dtype, copy_mapped)
+        self._block, self._desc, self._tw = _pack(linear.weight, dtype, copy_mapped, group)
         b = linear.bias
         self._bias = None if b is None else np.ascontiguousarray(b.detach().float().numpy())
         self._tb = None if b is None or self._tw is None else b.detach().to(self._tw.dtype)
