@@ -125,3 +125,43 @@ def test_cli_convert_and_run_a_gguf_file(tmp_path, capsys):
     assert main(["run", str(path), "--prompt", "def parse(line):", "--max-new-tokens", "4",
                  "--cache", "50%"]) == 0
     assert "| cache " in capsys.readouterr().out
+
+
+def test_q4_0_experts_are_kept_bit_for_bit(tmp_path, capfd):
+    """A Q4_0 file's experts go into an int4 store with groups of 32 without dequantizing:
+    every stored weight is the gguf package's dequantization of the file's block, exactly, and
+    the kernel computes with them (exact path: to f32 rounding of the f32 math on those
+    weights; fast path: the quantized-activation arithmetic of the AVX2 form)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from specmoe.runtime import kernels
+    from specmoe.storage import quant
+    from specmoe.storage.store import ExpertStore
+    path, _ = save_gguf(tiny_model("olmoe", hidden=128, inter=96), tmp_path / "q.gguf",
+                        qtype="Q4_0")
+    store = specmoe.convert(path, progress=False)
+    assert "the Q4_0 blocks kept as they are, in groups of 32" in capfd.readouterr().err
+    rd = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in rd.tensors}
+    st = ExpertStore(store)
+    try:
+        assert st.extra["dtype"] == "int4" and st.extra["kept_blocks"] == "Q4_0"
+        for layer in (0, st.num_layers - 1):
+            for e in (0, 5):
+                t = st.read_expert(layer, e)
+                assert t["gate.scale"].shape == (96, 128 // 32)
+                got = quant.dequantize_expert(t)
+                for name in ("gate", "up", "down"):
+                    raw = by_name[f"blk.{layer}.ffn_{name}_exps.weight"]
+                    want = dequantize(np.asarray(raw.data[e]), raw.tensor_type)
+                    np.testing.assert_array_equal(got[name], want)
+                x = np.random.default_rng(e).standard_normal((3, 128)).astype(np.float32)
+                ref = kernels.ffn({k: v for k, v in got.items()}, x, "f32", "silu")
+                y = kernels.ffn(t, x, "int4", "silu", precise=True)
+                np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
+                yf = kernels.ffn(t, x, "int4", "silu")  # the fast path: activations rounded
+                assert np.linalg.norm(yf - ref) / np.linalg.norm(ref) < 3e-2
+    finally:
+        st.close()

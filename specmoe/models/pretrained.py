@@ -53,6 +53,7 @@ class _Plan:
     unused: list[str] = field(default_factory=list)
     store: Path | None = None  # the store file, its location checked (_prepare)
     dtype: str = "bf16"  # the store dtype (_prepare: "auto" resolved)
+    kept: str | None = None  # the GGUF type whose blocks the store keeps as they are (Q4_0)
 
 
 def _torch_dtype(spec: Any, config: Any) -> torch.dtype:
@@ -185,6 +186,8 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
 
     def read(pos: int, e: int) -> dict[str, np.ndarray]:
         keys = plan.experts[pos]
+        if plan.kept:  # GGUF Q4_0 blocks as int4 in groups of 32, not dequantized
+            return _kept_expert(plan, pos, e)
         if (e, "gate") in keys:
             out = {n: _np32(ckpt.tensor(keys[(e, n)])) for n in ("gate", "up", "down")}
         elif (None, "gate_up_proj_blocks") in keys:  # GPT-OSS MXFP4
@@ -219,6 +222,25 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
         return out
 
     return read
+
+
+def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
+    """Expert ``e`` of MoE position ``pos`` in the store's int4 layout, from the GGUF file's
+    Q4_0 blocks as they are (:meth:`specmoe.storage.gguf.GgufCheckpoint.expert_int4`)."""
+    from ..storage.conversion import StoredExpert
+    keys, (I, H) = plan.experts[pos], plan.shapes
+    gu, gus = plan.ckpt.expert_int4(keys[(None, "gate_up_proj")], e)
+    dn, dns = plan.ckpt.expert_int4(keys[(None, "down_proj")], e)
+    if gu.shape != (2 * I, H // 2) or dn.shape != (H, I // 2):
+        raise ValueError(f"{plan.ckpt.folder}: decoder layer {plan.layer_ids[pos]} expert {e}: "
+                         f"shapes {gu.shape}/{dn.shape} do not fit the config's I={I}, H={H}")
+    for what, sc in (("gate/up", gus), ("down", dns)):
+        if not np.isfinite(sc).all():
+            raise CheckpointError(f"{plan.ckpt.folder}: decoder layer {plan.layer_ids[pos]} "
+                                  f"expert {e}: {what} has non-finite Q4_0 scales; the file "
+                                  "is damaged")
+    return StoredExpert({"gate": gu[:I], "up": gu[I:], "down": dn, "gate.scale": gus[:I],
+                         "up.scale": gus[I:], "down.scale": dns})
 
 
 def _source_key(keys: dict[tuple[int | None, str], str], e: int, n: str) -> str:
@@ -256,7 +278,8 @@ def _check_cache_fits(plan: _Plan, cache: Any, dtype: str) -> None:
     of ``dtype`` and at least top_k slots (one token pins its top_k experts at once)."""
     from ..runtime.cache import parse_capacity
     I, H = plan.shapes
-    bb = expert_block_bytes(I, H, dtype, biases=plan.info.gptoss)
+    bb = expert_block_bytes(I, H, dtype, biases=plan.info.gptoss,
+                            group=32 if plan.kept else None)
     total = plan.num_experts * len(plan.layer_ids)
     k = int(plan.model.config.num_experts_per_tok)
     try:
@@ -276,6 +299,8 @@ def _ensure_store(plan: _Plan, folder: Path, dtype: str, path: Path | None, forc
         path = _store_path(folder, dtype, None)
     cfg = plan.model.config
     settings = store_settings(cfg, plan.info, plan.layer_ids, dtype)
+    if plan.kept:
+        settings["kept_blocks"] = plan.kept  # a store re-quantized from them is not this one
 
     def convert_to(p: Path, extra: dict[str, Any]) -> None:
         write_experts(str(p), _expert_reader(plan), num_layers=len(plan.layer_ids),
@@ -304,6 +329,7 @@ def _prepare(path: Any, dtype: str, torch_dtype: Any,
     plan = _plan(ckpt, model)
     plan.store = spath
     plan.dtype = dtype
+    plan.kept = None if isinstance(ckpt, Checkpoint) else ckpt.kept_blocks(dtype)
     return plan
 
 

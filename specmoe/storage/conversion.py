@@ -36,7 +36,7 @@ import numpy as np
 
 from .._C import SpecmoeError
 
-__all__ = ["Checkpoint", "CheckpointError", "CONVERT_VERSION", "default_store_path", "open_checkpoint", "store_dtype",
+__all__ = ["Checkpoint", "CheckpointError", "CONVERT_VERSION", "default_store_path", "open_checkpoint", "store_dtype", "StoredExpert",
            "open_or_convert", "store_settings", "write_experts", "check_store_location",
            "expert_block_bytes"]
 
@@ -194,6 +194,7 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
     qt = ckpt.expert_type()
     dt = natural_dtype(qt)
     how = ("" if qt == "F32" else
+           f"; the {qt} blocks kept as they are, in groups of 32" if ckpt.kept_blocks(dt) else
            f"; the {qt} blocks are dequantized and converted, not kept as they are")
     _log(f"{ckpt.folder}: experts are {qt}: the store holds them as {dt} (dtype='auto'{how})")
     return dt
@@ -267,7 +268,8 @@ def write_experts(path: str, expert_f32: Callable[[int, int], dict[str, np.ndarr
                   expert_bytes: int | None = None,
                   after_layer: Callable[[int], None] | None = None) -> None:
     """Write a store at ``path`` from ``expert_f32(position, expert)``, the canonical f32
-    arrays of one expert (biases included), converted one expert at a time to ``dtype``.
+    arrays of one expert (biases included), converted one expert at a time to ``dtype`` (or a
+    :class:`StoredExpert`, written as it is).
 
     progress: a tqdm bar over the experts (bytes of the source read, rate, ETA);
     ``expert_bytes`` sizes it.  ``after_layer(position)`` runs once a layer is converted (offload
@@ -290,11 +292,15 @@ def write_experts(path: str, expert_f32: Callable[[int, int], dict[str, np.ndarr
         out: dict[str, np.ndarray] = {}
         for e in range(num_experts):
             d = expert_f32(pos, e)
-            biases = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
-            try:
-                t = expert_tensors(d["gate"], d["up"], d["down"], dtype, biases=biases or None)
-            except ValueError as exc:  # e.g. non-finite values: say which expert
-                raise ValueError(f"MoE layer {pos} expert {e}: {exc}") from exc
+            if isinstance(d, StoredExpert):  # kept as the checkpoint holds it
+                t: dict[str, np.ndarray] = d
+            else:
+                biases = {n: d[n + ".bias"] for n in ("gate", "up", "down") if n + ".bias" in d}
+                try:
+                    t = expert_tensors(d["gate"], d["up"], d["down"], dtype,
+                                       biases=biases or None)
+                except ValueError as exc:  # e.g. non-finite values: say which expert
+                    raise ValueError(f"MoE layer {pos} expert {e}: {exc}") from exc
             if not out:
                 out = {n: np.empty((num_experts,) + a.shape, a.dtype) for n, a in t.items()}
             for n, a in t.items():
@@ -379,10 +385,19 @@ def check_store_location(path: str | os.PathLike[str], *,
     return p
 
 
-def expert_block_bytes(I: int, H: int, dtype: str, *, biases: bool = False) -> int:
+class StoredExpert(dict):
+    """One expert's tensors already in the store dtype (what :func:`expert_tensors` would
+    give: ``gate``, ``up``, ``down``, then their ``.scale``): a reader of
+    :func:`write_experts` returns one where the checkpoint's blocks are kept as they are
+    (GGUF's Q4_0 as int4 in groups of 32), and they are written unchanged."""
+
+
+def expert_block_bytes(I: int, H: int, dtype: str, *, biases: bool = False,
+                       group: int | None = None) -> int:
     """Bytes of one store block (one cache slot) of an expert with ``gate``/``up`` [I, H] and
     ``down`` [H, I] in ``dtype``, from the shapes alone (the layout :func:`write_experts`
-    writes), so a cache size can be checked before converting."""
+    writes), so a cache size can be checked before converting.  ``group``: int4/int2's group
+    size (default :func:`specmoe.storage.quant.pick_group`'s)."""
     from .quant import pick_group
     from .store import ALIGN, TENSOR_ALIGN
 
@@ -393,7 +408,7 @@ def expert_block_bytes(I: int, H: int, dtype: str, *, biases: bool = False) -> i
     elif dtype == "int8":
         sizes = [r * c for r, c in rows.values()] + [r * 4 for r, _ in rows.values()]
     elif dtype in ("int4", "int2"):
-        g = pick_group(H, I, dtype)
+        g = group or pick_group(H, I, dtype)
         per, pair = (2, 1) if dtype == "int4" else (4, 2)
         sizes = ([r * (c // per) for r, c in rows.values()]
                  + [r * (c // g) * pair * 4 for r, c in rows.values()])

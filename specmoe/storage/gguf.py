@@ -200,6 +200,42 @@ class GgufCheckpoint:
         types = {self._tensors[n].tensor_type.name for n in names}
         self.dtypes[key] = "/".join(sorted(types))
 
+    def kept_blocks(self, dtype: str) -> str | None:
+        """The GGUF type whose blocks a store in ``dtype`` holds bit for bit, or None: Q4_0 in
+        int4 with groups of 32 (scale d, nibbles u, w = (u - 8) * d are both formats'
+        definition), when every routed expert tensor of the file is Q4_0."""
+        if dtype != "int4":
+            return None
+        types = {self._tensors[n].tensor_type.name for key, names in self._sources.items()
+                 if ".mlp.experts." in key for n in names}
+        return "Q4_0" if types == {"Q4_0"} else None
+
+    def expert_int4(self, key: str, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Expert ``index`` of Q4_0 tensor ``key`` (gate_up_proj: gate then up) in specmoe's
+        int4 layout with groups of 32, without dequantizing: (packed uint8 [rows, cols/2],
+        scales f32 [rows, cols/32]).  A Q4_0 block is 18 bytes, an f16 scale d and 16 bytes
+        whose low nibbles are the block's values 0..15 and high nibbles 16..31; specmoe packs
+        columns 2j and 2j+1 in the low and high nibble of byte j."""
+        packs, scales = [], []
+        for n in self._sources[key]:
+            t = self._tensors[n]
+            if t.tensor_type.name != "Q4_0":
+                raise GgufError(f"{self.folder}: tensor {n} is {t.tensor_type.name}, not Q4_0")
+            try:
+                raw = np.asarray(t.data[index])
+            except (ValueError, IndexError, OSError) as exc:
+                raise GgufError(f"{self.folder}: cannot read tensor {n}: {exc}") from None
+            rows = raw.shape[0]
+            blocks = raw.reshape(rows, -1, 18)
+            d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+            qs = blocks[:, :, 2:]
+            u = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, -1)  # columns
+            packs.append((u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8))
+            scales.append(d)
+        if len(packs) == 1:
+            return packs[0], scales[0]
+        return np.concatenate(packs, axis=0), np.concatenate(scales, axis=0)
+
     def expert_type(self) -> str:
         """The GGUF type of the first layer's routed experts (e.g. ``Q4_K``)."""
         for key, names in self._sources.items():
