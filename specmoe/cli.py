@@ -19,6 +19,10 @@ from .sim.traces import shared_trace_dir
 MAX_THREADS = 1024
 
 
+# what the 'hf' extra installs (pyproject.toml): a command that imports one of them names it
+_HF_EXTRA = ("torch", "transformers", "safetensors", "accelerate", "gguf")
+
+
 class CliError(Exception):
     """A command-line failure: its message, one line naming the file, field or option at
     fault, is printed as ``specmoe: error: <message>``."""
@@ -350,6 +354,9 @@ def _describe(exc: BaseException, args: argparse.Namespace) -> str:
             msg = str(exc) or type(exc).__name__
     elif isinstance(exc, (SpecmoeError, ValueError, TypeError)):  # TraceError is a ValueError
         msg = str(exc) or type(exc).__name__
+    elif isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in _HF_EXTRA:
+        msg = (f"specmoe {getattr(args, 'command', '')} needs {exc.name}, which is not "
+               "installed: install the 'hf' extra (pip install 'specmoe[hf]')")
     else:
         msg = f"{type(exc).__name__}: {exc}"
     return " ".join(msg.split()) or type(exc).__name__

@@ -97,3 +97,15 @@ def test_version_from_one_place():
     project = text.split("[project]")[1].split("\n[")[0]
     assert 'dynamic = ["version"]' in project and "\nversion =" not in project
     assert 'version = {attr = "specmoe.version.__version__"}' in text
+
+
+def test_cli_run_without_torch_names_the_extra():
+    """The packaging test (tests/install) found `specmoe run` ending with a bare
+    "No module named 'torch'" in a venv without the extra."""
+    zoo = str(ROOT / "specmoe" / "zoo" / "tiny-moe")
+    p = _run(f"""
+        from specmoe.cli import main
+        main(["run", {zoo!r}, "--prompt", "hi", "--max-new-tokens", "2"])
+    """)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "specmoe run needs torch" in p.stderr and "specmoe[hf]" in p.stderr, p.stderr
