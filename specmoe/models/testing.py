@@ -166,12 +166,12 @@ def save_checkpoint(model: nn.Module, folder: str | Path, *, layout: str = "per_
 
 
 # the inverse of specmoe.storage.gguf's name map: transformers name -> GGUF name
-def _gguf_name(name: str) -> str | None:
-    from ..storage.gguf import _LAYER_NAMES, _TOP_NAMES
+def _gguf_name(name: str, arch: str) -> str | None:
+    from ..storage.gguf import _ARCH_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
     top = {v: k for k, v in _TOP_NAMES.items()}
     if name in top:
         return top[name]
-    layer = {v: k for k, v in _LAYER_NAMES.items()}
+    layer = {v: k for k, v in dict(_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})).items()}
     parts = name.split(".", 3)  # model, layers, N, rest
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
         return f"blk.{parts[2]}.{layer[parts[3]]}"
@@ -180,7 +180,7 @@ def _gguf_name(name: str) -> str | None:
 
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe or olmoe) as a GGUF file the way
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe or deepseek_v2) as a GGUF file the way
     llama.cpp's converter does (architecture names and metadata keys, stacked experts
     ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows), its
     2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the
@@ -204,14 +204,31 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_head_count_kv(1 if arch == "deepseek2" else cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_vocab_size(cfg.vocab_size)
-    E = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    E = (getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None)
+         or cfg.num_experts)
     w.add_expert_count(E)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
+    if arch == "deepseek2":  # the keys llama.cpp's DeepseekV2Model writes
+        rope, nope, v = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_scale(float(cfg.routed_scaling_factor))
+        if cfg.norm_topk_prob:
+            w.add_expert_weights_norm(True)
+        w.add_q_lora_rank(cfg.q_lora_rank or 0)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        w.add_key_length(cfg.kv_lora_rank + rope)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v)
+        w.add_rope_dimension_count(rope)
+    elif cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
@@ -220,7 +237,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     if cfg.model_type == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     hd = getattr(cfg, "head_dim", None)
-    if hd:
+    if hd and arch != "deepseek2":
         w.add_key_length(hd)
         w.add_value_length(hd)
     for tid, fn in ((cfg.bos_token_id, w.add_bos_token_id),
@@ -239,7 +256,8 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
 
     def put(gname: str, a: np.ndarray) -> np.ndarray:
         # llama-quantize keeps 1-D tensors and the router (ffn_gate_inp) in F32
-        quantized = not (a.ndim == 1 or "ffn_gate_inp" in gname
+        # (rows not a whole number of blocks stay F32 too, as llama-quantize falls back)
+        quantized = not (a.ndim == 1 or "ffn_gate_inp" in gname or a.shape[-1] % 32
                          or qt == gguf.GGMLQuantizationType.F32)
         stored, back = roundtrip(a, quantized)
         if quantized:
@@ -277,7 +295,14 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
                  put(f"blk.{blk}.ffn_up_exps.weight", a[:, I:])], axis=1))
         elif name.endswith("mlp.experts.down_proj"):
             held[name] = torch.from_numpy(put(f"blk.{blk}.ffn_down_exps.weight", a))
-        elif (g := _gguf_name(name)) is None:
+        elif arch == "deepseek2" and name.endswith("kv_b_proj.weight"):
+            h, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+            kv = a.reshape(h, nope + v, a.shape[1])
+            kb = put(f"blk.{blk}.attn_k_b.weight", kv[:, :nope].transpose(0, 2, 1))
+            vb = put(f"blk.{blk}.attn_v_b.weight", kv[:, nope:])
+            held[name] = torch.from_numpy(
+                np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(a.shape).copy())
+        elif (g := _gguf_name(name, arch)) is None:
             raise ValueError(f"save_gguf: no GGUF name for {name}")
         elif arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads

@@ -12,7 +12,9 @@ a safetensors folder.  Each layer's stacked experts (``blk.N.ffn_{gate,up}_exps`
 only expert ``e``'s bytes.
 
 What is converted: the llama.cpp architectures in :data:`ARCHITECTURES` (``llama`` with
-experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``).  Tensor types: whatever the
+experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2`` with softmax
+routing, i.e. DeepSeek-V2 and V2-Lite, its ``attn_k_b``/``attn_v_b`` joined back into
+``kv_b_proj``).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
 MXFP4).  The routed experts are dequantized to f32 and written to the store in the store
 dtype (:func:`natural_dtype` picks the nearest one to the file's expert type); no GGUF block
@@ -49,6 +51,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
+    "deepseek2": "deepseek_v2",  # DeepSeek-V2 / V2-Lite (softmax routing); V3 is refused
 }
 
 # the rotary rows of q/k are permuted by llama.cpp's converter for these architectures
@@ -73,6 +76,28 @@ _LAYER_NAMES: dict[str, str] = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# per architecture, where it differs from _LAYER_NAMES
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "deepseek2": {
+        "attn_q_a.weight": "self_attn.q_a_proj.weight",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # files from before the split
+        "ffn_gate.weight": "mlp.gate_proj.weight",  # the leading dense layers
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    },
+}
+# llama.cpp's converter splits DeepSeek's kv_b_proj [heads * (nope + v), kv_lora] into
+# attn_k_b [heads, kv_lora, nope] (each head's k part transposed) and attn_v_b [heads, v,
+# kv_lora]; they are joined back (_join_kv_b)
+_KV_B_SPLIT = ("attn_k_b.weight", "attn_v_b.weight")
+
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
@@ -108,6 +133,14 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     rows = w.shape[0]
     return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2)
             .reshape(w.shape))
+
+
+def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek's kv_b_proj [heads * (nope + v), kv_lora] from llama.cpp's attn_k_b [heads,
+    kv_lora, nope] and attn_v_b [heads, v, kv_lora]: per head the k rows, then the v rows."""
+    heads, rank = k_b.shape[0], k_b.shape[1]
+    kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+    return np.ascontiguousarray(kv.reshape(-1, rank))
 
 
 @dataclass
@@ -156,6 +189,9 @@ class GgufCheckpoint:
             known = ", ".join(sorted(ARCHITECTURES))
             raise GgufError(f"{p}: architecture {arch!r} is not read by specmoe "
                             f"(GGUF architectures read: {known})")
+        if arch == "deepseek2" and int(meta.get(f"{arch}.expert_gating_func", 1) or 1) != 1:
+            raise GgufError(f"{p}: a deepseek2 file with sigmoid routing (DeepSeek-V3 and "
+                            "later) is not read yet; DeepSeek-V2 and V2-Lite are")
         if int(meta.get(f"{arch}.expert_count", 0) or 0) <= 0:
             raise GgufError(f"{p}: architecture {arch!r} without experts "
                             f"({arch}.expert_count missing or 0): not a mixture-of-experts "
@@ -169,6 +205,8 @@ class GgufCheckpoint:
 
     def _map_names(self) -> None:
         layers: dict[int, set[str]] = {}
+        names = dict(_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(self.arch, {}))
+        kv_b: dict[int, set[str]] = {}
         for name, t in self._tensors.items():
             if name in _TOP_NAMES:
                 self._add(_TOP_NAMES[name], [name])
@@ -180,10 +218,18 @@ class GgufCheckpoint:
             i, rest = int(m.group(1)), m.group(2)
             if rest in _EXPERT_NAMES:
                 layers.setdefault(i, set()).add(rest)
-            elif rest in _LAYER_NAMES:
-                self._add(f"model.layers.{i}.{_LAYER_NAMES[rest]}", [name])
+            elif rest in _KV_B_SPLIT and self.arch == "deepseek2":
+                kv_b.setdefault(i, set()).add(rest)
+            elif rest in names:
+                self._add(f"model.layers.{i}.{names[rest]}", [name])
             else:
                 self._add(f"model.layers.{i}.{rest}", [name])
+        for i, got in sorted(kv_b.items()):
+            if got != set(_KV_B_SPLIT):
+                raise GgufError(f"{self.folder}: block {i} has {sorted(got)} without its pair "
+                                f"({', '.join(_KV_B_SPLIT)})")
+            self._add(f"model.layers.{i}.self_attn.kv_b_proj.weight",
+                      [f"blk.{i}.{n}" for n in _KV_B_SPLIT])
         for i, got in sorted(layers.items()):
             missing = set(_EXPERT_NAMES) - got
             if missing:
@@ -284,7 +330,7 @@ class GgufCheckpoint:
             "dtype": "float32" if emb is None or emb.tensor_type.name == "F32" else "bfloat16",
         }
         key_len = self._m("attention.key_length")
-        if key_len is not None:
+        if key_len is not None and self.arch != "deepseek2":
             cfg["head_dim"] = int(key_len)
         for src, dst in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                          ("padding_token_id", "pad_token_id")):
@@ -293,7 +339,9 @@ class GgufCheckpoint:
                 cfg[dst] = int(v[0] if isinstance(v, list) else v)
         ff = self._m("feed_forward_length")
         eff = self._m("expert_feed_forward_length")
-        if self.model_type == "mixtral":
+        if self.model_type == "deepseek_v2":
+            cfg.update(self._deepseek2(heads, E, ff, eff))
+        elif self.model_type == "mixtral":
             cfg["num_local_experts"] = E
             cfg["intermediate_size"] = int(eff or ff)
         elif self.model_type == "olmoe":
@@ -316,6 +364,47 @@ class GgufCheckpoint:
             if self.model_type == "qwen2_moe":
                 cfg["shared_expert_intermediate_size"] = int(shared or 0)
         return cfg
+
+    def _deepseek2(self, heads: int, E: int, ff: Any, eff: Any) -> dict[str, Any]:
+        """DeepSeek-V2's MLA and routing settings.  The file says head_count_kv 1 (llama.cpp
+        runs MLA as MQA); transformers' model has as many k/v heads as q heads."""
+        rope = int(self._m("rope.dimension_count", need=True))
+        kl = self._m("attention.key_length_mla") or self._m("attention.key_length", need=True)
+        vl = self._m("attention.value_length_mla") or self._m("attention.value_length",
+                                                                 need=True)
+        groups = int(self._m("expert_group_count", 1) or 1)
+        out: dict[str, Any] = {
+            "num_key_value_heads": heads,
+            "n_routed_experts": E,
+            "n_shared_experts": int(self._m("expert_shared_count", 0) or 0),
+            "moe_intermediate_size": int(eff or ff),
+            "intermediate_size": int(ff or eff),
+            "first_k_dense_replace": int(self._m("leading_dense_block_count", 0) or 0),
+            "moe_layer_freq": 1,
+            "kv_lora_rank": int(self._m("attention.kv_lora_rank", need=True)),
+            "q_lora_rank": int(self._m("attention.q_lora_rank", 0) or 0) or None,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": int(kl) - rope,
+            "v_head_dim": int(vl),
+            "head_dim": rope,
+            "routed_scaling_factor": float(self._m("expert_weights_scale", 1.0) or 1.0),
+            "norm_topk_prob": bool(self._m("expert_weights_norm", False)),
+            "topk_method": "greedy" if groups <= 1 else "group_limited_greedy",
+            "n_group": groups,
+            "topk_group": int(self._m("expert_group_used_count", groups) or groups),
+        }
+        if self._m("rope.scaling.type") == "yarn":
+            # DeepSeek-V2's YaRN: the file keeps factor, the original context and
+            # 0.1 * mscale_all_dim (llama.cpp's log multiplier); mscale is taken equal to it
+            # (as in DeepSeek-V2 and V2-Lite's configs), beta_fast/slow at their defaults
+            ms = float(self._m("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
+            out["rope_parameters"] = {
+                "rope_type": "yarn", "rope_theta": float(self._m("rope.freq_base", 10000.0)),
+                "factor": float(self._m("rope.scaling.factor", 1.0)),
+                "original_max_position_embeddings": int(self._m(
+                    "rope.scaling.original_context_length", 4096)),
+                "mscale": ms, "mscale_all_dim": ms, "beta_fast": 32.0, "beta_slow": 1.0}
+        return out
 
     # -- tensors -----------------------------------------------------------------------------
 
@@ -352,7 +441,10 @@ class GgufCheckpoint:
 
         names = self._sources[key]
         parts = [self._dequant(n) for n in names]
-        a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)
+        if key.endswith("kv_b_proj.weight") and len(parts) == 2:
+            a = _join_kv_b(*parts)
+        else:
+            a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)
         return torch.from_numpy(self._fix(key, a))
 
     def slice(self, key: str, index: int) -> Any:
