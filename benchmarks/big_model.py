@@ -55,6 +55,11 @@ Rows (same checkpoint, same prompt, same threads: ``torch.set_num_threads`` / ll
   missing: ``-DGGML_NATIVE=ON``, CPU only, Release).  The converter's pre-tokenizer check only
   knows published tokenizers, so it runs with that check answering ``gpt-2`` (the tiny-moe
   tokenizer is GPT-2's byte-level regex); nothing in the llama.cpp tree is modified.
+* ``specmoe-gguf-Q4_0`` / ``specmoe-gguf-Q8_0``: specmoe reading **the same GGUF file** as
+  the llama.cpp row of that type (``specmoe.from_pretrained(file, dtype="auto", ...)``, cache
+  and store as above): Q4_0 experts are kept bit for bit (int4 in groups of 32), Q8_0 experts
+  are re-quantized to int8 per row; the non-expert weights are dequantized to bf16.  Compared
+  with the llama.cpp row of the same file (``vs_llama_cpp``).
 * ``accelerate``: ``AutoModelForCausalLM.from_pretrained(ckpt, device_map="auto",
   max_memory={"cpu": budget - 768 MiB - 1.5 bf16 expert layers}, offload_folder=...,
   dtype=bfloat16)`` (disk offload; the 1.5 layers leave room for transformers fusing one layer's
@@ -873,7 +878,13 @@ def main() -> None:
     names = [n.strip() for n in a.rows.split(",") if n.strip()]
     rows_def: list[dict[str, Any]] = []
     for n in names:
-        if n.startswith("specmoe-"):
+        if n.startswith("specmoe-gguf-"):  # the llama.cpp row's own file
+            t = n.split("-", 2)[2]
+            prec = {v: k for k, v in LLAMA_TYPES.items()}.get(t)
+            if prec is None:
+                ap.error(f"unknown GGUF type in {n} (Q4_0, Q8_0)")
+            rows_def.append({"name": n, "kind": "specmoe", "precision": prec, "type": t})
+        elif n.startswith("specmoe-"):
             rows_def.append({"name": n, "kind": "specmoe", "precision": n.split("-", 1)[1]})
         elif n.startswith("llama.cpp-"):
             t = n.split("-", 1)[1]
@@ -889,27 +900,31 @@ def main() -> None:
     # ---- preparation: uncapped, untimed
     prep_err: dict[str, str] = {}
     stores: dict[str, Path] = {}
-    for r in rows_def:
-        if r["kind"] == "specmoe":
-            p = root / f"store-{r['precision']}.smoe"
-            err = convert_store(ckpt, r["precision"], p, a.row_timeout)
-            if err:
-                prep_err[r["name"]] = err
-            stores[r["name"]] = p
+    sources: dict[str, Path] = {}  # what each specmoe row loads: the checkpoint or a GGUF
     gguf: dict[str, Path | str] = {}
-    if any(r["kind"] == "llama.cpp" for r in rows_def):
+    if any("type" in r for r in rows_def):  # llama.cpp rows and specmoe's same-file rows
         lc = LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads, a.llama_isa)
         if lc.error:
             for r in rows_def:
-                if r["kind"] == "llama.cpp":
+                if "type" in r:
                     prep_err[r["name"]] = lc.error
         else:
             gguf = lc.convert(ckpt, root / "gguf",
-                              [r["type"] for r in rows_def if r["kind"] == "llama.cpp"], chash,
+                              sorted({r["type"] for r in rows_def if "type" in r}), chash,
                               a.keep_gguf_bf16)
             for r in rows_def:
-                if r["kind"] == "llama.cpp" and not isinstance(gguf.get(r["type"]), Path):
+                if "type" in r and not isinstance(gguf.get(r["type"]), Path):
                     prep_err[r["name"]] = str(gguf.get(r["type"]))
+    for r in rows_def:
+        if r["kind"] == "specmoe" and r["name"] not in prep_err:
+            if "type" in r:
+                src, dt, p = gguf[r["type"]], "auto", root / f"store-gguf-{r['type']}.smoe"
+            else:
+                src, dt, p = ckpt, r["precision"], root / f"store-{r['precision']}.smoe"
+            err = convert_store(src, dt, p, a.row_timeout)  # type: ignore[arg-type]
+            if err:
+                prep_err[r["name"]] = err
+            stores[r["name"]], sources[r["name"]] = p, src  # type: ignore[assignment]
 
     # ---- rows, rounds interleaved
     runs: dict[str, list[dict[str, Any]]] = {r["name"]: [] for r in rows_def}
@@ -932,7 +947,8 @@ def main() -> None:
                     res = lc.run_row(gguf[r["type"]], prompt_txt, warm_txt, a.threads, cg,  # type: ignore[arg-type]
                                      work, a.row_timeout)
                 elif r["kind"] == "specmoe":
-                    spec = {"kind": "specmoe", "ckpt": str(ckpt), "dtype": r["precision"],
+                    spec = {"kind": "specmoe", "ckpt": str(sources[name]),
+                            "dtype": "auto" if "type" in r else r["precision"],
                             "cache": str(b["cache_bytes"]), "store": str(stores[name]),
                             "threads": a.threads, "prompt_ids": prompt_ids, "warm_ids": warm_ids,
                             "decode_tokens": DECODE_TOKENS}
@@ -962,8 +978,8 @@ def main() -> None:
             runs[name].append(res)
 
     # ---- ratios within rounds, medians
-    peer_of = {r["name"]: f"llama.cpp-{LLAMA_TYPES[r['precision']]}"
-               for r in rows_def if r["precision"] in LLAMA_TYPES}
+    peer_of = {r["name"]: f"llama.cpp-{r.get('type') or LLAMA_TYPES[r['precision']]}"
+               for r in rows_def if r["precision"] in LLAMA_TYPES and r["kind"] == "specmoe"}
 
     def ratio(rep: int, name: str, other: str | None) -> float | None:
         if other is None or other not in runs:
@@ -1014,7 +1030,10 @@ def main() -> None:
         "specmoe-int8 vs llama.cpp-Q8_0": target("specmoe-int8", "vs_llama_cpp", 2.0),
         "specmoe-int4 vs accelerate": target("specmoe-int4", "vs_accelerate", 20.0),
         "specmoe-int8 vs accelerate": target("specmoe-int8", "vs_accelerate", 20.0),
+        "specmoe-gguf-Q4_0 vs llama.cpp-Q4_0 (same file)": target("specmoe-gguf-Q4_0",
+                                                                   "vs_llama_cpp", 2.0),
     }
+    targets = {k: v for k, v in targets.items() if k.split(" vs ")[0] in by}
     result = {
         "config": {"model": "DeepSeek-V2-Lite layout, random bf16 weights",
                    "layers": a.layers, "moe_layers": a.layers - 1, "vocab": a.vocab,

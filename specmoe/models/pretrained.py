@@ -369,7 +369,7 @@ def _load_dense(plan: _Plan) -> None:
         mod_name, _, attr = target.rpartition(".")
         mod = model.get_submodule(mod_name)
         old = getattr(mod, attr)
-        t = plan.ckpt.tensor(key)
+        t = plan.ckpt.tensor(key, dtype=old.dtype if old.is_floating_point() else None)
         if tuple(t.shape) != tuple(old.shape):
             raise ValueError(f"{plan.ckpt.folder}: {key} has shape {tuple(t.shape)}, the model "
                              f"expects {tuple(old.shape)} for {target}")

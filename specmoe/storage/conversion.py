@@ -122,14 +122,16 @@ class Checkpoint:
             self._handles[shard] = h
         return h
 
-    def tensor(self, key: str) -> Any:
-        """The whole tensor ``key`` (a torch tensor, read from its shard)."""
+    def tensor(self, key: str, dtype: Any = None) -> Any:
+        """The whole tensor ``key`` (a torch tensor, read from its shard; a float one cast to
+        ``dtype`` when given)."""
         shard = self.keys[key]
         h = self.handle(shard)
         try:
-            return h.get_tensor(key)
+            t = h.get_tensor(key)
         except Exception as exc:
             raise CheckpointError(f"{shard}: cannot read tensor {key}: {exc}") from exc
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     def slice(self, key: str, index: int) -> Any:
         """``tensor(key)[index]`` without reading the rest of the tensor."""

@@ -408,7 +408,7 @@ class GgufCheckpoint:
 
     # -- tensors -----------------------------------------------------------------------------
 
-    def _dequant(self, name: str, index: int | None = None) -> np.ndarray:
+    def _dequant(self, name: str, index: int | slice | None = None) -> np.ndarray:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -435,11 +435,25 @@ class GgufCheckpoint:
             a = _unpermute(a, n)
         return a
 
-    def tensor(self, key: str) -> Any:
-        """The whole tensor ``key`` as a float32 torch tensor (dequantized)."""
+    def tensor(self, key: str, dtype: Any = None) -> Any:
+        """The whole tensor ``key`` as a float32 torch tensor (dequantized), or in torch
+        ``dtype``: then a single 2-D tensor is dequantized 4096 rows at a time into it (a
+        102400-row embedding never exists in f32 whole)."""
         import torch
 
         names = self._sources[key]
+        t = self._tensors[names[0]]
+        if (dtype is not None and dtype != torch.float32 and len(names) == 1
+                and len(t.data.shape) == 2 and not key.endswith(("q_proj.weight",
+                                                                  "k_proj.weight"))):
+            rows = int(t.data.shape[0])
+            out = None
+            for r0 in range(0, rows, 4096):
+                part = torch.from_numpy(self._dequant(names[0], slice(r0, r0 + 4096)))
+                if out is None:
+                    out = torch.empty((rows, part.shape[1]), dtype=dtype)
+                out[r0:r0 + part.shape[0]] = part
+            return out
         parts = [self._dequant(n) for n in names]
         if key.endswith("kv_b_proj.weight") and len(parts) == 2:
             a = _join_kv_b(*parts)
