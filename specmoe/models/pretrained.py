@@ -110,7 +110,10 @@ def _plan(ckpt: Checkpoint, model: nn.Module) -> _Plan:
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
     meta_sd = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
+    skip = ckpt.companions()
     for key in ckpt.keys:
+        if key in skip:  # FP8 block scales: read with their weight
+            continue
         target, _ = rename_source_key(key, renamings, [], prefix, meta_sd)
         m = _EXPERTS_RE.match(target)
         if m and m.group(1) in prefix_pos:

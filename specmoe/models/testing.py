@@ -15,7 +15,7 @@ from torch import nn
 
 from .arch import SUPPORTED, UnsupportedModelError, describe, getpath, moe_block
 
-__all__ = ["tiny_config", "tiny_model", "save_checkpoint", "save_gguf"]
+__all__ = ["tiny_config", "tiny_model", "save_checkpoint", "save_gguf", "save_fp8_checkpoint"]
 
 
 def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3,
@@ -318,3 +318,66 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     w.write_tensors_to_file()
     w.close()
     return path, held
+
+
+def save_fp8_checkpoint(model: nn.Module, folder: str | Path, *, block: int = 128,
+                        ) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Write ``model`` as an FP8 checkpoint folder in the layout of DeepSeek-V3's and Qwen3's
+    FP8 releases: every linear weight but the embedding, the output matrix and the routers in
+    ``float8_e4m3fn`` with an f32 ``weight_scale_inv`` per ``block`` x ``block`` tile (w =
+    e4m3 * scale, scale = the tile's max |w| / 448), the experts one tensor per expert and
+    projection, ``quantization_config`` {quant_method: fp8, weight_block_size} in config.json.
+    Returns the folder and the state dict (transformers' names) of the weights the file holds,
+    dequantized: the reference."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    save_checkpoint(model, folder, layout="per_expert")
+    shards = sorted(folder.glob("*.safetensors"))
+    from safetensors.torch import load_file
+
+    def fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r, c = w.shape
+        nr, nc = -(-r // block), -(-c // block)
+        pad = torch.zeros(nr * block, nc * block)
+        pad[:r, :c] = w.float()
+        tiles = pad.reshape(nr, block, nc, block)
+        s = tiles.abs().amax(dim=(1, 3)) / 448.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = (tiles / s[:, None, :, None]).reshape(nr * block, nc * block)[:r, :c]
+        q = q.to(torch.float8_e4m3fn)
+        full = s.repeat_interleave(block, 0)[:r].repeat_interleave(block, 1)[:, :c]
+        return q, s.float(), q.float() * full
+
+    for sh in shards:
+        sd = load_file(str(sh))
+        out: dict[str, torch.Tensor] = {}
+        for k, v in sd.items():
+            keep = (v.ndim != 2 or not k.endswith(".weight") or "embed_tokens" in k
+                    or k.startswith("lm_head") or k.endswith("mlp.gate.weight")
+                    or "norm" in k)
+            if keep:
+                out[k] = v
+                continue
+            q, s, _ = fp8(v)
+            out[k] = q
+            out[k[:-len("weight")] + "weight_scale_inv"] = s
+        save_file(out, str(sh), metadata={"format": "pt"})
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    # the reference: the model's own state dict with each quantized weight as the file holds it
+    held: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+            held[k] = torch.stack([fp8(v[e])[2] for e in range(v.shape[0])])
+        elif (v.ndim == 2 and k.endswith(".weight") and "embed_tokens" not in k
+              and not k.startswith("lm_head") and not k.endswith("mlp.gate.weight")
+              and "norm" not in k):
+            held[k] = fp8(v)[2]
+    return folder, held

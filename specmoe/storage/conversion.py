@@ -72,6 +72,10 @@ class Checkpoint:
     keys: dict[str, Path]
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
     dtypes: dict[str, str] = field(default_factory=dict, repr=False)  # key -> safetensors dtype
+    # FP8 checkpoints (config.json quantization_config quant_method "fp8", DeepSeek-V3/R1 and
+    # the Qwen3 FP8 releases): e4m3 weights with an f32 ``weight_scale_inv`` per block
+    fp8_block: tuple[int, int] | None = None
+    scale_of: dict[str, str] = field(default_factory=dict, repr=False)  # weight -> its scales
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "Checkpoint":
@@ -107,7 +111,51 @@ class Checkpoint:
                 if k != "__metadata__":
                     keys[k] = s
                     dtypes[k] = str(ent.get("dtype"))
-        return cls(folder, shards, keys, dtypes=dtypes)
+        ck = cls(folder, shards, keys, dtypes=dtypes)
+        ck._read_fp8(folder / "config.json")
+        return ck
+
+    def _read_fp8(self, config: Path) -> None:
+        """FP8 block quantization: each F8_E4M3 ``*.weight`` with a ``*.weight_scale_inv``
+        beside it is read as e4m3 times the scale of its block (the scales are not model
+        tensors, :meth:`tensor` applies them)."""
+        q = json.loads(config.read_text()).get("quantization_config") or {}
+        f8 = [k for k, d in self.dtypes.items() if d.startswith("F8_")]
+        if not f8:
+            return
+        if q.get("quant_method") != "fp8":
+            raise CheckpointError(f"{self.keys[f8[0]]}: tensor {f8[0]} is {self.dtypes[f8[0]]} "
+                                  "but config.json has no fp8 quantization_config (its scales "
+                                  "are unknown)")
+        bs = q.get("weight_block_size") or [128, 128]
+        if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0
+                                                               for b in bs)):
+            raise CheckpointError(f"{config}: quantization_config.weight_block_size {bs!r} is "
+                                  "not two positive integers")
+        self.fp8_block = (bs[0], bs[1])
+        for k in f8:
+            sk = k[:-len("weight")] + "weight_scale_inv" if k.endswith("weight") else None
+            if sk is None or sk not in self.keys:
+                raise CheckpointError(f"{self.keys[k]}: FP8 tensor {k} has no {sk or 'scale'} "
+                                      "beside it")
+            self.scale_of[k] = sk
+
+    def companions(self) -> set[str]:
+        """Keys that are not model tensors but data of another key (FP8 block scales)."""
+        return set(self.scale_of.values())
+
+    def _fp8(self, key: str, w: Any, s: Any) -> Any:
+        """e4m3 ``w`` [..., rows, cols] times its block scales ``s`` [..., rows/b0, cols/b1]
+        (rounded up), in f32."""
+        b0, b1 = self.fp8_block  # type: ignore[misc]
+        r, c = w.shape[-2], w.shape[-1]
+        if tuple(s.shape[-2:]) != (-(-r // b0), -(-c // b1)):
+            raise CheckpointError(f"{self.keys[key]}: {self.scale_of[key]} has shape "
+                                  f"{tuple(s.shape)}, {key} {tuple(w.shape)} in blocks of "
+                                  f"{b0}x{b1} needs {(-(-r // b0), -(-c // b1))}")
+        full = s.float().repeat_interleave(b0, dim=-2)[..., :r, :]
+        full = full.repeat_interleave(b1, dim=-1)[..., :c]
+        return w.float() * full
 
     def handle(self, shard: Path) -> Any:
         """An open ``safe_open`` reader of ``shard`` (kept until :meth:`close`)."""
@@ -129,6 +177,11 @@ class Checkpoint:
         h = self.handle(shard)
         try:
             t = h.get_tensor(key)
+            if key in self.scale_of:
+                sk = self.scale_of[key]
+                t = self._fp8(key, t, self.handle(self.keys[sk]).get_tensor(sk))
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"{shard}: cannot read tensor {key}: {exc}") from exc
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
@@ -138,14 +191,21 @@ class Checkpoint:
         shard = self.keys[key]
         h = self.handle(shard)
         try:
-            return h.get_slice(key)[index]
+            t = h.get_slice(key)[index]
+            if key in self.scale_of:
+                sk = self.scale_of[key]
+                t = self._fp8(key, t, self.handle(self.keys[sk]).get_slice(sk)[index])
+            return t
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"{shard}: cannot read tensor {key}[{index}]: {exc}") from exc
 
     def nbytes(self, key: str) -> int:
         """Bytes of tensor ``key`` in its shard."""
         h = self.handle(self.keys[key]).get_slice(key)
-        size = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1}.get(h.get_dtype(), 4)
+        size = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1, "F8_E4M3": 1}.get(
+            h.get_dtype(), 4)
         return int(np.prod(h.get_shape())) * size
 
     def fingerprint(self) -> dict[str, Any]:

@@ -468,6 +468,10 @@ class GgufCheckpoint:
         parts = [self._dequant(n, index) for n in self._sources[key]]
         return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
 
+    def companions(self) -> set[str]:
+        """Keys that are data of another key (none in a GGUF file)."""
+        return set()
+
     def nbytes(self, key: str) -> int:
         """Bytes of tensor ``key`` in the file."""
         return sum(int(self._tensors[n].n_bytes) for n in self._sources[key])

@@ -1,0 +1,78 @@
+"""FP8 checkpoints (issue 40, item 3): e4m3 weights with an f32 ``weight_scale_inv`` per
+128x128 block (DeepSeek-V3/R1's and the Qwen3 FP8 releases' layout), read by
+specmoe.from_pretrained without a bf16 copy of the model: each weight is dequantized when it
+is read (a dense one into the model, an expert into the store).
+
+The files are written by specmoe.models.testing.save_fp8_checkpoint (blocks of 32 so that
+the tiny models have several); the reference is the unmodified transformers model holding the
+weights the file holds (e4m3 times its block's scale, computed on the writer's side)."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import specmoe
+from specmoe.models.testing import save_fp8_checkpoint, tiny_model
+from specmoe.storage.conversion import CheckpointError
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+
+
+def _greedy(model, n=10):
+    ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_greedy_equal_to_the_weights_the_file_holds(arch, tmp_path):
+    folder, held = save_fp8_checkpoint(tiny_model(arch), tmp_path / arch, block=32)
+    ref = tiny_model(arch)
+    ref.load_state_dict(held, strict=False)
+    want = _greedy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the scales are not "unused tensors"
+        model = specmoe.from_pretrained(folder, cache=0.5, dtype="f32", progress=False,
+                                        torch_dtype=torch.float32)
+    try:
+        assert _greedy(model) == want
+        # the logits are the file's weights', not the unquantized model's
+        ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
+        with torch.no_grad():
+            got, r = model(ids).logits, ref(ids).logits
+            plain = tiny_model(arch)(ids).logits
+        assert (got - r).abs().max() < 0.1 * (plain - r).abs().max()
+    finally:
+        specmoe.engine_of(model).close()
+
+
+def test_bad_fp8_checkpoints_are_refused_naming_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder, _ = save_fp8_checkpoint(tiny_model("mixtral"), tmp_path / "m", block=32)
+    shard = next(folder.glob("*.safetensors"))
+    sd = load_file(str(shard))
+    key = next(k for k in sd if k.endswith("weight_scale_inv"))
+    weight = key[:-len("_scale_inv")]
+    # a scale of the wrong shape
+    bad = dict(sd, **{key: torch.ones(7, 7)})
+    save_file(bad, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="weight_scale_inv has shape"):
+        specmoe.from_pretrained(folder, cache=0.5, dtype="f32", progress=False)
+    # a weight without its scale
+    save_file({k: v for k, v in sd.items() if k != key}, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"FP8 tensor {weight} has no"):
+        specmoe.convert(folder, progress=False)
+    # FP8 tensors but no quantization_config: the scales' meaning is unknown
+    save_file(sd, str(shard), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="no fp8 quantization_config"):
+        specmoe.convert(folder, progress=False)
