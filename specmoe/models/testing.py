@@ -15,7 +15,8 @@ from torch import nn
 
 from .arch import SUPPORTED, UnsupportedModelError, describe, getpath, moe_block
 
-__all__ = ["tiny_config", "tiny_model", "save_checkpoint", "save_gguf", "save_fp8_checkpoint"]
+__all__ = ["tiny_config", "tiny_model", "save_checkpoint", "save_gguf", "save_fp8_checkpoint",
+           "save_gptq_checkpoint"]
 
 
 def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3,
@@ -355,10 +356,7 @@ def save_fp8_checkpoint(model: nn.Module, folder: str | Path, *, block: int = 12
         sd = load_file(str(sh))
         out: dict[str, torch.Tensor] = {}
         for k, v in sd.items():
-            keep = (v.ndim != 2 or not k.endswith(".weight") or "embed_tokens" in k
-                    or k.startswith("lm_head") or k.endswith("mlp.gate.weight")
-                    or "norm" in k)
-            if keep:
+            if not _quantized_linear(k, v):
                 out[k] = v
                 continue
             q, s, _ = fp8(v)
@@ -376,8 +374,101 @@ def save_fp8_checkpoint(model: nn.Module, folder: str | Path, *, block: int = 12
     for k, v in model.state_dict().items():
         if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
             held[k] = torch.stack([fp8(v[e])[2] for e in range(v.shape[0])])
-        elif (v.ndim == 2 and k.endswith(".weight") and "embed_tokens" not in k
-              and not k.startswith("lm_head") and not k.endswith("mlp.gate.weight")
-              and "norm" not in k):
+        elif _quantized_linear(k, v):
             held[k] = fp8(v)[2]
     return folder, held
+
+
+def _quantized_linear(k: str, v: torch.Tensor) -> bool:
+    """The weights FP8/GPTQ releases quantize: 2-D linear weights but the embedding, the
+    output matrix, the routers and the norms."""
+    return (v.ndim == 2 and k.endswith(".weight") and "embed_tokens" not in k
+            and not k.startswith("lm_head") and not k.endswith((".gate.weight", "_gate.weight"))
+            and "norm" not in k)  # (routers: mlp.gate, Mixtral's block_sparse_moe.gate)
+
+
+def save_gptq_checkpoint(model: nn.Module, folder: str | Path, *, group: int = 32,
+                         act_order: bool = False, seed: int = 0,
+                         ) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Write ``model`` as a 4-bit symmetric GPTQ checkpoint in AutoGPTQ's ``gptq`` format
+    (round-to-nearest, not GPTQ's error feedback: the layout is what is tested): per linear
+    weight [out, in] ``qweight`` int32 [in/8, out] (value j of eight at bits 4j), ``qzeros``
+    int32 [groups, out/8] holding zero - 1 = 7, ``scales`` f16 [groups, out], ``g_idx`` [in]
+    (``act_order``: the columns' groups follow a random permutation, as desc_act makes them).
+    Returns the folder and the dequantized weights (transformers' names): the reference."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    save_checkpoint(model, folder, layout="per_expert")
+    gen = torch.Generator().manual_seed(seed)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+
+    def gptq(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        out_f, in_f = w.shape
+        order = torch.randperm(in_f, generator=gen) if act_order else torch.arange(in_f)
+        g_idx = torch.empty(in_f, dtype=torch.int32)
+        g_idx[order] = (torch.arange(in_f) // group).to(torch.int32)
+        ng = in_f // group
+        wt = w.float().t()  # [in, out]
+        amax = torch.zeros(ng, out_f).scatter_reduce_(
+            0, g_idx.long()[:, None].expand(-1, out_f), wt.abs(), "amax")
+        scales = (amax / 7).clamp_min(1e-8).to(torch.float16)
+        sc = scales.float()[g_idx.long()]  # [in, out]
+        q = (torch.round(wt / sc) + 8).clamp(0, 15).to(torch.int32)
+        deq = ((q - 8).float() * sc).t().contiguous()
+        qweight = (q.reshape(in_f // 8, 8, out_f) << shifts[:, None]).sum(1, dtype=torch.int32)
+        z = torch.full((ng, out_f // 8, 8), 7, dtype=torch.int32)
+        qzeros = (z << shifts).sum(-1, dtype=torch.int32)
+        return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}, deq
+
+    ref: dict[str, torch.Tensor] = {}
+    for sh in sorted(folder.glob("*.safetensors")):
+        sd = load_file(str(sh))
+        out: dict[str, torch.Tensor] = {}
+        for k, v in sd.items():
+            if not _quantized_linear(k, v):
+                out[k] = v
+                continue
+            parts, deq = gptq(v)
+            prefix = k[:-len(".weight")]
+            for n, t in parts.items():
+                out[f"{prefix}.{n}"] = t
+            ref[k] = deq
+        save_file(out, str(sh), metadata={"format": "pt"})
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                  "desc_act": act_order, "sym": True,
+                                  "checkpoint_format": "gptq"}
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    # the reference in transformers' names: per-expert weights regrouped into the fused ones
+    held: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+            base = k.rsplit(".", 1)[0]
+            E = v.shape[0]
+            if k.endswith("gate_up_proj"):
+                held[k] = torch.stack([torch.cat([ref[_expert_key(base, e, "gate", ref)],
+                                                  ref[_expert_key(base, e, "up", ref)]])
+                                       for e in range(E)])
+            else:
+                held[k] = torch.stack([ref[_expert_key(base, e, "down", ref)]
+                                       for e in range(E)])
+        elif k in ref:
+            held[k] = ref[k]
+    return folder, held
+
+
+def _expert_key(base: str, e: int, what: str, ref: dict[str, torch.Tensor]) -> str:
+    """The checkpoint key of expert ``e``'s ``what`` (gate, up, down) under module ``base``
+    in a per-expert checkpoint (``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/
+    ``down_proj``; Mixtral's ``block_sparse_moe`` in place of ``mlp``)."""
+    names = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+    for b in (base, base.replace(".mlp.", ".block_sparse_moe.")):
+        for n in names[what]:
+            k = f"{b}.{e}.{n}.weight"
+            if k in ref:
+                return k
+    raise KeyError(f"no checkpoint key for expert {e} {what} under {base}")

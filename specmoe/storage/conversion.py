@@ -76,6 +76,10 @@ class Checkpoint:
     # the Qwen3 FP8 releases): e4m3 weights with an f32 ``weight_scale_inv`` per block
     fp8_block: tuple[int, int] | None = None
     scale_of: dict[str, str] = field(default_factory=dict, repr=False)  # weight -> its scales
+    # GPTQ int4 checkpoints (quant_method "gptq", bits 4): "<prefix>.weight" is read from
+    # <prefix>.qweight / .qzeros / .scales / .g_idx (a weight the shards do not hold)
+    gptq: dict[str, Any] = field(default_factory=dict, repr=False)  # settings
+    gptq_of: dict[str, str] = field(default_factory=dict, repr=False)  # weight -> prefix
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "Checkpoint":
@@ -113,7 +117,73 @@ class Checkpoint:
                     dtypes[k] = str(ent.get("dtype"))
         ck = cls(folder, shards, keys, dtypes=dtypes)
         ck._read_fp8(folder / "config.json")
+        ck._read_gptq(folder / "config.json")
         return ck
+
+    def _read_gptq(self, config: Path) -> None:
+        """GPTQ (AutoGPTQ / GPTQModel / optimum layout): for each ``<prefix>.qweight`` int32
+        [in/8, out] (eight 4-bit values per int32 along the input, value j at bits 4j),
+        ``qzeros`` int32 [groups, out/8] (likewise along the output; stored as zero - 1 in the
+        original ``gptq`` format, as they are in ``gptq_v2``), ``scales`` f16 [groups, out]
+        and ``g_idx`` [in] (each input column's group; act-order permutes it), the weight
+        ``<prefix>.weight`` [out, in] = scales[g_idx[k], o] * (q[k, o] - zero[g_idx[k], o])."""
+        q = json.loads(config.read_text()).get("quantization_config") or {}
+        packed = [k for k in self.keys if k.endswith(".qweight")]
+        if q.get("quant_method") not in ("gptq",):
+            if packed:
+                raise CheckpointError(f"{self.keys[packed[0]]}: tensor {packed[0]} is a packed "
+                                      f"quantized weight but config.json's quantization_config "
+                                      f"says {q.get('quant_method')!r}; GPTQ int4 and FP8 "
+                                      "are read, AWQ and others are not yet")
+            return
+        if q.get("bits") != 4:
+            raise CheckpointError(f"{config}: GPTQ with bits={q.get('bits')!r}: only 4-bit "
+                                  "GPTQ is read")
+        fmt = q.get("checkpoint_format", "gptq")
+        self.gptq = {"group_size": int(q.get("group_size", 128)), "v1": fmt != "gptq_v2"}
+        for k in packed:
+            prefix = k[:-len(".qweight")]
+            need = [prefix + n for n in (".qzeros", ".scales")]
+            missing = [n for n in need if n not in self.keys]
+            if missing:
+                raise CheckpointError(f"{self.keys[k]}: GPTQ weight {k} lacks {missing[0]}")
+            w = prefix + ".weight"
+            self.keys[w] = self.keys[k]
+            self.dtypes[w] = "GPTQ-int4"
+            self.gptq_of[w] = prefix
+
+    def _gptq(self, w: str, index: int | None = None) -> Any:
+        """The f32 weight ``w`` of a GPTQ layer (expert ``index`` of a stacked one)."""
+        import torch
+
+        prefix = self.gptq_of[w]
+
+        def get(name: str) -> Any:
+            key = prefix + name
+            h = self.handle(self.keys[key])
+            return h.get_tensor(key) if index is None else h.get_slice(key)[index]
+
+        qw, qz, sc = get(".qweight"), get(".qzeros"), get(".scales").float()
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        q = ((qw.unsqueeze(-2) >> shifts[:, None]) & 15)  # [in/8, 8, out]
+        q = q.reshape(*qw.shape[:-2], qw.shape[-2] * 8, qw.shape[-1])  # [in, out]
+        z = ((qz.unsqueeze(-1) >> shifts) & 15).reshape(*qz.shape[:-1], qz.shape[-1] * 8)
+        if self.gptq["v1"]:
+            z = z + 1
+        n_in = q.shape[-2]
+        gkey = prefix + ".g_idx"
+        if gkey in self.keys:
+            g = get(".g_idx").long()
+        else:
+            gs = self.gptq["group_size"]
+            g = torch.arange(n_in) // (gs if gs > 0 else n_in)
+        if sc.shape[-2] <= int(g.max()) or z.shape[-1] != sc.shape[-1] or \
+                sc.shape[-1] != q.shape[-1]:
+            raise CheckpointError(f"{self.keys[prefix + '.qweight']}: GPTQ tensors of {prefix} "
+                                  f"do not fit: qweight {tuple(qw.shape)}, qzeros "
+                                  f"{tuple(qz.shape)}, scales {tuple(sc.shape)}")
+        w_t = (q.float() - z[..., g, :].float()) * sc[..., g, :]  # [in, out]
+        return w_t.transpose(-1, -2).contiguous()
 
     def _read_fp8(self, config: Path) -> None:
         """FP8 block quantization: each F8_E4M3 ``*.weight`` with a ``*.weight_scale_inv``
@@ -141,8 +211,11 @@ class Checkpoint:
             self.scale_of[k] = sk
 
     def companions(self) -> set[str]:
-        """Keys that are not model tensors but data of another key (FP8 block scales)."""
-        return set(self.scale_of.values())
+        """Keys that are not model tensors but data of another key (FP8 block scales, GPTQ's
+        packed tensors)."""
+        parts = {p + n for p in self.gptq_of.values()
+                 for n in (".qweight", ".qzeros", ".scales", ".g_idx")}
+        return set(self.scale_of.values()) | parts
 
     def _fp8(self, key: str, w: Any, s: Any) -> Any:
         """e4m3 ``w`` [..., rows, cols] times its block scales ``s`` [..., rows/b0, cols/b1]
@@ -174,6 +247,9 @@ class Checkpoint:
         """The whole tensor ``key`` (a torch tensor, read from its shard; a float one cast to
         ``dtype`` when given)."""
         shard = self.keys[key]
+        if key in self.gptq_of:
+            t = self._gptq(key)
+            return t.to(dtype) if dtype is not None else t
         h = self.handle(shard)
         try:
             t = h.get_tensor(key)
@@ -189,6 +265,8 @@ class Checkpoint:
     def slice(self, key: str, index: int) -> Any:
         """``tensor(key)[index]`` without reading the rest of the tensor."""
         shard = self.keys[key]
+        if key in self.gptq_of:
+            return self._gptq(key, index)
         h = self.handle(shard)
         try:
             t = h.get_slice(key)[index]
@@ -203,6 +281,8 @@ class Checkpoint:
 
     def nbytes(self, key: str) -> int:
         """Bytes of tensor ``key`` in its shard."""
+        if key in self.gptq_of:
+            return sum(self.nbytes(self.gptq_of[key] + n) for n in (".qweight", ".scales"))
         h = self.handle(self.keys[key]).get_slice(key)
         size = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1, "F8_E4M3": 1}.get(
             h.get_dtype(), 4)

@@ -1,11 +1,16 @@
-"""FP8 checkpoints (issue 40, item 3): e4m3 weights with an f32 ``weight_scale_inv`` per
-128x128 block (DeepSeek-V3/R1's and the Qwen3 FP8 releases' layout), read by
-specmoe.from_pretrained without a bf16 copy of the model: each weight is dequantized when it
-is read (a dense one into the model, an expert into the store).
+"""Quantized checkpoints (issue 40, item 3) read by specmoe.from_pretrained without a bf16
+copy of the model, each weight dequantized when it is read (a dense one into the model, an
+expert into the store):
 
-The files are written by specmoe.models.testing.save_fp8_checkpoint (blocks of 32 so that
-the tiny models have several); the reference is the unmodified transformers model holding the
-weights the file holds (e4m3 times its block's scale, computed on the writer's side)."""
+* FP8: e4m3 weights with an f32 ``weight_scale_inv`` per 128x128 block (DeepSeek-V3/R1's and
+  the Qwen3 FP8 releases' layout), written by save_fp8_checkpoint (blocks of 32 so that the
+  tiny models have several);
+* GPTQ 4-bit (AutoGPTQ's ``gptq`` format: qweight, qzeros, scales, g_idx; with and without
+  act-order), written by save_gptq_checkpoint.
+
+The reference is the unmodified transformers model holding the weights the file holds
+(computed on the writer's side), compared by greedy tokens and by logits, which tell the
+file's weights from the unquantized model's."""
 from __future__ import annotations
 
 import json
@@ -15,7 +20,7 @@ import pytest
 import torch
 
 import specmoe
-from specmoe.models.testing import save_fp8_checkpoint, tiny_model
+from specmoe.models.testing import save_fp8_checkpoint, save_gptq_checkpoint, tiny_model
 from specmoe.storage.conversion import CheckpointError
 
 
@@ -31,9 +36,14 @@ def _greedy(model, n=10):
                               do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
-def test_greedy_equal_to_the_weights_the_file_holds(arch, tmp_path):
-    folder, held = save_fp8_checkpoint(tiny_model(arch), tmp_path / arch, block=32)
+@pytest.mark.parametrize("fmt,arch", [("fp8", "qwen3_moe"), ("fp8", "deepseek_v2"),
+                                      ("gptq", "mixtral"), ("gptq-act-order", "qwen3_moe")])
+def test_greedy_equal_to_the_weights_the_file_holds(fmt, arch, tmp_path):
+    if fmt == "fp8":
+        folder, held = save_fp8_checkpoint(tiny_model(arch), tmp_path / arch, block=32)
+    else:
+        folder, held = save_gptq_checkpoint(tiny_model(arch), tmp_path / arch, group=32,
+                                            act_order=fmt.endswith("act-order"))
     ref = tiny_model(arch)
     ref.load_state_dict(held, strict=False)
     want = _greedy(ref)
@@ -76,3 +86,21 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_tensor(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="no fp8 quantization_config"):
         specmoe.convert(folder, progress=False)
+
+
+def test_bad_gptq_checkpoints_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder, _ = save_gptq_checkpoint(tiny_model("mixtral"), tmp_path / "m")
+    shard = next(folder.glob("*.safetensors"))
+    sd = load_file(str(shard))
+    cfg = json.loads((folder / "config.json").read_text())
+    key = next(k for k in sd if k.endswith(".qzeros"))
+    save_file({k: v for k, v in sd.items() if k != key}, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lacks .*qzeros"):
+        specmoe.convert(folder, progress=False)
+    save_file(sd, str(shard), metadata={"format": "pt"})
+    for q, what in (({"quant_method": "awq", "bits": 4}, "says 'awq'"),
+                    (dict(cfg["quantization_config"], bits=8), "bits=8")):
+        (folder / "config.json").write_text(json.dumps(dict(cfg, quantization_config=q)))
+        with pytest.raises(CheckpointError, match=what):
+            specmoe.convert(folder, progress=False)
