@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import warnings
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -104,3 +106,33 @@ def test_bad_gptq_checkpoints_are_refused(tmp_path):
         (folder / "config.json").write_text(json.dumps(dict(cfg, quantization_config=q)))
         with pytest.raises(CheckpointError, match=what):
             specmoe.convert(folder, progress=False)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_symmetric_gptq_experts_are_repacked_not_requantized(act_order, tmp_path, capfd):
+    """dtype='auto' on a GPTQ checkpoint: int4.  Symmetric, in column order: the store holds
+    the file's 4-bit values and scales (every stored weight equals the dequantized file's
+    exactly); with act-order they are re-quantized, and the line says so."""
+    from specmoe.storage import quant
+    from specmoe.storage.store import ExpertStore
+    folder, held = save_gptq_checkpoint(tiny_model("mixtral"), tmp_path / "g", group=32,
+                                        act_order=act_order)
+    store = specmoe.convert(folder, progress=False)
+    err = capfd.readouterr().err
+    st = ExpertStore(store)
+    try:
+        assert st.extra["dtype"] == "int4"
+        t = st.read_expert(1, 3)
+        got = quant.dequantize_expert(t)
+        gu = held["model.layers.1.mlp.experts.gate_up_proj"][3].numpy()
+        exact = np.array_equal(got["gate"], gu[:96]) and np.array_equal(got["up"], gu[96:]) \
+            and np.array_equal(got["down"],
+                               held["model.layers.1.mlp.experts.down_proj"][3].numpy())
+        if act_order:
+            assert "re-quantized" in err and st.extra.get("kept_blocks") is None
+            assert not exact
+        else:
+            assert "repacked, not re-quantized" in err and st.extra["kept_blocks"] == "GPTQ"
+            assert t["gate.scale"].shape == (96, 64 // 32) and exact
+    finally:
+        st.close()

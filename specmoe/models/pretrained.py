@@ -53,7 +53,7 @@ class _Plan:
     unused: list[str] = field(default_factory=list)
     store: Path | None = None  # the store file, its location checked (_prepare)
     dtype: str = "bf16"  # the store dtype (_prepare: "auto" resolved)
-    kept: str | None = None  # the GGUF type whose blocks the store keeps as they are (Q4_0)
+    kept: str | None = None  # the blocks the store keeps as they are ("Q4_0", "GPTQ")
 
 
 def _torch_dtype(spec: Any, config: Any) -> torch.dtype:
@@ -189,7 +189,7 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
 
     def read(pos: int, e: int) -> dict[str, np.ndarray]:
         keys = plan.experts[pos]
-        if plan.kept:  # GGUF Q4_0 blocks as int4 in groups of 32, not dequantized
+        if plan.kept:  # GGUF Q4_0 / GPTQ int4 blocks as they are, not dequantized
             return _kept_expert(plan, pos, e)
         if (e, "gate") in keys:
             out = {n: _np32(ckpt.tensor(keys[(e, n)])) for n in ("gate", "up", "down")}
@@ -228,12 +228,20 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
 
 
 def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
-    """Expert ``e`` of MoE position ``pos`` in the store's int4 layout, from the GGUF file's
-    Q4_0 blocks as they are (:meth:`specmoe.storage.gguf.GgufCheckpoint.expert_int4`)."""
+    """Expert ``e`` of MoE position ``pos`` in the store's int4 layout, from the checkpoint's
+    blocks as they are: a GGUF file's Q4_0 (fused per layer) or a GPTQ checkpoint's int4 (per
+    expert) (``expert_int4`` of :class:`specmoe.storage.gguf.GgufCheckpoint` and
+    :class:`specmoe.storage.conversion.Checkpoint`)."""
     from ..storage.conversion import StoredExpert
     keys, (I, H) = plan.experts[pos], plan.shapes
-    gu, gus = plan.ckpt.expert_int4(keys[(None, "gate_up_proj")], e)
-    dn, dns = plan.ckpt.expert_int4(keys[(None, "down_proj")], e)
+    ck = plan.ckpt
+    if (e, "gate") in keys:
+        (g, gs), (u, us) = ck.expert_int4(keys[(e, "gate")]), ck.expert_int4(keys[(e, "up")])
+        gu, gus = np.concatenate([g, u]), np.concatenate([gs, us])
+        dn, dns = ck.expert_int4(keys[(e, "down")])
+    else:
+        gu, gus = ck.expert_int4(keys[(None, "gate_up_proj")], e)
+        dn, dns = ck.expert_int4(keys[(None, "down_proj")], e)
     if gu.shape != (2 * I, H // 2) or dn.shape != (H, I // 2):
         raise ValueError(f"{plan.ckpt.folder}: decoder layer {plan.layer_ids[pos]} expert {e}: "
                          f"shapes {gu.shape}/{dn.shape} do not fit the config's I={I}, H={H}")
@@ -282,7 +290,7 @@ def _check_cache_fits(plan: _Plan, cache: Any, dtype: str) -> None:
     from ..runtime.cache import parse_capacity
     I, H = plan.shapes
     bb = expert_block_bytes(I, H, dtype, biases=plan.info.gptoss,
-                            group=32 if plan.kept else None)
+                            group=plan.ckpt.kept_group() if plan.kept else None)
     total = plan.num_experts * len(plan.layer_ids)
     k = int(plan.model.config.num_experts_per_tok)
     try:
@@ -332,7 +340,7 @@ def _prepare(path: Any, dtype: str, torch_dtype: Any,
     plan = _plan(ckpt, model)
     plan.store = spath
     plan.dtype = dtype
-    plan.kept = None if isinstance(ckpt, Checkpoint) else ckpt.kept_blocks(dtype)
+    plan.kept = ckpt.kept_blocks(dtype)
     return plan
 
 

@@ -140,7 +140,8 @@ class Checkpoint:
             raise CheckpointError(f"{config}: GPTQ with bits={q.get('bits')!r}: only 4-bit "
                                   "GPTQ is read")
         fmt = q.get("checkpoint_format", "gptq")
-        self.gptq = {"group_size": int(q.get("group_size", 128)), "v1": fmt != "gptq_v2"}
+        self.gptq = {"group_size": int(q.get("group_size", 128)), "v1": fmt != "gptq_v2",
+                     "sym": bool(q.get("sym", True)), "desc_act": bool(q.get("desc_act"))}
         for k in packed:
             prefix = k[:-len(".qweight")]
             need = [prefix + n for n in (".qzeros", ".scales")]
@@ -151,6 +152,54 @@ class Checkpoint:
             self.keys[w] = self.keys[k]
             self.dtypes[w] = "GPTQ-int4"
             self.gptq_of[w] = prefix
+
+    def kept_blocks(self, dtype: str) -> str | None:
+        """``"GPTQ"`` when an int4 store can take this checkpoint's experts without
+        re-quantizing: symmetric 4-bit GPTQ (every zero point 8, so w = (q - 8) * scale,
+        specmoe's int4) without act-order, in groups of 32, 64 or a multiple of 128 (the
+        groups the int4 kernels run fast); else None."""
+        g = self.gptq.get("group_size", 0)
+        ok = (dtype == "int4" and self.gptq_of and self.gptq["sym"] and not self.gptq["desc_act"]
+              and (g in (32, 64) or (g > 0 and g % 128 == 0)))
+        return "GPTQ" if ok else None
+
+    def kept_group(self) -> int:
+        """The int4 group size of a store that keeps this checkpoint's blocks."""
+        return int(self.gptq["group_size"])
+
+    def expert_int4(self, key: str, index: int | None = None) -> tuple[Any, Any]:
+        """GPTQ weight ``key`` in specmoe's int4 layout without dequantizing: (packed uint8
+        [out, in/2], columns 2j and 2j+1 in the low and high nibble of byte j; scales f32
+        [out, in/group]).  CheckpointError if a zero point is not 8 or the groups are not in
+        column order."""
+        import numpy as np
+        import torch
+
+        prefix = self.gptq_of[key]
+
+        def get(name: str) -> Any:
+            k = prefix + name
+            h = self.handle(self.keys[k])
+            return h.get_tensor(k) if index is None else h.get_slice(k)[index]
+
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        qw, qz, sc = get(".qweight"), get(".qzeros"), get(".scales").float()
+        q = ((qw.unsqueeze(-2) >> shifts[:, None]) & 15).reshape(qw.shape[-2] * 8, -1)
+        z = ((qz.unsqueeze(-1) >> shifts) & 15).reshape(qz.shape[-2], -1)
+        if self.gptq["v1"]:
+            z = z + 1
+        where = f"{self.keys[prefix + '.qweight']}: GPTQ weight {key}"
+        if not bool((z == 8).all()):
+            raise CheckpointError(f"{where}: zero points other than 8 although the config says "
+                                  "sym; convert with dtype='int8' or 'bf16' to dequantize it")
+        g = self.gptq["group_size"]
+        if prefix + ".g_idx" in self.keys:
+            gi = get(".g_idx").long()
+            if not bool((gi == torch.arange(q.shape[0]) // g).all()):
+                raise CheckpointError(f"{where}: g_idx is not in column order (act-order)")
+        u = q.t().contiguous().numpy().astype(np.uint8)  # [out, in]
+        return (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8), \
+            np.ascontiguousarray(sc.t().numpy(), dtype=np.float32)
 
     def _gptq(self, w: str, index: int | None = None) -> Any:
         """The f32 weight ``w`` of a GPTQ layer (expert ``index`` of a stacked one)."""
@@ -332,11 +381,19 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
                              f"{('auto',) + DTYPES}")
         return dtype
     if isinstance(ckpt, Checkpoint):
+        if ckpt.gptq_of:  # 4-bit GPTQ: int4, its blocks kept where they map as they are
+            how = (f"in groups of {ckpt.kept_group()}, repacked, not re-quantized"
+                   if ckpt.kept_blocks("int4") else
+                   "re-quantized (asymmetric or act-order GPTQ does not map onto it as it is)")
+            _log(f"{ckpt.folder}: GPTQ 4-bit experts: the store holds them as int4, {how} "
+                 "(dtype='auto')")
+            return "int4"
         return "bf16"
     qt = ckpt.expert_type()
     dt = natural_dtype(qt)
     how = ("" if qt == "F32" else
-           f"; the {qt} blocks kept as they are, in groups of 32" if ckpt.kept_blocks(dt) else
+           f"; the {qt} blocks kept as they are, in groups of {ckpt.kept_group()}"
+           if ckpt.kept_blocks(dt) else
            f"; the {qt} blocks are dequantized and converted, not kept as they are")
     _log(f"{ckpt.folder}: experts are {qt}: the store holds them as {dt} (dtype='auto'{how})")
     return dt

@@ -256,6 +256,10 @@ class GgufCheckpoint:
                  if ".mlp.experts." in key for n in names}
         return "Q4_0" if types == {"Q4_0"} else None
 
+    def kept_group(self) -> int:
+        """The int4 group size of a store that keeps this file's blocks (Q4_0's 32)."""
+        return 32
+
     def expert_int4(self, key: str, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Expert ``index`` of Q4_0 tensor ``key`` (gate_up_proj: gate then up) in specmoe's
         int4 layout with groups of 32, without dequantizing: (packed uint8 [rows, cols/2],
