@@ -1,0 +1,398 @@
+"""The server's scheduler: one worker thread owns the model and steps every admitted request.
+
+torch modules, transformers' caches and specmoe's Engine are not safe to drive from several
+threads at once, so exactly one thread -- the worker started by :meth:`Scheduler.start` --
+calls the model.  Requests reach it through a bounded queue (:meth:`Scheduler.submit` raises
+:class:`QueueFull` when ``max_queue`` requests already wait, :class:`Draining` once
+:meth:`Scheduler.drain` was called); the worker admits waiting requests into the running set
+(at most ``max_batch``) at the start of every round, and a round gives each running request
+one step, in admission order:
+
+* a request whose prompt is not all in its KV cache yet feeds the next ``prefill_chunk``
+  prompt tokens (a long prompt is prefilled over several rounds, so the others keep decoding
+  between its chunks); the step that feeds the last chunk also picks the first new token;
+* otherwise one decode step: the pending token in, the next token out.
+
+Each request keeps its own ``DynamicCache`` (its own positions, no padding), so a request is
+admitted at the next round whatever the others are doing, and leaves the running set as soon as
+it finishes (EOS, a stop string, ``max_tokens``), is cancelled (client gone: freed at the worker's
+next look at it, within one round) or fails.  An exception inside the model fails that request
+alone (its cache is dropped; the others' caches are untouched) and the worker goes on.
+
+**The compute is not batched yet.**  Requests are interleaved step by step on one thread, one
+forward of one sequence at a time: concurrent requests share the Engine, its expert cache and
+its prefetch worker, and none waits for another to finish, but a round of B requests costs B
+forwards.  specmoe has one batched path that keeps each row's positions
+(:class:`specmoe.speculation.batch.BatchKV`: holes in a shared cache, explicit position ids),
+but it cannot take a new row into a running batch, its forwards go through transformers'
+batched path instead of specmoe's one-call decode step (batch 1 only), and its logits are not
+guaranteed bit-equal to a batch-1 forward; greedy exactness against ``model.generate`` is the
+contract here, so it is not used yet.
+
+Exactness: each step is the model's own forward on that request's cache, as
+``model.generate`` calls it (the whole prompt, or a chunk of it, with ``logits_to_keep=1``,
+then one token at a time), and the greedy token is the argmax of those logits.  A prompt no
+longer than ``prefill_chunk`` is prefilled in one forward exactly as ``model.generate`` does; a
+longer one in chunks, which may round differently in the last bits (the greedy tokens were
+equal in every test).  Sampling draws from a ``torch.Generator`` of the request's own
+(``seed``), so a seeded request gives the same tokens whatever else runs.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..runtime.experts import find_engine
+from ..speculation.decoding import cache_kwargs, input_device, new_kv
+from ..speculation.sampling import Sampling
+
+_log = logging.getLogger("specmoe.serve")
+
+__all__ = ["Draining", "GenParams", "QueueFull", "Request", "Scheduler"]
+
+# how often (seconds) the worker refreshes its copy of the Engine's statistics for /metrics
+_STATS_EVERY = 0.5
+
+
+class QueueFull(Exception):
+    """``max_queue`` requests are already waiting (HTTP 429)."""
+
+
+class Draining(Exception):
+    """The scheduler no longer admits requests (shutting down; HTTP 503)."""
+
+
+@dataclass
+class GenParams:
+    """How one request generates: ``temperature`` 0 is greedy; ``top_k`` None/0 and ``top_p``
+    None/1 keep every token; ``stop`` strings end the text before them; ``eos`` token ids end
+    it after them (not part of the text); ``seed`` None draws a fresh seed."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+    eos: frozenset = frozenset()
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    """One request inside the scheduler.  ``sink(event)`` receives, from the worker thread:
+    ``("text", delta, n_tokens)`` as text becomes final, then exactly one of
+    ``("done", finish_reason, usage)`` (``"stop"`` or ``"length"``) and
+    ``("error", status, message)``.  A cancelled request gets no further event."""
+
+    def __init__(self, prompt: List[int], params: GenParams,
+                 sink: Callable[[tuple], None]) -> None:
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.id = next(_ids)
+        self.prompt = list(prompt)
+        self.params = params
+        self.sink = sink
+        self.cancelled = False
+        self.finished: Optional[str] = None   # finish reason, "cancelled" or "error"
+        self.error: Optional[str] = None
+        self.generated: List[int] = []
+        self.steps = 0                         # forwards run for this request
+        self.kv: Any = None
+        self.fed = 0                           # prompt tokens in the KV cache
+        self.text = ""                         # text sent so far
+        self.t_submit = time.perf_counter()
+        self.t_last: Optional[float] = None    # time of the last new token
+        self.gen: Optional[torch.Generator] = None
+        self.sampling: Optional[Sampling] = None
+
+    @property
+    def usage(self) -> Dict[str, int]:
+        n, m = len(self.prompt), len(self.generated)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+class Scheduler:
+    """The worker thread and its queue (module docstring).
+
+    ``model``: a transformers causal LM (offloaded by specmoe or not); ``tokenizer`` decodes
+    the new tokens into text (stop strings are matched on that text).  ``metrics``: an object
+    with the :class:`specmoe.serve.metrics.Metrics` methods, or None."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
+                 max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None) -> None:
+        for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
+                        ("prefill_chunk", prefill_chunk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.metrics = metrics
+        self.engine = find_engine(model)
+        self.device = input_device(model)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()   # [_cond]
+        self.running: List[Request] = []       # the worker's own
+        self._draining = False                 # [_cond]
+        self._stop = False                     # [_cond]
+        self._thread: Optional[threading.Thread] = None
+        self.engine_stats: Dict[str, Any] = {}
+        self._stats_t = 0.0
+        self.rounds = 0
+        self.fatal: Optional[BaseException] = None   # what killed the worker, if anything
+
+    # -- the server's side (any thread) ----------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="specmoe-serve-worker",
+                                            daemon=True)
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` (the worker admits it at its next round).  QueueFull, Draining."""
+        self.start()
+        with self._cond:
+            if self._draining or self._stop:
+                raise Draining("the server is shutting down")
+            if self.fatal is not None:
+                raise Draining(f"the worker stopped: {self.fatal}")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting "
+                                f"(--max-queue {self.max_queue})")
+            self._waiting.append(req)
+            self._gauges()
+            self._cond.notify_all()
+
+    def cancel(self, req: Request) -> None:
+        """Drop ``req``: out of the queue now if it still waits, else out of the running set
+        at the worker's next look at it (its KV cache freed then).  No event follows."""
+        with self._cond:
+            req.cancelled = True
+            try:
+                self._waiting.remove(req)
+                req.finished = req.finished or "cancelled"
+            except ValueError:
+                pass
+            self._gauges()
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Stop admitting requests (submit raises Draining); those queued or running go on."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the worker: requests still queued or running get an error event (503), the
+        thread is joined (up to ``timeout`` seconds for the step in flight)."""
+        with self._cond:
+            self._draining = True
+            self._stop = True
+            self._cond.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
+    # -- the worker ------------------------------------------------------------------------
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_queue(len(self._waiting), len(self.running))
+
+    def _run(self) -> None:
+        hooks = getattr(self.model, "_specmoe_decode_threads", None)
+        # a generation session (specmoe.models.dense.DecodeThreads): torch stays on one thread
+        # between decode steps, as inside model.generate
+        ctx = hooks.session() if hooks is not None else contextlib.nullcontext()
+        try:
+            with ctx, torch.no_grad():
+                self._refresh_stats(force=True)
+                while self._round():
+                    pass
+        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
+            self.fatal = exc
+            _log.exception("specmoe serve: the worker stopped")
+        finally:
+            with self._cond:
+                left = list(self._waiting) + self.running
+                self._waiting.clear()
+                self.running = []
+                self._gauges()
+            for r in left:
+                if not r.cancelled and r.finished is None:
+                    self._fail(r, 503, "the server is shutting down" if self.fatal is None
+                               else f"the worker stopped: {self.fatal}")
+
+    def _round(self) -> bool:
+        """Admit, then one step of every running request; False when the worker must stop."""
+        with self._cond:
+            while not self._stop and not self._waiting and not self.running:
+                self._cond.wait(timeout=_STATS_EVERY)
+                if not self._waiting and not self.running:
+                    self._refresh_stats()
+            if self._stop:
+                return False
+            while self._waiting and len(self.running) < self.max_batch:
+                self.running.append(self._waiting.popleft())
+            self._gauges()
+        for req in list(self.running):
+            if req.cancelled:
+                req.finished = req.finished or "cancelled"
+                continue
+            try:
+                self._step(req)
+            except Exception as exc:  # that request fails; its cache goes; the others go on
+                _log.warning("specmoe serve: request %d failed: %s: %s", req.id,
+                             type(exc).__name__, exc)
+                self._fail(req, 500, f"{type(exc).__name__}: {exc}")
+        done = [r for r in self.running if r.finished is not None or r.cancelled]
+        if done:
+            with self._cond:
+                self.running = [r for r in self.running if r.finished is None
+                                and not r.cancelled]
+                self._gauges()
+            for r in done:
+                r.kv = None  # the KV cache's memory goes now, not when the handler lets go
+        self.rounds += 1
+        self._refresh_stats()
+        return True
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.engine is None or (not force and now - self._stats_t < _STATS_EVERY):
+            return
+        self._stats_t = now
+        try:
+            self.engine_stats = dict(self.engine.stats())
+        except Exception:  # a closed engine: keep the last figures
+            pass
+
+    def _forward(self, req: Request, ids: List[int]) -> torch.Tensor:
+        """Logits [V] after feeding ``ids`` to the request's cache (the last position's)."""
+        kv = req.kv
+        S = kv.get_seq_length()
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        mask = torch.ones((1, S + len(ids)), dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                         **cache_kwargs(self.model, kv))
+        req.steps += 1
+        return out.logits[0, -1].cpu()
+
+    def _step(self, req: Request) -> None:
+        p = req.params
+        if req.kv is None:
+            req.kv = new_kv(self.model)
+            req.gen = torch.Generator()
+            if p.seed is None:
+                req.gen.seed()
+            else:
+                req.gen.manual_seed(int(p.seed))
+            if p.temperature > 0:
+                top_k = p.top_k if p.top_k else None
+                top_p = p.top_p if p.top_p is not None and p.top_p < 1 else None
+                req.sampling = Sampling(float(p.temperature), top_k, top_p)
+        if req.fed < len(req.prompt):
+            chunk = req.prompt[req.fed:req.fed + self.prefill_chunk]
+            logits = self._forward(req, chunk)
+            req.fed += len(chunk)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens(len(chunk))
+            if req.fed < len(req.prompt):
+                return
+        else:
+            logits = self._forward(req, [req.generated[-1]])
+        if req.sampling is None:
+            tok = int(torch.argmax(logits))
+        else:
+            probs = req.sampling.probs(logits.unsqueeze(0))
+            tok = int(torch.multinomial(probs, 1, generator=req.gen)[0, 0])
+        self._emit(req, tok)
+
+    def _emit(self, req: Request, tok: int) -> None:
+        now = time.perf_counter()
+        if self.metrics is not None:
+            if req.t_last is None:
+                self.metrics.first_token(now - req.t_submit)
+            else:
+                self.metrics.next_token(now - req.t_last)
+            self.metrics.generation_tokens(1)
+        req.t_last = now
+        req.generated.append(tok)
+        p = req.params
+        if tok in p.eos:
+            self._finish(req, "stop", self._text(req, eos=True), None)
+            return
+        text = self._text(req, eos=False)
+        cut = _find_stop(text, p.stop, len(req.text))
+        if cut is not None:
+            self._finish(req, "stop", text, cut)
+        elif len(req.generated) >= p.max_tokens:
+            self._finish(req, "length", text, None)
+        else:
+            # hold back what a stop string may still claim, and an unfinished UTF-8 sequence
+            safe = len(text) - max((len(s) for s in p.stop), default=1) + 1
+            while safe > len(req.text) and text[safe - 1] == "\ufffd":
+                safe -= 1
+            if safe > len(req.text) and text.startswith(req.text):
+                req.sink(("text", text[len(req.text):safe], 1))
+                req.text = text[:safe]
+            else:
+                req.sink(("text", "", 1))
+
+    def _text(self, req: Request, eos: bool) -> str:
+        ids = req.generated[:-1] if eos else req.generated
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _finish(self, req: Request, reason: str, text: str, cut: Optional[int]) -> None:
+        if cut is not None:
+            text = text[:cut]
+        if len(text) > len(req.text) and text.startswith(req.text):
+            req.sink(("text", text[len(req.text):], 0))
+            req.text = text
+        req.finished = reason
+        req.sink(("done", reason, req.usage))
+
+    def _fail(self, req: Request, status: int, message: str) -> None:
+        req.finished = "error"
+        req.error = message
+        req.kv = None
+        req.sink(("error", status, message))
+
+
+def _find_stop(text: str, stops: List[str], sent: int) -> Optional[int]:
+    """Where the earliest stop string starts in ``text`` (None: nowhere); only matches that
+    end after the ``sent`` characters already sent can be new."""
+    best: Optional[int] = None
+    for s in stops:
+        i = text.find(s, max(0, sent - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
