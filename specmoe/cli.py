@@ -333,6 +333,88 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _listen_check(host: str, port: int) -> None:
+    """The address ``serve`` will listen on, bound once and released before the model loads
+    (a port in use used to be found after a minute of loading)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CliError(f"--host {host!r}: {exc.strerror or exc}") from None
+    fam, kind, proto, _, addr = infos[0]
+    with socket.socket(fam, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise CliError(f"--port {port}: cannot listen on {host}:{port} "
+                           f"({exc.strerror or exc})") from None
+
+
+def _cmd_serve(args) -> int:
+    # every argument is checked before the model (and torch) loads
+    missing = []
+    for mod, pkg in (("starlette", "starlette"), ("uvicorn", "uvicorn"),
+                     ("prometheus_client", "prometheus-client")):
+        try:
+            __import__(mod)
+        except ModuleNotFoundError:
+            missing.append(pkg)
+    if missing:
+        raise CliError(f"specmoe serve needs {', '.join(missing)}: install the serve extra "
+                       "(pip install 'specmoe[serve]')")
+    cache = _option("--cache", args.cache, _capacity)
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key is empty")
+    if args.model_name is not None and not args.model_name.strip():
+        raise CliError("--model-name is empty")
+    if not (args.shutdown_timeout >= 0):
+        raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    from .sim.replay import live_policy
+
+    def policy_arg(spec: str) -> Any:
+        from .runtime.policies import check_policy
+
+        pol = live_policy(spec)
+        check_policy(pol)
+        return pol
+
+    policy = _option("--policy", args.policy, policy_arg)
+    _checkpoint(args, args.store)
+    _listen_check(args.host, args.port)
+
+    import torch
+
+    from .serve import app, run
+
+    if args.threads is not None:
+        from .runtime import kernels
+        torch.set_num_threads(args.threads)
+        kernels.set_num_threads(args.threads)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
+    asgi = app(args.checkpoint, tok, model_name=args.model_name, api_key=args.api_key,
+               max_batch=args.max_batch, max_queue=args.max_queue,
+               prefill_chunk=args.prefill_chunk, cache=cache, dtype=args.dtype,
+               policy=policy, prefetch=not args.no_prefetch, store=args.store,
+               dense=args.dense)
+    srv = asgi.state.server
+    print(f"[specmoe] serving {srv.model_name!r} on http://{args.host}:{args.port}/v1 "
+          f"(context {srv.context_length} tokens, max batch {args.max_batch}, queue "
+          f"{args.max_queue}{', API key required' if args.api_key else ''})", flush=True)
+    try:
+        run(asgi, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+            log_level=args.log_level)
+    finally:
+        srv.close()  # (the app's shutdown did it already, unless uvicorn never started)
+    return 0
+
+
 def _describe(exc: BaseException, args: argparse.Namespace) -> str:
     """The one-line message of ``exc`` for ``specmoe: error: ...``: specmoe's own errors,
     ValueError and TypeError as they are (they name the file, field or option); OSError with
@@ -443,6 +525,40 @@ def main(argv: list[str] | None = None) -> int:
                         "(auto: bf16 weights kept exactly; int8/int4 quantize them)")
     p.add_argument("--quiet", action="store_true", help="statistics line to stderr")
 
+    p = command("serve", help="serve a checkpoint with an OpenAI-compatible HTTP API")
+    p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or GGUF file")
+    p.add_argument("--cache", default="25%",
+                   help="expert cache, as run's --cache (default 25%%)")
+    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_at_least(1, 65535), default=8000)
+    p.add_argument("--max-batch", type=_at_least(1), default=16,
+                   help="requests stepped together (each one decode step per round)")
+    p.add_argument("--max-queue", type=_at_least(1), default=256,
+                   help="requests waiting beyond --max-batch before 429 (default 256)")
+    p.add_argument("--prefill-chunk", type=_at_least(1), default=256,
+                   help="prompt tokens per step of a request being prefilled (default 256)")
+    p.add_argument("--api-key", default=os.environ.get("SPECMOE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                        "$SPECMOE_API_KEY, else none)")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send (default: the checkpoint's name)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="SIGTERM: seconds the requests in flight may take to finish before "
+                        "they are cancelled (default 30)")
+    p.add_argument("--policy", default="least_stale", help="eviction policy spec, as run's")
+    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--store", default=None, help="store file (default: see convert)")
+    p.add_argument("--threads", type=_at_least(1, MAX_THREADS), default=None,
+                   help="threads of torch and of specmoe's kernels (default: torch's)")
+    p.add_argument("--dense", default="auto",
+                   choices=["auto", "torch", "f32", "bf16", "int8", "int4"],
+                   help="dense layers through specmoe's C kernels, as run's --dense")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info: one line per request)")
+
     args = parser.parse_args(argv)  # usage errors: argparse's message, exit 2
     try:
         return _dispatch(args)
@@ -470,6 +586,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _cmd_convert(args)
     if args.command == "run":
         return _cmd_run(args)
+    if args.command == "serve":
+        return _cmd_serve(args)
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -9,5 +9,8 @@ Prometheus series :mod:`specmoe.serve.metrics`.  Needs the ``serve`` extra
 from __future__ import annotations
 
 from .api import ApiError, Server, app, run
+from .metrics import Metrics
+from .scheduler import Draining, GenParams, QueueFull, Request, Scheduler
 
-__all__ = ["ApiError", "Server", "app", "run"]
+__all__ = ["ApiError", "Draining", "GenParams", "Metrics", "QueueFull", "Request", "Scheduler",
+           "Server", "app", "run"]

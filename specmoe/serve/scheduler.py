@@ -152,6 +152,7 @@ class Scheduler:
         self.engine_stats: Dict[str, Any] = {}
         self._stats_t = 0.0
         self.rounds = 0
+        self.peak_running = 0                  # the most requests stepped in one round
         self.fatal: Optional[BaseException] = None   # what killed the worker, if anything
 
     # -- the server's side (any thread) ----------------------------------------------------
@@ -262,6 +263,7 @@ class Scheduler:
                 return False
             while self._waiting and len(self.running) < self.max_batch:
                 self.running.append(self._waiting.popleft())
+            self.peak_running = max(self.peak_running, len(self.running))
             self._gauges()
         for req in list(self.running):
             if req.cancelled:

@@ -1,0 +1,601 @@
+"""specmoe serve (issue 38): the OpenAI-compatible server on the zoo model.
+
+One real uvicorn server on a free loopback port runs in a background thread for the module
+(``specmoe.serve.app`` over ``specmoe.from_pretrained`` of the zoo model, 25 % cache, with a
+chat template given to its tokenizer); the official ``openai`` client talks to it for
+completions and chat, streaming and not, and ``httpx`` sends what a client should not.  The
+references -- ``model.generate(ids, do_sample=False, max_new_tokens=n)`` of each prompt alone --
+are computed before the server starts (the server's worker thread owns the model from then
+on).  The last test starts ``python -m specmoe serve`` in a subprocess and stops it with
+SIGTERM mid-stream."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+pytest.importorskip("prometheus_client")
+
+import specmoe  # noqa: E402
+from specmoe.cli import main  # noqa: E402
+from specmoe.serve import app  # noqa: E402
+
+ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
+pytestmark = pytest.mark.skipif(not (ZOO / "model.safetensors").is_file(),
+                                reason="zoo weights not shipped in this build")
+
+KEY = "sk-test-key"
+NAME = "tiny-moe"
+CHUNK = 8          # prefill chunk: every prompt longer than this is prefilled in chunks
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+PROMPTS = {
+    "short": ("def parse(line):", 20),
+    "mid": ("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n", 24),
+    "fox": ("The quick brown fox jumps over the lazy dog and the", 12),
+    "long": ("class Parser:\n    def __init__(self, text):\n        self.text = text\n"
+             "        self.pos = 0\n\n    def peek(self):\n        return self.text[self.pos]\n\n"
+             "    def next(self):\n        c = self.text[self.pos]\n        self.pos += 1\n"
+             "        return c\n\n    def skip_spaces(self):\n        while self.peek() == ' ':\n"
+             "            self.next()\n\n    def number(self):\n", 16),
+}
+CHAT = [{"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "def add(a, b):"}]
+POISON = 4242      # a token id whose forward raises (test_model_exception_fails_one_request)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _greedy(model, tok, ids, n):
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                         max_new_tokens=n, pad_token_id=tok.eos_token_id)
+    new = out[0, len(ids):].tolist()
+    return tok.decode(new, skip_special_tokens=True), len(new)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("specmoe-cache")
+    old = os.environ.get("SPECMOE_CACHE")
+    os.environ["SPECMOE_CACHE"] = str(cache_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    from transformers import AutoTokenizer
+    model = specmoe.from_pretrained(str(ZOO), cache="25%")
+    tok = AutoTokenizer.from_pretrained(str(ZOO))
+    tok.chat_template = TEMPLATE
+    refs = {}
+    for key, (text, n) in PROMPTS.items():
+        ids = tok(text).input_ids
+        refs[key] = (ids, *_greedy(model, tok, ids, n))
+    assert len(refs["long"][0]) > 10 * CHUNK
+    chat_text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    chat_ids = tok(chat_text, add_special_tokens=False).input_ids
+    refs["chat"] = (chat_ids, *_greedy(model, tok, chat_ids, 12))
+    asgi = app(model, tok, model_name=NAME, api_key=KEY, max_batch=4, max_queue=2,
+               prefill_chunk=CHUNK)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    t0 = time.time()
+    while not server.started:
+        assert th.is_alive() and time.time() - t0 < 30, "the server did not start"
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield {"base": base, "client": client, "refs": refs, "model": model, "tok": tok,
+           "server": asgi.state.server, "cache_dir": cache_dir}
+    server.should_exit = True
+    th.join(30)
+    specmoe.engine_of(model).close()
+    torch.set_num_threads(threads)
+    if old is None:
+        os.environ.pop("SPECMOE_CACHE", None)
+    else:
+        os.environ["SPECMOE_CACHE"] = old
+
+
+def _auth():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def _post(base, path, body=None, *, content=None, headers=None, timeout=60):
+    h = dict(_auth() if headers is None else headers)
+    if content is not None:
+        h.setdefault("Content-Type", "application/json")
+        return httpx.post(base + path, content=content, headers=h, timeout=timeout)
+    return httpx.post(base + path, json=body, headers=h, timeout=timeout)
+
+
+def _sched(served):
+    return served["server"].scheduler
+
+
+def _idle(served, timeout=10.0):
+    """Wait until the worker holds no request (the previous test's leftovers are gone)."""
+    sch = _sched(served)
+    t0 = time.time()
+    while sch.running or sch.waiting:
+        assert time.time() - t0 < timeout, "the scheduler did not go idle"
+        time.sleep(0.01)
+
+
+def _metric(base, name, labels=""):
+    text = httpx.get(base + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+# -- the API as the official client sees it ------------------------------------------------------
+
+def test_models_health_and_completion_equals_generate(served):
+    c, refs = served["client"], served["refs"]
+    assert [m.id for m in c.models.list().data] == [NAME]
+    h = httpx.get(served["base"] + "/health").json()
+    assert h["status"] == "ok" and h["model"] == NAME
+    ids, text, n = refs["short"]
+    r = c.completions.create(model=NAME, prompt=PROMPTS["short"][0], max_tokens=n,
+                             temperature=0)
+    assert r.choices[0].text == text
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == n
+    assert r.usage.total_tokens == len(ids) + n
+    # token ids as the prompt, streamed: the same text, ending with [DONE]
+    pieces, reasons = [], []
+    for ch in c.completions.create(model=NAME, prompt=ids, max_tokens=n, temperature=0,
+                                   stream=True, stream_options={"include_usage": True}):
+        if ch.choices:
+            pieces.append(ch.choices[0].text)
+            reasons.append(ch.choices[0].finish_reason)
+        else:
+            assert ch.usage.completion_tokens == n
+    assert "".join(pieces) == text
+    assert reasons[-1] in ("length", "stop") and set(reasons[:-1]) == {None}
+    with httpx.stream("POST", served["base"] + "/v1/completions", headers=_auth(), timeout=60,
+                      json={"model": NAME, "prompt": "def f(x):", "max_tokens": 3,
+                            "temperature": 0, "stream": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in resp.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+
+
+def test_chat_uses_the_template(served):
+    c = served["client"]
+    ids, text, n = served["refs"]["chat"]
+    r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=n, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == n
+    chunks = list(c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=n,
+                                            temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    # max_completion_tokens is max_tokens' newer name
+    r = c.chat.completions.create(model=NAME, messages=CHAT, max_completion_tokens=3,
+                                  temperature=0)
+    assert r.usage.completion_tokens == 3
+
+
+def test_stop_strings(served):
+    c = served["client"]
+    _, text, n = served["refs"]["mid"]
+    stop = text[9:13]
+    assert stop.strip() and text.index(stop) < len(text) - len(stop)
+    want = text[:text.index(stop)]
+    r = c.completions.create(model=NAME, prompt=PROMPTS["mid"][0], max_tokens=n,
+                             temperature=0, stop=[stop, "no such text"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < n
+    got = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=NAME, prompt=PROMPTS["mid"][0], max_tokens=n, temperature=0, stop=stop,
+        stream=True))
+    assert got == want
+
+
+def test_concurrent_requests_equal_generate_alone(served):
+    """Requests of different lengths arriving while others decode, one streamed and one
+    prefilled in chunks: each gets the tokens model.generate gives for it alone."""
+    _idle(served)
+    c, refs = served["client"], served["refs"]
+    sch = _sched(served)
+    sch.peak_running = 0
+    got, errors = {}, []
+
+    def one(key, delay, stream):
+        time.sleep(delay)
+        try:
+            _, _, n = refs[key]
+            kw = dict(model=NAME, prompt=PROMPTS[key][0], max_tokens=n, temperature=0)
+            if stream:
+                got[key] = "".join(ch.choices[0].text
+                                   for ch in c.completions.create(stream=True, **kw))
+            else:
+                got[key] = c.completions.create(**kw).choices[0].text
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(f"{key}: {e!r}")
+
+    ths = [threading.Thread(target=one, args=a) for a in
+           [("mid", 0.0, True), ("short", 0.03, False), ("long", 0.06, False),
+            ("fox", 0.09, True)]]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    assert not errors, errors
+    for key in PROMPTS:
+        assert got[key] == refs[key][1], key
+    assert sch.peak_running >= 2  # they did run together
+
+
+def _timed(sch, monkeypatch):
+    """Every request submitted from now on: [(request, [worker-side time of each event])]."""
+    seen = []
+    submit = sch.submit
+
+    def wrapper(req):
+        times, sink = [], req.sink
+
+        def timed(ev):
+            times.append(time.perf_counter())
+            sink(ev)
+        req.sink = timed
+        seen.append((req, times))
+        submit(req)
+    monkeypatch.setattr(sch, "submit", wrapper)
+    return seen
+
+
+def test_a_new_request_does_not_wait_and_a_long_prompt_does_not_freeze(served, monkeypatch):
+    """A request with a long prompt, arriving while another streams, finishes while the
+    stream keeps going; its prompt is prefilled in chunks, and the stream gets a token
+    between every two of them."""
+    _idle(served)
+    base, sch = served["base"], _sched(served)
+    seen = _timed(sch, monkeypatch)
+    ids_long = served["refs"]["long"][0] * 2
+    with httpx.stream("POST", base + "/v1/completions", headers=_auth(), timeout=60,
+                      json={"model": NAME, "prompt": "def main():", "max_tokens": 300,
+                            "temperature": 0, "stream": True, "ignore_eos": True}) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+        r = _post(base, "/v1/completions", {"model": NAME, "prompt": ids_long,
+                                            "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+        (stream, st_times), (long, lg_times) = seen
+        assert stream.finished is None          # still streaming: it has 300 tokens to make
+        assert long.steps == -(-len(ids_long) // CHUNK) + 1   # chunks, then one decode step
+        # the stream's tokens while the long prompt was prefilled: one per chunk (25 chunks
+        # of 8); one forward of the whole prompt would leave it ~1
+        during = [t for t in st_times if long.t_submit < t < lg_times[0]]
+        assert len(during) >= 15, len(during)
+
+
+def test_seeded_sampling_is_reproducible(served):
+    c = served["client"]
+    kw = dict(model=NAME, prompt=PROMPTS["fox"][0], max_tokens=16, temperature=1.3,
+              top_p=0.95, extra_body={"top_k": 50})
+    a = c.completions.create(seed=7, **kw).choices[0].text
+    # the same seed while another request decodes beside it
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("o", c.completions.create(
+        model=NAME, prompt="x = [", max_tokens=40, temperature=1.0, seed=1)))
+    th.start()
+    b = c.completions.create(seed=7, **kw).choices[0].text
+    th.join()
+    assert a == b
+    others = {c.completions.create(seed=s, **kw).choices[0].text for s in (8, 9, 10)}
+    assert len(others | {a}) > 1  # the seed matters
+
+
+# -- bad input, auth, queue, disconnects, faults ---------------------------------------------------
+
+BAD = [
+    (b"{not json", 400, None, "invalid_json"),
+    (b"\xff\xfe{}", 400, None, "invalid_encoding"),
+    (b"[1, 2]", 400, None, "invalid_json"),
+    ({"prompt": "x"}, 400, "model", None),
+    ({"model": 5, "prompt": "x"}, 400, "model", None),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+    ({"model": NAME}, 400, "prompt", None),
+    ({"model": NAME, "prompt": 5}, 400, "prompt", None),
+    ({"model": NAME, "prompt": ""}, 400, "prompt", None),
+    ({"model": NAME, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ({"model": NAME, "prompt": [1, 99999]}, 400, "prompt", None),
+    ({"model": NAME, "prompt": [7] * 600}, 400, "prompt", "context_length_exceeded"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"model": NAME, "prompt": "x", "max_tokens": -3}, 400, "max_tokens", None),
+    ({"model": NAME, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ({"model": NAME, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "invalid_type"),
+    ({"model": NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature", None),
+    ({"model": NAME, "prompt": "x", "temperature": 5}, 400, "temperature", None),
+    ({"model": NAME, "prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ({"model": NAME, "prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ({"model": NAME, "prompt": "x", "stop": 5}, 400, "stop", None),
+    ({"model": NAME, "prompt": "x", "stop": [""]}, 400, "stop", None),
+    ({"model": NAME, "prompt": "x", "seed": "s"}, 400, "seed", None),
+    ({"model": NAME, "prompt": "x", "n": 2}, 400, "n", None),
+    ({"model": NAME, "prompt": "x", "logprobs": 3}, 400, "logprobs", None),
+    ({"model": NAME, "prompt": "x", "stream_options": 1}, 400, "stream_options", None),
+]
+BAD_CHAT = [
+    ({"model": NAME}, 400, "messages", None),
+    ({"model": NAME, "messages": "hi"}, 400, "messages", None),
+    ({"model": NAME, "messages": []}, 400, "messages", None),
+    ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages[0].role", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": 3}]}, 400,
+     "messages[0].content", None),
+    ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages[0].content[0]", None),
+    ({"model": NAME, "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", None),
+]
+
+
+def test_bad_input_is_refused_and_nothing_is_lost(served):
+    base = served["base"]
+    before = _metric(base, "specmoe_generation_tokens_total") or 0.0
+    for path, cases in (("/v1/completions", BAD), ("/v1/chat/completions", BAD_CHAT)):
+        for body, status, param, code in cases:
+            if isinstance(body, bytes):
+                r = _post(base, path, content=body)
+            else:
+                r = _post(base, path, body)
+            assert r.status_code == status, (path, body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, err
+            assert err["message"] and err["type"] == "invalid_request_error", err
+            assert err["param"] == param, (body, err)
+            if code is not None:
+                assert err["code"] == code, (body, err)
+    r = httpx.get(base + "/v1/nowhere", headers=_auth())
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(base + "/v1/completions", headers=_auth())
+    assert r.status_code == 405 and "error" in r.json()
+    # nothing reached the worker, and it still serves exactly
+    assert (_metric(base, "specmoe_generation_tokens_total") or 0.0) == before
+    _, text, n = served["refs"]["short"]
+    r = _post(base, "/v1/completions", {"model": NAME, "prompt": PROMPTS["short"][0],
+                                        "max_tokens": n, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+
+
+def test_api_key(served):
+    base = served["base"]
+    body = {"model": NAME, "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": "Basic " + KEY}):
+        r = _post(base, "/v1/completions", body, headers=headers)
+        assert r.status_code == 401, headers
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(base + "/v1/models", headers=headers).status_code == 401
+    assert _post(base, "/v1/completions", body).status_code == 200
+    bad = openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(base + "/health").status_code == 200   # open without the key
+
+
+def _open_stream(base, max_tokens, prompt="def main():"):
+    """A streaming request whose first event has arrived: (context manager, response,
+    line iterator)."""
+    cm = httpx.stream("POST", base + "/v1/completions", headers=_auth(), timeout=60,
+                      json={"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0, "stream": True, "ignore_eos": True})
+    resp = cm.__enter__()
+    assert resp.status_code == 200
+    lines = resp.iter_lines()
+    next(lines)
+    return cm, resp, lines
+
+
+def test_client_disconnect_cancels_its_sequence(served):
+    _idle(served)
+    base, sch = served["base"], _sched(served)
+    cm, resp, lines = _open_stream(base, 400)
+    for _ in range(3):
+        next(lines)
+    req = sch.running[0]
+    cm.__exit__(None, None, None)   # the client goes away mid-stream
+    t0 = time.time()
+    while sch.running:
+        assert time.time() - t0 < 2, "the cancelled sequence is still running"
+        time.sleep(0.005)
+    assert req.cancelled and req.kv is None and len(req.generated) < 200
+    n = len(req.generated)
+    time.sleep(0.1)
+    assert len(req.generated) == n
+    assert _metric(base, "specmoe_running_sequences") == 0
+
+
+def test_queue_full_is_429_with_retry_after(served):
+    """max_batch 4 running and max_queue 2 waiting: the 7th request is refused."""
+    _idle(served)
+    base, sch = served["base"], _sched(served)
+    streams = [_open_stream(base, 300) for _ in range(4)]
+    waiters, results = [], []
+    try:
+        for _ in range(2):
+            th = threading.Thread(target=lambda: results.append(_post(
+                base, "/v1/completions", {"model": NAME, "prompt": "x = 1", "max_tokens": 2,
+                                          "temperature": 0})))
+            th.start()
+            waiters.append(th)
+        t0 = time.time()
+        while sch.waiting < 2:
+            assert time.time() - t0 < 10, (sch.waiting, len(sch.running))
+            time.sleep(0.005)
+        assert _metric(base, "specmoe_queue_depth") == 2
+        r = _post(base, "/v1/completions", {"model": NAME, "prompt": "y", "max_tokens": 1})
+        assert r.status_code == 429, r.text
+        assert r.headers["Retry-After"].isdigit()
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        for cm, _, _ in streams:
+            cm.__exit__(None, None, None)
+        for th in waiters:
+            th.join(60)
+    assert [r.status_code for r in results] == [200, 200]  # the queued ones were served
+    assert _metric(base, "specmoe_requests_total",
+                   '{endpoint="completions",outcome="rejected"}') >= 1
+
+
+def test_model_exception_fails_one_request(served):
+    """A forward that raises fails its own request with a 500 naming the reason; a request
+    decoding beside it finishes with the right tokens; the server keeps serving."""
+    _idle(served)
+    base, refs, model = served["base"], served["refs"], served["model"]
+    emb = model.get_input_embeddings()
+
+    def poison(module, args):
+        if bool((args[0] == POISON).any()):
+            raise RuntimeError("injected fault in the embedding")
+
+    hook = emb.register_forward_pre_hook(poison)
+    try:
+        ids, text, n = refs["mid"]
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("r", _post(
+            base, "/v1/completions", {"model": NAME, "prompt": PROMPTS["mid"][0],
+                                      "max_tokens": n, "temperature": 0})))
+        th.start()
+        time.sleep(0.05)
+        for stream in (False, True):
+            r = _post(base, "/v1/completions", {"model": NAME, "prompt": [5, POISON, 6],
+                                                "max_tokens": 4, "stream": stream})
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "injected fault" in err["message"]
+        th.join(60)
+        assert box["r"].status_code == 200 and box["r"].json()["choices"][0]["text"] == text
+    finally:
+        hook.remove()
+    _, text, n = refs["fox"]
+    r = _post(base, "/v1/completions", {"model": NAME, "prompt": PROMPTS["fox"][0],
+                                        "max_tokens": n, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+
+
+def test_metrics(served):
+    base = served["base"]
+    _post(base, "/v1/completions", {"model": NAME, "prompt": "def g():", "max_tokens": 4,
+                                    "temperature": 0})
+    time.sleep(0.6)  # the worker refreshes its copy of the Engine's statistics every 0.5 s
+    text = httpx.get(base + "/metrics").text
+    for name in ("specmoe_queue_depth", "specmoe_running_sequences",
+                 "specmoe_prompt_tokens_total", "specmoe_generation_tokens_total",
+                 "specmoe_time_to_first_token_seconds_count",
+                 "specmoe_inter_token_latency_seconds_count", "specmoe_expert_cache_hit_rate",
+                 "specmoe_expert_stall_seconds_total", "specmoe_expert_bytes_read_total",
+                 "process_resident_memory_bytes"):
+        assert re.search(rf"^{name} ", text, re.M), name
+    assert _metric(base, "specmoe_requests_total",
+                   '{endpoint="completions",outcome="success"}') >= 1
+    assert _metric(base, "specmoe_time_to_first_token_seconds_count") >= 1
+    assert _metric(base, "specmoe_inter_token_latency_seconds_count") >= 3
+    assert _metric(base, "specmoe_generation_tokens_total") >= 4
+    hr = _metric(base, "specmoe_expert_cache_hit_rate")
+    assert 0 < hr <= 1
+    assert _metric(base, "specmoe_expert_bytes_read_total") > 0
+    assert _metric(base, "process_resident_memory_bytes") > 2**20
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def test_serve_arguments_are_checked_before_loading(served, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, names in (
+                (["serve", str(ZOO), "--port", str(port)], ["--port", str(port)]),
+                (["serve", str(ZOO), "--cache", "200%"], ["--cache"]),
+                (["serve", str(ZOO), "--api-key", " "], ["--api-key"]),
+                (["serve", str(ZOO), "--host", "no-such-host.invalid"], ["--host"]),
+                (["serve", str(ZOO) + "-missing"], ["tiny-moe-missing"])):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exc:
+                main(argv)
+            err = capsys.readouterr().err
+            assert exc.value.code == 1 and "Traceback" not in err, err
+            last = err.strip().splitlines()[-1]
+            assert last.startswith("specmoe: error: "), err
+            assert all(n in last for n in names), last
+
+
+def test_cli_serve_and_sigterm(served):
+    """``python -m specmoe serve``: the zoo tokenizer has no chat template (400); SIGTERM
+    mid-stream: no new request is admitted, the stream finishes, the process exits 0."""
+    port = _free_port()
+    env = dict(os.environ, SPECMOE_CACHE=str(served["cache_dir"]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "specmoe", "serve", str(ZOO), "--port",
+                             str(port), "--threads", "1", "--log-level", "warning",
+                             "--shutdown-timeout", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(Path(__file__).resolve().parent.parent), env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.time() - t0 < 60, "specmoe serve did not come up"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        r = httpx.post(base + "/v1/chat/completions", timeout=30,
+                       json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_missing"
+        with httpx.Client(timeout=30) as other:
+            assert other.get(base + "/health").status_code == 200  # a kept-alive connection
+            with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                              json={"model": NAME, "prompt": "def main():", "max_tokens": 150,
+                                    "temperature": 0, "stream": True,
+                                    "ignore_eos": True}) as resp:
+                lines = resp.iter_lines()
+                next(lines)
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                try:   # not admitted any more: refused (503) or the connection closed
+                    late = other.post(base + "/v1/completions",
+                                      json={"model": NAME, "prompt": "x", "max_tokens": 1})
+                    assert late.status_code == 503, late.text
+                except httpx.TransportError:
+                    pass
+                rest = [ln for ln in lines if ln]
+            assert rest[-1] == "data: [DONE]"
+            texts = [json.loads(ln[6:]) for ln in rest if ln.startswith("data: {")]
+            assert texts[-1]["choices"][0]["finish_reason"] == "length"
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "Traceback" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
