@@ -341,6 +341,7 @@ BAD = [
     ({"model": NAME, "prompt": "x", "n": 2}, 400, "n", None),
     ({"model": NAME, "prompt": "x", "logprobs": 3}, 400, "logprobs", None),
     ({"model": NAME, "prompt": "x", "stream_options": 1}, 400, "stream_options", None),
+    (b'{"model": "tiny-moe", "prompt": "a\\ud800b"}', 400, "prompt", "invalid_encoding"),
 ]
 BAD_CHAT = [
     ({"model": NAME}, 400, "messages", None),
@@ -471,12 +472,25 @@ def test_model_exception_fails_one_request(served):
     base, refs, model = served["base"], served["refs"], served["model"]
     emb = model.get_input_embeddings()
 
+    armed = threading.Event()
+
     def poison(module, args):
-        if bool((args[0] == POISON).any()):
+        x = args[0]
+        if bool((x == POISON).any()) or (armed.is_set() and x.numel() == 1):
             raise RuntimeError("injected fault in the embedding")
 
     hook = emb.register_forward_pre_hook(poison)
     try:
+        # a stream that fails after its first tokens: an error event, then [DONE]
+        cm, resp, lines = _open_stream(base, 200)
+        next(lines)
+        armed.set()
+        rest = [ln for ln in lines if ln]
+        cm.__exit__(None, None, None)
+        armed.clear()
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][6:])["error"]
+        assert err["type"] == "server_error" and "injected fault" in err["message"]
         ids, text, n = refs["mid"]
         box = {}
         th = threading.Thread(target=lambda: box.setdefault("r", _post(

@@ -125,6 +125,17 @@ def _bool(body: Dict[str, Any], name: str, default: bool = False) -> bool:
     return v
 
 
+def _utf8(v: str, param: str) -> str:
+    """``v`` if it is encodable text (JSON's ``\\ud800`` escapes decode to lone surrogates,
+    which no tokenizer takes)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(param, f"'{param}' is not valid Unicode text (a lone surrogate at "
+                   f"{e.start})", "invalid_encoding") from None
+    return v
+
+
 def _unsupported(body: Dict[str, Any]) -> None:
     """400 for the OpenAI features this server does not have, when asked for."""
     checks = {
@@ -262,7 +273,7 @@ class Server:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         if isinstance(p, str):
-            ids = self.tokenizer(p).input_ids
+            ids = self.tokenizer(_utf8(p, "prompt")).input_ids
             if not ids:
                 raise _bad("prompt", "'prompt' makes no tokens (empty prompt)")
             return list(ids)
@@ -307,7 +318,7 @@ class Server:
             elif not isinstance(content, str):
                 raise _bad(f"{where}.content", f"'{where}.content' must be a string or an "
                            f"array of text parts, got {_jtype(content)}", "invalid_type")
-            conv.append({"role": role, "content": content})
+            conv.append({"role": role, "content": _utf8(content, f"{where}.content")})
         if not getattr(self.tokenizer, "chat_template", None):
             raise _bad("messages", f"the tokenizer of {self.model_name!r} has no chat "
                        "template: use /v1/completions with a plain prompt",
@@ -360,6 +371,8 @@ class Server:
             raise _bad("stop", f"at most {MAX_STOP} stop strings, got {len(stops)}")
         if any(s == "" for s in stops):
             raise _bad("stop", "stop strings must not be empty")
+        for x in stops:
+            _utf8(x, "stop")
         _unsupported(body)
         eos = frozenset() if _bool(body, "ignore_eos") else self.eos
         return GenParams(max_tokens=mt, temperature=float(temperature or 0.0), top_p=top_p,
