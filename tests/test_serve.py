@@ -414,7 +414,7 @@ def _open_stream(base, max_tokens, prompt="def main():"):
     return cm, resp, lines
 
 
-def test_client_disconnect_cancels_its_sequence(served):
+def test_client_disconnect_cancels_its_sequence(served, monkeypatch):
     _idle(served)
     base, sch = served["base"], _sched(served)
     cm, resp, lines = _open_stream(base, 400)
@@ -431,6 +431,18 @@ def test_client_disconnect_cancels_its_sequence(served):
     time.sleep(0.1)
     assert len(req.generated) == n
     assert _metric(base, "specmoe_running_sequences") == 0
+    # a client that gives up on a request that is not streamed
+    seen = _timed(sch, monkeypatch)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", headers=_auth(), timeout=0.3,
+                   json={"model": NAME, "prompt": "def main():", "max_tokens": 400,
+                         "temperature": 0, "ignore_eos": True})
+    t0 = time.time()
+    while sch.running:
+        assert time.time() - t0 < 2, "the abandoned request is still running"
+        time.sleep(0.005)
+    (req, _), = seen
+    assert req.cancelled and req.finished == "cancelled" and len(req.generated) < 400
 
 
 def test_queue_full_is_429_with_retry_after(served):

@@ -277,12 +277,13 @@ class Scheduler:
                 self._fail(req, 500, f"{type(exc).__name__}: {exc}")
         done = [r for r in self.running if r.finished is not None or r.cancelled]
         if done:
-            with self._cond:
-                self.running = [r for r in self.running if r.finished is None
-                                and not r.cancelled]
-                self._gauges()
             for r in done:
                 r.kv = None  # the KV cache's memory goes now, not when the handler lets go
+                if r.finished is None:
+                    r.finished = "cancelled"
+            with self._cond:
+                self.running = [r for r in self.running if r not in done]
+                self._gauges()
         self.rounds += 1
         self._refresh_stats()
         return True
