@@ -264,21 +264,27 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _policy_option(spec: str) -> Any:
+    """``--policy``: the simulator's spec of a live eviction policy, checked (a CliError
+    naming the option otherwise)."""
+    from .sim.replay import live_policy
+
+    def parse(text: str) -> Any:
+        from .runtime.policies import check_policy
+
+        pol = live_policy(text)
+        check_policy(pol)
+        return pol
+
+    return _option("--policy", spec, parse)
+
+
 def _cmd_run(args) -> int:
     # every argument is checked before the model (and torch) loads
     if args.prompt == "":
         raise CliError("--prompt is empty")
     cache = _option("--cache", args.cache, _capacity)
-    from .sim.replay import live_policy
-
-    def policy_arg(spec: str) -> Any:
-        from .runtime.policies import check_policy
-
-        pol = live_policy(spec)
-        check_policy(pol)
-        return pol
-
-    policy = _option("--policy", args.policy, policy_arg)
+    policy = _policy_option(args.policy)
     _checkpoint(args, args.store)
 
     import time
@@ -286,20 +292,14 @@ def _cmd_run(args) -> int:
     import torch
 
     from .runtime.experts import engine_of
-    from .models.pretrained import from_pretrained
+    from .models.pretrained import from_pretrained, load_tokenizer
 
     if args.threads is not None:
         from .runtime import kernels
         torch.set_num_threads(args.threads)
         kernels.set_num_threads(args.threads)
     try:
-        from transformers import AutoTokenizer
-        ck = Path(args.checkpoint).expanduser()
-        if ck.is_file():  # a GGUF file: its tokenizer is in its metadata
-            tok = AutoTokenizer.from_pretrained(ck.parent, gguf_file=ck.name,
-                                                local_files_only=True)
-        else:
-            tok = AutoTokenizer.from_pretrained(ck, local_files_only=True)
+        tok = load_tokenizer(args.checkpoint)  # a GGUF file's is in its metadata
     except (OSError, ValueError) as exc:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
     ids = tok(args.prompt, return_tensors="pt").input_ids
@@ -372,16 +372,7 @@ def _cmd_serve(args) -> int:
         raise CliError("--model-name is empty")
     if not (args.shutdown_timeout >= 0):
         raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    from .sim.replay import live_policy
-
-    def policy_arg(spec: str) -> Any:
-        from .runtime.policies import check_policy
-
-        pol = live_policy(spec)
-        check_policy(pol)
-        return pol
-
-    policy = _option("--policy", args.policy, policy_arg)
+    policy = _policy_option(args.policy)
     _checkpoint(args, args.store)
     _listen_check(args.host, args.port)
 
@@ -393,9 +384,9 @@ def _cmd_serve(args) -> int:
         from .runtime import kernels
         torch.set_num_threads(args.threads)
         kernels.set_num_threads(args.threads)
+    from .models.pretrained import load_tokenizer
     try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+        tok = load_tokenizer(args.checkpoint)
     except (OSError, ValueError) as exc:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
     asgi = app(args.checkpoint, tok, model_name=args.model_name, api_key=args.api_key,

@@ -32,7 +32,7 @@ from ..storage.conversion import (INT_DTYPES, Checkpoint, CheckpointError, check
                                   default_store_path, expert_block_bytes, open_checkpoint,
                                   open_or_convert, store_dtype, store_settings, write_experts)
 
-__all__ = ["from_pretrained", "convert"]
+__all__ = ["from_pretrained", "convert", "load_tokenizer"]
 
 _EXPERTS_RE = re.compile(r"^(.*\.experts\.)(.+)$")
 
@@ -365,6 +365,16 @@ def convert(path: str | os.PathLike[str], *, dtype: str = "auto",
         return _ensure_store(plan, plan.ckpt.folder, plan.dtype, plan.store, force, progress)
     finally:
         plan.ckpt.close()
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The tokenizer of checkpoint ``path``: a folder's tokenizer files, or a GGUF file's
+    vocabulary (transformers' GGUF tokenizer reader), offline."""
+    from transformers import AutoTokenizer
+    p = Path(path).expanduser()
+    if p.is_file():
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 
 def _load_dense(plan: _Plan) -> None:

@@ -602,8 +602,8 @@ def _load(path: str, tokenizer: Any, cache: Any, dtype: str, kwargs: Dict[str, A
     from ..models.pretrained import from_pretrained
 
     if tokenizer is None:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        from ..models.pretrained import load_tokenizer
+        tokenizer = load_tokenizer(path)
     model = from_pretrained(path, cache=cache, dtype=dtype, **kwargs)
     return model, tokenizer
 
