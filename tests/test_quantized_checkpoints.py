@@ -26,16 +26,7 @@ from specmoe.models.testing import save_fp8_checkpoint, save_gptq_checkpoint, ti
 from specmoe.storage.conversion import CheckpointError
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
-
-
-def _greedy(model, n=10):
-    ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                              do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+from .test_gguf import _cache_dir, _greedy  # noqa: F401 (the autouse fixture applies here)
 
 
 @pytest.mark.parametrize("fmt,arch", [("fp8", "qwen3_moe"), ("fp8", "deepseek_v2"),

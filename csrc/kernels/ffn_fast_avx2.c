@@ -291,10 +291,10 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
         }                                                                                      \
     }
 
-/* 64-column chunk c (index ci of the current 8) of every row into F, groups of 64: chunk c is
- * half c & 1 of block c / 2, whose odd columns start xo bytes into it (64, or 32 in a trailing
- * half block). */
-#define I4_CHUNK(c, ci, F)                                                                     \
+/* 64-column chunk c (index ci of the current 8) of every row into F: chunk c is half c & 1 of
+ * block c / 2, whose odd columns start xo bytes into it (64, or 32 in a trailing half block).
+ * SCALE(q, t, ci): the chunk's scales as 8 lanes (CHUNK_S64 / CHUNK_S32 below). */
+#define I4_CHUNK_WITH(c, ci, F, SCALE)                                                         \
     for (int q = 0; q < NR; q++) {                                                             \
         __m256i lo, hi;                                                                        \
         I4_NIBBLES(w[q] + (size_t)(c) * 32, lo, hi);                                           \
@@ -303,28 +303,18 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
             const int8_t *xb = x + (size_t)t * n + (size_t)(c) / 2 * 128 + 32 * ((c) & 1);     \
             __m256i p = i4_chunk(lo, hi, xb, xb + xo);                                         \
             F[q][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),          \
-                                      _mm256_broadcast_ss(&S[q][t][ci]), F[q][t]);             \
+                                      SCALE(q, t, ci), F[q][t]);                               \
         }                                                                                      \
     }
-
-/* 64-column chunk c (index ci of the current 8) of every row into F, groups of 32: as
- * I4_CHUNK, but the chunk's two groups have their own scales, S[q][t][2ci] for the low 128-bit
- * lane (bytes 0..15 of the chunk: columns 0..31) and S[q][t][2ci + 1] for the high one. */
-#define I4_CHUNK32(c, ci, F)                                                                   \
-    for (int q = 0; q < NR; q++) {                                                             \
-        __m256i lo, hi;                                                                        \
-        I4_NIBBLES(w[q] + (size_t)(c) * 32, lo, hi);                                           \
-        const uint32_t xo = (c) / 2 * 128 + 128 <= n ? 64 : 32;                                \
-        for (int t = 0; t < NT; t++) {                                                         \
-            const int8_t *xb = x + (size_t)t * n + (size_t)(c) / 2 * 128 + 32 * ((c) & 1);     \
-            __m256i p = i4_chunk(lo, hi, xb, xb + xo);                                         \
-            __m256 sc = _mm256_insertf128_ps(                                                  \
-                _mm256_castps128_ps256(_mm_broadcast_ss(&S[q][t][2 * (ci)])),                  \
-                _mm_broadcast_ss(&S[q][t][2 * (ci) + 1]), 1);                                  \
-            F[q][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), sc,      \
-                                      F[q][t]);                                                \
-        }                                                                                      \
-    }
+/* groups of 64: one scale for the chunk */
+#define CHUNK_S64(q, t, ci) _mm256_broadcast_ss(&S[q][t][ci])
+/* groups of 32: S[q][t][2ci] for the low 128-bit lane (bytes 0..15 of the chunk: columns
+ * 0..31) and S[q][t][2ci + 1] for the high one */
+#define CHUNK_S32(q, t, ci)                                                                    \
+    _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&S[q][t][2 * (ci)])),         \
+                         _mm_broadcast_ss(&S[q][t][2 * (ci) + 1]), 1)
+#define I4_CHUNK(c, ci, F) I4_CHUNK_WITH(c, ci, F, CHUNK_S64)
+#define I4_CHUNK32(c, ci, F) I4_CHUNK_WITH(c, ci, F, CHUNK_S32)
 
 /* int4: acc[q][t] = the lanes of sum over 64-column chunks c of sw_q[g(c)] * xs_t[c/2] *
  * ((u . xq_t)_c - 8 * sum(xq_t)_c), w_q packed [n/2] bytes, ws_q its group scales, x int8

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -166,19 +167,6 @@ def save_checkpoint(model: nn.Module, folder: str | Path, *, layout: str = "per_
     return folder
 
 
-# the inverse of specmoe.storage.gguf's name map: transformers name -> GGUF name
-def _gguf_name(name: str, arch: str) -> str | None:
-    from ..storage.gguf import _ARCH_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
-    top = {v: k for k, v in _TOP_NAMES.items()}
-    if name in top:
-        return top[name]
-    layer = {v: k for k, v in dict(_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})).items()}
-    parts = name.split(".", 3)  # model, layers, N, rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
-        return f"blk.{parts[2]}.{layer[parts[3]]}"
-    return None
-
-
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe or deepseek_v2) as a GGUF file the way
@@ -194,7 +182,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     import numpy as np
     from gguf.quants import dequantize, quantize
 
-    from ..storage.gguf import ARCHITECTURES, _PERMUTED_QK
+    from ..storage.gguf import ARCHITECTURES, PERMUTED_QK, gguf_name
 
     cfg = model.config
     arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
@@ -303,9 +291,9 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
             vb = put(f"blk.{blk}.attn_v_b.weight", kv[:, nope:])
             held[name] = torch.from_numpy(
                 np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(a.shape).copy())
-        elif (g := _gguf_name(name, arch)) is None:
+        elif (g := gguf_name(name, arch)) is None:
             raise ValueError(f"save_gguf: no GGUF name for {name}")
-        elif arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+        elif arch in PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             r, c = a.shape
             # llama.cpp's converter: each head's rows from (pair, half) to (half, pair) order
@@ -332,12 +320,9 @@ def save_fp8_checkpoint(model: nn.Module, folder: str | Path, *, block: int = 12
     dequantized: the reference."""
     import json
 
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     save_checkpoint(model, folder, layout="per_expert")
     shards = sorted(folder.glob("*.safetensors"))
-    from safetensors.torch import load_file
 
     def fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r, c = w.shape
@@ -352,17 +337,11 @@ def save_fp8_checkpoint(model: nn.Module, folder: str | Path, *, block: int = 12
         full = s.repeat_interleave(block, 0)[:r].repeat_interleave(block, 1)[:, :c]
         return q, s.float(), q.float() * full
 
-    for sh in shards:
-        sd = load_file(str(sh))
-        out: dict[str, torch.Tensor] = {}
-        for k, v in sd.items():
-            if not _quantized_linear(k, v):
-                out[k] = v
-                continue
-            q, s, _ = fp8(v)
-            out[k] = q
-            out[k[:-len("weight")] + "weight_scale_inv"] = s
-        save_file(out, str(sh), metadata={"format": "pt"})
+    def put(k: str, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, s, _ = fp8(v)
+        return {k: q, k[:-len("weight")] + "weight_scale_inv": s}
+
+    _rewrite_linear_weights(shards, put)
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
@@ -387,6 +366,21 @@ def _quantized_linear(k: str, v: torch.Tensor) -> bool:
             and "norm" not in k)  # (routers: mlp.gate, Mixtral's block_sparse_moe.gate)
 
 
+def _rewrite_linear_weights(shards: list[Path], put: Any) -> None:
+    """Rewrite each safetensors shard with every quantized linear weight ``k``
+    (:func:`_quantized_linear`) replaced by the tensors ``put(k, weight)`` returns."""
+    from safetensors.torch import load_file, save_file
+
+    for sh in shards:
+        out: dict[str, torch.Tensor] = {}
+        for k, v in load_file(str(sh)).items():
+            if _quantized_linear(k, v):
+                out.update(put(k, v))
+            else:
+                out[k] = v
+        save_file(out, str(sh), metadata={"format": "pt"})
+
+
 def save_gptq_checkpoint(model: nn.Module, folder: str | Path, *, group: int = 32,
                          act_order: bool = False, seed: int = 0,
                          ) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -397,8 +391,6 @@ def save_gptq_checkpoint(model: nn.Module, folder: str | Path, *, group: int = 3
     (``act_order``: the columns' groups follow a random permutation, as desc_act makes them).
     Returns the folder and the dequantized weights (transformers' names): the reference."""
     import json
-
-    from safetensors.torch import load_file, save_file
 
     folder = Path(folder)
     save_checkpoint(model, folder, layout="per_expert")
@@ -424,19 +416,12 @@ def save_gptq_checkpoint(model: nn.Module, folder: str | Path, *, group: int = 3
         return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}, deq
 
     ref: dict[str, torch.Tensor] = {}
-    for sh in sorted(folder.glob("*.safetensors")):
-        sd = load_file(str(sh))
-        out: dict[str, torch.Tensor] = {}
-        for k, v in sd.items():
-            if not _quantized_linear(k, v):
-                out[k] = v
-                continue
-            parts, deq = gptq(v)
-            prefix = k[:-len(".weight")]
-            for n, t in parts.items():
-                out[f"{prefix}.{n}"] = t
-            ref[k] = deq
-        save_file(out, str(sh), metadata={"format": "pt"})
+
+    def put(k: str, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts, ref[k] = gptq(v)
+        return {f"{k[:-len('.weight')]}.{n}": t for n, t in parts.items()}
+
+    _rewrite_linear_weights(sorted(folder.glob("*.safetensors")), put)
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,

@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ARCHITECTURES", "GgufCheckpoint", "GgufError", "is_gguf", "natural_dtype"]
+__all__ = ["ARCHITECTURES", "PERMUTED_QK", "GgufCheckpoint", "GgufError", "gguf_name", "is_gguf",
+           "natural_dtype"]
 
 
 class GgufError(ValueError):
@@ -55,7 +56,7 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 # the rotary rows of q/k are permuted by llama.cpp's converter for these architectures
-_PERMUTED_QK = {"llama"}
+PERMUTED_QK = frozenset({"llama"})
 
 # GGUF tensor name (after "blk.N.") -> the transformers parameter (after "model.layers.N.")
 _LAYER_NAMES: dict[str, str] = {
@@ -107,6 +108,19 @@ _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # GGUF expert type -> the nearest store dtype (dtype="auto")
 _NEAREST = {"F32": "f32", "F16": "bf16", "BF16": "bf16", "Q8_0": "int8", "Q8_1": "int8",
             "Q6_K": "int8", "Q8_K": "int8"}
+
+
+def gguf_name(name: str, arch: str) -> str | None:
+    """The GGUF name of transformers tensor ``name`` in llama.cpp architecture ``arch`` (the
+    inverse of the reader's map; None for the experts and for names it has no entry for)."""
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    if name in top:
+        return top[name]
+    layer = {v: k for k, v in dict(_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})).items()}
+    parts = name.split(".", 3)  # model, layers, N, rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
+        return f"blk.{parts[2]}.{layer[parts[3]]}"
+    return None
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -432,7 +446,7 @@ class GgufCheckpoint:
         """Undo the converter's permutation of q/k rows (``llama`` only)."""
         if key.endswith("shared_expert_gate.weight") and a.ndim == 1:
             a = a.reshape(1, -1)  # llama.cpp holds this [1, H] router as a vector
-        if self.arch in _PERMUTED_QK and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if self.arch in PERMUTED_QK and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = int(self._m("attention.head_count"))
             n = heads if key.endswith("q_proj.weight") else int(
                 self._m("attention.head_count_kv", heads))
