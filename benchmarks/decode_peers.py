@@ -35,6 +35,10 @@ Rows (one checkpoint, one prompt, every row with all experts in memory):
   ``llama-completion`` with mmap, greedy, ``-t``/``-tb`` = threads, ``-c 256``, after a separate
   warm-up process on another prompt (:meth:`big_model.LlamaCpp.run_row`).
 
+* ``specmoe+dense-gguf-Q4_0``: specmoe reading **the same GGUF file** as the ``llama.cpp-Q4_0``
+  row (``specmoe.from_pretrained(file, dtype="auto", dense="int4")``): the Q4_0 experts kept
+  bit for bit (int4 in groups of 32), the dense weights dequantized from Q4_0 and run by the C
+  int4 kernels (groups of 128).  Same file, same expert bits as llama.cpp.
 * ``specmoe+dense-f32`` / ``-bf16`` / ``-int8`` / ``-int4``: the same, with ``dense=<p>``: every
   dense linear layer except the routers (attention projections, shared experts, the dense FFN,
   lm_head) runs through specmoe's C kernels at the row's precision (:mod:`specmoe.models.dense`).
@@ -693,7 +697,7 @@ def prepare(model: str, cfg: dict[str, Any], a: argparse.Namespace, rows: list[d
                             "warm_txt": tok.decode(warm_ids), "err": {}, "store": {},
                             "gguf": {}}
     for r in rows:
-        if r["kind"] == "specmoe":
+        if r["kind"] == "specmoe" and "gguf" not in r:
             p = root / f"store-{r['precision']}.smoe"
             errs = prep.setdefault("store_err", {})  # one conversion per precision
             if r["precision"] not in errs and not p.is_file():
@@ -701,7 +705,7 @@ def prepare(model: str, cfg: dict[str, Any], a: argparse.Namespace, rows: list[d
             if errs.get(r["precision"]):
                 prep["err"][r["name"]] = errs[r["precision"]]
             prep["store"][r["name"]] = p
-    ll = [r for r in rows if r["kind"] == "llama.cpp"]
+    ll = [r for r in rows if r["kind"] == "llama.cpp" or "gguf" in r]
     if ll:
         if lc is None or lc.error:
             for r in ll:
@@ -709,17 +713,24 @@ def prepare(model: str, cfg: dict[str, Any], a: argparse.Namespace, rows: list[d
         else:
             # the converter's bf16 GGUF is the BF16 row; the others are quantized from it
             # (convert writes it only when some type is missing: ask for BF16 if alone)
-            types = [r["type"] for r in ll if r["type"] != "BF16"] or ["BF16"]
+            types = sorted({r.get("type") or r["gguf"] for r in ll} - {"BF16"}) or ["BF16"]
             got = lc.convert(ckpt, root / "gguf", types, chash, keep_bf16=True)
             bf16 = root / "gguf" / "model-bf16.gguf"
             if "BF16" not in got:
                 got["BF16"] = bf16 if bf16.is_file() else "the bf16 GGUF was not written"
             for r in ll:
-                g = got.get(r["type"])
-                if isinstance(g, Path):
-                    prep["gguf"][r["name"]] = g
-                else:
+                g = got.get(r.get("type") or r["gguf"])
+                if not isinstance(g, Path):
                     prep["err"][r["name"]] = str(g)
+                    continue
+                prep["gguf"][r["name"]] = g
+                if "gguf" in r:  # specmoe's store of that very file
+                    p = root / f"store-gguf-{r['gguf']}.smoe"
+                    err = None if p.is_file() else bm.convert_store(g, "auto", p,
+                                                                     a.row_timeout)
+                    if err:
+                        prep["err"][r["name"]] = err
+                    prep["store"][r["name"]] = p
     return prep
 
 
@@ -782,6 +793,9 @@ def main() -> None:
         elif kind == "specmoe" and p in SPECMOE_PRECS:
             rows_def.append({"name": n, "kind": "specmoe", "precision": p,
                              "torch_dtype": TORCH_OF[p], "dense": "torch"})
+        elif kind == "specmoe+dense" and p == "gguf-Q4_0":  # llama.cpp-Q4_0's own file
+            rows_def.append({"name": n, "kind": "specmoe", "precision": "int4",
+                             "torch_dtype": "bf16", "dense": "int4", "gguf": "Q4_0"})
         elif kind == "specmoe+dense" and p in SPECMOE_PRECS:
             rows_def.append({"name": n, "kind": "specmoe", "precision": p,
                              "torch_dtype": TORCH_OF[p], "dense": p})
@@ -865,9 +879,11 @@ def main() -> None:
                                                 prep["warm_txt"], t, None, prep["work"],
                                                 a.row_timeout, ctx=llama_ctx)
                     else:
-                        spec = {"kind": r["kind"], "ckpt": str(prep["ckpt"]),
-                                "dense": r.get("dense"),
-                                "dtype": r["precision"], "torch_dtype": r["torch_dtype"],
+                        spec = {"kind": r["kind"], "dense": r.get("dense"),
+                                "ckpt": str(prep["gguf"][name] if "gguf" in r
+                                            else prep["ckpt"]),
+                                "dtype": "auto" if "gguf" in r else r["precision"],
+                                "torch_dtype": r["torch_dtype"],
                                 "store": str(prep["store"].get(name, "")), "threads": ths,
                                 "prompt_ids": prep["prompt_ids"], "warm_ids": prep["warm_ids"],
                                 "decode_tokens": DECODE_TOKENS, "warm_tokens": a.warm_tokens}
@@ -917,6 +933,8 @@ def main() -> None:
                     row["torch_dtype"] = r["torch_dtype"]
                 if r["kind"] == "specmoe":
                     row["dense"] = r["dense"]
+                    if "gguf" in r:
+                        row["same_file_as"] = f"llama.cpp-{r['gguf']}"
                 if not ok:
                     row.update(tok_per_s=None, vs_llama_cpp=None, vs_torch=None,
                                peak_rss_bytes=None, error=rr[0]["error"] if rr else "not run")
