@@ -248,8 +248,8 @@ def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
     for what, sc in (("gate/up", gus), ("down", dns)):
         if not np.isfinite(sc).all():
             raise CheckpointError(f"{plan.ckpt.folder}: decoder layer {plan.layer_ids[pos]} "
-                                  f"expert {e}: {what} has non-finite Q4_0 scales; the file "
-                                  "is damaged")
+                                  f"expert {e}: {what} has non-finite {plan.kept} scales; the "
+                                  "checkpoint is damaged")
     return StoredExpert({"gate": gu[:I], "up": gu[I:], "down": dn, "gate.scale": gus[:I],
                          "up.scale": gus[I:], "down.scale": dns})
 
@@ -348,8 +348,9 @@ def convert(path: str | os.PathLike[str], *, dtype: str = "auto",
             out: str | os.PathLike[str] | None = None, force: bool = False,
             progress: bool = True) -> Path:
     """Convert the routed experts of checkpoint folder (or GGUF file) ``path`` to a specmoe
-    store in ``dtype`` (``f32``, ``bf16``, ``int8``, ``int4``; ``"auto"``: bf16, or for a GGUF
-    file the nearest to its expert type, :func:`store_dtype`) and return the store's path.
+    store in ``dtype`` (``f32``, ``bf16``, ``int8``, ``int4``; ``"auto"``: bf16, int4 for a
+    GPTQ checkpoint, or for a GGUF file the nearest to its expert type,
+    :func:`specmoe.storage.conversion.store_dtype`) and return the store's path.
 
     out: the store file (default: :func:`specmoe.storage.conversion.default_store_path`, under
     ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``).  An up-to-date store there is kept as it is
@@ -426,7 +427,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     metadata, :mod:`specmoe.storage.gguf`).  cache: the expert cache as slots, a fraction
     (``0.25``, ``"25%"``) or a byte size (``"6GiB"``).  dtype: the store's expert format
     (``f32``, ``bf16``, ``int8`` per row, ``int4`` in groups, ``int2`` in groups with scale and
-    offset; ``"auto"``: bf16, or for a GGUF file the nearest to its experts' type).  policy: eviction policy name or
+    offset; ``"auto"``: bf16, int4 for a GPTQ checkpoint, for a GGUF file the nearest to its
+    experts' type; GGUF Q4_0 and symmetric GPTQ experts are kept as they are in int4).  policy: eviction policy name or
     object (:func:`specmoe.runtime.engine.available_policies`).  prefetch: the next layer's router
     predicts the experts to load while this layer computes.  store: the store file (default
     one per checkpoint and dtype under ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``), converted on

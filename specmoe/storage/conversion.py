@@ -36,9 +36,9 @@ import numpy as np
 
 from .._C import SpecmoeError
 
-__all__ = ["Checkpoint", "CheckpointError", "CONVERT_VERSION", "default_store_path", "open_checkpoint", "store_dtype", "StoredExpert",
-           "open_or_convert", "store_settings", "write_experts", "check_store_location",
-           "expert_block_bytes"]
+__all__ = ["Checkpoint", "CheckpointError", "CONVERT_VERSION", "default_store_path",
+           "open_checkpoint", "store_dtype", "StoredExpert", "open_or_convert",
+           "store_settings", "write_experts", "check_store_location", "expert_block_bytes"]
 
 CONVERT_VERSION = 1  # bump when the conversion of the same checkpoint would give other bytes
 _HEADER_MAX = 100_000_000  # safetensors' own limit on a shard's JSON header
@@ -371,8 +371,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Any:
 
 def store_dtype(ckpt: Any, dtype: str) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
-    (a safetensors folder) or the one nearest to a GGUF file's expert type (int4 for Q4_K,
-    int8 for Q8_0: :func:`specmoe.storage.gguf.natural_dtype`), said in one line."""
+    (a safetensors folder), int4 (a GPTQ folder) or the one nearest to a GGUF file's expert
+    type (int4 for Q4_K, int8 for Q8_0: :func:`specmoe.storage.gguf.natural_dtype`), said in
+    one line."""
     from .quant import DTYPES
     from .gguf import natural_dtype
     if dtype != "auto":
