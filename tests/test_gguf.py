@@ -39,9 +39,8 @@ def _reference(arch, held):
 
 
 @pytest.mark.parametrize("arch,qtype", [
-    ("mixtral", "F32"), ("qwen2_moe", "F32"), ("qwen3_moe", "F32"), ("olmoe", "F32"),
-    ("mixtral", "Q8_0"), ("qwen3_moe", "Q4_0"), ("olmoe", "Q8_0"), ("deepseek_v2", "F32"),
-    ("deepseek_v2", "Q4_0")])
+    ("mixtral", "F32"), ("qwen2_moe", "F32"), ("qwen3_moe", "Q4_0"), ("olmoe", "Q8_0"),
+    ("deepseek_v2", "F32"), ("deepseek_v2", "Q4_0")])
 def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
     want = _greedy(_reference(arch, held))

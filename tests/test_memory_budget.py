@@ -26,8 +26,8 @@ from specmoe.models import testing
 
 CG_ROOT = Path("/sys/fs/cgroup/memory")
 MiB = 1 << 20
-LAYERS, EXPERTS, HIDDEN, INTER, VOCAB = 20, 8, 256, 4096, 512
-CACHE_SLOTS = 10
+LAYERS, EXPERTS, HIDDEN, INTER, VOCAB = 16, 8, 256, 4096, 512
+CACHE_SLOTS = 8
 PROMPT = [5, 17, 33, 64, 9, 100, 7, 41]
 NEW = 8
 
