@@ -333,7 +333,7 @@ def _prepare(path: Any, dtype: str, torch_dtype: Any,
     store's path (``store``, None: the default one), every check that needs no conversion
     done: the shards' headers, config.json, the store's location, the tensors' names and
     dtypes.  ``plan.dtype`` is the store dtype (:func:`store_dtype`)."""
-    ckpt = path if hasattr(path, "fingerprint") else open_checkpoint(path)
+    ckpt = open_checkpoint(path) if isinstance(path, (str, os.PathLike)) else path
     dtype = store_dtype(ckpt, dtype)
     spath = _store_path(ckpt.folder, dtype, store)
     model = _skeleton(ckpt, torch_dtype, hf_kwargs)

@@ -451,6 +451,18 @@ class _Handlers:
     async def chat(self, request: HTTPRequest) -> Response:
         return await self._generate(request, chat=True)
 
+    def _failed(self, ev: Any, endpoint: str) -> Optional[Response]:
+        """The response for a request that ended before its text did: a cancellation (event
+        None: the client left, 499) or an error event (its status and reason); None for an
+        event that carries text or the end."""
+        if ev is None:
+            self.s.metrics.request(endpoint, "cancelled")
+            return Response(status_code=499)
+        if ev[0] == "error":
+            self.s.metrics.request(endpoint, "error")
+            return error_response(ev[1], ev[2], type="server_error")
+        return None
+
     async def _generate(self, request: HTTPRequest, chat: bool) -> Response:
         s = self.s
         endpoint = "chat" if chat else "completions"
@@ -499,12 +511,9 @@ class _Handlers:
                 # the first event before the headers: a request that fails at once gets its
                 # status code (429 and 503 above, 500 here), not a 200 with an error event
                 first = await _next(q, gone)
-                if first is None:
-                    s.metrics.request(endpoint, "cancelled")
-                    return Response(status_code=499)
-                if first[0] == "error":
-                    s.metrics.request(endpoint, "error")
-                    return error_response(first[1], first[2], type="server_error")
+                failed = self._failed(first, endpoint)
+                if failed is not None:
+                    return failed
                 gone.cancel()
                 handed = True
                 return StreamingResponse(
@@ -514,14 +523,11 @@ class _Handlers:
             pieces: List[str] = []
             while True:
                 ev = await _next(q, gone)
-                if ev is None:
-                    s.metrics.request(endpoint, "cancelled")
-                    return Response(status_code=499)
+                failed = self._failed(ev, endpoint)
+                if failed is not None:
+                    return failed
                 if ev[0] == "text":
                     pieces.append(ev[1])
-                elif ev[0] == "error":
-                    s.metrics.request(endpoint, "error")
-                    return error_response(ev[1], ev[2], type="server_error")
                 else:
                     s.metrics.request(endpoint, "success")
                     return JSONResponse(self._full(rid, created, chat, "".join(pieces), ev[1],

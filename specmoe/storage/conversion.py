@@ -90,7 +90,8 @@ class Checkpoint:
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder / 'config.json'}: missing (not a HuggingFace "
                                     "checkpoint folder)")
-        _check_config(folder / "config.json")
+        qcfg = _check_config(folder / "config.json").get("quantization_config")
+        qcfg = qcfg if isinstance(qcfg, dict) else {}
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -116,18 +117,18 @@ class Checkpoint:
                     keys[k] = s
                     dtypes[k] = str(ent.get("dtype"))
         ck = cls(folder, shards, keys, dtypes=dtypes)
-        ck._read_fp8(folder / "config.json")
-        ck._read_gptq(folder / "config.json")
+        ck._read_fp8(folder / "config.json", qcfg)
+        ck._read_gptq(folder / "config.json", qcfg)
         return ck
 
-    def _read_gptq(self, config: Path) -> None:
+    def _read_gptq(self, config: Path, q: dict[str, Any]) -> None:
         """GPTQ (AutoGPTQ / GPTQModel / optimum layout): for each ``<prefix>.qweight`` int32
         [in/8, out] (eight 4-bit values per int32 along the input, value j at bits 4j),
         ``qzeros`` int32 [groups, out/8] (likewise along the output; stored as zero - 1 in the
         original ``gptq`` format, as they are in ``gptq_v2``), ``scales`` f16 [groups, out]
         and ``g_idx`` [in] (each input column's group; act-order permutes it), the weight
-        ``<prefix>.weight`` [out, in] = scales[g_idx[k], o] * (q[k, o] - zero[g_idx[k], o])."""
-        q = json.loads(config.read_text()).get("quantization_config") or {}
+        ``<prefix>.weight`` [out, in] = scales[g_idx[k], o] * (q[k, o] - zero[g_idx[k], o]).
+        ``q``: config.json's quantization_config."""
         packed = [k for k in self.keys if k.endswith(".qweight")]
         if q.get("quant_method") not in ("gptq",):
             if packed:
@@ -176,33 +177,21 @@ class Checkpoint:
         import torch
 
         prefix = self.gptq_of[key]
-
-        def get(name: str) -> Any:
-            k = prefix + name
-            h = self.handle(self.keys[k])
-            return h.get_tensor(k) if index is None else h.get_slice(k)[index]
-
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-        qw, qz, sc = get(".qweight"), get(".qzeros"), get(".scales").float()
-        q = ((qw.unsqueeze(-2) >> shifts[:, None]) & 15).reshape(qw.shape[-2] * 8, -1)
-        z = ((qz.unsqueeze(-1) >> shifts) & 15).reshape(qz.shape[-2], -1)
-        if self.gptq["v1"]:
-            z = z + 1
+        q, z, sc, g = self._gptq_parts(key, index)
         where = f"{self.keys[prefix + '.qweight']}: GPTQ weight {key}"
         if not bool((z == 8).all()):
             raise CheckpointError(f"{where}: zero points other than 8 although the config says "
                                   "sym; convert with dtype='int8' or 'bf16' to dequantize it")
-        g = self.gptq["group_size"]
-        if prefix + ".g_idx" in self.keys:
-            gi = get(".g_idx").long()
-            if not bool((gi == torch.arange(q.shape[0]) // g).all()):
-                raise CheckpointError(f"{where}: g_idx is not in column order (act-order)")
+        if not bool((g == torch.arange(q.shape[0]) // self.gptq["group_size"]).all()):
+            raise CheckpointError(f"{where}: g_idx is not in column order (act-order)")
         u = q.t().contiguous().numpy().astype(np.uint8)  # [out, in]
         return (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8), \
             np.ascontiguousarray(sc.t().numpy(), dtype=np.float32)
 
-    def _gptq(self, w: str, index: int | None = None) -> Any:
-        """The f32 weight ``w`` of a GPTQ layer (expert ``index`` of a stacked one)."""
+    def _gptq_parts(self, w: str, index: int | None = None) -> tuple[Any, Any, Any, Any]:
+        """GPTQ weight ``w`` (expert ``index`` of a stacked one) unpacked: the 4-bit values
+        q [in, out], the zero points [groups, out], the f32 scales [groups, out] and each
+        input column's group [in] (g_idx, or column order when the file has none)."""
         import torch
 
         prefix = self.gptq_of[w]
@@ -220,8 +209,7 @@ class Checkpoint:
         if self.gptq["v1"]:
             z = z + 1
         n_in = q.shape[-2]
-        gkey = prefix + ".g_idx"
-        if gkey in self.keys:
+        if prefix + ".g_idx" in self.keys:
             g = get(".g_idx").long()
         else:
             gs = self.gptq["group_size"]
@@ -231,14 +219,18 @@ class Checkpoint:
             raise CheckpointError(f"{self.keys[prefix + '.qweight']}: GPTQ tensors of {prefix} "
                                   f"do not fit: qweight {tuple(qw.shape)}, qzeros "
                                   f"{tuple(qz.shape)}, scales {tuple(sc.shape)}")
+        return q, z, sc, g
+
+    def _gptq(self, w: str, index: int | None = None) -> Any:
+        """The f32 weight ``w`` of a GPTQ layer (expert ``index`` of a stacked one)."""
+        q, z, sc, g = self._gptq_parts(w, index)
         w_t = (q.float() - z[..., g, :].float()) * sc[..., g, :]  # [in, out]
         return w_t.transpose(-1, -2).contiguous()
 
-    def _read_fp8(self, config: Path) -> None:
+    def _read_fp8(self, config: Path, q: dict[str, Any]) -> None:
         """FP8 block quantization: each F8_E4M3 ``*.weight`` with a ``*.weight_scale_inv``
         beside it is read as e4m3 times the scale of its block (the scales are not model
-        tensors, :meth:`tensor` applies them)."""
-        q = json.loads(config.read_text()).get("quantization_config") or {}
+        tensors, :meth:`tensor` applies them).  ``q``: config.json's quantization_config."""
         f8 = [k for k, d in self.dtypes.items() if d.startswith("F8_")]
         if not f8:
             return
@@ -400,9 +392,9 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
     return dt
 
 
-def _check_config(path: Path) -> None:
-    """config.json must be a JSON object: the error names the file and where the JSON breaks
-    (transformers' own message names neither)."""
+def _check_config(path: Path) -> dict[str, Any]:
+    """config.json, which must be a JSON object: the error names the file and where the JSON
+    breaks (transformers' own message names neither)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -418,6 +410,7 @@ def _check_config(path: Path) -> None:
         raise CheckpointError(f"{path}: not valid JSON: nested too deep") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: not a JSON object (a {type(cfg).__name__})")
+    return cfg
 
 
 def _shard_header(path: Path) -> dict[str, Any]:

@@ -171,7 +171,7 @@ class GgufCheckpoint:
     dtypes: dict[str, str]
     _tensors: dict[str, Any] = field(default_factory=dict, repr=False)  # GGUF name -> tensor
     _sources: dict[str, Any] = field(default_factory=dict, repr=False)  # hf key -> GGUF names
-    _reader: Any = field(default=None, repr=False)
+    _reader: Any = field(default=None, repr=False)  # owns the file map the tensors view
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "GgufCheckpoint":
