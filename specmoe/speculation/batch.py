@@ -61,6 +61,9 @@ class BatchKV:
     def __init__(self, model: nn.Module, batch: int) -> None:
         self.model = model
         self.kv = new_kv(model)
+        # The bookkeeping (mask, npos) stays on the CPU, where Python indexes it; what the
+        # model reads goes to the device of its embeddings (_call, forward_mtp).
+        self.device = model.get_input_embeddings().weight.device
         self.mask = torch.zeros((batch, 0), dtype=torch.long)
         self.npos: List[int] = [0] * batch
         self.compactions = 0
@@ -74,8 +77,10 @@ class BatchKV:
         return int(self.mask.shape[1])
 
     def _call(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        d = self.device
         with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+            out = self.model(input_ids=ids.to(d), attention_mask=mask.to(d),
+                             position_ids=pos.to(d),
                              use_cache=True, **cache_kwargs(self.model, self.kv))
         self._check_layers()
         return out.logits
@@ -93,7 +98,7 @@ class BatchKV:
         holes, position ids count the real tokens (as transformers' generate computes them)."""
         if ids.shape[1] == 0:
             return
-        mask = mask.to(torch.long)
+        mask = mask.to("cpu", torch.long)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         self._call(ids, torch.cat([self.mask, mask], 1), pos)
         self.mask = torch.cat([self.mask, mask], 1)
@@ -143,9 +148,11 @@ class BatchKV:
             bias[b, 0, :, L + c[b]:L + A] = lo                        # padding anchors
         pos = torch.stack([rel - L + p for p in self.npos])
         ids = torch.tensor([list(r) + [r[-1]] * (A - len(r)) for r in rows], dtype=torch.long)
+        d = self.device
         with torch.no_grad():
-            lg, ml = adapter.forward_mtp(self.model, ids, m, past=L, kv=self.kv,
-                                         layout=(pos, bias), fetch_masks=fetch_masks)
+            lg, ml = adapter.forward_mtp(self.model, ids.to(d), m, past=L, kv=self.kv,
+                                         layout=(pos.to(d), bias.to(d)),
+                                         fetch_masks=fetch_masks)
         self._check_layers()
         if m:
             self.kv.crop(-(A * m))
@@ -204,7 +211,7 @@ class BatchKV:
             return
         t = torch.tensor(list(rows), dtype=torch.long)
         if self.length:
-            self.kv.batch_select_indices(t)
+            self.kv.batch_select_indices(t.to(self.device))
         self.mask = self.mask[t]
         self.npos = [self.npos[r] for r in rows]
         self.trim()
@@ -492,7 +499,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
     gen_rows = [s[len(p):] for s, p in zip(seqs, prompts)]
     width = max(len(g) for g in gen_rows)
     out = torch.full((B, n + width), int(pad_token_id), dtype=torch.long)
-    out[:, :n] = ids
+    out[:, :n] = ids.cpu()
     for b, g in enumerate(gen_rows):
         out[b, n:n + len(g)] = torch.tensor(g, dtype=torch.long)
     new_tokens = sum(len(g) for g in gen_rows)

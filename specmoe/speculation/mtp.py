@@ -335,19 +335,22 @@ class MtpAdapter(nn.Module):
         m = int(n_masks)
         if not 0 <= m <= self.cfg.k:
             raise ValueError(f"n_masks must be in [0, {self.cfg.k}], got {n_masks}")
-        emb = model.get_input_embeddings()(anchors)
+        table = model.get_input_embeddings()
+        dev = table.weight.device  # the ids, positions and bias go where the model runs
+        emb = table(anchors.to(dev))
         if layout is None:
             pos, bias = mtp_layout(A, m, past, emb.dtype)
             pos, bias = pos.unsqueeze(0).expand(B, -1), bias.expand(B, 1, -1, -1)
         else:
             pos, bias = layout
+        pos, bias = pos.to(dev), bias.to(dev)
         if m:
             me = self.mask_emb[:m].to(emb.dtype)
             masks = me.unsqueeze(0).expand(A, m, -1).reshape(1, A * m, -1).expand(B, -1, -1)
             x = torch.cat([emb, masks], 1)
         else:
             x = emb
-        self.gate.index = torch.arange(A, A + A * m) if m else None
+        self.gate.index = torch.arange(A, A + A * m, device=dev) if m else None
         engine = None
         if m and not fetch_masks:
             from ..runtime.experts import find_engine
