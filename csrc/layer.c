@@ -63,6 +63,11 @@ int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
     g->pinned = calloc(E, 1);
     g->blocks = calloc(E, sizeof *g->blocks);
     g->grp_start = malloc(sizeof *g->grp_start * ((size_t)E + 1));
+    g->hy_state = malloc(E);
+    g->hy_oncpu = malloc(E);
+    g->hy_miss = malloc(sizeof *g->hy_miss * E);
+    g->hy_cnt = malloc(sizeof *g->hy_cnt * E);
+    if (!g->hy_state || !g->hy_oncpu || !g->hy_miss || !g->hy_cnt) goto nomem;
     if (!g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys ||
         !g->prios || !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n ||
         !g->zt || !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit ||
@@ -131,6 +136,12 @@ void smoe_layers_free(smoe_layers *g) {
     free(g->grp_start);
     free(g->grp_rows);
     free(g->grp_scale);
+    free(g->hy_state);
+    free(g->hy_oncpu);
+    free(g->hy_miss);
+    free(g->hy_cnt);
+    free(g->hy_out);
+    free(g->hy_scratch);
     memset(g, 0, sizeof *g);
 }
 
@@ -163,6 +174,26 @@ void smoe_layers_set_parallel(smoe_layers *g, int on) {
     pthread_mutex_lock(&g->mu);
     g->parallel_misses = on != 0;
     pthread_mutex_unlock(&g->mu);
+}
+
+int smoe_layers_set_hybrid(smoe_layers *g, int on, double t_io, double t_gpu, double t_cpu,
+                           int admit, smoe_err *err) {
+    if (on) {
+        if (!(isfinite(t_io) && isfinite(t_gpu) && isfinite(t_cpu) && t_io >= 0.0 &&
+              t_gpu >= 0.0 && t_cpu >= 0.0))
+            return smoe_err_set(err, SMOE_EINVAL, "hybrid tier: costs must be finite and >= 0 "
+                                "seconds, got t_io=%g, t_gpu=%g, t_cpu=%g", t_io, t_gpu, t_cpu);
+        const smoe_tier_ops *ops = g->tier.ops;
+        if (!ops || !ops->host_block || !ops->add_host || !ops->host_block(g->tier.ctx, 0, 0))
+            return smoe_err_set(err, SMOE_ESTATE, "hybrid tier: the expert tier has no host "
+                                "copy to compute from (a GPU cache in mode='host' has one)");
+    }
+    pthread_mutex_lock(&g->mu);
+    g->hybrid = on != 0;
+    g->hybrid_admit = admit != 0;
+    g->hy_io = t_io, g->hy_gpu = t_gpu, g->hy_cpu = t_cpu;
+    pthread_mutex_unlock(&g->mu);
+    return SMOE_OK;
 }
 
 /* The miss modes that compute from the resident low-bit copy. */
@@ -698,6 +729,89 @@ static int grow_groups(smoe_layers *g, size_t n, smoe_err *err) {
     return SMOE_OK;
 }
 
+/* The hybrid tier's split (smoe_layers_set_hybrid): hy_oncpu[e] = 1 for each expert of this
+ * call's groups (start) that route.h's cut leaves to the CPU; returns their count. */
+static int hybrid_split(smoe_layers *g, uint32_t pos, const uint32_t *start, uint32_t *ncpu,
+                        smoe_err *err) {
+    const uint32_t E = g->E;
+    int rc = smoe_slots_layer_states(g->tier.tab, pos, g->hy_state, err);
+    if (rc) return rc;
+    uint32_t m = 0, on_fast = 0;
+    memset(g->hy_oncpu, 0, E);
+    for (uint32_t e = 0; e < E; e++) {
+        const uint32_t ne = start[e + 1] - start[e];
+        if (!ne) continue;
+        if (g->hy_state[e] != SMOE_SLOT_EMPTY) { /* resident or loading: on the device */
+            on_fast++;
+            continue;
+        }
+        uint32_t j = m++; /* insertion by count descending, then expert ascending */
+        while (j > 0 && g->hy_cnt[j - 1] < ne) {
+            g->hy_cnt[j] = g->hy_cnt[j - 1], g->hy_miss[j] = g->hy_miss[j - 1];
+            j--;
+        }
+        g->hy_cnt[j] = ne, g->hy_miss[j] = e;
+    }
+    const uint32_t cut =
+        smoe_route_balance_cut(g->hy_cnt, m, on_fast, g->hy_io, g->hy_gpu, g->hy_cpu);
+    for (uint32_t i = cut; i < m; i++) g->hy_oncpu[g->hy_miss[i]] = 1;
+    g->counters.hybrid_copied += cut;
+    *ncpu = m - cut;
+    return SMOE_OK;
+}
+
+/* The hybrid tier's CPU share: the hy_oncpu experts' pairs (grouped at start, host arrays
+ * grp_rows / grp_scale) on the CPU kernels from the tier's host copy into hy_out, added to
+ * io->out on the stream; then (hybrid_admit) queued to the cache's worker for admission. */
+static int hybrid_cpu(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d, uint32_t pos,
+                      const uint32_t *start, uint32_t T, smoe_err *err) {
+    const smoe_tier_ops *ops = g->tier.ops;
+    void *ctx = g->tier.ctx;
+    const uint32_t E = g->E, H = g->H;
+    const size_t nf = (size_t)T * H;
+    int rc;
+    if (nf > g->hy_cap) {
+        float *p = realloc(g->hy_out, sizeof *p * nf);
+        if (!p) return smoe_err_set(err, SMOE_ENOMEM, "hybrid tier: no memory for %zu floats", nf);
+        g->hy_out = p, g->hy_cap = nf;
+    }
+    memset(g->hy_out, 0, sizeof *g->hy_out * nf);
+    uint32_t nq = 0;
+    for (uint32_t e = 0; e < E; e++) {
+        if (!g->hy_oncpu[e]) continue;
+        const uint32_t s0 = start[e], ne = start[e + 1] - s0;
+        const size_t need = smoe_ffn_scratch_bytes(d, ne);
+        if (need > g->hy_scap) {
+            void *p = realloc(g->hy_scratch, need);
+            if (!p) return smoe_err_set(err, SMOE_ENOMEM, "hybrid tier: %zu bytes of scratch",
+                                        need);
+            g->hy_scratch = p, g->hy_scap = need;
+        }
+        const uint8_t *block = ops->host_block(ctx, pos, e);
+        if ((rc = smoe_ffn_forward(g->kc, d, block, io->x, H, g->grp_rows + s0,
+                                   g->grp_scale + s0, ne, g->hy_out, H, g->hy_scratch, err)))
+            return rc;
+        g->counters.hybrid_cpu_experts++;
+        g->counters.hybrid_cpu_pairs += ne;
+        g->keys[nq] = (int32_t)(pos * E + e);
+        g->prios[nq] = (float)ne;
+        nq++;
+    }
+    if ((rc = ops->add_host(ctx, io->out, g->hy_out, nf, io->stream, err))) return rc;
+    if (g->hybrid_admit && nq) {
+        smoe_err qerr;
+        smoe_err_clear(&qerr);
+        rc = smoe_slots_prefetch(g->tier.tab, g->keys, g->prios, nq, 0, &qerr);
+        if (rc == SMOE_OK) {
+            g->counters.hybrid_admitted += nq;
+        } else if (rc != SMOE_ESTATE) { /* SMOE_ESTATE: no worker, nothing to admit with */
+            *err = qerr;
+            return rc;
+        }
+    }
+    return SMOE_OK;
+}
+
 /* The device tier's smoe_moe_forward_ex: out (tier memory) gets, on io->stream, the pairs with
  * take[i] (NULL: all) -- zeroed first unless accumulate -- computed from the tier's cache
  * (res NULL) or the resident copy res (format d), grouped as the CPU groups them (ascending
@@ -737,13 +851,15 @@ static int dev_moe(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d,
             if (g->grp_rows[p] == g->grp_rows[p - 1])
                 return smoe_err_set(err, SMOE_EINVAL, "moe layer %u: token %d lists expert %u "
                                     "twice", pos, g->grp_rows[p], e);
+    uint32_t ncpu = 0; /* the hybrid tier: the cache's own share split, the CPU's part last */
+    if (g->hybrid && !res && (rc = hybrid_split(g, pos, start, &ncpu, err))) return rc;
     const int32_t *rows;
     const float *scale;
     if ((rc = ops->upload(ctx, g->grp_rows, g->grp_scale, n, &rows, &scale, io->stream, err)))
         return rc;
     for (uint32_t e = 0; e < E; e++) {
         const uint32_t s0 = start[e], ne = start[e + 1] - s0;
-        if (!ne) continue;
+        if (!ne || (ncpu && g->hy_oncpu[e])) continue;
         const uint8_t *block;
         if (!res) {
             if ((rc = ops->acquire(ctx, pos, e, io->stream, &block, err))) return rc;
@@ -759,6 +875,10 @@ static int dev_moe(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d,
         }
         if (rc) return rc;
         used[e] = 1;
+    }
+    if (ncpu) { /* the device's share is enqueued: the CPU's runs while it computes */
+        if ((rc = hybrid_cpu(g, io, d, pos, start, T, err))) return rc;
+        for (uint32_t e = 0; e < E; e++) used[e] |= g->hy_oncpu[e];
     }
     return SMOE_OK;
 }

@@ -163,6 +163,11 @@ typedef struct smoe_layer_counters {
                                * (parallel_misses), summed over layers and passes */
     uint64_t draft_kept;      /* draft-token pairs whose missing expert was not fetched for
                                * them (low-bit copy or skipped; also in lowbit / dropped) */
+    /* the hybrid tier (smoe_layers_set_hybrid), summed over layers and passes: */
+    uint64_t hybrid_cpu_experts; /* missing experts computed on the CPU where they live */
+    uint64_t hybrid_cpu_pairs;   /* their (token, slot) pairs */
+    uint64_t hybrid_copied;      /* missing experts the split sent to the fast tier's cache */
+    uint64_t hybrid_admitted;    /* CPU experts queued to the cache's worker for admission */
 } smoe_layer_counters;
 
 /* Largest T * k * H (floats of per-pair rows) that takes the parallel-misses path: 16 MiB. */
@@ -199,6 +204,10 @@ typedef struct smoe_layers {
                                * smoe_layers_forward_draft computes from (MoE-SpeQ) */
     smoe_ffn_desc draft_desc;
     int parallel_misses;      /* step 5: misses load on the worker while residents compute */
+    int hybrid;               /* device tier: missing experts split between copies and the CPU
+                               * (smoe_layers_set_hybrid) */
+    int hybrid_admit;         /* queue the CPU's experts to the cache's worker */
+    double hy_io, hy_gpu, hy_cpu; /* the split's costs, seconds (route.h balance_cut) */
     /* state [mu] */
     double *delta_sum;        /* owned; [L] sum of tokens' logit ranges (routing's Delta_avg) */
     uint64_t *delta_n;        /* owned; [L] tokens in delta_sum */
@@ -240,6 +249,15 @@ typedef struct smoe_layers {
     uint32_t cap_grp;         /* pairs the buffers below hold */
     int32_t *grp_rows;        /* owned; [cap_grp] each pair's token, grouped by expert */
     float *grp_scale;         /* owned; [cap_grp] its weight */
+    /* scratch of the hybrid tier's split and CPU share [mu] */
+    uint8_t *hy_state;        /* owned; [E] the layer's slot states */
+    uint8_t *hy_oncpu;        /* owned; [E] experts of this call computed on the CPU */
+    uint32_t *hy_miss;        /* owned; [E] missing experts, most tokens first */
+    uint32_t *hy_cnt;         /* owned; [E] their token counts */
+    float *hy_out;            /* owned; [hy_cap floats] the CPU's share of out (host) */
+    size_t hy_cap;
+    void *hy_scratch;         /* owned; the CPU kernels' scratch */
+    size_t hy_scap;
 } smoe_layers;
 
 /* Build for L layers of E experts, hidden H, top-k k, over the expert tier `tier` (its cache's
@@ -274,6 +292,23 @@ int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, uint32_t 
 /* Step 5's overlap of a layer's misses with its resident experts' compute (on != 0); needs the
  * cache's prefetch worker (without one it changes nothing). */
 void smoe_layers_set_parallel(smoe_layers *g, int on);
+
+/* The hybrid tier (issue 37; MoE-SpAc section 3.3) on a device tier whose ops have a host
+ * copy (tier.h host_block, add_host): per call, the experts a layer needs that are neither
+ * resident nor loading are split by route.h's smoe_route_balance_cut with costs t_io (one
+ * copy), t_gpu (one expert call on the device) and t_cpu (one token-expert product on the CPU
+ * kernels), seconds, measured by the caller.  The cut's experts (most tokens first) are copied
+ * and run on the device as without the split; the rest run on the CPU kernels (kc) from the
+ * host copy while the device computes its share (their work is enqueued first), and their sum
+ * is added to out on the stream (add_host).  admit != 0: the CPU's experts are then queued to
+ * the cache's prefetch worker at priority = their token count, where the policy's admission
+ * rule decides whether each enters the cache (slots.h: a utility policy admits a key only
+ * over a victim of no higher utility; MoE-SpAc's levels with the `spac` policy); without a
+ * worker nothing is queued.  Only the cache's own share is split (not low-bit copies, the
+ * draft copy or the host tier).  on = 0 turns it off.  SMOE_EINVAL: costs not finite >= 0;
+ * SMOE_ESTATE: the tier has no host copy (the host tier, or a GPU cache in staged mode). */
+int smoe_layers_set_hybrid(smoe_layers *g, int on, double t_io, double t_gpu, double t_cpu,
+                           int admit, smoe_err *err);
 
 /* Resident low-bit copy `level` (0 or 1, see lowbit above): every block in store order at base
  * (size bytes, block_bytes each, the FFN in desc, same H; in the tier's memory: GPU memory on

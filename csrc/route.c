@@ -67,3 +67,17 @@ void smoe_route_predict(const float *scores, uint32_t T, uint32_t E, uint32_t k,
         }
     }
 }
+
+uint32_t smoe_route_balance_cut(const uint32_t *counts, uint32_t m, uint32_t on_fast,
+                                double t_io, double t_gpu, double t_cpu) {
+    double tail = 0.0; /* sum(counts[n:]) for the current n */
+    for (uint32_t i = 0; i < m; i++) tail += counts[i];
+    uint32_t best_n = 0;
+    double best = 0.0;
+    for (uint32_t n = 0; n <= m; n++) {
+        if (n) tail -= counts[n - 1];
+        const double diff = fabs(t_cpu * tail - (t_io * n + t_gpu * ((double)on_fast + n)));
+        if (n == 0 || diff < best) best_n = n, best = diff;
+    }
+    return best_n;
+}

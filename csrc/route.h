@@ -27,4 +27,22 @@ void smoe_route_predict(const float *scores, uint32_t T, uint32_t E, uint32_t k,
                         double mass, const uint8_t *skip, uint8_t *mark, float *best,
                         int32_t *order, float *prob);
 
+/* The hybrid tier's split of a layer's missing experts (issue 37; MoE-SpAc section 3.3, the
+ * heterogeneous workload balancer): how many to copy to the fast tier, the rest computed on
+ * the CPU where they live.  counts[0..m) are the tokens routed to each missing expert in
+ * descending order (the copied ones are the first n: hot on the GPU, cold on the CPU, section
+ * 2.3); on_fast the layer's experts already resident or loading.  For a cut n:
+ *     T_cpu(n) = t_cpu * sum(counts[n:])                 (Eq. 7: token-expert products)
+ *     T_gpu(n) = t_io * n + t_gpu * (on_fast + n)         (Eq. 8: each GPU expert once for all
+ *                                                          its tokens, plus the n copies, which
+ *                                                          at decode have no drafting window of
+ *                                                          Eq. 10 to hide in)
+ * and the answer minimises |T_cpu(n) - T_gpu(n)| (Eq. 9) over n in 0..m, the smaller n on a
+ * tie, in O(m).  Deviations: the decision variable is the cut in this layer's token counts,
+ * not a threshold tau on the estimator's levels (every tau of Eq. 12 is such a cut; at
+ * decode the counts are known exactly); Eq. 11 holds by construction (the cache evicts to
+ * make room, the CPU's experts take no slot).  Costs are seconds, finite and >= 0. */
+uint32_t smoe_route_balance_cut(const uint32_t *counts, uint32_t m, uint32_t on_fast,
+                                double t_io, double t_gpu, double t_cpu);
+
 #endif

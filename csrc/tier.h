@@ -16,6 +16,10 @@
  *                 in a resident low-bit copy), runs `expert` and releases it -- a loop in C,
  *                 one kernel call per expert, no Python and no device-to-host read.
  *
+ * The hybrid tier (issue 37, layer.h smoe_layers_set_hybrid) is a device tier whose missing
+ * experts may instead run where they live: the CPU kernels on host_block's bytes and the
+ * layer's input on the host, their sum added to out with add_host (one copy per layer).
+ *
  * Routing needs the layer's input on the host (the router copy's scores for prediction,
  * cache-aware routing and SUBSTITUTE) and its top-k ids and weights: the caller of a device
  * tier passes both (smoe_layers_forward_on: x on the host, xd in the tier's memory).
@@ -52,6 +56,14 @@ typedef struct smoe_tier_ops {
     int (*acquire)(void *ctx, uint32_t layer, uint32_t expert, void *stream,
                    const uint8_t **block, smoe_err *err);
     int (*release)(void *ctx, uint32_t layer, uint32_t expert, void *stream, smoe_err *err);
+    /* The hybrid tier (issue 37; optional, NULL: the tier has none): expert (layer, expert)'s
+     * block in host memory, laid out as the tier's main format (the GPU cache's pinned host
+     * copy of the store), or NULL where the tier keeps no host copy (staged mode). */
+    const uint8_t *(*host_block)(void *ctx, uint32_t layer, uint32_t expert);
+    /* out[0..n) (tier memory) += host[0..n) (host memory), ordered on stream after the work
+     * enqueued before it; host may be reused as soon as this returns. */
+    int (*add_host)(void *ctx, float *out, const float *host, size_t n, void *stream,
+                    smoe_err *err);
 } smoe_tier_ops;
 
 typedef struct smoe_tier {

@@ -267,6 +267,13 @@ __global__ void k_scatter(const float *y, const float *db, const int32_t *rows,
     }
 }
 
+/* The hybrid tier's CPU share added into the layer's output. */
+__global__ void k_add(float *out, const float *in, size_t n) {
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x)
+        out[e] += in[e];
+}
+
 /* ---- host side --------------------------------------------------------------------------- */
 
 static int cuda_fail(smoe_err *err, cudaError_t e, const char *what) {
@@ -485,4 +492,12 @@ extern "C" int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, con
         if (e != cudaSuccess) return cuda_fail(err, e, "the cuBLAS-path FFN kernels");
     }
     return 0;
+}
+
+extern "C" int smoe_gpu_add_f32(float *out, const float *in, size_t n, void *stream,
+                                smoe_err *err) {
+    if (!n) return 0;
+    k_add<<<grid_for(n), 256, 0, (cudaStream_t)stream>>>(out, in, n);
+    cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? 0 : cuda_fail(err, e, "adding the CPU's share (k_add)");
 }

@@ -73,6 +73,9 @@ int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, const uint8_t 
                          const float *scale, uint32_t T, float *out, size_t out_stride,
                          int path, void *stream, smoe_err *err);
 
+/* out[0..n) += in[0..n) (device pointers, f32) on `stream`, asynchronously. */
+int smoe_gpu_add_f32(float *out, const float *in, size_t n, void *stream, smoe_err *err);
+
 #ifdef __cplusplus
 }
 #endif

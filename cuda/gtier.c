@@ -91,8 +91,41 @@ static int t_release(void *ctx, uint32_t layer, uint32_t expert, void *stream, s
     return smoe_gcache_release(((smoe_gtier *)ctx)->cache, layer, expert, stream, err);
 }
 
-static const smoe_tier_ops gtier_ops = {t_check, t_zero, t_upload, t_expert, t_acquire,
-                                        t_release};
+static const uint8_t *t_host_block(void *ctx, uint32_t layer, uint32_t expert) {
+    const smoe_gcache *c = ((smoe_gtier *)ctx)->cache;
+    if (!c->host_copy) return NULL; /* staged mode: the store is read a block at a time */
+    const uint64_t key = (uint64_t)layer * c->store->num_experts + expert;
+    return c->host_copy + key * c->store->block_bytes;
+}
+
+static int t_add_host(void *ctx, float *out, const float *host, size_t n, void *stream,
+                      smoe_err *err) {
+    smoe_gtier *t = ctx;
+    if (emu(t)) {
+        for (size_t i = 0; i < n; i++) out[i] += host[i];
+        return SMOE_OK;
+    }
+    const size_t need = sizeof *host * n;
+    cudaError_t e;
+    if (need > t->acap) { /* grows with the largest call (a prefill), then stays */
+        if (t->abuf && (e = cudaStreamSynchronize((cudaStream_t)stream)) != cudaSuccess)
+            return cu_fail(err, e, "waiting for the stream before growing the CPU share's buffer");
+        cudaFree(t->abuf);
+        t->abuf = NULL, t->acap = 0;
+        if ((e = cudaMalloc(&t->abuf, need)) != cudaSuccess)
+            return cu_fail(err, e, "allocating the CPU share's buffer");
+        t->acap = need;
+    }
+    /* from pageable memory: returns once the source is staged (host reusable at once); the
+     * copy stays ordered on stream before the add */
+    if ((e = cudaMemcpyAsync(t->abuf, host, need, cudaMemcpyHostToDevice,
+                             (cudaStream_t)stream)) != cudaSuccess)
+        return cu_fail(err, e, "copying the CPU's share of the layer");
+    return smoe_gpu_add_f32(out, t->abuf, n, stream, err);
+}
+
+static const smoe_tier_ops gtier_ops = {t_check,   t_zero,      t_upload,  t_expert,
+                                        t_acquire, t_release,   t_host_block, t_add_host};
 
 int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, smoe_err *err) {
     memset(t, 0, sizeof *t);
@@ -110,6 +143,7 @@ int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, s
 void smoe_gtier_free(smoe_gtier *t) {
     if (t->ffn_ready) smoe_gpu_ffn_free(&t->ffn);
     if (t->dbuf) cudaFree(t->dbuf);
+    if (t->abuf) cudaFree(t->abuf);
     free(t->scratch);
     memset(t, 0, sizeof *t);
 }

@@ -28,6 +28,8 @@ typedef struct smoe_gtier {
     int ffn_ready;
     void *dbuf;          /* owned (GPU): device rows then weights of the last upload */
     size_t dcap;         /* bytes */
+    void *abuf;          /* owned (GPU): the hybrid tier's CPU share, copied for add_host */
+    size_t acap;         /* bytes */
     void *scratch;       /* owned (emulation): the CPU kernel's scratch */
     size_t scap;         /* bytes */
 } smoe_gtier;

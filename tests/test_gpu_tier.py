@@ -140,22 +140,171 @@ def test_python_policy(device):
         eng.close()
 
 
+def _refuse_python_layer(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the per-expert Python path ran")
+    monkeypatch.setattr(cuda, "moe_forward", refuse)
+    monkeypatch.setattr(cuda, "group_by_expert", refuse)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_balancer_moves_cold_misses_to_the_cpu_kernels_same_outputs(device):
-    """MoE-SpAc's balancer (§3.3) with a profile that makes the CPU cheap: misses run on the
-    CPU kernels from the host copy instead of being copied, the outputs stay the model's."""
+def test_balancer_moves_cold_misses_to_the_cpu_kernels_same_outputs(device, monkeypatch):
+    """The hybrid tier (issue 37; MoE-SpAc's balancer, §3.3) with a profile that makes the CPU
+    cheap: in the layer's one C call, misses run on the CPU kernels from the host copy
+    instead of being copied, and the outputs stay the model's."""
+    _refuse_python_layer(monkeypatch)
     m, ref = _tiny()
     prof = cuda.BalanceProfile(t_io=1.0, t_gpu=1.0, t_cpu=1e-3)
     eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=False)
     try:
+        eng.set_balance(prof, admit=False)  # residency then follows the copies alone
         x = torch.tensor([PROMPT], device=_dev(device))
         with torch.no_grad():
             torch.testing.assert_close(m(x).logits, ref.to(_dev(device))(x).logits,
                                        rtol=1e-4, atol=1e-4)
         st = eng.stats()
-        assert st["cpu_experts"] > 0, st
+        assert st["cpu_experts"] > 0 and st["hybrid_copied"] == 0, st
+        assert st["misses"] == 0 and st["hybrid_admitted"] == 0, st  # nothing was copied
+        assert st["hybrid_cpu_pairs"] >= st["cpu_experts"]
     finally:
         eng.close()
+
+
+def _hybrid_reference(counts_by_layer, on_fast, prof):
+    """The split a plain-Python reading of Eq. 9 makes for one layer (test_cuda's brute force)."""
+    from tests.test_cuda import _eq9_best
+    return _eq9_best(counts_by_layer, on_fast, prof)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_split_is_eq9_per_layer(device):
+    """Each layer call's split equals a brute-force reading of MoE-SpAc's Eq. 9 over that
+    layer's missing experts (token counts, most first) and its experts on the fast tier: a
+    prefill (many tokens per expert) through one MoE layer, with the layer's slot states read
+    before the call, and the CPU's share equal to the same experts computed by the CPU
+    kernels."""
+    from specmoe.runtime import kernels
+    m, _ = _tiny()
+    prof = cuda.BalanceProfile(t_io=2e-4, t_gpu=5e-5, t_cpu=4e-5)
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=False)
+    try:
+        eng.set_balance(prof, admit=False)
+        rng = np.random.default_rng(3)
+        T, H, k, E = 24, eng.spec.H, eng.top_k, eng.num_experts
+        x = (rng.standard_normal((T, H)) * 0.5).astype(np.float32)
+        splits = []
+        for call in range(4):
+            pos = call % len(eng.layer_ids)
+            idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+            w = rng.random((T, k)).astype(np.float32)
+            states = eng._cache.layer_states(pos)
+            cnt = np.bincount(idx.ravel(), minlength=E)
+            need = np.flatnonzero(cnt)
+            miss = sorted((e for e in need if states[e] == 0), key=lambda e: (-cnt[e], e))
+            on_fast = sum(1 for e in need if states[e] != 0)
+            want_cut = _hybrid_reference([int(cnt[e]) for e in miss], on_fast, prof)
+            before = eng.layers.counters()
+            xt = torch.from_numpy(x).to(_dev(device))
+            out = eng.layer_forward(pos, xt, torch.from_numpy(idx).to(_dev(device)),
+                                    torch.from_numpy(w).to(_dev(device))).float().cpu().numpy()
+            after = eng.layers.counters()
+            cut = after["hybrid_copied"] - before["hybrid_copied"]
+            ncpu = after["hybrid_cpu_experts"] - before["hybrid_cpu_experts"]
+            assert (cut, ncpu) == (want_cut, len(miss) - want_cut), (call, cnt[miss])
+            splits.append((cut, ncpu))
+            # the layer's output: every expert's share by the CPU kernels (float64 sum)
+            ref = np.zeros((T, H), np.float64)
+            store = eng._store
+            for e in need:
+                rows = np.flatnonzero((idx == e).any(1))
+                sc = np.array([w[r][list(idx[r]).index(e)] for r in rows], np.float32)
+                y = np.zeros((T, H), np.float32)
+                kernels.ffn(store.read_block(pos, int(e)), x, spec=eng.spec, rows=rows.astype(np.int32),
+                            scale=sc, out=y)
+                ref += y
+            tol = 1e-4 if device == "emulate" else 2e-3
+            np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+        assert any(c > 0 for c, _ in splits) and any(n > 0 for _, n in splits), splits
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_admission_fills_the_cache_greedy_unchanged(device):
+    """The GPU cache fills from what the CPU computed (admit: the CPU's experts go to the
+    cache's worker, and the policy admits them), not by copies on the layer's path; greedy
+    tokens stay the unmodified model's while residency changes under the split."""
+    m, ref = _tiny()
+    prof = cuda.BalanceProfile(t_io=1e-3, t_gpu=1e-5, t_cpu=1e-5)
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, policy="lru", balance=prof,
+                     prefetch=False)
+    try:
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            got = m.generate(x, max_new_tokens=8, do_sample=False)
+            want = ref.to(_dev(device)).generate(x, max_new_tokens=8, do_sample=False)
+        assert got.tolist() == want.tolist()
+        eng._cache.wait_idle()
+        st = eng.stats()
+        assert st["hybrid_admitted"] > 0 and st["prefetch_issued"] > 0, st
+        assert st["hits"] > 0, st  # admitted experts served later layers' calls
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_with_miss_rules_and_draft_tokens(device):
+    """The split composes with SpecMD's miss rules and the MTP drafter's draft tokens (both
+    refused with the balancer while it was a Python path)."""
+    import specmoe
+    from specmoe.speculation import mtp
+    from specmoe.speculation.generation import StaticK
+    m, ref = _tiny("qwen3_moe")
+    prof = cuda.BalanceProfile(t_io=1.0, t_gpu=1.0, t_cpu=1e-3)
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, miss="drop",
+                     miss_keep=1)
+    try:
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            m(x)
+        st = eng.stats()
+        assert st["dropped"] > 0 or st["cpu_experts"] > 0, st
+        eng.set_miss("fetch")
+        ad = mtp.MtpAdapter.for_model(m, k=2, rank=4, seed=1)
+        ad.to(_dev(device))
+        out = specmoe.generate(m, x, mtp.MtpDrafter(m, ad, fetch_masks=False), StaticK(2),
+                               max_new_tokens=6, eos_token_id=None, tau=None)
+        with torch.no_grad():
+            want = ref.to(_dev(device)).generate(x, max_new_tokens=6, do_sample=False)
+        assert out.sequences.tolist() == want.cpu().tolist()
+        assert eng.stats()["cpu_experts"] > 0
+    finally:
+        eng.close()
+
+
+def test_hybrid_refusals():
+    """Bad settings of the split get named errors and change nothing."""
+    m, _ = _tiny()
+    eng = hf.offload(m, device="emulate", dtype="f32", cache=0.25)
+    try:
+        with pytest.raises(ValueError, match="finite"):
+            eng.layers.set_hybrid(True, -1.0, 0.0, 0.0)
+        assert eng.balance is None
+        with pytest.raises(TypeError, match="BalanceProfile"):
+            eng.set_balance("fast")
+    finally:
+        eng.close()
+    from specmoe import _C
+    with pytest.raises(ValueError, match="descending"):
+        _C.balance_cut([1, 2], 0, 1e-3, 1e-3, 1e-3)
+    with pytest.raises(ValueError, match="finite"):
+        _C.balance_cut([2, 1], 0, float("nan"), 1e-3, 1e-3)
+    cpu = hf.offload(_tiny()[0], dtype="f32", cache=0.25)
+    try:  # the CPU tier has no host copy to split against
+        with pytest.raises(Exception, match="host copy"):
+            cpu.layers.set_hybrid(True, 1e-3, 1e-3, 1e-3)
+    finally:
+        cpu.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,6 +17,8 @@
  *   set_miss(miss, keep, route_lambda, keep2=top_k)  miss: "fetch", "drop", "substitute",
  *                                            "lowest_bit", "priority"
  *   set_parallel(on)                         misses load while resident experts compute
+ *   set_hybrid(on, t_io=0, t_gpu=0, t_cpu=0, admit=True)  the hybrid tier's split (a device
+ *                                            tier with a host copy)
  *   set_lowbit(buf, desc, block_bytes, level=0) / set_lowbit(None, level=0)
  *                                            resident low-bit copy 0 or 1
  *   set_block(pos, route_scale=1.0, shared=None)  forward_routed's routing scale and shared
@@ -487,6 +489,23 @@ static PyObject *Layers_set_parallel(LayersObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Layers_set_hybrid(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"on", "t_io", "t_gpu", "t_cpu", "admit", NULL};
+    int on, admit = 1;
+    double t_io = 0.0, t_gpu = 0.0, t_cpu = 0.0;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "p|dddp:set_hybrid", kwlist, &on, &t_io, &t_gpu,
+                                     &t_cpu, &admit))
+        return NULL;
+    smoe_err e;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
+    rc = smoe_layers_set_hybrid(&self->g, on, t_io, t_gpu, t_cpu, admit, &e);
+    Py_END_ALLOW_THREADS
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"miss", "keep", "route_lambda", "keep2", NULL};
     const char *name;
@@ -655,7 +674,8 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
     Py_BEGIN_ALLOW_THREADS
     smoe_layers_counters(&self->g, &c, reset);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tokens",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+                         "tokens",
                          (unsigned long long)c.tokens, "passes", (unsigned long long)c.passes,
                          "predicted", (unsigned long long)c.predicted, "true_positive",
                          (unsigned long long)c.true_positive, "actual",
@@ -666,7 +686,11 @@ static PyObject *Layers_counters(LayersObject *self, PyObject *args, PyObject *k
                          (unsigned long long)c.lowbit, "lowbit2", (unsigned long long)c.lowbit2,
                          "overlapped",
                          (unsigned long long)c.overlapped, "draft_kept",
-                         (unsigned long long)c.draft_kept);
+                         (unsigned long long)c.draft_kept, "hybrid_cpu_experts",
+                         (unsigned long long)c.hybrid_cpu_experts, "hybrid_cpu_pairs",
+                         (unsigned long long)c.hybrid_cpu_pairs, "hybrid_copied",
+                         (unsigned long long)c.hybrid_copied, "hybrid_admitted",
+                         (unsigned long long)c.hybrid_admitted);
 }
 
 static PyMethodDef Layers_methods[] = {
@@ -695,6 +719,12 @@ static PyMethodDef Layers_methods[] = {
     {"set_parallel", (PyCFunction)Layers_set_parallel, METH_O,
      "set_parallel(on): a layer's misses load on the prefetch worker while its resident "
      "experts compute (layer.h, step 5)."},
+    {"set_hybrid", (PyCFunction)(void (*)(void))Layers_set_hybrid, METH_VARARGS | METH_KEYWORDS,
+     "set_hybrid(on, t_io=0.0, t_gpu=0.0, t_cpu=0.0, admit=True): the hybrid tier (issue 37,\n"
+     "csrc/layer.h smoe_layers_set_hybrid): a layer's missing experts split between copies\n"
+     "and the CPU kernels on the tier's host copy by MoE-SpAc's Eq. 9 over these costs\n"
+     "(seconds: one copy, one device expert call, one CPU token-expert product); admit:\n"
+     "the CPU's experts are queued to the cache's worker, whose policy admits them or not."},
     {"set_lowbit", (PyCFunction)(void (*)(void))Layers_set_lowbit, METH_VARARGS | METH_KEYWORDS,
      "set_lowbit(buf, desc, block_bytes, level=0, size=0) or set_lowbit(None, level=0): "
      "resident low-bit copy 0 (miss='lowest_bit', draft tokens, priority's first fallback) or 1 "

@@ -1,6 +1,7 @@
 /* specmoe._C.predict_next and route_scores: the routing rules of csrc/route.h for callers
  * outside the C layers (the SpAc balancer's path of the GPU tier predicts with them; trace
  * recording scores router logits with them), so every caller applies the same rule. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -100,6 +101,42 @@ static PyObject *py_route_scores(PyObject *mod, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_balance_cut(PyObject *mod, PyObject *args, PyObject *kw) {
+    (void)mod;
+    static char *kwlist[] = {"counts", "on_fast", "t_io", "t_gpu", "t_cpu", NULL};
+    PyObject *co;
+    unsigned int on_fast;
+    double t_io, t_gpu, t_cpu;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OIddd:balance_cut", kwlist, &co, &on_fast,
+                                     &t_io, &t_gpu, &t_cpu))
+        return NULL;
+    if (!(isfinite(t_io) && isfinite(t_gpu) && isfinite(t_cpu) && t_io >= 0 && t_gpu >= 0 &&
+          t_cpu >= 0)) {
+        PyErr_Format(PyExc_ValueError, "balance_cut: costs must be finite and >= 0, got t_io=%g, "
+                     "t_gpu=%g, t_cpu=%g", t_io, t_gpu, t_cpu);
+        return NULL;
+    }
+    PyArrayObject *c = (PyArrayObject *)PyArray_FROMANY(co, NPY_UINT32, 1, 1,
+                                                        NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!c) return NULL;
+    const npy_intp m = PyArray_DIM(c, 0);
+    const uint32_t *v = PyArray_DATA(c);
+    for (npy_intp i = 1; i < m; i++)
+        if (v[i] > v[i - 1]) {
+            Py_DECREF(c);
+            PyErr_SetString(PyExc_ValueError, "balance_cut: counts must be in descending order");
+            return NULL;
+        }
+    if (m > UINT32_MAX) {
+        Py_DECREF(c);
+        PyErr_SetString(PyExc_ValueError, "balance_cut: too many experts");
+        return NULL;
+    }
+    const uint32_t n = smoe_route_balance_cut(v, (uint32_t)m, on_fast, t_io, t_gpu, t_cpu);
+    Py_DECREF(c);
+    return PyLong_FromUnsignedLong(n);
+}
+
 static PyMethodDef route_functions[] = {
     {"predict_next", (PyCFunction)(void (*)(void))py_predict_next, METH_VARARGS | METH_KEYWORDS,
      "predict_next(logits, k, overfetch, mass=0.0, sigmoid=False, corr=None) -> (experts, "
@@ -114,6 +151,11 @@ static PyMethodDef route_functions[] = {
      "scores float32 [T, E] (writable, in place): router logits become the model's selection\n"
      "scores (csrc/route.h): with a correction bias corr [E], sigmoid(l) + corr (sigmoid) or\n"
      "softmax(l) + corr; without one the logits are left as they are."},
+    {"balance_cut", (PyCFunction)(void (*)(void))py_balance_cut, METH_VARARGS | METH_KEYWORDS,
+     "balance_cut(counts, on_fast, t_io, t_gpu, t_cpu) -> int\n"
+     "The hybrid tier's split (csrc/route.h, MoE-SpAc section 3.3 Eq. 7-9): of a layer's\n"
+     "missing experts with token counts `counts` (descending), how many to copy to the fast\n"
+     "tier; the rest are computed on the CPU.  on_fast: the layer's experts already there."},
     {NULL, NULL, 0, NULL}};
 
 int smoe_py_route_init(PyObject *m) { return PyModule_AddFunctions(m, route_functions); }

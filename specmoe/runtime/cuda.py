@@ -430,17 +430,11 @@ def balance_split(counts: Sequence[int], on_gpu: int, profile: BalanceProfile) -
     (every tau of Eq. 12 is such a cut; at decode the counts are what is known exactly); the
     memory constraint (Eq. 11) holds by construction (the cache evicts to make room; experts
     on the CPU take no slot).  Like Appendix C.2's solution it evaluates the convex
-    objective in O(len(counts))."""
-    m = len(counts)
-    tail = float(sum(counts))  # sum(counts[n:]) for the current n
-    best_n, best = 0, None
-    for n in range(m + 1):
-        if n:
-            tail -= counts[n - 1]
-        diff = abs(profile.t_cpu * tail - (profile.t_io * n + profile.t_gpu * (on_gpu + n)))
-        if best is None or diff < best:
-            best_n, best = n, diff
-    return best_n
+    objective in O(len(counts)).  The rule is csrc/route.h's ``smoe_route_balance_cut``,
+    the one the hybrid tier's C layer call runs."""
+    from .. import _C
+    return int(_C.balance_cut(np.asarray(counts, dtype=np.uint32), int(on_gpu),
+                              float(profile.t_io), float(profile.t_gpu), float(profile.t_cpu)))
 
 
 def measure_balance_profile(cache: GpuExpertCache, spec: Any, *, repeats: int = 5,

@@ -16,12 +16,14 @@ layers call: MoE-SpAc's "next-layer gating", csrc/layer.h step 1) picks the expe
 with each expert's best score as its priority.  Its precision and recall against the experts the
 next layer really used are counted in :meth:`GpuEngine.stats`.
 
-MoE-SpAc's heterogeneous workload balancer (``balance=True``, §3.3): per layer, the experts
-that are neither resident nor loading are split between a copy to the GPU and the CPU kernels
-over the pinned host copy, the split minimising ``|T_cpu - T_gpu|`` (Eq. 7-9) with measured
-per-expert costs (:func:`specmoe.runtime.cuda.balance_split`, :func:`specmoe.runtime.cuda.moe_forward`).
-A utility-space policy (``"spac"``, ``"spac_ema"``, ``"score"``) receives every layer's
-activation counts.
+The hybrid tier, MoE-SpAc's heterogeneous workload balancer (``balance=True``, §3.3; issue
+37): per layer, in the same C call, the experts that are neither resident nor loading are
+split between a copy to the GPU and the CPU kernels over the pinned host copy, the split
+minimising ``|T_cpu - T_gpu|`` (Eq. 7-9, csrc/route.h ``smoe_route_balance_cut``) with
+per-expert costs measured at load; the CPU's share runs while the GPU computes its own and is
+added on the GPU, and the experts it computed are offered to the cache's policy for admission
+(:meth:`GpuEngine.set_balance`).  A utility-space policy (``"spac"``, ``"spac_ema"``,
+``"score"``) receives every layer's activation counts.
 
 MoE-SpeQ on this tier: :meth:`enable_self_draft` keeps a low-bit copy of every expert in GPU
 memory (built as the CPU Engine's :class:`~specmoe.runtime.expert_copy.ExpertCopy`, copied to
@@ -32,7 +34,7 @@ routing; :meth:`lookahead` queues and shields the experts the draft expects (the
 drafter (:meth:`draft_tokens`: the mask tokens' missing experts never load).
 
 What the CPU Engine has and this one has not (yet): dense layers in C (the model's own GPU
-layers run) and SpecMD's miss handling; asking for them raises.  Shared with the CPU Engine:
+layers run); asking for them raises.  Shared with the CPU Engine:
 Python policies (the same bridge), the prediction rule (csrc/route.c), trace recording
 (:meth:`trace`, the same recorder), the self-draft's copy and the lookahead's queue rule.
 
@@ -109,9 +111,6 @@ def check_gpu_options(*, dtype: str = "f32", policy: Any = "lru", dense: Any = "
     if miss in ("lowest_bit", "priority") and "int2" in tuple(levels or ()):
         raise ValueError(f"miss_levels={miss_levels!r}: the GPU kernels take int8 and int4 "
                          "low-bit copies, not int2 (SpecMD's int2 level runs on the CPU)")
-    if (miss != "fetch" or route_lambda) and balance not in (False, None):
-        raise ValueError("SpecMD's miss handling and cache-aware routing run on the C layer "
-                         "path; the CPU/GPU balancer is not on it yet (issue 37): use one")
 
 
 def resolve_device(device: Any, **options: Any) -> torch.device | str | None:
@@ -160,8 +159,8 @@ class GpuEngine(EngineCommon):
         ``"host"`` (a pinned host-memory copy of the whole store, read now: loads are pure
         host-to-device copies) or ``"staged"`` (the store file read per load into pinned
         staging buffers).  verify: check every block read against its CRC32C.  own_store:
-        delete the store file on :meth:`close`.  balance: MoE-SpAc's CPU/GPU workload
-        balancer (:func:`specmoe.runtime.cuda.moe_forward`): True measures its costs now
+        delete the store file on :meth:`close`.  balance: the hybrid tier, MoE-SpAc's CPU/GPU
+        workload balancer (:meth:`set_balance`): True measures its costs now
         (:func:`specmoe.runtime.cuda.measure_balance_profile`), a
         :class:`specmoe.runtime.cuda.BalanceProfile` gives them, False copies every miss (needs
         ``mode="host"``; :meth:`set_balance` switches it later).  miss, miss_keep,
@@ -242,11 +241,10 @@ class GpuEngine(EngineCommon):
         # [_lock] one layer call at a time (one compute stream), close() waits for it
         self._lock = threading.Lock()
         self.tau = TauTables()  # tau(g) per batch size, measured by specmoe.generate
-        # [_lock] the predictor's last prediction (layer position, expert ids) and counters
-        self._predicted: tuple[int, np.ndarray] | None = None
-        self._counters = dict.fromkeys(("tokens", "passes", "predicted", "true_positive",
-                                        "actual", "gpu_experts", "cpu_experts",
-                                        "draft_kept"), 0)
+        self._admit = True  # the hybrid tier's CPU experts go to the worker (set_balance)
+        # [_lock] experts computed by the layer calls (the rest of the counters are the C
+        # layers')
+        self._counters = {"gpu_experts": 0}
         try:
             st = self._store = ExpertStore(self._store_path, verify=verify)
             ex = st.extra
@@ -304,6 +302,17 @@ class GpuEngine(EngineCommon):
         if self._layers is not None:
             p = self._prediction
             self._layers.configure(p["prefetch"], p["overfetch"], p["mass"], self._feed_counts)
+            self._push_balance()
+
+    def _push_balance(self) -> None:
+        """The balancer's profile (or none) into the C layers' hybrid split."""
+        if self._layers is None:
+            return
+        b = self.balance
+        if b is None:
+            self._layers.set_hybrid(False)
+        else:
+            self._layers.set_hybrid(True, b.t_io, b.t_gpu, b.t_cpu, admit=self._admit)
 
     # -- the per-layer path -------------------------------------------------------------------
     def layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
@@ -322,8 +331,6 @@ class GpuEngine(EngineCommon):
             if flags is not None and flags.shape[0] != hidden.shape[0]:
                 raise ValueError(f"draft_tokens: {flags.shape[0]} flags, but MoE layer {pos} "
                                  f"got {hidden.shape[0]} tokens")
-            if self.balance is not None:
-                return self._balanced_layer(pos, hidden, idx, w, flags)
             return self._layer_call(pos, hidden, idx, w, flags)
 
     def _layer_call(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
@@ -370,50 +377,6 @@ class GpuEngine(EngineCommon):
         if self.recorder is not None:  # trace(): the same recorder as the CPU's
             self.record_layer(pos, hidden, idx, w)
 
-    def _balanced_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
-                        w: torch.Tensor, flags: np.ndarray | None) -> torch.Tensor:
-        """One MoE layer with MoE-SpAc's CPU/GPU balancer on (:func:`specmoe.runtime.cuda.moe_forward`).
-        Not yet on the C path: the balancer's CPU share ("compute where it lives") is the
-        hybrid tier's to move into csrc/tier.h (issue 37), so this path keeps the per-expert
-        Python loop, with the same prediction rule (``_C.predict_next``) and counters kept here.
-        Called with ``_lock`` held."""
-        from . import cuda
-        c = self._counters
-        if pos == 0:
-            self._cache.begin_pass()
-            c["passes"] += 1
-            c["tokens"] += int(hidden.shape[0])
-        if flags is not None:
-            raise NotImplementedError("draft tokens (MTP) with the CPU/GPU balancer: the "
-                                      "balancer is not on the C layer path yet (issue 37); "
-                                      "turn it off with set_balance(False)")
-        groups = cuda.group_by_expert(idx, w)  # the layer's one device-to-host sync
-        real = groups
-        used = real.experts  # what the real tokens use: counts, prediction hits
-        if self._feed_counts and real.experts:  # MoE-SpAc §2.3 f_{i,t}, real tokens only
-            ne = self.num_experts
-            self._cache.counts([pos * ne + e for e in real.experts], real.counts)
-        pred = self._predicted
-        if pred is not None and pred[0] == pos:
-            hit = np.intersect1d(pred[1], np.asarray(used, dtype=np.int64)).size
-            c["true_positive"] += int(hit)
-            c["actual"] += len(used)
-            self._predicted = None
-        # The next layer's prefetches are queued before this layer's experts run: its
-        # device-to-host read then follows the sync above at no cost, and the worker has
-        # the layer's compute to copy in.  (Queued after the demand loads, the read waits
-        # for the layer's work, and a pass's last prefetches come too late: measured on an
-        # H200, neither order made prefetch pay at batch 1; see docs/gpu.md.)
-        if self.prefetch and pos + 1 < len(self.layer_ids):
-            self._prefetch_next(pos + 1, hidden)
-        x = hidden.detach().to(torch.float32).contiguous()
-        out = cuda.moe_forward(self._cache, self.spec, pos, x, idx, w,
-                               balance=self.balance, counters=c, groups=groups)
-        used_mask = np.zeros(self.num_experts, np.uint8)
-        used_mask[np.asarray(used, np.int64)] = 1
-        self._after_layer(pos, used_mask, hidden, idx, w)
-        return out.to(hidden.dtype)
-
     def _draft_layer(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                      w: torch.Tensor) -> torch.Tensor:
         """A draft forward's MoE layer (inside :meth:`drafting`): the experts from the
@@ -439,28 +402,6 @@ class GpuEngine(EngineCommon):
             self._cache.prefetch([pos * self.num_experts + int(k) for k in e], pri.tolist())
             self._draft_queued += len(e)
         return out.to(hidden.dtype)
-
-    def _prefetch_next(self, nxt: int, hidden: torch.Tensor) -> None:
-        """Queue layer ``nxt``'s predicted experts: its router on this layer's input (on the
-        device), then the CPU tier's prediction rule (``_C.predict_next``, csrc/route.h: the
-        model's score function, top ceil(k * overfetch) per token or the ``mass`` rule, each
-        expert's best score its priority).  One device-to-host read: the logits [T, E]."""
-        with torch.no_grad():
-            r = self._routers[nxt]
-            wt = r.weight
-            lg = torch.nn.functional.linear(hidden.detach().to(wt.dtype), wt,
-                                            getattr(r, "bias", None)).float()
-        logits = lg.reshape(-1, self.num_experts).cpu().numpy()
-        bias = self._router_bias[nxt]
-        corr = None if bias is None else \
-            np.ascontiguousarray(bias.detach().float().reshape(-1).cpu().numpy())
-        e, prio = _C.predict_next(logits, self.top_k, self.overfetch, self.mass or 0.0,
-                                  bool(self.arch.sigmoid_router), corr)
-        self._predicted = (nxt, e)
-        self._counters["predicted"] += int(e.size)
-        # a lookahead queued for this pass must survive the per-layer requests (as on the CPU)
-        self._cache.prefetch([nxt * self.num_experts + int(k) for k in e], prio.tolist(),
-                             replace=not self._la.active)
 
     # -- what specmoe.generate asks of an engine (loads, generate: EngineCommon) ---------------
     def enable_self_draft(self, dtype: str = "int4") -> None:
@@ -553,10 +494,9 @@ class GpuEngine(EngineCommon):
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset: tokens, forward passes, the next-layer predictor's
         precision and recall, and the GPU cache's hits/misses/prefetches/stall time."""
-        c = dict(self._counters)  # the balancer's Python path (_balanced_layer)
-        if self._layers is not None:  # and the C layers' own: the two paths add up
-            for key, v in self._layers.counters().items():
-                c[key] = c.get(key, 0) + v
+        c = dict(self._counters)
+        if self._layers is not None:
+            c.update(self._layers.counters())
         s: dict[str, Any] = {
             "device": str(self.device), "tokens": c["tokens"], "passes": c["passes"],
             "policy": self.policy, "cache_frac": self.cache_frac, "dtype": self.dtype,
@@ -567,9 +507,12 @@ class GpuEngine(EngineCommon):
             "balance": None if self.balance is None else dataclasses.asdict(self.balance),
             "miss": self.miss, "route_lambda": self.route_lambda,
             "miss_levels": ":".join(self.miss_levels), "miss_keep2": self.miss_keep2,
-            "gpu_experts": c["gpu_experts"], "cpu_experts": c["cpu_experts"],
+            # experts computed per layer call on each device (the hybrid tier's CPU share)
+            "gpu_experts": c["gpu_experts"] - c.get("hybrid_cpu_experts", 0),
+            "cpu_experts": c.get("hybrid_cpu_experts", 0),
             **{k: c.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
-                                         "lowbit", "lowbit2", "draft_kept")},
+                                         "lowbit", "lowbit2", "draft_kept", "hybrid_cpu_pairs",
+                                         "hybrid_copied", "hybrid_admitted")},
         }
         if self._cache is not None:
             cs = self._cache.stats()
@@ -583,7 +526,6 @@ class GpuEngine(EngineCommon):
     def reset_stats(self) -> None:
         with self._lock:
             self._counters = dict.fromkeys(self._counters, 0)
-            self._predicted = None
             self._la.reset_stats()
             self._draft_queued = 0
             if self._layers is not None:
@@ -600,19 +542,28 @@ class GpuEngine(EngineCommon):
         check_prefetch(overfetch, mass)
         with self._lock:
             self._set_prediction(bool(on), overfetch, mass)
-            self._predicted = None
 
-    def set_balance(self, balance: bool | Any) -> None:
-        """MoE-SpAc's CPU/GPU balancer on (True: measure its costs now; or a
-        :class:`specmoe.runtime.cuda.BalanceProfile`) or off (False: every miss is copied)."""
+    def set_balance(self, balance: bool | Any, admit: bool | None = None) -> None:
+        """The hybrid tier, MoE-SpAc's CPU/GPU balancer (§3.3), on or off: per MoE layer the
+        experts neither resident nor loading are split between a copy to the GPU cache and
+        the CPU kernels on the pinned host copy (csrc/layer.h ``smoe_layers_set_hybrid``, the
+        rule of csrc/route.h ``smoe_route_balance_cut``, Eq. 7-9).  balance: True measures its
+        costs now (:func:`specmoe.runtime.cuda.measure_balance_profile`), a
+        :class:`specmoe.runtime.cuda.BalanceProfile` gives them, False copies every miss.
+        admit (None: keep): the experts the CPU computed are queued to the cache's prefetch
+        worker, whose policy's admission rule lets them in or not (``"spac"``: MoE-SpAc's
+        utility levels), so the GPU cache fills from what the CPU ran instead of every miss
+        being copied on the layer's path."""
         from . import cuda
+        if admit is not None:
+            self._admit = bool(admit)
         if balance is False or balance is None:
             with self._lock:
                 self.balance = None
+                self._push_balance()
             return
         if self.mode != "host":
             raise ValueError("the balancer needs mode='host' (the pinned host copy)")
-        check_gpu_options(miss=self.miss, route_lambda=self.route_lambda, balance=balance)
         if balance is not True and not isinstance(balance, cuda.BalanceProfile):
             raise TypeError(f"balance must be a bool or a specmoe.runtime.cuda.BalanceProfile, got "
                             f"{type(balance).__name__}")
@@ -620,8 +571,12 @@ class GpuEngine(EngineCommon):
             if self._cache is None:
                 raise RuntimeError("this specmoe GpuEngine is closed")
             if balance is True:
+                if self.emulated:
+                    raise ValueError("balance=True measures the GPU's costs: with "
+                                     "device='emulate' give a specmoe.runtime.cuda.BalanceProfile")
                 balance = cuda.measure_balance_profile(self._cache, self.spec)
             self.balance = balance
+            self._push_balance()
 
     def set_miss(self, miss: str | None = None, miss_keep: int | None = None,
                  route_lambda: float | None = None, throttle: Any = "keep",
@@ -632,7 +587,6 @@ class GpuEngine(EngineCommon):
         check_gpu_options(
             miss=self.miss if miss is None else miss,
             route_lambda=self.route_lambda if route_lambda is None else route_lambda,
-            balance=self.balance,
             miss_levels=self.miss_levels if miss_levels is None else miss_levels)
         super().set_miss(miss, miss_keep, route_lambda, throttle, miss_levels, miss_keep2)
 
