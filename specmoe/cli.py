@@ -284,7 +284,22 @@ def _cmd_run(args) -> int:
     if args.prompt == "":
         raise CliError("--prompt is empty")
     cache = _option("--cache", args.cache, _capacity)
+    gpu_cache = None if args.gpu_cache is None else \
+        _option("--gpu-cache", args.gpu_cache, _capacity)
     policy = _policy_option(args.policy)
+    dev = args.device
+    if dev != "cpu" and not (dev == "cuda" or dev.startswith("cuda:") and dev[5:].isdigit()):
+        raise CliError(f"--device {dev!r}: cpu, cuda or cuda:N")
+    if gpu_cache is not None and dev == "cpu":
+        raise CliError("--gpu-cache: the hybrid tier needs --device cuda")
+    if dev != "cpu":
+        from .runtime.cuda import unusable_reason
+        why = unusable_reason()
+        if why:
+            raise CliError(f"--device {dev}: {why}")
+        if args.dense not in ("auto", "torch"):
+            raise CliError(f"--dense {args.dense}: with --device {dev} the model's own layers "
+                           "run on the GPU (--dense auto or torch)")
     _checkpoint(args, args.store)
 
     import time
@@ -306,8 +321,10 @@ def _cmd_run(args) -> int:
     if ids.shape[1] == 0:
         raise CliError(f"--prompt {args.prompt!r}: the tokenizer makes no tokens of it")
     model = from_pretrained(args.checkpoint, cache=cache, dtype=args.dtype, policy=policy,
-                            prefetch=not args.no_prefetch, store=args.store, dense=args.dense)
+                            prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
+                            device=dev, gpu_cache=gpu_cache)
     eng = engine_of(model)
+    ids = ids.to(model.device)
     try:
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -324,7 +341,9 @@ def _cmd_run(args) -> int:
               f"prompt {ids.shape[1]} tokens included) | cache {s['capacity']} experts "
               f"({s['cache_bytes'] / 2**20:.0f} MiB, {getattr(eng, 'dtype', args.dtype)}, "
               f"{args.policy}) | "
-              f"{eng.dense} | hit rate "
+              f"{getattr(eng, 'dense', 'dense on ' + dev)} | "
+              + (f"CPU experts {s.get('cpu_experts', 0)} | " if gpu_cache is not None else "")
+              + "hit rate "
               f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
               f"peak memory {_peak_rss() / 2**20:.0f} MiB", file=sys.stderr if args.quiet else
               sys.stdout)
@@ -514,6 +533,13 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["auto", "torch", "f32", "bf16", "int8", "int4"],
                    help="attention, shared/dense MLP and lm_head through specmoe's C kernels "
                         "(auto: bf16 weights kept exactly; int8/int4 quantize them)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), or cuda / cuda:N: the GPU tier (experts cached in GPU "
+                        "memory, the rest of the model on that GPU; --dense auto or torch)")
+    p.add_argument("--gpu-cache", default=None, metavar="SIZE",
+                   help="with --device cuda: the hybrid tier, a GPU cache of SIZE (as "
+                        "--cache) and every other expert computed by the CPU kernels where "
+                        "it lives or copied, as costs measured at load decide")
     p.add_argument("--quiet", action="store_true", help="statistics line to stderr")
 
     p = command("serve", help="serve a checkpoint with an OpenAI-compatible HTTP API")

@@ -203,6 +203,46 @@ def test_run_empty_prompt_refused_before_loading(zoo_copy, cache_env, capsys):
     assert not cache_env.exists() or not any(cache_env.iterdir())  # nothing converted
 
 
+@pytest.mark.parametrize("argv, what", [
+    (["--gpu-cache", "1GiB"], "--gpu-cache: the hybrid tier needs --device cuda"),
+    (["--device", "tpu"], "--device 'tpu'"),
+    (["--device", "cuda", "--gpu-cache", "5xb"], "--gpu-cache"),
+])
+def test_run_device_options_refused_before_loading(zoo_copy, cache_env, capsys, argv, what):
+    """The GPU tier's options of ``run`` (issue 37): named errors before anything loads."""
+    code, err = _cli(["run", zoo_copy, "--prompt", "x"] + argv, capsys)
+    _assert_one_line(code, err, what)
+    assert not cache_env.exists() or not any(cache_env.iterdir())
+
+
+def test_run_device_cuda_without_a_gpu_says_why(zoo_copy, cache_env, capsys):
+    from specmoe.runtime.cuda import unusable_reason
+    why = unusable_reason()
+    if not why:
+        pytest.skip("a GPU is usable here")
+    code, err = _cli(["run", zoo_copy, "--prompt", "x", "--device", "cuda", "--gpu-cache",
+                      "10%"], capsys)
+    _assert_one_line(code, err, f"--device cuda: {why}")
+
+
+def test_run_gpu_cache_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch, capsys):
+    import specmoe.models.pretrained
+    from specmoe.runtime import cuda
+
+    seen = {}
+
+    def from_pretrained(path, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(specmoe.models.pretrained, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(cuda, "unusable_reason", lambda: "")
+    code, err = _cli(["run", zoo_copy, "--prompt", "x", "--device", "cuda:0", "--gpu-cache",
+                      "12GiB"], capsys)
+    _assert_one_line(code, err, "RuntimeError: stop here")
+    assert seen["device"] == "cuda:0" and seen["gpu_cache"] == "12GiB"
+
+
 # -- item 5: simulate and sweep ----------------------------------------------------------------
 
 @pytest.mark.parametrize("args, names", [

@@ -379,20 +379,33 @@ def test_lookahead_counts_the_next_pass(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_from_pretrained_on_the_gpu_tier(tmp_path, monkeypatch, device):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["copies", "gpu_cache"])
+def test_from_pretrained_on_the_gpu_tier(tmp_path, monkeypatch, device, hybrid):
+    """from_pretrained(device=...), and the hybrid tier's one word (issue 37):
+    ``gpu_cache=`` sizes the GPU cache and turns the CPU/GPU split on (its costs measured on a
+    GPU; the emulation is given them)."""
     import specmoe
     monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
     m, ref = _tiny()
     folder = testing.save_checkpoint(m, tmp_path / "ckpt")
-    model = specmoe.from_pretrained(folder, device=device, cache=0.25, dtype="f32")
+    if hybrid:
+        kw = {"gpu_cache": "25%"}
+        if device == "emulate":
+            kw["balance"] = cuda.BalanceProfile(t_io=1e-3, t_gpu=1e-5, t_cpu=1e-5)
+        with pytest.raises(ValueError, match="device='cuda'"):
+            specmoe.from_pretrained(folder, gpu_cache="25%")
+    else:
+        kw = {"cache": 0.25}
+    model = specmoe.from_pretrained(folder, device=device, dtype="f32", **kw)
     eng = specmoe.engine_of(model)
     try:
-        assert isinstance(eng, GpuEngine)
+        assert isinstance(eng, GpuEngine) and (eng.balance is not None) == hybrid
         x = torch.tensor([PROMPT], device=_dev(device))
         with torch.no_grad():
             got = model.generate(x, max_new_tokens=5, do_sample=False)
             want = ref.to(_dev(device)).generate(x, max_new_tokens=5, do_sample=False)
         assert got.tolist() == want.tolist()
+        assert (eng.stats()["cpu_experts"] > 0) == hybrid
     finally:
         eng.close()
 

@@ -417,6 +417,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                     route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
                     miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None,
                     device: Any = "cpu", balance: Any = False,
+                    gpu_cache: int | float | str | None = None,
                     **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
@@ -445,8 +446,12 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     :mod:`specmoe.runtime.misses`).  device: ``"cpu"``, or ``"cuda"``/``"cuda:N"`` for the GPU tier
     (experts cached in GPU memory behind a pinned host copy of the store, the other weights
     on that GPU: :class:`specmoe.runtime.gpu_engine.GpuEngine`; ``dense`` "auto"/"torch" and
-    ``miss="fetch"`` only, ``direct`` unused; ``balance=True``: MoE-SpAc's CPU/GPU workload
-    balancer, :mod:`specmoe.runtime.gpu_engine`).
+    ``dense`` "auto"/"torch" only, ``direct`` unused; ``balance=True``: the hybrid tier,
+    MoE-SpAc's CPU/GPU workload balancer, :mod:`specmoe.runtime.gpu_engine`).  gpu_cache: the
+    hybrid tier in one word (issue 37): a GPU cache of this size (as ``cache``) and every
+    other expert computed by the CPU kernels where it lives in host memory or copied, as
+    the balancer's measured costs decide (``balance=True`` unless a profile is given; needs
+    a CUDA ``device``).
     hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
     from ..runtime import misses
     from .dense import resolve_dense
@@ -454,6 +459,13 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     from ..runtime.engine import Engine, check_early
     # bad values fail before any conversion ("auto" is resolved once the checkpoint is open)
     early = "bf16" if dtype == "auto" else dtype
+    if gpu_cache is not None:  # the hybrid tier: the GPU cache's size, the balancer on
+        if device in (None, "cpu") or (isinstance(device, str) and device.startswith("cpu")):
+            raise ValueError("gpu_cache: the hybrid tier needs device='cuda' (or 'cuda:N'); "
+                             "on the CPU the expert cache is cache=")
+        cache = gpu_cache
+        if balance is False or balance is None:
+            balance = True
     check_early(early, cache, policy, prefetch)
     gpu_opts = dict(policy=policy, dense=dense, miss=miss, route_lambda=route_lambda,
                     throttle=throttle, balance=balance)
@@ -487,7 +499,9 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     if gpu is not None:
         from ..runtime.gpu_engine import GpuEngine
         GpuEngine(model, spath, device=gpu, cache=cache, policy=policy, prefetch=prefetch,
-                  verify=True, balance=balance)
+                  verify=True, balance=balance, miss=miss, miss_keep=miss_keep,
+                  route_lambda=route_lambda, miss_levels=miss_levels, miss_keep2=miss_keep2,
+                  throttle=throttle)
         return model
     Engine(model, spath, cache=cache, policy=policy, prefetch=prefetch, direct=direct,
            verify=True, dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
