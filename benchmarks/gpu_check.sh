@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU tier's checks for one session on a lent GPU machine (docs/gpu.md), in one run:
 # build specmoe._C and specmoe._cuda with -Werror, measure the simulator's profile of the GPU
-# tier (specmoe.sim.calibration.calibrate_gpu), run tests/test_cuda.py and tests/test_gpu_tier.py (the engine on the device), then benchmarks/gpu_generate.py.
+# tier (specmoe.sim.calibration.calibrate_gpu), run tests/test_cuda.py and tests/test_gpu_tier.py (the engine on the device), then benchmarks/gpu_generate.py
+# and benchmarks/gpu_hybrid.py (the hybrid tier, issue 37).
 #
 #   benchmarks/gpu_check.sh OUTDIR
+#
+# SKIP=calibrate,generate,hybrid leaves steps out (a session that measured them already);
+# HYBRID_ARGS passes options to gpu_hybrid.py (default: --layers 8 --dtypes bf16).
 #
 # Needs a python3 with a CUDA build of torch (PY=... to choose another).  Wheels in .whl/
 # (git-ignored: the transformers/tokenizers/regex versions this checkout's tests use) are
@@ -29,17 +33,39 @@ SPECMOE_CUDA=1 SPECMOE_WERROR=1 SPECMOE_CUDA_ARCH=${SPECMOE_CUDA_ARCH:-90} \
     || { tail -40 "$out/build.log"; exit 1; }
 echo "== built in $(elapsed) s"
 
-timeout 90 $PY -c 'import json; from specmoe.sim.calibration import calibrate_gpu
+skip() { case ",${SKIP:-}," in *",$1,"*) return 0 ;; esac; return 1; }
+if ! skip calibrate; then
+    timeout 90 $PY -c 'import json; from specmoe.sim.calibration import calibrate_gpu
 print(json.dumps(calibrate_gpu().to_dict()))' > "$out/gpu_profile.json" 2> "$out/gpu_profile.err"
-echo "== calibrate rc=$? at $(elapsed) s"
-cat "$out/gpu_profile.json"; tail -5 "$out/gpu_profile.err"
+    echo "== calibrate rc=$? at $(elapsed) s"
+    cat "$out/gpu_profile.json"; tail -5 "$out/gpu_profile.err"
+fi
 
 timeout 240 $PY -m pytest -q -rs --durations=15 tests/test_cuda.py tests/test_gpu_tier.py > "$out/test_cuda.log" 2>&1
 echo "== test_cuda rc=$? at $(elapsed) s"
 grep -E "passed|failed|error|SKIPPED|FAILED" "$out/test_cuda.log" | tail -25
 
 left=$(( ${BUDGET_S:-560} - $(elapsed) ))
-if [ "$left" -gt 60 ]; then
+if ! skip hybrid && [ "$left" -gt 60 ]; then
+    timeout "$left" $PY benchmarks/gpu_hybrid.py --json --workdir /tmp/specmoe-bench \
+        --out "$out/gpu_hybrid.json" ${HYBRID_ARGS:---layers 8 --dtypes bf16} \
+        > /dev/null 2> "$out/gpu_hybrid.err"
+    echo "== gpu_hybrid rc=$? at $(elapsed) s"
+    $PY - "$out/gpu_hybrid.json" <<'PYEOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no JSON: {e}")
+keys = ("tok_s", "prefill_tok_s", "vs_copy_every_miss", "tokens_equal", "hit_rate",
+        "cpu_share_of_experts", "pcie_bytes_per_token", "vram_bytes", "error")
+for r in d.get("rows", []):
+    print(r["label"], {k: r.get(k) for k in keys if k in r})
+PYEOF
+    tail -5 "$out/gpu_hybrid.err"
+fi
+left=$(( ${BUDGET_S:-560} - $(elapsed) ))
+if ! skip generate && [ "$left" -gt 60 ]; then
     timeout "$left" $PY benchmarks/gpu_generate.py --json --workdir /tmp/specmoe-bench \
         > "$out/gpu_generate.json" 2> "$out/gpu_generate.err"
     echo "== gpu_generate rc=$? at $(elapsed) s"
