@@ -7,7 +7,8 @@
 #   benchmarks/gpu_check.sh OUTDIR
 #
 # SKIP=calibrate,generate,hybrid leaves steps out (a session that measured them already);
-# HYBRID_ARGS passes options to gpu_hybrid.py (default: --layers 8 --dtypes bf16).
+# HYBRID_ARGS passes options to gpu_hybrid.py (default: --layers 8 --dtypes bf16); TEST_K
+# selects tests (pytest -k).
 #
 # Needs a python3 with a CUDA build of torch (PY=... to choose another).  Wheels in .whl/
 # (git-ignored: the transformers/tokenizers/regex versions this checkout's tests use) are
@@ -41,7 +42,8 @@ print(json.dumps(calibrate_gpu().to_dict()))' > "$out/gpu_profile.json" 2> "$out
     cat "$out/gpu_profile.json"; tail -5 "$out/gpu_profile.err"
 fi
 
-timeout 240 $PY -m pytest -q -rs --durations=15 tests/test_cuda.py tests/test_gpu_tier.py > "$out/test_cuda.log" 2>&1
+timeout 240 $PY -m pytest -q -rs --durations=15 ${TEST_K:+-k "$TEST_K"} tests/test_cuda.py \
+    tests/test_gpu_tier.py > "$out/test_cuda.log" 2>&1
 echo "== test_cuda rc=$? at $(elapsed) s"
 grep -E "passed|failed|error|SKIPPED|FAILED" "$out/test_cuda.log" | tail -25
 

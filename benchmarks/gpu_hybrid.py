@@ -43,6 +43,7 @@ the measured one) as a dry run of the script, not a benchmark.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -86,6 +87,9 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
     ap.add_argument("--out", default=None, help="results file (default on a GPU: "
                     "benchmarks/results/gpu_hybrid_<gpu>.json)")
+    ap.add_argument("--torch-cap", choices=["auto", "none"], default="auto",
+                    help="auto: cap torch's memory fraction after the upper bound (dense "
+                         "weights x2 + 4 GiB); none: no cap (the GPU cache's size is the cap)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -148,7 +152,9 @@ def main() -> None:
         m = AutoModelForCausalLM.from_pretrained(ckpt, device_map=tdev,
                                                  dtype=torch.bfloat16).eval()
         rows[up]["vram_bytes"] = f0 - free_bytes()
-        timed_generate(torch, m, ids, 4)
+        for _ in range(max(1, a.warm_rounds)):  # untimed, as the specmoe rows' first rounds
+            prefill_s(m)
+            timed_generate(torch, m, ids, a.tokens)
         dec, pre = [], []
         for _ in range(a.rounds):
             pre.append(prefill_s(m))
@@ -162,8 +168,10 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 -- the row says why
         rows[up].update(_error("failed", e))
         dense_bytes = 2 << 30
+    gc.collect()  # transformers' modules hold reference cycles: free the upper bound now
     if not emulate:
         torch.cuda.empty_cache()
+    if not emulate and a.torch_cap == "auto":
         total = torch.cuda.get_device_properties(0).total_memory
         frac = min(1.0, (dense_bytes * 2 + (4 << 30)) / total)
         torch.cuda.set_per_process_memory_fraction(frac)

@@ -730,7 +730,9 @@ static int grow_groups(smoe_layers *g, size_t n, smoe_err *err) {
 }
 
 /* The hybrid tier's split (smoe_layers_set_hybrid): hy_oncpu[e] = 1 for each expert of this
- * call's groups (start) that route.h's cut leaves to the CPU; returns their count. */
+ * call's groups (start) that route.h's cut leaves to the CPU, *ncpu their count; hy_miss /
+ * hy_cnt the missing experts (most tokens first), hy_cut the copied prefix, hy_nadmit how
+ * many CPU experts the admission's I/O budget takes. */
 static int hybrid_split(smoe_layers *g, uint32_t pos, const uint32_t *start, uint32_t *ncpu,
                         smoe_err *err) {
     const uint32_t E = g->E;
@@ -756,13 +758,29 @@ static int hybrid_split(smoe_layers *g, uint32_t pos, const uint32_t *start, uin
         smoe_route_balance_cut(g->hy_cnt, m, on_fast, g->hy_io, g->hy_gpu, g->hy_cpu);
     for (uint32_t i = cut; i < m; i++) g->hy_oncpu[g->hy_miss[i]] = 1;
     g->counters.hybrid_copied += cut;
+    /* Admission's I/O budget, Eq. 10: the copies a layer makes (the cut's, then the CPU
+     * experts' admissions, hottest first) fit in its computation window T_total =
+     * max(T_cpu, T_gpu); the drafting term gamma * T_draft / L is left out (the layer call
+     * does not know it). */
+    double tail = 0.0;
+    for (uint32_t i = cut; i < m; i++) tail += g->hy_cnt[i];
+    const double t_cpu = g->hy_cpu * tail,
+                 t_gpu = g->hy_io * cut + g->hy_gpu * ((double)on_fast + cut);
+    const double spare = (t_cpu > t_gpu ? t_cpu : t_gpu) - g->hy_io * cut;
+    uint32_t nadmit = m - cut;
+    if (g->hy_io > 0.0) {
+        const double fit = spare > 0.0 ? floor(spare / g->hy_io) : 0.0;
+        if (fit < (double)nadmit) nadmit = (uint32_t)fit;
+    }
+    g->hy_cut = cut, g->hy_m = m, g->hy_nadmit = nadmit;
     *ncpu = m - cut;
     return SMOE_OK;
 }
 
 /* The hybrid tier's CPU share: the hy_oncpu experts' pairs (grouped at start, host arrays
  * grp_rows / grp_scale) on the CPU kernels from the tier's host copy into hy_out, added to
- * io->out on the stream; then (hybrid_admit) queued to the cache's worker for admission. */
+ * io->out on the stream; then (hybrid_admit) the hottest hy_nadmit of them (hybrid_split's
+ * Eq. 10 budget) queued to the cache's worker for admission. */
 static int hybrid_cpu(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d, uint32_t pos,
                       const uint32_t *start, uint32_t T, smoe_err *err) {
     const smoe_tier_ops *ops = g->tier.ops;
@@ -793,9 +811,10 @@ static int hybrid_cpu(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d
             return rc;
         g->counters.hybrid_cpu_experts++;
         g->counters.hybrid_cpu_pairs += ne;
-        g->keys[nq] = (int32_t)(pos * E + e);
-        g->prios[nq] = (float)ne;
-        nq++;
+    }
+    for (uint32_t i = g->hy_cut; i < g->hy_cut + g->hy_nadmit; i++, nq++) { /* hottest first */
+        g->keys[nq] = (int32_t)(pos * E + g->hy_miss[i]);
+        g->prios[nq] = (float)g->hy_cnt[i];
     }
     if ((rc = ops->add_host(ctx, io->out, g->hy_out, nf, io->stream, err))) return rc;
     if (g->hybrid_admit && nq) {

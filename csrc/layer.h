@@ -254,6 +254,7 @@ typedef struct smoe_layers {
     uint8_t *hy_oncpu;        /* owned; [E] experts of this call computed on the CPU */
     uint32_t *hy_miss;        /* owned; [E] missing experts, most tokens first */
     uint32_t *hy_cnt;         /* owned; [E] their token counts */
+    uint32_t hy_m, hy_cut, hy_nadmit; /* missing, copied, CPU experts to admit (this call) */
     float *hy_out;            /* owned; [hy_cap floats] the CPU's share of out (host) */
     size_t hy_cap;
     void *hy_scratch;         /* owned; the CPU kernels' scratch */
@@ -301,10 +302,12 @@ void smoe_layers_set_parallel(smoe_layers *g, int on);
  * and run on the device as without the split; the rest run on the CPU kernels (kc) from the
  * host copy while the device computes its share (their work is enqueued first), and their sum
  * is added to out on the stream (add_host).  admit != 0: the CPU's experts are then queued to
- * the cache's prefetch worker at priority = their token count, where the policy's admission
- * rule decides whether each enters the cache (slots.h: a utility policy admits a key only
- * over a victim of no higher utility; MoE-SpAc's levels with the `spac` policy); without a
- * worker nothing is queued.  Only the cache's own share is split (not low-bit copies, the
+ * the cache's prefetch worker at priority = their token count, hottest first and as many as
+ * fit the layer's I/O budget (Eq. 10: the copies' time, the cut's included, within
+ * max(T_cpu, T_gpu); without the drafting term), where the policy's admission rule decides
+ * whether each enters the cache (slots.h: a utility policy admits a key only over a victim
+ * of no higher utility; MoE-SpAc's levels with the `spac` policy); without a worker nothing
+ * is queued.  Only the cache's own share is split (not low-bit copies, the
  * draft copy or the host tier).  on = 0 turns it off.  SMOE_EINVAL: costs not finite >= 0;
  * SMOE_ESTATE: the tier has no host copy (the host tier, or a GPU cache in staged mode). */
 int smoe_layers_set_hybrid(smoe_layers *g, int on, double t_io, double t_gpu, double t_cpu,

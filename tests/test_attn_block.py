@@ -193,7 +193,7 @@ def test_bad_input_raises_and_leaves_outputs_alone():
     ln = np.ones(32, np.float32)
     with pytest.raises(ValueError, match="ln has 31 weights"):
         blk.pre(x, cs, cs, qo, ko, vo, np.ones(31, np.float32), 1e-6)
-    with pytest.raises(ValueError, match="ln_eps"):
+    with pytest.raises(ValueError, match="ln_eps must be in .0, 1., got -1"):
         blk.pre(x, cs, cs, qo, ko, vo, ln, -1.0)
     normed = np.full((2, 32), 7.0, np.float32)
     with pytest.raises(ValueError, match="same dtype"):

@@ -179,16 +179,15 @@ def _hybrid_reference(counts_by_layer, on_fast, prof):
 @pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_split_is_eq9_per_layer(device):
     """Each layer call's split equals a brute-force reading of MoE-SpAc's Eq. 9 over that
-    layer's missing experts (token counts, most first) and its experts on the fast tier: a
-    prefill (many tokens per expert) through one MoE layer, with the layer's slot states read
-    before the call, and the CPU's share equal to the same experts computed by the CPU
-    kernels."""
+    layer's missing experts (token counts, most first) and its experts on the fast tier, and
+    its admissions the Eq. 10 budget: a prefill (many tokens per expert) through one MoE
+    layer, with the layer's slot states read before the call, and the layer's output equal to
+    every expert computed by the CPU kernels."""
     from specmoe.runtime import kernels
     m, _ = _tiny()
     prof = cuda.BalanceProfile(t_io=2e-4, t_gpu=5e-5, t_cpu=4e-5)
     eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=False)
     try:
-        eng.set_balance(prof, admit=False)
         rng = np.random.default_rng(3)
         T, H, k, E = 24, eng.spec.H, eng.top_k, eng.num_experts
         x = (rng.standard_normal((T, H)) * 0.5).astype(np.float32)
@@ -197,12 +196,21 @@ def test_hybrid_split_is_eq9_per_layer(device):
             pos = call % len(eng.layer_ids)
             idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
             w = rng.random((T, k)).astype(np.float32)
+            eng._cache.wait_idle()  # the last call's admissions are in (or refused)
             states = eng._cache.layer_states(pos)
             cnt = np.bincount(idx.ravel(), minlength=E)
             need = np.flatnonzero(cnt)
             miss = sorted((e for e in need if states[e] == 0), key=lambda e: (-cnt[e], e))
             on_fast = sum(1 for e in need if states[e] != 0)
-            want_cut = _hybrid_reference([int(cnt[e]) for e in miss], on_fast, prof)
+            counts = [int(cnt[e]) for e in miss]
+            want_cut = _hybrid_reference(counts, on_fast, prof)
+            # Eq. 10: admissions (hottest CPU experts first) fill the window max(T_cpu, T_gpu)
+            # left after the cut's copies
+            t_cpu = prof.t_cpu * float(sum(counts[want_cut:]))
+            t_gpu = prof.t_io * want_cut + prof.t_gpu * (float(on_fast) + want_cut)
+            spare = max(t_cpu, t_gpu) - prof.t_io * want_cut
+            want_admit = min(len(miss) - want_cut, int(np.floor(spare / prof.t_io))
+                             if spare > 0 else 0)
             before = eng.layers.counters()
             xt = torch.from_numpy(x).to(_dev(device))
             out = eng.layer_forward(pos, xt, torch.from_numpy(idx).to(_dev(device)),
@@ -210,8 +218,10 @@ def test_hybrid_split_is_eq9_per_layer(device):
             after = eng.layers.counters()
             cut = after["hybrid_copied"] - before["hybrid_copied"]
             ncpu = after["hybrid_cpu_experts"] - before["hybrid_cpu_experts"]
-            assert (cut, ncpu) == (want_cut, len(miss) - want_cut), (call, cnt[miss])
-            splits.append((cut, ncpu))
+            admitted = after["hybrid_admitted"] - before["hybrid_admitted"]
+            assert (cut, ncpu, admitted) == (want_cut, len(miss) - want_cut, want_admit), \
+                (call, counts)
+            splits.append((cut, ncpu, admitted))
             # the layer's output: every expert's share by the CPU kernels (float64 sum)
             ref = np.zeros((T, H), np.float64)
             store = eng._store
@@ -224,7 +234,8 @@ def test_hybrid_split_is_eq9_per_layer(device):
                 ref += y
             tol = 1e-4 if device == "emulate" else 2e-3
             np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
-        assert any(c > 0 for c, _ in splits) and any(n > 0 for _, n in splits), splits
+        assert any(c > 0 for c, _, _ in splits) and any(n > 0 for _, n, _ in splits), splits
+        assert any(0 < a < n for _, n, a in splits), splits  # the budget binds somewhere
     finally:
         eng.close()
 
@@ -235,7 +246,9 @@ def test_hybrid_admission_fills_the_cache_greedy_unchanged(device):
     cache's worker, and the policy admits them), not by copies on the layer's path; greedy
     tokens stay the unmodified model's while residency changes under the split."""
     m, ref = _tiny()
-    prof = cuda.BalanceProfile(t_io=1e-3, t_gpu=1e-5, t_cpu=1e-5)
+    # a launch-bound GPU (as measured on the H200): the CPU takes the misses, and the GPU's
+    # time leaves the link room to admit them (Eq. 10)
+    prof = cuda.BalanceProfile(t_io=1e-4, t_gpu=1e-3, t_cpu=1e-4)
     eng = hf.offload(m, device=device, dtype="f32", cache=0.25, policy="lru", balance=prof,
                      prefetch=False)
     try:
@@ -297,7 +310,7 @@ def test_hybrid_refusals():
     from specmoe import _C
     with pytest.raises(ValueError, match="descending"):
         _C.balance_cut([1, 2], 0, 1e-3, 1e-3, 1e-3)
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match="finite and >= 0, got t_io=nan"):
         _C.balance_cut([2, 1], 0, float("nan"), 1e-3, 1e-3)
     cpu = hf.offload(_tiny()[0], dtype="f32", cache=0.25)
     try:  # the CPU tier has no host copy to split against

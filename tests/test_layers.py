@@ -229,7 +229,7 @@ def test_predict_next_is_the_layers_rule(store, corr, sigmoid, overfetch, mass):
 
 def test_predict_next_bad_input():
     lg = np.zeros((2, E), np.float32)
-    with pytest.raises(ValueError, match="overfetch"):
+    with pytest.raises(ValueError, match=r"overfetch .*\(got 0\.5, 0\)"):  # values formatted
         _C.predict_next(lg, K, 0.5)
     with pytest.raises(ValueError, match="mass"):
         _C.predict_next(lg, K, 1.0, 1.5)

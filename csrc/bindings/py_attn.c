@@ -593,7 +593,9 @@ int smoe_py_norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, fl
     double e = PyFloat_AsDouble(eo);
     if (e == -1.0 && PyErr_Occurred()) return -1;
     if (!(e >= 0.0) || e > 1.0) {
-        PyErr_Format(PyExc_ValueError, "ln_eps must be in [0, 1], got %g", e);
+        smoe_err err; /* (PyErr_Format has no %g) */
+        smoe_err_set(&err, SMOE_EINVAL, "ln_eps must be in [0, 1], got %g", e);
+        smoe_py_raise(&err);
         return -1;
     }
     *w = (const float *)PyArray_DATA(a);

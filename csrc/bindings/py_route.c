@@ -42,9 +42,10 @@ static PyObject *py_predict_next(PyObject *mod, PyObject *args, PyObject *kw) {
         return NULL;
     }
     if (!(overfetch >= 1.0) || !(mass >= 0.0 && mass <= 1.0)) {
-        PyErr_Format(PyExc_ValueError, "predict_next: overfetch must be >= 1 and mass in [0, 1] "
-                     "(got %g, %g)", overfetch, mass);
-        return NULL;
+        smoe_err e; /* (PyErr_Format has no %g) */
+        smoe_err_set(&e, SMOE_EINVAL, "predict_next: overfetch must be >= 1 and mass in "
+                     "[0, 1] (got %g, %g)", overfetch, mass);
+        return smoe_py_raise(&e);
     }
     const float *corr;
     if (want_corr(corr_o, E, "predict_next", &corr) < 0) return NULL;
@@ -112,9 +113,10 @@ static PyObject *py_balance_cut(PyObject *mod, PyObject *args, PyObject *kw) {
         return NULL;
     if (!(isfinite(t_io) && isfinite(t_gpu) && isfinite(t_cpu) && t_io >= 0 && t_gpu >= 0 &&
           t_cpu >= 0)) {
-        PyErr_Format(PyExc_ValueError, "balance_cut: costs must be finite and >= 0, got t_io=%g, "
-                     "t_gpu=%g, t_cpu=%g", t_io, t_gpu, t_cpu);
-        return NULL;
+        smoe_err e; /* (PyErr_Format has no %g) */
+        smoe_err_set(&e, SMOE_EINVAL, "balance_cut: costs must be finite and >= 0, got "
+                     "t_io=%g, t_gpu=%g, t_cpu=%g", t_io, t_gpu, t_cpu);
+        return smoe_py_raise(&e);
     }
     PyArrayObject *c = (PyArrayObject *)PyArray_FROMANY(co, NPY_UINT32, 1, 1,
                                                         NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);

@@ -117,7 +117,7 @@ class BatchKV:
         new = torch.tensor([[1] * n + [0] * (m - n) for n in c], dtype=torch.long)
         pos = torch.tensor([[p + j for j in range(m)] for p in self.npos], dtype=torch.long)
         mask = torch.cat([self.mask, new], 1)
-        logits = self._call(ids, mask, pos)
+        logits = self._call(ids, mask, pos).cpu()  # the acceptance rule reads them on the host
         self.mask = mask
         self.npos = [p + n for p, n in zip(self.npos, c)]
         return logits
@@ -158,7 +158,7 @@ class BatchKV:
             self.kv.crop(-(A * m))
         self.mask = torch.cat([self.mask, real], 1)
         self.npos = [p + n for p, n in zip(self.npos, c)]
-        return lg, ml
+        return lg.cpu(), ml.cpu()  # the acceptance rule and the next drafts read them on the host
 
     def keep(self, b: int, n_real: int) -> None:
         """Row b keeps its first ``n_real`` real positions; later ones become holes."""

@@ -486,8 +486,8 @@ class MtpDrafter:
             lg, ml = self.adapter.forward_mtp(self.model, a, n_masks, past=past, kv=kv,
                                               fetch_masks=self.fetch_masks)
         crop_kv(kv, past + len(anchors))
-        self._mask_logits = ml[0] if n_masks else None
-        return lg[0]
+        self._mask_logits = ml[0].cpu() if n_masks else None  # read on the host (advance)
+        return lg[0].cpu()
 
     def advance(self, history: Sequence[int], n_acc: int, sampling: Optional[Sampling] = None,
                 generator: Optional[torch.Generator] = None) -> None:
