@@ -30,7 +30,7 @@ demo: build
 	$(PY) -m specmoe demo
 
 test: build fuzz-deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # A user's install (issue 40): the sdist built from this checkout, installed into a fresh
 # venv offline from the wheels `make setup` downloaded to $(WHEELS), the README's commands run
