@@ -7,7 +7,7 @@
 #   benchmarks/gpu_check.sh OUTDIR
 #
 # SKIP=calibrate,generate,hybrid leaves steps out (a session that measured them already);
-# HYBRID_ARGS passes options to gpu_hybrid.py (default: --layers 8 --dtypes bf16); TEST_K
+# HYBRID_ARGS passes options to gpu_hybrid.py (default: --layers 6 --dtypes bf16,int4); TEST_K
 # selects tests (pytest -k).
 #
 # Needs a python3 with a CUDA build of torch (PY=... to choose another).  Wheels in .whl/
@@ -34,6 +34,20 @@ SPECMOE_CUDA=1 SPECMOE_WERROR=1 SPECMOE_CUDA_ARCH=${SPECMOE_CUDA_ARCH:-90} \
     || { tail -40 "$out/build.log"; exit 1; }
 echo "== built in $(elapsed) s"
 
+# summary FILE KEY...: a benchmark's JSON, each row's label with those keys, then its other
+# top-level fields
+summary() {
+    $PY - "$@" <<'PYEOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no JSON: {e}")
+for r in d.get("rows", []):
+    print(r["label"], {k: r.get(k) for k in sys.argv[2:] if k in r})
+print({k: v for k, v in d.items() if k not in ("rows", "host")})
+PYEOF
+}
 skip() { case ",${SKIP:-}," in *",$1,"*) return 0 ;; esac; return 1; }
 if ! skip calibrate; then
     timeout 90 $PY -c 'import json; from specmoe.sim.calibration import calibrate_gpu
@@ -50,20 +64,11 @@ grep -E "passed|failed|error|SKIPPED|FAILED" "$out/test_cuda.log" | tail -25
 left=$(( ${BUDGET_S:-560} - $(elapsed) ))
 if ! skip hybrid && [ "$left" -gt 60 ]; then
     timeout "$left" $PY benchmarks/gpu_hybrid.py --json --workdir /tmp/specmoe-bench \
-        --out "$out/gpu_hybrid.json" ${HYBRID_ARGS:---layers 8 --dtypes bf16} \
+        --out "$out/gpu_hybrid.json" ${HYBRID_ARGS:---layers 6 --dtypes bf16,int4} \
         > /dev/null 2> "$out/gpu_hybrid.err"
     echo "== gpu_hybrid rc=$? at $(elapsed) s"
-    $PY - "$out/gpu_hybrid.json" <<'PYEOF'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    sys.exit(f"no JSON: {e}")
-keys = ("tok_s", "prefill_tok_s", "vs_copy_every_miss", "tokens_equal", "hit_rate",
-        "cpu_share_of_experts", "pcie_bytes_per_token", "vram_bytes", "error")
-for r in d.get("rows", []):
-    print(r["label"], {k: r.get(k) for k in keys if k in r})
-PYEOF
+    summary "$out/gpu_hybrid.json" tok_s prefill_tok_s vs_copy_every_miss tokens_equal \
+        hit_rate cpu_share_of_experts pcie_bytes_per_token vram_bytes error
     tail -5 "$out/gpu_hybrid.err"
 fi
 left=$(( ${BUDGET_S:-560} - $(elapsed) ))
@@ -71,16 +76,7 @@ if ! skip generate && [ "$left" -gt 60 ]; then
     timeout "$left" $PY benchmarks/gpu_generate.py --json --workdir /tmp/specmoe-bench \
         > "$out/gpu_generate.json" 2> "$out/gpu_generate.err"
     echo "== gpu_generate rc=$? at $(elapsed) s"
-    $PY - "$out/gpu_generate.json" <<'PYEOF'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    sys.exit(f"no JSON: {e}")
-for r in d.get("rows", []):
-    print(r["label"], {k: r.get(k) for k in ("tok_s", "tokens_equal", "hit_rate", "error")})
-print({k: v for k, v in d.items() if k != "rows"})
-PYEOF
+    summary "$out/gpu_generate.json" tok_s tokens_equal hit_rate error
     tail -5 "$out/gpu_generate.err"
 else
     echo "== gpu_generate skipped: $left s left"

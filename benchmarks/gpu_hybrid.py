@@ -15,10 +15,10 @@ Rows (per store dtype in ``--dtypes``):
   cache's policy for admission (csrc/layer.h ``smoe_layers_set_hybrid``);
 * ``llama.cpp -ngl 99 --n-cpu-moe N``: reported with the reason it did not run (below).
 
-After the upper bound, torch's per-process memory fraction is capped so torch cannot hold
-the experts (``torch_memory_fraction``: the dense weights, KV and activations fit, the
-experts do not); the GPU cache's slab is its own ``cudaMalloc`` of ``--gpu-cache`` of the
-experts.  The specmoe rows are timed in interleaved rounds (order alternating) after
+The GPU memory the experts may take is the GPU cache's slab, its own ``cudaMalloc`` of
+``--gpu-cache`` of the experts; ``--torch-cap auto`` also caps torch's per-process memory
+fraction after the upper bound (``torch_memory_fraction``), which failed on the H200 (the
+option's help says how), so it is off by default.  The specmoe rows are timed in interleaved rounds (order alternating) after
 ``--warm-rounds`` untimed ones.  Each round measures the prefill (one forward of the prompt,
 synchronised) and the decode (seconds per token between the first and the last generated
 token).  Then one accounting run per row (counters reset, decode only) gives the hit rate,
@@ -87,9 +87,11 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
     ap.add_argument("--out", default=None, help="results file (default on a GPU: "
                     "benchmarks/results/gpu_hybrid_<gpu>.json)")
-    ap.add_argument("--torch-cap", choices=["auto", "none"], default="auto",
+    ap.add_argument("--torch-cap", choices=["auto", "none"], default="none",
                     help="auto: cap torch's memory fraction after the upper bound (dense "
-                         "weights x2 + 4 GiB); none: no cap (the GPU cache's size is the cap)")
+                         "weights x2 + 4 GiB; on the H200 the specmoe rows then failed to "
+                         "load, torch's allocator holding 5 GiB it could not serve a 2 MiB "
+                         "block from); none (default): the GPU cache's size is the cap")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
