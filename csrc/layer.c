@@ -184,9 +184,12 @@ int smoe_layers_set_hybrid(smoe_layers *g, int on, double t_io, double t_gpu, do
             return smoe_err_set(err, SMOE_EINVAL, "hybrid tier: costs must be finite and >= 0 "
                                 "seconds, got t_io=%g, t_gpu=%g, t_cpu=%g", t_io, t_gpu, t_cpu);
         const smoe_tier_ops *ops = g->tier.ops;
-        if (!ops || !ops->host_block || !ops->add_host || !ops->host_block(g->tier.ctx, 0, 0))
+        const uint8_t *probe;
+        smoe_err perr;
+        if (!ops || !ops->host_block || !ops->add_host ||
+            ops->host_block(g->tier.ctx, 0, 0, &probe, &perr))
             return smoe_err_set(err, SMOE_ESTATE, "hybrid tier: the expert tier has no host "
-                                "copy to compute from (a GPU cache in mode='host' has one)");
+                                "path to compute from (a GPU cache has one)");
     }
     pthread_mutex_lock(&g->mu);
     g->hybrid = on != 0;
@@ -772,7 +775,7 @@ static int hybrid_split(smoe_layers *g, uint32_t pos, const uint32_t *start, uin
         const double fit = spare > 0.0 ? floor(spare / g->hy_io) : 0.0;
         if (fit < (double)nadmit) nadmit = (uint32_t)fit;
     }
-    g->hy_cut = cut, g->hy_m = m, g->hy_nadmit = nadmit;
+    g->hy_cut = cut, g->hy_nadmit = nadmit;
     *ncpu = m - cut;
     return SMOE_OK;
 }
@@ -805,7 +808,8 @@ static int hybrid_cpu(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d
                                         need);
             g->hy_scratch = p, g->hy_scap = need;
         }
-        const uint8_t *block = ops->host_block(ctx, pos, e);
+        const uint8_t *block;
+        if ((rc = ops->host_block(ctx, pos, e, &block, err))) return rc;
         if ((rc = smoe_ffn_forward(g->kc, d, block, io->x, H, g->grp_rows + s0,
                                    g->grp_scale + s0, ne, g->hy_out, H, g->hy_scratch, err)))
             return rc;

@@ -254,7 +254,7 @@ typedef struct smoe_layers {
     uint8_t *hy_oncpu;        /* owned; [E] experts of this call computed on the CPU */
     uint32_t *hy_miss;        /* owned; [E] missing experts, most tokens first */
     uint32_t *hy_cnt;         /* owned; [E] their token counts */
-    uint32_t hy_m, hy_cut, hy_nadmit; /* missing, copied, CPU experts to admit (this call) */
+    uint32_t hy_cut, hy_nadmit; /* this call's copied prefix of hy_miss, CPU experts to admit */
     float *hy_out;            /* owned; [hy_cap floats] the CPU's share of out (host) */
     size_t hy_cap;
     void *hy_scratch;         /* owned; the CPU kernels' scratch */

@@ -56,10 +56,13 @@ typedef struct smoe_tier_ops {
     int (*acquire)(void *ctx, uint32_t layer, uint32_t expert, void *stream,
                    const uint8_t **block, smoe_err *err);
     int (*release)(void *ctx, uint32_t layer, uint32_t expert, void *stream, smoe_err *err);
-    /* The hybrid tier (issue 37; optional, NULL: the tier has none): expert (layer, expert)'s
-     * block in host memory, laid out as the tier's main format (the GPU cache's pinned host
-     * copy of the store), or NULL where the tier keeps no host copy (staged mode). */
-    const uint8_t *(*host_block)(void *ctx, uint32_t layer, uint32_t expert);
+    /* The hybrid tier (issue 37; optional, NULL: the tier has none): *block = expert (layer,
+     * expert)'s block in host memory, laid out as the tier's main format (the GPU cache's
+     * pinned host copy of the store, or the store file mapped into memory: the OS page cache
+     * is then the RAM tier between the disk and the GPU), valid while the tier is.
+     * SMOE_ESTATE when the tier has no host path, SMOE_ECORRUPT on a checksum mismatch. */
+    int (*host_block)(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **block,
+                      smoe_err *err);
     /* out[0..n) (tier memory) += host[0..n) (host memory), ordered on stream after the work
      * enqueued before it; host may be reused as soon as this returns. */
     int (*add_host)(void *ctx, float *out, const float *host, size_t n, void *stream,

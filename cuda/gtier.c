@@ -2,8 +2,10 @@
 #include "gtier.h"
 
 #include <cuda_runtime_api.h>
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 static int cu_fail(smoe_err *err, cudaError_t e, const char *what) {
     return smoe_err_set(err, SMOE_EDEVICE, "GPU tier: %s failed: %s (%s)", what,
@@ -91,11 +93,33 @@ static int t_release(void *ctx, uint32_t layer, uint32_t expert, void *stream, s
     return smoe_gcache_release(((smoe_gtier *)ctx)->cache, layer, expert, stream, err);
 }
 
-static const uint8_t *t_host_block(void *ctx, uint32_t layer, uint32_t expert) {
-    const smoe_gcache *c = ((smoe_gtier *)ctx)->cache;
-    if (!c->host_copy) return NULL; /* staged mode: the store is read a block at a time */
-    const uint64_t key = (uint64_t)layer * c->store->num_experts + expert;
-    return c->host_copy + key * c->store->block_bytes;
+static int t_host_block(void *ctx, uint32_t layer, uint32_t expert, const uint8_t **block,
+                        smoe_err *err) {
+    smoe_gtier *t = ctx;
+    const smoe_gcache *c = t->cache;
+    const smoe_store *st = c->store;
+    if (layer >= st->num_layers || expert >= st->num_experts)
+        return smoe_err_set(err, SMOE_EINVAL, "GPU tier: expert (%u, %u) out of range %u x %u",
+                            layer, expert, st->num_layers, st->num_experts);
+    const uint64_t key = (uint64_t)layer * st->num_experts + expert;
+    if (c->host_copy) { /* verified when it was read */
+        *block = c->host_copy + key * st->block_bytes;
+        return SMOE_OK;
+    }
+    if (!t->map)
+        return smoe_err_set(err, SMOE_ESTATE, "GPU tier: no host path to the experts");
+    const uint8_t *b = t->map + st->data_offset + key * st->block_bytes;
+    if (t->checked && !t->checked[key]) {
+        const uint32_t got = smoe_crc32c(0, b, st->block_bytes);
+        if (got != st->crc[key])
+            return smoe_err_set(err, SMOE_ECORRUPT, "%s: checksum mismatch in layer %u expert "
+                                "%u (offset %llu), read through the hybrid tier's mapping",
+                                st->path, layer, expert,
+                                (unsigned long long)(st->data_offset + key * st->block_bytes));
+        t->checked[key] = 1;
+    }
+    *block = b;
+    return SMOE_OK;
 }
 
 static int t_add_host(void *ctx, float *out, const float *host, size_t n, void *stream,
@@ -132,9 +156,27 @@ int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, s
     t->cache = cache;
     t->device = cache->device;
     t->H = H, t->I = I;
+    const smoe_store *st = cache->store;
+    if (!cache->host_copy) { /* staged: the hybrid tier computes from the mapped file */
+        const uint64_t n = (uint64_t)st->num_layers * st->num_experts;
+        const size_t len = (size_t)(st->data_offset + n * st->block_bytes);
+        void *m = mmap(NULL, len, PROT_READ, MAP_SHARED, st->fd, 0);
+        if (m == MAP_FAILED)
+            return smoe_err_set(err, SMOE_EIO, "GPU tier: mapping %s (%zu bytes) failed: %s",
+                                st->path, len, strerror(errno));
+        t->map = m, t->map_len = len;
+        if (st->crc && (st->flags & SMOE_STORE_VERIFY) && !(t->checked = calloc(n, 1))) {
+            smoe_gtier_free(t);
+            return smoe_err_set(err, SMOE_ENOMEM, "GPU tier: no memory for %llu flags",
+                                (unsigned long long)n);
+        }
+    }
     if (!emu(t)) {
         int rc = smoe_gpu_ffn_init(&t->ffn, t->device, H, I, 256, err);
-        if (rc) return rc;
+        if (rc) {
+            smoe_gtier_free(t);
+            return rc;
+        }
         t->ffn_ready = 1;
     }
     return SMOE_OK;
@@ -144,6 +186,8 @@ void smoe_gtier_free(smoe_gtier *t) {
     if (t->ffn_ready) smoe_gpu_ffn_free(&t->ffn);
     if (t->dbuf) cudaFree(t->dbuf);
     if (t->abuf) cudaFree(t->abuf);
+    if (t->map) munmap((void *)t->map, t->map_len);
+    free(t->checked);
     free(t->scratch);
     memset(t, 0, sizeof *t);
 }

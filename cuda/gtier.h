@@ -10,6 +10,11 @@
  * slot -- so every machine runs this tier's layer path; only the CUDA calls below are left to
  * a machine with a GPU.  The emulation refuses what the GPU kernels refuse (int2 experts).
  *
+ * The hybrid tier's host path (tier.h host_block): the GPU cache's pinned host copy, or in
+ * staged mode the store file mapped read-only at init (pages come from the OS page cache,
+ * the disk behind it; each block's CRC32C is checked on its first use when the store
+ * verifies reads).
+ *
  * Threads: a tier is used by one smoe_layers at a time (its calls run under that layers'
  * mutex); init and free are not concurrent with anything.
  */
@@ -28,6 +33,10 @@ typedef struct smoe_gtier {
     int ffn_ready;
     void *dbuf;          /* owned (GPU): device rows then weights of the last upload */
     size_t dcap;         /* bytes */
+    const uint8_t *map;  /* owned (staged mode): the store file mapped read-only, the hybrid
+                          * tier's host path when there is no pinned host copy */
+    size_t map_len;
+    uint8_t *checked;    /* owned (with map and a verifying store): [L * E] block's CRC checked */
     void *abuf;          /* owned (GPU): the hybrid tier's CPU share, copied for add_host */
     size_t acap;         /* bytes */
     void *scratch;       /* owned (emulation): the CPU kernel's scratch */

@@ -295,6 +295,58 @@ def test_hybrid_with_miss_rules_and_draft_tokens(device):
         eng.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_on_a_store_larger_than_memory(tmp_path, monkeypatch, device):
+    """Three tiers (issue 37): when the store does not fit in memory (the engine's mode
+    "auto" picks "staged": no pinned copy of it), the CPU's experts are computed from the
+    store file mapped into memory -- the page cache is the RAM tier between the disk and the
+    GPU.  Greedy tokens stay the model's; a block damaged on disk is a named StoreError from
+    that path, not a wrong output."""
+    import specmoe
+    from specmoe.runtime import engine_base
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine_base, "memory_limit", lambda: 0)  # nothing fits in memory
+    m, ref = _tiny()
+    spare = copy.deepcopy(m)
+    folder = testing.save_checkpoint(m, tmp_path / "ckpt")
+    prof = cuda.BalanceProfile(t_io=1.0, t_gpu=1.0, t_cpu=1e-3)  # the CPU takes every miss
+    model = specmoe.from_pretrained(folder, device=device, dtype="f32", gpu_cache="25%",
+                                    balance=prof, prefetch=False)
+    eng = specmoe.engine_of(model)
+    try:
+        eng.set_balance(prof, admit=False)  # nothing copied: every miss through the mapping
+        assert eng.stats()["mode"] == "staged"
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            got = model.generate(x, max_new_tokens=5, do_sample=False)
+            want = ref.to(_dev(device)).generate(x, max_new_tokens=5, do_sample=False)
+        assert got.tolist() == want.tolist()
+        st = eng.stats()
+        assert st["cpu_experts"] > 0 and st["misses"] == 0, st
+        store = eng._store
+        path, off, bb, ne = store.path, store.data_offset, store.block_bytes, store.num_experts
+    finally:
+        eng.close()
+    # damage every block of MoE layer 1 on disk (from_pretrained would see it and convert
+    # again, so an engine is opened on the damaged file itself): a block's CRC is checked on
+    # its first use through the mapping, and the damage is refused there
+    with open(path, "r+b") as f:
+        for e in range(ne):
+            f.seek(off + (ne + e) * bb + 64)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    eng = GpuEngine(spare, path, device=device, cache=0.25, balance=prof, prefetch=False)
+    try:
+        eng.set_balance(prof, admit=False)
+        from specmoe import StoreError
+        with pytest.raises(StoreError, match="checksum mismatch.*hybrid tier's mapping"):
+            with torch.no_grad():
+                spare(torch.tensor([PROMPT], device=_dev(device)))
+    finally:
+        eng.close()
+
+
 def test_hybrid_refusals():
     """Bad settings of the split get named errors and change nothing."""
     m, _ = _tiny()
@@ -314,7 +366,7 @@ def test_hybrid_refusals():
         _C.balance_cut([2, 1], 0, float("nan"), 1e-3, 1e-3)
     cpu = hf.offload(_tiny()[0], dtype="f32", cache=0.25)
     try:  # the CPU tier has no host copy to split against
-        with pytest.raises(Exception, match="host copy"):
+        with pytest.raises(Exception, match="no host path"):
             cpu.layers.set_hybrid(True, 1e-3, 1e-3, 1e-3)
     finally:
         cpu.close()

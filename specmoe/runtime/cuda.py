@@ -266,6 +266,7 @@ class GpuExpertCache:
             crc = np.array([int(h, 16) for row in meta["crc32c"] for h in row], dtype=np.uint32)
         self.store = store
         self.device = device
+        self.mode = mode
         self._c = mod.GpuCache(store.path, store.data_offset, store.block_bytes,
                                store.num_layers, store.num_experts, n, policy, device, mode,
                                stages, int(top_k or 1), bool(prefetch), crc)
@@ -455,7 +456,10 @@ def measure_balance_profile(cache: GpuExpertCache, spec: Any, *, repeats: int = 
     if repeats < 1 or batch < 1:
         raise ValueError(f"repeats and batch must be >= 1, got {repeats}, {batch}")
     load()
-    host = cache.host_block(layer, expert)
+    # the CPU computes from the pinned host copy, or in staged mode from the mapped store file
+    # (whose pages a read through the store brings into the page cache just the same)
+    host = cache.host_block(layer, expert) if cache.mode == "host" else \
+        cache.store.read_block(layer, expert)
     dev = torch.device("cuda", cache.device)
     src = torch.from_numpy(np.array(host)).pin_memory()
     block = torch.empty(cache.slot_bytes, dtype=torch.uint8, device=dev)

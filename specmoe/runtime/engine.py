@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .. import _C
-from . import misses
+from . import engine_base, misses
 from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, UnsupportedModelError,
                            describe, expert_module, extract_expert, extract_experts, getpath,
                            iter_experts_modules, moe_block, moe_layers)
@@ -258,7 +258,7 @@ class Engine(EngineCommon):
         try:
             path = self._store_path
             if direct is None:
-                direct = os.path.getsize(path) > _memory_limit() // 2
+                direct = os.path.getsize(path) > engine_base.memory_limit() // 2
             st = self._store = ExpertStore(path, direct=bool(direct), verify=verify)
             ex = st.extra
             if st.num_layers != len(ids) or ex.get("layer_ids", ids) != ids:
@@ -696,43 +696,6 @@ def _trim_heap() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _memory_limit() -> int:
-    """Bytes this process may still use: MemAvailable, or its memory cgroup's headroom
-    (v1 or v2) when that is lower."""
-    avail = 1 << 62
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return avail
-    for line in lines:
-        _, ctrl, rel = line.split(":", 2)
-        if ctrl == "memory":  # v1
-            files = (f"/sys/fs/cgroup/memory{rel}/memory.limit_in_bytes",
-                     f"/sys/fs/cgroup/memory{rel}/memory.usage_in_bytes")
-        elif ctrl == "":  # v2
-            files = (f"/sys/fs/cgroup{rel}/memory.max", f"/sys/fs/cgroup{rel}/memory.current")
-        else:
-            continue
-        try:
-            with open(files[0]) as f:
-                lim = f.read().strip()
-            with open(files[1]) as f:
-                used = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if lim.isdigit():
-            avail = min(avail, max(0, int(lim) - used))
-    return avail
 
 
 def available_policies() -> list[str]:

@@ -327,3 +327,38 @@ class EngineCommon:
         return generate(self.model, input_ids, engine=self, **kw)
 
 
+def memory_limit() -> int:
+    """Bytes this process may still use: MemAvailable, or its memory cgroup's headroom
+    (v1 or v2) when that is lower."""
+    avail = 1 << 62
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return avail
+    for line in lines:
+        _, ctrl, rel = line.split(":", 2)
+        if ctrl == "memory":  # v1
+            files = (f"/sys/fs/cgroup/memory{rel}/memory.limit_in_bytes",
+                     f"/sys/fs/cgroup/memory{rel}/memory.usage_in_bytes")
+        elif ctrl == "":  # v2
+            files = (f"/sys/fs/cgroup{rel}/memory.max", f"/sys/fs/cgroup{rel}/memory.current")
+        else:
+            continue
+        try:
+            with open(files[0]) as f:
+                lim = f.read().strip()
+            with open(files[1]) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if lim.isdigit():
+            avail = min(avail, max(0, int(lim) - used))
+    return avail

@@ -54,6 +54,7 @@ from torch import nn
 
 from .. import _C
 from ..models.arch import describe, getpath, moe_block
+from . import engine_base
 from .engine_base import EngineCommon, check_prefetch
 from .tau_tables import TauTables
 
@@ -143,7 +144,7 @@ class GpuEngine(EngineCommon):
 
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
                  device: Any = "cuda", cache: int | float | str = 0.25, policy: str = "lru",
-                 prefetch: bool = True, overfetch: float = 1.5, mode: str = "host",
+                 prefetch: bool = True, overfetch: float = 1.5, mode: str = "auto",
                  verify: bool = True, own_store: bool = False,
                  balance: bool | Any = False, miss: str = "fetch", miss_keep: int = 2,
                  route_lambda: float = 0.0, miss_levels: str | Any = "int4",
@@ -157,13 +158,16 @@ class GpuEngine(EngineCommon):
         policy (:class:`specmoe.PythonPolicy`, the CPU cache's own bridge).  prefetch,
         overfetch: the next-layer prediction (module docstring).  mode: the slow tier,
         ``"host"`` (a pinned host-memory copy of the whole store, read now: loads are pure
-        host-to-device copies) or ``"staged"`` (the store file read per load into pinned
-        staging buffers).  verify: check every block read against its CRC32C.  own_store:
+        host-to-device copies), ``"staged"`` (the store file read per load into pinned
+        staging buffers: for a store larger than memory) or ``"auto"`` (host when the store
+        takes at most half the memory this process may use, else staged).  verify: check every block read against its CRC32C.  own_store:
         delete the store file on :meth:`close`.  balance: the hybrid tier, MoE-SpAc's CPU/GPU
         workload balancer (:meth:`set_balance`): True measures its costs now
         (:func:`specmoe.runtime.cuda.measure_balance_profile`), a
-        :class:`specmoe.runtime.cuda.BalanceProfile` gives them, False copies every miss (needs
-        ``mode="host"``; :meth:`set_balance` switches it later).  miss, miss_keep,
+        :class:`specmoe.runtime.cuda.BalanceProfile` gives them, False copies every miss
+        (:meth:`set_balance` switches it later; with ``mode="staged"`` the CPU computes from
+        the store file mapped into memory, the OS page cache the RAM tier between the disk
+        and the GPU).  miss, miss_keep,
         route_lambda, miss_levels, miss_keep2: SpecMD's miss handling and cache-aware routing,
         as on the CPU (:mod:`specmoe.runtime.misses`; the same C code), with the low-bit copies
         resident in GPU memory (int8 or int4).  throttle: ``(GB_per_s, latency_us)``, the
@@ -196,9 +200,11 @@ class GpuEngine(EngineCommon):
                                  "give a specmoe.runtime.cuda.BalanceProfile")
         else:
             cuda.load()  # CudaUnavailable (with the reason) before anything is touched
-        if balance not in (False, None) and mode != "host":
-            raise ValueError("the balancer computes cold experts from the pinned host copy of "
-                             "the store: it needs mode='host'")
+        if mode == "auto":
+            mode = "host" if os.path.getsize(store) <= engine_base.memory_limit() // 2 \
+                else "staged"
+        if mode not in ("host", "staged"):
+            raise ValueError(f"mode must be 'host', 'staged' or 'auto', got {mode!r}")
         info, ids = describe(model)
         cfg = model.config
         self.model: nn.Module | None = model
@@ -562,8 +568,6 @@ class GpuEngine(EngineCommon):
                 self.balance = None
                 self._push_balance()
             return
-        if self.mode != "host":
-            raise ValueError("the balancer needs mode='host' (the pinned host copy)")
         if balance is not True and not isinstance(balance, cuda.BalanceProfile):
             raise TypeError(f"balance must be a bool or a specmoe.runtime.cuda.BalanceProfile, got "
                             f"{type(balance).__name__}")
