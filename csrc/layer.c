@@ -761,21 +761,18 @@ static int hybrid_split(smoe_layers *g, uint32_t pos, const uint32_t *start, uin
         smoe_route_balance_cut(g->hy_cnt, m, on_fast, g->hy_io, g->hy_gpu, g->hy_cpu);
     for (uint32_t i = cut; i < m; i++) g->hy_oncpu[g->hy_miss[i]] = 1;
     g->counters.hybrid_copied += cut;
-    /* Admission's I/O budget, Eq. 10: the copies a layer makes (the cut's, then the CPU
-     * experts' admissions, hottest first) fit in its computation window T_total =
-     * max(T_cpu, T_gpu); the drafting term gamma * T_draft / L is left out (the layer call
-     * does not know it). */
+    /* Admission (route.h smoe_route_balance_admit, Eq. 10): the CPU's experts whose copy
+     * pays, hottest first, as many as fit the layer's computation window T_total =
+     * max(T_cpu, T_gpu) left after the cut's copies; the drafting term gamma * T_draft / L
+     * is the lookahead's (GpuEngine.lookahead), the layer call does not know it. */
     double tail = 0.0;
     for (uint32_t i = cut; i < m; i++) tail += g->hy_cnt[i];
     const double t_cpu = g->hy_cpu * tail,
                  t_gpu = g->hy_io * cut + g->hy_gpu * ((double)on_fast + cut);
     const double spare = (t_cpu > t_gpu ? t_cpu : t_gpu) - g->hy_io * cut;
-    uint32_t nadmit = m - cut;
-    if (g->hy_io > 0.0) {
-        const double fit = spare > 0.0 ? floor(spare / g->hy_io) : 0.0;
-        if (fit < (double)nadmit) nadmit = (uint32_t)fit;
-    }
-    g->hy_cut = cut, g->hy_nadmit = nadmit;
+    g->hy_cut = cut;
+    g->hy_nadmit = smoe_route_balance_admit(g->hy_cnt + cut, m - cut, g->hy_io, g->hy_gpu,
+                                            g->hy_cpu, spare);
     *ncpu = m - cut;
     return SMOE_OK;
 }

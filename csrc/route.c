@@ -81,3 +81,14 @@ uint32_t smoe_route_balance_cut(const uint32_t *counts, uint32_t m, uint32_t on_
     }
     return best_n;
 }
+
+uint32_t smoe_route_balance_admit(const uint32_t *counts, uint32_t m, double t_io,
+                                  double t_gpu, double t_cpu, double window) {
+    uint32_t n = 0;
+    while (n < m && t_cpu * counts[n] > t_gpu) n++;
+    if (t_io > 0.0) {
+        const double fit = window > 0.0 ? floor(window / t_io) : 0.0;
+        if (fit < (double)n) n = (uint32_t)fit;
+    }
+    return n;
+}

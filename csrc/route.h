@@ -45,4 +45,13 @@ void smoe_route_predict(const float *scores, uint32_t T, uint32_t E, uint32_t k,
 uint32_t smoe_route_balance_cut(const uint32_t *counts, uint32_t m, uint32_t on_fast,
                                 double t_io, double t_gpu, double t_cpu);
 
+/* The hybrid tier's admission (MoE-SpAc section 3.3, Eq. 10): of experts the CPU would
+ * otherwise compute, with token counts `counts` [m] in descending order, how many of the
+ * first to copy to the fast tier: those whose copy pays (t_cpu * count > t_gpu: the CPU time
+ * it saves exceeds the device time it costs), at most floor(window / t_io) of them (the
+ * copies must fit the computation window: T_total, plus gamma * T_draft / L while
+ * speculating).  t_io = 0: no cap; window <= 0: none. */
+uint32_t smoe_route_balance_admit(const uint32_t *counts, uint32_t m, double t_io,
+                                  double t_gpu, double t_cpu, double window);
+
 #endif

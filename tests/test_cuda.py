@@ -754,6 +754,27 @@ def test_balance_split_solves_eq9():
             cuda.BalanceProfile(1e-4, 1e-5, bad)
 
 
+def test_balance_admit_is_eq10():
+    """The hybrid tier's admission rule (csrc/route.h) against a plain reading: the leading
+    experts whose copy pays (t_cpu * count > t_gpu), at most floor(window / t_io)."""
+    from specmoe import _C
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        counts = sorted(rng.integers(1, 9, int(rng.integers(0, 9))).tolist(), reverse=True)
+        t_io, t_gpu, t_cpu = (float(v) for v in rng.random(3) * 1e-3)
+        window = float(rng.random() * 4e-3 - 5e-4)
+        pays = 0
+        while pays < len(counts) and t_cpu * counts[pays] > t_gpu:
+            pays += 1
+        want = min(pays, int(np.floor(window / t_io)) if window > 0 else 0)
+        assert _C.balance_admit(counts, t_io, t_gpu, t_cpu, window) == want
+    assert _C.balance_admit([3, 2, 1], 0.0, 1e-5, 1e-4, 0.0) == 3  # a free link: no cap
+    with pytest.raises(ValueError, match="descending"):
+        _C.balance_admit([1, 3], 1e-4, 1e-5, 1e-4, 1.0)
+    with pytest.raises(ValueError, match="NaN"):
+        _C.balance_admit([3], 1e-4, 1e-5, 1e-4, float("nan"))
+
+
 @need_ext
 def test_emulated_layer_states_and_host_block(store, written):
     cache = cuda.GpuExpertCache(store, 4, "lru", device=-1, mode="host")

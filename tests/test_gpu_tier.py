@@ -209,8 +209,8 @@ def test_hybrid_split_is_eq9_per_layer(device):
             t_cpu = prof.t_cpu * float(sum(counts[want_cut:]))
             t_gpu = prof.t_io * want_cut + prof.t_gpu * (float(on_fast) + want_cut)
             spare = max(t_cpu, t_gpu) - prof.t_io * want_cut
-            want_admit = min(len(miss) - want_cut, int(np.floor(spare / prof.t_io))
-                             if spare > 0 else 0)
+            pays = sum(1 for c in counts[want_cut:] if prof.t_cpu * c > prof.t_gpu)
+            want_admit = min(pays, int(np.floor(spare / prof.t_io)) if spare > 0 else 0)
             before = eng.layers.counters()
             xt = torch.from_numpy(x).to(_dev(device))
             out = eng.layer_forward(pos, xt, torch.from_numpy(idx).to(_dev(device)),
@@ -246,9 +246,10 @@ def test_hybrid_admission_fills_the_cache_greedy_unchanged(device):
     cache's worker, and the policy admits them), not by copies on the layer's path; greedy
     tokens stay the unmodified model's while residency changes under the split."""
     m, ref = _tiny()
-    # a launch-bound GPU (as measured on the H200): the CPU takes the misses, and the GPU's
-    # time leaves the link room to admit them (Eq. 10)
-    prof = cuda.BalanceProfile(t_io=1e-4, t_gpu=1e-3, t_cpu=1e-4)
+    # as measured on the H200 (bf16): one token-expert on the CPU costs more than on the GPU,
+    # so an expert the CPU computed pays to copy, and the layer's time leaves the link room
+    # for it (Eq. 10)
+    prof = cuda.BalanceProfile(t_io=1e-4, t_gpu=2e-4, t_cpu=3e-4)
     eng = hf.offload(m, device=device, dtype="f32", cache=0.25, policy="lru", balance=prof,
                      prefetch=False)
     try:
@@ -261,6 +262,34 @@ def test_hybrid_admission_fills_the_cache_greedy_unchanged(device):
         st = eng.stats()
         assert st["hybrid_admitted"] > 0 and st["prefetch_issued"] > 0, st
         assert st["hits"] > 0, st  # admitted experts served later layers' calls
+    finally:
+        eng.close()
+
+
+def test_hybrid_lookahead_queues_what_pays():
+    """The draft's lookahead on the hybrid tier (issue 37 item 3): of a layer's expected
+    experts not on the GPU, only the hottest whose copy pays (t_cpu * count > t_gpu) and
+    fits Eq. 10's window (the layer's GPU time + the draft's time per layer, over t_io) are
+    copied; the rest are left to the CPU (counted in lookahead_gated)."""
+    m, _ = _tiny()
+    prof = cuda.BalanceProfile(t_io=1e-4, t_gpu=1e-4, t_cpu=6e-5)
+    eng = hf.offload(m, device="emulate", dtype="f32", cache=0.5, balance=prof, prefetch=True)
+    try:
+        E = eng.num_experts
+        c = np.zeros(E)
+        c[[1, 2, 3, 4, 5]] = [4, 3, 3, 2, 1]  # pays: 4, 3, 3, 2 tokens (6e-5 * 1 < 1e-4)
+        eng._draft_s = 2e-4 * len(eng.layer_ids)  # the draft's time: 2e-4 per layer
+        # window = 5 experts * 1e-4 + 2e-4 = 7e-4: seven copies would fit, four pay
+        eng.lookahead({0: c})
+        eng._cache.wait_idle()
+        assert set(np.flatnonzero(eng._cache.layer_states(0))) == {1, 2, 3, 4}
+        assert eng.stats()["lookahead_gated"] == 1 and eng._draft_s == 0.0
+        c2 = np.zeros(E)
+        c2[[0, 6, 7]] = [3, 2, 2]  # all pay; window = 3e-4 + 0 (no draft time): three fit,
+        eng.lookahead({1: c2})     # but t_io = 1e-4 -> floor(3e-4 / 1e-4) may be 2 or 3
+        eng._cache.wait_idle()
+        got = set(np.flatnonzero(eng._cache.layer_states(1)))
+        assert got >= {0, 6} and got <= {0, 6, 7}  # the hottest first
     finally:
         eng.close()
 

@@ -102,6 +102,39 @@ static PyObject *py_route_scores(PyObject *mod, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+/* counts (any integer sequence) as a descending uint32 array, or NULL with ValueError. */
+static PyArrayObject *descending_counts(PyObject *co, const char *fn) {
+    PyArrayObject *c = (PyArrayObject *)PyArray_FROMANY(co, NPY_UINT32, 1, 1,
+                                                        NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!c) return NULL;
+    const npy_intp m = PyArray_DIM(c, 0);
+    const uint32_t *v = PyArray_DATA(c);
+    for (npy_intp i = 1; i < m; i++)
+        if (v[i] > v[i - 1]) {
+            Py_DECREF(c);
+            PyErr_Format(PyExc_ValueError, "%s: counts must be in descending order", fn);
+            return NULL;
+        }
+    if (m > UINT32_MAX) {
+        Py_DECREF(c);
+        PyErr_Format(PyExc_ValueError, "%s: too many experts", fn);
+        return NULL;
+    }
+    return c;
+}
+
+/* Costs finite and >= 0 (seconds), else ValueError naming them. */
+static int check_costs(const char *fn, double t_io, double t_gpu, double t_cpu) {
+    if (isfinite(t_io) && isfinite(t_gpu) && isfinite(t_cpu) && t_io >= 0 && t_gpu >= 0 &&
+        t_cpu >= 0)
+        return 0;
+    smoe_err e; /* (PyErr_Format has no %g) */
+    smoe_err_set(&e, SMOE_EINVAL, "%s: costs must be finite and >= 0, got t_io=%g, t_gpu=%g, "
+                 "t_cpu=%g", fn, t_io, t_gpu, t_cpu);
+    smoe_py_raise(&e);
+    return -1;
+}
+
 static PyObject *py_balance_cut(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
     static char *kwlist[] = {"counts", "on_fast", "t_io", "t_gpu", "t_cpu", NULL};
@@ -111,30 +144,32 @@ static PyObject *py_balance_cut(PyObject *mod, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OIddd:balance_cut", kwlist, &co, &on_fast,
                                      &t_io, &t_gpu, &t_cpu))
         return NULL;
-    if (!(isfinite(t_io) && isfinite(t_gpu) && isfinite(t_cpu) && t_io >= 0 && t_gpu >= 0 &&
-          t_cpu >= 0)) {
-        smoe_err e; /* (PyErr_Format has no %g) */
-        smoe_err_set(&e, SMOE_EINVAL, "balance_cut: costs must be finite and >= 0, got "
-                     "t_io=%g, t_gpu=%g, t_cpu=%g", t_io, t_gpu, t_cpu);
-        return smoe_py_raise(&e);
-    }
-    PyArrayObject *c = (PyArrayObject *)PyArray_FROMANY(co, NPY_UINT32, 1, 1,
-                                                        NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (check_costs("balance_cut", t_io, t_gpu, t_cpu) < 0) return NULL;
+    PyArrayObject *c = descending_counts(co, "balance_cut");
     if (!c) return NULL;
-    const npy_intp m = PyArray_DIM(c, 0);
-    const uint32_t *v = PyArray_DATA(c);
-    for (npy_intp i = 1; i < m; i++)
-        if (v[i] > v[i - 1]) {
-            Py_DECREF(c);
-            PyErr_SetString(PyExc_ValueError, "balance_cut: counts must be in descending order");
-            return NULL;
-        }
-    if (m > UINT32_MAX) {
-        Py_DECREF(c);
-        PyErr_SetString(PyExc_ValueError, "balance_cut: too many experts");
+    const uint32_t n = smoe_route_balance_cut(PyArray_DATA(c), (uint32_t)PyArray_DIM(c, 0),
+                                              on_fast, t_io, t_gpu, t_cpu);
+    Py_DECREF(c);
+    return PyLong_FromUnsignedLong(n);
+}
+
+static PyObject *py_balance_admit(PyObject *mod, PyObject *args, PyObject *kw) {
+    (void)mod;
+    static char *kwlist[] = {"counts", "t_io", "t_gpu", "t_cpu", "window", NULL};
+    PyObject *co;
+    double t_io, t_gpu, t_cpu, window;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Odddd:balance_admit", kwlist, &co, &t_io,
+                                     &t_gpu, &t_cpu, &window))
+        return NULL;
+    if (check_costs("balance_admit", t_io, t_gpu, t_cpu) < 0) return NULL;
+    if (isnan(window)) {
+        PyErr_SetString(PyExc_ValueError, "balance_admit: window is NaN");
         return NULL;
     }
-    const uint32_t n = smoe_route_balance_cut(v, (uint32_t)m, on_fast, t_io, t_gpu, t_cpu);
+    PyArrayObject *c = descending_counts(co, "balance_admit");
+    if (!c) return NULL;
+    const uint32_t n = smoe_route_balance_admit(PyArray_DATA(c), (uint32_t)PyArray_DIM(c, 0),
+                                                t_io, t_gpu, t_cpu, window);
     Py_DECREF(c);
     return PyLong_FromUnsignedLong(n);
 }
@@ -158,6 +193,12 @@ static PyMethodDef route_functions[] = {
      "The hybrid tier's split (csrc/route.h, MoE-SpAc section 3.3 Eq. 7-9): of a layer's\n"
      "missing experts with token counts `counts` (descending), how many to copy to the fast\n"
      "tier; the rest are computed on the CPU.  on_fast: the layer's experts already there."},
+    {"balance_admit", (PyCFunction)(void (*)(void))py_balance_admit,
+     METH_VARARGS | METH_KEYWORDS,
+     "balance_admit(counts, t_io, t_gpu, t_cpu, window) -> int\n"
+     "The hybrid tier's admission (csrc/route.h, MoE-SpAc Eq. 10): of experts the CPU would\n"
+     "compute, token counts `counts` (descending), how many of the first to copy: those with\n"
+     "t_cpu * count > t_gpu, at most floor(window / t_io)."},
     {NULL, NULL, 0, NULL}};
 
 int smoe_py_route_init(PyObject *m) { return PyModule_AddFunctions(m, route_functions); }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -56,6 +57,7 @@ class EngineCommon:
     _draft: Any
     _drafting: list | None
     _draft_prefetch: bool
+    _draft_s: float  # draft forwards' seconds since the hybrid tier's last lookahead (drafting)
     _draft_flags: Any
     model_type: str
     _routers: list
@@ -282,11 +284,15 @@ class EngineCommon:
         rec: list[tuple[int, Any]] = []
         self._drafting = rec
         self._draft_prefetch = bool(prefetch)
+        t0 = time.perf_counter()
         try:
             yield rec
         finally:
             self._drafting = None
             self._draft_prefetch = False
+            # the draft's time since the last lookahead: MoE-SpAc Eq. 10's gamma * T_draft,
+            # the window the hybrid tier's lookahead copies may hide in (GpuEngine.lookahead)
+            self._draft_s = getattr(self, "_draft_s", 0.0) + time.perf_counter() - t0
 
     @contextlib.contextmanager
     def draft_tokens(self, flags: Any) -> Iterator[None]:

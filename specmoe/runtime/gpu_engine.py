@@ -248,6 +248,7 @@ class GpuEngine(EngineCommon):
         self._lock = threading.Lock()
         self.tau = TauTables()  # tau(g) per batch size, measured by specmoe.generate
         self._admit = True  # the hybrid tier's CPU experts go to the worker (set_balance)
+        self._la_gated = 0  # [_lock] lookahead experts the hybrid tier's gate left unqueued
         # [_lock] experts computed by the layer calls (the rest of the counters are the C
         # layers')
         self._counters = {"gpu_experts": 0}
@@ -480,11 +481,41 @@ class GpuEngine(EngineCommon):
             if self._cache is None:
                 return
             lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids))
+            if self.balance is not None and len(lay):  # the hybrid tier: what pays only
+                keep = self._lookahead_pays(arrays)
+                sel = np.array([(int(p), int(e)) in keep for p, e in zip(lay, exp)], bool)
+                self._la_gated += int((~sel).sum())
+                lay, exp, pri = lay[sel], exp[sel], pri[sel]
             if self.protect_lookahead:
                 self._protect()
             if self.prefetch and len(lay):
                 self._cache.prefetch([int(p) * self.num_experts + int(e)
                                       for p, e in zip(lay, exp)], pri.tolist(), replace=True)
+
+    def _lookahead_pays(self, arrays: dict[int, np.ndarray]) -> set[tuple[int, int]]:
+        """The hybrid tier's gate on a lookahead (issue 37 item 3; MoE-SpAc §3.3, Eq. 10 with
+        its drafting term): per layer, the expected experts already on the GPU (resident or
+        loading) stay queued (the worker skips them; the shield keeps them), and of the
+        others, most expected tokens first, those whose copy pays and fits the window
+        ``T_total + gamma * T_draft / L`` (csrc/route.h ``smoe_route_balance_admit``), where
+        T_total is estimated as the GPU's time for the layer's expected experts
+        (``t_gpu`` each) and gamma * T_draft is the draft forwards' measured time since the
+        last lookahead (:meth:`drafting`), shared evenly by the L layers.  The rest run on
+        the CPU when the pass comes, as the split decides then."""
+        b = self.balance
+        draft_s, self._draft_s = getattr(self, "_draft_s", 0.0), 0.0
+        share = draft_s / max(1, len(self.layer_ids))
+        keep: set[tuple[int, int]] = set()
+        for pos, c in arrays.items():
+            ids = np.flatnonzero(c > 0)
+            states = self._cache.layer_states(pos)
+            keep.update((pos, int(e)) for e in ids if states[e] != 0)
+            absent = sorted((int(e) for e in ids if states[e] == 0),
+                            key=lambda e: (-c[e], e))
+            cnt = np.ceil(c[absent]).astype(np.uint32) if absent else np.zeros(0, np.uint32)
+            n = _C.balance_admit(cnt, b.t_io, b.t_gpu, b.t_cpu, b.t_gpu * len(ids) + share)
+            keep.update((pos, e) for e in absent[:n])
+        return keep
 
     def _protect(self) -> None:
         """Shield the lookahead's experts of the layers still to run (none: clear)."""
@@ -510,6 +541,7 @@ class GpuEngine(EngineCommon):
             "prefetch_precision": c["true_positive"] / c["predicted"] if c["predicted"] else None,
             "prefetch_recall": c["true_positive"] / c["actual"] if c["actual"] else None,
             **self._la.stats(), "draft_prefetch_queued": self._draft_queued,
+            "lookahead_gated": self._la_gated,
             "balance": None if self.balance is None else dataclasses.asdict(self.balance),
             "miss": self.miss, "route_lambda": self.route_lambda,
             "miss_levels": ":".join(self.miss_levels), "miss_keep2": self.miss_keep2,
@@ -534,6 +566,7 @@ class GpuEngine(EngineCommon):
             self._counters = dict.fromkeys(self._counters, 0)
             self._la.reset_stats()
             self._draft_queued = 0
+            self._la_gated = 0
             if self._layers is not None:
                 self._layers.counters(reset=True)
             if self._cache is not None:
