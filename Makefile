@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.specmoe-setup
 WHEELS := $(VENV)/wheelhouse
 CSRC   := $(shell find csrc cuda -name '*.c' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: setup build demo test test-install test-gpu test-sanitize bench clean fuzz fuzz-deps
+.PHONY: setup build demo test test-install test-bench test-gpu test-sanitize bench clean fuzz fuzz-deps
 
 setup: $(STAMP)
 
@@ -37,6 +37,12 @@ test: build fuzz-deps
 # there (tests/install/test_sdist.py; minutes: it compiles the extension and installs torch).
 test-install: setup
 	SPECMOE_TEST_INSTALL=1 $(PY) -m pytest -q -rs tests/install
+
+# The benchmark scripts' smoke runs (benchmarks/speculation.py --quick, the C harnesses of
+# benchmarks/c): tests of the benchmark tools, kept out of make test's 15 minutes.
+test-bench: build
+	SPECMOE_TEST_BENCH=1 $(PY) -m pytest -q -rs tests/test_speculation_bench.py \
+		tests/test_bench_harness.py
 
 # The GPU tier on a machine with a GPU (issue 12; docs/gpu.md): rebuild with the toolkit
 # required (SPECMOE_CUDA=1, so a missing nvcc is an error, not a skip), run the GPU tests with

@@ -12,6 +12,11 @@ import pytest
 
 from specmoe import _C
 
+# The C benchmark harnesses' builds and smoke runs (benchmark tools, not the library):
+# `make test-bench`, which .ci/run calls, runs them
+pytestmark = pytest.mark.skipif(not os.environ.get("SPECMOE_TEST_BENCH"),
+                                reason="benchmark smoke runs: make test-bench runs them")
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import HERE
+
+# A benchmark script's smoke run (half a minute of make test's 15): `make test-bench`, which
+# .ci/run calls, runs it
+pytestmark = pytest.mark.skipif(not os.environ.get("SPECMOE_TEST_BENCH"),
+                                reason="benchmark smoke runs: make test-bench runs them")
 
 ROOT = HERE.parent
 SCRIPT = ROOT / "benchmarks" / "speculation.py"
