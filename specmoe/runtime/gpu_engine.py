@@ -18,7 +18,8 @@ next layer really used are counted in :meth:`GpuEngine.stats`.
 
 The hybrid tier, MoE-SpAc's heterogeneous workload balancer (``balance=True``, §3.3; issue
 37): per layer, in the same C call, the experts that are neither resident nor loading are
-split between a copy to the GPU and the CPU kernels over the pinned host copy, the split
+split between a copy to the GPU and the CPU kernels over the host copy (pinned, or the store
+file mapped into memory when it does not fit), the split
 minimising ``|T_cpu - T_gpu|`` (Eq. 7-9, csrc/route.h ``smoe_route_balance_cut``) with
 per-expert costs measured at load; the CPU's share runs while the GPU computes its own and is
 added on the GPU, and the experts it computed are offered to the cache's policy for admission
@@ -160,9 +161,10 @@ class GpuEngine(EngineCommon):
         ``"host"`` (a pinned host-memory copy of the whole store, read now: loads are pure
         host-to-device copies), ``"staged"`` (the store file read per load into pinned
         staging buffers: for a store larger than memory) or ``"auto"`` (host when the store
-        takes at most half the memory this process may use, else staged).  verify: check every block read against its CRC32C.  own_store:
-        delete the store file on :meth:`close`.  balance: the hybrid tier, MoE-SpAc's CPU/GPU
-        workload balancer (:meth:`set_balance`): True measures its costs now
+        takes at most half the memory this process may use, else staged).  verify: check
+        every block read against its CRC32C.  own_store: delete the store file on
+        :meth:`close`.  balance: the hybrid tier, MoE-SpAc's CPU/GPU workload balancer
+        (:meth:`set_balance`): True measures its costs now
         (:func:`specmoe.runtime.cuda.measure_balance_profile`), a
         :class:`specmoe.runtime.cuda.BalanceProfile` gives them, False copies every miss
         (:meth:`set_balance` switches it later; with ``mode="staged"`` the CPU computes from
