@@ -46,13 +46,15 @@ test-bench: build
 
 # The GPU tier on a machine with a GPU (issue 12; docs/gpu.md): rebuild with the toolkit
 # required (SPECMOE_CUDA=1, so a missing nvcc is an error, not a skip), run the GPU tests with
-# skips reported, then the decode benchmark.  GPU_PY: an interpreter whose torch has CUDA (the
+# skips reported (the engine tests of test_gpu_tier.py too), then the decode and hybrid-tier
+# benchmarks.  GPU_PY: an interpreter whose torch has CUDA (the
 # GPU machines' python3); it gets this checkout on PYTHONPATH instead of .venv.
 GPU_PY ?= $(PY)
 test-gpu:
 	SPECMOE_CUDA=1 SPECMOE_WERROR=1 $(GPU_PY) setup.py --quiet build_ext --inplace
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs tests/test_cuda.py
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs tests/test_cuda.py tests/test_gpu_tier.py
 	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/gpu_decode.py --json
+	PYTHONPATH=$(CURDIR) $(GPU_PY) benchmarks/gpu_hybrid.py --json --layers 6 --dtypes bf16,int4
 
 # clang + libFuzzer for the C fuzz target (tests/fuzz): installed when missing and we are root
 # on Debian/Ubuntu (best effort: without it tests/test_fuzz_smoke.py skips the C target only).
