@@ -14,6 +14,26 @@ static int cu_fail(smoe_err *err, cudaError_t e, const char *what) {
 
 static int emu(const smoe_gtier *t) { return t->device < 0; }
 
+/* Device buffer *buf of *cap bytes grown to at least need: it grows with the largest call (a
+ * prefill), then stays.  The stream is drained first, since work enqueued on it may still
+ * read the old buffer.  `what` names the buffer in errors. */
+static int grow_dev(void **buf, size_t *cap, size_t need, void *stream, const char *what,
+                    smoe_err *err) {
+    if (need <= *cap) return SMOE_OK;
+    cudaError_t e;
+    if (*buf && (e = cudaStreamSynchronize((cudaStream_t)stream)) != cudaSuccess)
+        return smoe_err_set(err, SMOE_EDEVICE, "GPU tier: waiting for the stream before growing "
+                            "%s failed: %s (%s)", what, cudaGetErrorName(e),
+                            cudaGetErrorString(e));
+    cudaFree(*buf);
+    *buf = NULL, *cap = 0;
+    if ((e = cudaMalloc(buf, need)) != cudaSuccess)
+        return smoe_err_set(err, SMOE_EDEVICE, "GPU tier: allocating %s (%zu bytes) failed: "
+                            "%s (%s)", what, need, cudaGetErrorName(e), cudaGetErrorString(e));
+    *cap = need;
+    return SMOE_OK;
+}
+
 static int t_check(void *ctx, const smoe_ffn_desc *d, smoe_err *err) {
     const smoe_gtier *t = ctx;
     if (d->H != t->H || d->I != t->I)
@@ -46,15 +66,8 @@ static int t_upload(void *ctx, const int32_t *rows, const float *scale, uint32_t
     const size_t rb = (sizeof *rows * (size_t)n + 255) & ~(size_t)255;
     const size_t need = rb + sizeof *scale * (size_t)n;
     cudaError_t e;
-    if (need > t->dcap) { /* grows with the largest call (a prefill), then stays */
-        if (t->dbuf && (e = cudaStreamSynchronize((cudaStream_t)stream)) != cudaSuccess)
-            return cu_fail(err, e, "waiting for the stream before growing the pair buffer");
-        cudaFree(t->dbuf);
-        t->dbuf = NULL, t->dcap = 0;
-        if ((e = cudaMalloc(&t->dbuf, need)) != cudaSuccess)
-            return cu_fail(err, e, "allocating the pair buffer");
-        t->dcap = need;
-    }
+    int rc = grow_dev(&t->dbuf, &t->dcap, need, stream, "the pair buffer", err);
+    if (rc) return rc;
     /* from pageable memory: each returns once its source is staged, so the caller may reuse
      * rows and scale at once; the device copies stay ordered on stream before the kernels */
     uint8_t *d = t->dbuf;
@@ -131,15 +144,8 @@ static int t_add_host(void *ctx, float *out, const float *host, size_t n, void *
     }
     const size_t need = sizeof *host * n;
     cudaError_t e;
-    if (need > t->acap) { /* grows with the largest call (a prefill), then stays */
-        if (t->abuf && (e = cudaStreamSynchronize((cudaStream_t)stream)) != cudaSuccess)
-            return cu_fail(err, e, "waiting for the stream before growing the CPU share's buffer");
-        cudaFree(t->abuf);
-        t->abuf = NULL, t->acap = 0;
-        if ((e = cudaMalloc(&t->abuf, need)) != cudaSuccess)
-            return cu_fail(err, e, "allocating the CPU share's buffer");
-        t->acap = need;
-    }
+    int rc = grow_dev(&t->abuf, &t->acap, need, stream, "the CPU share's buffer", err);
+    if (rc) return rc;
     /* from pageable memory: returns once the source is staged (host reusable at once); the
      * copy stays ordered on stream before the add */
     if ((e = cudaMemcpyAsync(t->abuf, host, need, cudaMemcpyHostToDevice,

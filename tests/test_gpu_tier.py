@@ -170,12 +170,6 @@ def test_balancer_moves_cold_misses_to_the_cpu_kernels_same_outputs(device, monk
         eng.close()
 
 
-def _hybrid_reference(counts_by_layer, on_fast, prof):
-    """The split a plain-Python reading of Eq. 9 makes for one layer (test_cuda's brute force)."""
-    from tests.test_cuda import _eq9_best
-    return _eq9_best(counts_by_layer, on_fast, prof)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_split_is_eq9_per_layer(device):
     """Each layer call's split equals a brute-force reading of MoE-SpAc's Eq. 9 over that
@@ -184,6 +178,7 @@ def test_hybrid_split_is_eq9_per_layer(device):
     layer, with the layer's slot states read before the call, and the layer's output equal to
     every expert computed by the CPU kernels."""
     from specmoe.runtime import kernels
+    from tests.test_cuda import _eq9_best
     m, _ = _tiny()
     prof = cuda.BalanceProfile(t_io=2e-4, t_gpu=5e-5, t_cpu=4e-5)
     eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=False)
@@ -203,7 +198,7 @@ def test_hybrid_split_is_eq9_per_layer(device):
             miss = sorted((e for e in need if states[e] == 0), key=lambda e: (-cnt[e], e))
             on_fast = sum(1 for e in need if states[e] != 0)
             counts = [int(cnt[e]) for e in miss]
-            want_cut = _hybrid_reference(counts, on_fast, prof)
+            want_cut = _eq9_best(counts, on_fast, prof)  # test_cuda's brute force of Eq. 9
             # Eq. 10: admissions (hottest CPU experts first) fill the window max(T_cpu, T_gpu)
             # left after the cut's copies
             t_cpu = prof.t_cpu * float(sum(counts[want_cut:]))

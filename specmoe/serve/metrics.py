@@ -34,23 +34,21 @@ class _EngineCollector:
                               "expert cache hits / accesses since the engine started")
         g.add_metric([], float(hr) if hr is not None else float("nan"))
         yield g
-        for key, name, doc in (
-                ("hits", "specmoe_expert_cache_hits", "expert cache hits"),
-                ("misses", "specmoe_expert_cache_misses", "expert cache misses"),
-                ("stall_s", "specmoe_expert_stall_seconds",
+        for family, key, name, doc in (
+                (CounterMetricFamily, "hits", "specmoe_expert_cache_hits", "expert cache hits"),
+                (CounterMetricFamily, "misses", "specmoe_expert_cache_misses",
+                 "expert cache misses"),
+                (CounterMetricFamily, "stall_s", "specmoe_expert_stall_seconds",
                  "seconds the forward waited for experts to load"),
-                ("bytes_read", "specmoe_expert_bytes_read",
-                 "bytes read from the slow tier (the expert store)")):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], float(s.get(key) or 0))
-            yield c
-        for key, name, doc in (("capacity", "specmoe_expert_cache_slots",
-                                "experts the cache holds"),
-                               ("cache_bytes", "specmoe_expert_cache_bytes",
-                                "bytes of the expert cache")):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], float(s.get(key) or 0))
-            yield g
+                (CounterMetricFamily, "bytes_read", "specmoe_expert_bytes_read",
+                 "bytes read from the slow tier (the expert store)"),
+                (GaugeMetricFamily, "capacity", "specmoe_expert_cache_slots",
+                 "experts the cache holds"),
+                (GaugeMetricFamily, "cache_bytes", "specmoe_expert_cache_bytes",
+                 "bytes of the expert cache")):
+            m = family(name, doc)
+            m.add_metric([], float(s.get(key) or 0))
+            yield m
 
 
 class Metrics:
