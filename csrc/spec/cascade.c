@@ -69,6 +69,17 @@ static double pooled_utility(const smoe_spec_ctl *c, const cascade_state *s, int
     return etr / (t / base);
 }
 
+/* Can the running trial still reach U >= 1?  Its best case: each of its trial_len - n remaining
+ * iterations accepts all cur_k drafts (ETR cur_k + 1) at the mean time of its n iterations so
+ * far (controller.h, "hopeless trials"). */
+static int trial_hopeless(const smoe_spec_ctl *c, const cascade_state *s, double base) {
+    int32_t left = c->params.trial_len - s->n;
+    if (left <= 0 || s->n <= 0 || isnan(base) || !(base > 0.0)) return 0;
+    double etr = s->etr_sum + (double)left * (double)(s->cur_k + 1);
+    double t = s->t_sum * (double)c->params.trial_len / (double)s->n;
+    return etr / (t / base) < 1.0;
+}
+
 static int32_t nearest_untried(const smoe_spec_ctl *c, const cascade_state *s, int32_t from,
                                int32_t dir) {
     for (int32_t k = from + dir; k >= 1 && k <= c->params.k_max; k += dir)
@@ -226,6 +237,8 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
         if (s->n >= c->params.trial_len) {
             u = pooled_utility(c, s, s->cur_k, now, base);
             finish_trial(c, s, u);
+        } else if (trial_hopeless(c, s, base)) {
+            finish_trial(c, s, u); /* its running U, below its best case, below 1 */
         }
         break;
     case SMOE_SPEC_PHASE_SET:

@@ -91,6 +91,19 @@
  *     (converge = 0.10), the test phase ends.  The three are checked in that order after the
  *     best K is updated; the paper's first rule (utility keeps decreasing) is the hill
  *     climbing's second failure below.
+ *   - Hopeless trials (decided here; the paper's trials always run t iterations): after
+ *     iteration n < trial_len of a trial at K, with E and T the sums of ETR and t_iter over
+ *     the trial's own n iterations and t_base known, the trial ends at once when even its best
+ *     case cannot pay: (E + (trial_len - n) * (K + 1)) / ((T * trial_len / n) / t_base) < 1
+ *     (every remaining iteration accepting all K drafts at the trial's mean time so far).  Its
+ *     U is then its running U, E / (T / t_base) (below that bound, so below 1), and the test
+ *     phase goes on from finish_trial as after a full trial.  Why: a drafter whose iteration
+ *     costs more than K + 1 plain steps can never pay at K, and on the zoo pair (2 cores,
+ *     f32, 25 % cache) the draft model's and the int4 self-draft's K=2 iterations cost 3.1-4
+ *     plain steps: a full four-iteration trial then cost about 5 plain steps, 8 % of a
+ *     64-token request, at every request's first test phase and after every back-off
+ *     (benchmarks/speculation.py read Cascade at 0.90 of plain with the draft model on
+ *     prose); ended after one iteration it costs about 1.5.
  *   - Per request (section 5: "for each request, Cascade tracks recent speculation costs and
  *     benefits"): begin_request drops what belongs to the request: the phase, the trial
  *     pools, the back-off length (back to set_len) and the hill-climbing centre (back to
