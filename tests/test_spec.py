@@ -991,6 +991,7 @@ class SuccessRef:
         self.delta = None
         self.tau = tau
         self.zero_run = 0
+        self.probe_cur = probe  # doubled by each re-probe (controller.h)
         self.base = []
 
     def tau_ok(self, k):
@@ -1029,7 +1030,10 @@ class SuccessRef:
         ks = [j for j in range(1, self.k_max + 1) if self.tau_ok(j)]
         blocked = bool(ks) and all(self.S(j) <= 1 for j in ks)
         self.zero_run = self.zero_run + 1 if (k == 0 and blocked) else 0
-        if self.zero_run >= self.probe:
+        if k >= 1 and not blocked and self.n[1] >= self.min_obs:
+            self.probe_cur = self.probe
+        if self.zero_run >= self.probe_cur:
+            self.probe_cur = min(2 * self.probe_cur, max(4096, self.probe))
             self.p = [1.0] * (self.k_max + 1)
             self.n = [0] * (self.k_max + 1)
             self.delta = None
@@ -1103,6 +1107,28 @@ def test_success_model_skips_k_that_cannot_pay_and_reprobes():
     # off: the tau rule alone
     ctl.set_success(False)
     assert ctl.allowed == [0, 1, 2, 3, 4]
+
+
+def test_reprobes_come_ever_more_rarely_while_nothing_pays():
+    """Each re-probe of a drafter that never pays doubles the run of blocked plain steps the
+    next one waits for (controller.h, "Re-probe"); the reference agrees step by step."""
+    ctl = StaticK(1, k_max=2)
+    ctl.set_success(True, min_obs=1, probe=5)
+    ref = SuccessRef(2, 0.2, 1, 5)
+    for _ in range(4):
+        ctl.observe(0, 0, 1.0)
+        ref.observe(0, 0, 1.0, 0.0)
+    probes = []
+    for i in range(200):
+        k = ctl.next_k()
+        assert k == max(j for j in ref.allowed() if j <= 1)
+        if k:
+            probes.append(i)
+        t = 1.0 + 0.9 * k  # nothing accepted, each draft 0.8 of a plain step
+        ctl.observe(k, 0, t, t_draft=0.8 * k)
+        ref.observe(k, 0, t, 0.8 * k)
+    gaps = np.diff(probes)
+    assert list(gaps[:4]) == [6, 11, 21, 41], probes  # 5, 10, 20, 40 blocked steps between
 
 
 def test_batch_rows_etr_counts_the_batch_tokens():

@@ -214,7 +214,12 @@ static void success_learn(smoe_spec_ctl *c, const smoe_spec_obs *o) {
     }
     int all_blocked = any_tau && !any_pays;
     c->succ_zero_run = (o->k == 0 && all_blocked) ? c->succ_zero_run + 1 : 0;
-    if (c->succ_zero_run >= (uint64_t)c->succ_probe) {
+    if (o->k >= 1 && !all_blocked && c->acc_n[1] >= c->succ_min)
+        c->succ_probe_cur = (uint64_t)c->succ_probe; /* measured, and some K pays */
+    if (c->succ_zero_run >= c->succ_probe_cur) {
+        uint64_t nxt = 2 * c->succ_probe_cur, cap = SMOE_SPEC_PROBE_MAX;
+        if (cap < (uint64_t)c->succ_probe) cap = (uint64_t)c->succ_probe;
+        c->succ_probe_cur = nxt > cap ? cap : nxt;
         for (int32_t j = 0; j <= SMOE_SPEC_KMAX; j++) {
             c->acc_p[j] = 1.0;
             c->acc_n[j] = 0;
@@ -237,6 +242,7 @@ int smoe_spec_ctl_set_success(smoe_spec_ctl *c, int on, int32_t min_obs, int32_t
         c->succ_probe = probe;
     }
     c->succ_zero_run = 0;
+    c->succ_probe_cur = (uint64_t)c->succ_probe;
     recompute_allowed(c);
     return SMOE_OK;
 }

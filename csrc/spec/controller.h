@@ -195,8 +195,15 @@
  *   again (no K >= 1 runs), so after `probe` (default 64) consecutive observations with
  *   k == 0 while the success model forbids every K that tau allows, the acceptance counts
  *   and delta are forgotten (optimistic again) and the controllers may try K again (Cascade
- *   still at the pace of its back-off).  allowed[] is recomputed after every observation,
- *   before the controller's own update sees it.
+ *   still at the pace of its back-off).  Each re-probe doubles the run the next one waits
+ *   for (probe, 2 probe, 4 probe, ... at most SMOE_SPEC_PROBE_MAX), so a drafter that never
+ *   pays costs ever fewer probes; the run goes back to `probe` after an observation with
+ *   k >= 1 once position 1 has min_obs decisions and the model still lets some K pay (the
+ *   measured model, not its optimistic start).  Why: on the zoo pair a probe of the draft
+ *   model costs about two speculative iterations of 1.3 plain steps' loss each, every 64
+ *   plain steps, 4 % of decoding, for a drafter that never pays there.
+ *   allowed[] is recomputed after every observation, before the controller's own update
+ *   sees it.
  *
  * Instant utility (static, heuristic): ETR * t_base / t_iter, with t_base the
  * median of the last base_len k_used == 0 iterations; NaN until one was observed.
@@ -210,6 +217,7 @@
 
 #define SMOE_SPEC_KMAX 64        /* largest k_max accepted */
 #define SMOE_SPEC_TAU_MAX 65     /* tau(1..SMOE_SPEC_TAU_MAX) may be given */
+#define SMOE_SPEC_PROBE_MAX 4096 /* the longest run of blocked plain steps between re-probes */
 
 typedef enum smoe_spec_phase {
     SMOE_SPEC_PHASE_NONE = 0,    /* controllers without phases */
@@ -304,6 +312,8 @@ struct smoe_spec_ctl {
     double delta;
     int32_t has_delta;
     uint64_t succ_zero_run;                /* consecutive k == 0 observations while blocked */
+    uint64_t succ_probe_cur;               /* blocked k == 0 observations before the next
+                                            * re-probe: succ_probe, doubled by each re-probe */
     int32_t batch;                         /* batch size of the coming steps (1 default) */
     /* speq's per-k expected I/O seconds, learned (speq.c) until set_io_cost (io_given) */
     double io_cost[SMOE_SPEC_KMAX + 1];
