@@ -48,6 +48,9 @@ class Shared:
         self.times: deque = deque(maxlen=base_len)
         self.last_plain: Optional[int] = None
         self.i = -1  # index of the observation being processed
+        # Cascade's TEST/SET iterations per planned K, across requests: (etr, t, index, request)
+        self.hist: Dict[int, List[Tuple[float, float, int, int]]] = {}
+        self.req = 0  # requests begun
 
     def base(self) -> float:
         return statistics.median(self.times) if self.times else math.nan
@@ -67,13 +70,27 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
     Shared timing is updated by the driver before the send.  A new request is a new
     generator over the same Shared (need_base as Cascade decides it at that point)."""
     allow = set(allowed)
-    hist: Dict[int, List[Tuple[float, float, int]]] = {}  # K -> (etr, t, index) of TEST/SET
+    hist = sh.hist
+
+    def ring(k: int) -> list:  # C keeps the newest 64 per K, newest first here
+        return hist.get(k, [])[-64:][::-1]
 
     def pooled_u(k: int, b: float) -> float:
-        recs = hist[k][::-1]  # newest first
+        recs = [r for r in ring(k) if r[3] == sh.req]  # this request's
         mine, older = recs[:t], recs[t:]
         take = mine + [r for r in older if r[2] + refresh > sh.i][:max(pool, t) - t]
         return sum(r[0] for r in take) / (sum(r[1] for r in take) / b)
+
+    def recent_best_u(k: int) -> float:  # K+1 tokens over K's recent mean cost, any request
+        b = sh.base()
+        if math.isnan(b) or b <= 0:
+            return math.nan
+        ts = []
+        for r in ring(k):
+            if r[2] + refresh <= sh.i:
+                break
+            ts.append(r[1])
+        return (k + 1) / (sum(ts) / len(ts) / b) if ts else math.nan
     backoff = S
     while True:
         if need_base:
@@ -102,9 +119,10 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
             while True:
                 mine: List[Tuple[float, float]] = []  # this trial's (etr, t)
                 hopeless = False
-                for n in range(1, t + 1):
+                skip = recent_best_u(k)  # known not to pay: the trial ends before it runs
+                for n in range(1, (0 if skip < 1 else t) + 1):
                     _ku, acc, ti = yield k, "test"
-                    hist.setdefault(k, []).append((acc + 1, ti, sh.i))
+                    hist.setdefault(k, []).append((acc + 1, ti, sh.i, sh.req))
                     mine.append((acc + 1, ti))
                     b = sh.base()
                     if n < t and not math.isnan(b) and b > 0:
@@ -114,7 +132,9 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                             hopeless = True
                             break
                 b = sh.base()
-                if hopeless:  # ended early: its running utility
+                if skip < 1:
+                    u = skip
+                elif hopeless:  # ended early: its running utility
                     u = sum(r[0] for r in mine) / (sum(r[1] for r in mine) / b)
                 else:
                     u = pooled_u(k, b) if not math.isnan(b) else 0.0
@@ -147,7 +167,7 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
             backoff = S
             for _ in range(S):
                 _ku, acc, ti = yield best_k, "set"
-                hist.setdefault(best_k, []).append((acc + 1, ti, sh.i))
+                hist.setdefault(best_k, []).append((acc + 1, ti, sh.i, sh.req))
         else:
             n = backoff
             backoff = min(2 * backoff, bmax)
@@ -200,6 +220,7 @@ def drive_cascade(env: Env, n: int, *, k_max: int = 8, M: int = 4, t: int = 4, S
     for it in range(n):
         if it in requests:
             c.begin_request()
+            sh.req += 1
             gen = fresh(sh.last_plain is None or sh.i - sh.last_plain >= refresh)
             kp = next(gen)
         k = c.next_k()
@@ -265,12 +286,22 @@ def test_cascade_base_refreshed_about_every_100_iterations():
 def test_cascade_never_pays_backs_off_doubling():
     c, seq = drive_cascade(env_never(), 600, bmax=128)
     assert {k for k, p in seq if p in ("set", "base", "backoff")} == {0}
-    assert runs(seq, "backoff")[:5] == [16, 32, 64, 128, 128]
-    # each test phase is a single trial at K=1 that fails (early exit), and one iteration
-    # shows it hopeless (a K=1 iteration costs 2.5 plain steps, more than its 2 tokens)
+    # each test phase that runs is a single trial at K=1 that fails (early exit), and one
+    # iteration shows it hopeless (a K=1 iteration costs 2.5 plain steps, more than its 2
+    # tokens); while that iteration is less than base_refresh (100) iterations old, the next
+    # test phases skip K=1 without running it: their back-off phases follow each other, still
+    # doubling (16 + 32 + 64, then 128 each)
     assert set(runs(seq, "test")) == {1}
     assert {k for k, p in seq if p == "test"} == {1}
     assert c.telemetry()["k"].sum() == len(runs(seq, "test"))
+    assert runs(seq, "backoff")[:4] == [16 + 32 + 64, 128, 128, 128]
+    spec = [i for i, (k, _) in enumerate(seq) if k > 0]
+    assert all(b - a >= 100 for a, b in zip(spec, spec[1:])), spec
+    # what K cost is the drafter's, not the request's: a new request (which starts a test
+    # phase) does not run a trial known hopeless again either
+    c, seq = drive_cascade(env_never(), 600, bmax=128, requests=[60, 90, 130, 170, 400])
+    spec = [i for i, (k, _) in enumerate(seq) if k > 0]
+    assert all(b - a >= 100 for a, b in zip(spec, spec[1:])), spec
 
 
 def test_cascade_ends_a_hopeless_trial_early_but_not_a_paying_one():
@@ -377,8 +408,11 @@ def test_cascade_state_is_per_request():
     begin_request the second request speculates about as much as a fresh controller would;
     without it, the back-off learnt on the first request keeps speculation off (the issue's
     300 + 200 iteration case).  C and reference in lockstep across the boundary."""
+    # the same drafter cost throughout (base * (1 + 0.1 K)); only what the requests accept
+    # differs: nothing in the first, up to 3 drafts in the second
     def env(k: int, it: int) -> Tuple[int, int, float]:
-        return env_never()(k, it) if it < 300 else env_pays()(k, it)
+        ku, acc, t = env_pays()(k, it)
+        return (ku, 0, t) if it < 300 else (ku, acc, t)
 
     def spec_iters(seq: List[Tuple[int, str]]) -> int:
         return sum(1 for k, _ in seq[300:] if k > 0)

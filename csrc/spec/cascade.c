@@ -13,6 +13,7 @@
 typedef struct pool_rec {
     double etr, t;
     uint64_t iter;
+    uint64_t req; /* the request it belongs to (cascade_state.req) */
 } pool_rec;
 
 typedef struct cascade_state {
@@ -34,7 +35,10 @@ typedef struct cascade_state {
     int32_t center;          /* best non-zero K of the most recent test phase that found one */
     int32_t initial;         /* the first centre of every request */
     double last_u;           /* U of the previous trial of the running test phase */
-    /* per planned K, the last CASCADE_POOL_MAX TEST/SET iterations (ring, newest at pos-1) */
+    uint64_t req;            /* requests begun (begin_request) */
+    /* per planned K, the last CASCADE_POOL_MAX TEST/SET iterations (ring, newest at pos-1),
+     * kept across requests: utilities pool the current request's, the hopeless test reads
+     * every request's iteration times */
     pool_rec pool[SMOE_SPEC_KMAX + 1][CASCADE_POOL_MAX];
     int32_t pool_pos[SMOE_SPEC_KMAX + 1], pool_n[SMOE_SPEC_KMAX + 1];
 } cascade_state;
@@ -44,6 +48,7 @@ static void pool_add(cascade_state *s, int32_t k, double etr, double t, uint64_t
     r->etr = etr;
     r->t = t;
     r->iter = iter;
+    r->req = s->req;
     s->pool_pos[k] = (s->pool_pos[k] + 1) % CASCADE_POOL_MAX;
     if (s->pool_n[k] < CASCADE_POOL_MAX) s->pool_n[k]++;
 }
@@ -60,6 +65,7 @@ static double pooled_utility(const smoe_spec_ctl *c, const cascade_state *s, int
     for (int32_t i = 0; i < s->pool_n[k] && used < want; i++) {
         const pool_rec *r =
             &s->pool[k][(s->pool_pos[k] - 1 - i + CASCADE_POOL_MAX) % CASCADE_POOL_MAX];
+        if (r->req != s->req) break; /* an earlier request's: this one's are all newer */
         if (used >= c->params.trial_len && r->iter + (uint64_t)c->params.base_refresh <= now)
             break;
         etr += r->etr;
@@ -80,11 +86,41 @@ static int trial_hopeless(const smoe_spec_ctl *c, const cascade_state *s, double
     return etr / (t / base) < 1.0;
 }
 
+/* The best case of a trial at K from what K has cost lately, whatever the request: K + 1
+ * tokens over the mean t_iter of the iterations planned at K within the last base_refresh
+ * iterations (any request's), in plain steps; NAN when there is none or no t_base
+ * (controller.h, "hopeless trials"). */
+static double recent_best_u(const smoe_spec_ctl *c, const cascade_state *s, int32_t k,
+                            uint64_t now) {
+    double base = smoe_spec_ctl_base(c);
+    if (isnan(base) || !(base > 0.0)) return NAN;
+    double t = 0.0;
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->pool_n[k]; i++) {
+        const pool_rec *r =
+            &s->pool[k][(s->pool_pos[k] - 1 - i + CASCADE_POOL_MAX) % CASCADE_POOL_MAX];
+        if (r->iter + (uint64_t)c->params.base_refresh <= now) break;
+        t += r->t;
+        n++;
+    }
+    return n > 0 ? (double)(k + 1) / (t / (double)n / base) : NAN;
+}
+
 static int32_t nearest_untried(const smoe_spec_ctl *c, const cascade_state *s, int32_t from,
                                int32_t dir) {
     for (int32_t k = from + dir; k >= 1 && k <= c->params.k_max; k += dir)
         if (c->allowed[k] && !s->tried[k]) return k;
     return 0;
+}
+
+static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u, uint64_t now);
+
+/* The trial just entered at s->cur_k is known not to pay (recent_best_u < 1): it ends at once
+ * with that bound as its U, without an iteration, and the test phase goes on as after it. */
+static void skip_if_hopeless(const smoe_spec_ctl *c, cascade_state *s, uint64_t now) {
+    if (s->phase != SMOE_SPEC_PHASE_TEST) return;
+    double u = recent_best_u(c, s, s->cur_k, now);
+    if (u < 1.0) finish_trial(c, s, u, now); /* (false for NAN) */
 }
 
 static void enter(cascade_state *s, int32_t phase) {
@@ -108,7 +144,7 @@ static void decide(const smoe_spec_ctl *c, cascade_state *s) {
     }
 }
 
-static void start_test(const smoe_spec_ctl *c, cascade_state *s) {
+static void start_test(const smoe_spec_ctl *c, cascade_state *s, uint64_t now) {
     memset(s->tried, 0, sizeof s->tried);
     s->best_k = 0;
     s->best_u = -INFINITY;
@@ -123,6 +159,7 @@ static void start_test(const smoe_spec_ctl *c, cascade_state *s) {
     }
     enter(s, SMOE_SPEC_PHASE_TEST);
     s->cur_k = k0;
+    skip_if_hopeless(c, s, now);
 }
 
 /* A new cycle after the iteration with index `now`: measure the base again when it is
@@ -131,14 +168,14 @@ static void new_cycle(const smoe_spec_ctl *c, cascade_state *s, uint64_t now) {
     if (c->base_n == 0 || now - c->last_base_iter >= (uint64_t)c->params.base_refresh)
         enter(s, SMOE_SPEC_PHASE_BASE);
     else
-        start_test(c, s);
+        start_test(c, s, now);
 }
 
 /* End of a SET or BACKOFF phase (called from observe: c->n_obs is the index of the
  * iteration just observed). */
 static void end_set(const smoe_spec_ctl *c, cascade_state *s) { new_cycle(c, s, c->n_obs); }
 
-static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u) {
+static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u, uint64_t now) {
     if (isnan(u)) u = 0.0; /* no plain iteration observed: cannot show that K pays */
     int32_t k = s->cur_k;
     int first = s->ntrials == 0;
@@ -178,6 +215,7 @@ static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u) {
     }
     enter(s, SMOE_SPEC_PHASE_TEST);
     s->cur_k = next;
+    skip_if_hopeless(c, s, now);
 }
 
 static int cascade_init(smoe_spec_ctl *c, const smoe_spec_params *p, smoe_err *err) {
@@ -231,14 +269,14 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
     switch (s->phase) {
     case SMOE_SPEC_PHASE_BASE:
         u = etr * base / o->t_iter;
-        if (s->n >= c->params.base_len) start_test(c, s);
+        if (s->n >= c->params.base_len) start_test(c, s, now);
         break;
     case SMOE_SPEC_PHASE_TEST:
         if (s->n >= c->params.trial_len) {
             u = pooled_utility(c, s, s->cur_k, now, base);
-            finish_trial(c, s, u);
+            finish_trial(c, s, u, now);
         } else if (trial_hopeless(c, s, base)) {
-            finish_trial(c, s, u); /* its running U, below its best case, below 1 */
+            finish_trial(c, s, u, now); /* its running U, below its best case, below 1 */
         }
         break;
     case SMOE_SPEC_PHASE_SET:
@@ -255,8 +293,7 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
 
 static void cascade_begin_request(smoe_spec_ctl *c) {
     cascade_state *s = c->state;
-    memset(s->pool_n, 0, sizeof s->pool_n);
-    memset(s->pool_pos, 0, sizeof s->pool_pos);
+    s->req++; /* the pools' earlier records stop counting toward utilities */
     s->center = s->initial;
     s->backoff_len = c->params.set_len;
     if (c->n_obs == 0) {

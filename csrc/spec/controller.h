@@ -104,9 +104,18 @@
  *     64-token request, at every request's first test phase and after every back-off
  *     (benchmarks/speculation.py read Cascade at 0.90 of plain with the draft model on
  *     prose); ended after one iteration it costs about 1.5.
+ *     What K costs is the drafter's, model's and machine's, not the request's, so it is also
+ *     remembered across requests: when a trial is entered (the first of a test phase or the
+ *     next of the hill climbing) and the iterations planned at its K within the last
+ *     base_refresh iterations (any request's, at most the pool's 64 newest) have a mean t_iter
+ *     of at least K + 1 plain steps, the trial ends at once without an iteration, its U that
+ *     best case, (K + 1) / (mean t_iter / t_base) < 1, and the test phase goes on as after it.
+ *     With short requests (every one starts a test phase) a drafter that cannot pay then runs
+ *     one iteration per K per base_refresh iterations instead of one or two per request.
  *   - Per request (section 5: "for each request, Cascade tracks recent speculation costs and
  *     benefits"): begin_request drops what belongs to the request: the phase, the trial
- *     pools, the back-off length (back to set_len) and the hill-climbing centre (back to
+ *     pools' utilities (records of earlier requests no longer count toward a trial's U; their
+ *     iteration times still tell hopeless K, above), the back-off length (back to set_len) and the hill-climbing centre (back to
  *     params.initial), then starts a cycle as at the end of a SET phase (BASE when t_base is
  *     missing or older than base_refresh iterations, else TEST).  What carries over, on
  *     purpose: t_base (the median plain-step time: a property of the model and machine, not

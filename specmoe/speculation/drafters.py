@@ -52,8 +52,10 @@ class DraftModel:
 
     def prefill(self, history: Sequence[int]) -> None:
         """Run the draft over ``history`` (all but its last token) ahead of the first draft,
-        as the target's prefill does; :func:`generate` calls it before its first iteration so
-        that no iteration's time includes the draft's prompt."""
+        as the target's prefill does.  Optional: :meth:`draft` catches up over whatever it
+        has not seen.  :func:`generate` does not call it, so that the prompt's cost lands in
+        the first speculative iteration, where the controller counts it, and a request that
+        never speculates never pays it."""
         h = [int(t) for t in history]
         if len(h) < 2:
             return
