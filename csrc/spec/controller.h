@@ -115,12 +115,13 @@
  *   - Per request (section 5: "for each request, Cascade tracks recent speculation costs and
  *     benefits"): begin_request drops what belongs to the request: the phase, the trial
  *     pools' utilities (records of earlier requests no longer count toward a trial's U; their
- *     iteration times still tell hopeless K, above), the back-off length (back to set_len) and the hill-climbing centre (back to
- *     params.initial), then starts a cycle as at the end of a SET phase (BASE when t_base is
- *     missing or older than base_refresh iterations, else TEST).  What carries over, on
- *     purpose: t_base (the median plain-step time: a property of the model and machine, not
- *     of the request), the tau pruning and the telemetry.  specmoe.generate calls it at the
- *     start of every request.
+ *     iteration times still tell hopeless K, above), the back-off length (back to set_len)
+ *     and the hill-climbing centre (back to params.initial), then starts a cycle as at the
+ *     end of a SET phase (BASE when t_base is missing or older than base_refresh
+ *     iterations, else TEST).  What carries over, on purpose: t_base (the median plain-step
+ *     time: a property of the model and machine, not of the request), what each K cost
+ *     (above), the tau pruning and the telemetry.  specmoe.generate calls it at the start of
+ *     every request.
  *   - Decision: best = the tried K with the largest U; ties go to the smaller K (fewer
  *     experts touched).  U(best) >= 1 -> SET at best (U exactly 1 counts as paying, following
  *     "K=0 when U<1"); otherwise BACKOFF.
