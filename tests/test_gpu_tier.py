@@ -35,6 +35,15 @@ def _dev(device: str) -> str:
     return "cuda" if device == "cuda" else "cpu"
 
 
+def _greedy_both(model, ref, device: str, n: int):
+    """Greedy ids of ``model`` (offloaded) and of ``ref`` (unmodified) on PROMPT, n new tokens."""
+    x = torch.tensor([PROMPT], device=_dev(device))
+    with torch.no_grad():
+        got = model.generate(x, max_new_tokens=n, do_sample=False)
+        want = ref.to(_dev(device)).generate(x, max_new_tokens=n, do_sample=False)
+    return got.tolist(), want.tolist()
+
+
 def _tiny(arch: str = "qwen3_moe"):
     m = testing.tiny_model(arch, dtype=torch.float32)
     return m, copy.deepcopy(m)
@@ -47,11 +56,8 @@ def test_greedy_equal_to_the_unmodified_model(device, arch):
     eng = hf.offload(m, device=device, dtype="f32", cache=0.25)
     try:
         assert isinstance(eng, GpuEngine) and eng.emulated == (device == "emulate")
-        x = torch.tensor([PROMPT], device=_dev(device))
-        with torch.no_grad():
-            got = m.generate(x, max_new_tokens=6, do_sample=False)
-            want = ref.to(_dev(device)).generate(x, max_new_tokens=6, do_sample=False)
-        assert got.tolist() == want.tolist()
+        got, want = _greedy_both(m, ref, device, 6)
+        assert got == want
         st = eng.stats()
         assert st["misses"] > 0 and st["passes"] >= 6
     finally:
@@ -248,11 +254,8 @@ def test_hybrid_admission_fills_the_cache_greedy_unchanged(device):
     eng = hf.offload(m, device=device, dtype="f32", cache=0.25, policy="lru", balance=prof,
                      prefetch=False)
     try:
-        x = torch.tensor([PROMPT], device=_dev(device))
-        with torch.no_grad():
-            got = m.generate(x, max_new_tokens=8, do_sample=False)
-            want = ref.to(_dev(device)).generate(x, max_new_tokens=8, do_sample=False)
-        assert got.tolist() == want.tolist()
+        got, want = _greedy_both(m, ref, device, 8)
+        assert got == want
         eng._cache.wait_idle()
         st = eng.stats()
         assert st["hybrid_admitted"] > 0 and st["prefetch_issued"] > 0, st
@@ -340,11 +343,8 @@ def test_hybrid_on_a_store_larger_than_memory(tmp_path, monkeypatch, device):
     try:
         eng.set_balance(prof, admit=False)  # nothing copied: every miss through the mapping
         assert eng.stats()["mode"] == "staged"
-        x = torch.tensor([PROMPT], device=_dev(device))
-        with torch.no_grad():
-            got = model.generate(x, max_new_tokens=5, do_sample=False)
-            want = ref.to(_dev(device)).generate(x, max_new_tokens=5, do_sample=False)
-        assert got.tolist() == want.tolist()
+        got, want = _greedy_both(model, ref, device, 5)
+        assert got == want
         st = eng.stats()
         assert st["cpu_experts"] > 0 and st["misses"] == 0, st
         store = eng._store
@@ -489,11 +489,8 @@ def test_from_pretrained_on_the_gpu_tier(tmp_path, monkeypatch, device, hybrid):
     eng = specmoe.engine_of(model)
     try:
         assert isinstance(eng, GpuEngine) and (eng.balance is not None) == hybrid
-        x = torch.tensor([PROMPT], device=_dev(device))
-        with torch.no_grad():
-            got = model.generate(x, max_new_tokens=5, do_sample=False)
-            want = ref.to(_dev(device)).generate(x, max_new_tokens=5, do_sample=False)
-        assert got.tolist() == want.tolist()
+        got, want = _greedy_both(model, ref, device, 5)
+        assert got == want
         assert (eng.stats()["cpu_experts"] > 0) == hybrid
     finally:
         eng.close()
