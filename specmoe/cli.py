@@ -412,10 +412,11 @@ def _cmd_serve(args) -> int:
                max_batch=args.max_batch, max_queue=args.max_queue,
                prefill_chunk=args.prefill_chunk, cache=cache, dtype=args.dtype,
                policy=policy, prefetch=not args.no_prefetch, store=args.store,
-               dense=args.dense)
+               dense=args.dense, batch_decode=not args.no_batch_decode)
     srv = asgi.state.server
     print(f"[specmoe] serving {srv.model_name!r} on http://{args.host}:{args.port}/v1 "
-          f"(context {srv.context_length} tokens, max batch {args.max_batch}, queue "
+          f"(context {srv.context_length} tokens, max batch {args.max_batch}"
+          f"{'' if srv.scheduler.batch_off_reason is None else ' decoded one by one'}, queue "
           f"{args.max_queue}{', API key required' if args.api_key else ''})", flush=True)
     try:
         run(asgi, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
@@ -551,7 +552,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_at_least(1, 65535), default=8000)
     p.add_argument("--max-batch", type=_at_least(1), default=16,
-                   help="requests stepped together (each one decode step per round)")
+                   help="requests running at once; their decode steps run as one batched "
+                        "forward (default 16)")
+    p.add_argument("--no-batch-decode", action="store_true",
+                   help="one forward per running request instead of one batched forward "
+                        "(for comparison)")
     p.add_argument("--max-queue", type=_at_least(1), default=256,
                    help="requests waiting beyond --max-batch before 429 (default 256)")
     p.add_argument("--prefill-chunk", type=_at_least(1), default=256,

@@ -21,6 +21,7 @@ from specmoe.speculation.drafters import DraftModel, NgramDrafter, SelfDraft  # 
 from specmoe.speculation.generation import generate  # noqa: E402
 from specmoe.speculation.tau import measure_tau_grid  # noqa: E402
 from specmoe.speculation.batch import BatchKV, per_position_acceptance  # noqa: E402
+from specmoe.speculation.decoding import cache_kwargs, new_kv  # noqa: E402
 from specmoe.speculation.mtp import MtpAdapter, MtpDrafter  # noqa: E402
 
 from tests.test_generate import RandomDrafter, chi2_critical, chi2_stat, exact_joint  # noqa: E402
@@ -199,6 +200,76 @@ def test_batch_kv_matches_cacheless_forward():
         assert st.npos == [len(s) for s in seqs]
         assert st.mask.sum(1).tolist() == [len(s) for s in seqs]
     assert st.compactions >= 1
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2", "qwen3_moe"])
+def test_batch_kv_join_and_row(arch):
+    """Sequences prefilled and decoded alone (an offloaded model: specmoe's own batch-1 decode
+    step and buffered cache), joined into a running BatchKV one at a time, shorter and longer
+    than its rows: every batched step gives each row the logits of a plain forward over its
+    tokens alone; a row copied out (row) decodes alone as if it had never been batched."""
+    model = tiny_model(arch, seed=5, vocab=60, layers=2)
+    if arch == "deepseek_v2":
+        # transformers' MLA expands keys for every head; at batch > 1 its sdpa path needs
+        # num_key_value_heads == num_attention_heads, as DeepSeek-V2(-Lite)'s own config has
+        from transformers import AutoModelForCausalLM
+        cfg = model.config
+        cfg.num_key_value_heads = cfg.num_attention_heads
+        torch.manual_seed(5)
+        model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").eval()
+    eng = specmoe.offload(model, cache=1.0, dtype="f32")
+    try:
+        rng = np.random.default_rng(1)
+
+        def ref_last(seq):
+            with torch.no_grad():
+                return model(torch.tensor([seq]), use_cache=False).logits[0, -1]
+
+        def alone(seq, kv):
+            """Feed seq's tokens beyond kv's length at batch 1; the last logits."""
+            S = kv.get_seq_length()
+            x = torch.tensor([seq[S:]])
+            with torch.no_grad():
+                out = model(input_ids=x, attention_mask=torch.ones((1, len(seq)),
+                                                                   dtype=torch.long),
+                            use_cache=True, logits_to_keep=1, **cache_kwargs(model, kv))
+            return out.logits[0, -1]
+
+        st = BatchKV(model, 0)
+        seqs = []
+        for n_prompt, n_alone in ((9, 2), (3, 0), (20, 4)):
+            seq = rng.integers(3, 60, size=n_prompt).tolist()
+            kv = new_kv(model)
+            alone(seq, kv)
+            for _ in range(n_alone):
+                seq = seq + [int(rng.integers(3, 60))]
+                torch.testing.assert_close(alone(seq, kv), ref_last(seq), rtol=1e-4, atol=1e-4)
+            st.join(kv)
+            seqs.append(seq)
+            assert st.npos == [len(s) for s in seqs]
+            for _ in range(3):
+                new = [int(rng.integers(3, 60)) for _ in seqs]
+                lg = st.forward([[t] for t in new])
+                seqs = [s + [t] for s, t in zip(seqs, new)]
+                for b, s in enumerate(seqs):
+                    torch.testing.assert_close(lg[b, 0], ref_last(s), rtol=1e-4, atol=1e-4)
+        assert st.mask.sum(1).tolist() == [len(s) for s in seqs]
+        assert st.mask[1, 0] == 0  # the short row sits behind holes
+        kv = st.row(1)
+        assert kv.get_seq_length() == len(seqs[1])
+        s = seqs[1] + [7]
+        torch.testing.assert_close(alone(s, kv), ref_last(s), rtol=1e-4, atol=1e-4)
+        st.select([0, 2])
+        new = [11, 12]
+        lg = st.forward([[t] for t in new])
+        for b, s in enumerate((seqs[0] + [11], seqs[2] + [12])):
+            torch.testing.assert_close(lg[b, 0], ref_last(s), rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="layers"):
+            bad = new_kv(model)
+            bad.layers = bad.layers[:1]
+            st.join(bad)
+    finally:
+        eng.close()
 
 
 def test_per_position_acceptance_reference():

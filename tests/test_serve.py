@@ -220,7 +220,8 @@ def test_concurrent_requests_equal_generate_alone(served):
     _idle(served)
     c, refs = served["client"], served["refs"]
     sch = _sched(served)
-    sch.peak_running = 0
+    sch.peak_running = sch.peak_batch = 0
+    batched0 = sch.batched_steps
     got, errors = {}, []
 
     def one(key, delay, stream):
@@ -247,6 +248,67 @@ def test_concurrent_requests_equal_generate_alone(served):
     for key in PROMPTS:
         assert got[key] == refs[key][1], key
     assert sch.peak_running >= 2  # they did run together
+    # ... and decoded together, in batched forwards of several rows
+    assert sch.batch_off_reason is None
+    assert sch.batched_steps > batched0 and sch.peak_batch >= 3, (sch.batched_steps,
+                                                                  sch.peak_batch)
+
+
+def test_models_whose_cache_cannot_hold_holes_are_not_batched():
+    """A model with sliding-window layers decodes one request per forward (a hole would count
+    against the window); batch_decode=False asks for the same."""
+    from specmoe.models.testing import tiny_model
+    from specmoe.serve.scheduler import Scheduler
+    sch = Scheduler(tiny_model("gpt_oss", layers=2), None)
+    assert "DynamicSlidingWindowLayer" in sch.batch_off_reason
+    model = tiny_model("mixtral", layers=2)
+    assert Scheduler(model, None).batch_off_reason is None
+    assert Scheduler(model, None, batch_decode=False).batch_off_reason == "batch_decode=False"
+
+
+def _together(served, keys):
+    """Greedy completions of ``keys`` sent at once from threads: {key: text}."""
+    c, got, errors = served["client"], {}, []
+
+    def one(key):
+        try:
+            got[key] = c.completions.create(model=NAME, prompt=PROMPTS[key][0], temperature=0,
+                                            max_tokens=served["refs"][key][2]).choices[0].text
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(f"{key}: {e!r}")
+
+    ths = [threading.Thread(target=one, args=(k,)) for k in keys]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    assert not errors, errors
+    return got
+
+
+def test_a_fault_in_a_batched_step_is_retried_alone(served):
+    """A batched decode forward that raises in the last decoder layer (after the first has
+    appended to the shared cache) is pinned on no request: the batch is dissolved into
+    per-request caches and each request retries alone; every one still gets the tokens
+    model.generate gives it alone."""
+    _idle(served)
+    sch, layer = _sched(served), served["model"].model.layers[-1]
+    fired = []
+
+    def fault(module, args, kwargs):
+        hs = args[0] if args else kwargs["hidden_states"]
+        if hs.shape[0] >= 2 and not fired:
+            fired.append(hs.shape[0])
+            raise RuntimeError("injected fault in a batched step")
+
+    hook = layer.register_forward_pre_hook(fault, with_kwargs=True)
+    try:
+        got = _together(served, ["mid", "fox", "short"])
+    finally:
+        hook.remove()
+    assert fired and fired[0] >= 2
+    for key, text in got.items():
+        assert text == served["refs"][key][1], key
 
 
 def _timed(sch, monkeypatch):

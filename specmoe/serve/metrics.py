@@ -72,6 +72,9 @@ class Metrics:
         self.itl = Histogram("specmoe_inter_token_latency_seconds",
                              "between two consecutive tokens of one request",
                              buckets=_LATENCY, registry=r)
+        self.batch = Histogram("specmoe_decode_batch_size",
+                               "sequences advanced by one decode forward",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         r.register(_EngineCollector(stats))
         ProcessCollector(registry=r)
 
@@ -93,6 +96,9 @@ class Metrics:
 
     def next_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def decode_batch(self, n: int) -> None:
+        self.batch.observe(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,37 +5,44 @@ threads at once, so exactly one thread -- the worker started by :meth:`Scheduler
 calls the model.  Requests reach it through a bounded queue (:meth:`Scheduler.submit` raises
 :class:`QueueFull` when ``max_queue`` requests already wait, :class:`Draining` once
 :meth:`Scheduler.drain` was called); the worker admits waiting requests into the running set
-(at most ``max_batch``) at the start of every round, and a round gives each running request
-one step, in admission order:
+(at most ``max_batch``) at the start of every round, and a round advances every running
+request by one step:
 
-* a request whose prompt is not all in its KV cache yet feeds the next ``prefill_chunk``
-  prompt tokens (a long prompt is prefilled over several rounds, so the others keep decoding
-  between its chunks); the step that feeds the last chunk also picks the first new token;
-* otherwise one decode step: the pending token in, the next token out.
+* **decode**: every request whose prompt is all cached feeds its pending token and picks the
+  next one.  Two or more such requests decode together in **one batched forward**
+  (continuous batching): their KV caches are rows of one
+  :class:`specmoe.speculation.batch.BatchKV` (holes where a row is shorter, each row's own
+  position ids, so no padding waste in what the model computes for a row), so every MoE layer
+  runs the batch's tokens in one call of the Engine and one expert load serves every row
+  routed to it.  A request joins the batch at its first decode step after its prefill (its
+  own cache copied in once) and leaves it when it finishes, is cancelled or fails
+  (``batch_select_indices``), without waiting for the others; a request decoding alone runs
+  on its own cache (the one-call decode step of batch 1);
+* **prefill**: a request whose prompt is not all cached yet feeds its next ``prefill_chunk``
+  prompt tokens into its own ``DynamicCache`` at batch 1 (a long prompt is prefilled over
+  several rounds, so the others keep decoding between its chunks); the step that feeds the
+  last chunk also picks the first new token.
 
-Each request keeps its own ``DynamicCache`` (its own positions, no padding), so a request is
-admitted at the next round whatever the others are doing, and leaves the running set as soon as
-it finishes (EOS, a stop string, ``max_tokens``), is cancelled (client gone: freed at the worker's
-next look at it, within one round) or fails.  An exception inside the model fails that request
-alone (its cache is dropped; the others' caches are untouched) and the worker goes on.
+A request leaves the running set as soon as it finishes (EOS, a stop string, ``max_tokens``),
+is cancelled (client gone: freed at the worker's next look at it, within one round) or fails.
+An exception inside the model while prefilling fails that request alone (its cache is dropped;
+the others' are untouched).  An exception in a batched decode forward cannot be pinned on one
+request: the batch is dissolved into per-request caches (:meth:`BatchKV.row` reads each row's
+real positions through the mask, so whatever the failed forward had appended is left behind),
+every request retries its step alone (where a fault is its own and fails only it), and the
+next ``_BATCH_PAUSE`` rounds do not batch.  Models whose cache
+cannot hold holes (sliding-window or recurrent layers) are never batched: their requests are
+interleaved step by step, one forward each, as before.
 
-**The compute is not batched yet.**  Requests are interleaved step by step on one thread, one
-forward of one sequence at a time: concurrent requests share the Engine, its expert cache and
-its prefetch worker, and none waits for another to finish, but a round of B requests costs B
-forwards.  specmoe has one batched path that keeps each row's positions
-(:class:`specmoe.speculation.batch.BatchKV`: holes in a shared cache, explicit position ids),
-but it cannot take a new row into a running batch, its forwards go through transformers'
-batched path instead of specmoe's one-call decode step (batch 1 only), and its logits are not
-guaranteed bit-equal to a batch-1 forward; greedy exactness against ``model.generate`` is the
-contract here, so it is not used yet.
-
-Exactness: each step is the model's own forward on that request's cache, as
-``model.generate`` calls it (the whole prompt, or a chunk of it, with ``logits_to_keep=1``,
-then one token at a time), and the greedy token is the argmax of those logits.  A prompt no
-longer than ``prefill_chunk`` is prefilled in one forward exactly as ``model.generate`` does; a
-longer one in chunks, which may round differently in the last bits (the greedy tokens were
-equal in every test).  Sampling draws from a ``torch.Generator`` of the request's own
-(``seed``), so a seeded request gives the same tokens whatever else runs.
+Exactness: a prefill step is the model's own forward on that request's cache, as
+``model.generate`` calls it (the whole prompt, or a chunk of it, with ``logits_to_keep=1``);
+a request decoding alone runs exactly ``model.generate``'s decode step.  A batched step is the
+same model on B rows, whose rows are independent (masked holes get attention weight 0; every
+other layer works per token) but whose matrix products see B rows instead of one, so its
+logits may differ from the batch-1 forward's in the last bits; a longer prompt prefilled in
+chunks may round differently too.  The greedy tokens were equal to ``model.generate``'s alone
+in every test.  Sampling draws from a ``torch.Generator`` of the request's own (``seed``), so
+a seeded request gives the same tokens whatever else runs (up to such rounding).
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ import torch
 from torch import nn
 
 from ..runtime.experts import find_engine
+from ..speculation.batch import BatchKV
 from ..speculation.decoding import cache_kwargs, input_device, new_kv
 from ..speculation.sampling import Sampling
 
@@ -61,6 +69,8 @@ __all__ = ["Draining", "GenParams", "QueueFull", "Request", "Scheduler"]
 
 # how often (seconds) the worker refreshes its copy of the Engine's statistics for /metrics
 _STATS_EVERY = 0.5
+# rounds without batched decoding after a batched forward raised
+_BATCH_PAUSE = 16
 
 
 class QueueFull(Exception):
@@ -108,7 +118,8 @@ class Request:
         self.error: Optional[str] = None
         self.generated: List[int] = []
         self.steps = 0                         # forwards run for this request
-        self.kv: Any = None
+        self.kv: Any = None                    # its own cache (None while a row of the batch)
+        self.in_batch = False                  # a row of the scheduler's BatchKV
         self.fed = 0                           # prompt tokens in the KV cache
         self.text = ""                         # text sent so far
         self.t_submit = time.perf_counter()
@@ -127,10 +138,14 @@ class Scheduler:
 
     ``model``: a transformers causal LM (offloaded by specmoe or not); ``tokenizer`` decodes
     the new tokens into text (stop strings are matched on that text).  ``metrics``: an object
-    with the :class:`specmoe.serve.metrics.Metrics` methods, or None."""
+    with the :class:`specmoe.serve.metrics.Metrics` methods, or None.  ``batch_decode``:
+    decode the running requests in one batched forward (False: one forward per request, the
+    way to compare; models that cannot be batched fall back to it, :attr:`batch_off_reason`
+    says why)."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
-                 max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None) -> None:
+                 max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
+                 batch_decode: bool = True) -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -153,6 +168,19 @@ class Scheduler:
         self._stats_t = 0.0
         self.rounds = 0
         self.peak_running = 0                  # the most requests stepped in one round
+        # the decode batch (the worker's own): one BatchKV, the request in each of its rows
+        self.batch_off_reason: Optional[str] = (None if batch_decode else "batch_decode=False")
+        if self.batch_off_reason is None:
+            self.batch_off_reason = _unbatchable(model)
+            if self.batch_off_reason is not None:
+                _log.info("specmoe serve: decode steps are not batched: %s",
+                          self.batch_off_reason)
+        self._bkv: Optional[BatchKV] = None
+        self._rows: List[Request] = []
+        self._pause = 0                        # rounds left without batching (after a fault)
+        self.batched_steps = 0                 # batched decode forwards run
+        self.batched_rows = 0                  # rows they advanced, summed
+        self.peak_batch = 0                    # the most rows in one of them
         self.fatal: Optional[BaseException] = None   # what killed the worker, if anything
 
     # -- the server's side (any thread) ----------------------------------------------------
@@ -265,28 +293,110 @@ class Scheduler:
                 self.running.append(self._waiting.popleft())
             self.peak_running = max(self.peak_running, len(self.running))
             self._gauges()
-        for req in list(self.running):
+        decoding = [r for r in self.running if r.fed >= len(r.prompt)]
+        for req in self.running:
             if req.cancelled:
                 req.finished = req.finished or "cancelled"
+        self._decode([r for r in decoding if not r.cancelled])
+        for req in list(self.running):
+            if req.cancelled or req.finished is not None or req.fed >= len(req.prompt):
                 continue
-            try:
-                self._step(req)
-            except Exception as exc:  # that request fails; its cache goes; the others go on
-                _log.warning("specmoe serve: request %d failed: %s: %s", req.id,
-                             type(exc).__name__, exc)
-                self._fail(req, 500, f"{type(exc).__name__}: {exc}")
+            self._guarded(self._step, req)
         done = [r for r in self.running if r.finished is not None or r.cancelled]
         if done:
             for r in done:
                 r.kv = None  # the KV cache's memory goes now, not when the handler lets go
                 if r.finished is None:
                     r.finished = "cancelled"
+            self._leave_batch(done)
             with self._cond:
                 self.running = [r for r in self.running if r not in done]
                 self._gauges()
         self.rounds += 1
         self._refresh_stats()
         return True
+
+    def _guarded(self, step: Callable[[Request], None], req: Request) -> None:
+        """``step(req)``; an exception fails that request (500), the others go on."""
+        try:
+            step(req)
+        except Exception as exc:  # that request fails; its cache goes; the others go on
+            _log.warning("specmoe serve: request %d failed: %s: %s", req.id,
+                         type(exc).__name__, exc)
+            self._fail(req, 500, f"{type(exc).__name__}: {exc}")
+
+    def _decode(self, reqs: List[Request]) -> None:
+        """One decode step of every request in ``reqs`` (each has its pending token): in one
+        batched forward when there are two or more and batching is on, else one by one."""
+        self._leave_batch([r for r in self._rows if r not in reqs])  # cancelled meanwhile
+        if self._pause:
+            self._pause -= 1
+        batch = (len(reqs) >= 2 and self.batch_off_reason is None and not self._pause)
+        if not batch:
+            if self._rows:  # a request decoding alone runs on its own cache again
+                self._dissolve()
+            for req in reqs:
+                self._guarded(self._step, req)
+            return
+        try:
+            if self._bkv is None:
+                self._bkv = BatchKV(self.model, 0)
+            for req in reqs:
+                if not req.in_batch:
+                    self._bkv.join(req.kv)
+                    req.kv, req.in_batch = None, True
+                    self._rows.append(req)
+        except Exception as exc:  # a cache BatchKV cannot hold: never batch again
+            self.batch_off_reason = f"{type(exc).__name__}: {exc}"
+            _log.warning("specmoe serve: decode steps are no longer batched: %s",
+                         self.batch_off_reason)
+            self._dissolve()
+            for req in reqs:
+                self._guarded(self._step, req)
+            return
+        rows = self._rows
+        assert len(rows) == len(reqs), (len(rows), len(reqs))
+        try:
+            logits = self._bkv.forward([[r.generated[-1]] for r in rows])
+        except Exception as exc:  # not pinned on anyone: every request retries alone
+            _log.warning("specmoe serve: a batched decode step of %d requests failed (%s: "
+                         "%s); each retries alone", len(rows), type(exc).__name__, exc)
+            self._dissolve()
+            self._pause = _BATCH_PAUSE
+            for req in reqs:
+                self._guarded(self._step, req)
+            return
+        self.batched_steps += 1
+        self.batched_rows += len(rows)
+        self.peak_batch = max(self.peak_batch, len(rows))
+        if self.metrics is not None:
+            self.metrics.decode_batch(len(rows))
+        for i, req in enumerate(list(rows)):
+            req.steps += 1
+            self._guarded(lambda r: self._pick(r, logits[i, 0]), req)
+
+    def _leave_batch(self, gone: List[Request]) -> None:
+        """The rows of ``gone`` leave the decode batch (the others keep theirs, in order)."""
+        if not any(r.in_batch for r in gone):
+            return
+        keep = [i for i, r in enumerate(self._rows) if r not in gone]
+        for r in gone:
+            r.in_batch = False
+        if not keep:
+            self._bkv, self._rows = None, []
+            return
+        assert self._bkv is not None
+        self._bkv.select(keep)
+        self._rows = [self._rows[i] for i in keep]
+
+    def _dissolve(self) -> None:
+        """Every row of the decode batch back to a cache of its own (:meth:`BatchKV.row`)."""
+        bkv, rows = self._bkv, self._rows
+        self._bkv, self._rows = None, []
+        for i, req in enumerate(rows):
+            req.in_batch = False
+            if bkv is not None and req.finished is None and not req.cancelled:
+                req.kv = bkv.row(i)
 
     def _refresh_stats(self, force: bool = False) -> None:
         now = time.perf_counter()
@@ -332,6 +442,11 @@ class Scheduler:
                 return
         else:
             logits = self._forward(req, [req.generated[-1]])
+        self._pick(req, logits)
+
+    def _pick(self, req: Request, logits: torch.Tensor) -> None:
+        """The next token from the last position's ``logits`` [V]: argmax, or drawn from the
+        request's sampling law with its own generator; then emitted."""
         if req.sampling is None:
             tok = int(torch.argmax(logits))
         else:
@@ -388,6 +503,24 @@ class Scheduler:
         req.error = message
         req.kv = None
         req.sink(("error", status, message))
+
+
+def _unbatchable(model: nn.Module) -> Optional[str]:
+    """Why ``model``'s decode steps cannot run as rows of one BatchKV (None: they can): its
+    cache must be made of transformers' plain full-attention layers, where a hole is a
+    masked position like any other."""
+    from transformers.cache_utils import DynamicLayer
+    try:
+        layers = list(getattr(new_kv(model), "layers", None) or [])
+    except Exception as exc:  # noqa: BLE001 (the reason is reported)
+        return f"its cache cannot be built ({type(exc).__name__}: {exc})"
+    if not layers:
+        return "its cache has no per-layer storage"
+    odd = sorted({type(lay).__name__ for lay in layers if type(lay) is not DynamicLayer})
+    if odd:
+        return (f"its cache has {', '.join(odd)} layers (sliding-window or recurrent "
+                "layers would count a hole against the window)")
+    return None
 
 
 def _find_stop(text: str, stops: List[str], sent: int) -> Optional[int]:

@@ -178,7 +178,7 @@ class BatchKV:
         if last < L:
             self.kv.crop(last - L)
             self.mask = self.mask[:, :last]
-        top = max(self.npos)
+        top = max(self.npos, default=0)
         if self.length - top >= max(32, top // 2):  # compaction saves a third or more
             self.compact()
 
@@ -205,6 +205,52 @@ class BatchKV:
         self.mask = mask
         self.compactions += 1
 
+    def join(self, kv: Any) -> None:
+        """Add the sequence cached alone in ``kv`` (a DynamicCache of batch 1 without holes, as
+        a batch-1 forward leaves it) as a new last row.  The shorter side is left-padded with
+        holes to the longer one's length (a row's real positions stay in order; its position
+        ids are its own count, so where the holes are does not matter).  Copies the whole cache
+        once (``torch.cat`` per layer): how :mod:`specmoe.serve.scheduler` takes a request
+        whose prompt was prefilled alone into its running decode batch."""
+        n = int(kv.get_seq_length())
+        src, dst = list(kv.layers), list(self.kv.layers)
+        if len(src) != len(dst):
+            raise ValueError(f"BatchKV.join: a cache of {len(src)} layers into one of "
+                             f"{len(dst)}")
+        L, B = self.length, self.batch
+        W = max(L, n)
+        for ls, ld in zip(src, dst):
+            k, v = ls.keys, ls.values
+            if k is None or k.dim() != 4 or k.shape[0] != 1 or k.shape[-2] != n:
+                raise ValueError("BatchKV.join: every layer must hold the sequence's "
+                                 f"{n} positions at batch 1")
+            k, v = _pad_holes(k, W - n), _pad_holes(v, W - n)
+            if B == 0 or not ld.is_initialized:
+                ld.lazy_initialization(k, v)
+                # a copy (k is a view of the request's buffers when there were no holes to add)
+                ld.keys, ld.values = k.clone() if W == n else k, v.clone() if W == n else v
+            else:
+                ld.keys = torch.cat([_pad_holes(ld.keys, W - L), k], 0)
+                ld.values = torch.cat([_pad_holes(ld.values, W - L), v], 0)
+        new = torch.zeros((1, W), dtype=torch.long)
+        new[0, W - n:] = 1
+        self.mask = torch.cat([torch.nn.functional.pad(self.mask, (W - L, 0)), new], 0)
+        self.npos.append(n)
+
+    def row(self, b: int) -> Any:
+        """Row ``b`` as a cache of its own: a DynamicCache of batch 1 holding its real
+        positions in order, without holes (what :meth:`join` takes).  A copy: the batch keeps
+        the row until :meth:`select` drops it."""
+        real = torch.nonzero(self.mask[b]).flatten()
+        out = new_kv(self.model)
+        for ls, ld in zip(self.kv.layers, out.layers):
+            idx = real.to(ls.keys.device)
+            k = ls.keys[b:b + 1].index_select(-2, idx)
+            v = ls.values[b:b + 1].index_select(-2, idx)
+            ld.lazy_initialization(k, v)
+            ld.keys, ld.values = k, v
+        return out
+
     def select(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (indices into the current batch), in that order."""
         if list(rows) == list(range(self.batch)):
@@ -215,6 +261,14 @@ class BatchKV:
         self.mask = self.mask[t]
         self.npos = [self.npos[r] for r in rows]
         self.trim()
+
+
+def _pad_holes(t: torch.Tensor, p: int) -> torch.Tensor:
+    """``t`` [B, H, L, D] with ``p`` zero positions (holes) in front of its L."""
+    if p <= 0:
+        return t
+    z = t.new_zeros(t.shape[:-2] + (p, t.shape[-1]))
+    return torch.cat([z, t], -2)
 
 
 class BatchDraftModel:
