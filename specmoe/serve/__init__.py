@@ -3,7 +3,7 @@
 :func:`app` returns a Starlette ASGI app (run it with uvicorn, or mount it in another app);
 :func:`run` serves it with uvicorn and a graceful SIGTERM.  The HTTP surface is
 :mod:`specmoe.serve.api`, the worker thread that owns the model :mod:`specmoe.serve.scheduler`
-(requests interleaved step by step on one thread: the compute is not batched yet), the
+(continuous batching: the running requests' decode steps in one batched forward), the
 Prometheus series :mod:`specmoe.serve.metrics`.  Needs the ``serve`` extra
 (``pip install 'specmoe[serve]'``: starlette, uvicorn, prometheus-client) besides ``hf``."""
 from __future__ import annotations

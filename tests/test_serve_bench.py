@@ -1,0 +1,54 @@
+"""benchmarks/serve.py: a smoke run of the serving load test (make test-bench runs it).
+
+Two specmoe servers (batched and not) on the zoo model with 1 and 2 clients, one round, and
+llama-server pointed at a folder without llama.cpp: checks the JSON's structure, that every
+request was answered, that the batched server did batch, and that the peer that cannot run is
+a row saying why.  No timing assertions."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import HERE
+
+pytestmark = pytest.mark.skipif(not os.environ.get("SPECMOE_TEST_BENCH"),
+                                reason="benchmark smoke runs: make test-bench runs them")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+ROOT = HERE.parent
+
+
+def test_serve_benchmark_smoke(tmp_path):
+    from specmoe import zoo
+    if not zoo.available("tiny-moe"):
+        pytest.skip("zoo weights not in the package")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--json",
+                        "--clients", "1,2", "--rounds", "1", "--requests", "2",
+                        "--max-tokens", "6", "--workdir", str(tmp_path / "work"),
+                        "--peers", str(tmp_path / "no-peers"), "--no-build-peers"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert res["host"]["cpu"] and res["host"]["threads"]
+    rows = {(r["server"], r["clients"]): r for r in res["models"]["zoo"]["rows"]}
+    assert set(rows) == {(s, c) for s in ("specmoe", "specmoe-unbatched", "llama-server")
+                         for c in (1, 2)}
+    for c in (1, 2):
+        peer = rows[("llama-server", c)]
+        assert "llama.cpp" in peer["error"] and "out_tok_s" not in peer
+        for s in ("specmoe", "specmoe-unbatched"):
+            r = rows[(s, c)]
+            assert "error" not in r, r
+            assert r["errors"] == 0 and r["completion_tokens"] == [6 * 2 * c]
+            for k in ("out_tok_s", "req_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s"):
+                assert math.isfinite(r[k]) and r[k] > 0, (s, c, k)
+            assert 0 <= r["hit_rate"] <= 1 and r["bytes_read_per_token"] >= 0
+    assert rows[("specmoe-unbatched", 2)]["mean_decode_batch"] == 1.0
+    assert rows[("specmoe", 2)]["mean_decode_batch"] > 1.0   # two requests shared forwards
+    assert rows[("specmoe", 2)]["vs_unbatched"] > 0 and rows[("specmoe", 2)]["scaling"] > 0
