@@ -25,7 +25,7 @@ Servers, each a real process on a loopback port, started for every row and stopp
 * ``llama-server``: llama.cpp's server (built from the llama-cpp-python sdist, as
   big_model.py builds llama.cpp; ``--peers``) on the same checkpoint converted by llama.cpp's
   own converter and quantized to Q4_0 (the same bits per expert weight as specmoe's int4 within
-  half a bit), ``--parallel N``, ``-c 256*N`` (256 positions per slot), ``-t``/``-tb``
+  half a bit), ``--parallel N``, ``-c N * --slot-ctx`` (default 256 positions per slot), ``-t``/``-tb``
   threads, ``--no-repack`` under the cap (big_model.py: repacking copies the whole model into
   anonymous memory).  A server that cannot run is a row with ``error`` saying why.
 
@@ -35,8 +35,9 @@ Load: ``N`` clients, each sending ``--requests`` streamed completions one after 
 re-tokenize to themselves (big_model.make_prompts), different per request.  One untimed
 request warms each server first.  Per row: ``out_tok_s`` (completion tokens of every request /
 wall time from the first send to the last answer), ``req_s``, ``ttft_p50/p99`` (send to first
-streamed text), ``itl_p50/p99`` (gaps between consecutive streamed text chunks, every request
-pooled: one chunk per token on both servers), ``decode_tok_s_per_request`` (median over
+streamed chunk), ``itl_p50/p99`` (gaps between consecutive streamed chunks, every request
+pooled: both servers stream one chunk per token, with empty text for a token that has none --
+the big checkpoint's random weights mostly pick ids past the tokenizer's 8192 real tokens), ``decode_tok_s_per_request`` (median over
 requests of (tokens - 1) / (last chunk - first chunk)), errors; specmoe rows add the expert
 cache's ``hit_rate``, ``bytes_read_per_token`` (slow-tier bytes / completion tokens) and
 ``mean_decode_batch`` (rows per decode forward) from ``/metrics`` deltas.
@@ -71,7 +72,6 @@ import hostinfo  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 ZOO = REPO / "specmoe" / "zoo" / "tiny-moe"
 MiB = 1 << 20
-SLOT_CTX = 256        # llama-server context positions per parallel slot
 PROMPT_TOKENS = 64
 SERVERS = ("specmoe", "specmoe-unbatched", "llama-server")
 MODEL = "bench"       # the model id the servers are asked for (llama-server takes any)
@@ -191,7 +191,7 @@ def server_argv(kind: str, m: Dict[str, Any], clients: int, port: int,
     if kind == "llama-server":
         return [str(m["llama_server"]), "-m", str(m["gguf"]), "--host", "127.0.0.1",
                 "--port", str(port), "-t", str(a.threads), "-tb", str(a.threads),
-                "--parallel", str(clients), "-c", str(SLOT_CTX * clients), "--no-warmup",
+                "--parallel", str(clients), "-c", str(a.slot_ctx * clients), "--no-warmup",
                 "--log-disable"] + (["--no-repack"] if m["budget"] is not None else [])
     argv = [sys.executable, "-m", "specmoe", "serve", str(m["ckpt"]), "--dtype", "int4",
             "--cache", str(m["cache"]), "--store", str(m["store"]), "--policy", "least_stale",
@@ -224,7 +224,8 @@ async def one_request(client: Any, base: str, model: str, prompt: str,
             if ev.get("usage"):
                 usage = ev["usage"]
             for ch in ev.get("choices") or []:
-                if ch.get("text"):
+                # a token's chunk (its text may be empty: held back, or a token without text)
+                if ch.get("finish_reason") is None or ch.get("text"):
                     times.append(time.perf_counter())
     n = int(usage["completion_tokens"]) if usage else len(times)
     return {"t0": t0, "times": times, "tokens": n}
@@ -382,6 +383,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--slot-ctx", type=int, default=256,
+                    help="llama-server context positions per parallel slot (-c N * this)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=12, help="big: layers of the checkpoint")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
@@ -415,9 +418,10 @@ def main() -> None:
                     if "error" in res:
                         log(f"  error: {res['error']}")
                     else:
-                        log(f"  {res['out_tok_s']:.1f} tok/s, TTFT p50 {res['ttft_p50_s']:.3f} s,"
-                            f" ITL p50/p99 {res['itl_p50_s'] or 0:.4f}/{res['itl_p99_s'] or 0:.4f}"
-                            f" s, errors {res['errors']}")
+                        log(f"  {res['out_tok_s'] or 0:.1f} tok/s, TTFT p50 "
+                            f"{res['ttft_p50_s'] or 0:.3f} s, ITL p50/p99 "
+                            f"{res['itl_p50_s'] or 0:.4f}/{res['itl_p99_s'] or 0:.4f} s, "
+                            f"errors {res['errors']}")
                     runs[s][c].append(res)
         result["models"][name] = {
             "checkpoint": str(m["ckpt"]), "budget_bytes": m["budget"],

@@ -372,6 +372,44 @@ def _listen_check(host: str, port: int) -> None:
                            f"({exc.strerror or exc})") from None
 
 
+def _serve_ray(args, cache: Any) -> int:
+    """specmoe serve --ray: --replicas replicas of the app behind Ray Serve's proxy on
+    --host:--port, on a local Ray instance or the cluster at $RAY_ADDRESS; SIGTERM or Ctrl-C
+    shuts Serve down."""
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from .serve.ray import deployment
+
+    replicas = args.replicas or 1
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
+             logging_level="warning", configure_logging=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(deployment(args.checkpoint, replicas=replicas,
+                             num_cpus=float(args.threads or 1), threads=args.threads,
+                             model_name=args.model_name or Path(args.checkpoint.rstrip("/")).name,
+                             api_key=args.api_key, max_batch=args.max_batch,
+                             max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                             cache=cache, dtype=args.dtype, policy=args.policy,
+                             prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
+                             batch_decode=not args.no_batch_decode),
+                  blocking=False)
+        print(f"[specmoe] serving {args.checkpoint!r} from {replicas} Ray Serve replica(s) on "
+              f"http://{args.host}:{args.port}/v1", flush=True)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
 def _cmd_serve(args) -> int:
     # every argument is checked before the model (and torch) loads
     missing = []
@@ -393,7 +431,18 @@ def _cmd_serve(args) -> int:
         raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     policy = _policy_option(args.policy)
     _checkpoint(args, args.store)
+    if args.replicas is not None and not args.ray:
+        raise CliError("--replicas needs --ray")
+    if args.ray:
+        try:
+            import ray  # noqa: F401
+            from ray import serve as _ray_serve  # noqa: F401
+        except ImportError:
+            raise CliError("specmoe serve --ray needs Ray Serve: install the ray extra "
+                           "(pip install 'specmoe[ray]')") from None
     _listen_check(args.host, args.port)
+    if args.ray:
+        return _serve_ray(args, cache)
 
     import torch
 
@@ -580,6 +629,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info: one line per request)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve from Ray Serve replicas (a local Ray instance, or the cluster "
+                        "at $RAY_ADDRESS; the ray extra)")
+    p.add_argument("--replicas", type=_at_least(1), default=None,
+                   help="with --ray: replicas of the server, each loading the checkpoint "
+                        "(default 1)")
 
     args = parser.parse_args(argv)  # usage errors: argparse's message, exit 2
     try:

@@ -625,6 +625,7 @@ def test_serve_arguments_are_checked_before_loading(served, capsys):
                 (["serve", str(ZOO), "--cache", "200%"], ["--cache"]),
                 (["serve", str(ZOO), "--api-key", " "], ["--api-key"]),
                 (["serve", str(ZOO), "--host", "no-such-host.invalid"], ["--host"]),
+                (["serve", str(ZOO), "--replicas", "2"], ["--replicas", "--ray"]),
                 (["serve", str(ZOO) + "-missing"], ["tiny-moe-missing"])):
             capsys.readouterr()
             with pytest.raises(SystemExit) as exc:

@@ -582,7 +582,7 @@ class _Handlers:
                 yield chunk("", None, role=True)
             while True:
                 if ev[0] == "text":
-                    if ev[1]:
+                    if ev[1] or ev[2]:  # one chunk per token, "" while text is held back
                         yield chunk(ev[1], None)
                 elif ev[0] == "done":
                     yield chunk(None if chat else "", ev[1])

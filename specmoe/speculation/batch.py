@@ -217,14 +217,15 @@ class BatchKV:
         if len(src) != len(dst):
             raise ValueError(f"BatchKV.join: a cache of {len(src)} layers into one of "
                              f"{len(dst)}")
-        L, B = self.length, self.batch
-        W = max(L, n)
-        for ls, ld in zip(src, dst):
-            k, v = ls.keys, ls.values
+        for ls in src:  # checked before anything changes
+            k = ls.keys
             if k is None or k.dim() != 4 or k.shape[0] != 1 or k.shape[-2] != n:
                 raise ValueError("BatchKV.join: every layer must hold the sequence's "
                                  f"{n} positions at batch 1")
-            k, v = _pad_holes(k, W - n), _pad_holes(v, W - n)
+        L, B = self.length, self.batch
+        W = max(L, n)
+        for ls, ld in zip(src, dst):
+            k, v = _pad_holes(ls.keys, W - n), _pad_holes(ls.values, W - n)
             if B == 0 or not ld.is_initialized:
                 ld.lazy_initialization(k, v)
                 # a copy (k is a view of the request's buffers when there were no holes to add)
