@@ -254,6 +254,79 @@ def test_concurrent_requests_equal_generate_alone(served):
                                                                   sch.peak_batch)
 
 
+def _collect(sch, prompts, max_tokens):
+    """Submit every prompt while holding the scheduler's lock (so the worker admits them all in
+    one round) and wait for each to finish: [generated ids]."""
+    from specmoe.serve.scheduler import GenParams, Request
+    done, reqs = threading.Event(), []
+
+    def sink(ev):
+        if ev[0] in ("done", "error") and all(r.finished for r in reqs):
+            done.set()
+    with sch._cond:
+        for ids in prompts:
+            reqs.append(Request(ids, GenParams(max_tokens=max_tokens, temperature=0), sink))
+            sch.submit(reqs[-1])
+    assert done.wait(120), [r.finished for r in reqs]
+    assert all(r.finished == "length" for r in reqs), [(r.finished, r.error) for r in reqs]
+    return [r.generated for r in reqs]
+
+
+def test_prompts_arriving_together_are_prefilled_in_one_forward(served):
+    """Requests admitted in the same round are prefilled in batched forwards (grouped by
+    length), then decoded in one batch; each gets model.generate's tokens for it alone, also
+    when the batched prefill faults and each request prefills alone."""
+    from specmoe.serve.scheduler import Scheduler
+    tok = served["tok"]
+    model = specmoe.from_pretrained(str(ZOO), cache="25%")
+    try:
+        texts = [PROMPTS["short"][0], PROMPTS["fox"][0], "def main(argv):",
+                 "import os\nimport sys\n", PROMPTS["mid"][0]]
+        prompts = [tok(t).input_ids for t in texts]
+        n = 10
+        refs = [_greedy(model, tok, ids, n)[0] for ids in prompts]
+        sch = Scheduler(model, tok, max_batch=8, prefill_chunk=64)
+        try:
+            got = [tok.decode(g, skip_special_tokens=True) for g in _collect(sch, prompts, n)]
+            assert got == refs
+            assert sch.batched_prefills >= 1 and sch.peak_batch == len(prompts)
+            # a fault in a batched prefill forward: each request prefills alone
+            fired = []
+
+            def fault(module, args, kwargs):
+                hs = args[0] if args else kwargs["hidden_states"]
+                if hs.shape[0] >= 2 and hs.shape[1] > 1 and not fired:
+                    fired.append(hs.shape[0])
+                    raise RuntimeError("injected fault in a batched prefill")
+            hook = model.model.layers[-1].register_forward_pre_hook(fault, with_kwargs=True)
+            try:
+                before = sch.batched_prefills
+                got = [tok.decode(g, skip_special_tokens=True)
+                       for g in _collect(sch, prompts, n)]
+            finally:
+                hook.remove()
+            assert fired and got == refs
+            assert sch.batched_prefills == before   # none of them went through
+        finally:
+            sch.close()
+    finally:
+        specmoe.engine_of(model).close()
+
+
+def test_prefill_groups_bound_the_padding():
+    from specmoe.serve.scheduler import GenParams, Request, _prefill_groups
+    reqs = [Request([1] * n, GenParams(max_tokens=1), lambda ev: None)
+            for n in (64, 10, 60, 9, 64, 30)]
+    groups = [[len(r.prompt) for r in g] for g in _prefill_groups(reqs)]
+    # 30 still fits with the 64s (38 pads for 218 tokens); 10 would not (92 for 228)
+    assert groups == [[64, 64, 60, 30], [10, 9]]
+    for g in _prefill_groups(reqs):
+        real = sum(len(r.prompt) for r in g)
+        assert len(g[0].prompt) * len(g) - real <= 0.25 * real
+    assert _prefill_groups(reqs[:1]) == []
+    assert [len(g) for g in _prefill_groups([reqs[0]] * 40)] == [16, 16, 8]
+
+
 def test_models_whose_cache_cannot_hold_holes_are_not_batched():
     """A model with sliding-window layers decodes one request per forward (a hole would count
     against the window); batch_decode=False asks for the same."""
@@ -297,7 +370,7 @@ def test_a_fault_in_a_batched_step_is_retried_alone(served):
 
     def fault(module, args, kwargs):
         hs = args[0] if args else kwargs["hidden_states"]
-        if hs.shape[0] >= 2 and not fired:
+        if hs.shape[0] >= 2 and hs.shape[1] == 1 and not fired:  # a batched decode step
             fired.append(hs.shape[0])
             raise RuntimeError("injected fault in a batched step")
 

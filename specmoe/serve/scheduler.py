@@ -18,19 +18,24 @@ request by one step:
   own cache copied in once) and leaves it when it finishes, is cancelled or fails
   (``batch_select_indices``), without waiting for the others; a request decoding alone runs
   on its own cache (the one-call decode step of batch 1);
-* **prefill**: a request whose prompt is not all cached yet feeds its next ``prefill_chunk``
-  prompt tokens into its own ``DynamicCache`` at batch 1 (a long prompt is prefilled over
-  several rounds, so the others keep decoding between its chunks); the step that feeds the
-  last chunk also picks the first new token.
+* **prefill**: requests admitted since the last round whose whole prompt fits in one
+  ``prefill_chunk`` are prefilled together, a few at a time, in one forward of a left-padded
+  BatchKV (grouped by length so that the padding, which the MoE layers route like any token,
+  stays within a quarter of the real tokens), so one expert load serves every prompt routed
+  to it; each request's cache is then copied out of it.  A longer prompt feeds its next
+  ``prefill_chunk`` tokens into its own ``DynamicCache`` at batch 1 each round (so the others
+  keep decoding between its chunks).  The step that feeds a prompt's last token also picks
+  the first new token.
 
 A request leaves the running set as soon as it finishes (EOS, a stop string, ``max_tokens``),
 is cancelled (client gone: freed at the worker's next look at it, within one round) or fails.
-An exception inside the model while prefilling fails that request alone (its cache is dropped;
-the others' are untouched).  An exception in a batched decode forward cannot be pinned on one
-request: the batch is dissolved into per-request caches (:meth:`BatchKV.row` reads each row's
+An exception inside the model while a request steps alone fails that request alone (its cache
+is dropped; the others' are untouched).  An exception in a batched forward cannot be pinned on
+one request: a batched prefill's requests each prefill alone instead; a batched decode's batch
+is dissolved into per-request caches (:meth:`BatchKV.row` reads each row's
 real positions through the mask, so whatever the failed forward had appended is left behind),
-every request retries its step alone (where a fault is its own and fails only it), and the
-next ``_BATCH_PAUSE`` rounds do not batch.  Models whose cache
+every request retries its step alone (where a fault is its own and fails only it); either
+way the next ``_BATCH_PAUSE`` rounds do not batch.  Models whose cache
 cannot hold holes (sliding-window or recurrent layers) are never batched: their requests are
 interleaved step by step, one forward each, as before.
 
@@ -181,6 +186,7 @@ class Scheduler:
         self.batched_steps = 0                 # batched decode forwards run
         self.batched_rows = 0                  # rows they advanced, summed
         self.peak_batch = 0                    # the most rows in one of them
+        self.batched_prefills = 0              # prefill forwards of several whole prompts
         self.fatal: Optional[BaseException] = None   # what killed the worker, if anything
 
     # -- the server's side (any thread) ----------------------------------------------------
@@ -298,10 +304,8 @@ class Scheduler:
             if req.cancelled:
                 req.finished = req.finished or "cancelled"
         self._decode([r for r in decoding if not r.cancelled])
-        for req in list(self.running):
-            if req.cancelled or req.finished is not None or req.fed >= len(req.prompt):
-                continue
-            self._guarded(self._step, req)
+        self._prefill([r for r in self.running if not r.cancelled and r.finished is None
+                       and r.fed < len(r.prompt)])
         done = [r for r in self.running if r.finished is not None or r.cancelled]
         if done:
             for r in done:
@@ -375,6 +379,52 @@ class Scheduler:
             req.steps += 1
             self._guarded(lambda r: self._pick(r, logits[i, 0]), req)
 
+    def _prefill(self, reqs: List[Request]) -> None:
+        """One prefill step of every request in ``reqs``: requests whose whole prompt fits in
+        one chunk and that have not started go through batched forwards of a few of them
+        (:func:`_prefill_groups`), the others feed their next chunk alone."""
+        alone = list(reqs)
+        if self.batch_off_reason is None and not self._pause:
+            fresh = [r for r in reqs if r.fed == 0 and len(r.prompt) <= self.prefill_chunk]
+            for group in _prefill_groups(fresh):
+                try:
+                    self._prefill_batched(group)
+                except Exception as exc:  # not pinned on anyone: each prefills alone
+                    _log.warning("specmoe serve: a batched prefill of %d requests failed "
+                                 "(%s: %s); each retries alone", len(group),
+                                 type(exc).__name__, exc)
+                    self._pause = _BATCH_PAUSE
+                    break
+                alone = [r for r in alone if r not in group]
+        for req in alone:
+            if req.finished is None:
+                self._guarded(self._step, req)
+
+    def _prefill_batched(self, group: List[Request]) -> None:
+        """The whole prompts of ``group`` in one forward of a BatchKV (left-padded: the pads
+        are holes), each request's cache then copied out of it (:meth:`BatchKV.row`) and its
+        first token picked; the requests join the decode batch at their next step."""
+        for req in group:
+            self._start(req)
+        n = max(len(r.prompt) for r in group)
+        ids = torch.zeros((len(group), n), dtype=torch.long)
+        mask = torch.zeros((len(group), n), dtype=torch.long)
+        for b, req in enumerate(group):
+            ids[b, n - len(req.prompt):] = torch.tensor(req.prompt, dtype=torch.long)
+            mask[b, n - len(req.prompt):] = 1
+        bkv = BatchKV(self.model, len(group))
+        logits = bkv.prefill(ids, mask, last_logits=True)
+        assert logits is not None
+        for b, req in enumerate(group):
+            req.kv = bkv.row(b)
+            req.fed = len(req.prompt)
+            req.steps += 1
+            if self.metrics is not None:
+                self.metrics.prompt_tokens(len(req.prompt))
+        self.batched_prefills += 1
+        for b, req in enumerate(group):
+            self._guarded(lambda r: self._pick(r, logits[b]), req)
+
     def _leave_batch(self, gone: List[Request]) -> None:
         """The rows of ``gone`` leave the decode batch (the others keep theirs, in order)."""
         if not any(r.in_batch for r in gone):
@@ -419,19 +469,26 @@ class Scheduler:
         req.steps += 1
         return out.logits[0, -1].cpu()
 
-    def _step(self, req: Request) -> None:
+    def _start(self, req: Request) -> None:
+        """A request's sampling state (its own generator, seeded), at its first step."""
+        if req.gen is not None:
+            return
         p = req.params
+        req.gen = torch.Generator()
+        if p.seed is None:
+            req.gen.seed()
+        else:
+            req.gen.manual_seed(int(p.seed))
+        if p.temperature > 0:
+            top_k = p.top_k if p.top_k else None
+            top_p = p.top_p if p.top_p is not None and p.top_p < 1 else None
+            req.sampling = Sampling(float(p.temperature), top_k, top_p)
+
+    def _step(self, req: Request) -> None:
+        """One step of ``req`` alone on its own cache: its next prompt chunk, or a decode."""
+        self._start(req)
         if req.kv is None:
             req.kv = new_kv(self.model)
-            req.gen = torch.Generator()
-            if p.seed is None:
-                req.gen.seed()
-            else:
-                req.gen.manual_seed(int(p.seed))
-            if p.temperature > 0:
-                top_k = p.top_k if p.top_k else None
-                top_p = p.top_p if p.top_p is not None and p.top_p < 1 else None
-                req.sampling = Sampling(float(p.temperature), top_k, top_p)
         if req.fed < len(req.prompt):
             chunk = req.prompt[req.fed:req.fed + self.prefill_chunk]
             logits = self._forward(req, chunk)
@@ -503,6 +560,27 @@ class Scheduler:
         req.error = message
         req.kv = None
         req.sink(("error", status, message))
+
+
+def _prefill_groups(reqs: List[Request], waste: float = 0.25,
+                    most: int = 16) -> List[List[Request]]:
+    """``reqs`` (whole prompts) in groups of 2 to ``most`` to prefill together, by length,
+    longest first: a group's left padding (holes, but routed through the MoE layers like any
+    token) stays within ``waste`` of its real tokens.  Requests left alone are not listed."""
+    groups: List[List[Request]] = []
+    cur: List[Request] = []
+    for r in sorted(reqs, key=lambda q: -len(q.prompt)):
+        if cur:
+            n, real = len(cur[0].prompt), sum(len(q.prompt) for q in cur) + len(r.prompt)
+            if len(cur) < most and n * (len(cur) + 1) - real <= waste * real:
+                cur.append(r)
+                continue
+            if len(cur) >= 2:
+                groups.append(cur)
+        cur = [r]
+    if len(cur) >= 2:
+        groups.append(cur)
+    return groups
 
 
 def _unbatchable(model: nn.Module) -> Optional[str]:

@@ -76,12 +76,13 @@ class BatchKV:
     def length(self) -> int:
         return int(self.mask.shape[1])
 
-    def _call(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _call(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+              **kw: Any) -> torch.Tensor:
         d = self.device
         with torch.no_grad():
             out = self.model(input_ids=ids.to(d), attention_mask=mask.to(d),
                              position_ids=pos.to(d),
-                             use_cache=True, **cache_kwargs(self.model, self.kv))
+                             use_cache=True, **cache_kwargs(self.model, self.kv), **kw)
         self._check_layers()
         return out.logits
 
@@ -93,16 +94,21 @@ class BatchKV:
                                  "cannot run sliding-window attention layers; use batch "
                                  "size 1 or model.generate()")
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor,
+                last_logits: bool = False) -> Optional[torch.Tensor]:
         """Feed left-padded ``ids`` [B, n] with ``mask`` [B, n] (transformers' layout): pads are
-        holes, position ids count the real tokens (as transformers' generate computes them)."""
+        holes, position ids count the real tokens (as transformers' generate computes them).
+        ``last_logits``: return the last column's logits [B, V] (every row's last token, the
+        rows being left-padded), computed for that column only."""
         if ids.shape[1] == 0:
-            return
+            return None
         mask = mask.to("cpu", torch.long)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        self._call(ids, torch.cat([self.mask, mask], 1), pos)
+        kw = {"logits_to_keep": 1} if last_logits else {}
+        logits = self._call(ids, torch.cat([self.mask, mask], 1), pos, **kw)
         self.mask = torch.cat([self.mask, mask], 1)
         self.npos = [p + int(c) for p, c in zip(self.npos, mask.sum(1).tolist())]
+        return logits[:, -1].cpu() if last_logits else None
 
     def forward(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append each row's tokens (>= 1 per row, different counts allowed) in one forward;
