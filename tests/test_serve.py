@@ -307,6 +307,28 @@ def test_prompts_arriving_together_are_prefilled_in_one_forward(served):
                 hook.remove()
             assert fired and got == refs
             assert sch.batched_prefills == before   # none of them went through
+            # a request cancelled while it is a row of the decode batch leaves it at once;
+            # the rows left decode on exactly
+            from specmoe.serve.scheduler import GenParams, Request
+            done = threading.Event()
+            victim: list = []
+
+            def sink_b(ev):
+                if ev[0] == "text" and len(victim[0].generated) == 3:
+                    sch.cancel(victim[0])
+
+            a = Request(prompts[1], GenParams(max_tokens=n, temperature=0),
+                        lambda ev: ev[0] in ("done", "error") and done.set())
+            b = Request(prompts[2], GenParams(max_tokens=400, temperature=0), sink_b)
+            c = Request(prompts[3], GenParams(max_tokens=n, temperature=0), lambda ev: None)
+            victim.append(b)
+            with sch._cond:
+                for r in (a, b, c):
+                    sch.submit(r)
+            assert done.wait(60)
+            assert b.cancelled and b.kv is None and not b.in_batch
+            assert len(b.generated) <= 4 and b not in sch._rows
+            assert tok.decode(a.generated, skip_special_tokens=True) == refs[1]
         finally:
             sch.close()
     finally:
