@@ -394,7 +394,7 @@ def _serve_ray(args, cache: Any) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(deployment(args.checkpoint, replicas=replicas,
                              num_cpus=float(args.threads or 1), threads=args.threads,
-                             model_name=args.model_name or Path(args.checkpoint.rstrip("/")).name,
+                             model_name=args.model_name,
                              api_key=args.api_key, max_batch=args.max_batch,
                              max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                              cache=cache, dtype=args.dtype, policy=args.policy,

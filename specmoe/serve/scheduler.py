@@ -415,8 +415,9 @@ class Scheduler:
         bkv = BatchKV(self.model, len(group))
         logits = bkv.prefill(ids, mask, last_logits=True)
         assert logits is not None
-        for b, req in enumerate(group):
-            req.kv = bkv.row(b)
+        caches = [bkv.row(b) for b in range(len(group))]  # all of them before any is changed
+        for req, kv in zip(group, caches):
+            req.kv = kv
             req.fed = len(req.prompt)
             req.steps += 1
             if self.metrics is not None:
