@@ -9,6 +9,14 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the server tests bind to it)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 SUBSET = HERE / "data" / "puffin"
 SHARED = HERE.parent.parent / "shared" / "traces" / "deepseek-v2-lite-puffin"
 

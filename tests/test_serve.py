@@ -31,6 +31,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 
 import specmoe  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 from specmoe.cli import main  # noqa: E402
 from specmoe.serve import app  # noqa: E402
 
@@ -57,11 +58,6 @@ CHAT = [{"role": "system", "content": "You write Python."},
         {"role": "user", "content": "def add(a, b):"}]
 POISON = 4242      # a token id whose forward raises (test_model_exception_fails_one_request)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _greedy(model, tok, ids, n):
@@ -93,7 +89,7 @@ def served(tmp_path_factory):
     refs["chat"] = (chat_ids, *_greedy(model, tok, chat_ids, 12))
     asgi = app(model, tok, model_name=NAME, api_key=KEY, max_batch=4, max_queue=2,
                prefill_chunk=CHUNK)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
     th = threading.Thread(target=server.run, daemon=True)
@@ -735,7 +731,7 @@ def test_serve_arguments_are_checked_before_loading(served, capsys):
 def test_cli_serve_and_sigterm(served):
     """``python -m specmoe serve``: the zoo tokenizer has no chat template (400); SIGTERM
     mid-stream: no new request is admitted, the stream finishes, the process exits 0."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, SPECMOE_CACHE=str(served["cache_dir"]), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "specmoe", "serve", str(ZOO), "--port",
                              str(port), "--threads", "1", "--log-level", "warning",

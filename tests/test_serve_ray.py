@@ -5,7 +5,6 @@ greedy output for its prompt alone."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from pathlib import Path
 
@@ -19,6 +18,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 import specmoe  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 from specmoe.serve.ray import deployment  # noqa: E402
 
 ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
@@ -28,11 +28,6 @@ PROMPTS = ["def parse(line):", "import os\nimport sys\n", "The quick brown fox",
            "class Parser:\n    def __init__(self):", "for i in range(10):", "x = [1, 2, 3]"]
 N = 10
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +49,7 @@ def cluster(tmp_path_factory):
         refs[p] = tok.decode(out[0, len(ids):], skip_special_tokens=True)
     specmoe.engine_of(model).close()
     torch.set_num_threads(threads)
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error",
              object_store_memory=100 * 1024 * 1024,
              runtime_env={"env_vars": {"SPECMOE_CACHE": os.environ.get("SPECMOE_CACHE", "")}}

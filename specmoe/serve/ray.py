@@ -48,7 +48,6 @@ def tag_replica(asgi: Any, tag: str) -> Any:
 
         await asgi(scope, receive, send_tagged)
 
-    tagged.state = getattr(asgi, "state", None)  # type: ignore[attr-defined]
     return tagged
 
 

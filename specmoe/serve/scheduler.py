@@ -184,7 +184,6 @@ class Scheduler:
         self._rows: List[Request] = []
         self._pause = 0                        # rounds left without batching (after a fault)
         self.batched_steps = 0                 # batched decode forwards run
-        self.batched_rows = 0                  # rows they advanced, summed
         self.peak_batch = 0                    # the most rows in one of them
         self.batched_prefills = 0              # prefill forwards of several whole prompts
         self.fatal: Optional[BaseException] = None   # what killed the worker, if anything
@@ -337,10 +336,7 @@ class Scheduler:
             self._pause -= 1
         batch = (len(reqs) >= 2 and self.batch_off_reason is None and not self._pause)
         if not batch:
-            if self._rows:  # a request decoding alone runs on its own cache again
-                self._dissolve()
-            for req in reqs:
-                self._guarded(self._step, req)
+            self._decode_alone(reqs)
             return
         try:
             if self._bkv is None:
@@ -354,9 +350,7 @@ class Scheduler:
             self.batch_off_reason = f"{type(exc).__name__}: {exc}"
             _log.warning("specmoe serve: decode steps are no longer batched: %s",
                          self.batch_off_reason)
-            self._dissolve()
-            for req in reqs:
-                self._guarded(self._step, req)
+            self._decode_alone(reqs)
             return
         rows = self._rows
         assert len(rows) == len(reqs), (len(rows), len(reqs))
@@ -365,19 +359,23 @@ class Scheduler:
         except Exception as exc:  # not pinned on anyone: every request retries alone
             _log.warning("specmoe serve: a batched decode step of %d requests failed (%s: "
                          "%s); each retries alone", len(rows), type(exc).__name__, exc)
-            self._dissolve()
             self._pause = _BATCH_PAUSE
-            for req in reqs:
-                self._guarded(self._step, req)
+            self._decode_alone(reqs)
             return
         self.batched_steps += 1
-        self.batched_rows += len(rows)
         self.peak_batch = max(self.peak_batch, len(rows))
         if self.metrics is not None:
             self.metrics.decode_batch(len(rows))
         for i, req in enumerate(list(rows)):
             req.steps += 1
             self._guarded(lambda r: self._pick(r, logits[i, 0]), req)
+
+    def _decode_alone(self, reqs: List[Request]) -> None:
+        """A decode step of each request on its own cache (the batch, if any, dissolved)."""
+        if self._rows:
+            self._dissolve()
+        for req in reqs:
+            self._guarded(self._step, req)
 
     def _prefill(self, reqs: List[Request]) -> None:
         """One prefill step of every request in ``reqs``: requests whose whole prompt fits in
