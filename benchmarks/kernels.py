@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hostinfo  # noqa: E402
 from specmoe import _C  # noqa: E402
 from specmoe.runtime import kernels  # noqa: E402
-from specmoe.storage import quant  # noqa: E402
+from specmoe.storage import ggml_blocks, quant  # noqa: E402
 
 SHAPES = {"olmoe": (2048, 1024), "dsv2lite": (2048, 1408), "mixtral": (4096, 14336)}
 # Rotation footprint floor (see the module docstring): on the development VM a 135 MB rotation
@@ -105,10 +105,27 @@ def _best_time(fns, rounds: int) -> float:
     return best
 
 
+# GGUF block formats kept as a file holds them (q8_0, q4_k, q6_k): the expert's matrices in that
+# format, except a down projection whose I columns are not a multiple of 256, which llama.cpp's
+# quantizer writes as Q8_0 (its fallback for K-quants on such rows, e.g. DeepSeek-V2-Lite's 1408).
+BLOCK_DTYPES = ("q8_0", "q4_k", "q6_k")
+NO_TORCH = "torch has no kernel for GGUF blocks (llama.cpp is the peer: decode_peers.py)"
+
+
+def _block_expert(kind: str, g, u, d) -> dict[str, np.ndarray]:
+    q = {"q8_0": ggml_blocks.quantize_q8_0, "q4_k": ggml_blocks.quantize_q4_k,
+         "q6_k": ggml_blocks.quantize_q6_k}
+    dk = kind if d.shape[1] % ggml_blocks.BLOCKS[kind][0] == 0 else "q8_0"
+    return {"gate": q[kind](g), "up": q[kind](u), "down": q[dk](d)}
+
+
 def _torch_expert(dtype: str, t: dict[str, np.ndarray], H: int, I: int, group: int,
                   memo: dict | None = None):
     """A callable running the same expert in torch for x (torch tensor), on its own copy of the
-    weights (so rotating over several of them reads from DRAM like the kernel does)."""
+    weights (so rotating over several of them reads from DRAM like the kernel does); None for
+    the GGUF block formats (NO_TORCH)."""
+    if dtype in BLOCK_DTYPES:
+        return None, torch.float32
     if dtype == "f32":
         # .clone(): every call makes its own copy (the rotation needs distinct buffers)
         g, u, d = (torch.from_numpy(t[n]).clone() for n in ("gate", "up", "down"))
@@ -171,7 +188,8 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
         for dtype in dtypes:
             # int4g32: int4 in groups of 32, the layout GGUF's Q4_0 blocks are kept in
             base, group = ("int4", 32) if dtype == "int4g32" else (dtype, None)
-            t = quant.expert_tensors(g, u, d, base, group=group)
+            t = (_block_expert(dtype, g, u, d) if dtype in BLOCK_DTYPES
+                 else quant.expert_tensors(g, u, d, base, group=group))
             block, entries = kernels.pack_block(t)
             ncopy = max(2, -(-max(4 * llc, MIN_ROTATION) // block.nbytes))
             copies_used[f"{sname}/{dtype}"] = ncopy
@@ -219,7 +237,9 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
                         best_k = min(best_k, tk)
                         paired.append(nbytes / tk / read_rate)
                     theirs = float("nan")
-                    if mode == modes[0]:
+                    if tfns[0] is None:
+                        pass
+                    elif mode == modes[0]:
                         xt = torch.from_numpy(x).to(tdt)
                         with torch.inference_mode():
                             tfns[0](xt)
@@ -233,12 +253,15 @@ def bench(shapes: list[str], dtypes: list[str], tokens: list[int], threads: int,
                     gbps = nbytes / best_k / 1e9
                     rows.append({
                         "dtype": dtype, "shape": f"{sname} H={H} I={I}", "tokens": T,
+                        **({"down_dtype": spec.down_dtype or spec.dtype, "torch_note": NO_TORCH}
+                           if dtype in BLOCK_DTYPES else {}),
                         "mode": mode, "gbps": round(gbps, 2), "read_span": m,
                         "read_gbps": round(best_read / 1e9, 2),
                         "frac_of_read_bw": round(gbps * 1e9 / best_read, 3),
                         "frac_paired_median": round(statistics.median(paired), 3),
-                        "ms": round(best_k * 1e3, 3), "torch_ms": round(theirs * 1e3, 3),
-                        "vs_torch": round(theirs / best_k, 2),
+                        "ms": round(best_k * 1e3, 3),
+                        "torch_ms": None if theirs != theirs else round(theirs * 1e3, 3),
+                        "vs_torch": None if theirs != theirs else round(theirs / best_k, 2),
                     })
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             del t, block, blocks, tfns
@@ -255,7 +278,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="olmoe,dsv2lite,mixtral",
                     help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--dtypes", default="f32,bf16,int8,int4",
-                    help="comma-separated; also int4g32 (int4 in groups of 32: GGUF Q4_0 kept)")
+                    help="comma-separated; also int4g32 (int4 in groups of 32: GGUF Q4_0 kept) "
+                         "and the GGUF blocks kept as they are: q8_0, q4_k, q6_k (a down "
+                         "projection whose columns are not a multiple of 256 is q8_0, as "
+                         "llama.cpp writes it)")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -274,9 +300,11 @@ def main() -> None:
         print(f"{'dtype':5} {'shape':28} {'T':>2} {'GB/s':>7} {'read':>7} {'frac':>5} "
               f"{'ms':>8} {'torch':>8} {'x':>5}")
         for r in res["rows"]:
+            tm = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.3f}"
+            vs = "-" if r["vs_torch"] is None else f"{r['vs_torch']:.2f}"
             print(f"{r['dtype'] + ('' if r['mode'] == 'fast' else '*'):5} {r['shape']:28} {r['tokens']:2d} {r['gbps']:7.2f} "
                   f"{r['read_gbps']:7.2f} {r['frac_of_read_bw']:5.2f} {r['ms']:8.3f} "
-                  f"{r['torch_ms']:8.3f} {r['vs_torch']:5.2f}")
+                  f"{tm:>8} {vs:>5}")
 
 
 if __name__ == "__main__":

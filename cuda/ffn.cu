@@ -397,9 +397,9 @@ extern "C" int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, con
                                     size_t out_stride, int path, void *stream, smoe_err *err) {
     int rc = smoe_ffn_desc_check(d, 0, err);
     if (rc < 0) return rc;
-    if (d->dtype == SMOE_WDT_I2)
-        return smoe_err_set(err, SMOE_EINVAL, "int2 expert weights run on the CPU only (the GPU "
-                            "kernels take f32, bf16, int8 and int4)");
+    if (smoe_wdt_cpu_only(d->dtype))
+        return smoe_err_set(err, SMOE_EINVAL, "int2 and GGUF block expert weights run on the CPU "
+                            "only (the GPU kernels take f32, bf16, int8 and int4)");
     if (d->H != f->H || d->I != f->I)
         return smoe_err_set(err, SMOE_EINVAL, "GPU FFN context is for H=%u, I=%u; the expert "
                             "is H=%u, I=%u", f->H, f->I, d->H, d->I);

@@ -39,9 +39,9 @@ static int t_check(void *ctx, const smoe_ffn_desc *d, smoe_err *err) {
     if (d->H != t->H || d->I != t->I)
         return smoe_err_set(err, SMOE_EINVAL, "GPU tier: built for experts of H=%u, I=%u; this "
                             "one is H=%u, I=%u", t->H, t->I, d->H, d->I);
-    if (d->dtype == SMOE_WDT_I2)
-        return smoe_err_set(err, SMOE_EINVAL, "int2 expert weights run on the CPU only (the "
-                            "GPU kernels take f32, bf16, int8 and int4)");
+    if (smoe_wdt_cpu_only(d->dtype))
+        return smoe_err_set(err, SMOE_EINVAL, "int2 and GGUF block expert weights run on the CPU "
+                            "only (the GPU kernels take f32, bf16, int8 and int4)");
     return SMOE_OK;
 }
 

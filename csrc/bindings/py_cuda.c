@@ -39,9 +39,9 @@ static PyObject *raise_err(const smoe_err *e) {
 /* The shared parser (py_desc.h), then what the GPU kernels (cuda/ffn.cu) do not take. */
 static int parse_desc(PyObject *d, smoe_ffn_desc *out) {
     if (smoe_py_ffn_desc_parse(d, 0, out) < 0) return -1;
-    if (out->dtype == SMOE_WDT_I2) {
-        PyErr_SetString(PyExc_ValueError, "int2 expert weights run on the CPU only (the GPU "
-                        "kernels take f32, bf16, int8 and int4)");
+    if (smoe_wdt_cpu_only(out->dtype)) {
+        PyErr_SetString(PyExc_ValueError, "int2 and GGUF block expert weights run on the CPU "
+                        "only (the GPU kernels take f32, bf16, int8 and int4)");
         return -1;
     }
     return 0;

@@ -60,6 +60,15 @@ int smoe_py_ffn_desc_parse(PyObject *dict, uint64_t block_bytes, smoe_ffn_desc *
         if (b < 0) return -1;
         d->precise = (uint32_t)b;
     }
+    uint64_t ddt;
+    if (dict_u64(dict, "down_dtype", &ddt, 0)) return -1;
+    if (ddt != SMOE_NO_TENSOR) {
+        if (ddt > 100) {
+            PyErr_SetString(PyExc_ValueError, "FFN descriptor: down_dtype out of range");
+            return -1;
+        }
+        d->down_dtype = (int32_t)ddt == d->dtype ? 0 : (int32_t)ddt;
+    }
     if (dict_u64(dict, "gate", &d->gate, 1) || dict_u64(dict, "up", &d->up, 1) ||
         dict_u64(dict, "down", &d->down, 1) || dict_u64(dict, "gate_scale", &d->gate_scale, 0) ||
         dict_u64(dict, "up_scale", &d->up_scale, 0) ||

@@ -22,16 +22,24 @@ void smoe_ffn_desc_default(smoe_ffn_desc *d, uint32_t H, uint32_t I, int32_t dty
 
 static uint32_t group_of(const smoe_ffn_desc *d) { return d->group ? d->group : 128u; }
 
-uint64_t smoe_ffn_weight_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t cols) {
+static uint64_t wbytes(int32_t dtype, uint32_t rows, uint32_t cols) {
     uint64_t n = (uint64_t)rows * cols;
-    switch (d->dtype) {
+    switch (dtype) {
     case SMOE_WDT_F32: return n * 4;
     case SMOE_WDT_BF16: return n * 2;
     case SMOE_WDT_I8: return n;
     case SMOE_WDT_I4: return n / 2;
     case SMOE_WDT_I2: return n / 4;
+    case SMOE_WDT_Q8_0:
+    case SMOE_WDT_Q4_K:
+    case SMOE_WDT_Q6_K:
+        return (uint64_t)rows * (cols / smoe_wdt_block_cols(dtype)) * smoe_wdt_block_bytes(dtype);
     default: return 0;
     }
+}
+
+uint64_t smoe_ffn_weight_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t cols) {
+    return wbytes(d->dtype, rows, cols);
 }
 
 uint64_t smoe_ffn_scale_bytes(const smoe_ffn_desc *d, uint32_t rows, uint32_t cols) {
@@ -63,8 +71,27 @@ static int check_tensor(const char *name, uint64_t off, uint64_t nbytes, uint64_
 }
 
 int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *err) {
-    if (d->dtype < SMOE_WDT_F32 || d->dtype > SMOE_WDT_I2)
+    if (d->dtype < SMOE_WDT_F32 || d->dtype > SMOE_WDT_Q6_K)
         return smoe_err_set(err, SMOE_EINVAL, "unknown expert weight dtype %d", d->dtype);
+    const int32_t ddt = smoe_ffn_down_dtype(d);
+    if (d->down_dtype && !(smoe_wdt_is_block(d->dtype) && smoe_wdt_is_block(d->down_dtype)))
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "down_dtype %d: only the GGUF block formats (Q8_0, Q4_K, Q6_K) may "
+                            "differ between the matrices (dtype %d)",
+                            d->down_dtype, d->dtype);
+    if (smoe_wdt_is_block(d->dtype)) {
+        const uint32_t gc = smoe_wdt_block_cols(d->dtype), dc = smoe_wdt_block_cols(ddt);
+        if (d->H % gc)
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "GGUF blocks of %u columns: hidden size H=%u (the columns of "
+                                "gate/up) is not a multiple",
+                                gc, d->H);
+        if (d->I % dc)
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "GGUF blocks of %u columns: intermediate size I=%u (the columns "
+                                "of down) is not a multiple",
+                                dc, d->I);
+    }
     if (d->act != SMOE_ACT_SILU && d->act != SMOE_ACT_GPTOSS)
         return smoe_err_set(err, SMOE_EINVAL, "unknown expert activation %d", d->act);
     if (d->H == 0 || d->I == 0)
@@ -100,8 +127,8 @@ int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *
                            block_bytes, err)) ||
         (rc = check_tensor("up", d->up, smoe_ffn_weight_bytes(d, d->I, d->H), wal, 1, block_bytes,
                            err)) ||
-        (rc = check_tensor("down", d->down, smoe_ffn_weight_bytes(d, d->H, d->I), wal, 1,
-                           block_bytes, err)))
+        (rc = check_tensor("down", d->down, wbytes(ddt, d->H, d->I), wal, 1, block_bytes,
+                           err)))
         return rc;
     if (q) {
         if ((rc = check_tensor("gate.scale", d->gate_scale, smoe_ffn_scale_bytes(d, d->I, d->H),
@@ -113,7 +140,11 @@ int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *
             return rc;
     } else if (d->gate_scale != SMOE_NO_TENSOR || d->up_scale != SMOE_NO_TENSOR ||
                d->down_scale != SMOE_NO_TENSOR) {
-        return smoe_err_set(err, SMOE_EINVAL, "expert scales given for an unquantized dtype");
+        return smoe_err_set(err, SMOE_EINVAL,
+                            smoe_wdt_is_block(d->dtype)
+                                ? "expert scale tensors given for GGUF block weights (their "
+                                  "scales are inside the blocks)"
+                                : "expert scales given for an unquantized dtype");
     }
     if ((rc = check_tensor("gate.bias", d->gate_bias, (uint64_t)d->I * 4, 4, 0, block_bytes,
                            err)) ||
@@ -127,10 +158,11 @@ int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* Layout: xs [T,H] f32 (fast path: the prepared x) | act [T,I] f32 | prepared act (fast
- * path, <= 2 bytes per value) | scales [T, n/128 + 1] and group sums [T, n/32 + 1] of both
- * prepared inputs (groups of 32 at the finest). */
+ * path, <= 2 bytes per value) | scales and group sums of both prepared inputs: [T, n/128 + 1]
+ * and [T, n/32 + 1] (int8/int4), or [T, n/32] and [T, n/32] (GGUF blocks) -- sized for the
+ * larger, 2 * n/32 floats per row of each input. */
 static size_t aux_bytes(const smoe_ffn_desc *d, uint32_t T) {
-    return round64((size_t)T * (d->H / 128 + d->I / 128 + d->H / 32 + d->I / 32 + 4) * 4);
+    return round64((size_t)T * (d->H / 16 + d->I / 16 + 4) * 4);
 }
 
 size_t smoe_ffn_scratch_bytes(const smoe_ffn_desc *d, uint32_t T) {
@@ -382,6 +414,45 @@ static void gather_rows(const float *x, size_t x_stride, const int32_t *rows, ui
     }
 }
 
+/* ffn_run for GGUF block weights (ffn_blocks.c): the fast form quantizes x into xs's bytes and
+ * act into the prepared-act area, with their scales and sums in the aux area; the exact form
+ * gathers x as f32 (natural column order). */
+static void blocks_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
+                       const uint8_t *block, const float *x, size_t x_stride, const int32_t *rows,
+                       const float *scale, uint32_t T, float *out, size_t out_stride, float *xs,
+                       float *act) {
+    const uint32_t H = d->H, I = d->I, nt = smoe_kpool_threads(pool);
+    phase_arg pa;
+    pa.impl = smoe_ffn_impl_blocks(f->isa, d->precise);
+    smoe_ffn_job job = {d,     block, T,          0,    xs,   act,  rows,
+                        scale, out,   out_stride, NULL, NULL, NULL, f->stream_pf};
+    pa.job = &job;
+    const int fast = smoe_blocks_fast(pa.impl);
+    int8_t *aq = (int8_t *)((uint8_t *)act + round64((size_t)T * I * 4));
+    float *xsc = (float *)((uint8_t *)aq + round64((size_t)T * I * 2));
+    float *xsum = xsc + (size_t)T * (H / 32), *asc = xsum + (size_t)T * (H / 32);
+    float *asum = asc + (size_t)T * (I / 32);
+    if (fast) {
+        smoe_blocks_prepare(d->dtype, x, x_stride, rows, T, H, (int8_t *)xs, xsc, xsum);
+        job.xs = NULL;
+        job.q = xs;
+        job.qs = xsc;
+        job.qsum = xsum;
+    } else {
+        gather_rows(x, x_stride, rows, T, H, 0, xs);
+    }
+    phase_start(&pa, 1, nt);
+    smoe_kpool_run(pool, phase_run, &pa);
+    if (fast) {
+        smoe_blocks_prepare(smoe_ffn_down_dtype(d), act, I, NULL, T, I, aq, asc, asum);
+        job.q = aq;
+        job.qs = asc;
+        job.qsum = asum;
+    }
+    phase_start(&pa, 2, nt);
+    smoe_kpool_run(pool, phase_run, &pa);
+}
+
 /* One FFN call on `pool` (NULL: this thread alone) with the given ISA and features; the
  * arguments are checked by the callers. */
 static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
@@ -392,6 +463,10 @@ static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     float *xs = (float *)base;
     float *act = (float *)(base + round64((size_t)T * d->H * 4));
     const uint32_t nt = smoe_kpool_threads(pool);
+    if (smoe_wdt_is_block(d->dtype)) {
+        blocks_run(pool, f, d, block, x, x_stride, rows, scale, T, out, out_stride, xs, act);
+        return;
+    }
     phase_arg pa;
     const smoe_ffn_impl *fast = fast_impl(d->dtype, group_of(d), d->precise, f);
     if (fast && fast_dim_ok(d->dtype, d->H) && fast_dim_ok(d->dtype, d->I)) {
@@ -521,9 +596,10 @@ static void linear_as_down(const smoe_linear_desc *l, smoe_ffn_desc *d) {
 }
 
 int smoe_linear_desc_check(const smoe_linear_desc *l, uint64_t block_bytes, smoe_err *err) {
-    if (l->dtype == SMOE_WDT_I2)
-        return smoe_err_set(err, SMOE_EINVAL, "int2 weights are for expert FFNs only, not for "
-                            "linear layers (use f32, bf16, int8 or int4)");
+    if (l->dtype == SMOE_WDT_I2 || smoe_wdt_is_block(l->dtype))
+        return smoe_err_set(err, SMOE_EINVAL, "%s weights are for expert FFNs only, not for "
+                            "linear layers (use f32, bf16, int8 or int4)",
+                            l->dtype == SMOE_WDT_I2 ? "int2" : "GGUF block");
     if (l->dtype < SMOE_WDT_F32 || l->dtype > SMOE_WDT_I4)
         return smoe_err_set(err, SMOE_EINVAL, "unknown linear weight dtype %d", l->dtype);
     if (l->N == 0 || l->K == 0 || l->N > (1u << 24) || l->K > (1u << 24))

@@ -4,7 +4,8 @@ One call applies one routed expert to the tokens routed to it, reading its weigh
 
     out[rows[t]] += scale[t] * down(act(gate(x[rows[t]]), up(x[rows[t]])))
 
-Weights are in the canonical layout of :mod:`specmoe.storage.quant` (f32, bf16, int8, int4, int2) in
+Weights are in the canonical layout of :mod:`specmoe.storage.quant` (f32, bf16, int8, int4, int2,
+or GGUF's Q8_0 / Q4_K / Q6_K blocks as a GGUF file holds them) in a
 byte block (a store block or :func:`pack_block`); :class:`FFNSpec` says where each tensor is.
 The context owns a persistent thread pool and the ISA choice (AVX-512, AVX2, scalar, detected
 at run time; ``SPECMOE_ISA=avx2`` or :func:`set_isa` forces a lower one).
@@ -33,7 +34,13 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("silu", "gptoss")
-_DT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "int2": 4}
+_DT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "int2": 4,
+            "q8_0": 5, "q4_k": 6, "q6_k": 7}
+# GGUF block formats kept as a GGUF file holds them (csrc/kernels/ffn_blocks.c): dtype ->
+# (columns, bytes) per block.  A store holds such a matrix as U8 [rows, cols / columns, bytes],
+# which the last dimension names; the scales are inside the blocks.
+GGUF_BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210)}
+_BLOCK_OF_BYTES = {b: name for name, (_, b) in GGUF_BLOCKS.items()}
 _ACT_CODE = {"silu": 0, "gptoss": 1}
 # store schema dtype (either spelling) of the weight matrices -> kernel dtype; packed U8 is int4,
 # or int2 when its scales are [rows, groups, 2] (scale, offset) pairs
@@ -62,12 +69,18 @@ class FFNSpec:
     limit: float = 7.0
     group: int = 128
     precise: bool = False
+    down_dtype: str | None = None  # the down matrix's dtype where it differs (GGUF blocks)
     _desc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DT_CODE:
             raise ValueError(f"unknown expert dtype {self.dtype!r}; expected one of "
                              f"{tuple(_DT_CODE)}")
+        if self.down_dtype is not None and self.down_dtype != self.dtype and not (
+                self.dtype in GGUF_BLOCKS and self.down_dtype in GGUF_BLOCKS):
+            raise ValueError(f"down_dtype {self.down_dtype!r} differs from dtype "
+                             f"{self.dtype!r}: only the GGUF block formats "
+                             f"{tuple(GGUF_BLOCKS)} may mix")
         if self.activation not in _ACT_CODE:
             raise ValueError(f"unknown activation {self.activation!r}; expected one of "
                              f"{ACTIVATIONS}")
@@ -77,7 +90,8 @@ class FFNSpec:
         d: dict[str, Any] = {"H": self.H, "I": self.I, "dtype": _DT_CODE[self.dtype],
                              "act": _ACT_CODE[self.activation], "alpha": float(self.alpha),
                              "limit": float(self.limit), "group": int(self.group),
-                             "precise": int(bool(self.precise))}
+                             "precise": int(bool(self.precise)),
+                             "down_dtype": _DT_CODE[self.down_dtype or self.dtype]}
         for k in _NAMES:
             d[k.replace(".", "_")] = self.offsets.get(k)
         self._desc.update(d)
@@ -89,6 +103,12 @@ class FFNSpec:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the three weight matrices plus scales (what one call streams)."""
+        if self.dtype in GGUF_BLOCKS:
+            def mat(dt: str, rows: int, cols: int) -> int:
+                c, b = GGUF_BLOCKS[dt]
+                return rows * (cols // c) * b
+            return (2 * mat(self.dtype, self.I, self.H)
+                    + mat(self.down_dtype or self.dtype, self.H, self.I))
         per = {"f32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}[self.dtype]
         n = 3 * self.H * self.I
         extra = 0
@@ -120,6 +140,9 @@ class FFNSpec:
             if req not in by:
                 raise ValueError(f"store schema: missing tensor {req!r}")
         wdt = {n: str(by[n]["dtype"]).lower() for n in ("gate", "up", "down")}
+        if any(len(by[n]["shape"]) == 3 for n in ("gate", "up", "down")):
+            return _block_schema(by, block_bytes, activation=activation, alpha=alpha,
+                                          limit=limit, precise=precise)
         if len(set(wdt.values())) != 1 or wdt["gate"] not in _SCHEMA_WDT:
             raise ValueError(f"store schema: gate/up/down dtypes {wdt} must be equal and one of "
                              f"F32, BF16, I8, U8 (int4 or int2)")
@@ -182,6 +205,49 @@ class FFNSpec:
                    block_bytes=int(block_bytes) if block_bytes is not None else end,
                    activation=activation, alpha=alpha, limit=limit, group=group,
                    precise=precise)
+
+
+def _block_schema(by: Mapping[str, Mapping[str, Any]], block_bytes: int | None, *,
+                  activation: str, alpha: float, limit: float, precise: bool) -> FFNSpec:
+    """FFNSpec.from_store_schema for GGUF block weights: U8 [rows, blocks, block bytes]."""
+    kinds: dict[str, str] = {}
+    for n in ("gate", "up", "down"):
+        e = by[n]
+        shp = [int(s) for s in e["shape"]]
+        if str(e["dtype"]).lower() not in ("u8", "uint8") or len(shp) != 3 \
+                or shp[2] not in _BLOCK_OF_BYTES:
+            raise ValueError(f"store schema: {n} is {e['dtype']} {shp}; GGUF block weights are "
+                             f"U8 [rows, blocks, bytes] with bytes one of "
+                             f"{sorted(_BLOCK_OF_BYTES)} ({', '.join(GGUF_BLOCKS)}), and all "
+                             f"three matrices must be block weights")
+        kinds[n] = _BLOCK_OF_BYTES[shp[2]]
+        if n + ".scale" in by:
+            raise ValueError(f"store schema: {n}.scale given for GGUF block weights (their "
+                             f"scales are inside the blocks)")
+    if kinds["gate"] != kinds["up"]:
+        raise ValueError(f"store schema: gate is {kinds['gate']} but up is {kinds['up']}")
+    g = by["gate"]["shape"]
+    I, H = int(g[0]), int(g[1]) * GGUF_BLOCKS[kinds["gate"]][0]
+    for n, rows, cols in (("gate", I, H), ("up", I, H), ("down", H, I)):
+        c, b = GGUF_BLOCKS[kinds[n]]
+        want = [rows, cols // c, b]
+        if cols % c or [int(s) for s in by[n]["shape"]] != want:
+            raise ValueError(f"store schema: {n} has shape {list(by[n]['shape'])}, expected "
+                             f"{want} ({kinds[n]} blocks of {c} columns)")
+    for n, rows in (("gate", I), ("up", I), ("down", H)):
+        bn = n + ".bias"
+        if bn in by:
+            e = by[bn]
+            if str(e["dtype"]).lower() not in ("f32", "float32") \
+                    or [int(s) for s in e["shape"]] != [rows]:
+                raise ValueError(f"store schema: {bn} must be F32 [{rows}], got {e['dtype']} "
+                                 f"{list(e['shape'])}")
+    offsets = {n: int(e["offset"]) for n, e in by.items()}
+    end = max(int(e["offset"]) + int(e["nbytes"]) for e in by.values())
+    return FFNSpec(H=H, I=I, dtype=kinds["gate"], offsets=offsets,
+                   block_bytes=int(block_bytes) if block_bytes is not None else end,
+                   activation=activation, alpha=alpha, limit=limit, precise=precise,
+                   down_dtype=kinds["down"] if kinds["down"] != kinds["gate"] else None)
 
 
 _NP_SCHEMA = {np.dtype(np.float32): "F32", np.dtype(np.uint16): "BF16",

@@ -1,0 +1,627 @@
+/* Expert FFNs over GGUF block weights kept as the file holds them (SMOE_WDT_Q8_0 / Q4_K / Q6_K,
+ * layouts in kernels.h; ggml's block_q8_0, block_q4_K and block_q6_K).
+ *
+ * Two paths, chosen per call by ffn.c:
+ *   exact  (desc.precise = 1, or a CPU without AVX2): each block is widened to f32 exactly as
+ *          ggml's dequantize_row_* widens it (d * sc as one f32 product, then times q, minus
+ *          dmin * m), and dotted in f32 with the f32 input: the result is an f32 matmul on the
+ *          dequantized weights, to f32 rounding.
+ *   fast   (AVX2, precise = 0): llama.cpp's scheme (its Q8_0 x Q8_0, Q4_K x Q8_K and
+ *          Q6_K x Q8_K dot products) -- the input (x in phase 1, the activation in phase 2) is
+ *          quantized once per call to int8 with one scale max|x| / 127 per 32 columns for a
+ *          Q8_0 matrix, per 256 for a K-quant one (round to nearest even), and each block's
+ *          products are summed exactly in integers with vpmaddubsw / vpmaddwd:
+ *            Q8_0  |w| as the unsigned operand, x with w's sign (vpsignb): pairs at most
+ *                  2 * 128 * 127 = 32512 < 2^15; times d_w * s_x per 32 columns in f32.
+ *            Q4_K  the nibbles q in [0, 15] as the unsigned operand (pairs <= 3810), times
+ *                  the sub-block's 6-bit scale in vpmaddwd (<= 480060 a lane per 32
+ *                  columns), summed over the 256 columns in int32; times d * s_x once per
+ *                  super-block.  The min term dmin * s_x * sum_j m_j * (sum of the int8 x of
+ *                  sub-block j) comes from the prepared per-32 sums.
+ *            Q6_K  q in [0, 63] unsigned (pairs <= 16002), minus a second vpmaddubsw of 32
+ *                  against x (so (q - 32) x exactly, |pair| <= 8128), times the int8 scale of
+ *                  its 16 columns in vpmaddwd, summed over the 256 columns in int32
+ *                  (<= 16.6e6); times d * s_x once per super-block.
+ *          The rounding is that of the int8 input alone: on random weights the FFN output is
+ *          ~1e-2 from the f32 result in norm (small next to 4-6 bit weights' own error), and
+ *          within ~3e-7 of a numpy model of this arithmetic (tests/test_gguf_blocks.py).
+ *          One pass over a row's blocks serves up to 4 tokens (the unpacked nibbles and
+ *          scales reused).
+ *
+ * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0)
+ * or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8 values
+ * [T, n/32]. */
+#include <math.h>
+#include <string.h>
+
+#include "kimpl.h"
+
+/* IEEE half to float, exact (subnormals, infinities and NaN included). */
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu, bits;
+    if (e == 0x1F) {
+        bits = sign | 0x7F800000u | (m << 13);
+    } else if (e) {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    } else if (m) { /* subnormal: m * 2^-24 */
+        float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float rd_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_f32(h);
+}
+
+/* ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j (0..7) of a Q4_K block. */
+static inline void q4k_scale_min(const uint8_t *s, uint32_t j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63u;
+        *m = s[j + 4] & 63u;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0xFu) | ((s[j - 4] >> 6) << 4));
+        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* One block of `dt` widened to f32 into y (32 or 256 values), as ggml widens it. */
+static void widen_block(int32_t dt, const uint8_t *b, float *y) {
+    if (dt == SMOE_WDT_Q8_0) {
+        const float d = rd_f16(b);
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (uint32_t l = 0; l < 32; l++) y[l] = d * (float)q[l];
+    } else if (dt == SMOE_WDT_Q4_K) {
+        const float d = rd_f16(b), dmin = rd_f16(b + 2);
+        const uint8_t *q = b + 16;
+        for (uint32_t j = 0; j < 8; j += 2, q += 32, y += 64) {
+            uint8_t sc, m;
+            q4k_scale_min(b + 4, j, &sc, &m);
+            const float d1 = d * sc, m1 = dmin * m;
+            q4k_scale_min(b + 4, j + 1, &sc, &m);
+            const float d2 = d * sc, m2 = dmin * m;
+            for (uint32_t l = 0; l < 32; l++) y[l] = d1 * (float)(q[l] & 0xFu) - m1;
+            for (uint32_t l = 0; l < 32; l++) y[32 + l] = d2 * (float)(q[l] >> 4) - m2;
+        }
+    } else { /* Q6_K */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = rd_f16(b + 208);
+        for (uint32_t n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8, y += 128)
+            for (uint32_t l = 0; l < 32; l++) {
+                const uint32_t is = l / 16;
+                const int q1 = (int)((ql[l] & 0xFu) | ((qh[l] & 3u) << 4)) - 32;
+                const int q2 = (int)((ql[l + 32] & 0xFu) | (((qh[l] >> 2) & 3u) << 4)) - 32;
+                const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3u) << 4)) - 32;
+                const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3u) << 4)) - 32;
+                y[l] = d * (float)sc[is] * (float)q1;
+                y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+    }
+}
+
+/* Row w (n columns of dt blocks) . x in f32 on the widened weights. */
+static float dot_exact(int32_t dt, const uint8_t *w, const float *x, uint32_t n) {
+    const uint32_t bc = smoe_wdt_block_cols(dt), bb = smoe_wdt_block_bytes(dt);
+    float y[256], acc = 0.0f;
+    for (uint32_t c = 0; c < n; c += bc, w += bb) {
+        widen_block(dt, w, y);
+        float s = 0.0f;
+        for (uint32_t l = 0; l < bc; l++) s += y[l] * x[c + l];
+        acc += s;
+    }
+    return acc;
+}
+
+static size_t row_bytes(int32_t dt, uint32_t cols) {
+    return (size_t)(cols / smoe_wdt_block_cols(dt)) * smoe_wdt_block_bytes(dt);
+}
+
+static void gateup_exact(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
+    const smoe_ffn_desc *d = j->d;
+    const uint32_t H = d->H;
+    const size_t rb = row_bytes(d->dtype, H);
+    const uint8_t *gw = j->block + d->gate, *uw = j->block + d->up;
+    for (uint32_t i = i0; i < i1; i++)
+        for (uint32_t t = 0; t < j->T; t++) {
+            const float *x = j->xs + (size_t)t * H;
+            smoe_ffn_store_act(j, i, t, dot_exact(d->dtype, gw + i * rb, x, H),
+                               dot_exact(d->dtype, uw + i * rb, x, H));
+        }
+}
+
+static void down_exact(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
+    const smoe_ffn_desc *d = j->d;
+    const int32_t dt = smoe_ffn_down_dtype(d);
+    const uint32_t I = d->I;
+    const size_t rb = row_bytes(dt, I);
+    const uint8_t *dw = j->block + d->down;
+    for (uint32_t h = h0; h < h1; h++)
+        for (uint32_t t = 0; t < j->T; t++)
+            smoe_ffn_store_out(j, h, t, dot_exact(dt, dw + h * rb, j->act + (size_t)t * I, I));
+}
+
+static const smoe_ffn_impl impl_exact = {gateup_exact, down_exact, NULL};
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#define AI static inline __attribute__((always_inline))
+#define TILE 4 /* tokens per pass over a row's blocks */
+/* Bytes ahead of the row position that the one-token loops prefetch to L1: without it a
+ * Q4_K row pair read at 11 GB/s from L3 (cache-warm, AMD EPYC Zen 3), with it 14; from DRAM
+ * (benchmarks/kernels.py) 0.77 of the read ceiling. */
+#define PF_AHEAD 1024
+
+AI float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AI float hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AI float ld_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* The prepared input of token t of a matrix of `dt` with n columns (layout at prepare_avx2). */
+typedef struct xin {
+    const int8_t *q;   /* [n] int8 */
+    const float *s;    /* Q8_0: [n/32] scales; K-quants: [n/256] */
+    const int16_t *bs; /* K-quants: [n/32] sums of the int8 values per 32 columns */
+} xin;
+
+AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
+    xin r;
+    const uint32_t ns = dt == SMOE_WDT_Q8_0 ? n / 32 : n / 256;
+    r.q = (const int8_t *)j->q + (size_t)t * n;
+    r.s = j->qs + (size_t)t * ns;
+    r.bs = (const int16_t *)j->qsum + (size_t)t * (n / 32);
+    return r;
+}
+
+/* ---- Q8_0: one scale per 32 columns on both sides ---- */
+
+/* The 32 int8 products of w and x summed in pairs then quads: 8 int32 lanes (exact). */
+AI __m256i dot32_s8(__m256i w, __m256i x) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+static void rows_q8_0(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    const uint32_t nb = n / 32;
+    __m256 acc[TILE];
+    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (uint32_t b = 0; b < nb; b++, w += 34) {
+        if (!(b & 1)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i aw = _mm256_sign_epi8(wq, wq);
+        const float d = ld_f16(w);
+        for (uint32_t t = 0; t < nt; t++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b));
+            const __m256i p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq)), _mm256_set1_epi16(1));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[b]), _mm256_cvtepi32_ps(p), acc[t]);
+        }
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
+}
+
+/* ---- Q4_K: one input scale per 256 columns, integer sums across the 8 sub-blocks ---- */
+
+/* ggml's 12 scale bytes -> u[0..1]: the 8 six-bit scales, u[2..3]: the 8 six-bit mins, one
+ * byte each (the unpacking of get_scale_min_k4, four lanes at a time). */
+AI void q4k_unpack(const uint8_t *s12, uint32_t u[4]) {
+    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t m03 = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = m03;
+    u[0] &= k1;
+}
+
+static void rows_q4_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    const uint32_t nsb = n / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[TILE];
+    __m128 accm[TILE];
+    for (uint32_t t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        accm[t] = _mm_setzero_ps();
+    }
+    for (uint32_t s = 0; s < nsb; s++, w += 144) {
+        uint32_t u[4];
+        q4k_unpack(w + 4, u);
+        const float d = ld_f16(w), dmin = ld_f16(w + 2);
+        const __m128i sc16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[1], (int)u[0]));
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
+        const __m256i sc256 = _mm256_set_m128i(sc16, sc16);
+        __m256i lo[4], hi[4], slo[4], shi[4];
+        for (uint32_t c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
+            lo[c] = _mm256_and_si256(v, m4);
+            hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            /* every int16 lane: the scale of sub-block 2c (low nibbles) / 2c + 1 (high) */
+            slo[c] = _mm256_shuffle_epi8(sc256, _mm256_set1_epi16((short)(0x0100 + 0x0404 * c)));
+            shi[c] = _mm256_shuffle_epi8(sc256, _mm256_set1_epi16((short)(0x0302 + 0x0404 * c)));
+        }
+        for (uint32_t t = 0; t < nt; t++) {
+            const int8_t *xq = x[t].q + 256 * s;
+            __m256i sumi = _mm256_setzero_si256();
+            for (uint32_t c = 0; c < 4; c++) {
+                const __m256i pl = _mm256_maddubs_epi16(
+                    lo[c], _mm256_loadu_si256((const __m256i *)(xq + 64 * c)));
+                const __m256i ph = _mm256_maddubs_epi16(
+                    hi[c], _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(pl, slo[c]),
+                                                               _mm256_madd_epi16(ph, shi[c])));
+            }
+            const float xs = x[t].s[s];
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs), _mm256_cvtepi32_ps(sumi), acc[t]);
+            const __m128i pm =
+                _mm_madd_epi16(mn16, _mm_loadu_si128((const __m128i *)(x[t].bs + 8 * s)));
+            accm[t] = _mm_fmadd_ps(_mm_set1_ps(dmin * xs), _mm_cvtepi32_ps(pm), accm[t]);
+        }
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) - hsum4(accm[t]);
+}
+
+/* Two Q4_K rows (w[0], w[1]: gate and up of one output, or two down rows) against one token,
+ * every vector in a register, the input loaded once for both (the tiled form keeps the
+ * unpacked nibbles and scales in arrays, which cost it ~2x at one token; one row alone pays
+ * its input loads and horizontal sums twice as often). */
+static void row2_q4_k(const uint8_t *const w[2], const xin *x, uint32_t n, float res[2]) {
+    const uint32_t nsb = n / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int8_t *xq = x->q;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m128 accm0 = _mm_setzero_ps(), accm1 = _mm_setzero_ps();
+    const uint8_t *w0 = w[0], *w1 = w[1];
+    for (uint32_t s = 0; s < nsb; s++, w0 += 144, w1 += 144, xq += 256) {
+        _mm_prefetch((const char *)(w0 + PF_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w0 + PF_AHEAD + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w0 + PF_AHEAD + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + PF_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + PF_AHEAD + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + PF_AHEAD + 128), _MM_HINT_T0);
+        uint32_t u0[4], u1[4];
+        q4k_unpack(w0 + 4, u0);
+        q4k_unpack(w1 + 4, u1);
+        const __m128i sa = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u0[1], (int)u0[0]));
+        const __m128i sb = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u1[1], (int)u1[0]));
+        const __m256i sc0 = _mm256_set_m128i(sa, sa), sc1 = _mm256_set_m128i(sb, sb);
+        __m256i sumi0 = _mm256_setzero_si256(), sumi1 = _mm256_setzero_si256();
+#define Q4K_CHUNK(c)                                                                           \
+    do {                                                                                       \
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + 64 * (c)));               \
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 64 * (c) + 32));          \
+        const __m256i kl = _mm256_set1_epi16((short)(0x0100 + 0x0404 * (c)));                  \
+        const __m256i kh = _mm256_set1_epi16((short)(0x0302 + 0x0404 * (c)));                  \
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + 16 + 32 * (c)));          \
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w1 + 16 + 32 * (c)));          \
+        sumi0 = _mm256_add_epi32(                                                              \
+            sumi0,                                                                             \
+            _mm256_add_epi32(                                                                  \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v0, m4), xl),          \
+                                  _mm256_shuffle_epi8(sc0, kl)),                               \
+                _mm256_madd_epi16(                                                             \
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), xh),  \
+                    _mm256_shuffle_epi8(sc0, kh))));                                           \
+        sumi1 = _mm256_add_epi32(                                                              \
+            sumi1,                                                                             \
+            _mm256_add_epi32(                                                                  \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, m4), xl),          \
+                                  _mm256_shuffle_epi8(sc1, kl)),                               \
+                _mm256_madd_epi16(                                                             \
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), xh),  \
+                    _mm256_shuffle_epi8(sc1, kh))));                                           \
+    } while (0)
+        Q4K_CHUNK(0);
+        Q4K_CHUNK(1);
+        Q4K_CHUNK(2);
+        Q4K_CHUNK(3);
+#undef Q4K_CHUNK
+        const float xs = x->s[s];
+        /* the two rows' f16 d and dmin in one conversion: d0 dmin0 d1 dmin1 */
+        uint32_t dd0, dd1;
+        memcpy(&dd0, w0, 4);
+        memcpy(&dd1, w1, 4);
+        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, (int)dd1, (int)dd0)),
+                                     _mm_set1_ps(xs));
+        acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sumi0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehl_ps(dm, dm)),
+                               _mm256_cvtepi32_ps(sumi1), acc1);
+        const __m128i bsv = _mm_loadu_si128((const __m128i *)(x->bs + 8 * s));
+        const __m128i pm0 =
+            _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u0[3], (int)u0[2])), bsv);
+        const __m128i pm1 =
+            _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u1[3], (int)u1[2])), bsv);
+        accm0 = _mm_fmadd_ps(_mm_shuffle_ps(dm, dm, 0x55), _mm_cvtepi32_ps(pm0), accm0);
+        accm1 = _mm_fmadd_ps(_mm_shuffle_ps(dm, dm, 0xFF), _mm_cvtepi32_ps(pm1), accm1);
+    }
+    res[0] = hsum8(acc0) - hsum4(accm0);
+    res[1] = hsum8(acc1) - hsum4(accm1);
+}
+
+/* ---- Q6_K: one input scale per 256 columns, int16 scales per 16 columns ---- */
+
+static void rows_q6_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    const uint32_t nsb = n / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    const __m256i k32 = _mm256_set1_epi8(32);
+    __m256 acc[TILE];
+    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++, w += 210) {
+        for (uint32_t k = 0; k < 4; k++) _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        const float d = ld_f16(w + 208);
+        __m256i sumi[TILE];
+        for (uint32_t t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
+        for (uint32_t h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const __m128i sc16 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h)));
+            const __m256i sc256 = _mm256_set_m128i(sc16, sc16);
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i q[4], sk[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+            q[1] = _mm256_or_si256(
+                _mm256_and_si256(l1, m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
+            q[2] = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
+            q[3] = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+            for (uint32_t k = 0; k < 4; k++) /* low 16 columns: scale 2k; high 16: 2k + 1 */
+                sk[k] = _mm256_shuffle_epi8(
+                    sc256, _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * k)),
+                                            _mm_set1_epi16((short)(0x0100 + 0x0404 * k))));
+            for (uint32_t t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].q + 256 * s + 128 * h;
+                for (uint32_t k = 0; k < 4; k++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * k));
+                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], xv),
+                                                       _mm256_maddubs_epi16(k32, xv));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, sk[k]));
+                }
+            }
+        }
+        for (uint32_t t = 0; t < nt; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[s]), _mm256_cvtepi32_ps(sumi[t]),
+                                     acc[t]);
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
+}
+
+/* rows_q6_k for one token, every vector in a register. */
+static float row1_q6_k(const uint8_t *w, const xin *x, uint32_t n) {
+    const uint32_t nsb = n / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    const __m256i k32 = _mm256_set1_epi8(32);
+    const int8_t *xq = x->q;
+    __m256 acc = _mm256_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++, w += 210) {
+        for (uint32_t k = 0; k < 4; k++)
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        __m256i sumi = _mm256_setzero_si256();
+        for (uint32_t h = 0; h < 2; h++, xq += 128) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const __m128i sc16 =
+                _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h)));
+            const __m256i sc256 = _mm256_set_m128i(sc16, sc16);
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+#define Q6K_PART(k, q)                                                                         \
+    do {                                                                                       \
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * (k)));               \
+        const __m256i p =                                                                      \
+            _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(k32, xv));      \
+        const __m256i sk = _mm256_shuffle_epi8(                                                \
+            sc256, _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * (k))),            \
+                                    _mm_set1_epi16((short)(0x0100 + 0x0404 * (k)))));          \
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sk));                               \
+    } while (0)
+            Q6K_PART(0, _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                        _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)));
+            Q6K_PART(1, _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                        _mm256_slli_epi16(
+                                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4)));
+            Q6K_PART(2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                        _mm256_slli_epi16(
+                                            _mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4)));
+            Q6K_PART(3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                        _mm256_slli_epi16(
+                                            _mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4)));
+#undef Q6K_PART
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w + 208) * x->s[s]),
+                              _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum8(acc);
+}
+
+/* Row w of dt against tokens [t0, t0 + nt) (nt <= TILE) of the prepared input: res[0..nt). */
+AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t t0, uint32_t nt,
+                  uint32_t n, float *res) {
+    xin x[TILE];
+    for (uint32_t t = 0; t < nt; t++) x[t] = xin_of(j, dt, t0 + t, n);
+    if (dt == SMOE_WDT_Q8_0)
+        rows_q8_0(w, x, nt, n, res);
+    else if (dt == SMOE_WDT_Q4_K)
+        rows_q4_k(w, x, nt, n, res);
+    else if (nt == 1)
+        res[0] = row1_q6_k(w, x, n);
+    else
+        rows_q6_k(w, x, nt, n, res);
+}
+
+static void gateup_fast(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
+    const smoe_ffn_desc *d = j->d;
+    const uint32_t H = d->H;
+    const size_t rb = row_bytes(d->dtype, H);
+    const uint8_t *gw = j->block + d->gate, *uw = j->block + d->up;
+    float g[TILE], u[TILE];
+    if (d->dtype == SMOE_WDT_Q4_K && j->T == 1) { /* gate and up rows of one output together */
+        const xin x = xin_of(j, d->dtype, 0, H);
+        for (uint32_t i = i0; i < i1; i++) {
+            const uint8_t *w[2] = {gw + i * rb, uw + i * rb};
+            float r[2];
+            row2_q4_k(w, &x, H, r);
+            smoe_ffn_store_act(j, i, 0, r[0], r[1]);
+        }
+        return;
+    }
+    for (uint32_t i = i0; i < i1; i++)
+        for (uint32_t t0 = 0; t0 < j->T; t0 += TILE) {
+            const uint32_t nt = j->T - t0 < TILE ? j->T - t0 : TILE;
+            rows_fast(d->dtype, gw + i * rb, j, t0, nt, H, g);
+            rows_fast(d->dtype, uw + i * rb, j, t0, nt, H, u);
+            for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_act(j, i, t0 + t, g[t], u[t]);
+        }
+}
+
+static void down_fast(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
+    const smoe_ffn_desc *d = j->d;
+    const int32_t dt = smoe_ffn_down_dtype(d);
+    const uint32_t I = d->I;
+    const size_t rb = row_bytes(dt, I);
+    const uint8_t *dw = j->block + d->down;
+    float y[TILE];
+    if (dt == SMOE_WDT_Q4_K && j->T == 1) { /* two rows at a time */
+        const xin x = xin_of(j, dt, 0, I);
+        uint32_t h = h0;
+        for (; h + 2 <= h1; h += 2) {
+            const uint8_t *w[2] = {dw + h * rb, dw + (h + 1) * rb};
+            float r[2];
+            row2_q4_k(w, &x, I, r);
+            smoe_ffn_store_out(j, h, 0, r[0]);
+            smoe_ffn_store_out(j, h + 1, 0, r[1]);
+        }
+        h0 = h;
+    }
+    for (uint32_t h = h0; h < h1; h++)
+        for (uint32_t t0 = 0; t0 < j->T; t0 += TILE) {
+            const uint32_t nt = j->T - t0 < TILE ? j->T - t0 : TILE;
+            rows_fast(dt, dw + h * rb, j, t0, nt, I, y);
+            for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_out(j, h, t0 + t, y[t]);
+        }
+}
+
+/* Quantize `m` (32 or 256) columns xb with inverse scale inv into qb (int8), returning the
+ * sums of each 32 of them in bs[0 .. m/32). */
+AI void quant_cols(const float *xb, uint32_t m, __m256 inv, int8_t *qb, int16_t *bs) {
+    const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    for (uint32_t c = 0; c < m; c += 32) {
+        __m256i iv[4];
+        for (uint32_t k = 0; k < 4; k++) {
+            __m256 y = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + c + 8 * k), inv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            y = _mm256_min_ps(_mm256_max_ps(y, nlim), lim); /* NaN lanes: -127 */
+            iv[k] = _mm256_cvtps_epi32(y);
+        }
+        /* int32 -> int8 in column order: the packs interleave the 128-bit lanes, the
+         * permute undoes it */
+        __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                        _mm256_packs_epi32(iv[2], iv[3]));
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(qb + c), p8);
+        const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]),
+                                             _mm256_add_epi32(iv[2], iv[3]));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+        bs[c / 32] = (int16_t)_mm_cvtsi128_si32(h);
+    }
+}
+
+/* Per `m` columns (32 for Q8_0, 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K) of each
+ * row: s = max|x| / 127, q = rint(x * (1 / s)) (ties to even), and the sum of every 32 q's.
+ * A NaN among the m columns makes s NaN, so every output it feeds is NaN, as in f32 math.
+ * Layout: q [T, n] int8; qs [T, n/m] f32; qsum's bytes [T, n/32] int16 (K-quants). */
+static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int32_t *rows,
+                         uint32_t T, uint32_t n, int8_t *q, float *qs, float *qsum) {
+    const uint32_t m = dt == SMOE_WDT_Q8_0 ? 32 : 256, ns = n / m;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    int16_t *bs = (int16_t *)qsum;
+    for (uint32_t t = 0; t < T; t++) {
+        const float *x = src + (rows ? (size_t)rows[t] : t) * stride;
+        for (uint32_t b = 0; b < ns; b++) {
+            const float *xb = x + (size_t)m * b;
+            __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+            for (uint32_t k = 0; k < m; k += 8) {
+                const __m256 v = _mm256_loadu_ps(xb + k);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v, absm));
+            }
+            const int isnan = _mm256_movemask_ps(nan) != 0;
+            __m128 r = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+            r = _mm_max_ss(r, _mm_movehdup_ps(r));
+            const float sc = isnan ? __builtin_nanf("") : _mm_cvtss_f32(r) / 127.0f;
+            const __m256 inv = _mm256_set1_ps(sc > 0.0f && !isnan ? 1.0f / sc : 0.0f);
+            quant_cols(xb, m, inv, q + (size_t)t * n + (size_t)m * b,
+                       bs + (size_t)t * (n / 32) + (m / 32) * b);
+            qs[(size_t)t * ns + b] = sc;
+        }
+    }
+}
+#pragma GCC pop_options
+
+static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
+#define HAVE_FAST 1
+#else
+#define HAVE_FAST 0
+#endif
+
+const smoe_ffn_impl *smoe_ffn_impl_blocks(int32_t isa, uint32_t precise) {
+#if HAVE_FAST
+    if (!precise && isa >= SMOE_ISA_AVX2) return &impl_fast;
+#else
+    (void)isa;
+    (void)precise;
+#endif
+    return &impl_exact;
+}
+
+int smoe_blocks_fast(const smoe_ffn_impl *impl) {
+#if HAVE_FAST
+    return impl == &impl_fast;
+#else
+    (void)impl;
+    return 0;
+#endif
+}
+
+void smoe_blocks_prepare(int32_t dtype, const float *src, size_t stride, const int32_t *rows,
+                         uint32_t T, uint32_t n, int8_t *q, float *qs, float *qsum) {
+#if HAVE_FAST
+    prepare_avx2(dtype, src, stride, rows, T, n, q, qs, qsum);
+#else
+    (void)dtype, (void)src, (void)stride, (void)rows, (void)T, (void)n, (void)q, (void)qs,
+        (void)qsum;
+#endif
+}

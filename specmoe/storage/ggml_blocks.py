@@ -1,0 +1,160 @@
+"""GGUF (ggml) block formats that a store keeps as a GGUF file holds them: Q8_0, Q4_K, Q6_K.
+
+A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144 or
+210 bytes per block: the last dimension names the format, :data:`BLOCKS`), exactly the bytes
+of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as they are.
+
+* :func:`dequantize` widens such a matrix to f32 through the ``gguf`` package (the reference
+  the kernels are tested against).
+* :func:`widen_to_q8_0` turns Q4_0 and Q5_0 blocks into Q8_0 blocks **without loss** (the same
+  f16 scale, the same integer values: w = d * (q - 8) or d * (q - 16) is d * q' with q' in
+  [-16, 15]), so a file whose down projections mix Q5_0 and Q8_0 layers (llama.cpp's fallback
+  for K-quants on rows that are not a multiple of 256 columns, e.g. DeepSeek-V2-Lite's 1408)
+  is kept in one format.
+* :func:`quantize_q4_k`, :func:`quantize_q6_k` and :func:`quantize_q8_0` write valid blocks from
+  f32 weights (simple per-sub-block min/max rounding, not llama.cpp's search), for tests and
+  tiny files; the ``gguf`` package's writer has no Q4_K / Q6_K quantizer.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0",
+           "quantize_q8_0", "quantize_q4_k", "quantize_q6_k"]
+
+# kind -> (columns, bytes) per block
+BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210)}
+# GGUF tensor type name -> the kept kind it maps onto without loss
+TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q8_0", "Q5_0": "q8_0"}
+_KIND_OF_BYTES = {b: k for k, (_, b) in BLOCKS.items()}
+_GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+
+
+def block_kind(a: np.ndarray) -> str:
+    """The kind (``q8_0``, ``q4_k``, ``q6_k``) of a uint8 [rows, blocks, bytes] matrix."""
+    if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in _KIND_OF_BYTES:
+        raise ValueError(f"not a GGUF block matrix: {a.dtype} {a.shape} (uint8 [rows, blocks, "
+                         f"bytes] with bytes one of {sorted(_KIND_OF_BYTES)})")
+    return _KIND_OF_BYTES[a.shape[2]]
+
+
+def dequantize(a: np.ndarray) -> np.ndarray:
+    """f32 [rows, cols] of a block matrix, as the ``gguf`` package dequantizes it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gg
+
+    kind = block_kind(a)
+    rows = a.shape[0]
+    out = gg(np.ascontiguousarray(a).reshape(rows, -1), GGMLQuantizationType[_GGML_NAME[kind]])
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def widen_to_q8_0(raw: np.ndarray, ggml_type: str) -> np.ndarray:
+    """Rows of a GGUF tensor of type ``ggml_type`` (uint8 [rows, row bytes], as the gguf reader
+    gives them) as Q8_0 blocks [rows, cols/32, 34], without loss: Q8_0 as it is, Q4_0 and
+    Q5_0 with their f16 scale and their values moved into int8."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows = raw.shape[0]
+    if ggml_type == "Q8_0":
+        return raw.reshape(rows, -1, 34)
+    if ggml_type == "Q4_0":
+        b = raw.reshape(rows, -1, 18)
+        qs = b[:, :, 2:].astype(np.int16)
+        q = np.concatenate([(qs & 0x0F) - 8, (qs >> 4) - 8], axis=2)
+    elif ggml_type == "Q5_0":
+        b = raw.reshape(rows, -1, 22)
+        qh = b[:, :, 2:6].copy().view("<u4")[:, :, 0].astype(np.int64)
+        qs = b[:, :, 6:].astype(np.int16)
+        j = np.arange(16)
+        hi0 = ((qh[:, :, None] >> j) & 1).astype(np.int16) << 4
+        hi1 = ((qh[:, :, None] >> (j + 16)) & 1).astype(np.int16) << 4
+        q = np.concatenate([((qs & 0x0F) | hi0) - 16, ((qs >> 4) | hi1) - 16], axis=2)
+    else:
+        raise ValueError(f"{ggml_type} blocks do not widen to Q8_0 without loss")
+    out = np.empty(b.shape[:2] + (34,), np.uint8)
+    out[:, :, :2] = b[:, :, :2]
+    out[:, :, 2:] = q.astype(np.int8).view(np.uint8)
+    return out
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(v.astype(np.float16)).view(np.uint8).reshape(v.shape + (2,))
+
+
+def _rows(w: np.ndarray, cols_per_block: int) -> np.ndarray:
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % cols_per_block:
+        raise ValueError(f"weights {w.shape}: need 2-D with columns a multiple of "
+                         f"{cols_per_block}")
+    if not np.isfinite(w).all():
+        raise ValueError("weights hold NaN or infinity")
+    return w
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> Q8_0 blocks [rows, cols/32, 34] (d = max|x| / 127, as ggml)."""
+    w = _rows(w, 32)
+    x = w.reshape(w.shape[0], -1, 32)
+    d = (np.abs(x).max(axis=2) / 127.0).astype(np.float16).astype(np.float32)
+    inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0), 0.0)
+    q = np.clip(np.rint(x * inv[:, :, None]), -127, 127).astype(np.int8)
+    out = np.empty(x.shape[:2] + (34,), np.uint8)
+    out[:, :, :2] = _f16_bytes(d)
+    out[:, :, 2:] = q.view(np.uint8)
+    return out
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> Q4_K super-blocks [rows, cols/256, 144]: per 32 columns a 6-bit
+    scale and min under the block's f16 d and dmin, w ~ d * sc * q - dmin * m, q in [0, 15]."""
+    w = _rows(w, 256)
+    x = w.reshape(w.shape[0], -1, 8, 32)
+    lo = np.minimum(x.min(axis=3), 0.0)
+    hi = x.max(axis=3)
+    scale = (hi - lo) / 15.0                      # per sub-block, >= 0
+    mn = -lo                                      # >= 0
+    d = (scale.max(axis=2) / 63.0).astype(np.float16).astype(np.float32)
+    dmin = (mn.max(axis=2) / 63.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, :, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(mn / np.where(dmin > 0, dmin, 1.0)[:, :, None]), 0, 63).astype(np.uint8)
+    step = d[:, :, None] * sc
+    off = dmin[:, :, None] * m
+    q = np.rint((x + off[..., None]) / np.where(step > 0, step, 1.0)[..., None])
+    q = np.clip(np.where(step[..., None] > 0, q, 0), 0, 15).astype(np.uint8)
+    out = np.zeros(x.shape[:2] + (144,), np.uint8)
+    out[:, :, 0:2] = _f16_bytes(d)
+    out[:, :, 2:4] = _f16_bytes(dmin)
+    s = out[:, :, 4:16]
+    for j in range(4):  # the inverse of ggml's get_scale_min_k4
+        s[:, :, j] = (sc[:, :, j] & 63) | ((sc[:, :, j + 4] >> 4) << 6)
+        s[:, :, j + 4] = (m[:, :, j] & 63) | ((m[:, :, j + 4] >> 4) << 6)
+        s[:, :, j + 8] = (sc[:, :, j + 4] & 0xF) | ((m[:, :, j + 4] & 0xF) << 4)
+    qv = q.reshape(q.shape[0], q.shape[1], 4, 2, 32)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
+    out[:, :, 16:] = (qv[:, :, :, 0, :] | (qv[:, :, :, 1, :] << 4)).reshape(q.shape[0],
+                                                                            q.shape[1], 128)
+    return out
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> Q6_K super-blocks [rows, cols/256, 210]: per 16 columns an int8
+    scale under the block's f16 d, w ~ d * sc * (q - 32), q in [0, 63]."""
+    w = _rows(w, 256)
+    R, B = w.shape[0], w.shape[1] // 256
+    x = w.reshape(R, B, 16, 16)
+    scale = np.abs(x).max(axis=3) / 31.0
+    d = (scale.max(axis=2) / 127.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, :, None]), 0, 127).astype(np.int8)
+    step = d[:, :, None] * sc
+    q = np.rint(x / np.where(step > 0, step, 1.0)[..., None]) + 32
+    q = np.clip(np.where(step[..., None] > 0, q, 32), 0, 63).astype(np.uint8).reshape(R, B, 256)
+    out = np.zeros((R, B, 210), np.uint8)
+    for h in range(2):
+        v = q[:, :, 128 * h:128 * h + 128].reshape(R, B, 4, 32)  # values 32k + l of the half
+        out[:, :, 64 * h:64 * h + 32] = (v[:, :, 0] & 0xF) | ((v[:, :, 2] & 0xF) << 4)
+        out[:, :, 64 * h + 32:64 * h + 64] = (v[:, :, 1] & 0xF) | ((v[:, :, 3] & 0xF) << 4)
+        out[:, :, 128 + 32 * h:160 + 32 * h] = ((v[:, :, 0] >> 4) | ((v[:, :, 1] >> 4) << 2)
+                                                | ((v[:, :, 2] >> 4) << 4)
+                                                | ((v[:, :, 3] >> 4) << 6))
+    out[:, :, 192:208] = sc.view(np.uint8)
+    out[:, :, 208:210] = _f16_bytes(d)
+    return out

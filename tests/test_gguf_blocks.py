@@ -1,0 +1,163 @@
+"""GGUF block weights kept as a file holds them (Q8_0, Q4_K, Q6_K; csrc/kernels/ffn_blocks.c).
+
+Every kernel is checked against the ``gguf`` package's dequantization of the same bytes followed
+by an f32 (float64) FFN in numpy: the exact path to float rounding, the fast int8-input path to
+the rounding of its int8 input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+
+from specmoe import _C  # noqa: E402
+from specmoe.runtime import kernels  # noqa: E402
+from specmoe.storage import ggml_blocks as gb  # noqa: E402
+
+from .test_kernels import ref_ffn  # noqa: E402
+
+QUANT = {"q8_0": gb.quantize_q8_0, "q4_k": gb.quantize_q4_k, "q6_k": gb.quantize_q6_k}
+_BEST = _C.KernelContext(1).isa_max
+_ORDER = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return _C.KernelContext(2)
+
+
+def _isa(ctx, name):
+    if _ORDER[name] > _ORDER[_BEST]:
+        pytest.skip(f"CPU lacks {name}")
+    ctx.set_isa(name)
+
+
+def _expert(rng, H, I, kind, down_kind=None, bias=False):
+    g, u, d = (rng.standard_normal(s).astype(np.float32) * 0.05
+               for s in ((I, H), (I, H), (H, I)))
+    t = {"gate": QUANT[kind](g), "up": QUANT[kind](u), "down": QUANT[down_kind or kind](d)}
+    if bias:
+        t["gate.bias"] = rng.standard_normal(I).astype(np.float32) * 0.3
+        t["up.bias"] = rng.standard_normal(I).astype(np.float32) * 0.3
+        t["down.bias"] = rng.standard_normal(H).astype(np.float32) * 0.1
+    ref = {n: gb.dequantize(t[n]) for n in ("gate", "up", "down")}
+    ref.update({n: v for n, v in t.items() if n.endswith(".bias")})
+    return t, ref
+
+
+def _q8(x, m):
+    """The fast path's input rounding in numpy: per m columns (32 before a Q8_0 matrix, 256
+    before a K-quant one) s = max|x| / 127, q = rint(x * (1 / s)) (ties to even), clamped to
+    [-127, 127]; returns q * s."""
+    b = x.astype(np.float32).reshape(x.shape[0], -1, m)
+    s = (np.abs(b).max(axis=2, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(s > 0, np.float32(1) / np.where(s > 0, s, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(b * inv), -127, 127)
+    return (q * s).reshape(x.shape)
+
+
+def _model_fast(ref, x, kind, down):
+    """The fast path's arithmetic: int8 x, f32 weights, int8 activation."""
+    from .test_kernels import ref_act
+
+    m = {"q8_0": 32, "q4_k": 256, "q6_k": 256}
+    xq = _q8(x, m[kind]).astype(np.float64)
+    g = xq @ ref["gate"].T.astype(np.float64) + ref.get("gate.bias", 0.0)
+    u = xq @ ref["up"].T.astype(np.float64) + ref.get("up.bias", 0.0)
+    a = _q8(ref_act(g, u, "silu").astype(np.float32), m[down or kind]).astype(np.float64)
+    return a @ ref["down"].T.astype(np.float64) + ref.get("down.bias", 0.0)
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def test_quantizers_write_blocks_the_gguf_package_reads_back_closely():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 512)).astype(np.float32)
+    for kind, q in QUANT.items():
+        b = q(w)
+        assert gb.block_kind(b) == kind and b.shape == (8, 512 // gb.BLOCKS[kind][0],
+                                                        gb.BLOCKS[kind][1])
+        err = _rel(gb.dequantize(b), w)
+        assert err < {"q8_0": 0.01, "q4_k": 0.12, "q6_k": 0.03}[kind], (kind, err)
+
+
+def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((6, 128)).astype(np.float32)
+    for t in ("Q4_0", "Q5_0", "Q8_0"):
+        raw = quantize(w, T[t])
+        np.testing.assert_array_equal(gb.dequantize(gb.widen_to_q8_0(raw, t)),
+                                      dequantize(raw, T[t]))
+    with pytest.raises(ValueError, match="Q4_K"):
+        gb.widen_to_q8_0(np.zeros((1, 144), np.uint8), "Q4_K")
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("kind,down", [("q8_0", None), ("q4_k", None), ("q6_k", None),
+                                       ("q4_k", "q8_0"), ("q4_k", "q6_k")])
+@pytest.mark.parametrize("T", [1, 5, 9])
+@pytest.mark.parametrize("precise", [True, False])
+def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, precise):
+    _isa(ctx, isa)
+    rng = np.random.default_rng(hash((kind, down, T)) % 2**32)
+    H, I = 512, 256 if (down or kind) != "q8_0" else 96
+    if kind == "q8_0":
+        H = 96 * 4
+    t, ref = _expert(rng, H, I, kind, down, bias=T == 5)  # 9 tokens: tiles of 4, 4 and 1
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    got = kernels.ffn(t, x, precise=precise, ctx=ctx)
+    want = ref_ffn(ref, x, "silu")
+    exact = precise or isa == "scalar"
+    if exact:
+        assert _rel(got, want) < 2e-6, _rel(got, want)
+    else:  # the rounding of the int8 input alone: its model matches to float rounding
+        assert _rel(got, want) < 2.5e-2, _rel(got, want)
+        model = _model_fast(ref, x, kind, down)
+        assert _rel(got, model) < 1e-5, _rel(got, model)
+
+
+def test_spec_from_store_schema_reads_the_kinds_from_the_block_bytes():
+    rng = np.random.default_rng(2)
+    t, _ = _expert(rng, 256, 256, "q4_k", "q6_k")
+    block, entries = kernels.pack_block(t)
+    spec = kernels.FFNSpec.from_store_schema(entries, block.nbytes)
+    assert (spec.H, spec.I, spec.dtype, spec.down_dtype) == (256, 256, "q4_k", "q6_k")
+    assert spec.weight_bytes == 2 * 256 * 144 + 256 * 210
+    t2 = dict(t, up=gb.quantize_q8_0(np.zeros((256, 256), np.float32)))
+    with pytest.raises(ValueError, match="gate is q4_k but up is q8_0"):
+        kernels.FFNSpec.from_store_schema(kernels.pack_block(t2)[1])
+
+
+def test_bad_block_descriptors_are_refused_by_name(ctx):
+    rng = np.random.default_rng(3)
+    t, _ = _expert(rng, 256, 256, "q4_k")
+    block, entries = kernels.pack_block(t)
+    spec = kernels.FFNSpec.from_store_schema(entries, block.nbytes)
+    x = np.zeros((1, 256), np.float32)
+    bad = dict(spec.desc(), I=300)  # not a multiple of 256
+    with pytest.raises(ValueError, match="not a multiple"):
+        ctx.ffn_forward(bad, block, x, np.zeros_like(x), None, None)
+    bad = dict(spec.desc(), down_dtype=3)  # int4 under a block dtype
+    with pytest.raises(ValueError, match="down_dtype"):
+        ctx.ffn_forward(bad, block, x, np.zeros_like(x), None, None)
+    bad = dict(spec.desc(), gate_scale=0)
+    with pytest.raises(ValueError, match="inside the blocks"):
+        ctx.ffn_forward(bad, block, x, np.zeros_like(x), None, None)
+    with pytest.raises(ValueError, match="only the GGUF block formats"):
+        kernels.FFNSpec(H=256, I=256, dtype="int4", offsets={}, block_bytes=1,
+                        down_dtype="q8_0")
+
+
+def test_nan_input_gives_nan_output_on_the_fast_path(ctx):
+    ctx.set_isa("auto")
+    rng = np.random.default_rng(4)
+    t, _ = _expert(rng, 256, 256, "q4_k")
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    x[1, 7] = np.nan
+    y = kernels.ffn(t, x, ctx=ctx)
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
