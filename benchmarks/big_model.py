@@ -55,11 +55,14 @@ Rows (same checkpoint, same prompt, same threads: ``torch.set_num_threads`` / ll
   missing: ``-DGGML_NATIVE=ON``, CPU only, Release).  The converter's pre-tokenizer check only
   knows published tokenizers, so it runs with that check answering ``gpt-2`` (the tiny-moe
   tokenizer is GPT-2's byte-level regex); nothing in the llama.cpp tree is modified.
-* ``specmoe-gguf-Q4_0`` / ``specmoe-gguf-Q8_0``: specmoe reading **the same GGUF file** as
-  the llama.cpp row of that type (``specmoe.from_pretrained(file, dtype="auto", ...)``, cache
-  and store as above): Q4_0 experts are kept bit for bit (int4 in groups of 32), Q8_0 experts
-  are re-quantized to int8 per row; the non-expert weights are dequantized to bf16.  Compared
-  with the llama.cpp row of the same file (``vs_llama_cpp``).
+* ``specmoe-gguf-Q4_0`` / ``specmoe-gguf-Q8_0`` / ``specmoe-gguf-Q4_K_M``: specmoe reading
+  **the same GGUF file** as the llama.cpp row of that type (``specmoe.from_pretrained(file,
+  dtype="auto", ...)``, cache and store as above): Q4_0 experts are kept bit for bit (int4 in
+  groups of 32), Q8_0 and Q4_K_M experts bit for bit in the ``"gguf"`` store (Q4_K_M: gate/up
+  Q4_K; down Q8_0, its Q5_0 layers widened to Q8_0 without loss, since one store holds one
+  format per matrix); the non-expert weights are dequantized to bf16.  Compared with the
+  llama.cpp row of the same file (``vs_llama_cpp``); ``llama.cpp-Q4_K_M`` is
+  ``llama-quantize``'s Q4_K_M of the bf16 GGUF.
 * ``accelerate``: ``AutoModelForCausalLM.from_pretrained(ckpt, device_map="auto",
   max_memory={"cpu": budget - 768 MiB - 1.5 bf16 expert layers}, offload_folder=...,
   dtype=bfloat16)`` (disk offload; the 1.5 layers leave room for transformers fusing one layer's
@@ -121,8 +124,11 @@ WRITER_VERSION = 1
 PROMPT_TOKENS = 64
 DECODE_TOKENS = 32          # decode forward passes timed (33 tokens generated)
 RESERVE = 512 * MiB         # the budget's fixed part
-BITS = {"int4": 4.5, "int8": 8.5, "bf16": 16.0}
-LLAMA_TYPES = {"int4": "Q4_0", "int8": "Q8_0"}
+# bits per expert weight behind each row's budget; q4_k_m: llama-quantize's Q4_K_M of this
+# checkpoint (gate/up Q4_K at 4.5; down, whose 1408 columns are not a multiple of 256, in its
+# fallbacks Q5_0 at 5.5 / Q8_0 at 8.5 by layer)
+BITS = {"int4": 4.5, "int8": 8.5, "bf16": 16.0, "q4_k_m": 5.5}
+LLAMA_TYPES = {"int4": "Q4_0", "int8": "Q8_0", "q4_k_m": "Q4_K_M"}
 
 
 def log(*a: Any) -> None:
@@ -882,7 +888,7 @@ def main() -> None:
             t = n.split("-", 2)[2]
             prec = {v: k for k, v in LLAMA_TYPES.items()}.get(t)
             if prec is None:
-                ap.error(f"unknown GGUF type in {n} (Q4_0, Q8_0)")
+                ap.error(f"unknown GGUF type in {n} (Q4_0, Q8_0, Q4_K_M)")
             rows_def.append({"name": n, "kind": "specmoe", "precision": prec, "type": t})
         elif n.startswith("specmoe-"):
             rows_def.append({"name": n, "kind": "specmoe", "precision": n.split("-", 1)[1]})
@@ -890,7 +896,7 @@ def main() -> None:
             t = n.split("-", 1)[1]
             prec = {v: k for k, v in LLAMA_TYPES.items()}.get(t)
             if prec is None:
-                ap.error(f"unknown llama.cpp type in {n} (Q4_0, Q8_0)")
+                ap.error(f"unknown llama.cpp type in {n} (Q4_0, Q8_0, Q4_K_M)")
             rows_def.append({"name": n, "kind": "llama.cpp", "precision": prec, "type": t})
         elif n == "accelerate":
             rows_def.append({"name": n, "kind": "accelerate", "precision": "bf16"})
@@ -1032,6 +1038,8 @@ def main() -> None:
         "specmoe-int8 vs accelerate": target("specmoe-int8", "vs_accelerate", 20.0),
         "specmoe-gguf-Q4_0 vs llama.cpp-Q4_0 (same file)": target("specmoe-gguf-Q4_0",
                                                                    "vs_llama_cpp", 2.0),
+        "specmoe-gguf-Q4_K_M vs llama.cpp-Q4_K_M (same file)": target(
+            "specmoe-gguf-Q4_K_M", "vs_llama_cpp", 2.0),
     }
     # only the targets whose two rows ran ("specmoe-int4 vs accelerate" without accelerate's)
     targets = {k: v for k, v in targets.items()

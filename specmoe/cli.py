@@ -552,9 +552,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = command("convert", help="convert a checkpoint's routed experts to a store")
     p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or a GGUF file")
-    p.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "int8", "int4"],
-                   help="store dtype of the experts (auto: bf16, or for a GGUF file the "
-                        "nearest to its experts' type)")
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],
+                   help="store dtype of the experts (auto: bf16, or for a GGUF file its "
+                        "blocks kept as they are where the kernels read them, else the nearest "
+                        "dtype; gguf: a GGUF file's Q8_0/Q4_K/Q6_K blocks as they are)")
     p.add_argument("-o", "--output", default=None,
                    help="store file (default: one per checkpoint and dtype under "
                         "$SPECMOE_CACHE or ~/.cache/specmoe)")
@@ -568,9 +570,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="expert cache, as the API's cache=: slots (40), a fraction of all "
                         "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%")
     p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
-    p.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "int8", "int4"],
-                   help="store dtype of the experts (auto: bf16, or for a GGUF file the "
-                        "nearest to its experts' type)")
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],
+                   help="store dtype of the experts (auto: bf16, or for a GGUF file its "
+                        "blocks kept as they are where the kernels read them, else the nearest "
+                        "dtype; gguf: a GGUF file's Q8_0/Q4_K/Q6_K blocks as they are)")
     p.add_argument("--policy", default="least_stale",
                    help="eviction policy spec, as simulate's --policies takes (e.g. lru, "
                         "random:seed=3, least_stale:order=lru, spac:levels=3)")

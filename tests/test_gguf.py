@@ -65,14 +65,23 @@ def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     assert got.get("num_experts", got.get("num_local_experts", got.get("n_routed_experts"))) == 8
 
 
-def test_auto_dtype_is_the_nearest_store_format(tmp_path, capfd):
+def test_auto_dtype_keeps_the_blocks_or_picks_the_nearest_store_format(tmp_path, capfd):
     from specmoe.storage.store import ExpertStore
+    p51, _ = save_gguf(tiny_model("mixtral"), tmp_path / "m51.gguf", qtype="Q5_1")
+    st = ExpertStore(specmoe.convert(p51, progress=False))
+    err = capfd.readouterr().err
+    assert "experts are Q5_1: the store holds them as int4" in err, err
+    assert "not kept as they are" in err
+    try:
+        assert st.extra["dtype"] == "int4"
+    finally:
+        st.close()
     path, _ = save_gguf(tiny_model("mixtral"), tmp_path / "m.gguf", qtype="Q8_0")
     store = specmoe.convert(path, progress=False)
-    assert "experts are Q8_0: the store holds them as int8" in capfd.readouterr().err
+    assert "experts are Q8_0: the store keeps their blocks as they are" in capfd.readouterr().err
     st = ExpertStore(store)
     try:
-        assert st.extra["dtype"] == "int8"
+        assert st.extra["dtype"] == "gguf"
     finally:
         st.close()
     # the second call reuses the store; an edited file is seen as stale
@@ -127,7 +136,7 @@ def test_cli_convert_and_run_a_gguf_file(tmp_path, capsys):
                         qtype="Q8_0", tokenizer=tok)
     assert main(["convert", str(path), "--quiet"]) == 0
     out = capsys.readouterr().out.strip()
-    assert out.endswith("-int8.smoe")
+    assert out.endswith("-gguf.smoe")  # the Q8_0 blocks kept as they are
     assert main(["run", str(path), "--prompt", "def parse(line):", "--max-new-tokens", "4",
                  "--cache", "50%"]) == 0
     assert "| cache " in capsys.readouterr().out

@@ -161,3 +161,116 @@ def test_nan_input_gives_nan_output_on_the_fast_path(ctx):
     x[1, 7] = np.nan
     y = kernels.ffn(t, x, ctx=ctx)
     assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
+
+
+# ---------- GGUF files kept as they are (store dtype "gguf") ----------
+
+import torch  # noqa: E402
+
+import specmoe  # noqa: E402
+from specmoe.models.testing import save_gguf, tiny_model  # noqa: E402
+
+
+@pytest.fixture()
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+
+
+def _q4_k_m_like(layer: int, role: str) -> str:
+    """A Q4_K_M-like mix: gate/up Q4_K; down Q5_0 and Q8_0 on alternate layers (what
+    llama-quantize writes for down rows that are not a multiple of 256 columns)."""
+    return "Q4_K" if role != "down" else ("Q5_0" if layer % 2 else "Q8_0")
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits[0].float()
+
+
+def _greedy(model, ids, n=8):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch,inter,expert_qtype,kinds", [
+    ("olmoe", 96, _q4_k_m_like, ("q4_k", "q8_0")),
+    ("qwen3_moe", 256, lambda layer, role: "Q4_K" if role != "down" else "Q6_K",
+     ("q4_k", "q6_k")),
+    ("mixtral", 96, "Q8_0", ("q8_0", "q8_0"))])
+def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
+        _cache_dir, tmp_path, capfd, arch, inter, expert_qtype, kinds):
+    """dtype='auto' keeps the file's expert blocks (Q5_0 widened to Q8_0); every stored
+    expert dequantizes to exactly what the gguf package reads from the file; the model's
+    logits on the exact kernel path equal the transformers model holding the weights the file
+    holds, and its greedy tokens too; the fast path stays close."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from specmoe.storage import quant
+    from specmoe.storage.store import ExpertStore
+
+    path, held = save_gguf(tiny_model(arch, hidden=256, inter=inter), tmp_path / "k.gguf",
+                           expert_qtype=expert_qtype)
+    store = specmoe.convert(path, progress=False)
+    err = capfd.readouterr().err
+    assert "the store keeps their blocks as they are (dtype='auto' -> 'gguf'" in err, err
+    rd = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in rd.tensors}
+    st = ExpertStore(store)
+    try:
+        assert st.extra["dtype"] == "gguf"
+        for layer in range(st.num_layers):
+            t = st.read_expert(layer, 3)
+            assert (gb.block_kind(t["gate"]), gb.block_kind(t["down"])) == kinds
+            got = quant.dequantize_expert(t)
+            for name in ("gate", "up", "down"):
+                raw = by_name[f"blk.{layer}.ffn_{name}_exps.weight"]
+                want = dequantize(np.asarray(raw.data[3]), raw.tensor_type)
+                np.testing.assert_array_equal(got[name], want)
+                if raw.tensor_type.name in ("Q4_K", "Q6_K", "Q8_0"):  # the file's bytes
+                    np.testing.assert_array_equal(t[name].reshape(-1),
+                                                  np.asarray(raw.data[3]).reshape(-1))
+    finally:
+        st.close()
+
+    ref = tiny_model(arch, hidden=256, inter=inter)
+    missing, unexpected = ref.load_state_dict(held, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3, 17]])
+    want_logits, want_tokens = _logits(ref, ids), _greedy(ref, ids)
+    model = specmoe.from_pretrained(path, cache=0.5, progress=False, dense="torch",
+                                    torch_dtype=torch.float32)
+    try:
+        rels = {}
+        for isa in ("scalar", _C.KernelContext(1).isa_max):  # the exact path, the fast one
+            kernels.set_isa(isa)  # the engine's kernels run on the default context
+            got = _logits(model, ids)
+            rels[isa] = float((got - want_logits).norm() / want_logits.norm())
+            if isa == "scalar":
+                assert _greedy(model, ids) == want_tokens
+    finally:
+        kernels.set_isa("auto")
+        specmoe.engine_of(model).close()
+    assert rels["scalar"] < 1e-5, rels
+    if len(rels) > 1:  # the int8-input arithmetic: close, not equal
+        fast = [v for k, v in rels.items() if k != "scalar"][0]
+        assert 1e-6 < fast < 3e-2, rels
+
+
+def test_files_that_cannot_be_kept_say_why(_cache_dir, tmp_path, capfd):
+    """down mixing Q4_K and Q6_K across layers has no lossless common format: auto converts
+    (saying why), dtype='gguf' refuses by name; a safetensors folder has no blocks to keep."""
+    from specmoe.models.testing import save_checkpoint
+
+    path, _ = save_gguf(tiny_model("qwen3_moe", hidden=256, inter=256), tmp_path / "m.gguf",
+                        expert_qtype=lambda layer, role: "Q6_K" if role == "down" and layer
+                        else "Q4_K")
+    specmoe.convert(path, progress=False)
+    err = capfd.readouterr().err
+    assert "not kept as they are: its down experts mix Q4_K/Q6_K across layers" in err, err
+    with pytest.raises(ValueError, match="cannot be kept as it is: its down experts mix"):
+        specmoe.convert(path, dtype="gguf", progress=False)
+    folder = save_checkpoint(tiny_model("mixtral"), tmp_path / "st")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        specmoe.convert(folder, dtype="gguf", progress=False)

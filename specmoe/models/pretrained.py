@@ -228,13 +228,25 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
 
 
 def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
-    """Expert ``e`` of MoE position ``pos`` in the store's int4 layout, from the checkpoint's
-    blocks as they are: a GGUF file's Q4_0 (fused per layer) or a GPTQ checkpoint's int4 (per
-    expert) (``expert_int4`` of :class:`specmoe.storage.gguf.GgufCheckpoint` and
+    """Expert ``e`` of MoE position ``pos`` in the store's layout, from the checkpoint's
+    blocks as they are: a GGUF file's Q8_0 / Q4_K / Q6_K blocks (store dtype ``"gguf"``), or in
+    int4 a GGUF file's Q4_0 (fused per layer) or a GPTQ checkpoint's int4 (per expert)
+    (``expert_blocks`` / ``expert_int4`` of :class:`specmoe.storage.gguf.GgufCheckpoint` and
     :class:`specmoe.storage.conversion.Checkpoint`)."""
     from ..storage.conversion import StoredExpert
     keys, (I, H) = plan.experts[pos], plan.shapes
     ck = plan.ckpt
+    if plan.dtype == "gguf":
+        from ..storage.ggml_blocks import BLOCKS, block_kind
+        gu = ck.expert_blocks(keys[(None, "gate_up_proj")], e)
+        dn = ck.expert_blocks(keys[(None, "down_proj")], e)
+        gk, dk = block_kind(gu), block_kind(dn)
+        if (gu.shape != (2 * I, H // BLOCKS[gk][0], BLOCKS[gk][1])
+                or dn.shape != (H, I // BLOCKS[dk][0], BLOCKS[dk][1])):
+            raise ValueError(f"{ck.folder}: decoder layer {plan.layer_ids[pos]} expert {e}: "
+                             f"block shapes {gu.shape}/{dn.shape} do not fit the config's "
+                             f"I={I}, H={H}")
+        return StoredExpert({"gate": gu[:I], "up": gu[I:], "down": dn})
     if (e, "gate") in keys:
         (g, gs), (u, us) = ck.expert_int4(keys[(e, "gate")]), ck.expert_int4(keys[(e, "up")])
         gu, gus = np.concatenate([g, u]), np.concatenate([gs, us])
@@ -290,7 +302,9 @@ def _check_cache_fits(plan: _Plan, cache: Any, dtype: str) -> None:
     from ..runtime.cache import parse_capacity
     I, H = plan.shapes
     bb = expert_block_bytes(I, H, dtype, biases=plan.info.gptoss,
-                            group=plan.ckpt.kept_group() if plan.kept else None)
+                            group=plan.ckpt.kept_group() if plan.kept and dtype != "gguf"
+                            else None,
+                            kinds=plan.ckpt.block_kinds()[0] if dtype == "gguf" else None)
     total = plan.num_experts * len(plan.layer_ids)
     k = int(plan.model.config.num_experts_per_tok)
     try:

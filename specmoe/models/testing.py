@@ -168,7 +168,7 @@ def save_checkpoint(model: nn.Module, folder: str | Path, *, layout: str = "per_
 
 
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
-              tokenizer=None) -> tuple[Path, dict[str, torch.Tensor]]:
+              tokenizer=None, expert_qtype: Any = None) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe or deepseek_v2) as a GGUF file the way
     llama.cpp's converter does (architecture names and metadata keys, stacked experts
     ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows), its
@@ -177,7 +177,11 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     them).  ``tokenizer``: a byte-level BPE fast tokenizer written into the metadata as
     llama.cpp's ``gpt2`` tokenizer model (tokens, types, merges).  Returns the path and the
     state dict as the file holds it (each quantized tensor dequantized by the ``gguf``
-    package): the reference the same weights give."""
+    package): the reference the same weights give.  ``qtype`` may also be ``Q4_K`` or
+    ``Q6_K`` (written by :mod:`specmoe.storage.ggml_blocks`' quantizers; the ``gguf`` package
+    has none); a matrix whose columns are not a multiple of 256 then falls back to Q8_0, as
+    llama-quantize falls back.  ``expert_qtype``: the routed experts' type instead of
+    ``qtype``, a name or ``f(layer, "gate" | "up" | "down") -> name`` (a Q4_K_M-like mix)."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize, quantize
@@ -235,25 +239,39 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
         if isinstance(tid, int):
             fn(tid)
 
-    def roundtrip(a: np.ndarray, quantized: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(what the file stores, what it dequantizes to) for f32 array ``a``."""
+    def roundtrip(a: np.ndarray, quantized: bool,
+                  t: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(what the file stores, what it dequantizes to) for f32 array ``a`` in type t."""
         a = np.ascontiguousarray(a, dtype=np.float32)
         if not quantized:
             return a, a
-        q = quantize(a, qt)
-        return q, dequantize(q, qt).reshape(a.shape).astype(np.float32)
+        if t.name in ("Q4_K", "Q6_K"):
+            from ..storage import ggml_blocks
+            fn = ggml_blocks.quantize_q4_k if t.name == "Q4_K" else ggml_blocks.quantize_q6_k
+            q = fn(a.reshape(-1, a.shape[-1])).reshape(a.shape[:-1] + (-1,))
+        else:
+            q = quantize(a, t)
+        return q, dequantize(q, t).reshape(a.shape).astype(np.float32)
 
-    def put(gname: str, a: np.ndarray) -> np.ndarray:
+    def put(gname: str, a: np.ndarray, tname: str | None = None) -> np.ndarray:
+        t = gguf.GGMLQuantizationType[tname] if tname else qt
+        if t.name in ("Q4_K", "Q6_K") and a.shape[-1] % 256:
+            t = gguf.GGMLQuantizationType.Q8_0  # llama-quantize's fallback for such rows
         # llama-quantize keeps 1-D tensors and the router (ffn_gate_inp) in F32
         # (rows not a whole number of blocks stay F32 too, as llama-quantize falls back)
         quantized = not (a.ndim == 1 or "ffn_gate_inp" in gname or a.shape[-1] % 32
-                         or qt == gguf.GGMLQuantizationType.F32)
-        stored, back = roundtrip(a, quantized)
+                         or t == gguf.GGMLQuantizationType.F32)
+        stored, back = roundtrip(a, quantized, t)
         if quantized:
-            w.add_tensor(gname, stored, raw_dtype=qt)
+            w.add_tensor(gname, stored, raw_dtype=t)
         else:
             w.add_tensor(gname, stored)
         return back
+
+    def etype(layer: str, role: str) -> str | None:
+        if expert_qtype is None or isinstance(expert_qtype, str):
+            return expert_qtype
+        return expert_qtype(int(layer), role)
 
     if tokenizer is not None:
         import json
@@ -280,10 +298,11 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
         if name.endswith("mlp.experts.gate_up_proj"):
             I = a.shape[1] // 2
             held[name] = torch.from_numpy(np.concatenate(
-                [put(f"blk.{blk}.ffn_gate_exps.weight", a[:, :I]),
-                 put(f"blk.{blk}.ffn_up_exps.weight", a[:, I:])], axis=1))
+                [put(f"blk.{blk}.ffn_gate_exps.weight", a[:, :I], etype(blk, "gate")),
+                 put(f"blk.{blk}.ffn_up_exps.weight", a[:, I:], etype(blk, "up"))], axis=1))
         elif name.endswith("mlp.experts.down_proj"):
-            held[name] = torch.from_numpy(put(f"blk.{blk}.ffn_down_exps.weight", a))
+            held[name] = torch.from_numpy(put(f"blk.{blk}.ffn_down_exps.weight", a,
+                                              etype(blk, "down")))
         elif arch == "deepseek2" and name.endswith("kv_b_proj.weight"):
             h, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
             kv = a.reshape(h, nope + v, a.shape[1])

@@ -363,15 +363,26 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Any:
 
 def store_dtype(ckpt: Any, dtype: str) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
-    (a safetensors folder), int4 (a GPTQ folder) or the one nearest to a GGUF file's expert
-    type (int4 for Q4_K, int8 for Q8_0: :func:`specmoe.storage.gguf.natural_dtype`), said in
-    one line."""
+    (a safetensors folder), int4 (a GPTQ folder) or for a GGUF file its blocks kept as they
+    are where the kernels read them (int4 for an all-Q4_0 file, ``"gguf"`` for Q8_0 / Q4_K /
+    Q6_K, :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to
+    its experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
+    ``"gguf"`` asked of anything else is a ValueError saying why."""
     from .quant import DTYPES
-    from .gguf import natural_dtype
+    from .gguf import GgufCheckpoint, natural_dtype
+    if dtype == "gguf":
+        if not isinstance(ckpt, GgufCheckpoint):
+            raise ValueError(f"dtype='gguf' keeps a GGUF file's expert blocks as they are; "
+                             f"{ckpt.folder} is not a GGUF file")
+        kinds, why = ckpt.block_kinds()
+        if kinds is None:
+            raise ValueError(f"dtype='gguf': {ckpt.folder} cannot be kept as it is: {why}; "
+                             f"use dtype='auto' (re-quantized) or int8/int4")
+        return dtype
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} not supported; choose one of "
-                             f"{('auto',) + DTYPES}")
+                             f"{('auto',) + DTYPES + ('gguf',)}")
         return dtype
     if isinstance(ckpt, Checkpoint):
         if ckpt.gptq_of:  # 4-bit GPTQ: int4, its blocks kept where they map as they are
@@ -383,11 +394,18 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
             return "int4"
         return "bf16"
     qt = ckpt.expert_type()
+    if qt != "F32" and ckpt.kept_blocks("int4"):
+        _log(f"{ckpt.folder}: experts are {qt}: the store holds them as int4 (dtype='auto'; "
+             f"the {qt} blocks kept as they are, in groups of {ckpt.kept_group()})")
+        return "int4"
+    kinds, why = ckpt.block_kinds()
+    if kinds is not None:
+        _log(f"{ckpt.folder}: experts are {ckpt.kept_blocks('gguf')}: the store keeps their "
+             f"blocks as they are (dtype='auto' -> 'gguf': gate/up {kinds['gate_up']}, down "
+             f"{kinds['down']}{'; Q4_0/Q5_0 widened to Q8_0 without loss' if kinds['down'] == 'q8_0' and ckpt.kept_blocks('gguf') != 'Q8_0' else ''})")
+        return "gguf"
     dt = natural_dtype(qt)
-    how = ("" if qt == "F32" else
-           f"; the {qt} blocks kept as they are, in groups of {ckpt.kept_group()}"
-           if ckpt.kept_blocks(dt) else
-           f"; the {qt} blocks are dequantized and converted, not kept as they are")
+    how = "" if qt == "F32" else f"; dequantized and converted, not kept as they are: {why}"
     _log(f"{ckpt.folder}: experts are {qt}: the store holds them as {dt} (dtype='auto'{how})")
     return dt
 
@@ -586,11 +604,12 @@ class StoredExpert(dict):
 
 
 def expert_block_bytes(I: int, H: int, dtype: str, *, biases: bool = False,
-                       group: int | None = None) -> int:
+                       group: int | None = None, kinds: dict[str, str] | None = None) -> int:
     """Bytes of one store block (one cache slot) of an expert with ``gate``/``up`` [I, H] and
     ``down`` [H, I] in ``dtype``, from the shapes alone (the layout :func:`write_experts`
     writes), so a cache size can be checked before converting.  ``group``: int4/int2's group
-    size (default :func:`specmoe.storage.quant.pick_group`'s)."""
+    size (default :func:`specmoe.storage.quant.pick_group`'s); ``kinds``: for ``"gguf"``, the
+    block kinds of gate/up and down (``GgufCheckpoint.block_kinds``)."""
     from .quant import pick_group
     from .store import ALIGN, TENSOR_ALIGN
 
@@ -600,6 +619,12 @@ def expert_block_bytes(I: int, H: int, dtype: str, *, biases: bool = False,
         sizes = [r * c * (4 if dtype == "f32" else 2) for r, c in rows.values()]
     elif dtype == "int8":
         sizes = [r * c for r, c in rows.values()] + [r * 4 for r, _ in rows.values()]
+    elif dtype == "gguf":
+        from .ggml_blocks import BLOCKS
+        if not kinds:
+            raise ValueError("dtype 'gguf' needs the block kinds of gate/up and down")
+        (gc, gb), (dc, db) = BLOCKS[kinds["gate_up"]], BLOCKS[kinds["down"]]
+        sizes = [I * (H // gc) * gb, I * (H // gc) * gb, H * (I // dc) * db]
     elif dtype in ("int4", "int2"):
         g = group or pick_group(H, I, dtype)
         per, pair = (2, 1) if dtype == "int4" else (4, 2)

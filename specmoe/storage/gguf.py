@@ -16,9 +16,12 @@ experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2`` with
 routing, i.e. DeepSeek-V2 and V2-Lite, its ``attn_k_b``/``attn_v_b`` joined back into
 ``kv_b_proj``).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
-MXFP4).  The routed experts are dequantized to f32 and written to the store in the store
-dtype (:func:`natural_dtype` picks the nearest one to the file's expert type); no GGUF block
-layout is kept as it is yet, so a Q4_K file's experts are re-quantized to specmoe's int4.
+MXFP4).  The routed experts are kept as the file holds them where the kernels read the
+format: Q4_0 everywhere in int4 with groups of 32 (``dtype="int4"``), and Q8_0 / Q4_K / Q6_K
+(with Q4_0 and Q5_0 widened to Q8_0 without loss, e.g. a Q4_K_M file's fallback layers) in the
+``"gguf"`` store dtype (:meth:`GgufCheckpoint.block_kinds`, :mod:`specmoe.storage.ggml_blocks`).
+Other files' experts are dequantized to f32 and written in the store dtype
+(:func:`natural_dtype` picks the nearest one to the file's expert type).
 
 Facts used from llama.cpp's converter (``convert_hf_to_gguf.py``): GGUF shapes are the numpy
 shapes reversed (``ne``); the ``llama`` architecture stores ``q_proj``/``k_proj`` with the rows
@@ -260,10 +263,78 @@ class GgufCheckpoint:
         types = {self._tensors[n].tensor_type.name for n in names}
         self.dtypes[key] = "/".join(sorted(types))
 
+    def _expert_types(self, role: str) -> set[str]:
+        """GGUF types of the routed expert tensors of ``role`` (gate_up_proj: gate and up,
+        down_proj) over every layer."""
+        return {self._tensors[n].tensor_type.name for key, names in self._sources.items()
+                if key.endswith(".mlp.experts." + role) for n in names}
+
+    def block_kinds(self) -> tuple[dict[str, str] | None, str]:
+        """How a ``"gguf"`` store keeps this file's experts: ``({"gate_up": kind, "down":
+        kind}, "")`` with kinds of :data:`specmoe.storage.ggml_blocks.BLOCKS`, or ``(None,
+        why not)``.  Per role, every layer's type must map onto one kind: Q8_0, Q4_K or Q6_K
+        as they are, or any mix of Q4_0, Q5_0 and Q8_0 as Q8_0 (widened without loss); gate
+        and up in the same kind (they are one row of the kernel)."""
+        from .ggml_blocks import TYPE_OF_GGML
+
+        kinds: dict[str, str] = {}
+        for role, short in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+            types = self._expert_types(role)
+            if not types:
+                return None, "the file has no routed expert tensors"
+            got = {TYPE_OF_GGML.get(t) for t in types}
+            if None in got:
+                bad = sorted(t for t in types if t not in TYPE_OF_GGML)
+                return None, (f"its {short} experts are {'/'.join(bad)}, which the kernels do "
+                              f"not read as they are (they read Q8_0, Q4_K, Q6_K; Q4_0 and "
+                              f"Q5_0 as Q8_0)")
+            if len(got) > 1:
+                return None, (f"its {short} experts mix {'/'.join(sorted(types))} across "
+                              f"layers, which no one block format holds without loss")
+            kinds[short] = got.pop()
+        halves = [{self._tensors[names[h]].tensor_type.name
+                   for key, names in self._sources.items()
+                   if key.endswith(".mlp.experts.gate_up_proj")} for h in (0, 1)]
+        if {TYPE_OF_GGML[t] for t in halves[0]} != {TYPE_OF_GGML[t] for t in halves[1]}:
+            return None, (f"its gate experts are {'/'.join(sorted(halves[0]))} but its up "
+                          f"experts are {'/'.join(sorted(halves[1]))}")
+        return kinds, ""
+
+    def expert_blocks(self, key: str, index: int) -> np.ndarray:
+        """Expert ``index`` of the stacked tensor(s) behind ``key`` (gate_up_proj: gate rows
+        then up rows) as block rows uint8 [rows, blocks, block bytes] of its kept kind
+        (:meth:`block_kinds`), read as the file holds them (Q4_0 / Q5_0 widened to Q8_0)."""
+        from .ggml_blocks import BLOCKS, TYPE_OF_GGML, widen_to_q8_0
+
+        parts = []
+        for n in self._sources[key]:
+            t = self._tensors[n]
+            tn = t.tensor_type.name
+            kind = TYPE_OF_GGML.get(tn)
+            if kind is None:
+                raise GgufError(f"{self.folder}: tensor {n} is {tn}, not a kept block type")
+            try:
+                raw = np.asarray(t.data[index])
+            except (ValueError, IndexError, OSError) as exc:
+                raise GgufError(f"{self.folder}: cannot read tensor {n}: {exc}") from None
+            rows = raw.shape[0]
+            if kind == "q8_0":
+                parts.append(widen_to_q8_0(raw.reshape(rows, -1), tn))
+            else:
+                parts.append(np.ascontiguousarray(raw).reshape(rows, -1, BLOCKS[kind][1]))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
     def kept_blocks(self, dtype: str) -> str | None:
-        """The GGUF type whose blocks a store in ``dtype`` holds bit for bit, or None: Q4_0 in
-        int4 with groups of 32 (scale d, nibbles u, w = (u - 8) * d are both formats'
+        """The GGUF types whose blocks a store in ``dtype`` holds bit for bit, or None: for
+        ``"gguf"``, the file's expert types (e.g. ``"Q4_K/Q8_0"``, :meth:`block_kinds`); for
+        int4, Q4_0 in groups of 32 (scale d, nibbles u, w = (u - 8) * d are both formats'
         definition), when every routed expert tensor of the file is Q4_0."""
+        if dtype == "gguf":
+            kinds, _ = self.block_kinds()
+            if kinds is None:
+                return None
+            return "/".join(sorted(self._expert_types("gate_up_proj")
+                                   | self._expert_types("down_proj")))
         if dtype != "int4":
             return None
         types = {self._tensors[n].tensor_type.name for key, names in self._sources.items()

@@ -265,6 +265,9 @@ def dequantize_expert(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray
             res[name] = bf16_to_f32(w)
         elif w.dtype == np.int8:
             res[name] = dequantize_int8(w, s)  # type: ignore[arg-type]
+        elif w.dtype == np.uint8 and w.ndim == 3:  # GGUF blocks kept as a file holds them
+            from .ggml_blocks import dequantize
+            res[name] = dequantize(w)
         elif w.dtype == np.uint8 and np.ndim(s) == 3:  # int2: (scale, offset) per group
             res[name] = dequantize_int2(w, s)  # type: ignore[arg-type]
         elif w.dtype == np.uint8:
