@@ -94,6 +94,8 @@ nomem:
 }
 
 void smoe_layers_free(smoe_layers *g) {
+    free(g->down_dt);
+    g->down_dt = NULL;
     if (g->routers) {
         for (uint32_t l = 0; l < g->L; l++) {
             free(g->routers[l].w);
@@ -168,6 +170,29 @@ void smoe_layers_get_config(smoe_layers *g, int *prefetch, double *overfetch, do
     *miss = g->miss, *miss_keep = g->miss_keep, *miss_keep2 = g->miss_keep2;
     *route_lambda = g->route_lambda;
     pthread_mutex_unlock(&g->mu);
+}
+
+int smoe_layers_set_down_dtypes(smoe_layers *g, const int32_t *dts, smoe_err *err) {
+    int32_t *cp = NULL;
+    if (dts) {
+        if (g->tier.ops)
+            return smoe_err_set(err, SMOE_EINVAL, "layers: per-layer down formats are for the "
+                                "CPU tier (GGUF block weights run on the CPU only)");
+        for (uint32_t l = 0; l < g->L; l++) {
+            smoe_ffn_desc d = g->desc;
+            d.down_dtype = dts[l] == d.dtype ? 0 : dts[l];
+            int rc = smoe_ffn_desc_check(&d, g->tier.tab->slot_bytes, err);
+            if (rc) return rc;
+        }
+        cp = malloc(sizeof *cp * g->L);
+        if (!cp) return smoe_err_set(err, SMOE_ENOMEM, "layers: out of memory");
+        memcpy(cp, dts, sizeof *cp * g->L);
+    }
+    pthread_mutex_lock(&g->mu);
+    free(g->down_dt);
+    g->down_dt = cp;
+    pthread_mutex_unlock(&g->mu);
+    return SMOE_OK;
 }
 
 void smoe_layers_set_parallel(smoe_layers *g, int on) {
@@ -680,7 +705,9 @@ static int host_moe(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
         if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
         if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release, 0};
     }
-    rc = smoe_moe_forward_order(g->kc, &g->desc, &src, pos, E, x, T, idx, w, k, take,
+    smoe_ffn_desc dl = g->desc; /* this layer's: its own down format (smoe_layers_set_down_dtypes) */
+    if (g->down_dt) dl.down_dtype = g->down_dt[pos] == dl.dtype ? 0 : g->down_dt[pos];
+    rc = smoe_moe_forward_order(g->kc, &dl, &src, pos, E, x, T, idx, w, k, take,
                                 overlap ? g->visit : NULL, par, out, used, err);
     if (overlap) unpin_rest(g);
     if (rc) return rc;
@@ -690,7 +717,7 @@ static int host_moe(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
          * differently with the group size) do not depend on the drafts or on which of the
          * drafts' experts happened to be resident.  Rows are disjoint: adding is exact. */
         smoe_moe_source csrc = smoe_moe_cache_source(g->tier.cache);
-        rc = smoe_moe_forward_ex(g->kc, &g->desc, &csrc, pos, E, x, T, idx, w, k, g->take2,
+        rc = smoe_moe_forward_ex(g->kc, &dl, &csrc, pos, E, x, T, idx, w, k, g->take2,
                                  g->out2, g->used2, err);
         if (rc) return rc;
         for (size_t i = 0; i < (size_t)T * g->H; i++) out[i] += g->out2[i];

@@ -183,6 +183,9 @@ typedef struct smoe_layers {
                                * borrowed and outlive every forward call (the binding pins them) */
     smoe_kctx *kc;            /* borrowed; may be NULL (single-threaded kernels) */
     smoe_ffn_desc desc;       /* validated against the cache's block size */
+    int32_t *down_dt;         /* owned; [L] or NULL: each layer's down_dtype (a GGUF block
+                               * store whose layers' down projections differ in format,
+                               * smoe_layers_set_down_dtypes) [mu] */
     smoe_layer_router *routers; /* owned; [L] */
     smoe_shared_ffn *shared;  /* owned array, borrowed contents; [L] (smoe_layers_set_block) [mu] */
     int sigmoid;              /* scores = sigmoid(logits) + corr (else softmax + corr) */
@@ -289,6 +292,12 @@ void smoe_layers_get_config(smoe_layers *g, int *prefetch, double *overfetch, do
  * miss_keep2 < k also copy 1 (smoe_layers_set_lowbit), else SMOE_EINVAL. */
 int smoe_layers_set_miss(smoe_layers *g, int miss, uint32_t miss_keep, uint32_t miss_keep2,
                          double route_lambda, smoe_err *err);
+
+/* Per-layer formats of the down matrix (a GGUF file's Q4_K_M: Q4_K on most layers, Q6_K on
+ * others): dts[l] (l < L) is layer l's desc.down_dtype, each validated with the layers' desc
+ * against the cache's slot size (the store's down tensor is sized for the largest); NULL: every
+ * layer uses desc as given.  CPU tier only. */
+int smoe_layers_set_down_dtypes(smoe_layers *g, const int32_t *dts, smoe_err *err);
 
 /* Step 5's overlap of a layer's misses with its resident experts' compute (on != 0); needs the
  * cache's prefetch worker (without one it changes nothing). */

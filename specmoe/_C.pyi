@@ -144,6 +144,7 @@ class Layers:
     def config(self) -> dict[str, Any]:
         """The settings configure() and set_miss() set: prefetch, overfetch, mass,
         feed_counts, miss, miss_keep, miss_keep2, route_lambda."""
+    def set_down_dtypes(self, codes: Optional[list[int]], /) -> None: ...
     def set_parallel(self, on: bool) -> None:
         """A layer's misses load on the prefetch worker while its resident experts compute."""
     def set_lowbit(self, buf: Any, desc: Optional[dict[str, Any]] = None,

@@ -600,7 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or GGUF file")
     p.add_argument("--cache", default="25%",
                    help="expert cache, as run's --cache (default 25%%)")
-    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],
+                   help="store dtype of the experts, as run's --dtype (default auto)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_at_least(1, 65535), default=8000)

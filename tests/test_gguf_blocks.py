@@ -193,17 +193,24 @@ def _greedy(model, ids, n=8):
                               do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("arch,inter,expert_qtype,kinds", [
-    ("olmoe", 96, _q4_k_m_like, ("q4_k", "q8_0")),
-    ("qwen3_moe", 256, lambda layer, role: "Q4_K" if role != "down" else "Q6_K",
-     ("q4_k", "q6_k")),
-    ("mixtral", 96, "Q8_0", ("q8_0", "q8_0"))])
+def _q4_k_m_256(layer: int, role: str) -> str:
+    """Q4_K_M where every row is a multiple of 256 columns (Qwen3-30B-A3B): gate/up Q4_K, down
+    Q6_K on some layers (llama-quantize's use_more_bits) and Q4_K on the others."""
+    return "Q6_K" if role == "down" and layer % 2 == 0 else "Q4_K"
+
+
+@pytest.mark.parametrize("arch,inter,expert_qtype,down", [
+    ("olmoe", 96, _q4_k_m_like, "q8_0"),
+    ("qwen3_moe", 256, _q4_k_m_256, "q4_k/q6_k by layer"),
+    ("qwen3_moe", 256, lambda layer, role: "Q4_K" if role != "down" else "Q6_K", "q6_k"),
+    ("mixtral", 96, "Q8_0", "q8_0")])
 def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
-        _cache_dir, tmp_path, capfd, arch, inter, expert_qtype, kinds):
-    """dtype='auto' keeps the file's expert blocks (Q5_0 widened to Q8_0); every stored
-    expert dequantizes to exactly what the gguf package reads from the file; the model's
-    logits on the exact kernel path equal the transformers model holding the weights the file
-    holds, and its greedy tokens too; the fast path stays close."""
+        _cache_dir, tmp_path, capfd, arch, inter, expert_qtype, down):
+    """dtype='auto' keeps the file's expert blocks (Q5_0 widened to Q8_0; down formats that
+    change by layer kept per layer); every stored expert dequantizes to exactly what the gguf
+    package reads from the file; the model's logits on the exact kernel path equal the
+    transformers model holding the weights the file holds, and its greedy tokens too; the
+    fast path stays close."""
     import gguf
     from gguf.quants import dequantize
 
@@ -215,6 +222,7 @@ def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
     store = specmoe.convert(path, progress=False)
     err = capfd.readouterr().err
     assert "the store keeps their blocks as they are (dtype='auto' -> 'gguf'" in err, err
+    assert f"down {down}" in err, err
     rd = gguf.GGUFReader(str(path))
     by_name = {t.name: t for t in rd.tensors}
     st = ExpertStore(store)
@@ -222,10 +230,10 @@ def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
         assert st.extra["dtype"] == "gguf"
         for layer in range(st.num_layers):
             t = st.read_expert(layer, 3)
-            assert (gb.block_kind(t["gate"]), gb.block_kind(t["down"])) == kinds
             got = quant.dequantize_expert(t)
             for name in ("gate", "up", "down"):
                 raw = by_name[f"blk.{layer}.ffn_{name}_exps.weight"]
+                assert gb.block_kind(t[name]) == gb.TYPE_OF_GGML[raw.tensor_type.name]
                 want = dequantize(np.asarray(raw.data[3]), raw.tensor_type)
                 np.testing.assert_array_equal(got[name], want)
                 if raw.tensor_type.name in ("Q4_K", "Q6_K", "Q8_0"):  # the file's bytes
@@ -259,18 +267,30 @@ def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
 
 
 def test_files_that_cannot_be_kept_say_why(_cache_dir, tmp_path, capfd):
-    """down mixing Q4_K and Q6_K across layers has no lossless common format: auto converts
+    """gate/up changing format by layer, or a type the kernels do not read: auto converts
     (saying why), dtype='gguf' refuses by name; a safetensors folder has no blocks to keep."""
     from specmoe.models.testing import save_checkpoint
 
     path, _ = save_gguf(tiny_model("qwen3_moe", hidden=256, inter=256), tmp_path / "m.gguf",
-                        expert_qtype=lambda layer, role: "Q6_K" if role == "down" and layer
+                        expert_qtype=lambda layer, role: "Q6_K" if role != "down" and layer
                         else "Q4_K")
     specmoe.convert(path, progress=False)
     err = capfd.readouterr().err
-    assert "not kept as they are: its down experts mix Q4_K/Q6_K across layers" in err, err
-    with pytest.raises(ValueError, match="cannot be kept as it is: its down experts mix"):
+    assert "not kept as they are: its gate/up experts are Q4_K/Q6_K" in err, err
+    with pytest.raises(ValueError, match="cannot be kept as it is: its gate/up experts are"):
         specmoe.convert(path, dtype="gguf", progress=False)
+    p51, _ = save_gguf(tiny_model("mixtral"), tmp_path / "q51.gguf", qtype="Q5_1")
+    with pytest.raises(ValueError, match="Q5_1, which the kernels do not read as they are"):
+        specmoe.convert(p51, dtype="gguf", progress=False)
     folder = save_checkpoint(tiny_model("mixtral"), tmp_path / "st")
     with pytest.raises(ValueError, match="is not a GGUF file"):
         specmoe.convert(folder, dtype="gguf", progress=False)
+
+
+def test_per_layer_down_formats_are_checked():
+    assert kernels.down_dtype_codes(None, 3) is None
+    assert kernels.down_dtype_codes(["q4_k", "q6_k"], 2) == [6, 7]
+    with pytest.raises(ValueError, match="for each of the 3 MoE layers"):
+        kernels.down_dtype_codes(["q4_k", "q6_k"], 3)
+    with pytest.raises(ValueError, match="must name one of"):
+        kernels.down_dtype_codes(["q4_k", "int4"], 2)

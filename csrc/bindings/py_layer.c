@@ -489,6 +489,46 @@ static PyObject *Layers_set_parallel(LayersObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Layers_set_down_dtypes(LayersObject *self, PyObject *arg) {
+    if (check_init(self) < 0) return NULL;
+    int32_t *dts = NULL;
+    if (arg != Py_None) {
+        PyObject *seq = PySequence_Fast(arg, "set_down_dtypes: a sequence of dtype codes or None");
+        if (!seq) return NULL;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if ((uint64_t)n != self->g.L) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_ValueError, "set_down_dtypes: %zd codes for %u layers", n,
+                                self->g.L);
+        }
+        dts = PyMem_Malloc(sizeof *dts * (size_t)(n ? n : 1));
+        if (!dts) {
+            Py_DECREF(seq);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+            if ((v == -1 && PyErr_Occurred()) || v < 0 || v > 100) {
+                PyMem_Free(dts);
+                Py_DECREF(seq);
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "set_down_dtypes: code %ld out of range", v);
+                return NULL;
+            }
+            dts[i] = (int32_t)v;
+        }
+        Py_DECREF(seq);
+    }
+    smoe_err e;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
+    rc = smoe_layers_set_down_dtypes(&self->g, dts, &e);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(dts);
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Layers_set_hybrid(LayersObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"on", "t_io", "t_gpu", "t_cpu", "admit", NULL};
     int on, admit = 1;
@@ -716,6 +756,10 @@ static PyMethodDef Layers_methods[] = {
      "config() -> dict of the settings configure() set (prefetch, overfetch, mass, "
      "feed_counts) and set_miss() set (miss, miss_keep, miss_keep2, route_lambda): the engines "
      "read them back from here."},
+    {"set_down_dtypes", (PyCFunction)Layers_set_down_dtypes, METH_O,
+     "set_down_dtypes(codes or None): each layer's down-matrix format (FFNSpec dtype codes; a\n"
+     "GGUF block store whose layers differ, e.g. Q4_K_M's Q4_K and Q6_K), validated against\n"
+     "the slot size (csrc/layer.h smoe_layers_set_down_dtypes)."},
     {"set_parallel", (PyCFunction)Layers_set_parallel, METH_O,
      "set_parallel(on): a layer's misses load on the prefetch worker while its resident "
      "experts compute (layer.h, step 5)."},

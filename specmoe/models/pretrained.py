@@ -54,6 +54,7 @@ class _Plan:
     store: Path | None = None  # the store file, its location checked (_prepare)
     dtype: str = "bf16"  # the store dtype (_prepare: "auto" resolved)
     kept: str | None = None  # the blocks the store keeps as they are ("Q4_0", "GPTQ")
+    blocks: dict[str, Any] | None = None  # a "gguf" store's kinds (GgufCheckpoint.block_kinds)
 
 
 def _torch_dtype(spec: Any, config: Any) -> torch.dtype:
@@ -246,6 +247,12 @@ def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
             raise ValueError(f"{ck.folder}: decoder layer {plan.layer_ids[pos]} expert {e}: "
                              f"block shapes {gu.shape}/{dn.shape} do not fit the config's "
                              f"I={I}, H={H}")
+        widest = plan.blocks["down"] if plan.blocks else dk
+        if dk != widest:  # this layer's rows packed from the start of the widest-sized tensor
+            c, b = BLOCKS[widest]
+            flat = np.zeros(H * (I // c) * b, np.uint8)
+            flat[:dn.size] = dn.reshape(-1)
+            dn = flat.reshape(H, I // c, b)
         return StoredExpert({"gate": gu[:I], "up": gu[I:], "down": dn})
     if (e, "gate") in keys:
         (g, gs), (u, us) = ck.expert_int4(keys[(e, "gate")]), ck.expert_int4(keys[(e, "up")])
@@ -304,7 +311,7 @@ def _check_cache_fits(plan: _Plan, cache: Any, dtype: str) -> None:
     bb = expert_block_bytes(I, H, dtype, biases=plan.info.gptoss,
                             group=plan.ckpt.kept_group() if plan.kept and dtype != "gguf"
                             else None,
-                            kinds=plan.ckpt.block_kinds()[0] if dtype == "gguf" else None)
+                            kinds=plan.blocks if dtype == "gguf" else None)
     total = plan.num_experts * len(plan.layer_ids)
     k = int(plan.model.config.num_experts_per_tok)
     try:
@@ -326,6 +333,8 @@ def _ensure_store(plan: _Plan, folder: Path, dtype: str, path: Path | None, forc
     settings = store_settings(cfg, plan.info, plan.layer_ids, dtype)
     if plan.kept:
         settings["kept_blocks"] = plan.kept  # a store re-quantized from them is not this one
+    if plan.blocks and plan.blocks.get("down_layers"):  # per-layer down formats (Q4_K_M)
+        settings["gguf_down_kinds"] = [plan.blocks["down_layers"][i] for i in plan.layer_ids]
 
     def convert_to(p: Path, extra: dict[str, Any]) -> None:
         write_experts(str(p), _expert_reader(plan), num_layers=len(plan.layer_ids),
@@ -355,6 +364,7 @@ def _prepare(path: Any, dtype: str, torch_dtype: Any,
     plan.store = spath
     plan.dtype = dtype
     plan.kept = ckpt.kept_blocks(dtype)
+    plan.blocks = ckpt.block_kinds()[0] if dtype == "gguf" else None
     return plan
 
 

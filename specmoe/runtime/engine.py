@@ -158,6 +158,8 @@ class Engine(EngineCommon):
     the per-layer path.  Made by :func:`offload` and :func:`specmoe.from_pretrained`; find a
     model's with :func:`engine_of`."""
 
+    _down_codes: list[int] | None = None  # per-layer down formats of a GGUF block store
+
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
                  cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
                  overfetch: float = 1.5, direct: bool | None = False, verify: bool = True,
@@ -185,7 +187,7 @@ class Engine(EngineCommon):
         link emulation and the low-bit fallback levels (``"int4"``, ``"int4:int2"``), see
         :mod:`specmoe.runtime.misses`."""
         from ..models.dense import convert_dense
-        from .kernels import FFNSpec, context
+        from .kernels import FFNSpec, context, down_dtype_codes
         from ..storage.store import ExpertStore
         info, ids = describe(model)
         if overfetch < 1:
@@ -272,6 +274,8 @@ class Engine(EngineCommon):
                                   limit=float(ex.get("limit", 7.0)))
             spec = FFNSpec.from_store_schema(st.tensors, int(st.block_bytes), **self._ffn_args)
             self._desc = spec.desc()
+            # a GGUF block store whose layers' down projections differ (Q4_K_M: Q4_K / Q6_K)
+            self._down_codes = down_dtype_codes(ex.get("gguf_down_kinds"), len(ids))
             self._block_bytes = int(st.block_bytes)
             self._kctx = context()
             if self.top_k > self.num_experts:
@@ -449,6 +453,8 @@ class Engine(EngineCommon):
         try:
             layers = _C.Layers(new, self._kctx, self._desc, self._router_copies(), self.top_k,
                                sigmoid=self.arch.sigmoid_router)
+            if self._down_codes is not None:
+                layers.set_down_dtypes(self._down_codes)
         except BaseException:
             new.close()
             raise

@@ -24,6 +24,8 @@ from .. import _C
 __all__ = [
     "ACTIVATIONS",
     "FFNSpec",
+    "GGUF_BLOCKS",
+    "down_dtype_codes",
     "pack_block",
     "ffn",
     "context",
@@ -248,6 +250,17 @@ def _block_schema(by: Mapping[str, Mapping[str, Any]], block_bytes: int | None, 
                    block_bytes=int(block_bytes) if block_bytes is not None else end,
                    activation=activation, alpha=alpha, limit=limit, precise=precise,
                    down_dtype=kinds["down"] if kinds["down"] != kinds["gate"] else None)
+
+
+def down_dtype_codes(kinds: Sequence[str] | None, num_layers: int) -> list[int] | None:
+    """``_C.Layers.set_down_dtypes``'s codes for a GGUF block store's per-layer down formats
+    (its header's ``gguf_down_kinds``), or None when the store has none."""
+    if kinds is None:
+        return None
+    if len(kinds) != num_layers or any(k not in GGUF_BLOCKS for k in kinds):
+        raise ValueError(f"store: gguf_down_kinds {list(kinds)!r} must name one of "
+                         f"{tuple(GGUF_BLOCKS)} for each of the {num_layers} MoE layers")
+    return [_DT_CODE[k] for k in kinds]
 
 
 _NP_SCHEMA = {np.dtype(np.float32): "F32", np.dtype(np.uint16): "BF16",

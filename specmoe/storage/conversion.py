@@ -400,9 +400,13 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
         return "int4"
     kinds, why = ckpt.block_kinds()
     if kinds is not None:
+        down = ("/".join(sorted(set(kinds["down_layers"].values()))) + " by layer"
+                if kinds["down_layers"] else kinds["down"])
+        wide = ("; Q4_0/Q5_0 widened to Q8_0 without loss"
+                if {"Q4_0", "Q5_0"} & set(ckpt.kept_blocks("gguf").split("/")) else "")
         _log(f"{ckpt.folder}: experts are {ckpt.kept_blocks('gguf')}: the store keeps their "
              f"blocks as they are (dtype='auto' -> 'gguf': gate/up {kinds['gate_up']}, down "
-             f"{kinds['down']}{'; Q4_0/Q5_0 widened to Q8_0 without loss' if kinds['down'] == 'q8_0' and ckpt.kept_blocks('gguf') != 'Q8_0' else ''})")
+             f"{down}{wide})")
         return "gguf"
     dt = natural_dtype(qt)
     how = "" if qt == "F32" else f"; dequantized and converted, not kept as they are: {why}"

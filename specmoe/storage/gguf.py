@@ -269,36 +269,46 @@ class GgufCheckpoint:
         return {self._tensors[n].tensor_type.name for key, names in self._sources.items()
                 if key.endswith(".mlp.experts." + role) for n in names}
 
-    def block_kinds(self) -> tuple[dict[str, str] | None, str]:
-        """How a ``"gguf"`` store keeps this file's experts: ``({"gate_up": kind, "down":
-        kind}, "")`` with kinds of :data:`specmoe.storage.ggml_blocks.BLOCKS`, or ``(None,
-        why not)``.  Per role, every layer's type must map onto one kind: Q8_0, Q4_K or Q6_K
-        as they are, or any mix of Q4_0, Q5_0 and Q8_0 as Q8_0 (widened without loss); gate
-        and up in the same kind (they are one row of the kernel)."""
-        from .ggml_blocks import TYPE_OF_GGML
+    def block_kinds(self) -> tuple[dict[str, Any] | None, str]:
+        """How a ``"gguf"`` store keeps this file's experts: ``({"gate_up": kind, "down": kind,
+        "down_layers": {layer: kind} or None}, "")`` with kinds of
+        :data:`specmoe.storage.ggml_blocks.BLOCKS`, or ``(None, why not)``.  Each layer's types
+        map onto a kind: Q8_0, Q4_K or Q6_K as they are, Q4_0 and Q5_0 as Q8_0 (widened without
+        loss).  Gate and up must be one kind in every layer (they are one row of the kernel);
+        down may change from layer to layer (Q4_K_M: Q4_K, Q6_K on some layers): ``down`` is
+        then the kind with the longest rows, which the store's down tensor is sized for, and
+        ``down_layers`` each layer's own."""
+        from .ggml_blocks import BLOCKS, TYPE_OF_GGML
 
-        kinds: dict[str, str] = {}
-        for role, short in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
-            types = self._expert_types(role)
-            if not types:
-                return None, "the file has no routed expert tensors"
-            got = {TYPE_OF_GGML.get(t) for t in types}
-            if None in got:
-                bad = sorted(t for t in types if t not in TYPE_OF_GGML)
-                return None, (f"its {short} experts are {'/'.join(bad)}, which the kernels do "
+        per: dict[str, dict[int, set[str]]] = {"gate": {}, "up": {}, "down": {}}
+        for key, names in self._sources.items():
+            m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", key)
+            if m is None:
+                continue
+            roles = ("gate", "up") if m.group(2) == "gate_up_proj" else ("down",)
+            for role, n in zip(roles, names):
+                per[role].setdefault(int(m.group(1)), set()).add(
+                    self._tensors[n].tensor_type.name)
+        if not per["down"]:
+            return None, "the file has no routed expert tensors"
+        kinds: dict[str, dict[int, str]] = {}
+        for role, layers in per.items():
+            bad = sorted({t for ts in layers.values() for t in ts if t not in TYPE_OF_GGML})
+            if bad:
+                return None, (f"its {role} experts are {'/'.join(bad)}, which the kernels do "
                               f"not read as they are (they read Q8_0, Q4_K, Q6_K; Q4_0 and "
                               f"Q5_0 as Q8_0)")
-            if len(got) > 1:
-                return None, (f"its {short} experts mix {'/'.join(sorted(types))} across "
-                              f"layers, which no one block format holds without loss")
-            kinds[short] = got.pop()
-        halves = [{self._tensors[names[h]].tensor_type.name
-                   for key, names in self._sources.items()
-                   if key.endswith(".mlp.experts.gate_up_proj")} for h in (0, 1)]
-        if {TYPE_OF_GGML[t] for t in halves[0]} != {TYPE_OF_GGML[t] for t in halves[1]}:
-            return None, (f"its gate experts are {'/'.join(sorted(halves[0]))} but its up "
-                          f"experts are {'/'.join(sorted(halves[1]))}")
-        return kinds, ""
+            kinds[role] = {i: TYPE_OF_GGML[next(iter(ts))] for i, ts in layers.items()}
+        gate = set(kinds["gate"].values())
+        if len(gate) > 1 or kinds["gate"] != kinds["up"]:
+            types = sorted({t for r in ("gate", "up") for ts in per[r].values() for t in ts})
+            return None, (f"its gate/up experts are {'/'.join(types)}: one block format in "
+                          f"every layer is read as it is, this file changes it")
+        down = kinds["down"]
+        widest = max(set(down.values()), key=lambda k: BLOCKS[k][1] / BLOCKS[k][0])
+        return {"gate_up": gate.pop(), "down": widest,
+                "down_layers": dict(sorted(down.items())) if len(set(down.values())) > 1
+                else None}, ""
 
     def expert_blocks(self, key: str, index: int) -> np.ndarray:
         """Expert ``index`` of the stacked tensor(s) behind ``key`` (gate_up_proj: gate rows

@@ -772,6 +772,11 @@ def _validate(path: str, meta: dict[str, Any], header: dict[str, Any], n: int, s
                               f"(layer {l}, expert {e}, data offset {want[0]})")
 
 
+def _block_kind_of(nbytes: int) -> str:
+    from .ggml_blocks import BLOCKS
+    return next(k for k, (_, b) in BLOCKS.items() if b == nbytes)
+
+
 class ExpertStore(_C.Store):
     """A specmoe store file opened for reading (the slow tier).
 
@@ -857,8 +862,11 @@ class ExpertStore(_C.Store):
             self.read_block(i // E, i % E, out=buf[i * bb:(i + 1) * bb])
         return buf
 
-    def tensors_of(self, block: np.ndarray) -> dict[str, np.ndarray]:
-        """Views of the tensors inside a block buffer (bf16 as uint16 bit patterns)."""
+    def tensors_of(self, block: np.ndarray, layer: int | None = None) -> dict[str, np.ndarray]:
+        """Views of the tensors inside a block buffer (bf16 as uint16 bit patterns).  With
+        ``layer``, a GGUF block store's down matrix in that layer's own format (header extra
+        ``gguf_down_kinds``: its rows packed from the tensor's start, the tensor sized for the
+        largest format)."""
         b = np.asarray(block)
         if b.dtype != np.uint8 or b.ndim != 1 or b.shape[0] != self.block_bytes:
             raise ValueError(f"expected a 1-D uint8 block of {self.block_bytes} bytes, got "
@@ -867,11 +875,20 @@ class ExpertStore(_C.Store):
         for t in self._tensors:
             o = t["offset"]
             out[t["name"]] = b[o:o + t["nbytes"]].view(_DTYPES[t["dtype"]]).reshape(t["shape"])
+        kinds = self.extra.get("gguf_down_kinds") if layer is not None else None
+        if kinds is not None and "down" in out:
+            from .ggml_blocks import BLOCKS
+            cols, nb = BLOCKS[kinds[layer]]
+            d = out["down"]
+            n_cols = d.shape[1] * BLOCKS[_block_kind_of(d.shape[2])][0]
+            out["down"] = d.reshape(-1)[:d.shape[0] * (n_cols // cols) * nb].reshape(
+                d.shape[0], n_cols // cols, nb)
         return out
 
     def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        """Read one expert's tensors (fresh arrays; bf16 as uint16 bit patterns)."""
-        return self.tensors_of(self.read_block(layer, expert))
+        """Read one expert's tensors (fresh arrays; bf16 as uint16 bit patterns; a GGUF block
+        store's down matrix in the layer's own format, :meth:`tensors_of`)."""
+        return self.tensors_of(self.read_block(layer, expert), layer)
 
     def __enter__(self) -> "ExpertStore":
         return self
