@@ -16,20 +16,9 @@ from specmoe.storage import ggml_blocks as gb  # noqa: E402
 
 from .test_kernels import ref_ffn  # noqa: E402
 
+from .test_kernels import _isa, ctx  # noqa: E402,F401  (the module's context fixture)
+
 QUANT = {"q8_0": gb.quantize_q8_0, "q4_k": gb.quantize_q4_k, "q6_k": gb.quantize_q6_k}
-_BEST = _C.KernelContext(1).isa_max
-_ORDER = {"scalar": 0, "avx2": 1, "avx512": 2}
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    return _C.KernelContext(2)
-
-
-def _isa(ctx, name):
-    if _ORDER[name] > _ORDER[_BEST]:
-        pytest.skip(f"CPU lacks {name}")
-    ctx.set_isa(name)
 
 
 def _expert(rng, H, I, kind, down_kind=None, bias=False):

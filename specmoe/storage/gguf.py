@@ -310,6 +310,14 @@ class GgufCheckpoint:
                 "down_layers": dict(sorted(down.items())) if len(set(down.values())) > 1
                 else None}, ""
 
+    def _expert_raw(self, name: str, index: int) -> np.ndarray:
+        """Expert ``index``'s rows of stacked GGUF tensor ``name`` as the file holds them
+        (uint8 [rows, row bytes]; only that expert's bytes are read)."""
+        try:
+            return np.asarray(self._tensors[name].data[index])
+        except (ValueError, IndexError, OSError) as exc:
+            raise GgufError(f"{self.folder}: cannot read tensor {name}: {exc}") from None
+
     def expert_blocks(self, key: str, index: int) -> np.ndarray:
         """Expert ``index`` of the stacked tensor(s) behind ``key`` (gate_up_proj: gate rows
         then up rows) as block rows uint8 [rows, blocks, block bytes] of its kept kind
@@ -323,10 +331,7 @@ class GgufCheckpoint:
             kind = TYPE_OF_GGML.get(tn)
             if kind is None:
                 raise GgufError(f"{self.folder}: tensor {n} is {tn}, not a kept block type")
-            try:
-                raw = np.asarray(t.data[index])
-            except (ValueError, IndexError, OSError) as exc:
-                raise GgufError(f"{self.folder}: cannot read tensor {n}: {exc}") from None
+            raw = self._expert_raw(n, index)
             rows = raw.shape[0]
             if kind == "q8_0":
                 parts.append(widen_to_q8_0(raw.reshape(rows, -1), tn))
@@ -366,10 +371,7 @@ class GgufCheckpoint:
             t = self._tensors[n]
             if t.tensor_type.name != "Q4_0":
                 raise GgufError(f"{self.folder}: tensor {n} is {t.tensor_type.name}, not Q4_0")
-            try:
-                raw = np.asarray(t.data[index])
-            except (ValueError, IndexError, OSError) as exc:
-                raise GgufError(f"{self.folder}: cannot read tensor {n}: {exc}") from None
+            raw = self._expert_raw(n, index)
             rows = raw.shape[0]
             blocks = raw.reshape(rows, -1, 18)
             d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
