@@ -522,37 +522,68 @@ def spec_loss(iterations, t_plain=None):
     return lost / sum(i["t_iter"] for i in iterations)
 
 
-def test_cascade_stays_within_5_percent_of_plain_when_speculation_never_pays(pair):
+def vclock_cost(t: int) -> float:
+    """Units of a forward of t tokens on the virtual clock: about what the zoo model's forwards
+    cost in wall time on the development hosts, in plain steps (a verification of 3 tokens
+    ~1.8 steps, a 40-token prompt ~3: framework-bound, Issue 39's measurements)."""
+    return 1.0 + 0.4 * min(t - 1, 3) + 0.02 * max(t - 4, 0)
+
+
+@pytest.fixture()
+def virtual_clock(pair, monkeypatch):
+    """generate's clock made of the calls it makes: a forward of T tokens costs vclock_cost(T)
+    units, so the times the controller sees depend on what it chose, never on this host.  The
+    one-call decode step (a C call that bypasses the forward) is off, so every step goes
+    through the forward."""
+    from types import SimpleNamespace
+
+    from specmoe.speculation import generation as gen_mod
+    model = pair[0]
+    clock = [0.0]
+
+    def tick(module, args, kwargs):
+        clock[0] += vclock_cost(kwargs["input_ids"].shape[-1])
+
+    hook = model.register_forward_pre_hook(tick, with_kwargs=True)
+    monkeypatch.setattr(gen_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(model, "_specmoe_decode_step", None, raising=False)
+    yield clock
+    hook.remove()
+
+
+def test_cascade_stays_within_5_percent_of_plain_when_speculation_never_pays(pair,
+                                                                             virtual_clock):
     """Issue 39 item 1 (Cascade's promise: at most 5 % slower than plain decoding where
-    speculation does not pay), with a real drafter on the zoo model: the target drafting for
-    itself (DraftModel over the same model, its own KV cache) is always accepted but costs a
-    full step per draft token, so (K+1) tokens cost K steps plus a K+1-token verification:
-    U(K) <= 1 on any host.  Over three requests Cascade must lose at most 5 % to plain
-    decoding, measured on the run's own iterations (asserted at 10 %: see below); StaticK(2)
-    with the same drafter shows that the measure sees such a loss."""
+    speculation does not pay; Cascade section 7), on a virtual clock (the fixture): the target
+    drafting for itself (DraftModel over the same model, its own KV cache) is always accepted
+    but pays a full step per draft token, so K + 1 tokens cost K steps plus a verification of
+    K + 1 tokens, and U(K) < 1 for every K (0.83 at K = 1, 0.79 at K = 2).  Over three requests Cascade must lose at most 5 % to plain
+    decoding, measured on the run's own iterations; StaticK(2) with the same drafter shows
+    that the measure sees such a loss.  Deterministic: the clock counts the forwards made.
+    (benchmarks/speculation.py measures the same promise in wall time.)"""
     model, _, eng, ids = pair
     prompts = [ids[0, :n].tolist() for n in (40, 52, ids.shape[1])]
     plain = [generate(model, p, max_new_tokens=64, eos_token_id=None).sequences[0, len(p):]
              .tolist() for p in prompts]
     # tau=None: Cascade's own test-and-set alone (no gamma-tolerance pruning, no success
-    # model), so it must try K and find out; "auto": the default, pruning included
-    for tau in (None, "auto"):
+    # model), so it must try K and find out; a tau table of this clock's costs: the pruning
+    # and the success model as the default runs them ("auto" measures tau in wall time)
+    tau = {g: vclock_cost(g) for g in range(1, 10)}
+    for tv in (None, tau):
         ctl = Cascade()
         its = []
         for p, want in zip(prompts, plain):
             out = generate(model, p, DraftModel(model), ctl, max_new_tokens=64,
-                           eos_token_id=None, tau=tau)
+                           eos_token_id=None, tau=tv)
             assert out.sequences[0, len(p):].tolist() == want
             its += out.iterations
-        if tau is None:
+        if tv is None:
             assert sum(i["k"] > 0 for i in its) >= 1  # it did look
-        # the promise is 5 % (benchmarks/speculation.py measures it); Cascade's probes of
-        # K = 1 cost about one plain step each here (U ~ 0.95), so on a shared 2-core host a
-        # slow spell during one of them moves the figure by a few points: 4.5-5.7 % in runs
-        # here.  10 % still tells backing off (static K below: ~45 %) from not
-        assert spec_loss(its) <= 0.10, (tau, [(i["k"], i["emitted"], round(i["t_iter"] * 1e3, 1))
-                                              for i in its if i["k"]])
+        assert spec_loss(its) <= 0.05, (tv is None, spec_loss(its),
+                                         [(i["k"], i["emitted"], round(i["t_iter"], 2))
+                                          for i in its if i["k"]])
     static = generate(model, prompts[0], DraftModel(model), StaticK(2), max_new_tokens=24,
                       eos_token_id=None, tau=None)
     t_plain = float(np.median([i["t_iter"] for i in its if i["k"] == 0]))
+    assert t_plain == pytest.approx(1.0)  # one forward of one token on the virtual clock
     assert spec_loss(static.iterations, t_plain) > 0.20
