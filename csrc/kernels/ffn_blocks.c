@@ -201,12 +201,6 @@ AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
 
 /* ---- Q8_0: one scale per 32 columns on both sides ---- */
 
-/* The 32 int8 products of w and x summed in pairs then quads: 8 int32 lanes (exact). */
-AI __m256i dot32_s8(__m256i w, __m256i x) {
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
-
 static void rows_q8_0(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
     const uint32_t nb = n / 32;
     __m256 acc[TILE];
