@@ -878,11 +878,11 @@ class ExpertStore(_C.Store):
         kinds = self.extra.get("gguf_down_kinds") if layer is not None else None
         if kinds is not None and "down" in out:
             from .ggml_blocks import BLOCKS
-            cols, nb = BLOCKS[kinds[layer]]
+            cols, bb = BLOCKS[kinds[layer]]  # this layer's columns and bytes per block
             d = out["down"]
             n_cols = d.shape[1] * BLOCKS[_block_kind_of(d.shape[2])][0]
-            out["down"] = d.reshape(-1)[:d.shape[0] * (n_cols // cols) * nb].reshape(
-                d.shape[0], n_cols // cols, nb)
+            out["down"] = d.reshape(-1)[:d.shape[0] * (n_cols // cols) * bb].reshape(
+                d.shape[0], n_cols // cols, bb)
         return out
 
     def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
