@@ -283,3 +283,33 @@ def test_per_layer_down_formats_are_checked():
         kernels.down_dtype_codes(["q4_k", "q6_k"], 3)
     with pytest.raises(ValueError, match="must name one of"):
         kernels.down_dtype_codes(["q4_k", "int4"], 2)
+
+
+def test_serve_a_q4_k_m_file(_cache_dir, tmp_path):
+    """specmoe.serve.app on a GGUF file: tokenizer and config from the metadata, the K-quant
+    blocks kept (down Q4_K / Q6_K by layer), and a completion equal to the served model's own
+    greedy generation."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from specmoe import zoo
+    from specmoe.serve import app
+
+    tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
+    model = tiny_model("mixtral", hidden=256, inter=256, vocab=tok.vocab_size)
+    path, _ = save_gguf(model, tmp_path / "serve-q4km.gguf", tokenizer=tok,
+                        expert_qtype=_q4_k_m_256)
+    asgi = app(path, dtype="auto", cache="50%", max_batch=2)
+    srv = asgi.state.server
+    assert srv.model_name == "serve-q4km.gguf"
+    assert specmoe.engine_of(srv.model).dtype == "gguf"
+    with TestClient(asgi) as client:  # the app owns its engine: closed when the app stops
+        r = client.post("/v1/completions", json={"model": srv.model_name, "max_tokens": 6,
+                                                 "prompt": "def parse(line):",
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["text"]
+        ids = srv.tokenizer("def parse(line):").input_ids
+        want = _greedy(srv.model, torch.tensor([ids]), n=6)
+    assert len(want) == 6 and got == srv.tokenizer.decode(want, skip_special_tokens=True)
