@@ -108,13 +108,19 @@ def _best_time(fns, rounds: int) -> float:
 # GGUF block formats kept as a file holds them (q8_0, q4_k, q6_k): the expert's matrices in that
 # format, except a down projection whose I columns are not a multiple of 256, which llama.cpp's
 # quantizer writes as Q8_0 (its fallback for K-quants on such rows, e.g. DeepSeek-V2-Lite's 1408).
-BLOCK_DTYPES = ("q8_0", "q4_k", "q6_k")
+BLOCK_DTYPES = ("q8_0", "q4_k", "q6_k", "q4_0")
 NO_TORCH = "torch has no kernel for GGUF blocks (llama.cpp is the peer: decode_peers.py)"
+
+
+def _quantize_q4_0(w: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    return quantize(w, GGMLQuantizationType.Q4_0).reshape(w.shape[0], -1, 18)
 
 
 def _block_expert(kind: str, g, u, d) -> dict[str, np.ndarray]:
     q = {"q8_0": ggml_blocks.quantize_q8_0, "q4_k": ggml_blocks.quantize_q4_k,
-         "q6_k": ggml_blocks.quantize_q6_k}
+         "q6_k": ggml_blocks.quantize_q6_k, "q4_0": _quantize_q4_0}
     dk = kind if d.shape[1] % ggml_blocks.BLOCKS[kind][0] == 0 else "q8_0"
     return {"gate": q[kind](g), "up": q[kind](u), "down": q[dk](d)}
 
@@ -279,7 +285,7 @@ def main() -> None:
                     help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--dtypes", default="f32,bf16,int8,int4",
                     help="comma-separated; also int4g32 (int4 in groups of 32: GGUF Q4_0 kept) "
-                         "and the GGUF blocks kept as they are: q8_0, q4_k, q6_k (a down "
+                         "and the GGUF blocks kept as they are: q8_0, q4_k, q6_k, q4_0 (a down "
                          "projection whose columns are not a multiple of 256 is q8_0, as "
                          "llama.cpp writes it)")
     ap.add_argument("--tokens", default="1,8")

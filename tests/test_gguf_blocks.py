@@ -18,7 +18,15 @@ from .test_kernels import ref_ffn  # noqa: E402
 
 from .test_kernels import _isa, ctx  # noqa: E402,F401  (the module's context fixture)
 
-QUANT = {"q8_0": gb.quantize_q8_0, "q4_k": gb.quantize_q4_k, "q6_k": gb.quantize_q6_k}
+def _quantize_q4_0(w):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    return quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType.Q4_0).reshape(
+        w.shape[0], -1, 18)
+
+
+QUANT = {"q8_0": gb.quantize_q8_0, "q4_k": gb.quantize_q4_k, "q6_k": gb.quantize_q6_k,
+         "q4_0": _quantize_q4_0}
 
 
 def _expert(rng, H, I, kind, down_kind=None, bias=False):
@@ -49,7 +57,7 @@ def _model_fast(ref, x, kind, down):
     """The fast path's arithmetic: int8 x, f32 weights, int8 activation."""
     from .test_kernels import ref_act
 
-    m = {"q8_0": 32, "q4_k": 256, "q6_k": 256}
+    m = {"q8_0": 32, "q4_k": 256, "q6_k": 256, "q4_0": 32}
     xq = _q8(x, m[kind]).astype(np.float64)
     g = xq @ ref["gate"].T.astype(np.float64) + ref.get("gate.bias", 0.0)
     u = xq @ ref["up"].T.astype(np.float64) + ref.get("up.bias", 0.0)
@@ -69,7 +77,7 @@ def test_quantizers_write_blocks_the_gguf_package_reads_back_closely():
         assert gb.block_kind(b) == kind and b.shape == (8, 512 // gb.BLOCKS[kind][0],
                                                         gb.BLOCKS[kind][1])
         err = _rel(gb.dequantize(b), w)
-        assert err < {"q8_0": 0.01, "q4_k": 0.12, "q6_k": 0.03}[kind], (kind, err)
+        assert err < {"q8_0": 0.01, "q4_k": 0.12, "q6_k": 0.03, "q4_0": 0.12}[kind], (kind, err)
 
 
 def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
@@ -88,15 +96,16 @@ def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("kind,down", [("q8_0", None), ("q4_k", None), ("q6_k", None),
-                                       ("q4_k", "q8_0"), ("q4_k", "q6_k")])
+                                       ("q4_0", None), ("q4_k", "q8_0"), ("q4_k", "q6_k"),
+                                       ("q4_k", "q4_0")])
 @pytest.mark.parametrize("T", [1, 5, 9])
 @pytest.mark.parametrize("precise", [True, False])
 def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, precise):
     _isa(ctx, isa)
     rng = np.random.default_rng(hash((kind, down, T)) % 2**32)
-    H, I = 512, 256 if (down or kind) != "q8_0" else 96
-    if kind == "q8_0":
-        H = 96 * 4
+    small = ("q8_0", "q4_0")  # blocks of 32 columns
+    H = 96 * 4 if kind in small else 512
+    I = 96 if (down or kind) in small else 256
     t, ref = _expert(rng, H, I, kind, down, bias=T == 5)  # 9 tokens: tiles of 4, 4 and 1
     x = rng.standard_normal((T, H)).astype(np.float32)
     got = kernels.ffn(t, x, precise=precise, ctx=ctx)
@@ -192,7 +201,8 @@ def _q4_k_m_256(layer: int, role: str) -> str:
     ("olmoe", 96, _q4_k_m_like, "q8_0"),
     ("qwen3_moe", 256, _q4_k_m_256, "q4_k/q6_k by layer"),
     ("qwen3_moe", 256, lambda layer, role: "Q4_K" if role != "down" else "Q6_K", "q6_k"),
-    ("mixtral", 96, "Q8_0", "q8_0")])
+    ("mixtral", 96, "Q8_0", "q8_0"),
+    ("mixtral", 96, "Q4_0", "q4_0")])
 def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
         _cache_dir, tmp_path, capfd, arch, inter, expert_qtype, down):
     """dtype='auto' keeps the file's expert blocks (Q5_0 widened to Q8_0; down formats that

@@ -1,5 +1,5 @@
-/* Expert FFNs over GGUF block weights kept as the file holds them (SMOE_WDT_Q8_0 / Q4_K / Q6_K,
- * layouts in kernels.h; ggml's block_q8_0, block_q4_K and block_q6_K).
+/* Expert FFNs over GGUF block weights kept as the file holds them (SMOE_WDT_Q8_0 / Q4_K / Q6_K /
+ * Q4_0, layouts in kernels.h; ggml's block_q8_0, block_q4_K, block_q6_K and block_q4_0).
  *
  * Two paths, chosen per call by ffn.c:
  *   exact  (desc.precise = 1, or a CPU without AVX2): each block is widened to f32 exactly as
@@ -9,10 +9,12 @@
  *   fast   (AVX2, precise = 0): llama.cpp's scheme (its Q8_0 x Q8_0, Q4_K x Q8_K and
  *          Q6_K x Q8_K dot products) -- the input (x in phase 1, the activation in phase 2) is
  *          quantized once per call to int8 with one scale max|x| / 127 per 32 columns for a
- *          Q8_0 matrix, per 256 for a K-quant one (round to nearest even), and each block's
- *          products are summed exactly in integers with vpmaddubsw / vpmaddwd:
+ *          Q8_0 or Q4_0 matrix, per 256 for a K-quant one (round to nearest even), and each
+ *          block's products are summed exactly in integers with vpmaddubsw / vpmaddwd:
  *            Q8_0  |w| as the unsigned operand, x with w's sign (vpsignb): pairs at most
  *                  2 * 128 * 127 = 32512 < 2^15; times d_w * s_x per 32 columns in f32.
+ *            Q4_0  the nibbles unpacked to q - 8 in [-8, 7], then as Q8_0 (llama.cpp's
+ *                  Q4_0 x Q8_0).
  *            Q4_K  the nibbles q in [0, 15] as the unsigned operand (pairs <= 3810), times
  *                  the sub-block's 6-bit scale in vpmaddwd (<= 480060 a lane per 32
  *                  columns), summed over the 256 columns in int32; times d * s_x once per
@@ -28,8 +30,8 @@
  *          One pass over a row's blocks serves up to 4 tokens (the unpacked nibbles and
  *          scales reused).
  *
- * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0)
- * or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8 values
+ * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0,
+ * Q4_0) or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8 values
  * [T, n/32]. */
 #include <math.h>
 #include <string.h>
@@ -74,7 +76,13 @@ static inline void q4k_scale_min(const uint8_t *s, uint32_t j, uint8_t *sc, uint
 
 /* One block of `dt` widened to f32 into y (32 or 256 values), as ggml widens it. */
 static void widen_block(int32_t dt, const uint8_t *b, float *y) {
-    if (dt == SMOE_WDT_Q8_0) {
+    if (dt == SMOE_WDT_Q4_0) {
+        const float d = rd_f16(b);
+        for (uint32_t l = 0; l < 16; l++) {
+            y[l] = d * (float)((int)(b[2 + l] & 0xFu) - 8);
+            y[l + 16] = d * (float)((int)(b[2 + l] >> 4) - 8);
+        }
+    } else if (dt == SMOE_WDT_Q8_0) {
         const float d = rd_f16(b);
         const int8_t *q = (const int8_t *)(b + 2);
         for (uint32_t l = 0; l < 32; l++) y[l] = d * (float)q[l];
@@ -186,13 +194,13 @@ AI float ld_f16(const uint8_t *p) {
 /* The prepared input of token t of a matrix of `dt` with n columns (layout at prepare_avx2). */
 typedef struct xin {
     const int8_t *q;   /* [n] int8 */
-    const float *s;    /* Q8_0: [n/32] scales; K-quants: [n/256] */
+    const float *s;    /* Q8_0, Q4_0: [n/32] scales; K-quants: [n/256] */
     const int16_t *bs; /* K-quants: [n/32] sums of the int8 values per 32 columns */
 } xin;
 
 AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
     xin r;
-    const uint32_t ns = dt == SMOE_WDT_Q8_0 ? n / 32 : n / 256;
+    const uint32_t ns = smoe_wdt_block_cols(dt) == 32 ? n / 32 : n / 256;
     r.q = (const int8_t *)j->q + (size_t)t * n;
     r.s = j->qs + (size_t)t * ns;
     r.bs = (const int16_t *)j->qsum + (size_t)t * (n / 32);
@@ -218,6 +226,58 @@ static void rows_q8_0(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, f
         }
     }
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
+}
+
+static void rows_q4_0(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    const uint32_t nb = n / 32;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i k8 = _mm256_set1_epi8(8);
+    __m256 acc[TILE];
+    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (uint32_t b = 0; b < nb; b++, w += 18) {
+        if (!(b & 3)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(w + 2));
+        /* columns 0..15 in the low lane (low nibbles), 16..31 in the high lane */
+        const __m256i wq = _mm256_sub_epi8(
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)), k8);
+        const __m256i aw = _mm256_sign_epi8(wq, wq);
+        const float d = ld_f16(w);
+        for (uint32_t t = 0; t < nt; t++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b));
+            const __m256i p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq)), _mm256_set1_epi16(1));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[b]), _mm256_cvtepi32_ps(p), acc[t]);
+        }
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
+}
+
+/* rows_q4_0 for one token: two blocks per step into two accumulators (the fma chain, the f16
+ * conversions and the unpacking of one block overlap the other's). */
+AI __m256 q4_0_block(const uint8_t *w, const int8_t *xq, float xs, __m256 acc) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(w + 2));
+    const __m256i wq = _mm256_sub_epi8(
+        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
+        _mm256_set1_epi8(8));
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i p = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq)),
+        _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w) * xs), _mm256_cvtepi32_ps(p), acc);
+}
+
+static float row1_q4_0(const uint8_t *w, const xin *x, uint32_t n) {
+    const uint32_t nb = n / 32;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    uint32_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 36) {
+        if (!(b & 2)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        a0 = q4_0_block(w, x->q + 32 * b, x->s[b], a0);
+        a1 = q4_0_block(w + 18, x->q + 32 * b + 32, x->s[b + 1], a1);
+    }
+    if (b < nb) a0 = q4_0_block(w, x->q + 32 * b, x->s[b], a0);
+    return hsum8(_mm256_add_ps(a0, a1));
 }
 
 /* ---- Q4_K: one input scale per 256 columns, integer sums across the 8 sub-blocks ---- */
@@ -366,13 +426,15 @@ static void rows_q6_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, f
     __m256 acc[TILE];
     for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (uint32_t s = 0; s < nsb; s++, w += 210) {
-        for (uint32_t k = 0; k < 4; k++) _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        for (uint32_t k = 0; k < 4; k++)
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
         const float d = ld_f16(w + 208);
         __m256i sumi[TILE];
         for (uint32_t t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
         for (uint32_t h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
-            const __m128i sc16 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h)));
+            const __m128i sc16 =
+                _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h)));
             const __m256i sc256 = _mm256_set_m128i(sc16, sc16);
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
@@ -465,6 +527,10 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
     for (uint32_t t = 0; t < nt; t++) x[t] = xin_of(j, dt, t0 + t, n);
     if (dt == SMOE_WDT_Q8_0)
         rows_q8_0(w, x, nt, n, res);
+    else if (dt == SMOE_WDT_Q4_0 && nt == 1)
+        res[0] = row1_q4_0(w, x, n);
+    else if (dt == SMOE_WDT_Q4_0)
+        rows_q4_0(w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q4_K)
         rows_q4_k(w, x, nt, n, res);
     else if (nt == 1)
@@ -552,13 +618,13 @@ AI void quant_cols(const float *xb, uint32_t m, __m256 inv, int8_t *qb, int16_t 
     }
 }
 
-/* Per `m` columns (32 for Q8_0, 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K) of each
- * row: s = max|x| / 127, q = rint(x * (1 / s)) (ties to even), and the sum of every 32 q's.
+/* Per `m` columns (32 for Q8_0 and Q4_0, 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K) of
+ * each row: s = max|x| / 127, q = rint(x * (1 / s)) (ties to even), and the sum of every 32 q's.
  * A NaN among the m columns makes s NaN, so every output it feeds is NaN, as in f32 math.
  * Layout: q [T, n] int8; qs [T, n/m] f32; qsum's bytes [T, n/32] int16 (K-quants). */
 static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int32_t *rows,
                          uint32_t T, uint32_t n, int8_t *q, float *qs, float *qsum) {
-    const uint32_t m = dt == SMOE_WDT_Q8_0 ? 32 : 256, ns = n / m;
+    const uint32_t m = smoe_wdt_block_cols(dt), ns = n / m;
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     int16_t *bs = (int16_t *)qsum;
     for (uint32_t t = 0; t < T; t++) {

@@ -364,9 +364,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Any:
 def store_dtype(ckpt: Any, dtype: str) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
     (a safetensors folder), int4 (a GPTQ folder) or for a GGUF file its blocks kept as they
-    are where the kernels read them (int4 for an all-Q4_0 file, ``"gguf"`` for Q8_0 / Q4_K /
-    Q6_K, :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to
-    its experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
+    are where the kernels read them (``"gguf"`` for Q8_0 / Q4_K / Q6_K / Q4_0,
+    :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
+    experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
     ``"gguf"`` asked of anything else is a ValueError saying why."""
     from .quant import DTYPES
     from .gguf import GgufCheckpoint, natural_dtype
@@ -394,16 +394,12 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
             return "int4"
         return "bf16"
     qt = ckpt.expert_type()
-    if qt != "F32" and ckpt.kept_blocks("int4"):
-        _log(f"{ckpt.folder}: experts are {qt}: the store holds them as int4 (dtype='auto'; "
-             f"the {qt} blocks kept as they are, in groups of {ckpt.kept_group()})")
-        return "int4"
     kinds, why = ckpt.block_kinds()
     if kinds is not None:
         down = ("/".join(sorted(set(kinds["down_layers"].values()))) + " by layer"
                 if kinds["down_layers"] else kinds["down"])
-        wide = ("; Q4_0/Q5_0 widened to Q8_0 without loss"
-                if {"Q4_0", "Q5_0"} & set(ckpt.kept_blocks("gguf").split("/")) else "")
+        wide = ("; Q5_0 widened to Q8_0 without loss"
+                if "Q5_0" in ckpt.kept_blocks("gguf").split("/") else "")
         _log(f"{ckpt.folder}: experts are {ckpt.kept_blocks('gguf')}: the store keeps their "
              f"blocks as they are (dtype='auto' -> 'gguf': gate/up {kinds['gate_up']}, down "
              f"{down}{wide})")

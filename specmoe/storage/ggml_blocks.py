@@ -1,16 +1,16 @@
-"""GGUF (ggml) block formats that a store keeps as a GGUF file holds them: Q8_0, Q4_K, Q6_K.
+"""GGUF (ggml) block formats that a store keeps as a GGUF file holds them: Q8_0, Q4_K, Q6_K,
+Q4_0.
 
-A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144 or
-210 bytes per block: the last dimension names the format, :data:`BLOCKS`), exactly the bytes
+A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144,
+210 or 18 bytes per block: the last dimension names the format, :data:`BLOCKS`), exactly the bytes
 of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as they are.
 
 * :func:`dequantize` widens such a matrix to f32 through the ``gguf`` package (the reference
   the kernels are tested against).
-* :func:`widen_to_q8_0` turns Q4_0 and Q5_0 blocks into Q8_0 blocks **without loss** (the same
-  f16 scale, the same integer values: w = d * (q - 8) or d * (q - 16) is d * q' with q' in
-  [-16, 15]), so a file whose down projections mix Q5_0 and Q8_0 layers (llama.cpp's fallback
-  for K-quants on rows that are not a multiple of 256 columns, e.g. DeepSeek-V2-Lite's 1408)
-  is kept in one format.
+* :func:`widen_to_q8_0` turns Q5_0 blocks (and Q4_0 ones) into Q8_0 blocks **without loss**
+  (the same f16 scale, the same integer values: w = d * (q - 16) or d * (q - 8) is d * q' with
+  q' in [-16, 15]): there is no Q5_0 kernel, and llama.cpp's fallback for K-quants on rows
+  that are not a multiple of 256 columns (e.g. DeepSeek-V2-Lite's 1408) writes Q5_0.
 * :func:`quantize_q4_k`, :func:`quantize_q6_k` and :func:`quantize_q8_0` write valid blocks from
   f32 weights (simple per-sub-block min/max rounding, not llama.cpp's search), for tests and
   tiny files; the ``gguf`` package's writer has no Q4_K / Q6_K quantizer.
@@ -23,15 +23,16 @@ __all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0"
            "quantize_q8_0", "quantize_q4_k", "quantize_q6_k"]
 
 # kind -> (columns, bytes) per block
-BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210)}
+BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18)}
 # GGUF tensor type name -> the kept kind it maps onto without loss
-TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q8_0", "Q5_0": "q8_0"}
+TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_0": "q8_0"}
 _KIND_OF_BYTES = {b: k for k, (_, b) in BLOCKS.items()}
-_GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+_GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q4_0": "Q4_0"}
 
 
 def block_kind(a: np.ndarray) -> str:
-    """The kind (``q8_0``, ``q4_k``, ``q6_k``) of a uint8 [rows, blocks, bytes] matrix."""
+    """The kind (``q8_0``, ``q4_k``, ``q6_k``, ``q4_0``) of a uint8 [rows, blocks, bytes]
+    matrix."""
     if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in _KIND_OF_BYTES:
         raise ValueError(f"not a GGUF block matrix: {a.dtype} {a.shape} (uint8 [rows, blocks, "
                          f"bytes] with bytes one of {sorted(_KIND_OF_BYTES)})")
