@@ -57,10 +57,10 @@ Rows (same checkpoint, same prompt, same threads: ``torch.set_num_threads`` / ll
   tokenizer is GPT-2's byte-level regex); nothing in the llama.cpp tree is modified.
 * ``specmoe-gguf-Q4_0`` / ``specmoe-gguf-Q8_0`` / ``specmoe-gguf-Q4_K_M``: specmoe reading
   **the same GGUF file** as the llama.cpp row of that type (``specmoe.from_pretrained(file,
-  dtype="auto", ...)``, cache and store as above): Q4_0 experts are kept bit for bit (int4 in
-  groups of 32), Q8_0 and Q4_K_M experts bit for bit in the ``"gguf"`` store (Q4_K_M: gate/up
-  Q4_K; down Q8_0, its Q5_0 layers widened to Q8_0 without loss, since one store holds one
-  format per matrix); the non-expert weights are dequantized to bf16.  Compared with the
+  dtype="auto", ...)``, cache and store as above): the Q4_0, Q8_0 and Q4_K_M experts are kept
+  bit for bit in the ``"gguf"`` store (Q4_K_M: gate/up Q4_K; down Q5_0 / Q8_0 by layer, the
+  Q5_0 layers widened to Q8_0 without loss: there is no Q5_0 kernel); the non-expert weights
+  are dequantized to bf16.  Compared with the
   llama.cpp row of the same file (``vs_llama_cpp``); ``llama.cpp-Q4_K_M`` is
   ``llama-quantize``'s Q4_K_M of the bf16 GGUF.
 * ``accelerate``: ``AutoModelForCausalLM.from_pretrained(ckpt, device_map="auto",
