@@ -35,7 +35,8 @@ def _build(tmp_path_factory, cc: str, name: str, srcs: list, flags: list) -> Pat
 @pytest.fixture(scope="module")
 def ffn_rows(tmp_path_factory, c_compiler):
     return _build(tmp_path_factory, c_compiler, "ffn_rows",
-                  ["ffn.c", "ffn_avx2.c", "ffn_avx512.c", "ffn_fast_avx2.c", "ffn_i2.c", "pool.c"], [])
+                  ["ffn.c", "ffn_avx2.c", "ffn_avx512.c", "ffn_fast_avx2.c", "ffn_i2.c",
+                   "ffn_blocks.c", "pool.c"], [])
 
 
 @pytest.mark.parametrize("args", [["int4", "256", "512", "128"], ["int4", "256", "2560", "64"],

@@ -10,7 +10,8 @@
  * with random bytes, 4 KB pages):
  *
  *   K=csrc/kernels; gcc -O3 -Icsrc -I$K -o /tmp/ffn_rows benchmarks/c/ffn_rows.c \
- *       $K/ffn.c $K/ffn_avx2.c $K/ffn_avx512.c $K/ffn_i2.c $K/pool.c csrc/common.c -lm -lpthread
+ *       $K/ffn.c $K/ffn_avx2.c $K/ffn_avx512.c $K/ffn_fast_avx2.c $K/ffn_i2.c $K/ffn_blocks.c \
+ *       $K/pool.c csrc/common.c -lm -lpthread
  *   /tmp/ffn_rows int4 4096 14336 128 [reps]     # dtype H I group (group: int4 only)
  *
  * Weights are N copies of one expert, N = 1 GiB / expert bytes (at least 3; FFN_ROWS_ROTATION
