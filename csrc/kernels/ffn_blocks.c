@@ -207,76 +207,56 @@ AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
     return r;
 }
 
-/* ---- Q8_0: one scale per 32 columns on both sides ---- */
+/* ---- Q8_0 and Q4_0: one scale per 32 columns on both sides ---- */
 
-static void rows_q8_0(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
-    const uint32_t nb = n / 32;
-    __m256 acc[TILE];
-    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (uint32_t b = 0; b < nb; b++, w += 34) {
-        if (!(b & 1)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
-        const __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2));
-        const __m256i aw = _mm256_sign_epi8(wq, wq);
-        const float d = ld_f16(w);
-        for (uint32_t t = 0; t < nt; t++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b));
-            const __m256i p = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq)), _mm256_set1_epi16(1));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[b]), _mm256_cvtepi32_ps(p), acc[t]);
-        }
-    }
-    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
-}
-
-static void rows_q4_0(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
-    const uint32_t nb = n / 32;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256i k8 = _mm256_set1_epi8(8);
-    __m256 acc[TILE];
-    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (uint32_t b = 0; b < nb; b++, w += 18) {
-        if (!(b & 3)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(w + 2));
-        /* columns 0..15 in the low lane (low nibbles), 16..31 in the high lane */
-        const __m256i wq = _mm256_sub_epi8(
-            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)), k8);
-        const __m256i aw = _mm256_sign_epi8(wq, wq);
-        const float d = ld_f16(w);
-        for (uint32_t t = 0; t < nt; t++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b));
-            const __m256i p = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq)), _mm256_set1_epi16(1));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[b]), _mm256_cvtepi32_ps(p), acc[t]);
-        }
-    }
-    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
-}
-
-/* rows_q4_0 for one token: two blocks per step into two accumulators (the fma chain, the f16
- * conversions and the unpacking of one block overlap the other's). */
-AI __m256 q4_0_block(const uint8_t *w, const int8_t *xq, float xs, __m256 acc) {
+/* The 32 weights of a Q8_0 or Q4_0 block as int8 lanes in column order (Q4_0: the low
+ * nibbles are columns 0..15, in the low lane, the high nibbles 16..31; q - 8). */
+AI __m256i q32_of(int32_t dt, const uint8_t *w) {
+    if (dt == SMOE_WDT_Q8_0) return _mm256_loadu_si256((const __m256i *)(w + 2));
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m128i v = _mm_loadu_si128((const __m128i *)(w + 2));
-    const __m256i wq = _mm256_sub_epi8(
+    return _mm256_sub_epi8(
         _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
         _mm256_set1_epi8(8));
+}
+
+/* The block's 32 products with the prepared input xq, times d_w * s_x, into acc. */
+AI __m256 q32_dot(__m256i wq, float d, const int8_t *xq, float xs, __m256 acc) {
     const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
     const __m256i p = _mm256_madd_epi16(
         _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq)),
         _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w) * xs), _mm256_cvtepi32_ps(p), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * xs), _mm256_cvtepi32_ps(p), acc);
 }
 
-static float row1_q4_0(const uint8_t *w, const xin *x, uint32_t n) {
-    const uint32_t nb = n / 32;
+/* Q8_0 / Q4_0 rows (blocks of 32 columns, bb bytes) against nt tokens. */
+AI void rows_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32_t n,
+                 float *res) {
+    const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
+    __m256 acc[TILE];
+    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (uint32_t b = 0; b < nb; b++, w += bb) {
+        if (!(b & 1)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        const __m256i wq = q32_of(dt, w);
+        const float d = ld_f16(w);
+        for (uint32_t t = 0; t < nt; t++)
+            acc[t] = q32_dot(wq, d, x[t].q + 32 * b, x[t].s[b], acc[t]);
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
+}
+
+/* rows_b32 for one token: two blocks per step into two accumulators (the fma chain, the f16
+ * conversions and the unpacking of one block overlap the other's). */
+AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
+    const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     uint32_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 36) {
-        if (!(b & 2)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
-        a0 = q4_0_block(w, x->q + 32 * b, x->s[b], a0);
-        a1 = q4_0_block(w + 18, x->q + 32 * b + 32, x->s[b + 1], a1);
+    for (; b + 2 <= nb; b += 2, w += 2 * bb) {
+        _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        a0 = q32_dot(q32_of(dt, w), ld_f16(w), x->q + 32 * b, x->s[b], a0);
+        a1 = q32_dot(q32_of(dt, w + bb), ld_f16(w + bb), x->q + 32 * b + 32, x->s[b + 1], a1);
     }
-    if (b < nb) a0 = q4_0_block(w, x->q + 32 * b, x->s[b], a0);
+    if (b < nb) a0 = q32_dot(q32_of(dt, w), ld_f16(w), x->q + 32 * b, x->s[b], a0);
     return hsum8(_mm256_add_ps(a0, a1));
 }
 
@@ -525,12 +505,10 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
                   uint32_t n, float *res) {
     xin x[TILE];
     for (uint32_t t = 0; t < nt; t++) x[t] = xin_of(j, dt, t0 + t, n);
-    if (dt == SMOE_WDT_Q8_0)
-        rows_q8_0(w, x, nt, n, res);
-    else if (dt == SMOE_WDT_Q4_0 && nt == 1)
-        res[0] = row1_q4_0(w, x, n);
-    else if (dt == SMOE_WDT_Q4_0)
-        rows_q4_0(w, x, nt, n, res);
+    if (smoe_wdt_block_cols(dt) == 32 && nt == 1)
+        res[0] = row1_b32(dt, w, x, n);
+    else if (smoe_wdt_block_cols(dt) == 32)
+        rows_b32(dt, w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q4_K)
         rows_q4_k(w, x, nt, n, res);
     else if (nt == 1)
