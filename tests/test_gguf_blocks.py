@@ -5,6 +5,8 @@ by an f32 (float64) FFN in numpy: the exact path to float rounding, the fast int
 the rounding of its int8 input."""
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -102,7 +104,7 @@ def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
 @pytest.mark.parametrize("precise", [True, False])
 def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, precise):
     _isa(ctx, isa)
-    rng = np.random.default_rng(hash((kind, down, T)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{kind}/{down}/{T}".encode()))  # not hash(): salted
     small = ("q8_0", "q4_0")  # blocks of 32 columns
     H = 96 * 4 if kind in small else 512
     I = 96 if (down or kind) in small else 256
@@ -113,8 +115,9 @@ def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, pr
     exact = precise or isa == "scalar"
     if exact:
         assert _rel(got, want) < 2e-6, _rel(got, want)
-    else:  # the rounding of the int8 input alone: its model matches to float rounding
-        assert _rel(got, want) < 2.5e-2, _rel(got, want)
+    else:  # the rounding of the int8 input alone (one scale per 256 columns before a K-quant
+        # matrix: 1-3 % of the output on random data); its model matches to float rounding
+        assert _rel(got, want) < 5e-2, _rel(got, want)
         model = _model_fast(ref, x, kind, down)
         assert _rel(got, model) < 1e-5, _rel(got, model)
 
