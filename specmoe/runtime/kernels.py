@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import _C
+from ..storage.ggml_blocks import BLOCKS
 
 __all__ = [
     "ACTIVATIONS",
@@ -41,7 +42,7 @@ _DT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "int2": 4,
 # GGUF block formats kept as a GGUF file holds them (csrc/kernels/ffn_blocks.c): dtype ->
 # (columns, bytes) per block.  A store holds such a matrix as U8 [rows, cols / columns, bytes],
 # which the last dimension names; the scales are inside the blocks.
-GGUF_BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18)}
+GGUF_BLOCKS = BLOCKS
 _BLOCK_OF_BYTES = {b: name for name, (_, b) in GGUF_BLOCKS.items()}
 _ACT_CODE = {"silu": 0, "gptoss": 1}
 # store schema dtype (either spelling) of the weight matrices -> kernel dtype; packed U8 is int4,
@@ -144,7 +145,7 @@ class FFNSpec:
         wdt = {n: str(by[n]["dtype"]).lower() for n in ("gate", "up", "down")}
         if any(len(by[n]["shape"]) == 3 for n in ("gate", "up", "down")):
             return _block_schema(by, block_bytes, activation=activation, alpha=alpha,
-                                          limit=limit, precise=precise)
+                                 limit=limit, precise=precise)
         if len(set(wdt.values())) != 1 or wdt["gate"] not in _SCHEMA_WDT:
             raise ValueError(f"store schema: gate/up/down dtypes {wdt} must be equal and one of "
                              f"F32, BF16, I8, U8 (int4 or int2)")
