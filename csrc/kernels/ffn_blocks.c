@@ -320,13 +320,23 @@ static void rows_q4_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, f
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) - hsum4(accm[t]);
 }
 
+/* One 32-byte chunk v of a Q4_K block (64 columns: the low nibbles against xl, the high ones
+ * against xh) times its two sub-blocks' scales (sc shuffled by kl / kh), as int32 lanes. */
+AI __m256i q4k_chunk(__m256i v, __m256i xl, __m256i xh, __m256i sc, __m256i kl, __m256i kh) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, m4), xl),
+                          _mm256_shuffle_epi8(sc, kl)),
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xh),
+                          _mm256_shuffle_epi8(sc, kh)));
+}
+
 /* Two Q4_K rows (w[0], w[1]: gate and up of one output, or two down rows) against one token,
  * every vector in a register, the input loaded once for both (the tiled form keeps the
  * unpacked nibbles and scales in arrays, which cost it ~2x at one token; one row alone pays
  * its input loads and horizontal sums twice as often). */
 static void row2_q4_k(const uint8_t *const w[2], const xin *x, uint32_t n, float res[2]) {
     const uint32_t nsb = n / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int8_t *xq = x->q;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     __m128 accm0 = _mm_setzero_ps(), accm1 = _mm_setzero_ps();
@@ -353,22 +363,8 @@ static void row2_q4_k(const uint8_t *const w[2], const xin *x, uint32_t n, float
         const __m256i kh = _mm256_set1_epi16((short)(0x0302 + 0x0404 * (c)));                  \
         const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + 16 + 32 * (c)));          \
         const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w1 + 16 + 32 * (c)));          \
-        sumi0 = _mm256_add_epi32(                                                              \
-            sumi0,                                                                             \
-            _mm256_add_epi32(                                                                  \
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v0, m4), xl),          \
-                                  _mm256_shuffle_epi8(sc0, kl)),                               \
-                _mm256_madd_epi16(                                                             \
-                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), xh),  \
-                    _mm256_shuffle_epi8(sc0, kh))));                                           \
-        sumi1 = _mm256_add_epi32(                                                              \
-            sumi1,                                                                             \
-            _mm256_add_epi32(                                                                  \
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, m4), xl),          \
-                                  _mm256_shuffle_epi8(sc1, kl)),                               \
-                _mm256_madd_epi16(                                                             \
-                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), xh),  \
-                    _mm256_shuffle_epi8(sc1, kh))));                                           \
+        sumi0 = _mm256_add_epi32(sumi0, q4k_chunk(v0, xl, xh, sc0, kl, kh));                  \
+        sumi1 = _mm256_add_epi32(sumi1, q4k_chunk(v1, xl, xh, sc1, kl, kh));                  \
     } while (0)
         Q4K_CHUNK(0);
         Q4K_CHUNK(1);
