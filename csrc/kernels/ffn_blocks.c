@@ -1,5 +1,6 @@
 /* Expert FFNs over GGUF block weights kept as the file holds them (SMOE_WDT_Q8_0 / Q4_K / Q6_K /
- * Q4_0, layouts in kernels.h; ggml's block_q8_0, block_q4_K, block_q6_K and block_q4_0).
+ * Q4_0 / Q5_K, layouts in kernels.h; ggml's block_q8_0, block_q4_K, block_q6_K, block_q4_0 and
+ * block_q5_K).
  *
  * Two paths, chosen per call by ffn.c:
  *   exact  (desc.precise = 1, or a CPU without AVX2): each block is widened to f32 exactly as
@@ -20,6 +21,9 @@
  *                  columns), summed over the 256 columns in int32; times d * s_x once per
  *                  super-block.  The min term dmin * s_x * sum_j m_j * (sum of the int8 x of
  *                  sub-block j) comes from the prepared per-32 sums.
+ *            Q5_K  as Q4_K with the fifth bit ORed in (q in [0, 31]: pairs <= 7874, a lane
+ *                  <= 992124 per 32 columns, <= 7.9e6 over the super-block) (llama.cpp's
+ *                  Q5_K x Q8_K).
  *            Q6_K  q in [0, 63] unsigned (pairs <= 16002), minus a second vpmaddubsw of 32
  *                  against x (so (q - 32) x exactly, |pair| <= 8128), times the int8 scale of
  *                  its 16 columns in vpmaddwd, summed over the 256 columns in int32
@@ -86,17 +90,23 @@ static void widen_block(int32_t dt, const uint8_t *b, float *y) {
         const float d = rd_f16(b);
         const int8_t *q = (const int8_t *)(b + 2);
         for (uint32_t l = 0; l < 32; l++) y[l] = d * (float)q[l];
-    } else if (dt == SMOE_WDT_Q4_K) {
+    } else if (dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K) {
+        /* Q5_K: qh[l] bit j is the fifth bit of column l of sub-block j */
+        const int five = dt == SMOE_WDT_Q5_K;
         const float d = rd_f16(b), dmin = rd_f16(b + 2);
-        const uint8_t *q = b + 16;
+        const uint8_t *q = b + (five ? 48 : 16), *qh = b + 16;
         for (uint32_t j = 0; j < 8; j += 2, q += 32, y += 64) {
             uint8_t sc, m;
             q4k_scale_min(b + 4, j, &sc, &m);
             const float d1 = d * sc, m1 = dmin * m;
             q4k_scale_min(b + 4, j + 1, &sc, &m);
             const float d2 = d * sc, m2 = dmin * m;
-            for (uint32_t l = 0; l < 32; l++) y[l] = d1 * (float)(q[l] & 0xFu) - m1;
-            for (uint32_t l = 0; l < 32; l++) y[32 + l] = d2 * (float)(q[l] >> 4) - m2;
+            for (uint32_t l = 0; l < 32; l++) {
+                const uint32_t h1 = five ? ((qh[l] >> j) & 1u) << 4 : 0u;
+                const uint32_t h2 = five ? ((qh[l] >> (j + 1)) & 1u) << 4 : 0u;
+                y[l] = d1 * (float)((q[l] & 0xFu) | h1) - m1;
+                y[32 + l] = d2 * (float)((q[l] >> 4) | h2) - m2;
+            }
         }
     } else { /* Q6_K */
         const uint8_t *ql = b, *qh = b + 128;
@@ -274,8 +284,16 @@ AI void q4k_unpack(const uint8_t *s12, uint32_t u[4]) {
     u[0] &= k1;
 }
 
-static void rows_q4_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
-    const uint32_t nsb = n / 256;
+/* Bit j of every byte of hb at bit 4 (Q5_K's fifth bit of sub-block j, as the value 16). */
+AI __m256i q5k_bit(__m256i hb, uint32_t j) {
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hb, (int)j), 4),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* Q4_K (five = 0) or Q5_K (five = 1) rows against nt tokens. */
+AI void rows_qk(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res,
+                const int five) {
+    const uint32_t nsb = n / 256, bb = five ? 176 : 144, qo = five ? 48 : 16;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[TILE];
     __m128 accm[TILE];
@@ -283,18 +301,24 @@ static void rows_q4_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, f
         acc[t] = _mm256_setzero_ps();
         accm[t] = _mm_setzero_ps();
     }
-    for (uint32_t s = 0; s < nsb; s++, w += 144) {
+    for (uint32_t s = 0; s < nsb; s++, w += bb) {
         uint32_t u[4];
         q4k_unpack(w + 4, u);
+        const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(w + 16))
+                                : _mm256_setzero_si256();
         const float d = ld_f16(w), dmin = ld_f16(w + 2);
         const __m128i sc16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[1], (int)u[0]));
         const __m128i mn16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
         const __m256i sc256 = _mm256_set_m128i(sc16, sc16);
         __m256i lo[4], hi[4], slo[4], shi[4];
         for (uint32_t c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + qo + 32 * c));
             lo[c] = _mm256_and_si256(v, m4);
             hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                lo[c] = _mm256_or_si256(lo[c], q5k_bit(hb, 2 * c));
+                hi[c] = _mm256_or_si256(hi[c], q5k_bit(hb, 2 * c + 1));
+            }
             /* every int16 lane: the scale of sub-block 2c (low nibbles) / 2c + 1 (high) */
             slo[c] = _mm256_shuffle_epi8(sc256, _mm256_set1_epi16((short)(0x0100 + 0x0404 * c)));
             shi[c] = _mm256_shuffle_epi8(sc256, _mm256_set1_epi16((short)(0x0302 + 0x0404 * c)));
@@ -320,34 +344,53 @@ static void rows_q4_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, f
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) - hsum4(accm[t]);
 }
 
-/* One 32-byte chunk v of a Q4_K block (64 columns: the low nibbles against xl, the high ones
- * against xh) times its two sub-blocks' scales (sc shuffled by kl / kh), as int32 lanes. */
-AI __m256i q4k_chunk(__m256i v, __m256i xl, __m256i xh, __m256i sc, __m256i kl, __m256i kh) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    return _mm256_add_epi32(
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, m4), xl),
-                          _mm256_shuffle_epi8(sc, kl)),
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xh),
-                          _mm256_shuffle_epi8(sc, kh)));
+static void rows_q4_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    rows_qk(w, x, nt, n, res, 0);
 }
 
-/* Two Q4_K rows (w[0], w[1]: gate and up of one output, or two down rows) against one token,
- * every vector in a register, the input loaded once for both (the tiled form keeps the
- * unpacked nibbles and scales in arrays, which cost it ~2x at one token; one row alone pays
- * its input loads and horizontal sums twice as often). */
-static void row2_q4_k(const uint8_t *const w[2], const xin *x, uint32_t n, float res[2]) {
-    const uint32_t nsb = n / 256;
+static void rows_q5_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    rows_qk(w, x, nt, n, res, 1);
+}
+
+/* One 32-byte chunk c of a Q4_K / Q5_K block (64 columns: the low nibbles against xl, the
+ * high ones against xh; Q5_K: with the fifth bits of sub-blocks 2c, 2c + 1 from hb) times its
+ * two sub-blocks' scales (sc shuffled by kl / kh), as int32 lanes. */
+AI __m256i qk_chunk(__m256i v, __m256i hb, uint32_t c, __m256i xl, __m256i xh, __m256i sc,
+                    __m256i kl, __m256i kh, const int five) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (five) {
+        lo = _mm256_or_si256(lo, q5k_bit(hb, 2 * c));
+        hi = _mm256_or_si256(hi, q5k_bit(hb, 2 * c + 1));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl),
+                                              _mm256_shuffle_epi8(sc, kl)),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh),
+                                              _mm256_shuffle_epi8(sc, kh)));
+}
+
+/* Two Q4_K (five = 0) or Q5_K (five = 1) rows (w[0], w[1]: gate and up of one output, or two
+ * down rows) against one token, every vector in a register, the input loaded once for both
+ * (the tiled form keeps the unpacked nibbles and scales in arrays, which cost it ~2x at one
+ * token; one row alone pays its input loads and horizontal sums twice as often). */
+AI void row2_qk(const uint8_t *const w[2], const xin *x, uint32_t n, float res[2],
+                const int five) {
+    const uint32_t nsb = n / 256, bb = five ? 176 : 144, qo = five ? 48 : 16;
     const int8_t *xq = x->q;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     __m128 accm0 = _mm_setzero_ps(), accm1 = _mm_setzero_ps();
     const uint8_t *w0 = w[0], *w1 = w[1];
-    for (uint32_t s = 0; s < nsb; s++, w0 += 144, w1 += 144, xq += 256) {
+    for (uint32_t s = 0; s < nsb; s++, w0 += bb, w1 += bb, xq += 256) {
         _mm_prefetch((const char *)(w0 + PF_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(w0 + PF_AHEAD + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(w0 + PF_AHEAD + 128), _MM_HINT_T0);
         _mm_prefetch((const char *)(w1 + PF_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(w1 + PF_AHEAD + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(w1 + PF_AHEAD + 128), _MM_HINT_T0);
+        const __m256i hb0 = five ? _mm256_loadu_si256((const __m256i *)(w0 + 16))
+                                 : _mm256_setzero_si256();
+        const __m256i hb1 = five ? _mm256_loadu_si256((const __m256i *)(w1 + 16))
+                                 : _mm256_setzero_si256();
         uint32_t u0[4], u1[4];
         q4k_unpack(w0 + 4, u0);
         q4k_unpack(w1 + 4, u1);
@@ -361,10 +404,10 @@ static void row2_q4_k(const uint8_t *const w[2], const xin *x, uint32_t n, float
         const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 64 * (c) + 32));          \
         const __m256i kl = _mm256_set1_epi16((short)(0x0100 + 0x0404 * (c)));                  \
         const __m256i kh = _mm256_set1_epi16((short)(0x0302 + 0x0404 * (c)));                  \
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + 16 + 32 * (c)));          \
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w1 + 16 + 32 * (c)));          \
-        sumi0 = _mm256_add_epi32(sumi0, q4k_chunk(v0, xl, xh, sc0, kl, kh));                  \
-        sumi1 = _mm256_add_epi32(sumi1, q4k_chunk(v1, xl, xh, sc1, kl, kh));                  \
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + qo + 32 * (c)));          \
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w1 + qo + 32 * (c)));          \
+        sumi0 = _mm256_add_epi32(sumi0, qk_chunk(v0, hb0, c, xl, xh, sc0, kl, kh, five));     \
+        sumi1 = _mm256_add_epi32(sumi1, qk_chunk(v1, hb1, c, xl, xh, sc1, kl, kh, five));     \
     } while (0)
         Q4K_CHUNK(0);
         Q4K_CHUNK(1);
@@ -391,6 +434,22 @@ static void row2_q4_k(const uint8_t *const w[2], const xin *x, uint32_t n, float
     }
     res[0] = hsum8(acc0) - hsum4(accm0);
     res[1] = hsum8(acc1) - hsum4(accm1);
+}
+
+static void row2_q4_k(const uint8_t *const w[2], const xin *x, uint32_t n, float res[2]) {
+    row2_qk(w, x, n, res, 0);
+}
+
+static void row2_q5_k(const uint8_t *const w[2], const xin *x, uint32_t n, float res[2]) {
+    row2_qk(w, x, n, res, 1);
+}
+
+/* Two rows of dt (Q4_K or Q5_K) against one token. */
+AI void row2_k(int32_t dt, const uint8_t *const w[2], const xin *x, uint32_t n, float res[2]) {
+    if (dt == SMOE_WDT_Q5_K)
+        row2_q5_k(w, x, n, res);
+    else
+        row2_q4_k(w, x, n, res);
 }
 
 /* ---- Q6_K: one input scale per 256 columns, int16 scales per 16 columns ---- */
@@ -507,6 +566,8 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_b32(dt, w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q4_K)
         rows_q4_k(w, x, nt, n, res);
+    else if (dt == SMOE_WDT_Q5_K)
+        rows_q5_k(w, x, nt, n, res);
     else if (nt == 1)
         res[0] = row1_q6_k(w, x, n);
     else
@@ -519,12 +580,13 @@ static void gateup_fast(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const size_t rb = row_bytes(d->dtype, H);
     const uint8_t *gw = j->block + d->gate, *uw = j->block + d->up;
     float g[TILE], u[TILE];
-    if (d->dtype == SMOE_WDT_Q4_K && j->T == 1) { /* gate and up rows of one output together */
+    if ((d->dtype == SMOE_WDT_Q4_K || d->dtype == SMOE_WDT_Q5_K) && j->T == 1) {
+        /* gate and up rows of one output together */
         const xin x = xin_of(j, d->dtype, 0, H);
         for (uint32_t i = i0; i < i1; i++) {
             const uint8_t *w[2] = {gw + i * rb, uw + i * rb};
             float r[2];
-            row2_q4_k(w, &x, H, r);
+            row2_k(d->dtype, w, &x, H, r);
             smoe_ffn_store_act(j, i, 0, r[0], r[1]);
         }
         return;
@@ -545,13 +607,13 @@ static void down_fast(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const size_t rb = row_bytes(dt, I);
     const uint8_t *dw = j->block + d->down;
     float y[TILE];
-    if (dt == SMOE_WDT_Q4_K && j->T == 1) { /* two rows at a time */
+    if ((dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K) && j->T == 1) { /* two rows at a time */
         const xin x = xin_of(j, dt, 0, I);
         uint32_t h = h0;
         for (; h + 2 <= h1; h += 2) {
             const uint8_t *w[2] = {dw + h * rb, dw + (h + 1) * rb};
             float r[2];
-            row2_q4_k(w, &x, I, r);
+            row2_k(dt, w, &x, I, r);
             smoe_ffn_store_out(j, h, 0, r[0]);
             smoe_ffn_store_out(j, h + 1, 0, r[1]);
         }

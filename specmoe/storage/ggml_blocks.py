@@ -1,8 +1,8 @@
 """GGUF (ggml) block formats that a store keeps as a GGUF file holds them: Q8_0, Q4_K, Q6_K,
-Q4_0.
+Q4_0, Q5_K.
 
 A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144,
-210 or 18 bytes per block: the last dimension names the format, :data:`BLOCKS`), exactly the bytes
+210, 18 or 176 bytes per block: the last dimension names the format, :data:`BLOCKS`), exactly the bytes
 of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as they are.
 
 * :func:`dequantize` widens such a matrix to f32 through the ``gguf`` package (the reference
@@ -11,27 +11,29 @@ of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as th
   (the same f16 scale, the same integer values: w = d * (q - 16) or d * (q - 8) is d * q' with
   q' in [-16, 15]): there is no Q5_0 kernel, and llama.cpp's fallback for K-quants on rows
   that are not a multiple of 256 columns (e.g. DeepSeek-V2-Lite's 1408) writes Q5_0.
-* :func:`quantize_q4_k`, :func:`quantize_q6_k` and :func:`quantize_q8_0` write valid blocks from
-  f32 weights (simple per-sub-block min/max rounding, not llama.cpp's search), for tests and
-  tiny files; the ``gguf`` package's writer has no Q4_K / Q6_K quantizer.
+* :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k` and :func:`quantize_q8_0`
+  write valid blocks from f32 weights (simple per-sub-block min/max rounding, not llama.cpp's
+  search), for tests and tiny files; the ``gguf`` package's writer has no K-quant quantizer.
 """
 from __future__ import annotations
 
 import numpy as np
 
 __all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0",
-           "quantize_q8_0", "quantize_q4_k", "quantize_q6_k"]
+           "quantize_q8_0", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k"]
 
 # kind -> (columns, bytes) per block
-BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18)}
+BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18),
+          "q5_k": (256, 176)}
 # GGUF tensor type name -> the kept kind it maps onto without loss
-TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_0": "q8_0"}
+TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_K": "q5_k",
+                "Q5_0": "q8_0"}
 _KIND_OF_BYTES = {b: k for k, (_, b) in BLOCKS.items()}
-_GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q4_0": "Q4_0"}
+_GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q4_0": "Q4_0", "q5_k": "Q5_K"}
 
 
 def block_kind(a: np.ndarray) -> str:
-    """The kind (``q8_0``, ``q4_k``, ``q6_k``, ``q4_0``) of a uint8 [rows, blocks, bytes]
+    """The kind (``q8_0``, ``q4_k``, ``q6_k``, ``q4_0``, ``q5_k``) of a uint8 [rows, blocks, bytes]
     matrix."""
     if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in _KIND_OF_BYTES:
         raise ValueError(f"not a GGUF block matrix: {a.dtype} {a.shape} (uint8 [rows, blocks, "
@@ -108,11 +110,22 @@ def quantize_q8_0(w: np.ndarray) -> np.ndarray:
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     """[rows, cols] f32 -> Q4_K super-blocks [rows, cols/256, 144]: per 32 columns a 6-bit
     scale and min under the block's f16 d and dmin, w ~ d * sc * q - dmin * m, q in [0, 15]."""
+    return _quantize_k(w, 4)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> Q5_K super-blocks [rows, cols/256, 176]: Q4_K's scales, mins and
+    nibbles, then the fifth bits (``qh[l]`` bit j: column l of sub-block j), q in [0, 31]."""
+    return _quantize_k(w, 5)
+
+
+def _quantize_k(w: np.ndarray, bits: int) -> np.ndarray:
     w = _rows(w, 256)
     x = w.reshape(w.shape[0], -1, 8, 32)
+    top = (1 << bits) - 1
     lo = np.minimum(x.min(axis=3), 0.0)
     hi = x.max(axis=3)
-    scale = (hi - lo) / 15.0                      # per sub-block, >= 0
+    scale = (hi - lo) / top                       # per sub-block, >= 0
     mn = -lo                                      # >= 0
     d = (scale.max(axis=2) / 63.0).astype(np.float16).astype(np.float32)
     dmin = (mn.max(axis=2) / 63.0).astype(np.float16).astype(np.float32)
@@ -121,8 +134,9 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     step = d[:, :, None] * sc
     off = dmin[:, :, None] * m
     q = np.rint((x + off[..., None]) / np.where(step > 0, step, 1.0)[..., None])
-    q = np.clip(np.where(step[..., None] > 0, q, 0), 0, 15).astype(np.uint8)
-    out = np.zeros(x.shape[:2] + (144,), np.uint8)
+    q = np.clip(np.where(step[..., None] > 0, q, 0), 0, top).astype(np.uint8)
+    qo = 16 if bits == 4 else 48                  # Q5_K: qh[32] between the scales and qs
+    out = np.zeros(x.shape[:2] + (qo + 128,), np.uint8)
     out[:, :, 0:2] = _f16_bytes(d)
     out[:, :, 2:4] = _f16_bytes(dmin)
     s = out[:, :, 4:16]
@@ -131,8 +145,12 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
         s[:, :, j + 4] = (m[:, :, j] & 63) | ((m[:, :, j + 4] >> 4) << 6)
         s[:, :, j + 8] = (sc[:, :, j + 4] & 0xF) | ((m[:, :, j + 4] & 0xF) << 4)
     qv = q.reshape(q.shape[0], q.shape[1], 4, 2, 32)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
-    out[:, :, 16:] = (qv[:, :, :, 0, :] | (qv[:, :, :, 1, :] << 4)).reshape(q.shape[0],
-                                                                            q.shape[1], 128)
+    out[:, :, qo:] = ((qv[:, :, :, 0, :] & 0xF) | ((qv[:, :, :, 1, :] & 0xF) << 4)).reshape(
+        q.shape[0], q.shape[1], 128)
+    if bits == 5:
+        hb = (q >> 4).astype(np.uint8)            # [rows, blocks, 8 sub-blocks, 32 columns]
+        out[:, :, 16:48] = np.bitwise_or.reduce(hb << np.arange(8, dtype=np.uint8)[:, None],
+                                                axis=2)
     return out
 
 
