@@ -53,10 +53,12 @@ class Policy:
     def __init__(self, name: str, nslots: int, num_layers: int, num_experts: int, *,
                  seed: Optional[int] = ..., order: Union[str, int, None] = ...,
                  future: Optional[npt.ArrayLike] = ..., pyobj: Any = ...,
-                 levels: Optional[int] = ..., gamma: Optional[int] = ...) -> None:
+                 levels: Optional[int] = ..., gamma: Optional[int] = ...,
+                 model: Optional[npt.ArrayLike] = ...) -> None:
         """levels: spac/spac_ema utility levels K (1..255; 0/None = 4); gamma: spac's draft
         length (0..65536; None = 8), initial boundaries floor(gamma/2); both ignored by other
-        policies."""
+        policies.  model: nextuse only, NextUseModel.flat() (None: built-in temporal
+        weights)."""
     @property
     def name(self) -> str: ...
     @property
@@ -71,9 +73,11 @@ class Policy:
 def replay(policy: Policy, keys: npt.ArrayLike,
            pass_starts: Union[int, npt.ArrayLike, None] = ..., *,
            mask_seed: int = ...,
-           counts: Optional[tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLike]] = ...
-           ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int32]]:
-    """counts=(keys, counts, offsets): on_counts(keys[o[j]:o[j+1]], ...) after on_pass(j+1)."""
+           counts: Optional[tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLike]] = ...,
+           next_use: bool = ...) -> tuple[Any, ...]:
+    """(hits uint8[n], victims int32[n]); with next_use=True (a nextuse policy) also q
+    float64[num_layers*num_experts] in the final state.  counts=(keys, counts, offsets):
+    on_counts(keys[o[j]:o[j+1]], ...) after on_pass(j+1)."""
 # --- end policy ---
 
 # --- cache ---

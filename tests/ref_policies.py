@@ -9,6 +9,7 @@ also be run through the Python bridge (the "python" policy) unchanged.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import OrderedDict
 from typing import Sequence
 
@@ -440,6 +441,99 @@ class RefScore(RefPolicy):
         return min(candidates, key=lambda s: (self.score.get(self.key_of[s], 0), self.last[s]))
 
 
+class RefNextUse(RefPolicy):
+    """Learned next-use eviction, from csrc/policy/nextuse.h: per key the internal pass of its
+    last demand touch (0 never; passes counted from 1 and +1 at each on_pass) and two
+    averages of "used in a pass", folded in at on_pass; lc the layer of the latest demand
+    touch in the pass (-1 none).  Victim: least q / (dl + c) + beta * el / (dl + L + c),
+    ties lowest slot.  ``model`` is the flat array (NextUseModel.flat())."""
+
+    def __init__(self, num_layers: int, num_experts: int, model: Sequence[float]) -> None:
+        m = [float(v) for v in model]
+        assert m[0] == 1.0
+        self.L, self.E = num_layers, num_experts
+        self.wf, self.ws = m[1:7], m[7:12]
+        self.a_s, self.a_l, self.c, self.beta = m[12], m[13], m[14], m[15]
+        n = num_layers * num_experts
+        self.cross = m[17:] if m[16] != 0.0 else None
+        assert self.cross is None or len(self.cross) == n * num_experts
+        self.used = [0] * n
+        self.es = [0.0] * n
+        self.el = [0.0] * n
+        self.key_of: dict[int, int] = {}
+        self.P = 1
+        self.lc = -1
+
+    def _touch(self, key):
+        self.used[key] = self.P
+        self.lc = key // self.E
+
+    def on_insert(self, slot, key, prefetch):
+        self.key_of[slot] = key
+        if not prefetch:
+            self._touch(key)
+
+    def on_access(self, slot, key):
+        self._touch(key)
+
+    def on_evict(self, slot, key):
+        del self.key_of[slot]
+
+    def on_pass(self, pass_id):
+        for k in range(self.L * self.E):
+            u = 1.0 if self.used[k] == self.P else 0.0
+            self.es[k] += self.a_s * (u - self.es[k])
+            self.el[k] += self.a_l * (u - self.el[k])
+        self.P += 1
+        self.lc = -1
+
+    def _cross_mean(self, l):
+        """Mean cross[l][a][e] over the experts a of layer l-1 touched in this pass (list of E),
+        or None."""
+        if self.cross is None or l < 1 or l >= self.L:
+            return None
+        E = self.E
+        prev = [a for a in range(E) if self.used[(l - 1) * E + a] == self.P]
+        if not prev:
+            return None
+        out = [0.0] * E
+        for a in prev:
+            base = (l * E + a) * E
+            for e in range(E):
+                out[e] += self.cross[base + e]
+        return [v / len(prev) for v in out]
+
+    def q(self, key):
+        """(q, dl) of key in the current state."""
+        E, L, P, lc = self.E, self.L, self.P, self.lc
+        l, e = key // E, key % E
+        up = self.used[key]
+        inpass = l > lc or (l == lc and up != P)
+        dl = (0.0 if l == lc else float(l - lc)) if inpass else float(l - lc + L)
+        ref = P if inpass else P + 1
+        last = 1.0 if up > 0 and up == (P - 1 if inpass else P) else 0.0
+        gap = math.log(256 if up == 0 else min(max(ref - up, 1), 256))
+        xm = self._cross_mean(l) if inpass and l in (lc, lc + 1) else None
+        if xm is not None:
+            w = self.wf
+            z = w[0] + w[1] * last + w[2] * self.es[key] + w[3] * self.el[key] + w[4] * gap \
+                + w[5] * xm[e]
+        else:
+            w = self.ws
+            z = w[0] + w[1] * last + w[2] * self.es[key] + w[3] * self.el[key] + w[4] * gap
+        return 1.0 / (1.0 + math.exp(-z)), dl
+
+    def victim(self, candidates):
+        best, best_v = -1, 0.0
+        for s in candidates:
+            k = self.key_of[s]
+            q, dl = self.q(k)
+            v = q / (dl + self.c) + self.beta * self.el[k] / (dl + self.L + self.c)
+            if best < 0 or v < best_v:
+                best, best_v = s, v
+        return best
+
+
 def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
                pass_starts: Sequence[int] | int | None = None,
                mask_seed: int = 0, counts=None) -> tuple[list[int], list[int]]:
@@ -496,7 +590,8 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
 
 def make_ref(name: str, num_layers: int, num_experts: int, *, seed: int = 0,
              order: str = "layer", future: Sequence[int] | None = None,
-             levels: int = 4, gamma: int = 8, nslots: int = 1) -> RefPolicy:
+             levels: int = 4, gamma: int = 8, nslots: int = 1,
+             model: Sequence[float] | None = None) -> RefPolicy:
     if name == "lru":
         return RefLRU()
     if name == "fifo":
@@ -522,4 +617,7 @@ def make_ref(name: str, num_layers: int, num_experts: int, *, seed: int = 0,
         return RefFLD(num_layers, num_experts)
     if name == "score":
         return RefScore()
+    if name == "nextuse":
+        assert model is not None
+        return RefNextUse(num_layers, num_experts, model)
     raise ValueError(name)

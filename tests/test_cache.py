@@ -216,7 +216,7 @@ def test_lru_matches_reference(store, written, nslots, pattern):
             assert ref.misses == nslots
 
 
-POLICY_NAMES = ["lru", "fifo", "mru", "lfu", "random", "least_stale", "python_lru"]
+POLICY_NAMES = ["lru", "fifo", "mru", "lfu", "random", "least_stale", "nextuse", "python_lru"]
 
 
 def _ref_policy(name: str):
@@ -226,6 +226,10 @@ def _ref_policy(name: str):
     if name == "python_lru":  # a Python object with victim(): runs through the C bridge
         pytest.importorskip("specmoe.runtime.policies")
         return ref.RefLRU()
+    if name == "nextuse":  # the live cache's shape is not the packaged model's: temporal part
+        from specmoe.sim.nextuse import default_model
+
+        return ref.RefNextUse(NL, NE, default_model(NL, NE).flat())
     return {"fifo": ref.RefFIFO, "mru": ref.RefMRU, "lfu": ref.RefLFU,
             "random": lambda: ref.RefRandom(0),
             "least_stale": lambda: ref.RefLeastStale(NL, NE, "layer")}[name]()

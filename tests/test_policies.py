@@ -382,7 +382,7 @@ def test_make_policy_forms():
     with pytest.raises(ValueError, match="built for"):
         make_policy(p, 5, 2, 3)
     assert set(POLICY_NAMES) == {"lru", "lfu", "fifo", "mru", "random", "least_stale", "belady",
-                                "spac", "spac_ema", "lhu", "fld", "score"}
+                                "spac", "spac_ema", "lhu", "fld", "score", "nextuse"}
     assert make_policy(Belady(specmoe.Trace(np.zeros((2, 1, 1)), 3)), 1, 1, 3).name == "belady"
 
 

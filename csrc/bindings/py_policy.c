@@ -4,6 +4,7 @@
 #include "py_numpy.h"
 #include "py_policy.h"
 #include "py_bridge.h"
+#include "policy/nextuse.h"
 #include "policy/replay.h"
 
 #include <inttypes.h>
@@ -92,14 +93,14 @@ static int parse_order(PyObject *o, int32_t *out) {
 
 static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"name", "nslots", "num_layers", "num_experts", "seed", "order",
-                             "future", "pyobj", "levels", "gamma", NULL};
+                             "future", "pyobj", "levels", "gamma", "model", NULL};
     const char *name;
     PyObject *o_nslots, *o_nl, *o_ne, *o_seed = NULL, *o_order = NULL, *o_future = Py_None,
                                            *o_pyobj = Py_None, *o_levels = NULL,
-                                           *o_gamma = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOOOO:Policy", kwlist, &name, &o_nslots,
+                                           *o_gamma = NULL, *o_model = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOOOOO:Policy", kwlist, &name, &o_nslots,
                                      &o_nl, &o_ne, &o_seed, &o_order, &o_future, &o_pyobj,
-                                     &o_levels, &o_gamma))
+                                     &o_levels, &o_gamma, &o_model))
         return -1;
     if (self->p || self->taken) {
         PyErr_SetString(PyExc_TypeError, "Policy objects cannot be re-initialised");
@@ -145,6 +146,10 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "future= applies to belady only, not %s", name);
         return -1;
     }
+    if (o_model != Py_None && strcmp(name, "nextuse") != 0) {
+        PyErr_Format(PyExc_ValueError, "model= applies to nextuse only, not %s", name);
+        return -1;
+    }
     smoe_policy *p = NULL;
     if (is_py) {
         if (o_pyobj == Py_None) {
@@ -155,12 +160,24 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
         p = smoe_py_bridge_create(o_pyobj, &params);
         if (!p) return -1;
     } else {
-        PyArrayObject *fut = NULL;
+        PyArrayObject *fut = NULL, *mod = NULL;
         if (o_future != Py_None) {
             fut = smoe_py_index_array(o_future, nl * ne, "future", "key");
             if (!fut) return -1;
             params.future = PyArray_DATA(fut);
             params.future_len = (uint64_t)PyArray_DIM(fut, 0);
+        }
+        if (o_model != Py_None) {
+            mod = (PyArrayObject *)PyArray_FROM_OTF(o_model, NPY_FLOAT64, NPY_ARRAY_IN_ARRAY);
+            if (!mod || PyArray_NDIM(mod) != 1) {
+                if (mod) PyErr_SetString(PyExc_ValueError, "model= must be a 1-D float array "
+                                         "(NextUseModel.flat())");
+                Py_XDECREF(mod);
+                Py_XDECREF(fut);
+                return -1;
+            }
+            params.model = PyArray_DATA(mod);
+            params.model_len = (uint64_t)PyArray_DIM(mod, 0);
         }
         smoe_err err = {0};
         int rc;
@@ -168,6 +185,7 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
         rc = smoe_policy_create(&p, ops, &params, &err);
         Py_END_ALLOW_THREADS
         Py_XDECREF(fut);
+        Py_XDECREF(mod);
         if (rc < 0) {
             smoe_py_raise(&err);
             return -1;
@@ -221,14 +239,16 @@ static PyGetSetDef Policy_getset[] = {
 
 PyDoc_STRVAR(Policy_doc,
 "Policy(name, nslots, num_layers, num_experts, *, seed=0, order='layer', future=None, pyobj=None,\n"
-"       levels=0, gamma=8)\n"
+"       levels=0, gamma=8, model=None)\n"
 "\n"
 "An eviction policy in C for a cache of nslots slots over num_layers*num_experts expert keys.\n"
 "name: lru, lfu, fifo, mru, random (seed=), least_stale (order='layer'|'lru'|'fifo' or 0..2),\n"
 "belady (future= the demand key sequence), spac (MoE-SpAc Algorithm 1: levels= K, 1..255,\n"
 "0 = 4; gamma= draft length, initial boundaries floor(gamma/2); see csrc/policy/spac.c),\n"
 "spac_ema (levels=; the EMA estimator, csrc/policy/spac_ema.c), lhu, fld, score (SpecMD's\n"
-"baselines, csrc/policy/{lhu,fld,score}.c), or python (pyobj= an object with\n"
+"baselines, csrc/policy/{lhu,fld,score}.c), nextuse (model= a learned next-use model,\n"
+"NextUseModel.flat(); None: built-in temporal weights; csrc/policy/nextuse.h), or python\n"
+"(pyobj= an object with\n"
 "victim(candidates) and optional on_insert/on_access/on_evict/on_pass/on_counts(keys,\n"
 "counts)/utility(key); the slow path).  A Policy is consumed by\n"
 "the first cache, simulator or replay that takes it; taking it again raises PolicyError.");
@@ -281,10 +301,12 @@ smoe_policy *smoe_py_policy_take(PyObject *obj, uint32_t nslots, uint32_t num_la
 
 static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
-    static char *kwlist[] = {"policy", "keys", "pass_starts", "mask_seed", "counts", NULL};
+    static char *kwlist[] = {"policy", "keys", "pass_starts", "mask_seed", "counts", "next_use",
+                             NULL};
     PyObject *o_pol, *o_keys, *o_ps = Py_None, *o_mask = NULL, *o_counts = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$OO:replay", kwlist, &o_pol, &o_keys, &o_ps,
-                                     &o_mask, &o_counts))
+    int next_use = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$OOp:replay", kwlist, &o_pol, &o_keys, &o_ps,
+                                     &o_mask, &o_counts, &next_use))
         return NULL;
     if (!PyObject_TypeCheck(o_pol, &Policy_Type)) {
         PyErr_Format(PyExc_TypeError, "replay: policy must be a specmoe._C.Policy, got %s",
@@ -298,7 +320,8 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
         o_keys, (uint64_t)po->num_layers * po->num_experts, "keys", "key");
     if (!keys) return NULL;
     const npy_intp n = PyArray_DIM(keys, 0);
-    PyArrayObject *ps = NULL, *hits = NULL, *vic = NULL, *ck = NULL, *cv = NULL, *co = NULL;
+    PyArrayObject *ps = NULL, *hits = NULL, *vic = NULL, *ck = NULL, *cv = NULL, *co = NULL,
+                  *qa = NULL;
     smoe_replay_opts opts = {NULL, 0, mask_seed, NULL, NULL, NULL};
     if (o_ps != Py_None) {
         if (!PyArray_Check(o_ps) && PyIndex_Check(o_ps) && !PyBool_Check(o_ps)) {
@@ -378,9 +401,19 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
         opts.count_keys = PyArray_DATA(ck);
         opts.count_vals = PyArray_DATA(cv);
     }
+    if (next_use && strcmp(po->name, "nextuse") != 0) {
+        PyErr_Format(PyExc_ValueError, "replay: next_use=True needs a nextuse policy, not %s",
+                     po->name);
+        goto fail;
+    }
     hits = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_UINT8);
     vic = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_INT32);
     if (!hits || !vic) goto fail;
+    if (next_use) {
+        npy_intp nk = (npy_intp)po->num_layers * po->num_experts;
+        qa = (PyArrayObject *)PyArray_SimpleNew(1, &nk, NPY_FLOAT64);
+        if (!qa) goto fail;
+    }
     smoe_policy *p = smoe_py_policy_take(o_pol, po->nslots, po->num_layers, po->num_experts);
     if (!p) goto fail;
     smoe_err err = {0};
@@ -388,6 +421,7 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     Py_BEGIN_ALLOW_THREADS
     rc = smoe_policy_replay(p, PyArray_DATA(keys), (uint64_t)n, &opts, PyArray_DATA(hits),
                             PyArray_DATA(vic), &err);
+    if (rc == 0 && qa) rc = smoe_nextuse_predict(p, PyArray_DATA(qa), &err);
     Py_END_ALLOW_THREADS
     smoe_policy_destroy(p);
     if (rc < 0) {
@@ -399,6 +433,7 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     Py_XDECREF(ck);
     Py_XDECREF(cv);
     Py_XDECREF(co);
+    if (qa) return Py_BuildValue("(NNN)", hits, vic, qa);
     return Py_BuildValue("(NN)", hits, vic);
 fail:
     Py_XDECREF(keys);
@@ -408,11 +443,13 @@ fail:
     Py_XDECREF(co);
     Py_XDECREF(hits);
     Py_XDECREF(vic);
+    Py_XDECREF(qa);
     return NULL;
 }
 
 PyDoc_STRVAR(py_replay_doc,
-"replay(policy, keys, pass_starts=None, *, mask_seed=0, counts=None) -> (hits, victims)\n"
+"replay(policy, keys, pass_starts=None, *, mask_seed=0, counts=None, next_use=False)\n"
+"    -> (hits, victims[, q])\n"
 "\n"
 "Replay a demand-only sequence of expert keys through a fresh policy with the cache's\n"
 "semantics (free slots lowest first, then victim; no pins): hits uint8[n] (1 = hit) and\n"
@@ -422,7 +459,9 @@ PyDoc_STRVAR(py_replay_doc,
 "victim call (splitmix64 draws, see csrc/policy/replay.h); with no candidate the access\n"
 "bypasses the cache.  counts=(keys, counts, offsets): activation counts fed to the policy\n"
 "(on_counts) right after each on_pass(j+1): entries offsets[j]:offsets[j+1] (offsets has\n"
-"npass + 1 entries; needs pass_starts).  The policy is consumed (in_use afterwards).");
+"npass + 1 entries; needs pass_starts).  next_use=True (a nextuse policy): also q float64\n"
+"[num_layers*num_experts], each key's predicted probability of use at its layer's next run\n"
+"in the final state (csrc/policy/nextuse.h).  The policy is consumed (in_use afterwards).");
 
 static PyMethodDef policy_methods[] = {
     {"replay", (PyCFunction)(void (*)(void))py_replay, METH_VARARGS | METH_KEYWORDS,

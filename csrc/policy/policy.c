@@ -8,6 +8,7 @@ static const smoe_policy_ops *const builtins[] = {
     &smoe_policy_lru, &smoe_policy_lfu, &smoe_policy_fifo, &smoe_policy_mru,
     &smoe_policy_random, &smoe_policy_least_stale, &smoe_policy_belady, &smoe_policy_spac,
     &smoe_policy_spac_ema, &smoe_policy_lhu, &smoe_policy_fld, &smoe_policy_score,
+    &smoe_policy_nextuse,
 };
 
 const smoe_policy_ops *smoe_policy_find(const char *name) {
@@ -17,7 +18,8 @@ const smoe_policy_ops *smoe_policy_find(const char *name) {
 }
 
 const char *smoe_policy_names(void) {
-    return "lru, lfu, fifo, mru, random, least_stale, belady, spac, spac_ema, lhu, fld, score";
+    return "lru, lfu, fifo, mru, random, least_stale, belady, spac, spac_ema, lhu, fld, score, "
+           "nextuse";
 }
 
 int smoe_policy_checked_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx, int32_t *slot,

@@ -49,6 +49,8 @@ typedef struct smoe_policy_params {
     int32_t levels;       /* spac, spac_ema: utility levels K (utility in 0..K); 0 = default (4) */
     int32_t theta0;       /* spac: initial boundaries θ↑ = θ↓ = ⌊γ/2⌋ (MoE-SpAc Alg. 1 line 3;
                              raised to 1 when 0 is meant, see spac.c); 0 = default 4 (γ = 8) */
+    const double *model;  /* nextuse: the learned model (policy/nextuse.h, copied), or NULL */
+    uint64_t model_len;
 } smoe_policy_params;
 
 typedef struct smoe_policy_ops {
@@ -99,9 +101,10 @@ extern const smoe_policy_ops smoe_policy_spac_ema;
 extern const smoe_policy_ops smoe_policy_lhu;
 extern const smoe_policy_ops smoe_policy_fld;
 extern const smoe_policy_ops smoe_policy_score;
+extern const smoe_policy_ops smoe_policy_nextuse;
 
 /* Look a built-in up by name ("lru", "lfu", "fifo", "mru", "random", "least_stale", "belady",
- * "spac", "spac_ema", "lhu", "fld", "score");
+ * "spac", "spac_ema", "lhu", "fld", "score", "nextuse");
  * NULL when unknown. */
 const smoe_policy_ops *smoe_policy_find(const char *name);
 

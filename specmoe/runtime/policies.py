@@ -42,6 +42,14 @@ are reproduced by the plain-Python references in ``tests/ref_policies.py``):
                      (the per-pass activation counts fed with ``observe_counts``, summed over
                      the run; a token adds 1 where the paper adds its gate weight); ties least
                      recently touched.
+``NextUse(model)``   (issue 42) Belady's rule with a learned future: evict the slot of least
+                     q / (dl + c) + beta * r / (dl + L + c), q a logistic model's probability
+                     that the expert is used when its layer next runs (recent use, use rates,
+                     and the experts the same pass chose at the layer before), dl the layer
+                     steps to that run, r a long-run use rate (``csrc/policy/nextuse.h``).
+                     ``model``: a :class:`~specmoe.sim.nextuse.NextUseModel` or its file;
+                     None = the packaged one, trained on DeepSeek-V2-Lite's routing (its
+                     temporal part alone for other shapes); ties: lowest slot.
 ``Belady(future)``   offline optimum: the key next used furthest in ``future`` (a key array or
                      a :class:`~specmoe.sim.traces.Trace`); never again = infinitely far; ties:
                      lowest slot.
@@ -62,8 +70,9 @@ A ``_C.Policy`` object serves exactly one cache, simulator or replay; build a ne
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 
@@ -72,7 +81,7 @@ from ..sim.traces import Trace
 
 __all__ = [
     "PolicySpec", "LRU", "LFU", "FIFO", "MRU", "Random", "LeastStale", "Belady", "SpAc",
-    "SpAcEMA", "LHU", "FLD", "Score", "COUNT_POLICIES", "UTILITY_POLICIES",
+    "SpAcEMA", "LHU", "FLD", "Score", "NextUse", "COUNT_POLICIES", "UTILITY_POLICIES",
     "PythonPolicy",
     "PolicyLike", "POLICY_NAMES", "check_policy", "make_policy", "replay",
 ]
@@ -216,6 +225,34 @@ class Score(PolicySpec):
     name = "score"
 
 
+@dataclass(frozen=True, eq=False)
+class NextUse(PolicySpec):
+    """Learned next-use eviction (``csrc/policy/nextuse.h``).  ``model``: a
+    :class:`~specmoe.sim.nextuse.NextUseModel`, a path to one (``training/nextuse.py`` writes
+    them), or None: the packaged model when the cache's shape is DeepSeek-V2-Lite's (26 MoE
+    layers x 64 experts), else its temporal part (no layer-to-layer table)."""
+
+    model: Any = field(default=None, repr=False)
+    name = "nextuse"
+
+    def resolve(self, num_layers: int, num_experts: int) -> Any:
+        """The :class:`~specmoe.sim.nextuse.NextUseModel` this spec runs for that shape."""
+        from ..sim.nextuse import NextUseModel, default_model
+
+        if self.model is None:
+            return default_model(num_layers, num_experts)
+        if isinstance(self.model, NextUseModel):
+            return self.model
+        if isinstance(self.model, (str, os.PathLike)):
+            return NextUseModel.load(self.model)
+        raise TypeError(f"NextUse(model=...) takes a NextUseModel, a path or None, got "
+                        f"{type(self.model).__name__}")
+
+    def build(self, nslots: int, num_layers: int, num_experts: int) -> _C.Policy:
+        return _C.Policy("nextuse", nslots, num_layers, num_experts,
+                         model=self.resolve(num_layers, num_experts).flat())
+
+
 #: Built-in policies that learn from per-pass activation counts (``observe_counts``).
 COUNT_POLICIES: frozenset[str] = frozenset({"spac", "spac_ema", "score"})
 #: Built-in policies with an integer utility per expert (``ExpertCache.utility``).
@@ -306,7 +343,10 @@ def make_policy(spec: PolicyLike, nslots: int, num_layers: int, num_experts: int
     if isinstance(spec, PolicySpec):
         return spec.build(nslots, num_layers, num_experts)
     if isinstance(spec, str):
-        return _C.Policy(spec.strip().lower(), nslots, num_layers, num_experts)
+        name = spec.strip().lower()
+        if name == "nextuse":  # the packaged model, not only the C built-in's temporal weights
+            return NextUse().build(nslots, num_layers, num_experts)
+        return _C.Policy(name, nslots, num_layers, num_experts)
     return _C.Policy("python", nslots, num_layers, num_experts, pyobj=spec)
 
 

@@ -380,6 +380,10 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         pol: Any = name
         if name == "spac" and "gamma" not in kw:  # the pass's draft length (spac.c)
             kw["gamma"] = int(verify_tokens) - 1
+        if name == "nextuse":  # with the packaged model, not the C built-in's weights alone
+            from ..runtime.policies import NextUse
+
+            pol = NextUse().build(nslots, nl, E)
     else:
         from ..runtime.policies import SpAc
 

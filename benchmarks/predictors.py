@@ -1,0 +1,221 @@
+"""Predictors and eviction policies against the offline bound, on real routing (issue 42).
+
+    python benchmarks/predictors.py [--json] [--trace DIR] [--split val|train|all] [--quick]
+
+Two tables, on the validation prompts of the shared DeepSeek-V2-Lite traces by default (the
+split of specmoe.sim.nextuse.split_requests: the packaged next-use model never saw them), or
+on any folder of traces in the same layout (--trace; --split all for traces a model was not
+trained on):
+
+1. **prediction**: the packaged next-use model's q (csrc/policy/nextuse.h) at a sample of the
+   (token, layer) points before a layer runs: log loss and AUC of "used at its layer's next
+   run" (all keys; keys with the fresh cross-layer feature; the rest), and for the layers
+   1, 2 and 3 positions after the last one run, the top-k experts by q against the experts
+   really used there (precision = recall = F1 at k = top_k) and the experts with q >= 0.5
+   (precision, recall, F1).  The simulator's ``history`` predictor (online recent use plus
+   co-activation) at depth 1 for comparison.
+2. **simulator rows**: policy x predictor x capacity (5/10/25 % of the experts) x hardware
+   (laptop: DDR5 + NVMe; rtx4090-nvme: a 24 GB GPU streaming experts from a PCIe 4.0 x4
+   NVMe; a100-pcie4: experts in host memory over PCIe 4.0 x16), each row with hit_rate,
+   untimed_hit_rate (a prefetch still in flight counts as a hit, as MoE-Beyond's untimed
+   simulation counts one), prefetch_waste (evicted unused / issued), est_tpot_ms,
+   bytes_vs_demand (expert bytes read per token over the same policy's without prefetch) and
+   vs_offline_bound (est_tpot over the bound's).  The bound at a capacity and hardware is the
+   fastest of Belady demand-only and Belady with an oracle prefetch of the next 1 or 2
+   layers (the simulator's prefetch rule; issue 42's admission rule is not built yet, so the
+   bound is the best of these rather than Belady under that rule).
+
+Every figure is simulated (csrc/sim.c's time model), not measured on hardware; the JSON
+records the host only for the wall times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "training"))
+
+from hostinfo import host  # noqa: E402
+
+from specmoe.runtime.policies import Belady, NextUse  # noqa: E402
+from specmoe.sim.hardware import PROFILES, with_  # noqa: E402
+from specmoe.sim.nextuse import NextUseModel, Walker, default_model, split_requests  # noqa: E402
+from specmoe.sim.replay import simulate  # noqa: E402
+from specmoe.sim.traces import Trace, load_puffin, shared_trace_dir  # noqa: E402
+
+HARDWARE = {
+    "laptop": PROFILES["laptop"],
+    "rtx4090-nvme": with_(PROFILES["rtx4090"], name="rtx4090-nvme", link_bw=7e9,
+                          link_latency_s=80e-6,
+                          description="RTX 4090 class GPU, experts streamed from a PCIe 4.0 x4 "
+                                      "NVMe (7 GB/s sequential)"),
+    "a100-pcie4": PROFILES["a100-pcie4"],
+}
+POLICIES = ("lru", "least_stale", "lhu", "nextuse")
+PREDICTORS = ("none", "history", "oracle:depth=1")
+BOUND_PREDICTORS = ("none", "oracle:depth=1", "oracle:depth=2")
+
+
+def load_split(path: Path, split: str) -> tuple[Trace, dict]:
+    import nextuse as trainer  # training/nextuse.py: the same file order and split
+
+    files = trainer.trace_files(path)
+    tr = load_puffin(path)
+    tr_idx, va_idx = split_requests([f.name for f in files])
+    idx = {"val": va_idx, "train": tr_idx, "all": list(range(len(files)))}[split]
+    return trainer.subset(tr, idx), {"prompts": len(idx), "of": len(files)}
+
+
+def auc(s: np.ndarray, y: np.ndarray) -> float:
+    order = np.argsort(s, kind="stable")
+    r = np.empty(len(s))
+    r[order] = np.arange(1, len(s) + 1)
+    npos = float(y.sum())
+    return float((r[y].sum() - npos * (npos + 1) / 2) / (npos * (len(y) - npos)))
+
+
+def prediction(tr: Trace, model: NextUseModel, frac: float, seed: int = 0) -> dict:
+    T, L, K = tr.experts.shape
+    E = tr.num_experts
+    rng = np.random.default_rng(seed)
+    w = Walker(L, E, model)
+    keys = np.arange(L * E)
+    z, y, fresh = [], [], []
+    depth = {d: {"topk_hits": 0, "topk_n": 0, "tp": 0, "fp": 0, "fn": 0} for d in (1, 2, 3)}
+    for t in range(T):
+        w.begin_pass()
+        for lay in range(L):
+            if t + 1 < T and rng.random() < frac:
+                f = w.features()
+                q = f["q"]
+                tok = np.where(f["inpass"], t, t + 1)
+                used = (tr.experts[tok, keys // E] == (keys % E)[:, None]).any(axis=1)
+                z.append(np.log(q) - np.log1p(-q))
+                y.append(used)
+                fresh.append(f["fresh"])
+                for d, acc in depth.items():  # layer lay - 1 + d (lay - 1 ran last)
+                    p = lay - 1 + d
+                    tt, ll = (t, p) if p < L else (t + 1, p - L)
+                    if tt >= T:
+                        continue
+                    truth = set(int(e) for e in tr.experts[tt, ll])
+                    qa = q[ll * E:(ll + 1) * E]
+                    top = np.argsort(-qa, kind="stable")[:K]
+                    acc["topk_hits"] += len(truth & set(int(e) for e in top))
+                    acc["topk_n"] += K
+                    sel = set(int(e) for e in np.nonzero(qa >= 0.5)[0])
+                    acc["tp"] += len(truth & sel)
+                    acc["fp"] += len(sel - truth)
+                    acc["fn"] += len(truth - sel)
+            w.touch_layer(lay, tr.experts[t, lay])
+    z, y, fresh = np.concatenate(z), np.concatenate(y), np.concatenate(fresh)
+    p = np.clip(1 / (1 + np.exp(-z)), 1e-9, 1 - 1e-9)
+    base = float(y.mean())
+    out = {"points_sampled": frac, "keys_scored": int(len(y)), "base_rate": round(base, 4),
+           "log_loss": round(float(-np.mean(y * np.log(p) + (~y) * np.log(1 - p))), 4),
+           "log_loss_constant": round(float(-(base * np.log(base) + (1 - base) *
+                                              np.log(1 - base))), 4),
+           "auc": round(auc(z, y), 4), "auc_fresh": round(auc(z[fresh], y[fresh]), 4),
+           "auc_stale": round(auc(z[~fresh], y[~fresh]), 4), "depth": {}}
+    for d, a in depth.items():
+        prec = a["tp"] / max(a["tp"] + a["fp"], 1)
+        rec = a["tp"] / max(a["tp"] + a["fn"], 1)
+        out["depth"][str(d)] = {
+            "topk_precision_recall_f1": round(a["topk_hits"] / max(a["topk_n"], 1), 4),
+            "q>=0.5_precision": round(prec, 4), "q>=0.5_recall": round(rec, 4),
+            "q>=0.5_f1": round(2 * prec * rec / max(prec + rec, 1e-12), 4)}
+    return out
+
+
+def sim_row(tr: Trace, policy: str, pred: str, cap: str, hwname: str) -> dict:
+    spec = Belady(tr) if policy == "belady" else NextUse() if policy == "nextuse" else policy
+    r = simulate(tr, spec, cap, prefetch=None if pred == "none" else pred,
+                 hardware=HARDWARE[hwname])
+    acc = max(r.accesses, 1)
+    loads = r.misses - r.prefetch_late + r.prefetch_issued  # demand loads + prefetch copies
+    return {"policy": policy, "predictor": pred, "capacity": cap, "hardware": hwname,
+            "hit_rate": round(r.hit_rate, 4),
+            "untimed_hit_rate": round((r.hits + r.prefetch_late) / acc, 4),
+            "prefetch_waste": round(r.prefetch_wasted / r.prefetch_issued, 4)
+            if r.prefetch_issued else 0.0,
+            "predictor_precision": round(r.predictor_precision, 4),
+            "predictor_recall": round(r.predictor_recall, 4),
+            "est_tpot_ms": round(r.est_tpot_ms, 3), "loads_per_token": loads / r.tokens,
+            "sim_seconds": round(r.elapsed_s, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="folder of puffin-layout traces (default: the shared DeepSeek-V2-Lite "
+                         "traces)")
+    ap.add_argument("--split", choices=("val", "train", "all"), default="val")
+    ap.add_argument("--quick", action="store_true", help="10 %% capacity, laptop only")
+    ap.add_argument("--sample", type=float, default=0.25,
+                    help="fraction of (token, layer) points scored in the prediction table")
+    ap.add_argument("--save", type=Path, help="also write the JSON object to this file")
+    a = ap.parse_args()
+    path = a.trace or shared_trace_dir()
+    if not path.is_dir():
+        sys.exit(f"{path}: no traces (the shared DeepSeek-V2-Lite traces, or pass --trace DIR)")
+    t0 = time.time()
+    tr, which = load_split(path, a.split)
+    L, E = tr.num_layers, tr.num_experts
+    model = default_model(L, E)
+    out: dict = {"machine": host(), "trace": str(path), "split": a.split, **which,
+                 "tokens": tr.num_tokens, "accesses": tr.num_accesses,
+                 "model": {"shape": model.shape, "trained_on": model.info.get("trained_on"),
+                           "c": model.c, "beta": model.beta}}
+    out["prediction"] = prediction(tr, model, a.sample)
+    hist = simulate(tr, "lru", "100%", prefetch="history")
+    out["prediction"]["history_depth1"] = {"precision": round(hist.predictor_precision, 4),
+                                           "recall": round(hist.predictor_recall, 4)}
+    if not a.json:
+        print(json.dumps(out["prediction"], indent=1), flush=True)
+    caps = ("10%",) if a.quick else ("5%", "10%", "25%")
+    hws = ("laptop",) if a.quick else tuple(HARDWARE)
+    rows, bound = [], {}
+    for hw in hws:
+        for cap in caps:
+            b = [sim_row(tr, "belady", p, cap, hw) for p in BOUND_PREDICTORS]
+            best = min(b, key=lambda r: r["est_tpot_ms"])
+            bound[(cap, hw)] = best
+            for r in b:
+                r["vs_offline_bound"] = round(r["est_tpot_ms"] / best["est_tpot_ms"], 3)
+            demand = {}
+            for pol in POLICIES:
+                for pred in PREDICTORS:
+                    r = sim_row(tr, pol, pred, cap, hw)
+                    if pred == "none":
+                        demand[pol] = r["loads_per_token"]
+                    r["bytes_vs_demand"] = round(r["loads_per_token"] / demand[pol], 3)
+                    r["vs_offline_bound"] = round(r["est_tpot_ms"] / best["est_tpot_ms"], 3)
+                    rows.append(r)
+                    if not a.json:
+                        print(f"{hw:13s} {cap:>4s} {pol:12s} {pred:15s} hit {r['hit_rate']:.3f} "
+                              f"untimed {r['untimed_hit_rate']:.3f} tpot {r['est_tpot_ms']:8.2f}"
+                              f" ms  x{r['vs_offline_bound']:.2f} of bound", flush=True)
+            rows.extend(b)
+    for r in rows:
+        r["loads_per_token"] = round(r["loads_per_token"], 2)
+    out["sim"] = rows
+    out["offline_bound"] = [{"capacity": c, "hardware": h, "predictor": r["predictor"],
+                             "est_tpot_ms": r["est_tpot_ms"], "hit_rate": r["hit_rate"]}
+                            for (c, h), r in bound.items()]
+    out["wall_seconds"] = round(time.time() - t0, 1)
+    if a.save:
+        a.save.write_text(json.dumps(out, indent=1) + "\n")
+    if a.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

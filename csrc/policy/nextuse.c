@@ -1,0 +1,247 @@
+/* Learned next-use eviction: see nextuse.h for the rule, the features and the model layout. */
+#include "nextuse.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Built-in model (no cross table): the temporal weights fitted on the DeepSeek-V2-Lite puffin
+ * traces' training split by training/nextuse.py (the packaged model's w_stale), used when the
+ * policy is created without a model. */
+static const double builtin_model[SMOE_NU_HEADER] = {
+    SMOE_NU_VERSION,
+    /* w_fresh (unused without a cross table) */ 0, 0, 0, 0, 0, 0,
+    /* w_stale */ -2.289, 0.502, 0.843, 3.391, -0.266,
+    /* alpha_s, alpha_l */ 1.0 / 8, 1.0 / 64,
+    /* c, beta */ 1.0, 1.0,
+    /* no cross table */ 0};
+
+typedef struct nu_state {
+    double wf[6], ws[5], as, al, c, beta;
+    double *cross;   /* [L][E][E] or NULL (owned) */
+    uint64_t *used;  /* [nkeys] internal pass of the last demand touch; 0 = never */
+    double *es, *el; /* [nkeys] */
+    int32_t *key_of; /* [nslots], -1 when free */
+    double *xv;      /* [2][E] scratch: cross means for layers lc and lc + 1 */
+    /* Memo of the q without the cross feature, per key and inpass (0/1): valid while the
+     * pass and the key's last use are those it was computed at (es, el change only at
+     * on_pass, used at a touch), so a victim scan computes each key's q about once a pass. */
+    double *memo_q;     /* [2][nkeys] */
+    uint64_t *memo_at;  /* [2][nkeys] pass * 2^32 ^ used (0: empty; both < 2^32 in practice) */
+    uint32_t *prev;  /* [E] scratch: experts of a layer touched in the current pass */
+    uint64_t pass;   /* internal pass counter, from 1 */
+    int32_t lc;      /* layer of the latest demand touch in this pass, -1 none */
+} nu_state;
+
+static void nu_free(smoe_policy *p) {
+    nu_state *st = p->state;
+    if (!st) return;
+    free(st->cross);
+    free(st->used);
+    free(st->es);
+    free(st->el);
+    free(st->key_of);
+    free(st->xv);
+    free(st->prev);
+    free(st->memo_q);
+    free(st->memo_at);
+    free(st);
+    p->state = NULL;
+}
+
+static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *err) {
+    const uint64_t L = params->num_layers, E = params->num_experts, nkeys = L * E;
+    const double *m = params->model ? params->model : builtin_model;
+    const uint64_t len = params->model ? params->model_len : SMOE_NU_HEADER;
+    if (len < SMOE_NU_HEADER || m[0] != SMOE_NU_VERSION)
+        return smoe_err_set(err, SMOE_EINVAL, "nextuse: the model must be a format-%d array of "
+                            "at least %d values (specmoe.sim.nextuse.NextUseModel.flat()), got "
+                            "%" PRIu64 " values%s", SMOE_NU_VERSION, SMOE_NU_HEADER, len,
+                            len ? (m[0] != SMOE_NU_VERSION ? " of another format" : "") : "");
+    const int has_cross = m[16] != 0.0;
+    const uint64_t want = SMOE_NU_HEADER + (has_cross ? L * E * E : 0);
+    if (len != want)
+        return smoe_err_set(err, SMOE_EINVAL, "nextuse: the model has %" PRIu64 " values; a "
+                            "model %s a cross table for %" PRIu64 " layers x %" PRIu64
+                            " experts has %" PRIu64 " (was it trained for another model?)",
+                            len, has_cross ? "with" : "without", L, E, want);
+    for (uint64_t i = 1; i < len; i++)
+        if (!isfinite(m[i]))
+            return smoe_err_set(err, SMOE_EINVAL, "nextuse: model value %" PRIu64 " is not "
+                                "finite", i);
+    if (!(m[12] > 0 && m[12] <= 1 && m[13] > 0 && m[13] <= 1 && m[14] > 0 && m[15] >= 0))
+        return smoe_err_set(err, SMOE_EINVAL, "nextuse: need alpha_s, alpha_l in (0, 1], c > 0 "
+                            "and beta >= 0, got %g, %g, %g, %g", m[12], m[13], m[14], m[15]);
+    nu_state *st = calloc(1, sizeof *st);
+    p->state = st;
+    if (st) {
+        st->used = calloc(nkeys, sizeof *st->used);
+        st->es = calloc(nkeys, sizeof *st->es);
+        st->el = calloc(nkeys, sizeof *st->el);
+        st->key_of = malloc(params->nslots * sizeof *st->key_of);
+        st->xv = malloc(2 * E * sizeof *st->xv);
+        st->prev = malloc(E * sizeof *st->prev);
+        st->memo_q = malloc(2 * nkeys * sizeof *st->memo_q);
+        st->memo_at = calloc(2 * nkeys, sizeof *st->memo_at);
+        if (has_cross) st->cross = malloc(L * E * E * sizeof *st->cross);
+    }
+    if (!st || !st->used || !st->es || !st->el || !st->key_of || !st->xv || !st->prev ||
+        !st->memo_q || !st->memo_at || (has_cross && !st->cross)) {
+        nu_free(p);
+        return smoe_err_set(err, SMOE_ENOMEM, "nextuse: out of memory for %" PRIu64 " keys",
+                            nkeys);
+    }
+    memcpy(st->wf, m + 1, sizeof st->wf);
+    memcpy(st->ws, m + 7, sizeof st->ws);
+    st->as = m[12];
+    st->al = m[13];
+    st->c = m[14];
+    st->beta = m[15];
+    if (has_cross) memcpy(st->cross, m + SMOE_NU_HEADER, L * E * E * sizeof *st->cross);
+    for (uint32_t s = 0; s < params->nslots; s++) st->key_of[s] = -1;
+    st->pass = 1;
+    st->lc = -1;
+    return 0;
+}
+
+static void nu_touch(nu_state *st, uint32_t E, int32_t key) {
+    st->used[key] = st->pass;
+    st->lc = (int32_t)((uint32_t)key / E);
+}
+
+static void nu_insert(smoe_policy *p, uint32_t slot, int32_t key, int prefetch) {
+    nu_state *st = p->state;
+    if (slot < p->nslots) st->key_of[slot] = key;
+    if (!prefetch) nu_touch(st, p->num_experts, key);
+}
+
+static void nu_access(smoe_policy *p, uint32_t slot, int32_t key) {
+    (void)slot;
+    nu_touch(p->state, p->num_experts, key);
+}
+
+static void nu_evict(smoe_policy *p, uint32_t slot, int32_t key) {
+    nu_state *st = p->state;
+    (void)key;
+    if (slot < p->nslots) st->key_of[slot] = -1;
+}
+
+/* The pass that ends is folded into the averages; a new one begins. */
+static void nu_pass(smoe_policy *p, uint64_t pass_id) {
+    nu_state *st = p->state;
+    (void)pass_id;
+    const uint64_t nkeys = (uint64_t)p->num_layers * p->num_experts;
+    for (uint64_t k = 0; k < nkeys; k++) {
+        const double u = st->used[k] == st->pass ? 1.0 : 0.0;
+        st->es[k] += st->as * (u - st->es[k]);
+        st->el[k] += st->al * (u - st->el[k]);
+    }
+    st->pass++;
+    st->lc = -1;
+}
+
+/* Mean cross[l][a][e] over the experts a of layer l - 1 touched in the current pass, into
+ * out[E]; returns their count (0: no fresh cross feature for layer l). */
+static uint32_t nu_cross(const nu_state *st, uint32_t E, uint32_t l, double *out) {
+    if (!st->cross || l == 0) return 0;
+    uint32_t n = 0;
+    const uint64_t *u = st->used + (uint64_t)(l - 1) * E;
+    for (uint32_t a = 0; a < E; a++)
+        if (u[a] == st->pass) st->prev[n++] = a;
+    if (!n) return 0;
+    for (uint32_t e = 0; e < E; e++) out[e] = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+        const double *row = st->cross + ((uint64_t)l * E + st->prev[i]) * E;
+        for (uint32_t e = 0; e < E; e++) out[e] += row[e];
+    }
+    for (uint32_t e = 0; e < E; e++) out[e] /= (double)n;
+    return n;
+}
+
+/* Fill the scratch cross vectors for layers lc and lc + 1 (the only ones that can be fresh);
+ * fresh[i] says whether xv[i] holds layer lc + i's. */
+static void nu_prepare(nu_state *st, uint32_t L, uint32_t E, int fresh[2]) {
+    for (int i = 0; i < 2; i++) {
+        const int32_t l = st->lc + i;
+        fresh[i] = l >= 1 && l < (int32_t)L && nu_cross(st, E, (uint32_t)l, st->xv + i * E) > 0;
+    }
+}
+
+/* q and the distance dl of key k (nextuse.h). */
+static double nu_q(nu_state *st, uint32_t L, uint32_t E, int32_t key, const int fresh[2],
+                   double *dl_out) {
+    const int32_t l = (int32_t)((uint32_t)key / E), lc = st->lc;
+    const uint32_t e = (uint32_t)key % E;
+    const uint64_t up = st->used[key], P = st->pass;
+    const int inpass = l > lc || (l == lc && up != P);
+    *dl_out = inpass ? (l == lc ? 0.0 : (double)(l - lc)) : (double)(l - lc + (int32_t)L);
+    const int slot = l - lc; /* 0: layer lc, 1: layer lc + 1 */
+    const int use_cross = inpass && (slot == 0 || slot == 1) && fresh[slot];
+    const uint64_t nkeys = (uint64_t)L * E, m = (uint64_t)inpass * nkeys + (uint64_t)key;
+    const uint64_t at = (P << 32) ^ up;
+    if (!use_cross && st->memo_at[m] == at) return st->memo_q[m];
+    const uint64_t ref = inpass ? P : P + 1;
+    const double last = up > 0 && up == (inpass ? P - 1 : P) ? 1.0 : 0.0;
+    /* gap >= 1: a key used in this pass whose layer comes again in it (layers out of order,
+     * or a cache that never calls on_pass) counts as used one pass ago */
+    const uint64_t g = up == 0 ? 256 : ref - up < 1 ? 1 : ref - up < 256 ? ref - up : 256;
+    const double gap = log((double)g);
+    double z;
+    if (use_cross)
+        z = st->wf[0] + st->wf[1] * last + st->wf[2] * st->es[key] + st->wf[3] * st->el[key] +
+            st->wf[4] * gap + st->wf[5] * st->xv[slot * E + e];
+    else
+        z = st->ws[0] + st->ws[1] * last + st->ws[2] * st->es[key] + st->ws[3] * st->el[key] +
+            st->ws[4] * gap;
+    const double q = 1.0 / (1.0 + exp(-z));
+    if (!use_cross) {
+        st->memo_q[m] = q;
+        st->memo_at[m] = at;
+    }
+    return q;
+}
+
+static int32_t nu_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {
+    nu_state *st = p->state;
+    const uint32_t L = p->num_layers, E = p->num_experts;
+    int fresh[2];
+    nu_prepare(st, L, E, fresh);
+    int32_t best = -1;
+    double best_v = 0.0;
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        const int32_t k = st->key_of[s];
+        if (k < 0 || (ok && !ok(ctx, s))) continue;
+        double dl;
+        const double q = nu_q(st, L, E, k, fresh, &dl);
+        const double v = q / (dl + st->c) + st->beta * st->el[k] / (dl + (double)L + st->c);
+        if (best < 0 || v < best_v) {
+            best = (int32_t)s;
+            best_v = v;
+        }
+    }
+    return best;
+}
+
+const smoe_policy_ops smoe_policy_nextuse = {
+    .name = "nextuse",
+    .init = nu_init,
+    .free = nu_free,
+    .on_insert = nu_insert,
+    .on_access = nu_access,
+    .on_evict = nu_evict,
+    .on_pass = nu_pass,
+    .victim = nu_victim,
+};
+
+int smoe_nextuse_predict(smoe_policy *p, double *out, smoe_err *err) {
+    if (!p || p->ops != &smoe_policy_nextuse)
+        return smoe_err_set(err, SMOE_EINVAL, "predict: not a nextuse policy");
+    nu_state *st = p->state;
+    const uint32_t L = p->num_layers, E = p->num_experts;
+    int fresh[2];
+    nu_prepare(st, L, E, fresh);
+    double dl;
+    for (uint64_t k = 0; k < (uint64_t)L * E; k++) out[k] = nu_q(st, L, E, (int32_t)k, fresh, &dl);
+    return 0;
+}

@@ -1,0 +1,61 @@
+/* Learned next-use eviction ("nextuse", issue 42): Belady's rule with a learned future.
+ *
+ * Belady evicts the resident expert whose next use is furthest away.  Online the next use is
+ * not known, but two things about it are: *when* the expert's layer next runs (exactly: the
+ * layer-by-layer order of a forward pass), and *how likely* the expert is to be used then (a
+ * logistic model of what the policy has seen).  The policy evicts the slot of least value
+ *
+ *     v(k) = q(k) / (dl(k) + c)  +  beta * r(k) / (dl(k) + L + c)
+ *
+ * the expected hits per unit of slot time over the next two runs of the key's layer: q the
+ * predicted probability that key k = (layer l, expert e) is used at the next run of layer l,
+ * dl the layer steps until that run, r a long-run use rate standing for the run after it, L
+ * the number of MoE layers; c and beta come with the model (ties: the lowest slot).
+ *
+ * State, all from the event stream of policy.h (nothing else is needed, so the live caches
+ * and the simulator run it unchanged): an internal pass counter P (1 before the first on_pass,
+ * +1 at each on_pass); per key the pass of its last demand touch (access or demand insert; a
+ * prefetch insert is no use), 0 = never; per key two exponential averages of "used in a pass"
+ * (es with alpha_s, el with alpha_l), folded in at each on_pass for the pass that ends; lc =
+ * the layer of the latest demand touch in the current pass, -1 before the first one.
+ *
+ * Features of key k = (l, e), at a victim choice:
+ *   inpass  = l > lc, or l == lc and k not touched in pass P (the next run of layer l is in
+ *             the current pass: still to come, or running now and k not yet asked for);
+ *   dl      = inpass ? (l == lc ? 0 : l - lc) : l - lc + L       (lc = -1: l + 1);
+ *   last    = 1 when k was used in the latest run of layer l before that next run (pass P - 1
+ *             when inpass, else P), else 0;
+ *   es, el  = the averages (through pass P - 1);
+ *   gap     = log(min(max(R - used(k), 1), 256)), R = P when inpass else P + 1; log 256 when
+ *             never used (the max matters only when a layer comes twice in one pass);
+ *   cross   = with a cross table, when inpass, l >= 1, l <= lc + 1 and layer l - 1 has demand
+ *             touches in pass P (so they belong to the same pass as k's next run): the mean of
+ *             cross[l][a][e] over those experts a of layer l - 1 ("fresh"); else absent.
+ *   q = sigmoid(w_fresh . (1, last, es, el, gap, cross)) when fresh, else
+ *       sigmoid(w_stale . (1, last, es, el, gap)).
+ * All arithmetic in double; the plain-Python reference (tests/ref_policies.py RefNextUse)
+ * follows the same order of operations.
+ *
+ * Model: a flat array of doubles (specmoe.sim.nextuse.NextUseModel.flat):
+ *   [0] format version (1); [1..6] w_fresh; [7..11] w_stale; [12] alpha_s; [13] alpha_l;
+ *   [14] c; [15] beta; [16] 1 when a cross table of num_layers * num_experts^2 values
+ *   (cross[l][a][e], l-major; layer 0's unused) follows, else 0.
+ * Without a model (params->model == NULL: the policy created by name) the built-in weights
+ * below are used, with no cross table: the temporal part, which does not depend on the
+ * model's shape.
+ *
+ * Cost: on_pass O(num_layers * num_experts); victim O(nslots + 2 * top_k * num_experts), the
+ * q of keys without a fresh cross feature memoised per pass (an exp per key and pass).
+ */
+#ifndef SMOE_POLICY_NEXTUSE_H
+#define SMOE_POLICY_NEXTUSE_H
+
+#include "policy.h"
+
+enum { SMOE_NU_VERSION = 1, SMOE_NU_HEADER = 17 };
+
+/* The predicted q of every key (out[num_layers * num_experts]) in the policy's current state;
+ * p must be a nextuse policy (SMOE_EINVAL otherwise).  For tests and benchmarks. */
+int smoe_nextuse_predict(smoe_policy *p, double *out, smoe_err *err);
+
+#endif

@@ -1,0 +1,169 @@
+"""The learned next-use model behind the ``nextuse`` eviction policy (issue 42).
+
+The policy (``csrc/policy/nextuse.h`` states the rule and every feature) evicts the resident
+expert of least value ``q / (dl + c) + beta * r / (dl + L + c)``: ``q`` is a logistic model's
+probability that the expert is used the next time its layer runs, ``dl`` the layer steps until
+that run (known exactly), ``r`` a long-run use rate.  This module holds the model
+(:class:`NextUseModel`: the weights, the layer-to-layer ``cross`` table, ``c`` and ``beta``),
+the packaged model trained on DeepSeek-V2-Lite's routing (:func:`default_model`), the
+features in numpy for training and measurement (:func:`features_at`, :class:`Walker`), and
+the prompt split the trainer and the benchmarks share (:func:`split_requests`).
+
+Train a model for other traces with ``python training/nextuse.py --trace DIR --out FILE``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NextUseModel", "default_model", "DEFAULT_PATH", "Walker", "split_requests",
+           "FORMAT_VERSION", "GAP_CAP"]
+
+FORMAT_VERSION = 1
+GAP_CAP = 256
+#: The packaged model (trained by training/nextuse.py; card beside it).
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "zoo" / "nextuse-dsv2lite" / "model.npz"
+
+
+@dataclass
+class NextUseModel:
+    """Weights of the ``nextuse`` policy.  ``w_fresh`` (6: bias, last, es, el, gap, cross)
+    applies where the cross-layer feature is fresh, ``w_stale`` (5, no cross) elsewhere;
+    ``cross[l, a, e]`` (float, ``[num_layers, num_experts, num_experts]``; layer 0 unused) is
+    the evidence that expert ``a`` of layer ``l - 1`` brings for expert ``e`` of layer ``l`` in
+    the same pass, or None (a model of the temporal features alone, for any shape)."""
+
+    w_fresh: np.ndarray
+    w_stale: np.ndarray
+    alpha_s: float = 1.0 / 8
+    alpha_l: float = 1.0 / 64
+    c: float = 1.0
+    beta: float = 1.0
+    cross: np.ndarray | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.w_fresh = np.asarray(self.w_fresh, np.float64).reshape(6)
+        self.w_stale = np.asarray(self.w_stale, np.float64).reshape(5)
+        if self.cross is not None:
+            self.cross = np.asarray(self.cross, np.float64)
+            L, E, E2 = self.cross.shape
+            if E != E2:
+                raise ValueError(f"cross must be [layers, experts, experts], got {self.cross.shape}")
+        if not (0 < self.alpha_s <= 1 and 0 < self.alpha_l <= 1 and self.c > 0 and self.beta >= 0):
+            raise ValueError(f"need alpha_s, alpha_l in (0, 1], c > 0, beta >= 0; got "
+                             f"{self.alpha_s}, {self.alpha_l}, {self.c}, {self.beta}")
+
+    @property
+    def shape(self) -> tuple[int, int] | None:
+        """(num_layers, num_experts) of the cross table, None without one."""
+        return None if self.cross is None else (self.cross.shape[0], self.cross.shape[1])
+
+    def temporal(self) -> "NextUseModel":
+        """The same model without its cross table (any number of layers and experts)."""
+        return NextUseModel(self.w_fresh, self.w_stale, self.alpha_s, self.alpha_l, self.c,
+                            self.beta, None, dict(self.info, cross="dropped"))
+
+    def flat(self) -> np.ndarray:
+        """The float64 array the C policy takes (``_C.Policy("nextuse", ..., model=)``)."""
+        head = np.concatenate([[FORMAT_VERSION], self.w_fresh, self.w_stale,
+                               [self.alpha_s, self.alpha_l, self.c, self.beta,
+                                0.0 if self.cross is None else 1.0]])
+        parts = [head] if self.cross is None else [head, self.cross.reshape(-1)]
+        return np.ascontiguousarray(np.concatenate(parts), dtype=np.float64)
+
+    def save(self, path: str | os.PathLike) -> None:
+        kw: dict[str, Any] = dict(w_fresh=self.w_fresh, w_stale=self.w_stale,
+                                  scalars=np.array([self.alpha_s, self.alpha_l, self.c, self.beta]),
+                                  info=np.array(json.dumps(self.info)))
+        if self.cross is not None:
+            kw["cross"] = self.cross.astype(np.float16)  # the packaged file stays small
+        np.savez_compressed(path, **kw)
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "NextUseModel":
+        try:
+            with np.load(path) as z:
+                s = z["scalars"]
+                return NextUseModel(z["w_fresh"], z["w_stale"], float(s[0]), float(s[1]),
+                                    float(s[2]), float(s[3]),
+                                    z["cross"].astype(np.float64) if "cross" in z else None,
+                                    json.loads(str(z["info"])))
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"{os.fspath(path)!r} is not a next-use model: {e}") from None
+
+
+def default_model(num_layers: int, num_experts: int) -> NextUseModel:
+    """The packaged model (DeepSeek-V2-Lite's 26 MoE layers x 64 experts); for another shape
+    its temporal part alone (the cross table belongs to one model's layers)."""
+    m = NextUseModel.load(DEFAULT_PATH)
+    return m if m.shape == (num_layers, num_experts) else m.temporal()
+
+
+def split_requests(names: list[str], val_mod: int = 5) -> tuple[list[int], list[int]]:
+    """(train, validation) request indices of traces named ``names`` (file names, in request
+    order): validation = crc32(name) % val_mod == 0, so a prompt's side never depends on which
+    other prompts are present."""
+    val = [i for i, n in enumerate(names) if zlib.crc32(n.encode()) % val_mod == 0]
+    vs = set(val)
+    return [i for i in range(len(names)) if i not in vs], val
+
+
+class Walker:
+    """The policy's feature state (csrc/policy/nextuse.h) over a demand sequence, in numpy:
+    call :meth:`begin_pass` at each pass, :meth:`touch_layer` with each layer's experts, and
+    :meth:`features` between them for every key at once."""
+
+    def __init__(self, num_layers: int, num_experts: int, model: NextUseModel):
+        self.L, self.E, self.m = num_layers, num_experts, model
+        n = num_layers * num_experts
+        self.used = np.zeros(n, np.int64)
+        self.es = np.zeros(n)
+        self.el = np.zeros(n)
+        self.P = 1
+        self.lc = -1
+
+    def begin_pass(self) -> None:
+        u = (self.used == self.P).astype(np.float64)
+        self.es += self.m.alpha_s * (u - self.es)
+        self.el += self.m.alpha_l * (u - self.el)
+        self.P += 1
+        self.lc = -1
+
+    def touch_layer(self, layer: int, experts: np.ndarray) -> None:
+        self.used[layer * self.E + np.asarray(experts, np.int64)] = self.P
+        self.lc = layer
+
+    def features(self) -> dict[str, np.ndarray]:
+        """Per key: ``X`` [n, 6] (bias, last, es, el, gap, cross; cross 0 where not fresh),
+        ``fresh`` (bool), ``dl``, ``inpass`` (bool), ``q`` (the model's prediction)."""
+        L, E, P, lc = self.L, self.E, self.P, self.lc
+        keys = np.arange(L * E)
+        l = keys // E
+        up = self.used
+        inpass = (l > lc) | ((l == lc) & (up != P))
+        dl = np.where(inpass, np.where(l == lc, 0, l - lc), l - lc + L).astype(np.float64)
+        last = ((up > 0) & (up == np.where(inpass, P - 1, P))).astype(np.float64)
+        ref = np.where(inpass, P, P + 1)
+        gap = np.log(np.where(up > 0, np.clip(ref - up, 1, GAP_CAP), GAP_CAP).astype(np.float64))
+        cross = np.zeros(L * E)
+        fresh = np.zeros(L * E, bool)
+        if self.m.cross is not None:
+            for lay in (lc, lc + 1):
+                if lay < 1 or lay >= L:
+                    continue
+                prev = np.nonzero(up[(lay - 1) * E:lay * E] == P)[0]
+                if len(prev) == 0:
+                    continue
+                sel = slice(lay * E, (lay + 1) * E)
+                fresh[sel] = inpass[sel]
+                cross[sel] = self.m.cross[lay][prev].sum(axis=0) / len(prev)
+        X = np.stack([np.ones(L * E), last, self.es, self.el, gap, cross], axis=1)
+        z = np.where(fresh, X @ self.m.w_fresh, X[:, :5] @ self.m.w_stale)
+        return dict(X=X, fresh=fresh, dl=dl, inpass=inpass, q=1.0 / (1.0 + np.exp(-z)))

@@ -1,0 +1,158 @@
+"""The learned next-use eviction policy (issue 42, csrc/policy/nextuse.h): the C policy against
+its plain-Python reference (tests/ref_policies.py RefNextUse) victim by victim, its predicted
+probabilities against the reference's and against the numpy features the trainer uses
+(specmoe.sim.nextuse.Walker), the packaged model, and the errors a wrong model gets."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specmoe import _C
+from specmoe.runtime.policies import NextUse, make_policy
+from specmoe.sim.nextuse import DEFAULT_PATH, NextUseModel, Walker, default_model, split_requests
+from specmoe.sim.replay import simulate
+
+from .ref_policies import RefNextUse, ref_replay
+from .test_policies import assert_same, random_keys
+
+
+def _model(rng, L, E, cross=True, c=1.0, beta=1.0) -> NextUseModel:
+    return NextUseModel(rng.normal(0, 1.5, 6), rng.normal(0, 1.5, 5), c=c, beta=beta,
+                        cross=rng.normal(0, 1.0, (L, E, E)) if cross else None)
+
+
+def _both(model, keys, nslots, L, E, passes, mask_seed=0):
+    flat = model.flat()
+    pol = _C.Policy("nextuse", nslots, L, E, model=flat)
+    hits, vic, q = _C.replay(pol, np.asarray(keys, np.int32), passes, mask_seed=mask_seed,
+                             next_use=True)
+    ref = RefNextUse(L, E, flat)
+    rh, rv = ref_replay(ref, list(map(int, keys)), nslots, passes, mask_seed)
+    return hits, vic, q, np.array(rh, np.uint8), np.array(rv, np.int32), ref
+
+
+@pytest.mark.parametrize("nslots", [1, 3, 8, 17])
+@pytest.mark.parametrize("passes", [None, 6, "layered"])
+@pytest.mark.parametrize("cross", [True, False])
+def test_random_sequences_match_the_reference(nslots, passes, cross):
+    """Random keys (layers out of order within a pass, or no passes at all: the gap floor),
+    and layer-ordered passes like a decoder's; evictable masks on odd sizes."""
+    rng = np.random.default_rng(nslots * 31 + (passes == 6) * 7 + cross)
+    L, E = 4, 6
+    model = _model(rng, L, E, cross, c=float(rng.uniform(0.5, 3)), beta=float(rng.uniform(0, 2)))
+    if passes == "layered":  # 2 experts per layer per pass, layers in order
+        n = 150
+        keys = np.array([l * E + e for _ in range(n) for l in range(L)
+                         for e in rng.choice(E, 2, replace=False)], np.int32)
+        passes = 2 * L
+    else:
+        keys = random_keys(rng, 1000, L, E, skew=nslots % 2 == 1)
+    hits, vic, q, rh, rv, ref = _both(model, keys, nslots, L, E, passes,
+                                      mask_seed=nslots if nslots % 2 else 0)
+    assert_same("nextuse", hits, vic, rh, rv)
+    want = np.array([ref.q(k)[0] for k in range(L * E)])
+    np.testing.assert_allclose(q, want, rtol=1e-12, atol=0)
+
+
+def test_the_real_trace_subset_with_the_packaged_model(puffin_subset):
+    """DeepSeek-V2-Lite routing (the carried subset) with the packaged model, one pass per
+    token: the same victims as the reference, and every key's q equal to the reference's and
+    to the trainer's numpy features at the end."""
+    tr = puffin_subset.slice(0, 120)
+    L, E, K = tr.num_layers, tr.num_experts, tr.top_k
+    model = default_model(L, E)
+    assert model.shape == (L, E)
+    keys = tr.keys()
+    hits, vic, q, rh, rv, ref = _both(model, keys, 166, L, E, L * K)
+    assert_same("nextuse", hits, vic, rh, rv)
+    assert 0 < hits.mean() < 1
+    np.testing.assert_allclose(q, [ref.q(k)[0] for k in range(L * E)], rtol=1e-12, atol=0)
+    w = Walker(L, E, model)
+    for t in range(tr.num_tokens):
+        w.begin_pass()
+        for lay in range(L):
+            w.touch_layer(lay, tr.experts[t, lay])
+    np.testing.assert_allclose(w.features()["q"], q, rtol=1e-10, atol=0)
+
+
+def test_walker_features_mid_layer_match_the_reference(puffin_subset):
+    """The trainer samples before a layer runs (lc = the layer before); there the fresh
+    cross feature applies to the next layer's keys."""
+    tr = puffin_subset.slice(0, 40)
+    L, E = tr.num_layers, tr.num_experts
+    model = default_model(L, E)
+    w, ref = Walker(L, E, model), RefNextUse(L, E, model.flat())
+    checked = 0
+    for t in range(tr.num_tokens):
+        w.begin_pass()
+        ref.on_pass(t + 1)
+        for lay in range(L):
+            if (t * L + lay) % 97 == 0:
+                f = w.features()
+                want = [ref.q(k) for k in range(L * E)]
+                np.testing.assert_allclose(f["q"], [a for a, _ in want], rtol=1e-10, atol=0)
+                np.testing.assert_array_equal(f["dl"], [b for _, b in want])
+                checked += int(f["fresh"].any())
+            w.touch_layer(lay, tr.experts[t, lay])
+            for e in tr.experts[t, lay]:
+                ref._touch(lay * E + int(e))
+    assert checked > 0  # some points had a fresh cross feature
+
+
+def test_packaged_model_and_fallbacks(tmp_path):
+    m = NextUseModel.load(DEFAULT_PATH)
+    assert m.shape == (26, 64) and "trained_on" in m.info and "validation" in m.info
+    assert default_model(4, 8).cross is None  # another shape: the temporal part
+    np.testing.assert_array_equal(default_model(4, 8).w_stale, m.w_stale)
+    # by name: the packaged model where it fits, the temporal one elsewhere
+    assert make_policy("nextuse", 10, 26, 64).name == "nextuse"
+    assert make_policy("nextuse", 3, 4, 8).name == "nextuse"
+    p = tmp_path / "m.npz"
+    _model(np.random.default_rng(0), 3, 4).save(p)
+    assert NextUse(model=p).resolve(3, 4).shape == (3, 4)
+    assert make_policy(NextUse(model=str(p)), 5, 3, 4).name == "nextuse"
+
+
+def test_bad_models_are_refused_by_name():
+    rng = np.random.default_rng(1)
+    m = _model(rng, 3, 4)
+    with pytest.raises(ValueError, match="trained for another model"):
+        _C.Policy("nextuse", 4, 5, 4, model=m.flat())
+    with pytest.raises(ValueError, match="trained for another model"):
+        make_policy(NextUse(model=m), 4, 3, 5)
+    with pytest.raises(ValueError, match="format-1 array"):
+        _C.Policy("nextuse", 4, 3, 4, model=np.zeros(17))
+    bad = m.flat()
+    bad[3] = np.nan
+    with pytest.raises(ValueError, match="not finite"):
+        _C.Policy("nextuse", 4, 3, 4, model=bad)
+    with pytest.raises(ValueError, match="model= applies to nextuse only"):
+        _C.Policy("lru", 4, 3, 4, model=m.flat())
+    with pytest.raises(ValueError, match="needs a nextuse policy"):
+        _C.replay(_C.Policy("lru", 4, 3, 4), np.arange(5, dtype=np.int32), next_use=True)
+    with pytest.raises(ValueError, match="beta"):
+        NextUseModel(np.zeros(6), np.zeros(5), beta=-1.0)
+    with pytest.raises(TypeError, match="NextUseModel, a path or None"):
+        NextUse(model=3).resolve(3, 4)
+    with pytest.raises(ValueError, match="not a next-use model"):
+        NextUseModel.load(__file__)
+
+
+def test_simulator_runs_it_by_name_with_the_packaged_model(puffin_subset):
+    """simulate(..., "nextuse") uses the packaged model (not the C built-in's temporal weights
+    alone): the same hit rate as the explicit spec, and above least_stale's on real routing."""
+    tr = puffin_subset
+    by_name = simulate(tr, "nextuse", "10%")
+    spec = simulate(tr, NextUse(), "10%")
+    temporal = simulate(tr, NextUse(model=default_model(26, 64).temporal()), "10%")
+    assert by_name.hit_rate == spec.hit_rate
+    assert by_name.hit_rate != temporal.hit_rate
+    assert by_name.hit_rate > simulate(tr, "least_stale", "10%").hit_rate
+
+
+def test_split_is_by_name_and_stable():
+    names = [f"prompt_{i}_data.csv.gz" for i in range(50)]
+    tr, va = split_requests(names)
+    assert sorted(tr + va) == list(range(50)) and 0 < len(va) < 25
+    tr2, va2 = split_requests(names[::-1])
+    assert sorted(names[::-1][i] for i in va2) == sorted(names[i] for i in va)

@@ -1,0 +1,183 @@
+"""Train the learned next-use model of the ``nextuse`` eviction policy (issue 42) on routing
+traces, split by prompt, and write it with its card.
+
+    python training/nextuse.py                         # the shared DeepSeek-V2-Lite traces
+    python training/nextuse.py --trace DIR --out F.npz # any folder of puffin-layout traces
+
+What it does (csrc/policy/nextuse.h has the rule and the features):
+  1. split the prompts: validation = crc32(file name) % 5 == 0 (specmoe.sim.nextuse.split_requests);
+     nothing below looks at the validation prompts except the final report;
+  2. the cross table from the training prompts: cross[l, a, e] = log of P(e at layer l | a at
+     layer l - 1, same token) over P(e at layer l), add-one smoothed;
+  3. walk the training prompts as the policy sees them (one pass per token, layer by layer,
+     history carried across prompts as in a replay), sample --sample of the (token, layer)
+     points before the layer runs, and record every key's features and whether the key is
+     used at its layer's next run; fit two logistic regressions by Newton's method (fresh:
+     with the cross feature; stale: without);
+  4. choose c and beta of the value q / (dl + c) + beta * r / (dl + L + c) on a grid by the
+     simulator's demand hit rate at 10 % and 25 % of the experts on the training prompts;
+  5. report log loss and AUC of q and the hit rate on the validation prompts, and save.
+Seeded; deterministic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from specmoe import _C  # noqa: E402
+from specmoe.sim.nextuse import DEFAULT_PATH, NextUseModel, Walker, split_requests  # noqa: E402
+from specmoe.sim.replay import simulate  # noqa: E402
+from specmoe.sim.traces import Trace, _prompt_number, load_puffin, shared_trace_dir  # noqa: E402
+
+
+def trace_files(path: Path) -> list[Path]:
+    return sorted([f for f in path.iterdir() if f.name.endswith((".csv", ".csv.gz"))],
+                  key=_prompt_number)
+
+
+def subset(tr: Trace, idx: list[int]) -> Trace:
+    return Trace.concat([tr.request(i) for i in idx])
+
+
+def cross_table(tr: Trace) -> np.ndarray:
+    T, L, K = tr.experts.shape
+    E = tr.num_experts
+    used = np.zeros((T, L, E), np.float32)
+    used[np.arange(T)[:, None, None], np.arange(L)[None, :, None], tr.experts] = 1.0
+    cnt = np.einsum("tla,tlb->lab", used[:, :-1], used[:, 1:])  # a at l-1, b at l
+    na = used[:, :-1].sum(axis=0)                                # [L-1, E]
+    pb = used[:, 1:].mean(axis=0)                                # [L-1, E]
+    cond = (cnt + 1.0) / (na[:, :, None] + E / K)
+    out = np.zeros((L, E, E))
+    out[1:] = np.log(cond / (pb[:, None, :] + 1e-4))
+    return out
+
+
+def samples(tr: Trace, model: NextUseModel, frac: float, rng: np.random.Generator):
+    """Features and labels at a random frac of the (token, layer) points of tr."""
+    T, L, K = tr.experts.shape
+    E = tr.num_experts
+    w = Walker(L, E, model)
+    keys = np.arange(L * E)
+    X, Y, F = [], [], []
+    for t in range(T):
+        w.begin_pass()
+        for lay in range(L):
+            if t + 1 < T and rng.random() < frac:
+                f = w.features()
+                tok = np.where(f["inpass"], t, t + 1)
+                y = (tr.experts[tok, keys // E] == (keys % E)[:, None]).any(axis=1)
+                X.append(f["X"])
+                Y.append(y)
+                F.append(f["fresh"])
+            w.touch_layer(lay, tr.experts[t, lay])
+    return np.concatenate(X), np.concatenate(Y).astype(np.float64), np.concatenate(F)
+
+
+def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1e-4, iters: int = 30) -> np.ndarray:
+    w = np.zeros(X.shape[1])
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-(X @ w)))
+        g = X.T @ (p - y) / len(y) + l2 * w
+        H = (X * (p * (1 - p))[:, None]).T @ X / len(y) + l2 * np.eye(len(w))
+        step = np.linalg.solve(H, g)
+        w -= step
+        if np.abs(step).max() < 1e-10:
+            break
+    return w
+
+
+def log_loss(p: np.ndarray, y: np.ndarray) -> float:
+    p = np.clip(p, 1e-9, 1 - 1e-9)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+
+def auc(s: np.ndarray, y: np.ndarray) -> float:
+    order = np.argsort(s, kind="stable")
+    r = np.empty(len(s))
+    r[order] = np.arange(1, len(s) + 1)
+    npos = y.sum()
+    return float((r[y > 0].sum() - npos * (npos + 1) / 2) / (npos * (len(y) - npos)))
+
+
+def hit_rate(tr: Trace, model: NextUseModel, cap: float) -> float:
+    L, E = tr.num_layers, tr.num_experts
+    nslots = max(1, int(round(cap * L * E)))
+    pol = _C.Policy("nextuse", nslots, L, E, model=model.flat())
+    return simulate(tr, pol, nslots).hit_rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", type=Path, default=None, help="folder of puffin-layout traces "
+                    "(default: the shared DeepSeek-V2-Lite traces)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    ap.add_argument("--sample", type=float, default=0.03,
+                    help="fraction of (token, layer) points sampled for the regression")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    path = a.trace or shared_trace_dir()
+    files = trace_files(path)
+    names = [f.name for f in files]
+    t0 = time.time()
+    tr = load_puffin(path)
+    if tr.num_requests != len(files):
+        sys.exit(f"{path}: {len(files)} files but {tr.num_requests} requests")
+    tr_idx, va_idx = split_requests(names)
+    train, val = subset(tr, tr_idx), subset(tr, va_idx)
+    L, E = tr.num_layers, tr.num_experts
+    print(f"{len(tr_idx)} training prompts ({train.num_tokens} tokens), {len(va_idx)} "
+          f"validation prompts ({val.num_tokens} tokens)", flush=True)
+
+    base = NextUseModel(np.zeros(6), np.zeros(5), cross=cross_table(train))
+    rng = np.random.default_rng(a.seed)
+    X, y, fresh = samples(train, base, a.sample, rng)
+    wf = fit_logistic(X[fresh], y[fresh])
+    ws = fit_logistic(X[~fresh][:, :5], y[~fresh])
+    print(f"{len(y)} samples ({fresh.mean():.3f} fresh); w_fresh {np.round(wf, 3)}, "
+          f"w_stale {np.round(ws, 3)}", flush=True)
+
+    # c and beta on the training prompts (never the validation ones)
+    grid = [(c, b) for c in (1.0, 2.0, 4.0) for b in (0.0, 0.5, 1.0, 2.0)]
+    scores = {}
+    for c, b in grid:
+        m = NextUseModel(wf, ws, c=c, beta=b, cross=base.cross)
+        scores[(c, b)] = [hit_rate(train, m, cap) for cap in (0.10, 0.25)]
+        print(f"  c={c} beta={b}: train hit rate 10% {scores[(c, b)][0]:.4f}, 25% "
+              f"{scores[(c, b)][1]:.4f}", flush=True)
+    c, b = max(grid, key=lambda k: sum(scores[k]))
+
+    Xv, yv, fv = samples(val, base, 1.0, np.random.default_rng(a.seed + 1))
+    zv = np.where(fv, Xv @ wf, Xv[:, :5] @ ws)
+    qv = 1.0 / (1.0 + np.exp(-zv))
+    report = {"log_loss": log_loss(qv, yv), "auc": auc(zv, yv),
+              "base_rate": float(yv.mean()),
+              "log_loss_constant": log_loss(np.full_like(yv, yv.mean()), yv),
+              "auc_fresh": auc(zv[fv], yv[fv]), "auc_stale": auc(zv[~fv], yv[~fv])}
+    model = NextUseModel(wf, ws, c=c, beta=b, cross=base.cross, info={
+        "trained_on": f"{tr.model or 'routing traces'}: {path.name}, {len(tr_idx)} of "
+                      f"{len(files)} prompts (validation: crc32(file name) % 5 == 0)",
+        "layers": L, "experts": E, "train_tokens": train.num_tokens,
+        "val_tokens": val.num_tokens, "samples": int(len(y)), "seed": a.seed,
+        "grid_train_hit_rate": {f"c={k[0]},beta={k[1]}": v for k, v in scores.items()},
+        "validation": report})
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    model.save(a.out)
+    saved = NextUseModel.load(a.out)  # what the package loads (cross in f16)
+    model.info["validation"]["hit_rate"] = {f"{int(cap * 100)}%": hit_rate(val, saved, cap)
+                                            for cap in (0.05, 0.10, 0.25)}
+    model.info["train_seconds"] = round(time.time() - t0, 1)
+    model.save(a.out)
+    print(json.dumps({"c": c, "beta": b, **model.info["validation"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
