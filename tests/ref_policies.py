@@ -523,12 +523,18 @@ class RefNextUse(RefPolicy):
             z = w[0] + w[1] * last + w[2] * self.es[key] + w[3] * self.el[key] + w[4] * gap
         return 1.0 / (1.0 + math.exp(-z)), dl
 
+    def value(self, key):
+        q, dl = self.q(key)
+        return q / (dl + self.c) + self.beta * self.el[key] / (dl + self.L + self.c)
+
+    def utility(self, key):
+        """The value as the integer the shared prefetch rule compares (1e8 per unit)."""
+        return min(math.floor(self.value(key) * 1e8 + 0.5), 2**31 - 1)
+
     def victim(self, candidates):
         best, best_v = -1, 0.0
         for s in candidates:
-            k = self.key_of[s]
-            q, dl = self.q(k)
-            v = q / (dl + self.c) + self.beta * self.el[k] / (dl + self.L + self.c)
+            v = self.value(self.key_of[s])
             if best < 0 or v < best_v:
                 best, best_v = s, v
         return best

@@ -140,8 +140,12 @@ class RefCache:
         """The worker's handling of one popped request (resident keys skipped)."""
         if key in self.where:
             return
+        # policy.h's prefetch rule: not a slot used in this pass and, under a policy with a
+        # utility, not one worth more than the key brought in
+        util = getattr(self.policy, "utility", None)
         s = self._slot_for(lambda i: self.last_pass[i] != self.pass_id
-                           and self.slots[i] not in pinned)
+                           and self.slots[i] not in pinned
+                           and (util is None or util(self.slots[i]) <= util(key)))
         if s is None:
             self.dropped += 1
             return

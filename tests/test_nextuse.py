@@ -99,6 +99,37 @@ def test_walker_features_mid_layer_match_the_reference(puffin_subset):
     assert checked > 0  # some points had a fresh cross feature
 
 
+def test_utility_is_the_value_the_prefetch_rule_compares(tmp_path):
+    """The live cache's utility under nextuse (what policy.h's prefetch rule compares: a
+    prefetch may evict only a slot worth no more than the key it brings; tests/test_cache.py
+    runs that rule against a plain model) equals the reference's value, key by key, after the
+    same demand accesses."""
+    import specmoe
+    from specmoe.storage.store import write_store
+
+    rng = np.random.default_rng(5)
+    L, E, nslots = 3, 5, 6
+    model = _model(rng, L, E)
+    keys = [int(k) for k in random_keys(rng, 300, L, E)]
+    ref = RefNextUse(L, E, model.flat())
+    ref_replay(ref, keys, nslots, 4)
+    store = write_store(tmp_path / "u.smoe", [{"w": np.full((E, 8), l, np.uint8)}
+                                              for l in range(L)], top_k=2, progress=False)
+    try:
+        with specmoe.ExpertCache(store, nslots, NextUse(model=model), prefetch=False) as cache:
+            for i, k in enumerate(keys):
+                if i % 4 == 0:
+                    cache.begin_pass()
+                cache.acquire(k // E, k % E)
+                cache.release(k // E, k % E)
+            got = cache.utility(np.arange(L * E) // E, np.arange(L * E) % E)
+    finally:
+        store.close()
+    want = [ref.utility(k) for k in range(L * E)]
+    np.testing.assert_array_equal(got, want)
+    assert len(set(want)) > 1
+
+
 def test_packaged_model_and_fallbacks(tmp_path):
     m = NextUseModel.load(DEFAULT_PATH)
     assert m.shape == (26, 64) and "trained_on" in m.info and "validation" in m.info

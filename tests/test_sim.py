@@ -30,7 +30,8 @@ HW_FASTLINK = dict(HW, link_bw=4e12, fast_bw=2e11)
 
 def _builtins():
     names = []
-    for n in ("lru", "lfu", "fifo", "mru", "random", "least_stale", "belady"):
+    for n in ("lru", "lfu", "fifo", "mru", "random", "least_stale", "belady",
+              "nextuse"):
         try:
             _C.simulate(np.zeros((1, 1, 1), np.int16), 1, n, 1, **HW)
             names.append(n)
@@ -478,7 +479,7 @@ def test_hardware_rejects_impossible_rates(capsys):
 # -- agreement with the live cache ------------------------------------------------------------
 
 AGREE_POLICIES = ["lru", "lfu", "fifo", "mru", "random", "least_stale", "least_stale:order=lru",
-                  "least_stale:order=fifo", "belady"]
+                  "least_stale:order=fifo", "belady", "nextuse"]
 
 
 @pytest.mark.skipif(not hasattr(specmoe, "ExpertCache"), reason="specmoe.ExpertCache not merged yet")

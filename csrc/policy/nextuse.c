@@ -32,6 +32,9 @@ typedef struct nu_state {
     uint32_t *prev;  /* [E] scratch: experts of a layer touched in the current pass */
     uint64_t pass;   /* internal pass counter, from 1 */
     int32_t lc;      /* layer of the latest demand touch in this pass, -1 none */
+    uint64_t events; /* +1 at each demand touch and pass: the cross vectors' freshness */
+    uint64_t xv_at;  /* events when xv / fresh were last computed (0: never) */
+    int fresh[2];    /* xv[i] holds layer lc + i's cross means */
 } nu_state;
 
 static void nu_free(smoe_policy *p) {
@@ -108,6 +111,7 @@ static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
 static void nu_touch(nu_state *st, uint32_t E, int32_t key) {
     st->used[key] = st->pass;
     st->lc = (int32_t)((uint32_t)key / E);
+    st->events++;
 }
 
 static void nu_insert(smoe_policy *p, uint32_t slot, int32_t key, int prefetch) {
@@ -139,6 +143,7 @@ static void nu_pass(smoe_policy *p, uint64_t pass_id) {
     }
     st->pass++;
     st->lc = -1;
+    st->events++;
 }
 
 /* Mean cross[l][a][e] over the experts a of layer l - 1 touched in the current pass, into
@@ -159,18 +164,22 @@ static uint32_t nu_cross(const nu_state *st, uint32_t E, uint32_t l, double *out
     return n;
 }
 
-/* Fill the scratch cross vectors for layers lc and lc + 1 (the only ones that can be fresh);
- * fresh[i] says whether xv[i] holds layer lc + i's. */
-static void nu_prepare(nu_state *st, uint32_t L, uint32_t E, int fresh[2]) {
+/* The scratch cross vectors for layers lc and lc + 1 (the only ones that can be fresh),
+ * recomputed only after a touch or a pass; st->fresh[i] says whether xv[i] holds layer
+ * lc + i's. */
+static void nu_prepare(nu_state *st, uint32_t L, uint32_t E) {
+    if (st->xv_at == st->events + 1) return;
     for (int i = 0; i < 2; i++) {
         const int32_t l = st->lc + i;
-        fresh[i] = l >= 1 && l < (int32_t)L && nu_cross(st, E, (uint32_t)l, st->xv + i * E) > 0;
+        st->fresh[i] =
+            l >= 1 && l < (int32_t)L && nu_cross(st, E, (uint32_t)l, st->xv + i * E) > 0;
     }
+    st->xv_at = st->events + 1;
 }
 
 /* q and the distance dl of key k (nextuse.h). */
-static double nu_q(nu_state *st, uint32_t L, uint32_t E, int32_t key, const int fresh[2],
-                   double *dl_out) {
+static double nu_q(nu_state *st, uint32_t L, uint32_t E, int32_t key, double *dl_out) {
+    const int *fresh = st->fresh;
     const int32_t l = (int32_t)((uint32_t)key / E), lc = st->lc;
     const uint32_t e = (uint32_t)key % E;
     const uint64_t up = st->used[key], P = st->pass;
@@ -202,25 +211,43 @@ static double nu_q(nu_state *st, uint32_t L, uint32_t E, int32_t key, const int 
     return q;
 }
 
+/* The value of keeping key (nextuse.h); nu_prepare first. */
+static double nu_value(nu_state *st, uint32_t L, uint32_t E, int32_t key) {
+    double dl;
+    const double q = nu_q(st, L, E, key, &dl);
+    return q / (dl + st->c) + st->beta * st->el[key] / (dl + (double)L + st->c);
+}
+
 static int32_t nu_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {
     nu_state *st = p->state;
     const uint32_t L = p->num_layers, E = p->num_experts;
-    int fresh[2];
-    nu_prepare(st, L, E, fresh);
+    nu_prepare(st, L, E);
     int32_t best = -1;
     double best_v = 0.0;
     for (uint32_t s = 0; s < p->nslots; s++) {
         const int32_t k = st->key_of[s];
         if (k < 0 || (ok && !ok(ctx, s))) continue;
-        double dl;
-        const double q = nu_q(st, L, E, k, fresh, &dl);
-        const double v = q / (dl + st->c) + st->beta * st->el[k] / (dl + (double)L + st->c);
+        const double v = nu_value(st, L, E, k);
         if (best < 0 || v < best_v) {
             best = (int32_t)s;
             best_v = v;
         }
     }
     return best;
+}
+
+/* The value of keeping key, as an integer (1e8 per unit of value; the value is at most
+ * 1 + beta): with it the shared prefetch rule (policy.h, smoe_policy_prefetch_may_evict)
+ * lets a prefetch evict only a slot worth no more than the key it brings.  The policy's
+ * memo and scratch are updated (callers hold the cache's mutex, as for every policy call). */
+static int32_t nu_utility(const smoe_policy *cp, int32_t key) {
+    smoe_policy *p = (smoe_policy *)cp; /* the memo and the scratch only */
+    const uint32_t L = p->num_layers, E = p->num_experts;
+    if (key < 0 || (uint64_t)key >= (uint64_t)L * E) return -1;
+    nu_state *st = p->state;
+    nu_prepare(st, L, E);
+    const double v = nu_value(st, L, E, key) * 1e8;
+    return v >= (double)INT32_MAX ? INT32_MAX : (int32_t)llround(v);
 }
 
 const smoe_policy_ops smoe_policy_nextuse = {
@@ -232,6 +259,7 @@ const smoe_policy_ops smoe_policy_nextuse = {
     .on_evict = nu_evict,
     .on_pass = nu_pass,
     .victim = nu_victim,
+    .utility = nu_utility,
 };
 
 int smoe_nextuse_predict(smoe_policy *p, double *out, smoe_err *err) {
@@ -239,9 +267,8 @@ int smoe_nextuse_predict(smoe_policy *p, double *out, smoe_err *err) {
         return smoe_err_set(err, SMOE_EINVAL, "predict: not a nextuse policy");
     nu_state *st = p->state;
     const uint32_t L = p->num_layers, E = p->num_experts;
-    int fresh[2];
-    nu_prepare(st, L, E, fresh);
+    nu_prepare(st, L, E);
     double dl;
-    for (uint64_t k = 0; k < (uint64_t)L * E; k++) out[k] = nu_q(st, L, E, (int32_t)k, fresh, &dl);
+    for (uint64_t k = 0; k < (uint64_t)L * E; k++) out[k] = nu_q(st, L, E, (int32_t)k, &dl);
     return 0;
 }

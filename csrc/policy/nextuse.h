@@ -44,6 +44,12 @@
  * below are used, with no cross table: the temporal part, which does not depend on the
  * model's shape.
  *
+ * Prefetch admission (issue 42 item 3): the policy's utility is this value (as an integer,
+ * 1e8 per unit), so the prefetch rule shared by the live caches and the simulator
+ * (policy.h, smoe_policy_prefetch_may_evict) lets a prefetch evict only a slot whose value
+ * is at most that of the expert it brings: a prefetch that would displace something the
+ * model expects to be used sooner per slot-time is dropped.
+ *
  * Cost: on_pass O(num_layers * num_experts); victim O(nslots + 2 * top_k * num_experts), the
  * q of keys without a fresh cross feature memoised per pass (an exp per key and pass).
  */

@@ -214,9 +214,9 @@ int main(void) {
     }
     /* swap policies while the consumers run: every built-in that exists */
     static const char *names[] = {"lfu", "fifo", "lru", "mru", "random", "least_stale", "spac",
-                                  "lru"};
+                                  "nextuse", "lru"};
     for (int i = 0; i < 40; i++) {
-        const smoe_policy_ops *ops = smoe_policy_find(names[i % 8]);
+        const smoe_policy_ops *ops = smoe_policy_find(names[i % 9]);
         if (!ops) ops = smoe_policy_find("lru");
         smoe_policy *p2;
         if (smoe_policy_create(&p2, ops, &pp, &err) < 0) return 2;
