@@ -108,7 +108,8 @@ static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
     return 0;
 }
 
-static void nu_touch(nu_state *st, uint32_t E, int32_t key) {
+static void nu_touch(nu_state *st, uint32_t L, uint32_t E, int32_t key) {
+    if (key < 0 || (uint64_t)key >= (uint64_t)L * E) return; /* not a key of this cache */
     st->used[key] = st->pass;
     st->lc = (int32_t)((uint32_t)key / E);
     st->events++;
@@ -117,12 +118,12 @@ static void nu_touch(nu_state *st, uint32_t E, int32_t key) {
 static void nu_insert(smoe_policy *p, uint32_t slot, int32_t key, int prefetch) {
     nu_state *st = p->state;
     if (slot < p->nslots) st->key_of[slot] = key;
-    if (!prefetch) nu_touch(st, p->num_experts, key);
+    if (!prefetch) nu_touch(st, p->num_layers, p->num_experts, key);
 }
 
 static void nu_access(smoe_policy *p, uint32_t slot, int32_t key) {
     (void)slot;
-    nu_touch(p->state, p->num_experts, key);
+    nu_touch(p->state, p->num_layers, p->num_experts, key);
 }
 
 static void nu_evict(smoe_policy *p, uint32_t slot, int32_t key) {

@@ -255,7 +255,9 @@ class NextUse(PolicySpec):
 
 #: Built-in policies that learn from per-pass activation counts (``observe_counts``).
 COUNT_POLICIES: frozenset[str] = frozenset({"spac", "spac_ema", "score"})
-#: Built-in policies with an integer utility per expert (``ExpertCache.utility``).
+#: Count-fed built-in policies whose integer utility (``ExpertCache.utility``) orders the draft's
+#: lookahead prefetches.  ``nextuse`` has a utility too (its value of keeping an expert), which
+#: only the shared prefetch rule reads.
 UTILITY_POLICIES: frozenset[str] = frozenset({"spac", "spac_ema"})
 
 
