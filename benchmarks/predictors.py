@@ -13,7 +13,7 @@ trained on):
    1, 2 and 3 positions after the last one run, the top-k experts by q against the experts
    really used there (precision = recall = F1 at k = top_k) and the experts with q >= 0.5
    (precision, recall, F1).  The simulator's ``history`` predictor (online recent use plus
-   co-activation) at depth 1 for comparison.
+   co-activation) at depth 1 for comparison; its ``learned`` predictor is the top-k by q.
 2. **simulator rows**: policy x predictor x capacity (5/10/25 % of the experts) x hardware
    (laptop: DDR5 + NVMe; rtx4090-nvme: a 24 GB GPU streaming experts from a PCIe 4.0 x4
    NVMe; a100-pcie4: experts in host memory over PCIe 4.0 x16), each row with hit_rate,
@@ -59,7 +59,7 @@ HARDWARE = {
     "a100-pcie4": PROFILES["a100-pcie4"],
 }
 POLICIES = ("lru", "least_stale", "lhu", "nextuse")
-PREDICTORS = ("none", "history", "oracle:depth=1")
+PREDICTORS = ("none", "history", "learned", "oracle:depth=1")
 BOUND_PREDICTORS = ("none", "oracle:depth=1", "oracle:depth=2")
 
 

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "policy/nextuse.h"
 #include "slots.h"
 
 typedef struct sim {
@@ -42,6 +43,8 @@ typedef struct sim {
     uint32_t *freq;        /* history: [L][E] uses in the window */
     uint32_t *cooc;        /* history: [L][E][E] uses of b at position l+1 after a at l */
     uint32_t *cnt;         /* history: [L][E] uses of a at position l with a successor seen */
+    smoe_policy *learner;  /* learned: a one-slot nextuse policy fed the replayed routing */
+    double *lq;            /* learned: [E] q of the target layer */
     uint64_t tokens_seen;
 
     /* activation counts for policies with on_counts, and the group replay */
@@ -318,6 +321,10 @@ static void predict(sim *s, uint64_t t, uint32_t l) {
             for (uint32_t e = 0; e < E; e++) sum += (s->scores[e] = expf(lg[e] - mx));
             for (uint32_t e = 0; e < E; e++) s->scores[e] = (float)(s->scores[e] / sum);
             n = select_experts(s);
+        } else if (pf->predictor == SMOE_PRED_LEARNED) {
+            smoe_nextuse_layer_q(s->learner, ll, s->lq);
+            for (uint32_t e = 0; e < E; e++) s->scores[e] = (float)s->lq[e];
+            n = select_experts(s);
         } else { /* history */
             uint64_t win = s->tokens_seen < pf->history ? s->tokens_seen : pf->history;
             double w = pf->cooc_weight;
@@ -484,6 +491,8 @@ static void sim_free(sim *s) {
     free(s->freq);
     free(s->cooc);
     free(s->cnt);
+    smoe_policy_destroy(s->learner);
+    free(s->lq);
     free(s->cstamp);
     free(s->ccnt);
     free(s->ckeys);
@@ -548,7 +557,7 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
                             "per pass; verify_tokens = %u needs predictor none",
                             tr->verify_tokens);
     if (pf && pf->predictor != SMOE_PRED_NONE) {
-        if (pf->predictor < SMOE_PRED_NONE || pf->predictor > SMOE_PRED_HISTORY)
+        if (pf->predictor < SMOE_PRED_NONE || pf->predictor > SMOE_PRED_LEARNED)
             return smoe_err_set(err, SMOE_EINVAL, "simulate: unknown predictor %d",
                                 (int)pf->predictor);
         if (pf->predictor == SMOE_PRED_ROUTER && !tr->logits)
@@ -633,6 +642,16 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
             s.cooc = calloc((size_t)s.nkeys * s.E, sizeof *s.cooc);
             ok = s.freq && s.cnt && s.cooc;
         }
+        if (ok && s.pf->predictor == SMOE_PRED_LEARNED) {
+            s.lq = malloc(s.E * sizeof *s.lq);
+            ok = s.lq != NULL;
+            smoe_policy_params lp = {.nslots = 1, .num_layers = s.L, .num_experts = s.E,
+                                     .model = s.pf->model, .model_len = s.pf->model_len};
+            if (ok && (rc = smoe_policy_create(&s.learner, &smoe_policy_nextuse, &lp, err)) < 0) {
+                sim_free(&s);
+                return rc; /* a bad model, named by the policy */
+            }
+        }
     }
     const int feed = pol->ops->on_counts != NULL;
     const int groups = tr->verify_tokens > 1 || tr->protect;
@@ -656,6 +675,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     s.tab.pass_id = 0; /* passes are numbered from 1 by the replay (smoe_slots_set_pass) */
 
     const int hist = s.pf && s.pf->predictor == SMOE_PRED_HISTORY;
+    smoe_policy *learner = s.learner;
     const double low_s = s.expert_s * (miss ? miss->lowbit_ratio : 1.0);
     const double low2_s = s.expert_s * (miss ? miss->lowbit2_ratio : 1.0);
     const int16_t *ex = tr->experts;
@@ -664,6 +684,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     for (uint64_t t = 0; !groups && t < tr->num_tokens && rc == 0; t++) {
         if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
         smoe_slots_set_pass(&s.tab, t + 1);
+        if (learner) smoe_policy_pass(learner, t + 1);
         if (feed) feed_counts(&s, t, t + 1);
         s.now += hw->token_fixed_s;
         out->compute_s += hw->token_fixed_s;
@@ -673,6 +694,9 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
             if ((rc = layer_accesses(&s, t, l, ex, &full, &low, &low2, err)) < 0) break;
             if (s.pf) {
                 if (hist) learn(&s, t, l);
+                if (learner) /* the token's routing at this layer, as the router chose it */
+                    for (uint32_t i = 0; i < s.K; i++)
+                        smoe_policy_access(learner, 0, (int32_t)(l * s.E + (uint32_t)ex[i]));
                 predict(&s, t, l);
             }
             const double c = full * s.expert_s + low * low_s + low2 * low2_s;

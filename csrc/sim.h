@@ -72,7 +72,10 @@ enum {
     SMOE_PRED_NONE = 0,    /* demand only */
     SMOE_PRED_ORACLE = 1,  /* the true experts of the next `depth` layer positions */
     SMOE_PRED_ROUTER = 2,  /* next layer's router logits (recorded in the trace) */
-    SMOE_PRED_HISTORY = 3  /* recent use of the target layer + layer-to-layer co-activation */
+    SMOE_PRED_HISTORY = 3, /* recent use of the target layer + layer-to-layer co-activation */
+    SMOE_PRED_LEARNED = 4  /* the learned next-use model's q (policy/nextuse.h): the experts of
+                              the target layer most likely used at its next run, the model fed
+                              every token's routing as it is replayed */
 };
 
 typedef struct smoe_sim_trace {
@@ -102,6 +105,9 @@ typedef struct smoe_sim_prefetch {
                            layer's scores and > 0; 0 = fixed top-k selection */
     uint32_t history;   /* history predictor: window of recent tokens (>= 1) */
     double cooc_weight; /* history predictor: weight of co-activation vs recent use, [0, 1] */
+    const double *model; /* learned predictor: the nextuse model (NextUseModel.flat()), or
+                            NULL for the built-in temporal weights */
+    uint64_t model_len;
 } smoe_sim_prefetch;
 
 typedef struct smoe_sim_result {

@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_trace_args(p)
     p.add_argument("--prefetch", default=None,
                    help="predictor spec: none, oracle[:depth=N], router, history[:topk=N,"
-                        "percentile=Q,history=N,cooc_weight=W]")
+                        "percentile=Q,history=N,cooc_weight=W], learned[:depth=N]")
     p.add_argument("--hardware", default="a100-pcie4",
                    help="a100-pcie4, rtx4090, laptop, h200, calibrate (this CPU), "
                         "calibrate-gpu (this GPU tier) or a profile .json file "

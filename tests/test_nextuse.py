@@ -187,3 +187,34 @@ def test_split_is_by_name_and_stable():
     assert sorted(tr + va) == list(range(50)) and 0 < len(va) < 25
     tr2, va2 = split_requests(names[::-1])
     assert sorted(names[::-1][i] for i in va2) == sorted(names[i] for i in va)
+
+
+def test_learned_prefetch_predictor_ranks_by_the_models_q(puffin_subset):
+    """The simulator's ``learned`` predictor (csrc/sim.c, SMOE_PRED_LEARNED) predicts, after
+    each layer, the top-k experts of the next layer by the model's q as the trainer's numpy
+    features compute it at that point: the same count of true predictions, exactly."""
+    tr = puffin_subset.slice(0, 50)
+    T, L, K = tr.experts.shape
+    E = tr.num_experts
+    model = default_model(L, E)
+    w = Walker(L, E, model)
+    hits = points = 0
+    for t in range(T):
+        w.begin_pass()
+        for lay in range(L):
+            w.touch_layer(lay, tr.experts[t, lay])
+            tt, ll = (t, lay + 1) if lay + 1 < L else (t + 1, 0)
+            if tt >= T:
+                continue
+            q = w.features()["q"][ll * E:(ll + 1) * E].astype(np.float32)  # the sim's scores
+            top = np.argsort(-q, kind="stable")[:K]
+            hits += len(set(top.tolist()) & set(tr.experts[tt, ll].tolist()))
+            points += 1
+    r = simulate(tr, "lru", "10%", prefetch="learned", hardware="laptop")
+    assert r.extra is not None
+    assert round(r.predictor_precision * points * K) == hits
+    assert abs(r.predictor_precision - hits / (points * K)) < 1e-12
+    with pytest.raises(ValueError, match="trained for another model"):
+        _C.simulate(tr.experts, E, "lru", 10, predictor=4, model=_model(
+            np.random.default_rng(0), 3, 4).flat(), expert_bytes=1.0, fast_bw=1.0, link_bw=1.0,
+            link_latency_s=0.0)

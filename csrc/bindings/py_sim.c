@@ -48,14 +48,15 @@ PyDoc_STRVAR(simulate_doc,
 "         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
 "         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1,\n"
-"         miss_keep2=top_k, lowbit2_ratio=1.0, protect=False) -> dict\n\n"
+"         miss_keep2=top_k, lowbit2_ratio=1.0, protect=False, model=None) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
 "`seed`, least_stale `order`, spac/spac_ema `levels`, spac `gamma` = draft length, -1 = 8)\n"
 "or a _C.Policy (taken: it cannot be used again).\n"
 "verify_tokens g > 1: each pass verifies g consecutive tokens (union of their experts per\n"
 "layer; on_counts before the pass; demand only, see csrc/sim.h).  predictor:\n"
-"0 none, 1 oracle, 2 router (needs logits float32 [tokens, layers, num_experts]), 3 history.\n"
+"0 none, 1 oracle, 2 router (needs logits float32 [tokens, layers, num_experts]), 3 history,\n"
+"4 learned (the nextuse model's q; model= NextUseModel.flat(), None: built-in temporal).\n"
 "miss: 0 fetch, 1 drop (ranks >= miss_keep), 2 substitute, 3 lowest_bit (compute\n"
 "lowbit_ratio of an expert's), 4 priority (ranks >= miss_keep as lowest_bit, the others\n"
 "fetched; ranks >= miss_keep2 from a second copy costing lowbit2_ratio), see\n"
@@ -70,9 +71,9 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                              "expert_bytes", "fast_bw", "link_bw", "link_latency_s",
                              "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
                              "verify_tokens", "miss", "miss_keep", "lowbit_ratio", "gamma",
-                             "miss_keep2", "lowbit2_ratio", "protect",
+                             "miss_keep2", "lowbit2_ratio", "protect", "model",
                              NULL};
-    PyObject *experts_o, *policy_o, *logits_o = Py_None;
+    PyObject *experts_o, *policy_o, *logits_o = Py_None, *model_o = Py_None;
     long long num_experts, nslots;
     int predictor = 0, order = 0;
     long long depth = 1, topk = 0, history = 16;
@@ -86,13 +87,13 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     unsigned int miss_keep = 0, miss_keep2 = UINT32_MAX;
     double lowbit_ratio = 1.0, lowbit2_ratio = 1.0;
     int protect = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdp", kwlist, &experts_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpO", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
                                      &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
                                      &verify_tokens, &miss, &miss_keep, &lowbit_ratio,
-                                     &gamma, &miss_keep2, &lowbit2_ratio, &protect))
+                                     &gamma, &miss_keep2, &lowbit2_ratio, &protect, &model_o))
         return NULL;
     if (gamma < -1 || gamma > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: gamma (spac's draft length) must be in "
@@ -127,7 +128,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     }
     PyArrayObject *ex = as_array(experts_o, NPY_INT16, 3, "experts");
     if (!ex) return NULL;
-    PyArrayObject *lg = NULL;
+    PyArrayObject *lg = NULL, *mod = NULL;
     smoe_policy *pol = NULL;
     int32_t *future = NULL;
     PyObject *ret = NULL;
@@ -194,6 +195,17 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     smoe_sim_prefetch pf = {.predictor = predictor, .depth = (uint32_t)depth,
                             .topk = (uint32_t)topk, .percentile = percentile,
                             .history = (uint32_t)history, .cooc_weight = cooc_weight};
+    if (model_o != Py_None) { /* the learned predictor's model (NextUseModel.flat()) */
+        mod = (PyArrayObject *)PyArray_FROM_OTF(model_o, NPY_FLOAT64, NPY_ARRAY_IN_ARRAY);
+        if (!mod) goto done;
+        if (PyArray_NDIM(mod) != 1) {
+            PyErr_SetString(PyExc_ValueError, "simulate: model must be a 1-D float array "
+                            "(NextUseModel.flat())");
+            goto done;
+        }
+        pf.model = PyArray_DATA(mod);
+        pf.model_len = (uint64_t)PyArray_DIM(mod, 0);
+    }
     smoe_sim_hw hw = {.expert_bytes = expert_bytes, .fast_bw = fast_bw, .link_bw = link_bw,
                       .link_latency_s = link_latency_s, .layer_fixed_s = layer_fixed_s,
                       .token_fixed_s = token_fixed_s};
@@ -213,6 +225,7 @@ done:
     smoe_policy_destroy(pol);
     free(future);
     Py_XDECREF(lg);
+    Py_XDECREF(mod);
     Py_DECREF(ex);
     return ret;
 }

@@ -263,6 +263,14 @@ const smoe_policy_ops smoe_policy_nextuse = {
     .utility = nu_utility,
 };
 
+void smoe_nextuse_layer_q(smoe_policy *p, uint32_t layer, double *out) {
+    nu_state *st = p->state;
+    const uint32_t L = p->num_layers, E = p->num_experts;
+    nu_prepare(st, L, E);
+    double dl;
+    for (uint32_t e = 0; e < E; e++) out[e] = nu_q(st, L, E, (int32_t)(layer * E + e), &dl);
+}
+
 int smoe_nextuse_predict(smoe_policy *p, double *out, smoe_err *err) {
     if (!p || p->ops != &smoe_policy_nextuse)
         return smoe_err_set(err, SMOE_EINVAL, "predict: not a nextuse policy");

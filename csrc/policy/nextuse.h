@@ -64,4 +64,10 @@ enum { SMOE_NU_VERSION = 1, SMOE_NU_HEADER = 17 };
  * p must be a nextuse policy (SMOE_EINVAL otherwise).  For tests and benchmarks. */
 int smoe_nextuse_predict(smoe_policy *p, double *out, smoe_err *err);
 
+/* The q of the experts of one layer (out[num_experts]) in the current state: the simulator's
+ * learned prefetch predictor (sim.h, SMOE_PRED_LEARNED) keeps a nextuse policy of one slot,
+ * feeds it the replayed routing (on_pass, on_access) and ranks by this.  p must be a nextuse
+ * policy and layer < num_layers (unchecked: the simulator's own object). */
+void smoe_nextuse_layer_q(smoe_policy *p, uint32_t layer, double *out);
+
 #endif
