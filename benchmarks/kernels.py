@@ -105,11 +105,12 @@ def _best_time(fns, rounds: int) -> float:
     return best
 
 
-# GGUF block formats kept as a file holds them (q8_0, q4_k, q6_k, q4_0, q5_k): the expert's
+# GGUF block formats kept as a file holds them (q8_0, q4_k, q6_k, q4_0, q5_k, iq4_xs): the
+# expert's
 # matrices in that format, except a down projection whose I columns are not a multiple of 256,
 # which llama.cpp's quantizer writes as Q8_0 (its fallback for K-quants on such rows, e.g.
 # DeepSeek-V2-Lite's 1408).
-BLOCK_DTYPES = ("q8_0", "q4_k", "q6_k", "q4_0", "q5_k")
+BLOCK_DTYPES = ("q8_0", "q4_k", "q6_k", "q4_0", "q5_k", "iq4_xs")
 NO_TORCH = "torch has no kernel for GGUF blocks (llama.cpp is the peer: decode_peers.py)"
 
 
@@ -122,7 +123,7 @@ def _quantize_q4_0(w: np.ndarray) -> np.ndarray:
 def _block_expert(kind: str, g, u, d) -> dict[str, np.ndarray]:
     q = {"q8_0": ggml_blocks.quantize_q8_0, "q4_k": ggml_blocks.quantize_q4_k,
          "q6_k": ggml_blocks.quantize_q6_k, "q4_0": _quantize_q4_0,
-         "q5_k": ggml_blocks.quantize_q5_k}
+         "q5_k": ggml_blocks.quantize_q5_k, "iq4_xs": ggml_blocks.quantize_iq4_xs}
     dk = kind if d.shape[1] % ggml_blocks.BLOCKS[kind][0] == 0 else "q8_0"
     return {"gate": q[kind](g), "up": q[kind](u), "down": q[dk](d)}
 
@@ -287,9 +288,9 @@ def main() -> None:
                     help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--dtypes", default="f32,bf16,int8,int4",
                     help="comma-separated; also int4g32 (int4 in groups of 32: GGUF Q4_0 kept) "
-                         "and the GGUF blocks kept as they are: q8_0, q4_k, q6_k, q4_0, q5_k (a down "
-                         "projection whose columns are not a multiple of 256 is q8_0, as "
-                         "llama.cpp writes it)")
+                         "and the GGUF blocks kept as they are: q8_0, q4_k, q6_k, q4_0, q5_k, "
+                         "iq4_xs (a down projection whose columns are not a multiple of 256 is "
+                         "q8_0, as llama.cpp writes it)")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
     ap.add_argument("--quick", action="store_true", help="fewer iterations")

@@ -28,7 +28,7 @@ def _quantize_q4_0(w):
 
 
 QUANT = {"q8_0": gb.quantize_q8_0, "q4_k": gb.quantize_q4_k, "q6_k": gb.quantize_q6_k,
-         "q4_0": _quantize_q4_0, "q5_k": gb.quantize_q5_k}
+         "q4_0": _quantize_q4_0, "q5_k": gb.quantize_q5_k, "iq4_xs": gb.quantize_iq4_xs}
 
 
 def _expert(rng, H, I, kind, down_kind=None, bias=False):
@@ -59,7 +59,7 @@ def _model_fast(ref, x, kind, down):
     """The fast path's arithmetic: int8 x, f32 weights, int8 activation."""
     from .test_kernels import ref_act
 
-    m = {"q8_0": 32, "q4_k": 256, "q6_k": 256, "q4_0": 32, "q5_k": 256}
+    m = {"q8_0": 32, "q4_k": 256, "q6_k": 256, "q4_0": 32, "q5_k": 256, "iq4_xs": 256}
     xq = _q8(x, m[kind]).astype(np.float64)
     g = xq @ ref["gate"].T.astype(np.float64) + ref.get("gate.bias", 0.0)
     u = xq @ ref["up"].T.astype(np.float64) + ref.get("up.bias", 0.0)
@@ -80,7 +80,7 @@ def test_quantizers_write_blocks_the_gguf_package_reads_back_closely():
                                                         gb.BLOCKS[kind][1])
         err = _rel(gb.dequantize(b), w)
         assert err < {"q8_0": 0.01, "q4_k": 0.12, "q6_k": 0.03, "q4_0": 0.12,
-                      "q5_k": 0.06}[kind], (kind, err)
+                      "q5_k": 0.06, "iq4_xs": 0.12}[kind], (kind, err)
 
 
 def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
@@ -101,7 +101,7 @@ def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
 @pytest.mark.parametrize("kind,down", [("q8_0", None), ("q4_k", None), ("q6_k", None),
                                        ("q4_0", None), ("q5_k", None), ("q4_k", "q8_0"),
                                        ("q4_k", "q6_k"), ("q4_k", "q4_0"), ("q5_k", "q6_k"),
-                                       ("q6_k", "q5_k")])
+                                       ("q6_k", "q5_k"), ("iq4_xs", None), ("iq4_xs", "q6_k")])
 @pytest.mark.parametrize("T", [1, 5, 9])
 @pytest.mark.parametrize("precise", [True, False])
 def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, precise):
@@ -207,6 +207,7 @@ def _q4_k_m_256(layer: int, role: str) -> str:
     ("qwen3_moe", 256, _q4_k_m_256, "q4_k/q6_k by layer"),
     ("qwen3_moe", 256, lambda layer, role: "Q4_K" if role != "down" else "Q6_K", "q6_k"),
     ("qwen3_moe", 256, lambda layer, role: "Q5_K" if role != "down" else "Q6_K", "q6_k"),  # Q5_K_M
+    ("qwen3_moe", 256, "IQ4_XS", "iq4_xs"),
     ("mixtral", 96, "Q8_0", "q8_0"),
     ("mixtral", 96, "Q4_0", "q4_0")])
 def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
@@ -241,7 +242,7 @@ def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
                 assert gb.block_kind(t[name]) == gb.TYPE_OF_GGML[raw.tensor_type.name]
                 want = dequantize(np.asarray(raw.data[3]), raw.tensor_type)
                 np.testing.assert_array_equal(got[name], want)
-                if raw.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):  # the file's bytes
+                if raw.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"):  # as is
                     np.testing.assert_array_equal(t[name].reshape(-1),
                                                   np.asarray(raw.data[3]).reshape(-1))
     finally:

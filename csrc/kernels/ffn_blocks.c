@@ -1,6 +1,6 @@
 /* Expert FFNs over GGUF block weights kept as the file holds them (SMOE_WDT_Q8_0 / Q4_K / Q6_K /
- * Q4_0 / Q5_K, layouts in kernels.h; ggml's block_q8_0, block_q4_K, block_q6_K, block_q4_0 and
- * block_q5_K).
+ * Q4_0 / Q5_K / IQ4_XS, layouts in kernels.h; ggml's block_q8_0, block_q4_K, block_q6_K,
+ * block_q4_0, block_q5_K and block_iq4_xs).
  *
  * Two paths, chosen per call by ffn.c:
  *   exact  (desc.precise = 1, or a CPU without AVX2): each block is widened to f32 exactly as
@@ -24,6 +24,11 @@
  *            Q5_K  as Q4_K with the fifth bit ORed in (q in [0, 31]: pairs <= 7874, a lane
  *                  <= 992124 per 32 columns, <= 7.9e6 over the super-block) (llama.cpp's
  *                  Q5_K x Q8_K).
+ *            IQ4_XS the nibbles looked up in the table kv (vpshufb) as int8 in [-127, 113],
+ *                  then as Q8_0 (|w| unsigned, x with w's sign: pairs <= 32258), times the
+ *                  sub-block's scale ls - 32 in [-32, 31] in vpmaddwd (<= 2.1e6 a lane),
+ *                  summed over the 256 columns in int32; times d * s_x once per super-block
+ *                  (llama.cpp's IQ4_XS x Q8_K).
  *            Q6_K  q in [0, 63] unsigned (pairs <= 16002), minus a second vpmaddubsw of 32
  *                  against x (so (q - 32) x exactly, |pair| <= 8128), times the int8 scale of
  *                  its 16 columns in vpmaddwd, summed over the 256 columns in int32
@@ -78,6 +83,16 @@ static inline void q4k_scale_min(const uint8_t *s, uint32_t j, uint8_t *sc, uint
     }
 }
 
+/* ggml's kvalues_iq4nl: the 16 values an IQ4_XS nibble stands for. */
+static const int8_t iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                        1,    13,   25,  38,  53,  69,  89,  113};
+
+/* The 6-bit scale of sub-block j (0..7) of an IQ4_XS block b, minus 32. */
+static inline int iq4xs_scale(const uint8_t *b, uint32_t j) {
+    const uint32_t h = (uint32_t)b[2] | ((uint32_t)b[3] << 8);
+    return (int)(((b[4 + j / 2] >> (4 * (j % 2))) & 0xFu) | (((h >> (2 * j)) & 3u) << 4)) - 32;
+}
+
 /* One block of `dt` widened to f32 into y (32 or 256 values), as ggml widens it. */
 static void widen_block(int32_t dt, const uint8_t *b, float *y) {
     if (dt == SMOE_WDT_Q4_0) {
@@ -106,6 +121,16 @@ static void widen_block(int32_t dt, const uint8_t *b, float *y) {
                 const uint32_t h2 = five ? ((qh[l] >> (j + 1)) & 1u) << 4 : 0u;
                 y[l] = d1 * (float)((q[l] & 0xFu) | h1) - m1;
                 y[32 + l] = d2 * (float)((q[l] >> 4) | h2) - m2;
+            }
+        }
+    } else if (dt == SMOE_WDT_IQ4_XS) {
+        const float d = rd_f16(b);
+        const uint8_t *qs = b + 8;
+        for (uint32_t j = 0; j < 8; j++, qs += 16, y += 32) {
+            const float dl = d * (float)iq4xs_scale(b, j);
+            for (uint32_t l = 0; l < 16; l++) {
+                y[l] = dl * (float)iq4nl_values[qs[l] & 0xFu];
+                y[l + 16] = dl * (float)iq4nl_values[qs[l] >> 4];
             }
         }
     } else { /* Q6_K */
@@ -555,6 +580,44 @@ static float row1_q6_k(const uint8_t *w, const xin *x, uint32_t n) {
     return hsum8(acc);
 }
 
+/* ---- IQ4_XS: one input scale per 256 columns, int16 scales per 32 columns ---- */
+
+/* IQ4_XS rows against nt tokens: per sub-block the 32 weights looked up once (low nibbles:
+ * columns 0..15, high: 16..31) and dotted with every token's int8 input. */
+static void rows_iq4_xs(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    const uint32_t nsb = n / 256;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i kv128 = _mm_loadu_si128((const __m128i *)iq4nl_values);
+    const __m256i kv = _mm256_set_m128i(kv128, kv128);
+    __m256 acc[TILE];
+    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++, w += 136) {
+        for (uint32_t k = 0; k < 3; k++)
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        __m256i sumi[TILE];
+        for (uint32_t t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
+        for (uint32_t j = 0; j < 8; j++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(w + 8 + 16 * j));
+            const __m256i idx =
+                _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+            const __m256i wq = _mm256_shuffle_epi8(kv, idx);
+            const __m256i aw = _mm256_sign_epi8(wq, wq);
+            const __m256i sc = _mm256_set1_epi16((short)iq4xs_scale(w, j));
+            for (uint32_t t = 0; t < nt; t++) {
+                const __m256i xv =
+                    _mm256_loadu_si256((const __m256i *)(x[t].q + 256 * s + 32 * j));
+                const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq));
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, sc));
+            }
+        }
+        const float d = ld_f16(w);
+        for (uint32_t t = 0; t < nt; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[s]), _mm256_cvtepi32_ps(sumi[t]),
+                                     acc[t]);
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
+}
+
 /* Row w of dt against tokens [t0, t0 + nt) (nt <= TILE) of the prepared input: res[0..nt). */
 AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t t0, uint32_t nt,
                   uint32_t n, float *res) {
@@ -568,6 +631,8 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_q4_k(w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q5_K)
         rows_q5_k(w, x, nt, n, res);
+    else if (dt == SMOE_WDT_IQ4_XS)
+        rows_iq4_xs(w, x, nt, n, res);
     else if (nt == 1)
         res[0] = row1_q6_k(w, x, n);
     else

@@ -35,6 +35,11 @@
  *   Q5_K  GGUF super-blocks of 256 columns, 176 bytes: Q4_K's d, dmin and 12 scale bytes, then
  *         qh[32] (the fifth bits: bit j of qh[l] is column l of sub-block j) and qs[128] (Q4_K's
  *         nibbles); w = d * sc_j * q - dmin * m_j, q in [0, 31] (ggml's dequantize_row_q5_K).
+ *   IQ4_XS GGUF super-blocks of 256 columns, 136 bytes: f16 d, u16 scales_h (2 high bits per
+ *         sub-block), scales_l[4] (4 low bits per sub-block), qs[128]: sub-block j (32
+ *         columns) has the 6-bit scale ls_j and w = d * (ls_j - 32) * kv[q], q a nibble (low
+ *         nibbles of qs[16j..16j+15] are its columns 0..15, high ones 16..31), kv ggml's
+ *         non-linear table kvalues_iq4nl (-127 .. 113) (ggml's dequantize_row_iq4_xs).
  *         The block formats keep a GGUF file's experts as they are (ffn_blocks.c); the three
  *         matrices may mix them (desc.down_dtype: a Q4_K_M file's down projections are often
  *         Q6_K or Q8_0 where gate/up are Q4_K).  Expert FFNs only, CPU only.
@@ -68,27 +73,29 @@ typedef enum smoe_wdtype {
     SMOE_WDT_Q4_K = 6,
     SMOE_WDT_Q6_K = 7,
     SMOE_WDT_Q4_0 = 8,
-    SMOE_WDT_Q5_K = 9
+    SMOE_WDT_Q5_K = 9,
+    SMOE_WDT_IQ4_XS = 10
 } smoe_wdtype;
 
 /* GGUF block formats kept as a GGUF file holds them (ggml's block_q8_0 / block_q4_K /
- * block_q6_K / block_q4_0 / block_q5_K, bit for bit): each row of `cols` columns is cols /
+ * block_q6_K / block_q4_0 / block_q5_K / block_iq4_xs, bit for bit): each row of `cols` columns is cols /
  * smoe_wdt_block_cols blocks of smoe_wdt_block_bytes, the scales inside the blocks (no scale
  * tensor).  Expert FFNs only, CPU only (ffn_blocks.c). */
 static inline int smoe_wdt_is_block(int32_t dt) {
     return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q6_K ||
-           dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q5_K;
+           dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q5_K || dt == SMOE_WDT_IQ4_XS;
 }
 static inline uint32_t smoe_wdt_block_cols(int32_t dt) {
     return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_0 ? 32u : 256u;
 }
 static inline uint32_t smoe_wdt_block_bytes(int32_t dt) {
-    return dt == SMOE_WDT_Q8_0   ? 34u
-           : dt == SMOE_WDT_Q4_K ? 144u
-           : dt == SMOE_WDT_Q6_K ? 210u
-           : dt == SMOE_WDT_Q4_0 ? 18u
-           : dt == SMOE_WDT_Q5_K ? 176u
-                                 : 0u;
+    return dt == SMOE_WDT_Q8_0     ? 34u
+           : dt == SMOE_WDT_Q4_K   ? 144u
+           : dt == SMOE_WDT_Q6_K   ? 210u
+           : dt == SMOE_WDT_Q4_0   ? 18u
+           : dt == SMOE_WDT_Q5_K   ? 176u
+           : dt == SMOE_WDT_IQ4_XS ? 136u
+                                   : 0u;
 }
 /* Weight formats the GPU kernels (cuda/ffn.cu) do not take. */
 static inline int smoe_wdt_cpu_only(int32_t dt) {
@@ -122,8 +129,8 @@ typedef struct smoe_ffn_desc {
                          "Accuracy" at smoe_ffn_forward); 1: exact f32 math on widened weights */
     int32_t down_dtype; /* the down matrix's dtype where it differs from dtype: only a block
                            format under a block-format dtype (Q8_0 / Q4_K / Q6_K / Q4_0 /
-                           Q5_K); 0 (F32, the zero of a memset descriptor) means "the same as
-                           dtype" */
+                           Q5_K / IQ4_XS); 0 (F32, the zero of a memset descriptor) means
+                           "the same as dtype" */
 } smoe_ffn_desc;
 
 /* The dtype of d's down matrix (down_dtype, or dtype when that is 0). */

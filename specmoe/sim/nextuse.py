@@ -55,7 +55,8 @@ class NextUseModel:
             self.cross = np.asarray(self.cross, np.float64)
             L, E, E2 = self.cross.shape
             if E != E2:
-                raise ValueError(f"cross must be [layers, experts, experts], got {self.cross.shape}")
+                raise ValueError(f"cross must be [layers, experts, experts], got "
+                                 f"{self.cross.shape}")
         if not (0 < self.alpha_s <= 1 and 0 < self.alpha_l <= 1 and self.c > 0 and self.beta >= 0):
             raise ValueError(f"need alpha_s, alpha_l in (0, 1], c > 0, beta >= 0; got "
                              f"{self.alpha_s}, {self.alpha_l}, {self.c}, {self.beta}")

@@ -1,8 +1,9 @@
 """GGUF (ggml) block formats that a store keeps as a GGUF file holds them: Q8_0, Q4_K, Q6_K,
-Q4_0, Q5_K.
+Q4_0, Q5_K, IQ4_XS.
 
 A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144,
-210, 18 or 176 bytes per block: the last dimension names the format, :data:`BLOCKS`), exactly the bytes
+210, 18, 176 or 136 bytes per block: the last dimension names the format, :data:`BLOCKS`),
+exactly the bytes
 of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as they are.
 
 * :func:`dequantize` widens such a matrix to f32 through the ``gguf`` package (the reference
@@ -11,29 +12,33 @@ of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as th
   (the same f16 scale, the same integer values: w = d * (q - 16) or d * (q - 8) is d * q' with
   q' in [-16, 15]): there is no Q5_0 kernel, and llama.cpp's fallback for K-quants on rows
   that are not a multiple of 256 columns (e.g. DeepSeek-V2-Lite's 1408) writes Q5_0.
-* :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k` and :func:`quantize_q8_0`
-  write valid blocks from f32 weights (simple per-sub-block min/max rounding, not llama.cpp's
-  search), for tests and tiny files; the ``gguf`` package's writer has no K-quant quantizer.
+* :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k`, :func:`quantize_iq4_xs`
+  and :func:`quantize_q8_0` write valid blocks from f32 weights (simple per-sub-block rounding,
+  not llama.cpp's search), for tests and tiny files; the ``gguf`` package's writer has no
+  K-quant or IQ quantizer.
 """
 from __future__ import annotations
 
 import numpy as np
 
 __all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0",
-           "quantize_q8_0", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k"]
+           "quantize_q8_0", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
+           "quantize_iq4_xs"]
 
 # kind -> (columns, bytes) per block
 BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18),
-          "q5_k": (256, 176)}
+          "q5_k": (256, 176), "iq4_xs": (256, 136)}
 # GGUF tensor type name -> the kept kind it maps onto without loss
 TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_K": "q5_k",
-                "Q5_0": "q8_0"}
+                "IQ4_XS": "iq4_xs", "Q5_0": "q8_0"}
 _KIND_OF_BYTES = {b: k for k, (_, b) in BLOCKS.items()}
-_GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q4_0": "Q4_0", "q5_k": "Q5_K"}
+_GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q4_0": "Q4_0", "q5_k": "Q5_K",
+              "iq4_xs": "IQ4_XS"}
 
 
 def block_kind(a: np.ndarray) -> str:
-    """The kind (``q8_0``, ``q4_k``, ``q6_k``, ``q4_0``, ``q5_k``) of a uint8 [rows, blocks, bytes]
+    """The kind (``q8_0``, ``q4_k``, ``q6_k``, ``q4_0``, ``q5_k``, ``iq4_xs``) of a uint8
+    [rows, blocks, bytes]
     matrix."""
     if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in _KIND_OF_BYTES:
         raise ValueError(f"not a GGUF block matrix: {a.dtype} {a.shape} (uint8 [rows, blocks, "
@@ -151,6 +156,40 @@ def _quantize_k(w: np.ndarray, bits: int) -> np.ndarray:
         hb = (q >> 4).astype(np.uint8)            # [rows, blocks, 8 sub-blocks, 32 columns]
         out[:, :, 16:48] = np.bitwise_or.reduce(hb << np.arange(8, dtype=np.uint8)[:, None],
                                                 axis=2)
+    return out
+
+
+#: ggml's kvalues_iq4nl: the 16 values an IQ4_XS nibble stands for
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                         113], np.float32)
+
+
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> IQ4_XS super-blocks [rows, cols/256, 136]: per 32 columns a 6-bit
+    scale ls under the block's f16 d, w ~ d * (ls - 32) * kv[q], q the nearest of the 16
+    non-linear values (:data:`IQ4NL_VALUES`)."""
+    w = _rows(w, 256)
+    R, B = w.shape[0], w.shape[1] // 256
+    x = w.reshape(R, B, 8, 32)
+    scale = np.abs(x).max(axis=3) / 127.0                 # per sub-block, >= 0
+    d = (scale.max(axis=2) / 31.0).astype(np.float16).astype(np.float32)
+    ls = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, :, None]), 0, 31).astype(np.int64)
+    dl = d[:, :, None] * ls                                # the sub-block's step
+    y = x / np.where(dl > 0, dl, 1.0)[..., None]
+    q = np.abs(y[..., None] - IQ4NL_VALUES).argmin(axis=-1).astype(np.uint8)
+    q = np.where(dl[..., None] > 0, q, 8).astype(np.uint8)  # kv[8] = 1: near zero
+    out = np.zeros((R, B, 136), np.uint8)
+    out[:, :, 0:2] = _f16_bytes(d)
+    lsb = (ls + 32).astype(np.uint16)                      # stored as ls + 32 in 6 bits
+    h = np.zeros((R, B), np.uint16)
+    for j in range(8):
+        h |= ((lsb[:, :, j] >> 4) & 3) << (2 * j)
+    out[:, :, 2:4] = h.astype("<u2").view(np.uint8).reshape(R, B, 2)
+    for j in range(4):
+        out[:, :, 4 + j] = ((lsb[:, :, 2 * j] & 0xF) | ((lsb[:, :, 2 * j + 1] & 0xF) << 4)
+                            ).astype(np.uint8)
+    qv = q.reshape(R, B, 8, 2, 16)                         # columns 0..15 low, 16..31 high
+    out[:, :, 8:] = (qv[:, :, :, 0, :] | (qv[:, :, :, 1, :] << 4)).reshape(R, B, 128)
     return out
 
 
