@@ -618,6 +618,48 @@ static void rows_iq4_xs(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n,
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
 }
 
+/* rows_iq4_xs for one token, every vector in a register: two sub-blocks per step into two
+ * accumulators (llama.cpp's IQ4_XS x Q8_K loop), the scales shifted out of scales_h as it
+ * goes.  The tiled form keeps its sums in arrays and ran at a quarter of the read ceiling. */
+static float row1_iq4_xs(const uint8_t *w, const xin *x, uint32_t n) {
+    const uint32_t nsb = n / 256;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i kv = _mm_loadu_si128((const __m128i *)iq4nl_values);
+    const int8_t *xq = x->q;
+    __m256 acc = _mm256_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++, w += 136) {
+        for (uint32_t k = 0; k < 3; k++)
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        uint32_t sh = (uint32_t)w[2] | ((uint32_t)w[3] << 8);
+        const uint8_t *qs = w + 8;
+        __m256i s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256();
+        for (uint32_t j = 0; j < 8; j += 2, qs += 32, xq += 64, sh >>= 4) {
+            const __m128i b1 = _mm_loadu_si128((const __m128i *)qs);
+            const __m128i b2 = _mm_loadu_si128((const __m128i *)(qs + 16));
+            const __m256i w1 =
+                _mm256_set_m128i(_mm_shuffle_epi8(kv, _mm_and_si128(_mm_srli_epi16(b1, 4), m4)),
+                                 _mm_shuffle_epi8(kv, _mm_and_si128(b1, m4)));
+            const __m256i w2 =
+                _mm256_set_m128i(_mm_shuffle_epi8(kv, _mm_and_si128(_mm_srli_epi16(b2, 4), m4)),
+                                 _mm_shuffle_epi8(kv, _mm_and_si128(b2, m4)));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)xq);
+            const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq + 32));
+            const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1),
+                                                    _mm256_sign_epi8(x1, w1));
+            const __m256i p2 = _mm256_maddubs_epi16(_mm256_sign_epi8(w2, w2),
+                                                    _mm256_sign_epi8(x2, w2));
+            const uint8_t sl = w[4 + j / 2];
+            const short ls1 = (short)(((sl & 0xF) | ((sh << 4) & 0x30)) - 32);
+            const short ls2 = (short)(((sl >> 4) | ((sh << 2) & 0x30)) - 32);
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, _mm256_set1_epi16(ls1)));
+            s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(p2, _mm256_set1_epi16(ls2)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w) * x->s[s]),
+                              _mm256_cvtepi32_ps(_mm256_add_epi32(s1, s2)), acc);
+    }
+    return hsum8(acc);
+}
+
 /* Row w of dt against tokens [t0, t0 + nt) (nt <= TILE) of the prepared input: res[0..nt). */
 AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t t0, uint32_t nt,
                   uint32_t n, float *res) {
@@ -631,6 +673,8 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_q4_k(w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q5_K)
         rows_q5_k(w, x, nt, n, res);
+    else if (dt == SMOE_WDT_IQ4_XS && nt == 1)
+        res[0] = row1_iq4_xs(w, x, n);
     else if (dt == SMOE_WDT_IQ4_XS)
         rows_iq4_xs(w, x, nt, n, res);
     else if (nt == 1)
