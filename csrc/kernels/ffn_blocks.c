@@ -477,6 +477,15 @@ AI void row2_k(int32_t dt, const uint8_t *const w[2], const xin *x, uint32_t n, 
         row2_q4_k(w, x, n, res);
 }
 
+/* The integer sums of super-block s of a tile's tokens into their f32 accumulators:
+ * acc[t] += d * s_x[t] * sumi[t] (Q6_K and IQ4_XS: no min term). */
+AI void tile_fold(__m256 *acc, const __m256i *sumi, float d, const xin *x, uint32_t s,
+                  uint32_t nt) {
+    for (uint32_t t = 0; t < nt; t++)
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[s]), _mm256_cvtepi32_ps(sumi[t]),
+                                 acc[t]);
+}
+
 /* ---- Q6_K: one input scale per 256 columns, int16 scales per 16 columns ---- */
 
 static void rows_q6_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
@@ -525,9 +534,7 @@ static void rows_q6_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, f
                 }
             }
         }
-        for (uint32_t t = 0; t < nt; t++)
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[s]), _mm256_cvtepi32_ps(sumi[t]),
-                                     acc[t]);
+        tile_fold(acc, sumi, d, x, s, nt);
     }
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
 }
@@ -610,10 +617,7 @@ static void rows_iq4_xs(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n,
                 sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, sc));
             }
         }
-        const float d = ld_f16(w);
-        for (uint32_t t = 0; t < nt; t++)
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[s]), _mm256_cvtepi32_ps(sumi[t]),
-                                     acc[t]);
+        tile_fold(acc, sumi, ld_f16(w), x, s, nt);
     }
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
 }

@@ -58,9 +58,10 @@ int main(void) {
     int runs = 0;
     for (int pi = 0; pi < 7; pi++)
         for (uint32_t ns = 1; ns <= L * E; ns += 7)
-            for (int pr = 0; pr < 4; pr++)
+            for (int pr = 0; pr < 5; pr++) /* none, oracle, router, history, learned */
                 for (int h = 0; h < 2; h++) {
-                    smoe_sim_prefetch pf = {pr, 1 + ns % 3, ns % 5, (ns % 2) ? 0.8 : 0.0, 4, 0.8};
+                    smoe_sim_prefetch pf = {pr, 1 + ns % 3, ns % 5, (ns % 2) ? 0.8 : 0.0, 4, 0.8,
+                                            NULL, 0}; /* learned: the built-in temporal model */
                     smoe_sim_result a, b;
                     if (run(&tr, names[pi], ns, fut, N * L * K, &pf, &hws[h], &a) < 0 ||
                         run(&tr, names[pi], ns, fut, N * L * K, &pf, &hws[h], &b) < 0)
@@ -75,7 +76,7 @@ int main(void) {
                     runs++;
                 }
     /* the lookahead shield (demand only) in one-token and three-token passes */
-    smoe_sim_prefetch none = {0, 1, 0, 0.0, 4, 0.8};
+    smoe_sim_prefetch none = {0, 1, 0, 0.0, 4, 0.8, NULL, 0};
     for (int pi = 0; pi < 7; pi++)
         for (uint32_t ns = 1; ns <= L * E; ns += 5)
             for (uint32_t g = 1; g <= 3; g += 2) {
