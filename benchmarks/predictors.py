@@ -42,11 +42,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "training"))
 
+import nextuse as trainer  # noqa: E402  (training/nextuse.py: file order, split, metrics)
 from hostinfo import host  # noqa: E402
 
 from specmoe.runtime.policies import Belady, NextUse  # noqa: E402
 from specmoe.sim.hardware import PROFILES, with_  # noqa: E402
-from specmoe.sim.nextuse import NextUseModel, Walker, default_model, split_requests  # noqa: E402
+from specmoe.sim.nextuse import (NextUseModel, Walker, default_model,  # noqa: E402
+                                 split_requests, used_at_next_run)
 from specmoe.sim.replay import simulate  # noqa: E402
 from specmoe.sim.traces import Trace, load_puffin, shared_trace_dir  # noqa: E402
 
@@ -64,8 +66,6 @@ BOUND_PREDICTORS = ("none", "oracle:depth=1", "oracle:depth=2")
 
 
 def load_split(path: Path, split: str) -> tuple[Trace, dict]:
-    import nextuse as trainer  # training/nextuse.py: the same file order and split
-
     files = trainer.trace_files(path)
     tr = load_puffin(path)
     tr_idx, va_idx = split_requests([f.name for f in files])
@@ -73,20 +73,12 @@ def load_split(path: Path, split: str) -> tuple[Trace, dict]:
     return trainer.subset(tr, idx), {"prompts": len(idx), "of": len(files)}
 
 
-def auc(s: np.ndarray, y: np.ndarray) -> float:
-    order = np.argsort(s, kind="stable")
-    r = np.empty(len(s))
-    r[order] = np.arange(1, len(s) + 1)
-    npos = float(y.sum())
-    return float((r[y].sum() - npos * (npos + 1) / 2) / (npos * (len(y) - npos)))
-
-
 def prediction(tr: Trace, model: NextUseModel, frac: float, seed: int = 0) -> dict:
     T, L, K = tr.experts.shape
     E = tr.num_experts
     rng = np.random.default_rng(seed)
+    auc = trainer.auc
     w = Walker(L, E, model)
-    keys = np.arange(L * E)
     z, y, fresh = [], [], []
     depth = {d: {"topk_hits": 0, "topk_n": 0, "tp": 0, "fp": 0, "fn": 0} for d in (1, 2, 3)}
     for t in range(T):
@@ -95,10 +87,8 @@ def prediction(tr: Trace, model: NextUseModel, frac: float, seed: int = 0) -> di
             if t + 1 < T and rng.random() < frac:
                 f = w.features()
                 q = f["q"]
-                tok = np.where(f["inpass"], t, t + 1)
-                used = (tr.experts[tok, keys // E] == (keys % E)[:, None]).any(axis=1)
                 z.append(np.log(q) - np.log1p(-q))
-                y.append(used)
+                y.append(used_at_next_run(tr.experts, t, f["inpass"]))
                 fresh.append(f["fresh"])
                 for d, acc in depth.items():  # layer lay - 1 + d (lay - 1 ran last)
                     p = lay - 1 + d

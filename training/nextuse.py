@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from specmoe import _C  # noqa: E402
-from specmoe.sim.nextuse import DEFAULT_PATH, NextUseModel, Walker, split_requests  # noqa: E402
+from specmoe.sim.nextuse import (DEFAULT_PATH, NextUseModel, Walker, split_requests,  # noqa: E402
+                                 used_at_next_run)
 from specmoe.sim.replay import simulate  # noqa: E402
 from specmoe.sim.traces import Trace, _prompt_number, load_puffin, shared_trace_dir  # noqa: E402
 
@@ -66,17 +67,14 @@ def samples(tr: Trace, model: NextUseModel, frac: float, rng: np.random.Generato
     T, L, K = tr.experts.shape
     E = tr.num_experts
     w = Walker(L, E, model)
-    keys = np.arange(L * E)
     X, Y, F = [], [], []
     for t in range(T):
         w.begin_pass()
         for lay in range(L):
             if t + 1 < T and rng.random() < frac:
                 f = w.features()
-                tok = np.where(f["inpass"], t, t + 1)
-                y = (tr.experts[tok, keys // E] == (keys % E)[:, None]).any(axis=1)
                 X.append(f["X"])
-                Y.append(y)
+                Y.append(used_at_next_run(tr.experts, t, f["inpass"]))
                 F.append(f["fresh"])
             w.touch_layer(lay, tr.experts[t, lay])
     return np.concatenate(X), np.concatenate(Y).astype(np.float64), np.concatenate(F)

@@ -274,10 +274,7 @@ void smoe_nextuse_layer_q(smoe_policy *p, uint32_t layer, double *out) {
 int smoe_nextuse_predict(smoe_policy *p, double *out, smoe_err *err) {
     if (!p || p->ops != &smoe_policy_nextuse)
         return smoe_err_set(err, SMOE_EINVAL, "predict: not a nextuse policy");
-    nu_state *st = p->state;
-    const uint32_t L = p->num_layers, E = p->num_experts;
-    nu_prepare(st, L, E);
-    double dl;
-    for (uint64_t k = 0; k < (uint64_t)L * E; k++) out[k] = nu_q(st, L, E, (int32_t)k, &dl);
+    for (uint32_t l = 0; l < p->num_layers; l++)
+        smoe_nextuse_layer_q(p, l, out + (uint64_t)l * p->num_experts);
     return 0;
 }

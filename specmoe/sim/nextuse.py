@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["NextUseModel", "default_model", "DEFAULT_PATH", "Walker", "split_requests",
-           "FORMAT_VERSION", "GAP_CAP"]
+           "used_at_next_run", "FORMAT_VERSION", "GAP_CAP"]
 
 FORMAT_VERSION = 1
 GAP_CAP = 256
@@ -114,6 +114,16 @@ def split_requests(names: list[str], val_mod: int = 5) -> tuple[list[int], list[
     val = [i for i, n in enumerate(names) if zlib.crc32(n.encode()) % val_mod == 0]
     vs = set(val)
     return [i for i in range(len(names)) if i not in vs], val
+
+
+def used_at_next_run(experts: np.ndarray, t: int, inpass: np.ndarray) -> np.ndarray:
+    """The label q predicts, for every key, from a state within token t's pass: whether the
+    key's expert is in its layer's routing at the next run (token t when ``inpass``, else
+    t + 1; t + 1 must exist).  ``experts``: a trace's [tokens, layers, top_k] ids."""
+    E = len(inpass) // experts.shape[1]
+    keys = np.arange(len(inpass))
+    tok = np.where(inpass, t, t + 1)
+    return (experts[tok, keys // E] == (keys % E)[:, None]).any(axis=1)
 
 
 class Walker:
