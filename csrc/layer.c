@@ -8,6 +8,7 @@
 
 #include "kernels/block.h"
 #include "moe.h"
+#include "policy/nextuse.h"
 #include "route.h"
 
 static float *copy_f32(const float *src, size_t n) {
@@ -106,6 +107,12 @@ void smoe_layers_free(smoe_layers *g) {
     }
     free(g->routers);
     free(g->shared);
+    smoe_policy_destroy(g->learner);
+    g->learner = NULL;
+    free(g->lq);
+    g->lq = NULL;
+    free(g->replay);
+    g->replay = NULL;
     smoe_mlp_bufs_free(&g->sh);
     free(g->pred);
     free(g->pred_valid);
@@ -161,14 +168,102 @@ int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double
     return SMOE_OK;
 }
 
+int smoe_layers_set_predictor(smoe_layers *g, int predictor, const double *model,
+                              uint64_t model_len, smoe_err *err) {
+    if (predictor != SMOE_LPRED_ROUTER && predictor != SMOE_LPRED_LEARNED &&
+        predictor != SMOE_LPRED_ORACLE)
+        return smoe_err_set(err, SMOE_EINVAL, "layers: unknown predictor %d", predictor);
+    smoe_policy *learner = NULL;
+    double *lq = NULL;
+    if (predictor == SMOE_LPRED_LEARNED) { /* built outside the lock: it may be large */
+        smoe_policy_params lp = {.nslots = 1, .num_layers = g->L, .num_experts = g->E,
+                                 .model = model, .model_len = model_len};
+        int rc = smoe_policy_create(&learner, &smoe_policy_nextuse, &lp, err);
+        if (rc < 0) return rc;
+        if (!(lq = malloc(sizeof *lq * g->E))) {
+            smoe_policy_destroy(learner);
+            return smoe_err_set(err, SMOE_ENOMEM, "layers: out of memory");
+        }
+    }
+    pthread_mutex_lock(&g->mu);
+    int rc = SMOE_OK;
+    if (predictor == SMOE_LPRED_ORACLE && !g->replay) {
+        rc = smoe_err_set(err, SMOE_ESTATE, "layers: the oracle predictor needs a routing "
+                          "replay (smoe_layers_set_replay)");
+    } else {
+        smoe_policy *old = g->learner;
+        double *oldq = g->lq;
+        g->learner = learner, g->lq = lq, g->predictor = predictor;
+        learner = old, lq = oldq; /* freed below, outside the lock */
+        memset(g->pred_valid, 0, g->L);
+    }
+    pthread_mutex_unlock(&g->mu);
+    smoe_policy_destroy(learner);
+    free(lq);
+    return rc;
+}
+
+int smoe_layers_set_replay(smoe_layers *g, const int16_t *experts, uint64_t n, uint64_t start,
+                           smoe_err *err) {
+    const uint32_t L = g->L, E = g->E, k = g->k;
+    int16_t *copy = NULL;
+    if (experts) {
+        if (!n) return smoe_err_set(err, SMOE_EINVAL, "replay: the trace has no tokens");
+        if (start > n)
+            return smoe_err_set(err, SMOE_EINVAL, "replay: start %llu is past the trace's %llu "
+                                "tokens", (unsigned long long)start, (unsigned long long)n);
+        if (n > SIZE_MAX / ((size_t)L * k * sizeof *copy))
+            return smoe_err_set(err, SMOE_EINVAL, "replay: %llu tokens is too many",
+                                (unsigned long long)n);
+        const size_t rows = (size_t)n * L;
+        for (size_t r = 0; r < rows; r++) {
+            const int16_t *ids = experts + r * k;
+            for (uint32_t j = 0; j < k; j++) {
+                int bad = ids[j] < 0 || (uint32_t)ids[j] >= E;
+                for (uint32_t i = 0; i < j && !bad; i++) bad = ids[i] == ids[j];
+                if (bad)
+                    return smoe_err_set(err, SMOE_EINVAL, "replay: token %zu, layer position %zu "
+                                        "routes to expert %d %s", r / L, r % L, (int)ids[j],
+                                        ids[j] < 0 || (uint32_t)ids[j] >= E
+                                            ? "outside the model's experts" : "twice");
+            }
+        }
+        if (!(copy = malloc(rows * k * sizeof *copy)))
+            return smoe_err_set(err, SMOE_ENOMEM, "replay: no memory for %llu tokens",
+                                (unsigned long long)n);
+        memcpy(copy, experts, rows * k * sizeof *copy);
+    }
+    pthread_mutex_lock(&g->mu);
+    int rc = SMOE_OK;
+    if (!copy && g->predictor == SMOE_LPRED_ORACLE) {
+        rc = smoe_err_set(err, SMOE_ESTATE, "replay: the oracle predictor is set; choose another "
+                          "before turning the replay off");
+    } else {
+        int16_t *old = g->replay;
+        g->replay = copy, g->replay_n = copy ? n : 0;
+        g->replay_next = copy ? start : 0;
+        g->replay_base = g->replay_pass = 0;
+        copy = old;
+    }
+    pthread_mutex_unlock(&g->mu);
+    free(copy);
+    return rc;
+}
+
+void smoe_layers_replay_position(smoe_layers *g, uint64_t *used, uint64_t *n) {
+    pthread_mutex_lock(&g->mu);
+    *used = g->replay_next, *n = g->replay_n;
+    pthread_mutex_unlock(&g->mu);
+}
+
 void smoe_layers_get_config(smoe_layers *g, int *prefetch, double *overfetch, double *mass,
                             int *feed_counts, int *miss, uint32_t *miss_keep,
-                            uint32_t *miss_keep2, double *route_lambda) {
+                            uint32_t *miss_keep2, double *route_lambda, int *predictor) {
     pthread_mutex_lock(&g->mu);
     *prefetch = g->prefetch, *overfetch = g->overfetch, *mass = g->mass;
     *feed_counts = g->feed_counts;
     *miss = g->miss, *miss_keep = g->miss_keep, *miss_keep2 = g->miss_keep2;
-    *route_lambda = g->route_lambda;
+    *route_lambda = g->route_lambda, *predictor = g->predictor;
     pthread_mutex_unlock(&g->mu);
 }
 
@@ -366,8 +461,8 @@ static int router_scores(smoe_layers *g, uint32_t pos, const float *x, uint32_t 
 /* The experts predicted for layer `next` (route.h's rule) from scores[T,E] of the tokens not
  * flagged in draft (NULL: all): marks g->pred, fills g->best. */
 static void predict(smoe_layers *g, uint32_t next, const float *scores, uint32_t T,
-                    const uint8_t *draft) {
-    smoe_route_predict(scores, T, g->E, g->k, g->overfetch, g->mass, draft,
+                    const uint8_t *draft, double mass) {
+    smoe_route_predict(scores, T, g->E, g->k, g->overfetch, mass, draft,
                        g->pred + (size_t)next * g->E, g->best, g->order, g->prob);
     g->pred_valid[next] = 1;
 }
@@ -380,6 +475,46 @@ static int grow_scores(smoe_layers *g, uint32_t T, smoe_err *err) {
     g->cap_tokens = T;
     return SMOE_OK;
 }
+
+/* The learned predictor's feed (layer.h, smoe_layers_set_predictor): the union of layer
+ * pos's experts over the real tokens, in token then slot order, as accesses of its one slot. */
+static void feed_learner(smoe_layers *g, uint32_t pos, uint32_t T, const int64_t *idx,
+                         const uint8_t *draft) {
+    const uint32_t E = g->E, k = g->k;
+    memset(g->mark, 0, E);
+    for (size_t i = 0; i < (size_t)T * k; i++)
+        if ((!draft || !draft[i / k]) && !g->mark[idx[i]]) {
+            g->mark[idx[i]] = 1;
+            smoe_policy_access(g->learner, 0, (int32_t)(pos * E + (uint32_t)idx[i]));
+        }
+}
+
+/* Step 2's scores of layer next for a predictor other than the router, into g->scores (grown
+ * for T tokens); *rows = the rows written (1 for the learned q, shared by every token), 0 when
+ * there is nothing to predict from (an oracle outside a replayed pass). */
+static int predictor_scores(smoe_layers *g, uint32_t next, uint32_t T, uint32_t *rows,
+                            smoe_err *err) {
+    const uint32_t E = g->E, k = g->k;
+    int rc = grow_scores(g, T, err);
+    if (rc) return rc;
+    if (g->predictor == SMOE_LPRED_LEARNED) {
+        smoe_nextuse_layer_q(g->learner, next, g->lq);
+        for (uint32_t e = 0; e < E; e++) g->scores[e] = (float)g->lq[e];
+        *rows = 1;
+        return SMOE_OK;
+    }
+    *rows = 0; /* the oracle: the trace's next layer for the pass's tokens */
+    if (!g->replay || g->replay_pass != g->counters.passes) return SMOE_OK;
+    for (uint32_t t = 0; t < T; t++) {
+        float *sc = g->scores + (size_t)t * E;
+        const int16_t *ids = g->replay + ((size_t)(g->replay_base + t) * g->L + next) * k;
+        for (uint32_t e = 0; e < E; e++) sc[e] = 0.0f;
+        for (uint32_t j = 0; j < k; j++) sc[ids[j]] = (float)(k - j);
+    }
+    *rows = T;
+    return SMOE_OK;
+}
+
 
 static int grow_pairs(smoe_layers *g, uint32_t T, smoe_err *err) {
     if (T <= g->cap_pairs) return SMOE_OK;
@@ -955,24 +1090,35 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
         g->counters.passes++;
         g->counters.tokens += T;
         smoe_slots_begin_pass(g->tier.tab);
+        if (g->learner) smoe_policy_pass(g->learner, g->counters.passes);
     }
+    if (g->learner && T > 0) feed_learner(g, pos, T, idx, draft);
     if (g->prefetch && pos + 1 < g->L && T > 0) {
-        if (!scores) {
+        double mass = g->mass;
+        uint32_t rows = T;
+        const uint8_t *skip = draft;
+        if (!scores && g->predictor != SMOE_LPRED_ROUTER) {
+            if ((rc = predictor_scores(g, pos + 1, T, &rows, err))) return rc;
+            scores = g->scores, mass = 0.0;
+            if (rows < T) skip = NULL; /* one row for all tokens, or none */
+        } else if (!scores) {
             if ((rc = grow_scores(g, T, err))) return rc;
             if ((rc = router_scores(g, pos + 1, x, T, g->scores, err))) return rc;
             scores = g->scores;
         }
-        predict(g, pos + 1, scores, T, draft);
-        uint32_t n = 0;
-        const uint8_t *p = g->pred + (size_t)(pos + 1) * E;
-        for (uint32_t e = 0; e < E; e++)
-            if (p[e]) {
-                g->keys[n] = (int32_t)((pos + 1) * E + e);
-                g->prios[n] = g->best[e];
-                n++;
-            }
-        rc = smoe_slots_prefetch(g->tier.tab, g->keys, g->prios, n, replace, err);
-        if (rc) return rc;
+        if (rows) {
+            predict(g, pos + 1, scores, rows, skip, mass);
+            uint32_t n = 0;
+            const uint8_t *p = g->pred + (size_t)(pos + 1) * E;
+            for (uint32_t e = 0; e < E; e++)
+                if (p[e]) {
+                    g->keys[n] = (int32_t)((pos + 1) * E + e);
+                    g->prios[n] = g->best[e];
+                    n++;
+                }
+            rc = smoe_slots_prefetch(g->tier.tab, g->keys, g->prios, n, replace, err);
+            if (rc) return rc;
+        }
     }
     const int step4 = T > 0 && (g->route_lambda > 0.0 || g->miss != SMOE_MISS_FETCH || draft);
     uint32_t lowbit_pairs = 0;
@@ -1028,14 +1174,36 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
     return SMOE_OK;
 }
 
-/* This layer's routing (layer.h, smoe_layers_forward_routed) into idx, w [T, k]. */
+/* This layer's routing (layer.h, smoe_layers_forward_routed) into idx, w [T, k]; under a
+ * replay (smoe_layers_set_replay) the trace's experts with the router's weights. */
 static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int flags,
-                 int64_t *idx, float *w, smoe_err *err) {
+                 const uint8_t *draft, int64_t *idx, float *w, smoe_err *err) {
     const uint32_t E = g->E, k = g->k;
     if (g->sigmoid || g->routers[pos].corr)
         return smoe_err_set(err, SMOE_EINVAL,
                             "layers: routing in C covers softmax top-k routers only (layer %u "
                             "has a sigmoid score or a correction bias)", pos);
+    const int16_t *rp = NULL; /* the replayed rows of this pass's tokens at layer pos */
+    if (g->replay) {
+        for (uint32_t t = 0; draft && t < T; t++)
+            if (draft[t])
+                return smoe_err_set(err, SMOE_EINVAL, "replay: draft tokens cannot be replayed "
+                                    "(a replay is a sequence of real tokens)");
+        if (pos == 0) {
+            if (T > g->replay_n - g->replay_next)
+                return smoe_err_set(err, SMOE_ESTATE, "replay: the trace's %llu tokens are used "
+                                    "up (%llu left, this pass has %u)",
+                                    (unsigned long long)g->replay_n,
+                                    (unsigned long long)(g->replay_n - g->replay_next), T);
+            g->replay_base = g->replay_next;
+            g->replay_next += T;
+            g->replay_pass = g->counters.passes + 1; /* forward_locked starts it */
+        } else if (g->replay_pass != g->counters.passes) {
+            return smoe_err_set(err, SMOE_ESTATE, "replay: layer %u of a pass whose first layer "
+                                "was not replayed", pos);
+        }
+        rp = g->replay + ((size_t)g->replay_base * g->L + pos) * k;
+    }
     int rc = grow_scores(g, T, err);
     if (!rc) rc = router_logits(g, pos, x, T, g->scores, err);
     if (rc) return rc;
@@ -1046,7 +1214,12 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
         for (uint32_t e = 1; e < E; e++) mx = z[e] > mx ? z[e] : mx;
         for (uint32_t e = 0; e < E; e++) sum += (p[e] = expf(z[e] - mx));
         for (uint32_t e = 0; e < E; e++) p[e] = p[e] / sum;
-        smoe_route_rank(p, E, g->order);
+        if (rp) { /* the trace's experts, in its order */
+            const int16_t *ids = rp + (size_t)t * g->L * k;
+            for (uint32_t j = 0; j < k; j++) g->order[j] = ids[j];
+        } else {
+            smoe_route_rank(p, E, g->order);
+        }
         float tot = 0.0f;
         for (uint32_t j = 0; j < k; j++) tot += p[g->order[j]];
         const float scale = g->routers[pos].scale;
@@ -1136,7 +1309,7 @@ int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uin
                             "(a device tier's model routes on its device)");
     const layer_io io = {x, x, out, NULL};
     pthread_mutex_lock(&g->mu);
-    int rc = route(g, pos, x, T, flags, idx, w, err);
+    int rc = route(g, pos, x, T, flags, draft, idx, w, err);
     if (!rc) rc = forward_locked(g, pos, &io, T, idx, w, used, NULL, replace, draft, err);
     if (!rc && T && g->shared[pos].d[0])  /* the shared experts, added to the routed ones */
         rc = smoe_silu_mlp_add(g->kc, &g->shared[pos], x, g->H, T, flags & SMOE_ROUTE_BF16_OUT,

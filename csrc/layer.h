@@ -176,6 +176,19 @@ typedef struct smoe_layer_counters {
 enum { SMOE_MISS_FETCH = 0, SMOE_MISS_DROP = 1, SMOE_MISS_SUBSTITUTE = 2,
        SMOE_MISS_LOWEST_BIT = 3, SMOE_MISS_PRIORITY = 4 };
 
+/* Step 2's predictor (smoe_layers_set_predictor): what ranks the next layer's experts when the
+ * caller passes no scores. */
+enum {
+    SMOE_LPRED_ROUTER = 0,  /* the next layer's router on this layer's input (the default) */
+    SMOE_LPRED_LEARNED = 1, /* the learned next-use model's q (policy/nextuse.h), as the
+                             * simulator's SMOE_PRED_LEARNED (sim.h): a one-slot nextuse policy
+                             * fed each layer's routing as it runs */
+    SMOE_LPRED_ORACLE = 2   /* replay only: the trace's experts of the next layer for the same
+                             * tokens (the offline bound's prefetch of depth 1) */
+};
+
+struct smoe_policy;
+
 typedef struct smoe_layers {
     pthread_mutex_t mu;
     uint32_t L, E, H, k;
@@ -211,6 +224,17 @@ typedef struct smoe_layers {
                                * (smoe_layers_set_hybrid) */
     int hybrid_admit;         /* queue the CPU's experts to the cache's worker */
     double hy_io, hy_gpu, hy_cpu; /* the split's costs, seconds (route.h balance_cut) */
+    int predictor;            /* SMOE_LPRED_* (smoe_layers_set_predictor) */
+    struct smoe_policy *learner; /* owned; SMOE_LPRED_LEARNED's one-slot nextuse policy, fed
+                               * every real token's routing of every layer (else NULL) */
+    double *lq;               /* owned; [E] the learner's q of the layer predicted */
+    /* routing replay (smoe_layers_set_replay) [mu] */
+    int16_t *replay;          /* owned; [replay_n, L, k] the trace's experts, or NULL: off */
+    uint64_t replay_n;        /* tokens in the trace */
+    uint64_t replay_next;     /* the trace token the next pass starts at */
+    uint64_t replay_base;     /* the trace token of this pass's first token */
+    uint64_t replay_pass;     /* counters.passes of the pass replay_base belongs to (a pass
+                               * started by smoe_layers_forward is not replayed) */
     /* state [mu] */
     double *delta_sum;        /* owned; [L] sum of tokens' logit ranges (routing's Delta_avg) */
     uint64_t *delta_n;        /* owned; [L] tokens in delta_sum */
@@ -282,10 +306,10 @@ int smoe_layers_configure(smoe_layers *g, int prefetch, double overfetch, double
 
 /* The settings smoe_layers_configure and smoe_layers_set_miss set (read under mu): their one
  * copy, which the engines read back (specmoe/runtime/engine_base.py: prefetch, overfetch,
- * mass; miss, miss_keep, miss_keep2, route_lambda). */
+ * mass; miss, miss_keep, miss_keep2, route_lambda; the predictor, SMOE_LPRED_*). */
 void smoe_layers_get_config(smoe_layers *g, int *prefetch, double *overfetch, double *mass,
                             int *feed_counts, int *miss, uint32_t *miss_keep,
-                            uint32_t *miss_keep2, double *route_lambda);
+                            uint32_t *miss_keep2, double *route_lambda, int *predictor);
 
 /* Step 4 settings (validated): miss in SMOE_MISS_*, miss_keep <= miss_keep2 <= k,
  * route_lambda finite >= 0.  LOWEST_BIT and PRIORITY need low-bit copy 0, PRIORITY with
@@ -402,6 +426,38 @@ int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uin
  * Takes mu: waits for a forward in flight. */
 int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale,
                           const smoe_shared_ffn *shared, smoe_err *err);
+
+/* Step 2's predictor when the caller passes no scores (SMOE_LPRED_*); forgets pending
+ * predictions.  LEARNED builds a fresh nextuse policy of one slot from model/model_len
+ * (policy/nextuse.h; NULL: its built-in temporal weights; a bad model is the policy's
+ * SMOE_EINVAL), fed from then on, at each layer call, the pass (at pos 0) and the union of the
+ * real tokens' experts of the layer (smoe_policy_pass / smoe_policy_access, as sim.c feeds
+ * SMOE_PRED_LEARNED), and ranks the next layer's experts by its q: the top
+ * m = clamp(ceil(k * overfetch), k, E) by q, priority q (the mass rule does not apply: q are
+ * probabilities of different events, not a distribution).  ORACLE needs a replay
+ * (SMOE_ESTATE without one): the trace's k experts of layer pos+1 for each token of the call,
+ * priority k - rank (overfetch adds no more).  ROUTER: smoe_route_predict as documented above. */
+int smoe_layers_set_predictor(smoe_layers *g, int predictor, const double *model,
+                              uint64_t model_len, smoe_err *err);
+
+/* Routing replay (issue 41 item 2; benchmarks and research, never on by default): experts
+ * [n, L, k] (copied; each row k distinct ids < E, else SMOE_EINVAL naming the first bad one)
+ * replaces what smoe_layers_forward_routed's router chooses: a pass of T tokens (a call at
+ * pos 0) takes the trace's next T tokens, and at every layer token t routes to trace row
+ * (first + t, pos) in the trace's order, with weights from the router's probabilities p of
+ * that layer restricted to that set (renormalised over it with SMOE_ROUTE_RENORM, times the
+ * routing scale, rounded as the flags say): with random weights the access pattern is the
+ * recorded model's, the arithmetic the model's own.  A pass that needs more tokens than are
+ * left is SMOE_ESTATE before anything runs.  Draft tokens are SMOE_EINVAL under a replay (a
+ * replay is a sequence of real tokens).  Calls with caller-chosen routing
+ * (smoe_layers_forward) are not replayed.  experts NULL: off (SMOE_ESTATE while the ORACLE
+ * predictor is set).  The next pass starts at trace token `start` (<= n, else SMOE_EINVAL): 0
+ * for a new replay, the position read back (smoe_layers_replay_position) to carry one over. */
+int smoe_layers_set_replay(smoe_layers *g, const int16_t *experts, uint64_t n, uint64_t start,
+                           smoe_err *err);
+
+/* Trace tokens a replay has consumed (0 without one) and its length. */
+void smoe_layers_replay_position(smoe_layers *g, uint64_t *used, uint64_t *n);
 
 /* Copy the counters (and reset them when reset != 0), forget pending predictions when reset. */
 void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset);

@@ -146,8 +146,16 @@ class Layers:
         """SpecMD miss handling (fetch, drop, substitute, lowest_bit, priority) and cache-aware
         routing."""
     def config(self) -> dict[str, Any]:
-        """The settings configure() and set_miss() set: prefetch, overfetch, mass,
-        feed_counts, miss, miss_keep, miss_keep2, route_lambda."""
+        """The settings configure(), set_miss() and set_predictor() set: prefetch, overfetch,
+        mass, feed_counts, miss, miss_keep, miss_keep2, route_lambda, predictor."""
+    def set_predictor(self, predictor: str, model: Optional[np.ndarray] = None) -> None:
+        """Step 2's predictor without caller scores: 'router', 'learned' (the nextuse model's
+        q; model = NextUseModel.flat()) or 'oracle' (a replay's next layer)."""
+    def set_replay(self, experts: Optional[np.ndarray], start: int = 0) -> None:
+        """forward_routed routes each token to int16 [tokens, layers, top_k] experts of a trace
+        (router weights restricted to them); None: off."""
+    def replay_position(self) -> tuple[int, int]:
+        """(trace tokens replayed, tokens in the trace)."""
     def set_down_dtypes(self, codes: Optional[list[int]], /) -> None: ...
     def set_parallel(self, on: bool) -> None:
         """A layer's misses load on the prefetch worker while its resident experts compute."""

@@ -67,10 +67,11 @@ def test_greedy_equal_to_the_unmodified_model(device, arch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_both_tiers_predict_the_same_experts(device):
     """One prediction rule (csrc/route.c, _C.predict_next on the GPU tier): the CPU Engine and
-    the GPU tier on the same model and prompt predict the same experts, overfetch and mass."""
+    the GPU tier on the same model and prompt predict the same experts, overfetch and mass, and
+    with the learned predictor (the C layers' nextuse learner, fed the same routing)."""
     got = {}
     for dev in ("cpu", device):
-        for mode in ({"overfetch": 2.0}, {"mass": 0.8}):
+        for mode in ({"overfetch": 2.0}, {"mass": 0.8}, {"predictor": "learned"}):
             m, _ = _tiny()
             eng = hf.offload(m, dtype="f32", cache=0.25, prefetch=True, device=dev)
             try:
@@ -82,7 +83,9 @@ def test_both_tiers_predict_the_same_experts(device):
                 got[dev, tuple(mode)] = (st["prefetch_precision"], st["prefetch_recall"])
             finally:
                 eng.close()
-    for mode in (("overfetch",), ("mass",)):  # the CPU's router GEMV sums in another order
+    assert got["cpu", ("predictor",)][0] is not None
+    for mode in (("overfetch",), ("mass",), ("predictor",)):  # the CPU's router GEMV sums in
+        # another order
         assert got["cpu", mode] == pytest.approx(got[device, mode], abs=1e-9 if
                                                  device == "emulate" else 0.05), (mode, got)
     with pytest.raises(ValueError, match="mass"):

@@ -222,16 +222,20 @@ def test_bad_arguments():
         eng.set_prefetch("no")
     with pytest.raises(ValueError, match="mass"):
         eng.set_prefetch(True, mass="0.5")
-    with pytest.raises(ValueError, match="predictor"):
-        eng.set_prefetch(True, predictor="router")
+    with pytest.raises(ValueError, match="predictor must be one of"):
+        eng.set_prefetch(True, predictor="routr")
+    with pytest.raises(ValueError, match="replay_routing"):  # the oracle needs a replay
+        eng.set_prefetch(True, predictor="oracle")
     with pytest.raises(TypeError, match="predictor must be callable"):
         eng.set_prefetch(True, predictor=5)
     assert eng.prefetch and eng.mass is None and eng._predictor is None  # nothing changed
     eng.set_prefetch(0)
     assert not eng.prefetch
     eng.close()
-    with pytest.raises(TypeError, match="prefetch must be a bool"):
+    with pytest.raises(ValueError, match="prefetch='off': choose True, False or a predictor"):
         hf.offload(testing.tiny_model("mixtral"), prefetch="off")
+    with pytest.raises(TypeError, match="prefetch must be a bool or a predictor"):
+        hf.offload(testing.tiny_model("mixtral"), prefetch=2)
     with pytest.raises(RuntimeError, match="closed"):
         m(PROMPT)
 

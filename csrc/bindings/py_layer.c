@@ -48,6 +48,7 @@ typedef struct {
                           * or None (g borrows their weights; set_block) */
 } LayersObject;
 
+static const char *const predictor_names[] = {"router", "learned", "oracle"}; /* SMOE_LPRED_* */
 static const char *const miss_names[] = {"fetch", "drop", "substitute", "lowest_bit",
                                          "priority"};
 
@@ -466,18 +467,18 @@ static PyObject *Layers_configure(LayersObject *self, PyObject *args, PyObject *
 static PyObject *Layers_config(LayersObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_init(self) < 0) return NULL;
-    int prefetch, feed, miss;
+    int prefetch, feed, miss, pred;
     double overfetch, mass, lam;
     uint32_t keep, keep2;
     Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
     smoe_layers_get_config(&self->g, &prefetch, &overfetch, &mass, &feed, &miss, &keep, &keep2,
-                           &lam);
+                           &lam, &pred);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:O,s:d,s:d,s:O,s:s,s:I,s:I,s:d}", "prefetch",
+    return Py_BuildValue("{s:O,s:d,s:d,s:O,s:s,s:I,s:I,s:d,s:s}", "prefetch",
                          prefetch ? Py_True : Py_False, "overfetch", overfetch, "mass", mass,
                          "feed_counts", feed ? Py_True : Py_False, "miss", miss_names[miss],
                          "miss_keep", (unsigned int)keep, "miss_keep2", (unsigned int)keep2,
-                         "route_lambda", lam);
+                         "route_lambda", lam, "predictor", predictor_names[pred]);
 }
 
 static PyObject *Layers_set_parallel(LayersObject *self, PyObject *arg) {
@@ -574,6 +575,86 @@ static PyObject *Layers_set_miss(LayersObject *self, PyObject *args, PyObject *k
     Py_END_ALLOW_THREADS
     if (rc) return smoe_py_raise(&e);
     Py_RETURN_NONE;
+}
+
+static PyObject *Layers_set_predictor(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"predictor", "model", NULL};
+    const char *name;
+    PyObject *model_o = Py_None;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "s|O:set_predictor", kwlist, &name, &model_o))
+        return NULL;
+    int kind = -1;
+    for (int i = 0; i < (int)(sizeof predictor_names / sizeof *predictor_names); i++)
+        if (!strcmp(name, predictor_names[i])) kind = i;
+    if (kind < 0)
+        return PyErr_Format(PyExc_ValueError, "predictor='%s' is not a predictor: choose router, "
+                            "learned or oracle", name);
+    PyArrayObject *mod = NULL;
+    if (model_o != Py_None) { /* the learned predictor's model (NextUseModel.flat()) */
+        mod = (PyArrayObject *)PyArray_FROM_OTF(model_o, NPY_FLOAT64, NPY_ARRAY_IN_ARRAY);
+        if (!mod) return NULL;
+        if (PyArray_NDIM(mod) != 1) {
+            Py_DECREF(mod);
+            return PyErr_Format(PyExc_ValueError, "set_predictor: model must be a 1-D float "
+                                "array (NextUseModel.flat())");
+        }
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    const double *m = mod ? PyArray_DATA(mod) : NULL;
+    uint64_t mlen = mod ? (uint64_t)PyArray_DIM(mod, 0) : 0;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
+    rc = smoe_layers_set_predictor(&self->g, kind, m, mlen, &e);
+    Py_END_ALLOW_THREADS
+    Py_XDECREF(mod);
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Layers_set_replay(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"experts", "start", NULL};
+    PyObject *arg;
+    unsigned long long start = 0;
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "O|K:set_replay", kwlist, &arg, &start))
+        return NULL;
+    PyArrayObject *ex = NULL;
+    if (arg != Py_None) {
+        ex = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT16, 3, 3,
+                                              NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+        if (!ex) return NULL;
+        if ((uint64_t)PyArray_DIM(ex, 1) != self->g.L || (uint64_t)PyArray_DIM(ex, 2) != self->g.k) {
+            PyErr_Format(PyExc_ValueError, "set_replay: experts has shape [%zd, %zd, %zd], the "
+                         "model routes [tokens, %u, %u]", (Py_ssize_t)PyArray_DIM(ex, 0),
+                         (Py_ssize_t)PyArray_DIM(ex, 1), (Py_ssize_t)PyArray_DIM(ex, 2),
+                         self->g.L, self->g.k);
+            Py_DECREF(ex);
+            return NULL;
+        }
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    const int16_t *d = ex ? PyArray_DATA(ex) : NULL;
+    uint64_t n = ex ? (uint64_t)PyArray_DIM(ex, 0) : 0;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
+    rc = smoe_layers_set_replay(&self->g, d, n, start, &e);
+    Py_END_ALLOW_THREADS
+    Py_XDECREF(ex);
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Layers_replay_position(LayersObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (check_init(self) < 0) return NULL;
+    uint64_t used, n;
+    Py_BEGIN_ALLOW_THREADS
+    smoe_layers_replay_position(&self->g, &used, &n);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(KK)", (unsigned long long)used, (unsigned long long)n);
 }
 
 /* What set_lowbit and set_draft share: slot i of self->lowbit (0, 1: the low-bit copies, 2:
@@ -752,6 +833,19 @@ static PyMethodDef Layers_methods[] = {
      "substitute, lowest_bit, priority), the top ranks drop and priority always fetch, "
      "cache-aware routing strength (0: off); priority computes ranks keep..keep2-1 from "
      "low-bit copy 0 and the rest from copy 1; see csrc/layer.h."},
+    {"set_predictor", (PyCFunction)(void (*)(void))Layers_set_predictor,
+     METH_VARARGS | METH_KEYWORDS,
+     "set_predictor(predictor, model=None): what ranks the next layer's experts for prefetch\n"
+     "when no scores are passed: 'router' (the next router on this layer's input), 'learned'\n"
+     "(the nextuse model's q; model = NextUseModel.flat(), None: built-in temporal weights) or\n"
+     "'oracle' (a replay's next-layer experts); csrc/layer.h smoe_layers_set_predictor."},
+    {"set_replay", (PyCFunction)(void (*)(void))Layers_set_replay, METH_VARARGS | METH_KEYWORDS,
+     "set_replay(experts or None, start=0): forward_routed takes each token's experts from\n"
+     "int16 [tokens, layers, top_k] (a Trace's experts), weights from the router's\n"
+     "probabilities; the next pass starts at trace token start (csrc/layer.h\n"
+     "smoe_layers_set_replay)."},
+    {"replay_position", (PyCFunction)Layers_replay_position, METH_NOARGS,
+     "replay_position() -> (tokens replayed, tokens in the trace); (0, 0) without a replay."},
     {"config", (PyCFunction)Layers_config, METH_NOARGS,
      "config() -> dict of the settings configure() set (prefetch, overfetch, mass, "
      "feed_counts) and set_miss() set (miss, miss_keep, miss_keep2, route_lambda): the engines "

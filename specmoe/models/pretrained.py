@@ -433,7 +433,7 @@ def _load_dense(plan: _Plan) -> None:
 
 
 def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 0.25,
-                    dtype: str = "auto", policy: Any = "least_stale", prefetch: bool = True,
+                    dtype: str = "auto", policy: Any = "least_stale", prefetch: bool | str = True,
                     store: str | os.PathLike[str] | None = None, direct: bool | None = None,
                     progress: bool = True, force_convert: bool = False,
                     torch_dtype: Any = "auto", dense: str | bool | None = "auto",
@@ -442,6 +442,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                     miss_levels: str | Sequence[str] = "int4", miss_keep2: int | None = None,
                     device: Any = "cpu", balance: Any = False,
                     gpu_cache: int | float | str | None = None,
+                    route: str = "model", trace: Any = None,
                     **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
@@ -455,7 +456,9 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     offset; ``"auto"``: bf16, int4 for a GPTQ checkpoint, for a GGUF file the nearest to its
     experts' type; GGUF Q4_0 and symmetric GPTQ experts are kept as they are in int4).  policy: eviction policy name or
     object (:func:`specmoe.runtime.engine.available_policies`).  prefetch: the next layer's router
-    predicts the experts to load while this layer computes.  store: the store file (default
+    predicts the experts to load while this layer computes (True, ``"router"``), or the learned
+    next-use model does (``"learned"``: learnt from the routing seen so far, no hidden state;
+    ``"oracle"``: a replay's true next layer), False: demand loads only.  store: the store file (default
     one per checkpoint and dtype under ``$SPECMOE_CACHE`` or ``~/.cache/specmoe``), converted on
     the first call and reused after; ``force_convert=True`` rewrites it; only a specmoe store or
     no file is ever replaced there (:func:`convert`).  direct: O_DIRECT
@@ -475,12 +478,15 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     hybrid tier in one word (issue 37): a GPU cache of this size (as ``cache``) and every
     other expert computed by the CPU kernels where it lives in host memory or copied, as
     the balancer's measured costs decide (``balance=True`` unless a profile is given; needs
-    a CUDA ``device``).
+    a CUDA ``device``).  route: ``"model"`` (the router), or ``"replay"`` with ``trace`` (a
+    :class:`specmoe.Trace` of this model's routing shape): every token routes to the trace's
+    experts instead, for benchmarks and research on real access patterns with stand-in
+    weights (:meth:`specmoe.Engine.replay_routing`; CPU tier, dense layers in C).
     hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
     from ..runtime import misses
     from .dense import resolve_dense
     from ..runtime.gpu_engine import resolve_device
-    from ..runtime.engine import Engine, check_early
+    from ..runtime.engine import Engine, check_early, check_prefetch_arg
     # bad values fail before any conversion ("auto" is resolved once the checkpoint is open)
     early = "bf16" if dtype == "auto" else dtype
     if gpu_cache is not None:  # the hybrid tier: the GPU cache's size, the balancer on
@@ -491,6 +497,14 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
         if balance is False or balance is None:
             balance = True
     check_early(early, cache, policy, prefetch)
+    if route not in ("model", "replay"):
+        raise ValueError(f"route={route!r}: choose 'model' or 'replay' (with trace=)")
+    if (route == "replay") != (trace is not None):
+        raise ValueError("route='replay' needs trace= (a specmoe.Trace), and trace= needs "
+                         "route='replay'")
+    if route == "replay" and not (device in (None, "cpu") or (isinstance(device, str) and
+                                                                device.startswith("cpu"))):
+        raise ValueError("route='replay' runs on the CPU tier (device='cpu')")
     gpu_opts = dict(policy=policy, dense=dense, miss=miss, route_lambda=route_lambda,
                     throttle=throttle, balance=balance)
     gpu = resolve_device(device, dtype=early, **gpu_opts)
@@ -527,7 +541,18 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                   route_lambda=route_lambda, miss_levels=miss_levels, miss_keep2=miss_keep2,
                   throttle=throttle)
         return model
-    Engine(model, spath, cache=cache, policy=policy, prefetch=prefetch, direct=direct,
-           verify=True, dense=dense, miss=miss, miss_keep=miss_keep, route_lambda=route_lambda,
-           throttle=throttle, miss_levels=miss_levels, miss_keep2=miss_keep2)
+    predictor = check_prefetch_arg(prefetch)
+    eng = Engine(model, spath, cache=cache, policy=policy,
+                 prefetch=prefetch if predictor != "oracle" else False, direct=direct,
+                 verify=True, dense=dense, miss=miss, miss_keep=miss_keep,
+                 route_lambda=route_lambda, throttle=throttle, miss_levels=miss_levels,
+                 miss_keep2=miss_keep2)
+    if trace is not None:
+        try:
+            eng.replay_routing(trace)
+            if predictor == "oracle":
+                eng.set_prefetch(True, predictor="oracle")
+        except BaseException:
+            eng.close()
+            raise
     return model

@@ -114,15 +114,18 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
 
 
 def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-               router_std: float = 1.0, **kw) -> nn.Module:
+               router_std: float = 1.0, overrides: dict | None = None, **kw) -> nn.Module:
     """A randomly initialised eval-mode model from :func:`tiny_config`, eager experts, with its
-    routers re-initialised at ``router_std`` so routing is far from uniform."""
+    routers re-initialised at ``router_std`` so routing is far from uniform.  overrides: config
+    attributes set after tiny_config (e.g. ``num_key_value_heads``)."""
     import logging
 
     from transformers import AutoModelForCausalLM
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(seed)
     cfg = tiny_config(arch, **kw)
+    for name, value in (overrides or {}).items():
+        setattr(cfg, name, value)
     model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", dtype=dtype)
     info, ids = describe(model)
     g = torch.Generator().manual_seed(seed + 1)

@@ -48,7 +48,7 @@ from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, Unsu
 from ..storage.conversion import store_settings, write_experts
 from ..models.dense import resolve_dense
 from ..models.layers import silu_mlp_parts
-from .engine_base import EngineCommon, check_prefetch
+from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetch_arg
 from .tau_tables import TauTables
 
 from .expert_copy import ExpertCopy
@@ -105,7 +105,7 @@ def check_early(dtype: str, cache: Any, policy: Any, prefetch: Any) -> None:
     check_dtype(dtype)
     _check_capacity(cache)
     check_policy(policy)
-    _check_flag("prefetch", prefetch)
+    check_prefetch_arg(prefetch)
 
 
 def check_dtype(dtype: str) -> None:
@@ -161,8 +161,8 @@ class Engine(EngineCommon):
     _down_codes: list[int] | None = None  # per-layer down formats of a GGUF block store
 
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
-                 cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
-                 overfetch: float = 1.5, direct: bool | None = False, verify: bool = True,
+                 cache: int | float | str = 0.25, policy: Any = "lru",
+                 prefetch: bool | str = True, overfetch: float = 1.5, direct: bool | None = False, verify: bool = True,
                  own_store: bool = False, dense: str | bool | None = "auto",
                  miss: str = "fetch", miss_keep: int = 2,
                  route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
@@ -193,7 +193,11 @@ class Engine(EngineCommon):
         if overfetch < 1:
             raise ValueError(f"overfetch must be >= 1, got {overfetch}")
         resolve_dense(dense, torch.float32)  # a bad value fails before anything is touched
-        _check_flag("prefetch", prefetch)
+        pred_name = check_prefetch_arg(prefetch)
+        if pred_name == "oracle":
+            raise ValueError("prefetch='oracle' predicts from a routing replay: build the engine, "
+                             "call replay_routing(trace), then set_prefetch(True, "
+                             "predictor='oracle') (from_pretrained(route='replay') does this)")
         cfg = model.config
         miss, miss_keep, route_lambda = misses.check_miss(
             miss, miss_keep, route_lambda, int(cfg.num_experts_per_tok))
@@ -209,8 +213,13 @@ class Engine(EngineCommon):
         self.layer_ids: list[int] = ids
         self.top_k = int(cfg.num_experts_per_tok)
         self.policy: Any = policy
-        self._prediction = {"prefetch": bool(prefetch), "overfetch": float(overfetch),
-                            "mass": 0.0}  # the C layers' once they exist (EngineCommon)
+        self._prediction = {"prefetch": pred_name is not None, "overfetch": float(overfetch),
+                            "mass": 0.0, "predictor": pred_name or "router"}
+        # ^ the C layers' once they exist (EngineCommon)
+        # a routing replay (replay_routing): the trace's experts, pushed into new C layers,
+        # which own the position (_replay_start carries it across a rebuild)
+        self._replay: np.ndarray | None = None
+        self._replay_start = 0
         blocks = [moe_block(model, info, i) for i in ids]
         # the prefetch predictor's view of each layer's router: the module holding weight [E,H]
         # (and bias), and the correction bias added to the scores when choosing experts
@@ -423,6 +432,11 @@ class Engine(EngineCommon):
 
     def _layer_call(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                     w: torch.Tensor) -> torch.Tensor:
+        if self._replay is not None:
+            raise RuntimeError(
+                f"replay_routing: MoE layer {pos} was routed in Python (a Python predictor, "
+                f"trace recording, drafting, a lookahead or a prefill whose shared experts run "
+                f"in torch), which a routing replay cannot follow; run passes that route in C")
         x, ix, wt, out, used = self._buffers(hidden, idx, w)
         scores = None
         if self._predictor is not None and self.prefetch and pos + 1 < len(self.layer_ids):
@@ -461,6 +475,8 @@ class Engine(EngineCommon):
         if self._cache is not None:
             self._cache.close()
         self._keep_settings()  # the old layers' settings go to the new ones
+        if self._layers is not None and self._replay is not None:
+            self._replay_start = self._layers.replay_position()[0]
         self._cache, self._layers = new, layers
         self._configure_layers()
 
@@ -468,6 +484,9 @@ class Engine(EngineCommon):
         """Push every setting into the C layers (new ones, or after _keep_settings)."""
         p = self._prediction
         self._layers.configure(p["prefetch"], p["overfetch"], p["mass"], self._counts_fed)
+        if self._replay is not None:  # before the predictor: the oracle needs it
+            self._layers.set_replay(self._replay, start=self._replay_start)
+        self._push_predictor(p.get("predictor", "router"))
         for pos, (scale, shared, _) in self._blocks.items():
             self._layers.set_block(pos, scale, shared)
         self._layers.set_parallel(self.parallel_misses)
@@ -652,19 +671,91 @@ class Engine(EngineCommon):
         """Switch lookahead prefetch on/off.  overfetch: experts predicted per token
         = ceil(top_k * overfetch).  mass: instead of a fixed count, per token the fewest
         experts (at least top_k) whose softmax probability of the scores sums to >= mass
-        (None: back to overfetch).  predictor: ``f(next_layer_position, hidden[T,H]) ->
-        scores[T,E]`` (higher = more likely needed), or None for the default, layer l+1's router
-        applied to layer l's router input."""
+        (None: back to overfetch; the router predictor only).  predictor: ``"router"`` (the
+        default: layer l+1's router applied to layer l's router input; None says the same),
+        ``"learned"`` (the packaged nextuse model's probability that each expert of layer l+1
+        is used at its next run, learnt from the routing seen so far: ``csrc/layer.h``
+        ``smoe_layers_set_predictor``, the simulator's ``prefetch="learned"``), ``"oracle"``
+        (during :meth:`replay_routing` only: the trace's true experts of layer l+1), or a
+        Python callable ``f(next_layer_position, hidden[T,H]) -> scores[T,E]`` (higher = more
+        likely needed; routing then runs in Python)."""
         _check_flag("on", on)
         check_prefetch(overfetch, mass)
-        if isinstance(predictor, str) and predictor != "keep":
-            raise ValueError(f"predictor must be a callable, None or 'keep', got {predictor!r}")
+        if isinstance(predictor, str) and predictor not in PREDICTORS + ("keep",):
+            raise ValueError(f"predictor must be one of {PREDICTORS}, a callable, None or "
+                             f"'keep', got {predictor!r}")
         if predictor is not None and not isinstance(predictor, str) and not callable(predictor):
             raise TypeError(f"predictor must be callable as f(next_layer_position, hidden), got "
                             f"{type(predictor).__name__}")
-        if not isinstance(predictor, str):
+        if predictor is None or (isinstance(predictor, str) and predictor != "keep"):
+            self._push_predictor(predictor or "router")  # checks the oracle's replay first
+            self._predictor = None
+        elif not isinstance(predictor, str):
+            self._push_predictor("router")
             self._predictor = predictor
         self._set_prediction(bool(on), overfetch, mass)  # the C layers forget old predictions
+
+    def replay_routing(self, trace: Any, *, start: int = 0) -> None:
+        """Route every token by a recorded routing trace instead of the router (issue 41; for
+        benchmarks and research: with random or stand-in weights the cache, the prefetch
+        worker, the store's reads and the kernels see a real model's access pattern).
+
+        trace: a :class:`specmoe.Trace` (or its ``experts`` array, int [tokens, MoE layers,
+        top_k]) of this model's shape; None turns the replay off.  Each forward pass of T
+        tokens takes the trace's next T tokens (from ``start``), each MoE layer routes token t
+        to the trace's experts of that (token, layer) with the weights of the model's router
+        probabilities restricted to them (renormalised as the model does).  A pass past the
+        trace's end raises :class:`specmoe.CacheError` before it runs.  Needs every MoE layer
+        routed in C (``engine.routed_in_c``); a call that would route in Python (a Python
+        predictor, trace recording, drafting, a prefill whose shared experts run in torch)
+        raises RuntimeError.  The simulator replaying the same trace demand-only at the same
+        slot count counts the same hits, misses and collision misses (``tests/test_replay.py``;
+        the live engine visits a layer's experts in ascending id, so give the simulator the
+        trace with each row sorted, :meth:`specmoe.Trace.sorted_rows`)."""
+        if trace is None:
+            if self.predictor == "oracle":
+                raise ValueError("replay_routing(None): the oracle predictor is set and predicts "
+                                 "from the replay; choose another first (set_prefetch)")
+            if self._layers is not None:
+                self._layers.set_replay(None)  # refuses while the oracle predicts from it
+            self._replay, self._replay_start = None, 0
+            return
+        ex = trace.experts if hasattr(trace, "experts") else trace
+        ex = np.asarray(ex)
+        L, k = len(self.layer_ids), self.top_k
+        if ex.ndim != 3 or ex.shape[1:] != (L, k):
+            raise ValueError(f"replay_routing: the trace routes [tokens, layers, top_k] = "
+                             f"{list(ex.shape)}, this model [tokens, {L}, {k}]")
+        ne = getattr(trace, "num_experts", None)
+        if ne is not None and ne != self.num_experts:
+            raise ValueError(f"replay_routing: the trace has {ne} experts per layer, this model "
+                             f"{self.num_experts}")
+        missing = sorted(set(range(L)) - set(self.routed_in_c))
+        if missing:
+            raise ValueError(f"replay_routing needs every MoE layer routed in C; layer "
+                             f"positions {missing[:8]} route in torch (a sigmoid router, a "
+                             f"correction bias or dense='torch')")
+        if not np.issubdtype(ex.dtype, np.integer):
+            raise ValueError(f"replay_routing: expert ids must be integers, got {ex.dtype}")
+        if ex.size and (ex.min() < 0 or ex.max() >= self.num_experts):
+            raise ValueError(f"replay_routing: expert ids must be in 0..{self.num_experts - 1}, "
+                             f"got {int(ex.min())}..{int(ex.max())}")
+        ex = np.ascontiguousarray(ex, dtype=np.int16)
+        if self._layers is not None:
+            self._layers.set_replay(ex, start=int(start))  # validates rows and start
+        elif not 0 <= int(start) <= len(ex):
+            raise ValueError(f"replay_routing: start {start} outside 0..{len(ex)}")
+        self._replay, self._replay_start = ex, int(start)
+
+    @property
+    def replay_position(self) -> tuple[int, int]:
+        """(trace tokens replayed so far, tokens in the trace); (0, 0) without a replay."""
+        if self._replay is None:
+            return (0, 0)
+        if self._layers is None:
+            return (self._replay_start, len(self._replay))
+        used, n = self._layers.replay_position()
+        return (int(used), int(n))
 
     def close(self) -> None:
         """Release the cache and the store (deleting the temporary store file if offload made
@@ -712,7 +803,7 @@ def available_policies() -> list[str]:
 
 
 def offload(model: nn.Module, store: str | os.PathLike | None = None,
-            cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool = True,
+            cache: int | float | str = 0.25, policy: Any = "lru", prefetch: bool | str = True,
             dtype: str = "f32", overfetch: float = 1.5, direct: bool | None = False,
             progress: bool = False, dense: str | bool | None = "auto", miss: str = "fetch",
             miss_keep: int = 2, route_lambda: float = 0.0,

@@ -13,7 +13,29 @@ from torch import nn
 from . import misses
 from .expert_copy import ExpertCopy
 
-__all__ = ["EngineCommon", "check_prefetch"]
+__all__ = ["EngineCommon", "PREDICTORS", "check_prefetch", "check_prefetch_arg"]
+
+#: The C predictors of the next layer's experts (csrc/layer.h smoe_layers_set_predictor):
+#: ``"router"`` (the next router on this layer's input), ``"learned"`` (the nextuse model's
+#: probability of use, fed the routing as it runs: specmoe.sim.nextuse) and ``"oracle"`` (a
+#: routing replay's true next layer: the offline bound's prefetch).
+PREDICTORS: tuple[str, ...] = ("router", "learned", "oracle")
+
+
+def check_prefetch_arg(prefetch: Any) -> str | None:
+    """``prefetch`` as offload/from_pretrained/Engine take it: a bool (True: the router
+    predictor) or a predictor name of :data:`PREDICTORS`.  Returns the predictor, None for
+    off."""
+    if isinstance(prefetch, str):
+        if prefetch not in PREDICTORS:
+            raise ValueError(f"prefetch={prefetch!r}: choose True, False or a predictor of "
+                             f"{PREDICTORS}")
+        return prefetch
+    if not isinstance(prefetch, (bool, np.bool_)) and (
+            not isinstance(prefetch, (int, np.integer)) or prefetch not in (0, 1)):
+        raise TypeError(f"prefetch must be a bool or a predictor of {PREDICTORS}, got "
+                        f"{prefetch!r}")
+    return "router" if prefetch else None
 
 
 def check_prefetch(overfetch: float | None, mass: float | None | str) -> None:
@@ -85,6 +107,7 @@ class EngineCommon:
     # _prediction holds them only while no C layers exist (before the first is built, across
     # a rebuild, after close); _configure_layers pushes it into a new one.
     _prediction: dict[str, Any]
+    _replay: Any = None  # a routing replay's trace (Engine.replay_routing; CPU tier only)
 
     def _prediction_settings(self) -> dict[str, Any]:
         lay = self.layers
@@ -105,6 +128,29 @@ class EngineCommon:
         """The prediction's mass rule (None: the overfetch count; read from the C layers)."""
         m = float(self._prediction_settings()["mass"])
         return m if m > 0.0 else None
+
+    @property
+    def predictor(self) -> Any:
+        """The next-layer predictor of prefetch: a name of :data:`PREDICTORS` (the C layers'
+        setting) or the Python callable set by :meth:`set_prefetch`."""
+        if getattr(self, "_predictor", None) is not None:
+            return getattr(self, "_predictor")
+        return str(self._prediction_settings().get("predictor", "router"))
+
+    def _push_predictor(self, name: str) -> None:
+        """The C predictor ``name`` where the settings live (the C layers, else _prediction)."""
+        if name == "oracle" and self._replay is None:
+            raise ValueError("predictor='oracle' predicts from a routing replay's trace: call "
+                             "replay_routing(trace) first")
+        lay = self.layers
+        if lay is None:
+            self._prediction["predictor"] = name
+            return
+        model = None
+        if name == "learned":
+            from ..sim.nextuse import default_model
+            model = default_model(len(self.layer_ids), self.num_experts).flat()
+        lay.set_predictor(name, model=model)
 
     def _set_prediction(self, prefetch: bool | None = None, overfetch: float | None = None,
                         mass: float | None | str = "keep") -> None:

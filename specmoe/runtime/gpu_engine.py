@@ -56,7 +56,7 @@ from torch import nn
 from .. import _C
 from ..models.arch import describe, getpath, moe_block
 from . import engine_base
-from .engine_base import EngineCommon, check_prefetch
+from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetch_arg
 from .tau_tables import TauTables
 
 from .experts import SpecmoeExperts
@@ -145,7 +145,7 @@ class GpuEngine(EngineCommon):
 
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
                  device: Any = "cuda", cache: int | float | str = 0.25, policy: str = "lru",
-                 prefetch: bool = True, overfetch: float = 1.5, mode: str = "auto",
+                 prefetch: bool | str = True, overfetch: float = 1.5, mode: str = "auto",
                  verify: bool = True, own_store: bool = False,
                  balance: bool | Any = False, miss: str = "fetch", miss_keep: int = 2,
                  route_lambda: float = 0.0, miss_levels: str | Any = "int4",
@@ -216,8 +216,13 @@ class GpuEngine(EngineCommon):
         self.device = dev
         self.top_k = int(cfg.num_experts_per_tok)
         self.policy = policy
-        self._prediction = {"prefetch": bool(prefetch), "overfetch": float(overfetch),
-                            "mass": 0.0}  # the C layers' once they exist (EngineCommon)
+        pred = check_prefetch_arg(prefetch)
+        if pred == "oracle":
+            raise ValueError("prefetch='oracle' predicts from a routing replay, which runs on "
+                             "the CPU tier (Engine.replay_routing)")
+        self._prediction = {"prefetch": pred is not None, "overfetch": float(overfetch),
+                            "mass": 0.0, "predictor": pred or "router"}
+        # ^ the C layers' once they exist (EngineCommon)
         self.mode = mode
         self.balance: Any = None  # the BalanceProfile in use, None: every miss is copied
         self.recorder: Any = None  # trace(): the routing recorder in use
@@ -311,6 +316,7 @@ class GpuEngine(EngineCommon):
         if self._layers is not None:
             p = self._prediction
             self._layers.configure(p["prefetch"], p["overfetch"], p["mass"], self._feed_counts)
+            self._push_predictor(p.get("predictor", "router"))
             self._push_balance()
 
     def _push_balance(self) -> None:
@@ -575,13 +581,20 @@ class GpuEngine(EngineCommon):
                 self._cache.reset_stats()
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
-                     mass: float | None | str = "keep") -> None:
+                     mass: float | None | str = "keep", predictor: str = "keep") -> None:
         """Turn the next-layer prefetch on or off, as :meth:`specmoe.Engine.set_prefetch`:
         overfetch: experts predicted per token = ceil(top_k * overfetch); mass: instead, per
         token the fewest experts (at least top_k) whose probability sums to >= mass (None: back
-        to overfetch)."""
+        to overfetch); predictor: ``"router"`` or ``"learned"`` (the C layers' predictors,
+        csrc/layer.h ``smoe_layers_set_predictor``), ``"keep"``."""
         check_prefetch(overfetch, mass)
+        if predictor not in ("router", "learned", "keep"):
+            raise ValueError(f"predictor must be 'router', 'learned' or 'keep' on the GPU tier "
+                             f"(of {PREDICTORS}, 'oracle' needs a CPU routing replay), got "
+                             f"{predictor!r}")
         with self._lock:
+            if predictor != "keep":
+                self._push_predictor(predictor)
             self._set_prediction(bool(on), overfetch, mass)
 
     def set_balance(self, balance: bool | Any, admit: bool | None = None) -> None:

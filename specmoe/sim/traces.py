@@ -204,6 +204,18 @@ class Trace:
             tokens=None if self.tokens is None else self.tokens[sl], model=self.model,
             source=self.source)
 
+    def sorted_rows(self) -> "Trace":
+        """The same trace with each (token, layer) row's experts in ascending id (weights
+        permuted with them): the order in which the live engine visits a layer's experts
+        (csrc/moe.h), so a demand-only simulation of it sees the live cache's access sequence
+        (Engine.replay_routing).  The recorded order's ranks are lost."""
+        order = np.argsort(self.experts, axis=2, kind="stable")
+        return Trace(
+            experts=np.take_along_axis(self.experts, order, 2), num_experts=self.num_experts,
+            request_starts=self.request_starts, layer_ids=self.layer_ids,
+            weights=None if self.weights is None else np.take_along_axis(self.weights, order, 2),
+            logits=self.logits, tokens=self.tokens, model=self.model, source=self.source)
+
     @staticmethod
     def concat(traces: Sequence["Trace"]) -> "Trace":
         """Join traces of the same model shape one after another, each keeping its requests."""
