@@ -321,7 +321,8 @@ def _cmd_run(args) -> int:
     if ids.shape[1] == 0:
         raise CliError(f"--prompt {args.prompt!r}: the tokenizer makes no tokens of it")
     model = from_pretrained(args.checkpoint, cache=cache, dtype=args.dtype, policy=policy,
-                            prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
+                            prefetch=False if args.no_prefetch else args.predictor,
+                            store=args.store, dense=args.dense,
                             device=dev, gpu_cache=gpu_cache)
     eng = engine_of(model)
     ids = ids.to(model.device)
@@ -581,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="eviction policy spec, as simulate's --policies takes (e.g. lru, "
                         "random:seed=3, least_stale:order=lru, spac:levels=3)")
     p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--predictor", default="router", choices=["router", "learned"],
+                   help="what predicts the next layer's experts for prefetch: the next "
+                        "router on this layer's input (default), or the learned next-use "
+                        "model fed the routing seen so far (docs/usage.md)")
     p.add_argument("--store", default=None, help="store file (default: see convert)")
     p.add_argument("--threads", type=_at_least(1, MAX_THREADS), default=None,
                    help="threads of torch and of specmoe's kernels (default: torch's; at most "

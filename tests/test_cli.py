@@ -386,6 +386,24 @@ def test_run_policy_spec_reaches_from_pretrained(zoo_copy, cache_env, monkeypatc
     assert seen["cache"] == 0.5
 
 
+@pytest.mark.parametrize("argv, want", [([], "router"), (["--predictor", "learned"], "learned"),
+                                        (["--no-prefetch", "--predictor", "learned"], False)])
+def test_run_predictor_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch, capsys, argv,
+                                               want):
+    import specmoe.models.pretrained
+
+    seen = {}
+
+    def from_pretrained(path, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(specmoe.models.pretrained, "from_pretrained", from_pretrained)
+    code, err = _cli(["run", zoo_copy, "--prompt", "x"] + argv, capsys)
+    _assert_one_line(code, err, "RuntimeError: stop here")
+    assert seen["prefetch"] == want
+
+
 @pytest.mark.parametrize("spec", ["random:seed=x", "lru:seed=3", "nosuch", "belady",
                                   "least_stale:order=sideways"])
 def test_run_bad_policy_refused_before_loading(zoo_copy, cache_env, capsys, spec):

@@ -1,0 +1,396 @@
+"""Real routing through the live engine at full depth (issue 41, items 2-3).
+
+    python benchmarks/replay.py --json [--trace DIR] [--caches 5,10,25] [--tokens 2000]
+                                [--warmup 64] [--rounds 2] [--threads 2] [--rows ...]
+    python benchmarks/replay.py --quick --json     # a small checkpoint of the same routing shape
+
+Checkpoint.  The full DeepSeek-V2-Lite layout of ``big_model.py`` (``--layers 27``: the dense
+first layer and 26 MoE layers of 64 experts, top-6, hidden 2048, expert FFN 1408, vocab
+102400; random bf16 weights, written once under ``--workdir`` and shared with ``big_model.py
+--layers 27``), converted once to specmoe's int4 store (``store-int4.smoe``).  The output
+records what was written, how big, and how long writing and converting took.
+
+Routing.  A fixed subset of the DeepSeek-V2-Lite-Chat routing traces (``--trace``, default
+``../shared/traces/deepseek-v2-lite-puffin``): the prompts in file-name order, concatenated,
+``--warmup`` + ``--tokens`` tokens.  Every token is one forward pass (a 1-token prompt, then
+greedy decoding) whose MoE layers route to the trace's experts
+(``Engine.replay_routing``), with the router's softmax weights at them, so the cache, its
+worker, the store's O_DIRECT reads and the int4 kernels see DeepSeek-V2-Lite's real access
+pattern.  Predictors that read hidden states (the router) mean nothing with random weights
+and are not run; ``learned`` (the nextuse model fed the routing as it runs) and the offline
+``oracle`` (the trace's next layer) are.
+
+Rows.  For each cache size (``--caches``, % of the 1664 routed experts), one process under a
+cgroup-v1 memory limit of non-expert bytes (bf16) + the cache's bytes + 512 MiB (page cache
+charged: the store cannot hide in it) runs every row of ``--rows`` (``policy[+predictor]``;
+``belady`` is Belady's rule over the replayed tokens' true future, ``belady+oracle`` with the
+trace's next layer prefetched; the offline bound is the faster of the two in the round), the
+rows interleaved round by round (``--rounds``).  A row: ``Engine.set_cache`` (empty cache,
+fresh statistics), the replay restarted, ``--warmup`` untimed passes, then ``--tokens`` timed
+passes: tok/s, hit rate, collision misses, stall share (the cache's stall time over the
+timed wall time), bytes read from disk per token (``/proc/self/io`` read_bytes: the O_DIRECT
+reads), prefetch precision; ``vs_offline_bound`` = tok/s over the offline bound's in the same
+round.  ``parallel_misses`` is off (each layer's experts in ascending id, the order the
+simulator and Belady's future follow; ``--parallel-misses`` turns it on).
+
+Simulator.  Beside each row the simulator's estimate of the same replay (``specmoe.simulate``
+on the same tokens, each row's experts in ascending id, same policy, slots and predictor),
+timed by a profile measured in the same process before the rows: ``link_bw`` and
+``link_latency_s`` from ExpertStore O_DIRECT reads of int4-sized blocks on the same disk
+(``specmoe.sim.calibration.calibrate``), the expert compute from the int4 kernel on a block of
+the store (batch 1, the run's threads), and the fixed per-token time from the live engine
+replaying a trace whose every access hits (6 fixed experts per layer) less its expert
+compute.  Each row carries ``sim_tok_s``, ``sim_hit_rate`` and ``sim_error`` (sim tok/s / live
+tok/s - 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostinfo  # noqa: E402
+from big_model import (MiB, REPO, RESERVE, Cgroup, _fail_reason, _read_bytes,  # noqa: E402
+                       config_hash, convert_store, drop_caches, make_config, param_counts,
+                       run_process, write_checkpoint)
+
+DEFAULT_ROWS = ("lru,least_stale,spac_ema,lhu,nextuse,nextuse+learned,least_stale+learned,"
+                "belady,belady+oracle")
+
+
+def log(*a: Any) -> None:
+    print("[replay]", *a, file=sys.stderr, flush=True)
+
+
+def quick_config() -> dict[str, Any]:
+    """The routing shape of DeepSeek-V2-Lite (27 layers, 64 experts, top-6) at small widths."""
+    cfg = make_config(27, 16384)
+    cfg.update(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+               qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    return cfg
+
+
+def parse_row(name: str) -> dict[str, Any]:
+    policy, _, pred = name.partition("+")
+    if pred not in ("", "learned", "oracle"):
+        raise SystemExit(f"--rows: {name!r}: the predictor after '+' is learned or oracle "
+                         f"(the router reads hidden states, meaningless with random weights)")
+    return {"name": name, "policy": policy, "predictor": pred or None}
+
+
+def load_tokens(trace_dir: Path, n: int):
+    """The first n tokens of the traces in prompt-number order (whole prompts, the last cut),
+    and how many prompts they span."""
+    from specmoe.sim.traces import load_puffin
+
+    full = load_puffin(trace_dir)
+    if full.num_tokens < n:
+        raise SystemExit(f"{trace_dir}: {full.num_tokens} tokens in the traces, {n} asked for")
+    return full.slice(0, n), int(np.sum(full.request_starts < n))
+
+
+# --------------------------------------------------------------------------------------------
+# the worker: one process per cache size, every row inside it
+
+
+def worker(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+    torch.set_num_threads(spec["threads"])
+    import specmoe
+    from specmoe.runtime import kernels
+    from specmoe.runtime import policies as P
+    from specmoe.sim.traces import Trace
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    kernels.set_num_threads(spec["threads"])
+    trace = Trace.load(spec["trace"])
+    W, N = spec["warmup"], spec["tokens"]
+    out: dict[str, Any] = {"rows": []}
+    t0 = time.perf_counter()
+    model = specmoe.from_pretrained(spec["ckpt"], cache=spec["slots"], dtype="int4",
+                                    policy="lru", prefetch=False, store=spec["store"],
+                                    progress=False)
+    eng = specmoe.engine_of(model)
+    eng.set_parallel_misses(spec["parallel_misses"])
+    out["load_s"] = time.perf_counter() - t0
+
+    class Stamp(LogitsProcessor):
+        """After every forward pass: the time, and at pass W-1 the statistics restart."""
+
+        def __init__(self, reset_at: int) -> None:
+            self.t: list[float] = []
+            self.io: list[int] = []
+            self.reset_at = reset_at
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            if len(self.t) == self.reset_at:
+                eng.reset_stats()
+            self.t.append(time.perf_counter())
+            self.io.append(_read_bytes(os.getpid()) or 0)
+            return scores
+
+    def passes(n: int, reset_at: int = -1) -> Stamp:
+        st = Stamp(reset_at)
+        with torch.no_grad():
+            model.generate(torch.tensor([[5]]), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, logits_processor=LogitsProcessorList([st]))
+        return st
+
+    # -- calibration: the expert kernel, and the fixed time of a pass whose accesses all hit
+    st = specmoe.ExpertStore(spec["store"])
+    try:
+        block = st.read_block(0, 0)
+        fspec = kernels.FFNSpec.from_store_schema(st.tensors, int(st.block_bytes))
+        x = np.random.default_rng(0).standard_normal((1, int(fspec.H)), dtype=np.float32)
+        kernels.ffn(block, x, spec=fspec)
+        best = float("inf")
+        for _ in range(30):
+            a = time.perf_counter()
+            kernels.ffn(block, x, spec=fspec)
+            best = min(best, time.perf_counter() - a)
+        block_bytes = int(st.block_bytes)
+    finally:
+        st.close()
+    L, k = trace.num_layers, trace.top_k
+    hot = np.tile(np.arange(k, dtype=np.int16), (16, L, 1))  # 6 fixed experts per layer
+    eng.set_cache(spec["slots"], policy="lru")
+    eng.replay_routing(hot)
+    s = passes(16)
+    hit_pass = statistics.median(np.diff(s.t[4:]))
+    eng.replay_routing(None)
+    out["calibration"] = {"expert_s": best, "block_bytes": block_bytes,
+                          "all_hit_pass_s": hit_pass,
+                          "token_fixed_s": max(0.0, hit_pass - L * k * best)}
+    print(json.dumps({"calibration": out["calibration"]}), file=sys.stderr, flush=True)
+
+    for rnd in range(spec["rounds"]):
+        for row in spec["rows"]:
+            pol: Any = row["policy"]
+            if pol == "belady":  # the live access sequence: each row's experts in ascending id
+                pol = P.Belady(trace.sorted_rows())
+            eng.set_cache(spec["slots"], policy=pol)
+            eng.replay_routing(trace)
+            pred = row["predictor"]
+            eng.set_prefetch(pred is not None, overfetch=1.0, predictor=pred or "router")
+            drop_caches()
+            s = passes(W + N, reset_at=W - 1)
+            wall = s.t[-1] - s.t[W - 1]
+            stats = eng.stats()
+            eng.set_prefetch(False, predictor="router")
+            eng.replay_routing(None)
+            r = {"name": row["name"], "round": rnd, "policy": row["policy"],
+                 "predictor": pred or "none", "tokens": N, "tok_s": N / wall,
+                 "hits": stats["hits"], "misses": stats["misses"],
+                 "hit_rate": stats["hit_rate"], "collision_misses": stats["collision_misses"],
+                 "stall_s": stats.get("stall_s", 0.0),
+                 "stall_share": stats.get("stall_s", 0.0) / wall,
+                 "read_bytes_per_token": (s.io[-1] - s.io[W - 1]) / N,
+                 "prefetch_precision": stats["prefetch_precision"],
+                 "passes": stats["passes"]}
+            out["rows"].append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            Path(spec["result"]).write_text(json.dumps(out))
+    eng.close()
+    Path(spec["result"]).write_text(json.dumps(out))
+
+
+# --------------------------------------------------------------------------------------------
+# the parent
+
+
+def sim_estimates(rows: list[dict[str, Any]], trace, slots: int, W: int, N: int,
+                  hw: Any, cost: Any) -> None:
+    """The simulator's figures for each row's timed tokens: the run over W + N tokens less the
+    run over the W warm-up tokens (the cache state at W is the same in both)."""
+    from specmoe import simulate
+    from specmoe.runtime import policies as P
+
+    tr = trace.sorted_rows()
+    memo: dict[tuple[str, str], tuple[float, float]] = {}
+    for r in rows:
+        key = (r["policy"], r["predictor"])
+        if key not in memo:
+            res = []
+            for n in (W, W + N):
+                part = tr.slice(0, n)
+                pol = P.Belady(part) if r["policy"] == "belady" else r["policy"]
+                pf = None if r["predictor"] == "none" else r["predictor"]
+                res.append(simulate(part, pol, slots, prefetch=pf, hardware=hw, model=cost))
+            a, b = res
+            acc = (b.hits + b.misses) - (a.hits + a.misses)
+            memo[key] = (N / (b.total_s - a.total_s), (b.hits - a.hits) / acc)
+        r["sim_tok_s"], r["sim_hit_rate"] = memo[key]
+        r["sim_error"] = r["sim_tok_s"] / r["tok_s"] - 1.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--trace", default=None, help="a folder of traces in the shared layout")
+    ap.add_argument("--caches", default="5,10,25", help="cache sizes, %% of the routed experts")
+    ap.add_argument("--tokens", type=int, default=2000, help="timed tokens per row")
+    ap.add_argument("--warmup", type=int, default=64, help="untimed tokens before them")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default=DEFAULT_ROWS)
+    ap.add_argument("--parallel-misses", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="small widths, same routing shape")
+    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
+    ap.add_argument("--no-cgroup", action="store_true", help="run uncapped (not a valid result)")
+    ap.add_argument("--row-timeout", type=float, default=6 * 3600.0)
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._worker:
+        worker(a._worker)
+        return
+    if a.warmup < 1 or a.tokens < 1:
+        ap.error("--warmup and --tokens must be >= 1")
+    from specmoe.sim.calibration import calibrate
+    from specmoe.sim.hardware import ModelCost, with_
+    from specmoe.sim.traces import shared_trace_dir
+
+    rows = [parse_row(n.strip()) for n in a.rows.split(",") if n.strip()]
+    caches = [float(c) for c in a.caches.split(",") if c.strip()]
+    cfg = quick_config() if a.quick else make_config(27, 102400)
+    seed, skew = 0, 1.0
+    chash = config_hash(cfg, seed, skew)
+    root = Path(a.workdir).expanduser() / (f"dsv2lite-L27-V{cfg['vocab_size']}-{chash}")
+    ckpt, store = root / "ckpt", root / "store-int4.smoe"
+    work = root / "run"
+    work.mkdir(parents=True, exist_ok=True)
+    made: dict[str, Any] = {}
+    t0 = time.time()
+    fresh = not (ckpt / ".complete").is_file()
+    write_checkpoint(ckpt, cfg, seed, skew)
+    made["checkpoint_write_s"] = time.time() - t0 if fresh else None
+    made["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpt.iterdir())
+    if not store.is_file():
+        t0 = time.time()
+        err = convert_store(ckpt, "int4", store, a.row_timeout)
+        if err:
+            raise SystemExit(err)
+        made["convert_s"] = time.time() - t0
+    else:
+        made["convert_s"] = None  # converted by an earlier run
+    made["store_bytes"] = store.stat().st_size
+    made["paths"] = {"checkpoint": str(ckpt), "store": str(store)}
+    log(f"checkpoint {made['checkpoint_bytes'] / 1e9:.1f} GB, int4 store "
+        f"{made['store_bytes'] / 1e9:.2f} GB")
+
+    tdir = Path(a.trace) if a.trace else shared_trace_dir()
+    trace, nprompts = load_tokens(tdir, a.warmup + a.tokens)
+    tfile = work / "replay-trace.npz"
+    trace.save(tfile)
+    pc = param_counts(cfg)
+    E_total = trace.num_layers * trace.num_experts
+    non_expert = 2 * pc["non_expert_params"]
+
+    import specmoe
+    with specmoe.ExpertStore(store) as st:
+        block_bytes = int(st.block_bytes)
+    link = calibrate(block_bytes=block_bytes, blocks=8, directory=str(work), refresh=True)
+
+    results: list[dict[str, Any]] = []
+    per_cache: list[dict[str, Any]] = []
+    for c in caches:
+        slots = max(trace.top_k, int(round(E_total * c / 100.0)))
+        budget = non_expert + slots * block_bytes + RESERVE
+        spec = {"ckpt": str(ckpt), "store": str(store), "slots": slots, "rows": rows,
+                "rounds": a.rounds, "warmup": a.warmup, "tokens": a.tokens,
+                "threads": a.threads, "trace": str(tfile),
+                "parallel_misses": a.parallel_misses,
+                "result": str(work / f"replay-{c:g}.json")}
+        sp = work / f"replay-{c:g}.spec.json"
+        sp.write_text(json.dumps(spec))
+        Path(spec["result"]).unlink(missing_ok=True)
+        cg = None if a.no_cgroup else Cgroup(f"replay-{c:g}", budget)
+        log(f"cache {c:g}% = {slots} slots, budget {budget / MiB:.0f} MiB: {len(rows)} rows x "
+            f"{a.rounds} rounds x {a.warmup}+{a.tokens} tokens")
+        drop_caches()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        r = run_process([sys.executable, __file__, "--_worker", str(sp)], cg, a.row_timeout,
+                        env=env)
+        sys.stderr.write(r["stderr"][-4000:])
+        res = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).is_file() \
+            else {"rows": []}
+        entry = {"cache_pct": c, "slots": slots, "budget_bytes": budget,
+                 "peak_bytes": cg.peak() if cg else None, "load_s": res.get("load_s"),
+                 "calibration": res.get("calibration")}
+        if r["rc"] != 0:
+            entry["failed"] = _fail_reason(r, cg, f"cache {c:g}%")
+            log(entry["failed"])
+        if cg is not None:
+            cg.close()
+        got = res["rows"]
+        for row in got:
+            row["cache_pct"], row["slots"] = c, slots
+        if res.get("calibration"):
+            cal = res["calibration"]
+            fast_bw = block_bytes / cal["expert_s"]
+            hw = with_(link, name=f"calibrated-{c:g}", fast_bw=fast_bw, kernel_overhead_s=0.0)
+            cost = ModelCost(name="DeepSeek-V2-Lite int4 experts", expert_bytes=block_bytes,
+                             token_fixed_bytes=cal["token_fixed_s"] * fast_bw)
+            sim_estimates(got, trace, slots, a.warmup, a.tokens, hw, cost)
+            entry["sim_profile"] = hw.to_dict()
+        for rnd in range(a.rounds):  # the bound: the fastest offline row of the round
+            off = [x["tok_s"] for x in got if x["round"] == rnd and x["policy"] == "belady"]
+            for x in got:
+                if x["round"] == rnd:
+                    x["vs_offline_bound"] = x["tok_s"] / max(off) if off else None
+        results.extend(got)
+        per_cache.append(entry)
+
+    summary = []
+    for c in caches:
+        for row in rows:
+            rs = [x for x in results if x["cache_pct"] == c and x["name"] == row["name"]]
+            if not rs:
+                summary.append({"cache_pct": c, "name": row["name"], "missing": True})
+                continue
+            med = lambda k: statistics.median(x[k] for x in rs if x.get(k) is not None) \
+                if any(x.get(k) is not None for x in rs) else None  # noqa: E731
+            summary.append({"cache_pct": c, "name": row["name"], "tok_s": med("tok_s"),
+                            "tok_s_runs": [x["tok_s"] for x in rs],
+                            "hit_rate": med("hit_rate"), "stall_share": med("stall_share"),
+                            "read_mib_per_token": med("read_bytes_per_token") / MiB,
+                            "vs_offline_bound": med("vs_offline_bound"),
+                            "vs_offline_bound_runs": [x.get("vs_offline_bound") for x in rs],
+                            "sim_tok_s": med("sim_tok_s"), "sim_error": med("sim_error"),
+                            "sim_hit_rate": med("sim_hit_rate")})
+    out = {"benchmark": "replay", "host": hostinfo.host(a.threads),
+           "config": {"model": "DeepSeek-V2-Lite layout, random bf16 weights, int4 store"
+                      + (" (quick: small widths)" if a.quick else ""),
+                      "layers": cfg["num_hidden_layers"], "moe_layers": trace.num_layers,
+                      "experts": trace.num_experts, "top_k": trace.top_k,
+                      "hidden": cfg["hidden_size"], "vocab": cfg["vocab_size"],
+                      "trace": str(tdir), "trace_prompts": nprompts, "warmup": a.warmup,
+                      "tokens": a.tokens, "rounds": a.rounds, "threads": a.threads,
+                      "cgroup": not a.no_cgroup, "parallel_misses": a.parallel_misses,
+                      "reserve_bytes": RESERVE, "non_expert_bytes": non_expert,
+                      "expert_params": pc["expert_params"]},
+           "written": made, "caches": per_cache, "summary": summary, "rows": results}
+    text = json.dumps(out, indent=1)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    if a.json:
+        print(text)
+    else:
+        for s in summary:
+            print(json.dumps(s))
+
+
+if __name__ == "__main__":
+    main()
