@@ -515,7 +515,6 @@ static int predictor_scores(smoe_layers *g, uint32_t next, uint32_t T, uint32_t 
     return SMOE_OK;
 }
 
-
 static int grow_pairs(smoe_layers *g, uint32_t T, smoe_err *err) {
     if (T <= g->cap_pairs) return SMOE_OK;
     const size_t nk = (size_t)T * g->k;

@@ -224,10 +224,10 @@ typedef struct smoe_layers {
                                * (smoe_layers_set_hybrid) */
     int hybrid_admit;         /* queue the CPU's experts to the cache's worker */
     double hy_io, hy_gpu, hy_cpu; /* the split's costs, seconds (route.h balance_cut) */
-    int predictor;            /* SMOE_LPRED_* (smoe_layers_set_predictor) */
+    int predictor;            /* SMOE_LPRED_* (smoe_layers_set_predictor) [mu] */
     struct smoe_policy *learner; /* owned; SMOE_LPRED_LEARNED's one-slot nextuse policy, fed
-                               * every real token's routing of every layer (else NULL) */
-    double *lq;               /* owned; [E] the learner's q of the layer predicted */
+                               * every real token's routing of every layer (else NULL) [mu] */
+    double *lq;               /* owned; [E] the learner's q of the layer predicted [mu] */
     /* routing replay (smoe_layers_set_replay) [mu] */
     int16_t *replay;          /* owned; [replay_n, L, k] the trace's experts, or NULL: off */
     uint64_t replay_n;        /* tokens in the trace */
