@@ -283,7 +283,11 @@ def _cmd_run(args) -> int:
     # every argument is checked before the model (and torch) loads
     if args.prompt == "":
         raise CliError("--prompt is empty")
-    cache = _option("--cache", args.cache, _capacity)
+    cache = None if args.cache is None and args.memory is not None else \
+        _option("--cache", args.cache or "25%", _capacity)
+    if args.memory is not None:
+        from .runtime.memplan import memory_budget
+        _option("--memory", args.memory, memory_budget)
     gpu_cache = None if args.gpu_cache is None else \
         _option("--gpu-cache", args.gpu_cache, _capacity)
     policy = _policy_option(args.policy)
@@ -322,7 +326,7 @@ def _cmd_run(args) -> int:
         raise CliError(f"--prompt {args.prompt!r}: the tokenizer makes no tokens of it")
     model = from_pretrained(args.checkpoint, cache=cache, dtype=args.dtype, policy=policy,
                             prefetch=False if args.no_prefetch else args.predictor,
-                            store=args.store, dense=args.dense,
+                            store=args.store, dense=args.dense, memory=args.memory,
                             device=dev, gpu_cache=gpu_cache)
     eng = engine_of(model)
     ids = ids.to(model.device)
@@ -568,9 +572,14 @@ def main(argv: list[str] | None = None) -> int:
     p = command("run", help="generate text with a checkpoint's experts offloaded")
     p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or a GGUF file")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--cache", default="25%",
+    p.add_argument("--cache", default=None,
                    help="expert cache, as the API's cache=: slots (40), a fraction of all "
-                        "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%")
+                        "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%, "
+                        "or what --memory plans")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="a memory budget (8GiB, or auto: the memory cgroup's limit, else the "
+                        "memory available) that the dense layers' format and the expert "
+                        "cache are planned to; the plan is printed (docs/usage.md)")
     p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],

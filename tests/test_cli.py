@@ -404,6 +404,31 @@ def test_run_predictor_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch,
     assert seen["prefetch"] == want
 
 
+@pytest.mark.parametrize("argv, want", [(["--memory", "8GiB"], ("8GiB", None)),
+                                        (["--memory", "auto", "--cache", "10%"], ("auto", "10%")),
+                                        ([], (None, "25%"))])
+def test_run_memory_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch, capsys, argv,
+                                            want):
+    import specmoe.models.pretrained
+
+    seen = {}
+
+    def from_pretrained(path, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(specmoe.models.pretrained, "from_pretrained", from_pretrained)
+    code, err = _cli(["run", zoo_copy, "--prompt", "x"] + argv, capsys)
+    _assert_one_line(code, err, "RuntimeError: stop here")
+    assert (seen["memory"], seen["cache"]) == want
+
+
+def test_run_bad_memory_refused_before_loading(zoo_copy, cache_env, capsys):
+    code, err = _cli(["run", zoo_copy, "--prompt", "x", "--memory", "lots"], capsys)
+    _assert_one_line(code, err, "--memory")
+    assert not cache_env.exists() or not any(cache_env.iterdir())
+
+
 @pytest.mark.parametrize("spec", ["random:seed=x", "lru:seed=3", "nosuch", "belady",
                                   "least_stale:order=sideways"])
 def test_run_bad_policy_refused_before_loading(zoo_copy, cache_env, capsys, spec):

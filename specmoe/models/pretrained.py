@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,15 +304,53 @@ def _store_path(folder: Path, dtype: str, store: Any) -> Path:
                                 checkpoint=folder)
 
 
+def _block_bytes(plan: _Plan, dtype: str) -> int:
+    I, H = plan.shapes
+    return expert_block_bytes(I, H, dtype, biases=plan.info.gptoss,
+                              group=plan.ckpt.kept_group() if plan.kept and dtype != "gguf"
+                              else None,
+                              kinds=plan.blocks if dtype == "gguf" else None)
+
+
+def _plan_memory(plan: _Plan, dtype: str, budget: int, source: str, cache: Any,
+                 dense: Any) -> Any:
+    """from_pretrained's memory plan (specmoe.runtime.memplan) for the skeleton: the dense
+    formats to weigh (the model's exact one and int8, or the one ``dense`` names), the
+    cache planned unless ``cache`` is given (then it is checked against the budget)."""
+    from ..runtime import memplan
+    I, H = plan.shapes
+    sizes = memplan.model_sizes(plan.model, num_layers=len(plan.layer_ids),
+                                num_experts=plan.num_experts,
+                                top_k=int(plan.model.config.num_experts_per_tok),
+                                block_bytes=_block_bytes(plan, dtype))
+    opts = None
+    if isinstance(dense, str) and dense not in ("auto", "torch"):
+        opts = [dense]
+    elif dense in (None, False, "torch"):
+        opts = [sizes.model_dtype]
+    opts = opts or [sizes.model_dtype, "int8"]
+    where = plan.store.parent if plan.store is not None else \
+        default_store_path(plan.ckpt.folder, dtype).parent
+    where.mkdir(parents=True, exist_ok=True)
+    rates = memplan.measure_rates(sizes, dtype, hidden=H, inter=I, formats=opts,
+                                  directory=str(where))
+    mp = memplan.plan_memory(sizes, budget, rates, dense_options=opts, source=source)
+    if cache is not None:  # the user's cache, inside the budget or refused
+        from ..runtime.cache import parse_capacity
+        total = sizes.num_layers * sizes.num_experts
+        slots = parse_capacity(cache, total_experts=total, slot_bytes=sizes.block_bytes)
+        if slots > mp.cache_slots:
+            raise ValueError(f"cache={cache!r} ({slots} experts) does not fit memory="
+                             f"{budget / 2**30:.2f} GiB with dense {mp.dense}: at most "
+                             f"{mp.cache_slots} experts")
+    return mp
+
+
 def _check_cache_fits(plan: _Plan, cache: Any, dtype: str) -> None:
     """``cache=`` against the model (from its config, before converting): at least one expert
     of ``dtype`` and at least top_k slots (one token pins its top_k experts at once)."""
     from ..runtime.cache import parse_capacity
-    I, H = plan.shapes
-    bb = expert_block_bytes(I, H, dtype, biases=plan.info.gptoss,
-                            group=plan.ckpt.kept_group() if plan.kept and dtype != "gguf"
-                            else None,
-                            kinds=plan.blocks if dtype == "gguf" else None)
+    bb = _block_bytes(plan, dtype)
     total = plan.num_experts * len(plan.layer_ids)
     k = int(plan.model.config.num_experts_per_tok)
     try:
@@ -432,7 +471,7 @@ def _load_dense(plan: _Plan) -> None:
                          f"model needs: {', '.join(left[:6])}{' ...' if len(left) > 6 else ''}")
 
 
-def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 0.25,
+def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | None = None,
                     dtype: str = "auto", policy: Any = "least_stale", prefetch: bool | str = True,
                     store: str | os.PathLike[str] | None = None, direct: bool | None = None,
                     progress: bool = True, force_convert: bool = False,
@@ -443,6 +482,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                     device: Any = "cpu", balance: Any = False,
                     gpu_cache: int | float | str | None = None,
                     route: str = "model", trace: Any = None,
+                    memory: int | str | None = None,
                     **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
@@ -451,7 +491,12 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
     path: a local HuggingFace checkpoint folder (config.json, safetensors shards with or
     without an index, tokenizer files), or a GGUF file (llama.cpp's format; config from its
     metadata, :mod:`specmoe.storage.gguf`).  cache: the expert cache as slots, a fraction
-    (``0.25``, ``"25%"``) or a byte size (``"6GiB"``).  dtype: the store's expert format
+    (``0.25``, ``"25%"``) or a byte size (``"6GiB"``); None: 25 %, or what ``memory`` plans.
+    memory: a memory budget (``"8GiB"``, bytes, or ``"auto"``: the memory cgroup's limit, else
+    the memory available) that the dense layers' format and the expert cache are planned to
+    (:mod:`specmoe.runtime.memplan`: the split of least estimated time per token, printed with
+    ``progress``; ``engine.memory_plan`` keeps it); an explicit ``cache`` or ``dense`` other
+    than ``"auto"`` is kept and the rest planned around it.  CPU tier only.  dtype: the store's expert format
     (``f32``, ``bf16``, ``int8`` per row, ``int4`` in groups, ``int2`` in groups with scale and
     offset; ``"auto"``: bf16, int4 for a GPTQ checkpoint, for a GGUF file the nearest to its
     experts' type; GGUF Q4_0 and symmetric GPTQ experts are kept as they are in int4).  policy: eviction policy name or
@@ -496,7 +541,16 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
         cache = gpu_cache
         if balance is False or balance is None:
             balance = True
-    check_early(early, cache, policy, prefetch)
+    if memory is not None and not (device in (None, "cpu") or (
+            isinstance(device, str) and device.startswith("cpu"))):
+        raise ValueError("memory= plans host memory for the CPU tier; on a GPU size the caches "
+                         "with cache= / gpu_cache=")
+    if memory is not None:
+        from ..runtime.memplan import memory_budget
+        budget, budget_source = memory_budget(memory)  # a bad value fails before any work
+    if cache is None and memory is None:
+        cache = 0.25
+    check_early(early, cache if cache is not None else 0.25, policy, prefetch)
     if route not in ("model", "replay"):
         raise ValueError(f"route={route!r}: choose 'model' or 'replay' (with trace=)")
     if (route == "replay") != (trace is not None):
@@ -518,6 +572,15 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
         from ..runtime.gpu_engine import check_gpu_options
         check_gpu_options(dtype=dtype, **gpu_opts)
     plan = _prepare(ckpt, dtype, torch_dtype, dict(hf_kwargs), store)
+    mplan = None
+    if memory is not None:
+        mplan = _plan_memory(plan, dtype, budget, budget_source, cache, dense)
+        if progress:
+            print(f"[specmoe] {mplan}", file=sys.stderr, flush=True)
+        if cache is None:
+            cache = mplan.cache_slots
+        if dense == "auto" and mplan.dense != mplan.candidates[0]["dense"]:
+            dense = mplan.dense  # the model's own exact format is what "auto" keeps
     _check_cache_fits(plan, cache, dtype)  # from the config: before converting
     try:
         spath = _ensure_store(plan, plan.ckpt.folder, dtype, plan.store, force_convert,
@@ -547,6 +610,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str = 
                  verify=True, dense=dense, miss=miss, miss_keep=miss_keep,
                  route_lambda=route_lambda, throttle=throttle, miss_levels=miss_levels,
                  miss_keep2=miss_keep2)
+    eng.memory_plan = mplan
     if trace is not None:
         try:
             eng.replay_routing(trace)

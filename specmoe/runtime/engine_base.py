@@ -12,6 +12,7 @@ from torch import nn
 
 from . import misses
 from .expert_copy import ExpertCopy
+from .memplan import memory_limit  # noqa: F401  (the engines' O_DIRECT and host-mode choice)
 
 __all__ = ["EngineCommon", "PREDICTORS", "check_prefetch", "check_prefetch_arg"]
 
@@ -108,6 +109,8 @@ class EngineCommon:
     # a rebuild, after close); _configure_layers pushes it into a new one.
     _prediction: dict[str, Any]
     _replay: Any = None  # a routing replay's trace (Engine.replay_routing; CPU tier only)
+    #: the specmoe.runtime.memplan.MemoryPlan from_pretrained(memory=...) followed, else None
+    memory_plan: Any = None
 
     def _prediction_settings(self) -> dict[str, Any]:
         lay = self.layers
@@ -377,40 +380,3 @@ class EngineCommon:
         """:func:`specmoe.generate` on this engine's model (same arguments)."""
         from ..speculation.generation import generate
         return generate(self.model, input_ids, engine=self, **kw)
-
-
-def memory_limit() -> int:
-    """Bytes this process may still use: MemAvailable, or its memory cgroup's headroom
-    (v1 or v2) when that is lower."""
-    avail = 1 << 62
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return avail
-    for line in lines:
-        _, ctrl, rel = line.split(":", 2)
-        if ctrl == "memory":  # v1
-            files = (f"/sys/fs/cgroup/memory{rel}/memory.limit_in_bytes",
-                     f"/sys/fs/cgroup/memory{rel}/memory.usage_in_bytes")
-        elif ctrl == "":  # v2
-            files = (f"/sys/fs/cgroup{rel}/memory.max", f"/sys/fs/cgroup{rel}/memory.current")
-        else:
-            continue
-        try:
-            with open(files[0]) as f:
-                lim = f.read().strip()
-            with open(files[1]) as f:
-                used = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if lim.isdigit():
-            avail = min(avail, max(0, int(lim) - used))
-    return avail

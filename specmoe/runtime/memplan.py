@@ -1,0 +1,352 @@
+"""Plan a memory budget (issue 41 item 0): how much of it the dense weights take, in which
+format, and how much is left for the expert cache, so that the time per token is lowest.
+
+``from_pretrained(path, memory="8GiB")`` (or ``"auto"``: the memory cgroup's limit, else the
+memory available) and ``specmoe run --memory`` call :func:`plan_memory` and print the plan;
+``cache=`` and ``dense=`` given explicitly win over it.
+
+The rule.  The budget holds, besides the expert cache: a reserve for the interpreter, torch
+and the working buffers (512 MiB, as ``benchmarks/big_model.py`` budgets), the KV cache of
+``max_tokens`` tokens, the weights the dense kernels never convert (embeddings, norms,
+routers: at the model's dtype) and the convertible dense weights (attention, shared and dense
+MLPs, lm_head) in format ``d``.  For every ``d`` of ``dense_options`` (default: the exact
+format of the model's weights, and int8 per row) the cache gets the rest, in whole experts, at
+most every expert and at least ``top_k``, and the time per token is estimated as
+
+    t(d) = W_d / r_d  +  L * k * (t_x + (1 - h(s / S)) * t_l)
+
+``W_d`` the dense bytes in format ``d``, ``r_d`` the rate this machine's dense kernel reads
+format ``d`` at one token (measured); L MoE layers of top-``k`` routing, ``t_x`` one expert's
+compute at one token (measured on a block of the store's dtype), ``t_l`` one expert's load
+from the store (ExpertStore O_DIRECT reads of that block size on the store's disk:
+:func:`specmoe.sim.calibration.calibrate`), ``h`` the demand hit rate at a cache of s of the
+S experts: the ``nextuse`` policy's on DeepSeek-V2-Lite's real routing (the shared traces,
+:data:`HIT_CURVE`, interpolated linearly; a prior on other models, whose routing the planner
+cannot know before it runs).  The plan is the ``d`` of least ``t``; a format within
+:data:`EXACT_MARGIN` of the fastest that keeps the weights more exactly wins the tie.
+Prefetch is left out of ``t`` (it hides loads behind compute on every plan alike).
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["HIT_CURVE", "EXACT_MARGIN", "RESERVE", "MemoryPlan", "ModelSizes",
+           "MachineRates", "plan_memory", "memory_budget", "memory_limit", "model_sizes",
+           "measure_rates"]
+
+MiB = 1 << 20
+#: The budget's fixed part: interpreter, torch, the kernels' buffers.
+RESERVE = 512 * MiB
+#: A format within this fraction of the fastest plan's time that keeps the weights more
+#: exactly is chosen instead (int8 rounds the weights; bf16 of a bf16 model does not).
+EXACT_MARGIN = 0.03
+#: Demand hit rate of the ``nextuse`` policy against the cache's share of all experts, on the
+#: 200 DeepSeek-V2-Lite-Chat routing traces of ``../shared/traces`` (``specmoe.simulate``,
+#: demand only; measured 2026-11-29).
+HIT_CURVE: tuple[tuple[float, float], ...] = (
+    (0.0, 0.0), (0.025, 0.098), (0.05, 0.166), (0.10, 0.274), (0.25, 0.500), (0.5, 0.747),
+    (0.75, 0.910), (0.9, 0.975), (1.0, 1.0))
+_EXACTNESS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+_BYTES_PER_PARAM = {"f32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 2048, "int4": 0.5 + 4.0 / 128}
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What a plan needs to know about a model: parameters of the convertible dense weights
+    (``dense_params``: attention, shared and dense MLPs, lm_head) and of the rest outside the
+    routed experts (``other_params``: embeddings, norms, routers) with their dtype's bytes per
+    parameter (``param_bytes``), the routed experts (``num_layers`` MoE layers x
+    ``num_experts``, ``top_k`` per token, ``block_bytes`` per expert in the store), and the
+    KV cache's bytes per token (``kv_bytes_per_token``)."""
+
+    dense_params: int
+    other_params: int
+    param_bytes: float
+    num_layers: int
+    num_experts: int
+    top_k: int
+    block_bytes: int
+    kv_bytes_per_token: int
+    model_dtype: str = "bf16"
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """This machine's rates (seconds, bytes/s): ``dense_rate[d]`` the dense kernel's read rate
+    of format ``d`` at one token, ``expert_s`` one expert's compute at one token, ``load_s``
+    one expert's load from the store."""
+
+    dense_rate: dict
+    expert_s: float
+    load_s: float
+
+
+@dataclass
+class MemoryPlan:
+    """A budget split (bytes) and the estimate behind it; ``candidates`` holds every format
+    considered (``fits``, ``cache_slots``, ``hit_rate``, ``est_tpot_s``)."""
+
+    budget_bytes: int
+    reserve_bytes: int
+    kv_bytes: int
+    other_bytes: int
+    dense: str
+    dense_bytes: int
+    cache_slots: int
+    cache_bytes: int
+    cache_fraction: float
+    est_hit_rate: float
+    est_tpot_s: float
+    candidates: list = field(default_factory=list)
+    source: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        lines = [f"memory plan for a budget of {g(self.budget_bytes)} ({self.source}):",
+                 f"  reserve {g(self.reserve_bytes)}, KV cache {g(self.kv_bytes)}, embeddings/"
+                 f"norms/routers {g(self.other_bytes)}",
+                 f"  dense layers {self.dense} {g(self.dense_bytes)}, expert cache "
+                 f"{self.cache_slots} experts ({self.cache_fraction:.1%}) {g(self.cache_bytes)}",
+                 f"  estimated hit rate {self.est_hit_rate:.2f}, "
+                 f"{1.0 / self.est_tpot_s:.2f} tok/s"]
+        for c in self.candidates:
+            if c["fits"]:
+                lines.append(f"    dense {c['dense']}: cache {c['cache_slots']} experts, "
+                             f"est. {1.0 / c['est_tpot_s']:.2f} tok/s")
+            else:
+                lines.append(f"    dense {c['dense']}: does not fit ({c['why']})")
+        return "\n".join(lines)
+
+
+def hit_rate(fraction: float) -> float:
+    """:data:`HIT_CURVE` at a cache of ``fraction`` of all experts (linear in between)."""
+    f = min(max(float(fraction), 0.0), 1.0)
+    xs, ys = zip(*HIT_CURVE)
+    return float(np.interp(f, xs, ys))
+
+
+def dense_bytes(params: int, fmt: str) -> int:
+    """Bytes of ``params`` dense weights in format ``fmt`` (int8: a float scale per row of
+    2048; int4: groups of 128 with a float scale)."""
+    return int(math.ceil(params * _BYTES_PER_PARAM[fmt]))
+
+
+def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
+                dense_options: Sequence[str] | None = None, max_tokens: int = 2048,
+                reserve: int = RESERVE, source: str = "given") -> MemoryPlan:
+    """The plan of least estimated time per token (module docstring).  ``budget`` in bytes;
+    ``dense_options``: the dense formats to consider (default the model's own exact format
+    and ``"int8"``).  Raises ValueError naming the smallest budget that would fit when no
+    format leaves room for ``top_k`` experts."""
+    if budget <= 0:
+        raise ValueError(f"memory budget must be positive, got {budget}")
+    opts = list(dense_options) if dense_options else [sizes.model_dtype, "int8"]
+    for d in opts:
+        if d not in _BYTES_PER_PARAM:
+            raise ValueError(f"dense format {d!r}: choose from {sorted(_BYTES_PER_PARAM)}")
+        if d not in rates.dense_rate:
+            raise ValueError(f"no measured rate for dense format {d!r}")
+    S = sizes.num_layers * sizes.num_experts
+    kv = sizes.kv_bytes_per_token * max_tokens
+    other = int(sizes.other_params * sizes.param_bytes)
+    cands = []
+    for d in dict.fromkeys(opts):
+        db = dense_bytes(sizes.dense_params, d)
+        room = budget - reserve - kv - other - db
+        slots = min(S, room // sizes.block_bytes) if room > 0 else 0
+        c: dict[str, Any] = {"dense": d, "dense_bytes": db, "cache_slots": int(slots),
+                             "fits": slots >= sizes.top_k}
+        if not c["fits"]:
+            need = reserve + kv + other + db + sizes.top_k * sizes.block_bytes
+            c["why"] = f"needs at least {need / 2**30:.2f} GiB"
+            c["min_budget"] = need
+        else:
+            h = 1.0 if slots >= S else hit_rate(slots / S)
+            t = db / rates.dense_rate[d] + sizes.num_layers * sizes.top_k * (
+                rates.expert_s + (1.0 - h) * rates.load_s)
+            c.update(hit_rate=h, est_tpot_s=t)
+        cands.append(c)
+    ok = [c for c in cands if c["fits"]]
+    if not ok:
+        least = min(c["min_budget"] for c in cands)
+        raise ValueError(f"memory budget {budget / 2**30:.2f} GiB is too small for this model: "
+                         f"the smallest plan (dense {min(cands, key=lambda c: c['min_budget'])['dense']}, "
+                         f"{sizes.top_k} experts cached) needs {least / 2**30:.2f} GiB "
+                         f"(reserve, KV cache of {max_tokens} tokens, embeddings and dense "
+                         f"weights)")
+    best = min(ok, key=lambda c: c["est_tpot_s"])
+    close = [c for c in ok if c["est_tpot_s"] <= best["est_tpot_s"] * (1 + EXACT_MARGIN)]
+    pick = min(close, key=lambda c: (_EXACTNESS[c["dense"]], c["est_tpot_s"]))
+    return MemoryPlan(budget_bytes=int(budget), reserve_bytes=int(reserve), kv_bytes=int(kv),
+                      other_bytes=other, dense=pick["dense"], dense_bytes=pick["dense_bytes"],
+                      cache_slots=pick["cache_slots"],
+                      cache_bytes=pick["cache_slots"] * sizes.block_bytes,
+                      cache_fraction=pick["cache_slots"] / S, est_hit_rate=pick["hit_rate"],
+                      est_tpot_s=pick["est_tpot_s"], candidates=cands, source=source)
+
+
+# -- what a plan reads: the budget, the model, the machine ---------------------------------------
+
+def memory_limit() -> int:
+    """Bytes this process may still use: MemAvailable, or its memory cgroup's headroom
+    (v1 or v2) when that is lower."""
+    avail = 1 << 62
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return avail
+    for line in lines:
+        _, ctrl, rel = line.split(":", 2)
+        if ctrl == "memory":  # v1
+            files = (f"/sys/fs/cgroup/memory{rel}/memory.limit_in_bytes",
+                     f"/sys/fs/cgroup/memory{rel}/memory.usage_in_bytes")
+        elif ctrl == "":  # v2
+            files = (f"/sys/fs/cgroup{rel}/memory.max", f"/sys/fs/cgroup{rel}/memory.current")
+        else:
+            continue
+        try:
+            with open(files[0]) as f:
+                lim = f.read().strip()
+            with open(files[1]) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if lim.isdigit():
+            avail = min(avail, max(0, int(lim) - used))
+    return avail
+
+
+def memory_budget(memory: int | str) -> tuple[int, str]:
+    """(bytes, where it came from) of a ``memory=`` argument: bytes, a size string
+    (``"8GiB"``, ``"16GB"``), or ``"auto"``: what this process may still use, the memory the
+    kernel reports available or the memory cgroup's headroom when lower
+    (:func:`memory_limit`)."""
+    if memory == "auto":
+        avail = memory_limit()
+        if avail >= 1 << 62:
+            raise ValueError("memory='auto': no MemAvailable in /proc/meminfo and no memory "
+                             "cgroup limit; give the budget as a size, e.g. memory='8GiB'")
+        return avail, "the memory this process may still use"
+    from .cache import check_capacity
+    if isinstance(memory, bool):
+        raise TypeError("memory must be a size such as '8GiB', a byte count, or 'auto'")
+    if isinstance(memory, (int, np.integer)):
+        if memory <= 0:
+            raise ValueError(f"memory must be positive, got {memory}")
+        return int(memory), "given"
+    try:
+        kind, value = check_capacity(memory)
+    except (TypeError, ValueError):
+        kind, value = None, None
+    if kind != "bytes" or value < 1 or not re.search(r"[A-Za-z]", str(memory)):
+        raise ValueError(f"memory={memory!r}: give a size such as '8GiB' or '16GB', a byte "
+                         f"count, or 'auto'")
+    return int(value), "given"
+
+
+def model_sizes(model: Any, *, num_layers: int, num_experts: int, top_k: int,
+                block_bytes: int) -> ModelSizes:
+    """:class:`ModelSizes` of a transformers MoE model (on the meta device or not) whose routed
+    experts are the parameters under an ``experts`` module: the ``nn.Linear`` weights elsewhere
+    are the convertible dense weights, except routers (a ``gate``/``router`` linear with one
+    output per expert); the rest (embeddings, norms, biases, routers) stays as it is.  KV bytes per token:
+    what transformers' cache keeps per layer, keys and values of every head at the model's
+    dtype (DeepSeek-V2's MLA: heads x (qk_nope + qk_rope + v_head) values)."""
+    from torch import nn
+    dense = other = 0
+    seen: set[int] = set()
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        if "experts" in parts:  # the routed experts (fused, or one module per expert)
+            seen.update(id(p) for p in mod.parameters(recurse=False))
+            continue
+        router = parts[-1] in ("gate", "router") and getattr(mod, "out_features", 0) == num_experts
+        if isinstance(mod, nn.Linear) and not router:
+            dense += mod.weight.numel()
+            seen.add(id(mod.weight))
+    for p in model.parameters():
+        if id(p) not in seen:
+            other += p.numel()
+            seen.add(id(p))
+    cfg = model.config
+    dt = next(model.parameters()).dtype
+    pb = float(dt.itemsize) if hasattr(dt, "itemsize") else 2.0
+    layers = int(cfg.num_hidden_layers)
+    if getattr(cfg, "kv_lora_rank", None):
+        per_layer = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                               + cfg.v_head_dim)
+    else:
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_layer = 2 * getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * hd
+    name = {4.0: "f32", 2.0: "bf16"}.get(pb, "bf16")
+    return ModelSizes(dense_params=int(dense), other_params=int(other), param_bytes=pb,
+                      num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+                      block_bytes=int(block_bytes), kv_bytes_per_token=int(per_layer * layers * pb),
+                      model_dtype=name)
+
+
+def measure_rates(sizes: ModelSizes, expert_dtype: str, *, hidden: int, inter: int,
+                  formats: Sequence[str], directory: str | None = None) -> MachineRates:
+    """This machine's :class:`MachineRates`, in about a second: each dense format's kernel on a
+    ``4 * hidden`` x ``hidden`` weight at one token (best of 5), one expert of ``expert_dtype``
+    (``"gguf"``: measured as int4) at one token (best of 10), and the store's read time for one
+    block of ``block_bytes`` (:func:`specmoe.sim.calibration.calibrate` in ``directory``)."""
+    import torch
+
+    from ..models.layers import CLinear
+    from ..sim.calibration import calibrate
+    from ..storage import quant
+    from . import kernels
+
+    def best(fn, reps: int) -> float:
+        fn()
+        t = float("inf")
+        for _ in range(reps):
+            a = time.perf_counter()
+            fn()
+            t = min(t, time.perf_counter() - a)
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    rates: dict[str, float] = {}
+    x = torch.randn(1, hidden, generator=g)
+    for d in dict.fromkeys(formats):
+        lin = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        with torch.no_grad():
+            lin.weight.normal_(0.0, 0.02, generator=g)
+        if d == "bf16":
+            lin = lin.to(torch.bfloat16)
+        cl = CLinear(lin, d)
+        xi = x.to(lin.weight.dtype)
+        with torch.no_grad():
+            t = best(lambda: cl(xi), 5)
+        rates[d] = dense_bytes(4 * hidden * hidden, d) / t
+    rng = np.random.default_rng(0)
+    gt = rng.standard_normal((inter, hidden), dtype=np.float32) * 0.02
+    dn = rng.standard_normal((hidden, inter), dtype=np.float32) * 0.02
+    edt = "int4" if expert_dtype == "gguf" else expert_dtype
+    block, entries = kernels.pack_block(quant.expert_tensors(gt, gt, dn, edt))
+    spec = kernels.FFNSpec.from_store_schema(entries, block_bytes=block.nbytes)
+    xe = rng.standard_normal((1, hidden), dtype=np.float32)
+    expert_s = best(lambda: kernels.ffn(block, xe, spec=spec), 10)
+    hw = calibrate(block_bytes=max(1 << 16, sizes.block_bytes), blocks=6, directory=directory,
+                   refresh=True)
+    return MachineRates(dense_rate=rates, expert_s=expert_s, load_s=hw.load_s(sizes.block_bytes))

@@ -1,0 +1,168 @@
+"""Memory planning (issue 41 item 0, specmoe/runtime/memplan.py): the budget's split between
+the dense layers' format and the expert cache, checked against the rule recomputed here in
+plain Python, the budget's sources, and from_pretrained(memory=...) end to end."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from specmoe.runtime import memplan
+from specmoe.runtime.memplan import MachineRates, ModelSizes, plan_memory
+
+GiB = 1 << 30
+SIZES = ModelSizes(dense_params=1_000_000_000, other_params=300_000_000, param_bytes=2.0,
+                   num_layers=26, num_experts=64, top_k=6, block_bytes=4_595_712,
+                   kv_bytes_per_token=100_000, model_dtype="bf16")
+
+
+def reference(sizes, budget, rates, opts, max_tokens=2048, reserve=512 << 20):
+    """The module docstring's rule, written again: t(d) for every format that fits, the least,
+    and the more exact format within 3 % of it."""
+    per = {"bf16": 2.0, "int8": 1.0 + 4.0 / 2048, "int4": 0.5 + 4.0 / 128, "f32": 4.0}
+    curve = dict(memplan.HIT_CURVE)
+    xs = sorted(curve)
+    S = sizes.num_layers * sizes.num_experts
+    out = {}
+    for d in opts:
+        db = math.ceil(sizes.dense_params * per[d])
+        room = budget - reserve - sizes.kv_bytes_per_token * max_tokens \
+            - int(sizes.other_params * sizes.param_bytes) - db
+        slots = min(S, room // sizes.block_bytes) if room > 0 else 0
+        if slots < sizes.top_k:
+            continue
+        f = slots / S
+        i = max(j for j in range(len(xs)) if xs[j] <= f)
+        h = 1.0 if slots >= S else curve[xs[i]] if i == len(xs) - 1 else \
+            curve[xs[i]] + (curve[xs[i + 1]] - curve[xs[i]]) * (f - xs[i]) / (xs[i + 1] - xs[i])
+        out[d] = (slots, db / rates.dense_rate[d] + sizes.num_layers * sizes.top_k
+                  * (rates.expert_s + (1 - h) * rates.load_s))
+    best = min(t for _, t in out.values())
+    rank = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+    pick = min((d for d, (_, t) in out.items() if t <= best * 1.03), key=lambda d: rank[d])
+    return pick, out[pick][0], out[pick][1]
+
+
+@pytest.mark.parametrize("budget_gib", [3.5, 4.5, 6.0, 12.0])
+@pytest.mark.parametrize("int8_rate", [5e9, 12e9])
+def test_plan_follows_the_rule(budget_gib, int8_rate):
+    rates = MachineRates(dense_rate={"bf16": 10e9, "int8": int8_rate}, expert_s=140e-6,
+                         load_s=4e-3)
+    budget = int(budget_gib * GiB)
+    p = plan_memory(SIZES, budget, rates)
+    d, slots, t = reference(SIZES, budget, rates, ["bf16", "int8"])
+    assert (p.dense, p.cache_slots) == (d, slots)
+    assert p.est_tpot_s == pytest.approx(t, rel=1e-12)
+    assert p.cache_bytes == slots * SIZES.block_bytes
+    used = p.reserve_bytes + p.kv_bytes + p.other_bytes + p.dense_bytes + p.cache_bytes
+    assert used <= budget  # never planned over the budget
+    assert "memory plan for a budget of" in str(p) and f"dense layers {d}" in str(p)
+
+
+def test_more_memory_never_plans_slower():
+    rates = MachineRates(dense_rate={"bf16": 10e9, "int8": 8e9}, expert_s=140e-6, load_s=4e-3)
+    ts = [plan_memory(SIZES, int(b * GiB), rates).est_tpot_s for b in np.arange(3.5, 12, 0.25)]
+    assert all(b <= a * 1.0301 for a, b in zip(ts, ts[1:]))  # the exactness margin aside
+
+
+def test_exact_format_wins_a_near_tie():
+    """With the whole model cached by both, int8 dense layers (half the bytes) read at 5.1 GB/s
+    against bf16's 10 GB/s make a token 1.6 % faster: bf16 (exact) is kept; at 5.6 GB/s, 9.5 %
+    faster: int8."""
+    for int8_rate, want in ((5.1e9, "bf16"), (5.6e9, "int8")):
+        rates = MachineRates(dense_rate={"bf16": 10e9, "int8": int8_rate},
+                             expert_s=140e-6, load_s=4e-3)
+        p = plan_memory(SIZES, 64 * GiB, rates)
+        assert p.cache_slots == 26 * 64 and p.est_hit_rate == 1.0
+        assert p.dense == want
+
+
+def test_budget_too_small_names_the_least_that_fits():
+    rates = MachineRates(dense_rate={"bf16": 10e9, "int8": 8e9}, expert_s=1e-4, load_s=4e-3)
+    with pytest.raises(ValueError, match=r"too small for this model: the smallest plan \(dense "
+                                         r"int8, 6 experts cached\) needs (\d+\.\d+) GiB") as e:
+        plan_memory(SIZES, 2 * GiB, rates)
+    need = float(e.value.args[0].split("needs ")[1].split(" GiB")[0])
+    p = plan_memory(SIZES, int((need + 0.01) * GiB), rates)  # that much is enough
+    assert p.dense == "int8" and p.cache_slots >= 6
+    with pytest.raises(ValueError, match="no measured rate for dense format 'int4'"):
+        plan_memory(SIZES, 8 * GiB, rates, dense_options=["int4"])
+    with pytest.raises(ValueError, match="positive"):
+        plan_memory(SIZES, 0, rates)
+
+
+def test_memory_budget_sources(monkeypatch):
+    assert memplan.memory_budget("8GiB") == (8 * GiB, "given")
+    assert memplan.memory_budget("16GB") == (16 * 10**9, "given")
+    assert memplan.memory_budget(123456789) == (123456789, "given")
+    for bad in ("lots", "25%", "0.5", -5):
+        with pytest.raises(ValueError, match="memory"):
+            memplan.memory_budget(bad)
+    monkeypatch.setattr(memplan, "memory_limit", lambda: 5 * GiB)
+    assert memplan.memory_budget("auto") == (5 * GiB, "the memory this process may still use")
+    monkeypatch.setattr(memplan, "memory_limit", lambda: 1 << 62)
+    with pytest.raises(ValueError, match="memory='auto': no MemAvailable"):
+        memplan.memory_budget("auto")
+
+
+def test_model_sizes_counts_what_the_dense_kernels_convert():
+    pytest.importorskip("torch")
+    from specmoe.models.testing import tiny_model
+
+    m = tiny_model("deepseek_v2", layers=3, experts=8, top_k=2, hidden=64, inter=32,
+                   overrides={"num_key_value_heads": 4})
+    s = memplan.model_sizes(m, num_layers=2, num_experts=8, top_k=2, block_bytes=1000)
+    sd = m.state_dict()
+    routed = sum(v.numel() for k, v in sd.items() if ".mlp.experts." in k)
+    # every 2-D weight but the embedding, the routers (mlp.gate) and the routed experts
+    dense = sum(v.numel() for k, v in sd.items() if v.ndim == 2 and ".mlp.experts." not in k
+                and "embed_tokens" not in k and not k.endswith("mlp.gate.weight"))
+    assert s.dense_params == dense
+    assert s.other_params == sum(v.numel() for v in sd.values()) - dense - routed
+    c = m.config
+    assert s.kv_bytes_per_token == 3 * 4 * (c.qk_nope_head_dim + c.qk_rope_head_dim
+                                            + c.v_head_dim) * 4  # f32 model
+    assert (s.param_bytes, s.model_dtype) == (4.0, "f32")
+
+
+def test_from_pretrained_plans_to_the_budget(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    import specmoe
+    from specmoe.models.testing import save_checkpoint, tiny_model
+
+    m = tiny_model("deepseek_v2", layers=3, experts=8, top_k=2, hidden=64, inter=32,
+                   dtype=torch.bfloat16, overrides={"num_key_value_heads": 4})
+    ckpt = save_checkpoint(m, tmp_path / "ckpt")
+    store = tmp_path / "s.smoe"
+    budget = 600 << 20  # the 512 MiB reserve, the KV room, the small model and some experts
+    model = specmoe.from_pretrained(ckpt, dtype="int4", memory=budget, store=store)
+    eng = specmoe.engine_of(model)
+    try:
+        p = eng.memory_plan
+        assert p is not None and p.budget_bytes == budget
+        assert "memory plan for a budget of" in capsys.readouterr().err
+        assert eng._cache.capacity == p.cache_slots
+        assert eng.dense.dtype == p.dense
+        out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 6)
+        bb = eng._cache.slot_bytes
+    finally:
+        eng.close()
+    # a budget with room for 10 of the 16 experts beside bf16 dense layers
+    c = next(c for c in p.candidates if c["dense"] == "bf16")
+    tight = p.reserve_bytes + p.kv_bytes + p.other_bytes + c["dense_bytes"] + 10 * bb
+    model = specmoe.from_pretrained(ckpt, dtype="int4", memory=tight, dense="bf16", store=store,
+                                    progress=False)
+    eng = specmoe.engine_of(model)
+    try:
+        assert eng.memory_plan.cache_slots == 10 and eng._cache.capacity == 10
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match=r"cache=16 \(16 experts\) does not fit memory="):
+        specmoe.from_pretrained(ckpt, dtype="int4", memory=tight, dense="bf16", cache=16,
+                                store=store, progress=False)
+    with pytest.raises(ValueError, match=r"memory= plans host memory"):
+        specmoe.from_pretrained(ckpt, memory="1GiB", device="cuda")
+    with pytest.raises(ValueError, match=r"memory='lots'"):
+        specmoe.from_pretrained(ckpt, memory="lots", store=store)
