@@ -22,7 +22,9 @@ and are not run; ``learned`` (the nextuse model fed the routing as it runs) and 
 
 Rows.  For each cache size (``--caches``, % of the 1664 routed experts), one process under a
 cgroup-v1 memory limit of non-expert bytes (bf16) + the cache's bytes + 512 MiB (page cache
-charged: the store cannot hide in it) runs every row of ``--rows`` (``policy[+predictor]``;
+charged: the store cannot hide in it; ``--planned``: the same budget given to
+``from_pretrained(memory=)``, which plans the dense layers' format and the cache size) runs
+every row of ``--rows`` (``policy[+predictor]``;
 ``belady`` is Belady's rule over the replayed tokens' true future, ``belady+oracle`` with the
 trace's next layer prefetched; the offline bound is the faster of the two in the round), the
 rows interleaved round by round (``--rounds``).  A row: ``Engine.set_cache`` (empty cache,
@@ -121,10 +123,16 @@ def worker(spec_path: str) -> None:
     W, N = spec["warmup"], spec["tokens"]
     out: dict[str, Any] = {"rows": []}
     t0 = time.perf_counter()
-    model = specmoe.from_pretrained(spec["ckpt"], cache=spec["slots"], dtype="int4",
-                                    policy="lru", prefetch=False, store=spec["store"],
-                                    progress=False)
+    planned = spec.get("memory") is not None
+    model = specmoe.from_pretrained(spec["ckpt"], cache=None if planned else spec["slots"],
+                                    dtype="int4", policy="lru", prefetch=False,
+                                    store=spec["store"], progress=False,
+                                    memory=spec.get("memory"))
     eng = specmoe.engine_of(model)
+    slots = int(eng._cache.capacity)
+    out["slots"], out["dense"] = slots, eng.dense.dtype
+    if planned:
+        out["plan"] = eng.memory_plan.to_dict()
     eng.set_parallel_misses(spec["parallel_misses"])
     out["load_s"] = time.perf_counter() - t0
 
@@ -167,7 +175,7 @@ def worker(spec_path: str) -> None:
         st.close()
     L, k, E = trace.num_layers, trace.top_k, trace.num_experts
     hot = np.tile(np.arange(k, dtype=np.int16), (16, L, 1))  # 6 fixed experts per layer
-    eng.set_cache(spec["slots"], policy="lru")
+    eng.set_cache(slots, policy="lru")
     eng.replay_routing(hot)
     s = passes(16)
     hit_pass = statistics.median(np.diff(s.t[4:]))
@@ -190,7 +198,7 @@ def worker(spec_path: str) -> None:
             pol: Any = row["policy"]
             if pol == "belady":  # the live access sequence: each row's experts in ascending id
                 pol = P.Belady(trace.sorted_rows())
-            eng.set_cache(spec["slots"], policy=pol)
+            eng.set_cache(slots, policy=pol)
             eng.replay_routing(trace)
             pred = row["predictor"]
             eng.set_prefetch(pred is not None, overfetch=1.0, predictor=pred or "router")
@@ -256,6 +264,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default=DEFAULT_ROWS)
     ap.add_argument("--parallel-misses", action="store_true")
+    ap.add_argument("--planned", action="store_true",
+                    help="each cache size's budget planned by from_pretrained(memory=budget) "
+                         "(dense format and cache size: specmoe.runtime.memplan) instead of "
+                         "bf16 dense layers and that share of the experts")
     ap.add_argument("--quick", action="store_true", help="small widths, same routing shape")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
     ap.add_argument("--no-cgroup", action="store_true", help="run uncapped (not a valid result)")
@@ -322,7 +334,8 @@ def main() -> None:
                 "rounds": a.rounds, "warmup": a.warmup, "tokens": a.tokens,
                 "threads": a.threads, "trace": str(tfile),
                 "parallel_misses": a.parallel_misses,
-                "result": str(work / f"replay-{c:g}.json")}
+                "memory": budget if a.planned else None,
+                "result": str(work / f"replay-{c:g}{'-planned' if a.planned else ''}.json")}
         sp = work / f"replay-{c:g}.spec.json"
         sp.write_text(json.dumps(spec))
         Path(spec["result"]).unlink(missing_ok=True)
@@ -337,7 +350,9 @@ def main() -> None:
         sys.stderr.write(r["stderr"][-4000:])
         res = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).is_file() \
             else {"rows": []}
+        slots = res.get("slots", slots)  # planned: what the plan gave the cache
         entry = {"cache_pct": c, "slots": slots, "budget_bytes": budget,
+                 "dense": res.get("dense"), "plan": res.get("plan"),
                  "peak_bytes": cg.peak() if cg else None, "load_s": res.get("load_s"),
                  "calibration": res.get("calibration")}
         if r["rc"] != 0:
@@ -394,6 +409,7 @@ def main() -> None:
                       "trace": str(tdir), "trace_prompts": nprompts, "warmup": a.warmup,
                       "tokens": a.tokens, "rounds": a.rounds, "threads": a.threads,
                       "cgroup": not a.no_cgroup, "parallel_misses": a.parallel_misses,
+                      "planned": a.planned,
                       "reserve_bytes": RESERVE, "non_expert_bytes": non_expert,
                       "expert_params": pc["expert_params"]},
            "written": made, "caches": per_cache, "summary": summary, "rows": results}

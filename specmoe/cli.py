@@ -284,7 +284,7 @@ def _cmd_run(args) -> int:
     if args.prompt == "":
         raise CliError("--prompt is empty")
     cache = None if args.cache is None and args.memory is not None else \
-        _option("--cache", args.cache or "25%", _capacity)
+        _option("--cache", "25%" if args.cache is None else args.cache, _capacity)
     if args.memory is not None:
         from .runtime.memplan import memory_budget
         _option("--memory", args.memory, memory_budget)

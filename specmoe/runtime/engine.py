@@ -289,7 +289,7 @@ class Engine(EngineCommon):
             self._kctx = context()
             if self.top_k > self.num_experts:
                 raise ValueError(f"top_k {self.top_k} > num_experts {self.num_experts}")
-            self._open_cache(cache)
+            _check_capacity(cache, self.num_experts * len(ids), self._block_bytes)
         except BaseException:
             self.close()
             raise
@@ -297,7 +297,15 @@ class Engine(EngineCommon):
             block = moe_block(model, info, i)
             block.experts = SpecmoeExperts(self, pos, self.num_experts, spec.H)
             block.experts.train(block.training)
+        # the dense layers are converted before the cache takes its memory: a checkpoint's
+        # weights load at their own dtype, and under a budget planned for int8 dense layers
+        # (specmoe.runtime.memplan) the bf16 copies must be gone before the slots are taken
         self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
+        try:
+            self._open_cache(cache)
+        except BaseException:
+            self.close()
+            raise
         # the MoE blocks whose routing runs in C (layer positions), see _install_routing
         self.routed_in_c: list[int] = self._install_routing(model, info, ids)
 

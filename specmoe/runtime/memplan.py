@@ -9,7 +9,8 @@ The rule.  The budget holds, besides the expert cache: a reserve for the interpr
 and the working buffers (512 MiB, as ``benchmarks/big_model.py`` budgets), the KV cache of
 ``max_tokens`` tokens, the weights the dense kernels never convert (embeddings, norms,
 routers: at the model's dtype) and the convertible dense weights (attention, shared and dense
-MLPs, lm_head) in format ``d``.  For every ``d`` of ``dense_options`` (default: the exact
+MLPs, lm_head) in format ``d`` (they load at the model's dtype and are converted before the
+cache takes its memory, so the budget must also hold them once at that dtype).  For every ``d`` of ``dense_options`` (default: the exact
 format of the model's weights, and int8 per row) the cache gets the rest, in whole experts, at
 most every expert and at least ``top_k``, and the time per token is estimated as
 
@@ -159,15 +160,18 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
     S = sizes.num_layers * sizes.num_experts
     kv = sizes.kv_bytes_per_token * max_tokens
     other = int(sizes.other_params * sizes.param_bytes)
+    # loading: the dense weights arrive at the model's dtype and are converted before the cache
+    # takes its slots, so the budget must hold them once as they are
+    load = reserve + other + int(sizes.dense_params * sizes.param_bytes)
     cands = []
     for d in dict.fromkeys(opts):
         db = dense_bytes(sizes.dense_params, d)
         room = budget - reserve - kv - other - db
         slots = min(S, room // sizes.block_bytes) if room > 0 else 0
         c: dict[str, Any] = {"dense": d, "dense_bytes": db, "cache_slots": int(slots),
-                             "fits": slots >= sizes.top_k}
+                             "fits": slots >= sizes.top_k and load <= budget}
         if not c["fits"]:
-            need = reserve + kv + other + db + sizes.top_k * sizes.block_bytes
+            need = max(load, reserve + kv + other + db + sizes.top_k * sizes.block_bytes)
             c["why"] = f"needs at least {need / 2**30:.2f} GiB"
             c["min_budget"] = need
         else:
