@@ -491,3 +491,21 @@ def test_decode_forwards_run_torch_single_threaded():
         assert getattr(m2, "_specmoe_decode_threads", None) is None
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_pack_in_row_chunks_equals_the_whole_matrix(monkeypatch, dtype):
+    """_pack quantizes a large matrix a few rows at a time (its load peak); the block is the
+    one quantizing the whole matrix at once gives, byte for byte, for any chunk size."""
+    from specmoe.models import layers
+
+    w = torch.randn(37, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    whole, desc, _ = layers._pack(w, dtype)
+    for rows in (1, 5, 36):
+        monkeypatch.setattr(layers, "_PACK_CHUNK_BYTES", 4 * 256 * rows)
+        got, d2, _ = layers._pack(w, dtype)
+        assert d2 == desc and np.array_equal(got, whole), rows
+    q, sc = quantize_int8(w.numpy()) if dtype == "int8" else quantize_int4(w.numpy(), 128)
+    assert np.array_equal(whole[:q.nbytes], q.reshape(-1).view(np.uint8))
+    off = desc["weight_scale"]
+    assert np.array_equal(whole[off:off + sc.nbytes], sc.reshape(-1).view(np.uint8))

@@ -55,6 +55,9 @@ def _file_mapped(t: torch.Tensor) -> bool:
     return False
 
 
+_PACK_CHUNK_BYTES = 32 << 20  # f32 bytes of the rows _pack quantizes at once
+
+
 def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True,
           group: int | None = None) -> tuple[np.ndarray, dict[str, Any], torch.Tensor | None]:
     """The weight as the kernels read it: (uint8 block, descriptor, torch view).  f32/bf16: the
@@ -73,16 +76,25 @@ def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True,
             tw = tw.clone()
         block = tw.view(torch.uint8).reshape(-1).numpy()
         return block, {"N": N, "K": K, "dtype": _WDT[dtype], "weight": 0}, tw
-    if dtype == "int8":
-        q, s = quantize_int8(w.float().numpy())
-        group = None
-    else:
-        group = group or int4_group(K)
-        q, s = quantize_int4(w.float().numpy(), group or 0)
-    s_off = -(-q.nbytes // _ALIGN) * _ALIGN
-    block = np.zeros(s_off + s.nbytes, dtype=np.uint8)
-    block[:q.nbytes] = q.reshape(-1).view(np.uint8)
-    block[s_off:] = s.reshape(-1).view(np.uint8)
+    group = None if dtype == "int8" else (group or int4_group(K))
+
+    def quantize(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        a = rows.float().numpy()
+        return quantize_int8(a) if dtype == "int8" else quantize_int4(a, group or 0)
+
+    # in chunks of rows (each row's values and scales are its own), so that converting a large
+    # matrix (an lm_head of 102400 x 2048) holds one chunk in f32, not the whole matrix: the
+    # load peak a memory plan counts on (specmoe.runtime.memplan)
+    step = max(1, _PACK_CHUNK_BYTES // (4 * K))
+    q0, s0 = quantize(w[:min(step, N)])
+    qrow, srow = q0.nbytes // q0.shape[0], s0.nbytes // q0.shape[0]
+    s_off = -(-(qrow * N) // _ALIGN) * _ALIGN
+    block = np.zeros(s_off + srow * N, dtype=np.uint8)
+    for r0 in range(0, N, step):
+        q, sc = (q0, s0) if r0 == 0 else quantize(w[r0:r0 + step])
+        n = q.shape[0]
+        block[r0 * qrow:(r0 + n) * qrow] = q.reshape(-1).view(np.uint8)
+        block[s_off + r0 * srow:s_off + (r0 + n) * srow] = sc.reshape(-1).view(np.uint8)
     desc = {"N": N, "K": K, "dtype": _WDT[dtype], "group": group, "weight": 0,
             "weight_scale": s_off}
     return block, desc, None
