@@ -577,8 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                         "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%, "
                         "or what --memory plans")
     p.add_argument("--memory", default=None, metavar="SIZE",
-                   help="a memory budget (8GiB, or auto: the memory cgroup's limit, else the "
-                        "memory available) that the dense layers' format and the expert "
+                   help="a memory budget (8GiB, or auto: what this process may still use, "
+                        "MemAvailable or the memory cgroup's headroom) that the dense layers' format and the expert "
                         "cache are planned to; the plan is printed (docs/usage.md)")
     p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
     p.add_argument("--dtype", default="auto",

@@ -390,6 +390,11 @@ def test_run_policy_spec_reaches_from_pretrained(zoo_copy, cache_env, monkeypatc
                                         (["--no-prefetch", "--predictor", "learned"], False)])
 def test_run_predictor_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch, capsys, argv,
                                                want):
+    assert _run_kwargs(zoo_copy, monkeypatch, capsys, argv)["prefetch"] == want
+
+
+def _run_kwargs(zoo_copy, monkeypatch, capsys, argv) -> dict:
+    """The keyword arguments `specmoe run ... argv` passes to from_pretrained."""
     import specmoe.models.pretrained
 
     seen = {}
@@ -401,7 +406,7 @@ def test_run_predictor_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch,
     monkeypatch.setattr(specmoe.models.pretrained, "from_pretrained", from_pretrained)
     code, err = _cli(["run", zoo_copy, "--prompt", "x"] + argv, capsys)
     _assert_one_line(code, err, "RuntimeError: stop here")
-    assert seen["prefetch"] == want
+    return seen
 
 
 @pytest.mark.parametrize("argv, want", [(["--memory", "8GiB"], ("8GiB", None)),
@@ -409,17 +414,7 @@ def test_run_predictor_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch,
                                         ([], (None, "25%"))])
 def test_run_memory_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch, capsys, argv,
                                             want):
-    import specmoe.models.pretrained
-
-    seen = {}
-
-    def from_pretrained(path, **kw):
-        seen.update(kw)
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(specmoe.models.pretrained, "from_pretrained", from_pretrained)
-    code, err = _cli(["run", zoo_copy, "--prompt", "x"] + argv, capsys)
-    _assert_one_line(code, err, "RuntimeError: stop here")
+    seen = _run_kwargs(zoo_copy, monkeypatch, capsys, argv)
     assert (seen["memory"], seen["cache"]) == want
 
 

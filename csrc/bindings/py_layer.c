@@ -625,7 +625,8 @@ static PyObject *Layers_set_replay(LayersObject *self, PyObject *args, PyObject 
         ex = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT16, 3, 3,
                                               NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
         if (!ex) return NULL;
-        if ((uint64_t)PyArray_DIM(ex, 1) != self->g.L || (uint64_t)PyArray_DIM(ex, 2) != self->g.k) {
+        if ((uint64_t)PyArray_DIM(ex, 1) != self->g.L ||
+            (uint64_t)PyArray_DIM(ex, 2) != self->g.k) {
             PyErr_Format(PyExc_ValueError, "set_replay: experts has shape [%zd, %zd, %zd], the "
                          "model routes [tokens, %u, %u]", (Py_ssize_t)PyArray_DIM(ex, 0),
                          (Py_ssize_t)PyArray_DIM(ex, 1), (Py_ssize_t)PyArray_DIM(ex, 2),

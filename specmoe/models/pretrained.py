@@ -492,11 +492,12 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     without an index, tokenizer files), or a GGUF file (llama.cpp's format; config from its
     metadata, :mod:`specmoe.storage.gguf`).  cache: the expert cache as slots, a fraction
     (``0.25``, ``"25%"``) or a byte size (``"6GiB"``); None: 25 %, or what ``memory`` plans.
-    memory: a memory budget (``"8GiB"``, bytes, or ``"auto"``: the memory cgroup's limit, else
-    the memory available) that the dense layers' format and the expert cache are planned to
+    memory: a memory budget (``"8GiB"``, bytes, or ``"auto"``: what this process may still
+    use, MemAvailable or the memory cgroup's headroom when lower) that the dense layers' format and the expert cache are planned to
     (:mod:`specmoe.runtime.memplan`: the split of least estimated time per token, printed with
     ``progress``; ``engine.memory_plan`` keeps it); an explicit ``cache`` or ``dense`` other
-    than ``"auto"`` is kept and the rest planned around it.  CPU tier only.  dtype: the store's expert format
+    than ``"auto"`` is kept and the rest planned around it.  CPU tier only.  dtype: the store's
+    expert format
     (``f32``, ``bf16``, ``int8`` per row, ``int4`` in groups, ``int2`` in groups with scale and
     offset; ``"auto"``: bf16, int4 for a GPTQ checkpoint, for a GGUF file the nearest to its
     experts' type; GGUF Q4_0 and symmetric GPTQ experts are kept as they are in int4).  policy: eviction policy name or

@@ -162,7 +162,8 @@ class Engine(EngineCommon):
 
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
                  cache: int | float | str = 0.25, policy: Any = "lru",
-                 prefetch: bool | str = True, overfetch: float = 1.5, direct: bool | None = False, verify: bool = True,
+                 prefetch: bool | str = True, overfetch: float = 1.5,
+                 direct: bool | None = False, verify: bool = True,
                  own_store: bool = False, dense: str | bool | None = "auto",
                  miss: str = "fetch", miss_keep: int = 2,
                  route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,

@@ -10,9 +10,10 @@ and the working buffers (512 MiB, as ``benchmarks/big_model.py`` budgets), the K
 ``max_tokens`` tokens, the weights the dense kernels never convert (embeddings, norms,
 routers: at the model's dtype) and the convertible dense weights (attention, shared and dense
 MLPs, lm_head) in format ``d`` (they load at the model's dtype and are converted before the
-cache takes its memory, so the budget must also hold them once at that dtype).  For every ``d`` of ``dense_options`` (default: the exact
-format of the model's weights, and int8 per row) the cache gets the rest, in whole experts, at
-most every expert and at least ``top_k``, and the time per token is estimated as
+cache takes its memory, so the budget must also hold them once at that dtype).  For every
+``d`` of ``dense_options`` (default: the exact format of the model's weights, and int8 per row)
+the cache gets the rest, in whole experts, at most every expert and at least ``top_k``, and the
+time per token is estimated as
 
     t(d) = W_d / r_d  +  L * k * (t_x + (1 - h(s / S)) * t_l)
 
@@ -182,9 +183,10 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
         cands.append(c)
     ok = [c for c in cands if c["fits"]]
     if not ok:
-        least = min(c["min_budget"] for c in cands)
+        small = min(cands, key=lambda c: c["min_budget"])
+        least = small["min_budget"]
         raise ValueError(f"memory budget {budget / 2**30:.2f} GiB is too small for this model: "
-                         f"the smallest plan (dense {min(cands, key=lambda c: c['min_budget'])['dense']}, "
+                         f"the smallest plan (dense {small['dense']}, "
                          f"{sizes.top_k} experts cached) needs {least / 2**30:.2f} GiB "
                          f"(reserve, KV cache of {max_tokens} tokens, embeddings and dense "
                          f"weights)")
@@ -271,9 +273,9 @@ def model_sizes(model: Any, *, num_layers: int, num_experts: int, top_k: int,
     """:class:`ModelSizes` of a transformers MoE model (on the meta device or not) whose routed
     experts are the parameters under an ``experts`` module: the ``nn.Linear`` weights elsewhere
     are the convertible dense weights, except routers (a ``gate``/``router`` linear with one
-    output per expert); the rest (embeddings, norms, biases, routers) stays as it is.  KV bytes per token:
-    what transformers' cache keeps per layer, keys and values of every head at the model's
-    dtype (DeepSeek-V2's MLA: heads x (qk_nope + qk_rope + v_head) values)."""
+    output per expert); the rest (embeddings, norms, biases, routers) stays as it is.  KV
+    bytes per token: what transformers' cache keeps per layer, keys and values of every head
+    at the model's dtype (DeepSeek-V2's MLA: heads x (qk_nope + qk_rope + v_head) values)."""
     from torch import nn
     dense = other = 0
     seen: set[int] = set()
