@@ -26,7 +26,9 @@ S experts: the ``nextuse`` policy's on DeepSeek-V2-Lite's real routing (the shar
 :data:`HIT_CURVE`, interpolated linearly; a prior on other models, whose routing the planner
 cannot know before it runs).  The plan is the ``d`` of least ``t``; a format within
 :data:`EXACT_MARGIN` of the fastest that keeps the weights more exactly wins the tie.
-Prefetch is left out of ``t`` (it hides loads behind compute on every plan alike).
+Prefetch is left out of ``t`` (it hides loads behind compute on every plan alike), and so
+are attention over the KV cache and the framework's own time per token: the estimate ranks
+plans, it is not a speed figure (on the tiny zoo model it says 750 tok/s where 105 run).
 """
 from __future__ import annotations
 
