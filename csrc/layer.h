@@ -8,7 +8,8 @@
  *     1. pos == 0: a new forward pass (passes++, tokens += T, smoe_slots_begin_pass);
  *     2. prefetch on and pos+1 < L: the next layer's router on x (scores[T,E] = x Wr^T + b,
  *        then sigmoid or softmax plus the correction bias where the model has one), or the
- *        scores the caller passes (a Python predictor); per token the top
+ *        scores the caller passes (a Python predictor), or the learned or oracle predictor's
+ *        (smoe_layers_set_predictor, below); per token the top
  *        m = clamp(ceil(k * overfetch), k, E) experts, or (mass > 0) the fewest experts, at
  *        least k, whose softmax probability reaches mass; the union queued to the prefetch
  *        worker with priority = the best score (probability in mass mode) over the tokens;
