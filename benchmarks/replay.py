@@ -98,7 +98,13 @@ def load_tokens(trace_dir: Path, n: int):
     and how many prompts they span."""
     from specmoe.sim.traces import load_puffin
 
-    full = load_puffin(trace_dir)
+    files = len([f for f in Path(trace_dir).iterdir() if f.name.endswith((".csv", ".csv.gz"))])
+    limit = 1
+    while True:  # the fewest prompts that hold n tokens (not all 200 files for 80 tokens)
+        full = load_puffin(trace_dir, limit=min(limit, files))
+        if full.num_tokens >= n or limit >= files:
+            break
+        limit *= 2
     if full.num_tokens < n:
         raise SystemExit(f"{trace_dir}: {full.num_tokens} tokens in the traces, {n} asked for")
     return full.slice(0, n), int(np.sum(full.request_starts < n))

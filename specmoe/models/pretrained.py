@@ -329,8 +329,7 @@ def _plan_memory(plan: _Plan, dtype: str, budget: int, source: str, cache: Any,
     elif dense in (None, False, "torch"):
         opts = [sizes.model_dtype]
     opts = opts or [sizes.model_dtype, "int8"]
-    where = plan.store.parent if plan.store is not None else \
-        default_store_path(plan.ckpt.folder, dtype).parent
+    where = plan.store.parent  # _prepare checked the store's location
     where.mkdir(parents=True, exist_ok=True)
     rates = memplan.measure_rates(sizes, dtype, hidden=H, inter=I, formats=opts,
                                   directory=str(where))
