@@ -2,6 +2,28 @@
 
     python benchmarks/big_model.py [--layers 12] [--threads 2] [--repeats 1] [--json]
     python benchmarks/big_model.py --quick --json       # 2 layers, vocab 16384: a smoke test
+    python benchmarks/big_model.py --layers 27 --source gguf        # DeepSeek-V2-Lite, full depth
+    python benchmarks/big_model.py --model qwen3-30b-a3b --source gguf --budget 8GiB
+
+Models (``--model``).  ``dsv2lite`` (default; below) and ``qwen3-30b-a3b``: Qwen3-30B-A3B's
+shapes (48 layers, all MoE: 128 experts of FFN 768, top-8 softmax renormalised, hidden 2048,
+32 query / 4 KV heads of 128 with q/k norms, vocab 151936; 29.0e9 routed-expert parameters,
+1.5e9 others).
+
+Source (``--source``).  ``checkpoint`` (default) writes the bf16 safetensors checkpoint below
+and makes llama.cpp's files from it with llama.cpp's own converter and ``llama-quantize``.
+``gguf`` writes no bf16 copy: the random model goes straight into one GGUF file per bit width
+(``write_gguf``: Q4_0 and/or Q8_0, every matrix in that type, blocks of uniform random integers
+with a random-signed scale giving std 0.02, routers and norms F32; the tokenizer and
+architecture keys as llama.cpp's converter writes them), and every row reads that file:
+``llama.cpp-Q4_0`` and ``specmoe-gguf-Q4_0`` as it is, ``specmoe-int4`` after
+``specmoe.convert(file, dtype="int4")`` (the Q4_0 blocks as int4 groups of 32).  At full depth
+that is 8.9 GB (Q4_0) / 16.7 GB (Q8_0) for DeepSeek-V2-Lite and 17 GB (Q4_0) for Qwen3-30B-A3B
+instead of a 31 GB / 61 GB bf16 checkpoint; ``accelerate`` and the Q4_K_M rows need the
+checkpoint and say so.  ``config.written`` lists what was written or reused, its size and time;
+each specmoe row carries its store's conversion time and peak RSS.  ``--budget 8GiB`` gives
+every row one fixed budget instead of the rule (the specmoe cache then being the budget less
+the bf16 non-expert weights and the reserve).
 
 Checkpoint.  A random-weight checkpoint in the original DeepSeek-V2-Lite layout and shapes is
 written once under ``--workdir`` (default ``~/.cache/specmoe/bench``) and reused while its
@@ -139,7 +161,7 @@ def log(*a: Any) -> None:
 # checkpoint
 
 
-def make_config(layers: int, vocab: int) -> dict[str, Any]:
+def _dsv2lite_config(layers: int, vocab: int) -> dict[str, Any]:
     """DeepSeek-V2-Lite's config.json with ``layers`` layers (first one dense) and ``vocab``."""
     return {
         "architectures": ["DeepseekV2ForCausalLM"],
@@ -185,9 +207,60 @@ def make_config(layers: int, vocab: int) -> dict[str, Any]:
     }
 
 
+def _qwen3_config(layers: int, vocab: int) -> dict[str, Any]:
+    """Qwen3-30B-A3B's config.json (48 layers, every one MoE: 128 experts of FFN 768, top-8,
+    GQA 32/4 heads of 128 with q/k norms) with ``layers`` layers and ``vocab``."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": vocab,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        "use_cache": True,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# --model: (config maker, default layers, default vocab)
+MODELS = {"dsv2lite": (_dsv2lite_config, 12, 102400),
+          "qwen3-30b-a3b": (_qwen3_config, 48, 151936)}
+
+
+def make_config(layers: int, vocab: int, model: str = "dsv2lite") -> dict[str, Any]:
+    """The ``config.json`` of ``model`` (a key of :data:`MODELS`) at ``layers`` and ``vocab``."""
+    return MODELS[model][0](layers, vocab)
+
+
+def n_experts(cfg: dict[str, Any]) -> int:
+    return cfg.get("n_routed_experts") or cfg["num_experts"]
+
+
 def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) in file order; kind: ``w`` normal weight, ``norm`` ones, ``router``,
     ``expert`` (a routed-expert weight)."""
+    if cfg["model_type"] == "qwen3_moe":
+        return _qwen3_specs(cfg)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     nh, dn, dr, dv = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"],
                       cfg["qk_rope_head_dim"], cfg["v_head_dim"])
@@ -221,6 +294,30 @@ def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def _qwen3_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    h, v, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    nq, nkv, fe = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["moe_intermediate_size"]
+    out: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (v, h), "w")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,), "norm"),
+                (p + "self_attn.q_proj.weight", (nq * hd, h), "w"),
+                (p + "self_attn.k_proj.weight", (nkv * hd, h), "w"),
+                (p + "self_attn.v_proj.weight", (nkv * hd, h), "w"),
+                (p + "self_attn.o_proj.weight", (h, nq * hd), "w"),
+                (p + "self_attn.q_norm.weight", (hd,), "norm"),
+                (p + "self_attn.k_norm.weight", (hd,), "norm"),
+                (p + "post_attention_layernorm.weight", (h,), "norm"),
+                (p + "mlp.gate.weight", (cfg["num_experts"], h), "router")]
+        for e in range(cfg["num_experts"]):
+            q = f"{p}mlp.experts.{e}."
+            out += [(q + "gate_proj.weight", (fe, h), "expert"),
+                    (q + "up_proj.weight", (fe, h), "expert"),
+                    (q + "down_proj.weight", (h, fe), "expert")]
+    out += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (v, h), "w")]
+    return out
+
+
 def param_counts(cfg: dict[str, Any]) -> dict[str, int]:
     n_exp = n_other = 0
     for _, shape, kind in tensor_specs(cfg):
@@ -249,7 +346,7 @@ def accel_max_memory(cfg: dict[str, Any], budget: int) -> int:
     and 1.5 MoE layers of bf16 experts -- transformers fuses a layer's per-expert tensors into
     one array while loading (measured: 1.1 GB of anonymous memory above the model for a 1.1 GB
     layer), and that transient must fit under the cap too.  At least 64 MiB."""
-    layer = 2 * 3 * cfg["n_routed_experts"] * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+    layer = 2 * 3 * n_experts(cfg) * cfg["hidden_size"] * cfg["moe_intermediate_size"]
     return max(64 * MiB, budget - 768 * MiB - int(1.5 * layer))
 
 
@@ -337,13 +434,140 @@ def write_checkpoint(folder: Path, cfg: dict[str, Any], seed: int, skew: float,
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     (folder / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "do_sample": False}, indent=1))
+    write_tokenizer(folder)
+    marker.write_text(json.dumps({"hash": chash, "bytes": total}))
+    log(f"checkpoint written in {time.time() - t0:.0f} s")
+
+
+def write_tokenizer(folder: Path) -> None:
+    """The tiny-moe tokenizer's files in ``folder`` (no BOS/EOS added)."""
+    folder.mkdir(parents=True, exist_ok=True)
     src = _tokenizer_source()
     shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
     tc = json.loads((src / "tokenizer_config.json").read_text())
     tc.update({"add_bos_token": False, "add_eos_token": False, "model_max_length": 4096})
     (folder / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
-    marker.write_text(json.dumps({"hash": chash, "bytes": total}))
-    log(f"checkpoint written in {time.time() - t0:.0f} s")
+
+
+# Q4_0 / Q8_0 blocks: (bytes per block of 32 weights, std of the block's integer values when
+# they are uniform: 0..15 less 8, and -128..127)
+_BLOCK = {"Q4_0": (18, ((16 ** 2 - 1) / 12) ** 0.5), "Q8_0": (34, ((256 ** 2 - 1) / 12) ** 0.5)}
+
+
+def gguf_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """:func:`tensor_specs` under llama.cpp's GGUF names, in file order: a layer's per-expert
+    weights stacked into ``blk.N.ffn_{gate,up,down}_exps`` [experts, rows, cols], DeepSeek's
+    ``kv_b_proj`` split into ``attn_k_b`` [heads, kv_lora, nope] and ``attn_v_b`` [heads, v,
+    kv_lora] (as llama.cpp's converter writes them)."""
+    sys.path.insert(0, str(REPO))
+    from specmoe.storage.gguf import ARCHITECTURES, gguf_name
+    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg["model_type"]]
+    E = n_experts(cfg)
+    out: list[tuple[str, tuple[int, ...], str]] = []
+    for name, shape, kind in tensor_specs(cfg):
+        parts = name.split(".")
+        if kind == "expert":
+            if parts[5] == "0":  # model.layers.N.mlp.experts.E.<proj>.weight
+                role = parts[6].split("_")[0]
+                out.append((f"blk.{parts[2]}.ffn_{role}_exps.weight", (E, *shape), kind))
+            continue
+        if arch == "deepseek2" and name.endswith("kv_b_proj.weight"):
+            nh, dn, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            kvr = cfg["kv_lora_rank"]
+            out += [(f"blk.{parts[2]}.attn_k_b.weight", (nh, kvr, dn), kind),
+                    (f"blk.{parts[2]}.attn_v_b.weight", (nh, dv, kvr), kind)]
+            continue
+        g = gguf_name(name, arch)
+        if g is None:
+            raise RuntimeError(f"no GGUF name for {name}")
+        out.append((g, shape, kind))
+    return out
+
+
+def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: str) -> None:
+    """Stream the random model straight into a GGUF file of type ``qtype`` (Q4_0 or Q8_0),
+    tensor by tensor, unless a complete one of the same hash is there.
+
+    Every 2-D/3-D weight is ``qtype`` blocks drawn at random: uniform integer values and a
+    per-block scale ``d = ±0.02 / std(values) * U(0.75, 1.25)`` (std about 0.02, the
+    checkpoint's N(0, 0.02); the sign random); norms are F32 ones; routers are F32 N(0, 0.02) rows scaled by
+    ``exp(skew * z_e)`` as in :func:`write_checkpoint`.  Unlike llama-quantize, which keeps
+    ``output.weight`` in Q6_K, every matrix is ``qtype``: both sides read exactly these bytes."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+    sys.path.insert(0, str(REPO))
+    from specmoe.models.testing import gguf_metadata, gguf_tokenizer
+    from specmoe.storage.gguf import ARCHITECTURES
+
+    chash = config_hash(cfg, seed, skew) + "-" + qtype
+    marker = Path(str(path) + ".complete")
+    if path.is_file() and marker.is_file() and marker.read_text() == chash:
+        log(f"GGUF {path} present (hash {chash})")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    qt = gguf.GGMLQuantizationType[qtype]
+    block_bytes, vstd = _BLOCK[qtype]
+    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg["model_type"]]
+    hf = AutoConfig.for_model(**cfg)
+    tmp = Path(str(path) + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(f"specmoe-bench random {cfg['model_type']} L{cfg['num_hidden_layers']}")
+    gguf_metadata(w, hf)
+    w.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    gguf_tokenizer(w, AutoTokenizer.from_pretrained(str(_tokenizer_source())), cfg["vocab_size"])
+    specs = gguf_specs(cfg)
+
+    def quantized(shape: tuple[int, ...], kind: str) -> bool:
+        return kind in ("w", "expert") and len(shape) >= 2 and shape[-1] % 32 == 0
+
+    for name, shape, kind in specs:
+        n = int(np.prod(shape))
+        if quantized(shape, kind):
+            bshape = (*shape[:-1], shape[-1] // 32 * block_bytes)
+            w.add_tensor_info(name, bshape, np.dtype(np.uint8), n // 32 * block_bytes, raw_dtype=qt)
+        else:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * n)
+    total = sum(int(np.prod(s[1])) // 32 * block_bytes if quantized(s[1], s[2])
+                else 4 * int(np.prod(s[1])) for s in specs)
+    log(f"writing GGUF {path}: {len(specs)} tensors, {total / 1e9:.2f} GB {qtype}")
+    w.write_header_to_file(path=str(tmp))
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    std = cfg["initializer_range"]
+    t0 = time.time()
+    done = 0
+    for name, shape, kind in specs:
+        n = int(np.prod(shape))
+        if kind == "norm":
+            a = np.ones(shape, np.float32)
+        elif kind == "router":
+            z = rng.standard_normal(shape[0])
+            a = (rng.standard_normal(shape) * std * np.exp(skew * z)[:, None]).astype(np.float32)
+        elif not quantized(shape, kind):
+            a = (rng.standard_normal(shape) * std).astype(np.float32)
+        else:
+            nb = n // 32
+            a = np.frombuffer(rng.bytes(nb * block_bytes), np.uint8).reshape(nb, block_bytes)
+            # a random sign: Q4_0's values (0..15 less 8) average -0.5, which would give
+            # every matrix a common mean and the model one favourite token
+            d = (std / vstd) * rng.uniform(0.75, 1.25, nb) * rng.choice((-1.0, 1.0), nb)
+            a = a.copy()
+            a[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+            a = a.reshape(*shape[:-1], shape[-1] // 32 * block_bytes)
+        w.write_tensor_data(a)
+        done += a.nbytes
+        if kind == "expert":
+            log(f"  {name} ({done / 1e9:.1f}/{total / 1e9:.1f} GB, {time.time() - t0:.0f} s)")
+    w.close()
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    marker.write_text(chash)
+    log(f"GGUF written in {time.time() - t0:.0f} s ({path.stat().st_size / 1e9:.2f} GB)")
 
 
 def make_prompts(folder: Path, n: int, seed: int) -> list[list[int]]:
@@ -546,10 +770,14 @@ def worker(spec_path: str) -> None:
     if spec["kind"] == "specmoe":
         import specmoe
         specmoe.runtime.kernels.set_num_threads(spec["threads"])  # the expert kernels' threads
-        model = specmoe.from_pretrained(spec["ckpt"], cache=spec["cache"], dtype=spec["dtype"],
+        planned = spec.get("memory") is not None  # --plan: the budget planned by specmoe
+        model = specmoe.from_pretrained(spec["ckpt"], cache=None if planned else spec["cache"],
+                                        memory=spec.get("memory"), dtype=spec["dtype"],
                                         policy="least_stale", prefetch=True, store=spec["store"],
                                         progress=False)
         eng = specmoe.engine_of(model)
+        if planned:
+            res["memory_plan"] = eng.memory_plan.to_dict()
     else:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(
@@ -806,19 +1034,33 @@ class LlamaCpp:
 # main
 
 
-def convert_store(ckpt: Path, dtype: str, out: Path, timeout: float) -> str | None:
-    """Build the specmoe store (uncapped, untimed); None or the reason it failed."""
+def convert_store(ckpt: Path, dtype: str, out: Path, timeout: float) -> dict[str, Any]:
+    """Build the specmoe store (uncapped, untimed): ``{"error": reason}`` or its conversion
+    time, the converting process's peak RSS and the store's size (a store already converted
+    from the same source is reused by ``specmoe.convert``: its time is then the check's)."""
     code = ("import sys, specmoe\n"
-            f"specmoe.convert({str(ckpt)!r}, dtype={dtype!r}, out={str(out)!r}, progress=False)\n")
+            f"specmoe.convert({str(ckpt)!r}, dtype={dtype!r}, out={str(out)!r}, progress=False)\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0])\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=timeout)
     if r.returncode != 0:
-        return "specmoe.convert failed: " + " | ".join(r.stderr.strip().splitlines()[-3:])
-    log(f"specmoe store {out.name} ready ({time.time() - t0:.0f} s)")
-    return None
+        return {"error": "specmoe.convert failed: " +
+                " | ".join(r.stderr.strip().splitlines()[-3:])}
+    dt = time.time() - t0
+    m = re.search(r"VmHWM:\s*(\d+) kB", r.stdout)
+    log(f"specmoe store {out.name} ready ({dt:.0f} s)")
+    return {"convert_s": dt, "convert_peak_rss_bytes": int(m.group(1)) * 1024 if m else None,
+            "store_bytes": out.stat().st_size if out.is_file() else None}
+
+
+def parse_bytes(size: str) -> int:
+    """Bytes of a size such as ``8GiB`` (specmoe's own reading of ``memory=``)."""
+    sys.path.insert(0, str(REPO))
+    from specmoe.runtime.memplan import memory_budget
+    return memory_budget(size)[0]
 
 
 def _median(xs: list[float | None]) -> float | None:
@@ -829,8 +1071,20 @@ def _median(xs: list[float | None]) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--layers", type=int, default=12, help="layers (the first is dense)")
-    ap.add_argument("--vocab", type=int, default=102400)
+    ap.add_argument("--model", choices=sorted(MODELS), default="dsv2lite",
+                    help="the shapes: DeepSeek-V2-Lite or Qwen3-30B-A3B")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers (default 12 for dsv2lite, whose first is dense; 48 for qwen3)")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="vocabulary rows (default the model's: 102400 / 151936)")
+    ap.add_argument("--source", choices=("checkpoint", "gguf"), default="checkpoint",
+                    help="checkpoint: bf16 safetensors, llama.cpp's files made by its converter "
+                         "and llama-quantize; gguf: the random model written straight into "
+                         "the Q4_0 / Q8_0 GGUF files that every row reads (no bf16 copy on disk)")
+    ap.add_argument("--budget", default=None,
+                    help="one fixed memory budget for every row (e.g. 8GiB) instead of the "
+                         "rule; specmoe's cache is the budget less the bf16 non-expert bytes "
+                         "and the 512 MiB reserve")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 2 layers, vocab 16384, 2 accelerate tokens")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
@@ -851,6 +1105,10 @@ def main() -> None:
     ap.add_argument("--row-timeout", type=float, default=3600.0)
     ap.add_argument("--no-cgroup", action="store_true", help="run uncapped (not a valid result)")
     ap.add_argument("--keep-gguf-bf16", action="store_true")
+    ap.add_argument("--plan", action="store_true",
+                    help="specmoe rows plan their budget: from_pretrained(memory=<the row's "
+                         "budget>) picks the dense layers' format and the cache size, instead "
+                         "of bf16 dense layers and the rule's 25 %% cache")
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._worker:
@@ -859,27 +1117,47 @@ def main() -> None:
     if a.quick:
         a.layers, a.vocab = 2, 16384
         a.accel_tokens = min(a.accel_tokens, 2)
+    a.layers = a.layers or MODELS[a.model][1]
+    a.vocab = a.vocab or MODELS[a.model][2]
     if a.layers < 2:
         ap.error("--layers must be >= 2 (layer 0 is dense)")
 
-    cfg = make_config(a.layers, a.vocab)
+    cfg = make_config(a.layers, a.vocab, a.model)
     chash = config_hash(cfg, a.seed, a.router_skew)
-    root = Path(a.workdir).expanduser() / f"dsv2lite-L{a.layers}-V{a.vocab}-{chash}"
+    root = Path(a.workdir).expanduser() / f"{a.model}-L{a.layers}-V{a.vocab}-{chash}"
     ckpt = root / "ckpt"
     work = root / "run"
     work.mkdir(parents=True, exist_ok=True)
-    write_checkpoint(ckpt, cfg, a.seed, a.router_skew)
-    prompt_ids, warm_ids = make_prompts(ckpt, PROMPT_TOKENS, a.seed)
+    written: dict[str, dict[str, Any]] = {}  # what this run wrote or reused on disk
+    if a.source == "checkpoint":
+        t0 = time.time()
+        write_checkpoint(ckpt, cfg, a.seed, a.router_skew)
+        written[str(ckpt)] = {"bytes": sum(f.stat().st_size for f in ckpt.iterdir()),
+                              "s": time.time() - t0}
+        tokdir = ckpt
+    else:
+        tokdir = root / "tokenizer"
+        write_tokenizer(tokdir)
+    prompt_ids, warm_ids = make_prompts(tokdir, PROMPT_TOKENS, a.seed)
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    tok = AutoTokenizer.from_pretrained(str(tokdir))
     prompt_txt, warm_txt = tok.decode(prompt_ids), tok.decode(warm_ids)
 
     bud = budgets(cfg)
+    if a.budget:
+        fixed = parse_bytes(a.budget)
+        for b in bud.values():
+            b["budget_bytes"] = fixed
+            b["cache_bytes"] = fixed - b["non_expert_bytes"] - RESERVE
+            if b["cache_bytes"] <= 0:
+                ap.error(f"--budget {a.budget} is below the bf16 non-expert weights and the "
+                         "reserve")
     pc = param_counts(cfg)
     for prec, b in bud.items():
         log(f"budget {prec}: {b['budget_bytes'] / MiB:.0f} MiB = non-expert "
-            f"{b['non_expert_bytes'] / MiB:.0f} MiB + 25 % of experts "
-            f"{b['expert_bytes'] / MiB:.0f} MiB + 512 MiB")
+            f"{b['non_expert_bytes'] / MiB:.0f} MiB + cache {b['cache_bytes'] / MiB:.0f} MiB "
+            f"({100 * b['cache_bytes'] / b['expert_bytes']:.0f} % of the experts' "
+            f"{b['expert_bytes'] / MiB:.0f} MiB) + 512 MiB")
 
     names = [n.strip() for n in a.rows.split(",") if n.strip()]
     rows_def: list[dict[str, Any]] = []
@@ -907,9 +1185,32 @@ def main() -> None:
     prep_err: dict[str, str] = {}
     stores: dict[str, Path] = {}
     sources: dict[str, Path] = {}  # what each specmoe row loads: the checkpoint or a GGUF
+    store_info: dict[str, dict[str, Any]] = {}
     gguf: dict[str, Path | str] = {}
-    if any("type" in r for r in rows_def):  # llama.cpp rows and specmoe's same-file rows
+    lc: LlamaCpp | None = None
+    if any(r["kind"] == "llama.cpp" for r in rows_def) or (
+            a.source == "checkpoint" and any("type" in r for r in rows_def)):
         lc = LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads, a.llama_isa)
+    if a.source == "gguf":  # every row reads the GGUF file of its bits
+        for r in rows_def:
+            if r["kind"] == "accelerate" or r["precision"] not in ("int4", "int8") or \
+                    r.get("type", "Q4_0") not in ("Q4_0", "Q8_0"):
+                prep_err[r["name"]] = ("--source gguf writes Q4_0 / Q8_0 files only; this row "
+                                       "needs the safetensors checkpoint (--source checkpoint)")
+            else:
+                r.setdefault("file", LLAMA_TYPES[r["precision"]])
+        for t in sorted({r["file"] for r in rows_def if "file" in r}):
+            f = root / "gguf-direct" / f"model-{t}.gguf"
+            t0 = time.time()
+            write_gguf(f, cfg, a.seed, a.router_skew, t)
+            gguf[t] = f
+            written[str(f)] = {"bytes": f.stat().st_size, "s": time.time() - t0}
+        if lc is not None and lc.error:
+            for r in rows_def:
+                if r["kind"] == "llama.cpp":
+                    prep_err[r["name"]] = lc.error
+    elif any("type" in r for r in rows_def):  # llama.cpp rows and specmoe's same-file rows
+        assert lc is not None
         if lc.error:
             for r in rows_def:
                 if "type" in r:
@@ -921,16 +1222,29 @@ def main() -> None:
             for r in rows_def:
                 if "type" in r and not isinstance(gguf.get(r["type"]), Path):
                     prep_err[r["name"]] = str(gguf.get(r["type"]))
+            for t, f in gguf.items():
+                if isinstance(f, Path):
+                    written[str(f)] = {"bytes": f.stat().st_size}
     for r in rows_def:
         if r["kind"] == "specmoe" and r["name"] not in prep_err:
             if "type" in r:
                 src, dt, p = gguf[r["type"]], "auto", root / f"store-gguf-{r['type']}.smoe"
+            elif a.source == "gguf":  # specmoe's own format, converted from the file's blocks
+                src, dt = gguf[r["file"]], r["precision"]
+                p = root / f"store-{r['precision']}-from-{r['file']}.smoe"
             else:
                 src, dt, p = ckpt, r["precision"], root / f"store-{r['precision']}.smoe"
-            err = convert_store(src, dt, p, a.row_timeout)  # type: ignore[arg-type]
-            if err:
-                prep_err[r["name"]] = err
+            info = convert_store(src, dt, p, a.row_timeout)  # type: ignore[arg-type]
+            if "error" in info:
+                prep_err[r["name"]] = info["error"]
+            else:
+                store_info[r["name"]] = info
+                written[str(p)] = {"bytes": info["store_bytes"], "s": info["convert_s"],
+                                   "peak_rss_bytes": info["convert_peak_rss_bytes"]}
             stores[r["name"]], sources[r["name"]] = p, src  # type: ignore[assignment]
+    for k, v in written.items():
+        log(f"on disk: {k}: {(v.get('bytes') or 0) / 1e9:.2f} GB"
+            + (f", {v['s']:.0f} s" if "s" in v else ""))
 
     # ---- rows, rounds interleaved
     runs: dict[str, list[dict[str, Any]]] = {r["name"]: [] for r in rows_def}
@@ -950,12 +1264,14 @@ def main() -> None:
                     cg = Cgroup(name, b["budget_bytes"])
                 cold = drop_caches()
                 if r["kind"] == "llama.cpp":
+                    assert lc is not None
                     res = lc.run_row(gguf[r["type"]], prompt_txt, warm_txt, a.threads, cg,  # type: ignore[arg-type]
                                      work, a.row_timeout)
                 elif r["kind"] == "specmoe":
                     spec = {"kind": "specmoe", "ckpt": str(sources[name]),
                             "dtype": "auto" if "type" in r else r["precision"],
                             "cache": str(b["cache_bytes"]), "store": str(stores[name]),
+                            "memory": b["budget_bytes"] if a.plan else None,
                             "threads": a.threads, "prompt_ids": prompt_ids, "warm_ids": warm_ids,
                             "decode_tokens": DECODE_TOKENS}
                     res = run_python_row(r, spec, cg, work, a.row_timeout)
@@ -1011,15 +1327,19 @@ def main() -> None:
                                        for i in range(a.repeats)])
         row["vs_accelerate"] = _median([ratio(i, name, "accelerate") for i in range(a.repeats)])
         row["tok_per_s_runs"] = [x.get("tok_per_s") for x in runs[name]]
+        if name in peer_of:
+            row["vs_llama_cpp_runs"] = [ratio(i, name, peer_of[name]) for i in range(a.repeats)]
         for k in ("cgroup_peak_bytes", "decode_s", "prefill_s", "load_s", "warmup_s",
                   "read_bytes_total", "prefill_read_bytes", "decode_tokens",
                   "prompt_tokens_seen", "gguf_bytes"):
             v = [x.get(k) for x in ok if x.get(k) is not None]
             if v:
                 row[k] = _median(v)
-        for k in ("engine", "device_map_disk", "note", "capped", "cold_start"):
+        for k in ("engine", "device_map_disk", "note", "capped", "cold_start", "memory_plan"):
             if k in ok[-1]:
                 row[k] = ok[-1][k]
+        if name in store_info:
+            row.update(store_info[name])
         errs = [x["error"] for x in runs[name] if "error" in x]
         if errs:
             row["errors"] = errs
@@ -1045,13 +1365,24 @@ def main() -> None:
     targets = {k: v for k, v in targets.items()
                if all(side.split(" ")[0] in by for side in k.split(" vs "))}
     result = {
-        "config": {"model": "DeepSeek-V2-Lite layout, random bf16 weights",
-                   "layers": a.layers, "moe_layers": a.layers - 1, "vocab": a.vocab,
+        "config": {"model": {"dsv2lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}[
+                       a.model] + " layout, random weights",
+                   "model_key": a.model, "source": a.source,
+                   "weights": ("bf16 safetensors" if a.source == "checkpoint" else
+                               "GGUF Q4_0 / Q8_0 blocks written directly (see write_gguf)"),
+                   "layers": a.layers,
+                   "moe_layers": a.layers - cfg.get("first_k_dense_replace", 0),
+                   "vocab": a.vocab, "experts": n_experts(cfg),
+                   "top_k": cfg["num_experts_per_tok"], "budget": a.budget or "rule",
+                   "specmoe_memory": "planned (memory=budget)" if a.plan else
+                   "bf16 dense layers, cache = budget - non-expert - reserve",
+                   "written": written,
                    "expert_params": pc["expert_params"],
                    "non_expert_params": pc["non_expert_params"], "threads": a.threads,
                    "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS,
                    "accel_tokens": a.accel_tokens, "repeats": a.repeats,
-                   "router_skew": a.router_skew, "checkpoint": str(ckpt),
+                   "router_skew": a.router_skew,
+                   "checkpoint": str(ckpt) if a.source == "checkpoint" else None,
                    "cgroup": not a.no_cgroup, "reserve_bytes": RESERVE,
                    "bits_per_weight": BITS, "llama_cpp_isa": a.llama_isa},
         "host": hostinfo.host(a.threads),

@@ -183,3 +183,53 @@ def test_q4_0_experts_are_kept_bit_for_bit(tmp_path, capfd):
                 assert np.linalg.norm(yf - ref) / np.linalg.norm(ref) < 3e-2
     finally:
         st.close()
+
+
+def test_streamed_random_gguf_is_a_model_both_sides_read(tmp_path):
+    """benchmarks/big_model.py --source gguf writes its random model straight into a Q4_0
+    file, tensor by tensor, with the metadata and tokenizer helpers save_gguf uses: specmoe
+    reads back the config it was written from, the tokenizer padded to the vocabulary, and
+    weights of the intended scale with no common mean (a common mean made random models
+    repeat one token)."""
+    import sys
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+    from transformers import AutoTokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import big_model
+
+    for key, vocab in (("qwen3-30b-a3b", 8300), ("dsv2lite", 8200)):
+        cfg = big_model.make_config(2, vocab, key)
+        cfg["moe_intermediate_size"] = 64  # small experts, the model's other shapes
+        path = tmp_path / f"{key}.gguf"
+        big_model.write_gguf(path, cfg, seed=0, skew=1.0, qtype="Q4_0")
+        got = GgufCheckpoint.open(path).config()
+        for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "num_experts_per_tok",
+                  "moe_intermediate_size"):
+            assert got[k] == cfg[k], k
+        r = gguf.GGUFReader(str(path))
+        toks = r.fields["tokenizer.ggml.tokens"]
+        assert len(toks.data) == vocab
+        types = r.fields["tokenizer.ggml.token_type"]
+        last = types.parts[types.data[-1]][0]
+        assert last == gguf.TokenType.UNUSED and bytes(toks.parts[toks.data[-1]]) == \
+            f"[PAD{vocab - 1}]".encode()
+        t = next(t for t in r.tensors if t.name == "blk.1.ffn_up_exps.weight")
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0
+        w = dequantize(np.asarray(t.data), t.tensor_type)
+        assert abs(w.std() - 0.02) < 0.002 and abs(w.mean()) < 2e-4
+        if key == "qwen3-30b-a3b":  # (transformers reads no deepseek2 tokenizer from GGUF)
+            tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+            assert len(tok) == vocab
+    model = specmoe.from_pretrained(path, cache=0.5, dtype="auto", progress=False)
+    try:
+        ids = torch.tensor([[5, 600, 7000, 8, 900, 1000]])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 12)
+    finally:
+        specmoe.engine_of(model).close()

@@ -170,32 +170,12 @@ def save_checkpoint(model: nn.Module, folder: str | Path, *, layout: str = "per_
     return folder
 
 
-def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
-              tokenizer=None, expert_qtype: Any = None) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe or deepseek_v2) as a GGUF file the way
-    llama.cpp's converter does (architecture names and metadata keys, stacked experts
-    ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows), its
-    2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the
-    ``gguf`` package quantizes; routers, norms and biases stay F32, as llama-quantize keeps
-    them).  ``tokenizer``: a byte-level BPE fast tokenizer written into the metadata as
-    llama.cpp's ``gpt2`` tokenizer model (tokens, types, merges).  Returns the path and the
-    state dict as the file holds it (each quantized tensor dequantized by the ``gguf``
-    package): the reference the same weights give.  ``qtype`` may also be ``Q4_K``,
-    ``Q5_K``, ``Q6_K`` or ``IQ4_XS`` (written by :mod:`specmoe.storage.ggml_blocks`' quantizers; the ``gguf`` package
-    has none); a matrix whose columns are not a multiple of 256 then falls back to Q8_0, as
-    llama-quantize falls back.  ``expert_qtype``: the routed experts' type instead of
-    ``qtype``, a name or ``f(layer, "gate" | "up" | "down") -> name`` (a Q4_K_M-like mix)."""
-    import gguf
-    import numpy as np
-    from gguf.quants import dequantize, quantize
-
-    from ..storage.gguf import ARCHITECTURES, PERMUTED_QK, gguf_name
-
-    cfg = model.config
+def gguf_metadata(w: Any, cfg: Any) -> None:
+    """Write transformers config ``cfg``'s architecture keys into GGUF writer ``w`` (created
+    for the llama.cpp architecture of ``cfg.model_type``), as llama.cpp's converter names
+    them.  Shared by :func:`save_gguf` and the benchmarks that stream a GGUF file."""
+    from ..storage.gguf import ARCHITECTURES
     arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
-    qt = gguf.GGMLQuantizationType[qtype]
-    path = Path(path)
-    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -242,6 +222,63 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
         if isinstance(tid, int):
             fn(tid)
 
+
+def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
+    """Write byte-level BPE fast ``tokenizer`` into GGUF writer ``w`` as llama.cpp's ``gpt2``
+    tokenizer model (tokens, types, merges).  ``n_vocab`` larger than the tokenizer pads the
+    list with ``[PAD<id>]`` tokens of type UNUSED, as llama.cpp's converter pads a vocabulary
+    smaller than the embedding."""
+    import json
+
+    import gguf
+    tj = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = tj["model"]["vocab"]
+    for a in tj.get("added_tokens", []):
+        vocab.setdefault(a["content"], a["id"])
+    n = max(len(vocab), n_vocab or 0, max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    real = set(vocab.values())
+    for t, i in vocab.items():
+        tokens[i] = t
+    special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else
+                       gguf.TokenType.NORMAL if i in real else gguf.TokenType.UNUSED
+                       for i in range(n)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                        for m in tj["model"]["merges"]])
+
+
+def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
+              tokenizer=None, expert_qtype: Any = None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe or deepseek_v2) as a GGUF file the way
+    llama.cpp's converter does (architecture names and metadata keys, stacked experts
+    ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows), its
+    2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the
+    ``gguf`` package quantizes; routers, norms and biases stay F32, as llama-quantize keeps
+    them).  ``tokenizer``: a byte-level BPE fast tokenizer written into the metadata as
+    llama.cpp's ``gpt2`` tokenizer model (tokens, types, merges).  Returns the path and the
+    state dict as the file holds it (each quantized tensor dequantized by the ``gguf``
+    package): the reference the same weights give.  ``qtype`` may also be ``Q4_K``,
+    ``Q5_K``, ``Q6_K`` or ``IQ4_XS`` (written by :mod:`specmoe.storage.ggml_blocks`' quantizers; the ``gguf`` package
+    has none); a matrix whose columns are not a multiple of 256 then falls back to Q8_0, as
+    llama-quantize falls back.  ``expert_qtype``: the routed experts' type instead of
+    ``qtype``, a name or ``f(layer, "gate" | "up" | "down") -> name`` (a Q4_K_M-like mix)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    from ..storage.gguf import ARCHITECTURES, PERMUTED_QK, gguf_name
+
+    cfg = model.config
+    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
+    qt = gguf.GGMLQuantizationType[qtype]
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    gguf_metadata(w, cfg)
+
     def roundtrip(a: np.ndarray, quantized: bool,
                   t: Any) -> tuple[np.ndarray, np.ndarray]:
         """(what the file stores, what it dequantizes to) for f32 array ``a`` in type t."""
@@ -279,20 +316,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
         return expert_qtype(int(layer), role)
 
     if tokenizer is not None:
-        import json
-        tj = json.loads(tokenizer.backend_tokenizer.to_str())
-        vocab = tj["model"]["vocab"]
-        tokens = [""] * len(vocab)
-        for t, i in vocab.items():
-            tokens[i] = t
-        special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
-        w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                           for i in range(len(tokens))])
-        w.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                            for m in tj["model"]["merges"]])
+        gguf_tokenizer(w, tokenizer)
 
     held: dict[str, torch.Tensor] = {}
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
