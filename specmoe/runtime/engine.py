@@ -52,6 +52,7 @@ from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetc
 from .tau_tables import TauTables
 
 from .expert_copy import ExpertCopy
+from .memplan import trim_heap
 from .experts import SpecmoeExperts, engine_of
 from .lookahead import LookaheadBuffer, draft_step_priorities, lookahead_queue
 from .recording import Recorder
@@ -302,6 +303,7 @@ class Engine(EngineCommon):
         # weights load at their own dtype, and under a budget planned for int8 dense layers
         # (specmoe.runtime.memplan) the bf16 copies must be gone before the slots are taken
         self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
+        trim_heap()  # the freed copies' pages back to the kernel before the slots are taken
         try:
             self._open_cache(cache)
         except BaseException:
