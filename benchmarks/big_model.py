@@ -854,7 +854,7 @@ def run_python_row(row: dict[str, Any], spec: dict[str, Any], cg: Cgroup | None,
            "read_bytes_total": r["read_bytes"], "prefill_read_bytes": res["prefill_read_bytes"]}
     if cg is not None:
         out["cgroup_peak_bytes"] = cg.peak()
-    for k in ("engine", "device_map_disk"):
+    for k in ("engine", "device_map_disk", "memory_plan"):
         if k in res:
             out[k] = res[k]
     return out
@@ -1357,6 +1357,8 @@ def main() -> None:
         "specmoe-int4 vs accelerate": target("specmoe-int4", "vs_accelerate", 20.0),
         "specmoe-int8 vs accelerate": target("specmoe-int8", "vs_accelerate", 20.0),
         "specmoe-gguf-Q4_0 vs llama.cpp-Q4_0 (same file)": target("specmoe-gguf-Q4_0",
+                                                                   "vs_llama_cpp", 2.0),
+        "specmoe-gguf-Q8_0 vs llama.cpp-Q8_0 (same file)": target("specmoe-gguf-Q8_0",
                                                                    "vs_llama_cpp", 2.0),
         "specmoe-gguf-Q4_K_M vs llama.cpp-Q4_K_M (same file)": target(
             "specmoe-gguf-Q4_K_M", "vs_llama_cpp", 2.0),
