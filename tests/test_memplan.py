@@ -126,10 +126,15 @@ def test_model_sizes_counts_what_the_dense_kernels_convert():
     assert (s.param_bytes, s.model_dtype) == (4.0, "f32")
 
 
-def test_from_pretrained_plans_to_the_budget(tmp_path, capsys):
+def test_from_pretrained_plans_to_the_budget(tmp_path, capsys, monkeypatch):
     torch = pytest.importorskip("torch")
     import specmoe
     from specmoe.models.testing import save_checkpoint, tiny_model
+    from specmoe.runtime import memplan
+
+    # the reserve for a given budget is what the process holds + WORK_MARGIN, at least 512 MiB:
+    # a process holding little plans with the floor
+    monkeypatch.setattr(memplan, "anon_bytes", lambda: 100 << 20)
 
     m = tiny_model("deepseek_v2", layers=3, experts=8, top_k=2, hidden=64, inter=32,
                    dtype=torch.bfloat16, overrides={"num_key_value_heads": 4})
@@ -162,6 +167,15 @@ def test_from_pretrained_plans_to_the_budget(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"cache=16 \(16 experts\) does not fit memory="):
         specmoe.from_pretrained(ckpt, dtype="int4", memory=tight, dense="bf16", cache=16,
                                 store=store, progress=False)
+    # a process that already holds 1 GiB keeps it out of the budget: the reserve grows by what
+    # it holds above the floor, and the same budget no longer fits
+    monkeypatch.setattr(memplan, "anon_bytes", lambda: 1 << 30)
+    assert memplan.process_reserve() == (1 << 30) + memplan.WORK_MARGIN
+    with pytest.raises(ValueError, match="too small for this model"):
+        specmoe.from_pretrained(ckpt, dtype="int4", memory=tight, dense="bf16", store=store,
+                                progress=False)
+    monkeypatch.setattr(memplan, "anon_bytes", lambda: None)  # unknown: the floor
+    assert memplan.process_reserve() == memplan.RESERVE
     with pytest.raises(ValueError, match=r"memory= plans host memory"):
         specmoe.from_pretrained(ckpt, memory="1GiB", device="cuda")
     with pytest.raises(ValueError, match=r"memory='lots'"):

@@ -333,7 +333,10 @@ def _plan_memory(plan: _Plan, dtype: str, budget: int, source: str, cache: Any,
     where.mkdir(parents=True, exist_ok=True)
     rates = memplan.measure_rates(sizes, dtype, hidden=H, inter=I, formats=opts,
                                   directory=str(where))
-    mp = memplan.plan_memory(sizes, budget, rates, dense_options=opts, source=source)
+    # a given budget holds the whole process; "auto"'s headroom leaves out what it holds
+    reserve = memplan.process_reserve() if source == "given" else memplan.RESERVE
+    mp = memplan.plan_memory(sizes, budget, rates, dense_options=opts, reserve=reserve,
+                             source=source)
     if cache is not None:  # the user's cache, inside the budget or refused
         from ..runtime.cache import parse_capacity
         total = sizes.num_layers * sizes.num_experts

@@ -6,7 +6,9 @@ memory available) and ``specmoe run --memory`` call :func:`plan_memory` and prin
 ``cache=`` and ``dense=`` given explicitly win over it.
 
 The rule.  The budget holds, besides the expert cache: a reserve for the interpreter, torch
-and the working buffers (512 MiB, as ``benchmarks/big_model.py`` budgets), the KV cache of
+and the working buffers (for a given budget, which holds the whole process: what the process
+holds when it plans plus 256 MiB, at least 512 MiB as ``benchmarks/big_model.py`` budgets;
+for ``"auto"``, whose headroom already leaves out what the process holds, 512 MiB), the KV cache of
 ``max_tokens`` tokens, the weights the dense kernels never convert (embeddings, norms,
 routers: at the model's dtype) and the convertible dense weights (attention, shared and dense
 MLPs, lm_head) in format ``d`` (they load at the model's dtype and are converted before the
@@ -42,9 +44,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["HIT_CURVE", "EXACT_MARGIN", "RESERVE", "MemoryPlan", "ModelSizes",
+__all__ = ["HIT_CURVE", "EXACT_MARGIN", "RESERVE", "WORK_MARGIN", "MemoryPlan", "ModelSizes",
            "MachineRates", "plan_memory", "memory_budget", "memory_limit", "model_sizes",
-           "measure_rates"]
+           "measure_rates", "process_reserve", "trim_heap"]
 
 MiB = 1 << 20
 #: The budget's fixed part: interpreter, torch, the kernels' buffers.
@@ -224,6 +226,34 @@ def trim_heap() -> bool:
     fn.restype = ctypes.c_int
     fn(0)
     return True
+
+
+# what a plan keeps above this process's anonymous memory at planning time (the interpreter,
+# torch and transformers already loaded): the load's transients, the allocator's slack and
+# the activations of a step
+WORK_MARGIN = 256 * MiB
+
+
+def anon_bytes() -> int | None:
+    """This process's anonymous resident memory (Linux's ``RssAnon``), None where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def process_reserve(floor: int = RESERVE) -> int:
+    """The reserve of a plan for a given budget, which holds the whole process: what this
+    process already holds (after :func:`trim_heap`) plus :data:`WORK_MARGIN`, at least
+    ``floor``.  A fixed 512 MiB was short for Qwen3-30B-A3B's shapes: the process held 720 MiB
+    above its planned weights after loading, and the cgroup OOM-killed it mid-generation."""
+    trim_heap()
+    anon = anon_bytes()
+    return floor if anon is None else max(floor, anon + WORK_MARGIN)
 
 
 def memory_limit() -> int:
