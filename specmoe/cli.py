@@ -102,6 +102,17 @@ def _at_least(lo: int, hi: "int | None" = None):
     return parse
 
 
+def _non_negative(s: str) -> float:
+    """argparse type: a finite number >= 0, refused at parse time."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
+
+
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None,
                    help="a specmoe .npz trace, or a puffin CSV file or directory (default: "
@@ -402,7 +413,7 @@ def _serve_ray(args, cache: Any) -> int:
                              model_name=args.model_name,
                              api_key=args.api_key, max_batch=args.max_batch,
                              max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                             cache=cache, dtype=args.dtype, policy=args.policy,
+                             prefill_ratio=args.prefill_ratio, cache=cache, dtype=args.dtype, policy=args.policy,
                              prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
                              batch_decode=not args.no_batch_decode),
                   blocking=False)
@@ -464,7 +475,8 @@ def _cmd_serve(args) -> int:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
     asgi = app(args.checkpoint, tok, model_name=args.model_name, api_key=args.api_key,
                max_batch=args.max_batch, max_queue=args.max_queue,
-               prefill_chunk=args.prefill_chunk, cache=cache, dtype=args.dtype,
+               prefill_chunk=args.prefill_chunk, prefill_ratio=args.prefill_ratio,
+               cache=cache, dtype=args.dtype,
                policy=policy, prefetch=not args.no_prefetch, store=args.store,
                dense=args.dense, batch_decode=not args.no_batch_decode)
     srv = asgi.state.server
@@ -632,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests waiting beyond --max-batch before 429 (default 256)")
     p.add_argument("--prefill-chunk", type=_at_least(1), default=256,
                    help="prompt tokens per step of a request being prefilled (default 256)")
+    p.add_argument("--prefill-ratio", type=_non_negative, default=2.0,
+                   help="while requests decode, a round's prompt chunks take at most about "
+                        "this many decode steps' time (default 2; 0: every waiting prompt "
+                        "at once)")
     p.add_argument("--api-key", default=os.environ.get("SPECMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: "
                         "$SPECMOE_API_KEY, else none)")

@@ -268,6 +268,72 @@ def _collect(sch, prompts, max_tokens):
     return [r.generated for r in reqs]
 
 
+def test_pace_takes_prompts_in_arrival_order_within_the_allowance():
+    """The pacing rule: the first requests whose next chunks fit the allowance, at least
+    one (a chunk is the prompt's rest, at most ``chunk`` tokens)."""
+    from specmoe.serve.scheduler import GenParams, Request, _pace
+    reqs = [Request(list(range(1, n + 1)), GenParams(max_tokens=1), lambda ev: None)
+            for n in (5, 30, 4, 2)]
+    reqs[1].fed = 6   # 24 left: a chunk of 8
+    assert _pace(reqs, 0, 8) == reqs[:1]          # nothing allowed: still the first
+    assert _pace(reqs, 12, 8) == reqs[:1]         # 5 + 8 > 12
+    assert _pace(reqs, 13, 8) == reqs[:2]         # 5 + 8
+    assert _pace(reqs, 17, 8) == reqs[:3]         # + 4; the 2 after it would make 19
+    assert _pace(reqs, 1e9, 8) == reqs
+    assert _pace([], 10, 8) == []
+
+
+def test_prefill_is_paced_while_others_decode(served):
+    """While a request decodes, prompts arriving later are prefilled a chunk per round (the
+    allowance is ~0 here), not all at once, and every request still gets model.generate's
+    tokens for its prompt alone; with pacing off no prompt waits for it."""
+    from specmoe.serve.scheduler import GenParams, Request, Scheduler
+    tok = served["tok"]
+    model = specmoe.from_pretrained(str(ZOO), cache="25%")
+    try:
+        first = tok(PROMPTS["short"][0]).input_ids
+        later = [tok(t).input_ids for t in (PROMPTS["fox"][0], PROMPTS["mid"][0],
+                                            "def main(argv):")]
+        assert all(len(ids) > CHUNK for ids in later[:2])
+        n_first, n = 40, 8
+        want_first = _greedy(model, tok, first, n_first)[0]
+        want = [_greedy(model, tok, ids, n)[0] for ids in later]
+        with pytest.raises(ValueError, match="prefill_ratio"):
+            Scheduler(model, tok, prefill_ratio=-1.0)
+        for ratio in (1e-9, 0):
+            sch = Scheduler(model, tok, max_batch=8, prefill_chunk=CHUNK, prefill_ratio=ratio)
+            try:
+                done = threading.Event()
+                reqs: list = []
+
+                def sink(ev):
+                    if ev[0] in ("done", "error") and len(reqs) == 4 and \
+                            all(r.finished for r in reqs):
+                        done.set()
+                a = Request(first, GenParams(max_tokens=n_first, temperature=0), sink)
+                reqs.append(a)
+                sch.submit(a)
+                t0 = time.time()
+                while len(a.generated) < 3:   # decoding: the pacing has its measurements
+                    assert time.time() - t0 < 60 and a.finished is None
+                    time.sleep(0.005)
+                with sch._cond:               # admitted together, in one round
+                    for ids in later:
+                        reqs.append(Request(ids, GenParams(max_tokens=n, temperature=0), sink))
+                        sch.submit(reqs[-1])
+                assert done.wait(120), [r.finished for r in reqs]
+                got = [tok.decode(r.generated, skip_special_tokens=True) for r in reqs]
+                assert got == [want_first] + want
+                if ratio:
+                    assert sch.prefills_paced > 0
+                else:
+                    assert sch.prefills_paced == 0
+            finally:
+                sch.close()
+    finally:
+        specmoe.engine_of(model).close()
+
+
 def test_prompts_arriving_together_are_prefilled_in_one_forward(served):
     """Requests admitted in the same round are prefilled in batched forwards (grouped by
     length), then decoded in one batch; each gets model.generate's tokens for it alone, also

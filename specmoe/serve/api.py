@@ -168,7 +168,7 @@ class Server:
                  api_key: Optional[str] = None, max_batch: int = 16, max_queue: int = 256,
                  prefill_chunk: int = 256, context_length: Optional[int] = None,
                  max_body_bytes: int = MAX_BODY, owns_engine: bool = False,
-                 batch_decode: bool = True) -> None:
+                 batch_decode: bool = True, prefill_ratio: Optional[float] = 2.0) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -180,7 +180,7 @@ class Server:
         self.metrics = Metrics(lambda: self.scheduler.engine_stats)
         self.scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue,
                                    prefill_chunk=prefill_chunk, metrics=self.metrics,
-                                   batch_decode=batch_decode)
+                                   batch_decode=batch_decode, prefill_ratio=prefill_ratio)
         cfg = model.config
         if context_length is None:
             context_length = getattr(cfg, "max_position_embeddings", None)
@@ -620,7 +620,8 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
         api_key: Optional[str] = None, max_batch: int = 16, max_queue: int = 256,
         prefill_chunk: int = 256, context_length: Optional[int] = None,
         max_body_bytes: int = MAX_BODY, cache: Any = "25%", dtype: str = "auto",
-        batch_decode: bool = True, **load_kwargs: Any) -> Starlette:
+        batch_decode: bool = True, prefill_ratio: Optional[float] = 2.0,
+        **load_kwargs: Any) -> Starlette:
     """An ASGI app serving ``model_or_path`` with OpenAI's API (module docstring).
 
     ``model_or_path``: a transformers causal LM (offloaded by specmoe or not; the app never
@@ -634,7 +635,9 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     beyond them before 429; ``prefill_chunk``: prompt tokens per step; ``context_length``:
     prompt + max_tokens limit (default: the config's ``max_position_embeddings``);
     ``batch_decode``: the running requests' decode steps in one batched forward (continuous
-    batching, the default), or one forward per request (False).
+    batching, the default), or one forward per request (False); ``prefill_ratio``: while
+    requests decode, a round's prompt chunks take about at most that many decode steps' time
+    (0 or None: every waiting prompt at once; :mod:`specmoe.serve.scheduler`, pacing).
 
     The worker thread starts with the app's lifespan (or at the first request) and stops at
     its shutdown; ``app.state.server`` is the :class:`Server`."""
@@ -656,7 +659,8 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     server = Server(model, tokenizer, model_name=name, api_key=api_key, max_batch=max_batch,
                     max_queue=max_queue, prefill_chunk=prefill_chunk,
                     context_length=context_length, max_body_bytes=max_body_bytes,
-                    owns_engine=owns, batch_decode=batch_decode)
+                    owns_engine=owns, batch_decode=batch_decode,
+                    prefill_ratio=prefill_ratio)
     h = _Handlers(server)
 
     @contextlib.asynccontextmanager

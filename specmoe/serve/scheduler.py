@@ -26,6 +26,15 @@ request by one step:
   ``prefill_chunk`` tokens into its own ``DynamicCache`` at batch 1 each round (so the others
   keep decoding between its chunks).  The step that feeds a prompt's last token also picks
   the first new token.
+* **pacing**: while requests decode, a round's prefill work is held to about
+  ``prefill_ratio`` decode steps' time (default 2), so that new arrivals do not stall the
+  running requests' next tokens: the requests waiting for their prompt are taken in arrival
+  order, each with its next chunk, while the chunks' estimated time (the measured seconds per
+  prompt token, a moving average) stays within ``prefill_ratio`` times the measured decode
+  step; at least one chunk runs every round, so no prompt waits forever.  The others keep
+  their place for the next round.  With nothing decoding every waiting prompt is prefilled at
+  once (batched, as above).  Chunk boundaries never depend on the pacing (a prompt is always
+  fed ``prefill_chunk`` tokens at a time), only which round feeds them.
 
 A request leaves the running set as soon as it finishes (EOS, a stop string, ``max_tokens``),
 is cancelled (client gone: freed at the worker's next look at it, within one round) or fails.
@@ -150,11 +159,17 @@ class Scheduler:
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
-                 batch_decode: bool = True) -> None:
+                 batch_decode: bool = True, prefill_ratio: Optional[float] = 2.0) -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if prefill_ratio is not None and (isinstance(prefill_ratio, bool) or not isinstance(
+                prefill_ratio, (int, float)) or not prefill_ratio >= 0):
+            raise ValueError(f"prefill_ratio must be a number >= 0 (0 or None: no pacing), "
+                             f"got {prefill_ratio!r}")
+        # 0 / None: every waiting prompt prefilled each round, whatever the decoders wait
+        self.prefill_ratio = float(prefill_ratio) if prefill_ratio else None
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -186,6 +201,11 @@ class Scheduler:
         self.batched_steps = 0                 # batched decode forwards run
         self.peak_batch = 0                    # the most rows in one of them
         self.batched_prefills = 0              # prefill forwards of several whole prompts
+        # pacing (the worker's own): moving averages of a decode round's seconds and of the
+        # prefill's seconds per prompt token; prompts whose chunk waited a round for pacing
+        self._decode_s: Optional[float] = None
+        self._prompt_tok_s: Optional[float] = None
+        self.prefills_paced = 0
         self.fatal: Optional[BaseException] = None   # what killed the worker, if anything
 
     # -- the server's side (any thread) ----------------------------------------------------
@@ -302,9 +322,14 @@ class Scheduler:
         for req in self.running:
             if req.cancelled:
                 req.finished = req.finished or "cancelled"
-        self._decode([r for r in decoding if not r.cancelled])
-        self._prefill([r for r in self.running if not r.cancelled and r.finished is None
-                       and r.fed < len(r.prompt)])
+        live = [r for r in decoding if not r.cancelled]
+        t0 = time.perf_counter()
+        self._decode(live)
+        if live:
+            self._decode_s = _ema(self._decode_s, time.perf_counter() - t0)
+        self._prefill(self._paced([r for r in self.running if not r.cancelled
+                                   and r.finished is None and r.fed < len(r.prompt)],
+                                  decoding=bool(live)))
         done = [r for r in self.running if r.finished is not None or r.cancelled]
         if done:
             for r in done:
@@ -377,10 +402,34 @@ class Scheduler:
         for req in reqs:
             self._guarded(self._step, req)
 
+    def _paced(self, reqs: List[Request], decoding: bool) -> List[Request]:
+        """The requests of ``reqs`` (waiting for their prompt, in arrival order) whose next
+        chunk this round prefills: all of them when nothing decodes or nothing is measured
+        yet, else the first ones whose chunks' estimated time stays within
+        ``prefill_ratio`` decode rounds (at least one; module docstring, pacing)."""
+        if (not decoding or self.prefill_ratio is None or self._decode_s is None
+                or self._prompt_tok_s is None):
+            return reqs
+        allow = self.prefill_ratio * self._decode_s / max(self._prompt_tok_s, 1e-9)
+        pick = _pace(reqs, allow, self.prefill_chunk)
+        self.prefills_paced += len(reqs) - len(pick)
+        return pick
+
     def _prefill(self, reqs: List[Request]) -> None:
         """One prefill step of every request in ``reqs``: requests whose whole prompt fits in
         one chunk and that have not started go through batched forwards of a few of them
-        (:func:`_prefill_groups`), the others feed their next chunk alone."""
+        (:func:`_prefill_groups`), the others feed their next chunk alone.  Its seconds per
+        prompt token feed the pacing's average."""
+        if not reqs:
+            return
+        fed0 = sum(r.fed for r in reqs)
+        t0 = time.perf_counter()
+        self._prefill_all(reqs)
+        n = sum(r.fed for r in reqs) - fed0
+        if n > 0:
+            self._prompt_tok_s = _ema(self._prompt_tok_s, (time.perf_counter() - t0) / n)
+
+    def _prefill_all(self, reqs: List[Request]) -> None:
         alone = list(reqs)
         if self.batch_off_reason is None and not self._pause:
             fresh = [r for r in reqs if r.fed == 0 and len(r.prompt) <= self.prefill_chunk]
@@ -559,6 +608,25 @@ class Scheduler:
         req.error = message
         req.kv = None
         req.sink(("error", status, message))
+
+
+def _ema(avg: Optional[float], x: float, a: float = 0.3) -> float:
+    """The moving average ``avg`` after sample ``x`` (the sample itself when there is none)."""
+    return x if avg is None else (1 - a) * avg + a * x
+
+
+def _pace(reqs: List[Request], allow: float, chunk: int) -> List[Request]:
+    """The first requests of ``reqs`` whose next chunks (``chunk`` prompt tokens at most each)
+    add up to at most ``allow`` tokens; at least the first one."""
+    pick: List[Request] = []
+    used = 0
+    for r in reqs:
+        n = min(len(r.prompt) - r.fed, chunk)
+        if pick and used + n > allow:
+            break
+        pick.append(r)
+        used += n
+    return pick
 
 
 def _prefill_groups(reqs: List[Request], waste: float = 0.25,
