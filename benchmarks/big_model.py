@@ -242,9 +242,12 @@ def _qwen3_config(layers: int, vocab: int) -> dict[str, Any]:
     }
 
 
-# --model: (config maker, default layers, default vocab)
-MODELS = {"dsv2lite": (_dsv2lite_config, 12, 102400),
-          "qwen3-30b-a3b": (_qwen3_config, 48, 151936)}
+# --model: (config maker, default layers, default vocab, --source gguf's token embedding std:
+# None = the weights' 0.02; at Qwen3's 48 layers greedy decoding of the random model fell into
+# a one-token loop at 0.02 (expert hit rate 0.996 at a 28 % cache), and 4 makes each token's
+# routing its own: 33 distinct tokens in 33 at 12 layers, where 1.0 still cycled)
+MODELS = {"dsv2lite": (_dsv2lite_config, 12, 102400, None),
+          "qwen3-30b-a3b": (_qwen3_config, 48, 151936, 4.0)}
 
 
 def make_config(layers: int, vocab: int, model: str = "dsv2lite") -> dict[str, Any]:
@@ -484,7 +487,8 @@ def gguf_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: str) -> None:
+def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: str,
+               embed_std: float | None = None) -> None:
     """Stream the random model straight into a GGUF file of type ``qtype`` (Q4_0 or Q8_0),
     tensor by tensor, unless a complete one of the same hash is there.
 
@@ -492,14 +496,15 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
     per-block scale ``d = ±0.02 / std(values) * U(0.75, 1.25)`` (std about 0.02, the
     checkpoint's N(0, 0.02); the sign random); norms are F32 ones; routers are F32 N(0, 0.02) rows scaled by
     ``exp(skew * z_e)`` as in :func:`write_checkpoint`.  Unlike llama-quantize, which keeps
-    ``output.weight`` in Q6_K, every matrix is ``qtype``: both sides read exactly these bytes."""
+    ``output.weight`` in Q6_K, every matrix is ``qtype``: both sides read exactly these bytes.
+    ``embed_std``: the token embeddings' std instead of 0.02 (:data:`MODELS`)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
     sys.path.insert(0, str(REPO))
     from specmoe.models.testing import gguf_metadata, gguf_tokenizer
     from specmoe.storage.gguf import ARCHITECTURES
 
-    chash = config_hash(cfg, seed, skew) + "-" + qtype
+    chash = config_hash(cfg, seed, skew) + "-" + qtype + (f"-e{embed_std:g}" if embed_std else "")
     marker = Path(str(path) + ".complete")
     if path.is_file() and marker.is_file() and marker.read_text() == chash:
         log(f"GGUF {path} present (hash {chash})")
@@ -550,11 +555,12 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
         elif not quantized(shape, kind):
             a = (rng.standard_normal(shape) * std).astype(np.float32)
         else:
+            s = embed_std if (embed_std and name == "token_embd.weight") else std
             nb = n // 32
             a = np.frombuffer(rng.bytes(nb * block_bytes), np.uint8).reshape(nb, block_bytes)
             # a random sign: Q4_0's values (0..15 less 8) average -0.5, which would give
             # every matrix a common mean and the model one favourite token
-            d = (std / vstd) * rng.uniform(0.75, 1.25, nb) * rng.choice((-1.0, 1.0), nb)
+            d = (s / vstd) * rng.uniform(0.75, 1.25, nb) * rng.choice((-1.0, 1.0), nb)
             a = a.copy()
             a[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
             a = a.reshape(*shape[:-1], shape[-1] // 32 * block_bytes)
@@ -1081,6 +1087,9 @@ def main() -> None:
                     help="checkpoint: bf16 safetensors, llama.cpp's files made by its converter "
                          "and llama-quantize; gguf: the random model written straight into "
                          "the Q4_0 / Q8_0 GGUF files that every row reads (no bf16 copy on disk)")
+    ap.add_argument("--embed-std", type=float, default=None,
+                    help="--source gguf: the token embeddings' std (default: the model's, "
+                         "see MODELS)")
     ap.add_argument("--budget", default=None,
                     help="one fixed memory budget for every row (e.g. 8GiB) instead of the "
                          "rule; specmoe's cache is the budget less the bf16 non-expert bytes "
@@ -1202,7 +1211,8 @@ def main() -> None:
         for t in sorted({r["file"] for r in rows_def if "file" in r}):
             f = root / "gguf-direct" / f"model-{t}.gguf"
             t0 = time.time()
-            write_gguf(f, cfg, a.seed, a.router_skew, t)
+            write_gguf(f, cfg, a.seed, a.router_skew, t,
+                       embed_std=a.embed_std if a.embed_std is not None else MODELS[a.model][3])
             gguf[t] = f
             written[str(f)] = {"bytes": f.stat().st_size, "s": time.time() - t0}
         if lc is not None and lc.error:
@@ -1370,6 +1380,8 @@ def main() -> None:
         "config": {"model": {"dsv2lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}[
                        a.model] + " layout, random weights",
                    "model_key": a.model, "source": a.source,
+                   "embed_std": (a.embed_std if a.embed_std is not None else MODELS[a.model][3])
+                   if a.source == "gguf" else None,
                    "weights": ("bf16 safetensors" if a.source == "checkpoint" else
                                "GGUF Q4_0 / Q8_0 blocks written directly (see write_gguf)"),
                    "layers": a.layers,
