@@ -1040,7 +1040,12 @@ class LlamaCpp:
 # main
 
 
-def convert_store(ckpt: Path, dtype: str, out: Path, timeout: float) -> dict[str, Any]:
+def convert_store(ckpt: Path, dtype: str, out: Path, timeout: float) -> str | None:
+    """Build the specmoe store (uncapped, untimed); None or the reason it failed."""
+    return convert_store_info(ckpt, dtype, out, timeout).get("error")
+
+
+def convert_store_info(ckpt: Path, dtype: str, out: Path, timeout: float) -> dict[str, Any]:
     """Build the specmoe store (uncapped, untimed): ``{"error": reason}`` or its conversion
     time, the converting process's peak RSS and the store's size (a store already converted
     from the same source is reused by ``specmoe.convert``: its time is then the check's)."""
@@ -1244,7 +1249,7 @@ def main() -> None:
                 p = root / f"store-{r['precision']}-from-{r['file']}.smoe"
             else:
                 src, dt, p = ckpt, r["precision"], root / f"store-{r['precision']}.smoe"
-            info = convert_store(src, dt, p, a.row_timeout)  # type: ignore[arg-type]
+            info = convert_store_info(src, dt, p, a.row_timeout)  # type: ignore[arg-type]
             if "error" in info:
                 prep_err[r["name"]] = info["error"]
             else:
