@@ -22,9 +22,9 @@ Servers, each a real process on a loopback port, started for every row and stopp
   steps of the running requests in one batched forward;
 * ``specmoe-unbatched``: the same with ``--no-batch-decode`` (one forward per request and
   step: what continuous batching buys);
-* ``specmoe-unpaced``: the same with ``--prefill-ratio 0`` (every waiting prompt prefilled in
-  the round it arrives, however long the decoders wait: what the pacing buys in the
-  inter-token latency's tail);
+* ``specmoe-paced``: the same with ``--prefill-ratio 2`` (while requests decode, a round's
+  prompt chunks held to about two decode rounds' time: what the pacing buys in the
+  inter-token latency's tail, and what it costs in throughput);
 * ``llama-server``: llama.cpp's server (built from the llama-cpp-python sdist, as
   big_model.py builds llama.cpp; ``--peers``) on the same checkpoint converted by llama.cpp's
   own converter and quantized to Q4_0 (the same bits per expert weight as specmoe's int4 within
@@ -76,7 +76,7 @@ REPO = Path(__file__).resolve().parent.parent
 ZOO = REPO / "specmoe" / "zoo" / "tiny-moe"
 MiB = 1 << 20
 PROMPT_TOKENS = 64
-SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-unpaced", "llama-server")
+SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-paced", "llama-server")
 MODEL = "bench"       # the model id the servers are asked for (llama-server takes any)
 
 
@@ -202,8 +202,8 @@ def server_argv(kind: str, m: Dict[str, Any], clients: int, port: int,
             "--threads", str(a.threads), "--log-level", "warning", "--model-name", MODEL]
     if kind == "specmoe-unbatched":
         argv.append("--no-batch-decode")
-    if kind == "specmoe-unpaced":
-        argv += ["--prefill-ratio", "0"]
+    if kind == "specmoe-paced":
+        argv += ["--prefill-ratio", "2"]
     return argv
 
 
@@ -369,9 +369,8 @@ def summarize(runs: Dict[str, Dict[int, List[Dict[str, Any]]]], servers: List[st
                 per["vs_llama_server"] = [ratio(tps(s, c, r), tps("llama-server", c, r))
                                           for r in range(rounds)] if "llama-server" in runs \
                     else []
-                per["vs_unpaced"] = [ratio(tps(s, c, r), tps("specmoe-unpaced", c, r))
-                                     for r in range(rounds)] if "specmoe-unpaced" in runs \
-                    else []
+                per["vs_paced"] = [ratio(tps(s, c, r), tps("specmoe-paced", c, r))
+                                   for r in range(rounds)] if "specmoe-paced" in runs else []
             for k, v in per.items():
                 row[k + "_per_round"] = v
                 vv = [x for x in v if x is not None]

@@ -644,10 +644,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests waiting beyond --max-batch before 429 (default 256)")
     p.add_argument("--prefill-chunk", type=_at_least(1), default=256,
                    help="prompt tokens per step of a request being prefilled (default 256)")
-    p.add_argument("--prefill-ratio", type=_non_negative, default=2.0,
-                   help="while requests decode, a round's prompt chunks take at most about "
-                        "this many decode steps' time (default 2; 0: every waiting prompt "
-                        "at once)")
+    p.add_argument("--prefill-ratio", type=_non_negative, default=0.0,
+                   help="pace prompts: while requests decode, a round's prompt chunks take at "
+                        "most about this many decode steps' time (e.g. 2; default 0: every "
+                        "waiting prompt at once)")
     p.add_argument("--api-key", default=os.environ.get("SPECMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: "
                         "$SPECMOE_API_KEY, else none)")

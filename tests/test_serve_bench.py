@@ -1,6 +1,6 @@
 """benchmarks/serve.py: a smoke run of the serving load test (make test-bench runs it).
 
-Three specmoe servers (batched, unbatched, unpaced) on the zoo model with 1 and 2 clients, one round, and
+Three specmoe servers (batched, unbatched, paced) on the zoo model with 1 and 2 clients, one round, and
 llama-server pointed at a folder without llama.cpp: checks the JSON's structure, that every
 request was answered, that the batched server did batch, and that the peer that cannot run is
 a row saying why.  No timing assertions."""
@@ -37,12 +37,12 @@ def test_serve_benchmark_smoke(tmp_path):
     res = json.loads(p.stdout)
     assert res["host"]["cpu"] and res["host"]["threads"]
     rows = {(r["server"], r["clients"]): r for r in res["models"]["zoo"]["rows"]}
-    assert set(rows) == {(s, c) for s in ("specmoe", "specmoe-unbatched", "specmoe-unpaced",
+    assert set(rows) == {(s, c) for s in ("specmoe", "specmoe-unbatched", "specmoe-paced",
                                           "llama-server") for c in (1, 2)}
     for c in (1, 2):
         peer = rows[("llama-server", c)]
         assert "llama.cpp" in peer["error"] and "out_tok_s" not in peer
-        for s in ("specmoe", "specmoe-unbatched", "specmoe-unpaced"):
+        for s in ("specmoe", "specmoe-unbatched", "specmoe-paced"):
             r = rows[(s, c)]
             assert "error" not in r, r
             assert r["errors"] == 0 and r["completion_tokens"] == [6 * 2 * c]

@@ -168,7 +168,7 @@ class Server:
                  api_key: Optional[str] = None, max_batch: int = 16, max_queue: int = 256,
                  prefill_chunk: int = 256, context_length: Optional[int] = None,
                  max_body_bytes: int = MAX_BODY, owns_engine: bool = False,
-                 batch_decode: bool = True, prefill_ratio: Optional[float] = 2.0) -> None:
+                 batch_decode: bool = True, prefill_ratio: Optional[float] = None) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -620,7 +620,7 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
         api_key: Optional[str] = None, max_batch: int = 16, max_queue: int = 256,
         prefill_chunk: int = 256, context_length: Optional[int] = None,
         max_body_bytes: int = MAX_BODY, cache: Any = "25%", dtype: str = "auto",
-        batch_decode: bool = True, prefill_ratio: Optional[float] = 2.0,
+        batch_decode: bool = True, prefill_ratio: Optional[float] = None,
         **load_kwargs: Any) -> Starlette:
     """An ASGI app serving ``model_or_path`` with OpenAI's API (module docstring).
 
@@ -637,7 +637,8 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     ``batch_decode``: the running requests' decode steps in one batched forward (continuous
     batching, the default), or one forward per request (False); ``prefill_ratio``: while
     requests decode, a round's prompt chunks take about at most that many decode steps' time
-    (0 or None: every waiting prompt at once; :mod:`specmoe.serve.scheduler`, pacing).
+    (None or 0, the default: every waiting prompt at once; :mod:`specmoe.serve.scheduler`,
+    pacing).
 
     The worker thread starts with the app's lifespan (or at the first request) and stops at
     its shutdown; ``app.state.server`` is the :class:`Server`."""

@@ -26,8 +26,9 @@ request by one step:
   ``prefill_chunk`` tokens into its own ``DynamicCache`` at batch 1 each round (so the others
   keep decoding between its chunks).  The step that feeds a prompt's last token also picks
   the first new token.
-* **pacing**: while requests decode, a round's prefill work is held to about
-  ``prefill_ratio`` decode steps' time (default 2), so that new arrivals do not stall the
+* **pacing** (off unless ``prefill_ratio`` is set, e.g. 2): while requests decode, a round's
+  prefill work is held to about ``prefill_ratio`` decode steps' time, so that new arrivals
+  do not stall the
   running requests' next tokens: the requests waiting for their prompt are taken in arrival
   order, each with its next chunk, while the chunks' estimated time (the measured seconds per
   prompt token, a moving average) stays within ``prefill_ratio`` times the measured decode
@@ -159,7 +160,7 @@ class Scheduler:
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
-                 batch_decode: bool = True, prefill_ratio: Optional[float] = 2.0) -> None:
+                 batch_decode: bool = True, prefill_ratio: Optional[float] = None) -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
