@@ -161,6 +161,13 @@ def log(*a: Any) -> None:
 # checkpoint
 
 
+# the keys every random model's config.json shares (token 0 is BOS, EOS and padding)
+_COMMON: dict[str, Any] = {
+    "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+    "use_cache": True, "torch_dtype": "bfloat16"}
+
+
 def _dsv2lite_config(layers: int, vocab: int) -> dict[str, Any]:
     """DeepSeek-V2-Lite's config.json with ``layers`` layers (first one dense) and ``vocab``."""
     return {
@@ -195,15 +202,7 @@ def _dsv2lite_config(layers: int, vocab: int) -> dict[str, Any]:
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "pad_token_id": 0,
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
+        **_COMMON,
     }
 
 
@@ -230,15 +229,7 @@ def _qwen3_config(layers: int, vocab: int) -> dict[str, Any]:
         "max_position_embeddings": 40960,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "pad_token_id": 0,
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
+        **_COMMON,
     }
 
 
@@ -261,9 +252,10 @@ def n_experts(cfg: dict[str, Any]) -> int:
 
 def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) in file order; kind: ``w`` normal weight, ``norm`` ones, ``router``,
-    ``expert`` (a routed-expert weight)."""
-    if cfg["model_type"] == "qwen3_moe":
-        return _qwen3_specs(cfg)
+    ``expert`` (a routed-expert weight).  DeepSeek-V2 here, Qwen3-MoE and OLMoE in
+    :func:`gqa_moe_specs`."""
+    if cfg["model_type"] in ("qwen3_moe", "olmoe"):
+        return gqa_moe_specs(cfg)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     nh, dn, dr, dv = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"],
                       cfg["qk_rope_head_dim"], cfg["v_head_dim"])
@@ -297,9 +289,17 @@ def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def _qwen3_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
-    h, v, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
-    nq, nkv, fe = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["moe_intermediate_size"]
+def gqa_moe_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors of a GQA-attention model whose every layer is MoE with q/k norms, in Hub
+    naming: Qwen3-MoE (``head_dim`` given, norms per head, experts of
+    ``moe_intermediate_size``) and OLMoE (head = hidden / heads, norms over all heads, experts
+    of ``intermediate_size``)."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    nq, nkv, E = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_experts"]
+    qwen = cfg["model_type"] == "qwen3_moe"
+    hd = cfg["head_dim"] if qwen else h // nq
+    fe = cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]
+    qn, kn = (hd, hd) if qwen else (nq * hd, nkv * hd)
     out: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (v, h), "w")]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -308,11 +308,11 @@ def _qwen3_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
                 (p + "self_attn.k_proj.weight", (nkv * hd, h), "w"),
                 (p + "self_attn.v_proj.weight", (nkv * hd, h), "w"),
                 (p + "self_attn.o_proj.weight", (h, nq * hd), "w"),
-                (p + "self_attn.q_norm.weight", (hd,), "norm"),
-                (p + "self_attn.k_norm.weight", (hd,), "norm"),
+                (p + "self_attn.q_norm.weight", (qn,), "norm"),
+                (p + "self_attn.k_norm.weight", (kn,), "norm"),
                 (p + "post_attention_layernorm.weight", (h,), "norm"),
-                (p + "mlp.gate.weight", (cfg["num_experts"], h), "router")]
-        for e in range(cfg["num_experts"]):
+                (p + "mlp.gate.weight", (E, h), "router")]
+        for e in range(E):
             q = f"{p}mlp.experts.{e}."
             out += [(q + "gate_proj.weight", (fe, h), "expert"),
                     (q + "up_proj.weight", (fe, h), "expert"),

@@ -194,45 +194,6 @@ def dsv2_config(layers: int, vocab: int = 102400, quick: bool = False) -> dict[s
     return c
 
 
-def olmoe_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
-    """OLMoE tensors in Hub naming, as :func:`big_model.tensor_specs` lists DeepSeek-V2's."""
-    h, v, nh, kvh = (cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"],
-                     cfg["num_key_value_heads"])
-    hd, f, E = h // nh, cfg["intermediate_size"], cfg["num_experts"]
-    out: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (v, h), "w")]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (h,), "norm"),
-                (p + "self_attn.q_proj.weight", (nh * hd, h), "w"),
-                (p + "self_attn.k_proj.weight", (kvh * hd, h), "w"),
-                (p + "self_attn.v_proj.weight", (kvh * hd, h), "w"),
-                (p + "self_attn.o_proj.weight", (h, nh * hd), "w"),
-                (p + "self_attn.q_norm.weight", (nh * hd,), "norm"),
-                (p + "self_attn.k_norm.weight", (kvh * hd,), "norm"),
-                (p + "post_attention_layernorm.weight", (h,), "norm"),
-                (p + "mlp.gate.weight", (E, h), "router")]
-        for e in range(E):
-            q = f"{p}mlp.experts.{e}."
-            out += [(q + "gate_proj.weight", (f, h), "expert"),
-                    (q + "up_proj.weight", (f, h), "expert"),
-                    (q + "down_proj.weight", (h, f), "expert")]
-    out += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (v, h), "w")]
-    return out
-
-
-# big_model's writer and parameter counts call its module-level tensor_specs(cfg), which knows
-# only DeepSeek-V2; route OLMoE configs to olmoe_specs (a `specs` argument there would be
-# cleaner -- see the report to the lead).
-_dsv2_specs = bm.tensor_specs
-
-
-def _specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
-    return olmoe_specs(cfg) if cfg.get("model_type") == "olmoe" else _dsv2_specs(cfg)
-
-
-bm.tensor_specs = _specs
-
-
 def model_summary(cfg: dict[str, Any]) -> dict[str, Any]:
     pc = bm.param_counts(cfg)
     if cfg["model_type"] == "olmoe":
