@@ -494,8 +494,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
 
     Every 2-D/3-D weight is ``qtype`` blocks drawn at random: uniform integer values and a
     per-block scale ``d = ±0.02 / std(values) * U(0.75, 1.25)`` (std about 0.02, the
-    checkpoint's N(0, 0.02); the sign random); norms are F32 ones; routers are F32 N(0, 0.02) rows scaled by
-    ``exp(skew * z_e)`` as in :func:`write_checkpoint`.  Unlike llama-quantize, which keeps
+    checkpoint's N(0, 0.02); the sign random); norms are F32 ones; routers are F32 N(0, 0.02)
+    rows scaled by ``exp(skew * z_e)`` as in :func:`write_checkpoint`.  Unlike llama-quantize, which keeps
     ``output.weight`` in Q6_K, every matrix is ``qtype``: both sides read exactly these bytes.
     ``embed_std``: the token embeddings' std instead of 0.02 (:data:`MODELS`)."""
     import gguf

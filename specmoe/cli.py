@@ -413,7 +413,8 @@ def _serve_ray(args, cache: Any) -> int:
                              model_name=args.model_name,
                              api_key=args.api_key, max_batch=args.max_batch,
                              max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                             prefill_ratio=args.prefill_ratio, cache=cache, dtype=args.dtype, policy=args.policy,
+                             prefill_ratio=args.prefill_ratio, cache=cache, dtype=args.dtype,
+                             policy=args.policy,
                              prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
                              batch_decode=not args.no_batch_decode),
                   blocking=False)

@@ -8,8 +8,8 @@ memory available) and ``specmoe run --memory`` call :func:`plan_memory` and prin
 The rule.  The budget holds, besides the expert cache: a reserve for the interpreter, torch
 and the working buffers (for a given budget, which holds the whole process: what the process
 holds when it plans plus 512 MiB, at least 512 MiB as ``benchmarks/big_model.py`` budgets;
-for ``"auto"``, whose headroom already leaves out what the process holds, 512 MiB), the KV cache of
-``max_tokens`` tokens, the weights the dense kernels never convert (embeddings, norms,
+for ``"auto"``, whose headroom already leaves out what the process holds, 512 MiB), the KV
+cache of ``max_tokens`` tokens, the weights the dense kernels never convert (embeddings, norms,
 routers: at the model's dtype) and the convertible dense weights (attention, shared and dense
 MLPs, lm_head) in format ``d`` (they load at the model's dtype and are converted before the
 cache takes its memory, so the budget must also hold them once at that dtype).  For every

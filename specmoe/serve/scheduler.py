@@ -28,8 +28,8 @@ request by one step:
   the first new token.
 * **pacing** (off unless ``prefill_ratio`` is set, e.g. 2): while requests decode, a round's
   prefill work is held to about ``prefill_ratio`` decode steps' time, so that new arrivals
-  do not stall the
-  running requests' next tokens: the requests waiting for their prompt are taken in arrival
+  do not stall the running requests' next tokens: the requests waiting for their prompt are
+  taken in arrival
   order, each with its next chunk, while the chunks' estimated time (the measured seconds per
   prompt token, a moving average) stays within ``prefill_ratio`` times the measured decode
   step; at least one chunk runs every round, so no prompt waits forever.  The others keep
