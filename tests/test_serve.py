@@ -236,10 +236,16 @@ def test_concurrent_requests_equal_generate_alone(served):
     ths = [threading.Thread(target=one, args=a) for a in
            [("mid", 0.0, True), ("short", 0.03, False), ("long", 0.06, False),
             ("fox", 0.09, True)]]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(60)
+    # every forward takes >= 5 ms, so the requests overlap whatever the host's speed (on a fast
+    # host the zoo model finished "mid" before "fox" arrived: peak batch 2)
+    slow = sch.model.model.layers[0].register_forward_pre_hook(lambda m, a: time.sleep(0.005))
+    try:
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(60)
+    finally:
+        slow.remove()
     assert not errors, errors
     for key in PROMPTS:
         assert got[key] == refs[key][1], key
