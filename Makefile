@@ -38,11 +38,12 @@ test: build fuzz-deps
 test-install: setup
 	SPECMOE_TEST_INSTALL=1 $(PY) -m pytest -q -rs tests/install
 
-# The benchmark scripts' smoke runs (benchmarks/speculation.py --quick, the C harnesses of
-# benchmarks/c): tests of the benchmark tools, kept out of make test's 15 minutes.
+# The benchmark scripts' smoke runs (benchmarks/speculation.py --quick, benchmarks/serve.py on
+# the zoo model, the C harnesses of benchmarks/c): tests of the benchmark tools, kept out of
+# make test's 15 minutes.
 test-bench: build
 	SPECMOE_TEST_BENCH=1 $(PY) -m pytest -q -rs tests/test_speculation_bench.py \
-		tests/test_bench_harness.py
+		tests/test_bench_harness.py tests/test_serve_bench.py
 
 # The GPU tier on a machine with a GPU (issue 12; docs/gpu.md): rebuild with the toolkit
 # required (SPECMOE_CUDA=1, so a missing nvcc is an error, not a skip), run the GPU tests with
