@@ -141,6 +141,8 @@ import hostinfo  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+if str(REPO) not in sys.path:  # specmoe from this checkout, for the GGUF writer's helpers
+    sys.path.insert(1, str(REPO))
 MiB = 1 << 20
 WRITER_VERSION = 1
 PROMPT_TOKENS = 64
@@ -462,9 +464,8 @@ def gguf_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     weights stacked into ``blk.N.ffn_{gate,up,down}_exps`` [experts, rows, cols], DeepSeek's
     ``kv_b_proj`` split into ``attn_k_b`` [heads, kv_lora, nope] and ``attn_v_b`` [heads, v,
     kv_lora] (as llama.cpp's converter writes them)."""
-    sys.path.insert(0, str(REPO))
-    from specmoe.storage.gguf import ARCHITECTURES, gguf_name
-    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg["model_type"]]
+    from specmoe.storage.gguf import gguf_arch, gguf_name
+    arch = gguf_arch(cfg["model_type"])
     E = n_experts(cfg)
     out: list[tuple[str, tuple[int, ...], str]] = []
     for name, shape, kind in tensor_specs(cfg):
@@ -495,14 +496,14 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
     Every 2-D/3-D weight is ``qtype`` blocks drawn at random: uniform integer values and a
     per-block scale ``d = ±0.02 / std(values) * U(0.75, 1.25)`` (std about 0.02, the
     checkpoint's N(0, 0.02); the sign random); norms are F32 ones; routers are F32 N(0, 0.02)
-    rows scaled by ``exp(skew * z_e)`` as in :func:`write_checkpoint`.  Unlike llama-quantize, which keeps
-    ``output.weight`` in Q6_K, every matrix is ``qtype``: both sides read exactly these bytes.
+    rows scaled by ``exp(skew * z_e)`` as in :func:`write_checkpoint`.  Unlike llama-quantize,
+    which keeps ``output.weight`` in Q6_K, every matrix is ``qtype``: both sides read exactly
+    these bytes.
     ``embed_std``: the token embeddings' std instead of 0.02 (:data:`MODELS`)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
-    sys.path.insert(0, str(REPO))
     from specmoe.models.testing import gguf_metadata, gguf_tokenizer
-    from specmoe.storage.gguf import ARCHITECTURES
+    from specmoe.storage.gguf import gguf_arch
 
     chash = config_hash(cfg, seed, skew) + "-" + qtype + (f"-e{embed_std:g}" if embed_std else "")
     marker = Path(str(path) + ".complete")
@@ -513,7 +514,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
     marker.unlink(missing_ok=True)
     qt = gguf.GGMLQuantizationType[qtype]
     block_bytes, vstd = _BLOCK[qtype]
-    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg["model_type"]]
+    arch = gguf_arch(cfg["model_type"])
     hf = AutoConfig.for_model(**cfg)
     tmp = Path(str(path) + ".tmp")
     w = gguf.GGUFWriter(str(tmp), arch)
@@ -528,15 +529,17 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
     def quantized(shape: tuple[int, ...], kind: str) -> bool:
         return kind in ("w", "expert") and len(shape) >= 2 and shape[-1] % 32 == 0
 
+    total = 0
     for name, shape, kind in specs:
         n = int(np.prod(shape))
         if quantized(shape, kind):
+            nbytes = n // 32 * block_bytes
             bshape = (*shape[:-1], shape[-1] // 32 * block_bytes)
-            w.add_tensor_info(name, bshape, np.dtype(np.uint8), n // 32 * block_bytes, raw_dtype=qt)
+            w.add_tensor_info(name, bshape, np.dtype(np.uint8), nbytes, raw_dtype=qt)
         else:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * n)
-    total = sum(int(np.prod(s[1])) // 32 * block_bytes if quantized(s[1], s[2])
-                else 4 * int(np.prod(s[1])) for s in specs)
+            nbytes = 4 * n
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes)
+        total += nbytes
     log(f"writing GGUF {path}: {len(specs)} tensors, {total / 1e9:.2f} GB {qtype}")
     w.write_header_to_file(path=str(tmp))
     w.write_kv_data_to_file()
@@ -1069,7 +1072,6 @@ def convert_store_info(ckpt: Path, dtype: str, out: Path, timeout: float) -> dic
 
 def parse_bytes(size: str) -> int:
     """Bytes of a size such as ``8GiB`` (specmoe's own reading of ``memory=``)."""
-    sys.path.insert(0, str(REPO))
     from specmoe.runtime.memplan import memory_budget
     return memory_budget(size)[0]
 

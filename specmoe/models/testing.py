@@ -174,8 +174,8 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
     """Write transformers config ``cfg``'s architecture keys into GGUF writer ``w`` (created
     for the llama.cpp architecture of ``cfg.model_type``), as llama.cpp's converter names
     them.  Shared by :func:`save_gguf` and the benchmarks that stream a GGUF file."""
-    from ..storage.gguf import ARCHITECTURES
-    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
+    from ..storage.gguf import gguf_arch
+    arch = gguf_arch(cfg.model_type)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -270,10 +270,10 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     import numpy as np
     from gguf.quants import dequantize, quantize
 
-    from ..storage.gguf import ARCHITECTURES, PERMUTED_QK, gguf_name
+    from ..storage.gguf import PERMUTED_QK, gguf_arch, gguf_name
 
     cfg = model.config
-    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
+    arch = gguf_arch(cfg.model_type)
     qt = gguf.GGMLQuantizationType[qtype]
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)

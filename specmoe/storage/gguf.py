@@ -59,6 +59,14 @@ ARCHITECTURES: dict[str, str] = {
     "deepseek2": "deepseek_v2",  # DeepSeek-V2 / V2-Lite (softmax routing); V3 is refused
 }
 
+
+
+def gguf_arch(model_type: str) -> str:
+    """The llama.cpp architecture of transformers ``model_type`` (the inverse of
+    :data:`ARCHITECTURES`); KeyError for a type llama.cpp does not write as one of them."""
+    return {v: k for k, v in ARCHITECTURES.items()}[model_type]
+
+
 # the rotary rows of q/k are permuted by llama.cpp's converter for these architectures
 PERMUTED_QK = frozenset({"llama"})
 
