@@ -28,7 +28,8 @@ def _quantize_q4_0(w):
 
 
 QUANT = {"q8_0": gb.quantize_q8_0, "q4_k": gb.quantize_q4_k, "q6_k": gb.quantize_q6_k,
-         "q4_0": _quantize_q4_0, "q5_k": gb.quantize_q5_k, "iq4_xs": gb.quantize_iq4_xs}
+         "q4_0": _quantize_q4_0, "q5_k": gb.quantize_q5_k, "iq4_xs": gb.quantize_iq4_xs,
+         "q4_1": gb.quantize_q4_1}
 
 
 def _expert(rng, H, I, kind, down_kind=None, bias=False):
@@ -59,7 +60,8 @@ def _model_fast(ref, x, kind, down):
     """The fast path's arithmetic: int8 x, f32 weights, int8 activation."""
     from .test_kernels import ref_act
 
-    m = {"q8_0": 32, "q4_k": 256, "q6_k": 256, "q4_0": 32, "q5_k": 256, "iq4_xs": 256}
+    m = {"q8_0": 32, "q4_k": 256, "q6_k": 256, "q4_0": 32, "q5_k": 256, "iq4_xs": 256,
+         "q4_1": 32}
     xq = _q8(x, m[kind]).astype(np.float64)
     g = xq @ ref["gate"].T.astype(np.float64) + ref.get("gate.bias", 0.0)
     u = xq @ ref["up"].T.astype(np.float64) + ref.get("up.bias", 0.0)
@@ -80,7 +82,48 @@ def test_quantizers_write_blocks_the_gguf_package_reads_back_closely():
                                                         gb.BLOCKS[kind][1])
         err = _rel(gb.dequantize(b), w)
         assert err < {"q8_0": 0.01, "q4_k": 0.12, "q6_k": 0.03, "q4_0": 0.12,
-                      "q5_k": 0.06, "iq4_xs": 0.12}[kind], (kind, err)
+                      "q5_k": 0.06, "iq4_xs": 0.12, "q4_1": 0.1}[kind], (kind, err)
+
+
+def test_q4_1_quantizer_is_read_back_by_the_gguf_package_as_its_own():
+    """The Q4_1 writer's bytes mean what ggml's do: its own round trip (d * q + m on the same
+    fields) equals the gguf package's dequantization of them."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((4, 96)).astype(np.float32)
+    b = gb.quantize_q4_1(w)
+    d = b[:, :, 0:2].copy().view(np.float16).astype(np.float32)
+    m = b[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+    q = np.concatenate([b[:, :, 4:] & 15, b[:, :, 4:] >> 4], axis=2).astype(np.float32)
+    np.testing.assert_array_equal(gb.dequantize(b), (q * d + m).reshape(4, 96))
+    theirs = quantize(w, T.Q4_1).reshape(4, -1, 20)  # ggml's own quantizer, same format
+    assert gb.block_kind(theirs) == "q4_1"
+    assert _rel(dequantize(theirs.reshape(4, -1), T.Q4_1), w) < 0.1
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_asymmetric_groups_repack_onto_q4_1_without_requantizing(group):
+    rng = np.random.default_rng(group)
+    rows, cols = 6, 256
+    q = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+    z = rng.integers(0, 16, (rows, cols // group)).astype(np.float32)
+    s = (rng.random((rows, cols // group)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    want = (q.astype(np.float64) - np.repeat(z, group, 1)) * np.repeat(s, group, 1)
+    b = gb.q4_1_from_groups(q, z, s, group)
+    assert b.shape == (rows, cols // 32, 20)
+    np.testing.assert_array_equal(np.concatenate([b[:, :, 4:] & 15, b[:, :, 4:] >> 4],
+                                                 axis=2).reshape(rows, cols), q)  # values kept
+    np.testing.assert_array_equal(b[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32),
+                                  np.repeat(s, group // 32, 1))  # the f16 scale exactly
+    got = gb.dequantize(b)  # only m = -z * s is rounded (to f16)
+    assert np.abs(got - want).max() <= 2.0 ** -11 * np.abs(np.repeat(z * s, group, 1)).max()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gb.q4_1_from_groups(q, z[:, :1].repeat(cols // 48, 1), s[:, :1].repeat(cols // 48, 1),
+                            48)
+    with pytest.raises(ValueError, match="above 15"):
+        gb.q4_1_from_groups(q + 16, z, s, group)
 
 
 def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
@@ -101,13 +144,14 @@ def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
 @pytest.mark.parametrize("kind,down", [("q8_0", None), ("q4_k", None), ("q6_k", None),
                                        ("q4_0", None), ("q5_k", None), ("q4_k", "q8_0"),
                                        ("q4_k", "q6_k"), ("q4_k", "q4_0"), ("q5_k", "q6_k"),
-                                       ("q6_k", "q5_k"), ("iq4_xs", None), ("iq4_xs", "q6_k")])
+                                       ("q6_k", "q5_k"), ("iq4_xs", None), ("iq4_xs", "q6_k"),
+                                       ("q4_1", None), ("q4_k", "q4_1"), ("q4_1", "q8_0")])
 @pytest.mark.parametrize("T", [1, 5, 9])
 @pytest.mark.parametrize("precise", [True, False])
 def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, precise):
     _isa(ctx, isa)
     rng = np.random.default_rng(zlib.crc32(f"{kind}/{down}/{T}".encode()))  # not hash(): salted
-    small = ("q8_0", "q4_0")  # blocks of 32 columns
+    small = ("q8_0", "q4_0", "q4_1")  # blocks of 32 columns
     H = 96 * 4 if kind in small else 512
     I = 96 if (down or kind) in small else 256
     t, ref = _expert(rng, H, I, kind, down, bias=T == 5)  # 9 tokens: tiles of 4, 4 and 1
@@ -209,7 +253,8 @@ def _q4_k_m_256(layer: int, role: str) -> str:
     ("qwen3_moe", 256, lambda layer, role: "Q5_K" if role != "down" else "Q6_K", "q6_k"),  # Q5_K_M
     ("qwen3_moe", 256, "IQ4_XS", "iq4_xs"),
     ("mixtral", 96, "Q8_0", "q8_0"),
-    ("mixtral", 96, "Q4_0", "q4_0")])
+    ("mixtral", 96, "Q4_0", "q4_0"),
+    ("qwen3_moe", 96, "Q4_1", "q4_1")])
 def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
         _cache_dir, tmp_path, capfd, arch, inter, expert_qtype, down):
     """dtype='auto' keeps the file's expert blocks (Q5_0 widened to Q8_0; down formats that
@@ -242,7 +287,7 @@ def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
                 assert gb.block_kind(t[name]) == gb.TYPE_OF_GGML[raw.tensor_type.name]
                 want = dequantize(np.asarray(raw.data[3]), raw.tensor_type)
                 np.testing.assert_array_equal(got[name], want)
-                if raw.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"):  # as is
+                if raw.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_1"):
                     np.testing.assert_array_equal(t[name].reshape(-1),
                                                   np.asarray(raw.data[3]).reshape(-1))
     finally:

@@ -1,6 +1,6 @@
 /* Expert FFNs over GGUF block weights kept as the file holds them (SMOE_WDT_Q8_0 / Q4_K / Q6_K /
- * Q4_0 / Q5_K / IQ4_XS, layouts in kernels.h; ggml's block_q8_0, block_q4_K, block_q6_K,
- * block_q4_0, block_q5_K and block_iq4_xs).
+ * Q4_0 / Q5_K / IQ4_XS / Q4_1, layouts in kernels.h; ggml's block_q8_0, block_q4_K, block_q6_K,
+ * block_q4_0, block_q5_K, block_iq4_xs and block_q4_1).
  *
  * Two paths, chosen per call by ffn.c:
  *   exact  (desc.precise = 1, or a CPU without AVX2): each block is widened to f32 exactly as
@@ -10,12 +10,15 @@
  *   fast   (AVX2, precise = 0): llama.cpp's scheme (its Q8_0 x Q8_0, Q4_K x Q8_K and
  *          Q6_K x Q8_K dot products) -- the input (x in phase 1, the activation in phase 2) is
  *          quantized once per call to int8 with one scale max|x| / 127 per 32 columns for a
- *          Q8_0 or Q4_0 matrix, per 256 for a K-quant one (round to nearest even), and each
+ *          Q8_0, Q4_0 or Q4_1 matrix, per 256 for a K-quant one (round to nearest even), and each
  *          block's products are summed exactly in integers with vpmaddubsw / vpmaddwd:
  *            Q8_0  |w| as the unsigned operand, x with w's sign (vpsignb): pairs at most
  *                  2 * 128 * 127 = 32512 < 2^15; times d_w * s_x per 32 columns in f32.
  *            Q4_0  the nibbles unpacked to q - 8 in [-8, 7], then as Q8_0 (llama.cpp's
  *                  Q4_0 x Q8_0).
+ *            Q4_1  w = d * q + m with q in [0, 15] the unsigned operand (pairs <= 3810):
+ *                  d * s_x * sum q x + m * s_x * (the prepared sum of the 32 int8 x)
+ *                  (llama.cpp's Q4_1 x Q8_1).
  *            Q4_K  the nibbles q in [0, 15] as the unsigned operand (pairs <= 3810), times
  *                  the sub-block's 6-bit scale in vpmaddwd (<= 480060 a lane per 32
  *                  columns), summed over the 256 columns in int32; times d * s_x once per
@@ -40,7 +43,7 @@
  *          scales reused).
  *
  * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0,
- * Q4_0) or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8 values
+ * Q4_0, Q4_1) or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8 values
  * [T, n/32]. */
 #include <math.h>
 #include <string.h>
@@ -100,6 +103,12 @@ static void widen_block(int32_t dt, const uint8_t *b, float *y) {
         for (uint32_t l = 0; l < 16; l++) {
             y[l] = d * (float)((int)(b[2 + l] & 0xFu) - 8);
             y[l + 16] = d * (float)((int)(b[2 + l] >> 4) - 8);
+        }
+    } else if (dt == SMOE_WDT_Q4_1) { /* ggml's dequantize_row_q4_1: q * d + m */
+        const float d = rd_f16(b), m = rd_f16(b + 2);
+        for (uint32_t l = 0; l < 16; l++) {
+            y[l] = (float)(b[4 + l] & 0xFu) * d + m;
+            y[l + 16] = (float)(b[4 + l] >> 4) * d + m;
         }
     } else if (dt == SMOE_WDT_Q8_0) {
         const float d = rd_f16(b);
@@ -229,8 +238,8 @@ AI float ld_f16(const uint8_t *p) {
 /* The prepared input of token t of a matrix of `dt` with n columns (layout at prepare_avx2). */
 typedef struct xin {
     const int8_t *q;   /* [n] int8 */
-    const float *s;    /* Q8_0, Q4_0: [n/32] scales; K-quants: [n/256] */
-    const int16_t *bs; /* K-quants: [n/32] sums of the int8 values per 32 columns */
+    const float *s;    /* Q8_0, Q4_0, Q4_1: [n/32] scales; K-quants: [n/256] */
+    const int16_t *bs; /* K-quants, Q4_1: [n/32] sums of the int8 values per 32 columns */
 } xin;
 
 AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
@@ -293,6 +302,68 @@ AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
     }
     if (b < nb) a0 = q32_dot(q32_of(dt, w), ld_f16(w), x->q + 32 * b, x->s[b], a0);
     return hsum8(_mm256_add_ps(a0, a1));
+}
+
+/* ---- Q4_1: a scale and an offset per 32 columns ---- */
+
+/* The 32 nibbles of a Q4_1 block as uint8 lanes in column order (as q32_of's Q4_0). */
+AI __m256i q41_of(const uint8_t *w) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(w + 4));
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+}
+
+/* The block's sum of q * x as 8 int32 lanes in f32 (q unsigned, x the prepared int8). */
+AI __m256 q41_sum(__m256i wq, const int8_t *xq) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    return _mm256_cvtepi32_ps(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), _mm256_set1_epi16(1)));
+}
+
+/* Q4_1 rows against nt tokens: per block d * s_x * sum q x into acc, m * s_x * sum x into am. */
+AI void rows_q4_1(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    const uint32_t nb = n / 32;
+    __m256 acc[TILE];
+    float am[TILE];
+    for (uint32_t t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        am[t] = 0.0f;
+    }
+    for (uint32_t b = 0; b < nb; b++, w += 20) {
+        if (!(b & 1)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        const __m256i wq = q41_of(w);
+        const float d = ld_f16(w), m = ld_f16(w + 2);
+        for (uint32_t t = 0; t < nt; t++) {
+            const float xs = x[t].s[b];
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs), q41_sum(wq, x[t].q + 32 * b), acc[t]);
+            am[t] += m * xs * (float)x[t].bs[b];
+        }
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) + am[t];
+}
+
+/* rows_q4_1 for one token, two blocks per step into two accumulators (as row1_b32). */
+AI float row1_q4_1(const uint8_t *w, const xin *x, uint32_t n) {
+    const uint32_t nb = n / 32;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float am = 0.0f;
+    uint32_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 40) {
+        _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        const float s0 = x->s[b], s1 = x->s[b + 1];
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w) * s0), q41_sum(q41_of(w), x->q + 32 * b),
+                             a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w + 20) * s1),
+                             q41_sum(q41_of(w + 20), x->q + 32 * b + 32), a1);
+        am += ld_f16(w + 2) * s0 * (float)x->bs[b] + ld_f16(w + 22) * s1 * (float)x->bs[b + 1];
+    }
+    if (b < nb) {
+        const float s0 = x->s[b];
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w) * s0), q41_sum(q41_of(w), x->q + 32 * b),
+                             a0);
+        am += ld_f16(w + 2) * s0 * (float)x->bs[b];
+    }
+    return hsum8(_mm256_add_ps(a0, a1)) + am;
 }
 
 /* ---- Q4_K: one input scale per 256 columns, integer sums across the 8 sub-blocks ---- */
@@ -669,7 +740,11 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
                   uint32_t n, float *res) {
     xin x[TILE];
     for (uint32_t t = 0; t < nt; t++) x[t] = xin_of(j, dt, t0 + t, n);
-    if (smoe_wdt_block_cols(dt) == 32 && nt == 1)
+    if (dt == SMOE_WDT_Q4_1 && nt == 1)
+        res[0] = row1_q4_1(w, x, n);
+    else if (dt == SMOE_WDT_Q4_1)
+        rows_q4_1(w, x, nt, n, res);
+    else if (smoe_wdt_block_cols(dt) == 32 && nt == 1)
         res[0] = row1_b32(dt, w, x, n);
     else if (smoe_wdt_block_cols(dt) == 32)
         rows_b32(dt, w, x, nt, n, res);
@@ -767,10 +842,10 @@ AI void quant_cols(const float *xb, uint32_t m, __m256 inv, int8_t *qb, int16_t 
     }
 }
 
-/* Per `m` columns (32 for Q8_0 and Q4_0, 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K) of
+/* Per `m` columns (32 for Q8_0, Q4_0 and Q4_1, 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K) of
  * each row: s = max|x| / 127, q = rint(x * (1 / s)) (ties to even), and the sum of every 32 q's.
  * A NaN among the m columns makes s NaN, so every output it feeds is NaN, as in f32 math.
- * Layout: q [T, n] int8; qs [T, n/m] f32; qsum's bytes [T, n/32] int16 (K-quants). */
+ * Layout: q [T, n] int8; qs [T, n/m] f32; qsum's bytes [T, n/32] int16 (K-quants, Q4_1). */
 static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int32_t *rows,
                          uint32_t T, uint32_t n, int8_t *q, float *qs, float *qsum) {
     const uint32_t m = smoe_wdt_block_cols(dt), ns = n / m;

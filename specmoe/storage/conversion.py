@@ -364,7 +364,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Any:
 def store_dtype(ckpt: Any, dtype: str) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
     (a safetensors folder), int4 (a GPTQ folder) or for a GGUF file its blocks kept as they
-    are where the kernels read them (``"gguf"`` for Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS,
+    are where the kernels read them (``"gguf"`` for Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS / Q4_1,
     :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
     experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
     ``"gguf"`` asked of anything else is a ValueError saying why."""

@@ -1,8 +1,9 @@
 """GGUF (ggml) block formats that a store keeps as a GGUF file holds them: Q8_0, Q4_K, Q6_K,
-Q4_0, Q5_K, IQ4_XS.
+Q4_0, Q5_K, IQ4_XS, Q4_1 (also what asymmetric GPTQ / AWQ int4 is repacked onto,
+:func:`q4_1_from_groups`).
 
 A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144,
-210, 18, 176 or 136 bytes per block: the last dimension names the format, :data:`BLOCKS`),
+210, 18, 176, 136 or 20 bytes per block: the last dimension names the format, :data:`BLOCKS`),
 exactly the bytes
 of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as they are.
 
@@ -12,8 +13,8 @@ of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as th
   (the same f16 scale, the same integer values: w = d * (q - 16) or d * (q - 8) is d * q' with
   q' in [-16, 15]): there is no Q5_0 kernel, and llama.cpp's fallback for K-quants on rows
   that are not a multiple of 256 columns (e.g. DeepSeek-V2-Lite's 1408) writes Q5_0.
-* :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k`, :func:`quantize_iq4_xs`
-  and :func:`quantize_q8_0` write valid blocks from f32 weights (simple per-sub-block rounding,
+* :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k`, :func:`quantize_iq4_xs`,
+  :func:`quantize_q4_1` and :func:`quantize_q8_0` write valid blocks from f32 weights (simple per-sub-block rounding,
   not llama.cpp's search), for tests and tiny files; the ``gguf`` package's writer has no
   K-quant or IQ quantizer.
 """
@@ -23,23 +24,22 @@ import numpy as np
 
 __all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0",
            "quantize_q8_0", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
-           "quantize_iq4_xs"]
+           "quantize_iq4_xs", "quantize_q4_1", "q4_1_from_groups"]
 
 # kind -> (columns, bytes) per block
 BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18),
-          "q5_k": (256, 176), "iq4_xs": (256, 136)}
+          "q5_k": (256, 176), "iq4_xs": (256, 136), "q4_1": (32, 20)}
 # GGUF tensor type name -> the kept kind it maps onto without loss
 TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_K": "q5_k",
-                "IQ4_XS": "iq4_xs", "Q5_0": "q8_0"}
+                "IQ4_XS": "iq4_xs", "Q5_0": "q8_0", "Q4_1": "q4_1"}
 _KIND_OF_BYTES = {b: k for k, (_, b) in BLOCKS.items()}
 _GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q4_0": "Q4_0", "q5_k": "Q5_K",
-              "iq4_xs": "IQ4_XS"}
+              "iq4_xs": "IQ4_XS", "q4_1": "Q4_1"}
 
 
 def block_kind(a: np.ndarray) -> str:
-    """The kind (``q8_0``, ``q4_k``, ``q6_k``, ``q4_0``, ``q5_k``, ``iq4_xs``) of a uint8
-    [rows, blocks, bytes]
-    matrix."""
+    """The kind (``q8_0``, ``q4_k``, ``q6_k``, ``q4_0``, ``q5_k``, ``iq4_xs``, ``q4_1``) of a
+    uint8 [rows, blocks, bytes] matrix."""
     if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in _KIND_OF_BYTES:
         raise ValueError(f"not a GGUF block matrix: {a.dtype} {a.shape} (uint8 [rows, blocks, "
                          f"bytes] with bytes one of {sorted(_KIND_OF_BYTES)})")
@@ -110,6 +110,52 @@ def quantize_q8_0(w: np.ndarray) -> np.ndarray:
     out[:, :, :2] = _f16_bytes(d)
     out[:, :, 2:] = q.view(np.uint8)
     return out
+
+
+def quantize_q4_1(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> Q4_1 blocks [rows, cols/32, 20] (d = (max - min) / 15, m = min, as
+    ggml's reference quantizer)."""
+    w = _rows(w, 32)
+    x = w.reshape(w.shape[0], -1, 32)
+    lo, hi = x.min(axis=2), x.max(axis=2)
+    d = ((hi - lo) / 15.0).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0), 0.0)
+    q = np.clip(np.rint((x - m[:, :, None]) * inv[:, :, None]), 0, 15).astype(np.uint8)
+    return _q4_1_blocks(d, m, q)
+
+
+def _q4_1_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q4_1 blocks [rows, nb, 20] from scales d and offsets m [rows, nb] (rounded to f16) and
+    values q uint8 [rows, nb, 32] in [0, 15] (columns 0..15 in the low nibbles)."""
+    out = np.empty(q.shape[:2] + (20,), np.uint8)
+    out[:, :, 0:2] = _f16_bytes(d)
+    out[:, :, 2:4] = _f16_bytes(m)
+    out[:, :, 4:] = q[:, :, :16] | (q[:, :, 16:] << 4)
+    return out
+
+
+def q4_1_from_groups(q: np.ndarray, zero: np.ndarray, scale: np.ndarray,
+                     group: int) -> np.ndarray:
+    """Asymmetric 4-bit groups (GPTQ / AWQ: w[o, k] = scale[o, k // group] * (q[o, k] -
+    zero[o, k // group])) as Q4_1 blocks [rows, cols/32, 20], **repacked, not re-quantized**:
+    every 32 columns of a group keep its values q, d = scale and m = -zero * scale.  d is
+    exact where the scale is an f16 (GPTQ's and AWQ's are); m is rounded to f16 (relative
+    error <= 2^-11 of the offset).  ``q`` uint8 [rows, cols] in [0, 15], ``zero`` and
+    ``scale`` [rows, cols / group]; ``group`` a multiple of 32."""
+    q = np.ascontiguousarray(q, dtype=np.uint8)
+    rows, cols = q.shape
+    if group % 32 or cols % group or zero.shape != (rows, cols // group) \
+            or scale.shape != zero.shape:
+        raise ValueError(f"q4_1_from_groups: q {q.shape}, zero {zero.shape}, scale "
+                         f"{scale.shape}, group {group}: need groups a multiple of 32 that "
+                         f"divide the columns, and one zero and scale per group")
+    if int(q.max(initial=0)) > 15:
+        raise ValueError("q4_1_from_groups: values above 15 are not 4-bit")
+    rep = group // 32
+    s = np.repeat(np.asarray(scale, np.float32), rep, axis=1)
+    z = np.repeat(np.asarray(zero, np.float32), rep, axis=1)
+    return _q4_1_blocks(s, -z * s, q.reshape(rows, -1, 32))
 
 
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
