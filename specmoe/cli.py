@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="store dtype of the experts (auto: bf16, or for a GGUF file its "
                         "blocks kept as they are where the kernels read them, else the nearest "
                         "dtype; gguf: a GGUF file's Q8_0/Q4_K/Q5_K/Q6_K/Q4_0/IQ4_XS/Q4_1 blocks as "
-                        "they are)")
+                        "they are, or an AWQ / asymmetric GPTQ folder's groups as Q4_1)")
     p.add_argument("-o", "--output", default=None,
                    help="store file (default: one per checkpoint and dtype under "
                         "$SPECMOE_CACHE or ~/.cache/specmoe)")
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="store dtype of the experts (auto: bf16, or for a GGUF file its "
                         "blocks kept as they are where the kernels read them, else the nearest "
                         "dtype; gguf: a GGUF file's Q8_0/Q4_K/Q5_K/Q6_K/Q4_0/IQ4_XS/Q4_1 blocks as "
-                        "they are)")
+                        "they are, or an AWQ / asymmetric GPTQ folder's groups as Q4_1)")
     p.add_argument("--policy", default="least_stale",
                    help="eviction policy spec, as simulate's --policies takes (e.g. lru, "
                         "random:seed=3, least_stale:order=lru, spac:levels=3)")

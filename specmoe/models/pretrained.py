@@ -231,8 +231,8 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
 
 def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
     """Expert ``e`` of MoE position ``pos`` in the store's layout, from the checkpoint's
-    blocks as they are: a GGUF file's Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS / Q4_1 blocks (store
-    dtype ``"gguf"``), or in int4 a GGUF file's Q4_0 (fused per layer) or a GPTQ checkpoint's int4 (per expert)
+    blocks as they are: a GGUF file's Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS / Q4_1 blocks or
+    an asymmetric GPTQ / AWQ checkpoint's groups as Q4_1 (store dtype ``"gguf"``), or in int4 a GGUF file's Q4_0 (fused per layer) or a GPTQ checkpoint's int4 (per expert)
     (``expert_blocks`` / ``expert_int4`` of :class:`specmoe.storage.gguf.GgufCheckpoint` and
     :class:`specmoe.storage.conversion.Checkpoint`)."""
     from ..storage.conversion import StoredExpert
@@ -240,8 +240,13 @@ def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
     ck = plan.ckpt
     if plan.dtype == "gguf":
         from ..storage.ggml_blocks import BLOCKS, block_kind
-        gu = ck.expert_blocks(keys[(None, "gate_up_proj")], e)
-        dn = ck.expert_blocks(keys[(None, "down_proj")], e)
+        if (e, "gate") in keys:  # per-expert tensors (GPTQ / AWQ as Q4_1)
+            gu = np.concatenate([ck.expert_blocks(keys[(e, "gate")]),
+                                 ck.expert_blocks(keys[(e, "up")])])
+            dn = ck.expert_blocks(keys[(e, "down")])
+        else:
+            gu = ck.expert_blocks(keys[(None, "gate_up_proj")], e)
+            dn = ck.expert_blocks(keys[(None, "down_proj")], e)
         gk, dk = block_kind(gu), block_kind(dn)
         if (gu.shape != (2 * I, H // BLOCKS[gk][0], BLOCKS[gk][1])
                 or dn.shape != (H, I // BLOCKS[dk][0], BLOCKS[dk][1])):

@@ -17,7 +17,7 @@ from torch import nn
 from .arch import SUPPORTED, UnsupportedModelError, describe, getpath, moe_block
 
 __all__ = ["tiny_config", "tiny_model", "save_checkpoint", "save_gguf", "save_fp8_checkpoint",
-           "save_gptq_checkpoint"]
+           "save_gptq_checkpoint", "save_awq_checkpoint"]
 
 
 def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3,
@@ -430,18 +430,15 @@ def _rewrite_linear_weights(shards: list[Path], put: Any) -> None:
 
 
 def save_gptq_checkpoint(model: nn.Module, folder: str | Path, *, group: int = 32,
-                         act_order: bool = False, seed: int = 0,
+                         act_order: bool = False, sym: bool = True, seed: int = 0,
                          ) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` as a 4-bit symmetric GPTQ checkpoint in AutoGPTQ's ``gptq`` format
+    """Write ``model`` as a 4-bit GPTQ checkpoint in AutoGPTQ's ``gptq`` format
     (round-to-nearest, not GPTQ's error feedback: the layout is what is tested): per linear
     weight [out, in] ``qweight`` int32 [in/8, out] (value j of eight at bits 4j), ``qzeros``
-    int32 [groups, out/8] holding zero - 1 = 7, ``scales`` f16 [groups, out], ``g_idx`` [in]
-    (``act_order``: the columns' groups follow a random permutation, as desc_act makes them).
+    int32 [groups, out/8] holding zero - 1 (symmetric: 7), ``scales`` f16 [groups, out],
+    ``g_idx`` [in] (``act_order``: the columns' groups follow a random permutation, as
+    desc_act makes them).  ``sym=False``: per group min/max, zero points in [0, 15].
     Returns the folder and the dequantized weights (transformers' names): the reference."""
-    import json
-
-    folder = Path(folder)
-    save_checkpoint(model, folder, layout="per_expert")
     gen = torch.Generator().manual_seed(seed)
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
 
@@ -450,33 +447,88 @@ def save_gptq_checkpoint(model: nn.Module, folder: str | Path, *, group: int = 3
         order = torch.randperm(in_f, generator=gen) if act_order else torch.arange(in_f)
         g_idx = torch.empty(in_f, dtype=torch.int32)
         g_idx[order] = (torch.arange(in_f) // group).to(torch.int32)
-        ng = in_f // group
-        wt = w.float().t()  # [in, out]
-        amax = torch.zeros(ng, out_f).scatter_reduce_(
-            0, g_idx.long()[:, None].expand(-1, out_f), wt.abs(), "amax")
-        scales = (amax / 7).clamp_min(1e-8).to(torch.float16)
-        sc = scales.float()[g_idx.long()]  # [in, out]
-        q = (torch.round(wt / sc) + 8).clamp(0, 15).to(torch.int32)
-        deq = ((q - 8).float() * sc).t().contiguous()
+        # zero >= 1: the gptq format stores zero - 1 in four bits
+        q, zero, scales = _int4_groups(w.float().t(), g_idx.long(), in_f // group, sym, zmin=1)
+        deq = ((q - zero[g_idx.long()]).float() * scales.float()[g_idx.long()]).t().contiguous()
         qweight = (q.reshape(in_f // 8, 8, out_f) << shifts[:, None]).sum(1, dtype=torch.int32)
-        z = torch.full((ng, out_f // 8, 8), 7, dtype=torch.int32)
-        qzeros = (z << shifts).sum(-1, dtype=torch.int32)
+        zm1 = (zero - 1).reshape(zero.shape[0], out_f // 8, 8)  # the gptq format's zero - 1
+        qzeros = (zm1 << shifts).sum(-1, dtype=torch.int32)
         return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}, deq
 
+    return _save_packed_int4(model, folder, gptq, {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+        "sym": sym, "checkpoint_format": "gptq"})
+
+
+def save_awq_checkpoint(model: nn.Module, folder: str | Path, *, group: int = 32,
+                        ) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Write ``model`` as a 4-bit AWQ checkpoint in AutoAWQ's ``gemm`` layout (round-to-nearest
+    per group with min/max zero points, not AWQ's activation-aware scaling: the layout is
+    what is tested): per linear weight [out, in] ``qweight`` int32 [in, out/8] and ``qzeros``
+    int32 [in/group, out/8] (eight values along the output, bits 4i holding column
+    (0, 2, 4, 6, 1, 3, 5, 7)[i] of the eight), ``scales`` f16 [in/group, out].  Returns the
+    folder and the dequantized weights (transformers' names): the reference."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+
+    def pack_out(t: torch.Tensor) -> torch.Tensor:  # [rows, out] in [0, 15] -> [rows, out/8]
+        v = t.reshape(t.shape[0], -1, 8)[:, :, list(order)]
+        return (v << shifts).sum(-1, dtype=torch.int32)
+
+    def awq(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        out_f, in_f = w.shape
+        g = torch.arange(in_f) // group
+        q, zero, scales = _int4_groups(w.float().t(), g, in_f // group, False)
+        deq = ((q - zero[g]).float() * scales.float()[g]).t().contiguous()
+        return {"qweight": pack_out(q), "qzeros": pack_out(zero), "scales": scales}, deq
+
+    return _save_packed_int4(model, folder, awq, {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+        "version": "gemm"})
+
+
+def _int4_groups(wt: torch.Tensor, g: torch.Tensor, ng: int, sym: bool, zmin: int = 0,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit groups of ``wt`` [in, out] (input column k in group g[k]):
+    (q int32 [in, out] in [0, 15], zero int32 [ng, out], scales f16 [ng, out]); symmetric:
+    zero 8 and scale max|w| / 7, else zero in [zmin, 15] and scale from the group's min and
+    max."""
+    out_f = wt.shape[1]
+    idx = g[:, None].expand(-1, out_f)
+    if sym:
+        amax = torch.zeros(ng, out_f).scatter_reduce_(0, idx, wt.abs(), "amax")
+        scales = (amax / 7).clamp_min(1e-8).to(torch.float16)
+        zero = torch.full((ng, out_f), 8, dtype=torch.int32)
+    else:
+        lo = torch.zeros(ng, out_f).scatter_reduce_(0, idx, wt, "amin").clamp_max(0)
+        hi = torch.zeros(ng, out_f).scatter_reduce_(0, idx, wt, "amax").clamp_min(0)
+        scales = ((hi - lo) / 15).clamp_min(1e-8).to(torch.float16)
+        zero = torch.round(-lo / scales.float()).clamp(zmin, 15).to(torch.int32)
+    q = (torch.round(wt / scales.float()[g]) + zero[g]).clamp(0, 15).to(torch.int32)
+    return q, zero, scales
+
+
+def _save_packed_int4(model: nn.Module, folder: str | Path, quantize: Any,
+                      qcfg: dict[str, Any]) -> tuple[Path, dict[str, torch.Tensor]]:
+    """``model`` saved per expert with every quantized linear weight replaced by the tensors
+    ``quantize(weight) -> (parts, dequantized)`` gives and ``qcfg`` as config.json's
+    quantization_config; returns the folder and the dequantized state dict (transformers'
+    names, per-expert weights regrouped into the fused ones)."""
+    import json
+
+    folder = Path(folder)
+    save_checkpoint(model, folder, layout="per_expert")
     ref: dict[str, torch.Tensor] = {}
 
     def put(k: str, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        parts, ref[k] = gptq(v)
+        parts, ref[k] = quantize(v)
         return {f"{k[:-len('.weight')]}.{n}": t for n, t in parts.items()}
 
     _rewrite_linear_weights(sorted(folder.glob("*.safetensors")), put)
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
-                                  "desc_act": act_order, "sym": True,
-                                  "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = qcfg
     cfg_path.write_text(json.dumps(cfg, indent=2))
-    # the reference in transformers' names: per-expert weights regrouped into the fused ones
     held: dict[str, torch.Tensor] = {}
     for k, v in model.state_dict().items():
         if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):

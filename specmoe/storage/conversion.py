@@ -61,6 +61,10 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # checkpoint folders
 
+# AWQ (AutoAWQ's gemm layout) packs eight output columns per int32 with bits 4i holding column
+# AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i]; column j of the eight sits at bits 4 * this[j].
+_AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
 
 @dataclass
 class Checkpoint:
@@ -122,47 +126,96 @@ class Checkpoint:
         return ck
 
     def _read_gptq(self, config: Path, q: dict[str, Any]) -> None:
-        """GPTQ (AutoGPTQ / GPTQModel / optimum layout): for each ``<prefix>.qweight`` int32
-        [in/8, out] (eight 4-bit values per int32 along the input, value j at bits 4j),
-        ``qzeros`` int32 [groups, out/8] (likewise along the output; stored as zero - 1 in the
-        original ``gptq`` format, as they are in ``gptq_v2``), ``scales`` f16 [groups, out]
-        and ``g_idx`` [in] (each input column's group; act-order permutes it), the weight
-        ``<prefix>.weight`` [out, in] = scales[g_idx[k], o] * (q[k, o] - zero[g_idx[k], o]).
+        """Packed 4-bit weights, GPTQ or AWQ.  For each ``<prefix>.qweight`` the weight
+        ``<prefix>.weight`` [out, in] = scales[g[k], o] * (q[k, o] - zero[g[k], o]), read from:
+
+        * GPTQ (AutoGPTQ / GPTQModel / optimum): ``qweight`` int32 [in/8, out] (eight 4-bit
+          values per int32 along the input, value j at bits 4j), ``qzeros`` int32
+          [groups, out/8] (likewise along the output; stored as zero - 1 in the original
+          ``gptq`` format, as they are in ``gptq_v2``), ``scales`` f16 [groups, out] and
+          ``g_idx`` [in] (each input column's group; act-order permutes it).
+        * AWQ (AutoAWQ's ``gemm`` version, the one transformers and vLLM read): ``qweight``
+          int32 [in, out/8] and ``qzeros`` int32 [groups, out/8], eight values along the
+          output per int32 in AWQ's order (bits 4i hold column AWQ_ORDER[i] of the eight),
+          zeros as they are; ``scales`` f16 [groups, out]; groups in column order.
+
         ``q``: config.json's quantization_config."""
         packed = [k for k in self.keys if k.endswith(".qweight")]
-        if q.get("quant_method") not in ("gptq",):
+        method = q.get("quant_method")
+        if method not in ("gptq", "awq"):
             if packed:
                 raise CheckpointError(f"{self.keys[packed[0]]}: tensor {packed[0]} is a packed "
                                       f"quantized weight but config.json's quantization_config "
-                                      f"says {q.get('quant_method')!r}; GPTQ int4 and FP8 "
-                                      "are read, AWQ and others are not yet")
+                                      f"says {method!r}; GPTQ and AWQ int4 and FP8 are read")
             return
-        if q.get("bits") != 4:
-            raise CheckpointError(f"{config}: GPTQ with bits={q.get('bits')!r}: only 4-bit "
-                                  "GPTQ is read")
-        fmt = q.get("checkpoint_format", "gptq")
-        self.gptq = {"group_size": int(q.get("group_size", 128)), "v1": fmt != "gptq_v2",
-                     "sym": bool(q.get("sym", True)), "desc_act": bool(q.get("desc_act"))}
+        name = method.upper()
+        if q.get("bits", q.get("w_bit")) != 4:
+            raise CheckpointError(f"{config}: {name} with bits="
+                                  f"{q.get('bits', q.get('w_bit'))!r}: only 4-bit {name} is read")
+        group = int(q.get("group_size", q.get("q_group_size", 128)))
+        if method == "awq":
+            version = str(q.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise CheckpointError(f"{config}: AWQ version {q.get('version')!r}: only the "
+                                      "'gemm' layout (AutoAWQ's default, what transformers "
+                                      "and vLLM read) is read")
+            if not q.get("zero_point", True):
+                raise CheckpointError(f"{config}: AWQ with zero_point=false is not read (its "
+                                      "layout is not published)")
+            self.gptq = {"method": "awq", "group_size": group, "v1": False, "sym": False,
+                         "desc_act": False}
+        else:
+            fmt = q.get("checkpoint_format", "gptq")
+            self.gptq = {"method": "gptq", "group_size": group, "v1": fmt != "gptq_v2",
+                         "sym": bool(q.get("sym", True)), "desc_act": bool(q.get("desc_act"))}
         for k in packed:
             prefix = k[:-len(".qweight")]
             need = [prefix + n for n in (".qzeros", ".scales")]
             missing = [n for n in need if n not in self.keys]
             if missing:
-                raise CheckpointError(f"{self.keys[k]}: GPTQ weight {k} lacks {missing[0]}")
+                raise CheckpointError(f"{self.keys[k]}: {name} weight {k} lacks {missing[0]}")
             w = prefix + ".weight"
             self.keys[w] = self.keys[k]
-            self.dtypes[w] = "GPTQ-int4"
+            self.dtypes[w] = f"{name}-int4"
             self.gptq_of[w] = prefix
 
     def kept_blocks(self, dtype: str) -> str | None:
-        """``"GPTQ"`` when an int4 store can take this checkpoint's experts without
-        re-quantizing: symmetric 4-bit GPTQ (every zero point 8, so w = (q - 8) * scale,
-        specmoe's int4) without act-order, in groups of 32, 64 or a multiple of 128 (the
-        groups the int4 kernels run fast); else None."""
+        """``"GPTQ"`` / ``"AWQ"`` when a store in ``dtype`` can take this checkpoint's experts
+        without re-quantizing, else None:
+
+        * int4: symmetric 4-bit GPTQ (every zero point 8, so w = (q - 8) * scale, specmoe's
+          int4) without act-order, in groups of 32, 64 or a multiple of 128 (the groups the
+          int4 kernels run fast);
+        * ``"gguf"``: asymmetric 4-bit groups (AWQ, GPTQ with sym=false) in column order, in
+          groups of a multiple of 32 (or one per row), as Q4_1 blocks
+          (:func:`specmoe.storage.ggml_blocks.q4_1_from_groups`)."""
+        if not self.gptq_of:
+            return None
         g = self.gptq.get("group_size", 0)
-        ok = (dtype == "int4" and self.gptq_of and self.gptq["sym"] and not self.gptq["desc_act"]
-              and (g in (32, 64) or (g > 0 and g % 128 == 0)))
-        return "GPTQ" if ok else None
+        name = self.gptq["method"].upper()
+        if dtype == "int4":
+            ok = (self.gptq["sym"] and not self.gptq["desc_act"]
+                  and (g in (32, 64) or (g > 0 and g % 128 == 0)))
+            return name if ok else None
+        if dtype == "gguf":
+            return name if self.block_kinds()[0] is not None else None
+        return None
+
+    def block_kinds(self) -> tuple[dict[str, Any] | None, str]:
+        """How a ``"gguf"`` store keeps this checkpoint's experts (the interface of
+        :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`): Q4_1 for asymmetric 4-bit
+        GPTQ / AWQ in column order and groups of a multiple of 32, or ``(None, why not)``."""
+        if not self.gptq_of:
+            return None, "its experts are not packed 4-bit (GPTQ / AWQ) weights"
+        name, g = self.gptq["method"].upper(), self.gptq["group_size"]
+        if self.gptq["sym"]:
+            return None, (f"its {name} weights are symmetric: the int4 store keeps them "
+                          "(dtype='int4')")
+        if self.gptq["desc_act"]:
+            return None, f"its {name} groups follow act-order, not the columns"
+        if g > 0 and g % 32:
+            return None, f"its {name} groups of {g} columns are not whole Q4_1 blocks of 32"
+        return {"gate_up": "q4_1", "down": "q4_1", "down_layers": None}, ""
 
     def kept_group(self) -> int:
         """The int4 group size of a store that keeps this checkpoint's blocks."""
@@ -174,7 +227,6 @@ class Checkpoint:
         [out, in/group]).  CheckpointError if a zero point is not 8 or the groups are not in
         column order."""
         import numpy as np
-        import torch
 
         prefix = self.gptq_of[key]
         q, z, sc, g = self._gptq_parts(key, index)
@@ -182,16 +234,40 @@ class Checkpoint:
         if not bool((z == 8).all()):
             raise CheckpointError(f"{where}: zero points other than 8 although the config says "
                                   "sym; convert with dtype='int8' or 'bf16' to dequantize it")
-        if not bool((g == torch.arange(q.shape[0]) // self.gptq["group_size"]).all()):
-            raise CheckpointError(f"{where}: g_idx is not in column order (act-order)")
+        self._check_column_order(key, g)
         u = q.t().contiguous().numpy().astype(np.uint8)  # [out, in]
         return (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8), \
             np.ascontiguousarray(sc.t().numpy(), dtype=np.float32)
 
+    def expert_blocks(self, key: str, index: int | None = None) -> Any:
+        """Asymmetric 4-bit weight ``key`` (GPTQ / AWQ; expert ``index`` of a stacked one) as
+        Q4_1 blocks uint8 [out, in/32, 20], repacked, not re-quantized
+        (:func:`specmoe.storage.ggml_blocks.q4_1_from_groups`)."""
+        import numpy as np
+
+        from .ggml_blocks import q4_1_from_groups
+
+        q, z, sc, g = self._gptq_parts(key, index)
+        self._check_column_order(key, g)
+        n_in = q.shape[-2]
+        group = n_in // sc.shape[-2]
+        return q4_1_from_groups(q.t().numpy().astype(np.uint8), z.t().numpy().astype(np.float32),
+                                sc.t().numpy(), group)
+
+    def _check_column_order(self, key: str, g: Any) -> None:
+        import torch
+
+        gs = self.gptq["group_size"]
+        n_in = int(g.shape[-1])
+        if not bool((g == torch.arange(n_in) // (gs if gs > 0 else n_in)).all()):
+            raise CheckpointError(f"{self.keys[self.gptq_of[key] + '.qweight']}: "
+                                  f"{self.gptq['method'].upper()} weight {key}: g_idx is not in "
+                                  "column order (act-order)")
+
     def _gptq_parts(self, w: str, index: int | None = None) -> tuple[Any, Any, Any, Any]:
-        """GPTQ weight ``w`` (expert ``index`` of a stacked one) unpacked: the 4-bit values
-        q [in, out], the zero points [groups, out], the f32 scales [groups, out] and each
-        input column's group [in] (g_idx, or column order when the file has none)."""
+        """Packed 4-bit weight ``w`` (expert ``index`` of a stacked one) unpacked: the 4-bit
+        values q [in, out], the zero points [groups, out], the f32 scales [groups, out] and
+        each input column's group [in] (g_idx, or column order when the file has none)."""
         import torch
 
         prefix = self.gptq_of[w]
@@ -203,11 +279,20 @@ class Checkpoint:
 
         qw, qz, sc = get(".qweight"), get(".qzeros"), get(".scales").float()
         shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-        q = ((qw.unsqueeze(-2) >> shifts[:, None]) & 15)  # [in/8, 8, out]
-        q = q.reshape(*qw.shape[:-2], qw.shape[-2] * 8, qw.shape[-1])  # [in, out]
-        z = ((qz.unsqueeze(-1) >> shifts) & 15).reshape(*qz.shape[:-1], qz.shape[-1] * 8)
-        if self.gptq["v1"]:
-            z = z + 1
+        if self.gptq["method"] == "awq":  # eight values along the output, in AWQ's order
+            pos = shifts[list(_AWQ_REVERSE_ORDER)]  # the bits of output column j of eight
+
+            def along_out(t: Any) -> Any:
+                v = (t.unsqueeze(-1) >> pos) & 15  # [..., rows, out/8, 8]
+                return v.reshape(*t.shape[:-1], t.shape[-1] * 8)
+
+            q, z = along_out(qw), along_out(qz)
+        else:
+            q = ((qw.unsqueeze(-2) >> shifts[:, None]) & 15)  # [in/8, 8, out]
+            q = q.reshape(*qw.shape[:-2], qw.shape[-2] * 8, qw.shape[-1])  # [in, out]
+            z = ((qz.unsqueeze(-1) >> shifts) & 15).reshape(*qz.shape[:-1], qz.shape[-1] * 8)
+            if self.gptq["v1"]:
+                z = z + 1
         n_in = q.shape[-2]
         if prefix + ".g_idx" in self.keys:
             g = get(".g_idx").long()
@@ -215,8 +300,9 @@ class Checkpoint:
             gs = self.gptq["group_size"]
             g = torch.arange(n_in) // (gs if gs > 0 else n_in)
         if sc.shape[-2] <= int(g.max()) or z.shape[-1] != sc.shape[-1] or \
-                sc.shape[-1] != q.shape[-1]:
-            raise CheckpointError(f"{self.keys[prefix + '.qweight']}: GPTQ tensors of {prefix} "
+                sc.shape[-1] != q.shape[-1] or z.shape[-2] != sc.shape[-2]:
+            raise CheckpointError(f"{self.keys[prefix + '.qweight']}: "
+                                  f"{self.gptq['method'].upper()} tensors of {prefix} "
                                   f"do not fit: qweight {tuple(qw.shape)}, qzeros "
                                   f"{tuple(qz.shape)}, scales {tuple(sc.shape)}")
         return q, z, sc, g
@@ -363,7 +449,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Any:
 
 def store_dtype(ckpt: Any, dtype: str) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
-    (a safetensors folder), int4 (a GPTQ folder) or for a GGUF file its blocks kept as they
+    (a safetensors folder), int4 (a symmetric GPTQ folder), ``"gguf"`` with Q4_1 blocks (an
+    AWQ or asymmetric GPTQ folder, :meth:`Checkpoint.block_kinds`) or for a GGUF file its blocks kept as they
     are where the kernels read them (``"gguf"`` for Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS / Q4_1,
     :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
     experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
@@ -371,9 +458,10 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
     from .quant import DTYPES
     from .gguf import GgufCheckpoint, natural_dtype
     if dtype == "gguf":
-        if not isinstance(ckpt, GgufCheckpoint):
-            raise ValueError(f"dtype='gguf' keeps a GGUF file's expert blocks as they are; "
-                             f"{ckpt.folder} is not a GGUF file")
+        if not isinstance(ckpt, GgufCheckpoint) and not ckpt.gptq_of:
+            raise ValueError(f"dtype='gguf' keeps a GGUF file's expert blocks (or an "
+                             f"asymmetric GPTQ / AWQ checkpoint's as Q4_1) as they are; "
+                             f"{ckpt.folder} is neither")
         kinds, why = ckpt.block_kinds()
         if kinds is None:
             raise ValueError(f"dtype='gguf': {ckpt.folder} cannot be kept as it is: {why}; "
@@ -385,11 +473,18 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
                              f"{('auto',) + DTYPES + ('gguf',)}")
         return dtype
     if isinstance(ckpt, Checkpoint):
-        if ckpt.gptq_of:  # 4-bit GPTQ: int4, its blocks kept where they map as they are
+        if ckpt.gptq_of:  # 4-bit GPTQ / AWQ: kept where they map as they are
+            name = ckpt.gptq["method"].upper()
+            if ckpt.kept_blocks("gguf"):
+                _log(f"{ckpt.folder}: {name} 4-bit experts (asymmetric, groups of "
+                     f"{ckpt.kept_group()}): the store keeps them as Q4_1 blocks of 32, "
+                     "repacked, not re-quantized (values and scales as they are, the offset "
+                     "-zero * scale rounded to f16) (dtype='auto' -> 'gguf')")
+                return "gguf"
             how = (f"in groups of {ckpt.kept_group()}, repacked, not re-quantized"
                    if ckpt.kept_blocks("int4") else
-                   "re-quantized (asymmetric or act-order GPTQ does not map onto it as it is)")
-            _log(f"{ckpt.folder}: GPTQ 4-bit experts: the store holds them as int4, {how} "
+                   f"re-quantized ({ckpt.block_kinds()[1]})")
+            _log(f"{ckpt.folder}: {name} 4-bit experts: the store holds them as int4, {how} "
                  "(dtype='auto')")
             return "int4"
         return "bf16"
