@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],
                    help="store dtype of the experts (auto: bf16, or for a GGUF file its "
                         "blocks kept as they are where the kernels read them, else the nearest "
-                        "dtype; gguf: a GGUF file's Q8_0/Q4_K/Q5_K/Q6_K/Q4_0/IQ4_XS/Q4_1 blocks as "
+                        "dtype; gguf: a GGUF file's Q2_K-Q6_K/Q8_0/Q4_0/Q4_1/IQ4_XS blocks as "
                         "they are, or an AWQ / asymmetric GPTQ folder's groups as Q4_1)")
     p.add_argument("-o", "--output", default=None,
                    help="store file (default: one per checkpoint and dtype under "
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],
                    help="store dtype of the experts (auto: bf16, or for a GGUF file its "
                         "blocks kept as they are where the kernels read them, else the nearest "
-                        "dtype; gguf: a GGUF file's Q8_0/Q4_K/Q5_K/Q6_K/Q4_0/IQ4_XS/Q4_1 blocks as "
+                        "dtype; gguf: a GGUF file's Q2_K-Q6_K/Q8_0/Q4_0/Q4_1/IQ4_XS blocks as "
                         "they are, or an AWQ / asymmetric GPTQ folder's groups as Q4_1)")
     p.add_argument("--policy", default="least_stale",
                    help="eviction policy spec, as simulate's --policies takes (e.g. lru, "

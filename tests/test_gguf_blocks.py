@@ -29,7 +29,7 @@ def _quantize_q4_0(w):
 
 QUANT = {"q8_0": gb.quantize_q8_0, "q4_k": gb.quantize_q4_k, "q6_k": gb.quantize_q6_k,
          "q4_0": _quantize_q4_0, "q5_k": gb.quantize_q5_k, "iq4_xs": gb.quantize_iq4_xs,
-         "q4_1": gb.quantize_q4_1}
+         "q4_1": gb.quantize_q4_1, "q2_k": gb.quantize_q2_k, "q3_k": gb.quantize_q3_k}
 
 
 def _expert(rng, H, I, kind, down_kind=None, bias=False):
@@ -61,7 +61,7 @@ def _model_fast(ref, x, kind, down):
     from .test_kernels import ref_act
 
     m = {"q8_0": 32, "q4_k": 256, "q6_k": 256, "q4_0": 32, "q5_k": 256, "iq4_xs": 256,
-         "q4_1": 32}
+         "q4_1": 32, "q2_k": 256, "q3_k": 256}
     xq = _q8(x, m[kind]).astype(np.float64)
     g = xq @ ref["gate"].T.astype(np.float64) + ref.get("gate.bias", 0.0)
     u = xq @ ref["up"].T.astype(np.float64) + ref.get("up.bias", 0.0)
@@ -82,7 +82,8 @@ def test_quantizers_write_blocks_the_gguf_package_reads_back_closely():
                                                         gb.BLOCKS[kind][1])
         err = _rel(gb.dequantize(b), w)
         assert err < {"q8_0": 0.01, "q4_k": 0.12, "q6_k": 0.03, "q4_0": 0.12,
-                      "q5_k": 0.06, "iq4_xs": 0.12, "q4_1": 0.1}[kind], (kind, err)
+                      "q5_k": 0.06, "iq4_xs": 0.12, "q4_1": 0.1, "q2_k": 0.4,
+                      "q3_k": 0.2}[kind], (kind, err)
 
 
 def test_q4_1_quantizer_is_read_back_by_the_gguf_package_as_its_own():
@@ -145,7 +146,9 @@ def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
                                        ("q4_0", None), ("q5_k", None), ("q4_k", "q8_0"),
                                        ("q4_k", "q6_k"), ("q4_k", "q4_0"), ("q5_k", "q6_k"),
                                        ("q6_k", "q5_k"), ("iq4_xs", None), ("iq4_xs", "q6_k"),
-                                       ("q4_1", None), ("q4_k", "q4_1"), ("q4_1", "q8_0")])
+                                       ("q4_1", None), ("q4_k", "q4_1"), ("q4_1", "q8_0"),
+                                       ("q2_k", None), ("q3_k", None), ("q2_k", "q3_k"),
+                                       ("q3_k", "q6_k"), ("q2_k", "q4_0")])
 @pytest.mark.parametrize("T", [1, 5, 9])
 @pytest.mark.parametrize("precise", [True, False])
 def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, precise):
@@ -254,7 +257,9 @@ def _q4_k_m_256(layer: int, role: str) -> str:
     ("qwen3_moe", 256, "IQ4_XS", "iq4_xs"),
     ("mixtral", 96, "Q8_0", "q8_0"),
     ("mixtral", 96, "Q4_0", "q4_0"),
-    ("qwen3_moe", 96, "Q4_1", "q4_1")])
+    ("qwen3_moe", 96, "Q4_1", "q4_1"),
+    ("qwen3_moe", 256, lambda layer, role: "Q3_K" if role != "down" else "Q4_K", "q4_k"),  # Q3_K_M
+    ("qwen3_moe", 256, "Q2_K", "q2_k")])
 def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
         _cache_dir, tmp_path, capfd, arch, inter, expert_qtype, down):
     """dtype='auto' keeps the file's expert blocks (Q5_0 widened to Q8_0; down formats that
@@ -287,7 +292,8 @@ def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
                 assert gb.block_kind(t[name]) == gb.TYPE_OF_GGML[raw.tensor_type.name]
                 want = dequantize(np.asarray(raw.data[3]), raw.tensor_type)
                 np.testing.assert_array_equal(got[name], want)
-                if raw.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_1"):
+                if raw.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_1",
+                                                "Q2_K", "Q3_K"):
                     np.testing.assert_array_equal(t[name].reshape(-1),
                                                   np.asarray(raw.data[3]).reshape(-1))
     finally:

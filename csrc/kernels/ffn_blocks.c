@@ -1,6 +1,7 @@
 /* Expert FFNs over GGUF block weights kept as the file holds them (SMOE_WDT_Q8_0 / Q4_K / Q6_K /
- * Q4_0 / Q5_K / IQ4_XS / Q4_1, layouts in kernels.h; ggml's block_q8_0, block_q4_K, block_q6_K,
- * block_q4_0, block_q5_K, block_iq4_xs and block_q4_1).
+ * Q4_0 / Q5_K / IQ4_XS / Q4_1 / Q2_K / Q3_K, layouts in kernels.h; ggml's block_q8_0,
+ * block_q4_K, block_q6_K, block_q4_0, block_q5_K, block_iq4_xs, block_q4_1, block_q2_K and
+ * block_q3_K).
  *
  * Two paths, chosen per call by ffn.c:
  *   exact  (desc.precise = 1, or a CPU without AVX2): each block is widened to f32 exactly as
@@ -32,6 +33,16 @@
  *                  sub-block's scale ls - 32 in [-32, 31] in vpmaddwd (<= 2.1e6 a lane),
  *                  summed over the 256 columns in int32; times d * s_x once per super-block
  *                  (llama.cpp's IQ4_XS x Q8_K).
+ *            Q2_K  q in [0, 3] unsigned (pairs <= 762), times the 4-bit scale of its 16
+ *                  columns in vpmaddwd (<= 22860 a lane per 32 columns), summed over the 256
+ *                  columns in int32; times d * s_x once per super-block.  The min term
+ *                  dmin * s_x * sum_j m_j * (sum of the int8 x of sub-block j of 16) comes
+ *                  from the prepared per-16 sums (llama.cpp's Q2_K x Q8_K).
+ *            Q3_K  u = q + 4 * hbit in [0, 7] unsigned (pairs <= 1778), times the signed
+ *                  6-bit scale (sc - 32) of its 16 columns in vpmaddwd, summed in int32; the
+ *                  offset (w = sc * (u - 4)) is 4 * sum_j sc_j * (sum of x of sub-block j),
+ *                  one vpmaddwd of the scales against the prepared per-16 sums, subtracted
+ *                  in int32 (llama.cpp's Q3_K x Q8_K).
  *            Q6_K  q in [0, 63] unsigned (pairs <= 16002), minus a second vpmaddubsw of 32
  *                  against x (so (q - 32) x exactly, |pair| <= 8128), times the int8 scale of
  *                  its 16 columns in vpmaddwd, summed over the 256 columns in int32
@@ -44,11 +55,16 @@
  *
  * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0,
  * Q4_0, Q4_1) or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8 values
- * [T, n/32]. */
+ * [T, n/32] (of every 16 [T, n/16] before a Q2_K or Q3_K matrix, whose scales are per 16). */
 #include <math.h>
 #include <string.h>
 
 #include "kimpl.h"
+
+/* Columns per prepared input sum: 16 before the formats with a scale per 16 columns. */
+static inline uint32_t smoe_blocks_sum_cols(int32_t dt) {
+    return dt == SMOE_WDT_Q2_K || dt == SMOE_WDT_Q3_K ? 16u : 32u;
+}
 
 /* IEEE half to float, exact (subnormals, infinities and NaN included). */
 static float f16_to_f32(uint16_t h) {
@@ -96,6 +112,17 @@ static inline int iq4xs_scale(const uint8_t *b, uint32_t j) {
     return (int)(((b[4 + j / 2] >> (4 * (j % 2))) & 0xFu) | (((h >> (2 * j)) & 3u) << 4)) - 32;
 }
 
+/* Q3_K's twelve scale bytes as its sixteen signed 6-bit scales (sc - 32): the low nibbles of
+ * bytes 0..7 (sub-blocks 0..7), their high nibbles (8..15), and the top two bits of sub-block
+ * i at bits 2 * (i / 4) of byte 8 + i % 4 (ggml's dequantize_row_q3_K). */
+static inline void q3k_scales(const uint8_t *s12, int8_t out[16]) {
+    for (uint32_t i = 0; i < 16; i++) {
+        const uint32_t lo = i < 8 ? (s12[i] & 0xFu) : (uint32_t)(s12[i - 8] >> 4);
+        const uint32_t hi = (s12[8 + i % 4] >> (2 * (i / 4))) & 3u;
+        out[i] = (int8_t)((int)(lo | (hi << 4)) - 32);
+    }
+}
+
 /* One block of `dt` widened to f32 into y (32 or 256 values), as ggml widens it. */
 static void widen_block(int32_t dt, const uint8_t *b, float *y) {
     if (dt == SMOE_WDT_Q4_0) {
@@ -104,6 +131,26 @@ static void widen_block(int32_t dt, const uint8_t *b, float *y) {
             y[l] = d * (float)((int)(b[2 + l] & 0xFu) - 8);
             y[l + 16] = d * (float)((int)(b[2 + l] >> 4) - 8);
         }
+    } else if (dt == SMOE_WDT_Q2_K || dt == SMOE_WDT_Q3_K) {
+        /* 2-bit values of column 128h + 32j + l at bits 2j of qs[32h + l]; Q3_K: minus 4
+         * where bit 4h + j of hmask[l] is clear; one scale per 16 columns */
+        const int three = dt == SMOE_WDT_Q3_K;
+        const uint8_t *qs = b + (three ? 32 : 16);
+        int8_t sc3[16];
+        if (three) q3k_scales(b + 96, sc3);
+        const float d = rd_f16(b + (three ? 108 : 80)), dmin = three ? 0.0f : rd_f16(b + 82);
+        for (uint32_t h = 0; h < 2; h++)
+            for (uint32_t j = 0; j < 4; j++)
+                for (uint32_t half = 0; half < 2; half++) {
+                    const uint32_t sb = 8 * h + 2 * j + half, c0 = 128 * h + 32 * j + 16 * half;
+                    const float dl = three ? d * (float)sc3[sb] : d * (float)(b[sb] & 0xFu);
+                    const float ml = three ? 0.0f : dmin * (float)(b[sb] >> 4);
+                    for (uint32_t l = 16 * half; l < 16 * half + 16; l++) {
+                        int q = (qs[32 * h + l] >> (2 * j)) & 3;
+                        if (three && !((b[l] >> (4 * h + j)) & 1u)) q -= 4;
+                        y[c0 + l - 16 * half] = three ? dl * (float)q : dl * (float)q - ml;
+                    }
+                }
     } else if (dt == SMOE_WDT_Q4_1) { /* ggml's dequantize_row_q4_1: q * d + m */
         const float d = rd_f16(b), m = rd_f16(b + 2);
         for (uint32_t l = 0; l < 16; l++) {
@@ -239,7 +286,8 @@ AI float ld_f16(const uint8_t *p) {
 typedef struct xin {
     const int8_t *q;   /* [n] int8 */
     const float *s;    /* Q8_0, Q4_0, Q4_1: [n/32] scales; K-quants: [n/256] */
-    const int16_t *bs; /* K-quants, Q4_1: [n/32] sums of the int8 values per 32 columns */
+    const int16_t *bs; /* K-quants, Q4_1: [n/32] sums of the int8 values per 32 columns
+                        * (Q2_K, Q3_K: [n/16] per 16) */
 } xin;
 
 AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
@@ -247,7 +295,7 @@ AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
     const uint32_t ns = smoe_wdt_block_cols(dt) == 32 ? n / 32 : n / 256;
     r.q = (const int8_t *)j->q + (size_t)t * n;
     r.s = j->qs + (size_t)t * ns;
-    r.bs = (const int16_t *)j->qsum + (size_t)t * (n / 32);
+    r.bs = (const int16_t *)j->qsum + (size_t)t * (n / smoe_blocks_sum_cols(dt));
     return r;
 }
 
@@ -557,6 +605,80 @@ AI void tile_fold(__m256 *acc, const __m256i *sumi, float d, const xin *x, uint3
                                  acc[t]);
 }
 
+/* ---- Q2_K and Q3_K: one input scale per 256 columns, a scale per 16 columns ---- */
+
+/* Q2_K (three = 0) or Q3_K (three = 1) rows against nt tokens.  Per super-block and half h
+ * the 32 bytes of 2-bit values give four chunks j of 32 columns (bits 2j; Q3_K: plus 4 where
+ * hmask bit 4h + j is set), each against its 32 input values with the scales of its two
+ * 16-column sub-blocks broadcast to the low / high 128-bit lanes. */
+AI void rows_q23_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res,
+                   const int three) {
+    const uint32_t nsb = n / 256, bb = three ? 110 : 84;
+    const __m256i m3 = _mm256_set1_epi8(3), k4 = _mm256_set1_epi8(4);
+    __m256 acc[TILE], accm[TILE];
+    for (uint32_t t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        accm[t] = _mm256_setzero_ps();
+    }
+    for (uint32_t s = 0; s < nsb; s++, w += bb) {
+        for (uint32_t k = 0; k < 2; k++)
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        int16_t sc[16], mn[16];
+        if (three) {
+            int8_t s3[16];
+            q3k_scales(w + 96, s3);
+            for (uint32_t i = 0; i < 16; i++) sc[i] = s3[i], mn[i] = s3[i];
+        } else {
+            for (uint32_t i = 0; i < 16; i++)
+                sc[i] = (int16_t)(w[i] & 0xFu), mn[i] = (int16_t)(w[i] >> 4);
+        }
+        const float d = ld_f16(w + (three ? 108 : 80)), dmin = three ? 0.0f : ld_f16(w + 82);
+        const __m256i mnv = _mm256_loadu_si256((const __m256i *)mn);
+        const __m256i hb = three ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
+        __m256i sumi[TILE];
+        for (uint32_t t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
+        for (uint32_t h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (three ? 32 : 16) + 32 * h));
+            for (uint32_t j = 0; j < 4; j++) {
+                __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, (int)(2 * j)), m3);
+                if (three) /* bit 4h + j of every hmask byte, as the value 4 */
+                    q = _mm256_or_si256(
+                        q, _mm256_and_si256(
+                               _mm256_slli_epi16(_mm256_srli_epi16(hb, (int)(4 * h + j)), 2), k4));
+                const uint32_t sb = 8 * h + 2 * j;
+                const __m256i skv = _mm256_set_m128i(_mm_set1_epi16(sc[sb + 1]),
+                                                     _mm_set1_epi16(sc[sb]));
+                for (uint32_t t = 0; t < nt; t++) {
+                    const __m256i xv = _mm256_loadu_si256(
+                        (const __m256i *)(x[t].q + 256 * s + 128 * h + 32 * j));
+                    sumi[t] = _mm256_add_epi32(
+                        sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), skv));
+                }
+            }
+        }
+        for (uint32_t t = 0; t < nt; t++) {
+            const __m256i pm =
+                _mm256_madd_epi16(mnv, _mm256_loadu_si256((const __m256i *)(x[t].bs + 16 * s)));
+            const float xs = x[t].s[s];
+            if (three) /* sc * (u - 4): the offset in integers */
+                sumi[t] = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(pm, 2));
+            else
+                accm[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xs), _mm256_cvtepi32_ps(pm),
+                                          accm[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) - hsum8(accm[t]);
+}
+
+static void rows_q2_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    rows_q23_k(w, x, nt, n, res, 0);
+}
+
+static void rows_q3_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    rows_q23_k(w, x, nt, n, res, 1);
+}
+
 /* ---- Q6_K: one input scale per 256 columns, int16 scales per 16 columns ---- */
 
 static void rows_q6_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
@@ -750,6 +872,10 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_b32(dt, w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q4_K)
         rows_q4_k(w, x, nt, n, res);
+    else if (dt == SMOE_WDT_Q2_K)
+        rows_q2_k(w, x, nt, n, res);
+    else if (dt == SMOE_WDT_Q3_K)
+        rows_q3_k(w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q5_K)
         rows_q5_k(w, x, nt, n, res);
     else if (dt == SMOE_WDT_IQ4_XS && nt == 1)
@@ -815,9 +941,17 @@ static void down_fast(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
         }
 }
 
+AI int32_t hsum_i32(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
+}
+
 /* Quantize `m` (32 or 256) columns xb with inverse scale inv into qb (int8), returning the
- * sums of each 32 of them in bs[0 .. m/32). */
-AI void quant_cols(const float *xb, uint32_t m, __m256 inv, int8_t *qb, int16_t *bs) {
+ * sums of each `sub` (32 or 16) of them in bs[0 .. m/sub). */
+AI void quant_cols(const float *xb, uint32_t m, __m256 inv, int8_t *qb, int16_t *bs,
+                   uint32_t sub) {
     const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
     for (uint32_t c = 0; c < m; c += 32) {
         __m256i iv[4];
@@ -833,22 +967,24 @@ AI void quant_cols(const float *xb, uint32_t m, __m256 inv, int8_t *qb, int16_t 
                                         _mm256_packs_epi32(iv[2], iv[3]));
         p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(qb + c), p8);
-        const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]),
-                                             _mm256_add_epi32(iv[2], iv[3]));
-        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-        bs[c / 32] = (int16_t)_mm_cvtsi128_si32(h);
+        const __m256i lo = _mm256_add_epi32(iv[0], iv[1]), hi = _mm256_add_epi32(iv[2], iv[3]);
+        if (sub == 16) {
+            bs[c / 16] = (int16_t)hsum_i32(lo);
+            bs[c / 16 + 1] = (int16_t)hsum_i32(hi);
+        } else {
+            bs[c / 32] = (int16_t)hsum_i32(_mm256_add_epi32(lo, hi));
+        }
     }
 }
 
 /* Per `m` columns (32 for Q8_0, Q4_0 and Q4_1, 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K) of
  * each row: s = max|x| / 127, q = rint(x * (1 / s)) (ties to even), and the sum of every 32 q's.
  * A NaN among the m columns makes s NaN, so every output it feeds is NaN, as in f32 math.
- * Layout: q [T, n] int8; qs [T, n/m] f32; qsum's bytes [T, n/32] int16 (K-quants, Q4_1). */
+ * Layout: q [T, n] int8; qs [T, n/m] f32; qsum's bytes [T, n/sub] int16 (sub: 16 before Q2_K
+ * and Q3_K, else 32; used by the K-quants and Q4_1). */
 static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int32_t *rows,
                          uint32_t T, uint32_t n, int8_t *q, float *qs, float *qsum) {
-    const uint32_t m = smoe_wdt_block_cols(dt), ns = n / m;
+    const uint32_t m = smoe_wdt_block_cols(dt), ns = n / m, sub = smoe_blocks_sum_cols(dt);
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     int16_t *bs = (int16_t *)qsum;
     for (uint32_t t = 0; t < T; t++) {
@@ -868,7 +1004,7 @@ static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int3
             const float sc = isnan ? __builtin_nanf("") : _mm_cvtss_f32(r) / 127.0f;
             const __m256 inv = _mm256_set1_ps(sc > 0.0f && !isnan ? 1.0f / sc : 0.0f);
             quant_cols(xb, m, inv, q + (size_t)t * n + (size_t)m * b,
-                       bs + (size_t)t * (n / 32) + (m / 32) * b);
+                       bs + (size_t)t * (n / sub) + (m / sub) * b, sub);
             qs[(size_t)t * ns + b] = sc;
         }
     }

@@ -75,18 +75,21 @@ typedef enum smoe_wdtype {
     SMOE_WDT_Q4_0 = 8,
     SMOE_WDT_Q5_K = 9,
     SMOE_WDT_IQ4_XS = 10,
-    SMOE_WDT_Q4_1 = 11
+    SMOE_WDT_Q4_1 = 11,
+    SMOE_WDT_Q2_K = 12,
+    SMOE_WDT_Q3_K = 13
 } smoe_wdtype;
 
 /* GGUF block formats kept as a GGUF file holds them (ggml's block_q8_0 / block_q4_K /
- * block_q6_K / block_q4_0 / block_q5_K / block_iq4_xs / block_q4_1, bit for bit; Q4_1 is also
+ * block_q6_K / block_q4_0 / block_q5_K / block_iq4_xs / block_q4_1 / block_q2_K / block_q3_K, bit
+ * for bit; Q4_1 is also
  * what asymmetric GPTQ / AWQ int4 repacks onto): each row of `cols` columns is cols /
  * smoe_wdt_block_cols blocks of smoe_wdt_block_bytes, the scales inside the blocks (no scale
  * tensor).  Expert FFNs only, CPU only (ffn_blocks.c). */
 static inline int smoe_wdt_is_block(int32_t dt) {
     return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q6_K ||
            dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q5_K || dt == SMOE_WDT_IQ4_XS ||
-           dt == SMOE_WDT_Q4_1;
+           dt == SMOE_WDT_Q4_1 || dt == SMOE_WDT_Q2_K || dt == SMOE_WDT_Q3_K;
 }
 static inline uint32_t smoe_wdt_block_cols(int32_t dt) {
     return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q4_1 ? 32u : 256u;
@@ -99,6 +102,8 @@ static inline uint32_t smoe_wdt_block_bytes(int32_t dt) {
            : dt == SMOE_WDT_Q5_K   ? 176u
            : dt == SMOE_WDT_IQ4_XS ? 136u
            : dt == SMOE_WDT_Q4_1   ? 20u
+           : dt == SMOE_WDT_Q2_K   ? 84u
+           : dt == SMOE_WDT_Q3_K   ? 110u
                                    : 0u;
 }
 /* Weight formats the GPU kernels (cuda/ffn.cu) do not take. */

@@ -261,8 +261,8 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     them).  ``tokenizer``: a byte-level BPE fast tokenizer written into the metadata as
     llama.cpp's ``gpt2`` tokenizer model (tokens, types, merges).  Returns the path and the
     state dict as the file holds it (each quantized tensor dequantized by the ``gguf``
-    package): the reference the same weights give.  ``qtype`` may also be ``Q4_K``,
-    ``Q5_K``, ``Q6_K`` or ``IQ4_XS`` (written by :mod:`specmoe.storage.ggml_blocks`' quantizers; the ``gguf`` package
+    package): the reference the same weights give.  ``qtype`` may also be ``Q2_K``, ``Q3_K``,
+    ``Q4_K``, ``Q5_K``, ``Q6_K`` or ``IQ4_XS`` (written by :mod:`specmoe.storage.ggml_blocks`' quantizers; the ``gguf`` package
     has none); a matrix whose columns are not a multiple of 256 then falls back to Q8_0, as
     llama-quantize falls back.  ``expert_qtype``: the routed experts' type instead of
     ``qtype``, a name or ``f(layer, "gate" | "up" | "down") -> name`` (a Q4_K_M-like mix)."""
@@ -285,11 +285,12 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
         a = np.ascontiguousarray(a, dtype=np.float32)
         if not quantized:
             return a, a
-        if t.name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
+        if t.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
             from ..storage import ggml_blocks
             fn = {"Q4_K": ggml_blocks.quantize_q4_k, "Q5_K": ggml_blocks.quantize_q5_k,
                   "Q6_K": ggml_blocks.quantize_q6_k,
-                  "IQ4_XS": ggml_blocks.quantize_iq4_xs}[t.name]
+                  "IQ4_XS": ggml_blocks.quantize_iq4_xs, "Q2_K": ggml_blocks.quantize_q2_k,
+                  "Q3_K": ggml_blocks.quantize_q3_k}[t.name]
             q = fn(a.reshape(-1, a.shape[-1])).reshape(a.shape[:-1] + (-1,))
         else:
             q = quantize(a, t)
@@ -297,7 +298,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
 
     def put(gname: str, a: np.ndarray, tname: str | None = None) -> np.ndarray:
         t = gguf.GGMLQuantizationType[tname] if tname else qt
-        if t.name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") and a.shape[-1] % 256:
+        if t.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") and a.shape[-1] % 256:
             t = gguf.GGMLQuantizationType.Q8_0  # llama-quantize's fallback for such rows
         # llama-quantize keeps 1-D tensors and the router (ffn_gate_inp) in F32
         # (rows not a whole number of blocks stay F32 too, as llama-quantize falls back)

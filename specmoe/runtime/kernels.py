@@ -5,7 +5,8 @@ One call applies one routed expert to the tokens routed to it, reading its weigh
     out[rows[t]] += scale[t] * down(act(gate(x[rows[t]]), up(x[rows[t]])))
 
 Weights are in the canonical layout of :mod:`specmoe.storage.quant` (f32, bf16, int8, int4, int2,
-or GGUF's Q8_0 / Q4_K / Q6_K / Q4_0 / Q5_K / IQ4_XS / Q4_1 blocks as a GGUF file holds them) in a
+or GGUF's Q8_0 / Q4_K / Q6_K / Q4_0 / Q5_K / IQ4_XS / Q4_1 /
+Q2_K / Q3_K blocks as a GGUF file holds them) in a
 byte block (a store block or :func:`pack_block`); :class:`FFNSpec` says where each tensor is.
 The context owns a persistent thread pool and the ISA choice (AVX-512, AVX2, scalar, detected
 at run time; ``SPECMOE_ISA=avx2`` or :func:`set_isa` forces a lower one).
@@ -39,7 +40,7 @@ __all__ = [
 ACTIVATIONS = ("silu", "gptoss")
 _DT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "int2": 4,
             "q8_0": 5, "q4_k": 6, "q6_k": 7, "q4_0": 8, "q5_k": 9, "iq4_xs": 10,
-            "q4_1": 11}
+            "q4_1": 11, "q2_k": 12, "q3_k": 13}
 # GGUF block formats kept as a GGUF file holds them (csrc/kernels/ffn_blocks.c): dtype ->
 # (columns, bytes) per block.  A store holds such a matrix as U8 [rows, cols / columns, bytes],
 # which the last dimension names; the scales are inside the blocks.

@@ -1,9 +1,9 @@
 """GGUF (ggml) block formats that a store keeps as a GGUF file holds them: Q8_0, Q4_K, Q6_K,
 Q4_0, Q5_K, IQ4_XS, Q4_1 (also what asymmetric GPTQ / AWQ int4 is repacked onto,
-:func:`q4_1_from_groups`).
+:func:`q4_1_from_groups`), Q2_K, Q3_K.
 
 A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144,
-210, 18, 176, 136 or 20 bytes per block: the last dimension names the format, :data:`BLOCKS`),
+210, 18, 176, 136, 20, 84 or 110 bytes per block: the last dimension names the format, :data:`BLOCKS`),
 exactly the bytes
 of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as they are.
 
@@ -14,7 +14,8 @@ of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as th
   q' in [-16, 15]): there is no Q5_0 kernel, and llama.cpp's fallback for K-quants on rows
   that are not a multiple of 256 columns (e.g. DeepSeek-V2-Lite's 1408) writes Q5_0.
 * :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k`, :func:`quantize_iq4_xs`,
-  :func:`quantize_q4_1` and :func:`quantize_q8_0` write valid blocks from f32 weights (simple per-sub-block rounding,
+  :func:`quantize_q4_1`, :func:`quantize_q2_k`, :func:`quantize_q3_k` and :func:`quantize_q8_0`
+  write valid blocks from f32 weights (simple per-sub-block rounding,
   not llama.cpp's search), for tests and tiny files; the ``gguf`` package's writer has no
   K-quant or IQ quantizer.
 """
@@ -24,22 +25,25 @@ import numpy as np
 
 __all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0",
            "quantize_q8_0", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
-           "quantize_iq4_xs", "quantize_q4_1", "q4_1_from_groups"]
+           "quantize_iq4_xs", "quantize_q4_1", "q4_1_from_groups", "quantize_q2_k",
+           "quantize_q3_k"]
 
 # kind -> (columns, bytes) per block
 BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18),
-          "q5_k": (256, 176), "iq4_xs": (256, 136), "q4_1": (32, 20)}
+          "q5_k": (256, 176), "iq4_xs": (256, 136), "q4_1": (32, 20),
+          "q2_k": (256, 84), "q3_k": (256, 110)}
 # GGUF tensor type name -> the kept kind it maps onto without loss
 TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_K": "q5_k",
-                "IQ4_XS": "iq4_xs", "Q5_0": "q8_0", "Q4_1": "q4_1"}
+                "IQ4_XS": "iq4_xs", "Q5_0": "q8_0", "Q4_1": "q4_1",
+                "Q2_K": "q2_k", "Q3_K": "q3_k"}
 _KIND_OF_BYTES = {b: k for k, (_, b) in BLOCKS.items()}
 _GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q4_0": "Q4_0", "q5_k": "Q5_K",
-              "iq4_xs": "IQ4_XS", "q4_1": "Q4_1"}
+              "iq4_xs": "IQ4_XS", "q4_1": "Q4_1", "q2_k": "Q2_K", "q3_k": "Q3_K"}
 
 
 def block_kind(a: np.ndarray) -> str:
-    """The kind (``q8_0``, ``q4_k``, ``q6_k``, ``q4_0``, ``q5_k``, ``iq4_xs``, ``q4_1``) of a
-    uint8 [rows, blocks, bytes] matrix."""
+    """The kind (a key of :data:`BLOCKS`: ``q8_0``, ``q4_k``, ``q6_k``, ...) of a uint8
+    [rows, blocks, bytes] matrix."""
     if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in _KIND_OF_BYTES:
         raise ValueError(f"not a GGUF block matrix: {a.dtype} {a.shape} (uint8 [rows, blocks, "
                          f"bytes] with bytes one of {sorted(_KIND_OF_BYTES)})")
@@ -202,6 +206,74 @@ def _quantize_k(w: np.ndarray, bits: int) -> np.ndarray:
         hb = (q >> 4).astype(np.uint8)            # [rows, blocks, 8 sub-blocks, 32 columns]
         out[:, :, 16:48] = np.bitwise_or.reduce(hb << np.arange(8, dtype=np.uint8)[:, None],
                                                 axis=2)
+    return out
+
+
+def _pack_2bit(q: np.ndarray) -> np.ndarray:
+    """Values [R, B, 256] in [0, 3] as ggml's 64 bytes of a Q2_K / Q3_K super-block: column
+    128h + 32j + l at bits 2j of byte 32h + l."""
+    R, B = q.shape[:2]
+    v = q.reshape(R, B, 2, 4, 32).astype(np.uint8)
+    out = np.zeros((R, B, 2, 32), np.uint8)
+    for j in range(4):
+        out |= (v[:, :, :, j, :] & 3) << (2 * j)
+    return out.reshape(R, B, 64)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> Q2_K super-blocks [rows, cols/256, 84]: per 16 columns a 4-bit
+    scale and a 4-bit min under the block's f16 d and dmin, w ~ d * sc * q - dmin * m with
+    q in [0, 3] (scales[16], then qs[64], d, dmin)."""
+    w = _rows(w, 256)
+    R, B = w.shape[0], w.shape[1] // 256
+    x = w.reshape(R, B, 16, 16)
+    lo = np.minimum(x.min(axis=3), 0.0)
+    scale = (x.max(axis=3) - lo) / 3.0
+    mn = -lo
+    d = (scale.max(axis=2) / 15.0).astype(np.float16).astype(np.float32)
+    dmin = (mn.max(axis=2) / 15.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, :, None]), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(mn / np.where(dmin > 0, dmin, 1.0)[:, :, None]), 0, 15).astype(np.uint8)
+    step = d[:, :, None] * sc
+    off = dmin[:, :, None] * m
+    q = np.rint((x + off[..., None]) / np.where(step > 0, step, 1.0)[..., None])
+    q = np.clip(np.where(step[..., None] > 0, q, 0), 0, 3).astype(np.uint8)
+    out = np.zeros((R, B, 84), np.uint8)
+    out[:, :, 0:16] = sc | (m << 4)
+    out[:, :, 16:80] = _pack_2bit(q.reshape(R, B, 256))
+    out[:, :, 80:82] = _f16_bytes(d)
+    out[:, :, 82:84] = _f16_bytes(dmin)
+    return out
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> Q3_K super-blocks [rows, cols/256, 110]: per 16 columns a signed
+    6-bit scale under the block's f16 d, w ~ d * sc * q with q in [-4, 3] (hmask[32]: the
+    third bit, set for q >= 0; qs[64]: the low two bits of q + 4; scales[12]; d)."""
+    w = _rows(w, 256)
+    R, B = w.shape[0], w.shape[1] // 256
+    x = w.reshape(R, B, 16, 16)
+    # the value of largest magnitude maps onto -4 (the signed scale takes its sign)
+    big = np.take_along_axis(x, np.abs(x).argmax(axis=3)[..., None], axis=3)[..., 0]
+    scale = -big / 4.0
+    d = (np.abs(scale).max(axis=2) / 31.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, :, None]), -32, 31).astype(np.int64)
+    step = d[:, :, None] * sc
+    q = np.rint(x / np.where(step != 0, step, 1.0)[..., None])
+    q = np.clip(np.where(step[..., None] != 0, q, 0), -4, 3).astype(np.int64)
+    u = (q + 4).reshape(R, B, 256)                        # [0, 7]
+    out = np.zeros((R, B, 110), np.uint8)
+    hb = (u >> 2).reshape(R, B, 8, 32).astype(np.uint8)   # column 32k + l: bit k of hmask[l]
+    out[:, :, 0:32] = np.bitwise_or.reduce(hb << np.arange(8, dtype=np.uint8)[:, None], axis=2)
+    out[:, :, 32:96] = _pack_2bit((u & 3).astype(np.uint8))
+    s6 = (sc + 32).astype(np.uint8)                       # [0, 63]
+    for i in range(16):
+        if i < 8:
+            out[:, :, 96 + i] |= s6[:, :, i] & 0xF
+        else:
+            out[:, :, 96 + i - 8] |= (s6[:, :, i] & 0xF) << 4
+        out[:, :, 104 + i % 4] |= ((s6[:, :, i] >> 4) & 3) << (2 * (i // 4))
+    out[:, :, 108:110] = _f16_bytes(d)
     return out
 
 
