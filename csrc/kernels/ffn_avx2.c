@@ -204,11 +204,18 @@ static void avx2_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
         }
 }
 
+/* Down rows (and linear layers) in pairs (h, h + half) of the chunk [h0, h1): each of the two
+ * rows read at once walks its own half of the chunk in memory order, two sequential streams.
+ * Adjacent pairs (h, h + 1) step each pointer over every other row, which the hardware
+ * prefetcher serves badly: on an AMD EPYC Zen 4 (forced to this path, 1 thread, bf16
+ * 2048 x 1024) 10 GB/s against 24-26 GB/s for the halves (a C micro-benchmark of this loop;
+ * software prefetch did not help the adjacent pairs). */
 static void avx2_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const smoe_ffn_desc *d = j->d;
     float y0[NTMAX], y1[NTMAX];
-    for (uint32_t h = h0; h < h1; h += 2) {
-        uint32_t hb = h + 1 < h1 ? h + 1 : h;
+    const uint32_t half = (h1 - h0 + 1) / 2;
+    for (uint32_t h = h0; h < h0 + half; h++) {
+        uint32_t hb = h + half < h1 ? h + half : h; /* an odd chunk's middle row: alone */
         for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
             uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
             rows2(j, d->down, d->down_scale, h, d->down, d->down_scale, hb, d->I,

@@ -921,17 +921,21 @@ static void down_fast(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const size_t rb = row_bytes(dt, I);
     const uint8_t *dw = j->block + d->down;
     float y[TILE];
-    if ((dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K) && j->T == 1) { /* two rows at a time */
+    if ((dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K) && j->T == 1) {
+        /* two rows at a time, (h, h + half) of the chunk: each walks its half in memory
+         * order (adjacent pairs step over every other row, which the hardware prefetcher
+         * serves badly; ffn_avx2.c's avx2_down) */
         const xin x = xin_of(j, dt, 0, I);
-        uint32_t h = h0;
-        for (; h + 2 <= h1; h += 2) {
-            const uint8_t *w[2] = {dw + h * rb, dw + (h + 1) * rb};
+        const uint32_t half = (h1 - h0) / 2;
+        for (uint32_t h = h0; h < h0 + half; h++) {
+            const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
             float r[2];
             row2_k(dt, w, &x, I, r);
             smoe_ffn_store_out(j, h, 0, r[0]);
-            smoe_ffn_store_out(j, h + 1, 0, r[1]);
+            smoe_ffn_store_out(j, h + half, 0, r[1]);
         }
-        h0 = h;
+        if (!((h1 - h0) & 1)) return;
+        h0 = h1 - 1; /* an odd chunk's last row, alone below */
     }
     for (uint32_t h = h0; h < h1; h++)
         for (uint32_t t0 = 0; t0 < j->T; t0 += TILE) {
