@@ -671,12 +671,90 @@ AI void rows_q23_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, floa
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) - hsum8(accm[t]);
 }
 
+/* Q2_K's 16 four-bit scales (three = 0) or Q3_K's 16 signed six-bit scales (three = 1, sc - 32,
+ * the vector form of q3k_scales) as int16 lanes 0..15; Q2_K's mins into *mn likewise. */
+AI __m256i q23_scales(const uint8_t *w, const int three, __m256i *mn) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    if (!three) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)w);
+        *mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m4));
+        return _mm256_cvtepu8_epi16(_mm_and_si128(b, m4));
+    }
+    const uint8_t *s12 = w + 96;
+    uint64_t lo8;
+    uint32_t hi4;
+    memcpy(&lo8, s12, 8);
+    memcpy(&hi4, s12 + 8, 4);
+    const __m128i l = _mm_cvtsi64_si128((long long)lo8);
+    /* bytes 0..7: low nibbles (sub-blocks 0..7), 8..15: high nibbles (8..15) */
+    const __m128i lo = _mm_and_si128(_mm_unpacklo_epi64(l, _mm_srli_epi16(l, 4)), m4);
+    /* int32 lane k: bits 2k..2k+1 of each of the four bytes (sub-blocks 4k .. 4k + 3) */
+    const __m128i hv = _mm_and_si128(
+        _mm_srlv_epi32(_mm_set1_epi32((int)hi4), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    const __m128i sc8 = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hv, 4)), _mm_set1_epi8(32));
+    *mn = _mm256_setzero_si256();
+    return _mm256_cvtepi8_epi16(sc8);
+}
+
+/* rows_q23_k for one token, every vector in a register: the scales of chunk (h, j) shuffled
+ * out of the int16 scale vector (its h-th 128-bit lane doubled) instead of broadcast one by
+ * one. */
+AI float row1_q23_k(const uint8_t *w, const xin *x, uint32_t n, const int three) {
+    const uint32_t nsb = n / 256, bb = three ? 110 : 84;
+    const __m256i m3 = _mm256_set1_epi8(3), k4 = _mm256_set1_epi8(4);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++, w += bb) {
+        _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PF_AHEAD + 64), _MM_HINT_T0);
+        __m256i mn;
+        const __m256i sc = q23_scales(w, three, &mn);
+        const __m256i hb = three ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
+        const int8_t *xq = x->q + 256 * s;
+        __m256i sumi = _mm256_setzero_si256();
+        for (uint32_t h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (three ? 32 : 16) + 32 * h));
+            const __m256i sch = _mm256_permute2x128_si256(sc, sc, h ? 0x11 : 0x00);
+            for (uint32_t j = 0; j < 4; j++) {
+                __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, (int)(2 * j)), m3);
+                if (three)
+                    q = _mm256_or_si256(
+                        q, _mm256_and_si256(
+                               _mm256_slli_epi16(_mm256_srli_epi16(hb, (int)(4 * h + j)), 2), k4));
+                /* low 128-bit lane: sub-block 8h + 2j's scale, high lane: 8h + 2j + 1's */
+                const __m256i skv = _mm256_shuffle_epi8(
+                    sch, _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * j)),
+                                          _mm_set1_epi16((short)(0x0100 + 0x0404 * j))));
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j));
+                sumi = _mm256_add_epi32(sumi,
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), skv));
+            }
+        }
+        const __m256i pm =
+            _mm256_madd_epi16(three ? sc : mn, _mm256_loadu_si256((const __m256i *)(x->bs + 16 * s)));
+        const float xs = x->s[s];
+        if (three)
+            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(pm, 2));
+        else
+            accm = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w + 82) * xs), _mm256_cvtepi32_ps(pm),
+                                   accm);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w + (three ? 108 : 80)) * xs),
+                              _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum8(acc) - hsum8(accm);
+}
+
 static void rows_q2_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
-    rows_q23_k(w, x, nt, n, res, 0);
+    if (nt == 1)
+        res[0] = row1_q23_k(w, x, n, 0);
+    else
+        rows_q23_k(w, x, nt, n, res, 0);
 }
 
 static void rows_q3_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
-    rows_q23_k(w, x, nt, n, res, 1);
+    if (nt == 1)
+        res[0] = row1_q23_k(w, x, n, 1);
+    else
+        rows_q23_k(w, x, nt, n, res, 1);
 }
 
 /* ---- Q6_K: one input scale per 256 columns, int16 scales per 16 columns ---- */
