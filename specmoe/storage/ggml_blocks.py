@@ -174,22 +174,30 @@ def quantize_q5_k(w: np.ndarray) -> np.ndarray:
     return _quantize_k(w, 5)
 
 
-def _quantize_k(w: np.ndarray, bits: int) -> np.ndarray:
-    w = _rows(w, 256)
-    x = w.reshape(w.shape[0], -1, 8, 32)
-    top = (1 << bits) - 1
+def _scale_min_quant(x: np.ndarray, top: int, smax: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The K-quants' rounding with mins (Q2_K, Q4_K, Q5_K) of ``x`` [R, B, sub-blocks,
+    columns]: per sub-block a scale and a min in [0, smax] under the super-block's f16 d and
+    dmin, values q in [0, top], w ~ d * sc * q - dmin * m.  Returns (d, dmin, sc, m, q)."""
     lo = np.minimum(x.min(axis=3), 0.0)
-    hi = x.max(axis=3)
-    scale = (hi - lo) / top                       # per sub-block, >= 0
+    scale = (x.max(axis=3) - lo) / top            # per sub-block, >= 0
     mn = -lo                                      # >= 0
-    d = (scale.max(axis=2) / 63.0).astype(np.float16).astype(np.float32)
-    dmin = (mn.max(axis=2) / 63.0).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, :, None]), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(mn / np.where(dmin > 0, dmin, 1.0)[:, :, None]), 0, 63).astype(np.uint8)
+    d = (scale.max(axis=2) / smax).astype(np.float16).astype(np.float32)
+    dmin = (mn.max(axis=2) / smax).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, :, None]), 0, smax).astype(np.uint8)
+    m = np.clip(np.rint(mn / np.where(dmin > 0, dmin, 1.0)[:, :, None]), 0, smax
+                ).astype(np.uint8)
     step = d[:, :, None] * sc
     off = dmin[:, :, None] * m
     q = np.rint((x + off[..., None]) / np.where(step > 0, step, 1.0)[..., None])
     q = np.clip(np.where(step[..., None] > 0, q, 0), 0, top).astype(np.uint8)
+    return d, dmin, sc, m, q
+
+
+def _quantize_k(w: np.ndarray, bits: int) -> np.ndarray:
+    w = _rows(w, 256)
+    x = w.reshape(w.shape[0], -1, 8, 32)
+    d, dmin, sc, m, q = _scale_min_quant(x, (1 << bits) - 1, 63)
     qo = 16 if bits == 4 else 48                  # Q5_K: qh[32] between the scales and qs
     out = np.zeros(x.shape[:2] + (qo + 128,), np.uint8)
     out[:, :, 0:2] = _f16_bytes(d)
@@ -226,18 +234,7 @@ def quantize_q2_k(w: np.ndarray) -> np.ndarray:
     q in [0, 3] (scales[16], then qs[64], d, dmin)."""
     w = _rows(w, 256)
     R, B = w.shape[0], w.shape[1] // 256
-    x = w.reshape(R, B, 16, 16)
-    lo = np.minimum(x.min(axis=3), 0.0)
-    scale = (x.max(axis=3) - lo) / 3.0
-    mn = -lo
-    d = (scale.max(axis=2) / 15.0).astype(np.float16).astype(np.float32)
-    dmin = (mn.max(axis=2) / 15.0).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, :, None]), 0, 15).astype(np.uint8)
-    m = np.clip(np.rint(mn / np.where(dmin > 0, dmin, 1.0)[:, :, None]), 0, 15).astype(np.uint8)
-    step = d[:, :, None] * sc
-    off = dmin[:, :, None] * m
-    q = np.rint((x + off[..., None]) / np.where(step > 0, step, 1.0)[..., None])
-    q = np.clip(np.where(step[..., None] > 0, q, 0), 0, 3).astype(np.uint8)
+    d, dmin, sc, m, q = _scale_min_quant(w.reshape(R, B, 16, 16), 3, 15)
     out = np.zeros((R, B, 84), np.uint8)
     out[:, :, 0:16] = sc | (m << 4)
     out[:, :, 16:80] = _pack_2bit(q.reshape(R, B, 256))
