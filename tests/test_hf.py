@@ -291,7 +291,7 @@ def test_moe_forward_rejects_bad_input():
         with pytest.raises(ValueError):
             call(block_bytes=64)  # tensors outside the block
         with pytest.raises(ValueError):
-            call(desc=dict(d, dtype=11))  # no such weight dtype
+            call(desc=dict(d, dtype=99))  # no such weight dtype
         with pytest.raises(TypeError):
             call(desc=list(d.items()))
         with pytest.raises(TypeError):

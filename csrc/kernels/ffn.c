@@ -82,8 +82,8 @@ int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *
     const int32_t ddt = smoe_ffn_down_dtype(d);
     if (d->down_dtype && !(smoe_wdt_is_block(d->dtype) && smoe_wdt_is_block(d->down_dtype)))
         return smoe_err_set(err, SMOE_EINVAL,
-                            "down_dtype %d: only the GGUF block formats (Q8_0, Q4_K, Q6_K, "
-                            "Q4_0, Q5_K, IQ4_XS, Q4_1, Q2_K, Q3_K) may differ between the matrices (dtype %d)",
+                            "down_dtype %d: only the GGUF block formats (Q8_0, Q2_K-Q6_K, "
+                            "Q4_0, Q4_1, IQ4_XS) may differ between the matrices (dtype %d)",
                             d->down_dtype, d->dtype);
     if (smoe_wdt_is_block(d->dtype)) {
         const uint32_t gc = smoe_wdt_block_cols(d->dtype), dc = smoe_wdt_block_cols(ddt);

@@ -11,8 +11,8 @@
  *   fast   (AVX2, precise = 0): llama.cpp's scheme (its Q8_0 x Q8_0, Q4_K x Q8_K and
  *          Q6_K x Q8_K dot products) -- the input (x in phase 1, the activation in phase 2) is
  *          quantized once per call to int8 with one scale max|x| / 127 per 32 columns for a
- *          Q8_0, Q4_0 or Q4_1 matrix, per 256 for a K-quant one (round to nearest even), and each
- *          block's products are summed exactly in integers with vpmaddubsw / vpmaddwd:
+ *          Q8_0, Q4_0 or Q4_1 matrix, per 256 for a K-quant one (round to nearest even), and
+ *          each block's products are summed exactly in integers with vpmaddubsw / vpmaddwd:
  *            Q8_0  |w| as the unsigned operand, x with w's sign (vpsignb): pairs at most
  *                  2 * 128 * 127 = 32512 < 2^15; times d_w * s_x per 32 columns in f32.
  *            Q4_0  the nibbles unpacked to q - 8 in [-8, 7], then as Q8_0 (llama.cpp's
@@ -54,8 +54,9 @@
  *          scales reused).
  *
  * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0,
- * Q4_0, Q4_1) or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8 values
- * [T, n/32] (of every 16 [T, n/16] before a Q2_K or Q3_K matrix, whose scales are per 16). */
+ * Q4_0, Q4_1) or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8
+ * values [T, n/32] (of every 16, [T, n/16], before a Q2_K or Q3_K matrix, whose scales are per
+ * 16). */
 #include <math.h>
 #include <string.h>
 
@@ -607,70 +608,6 @@ AI void tile_fold(__m256 *acc, const __m256i *sumi, float d, const xin *x, uint3
 
 /* ---- Q2_K and Q3_K: one input scale per 256 columns, a scale per 16 columns ---- */
 
-/* Q2_K (three = 0) or Q3_K (three = 1) rows against nt tokens.  Per super-block and half h
- * the 32 bytes of 2-bit values give four chunks j of 32 columns (bits 2j; Q3_K: plus 4 where
- * hmask bit 4h + j is set), each against its 32 input values with the scales of its two
- * 16-column sub-blocks broadcast to the low / high 128-bit lanes. */
-AI void rows_q23_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res,
-                   const int three) {
-    const uint32_t nsb = n / 256, bb = three ? 110 : 84;
-    const __m256i m3 = _mm256_set1_epi8(3), k4 = _mm256_set1_epi8(4);
-    __m256 acc[TILE], accm[TILE];
-    for (uint32_t t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        accm[t] = _mm256_setzero_ps();
-    }
-    for (uint32_t s = 0; s < nsb; s++, w += bb) {
-        for (uint32_t k = 0; k < 2; k++)
-            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
-        int16_t sc[16], mn[16];
-        if (three) {
-            int8_t s3[16];
-            q3k_scales(w + 96, s3);
-            for (uint32_t i = 0; i < 16; i++) sc[i] = s3[i], mn[i] = s3[i];
-        } else {
-            for (uint32_t i = 0; i < 16; i++)
-                sc[i] = (int16_t)(w[i] & 0xFu), mn[i] = (int16_t)(w[i] >> 4);
-        }
-        const float d = ld_f16(w + (three ? 108 : 80)), dmin = three ? 0.0f : ld_f16(w + 82);
-        const __m256i mnv = _mm256_loadu_si256((const __m256i *)mn);
-        const __m256i hb = three ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
-        __m256i sumi[TILE];
-        for (uint32_t t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
-        for (uint32_t h = 0; h < 2; h++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (three ? 32 : 16) + 32 * h));
-            for (uint32_t j = 0; j < 4; j++) {
-                __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, (int)(2 * j)), m3);
-                if (three) /* bit 4h + j of every hmask byte, as the value 4 */
-                    q = _mm256_or_si256(
-                        q, _mm256_and_si256(
-                               _mm256_slli_epi16(_mm256_srli_epi16(hb, (int)(4 * h + j)), 2), k4));
-                const uint32_t sb = 8 * h + 2 * j;
-                const __m256i skv = _mm256_set_m128i(_mm_set1_epi16(sc[sb + 1]),
-                                                     _mm_set1_epi16(sc[sb]));
-                for (uint32_t t = 0; t < nt; t++) {
-                    const __m256i xv = _mm256_loadu_si256(
-                        (const __m256i *)(x[t].q + 256 * s + 128 * h + 32 * j));
-                    sumi[t] = _mm256_add_epi32(
-                        sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), skv));
-                }
-            }
-        }
-        for (uint32_t t = 0; t < nt; t++) {
-            const __m256i pm =
-                _mm256_madd_epi16(mnv, _mm256_loadu_si256((const __m256i *)(x[t].bs + 16 * s)));
-            const float xs = x[t].s[s];
-            if (three) /* sc * (u - 4): the offset in integers */
-                sumi[t] = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(pm, 2));
-            else
-                accm[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xs), _mm256_cvtepi32_ps(pm),
-                                          accm[t]);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-        }
-    }
-    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) - hsum8(accm[t]);
-}
-
 /* Q2_K's 16 four-bit scales (three = 0) or Q3_K's 16 signed six-bit scales (three = 1, sc - 32,
  * the vector form of q3k_scales) as int16 lanes 0..15; Q2_K's mins into *mn likewise. */
 AI __m256i q23_scales(const uint8_t *w, const int three, __m256i *mn) {
@@ -696,12 +633,82 @@ AI __m256i q23_scales(const uint8_t *w, const int three, __m256i *mn) {
     return _mm256_cvtepi8_epi16(sc8);
 }
 
+/* The scale vector's h-th 128-bit lane in both lanes (the scales of half h's sub-blocks). */
+AI __m256i q23_half_scales(__m256i sc, uint32_t h) {
+    return h ? _mm256_permute2x128_si256(sc, sc, 0x11) : _mm256_permute2x128_si256(sc, sc, 0x00);
+}
+
+/* The scales of chunk j of half h (its two 16-column sub-blocks 8h + 2j, 8h + 2j + 1) in the
+ * low / high 128-bit lanes, shuffled out of sch, the scale vector's h-th lane doubled. */
+AI __m256i q23_chunk_scales(__m256i sch, uint32_t j) {
+    return _mm256_shuffle_epi8(sch, _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * j)),
+                                                     _mm_set1_epi16((short)(0x0100 + 0x0404 * j))));
+}
+
+/* Chunk j (32 columns, bits 2j) of the 32 bytes v of 2-bit values; Q3_K (three): plus 4 where
+ * bit 4h + j of the hmask bytes hb is set. */
+AI __m256i q23_chunk(__m256i v, __m256i hb, uint32_t h, uint32_t j, const int three) {
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, (int)(2 * j)), _mm256_set1_epi8(3));
+    if (three)
+        q = _mm256_or_si256(q, _mm256_and_si256(
+                                   _mm256_slli_epi16(_mm256_srli_epi16(hb, (int)(4 * h + j)), 2),
+                                   _mm256_set1_epi8(4)));
+    return q;
+}
+
+/* Q2_K (three = 0) or Q3_K (three = 1) rows against nt tokens.  Per super-block and half h
+ * the 32 bytes of 2-bit values give four chunks j of 32 columns (q23_chunk), each against its
+ * 32 input values with the scales of its two 16-column sub-blocks (q23_chunk_scales). */
+AI void rows_q23_k(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res,
+                   const int three) {
+    const uint32_t nsb = n / 256, bb = three ? 110 : 84;
+    __m256 acc[TILE], accm[TILE];
+    for (uint32_t t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        accm[t] = _mm256_setzero_ps();
+    }
+    for (uint32_t s = 0; s < nsb; s++, w += bb) {
+        for (uint32_t k = 0; k < 2; k++)
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        __m256i mn;
+        const __m256i sc = q23_scales(w, three, &mn);
+        const float d = ld_f16(w + (three ? 108 : 80)), dmin = three ? 0.0f : ld_f16(w + 82);
+        const __m256i hb = three ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
+        __m256i sumi[TILE];
+        for (uint32_t t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
+        for (uint32_t h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (three ? 32 : 16) + 32 * h));
+            const __m256i sch = q23_half_scales(sc, h);
+            for (uint32_t j = 0; j < 4; j++) {
+                const __m256i q = q23_chunk(v, hb, h, j, three), skv = q23_chunk_scales(sch, j);
+                for (uint32_t t = 0; t < nt; t++) {
+                    const __m256i xv = _mm256_loadu_si256(
+                        (const __m256i *)(x[t].q + 256 * s + 128 * h + 32 * j));
+                    sumi[t] = _mm256_add_epi32(
+                        sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), skv));
+                }
+            }
+        }
+        for (uint32_t t = 0; t < nt; t++) {
+            const __m256i bsv = _mm256_loadu_si256((const __m256i *)(x[t].bs + 16 * s));
+            const __m256i pm = _mm256_madd_epi16(three ? sc : mn, bsv);
+            const float xs = x[t].s[s];
+            if (three) /* sc * (u - 4): the offset in integers */
+                sumi[t] = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(pm, 2));
+            else
+                accm[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xs), _mm256_cvtepi32_ps(pm),
+                                          accm[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) - hsum8(accm[t]);
+}
+
 /* rows_q23_k for one token, every vector in a register: the scales of chunk (h, j) shuffled
  * out of the int16 scale vector (its h-th 128-bit lane doubled) instead of broadcast one by
  * one. */
 AI float row1_q23_k(const uint8_t *w, const xin *x, uint32_t n, const int three) {
     const uint32_t nsb = n / 256, bb = three ? 110 : 84;
-    const __m256i m3 = _mm256_set1_epi8(3), k4 = _mm256_set1_epi8(4);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (uint32_t s = 0; s < nsb; s++, w += bb) {
         _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
@@ -713,24 +720,16 @@ AI float row1_q23_k(const uint8_t *w, const xin *x, uint32_t n, const int three)
         __m256i sumi = _mm256_setzero_si256();
         for (uint32_t h = 0; h < 2; h++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (three ? 32 : 16) + 32 * h));
-            const __m256i sch = _mm256_permute2x128_si256(sc, sc, h ? 0x11 : 0x00);
+            const __m256i sch = q23_half_scales(sc, h);
             for (uint32_t j = 0; j < 4; j++) {
-                __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, (int)(2 * j)), m3);
-                if (three)
-                    q = _mm256_or_si256(
-                        q, _mm256_and_si256(
-                               _mm256_slli_epi16(_mm256_srli_epi16(hb, (int)(4 * h + j)), 2), k4));
-                /* low 128-bit lane: sub-block 8h + 2j's scale, high lane: 8h + 2j + 1's */
-                const __m256i skv = _mm256_shuffle_epi8(
-                    sch, _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * j)),
-                                          _mm_set1_epi16((short)(0x0100 + 0x0404 * j))));
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * j));
-                sumi = _mm256_add_epi32(sumi,
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), skv));
+                sumi = _mm256_add_epi32(
+                    sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q23_chunk(v, hb, h, j, three), xv),
+                                            q23_chunk_scales(sch, j)));
             }
         }
-        const __m256i pm =
-            _mm256_madd_epi16(three ? sc : mn, _mm256_loadu_si256((const __m256i *)(x->bs + 16 * s)));
+        const __m256i bsv = _mm256_loadu_si256((const __m256i *)(x->bs + 16 * s));
+        const __m256i pm = _mm256_madd_epi16(three ? sc : mn, bsv);
         const float xs = x->s[s];
         if (three)
             sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(pm, 2));

@@ -231,8 +231,9 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
 
 def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
     """Expert ``e`` of MoE position ``pos`` in the store's layout, from the checkpoint's
-    blocks as they are: a GGUF file's Q8_0 / Q2_K-Q6_K / Q4_0 / Q4_1 / IQ4_XS blocks or
-    an asymmetric GPTQ / AWQ checkpoint's groups as Q4_1 (store dtype ``"gguf"``), or in int4 a GGUF file's Q4_0 (fused per layer) or a GPTQ checkpoint's int4 (per expert)
+    blocks as they are: a GGUF file's Q8_0 / Q2_K-Q6_K / Q4_0 / Q4_1 / IQ4_XS blocks or an
+    asymmetric GPTQ / AWQ checkpoint's groups as Q4_1 (store dtype ``"gguf"``), or in int4 a
+    GGUF file's Q4_0 (fused per layer) or a symmetric GPTQ checkpoint's int4 (per expert)
     (``expert_blocks`` / ``expert_int4`` of :class:`specmoe.storage.gguf.GgufCheckpoint` and
     :class:`specmoe.storage.conversion.Checkpoint`)."""
     from ..storage.conversion import StoredExpert

@@ -262,8 +262,8 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     llama.cpp's ``gpt2`` tokenizer model (tokens, types, merges).  Returns the path and the
     state dict as the file holds it (each quantized tensor dequantized by the ``gguf``
     package): the reference the same weights give.  ``qtype`` may also be ``Q2_K``, ``Q3_K``,
-    ``Q4_K``, ``Q5_K``, ``Q6_K`` or ``IQ4_XS`` (written by :mod:`specmoe.storage.ggml_blocks`' quantizers; the ``gguf`` package
-    has none); a matrix whose columns are not a multiple of 256 then falls back to Q8_0, as
+    ``Q4_K``, ``Q5_K``, ``Q6_K`` or ``IQ4_XS`` (written by
+    :mod:`specmoe.storage.ggml_blocks`' quantizers; the ``gguf`` package has none); a matrix whose columns are not a multiple of 256 then falls back to Q8_0, as
     llama-quantize falls back.  ``expert_qtype``: the routed experts' type instead of
     ``qtype``, a name or ``f(layer, "gate" | "up" | "down") -> name`` (a Q4_K_M-like mix)."""
     import gguf

@@ -208,11 +208,11 @@ class Checkpoint:
         if not self.gptq_of:
             return None, "its experts are not packed 4-bit (GPTQ / AWQ) weights"
         name, g = self.gptq["method"].upper(), self.gptq["group_size"]
+        if self.gptq["desc_act"]:
+            return None, f"its {name} groups follow act-order, not the columns"
         if self.gptq["sym"]:
             return None, (f"its {name} weights are symmetric: the int4 store keeps them "
                           "(dtype='int4')")
-        if self.gptq["desc_act"]:
-            return None, f"its {name} groups follow act-order, not the columns"
         if g > 0 and g % 32:
             return None, f"its {name} groups of {g} columns are not whole Q4_1 blocks of 32"
         return {"gate_up": "q4_1", "down": "q4_1", "down_layers": None}, ""
@@ -450,9 +450,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Any:
 def store_dtype(ckpt: Any, dtype: str) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
     (a safetensors folder), int4 (a symmetric GPTQ folder), ``"gguf"`` with Q4_1 blocks (an
-    AWQ or asymmetric GPTQ folder, :meth:`Checkpoint.block_kinds`) or for a GGUF file its blocks kept as they
-    are where the kernels read them (``"gguf"`` for Q8_0 / Q2_K-Q6_K / Q4_0 / Q4_1 / IQ4_XS,
-    :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
+    AWQ or asymmetric GPTQ folder, :meth:`Checkpoint.block_kinds`) or for a GGUF file its
+    blocks kept as they are where the kernels read them (``"gguf"`` for Q8_0 / Q2_K-Q6_K /
+    Q4_0 / Q4_1 / IQ4_XS, :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
     experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
     ``"gguf"`` asked of anything else is a ValueError saying why."""
     from .quant import DTYPES
@@ -460,7 +460,7 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
     if dtype == "gguf":
         if not isinstance(ckpt, GgufCheckpoint) and not ckpt.gptq_of:
             raise ValueError(f"dtype='gguf' keeps a GGUF file's expert blocks (or an "
-                             f"asymmetric GPTQ / AWQ checkpoint's as Q4_1) as they are; "
+                             "asymmetric GPTQ / AWQ checkpoint's as Q4_1) as they are; "
                              f"{ckpt.folder} is neither")
         kinds, why = ckpt.block_kinds()
         if kinds is None:
@@ -476,14 +476,19 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
         if ckpt.gptq_of:  # 4-bit GPTQ / AWQ: kept where they map as they are
             name = ckpt.gptq["method"].upper()
             if ckpt.kept_blocks("gguf"):
-                _log(f"{ckpt.folder}: {name} 4-bit experts (asymmetric, groups of "
-                     f"{ckpt.kept_group()}): the store keeps them as Q4_1 blocks of 32, "
+                g = ckpt.kept_group()
+                _log(f"{ckpt.folder}: {name} 4-bit experts (asymmetric, "
+                     f"{f'groups of {g}' if g > 0 else 'one group per row'}): the store keeps "
+                     "them as Q4_1 blocks of 32, "
                      "repacked, not re-quantized (values and scales as they are, the offset "
                      "-zero * scale rounded to f16) (dtype='auto' -> 'gguf')")
                 return "gguf"
             how = (f"in groups of {ckpt.kept_group()}, repacked, not re-quantized"
                    if ckpt.kept_blocks("int4") else
-                   f"re-quantized ({ckpt.block_kinds()[1]})")
+                   "re-quantized (its act-order groups do not map onto it as they are)"
+                   if ckpt.gptq["desc_act"] else
+                   f"re-quantized (its groups of {ckpt.kept_group()} do not map onto it as "
+                   "they are)")
             _log(f"{ckpt.folder}: {name} 4-bit experts: the store holds them as int4, {how} "
                  "(dtype='auto')")
             return "int4"

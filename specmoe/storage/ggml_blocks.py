@@ -3,9 +3,9 @@ Q4_0, Q5_K, IQ4_XS, Q4_1 (also what asymmetric GPTQ / AWQ int4 is repacked onto,
 :func:`q4_1_from_groups`), Q2_K, Q3_K.
 
 A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144,
-210, 18, 176, 136, 20, 84 or 110 bytes per block: the last dimension names the format, :data:`BLOCKS`),
-exactly the bytes
-of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as they are.
+210, 18, 176, 136, 20, 84 or 110 bytes per block: the last dimension names the format,
+:data:`BLOCKS`), exactly the bytes of the file's row; the C kernels
+(``csrc/kernels/ffn_blocks.c``) read them as they are.
 
 * :func:`dequantize` widens such a matrix to f32 through the ``gguf`` package (the reference
   the kernels are tested against).
@@ -15,9 +15,9 @@ of the file's row; the C kernels (``csrc/kernels/ffn_blocks.c``) read them as th
   that are not a multiple of 256 columns (e.g. DeepSeek-V2-Lite's 1408) writes Q5_0.
 * :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k`, :func:`quantize_iq4_xs`,
   :func:`quantize_q4_1`, :func:`quantize_q2_k`, :func:`quantize_q3_k` and :func:`quantize_q8_0`
-  write valid blocks from f32 weights (simple per-sub-block rounding,
-  not llama.cpp's search), for tests and tiny files; the ``gguf`` package's writer has no
-  K-quant or IQ quantizer.
+  write valid blocks from f32 weights (simple per-sub-block rounding, not llama.cpp's
+  search), for tests and tiny files; the ``gguf`` package's writer has no K-quant or IQ
+  quantizer.
 """
 from __future__ import annotations
 
