@@ -903,8 +903,11 @@ def main() -> None:
                     continue
                 row["tok_per_s"] = _median([x["tok_per_s"] for x in ok])
                 row["tok_per_s_runs"] = [x.get("tok_per_s") for x in rr]
-                row["vs_llama_cpp"] = _median([ratio(i, t, name, peer)
-                                               for i in range(len(rr))]) if peer else None
+                per_round = [ratio(i, t, name, peer) for i in range(len(rr))] if peer else None
+                row["vs_llama_cpp"] = _median(per_round) if per_round else None
+                # the ratio of each interleaved round, in round order (None: a side failed)
+                row["vs_llama_cpp_runs"] = ([None if v is None else round(v, 4)
+                                             for v in per_round] if per_round else None)
                 row["vs_torch"] = _median([ratio(i, t, name, tpeer)
                                            for i in range(len(rr))]) if tpeer else None
                 row["peak_rss_bytes"] = _median([x.get("peak_rss_bytes") for x in ok])
