@@ -105,27 +105,16 @@ def _best_time(fns, rounds: int) -> float:
     return best
 
 
-# GGUF block formats kept as a file holds them (q8_0, q4_k, q6_k, q4_0, q5_k, iq4_xs, q4_1,
-# q2_k, q3_k;
-# q4_1 is also what AWQ / asymmetric GPTQ experts are repacked onto): the expert's matrices in that format, except a down projection whose I columns are not a multiple of 256,
-# which llama.cpp's quantizer writes as Q8_0 (its fallback for K-quants on such rows, e.g.
-# DeepSeek-V2-Lite's 1408).
-BLOCK_DTYPES = ("q8_0", "q4_k", "q6_k", "q4_0", "q5_k", "iq4_xs", "q4_1", "q2_k", "q3_k")
+# GGUF block formats kept as a file holds them (ggml_blocks.BLOCKS; q4_1 is also what AWQ /
+# asymmetric GPTQ experts are repacked onto): the expert's matrices in that format, except a
+# down projection whose I columns are not a multiple of 256, which llama.cpp's quantizer writes
+# as Q8_0 (its fallback for K-quants on such rows, e.g. DeepSeek-V2-Lite's 1408).
+BLOCK_DTYPES = tuple(ggml_blocks.BLOCKS)
 NO_TORCH = "torch has no kernel for GGUF blocks (llama.cpp is the peer: decode_peers.py)"
 
 
-def _quantize_q4_0(w: np.ndarray) -> np.ndarray:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-    return quantize(w, GGMLQuantizationType.Q4_0).reshape(w.shape[0], -1, 18)
-
-
 def _block_expert(kind: str, g, u, d) -> dict[str, np.ndarray]:
-    q = {"q8_0": ggml_blocks.quantize_q8_0, "q4_k": ggml_blocks.quantize_q4_k,
-         "q6_k": ggml_blocks.quantize_q6_k, "q4_0": _quantize_q4_0,
-         "q5_k": ggml_blocks.quantize_q5_k, "iq4_xs": ggml_blocks.quantize_iq4_xs,
-         "q4_1": ggml_blocks.quantize_q4_1, "q2_k": ggml_blocks.quantize_q2_k,
-         "q3_k": ggml_blocks.quantize_q3_k}
+    q = ggml_blocks.QUANTIZERS
     dk = kind if d.shape[1] % ggml_blocks.BLOCKS[kind][0] == 0 else "q8_0"
     return {"gate": q[kind](g), "up": q[kind](u), "down": q[dk](d)}
 

@@ -20,16 +20,7 @@ from .test_kernels import ref_ffn  # noqa: E402
 
 from .test_kernels import _isa, ctx  # noqa: E402,F401  (the module's context fixture)
 
-def _quantize_q4_0(w):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-    return quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType.Q4_0).reshape(
-        w.shape[0], -1, 18)
-
-
-QUANT = {"q8_0": gb.quantize_q8_0, "q4_k": gb.quantize_q4_k, "q6_k": gb.quantize_q6_k,
-         "q4_0": _quantize_q4_0, "q5_k": gb.quantize_q5_k, "iq4_xs": gb.quantize_iq4_xs,
-         "q4_1": gb.quantize_q4_1, "q2_k": gb.quantize_q2_k, "q3_k": gb.quantize_q3_k}
+QUANT = gb.QUANTIZERS
 
 
 def _expert(rng, H, I, kind, down_kind=None, bias=False):
@@ -60,8 +51,7 @@ def _model_fast(ref, x, kind, down):
     """The fast path's arithmetic: int8 x, f32 weights, int8 activation."""
     from .test_kernels import ref_act
 
-    m = {"q8_0": 32, "q4_k": 256, "q6_k": 256, "q4_0": 32, "q5_k": 256, "iq4_xs": 256,
-         "q4_1": 32, "q2_k": 256, "q3_k": 256}
+    m = {k: cols for k, (cols, _) in gb.BLOCKS.items()}  # input rounding per block width
     xq = _q8(x, m[kind]).astype(np.float64)
     g = xq @ ref["gate"].T.astype(np.float64) + ref.get("gate.bias", 0.0)
     u = xq @ ref["up"].T.astype(np.float64) + ref.get("up.bias", 0.0)

@@ -287,10 +287,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
             return a, a
         if t.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
             from ..storage import ggml_blocks
-            fn = {"Q4_K": ggml_blocks.quantize_q4_k, "Q5_K": ggml_blocks.quantize_q5_k,
-                  "Q6_K": ggml_blocks.quantize_q6_k,
-                  "IQ4_XS": ggml_blocks.quantize_iq4_xs, "Q2_K": ggml_blocks.quantize_q2_k,
-                  "Q3_K": ggml_blocks.quantize_q3_k}[t.name]
+            fn = ggml_blocks.QUANTIZERS[t.name.lower()]
             q = fn(a.reshape(-1, a.shape[-1])).reshape(a.shape[:-1] + (-1,))
         else:
             q = quantize(a, t)

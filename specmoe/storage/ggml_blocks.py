@@ -15,7 +15,8 @@ A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes
   that are not a multiple of 256 columns (e.g. DeepSeek-V2-Lite's 1408) writes Q5_0.
 * :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k`, :func:`quantize_iq4_xs`,
   :func:`quantize_q4_1`, :func:`quantize_q2_k`, :func:`quantize_q3_k` and :func:`quantize_q8_0`
-  write valid blocks from f32 weights (simple per-sub-block rounding, not llama.cpp's
+  (and :func:`quantize_q4_0`, the ``gguf`` package's; :data:`QUANTIZERS` by kind) write valid
+  blocks from f32 weights (simple per-sub-block rounding, not llama.cpp's
   search), for tests and tiny files; the ``gguf`` package's writer has no K-quant or IQ
   quantizer.
 """
@@ -26,7 +27,7 @@ import numpy as np
 __all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0",
            "quantize_q8_0", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
            "quantize_iq4_xs", "quantize_q4_1", "q4_1_from_groups", "quantize_q2_k",
-           "quantize_q3_k"]
+           "quantize_q3_k", "quantize_q4_0", "QUANTIZERS"]
 
 # kind -> (columns, bytes) per block
 BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18),
@@ -331,3 +332,18 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     out[:, :, 192:208] = sc.view(np.uint8)
     out[:, :, 208:210] = _f16_bytes(d)
     return out
+
+
+def quantize_q4_0(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> Q4_0 blocks [rows, cols/32, 18] (the ``gguf`` package's quantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = _rows(w, 32)
+    return quantize(w, GGMLQuantizationType.Q4_0).reshape(w.shape[0], -1, 18)
+
+
+#: kind (a key of :data:`BLOCKS`) -> the quantizer writing that format's blocks
+QUANTIZERS = {"q8_0": quantize_q8_0, "q4_k": quantize_q4_k, "q6_k": quantize_q6_k,
+              "q4_0": quantize_q4_0, "q5_k": quantize_q5_k, "iq4_xs": quantize_iq4_xs,
+              "q4_1": quantize_q4_1, "q2_k": quantize_q2_k, "q3_k": quantize_q3_k}
