@@ -49,6 +49,7 @@ int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
     g->best = malloc(sizeof *g->best * E);
     g->keys = malloc(sizeof *g->keys * E);
     g->prios = malloc(sizeof *g->prios * E);
+    g->pprob = malloc(sizeof *g->pprob * E);
     g->counts = malloc(sizeof *g->counts * E);
     g->order = malloc(sizeof *g->order * E);
     g->prob = malloc(sizeof *g->prob * E);
@@ -70,7 +71,7 @@ int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
     g->hy_cnt = malloc(sizeof *g->hy_cnt * E);
     if (!g->hy_state || !g->hy_oncpu || !g->hy_miss || !g->hy_cnt) goto nomem;
     if (!g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys ||
-        !g->prios || !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n ||
+        !g->prios || !g->pprob || !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n ||
         !g->zt || !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit ||
         !g->pinned || !g->blocks || !g->grp_start)
         goto nomem;
@@ -121,6 +122,7 @@ void smoe_layers_free(smoe_layers *g) {
     free(g->best);
     free(g->keys);
     free(g->prios);
+    free(g->pprob);
     free(g->counts);
     free(g->order);
     free(g->prob);
@@ -1096,6 +1098,9 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
         double mass = g->mass;
         uint32_t rows = T;
         const uint8_t *skip = draft;
+        /* the admission rule's probability of use (admit.h): the router's probability, the
+         * learned q, 1 for the oracle; unknown for a caller's scores */
+        const int probs = !scores;
         if (!scores && g->predictor != SMOE_LPRED_ROUTER) {
             if ((rc = predictor_scores(g, pos + 1, T, &rows, err))) return rc;
             scores = g->scores, mass = 0.0;
@@ -1113,9 +1118,12 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
                 if (p[e]) {
                     g->keys[n] = (int32_t)((pos + 1) * E + e);
                     g->prios[n] = g->best[e];
+                    const float q = g->predictor == SMOE_LPRED_ORACLE ? 1.0f : g->best[e];
+                    g->pprob[n] = q > 1.0f ? 1.0f : q < 0.0f ? 0.0f : q;
                     n++;
                 }
-            rc = smoe_slots_prefetch(g->tier.tab, g->keys, g->prios, n, replace, err);
+            rc = smoe_slots_prefetch_p(g->tier.tab, g->keys, g->prios, probs ? g->pprob : NULL,
+                                       1, n, replace, err);
             if (rc) return rc;
         }
     }

@@ -251,6 +251,7 @@ typedef struct smoe_layers {
     float *best;              /* owned; [E] priority per expert of the next layer */
     int32_t *keys;            /* owned; [E] */
     float *prios;             /* owned; [E] */
+    float *pprob;             /* owned; [E] the prefetch requests' probabilities of use */
     uint32_t *counts;         /* owned; [E] */
     int32_t *order;           /* owned; [E] per-token ranking */
     float *prob;              /* owned; [E] one token's probabilities (mass mode) */

@@ -31,6 +31,8 @@ typedef struct sim {
     double inflight_ready;
     double ce_free;        /* when the copy engine became / becomes free */
     int32_t *q_key;        /* FIFO of requested keys, replaced at every issue */
+    float *q_prob;         /* their predictor scores (admission: the probability of use) */
+    uint32_t *q_steps;     /* their layer steps ahead of the issue */
     uint32_t q_head, q_len, q_cap;
     double q_issue;        /* issue time of the queued requests */
     uint64_t *q_stamp;     /* per key: issue id that queued it (dedup) */
@@ -40,6 +42,7 @@ typedef struct sim {
     float *scores;         /* [E] */
     float *sorted;         /* [E] scratch for the percentile */
     uint32_t *sel;         /* [E] selected experts */
+    float *selq;           /* [E] their scores */
     uint32_t *freq;        /* history: [L][E] uses in the window */
     uint32_t *cooc;        /* history: [L][E][E] uses of b at position l+1 after a at l */
     uint32_t *cnt;         /* history: [L][E] uses of a at position l with a successor seen */
@@ -68,12 +71,20 @@ static const int16_t *row(const sim *s, uint64_t t, uint32_t l) {
     return s->tr->experts + ((size_t)t * s->L + l) * s->K;
 }
 
-/* A slot for `key` (absent) through the table's rule (smoe_slots_claim): the slot, LOADING;
- * -1 when nothing may be evicted; -2 on a policy failure or invalid victim (err filled). */
-static int32_t take_slot(sim *s, int32_t key, int prefetch, smoe_err *err) {
+/* A slot for a demand load of `key` (absent) through the table's rule (smoe_slots_claim): the
+ * slot, LOADING; -1 when nothing may be evicted; -2 on a policy failure or invalid victim (err
+ * filled).  Prefetch copies go through smoe_slots_claim_prefetch (advance). */
+static int32_t take_slot(sim *s, int32_t key, smoe_err *err) {
     int rc;
-    int32_t slot = smoe_slots_claim(&s->tab, key, prefetch, &rc, err);
+    int32_t slot = smoe_slots_claim(&s->tab, key, 0, &rc, err);
     return rc < 0 ? -2 : slot;
+}
+
+/* The admission rule's estimates (admit.h) fed the replay's clock: a load of load_s that
+ * compute waited `stall` seconds for. */
+static void observe_load(sim *s, double stall) {
+    smoe_admit_load(&s->tab.admit, s->load_s);
+    smoe_admit_stall(&s->tab.admit, stall);
 }
 
 /* The prefetch in flight has landed (its slot READY); the copy engine is free from then. */
@@ -85,6 +96,7 @@ static void land_inflight(sim *s) {
 
 /* Demand waits for the prefetch in flight (stall up to its ready time), which then lands. */
 static void wait_inflight(sim *s) {
+    smoe_admit_stall(&s->tab.admit, s->inflight_ready - s->now);
     s->r->stall_s += s->inflight_ready - s->now;
     s->now = s->inflight_ready;
     land_inflight(s);
@@ -111,7 +123,8 @@ static int advance(sim *s, double now, smoe_err *err) {
         if (!s->q_len) return 0;
         double start = s->ce_free > s->q_issue ? s->ce_free : s->q_issue;
         if (start > now) return 0;
-        int32_t key = s->q_key[s->q_head];
+        const uint32_t qi = s->q_head;
+        int32_t key = s->q_key[qi];
         s->q_head++;
         s->q_len--;
         if (slot_of(s, key) >= 0) continue;
@@ -122,12 +135,13 @@ static int advance(sim *s, double now, smoe_err *err) {
             s->r->prefetch_dropped++;
             continue;
         }
-        int32_t slot = take_slot(s, key, 1, err);
-        if (slot < -1) return SMOE_EPOLICY;
-        if (slot < 0) {
-            s->r->prefetch_dropped++;
-            continue;
-        }
+        const smoe_prefetch_req req = {.key = key, .prob = s->q_prob[qi],
+                                       .steps = s->q_steps[qi], .issued = s->q_issue};
+        int rc;
+        int32_t slot = smoe_slots_claim_prefetch(&s->tab, &req, start, &rc, err);
+        if (slot == -2) return SMOE_EPOLICY;
+        if (slot < 0) continue; /* dropped or refused: the table counts them */
+        smoe_admit_load(&s->tab.admit, s->load_s);
         s->r->prefetch_issued++;
         s->inflight = slot;
         s->inflight_ready = start + s->load_s;
@@ -152,10 +166,11 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
     }
     r->misses++;
     if (s->tab.evicted_pass[key] == s->tab.pass_id) r->collision_misses++;
-    slot = take_slot(s, key, 0, err);
+    smoe_slots_missed(&s->tab, key); /* the admission rule's measured regret */
+    slot = take_slot(s, key, err);
     if (slot == -1 && s->inflight >= 0) { /* only the in-flight slot could go: wait for it */
         wait_inflight(s);
-        slot = take_slot(s, key, 0, err);
+        slot = take_slot(s, key, err);
     }
     if (slot < -1) return SMOE_EPOLICY;
     if (slot < 0)
@@ -169,6 +184,7 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
         s->ce_free = s->inflight_ready;
     }
     r->stall_s += s->load_s;
+    observe_load(s, s->load_s);
     s->now += s->load_s;
     return 0;
 }
@@ -274,17 +290,21 @@ static uint32_t select_experts(sim *s) {
                 (best < 0 || s->scores[e] > s->scores[best]))
                 best = (int32_t)e;
         if (best < 0) break;
+        s->selq[n] = s->scores[best];
         s->sel[n++] = (uint32_t)best;
         s->scores[best] = -1.0f;
     }
     return n;
 }
 
-static void queue_push(sim *s, int32_t key) {
+static void queue_push(sim *s, int32_t key, float prob, uint32_t steps) {
     if (s->q_stamp[key] == s->issue_id || slot_of(s, key) >= 0) return;
     if (s->q_head + s->q_len >= s->q_cap) return; /* cannot happen: q_cap = depth * E */
     s->q_stamp[key] = s->issue_id;
-    s->q_key[s->q_head + s->q_len++] = key;
+    const uint32_t i = s->q_head + s->q_len++;
+    s->q_key[i] = key;
+    s->q_prob[i] = prob > 1.0f ? 1.0f : prob;
+    s->q_steps[i] = steps;
 }
 
 /* Position after (t, l) by j steps in replay order; 0 when past the end. */
@@ -310,7 +330,7 @@ static void predict(sim *s, uint64_t t, uint32_t l) {
         const int16_t *truth = row(s, tt, ll);
         uint32_t n;
         if (pf->predictor == SMOE_PRED_ORACLE) {
-            for (uint32_t i = 0; i < K; i++) s->sel[i] = (uint32_t)truth[i];
+            for (uint32_t i = 0; i < K; i++) s->sel[i] = (uint32_t)truth[i], s->selq[i] = 1.0f;
             n = K;
         } else if (pf->predictor == SMOE_PRED_ROUTER) {
             if (tt != t) break; /* the next token's router input is not known yet */
@@ -354,7 +374,7 @@ static void predict(sim *s, uint64_t t, uint32_t l) {
                         break;
                     }
         }
-        for (uint32_t i = 0; i < n; i++) queue_push(s, smoe_key(ll, s->sel[i], E));
+        for (uint32_t i = 0; i < n; i++) queue_push(s, smoe_key(ll, s->sel[i], E), s->selq[i], j);
     }
 }
 
@@ -484,6 +504,9 @@ static void sim_free(sim *s) {
         smoe_slots_free(&s->tab);
     }
     free(s->q_key);
+    free(s->q_prob);
+    free(s->q_steps);
+    free(s->selq);
     free(s->q_stamp);
     free(s->scores);
     free(s->sorted);
@@ -631,11 +654,15 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     if (ok && s.pf) {
         s.q_cap = s.pf->depth * s.E;
         s.q_key = malloc(s.q_cap * sizeof *s.q_key);
+        s.q_prob = malloc(s.q_cap * sizeof *s.q_prob);
+        s.q_steps = malloc(s.q_cap * sizeof *s.q_steps);
+        s.selq = malloc(s.E * sizeof *s.selq);
         s.q_stamp = calloc(s.nkeys, sizeof *s.q_stamp);
         s.scores = malloc(s.E * sizeof *s.scores);
         s.sorted = malloc(s.E * sizeof *s.sorted);
         s.sel = malloc(s.E * sizeof *s.sel);
-        ok = s.q_key && s.q_stamp && s.scores && s.sorted && s.sel;
+        ok = s.q_key && s.q_prob && s.q_steps && s.selq && s.q_stamp && s.scores && s.sorted &&
+             s.sel;
         if (ok && s.pf->predictor == SMOE_PRED_HISTORY) {
             s.freq = calloc(s.nkeys, sizeof *s.freq);
             s.cnt = calloc(s.nkeys, sizeof *s.cnt);
@@ -673,6 +700,8 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         return smoe_err_set(err, SMOE_ENOMEM, "simulate: out of memory for %u slots", nslots);
     }
     s.tab.pass_id = 0; /* passes are numbered from 1 by the replay (smoe_slots_set_pass) */
+    s.tab.admit.on = s.pf && s.pf->admission;
+    s.tab.admit.contention = 0.0; /* a demand load pre-empts the copy engine (sim.h) */
 
     const int hist = s.pf && s.pf->predictor == SMOE_PRED_HISTORY;
     smoe_policy *learner = s.learner;
@@ -684,6 +713,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     for (uint64_t t = 0; !groups && t < tr->num_tokens && rc == 0; t++) {
         if (s.pf && (rc = advance(&s, s.now, err)) < 0) break;
         smoe_slots_set_pass(&s.tab, t + 1);
+        smoe_admit_pass(&s.tab.admit, s.now);
         if (learner) smoe_policy_pass(learner, t + 1);
         if (feed) feed_counts(&s, t, t + 1);
         s.now += hw->token_fixed_s;
@@ -719,6 +749,8 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     out->evictions = s.tab.stats.evictions;
     out->prefetch_used = s.tab.stats.prefetch_used;
     out->prefetch_wasted = s.tab.stats.prefetch_wasted;
+    out->prefetch_dropped += s.tab.stats.prefetch_dropped;
+    out->prefetch_refused = s.tab.stats.prefetch_refused;
     out->protected_evictions = s.tab.stats.protected_evictions;
     out->total_s = s.now;
     out->elapsed_s = smoe_now() - t0;

@@ -59,7 +59,9 @@
  *             is already resident is skipped; the slot is chosen (and a victim evicted) when
  *             the copy starts; the copy takes link_latency_s + expert_bytes / link_bw and
  *             overlaps compute.  The link is shared: a demand load pre-empts the copy engine,
- *             pushing the in-flight prefetch back by the demand load's duration.
+ *             pushing the in-flight prefetch back by the demand load's duration.  With
+ *             admission on, a request is loaded only when admit.h's rule accepts it when the
+ *             copy would start (its victim then known), else it is refused.
  *   stall_s   total time compute waited for loads; total_s the simulated decode time.
  */
 #ifndef SMOE_SIM_H
@@ -108,6 +110,12 @@ typedef struct smoe_sim_prefetch {
     const double *model; /* learned predictor: the nextuse model (NextUseModel.flat()), or
                             NULL for the built-in temporal weights */
     uint64_t model_len;
+    int32_t admission;  /* 1: prefetch admission by expected benefit (admit.h), the live
+                           caches' rule through the same slot table: each request carries its
+                           predictor score as the probability of use (oracle 1; router the
+                           softmax probability; learned q; history its score) and the layer
+                           steps ahead it was predicted for; the table's estimates are fed
+                           the replay's virtual clock (every load, stall and pass) */
 } smoe_sim_prefetch;
 
 typedef struct smoe_sim_result {
@@ -117,6 +125,7 @@ typedef struct smoe_sim_result {
     uint64_t prefetch_late;    /* demand found the prefetch still in flight (counted a miss) */
     uint64_t prefetch_wasted;  /* prefetched experts evicted unused */
     uint64_t prefetch_dropped; /* requests dropped: no evictable slot */
+    uint64_t prefetch_refused; /* requests refused by the admission rule (pf->admission) */
     uint64_t predicted;        /* experts predicted for the next layer (all predictions) */
     uint64_t predicted_true;   /* of those, experts the next layer really used */
     uint64_t next_true;        /* true experts of the next layer at prediction points */

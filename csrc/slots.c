@@ -3,6 +3,7 @@
  * follows is in policy/policy.h. */
 #include "slots.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,6 +45,7 @@ static void evict(smoe_slots *t, uint32_t s) {
     t->map[key] = -1;
     t->evicted_pass[key] = t->pass_id;
     t->stats.evictions++;
+    smoe_admit_evicted(&t->admit);
     if (t->protect[key]) t->stats.protected_evictions++;
     if (sl->prefetched) t->stats.prefetch_wasted++;
     sl->key = -1;
@@ -52,12 +54,15 @@ static void evict(smoe_slots *t, uint32_t s) {
     t->nempty++;
 }
 
-/* Choose a slot for a new block: the lowest-numbered free one, else the policy's victim among
- * the slots `ok` accepts (evicted here).  Returns the slot, or -1 when there is none; a
- * policy failure sets *rc to SMOE_EPOLICY (and fills err). */
-static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int *rc, smoe_err *err) {
+/* Find a slot for a new block without taking it: the lowest-numbered free one (*victim = 0),
+ * else the policy's victim among the slots `ok` accepts (*victim = 1, still resident).
+ * Returns the slot, or -1 when there is none; a policy failure sets *rc to SMOE_EPOLICY (and
+ * fills err). */
+static int32_t find_slot(smoe_slots *t, smoe_evictable_fn ok, int *victim, int *rc,
+                         smoe_err *err) {
     int32_t s = lowest_free(t);
     *rc = 0;
+    *victim = 0;
     if (s >= 0) return s;
     /* lookahead-aware: protected keys go last (smoe_slots_set_protected) */
     t->shield = t->nprotected > 0;
@@ -68,7 +73,15 @@ static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int *rc, smoe_err 
     }
     t->shield = 0;
     if (*rc < 0 || s < 0) return -1;
-    evict(t, (uint32_t)s);
+    *victim = 1;
+    return s;
+}
+
+/* find_slot, the victim evicted. */
+static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int *rc, smoe_err *err) {
+    int victim;
+    int32_t s = find_slot(t, ok, &victim, rc, err);
+    if (s >= 0 && victim) evict(t, (uint32_t)s);
     return s;
 }
 
@@ -94,6 +107,44 @@ int32_t smoe_slots_claim(smoe_slots *t, int32_t key, int prefetch, int *rc, smoe
     int32_t s = take_slot(t, prefetch ? evictable_prefetch : evictable_demand, rc, err);
     if (s >= 0) load_begin(t, (uint32_t)s, key, prefetch);
     return s;
+}
+
+int32_t smoe_slots_claim_prefetch(smoe_slots *t, const smoe_prefetch_req *r, double now,
+                                  int *rc, smoe_err *err) {
+    if (!t->admit.on) {
+        int32_t s = smoe_slots_claim(t, r->key, 1, rc, err);
+        if (s < 0) {
+            t->stats.prefetch_dropped++;
+            return *rc < 0 ? -2 : -1;
+        }
+        return s;
+    }
+    t->pf_key = r->key; /* (read by evictable_prefetch) */
+    int victim;
+    int32_t s = find_slot(t, evictable_prefetch, &victim, rc, err);
+    if (s < 0) {
+        t->stats.prefetch_dropped++;
+        return *rc < 0 ? -2 : -1;
+    }
+    double regret = 0.0;
+    if (victim) {
+        regret = smoe_policy_regret(t->policy, t->slots[s].key);
+        if (regret < 0.0) regret = smoe_admit_measured_regret(&t->admit);
+    }
+    if (!smoe_admit_decide(&t->admit, r->prob, r->issued, r->steps, now, regret)) {
+        t->stats.prefetch_refused++;
+        t->admit.refused++;
+        return -3;
+    }
+    if (victim) evict(t, (uint32_t)s);
+    load_begin(t, (uint32_t)s, r->key, 1);
+    return s;
+}
+
+void smoe_slots_missed(smoe_slots *t, int32_t key) {
+    const uint64_t ev = t->evicted_pass[key];
+    if (ev == t->pass_id) t->stats.collision_misses++;
+    if (ev && t->pass_id - ev < SMOE_ADMIT_REGRET_PASSES) smoe_admit_regretted(&t->admit);
 }
 
 void smoe_slots_touch(smoe_slots *t, uint32_t s) {
@@ -237,22 +288,17 @@ static void *worker_main(void *arg) {
         if (t->map[r.key] >= 0) continue; /* became resident or loading meanwhile */
         smoe_err perr;
         int prc;
-        int32_t s = smoe_slots_claim(t, r.key, 1, &prc, &perr);
-        if (prc < 0) {
-            if (t->worker_err.code == 0) t->worker_err = perr;
-            t->stats.prefetch_dropped++;
-            continue;
-        }
-        if (s < 0) {
-            t->stats.prefetch_dropped++;
-            continue;
-        }
+        const double start = smoe_now();
+        int32_t s = smoe_slots_claim_prefetch(t, &r, start, &prc, &perr);
+        if (prc < 0 && t->worker_err.code == 0) t->worker_err = perr;
+        if (s < 0) continue; /* dropped or refused (counted) */
         t->stats.prefetch_issued++;
         pthread_mutex_unlock(&t->mu);
         smoe_err lerr;
         smoe_err_clear(&lerr);
         int rc = t->ops->load(t->owner, (uint32_t)s, r.key, &lerr);
         pthread_mutex_lock(&t->mu);
+        smoe_admit_load(&t->admit, smoe_now() - start);
         if (rc < 0) {
             t->stats.prefetch_failed++;
             if (t->worker_err.code == 0) t->worker_err = lerr;
@@ -330,6 +376,7 @@ int smoe_slots_init(smoe_slots *t, const char *what, uint32_t num_layers, uint32
     for (uint32_t s = 0; s < nslots; s++) t->slots[s].key = -1;
     t->nempty = nslots;
     t->pass_id = 1;
+    smoe_admit_init(&t->admit, num_layers);
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
     pthread_cond_init(&t->work_cv, NULL);
@@ -400,7 +447,11 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
             t->slots[s].pins++;
             smoe_slots_touch(t, (uint32_t)s);
             if (!counted) t->stats.hits++;
-            if (counted) t->stats.stall_s += smoe_now() - t0;
+            if (counted) {
+                const double w = smoe_now() - t0;
+                t->stats.stall_s += w;
+                smoe_admit_stall(&t->admit, w);
+            }
             rc = pinned(t, (uint32_t)s, stream, !counted, err);
             if (rc == 0) *slot = (uint32_t)s;
             pthread_mutex_unlock(&t->mu);
@@ -409,7 +460,7 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
         if (!counted) {
             counted = 1;
             t->stats.misses++;
-            if (t->evicted_pass[key] == t->pass_id) t->stats.collision_misses++;
+            smoe_slots_missed(t, key);
             if (s >= 0 && t->slots[s].prefetched) t->stats.prefetch_late++;
             t0 = smoe_now();
         }
@@ -439,10 +490,14 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
         pthread_mutex_unlock(&t->mu);
         smoe_err lerr;
         smoe_err_clear(&lerr);
+        const double l0 = smoe_now();
         rc = t->ops->load(t->owner, (uint32_t)s, key, &lerr);
+        const double l1 = smoe_now();
         pthread_mutex_lock(&t->mu);
         load_done(t, (uint32_t)s, rc, &lerr);
-        t->stats.stall_s += smoe_now() - t0;
+        smoe_admit_load(&t->admit, l1 - l0);
+        smoe_admit_stall(&t->admit, l1 - t0);
+        t->stats.stall_s += l1 - t0;
         if (rc < 0) {
             if (err) *err = lerr;
         } else {
@@ -475,6 +530,13 @@ int smoe_slots_release(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
 void smoe_slots_begin_pass(smoe_slots *t) {
     pthread_mutex_lock(&t->mu);
     smoe_slots_set_pass(t, t->pass_id + 1);
+    smoe_admit_pass(&t->admit, smoe_now());
+    pthread_mutex_unlock(&t->mu);
+}
+
+void smoe_slots_set_admission(smoe_slots *t, int on) {
+    pthread_mutex_lock(&t->mu);
+    t->admit.on = on != 0;
     pthread_mutex_unlock(&t->mu);
 }
 
@@ -482,12 +544,22 @@ void smoe_slots_begin_pass(smoe_slots *t) {
 
 int smoe_slots_prefetch(smoe_slots *t, const int32_t *keys, const float *priorities,
                         uint32_t n, int replace, smoe_err *err) {
+    return smoe_slots_prefetch_p(t, keys, priorities, NULL, 1, n, replace, err);
+}
+
+int smoe_slots_prefetch_p(smoe_slots *t, const int32_t *keys, const float *priorities,
+                          const float *probs, uint32_t steps, uint32_t n, int replace,
+                          smoe_err *err) {
     for (uint32_t i = 0; i < n; i++) {
         int rc = check_key(t, "prefetch request", i, keys[i], err);
         if (rc < 0) return rc;
         if (priorities[i] != priorities[i])
             return smoe_err_set(err, SMOE_EINVAL, "prefetch request %u: priority is NaN", i);
+        if (probs && !(probs[i] != probs[i]) && !(probs[i] >= 0.0f && probs[i] <= 1.0f))
+            return smoe_err_set(err, SMOE_EINVAL, "prefetch request %u: probability %g is "
+                                "not in [0, 1]", i, (double)probs[i]);
     }
+    const double issued = smoe_now();
     const uint64_t nkeys = (uint64_t)t->num_layers * t->num_experts;
     pthread_mutex_lock(&t->mu);
     if (t->shutdown || !t->worker_started) {
@@ -512,7 +584,9 @@ int smoe_slots_prefetch(smoe_slots *t, const int32_t *keys, const float *priorit
     for (uint32_t i = 0; i < n; i++) {
         int32_t k = keys[i];
         if (t->map[k] >= 0) continue; /* resident or loading */
-        smoe_prefetch_req r = {.key = k, .priority = priorities[i], .seq = ++t->queue_seq};
+        smoe_prefetch_req r = {.key = k, .priority = priorities[i],
+                               .prob = probs ? probs[i] : NAN, .steps = steps,
+                               .seq = ++t->queue_seq, .issued = issued};
         int32_t at = t->qpos[k];
         if (at >= 0) { /* supersede: new priority, new place in request order */
             t->queue[at] = r;

@@ -35,7 +35,9 @@
  *    skips it if it became resident/loading, else takes the lowest EMPTY slot, else victim()
  *    among READY unpinned slots with last_pass != pass_id and, when the policy has a utility
  *    (spac), utility(slot's key) <= utility(requested key) (else prefetch_dropped++);
- *    on_insert(s, key, 1), prefetch_issued++.
+ *    with admission on (smoe_slots_set_admission), the request must then pass admit.h's rule
+ *    against that victim (else prefetch_refused++, nothing evicted); on_insert(s, key, 1),
+ *    prefetch_issued++.  Every load (demand or prefetch) is timed for the rule's estimates.
  *  - a demand access that cannot find a slot waits forever if every slot stays pinned: size
  *    the cache for (threads x top_k) pins at least.
  */
@@ -44,6 +46,7 @@
 
 #include <pthread.h>
 
+#include "admit.h"
 #include "common.h"
 #include "policy/policy.h"
 
@@ -70,6 +73,7 @@ typedef struct smoe_cache_stats {
                                 * miss that waited; several can wait on one load) */
     uint64_t prefetch_wasted;  /* prefetched experts evicted before any demand use */
     uint64_t prefetch_dropped; /* prefetch requests dropped: no evictable slot */
+    uint64_t prefetch_refused; /* prefetch requests refused by the admission rule (admit.h) */
     uint64_t prefetch_failed;  /* prefetch loads that failed (store error; see worker_err) */
     uint64_t evictions;
     uint64_t protected_evictions; /* evictions of a protected key (lookahead buffer), taken
@@ -81,7 +85,11 @@ typedef struct smoe_cache_stats {
 typedef struct smoe_prefetch_req {
     int32_t key;
     float priority; /* higher first; ties in request order */
+    float prob;     /* the predictor's probability that the key is used (admit.h); NaN:
+                       unknown, the admission rule lets it through */
+    uint32_t steps; /* layer steps ahead of the request's issue where the key is needed */
     uint64_t seq;   /* request order */
+    double issued;  /* time of the request, on the table owner's clock */
 } smoe_prefetch_req;
 
 /* What a cache built on the table does itself.  `owner` is the table's owner pointer. */
@@ -133,6 +141,8 @@ typedef struct smoe_slots {
     int32_t *qpos;         /* owned; [mu] per key: index in queue, or -1 when not queued */
     int32_t pf_key;        /* [mu] key smoe_slots_claim is finding a slot for (the prefetch
                               admission rule reads it) */
+    smoe_admit admit;      /* [mu] prefetch admission by expected benefit (admit.h): its
+                              switch, its measured estimates and its refusals */
 
     /* prefetch worker */
     pthread_t worker;
@@ -200,6 +210,18 @@ void smoe_slots_begin_pass(smoe_slots *t);
  * err filled).  Counts nothing but the eviction; the caller counts its miss or issue. */
 int32_t smoe_slots_claim(smoe_slots *t, int32_t key, int prefetch, int *rc, smoe_err *err);
 
+/* A prefetch copy of r->key (absent) may start at `now` (the owner's clock): the slot of
+ * smoe_slots_claim(prefetch = 1), if the admission rule (admit.h, when t->admit.on) accepts
+ * the request against that slot's victim; the victim is evicted only then.  Returns the slot
+ * (LOADING), -1 when no slot may go (prefetch_dropped++), -3 when the rule refused it
+ * (prefetch_refused++, nothing evicted), -2 on a policy failure (*rc < 0, err filled). */
+int32_t smoe_slots_claim_prefetch(smoe_slots *t, const smoe_prefetch_req *r, double now,
+                                  int *rc, smoe_err *err);
+
+/* A demand access of key missed (the caller counts the miss): collision_misses and the
+ * admission rule's measured regret when key was evicted lately. */
+void smoe_slots_missed(smoe_slots *t, int32_t key);
+
 /* The load into LOADING slot s finished: READY (bytes_read counted). */
 void smoe_slots_loaded(smoe_slots *t, uint32_t s);
 
@@ -220,6 +242,18 @@ void smoe_slots_set_pass(smoe_slots *t, uint64_t pass_id);
  * pinned expert or one accessed in the current pass. */
 int smoe_slots_prefetch(smoe_slots *t, const int32_t *keys, const float *priorities,
                         uint32_t n, int replace, smoe_err *err);
+
+/* smoe_slots_prefetch with, for the admission rule (admit.h), each request's probability of
+ * use probs[i] (NULL: unknown) and the layer steps ahead where its key is needed (one value
+ * for the call: the engine predicts one layer ahead).  probs[i] must be NaN (unknown) or in
+ * [0, 1]. */
+int smoe_slots_prefetch_p(smoe_slots *t, const int32_t *keys, const float *priorities,
+                          const float *probs, uint32_t steps, uint32_t n, int replace,
+                          smoe_err *err);
+
+/* Prefetch admission on or off (admit.h; off by default: the victim rules alone).  Takes mu.
+ * Turning it on keeps what has been measured. */
+void smoe_slots_set_admission(smoe_slots *t, int on);
 
 /* Remove queued requests for key (-1: all).  Loads already in flight complete. */
 void smoe_slots_cancel(smoe_slots *t, int32_t key);

@@ -224,10 +224,12 @@ static PyObject *Cache_begin_pass(CacheObject *self, PyObject *Py_UNUSED(ignored
 }
 
 static PyObject *Cache_prefetch(CacheObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"keys", "priorities", "replace", NULL};
-    PyObject *ko, *po;
+    static char *kwlist[] = {"keys", "priorities", "replace", "probs", "steps", NULL};
+    PyObject *ko, *po, *qo = Py_None;
     int replace = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|p:prefetch", kwlist, &ko, &po, &replace))
+    unsigned int steps = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|p$OI:prefetch", kwlist, &ko, &po, &replace,
+                                     &qo, &steps))
         return NULL;
     if (check_store(self) < 0) return NULL;
     PyArrayObject *k = (PyArrayObject *)PyArray_FROMANY(ko, NPY_INT32, 1, 1,
@@ -240,11 +242,23 @@ static PyObject *Cache_prefetch(CacheObject *self, PyObject *args, PyObject *kwd
         return NULL;
     }
     npy_intp n = PyArray_DIM(k, 0);
-    if (PyArray_DIM(p, 0) != n || n > (npy_intp)UINT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "prefetch: %zd keys but %zd priorities", (Py_ssize_t)n,
-                     (Py_ssize_t)PyArray_DIM(p, 0));
+    PyArrayObject *q = NULL;
+    if (qo != Py_None) {
+        q = (PyArrayObject *)PyArray_FROMANY(qo, NPY_FLOAT32, 1, 1,
+                                             NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+        if (!q) {
+            Py_DECREF(k);
+            Py_DECREF(p);
+            return NULL;
+        }
+    }
+    if (PyArray_DIM(p, 0) != n || (q && PyArray_DIM(q, 0) != n) || n > (npy_intp)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "prefetch: %zd keys but %zd priorities and %zd probs",
+                     (Py_ssize_t)n, (Py_ssize_t)PyArray_DIM(p, 0),
+                     q ? (Py_ssize_t)PyArray_DIM(q, 0) : (Py_ssize_t)n);
         Py_DECREF(k);
         Py_DECREF(p);
+        Py_XDECREF(q);
         return NULL;
     }
     smoe_err err;
@@ -252,11 +266,13 @@ static PyObject *Cache_prefetch(CacheObject *self, PyObject *args, PyObject *kwd
     int rc;
     const int32_t *kd = PyArray_DATA(k);
     const float *pd = PyArray_DATA(p);
+    const float *qd = q ? PyArray_DATA(q) : NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_slots_prefetch(&self->cache.tab, kd, pd, (uint32_t)n, replace, &err);
+    rc = smoe_slots_prefetch_p(&self->cache.tab, kd, pd, qd, steps, (uint32_t)n, replace, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(k);
     Py_DECREF(p);
+    Py_XDECREF(q);
     if (rc < 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
 }
@@ -476,6 +492,7 @@ static PyObject *Cache_stats(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
         put_u64(d, "prefetch_late", s.prefetch_late) < 0 ||
         put_u64(d, "prefetch_wasted", s.prefetch_wasted) < 0 ||
         put_u64(d, "prefetch_dropped", s.prefetch_dropped) < 0 ||
+        put_u64(d, "prefetch_refused", s.prefetch_refused) < 0 ||
         put_u64(d, "prefetch_failed", s.prefetch_failed) < 0 ||
         put_u64(d, "evictions", s.evictions) < 0 || put_u64(d, "bytes_read", s.bytes_read) < 0 ||
         put_u64(d, "protected_evictions", s.protected_evictions) < 0 ||
@@ -484,6 +501,29 @@ static PyObject *Cache_stats(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
         return NULL;
     }
     return d;
+}
+
+static PyObject *Cache_set_admission(CacheObject *self, PyObject *arg) {
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0 || check_open(self) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    smoe_slots_set_admission(&self->cache.tab, on);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cache_admission(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_open(self) < 0) return NULL;
+    smoe_admit a;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->cache.tab.mu);
+    a = self->cache.tab.admit;
+    pthread_mutex_unlock(&self->cache.tab.mu);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("{s:O,s:d,s:d,s:d,s:d,s:K}", "on", a.on ? Py_True : Py_False,
+                         "load_s", a.load_s, "step_s", a.step_s, "busy", a.busy,
+                         "measured_regret", smoe_admit_measured_regret(&a), "refused",
+                         (unsigned long long)a.refused);
 }
 
 static PyObject *Cache_reset_stats(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -636,8 +676,9 @@ static PyMethodDef Cache_methods[] = {
     {"begin_pass", (PyCFunction)Cache_begin_pass, METH_NOARGS,
      "begin_pass() -> new pass id: starts a forward pass (policy on_pass)."},
     {"prefetch", (PyCFunction)(void (*)(void))Cache_prefetch, METH_VARARGS | METH_KEYWORDS,
-     "prefetch(keys, priorities, replace=False): queue prefetch requests (key = "
-     "layer*num_experts+expert, higher priority first)."},
+     "prefetch(keys, priorities, replace=False, *, probs=None, steps=1): queue prefetch "
+     "requests (key = layer*num_experts+expert, higher priority first; probs: each one's "
+     "probability of use for the admission rule, steps: layer steps ahead it is needed)."},
     {"cancel", (PyCFunction)Cache_cancel, METH_VARARGS,
      "cancel(key=-1): drop the queued request for key, or all with -1."},
     {"wait_idle", (PyCFunction)Cache_wait_idle, METH_NOARGS,
@@ -664,6 +705,11 @@ static PyMethodDef Cache_methods[] = {
      "utility(keys) -> int32 array: the policy's utility per key (PolicyError if it has none)."},
     {"stats", (PyCFunction)Cache_stats, METH_NOARGS, "stats() -> dict of counters."},
     {"reset_stats", (PyCFunction)Cache_reset_stats, METH_NOARGS, "reset_stats(): zero the counters."},
+    {"set_admission", (PyCFunction)Cache_set_admission, METH_O,
+     "set_admission(on): prefetch admission by expected benefit (csrc/admit.h) on or off."},
+    {"admission", (PyCFunction)Cache_admission, METH_NOARGS,
+     "admission() -> dict: the admission rule's switch, its measured estimates (load_s, "
+     "step_s, busy, measured_regret) and its refusals."},
     {"set_throttle", (PyCFunction)Cache_set_throttle, METH_VARARGS,
      "set_throttle(bytes_per_s, latency_s): emulate a slower link for every store read "
      "(SpecMD A.4; 0, 0: off)."},

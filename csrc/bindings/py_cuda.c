@@ -546,14 +546,15 @@ static PyObject *GC_stats(GCacheObject *self, PyObject *noargs) {
     Py_END_ALLOW_THREADS self->busy--;
     const smoe_cache_stats *t = &s.c;
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d}", "hits",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d}", "hits",
         (unsigned long long)t->hits, "misses", (unsigned long long)t->misses, "collision_misses",
         (unsigned long long)t->collision_misses, "prefetch_issued",
         (unsigned long long)t->prefetch_issued, "prefetch_used",
         (unsigned long long)t->prefetch_used, "prefetch_late",
         (unsigned long long)t->prefetch_late, "prefetch_wasted",
         (unsigned long long)t->prefetch_wasted, "prefetch_dropped",
-        (unsigned long long)t->prefetch_dropped, "prefetch_failed",
+        (unsigned long long)t->prefetch_dropped, "prefetch_refused",
+        (unsigned long long)t->prefetch_refused, "prefetch_failed",
         (unsigned long long)t->prefetch_failed, "evictions", (unsigned long long)t->evictions,
         "bytes_read", (unsigned long long)t->bytes_read, "inflight_hits",
         (unsigned long long)s.inflight_hits, "protected_evictions",
@@ -565,6 +566,15 @@ static PyObject *GC_reset_stats(GCacheObject *self, PyObject *noargs) {
     if (GC_check(self) < 0) return NULL;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS smoe_gcache_reset_stats(&self->cache);
+    Py_END_ALLOW_THREADS self->busy--;
+    Py_RETURN_NONE;
+}
+
+static PyObject *GC_set_admission(GCacheObject *self, PyObject *arg) {
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0 || GC_check(self) < 0) return NULL;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS smoe_slots_set_admission(&self->cache.tab, on);
     Py_END_ALLOW_THREADS self->busy--;
     Py_RETURN_NONE;
 }
@@ -737,6 +747,8 @@ static PyMethodDef GC_methods[] = {
     {"pause_worker", (PyCFunction)GC_pause_worker, METH_O, "pause_worker(paused)"},
     {"stats", (PyCFunction)GC_stats, METH_NOARGS, "counters (dict)"},
     {"reset_stats", (PyCFunction)GC_reset_stats, METH_NOARGS, "zero the counters"},
+    {"set_admission", (PyCFunction)GC_set_admission, METH_O,
+     "set_admission(on): prefetch admission by expected benefit (csrc/admit.h)"},
     {"set_throttle", (PyCFunction)GC_set_throttle, METH_VARARGS,
      "set_throttle(bytes_per_s, latency_s): emulate a slower link for every load (0, 0: off)"},
     {"resident", (PyCFunction)GC_resident, METH_NOARGS, "keys of the READY slots, slot order"},

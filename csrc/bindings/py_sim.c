@@ -32,7 +32,7 @@ static PyObject *result_dict(const smoe_sim_result *r) {
 #define F(f) set_item(d, #f, PyFloat_FromDouble(r->f))
     if (U(accesses) || U(hits) || U(misses) || U(collision_misses) || U(evictions) ||
         U(prefetch_issued) || U(prefetch_used) || U(prefetch_late) || U(prefetch_wasted) ||
-        U(prefetch_dropped) || U(predicted) || U(predicted_true) || U(next_true) ||
+        U(prefetch_dropped) || U(prefetch_refused) || U(predicted) || U(predicted_true) || U(next_true) ||
         F(stall_s) || F(compute_s) || F(total_s) || F(elapsed_s) || U(missing) || U(dropped) ||
         U(substituted) || U(lowbit) || U(lowbit2) || U(protected_evictions)) {
         Py_DECREF(d);
@@ -48,7 +48,8 @@ PyDoc_STRVAR(simulate_doc,
 "         percentile=0.0, history=16, cooc_weight=0.8, expert_bytes, fast_bw, link_bw,\n"
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
 "         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1,\n"
-"         miss_keep2=top_k, lowbit2_ratio=1.0, protect=False, model=None) -> dict\n\n"
+"         miss_keep2=top_k, lowbit2_ratio=1.0, protect=False, model=None,\n"
+"         admission=False) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
 "`seed`, least_stale `order`, spac/spac_ema `levels`, spac `gamma` = draft length, -1 = 8)\n"
@@ -62,6 +63,7 @@ PyDoc_STRVAR(simulate_doc,
 "fetched; ranks >= miss_keep2 from a second copy costing lowbit2_ratio), see\n"
 "smoe_sim_miss in csrc/sim.h.\n"
 "protect: the expert lookahead buffer's eviction shield (demand only; csrc/sim.h).\n"
+"admission: prefetch admission by expected benefit (csrc/admit.h), the live caches' rule.\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
 
 static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
@@ -72,7 +74,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                              "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
                              "verify_tokens", "miss", "miss_keep", "lowbit_ratio", "gamma",
                              "miss_keep2", "lowbit2_ratio", "protect", "model",
-                             NULL};
+                             "admission", NULL};
     PyObject *experts_o, *policy_o, *logits_o = Py_None, *model_o = Py_None;
     long long num_experts, nslots;
     int predictor = 0, order = 0;
@@ -86,14 +88,15 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     int miss = 0;
     unsigned int miss_keep = 0, miss_keep2 = UINT32_MAX;
     double lowbit_ratio = 1.0, lowbit2_ratio = 1.0;
-    int protect = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpO", kwlist, &experts_o,
+    int protect = 0, admission = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpOp", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
                                      &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
                                      &verify_tokens, &miss, &miss_keep, &lowbit_ratio,
-                                     &gamma, &miss_keep2, &lowbit2_ratio, &protect, &model_o))
+                                     &gamma, &miss_keep2, &lowbit2_ratio, &protect, &model_o,
+                                     &admission))
         return NULL;
     if (gamma < -1 || gamma > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: gamma (spac's draft length) must be in "
@@ -194,7 +197,8 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     }
     smoe_sim_prefetch pf = {.predictor = predictor, .depth = (uint32_t)depth,
                             .topk = (uint32_t)topk, .percentile = percentile,
-                            .history = (uint32_t)history, .cooc_weight = cooc_weight};
+                            .history = (uint32_t)history, .cooc_weight = cooc_weight,
+                            .admission = admission};
     if (model_o != Py_None) { /* the learned predictor's model (NextUseModel.flat()) */
         mod = (PyArrayObject *)PyArray_FROM_OTF(model_o, NPY_FLOAT64, NPY_ARRAY_IN_ARRAY);
         if (!mod) goto done;

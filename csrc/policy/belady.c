@@ -124,6 +124,18 @@ static int32_t belady_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {
     return best;
 }
 
+/* The admission rule's regret of evicting resident `key` (policy.h): 0 when no resident key is
+ * used later than it (demand-only Belady would evict it, or one used no sooner, at its next
+ * miss anyway), else 1 (its eviction brings its next use's miss forward of a key that would
+ * have gone instead).  O(nslots). */
+static double belady_regret(const smoe_policy *cp, int32_t key) {
+    belady_state *st = cp->state;
+    const uint64_t mine = belady_next(st, key);
+    for (uint32_t s = 0; s < cp->nslots; s++)
+        if (st->key_of[s] >= 0 && belady_next(st, st->key_of[s]) > mine) return 1.0;
+    return 0.0;
+}
+
 const smoe_policy_ops smoe_policy_belady = {
     .name = "belady",
     .init = belady_init,
@@ -133,4 +145,5 @@ const smoe_policy_ops smoe_policy_belady = {
     .on_evict = belady_evict,
     .on_pass = NULL,
     .victim = belady_victim,
+    .regret = belady_regret,
 };

@@ -251,6 +251,18 @@ static int32_t nu_utility(const smoe_policy *cp, int32_t key) {
     return v >= (double)INT32_MAX ? INT32_MAX : (int32_t)llround(v);
 }
 
+/* The admission rule's regret of evicting resident `key` (policy.h): the model's q that it is
+ * used at its layer's next run. */
+static double nu_regret(const smoe_policy *cp, int32_t key) {
+    smoe_policy *p = (smoe_policy *)cp; /* the memo and the scratch only */
+    const uint32_t L = p->num_layers, E = p->num_experts;
+    if (key < 0 || (uint64_t)key >= (uint64_t)L * E) return 0.0;
+    nu_state *st = p->state;
+    nu_prepare(st, L, E);
+    double dl;
+    return nu_q(st, L, E, key, &dl);
+}
+
 const smoe_policy_ops smoe_policy_nextuse = {
     .name = "nextuse",
     .init = nu_init,
@@ -261,6 +273,7 @@ const smoe_policy_ops smoe_policy_nextuse = {
     .on_pass = nu_pass,
     .victim = nu_victim,
     .utility = nu_utility,
+    .regret = nu_regret,
 };
 
 void smoe_nextuse_layer_q(smoe_policy *p, uint32_t layer, double *out) {

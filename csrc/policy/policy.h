@@ -75,6 +75,11 @@ typedef struct smoe_policy_ops {
     /* Optional (spac): the hot/cold threshold τ_t on the utility scale (MoE-SpAc §3.3): keys
      * with utility >= τ are hot; a prefetcher processes only hot keys (§3.4). */
     int32_t (*threshold)(const smoe_policy *p);
+    /* Optional (nextuse, belady): the probability in [0, 1] that evicting the resident key
+     * now costs a demand load that demand-only operation would not (its predicted next use):
+     * the victim's cost in the prefetch admission rule (admit.h, issue 42 item 3).  Policies
+     * without it are charged the cache's measured rate of regretted evictions. */
+    double (*regret)(const smoe_policy *p, int32_t key);
 } smoe_policy_ops;
 
 struct smoe_policy {
@@ -146,6 +151,10 @@ static inline int32_t smoe_policy_utility(const smoe_policy *p, int32_t key) {
 /* -1 when the policy has no threshold. */
 static inline int32_t smoe_policy_threshold(const smoe_policy *p) {
     return p->ops->threshold ? p->ops->threshold(p) : -1;
+}
+/* -1 when the policy has no regret estimate. */
+static inline double smoe_policy_regret(const smoe_policy *p, int32_t key) {
+    return p->ops->regret ? p->ops->regret(p, key) : -1.0;
 }
 static inline int32_t smoe_policy_victim(smoe_policy *p, smoe_evictable_fn f, void *ctx) {
     return p->ops->victim(p, f, ctx);

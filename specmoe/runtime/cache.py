@@ -18,7 +18,8 @@ Counters (:meth:`ExpertCache.stats`):
 * ``collision_misses``: misses on an expert evicted earlier in the same forward pass.
 * ``prefetch_issued`` (loads started), ``prefetch_used`` (prefetched experts later used by
   demand, late ones included), ``prefetch_wasted`` (evicted before any demand use),
-  ``prefetch_dropped`` (requests dropped: no slot could be given up), ``prefetch_failed``.
+  ``prefetch_dropped`` (requests dropped: no slot could be given up), ``prefetch_refused``
+  (requests the admission rule refused, :meth:`ExpertCache.set_admission`), ``prefetch_failed``.
 * ``evictions``, ``bytes_read`` (from the store by this cache), ``stall_s`` (seconds demand
   accesses spent blocked on loads).
 """
@@ -237,7 +238,8 @@ class ExpertCache:
         return int(self._c.begin_pass())
 
     # -- prefetch --------------------------------------------------------------------------
-    def prefetch(self, requests: Any, replace: bool = False) -> None:
+    def prefetch(self, requests: Any, replace: bool = False, *, probs: Any = None,
+                 steps: int = 1) -> None:
         """Queue prefetch requests for the worker thread.
 
         ``requests``: a sequence of ``(layer, expert, priority)`` triples, an array of shape
@@ -246,6 +248,10 @@ class ExpertCache:
         already queued replaces its priority (and takes a new place in request order); one
         for an expert resident or loading is ignored.  ``replace=True`` first cancels all
         queued requests.  CacheError when the cache has no prefetch worker.
+
+        For the admission rule (:meth:`set_admission`): ``probs``, each request's probability
+        that its expert is used (None: unknown, and such a request is let through), and
+        ``steps``, how many layer steps after now it is needed.
         """
         if (isinstance(requests, tuple) and len(requests) == 3
                 and all(isinstance(a, np.ndarray) and a.ndim == 1 for a in requests)):
@@ -276,7 +282,35 @@ class ExpertCache:
         if np.any(np.isnan(prio_f)):
             raise ValueError("prefetch: priorities must not be NaN")
         keys = (layers_i * ne + experts_i).astype(np.int32)
-        self._c.prefetch(keys, prio_f, replace=bool(replace))
+        probs_f = None
+        if probs is not None:
+            probs_f = np.asarray(probs, dtype=np.float32).reshape(-1)
+            if len(probs_f) != len(keys):
+                raise ValueError(f"prefetch: {len(keys)} requests but {len(probs_f)} probs")
+            if np.any(~((probs_f >= 0) & (probs_f <= 1))):
+                raise ValueError("prefetch: probs must be probabilities in [0, 1]")
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or \
+                not 1 <= int(steps) <= 2**31:
+            raise ValueError(f"prefetch: steps must be a positive int, got {steps!r}")
+        self._c.prefetch(keys, prio_f, replace=bool(replace), probs=probs_f, steps=int(steps))
+
+    def set_admission(self, on: bool) -> None:
+        """Prefetch admission by expected benefit on or off (off by default; issue 42,
+        ``csrc/admit.h``): when the worker could start a request's load, it loads it only if
+        its probability of use times the stall it would save (the time left before the expert
+        is needed, at most one load) exceeds what it costs -- the link time of a load that
+        turns out unused, as far as demand loads wait for it, and the chance that its victim
+        is needed again times the measured stall of a miss.  The load time, the layer step
+        time, the link's busy share and the miss stall are measured by the cache itself.  The
+        simulator runs the same rule (``simulate(..., admission=True)``)."""
+        if not isinstance(on, bool):
+            raise TypeError(f"set_admission(on): a bool, got {type(on).__name__}")
+        self._c.set_admission(on)
+
+    def admission(self) -> dict[str, Any]:
+        """The admission rule's state: ``on``, its measured estimates (``load_s``, ``step_s``
+        (-1 before the first pass), ``busy``, ``measured_regret``) and ``refused``."""
+        return dict(self._c.admission())
 
     def cancel(self, layer: int | None = None, expert: int | None = None) -> None:
         """Drop queued prefetch requests: all (no arguments), one layer's, or one expert's.

@@ -338,6 +338,11 @@ class GpuExpertCache:
     def reset_stats(self) -> None:
         self._c.reset_stats()
 
+    def set_admission(self, on: bool) -> None:
+        """Prefetch admission by expected benefit, as :meth:`specmoe.ExpertCache.set_admission`
+        (the same table and rule, ``csrc/admit.h``)."""
+        self._c.set_admission(bool(on))
+
     def resident(self) -> list[int]:
         return list(self._c.resident())
 

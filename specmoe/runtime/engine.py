@@ -209,6 +209,7 @@ class Engine(EngineCommon):
                       "miss_keep2": miss_keep2}  # the C layers' once they exist (EngineCommon)
         misses.check_throttle(throttle)
         self.throttle = throttle
+        self.admission = False  # prefetch admission (set_prefetch), a setting of the cache
         self.model: nn.Module | None = model
         self.arch: ArchInfo = info
         self.model_type = info.model_type
@@ -489,6 +490,7 @@ class Engine(EngineCommon):
         if self._layers is not None and self._replay is not None:
             self._replay_start = self._layers.replay_position()[0]
         self._cache, self._layers = new, layers
+        new.set_admission(self.admission)  # a setting of the cache, kept across rebuilds
         self._configure_layers()
 
     def _configure_layers(self) -> None:
@@ -678,7 +680,7 @@ class Engine(EngineCommon):
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
                      predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep",
-                     mass: float | None | str = "keep") -> None:
+                     mass: float | None | str = "keep", admission: bool | None = None) -> None:
         """Switch lookahead prefetch on/off.  overfetch: experts predicted per token
         = ceil(top_k * overfetch).  mass: instead of a fixed count, per token the fewest
         experts (at least top_k) whose softmax probability of the scores sums to >= mass
@@ -689,8 +691,15 @@ class Engine(EngineCommon):
         ``smoe_layers_set_predictor``, the simulator's ``prefetch="learned"``), ``"oracle"``
         (during :meth:`replay_routing` only: the trace's true experts of layer l+1), or a
         Python callable ``f(next_layer_position, hidden[T,H]) -> scores[T,E]`` (higher = more
-        likely needed; routing then runs in Python)."""
+        likely needed; routing then runs in Python).  admission (None: keep; off by default):
+        prefetch admission by expected benefit (:meth:`specmoe.ExpertCache.set_admission`,
+        ``csrc/admit.h``): a predicted expert is loaded only when its probability of use (the
+        router's probability, the learned q, 1 for the oracle) times the stall it would save
+        exceeds the cost of reading it and of its victim; refused requests are counted in
+        ``stats()["cache"]["prefetch_refused"]``."""
         _check_flag("on", on)
+        if admission is not None:
+            _check_flag("admission", admission)
         check_prefetch(overfetch, mass)
         if isinstance(predictor, str) and predictor not in PREDICTORS + ("keep",):
             raise ValueError(f"predictor must be one of {PREDICTORS}, a callable, None or "
@@ -705,6 +714,10 @@ class Engine(EngineCommon):
             self._push_predictor("router")
             self._predictor = predictor
         self._set_prediction(bool(on), overfetch, mass)  # the C layers forget old predictions
+        if admission is not None:
+            self.admission = admission
+            if self._cache is not None:
+                self._cache.set_admission(admission)
 
     def replay_routing(self, trace: Any, *, start: int = 0) -> None:
         """Route every token by a recorded routing trace instead of the router (issue 41; for

@@ -143,6 +143,8 @@ class GpuEngine(EngineCommon):
     path.  Made by :func:`specmoe.offload` / :func:`specmoe.from_pretrained` with
     ``device="cuda"``; :func:`specmoe.engine_of` finds it."""
 
+    admission: bool = False  # prefetch admission (set_prefetch), a setting of the GPU cache
+
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
                  device: Any = "cuda", cache: int | float | str = 0.25, policy: str = "lru",
                  prefetch: bool | str = True, overfetch: float = 1.5, mode: str = "auto",
@@ -581,13 +583,17 @@ class GpuEngine(EngineCommon):
                 self._cache.reset_stats()
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
-                     mass: float | None | str = "keep", predictor: str = "keep") -> None:
+                     mass: float | None | str = "keep", predictor: str = "keep",
+                     admission: bool | None = None) -> None:
         """Turn the next-layer prefetch on or off, as :meth:`specmoe.Engine.set_prefetch`:
         overfetch: experts predicted per token = ceil(top_k * overfetch); mass: instead, per
         token the fewest experts (at least top_k) whose probability sums to >= mass (None: back
         to overfetch); predictor: ``"router"`` or ``"learned"`` (the C layers' predictors,
-        csrc/layer.h ``smoe_layers_set_predictor``), ``"keep"``."""
+        csrc/layer.h ``smoe_layers_set_predictor``), ``"keep"``; admission (None: keep): the
+        prefetch admission rule of the cache's slot table (``csrc/admit.h``)."""
         check_prefetch(overfetch, mass)
+        if admission is not None and not isinstance(admission, bool):
+            raise TypeError(f"admission must be a bool or None, got {type(admission).__name__}")
         if predictor not in ("router", "learned", "keep"):
             raise ValueError(f"predictor must be 'router', 'learned' or 'keep' on the GPU tier "
                              f"(of {PREDICTORS}, 'oracle' needs a CPU routing replay), got "
@@ -596,6 +602,11 @@ class GpuEngine(EngineCommon):
             if predictor != "keep":
                 self._push_predictor(predictor)
             self._set_prediction(bool(on), overfetch, mass)
+            if admission is not None:
+                if self._cache is None:
+                    raise RuntimeError("this specmoe GpuEngine is closed")
+                self._cache.set_admission(admission)
+                self.admission = admission
 
     def set_balance(self, balance: bool | Any, admit: bool | None = None) -> None:
         """The hybrid tier, MoE-SpAc's CPU/GPU balancer (§3.3), on or off: per MoE layer the

@@ -149,6 +149,7 @@ class SimResult:
     prefetch_late: int
     prefetch_wasted: int
     prefetch_dropped: int
+    prefetch_refused: int      # requests the admission rule refused (admission=True)
     prefetch_precision: float  # prefetched experts used by demand / prefetches issued
     prefetch_recall: float     # demand needs covered by a prefetch / all demand needs of a load
     predictor_precision: float # next-layer predictions that were right / predictions
@@ -302,7 +303,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
              prefetch: "str | Predictor | None" = None, hardware: "str | Hardware" = "a100-pcie4",
              *, model: ModelCost | None = None, verify_tokens: int = 1, miss: str = "fetch",
              miss_keep: int = 2, lowbit_ratio: float = 0.25, miss_keep2: int | None = None,
-             lowbit2_ratio: float = 0.1875, protect: bool = False) -> SimResult:
+             lowbit2_ratio: float = 0.1875, protect: bool = False,
+             admission: bool = False) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
     ``policy``: a built-in name with options (``"lru"``, ``"least_stale:order=lru"``,
@@ -339,6 +341,11 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     expert is evicted only when no other can go (``extra["protected_evictions"]``).  Demand
     only (``prefetch=None``, ``miss="fetch"``).  The simulated cache is the live cache's slot
     table (``csrc/slots.h``): the same victims and policy events for the same accesses.
+    ``admission``: prefetch admission by expected benefit (``csrc/admit.h``, issue 42), the
+    live caches' rule (``Engine.set_prefetch(admission=True)``): a predicted expert is loaded
+    only when its probability of use times the stall it would save exceeds the link time it
+    would waste and the cost of its victim; ``prefetch_refused`` counts the rest.  Needs a
+    predictor.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a specmoe.Trace, got {type(trace).__name__}")
@@ -351,6 +358,9 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if isinstance(verify_tokens, bool) or not isinstance(verify_tokens, (int, np.integer)) \
             or not 1 <= int(verify_tokens) <= 65536:
         raise ValueError(f"verify_tokens must be an int in 1..65536, got {verify_tokens!r}")
+    if admission and pred.kind == "none":
+        raise ValueError("admission=True decides which prefetches to load: it needs a predictor "
+                         "(prefetch=...)")
     if verify_tokens > 1 and pred.kind != "none":
         raise ValueError("verify_tokens > 1 replays demand only: prefetch predictors are defined "
                          "per token (use prefetch=None)")
@@ -410,7 +420,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
                     lowbit_ratio=float(lowbit_ratio),
                     miss_keep2=min(int(miss_keep2), trace.top_k),
                     lowbit2_ratio=float(lowbit2_ratio), protect=bool(protect),
-                    model=_learned_model(nl, E) if pred.kind == "learned" else None, **kw)
+                    model=_learned_model(nl, E) if pred.kind == "learned" else None,
+                    admission=bool(admission), **kw)
     wall = time.perf_counter() - t0
     n = max(trace.num_tokens, 1)
     acc = r["accesses"]
@@ -423,7 +434,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         collision_misses=r["collision_misses"], evictions=r["evictions"],
         prefetch_issued=r["prefetch_issued"], prefetch_used=r["prefetch_used"],
         prefetch_late=r["prefetch_late"], prefetch_wasted=r["prefetch_wasted"],
-        prefetch_dropped=r["prefetch_dropped"],
+        prefetch_dropped=r["prefetch_dropped"], prefetch_refused=r["prefetch_refused"],
         prefetch_precision=r["prefetch_used"] / r["prefetch_issued"] if r["prefetch_issued"] else 0.0,
         prefetch_recall=(r["prefetch_used"] / (r["prefetch_used"] + demand_loads)
                          if r["prefetch_used"] + demand_loads else 0.0),
@@ -434,6 +445,6 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         elapsed_s=r["elapsed_s"],
         accesses_per_s=acc / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
         extra={"wall_s": wall, "verify_tokens": int(verify_tokens), "miss": miss,
-               "protect": bool(protect),
+               "protect": bool(protect), "admission": bool(admission),
                **{k: r[k] for k in ("missing", "dropped", "substituted", "lowbit", "lowbit2",
                                     "protected_evictions")}})

@@ -1,0 +1,174 @@
+/* Prefetch admission by expected benefit (issue 42 item 3): one rule, used by the live caches'
+ * prefetch worker (slots.c) and by the simulator (sim.c, through the same slot table), so a
+ * simulated decision is the live one for the same state.
+ *
+ * A prefetch request carries the predictor's probability p that its expert is used at the
+ * layer it was predicted for, the number of layer steps j ahead of the point where it was
+ * issued, and the time of issue.  The decision is taken when the link is free to start the
+ * copy (the queue's backlog is then known exactly: the request has waited it out) and the
+ * victim is known.  Everything is in seconds of stall:
+ *
+ *   saved   = clamp(issued + j * step_s - start, 0, load_s)
+ *             the stall a demand load of this expert would cost (load_s) less what is left of
+ *             it when the copy lands after the expert is needed: a copy that starts at `start`
+ *             is ready at start + load_s, and the expert is needed about j layer steps after
+ *             the request was issued;
+ *   benefit = p * saved;
+ *   cost    = (1 - p) * contention * busy * load_s  +  regret * miss_s
+ *             - the link time of a copy that is never used (probability 1 - p), as far as it
+ *               delays demand loads: `busy` is how busy the link is (an idle link reads for
+ *               free), `contention` the share of a copy's link time that demand loads wait
+ *               for -- 1 when they share the link (the live caches: the prefetch worker's
+ *               reads and the demand reads go to the same store or bus at once), 0 when a
+ *               demand load pre-empts the copy (the simulator's link model, sim.h: there a
+ *               wasted copy delays only later copies, and the backlog already charges them);
+ *             - its victim, if any: `regret` is the probability that evicting it costs one
+ *               more miss (its predicted next use; below), and a miss costs what misses cost
+ *               now: `miss_s`, the measured mean stall of a demand miss (a full load, or the
+ *               rest of a late prefetch: where prefetches hide most of the misses, a victim
+ *               is cheap to lose).
+ *   admit  <=>  benefit > cost  (strictly: a request that saves nothing is never loaded).
+ *
+ * The estimates (load_s, step_s, busy) are measured, not configured: exponential moving
+ * averages fed by the table's owner with its own clock -- wall time for the live caches
+ * (every store read timed around ops.load; each pass's duration and stall), the virtual clock
+ * of the simulator -- through smoe_admit_load and smoe_admit_pass below.  step_s is the time
+ * of a layer step without its stalls (pass time less stall, over the layers): the time the
+ * compute between two layers leaves for a copy to land.  Before the first load and the first
+ * pass have been observed there is nothing to weigh with, and every request is admitted.
+ *
+ * The victim's regret (smoe_admit_regret, the caller's to compute): the policy's own estimate
+ * when it has one (policy.h, the optional `regret` op: nextuse's q of the victim's next run;
+ * Belady's exact future: 1 unless the victim is the resident key used farthest ahead, which
+ * demand-only Belady would evict next anyway); otherwise the table's measured rate of
+ * regretted evictions: the share of evictions whose key was demanded again within
+ * SMOE_ADMIT_REGRET_PASSES passes.  No victim (a free slot): 0.
+ *
+ * Thread safety: an smoe_admit belongs to one slot table and is read and written under its
+ * mutex (slots.h), or by the simulator's single thread.
+ */
+#ifndef SMOE_ADMIT_H
+#define SMOE_ADMIT_H
+
+#include <math.h>
+#include <stdint.h>
+
+enum { SMOE_ADMIT_REGRET_PASSES = 2 };
+
+/* EMA weight of one new observation (about the last 16 loads / passes). */
+#define SMOE_ADMIT_ALPHA 0.0625
+
+typedef struct smoe_admit {
+    int on;               /* 0: every request that finds a slot is loaded (the victim rules of
+                             slots.h alone) */
+    double contention;    /* share of a copy's link time demand loads wait for, [0, 1] (above;
+                             set by the table's owner) */
+    double load_s;        /* EMA of one load's duration; 0 = none observed yet */
+    double step_s;        /* EMA of a layer step's stall-free time; < 0 = no pass yet */
+    double busy;          /* EMA of the link's busy fraction per pass, in [0, 1] */
+    double miss_s;        /* EMA of a demand miss's stall; < 0 = no miss yet */
+    uint32_t num_layers;  /* layer steps per pass */
+    /* the pass being measured */
+    double pass_start;    /* its start on the owner's clock; < 0 = none started */
+    double pass_load_s;   /* seconds of loads observed in it */
+    double pass_stall_s;  /* seconds of stall observed in it */
+    /* measured regret (policies without their own estimate) */
+    double regrets, evictions; /* decayed counts */
+    /* counters */
+    uint64_t refused;     /* requests refused by the rule */
+} smoe_admit;
+
+static inline void smoe_admit_init(smoe_admit *a, uint32_t num_layers) {
+    a->on = 0;
+    a->contention = 1.0;
+    a->load_s = 0.0;
+    a->step_s = -1.0;
+    a->busy = 1.0; /* until measured: a link assumed saturated */
+    a->miss_s = -1.0;
+    a->num_layers = num_layers ? num_layers : 1;
+    a->pass_start = -1.0;
+    a->pass_load_s = a->pass_stall_s = 0.0;
+    a->regrets = a->evictions = 0.0;
+    a->refused = 0;
+}
+
+static inline double smoe_admit_ema(double old, double x, int first) {
+    return first ? x : old + SMOE_ADMIT_ALPHA * (x - old);
+}
+
+/* One load (demand or prefetch) that occupied the link for `dur` seconds. */
+static inline void smoe_admit_load(smoe_admit *a, double dur) {
+    if (!(dur >= 0.0)) return;
+    a->load_s = smoe_admit_ema(a->load_s, dur, a->load_s <= 0.0);
+    a->pass_load_s += dur;
+}
+
+/* A demand miss that stalled compute `dur` seconds (waiting on its load, or on a prefetch of
+ * it still in flight). */
+static inline void smoe_admit_stall(smoe_admit *a, double dur) {
+    if (!(dur >= 0.0)) return;
+    a->pass_stall_s += dur;
+    a->miss_s = smoe_admit_ema(a->miss_s, dur, a->miss_s < 0.0);
+}
+
+/* A new pass starts at `now` (the owner's clock): the previous pass, if any, is folded into
+ * step_s and busy. */
+static inline void smoe_admit_pass(smoe_admit *a, double now) {
+    if (a->pass_start >= 0.0 && now > a->pass_start) {
+        const double dt = now - a->pass_start;
+        double free_s = dt - a->pass_stall_s;
+        if (free_s < 0.0) free_s = 0.0;
+        double b = a->pass_load_s / dt;
+        if (b > 1.0) b = 1.0;
+        const int first = a->step_s < 0.0;
+        a->step_s = smoe_admit_ema(a->step_s, free_s / a->num_layers, first);
+        a->busy = smoe_admit_ema(a->busy, b, first);
+    }
+    a->pass_start = now;
+    a->pass_load_s = a->pass_stall_s = 0.0;
+}
+
+/* Measured regret: an eviction happened (regretted = 0), or a demand miss found its key
+ * evicted within SMOE_ADMIT_REGRET_PASSES passes (regretted = 1, counted against that
+ * eviction).  Counts decay by half every 4096 evictions. */
+static inline void smoe_admit_evicted(smoe_admit *a) {
+    a->evictions += 1.0;
+    if (a->evictions > 4096.0) {
+        a->evictions *= 0.5;
+        a->regrets *= 0.5;
+    }
+}
+static inline void smoe_admit_regretted(smoe_admit *a) { a->regrets += 1.0; }
+
+/* The measured share of regretted evictions (0.5 before 64 evictions were seen). */
+static inline double smoe_admit_measured_regret(const smoe_admit *a) {
+    if (a->evictions < 64.0) return 0.5;
+    const double r = a->regrets / a->evictions;
+    return r > 1.0 ? 1.0 : r;
+}
+
+/* The stall a copy starting at `start` saves if its expert is used (see above); load_s
+ * when nothing has been measured yet. */
+static inline double smoe_admit_saved(const smoe_admit *a, double issued, uint32_t steps,
+                                      double start) {
+    if (a->load_s <= 0.0 || a->step_s < 0.0) return a->load_s > 0.0 ? a->load_s : 1.0;
+    double s = issued + steps * a->step_s - start;
+    if (s > a->load_s) s = a->load_s;
+    return s > 0.0 ? s : 0.0;
+}
+
+/* The rule: 1 = load it.  p: the request's probability (NaN: unknown, admitted as before the
+ * rule); regret in [0, 1] (0 without a victim). */
+static inline int smoe_admit_decide(const smoe_admit *a, double p, double issued, uint32_t steps,
+                                    double start, double regret) {
+    if (!a->on || p != p) return 1;
+    if (a->load_s <= 0.0 || a->step_s < 0.0) return 1; /* nothing measured yet */
+    if (p < 0.0) p = 0.0;
+    if (p > 1.0) p = 1.0;
+    const double benefit = p * smoe_admit_saved(a, issued, steps, start);
+    const double miss_s = a->miss_s < 0.0 ? a->load_s : a->miss_s;
+    const double cost = (1.0 - p) * a->contention * a->busy * a->load_s + regret * miss_s;
+    return benefit > cost;
+}
+
+#endif
