@@ -71,6 +71,11 @@ class RefBelady:
     def on_pass(self, pass_id):
         pass
 
+    def regret(self, key):
+        """csrc/policy/belady.c's admission regret: 0 when no resident key is used later."""
+        mine = self._next(key)
+        return 1.0 if any(self._next(k) > mine for k in self.slots.values()) else 0.0
+
     def victim(self, ok):
         best, far = -1, -1.0
         for s in sorted(self.slots):
@@ -80,6 +85,62 @@ class RefBelady:
             if n > far:
                 best, far = s, n
         return best
+
+
+class RefAdmit:
+    """Prefetch admission by expected benefit, written from the description in csrc/admit.h:
+    the estimates (EMAs with weight 1/16, the first observation taken as is) and the rule
+    p * saved > (1 - p) * contention * busy * load_s + regret * miss_s."""
+
+    ALPHA = 0.0625
+
+    def __init__(self, num_layers, contention=0.0):
+        self.contention = contention
+        self.L = num_layers
+        self.load_s, self.step_s, self.busy, self.miss_s = 0.0, -1.0, 1.0, -1.0
+        self.pass_start, self.pass_load, self.pass_stall = -1.0, 0.0, 0.0
+        self.regrets = self.evictions = 0.0
+
+    def _ema(self, old, x, first):
+        return x if first else old + self.ALPHA * (x - old)
+
+    def load(self, dur):
+        self.load_s = self._ema(self.load_s, dur, self.load_s <= 0.0)
+        self.pass_load += dur
+
+    def stall(self, dur):
+        self.pass_stall += dur
+        self.miss_s = self._ema(self.miss_s, dur, self.miss_s < 0.0)
+
+    def pass_(self, now):
+        if self.pass_start >= 0.0 and now > self.pass_start:
+            dt = now - self.pass_start
+            free = max(dt - self.pass_stall, 0.0)
+            b = min(self.pass_load / dt, 1.0)
+            first = self.step_s < 0.0
+            self.step_s = self._ema(self.step_s, free / self.L, first)
+            self.busy = self._ema(self.busy, b, first)
+        self.pass_start = now
+        self.pass_load = self.pass_stall = 0.0
+
+    def evicted(self):
+        self.evictions += 1.0
+        if self.evictions > 4096.0:
+            self.evictions *= 0.5
+            self.regrets *= 0.5
+
+    def measured_regret(self):
+        return 0.5 if self.evictions < 64.0 else min(self.regrets / self.evictions, 1.0)
+
+    def decide(self, p, issued, steps, start, regret):
+        if self.load_s <= 0.0 or self.step_s < 0.0:
+            return True
+        p = min(max(p, 0.0), 1.0)
+        saved = min(issued + steps * self.step_s - start, self.load_s)
+        benefit = p * max(saved, 0.0)
+        miss_s = self.load_s if self.miss_s < 0.0 else self.miss_s
+        cost = (1.0 - p) * self.contention * self.busy * self.load_s + regret * miss_s
+        return benefit > cost
 
 
 class FromCandidates:
@@ -133,7 +194,7 @@ def _select(scores, k, topk, percentile):
 
 
 def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_tokens=1,
-                 protect=False):
+                 protect=False, admission=False):
     """Returns the counters and times of smoe_sim_result for the given run.  verify_tokens
     g > 1 (demand only): each pass covers g consecutive tokens; the policy first gets
     on_counts (if it has one) with, per layer, the number of the pass's tokens using each
@@ -141,7 +202,11 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
     pass token_fixed_s, per layer layer_fixed_s + distinct experts * expert_s.  protect (demand
     only, any g): the lookahead shield -- at a pass's start the keys its tokens route to in
     every layer are protected, after each layer the set is the keys of the layers still to
-    run; a victim is sought among unprotected slots first, then among all (csrc/slots.h)."""
+    run; a victim is sought among unprotected slots first, then among all (csrc/slots.h).
+    admission: a prefetch copy is loaded only when RefAdmit's rule accepts it when it would
+    start (its probability: the predictor's score, 1 for the oracle; its victim's regret: the
+    policy's ``regret(key)`` when it has one, else the measured rate of evictions whose key
+    was demanded again within 2 passes); every load, stall and pass feeds the estimates."""
     N, L, K = experts.shape
     pred = dict(pred or {})
     kind = pred.get("kind", "none")
@@ -155,7 +220,8 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
     c = dict(accesses=0, hits=0, misses=0, collision_misses=0, evictions=0, prefetch_issued=0,
              prefetch_used=0, prefetch_late=0, prefetch_wasted=0, prefetch_dropped=0,
              predicted=0, predicted_true=0, next_true=0, stall_s=0.0, compute_s=0.0,
-             protected_evictions=0)
+             protected_evictions=0, prefetch_refused=0)
+    adm = RefAdmit(L) if admission else None
     protected: set[int] = set()
     slot_key = [-1] * nslots
     slot_pass = [0] * nslots
@@ -169,10 +235,13 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
     cnt = np.zeros((L, E), np.int64)
     seen = [0]
 
-    def give_slot(key, prefetch):
+    def give_slot(key, prefetch, req=None):
         free = [s for s in range(nslots) if slot_key[s] == -1]
         if free:
             s = free[0]
+            if req is not None and not adm.decide(req[1], st["issue"], req[2], req[3], 0.0):
+                c["prefetch_refused"] += 1
+                return -3
         else:
             def ok(s):
                 if s == st["inflight"]:
@@ -189,6 +258,14 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
             if s < 0:
                 return -1
             old = slot_key[s]
+            if req is not None:
+                regret = policy.regret(old) if hasattr(policy, "regret") else \
+                    adm.measured_regret()
+                if not adm.decide(req[1], st["issue"], req[2], req[3], regret):
+                    c["prefetch_refused"] += 1
+                    return -3
+            if adm:
+                adm.evicted()
             c["protected_evictions"] += old in protected
             del where[old]
             evicted[old] = st["pass_"]
@@ -216,22 +293,28 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
             start = max(st["ce_free"], st["issue"])
             if start > now:
                 return
-            key = queue.pop(0)
+            key, prob, steps = queue.pop(0)
             if key in where:
                 continue
             if hasattr(policy, "threshold") and policy.utility(key) < policy.threshold():
                 c["prefetch_dropped"] += 1  # spac: only hot experts are prefetched (sim.h)
                 continue
-            s = give_slot(key, True)
+            s = give_slot(key, True, (key, prob, steps, start) if adm else None)
+            if s == -3:
+                continue
             if s < 0:
                 c["prefetch_dropped"] += 1
                 continue
+            if adm:
+                adm.load(load_s)
             c["prefetch_issued"] += 1
             st["inflight"] = s
             st["ready"] = start + load_s
             st["ce_free"] = st["ready"]
 
     def finish_inflight():
+        if adm:
+            adm.stall(st["ready"] - st["now"])
         c["stall_s"] += st["ready"] - st["now"]
         st["now"] = st["ready"]
         st["ce_free"] = st["ready"]
@@ -256,6 +339,8 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
         c["misses"] += 1
         if evicted.get(key) == st["pass_"]:
             c["collision_misses"] += 1
+        if adm and key in evicted and st["pass_"] - evicted[key] < 2:
+            adm.regrets += 1.0
         s = give_slot(key, False)
         if s < 0 and st["inflight"] >= 0:
             finish_inflight()
@@ -265,6 +350,9 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
             st["ready"] += load_s
             st["ce_free"] = st["ready"]
         c["stall_s"] += load_s
+        if adm:
+            adm.load(load_s)
+            adm.stall(load_s)
         st["now"] += load_s
 
     def position(t, l, j):
@@ -281,13 +369,14 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                 break
             truth = [int(x) for x in experts[tt, ll]]
             if kind == "oracle":
-                sel = truth
+                sel, score = truth, {e: 1.0 for e in truth}
             elif kind == "router":
                 if tt != t:
                     break
                 z = logits[tt, ll].astype(np.float64)
                 p = np.exp(z - z.max())
-                sel = _select((p / p.sum()).astype(np.float32), K, topk, pct)
+                prob = (p / p.sum()).astype(np.float32)
+                sel, score = _select(prob, K, topk, pct), prob
             else:
                 win = min(seen[0], H)
                 sc = (np.float32((1 - w) * freq[ll] / win) if win else
@@ -297,7 +386,7 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                         if cnt[l, a]:
                             sc = (sc + (w / (cnt[l, a] * K) * cooc[l, a]).astype(np.float32)
                                   ).astype(np.float32)
-                sel = _select(sc, K, topk, pct)
+                sel, score = _select(sc, K, topk, pct), sc
             if j == 1:
                 c["predicted"] += len(sel)
                 c["next_true"] += K
@@ -306,7 +395,7 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                 key = ll * E + e
                 if key not in queued and key not in where:
                     queued.add(key)
-                    queue.append(key)
+                    queue.append((key, min(float(np.float32(score[e])), 1.0), j))
 
     def protect_rest(toks, l0):
         protected.clear()
@@ -346,6 +435,8 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
             run_engine(st["now"])
         st["pass_"] = t + 1
         policy.on_pass(t + 1)
+        if adm:
+            adm.pass_(st["now"])
         if hasattr(policy, "on_counts"):  # one-token pass: count 1 per expert of each layer
             ks = list(dict.fromkeys(l * E + int(e) for l in range(L) for e in experts[t, l]))
             policy.on_counts(ks, [1] * len(ks))

@@ -486,6 +486,53 @@ def test_prefetch_used_and_wasted(store, written):
         assert sorted(_resident_keys(cache)) == [2 * NE, 2 * NE + 1]
 
 
+def test_prefetch_admission_rule_live(store):
+    """The live worker decides with admit.h's rule (the simulator's, tests/test_sim.py): before
+    anything is measured every request loads; once loads and passes are measured, a request
+    with probability 0 saves nothing and is refused, one certain to be used and needed far
+    ahead (steps) loads into a free slot at no cost, one of unknown probability loads as
+    before the rule, and with the rule off probability 0 loads too."""
+    with ExpertCache(store, NL * NE, top_k=1) as cache:
+        with pytest.raises(TypeError, match="bool"):
+            cache.set_admission(1)
+        cache.set_admission(True)
+        assert cache.admission()["on"] is True and cache.admission()["step_s"] < 0
+        cache.prefetch([(0, 0, 1.0)], probs=[0.0])  # nothing measured yet: admitted
+        _drain(cache)
+        assert cache.stats()["prefetch_issued"] == 1
+        for p in range(3):  # demand loads over passes: load time, step time, busy share
+            cache.begin_pass()
+            cache.acquire(1, p)
+            cache.release(1, p)
+            time.sleep(0.002)  # compute between loads: a stall-free step time > 0
+        cache.begin_pass()
+        a = cache.admission()
+        assert a["load_s"] > 0 and a["step_s"] > 0 and 0 <= a["busy"] <= 1
+        cache.prefetch([(2, 0, 1.0), (2, 1, 1.0)], probs=[0.0, 0.0])
+        _drain(cache)
+        st = cache.stats()
+        assert st["prefetch_refused"] == 2 and st["prefetch_issued"] == 1
+        assert cache.admission()["refused"] == 2
+        cache.prefetch([(2, 2, 1.0), (2, 3, 1.0)], probs=[1.0, 1.0], steps=10**6)
+        cache.prefetch([(3, 0, 1.0)])  # probability unknown
+        _drain(cache)
+        assert cache.stats()["prefetch_issued"] == 4
+        assert {2 * NE + 2, 2 * NE + 3, 3 * NE} <= set(_resident_keys(cache))
+        cache.set_admission(False)
+        cache.prefetch([(3, 1, 1.0)], probs=[0.0])
+        _drain(cache)
+        assert cache.stats()["prefetch_issued"] == 5
+        with pytest.raises(ValueError, match="probabilities in"):
+            cache.prefetch([(3, 2, 1.0)], probs=[1.5])
+        with pytest.raises(ValueError, match="1 requests but 2 probs"):
+            cache.prefetch([(3, 2, 1.0)], probs=[0.5, 0.5])
+        with pytest.raises(ValueError, match="steps"):
+            cache.prefetch([(3, 2, 1.0)], probs=[0.5], steps=0)
+        with pytest.raises(ValueError, match="not in"):  # the C check, under the wrapper
+            cache.native.prefetch(np.array([3 * NE + 2], np.int32), np.ones(1, np.float32),
+                                  probs=np.full(1, -0.5, np.float32))
+
+
 def test_prefetch_never_evicts_current_pass_or_pinned(store):
     with ExpertCache(store, 2, top_k=1) as cache:
         for e in (0, 1):

@@ -98,6 +98,33 @@ def test_both_tiers_predict_the_same_experts(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_admission_on_the_gpu_tier(device):
+    """The GPU cache's slot table runs the same admission rule (csrc/admit.h): switched by
+    set_prefetch(admission=), refusals counted, tokens unchanged."""
+    m, _ = _tiny()
+    eng = hf.offload(m, dtype="f32", cache=0.25, prefetch=True, device=device)
+    try:
+        x = torch.tensor([PROMPT], device=_dev(device))
+        with torch.no_grad():
+            want = m(x).logits
+        eng.set_prefetch(True, admission=True)
+        assert eng.admission is True
+        eng.reset_stats()
+        with torch.no_grad():
+            for t in range(2, len(PROMPT) + 1):
+                m(x[:, :t])
+            got = m(x).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        st = eng.stats()
+        assert "prefetch_refused" in st
+        assert st["prefetch_refused"] + st["prefetch_issued"] + st["prefetch_dropped"] > 0
+        with pytest.raises(TypeError, match="admission"):
+            eng.set_prefetch(True, admission=1)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_trace_recording_as_on_the_cpu(device):
     traces = {}
     for dev in ("cpu", device):

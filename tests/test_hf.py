@@ -165,6 +165,35 @@ def test_prefetch_precision_recall(arch):
         eng.close()
 
 
+def test_prefetch_admission_engine():
+    """Engine.set_prefetch(admission=True): the cache's admission rule decides which predicted
+    experts load (refusals counted), outputs are those without it, and the setting survives
+    a cache rebuild."""
+    m, ref = _pair("olmoe")
+    eng = hf.offload(m, prefetch=True, cache=0.5)
+    try:
+        with torch.no_grad():
+            want = m(PROMPT).logits
+        with pytest.raises(TypeError, match="admission must be a bool"):
+            eng.set_prefetch(True, admission="yes")
+        eng.set_prefetch(True, admission=True)
+        assert eng.stats()["admission"] is True and eng._cache.admission()["on"] is True
+        eng.reset_stats()
+        with torch.no_grad():
+            for t in range(3, PROMPT.shape[1] + 1):
+                m(PROMPT[:, :t])
+            got = m(PROMPT).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        s = eng.stats()
+        assert s["prefetch_refused"] + s["prefetch_issued"] + s["prefetch_dropped"] > 0
+        eng.set_cache(0.25)
+        assert eng._cache.admission()["on"] is True
+        eng.set_prefetch(True, admission=False)
+        assert eng._cache.admission()["on"] is False and eng.stats()["admission"] is False
+    finally:
+        eng.close()
+
+
 def test_trace_records_routing():
     m, ref = _pair("olmoe")
     eng = hf.offload(m)

@@ -192,6 +192,53 @@ def test_oracle_prefetch_with_fast_link_hides_loads(small):
     assert orc["predicted_true"] == orc["predicted"] == orc["next_true"]
 
 
+# -- prefetch admission by expected benefit (csrc/admit.h, issue 42 item 3) -----------------
+
+@pytest.mark.parametrize("hw", [HW, HW_FASTLINK], ids=["slowlink", "fastlink"])
+@pytest.mark.parametrize("policy", ["lru", "belady"])
+@pytest.mark.parametrize("pred", [dict(kind="oracle", depth=1), dict(kind="oracle", depth=2),
+                                  dict(kind="history", topk=9)])
+@pytest.mark.parametrize("nslots", [30, 120])
+def test_admission_matches_reference(small, hw, policy, pred, nslots):
+    """The simulator's admission decisions, counters and times equal the plain-Python model
+    of the rule written from admit.h (its estimates fed the same loads, stalls and passes;
+    LRU charged the measured regret, Belady its exact one)."""
+    tr = small.slice(0, 30)
+    got = _run(tr, policy, nslots, hw, admission=True, **Predictor(**pred).c_args())
+    ref_pol = RefLRU() if policy == "lru" else RefBelady(tr.keys().tolist())
+    ref = ref_simulate(tr.experts, 64, nslots, ref_pol, hw, pred, admission=True)
+    _compare(got, ref)
+    assert got["prefetch_issued"] + got["prefetch_refused"] > 0
+
+
+def test_admission_refuses_and_never_loses_to_demand_only(puffin_subset):
+    """On real routing at a slow link (every prefetch late), plain oracle prefetch under
+    Belady is slower than Belady alone (its copies evict experts Belady keeps); the admission
+    rule refuses those copies and is never slower than demand only; where the link is fast
+    it still loads the copies that pay."""
+    tr = puffin_subset.slice(0, 120)
+    nslots = 10 * 64 * tr.num_layers // 100
+    slow = dict(HW, link_bw=5e9)
+    base = _run(tr, "belady", nslots, slow)
+    orc = Predictor("oracle", depth=1).c_args()
+    plain = _run(tr, "belady", nslots, slow, **orc)
+    adm = _run(tr, "belady", nslots, slow, admission=True, **orc)
+    assert plain["total_s"] > base["total_s"]
+    assert adm["prefetch_refused"] > 0
+    assert adm["total_s"] <= base["total_s"] * (1 + 1e-9)
+    fast = _run(tr, "belady", nslots, HW_FASTLINK, admission=True, **orc)
+    assert fast["prefetch_issued"] > 0 and fast["prefetch_used"] > 0
+    assert fast["stall_s"] < _run(tr, "belady", nslots, HW_FASTLINK)["stall_s"]
+
+
+def test_admission_needs_a_predictor(small):
+    with pytest.raises(ValueError, match="admission=True .* needs a predictor"):
+        simulate(small, "lru", "10%", admission=True)
+    r = simulate(small, "lru", "10%", prefetch="oracle", admission=True)
+    assert r.extra["admission"] is True
+    assert r.prefetch_refused >= 0
+
+
 def test_prefetch_never_evicts_experts_used_in_this_pass():
     # 1 layer position per token with 3 experts, 3 slots: the next token's experts cannot be
     # prefetched without evicting this token's, so every request is dropped

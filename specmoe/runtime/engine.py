@@ -614,7 +614,7 @@ class Engine(EngineCommon):
             "miss_levels": ":".join(self.miss_levels), "miss_keep2": self.miss_keep2,
             **{k: pf.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
                                           "lowbit", "lowbit2", "overlapped", "draft_kept")},
-            "parallel_misses": self.parallel_misses,
+            "parallel_misses": self.parallel_misses, "admission": self.admission,
         }
         s.update(self._cache_stats())
         return s
@@ -696,7 +696,7 @@ class Engine(EngineCommon):
         ``csrc/admit.h``): a predicted expert is loaded only when its probability of use (the
         router's probability, the learned q, 1 for the oracle) times the stall it would save
         exceeds the cost of reading it and of its victim; refused requests are counted in
-        ``stats()["cache"]["prefetch_refused"]``."""
+        ``stats()["prefetch_refused"]``."""
         _check_flag("on", on)
         if admission is not None:
             _check_flag("admission", admission)
