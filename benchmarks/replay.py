@@ -86,11 +86,17 @@ def quick_config() -> dict[str, Any]:
 
 
 def parse_row(name: str) -> dict[str, Any]:
-    policy, _, pred = name.partition("+")
-    if pred not in ("", "learned", "oracle"):
-        raise SystemExit(f"--rows: {name!r}: the predictor after '+' is learned or oracle "
-                         f"(the router reads hidden states, meaningless with random weights)")
-    return {"name": name, "policy": policy, "predictor": pred or None}
+    """``policy[+predictor][+admit]``: ``+admit`` turns on the prefetch admission rule
+    (``Engine.set_prefetch(admission=True)``, csrc/admit.h)."""
+    policy, _, rest = name.partition("+")
+    pred, _, admit = rest.partition("+")
+    if pred not in ("", "learned", "oracle") or admit not in ("", "admit") or \
+            (admit and not pred):
+        raise SystemExit(f"--rows: {name!r}: policy[+predictor][+admit], the predictor learned "
+                         f"or oracle (the router reads hidden states, meaningless with random "
+                         f"weights); +admit needs a predictor")
+    return {"name": name, "policy": policy, "predictor": pred or None,
+            "admission": bool(admit)}
 
 
 def load_tokens(trace_dir: Path, n: int):
@@ -207,15 +213,19 @@ def worker(spec_path: str) -> None:
             eng.set_cache(slots, policy=pol)
             eng.replay_routing(trace)
             pred = row["predictor"]
-            eng.set_prefetch(pred is not None, overfetch=1.0, predictor=pred or "router")
+            eng.set_prefetch(pred is not None, overfetch=1.0, predictor=pred or "router",
+                             admission=row.get("admission", False))
             drop_caches()
             s = passes(W + N, reset_at=W - 1)
             wall = s.t[-1] - s.t[W - 1]
             stats = eng.stats()
-            eng.set_prefetch(False, predictor="router")
+            eng.set_prefetch(False, predictor="router", admission=False)
             eng.replay_routing(None)
             r = {"name": row["name"], "round": rnd, "policy": row["policy"],
-                 "predictor": pred or "none", "tokens": N, "tok_s": N / wall,
+                 "predictor": pred or "none", "admission": row.get("admission", False),
+                 "prefetch_refused": stats.get("prefetch_refused", 0),
+                 "prefetch_issued": stats.get("prefetch_issued", 0),
+                 "tokens": N, "tok_s": N / wall,
                  "hits": stats["hits"], "misses": stats["misses"],
                  "hit_rate": stats["hit_rate"], "collision_misses": stats["collision_misses"],
                  "stall_s": stats.get("stall_s", 0.0),
@@ -242,16 +252,17 @@ def sim_estimates(rows: list[dict[str, Any]], trace, slots: int, W: int, N: int,
     from specmoe.runtime import policies as P
 
     tr = trace.sorted_rows()
-    memo: dict[tuple[str, str], tuple[float, float]] = {}
+    memo: dict[tuple[str, str, bool], tuple[float, float]] = {}
     for r in rows:
-        key = (r["policy"], r["predictor"])
+        key = (r["policy"], r["predictor"], r.get("admission", False))
         if key not in memo:
             res = []
             for n in (W, W + N):
                 part = tr.slice(0, n)
                 pol = P.Belady(part) if r["policy"] == "belady" else r["policy"]
                 pf = None if r["predictor"] == "none" else r["predictor"]
-                res.append(simulate(part, pol, slots, prefetch=pf, hardware=hw, model=cost))
+                res.append(simulate(part, pol, slots, prefetch=pf, hardware=hw, model=cost,
+                                    admission=bool(pf and r.get("admission", False))))
             a, b = res
             acc = (b.hits + b.misses) - (a.hits + a.misses)
             memo[key] = (N / (b.total_s - a.total_s), (b.hits - a.hits) / acc)
