@@ -8,13 +8,13 @@
  * copy (the queue's backlog is then known exactly: the request has waited it out) and the
  * victim is known.  Everything is in seconds of stall:
  *
- *   saved   = clamp(issued + j * step_s - start, 0, load_s)
- *             the stall a demand load of this expert would cost (load_s) less what is left of
- *             it when the copy lands after the expert is needed: a copy that starts at `start`
- *             is ready at start + load_s, and the expert is needed about j layer steps after
- *             the request was issued;
+ *   saved   = clamp(demand_s - max(0, start + load_s - need), 0, demand_s)
+ *             the stall a demand load of this expert would cost (demand_s) less what is left
+ *             of it when the copy lands after the expert is needed: a copy that starts at
+ *             `start` is ready at start + load_s, and the expert is needed at need = issued +
+ *             j * step_s, about j layer steps after the request was issued;
  *   benefit = p * saved;
- *   cost    = (1 - p) * contention * busy * load_s  +  regret * miss_s
+ *   cost    = (1 - p) * contention * busy * load_s  +  regret * fetch_s
  *             - the link time of a copy that is never used (probability 1 - p), as far as it
  *               delays demand loads: `busy` is how busy the link is (an idle link reads for
  *               free), `contention` the share of a copy's link time that demand loads wait
@@ -22,17 +22,22 @@
  *               reads and the demand reads go to the same store or bus at once), 0 when a
  *               demand load pre-empts the copy (the simulator's link model, sim.h: there a
  *               wasted copy delays only later copies, and the backlog already charges them);
- *             - its victim, if any: `regret` is the probability that evicting it costs one
- *               more miss (its predicted next use; below), and a miss costs what misses cost
- *               now: `miss_s`, the measured mean stall of a demand miss (a full load, or the
- *               rest of a late prefetch: where prefetches hide most of the misses, a victim
- *               is cheap to lose).
+ *             - its victim, if any: `regret` is the probability that evicting it means
+ *               bringing it back (its predicted next use; below), and bringing an expert back
+ *               costs what it costs now: `fetch_s`, the measured mean stall per expert that
+ *               had to come in, a demand load's stall, the rest of a late prefetch, or 0 for a
+ *               prefetch that landed in time (where prefetches hide most of the loads, a
+ *               victim is cheap to lose).
  *   admit  <=>  benefit > cost  (strictly: a request that saves nothing is never loaded).
  *
- * The estimates (load_s, step_s, busy) are measured, not configured: exponential moving
- * averages fed by the table's owner with its own clock -- wall time for the live caches
- * (every store read timed around ops.load; each pass's duration and stall), the virtual clock
- * of the simulator -- through smoe_admit_load and smoe_admit_pass below.  step_s is the time
+ * The estimates (load_s, demand_s, fetch_s, step_s, busy) are measured, not configured:
+ * exponential moving averages fed by the table's owner with its own clock -- wall time for
+ * the live caches (every store read timed around ops.load, every demand access that needed a
+ * load or a prefetched expert, each pass's duration and stall), the virtual clock of the
+ * simulator -- through smoe_admit_load, smoe_admit_fetch and smoe_admit_pass below.  In the
+ * simulator a demand load's stall is the load (demand_s = load_s); live it also holds the
+ * acquire's own overhead.  On the GPU cache a load is timed as its enqueue (ops.load returns
+ * before the copy ends), so there the rule weighs enqueue times, not transfers.  step_s is the time
  * of a layer step without its stalls (pass time less stall, over the layers): the time the
  * compute between two layers leaves for a copy to land.  Before the first load and the first
  * pass have been observed there is nothing to weigh with, and every request is admitted.
@@ -66,7 +71,10 @@ typedef struct smoe_admit {
     double load_s;        /* EMA of one load's duration; 0 = none observed yet */
     double step_s;        /* EMA of a layer step's stall-free time; < 0 = no pass yet */
     double busy;          /* EMA of the link's busy fraction per pass, in [0, 1] */
-    double miss_s;        /* EMA of a demand miss's stall; < 0 = no miss yet */
+    double demand_s;      /* EMA of the stall of a demand access that loaded its expert itself;
+                             < 0 = none yet (load_s stands in) */
+    double fetch_s;       /* EMA of the stall per expert that had to come in (a demand load, a
+                             late prefetch's rest, 0 for a prefetch in time); < 0 = none yet */
     uint32_t num_layers;  /* layer steps per pass */
     /* the pass being measured */
     double pass_start;    /* its start on the owner's clock; < 0 = none started */
@@ -84,7 +92,7 @@ static inline void smoe_admit_init(smoe_admit *a, uint32_t num_layers) {
     a->load_s = 0.0;
     a->step_s = -1.0;
     a->busy = 1.0; /* until measured: a link assumed saturated */
-    a->miss_s = -1.0;
+    a->demand_s = a->fetch_s = -1.0;
     a->num_layers = num_layers ? num_layers : 1;
     a->pass_start = -1.0;
     a->pass_load_s = a->pass_stall_s = 0.0;
@@ -103,12 +111,14 @@ static inline void smoe_admit_load(smoe_admit *a, double dur) {
     a->pass_load_s += dur;
 }
 
-/* A demand miss that stalled compute `dur` seconds (waiting on its load, or on a prefetch of
- * it still in flight). */
-static inline void smoe_admit_stall(smoe_admit *a, double dur) {
-    if (!(dur >= 0.0)) return;
-    a->pass_stall_s += dur;
-    a->miss_s = smoe_admit_ema(a->miss_s, dur, a->miss_s < 0.0);
+/* A demand access whose expert had to come in: it stalled compute `stall` seconds, loading
+ * the expert itself (demand != 0), or waiting for the rest of a prefetch in flight, or not at
+ * all (a hit on a prefetched expert: stall 0). */
+static inline void smoe_admit_fetch(smoe_admit *a, double stall, int demand) {
+    if (!(stall >= 0.0)) return;
+    a->pass_stall_s += stall;
+    a->fetch_s = smoe_admit_ema(a->fetch_s, stall, a->fetch_s < 0.0);
+    if (demand) a->demand_s = smoe_admit_ema(a->demand_s, stall, a->demand_s < 0.0);
 }
 
 /* A new pass starts at `now` (the owner's clock): the previous pass, if any, is folded into
@@ -147,13 +157,13 @@ static inline double smoe_admit_measured_regret(const smoe_admit *a) {
     return r > 1.0 ? 1.0 : r;
 }
 
-/* The stall a copy starting at `start` saves if its expert is used (see above); load_s
- * when nothing has been measured yet. */
+/* The stall a copy starting at `start` saves if its expert is used (see above); called once
+ * load_s and step_s have been measured. */
 static inline double smoe_admit_saved(const smoe_admit *a, double issued, uint32_t steps,
                                       double start) {
-    if (a->load_s <= 0.0 || a->step_s < 0.0) return a->load_s > 0.0 ? a->load_s : 1.0;
-    double s = issued + steps * a->step_s - start;
-    if (s > a->load_s) s = a->load_s;
+    const double demand = a->demand_s < 0.0 ? a->load_s : a->demand_s;
+    const double late = start + a->load_s - (issued + steps * a->step_s);
+    const double s = late > 0.0 ? demand - late : demand;
     return s > 0.0 ? s : 0.0;
 }
 
@@ -166,8 +176,9 @@ static inline int smoe_admit_decide(const smoe_admit *a, double p, double issued
     if (p < 0.0) p = 0.0;
     if (p > 1.0) p = 1.0;
     const double benefit = p * smoe_admit_saved(a, issued, steps, start);
-    const double miss_s = a->miss_s < 0.0 ? a->load_s : a->miss_s;
-    const double cost = (1.0 - p) * a->contention * a->busy * a->load_s + regret * miss_s;
+    const double fetch = a->fetch_s >= 0.0 ? a->fetch_s : a->demand_s >= 0.0 ? a->demand_s
+                                                                             : a->load_s;
+    const double cost = (1.0 - p) * a->contention * a->busy * a->load_s + regret * fetch;
     return benefit > cost;
 }
 

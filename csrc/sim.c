@@ -80,13 +80,6 @@ static int32_t take_slot(sim *s, int32_t key, smoe_err *err) {
     return rc < 0 ? -2 : slot;
 }
 
-/* The admission rule's estimates (admit.h) fed the replay's clock: a load of load_s that
- * compute waited `stall` seconds for. */
-static void observe_load(sim *s, double stall) {
-    smoe_admit_load(&s->tab.admit, s->load_s);
-    smoe_admit_stall(&s->tab.admit, stall);
-}
-
 /* The prefetch in flight has landed (its slot READY); the copy engine is free from then. */
 static void land_inflight(sim *s) {
     smoe_slots_loaded(&s->tab, (uint32_t)s->inflight);
@@ -96,7 +89,7 @@ static void land_inflight(sim *s) {
 
 /* Demand waits for the prefetch in flight (stall up to its ready time), which then lands. */
 static void wait_inflight(sim *s) {
-    smoe_admit_stall(&s->tab.admit, s->inflight_ready - s->now);
+    smoe_admit_fetch(&s->tab.admit, s->inflight_ready - s->now, 0);
     s->r->stall_s += s->inflight_ready - s->now;
     s->now = s->inflight_ready;
     land_inflight(s);
@@ -160,6 +153,8 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
             wait_inflight(s);
         } else {
             r->hits++;
+            /* the admission rule's estimates (admit.h) on the replay's clock */
+            if (s->tab.slots[slot].prefetched) smoe_admit_fetch(&s->tab.admit, 0.0, 0);
         }
         smoe_slots_touch(&s->tab, (uint32_t)slot); /* on_access, prefetch_used */
         return 0;
@@ -184,7 +179,8 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
         s->ce_free = s->inflight_ready;
     }
     r->stall_s += s->load_s;
-    observe_load(s, s->load_s);
+    smoe_admit_load(&s->tab.admit, s->load_s);
+    smoe_admit_fetch(&s->tab.admit, s->load_s, 1);
     s->now += s->load_s;
     return 0;
 }

@@ -444,13 +444,16 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
     for (;;) {
         int32_t s = t->map[key];
         if (s >= 0 && t->slots[s].state == SMOE_SLOT_READY) {
+            const int prefetched = t->slots[s].prefetched;
             t->slots[s].pins++;
             smoe_slots_touch(t, (uint32_t)s);
-            if (!counted) t->stats.hits++;
-            if (counted) {
-                const double w = smoe_now() - t0;
+            if (!counted) {
+                t->stats.hits++;
+                if (prefetched) smoe_admit_fetch(&t->admit, 0.0, 0); /* in time */
+            } else {
+                const double w = smoe_now() - t0; /* waited for another thread's load */
                 t->stats.stall_s += w;
-                smoe_admit_stall(&t->admit, w);
+                smoe_admit_fetch(&t->admit, w, 0);
             }
             rc = pinned(t, (uint32_t)s, stream, !counted, err);
             if (rc == 0) *slot = (uint32_t)s;
@@ -496,7 +499,7 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
         pthread_mutex_lock(&t->mu);
         load_done(t, (uint32_t)s, rc, &lerr);
         smoe_admit_load(&t->admit, l1 - l0);
-        smoe_admit_stall(&t->admit, l1 - t0);
+        smoe_admit_fetch(&t->admit, l1 - t0, 1);
         t->stats.stall_s += l1 - t0;
         if (rc < 0) {
             if (err) *err = lerr;

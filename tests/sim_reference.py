@@ -90,14 +90,16 @@ class RefBelady:
 class RefAdmit:
     """Prefetch admission by expected benefit, written from the description in csrc/admit.h:
     the estimates (EMAs with weight 1/16, the first observation taken as is) and the rule
-    p * saved > (1 - p) * contention * busy * load_s + regret * miss_s."""
+    p * saved > (1 - p) * contention * busy * load_s + regret * fetch_s, saved = clamp(demand_s -
+    max(0, start + load_s - need), 0, demand_s)."""
 
     ALPHA = 0.0625
 
     def __init__(self, num_layers, contention=0.0):
         self.contention = contention
         self.L = num_layers
-        self.load_s, self.step_s, self.busy, self.miss_s = 0.0, -1.0, 1.0, -1.0
+        self.load_s, self.step_s, self.busy = 0.0, -1.0, 1.0
+        self.demand_s = self.fetch_s = -1.0
         self.pass_start, self.pass_load, self.pass_stall = -1.0, 0.0, 0.0
         self.regrets = self.evictions = 0.0
 
@@ -108,9 +110,11 @@ class RefAdmit:
         self.load_s = self._ema(self.load_s, dur, self.load_s <= 0.0)
         self.pass_load += dur
 
-    def stall(self, dur):
-        self.pass_stall += dur
-        self.miss_s = self._ema(self.miss_s, dur, self.miss_s < 0.0)
+    def fetch(self, stall, demand):
+        self.pass_stall += stall
+        self.fetch_s = self._ema(self.fetch_s, stall, self.fetch_s < 0.0)
+        if demand:
+            self.demand_s = self._ema(self.demand_s, stall, self.demand_s < 0.0)
 
     def pass_(self, now):
         if self.pass_start >= 0.0 and now > self.pass_start:
@@ -136,11 +140,12 @@ class RefAdmit:
         if self.load_s <= 0.0 or self.step_s < 0.0:
             return True
         p = min(max(p, 0.0), 1.0)
-        saved = min(issued + steps * self.step_s - start, self.load_s)
-        benefit = p * max(saved, 0.0)
-        miss_s = self.load_s if self.miss_s < 0.0 else self.miss_s
-        cost = (1.0 - p) * self.contention * self.busy * self.load_s + regret * miss_s
-        return benefit > cost
+        demand = self.load_s if self.demand_s < 0.0 else self.demand_s
+        late = start + self.load_s - (issued + steps * self.step_s)
+        saved = max(demand - late if late > 0.0 else demand, 0.0)
+        fetch = self.fetch_s if self.fetch_s >= 0.0 else demand
+        cost = (1.0 - p) * self.contention * self.busy * self.load_s + regret * fetch
+        return p * saved > cost
 
 
 class FromCandidates:
@@ -314,7 +319,7 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
 
     def finish_inflight():
         if adm:
-            adm.stall(st["ready"] - st["now"])
+            adm.fetch(st["ready"] - st["now"], False)
         c["stall_s"] += st["ready"] - st["now"]
         st["now"] = st["ready"]
         st["ce_free"] = st["ready"]
@@ -330,6 +335,8 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                 finish_inflight()
             else:
                 c["hits"] += 1
+                if adm and slot_pf[s]:
+                    adm.fetch(0.0, False)
             if slot_pf[s]:
                 c["prefetch_used"] += 1
                 slot_pf[s] = False
@@ -352,7 +359,7 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
         c["stall_s"] += load_s
         if adm:
             adm.load(load_s)
-            adm.stall(load_s)
+            adm.fetch(load_s, True)
         st["now"] += load_s
 
     def position(t, l, j):
