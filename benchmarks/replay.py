@@ -3,12 +3,16 @@
     python benchmarks/replay.py --json [--trace DIR] [--caches 5,10,25] [--tokens 2000]
                                 [--warmup 64] [--rounds 2] [--threads 2] [--rows ...]
     python benchmarks/replay.py --quick --json     # a small checkpoint of the same routing shape
+    python benchmarks/replay.py --gguf --json      # the full depth from big_model.py's Q4_0 GGUF
 
 Checkpoint.  The full DeepSeek-V2-Lite layout of ``big_model.py`` (``--layers 27``: the dense
 first layer and 26 MoE layers of 64 experts, top-6, hidden 2048, expert FFN 1408, vocab
 102400; random bf16 weights, written once under ``--workdir`` and shared with ``big_model.py
 --layers 27``), converted once to specmoe's int4 store (``store-int4.smoe``).  The output
-records what was written, how big, and how long writing and converting took.
+records what was written, how big, and how long writing and converting took.  ``--gguf``
+reads instead the Q4_0 GGUF that ``big_model.py --layers 27 --rows specmoe-gguf-Q4_0`` wrote
+of the same checkpoint and its store of the file's own blocks (8.9 + 8.1 GB, where the bf16
+files take 31 GB); the dense weights are dequantized to bf16 as they are read.
 
 Routing.  A fixed subset of the DeepSeek-V2-Lite-Chat routing traces (``--trace``, default
 ``../shared/traces/deepseek-v2-lite-puffin``): the prompts in file-name order, concatenated,
@@ -137,7 +141,7 @@ def worker(spec_path: str) -> None:
     t0 = time.perf_counter()
     planned = spec.get("memory") is not None
     model = specmoe.from_pretrained(spec["ckpt"], cache=None if planned else spec["slots"],
-                                    dtype="int4", policy="lru", prefetch=False,
+                                    dtype=spec.get("dtype", "int4"), policy="lru", prefetch=False,
                                     store=spec["store"], progress=False,
                                     memory=spec.get("memory"))
     eng = specmoe.engine_of(model)
@@ -286,6 +290,10 @@ def main() -> None:
                          "(dense format and cache size: specmoe.runtime.memplan) instead of "
                          "bf16 dense layers and that share of the experts")
     ap.add_argument("--quick", action="store_true", help="small widths, same routing shape")
+    ap.add_argument("--gguf", action="store_true",
+                    help="read big_model.py's Q4_0 GGUF of the full-depth checkpoint and its "
+                         "kept-blocks store instead of the bf16 checkpoint and the int4 store "
+                         "(a third of the disk: no 31 GB bf16 files)")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
     ap.add_argument("--no-cgroup", action="store_true", help="run uncapped (not a valid result)")
     ap.add_argument("--row-timeout", type=float, default=6 * 3600.0)
@@ -311,11 +319,20 @@ def main() -> None:
     work = root / "run"
     work.mkdir(parents=True, exist_ok=True)
     made: dict[str, Any] = {}
+    dtype = "int4"
+    if a.gguf:  # big_model.py's Q4_0 GGUF of the same checkpoint and its kept-blocks store
+        ckpt, store = root / "gguf-direct" / "model-Q4_0.gguf", root / "store-gguf-Q4_0.smoe"
+        dtype = "auto"
+        if not (ckpt.is_file() and store.is_file()):
+            raise SystemExit(f"--gguf needs {ckpt} and {store}: run benchmarks/big_model.py "
+                             f"--layers 27 --rows specmoe-gguf-Q4_0 first")
+        made["checkpoint_bytes"] = ckpt.stat().st_size
     t0 = time.time()
-    fresh = not (ckpt / ".complete").is_file()
-    write_checkpoint(ckpt, cfg, seed, skew)
+    fresh = not a.gguf and not (ckpt / ".complete").is_file()
+    if not a.gguf:
+        write_checkpoint(ckpt, cfg, seed, skew)
+        made["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpt.iterdir())
     made["checkpoint_write_s"] = time.time() - t0 if fresh else None
-    made["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpt.iterdir())
     if not store.is_file():
         t0 = time.time()
         err = convert_store(ckpt, "int4", store, a.row_timeout)
@@ -326,8 +343,8 @@ def main() -> None:
         made["convert_s"] = None  # converted by an earlier run
     made["store_bytes"] = store.stat().st_size
     made["paths"] = {"checkpoint": str(ckpt), "store": str(store)}
-    log(f"checkpoint {made['checkpoint_bytes'] / 1e9:.1f} GB, int4 store "
-        f"{made['store_bytes'] / 1e9:.2f} GB")
+    log(f"checkpoint {made['checkpoint_bytes'] / 1e9:.1f} GB, {'Q4_0 blocks' if a.gguf else 'int4'}"
+        f" store {made['store_bytes'] / 1e9:.2f} GB")
 
     tdir = Path(a.trace) if a.trace else shared_trace_dir()
     trace, nprompts = load_tokens(tdir, a.warmup + a.tokens)
@@ -347,7 +364,8 @@ def main() -> None:
     for c in caches:
         slots = max(trace.top_k, int(round(E_total * c / 100.0)))
         budget = non_expert + slots * block_bytes + RESERVE
-        spec = {"ckpt": str(ckpt), "store": str(store), "slots": slots, "rows": rows,
+        spec = {"ckpt": str(ckpt), "store": str(store), "dtype": dtype, "slots": slots,
+                "rows": rows,
                 "rounds": a.rounds, "warmup": a.warmup, "tokens": a.tokens,
                 "threads": a.threads, "trace": str(tfile),
                 "parallel_misses": a.parallel_misses,
@@ -418,7 +436,9 @@ def main() -> None:
                             "sim_tok_s": med("sim_tok_s"), "sim_error": med("sim_error"),
                             "sim_hit_rate": med("sim_hit_rate")})
     out = {"benchmark": "replay", "host": hostinfo.host(a.threads),
-           "config": {"model": "DeepSeek-V2-Lite layout, random bf16 weights, int4 store"
+           "config": {"model": "DeepSeek-V2-Lite layout, random weights, "
+                      + ("Q4_0 GGUF, its blocks kept in the store" if a.gguf else
+                         "bf16 checkpoint, int4 store")
                       + (" (quick: small widths)" if a.quick else ""),
                       "layers": cfg["num_hidden_layers"], "moe_layers": trace.num_layers,
                       "experts": trace.num_experts, "top_k": trace.top_k,
