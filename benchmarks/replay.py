@@ -290,6 +290,10 @@ def main() -> None:
                          "(dense format and cache size: specmoe.runtime.memplan) instead of "
                          "bf16 dense layers and that share of the experts")
     ap.add_argument("--quick", action="store_true", help="small widths, same routing shape")
+    ap.add_argument("--reserve-mib", type=float, default=None,
+                    help="memory above the bf16 non-expert bytes and the cache in the cgroup "
+                         "(default 512; the --gguf load needs about 1.5 GiB: the dequantized "
+                         "dense weights' transient copies and the mapped file's pages)")
     ap.add_argument("--gguf", action="store_true",
                     help="read big_model.py's Q4_0 GGUF of the full-depth checkpoint and its "
                          "kept-blocks store instead of the bf16 checkpoint and the int4 store "
@@ -310,6 +314,7 @@ def main() -> None:
     from specmoe.sim.traces import shared_trace_dir
 
     rows = [parse_row(n.strip()) for n in a.rows.split(",") if n.strip()]
+    reserve = RESERVE if a.reserve_mib is None else int(a.reserve_mib * MiB)
     caches = [float(c) for c in a.caches.split(",") if c.strip()]
     cfg = quick_config() if a.quick else make_config(27, 102400)
     seed, skew = 0, 1.0
@@ -363,7 +368,7 @@ def main() -> None:
     per_cache: list[dict[str, Any]] = []
     for c in caches:
         slots = max(trace.top_k, int(round(E_total * c / 100.0)))
-        budget = non_expert + slots * block_bytes + RESERVE
+        budget = non_expert + slots * block_bytes + reserve
         spec = {"ckpt": str(ckpt), "store": str(store), "dtype": dtype, "slots": slots,
                 "rows": rows,
                 "rounds": a.rounds, "warmup": a.warmup, "tokens": a.tokens,
@@ -447,7 +452,7 @@ def main() -> None:
                       "tokens": a.tokens, "rounds": a.rounds, "threads": a.threads,
                       "cgroup": not a.no_cgroup, "parallel_misses": a.parallel_misses,
                       "planned": a.planned,
-                      "reserve_bytes": RESERVE, "non_expert_bytes": non_expert,
+                      "reserve_bytes": reserve, "non_expert_bytes": non_expert,
                       "expert_params": pc["expert_params"]},
            "written": made, "caches": per_cache, "summary": summary, "rows": results}
     text = json.dumps(out, indent=1)

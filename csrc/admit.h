@@ -18,10 +18,13 @@
  *             - the link time of a copy that is never used (probability 1 - p), as far as it
  *               delays demand loads: `busy` is how busy the link is (an idle link reads for
  *               free), `contention` the share of a copy's link time that demand loads wait
- *               for -- 1 when they share the link (the live caches: the prefetch worker's
- *               reads and the demand reads go to the same store or bus at once), 0 when a
- *               demand load pre-empts the copy (the simulator's link model, sim.h: there a
- *               wasted copy delays only later copies, and the backlog already charges them);
+ *               for.  Live it is measured (smoe_admit_demand_load): a demand load that
+ *               overlapped a prefetch copy took (shared_s - solo_s) longer than one that ran
+ *               alone, out of the copy's load_s (a store that serves both reads at once,
+ *               an NVMe drive with its queue, makes it small; a link that serialises them
+ *               makes it 1); 1 until both kinds were seen.  The simulator sets 0: there a
+ *               demand load pre-empts the copy (sim.h), so a wasted copy delays only later
+ *               copies, and the backlog already charges them;
  *             - its victim, if any: `regret` is the probability that evicting it means
  *               bringing it back (its predicted next use; below), and bringing an expert back
  *               costs what it costs now: `fetch_s`, the measured mean stall per expert that
@@ -29,6 +32,9 @@
  *               prefetch that landed in time (where prefetches hide most of the loads, a
  *               victim is cheap to lose).
  *   admit  <=>  benefit > cost  (strictly: a request that saves nothing is never loaded).
+ * The rule is first applied with regret 0, before any victim is sought (the search scans the
+ * slots with the table's mutex held): a request that cannot pay even with a free slot is
+ * refused then, whether or not a slot could have been found.
  *
  * The estimates (load_s, demand_s, fetch_s, step_s, busy) are measured, not configured:
  * exponential moving averages fed by the table's owner with its own clock -- wall time for
@@ -66,8 +72,11 @@ enum { SMOE_ADMIT_REGRET_PASSES = 2 };
 typedef struct smoe_admit {
     int on;               /* 0: every request that finds a slot is loaded (the victim rules of
                              slots.h alone) */
-    double contention;    /* share of a copy's link time demand loads wait for, [0, 1] (above;
-                             set by the table's owner) */
+    double contention;    /* share of a copy's link time demand loads wait for, [0, 1]
+                             (above): measured live, set to 0 by the simulator */
+    int measure;          /* 1: contention follows the demand loads' measured slowdown */
+    double solo_s;        /* EMA of a demand load's time with no prefetch copy running; < 0 */
+    double shared_s;      /* EMA of a demand load's time with a copy running; < 0 = none */
     double load_s;        /* EMA of one load's duration; 0 = none observed yet */
     double step_s;        /* EMA of a layer step's stall-free time; < 0 = no pass yet */
     double busy;          /* EMA of the link's busy fraction per pass, in [0, 1] */
@@ -89,6 +98,8 @@ typedef struct smoe_admit {
 static inline void smoe_admit_init(smoe_admit *a, uint32_t num_layers) {
     a->on = 0;
     a->contention = 1.0;
+    a->measure = 1;
+    a->solo_s = a->shared_s = -1.0;
     a->load_s = 0.0;
     a->step_s = -1.0;
     a->busy = 1.0; /* until measured: a link assumed saturated */
@@ -109,6 +120,20 @@ static inline void smoe_admit_load(smoe_admit *a, double dur) {
     if (!(dur >= 0.0)) return;
     a->load_s = smoe_admit_ema(a->load_s, dur, a->load_s <= 0.0);
     a->pass_load_s += dur;
+}
+
+/* A demand load that took `dur` seconds, a prefetch copy running beside it (overlap != 0)
+ * or not: the measured contention (above), once both kinds were seen. */
+static inline void smoe_admit_demand_load(smoe_admit *a, double dur, int overlap) {
+    if (!(dur >= 0.0) || !a->measure) return;
+    if (overlap)
+        a->shared_s = smoe_admit_ema(a->shared_s, dur, a->shared_s < 0.0);
+    else
+        a->solo_s = smoe_admit_ema(a->solo_s, dur, a->solo_s < 0.0);
+    if (a->solo_s > 0.0 && a->shared_s >= 0.0 && a->load_s > 0.0) {
+        const double c = (a->shared_s - a->solo_s) / a->load_s;
+        a->contention = c < 0.0 ? 0.0 : c > 1.0 ? 1.0 : c;
+    }
 }
 
 /* A demand access whose expert had to come in: it stalled compute `stall` seconds, loading

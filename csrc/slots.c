@@ -119,6 +119,14 @@ int32_t smoe_slots_claim_prefetch(smoe_slots *t, const smoe_prefetch_req *r, dou
         }
         return s;
     }
+    /* a request that cannot pay even with a free slot is refused before any victim search
+     * (the search scans the slots with the mutex held) */
+    if (!smoe_admit_decide(&t->admit, r->prob, r->issued, r->steps, now, 0.0)) {
+        *rc = 0;
+        t->stats.prefetch_refused++;
+        t->admit.refused++;
+        return -3;
+    }
     t->pf_key = r->key; /* (read by evictable_prefetch) */
     int victim;
     int32_t s = find_slot(t, evictable_prefetch, &victim, rc, err);
@@ -131,7 +139,7 @@ int32_t smoe_slots_claim_prefetch(smoe_slots *t, const smoe_prefetch_req *r, dou
         regret = smoe_policy_regret(t->policy, t->slots[s].key);
         if (regret < 0.0) regret = smoe_admit_measured_regret(&t->admit);
     }
-    if (!smoe_admit_decide(&t->admit, r->prob, r->issued, r->steps, now, regret)) {
+    if (victim && !smoe_admit_decide(&t->admit, r->prob, r->issued, r->steps, now, regret)) {
         t->stats.prefetch_refused++;
         t->admit.refused++;
         return -3;
@@ -291,13 +299,19 @@ static void *worker_main(void *arg) {
         const double start = smoe_now();
         int32_t s = smoe_slots_claim_prefetch(t, &r, start, &prc, &perr);
         if (prc < 0 && t->worker_err.code == 0) t->worker_err = perr;
-        if (s < 0) continue; /* dropped or refused (counted) */
+        if (s < 0) { /* dropped or refused (counted): let waiting demand accesses in first */
+            pthread_mutex_unlock(&t->mu);
+            pthread_mutex_lock(&t->mu);
+            continue;
+        }
         t->stats.prefetch_issued++;
+        t->worker_loading = 1;
         pthread_mutex_unlock(&t->mu);
         smoe_err lerr;
         smoe_err_clear(&lerr);
         int rc = t->ops->load(t->owner, (uint32_t)s, r.key, &lerr);
         pthread_mutex_lock(&t->mu);
+        t->worker_loading = 0;
         smoe_admit_load(&t->admit, smoe_now() - start);
         if (rc < 0) {
             t->stats.prefetch_failed++;
@@ -490,6 +504,7 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
             wait_cv(t);
             continue;
         }
+        const int overlap = t->worker_loading; /* a prefetch copy shares the link */
         pthread_mutex_unlock(&t->mu);
         smoe_err lerr;
         smoe_err_clear(&lerr);
@@ -499,6 +514,7 @@ int smoe_slots_acquire(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
         pthread_mutex_lock(&t->mu);
         load_done(t, (uint32_t)s, rc, &lerr);
         smoe_admit_load(&t->admit, l1 - l0);
+        smoe_admit_demand_load(&t->admit, l1 - l0, overlap || t->worker_loading);
         smoe_admit_fetch(&t->admit, l1 - t0, 1);
         t->stats.stall_s += l1 - t0;
         if (rc < 0) {

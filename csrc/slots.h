@@ -151,6 +151,8 @@ typedef struct smoe_slots {
     int shutdown;          /* [mu] */
     int worker_busy;       /* [mu] worker is loading a block (or about to look at the queue) */
     int worker_paused;     /* [mu] worker takes no new requests (smoe_slots_pause_worker) */
+    int worker_loading;    /* [mu] the worker's ops.load is running (admit.h: a demand load
+                              beside it measures the link's contention) */
     smoe_prefetch_req *queue; /* owned; [mu] binary max-heap on (priority, -seq) */
     uint32_t queue_len, queue_cap; /* [mu] */
     uint64_t queue_seq;    /* [mu] */

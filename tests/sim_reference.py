@@ -241,12 +241,14 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
     seen = [0]
 
     def give_slot(key, prefetch, req=None):
+        # admission: a request that cannot pay even without a victim is refused before any
+        # victim search (and then never counted as dropped)
+        if req is not None and not adm.decide(req[1], st["issue"], req[2], req[3], 0.0):
+            c["prefetch_refused"] += 1
+            return -3
         free = [s for s in range(nslots) if slot_key[s] == -1]
         if free:
             s = free[0]
-            if req is not None and not adm.decide(req[1], st["issue"], req[2], req[3], 0.0):
-                c["prefetch_refused"] += 1
-                return -3
         else:
             def ok(s):
                 if s == st["inflight"]:

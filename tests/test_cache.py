@@ -508,6 +508,9 @@ def test_prefetch_admission_rule_live(store):
         cache.begin_pass()
         a = cache.admission()
         assert a["load_s"] > 0 and a["step_s"] > 0 and 0 <= a["busy"] <= 1
+        # contention is measured from demand loads beside a prefetch copy: none ran beside
+        # one yet, so it keeps its conservative start (a fully shared link)
+        assert a["contention"] == 1.0 and a["demand_s"] > 0 and a["fetch_s"] > 0
         cache.prefetch([(2, 0, 1.0), (2, 1, 1.0)], probs=[0.0, 0.0])
         _drain(cache)
         st = cache.stats()

@@ -520,9 +520,11 @@ static PyObject *Cache_admission(CacheObject *self, PyObject *Py_UNUSED(ignored)
     a = self->cache.tab.admit;
     pthread_mutex_unlock(&self->cache.tab.mu);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:O,s:d,s:d,s:d,s:d,s:K}", "on", a.on ? Py_True : Py_False,
-                         "load_s", a.load_s, "step_s", a.step_s, "busy", a.busy,
-                         "measured_regret", smoe_admit_measured_regret(&a), "refused",
+    return Py_BuildValue("{s:O,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:K}", "on",
+                         a.on ? Py_True : Py_False, "load_s", a.load_s, "step_s", a.step_s,
+                         "busy", a.busy, "contention", a.contention, "demand_s", a.demand_s,
+                         "fetch_s", a.fetch_s, "measured_regret",
+                         smoe_admit_measured_regret(&a), "refused",
                          (unsigned long long)a.refused);
 }
 

@@ -309,7 +309,8 @@ class ExpertCache:
 
     def admission(self) -> dict[str, Any]:
         """The admission rule's state: ``on``, its measured estimates (``load_s``, ``step_s``
-        (-1 before the first pass), ``busy``, ``measured_regret``) and ``refused``."""
+        (-1 before the first pass), ``busy``, ``contention``, ``demand_s``, ``fetch_s`` (-1
+        before the first), ``measured_regret``) and ``refused`` (``csrc/admit.h``)."""
         return dict(self._c.admission())
 
     def cancel(self, layer: int | None = None, expert: int | None = None) -> None:
