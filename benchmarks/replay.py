@@ -408,7 +408,7 @@ def main() -> None:
             fast_bw = block_bytes / cal["expert_s"]
             hw = with_(link, name=f"calibrated-{c:g}", fast_bw=fast_bw, kernel_overhead_s=0.0,
                        link_bw=block_bytes / cal["load_s"], link_latency_s=0.0,
-                       description="this run's live engine: the int4 kernel on one block, a "
+                       description="this run's live engine: the expert kernel on one block, a "
                                    "load = (all-miss pass - all-hit pass) / (L k), the fixed "
                                    "time = all-hit pass - L k kernel calls")
             cost = ModelCost(name="DeepSeek-V2-Lite int4 experts", expert_bytes=block_bytes,

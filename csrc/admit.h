@@ -43,12 +43,14 @@
  * simulator -- through smoe_admit_load, smoe_admit_fetch and smoe_admit_pass below.  In the
  * simulator a demand load's stall is the load (demand_s = load_s); live it also holds the
  * acquire's own overhead.  On the GPU cache a load is timed as its enqueue (ops.load returns
- * before the copy ends), so there the rule weighs enqueue times, not transfers.  step_s is the time
- * of a layer step without its stalls (pass time less stall, over the layers): the time the
- * compute between two layers leaves for a copy to land.  Before the first load and the first
- * pass have been observed there is nothing to weigh with, and every request is admitted.
+ * before the copy ends), so there the rule weighs enqueue times, not transfers.  step_s is
+ * the time of a layer step without its stalls (pass time less stall, over the layers): the
+ * time the compute between two layers leaves for a copy to land.  Before the first load and
+ * the first pass have been observed there is nothing to weigh with, and every request is
+ * admitted.
  *
- * The victim's regret (smoe_admit_regret, the caller's to compute): the policy's own estimate
+ * The victim's regret (computed by the caller, slots.c smoe_slots_claim_prefetch): the
+ * policy's own estimate
  * when it has one (policy.h, the optional `regret` op: nextuse's q of the victim's next run;
  * Belady's exact future: 1 unless the victim is the resident key used farthest ahead, which
  * demand-only Belady would evict next anyway); otherwise the table's measured rate of
@@ -61,7 +63,6 @@
 #ifndef SMOE_ADMIT_H
 #define SMOE_ADMIT_H
 
-#include <math.h>
 #include <stdint.h>
 
 enum { SMOE_ADMIT_REGRET_PASSES = 2 };

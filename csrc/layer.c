@@ -71,7 +71,8 @@ int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
     g->hy_cnt = malloc(sizeof *g->hy_cnt * E);
     if (!g->hy_state || !g->hy_oncpu || !g->hy_miss || !g->hy_cnt) goto nomem;
     if (!g->routers || !g->shared || !g->pred || !g->pred_valid || !g->best || !g->keys ||
-        !g->prios || !g->pprob || !g->counts || !g->order || !g->prob || !g->delta_sum || !g->delta_n ||
+        !g->prios || !g->pprob || !g->counts || !g->order || !g->prob || !g->delta_sum ||
+        !g->delta_n ||
         !g->zt || !g->vt || !g->pt || !g->resident || !g->mark || !g->used2 || !g->visit ||
         !g->pinned || !g->blocks || !g->grp_start)
         goto nomem;

@@ -32,7 +32,8 @@ static PyObject *result_dict(const smoe_sim_result *r) {
 #define F(f) set_item(d, #f, PyFloat_FromDouble(r->f))
     if (U(accesses) || U(hits) || U(misses) || U(collision_misses) || U(evictions) ||
         U(prefetch_issued) || U(prefetch_used) || U(prefetch_late) || U(prefetch_wasted) ||
-        U(prefetch_dropped) || U(prefetch_refused) || U(predicted) || U(predicted_true) || U(next_true) ||
+        U(prefetch_dropped) || U(prefetch_refused) || U(predicted) || U(predicted_true) ||
+        U(next_true) ||
         F(stall_s) || F(compute_s) || F(total_s) || F(elapsed_s) || U(missing) || U(dropped) ||
         U(substituted) || U(lowbit) || U(lowbit2) || U(protected_evictions)) {
         Py_DECREF(d);

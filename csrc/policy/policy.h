@@ -76,9 +76,10 @@ typedef struct smoe_policy_ops {
      * with utility >= τ are hot; a prefetcher processes only hot keys (§3.4). */
     int32_t (*threshold)(const smoe_policy *p);
     /* Optional (nextuse, belady): the probability in [0, 1] that evicting the resident key
-     * now costs a demand load that demand-only operation would not (its predicted next use):
-     * the victim's cost in the prefetch admission rule (admit.h, issue 42 item 3).  Policies
-     * without it are charged the cache's measured rate of regretted evictions. */
+     * now means bringing it back (its predicted next use; Belady: only if demand-only Belady
+     * would not evict it next anyway): the victim's cost in the prefetch admission rule
+     * (admit.h, issue 42 item 3).  Policies without it are charged the cache's measured rate
+     * of regretted evictions. */
     double (*regret)(const smoe_policy *p, int32_t key);
 } smoe_policy_ops;
 
