@@ -60,15 +60,18 @@ int main(void) {
         for (uint32_t ns = 1; ns <= L * E; ns += 7)
             for (int pr = 0; pr < 5; pr++) /* none, oracle, router, history, learned */
                 for (int h = 0; h < 2; h++) {
+                    /* learned: the built-in temporal model; admission on every other run */
                     smoe_sim_prefetch pf = {pr, 1 + ns % 3, ns % 5, (ns % 2) ? 0.8 : 0.0, 4, 0.8,
-                                            NULL, 0}; /* learned: the built-in temporal model */
+                                            NULL, 0, (int32_t)((ns / 7 + (uint32_t)h) % 2)};
                     smoe_sim_result a, b;
                     if (run(&tr, names[pi], ns, fut, N * L * K, &pf, &hws[h], &a) < 0 ||
                         run(&tr, names[pi], ns, fut, N * L * K, &pf, &hws[h], &b) < 0)
                         return 1;
                     if (a.hits + a.misses != a.accesses || a.accesses != (uint64_t)N * L * K ||
                         a.collision_misses > a.misses || a.prefetch_used > a.prefetch_issued ||
-                        a.hits != b.hits || a.total_s != b.total_s || a.stall_s < 0) {
+                        a.hits != b.hits || a.total_s != b.total_s || a.stall_s < 0 ||
+                        a.prefetch_refused != b.prefetch_refused ||
+                        (!pf.admission && a.prefetch_refused != 0)) {
                         fprintf(stderr, "%s nslots=%u predictor=%d: inconsistent counters\n",
                                 names[pi], ns, pr);
                         return 1;
@@ -76,7 +79,7 @@ int main(void) {
                     runs++;
                 }
     /* the lookahead shield (demand only) in one-token and three-token passes */
-    smoe_sim_prefetch none = {0, 1, 0, 0.0, 4, 0.8, NULL, 0};
+    smoe_sim_prefetch none = {0, 1, 0, 0.0, 4, 0.8, NULL, 0, 0};
     for (int pi = 0; pi < 7; pi++)
         for (uint32_t ns = 1; ns <= L * E; ns += 5)
             for (uint32_t g = 1; g <= 3; g += 2) {

@@ -87,13 +87,18 @@ static void *consumer(void *p) {
             do e[1] = (uint32_t)(rng_next(&rng) % NE); while (e[1] == e[0]);
             if (a->id == 0 && l + 1 < NL) { /* predict the next layer */
                 int32_t keys[3];
-                float pr[3];
+                float pr[3], prob[3];
                 for (int i = 0; i < 3; i++) {
                     keys[i] = smoe_key(l + 1, (uint32_t)(rng_next(&rng) % NE), NE);
                     pr[i] = (float)(rng_next(&rng) % 4);
+                    prob[i] = (float)(rng_next(&rng) % 5) / 4.0f;
                 }
                 smoe_err err;
-                if (smoe_slots_prefetch(&a->cache->tab, keys, pr, 3, (int)(r & 1), &err) < 0)
+                /* the admission rule (admit.h) on every other pass: its estimates and the
+                 * worker's refusals race with the demand threads too */
+                smoe_slots_set_admission(&a->cache->tab, (r >> 1) & 1);
+                if (smoe_slots_prefetch_p(&a->cache->tab, keys, pr, (r & 2) ? prob : NULL,
+                                          1 + l % 2, 3, (int)(r & 1), &err) < 0)
                     FAIL(a, "prefetch: %s", err.msg);
                 if (rng_next(&rng) % 5 == 0) smoe_slots_cancel(&a->cache->tab, keys[0]);
                 if (rng_next(&rng) % 17 == 0) smoe_slots_cancel(&a->cache->tab, -1);
@@ -271,13 +276,14 @@ int main(void) {
     }
     if (load_errors == 0) fprintf(stderr, "note: the corrupt block was never requested\n");
     printf("stress_cache: %llu acquires, %llu hits, %llu misses (%llu collision), prefetch "
-           "issued %llu used %llu late %llu wasted %llu dropped %llu failed %llu, %llu "
-           "protected evictions, %llu load errors: %s\n",
+           "issued %llu used %llu late %llu wasted %llu dropped %llu refused %llu failed %llu, "
+           "%llu protected evictions, %llu load errors: %s\n",
            (unsigned long long)acquires, (unsigned long long)st.hits,
            (unsigned long long)st.misses, (unsigned long long)st.collision_misses,
            (unsigned long long)st.prefetch_issued, (unsigned long long)st.prefetch_used,
            (unsigned long long)st.prefetch_late, (unsigned long long)st.prefetch_wasted,
-           (unsigned long long)st.prefetch_dropped, (unsigned long long)st.prefetch_failed,
+           (unsigned long long)st.prefetch_dropped, (unsigned long long)st.prefetch_refused,
+           (unsigned long long)st.prefetch_failed,
            (unsigned long long)st.protected_evictions, (unsigned long long)load_errors,
            failures ? "FAILED" : "ok");
     smoe_cache_free(&cache);
