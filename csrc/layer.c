@@ -1101,7 +1101,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
         const uint8_t *skip = draft;
         /* the admission rule's probability of use (admit.h): the router's probability, the
          * learned q, 1 for the oracle; unknown for a caller's scores */
-        const int probs = !scores;
+        const int known_p = !scores;
         if (!scores && g->predictor != SMOE_LPRED_ROUTER) {
             if ((rc = predictor_scores(g, pos + 1, T, &rows, err))) return rc;
             scores = g->scores, mass = 0.0;
@@ -1123,7 +1123,7 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
                     g->pprob[n] = q > 1.0f ? 1.0f : q < 0.0f ? 0.0f : q;
                     n++;
                 }
-            rc = smoe_slots_prefetch_p(g->tier.tab, g->keys, g->prios, probs ? g->pprob : NULL,
+            rc = smoe_slots_prefetch_p(g->tier.tab, g->keys, g->prios, known_p ? g->pprob : NULL,
                                        1, n, replace, err);
             if (rc) return rc;
         }

@@ -160,8 +160,7 @@ static int demand(sim *s, int32_t key, smoe_err *err) {
         return 0;
     }
     r->misses++;
-    if (s->tab.evicted_pass[key] == s->tab.pass_id) r->collision_misses++;
-    smoe_slots_missed(&s->tab, key); /* the admission rule's measured regret */
+    smoe_slots_missed(&s->tab, key); /* collision misses, the admission rule's regret */
     slot = take_slot(s, key, err);
     if (slot == -1 && s->inflight >= 0) { /* only the in-flight slot could go: wait for it */
         wait_inflight(s);
@@ -744,6 +743,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     }
     /* what the table counts itself, by the same rules as the live cache */
     out->evictions = s.tab.stats.evictions;
+    out->collision_misses = s.tab.stats.collision_misses;
     out->prefetch_used = s.tab.stats.prefetch_used;
     out->prefetch_wasted = s.tab.stats.prefetch_wasted;
     out->prefetch_dropped += s.tab.stats.prefetch_dropped;

@@ -109,6 +109,14 @@ int32_t smoe_slots_claim(smoe_slots *t, int32_t key, int prefetch, int *rc, smoe
     return s;
 }
 
+/* A prefetch request the admission rule turned away (counted twice: in the resettable
+ * statistics and in the rule's own lifetime count). */
+static int32_t refuse(smoe_slots *t) {
+    t->stats.prefetch_refused++;
+    t->admit.refused++;
+    return -3;
+}
+
 int32_t smoe_slots_claim_prefetch(smoe_slots *t, const smoe_prefetch_req *r, double now,
                                   int *rc, smoe_err *err) {
     if (!t->admit.on) {
@@ -123,9 +131,7 @@ int32_t smoe_slots_claim_prefetch(smoe_slots *t, const smoe_prefetch_req *r, dou
      * (the search scans the slots with the mutex held) */
     if (!smoe_admit_decide(&t->admit, r->prob, r->issued, r->steps, now, 0.0)) {
         *rc = 0;
-        t->stats.prefetch_refused++;
-        t->admit.refused++;
-        return -3;
+        return refuse(t);
     }
     t->pf_key = r->key; /* (read by evictable_prefetch) */
     int victim;
@@ -139,11 +145,8 @@ int32_t smoe_slots_claim_prefetch(smoe_slots *t, const smoe_prefetch_req *r, dou
         regret = smoe_policy_regret(t->policy, t->slots[s].key);
         if (regret < 0.0) regret = smoe_admit_measured_regret(&t->admit);
     }
-    if (victim && !smoe_admit_decide(&t->admit, r->prob, r->issued, r->steps, now, regret)) {
-        t->stats.prefetch_refused++;
-        t->admit.refused++;
-        return -3;
-    }
+    if (victim && !smoe_admit_decide(&t->admit, r->prob, r->issued, r->steps, now, regret))
+        return refuse(t);
     if (victim) evict(t, (uint32_t)s);
     load_begin(t, (uint32_t)s, r->key, 1);
     return s;
@@ -759,6 +762,12 @@ int smoe_slots_set_protected(smoe_slots *t, const int32_t *keys, uint32_t n, smo
 void smoe_slots_get_stats(smoe_slots *t, smoe_cache_stats *out) {
     pthread_mutex_lock(&t->mu);
     *out = t->stats;
+    pthread_mutex_unlock(&t->mu);
+}
+
+void smoe_slots_get_admission(smoe_slots *t, smoe_admit *out) {
+    pthread_mutex_lock(&t->mu);
+    *out = t->admit;
     pthread_mutex_unlock(&t->mu);
 }
 

@@ -312,6 +312,9 @@ int smoe_slots_utility(smoe_slots *t, const int32_t *keys, int32_t *out, uint32_
 int smoe_slots_set_protected(smoe_slots *t, const int32_t *keys, uint32_t n, smoe_err *err);
 
 void smoe_slots_get_stats(smoe_slots *t, smoe_cache_stats *out);
+
+/* A snapshot of the admission rule's switch, estimates and refusals (admit.h), under mu. */
+void smoe_slots_get_admission(smoe_slots *t, smoe_admit *out);
 void smoe_slots_reset_stats(smoe_slots *t);
 
 #endif

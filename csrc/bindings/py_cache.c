@@ -516,9 +516,7 @@ static PyObject *Cache_admission(CacheObject *self, PyObject *Py_UNUSED(ignored)
     if (check_open(self) < 0) return NULL;
     smoe_admit a;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&self->cache.tab.mu);
-    a = self->cache.tab.admit;
-    pthread_mutex_unlock(&self->cache.tab.mu);
+    smoe_slots_get_admission(&self->cache.tab, &a);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("{s:O,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:K}", "on",
                          a.on ? Py_True : Py_False, "load_s", a.load_s, "step_s", a.step_s,

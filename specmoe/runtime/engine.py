@@ -209,7 +209,6 @@ class Engine(EngineCommon):
                       "miss_keep2": miss_keep2}  # the C layers' once they exist (EngineCommon)
         misses.check_throttle(throttle)
         self.throttle = throttle
-        self.admission = False  # prefetch admission (set_prefetch), a setting of the cache
         self.model: nn.Module | None = model
         self.arch: ArchInfo = info
         self.model_type = info.model_type

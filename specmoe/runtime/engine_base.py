@@ -57,6 +57,8 @@ class EngineCommon:
     close when ``_own_store``)."""
 
     model: nn.Module | None
+    admission: bool = False  # prefetch admission (set_prefetch), a setting of the cache that
+    # the engine keeps so a rebuilt cache gets it back
     _cache: Any
     _store: Any
     _store_path: str | None

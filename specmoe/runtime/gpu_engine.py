@@ -143,8 +143,6 @@ class GpuEngine(EngineCommon):
     path.  Made by :func:`specmoe.offload` / :func:`specmoe.from_pretrained` with
     ``device="cuda"``; :func:`specmoe.engine_of` finds it."""
 
-    admission: bool = False  # prefetch admission (set_prefetch), a setting of the GPU cache
-
     def __init__(self, model: nn.Module, store: str | os.PathLike[str], *,
                  device: Any = "cuda", cache: int | float | str = 0.25, policy: str = "lru",
                  prefetch: bool | str = True, overfetch: float = 1.5, mode: str = "auto",
