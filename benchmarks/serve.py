@@ -25,6 +25,13 @@ Servers, each a real process on a loopback port, started for every row and stopp
 * ``specmoe-paced``: the same with ``--prefill-ratio 2`` (while requests decode, a round's
   prompt chunks held to about two decode rounds' time: what the pacing buys in the
   inter-token latency's tail, and what it costs in throughput);
+* ``specmoe-ngram``: ``specmoe`` with speculative decoding, ``--drafter ngram --controller
+  cascade`` (``--controller``): what drafts verified in the batch's forward buy or cost, as
+  ``vs_plain`` (out_tok_s over ``specmoe``'s in the same round), with ``drafts_per_token``
+  and ``draft_acceptance`` from ``/metrics``;
+* ``specmoe-self`` (not run by default): the same with ``--drafter self`` (MoE-SpeQ's int4
+  self-draft).  Mind that on an int4 store the draft's experts are the target's own bits,
+  so its acceptance is the ceiling, not what a bf16 target would see;
 * ``llama-server``: llama.cpp's server (built from the llama-cpp-python sdist, as
   big_model.py builds llama.cpp; ``--peers``) on the same checkpoint converted by llama.cpp's
   own converter and quantized to Q4_0 (the same bits per expert weight as specmoe's int4 within
@@ -36,8 +43,8 @@ Load: ``N`` clients, each sending ``--requests`` streamed completions one after 
 (closed loop: a new request arrives whenever one finishes, while the others decode), greedy,
 ``max_tokens`` ``--max-tokens``, ``ignore_eos``, prompts of 64 whole-word tokens that
 re-tokenize to themselves (big_model.make_prompts), different per request.  One untimed
-request warms each server first.  Per row: ``out_tok_s`` (completion tokens of every request /
-wall time from the first send to the last answer), ``req_s``, ``ttft_p50/p99`` (send to first
+request per client (8 tokens, all clients at once) warms each server first.  Per row:
+``out_tok_s`` (completion tokens of every request / wall time from the first send to the last answer), ``req_s``, ``ttft_p50/p99`` (send to first
 streamed chunk), ``itl_p50/p99`` (gaps between consecutive streamed chunks, every request
 pooled: both servers stream one chunk per token, with empty text for a token that has none --
 the big checkpoint's random weights mostly pick ids past the tokenizer's 8192 real tokens), ``decode_tok_s_per_request`` (median over
@@ -76,7 +83,10 @@ REPO = Path(__file__).resolve().parent.parent
 ZOO = REPO / "specmoe" / "zoo" / "tiny-moe"
 MiB = 1 << 20
 PROMPT_TOKENS = 64
-SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-paced", "llama-server")
+SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-paced", "specmoe-ngram", "specmoe-self",
+           "llama-server")
+DEFAULT_SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-paced", "specmoe-ngram",
+                   "llama-server")
 MODEL = "bench"       # the model id the servers are asked for (llama-server takes any)
 
 
@@ -204,6 +214,8 @@ def server_argv(kind: str, m: Dict[str, Any], clients: int, port: int,
         argv.append("--no-batch-decode")
     if kind == "specmoe-paced":
         argv += ["--prefill-ratio", "2"]
+    if kind in ("specmoe-ngram", "specmoe-self"):
+        argv += ["--drafter", kind.split("-")[1], "--controller", a.controller]
     return argv
 
 
@@ -278,6 +290,9 @@ def scrape(base: str) -> Dict[str, float]:
                  "specmoe_decode_batch_size_count"):
         mm = re.search(rf"^{name} (\S+)$", text, re.M)
         out[name] = float(mm.group(1)) if mm else 0.0
+    for outcome in ("accepted", "rejected"):
+        mm = re.search(rf'^specmoe_draft_tokens_total{{outcome="{outcome}"}} (\S+)$', text, re.M)
+        out[f"drafts_{outcome}"] = float(mm.group(1)) if mm else 0.0
     return out
 
 
@@ -302,7 +317,10 @@ def run_row(kind: str, m: Dict[str, Any], clients: int, a: argparse.Namespace,
             return {"error": f"{kind}: {err}: {' | '.join(tail)}"}
         name = MODEL
         t0 = time.perf_counter()
-        warm = asyncio.run(load(proc.base, name, m["prompts"][-1:], 1, 1, 4, a.row_timeout))
+        # as many clients as the row's, so that a speculating server has measured tau at the
+        # batch sizes the row reaches (a one-off pause per batch-size bucket) before timing
+        warm = asyncio.run(load(proc.base, name, m["prompts"][-clients:], clients, 1, 8,
+                                a.row_timeout))
         if warm["errors"]:
             return {"error": f"warm-up request failed: {warm['first_error']}"}
         log(f"  warm-up {time.perf_counter() - t0:.1f} s")
@@ -321,6 +339,10 @@ def run_row(kind: str, m: Dict[str, Any], clients: int, a: argparse.Namespace,
                                            if res["completion_tokens"] else None)
             n = d["specmoe_decode_batch_size_count"]
             res["mean_decode_batch"] = d["specmoe_decode_batch_size_sum"] / n if n else 1.0
+            prop = d["drafts_accepted"] + d["drafts_rejected"]
+            if prop or kind in ("specmoe-ngram", "specmoe-self"):
+                res["drafts_per_token"] = prop / max(1, res["completion_tokens"])
+                res["draft_acceptance"] = d["drafts_accepted"] / prop if prop else None
         if cg is not None:
             res["cgroup_peak_bytes"] = cg.peak()
             res["oom_kills"] = cg.oom_kills()
@@ -355,7 +377,8 @@ def summarize(runs: Dict[str, Dict[int, List[Dict[str, Any]]]], servers: List[st
                 continue
             for k in ("out_tok_s", "req_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
                       "itl_p99_s", "decode_tok_s_per_request", "hit_rate",
-                      "bytes_read_per_token", "mean_decode_batch", "cgroup_peak_bytes"):
+                      "bytes_read_per_token", "mean_decode_batch", "cgroup_peak_bytes",
+                      "drafts_per_token", "draft_acceptance"):
                 vals = [x[k] for x in ok if x.get(k) is not None]
                 if vals:
                     row[k] = statistics.median(vals)
@@ -371,6 +394,9 @@ def summarize(runs: Dict[str, Dict[int, List[Dict[str, Any]]]], servers: List[st
                     else []
                 per["vs_paced"] = [ratio(tps(s, c, r), tps("specmoe-paced", c, r))
                                    for r in range(rounds)] if "specmoe-paced" in runs else []
+            if s in ("specmoe-ngram", "specmoe-self") and "specmoe" in runs:
+                per["vs_plain"] = [ratio(tps(s, c, r), tps("specmoe", c, r))
+                                   for r in range(rounds)]
             for k, v in per.items():
                 row[k + "_per_round"] = v
                 vv = [x for x in v if x is not None]
@@ -386,7 +412,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--models", default="zoo", help="comma-separated: zoo, big")
     ap.add_argument("--clients", default="1,4,16,64")
-    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                    help=f"comma-separated, from {', '.join(SERVERS)}")
+    ap.add_argument("--controller", default="cascade",
+                    help="specmoe-ngram/-self: serve's --controller (default cascade)")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)

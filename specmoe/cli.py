@@ -388,7 +388,7 @@ def _listen_check(host: str, port: int) -> None:
                            f"({exc.strerror or exc})") from None
 
 
-def _serve_ray(args, cache: Any) -> int:
+def _serve_ray(args, cache: Any, drafter: Any, controller: Any) -> int:
     """specmoe serve --ray: --replicas replicas of the app behind Ray Serve's proxy on
     --host:--port, on a local Ray instance or the cluster at $RAY_ADDRESS; SIGTERM or Ctrl-C
     shuts Serve down."""
@@ -416,7 +416,8 @@ def _serve_ray(args, cache: Any) -> int:
                              prefill_ratio=args.prefill_ratio, cache=cache, dtype=args.dtype,
                              policy=args.policy,
                              prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
-                             batch_decode=not args.no_batch_decode),
+                             batch_decode=not args.no_batch_decode, drafter=drafter,
+                             controller=controller),
                   blocking=False)
         print(f"[specmoe] serving {args.checkpoint!r} from {replicas} Ray Serve replica(s) on "
               f"http://{args.host}:{args.port}/v1", flush=True)
@@ -447,6 +448,11 @@ def _cmd_serve(args) -> int:
     if not (args.shutdown_timeout >= 0):
         raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     policy = _policy_option(args.policy)
+    if not re.fullmatch(r"cascade|speq|heuristic|static:\d+", args.controller):
+        raise CliError(f"--controller {args.controller!r}: cascade, speq, heuristic or "
+                       "static:K (K an integer >= 0)")
+    drafter = None if args.drafter == "none" else args.drafter
+    controller = args.controller if drafter is not None else None
     _checkpoint(args, args.store)
     if args.replicas is not None and not args.ray:
         raise CliError("--replicas needs --ray")
@@ -459,7 +465,7 @@ def _cmd_serve(args) -> int:
                            "(pip install 'specmoe[ray]')") from None
     _listen_check(args.host, args.port)
     if args.ray:
-        return _serve_ray(args, cache)
+        return _serve_ray(args, cache, drafter, controller)
 
     import torch
 
@@ -479,11 +485,13 @@ def _cmd_serve(args) -> int:
                prefill_chunk=args.prefill_chunk, prefill_ratio=args.prefill_ratio,
                cache=cache, dtype=args.dtype,
                policy=policy, prefetch=not args.no_prefetch, store=args.store,
-               dense=args.dense, batch_decode=not args.no_batch_decode)
+               dense=args.dense, batch_decode=not args.no_batch_decode, drafter=drafter,
+               controller=controller)
     srv = asgi.state.server
     print(f"[specmoe] serving {srv.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(context {srv.context_length} tokens, max batch {args.max_batch}"
-          f"{'' if srv.scheduler.batch_off_reason is None else ' decoded one by one'}, queue "
+          f"{'' if srv.scheduler.batch_off_reason is None else ' decoded one by one'}"
+          f"{'' if drafter is None else f', drafter {drafter} with {controller}'}, queue "
           f"{args.max_queue}{', API key required' if args.api_key else ''})", flush=True)
     try:
         run(asgi, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
@@ -649,6 +657,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="pace prompts: while requests decode, a round's prompt chunks take at "
                         "most about this many decode steps' time (e.g. 2; default 0: every "
                         "waiting prompt at once)")
+    p.add_argument("--drafter", default="none", choices=["none", "ngram", "self"],
+                   help="speculative decoding: ngram (prompt lookup) or self (the model's "
+                        "own experts in int4, MoE-SpeQ); none decodes plainly (default)")
+    p.add_argument("--controller", default="cascade",
+                   help="with --drafter: drafts per step, cascade (default: by measured "
+                        "utility, off where it slows decoding down), speq, heuristic or "
+                        "static:K")
     p.add_argument("--api-key", default=os.environ.get("SPECMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: "
                         "$SPECMOE_API_KEY, else none)")

@@ -1,6 +1,6 @@
 """benchmarks/serve.py: a smoke run of the serving load test (make test-bench runs it).
 
-Three specmoe servers (batched, unbatched, paced) on the zoo model with 1 and 2 clients, one round, and
+Four specmoe servers (batched, unbatched, paced, n-gram speculation) on the zoo model with 1 and 2 clients, one round, and
 llama-server pointed at a folder without llama.cpp: checks the JSON's structure, that every
 request was answered, that the batched server did batch, and that the peer that cannot run is
 a row saying why.  No timing assertions."""
@@ -37,12 +37,12 @@ def test_serve_benchmark_smoke(tmp_path):
     res = json.loads(p.stdout)
     assert res["host"]["cpu"] and res["host"]["threads"]
     rows = {(r["server"], r["clients"]): r for r in res["models"]["zoo"]["rows"]}
-    assert set(rows) == {(s, c) for s in ("specmoe", "specmoe-unbatched", "specmoe-paced",
-                                          "llama-server") for c in (1, 2)}
+    served = ("specmoe", "specmoe-unbatched", "specmoe-paced", "specmoe-ngram")
+    assert set(rows) == {(s, c) for s in served + ("llama-server",) for c in (1, 2)}
     for c in (1, 2):
         peer = rows[("llama-server", c)]
         assert "llama.cpp" in peer["error"] and "out_tok_s" not in peer
-        for s in ("specmoe", "specmoe-unbatched", "specmoe-paced"):
+        for s in served:
             r = rows[(s, c)]
             assert "error" not in r, r
             assert r["errors"] == 0 and r["completion_tokens"] == [6 * 2 * c]
@@ -52,3 +52,6 @@ def test_serve_benchmark_smoke(tmp_path):
     assert rows[("specmoe-unbatched", 2)]["mean_decode_batch"] == 1.0
     assert rows[("specmoe", 2)]["mean_decode_batch"] > 1.0   # two requests shared forwards
     assert rows[("specmoe", 2)]["vs_unbatched"] > 0 and rows[("specmoe", 2)]["scaling"] > 0
+    ng = rows[("specmoe-ngram", 2)]
+    assert ng["vs_plain"] > 0 and ng["drafts_per_token"] >= 0
+    assert "drafts_per_token" not in rows[("specmoe", 2)]  # plain servers draft nothing

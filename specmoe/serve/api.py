@@ -168,7 +168,8 @@ class Server:
                  api_key: Optional[str] = None, max_batch: int = 16, max_queue: int = 256,
                  prefill_chunk: int = 256, context_length: Optional[int] = None,
                  max_body_bytes: int = MAX_BODY, owns_engine: bool = False,
-                 batch_decode: bool = True, prefill_ratio: Optional[float] = None) -> None:
+                 batch_decode: bool = True, prefill_ratio: Optional[float] = None,
+                 drafter: Any = None, controller: Any = None) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -180,7 +181,8 @@ class Server:
         self.metrics = Metrics(lambda: self.scheduler.engine_stats)
         self.scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue,
                                    prefill_chunk=prefill_chunk, metrics=self.metrics,
-                                   batch_decode=batch_decode, prefill_ratio=prefill_ratio)
+                                   batch_decode=batch_decode, prefill_ratio=prefill_ratio,
+                                   drafter=drafter, controller=controller)
         cfg = model.config
         if context_length is None:
             context_length = getattr(cfg, "max_position_embeddings", None)
@@ -621,7 +623,7 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
         prefill_chunk: int = 256, context_length: Optional[int] = None,
         max_body_bytes: int = MAX_BODY, cache: Any = "25%", dtype: str = "auto",
         batch_decode: bool = True, prefill_ratio: Optional[float] = None,
-        **load_kwargs: Any) -> Starlette:
+        drafter: Any = None, controller: Any = None, **load_kwargs: Any) -> Starlette:
     """An ASGI app serving ``model_or_path`` with OpenAI's API (module docstring).
 
     ``model_or_path``: a transformers causal LM (offloaded by specmoe or not; the app never
@@ -638,7 +640,11 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     batching, the default), or one forward per request (False); ``prefill_ratio``: while
     requests decode, a round's prompt chunks take about at most that many decode steps' time
     (None or 0, the default: every waiting prompt at once; :mod:`specmoe.serve.scheduler`,
-    pacing).
+    pacing); ``drafter``: speculative decoding, ``"ngram"`` (prompt lookup) or ``"self"``
+    (MoE-SpeQ's int4 self-draft), None or ``"none"`` (the default) decodes plainly;
+    ``controller``: how many drafts per step, ``"cascade"`` (the default), ``"speq"``,
+    ``"heuristic"``, ``"static:K"`` or a callable returning a controller
+    (:mod:`specmoe.serve.speculate`).
 
     The worker thread starts with the app's lifespan (or at the first request) and stops at
     its shutdown; ``app.state.server`` is the :class:`Server`."""
@@ -661,7 +667,7 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
                     max_queue=max_queue, prefill_chunk=prefill_chunk,
                     context_length=context_length, max_body_bytes=max_body_bytes,
                     owns_engine=owns, batch_decode=batch_decode,
-                    prefill_ratio=prefill_ratio)
+                    prefill_ratio=prefill_ratio, drafter=drafter, controller=controller)
     h = _Handlers(server)
 
     @contextlib.asynccontextmanager

@@ -75,6 +75,8 @@ class Metrics:
         self.batch = Histogram("specmoe_decode_batch_size",
                                "sequences advanced by one decode forward",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self._drafts = Counter("specmoe_draft_tokens", "draft tokens verified, by outcome "
+                               "(speculative decoding)", ["outcome"], registry=r)
         r.register(_EngineCollector(stats))
         ProcessCollector(registry=r)
 
@@ -96,6 +98,10 @@ class Metrics:
 
     def next_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def drafts(self, proposed: int, accepted: int) -> None:
+        self._drafts.labels("accepted").inc(accepted)
+        self._drafts.labels("rejected").inc(proposed - accepted)
 
     def decode_batch(self, n: int) -> None:
         self.batch.observe(n)

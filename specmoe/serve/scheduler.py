@@ -37,6 +37,16 @@ request by one step:
   once (batched, as above).  Chunk boundaries never depend on the pacing (a prompt is always
   fed ``prefill_chunk`` tokens at a time), only which round feeds them.
 
+* **speculation** (off unless ``drafter`` is set, :mod:`specmoe.serve.speculate`): a decode
+  step first drafts up to K tokens per request (K from the controller of the batch's size,
+  less what each request's ``max_tokens`` leaves), then verifies every row's pending token
+  and drafts in the same one batched forward (rows of different lengths: the shorter ones'
+  tail is holes), or in one forward of a request decoding alone; each request accepts with
+  its own sampling law and generator, its cache keeps the pending token and the accepted
+  drafts (the rest become holes, or are cropped off its own cache), and every accepted
+  token is emitted in order, so a request may advance several tokens per round.  A step
+  with K = 0 is the plain decode step above.
+
 A request leaves the running set as soon as it finishes (EOS, a stop string, ``max_tokens``),
 is cancelled (client gone: freed at the worker's next look at it, within one round) or fails.
 An exception inside the model while a request steps alone fails that request alone (its cache
@@ -57,7 +67,12 @@ other layer works per token) but whose matrix products see B rows instead of one
 logits may differ from the batch-1 forward's in the last bits; a longer prompt prefilled in
 chunks may round differently too.  The greedy tokens were equal to ``model.generate``'s alone
 in every test.  Sampling draws from a ``torch.Generator`` of the request's own (``seed``), so
-a seeded request gives the same tokens whatever else runs (up to such rounding).
+a seeded request gives the same tokens whatever else runs (up to such rounding).  With a
+drafter, greedy output is still the target's own (a draft is kept only where it equals the
+target's argmax), and sampled output follows the request's sampling law exactly (the
+speculative-sampling rule); but how many uniforms a step draws depends on K, which the
+controller of the batch's size picks, so a seeded request's tokens may then depend on its
+company.
 """
 from __future__ import annotations
 
@@ -75,8 +90,9 @@ from torch import nn
 
 from ..runtime.experts import find_engine
 from ..speculation.batch import BatchKV
-from ..speculation.decoding import cache_kwargs, input_device, new_kv
+from ..speculation.decoding import cache_kwargs, crop_kv, input_device, new_kv
 from ..speculation.sampling import Sampling
+from .speculate import Speculation, accept_rows
 
 _log = logging.getLogger("specmoe.serve")
 
@@ -141,11 +157,22 @@ class Request:
         self.t_last: Optional[float] = None    # time of the last new token
         self.gen: Optional[torch.Generator] = None
         self.sampling: Optional[Sampling] = None
+        self.drafting = False                  # the scheduler speculates (usage says so)
+        self.ngram: Any = None                 # its own n-gram index (drafter "ngram")
+        self.began_alone = False               # its controller state began (decoding alone)
+        self.proposed = 0                      # draft tokens verified for it
+        self.accepted = 0                      # ... of which accepted
 
     @property
-    def usage(self) -> Dict[str, int]:
+    def usage(self) -> Dict[str, Any]:
         n, m = len(self.prompt), len(self.generated)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+        out: Dict[str, Any] = {"prompt_tokens": n, "completion_tokens": m,
+                               "total_tokens": n + m}
+        if self.drafting:  # OpenAI's names for draft tokens a verification kept or dropped
+            out["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.accepted,
+                "rejected_prediction_tokens": self.proposed - self.accepted}
+        return out
 
 
 class Scheduler:
@@ -160,7 +187,9 @@ class Scheduler:
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
-                 batch_decode: bool = True, prefill_ratio: Optional[float] = None) -> None:
+                 batch_decode: bool = True, prefill_ratio: Optional[float] = None,
+                 drafter: Any = None, controller: Any = None,
+                 tau: Optional[str] = "auto") -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -179,6 +208,14 @@ class Scheduler:
         self.metrics = metrics
         self.engine = find_engine(model)
         self.device = input_device(model)
+        # speculative decoding (None: plain decoding; specmoe.serve.speculate)
+        self.spec: Optional[Speculation] = None
+        if drafter is not None and drafter != "none":
+            head = model.get_output_embeddings()
+            vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
+            self.spec = Speculation(model, self.engine, drafter, controller, tau, vocab)
+        elif controller is not None:
+            raise ValueError("a controller needs a drafter (drafter=None decodes plainly)")
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()   # [_cond]
         self.running: List[Request] = []       # the worker's own
@@ -380,11 +417,22 @@ class Scheduler:
             return
         rows = self._rows
         assert len(rows) == len(reqs), (len(rows), len(reqs))
+        spec = self.spec
+        drafts: List[List[int]] = [[] for _ in rows]
+        t0, loads0, t_draft = time.perf_counter(), (0, 0.0), 0.0
         try:
-            logits = self._bkv.forward([[r.generated[-1]] for r in rows])
+            if spec is not None:
+                loads0 = spec.loads()
+                ctl = spec.controller(len(rows),
+                                      max((r.prompt + r.generated for r in rows), key=len))
+                drafts = spec.draft_batch(self._bkv, rows, spec.ks(ctl.next_k(), rows))
+                t_draft = time.perf_counter() - t0
+            logits = self._bkv.forward([[r.generated[-1]] + d for r, d in zip(rows, drafts)])
         except Exception as exc:  # not pinned on anyone: every request retries alone
             _log.warning("specmoe serve: a batched decode step of %d requests failed (%s: "
                          "%s); each retries alone", len(rows), type(exc).__name__, exc)
+            for i, r in enumerate(rows):  # whatever a draft forward appended goes
+                self._bkv.keep(i, len(r.prompt) + len(r.generated) - 1)
             self._pause = _BATCH_PAUSE
             self._decode_alone(reqs)
             return
@@ -392,9 +440,16 @@ class Scheduler:
         self.peak_batch = max(self.peak_batch, len(rows))
         if self.metrics is not None:
             self.metrics.decode_batch(len(rows))
+        acc = [0] * len(rows)
         for i, req in enumerate(list(rows)):
             req.steps += 1
-            self._guarded(lambda r: self._pick(r, logits[i, 0]), req)
+
+            def verify(r: Request, i: int = i) -> None:
+                acc[i] = self._verify(r, logits[i, :len(drafts[i]) + 1], drafts[i], i)
+            self._guarded(verify, req)
+        if spec is not None:
+            self._bkv.trim()
+            spec.observe(ctl, [len(d) for d in drafts], acc, t0, t_draft, loads0)
 
     def _decode_alone(self, reqs: List[Request]) -> None:
         """A decode step of each request on its own cache (the batch, if any, dissolved)."""
@@ -507,22 +562,24 @@ class Scheduler:
         except Exception:  # a closed engine: keep the last figures
             pass
 
-    def _forward(self, req: Request, ids: List[int]) -> torch.Tensor:
-        """Logits [V] after feeding ``ids`` to the request's cache (the last position's)."""
+    def _forward(self, req: Request, ids: List[int], rows: int = 0) -> torch.Tensor:
+        """Logits [V] after feeding ``ids`` to the request's cache (the last position's);
+        ``rows`` > 0: the last ``rows`` positions' [rows, V]."""
         kv = req.kv
         S = kv.get_seq_length()
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         mask = torch.ones((1, S + len(ids)), dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, attention_mask=mask, use_cache=True, logits_to_keep=1,
-                         **cache_kwargs(self.model, kv))
+        out = self.model(input_ids=x, attention_mask=mask, use_cache=True,
+                         logits_to_keep=max(rows, 1), **cache_kwargs(self.model, kv))
         req.steps += 1
-        return out.logits[0, -1].cpu()
+        return out.logits[0, -rows:].cpu() if rows else out.logits[0, -1].cpu()
 
     def _start(self, req: Request) -> None:
         """A request's sampling state (its own generator, seeded), at its first step."""
         if req.gen is not None:
             return
         p = req.params
+        req.drafting = self.spec is not None
         req.gen = torch.Generator()
         if p.seed is None:
             req.gen.seed()
@@ -546,9 +603,53 @@ class Scheduler:
                 self.metrics.prompt_tokens(len(chunk))
             if req.fed < len(req.prompt):
                 return
+        elif self.spec is not None:
+            self._speculate_alone(req)
+            return
         else:
             logits = self._forward(req, [req.generated[-1]])
         self._pick(req, logits)
+
+    def _speculate_alone(self, req: Request) -> None:
+        """A decode step of ``req`` on its own cache with drafts: draft, verify them in one
+        forward, keep the accepted ones (the rest cropped off its cache)."""
+        spec = self.spec
+        assert spec is not None
+        t0, loads0 = time.perf_counter(), spec.loads()
+        ctl = spec.controller(1, req.prompt + req.generated, begin=not req.began_alone)
+        req.began_alone = True
+        drafts = spec.draft_alone(req, spec.ks(ctl.next_k(), [req])[0])
+        t_draft = time.perf_counter() - t0
+        logits = self._forward(req, [req.generated[-1]] + drafts, rows=len(drafts) + 1)
+        n = self._verify(req, logits, drafts, None)
+        spec.observe(ctl, [len(drafts)], [n], t0, t_draft, loads0)
+
+    def _verify(self, req: Request, logits: torch.Tensor, drafts: List[int],
+                row: Optional[int]) -> int:
+        """``req``'s next tokens from its verification ``logits`` [len(drafts) + 1, V] (the
+        pending token's and each draft's position): without drafts :meth:`_pick`; else the
+        acceptance rule, the cache (``row`` of the batch, or the request's own when None)
+        cut back to the pending token and the accepted drafts, and every new token emitted
+        until the request finishes.  Returns the drafts accepted."""
+        if not drafts:
+            self._pick(req, logits[0])
+            return 0
+        n, nxt = accept_rows(logits, drafts, req)
+        keep = len(req.prompt) + len(req.generated) + n
+        if row is None:
+            crop_kv(req.kv, keep)
+        else:
+            assert self._bkv is not None
+            self._bkv.keep(row, keep)
+        req.proposed += len(drafts)
+        req.accepted += n
+        if self.metrics is not None:
+            self.metrics.drafts(len(drafts), n)
+        for t in drafts[:n] + [nxt]:
+            self._emit(req, t)
+            if req.finished is not None:
+                break
+        return n
 
     def _pick(self, req: Request, logits: torch.Tensor) -> None:
         """The next token from the last position's ``logits`` [V]: argmax, or drawn from the

@@ -1,0 +1,239 @@
+"""Speculative decoding inside the server's scheduler: which drafter, how many drafts (K), and
+what each step taught the controller.
+
+One :class:`Speculation` per :class:`specmoe.serve.scheduler.Scheduler` (the worker's own; no
+lock).  The scheduler asks it, at every decode step, for the drafts of each request, runs
+the one verification forward itself (the batch's :class:`BatchKV` rows, or a request's own
+cache when it decodes alone), applies the acceptance rule with each request's own sampling
+law and generator, and reports the step back (:meth:`Speculation.observe`).
+
+Drafters (``drafter=``): ``"ngram"`` (prompt lookup in C; every request gets its own index,
+:meth:`NgramDrafter.clone`) or ``"self"`` (MoE-SpeQ's self-draft: the target with its routed
+experts in an int4 copy, drafting on the target's own cache, the batch's BatchKV rows at
+batch > 1 through :class:`BatchDraftModel` with ``shared``; its routing of the drafts is
+prefetched before the verification, ``Engine.lookahead``).  Drafts are proposed greedily (an
+n-gram's are deterministic anyway); a sampled request verifies them with the
+speculative-sampling rule, q one-hot at the draft, so its tokens follow its sampling law
+exactly.  A draft model with a cache of its own and the MTP drafter are not served yet (a
+draft cache per request, or the MTP masks per row, would have to follow the batch's rows).
+
+K (``controller=``): one controller per decode batch-size bucket (1, 2, 4, 8, ... the power of
+two at or above the batch size), so each learns the plain-step time and the utility of K at
+its own batch size (the gamma-tolerance paper, section 3.1: tau and hence the K that pays
+fall with the batch) without being reset every time a request comes or goes.  Every row of a
+step gets the same K, less what its ``max_tokens`` leaves (the target always adds a token of
+its own).  With ``tau="auto"`` an adaptive controller is pruned by tau(g, B) measured at its
+bucket the first time the bucket is used (:func:`specmoe.speculation.tau.target_tau`, kept
+on the Engine: a one-off pause of the worker per bucket) and by the success condition
+(section 3.1, eq. 1), as in :func:`specmoe.generate`; a static K runs as given.  A request
+decoding alone starts its own Cascade/SpeQ state (``begin_request``) at its first step on
+the batch-1 controller; a batch's controller keeps the batch's state, whose rows change
+step by step (its ETR is the mean over the rows: ``observe(rows_k=, rows_accepted=)``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..speculation.batch import BatchDraftModel, BatchKV
+from ..speculation.controllers import Cascade, Controller, Heuristic, SpeqGovernor, StaticK
+from ..speculation.drafters import DraftModel, NgramDrafter, SelfDraft, propose
+from ..speculation.mtp import MtpDrafter
+from ..speculation.tau import target_tau
+
+__all__ = ["DRAFTERS", "Speculation", "controller_factory"]
+
+#: The drafter names ``specmoe serve --drafter`` takes ("none": plain decoding).
+DRAFTERS = ("none", "ngram", "self")
+
+
+def controller_factory(spec: Union[str, Callable[[], Controller], None]
+                       ) -> Callable[[], Controller]:
+    """A callable making a fresh controller: ``None``/``"cascade"`` (the default),
+    ``"speq"``, ``"heuristic"``, ``"static:K"`` (a fixed K >= 0), or a callable returning a
+    :class:`specmoe.speculation.controllers.Controller`.  ValueError for another name."""
+    if spec is None or spec == "cascade":
+        return Cascade
+    if callable(spec) and not isinstance(spec, str):
+        return spec
+    if spec == "speq":
+        return SpeqGovernor
+    if spec == "heuristic":
+        return Heuristic
+    if isinstance(spec, str) and spec.startswith("static:"):
+        try:
+            k = int(spec.split(":", 1)[1])
+        except ValueError:
+            k = -1
+        if k < 0:
+            raise ValueError(f"controller {spec!r}: static:K needs an integer K >= 0")
+        return lambda: StaticK(k)
+    raise ValueError(f"unknown controller {spec!r}: cascade, speq, heuristic, static:K or a "
+                     "callable returning a specmoe.speculation.controllers.Controller")
+
+
+def _bucket(batch: int) -> int:
+    return 1 << max(0, (int(batch) - 1).bit_length())
+
+
+class Speculation:
+    """The scheduler's drafter and controllers (module docstring).
+
+    ``drafter``: ``"ngram"``, ``"self"``, an :class:`NgramDrafter` (its settings are cloned
+    per request) or a :class:`SelfDraft` of ``model``'s Engine.  ``engine``: the model's
+    Engine or None (``"self"`` needs one).  ``tau``: ``"auto"`` or None (no pruning)."""
+
+    def __init__(self, model: Any, engine: Any, drafter: Any,
+                 controller: Union[str, Callable[[], Controller], None] = None,
+                 tau: Optional[str] = "auto", vocab: int = 0) -> None:
+        if tau not in ("auto", None):
+            raise ValueError(f"tau must be 'auto' or None, got {tau!r}")
+        if drafter == "ngram":
+            drafter = NgramDrafter()
+        elif drafter == "self":
+            if engine is None or not callable(getattr(engine, "enable_self_draft", None)):
+                raise ValueError("drafter 'self' drafts with the model's own experts in int4: "
+                                 "it needs a model offloaded by specmoe (an Engine)")
+            drafter = SelfDraft(engine)
+        elif isinstance(drafter, str):
+            raise ValueError(f"unknown drafter {drafter!r}: one of {', '.join(DRAFTERS)}")
+        if isinstance(drafter, MtpDrafter):
+            raise ValueError("the MTP drafter is not served yet (its masks per row would have "
+                             "to follow the batch's rows): use 'ngram' or 'self'")
+        if isinstance(drafter, SelfDraft):
+            if not drafter.share_kv:
+                raise ValueError("serve drafts a SelfDraft on the target's cache: give one "
+                                 "with share_kv=True")
+        elif isinstance(drafter, DraftModel):
+            raise ValueError("a draft model with a KV cache of its own is not served yet (its "
+                             "cache would have to follow every request): use 'ngram' or "
+                             "'self'")
+        elif not isinstance(drafter, NgramDrafter):
+            raise TypeError(f"drafter must be 'ngram', 'self', an NgramDrafter or a SelfDraft, "
+                            f"got {type(drafter).__name__}")
+        self.model, self.engine, self.drafter = model, engine, drafter
+        self.make_controller = controller_factory(controller)
+        probe = self.make_controller()
+        if not isinstance(probe, Controller):
+            raise TypeError(f"the controller factory returned {type(probe).__name__}, not a "
+                            "specmoe.speculation.controllers.Controller")
+        self.tau = tau
+        self.vocab = int(vocab)
+        self.controllers: Dict[int, Controller] = {}   # batch-size bucket -> its controller
+        self.proposed = 0                              # draft tokens verified, all requests
+        self.accepted = 0
+        self.steps = 0                                 # verification forwards with a draft
+
+    @property
+    def name(self) -> str:
+        return "self" if isinstance(self.drafter, SelfDraft) else "ngram"
+
+    def controller(self, batch: int, history: Sequence[int], begin: bool = False
+                   ) -> Controller:
+        """The controller of ``batch``'s bucket (made, and its tau measured on ``history``,
+        on first use); ``begin``: a request starts decoding alone (its own Cascade/SpeQ
+        state: ``begin_request``)."""
+        b = _bucket(batch)
+        ctl = self.controllers.get(b)
+        if ctl is None:
+            ctl = self.make_controller()
+            prune = self.tau is not None and not isinstance(ctl, StaticK)
+            ctl.set_success(prune)
+            ctl.set_batch(b)
+            if prune:
+                ctl.set_tau(target_tau(self.model, list(history), ctl.k_max + 1, self.engine,
+                                       batch=b))
+            self.controllers[b] = ctl
+        if begin:
+            ctl.begin_request()
+        return ctl
+
+    def ks(self, k: int, reqs: Sequence[Any]) -> List[int]:
+        """Per request: K less what its ``max_tokens`` leaves after this step's own token."""
+        return [max(0, min(k, r.params.max_tokens - len(r.generated) - 1)) for r in reqs]
+
+    def _ngram(self, req: Any) -> NgramDrafter:
+        if req.ngram is None:
+            req.ngram = self.drafter.clone()
+        return req.ngram
+
+    def draft_alone(self, req: Any, k: int) -> List[int]:
+        """``k`` drafts (or fewer) for ``req`` decoding on its own cache ``req.kv``."""
+        if k <= 0:
+            return []
+        hist = req.prompt + req.generated
+        if isinstance(self.drafter, SelfDraft):
+            self.drafter.bind_kv(req.kv)   # drafts on the request's cache, cropped back after
+            try:
+                d = propose(self.drafter, hist, k, None, None, self.vocab,
+                            prefetch=self.engine is not None)
+            finally:
+                self.drafter.bind_kv(None)
+            if d.routing and self.engine is not None:
+                self.engine.lookahead(d.routing)
+            return d.tokens
+        return propose(self._ngram(req), hist, k, None, None, self.vocab).tokens
+
+    def draft_batch(self, bkv: BatchKV, reqs: Sequence[Any], ks: List[int]
+                    ) -> List[List[int]]:
+        """Drafts of every row of ``bkv`` (``reqs`` in row order), ``ks[i]`` at most each."""
+        if max(ks, default=0) <= 0:
+            return [[] for _ in reqs]
+        if isinstance(self.drafter, SelfDraft):
+            hists = [r.prompt + r.generated for r in reqs]
+            drafts, _, routing = BatchDraftModel(self.drafter, len(reqs), shared=bkv).draft(
+                hists, ks, None, None)
+            if routing and self.engine is not None:
+                self.engine.lookahead(routing)
+            return drafts
+        return [self.draft_alone(r, k) for r, k in zip(reqs, ks)]
+
+    def observe(self, ctl: Controller, kd: List[int], acc: List[int], t0: float,
+                t_draft: float, loads0: Tuple[int, float]) -> None:
+        """One step's outcome to ``ctl``: drafts verified (``kd``) and accepted (``acc``) per
+        row, the step's seconds since ``t0`` (``t_draft`` of them drafting), the Engine's
+        loads since ``loads0``."""
+        t_iter = max(time.perf_counter() - t0, 1e-9)
+        l1, s1 = self.engine.loads() if self.engine is not None else (0, 0.0)
+        n_load, t_io = l1 - loads0[0], max(0.0, min(s1 - loads0[1], t_iter))
+        t_draft = min(t_draft, t_iter)
+        k_used = max(kd, default=0)
+        kw: Dict[str, Any] = {"t_draft": t_draft, "t_io": min(t_io, t_iter - t_draft)}
+        if len(kd) > 1:
+            short = [a for a, k in zip(acc, kd) if a < k]
+            ctl.observe(k_used, min(short) if short else k_used, t_iter, n_load,
+                        rows_k=kd, rows_accepted=acc, **kw)
+        else:
+            ctl.observe(k_used, acc[0] if acc else 0, t_iter, n_load, **kw)
+        if k_used:
+            self.steps += 1
+        self.proposed += sum(kd)
+        self.accepted += sum(acc)
+
+    def loads(self) -> Tuple[int, float]:
+        return self.engine.loads() if self.engine is not None else (0, 0.0)
+
+    def stats(self) -> Dict[str, Any]:
+        """Drafts proposed and accepted so far, and each bucket's K now."""
+        return {"drafter": self.name, "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance": self.accepted / self.proposed if self.proposed else None,
+                "steps_with_drafts": self.steps,
+                "k_now": {b: c.next_k() for b, c in sorted(self.controllers.items())}}
+
+
+def accept_rows(logits: Any, drafts: List[int], req: Any) -> Tuple[int, int]:
+    """The acceptance rule on one request's verification ``logits`` [kd + 1, V]: greedy, or
+    speculative sampling with its law and generator (drafts deterministic: q one-hot)."""
+    import torch
+
+    from ..speculation.verify import accept
+    kd = len(drafts)
+    if req.sampling is None:
+        p, u = logits.float().contiguous().numpy(), None
+    else:
+        p = req.sampling.probs(logits).numpy()
+        u = torch.rand((kd + 1, 2), generator=req.gen, dtype=torch.float64).numpy()
+    n, nxt = accept(p, np.asarray(drafts, np.int64), None, u, check=u is not None)
+    return int(n), int(nxt)

@@ -1,0 +1,279 @@
+"""Speculative decoding inside the server's scheduler (specmoe.serve.speculate): every
+request's greedy tokens equal model.generate's for it alone, with drafts verified in the
+batch's one forward or on a request's own cache; the cache keeps only the accepted drafts;
+faults and bad arguments."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import specmoe  # noqa: E402
+from specmoe.serve.scheduler import GenParams, Request, Scheduler  # noqa: E402
+from specmoe.serve.speculate import Speculation, controller_factory  # noqa: E402
+from specmoe.speculation.controllers import Cascade, StaticK  # noqa: E402
+
+ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
+pytestmark = pytest.mark.skipif(not (ZOO / "model.safetensors").is_file(),
+                                reason="the zoo model is not packaged")
+
+# prompts whose continuations repeat (the n-gram drafter finds drafts) and one that does not
+TEXTS = ["def parse(line):\n    return line\n\n\ndef parse(line):",
+         "import os\nimport sys\nimport os\nimport",
+         "The quick brown fox jumps over the lazy dog and the",
+         "for i in range(10):\n    print(i)\nfor i in range(10):\n"]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    import os
+    old = os.environ.get("SPECMOE_CACHE")
+    os.environ["SPECMOE_CACHE"] = str(tmp_path_factory.mktemp("specmoe-cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    from transformers import AutoTokenizer
+    model = specmoe.from_pretrained(str(ZOO), cache="25%")
+    tok = AutoTokenizer.from_pretrained(str(ZOO))
+    prompts = [tok(t).input_ids for t in TEXTS]
+    refs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=N, pad_token_id=tok.eos_token_id)
+        refs.append(out[0, len(ids):].tolist())
+    yield {"model": model, "tok": tok, "prompts": prompts, "refs": refs}
+    specmoe.engine_of(model).close()
+    torch.set_num_threads(threads)
+    if old is None:
+        os.environ.pop("SPECMOE_CACHE", None)
+    else:
+        os.environ["SPECMOE_CACHE"] = old
+
+
+def _run(sch, prompts, max_tokens=N, stagger=0.0, **params):
+    """Submit every prompt (together, or ``stagger`` seconds apart, so that later ones join
+    a running batch) and wait until each finishes: the requests."""
+    done, reqs = threading.Event(), []
+    n = len(prompts)
+
+    def sink(ev):
+        if ev[0] in ("done", "error") and len(reqs) == n and all(r.finished for r in reqs):
+            done.set()
+    p = dict(max_tokens=max_tokens, temperature=0)
+    p.update(params)
+    if stagger:
+        for ids in prompts:
+            reqs.append(Request(ids, GenParams(**p), sink))
+            sch.submit(reqs[-1])
+            time.sleep(stagger)
+    else:
+        with sch._cond:  # admitted in one round
+            for ids in prompts:
+                reqs.append(Request(ids, GenParams(**p), sink))
+                sch.submit(reqs[-1])
+    assert done.wait(120), [r.finished for r in reqs]
+    assert all(r.finished == "length" for r in reqs), [(r.finished, r.error) for r in reqs]
+    t0 = time.time()
+    while sch.running:  # the round that emitted the last token ends (its step observed)
+        assert time.time() - t0 < 10, "the scheduler did not go idle"
+        time.sleep(0.005)
+    return reqs
+
+
+def _slow(model, s=0.004):
+    """Every forward takes >= s seconds: requests submitted apart overlap on any host."""
+    return model.model.layers[0].register_forward_pre_hook(lambda m, a: time.sleep(s))
+
+
+@pytest.mark.parametrize("batch_decode", [True, False])
+def test_ngram_drafts_keep_greedy_tokens_exact(zoo, batch_decode):
+    """A fixed K = 3 (every step drafts): requests decoding together in one batched forward
+    (or each on its own cache) get exactly model.generate's tokens alone, and drafts were
+    proposed and accepted on the way."""
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8,
+                    batch_decode=batch_decode, drafter="ngram", controller="static:3")
+    try:
+        hook = _slow(zoo["model"])
+        try:
+            reqs = _run(sch, zoo["prompts"], stagger=0.01)
+        finally:
+            hook.remove()
+        for r, ref in zip(reqs, zoo["refs"]):
+            assert r.generated == ref
+            assert r.usage["completion_tokens_details"] == {
+                "accepted_prediction_tokens": r.accepted,
+                "rejected_prediction_tokens": r.proposed - r.accepted}
+        st = sch.spec.stats()
+        assert st["proposed"] > 0 and 0 < st["accepted"] <= st["proposed"], st
+        assert sum(r.accepted for r in reqs) == st["accepted"]
+        # fewer forwards than tokens: accepted drafts saved steps
+        assert sum(r.steps for r in reqs) < sum(len(r.generated) + 1 for r in reqs)
+        if batch_decode:
+            assert sch.batched_steps > 0 and sch.peak_batch >= 2
+            assert set(sch.spec.controllers) >= {2} or set(sch.spec.controllers) >= {4}
+        else:
+            assert sch.batched_steps == 0 and set(sch.spec.controllers) == {1}
+    finally:
+        sch.close()
+
+
+def test_self_draft_keeps_greedy_tokens_exact(zoo):
+    """MoE-SpeQ's int4 self-draft drafting on the target's cache (the batch's rows, or a
+    request's own): the tokens are the target's, the drafts mostly accepted."""
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8,
+                    drafter="self", controller="static:2")
+    try:
+        reqs = _run(sch, zoo["prompts"][:3])           # a batch of 3
+        reqs += _run(sch, zoo["prompts"][3:])          # one alone
+        for r, ref in zip(reqs, zoo["refs"]):
+            assert r.generated == ref
+        st = sch.spec.stats()
+        assert st["steps_with_drafts"] > 0 and st["accepted"] > st["proposed"] // 2, st
+        assert sch.batched_steps > 0
+    finally:
+        sch.close()
+
+
+def test_sampling_verifies_drafts_with_the_requests_law(zoo):
+    """Sampled requests go through the speculative-sampling rule (drafts one-hot); with
+    top_k=1 their law is the argmax, so the tokens must be the greedy ones: the rule, the
+    cache rollback and every request's generator are exercised, the result is exact."""
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8,
+                    drafter="ngram", controller="static:4")
+    try:
+        reqs = _run(sch, zoo["prompts"], temperature=0.8, top_k=1, seed=3)
+        for r, ref in zip(reqs, zoo["refs"]):
+            assert r.sampling is not None and r.generated == ref
+        assert sch.spec.accepted > 0
+    finally:
+        sch.close()
+
+
+def test_cascade_runs_per_batch_bucket_and_stays_exact(zoo):
+    """The default controller (Cascade with tau and the success condition): one per batch-
+    size bucket, tau measured at that batch; the tokens stay exact whatever K it picks."""
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8, drafter="ngram")
+    try:
+        reqs = _run(sch, zoo["prompts"], max_tokens=N)
+        for r, ref in zip(reqs, zoo["refs"]):
+            assert r.generated == ref
+        assert all(isinstance(c, Cascade) for c in sch.spec.controllers.values())
+        assert 4 in sch.spec.controllers
+        eng = specmoe.engine_of(zoo["model"])
+        assert eng.tau.table(4), "tau(g, 4) was not measured"
+        assert len(sch.spec.controllers[4].telemetry()["k"]) > 0
+    finally:
+        sch.close()
+
+
+def test_a_fault_in_a_batched_verification_is_retried_alone(zoo):
+    """A batched verification forward (several rows, several tokens each) that raises is
+    pinned on no request: the rows go back to caches of their own holding only their
+    verified tokens, and every request still gets model.generate's tokens."""
+    model = zoo["model"]
+    fired = []
+
+    def fault(module, args, kwargs):
+        hs = args[0] if args else kwargs["hidden_states"]
+        if hs.shape[0] >= 2 and hs.shape[1] >= 2 and not fired and sch.batched_steps:
+            fired.append(tuple(hs.shape))
+            raise RuntimeError("injected fault in a batched verification")
+
+    sch = Scheduler(model, zoo["tok"], max_batch=4, prefill_chunk=64, drafter="ngram",
+                    controller="static:3")
+    hook = model.model.layers[-1].register_forward_pre_hook(fault, with_kwargs=True)
+    try:
+        reqs = _run(sch, zoo["prompts"])
+    finally:
+        hook.remove()
+        sch.close()
+    assert fired, "no batched verification ran"
+    for r, ref in zip(reqs, zoo["refs"]):
+        assert r.generated == ref
+
+
+def test_bad_arguments_are_named(zoo):
+    m, tok = zoo["model"], zoo["tok"]
+    with pytest.raises(ValueError, match="unknown drafter"):
+        Scheduler(m, tok, drafter="medusa")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Scheduler(m, tok, controller="cascade")
+    with pytest.raises(ValueError, match="static:K"):
+        controller_factory("static:x")
+    with pytest.raises(ValueError, match="unknown controller"):
+        controller_factory("fastest")
+    with pytest.raises(TypeError, match="not a"):
+        Speculation(m, None, "ngram", controller=lambda: 3)
+    with pytest.raises(ValueError, match="tau"):
+        Speculation(m, None, "ngram", tau="sometimes")
+    with pytest.raises(ValueError, match="offloaded"):
+        Speculation(m, None, "self")
+    from specmoe.speculation.drafters import DraftModel
+    with pytest.raises(ValueError, match="not served yet"):
+        Scheduler(m, tok, drafter=DraftModel(m))
+    assert isinstance(controller_factory("static:0")(), StaticK)
+
+
+def test_cli_checks_the_controller_before_loading(capsys):
+    from specmoe.cli import main
+    for argv, name in ((["--drafter", "ngram", "--controller", "quick"], "--controller 'quick'"),
+                       (["--controller", "static:-1"], "--controller 'static:-1'")):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", str(ZOO) + "-missing"] + argv)  # refused before the path is read
+        err = capsys.readouterr().err
+        assert exc.value.code == 1 and name in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(ZOO), "--drafter", "mtp"])
+    assert exc.value.code == 2  # argparse: not a choice
+
+
+def test_served_with_a_drafter_through_the_openai_client(zoo):
+    """``app(..., drafter="ngram")`` over HTTP: streamed and not, the official client gets
+    model.generate's text; usage reports the drafts (OpenAI's accepted/rejected prediction
+    tokens) and /metrics counts them."""
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from specmoe.serve import app
+    from tests.conftest import free_port
+    tok = zoo["tok"]
+    asgi = app(zoo["model"], tok, model_name="tiny", drafter="ngram", controller="static:3")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        t0 = time.time()
+        while not server.started:
+            assert th.is_alive() and time.time() - t0 < 30, "the server did not start"
+            time.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        want = tok.decode(zoo["refs"][0], skip_special_tokens=True)
+        r = c.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=N, temperature=0)
+        assert r.choices[0].text == want
+        d = r.usage.completion_tokens_details
+        assert d.accepted_prediction_tokens > 0 and d.rejected_prediction_tokens >= 0
+        chunks = c.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=N,
+                                      temperature=0, stream=True,
+                                      stream_options={"include_usage": True})
+        parts, usage = [], None
+        for ch in chunks:
+            parts += [x.text for x in ch.choices]
+            usage = ch.usage or usage
+        assert "".join(parts) == want
+        assert usage.completion_tokens == N
+        text = httpx.get(base + "/metrics").text
+        acc = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith('specmoe_draft_tokens_total{outcome="accepted"}')]
+        assert acc and acc[0] >= 2 * d.accepted_prediction_tokens, text[-2000:]
+    finally:
+        server.should_exit = True
+        th.join(30)
