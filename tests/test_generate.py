@@ -196,6 +196,39 @@ def test_self_draft_lookahead_prefetch(pair):
     assert nodraft.stats["lookahead_recall"] is None
 
 
+def test_self_draft_routing_fidelity_against_the_recorded_trace(pair, monkeypatch):
+    """MoE-SpeQ Fig. 6 on the zoo model (f32 target, int4 self-draft): every (verified input,
+    layer) the draft routed is classed hard / soft / mismatch against the target's routing
+    of that token; the engine's counts equal a plain count over the routing the trace
+    recorder saw in the verification passes and the draft rows handed to lookahead()."""
+    model, _, eng, ids = pair
+    handed = []
+    real = eng.lookahead
+    monkeypatch.setattr(eng, "lookahead", lambda counts, tokens=None: (
+        handed.append({p: r.copy() for p, r in tokens.items()}), real(counts, tokens))[1])
+    eng.reset_stats()
+    with eng.trace() as tr:
+        out = generate(model, ids, SelfDraft(eng), StaticK(3), max_new_tokens=20,
+                       eos_token_id=None, tau=None)
+    assert out.sequences[0, ids.shape[1]:].tolist() == hf_greedy(model, ids, 20)
+    passes = [e for e in tr._rec.experts[1:] if e.shape[0] >= 2]  # after the prefill
+    assert len(passes) == len(handed) > 0
+    want = {"hard": 0, "soft": 0, "mismatch": 0}
+    for rows, t in zip(handed, passes):
+        for pos, d in rows.items():
+            assert d.shape[0] == t.shape[0] - 1        # the pending token and k - 1 drafts
+            for j in range(d.shape[0]):
+                a, b = d[j].tolist(), t[j, pos].tolist()
+                want["hard" if a == b else "soft" if sorted(a) == sorted(b)
+                     else "mismatch"] += 1
+    st = eng.stats()
+    assert st["routing_fidelity_pairs"] == want
+    L = len(eng.layer_ids)
+    assert sum(want.values()) == L * sum(i["k"] for i in out.iterations)
+    assert st["routing_fidelity"]["hard"] == pytest.approx(want["hard"] / sum(want.values()))
+    assert out.stats["routing_fidelity"] == pytest.approx(st["routing_fidelity"])
+
+
 def test_self_draft_queues_each_step_as_it_routes(pair, monkeypatch):
     """MoE-SpeQ's pipeline: with prefetch on, every draft step queues the experts it routes
     its newest token to while the draft goes on -- the same experts as the lookahead buffer

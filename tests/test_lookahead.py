@@ -50,3 +50,52 @@ def test_bad_input_leaves_the_buffer_unchanged():
         assert all(np.array_equal(buf.masks[p], before[p]) for p in before)
     lay, exp = buf.pending()
     assert lay.tolist() == [0, 2] and exp.tolist() == [1, 3]
+
+
+def _classify(d, t):
+    """The plain reference of MoE-SpeQ Fig. 6's classes for one token."""
+    if list(d) == list(t):
+        return 0
+    return 1 if sorted(d) == sorted(t) else 2
+
+
+def test_routing_fidelity_classes_match_a_plain_count():
+    from specmoe.runtime.lookahead import routing_fidelity
+    d = np.array([[1, 2], [1, 2], [1, 2], [3, 4]])
+    t = np.array([[1, 2], [2, 1], [1, 5], [4, 3], [0, 1]])   # one row more: not compared
+    assert routing_fidelity(d, t).tolist() == [1, 2, 1]
+    with pytest.raises(ValueError, match="top-2"):
+        routing_fidelity(d, np.zeros((4, 3), np.int64))
+    rng = np.random.default_rng(1)
+    buf = LookaheadBuffer(L, E)
+    want = np.zeros(3, np.int64)
+    for _ in range(30):
+        n = int(rng.integers(1, 4))
+        rows = {p: np.stack([rng.permutation(E)[:2] for _ in range(n)]) for p in range(L)
+                if rng.random() < 0.7}
+        buf.set({p: np.bincount(r.ravel(), minlength=E) for p, r in rows.items()}, rows)
+        for p in range(L):
+            # the target agrees with the draft on some tokens, permutes or changes others
+            t = np.stack([rng.permutation(E)[:2] for _ in range(n + 1)])
+            for j in range(n):
+                if p in rows and rng.random() < 0.6:
+                    t[j] = rows[p][j][::-1] if rng.random() < 0.5 else rows[p][j]
+                if p in rows:
+                    want[_classify(rows[p][j], t[j])] += 1
+            buf.layer_done(p, np.zeros(E, np.uint8), t)
+    s = buf.stats()
+    assert [s["routing_fidelity_pairs"][c] for c in ("hard", "soft", "mismatch")] == \
+        want.tolist()
+    assert sum(s["routing_fidelity"].values()) == pytest.approx(1.0)
+    assert s["routing_fidelity"]["hard"] == pytest.approx(want[0] / want.sum())
+    buf.reset_stats()
+    assert buf.stats()["routing_fidelity"] is None
+
+
+def test_bad_token_rows_leave_the_buffer_unchanged():
+    buf = LookaheadBuffer(L, E)
+    buf.set({0: np.ones(E)}, {0: np.array([[1, 2]])})
+    for bad in ({L: np.array([[1, 2]])}, {0: np.array([1, 2])}, {0: np.array([[0.5, 1.0]])}):
+        with pytest.raises(ValueError, match="token rows"):
+            buf.set({1: np.ones(E)}, bad)
+        assert list(buf.masks) == [0] and list(buf.rows) == [0]

@@ -462,7 +462,8 @@ class Engine(EngineCommon):
         self._layers.forward(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used, scores,
                              not self._la.active, flags)
         if self._la.active:
-            self._la.layer_done(pos, used)
+            # (the router's own top-k, before any miss handling re-routes a copy of it)
+            self._la.layer_done(pos, used, idx.detach().numpy() if self._la.rows else None)
             if self.protect_lookahead and self._cache is not None:
                 self._protect()  # this layer's experts are used: unprotect them
         if self.recorder is not None:  # trace() on: no call per layer otherwise
@@ -566,7 +567,8 @@ class Engine(EngineCommon):
             self._draft_queued += len(e)
         return out.to(hidden.dtype)
 
-    def lookahead(self, counts: dict[int, np.ndarray]) -> None:
+    def lookahead(self, counts: dict[int, np.ndarray],
+                  tokens: dict[int, np.ndarray] | None = None) -> None:
         """Draft-driven prefetch (MoE-SpeQ's expert lookahead buffer) for the next forward pass:
         ``counts[pos]`` [E] holds how many of the pass's tokens the draft expects to route to
         each expert of MoE layer ``pos`` (0: not expected).  Every expected expert is queued to
@@ -577,8 +579,11 @@ class Engine(EngineCommon):
         experts are also evicted last, under any policy (:meth:`ExpertCache.protect`), each
         layer's until the pass has run that layer (MoE-SpeQ's lookahead-aware eviction).  The
         precision and recall of the prediction against what the pass used are counted in
-        :meth:`stats` (``lookahead_precision``, ``lookahead_recall``)."""
-        arrays = self._la.set(counts)  # validated before anything changes
+        :meth:`stats` (``lookahead_precision``, ``lookahead_recall``); with ``tokens[pos]``,
+        the draft's top-k per token [n, k] of the pass's first n tokens, so is its routing
+        fidelity (``routing_fidelity``: hard / soft / mismatch shares, MoE-SpeQ Fig. 6;
+        :mod:`specmoe.runtime.lookahead`)."""
+        arrays = self._la.set(counts, tokens)  # validated before anything changes
         utility = self._cache.utility if (self._counts_fed and self._cache is not None and
                                           self._cache.policy in UTILITY_POLICIES) else None
         lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids), utility)

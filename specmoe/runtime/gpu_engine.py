@@ -386,7 +386,8 @@ class GpuEngine(EngineCommon):
         """What Python keeps after a layer (as the CPU Engine): the lookahead's accounting and
         shield, and trace recording."""
         if self._la.active:  # this layer of the lookahead's pass ran: count, unshield
-            self._la.layer_done(pos, used)
+            self._la.layer_done(pos, used, idx.detach().cpu().numpy() if self._la.rows
+                                else None)
             if self.protect_lookahead:
                 self._protect()
         if self.recorder is not None:  # trace(): the same recorder as the CPU's
@@ -477,15 +478,17 @@ class GpuEngine(EngineCommon):
         """The self-draft copy's format, None before :meth:`enable_self_draft`."""
         return self._draft.dtype if self._draft is not None else None
 
-    def lookahead(self, counts: dict[int, np.ndarray]) -> None:
+    def lookahead(self, counts: dict[int, np.ndarray],
+                  tokens: dict[int, np.ndarray] | None = None) -> None:
         """Draft-driven prefetch for the next forward pass, as :meth:`specmoe.Engine.lookahead`
         (MoE-SpeQ's expert lookahead buffer): every expected expert queued at once, earlier
         layers first (:func:`specmoe.runtime.lookahead.lookahead_queue`, the CPU's rule; the GPU
         cache does not answer utilities, so within a layer the order is by expert), the next
         pass's per-layer prefetch added to it, and with ``protect_lookahead`` the expected
-        experts evicted last until their layer has run."""
+        experts evicted last until their layer has run; ``tokens``: the draft's top-k per
+        token, for the routing fidelity (as on the CPU)."""
         with self._lock:
-            arrays = self._la.set(counts)  # validated before anything changes
+            arrays = self._la.set(counts, tokens)  # validated before anything changes
             if self._cache is None:
                 return
             lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids))

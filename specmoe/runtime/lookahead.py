@@ -6,6 +6,13 @@ the draft's routing (:meth:`Engine.lookahead`), queues its experts to the prefet
 protects them from eviction until their layer has run (lookahead-aware eviction) and tells it
 when each layer of the pass is done.  The buffer itself touches no cache: it holds the masks
 and the counters, so it can be tested and reasoned about on its own.
+
+Routing fidelity (MoE-SpeQ Sec. 2.5, Fig. 6): when the draft also gives its top-k per token
+(``tokens`` of :meth:`LookaheadBuffer.set`: the rows of the verification's first tokens, in
+the router's order of importance), each (token, layer) of the pass is classed against the
+target's own top-k as it routes: a **hard** match (the same experts in the same order), a
+**soft** match (the same set in another order) or a **mismatch** (at least one expert
+differs).  The paper measured 44.1 % / 46.8 % / 9.1 % for an int4 draft of Qwen-MoE.
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["LookaheadBuffer", "draft_step_priorities", "lookahead_queue"]
+__all__ = ["LookaheadBuffer", "draft_step_priorities", "lookahead_queue", "routing_fidelity"]
 
 
 class LookaheadBuffer:
@@ -29,18 +36,32 @@ class LookaheadBuffer:
         self.num_layers = int(num_layers)
         self.num_experts = int(num_experts)
         self.masks: dict[int, np.ndarray] = {}
+        self.rows: dict[int, np.ndarray] = {}   # pos -> the draft's top-k per token [n, k]
         self.predicted = self.actual = self.true_positive = 0
+        self.fidelity = np.zeros(3, np.int64)   # (token, layer) pairs: hard, soft, mismatch
 
     @property
     def active(self) -> bool:
         """Whether a pass's prediction is pending."""
         return bool(self.masks)
 
-    def set(self, counts: Mapping[int, Any]) -> dict[int, np.ndarray]:
+    def set(self, counts: Mapping[int, Any],
+            tokens: Mapping[int, Any] | None = None) -> dict[int, np.ndarray]:
         """Replace the buffer with ``counts[pos]`` [E] > 0 (how many tokens the draft routes to
         each expert of MoE layer ``pos``); returns the counts as float64 arrays by position.
-        ValueError on a position outside the model or a wrong shape."""
+        ``tokens[pos]``: the draft's top-k expert ids [n, k] of the pass's first n tokens, in
+        the router's order (routing fidelity, module docstring).  ValueError on a position
+        outside the model or a wrong shape."""
         L, E = self.num_layers, self.num_experts
+        rows: dict[int, np.ndarray] = {}
+        for pos, r in (tokens or {}).items():
+            a = np.asarray(r)
+            if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) \
+                    or not (0 <= pos < L) or a.ndim != 2 or a.dtype.kind not in "iu":
+                raise ValueError(f"lookahead: token rows of position {pos!r} must be integer "
+                                 f"ids [n, k] for 0 <= position < {L}, got {a.dtype} "
+                                 f"{a.shape}")
+            rows[int(pos)] = a.astype(np.int64)
         arrays: dict[int, np.ndarray] = {}
         for pos, c in counts.items():
             a = np.asarray(c)
@@ -53,18 +74,25 @@ class LookaheadBuffer:
                                  f"{a.dtype} {'with NaN' if a.dtype.kind == 'f' else ''}")
             arrays[int(pos)] = a.astype(np.float64)
         self.masks = {pos: a > 0 for pos, a in arrays.items()}
+        self.rows = rows
         return arrays
 
-    def layer_done(self, pos: int, used: np.ndarray) -> None:
-        """Layer ``pos`` of the pass ran and used the experts flagged in ``used`` [E]."""
+    def layer_done(self, pos: int, used: np.ndarray, idx: Any = None) -> None:
+        """Layer ``pos`` of the pass ran and used the experts flagged in ``used`` [E];
+        ``idx``: the target's top-k ids per token [T, k] (counts the routing fidelity of the
+        draft's token rows for this layer, if any)."""
         mask = self.masks.pop(pos, None)
+        rows = self.rows.pop(pos, None)
         if pos == self.num_layers - 1:
             self.masks.clear()  # a lookahead is for one pass
+            self.rows.clear()
         if mask is not None:
             act = np.asarray(used).astype(bool)
             self.predicted += int(mask.sum())
             self.actual += int(act.sum())
             self.true_positive += int((mask & act).sum())
+        if rows is not None and idx is not None:
+            self.fidelity += routing_fidelity(rows, np.asarray(idx))
 
     def pending(self) -> tuple[np.ndarray, np.ndarray]:
         """(layers, experts) of the predictions for layers still to run, int64."""
@@ -76,10 +104,17 @@ class LookaheadBuffer:
 
     def reset_stats(self) -> None:
         self.predicted = self.actual = self.true_positive = 0
+        self.fidelity[:] = 0
 
     def stats(self) -> dict[str, Any]:
-        """Precision and recall of the predictions against what the passes used."""
+        """Precision and recall of the predictions against what the passes used, and the
+        routing fidelity: (token, layer) pairs by class, and their shares."""
+        n = int(self.fidelity.sum())
+        h, s, m = (int(x) for x in self.fidelity)
         return {
+            "routing_fidelity": ({"hard": h / n, "soft": s / n, "mismatch": m / n}
+                                 if n else None),
+            "routing_fidelity_pairs": {"hard": h, "soft": s, "mismatch": m},
             "lookahead_precision": (self.true_positive / self.predicted
                                     if self.predicted else None),
             "lookahead_recall": self.true_positive / self.actual if self.actual else None,
@@ -87,6 +122,24 @@ class LookaheadBuffer:
             "lookahead_used": self.actual,
             "lookahead_hits": self.true_positive,
         }
+
+
+def routing_fidelity(draft: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """(hard, soft, mismatch) counts of the draft's top-k rows ``draft`` [n, k] against the
+    target's ``target`` [>= n, k] (its first n rows: the same tokens), MoE-SpeQ Fig. 6: the
+    same ids in the same order; the same set in another order; any other."""
+    d = np.asarray(draft)
+    n = min(d.shape[0], target.shape[0])
+    if n == 0:
+        return np.zeros(3, np.int64)
+    d, t = d[:n], np.asarray(target)[:n]
+    if d.shape[1] != t.shape[1]:
+        raise ValueError(f"routing_fidelity: the draft's top-{d.shape[1]} against the "
+                         f"target's top-{t.shape[1]}")
+    hard = (d == t).all(1)
+    same = (np.sort(d, 1) == np.sort(t, 1)).all(1)
+    h, s = int(hard.sum()), int((same & ~hard).sum())
+    return np.array([h, s, n - h - s], np.int64)
 
 
 def lookahead_queue(arrays: Mapping[int, np.ndarray], num_layers: int,

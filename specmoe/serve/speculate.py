@@ -172,7 +172,7 @@ class Speculation:
             finally:
                 self.drafter.bind_kv(None)
             if d.routing and self.engine is not None:
-                self.engine.lookahead(d.routing)
+                self.engine.lookahead(d.routing, d.token_routing)
             return d.tokens
         return propose(self._ngram(req), hist, k, None, None, self.vocab).tokens
 

@@ -25,11 +25,15 @@ class Draft:
         deterministic proposal (n-gram lookup, greedy drafting).
     routing: for a drafter that runs the target's routers (:class:`SelfDraft`): MoE layer
         position -> activation counts [E] over the verification inputs the draft routed.
+    token_routing: the same drafter's top-k expert ids per verification input it routed,
+        MoE layer position -> [n, k] in the router's order (the routing fidelity's rows,
+        :meth:`specmoe.runtime.engine.Engine.lookahead`).
     """
 
     tokens: List[int]
     probs: Optional[torch.Tensor] = None
     routing: Optional[Dict[int, np.ndarray]] = None
+    token_routing: Optional[Dict[int, np.ndarray]] = None
 
 
 def cache_kwargs(model: nn.Module, kv: Any) -> Dict[str, Any]:

@@ -104,9 +104,13 @@ class DraftModel:
                 logits = self._run([t])
         # the last draft token was not fed: the cache holds history + toks[:-1]
         self._seen = h + toks[:-1]
-        return Draft(toks, torch.stack(rows) if rows else None, self._routing(len(h) - n, k))
+        return Draft(toks, torch.stack(rows) if rows else None, self._routing(len(h) - n, k),
+                     self._token_routing())
 
     def _routing(self, fed_first: int, k: int) -> Optional[Dict[int, np.ndarray]]:
+        return None
+
+    def _token_routing(self) -> Optional[Dict[int, np.ndarray]]:
         return None
 
 
@@ -207,6 +211,15 @@ class SelfDraft(DraftModel):
                 c = counts.setdefault(pos, np.zeros(E, np.int64))
                 np.add.at(c, rows.ravel(), 1)
         return counts
+
+    def _token_routing(self) -> Optional[Dict[int, np.ndarray]]:
+        # the verification's inputs in order: the pending token (the first forward's last
+        # row), then one draft per later forward
+        per: Dict[int, List[np.ndarray]] = {}
+        for i, rec in enumerate(self._rec):
+            for pos, idx in rec:
+                per.setdefault(pos, []).append(idx[-1:] if i == 0 else idx)
+        return {pos: np.concatenate(r, 0) for pos, r in per.items()}
 
 
 def propose(drafter: Any, history: List[int], k: int, sampling: Optional[Sampling],

@@ -230,7 +230,9 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     its: List[Dict[str, Any]] = []
     loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
     la_keys = ("lookahead_predicted", "lookahead_used", "lookahead_hits")
-    la0 = {n: engine.stats()[n] for n in la_keys} if engine is not None else {}
+    es0 = engine.stats() if engine is not None else {}
+    la0 = {n: es0[n] for n in la_keys} if engine is not None else {}
+    fid0 = dict(es0.get("routing_fidelity_pairs") or {})
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -248,7 +250,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             t_draft = time.perf_counter() - t0
             kd = len(d.tokens)
             if lookahead and d.routing and engine is not None:
-                engine.lookahead(d.routing)
+                engine.lookahead(d.routing, d.token_routing)
             nxt = None
             if fast is not None and kd == 0 and sampling is None and mtp is None:
                 # a plain greedy step in one C call, its logits left in C (None: the forward)
@@ -317,10 +319,16 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         l1, s1 = engine.loads()
         es = engine.stats()
         pr, used, hits = (es[n] - la0[n] for n in la_keys)
+        fid = {c: n - fid0.get(c, 0) for c, n in (es.get("routing_fidelity_pairs") or {}).items()}
+        nf = sum(fid.values())
         stats.update({"experts_loaded": l1 - loaded0,
                       "experts_loaded_per_token": (l1 - loaded0) / max(1, new_tokens),
                       "stall_s": s1 - stall0,
                       "lookahead_predicted": pr, "lookahead_used": used, "lookahead_hits": hits,
                       "lookahead_precision": hits / pr if pr else None,
-                      "lookahead_recall": hits / used if used else None})
+                      "lookahead_recall": hits / used if used else None,
+                      # MoE-SpeQ Fig. 6: the self-draft's top-k against the target's, per
+                      # (verified input, layer) -- hard / soft / mismatch shares
+                      "routing_fidelity": {c: n / nf for c, n in fid.items()} if nf
+                      else None})
     return GenerateOutput(torch.tensor([seq], dtype=torch.long), stats, its)
