@@ -65,7 +65,9 @@ Method (the machines are shared and noisy, so every comparison is paired in time
   the median tok/s; tok/s = new tokens / wall time of ``generate`` summed over the requests
   (prefill included, the same for every row); ``etr``, ``acceptance``, ``k_mean`` and
   ``experts_loaded_per_token`` (experts read from the store while decoding) pool all repeats;
-  self rows add the draft-driven lookahead's ``lookahead_precision`` / ``lookahead_recall``;
+  self rows add the draft-driven lookahead's ``lookahead_precision`` / ``lookahead_recall``
+  and ``routing_fidelity`` (MoE-SpeQ Fig. 6: the shares of (verified input, layer) pairs
+  whose draft top-k equals the target's in order -- hard --, as a set -- soft --, or not);
 * ``outputs_equal``: every request's tokens equal nospec's in every repeat (greedy decoding
   must not change the output); a false value is a bug, reported not hidden.
 
@@ -269,7 +271,8 @@ class Row:
             self.ctl = make_controller(spec_row["controller"], spec_row["k"], self.drafter)
         self.tot: Dict[str, Any] = {"tokens": 0, "time_s": 0.0, "iterations": 0, "proposed": 0,
                                     "accepted": 0, "experts_loaded": 0, "la_predicted": 0,
-                                    "la_true_positive": 0, "la_actual": 0}
+                                    "la_true_positive": 0, "la_actual": 0,
+                                    "fidelity": {"hard": 0, "soft": 0, "mismatch": 0}}
         self.outputs: List[List[int]] = []
         self.per_request: List[float] = []  # tok/s of each request
 
@@ -294,6 +297,8 @@ class Row:
             t["la_predicted"] += s["lookahead_predicted"]
             t["la_true_positive"] += s["lookahead_hits"]
             t["la_actual"] += s["lookahead_used"]
+        for c, n in (eng.stats().get("routing_fidelity_pairs") or {}).items():
+            t["fidelity"][c] += n  # (stats were reset before the request)
         self.outputs.append(o.sequences[0, len(ids):].tolist())
         self.per_request.append(s["new_tokens"] / s["time_s"])
 
@@ -588,6 +593,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             pr, tp, ac = total("la_predicted"), total("la_true_positive"), total("la_actual")
             row["lookahead_precision"] = _r(tp / pr) if pr else None
             row["lookahead_recall"] = _r(tp / ac) if ac else None
+            fid = {c: sum(x.tot["fidelity"][c] for x in rr) for c in ("hard", "soft",
+                                                                       "mismatch")}
+            nf = sum(fid.values())
+            row["routing_fidelity"] = {c: _r(n / nf) for c, n in fid.items()} if nf else None
         out_rows.append(row)
 
     def find(w: str, d: Optional[str], c: str, k: Optional[int] = None) -> Dict[str, Any]:

@@ -88,6 +88,10 @@ def test_row_fields(result):
         if r["drafter"] == "self":
             for f in ("lookahead_precision", "lookahead_recall"):
                 assert f in r and (r[f] is None or 0.0 <= r[f] <= 1.0), r
+            fid = r["routing_fidelity"]
+            if r["k_mean"]:  # drafts were verified: every pair is in one class
+                assert set(fid) == {"hard", "soft", "mismatch"}, r
+                assert abs(sum(fid.values()) - 1.0) < 0.01, fid
 
 
 def test_greedy_outputs_equal_plain_decoding(result):
