@@ -34,13 +34,15 @@ def _zoo_ready() -> bool:
 
 @pytest.mark.skipif(not _zoo_ready(), reason="zoo weights not in the package")
 def test_speculation_notebook_runs():
-    """notebooks/speculation.ipynb runs one request under Cascade and plots its telemetry."""
+    """notebooks/speculation.ipynb runs one request under Cascade and plots its telemetry,
+    then the SpeQ governor's amortization roofline."""
     nb, outputs = _execute("speculation.ipynb")
     text = "".join(o.get("text", "") for o in outputs)
     assert "cascade:" in text and "tokens/iteration" in text
     assert "iterations per phase:" in text and "back-off stretches" in text
+    assert "governor picks k=" in text and "compute roof" in text
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 2  # K/utility for the n-gram drafter and for the draft model
+    assert len(images) == 3  # K/utility (n-gram drafter, draft model), the SpeQ roofline
 
 
 @pytest.mark.skipif(not _zoo_ready(), reason="zoo weights not in the package")

@@ -326,6 +326,20 @@ static PyObject *SpecController_speq_model(SpecControllerObject *self, PyObject 
                          smoe_spec_speq_cycle_time(self->c, (int32_t)k));
 }
 
+static PyObject *SpecController_speq_parts(SpecControllerObject *self, PyObject *arg) {
+    CTL_CHECK(self);
+    long k = PyLong_AsLong(arg);
+    if (k == -1 && PyErr_Occurred()) return NULL;
+    double p[4];
+    if (k < 0 || k > self->c->params.k_max ||
+        smoe_spec_speq_cycle_parts(self->c, (int32_t)k, p) != 0) {
+        PyErr_Format(PyExc_ValueError, "speq_parts: the speq controller only, k in 0..k_max=%d, "
+                     "got %ld", (int)self->c->params.k_max, k);
+        return NULL;
+    }
+    return Py_BuildValue("(dddd)", p[0], p[1], p[2], p[3]);
+}
+
 static PyObject *SpecController_get_name(SpecControllerObject *self, void *closure) {
     (void)closure;
     CTL_CHECK(self);
@@ -404,6 +418,8 @@ static PyMethodDef SpecController_methods[] = {
      "k_planned, experts_loaded), oldest first."},
     {"speq_model", (PyCFunction)SpecController_speq_model, METH_O,
      "speq_model(k) -> (E[N(k)], T_cycle(k)) of the speq governor's current model."},
+    {"speq_parts", (PyCFunction)SpecController_speq_parts, METH_O,
+     "speq_parts(k) -> (draft, first fetch, verify, io) seconds: T_cycle(k)'s terms."},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef SpecController_getset[] = {

@@ -405,5 +405,11 @@ uint32_t smoe_spec_ctl_telemetry(const smoe_spec_ctl *c, smoe_spec_rec *out);
  * Return NaN for other controllers or k out of range. */
 double smoe_spec_speq_expected_tokens(const smoe_spec_ctl *c, int32_t k);
 double smoe_spec_speq_cycle_time(const smoe_spec_ctl *c, int32_t k);
+/* T_cycle(k)'s terms in seconds (Eq. 3; their sum, floored at 1e-12, is the cycle time):
+ * parts[0] drafting k tokens, [1] the first mandatory expert fetch (t_first), [2] verifying
+ * k + 1 tokens, [3] loading the experts the draft adds (io_cost[k]).  The amortization
+ * roofline (Sec. 3.2.1) splits them into compute ([0] + [2]) and synchronous I/O ([1] + [3]).
+ * Returns -1 (parts untouched) for another controller or k out of range. */
+int smoe_spec_speq_cycle_parts(const smoe_spec_ctl *c, int32_t k, double parts[4]);
 
 #endif

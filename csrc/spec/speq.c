@@ -92,9 +92,20 @@ static double verify_time(const smoe_spec_ctl *c, const speq_state *s, int32_t g
     return t > 0.0 ? t : 0.0;
 }
 
+/* T_cycle(k)'s terms (Eq. 3): parts[0] drafting k tokens, [1] the first mandatory fetch,
+ * [2] verifying k + 1 tokens, [3] loading the experts the draft adds (io_cost[k]). */
+static void cycle_parts(const smoe_spec_ctl *c, const speq_state *s, int32_t k,
+                        double parts[4]) {
+    parts[0] = (double)k * s->t_draft_tok;
+    parts[1] = c->params.t_first;
+    parts[2] = verify_time(c, s, k + 1);
+    parts[3] = c->io_cost[k];
+}
+
 static double cycle_time(const smoe_spec_ctl *c, const speq_state *s, int32_t k) {
-    double t = (double)k * s->t_draft_tok + c->params.t_first + verify_time(c, s, k + 1) +
-               c->io_cost[k];
+    double p[4];
+    cycle_parts(c, s, k, p);
+    double t = p[0] + p[1] + p[2] + p[3];
     return t > 1e-12 ? t : 1e-12;
 }
 
@@ -177,4 +188,10 @@ double smoe_spec_speq_expected_tokens(const smoe_spec_ctl *c, int32_t k) {
 double smoe_spec_speq_cycle_time(const smoe_spec_ctl *c, int32_t k) {
     if (c->ops != &smoe_spec_speq || k < 0 || k > c->params.k_max) return NAN;
     return cycle_time(c, c->state, k);
+}
+
+int smoe_spec_speq_cycle_parts(const smoe_spec_ctl *c, int32_t k, double parts[4]) {
+    if (c->ops != &smoe_spec_speq || k < 0 || k > c->params.k_max) return -1;
+    cycle_parts(c, c->state, k, parts);
+    return 0;
 }

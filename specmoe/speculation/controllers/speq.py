@@ -55,6 +55,13 @@ class SpeqGovernor(Controller):
         e, t = self._c.speq_model(k)
         return float(e), float(t)
 
+    def model_parts(self, k: int) -> tuple[float, float, float, float]:
+        """T_cycle(k)'s terms (Eq. 3) in seconds: (drafting k tokens, the first mandatory
+        fetch, verifying k + 1 tokens, loading the experts the draft adds); compute is the
+        first and third, synchronous I/O the second and fourth
+        (:mod:`specmoe.speculation.roofline`)."""
+        return tuple(float(x) for x in self._c.speq_parts(check_int("k", k, 0)))  # type: ignore[return-value]
+
 
 def ttft_k_max(budget_s: float, t_prefill: float, t_draft_tok: float,
                t_verify: Mapping[int, float], t_first: float = 0.0, k_max: int = 8) -> int:
