@@ -118,6 +118,16 @@ DRAFTERS = ("ngram", "draft", "self", "self-overlap", "mtp")
 CONTROLLERS: Tuple[Tuple[str, Optional[int]], ...] = (
     ("static", 1), ("static", 2), ("static", 3), ("heuristic", None), ("cascade", None),
     ("speq", None))
+# Cascade's ablation (the Cascade paper, Sec. 7, Fig. 18: its optimizations enabled one by one
+# on top of static K = k_start = 3): "cascade-disable" tests K = 3 alone and turns speculation
+# off for a constant S iterations when it does not pay (trials=1: no hill climbing;
+# backoff_max=set_len: no doubling); "cascade-backoff" adds the doubling back-off;
+# "cascade-k3" adds hill climbing (the whole controller from k_start = 3; "cascade" is the
+# same from specmoe's default centre, 2)
+ABLATIONS: Tuple[Tuple[str, Optional[int]], ...] = (
+    ("cascade-disable", None), ("cascade-backoff", None), ("cascade-k3", None))
+CONTROLLER_NAMES = {f"{c}{k if k is not None else ''}": (c, k)
+                    for c, k in CONTROLLERS + ABLATIONS}
 K_MAX = 8  # the adaptive controllers' largest K (their default)
 SHARE_KV = [True]  # --self-kv: the self-draft on the target's KV cache (set in main)
 MTP: List[Any] = [None]  # --mtp-adapter: the loaded MtpAdapter (set in main)
@@ -221,6 +231,12 @@ def make_controller(name: str, k: Optional[int], drafter: Any = None) -> spec.Co
         return spec.Heuristic(initial=min(5, k_max), k_max=k_max)
     if name == "cascade":
         return spec.Cascade(k_max=k_max)
+    if name == "cascade-disable":
+        return spec.Cascade(k_max=k_max, initial=min(3, k_max), trials=1, backoff_max=16)
+    if name == "cascade-backoff":
+        return spec.Cascade(k_max=k_max, initial=min(3, k_max), trials=1)
+    if name == "cascade-k3":
+        return spec.Cascade(k_max=k_max, initial=min(3, k_max))
     if name == "speq":
         return spec.SpeqGovernor(k_max=k_max)
     raise ValueError(name)
@@ -432,6 +448,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tau", choices=("auto", "off"), default="auto",
                     help="gamma-tolerance pruning for the adaptive controllers")
     ap.add_argument("--seed", type=int, default=0, help="choice of documents and windows")
+    ap.add_argument("--controllers", default=",".join(
+                        f"{c}{k if k is not None else ''}" for c, k in CONTROLLERS),
+                    help="comma-separated rows per drafter, from "
+                         f"{','.join(CONTROLLER_NAMES)} (cascade-*: Cascade's ablation, "
+                         "Fig. 18)")
     ap.add_argument("--batch", default=None,
                     help="comma-separated batch sizes (e.g. 1,4,16): run the batched table "
                          "instead of the batch-1 one (see run_batches)")
@@ -439,6 +460,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.quick:
         a.requests, a.new_tokens, a.repeats = 2, 8, 1
     drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
+    ctl_names = [c.strip() for c in a.controllers.split(",") if c.strip()]
+    bad_c = [c for c in ctl_names if c not in CONTROLLER_NAMES]
+    if bad_c or not ctl_names:
+        ap.error(f"--controllers: unknown {bad_c}; choose from {list(CONTROLLER_NAMES)}")
+    controllers = [CONTROLLER_NAMES[c] for c in ctl_names]
     bad = [d for d in drafters if d not in DRAFTERS]
     if bad or not drafters:
         ap.error(f"--drafters: unknown {bad}; choose from {DRAFTERS}")
@@ -529,7 +555,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for w in WORKLOADS:
             rows.append({"workload": w, "drafter": None, "controller": "nospec", "k": None})
             for d in drafters:
-                for c, k in CONTROLLERS:
+                for c, k in controllers:
                     rows.append({"workload": w, "drafter": d, "controller": c, "k": k})
         per = len(rows) // len(WORKLOADS)
         res: List[List[Row]] = [[] for _ in rows]  # [row][repeat]
@@ -604,14 +630,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                     and x["controller"] == c and x["k"] == k)
 
     targets: Dict[str, Any] = {"cascade_worst_vs_nospec": {}, "cascade_vs_best_static_on_mix": {}}
-    for d in drafters:
+    have = set(controllers)
+    for d in (drafters if ("cascade", None) in have else []):
         per_w = {w: find(w, d, "cascade")["tok_per_s_vs_nospec"] for w in WORKLOADS}
         worst = min(per_w, key=lambda w: per_w[w])
         targets["cascade_worst_vs_nospec"][d] = {
             "workload": worst, "ratio": per_w[worst], "target": 0.95,
             "met": bool(per_w[worst] >= 0.95),
             "ratio_median_per_request": find(worst, d, "cascade")["ratio_median_per_request"]}
-        st = {k: find("mix", d, "static", k)["tok_per_s_vs_nospec"] for k in (1, 2, 3)}
+        st = {k: find("mix", d, "static", k)["tok_per_s_vs_nospec"] for k in (1, 2, 3)
+              if ("static", k) in have}
+        if not st:
+            continue
         kbest = max(st, key=lambda k: st[k])
         casc = find("mix", d, "cascade")["tok_per_s_vs_nospec"]
         ratio = casc / st[kbest]
@@ -625,7 +655,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             "target": "tiny-moe", "draft": "tiny-draft", "cache": a.cache, "dtype": a.dtype,
             "policy": "lru", "prefetch": True, "threads": a.threads, "requests": a.requests,
             "new_tokens": a.new_tokens, "repeats": a.repeats, "quick": a.quick,
-            "drafters": drafters, "k_max_adaptive": K_MAX, "seed": a.seed,
+            "drafters": drafters, "controllers": ctl_names, "k_max_adaptive": K_MAX,
+            "seed": a.seed,
             "throttle": a.throttle, "protect_lookahead": a.protect == "on",
             "self_kv": a.self_kv,
             "prompts": {w: [name for name, _ in work[w]] for w in WORKLOADS},

@@ -191,3 +191,27 @@ def test_offload_benchmark_smoke():
         assert r["setting"] == st["name"] and r["outputs_equal"] is True, r
         assert _finite_pos(r["tok_per_s_vs_plain"]) and len(r["ratio_per_repeat"]) == 1
     assert res["config"]["host"]["cpu"]
+
+
+def test_cascade_ablation_rows():
+    """--controllers with Cascade's ablation (Fig. 18's steps): each row present per workload,
+    greedy output equal to plain decoding's, the Cascade-only targets skipped cleanly."""
+    if not _zoo_ready():
+        pytest.skip("zoo weights not in the package")
+    names = ["static3", "cascade-disable", "cascade-backoff", "cascade-k3"]
+    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", "--drafters", "ngram",
+                        "--controllers", ",".join(names)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert res["config"]["controllers"] == names
+    got = {(r["workload"], r["controller"], r["k"]) for r in res["rows"] if r["drafter"]}
+    want = {(w, c, k) for w in WORKLOADS for c, k in
+            [("static", 3), ("cascade-disable", None), ("cascade-backoff", None),
+             ("cascade-k3", None)]}
+    assert got == want
+    assert all(r["outputs_equal"] is True for r in res["rows"])
+    assert res["targets"]["cascade_worst_vs_nospec"] == {}   # no plain "cascade" row
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--controllers", "fastest"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--controllers" in bad.stderr
