@@ -18,8 +18,11 @@ second, so that on the zoo pair too a token's misses take R times its compute.
 Rows per setting: plain decoding; the n-gram lookup, the draft model (tiny-draft), the int4
 self-draft (MoE-SpeQ, on the target's KV cache, with and without lookahead prefetch) and the
 MTP adapter (the zoo's tiny-moe-mtp), each under Cascade and the SpeQ governor, and a static
-K=2 self-draft row as the controllers' reference.  Every row's greedy output must equal plain
-decoding's (``outputs_equal``).
+K=2 self-draft row as the controllers' reference; ``--ablation`` adds MoE-SpeQ's ablation
+against the whole design (self-draft, SpeQ governor, lookahead prefetch, lookahead-aware
+eviction): static K=3 instead of the governor, no lookahead prefetch, no lookahead-aware
+eviction (``protect_lookahead``).  Every row's greedy output must equal plain decoding's
+(``outputs_equal``).
 
 Method: 2 requests (one code, one prose prompt from held-out stdlib files, as in
 speculation.py) x ``--new-tokens`` tokens x ``--repeats``; request-major rounds (every row runs
@@ -104,20 +107,26 @@ SETTINGS = {
                                     c),
 }
 
-# (drafter, controller, k, lookahead)
-ROWS = [(None, "nospec", None, True),
-        ("ngram", "cascade", None, True), ("ngram", "speq", None, True),
-        ("draft", "cascade", None, True), ("draft", "speq", None, True),
-        ("self", "cascade", None, True), ("self", "speq", None, True),
-        ("self", "cascade", None, False), ("self", "static", 2, True),
-        ("mtp", "cascade", None, True), ("mtp", "speq", None, True)]
+# (drafter, controller, k, lookahead, lookahead-aware eviction)
+ROWS = [(None, "nospec", None, True, True),
+        ("ngram", "cascade", None, True, True), ("ngram", "speq", None, True, True),
+        ("draft", "cascade", None, True, True), ("draft", "speq", None, True, True),
+        ("self", "cascade", None, True, True), ("self", "speq", None, True, True),
+        ("self", "cascade", None, False, True), ("self", "static", 2, True, True),
+        ("mtp", "cascade", None, True, True), ("mtp", "speq", None, True, True)]
+# MoE-SpeQ's ablation (issue 39 item 4), with ("self", "speq", None, True, True) the whole
+# design: the governor replaced by a static K (static 2 above, and 3), the lookahead prefetch
+# off, the lookahead-aware eviction off
+SPEQ_ABLATION = [("self", "static", 3, True, True), ("self", "speq", None, False, True),
+                 ("self", "speq", None, True, False)]
 
 
 def _row_name(r: tuple) -> str:
-    d, c, k, la = r
+    d, c, k, la, protect = r
     if d is None:
         return "plain"
-    return f"{d}/{c}{k or ''}{'' if la else '/no-lookahead'}"
+    return (f"{d}/{c}{k or ''}{'' if la else '/no-lookahead'}"
+            f"{'' if protect else '/no-protect'}")
 
 
 def calibrate(model: Any, eng: Any, ids: List[int], cache: float, tokens: int) -> Dict[str, float]:
@@ -145,6 +154,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dtype", default="f32", help="store dtype of the offloaded experts")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 tokens, 1 repeat, "
                     "one setting")
+    ap.add_argument("--ablation", action="store_true",
+                    help="add MoE-SpeQ's ablation rows (static K, no lookahead prefetch, no "
+                         "lookahead-aware eviction, each against self/speq)")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON here")
     a = ap.parse_args(argv)
     if a.quick:
@@ -183,7 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 generate(model, torch.tensor([warm]), dr, spec.StaticK(2) if dr else None,
                          max_new_tokens=12, eos_token_id=None, tau=None, engine=eng)
         tau = target_tau(model, warm, S.tau_g_max(["ngram", "mtp"]), eng)
-        total = len(settings) * a.repeats * len(requests) * len(ROWS)
+        rows_run = ROWS + (SPEQ_ABLATION if a.ablation else [])
+        total = len(settings) * a.repeats * len(requests) * len(rows_run)
         bar = tqdm(total=total, desc="speculation_offload", unit="req", file=sys.stderr)
         for st in settings:
             cal = calibrate(model, eng, warm, st["cache"], a.new_tokens)
@@ -193,14 +206,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                                "throttle_gbps": round(gbps, 4), "throttle_latency_us": 0.0})
             results["settings"].append(st)
             eng.set_miss(throttle=(gbps, 0.0))
-            tok_s: Dict[str, List[float]] = {_row_name(r): [] for r in ROWS}
-            equal = {_row_name(r): True for r in ROWS}
+            tok_s: Dict[str, List[float]] = {_row_name(r): [] for r in rows_run}
+            equal = {_row_name(r): True for r in rows_run}
             stats = {_row_name(r): {"tokens": 0, "proposed": 0, "accepted": 0, "iterations": 0,
-                                    "loads": 0} for r in ROWS}
+                                    "loads": 0} for r in rows_run}
             for rep in range(a.repeats):
                 # fresh drafters and controllers per repeat, kept across its requests
                 state = {}
-                for r in ROWS:
+                for r in rows_run:
                     dr = S.make_drafter(r[0], eng, draft_model)
                     ctl = S.make_controller(r[1], r[2], dr) if dr is not None else None
                     state[_row_name(r)] = (r, dr, ctl, [0, 0.0])
@@ -215,6 +228,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         name = _row_name(r)
                         bar.set_postfix_str(f"{st['name']} {name}")
                         eng.set_cache(st["cache"])
+                        eng.protect_lookahead = r[4]
                         eng.reset_stats()
                         row_tau = S.row_tau_table(tau, dr) if r[1] not in ("static", "nospec") \
                             else None
@@ -237,13 +251,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         equal[name] = equal[name] and outs[name] == outs["plain"]
                 for name, (_r, _dr, _ctl, acc) in state.items():
                     tok_s[name].append(acc[0] / acc[1])
-            for r in ROWS:
+            for r in rows_run:
                 name = _row_name(r)
                 ratios = [x / p for x, p in zip(tok_s[name], tok_s["plain"])]
                 t = stats[name]
                 results["rows"].append({
                     "setting": st["name"], "ratio_link_over_compute": round(st["ratio"], 2),
                     "drafter": r[0], "controller": r[1], "k": r[2], "lookahead": r[3],
+                    "protect_lookahead": r[4],
                     "tok_per_s_vs_plain": round(statistics.median(ratios), 4),
                     "ratio_per_repeat": [round(x, 3) for x in ratios],
                     "tok_per_s": round(statistics.median(tok_s[name]), 2),
@@ -283,7 +298,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{st['zoo']['throttle_gbps']} GB/s")
         print(f"{'setting':16} {'row':28} {'vs plain':>8} {'tok/s':>7} {'etr':>5} {'k':>5} equal")
         for x in rows:
-            name = _row_name((x["drafter"], x["controller"], x["k"], x["lookahead"]))
+            name = _row_name((x["drafter"], x["controller"], x["k"], x["lookahead"],
+                              x["protect_lookahead"]))
             print(f"{x['setting']:16} {name:28} {x['tok_per_s_vs_plain']:8.3f} "
                   f"{x['tok_per_s']:7.1f} {x['etr']:5.2f} {x['k_mean']:5.2f} "
                   f"{x['outputs_equal']}")

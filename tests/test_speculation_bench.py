@@ -165,14 +165,15 @@ def test_batch_table_smoke():
 
 
 def test_offload_benchmark_smoke():
-    """benchmarks/speculation_offload.py --quick: one link setting, every row once, the
+    """benchmarks/speculation_offload.py --quick --ablation: one link setting, every row once
+    (MoE-SpeQ's ablation rows included), the
     throttle derived from the setting's ratio and the zoo model's own measurements, and every
     speculative row's greedy output equal to plain decoding's."""
     if not _zoo_ready():
         pytest.skip("zoo weights not in the package")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculation_offload.py"),
-                        "--quick", "--json"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+                        "--quick", "--json", "--ablation"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.strip()][-1])
     (st,) = res["settings"]
@@ -184,9 +185,14 @@ def test_offload_benchmark_smoke():
     assert _finite_pos(z["throttle_gbps"]) and _finite_pos(z["plain_step_ms"])
     assert z["throttle_gbps"] * 1e9 == pytest.approx(
         z["expert_bytes_per_token"] / (st["ratio"] * z["plain_step_ms"] / 1e3), rel=2e-2)
-    rows = {(r["drafter"], r["controller"], r["k"], r["lookahead"]) for r in res["rows"]}
-    assert (None, "nospec", None, True) in rows and ("self", "cascade", None, False) in rows
-    assert len(rows) == len(res["rows"]) == 11
+    rows = {(r["drafter"], r["controller"], r["k"], r["lookahead"], r["protect_lookahead"])
+            for r in res["rows"]}
+    assert (None, "nospec", None, True, True) in rows
+    assert ("self", "cascade", None, False, True) in rows
+    # MoE-SpeQ's ablation: static K, no lookahead prefetch, no lookahead-aware eviction
+    assert {("self", "static", 3, True, True), ("self", "speq", None, False, True),
+            ("self", "speq", None, True, False)} <= rows
+    assert len(rows) == len(res["rows"]) == 14
     for r in res["rows"]:
         assert r["setting"] == st["name"] and r["outputs_equal"] is True, r
         assert _finite_pos(r["tok_per_s_vs_plain"]) and len(r["ratio_per_repeat"]) == 1
