@@ -2,9 +2,11 @@
 set), else from the small subset carried in tests/data/puffin (see its README)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -33,6 +35,24 @@ def puffin_subset():
     from specmoe.sim.traces import load_puffin
 
     return load_puffin(SUBSET)
+
+
+@contextlib.contextmanager
+def specmoe_cache_and_one_thread(cache_dir: Path) -> Iterator[None]:
+    """Inside the block: stores under ``cache_dir`` ($SPECMOE_CACHE) and one torch thread (a
+    module fixture's zoo server); both restored after."""
+    import torch
+    old, threads = os.environ.get("SPECMOE_CACHE"), torch.get_num_threads()
+    os.environ["SPECMOE_CACHE"] = str(cache_dir)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if old is None:
+            os.environ.pop("SPECMOE_CACHE", None)
+        else:
+            os.environ["SPECMOE_CACHE"] = old
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 
 import specmoe  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.conftest import free_port, specmoe_cache_and_one_thread  # noqa: E402
 from specmoe.cli import main  # noqa: E402
 from specmoe.serve import app  # noqa: E402
 
@@ -71,10 +71,11 @@ def _greedy(model, tok, ids, n):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("specmoe-cache")
-    old = os.environ.get("SPECMOE_CACHE")
-    os.environ["SPECMOE_CACHE"] = str(cache_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    with specmoe_cache_and_one_thread(cache_dir):
+        yield from _serve(cache_dir)
+
+
+def _serve(cache_dir):
     from transformers import AutoTokenizer
     model = specmoe.from_pretrained(str(ZOO), cache="25%")
     tok = AutoTokenizer.from_pretrained(str(ZOO))
@@ -105,11 +106,6 @@ def served(tmp_path_factory):
     server.should_exit = True
     th.join(30)
     specmoe.engine_of(model).close()
-    torch.set_num_threads(threads)
-    if old is None:
-        os.environ.pop("SPECMOE_CACHE", None)
-    else:
-        os.environ["SPECMOE_CACHE"] = old
 
 
 def _auth():

@@ -17,6 +17,7 @@ import specmoe  # noqa: E402
 from specmoe.serve.scheduler import GenParams, Request, Scheduler  # noqa: E402
 from specmoe.serve.speculate import Speculation, controller_factory  # noqa: E402
 from specmoe.speculation.controllers import Cascade, StaticK  # noqa: E402
+from tests.conftest import specmoe_cache_and_one_thread  # noqa: E402
 
 ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
 pytestmark = pytest.mark.skipif(not (ZOO / "model.safetensors").is_file(),
@@ -32,11 +33,11 @@ N = 24
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    import os
-    old = os.environ.get("SPECMOE_CACHE")
-    os.environ["SPECMOE_CACHE"] = str(tmp_path_factory.mktemp("specmoe-cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    with specmoe_cache_and_one_thread(tmp_path_factory.mktemp("specmoe-cache")):
+        yield from _zoo()
+
+
+def _zoo():
     from transformers import AutoTokenizer
     model = specmoe.from_pretrained(str(ZOO), cache="25%")
     tok = AutoTokenizer.from_pretrained(str(ZOO))
@@ -49,11 +50,6 @@ def zoo(tmp_path_factory):
         refs.append(out[0, len(ids):].tolist())
     yield {"model": model, "tok": tok, "prompts": prompts, "refs": refs}
     specmoe.engine_of(model).close()
-    torch.set_num_threads(threads)
-    if old is None:
-        os.environ.pop("SPECMOE_CACHE", None)
-    else:
-        os.environ["SPECMOE_CACHE"] = old
 
 
 def _run(sch, prompts, max_tokens=N, stagger=0.0, **params):
