@@ -92,7 +92,8 @@ from ..runtime.experts import find_engine
 from ..speculation.batch import BatchKV
 from ..speculation.decoding import cache_kwargs, crop_kv, input_device, new_kv
 from ..speculation.sampling import Sampling
-from .speculate import Speculation, accept_rows
+from ..speculation.verify import accept_logits
+from .speculate import Speculation
 
 _log = logging.getLogger("specmoe.serve")
 
@@ -423,8 +424,8 @@ class Scheduler:
         try:
             if spec is not None:
                 loads0 = spec.loads()
-                ctl = spec.controller(len(rows),
-                                      max((r.prompt + r.generated for r in rows), key=len))
+                ctl = spec.controller(len(rows), lambda: max(
+                    (r.prompt + r.generated for r in rows), key=len))
                 drafts = spec.draft_batch(self._bkv, rows, spec.ks(ctl.next_k(), rows))
                 t_draft = time.perf_counter() - t0
             logits = self._bkv.forward([[r.generated[-1]] + d for r, d in zip(rows, drafts)])
@@ -616,7 +617,8 @@ class Scheduler:
         spec = self.spec
         assert spec is not None
         t0, loads0 = time.perf_counter(), spec.loads()
-        ctl = spec.controller(1, req.prompt + req.generated, begin=not req.began_alone)
+        ctl = spec.controller(1, lambda: req.prompt + req.generated,
+                              begin=not req.began_alone)
         req.began_alone = True
         drafts = spec.draft_alone(req, spec.ks(ctl.next_k(), [req])[0])
         t_draft = time.perf_counter() - t0
@@ -634,7 +636,8 @@ class Scheduler:
         if not drafts:
             self._pick(req, logits[0])
             return 0
-        n, nxt = accept_rows(logits, drafts, req)
+        # the drafts are proposed greedily: q one-hot (None)
+        n, nxt = (int(x) for x in accept_logits(logits, drafts, req.sampling, req.gen))
         keep = len(req.prompt) + len(req.generated) + n
         if row is None:
             crop_kv(req.kv, keep)

@@ -35,13 +35,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 
-from ..speculation.batch import BatchDraftModel, BatchKV
+from ..speculation.batch import BatchDraftModel, BatchKV, observe_batch_step
 from ..speculation.controllers import Cascade, Controller, Heuristic, SpeqGovernor, StaticK
 from ..speculation.drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..speculation.mtp import MtpDrafter
-from ..speculation.tau import target_tau
+from ..speculation.tau import batch_bucket, target_tau
 
 __all__ = ["DRAFTERS", "Speculation", "controller_factory"]
 
@@ -72,10 +71,6 @@ def controller_factory(spec: Union[str, Callable[[], Controller], None]
         return lambda: StaticK(k)
     raise ValueError(f"unknown controller {spec!r}: cascade, speq, heuristic, static:K or a "
                      "callable returning a specmoe.speculation.controllers.Controller")
-
-
-def _bucket(batch: int) -> int:
-    return 1 << max(0, (int(batch) - 1).bit_length())
 
 
 class Speculation:
@@ -130,12 +125,12 @@ class Speculation:
     def name(self) -> str:
         return "self" if isinstance(self.drafter, SelfDraft) else "ngram"
 
-    def controller(self, batch: int, history: Sequence[int], begin: bool = False
-                   ) -> Controller:
-        """The controller of ``batch``'s bucket (made, and its tau measured on ``history``,
+    def controller(self, batch: int, history: Callable[[], Sequence[int]],
+                   begin: bool = False) -> Controller:
+        """The controller of ``batch``'s bucket (made, and its tau measured on ``history()``,
         on first use); ``begin``: a request starts decoding alone (its own Cascade/SpeQ
         state: ``begin_request``)."""
-        b = _bucket(batch)
+        b = batch_bucket(batch)
         ctl = self.controllers.get(b)
         if ctl is None:
             ctl = self.make_controller()
@@ -143,8 +138,8 @@ class Speculation:
             ctl.set_success(prune)
             ctl.set_batch(b)
             if prune:
-                ctl.set_tau(target_tau(self.model, list(history), ctl.k_max + 1, self.engine,
-                                       batch=b))
+                ctl.set_tau(target_tau(self.model, list(history()), ctl.k_max + 1,
+                                       self.engine, batch=b))
             self.controllers[b] = ctl
         if begin:
             ctl.begin_request()
@@ -196,18 +191,15 @@ class Speculation:
         row, the step's seconds since ``t0`` (``t_draft`` of them drafting), the Engine's
         loads since ``loads0``."""
         t_iter = max(time.perf_counter() - t0, 1e-9)
-        l1, s1 = self.engine.loads() if self.engine is not None else (0, 0.0)
+        l1, s1 = self.loads()
         n_load, t_io = l1 - loads0[0], max(0.0, min(s1 - loads0[1], t_iter))
-        t_draft = min(t_draft, t_iter)
-        k_used = max(kd, default=0)
-        kw: Dict[str, Any] = {"t_draft": t_draft, "t_io": min(t_io, t_iter - t_draft)}
         if len(kd) > 1:
-            short = [a for a, k in zip(acc, kd) if a < k]
-            ctl.observe(k_used, min(short) if short else k_used, t_iter, n_load,
-                        rows_k=kd, rows_accepted=acc, **kw)
+            observe_batch_step(ctl, kd, acc, t_iter, n_load, t_draft, t_io)
         else:
-            ctl.observe(k_used, acc[0] if acc else 0, t_iter, n_load, **kw)
-        if k_used:
+            t_draft = min(t_draft, t_iter)
+            ctl.observe(kd[0], acc[0], t_iter, n_load, t_draft=t_draft,
+                        t_io=min(t_io, t_iter - t_draft))
+        if max(kd):
             self.steps += 1
         self.proposed += sum(kd)
         self.accepted += sum(acc)
@@ -223,17 +215,3 @@ class Speculation:
                 "k_now": {b: c.next_k() for b, c in sorted(self.controllers.items())}}
 
 
-def accept_rows(logits: Any, drafts: List[int], req: Any) -> Tuple[int, int]:
-    """The acceptance rule on one request's verification ``logits`` [kd + 1, V]: greedy, or
-    speculative sampling with its law and generator (drafts deterministic: q one-hot)."""
-    import torch
-
-    from ..speculation.verify import accept
-    kd = len(drafts)
-    if req.sampling is None:
-        p, u = logits.float().contiguous().numpy(), None
-    else:
-        p = req.sampling.probs(logits).numpy()
-        u = torch.rand((kd + 1, 2), generator=req.gen, dtype=torch.float64).numpy()
-    n, nxt = accept(p, np.asarray(drafts, np.int64), None, u, check=u is not None)
-    return int(n), int(nxt)

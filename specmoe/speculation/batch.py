@@ -46,8 +46,8 @@ from .controllers import StaticK
 from .decoding import GenerateOutput, cache_kwargs, new_kv
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from .mtp import MtpDrafter, mtp_layout, next_drafts
-from .tau import target_tau, tau_for_batch
-from .verify import accept
+from .tau import batch_bucket, target_tau, tau_for_batch
+from .verify import accept_logits
 
 __all__ = ["BatchKV", "per_position_acceptance"]
 
@@ -420,7 +420,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
         assert tau_tables is not None
         if isinstance(tau, str):
             # measured at the next power of two >= bsz (a handful of sizes per run)
-            b2 = 1 << max(0, (bsz - 1).bit_length())
+            b2 = batch_bucket(bsz)
             if b2 not in tau_tables:
                 longest = max(prompts, key=len)
                 g_max = controller.k_max + 1
@@ -503,15 +503,8 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             emitted: List[int] = []
             finished: List[int] = []
             for i, r in enumerate(active):
-                rows = logits[i, :kd[i] + 1]
-                if sampling is None:
-                    p, u, q = rows.float().contiguous().numpy(), None, None
-                else:
-                    p = sampling.probs(rows).numpy()
-                    u = torch.rand((kd[i] + 1, 2), generator=gen, dtype=torch.float64).numpy()
-                    q = None if dprobs[i] is None else dprobs[i].float().contiguous().numpy()
-                n_acc, nxt = accept(p, np.asarray(drafts[i], np.int64), q, u,
-                                    check=u is not None)
+                n_acc, nxt = accept_logits(logits[i, :kd[i] + 1], drafts[i], sampling, gen,
+                                           dprobs[i])
                 state.keep(i, len(seqs[r]) + n_acc)  # pending token + accepted drafts
                 new = drafts[i][:n_acc] + [int(nxt)]
                 stop = False
@@ -534,12 +527,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
             k_used = max(kd)
             if controller is not None:  # (the SpeQ governor learns its I/O cost from these)
-                # the scalar: k_used when every row accepted all its drafts (the heuristic's
-                # "+2"), else the fewest accepted by a row that had a draft rejected
-                short = [a for a, k in zip(acc, kd) if a < k]
-                controller.observe(k_used, min(short) if short else k_used, t_iter, n_load, t_draft=min(t_draft, t_iter),
-                                   t_io=min(t_io, t_iter - min(t_draft, t_iter)),
-                                   rows_k=kd, rows_accepted=acc)
+                observe_batch_step(controller, kd, acc, t_iter, n_load, t_draft, t_io)
             its.append({"k_planned": int(k_plan), "k": k_used, "accepted": sum(acc),
                         "emitted": sum(emitted), "batch": Ba, "k_rows": kd,
                         "accepted_rows": acc, "t_iter": t_iter, "t_end": t_end,
@@ -585,6 +573,21 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
                       "experts_loaded_per_token": (l1 - loaded0) / max(1, new_tokens),
                       "stall_s": s1 - stall0})
     return GenerateOutput(out, stats, its)
+
+
+def observe_batch_step(controller: Any, kd: List[int], acc: List[int], t_iter: float,
+                       n_load: int, t_draft: float, t_io: float) -> None:
+    """One batch step to ``controller``: rows ``kd`` drafts verified and ``acc`` accepted; k
+    the largest row's drafts; the scalar accepted k when every row accepted all its drafts
+    (the heuristic's "+2"), else the fewest accepted by a row that had a draft rejected;
+    t_draft and t_io clamped within t_iter (used by :func:`run_batch` and the server's
+    scheduler)."""
+    k_used = max(kd)
+    short = [a for a, k in zip(acc, kd) if a < k]
+    t_draft = min(t_draft, t_iter)
+    controller.observe(k_used, min(short) if short else k_used, t_iter, n_load,
+                       t_draft=t_draft, t_io=min(t_io, t_iter - t_draft),
+                       rows_k=kd, rows_accepted=acc)
 
 
 def _draft_check(drafter: Any, tokens: List[int], probs: Optional[torch.Tensor], k: int,

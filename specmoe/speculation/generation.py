@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -34,7 +33,7 @@ from .batch import check_left_padded, run_batch
 from .mtp import MtpDrafter
 from .sampling import Sampling
 from .tau import target_tau, tau_for_batch
-from .verify import accept
+from .verify import accept_logits
 
 __all__ = ["generate"]
 
@@ -265,17 +264,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                                         mtp.k if k_plan > 0 else 0)
                 else:
                     logits = forward_tokens(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
-                if sampling is None:
-                    p = logits.float().contiguous().numpy()
-                    u = None
-                    q = None
-                else:
-                    p = sampling.probs(logits).numpy()
-                    u = torch.rand((kd + 1, 2), generator=gen, dtype=torch.float64).numpy()
-                    q = None if d.probs is None else d.probs.float().contiguous().numpy()
                 # greedy: rows of logits, only their argmax matters (no per-token softmax)
-                n_acc, nxt = accept(p, np.asarray(d.tokens, np.int64), q, u,
-                                    check=u is not None)
+                n_acc, nxt = accept_logits(logits, d.tokens, sampling, gen, d.probs)
             crop_kv(kv, len(seq) + n_acc)  # keep the pending token and the accepted drafts
             new = d.tokens[:n_acc] + [int(nxt)]
             for j, t in enumerate(new):

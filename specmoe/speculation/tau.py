@@ -15,7 +15,7 @@ from .decoding import cache_kwargs, crop_kv, input_device, new_kv
 from ..runtime.tau_tables import TauTables
 from ..runtime.experts import find_engine
 
-__all__ = ["TauTables", "measure_tau_grid", "target_tau", "tau_for_batch"]
+__all__ = ["TauTables", "batch_bucket", "measure_tau_grid", "target_tau", "tau_for_batch"]
 
 
 def tables_of(model: nn.Module, engine: Any) -> TauTables:
@@ -96,6 +96,13 @@ def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any 
     table.update(measure_tau(fwd, range(1, max(g_max, 9) + 1), repeats=repeats, warmup=1,
                              stat="min", progress=progress))
     return {g: t for g, t in table.items() if g <= g_max}
+
+
+def batch_bucket(batch: int) -> int:
+    """The power of two at or above ``batch``: the batch sizes tau is measured at when it is
+    measured as batches come ("auto" in :func:`specmoe.generate`'s batch path, the server's
+    controllers)."""
+    return 1 << max(0, (int(batch) - 1).bit_length())
 
 
 def tau_for_batch(tables: Mapping[int, Mapping[int, float]], batch: int) -> Mapping[int, float]:

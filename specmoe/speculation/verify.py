@@ -2,13 +2,13 @@
 in C (``csrc/spec/verify.c``)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from .. import _C
 
-__all__ = ["accept"]
+__all__ = ["accept", "accept_logits"]
 
 
 def accept(p: np.ndarray, draft: Union[Sequence[int], np.ndarray],
@@ -58,3 +58,19 @@ def accept(p: np.ndarray, draft: Union[Sequence[int], np.ndarray],
             sum), a draft id out of range, or u outside ``[0, 1)``.
     """
     return _C.spec_accept(p, draft, q, u, check=check)
+
+
+def accept_logits(logits: Any, draft: Sequence[int], sampling: Any = None,
+                  generator: Any = None, q: Any = None) -> tuple[int, int]:
+    """:func:`accept` on one verification's target ``logits`` [K+1, V] (a torch tensor), as
+    every decoding loop calls it: greedy (``sampling`` None) on the rows of logits as they are;
+    else on ``sampling.probs(logits)`` with the 2(K+1) uniforms drawn from ``generator``, and
+    ``q`` the draft's distributions [K, V] (a torch tensor) or None for deterministic drafts."""
+    import torch
+    if sampling is None:
+        p, u, qq = logits.float().contiguous().numpy(), None, None
+    else:
+        p = sampling.probs(logits).numpy()
+        u = torch.rand((len(draft) + 1, 2), generator=generator, dtype=torch.float64).numpy()
+        qq = None if q is None else q.float().contiguous().numpy()
+    return accept(p, np.asarray(draft, np.int64), qq, u, check=u is not None)
