@@ -426,8 +426,10 @@ def test_models_whose_cache_cannot_hold_holes_are_not_batched():
 
 
 def _together(served, keys):
-    """Greedy completions of ``keys`` sent at once from threads: {key: text}."""
-    c, got, errors = served["client"], {}, []
+    """Greedy completions of ``keys`` sent at once from threads: {key: text}.  (With three
+    keys all three may reach the queue before the worker admits any, and the fixture's
+    max_queue is 2: a 429 is retried, as the client's Retry-After says.)"""
+    c, got, errors = served["client"].with_options(max_retries=5), {}, []
 
     def one(key):
         try:
