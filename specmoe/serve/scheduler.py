@@ -93,6 +93,7 @@ from ..speculation.batch import BatchKV
 from ..speculation.decoding import cache_kwargs, crop_kv, input_device, new_kv
 from ..speculation.sampling import Sampling
 from ..speculation.verify import accept_logits
+from .detok import IncrementalText
 from .speculate import Speculation
 
 _log = logging.getLogger("specmoe.serve")
@@ -154,6 +155,7 @@ class Request:
         self.in_batch = False                  # a row of the scheduler's BatchKV
         self.fed = 0                           # prompt tokens in the KV cache
         self.text = ""                         # text sent so far
+        self.detok: Optional[IncrementalText] = None   # the text of generated (worker's)
         self.t_submit = time.perf_counter()
         self.t_last: Optional[float] = None    # time of the last new token
         self.gen: Optional[torch.Generator] = None
@@ -449,7 +451,8 @@ class Scheduler:
                 acc[i] = self._verify(r, logits[i, :len(drafts[i]) + 1], drafts[i], i)
             self._guarded(verify, req)
         if spec is not None:
-            self._bkv.trim()
+            if any(drafts):  # the rejected drafts' columns may be holes in every row now
+                self._bkv.trim()
             spec.observe(ctl, [len(d) for d in drafts], acc, t0, t_draft, loads0)
 
     def _decode_alone(self, reqs: List[Request]) -> None:
@@ -675,10 +678,12 @@ class Scheduler:
         req.t_last = now
         req.generated.append(tok)
         p = req.params
-        if tok in p.eos:
-            self._finish(req, "stop", self._text(req, eos=True), None)
+        if req.detok is None:
+            req.detok = IncrementalText(self.tokenizer)
+        if tok in p.eos:  # the text ends before it
+            self._finish(req, "stop", req.detok.text, None)
             return
-        text = self._text(req, eos=False)
+        text = req.detok.add(tok)
         cut = _find_stop(text, p.stop, len(req.text))
         if cut is not None:
             self._finish(req, "stop", text, cut)
@@ -694,10 +699,6 @@ class Scheduler:
                 req.text = text[:safe]
             else:
                 req.sink(("text", "", 1))
-
-    def _text(self, req: Request, eos: bool) -> str:
-        ids = req.generated[:-1] if eos else req.generated
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _finish(self, req: Request, reason: str, text: str, cut: Optional[int]) -> None:
         if cut is not None:
