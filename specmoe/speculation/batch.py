@@ -583,8 +583,12 @@ def observe_batch_step(controller: Any, kd: List[int], acc: List[int], t_iter: f
     t_draft and t_io clamped within t_iter (used by :func:`run_batch` and the server's
     scheduler)."""
     k_used = max(kd)
-    short = [a for a, k in zip(acc, kd) if a < k]
     t_draft = min(t_draft, t_iter)
+    if k_used == 0:  # a plain step: the same to the controller as one sequence's, and cheaper
+        controller.observe(0, 0, t_iter, n_load, t_draft=t_draft,
+                           t_io=min(t_io, t_iter - t_draft))
+        return
+    short = [a for a, k in zip(acc, kd) if a < k]
     controller.observe(k_used, min(short) if short else k_used, t_iter, n_load,
                        t_draft=t_draft, t_io=min(t_io, t_iter - t_draft),
                        rows_k=kd, rows_accepted=acc)
