@@ -429,7 +429,7 @@ static void blocks_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
                        float *act) {
     const uint32_t H = d->H, I = d->I, nt = smoe_kpool_threads(pool);
     phase_arg pa;
-    pa.impl = smoe_ffn_impl_blocks(f->isa, d->precise);
+    pa.impl = smoe_ffn_impl_blocks(f->isa, f->has_vnni, d->precise);
     smoe_ffn_job job = {d,     block, T,          0,    xs,   act,  rows,
                         scale, out,   out_stride, NULL, NULL, NULL, f->stream_pf};
     pa.job = &job;

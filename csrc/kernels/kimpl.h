@@ -88,13 +88,14 @@ void smoe_fast_prepare_avx2(int32_t dtype, uint32_t group, const float *src, siz
 void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const int32_t *rows,
                        uint32_t T, uint32_t n, void *q, float *qs, float *qsum);
 
-/* GGUF block weights (ffn_blocks.c): the entry points for a call on `isa` with `precise`
- * (the fast int8-input form on AVX2 unless precise, else the exact f32 form);
+/* GGUF block weights (ffn_blocks.c): the entry points for a call on `isa` (`has_vnni`: the
+ * CPU has AVX512_VNNI) with `precise` (the fast int8-input form on AVX2 unless precise, its
+ * one-token Q4_0 rows through AVX-512 VNNI where there is that, else the exact f32 form);
  * smoe_blocks_fast says whether impl is the fast form, whose input smoe_blocks_prepare
  * quantizes for a matrix of `dtype`: T rows of src (n columns, a multiple of that dtype's
  * block; row rows[t] or t) into q [T, n] int8, qs [T, n/32] (Q8_0) or [T, n/256] scales and,
  * in qsum's bytes, int16 sums of every 32 values [T, n/32]. */
-const smoe_ffn_impl *smoe_ffn_impl_blocks(int32_t isa, uint32_t precise);
+const smoe_ffn_impl *smoe_ffn_impl_blocks(int32_t isa, int has_vnni, uint32_t precise);
 int smoe_blocks_fast(const smoe_ffn_impl *impl);
 void smoe_blocks_prepare(int32_t dtype, const float *src, size_t stride, const int32_t *rows,
                          uint32_t T, uint32_t n, int8_t *q, float *qs, float *qsum);
