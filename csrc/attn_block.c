@@ -117,36 +117,37 @@ static void to_head_major(void *dst, int bf16, size_t hs, const float *src, size
         }
 }
 
-/* smoe_attn_block_pre without the lock. */
+/* smoe_attn_block_pre without the lock: B rows of nt tokens each (B * nt tokens in all). */
 static int block_pre(smoe_attn_block *self, smoe_kctx *c, const void *xp, int xb, const void *cp,
-                     int cb, const void *sp, int sb, uint32_t nt, const float *ln, float ln_eps,
-                     float *qp, void *kp, int kb, void *vp, int vb, size_t kv_hs, smoe_err *err) {
+                     int cb, const void *sp, int sb, uint32_t B, uint32_t nt, const float *ln,
+                     float ln_eps, float *qp, void *kp, int kb, void *vp, int vb, size_t kv_bs,
+                     size_t kv_hs, smoe_err *err) {
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
-    const uint32_t nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv;
+    const uint32_t nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv, n = B * nt;
     const float *qn = self->qn, *kn = self->kn;
-    float *x = self->buf, *y = self->buf + (size_t)self->max_tokens * hid; /* y [T, q|k|v] */
+    float *x = self->buf, *y = self->buf + (size_t)self->max_tokens * hid; /* y [n, q|k|v] */
     const float *xin = (const float *)xp;
     int rc = SMOE_OK;
     if (xb || ln) {
-        smoe_dec_widen(x, xp, xb, (size_t)nt * hid);
-        if (ln) smoe_rmsnorm(x, nt, hid, ln, ln_eps, self->bf16); /* the input layernorm */
+        smoe_dec_widen(x, xp, xb, (size_t)n * hid);
+        if (ln) smoe_rmsnorm(x, n, hid, ln, ln_eps, self->bf16); /* the input layernorm */
         xin = x;
     }
     const int joint = self->ld[SMOE_AB_QKV] != NULL;
     if (joint) /* q|k|v in one call: its output rows are y's */
         rc = smoe_linear_forward(c, self->ld[SMOE_AB_QKV], self->lb[SMOE_AB_QKV],
-                                 self->lbias[SMOE_AB_QKV], xin, hid, nt, y, qkv, self->lscratch,
+                                 self->lbias[SMOE_AB_QKV], xin, hid, n, y, qkv, self->lscratch,
                                  err);
     for (int i = 0; i < 3 && rc == SMOE_OK && !joint; i++) {
         const uint32_t off = i == 0 ? 0 : i == 1 ? nq : nq + nkv;
-        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], xin, hid, nt,
+        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], xin, hid, n,
                                  y + off, qkv, self->lscratch, err);
     }
     if (rc != SMOE_OK) return rc;
     const int b = self->bf16;
     float *cosf = self->buf + (size_t)self->max_tokens * (hid + qkv + nq), *sinf = cosf + D;
-    if (b) smoe_bf16_round(y, (size_t)nt * qkv); /* the projections' bf16 outputs */
-    for (uint32_t t = 0; t < nt; t++) {
+    if (b) smoe_bf16_round(y, (size_t)n * qkv); /* the projections' bf16 outputs */
+    for (uint32_t t = 0; t < n; t++) { /* every row's token t % nt: its own position's rotary */
         float *qt = y + (size_t)t * qkv, *kt = qt + nq;
         if (self->norm == SMOE_QKNORM_FULL) {
             smoe_rmsnorm(qt, 1, nq, qn, self->eps, b);
@@ -160,61 +161,68 @@ static int block_pre(smoe_attn_block *self, smoe_kctx *c, const void *xp, int xb
         smoe_rotary_half(qt, H, D, D, cosf, sinf, b);
         smoe_rotary_half(kt, Hkv, D, D, cosf, sinf, b);
     }
-    /* q for the attention kernel (f32, values already bf16 when b); k, v for the cache */
-    to_head_major(qp, 0, (size_t)nt * D, y, qkv, nt, H, D);
-    to_head_major(kp, kb, kv_hs, y + nq, qkv, nt, Hkv, D);
-    to_head_major(vp, vb, kv_hs, y + nq + nkv, qkv, nt, Hkv, D);
+    /* q for the attention kernel (f32, values already bf16 when b; row r at r * H nt D); k, v
+     * for the cache (row r at r * kv_bs elements) */
+    for (uint32_t r = 0; r < B; r++) {
+        const float *yr = y + (size_t)r * nt * qkv;
+        to_head_major(qp + (size_t)r * nq * nt, 0, (size_t)nt * D, yr, qkv, nt, H, D);
+        to_head_major((uint8_t *)kp + r * kv_bs * (kb ? 2 : 4), kb, kv_hs, yr + nq, qkv, nt,
+                      Hkv, D);
+        to_head_major((uint8_t *)vp + r * kv_bs * (vb ? 2 : 4), vb, kv_hs, yr + nq + nkv, qkv,
+                      nt, Hkv, D);
+    }
     return SMOE_OK;
 }
 
-/* Attention of q ([H, T, D]) over S cached positions (k, v as smoe_mha_decode takes them),
- * then the output projection into of ([T, hidden] f32; rounded to bf16 values when the block
- * rounds as a bf16 model); without the lock. */
+/* Attention of q ([B, H, T, D]) over S cached positions per row (k, v as smoe_mha_decode
+ * takes them), then the output projection into of ([B * T, hidden] f32; rounded to bf16
+ * values when the block rounds as a bf16 model); without the lock. */
 static int block_post(smoe_attn_block *self, smoe_kctx *c, const float *q, const void *kp,
-                      const void *vp, int kdt, size_t kbs, size_t khs, uint32_t nt, uint32_t S,
-                      const float *bias, uint32_t bias_rows, float scale, float *of,
+                      const void *vp, int kdt, size_t kbs, size_t khs, uint32_t B, uint32_t nt,
+                      uint32_t S, const float *bias, uint32_t bias_rows, float scale, float *of,
                       smoe_err *err) {
-    const uint32_t H = self->H, D = self->D, hid = self->hidden;
+    const uint32_t H = self->H, D = self->D, hid = self->hidden, n = B * nt;
     const uint32_t qkv = (H + 2 * self->Hkv) * D;
     smoe_mha_desc d = {H, self->Hkv, D, scale};
-    float *att = self->buf + (size_t)self->max_tokens * (hid + qkv); /* [T, H, D] */
+    float *att = self->buf + (size_t)self->max_tokens * (hid + qkv); /* [B, T, H, D] */
     int rc = smoe_grow_scratch(&self->ascratch, &self->ascratch_cap,
                                smoe_mha_scratch_bytes(c, D, nt), err);
     if (rc == SMOE_OK)
-        rc = smoe_mha_decode(c, &d, 1, nt, S, q, kp, vp, kdt, kbs, khs, bias, bias_rows, att,
+        rc = smoe_mha_decode(c, &d, B, nt, S, q, kp, vp, kdt, kbs, khs, bias, bias_rows, att,
                              self->ascratch, self->ascratch_cap, err);
     if (rc != SMOE_OK) return rc;
-    if (self->bf16) smoe_bf16_round(att, (size_t)nt * H * D); /* torch's bf16 output */
+    if (self->bf16) smoe_bf16_round(att, (size_t)n * H * D); /* torch's bf16 output */
     rc = smoe_linear_forward(c, self->ld[SMOE_AB_O], self->lb[SMOE_AB_O], self->lbias[SMOE_AB_O],
-                             att, (size_t)H * D, nt, of, hid, self->lscratch, err);
-    if (rc == SMOE_OK && self->bf16) smoe_bf16_round(of, (size_t)nt * hid);
+                             att, (size_t)H * D, n, of, hid, self->lscratch, err);
+    if (rc == SMOE_OK && self->bf16) smoe_bf16_round(of, (size_t)n * hid);
     return rc;
 }
 
 int smoe_attn_block_pre(smoe_attn_block *b, smoe_kctx *c, const void *xp, int xb,
-                        const void *cp, int cb, const void *sp, int sb, uint32_t nt,
+                        const void *cp, int cb, const void *sp, int sb, uint32_t B, uint32_t nt,
                         const float *ln, float ln_eps, float *qp, void *kp, int kb, void *vp,
-                        int vb, size_t kv_hs, smoe_err *err) {
+                        int vb, size_t kv_bs, size_t kv_hs, smoe_err *err) {
     pthread_mutex_lock(&b->mu);
-    int rc = block_pre(b, c, xp, xb, cp, cb, sp, sb, nt, ln, ln_eps, qp, kp, kb, vp, vb, kv_hs,
-                       err);
+    int rc = block_pre(b, c, xp, xb, cp, cb, sp, sb, B, nt, ln, ln_eps, qp, kp, kb, vp, vb,
+                       kv_bs, kv_hs, err);
     pthread_mutex_unlock(&b->mu);
     return rc;
 }
 
 int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const void *kp,
-                         const void *vp, int kdt, size_t kbs, size_t khs, uint32_t nt,
-                         uint32_t S, const float *bias, uint32_t bias_rows, float scale,
-                         void *op, int ob, const void *rp, const float *ln, float ln_eps,
-                         void *np_, smoe_err *err) {
-    const size_t n = (size_t)nt * b->hidden;
+                         const void *vp, int kdt, size_t kbs, size_t khs, uint32_t B,
+                         uint32_t nt, uint32_t S, const float *bias, uint32_t bias_rows,
+                         float scale, void *op, int ob, const void *rp, const float *ln,
+                         float ln_eps, void *np_, smoe_err *err) {
+    const size_t n = (size_t)B * nt * b->hidden;
     pthread_mutex_lock(&b->mu);
-    float *of = b->buf; /* [T, hidden]: pre's x, free again */
-    int rc = block_post(b, c, q, kp, vp, kdt, kbs, khs, nt, S, bias, bias_rows, scale, of, err);
+    float *of = b->buf; /* [B * T, hidden]: pre's x, free again */
+    int rc = block_post(b, c, q, kp, vp, kdt, kbs, khs, B, nt, S, bias, bias_rows, scale, of,
+                        err);
     if (rc == SMOE_OK && rp) smoe_dec_residual_add(b->bf16, of, rp, ob, n); /* the layer's add */
     if (rc == SMOE_OK) smoe_dec_store(op, ob, of, n);
     if (rc == SMOE_OK && rp) { /* then the post-attention RMSNorm of the sum, in place */
-        smoe_rmsnorm(of, nt, b->hidden, ln, ln_eps, b->bf16);
+        smoe_rmsnorm(of, B * nt, b->hidden, ln, ln_eps, b->bf16);
         smoe_dec_store(np_, ob, of, n);
     }
     pthread_mutex_unlock(&b->mu);
@@ -231,11 +239,11 @@ int smoe_attn_block_layer(smoe_attn_block *self, smoe_kctx *c, smoe_layers *g,
     float *q = extra, *h = q + mt * H * D, *nrm = h + mt * hid, *moe = nrm + mt * hid;
     double t0 = smoe_now(), t1 = t0;
     /* input norm, projections, q/k norms, rotary; k, v appended at S */
-    int rc = block_pre(self, c, a->xp, a->xb, a->cp, a->cb, a->sp, a->sb, nt, a->ln1, a->eps1, q,
-                       a->kp + S * D * esz, a->kb, a->vp + S * D * esz, a->kb, kv_hs, err);
+    int rc = block_pre(self, c, a->xp, a->xb, a->cp, a->cb, a->sp, a->sb, 1, nt, a->ln1, a->eps1,
+                       q, a->kp + S * D * esz, a->kb, a->vp + S * D * esz, a->kb, 0, kv_hs, err);
     if (rc == SMOE_OK) /* attention over the S + T positions, output projection */
         rc = block_post(self, c, q, a->kp, a->vp, a->kb ? SMOE_WDT_BF16 : SMOE_WDT_F32,
-                        (size_t)Hkv * kv_hs, kv_hs, nt, (uint32_t)(S + nt), a->bias,
+                        (size_t)Hkv * kv_hs, kv_hs, 1, nt, (uint32_t)(S + nt), a->bias,
                         a->bias_rows, (float)a->scale, h, err);
     if (rc == SMOE_OK)
         rc = smoe_dec_tail(self->bf16, g, NULL, (uint32_t)a->pos, a->flags, nt, hid, h, a->xp,

@@ -102,26 +102,29 @@ int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err);
 int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smoe_err *err);
 void smoe_attn_block_destroy(smoe_attn_block *b);
 
-/* The first half of the block for nt tokens (1..max_tokens), under b->mu: x [nt, hidden]
- * (f32, or bf16 bits when xb) RMSNorm-ed with ln when given (the decoder layer's input
- * layernorm), the q/k/v projections, the q/k norms, the rotary embedding with cos / sin
- * [nt, D] (f32 or bf16 bits: cb, sb); q into qp ([H, nt, D] f32), k and v into kp, vp (token t
- * of kv head h at + h * kv_hs + t * D elements; bf16 bits when kb / vb). */
+/* The first half of the block for B rows of nt tokens (B * nt in 1..max_tokens; a batch of
+ * sequences decoding together), under b->mu: x [B * nt, hidden] (f32, or bf16 bits when xb)
+ * RMSNorm-ed with ln when given (the decoder layer's input layernorm), the q/k/v projections,
+ * the q/k norms, the rotary embedding with cos / sin [B * nt, D] (each token its own
+ * position's; f32 or bf16 bits: cb, sb); q into qp ([B, H, nt, D] f32), k and v into kp, vp
+ * (token t of kv head h of row r at + r * kv_bs + h * kv_hs + t * D elements; bf16 bits when
+ * kb / vb). */
 int smoe_attn_block_pre(smoe_attn_block *b, smoe_kctx *c, const void *xp, int xb,
-                        const void *cp, int cb, const void *sp, int sb, uint32_t nt,
+                        const void *cp, int cb, const void *sp, int sb, uint32_t B, uint32_t nt,
                         const float *ln, float ln_eps, float *qp, void *kp, int kb, void *vp,
-                        int vb, size_t kv_hs, smoe_err *err);
+                        int vb, size_t kv_bs, size_t kv_hs, smoe_err *err);
 
-/* The second half, under b->mu: attention of q ([H, nt, D] f32) over S cached positions (k, v
- * as smoe_mha_decode takes them: kdt, element strides kbs, khs; bias f32 [bias_rows, nt, S] or
- * NULL), the output projection into op [nt, hidden] (f32, or bf16 bits when ob).  With rp
- * (the residual [nt, hidden] in op's dtype): op = rp + the projection, and np_ = the RMSNorm
- * (ln, ln_eps) of that sum (rp, op, np_ distinct). */
+/* The second half, under b->mu: attention of q ([B, H, nt, D] f32) over S cached positions of
+ * each row (k, v as smoe_mha_decode takes them: kdt, element strides kbs, khs; bias f32
+ * [bias_rows, nt, S] or NULL, bias_rows 1 or B), the output projection into op [B * nt,
+ * hidden] (f32, or bf16 bits when ob).  With rp (the residual [B * nt, hidden] in op's dtype):
+ * op = rp + the projection, and np_ = the RMSNorm (ln, ln_eps) of that sum (rp, op, np_
+ * distinct). */
 int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const void *kp,
-                         const void *vp, int kdt, size_t kbs, size_t khs, uint32_t nt,
-                         uint32_t S, const float *bias, uint32_t bias_rows, float scale,
-                         void *op, int ob, const void *rp, const float *ln, float ln_eps,
-                         void *np_, smoe_err *err);
+                         const void *vp, int kdt, size_t kbs, size_t khs, uint32_t B,
+                         uint32_t nt, uint32_t S, const float *bias, uint32_t bias_rows,
+                         float scale, void *op, int ob, const void *rp, const float *ln,
+                         float ln_eps, void *np_, smoe_err *err);
 
 /* One whole decoder layer's arguments (AttnBlock.layer), checked by the caller. */
 typedef struct smoe_attn_layer_args {

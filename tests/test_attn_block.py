@@ -114,20 +114,30 @@ def test_bf16_decode_bit_identical_to_torch_glue(arch, fmt):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
-def test_left_padded_batch_and_long_prefill_fall_back(arch):
+def test_left_padded_batch_in_c_and_long_prefill_falls_back(arch):
+    """A left-padded batch of 2 rows runs through the block (rows * tokens within
+    ATTENTION_MAX_TOKENS: the 16-token prefill and every decode step, the padding masked) with
+    the tokens of the unmodified model; a prompt longer than that takes the module's own
+    forward, its decode steps the block."""
     ref = tiny_model(arch)
     m = copy.deepcopy(ref)
     _, calls = _fused(m, "f32")
+    L = m.config.num_hidden_layers
     a = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]])
     am = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
     kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(ref.generate(a, **kw), m.generate(a, **kw))
-    assert calls == []                                          # batch 2: the module's own
+    assert calls == [16] * L + [2] * (5 * L)                    # batch 2 in C, x [rows * T]
+    calls.clear()
     long = torch.randint(3, 100, (1, ATTENTION_MAX_TOKENS + 1),
                          generator=torch.Generator().manual_seed(4))
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(ref.generate(long, **kw), m.generate(long, **kw))
-    assert calls == [1] * (4 * m.config.num_hidden_layers)      # 4 decode steps in C
+    assert calls == [1] * (4 * L)                               # 4 decode steps in C
+    calls.clear()
+    three = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(ref.generate(three, **kw), m.generate(three, **kw))
+    assert calls == [3] * (4 * L)       # 18 prompt tokens: the module's own; decode steps in C
 
 
 def test_not_fused_without_c_projections_or_with_clipping():
@@ -420,3 +430,56 @@ def test_crmsnorm_against_the_module_it_replaces(dt):
     assert all(isinstance(m.get_submodule(n), CRMSNorm) for n in names)
     with pytest.raises(TypeError, match="Llama-form"):
         CRMSNorm(torch.nn.LayerNorm(8))
+
+
+def test_block_rows_equal_each_row_alone():
+    """pre + post of a batch of 3 rows of 2 tokens (serve's decode batch: each row its own
+    positions' rotary, its own cache and mask, holes included) equal each row through the
+    block alone."""
+    H, Hkv, D, hid = 4, 2, 8, 32
+    parts = _block_parts(H, Hkv, D, hid, seed=7)
+    rng = np.random.default_rng(1)
+    qn = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    kn = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    blk = _C.AttnBlock(_C.KernelContext(2), *parts, H, Hkv, D, norm="head", q_norm=qn,
+                       k_norm=kn, eps=1e-6)
+    B, T, S0 = 3, 2, 4
+    x = rng.standard_normal((B * T, hid)).astype(np.float32)
+    ang = rng.uniform(0, 6, (B * T, D // 2))
+    cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
+    sin = np.sin(np.concatenate([ang, ang], 1)).astype(np.float32)
+    ln1 = rng.uniform(0.5, 1.5, hid).astype(np.float32)
+    ln2 = rng.uniform(0.5, 1.5, hid).astype(np.float32)
+    q = np.zeros((B, H, T, D), np.float32)
+    k = np.zeros((B, Hkv, T, D), np.float32)
+    v = np.zeros((B, Hkv, T, D), np.float32)
+    blk.pre(x, cos, sin, q, k, v, ln1, 1e-5)
+    old = rng.standard_normal((B, Hkv, S0, D)).astype(np.float32)
+    K = np.concatenate([old, k], 2)
+    V = np.concatenate([old[..., ::-1].copy(), v], 2)
+    S = S0 + T
+    bias = np.zeros((B, T, S), np.float32)
+    bias[:, 0, S - 1] = np.finfo(np.float32).min   # causal inside the new tokens
+    bias[1, :, 0] = np.finfo(np.float32).min       # row 1: a hole where a shorter row pads
+    out = np.zeros((B * T, hid), np.float32)
+    normed = np.zeros((B * T, hid), np.float32)
+    blk.post(q, K, V, bias, 0.35, out, x, ln2, 1e-5, normed)
+    for r in range(B):
+        rows = slice(r * T, (r + 1) * T)
+        q1 = np.zeros((1, H, T, D), np.float32)
+        k1 = np.zeros((1, Hkv, T, D), np.float32)
+        v1 = np.zeros((1, Hkv, T, D), np.float32)
+        blk.pre(x[rows].copy(), cos[rows].copy(), sin[rows].copy(), q1, k1, v1, ln1, 1e-5)
+        np.testing.assert_allclose(q[r], q1[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(k[r], k1[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(v[r], v1[0], rtol=1e-6, atol=1e-6)
+        o1 = np.zeros((T, hid), np.float32)
+        n1 = np.zeros((T, hid), np.float32)
+        blk.post(q[r:r + 1].copy(), K[r:r + 1].copy(), V[r:r + 1].copy(), bias[r:r + 1].copy(),
+                 0.35, o1, x[rows].copy(), ln2, 1e-5, n1)
+        np.testing.assert_allclose(out[rows], o1, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(normed[rows], n1, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="rows"):   # x's tokens are not rows * T
+        blk.pre(x[:5].copy(), cos[:5].copy(), sin[:5].copy(), q, k, v)
+    with pytest.raises(ValueError, match="bias has 2 rows"):
+        blk.post(q, K, V, bias[:2].copy(), 0.35, out)

@@ -72,7 +72,8 @@ def _append(gen, got, want, T, shape, dtype, B=1):
 def test_buffered_cache_follows_transformers_operations(monkeypatch, shape, dtype):
     """Appends (steps and chunks, outgrowing the buffers' spare room, forced down to 3
     positions), crops (one beyond the cache's length), reorder_cache, batch_repeat_interleave
-    with steps at batch 2, batch_select_indices back to batch 1, reset and a new prefill: after
+    with steps at batch 2 (buffered at that size), batch_select_indices back to batch 1, reset
+    and a new prefill: after
     each, the keys/values are a plain DynamicCache's, bit for bit."""
     monkeypatch.setattr(kvcache, "_KV_SPARE", 3)
     gen = torch.Generator().manual_seed(1)
@@ -94,9 +95,11 @@ def test_buffered_cache_follows_transformers_operations(monkeypatch, shape, dtyp
     got.batch_repeat_interleave(2)
     want.batch_repeat_interleave(2)
     _check(got, want)
+    assert all(la.buffers is None for la in got.layers)  # the assignment dropped them
     for _ in range(3):
-        _append(gen, got, want, 1, shape, dtype, B=2)   # torch.cat at batch 2
-    assert all(la.buffers is None for la in got.layers)
+        _append(gen, got, want, 1, shape, dtype, B=2)   # buffered at batch 2 too (BatchKV)
+    assert all(la.buffers is not None and la.buffers[0].shape[0] == 2 for la in got.layers)
+    assert kvcache.kv_buffers(got, 0, 1) is None      # the one-call layers take batch 1 only
     got.batch_select_indices(torch.tensor([1]))
     want.batch_select_indices(torch.tensor([1]))
     _check(got, want)

@@ -604,7 +604,8 @@ int smoe_py_norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, fl
 }
 
 /* x, cos, sin of pre/layer: x [T, hidden], cos and sin [T, head_dim], float32 or bf16 bits;
- * *T from x (1..max_tokens); *xb, *cb, *sb: 1 for bf16.  -1 with an error otherwise. */
+ * *T from x (1..max_tokens; pre: every row's tokens, B * T); *xb, *cb, *sb: 1 for bf16.  -1
+ * with an error otherwise. */
 static int block_inputs(const smoe_attn_block *b, PyObject *x, PyObject *cos, PyObject *sin,
                         npy_intp *T, int *xb, int *cb, int *sb) {
     if ((*xb = smoe_py_f32_or_bf16(x, "x", 2, 0)) < 0 ||
@@ -625,24 +626,31 @@ static int block_inputs(const smoe_attn_block *b, PyObject *x, PyObject *cos, Py
 }
 
 /* pre(x, cos, sin, q, k, v[, ln, ln_eps]): the input RMSNorm (when ln is given), projections,
- * q/k norms and rotary embedding of T tokens (smoe_attn_block_pre). */
+ * q/k norms and rotary embedding of B rows of T tokens, B from q (smoe_attn_block_pre). */
 static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (smoe_py_method_start(self->ready, "AttnBlock",
                      "pre(x, cos, sin, q, k, v[, ln, ln_eps])", nargs, 6, 8))
         return NULL;
     smoe_attn_block *b = &self->blk;
     const uint32_t H = b->H, Hkv = b->Hkv, D = b->D, hid = b->hidden;
-    npy_intp T;
+    npy_intp BT;
     int xb, cb, sb;
-    if (block_inputs(b, args[0], args[1], args[2], &T, &xb, &cb, &sb)) return NULL;
+    if (block_inputs(b, args[0], args[1], args[2], &BT, &xb, &cb, &sb)) return NULL;
     PyArrayObject *qo = smoe_py_want_array(args[3], "q", NPY_FLOAT32, 4, 1);
     if (!qo) return NULL;
     int kb = smoe_py_f32_or_bf16(args[4], "k", 4, 1), vb = smoe_py_f32_or_bf16(args[5], "v", 4, 1);
     if (kb < 0 || vb < 0) return NULL;
-    npy_intp w_q[4] = {1, H, T, D}, w_kv[4] = {1, Hkv, T, D};
-    if (smoe_py_dims_are(args[3], "q [1, heads, T, head_dim]", w_q, 4) ||
-        smoe_py_dims_are(args[4], "k [1, kv_heads, T, head_dim]", w_kv, 4) ||
-        smoe_py_dims_are(args[5], "v [1, kv_heads, T, head_dim]", w_kv, 4))
+    const npy_intp B = PyArray_DIM(qo, 0);
+    if (B < 1 || BT % B) {
+        PyErr_Format(PyExc_ValueError, "AttnBlock.pre: q has %zd rows, x %zd tokens: x must be "
+                     "[rows * T, hidden]", (Py_ssize_t)B, (Py_ssize_t)BT);
+        return NULL;
+    }
+    const npy_intp T = BT / B;
+    npy_intp w_q[4] = {B, H, T, D}, w_kv[4] = {B, Hkv, T, D};
+    if (smoe_py_dims_are(args[3], "q [rows, heads, T, head_dim]", w_q, 4) ||
+        smoe_py_dims_are(args[4], "k [rows, kv_heads, T, head_dim]", w_kv, 4) ||
+        smoe_py_dims_are(args[5], "v [rows, kv_heads, T, head_dim]", w_kv, 4))
         return NULL;
     const float *ln = NULL;
     float ln_eps = 0.0f;
@@ -659,8 +667,8 @@ static PyObject *ab_pre(AttnBlockObject *self, PyObject *const *args, Py_ssize_t
     int rc;
     /* every array stays referenced by the caller's frame for the whole call */
     Py_BEGIN_ALLOW_THREADS
-    rc = smoe_attn_block_pre(b, c, xp, xb, cp, cb, sp, sb, (uint32_t)T, ln, ln_eps, qp, kp, kb,
-                             vp, vb, (size_t)T * D, &err);
+    rc = smoe_attn_block_pre(b, c, xp, xb, cp, cb, sp, sb, (uint32_t)B, (uint32_t)T, ln, ln_eps,
+                             qp, kp, kb, vp, vb, (size_t)Hkv * T * D, (size_t)T * D, &err);
     Py_END_ALLOW_THREADS
     if (rc != 0) return smoe_py_raise(&err);
     Py_RETURN_NONE;
@@ -685,17 +693,20 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
     int ob = smoe_py_f32_or_bf16(args[5], "out", 2, 1);
     if (ob < 0) return NULL;
-    npy_intp T = PyArray_DIM(q, 2), S = PyArray_DIM((PyArrayObject *)args[1], 2);
-    if (T < 1 || T > (npy_intp)b->max_tokens || S < 1 || S > (npy_intp)UINT32_MAX / 2) {
-        PyErr_Format(PyExc_ValueError, "AttnBlock: T=%zd tokens (1..%u), S=%zd positions",
-                     (Py_ssize_t)T, b->max_tokens, (Py_ssize_t)S);
+    npy_intp B = PyArray_DIM(q, 0), T = PyArray_DIM(q, 2);
+    npy_intp S = PyArray_DIM((PyArrayObject *)args[1], 2);
+    if (B < 1 || T < 1 || B * T > (npy_intp)b->max_tokens || S < 1 ||
+        S > (npy_intp)UINT32_MAX / 2) {
+        PyErr_Format(PyExc_ValueError, "AttnBlock: %zd rows of T=%zd tokens (1..%u in all), "
+                     "S=%zd positions", (Py_ssize_t)B, (Py_ssize_t)T, b->max_tokens,
+                     (Py_ssize_t)S);
         return NULL;
     }
-    npy_intp w_q[4] = {1, H, T, D}, w_kv[4] = {1, Hkv, S, D}, w_o[2] = {T, hid};
-    if (smoe_py_dims_are(args[0], "q [1, heads, T, head_dim]", w_q, 4) ||
-        smoe_py_dims_are(args[1], "k [1, kv_heads, S, head_dim]", w_kv, 4) ||
-        smoe_py_dims_are(args[2], "v [1, kv_heads, S, head_dim]", w_kv, 4) ||
-        smoe_py_dims_are(args[5], "out [T, hidden]", w_o, 2))
+    npy_intp w_q[4] = {B, H, T, D}, w_kv[4] = {B, Hkv, S, D}, w_o[2] = {B * T, hid};
+    if (smoe_py_dims_are(args[0], "q [rows, heads, T, head_dim]", w_q, 4) ||
+        smoe_py_dims_are(args[1], "k [rows, kv_heads, S, head_dim]", w_kv, 4) ||
+        smoe_py_dims_are(args[2], "v [rows, kv_heads, S, head_dim]", w_kv, 4) ||
+        smoe_py_dims_are(args[5], "out [rows * T, hidden]", w_o, 2))
         return NULL;
     if (kdt != vdt || kbs != vbs || khs != vhs) {
         PyErr_SetString(PyExc_ValueError, "k and v must have the same dtype and layout");
@@ -703,7 +714,7 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
     }
     const float *bias;
     uint32_t bias_rows;
-    if (smoe_py_bias_arg(args[3], 1, T, S, &bias, &bias_rows)) return NULL;
+    if (smoe_py_bias_arg(args[3], (uint32_t)B, T, S, &bias, &bias_rows)) return NULL;
     const void *rp = NULL;
     void *np_ = NULL;
     const float *ln = NULL;
@@ -716,8 +727,8 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
             PyErr_SetString(PyExc_ValueError, "resid, out and normed must have the same dtype");
             return NULL;
         }
-        if (smoe_py_dims_are(args[6], "resid [T, hidden]", w_o, 2) ||
-            smoe_py_dims_are(args[9], "normed [T, hidden]", w_o, 2) ||
+        if (smoe_py_dims_are(args[6], "resid [rows * T, hidden]", w_o, 2) ||
+            smoe_py_dims_are(args[9], "normed [rows * T, hidden]", w_o, 2) ||
             smoe_py_norm_arg(args[7], args[8], hid, &ln, &ln_eps))
             return NULL;
         rp = PyArray_DATA((PyArrayObject *)args[6]);
@@ -738,7 +749,8 @@ static PyObject *ab_post(AttnBlockObject *self, PyObject *const *args, Py_ssize_
     rc = smoe_attn_block_post(b, c, (const float *)PyArray_DATA(q),
                               PyArray_DATA((PyArrayObject *)args[1]),
                               PyArray_DATA((PyArrayObject *)args[2]), kdt, (size_t)kbs,
-                              (size_t)khs, (uint32_t)T, (uint32_t)S, bias, bias_rows,
+                              (size_t)khs, (uint32_t)B, (uint32_t)T, (uint32_t)S, bias,
+                              bias_rows,
                               (float)scale, op, ob, rp, ln, ln_eps, np_, &err);
     Py_END_ALLOW_THREADS
     if (rc != 0) return smoe_py_raise(&err);
@@ -816,19 +828,21 @@ int smoe_py_attn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t na
 
 static PyMethodDef ab_methods[] = {
     {"pre", (PyCFunction)(void (*)(void))ab_pre, METH_FASTCALL,
-     "pre(x, cos, sin, q, k, v[, ln, ln_eps]): the q/k/v projections of x [T, hidden] (first "
-     "RMSNorm-ed with the weights ln float32 [hidden] and ln_eps when given: the decoder "
-     "layer's input layernorm), the q/k norms and the rotary embedding (cos, sin [T, "
-     "head_dim]); writes q float32 [1, heads, T, head_dim] and k, v [1, kv_heads, T, head_dim] "
-     "(float32 or bf16 bits, for the KV cache).  x, cos, sin float32 or bf16 bits, "
-     "C-contiguous; GIL released."},
+     "pre(x, cos, sin, q, k, v[, ln, ln_eps]): the q/k/v projections of x [rows * T, hidden] "
+     "(rows of T tokens, rows from q: a batch of sequences; first RMSNorm-ed with the weights "
+     "ln float32 [hidden] and ln_eps when given: the decoder layer's input layernorm), the q/k "
+     "norms and the rotary embedding (cos, sin [rows * T, head_dim], each token's own); writes "
+     "q float32 [rows, heads, T, head_dim] and k, v [rows, kv_heads, T, head_dim] (float32 or "
+     "bf16 bits, for the KV cache).  x, cos, sin float32 or bf16 bits, C-contiguous; rows * T "
+     "at most the block's max_tokens; GIL released."},
     {"post", (PyCFunction)(void (*)(void))ab_post, METH_FASTCALL,
-     "post(q, k, v, bias, scale, out): attention of q (pre's) over the cache k, v [1, kv_heads, "
-     "S, head_dim] (float32 or bf16 bits, each [S, head_dim] block dense) with the additive "
-     "bias float32 [1, T, S] or None, then the output projection into out [T, hidden] (float32 "
-     "or bf16 bits).  With resid, ln, ln_eps, normed (the decoder layer's residual stream "
-     "[T, hidden], post-attention RMSNorm weights and eps, and its output [T, hidden], all of "
-     "out's dtype): out = resid + the projection, normed = RMSNorm(out).  GIL released."},
+     "post(q, k, v, bias, scale, out): attention of q (pre's, [rows, heads, T, head_dim]) over "
+     "each row's cache k, v [rows, kv_heads, S, head_dim] (float32 or bf16 bits, each [S, "
+     "head_dim] block dense) with the additive bias float32 [1 or rows, T, S] or None, then the "
+     "output projection into out [rows * T, hidden] (float32 or bf16 bits).  With resid, ln, "
+     "ln_eps, normed (the decoder layer's residual stream [rows * T, hidden], post-attention "
+     "RMSNorm weights and eps, and its output [rows * T, hidden], all of out's dtype): out = "
+     "resid + the projection, normed = RMSNorm(out).  GIL released."},
     {"layer", (PyCFunction)(void (*)(void))smoe_py_layer_method, METH_FASTCALL,
      "layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, ln1, eps1, ln2, "
      "eps2, out): one decoder layer of T tokens in one call: x [T, hidden] RMSNorm-ed (ln1, "

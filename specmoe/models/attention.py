@@ -304,10 +304,12 @@ def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
                kwargs: dict[str, Any]) -> bool:
     """Whether the attention block serves this call of ``module`` (else its own forward)."""
     H, Hkv, D, hidden, dt = module._specmoe_block_shape
-    T = x.shape[1]
-    return not (x.shape[0] != 1 or T > ATTENTION_MAX_TOKENS or x.dtype != dt
+    B, T = x.shape[0], x.shape[1]   # a batch of B sequences (serve's decode batch) in one call
+    return not (B * T > ATTENTION_MAX_TOKENS or x.dtype != dt
                 or x.device.type != "cpu" or module.training or pe is None
                 or pe[0].shape[-1] != D or pe[0].dtype not in BLOCK_DTYPES
+                or (B > 1 and (pe[0].dim() != 3 or pe[0].shape[0] not in (1, B)
+                               or pe[0].shape[1] != T or pe[1].shape != pe[0].shape))
                 or pe[1].dtype != pe[0].dtype
                 or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
                 or not mask_readable(attention_mask, T)
@@ -324,12 +326,15 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
     norm)."""
     blk = module._specmoe_block        # looked up at each call: one attribute read, and
     H, Hkv, D, hidden, dt = module._specmoe_block_shape  # tests may wrap it
-    T = x.shape[1]
-    cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
-    q = torch.empty(1, H, T, D, dtype=torch.float32)
-    k = torch.empty(1, Hkv, T, D, dtype=dt)
-    v = torch.empty(1, Hkv, T, D, dtype=dt)
-    xa = tensor_array(x.reshape(T, hidden).contiguous())
+    B, T = x.shape[0], x.shape[1]      # B rows: every row's tokens are the block's B * T
+    if B == 1:
+        cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
+    else:  # each row at its own positions ([1 or B, T, D], _decodable checked)
+        cos, sin = (p.expand(B, T, D).reshape(B * T, D) for p in pe)
+    q = torch.empty(B, H, T, D, dtype=torch.float32)
+    k = torch.empty(B, Hkv, T, D, dtype=dt)
+    v = torch.empty(B, Hkv, T, D, dtype=dt)
+    xa = tensor_array(x.reshape(B * T, hidden).contiguous())
     if norms is None:
         blk.pre(xa, tensor_array(cos.contiguous()), tensor_array(sin.contiguous()), q.numpy(),
                 tensor_array(k), tensor_array(v))
@@ -342,15 +347,15 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
     bias = _bias_array(attention_mask, T, S)
     if k.stride(-1) != 1 or k.stride(-2) != D or v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
-    out = torch.empty(1, T, hidden, dtype=dt)
+    out = torch.empty(B, T, hidden, dtype=dt)
     if norms is None:
         blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, module._specmoe_scaling,
-                 tensor_array(out.view(T, hidden)))
+                 tensor_array(out.view(B * T, hidden)))
         return out, None
-    normed = torch.empty(1, T, hidden, dtype=dt)
+    normed = torch.empty(B, T, hidden, dtype=dt)
     blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, module._specmoe_scaling,
-             tensor_array(out.view(T, hidden)), xa, norms[2], norms[3],
-             tensor_array(normed.view(T, hidden)))
+             tensor_array(out.view(B * T, hidden)), xa, norms[2], norms[3],
+             tensor_array(normed.view(B * T, hidden)))
     return out, normed
 
 

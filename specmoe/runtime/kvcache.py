@@ -27,11 +27,12 @@ _KV_SPARE = 256  # positions of spare room at least, when a layer is (re)buffere
 _OWNED = ("_keys", "_values", "_kbuf", "_vbuf", "_ka", "_va")
 
 
-def _batch1(k: Any, v: Any) -> bool:
-    """Keys k and values v [1, heads, positions, D] (values may have another D, as MLA's
-    latent and rotary key do): what a BufferedLayer buffers."""
+def _kv4(k: Any, v: Any) -> bool:
+    """Keys k and values v [B, heads, positions, D] (values may have another D, as MLA's
+    latent and rotary key do): what a BufferedLayer buffers (B rows: a decode batch's cache,
+    specmoe.speculation.batch.BatchKV)."""
     return (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 4
-            and v.dim() == 4 and k.shape[0] == 1 and v.shape[:3] == k.shape[:3])
+            and v.dim() == 4 and v.shape[:3] == k.shape[:3])
 
 
 def _alike(a: Any, b: torch.Tensor) -> bool:
@@ -41,14 +42,14 @@ def _alike(a: Any, b: torch.Tensor) -> bool:
 
 
 class BufferedLayer(DynamicLayer):
-    """A ``DynamicLayer`` that owns its KV buffers: ``keys``/``values`` [1, heads, S, D] are the
-    first S positions of buffers [1, heads, capacity, D] with spare room, so an append copies
-    only its own positions.  (A plain DynamicLayer concatenates its whole cache with the new
+    """A ``DynamicLayer`` that owns its KV buffers: ``keys``/``values`` [B, heads, S, D] are the
+    first S positions of buffers [B, heads, capacity, D] with spare room, so an append copies
+    only its own positions (B rows: one sequence, or a decode batch's BatchKV).  (A plain DynamicLayer concatenates its whole cache with the new
     positions at every step: O(S) copying per layer and token, ~0.13 ms a layer at S ~ 100 on
     an OLMoE-shaped model, growing with S.)
 
     The layer is the buffers' one owner, and its own methods keep keys/values views of them:
-    :meth:`update` at batch 1 (writing the new positions; when the room runs out, new buffers a
+    :meth:`update` at the buffers' batch size (writing the new positions; when the room runs out, new buffers a
     quarter larger, at least ``_KV_SPARE`` positions of spare room, the cache copied in),
     :meth:`crop` (a shorter view), :meth:`set_length` (the one-call layers, which write into
     the buffers themselves: :func:`kv_buffers`).  Anything else that assigns ``keys`` or
@@ -136,11 +137,12 @@ class BufferedLayer(DynamicLayer):
         the cache copied in, when there are none or too little room).  k, v: the new
         positions, which must fit the cache (shape but for the positions, dtype, device); by
         default the cache's own.  None, nothing changed, when the layer is not buffered so:
-        not batch 1, nothing 4-D cached yet and no k, v, or k, v that do not fit."""
+        nothing 4-D cached yet and no k, v, or k, v that do not fit (another batch size, heads,
+        D, dtype or device)."""
         keys, values, kb, vb = self._keys, self._values, self._kbuf, self._vbuf
         if k is None:
             k, v = (kb, vb) if kb is not None else (keys, values)
-        if not _batch1(k, v):
+        if not _kv4(k, v):
             return None
         assert k is not None and v is not None
         S = 0 if keys is None or keys.numel() == 0 else keys.shape[2]
@@ -162,9 +164,9 @@ class BufferedLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """DynamicLayer.update: at batch 1 the new positions are copied into the buffers (only
-        a regrowth copies the cache); otherwise DynamicLayer's concatenation, whose assignment
-        drops the buffers."""
+        """DynamicLayer.update: the new positions are copied into the buffers (only a regrowth
+        copies the cache); new positions that do not fit them (another batch size, ...) take
+        DynamicLayer's concatenation, whose assignment drops the buffers."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T = key_states.shape[-2]
@@ -237,7 +239,7 @@ def kv_append(cache: Any, idx: int, k: torch.Tensor, v: torch.Tensor,
               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' cache update of layer ``idx`` with T new positions; returns the layer's
     whole keys and values.  A plain DynamicCache's layer becomes a :class:`BufferedLayer`
-    first, whose update at batch 1 copies only the new positions.  Other caches and layer
+    first, whose update copies only the new positions.  Other caches and layer
     types take their own ``update``."""
     _buffered(cache, idx)
     return cache.update(k, v, idx, kwargs=kwargs)
@@ -263,7 +265,8 @@ def kv_buffers(cache: Any, idx: int, T: int) -> tuple | None:
     layer's keys/values being the buffers' first S positions.  None for any other cache, or a
     layer holding nothing yet (the caller takes ``cache.update``, which initialises it)."""
     lay = _buffered(cache, idx)
-    if lay is None or not lay.is_initialized:
+    if lay is None or not lay.is_initialized or lay.keys is None or lay.keys.dim() != 4 \
+            or lay.keys.shape[0] != 1:  # the one-call layers write one sequence's buffers
         return None
     S = lay.room(T)
     if S is None:

@@ -161,11 +161,11 @@ static int run_variant(smoe_kctx *ctx, const variant *v) {
         for (int t = 0; t < nt; t++) /* causal: token t sees positions <= S + t */
             for (int j = 0; j < Sn; j++) bias[t * Sn + j] = j <= S + t ? 0.0f : -INFINITY;
         const size_t kv_hs = (size_t)CAP * D;
-        if (smoe_attn_block_pre(&blk, ctx, x, 0, cs, 0, sn, 0, (uint32_t)nt,
+        if (smoe_attn_block_pre(&blk, ctx, x, 0, cs, 0, sn, 0, 1, (uint32_t)nt,
                                 v->ln_in ? ln1 : NULL, (float)eps, q, kbuf + (size_t)S * D, 0,
-                                vbuf + (size_t)S * D, 0, kv_hs, &err) ||
+                                vbuf + (size_t)S * D, 0, 0, kv_hs, &err) ||
             smoe_attn_block_post(&blk, ctx, q, kbuf, vbuf, SMOE_WDT_F32, (size_t)HKV * kv_hs,
-                                 kv_hs, (uint32_t)nt, (uint32_t)Sn, nt > 1 ? bias : NULL, 1,
+                                 kv_hs, 1, (uint32_t)nt, (uint32_t)Sn, nt > 1 ? bias : NULL, 1,
                                  (float)(1.0 / sqrt(D)), out, 0, v->resid ? x : NULL, ln2,
                                  (float)eps, v->resid ? normed : NULL, &err)) {
             printf("FAIL step %d: %s\n", st, err.msg);
