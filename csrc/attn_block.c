@@ -232,6 +232,7 @@ int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const
 int smoe_attn_block_layer(smoe_attn_block *self, smoe_kctx *c, smoe_layers *g,
                           const smoe_attn_layer_args *a, double *ta, double *tm, smoe_err *err) {
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden, nt = a->nt;
+    const uint32_t B = a->B, n = B * nt; /* every row's tokens */
     const size_t esz = a->kb ? 2 : 4, kv_hs = (size_t)a->cap * D, S = (size_t)a->S;
     pthread_mutex_lock(&self->mu);
     const size_t mt = self->max_tokens;
@@ -239,14 +240,15 @@ int smoe_attn_block_layer(smoe_attn_block *self, smoe_kctx *c, smoe_layers *g,
     float *q = extra, *h = q + mt * H * D, *nrm = h + mt * hid, *moe = nrm + mt * hid;
     double t0 = smoe_now(), t1 = t0;
     /* input norm, projections, q/k norms, rotary; k, v appended at S */
-    int rc = block_pre(self, c, a->xp, a->xb, a->cp, a->cb, a->sp, a->sb, 1, nt, a->ln1, a->eps1,
-                       q, a->kp + S * D * esz, a->kb, a->vp + S * D * esz, a->kb, 0, kv_hs, err);
-    if (rc == SMOE_OK) /* attention over the S + T positions, output projection */
+    int rc = block_pre(self, c, a->xp, a->xb, a->cp, a->cb, a->sp, a->sb, B, nt, a->ln1, a->eps1,
+                       q, a->kp + S * D * esz, a->kb, a->vp + S * D * esz, a->kb,
+                       (size_t)Hkv * kv_hs, kv_hs, err);
+    if (rc == SMOE_OK) /* attention over the S + T positions of each row, output projection */
         rc = block_post(self, c, q, a->kp, a->vp, a->kb ? SMOE_WDT_BF16 : SMOE_WDT_F32,
-                        (size_t)Hkv * kv_hs, kv_hs, 1, nt, (uint32_t)(S + nt), a->bias,
+                        (size_t)Hkv * kv_hs, kv_hs, B, nt, (uint32_t)(S + nt), a->bias,
                         a->bias_rows, (float)a->scale, h, err);
-    if (rc == SMOE_OK)
-        rc = smoe_dec_tail(self->bf16, g, NULL, (uint32_t)a->pos, a->flags, nt, hid, h, a->xp,
+    if (rc == SMOE_OK) /* the MoE block over every row's tokens */
+        rc = smoe_dec_tail(self->bf16, g, NULL, (uint32_t)a->pos, a->flags, n, hid, h, a->xp,
                            a->xb, a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap,
                            a->op, a->ob, &t1, err);
     double t2 = smoe_now();

@@ -129,18 +129,19 @@ int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const
 /* One whole decoder layer's arguments (AttnBlock.layer), checked by the caller. */
 typedef struct smoe_attn_layer_args {
     long pos;    /* the MoE layer's position in the smoe_layers */
-    uint32_t nt; /* tokens, 1..max_tokens */
+    uint32_t B;  /* rows (sequences of a decode batch), each nt tokens; B * nt <= max_tokens */
+    uint32_t nt; /* tokens per row */
     int flags;   /* route flags (layer.h) */
     int xb, cb, sb, kb, ob; /* bf16 bits (1) or f32 (0): x, cos, sin, the KV buffers, out */
     long long S; /* cached positions; S + nt <= cap */
     int64_t cap; /* the KV buffers' capacity (positions) */
     double scale;
-    const float *bias, *ln1, *ln2; /* bias f32 [bias_rows, nt, S + nt] or NULL */
+    const float *bias, *ln1, *ln2; /* bias f32 [bias_rows (1 or B), nt, S + nt] or NULL */
     uint32_t bias_rows;
     float eps1, eps2;
-    const void *xp, *cp, *sp; /* x [nt, hidden], cos, sin [nt, D] */
-    uint8_t *kp, *vp;         /* KV buffers [Hkv, cap, D] */
-    void *op;                 /* out [nt, hidden], x's dtype, not aliasing x */
+    const void *xp, *cp, *sp; /* x [B * nt, hidden], cos, sin [B * nt, D] */
+    uint8_t *kp, *vp;         /* KV buffers [B, Hkv, cap, D] */
+    void *op;                 /* out [B * nt, hidden], x's dtype, not aliasing x */
 } smoe_attn_layer_args;
 
 /* The layer on the begun MoE layers g (layer pos, hidden = b->hidden), under b->mu then g's:

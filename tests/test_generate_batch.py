@@ -202,12 +202,30 @@ def test_batch_kv_matches_cacheless_forward():
     assert st.compactions >= 1
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2", "qwen3_moe"])
-def test_batch_kv_join_and_row(arch):
+class _LayerRows:
+    """Stands in for a module's AttnBlock and records the rows (kbuf's batch) of each one-call
+    layer."""
+
+    def __init__(self, blk, rows):
+        self.blk, self.rows = blk, rows
+
+    def __getattr__(self, name):
+        return getattr(self.blk, name)
+
+    def layer(self, *a):
+        self.rows.append(a[6].shape[0])
+        return self.blk.layer(*a)
+
+
+@pytest.mark.parametrize("arch,dense", [("mixtral", "auto"), ("deepseek_v2", "auto"),
+                                        ("qwen3_moe", "auto"), ("mixtral", "f32"),
+                                        ("qwen3_moe", "f32")])
+def test_batch_kv_join_and_row(arch, dense):
     """Sequences prefilled and decoded alone (an offloaded model: specmoe's own batch-1 decode
     step and buffered cache), joined into a running BatchKV one at a time, shorter and longer
     than its rows: every batched step gives each row the logits of a plain forward over its
-    tokens alone; a row copied out (row) decodes alone as if it had never been batched."""
+    tokens alone; a row copied out (row) decodes alone as if it had never been batched.  With
+    the dense layers in C (f32) the batched steps are one C call per layer for every row."""
     model = tiny_model(arch, seed=5, vocab=60, layers=2)
     if arch == "deepseek_v2":
         # transformers' MLA expands keys for every head; at batch > 1 its sdpa path needs
@@ -217,7 +235,11 @@ def test_batch_kv_join_and_row(arch):
         cfg.num_key_value_heads = cfg.num_attention_heads
         torch.manual_seed(5)
         model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").eval()
-    eng = specmoe.offload(model, cache=1.0, dtype="f32")
+    eng = specmoe.offload(model, cache=1.0, dtype="f32", dense=dense)
+    rows: list = []
+    for mod in model.modules():
+        if getattr(mod, "_specmoe_block", None) is not None:
+            mod._specmoe_block = _LayerRows(mod._specmoe_block, rows)
     try:
         rng = np.random.default_rng(1)
 
@@ -268,6 +290,8 @@ def test_batch_kv_join_and_row(arch):
             bad = new_kv(model)
             bad.layers = bad.layers[:1]
             st.join(bad)
+        if dense == "f32":
+            assert 1 in rows and 3 in rows and 2 in rows, sorted(set(rows))
     finally:
         eng.close()
 

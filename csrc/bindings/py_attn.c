@@ -777,15 +777,22 @@ int smoe_py_attn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t na
     double scale = PyFloat_AsDouble(args[10]);
     if (PyErr_Occurred()) return -1;
     if (smoe_py_route_flags(args[2], &a->flags)) return -1;
-    npy_intp T;
-    if (block_inputs(b, args[3], args[4], args[5], &T, &a->xb, &a->cb, &a->sb)) return -1;
+    npy_intp BT;
+    if (block_inputs(b, args[3], args[4], args[5], &BT, &a->xb, &a->cb, &a->sb)) return -1;
     a->kb = smoe_py_f32_or_bf16(args[6], "kbuf", 4, 1);
     int vb = smoe_py_f32_or_bf16(args[7], "vbuf", 4, 1);
     if (a->kb < 0 || vb < 0) return -1;
+    const npy_intp B = PyArray_DIM((PyArrayObject *)args[6], 0);
+    if (B < 1 || BT % B) {
+        PyErr_Format(PyExc_ValueError, "layer: kbuf has %zd rows, x %zd tokens: x must be "
+                     "[rows * T, hidden]", (Py_ssize_t)B, (Py_ssize_t)BT);
+        return -1;
+    }
+    const npy_intp T = BT / B;
     npy_intp cap = PyArray_DIM((PyArrayObject *)args[6], 2);
-    npy_intp w_kv[4] = {1, Hkv, cap, D}, w_o[2] = {T, hid};
-    if (smoe_py_dims_are(args[6], "kbuf [1, kv_heads, capacity, head_dim]", w_kv, 4) ||
-        smoe_py_dims_are(args[7], "vbuf [1, kv_heads, capacity, head_dim]", w_kv, 4))
+    npy_intp w_kv[4] = {B, Hkv, cap, D}, w_o[2] = {BT, hid};
+    if (smoe_py_dims_are(args[6], "kbuf [rows, kv_heads, capacity, head_dim]", w_kv, 4) ||
+        smoe_py_dims_are(args[7], "vbuf [rows, kv_heads, capacity, head_dim]", w_kv, 4))
         return -1;
     if (a->kb != vb) {
         PyErr_SetString(PyExc_ValueError, "kbuf and vbuf must have the same dtype");
@@ -796,12 +803,12 @@ int smoe_py_attn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t na
                      "capacity of %zd", S, (Py_ssize_t)T, (Py_ssize_t)cap);
         return -1;
     }
-    if (smoe_py_bias_arg(args[9], 1, T, (npy_intp)S + T, &a->bias, &a->bias_rows)) return -1;
+    if (smoe_py_bias_arg(args[9], B, T, (npy_intp)S + T, &a->bias, &a->bias_rows)) return -1;
     if (smoe_py_norm_arg(args[11], args[12], hid, &a->ln1, &a->eps1) ||
         smoe_py_norm_arg(args[13], args[14], hid, &a->ln2, &a->eps2))
         return -1;
     a->ob = smoe_py_f32_or_bf16(args[15], "out", 2, 1);
-    if (a->ob < 0 || smoe_py_dims_are(args[15], "out [T, hidden]", w_o, 2)) return -1;
+    if (a->ob < 0 || smoe_py_dims_are(args[15], "out [rows * T, hidden]", w_o, 2)) return -1;
     if (a->ob != a->xb) {
         PyErr_SetString(PyExc_ValueError, "x and out must have the same dtype");
         return -1;
@@ -811,6 +818,7 @@ int smoe_py_attn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t na
         return -1;
     }
     a->pos = pos;
+    a->B = (uint32_t)B;
     a->nt = (uint32_t)T;
     a->S = S;
     a->cap = cap;
@@ -845,14 +853,15 @@ static PyMethodDef ab_methods[] = {
      "resid + the projection, normed = RMSNorm(out).  GIL released."},
     {"layer", (PyCFunction)(void (*)(void))smoe_py_layer_method, METH_FASTCALL,
      "layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, ln1, eps1, ln2, "
-     "eps2, out): one decoder layer of T tokens in one call: x [T, hidden] RMSNorm-ed (ln1, "
-     "eps1), pre's projections, norms and rotary, the new k, v written into the KV buffers "
-     "kbuf, vbuf [1, kv_heads, capacity, head_dim] (float32 or bf16 bits, C-contiguous) at "
-     "positions S..S+T-1, attention over positions 0..S+T-1 with the additive bias float32 [1, "
-     "T, S+T] or None, the output projection, the residual add, the post-attention RMSNorm "
-     "(ln2, eps2), the MoE block of MoE layer pos of the _C.Layers object layers (its "
-     "forward_routed with route_flags), the second residual add, into out [T, hidden] (x's "
-     "dtype).  Every intermediate as pre, post and forward_routed compute it; GIL released.  "
+     "eps2, out): one decoder layer of rows of T tokens in one call (rows from kbuf: one "
+     "sequence, or a decode batch): x [rows * T, hidden] RMSNorm-ed (ln1, eps1), pre's "
+     "projections, norms and rotary, the new k, v written into the KV buffers kbuf, vbuf "
+     "[rows, kv_heads, capacity, head_dim] (float32 or bf16 bits, C-contiguous) at positions "
+     "S..S+T-1 of every row, attention over positions 0..S+T-1 with the additive bias float32 "
+     "[1 or rows, T, S+T] or None, the output projection, the residual add, the post-attention "
+     "RMSNorm (ln2, eps2), the MoE block of MoE layer pos of the _C.Layers object layers (its "
+     "forward_routed with route_flags) over every row's tokens, the second residual add, into "
+     "out [rows * T, hidden] (x's dtype).  Every intermediate as pre, post and forward_routed compute it; GIL released.  "
      "Returns (seconds in the attention block with its norms and first residual add, seconds "
      "in the MoE block and the second add, 0.0 -- MLABlock.layer's dense-MLP seconds), for "
      "benchmarks."},

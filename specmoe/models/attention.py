@@ -245,19 +245,22 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
 
 def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
                 attention_mask: Any, bufs: tuple, route: tuple) -> tuple:
-    """The arguments of ``_C.AttnBlock.layer`` for T tokens x [1, T, hidden] into out (the
-    same shape and dtype, another tensor) on the KV buffers ``bufs`` (kv_buffers) and the
-    Engine route ``route`` (decode_route)."""
+    """The arguments of ``_C.AttnBlock.layer`` for B rows of T tokens x [B, T, hidden] into
+    out (the same shape and dtype, another tensor) on the KV buffers ``bufs`` (kv_buffers,
+    [B, ...]) and the Engine route ``route`` (decode_route)."""
     attn = layer.self_attn
     D, hidden = attn._specmoe_block_shape[2:4]
     _, _, _, ka, va, S = bufs
     eng, pos, flags, _ = route
-    T = x.shape[1]
-    cos, sin = per_step_rope(pe, T, D, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
+    B, T = x.shape[0], x.shape[1]
+    if B == 1:
+        cos, sin = per_step_rope(pe, T, D, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
+    else:  # each row at its own positions (_decodable checked pe [1 or B, T, D])
+        cos, sin = (tensor_array(p.expand(B, T, D).reshape(B * T, D).contiguous()) for p in pe)
     ln1, e1, ln2, e2 = layer._specmoe_norms
-    return (eng.layers, pos, flags, tensor_array(x.reshape(T, hidden).contiguous()), cos, sin,
-            ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1, e1,
-            ln2, e2, tensor_array(out.view(T, hidden)))
+    return (eng.layers, pos, flags, tensor_array(x.reshape(B * T, hidden).contiguous()), cos,
+            sin, ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1,
+            e1, ln2, e2, tensor_array(out.view(B * T, hidden)))
 
 
 def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, bufs: tuple,
@@ -397,7 +400,7 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
                             position_embeddings=position_embeddings, **kwargs)
         route = decode_route(layer, hidden_states)
         if route is not None:
-            bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1])
+            bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1], rows=True)
             if bufs is not None:
                 return _layer_call(layer, hidden_states, position_embeddings, attention_mask,
                                    bufs, route)

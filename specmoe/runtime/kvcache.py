@@ -257,16 +257,17 @@ def kv_views(lay: BufferedLayer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return lay.set_length(n)
 
 
-def kv_buffers(cache: Any, idx: int, T: int) -> tuple | None:
-    """The KV buffers of layer ``idx`` of a plain DynamicCache of batch 1, with room for T
+def kv_buffers(cache: Any, idx: int, T: int, rows: bool = False) -> tuple | None:
+    """The KV buffers of layer ``idx`` of a plain DynamicCache of batch 1 (``rows``: of any
+    batch size, for a caller that writes every row: the GQA one-call layer), with room for T
     more positions, for a caller that writes them itself (then :func:`kv_advance`): (layer, a
-    :class:`BufferedLayer`; keys buffer, values buffer [1, heads, capacity, D] (values may have
+    :class:`BufferedLayer`; keys buffer, values buffer [B, heads, capacity, D] (values may have
     another D, as MLA's latent and rotary key do); their numpy views; S cached positions), the
     layer's keys/values being the buffers' first S positions.  None for any other cache, or a
     layer holding nothing yet (the caller takes ``cache.update``, which initialises it)."""
     lay = _buffered(cache, idx)
     if lay is None or not lay.is_initialized or lay.keys is None or lay.keys.dim() != 4 \
-            or lay.keys.shape[0] != 1:  # the one-call layers write one sequence's buffers
+            or (lay.keys.shape[0] != 1 and not rows):
         return None
     S = lay.room(T)
     if S is None:
