@@ -178,8 +178,10 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     its four projections are :class:`specmoe.models.layers.CLinear`, its q/k norms (if the form has
     them) are plain RMSNorms, nothing clips q/k/v, and the model's weights are f32 or bf16.
     Everything the block does not cover at call time -- more than ``ATTENTION_MAX_TOKENS``
-    tokens, a batch of several rows, another device or dtype, a mask or argument the C
-    attention does not read, training -- goes to the module's own forward.
+    tokens in all (a batch of B rows of T tokens counts B * T: serve's decode batch runs
+    through the block, each row its own positions, cache row and mask), another device or
+    dtype, a mask or argument the C attention does not read, training -- goes to the module's
+    own forward.
 
     The decoder layers around fused modules, when of a ``specmoe.models.arch.FUSABLE_LAYERS`` form
     with plain RMSNorms, fold their input norm, first residual add and post-attention norm into the
