@@ -216,17 +216,24 @@ def test_bad_input_raises_and_leaves_outputs_alone():
     np.testing.assert_array_equal(normed, 7.0)
 
 
+def _head_norm_block(H, Hkv, D, hid, seed, rng):
+    """An AttnBlock with per-head q/k RMSNorms (weights drawn from rng): (block, its four
+    projections' C objects, q_norm, k_norm)."""
+    parts = _block_parts(H, Hkv, D, hid, seed=seed)
+    qn = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    kn = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    blk = _C.AttnBlock(_C.KernelContext(2), *parts, H, Hkv, D, norm="head", q_norm=qn,
+                       k_norm=kn, eps=1e-6)
+    return blk, parts, qn, kn
+
+
 def test_block_against_numpy_reference():
     """pre + post for 2 tokens on a 3-position cache against float64 numpy: the input RMSNorm,
     projections, the per-head RMSNorm, rotate-half rotary, softmax attention with a causal
     bias, o_proj, the residual add and the post-attention RMSNorm."""
     H, Hkv, D, hid = 4, 2, 8, 32
-    parts = _block_parts(H, Hkv, D, hid, seed=5)
     rng = np.random.default_rng(0)
-    qn = rng.uniform(0.5, 1.5, D).astype(np.float32)
-    kn = rng.uniform(0.5, 1.5, D).astype(np.float32)
-    blk = _C.AttnBlock(_C.KernelContext(2), *parts, H, Hkv, D, norm="head", q_norm=qn,
-                       k_norm=kn, eps=1e-6)
+    blk, parts, qn, kn = _head_norm_block(H, Hkv, D, hid, 5, rng)
     T, S0 = 2, 3
     x = rng.standard_normal((T, hid)).astype(np.float32)
     ang = rng.uniform(0, 6, (T, D // 2))
@@ -437,12 +444,8 @@ def test_block_rows_equal_each_row_alone():
     positions' rotary, its own cache and mask, holes included) equal each row through the
     block alone."""
     H, Hkv, D, hid = 4, 2, 8, 32
-    parts = _block_parts(H, Hkv, D, hid, seed=7)
     rng = np.random.default_rng(1)
-    qn = rng.uniform(0.5, 1.5, D).astype(np.float32)
-    kn = rng.uniform(0.5, 1.5, D).astype(np.float32)
-    blk = _C.AttnBlock(_C.KernelContext(2), *parts, H, Hkv, D, norm="head", q_norm=qn,
-                       k_norm=kn, eps=1e-6)
+    blk, _, _, _ = _head_norm_block(H, Hkv, D, hid, 7, rng)
     B, T, S0 = 3, 2, 4
     x = rng.standard_normal((B * T, hid)).astype(np.float32)
     ang = rng.uniform(0, 6, (B * T, D // 2))

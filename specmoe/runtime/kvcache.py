@@ -44,13 +44,15 @@ def _alike(a: Any, b: torch.Tensor) -> bool:
 class BufferedLayer(DynamicLayer):
     """A ``DynamicLayer`` that owns its KV buffers: ``keys``/``values`` [B, heads, S, D] are the
     first S positions of buffers [B, heads, capacity, D] with spare room, so an append copies
-    only its own positions (B rows: one sequence, or a decode batch's BatchKV).  (A plain DynamicLayer concatenates its whole cache with the new
-    positions at every step: O(S) copying per layer and token, ~0.13 ms a layer at S ~ 100 on
-    an OLMoE-shaped model, growing with S.)
+    only its own positions (B rows: one sequence, or a decode batch's BatchKV).  (A plain
+    DynamicLayer concatenates its whole cache with the new positions at every step: O(S)
+    copying per layer and token, ~0.13 ms a layer at S ~ 100 on an OLMoE-shaped model, growing
+    with S.)
 
     The layer is the buffers' one owner, and its own methods keep keys/values views of them:
-    :meth:`update` at the buffers' batch size (writing the new positions; when the room runs out, new buffers a
-    quarter larger, at least ``_KV_SPARE`` positions of spare room, the cache copied in),
+    :meth:`update` at the buffers' batch size (writing the new positions; when the room runs
+    out, new buffers a quarter larger, at least ``_KV_SPARE`` positions of spare room, the
+    cache copied in),
     :meth:`crop` (a shorter view), :meth:`set_length` (the one-call layers, which write into
     the buffers themselves: :func:`kv_buffers`).  Anything else that assigns ``keys`` or
     ``values`` -- transformers' own reorder_cache, batch_repeat_interleave,

@@ -5,8 +5,9 @@
 :mod:`specmoe.serve.api`, the worker thread that owns the model :mod:`specmoe.serve.scheduler`
 (continuous batching: the running requests' decode steps in one batched forward), its
 speculative decoding :mod:`specmoe.serve.speculate`, the streamed text
-:mod:`specmoe.serve.detok`, the Prometheus series :mod:`specmoe.serve.metrics`.  Needs the ``serve`` extra
-(``pip install 'specmoe[serve]'``: starlette, uvicorn, prometheus-client) besides ``hf``."""
+:mod:`specmoe.serve.detok`, the Prometheus series :mod:`specmoe.serve.metrics`.  Needs the
+``serve`` extra (``pip install 'specmoe[serve]'``: starlette, uvicorn, prometheus-client)
+besides ``hf``."""
 from __future__ import annotations
 
 from .api import ApiError, Server, app, run
