@@ -245,6 +245,12 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     return done
 
 
+def _rows_rope(pe: Any, B: int, T: int, D: int) -> tuple:
+    """cos, sin [B * T, D] (contiguous) of B rows of T tokens, each row at its own positions,
+    from the position embeddings pe ([1 or B, T, D] each, as _decodable checked)."""
+    return tuple(p.expand(B, T, D).reshape(B * T, D).contiguous() for p in pe)
+
+
 def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
                 attention_mask: Any, bufs: tuple, route: tuple) -> tuple:
     """The arguments of ``_C.AttnBlock.layer`` for B rows of T tokens x [B, T, hidden] into
@@ -258,7 +264,7 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     if B == 1:
         cos, sin = per_step_rope(pe, T, D, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
     else:  # each row at its own positions (_decodable checked pe [1 or B, T, D])
-        cos, sin = (tensor_array(p.expand(B, T, D).reshape(B * T, D).contiguous()) for p in pe)
+        cos, sin = (tensor_array(p) for p in _rows_rope(pe, B, T, D))
     ln1, e1, ln2, e2 = layer._specmoe_norms
     return (eng.layers, pos, flags, tensor_array(x.reshape(B * T, hidden).contiguous()), cos,
             sin, ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1,
@@ -335,7 +341,7 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
     if B == 1:
         cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
     else:  # each row at its own positions ([1 or B, T, D], _decodable checked)
-        cos, sin = (p.expand(B, T, D).reshape(B * T, D) for p in pe)
+        cos, sin = _rows_rope(pe, B, T, D)
     q = torch.empty(B, H, T, D, dtype=torch.float32)
     k = torch.empty(B, Hkv, T, D, dtype=dt)
     v = torch.empty(B, Hkv, T, D, dtype=dt)
