@@ -53,7 +53,8 @@
  *          One pass over a row's blocks serves up to 4 tokens (the unpacked nibbles and
  *          scales reused).
  *   vnni   (AVX512_VNNI, precise = 0): the fast form, with Q4_0 and Q8_0 at one token through
- *          vpdpbusd (the same integer sums; below, before impl_vnni).
+ *          vpdpbusd and Q4_K through 512-bit vpmaddubsw / vpdpwssd (the same integer sums;
+ *          below, before impl_vnni).
  *
  * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0,
  * Q4_0, Q4_1) or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8
@@ -1100,7 +1101,8 @@ static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
 #define HAVE_FAST 0
 #endif
 
-/* ---- AVX-512 VNNI: Q4_0 against one token, four blocks (128 columns) per vpdpbusd pair ----
+/* ---- AVX-512 VNNI: Q4_0 against one token, four blocks (128 columns) per vpdpbusd pair
+ * (Q8_0: two blocks per vpdpbusd; Q4_K: 128 columns per 512-bit step, at rows_q4_k_vnni) ----
  * The AVX2 form above spends ~6 cycles a Q4_0 block at one token on an AMD EPYC Zen 4 (0.33
  * of the read ceiling at one thread): the sign trick (q - 8 signed), two vpmaddubsw/vpmaddwd
  * steps and a float conversion and FMA per 32 columns.  Here the nibbles q in [0, 15] are the
@@ -1213,18 +1215,88 @@ AI void rows_q8_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
     }
 }
 
-/* nr rows of dt (Q4_0 or Q8_0) against one token. */
+/* nr (1 or 2) Q4_K rows w[r] of n columns against one token: the AVX2 form's integer sums
+ * (the nibbles q in [0, 15] unsigned against the int8 x in vpmaddubsw, pairs <= 3810; times
+ * the sub-block's 6-bit scale and summed in int32), 128 columns per 512-bit step.  A 64-byte
+ * load of a block's nibbles holds four sub-blocks: its low nibbles are sub-blocks 4p and
+ * 4p + 2 (bytes 0-31, 32-63), its high nibbles 4p + 1 and 4p + 3, so the input's matching
+ * columns are two vshufi64x2 of the 128 prepared int8 values, shared by the rows; vpdpwssd
+ * multiplies the pair sums by their sub-block's scale (a vpshufb of the eight scales
+ * broadcast to the four 128-bit lanes) and adds them in one instruction.  The min term and
+ * the f32 steps are the AVX2 form's, so the result equals it to float rounding. */
+AI void rows_q4_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
+                       float *res) {
+    const uint32_t nsb = n / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    /* vpshufb patterns: int16 lanes 0-15 take scale j1, 16-31 scale j2 (bytes 2j, 2j + 1) */
+#define SC_PAIR(j1, j2)                                                                        \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x0100 + 0x0202 * (j1)))), \
+                       _mm256_set1_epi16((short)(0x0100 + 0x0202 * (j2))), 1)
+    const __m512i kl0 = SC_PAIR(0, 2), kh0 = SC_PAIR(1, 3), kl1 = SC_PAIR(4, 6),
+                  kh1 = SC_PAIR(5, 7);
+#undef SC_PAIR
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m128 accm[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+    const int8_t *xq = x->q;
+    for (uint32_t s = 0; s < nsb; s++, xq += 256) {
+        const __m512i X0 = _mm512_loadu_si512((const void *)xq);
+        const __m512i X1 = _mm512_loadu_si512((const void *)(xq + 64));
+        const __m512i X2 = _mm512_loadu_si512((const void *)(xq + 128));
+        const __m512i X3 = _mm512_loadu_si512((const void *)(xq + 192));
+        const __m512i xl0 = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i xh0 = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i xl1 = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i xh1 = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m128i bsv = _mm_loadu_si128((const __m128i *)(x->bs + 8 * s));
+        const float xs = x->s[s];
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *wb = w[r] + (size_t)144 * s;
+            _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + PF_AHEAD + 128), _MM_HINT_T0);
+            uint32_t u[4];
+            q4k_unpack(wb + 4, u);
+            const __m512i sc = _mm512_broadcast_i32x4(
+                _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[1], (int)u[0])));
+            const __m512i v0 = _mm512_loadu_si512((const void *)(wb + 16));
+            const __m512i v1 = _mm512_loadu_si512((const void *)(wb + 80));
+            __m512i sumi = _mm512_dpwssd_epi32(
+                _mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(v0, m4), xl0),
+                _mm512_shuffle_epi8(sc, kl0));
+            sumi = _mm512_dpwssd_epi32(
+                sumi, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(v0, 4), m4), xh0),
+                _mm512_shuffle_epi8(sc, kh0));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(_mm512_and_si512(v1, m4), xl1),
+                                       _mm512_shuffle_epi8(sc, kl1));
+            sumi = _mm512_dpwssd_epi32(
+                sumi, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(v1, 4), m4), xh1),
+                _mm512_shuffle_epi8(sc, kh1));
+            uint32_t dd;
+            memcpy(&dd, wb, 4);
+            const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)), _mm_set1_ps(xs));
+            acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), acc[r]);
+            const __m128i pm =
+                _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2])), bsv);
+            accm[r] = _mm_fmadd_ps(_mm_shuffle_ps(dm, dm, 0x55), _mm_cvtepi32_ps(pm), accm[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]) - hsum4(accm[r]);
+}
+
+/* nr rows of dt (Q4_0, Q8_0 or Q4_K) against one token. */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
                   float *res) {
     if (dt == SMOE_WDT_Q4_0)
         rows_q4_0_vnni(w, nr, x, n, res);
+    else if (dt == SMOE_WDT_Q4_K)
+        rows_q4_k_vnni(w, nr, x, n, res);
     else
         rows_q8_0_vnni(w, nr, x, n, res);
 }
 
 /* Whether the VNNI rows serve a matrix of dt at T tokens. */
 AI int vnni_rows_for(int32_t dt, uint32_t T) {
-    return T == 1 && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0);
+    return T == 1 && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K);
 }
 
 static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
