@@ -157,6 +157,38 @@ def test_no_gate_means_the_base_model():
     assert not any(isinstance(m, mtp.GatedLoRA) for m in model.modules())
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+def test_masks_through_fused_attention_blocks_apply_the_adapter(arch, tmp_path):
+    """specmoe's C attention blocks (convert_dense fuses them) are built from the base
+    projections: an MTP forward's masks must go around them to the module's own forward, whose
+    wrapped projections apply the LoRA.  Against the transformers model (f32) with the same
+    adapter, at sizes the blocks take (2 and 4 anchors, 3 masks each: 8 and 16 tokens), after
+    a context in the cache."""
+    import copy
+
+    from specmoe.models.dense import convert_dense
+    ref = tiny_model(arch)
+    fused = copy.deepcopy(ref)
+    rep = convert_dense(fused, "f32")
+    assert rep.fused, f"no attention block fused in the {arch} model: nothing tested"
+    ad = mtp.MtpAdapter.for_model(ref, k=3, rank=4, seed=2)
+    _randomise(ad, 3, scale=0.5)
+    ad.save(tmp_path / "ad")
+    ad2 = mtp.MtpAdapter.load(tmp_path / "ad", fused)
+    ctx = torch.tensor([[3, 17, 9, 4, 22, 8]])
+    for A in (2, 4):
+        anchors = torch.tensor([[5, 11, 2, 30][:A]])
+        out = []
+        for model, a in ((ref, ad), (fused, ad2)):
+            kv = new_kv(model)
+            with torch.no_grad():
+                forward_tokens(model, ctx[0].tolist(), kv)
+                out.append(a.forward_mtp(model, anchors, 3, past=ctx.shape[1], kv=kv))
+        (lg_r, ml_r), (lg_f, ml_f) = out
+        torch.testing.assert_close(lg_f, lg_r, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ml_f, ml_r, atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------ generate
 
 

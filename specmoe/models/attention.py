@@ -36,7 +36,7 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS
-from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, fuse_qkv, norm_weight
+from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, norm_weight
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
@@ -324,7 +324,8 @@ def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
                 or pe[1].dtype != pe[0].dtype
                 or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
                 or not mask_readable(attention_mask, T)
-                or (attention_mask is not None and attention_mask.shape[1] != 1))
+                or (attention_mask is not None and attention_mask.shape[1] != 1)
+                or adapter_active(module))  # an MTP forward's masks: the LoRA in torch
 
 
 def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, cache: Any,

@@ -182,6 +182,16 @@ class CLinear(nn.Module):
                 f"dtype={self.dtype}, bias={self._bias is not None}")
 
 
+def adapter_active(mod: nn.Module) -> bool:
+    """Whether a gated adapter (:mod:`specmoe.speculation.mtp`'s GatedLoRA, which marks the
+    modules whose projections it wraps with its gate) changes some of ``mod``'s projections
+    in the forward running now.  The fused C blocks are built from the base weights: while
+    this holds they must step aside for the module's own forward, whose wrapped projections
+    apply the adapter."""
+    g = getattr(mod, "_specmoe_gate", None)
+    return g is not None and g.index is not None
+
+
 def silu_mlp_parts(mlp: nn.Module | None) -> tuple[tuple[Any, Any, Any], torch.dtype,
                                                    int | None] | None:
     """A SiLU MLP module (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) as specmoe's C

@@ -46,7 +46,7 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
-from .layers import CLinear, fuse_qkv, int4_group, norm_weight, silu_mlp_parts
+from .layers import CLinear, adapter_active, fuse_qkv, int4_group, norm_weight, silu_mlp_parts
 from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_attention"]
@@ -636,7 +636,8 @@ def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
             and 1 <= T <= attn._specmoe_mla_max and x.dtype == dt and x.device.type == "cpu"
             and _rope_ok(pe, rope, T, attn.qk_rope_head_dim)
             and mask_readable(attention_mask, T)
-            and (attention_mask is None or attention_mask.shape[:2] == (1, 1)))
+            and (attention_mask is None or attention_mask.shape[:2] == (1, 1))
+            and not adapter_active(attn))  # an MTP forward's masks: the LoRA in torch
 
 
 def chain_rope(layer: nn.Module, pe: Any, T: int) -> tuple:

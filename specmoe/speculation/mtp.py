@@ -228,6 +228,8 @@ class MtpAdapter(nn.Module):
                              f"model has {len(found)} target projections")
         for parent, attr, name in found:
             setattr(parent, attr, self._lora_modules[name.replace(".", "__")])
+            # the fused C blocks step aside while the gate is set (models.layers.adapter_active)
+            object.__setattr__(parent, "_specmoe_gate", self.gate)
         object.__setattr__(model, "_specmoe_mtp", self)
         object.__setattr__(self, "model", model)
 
@@ -239,6 +241,7 @@ class MtpAdapter(nn.Module):
             m = getattr(parent, attr)
             if isinstance(m, GatedLoRA):
                 setattr(parent, attr, m.base)
+            parent.__dict__.pop("_specmoe_gate", None)
         object.__setattr__(self.model, "_specmoe_mtp", None)
         object.__setattr__(self, "model", None)
 
