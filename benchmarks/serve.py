@@ -32,6 +32,8 @@ Servers, each a real process on a loopback port, started for every row and stopp
 * ``specmoe-self`` (not run by default): the same with ``--drafter self`` (MoE-SpeQ's int4
   self-draft).  Mind that on an int4 store the draft's experts are the target's own bits,
   so its acceptance is the ceiling, not what a bf16 target would see;
+* ``specmoe-mtp`` (not run by default): the same with ``--drafter mtp`` and the zoo's shipped
+  adapter (``specmoe/zoo/tiny-moe-mtp``; the big checkpoint has none: its row says so);
 * ``llama-server``: llama.cpp's server (built from the llama-cpp-python sdist, as
   big_model.py builds llama.cpp; ``--peers``) on the same checkpoint converted by llama.cpp's
   own converter and quantized to Q4_0 (the same bits per expert weight as specmoe's int4 within
@@ -81,10 +83,12 @@ import hostinfo  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ZOO = REPO / "specmoe" / "zoo" / "tiny-moe"
+ZOO_MTP = REPO / "specmoe" / "zoo" / "tiny-moe-mtp"   # tiny-moe's MTP adapter
 MiB = 1 << 20
 PROMPT_TOKENS = 64
 SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-paced", "specmoe-ngram", "specmoe-self",
-           "llama-server")
+           "specmoe-mtp", "llama-server")
+SPEC_SERVERS = ("specmoe-ngram", "specmoe-self", "specmoe-mtp")  # serve with a --drafter
 DEFAULT_SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-paced", "specmoe-ngram",
                    "llama-server")
 MODEL = "bench"       # the model id the servers are asked for (llama-server takes any)
@@ -214,8 +218,10 @@ def server_argv(kind: str, m: Dict[str, Any], clients: int, port: int,
         argv.append("--no-batch-decode")
     if kind == "specmoe-paced":
         argv += ["--prefill-ratio", "2"]
-    if kind in ("specmoe-ngram", "specmoe-self"):
+    if kind in SPEC_SERVERS:
         argv += ["--drafter", kind.split("-")[1], "--controller", a.controller]
+    if kind == "specmoe-mtp":
+        argv += ["--mtp-adapter", str(ZOO_MTP)]
     return argv
 
 
@@ -302,6 +308,9 @@ def run_row(kind: str, m: Dict[str, Any], clients: int, a: argparse.Namespace,
         return {"error": str(m.get("gguf"))}
     if kind != "llama-server" and m["store_error"]:
         return {"error": m["store_error"]}
+    if kind == "specmoe-mtp" and m["name"] != "zoo":
+        return {"error": "no MTP adapter is trained for this checkpoint (the zoo's is "
+                         "tiny-moe's)"}
     cg = None
     proc = None
     try:
@@ -340,7 +349,7 @@ def run_row(kind: str, m: Dict[str, Any], clients: int, a: argparse.Namespace,
             n = d["specmoe_decode_batch_size_count"]
             res["mean_decode_batch"] = d["specmoe_decode_batch_size_sum"] / n if n else 1.0
             prop = d["drafts_accepted"] + d["drafts_rejected"]
-            if prop or kind in ("specmoe-ngram", "specmoe-self"):
+            if prop or kind in SPEC_SERVERS:
                 res["drafts_per_token"] = prop / max(1, res["completion_tokens"])
                 res["draft_acceptance"] = d["drafts_accepted"] / prop if prop else None
         if cg is not None:
@@ -394,7 +403,7 @@ def summarize(runs: Dict[str, Dict[int, List[Dict[str, Any]]]], servers: List[st
                     else []
                 per["vs_paced"] = [ratio(tps(s, c, r), tps("specmoe-paced", c, r))
                                    for r in range(rounds)] if "specmoe-paced" in runs else []
-            if s in ("specmoe-ngram", "specmoe-self") and "specmoe" in runs:
+            if s in SPEC_SERVERS and "specmoe" in runs:
                 per["vs_plain"] = [ratio(tps(s, c, r), tps("specmoe", c, r))
                                    for r in range(rounds)]
             for k, v in per.items():
@@ -415,7 +424,7 @@ def main() -> None:
     ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
                     help=f"comma-separated, from {', '.join(SERVERS)}")
     ap.add_argument("--controller", default="cascade",
-                    help="specmoe-ngram/-self: serve's --controller (default cascade)")
+                    help="specmoe-ngram/-self/-mtp: serve's --controller (default cascade)")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)

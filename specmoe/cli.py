@@ -11,7 +11,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .sim.traces import shared_trace_dir
 
@@ -368,6 +368,24 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _mtp_adapter_option(args) -> Optional[str]:
+    """--mtp-adapter, checked before the model loads: only with --drafter mtp, which needs
+    it; a folder holding an adapter's config."""
+    path = args.mtp_adapter
+    if path is None:
+        if args.drafter == "mtp":
+            raise CliError("--drafter mtp needs --mtp-adapter DIR (the gated-LoRA adapter "
+                           "training/mtp.py writes)")
+        return None
+    if args.drafter != "mtp":
+        raise CliError("--mtp-adapter goes with --drafter mtp")
+    from .speculation.mtp import CONFIG_FILE
+    if not (Path(path) / CONFIG_FILE).is_file():
+        raise CliError(f"--mtp-adapter {path}: no {CONFIG_FILE} there (not an MTP adapter "
+                       "folder)")
+    return str(path)
+
+
 def _listen_check(host: str, port: int) -> None:
     """The address ``serve`` will listen on, bound once and released before the model loads
     (a port in use used to be found after a minute of loading)."""
@@ -388,7 +406,7 @@ def _listen_check(host: str, port: int) -> None:
                            f"({exc.strerror or exc})") from None
 
 
-def _serve_ray(args, cache: Any, drafter: Any, controller: Any) -> int:
+def _serve_ray(args, cache: Any, drafter: Any, controller: Any, mtp_adapter: Any) -> int:
     """specmoe serve --ray: --replicas replicas of the app behind Ray Serve's proxy on
     --host:--port, on a local Ray instance or the cluster at $RAY_ADDRESS; SIGTERM or Ctrl-C
     shuts Serve down."""
@@ -417,7 +435,7 @@ def _serve_ray(args, cache: Any, drafter: Any, controller: Any) -> int:
                              policy=args.policy,
                              prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
                              batch_decode=not args.no_batch_decode, drafter=drafter,
-                             controller=controller),
+                             controller=controller, mtp_adapter=mtp_adapter),
                   blocking=False)
         print(f"[specmoe] serving {args.checkpoint!r} from {replicas} Ray Serve replica(s) on "
               f"http://{args.host}:{args.port}/v1", flush=True)
@@ -453,6 +471,7 @@ def _cmd_serve(args) -> int:
                        "static:K (K an integer >= 0)")
     drafter = None if args.drafter == "none" else args.drafter
     controller = args.controller if drafter is not None else None
+    mtp_adapter = _mtp_adapter_option(args)
     _checkpoint(args, args.store)
     if args.replicas is not None and not args.ray:
         raise CliError("--replicas needs --ray")
@@ -465,7 +484,7 @@ def _cmd_serve(args) -> int:
                            "(pip install 'specmoe[ray]')") from None
     _listen_check(args.host, args.port)
     if args.ray:
-        return _serve_ray(args, cache, drafter, controller)
+        return _serve_ray(args, cache, drafter, controller, mtp_adapter)
 
     import torch
 
@@ -486,7 +505,7 @@ def _cmd_serve(args) -> int:
                cache=cache, dtype=args.dtype,
                policy=policy, prefetch=not args.no_prefetch, store=args.store,
                dense=args.dense, batch_decode=not args.no_batch_decode, drafter=drafter,
-               controller=controller)
+               controller=controller, mtp_adapter=mtp_adapter)
     srv = asgi.state.server
     print(f"[specmoe] serving {srv.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(context {srv.context_length} tokens, max batch {args.max_batch}"
@@ -657,9 +676,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="pace prompts: while requests decode, a round's prompt chunks take at "
                         "most about this many decode steps' time (e.g. 2; default 0: every "
                         "waiting prompt at once)")
-    p.add_argument("--drafter", default="none", choices=["none", "ngram", "self"],
-                   help="speculative decoding: ngram (prompt lookup) or self (the model's "
-                        "own experts in int4, MoE-SpeQ); none decodes plainly (default)")
+    p.add_argument("--drafter", default="none", choices=["none", "ngram", "self", "mtp"],
+                   help="speculative decoding: ngram (prompt lookup), self (the model's "
+                        "own experts in int4, MoE-SpeQ) or mtp (multi-token prediction, "
+                        "with --mtp-adapter); none decodes plainly (default)")
+    p.add_argument("--mtp-adapter", default=None, metavar="DIR",
+                   help="with --drafter mtp: the gated-LoRA adapter's folder "
+                        "(mtp_config.json and mtp_adapter.safetensors, as training/mtp.py "
+                        "writes it)")
     p.add_argument("--controller", default="cascade",
                    help="with --drafter: drafts per step, cascade (default: by measured "
                         "utility, off where it slows decoding down), speq, heuristic or "

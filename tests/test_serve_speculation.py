@@ -20,6 +20,7 @@ from specmoe.speculation.controllers import Cascade, StaticK  # noqa: E402
 from tests.conftest import specmoe_cache_and_one_thread  # noqa: E402
 
 ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
+MTP = ZOO.parent / "tiny-moe-mtp"   # the shipped MTP adapter of tiny-moe
 pytestmark = pytest.mark.skipif(not (ZOO / "model.safetensors").is_file(),
                                 reason="the zoo model is not packaged")
 
@@ -136,6 +137,32 @@ def test_self_draft_keeps_greedy_tokens_exact(zoo):
         sch.close()
 
 
+@pytest.mark.parametrize("batch_decode", [True, False])
+def test_mtp_drafts_keep_greedy_tokens_exact(zoo, batch_decode):
+    """The MTP drafter (the shipped adapter, K = 3): each verification forward carries the
+    masks that propose the next step's drafts, row by row in the batch's forward or on a
+    request's own cache; the tokens are model.generate's alone, drafts were accepted, and
+    steps were saved."""
+    from specmoe.speculation.mtp import GatedLoRA
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8,
+                    batch_decode=batch_decode, drafter="mtp", controller="static:3",
+                    mtp_adapter=MTP)
+    try:
+        reqs = _run(sch, zoo["prompts"], stagger=0.01)
+        for r, ref in zip(reqs, zoo["refs"]):
+            assert r.generated == ref
+        st = sch.spec.stats()
+        assert st["drafter"] == "mtp" and 0 < st["accepted"] < st["proposed"], st
+        assert sum(r.accepted for r in reqs) == st["accepted"]
+        assert sum(r.steps for r in reqs) < sum(len(r.generated) + 1 for r in reqs)
+        assert (sch.batched_steps > 0) == batch_decode
+    finally:
+        sch.close()
+    # the adapter the scheduler installed came off with it
+    assert not any(isinstance(m, GatedLoRA) for m in zoo["model"].modules())
+    assert getattr(zoo["model"], "_specmoe_mtp", None) is None
+
+
 def test_sampling_verifies_drafts_with_the_requests_law(zoo):
     """Sampled requests go through the speculative-sampling rule (drafts one-hot); with
     top_k=1 their law is the argmax, so the tokens must be the greedy ones: the rule, the
@@ -214,6 +241,16 @@ def test_bad_arguments_are_named(zoo):
     with pytest.raises(ValueError, match="not served yet"):
         Scheduler(m, tok, drafter=DraftModel(m))
     assert isinstance(controller_factory("static:0")(), StaticK)
+    with pytest.raises(ValueError, match="needs its adapter"):
+        Scheduler(m, tok, drafter="mtp")
+    with pytest.raises(ValueError, match="goes with drafter='mtp'"):
+        Speculation(m, None, "ngram", mtp_adapter=MTP)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Scheduler(m, tok, mtp_adapter=MTP)
+    with pytest.raises(ValueError, match="at most 3"):  # the shipped adapter's k
+        Scheduler(m, tok, drafter="mtp", controller="static:4", mtp_adapter=MTP)
+    assert getattr(m, "_specmoe_mtp", None) is None   # the refused one came off again
+    assert controller_factory("cascade", 3)().k_max == 3
 
 
 def test_cli_checks_the_controller_before_loading(capsys):
@@ -224,22 +261,31 @@ def test_cli_checks_the_controller_before_loading(capsys):
             main(["serve", str(ZOO) + "-missing"] + argv)  # refused before the path is read
         err = capsys.readouterr().err
         assert exc.value.code == 1 and name in err and "Traceback" not in err, err
+    for argv, name in ((["--drafter", "mtp"], "needs --mtp-adapter"),
+                       (["--mtp-adapter", str(MTP)], "goes with --drafter mtp"),
+                       (["--drafter", "mtp", "--mtp-adapter", str(ZOO)], "not an MTP adapter")):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", str(ZOO) + "-missing"] + argv)  # refused before the path is read
+        err = capsys.readouterr().err
+        assert exc.value.code == 1 and name in err and "Traceback" not in err, err
     with pytest.raises(SystemExit) as exc:
-        main(["serve", str(ZOO), "--drafter", "mtp"])
+        main(["serve", str(ZOO), "--drafter", "medusa"])
     assert exc.value.code == 2  # argparse: not a choice
 
 
-def test_served_with_a_drafter_through_the_openai_client(zoo):
-    """``app(..., drafter="ngram")`` over HTTP: streamed and not, the official client gets
-    model.generate's text; usage reports the drafts (OpenAI's accepted/rejected prediction
-    tokens) and /metrics counts them."""
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_served_with_a_drafter_through_the_openai_client(zoo, drafter):
+    """``app(..., drafter="ngram")`` (or ``"mtp"`` with the shipped adapter) over HTTP:
+    streamed and not, the official client gets model.generate's text; usage reports the
+    drafts (OpenAI's accepted/rejected prediction tokens) and /metrics counts them."""
     openai = pytest.importorskip("openai")
     uvicorn = pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
     from specmoe.serve import app
     from tests.conftest import free_port
     tok = zoo["tok"]
-    asgi = app(zoo["model"], tok, model_name="tiny", drafter="ngram", controller="static:3")
+    asgi = app(zoo["model"], tok, model_name="tiny", drafter=drafter, controller="static:3",
+               mtp_adapter=MTP if drafter == "mtp" else None)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
@@ -273,3 +319,4 @@ def test_served_with_a_drafter_through_the_openai_client(zoo):
     finally:
         server.should_exit = True
         th.join(30)
+    assert getattr(zoo["model"], "_specmoe_mtp", None) is None  # shut down: adapter off

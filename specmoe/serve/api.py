@@ -169,7 +169,8 @@ class Server:
                  prefill_chunk: int = 256, context_length: Optional[int] = None,
                  max_body_bytes: int = MAX_BODY, owns_engine: bool = False,
                  batch_decode: bool = True, prefill_ratio: Optional[float] = None,
-                 drafter: Any = None, controller: Any = None) -> None:
+                 drafter: Any = None, controller: Any = None,
+                 mtp_adapter: Any = None) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -182,7 +183,8 @@ class Server:
         self.scheduler = Scheduler(model, tokenizer, max_batch=max_batch, max_queue=max_queue,
                                    prefill_chunk=prefill_chunk, metrics=self.metrics,
                                    batch_decode=batch_decode, prefill_ratio=prefill_ratio,
-                                   drafter=drafter, controller=controller)
+                                   drafter=drafter, controller=controller,
+                                   mtp_adapter=mtp_adapter)
         cfg = model.config
         if context_length is None:
             context_length = getattr(cfg, "max_position_embeddings", None)
@@ -623,7 +625,8 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
         prefill_chunk: int = 256, context_length: Optional[int] = None,
         max_body_bytes: int = MAX_BODY, cache: Any = "25%", dtype: str = "auto",
         batch_decode: bool = True, prefill_ratio: Optional[float] = None,
-        drafter: Any = None, controller: Any = None, **load_kwargs: Any) -> Starlette:
+        drafter: Any = None, controller: Any = None, mtp_adapter: Any = None,
+        **load_kwargs: Any) -> Starlette:
     """An ASGI app serving ``model_or_path`` with OpenAI's API (module docstring).
 
     ``model_or_path``: a transformers causal LM (offloaded by specmoe or not; the app never
@@ -640,11 +643,12 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     batching, the default), or one forward per request (False); ``prefill_ratio``: while
     requests decode, a round's prompt chunks take about at most that many decode steps' time
     (None or 0, the default: every waiting prompt at once; :mod:`specmoe.serve.scheduler`,
-    pacing); ``drafter``: speculative decoding, ``"ngram"`` (prompt lookup) or ``"self"``
-    (MoE-SpeQ's int4 self-draft), None or ``"none"`` (the default) decodes plainly;
-    ``controller``: how many drafts per step, ``"cascade"`` (the default), ``"speq"``,
-    ``"heuristic"``, ``"static:K"`` or a callable returning a controller
-    (:mod:`specmoe.serve.speculate`).
+    pacing); ``drafter``: speculative decoding, ``"ngram"`` (prompt lookup), ``"self"``
+    (MoE-SpeQ's int4 self-draft) or ``"mtp"`` (multi-token prediction with the gated-LoRA
+    adapter ``mtp_adapter``: an :class:`specmoe.speculation.mtp.MtpAdapter` or its folder),
+    None or ``"none"`` (the default) decodes plainly; ``controller``: how many drafts per
+    step, ``"cascade"`` (the default), ``"speq"``, ``"heuristic"``, ``"static:K"`` or a
+    callable returning a controller (:mod:`specmoe.serve.speculate`).
 
     The worker thread starts with the app's lifespan (or at the first request) and stops at
     its shutdown; ``app.state.server`` is the :class:`Server`."""
@@ -667,7 +671,8 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
                     max_queue=max_queue, prefill_chunk=prefill_chunk,
                     context_length=context_length, max_body_bytes=max_body_bytes,
                     owns_engine=owns, batch_decode=batch_decode,
-                    prefill_ratio=prefill_ratio, drafter=drafter, controller=controller)
+                    prefill_ratio=prefill_ratio, drafter=drafter, controller=controller,
+                    mtp_adapter=mtp_adapter)
     h = _Handlers(server)
 
     @contextlib.asynccontextmanager

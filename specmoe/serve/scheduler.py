@@ -39,7 +39,9 @@ request by one step:
 
 * **speculation** (off unless ``drafter`` is set, :mod:`specmoe.serve.speculate`): a decode
   step first drafts up to K tokens per request (K from the controller of the batch's size,
-  less what each request's ``max_tokens`` leaves), then verifies every row's pending token
+  less what each request's ``max_tokens`` leaves; with the MTP drafter, the drafts its last
+  step's masks made, the verification forward carrying the masks of the next step), then
+  verifies every row's pending token
   and drafts in the same one batched forward (rows of different lengths: the shorter ones'
   tail is holes), or in one forward of a request decoding alone; each request accepts with
   its own sampling law and generator, its cache keeps the pending token and the accepted
@@ -162,6 +164,7 @@ class Request:
         self.sampling: Optional[Sampling] = None
         self.drafting = False                  # the scheduler speculates (usage says so)
         self.ngram: Any = None                 # its own n-gram index (drafter "ngram")
+        self.mtp_next: List[int] = []          # drafts its last step's MTP masks made
         self.began_alone = False               # its controller state began (decoding alone)
         self.proposed = 0                      # draft tokens verified for it
         self.accepted = 0                      # ... of which accepted
@@ -192,7 +195,7 @@ class Scheduler:
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
                  batch_decode: bool = True, prefill_ratio: Optional[float] = None,
                  drafter: Any = None, controller: Any = None,
-                 tau: Optional[str] = "auto") -> None:
+                 tau: Optional[str] = "auto", mtp_adapter: Any = None) -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -216,9 +219,11 @@ class Scheduler:
         if drafter is not None and drafter != "none":
             head = model.get_output_embeddings()
             vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
-            self.spec = Speculation(model, self.engine, drafter, controller, tau, vocab)
-        elif controller is not None:
-            raise ValueError("a controller needs a drafter (drafter=None decodes plainly)")
+            self.spec = Speculation(model, self.engine, drafter, controller, tau, vocab,
+                                    mtp_adapter)
+        elif controller is not None or mtp_adapter is not None:
+            raise ValueError("a controller or an MTP adapter needs a drafter (drafter=None "
+                             "decodes plainly)")
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()   # [_cond]
         self.running: List[Request] = []       # the worker's own
@@ -315,6 +320,8 @@ class Scheduler:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
+        if self.spec is not None and not self.alive:
+            self.spec.close()  # an MTP adapter it installed comes off the model
 
     # -- the worker ------------------------------------------------------------------------
 
@@ -422,15 +429,20 @@ class Scheduler:
         assert len(rows) == len(reqs), (len(rows), len(reqs))
         spec = self.spec
         drafts: List[List[int]] = [[] for _ in rows]
-        t0, loads0, t_draft = time.perf_counter(), (0, 0.0), 0.0
+        t0, loads0, t_draft, masks = time.perf_counter(), (0, 0.0), 0.0, None
         try:
+            anchors = None
             if spec is not None:
                 loads0 = spec.loads()
                 ctl = spec.controller(len(rows), lambda: max(
                     (r.prompt + r.generated for r in rows), key=len))
-                drafts = spec.draft_batch(self._bkv, rows, spec.ks(ctl.next_k(), rows))
+                k_plan = ctl.next_k()
+                drafts = spec.draft_batch(self._bkv, rows, spec.ks(k_plan, rows))
                 t_draft = time.perf_counter() - t0
-            logits = self._bkv.forward([[r.generated[-1]] + d for r, d in zip(rows, drafts)])
+                anchors = [[r.generated[-1]] + d for r, d in zip(rows, drafts)]
+                logits, masks = spec.forward_batch(self._bkv, anchors, k_plan)
+            else:
+                logits = self._bkv.forward([[r.generated[-1]] for r in rows])
         except Exception as exc:  # not pinned on anyone: every request retries alone
             _log.warning("specmoe serve: a batched decode step of %d requests failed (%s: "
                          "%s); each retries alone", len(rows), type(exc).__name__, exc)
@@ -456,6 +468,8 @@ class Scheduler:
                     self._emit(r, greedy[i])
                 else:
                     acc[i] = self._verify(r, logits[i, :len(drafts[i]) + 1], drafts[i], i)
+                if spec is not None and spec.mtp is not None:
+                    spec.advance(r, None if masks is None else masks[i], acc[i])
             self._guarded(verify, req)
         if spec is not None:
             if any(drafts):  # the rejected drafts' columns may be holes in every row now
@@ -630,10 +644,17 @@ class Scheduler:
         ctl = spec.controller(1, lambda: req.prompt + req.generated,
                               begin=not req.began_alone)
         req.began_alone = True
-        drafts = spec.draft_alone(req, spec.ks(ctl.next_k(), [req])[0])
+        k_plan = ctl.next_k()
+        drafts = spec.draft_alone(req, spec.ks(k_plan, [req])[0])
         t_draft = time.perf_counter() - t0
-        logits = self._forward(req, [req.generated[-1]] + drafts, rows=len(drafts) + 1)
+        anchors = [req.generated[-1]] + drafts
+        if spec.mtp is not None:  # the verification forward also drafts the next step's
+            logits, masks = spec.forward_alone(req, anchors, k_plan)
+        else:
+            logits = self._forward(req, anchors, rows=len(drafts) + 1)
         n = self._verify(req, logits, drafts, None)
+        if spec.mtp is not None:
+            spec.advance(req, masks, n)
         spec.observe(ctl, [len(drafts)], [n], t0, t_draft, loads0)
 
     def _verify(self, req: Request, logits: torch.Tensor, drafts: List[int],

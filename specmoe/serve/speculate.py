@@ -8,14 +8,19 @@ cache when it decodes alone), applies the acceptance rule with each request's ow
 law and generator, and reports the step back (:meth:`Speculation.observe`).
 
 Drafters (``drafter=``): ``"ngram"`` (prompt lookup in C; every request gets its own index,
-:meth:`NgramDrafter.clone`) or ``"self"`` (MoE-SpeQ's self-draft: the target with its routed
+:meth:`NgramDrafter.clone`), ``"self"`` (MoE-SpeQ's self-draft: the target with its routed
 experts in an int4 copy, drafting on the target's own cache, the batch's BatchKV rows at
 batch > 1 through :class:`BatchDraftModel` with ``shared``; its routing of the drafts is
-prefetched before the verification, ``Engine.lookahead``).  Drafts are proposed greedily (an
+prefetched before the verification, ``Engine.lookahead``) or ``"mtp"`` (multi-token
+prediction with gated LoRA, :mod:`specmoe.speculation.mtp`, the adapter given as
+``mtp_adapter``: the verification forward carries k masks after every anchor, so it verifies
+this step's drafts and proposes the next ones at once; each request keeps the drafts its
+last step's masks made, :attr:`Request.mtp_next`, and the batch's forward is
+:meth:`BatchKV.forward_mtp`, each row its own anchors).  Drafts are proposed greedily (an
 n-gram's are deterministic anyway); a sampled request verifies them with the
 speculative-sampling rule, q one-hot at the draft, so its tokens follow its sampling law
-exactly.  A draft model with a cache of its own and the MTP drafter are not served yet (a
-draft cache per request, or the MTP masks per row, would have to follow the batch's rows).
+exactly.  A draft model with a cache of its own is not served yet (a draft cache per request
+would have to follow the batch's rows).
 
 K (``controller=``): one controller per decode batch-size bucket (1, 2, 4, 8, ... the power of
 two at or above the batch size), so each learns the plain-step time and the utility of K at
@@ -35,32 +40,37 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
 
 from ..speculation.batch import BatchDraftModel, BatchKV, observe_batch_step
 from ..speculation.controllers import Cascade, Controller, Heuristic, SpeqGovernor, StaticK
 from ..speculation.drafters import DraftModel, NgramDrafter, SelfDraft, propose
-from ..speculation.mtp import MtpDrafter
+from ..speculation.decoding import crop_kv
+from ..speculation.mtp import MtpDrafter, next_drafts
 from ..speculation.tau import batch_bucket, target_tau
 
 __all__ = ["DRAFTERS", "Speculation", "controller_factory"]
 
 #: The drafter names ``specmoe serve --drafter`` takes ("none": plain decoding).
-DRAFTERS = ("none", "ngram", "self")
+DRAFTERS = ("none", "ngram", "self", "mtp")
 
 
-def controller_factory(spec: Union[str, Callable[[], Controller], None]
-                       ) -> Callable[[], Controller]:
+def controller_factory(spec: Union[str, Callable[[], Controller], None],
+                       k_max: Optional[int] = None) -> Callable[[], Controller]:
     """A callable making a fresh controller: ``None``/``"cascade"`` (the default),
     ``"speq"``, ``"heuristic"``, ``"static:K"`` (a fixed K >= 0), or a callable returning a
-    :class:`specmoe.speculation.controllers.Controller`.  ValueError for another name."""
+    :class:`specmoe.speculation.controllers.Controller`.  ``k_max``: the most drafts the
+    drafter can give (the MTP adapter's k), the named controllers' largest K (a static K
+    above it: ValueError).  ValueError for another name."""
     if spec is None or spec == "cascade":
-        return Cascade
+        return Cascade if k_max is None else (lambda: Cascade(k_max=k_max))
     if callable(spec) and not isinstance(spec, str):
         return spec
     if spec == "speq":
-        return SpeqGovernor
+        return SpeqGovernor if k_max is None else (lambda: SpeqGovernor(k_max=k_max))
     if spec == "heuristic":
-        return Heuristic
+        return Heuristic if k_max is None else (
+            lambda: Heuristic(min(5, k_max), k_max=k_max))
     if isinstance(spec, str) and spec.startswith("static:"):
         try:
             k = int(spec.split(":", 1)[1])
@@ -68,6 +78,9 @@ def controller_factory(spec: Union[str, Callable[[], Controller], None]
             k = -1
         if k < 0:
             raise ValueError(f"controller {spec!r}: static:K needs an integer K >= 0")
+        if k_max is not None and k > k_max:
+            raise ValueError(f"controller {spec!r}: the drafter proposes at most {k_max} "
+                             "tokens a step (the MTP adapter's k)")
         return lambda: StaticK(k)
     raise ValueError(f"unknown controller {spec!r}: cascade, speq, heuristic, static:K or a "
                      "callable returning a specmoe.speculation.controllers.Controller")
@@ -76,16 +89,28 @@ def controller_factory(spec: Union[str, Callable[[], Controller], None]
 class Speculation:
     """The scheduler's drafter and controllers (module docstring).
 
-    ``drafter``: ``"ngram"``, ``"self"``, an :class:`NgramDrafter` (its settings are cloned
-    per request) or a :class:`SelfDraft` of ``model``'s Engine.  ``engine``: the model's
-    Engine or None (``"self"`` needs one).  ``tau``: ``"auto"`` or None (no pruning)."""
+    ``drafter``: ``"ngram"``, ``"self"``, ``"mtp"`` (with ``mtp_adapter``: an
+    :class:`MtpAdapter` or its folder), an :class:`NgramDrafter` (its settings are cloned
+    per request), a :class:`SelfDraft` of ``model``'s Engine or an :class:`MtpDrafter` on
+    ``model``.  ``engine``: the model's Engine or None (``"self"`` needs one).  ``tau``:
+    ``"auto"`` or None (no pruning)."""
 
     def __init__(self, model: Any, engine: Any, drafter: Any,
                  controller: Union[str, Callable[[], Controller], None] = None,
-                 tau: Optional[str] = "auto", vocab: int = 0) -> None:
+                 tau: Optional[str] = "auto", vocab: int = 0, mtp_adapter: Any = None) -> None:
         if tau not in ("auto", None):
             raise ValueError(f"tau must be 'auto' or None, got {tau!r}")
-        if drafter == "ngram":
+        self._installed: Optional[MtpDrafter] = None   # made here: uninstalled at close()
+        if mtp_adapter is not None and drafter != "mtp":
+            raise ValueError("mtp_adapter goes with drafter='mtp'")
+        if drafter == "mtp":
+            if mtp_adapter is None:
+                raise ValueError("drafter 'mtp' needs its adapter: mtp_adapter= (specmoe serve "
+                                 "--mtp-adapter DIR), an MtpAdapter or the folder "
+                                 "training/mtp.py writes")
+            drafter = MtpDrafter(model, mtp_adapter)
+            self._installed = drafter
+        elif drafter == "ngram":
             drafter = NgramDrafter()
         elif drafter == "self":
             if engine is None or not callable(getattr(engine, "enable_self_draft", None)):
@@ -95,9 +120,9 @@ class Speculation:
         elif isinstance(drafter, str):
             raise ValueError(f"unknown drafter {drafter!r}: one of {', '.join(DRAFTERS)}")
         if isinstance(drafter, MtpDrafter):
-            raise ValueError("the MTP drafter is not served yet (its masks per row would have "
-                             "to follow the batch's rows): use 'ngram' or 'self'")
-        if isinstance(drafter, SelfDraft):
+            if drafter.model is not model:
+                raise ValueError("the MtpDrafter was made for another model")
+        elif isinstance(drafter, SelfDraft):
             if not drafter.share_kv:
                 raise ValueError("serve drafts a SelfDraft on the target's cache: give one "
                                  "with share_kv=True")
@@ -106,14 +131,20 @@ class Speculation:
                              "cache would have to follow every request): use 'ngram' or "
                              "'self'")
         elif not isinstance(drafter, NgramDrafter):
-            raise TypeError(f"drafter must be 'ngram', 'self', an NgramDrafter or a SelfDraft, "
-                            f"got {type(drafter).__name__}")
+            raise TypeError(f"drafter must be 'ngram', 'self', 'mtp', an NgramDrafter, a "
+                            f"SelfDraft or an MtpDrafter, got {type(drafter).__name__}")
         self.model, self.engine, self.drafter = model, engine, drafter
-        self.make_controller = controller_factory(controller)
-        probe = self.make_controller()
-        if not isinstance(probe, Controller):
-            raise TypeError(f"the controller factory returned {type(probe).__name__}, not a "
-                            "specmoe.speculation.controllers.Controller")
+        self.mtp: Optional[MtpDrafter] = drafter if isinstance(drafter, MtpDrafter) else None
+        try:
+            self.make_controller = controller_factory(
+                controller, None if self.mtp is None else self.mtp.k)
+            probe = self.make_controller()
+            if not isinstance(probe, Controller):
+                raise TypeError(f"the controller factory returned {type(probe).__name__}, "
+                                "not a specmoe.speculation.controllers.Controller")
+        except BaseException:
+            self.close()  # refused: the model as it was given
+            raise
         self.tau = tau
         self.vocab = int(vocab)
         self.controllers: Dict[int, Controller] = {}   # batch-size bucket -> its controller
@@ -123,7 +154,8 @@ class Speculation:
 
     @property
     def name(self) -> str:
-        return "self" if isinstance(self.drafter, SelfDraft) else "ngram"
+        return ("self" if isinstance(self.drafter, SelfDraft)
+                else "mtp" if self.mtp is not None else "ngram")
 
     def controller(self, batch: int, history: Callable[[], Sequence[int]],
                    begin: bool = False) -> Controller:
@@ -137,7 +169,12 @@ class Speculation:
             prune = self.tau is not None and not isinstance(ctl, StaticK)
             ctl.set_success(prune)
             ctl.set_batch(b)
-            if prune:
+            if prune and self.mtp is not None:  # g anchors and their g k masks (MtpDrafter.tau)
+                g = ctl.k_max + 1
+                ctl.set_tau(self.mtp.tau(target_tau(self.model, list(history()),
+                                                    self.mtp.tau_tokens(g), self.engine,
+                                                    batch=b), g))
+            elif prune:
                 ctl.set_tau(target_tau(self.model, list(history()), ctl.k_max + 1,
                                        self.engine, batch=b))
             self.controllers[b] = ctl
@@ -158,6 +195,8 @@ class Speculation:
         """``k`` drafts (or fewer) for ``req`` decoding on its own cache ``req.kv``."""
         if k <= 0:
             return []
+        if self.mtp is not None:  # what the request's last step's masks proposed
+            return list(req.mtp_next[:k])
         hist = req.prompt + req.generated
         if isinstance(self.drafter, SelfDraft):
             self.drafter.bind_kv(req.kv)   # drafts on the request's cache, cropped back after
@@ -185,6 +224,44 @@ class Speculation:
             return drafts
         return [self.draft_alone(r, k) for r, k in zip(reqs, ks)]
 
+    # -- MTP: the verification forward that also drafts -----------------------------------
+
+    def masks(self, k_plan: int) -> int:
+        """The masks per anchor of a step whose controller planned ``k_plan`` drafts: the
+        adapter's k (the next step's drafts), none when K = 0 (as :func:`specmoe.generate`)."""
+        assert self.mtp is not None
+        return self.mtp.k if k_plan > 0 else 0
+
+    def forward_batch(self, bkv: BatchKV, anchors: List[List[int]], k_plan: int
+                      ) -> Tuple[Any, Any]:
+        """The batch's verification forward of every row's ``anchors`` (its pending token and
+        drafts): (logits [B, m, V], the MTP masks' logits [B, A, masks, V] or None)."""
+        if self.mtp is None:
+            return bkv.forward(anchors), None
+        return bkv.forward_mtp(anchors, self.masks(k_plan), self.mtp.adapter,
+                               self.mtp.fetch_masks)
+
+    def forward_alone(self, req: Any, anchors: List[int], k_plan: int) -> Tuple[Any, Any]:
+        """The MTP verification forward of one request on its own cache ``req.kv``: (anchor
+        logits [A, V], mask logits [A, masks, V]); the masks' KV entries are cropped."""
+        assert self.mtp is not None
+        past = req.kv.get_seq_length()
+        with torch.no_grad():
+            lg, ml = self.mtp.adapter.forward_mtp(self.model, torch.tensor([anchors]),
+                                                  self.masks(k_plan), past=past, kv=req.kv,
+                                                  fetch_masks=self.mtp.fetch_masks)
+        crop_kv(req.kv, past + len(anchors))
+        req.steps += 1
+        return lg[0].cpu(), ml[0].cpu()
+
+    def advance(self, req: Any, masks: Any, n_acc: int) -> None:
+        """``req``'s next drafts after a step that accepted ``n_acc`` drafts: the greedy
+        tokens of the masks after anchor ``n_acc`` (``masks`` [A, m, V]; none without masks)."""
+        if masks is None or masks.shape[1] == 0:
+            req.mtp_next = []
+        else:
+            req.mtp_next = next_drafts(masks[n_acc])[0]
+
     def observe(self, ctl: Controller, kd: List[int], acc: List[int], t0: float,
                 t_draft: float, loads0: Tuple[int, float]) -> None:
         """One step's outcome to ``ctl``: drafts verified (``kd``) and accepted (``acc``) per
@@ -203,6 +280,13 @@ class Speculation:
             self.steps += 1
         self.proposed += sum(kd)
         self.accepted += sum(acc)
+
+    def close(self) -> None:
+        """Take the MTP adapter this object installed (``drafter="mtp"``) off the model; a
+        drafter given as an object stays as it was."""
+        if self._installed is not None:
+            self._installed.adapter.uninstall()
+            self._installed = None
 
     def loads(self) -> Tuple[int, float]:
         return self.engine.loads() if self.engine is not None else (0, 0.0)
