@@ -648,7 +648,8 @@ class Scheduler:
         drafts = spec.draft_alone(req, spec.ks(k_plan, [req])[0])
         t_draft = time.perf_counter() - t0
         anchors = [req.generated[-1]] + drafts
-        if spec.mtp is not None:  # the verification forward also drafts the next step's
+        masks = None
+        if spec.mtp is not None and spec.masks(k_plan):  # the verification also drafts
             logits, masks = spec.forward_alone(req, anchors, k_plan)
         else:
             logits = self._forward(req, anchors, rows=len(drafts) + 1)

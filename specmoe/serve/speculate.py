@@ -236,7 +236,7 @@ class Speculation:
                       ) -> Tuple[Any, Any]:
         """The batch's verification forward of every row's ``anchors`` (its pending token and
         drafts): (logits [B, m, V], the MTP masks' logits [B, A, masks, V] or None)."""
-        if self.mtp is None:
+        if self.mtp is None or not self.masks(k_plan):  # a plain step: the target's forward
             return bkv.forward(anchors), None
         return bkv.forward_mtp(anchors, self.masks(k_plan), self.mtp.adapter,
                                self.mtp.fetch_masks)

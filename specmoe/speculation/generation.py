@@ -251,17 +251,18 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             if lookahead and d.routing and engine is not None:
                 engine.lookahead(d.routing, d.token_routing)
             nxt = None
-            if fast is not None and kd == 0 and sampling is None and mtp is None:
+            plain = mtp is None or k_plan <= 0  # (an MTP step the controller made plain: no
+            # masks, so the target's own forward; the next step then has no drafts)
+            if fast is not None and kd == 0 and sampling is None and plain:
                 # a plain greedy step in one C call, its logits left in C (None: the forward)
                 nxt = fast.greedy_next(seq[-1], kv)
             if nxt is not None:
                 n_acc = 0
             else:
-                if mtp is not None:
+                if not plain:
                     # one forward verifies the drafts and (masks after each anchor) drafts the
-                    # next step's tokens; no masks when the controller chose a plain step
-                    logits = mtp.verify(kv, len(seq) - 1, [seq[-1]] + d.tokens,
-                                        mtp.k if k_plan > 0 else 0)
+                    # next step's tokens
+                    logits = mtp.verify(kv, len(seq) - 1, [seq[-1]] + d.tokens, mtp.k)
                 else:
                     logits = forward_tokens(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
                 # greedy: rows of logits, only their argmax matters (no per-token softmax)
