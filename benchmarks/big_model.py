@@ -884,11 +884,15 @@ class LlamaCpp:
                           "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
                           "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF"]}
 
-    def __init__(self, peers: Path, build: bool, threads: int, isa: str = "native"):
+    def __init__(self, peers: Path, build: bool, threads: int, isa: str = "native",
+                 server: bool = False):
+        """``server``: llama-server is needed too (serve.py): built with the others, or alone
+        into a build that lacks it."""
         if isa not in self.ISA_FLAGS:
             raise ValueError(f"llama.cpp isa must be one of {list(self.ISA_FLAGS)}, got {isa!r}")
         self.peers = peers
         self.isa = isa
+        self.server = server
         self.error: str | None = None
         self.build_dir = peers / ("llama.cpp-build" if isa == "native" else f"llama.cpp-build-{isa}")
         self.bin = self.build_dir / "bin"
@@ -903,8 +907,13 @@ class LlamaCpp:
         except Exception as e:  # noqa: BLE001 -- the rows carry the reason
             self.error = f"llama.cpp unavailable: {e}"
 
+    def _targets(self) -> list[str]:
+        return ["llama-completion", "llama-quantize", "llama-bench"] + (
+            ["llama-server"] if self.server else [])
+
     def _have_bins(self) -> bool:
-        return all((self.bin / b).is_file() for b in ("llama-completion", "llama-quantize"))
+        need = ["llama-completion", "llama-quantize"] + (["llama-server"] if self.server else [])
+        return all((self.bin / b).is_file() for b in need)
 
     def _build(self, threads: int) -> None:
         dl = self.peers / "dl"
@@ -928,11 +937,11 @@ class LlamaCpp:
         log(f"building llama.cpp ({self.isa}) in {b} (several minutes)")
         subprocess.run(["cmake", "-S", str(self.src), "-B", str(b), "-DCMAKE_BUILD_TYPE=Release",
                         *self.ISA_FLAGS[self.isa], "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                        "-DLLAMA_BUILD_TESTS=OFF",
+                        f"-DLLAMA_BUILD_SERVER={'ON' if self.server else 'OFF'}",
                         "-DBUILD_SHARED_LIBS=OFF"], check=True, stdout=sys.stderr)
         subprocess.run(["cmake", "--build", str(b), "--config", "Release", f"-j{threads}",
-                        "--target", "llama-completion", "llama-quantize", "llama-bench"],
-                       check=True, stdout=sys.stderr)
+                        "--target", *self._targets()], check=True, stdout=sys.stderr)
         if not self._have_bins():
             raise RuntimeError(f"build finished without binaries in {self.bin}")
 

@@ -144,7 +144,8 @@ def setup_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
     m: Dict[str, Any] = {"name": name, "ckpt": ckpt, "root": root, "store": store,
                          "store_error": err, "budget": budget, "cache": cache}
     if "llama-server" in a.servers:
-        lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads)
+        lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads,
+                         server=True)
         server = lc.bin / "llama-server"
         if lc.error:
             m["gguf"] = lc.error
