@@ -97,8 +97,12 @@ def _batched_greedy_rows(model, ids, mask, ref, make, drafter_name):
         if drafter_name == "self" and name == "static3":
             # sequences advanced by different amounts in one step at least once
             assert any(len(set(i["accepted_rows"])) > 1 for i in out.iterations)
-        tel = ctl.telemetry()
-        assert tel["k"].tolist()[-len(out.iterations):] == [i["k"] for i in out.iterations]
+        tel = ctl.telemetry()  # every step but an MTP drafter's priming ones (no drafts yet)
+        seen = [i["k"] for i in out.iterations if not i["priming"]]
+        assert tel["k"].tolist()[-len(seen):] == seen
+        for i in out.iterations:  # priming: an MTP step that planned drafts and had none
+            assert i["priming"] == (drafter_name == "mtp" and i["k"] == 0
+                                    and i["k_planned"] > 0 and i is not out.iterations[-1])
 
 
 def test_plain_batched_decoding_and_uneven_max_new(batch_pair):

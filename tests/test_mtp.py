@@ -221,6 +221,25 @@ def test_greedy_output_equals_plain_greedy(where):
             eng.close()
 
 
+def test_priming_steps_are_not_observed(moe):
+    """A step that planned drafts with none to verify (the first, and the first after a plain
+    step) only primes the MTP drafter: its masks make the next drafts.  The controller does not
+    see it (it is neither a plain step's time nor a trial of its K); every other step it sees,
+    at batch 1 and in a batch."""
+    model, tok, ad = moe
+    ids = tok("import os\nimport sys\n", return_tensors="pt").input_ids
+    dr = mtp.MtpDrafter(model, ad)
+    for batch in (1, 2):
+        ctl = StaticK(2, telemetry_cap=64)
+        x = ids.repeat(batch, 1)
+        out = specmoe.generate(model, x, attention_mask=torch.ones_like(x), drafter=dr,
+                               controller=ctl, max_new_tokens=12, eos_token_id=None, tau=None)
+        its = out.iterations
+        assert its[0]["priming"] and its[0]["k"] == 0
+        assert not any(it["priming"] for it in its[1:])
+        assert len(ctl.telemetry()["k"]) == len(its) - 1, batch
+
+
 V_SMALL = 5
 T_SAMPLE = 1.3
 

@@ -436,11 +436,11 @@ class Scheduler:
                 loads0 = spec.loads()
                 ctl = spec.controller(len(rows), lambda: max(
                     (r.prompt + r.generated for r in rows), key=len))
-                k_plan = ctl.next_k()
-                drafts = spec.draft_batch(self._bkv, rows, spec.ks(k_plan, rows))
+                ks = spec.ks(ctl.next_k(), rows)
+                drafts = spec.draft_batch(self._bkv, rows, ks)
                 t_draft = time.perf_counter() - t0
                 anchors = [[r.generated[-1]] + d for r, d in zip(rows, drafts)]
-                logits, masks = spec.forward_batch(self._bkv, anchors, k_plan)
+                logits, masks = spec.forward_batch(self._bkv, anchors, max(ks))
             else:
                 logits = self._bkv.forward([[r.generated[-1]] for r in rows])
         except Exception as exc:  # not pinned on anyone: every request retries alone
@@ -474,7 +474,7 @@ class Scheduler:
         if spec is not None:
             if any(drafts):  # the rejected drafts' columns may be holes in every row now
                 self._bkv.trim()
-            spec.observe(ctl, [len(d) for d in drafts], acc, t0, t_draft, loads0)
+            spec.observe(ctl, [len(d) for d in drafts], acc, t0, t_draft, loads0, max(ks))
 
     def _decode_alone(self, reqs: List[Request]) -> None:
         """A decode step of each request on its own cache (the batch, if any, dissolved)."""
@@ -644,19 +644,19 @@ class Scheduler:
         ctl = spec.controller(1, lambda: req.prompt + req.generated,
                               begin=not req.began_alone)
         req.began_alone = True
-        k_plan = ctl.next_k()
-        drafts = spec.draft_alone(req, spec.ks(k_plan, [req])[0])
+        k = spec.ks(ctl.next_k(), [req])[0]
+        drafts = spec.draft_alone(req, k)
         t_draft = time.perf_counter() - t0
         anchors = [req.generated[-1]] + drafts
         masks = None
-        if spec.mtp is not None and spec.masks(k_plan):  # the verification also drafts
-            logits, masks = spec.forward_alone(req, anchors, k_plan)
+        if spec.mtp is not None and spec.masks(k):  # the verification also drafts
+            logits, masks = spec.forward_alone(req, anchors, k)
         else:
             logits = self._forward(req, anchors, rows=len(drafts) + 1)
         n = self._verify(req, logits, drafts, None)
         if spec.mtp is not None:
             spec.advance(req, masks, n)
-        spec.observe(ctl, [len(drafts)], [n], t0, t_draft, loads0)
+        spec.observe(ctl, [len(drafts)], [n], t0, t_draft, loads0, k)
 
     def _verify(self, req: Request, logits: torch.Tensor, drafts: List[int],
                 row: Optional[int]) -> int:

@@ -226,29 +226,30 @@ class Speculation:
 
     # -- MTP: the verification forward that also drafts -----------------------------------
 
-    def masks(self, k_plan: int) -> int:
-        """The masks per anchor of a step whose controller planned ``k_plan`` drafts: the
-        adapter's k (the next step's drafts), none when K = 0 (as :func:`specmoe.generate`)."""
+    def masks(self, k: int) -> int:
+        """The masks per anchor of a step that may verify up to ``k`` drafts (the largest
+        row's K after its ``max_tokens``): the adapter's k (the next step's drafts), none when
+        k = 0 (as :func:`specmoe.generate`)."""
         assert self.mtp is not None
-        return self.mtp.k if k_plan > 0 else 0
+        return self.mtp.k if k > 0 else 0
 
-    def forward_batch(self, bkv: BatchKV, anchors: List[List[int]], k_plan: int
+    def forward_batch(self, bkv: BatchKV, anchors: List[List[int]], k: int
                       ) -> Tuple[Any, Any]:
         """The batch's verification forward of every row's ``anchors`` (its pending token and
-        drafts): (logits [B, m, V], the MTP masks' logits [B, A, masks, V] or None)."""
-        if self.mtp is None or not self.masks(k_plan):  # a plain step: the target's forward
+        drafts; ``k`` the largest row's K this step): (logits [B, m, V], the MTP masks' logits
+        [B, A, masks, V] or None)."""
+        if self.mtp is None or not self.masks(k):  # a plain step: the target's forward
             return bkv.forward(anchors), None
-        return bkv.forward_mtp(anchors, self.masks(k_plan), self.mtp.adapter,
-                               self.mtp.fetch_masks)
+        return bkv.forward_mtp(anchors, self.masks(k), self.mtp.adapter, self.mtp.fetch_masks)
 
-    def forward_alone(self, req: Any, anchors: List[int], k_plan: int) -> Tuple[Any, Any]:
+    def forward_alone(self, req: Any, anchors: List[int], k: int) -> Tuple[Any, Any]:
         """The MTP verification forward of one request on its own cache ``req.kv``: (anchor
         logits [A, V], mask logits [A, masks, V]); the masks' KV entries are cropped."""
         assert self.mtp is not None
         past = req.kv.get_seq_length()
         with torch.no_grad():
             lg, ml = self.mtp.adapter.forward_mtp(self.model, torch.tensor([anchors]),
-                                                  self.masks(k_plan), past=past, kv=req.kv,
+                                                  self.masks(k), past=past, kv=req.kv,
                                                   fetch_masks=self.mtp.fetch_masks)
         crop_kv(req.kv, past + len(anchors))
         req.steps += 1
@@ -263,10 +264,15 @@ class Speculation:
             req.mtp_next = next_drafts(masks[n_acc])[0]
 
     def observe(self, ctl: Controller, kd: List[int], acc: List[int], t0: float,
-                t_draft: float, loads0: Tuple[int, float]) -> None:
+                t_draft: float, loads0: Tuple[int, float], k: int) -> None:
         """One step's outcome to ``ctl``: drafts verified (``kd``) and accepted (``acc``) per
         row, the step's seconds since ``t0`` (``t_draft`` of them drafting), the Engine's
-        loads since ``loads0``."""
+        loads since ``loads0``; ``k``: the largest row's K planned."""
+        if self.mtp is not None and not max(kd) and k > 0:
+            # an MTP step that planned drafts with none to verify primes the drafter (its
+            # masks make the next step's drafts): not observed, so the controller plans the
+            # same K again and sees that step with its drafts (specmoe.generate's rule)
+            return
         t_iter = max(time.perf_counter() - t0, 1e-9)
         l1, s1 = self.loads()
         n_load, t_io = l1 - loads0[0], max(0.0, min(s1 - loads0[1], t_iter))

@@ -495,7 +495,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             anchors = [[seqs[r][-1]] + drafts[i] for i, r in enumerate(active)]
             if mtp is not None:
                 # one forward verifies every row's drafts and drafts its next ones
-                logits, mask_logits = state.forward_mtp(anchors, mtp.k if k_plan > 0 else 0,
+                logits, mask_logits = state.forward_mtp(anchors, mtp.k if max(ks) > 0 else 0,
                                                         mtp.adapter, mtp.fetch_masks)
             else:
                 logits = state.forward(anchors)
@@ -526,12 +526,15 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
             k_used = max(kd)
-            if controller is not None:  # (the SpeQ governor learns its I/O cost from these)
+            # an MTP step that planned drafts with none in any row primes the drafter: not
+            # observed (generate's loop, the same rule)
+            priming = mtp is not None and k_used == 0 and max(ks) > 0
+            if controller is not None and not priming:  # (SpeQ learns its I/O cost here)
                 observe_batch_step(controller, kd, acc, t_iter, n_load, t_draft, t_io)
             its.append({"k_planned": int(k_plan), "k": k_used, "accepted": sum(acc),
                         "emitted": sum(emitted), "batch": Ba, "k_rows": kd,
                         "accepted_rows": acc, "t_iter": t_iter, "t_end": t_end,
-                        "t_draft": t_draft, "experts_loaded": n_load})
+                        "t_draft": t_draft, "experts_loaded": n_load, "priming": priming})
             if bar is not None:
                 bar.update(sum(emitted))
             if finished:

@@ -251,8 +251,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             if lookahead and d.routing and engine is not None:
                 engine.lookahead(d.routing, d.token_routing)
             nxt = None
-            plain = mtp is None or k_plan <= 0  # (an MTP step the controller made plain: no
-            # masks, so the target's own forward; the next step then has no drafts)
+            plain = mtp is None or k <= 0  # (an MTP step made plain by the controller or the
+            # tokens left: no masks, so the target's own forward; the next has no drafts)
             if fast is not None and kd == 0 and sampling is None and plain:
                 # a plain greedy step in one C call, its logits left in C (None: the forward)
                 nxt = fast.greedy_next(seq[-1], kv)
@@ -281,12 +281,17 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             t_iter = t_end - t0
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
-            if controller is not None:  # (the SpeQ governor learns its I/O cost from these)
+            # an MTP step that planned drafts but had none (the step before it was plain)
+            # primes the drafter: its masks make the next step's drafts.  It is neither a
+            # plain step (its masks cost) nor a trial of its K: the controller does not see
+            # it, plans the same K again, and sees that step with its drafts.
+            priming = mtp is not None and kd == 0 and k > 0
+            if controller is not None and not priming:  # (SpeQ learns its I/O cost here)
                 controller.observe(kd, n_acc, t_iter, n_load, t_draft=min(t_draft, t_iter),
                                    t_io=t_io)
             its.append({"k_planned": int(k_plan), "k": kd, "accepted": int(n_acc),
                         "emitted": len(new), "t_iter": t_iter, "t_end": t_end, "t_draft": t_draft,
-                        "experts_loaded": n_load})
+                        "experts_loaded": n_load, "priming": priming})
             if bar is not None:
                 bar.update(len(new))
     finally:
