@@ -431,7 +431,6 @@ class Scheduler:
         drafts: List[List[int]] = [[] for _ in rows]
         t0, loads0, t_draft, masks = time.perf_counter(), (0, 0.0), 0.0, None
         try:
-            anchors = None
             if spec is not None:
                 loads0 = spec.loads()
                 ctl = spec.controller(len(rows), lambda: max(
