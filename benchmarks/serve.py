@@ -256,7 +256,9 @@ async def one_request(client: Any, base: str, model: str, prompt: str,
 
 
 async def load(base: str, model: str, prompts: List[str], clients: int, requests: int,
-               max_tokens: int, timeout: float) -> Dict[str, Any]:
+               max_tokens: int, timeout: float, stagger: int = 0) -> Dict[str, Any]:
+    """``clients`` closed-loop clients, ``requests`` streamed requests each; client c asks
+    for ``max_tokens + stagger * c`` tokens."""
     import httpx
     results: List[Dict[str, Any]] = []
 
@@ -264,7 +266,8 @@ async def load(base: str, model: str, prompts: List[str], clients: int, requests
         for j in range(requests):
             p = prompts[(c * requests + j) % len(prompts)]
             try:
-                results.append(await one_request(http, base, model, p, max_tokens))
+                results.append(await one_request(http, base, model, p,
+                                                 max_tokens + stagger * c))
             except Exception as e:  # noqa: BLE001 (counted and reported)
                 results.append({"error": f"{type(e).__name__}: {e}"})
 
@@ -328,9 +331,11 @@ def run_row(kind: str, m: Dict[str, Any], clients: int, a: argparse.Namespace,
         name = MODEL
         t0 = time.perf_counter()
         # as many clients as the row's, so that a speculating server has measured tau at the
-        # batch sizes the row reaches (a one-off pause per batch-size bucket) before timing
+        # batch sizes the row reaches (a one-off pause per batch-size bucket) before timing;
+        # its requests end one at a time (2 tokens apart), so the batch passes through every
+        # bucket down to 1, as the timed run's does when its last requests finish
         warm = asyncio.run(load(proc.base, name, m["prompts"][-clients:], clients, 1, 8,
-                                a.row_timeout))
+                                a.row_timeout, stagger=2 if kind in SPEC_SERVERS else 0))
         if warm["errors"]:
             return {"error": f"warm-up request failed: {warm['first_error']}"}
         log(f"  warm-up {time.perf_counter() - t0:.1f} s")
