@@ -1140,6 +1140,18 @@ AI __m512 q40_scales(const uint8_t *w, const float *xs, __m512i rep4) {
     return _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(sc));
 }
 
+/* Blocks b0..nb-1 of a Q4_0 / Q8_0 row w (bb bytes a block) against one token in the AVX2
+ * form: what is left of a row past the VNNI groups. */
+AI float q32_tail(int32_t dt, const uint8_t *w, size_t bb, uint32_t b0, uint32_t nb,
+                  const xin *x) {
+    __m256 tail = _mm256_setzero_ps();
+    for (uint32_t t = b0; t < nb; t++) {
+        const uint8_t *wb = w + bb * t;
+        tail = q32_dot(q32_of(dt, wb), ld_f16(wb), x->q + 32 * t, x->s[t], tail);
+    }
+    return hsum8(tail);
+}
+
 /* nr (1 or 2) Q4_0 rows w[r] of n columns against one token: res[r]. */
 AI void rows_q4_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
                        float *res) {
@@ -1163,14 +1175,8 @@ AI void rows_q4_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
                                      _mm512_cvtepi32_ps(q40_quad(wb, xlo, xhi, init)), acc[r]);
         }
     }
-    for (int r = 0; r < nr; r++) {
-        __m256 tail = _mm256_setzero_ps();
-        for (uint32_t t = b; t < nb; t++) { /* fewer than four blocks left: the AVX2 step */
-            const uint8_t *wb = w[r] + (size_t)18 * t;
-            tail = q32_dot(q32_of(SMOE_WDT_Q4_0, wb), ld_f16(wb), x->q + 32 * t, x->s[t], tail);
-        }
-        res[r] = _mm512_reduce_add_ps(acc[r]) + hsum8(tail);
-    }
+    for (int r = 0; r < nr; r++) /* fewer than four blocks left: the AVX2 step */
+        res[r] = _mm512_reduce_add_ps(acc[r]) + q32_tail(SMOE_WDT_Q4_0, w[r], 18, b, nb, x);
 }
 
 /* nr (1 or 2) Q8_0 rows w[r] of n columns against one token: two blocks (64 columns) per
@@ -1205,14 +1211,8 @@ AI void rows_q8_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
                                      _mm512_cvtepi32_ps(p), acc[r]);
         }
     }
-    for (int r = 0; r < nr; r++) {
-        __m256 tail = _mm256_setzero_ps();
-        if (b < nb) { /* an odd last block: the AVX2 step */
-            const uint8_t *wb = w[r] + (size_t)34 * b;
-            tail = q32_dot(q32_of(SMOE_WDT_Q8_0, wb), ld_f16(wb), x->q + 32 * b, x->s[b], tail);
-        }
-        res[r] = _mm512_reduce_add_ps(acc[r]) + hsum8(tail);
-    }
+    for (int r = 0; r < nr; r++) /* an odd last block: the AVX2 step */
+        res[r] = _mm512_reduce_add_ps(acc[r]) + q32_tail(SMOE_WDT_Q8_0, w[r], 34, b, nb, x);
 }
 
 /* nr (1 or 2) Q4_K rows w[r] of n columns against one token: the AVX2 form's integer sums

@@ -46,7 +46,7 @@ from ..speculation.batch import BatchDraftModel, BatchKV, observe_batch_step
 from ..speculation.controllers import Cascade, Controller, Heuristic, SpeqGovernor, StaticK
 from ..speculation.drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..speculation.decoding import crop_kv
-from ..speculation.mtp import MtpDrafter, next_drafts
+from ..speculation.mtp import MtpDrafter, next_drafts, priming
 from ..speculation.tau import batch_bucket, target_tau
 
 __all__ = ["DRAFTERS", "Speculation", "controller_factory"]
@@ -268,10 +268,7 @@ class Speculation:
         """One step's outcome to ``ctl``: drafts verified (``kd``) and accepted (``acc``) per
         row, the step's seconds since ``t0`` (``t_draft`` of them drafting), the Engine's
         loads since ``loads0``; ``k``: the largest row's K planned."""
-        if self.mtp is not None and not max(kd) and k > 0:
-            # an MTP step that planned drafts with none to verify primes the drafter (its
-            # masks make the next step's drafts): not observed, so the controller plans the
-            # same K again and sees that step with its drafts (specmoe.generate's rule)
+        if priming(self.drafter, max(kd), k):  # an MTP step with no drafts yet: not observed
             return
         t_iter = max(time.perf_counter() - t0, 1e-9)
         l1, s1 = self.loads()

@@ -45,7 +45,7 @@ from torch import nn
 from .controllers import StaticK
 from .decoding import GenerateOutput, cache_kwargs, new_kv
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
-from .mtp import MtpDrafter, mtp_layout, next_drafts
+from .mtp import MtpDrafter, mtp_layout, next_drafts, priming
 from .tau import batch_bucket, target_tau, tau_for_batch
 from .verify import accept_logits
 
@@ -526,15 +526,13 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
             k_used = max(kd)
-            # an MTP step that planned drafts with none in any row primes the drafter: not
-            # observed (generate's loop, the same rule)
-            priming = mtp is not None and k_used == 0 and max(ks) > 0
-            if controller is not None and not priming:  # (SpeQ learns its I/O cost here)
+            primed = priming(drafter, k_used, max(ks))  # no row had drafts yet: not observed
+            if controller is not None and not primed:  # (SpeQ learns its I/O cost here)
                 observe_batch_step(controller, kd, acc, t_iter, n_load, t_draft, t_io)
             its.append({"k_planned": int(k_plan), "k": k_used, "accepted": sum(acc),
                         "emitted": sum(emitted), "batch": Ba, "k_rows": kd,
                         "accepted_rows": acc, "t_iter": t_iter, "t_end": t_end,
-                        "t_draft": t_draft, "experts_loaded": n_load, "priming": priming})
+                        "t_draft": t_draft, "experts_loaded": n_load, "priming": primed})
             if bar is not None:
                 bar.update(sum(emitted))
             if finished:

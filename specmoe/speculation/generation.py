@@ -30,7 +30,7 @@ from ..models.dense import decode_session
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..runtime.experts import find_engine
 from .batch import check_left_padded, run_batch
-from .mtp import MtpDrafter
+from .mtp import MtpDrafter, priming
 from .sampling import Sampling
 from .tau import target_tau, tau_for_batch
 from .verify import accept_logits
@@ -281,17 +281,13 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             t_iter = t_end - t0
             l1, s1 = engine.loads() if engine is not None else (0, 0.0)
             n_load, t_io = l1 - l0, max(0.0, min(s1 - s0, t_iter))
-            # an MTP step that planned drafts but had none (the step before it was plain)
-            # primes the drafter: its masks make the next step's drafts.  It is neither a
-            # plain step (its masks cost) nor a trial of its K: the controller does not see
-            # it, plans the same K again, and sees that step with its drafts.
-            priming = mtp is not None and kd == 0 and k > 0
-            if controller is not None and not priming:  # (SpeQ learns its I/O cost here)
+            primed = priming(drafter, kd, k)  # an MTP step with no drafts yet: not observed
+            if controller is not None and not primed:  # (SpeQ learns its I/O cost here)
                 controller.observe(kd, n_acc, t_iter, n_load, t_draft=min(t_draft, t_iter),
                                    t_io=t_io)
             its.append({"k_planned": int(k_plan), "k": kd, "accepted": int(n_acc),
                         "emitted": len(new), "t_iter": t_iter, "t_end": t_end, "t_draft": t_draft,
-                        "experts_loaded": n_load, "priming": priming})
+                        "experts_loaded": n_load, "priming": primed})
             if bar is not None:
                 bar.update(len(new))
     finally:

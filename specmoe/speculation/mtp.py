@@ -50,6 +50,7 @@ from .decoding import Draft, cache_kwargs, crop_kv
 from .sampling import Sampling
 
 __all__ = ["MtpConfig", "MtpAdapter", "GatedLoRA", "MtpDrafter", "mtp_layout", "next_drafts",
+           "priming",
            "ADAPTER_FILE", "CONFIG_FILE"]
 
 ADAPTER_FILE = "mtp_adapter.safetensors"
@@ -505,6 +506,16 @@ class MtpDrafter:
             return
         self._drafts, self._probs = next_drafts(ml[int(n_acc)], sampling, generator)
         self._for = (len(history), int(history[-1]))
+
+
+def priming(drafter: Any, drafted: int, planned: int) -> bool:
+    """Whether a step only primed ``drafter``: an MTP drafter that planned drafts
+    (``planned`` > 0, the largest row's K after its tokens left) and had none to verify
+    (``drafted`` == 0: the first step, or the first after a plain one).  Its masks make the
+    next step's drafts; it is neither a plain step (its masks cost) nor a trial of its K, so
+    the controllers do not observe it and plan the same K again (generate, its batched loop
+    and the server's scheduler)."""
+    return isinstance(drafter, MtpDrafter) and drafted == 0 and planned > 0
 
 
 def next_drafts(rows: torch.Tensor, sampling: Optional[Sampling] = None,
