@@ -1041,9 +1041,48 @@ static int dev_moe(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d,
     const float *scale;
     if ((rc = ops->upload(ctx, g->grp_rows, g->grp_scale, n, &rows, &scale, io->stream, err)))
         return rc;
-    for (uint32_t e = 0; e < E; e++) {
+    /* a group's pins at most the cache's slots: acquiring one more then always finds a slot
+     * that is not this group's */
+    const uint32_t gmax = !ops->experts ? 0
+                          : res ? SMOE_TIER_GROUP
+                          : g->tier.tab->nslots < SMOE_TIER_GROUP ? g->tier.tab->nslots
+                                                                  : SMOE_TIER_GROUP;
+    for (uint32_t e = 0; e < E;) {
         const uint32_t s0 = start[e], ne = start[e + 1] - s0;
-        if (!ne || (ncpu && g->hy_oncpu[e])) continue;
+        if (!ne || (ncpu && g->hy_oncpu[e])) {
+            e++;
+            continue;
+        }
+        if (gmax > 0 && ne <= SMOE_TIER_GROUP_T) { /* a group from e on: one `experts` call */
+            const uint8_t *blocks[SMOE_TIER_GROUP];
+            uint32_t first[SMOE_TIER_GROUP], count[SMOE_TIER_GROUP], ids[SMOE_TIER_GROUP];
+            uint32_t m = 0, pairs = 0;
+            for (; e < E && m < gmax; e++) {
+                const uint32_t c = start[e + 1] - start[e];
+                if (!c || (ncpu && g->hy_oncpu[e])) continue;
+                if (c > SMOE_TIER_GROUP_T || pairs + c > SMOE_TIER_GROUP_PAIRS) break;
+                if (!res) {
+                    if ((rc = ops->acquire(ctx, pos, e, io->stream, &blocks[m], err))) break;
+                } else {
+                    blocks[m] = res->base + ((uint64_t)pos * E + e) * res->block_bytes;
+                }
+                first[m] = start[e], count[m] = c, ids[m++] = e;
+                pairs += c;
+            }
+            if (!rc)
+                rc = ops->experts(ctx, d, m, blocks, first, count, io->xd, rows, scale, io->out,
+                                  io->stream, err);
+            for (uint32_t j = 0; j < m; j++) {
+                if (!res) {
+                    smoe_err rerr;
+                    const int rr = ops->release(ctx, pos, ids[j], io->stream, rc ? &rerr : err);
+                    if (!rc) rc = rr;
+                }
+                used[ids[j]] = 1;
+            }
+            if (rc) return rc;
+            continue;
+        }
         const uint8_t *block;
         if (!res) {
             if ((rc = ops->acquire(ctx, pos, e, io->stream, &block, err))) return rc;
@@ -1059,6 +1098,7 @@ static int dev_moe(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d,
         }
         if (rc) return rc;
         used[e] = 1;
+        e++;
     }
     if (ncpu) { /* the device's share is enqueued: the CPU's runs while it computes */
         if ((rc = hybrid_cpu(g, io, d, pos, start, T, err))) return rc;

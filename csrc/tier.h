@@ -14,7 +14,11 @@
  *                 order), makes the rows and weights visible to the kernels once per call
  *                 (`upload`: one copy), then per expert acquires its block (or addresses it
  *                 in a resident low-bit copy), runs `expert` and releases it -- a loop in C,
- *                 one kernel call per expert, no Python and no device-to-host read.
+ *                 no Python and no device-to-host read.  A tier with `experts` gets the
+ *                 layer's experts of few tokens in groups instead: each group's blocks
+ *                 acquired (at most as many as the cache has slots, so the pins cannot
+ *                 starve each other), one `experts` call, then released: on the GPU one
+ *                 launch group per layer at decode instead of one per expert.
  *
  * The hybrid tier (issue 37, layer.h smoe_layers_set_hybrid) is a device tier whose missing
  * experts may instead run where they live: the CPU kernels on host_block's bytes and the
@@ -34,6 +38,12 @@
 #include "kernels/kernels.h"
 #include "slots.h"
 
+/* Bounds of one `experts` call (a group): experts, pairs per expert (an expert with more runs
+ * alone, where a GPU may take its GEMM path), pairs in all (the GPU tier's scratch rows). */
+#define SMOE_TIER_GROUP 32
+#define SMOE_TIER_GROUP_T 16
+#define SMOE_TIER_GROUP_PAIRS 256
+
 struct smoe_cache;
 
 typedef struct smoe_tier_ops {
@@ -51,6 +61,16 @@ typedef struct smoe_tier_ops {
     int (*expert)(void *ctx, const smoe_ffn_desc *d, const uint8_t *block, const float *x,
                   const int32_t *rows, const float *scale, uint32_t n, float *out,
                   void *stream, smoe_err *err);
+    /* Optional (NULL: one `expert` call per expert): `expert` for m experts of format d at
+     * once (one launch group on a GPU), expert j on blocks[j] with the pairs
+     * rows[first[j] .. first[j] + count[j]) and scale likewise (uploaded arrays), every out
+     * element accumulated in ascending j as m `expert` calls would.  The caller keeps
+     * 1 <= m <= SMOE_TIER_GROUP, 1 <= count[j] <= SMOE_TIER_GROUP_T and the counts' sum
+     * <= SMOE_TIER_GROUP_PAIRS. */
+    int (*experts)(void *ctx, const smoe_ffn_desc *d, uint32_t m, const uint8_t *const *blocks,
+                   const uint32_t *first, const uint32_t *count, const float *x,
+                   const int32_t *rows, const float *scale, float *out, void *stream,
+                   smoe_err *err);
     /* Pin (layer, expert) in the tier's cache and return its block (tier memory); stream
      * waits for its load.  release drops the pin after the work enqueued on stream. */
     int (*acquire)(void *ctx, uint32_t layer, uint32_t expert, void *stream,

@@ -164,12 +164,10 @@ struct ffn_args {
     size_t out_stride;
 };
 
-/* Phase 1: act[t, i] = activation(gate_i . x_t + gb_i, up_i . x_t + ub_i). */
+/* Phase 1 for row i: act[t, i] = activation(gate_i . x_t + gb_i, up_i . x_t + ub_i). */
 template <int DT, bool VEC>
-__global__ void __launch_bounds__(32 * WARPS) k_gateup(ffn_args a) {
-    const uint32_t i = blockIdx.x * WARPS + (threadIdx.x >> 5);
+__device__ __forceinline__ void gateup_row(const ffn_args &a, uint32_t i) {
     const int lane = threadIdx.x & 31;
-    if (i >= a.I) return;
     for (uint32_t t0 = 0; t0 < a.T; t0 += TT) {
         const float *xp[TT];
         for (int k = 0; k < TT; k++) {
@@ -195,12 +193,11 @@ __global__ void __launch_bounds__(32 * WARPS) k_gateup(ffn_args a) {
     }
 }
 
-/* Phase 2: out[r_t, h] += scale_t * (down_h . act_t + db_h). */
+/* Phase 2 for column h: v_t = down_h . act_t (* the int8 row scale) + db_h, then
+ * out[r_t, h] += scale_t * v_t, or (ybuf) ybuf[t * H + h] = v_t for k_combine. */
 template <int DT, bool VEC>
-__global__ void __launch_bounds__(32 * WARPS) k_down(ffn_args a) {
-    const uint32_t h = blockIdx.x * WARPS + (threadIdx.x >> 5);
+__device__ __forceinline__ void down_row(const ffn_args &a, uint32_t h, float *ybuf) {
     const int lane = threadIdx.x & 31;
-    if (h >= a.H) return;
     for (uint32_t t0 = 0; t0 < a.T; t0 += TT) {
         const float *xp[TT];
         for (int k = 0; k < TT; k++)
@@ -218,9 +215,92 @@ __global__ void __launch_bounds__(32 * WARPS) k_down(ffn_args a) {
                 float v = y[k];
                 if (DT == SMOE_WDT_I8) v *= a.down_s[h];
                 if (a.down_b) v += a.down_b[h];
+                if (ybuf) {
+                    ybuf[(size_t)t * a.H + h] = v;
+                    continue;
+                }
                 float s = a.scale ? a.scale[t] : 1.0f;
                 size_t r = (size_t)(a.rows ? a.rows[t] : (int32_t)t);
                 a.out[r * a.out_stride + h] += s * v;
+            }
+        }
+    }
+}
+
+template <int DT, bool VEC>
+__global__ void __launch_bounds__(32 * WARPS) k_gateup(ffn_args a) {
+    const uint32_t i = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (i < a.I) gateup_row<DT, VEC>(a, i);
+}
+
+template <int DT, bool VEC>
+__global__ void __launch_bounds__(32 * WARPS) k_down(ffn_args a) {
+    const uint32_t h = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (h < a.H) down_row<DT, VEC>(a, h, nullptr);
+}
+
+/* A group of experts (smoe_gpu_ffn_forward_group), by value: each expert's tensors at the
+ * same offsets (SMOE_NO_TENSOR: none) in its block; pairs rows[first[j] ..] in the uploaded
+ * arrays, scratch rows loc[j] .. loc[j + 1) of act and y. */
+struct group_tab {
+    const uint8_t *blk[SMOE_GPU_GROUP_MAX];
+    uint32_t first[SMOE_GPU_GROUP_MAX];
+    uint32_t loc[SMOE_GPU_GROUP_MAX + 1];
+    uint64_t o_gate, o_up, o_down, o_gs, o_us, o_ds, o_gb, o_ub, o_db;
+    float *ybuf; /* [loc[m], H] */
+};
+
+__device__ __forceinline__ const void *at(const uint8_t *b, uint64_t off) {
+    return off == SMOE_NO_TENSOR ? nullptr : b + off;
+}
+
+/* The common arguments a (x, rows, scale, shapes, act, out) made expert j's. */
+__device__ __forceinline__ ffn_args expert_args(const ffn_args &a, const group_tab &g,
+                                                uint32_t j) {
+    ffn_args e = a;
+    const uint8_t *b = g.blk[j];
+    e.gate = (const uint8_t *)at(b, g.o_gate);
+    e.up = (const uint8_t *)at(b, g.o_up);
+    e.down = (const uint8_t *)at(b, g.o_down);
+    e.gate_s = (const float *)at(b, g.o_gs);
+    e.up_s = (const float *)at(b, g.o_us);
+    e.down_s = (const float *)at(b, g.o_ds);
+    e.gate_b = (const float *)at(b, g.o_gb);
+    e.up_b = (const float *)at(b, g.o_ub);
+    e.down_b = (const float *)at(b, g.o_db);
+    e.rows = a.rows + g.first[j];
+    e.scale = a.scale ? a.scale + g.first[j] : nullptr;
+    e.T = g.loc[j + 1] - g.loc[j];
+    e.actv = a.actv + (size_t)g.loc[j] * a.I;
+    return e;
+}
+
+/* Phase 1 of a group: blockIdx.y is the expert. */
+template <int DT, bool VEC>
+__global__ void __launch_bounds__(32 * WARPS) k_gateup_group(ffn_args a, group_tab g) {
+    const uint32_t i = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (i < a.I) gateup_row<DT, VEC>(expert_args(a, g, blockIdx.y), i);
+}
+
+/* Phase 2 of a group into g.ybuf (experts write disjoint rows of it). */
+template <int DT, bool VEC>
+__global__ void __launch_bounds__(32 * WARPS) k_down_group(ffn_args a, group_tab g) {
+    const uint32_t h = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const uint32_t j = blockIdx.y;
+    if (h < a.H) down_row<DT, VEC>(expert_args(a, g, j), h, g.ybuf + (size_t)g.loc[j] * a.H);
+}
+
+/* Phase 3 of a group: out[r, h] += scale * y for every pair, one thread per column h, the
+ * pairs in order (expert by expert, tokens in order): the additions of m per-expert calls. */
+__global__ void k_combine(ffn_args a, group_tab g, uint32_t m) {
+    for (uint32_t h = blockIdx.x * blockDim.x + threadIdx.x; h < a.H;
+         h += gridDim.x * blockDim.x) {
+        for (uint32_t j = 0; j < m; j++) {
+            for (uint32_t p = g.loc[j]; p < g.loc[j + 1]; p++) {
+                const uint32_t q = g.first[j] + (p - g.loc[j]);
+                float s = a.scale ? a.scale[q] : 1.0f;
+                float v = g.ybuf[(size_t)p * a.H + h];
+                a.out[(size_t)a.rows[q] * a.out_stride + h] += s * v;
             }
         }
     }
@@ -492,6 +572,90 @@ extern "C" int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, con
         if (e != cudaSuccess) return cuda_fail(err, e, "the cuBLAS-path FFN kernels");
     }
     return 0;
+}
+
+template <int DT, bool VEC>
+static void launch_group(const ffn_args &a, const group_tab &g, uint32_t m, cudaStream_t st) {
+    k_gateup_group<DT, VEC><<<dim3((a.I + WARPS - 1) / WARPS, m), 32 * WARPS, 0, st>>>(a, g);
+    k_down_group<DT, VEC><<<dim3((a.H + WARPS - 1) / WARPS, m), 32 * WARPS, 0, st>>>(a, g);
+    k_combine<<<grid_for(a.H), 256, 0, st>>>(a, g, m);
+}
+
+template <int DT>
+static void launch_group_dt(const ffn_args &a, const group_tab &g, uint32_t m, bool vec,
+                            cudaStream_t st) {
+    if (vec)
+        launch_group<DT, true>(a, g, m, st);
+    else
+        launch_group<DT, false>(a, g, m, st);
+}
+
+extern "C" int smoe_gpu_ffn_forward_group(smoe_gpu_ffn *f, const smoe_ffn_desc *d, uint32_t m,
+                                          const uint8_t *const *blocks, const uint32_t *first,
+                                          const uint32_t *count, const float *x,
+                                          size_t x_stride, const int32_t *rows,
+                                          const float *scale, float *out, size_t out_stride,
+                                          void *stream, smoe_err *err) {
+    int rc = smoe_ffn_desc_check(d, 0, err);
+    if (rc < 0) return rc;
+    if (smoe_wdt_cpu_only(d->dtype))
+        return smoe_err_set(err, SMOE_EINVAL, "int2 and GGUF block expert weights run on the CPU "
+                            "only (the GPU kernels take f32, bf16, int8 and int4)");
+    if (d->H != f->H || d->I != f->I)
+        return smoe_err_set(err, SMOE_EINVAL, "GPU FFN context is for H=%u, I=%u; the expert "
+                            "is H=%u, I=%u", f->H, f->I, d->H, d->I);
+    if (x_stride < d->H || out_stride < d->H)
+        return smoe_err_set(err, SMOE_EINVAL, "x_stride (%zu) and out_stride (%zu) must be at "
+                            "least H = %u", x_stride, out_stride, d->H);
+    if (m == 0 || m > SMOE_GPU_GROUP_MAX || !rows)
+        return smoe_err_set(err, SMOE_EINVAL, "GPU FFN group: %u experts (1 to %d) and rows "
+                            "are required", m, SMOE_GPU_GROUP_MAX);
+    group_tab g;
+    memset(&g, 0, sizeof g);
+    uintptr_t align = 0;
+    g.loc[0] = 0;
+    for (uint32_t j = 0; j < m; j++) {
+        if (count[j] == 0 || g.loc[j] + count[j] > f->max_tokens)
+            return smoe_err_set(err, SMOE_EINVAL, "GPU FFN group: expert %u has %u pairs (the "
+                                "group at most %u in all, each at least 1)", j, count[j],
+                                f->max_tokens);
+        g.blk[j] = blocks[j];
+        g.first[j] = first[j];
+        g.loc[j + 1] = g.loc[j] + count[j];
+        align |= (uintptr_t)blocks[j];
+    }
+    g.o_gate = d->gate, g.o_up = d->up, g.o_down = d->down;
+    g.o_gs = d->gate_scale, g.o_us = d->up_scale, g.o_ds = d->down_scale;
+    g.o_gb = d->gate_bias, g.o_ub = d->up_bias, g.o_db = d->down_bias;
+    g.ybuf = f->y;
+    const bool vec = ((align | d->gate | d->up | d->down) % 16 == 0) && d->H % 8 == 0 &&
+                     d->I % 8 == 0;
+    cudaStream_t st = (cudaStream_t)stream;
+    cudaError_t e = cudaSetDevice(f->device);
+    if (e != cudaSuccess) return cuda_fail(err, e, "cudaSetDevice");
+    ffn_args a;
+    memset(&a, 0, sizeof a);
+    a.x = x;
+    a.x_stride = x_stride;
+    a.rows = rows;
+    a.scale = scale;
+    a.H = d->H;
+    a.I = d->I;
+    a.group = d->group ? d->group : 128u;
+    a.act = d->act;
+    a.alpha = d->alpha;
+    a.limit = d->limit;
+    a.actv = f->act;
+    a.out = out;
+    a.out_stride = out_stride;
+    switch (d->dtype) {
+    case SMOE_WDT_F32: launch_group_dt<SMOE_WDT_F32>(a, g, m, vec, st); break;
+    case SMOE_WDT_BF16: launch_group_dt<SMOE_WDT_BF16>(a, g, m, vec, st); break;
+    case SMOE_WDT_I8: launch_group_dt<SMOE_WDT_I8>(a, g, m, vec, st); break;
+    default: launch_group_dt<SMOE_WDT_I4>(a, g, m, vec, st); break;
+    }
+    e = cudaGetLastError();
+    return e == cudaSuccess ? 0 : cuda_fail(err, e, "the grouped FFN kernels");
 }
 
 extern "C" int smoe_gpu_add_f32(float *out, const float *in, size_t n, void *stream,

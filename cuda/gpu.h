@@ -73,6 +73,19 @@ int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, const uint8_t 
                          const float *scale, uint32_t T, float *out, size_t out_stride,
                          int path, void *stream, smoe_err *err);
 
+/* smoe_gpu_ffn_forward for m experts of format d at once, on the dequantizing kernels in
+ * three launches (gate/up of every expert, down of every expert into scratch, then each out
+ * element summed over the pairs in order: the same additions, in the same order, as m calls
+ * of the dequant path): expert j on blocks[j] (device) with pairs rows[first[j] ..
+ * first[j] + count[j]) and scale likewise (device arrays).  1 <= m <= SMOE_GPU_GROUP_MAX,
+ * each count[j] >= 1 and their sum <= the context's max_tokens (else SMOE_EINVAL). */
+#define SMOE_GPU_GROUP_MAX 32
+int smoe_gpu_ffn_forward_group(smoe_gpu_ffn *f, const smoe_ffn_desc *d, uint32_t m,
+                               const uint8_t *const *blocks, const uint32_t *first,
+                               const uint32_t *count, const float *x, size_t x_stride,
+                               const int32_t *rows, const float *scale, float *out,
+                               size_t out_stride, void *stream, smoe_err *err);
+
 /* out[0..n) += in[0..n) (device pointers, f32) on `stream`, asynchronously. */
 int smoe_gpu_add_f32(float *out, const float *in, size_t n, void *stream, smoe_err *err);
 

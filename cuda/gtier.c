@@ -97,6 +97,22 @@ static int t_expert(void *ctx, const smoe_ffn_desc *d, const uint8_t *block, con
                             err);
 }
 
+static int t_experts(void *ctx, const smoe_ffn_desc *d, uint32_t m, const uint8_t *const *blocks,
+                     const uint32_t *first, const uint32_t *count, const float *x,
+                     const int32_t *rows, const float *scale, float *out, void *stream,
+                     smoe_err *err) {
+    smoe_gtier *t = ctx;
+    if (!emu(t))
+        return smoe_gpu_ffn_forward_group(&t->ffn, d, m, blocks, first, count, x, d->H, rows,
+                                          scale, out, d->H, stream, err);
+    for (uint32_t j = 0; j < m; j++) { /* the emulation: the per-expert calls, in order */
+        int rc = t_expert(ctx, d, blocks[j], x, rows + first[j], scale + first[j], count[j],
+                          out, stream, err);
+        if (rc) return rc;
+    }
+    return SMOE_OK;
+}
+
 static int t_acquire(void *ctx, uint32_t layer, uint32_t expert, void *stream,
                      const uint8_t **block, smoe_err *err) {
     return smoe_gcache_acquire(((smoe_gtier *)ctx)->cache, layer, expert, stream, block, err);
@@ -154,12 +170,19 @@ static int t_add_host(void *ctx, float *out, const float *host, size_t n, void *
     return smoe_gpu_add_f32(out, t->abuf, n, stream, err);
 }
 
-static const smoe_tier_ops gtier_ops = {t_check,   t_zero,      t_upload,  t_expert,
-                                        t_acquire, t_release,   t_host_block, t_add_host};
+static const smoe_tier_ops gtier_ops = {t_check,   t_zero,    t_upload,     t_expert,
+                                        t_experts, t_acquire, t_release,    t_host_block,
+                                        t_add_host};
+/* grouped = 0: one kernel call per expert (the A/B of grouped launches) */
+static const smoe_tier_ops gtier_ops_single = {t_check,   t_zero,    t_upload,     t_expert,
+                                               NULL,      t_acquire, t_release,    t_host_block,
+                                               t_add_host};
 
-int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, smoe_err *err) {
+int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, int grouped,
+                    smoe_err *err) {
     memset(t, 0, sizeof *t);
     t->cache = cache;
+    t->grouped = grouped != 0;
     t->device = cache->device;
     t->H = H, t->I = I;
     const smoe_store *st = cache->store;
@@ -178,7 +201,7 @@ int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, s
         }
     }
     if (!emu(t)) {
-        int rc = smoe_gpu_ffn_init(&t->ffn, t->device, H, I, 256, err);
+        int rc = smoe_gpu_ffn_init(&t->ffn, t->device, H, I, SMOE_TIER_GROUP_PAIRS, err);
         if (rc) {
             smoe_gtier_free(t);
             return rc;
@@ -199,5 +222,5 @@ void smoe_gtier_free(smoe_gtier *t) {
 }
 
 smoe_tier smoe_gtier_tier(smoe_gtier *t) {
-    return (smoe_tier){&t->cache->tab, NULL, &gtier_ops, t};
+    return (smoe_tier){&t->cache->tab, NULL, t->grouped ? &gtier_ops : &gtier_ops_single, t};
 }

@@ -2,8 +2,9 @@
  * it, csrc/layer.c runs a GPU MoE layer in one C call -- the same routing, prediction,
  * prefetch, miss rules and counters as the CPU tier -- and this file supplies only the
  * device's side: zeroing the output, the pairs' rows and weights copied to the device once per
- * call, one kernel call per expert (cuda/ffn.cu smoe_gpu_ffn_forward, on the slot the GPU
- * cache pins), all on the caller's compute stream.
+ * call, the experts' kernels (cuda/ffn.cu: smoe_gpu_ffn_forward_group for a group of experts of
+ * few tokens, three launches; smoe_gpu_ffn_forward for one expert, on the slot the GPU cache
+ * pins), all on the caller's compute stream.
  *
  * device < 0 (the GPU cache's host emulation, gcache.h): the same calls on host memory --
  * memset, the rows used in place, the CPU expert kernel (single-threaded) on the emulated
@@ -29,6 +30,7 @@ typedef struct smoe_gtier {
     smoe_gcache *cache;  /* borrowed; outlives the tier */
     int device;          /* the cache's: -1 host emulation */
     uint32_t H, I;       /* the experts' shape (every format the tier runs) */
+    int grouped;         /* 1: the `experts` op (grouped launches); 0: one call per expert */
     smoe_gpu_ffn ffn;    /* owned (GPU): cuBLAS handle and scratch for (H, I) */
     int ffn_ready;
     void *dbuf;          /* owned (GPU): device rows then weights of the last upload */
@@ -43,8 +45,10 @@ typedef struct smoe_gtier {
     size_t scap;         /* bytes */
 } smoe_gtier;
 
-/* A tier over cache for experts of hidden size H and intermediate size I. */
-int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, smoe_err *err);
+/* A tier over cache for experts of hidden size H and intermediate size I; grouped: whether
+ * the layer path gets the `experts` op (tier.h) or one `expert` call per expert. */
+int smoe_gtier_init(smoe_gtier *t, smoe_gcache *cache, uint32_t H, uint32_t I, int grouped,
+                    smoe_err *err);
 void smoe_gtier_free(smoe_gtier *t);
 
 /* The smoe_tier whose ops run on t (valid while t is). */

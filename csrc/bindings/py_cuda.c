@@ -807,10 +807,12 @@ static int Tier_begin(PyObject *owner) {
 static void Tier_end(PyObject *owner) { ((TierObject *)owner)->cache->busy--; }
 
 static int Tier_init(TierObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"cache", "H", "I", NULL};
+    static char *kwlist[] = {"cache", "H", "I", "grouped", NULL};
     PyObject *cache;
     unsigned int H, I;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!II:Tier", kwlist, &GC_Type, &cache, &H, &I))
+    int grouped = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!II|p:Tier", kwlist, &GC_Type, &cache, &H, &I,
+                                     &grouped))
         return -1;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "Tier.__init__ called twice");
@@ -821,7 +823,7 @@ static int Tier_init(TierObject *self, PyObject *args, PyObject *kw) {
     smoe_err e;
     smoe_err_clear(&e);
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = smoe_gtier_init(&self->t, &gc->cache, H, I, &e);
+    Py_BEGIN_ALLOW_THREADS rc = smoe_gtier_init(&self->t, &gc->cache, H, I, grouped, &e);
     Py_END_ALLOW_THREADS if (rc) {
         raise_err(&e);
         return -1;
@@ -858,18 +860,26 @@ static PyObject *Tier_get_capsule(TierObject *self, void *cl) {
     return cap;
 }
 
+static PyObject *Tier_get_grouped(TierObject *self, void *cl) {
+    (void)cl;
+    return PyBool_FromLong(self->ready && self->t.grouped);
+}
+
 static PyGetSetDef Tier_getset[] = {
     {"capsule", (getter)Tier_get_capsule, NULL,
      "a new capsule for specmoe._C.Layers(cache=...) (keeps this tier alive)", NULL},
+    {"grouped", (getter)Tier_get_grouped, NULL,
+     "whether a layer's experts of few tokens run as one launch group (cuda/gtier.h)", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyTypeObject Tier_Type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._cuda.Tier",
     .tp_basicsize = sizeof(TierObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Tier(cache, H, I): the GPU cache as the expert tier of specmoe._C.Layers\n"
-              "(cuda/gtier.h): one C call per MoE layer on the GPU (the host emulation when the\n"
-              "cache's device is -1).",
+    .tp_doc = "Tier(cache, H, I, grouped=True): the GPU cache as the expert tier of\n"
+              "specmoe._C.Layers (cuda/gtier.h): one C call per MoE layer on the GPU (the host\n"
+              "emulation when the cache's device is -1); grouped=False: one kernel call per\n"
+              "expert instead of a launch group per layer (for A/B measurements).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Tier_init,
     .tp_dealloc = (destructor)Tier_dealloc,

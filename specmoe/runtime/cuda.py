@@ -302,12 +302,18 @@ class GpuExpertCache:
         from .misses import check_throttle
         self._c.set_throttle(*check_throttle(throttle))
 
-    def tier(self, spec: Any) -> Any:
+    def tier(self, spec: Any, grouped: bool | None = None) -> Any:
         """This cache as the expert tier of ``specmoe._C.Layers`` (``_cuda.Tier``, cuda/gtier.h):
         its ``capsule`` makes the C per-layer path run on this cache and the GPU kernels
-        (the CPU kernels in the host emulation) for experts of ``spec``'s shape."""
+        (the CPU kernels in the host emulation) for experts of ``spec``'s shape.
+
+        ``grouped``: a layer's experts of few tokens in one launch group (three kernels per
+        layer at decode) rather than one kernel call per expert; default True, or
+        ``SPECMOE_GPU_GROUPED=0`` in the environment for the per-expert calls (A/B runs)."""
+        if grouped is None:
+            grouped = os.environ.get("SPECMOE_GPU_GROUPED", "1") != "0"
         mod = extension() if self.device < 0 else load()
-        return mod.Tier(self._c, spec.H, spec.I)
+        return mod.Tier(self._c, spec.H, spec.I, grouped=bool(grouped))
 
     def release(self, layer: int, expert: int, stream: Any = None) -> None:
         self._c.release(layer, expert, self._stream(stream))
