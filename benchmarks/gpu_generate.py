@@ -11,6 +11,9 @@ untimed ones:
   ``specmoe.from_pretrained(ckpt, device=<device>, cache=N%, dtype="bf16", prefetch=...)``
   (experts in the GPU cache behind a pinned host copy of the store; ``balance=True`` for
   MoE-SpAc's CPU/GPU balancer);
+* ``specmoe N% (one launch per expert)``: the first row with ``SPECMOE_GPU_GROUPED=0``, one
+  kernel call per expert instead of a layer's experts of few tokens in one launch group
+  (``grouped_over_per_expert_launches_25pct`` is the first row's tok/s over this one's);
 * ``specmoe N% + prefetch + self-draft`` / ``+ n-gram``: speculative decoding on the tier,
   ``specmoe.generate(model, ids, SelfDraft(engine) | NgramDrafter())`` with the library's
   default controller (speculation length chosen by measured utility, off where it does not
@@ -187,29 +190,36 @@ def main() -> None:
         ckpt, device_map=tdev, dtype=torch.bfloat16).eval())
     for f in [float(x) for x in a.fractions.split(",")]:
         ofs = [float(x) for x in a.overfetch.split(",")]
-        variants = [(False, False, None)] + [(True, False, o) for o in ofs] + \
-            [(True, True, ofs[0])]
-        for pf, bal, of in variants:
-            if bal and tdev == "cpu":
-                continue  # (the balancer measures a GPU's costs)
+        # (prefetch, balancer, overfetch, grouped launches)
+        variants = [(False, False, None, True), (False, False, None, False)] + \
+            [(True, False, o, True) for o in ofs] + [(True, True, ofs[0], True)]
+        for pf, bal, of, grouped in variants:
+            if (bal or not grouped) and tdev == "cpu":
+                continue  # (the balancer measures a GPU's costs; launches are a GPU's)
             label = f"specmoe {int(round(f * 100))}%" + (" + prefetch" if pf else "") + \
                 (" + balancer" if bal else "") + \
-                (f" (overfetch {of:g})" if pf and not bal and of != ofs[0] else "")
+                (f" (overfetch {of:g})" if pf and not bal and of != ofs[0] else "") + \
+                ("" if grouped else " (one launch per expert)")
 
             def load(f: float = f, pf: bool = pf, bal: bool = bal, of: float | None = of,
-                     label: str = label) -> Any:
+                     label: str = label, grouped: bool = grouped) -> Any:
                 kw = {"balance": True} if bal else {}
-                m = specmoe.from_pretrained(ckpt, device=dev, cache=f, dtype="bf16",
-                                            policy="lru", prefetch=pf, progress=False,
-                                            store=str(ckpt.parent / "store-bf16.smoe"),
-                                            torch_dtype=torch.bfloat16, **kw)
+                # the tier reads it when the engine builds it (cuda.GpuExpertCache.tier)
+                os.environ["SPECMOE_GPU_GROUPED"] = "1" if grouped else "0"
+                try:
+                    m = specmoe.from_pretrained(ckpt, device=dev, cache=f, dtype="bf16",
+                                                policy="lru", prefetch=pf, progress=False,
+                                                store=str(ckpt.parent / "store-bf16.smoe"),
+                                                torch_dtype=torch.bfloat16, **kw)
+                finally:
+                    os.environ.pop("SPECMOE_GPU_GROUPED", None)
                 eng = specmoe.engine_of(m)
                 if pf:
                     eng.set_prefetch(True, overfetch=of)
                 engines.append((label, eng))
                 return m
             add(label, load, cache_fraction=f, prefetch=pf, balance=bal,
-                overfetch=of if pf else None)
+                overfetch=of if pf else None, grouped_launches=grouped)
         from specmoe.speculation.drafters import NgramDrafter, SelfDraft
         for name, make in (("self-draft", lambda eng: SelfDraft(eng, "int4")),
                            ("n-gram", lambda eng: NgramDrafter())):
@@ -266,6 +276,8 @@ def main() -> None:
         "target": 5.0}
     res["specmoe_25pct_vs_unmodified"] = ratio("specmoe 25% + prefetch",
                                                "unmodified on the GPU (upper bound)")
+    res["grouped_over_per_expert_launches_25pct"] = ratio(
+        "specmoe 25%", "specmoe 25% (one launch per expert)")
     res["speculative_over_plain_25pct"] = {
         name: ratio(f"specmoe 25% + prefetch + {name}", "specmoe 25% + prefetch")
         for name in ("self-draft", "n-gram")}
