@@ -490,15 +490,17 @@ def gguf_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
 
 def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: str,
                embed_std: float | None = None) -> None:
-    """Stream the random model straight into a GGUF file of type ``qtype`` (Q4_0 or Q8_0),
-    tensor by tensor, unless a complete one of the same hash is there.
+    """Stream the random model straight into a GGUF file of type ``qtype`` (Q4_0, Q8_0 or
+    BF16), tensor by tensor, unless a complete one of the same hash is there.
 
     Every 2-D/3-D weight is ``qtype`` blocks drawn at random: uniform integer values and a
     per-block scale ``d = ±0.02 / std(values) * U(0.75, 1.25)`` (std about 0.02, the
     checkpoint's N(0, 0.02); the sign random); norms are F32 ones; routers are F32 N(0, 0.02)
     rows scaled by ``exp(skew * z_e)`` as in :func:`write_checkpoint`.  Unlike llama-quantize,
     which keeps ``output.weight`` in Q6_K, every matrix is ``qtype``: both sides read exactly
-    these bytes.
+    these bytes.  BF16 matrices are random bit patterns of magnitude 2^-7..2^-5 and either
+    sign (std about 0.019), made from random bytes: drawing billions of normals would take
+    minutes.
     ``embed_std``: the token embeddings' std instead of 0.02 (:data:`MODELS`)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
@@ -513,7 +515,9 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
     path.parent.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
     qt = gguf.GGMLQuantizationType[qtype]
-    block_bytes, vstd = _BLOCK[qtype]
+    bf16 = qtype == "BF16"
+    block_bytes, vstd = (2, 1.0) if bf16 else _BLOCK[qtype]
+    per_block = 1 if bf16 else 32
     arch = gguf_arch(cfg["model_type"])
     hf = AutoConfig.for_model(**cfg)
     tmp = Path(str(path) + ".tmp")
@@ -521,7 +525,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
     w.add_name(f"specmoe-bench random {cfg['model_type']} L{cfg['num_hidden_layers']}")
     gguf_metadata(w, hf)
     w.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "BF16": gguf.LlamaFileType.MOSTLY_BF16}[qtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     gguf_tokenizer(w, AutoTokenizer.from_pretrained(str(_tokenizer_source())), cfg["vocab_size"])
     specs = gguf_specs(cfg)
@@ -533,8 +538,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
     for name, shape, kind in specs:
         n = int(np.prod(shape))
         if quantized(shape, kind):
-            nbytes = n // 32 * block_bytes
-            bshape = (*shape[:-1], shape[-1] // 32 * block_bytes)
+            nbytes = n // per_block * block_bytes
+            bshape = (*shape[:-1], shape[-1] // per_block * block_bytes)
             w.add_tensor_info(name, bshape, np.dtype(np.uint8), nbytes, raw_dtype=qt)
         else:
             nbytes = 4 * n
@@ -557,6 +562,15 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
             a = (rng.standard_normal(shape) * std * np.exp(skew * z)[:, None]).astype(np.float32)
         elif not quantized(shape, kind):
             a = (rng.standard_normal(shape) * std).astype(np.float32)
+        elif bf16 and not (embed_std and name == "token_embd.weight"):
+            r = np.frombuffer(rng.bytes(2 * n), np.uint16)
+            # sign and mantissa random, the exponent 2^-7 or 2^-6 by one random bit
+            a = ((r & 0x807F) | ((120 + ((r >> 7) & 1)) << 7)).astype(np.uint16)
+            a = a.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
+        elif bf16:
+            f = (rng.standard_normal(shape) * embed_std).astype(np.float32)
+            a = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+            a = a.reshape(*shape[:-1], shape[-1] * 2)
         else:
             s = embed_std if (embed_std and name == "token_embd.weight") else std
             nb = n // 32

@@ -10,23 +10,32 @@
 # HYBRID_ARGS passes options to gpu_hybrid.py (default: --layers 6 --dtypes bf16,int4); TEST_K
 # selects tests (pytest -k).
 #
-# Needs a python3 with a CUDA build of torch (PY=... to choose another).  Wheels in .whl/
-# (git-ignored: the transformers/tokenizers/regex versions this checkout's tests use) are
-# installed into /tmp/site first.  Every step writes its log or JSON into OUTDIR and a
-# summary to stdout; BUDGET_S (default 560) bounds the whole run: the benchmark gets what is
-# left after the tests.
+# Needs a python3 with a CUDA build of torch (PY=... to choose another).  What
+# benchmarks/gpu_carry.sh put in .whl/ (git-ignored; carry it) is unpacked first:
+# site.tar.xz (the transformers/tokenizers/regex versions this checkout's tests use, and
+# gguf) into /tmp/site (or wheels in .whl/ installed there), llama-cuda.tar.xz (llama-bench
+# built with CUDA, for gpu_hybrid's llama.cpp rows) into /tmp/llama.  Every step writes its
+# log or JSON into OUTDIR and a summary to stdout; BUDGET_S (default 560) bounds the whole
+# run: the benchmarks get what is left after the tests.
 set -u -o pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t0 )); }
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -f .whl/site.tar.xz ]; then
+    mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+elif ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 else
     export PYTHONPATH=$PWD
+fi
+if [ -f .whl/llama-cuda.tar.xz ]; then
+    mkdir -p /tmp/llama && tar -C /tmp/llama -xJf .whl/llama-cuda.tar.xz \
+        && export SPECMOE_LLAMA_BENCH=/tmp/llama/llama-bench
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/smi.txt"
 SPECMOE_CUDA=1 SPECMOE_WERROR=1 SPECMOE_CUDA_ARCH=${SPECMOE_CUDA_ARCH:-90} \
@@ -68,7 +77,8 @@ if ! skip hybrid && [ "$left" -gt 60 ]; then
         > /dev/null 2> "$out/gpu_hybrid.err"
     echo "== gpu_hybrid rc=$? at $(elapsed) s"
     summary "$out/gpu_hybrid.json" tok_s prefill_tok_s vs_copy_every_miss tokens_equal \
-        hit_rate cpu_share_of_experts pcie_bytes_per_token vram_bytes error
+        hit_rate cpu_share_of_experts pcie_bytes_per_token vram_bytes \
+        specmoe_hybrid_over_this error
     tail -5 "$out/gpu_hybrid.err"
 fi
 left=$(( ${BUDGET_S:-560} - $(elapsed) ))

@@ -13,7 +13,20 @@ Rows (per store dtype in ``--dtypes``):
   cache, and each layer's missing experts split between copies and the CPU kernels on the
   host copy by MoE-SpAc's Eq. 9 with costs measured at load, the CPU's experts offered to the
   cache's policy for admission (csrc/layer.h ``smoe_layers_set_hybrid``);
-* ``llama.cpp -ngl 99 --n-cpu-moe N``: reported with the reason it did not run (below).
+* ``llama.cpp <type> -ngl 99 --n-cpu-moe N (CUDA)``: llama-bench (``--llama-bench``, built
+  with CUDA) on a GGUF of the same shapes written by ``big_model.write_gguf`` (BF16 for the
+  bf16 rows, Q4_0 for int4; random weights of the same statistics, not the same values:
+  llama.cpp's speed does not depend on them), every layer on the GPU except the routed
+  experts of the first N layers, which its CPU backend computes from host memory.  N takes
+  the two values whose share of experts on the GPU brackets ``--gpu-cache`` (llama.cpp's
+  granularity is a whole layer), so one row uses less VRAM than specmoe's hybrid and one
+  more.  Prefill is its pp``--prompt`` test, decode its tg``--tokens`` test at depth
+  ``--prompt`` (after a prompt's worth of context, as the specmoe rows), ``--rounds``
+  repetitions after its own warm-up run, run after the specmoe rows' rounds while their
+  engines are idle.  Its VRAM is the device's free memory before it less the least seen
+  while it ran (sampled every 20 ms), its CUDA context included.  ``vs_llama_cpp``: specmoe
+  hybrid tok/s over each such row, and ``equal_vram`` the row with the most experts on the
+  GPU that is not above specmoe's GPU cache.
 
 The GPU memory the experts may take is the GPU cache's slab, its own ``cudaMalloc`` of
 ``--gpu-cache`` of the experts; ``--torch-cap auto`` also caps torch's per-process memory
@@ -31,10 +44,10 @@ the store is most of it).  ``vs_copy_every_miss`` is hybrid tok/s over copy-ever
 per round and their median; ``tokens_equal``: greedy tokens equal to the upper bound's (bf16
 stores sum experts in another order, so a near-tie may flip a token).
 
-llama.cpp with CUDA is the issue's peer.  It is not measured by this script yet: the lent
-GPU machine has no network (the llama-cpp-python source distribution must be carried), its
-CUDA build takes longer than a session's device time, and the checkpoint must be converted to
-GGUF there; the row says so (``error``).
+llama.cpp with CUDA is the issue's peer.  The lent GPU machine has no network and its CUDA
+build takes longer than a session's device time, so llama-bench is built elsewhere (docs/gpu.md
+says how) and carried; without ``--llama-bench`` the row says why it did not run
+(``error``).
 
 Without a usable GPU it prints ``{"skipped": reason}`` and exits 0; ``--device emulate`` runs
 the same rows through the GPU tier's host emulation (with a fixed balance profile in place of
@@ -45,6 +58,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -58,10 +72,11 @@ sys.path.insert(0, str(HERE))
 
 from gpu_generate import _error, timed_generate  # noqa: E402
 
-LLAMA_CPP_WHY = ("not run: llama.cpp built with CUDA is not available on the lent machine "
-                 "(no network there; the llama-cpp-python sdist's CUDA build takes longer than "
-                 "a session's 15 minutes of device time, and the checkpoint must be converted "
-                 "to GGUF on it)")
+LLAMA_CPP_WHY = ("not run: no llama-bench built with CUDA was given (--llama-bench or "
+                 "SPECMOE_LLAMA_BENCH; the lent machine has no network and its CUDA build "
+                 "takes longer than a session's device time: docs/gpu.md says how to carry one)")
+# llama.cpp's types for specmoe's store dtypes (same bits per weight, about)
+LLAMA_TYPES = {"bf16": "BF16", "int4": "Q4_0"}
 
 
 def _rss() -> int:
@@ -69,6 +84,72 @@ def _rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def n_cpu_moe_bracket(layers: int, first_dense: int, gpu_fraction: float) -> list[int]:
+    """The two values of llama.cpp's ``--n-cpu-moe N`` (the routed experts of layers 0..N-1
+    stay on the CPU) whose share of the experts on the GPU, ``(layers - N) / moe_layers``,
+    brackets ``gpu_fraction``: the largest share at or below it, then the next larger."""
+    moe = layers - first_dense
+    hi = max(first_dense, min(layers, math.ceil(layers - gpu_fraction * moe - 1e-9)))
+    return [hi] + ([hi - 1] if hi - 1 >= first_dense else [])
+
+
+def cuda_lib_dirs() -> list[str]:
+    """Folders of the pip wheels' CUDA libraries (libcublas.so.*: llama-bench links cuBLAS
+    dynamically) on this interpreter's path."""
+    out = []
+    for entry in sys.path:
+        for d in sorted(Path(entry or ".").glob("nvidia/*/lib")) + \
+                sorted(Path(entry or ".").glob("nvidia/cublas/lib")):
+            if any(d.glob("libcublas.so*")) and str(d) not in out:
+                out.append(str(d))
+    return out
+
+
+def run_llama_bench(binary: str, gguf: Path, n_cpu_moe: int, prompt: int, tokens: int,
+                    rounds: int, threads: int, free_bytes: Callable[[], int]) -> dict[str, Any]:
+    """One llama-bench process: pp``prompt`` at depth 0 and tg``tokens`` at depth ``prompt``;
+    tok/s per repetition, and the GPU memory it took (free memory sampled while it ran)."""
+    import subprocess
+    import threading
+    argv = [binary, "-m", str(gguf), "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe),
+            "-p", str(prompt), "-n", str(tokens), "-d", f"0,{prompt}", "-r", str(rounds),
+            "-t", str(threads), "-fa", "off", "-o", "json"]
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = ":".join(cuda_lib_dirs() + [env.get("LD_LIBRARY_PATH", "")])
+    f0 = free_bytes()
+    low = [f0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            low[0] = min(low[0], free_bytes())
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t = time.perf_counter()
+    try:
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        done.set()
+        th.join()
+    row: dict[str, Any] = {"argv": " ".join(argv[1:]), "wall_s": time.perf_counter() - t,
+                           "vram_bytes": f0 - low[0]}
+    if r.returncode != 0:
+        row["error"] = f"llama-bench exited {r.returncode}: {r.stderr.strip()[-600:]}"
+        return row
+    tests = json.loads(r.stdout)
+    for x in tests:
+        if x.get("n_prompt") == prompt and x.get("n_gen") == 0 and x.get("n_depth", 0) == 0:
+            row["prefill_tok_s"] = x["avg_ts"]
+        if x.get("n_gen") == tokens and x.get("n_prompt") == 0 and x.get("n_depth") == prompt:
+            row["tok_s_rounds"] = list(x["samples_ts"])
+            row["tok_s"] = statistics.median(x["samples_ts"])
+            row["llama_cpp_build"] = f"{x.get('build_commit')} ({x.get('build_number')})"
+            row["backends"] = x.get("backends")
+    if "tok_s" not in row:
+        row["error"] = f"no tg{tokens}@d{prompt} test in llama-bench's output"
+    return row
 
 
 def main() -> None:
@@ -92,6 +173,12 @@ def main() -> None:
                          "weights x2 + 4 GiB; on the H200 the specmoe rows then failed to "
                          "load, torch's allocator holding 5 GiB it could not serve a 2 MiB "
                          "block from); none (default): the GPU cache's size is the cap")
+    ap.add_argument("--llama-bench", default=os.environ.get("SPECMOE_LLAMA_BENCH"),
+                    help="llama-bench built with CUDA, for llama.cpp's --n-cpu-moe rows "
+                         "(default $SPECMOE_LLAMA_BENCH; without it the row says why not)")
+    ap.add_argument("--llama-n-cpu-moe", default="auto",
+                    help="llama.cpp's --n-cpu-moe values, comma-separated, or auto: the two "
+                         "whose share of experts on the GPU brackets --gpu-cache")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -218,8 +305,6 @@ def main() -> None:
                 runs[label] = run
             except Exception as e:  # noqa: BLE001 -- the row says why
                 row.update(_error("load or warm-up failed", e))
-    rows["llama.cpp"] = {"label": "llama.cpp -ngl 99 --n-cpu-moe N (CUDA)", "peer": "llama.cpp",
-                         "error": LLAMA_CPP_WHY}
 
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
     toks: dict[str, list[int]] = {}
@@ -241,6 +326,43 @@ def main() -> None:
         rows[k]["tok_s_rounds"] = [1.0 / s for _, s in v]
         rows[k]["prefill_tok_s"] = a.prompt / statistics.median(p for p, _ in v)
         rows[k]["tokens_equal"] = None if ref_tokens is None else toks.get(k) == ref_tokens
+    # llama.cpp's rows: after the specmoe rounds, their engines idle (separate processes)
+    llama_labels: list[str] = []
+    if not a.llama_bench:  # (--device emulate with a CPU build of llama-bench: a dry run)
+        rows["llama.cpp"] = {"label": "llama.cpp -ngl 99 --n-cpu-moe N (CUDA)",
+                             "peer": "llama.cpp", "error": LLAMA_CPP_WHY}
+    else:
+        first = int(cfgd.get("first_k_dense_replace", 0))
+        ns = (n_cpu_moe_bracket(a.layers, first, a.gpu_cache) if a.llama_n_cpu_moe == "auto"
+              else [int(x) for x in a.llama_n_cpu_moe.split(",")])
+        for dt in dtypes:
+            qt = LLAMA_TYPES.get(dt)
+            if qt is None:
+                continue
+            gguf_path = ckpt.parent / f"model-{qt}.gguf"
+            try:
+                t = time.perf_counter()
+                big_model.write_gguf(gguf_path, cfgd, seed=0, skew=1.0, qtype=qt)
+                gguf_s = time.perf_counter() - t
+            except Exception as e:  # noqa: BLE001 -- the rows say why
+                gguf_s, gguf_err = None, _error(f"writing the {qt} GGUF failed", e)
+            else:
+                gguf_err = None
+            for n in ns:
+                label = f"llama.cpp {qt} -ngl 99 --n-cpu-moe {n} (CUDA)"
+                llama_labels.append(label)
+                row = rows[label] = {
+                    "label": label, "peer": "llama.cpp", "dtype": dt, "type": qt,
+                    "n_cpu_moe": n, "gguf_s": gguf_s,
+                    "gpu_expert_fraction": (a.layers - max(n, first)) / (a.layers - first)}
+                if gguf_err:
+                    row.update(gguf_err)
+                    continue
+                try:
+                    row.update(run_llama_bench(a.llama_bench, gguf_path, n, a.prompt,
+                                               a.tokens, a.rounds, threads, free_bytes))
+                except Exception as e:  # noqa: BLE001
+                    row.update(_error("llama-bench failed", e))
     for label, eng in engines.items():  # accounting: one decode-only run, counters reset
         row = rows[label]
         try:
@@ -283,8 +405,31 @@ def main() -> None:
         if h.get("tok_s") and rows[up].get("tok_s"):
             h["vs_unmodified"] = h["tok_s"] / rows[up]["tok_s"]
     res["targets"] = {"vs_llama_cpp": 1.5, "vs_copy_every_miss_at_10pct": 2.0}
-    res["vs_llama_cpp"] = None
-    res["vs_llama_cpp_why"] = LLAMA_CPP_WHY
+    # specmoe hybrid tok/s over each llama.cpp row of the same bits; "equal_vram": the
+    # llama.cpp row with the most experts on the GPU, not more than specmoe's GPU cache holds
+    # (by share of the experts: its measured VRAM includes its process's CUDA context,
+    # specmoe's does not, the context being made before the rows load)
+    vs: dict[str, Any] = {}
+    for dt in dtypes:
+        h = rows.get(f"specmoe hybrid {dt}", {})
+        peers = [rows[k] for k in llama_labels if rows[k].get("dtype") == dt]
+        if not h.get("tok_s") or not peers:
+            continue
+        per = {r["label"]: h["tok_s"] / r["tok_s"] for r in peers if r.get("tok_s")}
+        for r in peers:
+            if r.get("tok_s"):
+                r["specmoe_hybrid_over_this"] = h["tok_s"] / r["tok_s"]
+        under = [r for r in peers
+                 if r.get("tok_s") and r["gpu_expert_fraction"] <= a.gpu_cache + 1e-9]
+        eq = max(under, key=lambda r: r["gpu_expert_fraction"], default=None)
+        vs[dt] = {"per_row": per,
+                  "equal_vram": None if eq is None else {"row": eq["label"],
+                                                         "ratio": per[eq["label"]]}}
+    res["vs_llama_cpp"] = vs or None
+    if not vs:
+        res["vs_llama_cpp_why"] = next((rows[k].get("error") for k in rows
+                                        if rows[k].get("peer") == "llama.cpp"
+                                        and rows[k].get("error")), LLAMA_CPP_WHY)
     res["elapsed_s"] = time.perf_counter() - t0
     text = json.dumps(res, indent=1)
     out = a.out
