@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "policy/nextuse.h"
+#include "route.h"
 #include "slots.h"
 
 typedef struct sim {
@@ -65,6 +66,11 @@ typedef struct sim {
     /* miss handling (NULL: fetch) */
     const smoe_sim_miss *miss;
     uint8_t *tok_mark;     /* [E] one token's experts (and substitutes) at a layer */
+    /* hybrid: the layer's missing experts by (count, id) and their counts (all 1: one
+     * token per pass), [K] each; the cut, the CPU's remainder, how many of those to admit */
+    uint32_t *hy_miss, *hy_cnt;
+    uint32_t hy_cut, hy_ncpu, hy_nadmit;
+    int32_t hy_base;
 } sim;
 
 static const int16_t *row(const sim *s, uint64_t t, uint32_t l) {
@@ -210,6 +216,43 @@ static int layer_accesses(sim *s, uint64_t t, uint32_t l, const int16_t *ex, uin
     const float *lg = s->tr->logits ? s->tr->logits + ((size_t)t * s->L + l) * E : NULL;
     int rc;
     *computed = 0, *low = 0, *low2 = 0;
+    if (m && m->mode == SMOE_SIM_HYBRID) { /* sim.h HYBRID: which missing experts the CPU runs */
+        if (s->pf && (rc = advance(s, s->now, err)) < 0) return rc;
+        uint32_t nm = 0, on_fast = 0;
+        memset(s->tok_mark, 0, E);
+        for (uint32_t i = 0; i < K; i++) {
+            const uint32_t e = (uint32_t)ex[i];
+            if (slot_of(s, base + (int32_t)e) >= 0) { /* resident or in flight */
+                on_fast++;
+                continue;
+            }
+            uint32_t j = nm++; /* one token: every count is 1 (hy_cnt), so by id */
+            while (j > 0 && s->hy_miss[j - 1] > e) s->hy_miss[j] = s->hy_miss[j - 1], j--;
+            s->hy_miss[j] = e;
+        }
+        const double t_cpu = m->cpu_expert_s;
+        const uint32_t cut = smoe_route_balance_cut(s->hy_cnt, nm, on_fast, s->load_s,
+                                                    s->expert_s, t_cpu);
+        for (uint32_t i = cut; i < nm; i++) s->tok_mark[s->hy_miss[i]] = 1;
+        /* Eq. 10's window, as hybrid_split: max(T_cpu, T_gpu) less the cut's copies */
+        const double tc = t_cpu * (nm - cut),
+                     tg = s->load_s * cut + s->expert_s * ((double)on_fast + cut);
+        s->hy_nadmit = smoe_route_balance_admit(s->hy_cnt + cut, nm - cut, s->load_s,
+                                                s->expert_s, t_cpu,
+                                                (tc > tg ? tc : tg) - s->load_s * cut);
+        s->hy_cut = cut, s->hy_ncpu = nm - cut;
+        s->hy_base = base;
+        s->r->missing += nm;
+        s->r->hybrid_copied += cut;
+        s->r->hybrid_cpu += nm - cut;
+        for (uint32_t i = 0; i < K; i++) {
+            if (s->tok_mark[ex[i]]) continue; /* on the CPU */
+            if (s->pf && (rc = advance(s, s->now, err)) < 0) return rc;
+            if ((rc = demand(s, base + ex[i], err)) < 0) return rc;
+            (*computed)++;
+        }
+        return 0;
+    }
     if (m && m->mode == SMOE_SIM_SUBSTITUTE) {
         memset(s->tok_mark, 0, E);
         for (uint32_t i = 0; i < K; i++) s->tok_mark[ex[i]] = 1;
@@ -519,6 +562,8 @@ static void sim_free(sim *s) {
     free(s->pkeys);
     free(s->pstamp);
     free(s->tok_mark);
+    free(s->hy_miss);
+    free(s->hy_cnt);
 }
 
 static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslots,
@@ -551,12 +596,17 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         return smoe_err_set(err, SMOE_EINVAL, "simulate: miss handling other than fetch "
                             "replays one token per pass; verify_tokens = %u needs miss fetch",
                             tr->verify_tokens);
-    if (miss && (miss->mode < SMOE_SIM_FETCH || miss->mode > SMOE_SIM_PRIORITY ||
+    if (miss && (miss->mode < SMOE_SIM_FETCH || miss->mode > SMOE_SIM_HYBRID ||
                  miss->keep > tr->top_k ||
                  !(miss->lowbit_ratio > 0.0 && miss->lowbit_ratio <= 1.0)))
-        return smoe_err_set(err, SMOE_EINVAL, "simulate: miss mode %d must be 0..4, keep %u "
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: miss mode %d must be 0..5, keep %u "
                             "at most top_k %u, lowbit_ratio %g in (0, 1]", (int)miss->mode,
                             miss->keep, tr->top_k, miss->lowbit_ratio);
+    if (miss && miss->mode == SMOE_SIM_HYBRID &&
+        !(isfinite(miss->cpu_expert_s) && miss->cpu_expert_s > 0.0))
+        return smoe_err_set(err, SMOE_EINVAL, "simulate: the hybrid tier needs the CPU's time "
+                            "per expert and token (cpu_expert_s) > 0, got %g",
+                            miss->cpu_expert_s);
     if (miss && (miss->keep2 < miss->keep ||
                  (miss->keep2 < tr->top_k &&
                   !(miss->lowbit2_ratio > 0.0 && miss->lowbit2_ratio <= 1.0))))
@@ -644,10 +694,15 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     if (rc < 0) return rc;
     s.tab_ready = 1;
     s.miss = (miss && miss->mode != SMOE_SIM_FETCH) ? miss : NULL;
+    const int hybrid = s.miss && s.miss->mode == SMOE_SIM_HYBRID;
     s.tok_mark = malloc(s.E);
-    int ok = s.tok_mark != NULL;
+    s.hy_miss = malloc(s.K * sizeof *s.hy_miss);
+    s.hy_cnt = malloc(s.K * sizeof *s.hy_cnt);
+    int ok = s.tok_mark && s.hy_miss && s.hy_cnt;
+    for (uint32_t i = 0; ok && i < s.K; i++) s.hy_cnt[i] = 1; /* one token per pass */
     if (ok && s.pf) {
-        s.q_cap = s.pf->depth * s.E;
+        /* the predictions' depth * E requests, and the hybrid tier's admissions (K) */
+        s.q_cap = s.pf->depth * s.E + (hybrid ? s.K : 0);
         s.q_key = malloc(s.q_cap * sizeof *s.q_key);
         s.q_prob = malloc(s.q_cap * sizeof *s.q_prob);
         s.q_steps = malloc(s.q_cap * sizeof *s.q_steps);
@@ -716,6 +771,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         out->compute_s += hw->token_fixed_s;
         for (uint32_t l = 0; l < s.L; l++, ex += s.K) {
             s.now += hw->layer_fixed_s;
+            const double l0 = s.now; /* the hybrid tier's CPU part starts here */
             uint32_t full = 0, low = 0, low2 = 0;
             if ((rc = layer_accesses(&s, t, l, ex, &full, &low, &low2, err)) < 0) break;
             if (s.pf) {
@@ -725,8 +781,21 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
                         smoe_policy_access(learner, 0, (int32_t)(l * s.E + (uint32_t)ex[i]));
                 predict(&s, t, l);
             }
+            if (hybrid && s.pf) { /* admission: the hottest of the CPU's, after predictions,
+                                   * as smoe_slots_prefetch(replace = 0) appends them live */
+                for (uint32_t i = s.hy_cut; i < s.hy_cut + s.hy_nadmit; i++)
+                    queue_push(&s, s.hy_base + (int32_t)s.hy_miss[i], 1.0f, 1);
+                out->hybrid_admitted += s.hy_nadmit;
+            }
             const double c = full * s.expert_s + low * low_s + low2 * low2_s;
             s.now += c;
+            if (hybrid && s.hy_ncpu) { /* the layer ends when the CPU's part does */
+                const double cpu_end = l0 + miss->cpu_expert_s * s.hy_ncpu;
+                if (cpu_end > s.now) {
+                    out->hybrid_cpu_wait_s += cpu_end - s.now;
+                    s.now = cpu_end;
+                }
+            }
             out->compute_s += hw->layer_fixed_s + c;
         }
         if (rc == 0 && hist) learn_token(&s, t);

@@ -138,6 +138,11 @@ typedef struct smoe_sim_result {
     uint64_t lowbit;           /* of those, computed from a resident low-bit copy */
     uint64_t lowbit2;          /* of those, from the second copy (PRIORITY, ranks >= keep2) */
     uint64_t protected_evictions; /* evictions of a protected key (tr->protect) */
+    /* the hybrid tier (SMOE_SIM_HYBRID), in experts: */
+    uint64_t hybrid_copied;    /* missing experts the cut demanded */
+    uint64_t hybrid_cpu;       /* missing experts computed on the CPU */
+    uint64_t hybrid_admitted;  /* of those, queued for admission (Eq. 10) */
+    double hybrid_cpu_wait_s;  /* time layers waited for the CPU's part past the device's */
 } smoe_sim_result;
 
 /* SpecMD miss handling (Sec. 3.1.2), the live rule of csrc/layer.h step 4 on a trace.  An
@@ -159,9 +164,27 @@ typedef struct smoe_sim_result {
  *               others are computed from a low-bit copy as LOWEST_BIT: ranks keep..keep2-1
  *               from the first (lowbit_ratio), ranks keep2.. from the second (lowbit2_ratio;
  *               SpecMD's int8 -> int4 -> int2 cascade, layer.h step 4).
- * Not available with verification groups (verify_tokens > 1): SMOE_EINVAL. */
+ * Not available with verification groups (verify_tokens > 1): SMOE_EINVAL.
+ *
+ *   HYBRID      the hybrid GPU tier (issue 37; csrc/layer.c hybrid_split, MoE-SpAc section
+ *               3.3): per layer, the token's missing experts (not in a slot; one in flight
+ *               counts as on the device, as live) are ordered by count, then id, and the
+ *               first cut = smoe_route_balance_cut(counts, m, on_fast, t_io, t_gpu, t_cpu) of
+ *               them are demanded (loaded as FETCH), the others computed on the CPU where
+ *               they live (no load, no slot, the cache and policy see nothing): t_io is one
+ *               load (link_latency_s + expert_bytes / link_bw), t_gpu one expert's compute
+ *               (expert_bytes / fast_bw), t_cpu = cpu_expert_s.  The CPU's part starts with
+ *               the layer's demand accesses and overlaps them and the device's compute: the
+ *               layer ends at the later of the two.  With a predictor the hottest
+ *               smoe_route_balance_admit(.., window) of the CPU's experts (Eq. 10: those
+ *               whose copy pays, as many as fit the layer's window max(T_cpu, T_gpu) left
+ *               after the cut's copies) are queued to the copy engine after the layer's
+ *               predictions, as the live layer queues them (admission to the cache).
+ *               Not numbered as layer.h's miss rules: the live tier's switch is
+ *               smoe_layers_set_hybrid, and it composes with them; here it replaces them.
+ */
 enum { SMOE_SIM_FETCH = 0, SMOE_SIM_DROP = 1, SMOE_SIM_SUBSTITUTE = 2, SMOE_SIM_LOWEST_BIT = 3,
-       SMOE_SIM_PRIORITY = 4 };
+       SMOE_SIM_PRIORITY = 4, SMOE_SIM_HYBRID = 5 };
 
 typedef struct smoe_sim_miss {
     int32_t mode;        /* SMOE_SIM_*, numbered as layer.h's SMOE_MISS_* */
@@ -171,6 +194,7 @@ typedef struct smoe_sim_miss {
     uint32_t keep2;      /* PRIORITY: ranks keep2.. from the second copy; >= top_k: none
                             (keep <= keep2) */
     double lowbit2_ratio; /* the second copy's bytes / expert_bytes, in (0, 1] when used */
+    double cpu_expert_s;  /* HYBRID: the CPU's time for one expert and one token, > 0 */
 } smoe_sim_miss;
 
 /* Replay `tr` through a cache of `nslots` slots managed by `policy` (built for nslots,

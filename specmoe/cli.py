@@ -175,13 +175,19 @@ def _cmd_simulate(args) -> int:
     if args.miss != "fetch" and args.verify_tokens > 1:
         raise CliError(f"--miss {args.miss} replays one token per pass: it needs "
                        f"--verify-tokens 1, got {args.verify_tokens}")
+    if args.hybrid and (args.miss != "fetch" or args.verify_tokens > 1):
+        raise CliError("--hybrid replays one token per pass with --miss fetch")
+    if args.hybrid and not hw[0].cpu_bw > 0:
+        raise CliError(f"--hybrid needs the host CPU's expert rate: profile {hw[0].name!r} has "
+                       f"no cpu_bw (use --hardware h200, calibrate-gpu, or a profile with it)")
     tr = _load(args)
     results = []
     for pol in policies:
         for cap in caps:
             results.append(simulate(tr, pol, cap, args.prefetch, hw[0],
                                     verify_tokens=args.verify_tokens, miss=args.miss,
-                                    miss_keep=args.miss_keep, miss_keep2=args.miss_keep2))
+                                    miss_keep=args.miss_keep, miss_keep2=args.miss_keep2,
+                                    hybrid=args.hybrid))
     acc = sum(r.accesses for r in results)
     el = sum(r.elapsed_s for r in results)
     out = {
@@ -190,7 +196,7 @@ def _cmd_simulate(args) -> int:
                   "experts": tr.num_experts, "top_k": tr.top_k},
         "hardware": args.hardware, "hardware_profile": hw[0].to_dict(),
         "prefetch": args.prefetch or "none",
-        "verify_tokens": args.verify_tokens, "miss": args.miss,
+        "verify_tokens": args.verify_tokens, "miss": args.miss, "hybrid": args.hybrid,
         "results": [r.to_dict() for r in results],
         "accesses_per_s": acc / el if el > 0 else 0.0,
     }
@@ -583,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--miss-keep2", type=_at_least(0), default=None,
                    help="priority: ranks from this on come from a second, int2 copy (SpecMD's "
                         "int4 -> int2 cascade; default: none)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="the hybrid GPU tier: each layer's missing experts split between copies "
+                        "and the host CPU (MoE-SpAc Eq. 9); needs a profile with cpu_bw (h200)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = command("sweep", help="simulate policies x capacities x hardware x predictors")

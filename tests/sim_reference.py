@@ -198,8 +198,31 @@ def _select(scores, k, topk, percentile):
     return cand[:cap]
 
 
+def ref_balance_cut(counts, on_fast, t_io, t_gpu, t_cpu):
+    """MoE-SpAc Eq. 9 over the cuts n of descending counts (csrc/route.h): argmin_n
+    |t_cpu * sum(counts[n:]) - (t_io * n + t_gpu * (on_fast + n))|, the smaller n on a tie."""
+    best, arg = None, 0
+    for n in range(len(counts) + 1):
+        d = abs(t_cpu * sum(counts[n:]) - (t_io * n + t_gpu * (on_fast + n)))
+        if best is None or d < best:
+            best, arg = d, n
+    return arg
+
+
+def ref_balance_admit(counts, t_io, t_gpu, t_cpu, window):
+    """Eq. 10 (csrc/route.h): of the CPU's experts (counts descending), the first whose copy
+    pays (t_cpu * count > t_gpu), at most floor(window / t_io) of them."""
+    if window <= 0:
+        return 0
+    cap = len(counts) if t_io == 0 else int(window // t_io)
+    n = 0
+    while n < len(counts) and n < cap and t_cpu * counts[n] > t_gpu:
+        n += 1
+    return n
+
+
 def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_tokens=1,
-                 protect=False, admission=False):
+                 protect=False, admission=False, cpu_expert_s=None):
     """Returns the counters and times of smoe_sim_result for the given run.  verify_tokens
     g > 1 (demand only): each pass covers g consecutive tokens; the policy first gets
     on_counts (if it has one) with, per layer, the number of the pass's tokens using each
@@ -211,7 +234,13 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
     admission: a prefetch copy is loaded only when RefAdmit's rule accepts it when it would
     start (its probability: the predictor's score, 1 for the oracle; its victim's regret: the
     policy's ``regret(key)`` when it has one, else the measured rate of evictions whose key
-    was demanded again within 2 passes); every load, stall and pass feeds the estimates."""
+    was demanded again within 2 passes); every load, stall and pass feeds the estimates.
+    cpu_expert_s (one token per pass): the hybrid GPU tier -- per layer the token's experts
+    not in a slot (an in-flight one counts as in a slot), by id, are cut by Eq. 9; the first
+    `cut` demanded, the rest computed on the CPU (cpu_expert_s each, from the layer's start,
+    the layer ending at the later of the device's part and the CPU's); with a predictor the
+    first Eq. 10 of the CPU's experts are queued (probability 1, one step) after the layer's
+    predictions."""
     N, L, K = experts.shape
     pred = dict(pred or {})
     kind = pred.get("kind", "none")
@@ -225,7 +254,8 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
     c = dict(accesses=0, hits=0, misses=0, collision_misses=0, evictions=0, prefetch_issued=0,
              prefetch_used=0, prefetch_late=0, prefetch_wasted=0, prefetch_dropped=0,
              predicted=0, predicted_true=0, next_true=0, stall_s=0.0, compute_s=0.0,
-             protected_evictions=0, prefetch_refused=0)
+             protected_evictions=0, prefetch_refused=0, missing=0, hybrid_copied=0,
+             hybrid_cpu=0, hybrid_admitted=0, hybrid_cpu_wait_s=0.0)
     adm = RefAdmit(L) if admission else None
     protected: set[int] = set()
     slot_key = [-1] * nslots
@@ -453,7 +483,26 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
         c["compute_s"] += hw["token_fixed_s"]
         for l in range(L):
             st["now"] += hw["layer_fixed_s"]
+            l0 = st["now"]
+            on_cpu, admit = [], []
+            if cpu_expert_s is not None:
+                if kind != "none":
+                    run_engine(st["now"])
+                missing = sorted(int(e) for e in experts[t, l] if l * E + int(e) not in where)
+                on_fast = K - len(missing)
+                cut = ref_balance_cut([1] * len(missing), on_fast, load_s, expert_s,
+                                      cpu_expert_s)
+                on_cpu = missing[cut:]
+                tc = cpu_expert_s * len(on_cpu)
+                tg = load_s * cut + expert_s * (on_fast + cut)
+                admit = on_cpu[:ref_balance_admit([1] * len(on_cpu), load_s, expert_s,
+                                                  cpu_expert_s, max(tc, tg) - load_s * cut)]
+                c["missing"] += len(missing)
+                c["hybrid_copied"] += cut
+                c["hybrid_cpu"] += len(on_cpu)
             for e in experts[t, l]:
+                if int(e) in on_cpu:
+                    continue
                 if kind != "none":
                     run_engine(st["now"])
                 demand(l * E + int(e))
@@ -466,8 +515,18 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
                             cooc[pl, a, b] += 1
             if kind != "none":
                 predict(t, l)
-            st["now"] += K * expert_s
-            c["compute_s"] += hw["layer_fixed_s"] + K * expert_s
+                queued = {q[0] for q in queue}
+                for e in admit:  # appended after the predictions (replace = 0)
+                    key = l * E + e
+                    if key not in queued and key not in where:
+                        queue.append((key, 1.0, 1))
+                c["hybrid_admitted"] += len(admit)
+            n_dev = K - len(on_cpu)
+            st["now"] += n_dev * expert_s
+            if on_cpu and l0 + cpu_expert_s * len(on_cpu) > st["now"]:
+                c["hybrid_cpu_wait_s"] += l0 + cpu_expert_s * len(on_cpu) - st["now"]
+                st["now"] = l0 + cpu_expert_s * len(on_cpu)
+            c["compute_s"] += hw["layer_fixed_s"] + n_dev * expert_s
         if kind == "history":
             for l in range(L):
                 for e in experts[t, l]:

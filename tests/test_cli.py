@@ -258,10 +258,22 @@ def test_run_gpu_cache_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch,
     (["--prefetch", "history", "--verify-tokens", "2"], ["--prefetch", "--verify-tokens"]),
     (["--miss", "drop", "--verify-tokens", "2"], ["--miss drop", "--verify-tokens"]),
     (["--miss", "priority", "--miss-keep", "3", "--miss-keep2", "1"], ["miss_keep2"]),
+    (["--hybrid"], ["--hybrid", "cpu_bw", "a100-pcie4"]),
+    (["--hybrid", "--hardware", "h200", "--miss", "drop"], ["--hybrid", "--miss fetch"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_simulate_bad_options(capsys, args, names):
     code, err = _cli(["simulate", "--trace", SUBSET, "--tokens", "5", *args], capsys)
     _assert_one_line(code, err, *names)
+
+
+def test_simulate_hybrid(capsys):
+    """--hybrid on the h200 profile: the JSON says so and counts the CPU's experts."""
+    assert main(["simulate", "--trace", str(SUBSET), "--tokens", "5", "--hardware", "h200",
+                 "--hybrid", "--capacity", "10%", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hybrid"] is True
+    r = out["results"][0]
+    assert r["hybrid"] and r["hybrid_cpu"] > 0  # (to_dict flattens extra)
 
 
 def test_simulate_bad_trace_file_subprocess(tmp_path):

@@ -162,6 +162,55 @@ def test_prefetch_matches_reference(small, hw, pred, nslots):
     _compare(got, ref)
 
 
+@pytest.mark.parametrize("cpu_expert_s", [2e-4, 2e-3])
+@pytest.mark.parametrize("pred", [None, dict(kind="oracle", depth=1), dict(kind="history")])
+@pytest.mark.parametrize("nslots", [6, 40, 166])
+def test_hybrid_tier_matches_reference(small, cpu_expert_s, pred, nslots):
+    """The hybrid GPU tier (issue 37; sim.h SMOE_SIM_HYBRID): each layer's missing experts cut
+    by Eq. 9, the CPU's part overlapping the device's, Eq. 10's admissions queued after the
+    predictions -- against the plain-Python replay with its own Eq. 9/10
+    (tests/sim_reference.py).  t_io is 0.70 ms here: a t_cpu of 0.2 ms keeps most misses on
+    the CPU, 2 ms copies most."""
+    tr = small.slice(0, 25)
+    p = Predictor(**pred).c_args() if pred else {}
+    got = _run(tr, "lru", nslots, miss=5, cpu_expert_s=cpu_expert_s, **p)
+    want = ref_simulate(tr.experts, 64, nslots, RefLRU(), HW, pred, cpu_expert_s=cpu_expert_s)
+    _compare(got, want)
+    assert got["hybrid_copied"] + got["hybrid_cpu"] == got["missing"] > 0
+    if cpu_expert_s == 2e-4:
+        assert got["hybrid_cpu"] > got["hybrid_copied"]
+    else:
+        assert got["hybrid_copied"] > got["hybrid_cpu"]
+    if pred is None:  # admission goes through the copy engine's queue
+        assert got["hybrid_admitted"] == 0
+
+
+def test_hybrid_tier_through_simulate(small):
+    """specmoe.simulate(hybrid=True) on the h200 profile (its host's cpu_bw): fewer demand
+    loads and less time than copying every miss when the CPU is faster than the link; named
+    refusals."""
+    from specmoe.sim.hardware import with_
+    from specmoe.sim.calibration import get_hardware
+    h200 = get_hardware("h200")
+    assert h200.cpu_bw > 0
+    base = specmoe.simulate(small, "lru", "10%", hardware=h200)
+    hy = specmoe.simulate(small, "lru", "10%", hardware=h200, hybrid=True)
+    assert hy.extra["hybrid"] and hy.extra["hybrid_cpu"] > 0
+    assert hy.misses < base.misses and hy.accesses < base.accesses
+    # a CPU 1000x slower than the link: the cut copies every miss, as without the tier
+    slow = specmoe.simulate(small, "lru", "10%", hardware=with_(h200, cpu_bw=h200.link_bw / 1e3),
+                            hybrid=True)
+    assert slow.extra["hybrid_cpu"] == 0 and slow.misses == base.misses
+    with pytest.raises(ValueError, match="cpu_bw"):
+        specmoe.simulate(small, "lru", "10%", hardware="a100-pcie4", hybrid=True)
+    with pytest.raises(ValueError, match="miss='fetch'"):
+        specmoe.simulate(small, "lru", "10%", hardware=h200, hybrid=True, miss="drop")
+    with pytest.raises(TypeError, match="hybrid"):
+        specmoe.simulate(small, "lru", "10%", hardware=h200, hybrid="yes")
+    with pytest.raises(ValueError, match="cpu_expert_s"):
+        _run(small, "lru", 6, miss=5)
+
+
 def _with_logits(trace, seed=0):
     rng = np.random.default_rng(seed)
     n, nl, k = trace.experts.shape

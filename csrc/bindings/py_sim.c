@@ -35,7 +35,8 @@ static PyObject *result_dict(const smoe_sim_result *r) {
         U(prefetch_dropped) || U(prefetch_refused) || U(predicted) || U(predicted_true) ||
         U(next_true) ||
         F(stall_s) || F(compute_s) || F(total_s) || F(elapsed_s) || U(missing) || U(dropped) ||
-        U(substituted) || U(lowbit) || U(lowbit2) || U(protected_evictions)) {
+        U(substituted) || U(lowbit) || U(lowbit2) || U(protected_evictions) ||
+        U(hybrid_copied) || U(hybrid_cpu) || U(hybrid_admitted) || F(hybrid_cpu_wait_s)) {
         Py_DECREF(d);
         return NULL;
     }
@@ -50,7 +51,7 @@ PyDoc_STRVAR(simulate_doc,
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
 "         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1,\n"
 "         miss_keep2=top_k, lowbit2_ratio=1.0, protect=False, model=None,\n"
-"         admission=False) -> dict\n\n"
+"         admission=False, cpu_expert_s=0.0) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
 "`seed`, least_stale `order`, spac/spac_ema `levels`, spac `gamma` = draft length, -1 = 8)\n"
@@ -61,8 +62,9 @@ PyDoc_STRVAR(simulate_doc,
 "4 learned (the nextuse model's q; model= NextUseModel.flat(), None: built-in temporal).\n"
 "miss: 0 fetch, 1 drop (ranks >= miss_keep), 2 substitute, 3 lowest_bit (compute\n"
 "lowbit_ratio of an expert's), 4 priority (ranks >= miss_keep as lowest_bit, the others\n"
-"fetched; ranks >= miss_keep2 from a second copy costing lowbit2_ratio), see\n"
-"smoe_sim_miss in csrc/sim.h.\n"
+"fetched; ranks >= miss_keep2 from a second copy costing lowbit2_ratio), 5 hybrid (missing\n"
+"experts split between copies and the CPU, cpu_expert_s the CPU's time per expert and\n"
+"token), see smoe_sim_miss in csrc/sim.h.\n"
 "protect: the expert lookahead buffer's eviction shield (demand only; csrc/sim.h).\n"
 "admission: prefetch admission by expected benefit (csrc/admit.h), the live caches' rule.\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
@@ -75,7 +77,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                              "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
                              "verify_tokens", "miss", "miss_keep", "lowbit_ratio", "gamma",
                              "miss_keep2", "lowbit2_ratio", "protect", "model",
-                             "admission", NULL};
+                             "admission", "cpu_expert_s", NULL};
     PyObject *experts_o, *policy_o, *logits_o = Py_None, *model_o = Py_None;
     long long num_experts, nslots;
     int predictor = 0, order = 0;
@@ -88,16 +90,16 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     long long verify_tokens = 1, gamma = -1;
     int miss = 0;
     unsigned int miss_keep = 0, miss_keep2 = UINT32_MAX;
-    double lowbit_ratio = 1.0, lowbit2_ratio = 1.0;
+    double lowbit_ratio = 1.0, lowbit2_ratio = 1.0, cpu_expert_s = 0.0;
     int protect = 0, admission = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpOp", kwlist, &experts_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpOpd", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
                                      &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
                                      &verify_tokens, &miss, &miss_keep, &lowbit_ratio,
                                      &gamma, &miss_keep2, &lowbit2_ratio, &protect, &model_o,
-                                     &admission))
+                                     &admission, &cpu_expert_s))
         return NULL;
     if (gamma < -1 || gamma > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: gamma (spac's draft length) must be in "
@@ -215,7 +217,8 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                       .link_latency_s = link_latency_s, .layer_fixed_s = layer_fixed_s,
                       .token_fixed_s = token_fixed_s};
     smoe_sim_miss mh = {.mode = miss, .keep = miss_keep, .lowbit_ratio = lowbit_ratio,
-                        .keep2 = miss_keep2, .lowbit2_ratio = lowbit2_ratio};
+                        .keep2 = miss_keep2, .lowbit2_ratio = lowbit2_ratio,
+                        .cpu_expert_s = cpu_expert_s};
     smoe_sim_result res;
     int rc;
     Py_BEGIN_ALLOW_THREADS

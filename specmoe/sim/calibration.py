@@ -63,6 +63,23 @@ def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = 
     if _CALIBRATED is not None and not refresh:
         return _CALIBRATED
     from ..runtime import kernels
+
+    fast_bw, flops = _cpu_expert_rates(expert_shape)
+    link_bw, latency = link_fit(4096, _store_read_time(4096, blocks, directory),
+                                block_bytes, _store_read_time(block_bytes, blocks, directory))
+    _CALIBRATED = Hardware(name="calibrate", fast_bw=fast_bw, link_bw=link_bw,
+                           link_latency_s=latency, flops=flops,
+                           description=f"measured on this machine by specmoe.sim.calibration.calibrate "
+                                       f"(bf16 expert kernel, {kernels.isa()}, "
+                                       f"{kernels.num_threads()} threads; ExpertStore reads)")
+    return _CALIBRATED
+
+
+def _cpu_expert_rates(expert_shape: tuple[int, int]) -> tuple[float, float]:
+    """(bytes/s, FLOP/s) of this machine's C expert kernel on one bf16 expert of
+    ``expert_shape`` = (H, I): its weight bytes over one batch-1 call (best of 10), and its
+    FLOPs on 64 tokens (best of 3)."""
+    from ..runtime import kernels
     from ..storage import quant
 
     H, I = expert_shape
@@ -81,17 +98,8 @@ def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = 
             t = min(t, time.perf_counter() - t0)
         return t
 
-    fast_bw = spec.weight_bytes / best(rng.standard_normal((1, H), dtype=np.float32), 10)
-    flops = 2 * 3 * H * I * 64 / best(rng.standard_normal((64, H), dtype=np.float32), 3)
-
-    link_bw, latency = link_fit(4096, _store_read_time(4096, blocks, directory),
-                                block_bytes, _store_read_time(block_bytes, blocks, directory))
-    _CALIBRATED = Hardware(name="calibrate", fast_bw=fast_bw, link_bw=link_bw,
-                           link_latency_s=latency, flops=flops,
-                           description=f"measured on this machine by specmoe.sim.calibration.calibrate "
-                                       f"(bf16 expert kernel, {kernels.isa()}, "
-                                       f"{kernels.num_threads()} threads; ExpertStore reads)")
-    return _CALIBRATED
+    return (spec.weight_bytes / best(rng.standard_normal((1, H), dtype=np.float32), 10),
+            2 * 3 * H * I * 64 / best(rng.standard_normal((64, H), dtype=np.float32), 3))
 
 
 def _store_read_time(nbytes: int, blocks: int, directory: str | None) -> float:
@@ -262,8 +270,11 @@ def calibrate_gpu(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 140
         flops=2 * 3 * H * I * 1024 / t_batch,
         fast_bytes=float(torch.cuda.get_device_properties(dev).total_memory),
         kernel_overhead_s=max(t_layer - top_k * t_expert, 0.0),
+        cpu_bw=_cpu_expert_rates(expert_shape)[0],
         description=f"measured by specmoe.sim.calibration.calibrate_gpu on {name}: GpuExpertCache demand "
                     f"misses from pinned host memory, bf16 {H}x{I} expert calls and "
-                    f"moe_forward of {top_k} resident experts, launch work included")
+                    f"moe_forward of {top_k} resident experts, launch work included; cpu_bw "
+                    f"the host's C expert kernel at one token ({kernels.isa()}, "
+                    f"{kernels.num_threads()} threads: the hybrid tier's t_cpu)")
     _GPU_CALIBRATED[device] = prof
     return prof

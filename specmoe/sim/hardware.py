@@ -17,6 +17,11 @@ Time model (implemented in ``csrc/sim.c``; batch-1 decoding, one request stream)
   one at a time in predicted order, overlapping compute; the link is shared, so a demand load
   pushes the in-flight prefetch back by its own duration.  A demand access to an expert whose
   prefetch is still in flight waits for it (stall; counted as a miss, "late").
+* **The hybrid GPU tier** (``simulate(hybrid=True)``, issue 37): a layer's missing experts are
+  split between copies and the host CPU by MoE-SpAc's Eq. 9 (the live tier's C rule), the
+  CPU's costing ``expert_bytes / cpu_bw`` each and running beside the device's part (the
+  layer ends at the later of the two); with a predictor the CPU's hottest are queued for
+  admission by Eq. 10 (``csrc/sim.h``, ``SMOE_SIM_HYBRID``).
 * **Per token**: ``est_tpot_ms`` is the simulated decode time divided by the token count.
 * **Prefill (TTFT)**: each request's tokens are taken as its prompt, processed as one batch.
   Per MoE layer, every distinct expert the prompt routes to is loaded once over the link (cold
@@ -46,7 +51,7 @@ __all__ = ["Hardware", "ModelCost", "PROFILES", "load_profile", "link_fit", "sim
            "DEEPSEEK_V2_LITE"]
 
 _RATES = ("fast_bw", "link_bw", "flops")  # > 0
-_AMOUNTS = ("link_latency_s", "fast_bytes", "kernel_overhead_s")  # >= 0
+_AMOUNTS = ("link_latency_s", "fast_bytes", "kernel_overhead_s", "cpu_bw")  # >= 0
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ class Hardware:
     fast_bytes: float = 0.0  # fast-tier size (informational; capacities are given explicitly)
     kernel_overhead_s: float = 0.0  # per MoE layer per token (launches, synchronisation)
     description: str = ""
+    # the host CPU's expert kernel at one token, bytes/s (the hybrid GPU tier's t_cpu is
+    # expert_bytes / cpu_bw); 0: not measured (simulate(hybrid=True) refuses)
+    cpu_bw: float = 0.0
 
     def load_s(self, nbytes: float) -> float:
         """Time to load one block of ``nbytes`` over the link."""
@@ -153,13 +161,16 @@ PROFILES: dict[str, Hardware] = {
                     "x4 NVMe (7 GB/s sequential peak) as slow tier"),
     "h200": Hardware(
         name="h200", fast_bw=298e9, link_bw=54.9e9, link_latency_s=10.6e-6, flops=40.8e12,
-        fast_bytes=150e9, kernel_overhead_s=389e-6,
+        fast_bytes=150e9, kernel_overhead_s=389e-6, cpu_bw=73.3e9,
         description="specmoe's GPU tier on an NVIDIA H200 (PCIe 5.0 host link), measured by "
                     "specmoe.runtime.cuda.calibrate (median of 3 runs, 2026-11-26, "
                     "benchmarks/results/gpu_profile_h200.json): fast_bw and flops are the "
                     "effective rates of one bf16 expert call at 1 and 1024 tokens with its "
                     "launch work (the tier is launch-bound at batch 1, far below HBM's 4.8 TB/s), "
-                    "kernel_overhead_s moe_forward's fixed cost per layer"),
+                    "kernel_overhead_s moe_forward's fixed cost per layer; cpu_bw the "
+                    "host CPU's bf16 expert at one token (16-core Xeon, 16 threads: t_cpu "
+                    "236 us for a 17.3 MB expert), the hybrid tier's load-time profile in "
+                    "benchmarks/results/gpu_hybrid_h200_bf16.json"),
 }
 PROFILES["a100"] = PROFILES["a100-pcie4"]
 

@@ -304,7 +304,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
              *, model: ModelCost | None = None, verify_tokens: int = 1, miss: str = "fetch",
              miss_keep: int = 2, lowbit_ratio: float = 0.25, miss_keep2: int | None = None,
              lowbit2_ratio: float = 0.1875, protect: bool = False,
-             admission: bool = False) -> SimResult:
+             admission: bool = False, hybrid: bool = False) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
     ``policy``: a built-in name with options (``"lru"``, ``"least_stale:order=lru"``,
@@ -346,6 +346,13 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     only when its probability of use times the stall it would save exceeds the link time it
     would waste and the cost of its victim; ``prefetch_refused`` counts the rest.  Needs a
     predictor.
+    ``hybrid``: the hybrid GPU tier (issue 37, ``from_pretrained(..., gpu_cache=...)``): per
+    layer the token's missing experts are split by MoE-SpAc's Eq. 9 (the live tier's C rule)
+    between copies to the cache and the host CPU, the CPU's costing ``expert_bytes /
+    hardware.cpu_bw`` each beside the device's part; with a predictor the CPU's hottest are
+    queued for admission (Eq. 10).  ``extra`` counts ``hybrid_copied``, ``hybrid_cpu``,
+    ``hybrid_admitted`` and ``hybrid_cpu_wait_s``.  Needs ``hardware.cpu_bw`` (the ``h200``
+    profile has the H200 host's), ``miss="fetch"`` and ``verify_tokens=1``.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a specmoe.Trace, got {type(trace).__name__}")
@@ -390,6 +397,15 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if protect and (pred.kind != "none" or miss != "fetch"):
         raise ValueError("protect (the lookahead shield) replays demand only: use prefetch=None "
                          "and miss='fetch'")
+    if not isinstance(hybrid, (bool, np.bool_)):
+        raise TypeError(f"hybrid must be a bool, got {type(hybrid).__name__}")
+    if hybrid and (miss != "fetch" or verify_tokens > 1 or protect):
+        raise ValueError("hybrid (the hybrid GPU tier) replays one token per pass with "
+                         "miss='fetch', verify_tokens=1 and protect=False")
+    if hybrid and not hw.cpu_bw > 0:
+        raise ValueError(f"hybrid=True needs the host CPU's expert rate: hardware {hw.name!r} "
+                         f"has cpu_bw = {hw.cpu_bw} (use the 'h200' profile, or one whose "
+                         f"cpu_bw is set: specmoe.sim.hardware.with_(hw, cpu_bw=...))")
     nl, E = trace.num_layers, trace.num_experts
     nslots = parse_capacity(capacity, num_layers=nl, num_experts=E,
                             expert_bytes=model.expert_bytes)
@@ -416,12 +432,13 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
                                                                               "priority")
                     else None,
                     **pred.c_args(), **sim_timing(hw, model), verify_tokens=int(verify_tokens),
-                    miss=MISS_MODES.index(miss), miss_keep=int(miss_keep),
+                    miss=5 if hybrid else MISS_MODES.index(miss), miss_keep=int(miss_keep),
                     lowbit_ratio=float(lowbit_ratio),
                     miss_keep2=min(int(miss_keep2), trace.top_k),
                     lowbit2_ratio=float(lowbit2_ratio), protect=bool(protect),
                     model=_learned_model(nl, E) if pred.kind == "learned" else None,
-                    admission=bool(admission), **kw)
+                    admission=bool(admission),
+                    cpu_expert_s=model.expert_bytes / hw.cpu_bw if hybrid else 0.0, **kw)
     wall = time.perf_counter() - t0
     n = max(trace.num_tokens, 1)
     acc = r["accesses"]
@@ -446,5 +463,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         accesses_per_s=acc / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
         extra={"wall_s": wall, "verify_tokens": int(verify_tokens), "miss": miss,
                "protect": bool(protect), "admission": bool(admission),
+               "hybrid": bool(hybrid),
                **{k: r[k] for k in ("missing", "dropped", "substituted", "lowbit", "lowbit2",
-                                    "protected_evictions")}})
+                                    "protected_evictions", "hybrid_copied", "hybrid_cpu",
+                                    "hybrid_admitted", "hybrid_cpu_wait_s")}})
