@@ -15,8 +15,10 @@
 #    CPU peer from, linked statically but for the CUDA driver and cuBLAS (the device's
 #    torch wheels hold libcublas; benchmarks/gpu_hybrid.py puts them on LD_LIBRARY_PATH).
 #    FlashAttention kernels are left out (GGML_CUDA_FA=OFF: a third of the build on two
-#    cores; llama-bench runs with -fa off), the CPU backend is built for AVX-512 with VNNI
-#    (the device's Xeon), not for this host.  Needs nvcc (CUDA 13 here) and cuBLAS: where
+#    cores; llama-bench runs with -fa off), the GPU code is sm_90 machine code only (no PTX:
+#    the PTX doubled the 22 MB of compressed kernels and the tarball must fit beside the
+#    tree), the CPU backend is built for AVX-512 with VNNI (the device's Xeon), not for
+#    this host.  Needs nvcc (CUDA 13 here) and cuBLAS: where
 #    the toolkit has no libcuda.so stub (the pip wheels do not ship one), a stub exporting
 #    cuda.h's functions is made to link against; the real driver is loaded on the device.
 #    About an hour on two cores.
@@ -67,11 +69,15 @@ fi
 build="$PEERS/llama.cpp-cuda"
 mkdir -p "$build"
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DCUDAToolkit_ROOT="$CUDA_ROOT" -DGGML_NATIVE=OFF \
+    -DCMAKE_CUDA_ARCHITECTURES=90-real -DCUDAToolkit_ROOT="$CUDA_ROOT" -DGGML_NATIVE=OFF \
     -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
     -DGGML_AVX512_VNNI=ON -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF > "$build/cmake.log"
 cmake --build "$build" --target llama-bench -j"$(nproc)" > "$build/build.log"
-strip "$build/bin/llama-bench"
-tar -C "$build/bin" -cJf .whl/llama-cuda.tar.xz llama-bench
+# libgomp (the CPU backend's OpenMP) beside it: the device's image may have none
+pack=$(mktemp -d)
+cp "$build/bin/llama-bench" "$pack/" && strip "$pack/llama-bench"
+cp "$(gcc -print-file-name=libgomp.so.1)" "$pack/"
+tar -C "$pack" -cJf .whl/llama-cuda.tar.xz llama-bench libgomp.so.1
+rm -rf "$pack"
 echo "llama-cuda.tar.xz: $(du -h .whl/llama-cuda.tar.xz | cut -f1)"

@@ -117,7 +117,9 @@ def run_llama_bench(binary: str, gguf: Path, n_cpu_moe: int, prompt: int, tokens
             "-p", str(prompt), "-n", str(tokens), "-d", f"0,{prompt}", "-r", str(rounds),
             "-t", str(threads), "-fa", "off", "-o", "json"]
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = ":".join(cuda_lib_dirs() + [env.get("LD_LIBRARY_PATH", "")])
+    # its own folder first: gpu_carry.sh packs the OpenMP runtime beside it
+    env["LD_LIBRARY_PATH"] = ":".join([str(Path(binary).resolve().parent)] + cuda_lib_dirs()
+                                      + [env.get("LD_LIBRARY_PATH", "")])
     f0 = free_bytes()
     low = [f0]
     done = threading.Event()
