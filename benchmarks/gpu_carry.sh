@@ -8,8 +8,9 @@
 #   SKIP_LLAMA=1 benchmarks/gpu_carry.sh
 #
 # 1. .whl/site.tar.xz: transformers, tokenizers, regex (this checkout's versions, read from
-#    .venv) and gguf, as installed for CPython 3.12 (the device's python3), xz-compressed
-#    (7 MB against 18 MB of wheels: the working tree and what is carried share 64 MiB).
+#    .venv) and gguf, as installed for CPython 3.12 (the device's python3), transformers'
+#    model folders cut to those this checkout uses, xz-compressed (5 MB against 18 MB of
+#    wheels: the working tree and what is carried share 64 MiB).
 # 2. .whl/llama-cuda.tar.xz: llama.cpp's llama-bench built with CUDA for sm_90 (H100/H200)
 #    from the llama-cpp-python source distribution that benchmarks/big_model.py builds its
 #    CPU peer from, linked statically but for the CUDA driver and cuBLAS (the device's
@@ -39,6 +40,27 @@ for p in transformers tokenizers regex gguf; do
     python3 -m pip download -q --no-deps "${plat[@]}" -d "$dl" "$p==$(ver $p)"
 done
 python3 -m pip install -q --no-deps --no-compile "${plat[@]}" --target "$site" "$dl"/*.whl
+# transformers' model folders: only those this checkout names (its architecture tables, the
+# tiny test models, the GPU tests) and what they import (2.6 MB less to carry)
+python3 - "$site/transformers/models" specmoe/models/arch.py specmoe/models/testing.py \
+    tests/test_cuda.py tests/test_gpu_tier.py <<'PYEOF'
+import re, shutil, sys
+from pathlib import Path
+root, srcs = Path(sys.argv[1]), sys.argv[2:]
+text = "".join(Path(p).read_text() for p in srcs)
+models = {d.name for d in root.iterdir() if d.is_dir()}
+keep = {m for m in models if re.search(r"[\"']" + re.escape(m) + r"[\"']", text)} | {"auto"}
+todo = list(keep)
+while todo:
+    for f in (root / todo.pop()).glob("*.py"):
+        for m in re.findall(r"from \.\.(\w+)", f.read_text()):
+            if m in models and m not in keep:
+                keep.add(m)
+                todo.append(m)
+for m in models - keep:
+    shutil.rmtree(root / m)
+print(f"transformers: {len(keep)} of {len(models)} model folders kept")
+PYEOF
 tar -C "$site" -cJf .whl/site.tar.xz .
 echo "site.tar.xz: $(du -h .whl/site.tar.xz | cut -f1)"
 
