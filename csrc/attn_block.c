@@ -40,44 +40,61 @@ int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err) {
     return SMOE_OK;
 }
 
+/* buf and lscratch sized for at least n tokens (n <= max_tokens): a call of more tokens than
+ * they hold grows them (to n, at least doubling, at most max_tokens) and they stay that size.
+ * The regions' offsets scale with cap, so it grows only at the start of a call, under mu. */
+static int ensure_cap(smoe_attn_block *b, uint32_t n, smoe_err *err) {
+    if (n <= b->cap) return SMOE_OK;
+    uint32_t cap = b->cap * 2 > n ? b->cap * 2 : n;
+    if (cap > b->max_tokens) cap = b->max_tokens;
+    const size_t H = b->H, Hkv = b->Hkv, D = b->D, hid = b->hidden;
+    const size_t per_tok = hid + (H + 2 * Hkv) * D + H * D;
+    size_t ls = 0;
+    for (int i = 0; i < SMOE_AB_N; i++) {
+        size_t s = b->ld[i] ? smoe_linear_scratch_bytes(b->ld[i], cap) : 0;
+        if (s > ls) ls = s;
+    }
+    float *buf = malloc(((size_t)cap * (per_tok + H * D + 3 * hid) + 2 * D) * sizeof(float));
+    void *lscratch = malloc(ls ? ls : 1);
+    if (!buf || !lscratch) {
+        free(buf);
+        free(lscratch);
+        return smoe_err_set(err, SMOE_ENOMEM, "AttnBlock: out of memory for buffers of %u "
+                            "tokens", cap);
+    }
+    free(b->buf);
+    free(b->lscratch);
+    b->buf = buf, b->lscratch = lscratch, b->cap = cap;
+    return SMOE_OK;
+}
+
 int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smoe_err *err) {
     int rc = smoe_attn_block_check(cfg, err);
     if (rc != SMOE_OK) return rc;
-    const uint32_t H = cfg->H, Hkv = cfg->Hkv, D = cfg->D, mt = cfg->max_tokens;
-    const uint32_t hidden = cfg->ld[SMOE_AB_Q]->K;
-    size_t ls = 0;
-    for (int i = 0; i < SMOE_AB_N; i++) {
-        size_t s = cfg->ld[i] ? smoe_linear_scratch_bytes(cfg->ld[i], mt) : 0;
-        if (s > ls) ls = s;
-    }
-    const size_t per_tok = (size_t)hidden + (size_t)(H + 2 * Hkv) * D + (size_t)H * D;
-    b->buf = malloc(((size_t)mt * (per_tok + (size_t)H * D + 3 * (size_t)hidden) +
-                     2 * (size_t)D) * sizeof(float));
-    b->lscratch = malloc(ls ? ls : 1);
-    if (!b->buf || !b->lscratch) {
-        rc = smoe_err_set(err, SMOE_ENOMEM, "AttnBlock: out of memory for its buffers");
-    } else if (pthread_mutex_init(&b->mu, NULL) != 0) {
-        rc = smoe_err_set(err, SMOE_ESTATE, "AttnBlock: pthread_mutex_init failed");
-    }
-    if (rc != SMOE_OK) {
-        free(b->buf);
-        free(b->lscratch);
-        b->buf = NULL;
-        b->lscratch = NULL;
-        return rc;
-    }
     for (int i = 0; i < SMOE_AB_N; i++) {
         b->ld[i] = cfg->ld[i];
         b->lb[i] = cfg->lb[i];
         b->lbias[i] = cfg->lbias[i];
     }
+    b->H = cfg->H;
+    b->Hkv = cfg->Hkv;
+    b->D = cfg->D;
+    b->hidden = cfg->ld[SMOE_AB_Q]->K;
+    b->max_tokens = cfg->max_tokens;
+    b->cap = 0;
+    rc = ensure_cap(b, cfg->max_tokens < 16 ? cfg->max_tokens : 16, err);
+    if (rc == SMOE_OK && pthread_mutex_init(&b->mu, NULL) != 0)
+        rc = smoe_err_set(err, SMOE_ESTATE, "AttnBlock: pthread_mutex_init failed");
+    if (rc != SMOE_OK) {
+        free(b->buf);
+        free(b->lscratch);
+        b->buf = NULL;
+        b->lscratch = NULL;
+        b->cap = 0;
+        return rc;
+    }
     b->qn = cfg->norm == SMOE_QKNORM_NONE ? NULL : cfg->qn;
     b->kn = cfg->norm == SMOE_QKNORM_NONE ? NULL : cfg->kn;
-    b->H = H;
-    b->Hkv = Hkv;
-    b->D = D;
-    b->hidden = hidden;
-    b->max_tokens = mt;
     b->norm = cfg->norm;
     b->eps = (float)cfg->eps;
     b->bf16 = cfg->bf16;
@@ -125,7 +142,7 @@ static int block_pre(smoe_attn_block *self, smoe_kctx *c, const void *xp, int xb
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
     const uint32_t nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv, n = B * nt;
     const float *qn = self->qn, *kn = self->kn;
-    float *x = self->buf, *y = self->buf + (size_t)self->max_tokens * hid; /* y [n, q|k|v] */
+    float *x = self->buf, *y = self->buf + (size_t)self->cap * hid; /* y [n, q|k|v] */
     const float *xin = (const float *)xp;
     int rc = SMOE_OK;
     if (xb || ln) {
@@ -145,7 +162,7 @@ static int block_pre(smoe_attn_block *self, smoe_kctx *c, const void *xp, int xb
     }
     if (rc != SMOE_OK) return rc;
     const int b = self->bf16;
-    float *cosf = self->buf + (size_t)self->max_tokens * (hid + qkv + nq), *sinf = cosf + D;
+    float *cosf = self->buf + (size_t)self->cap * (hid + qkv + nq), *sinf = cosf + D;
     if (b) smoe_bf16_round(y, (size_t)n * qkv); /* the projections' bf16 outputs */
     for (uint32_t t = 0; t < n; t++) { /* every row's token t % nt: its own position's rotary */
         float *qt = y + (size_t)t * qkv, *kt = qt + nq;
@@ -184,7 +201,7 @@ static int block_post(smoe_attn_block *self, smoe_kctx *c, const float *q, const
     const uint32_t H = self->H, D = self->D, hid = self->hidden, n = B * nt;
     const uint32_t qkv = (H + 2 * self->Hkv) * D;
     smoe_mha_desc d = {H, self->Hkv, D, scale};
-    float *att = self->buf + (size_t)self->max_tokens * (hid + qkv); /* [B, T, H, D] */
+    float *att = self->buf + (size_t)self->cap * (hid + qkv); /* [B, T, H, D] */
     int rc = smoe_grow_scratch(&self->ascratch, &self->ascratch_cap,
                                smoe_mha_scratch_bytes(c, D, nt), err);
     if (rc == SMOE_OK)
@@ -203,7 +220,9 @@ int smoe_attn_block_pre(smoe_attn_block *b, smoe_kctx *c, const void *xp, int xb
                         const float *ln, float ln_eps, float *qp, void *kp, int kb, void *vp,
                         int vb, size_t kv_bs, size_t kv_hs, smoe_err *err) {
     pthread_mutex_lock(&b->mu);
-    int rc = block_pre(b, c, xp, xb, cp, cb, sp, sb, B, nt, ln, ln_eps, qp, kp, kb, vp, vb,
+    int rc = ensure_cap(b, B * nt, err);
+    if (rc == SMOE_OK)
+        rc = block_pre(b, c, xp, xb, cp, cb, sp, sb, B, nt, ln, ln_eps, qp, kp, kb, vp, vb,
                        kv_bs, kv_hs, err);
     pthread_mutex_unlock(&b->mu);
     return rc;
@@ -216,8 +235,10 @@ int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const
                          float ln_eps, void *np_, smoe_err *err) {
     const size_t n = (size_t)B * nt * b->hidden;
     pthread_mutex_lock(&b->mu);
+    int rc = ensure_cap(b, B * nt, err);
     float *of = b->buf; /* [B * T, hidden]: pre's x, free again */
-    int rc = block_post(b, c, q, kp, vp, kdt, kbs, khs, B, nt, S, bias, bias_rows, scale, of,
+    if (rc == SMOE_OK)
+        rc = block_post(b, c, q, kp, vp, kdt, kbs, khs, B, nt, S, bias, bias_rows, scale, of,
                         err);
     if (rc == SMOE_OK && rp) smoe_dec_residual_add(b->bf16, of, rp, ob, n); /* the layer's add */
     if (rc == SMOE_OK) smoe_dec_store(op, ob, of, n);
@@ -235,13 +256,15 @@ int smoe_attn_block_layer(smoe_attn_block *self, smoe_kctx *c, smoe_layers *g,
     const uint32_t B = a->B, n = B * nt; /* every row's tokens */
     const size_t esz = a->kb ? 2 : 4, kv_hs = (size_t)a->cap * D, S = (size_t)a->S;
     pthread_mutex_lock(&self->mu);
-    const size_t mt = self->max_tokens;
+    int rc = ensure_cap(self, n, err);
+    const size_t mt = self->cap;
     float *extra = self->buf + mt * (hid + (size_t)(H + 2 * Hkv) * D + (size_t)H * D) + 2 * D;
     float *q = extra, *h = q + mt * H * D, *nrm = h + mt * hid, *moe = nrm + mt * hid;
     double t0 = smoe_now(), t1 = t0;
     /* input norm, projections, q/k norms, rotary; k, v appended at S */
-    int rc = block_pre(self, c, a->xp, a->xb, a->cp, a->cb, a->sp, a->sb, B, nt, a->ln1, a->eps1,
-                       q, a->kp + S * D * esz, a->kb, a->vp + S * D * esz, a->kb,
+    if (rc == SMOE_OK)
+        rc = block_pre(self, c, a->xp, a->xb, a->cp, a->cb, a->sp, a->sb, B, nt, a->ln1,
+                       a->eps1, q, a->kp + S * D * esz, a->kb, a->vp + S * D * esz, a->kb,
                        (size_t)Hkv * kv_hs, kv_hs, err);
     if (rc == SMOE_OK) /* attention over the S + T positions of each row, output projection */
         rc = block_post(self, c, q, a->kp, a->vp, a->kb ? SMOE_WDT_BF16 : SMOE_WDT_F32,

@@ -75,14 +75,16 @@ typedef struct smoe_attn_block {
     float eps;
     int bf16;
     /* owned; guarded by mu */
-    float *buf;         /* max_tokens * (hidden + (H + 2 Hkv) * D + H * D) + 2 D floats: input,
-                           q|k|v projections, attention output, one token's cos and sin; then
-                           max_tokens * (H * D + 3 hidden) for the layer call: q, the residual
+    uint32_t cap;       /* tokens buf and lscratch hold now: min(max_tokens, 16) at init, grown
+                           (up to max_tokens) by the first call of more tokens, then kept */
+    float *buf;         /* cap * (hidden + (H + 2 Hkv) * D + H * D) + 2 D floats: input, q|k|v
+                           projections, attention output, one token's cos and sin; then
+                           cap * (H * D + 3 hidden) for the layer call: q, the residual
                            stream, the normed input of the MoE block, its output */
     void *route;        /* the layer call's routing: route_cap bytes of (k int64 ids, k f32
                            weights) per token and E used flags; grows */
     size_t route_cap;
-    void *lscratch;     /* linear scratch for max_tokens (fixed size) */
+    void *lscratch;     /* linear scratch for cap tokens */
     void *ascratch;     /* attention scratch (grows with the thread count) */
     size_t ascratch_cap;
     pthread_mutex_t mu; /* serializes pre / post / layer calls on the block; taken before a

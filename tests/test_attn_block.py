@@ -115,10 +115,10 @@ def test_bf16_decode_bit_identical_to_torch_glue(arch, fmt):
 
 @pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
 def test_left_padded_batch_in_c_and_long_prefill_falls_back(arch):
-    """A left-padded batch of 2 rows runs through the block (rows * tokens within
-    ATTENTION_MAX_TOKENS: the 16-token prefill and every decode step, the padding masked) with
-    the tokens of the unmodified model; a prompt longer than that takes the module's own
-    forward, its decode steps the block."""
+    """A left-padded batch of 2 rows runs through the block (at most ATTENTION_MAX_TOKENS a
+    row and BLOCK_MAX_TOKENS in all: the 16-token prefill and every decode step, the padding
+    masked) with the tokens of the unmodified model; a prompt longer than that takes the
+    module's own forward, its decode steps the block."""
     ref = tiny_model(arch)
     m = copy.deepcopy(ref)
     _, calls = _fused(m, "f32")
@@ -137,7 +137,11 @@ def test_left_padded_batch_in_c_and_long_prefill_falls_back(arch):
     calls.clear()
     three = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(5))
     assert torch.equal(ref.generate(three, **kw), m.generate(three, **kw))
-    assert calls == [3] * (4 * L)       # 18 prompt tokens: the module's own; decode steps in C
+    assert calls == [18] * L + [3] * (4 * L)  # 18 prompt tokens, 6 a row: in C (<= 64 in all)
+    calls.clear()
+    five = torch.randint(3, 100, (5, 16), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(ref.generate(five, **kw), m.generate(five, **kw))
+    assert calls == [5] * (4 * L)       # 80 prompt tokens: the module's own; decode steps in C
 
 
 def test_not_fused_without_c_projections_or_with_clipping():
@@ -216,14 +220,14 @@ def test_bad_input_raises_and_leaves_outputs_alone():
     np.testing.assert_array_equal(normed, 7.0)
 
 
-def _head_norm_block(H, Hkv, D, hid, seed, rng):
+def _head_norm_block(H, Hkv, D, hid, seed, rng, max_tokens=16):
     """An AttnBlock with per-head q/k RMSNorms (weights drawn from rng): (block, its four
     projections' C objects, q_norm, k_norm)."""
     parts = _block_parts(H, Hkv, D, hid, seed=seed)
     qn = rng.uniform(0.5, 1.5, D).astype(np.float32)
     kn = rng.uniform(0.5, 1.5, D).astype(np.float32)
     blk = _C.AttnBlock(_C.KernelContext(2), *parts, H, Hkv, D, norm="head", q_norm=qn,
-                       k_norm=kn, eps=1e-6)
+                       k_norm=kn, eps=1e-6, max_tokens=max_tokens)
     return blk, parts, qn, kn
 
 
@@ -439,14 +443,16 @@ def test_crmsnorm_against_the_module_it_replaces(dt):
         CRMSNorm(torch.nn.LayerNorm(8))
 
 
-def test_block_rows_equal_each_row_alone():
-    """pre + post of a batch of 3 rows of 2 tokens (serve's decode batch: each row its own
-    positions' rotary, its own cache and mask, holes included) equal each row through the
-    block alone."""
+@pytest.mark.parametrize("B, T", [(3, 2), (8, 7)], ids=["3x2", "8x7-grows"])
+def test_block_rows_equal_each_row_alone(B, T):
+    """pre + post of a batch of B rows of T tokens (serve's decode batch and its verification
+    steps: each row its own positions' rotary, its own cache and mask, holes included) equal
+    each row through the block alone.  8 x 7 = 56 tokens: the block's buffers, made for 16,
+    grow at its first call (max_tokens 64) and the rows alone then run in the larger ones."""
     H, Hkv, D, hid = 4, 2, 8, 32
     rng = np.random.default_rng(1)
-    blk, _, _, _ = _head_norm_block(H, Hkv, D, hid, 7, rng)
-    B, T, S0 = 3, 2, 4
+    blk, _, _, _ = _head_norm_block(H, Hkv, D, hid, 7, rng, max_tokens=64)
+    S0 = 4
     x = rng.standard_normal((B * T, hid)).astype(np.float32)
     ang = rng.uniform(0, 6, (B * T, D // 2))
     cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
@@ -486,3 +492,8 @@ def test_block_rows_equal_each_row_alone():
         blk.pre(x[:5].copy(), cos[:5].copy(), sin[:5].copy(), q, k, v)
     with pytest.raises(ValueError, match="bias has 2 rows"):
         blk.post(q, K, V, bias[:2].copy(), 0.35, out)
+    with pytest.raises(ValueError, match="max_tokens"):  # more than the block's 64
+        x2 = np.zeros((65, hid), np.float32)
+        c2 = np.zeros((65, D), np.float32)
+        blk.pre(x2, c2, c2, np.zeros((1, H, 65, D), np.float32),
+                np.zeros((1, Hkv, 65, D), np.float32), np.zeros((1, Hkv, 65, D), np.float32))

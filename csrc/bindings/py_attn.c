@@ -614,8 +614,8 @@ static int block_inputs(const smoe_attn_block *b, PyObject *x, PyObject *cos, Py
         return -1;
     *T = PyArray_DIM((PyArrayObject *)x, 0);
     if (*T < 1 || *T > (npy_intp)b->max_tokens) {
-        PyErr_Format(PyExc_ValueError, "AttnBlock: %zd tokens, expected 1..%u", (Py_ssize_t)*T,
-                     b->max_tokens);
+        PyErr_Format(PyExc_ValueError, "AttnBlock: %zd tokens, expected 1..%u (max_tokens)",
+                     (Py_ssize_t)*T, b->max_tokens);
         return -1;
     }
     npy_intp w_x[2] = {*T, b->hidden}, w_cs[2] = {*T, b->D};

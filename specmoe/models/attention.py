@@ -40,12 +40,15 @@ from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, n
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
-__all__ = ["ATTENTION_MAX_TOKENS", "convert_norms", "fuse_attention",
+__all__ = ["ATTENTION_MAX_TOKENS", "BLOCK_MAX_TOKENS", "convert_norms", "fuse_attention",
            "use_c_attention"]
 
 # Query tokens up to which the C kernel runs (decode and verification chunks); longer inputs
 # are prefill, where torch's attention is the better kernel.
 ATTENTION_MAX_TOKENS = 16
+# tokens of one fused-block call in all, a batch's rows together (serve's verification of 16
+# rows of K + 1 tokens); the block's buffers start at 16 tokens and grow on first use
+BLOCK_MAX_TOKENS = 64
 _OURS = {"sdpa": "specmoe_sdpa", "eager": "specmoe_eager"}
 # keyword arguments that change what attention computes: with any of them set, the original
 _UNSUPPORTED = ("s_aux", "sinks", "softcap", "head_mask", "position_bias")
@@ -178,8 +181,9 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     its four projections are :class:`specmoe.models.layers.CLinear`, its q/k norms (if the form has
     them) are plain RMSNorms, nothing clips q/k/v, and the model's weights are f32 or bf16.
     Everything the block does not cover at call time -- more than ``ATTENTION_MAX_TOKENS``
-    tokens in all (a batch of B rows of T tokens counts B * T: serve's decode batch runs
-    through the block, each row its own positions, cache row and mask), another device or
+    tokens per row or ``BLOCK_MAX_TOKENS`` in all (a batch of B rows of T tokens counts B * T:
+    serve's decode batch and its verification steps run through the block, each row its own
+    positions, cache row and mask), another device or
     dtype, a mask or argument the C attention does not read, training -- goes to the module's
     own forward.
 
@@ -220,7 +224,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         kw["qkv"] = fuse_qkv(projs[:3], ctx)
         try:
             blk = _C.AttnBlock(ctx, *(p._c for p in projs), H, Hkv, D,
-                               bf16=dt == torch.bfloat16, max_tokens=ATTENTION_MAX_TOKENS, **kw)
+                               bf16=dt == torch.bfloat16, max_tokens=BLOCK_MAX_TOKENS, **kw)
         except (ValueError, TypeError):
             continue  # shapes this form does not have (e.g. a head_dim the config disagrees on)
         m._specmoe_block = blk
@@ -316,7 +320,7 @@ def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
     """Whether the attention block serves this call of ``module`` (else its own forward)."""
     H, Hkv, D, hidden, dt = module._specmoe_block_shape
     B, T = x.shape[0], x.shape[1]   # a batch of B sequences (serve's decode batch) in one call
-    return not (B * T > ATTENTION_MAX_TOKENS or x.dtype != dt
+    return not (T > ATTENTION_MAX_TOKENS or B * T > BLOCK_MAX_TOKENS or x.dtype != dt
                 or x.device.type != "cpu" or module.training or pe is None
                 or pe[0].shape[-1] != D or pe[0].dtype not in BLOCK_DTYPES
                 or (B > 1 and (pe[0].dim() != 3 or pe[0].shape[0] not in (1, B)
@@ -331,7 +335,8 @@ def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
 def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, cache: Any,
                 kwargs: dict[str, Any], norms: tuple | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One attention module of T <= ATTENTION_MAX_TOKENS tokens through its AttnBlock: pre,
+    """One attention module of T <= ATTENTION_MAX_TOKENS tokens per row (B * T <=
+    BLOCK_MAX_TOKENS in all) through its AttnBlock: pre,
     transformers' cache update, post.  norms None: returns (attention output, None); else
     (input_layernorm w, eps, post_attention_layernorm w, eps): x is the decoder layer's input,
     the input norm runs first, and the return is (x + attention output, its post-attention
