@@ -162,15 +162,15 @@ def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, pr
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
-@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "q4_k"])
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("H,I", [(32 * 13, 32 * 6), (32 * 4, 32 * 7), (32 * 8, 32 * 3)])
 def test_one_token_rows_of_any_block_count(ctx, isa, kind, H, I):
-    """Q4_0 / Q8_0 / Q4_K at one token with block counts that leave blocks past the AVX-512
-    VNNI form's groups (four Q4_0 blocks, two Q8_0; the AVX2 step finishes them; Q4_K: 1-13
-    super-blocks, 8 times the columns), odd down chunks included: the fast model to float
-    rounding on both forms."""
+    """Q4_0 / Q8_0 / Q4_K / Q6_K at one token with block counts that leave blocks past the
+    AVX-512 VNNI form's groups (four Q4_0 blocks, two Q8_0; the AVX2 step finishes them; Q4_K
+    and Q6_K: 1-13 super-blocks, 8 times the columns), odd down chunks included: the fast
+    model to float rounding on both forms."""
     _isa(ctx, isa)
-    if kind == "q4_k":
+    if kind in ("q4_k", "q6_k"):
         H, I = 8 * H, 8 * I
     rng = np.random.default_rng(H * 1000 + I + (kind == "q8_0"))
     t, ref = _expert(rng, H, I, kind)

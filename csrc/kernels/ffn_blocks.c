@@ -53,8 +53,8 @@
  *          One pass over a row's blocks serves up to 4 tokens (the unpacked nibbles and
  *          scales reused).
  *   vnni   (AVX512_VNNI, precise = 0): the fast form, with Q4_0 and Q8_0 at one token through
- *          vpdpbusd and Q4_K through 512-bit vpmaddubsw / vpdpwssd (the same integer sums;
- *          below, before impl_vnni).
+ *          vpdpbusd and Q4_K and Q6_K through 512-bit vpmaddubsw / vpdpwssd (the same integer
+ *          sums; below, before impl_vnni).
  *
  * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0,
  * Q4_0, Q4_1) or [T, n/256] (K-quants) and, in qsum's bytes, the int16 sums of every 32 int8
@@ -1283,20 +1283,84 @@ AI void rows_q4_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
     for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]) - hsum4(accm[r]);
 }
 
-/* nr rows of dt (Q4_0, Q8_0 or Q4_K) against one token. */
+/* nr (1 or 2) Q6_K rows w[r] of n columns against one token: the AVX2 form's integer sums,
+ * a half super-block (128 columns) per 512-bit step.  A half's 64 bytes of low bits are its
+ * columns 0-31 | 32-63 (low nibbles) and 64-95 | 96-127 (high nibbles); its 32 bytes of high
+ * bits, broadcast to both 256-bit halves and shifted by (0, 2) or (4, 6) bits per half
+ * (vpsrlvw), complete them, so q in [0, 63] lines up with the input's 128 int8 values as they
+ * are loaded.  32 * x (the q - 32 offset's vpmaddubsw) is the input's alone: once per half
+ * for both rows.  vpdpwssd multiplies the pair sums by their 16 columns' int8 scale (vpermw
+ * of the half's eight, widened once) and adds them.  Sums and the f32 step as the AVX2 form:
+ * the result equals it to float rounding. */
+AI void rows_q6_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
+                       float *res) {
+    const uint32_t nsb = n / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    const __m512i k32 = _mm512_set1_epi8(32);
+    const __m512i sh02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    /* int16 lanes of 128-bit lane j: scale j (first 64 columns) or 4 + j (last 64) */
+    const __m512i ia = _mm512_set_epi64(0x0003000300030003LL, 0x0003000300030003LL,
+                                        0x0002000200020002LL, 0x0002000200020002LL,
+                                        0x0001000100010001LL, 0x0001000100010001LL, 0, 0);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int8_t *xq = x->q;
+    for (uint32_t s = 0; s < nsb; s++) {
+        __m512i sumi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (uint32_t h = 0; h < 2; h++, xq += 128) {
+            const __m512i X0 = _mm512_loadu_si512((const void *)xq);
+            const __m512i X1 = _mm512_loadu_si512((const void *)(xq + 64));
+            const __m512i o0 = _mm512_maddubs_epi16(k32, X0), o1 = _mm512_maddubs_epi16(k32, X1);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *wb = w[r] + (size_t)210 * s;
+                if (h == 0)
+                    for (uint32_t k = 0; k < 4; k++)
+                        _mm_prefetch((const char *)(wb + PF_AHEAD + 64 * k), _MM_HINT_T0);
+                const uint8_t *ql = wb + 64 * h, *qh = wb + 128 + 32 * h;
+                const __m512i L = _mm512_loadu_si512((const void *)ql);
+                const __m512i HB =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
+                const __m512i qa = _mm512_or_si512(
+                    _mm512_and_si512(L, m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh02), m3), 4));
+                const __m512i qb = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh46), m3), 4));
+                const __m512i sc = _mm512_castsi128_si512(
+                    _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(wb + 192 + 8 * h))));
+                sumi[r] = _mm512_dpwssd_epi32(
+                    sumi[r], _mm512_sub_epi16(_mm512_maddubs_epi16(qa, X0), o0),
+                    _mm512_permutexvar_epi16(ia, sc));
+                sumi[r] = _mm512_dpwssd_epi32(
+                    sumi[r], _mm512_sub_epi16(_mm512_maddubs_epi16(qb, X1), o1),
+                    _mm512_permutexvar_epi16(ib, sc));
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(ld_f16(w[r] + (size_t)210 * s + 208) * x->s[s]),
+                                     _mm512_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* nr rows of dt (Q4_0, Q8_0, Q4_K or Q6_K) against one token. */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
                   float *res) {
     if (dt == SMOE_WDT_Q4_0)
         rows_q4_0_vnni(w, nr, x, n, res);
     else if (dt == SMOE_WDT_Q4_K)
         rows_q4_k_vnni(w, nr, x, n, res);
+    else if (dt == SMOE_WDT_Q6_K)
+        rows_q6_k_vnni(w, nr, x, n, res);
     else
         rows_q8_0_vnni(w, nr, x, n, res);
 }
 
 /* Whether the VNNI rows serve a matrix of dt at T tokens. */
 AI int vnni_rows_for(int32_t dt, uint32_t T) {
-    return T == 1 && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K);
+    return T == 1 && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K ||
+                      dt == SMOE_WDT_Q6_K);
 }
 
 static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
