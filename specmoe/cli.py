@@ -441,7 +441,8 @@ def _serve_ray(args, cache: Any, drafter: Any, controller: Any, mtp_adapter: Any
                              policy=args.policy,
                              prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
                              batch_decode=not args.no_batch_decode, drafter=drafter,
-                             controller=controller, mtp_adapter=mtp_adapter),
+                             controller=controller, mtp_adapter=mtp_adapter,
+                             warm_tau=not args.no_tau_warmup),
                   blocking=False)
         print(f"[specmoe] serving {args.checkpoint!r} from {replicas} Ray Serve replica(s) on "
               f"http://{args.host}:{args.port}/v1", flush=True)
@@ -511,7 +512,8 @@ def _cmd_serve(args) -> int:
                cache=cache, dtype=args.dtype,
                policy=policy, prefetch=not args.no_prefetch, store=args.store,
                dense=args.dense, batch_decode=not args.no_batch_decode, drafter=drafter,
-               controller=controller, mtp_adapter=mtp_adapter)
+               controller=controller, mtp_adapter=mtp_adapter,
+               warm_tau=not args.no_tau_warmup)
     srv = asgi.state.server
     print(f"[specmoe] serving {srv.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(context {srv.context_length} tokens, max batch {args.max_batch}"
@@ -697,6 +699,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --drafter: drafts per step, cascade (default: by measured "
                         "utility, off where it slows decoding down), speq, heuristic or "
                         "static:K")
+    p.add_argument("--no-tau-warmup", action="store_true",
+                   help="with --drafter: measure tau at a batch size when it first occurs "
+                        "(a pause of the running requests) instead of at every batch size "
+                        "up to --max-batch before serving (default)")
     p.add_argument("--api-key", default=os.environ.get("SPECMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: "
                         "$SPECMOE_API_KEY, else none)")

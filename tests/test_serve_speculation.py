@@ -195,6 +195,44 @@ def test_cascade_runs_per_batch_bucket_and_stays_exact(zoo):
         sch.close()
 
 
+def test_tau_is_measured_at_every_bucket_before_serving(zoo, monkeypatch):
+    """warm_tau (the default): the worker measures tau at every batch-size bucket up to
+    max_batch before its first round, so no request waits for a measurement; warm_tau=False
+    leaves each to its bucket's first use (the controller appears only then)."""
+    import specmoe.serve.speculate as sp
+    calls = []
+    real = sp.target_tau
+
+    def counting(model, prompt, g_max, engine=None, **kw):
+        calls.append(kw.get("batch"))
+        return real(model, prompt, g_max, engine, **kw)
+    monkeypatch.setattr(sp, "target_tau", counting)
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=5, prefill_chunk=8, drafter="ngram")
+    try:
+        sch.start()
+        for _ in range(600):
+            if sch.tau_warm_s is not None:
+                break
+            time.sleep(0.05)
+        assert sorted(sch.spec.controllers) == [1, 2, 4, 8] and calls == [1, 2, 4, 8]
+        assert sch.tau_warm_s is not None and sch.tau_warm_s >= 0
+        reqs = _run(sch, zoo["prompts"][:2], max_tokens=N)
+        assert [r.generated for r in reqs] == zoo["refs"][:2]
+        assert calls == [1, 2, 4, 8]  # nothing measured while serving
+    finally:
+        sch.close()
+    calls.clear()
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=5, prefill_chunk=8, drafter="ngram",
+                    warm_tau=False)
+    try:
+        reqs = _run(sch, zoo["prompts"][:1], max_tokens=N)
+        assert sch.tau_warm_s is None and sorted(sch.spec.controllers) == [1]
+    finally:
+        sch.close()
+    with pytest.raises(TypeError, match="warm_tau"):
+        Scheduler(zoo["model"], zoo["tok"], drafter="ngram", warm_tau="yes")
+
+
 def test_a_fault_in_a_batched_verification_is_retried_alone(zoo):
     """A batched verification forward (several rows, several tokens each) that raises is
     pinned on no request: the rows go back to caches of their own holding only their

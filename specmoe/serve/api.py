@@ -170,7 +170,7 @@ class Server:
                  max_body_bytes: int = MAX_BODY, owns_engine: bool = False,
                  batch_decode: bool = True, prefill_ratio: Optional[float] = None,
                  drafter: Any = None, controller: Any = None,
-                 mtp_adapter: Any = None) -> None:
+                 mtp_adapter: Any = None, warm_tau: bool = True) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -184,7 +184,7 @@ class Server:
                                    prefill_chunk=prefill_chunk, metrics=self.metrics,
                                    batch_decode=batch_decode, prefill_ratio=prefill_ratio,
                                    drafter=drafter, controller=controller,
-                                   mtp_adapter=mtp_adapter)
+                                   mtp_adapter=mtp_adapter, warm_tau=warm_tau)
         cfg = model.config
         if context_length is None:
             context_length = getattr(cfg, "max_position_embeddings", None)
@@ -626,7 +626,7 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
         max_body_bytes: int = MAX_BODY, cache: Any = "25%", dtype: str = "auto",
         batch_decode: bool = True, prefill_ratio: Optional[float] = None,
         drafter: Any = None, controller: Any = None, mtp_adapter: Any = None,
-        **load_kwargs: Any) -> Starlette:
+        warm_tau: bool = True, **load_kwargs: Any) -> Starlette:
     """An ASGI app serving ``model_or_path`` with OpenAI's API (module docstring).
 
     ``model_or_path``: a transformers causal LM (offloaded by specmoe or not; the app never
@@ -648,7 +648,10 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     adapter ``mtp_adapter``: an :class:`specmoe.speculation.mtp.MtpAdapter` or its folder),
     None or ``"none"`` (the default) decodes plainly; ``controller``: how many drafts per
     step, ``"cascade"`` (the default), ``"speq"``, ``"heuristic"``, ``"static:K"`` or a
-    callable returning a controller (:mod:`specmoe.serve.speculate`).
+    callable returning a controller (:mod:`specmoe.serve.speculate`); ``warm_tau``: with a
+    drafter whose controller prunes by tau, measure tau at every batch-size bucket up to
+    ``max_batch`` when the worker starts (the default) rather than at each bucket's first
+    use, which pauses every running request once.
 
     The worker thread starts with the app's lifespan (or at the first request) and stops at
     its shutdown; ``app.state.server`` is the :class:`Server`."""
@@ -672,7 +675,7 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
                     context_length=context_length, max_body_bytes=max_body_bytes,
                     owns_engine=owns, batch_decode=batch_decode,
                     prefill_ratio=prefill_ratio, drafter=drafter, controller=controller,
-                    mtp_adapter=mtp_adapter)
+                    mtp_adapter=mtp_adapter, warm_tau=warm_tau)
     h = _Handlers(server)
 
     @contextlib.asynccontextmanager

@@ -195,7 +195,8 @@ class Scheduler:
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
                  batch_decode: bool = True, prefill_ratio: Optional[float] = None,
                  drafter: Any = None, controller: Any = None,
-                 tau: Optional[str] = "auto", mtp_adapter: Any = None) -> None:
+                 tau: Optional[str] = "auto", mtp_adapter: Any = None,
+                 warm_tau: bool = True) -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -224,6 +225,11 @@ class Scheduler:
         elif controller is not None or mtp_adapter is not None:
             raise ValueError("a controller or an MTP adapter needs a drafter (drafter=None "
                              "decodes plainly)")
+        if not isinstance(warm_tau, bool):
+            raise TypeError(f"warm_tau must be a bool, got {type(warm_tau).__name__}")
+        # the worker measures tau at every batch-size bucket before its first round
+        self.warm_tau = warm_tau
+        self.tau_warm_s: Optional[float] = None
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()   # [_cond]
         self.running: List[Request] = []       # the worker's own
@@ -336,6 +342,8 @@ class Scheduler:
         ctx = hooks.session() if hooks is not None else contextlib.nullcontext()
         try:
             with ctx, torch.no_grad():
+                if self.spec is not None and self.warm_tau:
+                    self._warm_tau()
                 self._refresh_stats(force=True)
                 while self._round():
                     pass
@@ -352,6 +360,19 @@ class Scheduler:
                 if not r.cancelled and r.finished is None:
                     self._fail(r, 503, "the server is shutting down" if self.fatal is None
                                else f"the worker stopped: {self.fatal}")
+
+    def _warm_tau(self) -> None:
+        """tau(g, B) of every batch-size bucket up to max_batch, measured before the first
+        request is served (a synthetic history of token ids; the measurement is of the
+        forward's time, not of what it reads)."""
+        assert self.spec is not None
+        t0 = time.perf_counter()
+        vocab = max(3, self.spec.vocab)
+        hist = [(7 * i + 11) % (vocab - 2) + 1 for i in range(64)]
+        buckets = self.spec.warm(self.max_batch, hist)
+        self.tau_warm_s = time.perf_counter() - t0
+        _log.info("specmoe serve: tau measured at batch sizes %s in %.1f s",
+                  ", ".join(map(str, buckets)), self.tau_warm_s)
 
     def _round(self) -> bool:
         """Admit, then one step of every running request; False when the worker must stop."""

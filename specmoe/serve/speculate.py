@@ -28,8 +28,9 @@ its own batch size (the gamma-tolerance paper, section 3.1: tau and hence the K 
 fall with the batch) without being reset every time a request comes or goes.  Every row of a
 step gets the same K, less what its ``max_tokens`` leaves (the target always adds a token of
 its own).  With ``tau="auto"`` an adaptive controller is pruned by tau(g, B) measured at its
-bucket the first time the bucket is used (:func:`specmoe.speculation.tau.target_tau`, kept
-on the Engine: a one-off pause of the worker per bucket) and by the success condition
+bucket (:func:`specmoe.speculation.tau.target_tau`, kept on the Engine): by the scheduler
+for every bucket up to ``max_batch`` before it serves (``warm``), or at a bucket's first use
+with ``warm_tau=False`` (a one-off pause of the worker per bucket), and by the success condition
 (section 3.1, eq. 1), as in :func:`specmoe.generate`; a static K runs as given.  A request
 decoding alone starts its own Cascade/SpeQ state (``begin_request``) at its first step on
 the batch-1 controller; a batch's controller keeps the batch's state, whose rows change
@@ -181,6 +182,19 @@ class Speculation:
         if begin:
             ctl.begin_request()
         return ctl
+
+    def warm(self, max_batch: int, history: Sequence[int]) -> List[int]:
+        """Make every batch-size bucket's controller up to ``max_batch`` now, measuring its tau
+        on ``history`` where pruning is on, instead of at the bucket's first use (a pause of
+        every running request then); returns the buckets.  tau tables are kept per model and
+        batch size on the Engine, so a second server on the same model measures nothing.
+        Nothing to measure (a static K, ``tau=None``): nothing made, ``[]``."""
+        if self.tau is None or isinstance(self.make_controller(), StaticK):
+            return []
+        buckets = sorted({batch_bucket(b) for b in range(1, int(max_batch) + 1)})
+        for b in buckets:
+            self.controller(b, lambda: history)
+        return buckets
 
     def ks(self, k: int, reqs: Sequence[Any]) -> List[int]:
         """Per request: K less what its ``max_tokens`` leaves after this step's own token."""
