@@ -471,10 +471,10 @@ static int grid_for(size_t n) {
     return (int)(b > 4096 ? 4096 : b < 1 ? 1 : b);
 }
 
-extern "C" int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, const uint8_t *block,
-                                    const float *x, size_t x_stride, const int32_t *rows,
-                                    const float *scale, uint32_t T, float *out,
-                                    size_t out_stride, int path, void *stream, smoe_err *err) {
+/* The checks every FFN call makes: a descriptor the GPU kernels run, of the context's shape,
+ * strides of at least H. */
+static int check_call(const smoe_gpu_ffn *f, const smoe_ffn_desc *d, size_t x_stride,
+                      size_t out_stride, smoe_err *err) {
     int rc = smoe_ffn_desc_check(d, 0, err);
     if (rc < 0) return rc;
     if (smoe_wdt_cpu_only(d->dtype))
@@ -486,6 +486,15 @@ extern "C" int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, con
     if (x_stride < d->H || out_stride < d->H)
         return smoe_err_set(err, SMOE_EINVAL, "x_stride (%zu) and out_stride (%zu) must be at "
                             "least H = %u", x_stride, out_stride, d->H);
+    return 0;
+}
+
+extern "C" int smoe_gpu_ffn_forward(smoe_gpu_ffn *f, const smoe_ffn_desc *d, const uint8_t *block,
+                                    const float *x, size_t x_stride, const int32_t *rows,
+                                    const float *scale, uint32_t T, float *out,
+                                    size_t out_stride, int path, void *stream, smoe_err *err) {
+    int rc = check_call(f, d, x_stride, out_stride, err);
+    if (rc < 0) return rc;
     if (path < SMOE_GPU_PATH_AUTO || path > SMOE_GPU_PATH_CUBLAS)
         return smoe_err_set(err, SMOE_EINVAL, "unknown GPU FFN path %d", path);
     int dense = d->dtype == SMOE_WDT_F32 || d->dtype == SMOE_WDT_BF16;
@@ -596,17 +605,8 @@ extern "C" int smoe_gpu_ffn_forward_group(smoe_gpu_ffn *f, const smoe_ffn_desc *
                                           size_t x_stride, const int32_t *rows,
                                           const float *scale, float *out, size_t out_stride,
                                           void *stream, smoe_err *err) {
-    int rc = smoe_ffn_desc_check(d, 0, err);
+    int rc = check_call(f, d, x_stride, out_stride, err);
     if (rc < 0) return rc;
-    if (smoe_wdt_cpu_only(d->dtype))
-        return smoe_err_set(err, SMOE_EINVAL, "int2 and GGUF block expert weights run on the CPU "
-                            "only (the GPU kernels take f32, bf16, int8 and int4)");
-    if (d->H != f->H || d->I != f->I)
-        return smoe_err_set(err, SMOE_EINVAL, "GPU FFN context is for H=%u, I=%u; the expert "
-                            "is H=%u, I=%u", f->H, f->I, d->H, d->I);
-    if (x_stride < d->H || out_stride < d->H)
-        return smoe_err_set(err, SMOE_EINVAL, "x_stride (%zu) and out_stride (%zu) must be at "
-                            "least H = %u", x_stride, out_stride, d->H);
     if (m == 0 || m > SMOE_GPU_GROUP_MAX || !rows)
         return smoe_err_set(err, SMOE_EINVAL, "GPU FFN group: %u experts (1 to %d) and rows "
                             "are required", m, SMOE_GPU_GROUP_MAX);
