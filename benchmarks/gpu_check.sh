@@ -7,8 +7,8 @@
 #   benchmarks/gpu_check.sh OUTDIR
 #
 # SKIP=calibrate,generate,hybrid leaves steps out (a session that measured them already);
-# HYBRID_ARGS passes options to gpu_hybrid.py (default: --layers 6 --dtypes bf16,int4); TEST_K
-# selects tests (pytest -k).
+# HYBRID_ARGS passes options to gpu_hybrid.py (default: --layers 6 --dtypes bf16,int4); GEN_S
+# the seconds kept for gpu_generate after it (default 200); TEST_K selects tests (pytest -k).
 #
 # Needs a python3 with a CUDA build of torch (PY=... to choose another).  What
 # benchmarks/gpu_carry.sh put in .whl/ (git-ignored; carry it) is unpacked first:
@@ -70,7 +70,10 @@ timeout 240 $PY -m pytest -q -rs --durations=15 ${TEST_K:+-k "$TEST_K"} tests/te
 echo "== test_cuda rc=$? at $(elapsed) s"
 grep -E "passed|failed|error|SKIPPED|FAILED" "$out/test_cuda.log" | tail -25
 
+# the hybrid benchmark leaves GEN_S (default 200) for gpu_generate when that runs; stopped
+# by its timeout it keeps what it measured (its results file is rewritten after each stage)
 left=$(( ${BUDGET_S:-560} - $(elapsed) ))
+skip generate || left=$(( left - ${GEN_S:-200} ))
 if ! skip hybrid && [ "$left" -gt 60 ]; then
     timeout "$left" $PY benchmarks/gpu_hybrid.py --json --workdir /tmp/specmoe-bench \
         --out "$out/gpu_hybrid.json" ${HYBRID_ARGS:---layers 6 --dtypes bf16,int4} \

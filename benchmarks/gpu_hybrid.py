@@ -49,6 +49,10 @@ build takes longer than a session's device time, so llama-bench is built elsewhe
 says how) and carried; without ``--llama-bench`` the row says why it did not run
 (``error``).
 
+The results file is written after the specmoe rounds and after each llama.cpp row too (with
+``partial`` naming the stage reached), so a run stopped by a caller's timeout keeps what it
+measured.
+
 Without a usable GPU it prints ``{"skipped": reason}`` and exits 0; ``--device emulate`` runs
 the same rows through the GPU tier's host emulation (with a fixed balance profile in place of
 the measured one) as a dry run of the script, not a benchmark.
@@ -217,6 +221,10 @@ def main() -> None:
         "checkpoint_s": time.perf_counter() - t0}
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, min(8000, a.vocab), (1, a.prompt), generator=gen).to(tdev)
+    out = a.out
+    if out is None and not emulate:
+        tag = "".join(ch for ch in gpu_name.lower().split()[-1] if ch.isalnum())
+        out = str(HERE / "results" / f"gpu_hybrid_{tag}.json")
 
     def sync() -> None:
         if not emulate:
@@ -234,6 +242,14 @@ def main() -> None:
         return 0 if emulate else int(torch.cuda.mem_get_info()[0])
 
     rows: dict[str, dict[str, Any]] = {}
+
+    def save(stage: str) -> None:
+        """The results so far into the results file, marked ``partial`` with the stage
+        reached: a run its caller's timeout stops keeps what it measured."""
+        if out:
+            Path(out).write_text(json.dumps(dict(res, rows=list(rows.values()), partial=stage,
+                                                 elapsed_s=time.perf_counter() - t0),
+                                            indent=1) + "\n")
     # the upper bound: alone, first, then freed
     up = "unmodified on the GPU (upper bound)"
     rows[up] = {"label": up}
@@ -328,6 +344,7 @@ def main() -> None:
         rows[k]["tok_s_rounds"] = [1.0 / s for _, s in v]
         rows[k]["prefill_tok_s"] = a.prompt / statistics.median(p for p, _ in v)
         rows[k]["tokens_equal"] = None if ref_tokens is None else toks.get(k) == ref_tokens
+    save("specmoe rounds")
     # llama.cpp's rows: after the specmoe rounds, their engines idle (separate processes)
     llama_labels: list[str] = []
     if not a.llama_bench:  # (--device emulate with a CPU build of llama-bench: a dry run)
@@ -365,6 +382,7 @@ def main() -> None:
                                                a.tokens, a.rounds, threads, free_bytes))
                 except Exception as e:  # noqa: BLE001
                     row.update(_error("llama-bench failed", e))
+                save(label)
     for label, eng in engines.items():  # accounting: one decode-only run, counters reset
         row = rows[label]
         try:
@@ -433,13 +451,8 @@ def main() -> None:
                                         if rows[k].get("peer") == "llama.cpp"
                                         and rows[k].get("error")), LLAMA_CPP_WHY)
     res["elapsed_s"] = time.perf_counter() - t0
-    text = json.dumps(res, indent=1)
-    out = a.out
-    if out is None and not emulate:
-        tag = "".join(ch for ch in gpu_name.lower().split()[-1] if ch.isalnum())
-        out = str(HERE / "results" / f"gpu_hybrid_{tag}.json")
     if out:
-        Path(out).write_text(text + "\n")
+        Path(out).write_text(json.dumps(res, indent=1) + "\n")
     if a.json:
         print(json.dumps(res))
     else:
