@@ -1,7 +1,7 @@
 /* Memory-safety sweep of the simulator (csrc/sim.c) under AddressSanitizer+UBSan, without
  * Python: a random trace replayed through every built-in policy at many capacities, with
- * every predictor, selection mode and two hardware balances (late and timely prefetches), and
- * with the lookahead shield.
+ * every predictor, selection mode and two hardware balances (late and timely prefetches), with
+ * the lookahead shield, and as the hybrid tier.
  * Checks counters add up and that a replay is deterministic. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,9 +10,9 @@
 #include "policy/policy.h"
 #include "sim.h"
 
-static int run(const smoe_sim_trace *tr, const char *name, uint32_t ns, const int32_t *fut,
-               uint64_t nfut, const smoe_sim_prefetch *pf, const smoe_sim_hw *hw,
-               smoe_sim_result *r) {
+static int run_miss(const smoe_sim_trace *tr, const char *name, uint32_t ns, const int32_t *fut,
+                    uint64_t nfut, const smoe_sim_prefetch *pf, const smoe_sim_hw *hw,
+                    const smoe_sim_miss *miss, smoe_sim_result *r) {
     smoe_policy_params pp = {.nslots = ns, .num_layers = tr->num_layers,
                              .num_experts = tr->num_experts, .seed = 3, .order = (int32_t)(ns % 3),
                              .future = fut, .future_len = nfut};
@@ -22,10 +22,16 @@ static int run(const smoe_sim_trace *tr, const char *name, uint32_t ns, const in
         fprintf(stderr, "create %s: %s\n", name, err.msg);
         return -1;
     }
-    int rc = smoe_sim_run(tr, p, ns, pf, hw, r, &err);
+    int rc = smoe_sim_run_miss(tr, p, ns, pf, hw, miss, r, &err);
     smoe_policy_destroy(p);
     if (rc < 0) fprintf(stderr, "%s nslots=%u predictor=%d: %s\n", name, ns, pf->predictor, err.msg);
     return rc;
+}
+
+static int run(const smoe_sim_trace *tr, const char *name, uint32_t ns, const int32_t *fut,
+               uint64_t nfut, const smoe_sim_prefetch *pf, const smoe_sim_hw *hw,
+               smoe_sim_result *r) {
+    return run_miss(tr, name, ns, fut, nfut, pf, hw, NULL, r);
 }
 
 int main(void) {
@@ -100,6 +106,29 @@ int main(void) {
                 }
                 runs++;
             }
+    /* the hybrid tier: missing experts split between copies and the CPU, a CPU faster and
+     * slower than the link, with and without a predictor (admissions through its queue) */
+    for (int pi = 0; pi < 7; pi++)
+        for (uint32_t ns = 1; ns <= L * E; ns += 9)
+            for (int pr = 0; pr < 4; pr += 3) /* none, history */
+                for (int c = 0; c < 2; c++) {
+                    smoe_sim_prefetch pf = {pr, 2, 0, 0.0, 4, 0.8, NULL, 0, 0};
+                    smoe_sim_miss hy = {SMOE_SIM_HYBRID, 0, 1.0, K, 1.0, c ? 2e-3 : 2e-5};
+                    smoe_sim_result a, b;
+                    if (run_miss(&tr, names[pi], ns, fut, N * L * K, &pf, &hws[0], &hy, &a) < 0 ||
+                        run_miss(&tr, names[pi], ns, fut, N * L * K, &pf, &hws[0], &hy, &b) < 0)
+                        return 1;
+                    if (a.hits + a.misses != a.accesses ||
+                        a.hybrid_copied + a.hybrid_cpu != a.missing ||
+                        a.accesses + a.hybrid_cpu != (uint64_t)N * L * K ||
+                        a.hits != b.hits || a.total_s != b.total_s ||
+                        (pr == 0 && a.hybrid_admitted != 0) || a.hybrid_cpu_wait_s < 0) {
+                        fprintf(stderr, "%s nslots=%u predictor=%d hybrid: inconsistent "
+                                "counters\n", names[pi], ns, pr);
+                        return 1;
+                    }
+                    runs++;
+                }
     printf("sim_check: %d runs ok\n", runs);
     free(ex);
     free(lg);
