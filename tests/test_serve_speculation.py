@@ -233,6 +233,41 @@ def test_tau_is_measured_at_every_bucket_before_serving(zoo, monkeypatch):
         Scheduler(zoo["model"], zoo["tok"], drafter="ngram", warm_tau="yes")
 
 
+def test_health_says_loading_while_tau_is_measured(zoo, monkeypatch):
+    """GET /health answers 503 {"status": "loading"} while the worker measures tau (as
+    llama-server does while it loads), then 200; a request sent meanwhile waits and is
+    served."""
+    from starlette.testclient import TestClient
+    import specmoe.serve.speculate as sp
+    from specmoe.serve import app
+    gate = threading.Event()
+    real = sp.Speculation.warm
+
+    def slow(self, *a, **k):
+        gate.wait(30)
+        return real(self, *a, **k)
+    monkeypatch.setattr(sp.Speculation, "warm", slow)
+    asgi = app(zoo["model"], zoo["tok"], model_name="zoo", max_batch=2, drafter="ngram")
+    try:
+        with TestClient(asgi) as c:
+            r = c.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            box = {}
+            th = threading.Thread(target=lambda: box.setdefault("r", c.post(
+                "/v1/completions", json={"model": "zoo", "prompt": zoo["prompts"][0],
+                                         "max_tokens": N, "temperature": 0})))
+            th.start()
+            time.sleep(0.2)
+            assert "r" not in box          # queued behind the measurement
+            gate.set()
+            th.join(60)
+            assert box["r"].status_code == 200
+            assert box["r"].json()["choices"][0]["text"] == zoo["tok"].decode(zoo["refs"][0])
+            assert c.get("/health").json()["status"] == "ok"
+    finally:
+        gate.set()
+
+
 def test_a_fault_in_a_batched_verification_is_retried_alone(zoo):
     """A batched verification forward (several rows, several tokens each) that raises is
     pinned on no request: the rows go back to caches of their own holding only their

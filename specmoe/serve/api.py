@@ -422,6 +422,10 @@ class _Handlers:
             return JSONResponse({"status": "error", "message": str(sch.fatal)}, 503)
         if sch.draining:
             return JSONResponse({"status": "draining"}, 503)
+        if sch.warming:  # as llama-server answers 503 while it loads the model
+            sch.start()
+            return JSONResponse({"status": "loading", "message": "measuring tau(g, B) at the "
+                                 "batch sizes up to --max-batch (speculative decoding)"}, 503)
         return JSONResponse({"status": "ok", "model": self.s.model_name,
                              "waiting": sch.waiting, "running": len(sch.running)})
 

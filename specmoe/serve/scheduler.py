@@ -279,6 +279,13 @@ class Scheduler:
         return self._draining
 
     @property
+    def warming(self) -> bool:
+        """Whether the worker has yet to finish measuring tau at the batch sizes it will see
+        (``warm_tau``; requests queue meanwhile)."""
+        return (self.spec is not None and self.warm_tau and self.tau_warm_s is None
+                and self.fatal is None)
+
+    @property
     def waiting(self) -> int:
         return len(self._waiting)
 
