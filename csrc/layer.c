@@ -996,6 +996,27 @@ static int hybrid_cpu(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d
     return SMOE_OK;
 }
 
+/* Expert e of layer pos for the device tier's kernels: pinned in the tier's cache (res NULL;
+ * dev_release drops the pin) or addressed in the resident copy res. */
+static int dev_block(smoe_layers *g, const smoe_moe_resident *res, uint32_t pos, uint32_t e,
+                     void *stream, const uint8_t **block, smoe_err *err) {
+    if (res) {
+        *block = res->base + ((uint64_t)pos * g->E + e) * res->block_bytes;
+        return SMOE_OK;
+    }
+    return g->tier.ops->acquire(g->tier.ctx, pos, e, stream, block, err);
+}
+
+/* dev_block's pin dropped (nothing for res); rc the call's status so far: a release error is
+ * reported in err only when nothing failed before.  Returns the status after it. */
+static int dev_release(smoe_layers *g, const smoe_moe_resident *res, uint32_t pos, uint32_t e,
+                       void *stream, int rc, smoe_err *err) {
+    if (res) return rc;
+    smoe_err rerr;
+    const int rr = g->tier.ops->release(g->tier.ctx, pos, e, stream, rc ? &rerr : err);
+    return rc ? rc : rr;
+}
+
 /* The device tier's smoe_moe_forward_ex: out (tier memory) gets, on io->stream, the pairs with
  * take[i] (NULL: all) -- zeroed first unless accumulate -- computed from the tier's cache
  * (res NULL) or the resident copy res (format d), grouped as the CPU groups them (ascending
@@ -1061,11 +1082,7 @@ static int dev_moe(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d,
                 const uint32_t c = start[e + 1] - start[e];
                 if (!c || (ncpu && g->hy_oncpu[e])) continue;
                 if (c > SMOE_TIER_GROUP_T || pairs + c > SMOE_TIER_GROUP_PAIRS) break;
-                if (!res) {
-                    if ((rc = ops->acquire(ctx, pos, e, io->stream, &blocks[m], err))) break;
-                } else {
-                    blocks[m] = res->base + ((uint64_t)pos * E + e) * res->block_bytes;
-                }
+                if ((rc = dev_block(g, res, pos, e, io->stream, &blocks[m], err))) break;
                 first[m] = start[e], count[m] = c, ids[m++] = e;
                 pairs += c;
             }
@@ -1073,30 +1090,17 @@ static int dev_moe(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d,
                 rc = ops->experts(ctx, d, m, blocks, first, count, io->xd, rows, scale, io->out,
                                   io->stream, err);
             for (uint32_t j = 0; j < m; j++) {
-                if (!res) {
-                    smoe_err rerr;
-                    const int rr = ops->release(ctx, pos, ids[j], io->stream, rc ? &rerr : err);
-                    if (!rc) rc = rr;
-                }
+                rc = dev_release(g, res, pos, ids[j], io->stream, rc, err);
                 used[ids[j]] = 1;
             }
             if (rc) return rc;
             continue;
         }
         const uint8_t *block;
-        if (!res) {
-            if ((rc = ops->acquire(ctx, pos, e, io->stream, &block, err))) return rc;
-        } else {
-            block = res->base + ((uint64_t)pos * E + e) * res->block_bytes;
-        }
+        if ((rc = dev_block(g, res, pos, e, io->stream, &block, err))) return rc;
         rc = ops->expert(ctx, d, block, io->xd, rows + s0, scale + s0, ne, io->out, io->stream,
                          err);
-        if (!res) {
-            smoe_err rerr;
-            const int rr = ops->release(ctx, pos, e, io->stream, rc ? &rerr : err);
-            if (!rc) rc = rr;
-        }
-        if (rc) return rc;
+        if ((rc = dev_release(g, res, pos, e, io->stream, rc, err))) return rc;
         used[e] = 1;
         e++;
     }

@@ -75,10 +75,11 @@ def calibrate(*, block_bytes: int = 8 * 2**20, blocks: int = 8, refresh: bool = 
     return _CALIBRATED
 
 
-def _cpu_expert_rates(expert_shape: tuple[int, int]) -> tuple[float, float]:
+def _cpu_expert_rates(expert_shape: tuple[int, int], flops: bool = True
+                      ) -> tuple[float, float | None]:
     """(bytes/s, FLOP/s) of this machine's C expert kernel on one bf16 expert of
     ``expert_shape`` = (H, I): its weight bytes over one batch-1 call (best of 10), and its
-    FLOPs on 64 tokens (best of 3)."""
+    FLOPs on 64 tokens (best of 3; None without ``flops``)."""
     from ..runtime import kernels
     from ..storage import quant
 
@@ -98,8 +99,10 @@ def _cpu_expert_rates(expert_shape: tuple[int, int]) -> tuple[float, float]:
             t = min(t, time.perf_counter() - t0)
         return t
 
-    return (spec.weight_bytes / best(rng.standard_normal((1, H), dtype=np.float32), 10),
-            2 * 3 * H * I * 64 / best(rng.standard_normal((64, H), dtype=np.float32), 3))
+    bw = spec.weight_bytes / best(rng.standard_normal((1, H), dtype=np.float32), 10)
+    if not flops:
+        return bw, None
+    return bw, 2 * 3 * H * I * 64 / best(rng.standard_normal((64, H), dtype=np.float32), 3)
 
 
 def _store_read_time(nbytes: int, blocks: int, directory: str | None) -> float:
@@ -270,7 +273,7 @@ def calibrate_gpu(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 140
         flops=2 * 3 * H * I * 1024 / t_batch,
         fast_bytes=float(torch.cuda.get_device_properties(dev).total_memory),
         kernel_overhead_s=max(t_layer - top_k * t_expert, 0.0),
-        cpu_bw=_cpu_expert_rates(expert_shape)[0],
+        cpu_bw=_cpu_expert_rates(expert_shape, flops=False)[0],
         description=f"measured by specmoe.sim.calibration.calibrate_gpu on {name}: GpuExpertCache demand "
                     f"misses from pinned host memory, bf16 {H}x{I} expert calls and "
                     f"moe_forward of {top_k} resident experts, launch work included; cpu_bw "

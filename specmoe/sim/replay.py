@@ -299,6 +299,10 @@ def ttft_seconds(trace: Trace, hw: Hardware, model: ModelCost, overlap: bool) ->
     return layer.sum(axis=1) + tok
 
 
+# _C.simulate's miss mode of the hybrid tier (csrc/sim.h SMOE_SIM_HYBRID; 0-4 are MISS_MODES)
+_SIM_HYBRID = 5
+
+
 def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | str" = "10%",
              prefetch: "str | Predictor | None" = None, hardware: "str | Hardware" = "a100-pcie4",
              *, model: ModelCost | None = None, verify_tokens: int = 1, miss: str = "fetch",
@@ -432,7 +436,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
                                                                               "priority")
                     else None,
                     **pred.c_args(), **sim_timing(hw, model), verify_tokens=int(verify_tokens),
-                    miss=5 if hybrid else MISS_MODES.index(miss), miss_keep=int(miss_keep),
+                    miss=_SIM_HYBRID if hybrid else MISS_MODES.index(miss),
+                    miss_keep=int(miss_keep),
                     lowbit_ratio=float(lowbit_ratio),
                     miss_keep2=min(int(miss_keep2), trace.top_k),
                     lowbit2_ratio=float(lowbit2_ratio), protect=bool(protect),
