@@ -40,7 +40,7 @@ def _reference(arch, held):
 
 @pytest.mark.parametrize("arch,qtype", [
     ("mixtral", "F32"), ("qwen2_moe", "F32"), ("qwen3_moe", "Q4_0"), ("olmoe", "Q8_0"),
-    ("deepseek_v2", "F32"), ("deepseek_v2", "Q4_0")])
+    ("deepseek_v2", "F32"), ("deepseek_v2", "Q4_0"), ("gpt_oss", "F32"), ("gpt_oss", "Q8_0")])
 def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
     want = _greedy(_reference(arch, held))
@@ -233,3 +233,62 @@ def test_streamed_random_gguf_is_a_model_both_sides_read(tmp_path):
         assert out.shape == (1, 12)
     finally:
         specmoe.engine_of(model).close()
+
+
+@pytest.mark.parametrize("qtype,dtype,fuse", [("Q8_0", "auto", False), ("Q4_0", "int4", True),
+                                              ("Q4_0", "auto", True)])
+def test_gpt_oss_file_keeps_its_blocks_and_expert_biases(tmp_path, capfd, qtype, dtype, fuse):
+    """A gpt-oss file as llama.cpp's converter writes it (gate / up split out of GPT-OSS's
+    interleaved gate_up_proj, or stacked in one ffn_gate_up_exps; F32 expert biases; sinks;
+    the post-attention norm; sliding-window layers and YaRN in the metadata): its config is the
+    model's, its expert blocks are kept with the biases beside them, and on the exact kernel
+    path its logits equal the transformers model holding the weights the file holds."""
+    import numpy as np
+
+    from specmoe import _C
+    from specmoe.runtime import kernels
+    from specmoe.storage.store import ExpertStore
+
+    path, held = save_gguf(tiny_model("gpt_oss"), tmp_path / "oss.gguf", qtype=qtype,
+                           fuse_gate_up=fuse)
+    want_cfg, got = tiny_config("gpt_oss"), GgufCheckpoint.open(path).config()
+    assert got["model_type"] == "gpt_oss"
+    for k in ("layer_types", "sliding_window", "intermediate_size", "num_local_experts",
+              "head_dim", "rope_parameters", "tie_word_embeddings"):
+        assert got[k] == getattr(want_cfg, k), k
+    store = specmoe.convert(path, dtype=dtype, progress=False)
+    st = ExpertStore(store)
+    try:
+        assert st.extra["dtype"] == ("gguf" if dtype == "auto" else dtype)
+        assert st.extra["kept_blocks"] == qtype
+        for layer in (0, st.num_layers - 1):
+            b = held[f"model.layers.{layer}.mlp.experts.gate_up_proj_bias"][5].numpy()
+            d = held[f"model.layers.{layer}.mlp.experts.down_proj_bias"][5].numpy()
+            t = st.read_expert(layer, 5)
+            np.testing.assert_array_equal(t["gate.bias"], b[0::2])
+            np.testing.assert_array_equal(t["up.bias"], b[1::2])
+            np.testing.assert_array_equal(t["down.bias"], d)
+    finally:
+        st.close()
+    ref = tiny_model("gpt_oss")
+    missing, unexpected = ref.load_state_dict(held, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3, 17]])
+    with torch.no_grad():
+        want = ref(ids).logits
+    model = specmoe.from_pretrained(path, cache=0.5, dtype=dtype, progress=False,
+                                    dense="torch", torch_dtype=torch.float32)
+    try:
+        kernels.set_isa("scalar")  # the exact path: the f32 math on the file's weights
+        with torch.no_grad():
+            got_logits = model(ids).logits
+        assert float((got_logits - want).norm() / want.norm()) < 1e-5
+        assert _greedy(model) == _greedy(ref)
+        kernels.set_isa(_C.KernelContext(1).isa_max)  # the fast path: close
+        with torch.no_grad():
+            fast = model(ids).logits
+        assert float((fast - want).norm() / want.norm()) < 3e-2
+    finally:
+        kernels.set_isa("auto")
+        specmoe.engine_of(model).close()
+    assert "not kept as they are" not in capfd.readouterr().err

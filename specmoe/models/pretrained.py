@@ -260,7 +260,8 @@ def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
             flat = np.zeros(H * (I // c) * b, np.uint8)
             flat[:dn.size] = dn.reshape(-1)
             dn = flat.reshape(H, I // c, b)
-        return StoredExpert({"gate": gu[:I], "up": gu[I:], "down": dn})
+        return StoredExpert({"gate": gu[:I], "up": gu[I:], "down": dn,
+                             **_kept_biases(plan, pos, e)})
     if (e, "gate") in keys:
         (g, gs), (u, us) = ck.expert_int4(keys[(e, "gate")]), ck.expert_int4(keys[(e, "up")])
         gu, gus = np.concatenate([g, u]), np.concatenate([gs, us])
@@ -277,7 +278,20 @@ def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
                                   f"expert {e}: {what} has non-finite {plan.kept} scales; the "
                                   "checkpoint is damaged")
     return StoredExpert({"gate": gu[:I], "up": gu[I:], "down": dn, "gate.scale": gus[:I],
-                         "up.scale": gus[I:], "down.scale": dns})
+                         "up.scale": gus[I:], "down.scale": dns, **_kept_biases(plan, pos, e)})
+
+
+def _kept_biases(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
+    """GPT-OSS's expert biases beside its kept blocks (f32, as every store holds biases):
+    the fused gate_up_proj_bias [2I] interleaved (even entries gate, odd up) and
+    down_proj_bias [H]; nothing for the other architectures."""
+    if not plan.info.gptoss:
+        return {}
+    keys, ck = plan.experts[pos], plan.ckpt
+    gub = _np32(ck.slice(keys[(None, "gate_up_proj_bias")], e))
+    return {"gate.bias": np.ascontiguousarray(gub[0::2]),
+            "up.bias": np.ascontiguousarray(gub[1::2]),
+            "down.bias": _np32(ck.slice(keys[(None, "down_proj_bias")], e))}
 
 
 def _source_key(keys: dict[tuple[int | None, str], str], e: int, n: str) -> str:

@@ -174,6 +174,8 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
     """Write transformers config ``cfg``'s architecture keys into GGUF writer ``w`` (created
     for the llama.cpp architecture of ``cfg.model_type``), as llama.cpp's converter names
     them.  Shared by :func:`save_gguf` and the benchmarks that stream a GGUF file."""
+    import gguf
+
     from ..storage.gguf import gguf_arch
     arch = gguf_arch(cfg.model_type)
     w.add_block_count(cfg.num_hidden_layers)
@@ -208,6 +210,16 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    elif cfg.model_type == "gpt_oss":  # the keys llama.cpp's GptOssModel writes
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+        rp = cfg.rope_parameters
+        if rp.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(float(rp["factor"]))
+            w.add_rope_scaling_orig_ctx_len(int(rp.get("original_max_position_embeddings",
+                                                       4096)))
     else:
         w.add_feed_forward_length(cfg.intermediate_size)
     if cfg.model_type == "qwen2_moe":
@@ -252,8 +264,9 @@ def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
 
 
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
-              tokenizer=None, expert_qtype: Any = None) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe or deepseek_v2) as a GGUF file the way
+              tokenizer=None, expert_qtype: Any = None,
+              fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or gpt_oss) as a GGUF file the way
     llama.cpp's converter does (architecture names and metadata keys, stacked experts
     ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows), its
     2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the
@@ -265,7 +278,9 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
     ``Q4_K``, ``Q5_K``, ``Q6_K`` or ``IQ4_XS`` (written by
     :mod:`specmoe.storage.ggml_blocks`' quantizers; the ``gguf`` package has none); a matrix whose columns are not a multiple of 256 then falls back to Q8_0, as
     llama-quantize falls back.  ``expert_qtype``: the routed experts' type instead of
-    ``qtype``, a name or ``f(layer, "gate" | "up" | "down") -> name`` (a Q4_K_M-like mix)."""
+    ``qtype``, a name or ``f(layer, "gate" | "up" | "down") -> name`` (a Q4_K_M-like mix).
+    ``fuse_gate_up``: gate and up as one stacked ``ffn_gate_up_exps`` tensor (gate rows, then
+    up rows; its bias likewise), as newer converters may write them."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize, quantize
@@ -322,7 +337,40 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
         sd.pop("lm_head.weight", None)
     for name, a in sd.items():
         blk = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if arch == "gpt-oss" and ".mlp.experts." in name:
+            # transformers' [E, H, 2I] (gate / up interleaved), [E, 2I], [E, I, H], [E, H]
+            # -> llama.cpp's ffn_{gate,up}_exps [E, I, H] and biases [E, I], ffn_down_exps
+            # [E, H, I] (its GptOssModel's split); biases stay F32
+            pre = f"blk.{blk}."
+            back = np.empty_like(a)
+            if name.endswith("gate_up_proj"):
+                g, u = a[:, :, 0::2].transpose(0, 2, 1), a[:, :, 1::2].transpose(0, 2, 1)
+                if fuse_gate_up:
+                    g, u = np.split(put(pre + "ffn_gate_up_exps.weight",
+                                        np.concatenate([g, u], axis=1), etype(blk, "gate")),
+                                    2, axis=1)
+                else:
+                    g = put(pre + "ffn_gate_exps.weight", g, etype(blk, "gate"))
+                    u = put(pre + "ffn_up_exps.weight", u, etype(blk, "up"))
+                back[:, :, 0::2], back[:, :, 1::2] = g.transpose(0, 2, 1), u.transpose(0, 2, 1)
+            elif name.endswith("gate_up_proj_bias"):
+                if fuse_gate_up:
+                    back[:, 0::2], back[:, 1::2] = np.split(put(
+                        pre + "ffn_gate_up_exps.bias",
+                        np.concatenate([a[:, 0::2], a[:, 1::2]], axis=1), "F32"), 2, axis=1)
+                else:
+                    back[:, 0::2] = put(pre + "ffn_gate_exps.bias", a[:, 0::2], "F32")
+                    back[:, 1::2] = put(pre + "ffn_up_exps.bias", a[:, 1::2], "F32")
+            elif name.endswith("down_proj"):
+                back = put(pre + "ffn_down_exps.weight", a.transpose(0, 2, 1),
+                           etype(blk, "down")).transpose(0, 2, 1)
+            else:  # down_proj_bias
+                back = put(pre + "ffn_down_exps.bias", a, "F32")
+            held[name] = torch.from_numpy(np.ascontiguousarray(back))
+        elif name.endswith("mlp.experts.gate_up_proj") and fuse_gate_up:
+            held[name] = torch.from_numpy(put(f"blk.{blk}.ffn_gate_up_exps.weight", a,
+                                              etype(blk, "gate")))
+        elif name.endswith("mlp.experts.gate_up_proj"):
             I = a.shape[1] // 2
             held[name] = torch.from_numpy(np.concatenate(
                 [put(f"blk.{blk}.ffn_gate_exps.weight", a[:, :I], etype(blk, "gate")),

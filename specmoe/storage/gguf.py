@@ -14,7 +14,8 @@ only expert ``e``'s bytes.
 What is converted: the llama.cpp architectures in :data:`ARCHITECTURES` (``llama`` with
 experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2`` with softmax
 routing, i.e. DeepSeek-V2 and V2-Lite, its ``attn_k_b``/``attn_v_b`` joined back into
-``kv_b_proj``).  Tensor types: whatever the
+``kv_b_proj``; ``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up
+interleaved, with their biases: :meth:`GgufCheckpoint._assemble`).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
 MXFP4).  The routed experts are kept as the file holds them where the kernels read the
 format: Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS / Q4_1 / Q2_K / Q3_K (with Q5_0 widened to Q8_0 without loss, e.g.
@@ -57,6 +58,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
     "deepseek2": "deepseek_v2",  # DeepSeek-V2 / V2-Lite (softmax routing); V3 is refused
+    "gpt-oss": "gpt_oss",
 }
 
 
@@ -105,6 +107,15 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
         "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
         "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
     },
+    # llama.cpp's GptOssModel: the post-attention norm under its own name, the attention sinks
+    # as a ".weight", the router (with its bias) as ffn_gate_inp
+    "gpt-oss": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
+    },
 }
 # llama.cpp's converter splits DeepSeek's kv_b_proj [heads * (nope + v), kv_lora] into
 # attn_k_b [heads, kv_lora, nope] (each head's k part transposed) and attn_v_b [heads, v,
@@ -115,6 +126,11 @@ _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _EXPERT_NAMES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+# newer converters may write gate and up as one stacked tensor (gate rows, then up rows)
+_GATE_UP_FUSED = "ffn_gate_up_exps.weight"
+# GPT-OSS's expert biases (converter: gate_up_proj_bias split into its even / odd entries)
+_EXPERT_BIAS_NAMES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
+_GATE_UP_BIAS_FUSED = "ffn_gate_up_exps.bias"
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # GGUF expert type -> the nearest store dtype (dtype="auto")
@@ -183,6 +199,9 @@ class GgufCheckpoint:
     dtypes: dict[str, str]
     _tensors: dict[str, Any] = field(default_factory=dict, repr=False)  # GGUF name -> tensor
     _sources: dict[str, Any] = field(default_factory=dict, repr=False)  # hf key -> GGUF names
+    # hf key -> how its GGUF sources make the transformers tensor when that is not the sources
+    # stacked row-wise (GPT-OSS's transposed, interleaved experts: _assemble)
+    _layout: dict[str, str] = field(default_factory=dict, repr=False)
     _reader: Any = field(default=None, repr=False)  # owns the file map the tensors view
 
     @classmethod
@@ -242,7 +261,8 @@ class GgufCheckpoint:
                 self._add(name, [name])  # unknown: reported as unused by the plan
                 continue
             i, rest = int(m.group(1)), m.group(2)
-            if rest in _EXPERT_NAMES:
+            if rest in _EXPERT_NAMES or rest in (_GATE_UP_FUSED, _GATE_UP_BIAS_FUSED) \
+                    or rest in _EXPERT_BIAS_NAMES:
                 layers.setdefault(i, set()).add(rest)
             elif rest in _KV_B_SPLIT and self.arch == "deepseek2":
                 kv_b.setdefault(i, set()).add(rest)
@@ -256,15 +276,29 @@ class GgufCheckpoint:
                                 f"({', '.join(_KV_B_SPLIT)})")
             self._add(f"model.layers.{i}.self_attn.kv_b_proj.weight",
                       [f"blk.{i}.{n}" for n in _KV_B_SPLIT])
+        oss = self.arch == "gpt-oss"
         for i, got in sorted(layers.items()):
-            missing = set(_EXPERT_NAMES) - got
+            gate_up = ([_GATE_UP_FUSED] if _GATE_UP_FUSED in got
+                       else ["ffn_gate_exps.weight", "ffn_up_exps.weight"])
+            need = set(gate_up) | {"ffn_down_exps.weight"}
+            if oss:  # GPT-OSS's experts have biases
+                need |= ({_GATE_UP_BIAS_FUSED} if _GATE_UP_BIAS_FUSED in got
+                         else {"ffn_gate_exps.bias", "ffn_up_exps.bias"}) | {"ffn_down_exps.bias"}
+            missing = need - got
             if missing:
                 raise GgufError(f"{self.folder}: block {i} lacks expert tensors "
                                 f"{', '.join(f'blk.{i}.{n}' for n in sorted(missing))}")
-            self._add(f"model.layers.{i}.mlp.experts.gate_up_proj",
-                      [f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight"])
-            self._add(f"model.layers.{i}.mlp.experts.down_proj",
-                      [f"blk.{i}.ffn_down_exps.weight"])
+            pre, blk = f"model.layers.{i}.mlp.experts.", f"blk.{i}."
+            self._add(pre + "gate_up_proj", [blk + n for n in gate_up])
+            self._add(pre + "down_proj", [blk + "ffn_down_exps.weight"])
+            if oss:  # transformers' GptOssExperts: [E, H, 2I] with gate / up interleaved
+                bias = ([_GATE_UP_BIAS_FUSED] if _GATE_UP_BIAS_FUSED in got
+                        else ["ffn_gate_exps.bias", "ffn_up_exps.bias"])
+                self._add(pre + "gate_up_proj_bias", [blk + n for n in bias])
+                self._add(pre + "down_proj_bias", [blk + "ffn_down_exps.bias"])
+                self._layout.update({pre + "gate_up_proj": "oss_gate_up",
+                                     pre + "gate_up_proj_bias": "oss_gate_up_bias",
+                                     pre + "down_proj": "oss_down"})
 
     def _add(self, key: str, names: list[str]) -> None:
         self.keys[key] = self.folder
@@ -295,6 +329,8 @@ class GgufCheckpoint:
             if m is None:
                 continue
             roles = ("gate", "up") if m.group(2) == "gate_up_proj" else ("down",)
+            if len(names) == 1:  # gate and up stacked in one tensor
+                names = names * len(roles)
             for role, n in zip(roles, names):
                 per[role].setdefault(int(m.group(1)), set()).add(
                     self._tensors[n].tensor_type.name)
@@ -361,8 +397,7 @@ class GgufCheckpoint:
                                    | self._expert_types("down_proj")))
         if dtype != "int4":
             return None
-        types = {self._tensors[n].tensor_type.name for key, names in self._sources.items()
-                 if ".mlp.experts." in key for n in names}
+        types = self._expert_types("gate_up_proj") | self._expert_types("down_proj")
         return "Q4_0" if types == {"Q4_0"} else None
 
     def kept_group(self) -> int:
@@ -458,6 +493,8 @@ class GgufCheckpoint:
             cfg["num_experts"] = E
             cfg["intermediate_size"] = int(eff or ff)
             cfg["norm_topk_prob"] = bool(self._m("expert_weights_norm", False))
+        elif self.model_type == "gpt_oss":
+            cfg.update(self._gpt_oss(E, ff, eff, cfg["num_hidden_layers"]))
         else:  # qwen2_moe, qwen3_moe
             cfg["num_experts"] = E
             cfg["moe_intermediate_size"] = int(eff or ff)
@@ -516,6 +553,36 @@ class GgufCheckpoint:
                 "mscale": ms, "mscale_all_dim": ms, "beta_fast": 32.0, "beta_slow": 1.0}
         return out
 
+    def _gpt_oss(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
+        """GPT-OSS's settings as llama.cpp reads them (``llama_model_openai_moe``): sliding
+        window attention on the layers its pattern marks (every other layer from the first,
+        pattern 2, unless the file says otherwise), YaRN rope scaling with GPT-OSS's
+        ``truncate: false``; the clamped SwiGLU's alpha 1.702 and limit 7 are constants there
+        (no key), as they are transformers' defaults."""
+        out: dict[str, Any] = {"num_local_experts": E, "intermediate_size": int(eff or ff)}
+        sw = self._m("attention.sliding_window")
+        if sw:
+            pat = self.meta.get(f"{self.arch}.attention.sliding_window_pattern", 2)
+            if isinstance(pat, list) and len(pat) == L:
+                swa = [bool(p) for p in pat]
+            else:
+                n = int(pat[0] if isinstance(pat, list) else pat)
+                swa = [n == 0 or i % n < n - 1 for i in range(L)]
+            out["sliding_window"] = int(sw)
+            out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in swa]
+        else:
+            out["layer_types"] = ["full_attention"] * L
+        if self._m("rope.scaling.type") == "yarn":
+            out["rope_parameters"] = {
+                "rope_type": "yarn", "rope_theta": float(self._m("rope.freq_base", 10000.0)),
+                "factor": float(self._m("rope.scaling.factor", 1.0)),
+                "original_max_position_embeddings": int(self._m(
+                    "rope.scaling.original_context_length", 4096)),
+                "beta_fast": float(self._m("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(self._m("rope.scaling.yarn_beta_slow", 1.0)),
+                "truncate": False}
+        return out
+
     # -- tensors -----------------------------------------------------------------------------
 
     def _dequant(self, name: str, index: int | slice | None = None) -> np.ndarray:
@@ -568,15 +635,35 @@ class GgufCheckpoint:
         if key.endswith("kv_b_proj.weight") and len(parts) == 2:
             a = _join_kv_b(*parts)
         else:
-            a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)
+            a = self._assemble(key, parts)
         return torch.from_numpy(self._fix(key, a))
 
     def slice(self, key: str, index: int) -> Any:
         """``tensor(key)[index]`` for a stacked expert tensor, reading only that expert."""
         import torch
 
-        parts = [self._dequant(n, index) for n in self._sources[key]]
-        return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+        return torch.from_numpy(self._assemble(
+            key, [self._dequant(n, index) for n in self._sources[key]]))
+
+    def _assemble(self, key: str, parts: list[np.ndarray]) -> np.ndarray:
+        """The transformers tensor ``key`` (or one expert's slice of it) from its GGUF sources'
+        arrays: stacked row-wise (gate rows, then up rows), or in GPT-OSS's layout, whose
+        experts transformers holds as gate_up [H, 2I] with gate and up interleaved (even
+        columns gate, odd up), its bias [2I] interleaved likewise, and down [I, H]."""
+        how = self._layout.get(key)
+        if how == "oss_down":
+            return np.ascontiguousarray(np.swapaxes(parts[0], -1, -2))
+        axis = -1 if how == "oss_gate_up_bias" else -2
+        a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+        if how is None:
+            return a
+        half = a.shape[axis] // 2
+        if how == "oss_gate_up_bias":
+            g, u = a[..., :half], a[..., half:]
+            return np.ascontiguousarray(np.stack([g, u], axis=-1).reshape(a.shape))
+        g, u = a[..., :half, :], a[..., half:, :]
+        inter = np.stack([g, u], axis=-2).reshape(a.shape)  # rows gate0, up0, gate1, ...
+        return np.ascontiguousarray(np.swapaxes(inter, -1, -2))
 
     def companions(self) -> set[str]:
         """Keys that are data of another key (none in a GGUF file)."""
