@@ -612,8 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],
                    help="store dtype of the experts (auto: bf16, or for a GGUF file its "
                         "blocks kept as they are where the kernels read them, else the nearest "
-                        "dtype; gguf: a GGUF file's Q2_K-Q6_K/Q8_0/Q4_0/Q4_1/IQ4_XS blocks as "
-                        "they are, or an AWQ / asymmetric GPTQ folder's groups as Q4_1)")
+                        "dtype; gguf: a GGUF file's Q2_K-Q6_K/Q8_0/Q4_0/Q4_1/IQ4_XS/MXFP4 blocks "
+                        "as they are, or an AWQ / asymmetric GPTQ folder's groups as Q4_1)")
     p.add_argument("-o", "--output", default=None,
                    help="store file (default: one per checkpoint and dtype under "
                         "$SPECMOE_CACHE or ~/.cache/specmoe)")
@@ -636,8 +636,8 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],
                    help="store dtype of the experts (auto: bf16, or for a GGUF file its "
                         "blocks kept as they are where the kernels read them, else the nearest "
-                        "dtype; gguf: a GGUF file's Q2_K-Q6_K/Q8_0/Q4_0/Q4_1/IQ4_XS blocks as "
-                        "they are, or an AWQ / asymmetric GPTQ folder's groups as Q4_1)")
+                        "dtype; gguf: a GGUF file's Q2_K-Q6_K/Q8_0/Q4_0/Q4_1/IQ4_XS/MXFP4 blocks "
+                        "as they are, or an AWQ / asymmetric GPTQ folder's groups as Q4_1)")
     p.add_argument("--policy", default="least_stale",
                    help="eviction policy spec, as simulate's --policies takes (e.g. lru, "
                         "random:seed=3, least_stale:order=lru, spac:levels=3)")

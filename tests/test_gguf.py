@@ -236,7 +236,7 @@ def test_streamed_random_gguf_is_a_model_both_sides_read(tmp_path):
 
 
 @pytest.mark.parametrize("qtype,dtype,fuse", [("Q8_0", "auto", False), ("Q4_0", "int4", True),
-                                              ("Q4_0", "auto", True)])
+                                              ("Q4_0", "auto", True), ("MXFP4", "auto", False)])
 def test_gpt_oss_file_keeps_its_blocks_and_expert_biases(tmp_path, capfd, qtype, dtype, fuse):
     """A gpt-oss file as llama.cpp's converter writes it (gate / up split out of GPT-OSS's
     interleaved gate_up_proj, or stacked in one ffn_gate_up_exps; F32 expert biases; sinks;

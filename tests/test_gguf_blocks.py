@@ -73,7 +73,7 @@ def test_quantizers_write_blocks_the_gguf_package_reads_back_closely():
         err = _rel(gb.dequantize(b), w)
         assert err < {"q8_0": 0.01, "q4_k": 0.12, "q6_k": 0.03, "q4_0": 0.12,
                       "q5_k": 0.06, "iq4_xs": 0.12, "q4_1": 0.1, "q2_k": 0.4,
-                      "q3_k": 0.2}[kind], (kind, err)
+                      "q3_k": 0.2, "mxfp4": 0.15}[kind], (kind, err)
 
 
 def test_q4_1_quantizer_is_read_back_by_the_gguf_package_as_its_own():
@@ -138,13 +138,14 @@ def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
                                        ("q6_k", "q5_k"), ("iq4_xs", None), ("iq4_xs", "q6_k"),
                                        ("q4_1", None), ("q4_k", "q4_1"), ("q4_1", "q8_0"),
                                        ("q2_k", None), ("q3_k", None), ("q2_k", "q3_k"),
-                                       ("q3_k", "q6_k"), ("q2_k", "q4_0")])
+                                       ("q3_k", "q6_k"), ("q2_k", "q4_0"), ("mxfp4", None),
+                                       ("mxfp4", "q8_0"), ("q4_k", "mxfp4")])
 @pytest.mark.parametrize("T", [1, 5, 9])
 @pytest.mark.parametrize("precise", [True, False])
 def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, precise):
     _isa(ctx, isa)
     rng = np.random.default_rng(zlib.crc32(f"{kind}/{down}/{T}".encode()))  # not hash(): salted
-    small = ("q8_0", "q4_0", "q4_1")  # blocks of 32 columns
+    small = ("q8_0", "q4_0", "q4_1", "mxfp4")  # blocks of 32 columns
     H = 96 * 4 if kind in small else 512
     I = 96 if (down or kind) in small else 256
     t, ref = _expert(rng, H, I, kind, down, bias=T == 5)  # 9 tokens: tiles of 4, 4 and 1
@@ -162,7 +163,7 @@ def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, pr
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
-@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "q4_k", "q6_k", "mxfp4"])
 @pytest.mark.parametrize("H,I", [(32 * 13, 32 * 6), (32 * 4, 32 * 7), (32 * 8, 32 * 3)])
 def test_one_token_rows_of_any_block_count(ctx, isa, kind, H, I):
     """Q4_0 / Q8_0 / Q4_K / Q6_K at one token with block counts that leave blocks past the
@@ -268,6 +269,7 @@ def _q4_k_m_256(layer: int, role: str) -> str:
     ("qwen3_moe", 256, "IQ4_XS", "iq4_xs"),
     ("mixtral", 96, "Q8_0", "q8_0"),
     ("mixtral", 96, "Q4_0", "q4_0"),
+    ("olmoe", 96, "MXFP4", "mxfp4"),
     ("qwen3_moe", 96, "Q4_1", "q4_1"),
     ("qwen3_moe", 256, lambda layer, role: "Q3_K" if role != "down" else "Q4_K", "q4_k"),  # Q3_K_M
     ("qwen3_moe", 256, "Q2_K", "q2_k")])
@@ -304,7 +306,7 @@ def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
                 want = dequantize(np.asarray(raw.data[3]), raw.tensor_type)
                 np.testing.assert_array_equal(got[name], want)
                 if raw.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_1",
-                                                "Q2_K", "Q3_K"):
+                                                "Q2_K", "Q3_K", "MXFP4"):
                     np.testing.assert_array_equal(t[name].reshape(-1),
                                                   np.asarray(raw.data[3]).reshape(-1))
     finally:

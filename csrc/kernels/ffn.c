@@ -39,6 +39,7 @@ static uint64_t wbytes(int32_t dtype, uint32_t rows, uint32_t cols) {
     case SMOE_WDT_Q4_1:
     case SMOE_WDT_Q2_K:
     case SMOE_WDT_Q3_K:
+    case SMOE_WDT_MXFP4:
         return (uint64_t)rows * (cols / smoe_wdt_block_cols(dtype)) * smoe_wdt_block_bytes(dtype);
     default: return 0;
     }
@@ -77,13 +78,13 @@ static int check_tensor(const char *name, uint64_t off, uint64_t nbytes, uint64_
 }
 
 int smoe_ffn_desc_check(const smoe_ffn_desc *d, uint64_t block_bytes, smoe_err *err) {
-    if (d->dtype < SMOE_WDT_F32 || d->dtype > SMOE_WDT_Q3_K)
+    if (d->dtype < SMOE_WDT_F32 || d->dtype > SMOE_WDT_MXFP4)
         return smoe_err_set(err, SMOE_EINVAL, "unknown expert weight dtype %d", d->dtype);
     const int32_t ddt = smoe_ffn_down_dtype(d);
     if (d->down_dtype && !(smoe_wdt_is_block(d->dtype) && smoe_wdt_is_block(d->down_dtype)))
         return smoe_err_set(err, SMOE_EINVAL,
                             "down_dtype %d: only the GGUF block formats (Q8_0, Q2_K-Q6_K, "
-                            "Q4_0, Q4_1, IQ4_XS) may differ between the matrices (dtype %d)",
+                            "Q4_0, Q4_1, IQ4_XS, MXFP4) may differ between the matrices (dtype %d)",
                             d->down_dtype, d->dtype);
     if (smoe_wdt_is_block(d->dtype)) {
         const uint32_t gc = smoe_wdt_block_cols(d->dtype), dc = smoe_wdt_block_cols(ddt);

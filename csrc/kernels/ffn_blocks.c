@@ -1,7 +1,7 @@
 /* Expert FFNs over GGUF block weights kept as the file holds them (SMOE_WDT_Q8_0 / Q4_K / Q6_K /
- * Q4_0 / Q5_K / IQ4_XS / Q4_1 / Q2_K / Q3_K, layouts in kernels.h; ggml's block_q8_0,
- * block_q4_K, block_q6_K, block_q4_0, block_q5_K, block_iq4_xs, block_q4_1, block_q2_K and
- * block_q3_K).
+ * Q4_0 / Q5_K / IQ4_XS / Q4_1 / Q2_K / Q3_K / MXFP4, layouts in kernels.h; ggml's block_q8_0,
+ * block_q4_K, block_q6_K, block_q4_0, block_q5_K, block_iq4_xs, block_q4_1, block_q2_K,
+ * block_q3_K and block_mxfp4).
  *
  * Two paths, chosen per call by ffn.c:
  *   exact  (desc.precise = 1, or a CPU without AVX2): each block is widened to f32 exactly as
@@ -11,12 +11,15 @@
  *   fast   (AVX2, precise = 0): llama.cpp's scheme (its Q8_0 x Q8_0, Q4_K x Q8_K and
  *          Q6_K x Q8_K dot products) -- the input (x in phase 1, the activation in phase 2) is
  *          quantized once per call to int8 with one scale max|x| / 127 per 32 columns for a
- *          Q8_0, Q4_0 or Q4_1 matrix, per 256 for a K-quant one (round to nearest even), and
+ *          Q8_0, Q4_0, Q4_1 or MXFP4 matrix, per 256 for a K-quant one (round to nearest even), and
  *          each block's products are summed exactly in integers with vpmaddubsw / vpmaddwd:
  *            Q8_0  |w| as the unsigned operand, x with w's sign (vpsignb): pairs at most
  *                  2 * 128 * 127 = 32512 < 2^15; times d_w * s_x per 32 columns in f32.
  *            Q4_0  the nibbles unpacked to q - 8 in [-8, 7], then as Q8_0 (llama.cpp's
  *                  Q4_0 x Q8_0).
+ *            MXFP4 the nibbles looked up in the doubled E2M1 table (vpshufb) as int8 in
+ *                  [-12, 12], then as Q8_0 with d_w = 2^(e - 128), exact in f32 (llama.cpp's
+ *                  MXFP4 x Q8_0).
  *            Q4_1  w = d * q + m with q in [0, 15] the unsigned operand (pairs <= 3810):
  *                  d * s_x * sum q x + m * s_x * (the prepared sum of the 32 int8 x)
  *                  (llama.cpp's Q4_1 x Q8_1).
@@ -52,7 +55,7 @@
  *          within ~3e-7 of a numpy model of this arithmetic (tests/test_gguf_blocks.py).
  *          One pass over a row's blocks serves up to 4 tokens (the unpacked nibbles and
  *          scales reused).
- *   vnni   (AVX512_VNNI, precise = 0): the fast form, with Q4_0 and Q8_0 at one token through
+ *   vnni   (AVX512_VNNI, precise = 0): the fast form, with Q4_0, MXFP4 and Q8_0 at one token through
  *          vpdpbusd and Q4_K and Q6_K through 512-bit vpmaddubsw / vpdpwssd (the same integer
  *          sums; below, before impl_vnni).
  *
@@ -107,6 +110,17 @@ static inline void q4k_scale_min(const uint8_t *s, uint32_t j, uint8_t *sc, uint
 }
 
 /* ggml's kvalues_iq4nl: the 16 values an IQ4_XS nibble stands for. */
+/* The FP4 (E2M1) values doubled, ggml's kvalues_mxfp4; the block's scale is halved to match. */
+static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ggml_e8m0_to_fp32_half: 2^(e - 128) as an f32 (e < 2: the subnormals 2^-128 and 2^-127). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 static const int8_t iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                         1,    13,   25,  38,  53,  69,  89,  113};
 
@@ -160,6 +174,12 @@ static void widen_block(int32_t dt, const uint8_t *b, float *y) {
         for (uint32_t l = 0; l < 16; l++) {
             y[l] = (float)(b[4 + l] & 0xFu) * d + m;
             y[l + 16] = (float)(b[4 + l] >> 4) * d + m;
+        }
+    } else if (dt == SMOE_WDT_MXFP4) { /* ggml's dequantize_row_mxfp4 */
+        const float d = e8m0_half(b[0]);
+        for (uint32_t l = 0; l < 16; l++) {
+            y[l] = d * (float)mxfp4_values[b[1 + l] & 0xFu];
+            y[l + 16] = d * (float)mxfp4_values[b[1 + l] >> 4];
         }
     } else if (dt == SMOE_WDT_Q8_0) {
         const float d = rd_f16(b);
@@ -303,17 +323,26 @@ AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
     return r;
 }
 
-/* ---- Q8_0 and Q4_0: one scale per 32 columns on both sides ---- */
+/* ---- Q8_0, Q4_0 and MXFP4: one scale per 32 columns on both sides ---- */
 
-/* The 32 weights of a Q8_0 or Q4_0 block as int8 lanes in column order (Q4_0: the low
- * nibbles are columns 0..15, in the low lane, the high nibbles 16..31; q - 8). */
+/* The 32 weights of a Q8_0, Q4_0 or MXFP4 block as int8 lanes in column order (Q4_0 and
+ * MXFP4: the low nibbles are columns 0..15, in the low lane, the high nibbles 16..31; Q4_0
+ * q - 8, MXFP4 the table's value). */
 AI __m256i q32_of(int32_t dt, const uint8_t *w) {
     if (dt == SMOE_WDT_Q8_0) return _mm256_loadu_si256((const __m256i *)(w + 2));
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i v = _mm_loadu_si128((const __m128i *)(w + 2));
-    return _mm256_sub_epi8(
-        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
-        _mm256_set1_epi8(8));
+    const __m128i v = _mm_loadu_si128((const __m128i *)(w + (dt == SMOE_WDT_MXFP4 ? 1 : 2)));
+    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    if (dt == SMOE_WDT_MXFP4) {
+        const __m128i kv = _mm_loadu_si128((const __m128i *)(const void *)mxfp4_values);
+        return _mm256_set_m128i(_mm_shuffle_epi8(kv, hi), _mm_shuffle_epi8(kv, lo));
+    }
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+/* The scale of a Q8_0 / Q4_0 block (f16) or an MXFP4 one (E8M0, halved). */
+AI float b32_scale(int32_t dt, const uint8_t *w) {
+    return dt == SMOE_WDT_MXFP4 ? e8m0_half(w[0]) : ld_f16(w);
 }
 
 /* The block's 32 products with the prepared input xq, times d_w * s_x, into acc. */
@@ -325,7 +354,7 @@ AI __m256 q32_dot(__m256i wq, float d, const int8_t *xq, float xs, __m256 acc) {
     return _mm256_fmadd_ps(_mm256_set1_ps(d * xs), _mm256_cvtepi32_ps(p), acc);
 }
 
-/* Q8_0 / Q4_0 rows (blocks of 32 columns, bb bytes) against nt tokens. */
+/* Q8_0 / Q4_0 / MXFP4 rows (blocks of 32 columns, bb bytes) against nt tokens. */
 AI void rows_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32_t n,
                  float *res) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
@@ -334,7 +363,7 @@ AI void rows_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32
     for (uint32_t b = 0; b < nb; b++, w += bb) {
         if (!(b & 1)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
         const __m256i wq = q32_of(dt, w);
-        const float d = ld_f16(w);
+        const float d = b32_scale(dt, w);
         for (uint32_t t = 0; t < nt; t++)
             acc[t] = q32_dot(wq, d, x[t].q + 32 * b, x[t].s[b], acc[t]);
     }
@@ -349,10 +378,11 @@ AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
     uint32_t b = 0;
     for (; b + 2 <= nb; b += 2, w += 2 * bb) {
         _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
-        a0 = q32_dot(q32_of(dt, w), ld_f16(w), x->q + 32 * b, x->s[b], a0);
-        a1 = q32_dot(q32_of(dt, w + bb), ld_f16(w + bb), x->q + 32 * b + 32, x->s[b + 1], a1);
+        a0 = q32_dot(q32_of(dt, w), b32_scale(dt, w), x->q + 32 * b, x->s[b], a0);
+        a1 = q32_dot(q32_of(dt, w + bb), b32_scale(dt, w + bb), x->q + 32 * b + 32,
+                     x->s[b + 1], a1);
     }
-    if (b < nb) a0 = q32_dot(q32_of(dt, w), ld_f16(w), x->q + 32 * b, x->s[b], a0);
+    if (b < nb) a0 = q32_dot(q32_of(dt, w), b32_scale(dt, w), x->q + 32 * b, x->s[b], a0);
     return hsum8(_mm256_add_ps(a0, a1));
 }
 
@@ -946,6 +976,10 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         res[0] = row1_q4_1(w, x, n);
     else if (dt == SMOE_WDT_Q4_1)
         rows_q4_1(w, x, nt, n, res);
+    else if (dt == SMOE_WDT_MXFP4 && nt == 1) /* (each format its own inlined loop) */
+        res[0] = row1_b32(SMOE_WDT_MXFP4, w, x, n);
+    else if (dt == SMOE_WDT_MXFP4)
+        rows_b32(SMOE_WDT_MXFP4, w, x, nt, n, res);
     else if (smoe_wdt_block_cols(dt) == 32 && nt == 1)
         res[0] = row1_b32(dt, w, x, n);
     else if (smoe_wdt_block_cols(dt) == 32)
@@ -1113,49 +1147,65 @@ static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
  * x) in each of the block's four int32 lanes (their sum: -8 sum x); the products are exact as
  * in the AVX2 form (a lane's 8 products <= 8 * 15 * 127), so the result equals it to float
  * rounding.  One float conversion and FMA per 128 columns, the four blocks' d * s_x spread
- * over their lanes with one vpermps.  Other formats and several tokens run the AVX2 form. */
+ * over their lanes with one vpermps.  MXFP4 (17-byte blocks) the same way, its nibbles looked
+ * up (vpshufb) in the doubled E2M1 table offset by 12 to [0, 24] (a lane's 8 products <= 8 *
+ * 24 * 127), the offset -12 sum x the start value (-3 * the block sum a lane) and d_w the
+ * block's E8M0 scale halved.  Other formats and several tokens run the AVX2 form. */
 #if HAVE_FAST && !defined(__clang__) && __GNUC__ >= 10
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
-/* The four blocks' (w, 18 bytes each) sum of (q - 8) * x_q as 16 int32 lanes (4 a block),
- * given the input's low / high halves xlo / xhi and their -2 * block sums in init. */
-AI __m512i q40_quad(const uint8_t *w, __m512i xlo, __m512i xhi, __m512i init) {
+/* The four blocks' (w, bb = 18 or 17 bytes each) sum of w_q * x_q as 16 int32 lanes (4 a
+ * block), given the input's low / high halves xlo / xhi and the offsets' sums in init: Q4_0's
+ * nibbles q as they are (w_q = q - 8), MXFP4's looked up in the table offset by 12. */
+AI __m512i q4x_quad(int32_t dt, const uint8_t *w, __m512i xlo, __m512i xhi, __m512i init) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + 2)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 20)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 38)), 2);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 56)), 3);
-    const __m512i acc = _mm512_dpbusd_epi32(init, _mm512_and_si512(v, m4), xlo);
-    return _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), xhi);
+    const uint32_t bb = dt == SMOE_WDT_MXFP4 ? 17 : 18, o = bb - 16;
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + o)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + bb + o)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 2 * bb + o)), 2);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 3 * bb + o)), 3);
+    __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (dt == SMOE_WDT_MXFP4) {
+        const __m512i kv = _mm512_broadcast_i32x4(
+            _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+        lo = _mm512_shuffle_epi8(kv, lo);
+        hi = _mm512_shuffle_epi8(kv, hi);
+    }
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo, xlo), hi, xhi);
 }
 
-/* The four blocks' d (f16 at w, w + 18, ...) times the input's scales xs[0..3], each in its
- * block's four lanes. */
-AI __m512 q40_scales(const uint8_t *w, const float *xs, __m512i rep4) {
-    uint16_t h[4];
-    for (int k = 0; k < 4; k++) memcpy(&h[k], w + 18 * k, 2);
-    const __m128i hv = _mm_loadl_epi64((const __m128i *)h);
-    const __m128 sc = _mm_mul_ps(_mm_cvtph_ps(hv), _mm_loadu_ps(xs));
-    return _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(sc));
+/* The four blocks' d (Q4_0: f16 at w, w + 18, ...; MXFP4: E8M0 at w, w + 17, ...) times the
+ * input's scales xs[0..3], each in its block's four lanes. */
+AI __m512 q4x_scales(int32_t dt, const uint8_t *w, const float *xs, __m512i rep4) {
+    __m128 d;
+    if (dt == SMOE_WDT_MXFP4) {
+        d = _mm_setr_ps(e8m0_half(w[0]), e8m0_half(w[17]), e8m0_half(w[34]), e8m0_half(w[51]));
+    } else {
+        uint16_t h[4];
+        for (int k = 0; k < 4; k++) memcpy(&h[k], w + 18 * k, 2);
+        d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+    }
+    return _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_mul_ps(d, _mm_loadu_ps(xs))));
 }
 
-/* Blocks b0..nb-1 of a Q4_0 / Q8_0 row w (bb bytes a block) against one token in the AVX2
- * form: what is left of a row past the VNNI groups. */
+/* Blocks b0..nb-1 of a Q4_0 / Q8_0 / MXFP4 row w (bb bytes a block) against one token in
+ * the AVX2 form: what is left of a row past the VNNI groups. */
 AI float q32_tail(int32_t dt, const uint8_t *w, size_t bb, uint32_t b0, uint32_t nb,
                   const xin *x) {
     __m256 tail = _mm256_setzero_ps();
     for (uint32_t t = b0; t < nb; t++) {
         const uint8_t *wb = w + bb * t;
-        tail = q32_dot(q32_of(dt, wb), ld_f16(wb), x->q + 32 * t, x->s[t], tail);
+        tail = q32_dot(q32_of(dt, wb), b32_scale(dt, wb), x->q + 32 * t, x->s[t], tail);
     }
     return hsum8(tail);
 }
 
-/* nr (1 or 2) Q4_0 rows w[r] of n columns against one token: res[r]. */
-AI void rows_q4_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
-                       float *res) {
-    const uint32_t nb = n / 32;
+/* nr (1 or 2) Q4_0 or MXFP4 rows w[r] of n columns against one token: res[r]. */
+AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
+                      uint32_t n, float *res) {
+    const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
+    const int off = dt == SMOE_WDT_MXFP4 ? 3 : 2; /* the offset per lane: 12 / 4, 8 / 4 */
     const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     uint32_t b = 0;
@@ -1166,17 +1216,18 @@ AI void rows_q4_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
         const __m512i xhi = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
         const __m128i s4 = _mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)(x->bs + b)));
         const __m512i init = _mm512_permutexvar_epi32(
-            rep4, _mm512_castsi128_si512(_mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(s4, 1))));
+            rep4, _mm512_castsi128_si512(_mm_mullo_epi32(s4, _mm_set1_epi32(-off))));
         for (int r = 0; r < nr; r++) {
-            const uint8_t *wb = w[r] + (size_t)18 * b;
+            const uint8_t *wb = w[r] + (size_t)bb * b;
             _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
             _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
-            acc[r] = _mm512_fmadd_ps(q40_scales(wb, x->s + b, rep4),
-                                     _mm512_cvtepi32_ps(q40_quad(wb, xlo, xhi, init)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(q4x_scales(dt, wb, x->s + b, rep4),
+                                     _mm512_cvtepi32_ps(q4x_quad(dt, wb, xlo, xhi, init)),
+                                     acc[r]);
         }
     }
     for (int r = 0; r < nr; r++) /* fewer than four blocks left: the AVX2 step */
-        res[r] = _mm512_reduce_add_ps(acc[r]) + q32_tail(SMOE_WDT_Q4_0, w[r], 18, b, nb, x);
+        res[r] = _mm512_reduce_add_ps(acc[r]) + q32_tail(dt, w[r], bb, b, nb, x);
 }
 
 /* nr (1 or 2) Q8_0 rows w[r] of n columns against one token: two blocks (64 columns) per
@@ -1344,11 +1395,13 @@ AI void rows_q6_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
     for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* nr rows of dt (Q4_0, Q8_0, Q4_K or Q6_K) against one token. */
+/* nr rows of dt (Q4_0, MXFP4, Q8_0, Q4_K or Q6_K) against one token. */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
                   float *res) {
     if (dt == SMOE_WDT_Q4_0)
-        rows_q4_0_vnni(w, nr, x, n, res);
+        rows_q4x_vnni(SMOE_WDT_Q4_0, w, nr, x, n, res);
+    else if (dt == SMOE_WDT_MXFP4)
+        rows_q4x_vnni(SMOE_WDT_MXFP4, w, nr, x, n, res);
     else if (dt == SMOE_WDT_Q4_K)
         rows_q4_k_vnni(w, nr, x, n, res);
     else if (dt == SMOE_WDT_Q6_K)
@@ -1360,7 +1413,7 @@ AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *
 /* Whether the VNNI rows serve a matrix of dt at T tokens. */
 AI int vnni_rows_for(int32_t dt, uint32_t T) {
     return T == 1 && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K ||
-                      dt == SMOE_WDT_Q6_K);
+                      dt == SMOE_WDT_Q6_K || dt == SMOE_WDT_MXFP4);
 }
 
 static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {

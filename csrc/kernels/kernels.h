@@ -40,6 +40,10 @@
  *         columns) has the 6-bit scale ls_j and w = d * (ls_j - 32) * kv[q], q a nibble (low
  *         nibbles of qs[16j..16j+15] are its columns 0..15, high ones 16..31), kv ggml's
  *         non-linear table kvalues_iq4nl (-127 .. 113) (ggml's dequantize_row_iq4_xs).
+ *   MXFP4 GGUF blocks of 32 columns, 17 bytes: an E8M0 exponent e, 16 bytes whose low nibbles
+ *         are columns 0..15 and high nibbles 16..31; w = 2^(e - 128) * kv[q], kv the FP4
+ *         (E2M1) values doubled, {0, 1, 2, 3, 4, 6, 8, 12} and their negatives for q >= 8
+ *         (ggml's dequantize_row_mxfp4, ggml_e8m0_to_fp32_half: GPT-OSS's expert format).
  *         The block formats keep a GGUF file's experts as they are (ffn_blocks.c); the three
  *         matrices may mix them (desc.down_dtype: a Q4_K_M file's down projections are often
  *         Q6_K or Q8_0 where gate/up are Q4_K).  Expert FFNs only, CPU only.
@@ -77,11 +81,13 @@ typedef enum smoe_wdtype {
     SMOE_WDT_IQ4_XS = 10,
     SMOE_WDT_Q4_1 = 11,
     SMOE_WDT_Q2_K = 12,
-    SMOE_WDT_Q3_K = 13
+    SMOE_WDT_Q3_K = 13,
+    SMOE_WDT_MXFP4 = 14
 } smoe_wdtype;
 
 /* GGUF block formats kept as a GGUF file holds them (ggml's block_q8_0 / block_q4_K /
- * block_q6_K / block_q4_0 / block_q5_K / block_iq4_xs / block_q4_1 / block_q2_K / block_q3_K, bit
+ * block_q6_K / block_q4_0 / block_q5_K / block_iq4_xs / block_q4_1 / block_q2_K / block_q3_K /
+ * block_mxfp4, bit
  * for bit; Q4_1 is also
  * what asymmetric GPTQ / AWQ int4 repacks onto): each row of `cols` columns is cols /
  * smoe_wdt_block_cols blocks of smoe_wdt_block_bytes, the scales inside the blocks (no scale
@@ -89,10 +95,14 @@ typedef enum smoe_wdtype {
 static inline int smoe_wdt_is_block(int32_t dt) {
     return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q6_K ||
            dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q5_K || dt == SMOE_WDT_IQ4_XS ||
-           dt == SMOE_WDT_Q4_1 || dt == SMOE_WDT_Q2_K || dt == SMOE_WDT_Q3_K;
+           dt == SMOE_WDT_Q4_1 || dt == SMOE_WDT_Q2_K || dt == SMOE_WDT_Q3_K ||
+           dt == SMOE_WDT_MXFP4;
 }
 static inline uint32_t smoe_wdt_block_cols(int32_t dt) {
-    return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q4_1 ? 32u : 256u;
+    return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q4_1 ||
+                   dt == SMOE_WDT_MXFP4
+               ? 32u
+               : 256u;
 }
 static inline uint32_t smoe_wdt_block_bytes(int32_t dt) {
     return dt == SMOE_WDT_Q8_0     ? 34u
@@ -104,6 +114,7 @@ static inline uint32_t smoe_wdt_block_bytes(int32_t dt) {
            : dt == SMOE_WDT_Q4_1   ? 20u
            : dt == SMOE_WDT_Q2_K   ? 84u
            : dt == SMOE_WDT_Q3_K   ? 110u
+           : dt == SMOE_WDT_MXFP4  ? 17u
                                    : 0u;
 }
 /* Weight formats the GPU kernels (cuda/ffn.cu) do not take. */

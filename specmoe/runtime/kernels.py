@@ -40,7 +40,7 @@ __all__ = [
 ACTIVATIONS = ("silu", "gptoss")
 _DT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "int2": 4,
             "q8_0": 5, "q4_k": 6, "q6_k": 7, "q4_0": 8, "q5_k": 9, "iq4_xs": 10,
-            "q4_1": 11, "q2_k": 12, "q3_k": 13}
+            "q4_1": 11, "q2_k": 12, "q3_k": 13, "mxfp4": 14}
 # GGUF block formats kept as a GGUF file holds them (csrc/kernels/ffn_blocks.c): dtype ->
 # (columns, bytes) per block.  A store holds such a matrix as U8 [rows, cols / columns, bytes],
 # which the last dimension names; the scales are inside the blocks.

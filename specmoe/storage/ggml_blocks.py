@@ -1,9 +1,9 @@
 """GGUF (ggml) block formats that a store keeps as a GGUF file holds them: Q8_0, Q4_K, Q6_K,
 Q4_0, Q5_K, IQ4_XS, Q4_1 (also what asymmetric GPTQ / AWQ int4 is repacked onto,
-:func:`q4_1_from_groups`), Q2_K, Q3_K.
+:func:`q4_1_from_groups`), Q2_K, Q3_K, MXFP4 (GPT-OSS's expert format).
 
 A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes]`` (34, 144,
-210, 18, 176, 136, 20, 84 or 110 bytes per block: the last dimension names the format,
+210, 18, 176, 136, 20, 84, 110 or 17 bytes per block: the last dimension names the format,
 :data:`BLOCKS`), exactly the bytes of the file's row; the C kernels
 (``csrc/kernels/ffn_blocks.c``) read them as they are.
 
@@ -15,7 +15,8 @@ A matrix of such blocks is held as uint8 ``[rows, cols / block_cols, block_bytes
   that are not a multiple of 256 columns (e.g. DeepSeek-V2-Lite's 1408) writes Q5_0.
 * :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k`, :func:`quantize_iq4_xs`,
   :func:`quantize_q4_1`, :func:`quantize_q2_k`, :func:`quantize_q3_k` and :func:`quantize_q8_0`
-  (and :func:`quantize_q4_0`, the ``gguf`` package's; :data:`QUANTIZERS` by kind) write valid
+  (and :func:`quantize_q4_0` and :func:`quantize_mxfp4`, the ``gguf`` package's;
+  :data:`QUANTIZERS` by kind) write valid
   blocks from f32 weights (simple per-sub-block rounding, not llama.cpp's
   search), for tests and tiny files; the ``gguf`` package's writer has no K-quant or IQ
   quantizer.
@@ -27,19 +28,20 @@ import numpy as np
 __all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0",
            "quantize_q8_0", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
            "quantize_iq4_xs", "quantize_q4_1", "q4_1_from_groups", "quantize_q2_k",
-           "quantize_q3_k", "quantize_q4_0", "QUANTIZERS"]
+           "quantize_q3_k", "quantize_q4_0", "quantize_mxfp4", "QUANTIZERS"]
 
 # kind -> (columns, bytes) per block
 BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18),
           "q5_k": (256, 176), "iq4_xs": (256, 136), "q4_1": (32, 20),
-          "q2_k": (256, 84), "q3_k": (256, 110)}
+          "q2_k": (256, 84), "q3_k": (256, 110), "mxfp4": (32, 17)}
 # GGUF tensor type name -> the kept kind it maps onto without loss
 TYPE_OF_GGML = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_K": "q5_k",
                 "IQ4_XS": "iq4_xs", "Q5_0": "q8_0", "Q4_1": "q4_1",
-                "Q2_K": "q2_k", "Q3_K": "q3_k"}
+                "Q2_K": "q2_k", "Q3_K": "q3_k", "MXFP4": "mxfp4"}
 _KIND_OF_BYTES = {b: k for k, (_, b) in BLOCKS.items()}
 _GGML_NAME = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K", "q4_0": "Q4_0", "q5_k": "Q5_K",
-              "iq4_xs": "IQ4_XS", "q4_1": "Q4_1", "q2_k": "Q2_K", "q3_k": "Q3_K"}
+              "iq4_xs": "IQ4_XS", "q4_1": "Q4_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
+              "mxfp4": "MXFP4"}
 
 
 def block_kind(a: np.ndarray) -> str:
@@ -343,7 +345,18 @@ def quantize_q4_0(w: np.ndarray) -> np.ndarray:
     return quantize(w, GGMLQuantizationType.Q4_0).reshape(w.shape[0], -1, 18)
 
 
+def quantize_mxfp4(w: np.ndarray) -> np.ndarray:
+    """[rows, cols] f32 -> MXFP4 blocks [rows, cols/32, 17] (the ``gguf`` package's quantizer:
+    a power-of-two scale per 32 columns, each value the nearest doubled E2M1 one)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = _rows(w, 32)
+    return quantize(w, GGMLQuantizationType.MXFP4).reshape(w.shape[0], -1, 17)
+
+
 #: kind (a key of :data:`BLOCKS`) -> the quantizer writing that format's blocks
 QUANTIZERS = {"q8_0": quantize_q8_0, "q4_k": quantize_q4_k, "q6_k": quantize_q6_k,
               "q4_0": quantize_q4_0, "q5_k": quantize_q5_k, "iq4_xs": quantize_iq4_xs,
-              "q4_1": quantize_q4_1, "q2_k": quantize_q2_k, "q3_k": quantize_q3_k}
+              "q4_1": quantize_q4_1, "q2_k": quantize_q2_k, "q3_k": quantize_q3_k,
+              "mxfp4": quantize_mxfp4}
