@@ -313,9 +313,10 @@ def test_cli_refuses_bad_counts_before_loading(argv, what, capsys):
     assert what in capsys.readouterr().err
 
 
-def test_gpt_oss_mxfp4_checkpoint_dequantized_while_converting(tmp_path):
-    """GPT-OSS's original release stores experts as MXFP4 blocks + scales; the reference is
-    transformers' own loader dequantizing them (Mxfp4Config(dequantize=True))."""
+def _mxfp4_checkpoint(tmp_path):
+    """A tiny GPT-OSS checkpoint in the original release's layout (experts as MXFP4 blocks +
+    scales, random codes and exponents) and transformers' own loader dequantizing it
+    (Mxfp4Config(dequantize=True)): (folder, reference model)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -338,6 +339,13 @@ def test_gpt_oss_mxfp4_checkpoint_dequantized_while_converting(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                quantization_config=Mxfp4Config(dequantize=True))
+    return folder, ref.eval()
+
+
+def test_gpt_oss_mxfp4_checkpoint_dequantized_while_converting(tmp_path):
+    """GPT-OSS's original release stores experts as MXFP4 blocks + scales; dtype='f32'
+    dequantizes them; the reference is transformers' own loader dequantizing them."""
+    folder, ref = _mxfp4_checkpoint(tmp_path)
     model = _load(folder)
     try:
         with torch.no_grad():
@@ -345,4 +353,60 @@ def test_gpt_oss_mxfp4_checkpoint_dequantized_while_converting(tmp_path):
                                        atol=1e-5, rtol=1e-5)
         assert torch.equal(_greedy(model), _greedy(ref))
     finally:
+        specmoe.engine_of(model).close()
+
+
+def test_gpt_oss_mxfp4_experts_kept_as_mxfp4_blocks(tmp_path, capfd):
+    """dtype='auto' keeps GPT-OSS's MXFP4 experts as MXFP4 blocks (the exponent byte as it
+    is, the nibbles in ggml's order: repacked, not re-quantized) with their biases: every
+    stored expert dequantizes to exactly transformers' dequantization, and on the exact
+    kernel path the logits equal transformers' model."""
+    import numpy as np
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from specmoe import _C
+    from specmoe.runtime import kernels
+    from specmoe.storage import ggml_blocks as gb
+    from specmoe.storage import quant
+    from specmoe.storage.store import ExpertStore
+    folder, ref = _mxfp4_checkpoint(tmp_path)
+    store = specmoe.convert(folder, progress=False)
+    assert "GPT-OSS MXFP4 experts: the store keeps them as MXFP4 blocks" in capfd.readouterr().err
+    exp = ref.model.layers[1].mlp.experts
+    st = ExpertStore(store)
+    try:
+        assert st.extra["dtype"] == "gguf" and st.extra["kept_blocks"] == "MXFP4"
+        t = st.read_expert(1, 3)
+        assert gb.block_kind(t["gate"]) == "mxfp4"
+        got = quant.dequantize_expert(t)
+        gu, dn = exp.gate_up_proj[3].detach().numpy(), exp.down_proj[3].detach().numpy()
+        np.testing.assert_array_equal(got["gate"], gu[:, 0::2].T)
+        np.testing.assert_array_equal(got["up"], gu[:, 1::2].T)
+        np.testing.assert_array_equal(got["down"], dn.T)
+        np.testing.assert_array_equal(t["gate.bias"], exp.gate_up_proj_bias[3].detach()[0::2])
+        np.testing.assert_array_equal(t["down.bias"], exp.down_proj_bias[3].detach())
+    finally:
+        st.close()
+    # the repacking alone, on every code and exponent, against transformers' dequantization
+    b = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 16, 16).repeat(1, 3, 1, 1)
+    e = torch.tensor([[[0, 1, 2, 100, 127, 128, 150, 200] * 2] * 3], dtype=torch.uint8)
+    want = convert_moe_packed_tensors(b, e, dtype=torch.float32)[0].T.numpy()  # [out, in]
+    np.testing.assert_array_equal(gb.dequantize(gb.mxfp4_from_hf(b[0].numpy(), e[0].numpy())),
+                                  want)
+    model = _load(folder, dtype="auto", dense="torch")
+    try:
+        kernels.set_isa("scalar")
+        with torch.no_grad():
+            torch.testing.assert_close(model(PROMPT).logits, ref(PROMPT).logits, atol=1e-5,
+                                       rtol=1e-5)
+        assert torch.equal(_greedy(model), _greedy(ref))
+        # the fast path: int8 input, close (these random codes span the whole FP4 range with
+        # scales near 1, far larger weights than a trained model's: 5 % on this host; the
+        # kernel itself equals a numpy model of its arithmetic, test_gguf_blocks.py)
+        kernels.set_isa(_C.KernelContext(1).isa_max)
+        with torch.no_grad():
+            fast, want_l = model(PROMPT).logits, ref(PROMPT).logits
+        assert float((fast - want_l).norm() / want_l.norm()) < 0.1
+    finally:
+        kernels.set_isa("auto")
         specmoe.engine_of(model).close()

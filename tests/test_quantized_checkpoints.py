@@ -158,7 +158,7 @@ def test_bad_awq_checkpoints_are_refused(tmp_path):
     save_file(dict(sd, **{key: sd[key][:1]}), str(shard), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="AWQ tensors of .*experts.1.down_proj do not fit"):
         specmoe.convert(folder, progress=False)
-    with pytest.raises(ValueError, match="neither"):  # a bf16 folder has no Q4_1 to keep
+    with pytest.raises(ValueError, match="none of them"):  # a bf16 folder has no Q4_1 to keep
         plain = tmp_path / "plain"
         from specmoe.models.testing import save_checkpoint
         save_checkpoint(tiny_model("qwen3_moe"), plain)

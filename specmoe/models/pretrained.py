@@ -231,8 +231,9 @@ def _expert_reader(plan: _Plan) -> Callable[[int, int], dict[str, np.ndarray]]:
 
 def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
     """Expert ``e`` of MoE position ``pos`` in the store's layout, from the checkpoint's
-    blocks as they are: a GGUF file's Q8_0 / Q2_K-Q6_K / Q4_0 / Q4_1 / IQ4_XS blocks or an
-    asymmetric GPTQ / AWQ checkpoint's groups as Q4_1 (store dtype ``"gguf"``), or in int4 a
+    blocks as they are: a GGUF file's Q8_0 / Q2_K-Q6_K / Q4_0 / Q4_1 / IQ4_XS / MXFP4 blocks,
+    an asymmetric GPTQ / AWQ checkpoint's groups as Q4_1 or GPT-OSS's MXFP4 experts repacked
+    (store dtype ``"gguf"``), or in int4 a
     GGUF file's Q4_0 (fused per layer) or a symmetric GPTQ checkpoint's int4 (per expert)
     (``expert_blocks`` / ``expert_int4`` of :class:`specmoe.storage.gguf.GgufCheckpoint` and
     :class:`specmoe.storage.conversion.Checkpoint`)."""
@@ -245,6 +246,13 @@ def _kept_expert(plan: _Plan, pos: int, e: int) -> dict[str, np.ndarray]:
             gu = np.concatenate([ck.expert_blocks(keys[(e, "gate")]),
                                  ck.expert_blocks(keys[(e, "up")])])
             dn = ck.expert_blocks(keys[(e, "down")])
+        elif (None, "gate_up_proj_blocks") in keys:  # GPT-OSS's MXFP4, repacked
+            def mx(name: str) -> np.ndarray:
+                return ck.mxfp4_blocks(keys[(None, name + "_blocks")],
+                                       keys[(None, name + "_scales")], e)
+            gu = mx("gate_up_proj")  # rows gate and up interleaved: gate rows, then up rows
+            gu = np.concatenate([gu[0::2], gu[1::2]])
+            dn = mx("down_proj")
         else:
             gu = ck.expert_blocks(keys[(None, "gate_up_proj")], e)
             dn = ck.expert_blocks(keys[(None, "down_proj")], e)

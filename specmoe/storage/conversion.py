@@ -179,16 +179,32 @@ class Checkpoint:
             self.dtypes[w] = f"{name}-int4"
             self.gptq_of[w] = prefix
 
+    @property
+    def mxfp4(self) -> bool:
+        """Whether the routed experts are GPT-OSS's MXFP4 ``_blocks`` / ``_scales``."""
+        return any(k.endswith("mlp.experts.gate_up_proj_blocks") for k in self.keys)
+
+    def mxfp4_blocks(self, blocks_key: str, scales_key: str, index: int) -> Any:
+        """Expert ``index`` of a GPT-OSS MXFP4 tensor as MXFP4 blocks uint8 [out, in/32, 17],
+        repacked, not re-quantized (:func:`specmoe.storage.ggml_blocks.mxfp4_from_hf`)."""
+        from .ggml_blocks import mxfp4_from_hf
+
+        return mxfp4_from_hf(self.slice(blocks_key, index).numpy(),
+                             self.slice(scales_key, index).numpy())
+
     def kept_blocks(self, dtype: str) -> str | None:
-        """``"GPTQ"`` / ``"AWQ"`` when a store in ``dtype`` can take this checkpoint's experts
-        without re-quantizing, else None:
+        """``"GPTQ"`` / ``"AWQ"`` / ``"MXFP4"`` when a store in ``dtype`` can take this
+        checkpoint's experts without re-quantizing, else None:
 
         * int4: symmetric 4-bit GPTQ (every zero point 8, so w = (q - 8) * scale, specmoe's
           int4) without act-order, in groups of 32, 64 or a multiple of 128 (the groups the
           int4 kernels run fast);
         * ``"gguf"``: asymmetric 4-bit groups (AWQ, GPTQ with sym=false) in column order, in
           groups of a multiple of 32 (or one per row), as Q4_1 blocks
-          (:func:`specmoe.storage.ggml_blocks.q4_1_from_groups`)."""
+          (:func:`specmoe.storage.ggml_blocks.q4_1_from_groups`); GPT-OSS's MXFP4 experts as
+          MXFP4 blocks (:func:`specmoe.storage.ggml_blocks.mxfp4_from_hf`)."""
+        if dtype == "gguf" and self.mxfp4:
+            return "MXFP4"
         if not self.gptq_of:
             return None
         g = self.gptq.get("group_size", 0)
@@ -204,7 +220,10 @@ class Checkpoint:
     def block_kinds(self) -> tuple[dict[str, Any] | None, str]:
         """How a ``"gguf"`` store keeps this checkpoint's experts (the interface of
         :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`): Q4_1 for asymmetric 4-bit
-        GPTQ / AWQ in column order and groups of a multiple of 32, or ``(None, why not)``."""
+        GPTQ / AWQ in column order and groups of a multiple of 32, MXFP4 for GPT-OSS's MXFP4
+        experts, or ``(None, why not)``."""
+        if self.mxfp4:
+            return {"gate_up": "mxfp4", "down": "mxfp4", "down_layers": None}, ""
         if not self.gptq_of:
             return None, "its experts are not packed 4-bit (GPTQ / AWQ) weights"
         name, g = self.gptq["method"].upper(), self.gptq["group_size"]
@@ -450,7 +469,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Any:
 def store_dtype(ckpt: Any, dtype: str) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
     (a safetensors folder), int4 (a symmetric GPTQ folder), ``"gguf"`` with Q4_1 blocks (an
-    AWQ or asymmetric GPTQ folder, :meth:`Checkpoint.block_kinds`) or for a GGUF file its
+    AWQ or asymmetric GPTQ folder, :meth:`Checkpoint.block_kinds`) or MXFP4 blocks (GPT-OSS's
+    MXFP4 experts) or for a GGUF file its
     blocks kept as they are where the kernels read them (``"gguf"`` for Q8_0 / Q2_K-Q6_K /
     Q4_0 / Q4_1 / IQ4_XS / MXFP4, :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
     experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
@@ -458,10 +478,10 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
     from .quant import DTYPES
     from .gguf import GgufCheckpoint, natural_dtype
     if dtype == "gguf":
-        if not isinstance(ckpt, GgufCheckpoint) and not ckpt.gptq_of:
+        if not isinstance(ckpt, GgufCheckpoint) and not ckpt.gptq_of and not ckpt.mxfp4:
             raise ValueError(f"dtype='gguf' keeps a GGUF file's expert blocks (or an "
-                             "asymmetric GPTQ / AWQ checkpoint's as Q4_1) as they are; "
-                             f"{ckpt.folder} is neither")
+                             "asymmetric GPTQ / AWQ checkpoint's as Q4_1, GPT-OSS's MXFP4 as "
+                             f"they are); {ckpt.folder} is none of them")
         kinds, why = ckpt.block_kinds()
         if kinds is None:
             raise ValueError(f"dtype='gguf': {ckpt.folder} cannot be kept as it is: {why}; "
@@ -473,6 +493,10 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
                              f"{('auto',) + DTYPES + ('gguf',)}")
         return dtype
     if isinstance(ckpt, Checkpoint):
+        if ckpt.mxfp4:
+            _log(f"{ckpt.folder}: GPT-OSS MXFP4 experts: the store keeps them as MXFP4 blocks "
+                 "of 32, repacked, not re-quantized (dtype='auto' -> 'gguf')")
+            return "gguf"
         if ckpt.gptq_of:  # 4-bit GPTQ / AWQ: kept where they map as they are
             name = ckpt.gptq["method"].upper()
             if ckpt.kept_blocks("gguf"):

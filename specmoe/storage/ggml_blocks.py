@@ -28,7 +28,7 @@ import numpy as np
 __all__ = ["BLOCKS", "TYPE_OF_GGML", "block_kind", "dequantize", "widen_to_q8_0",
            "quantize_q8_0", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
            "quantize_iq4_xs", "quantize_q4_1", "q4_1_from_groups", "quantize_q2_k",
-           "quantize_q3_k", "quantize_q4_0", "quantize_mxfp4", "QUANTIZERS"]
+           "quantize_q3_k", "quantize_q4_0", "quantize_mxfp4", "mxfp4_from_hf", "QUANTIZERS"]
 
 # kind -> (columns, bytes) per block
 BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210), "q4_0": (32, 18),
@@ -353,6 +353,25 @@ def quantize_mxfp4(w: np.ndarray) -> np.ndarray:
 
     w = _rows(w, 32)
     return quantize(w, GGMLQuantizationType.MXFP4).reshape(w.shape[0], -1, 17)
+
+
+def mxfp4_from_hf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GPT-OSS's MXFP4 as its safetensors hold it (transformers' layout: ``_blocks`` uint8
+    [rows, groups, 16], columns 2j and 2j + 1 of a group in the low and high nibble of byte j;
+    ``_scales`` uint8 [rows, groups], E8M0 with w = FP4 value * 2^(scale - 127)) as MXFP4 blocks
+    [rows, groups, 17], **repacked, not re-quantized**: the exponent byte as it is (ggml's
+    2^(e - 128) times the doubled FP4 values is the same number), the nibbles in ggml's order
+    (columns 0..15 in the low nibbles of bytes 0..15, columns 16..31 in the high ones); the
+    FP4 codes index the same table in both.  What llama.cpp's converter does for GPT-OSS."""
+    b = np.ascontiguousarray(blocks, dtype=np.uint8)
+    sc = np.ascontiguousarray(scales, dtype=np.uint8)
+    if b.shape[-1] != 16 or b.shape[:-1] != sc.shape:
+        raise ValueError(f"mxfp4_from_hf: blocks {b.shape} and scales {sc.shape} are not "
+                         "[rows, groups, 16] and [rows, groups]")
+    cols = np.empty(b.shape[:-1] + (32,), np.uint8)
+    cols[..., 0::2], cols[..., 1::2] = b & 0x0F, b >> 4
+    qs = cols[..., :16] | (cols[..., 16:] << 4)
+    return np.concatenate([sc[..., None], qs], axis=-1)
 
 
 #: kind (a key of :data:`BLOCKS`) -> the quantizer writing that format's blocks
