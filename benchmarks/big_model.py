@@ -488,6 +488,28 @@ def gguf_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def random_bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random BF16 values as uint8 [..., cols * 2] (a GGUF BF16 tensor's bytes): sign and
+    mantissa random, the exponent 2^-7 or 2^-6 by one random bit (std about 0.019), made from
+    random bytes (drawing billions of normals would take minutes)."""
+    n = int(np.prod(shape))
+    r = np.frombuffer(rng.bytes(2 * n), np.uint16)
+    a = ((r & 0x807F) | ((120 + ((r >> 7) & 1)) << 7)).astype(np.uint16)
+    return a.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
+
+
+def load_every_expert(eng: Any) -> None:
+    """Load every (layer, expert) of engine ``eng`` into its cache (a cache of the whole
+    model) and wait: the rows that time decoding with every expert resident."""
+    L, E = len(eng.layer_ids), eng.num_experts
+    eng._cache.prefetch((np.repeat(np.arange(L), E), np.tile(np.arange(E), L),
+                         np.zeros(L * E, np.float32)))
+    eng._cache.wait_idle()
+    resident = len(eng._cache.resident())
+    if resident != L * E:
+        raise RuntimeError(f"only {resident} of {L * E} experts resident after warming")
+
+
 def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: str,
                embed_std: float | None = None) -> None:
     """Stream the random model straight into a GGUF file of type ``qtype`` (Q4_0, Q8_0 or
@@ -563,10 +585,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
         elif not quantized(shape, kind):
             a = (rng.standard_normal(shape) * std).astype(np.float32)
         elif bf16 and not (embed_std and name == "token_embd.weight"):
-            r = np.frombuffer(rng.bytes(2 * n), np.uint16)
-            # sign and mantissa random, the exponent 2^-7 or 2^-6 by one random bit
-            a = ((r & 0x807F) | ((120 + ((r >> 7) & 1)) << 7)).astype(np.uint16)
-            a = a.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
+            a = random_bf16(rng, shape)
         elif bf16:
             f = (rng.standard_normal(shape) * embed_std).astype(np.float32)
             a = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)

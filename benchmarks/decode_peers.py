@@ -317,13 +317,7 @@ def worker(spec_path: str) -> None:
                                         torch_dtype=dt, progress=False, dense=spec["dense"])
         eng = specmoe.engine_of(model)
         enter("loading every expert into the cache")
-        L, E = len(eng.layer_ids), eng.num_experts
-        eng._cache.prefetch((np.repeat(np.arange(L), E), np.tile(np.arange(E), L),
-                             np.zeros(L * E, np.float32)))
-        eng._cache.wait_idle()
-        resident = len(eng._cache.resident())
-        if resident != L * E:
-            raise RuntimeError(f"only {resident} of {L * E} experts resident after warming")
+        bm.load_every_expert(eng)
     else:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=dt,

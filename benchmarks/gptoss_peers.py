@@ -19,7 +19,7 @@ Rows, the same file on both sides:
 * ``llama.cpp-MXFP4``: ``llama-bench -m <file> -p 0 -n <tokens> -r 1 -t T`` (its CPU build from
   the llama-cpp-python source distribution, ``big_model.LlamaCpp``), tg tok/s.
 * ``specmoe-gguf-MXFP4``: ``specmoe.from_pretrained(<file>, cache=1.0, dtype="auto",
-  dense=<--dense>)`` in its own process: the MXFP4 experts kept as the file holds them (the
+  policy="lru", prefetch=False, dense=<--dense>)`` in its own process: the MXFP4 experts kept as the file holds them (the
   C kernels read the blocks), every expert loaded before timing; a greedy generation of
   ``tokens`` + 1 tokens after a 16-token prompt, minus the one-token run (prefill excluded),
   tok/s of the decode steps.
@@ -157,10 +157,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int = 0, skew: float = 1.0
         elif kind == "router":
             z = rng.standard_normal(shape[0])
             a = (rng.standard_normal(shape) * std * np.exp(skew * z)[:, None]).astype(np.float32)
-        elif kind == "bf16":  # sign and mantissa random, exponent 2^-7 or 2^-6
-            r = np.frombuffer(rng.bytes(2 * n), np.uint16)
-            a = ((r & 0x807F) | ((120 + ((r >> 7) & 1)) << 7)).astype(np.uint16)
-            a = a.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
+        elif kind == "bf16":
+            a = bm.random_bf16(rng, shape)
         else:  # MXFP4: random codes, exponents 119..121 (2^(e - 128) * the doubled E2M1
             # values, whose root mean square is 5.85: std about 0.02)
             nb = n // 32
@@ -188,19 +186,16 @@ def specmoe_worker(spec_path: str) -> None:
     from specmoe.runtime import kernels
     t0 = time.perf_counter()
     model = specmoe.from_pretrained(spec["gguf"], cache=1.0, dtype="auto", progress=False,
-                                    dense=spec["dense"], torch_dtype=torch.bfloat16,
-                                    store=spec["store"])
+                                    policy="lru", prefetch=False, dense=spec["dense"],
+                                    torch_dtype=torch.bfloat16, store=spec["store"])
     load_s = time.perf_counter() - t0
     eng = specmoe.engine_of(model)
     out: dict[str, Any] = {"load_s": load_s, "store_dtype": eng.dtype, "rows": {}}
     try:
-        L, E = len(eng.layer_ids), eng.num_experts  # every expert resident before timing
-        eng._cache.prefetch((np.repeat(np.arange(L), E), np.tile(np.arange(E), L),
-                             np.zeros(L * E, np.float32)))
-        eng._cache.wait_idle()
-        resident = len(eng._cache.resident())
-        if resident != L * E:
-            raise RuntimeError(f"only {resident} of {L * E} experts resident after warming")
+        bm.load_every_expert(eng)  # every expert resident before timing
+        # no end-of-sequence stop, as llama-bench: min_new_tokens instead would scan the
+        # whole vocabulary at every step (decode_peers.py measured ~0.5 ms a step)
+        model.generation_config.eos_token_id = None
         rng = np.random.default_rng(1)
         prompt = torch.tensor([rng.integers(100, 8000, 16).tolist()])
 
@@ -208,8 +203,7 @@ def specmoe_worker(spec_path: str) -> None:
             t = time.perf_counter()
             with torch.no_grad():
                 model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                               max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=0)
+                               max_new_tokens=n, do_sample=False, pad_token_id=0)
             return time.perf_counter() - t
 
         for th in spec["threads"]:
