@@ -19,8 +19,8 @@ Rows, the same file on both sides:
 * ``llama.cpp-MXFP4``: ``llama-bench -m <file> -p 0 -n <tokens> -r 1 -t T`` (its CPU build from
   the llama-cpp-python source distribution, ``big_model.LlamaCpp``), tg tok/s.
 * ``specmoe-gguf-MXFP4``: ``specmoe.from_pretrained(<file>, cache=1.0, dtype="auto",
-  policy="lru", prefetch=False, dense=<--dense>)`` in its own process: the MXFP4 experts kept as the file holds them (the
-  C kernels read the blocks), every expert loaded before timing; a greedy generation of
+  policy="lru", prefetch=False, dense=<--dense>)`` in its own process: the MXFP4 experts kept
+  as the file holds them (the C kernels read the blocks), every expert loaded before timing; a greedy generation of
   ``tokens`` + 1 tokens after a 16-token prompt, minus the one-token run (prefill excluded),
   tok/s of the decode steps.
 
@@ -89,7 +89,8 @@ def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
                 (b + "attn_output.weight", (H, q), "bf16"), (b + "attn_output.bias", (H,), "bias"),
                 (b + "attn_sinks.weight", (cfg["num_attention_heads"],), "sink"),
                 (b + "post_attention_norm.weight", (H,), "norm"),
-                (b + "ffn_gate_inp.weight", (E, H), "router"), (b + "ffn_gate_inp.bias", (E,), "bias"),
+                (b + "ffn_gate_inp.weight", (E, H), "router"),
+                (b + "ffn_gate_inp.bias", (E,), "bias"),
                 (b + "ffn_gate_exps.weight", (E, I, H), "mxfp4"),
                 (b + "ffn_gate_exps.bias", (E, I), "bias"),
                 (b + "ffn_up_exps.weight", (E, I, H), "mxfp4"),

@@ -55,8 +55,8 @@
  *          within ~3e-7 of a numpy model of this arithmetic (tests/test_gguf_blocks.py).
  *          One pass over a row's blocks serves up to 4 tokens (the unpacked nibbles and
  *          scales reused).
- *   vnni   (AVX512_VNNI, precise = 0): the fast form, with Q4_0, MXFP4 and Q8_0 at one token through
- *          vpdpbusd and Q4_K and Q6_K through 512-bit vpmaddubsw / vpdpwssd (the same integer
+ *   vnni   (AVX512_VNNI, precise = 0): the fast form, with Q4_0, MXFP4 and Q8_0 at one token
+ *          through vpdpbusd and Q4_K and Q6_K through 512-bit vpmaddubsw / vpdpwssd (the same integer
  *          sums; below, before impl_vnni).
  *
  * Scratch (ffn.c's layout): the prepared input q [T, n] int8, its scales qs [T, n/32] (Q8_0,
@@ -109,7 +109,6 @@ static inline void q4k_scale_min(const uint8_t *s, uint32_t j, uint8_t *sc, uint
     }
 }
 
-/* ggml's kvalues_iq4nl: the 16 values an IQ4_XS nibble stands for. */
 /* The FP4 (E2M1) values doubled, ggml's kvalues_mxfp4; the block's scale is halved to match. */
 static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -121,6 +120,7 @@ static inline float e8m0_half(uint8_t e) {
     return f;
 }
 
+/* ggml's kvalues_iq4nl: the 16 values an IQ4_XS nibble stands for. */
 static const int8_t iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                         1,    13,   25,  38,  53,  69,  89,  113};
 

@@ -266,8 +266,8 @@ def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None, expert_qtype: Any = None,
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or gpt_oss) as a GGUF file the way
-    llama.cpp's converter does (architecture names and metadata keys, stacked experts
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or gpt_oss) as a GGUF
+    file the way llama.cpp's converter does (architecture names and metadata keys, stacked experts
     ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows), its
     2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the
     ``gguf`` package quantizes; routers, norms and biases stay F32, as llama-quantize keeps

@@ -470,9 +470,9 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
     (a safetensors folder), int4 (a symmetric GPTQ folder), ``"gguf"`` with Q4_1 blocks (an
     AWQ or asymmetric GPTQ folder, :meth:`Checkpoint.block_kinds`) or MXFP4 blocks (GPT-OSS's
-    MXFP4 experts) or for a GGUF file its
-    blocks kept as they are where the kernels read them (``"gguf"`` for Q8_0 / Q2_K-Q6_K /
-    Q4_0 / Q4_1 / IQ4_XS / MXFP4, :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
+    MXFP4 experts) or for a GGUF file its blocks kept as they are where the kernels read them
+    (``"gguf"`` for Q8_0 / Q2_K-Q6_K / Q4_0 / Q4_1 / IQ4_XS / MXFP4,
+    :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
     experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
     ``"gguf"`` asked of anything else is a ValueError saying why."""
     from .quant import DTYPES

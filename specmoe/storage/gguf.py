@@ -18,8 +18,8 @@ routing, i.e. DeepSeek-V2 and V2-Lite, its ``attn_k_b``/``attn_v_b`` joined back
 interleaved, with their biases: :meth:`GgufCheckpoint._assemble`).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
 MXFP4).  The routed experts are kept as the file holds them where the kernels read the
-format: Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS / Q4_1 / Q2_K / Q3_K / MXFP4 (with Q5_0 widened to Q8_0 without loss, e.g.
-a Q4_K_M file's fallback layers) in the ``"gguf"`` store dtype, or Q4_0 everywhere in int4 with
+format: Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS / Q4_1 / Q2_K / Q3_K / MXFP4 (with Q5_0
+widened to Q8_0 without loss, e.g. a Q4_K_M file's fallback layers) in the ``"gguf"`` store dtype, or Q4_0 everywhere in int4 with
 groups of 32 (``dtype="int4"``) (:meth:`GgufCheckpoint.block_kinds`,
 :mod:`specmoe.storage.ggml_blocks`).
 Other files' experts are dequantized to f32 and written in the store dtype
@@ -316,7 +316,8 @@ class GgufCheckpoint:
         """How a ``"gguf"`` store keeps this file's experts: ``({"gate_up": kind, "down": kind,
         "down_layers": {layer: kind} or None}, "")`` with kinds of
         :data:`specmoe.storage.ggml_blocks.BLOCKS`, or ``(None, why not)``.  Each layer's types
-        map onto a kind: Q8_0, Q4_K, Q5_K, Q6_K, Q4_0, IQ4_XS, Q4_1, Q2_K, Q3_K or MXFP4 as they are, Q5_0 as Q8_0
+        map onto a kind: Q8_0, Q4_K, Q5_K, Q6_K, Q4_0, IQ4_XS, Q4_1, Q2_K, Q3_K or MXFP4 as they
+        are, Q5_0 as Q8_0
         (widened without loss).  Gate and up must be one kind in every layer (they are one row of the kernel);
         down may change from layer to layer (Q4_K_M: Q4_K, Q6_K on some layers): ``down`` is
         then the kind with the longest rows, which the store's down tensor is sized for, and
