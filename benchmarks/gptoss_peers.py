@@ -26,8 +26,9 @@ Rows, the same file on both sides:
 
 Each round runs every (row, thread count) once, the order alternating by round; the per-round
 ratio specmoe / llama.cpp is reported (the host is shared: a ratio within a round is the
-figure, not the medians).  The results file records the CPU model, its ISA, the thread counts
-and llama.cpp's build."""
+figure, not the medians).  The results file records the CPU model, its ISA (``specmoe_isa``;
+``SPECMOE_ISA=avx2`` forces the AVX2 path), the thread counts and llama.cpp's build and ISA
+(``--llama-isa avx2``: its build with every AVX-512 option off)."""
 from __future__ import annotations
 
 import argparse
@@ -261,6 +262,10 @@ def main() -> None:
     ap.add_argument("--peers", default=os.environ.get(
         "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")))
     ap.add_argument("--no-build-peers", action="store_true")
+    ap.add_argument("--llama-isa", default="native", choices=["native", "avx2"],
+                    help="llama.cpp's build: native (-march=native) or AVX2 only (every "
+                         "AVX-512 option off; pair with SPECMOE_ISA=avx2 for the AVX2 path "
+                         "on an AVX-512 machine)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 1 round (smoke test)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--save", default=None, help="also write the JSON object to this file")
@@ -280,7 +285,8 @@ def main() -> None:
     store = work / "store-gguf.smoe"
     lc = None
     why = None
-    lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, max(threads))
+    lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, max(threads),
+                     isa=a.llama_isa)
     if lc.error:  # no build and none allowed, or the build failed: the rows say why
         why, lc = lc.error, None
         log(why)
@@ -327,7 +333,8 @@ def main() -> None:
                       cfg["num_hidden_layers"], "file": str(path),
                       "file_bytes": path.stat().st_size, "experts": "MXFP4",
                       "dense": "BF16 in the file; specmoe dense=" + a.dense,
-                      "tokens": tokens, "rounds": rounds, "quick": a.quick},
+                      "tokens": tokens, "rounds": rounds, "quick": a.quick,
+                      "llama_cpp_isa": a.llama_isa},
            "host": hostinfo.host(threads), **extra, "rows": rows}
     text = json.dumps(out, indent=1)
     if a.save:
