@@ -200,7 +200,7 @@ static int block_post(smoe_attn_block *self, smoe_kctx *c, const float *q, const
                       smoe_err *err) {
     const uint32_t H = self->H, D = self->D, hid = self->hidden, n = B * nt;
     const uint32_t qkv = (H + 2 * self->Hkv) * D;
-    smoe_mha_desc d = {H, self->Hkv, D, scale};
+    smoe_mha_desc d = {H, self->Hkv, D, scale, NULL};
     float *att = self->buf + (size_t)self->cap * (hid + qkv); /* [B, T, H, D] */
     int rc = smoe_grow_scratch(&self->ascratch, &self->ascratch_cap,
                                smoe_mha_scratch_bytes(c, D, nt), err);

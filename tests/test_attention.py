@@ -22,8 +22,9 @@ from .attn_helpers import ISAS, causal, mask_of
 D = 24  # not a multiple of 16: the dot products' tails run
 
 
-def _reference(q, k, v, bias, scale):
-    """out [B, T, H, D] in float64."""
+def _reference(q, k, v, bias, scale, sinks=None):
+    """out [B, T, H, D] in float64 (sinks [H]: GPT-OSS's, as transformers' eager attention:
+    a column of the head's sink logit in the softmax, dropped before the values)."""
     B, H, T, _ = q.shape
     Hkv = k.shape[1]
     out = np.zeros((B, T, H, q.shape[3]))
@@ -33,9 +34,13 @@ def _reference(q, k, v, bias, scale):
             s = q[b, h].astype(np.float64) @ k[b, g].astype(np.float64).T * scale
             if bias is not None:
                 s = s + bias[0 if bias.shape[0] == 1 else b]
+            if sinks is not None:
+                s = np.concatenate([s, np.full((T, 1), float(sinks[h]))], axis=1)
             with np.errstate(invalid="ignore"):
                 p = np.exp(s - s.max(axis=1, keepdims=True))
                 p = p / p.sum(axis=1, keepdims=True)
+            if sinks is not None:
+                p = p[:, :-1]
             out[b, :, h] = np.nan_to_num(p) @ v[b, g].astype(np.float64)
     return out
 
@@ -62,6 +67,37 @@ def test_matches_reference(isa, H, Hkv, B, T, S, mask, bf16):
     out = np.full((B, T, H, D), np.nan, dtype=np.float32)
     _C.AttnDecode(ctx).forward(q, k, v, bias, out, 0.3)
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mask", ["none", "per_row"])
+def test_attention_sinks_match_reference(isa, mask):
+    """GPT-OSS's sinks: one logit per head in the softmax's denominator; a row whose every
+    position is masked gets zeros (the sink takes the whole weight), as torch gives."""
+    B, H, Hkv, T, S = 2, 6, 2, 3, 21
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((B, H, T, D), dtype=np.float32)
+    k = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
+    v = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
+    sinks = (3 * rng.standard_normal(H)).astype(np.float32)
+    bias = mask_of(mask, T, S, B)
+    if bias is not None:
+        bias[1, 2, :] = -np.inf  # one query row fully masked
+    ctx = _C.KernelContext(2)
+    ctx.set_isa(isa)
+    out = np.full((B, T, H, D), np.nan, dtype=np.float32)
+    _C.AttnDecode(ctx).forward(q, k, v, bias, out, 0.3, sinks)
+    np.testing.assert_allclose(out, _reference(q, k, v, bias, 0.3, sinks), rtol=2e-4,
+                               atol=2e-5)
+    if bias is not None:
+        assert not out[1, 2].any()
+    plain = np.empty_like(out)
+    _C.AttnDecode(ctx).forward(q, k, v, bias, plain, 0.3, None)  # None: no sinks
+    np.testing.assert_allclose(plain, _reference(q, k, v, bias, 0.3), rtol=2e-4, atol=2e-5)
+    for bad, what in ((sinks[:4], "sinks has 4 entries"),
+                      (np.array([np.inf] * H, np.float32), "finite")):
+        with pytest.raises(ValueError, match=what):
+            _C.AttnDecode(ctx).forward(q, k, v, bias, out, 0.3, bad)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -123,7 +159,7 @@ def test_bad_input_raises_and_leaves_out_alone():
         with pytest.raises((ValueError, TypeError), match=what):
             att.forward(*args)
     np.testing.assert_array_equal(out, 7.0)
-    with pytest.raises(TypeError, match="6 arguments"):
+    with pytest.raises(TypeError, match="6 or 7 arguments"):
         att.forward(q, k, k, None, out)
 
 
@@ -131,7 +167,7 @@ ARCHS = ["mixtral", "olmoe", "qwen3_moe"]
 
 
 def _pair(arch, impl="sdpa"):
-    ref = tiny_model(arch)
+    ref = tiny_model(arch, overrides={"sliding_window": 8} if arch == "gpt_oss" else None)
     ref.set_attn_implementation(impl)
     m = copy.deepcopy(ref)
     return ref, m
@@ -155,9 +191,11 @@ def _count_calls(m):
     return calls
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch,impl", [(a, i) for a in ARCHS for i in ("sdpa", "eager")]
+                         + [("gpt_oss", "eager")])
 def test_decode_and_verify_chunks_match_transformers(arch, impl):
+    """... and GPT-OSS (attention sinks; a sliding window of 8 on every other layer, which the
+    cached positions outgrow)."""
     ref, m = _pair(arch, impl)
     assert use_c_attention(m) == f"specmoe_{impl}"
     assert use_c_attention(m) == f"specmoe_{impl}"              # idempotent

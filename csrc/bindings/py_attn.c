@@ -8,6 +8,7 @@
  * DecodePlan are in py_decode.c.  Weights are checked and referenced once at construction; the
  * per-token calls (METH_FASTCALL) check the arrays' shapes and run the kernels without the
  * GIL. */
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -396,10 +397,10 @@ static int kv_layout(PyObject *o, const char *name, int *dt, npy_intp *bs, npy_i
     return 0;
 }
 
-/* forward(q, k, v, bias, out, scale); shapes in the method doc. */
+/* forward(q, k, v, bias, out, scale[, sinks]); shapes in the method doc. */
 static PyObject *ad_forward(AttnDecodeObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (smoe_py_method_start(self->ready, "AttnDecode",
-                     "forward(q, k, v, bias, out, scale)", nargs, 6, 6))
+                     "forward(q, k, v, bias, out, scale[, sinks])", nargs, 6, 7))
         return NULL;
     PyArrayObject *q = smoe_py_want_array(args[0], "q", NPY_FLOAT32, 4, 0);
     if (!q) return NULL;
@@ -435,9 +436,25 @@ static PyObject *ad_forward(AttnDecodeObject *self, PyObject *const *args, Py_ss
     const float *bias;
     uint32_t bias_rows;
     if (smoe_py_bias_arg(args[3], B, T, S, &bias, &bias_rows)) return NULL;
+    const float *sinks = NULL;
+    if (nargs == 7 && args[6] != Py_None) {
+        PyArrayObject *sk = smoe_py_want_array(args[6], "sinks", NPY_FLOAT32, 1, 0);
+        if (!sk) return NULL;
+        if (PyArray_DIM(sk, 0) != H) {
+            PyErr_Format(PyExc_ValueError, "AttnDecode: sinks has %zd entries, not heads=%zd",
+                         (Py_ssize_t)PyArray_DIM(sk, 0), (Py_ssize_t)H);
+            return NULL;
+        }
+        sinks = (const float *)PyArray_DATA(sk);
+        for (npy_intp h = 0; h < H; h++)
+            if (!isfinite(sinks[h])) {
+                PyErr_SetString(PyExc_ValueError, "AttnDecode: sinks must be finite");
+                return NULL;
+            }
+    }
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
-    smoe_mha_desc d = {(uint32_t)H, (uint32_t)Hkv, (uint32_t)D, (float)scale};
+    smoe_mha_desc d = {(uint32_t)H, (uint32_t)Hkv, (uint32_t)D, (float)scale, sinks};
     size_t need = smoe_mha_scratch_bytes(c, (uint32_t)D, (uint32_t)T);
     smoe_err err;
     smoe_err_clear(&err);
@@ -458,10 +475,11 @@ static PyObject *ad_forward(AttnDecodeObject *self, PyObject *const *args, Py_ss
 
 static PyMethodDef ad_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))ad_forward, METH_FASTCALL,
-     "forward(q, k, v, bias, out, scale): attention at decode sizes (csrc/kernels/attn.h). q "
-     "float32 [B, H, T, D] C-contiguous; k, v [B, Hkv, S, D] float32 or uint16 (bf16 bits), "
-     "same dtype and strides, each [S, D] block dense; bias float32 [1 or B, T, S] additive or "
-     "None; out float32 [B, T, H, D], overwritten; GIL released."},
+     "forward(q, k, v, bias, out, scale[, sinks]): attention at decode sizes "
+     "(csrc/kernels/attn.h). q float32 [B, H, T, D] C-contiguous; k, v [B, Hkv, S, D] float32 "
+     "or uint16 (bf16 bits), same dtype and strides, each [S, D] block dense; bias float32 [1 "
+     "or B, T, S] additive or None; out float32 [B, T, H, D], overwritten; sinks float32 [H] "
+     "(finite; GPT-OSS's attention sinks) or None; GIL released."},
     {NULL, NULL, 0, NULL}};
 
 /* ---- AttnBlock: a decoder layer's whole attention module at decode sizes ---- */

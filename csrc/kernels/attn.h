@@ -91,6 +91,12 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
  *     out[b, t, h, :] = sum_j softmax_j(q[b, h, t] . k[b, h / G, j] * scale + bias[b, t, j])
  *                       v[b, h / G, j]
  *
+ * With attention sinks (GPT-OSS: one learned logit per head, transformers' ``s_aux``), head h's
+ * softmax also counts sinks[h] in its denominator, a position with no value:
+ *     weight_j = exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))
+ * (the running softmax starts from (max, sum) = (sinks[h], 1) instead of (-inf, 0)), so a
+ * query row whose every position is masked gets zeros, as torch gives.
+ *
  * the same online softmax, masking rules, arithmetic (f32, no FMA: the same bits on every
  * ISA) as smoe_mla_decode; threads share the key/value heads' groups of query heads.
  *   q     f32 [B, H, T, D]
@@ -102,6 +108,7 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
 typedef struct smoe_mha_desc {
     uint32_t H, Hkv, D; /* query heads, key/value heads (H % Hkv == 0), head dim; 1..65536 */
     float scale;        /* softmax scale */
+    const float *sinks; /* f32 [H] attention sinks (finite), or NULL: none */
 } smoe_mha_desc;
 
 size_t smoe_mha_scratch_bytes(const smoe_kctx *c, uint32_t D, uint32_t T);

@@ -54,9 +54,9 @@ AI void mha_item(const mha_job *j, uint32_t item, float *o, float *m, float *l, 
     const uint8_t *kb = j->k + off, *vb = j->v + off;
     const float *bias = j->bias ? j->bias + (size_t)(j->bias_rows == 1 ? 0 : b) * T * S : NULL;
     memset(o, 0, (size_t)nh * T * D * 4);
-    for (uint32_t k = 0; k < nh * T; k++) {
-        m[k] = -INFINITY;
-        l[k] = 0.0f;
+    for (uint32_t k = 0; k < nh * T; k++) { /* a sink: a position of weight exp(sink), no value */
+        m[k] = d->sinks ? d->sinks[h0 + k / T] : -INFINITY;
+        l[k] = d->sinks ? 1.0f : 0.0f;
     }
     for (uint32_t p0 = 0; p0 < S; p0 += PB) {
         const uint32_t np = S - p0 < PB ? S - p0 : PB;

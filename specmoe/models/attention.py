@@ -10,10 +10,11 @@ products written out (eager) -- about 1 ms of a 4-layer OLMoE-shaped decode step
 ``specmoe_eager``, and switches a model from ``sdpa`` / ``eager`` to the matching one.  Each runs
 inputs of at most ``max_tokens`` query tokens on CPU tensors (decode, speculative verification)
 through the C kernel -- multi-head, grouped-query or multi-query attention over the KV cache as
-transformers keeps it, the mask as transformers builds it for the original implementation, f32
-arithmetic with one online softmax (``csrc/kernels/mha.c``) on specmoe's kernel threads -- and
-hands everything else (prefill, training, attention sinks, soft-capping, other devices and
-dtypes) to the original function, so prefill and the cache stay transformers' own.
+transformers keeps it, the mask as transformers builds it for the original implementation,
+GPT-OSS's attention sinks (``s_aux``), f32 arithmetic with one online softmax
+(``csrc/kernels/mha.c``) on specmoe's kernel threads -- and hands everything else (prefill,
+training, soft-capping, other devices and dtypes) to the original function, so prefill and the
+cache stay transformers' own.
 
 :func:`fuse_attention` goes one step further for the Llama-family attention modules whose
 projections are specmoe's (:class:`specmoe.models.layers.CLinear`): at decode sizes the whole module
@@ -51,7 +52,8 @@ ATTENTION_MAX_TOKENS = 16
 BLOCK_MAX_TOKENS = 64
 _OURS = {"sdpa": "specmoe_sdpa", "eager": "specmoe_eager"}
 # keyword arguments that change what attention computes: with any of them set, the original
-_UNSUPPORTED = ("s_aux", "sinks", "softcap", "head_mask", "position_bias")
+# (GPT-OSS's attention sinks, ``s_aux`` [heads], the C kernel takes: attn.h)
+_UNSUPPORTED = ("sinks", "softcap", "head_mask", "position_bias")
 
 
 def _original(name: str, module: nn.Module) -> Any:
@@ -76,10 +78,12 @@ def _c_attention(orig_name: str) -> Any:
                   dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> Any:
         kernel = getattr(module, "_specmoe_attn", None)
         B, H, T, D = query.shape
+        s_aux = kwargs.get("s_aux")
         if (kernel is None or T > ATTENTION_MAX_TOKENS or module.training or dropout
                 or query.device.type != "cpu" or key.dtype not in (torch.float32, torch.bfloat16)
                 or value.dtype != key.dtype or key.shape != value.shape
                 or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
+                or (s_aux is not None and (s_aux.shape != (H,) or s_aux.device.type != "cpu"))
                 or not mask_readable(attention_mask, T)
                 or (attention_mask is not None and attention_mask.shape[1] != 1)):
             return _original(orig_name, module)(module, query, key, value, attention_mask,
@@ -96,9 +100,10 @@ def _c_attention(orig_name: str) -> Any:
             v = v.contiguous()
             k = k.contiguous()
         out = torch.empty(B, T, H, D, dtype=torch.float32)
+        sinks = None if s_aux is None else s_aux.detach().float().contiguous().numpy()
         kernel.forward(query.float().contiguous().numpy(), tensor_array(k), tensor_array(v),
                        bias, out.numpy(),
-                       float(scaling if scaling is not None else 1.0 / math.sqrt(D)))
+                       float(scaling if scaling is not None else 1.0 / math.sqrt(D)), sinks)
         return out.to(query.dtype), None
     attention.__name__ = f"specmoe_c_attention_over_{orig_name}"
     return attention
@@ -326,7 +331,7 @@ def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
                 or (B > 1 and (pe[0].dim() != 3 or pe[0].shape[0] not in (1, B)
                                or pe[0].shape[1] != T or pe[1].shape != pe[0].shape))
                 or pe[1].dtype != pe[0].dtype
-                or any(kwargs.get(k) is not None for k in _UNSUPPORTED)
+                or any(kwargs.get(k) is not None for k in _UNSUPPORTED + ("s_aux",))
                 or not mask_readable(attention_mask, T)
                 or (attention_mask is not None and attention_mask.shape[1] != 1)
                 or adapter_active(module))  # an MTP forward's masks: the LoRA in torch
