@@ -99,6 +99,12 @@ def test_tokenizer_from_the_metadata(tmp_path):
     got = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     text = "def parse(line):\n    return line.split(',')  # ok"
     assert got(text).input_ids == tok(text).input_ids
+    # a gpt-oss file with YaRN keys, whose config transformers' AutoTokenizer fails to parse:
+    # specmoe's loader falls back to the tokenizer built from the vocabulary alone
+    from specmoe.models.pretrained import load_tokenizer
+    p2, _ = save_gguf(tiny_model("gpt_oss", vocab=tok.vocab_size), tmp_path / "o.gguf",
+                      tokenizer=tok)
+    assert load_tokenizer(p2)(text).input_ids == tok(text).input_ids
 
 
 def test_bad_files_raise_naming_the_file(tmp_path):
@@ -127,16 +133,17 @@ def test_bad_files_raise_naming_the_file(tmp_path):
     assert not list(tmp_path.glob("cache/*.smoe"))  # nothing was written for any of them
 
 
-def test_cli_convert_and_run_a_gguf_file(tmp_path, capsys):
+@pytest.mark.parametrize("arch,qtype", [("mixtral", "Q8_0"), ("gpt_oss", "MXFP4")])
+def test_cli_convert_and_run_a_gguf_file(tmp_path, capsys, arch, qtype):
     from transformers import AutoTokenizer
 
     from specmoe.cli import main
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
-    path, _ = save_gguf(tiny_model("mixtral", vocab=tok.vocab_size), tmp_path / "c.gguf",
-                        qtype="Q8_0", tokenizer=tok)
+    path, _ = save_gguf(tiny_model(arch, vocab=tok.vocab_size), tmp_path / "c.gguf",
+                        qtype="Q8_0", expert_qtype=qtype, tokenizer=tok)
     assert main(["convert", str(path), "--quiet"]) == 0
     out = capsys.readouterr().out.strip()
-    assert out.endswith("-gguf.smoe")  # the Q8_0 blocks kept as they are
+    assert out.endswith("-gguf.smoe")  # the Q8_0 / MXFP4 blocks kept as they are
     assert main(["run", str(path), "--prompt", "def parse(line):", "--max-new-tokens", "4",
                  "--cache", "50%"]) == 0
     assert "| cache " in capsys.readouterr().out

@@ -464,10 +464,19 @@ def convert(path: str | os.PathLike[str], *, dtype: str = "auto",
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The tokenizer of checkpoint ``path``: a folder's tokenizer files, or a GGUF file's
     vocabulary (transformers' GGUF tokenizer reader), offline."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     p = Path(path).expanduser()
     if p.is_file():
-        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
+        try:
+            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name,
+                                                 local_files_only=True)
+        except (TypeError, ValueError, KeyError):
+            # AutoTokenizer first parses the whole model config from the metadata to choose a
+            # class, and transformers' gpt-oss branch of that parsing fails on every gpt-oss
+            # file with YaRN keys (it converts a field's length part, an array, with float());
+            # the fast tokenizer built from the vocabulary alone reads none of it
+            return PreTrainedTokenizerFast.from_pretrained(p.parent, gguf_file=p.name,
+                                                           local_files_only=True)
     return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 
