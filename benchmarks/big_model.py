@@ -132,7 +132,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -510,6 +510,40 @@ def load_every_expert(eng: Any) -> None:
         raise RuntimeError(f"only {resident} of {L * E} experts resident after warming")
 
 
+def stream_gguf(w: Any, tmp: Path, path: Path, marker_text: str,
+                specs: list[tuple[str, tuple[int, ...], str]],
+                info: Callable[[tuple[int, ...], str], tuple[tuple[int, ...], int, Any]],
+                fill: Callable[[str, tuple[int, ...], str], np.ndarray]) -> None:
+    """Finish GGUF writer ``w`` (its metadata added, writing to ``tmp``) tensor by tensor:
+    ``info(shape, kind)`` gives each tensor's (stored shape, bytes, GGML type or None for F32),
+    ``fill(name, shape, kind)`` its data, made one tensor at a time (nothing else is held);
+    then ``tmp`` becomes ``path`` and ``path.complete`` gets ``marker_text``."""
+    total = 0
+    for name, shape, kind in specs:
+        bshape, nbytes, raw = info(shape, kind)
+        dt = np.dtype(np.float32) if raw is None else np.dtype(np.uint8)
+        w.add_tensor_info(name, bshape, dt, nbytes, raw_dtype=raw)
+        total += nbytes
+    log(f"writing GGUF {path}: {len(specs)} tensors, {total / 1e9:.2f} GB")
+    w.write_header_to_file(path=str(tmp))
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    t0 = time.time()
+    done = 0
+    for name, shape, kind in specs:
+        a = fill(name, shape, kind)
+        w.write_tensor_data(a)
+        done += a.nbytes
+        if kind in ("expert", "mxfp4"):
+            log(f"  {name} ({done / 1e9:.1f}/{total / 1e9:.1f} GB, {time.time() - t0:.0f} s)")
+    w.close()
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    Path(str(path) + ".complete").write_text(marker_text)
+    log(f"GGUF written in {time.time() - t0:.0f} s ({path.stat().st_size / 1e9:.2f} GB)")
+
+
 def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: str,
                embed_std: float | None = None) -> None:
     """Stream the random model straight into a GGUF file of type ``qtype`` (Q4_0, Q8_0 or
@@ -556,26 +590,17 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
     def quantized(shape: tuple[int, ...], kind: str) -> bool:
         return kind in ("w", "expert") and len(shape) >= 2 and shape[-1] % 32 == 0
 
-    total = 0
-    for name, shape, kind in specs:
+    def info(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int, Any]:
         n = int(np.prod(shape))
         if quantized(shape, kind):
-            nbytes = n // per_block * block_bytes
-            bshape = (*shape[:-1], shape[-1] // per_block * block_bytes)
-            w.add_tensor_info(name, bshape, np.dtype(np.uint8), nbytes, raw_dtype=qt)
-        else:
-            nbytes = 4 * n
-            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes)
-        total += nbytes
-    log(f"writing GGUF {path}: {len(specs)} tensors, {total / 1e9:.2f} GB {qtype}")
-    w.write_header_to_file(path=str(tmp))
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
+            return ((*shape[:-1], shape[-1] // per_block * block_bytes),
+                    n // per_block * block_bytes, qt)
+        return shape, 4 * n, None
+
     rng = np.random.default_rng(seed)
     std = cfg["initializer_range"]
-    t0 = time.time()
-    done = 0
-    for name, shape, kind in specs:
+
+    def fill(name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
         n = int(np.prod(shape))
         if kind == "norm":
             a = np.ones(shape, np.float32)
@@ -600,16 +625,9 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
             a = a.copy()
             a[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
             a = a.reshape(*shape[:-1], shape[-1] // 32 * block_bytes)
-        w.write_tensor_data(a)
-        done += a.nbytes
-        if kind == "expert":
-            log(f"  {name} ({done / 1e9:.1f}/{total / 1e9:.1f} GB, {time.time() - t0:.0f} s)")
-    w.close()
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    tmp.rename(path)
-    marker.write_text(chash)
-    log(f"GGUF written in {time.time() - t0:.0f} s ({path.stat().st_size / 1e9:.2f} GB)")
+        return a
+
+    stream_gguf(w, tmp, path, chash, specs, info, fill)
 
 
 def make_prompts(folder: Path, n: int, seed: int) -> list[list[int]]:

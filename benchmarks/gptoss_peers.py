@@ -128,50 +128,39 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int = 0, skew: float = 1.0
     gguf_tokenizer(w, AutoTokenizer.from_pretrained(str(bm._tokenizer_source())),
                    cfg["vocab_size"])
     specs = tensor_specs(cfg)
-    total = 0
-    for name, shape, kind in specs:
+    mx, b16 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.BF16
+
+    def info(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int, Any]:
         n = int(np.prod(shape))
         if kind == "mxfp4":
-            nb = n // 32 * 17
-            w.add_tensor_info(name, (*shape[:-1], shape[-1] // 32 * 17), np.dtype(np.uint8),
-                              nb, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
-        elif kind == "bf16":
-            nb = 2 * n
-            w.add_tensor_info(name, (*shape[:-1], shape[-1] * 2), np.dtype(np.uint8), nb,
-                              raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            nb = 4 * n
-            w.add_tensor_info(name, shape, np.dtype(np.float32), nb)
-        total += nb
-    log(f"writing GGUF {path}: {len(specs)} tensors, {total / 1e9:.2f} GB")
-    w.write_header_to_file(path=str(tmp))
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
+            return (*shape[:-1], shape[-1] // 32 * 17), n // 32 * 17, mx
+        if kind == "bf16":
+            return (*shape[:-1], shape[-1] * 2), 2 * n, b16
+        return shape, 4 * n, None
+
     rng = np.random.default_rng(seed)
     std = cfg["initializer_range"]
-    t0 = time.time()
-    for name, shape, kind in specs:
+
+    def fill(name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
         n = int(np.prod(shape))
         if kind == "norm":
-            a = np.ones(shape, np.float32)
-        elif kind in ("bias", "sink"):
-            a = (rng.standard_normal(shape) * std).astype(np.float32)
-        elif kind == "router":
+            return np.ones(shape, np.float32)
+        if kind in ("bias", "sink"):
+            return (rng.standard_normal(shape) * std).astype(np.float32)
+        if kind == "router":
             z = rng.standard_normal(shape[0])
-            a = (rng.standard_normal(shape) * std * np.exp(skew * z)[:, None]).astype(np.float32)
-        elif kind == "bf16":
-            a = bm.random_bf16(rng, shape)
-        else:  # MXFP4: random codes, exponents 119..121 (2^(e - 128) * the doubled E2M1
-            # values, whose root mean square is 5.85: std about 0.02)
-            nb = n // 32
-            a = np.frombuffer(rng.bytes(nb * 17), np.uint8).reshape(nb, 17).copy()
-            a[:, 0] = rng.integers(119, 122, nb, dtype=np.uint8)
-            a = a.reshape(*shape[:-1], shape[-1] // 32 * 17)
-        w.write_tensor_data(a)
-    w.close()
-    tmp.rename(path)
-    marker.write_text(chash)
-    log(f"GGUF written in {time.time() - t0:.0f} s ({path.stat().st_size / 1e9:.2f} GB)")
+            return (rng.standard_normal(shape) * std * np.exp(skew * z)[:, None]).astype(
+                np.float32)
+        if kind == "bf16":
+            return bm.random_bf16(rng, shape)
+        # MXFP4: random codes, exponents 119..121 (2^(e - 128) times the doubled E2M1
+        # values, whose root mean square is 5.85: std about 0.02)
+        nb = n // 32
+        a = np.frombuffer(rng.bytes(nb * 17), np.uint8).reshape(nb, 17).copy()
+        a[:, 0] = rng.integers(119, 122, nb, dtype=np.uint8)
+        return a.reshape(*shape[:-1], shape[-1] // 32 * 17)
+
+    bm.stream_gguf(w, tmp, path, chash, specs, info, fill)
 
 
 # --------------------------------------------------------------------------------------------
