@@ -20,9 +20,9 @@ Rows, the same file on both sides:
   the llama-cpp-python source distribution, ``big_model.LlamaCpp``), tg tok/s.
 * ``specmoe-gguf-MXFP4``: ``specmoe.from_pretrained(<file>, cache=1.0, dtype="auto",
   policy="lru", prefetch=False, dense=<--dense>)`` in its own process: the MXFP4 experts kept
-  as the file holds them (the C kernels read the blocks), every expert loaded before timing; a greedy generation of
-  ``tokens`` + 1 tokens after a 16-token prompt, minus the one-token run (prefill excluded),
-  tok/s of the decode steps.
+  as the file holds them (the C kernels read the blocks), every expert loaded before timing;
+  a greedy generation of ``tokens`` + 1 tokens after a 16-token prompt, minus the one-token
+  run (prefill excluded), tok/s of the decode steps.
 
 Each round runs every (row, thread count) once, the order alternating by round; the per-round
 ratio specmoe / llama.cpp is reported (the host is shared: a ratio within a round is the

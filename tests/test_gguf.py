@@ -299,3 +299,21 @@ def test_gpt_oss_file_keeps_its_blocks_and_expert_biases(tmp_path, capfd, qtype,
         kernels.set_isa("auto")
         specmoe.engine_of(model).close()
     assert "not kept as they are" not in capfd.readouterr().err
+
+
+def test_gpt_oss_file_without_its_expert_biases_is_refused_by_name(tmp_path, monkeypatch):
+    """A gpt-oss file whose block lacks an expert bias (a truncated or hand-edited conversion)
+    is refused naming the tensor, before anything is written."""
+    import gguf
+    orig = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, *a, **kw):
+        if name != "blk.1.ffn_down_exps.bias":
+            orig(self, name, *a, **kw)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    path, _ = save_gguf(tiny_model("gpt_oss"), tmp_path / "nobias.gguf")
+    monkeypatch.undo()
+    with pytest.raises(GgufError,
+                       match=r"block 1 lacks expert tensors blk\.1\.ffn_down_exps\.bias"):
+        specmoe.convert(path, progress=False)
+    assert not list(tmp_path.glob("cache/*.smoe"))
