@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -217,21 +216,20 @@ def run_specmoe(gguf_path: Path, store: Path, threads: list[int], tokens: int, d
     spec = work / "gptoss_spec.json"
     spec.write_text(json.dumps({"gguf": str(gguf_path), "store": str(store), "threads": threads,
                                 "tokens": tokens, "dense": dense}))
-    r = subprocess.run([sys.executable, __file__, "--_worker", str(spec)], capture_output=True,
-                       text=True, timeout=3600)
-    if r.returncode != 0:
-        return {"error": f"specmoe worker exited {r.returncode}: "
-                         + " | ".join(r.stderr.strip().splitlines()[-3:])}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    r = bm.run_process([sys.executable, str(Path(__file__).resolve()), "--_worker", str(spec)],
+                       None, 3600)
+    if r["rc"] != 0:
+        return {"error": bm._fail_reason(r, None, "specmoe worker")}
+    return json.loads(r["stdout"].strip().splitlines()[-1])
 
 
 def run_llama(lc: Any, gguf_path: Path, th: int, tokens: int) -> dict[str, Any]:
     argv = [str(lc.bin / "llama-bench"), "-m", str(gguf_path), "-p", "0", "-n", str(tokens),
             "-r", "1", "-t", str(th), "-o", "json"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-    if r.returncode != 0:
-        return {"error": f"llama-bench exited {r.returncode}: {r.stderr.strip()[-400:]}"}
-    for x in json.loads(r.stdout):
+    r = bm.run_process(argv, None, 3600)
+    if r["rc"] != 0:
+        return {"error": bm._fail_reason(r, None, "llama-bench")}
+    for x in json.loads(r["stdout"]):
         if x.get("n_gen") == tokens:
             return {"tok_s": float(x["avg_ts"]),
                     "build": f"{x.get('build_commit')} ({x.get('build_number')})"}

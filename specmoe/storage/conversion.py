@@ -23,6 +23,7 @@ reads later is checked against its CRC32C too, so damage elsewhere raises
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -179,9 +180,10 @@ class Checkpoint:
             self.dtypes[w] = f"{name}-int4"
             self.gptq_of[w] = prefix
 
-    @property
+    @functools.cached_property
     def mxfp4(self) -> bool:
-        """Whether the routed experts are GPT-OSS's MXFP4 ``_blocks`` / ``_scales``."""
+        """Whether the routed experts are GPT-OSS's MXFP4 ``_blocks`` / ``_scales`` (the keys
+        are read once, at open: computed on first use, then kept)."""
         return any(k.endswith("mlp.experts.gate_up_proj_blocks") for k in self.keys)
 
     def mxfp4_blocks(self, blocks_key: str, scales_key: str, index: int) -> Any:
