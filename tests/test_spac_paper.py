@@ -76,11 +76,11 @@ def _store1():
     """A tiny one-layer store (3 experts) shared by the hand-worked tests."""
     if "s" not in _STORE:
         import tempfile
-        d = tempfile.mkdtemp(prefix="spac_paper")
+        d = tempfile.TemporaryDirectory(prefix="spac_paper")  # removed at exit, held below
         rng = np.random.default_rng(0)
-        write_store(f"{d}/e.smoe", [{"w": rng.standard_normal((3, 2, 16)).astype(np.float32)}],
+        write_store(f"{d.name}/e.smoe", [{"w": rng.standard_normal((3, 2, 16)).astype(np.float32)}],
                     top_k=1, progress=False).close()
-        _STORE["s"] = f"{d}/e.smoe"
+        _STORE["dir"], _STORE["s"] = d, f"{d.name}/e.smoe"
     return ExpertStore(_STORE["s"])
 
 
