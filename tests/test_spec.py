@@ -44,7 +44,11 @@ def ref_allowed(k_max: int, tau: Optional[List[float]]) -> List[int]:
 class Shared:
     """Plain-iteration timing every controller keeps: last base_len K=0 times."""
 
-    def __init__(self, base_len: int) -> None:
+    def __init__(self, base_len: int, budget: Optional[float] = 0.05) -> None:
+        self.budget = budget  # the slowdown budget (None: off)
+        self.loss = 0.0  # L: what speculation cost against plain steps
+        self.total = 0.0  # T: every iteration's time
+        self.worst = 0.0  # W: the largest loss of one speculative iteration
         self.times: deque = deque(maxlen=base_len)
         self.last_plain: Optional[int] = None
         self.i = -1  # index of the observation being processed
@@ -55,11 +59,27 @@ class Shared:
     def base(self) -> float:
         return statistics.median(self.times) if self.times else math.nan
 
-    def see(self, k: int, t: float) -> None:
+    def see(self, k: int, t: float, acc: int = 0) -> None:
         self.i += 1
         if k == 0:
             self.times.append(t)
             self.last_plain = self.i
+        self.total += t
+        if k >= 1 and self.times:
+            x = t - (acc + 1) * self.base()
+            self.loss += x
+            self.worst = max(self.worst, x)
+
+    def within(self) -> bool:
+        return self.budget is None or self.loss + self.worst <= self.budget * self.total
+
+    def wait(self, base_len: int, bmax: int) -> int:
+        """Plain steps of t_base each that bring L back within budget."""
+        b = self.base()
+        if math.isnan(b) or b <= 0:
+            return min(base_len, bmax)
+        n = math.ceil((self.loss + self.worst - self.budget * self.total) / (self.budget * b))
+        return min(max(n, 1), bmax)
 
 
 def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: int,
@@ -96,6 +116,11 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
         if need_base:
             for _ in range(base_len):
                 yield 0, "base"
+        if not sh.within():  # outside the slowdown budget: plain steps, back-off unchanged
+            for _ in range(sh.wait(base_len, bmax)):
+                yield 0, "backoff"
+            need_base = sh.last_plain is None or sh.i - sh.last_plain >= refresh
+            continue
         cands = [k for k in range(1, k_max + 1) if k in allow]
         below = [k for k in cands if k <= center]
         above = [k for k in cands if k > center]
@@ -131,6 +156,9 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                         if (e + (t - n) * (k + 1)) / ((tt * t / n) / b) < 1:
                             hopeless = True
                             break
+                    if n < t and not sh.within():  # over budget: ends as a hopeless one
+                        hopeless = True
+                        break
                 b = sh.base()
                 if skip < 1:
                     u = skip
@@ -147,7 +175,7 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                     best_k, best_u = k, u
                 if first:
                     direction = 1 if u >= 1 else -1
-                if (k == 1 and u < 1) or len(tried) >= M:
+                if (k == 1 and u < 1) or len(tried) >= M or not sh.within():
                     break
                 if not first and converge is not None and \
                         abs(u - prev_u) <= converge * max(abs(u), abs(prev_u)):
@@ -165,9 +193,13 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
         if best_k > 0 and best_u >= 1:
             center = best_k
             backoff = S
+            e = tt = 0.0
             for _ in range(S):
                 _ku, acc, ti = yield best_k, "set"
                 hist.setdefault(best_k, []).append((acc + 1, ti, sh.i, sh.req))
+                e, tt = e + acc + 1, tt + ti
+                if e / (tt / sh.base()) < 1 and not sh.within():
+                    break  # a set phase that does not pay ends once over budget
         else:
             n = backoff
             backoff = min(2 * backoff, bmax)
@@ -197,19 +229,19 @@ def env_never(base: float = 0.010) -> Env:
 def drive_cascade(env: Env, n: int, *, k_max: int = 8, M: int = 4, t: int = 4, S: int = 16,
                   bmax: int = 1024, base_len: int = 4, refresh: int = 100, center: int = 1,
                   tau: Optional[List[float]] = None, pool: int = 12,
-                  converge: Optional[float] = 0.10,
+                  converge: Optional[float] = 0.10, budget: Optional[float] = 0.05,
                   requests: Sequence[int] = ()) -> Tuple[Cascade, List[Tuple[int, str]]]:
     """Run the C Cascade and the reference in lockstep; return the controller and the
     (K, phase) sequence.  ``requests``: iteration indices where a new request begins
     (begin_request on the controller, a fresh reference generator over the same timing)."""
     c = Cascade(k_max=k_max, trials=M, trial_len=t, set_len=S, backoff_max=bmax,
                 base_len=base_len, base_refresh=refresh, initial=center, trial_pool=pool,
-                converge=converge)
+                converge=converge, budget=budget)
     if tau is not None:
         c.set_tau(tau)
     allowed = ref_allowed(k_max, tau)
     assert c.allowed == allowed
-    sh = Shared(base_len)
+    sh = Shared(base_len, budget)
 
     def fresh(need_base: bool) -> Iterator[Tuple[int, str]]:
         return ref_cascade(sh, allowed, k_max, M, t, S, bmax, base_len, refresh, center, pool,
@@ -228,7 +260,8 @@ def drive_cascade(env: Env, n: int, *, k_max: int = 8, M: int = 4, t: int = 4, S
         assert k in allowed
         ku, acc, ti = env(k, it)
         c.observe(ku, acc, ti)
-        sh.see(ku, ti)
+        sh.see(ku, ti, acc)
+        assert c.spent == (sh.loss, sh.total)
         seq.append(kp)
         kp = gen.send((ku, acc, ti))
     return c, seq
@@ -284,7 +317,8 @@ def test_cascade_base_refreshed_about_every_100_iterations():
 
 
 def test_cascade_never_pays_backs_off_doubling():
-    c, seq = drive_cascade(env_never(), 600, bmax=128)
+    # the slowdown budget off: the back-off and hopeless-trial rules alone
+    c, seq = drive_cascade(env_never(), 600, bmax=128, budget=None)
     assert {k for k, p in seq if p in ("set", "base", "backoff")} == {0}
     # each test phase that runs is a single trial at K=1 that fails (early exit), and one
     # iteration shows it hopeless (a K=1 iteration costs 2.5 plain steps, more than its 2
@@ -299,7 +333,8 @@ def test_cascade_never_pays_backs_off_doubling():
     assert all(b - a >= 100 for a, b in zip(spec, spec[1:])), spec
     # what K cost is the drafter's, not the request's: a new request (which starts a test
     # phase) does not run a trial known hopeless again either
-    c, seq = drive_cascade(env_never(), 600, bmax=128, requests=[60, 90, 130, 170, 400])
+    c, seq = drive_cascade(env_never(), 600, bmax=128, requests=[60, 90, 130, 170, 400],
+                           budget=None)
     spec = [i for i, (k, _) in enumerate(seq) if k > 0]
     assert all(b - a >= 100 for a, b in zip(spec, spec[1:])), spec
 
@@ -307,15 +342,16 @@ def test_cascade_never_pays_backs_off_doubling():
 def test_cascade_ends_a_hopeless_trial_early_but_not_a_paying_one():
     """A trial stops once its best case (every remaining draft accepted at its mean time so
     far) is below U=1; a trial whose best case still pays runs its t iterations, even when
-    its first iterations accept nothing."""
-    c = Cascade(k_max=4, trial_len=4, base_len=2, initial=2)
+    its first iterations accept nothing (the slowdown budget off, which would end the test
+    phase after the first trial's loss)."""
+    c = Cascade(k_max=4, trial_len=4, base_len=2, initial=2, budget=None)
     for _ in range(2):
         c.observe(0, 0, 1.0)
     assert (c.phase, c.next_k()) == ("test", 2)
     c.observe(2, 2, 3.2)  # K=2 at 3.2 plain steps: at most 3 tokens, best case 12 / 12.8
     assert c.phase == "test" and c.next_k() == 1  # ended: the next trial, one K down
     assert c.telemetry()["utility"][-1] == pytest.approx(3 / 3.2)
-    c2 = Cascade(k_max=4, trial_len=4, base_len=2, initial=2)
+    c2 = Cascade(k_max=4, trial_len=4, base_len=2, initial=2, budget=None)
     for _ in range(2):
         c2.observe(0, 0, 1.0)
     for _ in range(3):  # nothing accepted, but 1 + 3 * 3 tokens in 4 * 1.2 steps would pay
@@ -495,8 +531,9 @@ class RefSpeq:
     """MoE-SpeQ governor from the specification (controller.h)."""
 
     def __init__(self, k_max: int, alpha: float, p_init: float, initial: int,
-                 probe: int = 16) -> None:
+                 probe: int = 16, budget: Optional[float] = 0.05) -> None:
         self.k_max, self.a, self.initial, self.probe = k_max, alpha, initial, probe
+        self.sh = Shared(4, budget)  # plain-step time and the slowdown budget
         self.zero_run = 0
         self.p = [p_init] * (k_max + 1)
         self.td: Optional[float] = None
@@ -510,6 +547,7 @@ class RefSpeq:
         return x if old is None else (1 - self.a) * old + self.a * x
 
     def observe(self, k: int, acc: int, t: float, td: float, tio: float) -> None:
+        self.sh.see(k, t, acc)
         for j in range(1, min(k, acc + 1) + 1):
             self.p[j] = (1 - self.a) * self.p[j] + self.a * (1.0 if j <= acc else 0.0)
         if k >= 1 and td > 0:
@@ -552,7 +590,7 @@ class RefSpeq:
         if not self.samples:
             return max(k for k in self.allowed if k <= self.initial)
         k, vals = self.best()
-        if k == 0 and self.probe > 0 and self.zero_run >= self.probe:
+        if k == 0 and self.probe > 0 and self.zero_run >= self.probe and self.sh.within():
             pos = [k for k in range(1, self.k_max + 1) if k in self.allowed]
             if pos:  # the best k >= 1, ties to the smaller
                 k = max(pos, key=lambda j: (vals[j], -j))
@@ -666,6 +704,7 @@ def test_speq_matches_reference_on_random_streams(seed):
         t = 0.008 + 0.0015 * (ku + 1) + td + tio
         g.observe(ku, acc, t, t_draft=td, t_io=tio)
         ref.observe(ku, acc, t, td, tio)
+        assert g.spent == (ref.sh.loss, ref.sh.total)
 
 
 def test_speq_respects_tau():
@@ -914,8 +953,8 @@ def test_uninitialised_objects_raise():
 @pytest.mark.parametrize("probe", [1, 5, -1])
 def test_speq_probes_after_a_run_of_plain_iterations(probe):
     # acceptance ~0 and verify time growing with g: K=0 wins; only the probe asks for drafts
-    g = SpeqGovernor(k_max=4, alpha=0.5, p_init=0.05, probe=probe)
-    ref = RefSpeq(4, 0.5, 0.05, 1, probe=probe)
+    g = SpeqGovernor(k_max=4, alpha=0.5, p_init=0.05, probe=probe, budget=None)
+    ref = RefSpeq(4, 0.5, 0.05, 1, probe=probe, budget=None)
     tau = [1.0 / (1.0 + 0.5 * (n - 1)) for n in range(1, 7)]  # (K+1)*tau(K+1) > 1: all allowed
     g.set_tau(tau)
     ref.tau = tau
@@ -933,6 +972,79 @@ def test_speq_probes_after_a_run_of_plain_iterations(probe):
         # one probe after every `probe` plain iterations (the first answer is `initial`)
         probes = [i for i, k in enumerate(asked) if k > 0 and i > 0]
         assert probes and all(b - a == probe + 1 for a, b in zip(probes, probes[1:]))
+
+
+def env_costly_trials(base: float = 0.010) -> Env:
+    """Nothing is accepted and K drafts cost 1 + K/2 plain steps: a trial's best case pays for
+    its first iteration (not hopeless at once), then ends; K=2 and K=1 each lose about a plain
+    step per iteration.  What costs is exploring, again at every request."""
+    def f(k: int, it: int) -> Tuple[int, int, float]:
+        return k, 0, base * (1 + 0.5 * k)
+    return f
+
+
+def test_cascade_slowdown_budget_bounds_what_exploring_costs():
+    """Short requests (32 iterations) each start a test phase that loses about 3 plain steps:
+    8 % of decoding without the budget.  With budget=0.05 what speculation cost stays within
+    5 % of the time plus one trial (test phases wait in back-off until it is earned), and the
+    reference agrees step by step (drive_cascade)."""
+    req = list(range(32, 3000, 32))
+    off, _ = drive_cascade(env_costly_trials(), 3000, budget=None, requests=req)
+    loss, total = off.spent
+    assert loss / total > 0.07
+    on, seq = drive_cascade(env_costly_trials(), 3000, budget=0.05, requests=req)
+    loss, total = on.spent
+    assert 0.03 < loss / total <= 0.05 + 2 * 0.010 / total
+    assert sum(k > 0 for k, _ in seq) > 10  # still explores, only less often
+
+
+def test_cascade_slowdown_budget_leaves_a_paying_drafter_alone():
+    """Where speculation pays, L goes negative and the budget never stops a test phase: the
+    same K sequence as with the budget off."""
+    req = list(range(40, 1000, 40))
+    c1, seq1 = drive_cascade(env_pays(), 1000, budget=None, requests=req)
+    c2, seq2 = drive_cascade(env_pays(), 1000, budget=0.05, requests=req)
+    assert seq1 == seq2 and c2.spent[0] < 0
+
+
+def test_speq_probes_only_within_the_slowdown_budget():
+    """Each probe of a drafter that never pays costs half a plain step; with budget=0.05 the
+    probes come only as the budget is earned back, not every probe + 1 iterations, and what
+    they cost stays within 5 % of the time plus one probe."""
+    tau = [1.0 / (1.0 + 0.5 * (n - 1)) for n in range(1, 7)]
+    for budget in (None, 0.05):
+        g = SpeqGovernor(k_max=4, alpha=0.5, p_init=0.05, probe=2, budget=budget)
+        ref = RefSpeq(4, 0.5, 0.05, 1, probe=2, budget=budget)
+        g.set_tau(tau)
+        ref.tau = tau
+        asked = []
+        for _ in range(400):
+            k = g.next_k()
+            assert k == ref.next_k()
+            asked.append(k)
+            t = 0.01 * (1 + 0.5 * k)
+            g.observe(k, 0, t)
+            ref.observe(k, 0, t, 0.0, 0.0)
+            assert g.spent == (ref.sh.loss, ref.sh.total)
+        loss, total = g.spent
+        if budget is None:
+            assert sum(k > 0 for k in asked) > 120 and loss / total > 0.1
+        else:
+            # each probe costs 0.005 s: 5 % of about 4.2 s buys some 42 of them, not 130
+            assert 30 < sum(k > 0 for k in asked) < 50
+            assert loss / total <= 0.05 + 0.005 / total
+
+
+def test_budget_bad_values():
+    for bad in (0, 0.0, -0.1, 1.5, float("nan"), True, "5%"):
+        with pytest.raises(ValueError, match="budget"):
+            Cascade(budget=bad)
+        with pytest.raises(ValueError, match="budget"):
+            SpeqGovernor(budget=bad)
+    with pytest.raises(ValueError, match="budget"):
+        _C.SpecController("cascade", budget=2.0)
+    with pytest.raises(ValueError, match="budget"):
+        _C.SpecController("cascade", budget=float("nan"))
 
 
 def test_speq_probe_must_be_positive_or_never():
@@ -974,7 +1086,7 @@ def test_cascade_trial_pool_bounds():
 
 
 def test_cascade_default_centre_kept_after_failure():
-    c = Cascade()
+    c = Cascade(budget=None)  # the budget would keep the second test phase back longer
     for _ in range(4):  # base phase
         assert c.next_k() == 0
         c.observe(0, 0, 0.01)
@@ -1116,7 +1228,7 @@ def test_success_model_skips_k_that_cannot_pay_and_reprobes():
     """A drafter never accepted and costing half a plain step per token: S(K) <= 1 for every
     K once measured, so Cascade stops speculating; after `probe` blocked plain steps the
     measurements are forgotten and K is allowed again."""
-    ctl = Cascade(k_max=4, trial_len=2, set_len=4, base_len=2, backoff_max=4)
+    ctl = Cascade(k_max=4, trial_len=2, set_len=4, base_len=2, backoff_max=4, budget=None)
     ctl.set_success(True, min_obs=2, probe=10)
     assert ctl.allowed == [0, 1, 2, 3, 4]
     for _ in range(2):

@@ -52,15 +52,15 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
                              "trials",       "trial_len", "set_len",    "backoff_max",
                              "base_len",     "base_refresh", "alpha",   "p_init",
                              "telemetry_cap", "probe", "trial_pool", "converge", "t_first",
-                             NULL};
+                             "budget", NULL};
     const char *name;
     long long v[9] = {0};
-    double alpha = 0.0, p_init = 0.0, converge = 0.0, t_first = 0.0;
+    double alpha = 0.0, p_init = 0.0, converge = 0.0, t_first = 0.0, budget = 0.0;
     long long cap = 0, probe = 0, pool = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddLLLdd:SpecController", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$LLLLLLLLLddLLLddd:SpecController", kwlist,
                                      &name, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6],
                                      &v[7], &v[8], &alpha, &p_init, &cap, &probe, &pool,
-                                     &converge, &t_first))
+                                     &converge, &t_first, &budget))
         return -1;
     const smoe_spec_ctl_ops *ops = smoe_spec_ctl_find(name);
     if (!ops) {
@@ -98,6 +98,11 @@ static int SpecController_init(SpecControllerObject *self, PyObject *args, PyObj
         return -1;
     }
     p.t_first = t_first;
+    if (isnan(budget)) {
+        PyErr_SetString(PyExc_ValueError, "budget must not be NaN");
+        return -1;
+    }
+    p.budget = budget;
     smoe_err err;
     smoe_err_clear(&err);
     smoe_spec_ctl *c = NULL;
@@ -365,6 +370,11 @@ static PyObject *SpecController_get_n_obs(SpecControllerObject *self, void *clos
     CTL_CHECK(self);
     return PyLong_FromUnsignedLongLong(self->c->n_obs);
 }
+static PyObject *SpecController_get_spent(SpecControllerObject *self, void *closure) {
+    (void)closure;
+    CTL_CHECK(self);
+    return Py_BuildValue("(dd)", self->c->spec_loss, self->c->t_total);
+}
 static PyObject *SpecController_get_allowed(SpecControllerObject *self, void *closure) {
     (void)closure;
     CTL_CHECK(self);
@@ -430,6 +440,9 @@ static PyGetSetDef SpecController_getset[] = {
     {"base", (getter)SpecController_get_base, NULL,
      "mean t_iter of the last base_len K=0 iterations (NaN when none)", NULL},
     {"n_obs", (getter)SpecController_get_n_obs, NULL, "iterations observed", NULL},
+    {"spent", (getter)SpecController_get_spent, NULL,
+     "(L, T): seconds speculation cost against plain steps, seconds observed (the slowdown "
+     "budget, controller.h)", NULL},
     {"allowed", (getter)SpecController_get_allowed, NULL, "K values allowed by tau pruning",
      NULL},
     {NULL, NULL, NULL, NULL, NULL}};
@@ -441,8 +454,8 @@ static PyTypeObject SpecController_Type = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "SpecController(name, *, k_max=8, k=0, initial=0, trials=4, trial_len=4, "
               "set_len=16, backoff_max=1024, base_len=4, base_refresh=100, alpha=0.2, "
-              "p_init=0.6, telemetry_cap=65536, probe=16, trial_pool=12): a speculation controller "
-              "(0 = default).",
+              "p_init=0.6, telemetry_cap=65536, probe=16, trial_pool=12, converge=0.1, "
+              "t_first=0, budget=0.05): a speculation controller (0 = default).",
     .tp_methods = SpecController_methods,
     .tp_getset = SpecController_getset,
     .tp_init = (initproc)SpecController_init,

@@ -145,6 +145,12 @@ static void decide(const smoe_spec_ctl *c, cascade_state *s) {
 }
 
 static void start_test(const smoe_spec_ctl *c, cascade_state *s, uint64_t now) {
+    int32_t wait = smoe_spec_ctl_budget_wait(c);
+    if (wait > 0) { /* outside the slowdown budget: plain steps until back within it */
+        enter(s, SMOE_SPEC_PHASE_BACKOFF);
+        s->cur_backoff_len = wait;
+        return;
+    }
     memset(s->tried, 0, sizeof s->tried);
     s->best_k = 0;
     s->best_u = -INFINITY;
@@ -189,7 +195,8 @@ static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u, uin
     if (first) s->dir = u >= 1.0 ? 1 : -1;
     double prev = s->last_u;
     s->last_u = u;
-    if ((k == 1 && !(u >= 1.0)) || s->ntrials >= c->params.trials) {
+    if ((k == 1 && !(u >= 1.0)) || s->ntrials >= c->params.trials ||
+        !smoe_spec_ctl_within_budget(c)) {
         decide(c, s);
         return;
     }
@@ -275,12 +282,14 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
         if (s->n >= c->params.trial_len) {
             u = pooled_utility(c, s, s->cur_k, now, base);
             finish_trial(c, s, u, now);
-        } else if (trial_hopeless(c, s, base)) {
-            finish_trial(c, s, u, now); /* its running U, below its best case, below 1 */
+        } else if (trial_hopeless(c, s, base) || !smoe_spec_ctl_within_budget(c)) {
+            finish_trial(c, s, u, now); /* its running U (hopeless: below its best case,
+                                         * below 1; over budget: the test phase ends) */
         }
         break;
     case SMOE_SPEC_PHASE_SET:
-        if (s->n >= c->params.set_len) end_set(c, s);
+        if (s->n >= c->params.set_len || (u < 1.0 && !smoe_spec_ctl_within_budget(c)))
+            end_set(c, s);
         break;
     case SMOE_SPEC_PHASE_BACKOFF:
     default:

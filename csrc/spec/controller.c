@@ -23,6 +23,7 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
     DEF(alpha, 0.2);
     DEF(p_init, 0.6);
     DEF(probe, 16);
+    DEF(budget, 0.05);
     DEF(telemetry_cap, 65536u);
 #undef DEF
     if (p->k_max < 1 || p->k_max > SMOE_SPEC_KMAX)
@@ -58,6 +59,9 @@ static int fill_defaults(smoe_spec_params *p, smoe_err *err) {
     if (!(p->t_first >= 0.0 && p->t_first < 1e6))
         return smoe_err_set(err, SMOE_EINVAL, "spec controller: t_first must be in [0, 1e6) "
                             "seconds, got %g", p->t_first);
+    if (!(p->budget < 0.0 || (p->budget > 0.0 && p->budget <= 1.0)))
+        return smoe_err_set(err, SMOE_EINVAL, "spec controller: budget must be in (0, 1] or "
+                            "negative (off), got %g", p->budget);
     if (p->probe < -1)
         return smoe_err_set(err, SMOE_EINVAL, "spec controller: probe must be >= 1 or -1 (never), "
                             "got %d", (int)p->probe);
@@ -135,6 +139,23 @@ void smoe_spec_ctl_begin_request(smoe_spec_ctl *c) {
 
 int32_t smoe_spec_ctl_next_k(const smoe_spec_ctl *c) {
     return smoe_spec_ctl_clamp(c, c->ops->next_k(c));
+}
+
+int smoe_spec_ctl_within_budget(const smoe_spec_ctl *c) {
+    return c->params.budget < 0.0 ||
+           c->spec_loss + c->loss_max <= c->params.budget * c->t_total;
+}
+
+int32_t smoe_spec_ctl_budget_wait(const smoe_spec_ctl *c) {
+    if (smoe_spec_ctl_within_budget(c)) return 0;
+    double base = smoe_spec_ctl_base(c);
+    if (isnan(base) || !(base > 0.0)) return c->params.base_len < c->params.backoff_max
+                                                 ? c->params.base_len
+                                                 : c->params.backoff_max;
+    double n = ceil((c->spec_loss + c->loss_max - c->params.budget * c->t_total) /
+                    (c->params.budget * base));
+    if (!(n >= 1.0)) return 1;
+    return n > (double)c->params.backoff_max ? c->params.backoff_max : (int32_t)n;
 }
 
 double smoe_spec_ctl_base(const smoe_spec_ctl *c) {
@@ -303,6 +324,15 @@ int smoe_spec_ctl_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, smoe_err *er
         c->base_pos = (c->base_pos + 1) % c->params.base_len;
         if (c->base_n < c->params.base_len) c->base_n++;
         c->last_base_iter = c->n_obs;
+    }
+    c->t_total += o->t_iter;
+    if (o->k >= 1) { /* the slowdown budget's L (controller.h) */
+        double base = smoe_spec_ctl_base(c);
+        if (!isnan(base)) {
+            double loss = o->t_iter - smoe_spec_obs_etr(o) * base;
+            c->spec_loss += loss;
+            if (loss > c->loss_max) c->loss_max = loss;
+        }
     }
     success_learn(c, o);
     if (c->succ_on) recompute_allowed(c);

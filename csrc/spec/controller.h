@@ -171,7 +171,8 @@
  *     draft position is decided and the acceptance model freezes, so one pessimistic
  *     estimate would keep speculation off for good.  After `probe` (default 16; -1 = never)
  *     consecutive observed iterations with k_used == 0, next_k answers the best allowed
- *     k >= 1 by the same objective (ties to the smaller k; 0 when no k >= 1 is allowed);
+ *     k >= 1 by the same objective (ties to the smaller k; 0 when no k >= 1 is allowed)
+ *     if within the slowdown budget (below);
  *     any observed iteration with k_used >= 1 resets the count.
  *
  * Batches (smoe_spec_obs.nrows > 0): one observation is one batch step of nrows sequences,
@@ -214,6 +215,30 @@
  *   plain steps, 4 % of decoding, for a drafter that never pays there.
  *   allowed[] is recomputed after every observation, before the controller's own update
  *   sees it.
+ *
+ * Slowdown budget (decided here; Cascade's one promise is a slowdown of at most 5 % against
+ *   plain decoding, abstract and section 7, and every trial, set phase or probe that does not
+ *   pay spends from it): every controller keeps
+ *       L = sum over observed iterations with k >= 1 and t_base known of (t_iter - ETR * t_base)
+ *   the net time speculation has cost against plain steps of the time t_base (negative when
+ *   it gained), t_base read after the observation's own k == 0 update, and T = the sum of
+ *   every observed t_iter; and W, the largest loss one such iteration has had (t_iter - ETR *
+ *   t_base, 0 before any).  Speculation is WITHIN BUDGET while L + W <= budget * T
+ *   (params.budget, default 0.05; negative: off, always within): one more iteration as bad as
+ *   the worst so far still keeps the promise.  Only exploration is gated by it, never a K
+ *   the controller's own measurement says pays:
+ *   - cascade: a test phase starts only within budget; otherwise BACKOFF for
+ *     n = ceil((L + W - budget * T) / (budget * t_base)) iterations (n in 1..backoff_max;
+ *     base_len when t_base is unknown), the plain steps that bring L back within budget if they cost
+ *     t_base each, the doubling back-off length left as it was.  A trial iteration that
+ *     leaves the budget ends its trial at once (its U the running U, as a hopeless trial's)
+ *     and the test phase with it (the decision as after its last trial); a SET iteration
+ *     that leaves it while the set phase's running U is below 1 ends the set phase.
+ *   - speq: a probe (below) is made only within budget.
+ *   Why: on the zoo pair behind an emulated PCIe link (benchmarks/speculation_offload.py,
+ *   32-token requests) the draft model's failing trials at K = 2-3 cost two plain steps
+ *   each and Cascade read 0.81-0.87 of plain; a bound on what exploring may cost is what
+ *   makes the 5 % hold on short requests, where a per-phase rule cannot amortize.
  *
  * Instant utility (static, heuristic): ETR * t_base / t_iter, with t_base the
  * median of the last base_len k_used == 0 iterations; NaN until one was observed.
@@ -286,6 +311,8 @@ typedef struct smoe_spec_params {
     int32_t probe;          /* speq: K=0 iterations before a k >= 1 probe (default 16; -1 never) */
     double t_first;         /* speq: seconds of the first mandatory expert fetch (default 0) */
     /* all */
+    double budget;          /* slowdown budget, a fraction of the observed time (default 0.05;
+                               negative: off) */
     uint32_t telemetry_cap; /* ring capacity in records (default 65536, at most 2^26) */
 } smoe_spec_params;
 
@@ -333,6 +360,8 @@ struct smoe_spec_ctl {
     double *base_ring;
     int32_t base_n, base_pos;
     uint64_t last_base_iter;               /* iteration index of the last k == 0 observation */
+    /* the slowdown budget (see above): L and T */
+    double spec_loss, t_total, loss_max;
     /* telemetry ring */
     smoe_spec_rec *ring;
     uint32_t ring_cap;
@@ -397,6 +426,13 @@ int32_t smoe_spec_ctl_no_phase(const smoe_spec_ctl *c);
 
 /* Median t_iter of the last base_len k == 0 iterations; NaN when none was observed. */
 double smoe_spec_ctl_base(const smoe_spec_ctl *c);
+
+/* Within the slowdown budget: L + W <= budget * T (always when the budget is off). */
+int smoe_spec_ctl_within_budget(const smoe_spec_ctl *c);
+
+/* Plain iterations of t_base each that bring L back within budget (1..backoff_max; base_len
+ * when t_base is unknown); 0 when already within. */
+int32_t smoe_spec_ctl_budget_wait(const smoe_spec_ctl *c);
 
 /* Copy the telemetry (oldest first) into out[0..min(n_obs, cap)-1]; returns the count. */
 uint32_t smoe_spec_ctl_telemetry(const smoe_spec_ctl *c, smoe_spec_rec *out);

@@ -127,7 +127,8 @@ static int32_t speq_next_k(const smoe_spec_ctl *c) {
     const speq_state *s = c->state;
     if (s->n == 0) return c->params.initial == -1 ? 1 : c->params.initial;
     int32_t k = speq_best(c, s, 0);
-    if (k == 0 && c->params.probe > 0 && s->zero_run >= (uint64_t)c->params.probe)
+    if (k == 0 && c->params.probe > 0 && s->zero_run >= (uint64_t)c->params.probe &&
+        smoe_spec_ctl_within_budget(c))
         k = speq_best(c, s, 1);
     return k;
 }

@@ -25,6 +25,17 @@ def check_int(name: str, v: object, lo: int) -> int:
     return int(v)
 
 
+def check_budget(budget: Optional[float]) -> float:
+    """The slowdown budget as the C controller takes it: a fraction in (0, 1], or None (off,
+    passed as -1)."""
+    if budget is None:
+        return -1.0
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or \
+            not (0.0 < budget <= 1.0):
+        raise ValueError(f"budget must be a fraction in (0, 1] or None (off), got {budget!r}")
+    return float(budget)
+
+
 def _rows(name: str, x: Sequence[int]) -> np.ndarray:
     """Per-sequence counts as a 1-D int32 array (integers >= 0 only)."""
     a = np.asarray(x)
@@ -103,6 +114,15 @@ class Controller:
     def base(self) -> float:
         """Median t_iter of the last plain (K=0) iterations; NaN before the first one."""
         return float(self._c.base)
+
+    @property
+    def spent(self) -> tuple[float, float]:
+        """(L, T) of the slowdown budget: the seconds speculation has cost against plain steps
+        of the measured plain-step time (negative when it gained) and the seconds observed.
+        Cascade's test phases and SpeQ's probes run only while L <= budget * T
+        (``csrc/spec/controller.h``)."""
+        loss, total = self._c.spent
+        return float(loss), float(total)
 
     def begin_request(self) -> None:
         """A new request starts (:func:`specmoe.generate` calls it).  Cascade drops its

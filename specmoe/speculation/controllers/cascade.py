@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import Controller, check_int
+from .base import Controller, check_budget, check_int
 
 
 class Cascade(Controller):
@@ -24,12 +24,17 @@ class Cascade(Controller):
             own and the most recent earlier ones at that K (trial_len: the trial's alone).
         converge: a test phase ends when two successive trials' utilities differ by at most
             this fraction of the larger (the paper's third early exit, 10 %); None: never.
+        budget: the slowdown budget: a test phase starts only while what speculation has
+            cost so far against plain steps is at most this fraction of the time observed
+            (the paper's 5 % promise, kept on short requests too); None: off.  See
+            :attr:`spent` and ``csrc/spec/controller.h``.
     """
 
     def __init__(self, *, k_max: int = 8, trials: int = 4, trial_len: int = 4, set_len: int = 16,
                  backoff_max: int = 1024, base_len: int = 4, base_refresh: int = 100,
                  initial: Optional[int] = None, trial_pool: int = 12,
-                 converge: Optional[float] = 0.10, telemetry_cap: int = 0) -> None:
+                 converge: Optional[float] = 0.10, budget: Optional[float] = 0.05,
+                 telemetry_cap: int = 0) -> None:
         if initial is None:  # 2, lowered to k_max
             initial = min(2, check_int("k_max", k_max, 1))
         vals = dict(k_max=k_max, trials=trials, trial_len=trial_len, set_len=set_len,
@@ -42,5 +47,5 @@ class Cascade(Controller):
         if converge is not None and not (isinstance(converge, (int, float)) and
                                          0 < converge < 1):
             raise ValueError(f"converge must be in (0, 1) or None, got {converge!r}")
-        super().__init__("cascade", telemetry_cap=telemetry_cap,
+        super().__init__("cascade", telemetry_cap=telemetry_cap, budget=check_budget(budget),
                          converge=-1.0 if converge is None else float(converge), **vals)

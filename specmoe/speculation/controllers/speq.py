@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from .base import Controller, check_int
+from .base import Controller, check_budget, check_int
 
 
 class SpeqGovernor(Controller):
@@ -21,14 +21,16 @@ class SpeqGovernor(Controller):
     ``t_first`` the profiled latency of a
     cycle's first mandatory expert fetch (seconds, default 0).  After ``probe`` consecutive
     iterations at K=0 it tries the best K >= 1 once, so a pessimistic acceptance estimate
-    cannot switch speculation off for good (-1: never probe).  ``k_max`` bounds the search;
+    cannot switch speculation off for good (-1: never probe), while what speculation has cost
+    so far against plain steps is within ``budget`` of the time observed (the slowdown budget,
+    ``csrc/spec/controller.h``; None: probes are not limited).  ``k_max`` bounds the search;
     :func:`ttft_k_max` gives the bound that keeps time-to-first-token within a budget (the
     paper's offline SLO-based bounding, Sec. 3.2.3).
     """
 
     def __init__(self, *, k_max: int = 8, alpha: float = 0.2, p_init: float = 0.6,
                  initial: int = 1, probe: int = 16, t_first: float = 0.0,
-                 telemetry_cap: int = 0) -> None:
+                 budget: Optional[float] = 0.05, telemetry_cap: int = 0) -> None:
         k_max = check_int("k_max", k_max, 1)
         if probe != -1:
             probe = check_int("probe", probe, 1)
@@ -42,6 +44,7 @@ class SpeqGovernor(Controller):
             raise ValueError(f"t_first must be seconds in [0, 1e6), got {t_first!r}")
         super().__init__("speq", k_max=k_max, alpha=float(alpha), p_init=float(p_init),
                          initial=initial, probe=probe, t_first=float(t_first),
+                         budget=check_budget(budget),
                          telemetry_cap=telemetry_cap)
 
     def set_io_cost(self, cost: Union[Sequence[float], np.ndarray]) -> None:
