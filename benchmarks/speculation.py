@@ -123,9 +123,12 @@ CONTROLLERS: Tuple[Tuple[str, Optional[int]], ...] = (
 # off for a constant S iterations when it does not pay (trials=1: no hill climbing;
 # backoff_max=set_len: no doubling); "cascade-backoff" adds the doubling back-off;
 # "cascade-k3" adds hill climbing (the whole controller from k_start = 3; "cascade" is the
-# same from specmoe's default centre, 2)
+# same from specmoe's default centre, 2).  All of them keep specmoe's slowdown budget
+# (csrc/spec/controller.h); "cascade-nobudget" and "speq-nobudget" are the whole controllers
+# without it.
 ABLATIONS: Tuple[Tuple[str, Optional[int]], ...] = (
-    ("cascade-disable", None), ("cascade-backoff", None), ("cascade-k3", None))
+    ("cascade-disable", None), ("cascade-backoff", None), ("cascade-k3", None),
+    ("cascade-nobudget", None), ("speq-nobudget", None))
 CONTROLLER_NAMES = {f"{c}{k if k is not None else ''}": (c, k)
                     for c, k in CONTROLLERS + ABLATIONS}
 K_MAX = 8  # the adaptive controllers' largest K (their default)
@@ -237,8 +240,12 @@ def make_controller(name: str, k: Optional[int], drafter: Any = None) -> spec.Co
         return spec.Cascade(k_max=k_max, initial=min(3, k_max), trials=1)
     if name == "cascade-k3":
         return spec.Cascade(k_max=k_max, initial=min(3, k_max))
+    if name == "cascade-nobudget":
+        return spec.Cascade(k_max=k_max, budget=None)
     if name == "speq":
         return spec.SpeqGovernor(k_max=k_max)
+    if name == "speq-nobudget":
+        return spec.SpeqGovernor(k_max=k_max, budget=None)
     raise ValueError(name)
 
 

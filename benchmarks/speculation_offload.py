@@ -21,8 +21,9 @@ MTP adapter (the zoo's tiny-moe-mtp), each under Cascade and the SpeQ governor, 
 K=2 self-draft row as the controllers' reference; ``--ablation`` adds MoE-SpeQ's ablation
 against the whole design (self-draft, SpeQ governor, lookahead prefetch, lookahead-aware
 eviction): static K=3 instead of the governor, no lookahead prefetch, no lookahead-aware
-eviction (``protect_lookahead``).  Every row's greedy output must equal plain decoding's
-(``outputs_equal``).
+eviction (``protect_lookahead``), and Cascade (every drafter) and the SpeQ governor without the
+slowdown budget (``cascade-nobudget``, ``speq-nobudget``).  Every row's greedy output must equal
+plain decoding's (``outputs_equal``).
 
 Method: 2 requests (one code, one prose prompt from held-out stdlib files, as in
 speculation.py) x ``--new-tokens`` tokens x ``--repeats``; request-major rounds (every row runs
@@ -119,6 +120,10 @@ ROWS = [(None, "nospec", None, True, True),
 # off, the lookahead-aware eviction off
 SPEQ_ABLATION = [("self", "static", 3, True, True), ("self", "speq", None, False, True),
                  ("self", "speq", None, True, False)]
+# and both controllers without specmoe's slowdown budget (csrc/spec/controller.h)
+BUDGET_ABLATION = [(d, "cascade-nobudget", None, True, True) for d in ("ngram", "draft", "self",
+                                                                      "mtp")] + \
+    [("self", "cascade-nobudget", None, False, True), ("self", "speq-nobudget", None, True, True)]
 
 
 def _row_name(r: tuple) -> str:
@@ -156,7 +161,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "one setting")
     ap.add_argument("--ablation", action="store_true",
                     help="add MoE-SpeQ's ablation rows (static K, no lookahead prefetch, no "
-                         "lookahead-aware eviction, each against self/speq)")
+                         "lookahead-aware eviction, each against self/speq) and both "
+                         "controllers without the slowdown budget")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON here")
     a = ap.parse_args(argv)
     if a.quick:
@@ -195,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 generate(model, torch.tensor([warm]), dr, spec.StaticK(2) if dr else None,
                          max_new_tokens=12, eos_token_id=None, tau=None, engine=eng)
         tau = target_tau(model, warm, S.tau_g_max(["ngram", "mtp"]), eng)
-        rows_run = ROWS + (SPEQ_ABLATION if a.ablation else [])
+        rows_run = ROWS + (SPEQ_ABLATION + BUDGET_ABLATION if a.ablation else [])
         total = len(settings) * a.repeats * len(requests) * len(rows_run)
         bar = tqdm(total=total, desc="speculation_offload", unit="req", file=sys.stderr)
         for st in settings:

@@ -166,7 +166,7 @@ def test_batch_table_smoke():
 
 def test_offload_benchmark_smoke():
     """benchmarks/speculation_offload.py --quick --ablation: one link setting, every row once
-    (MoE-SpeQ's ablation rows included), the
+    (MoE-SpeQ's ablation rows and the controllers without the slowdown budget included), the
     throttle derived from the setting's ratio and the zoo model's own measurements, and every
     speculative row's greedy output equal to plain decoding's."""
     if not _zoo_ready():
@@ -192,7 +192,12 @@ def test_offload_benchmark_smoke():
     # MoE-SpeQ's ablation: static K, no lookahead prefetch, no lookahead-aware eviction
     assert {("self", "static", 3, True, True), ("self", "speq", None, False, True),
             ("self", "speq", None, True, False)} <= rows
-    assert len(rows) == len(res["rows"]) == 14
+    # both controllers without the slowdown budget
+    assert {("ngram", "cascade-nobudget", None, True, True),
+            ("mtp", "cascade-nobudget", None, True, True),
+            ("self", "cascade-nobudget", None, False, True),
+            ("self", "speq-nobudget", None, True, True)} <= rows
+    assert len(rows) == len(res["rows"]) == 20
     for r in res["rows"]:
         assert r["setting"] == st["name"] and r["outputs_equal"] is True, r
         assert _finite_pos(r["tok_per_s_vs_plain"]) and len(r["ratio_per_repeat"]) == 1
@@ -204,7 +209,7 @@ def test_cascade_ablation_rows():
     greedy output equal to plain decoding's, the Cascade-only targets skipped cleanly."""
     if not _zoo_ready():
         pytest.skip("zoo weights not in the package")
-    names = ["static3", "cascade-disable", "cascade-backoff", "cascade-k3"]
+    names = ["static3", "cascade-disable", "cascade-backoff", "cascade-k3", "cascade-nobudget"]
     p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", "--drafters", "ngram",
                         "--controllers", ",".join(names)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
@@ -214,7 +219,7 @@ def test_cascade_ablation_rows():
     got = {(r["workload"], r["controller"], r["k"]) for r in res["rows"] if r["drafter"]}
     want = {(w, c, k) for w in WORKLOADS for c, k in
             [("static", 3), ("cascade-disable", None), ("cascade-backoff", None),
-             ("cascade-k3", None)]}
+             ("cascade-k3", None), ("cascade-nobudget", None)]}
     assert got == want
     assert all(r["outputs_equal"] is True for r in res["rows"])
     assert res["targets"]["cascade_worst_vs_nospec"] == {}   # no plain "cascade" row
