@@ -32,9 +32,9 @@ before every request; ``tok_per_s_vs_plain`` is the median over repeats of the r
 plain's in the same repeat (``ratio_per_repeat`` lists them).  Each row names its ``setting``,
 ``drafter``, ``controller``, ``lookahead``, ``tok_per_s_vs_plain`` and ``outputs_equal``.
 
-Not here yet (issue 39 item 2, second part): the DeepSeek-V2-Lite-shaped checkpoint of
-big_model.py under its memory cgroup with a drafter of controlled acceptance, and the int2
-self-draft rows.
+The DeepSeek-V2-Lite-shaped checkpoint of big_model.py under its memory cgroup with a drafter of
+controlled acceptance is benchmarks/speculation_big.py.  Not here yet: the int2 self-draft
+rows.
 
 ``--json`` prints one JSON object (host included); the tqdm bar goes to stderr.
 """

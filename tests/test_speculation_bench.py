@@ -226,3 +226,23 @@ def test_cascade_ablation_rows():
     bad = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--controllers", "fastest"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--controllers" in bad.stderr
+
+
+def test_big_checkpoint_benchmark_smoke(tmp_path):
+    """benchmarks/speculation_big.py --quick: the 2-layer DeepSeek-V2-Lite-shaped checkpoint,
+    plain against the controlled-acceptance drafter (static K and Cascade), every output equal
+    to plain decoding's and the figures the issue asks for present."""
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculation_big.py"),
+                        "--quick", "--json", "--no-cgroup", "--workdir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.strip()][-1])
+    rows = {(r["alpha"], r["controller"], r["k"]) for r in res["rows"]}
+    assert rows == {(None, "nospec", None), (0.7, "static", 2), (0.7, "cascade", None)}
+    for r in res["rows"]:
+        assert r["outputs_equal"] is True and _finite_pos(r["tok_per_s"]), r
+    static = [r for r in res["rows"] if r["controller"] == "static"][0]
+    assert 0 < static["acceptance"] < 1  # alpha 0.7 over 8 tokens: some right, some wrong
+    c = res["config"]
+    assert c["delta"] == 0.1 and "assumed" in c["delta_source"] and c["host"]["cpu"]
+    assert set(res["targets"]) >= {"best_at_alpha_0.7", "cascade_worst_vs_plain"}
