@@ -950,22 +950,31 @@ def test_uninitialised_objects_raise():
         d.propose([1, 2], 1)
 
 
-@pytest.mark.parametrize("probe", [1, 5, -1])
-def test_speq_probes_after_a_run_of_plain_iterations(probe):
-    # acceptance ~0 and verify time growing with g: K=0 wins; only the probe asks for drafts
-    g = SpeqGovernor(k_max=4, alpha=0.5, p_init=0.05, probe=probe, budget=None)
-    ref = RefSpeq(4, 0.5, 0.05, 1, probe=probe, budget=None)
-    tau = [1.0 / (1.0 + 0.5 * (n - 1)) for n in range(1, 7)]  # (K+1)*tau(K+1) > 1: all allowed
+def drive_never_paying_speq(n: int, probe: int,
+                            budget: Optional[float]) -> Tuple[List[int], SpeqGovernor]:
+    """The governor and its reference in lockstep over a drafter that is never accepted and
+    whose K drafts cost 1 + K/2 plain steps (every K allowed by tau): the K asked each time."""
+    g = SpeqGovernor(k_max=4, alpha=0.5, p_init=0.05, probe=probe, budget=budget)
+    ref = RefSpeq(4, 0.5, 0.05, 1, probe=probe, budget=budget)
+    tau = [1.0 / (1.0 + 0.5 * (m - 1)) for m in range(1, 7)]  # (K+1)*tau(K+1) > 1: all allowed
     g.set_tau(tau)
     ref.tau = tau
     asked = []
-    for i in range(24):
+    for _ in range(n):
         k = g.next_k()
         assert k == ref.next_k()
         asked.append(k)
         t = 0.01 * (1 + 0.5 * k)
         g.observe(k, 0, t)
         ref.observe(k, 0, t, 0.0, 0.0)
+        assert g.spent == (ref.sh.loss, ref.sh.total)
+    return asked, g
+
+
+@pytest.mark.parametrize("probe", [1, 5, -1])
+def test_speq_probes_after_a_run_of_plain_iterations(probe):
+    # acceptance ~0 and verify time growing with g: K=0 wins; only the probe asks for drafts
+    asked, _ = drive_never_paying_speq(24, probe, None)
     if probe == -1:
         assert asked[1:] == [0] * 23
     else:
@@ -1011,21 +1020,8 @@ def test_speq_probes_only_within_the_slowdown_budget():
     """Each probe of a drafter that never pays costs half a plain step; with budget=0.05 the
     probes come only as the budget is earned back, not every probe + 1 iterations, and what
     they cost stays within 5 % of the time plus one probe."""
-    tau = [1.0 / (1.0 + 0.5 * (n - 1)) for n in range(1, 7)]
     for budget in (None, 0.05):
-        g = SpeqGovernor(k_max=4, alpha=0.5, p_init=0.05, probe=2, budget=budget)
-        ref = RefSpeq(4, 0.5, 0.05, 1, probe=2, budget=budget)
-        g.set_tau(tau)
-        ref.tau = tau
-        asked = []
-        for _ in range(400):
-            k = g.next_k()
-            assert k == ref.next_k()
-            asked.append(k)
-            t = 0.01 * (1 + 0.5 * k)
-            g.observe(k, 0, t)
-            ref.observe(k, 0, t, 0.0, 0.0)
-            assert g.spent == (ref.sh.loss, ref.sh.total)
+        asked, g = drive_never_paying_speq(400, 2, budget)
         loss, total = g.spent
         if budget is None:
             assert sum(k > 0 for k in asked) > 120 and loss / total > 0.1
