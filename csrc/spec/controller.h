@@ -219,7 +219,8 @@
  * Slowdown budget (decided here; Cascade's one promise is a slowdown of at most 5 % against
  *   plain decoding, abstract and section 7, and every trial, set phase or probe that does not
  *   pay spends from it): every controller keeps
- *       L = sum over observed iterations with k >= 1 and t_base known of (t_iter - ETR * t_base)
+ *       L = sum over observed iterations with k >= 1 and t_base known
+ *           of (t_iter - ETR * t_base),
  *   the net time speculation has cost against plain steps of the time t_base (negative when
  *   it gained), t_base read after the observation's own k == 0 update, and T = the sum of
  *   every observed t_iter; and W, the largest loss one such iteration has had (t_iter - ETR *
@@ -229,8 +230,8 @@
  *   the controller's own measurement says pays:
  *   - cascade: a test phase starts only within budget; otherwise BACKOFF for
  *     n = ceil((L + W - budget * T) / (budget * t_base)) iterations (n in 1..backoff_max;
- *     base_len when t_base is unknown), the plain steps that bring L back within budget if they cost
- *     t_base each, the doubling back-off length left as it was.  A trial iteration that
+ *     base_len when t_base is unknown), the plain steps that bring L back within budget if
+ *     they cost t_base each, the doubling back-off length left as it was.  A trial iteration that
  *     leaves the budget ends its trial at once (its U the running U, as a hopeless trial's)
  *     and the test phase with it (the decision as after its last trial); a SET iteration
  *     that leaves it while the set phase's running U is below 1 ends the set phase.
@@ -360,7 +361,7 @@ struct smoe_spec_ctl {
     double *base_ring;
     int32_t base_n, base_pos;
     uint64_t last_base_iter;               /* iteration index of the last k == 0 observation */
-    /* the slowdown budget (see above): L and T */
+    /* the slowdown budget (see above): L, T and W */
     double spec_loss, t_total, loss_max;
     /* telemetry ring */
     smoe_spec_rec *ring;
