@@ -498,6 +498,14 @@ def random_bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return a.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
 
 
+def random_router(rng: np.random.Generator, shape: tuple[int, ...], std: float,
+                  skew: float) -> np.ndarray:
+    """A router weight [E, H] f32 of std ``std`` whose expert rows are scaled by
+    ``exp(skew * z_e)``, z_e ~ N(0, 1) (the skew of :func:`write_checkpoint`)."""
+    z = rng.standard_normal(shape[0])
+    return (rng.standard_normal(shape) * std * np.exp(skew * z)[:, None]).astype(np.float32)
+
+
 def load_every_expert(eng: Any) -> None:
     """Load every (layer, expert) of engine ``eng`` into its cache (a cache of the whole
     model) and wait: the rows that time decoding with every expert resident."""
@@ -605,8 +613,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int, skew: float, qtype: s
         if kind == "norm":
             a = np.ones(shape, np.float32)
         elif kind == "router":
-            z = rng.standard_normal(shape[0])
-            a = (rng.standard_normal(shape) * std * np.exp(skew * z)[:, None]).astype(np.float32)
+            a = random_router(rng, shape, std, skew)
         elif not quantized(shape, kind):
             a = (rng.standard_normal(shape) * std).astype(np.float32)
         elif bf16 and not (embed_std and name == "token_embd.weight"):

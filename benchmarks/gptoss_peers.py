@@ -147,9 +147,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], seed: int = 0, skew: float = 1.0
         if kind in ("bias", "sink"):
             return (rng.standard_normal(shape) * std).astype(np.float32)
         if kind == "router":
-            z = rng.standard_normal(shape[0])
-            return (rng.standard_normal(shape) * std * np.exp(skew * z)[:, None]).astype(
-                np.float32)
+            return bm.random_router(rng, shape, std, skew)
         if kind == "bf16":
             return bm.random_bf16(rng, shape)
         # MXFP4: random codes, exponents 119..121 (2^(e - 128) times the doubled E2M1
