@@ -581,12 +581,17 @@ static void fast2_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
             rows8(j, d->down, d->down_scale, h, m, d->I, y);
             for (uint32_t i = 0; i < m; i++) smoe_ffn_store_out(j, h + i, 0, y[i]);
         }
-    if (j->T == 1)
-        for (; h + 4 <= h1; h += 4) {
-            const uint32_t row[4] = {h, h + 1, h + 2, h + 3};
+    if (j->T == 1 && h < h1) { /* (the loop above may leave h past h1) */
+        /* four rows a quarter of the chunk apart: each pointer walks its quarter in memory
+         * order (four adjacent rows step each pointer over three; ffn_avx2.c's avx2_down) */
+        const uint32_t q4 = (h1 - h) / 4;
+        for (uint32_t i = 0; i < q4; i++) {
+            const uint32_t row[4] = {h + i, h + q4 + i, h + 2 * q4 + i, h + 3 * q4 + i};
             rows_dispatch(j, off, soff, row, 4, d->I, 0, 1, r);
-            for (uint32_t q = 0; q < 4; q++) smoe_ffn_store_out(j, h + q, 0, r[q][0]);
+            for (uint32_t q = 0; q < 4; q++) smoe_ffn_store_out(j, row[q], 0, r[q][0]);
         }
+        h += 4 * q4; /* the last 0-3 rows in pairs below */
+    }
     for (; h < h1; h += 2) {
         uint32_t hb = h + 1 < h1 ? h + 1 : h;
         const uint32_t row[2] = {h, hb};
