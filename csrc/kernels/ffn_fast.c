@@ -30,6 +30,12 @@
 #include "kimpl.h"
 
 #define AI static inline __attribute__((always_inline))
+/* Tokens per tile.  Batch invariance: every (row, token) dot product is summed in the same
+ * order whatever the number of tokens in the call, so that verifying K drafts, or a serving
+ * batch, gives each token the bits of one-token decoding (tests/test_batch_invariance.py).
+ * bf16 and int4 keep their two accumulator sets at every token count, in tiles of at most 4
+ * tokens (rows_dispatch); int8's two integer chains are summed before the conversion, so one
+ * chain (3+ tokens) gives the same sum. */
 #define NTMAX 8
 /* Software prefetch per weight stream: to L2 `l2` bytes ahead, to L1 `l1` bytes ahead.
  * bf16 (tiles of 3+ tokens only, see dot_bf16): 4096 / 512 (4096 beat 512 and 16384; T1+T0
@@ -225,12 +231,16 @@ AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint
      * 23.0 GB/s alone and 9.8-14.1 GB/s with software prefetch 512-16384 bytes ahead
      * (2026-11-25). */
     const int pf = NR > 1 && n <= 2048;
-    if (NT <= 2) { /* two accumulator sets for enough independent chains */
+    { /* two accumulator sets: enough independent chains, and at every token count the same
+       * order (batch invariance, see NTMAX) */
         for (; k + 64 <= n; k += 64) {
             for (int q = 0; q < NR; q++) {
-                if (pf) {
+                if (NT > 2) { /* 64 bf16 = two cache lines per step */
+                    FPF(w[q] + k);
+                    FPF(w[q] + k + 32);
+                } else if (pf) {
                     FPFQ(w[q] + k);
-                    FPFQ(w[q] + k + 32); /* 64 bf16 = two cache lines per step */
+                    FPFQ(w[q] + k + 32);
                 }
                 __m512i w0 = _mm512_loadu_si512((const void *)(w[q] + k));
                 __m512i w1 = _mm512_loadu_si512((const void *)(w[q] + k + 32));
@@ -346,10 +356,12 @@ AI void dot_i8(const int8_t *const *w, const int NR, const int16_t *x, uint32_t 
                         a[q][t], w0, _mm512_loadu_si512((const void *)(x + (size_t)t * n + k)));
             }
         }
+        /* a + b in integers (at most the 128 steps above a lane), so that one chain (3+
+         * tokens) and two give the same sum: batch invariance, see NTMAX */
         for (int q = 0; q < NR; q++)
             for (int t = 0; t < NT; t++)
-                f[q][t] = _mm512_add_ps(f[q][t], _mm512_add_ps(_mm512_cvtepi32_ps(a[q][t]),
-                                                               _mm512_cvtepi32_ps(b[q][t])));
+                f[q][t] = _mm512_add_ps(f[q][t],
+                                        _mm512_cvtepi32_ps(_mm512_add_epi32(a[q][t], b[q][t])));
     }
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) r[q][t] = hsum16(f[q][t]);
@@ -383,7 +395,7 @@ AI void rows16_i8(const int8_t *w, uint32_t n, const int16_t *x, uint32_t m, con
                     _mm256_loadu_si256((const __m256i *)(const void *)(p + k)));
                 a = _mm512_dpwssd_epi32(a, w0, _mm512_loadu_si512((const void *)(x + k)));
             }
-            f = _mm512_add_ps(f, _mm512_add_ps(_mm512_cvtepi32_ps(a), _mm512_cvtepi32_ps(b)));
+            f = _mm512_add_ps(f, _mm512_cvtepi32_ps(_mm512_add_epi32(a, b)));
         }
         v[i] = f;
     }
@@ -492,16 +504,16 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
             }
         }
         uint32_t bi = 0;
-        if (NT <= 2) /* blocks in pairs into two accumulator sets: two fma chains per row */
-            for (; bi + 2 <= m; bi += 2) {
+        /* blocks in pairs into two accumulator sets: two fma chains per row, at every token
+         * count (see NTMAX) */
+        for (; bi + 2 <= m; bi += 2) {
                 I4_BLOCK(b0 + bi, bi, f);
                 I4_BLOCK(b0 + bi + 1, bi + 1, f2);
             }
         for (; bi < m; bi++) I4_BLOCK(b0 + bi, bi, f);
     }
-    if (NT <= 2)
-        for (int q = 0; q < NR; q++)
-            for (int t = 0; t < NT; t++) f[q][t] = _mm512_add_ps(f[q][t], f2[q][t]);
+    for (int q = 0; q < NR; q++)
+        for (int t = 0; t < NT; t++) f[q][t] = _mm512_add_ps(f[q][t], f2[q][t]);
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) r[q][t] = hsum16(f[q][t]);
 }
@@ -559,6 +571,17 @@ static void rows16(const smoe_ffn_job *j, uint64_t off, uint64_t soff, uint32_t 
 static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
                           const uint32_t *row, int NR, uint32_t n, uint32_t t0, uint32_t nt,
                           float (*r)[NTMAX]) {
+    if (nt > 4 && j->d->dtype != SMOE_WDT_I8) {
+        /* bf16 / int4 keep two accumulator sets per (row, token) at every token count (see
+         * NTMAX): 2 rows x 4 tokens x 2 = 16 of the 32 vector registers; 8 tokens would spill
+         * (OLMoE shape, 8 tokens, 1 thread: bf16 0.47 -> 0.33 of the read ceiling) */
+        float r2[4][NTMAX];
+        rows_dispatch(j, off, soff, row, NR, n, t0, 4, r);
+        rows_dispatch(j, off, soff, row, NR, n, t0 + 4, nt - 4, r2);
+        for (int q = 0; q < NR; q++)
+            for (uint32_t t = 0; t < nt - 4; t++) r[q][4 + t] = r2[q][t];
+        return;
+    }
     if (NR == 4) {
         rowsN(j, off, soff, row, 4, n, t0, 1, r);
         return;

@@ -324,9 +324,13 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
  * n % 128 == 64); 32: two scales per chunk (I4_CHUNK32; llama.cpp's Q4_0 blocks kept as they
  * are).  Per 8 units (blocks, or chunks) the combined scales S = sw * xs are formed in a small
  * array first, and the groups' -8 offsets, sw * -8 * xg, go into the accumulator's lanes with
- * one fma per 8 groups (groups of 128, 64 and 32; larger groups: one dot product at the end);
- * with at most four (row, token) pairs units go in pairs into two accumulator sets (two fma
- * chains each). */
+ * one fma per 8 groups (groups of 128, 64 and 32; larger groups: one dot product at the end).
+ * One accumulator per (row, token) at every token count, so that a token's sums do not depend
+ * on the tokens beside it (batch invariance: a verification batch or a serving batch gives
+ * one-token decoding's bits).  Two sets when they fit (at most four (row, token) pairs) did not
+ * pay: one set read at the same rate at 1, 4 and 8 tokens (Zen 4 forced to AVX2, 1 thread, OLMoE
+ * / DeepSeek-V2-Lite / Mixtral shapes, 2 A/B rounds; the fma chain's latency is below a unit's
+ * unpacking work here). */
 /* Bytes ahead of each row's position that dot_i4 prefetches to L1 (every line of the next 8
  * units): at one token and one thread on AMD EPYC (Zen 3) the int4 kernel read 0.74-0.78 of
  * the read ceiling without it and 0.81-0.92 with it (benchmarks/kernels.py, 4 interleaved
@@ -342,10 +346,10 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
     const uint32_t nb = (n + 127) / 128, ng = n / group, bpg = group / 128;
     const uint32_t nu = G ? n / 64 : nb; /* units: chunks (G 64, 32) or blocks */
     const int unit_groups = G || bpg == 1; /* the offsets per group, in the lanes */
-    __m256 f[4][NTMAX], f2[4][NTMAX];
+    __m256 f[4][NTMAX];
     float S[4][NTMAX][16] __attribute__((aligned(32)));
     for (int q = 0; q < NR; q++)
-        for (int t = 0; t < NT; t++) f[q][t] = f2[q][t] = _mm256_setzero_ps();
+        for (int t = 0; t < NT; t++) f[q][t] = _mm256_setzero_ps();
     for (uint32_t u0 = 0; u0 < nu; u0 += 8) {
         const uint32_t m = nu - u0 < 8 ? nu - u0 : 8;
         const __m256i mk = lanes_below(m);
@@ -389,33 +393,19 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                     for (uint32_t i = 0; i < m; i++) S[q][t][i] = ws[q][(u0 + i) / bpg] * xt[u0 + i];
                 }
             }
-        uint32_t i = 0;
-        if (G == 32) {
-            if (NR * NT <= 4) /* a second set only while the accumulators fit in registers */
-                for (; i + 2 <= m; i += 2) {
-                    I4_CHUNK32(u0 + i, i, f);
-                    I4_CHUNK32(u0 + i + 1, i + 1, f2);
-                }
-            for (; i < m; i++) I4_CHUNK32(u0 + i, i, f);
-        } else if (G) {
-            if (NR * NT <= 4)
-                for (; i + 2 <= m; i += 2) {
-                    I4_CHUNK(u0 + i, i, f);
-                    I4_CHUNK(u0 + i + 1, i + 1, f2);
-                }
-            for (; i < m; i++) I4_CHUNK(u0 + i, i, f);
-        } else {
-            if (NR * NT <= 4)
-                for (; i + 2 <= m; i += 2) {
-                    I4_BLOCK(u0 + i, i, f);
-                    I4_BLOCK(u0 + i + 1, i + 1, f2);
-                }
-            for (; i < m; i++) I4_BLOCK(u0 + i, i, f);
+        for (uint32_t i = 0; i < m; i++) {
+            if (G == 32) {
+                I4_CHUNK32(u0 + i, i, f);
+            } else if (G) {
+                I4_CHUNK(u0 + i, i, f);
+            } else {
+                I4_BLOCK(u0 + i, i, f);
+            }
         }
     }
     for (int q = 0; q < NR; q++)
         for (int t = 0; t < NT; t++) {
-            __m256 v = _mm256_add_ps(f[q][t], f2[q][t]);
+            __m256 v = f[q][t];
             if (!unit_groups) /* the offset of groups spanning several blocks, in lane 0 */
                 v = _mm256_add_ps(v, _mm256_setr_ps(-8.0f * dotf(ws[q], xg + (size_t)t * ng, ng),
                                                     0, 0, 0, 0, 0, 0, 0));
