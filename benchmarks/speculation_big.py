@@ -17,13 +17,11 @@ order rotated per round; ``tok_per_s_vs_plain`` is the median over rounds of the
 tok/s (new tokens over the iterations' time, prefill left out) over plain's in the same round.
 Every row's output must equal the reference (``outputs_equal``).
 
-Verifying three or more tokens is not bit for bit one-token decoding: the expert and dense
-kernels read rows of three or more tokens in tiles whose f32 sums round differently (1e-6
-relative; one and two tokens are bit-identical, tests/test_kernels.py), and on this
-checkpoint's random routers such a difference can flip a near-tie of the greedy argmax (its
-bf16 logits tie outright at times).  From there the output leaves the reference and every
-later draft is wrong, so such a row (``outputs_equal`` false, listed in ``rows_diverged``)
-measures nothing and the targets leave it out.
+A verification forward gives every token the bits of one-token decoding (the kernels are batch
+invariant, tests/test_batch_invariance.py; before 2026-11-30 tiles of three or more tokens
+rounded differently, and every K >= 2 row here left the reference within a few tokens).  A row
+whose output still leaves the reference (``outputs_equal`` false, listed in ``rows_diverged``)
+measures nothing -- from there every draft is wrong -- and the targets leave it out.
 
 Not here: lookahead prefetch (the drafter has no routing to give) and the int4 self-draft of an
 int8 store (the int8 store of this checkpoint needs another 6 GB of disk); both are left to the
