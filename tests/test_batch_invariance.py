@@ -9,10 +9,11 @@ one-token step: a difference of one unit in the last place can flip a near-tie o
 ffn_avx512.c / ffn_avx2.c DENSE_DOT, ffn_fast_avx2.c dot_i4), and these tests hold them to it:
 each kernel, each linear layer, and whole models' logits.
 
-Not covered, with the reason: GGUF block formats kept as a file holds them (their one-token rows
-are a different kernel from the multi-token ones, see docs/speculation.md), and models whose
-torch-side f32 matrix products (a router or a shared-expert gate left in torch) are not
-invariant in torch itself.
+GGUF block formats kept as a file holds them are invariant up to 16 tokens a call (decode
+sizes: ffn_blocks.c INVARIANT_T runs each token through the one-token rows; prefill chunks
+above take the multi-token tiles).  Not covered, with the reason: models whose torch-side f32
+matrix products (a router or a shared-expert gate left in torch) are not invariant in torch
+itself.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from specmoe.models.layers import CLinear
 from specmoe.models.testing import tiny_model
 from specmoe.runtime import engine as hf
 from specmoe.runtime import kernels
+from specmoe.storage import ggml_blocks as gb
 from specmoe.storage import quant
 
 from .test_kernels import _isa, ctx  # noqa: F401  (the module's context fixture)
@@ -45,13 +47,16 @@ def _expert(kind: str, H: int, I: int):
     rng = np.random.default_rng(zlib.crc32(f"{kind}/{H}/{I}".encode()))
     g, u, d = (rng.standard_normal(s).astype(np.float32) / np.sqrt(s[1])
                for s in ((I, H), (I, H), (H, I)))
+    if kind in gb.QUANTIZERS:  # a GGUF block format (both shapes are multiples of 256)
+        q = gb.QUANTIZERS[kind]
+        return {"gate": q(g), "up": q(u), "down": q(d)}, rng
     dtype, group = KINDS[kind]
     return quant.expert_tensors(g, u, d, dtype, group=group), rng
 
 
 @pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(KINDS) + list(gb.BLOCKS))
 @pytest.mark.parametrize("isa", ISAS)
 def test_expert_rows_equal_one_token_calls(ctx, isa, kind, shape, precise):
     """Each token of a 2-9 token call equals that token alone, bit for bit."""

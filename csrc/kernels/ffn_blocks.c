@@ -1057,21 +1057,43 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_q6_k(w, x, nt, n, res);
 }
 
+/* Batch invariance: a call of up to INVARIANT_T tokens (decode sizes: a verification of K
+ * drafts, a serving step's tokens at one expert) runs every token through the one-token rows,
+ * row by row (the row stays in L1 for the next token), so each token's output is bit for bit
+ * what a one-token call gives it; the multi-token tiles (rows_* of nt tokens, their own
+ * summation order) serve longer calls (prefill).  tests/test_batch_invariance.py. */
+#define INVARIANT_T 16
+
+/* gate/up row i for token t alone (the one-token forms) */
+static void gateup_one(const smoe_ffn_job *j, uint32_t t, uint32_t i) {
+    const smoe_ffn_desc *d = j->d;
+    const uint32_t H = d->H;
+    const size_t rb = row_bytes(d->dtype, H);
+    const uint8_t *gw = j->block + d->gate, *uw = j->block + d->up;
+    float g, u;
+    if (d->dtype == SMOE_WDT_Q4_K || d->dtype == SMOE_WDT_Q5_K) {
+        /* gate and up rows of one output together */
+        const xin x = xin_of(j, d->dtype, t, H);
+        const uint8_t *w[2] = {gw + i * rb, uw + i * rb};
+        float r[2];
+        row2_k(d->dtype, w, &x, H, r);
+        g = r[0], u = r[1];
+    } else {
+        rows_fast(d->dtype, gw + i * rb, j, t, 1, H, &g);
+        rows_fast(d->dtype, uw + i * rb, j, t, 1, H, &u);
+    }
+    smoe_ffn_store_act(j, i, t, g, u);
+}
+
 static void gateup_fast(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const smoe_ffn_desc *d = j->d;
     const uint32_t H = d->H;
     const size_t rb = row_bytes(d->dtype, H);
     const uint8_t *gw = j->block + d->gate, *uw = j->block + d->up;
     float g[TILE], u[TILE];
-    if ((d->dtype == SMOE_WDT_Q4_K || d->dtype == SMOE_WDT_Q5_K) && j->T == 1) {
-        /* gate and up rows of one output together */
-        const xin x = xin_of(j, d->dtype, 0, H);
-        for (uint32_t i = i0; i < i1; i++) {
-            const uint8_t *w[2] = {gw + i * rb, uw + i * rb};
-            float r[2];
-            row2_k(d->dtype, w, &x, H, r);
-            smoe_ffn_store_act(j, i, 0, r[0], r[1]);
-        }
+    if (j->T <= INVARIANT_T) {
+        for (uint32_t i = i0; i < i1; i++)
+            for (uint32_t t = 0; t < j->T; t++) gateup_one(j, t, i);
         return;
     }
     for (uint32_t i = i0; i < i1; i++)
@@ -1090,21 +1112,30 @@ static void down_fast(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const size_t rb = row_bytes(dt, I);
     const uint8_t *dw = j->block + d->down;
     float y[TILE];
-    if ((dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K) && j->T == 1) {
+    if ((dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K) && j->T <= INVARIANT_T) {
         /* two rows at a time, (h, h + half) of the chunk: each walks its half in memory
          * order (adjacent pairs step over every other row, which the hardware prefetcher
-         * serves badly; ffn_avx2.c's avx2_down) */
-        const xin x = xin_of(j, dt, 0, I);
+         * serves badly; ffn_avx2.c's avx2_down); every token in turn on the pair */
         const uint32_t half = (h1 - h0) / 2;
-        for (uint32_t h = h0; h < h0 + half; h++) {
-            const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
-            float r[2];
-            row2_k(dt, w, &x, I, r);
-            smoe_ffn_store_out(j, h, 0, r[0]);
-            smoe_ffn_store_out(j, h + half, 0, r[1]);
-        }
+        for (uint32_t h = h0; h < h0 + half; h++)
+            for (uint32_t t = 0; t < j->T; t++) {
+                const xin x = xin_of(j, dt, t, I);
+                const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
+                float r[2];
+                row2_k(dt, w, &x, I, r);
+                smoe_ffn_store_out(j, h, t, r[0]);
+                smoe_ffn_store_out(j, h + half, t, r[1]);
+            }
         if (!((h1 - h0) & 1)) return;
         h0 = h1 - 1; /* an odd chunk's last row, alone below */
+    }
+    if (j->T <= INVARIANT_T) {
+        for (uint32_t h = h0; h < h1; h++)
+            for (uint32_t t = 0; t < j->T; t++) {
+                rows_fast(dt, dw + h * rb, j, t, 1, I, y);
+                smoe_ffn_store_out(j, h, t, y[0]);
+            }
+        return;
     }
     for (uint32_t h = h0; h < h1; h++)
         for (uint32_t t0 = 0; t0 < j->T; t0 += TILE) {
@@ -1465,10 +1496,12 @@ AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *
         rows_q8_0_vnni(w, nr, x, n, res);
 }
 
-/* Whether the VNNI rows serve a matrix of dt at T tokens. */
+/* Whether the VNNI rows serve a matrix of dt at T tokens: decode sizes, every token in turn
+ * through the one-token rows (batch invariance, INVARIANT_T). */
 AI int vnni_rows_for(int32_t dt, uint32_t T) {
-    return T == 1 && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K ||
-                      dt == SMOE_WDT_Q6_K || dt == SMOE_WDT_MXFP4);
+    return T <= INVARIANT_T && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 ||
+                                dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q6_K ||
+                                dt == SMOE_WDT_MXFP4);
 }
 
 static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
@@ -1479,13 +1512,14 @@ static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     }
     const uint32_t H = d->H;
     const size_t rb = row_bytes(d->dtype, H);
-    const xin x = xin_of(j, d->dtype, 0, H);
-    for (uint32_t i = i0; i < i1; i++) { /* gate and up rows of one output together */
-        const uint8_t *w[2] = {j->block + d->gate + i * rb, j->block + d->up + i * rb};
-        float r[2];
-        rows_vnni(d->dtype, w, 2, &x, H, r);
-        smoe_ffn_store_act(j, i, 0, r[0], r[1]);
-    }
+    for (uint32_t i = i0; i < i1; i++) /* gate and up rows of one output together */
+        for (uint32_t t = 0; t < j->T; t++) {
+            const xin x = xin_of(j, d->dtype, t, H);
+            const uint8_t *w[2] = {j->block + d->gate + i * rb, j->block + d->up + i * rb};
+            float r[2];
+            rows_vnni(d->dtype, w, 2, &x, H, r);
+            smoe_ffn_store_act(j, i, t, r[0], r[1]);
+        }
 }
 
 static void down_vnni(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
@@ -1498,22 +1532,25 @@ static void down_vnni(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const uint32_t I = d->I;
     const size_t rb = row_bytes(dt, I);
     const uint8_t *dw = j->block + d->down;
-    const xin x = xin_of(j, dt, 0, I);
     /* rows (h, h + half) together, each walking its half in memory order (as down_fast) */
     const uint32_t half = (h1 - h0) / 2;
-    for (uint32_t h = h0; h < h0 + half; h++) {
-        const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
-        float r[2];
-        rows_vnni(dt, w, 2, &x, I, r);
-        smoe_ffn_store_out(j, h, 0, r[0]);
-        smoe_ffn_store_out(j, h + half, 0, r[1]);
-    }
-    if ((h1 - h0) & 1) {
-        const uint8_t *w[1] = {dw + (h1 - 1) * rb};
-        float r;
-        rows_vnni(dt, w, 1, &x, I, &r);
-        smoe_ffn_store_out(j, h1 - 1, 0, r);
-    }
+    for (uint32_t h = h0; h < h0 + half; h++)
+        for (uint32_t t = 0; t < j->T; t++) {
+            const xin x = xin_of(j, dt, t, I);
+            const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
+            float r[2];
+            rows_vnni(dt, w, 2, &x, I, r);
+            smoe_ffn_store_out(j, h, t, r[0]);
+            smoe_ffn_store_out(j, h + half, t, r[1]);
+        }
+    if ((h1 - h0) & 1)
+        for (uint32_t t = 0; t < j->T; t++) {
+            const xin x = xin_of(j, dt, t, I);
+            const uint8_t *w[1] = {dw + (h1 - 1) * rb};
+            float r;
+            rows_vnni(dt, w, 1, &x, I, &r);
+            smoe_ffn_store_out(j, h1 - 1, t, r);
+        }
 }
 #pragma GCC pop_options
 
