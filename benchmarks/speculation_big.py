@@ -23,6 +23,11 @@ rounded differently, and every K >= 2 row here left the reference within a few t
 whose output still leaves the reference (``outputs_equal`` false, listed in ``rows_diverged``)
 measures nothing -- from there every draft is wrong -- and the targets leave it out.
 
+``--routing replay`` routes every decode position by a recorded DeepSeek-V2-Lite trace (the
+first of ``--trace``'s files long enough; its first MoE layers) instead of the random routers,
+with prefetch off (:func:`follow_trace`): real routing repeats experts from token to token,
+which is what a verification of K + 1 tokens amortizes.
+
 Not here: lookahead prefetch (the drafter has no routing to give) and the int4 self-draft of an
 int8 store (the int8 store of this checkpoint needs another 6 GB of disk); both are left to the
 next run.  ``--json`` prints one JSON object (host included); progress goes to stderr.
@@ -38,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -85,6 +92,65 @@ class ControlledDrafter:
         return out
 
 
+def follow_trace(model: Any, eng: Any, experts: "np.ndarray", prefill_above: int = 16) -> Any:
+    """Route every decode-sized forward of ``model`` by the recorded ``experts`` [tokens, MoE
+    layers, top_k] at the forward's position (its KV length): a verification of K drafts and
+    the plain steps that redo a position after a rejection replay the same rows, so every
+    row of the benchmark sees one routing per position, as a real model's would be for the
+    same tokens.  Passes of more than ``prefill_above`` tokens (the prompt) route by the
+    checkpoint's own routers: their shared experts run in torch (above the C layers' 16
+    tokens), which a replay cannot follow (``Engine.replay_routing``), and prefill is not
+    timed.  Returns a function that undoes
+    it (the hooks removed, the replay off)."""
+    def seek(kv: Any) -> None:
+        eng.replay_routing(experts, start=kv.get_seq_length())
+
+    def pre(mod: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        kv = kwargs.get("cache", kwargs.get("past_key_values"))
+        if ids is None or kv is None or ids.shape[1] > prefill_above:
+            eng.replay_routing(None)
+        else:
+            seek(kv)
+
+    handle = model.register_forward_pre_hook(pre, with_kwargs=True)
+    step = getattr(model, "_specmoe_decode_step", None)
+    if step is not None:  # generate's plain greedy step in one C call bypasses the forward
+        greedy_next = step.greedy_next
+
+        def greedy_next_replayed(tok: int, kv: Any) -> Any:
+            seek(kv)
+            return greedy_next(tok, kv)
+        step.greedy_next = greedy_next_replayed
+
+    def undo() -> None:
+        handle.remove()
+        if step is not None:
+            step.greedy_next = greedy_next
+        eng.replay_routing(None)
+    return undo
+
+
+def trace_for(trace_dir: Path, layers: int, top_k: int, experts: int, need: int,
+              out: Path) -> Dict[str, Any]:
+    """The first trace in ``trace_dir`` (sorted by name) of at least ``need`` tokens, its first
+    ``layers`` MoE layers, saved as ``out`` (npz, ``experts``); returns what was taken."""
+    import specmoe
+    files = sorted(p for p in Path(trace_dir).iterdir()
+                   if p.name.endswith((".csv", ".csv.gz", ".npz")))
+    for f in files:
+        tr = specmoe.load_trace(f)
+        ex = np.asarray(tr.experts)
+        if ex.shape[0] < need or ex.shape[1] < layers or ex.shape[2] != top_k \
+                or int(tr.num_experts) != experts:
+            continue
+        np.savez(out, experts=ex[:, :layers].astype(np.int16))
+        return {"file": f.name, "tokens": int(ex.shape[0]), "layers_used": layers,
+                "layers_in_trace": int(ex.shape[1])}
+    raise SystemExit(f"speculation_big: no trace in {trace_dir} has {need} tokens of "
+                     f"{layers} layers x top-{top_k} of {experts} experts")
+
+
 def worker(spec_path: str) -> None:
     """Inside the cgroup: load once, run every row in rounds, write the results."""
     spec = json.loads(Path(spec_path).read_text())
@@ -97,11 +163,14 @@ def worker(spec_path: str) -> None:
     torch.set_num_threads(spec["threads"])
     specmoe.runtime.kernels.set_num_threads(spec["threads"])
     t0 = time.perf_counter()
+    replay = spec.get("replay")
     model = specmoe.from_pretrained(spec["ckpt"], cache=spec["cache"], dtype="int4",
-                                    policy="least_stale", prefetch=True, store=spec["store"],
-                                    progress=False)
+                                    policy="least_stale", prefetch=replay is None,
+                                    store=spec["store"], progress=False)
     eng = specmoe.engine_of(model)
     model.eval()
+    if replay is not None:
+        follow_trace(model, eng, np.load(replay)["experts"])
     load_s = time.perf_counter() - t0
     n, prompt = spec["tokens"], spec["prompt_ids"]
     vocab = int(model.config.vocab_size)
@@ -165,6 +234,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-cgroup", action="store_true", help="run uncapped (not a valid result)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 2 layers, vocab 16384, 8 tokens, alpha 0.7, K 2, 1 round")
+    ap.add_argument("--routing", choices=("random", "replay"), default="random",
+                    help="random: the checkpoint's skewed random routers; replay: each decode "
+                         "position routed by a recorded DeepSeek-V2-Lite trace (--trace)")
+    ap.add_argument("--trace", type=Path, default=B.REPO.parent / "shared" / "traces" /
+                    "deepseek-v2-lite-puffin", help="folder of traces for --routing replay")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -203,6 +277,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             "threads": a.threads, "prompt_ids": prompt_ids, "warm_ids": warm_ids,
             "tokens": a.tokens, "alphas": alphas, "ks": ks, "delta": a.delta,
             "repeats": a.repeats, "result": str(work / "speculation_big.json")}
+    trace_info = None
+    if a.routing == "replay":
+        moe_layers = a.layers - int(cfg["first_k_dense_replace"])
+        need = len(prompt_ids) + a.tokens + max(ks) + 1
+        spec["replay"] = str(work / "speculation_big-trace.npz")
+        trace_info = trace_for(a.trace, moe_layers, int(cfg["num_experts_per_tok"]),
+                               int(cfg["n_routed_experts"]), need, Path(spec["replay"]))
     spec_path = work / "speculation_big-spec.json"
     spec_path.write_text(json.dumps(spec))
     Path(spec["result"]).unlink(missing_ok=True)
@@ -231,7 +312,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ratios = [t / p for t, p in zip(tps, plain)]
         prop, acc = sum(x["proposed"] for x in xs), sum(x["accepted"] for x in xs)
         out_rows.append({
-            "setting": f"dsv2lite-L{a.layers} int4 in a memory cgroup", "drafter":
+            "setting": f"dsv2lite-L{a.layers} int4 in a memory cgroup"
+                       + (", routing replayed from a trace" if trace_info else ""), "drafter":
             None if row["alpha"] is None else "controlled", "alpha": row["alpha"],
             "controller": row["controller"], "k": row["k"],
             "tok_per_s": round(statistics.median(tps), 3),
@@ -256,6 +338,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "cascade_worst_vs_plain": min(casc) if casc else None,
                     "cascade_worst_met": bool(casc) and min(casc) >= 0.95},
         "config": {"layers": a.layers, "vocab": vocab, "dtype": "int4", "tokens": a.tokens,
+                   "routing": a.routing, "trace": trace_info,
+                   "prefetch": "router" if trace_info is None else "off (the random "
+                               "routers' guesses mean nothing under a replay)",
                    "repeats": a.repeats, "delta": a.delta,
                    "delta_source": "assumed: a draft with a tenth of the target's per-token "
                                    "cost" if a.delta == 0.1 else "--delta",

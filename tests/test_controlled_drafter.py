@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,45 @@ def test_through_generate_acceptance_is_alpha_and_output_unchanged():
             assert rate == alpha
         else:
             assert 0.3 < rate < 0.7, rate
+
+
+def test_follow_trace_routes_each_position_the_same_under_speculation(puffin_subset):
+    """speculation_big --routing replay: every decode pass is routed by the trace's rows at its
+    KV position, so the plain steps that redo a position after a rejected draft see the rows
+    the verification saw, and the speculative output equals plain decoding under the same
+    replay.  (A replay that only consumed rows in order would shift after the first rejection.)
+    The replay must also drive the routing: another stretch of the trace decodes otherwise."""
+    import specmoe
+    from specmoe.models.testing import tiny_model
+    from speculation_big import follow_trace
+
+    from specmoe.speculation.decoding import cache_kwargs, new_kv
+
+    model = tiny_model("deepseek_v2", layers=27, experts=64, top_k=6, hidden=32, inter=16,
+                       overrides={"num_key_value_heads": 4})
+    eng = specmoe.offload(model, cache=64, policy="lru", prefetch=False, dtype="f32",
+                          dense="f32")
+    try:
+        ex = np.asarray(puffin_subset.experts)
+        prompt, n = [5, 9, 17], 16
+        undo = follow_trace(model, eng, ex[:40])
+        plain = generate(model, torch.tensor([prompt]), None, None, max_new_tokens=n,
+                         eos_token_id=None).sequences[0, len(prompt):].tolist()
+        d = ControlledDrafter(len(prompt), plain, 0.5, 0.0, model.config.vocab_size, seed=2)
+        o = generate(model, torch.tensor([prompt]), d, StaticK(3), max_new_tokens=n,
+                     eos_token_id=None)
+        acc = sum(i["accepted"] for i in o.iterations)
+        assert 0 < acc < sum(i["k"] for i in o.iterations)  # drafts both kept and rejected
+        assert o.sequences[0, len(prompt):].tolist() == plain
+        undo()
+        # the replay drives the routing: a step's logits differ under another stretch of it
+        steps = []
+        for rows in (ex[:40], ex[100:140], None):
+            off = follow_trace(model, eng, rows) if rows is not None else (lambda: None)
+            with torch.no_grad():
+                kv = cache_kwargs(model, new_kv(model))
+                steps.append(model(input_ids=torch.tensor([prompt]), **kv).logits[0, -1])
+            off()
+        assert not torch.equal(steps[0], steps[1]) and not torch.equal(steps[0], steps[2])
+    finally:
+        eng.close()
