@@ -231,25 +231,24 @@ AI void dot_bf16(const uint16_t *const *w, const int NR, const uint16_t *x, uint
      * 23.0 GB/s alone and 9.8-14.1 GB/s with software prefetch 512-16384 bytes ahead
      * (2026-11-25). */
     const int pf = NR > 1 && n <= 2048;
-    { /* two accumulator sets: enough independent chains, and at every token count the same
-       * order (batch invariance, see NTMAX) */
-        for (; k + 64 <= n; k += 64) {
-            for (int q = 0; q < NR; q++) {
-                if (NT > 2) { /* 64 bf16 = two cache lines per step */
-                    FPF(w[q] + k);
-                    FPF(w[q] + k + 32);
-                } else if (pf) {
-                    FPFQ(w[q] + k);
-                    FPFQ(w[q] + k + 32);
-                }
-                __m512i w0 = _mm512_loadu_si512((const void *)(w[q] + k));
-                __m512i w1 = _mm512_loadu_si512((const void *)(w[q] + k + 32));
-                for (int t = 0; t < NT; t++) {
-                    __m512i x0 = _mm512_loadu_si512((const void *)(x + (size_t)t * n + k));
-                    __m512i x1 = _mm512_loadu_si512((const void *)(x + (size_t)t * n + k + 32));
-                    a[q][t] = _mm512_dpbf16_ps(a[q][t], (__m512bh)w0, (__m512bh)x0);
-                    b[q][t] = _mm512_dpbf16_ps(b[q][t], (__m512bh)w1, (__m512bh)x1);
-                }
+    /* two accumulator sets: enough independent chains, and at every token count the same
+     * order (batch invariance, see NTMAX) */
+    for (; k + 64 <= n; k += 64) {
+        for (int q = 0; q < NR; q++) {
+            if (NT > 2) { /* 64 bf16 = two cache lines per step */
+                FPF(w[q] + k);
+                FPF(w[q] + k + 32);
+            } else if (pf) {
+                FPFQ(w[q] + k);
+                FPFQ(w[q] + k + 32);
+            }
+            __m512i w0 = _mm512_loadu_si512((const void *)(w[q] + k));
+            __m512i w1 = _mm512_loadu_si512((const void *)(w[q] + k + 32));
+            for (int t = 0; t < NT; t++) {
+                __m512i x0 = _mm512_loadu_si512((const void *)(x + (size_t)t * n + k));
+                __m512i x1 = _mm512_loadu_si512((const void *)(x + (size_t)t * n + k + 32));
+                a[q][t] = _mm512_dpbf16_ps(a[q][t], (__m512bh)w0, (__m512bh)x0);
+                b[q][t] = _mm512_dpbf16_ps(b[q][t], (__m512bh)w1, (__m512bh)x1);
             }
         }
     }
@@ -507,9 +506,9 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
         /* blocks in pairs into two accumulator sets: two fma chains per row, at every token
          * count (see NTMAX) */
         for (; bi + 2 <= m; bi += 2) {
-                I4_BLOCK(b0 + bi, bi, f);
-                I4_BLOCK(b0 + bi + 1, bi + 1, f2);
-            }
+            I4_BLOCK(b0 + bi, bi, f);
+            I4_BLOCK(b0 + bi + 1, bi + 1, f2);
+        }
         for (; bi < m; bi++) I4_BLOCK(b0 + bi, bi, f);
     }
     for (int q = 0; q < NR; q++)
