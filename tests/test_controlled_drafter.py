@@ -82,7 +82,8 @@ def test_follow_trace_routes_each_position_the_same_under_speculation(puffin_sub
     KV position, so the plain steps that redo a position after a rejected draft see the rows
     the verification saw, and the speculative output equals plain decoding under the same
     replay.  (A replay that only consumed rows in order would shift after the first rejection.)
-    The replay must also drive the routing: another stretch of the trace decodes otherwise."""
+    The replay must also drive the routing: another stretch of the trace, or none, gives a
+    step other logits."""
     import specmoe
     from specmoe.models.testing import tiny_model
     from speculation_big import follow_trace
