@@ -1116,13 +1116,14 @@ static void down_fast(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
         /* two rows at a time, (h, h + half) of the chunk: each walks its half in memory
          * order (adjacent pairs step over every other row, which the hardware prefetcher
          * serves badly; ffn_avx2.c's avx2_down); every token in turn on the pair */
+        xin x[INVARIANT_T];
+        for (uint32_t t = 0; t < j->T; t++) x[t] = xin_of(j, dt, t, I);
         const uint32_t half = (h1 - h0) / 2;
         for (uint32_t h = h0; h < h0 + half; h++)
             for (uint32_t t = 0; t < j->T; t++) {
-                const xin x = xin_of(j, dt, t, I);
                 const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
                 float r[2];
-                row2_k(dt, w, &x, I, r);
+                row2_k(dt, w, &x[t], I, r);
                 smoe_ffn_store_out(j, h, t, r[0]);
                 smoe_ffn_store_out(j, h + half, t, r[1]);
             }
@@ -1512,12 +1513,13 @@ static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     }
     const uint32_t H = d->H;
     const size_t rb = row_bytes(d->dtype, H);
+    xin x[INVARIANT_T];
+    for (uint32_t t = 0; t < j->T; t++) x[t] = xin_of(j, d->dtype, t, H);
     for (uint32_t i = i0; i < i1; i++) /* gate and up rows of one output together */
         for (uint32_t t = 0; t < j->T; t++) {
-            const xin x = xin_of(j, d->dtype, t, H);
             const uint8_t *w[2] = {j->block + d->gate + i * rb, j->block + d->up + i * rb};
             float r[2];
-            rows_vnni(d->dtype, w, 2, &x, H, r);
+            rows_vnni(d->dtype, w, 2, &x[t], H, r);
             smoe_ffn_store_act(j, i, t, r[0], r[1]);
         }
 }
@@ -1532,23 +1534,23 @@ static void down_vnni(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const uint32_t I = d->I;
     const size_t rb = row_bytes(dt, I);
     const uint8_t *dw = j->block + d->down;
+    xin x[INVARIANT_T];
+    for (uint32_t t = 0; t < j->T; t++) x[t] = xin_of(j, dt, t, I);
     /* rows (h, h + half) together, each walking its half in memory order (as down_fast) */
     const uint32_t half = (h1 - h0) / 2;
     for (uint32_t h = h0; h < h0 + half; h++)
         for (uint32_t t = 0; t < j->T; t++) {
-            const xin x = xin_of(j, dt, t, I);
             const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
             float r[2];
-            rows_vnni(dt, w, 2, &x, I, r);
+            rows_vnni(dt, w, 2, &x[t], I, r);
             smoe_ffn_store_out(j, h, t, r[0]);
             smoe_ffn_store_out(j, h + half, t, r[1]);
         }
     if ((h1 - h0) & 1)
         for (uint32_t t = 0; t < j->T; t++) {
-            const xin x = xin_of(j, dt, t, I);
             const uint8_t *w[1] = {dw + (h1 - 1) * rb};
             float r;
-            rows_vnni(dt, w, 1, &x, I, &r);
+            rows_vnni(dt, w, 1, &x[t], I, &r);
             smoe_ffn_store_out(j, h1 - 1, t, r);
         }
 }
