@@ -7,7 +7,9 @@ one-token step: a difference of one unit in the last place can flip a near-tie o
 (random-weight checkpoints tie outright at times, bf16 logits often).  So every C kernel sums a
 (row, token) dot product in the same order at every token count (csrc/kernels/ffn_fast.c NTMAX,
 ffn_avx512.c / ffn_avx2.c DENSE_DOT, ffn_fast_avx2.c dot_i4), and these tests hold them to it:
-each kernel, each linear layer, and whole models' logits.
+each kernel, each linear layer, and whole models' logits.  The decode attention kernels
+(mha.c, mla.c) add one case of their own: the rows of a batched step have holes (other rows
+are longer, drafts were rejected), and a row must still get the bits of its step alone.
 
 GGUF block formats kept as a file holds them are invariant up to 16 tokens a call (decode
 sizes: ffn_blocks.c INVARIANT_T runs each token through the one-token rows; prefill chunks
@@ -25,6 +27,7 @@ import pytest
 import torch
 from torch import nn
 
+from specmoe import _C
 from specmoe.models.layers import CLinear
 from specmoe.models.testing import tiny_model
 from specmoe.runtime import engine as hf
@@ -32,6 +35,7 @@ from specmoe.runtime import kernels
 from specmoe.storage import ggml_blocks as gb
 from specmoe.storage import quant
 
+from .attn_helpers import ISAS as ATTN_ISAS
 from .test_kernels import _isa, ctx  # noqa: F401  (the module's context fixture)
 
 ISAS = ["scalar", "avx2", "avx512"]
@@ -119,3 +123,93 @@ def test_model_logits_of_a_verification_forward_equal_one_token_steps(arch, dt, 
                         use_cache=True).logits[0]
             differ = [i for i in range(T) if not torch.equal(got[i], alone[i])]
             assert not differ, f"{T} tokens: tokens {differ} differ from one-token steps"
+
+
+# -- holes: a batched step's rows of other lengths (speculation/batch.py) --------------------
+
+_HOLES = {0: [], 1: list(range(5)), 2: [0, 1, 2, 11, 12]}  # row: its masked cache positions
+
+
+def _holed(T: int, S: int, hole: float) -> np.ndarray:
+    """The batch's additive mask [3, T, S]: causal over each row's last T positions (its new
+    tokens), and each row's holes (``_HOLES``: none, left padding, left padding and two
+    rejected drafts) masked for every query with ``hole`` (transformers' most negative float,
+    or -inf)."""
+    i = np.arange(T)[:, None] + (S - T)
+    base = np.where(np.arange(S)[None, :] > i, np.finfo(np.float32).min, 0.0)
+    bias = np.repeat(base[None].astype(np.float32), len(_HOLES), 0)
+    for b, cols in _HOLES.items():
+        bias[b, :, cols] = hole
+    return bias
+
+
+def _alone_mask(T: int, n: int) -> np.ndarray | None:
+    """The mask of a row's step alone: none at one query, else causal."""
+    if T == 1:
+        return None
+    i = np.arange(T)[:, None] + (n - T)
+    return np.where(np.arange(n)[None, :] > i, np.finfo(np.float32).min,
+                    0.0).astype(np.float32)[None]
+
+
+@pytest.mark.parametrize("isa", ATTN_ISAS)
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("hole", [np.finfo(np.float32).min, -np.inf], ids=["min", "inf"])
+def test_attention_rows_with_holes_equal_the_row_alone(isa, T, bf16, hole):
+    """The decode attention (``_C.AttnDecode``) of a batch whose rows have holes gives each row
+    the bits of its step alone on its own positions: the running softmax's blocks are made of
+    the row's real positions (csrc/kernels/attn_impl.h, next_block), so a hole does not shift
+    them.  Before, left padding moved every later position to another block and a bf16 logit
+    came out one unit off, which flipped a greedy tie in serving."""
+    B, H, Hkv, D, S = 3, 6, 2, 40, 29       # S: several blocks of 8 positions
+    rng = np.random.default_rng(T * 10 + bf16)
+    q = rng.standard_normal((B, H, T, D), dtype=np.float32)
+    k = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
+    v = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
+    if bf16:
+        k, v = quant.f32_to_bf16(k).reshape(k.shape), quant.f32_to_bf16(v).reshape(v.shape)
+    kc = _C.KernelContext(2)
+    kc.set_isa(isa)
+    att = _C.AttnDecode(kc)
+    out = np.empty((B, T, H, D), np.float32)
+    att.forward(q, k, v, _holed(T, S, hole), out, 0.3)
+    for b, cols in _HOLES.items():
+        real = [p for p in range(S) if p not in cols]
+        one = np.empty((1, T, H, D), np.float32)
+        att.forward(np.ascontiguousarray(q[b:b + 1]),
+                    np.ascontiguousarray(k[b:b + 1, :, real]),
+                    np.ascontiguousarray(v[b:b + 1, :, real]), _alone_mask(T, len(real)),
+                    one, 0.3)
+        np.testing.assert_array_equal(out[b], one[0], err_msg=f"row {b} (holes {cols})")
+
+
+@pytest.mark.parametrize("isa", ATTN_ISAS)
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_mla_rows_with_holes_equal_the_row_alone(isa, T, bf16):
+    """The same for DeepSeek's absorbed MLA kernel (``_C.MLADecode``): cached latents and rope
+    keys in blocks of the row's real positions."""
+    B, H, DN, DR, DV, R, S = 3, 4, 16, 8, 12, 40, 29
+    rng = np.random.default_rng(T * 10 + bf16 + 1)
+    qn = rng.standard_normal((B, H, T, DN), dtype=np.float32)
+    qp = rng.standard_normal((B, H, T, DR), dtype=np.float32)
+    ckv = rng.standard_normal((B, S, R), dtype=np.float32)
+    kpe = rng.standard_normal((B, S, DR), dtype=np.float32)
+    w_uk = rng.standard_normal((H, DN, R), dtype=np.float32) * 0.3
+    w_uv = rng.standard_normal((H, DV, R), dtype=np.float32) * 0.3
+    if bf16:
+        ckv = quant.f32_to_bf16(ckv).reshape(ckv.shape)
+        kpe = quant.f32_to_bf16(kpe).reshape(kpe.shape)
+    kc = _C.KernelContext(2)
+    kc.set_isa(isa)
+    att = _C.MLADecode(kc, w_uk, w_uv, DR, 0.19)
+    out = np.empty((B, T, H * DV), np.float32)
+    att.forward(qn, qp, ckv, kpe, _holed(T, S, np.finfo(np.float32).min), out)
+    for b, cols in _HOLES.items():
+        real = [p for p in range(S) if p not in cols]
+        one = np.empty((1, T, H * DV), np.float32)
+        att.forward(np.ascontiguousarray(qn[b:b + 1]), np.ascontiguousarray(qp[b:b + 1]),
+                    np.ascontiguousarray(ckv[b:b + 1, real]),
+                    np.ascontiguousarray(kpe[b:b + 1, real]), _alone_mask(T, len(real)), one)
+        np.testing.assert_array_equal(out[b], one[0], err_msg=f"row {b} (holes {cols})")

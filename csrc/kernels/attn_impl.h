@@ -131,6 +131,77 @@ AI const uint8_t *block_rows(const uint8_t *rows, int bf16, uint32_t readers, ui
     return (const uint8_t *)buf;
 }
 
+/* Batch invariance with holes (one rule for mla.c and mha.c).  A batched step keeps its rows'
+ * caches side by side, a shorter row's missing positions masked out (holes: the left padding
+ * of a joined row, a verification's rejected drafts; speculation/batch.py).  Masked positions
+ * get weight 0 either way, but the running softmax moves its maximum once per block, so the
+ * blocks must hold the same positions as the row's step alone would, or the roundings differ
+ * (a bf16 logit one unit off, which flipped a greedy tie in serving).  So the blocks are
+ * made of the row's positions that are not holes, PB at a time in order: a hole is a
+ * position masked for every query of the row (masked: bias below SMOE_ATTN_HOLE,
+ * transformers' masks using the most negative float or -inf).  A position some query sees
+ * stays (the causal mask of a row's earlier queries, at the end; a sliding window's start,
+ * which the earlier queries still see), with weight exactly 0 where it is masked.  Without a
+ * bias, or for a row whose every position is masked (torch gives such a row uniform
+ * weight), every position counts. */
+#define SMOE_ATTN_HOLE (-1e37f)
+
+/* Whether position p of a row's bias [T, S] is masked for every query. */
+AI int is_hole(const float *bias, uint32_t T, uint32_t S, uint32_t p) {
+    for (uint32_t t = 0; t < T; t++)
+        if (!(bias[(size_t)t * S + p] < SMOE_ATTN_HOLE)) return 0;
+    return 1;
+}
+
+/* The row's bias [T, S] when some of its positions are holes and some are not, else NULL
+ * (no bias, no hole, or nothing but holes: every position counts, see above). */
+AI const float *hole_row(const float *bias, uint32_t T, uint32_t S) {
+    if (!bias) return NULL;
+    int holes = 0, real = 0;
+    for (uint32_t p = 0; p < S && !(holes && real); p++) {
+        if (is_hole(bias, T, S, p))
+            holes = 1;
+        else
+            real = 1;
+    }
+    return holes && real ? bias : NULL;
+}
+
+/* The next block: up to PB positions from *p on that are not holes of `holes` (a row's bias
+ * [T, S] from hole_row; NULL: every position) into pos[], *p moved past them; returns how
+ * many (0: none left). */
+AI uint32_t next_block(const float *holes, uint32_t T, uint32_t S, uint32_t *p,
+                       uint32_t *pos) {
+    uint32_t np = 0, i = *p;
+    for (; i < S && np < PB; i++)
+        if (!holes || !is_hole(holes, T, S, i)) pos[np++] = i;
+    *p = i;
+    return np;
+}
+
+/* block_rows for the positions pos[0..np) of rows of `rowbytes` bytes at base: consecutive
+ * positions as block_rows reads them; others (a block across a hole) copied into buf first
+ * (bf16 rows widened where block_rows widens, else copied as they are), so the rows returned
+ * are at a stride of one row either way.  buf holds PB f32 rows of n values. */
+AI const uint8_t *block_rows_at(const uint8_t *base, size_t rowbytes, const uint32_t *pos,
+                                uint32_t np, int bf16, uint32_t readers, uint32_t n, float *buf,
+                                int *rbf) {
+    if (pos[np - 1] - pos[0] + 1 == np)
+        return block_rows(base + (size_t)pos[0] * rowbytes, bf16, readers, np, n, buf, rbf);
+    *rbf = bf16 && readers < 2;
+    if (bf16 && readers >= 2) {
+        for (uint32_t q = 0; q < np; q++) {
+            const uint16_t *src = (const uint16_t *)(base + (size_t)pos[q] * rowbytes);
+            for (uint32_t e = 0; e < n; e++) buf[(size_t)q * n + e] = bf16_f32(src[e]);
+        }
+    } else {
+        for (uint32_t q = 0; q < np; q++)
+            memcpy((uint8_t *)buf + (size_t)q * rowbytes, base + (size_t)pos[q] * rowbytes,
+                   rowbytes);
+    }
+    return (const uint8_t *)buf;
+}
+
 /* Heads an item of an attention kernel takes (one rule for mla.c and mha.c): out of `sets`
  * sets of `heads` heads that read the same cached rows (a batch row's heads, or a key/value
  * head's query heads), all of a set, split into as many chunks as it takes to give each of nt

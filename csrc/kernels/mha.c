@@ -7,7 +7,9 @@
  * (dot_many) and the fold into the running softmax with the value rows (softmax_fold,
  * attn_impl.h, the same rule as the MLA kernel's).  Before 2026-11-26 an item was one query
  * head, which read its key/value head's rows again for each of the H / Hkv heads sharing
- * them, widening them each time.  Same per-ISA instantiation as mla.c. */
+ * them, widening them each time.  A batch row's holes are left out of the blocks
+ * (attn_impl.h, next_block), so a row gets the bits of its step alone.  Same per-ISA
+ * instantiation as mla.c. */
 #include "attn.h"
 #include "attn_impl.h"
 #include "kimpl.h"
@@ -58,13 +60,13 @@ AI void mha_item(const mha_job *j, uint32_t item, float *o, float *m, float *l, 
         m[k] = d->sinks ? d->sinks[h0 + k / T] : -INFINITY;
         l[k] = d->sinks ? 1.0f : 0.0f;
     }
-    for (uint32_t p0 = 0; p0 < S; p0 += PB) {
-        const uint32_t np = S - p0 < PB ? S - p0 : PB;
+    const float *holes = hole_row(bias, T, S);
+    uint32_t pos[PB];
+    for (uint32_t p = 0, np; (np = next_block(holes, T, S, &p, pos)) > 0;) {
         int rbf;
-        const uint8_t *k0 = block_rows(kb + (size_t)p0 * D * esz, j->kv_bf16, nh, np, D, kf,
-                                       &rbf);
-        const uint8_t *v0 = block_rows(vb + (size_t)p0 * D * esz, j->kv_bf16, nh, np, D, vf,
-                                       &rbf);
+        const size_t rowb = (size_t)D * esz;
+        const uint8_t *k0 = block_rows_at(kb, rowb, pos, np, j->kv_bf16, nh, D, kf, &rbf);
+        const uint8_t *v0 = block_rows_at(vb, rowb, pos, np, j->kv_bf16, nh, D, vf, &rbf);
         const size_t rst = (size_t)D * (rbf ? 2 : 4);
         for (uint32_t i = 0; i < nh; i++)
             for (uint32_t t = 0; t < T; t++) {
@@ -74,7 +76,7 @@ AI void mha_item(const mha_job *j, uint32_t item, float *o, float *m, float *l, 
                 dot_many(qt, k0, rst, rbf, D, np, s, j->avx512);
                 for (uint32_t q = 0; q < np; q++) {
                     s[q] *= d->scale;
-                    if (bias) s[q] += bias[(size_t)t * S + p0 + q];
+                    if (bias) s[q] += bias[(size_t)t * S + pos[q]];
                 }
                 softmax_fold(&m[k], &l[k], o + k * D, s, np, v0, rst, rbf, D, j->avx512);
             }

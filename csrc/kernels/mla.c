@@ -225,13 +225,14 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
     const uint8_t *cb = j->ckv + (size_t)b * j->ckv_bstride * csz;
     const uint8_t *kb = j->kpe + (size_t)b * j->kpe_bstride * ksz;
     const float *bias = j->bias ? j->bias + (size_t)(j->bias_rows == 1 ? 0 : b) * T * S : NULL;
-    for (uint32_t p0 = 0; p0 < S; p0 += PB) {
-        const uint32_t np = S - p0 < PB ? S - p0 : PB;
+    const float *holes = hole_row(bias, T, S); /* blocks without the row's holes (attn_impl.h) */
+    uint32_t pos[PB];
+    for (uint32_t p = 0, np; (np = next_block(holes, T, S, &p, pos)) > 0;) {
         int cbf, kbf;
-        const uint8_t *c0 = block_rows(cb + (size_t)p0 * r * csz, j->ckv_bf16, nh, np, r, cf,
-                                       &cbf);
-        const uint8_t *k0 = block_rows(kb + (size_t)p0 * dr * ksz, j->kpe_bf16, nh, np, dr, kf,
-                                       &kbf);
+        const uint8_t *c0 = block_rows_at(cb, (size_t)r * csz, pos, np, j->ckv_bf16, nh, r, cf,
+                                          &cbf);
+        const uint8_t *k0 = block_rows_at(kb, (size_t)dr * ksz, pos, np, j->kpe_bf16, nh, dr,
+                                          kf, &kbf);
         const size_t cst = (size_t)r * (cbf ? 2 : 4), kst = (size_t)dr * (kbf ? 2 : 4);
         for (uint32_t g = 0; g < nh; g++) {
             const float *qp = j->q_pe + ((size_t)b * d->H + h0 + g) * T * dr;
@@ -242,7 +243,7 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
                 dot_many(qp + (size_t)t * dr, k0, kst, kbf, dr, np, sr, j->avx512);
                 for (uint32_t q = 0; q < np; q++) {
                     s[q] = (s[q] + sr[q]) * d->scale;
-                    if (bias) s[q] += bias[(size_t)t * S + p0 + q];
+                    if (bias) s[q] += bias[(size_t)t * S + pos[q]];
                 }
                 softmax_fold(&m[k], &l[k], o_lat + k * r, s, np, c0, cst, cbf, r, j->avx512);
             }
