@@ -22,6 +22,10 @@ Servers, each a real process on a loopback port, started for every row and stopp
   steps of the running requests in one batched forward;
 * ``specmoe-unbatched``: the same with ``--no-batch-decode`` (one forward per request and
   step: what continuous batching buys);
+* ``specmoe-batch-prefill``: the same with ``--batch-prefill`` (prompts that arrive together
+  prefilled in batched forwards, one expert load for all of them, at the cost of
+  bit-exactness; ``specmoe`` prefills each prompt alone): what exactness costs, as
+  ``vs_batch_prefill`` on the ``specmoe`` row;
 * ``specmoe-paced``: the same with ``--prefill-ratio 2`` (while requests decode, a round's
   prompt chunks held to about two decode rounds' time: what the pacing buys in the
   inter-token latency's tail, and what it costs in throughput);
@@ -86,11 +90,11 @@ ZOO = REPO / "specmoe" / "zoo" / "tiny-moe"
 ZOO_MTP = REPO / "specmoe" / "zoo" / "tiny-moe-mtp"   # tiny-moe's MTP adapter
 MiB = 1 << 20
 PROMPT_TOKENS = 64
-SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-paced", "specmoe-ngram", "specmoe-self",
-           "specmoe-mtp", "llama-server")
+SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-batch-prefill", "specmoe-paced",
+           "specmoe-ngram", "specmoe-self", "specmoe-mtp", "llama-server")
 SPEC_SERVERS = ("specmoe-ngram", "specmoe-self", "specmoe-mtp")  # serve with a --drafter
-DEFAULT_SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-paced", "specmoe-ngram",
-                   "llama-server")
+DEFAULT_SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-batch-prefill", "specmoe-paced",
+                   "specmoe-ngram", "llama-server")
 MODEL = "bench"       # the model id the servers are asked for (llama-server takes any)
 
 
@@ -219,6 +223,8 @@ def server_argv(kind: str, m: Dict[str, Any], clients: int, port: int,
         argv.append("--no-batch-decode")
     if kind == "specmoe-paced":
         argv += ["--prefill-ratio", "2"]
+    if kind == "specmoe-batch-prefill":
+        argv.append("--batch-prefill")
     if kind in SPEC_SERVERS:
         argv += ["--drafter", kind.split("-")[1], "--controller", a.controller]
     if kind == "specmoe-mtp":
@@ -409,6 +415,9 @@ def summarize(runs: Dict[str, Dict[int, List[Dict[str, Any]]]], servers: List[st
                     else []
                 per["vs_paced"] = [ratio(tps(s, c, r), tps("specmoe-paced", c, r))
                                    for r in range(rounds)] if "specmoe-paced" in runs else []
+                per["vs_batch_prefill"] = [
+                    ratio(tps(s, c, r), tps("specmoe-batch-prefill", c, r))
+                    for r in range(rounds)] if "specmoe-batch-prefill" in runs else []
             if s in SPEC_SERVERS and "specmoe" in runs:
                 per["vs_plain"] = [ratio(tps(s, c, r), tps("specmoe", c, r))
                                    for r in range(rounds)]

@@ -442,7 +442,8 @@ def _serve_ray(args, cache: Any, drafter: Any, controller: Any, mtp_adapter: Any
                              prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
                              batch_decode=not args.no_batch_decode, drafter=drafter,
                              controller=controller, mtp_adapter=mtp_adapter,
-                             warm_tau=not args.no_tau_warmup),
+                             warm_tau=not args.no_tau_warmup,
+                             batch_prefill=args.batch_prefill),
                   blocking=False)
         print(f"[specmoe] serving {args.checkpoint!r} from {replicas} Ray Serve replica(s) on "
               f"http://{args.host}:{args.port}/v1", flush=True)
@@ -513,7 +514,7 @@ def _cmd_serve(args) -> int:
                policy=policy, prefetch=not args.no_prefetch, store=args.store,
                dense=args.dense, batch_decode=not args.no_batch_decode, drafter=drafter,
                controller=controller, mtp_adapter=mtp_adapter,
-               warm_tau=not args.no_tau_warmup)
+               warm_tau=not args.no_tau_warmup, batch_prefill=args.batch_prefill)
     srv = asgi.state.server
     print(f"[specmoe] serving {srv.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(context {srv.context_length} tokens, max batch {args.max_batch}"
@@ -683,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests waiting beyond --max-batch before 429 (default 256)")
     p.add_argument("--prefill-chunk", type=_at_least(1), default=256,
                    help="prompt tokens per step of a request being prefilled (default 256)")
+    p.add_argument("--batch-prefill", action="store_true",
+                   help="prefill prompts that arrive together in batched forwards (one "
+                        "expert load serves them all); their tokens may then differ from the "
+                        "prompt served alone (default: each prompt prefilled alone, exact)")
     p.add_argument("--prefill-ratio", type=_non_negative, default=0.0,
                    help="pace prompts: while requests decode, a round's prompt chunks take at "
                         "most about this many decode steps' time (e.g. 2; default 0: every "

@@ -170,7 +170,8 @@ class Server:
                  max_body_bytes: int = MAX_BODY, owns_engine: bool = False,
                  batch_decode: bool = True, prefill_ratio: Optional[float] = None,
                  drafter: Any = None, controller: Any = None,
-                 mtp_adapter: Any = None, warm_tau: bool = True) -> None:
+                 mtp_adapter: Any = None, warm_tau: bool = True,
+                 batch_prefill: bool = False) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -184,7 +185,8 @@ class Server:
                                    prefill_chunk=prefill_chunk, metrics=self.metrics,
                                    batch_decode=batch_decode, prefill_ratio=prefill_ratio,
                                    drafter=drafter, controller=controller,
-                                   mtp_adapter=mtp_adapter, warm_tau=warm_tau)
+                                   mtp_adapter=mtp_adapter, warm_tau=warm_tau,
+                                   batch_prefill=batch_prefill)
         cfg = model.config
         if context_length is None:
             context_length = getattr(cfg, "max_position_embeddings", None)
@@ -630,7 +632,8 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
         max_body_bytes: int = MAX_BODY, cache: Any = "25%", dtype: str = "auto",
         batch_decode: bool = True, prefill_ratio: Optional[float] = None,
         drafter: Any = None, controller: Any = None, mtp_adapter: Any = None,
-        warm_tau: bool = True, **load_kwargs: Any) -> Starlette:
+        warm_tau: bool = True, batch_prefill: bool = False,
+        **load_kwargs: Any) -> Starlette:
     """An ASGI app serving ``model_or_path`` with OpenAI's API (module docstring).
 
     ``model_or_path``: a transformers causal LM (offloaded by specmoe or not; the app never
@@ -655,7 +658,10 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     callable returning a controller (:mod:`specmoe.serve.speculate`); ``warm_tau``: with a
     drafter whose controller prunes by tau, measure tau at every batch-size bucket up to
     ``max_batch`` when the worker starts (the default) rather than at each bucket's first
-    use, which pauses every running request once.
+    use, which pauses every running request once; ``batch_prefill``: prompts that arrive
+    together are prefilled in batched forwards (one expert load serves them all) instead of
+    one by one, which gives up bit-exactness (a prompt's tokens may then depend on its
+    company; :mod:`specmoe.serve.scheduler`, exactness).
 
     The worker thread starts with the app's lifespan (or at the first request) and stops at
     its shutdown; ``app.state.server`` is the :class:`Server`."""
@@ -679,7 +685,7 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
                     context_length=context_length, max_body_bytes=max_body_bytes,
                     owns_engine=owns, batch_decode=batch_decode,
                     prefill_ratio=prefill_ratio, drafter=drafter, controller=controller,
-                    mtp_adapter=mtp_adapter, warm_tau=warm_tau)
+                    mtp_adapter=mtp_adapter, warm_tau=warm_tau, batch_prefill=batch_prefill)
     h = _Handlers(server)
 
     @contextlib.asynccontextmanager

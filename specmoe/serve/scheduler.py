@@ -18,14 +18,15 @@ request by one step:
   own cache copied in once) and leaves it when it finishes, is cancelled or fails
   (``batch_select_indices``), without waiting for the others; a request decoding alone runs
   on its own cache (the one-call decode step of batch 1);
-* **prefill**: requests admitted since the last round whose whole prompt fits in one
-  ``prefill_chunk`` are prefilled together, a few at a time, in one forward of a left-padded
-  BatchKV (grouped by length so that the padding, which the MoE layers route like any token,
-  stays within a quarter of the real tokens), so one expert load serves every prompt routed
-  to it; each request's cache is then copied out of it.  A longer prompt feeds its next
-  ``prefill_chunk`` tokens into its own ``DynamicCache`` at batch 1 each round (so the others
-  keep decoding between its chunks).  The step that feeds a prompt's last token also picks
-  the first new token.
+* **prefill**: a prompt feeds its next ``prefill_chunk`` tokens into its own
+  ``DynamicCache`` at batch 1 each round, the forward ``model.generate`` runs for it (so the
+  others keep decoding between a long prompt's chunks).  With ``batch_prefill`` (off by
+  default: it costs exactness, below), requests admitted since the last round whose whole
+  prompt fits in one ``prefill_chunk`` are instead prefilled together, a few at a time, in one
+  forward of a left-padded BatchKV (grouped by length so that the padding, which the MoE
+  layers route like any token, stays within a quarter of the real tokens), so one expert load
+  serves every prompt routed to it; each request's cache is then copied out of it.  The step
+  that feeds a prompt's last token also picks the first new token.
 * **pacing** (off unless ``prefill_ratio`` is set, e.g. 2): while requests decode, a round's
   prefill work is held to about ``prefill_ratio`` decode steps' time, so that new arrivals
   do not stall the running requests' next tokens: the requests waiting for their prompt are
@@ -34,8 +35,8 @@ request by one step:
   prompt token, a moving average) stays within ``prefill_ratio`` times the measured decode
   step; at least one chunk runs every round, so no prompt waits forever.  The others keep
   their place for the next round.  With nothing decoding every waiting prompt is prefilled at
-  once (batched, as above).  Chunk boundaries never depend on the pacing (a prompt is always
-  fed ``prefill_chunk`` tokens at a time), only which round feeds them.
+  once (batched with ``batch_prefill``).  Chunk boundaries never depend on the pacing (a
+  prompt is always fed ``prefill_chunk`` tokens at a time), only which round feeds them.
 
 * **speculation** (off unless ``drafter`` is set, :mod:`specmoe.serve.speculate`): a decode
   step first drafts up to K tokens per request (K from the controller of the batch's size,
@@ -63,15 +64,24 @@ interleaved step by step, one forward each, as before.
 
 Exactness: a prefill step is the model's own forward on that request's cache, as
 ``model.generate`` calls it (the whole prompt, or a chunk of it, with ``logits_to_keep=1``);
-a request decoding alone runs exactly ``model.generate``'s decode step.  A batched step is the
-same model on B rows, whose rows are independent (masked holes get attention weight 0; every
-other layer works per token) but whose matrix products see B rows instead of one, so its
-logits may differ from the batch-1 forward's in the last bits; a longer prompt prefilled in
-chunks may round differently too.  The greedy tokens were equal to ``model.generate``'s alone
-in every test.  Sampling draws from a ``torch.Generator`` of the request's own (``seed``), so
-a seeded request gives the same tokens whatever else runs (up to such rounding).  With a
-drafter, greedy output is still the target's own (a draft is kept only where it equals the
-target's argmax), and sampled output follows the request's sampling law exactly (the
+a request decoding alone runs exactly ``model.generate``'s decode step.  A batched decode step
+is the same model on B rows (masked holes get attention weight 0; every other layer works
+per token); where its matrix products run in C (the experts always, the dense layers of a
+bf16 model or with ``dense=``, up to 16 tokens in all outside the fused attention block: rows
+that verify drafts can pass it) each row gets the bits of its step alone, the C kernels being
+batch invariant (docs/speculation.md, "How exact").  Products left in torch (an f32 model's
+dense layers) may round by shape in the last bits.  A batched prefill (``batch_prefill``) is
+not exact: a group of different lengths is left-padded, and at a group's token count
+specmoe's own switches (C for decode sizes, torch above: projections past 16 rows, norms past
+64, the fused attention block past 16 tokens a row) can pick another implementation than the
+prompt alone would, whose roundings differ, and a greedy path can then leave
+``model.generate``'s (seen on random 1024-wide bf16 models: a 14-token prompt beside a
+20-token one left it; three 40-token prompts together got other logits).  A longer prompt
+prefilled in chunks may round differently too (``model.generate`` feeds it whole).
+Sampling draws from a ``torch.Generator`` of the request's own (``seed``), so a seeded
+request gives the same tokens whatever else runs (up to such rounding).  With a drafter,
+greedy output is still the target's own (a draft is kept only where it equals the target's
+argmax), and sampled output follows the request's sampling law exactly (the
 speculative-sampling rule); but how many uniforms a step draws depends on K, which the
 controller of the batch's size picks, so a seeded request's tokens may then depend on its
 company.
@@ -189,14 +199,16 @@ class Scheduler:
     with the :class:`specmoe.serve.metrics.Metrics` methods, or None.  ``batch_decode``:
     decode the running requests in one batched forward (False: one forward per request, the
     way to compare; models that cannot be batched fall back to it, :attr:`batch_off_reason`
-    says why)."""
+    says why).  ``batch_prefill``: prefill prompts that arrive together in batched forwards
+    (one expert load serves them all) at the cost of bit-exactness (module docstring); off,
+    every prompt is prefilled alone, as ``model.generate`` would."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
                  batch_decode: bool = True, prefill_ratio: Optional[float] = None,
                  drafter: Any = None, controller: Any = None,
                  tau: Optional[str] = "auto", mtp_adapter: Any = None,
-                 warm_tau: bool = True) -> None:
+                 warm_tau: bool = True, batch_prefill: bool = False) -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -225,8 +237,10 @@ class Scheduler:
         elif controller is not None or mtp_adapter is not None:
             raise ValueError("a controller or an MTP adapter needs a drafter (drafter=None "
                              "decodes plainly)")
-        if not isinstance(warm_tau, bool):
-            raise TypeError(f"warm_tau must be a bool, got {type(warm_tau).__name__}")
+        for name, flag in (("warm_tau", warm_tau), ("batch_prefill", batch_prefill)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        self.batch_prefill = batch_prefill
         # the worker measures tau at every batch-size bucket before its first round
         self.warm_tau = warm_tau
         self.tau_warm_s: Optional[float] = None
@@ -524,10 +538,10 @@ class Scheduler:
         return pick
 
     def _prefill(self, reqs: List[Request]) -> None:
-        """One prefill step of every request in ``reqs``: requests whose whole prompt fits in
-        one chunk and that have not started go through batched forwards of a few of them
-        (:func:`_prefill_groups`), the others feed their next chunk alone.  Its seconds per
-        prompt token feed the pacing's average."""
+        """One prefill step of every request in ``reqs``: each feeds its next chunk alone; with
+        ``batch_prefill``, requests whose whole prompt fits in one chunk and that have not
+        started go through batched forwards of a few of them (:func:`_prefill_groups`).  Its
+        seconds per prompt token feed the pacing's average."""
         if not reqs:
             return
         fed0 = sum(r.fed for r in reqs)
@@ -539,7 +553,7 @@ class Scheduler:
 
     def _prefill_all(self, reqs: List[Request]) -> None:
         alone = list(reqs)
-        if self.batch_off_reason is None and not self._pause:
+        if self.batch_prefill and self.batch_off_reason is None and not self._pause:
             fresh = [r for r in reqs if r.fed == 0 and len(r.prompt) <= self.prefill_chunk]
             for group in _prefill_groups(fresh):
                 try:
