@@ -9,22 +9,52 @@ from pathlib import Path
 from typing import Any
 
 
+# AMD's core generations by cpuid family, and within family 0x19 by model (Zen 3: Milan,
+# Vermeer, Rembrandt, Cezanne; Zen 4: Genoa, Raphael, Phoenix, Bergamo / Siena).  Virtual
+# machines often name the CPU "AMD EPYC" alone, so these say which EPYC a figure came from.
+_AMD_FAMILIES = {0x17: "Zen / Zen 2", 0x1A: "Zen 5"}
+_ZEN3 = (range(0x00, 0x10), range(0x20, 0x30), range(0x40, 0x60))
+_ZEN4 = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+
+
+def _amd_core(family: int, model: int) -> str | None:
+    if family == 0x19:
+        return ("Zen 3" if any(model in r for r in _ZEN3)
+                else "Zen 4" if any(model in r for r in _ZEN4) else None)
+    return _AMD_FAMILIES.get(family)
+
+
 def cpu() -> dict[str, Any]:
-    """CPU model, its best vector ISA (scalar / avx2 / avx512) and the AVX-512 extensions the
-    kernels use, from /proc/cpuinfo (no import of specmoe: ab_commits.py runs before a build)."""
+    """CPU model, its cpuid family / model (and, for AMD, the core generation they mean), its
+    best vector ISA (scalar / avx2 / avx512) and the AVX-512 extensions the kernels use, from
+    /proc/cpuinfo (no import of specmoe: ab_commits.py runs before a build)."""
     model, flags = platform.processor(), set()
+    vendor, family, number = "", None, None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
+            key, _, val = line.partition(":")
+            key, val = key.strip(), val.strip()
+            if key == "model name" and model in ("", "x86_64"):
+                model = val
+            elif key == "vendor_id" and not vendor:
+                vendor = val
+            elif key == "cpu family" and family is None:
+                family = int(val)
+            elif key == "model" and number is None:
+                number = int(val)
+            elif key == "flags":
+                flags = set(val.split())
+                break
+    except (OSError, ValueError):
         pass
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "scalar"
-    return {"cpu": model, "cpu_isa": isa, "avx512_vnni": "avx512_vnni" in flags,
-            "avx512_bf16": "avx512_bf16" in flags, "cores": os.cpu_count(),
-            "python": platform.python_version()}
+    d: dict[str, Any] = {"cpu": model, "cpu_family": family, "cpu_model": number}
+    if vendor == "AuthenticAMD" and family is not None and number is not None:
+        d["cpu_core"] = _amd_core(family, number)
+    d.update({"cpu_isa": isa, "avx512_vnni": "avx512_vnni" in flags,
+              "avx512_bf16": "avx512_bf16" in flags, "cores": os.cpu_count(),
+              "python": platform.python_version()})
+    return d
 
 
 def host(threads: int | list[int] | None = None) -> dict[str, Any]:
