@@ -22,10 +22,11 @@ Servers, each a real process on a loopback port, started for every row and stopp
   steps of the running requests in one batched forward;
 * ``specmoe-unbatched``: the same with ``--no-batch-decode`` (one forward per request and
   step: what continuous batching buys);
-* ``specmoe-batch-prefill``: the same with ``--batch-prefill`` (prompts that arrive together
-  prefilled in batched forwards, one expert load for all of them, at the cost of
-  bit-exactness; ``specmoe`` prefills each prompt alone): what exactness costs, as
-  ``vs_batch_prefill`` on the ``specmoe`` row;
+* ``specmoe-batch-prefill``: the same with ``--batch-prefill`` (prompts of any lengths that
+  arrive together prefilled in batched forwards, one expert load for all of them, at the cost
+  of bit-exactness; ``specmoe`` groups only prompts of one length): what exactness costs, as
+  ``vs_batch_prefill`` on the ``specmoe`` row.  With the default prompts, all of 64 tokens,
+  both group alike: ``--prompt-spread`` gives them different lengths;
 * ``specmoe-paced``: the same with ``--prefill-ratio 2`` (while requests decode, a round's
   prompt chunks held to about two decode rounds' time: what the pacing buys in the
   inter-token latency's tail, and what it costs in throughput);
@@ -47,8 +48,9 @@ Servers, each a real process on a loopback port, started for every row and stopp
 
 Load: ``N`` clients, each sending ``--requests`` streamed completions one after the other
 (closed loop: a new request arrives whenever one finishes, while the others decode), greedy,
-``max_tokens`` ``--max-tokens``, ``ignore_eos``, prompts of 64 whole-word tokens that
-re-tokenize to themselves (big_model.make_prompts), different per request.  One untimed
+``max_tokens`` ``--max-tokens``, ``ignore_eos``, prompts of 64 whole-word tokens (64 +-
+``--prompt-spread``) that re-tokenize to themselves (big_model.make_prompts), different per
+request.  One untimed
 request per client (8 tokens, all clients at once) warms each server first.  Per row:
 ``out_tok_s`` (completion tokens of every request / wall time from the first send to the last answer), ``req_s``, ``ttft_p50/p99`` (send to first
 streamed chunk), ``itl_p50/p99`` (gaps between consecutive streamed chunks, every request
@@ -80,6 +82,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import big_model as bm  # noqa: E402  (checkpoint, budget, cgroup, llama.cpp build/convert)
@@ -117,14 +121,22 @@ def pct(xs: List[float], q: float) -> Optional[float]:
 
 # -- models ------------------------------------------------------------------------------------
 
-def prompts_for(folder: Path, n: int) -> List[str]:
-    """``n`` prompt texts of PROMPT_TOKENS whole-word tokens each (two per seed)."""
+def prompts_for(folder: Path, n: int, spread: int = 0) -> List[str]:
+    """``n`` prompt texts of PROMPT_TOKENS whole-word tokens each (two per seed), or with
+    ``spread`` of PROMPT_TOKENS - spread .. PROMPT_TOKENS + spread tokens, drawn per prompt
+    (one per seed): lengths that differ, as real traffic's do, so that prompts arriving
+    together are not all of one length (which the exact default prefills together)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(folder))
     out: List[str] = []
     seed = 100
+    rng = np.random.default_rng(7)
     while len(out) < n:
-        out += [tok.decode(p) for p in bm.make_prompts(folder, PROMPT_TOKENS, seed)]
+        if spread:
+            m = PROMPT_TOKENS + int(rng.integers(-spread, spread + 1))
+            out.append(tok.decode(bm.make_prompts(folder, m, seed)[0]))
+        else:
+            out += [tok.decode(p) for p in bm.make_prompts(folder, PROMPT_TOKENS, seed)]
         seed += 1
     return out[:n]
 
@@ -160,7 +172,7 @@ def setup_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
             g = lc.convert(ckpt, root / "gguf", ["Q4_0"], chash, False)["Q4_0"]
             m["gguf"] = g
             m["llama_server"] = server
-    m["prompts"] = prompts_for(ckpt, a.requests * max(a.clients) + 1)
+    m["prompts"] = prompts_for(ckpt, a.requests * max(a.clients) + 1, a.prompt_spread)
     return m
 
 
@@ -442,6 +454,10 @@ def main() -> None:
                     help="specmoe-ngram/-self/-mtp: serve's --controller (default cascade)")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompt-spread", type=int, default=0,
+                    help=f"prompts of {PROMPT_TOKENS} +- this many tokens, drawn per prompt "
+                         f"(default 0: all {PROMPT_TOKENS}, which the exact default prefills "
+                         "together when they arrive together)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--slot-ctx", type=int, default=256,
                     help="llama-server context positions per parallel slot (-c N * this)")

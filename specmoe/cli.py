@@ -685,9 +685,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=_at_least(1), default=256,
                    help="prompt tokens per step of a request being prefilled (default 256)")
     p.add_argument("--batch-prefill", action="store_true",
-                   help="prefill prompts that arrive together in batched forwards (one "
-                        "expert load serves them all); their tokens may then differ from the "
-                        "prompt served alone (default: each prompt prefilled alone, exact)")
+                   help="prefill prompts of different lengths that arrive together in "
+                        "batched forwards too (one expert load serves them all); their tokens "
+                        "may then differ from the prompt served alone (default: only prompts "
+                        "of one length share a forward, exact)")
     p.add_argument("--prefill-ratio", type=_non_negative, default=0.0,
                    help="pace prompts: while requests decode, a round's prompt chunks take at "
                         "most about this many decode steps' time (e.g. 2; default 0: every "

@@ -213,3 +213,37 @@ def test_mla_rows_with_holes_equal_the_row_alone(isa, T, bf16):
                     np.ascontiguousarray(ckv[b:b + 1, real]),
                     np.ascontiguousarray(kpe[b:b + 1, real]), _alone_mask(T, len(real)), one)
         np.testing.assert_array_equal(out[b], one[0], err_msg=f"row {b} (holes {cols})")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
+    """A batched prefill of prompts of one length (the server's default grouping) gives every
+    prompt the logits and KV cache of its prefill alone, bit for bit: BatchKV.prefill runs it
+    as sequences of one length (specmoe.models.layers.sequences), so each takes its own
+    prefill's paths -- 8 tokens in C, 20 and 40 in torch's attention and GEMMs; without that
+    the norms of 3 x 40 rows and Qwen3's k-norms of 2 x 20 tokens switched to torch while the
+    prompt alone ran them in C.  bf16, 1024 hidden columns, dense layers in C."""
+    from specmoe.speculation.batch import BatchKV
+    from specmoe.speculation.decoding import cache_kwargs, new_kv
+    over = {"num_key_value_heads": 4} if arch == "deepseek_v2" else None
+    model = tiny_model(arch, dtype=torch.bfloat16, hidden=1024, inter=512, layers=3,
+                       overrides=over)
+    eng = hf.offload(model, cache=1.0, prefetch=False)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for L, B in ((8, 4), (20, 2), (40, 3)):
+            prompts = torch.randint(3, model.config.vocab_size, (B, L), generator=g)
+            bkv = BatchKV(model, B)
+            logits = bkv.prefill(prompts, torch.ones_like(prompts), last_logits=True)
+            for b in range(B):
+                kv = new_kv(model)
+                with torch.inference_mode():
+                    alone = model(input_ids=prompts[b:b + 1], use_cache=True,
+                                  attention_mask=torch.ones((1, L), dtype=torch.long),
+                                  logits_to_keep=1, **cache_kwargs(model, kv)).logits[0, -1]
+                assert torch.equal(logits[b], alone), f"{B} x {L} tokens: row {b}'s logits"
+                for i, (a, c) in enumerate(zip(bkv.row(b).layers, kv.layers)):
+                    assert torch.equal(a.keys, c.keys) and torch.equal(a.values, c.values), \
+                        f"{B} x {L} tokens: row {b}'s cache at layer {i}"
+    finally:
+        eng.close()

@@ -410,9 +410,10 @@ class _IdText:
 
 
 def test_requests_arriving_together_get_their_tokens_alone_bit_for_bit():
-    """By default each prompt is prefilled alone, and the decode batch gives every row the
-    bits of its step alone, so greedy tokens equal model.generate's for each prompt whatever
-    its company.  A random 1024-wide bf16 Mixtral ties greedy choices exactly at times (bf16
+    """By default prompts of different lengths are prefilled apart (prompts of one length
+    together, each on the paths of its prefill alone), and the decode batch gives every row
+    the bits of its step alone, so greedy tokens equal model.generate's for each prompt
+    whatever its company.  A random 1024-wide bf16 Mixtral ties greedy choices exactly at times (bf16
     logits): here the 18-token prompt meets such a tie at its 7th token, and before the
     attention kernels built their blocks without a row's holes (csrc/kernels/attn_impl.h) the
     batch broke it the other way; with batch_prefill, another draw of this model left the path
@@ -424,7 +425,7 @@ def test_requests_arriving_together_get_their_tokens_alone_bit_for_bit():
     try:
         g = torch.Generator().manual_seed(4)
         prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
-                   for n in (14, 20, 18)]
+                   for n in (14, 20, 18, 20)]
         n = 12
         refs = []
         for ids in prompts:
@@ -435,7 +436,8 @@ def test_requests_arriving_together_get_their_tokens_alone_bit_for_bit():
         sch = Scheduler(model, _IdText(), max_batch=8, prefill_chunk=64)
         try:
             got = _collect(sch, prompts, n)
-            assert sch.batched_prefills == 0 and sch.batched_steps > 0 and sch.peak_batch == 3
+            # the two 20-token prompts in one prefill forward, the others alone
+            assert sch.batched_prefills == 1 and sch.batched_steps > 0 and sch.peak_batch == 4
         finally:
             sch.close()
         assert got == refs
@@ -455,6 +457,16 @@ def test_prefill_groups_bound_the_padding():
         assert len(g[0].prompt) * len(g) - real <= 0.25 * real
     assert _prefill_groups(reqs[:1]) == []
     assert [len(g) for g in _prefill_groups([reqs[0]] * 40)] == [16, 16, 8]
+
+
+def test_equal_groups_hold_prompts_of_one_length():
+    from specmoe.serve.scheduler import GenParams, Request, _equal_groups
+    reqs = [Request([1] * n, GenParams(max_tokens=1), lambda ev: None)
+            for n in (64, 10, 64, 9, 64, 10, 30)]
+    groups = _equal_groups(reqs)
+    assert [[reqs.index(r) for r in g] for g in groups] == [[0, 2, 4], [1, 5]]
+    assert [len(g) for g in _equal_groups([reqs[0]] * 40)] == [16, 16, 8]
+    assert _equal_groups(reqs[:2]) == [] and _equal_groups([]) == []
 
 
 def test_models_whose_cache_cannot_hold_holes_are_not_batched():

@@ -7,7 +7,9 @@ which all build on it and on nothing of each other's that would close a cycle.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ from ..runtime.kernels import context, tensor_array
 from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
-           "int4_group", "norm_weight", "silu_mlp_parts"]
+           "int4_group", "norm_weight", "sequence_rows", "sequences", "silu_mlp_parts"]
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 _WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 _ALIGN = 64
@@ -29,6 +31,36 @@ _ALIGN = 64
 # Decode-sized inputs: up to this many tokens the C kernels beat torch's GEMM on this machine
 # class (benchmarks/dense_linear.py measures the crossover); beyond it f32/bf16 go to torch.
 TORCH_ABOVE = 16
+
+# sequences of one length side by side in the forward running in this thread (sequences())
+_SEQUENCES: contextvars.ContextVar[int] = contextvars.ContextVar("specmoe_sequences", default=1)
+
+
+@contextlib.contextmanager
+def sequences(n: int) -> Iterator[None]:
+    """Within the block, the forwards of this thread hold ``n`` sequences of one length side
+    by side (a batch of equal-length prompts, specmoe.speculation.batch.BatchKV.prefill):
+    specmoe's switches between its C kernels (decode sizes) and torch (longer inputs) --
+    CLinear's ``torch_above``, CRMSNorm's rows, a shared FFN's bound -- count one sequence's
+    rows (:func:`sequence_rows`), so each sequence takes the implementations it would take
+    alone.  With the C kernels batch invariant and torch's row-wise products giving each row
+    its bits whatever the rows beside it (measured for its GEMMs above 16 rows), a sequence
+    then gets the bits of its forward alone.  Outside any block: 1, the whole input counts."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"sequences: n must be an int >= 1, got {n!r}")
+    tok = _SEQUENCES.set(n)
+    try:
+        yield
+    finally:
+        _SEQUENCES.reset(tok)
+
+
+def sequence_rows(rows: int) -> int:
+    """The rows of one sequence out of an input of ``rows`` rows (tokens, or tokens x heads):
+    ``rows`` divided by the sequences of the enclosing :func:`sequences` block (``rows`` itself
+    outside one, or when they do not divide it)."""
+    n = _SEQUENCES.get()
+    return rows // n if n > 1 and rows % n == 0 else rows
 
 
 def int4_group(K: int) -> int | None:
@@ -160,7 +192,8 @@ class CLinear(nn.Module):
                              f"{x.shape[-1]} features")
         lead = x.shape[:-1]
         T = x.numel() // self.in_features if self.in_features else 0
-        if self._tw is not None and self.torch_above is not None and T > self.torch_above:
+        if self._tw is not None and self.torch_above is not None \
+                and sequence_rows(T) > self.torch_above:
             return F.linear(x.to(self._tw.dtype), self._tw, self._tb).to(self.out_dtype)
         # f32 and bf16 go to the kernel as they are (it widens bf16 and rounds a bf16 output
         # as torch would): no casts around the call at decode sizes
@@ -256,7 +289,7 @@ class CRMSNorm(nn.Module):
         n = x.shape[-1]
         dt = self.inner.weight.dtype
         if (self.training or x.device.type != "cpu" or x.dtype != dt or n != self._w.shape[0]
-                or dt not in BLOCK_DTYPES or x.numel() > _NORM_MAX_ROWS * n):
+                or dt not in BLOCK_DTYPES or sequence_rows(x.numel() // n) > _NORM_MAX_ROWS):
             return self.inner(x)
         xf = x.reshape(-1, n).contiguous()
         out = torch.empty_like(xf)

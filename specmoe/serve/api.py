@@ -658,10 +658,11 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     callable returning a controller (:mod:`specmoe.serve.speculate`); ``warm_tau``: with a
     drafter whose controller prunes by tau, measure tau at every batch-size bucket up to
     ``max_batch`` when the worker starts (the default) rather than at each bucket's first
-    use, which pauses every running request once; ``batch_prefill``: prompts that arrive
-    together are prefilled in batched forwards (one expert load serves them all) instead of
-    one by one, which gives up bit-exactness (a prompt's tokens may then depend on its
-    company; :mod:`specmoe.serve.scheduler`, exactness).
+    use, which pauses every running request once; ``batch_prefill``: prompts of different
+    lengths that arrive together are prefilled in batched forwards too (one expert load
+    serves them all; by default only prompts of one length share one), which gives up
+    bit-exactness (a prompt's tokens may then depend on its company;
+    :mod:`specmoe.serve.scheduler`, exactness).
 
     The worker thread starts with the app's lifespan (or at the first request) and stops at
     its shutdown; ``app.state.server`` is the :class:`Server`."""

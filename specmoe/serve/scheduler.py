@@ -20,13 +20,15 @@ request by one step:
   on its own cache (the one-call decode step of batch 1);
 * **prefill**: a prompt feeds its next ``prefill_chunk`` tokens into its own
   ``DynamicCache`` at batch 1 each round, the forward ``model.generate`` runs for it (so the
-  others keep decoding between a long prompt's chunks).  With ``batch_prefill`` (off by
-  default: it costs exactness, below), requests admitted since the last round whose whole
-  prompt fits in one ``prefill_chunk`` are instead prefilled together, a few at a time, in one
-  forward of a left-padded BatchKV (grouped by length so that the padding, which the MoE
-  layers route like any token, stays within a quarter of the real tokens), so one expert load
-  serves every prompt routed to it; each request's cache is then copied out of it.  The step
-  that feeds a prompt's last token also picks the first new token.
+  others keep decoding between a long prompt's chunks); prompts of one length admitted since
+  the last round and fitting one chunk are prefilled together, up to 16 in one forward
+  without pads, each on the implementations of its prefill alone
+  (:func:`specmoe.models.layers.sequences`), so one expert load serves them all.  With
+  ``batch_prefill`` (off by default: it costs exactness, below) prompts of different lengths
+  are grouped too, a few at a time, in one forward of a left-padded BatchKV (grouped by
+  length so that the padding, which the MoE layers route like any token, stays within a
+  quarter of the real tokens).  Each request's cache is then copied out of the batch.  The
+  step that feeds a prompt's last token also picks the first new token.
 * **pacing** (off unless ``prefill_ratio`` is set, e.g. 2): while requests decode, a round's
   prefill work is held to about ``prefill_ratio`` decode steps' time, so that new arrivals
   do not stall the running requests' next tokens: the requests waiting for their prompt are
@@ -70,21 +72,23 @@ per token); where its matrix products run in C (the experts always, the dense la
 bf16 model or with ``dense=``, up to 16 tokens in all outside the fused attention block: rows
 that verify drafts can pass it) each row gets the bits of its step alone, the C kernels being
 batch invariant (docs/speculation.md, "How exact").  Products left in torch (an f32 model's
-dense layers) may round by shape in the last bits.  A batched prefill (``batch_prefill``) is
-not exact: a group of different lengths is left-padded, and at a group's token count
-specmoe's own switches (C for decode sizes, torch above: projections past 16 rows, norms past
-64, the fused attention block past 16 tokens a row) can pick another implementation than the
-prompt alone would, whose roundings differ, and a greedy path can then leave
-``model.generate``'s (seen on random 1024-wide bf16 models: a 14-token prompt beside a
-20-token one left it; three 40-token prompts together got other logits).  A longer prompt
-prefilled in chunks may round differently too (``model.generate`` feeds it whole).
-Sampling draws from a ``torch.Generator`` of the request's own (``seed``), so a seeded
-request gives the same tokens whatever else runs (up to such rounding).  With a drafter,
-greedy output is still the target's own (a draft is kept only where it equals the target's
-argmax), and sampled output follows the request's sampling law exactly (the
-speculative-sampling rule); but how many uniforms a step draws depends on K, which the
-controller of the batch's size picks, so a seeded request's tokens may then depend on its
-company.
+dense layers) may round by shape in the last bits.  A prefill of prompts of one length gives
+each the bits of its prefill alone on the same terms (its products in C, or in torch's GEMMs,
+which gave every row its bits at any row count above 16 in our measurements).  A batched
+prefill of other lengths (``batch_prefill``) is not exact: the group is left-padded, a
+padded prompt's torch attention runs beside a mask its prefill alone does not have, and the
+group's length may put it on the other side of specmoe's switches between C (decode sizes)
+and torch (projections past 16 rows, norms past 64, the fused attention past 16 tokens a
+row) than the prompt alone, whose roundings differ; a greedy path can then leave
+``model.generate``'s (seen on a random 1024-wide bf16 Mixtral: a 14-token prompt beside a
+20-token one).  A longer prompt prefilled in chunks may round differently too
+(``model.generate`` feeds it whole).  Sampling draws from a ``torch.Generator`` of the
+request's own (``seed``), so a seeded request gives the same tokens whatever else runs (up
+to such rounding).  With a drafter, greedy output is still the target's own (a draft is
+kept only where it equals the target's argmax), and sampled output follows the request's
+sampling law exactly (the speculative-sampling rule); but how many uniforms a step draws
+depends on K, which the controller of the batch's size picks, so a seeded request's tokens
+may then depend on its company.
 """
 from __future__ import annotations
 
@@ -199,9 +203,9 @@ class Scheduler:
     with the :class:`specmoe.serve.metrics.Metrics` methods, or None.  ``batch_decode``:
     decode the running requests in one batched forward (False: one forward per request, the
     way to compare; models that cannot be batched fall back to it, :attr:`batch_off_reason`
-    says why).  ``batch_prefill``: prefill prompts that arrive together in batched forwards
-    (one expert load serves them all) at the cost of bit-exactness (module docstring); off,
-    every prompt is prefilled alone, as ``model.generate`` would."""
+    says why).  ``batch_prefill``: prefill prompts of different lengths that arrive together
+    in batched forwards too (one expert load serves them all), at the cost of bit-exactness
+    (module docstring); off, only prompts of one length share a prefill forward."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
@@ -538,10 +542,11 @@ class Scheduler:
         return pick
 
     def _prefill(self, reqs: List[Request]) -> None:
-        """One prefill step of every request in ``reqs``: each feeds its next chunk alone; with
-        ``batch_prefill``, requests whose whole prompt fits in one chunk and that have not
-        started go through batched forwards of a few of them (:func:`_prefill_groups`).  Its
-        seconds per prompt token feed the pacing's average."""
+        """One prefill step of every request in ``reqs``: requests whose whole prompt fits in
+        one chunk and that have not started go through batched forwards of a few of them, of
+        one length (:func:`_equal_groups`), or of any (:func:`_prefill_groups`, with
+        ``batch_prefill``); the others feed their next chunk alone.  Its seconds per prompt
+        token feed the pacing's average."""
         if not reqs:
             return
         fed0 = sum(r.fed for r in reqs)
@@ -553,9 +558,10 @@ class Scheduler:
 
     def _prefill_all(self, reqs: List[Request]) -> None:
         alone = list(reqs)
-        if self.batch_prefill and self.batch_off_reason is None and not self._pause:
+        if self.batch_off_reason is None and not self._pause:
             fresh = [r for r in reqs if r.fed == 0 and len(r.prompt) <= self.prefill_chunk]
-            for group in _prefill_groups(fresh):
+            groups = _prefill_groups(fresh) if self.batch_prefill else _equal_groups(fresh)
+            for group in groups:
                 try:
                     self._prefill_batched(group)
                 except Exception as exc:  # not pinned on anyone: each prefills alone
@@ -823,6 +829,21 @@ def _prefill_groups(reqs: List[Request], waste: float = 0.25,
         cur = [r]
     if len(cur) >= 2:
         groups.append(cur)
+    return groups
+
+
+def _equal_groups(reqs: List[Request], most: int = 16) -> List[List[Request]]:
+    """``reqs`` (whole prompts) in groups of 2 to ``most`` prompts of one length, in arrival
+    order within a length: what a batched prefill runs without pads, each prompt on the paths
+    of its prefill alone (BatchKV.prefill).  Requests left alone are not listed."""
+    by_len: Dict[int, List[Request]] = {}
+    for r in reqs:
+        by_len.setdefault(len(r.prompt), []).append(r)
+    groups: List[List[Request]] = []
+    for same in by_len.values():
+        for i in range(0, len(same), most):
+            if len(same[i:i + most]) >= 2:
+                groups.append(same[i:i + most])
     return groups
 
 

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..models.layers import sequences
 from .controllers import StaticK
 from .decoding import GenerateOutput, cache_kwargs, new_kv
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
@@ -98,6 +99,9 @@ class BatchKV:
                 last_logits: bool = False) -> Optional[torch.Tensor]:
         """Feed left-padded ``ids`` [B, n] with ``mask`` [B, n] (transformers' layout): pads are
         holes, position ids count the real tokens (as transformers' generate computes them).
+        Rows without pads into an empty cache run as sequences of one length
+        (:func:`specmoe.models.layers.sequences`): each row then takes the implementations
+        its prefill alone would.
         ``last_logits``: return the last column's logits [B, V] (every row's last token, the
         rows being left-padded), computed for that column only."""
         if ids.shape[1] == 0:
@@ -105,7 +109,12 @@ class BatchKV:
         mask = mask.to("cpu", torch.long)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         kw = {"logits_to_keep": 1} if last_logits else {}
-        logits = self._call(ids, torch.cat([self.mask, mask], 1), pos, **kw)
+        # rows of one length into an empty cache: each takes the paths of its prefill alone
+        # (specmoe.models.layers.sequences), so it gets that forward's bits where its products
+        # run in C or in torch's row-wise GEMMs
+        same = self.length == 0 and bool(mask.all())
+        with sequences(self.batch if same else 1):
+            logits = self._call(ids, torch.cat([self.mask, mask], 1), pos, **kw)
         self.mask = torch.cat([self.mask, mask], 1)
         self.npos = [p + int(c) for p, c in zip(self.npos, mask.sum(1).tolist())]
         return logits[:, -1].cpu() if last_logits else None
