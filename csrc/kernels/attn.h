@@ -22,7 +22,11 @@
  * whose score is -inf take no part; a query row whose every position is -inf gets zeros
  * (torch would give NaN).  A finite large negative bias (transformers' masks use the most
  * negative float) behaves as torch's softmax does: such positions get weight 0 next to any
- * unmasked one, uniform weight in a fully masked row.
+ * unmasked one, uniform weight in a fully masked row.  Positions masked for every query of a
+ * batch row (its holes: attn_impl.h, next_block) are left out of that row's sums, so its
+ * bits are those of its step alone; a query masked everywhere in a row that has other
+ * positions (a padding query, whose output nobody reads) then gets uniform weight over the
+ * row's positions that are not holes.
  *
  * Threads: the batch rows' groups of heads (all of a row's heads, or fewer when the threads
  * outnumber the rows) are shared among the threads of c's pool; every output element is

@@ -37,8 +37,9 @@ request by one step:
   prompt token, a moving average) stays within ``prefill_ratio`` times the measured decode
   step; at least one chunk runs every round, so no prompt waits forever.  The others keep
   their place for the next round.  With nothing decoding every waiting prompt is prefilled at
-  once (batched with ``batch_prefill``).  Chunk boundaries never depend on the pacing (a
-  prompt is always fed ``prefill_chunk`` tokens at a time), only which round feeds them.
+  once (in batched forwards where the grouping above allows).  Chunk boundaries never
+  depend on the pacing (a prompt is always fed ``prefill_chunk`` tokens at a time), only
+  which round feeds them.
 
 * **speculation** (off unless ``drafter`` is set, :mod:`specmoe.serve.speculate`): a decode
   step first drafts up to K tokens per request (K from the controller of the batch's size,
