@@ -37,7 +37,8 @@ def test_serve_benchmark_smoke(tmp_path):
     res = json.loads(p.stdout)
     assert res["host"]["cpu"] and res["host"]["threads"]
     rows = {(r["server"], r["clients"]): r for r in res["models"]["zoo"]["rows"]}
-    served = ("specmoe", "specmoe-unbatched", "specmoe-paced", "specmoe-ngram")
+    served = ("specmoe", "specmoe-unbatched", "specmoe-batch-prefill", "specmoe-paced",
+              "specmoe-ngram")
     assert set(rows) == {(s, c) for s in served + ("llama-server",) for c in (1, 2)}
     for c in (1, 2):
         peer = rows[("llama-server", c)]
@@ -52,6 +53,7 @@ def test_serve_benchmark_smoke(tmp_path):
     assert rows[("specmoe-unbatched", 2)]["mean_decode_batch"] == 1.0
     assert rows[("specmoe", 2)]["mean_decode_batch"] > 1.0   # two requests shared forwards
     assert rows[("specmoe", 2)]["vs_unbatched"] > 0 and rows[("specmoe", 2)]["scaling"] > 0
+    assert rows[("specmoe", 2)]["vs_batch_prefill"] > 0
     ng = rows[("specmoe-ngram", 2)]
     assert ng["vs_plain"] > 0 and ng["drafts_per_token"] >= 0
     assert "drafts_per_token" not in rows[("specmoe", 2)]  # plain servers draft nothing
