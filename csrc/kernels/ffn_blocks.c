@@ -1238,9 +1238,9 @@ static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
  * up (vpshufb) in the doubled E2M1 table offset by 12 to [0, 24] (a lane's 8 products <= 8 *
  * 24 * 127), the offset -12 sum x the start value (-3 * the block sum a lane) and d_w the
  * block's E8M0 scale halved.  Calls of up to INVARIANT_T tokens run these rows for every
- * token in the one-token order (Q4_0 and MXFP4 unpack a row's blocks once for up to four
- * tokens, rows_q4x_vnni; Q8_0, Q4_K and Q6_K go token after token); longer calls, and the
- * formats without rows here, run the AVX2 form. */
+ * token in the one-token order (Q4_0, MXFP4 and Q4_K unpack a row's blocks once for up to
+ * four tokens: rows_q4x_vnni, row_q4_k_vnni_tiled; Q8_0 and Q6_K go token after token);
+ * longer calls, and the formats without rows here, run the AVX2 form. */
 #if HAVE_FAST && !defined(__clang__) && __GNUC__ >= 10
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -1264,14 +1264,6 @@ AI void q4x_unpack(int32_t dt, const uint8_t *w, __m512i *lo, __m512i *hi) {
         *lo = _mm512_shuffle_epi8(kv, *lo);
         *hi = _mm512_shuffle_epi8(kv, *hi);
     }
-}
-
-/* The four blocks' sum of w_q * x_q as 16 int32 lanes (4 a block), given the input's low /
- * high halves xlo / xhi and the offsets' sums in init. */
-AI __m512i q4x_quad(int32_t dt, const uint8_t *w, __m512i xlo, __m512i xhi, __m512i init) {
-    __m512i lo, hi;
-    q4x_unpack(dt, w, &lo, &hi);
-    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo, xlo), hi, xhi);
 }
 
 /* The four blocks' d (Q4_0: f16 at w, w + 18, ...; MXFP4: E8M0 at w, w + 17, ...). */
@@ -1299,38 +1291,6 @@ AI float q32_tail(int32_t dt, const uint8_t *w, size_t bb, uint32_t b0, uint32_t
         tail = q32_dot(q32_of(dt, wb), b32_scale(dt, wb), x->q + 32 * t, x->s[t], tail);
     }
     return hsum8(tail);
-}
-
-/* nr (1 or 2) Q4_0 or MXFP4 rows w[r] of n columns against one token: res[r].  The decode
- * form; rows_q4x_vnni below takes several tokens with the same operations per (row, token).
- * Kept apart because the form of several tokens, run at one token, read 5-10 % slower on a
- * Zen 5 EPYC (kernels_epyc_zen5_q4x_vnni_tiles_ab.json's note). */
-AI void rows_q4x_vnni1(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
-                       uint32_t n, float *res) {
-    const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
-    const int off = dt == SMOE_WDT_MXFP4 ? 3 : 2; /* the offset per lane: 12 / 4, 8 / 4 */
-    const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    uint32_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        const __m512i X0 = _mm512_loadu_si512((const void *)(x->q + 32 * b));
-        const __m512i X1 = _mm512_loadu_si512((const void *)(x->q + 32 * b + 64));
-        const __m512i xlo = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512i xhi = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
-        const __m128i s4 = _mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)(x->bs + b)));
-        const __m512i init = _mm512_permutexvar_epi32(
-            rep4, _mm512_castsi128_si512(_mm_mullo_epi32(s4, _mm_set1_epi32(-off))));
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *wb = w[r] + (size_t)bb * b;
-            _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
-            acc[r] = _mm512_fmadd_ps(q4x_scales(q4x_d(dt, wb), x->s + b, rep4),
-                                     _mm512_cvtepi32_ps(q4x_quad(dt, wb, xlo, xhi, init)),
-                                     acc[r]);
-        }
-    }
-    for (int r = 0; r < nr; r++) /* fewer than four blocks left: the AVX2 step */
-        res[r] = _mm512_reduce_add_ps(acc[r]) + q32_tail(dt, w[r], bb, b, nb, x);
 }
 
 /* nr (1 or 2) Q4_0 or MXFP4 rows w[r] of n columns against nt (1 .. VT) tokens x[t]:
@@ -1416,6 +1376,15 @@ AI void rows_q8_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
         res[r] = _mm512_reduce_add_ps(acc[r]) + q32_tail(SMOE_WDT_Q8_0, w[r], 34, b, nb, x);
 }
 
+/* The vpshufb pattern that spreads Q4_K's eight scales (widened to int16, in each 128-bit
+ * lane) over a 512-bit step: int16 lanes 0-15 take scale j1, 16-31 scale j2 (bytes 2j,
+ * 2j + 1). */
+AI __m512i q4k_sc_pattern(int j1, int j2) {
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_set1_epi16((short)(0x0100 + 0x0202 * j1))),
+        _mm256_set1_epi16((short)(0x0100 + 0x0202 * j2)), 1);
+}
+
 /* nr (1 or 2) Q4_K rows w[r] of n columns against one token: the AVX2 form's integer sums
  * (the nibbles q in [0, 15] unsigned against the int8 x in vpmaddubsw, pairs <= 3810; times
  * the sub-block's 6-bit scale and summed in int32), 128 columns per 512-bit step.  A 64-byte
@@ -1429,13 +1398,8 @@ AI void rows_q4_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
                        float *res) {
     const uint32_t nsb = n / 256;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    /* vpshufb patterns: int16 lanes 0-15 take scale j1, 16-31 scale j2 (bytes 2j, 2j + 1) */
-#define SC_PAIR(j1, j2)                                                                        \
-    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x0100 + 0x0202 * (j1)))), \
-                       _mm256_set1_epi16((short)(0x0100 + 0x0202 * (j2))), 1)
-    const __m512i kl0 = SC_PAIR(0, 2), kh0 = SC_PAIR(1, 3), kl1 = SC_PAIR(4, 6),
-                  kh1 = SC_PAIR(5, 7);
-#undef SC_PAIR
+    const __m512i kl0 = q4k_sc_pattern(0, 2), kh0 = q4k_sc_pattern(1, 3);
+    const __m512i kl1 = q4k_sc_pattern(4, 6), kh1 = q4k_sc_pattern(5, 7);
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     __m128 accm[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
     const int8_t *xq = x->q;
@@ -1482,6 +1446,66 @@ AI void rows_q4_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
         }
     }
     for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]) - hsum4(accm[r]);
+}
+
+/* One Q4_K row w of n columns against nt (1 .. VT) tokens x[t]: res[t], each (row, token) sum
+ * with rows_q4_k_vnni's operations in its order (the same integer sums, d * s_x and dmin *
+ * s_x rounded per token as there, the two accumulators, the reduction), so a token's result is
+ * bit for bit its one-token call's.  A super-block's nibbles, scales and mins are unpacked once
+ * for the nt tokens (a row alone: its unpacked super-block takes eight registers). */
+AI void row_q4_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, uint32_t n,
+                            float *res) {
+    const uint32_t nsb = n / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i kl0 = q4k_sc_pattern(0, 2), kh0 = q4k_sc_pattern(1, 3);
+    const __m512i kl1 = q4k_sc_pattern(4, 6), kh1 = q4k_sc_pattern(5, 7);
+    __m512 acc[VT];
+    __m128 accm[VT];
+    for (uint32_t t = 0; t < VT; t++) acc[t] = _mm512_setzero_ps(), accm[t] = _mm_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++) {
+        const uint8_t *wb = w + (size_t)144 * s;
+        _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + PF_AHEAD + 128), _MM_HINT_T0);
+        uint32_t u[4];
+        q4k_unpack(wb + 4, u);
+        const __m512i sc = _mm512_broadcast_i32x4(
+            _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[1], (int)u[0])));
+        const __m512i v0 = _mm512_loadu_si512((const void *)(wb + 16));
+        const __m512i v1 = _mm512_loadu_si512((const void *)(wb + 80));
+        const __m512i q0 = _mm512_and_si512(v0, m4);
+        const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
+        const __m512i q2 = _mm512_and_si512(v1, m4);
+        const __m512i q3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+        const __m512i s0 = _mm512_shuffle_epi8(sc, kl0), s1 = _mm512_shuffle_epi8(sc, kh0);
+        const __m512i s2 = _mm512_shuffle_epi8(sc, kl1), s3 = _mm512_shuffle_epi8(sc, kh1);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
+        uint32_t dd;
+        memcpy(&dd, wb, 4);
+        const __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+        for (uint32_t t = 0; t < nt; t++) {
+            const int8_t *xq = x[t].q + (size_t)256 * s;
+            const __m512i X0 = _mm512_loadu_si512((const void *)xq);
+            const __m512i X1 = _mm512_loadu_si512((const void *)(xq + 64));
+            const __m512i X2 = _mm512_loadu_si512((const void *)(xq + 128));
+            const __m512i X3 = _mm512_loadu_si512((const void *)(xq + 192));
+            const __m512i xl0 = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m512i xh0 = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m512i xl1 = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m512i xh1 = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(3, 2, 3, 2));
+            __m512i sumi =
+                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(q0, xl0), s0);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q1, xh0), s1);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q2, xl1), s2);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q3, xh1), s3);
+            const __m128 dm = _mm_mul_ps(dmin, _mm_set1_ps(x[t].s[s]));
+            acc[t] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), acc[t]);
+            const __m128i bsv = _mm_loadu_si128((const __m128i *)(x[t].bs + 8 * s));
+            const __m128i pm = _mm_madd_epi16(mins, bsv);
+            accm[t] = _mm_fmadd_ps(_mm_shuffle_ps(dm, dm, 0x55), _mm_cvtepi32_ps(pm), accm[t]);
+        }
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = _mm512_reduce_add_ps(acc[t]) - hsum4(accm[t]);
 }
 
 /* nr (1 or 2) Q6_K rows w[r] of n columns against one token: the AVX2 form's integer sums,
@@ -1546,23 +1570,20 @@ AI void rows_q6_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
 }
 
 /* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K or Q6_K) against nt (1 .. VT) tokens x[t],
- * each (row, token) as a one-token call computes it: res[r * VT + t].  Q4_0 and MXFP4 unpack
- * a row's blocks once for the nt tokens; the other formats run token after token (the rows
- * stay in L1). */
+ * each (row, token) as a one-token call computes it: res[r * VT + t].  Q4_0, MXFP4 and Q4_K
+ * unpack a row's blocks once for the nt tokens; Q8_0 and Q6_K run token after token (the
+ * rows stay in L1). */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
                   const uint32_t nt, uint32_t n, float *res) {
     if (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_MXFP4) {
-        if (nt == 1) { /* decode: the one-token form (the format a constant in each call) */
-            float r[2];
-            if (dt == SMOE_WDT_Q4_0)
-                rows_q4x_vnni1(SMOE_WDT_Q4_0, w, nr, x, n, r);
-            else
-                rows_q4x_vnni1(SMOE_WDT_MXFP4, w, nr, x, n, r);
-            for (int k = 0; k < nr; k++) res[k * VT] = r[k];
-        } else if (dt == SMOE_WDT_Q4_0)
+        if (dt == SMOE_WDT_Q4_0) /* the format a constant in each form */
             rows_q4x_vnni(SMOE_WDT_Q4_0, w, nr, x, nt, n, res);
         else
             rows_q4x_vnni(SMOE_WDT_MXFP4, w, nr, x, nt, n, res);
+        return;
+    }
+    if (dt == SMOE_WDT_Q4_K && nt > 1) {
+        for (int k = 0; k < nr; k++) row_q4_k_vnni_tiled(w[k], x, nt, n, res + k * VT);
         return;
     }
     for (uint32_t t = 0; t < nt; t++) {
@@ -1585,19 +1606,23 @@ AI int vnni_rows_for(int32_t dt, uint32_t T) {
                                 dt == SMOE_WDT_MXFP4);
 }
 
-static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
+/* Tokens in turn through the rows, `tile` (1 or VT) a call.  The one-token case (decode) gets
+ * code of its own in which every count and the format are constants: the tiled rows with a
+ * run-time token count read 5-10 % slower at one token on a Zen 5 EPYC, this form as fast as
+ * the one-token rows before (kernels_epyc_zen5_q4x_vnni_tiles_ab.json). */
+AI uint32_t tile_tokens(uint32_t T, uint32_t t0, const uint32_t tile) {
+    return tile == 1 ? 1 : T - t0 < tile ? T - t0 : tile;
+}
+
+AI void gateup_vnni_tiles(const smoe_ffn_job *j, uint32_t i0, uint32_t i1, const uint32_t tile) {
     const smoe_ffn_desc *d = j->d;
-    if (!vnni_rows_for(d->dtype, j->T)) {
-        gateup_fast(j, i0, i1);
-        return;
-    }
     const uint32_t H = d->H;
     const size_t rb = row_bytes(d->dtype, H);
     xin x[INVARIANT_T];
     for (uint32_t t = 0; t < j->T; t++) x[t] = xin_of(j, d->dtype, t, H);
     for (uint32_t i = i0; i < i1; i++) /* gate and up rows of one output together */
-        for (uint32_t t0 = 0; t0 < j->T; t0 += VT) {
-            const uint32_t nt = j->T - t0 < VT ? j->T - t0 : VT;
+        for (uint32_t t0 = 0; t0 < j->T; t0 += tile) {
+            const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[2] = {j->block + d->gate + i * rb, j->block + d->up + i * rb};
             float r[2 * VT];
             rows_vnni(d->dtype, w, 2, &x[t0], nt, H, r);
@@ -1605,13 +1630,18 @@ static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
         }
 }
 
-static void down_vnni(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
+static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
+    if (!vnni_rows_for(j->d->dtype, j->T))
+        gateup_fast(j, i0, i1);
+    else if (j->T == 1)
+        gateup_vnni_tiles(j, i0, i1, 1);
+    else
+        gateup_vnni_tiles(j, i0, i1, VT);
+}
+
+AI void down_vnni_tiles(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, const uint32_t tile) {
     const smoe_ffn_desc *d = j->d;
     const int32_t dt = smoe_ffn_down_dtype(d);
-    if (!vnni_rows_for(dt, j->T)) {
-        down_fast(j, h0, h1);
-        return;
-    }
     const uint32_t I = d->I;
     const size_t rb = row_bytes(dt, I);
     const uint8_t *dw = j->block + d->down;
@@ -1620,8 +1650,8 @@ static void down_vnni(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     /* rows (h, h + half) together, each walking its half in memory order (as down_fast) */
     const uint32_t half = (h1 - h0) / 2;
     for (uint32_t h = h0; h < h0 + half; h++)
-        for (uint32_t t0 = 0; t0 < j->T; t0 += VT) {
-            const uint32_t nt = j->T - t0 < VT ? j->T - t0 : VT;
+        for (uint32_t t0 = 0; t0 < j->T; t0 += tile) {
+            const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
             float r[2 * VT];
             rows_vnni(dt, w, 2, &x[t0], nt, I, r);
@@ -1631,13 +1661,22 @@ static void down_vnni(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
             }
         }
     if ((h1 - h0) & 1)
-        for (uint32_t t0 = 0; t0 < j->T; t0 += VT) {
-            const uint32_t nt = j->T - t0 < VT ? j->T - t0 : VT;
+        for (uint32_t t0 = 0; t0 < j->T; t0 += tile) {
+            const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[1] = {dw + (h1 - 1) * rb};
             float r[VT];
             rows_vnni(dt, w, 1, &x[t0], nt, I, r);
             for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_out(j, h1 - 1, t0 + t, r[t]);
         }
+}
+
+static void down_vnni(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
+    if (!vnni_rows_for(smoe_ffn_down_dtype(j->d), j->T))
+        down_fast(j, h0, h1);
+    else if (j->T == 1)
+        down_vnni_tiles(j, h0, h1, 1);
+    else
+        down_vnni_tiles(j, h0, h1, VT);
 }
 #pragma GCC pop_options
 
