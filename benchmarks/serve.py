@@ -50,8 +50,8 @@ Load: ``N`` clients, each sending ``--requests`` streamed completions one after 
 (closed loop: a new request arrives whenever one finishes, while the others decode), greedy,
 ``max_tokens`` ``--max-tokens``, ``ignore_eos``, prompts of 64 whole-word tokens (64 +-
 ``--prompt-spread``) that re-tokenize to themselves (big_model.make_prompts), different per
-request.  One untimed
-request per client (8 tokens, all clients at once) warms each server first.  Per row:
+request.  One untimed request per client (8 tokens, all clients at once) warms each server
+first.  Per row:
 ``out_tok_s`` (completion tokens of every request / wall time from the first send to the last answer), ``req_s``, ``ttft_p50/p99`` (send to first
 streamed chunk), ``itl_p50/p99`` (gaps between consecutive streamed chunks, every request
 pooled: both servers stream one chunk per token, with empty text for a token that has none --

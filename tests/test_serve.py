@@ -413,11 +413,11 @@ def test_requests_arriving_together_get_their_tokens_alone_bit_for_bit():
     """By default prompts of different lengths are prefilled apart (prompts of one length
     together, each on the paths of its prefill alone), and the decode batch gives every row
     the bits of its step alone, so greedy tokens equal model.generate's for each prompt
-    whatever its company.  A random 1024-wide bf16 Mixtral ties greedy choices exactly at times (bf16
-    logits): here the 18-token prompt meets such a tie at its 7th token, and before the
-    attention kernels built their blocks without a row's holes (csrc/kernels/attn_impl.h) the
-    batch broke it the other way; with batch_prefill, another draw of this model left the path
-    of a 14-token prompt prefilled beside a 20-token one."""
+    whatever its company.  A random 1024-wide bf16 Mixtral ties greedy choices exactly at
+    times (bf16 logits): here the 18-token prompt meets such a tie at its 7th token, and
+    before the attention kernels built their blocks without a row's holes
+    (csrc/kernels/attn_impl.h) the batch broke it the other way; with batch_prefill, another
+    draw of this model left the path of a 14-token prompt prefilled beside a 20-token one."""
     from specmoe.models.testing import tiny_model
     from specmoe.serve.scheduler import Scheduler
     model = tiny_model("mixtral", dtype=torch.bfloat16, hidden=1024, inter=512, layers=3)
