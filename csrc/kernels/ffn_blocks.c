@@ -1238,9 +1238,9 @@ static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
  * up (vpshufb) in the doubled E2M1 table offset by 12 to [0, 24] (a lane's 8 products <= 8 *
  * 24 * 127), the offset -12 sum x the start value (-3 * the block sum a lane) and d_w the
  * block's E8M0 scale halved.  Calls of up to INVARIANT_T tokens run these rows for every
- * token in the one-token order (Q4_0, MXFP4 and Q4_K unpack a row's blocks once for up to
- * four tokens: rows_q4x_vnni, row_q4_k_vnni_tiled; Q8_0 and Q6_K go token after token);
- * longer calls, and the formats without rows here, run the AVX2 form. */
+ * token in the one-token order (Q4_0, MXFP4, Q4_K and Q6_K unpack a row's blocks once for up
+ * to four tokens: rows_q4x_vnni, row_q4_k_vnni_tiled, row_q6_k_vnni_tiled; Q8_0 goes token
+ * after token); longer calls, and the formats without rows here, run the AVX2 form. */
 #if HAVE_FAST && !defined(__clang__) && __GNUC__ >= 10
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -1569,10 +1569,67 @@ AI void rows_q6_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
     for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+/* One Q6_K row w of n columns against nt (1 .. VT) tokens x[t]: res[t], each (row, token) sum
+ * with rows_q6_k_vnni's operations in its order (a half super-block's two vpdpwssd steps, the
+ * two halves, then d * s_x), so a token's result is bit for bit its one-token call's.  A half
+ * super-block's 6-bit values and scales are unpacked once for the nt tokens. */
+AI void row_q6_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, uint32_t n,
+                            float *res) {
+    const uint32_t nsb = n / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    const __m512i k32 = _mm512_set1_epi8(32);
+    const __m512i sh02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i ia = _mm512_set_epi64(0x0003000300030003LL, 0x0003000300030003LL,
+                                        0x0002000200020002LL, 0x0002000200020002LL,
+                                        0x0001000100010001LL, 0x0001000100010001LL, 0, 0);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
+    __m512 acc[VT];
+    for (uint32_t t = 0; t < VT; t++) acc[t] = _mm512_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++) {
+        const uint8_t *wb = w + (size_t)210 * s;
+        for (uint32_t k = 0; k < 4; k++)
+            _mm_prefetch((const char *)(wb + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        __m512i sumi[VT];
+        for (uint32_t t = 0; t < VT; t++) sumi[t] = _mm512_setzero_si512();
+        for (uint32_t h = 0; h < 2; h++) {
+            const uint8_t *ql = wb + 64 * h, *qh = wb + 128 + 32 * h;
+            const __m512i L = _mm512_loadu_si512((const void *)ql);
+            const __m512i HB = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
+            const __m512i qa = _mm512_or_si512(
+                _mm512_and_si512(L, m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh02), m3), 4));
+            const __m512i qb = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh46), m3), 4));
+            const __m512i sc = _mm512_castsi128_si512(
+                _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(wb + 192 + 8 * h))));
+            const __m512i sa = _mm512_permutexvar_epi16(ia, sc);
+            const __m512i sb = _mm512_permutexvar_epi16(ib, sc);
+            for (uint32_t t = 0; t < nt; t++) {
+                const int8_t *xq = x[t].q + (size_t)256 * s + 128 * h;
+                const __m512i X0 = _mm512_loadu_si512((const void *)xq);
+                const __m512i X1 = _mm512_loadu_si512((const void *)(xq + 64));
+                const __m512i o0 = _mm512_maddubs_epi16(k32, X0);
+                const __m512i o1 = _mm512_maddubs_epi16(k32, X1);
+                sumi[t] = _mm512_dpwssd_epi32(
+                    sumi[t], _mm512_sub_epi16(_mm512_maddubs_epi16(qa, X0), o0), sa);
+                sumi[t] = _mm512_dpwssd_epi32(
+                    sumi[t], _mm512_sub_epi16(_mm512_maddubs_epi16(qb, X1), o1), sb);
+            }
+        }
+        const float d = ld_f16(wb + 208);
+        for (uint32_t t = 0; t < nt; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * x[t].s[s]), _mm512_cvtepi32_ps(sumi[t]),
+                                     acc[t]);
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
 /* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K or Q6_K) against nt (1 .. VT) tokens x[t],
- * each (row, token) as a one-token call computes it: res[r * VT + t].  Q4_0, MXFP4 and Q4_K
- * unpack a row's blocks once for the nt tokens; Q8_0 and Q6_K run token after token (the
- * rows stay in L1). */
+ * each (row, token) as a one-token call computes it: res[r * VT + t].  Q4_0, MXFP4, Q4_K and
+ * Q6_K unpack a row's blocks once for the nt tokens; Q8_0 runs token after token (the rows
+ * stay in L1; its per-token sign work is most of its cost). */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
                   const uint32_t nt, uint32_t n, float *res) {
     if (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_MXFP4) {
@@ -1584,6 +1641,10 @@ AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *
     }
     if (dt == SMOE_WDT_Q4_K && nt > 1) {
         for (int k = 0; k < nr; k++) row_q4_k_vnni_tiled(w[k], x, nt, n, res + k * VT);
+        return;
+    }
+    if (dt == SMOE_WDT_Q6_K && nt > 1) {
+        for (int k = 0; k < nr; k++) row_q6_k_vnni_tiled(w[k], x, nt, n, res + k * VT);
         return;
     }
     for (uint32_t t = 0; t < nt; t++) {
