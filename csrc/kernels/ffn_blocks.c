@@ -1385,6 +1385,57 @@ AI __m512i q4k_sc_pattern(int j1, int j2) {
         _mm256_set1_epi16((short)(0x0100 + 0x0202 * j2)), 1);
 }
 
+/* The Q4_K super-block at wb (prefetched PF_AHEAD on) as the 512-bit steps take it: q[0..3]
+ * its nibbles lined up with the input's xl0, xh0, xl1, xh1, sc[0..3] their sub-blocks' 6-bit
+ * scales as int16 (vpdpwssd's operand), *mins the eight mins widened, *dmin (d, dmin) in f32. */
+AI void q4k_super(const uint8_t *wb, __m512i q[4], __m512i sc[4], __m128i *mins, __m128 *dmin) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wb + PF_AHEAD + 128), _MM_HINT_T0);
+    uint32_t u[4];
+    q4k_unpack(wb + 4, u);
+    const __m512i s8 =
+        _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[1], (int)u[0])));
+    const __m512i v0 = _mm512_loadu_si512((const void *)(wb + 16));
+    const __m512i v1 = _mm512_loadu_si512((const void *)(wb + 80));
+    q[0] = _mm512_and_si512(v0, m4);
+    q[1] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
+    q[2] = _mm512_and_si512(v1, m4);
+    q[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+    sc[0] = _mm512_shuffle_epi8(s8, q4k_sc_pattern(0, 2));
+    sc[1] = _mm512_shuffle_epi8(s8, q4k_sc_pattern(1, 3));
+    sc[2] = _mm512_shuffle_epi8(s8, q4k_sc_pattern(4, 6));
+    sc[3] = _mm512_shuffle_epi8(s8, q4k_sc_pattern(5, 7));
+    *mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
+    uint32_t dd;
+    memcpy(&dd, wb, 4);
+    *dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+}
+
+/* A super-block's 256 prepared int8 values as the 512-bit steps take them: x[0..3] = xl0,
+ * xh0, xl1, xh1 (the columns of the nibbles q[0..3] of q4k_super, two vshufi64x2 each). */
+AI void q4k_x(const int8_t *xq, __m512i x[4]) {
+    const __m512i X0 = _mm512_loadu_si512((const void *)xq);
+    const __m512i X1 = _mm512_loadu_si512((const void *)(xq + 64));
+    const __m512i X2 = _mm512_loadu_si512((const void *)(xq + 128));
+    const __m512i X3 = _mm512_loadu_si512((const void *)(xq + 192));
+    x[0] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(1, 0, 1, 0));
+    x[1] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 2, 3, 2));
+    x[2] = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(1, 0, 1, 0));
+    x[3] = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(3, 2, 3, 2));
+}
+
+/* A super-block's integer sums against one token: the four steps' pair sums (vpmaddubsw)
+ * times their sub-blocks' scales, added in int32 (vpdpwssd), in this order. */
+AI __m512i q4k_sum(const __m512i q[4], const __m512i sc[4], const __m512i x[4]) {
+    __m512i sumi = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(q[0], x[0]),
+                                       sc[0]);
+    sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q[1], x[1]), sc[1]);
+    sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q[2], x[2]), sc[2]);
+    return _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q[3], x[3]), sc[3]);
+}
+
 /* nr (1 or 2) Q4_K rows w[r] of n columns against one token: the AVX2 form's integer sums
  * (the nibbles q in [0, 15] unsigned against the int8 x in vpmaddubsw, pairs <= 3810; times
  * the sub-block's 6-bit scale and summed in int32), 128 columns per 512-bit step.  A 64-byte
@@ -1397,51 +1448,23 @@ AI __m512i q4k_sc_pattern(int j1, int j2) {
 AI void rows_q4_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
                        float *res) {
     const uint32_t nsb = n / 256;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i kl0 = q4k_sc_pattern(0, 2), kh0 = q4k_sc_pattern(1, 3);
-    const __m512i kl1 = q4k_sc_pattern(4, 6), kh1 = q4k_sc_pattern(5, 7);
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     __m128 accm[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
     const int8_t *xq = x->q;
     for (uint32_t s = 0; s < nsb; s++, xq += 256) {
-        const __m512i X0 = _mm512_loadu_si512((const void *)xq);
-        const __m512i X1 = _mm512_loadu_si512((const void *)(xq + 64));
-        const __m512i X2 = _mm512_loadu_si512((const void *)(xq + 128));
-        const __m512i X3 = _mm512_loadu_si512((const void *)(xq + 192));
-        const __m512i xl0 = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i xh0 = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m512i xl1 = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i xh1 = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(3, 2, 3, 2));
+        __m512i xv[4];
+        q4k_x(xq, xv);
         const __m128i bsv = _mm_loadu_si128((const __m128i *)(x->bs + 8 * s));
         const float xs = x->s[s];
         for (int r = 0; r < nr; r++) {
-            const uint8_t *wb = w[r] + (size_t)144 * s;
-            _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + PF_AHEAD + 128), _MM_HINT_T0);
-            uint32_t u[4];
-            q4k_unpack(wb + 4, u);
-            const __m512i sc = _mm512_broadcast_i32x4(
-                _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[1], (int)u[0])));
-            const __m512i v0 = _mm512_loadu_si512((const void *)(wb + 16));
-            const __m512i v1 = _mm512_loadu_si512((const void *)(wb + 80));
-            __m512i sumi = _mm512_dpwssd_epi32(
-                _mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(v0, m4), xl0),
-                _mm512_shuffle_epi8(sc, kl0));
-            sumi = _mm512_dpwssd_epi32(
-                sumi, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(v0, 4), m4), xh0),
-                _mm512_shuffle_epi8(sc, kh0));
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(_mm512_and_si512(v1, m4), xl1),
-                                       _mm512_shuffle_epi8(sc, kl1));
-            sumi = _mm512_dpwssd_epi32(
-                sumi, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(v1, 4), m4), xh1),
-                _mm512_shuffle_epi8(sc, kh1));
-            uint32_t dd;
-            memcpy(&dd, wb, 4);
-            const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)), _mm_set1_ps(xs));
+            __m512i q[4], sc[4];
+            __m128i mins;
+            __m128 dmin;
+            q4k_super(w[r] + (size_t)144 * s, q, sc, &mins, &dmin);
+            const __m512i sumi = q4k_sum(q, sc, xv);
+            const __m128 dm = _mm_mul_ps(dmin, _mm_set1_ps(xs));
             acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), acc[r]);
-            const __m128i pm =
-                _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2])), bsv);
+            const __m128i pm = _mm_madd_epi16(mins, bsv);
             accm[r] = _mm_fmadd_ps(_mm_shuffle_ps(dm, dm, 0x55), _mm_cvtepi32_ps(pm), accm[r]);
         }
     }
@@ -1456,48 +1479,19 @@ AI void rows_q4_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
 AI void row_q4_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, uint32_t n,
                             float *res) {
     const uint32_t nsb = n / 256;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i kl0 = q4k_sc_pattern(0, 2), kh0 = q4k_sc_pattern(1, 3);
-    const __m512i kl1 = q4k_sc_pattern(4, 6), kh1 = q4k_sc_pattern(5, 7);
     __m512 acc[VT];
     __m128 accm[VT];
     for (uint32_t t = 0; t < VT; t++) acc[t] = _mm512_setzero_ps(), accm[t] = _mm_setzero_ps();
     for (uint32_t s = 0; s < nsb; s++) {
-        const uint8_t *wb = w + (size_t)144 * s;
-        _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + PF_AHEAD + 128), _MM_HINT_T0);
-        uint32_t u[4];
-        q4k_unpack(wb + 4, u);
-        const __m512i sc = _mm512_broadcast_i32x4(
-            _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[1], (int)u[0])));
-        const __m512i v0 = _mm512_loadu_si512((const void *)(wb + 16));
-        const __m512i v1 = _mm512_loadu_si512((const void *)(wb + 80));
-        const __m512i q0 = _mm512_and_si512(v0, m4);
-        const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
-        const __m512i q2 = _mm512_and_si512(v1, m4);
-        const __m512i q3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
-        const __m512i s0 = _mm512_shuffle_epi8(sc, kl0), s1 = _mm512_shuffle_epi8(sc, kh0);
-        const __m512i s2 = _mm512_shuffle_epi8(sc, kl1), s3 = _mm512_shuffle_epi8(sc, kh1);
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)u[3], (int)u[2]));
-        uint32_t dd;
-        memcpy(&dd, wb, 4);
-        const __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+        __m512i q[4], sc[4];
+        __m128i mins;
+        __m128 dmin;
+        q4k_super(w + (size_t)144 * s, q, sc, &mins, &dmin);
         for (uint32_t t = 0; t < nt; t++) {
             const int8_t *xq = x[t].q + (size_t)256 * s;
-            const __m512i X0 = _mm512_loadu_si512((const void *)xq);
-            const __m512i X1 = _mm512_loadu_si512((const void *)(xq + 64));
-            const __m512i X2 = _mm512_loadu_si512((const void *)(xq + 128));
-            const __m512i X3 = _mm512_loadu_si512((const void *)(xq + 192));
-            const __m512i xl0 = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(1, 0, 1, 0));
-            const __m512i xh0 = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 2, 3, 2));
-            const __m512i xl1 = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(1, 0, 1, 0));
-            const __m512i xh1 = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(3, 2, 3, 2));
-            __m512i sumi =
-                _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(q0, xl0), s0);
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q1, xh0), s1);
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q2, xl1), s2);
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q3, xh1), s3);
+            __m512i xv[4];
+            q4k_x(xq, xv);
+            const __m512i sumi = q4k_sum(q, sc, xv);
             const __m128 dm = _mm_mul_ps(dmin, _mm_set1_ps(x[t].s[s]));
             acc[t] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), acc[t]);
             const __m128i bsv = _mm_loadu_si128((const __m128i *)(x[t].bs + 8 * s));
@@ -1506,6 +1500,32 @@ AI void row_q4_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, u
         }
     }
     for (uint32_t t = 0; t < nt; t++) res[t] = _mm512_reduce_add_ps(acc[t]) - hsum4(accm[t]);
+}
+
+/* Half h (0 or 1) of the Q6_K super-block at wb as rows_q6_k_vnni's 512-bit steps take it:
+ * *qa / *qb its 6-bit values q in [0, 63] lined up with the input's first / second 64 int8
+ * values, *sa / *sb their 16 columns' int8 scales widened to int16 (vpdpwssd's operand). */
+AI void q6k_half(const uint8_t *wb, uint32_t h, __m512i *qa, __m512i *qb, __m512i *sa,
+                 __m512i *sb) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    const __m512i sh02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    /* int16 lanes of 128-bit lane j: scale j (first 64 columns) or 4 + j (last 64) */
+    const __m512i ia = _mm512_set_epi64(0x0003000300030003LL, 0x0003000300030003LL,
+                                        0x0002000200020002LL, 0x0002000200020002LL,
+                                        0x0001000100010001LL, 0x0001000100010001LL, 0, 0);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
+    const uint8_t *ql = wb + 64 * h, *qh = wb + 128 + 32 * h;
+    const __m512i L = _mm512_loadu_si512((const void *)ql);
+    const __m512i HB = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
+    *qa = _mm512_or_si512(_mm512_and_si512(L, m4),
+                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh02), m3), 4));
+    *qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh46), m3), 4));
+    const __m512i sc = _mm512_castsi128_si512(
+        _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(wb + 192 + 8 * h))));
+    *sa = _mm512_permutexvar_epi16(ia, sc);
+    *sb = _mm512_permutexvar_epi16(ib, sc);
 }
 
 /* nr (1 or 2) Q6_K rows w[r] of n columns against one token: the AVX2 form's integer sums,
@@ -1520,15 +1540,7 @@ AI void row_q4_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, u
 AI void rows_q6_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
                        float *res) {
     const uint32_t nsb = n / 256;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
     const __m512i k32 = _mm512_set1_epi8(32);
-    const __m512i sh02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    const __m512i sh46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    /* int16 lanes of 128-bit lane j: scale j (first 64 columns) or 4 + j (last 64) */
-    const __m512i ia = _mm512_set_epi64(0x0003000300030003LL, 0x0003000300030003LL,
-                                        0x0002000200020002LL, 0x0002000200020002LL,
-                                        0x0001000100010001LL, 0x0001000100010001LL, 0, 0);
-    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     const int8_t *xq = x->q;
     for (uint32_t s = 0; s < nsb; s++) {
@@ -1542,24 +1554,12 @@ AI void rows_q6_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
                 if (h == 0)
                     for (uint32_t k = 0; k < 4; k++)
                         _mm_prefetch((const char *)(wb + PF_AHEAD + 64 * k), _MM_HINT_T0);
-                const uint8_t *ql = wb + 64 * h, *qh = wb + 128 + 32 * h;
-                const __m512i L = _mm512_loadu_si512((const void *)ql);
-                const __m512i HB =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
-                const __m512i qa = _mm512_or_si512(
-                    _mm512_and_si512(L, m4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh02), m3), 4));
-                const __m512i qb = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh46), m3), 4));
-                const __m512i sc = _mm512_castsi128_si512(
-                    _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(wb + 192 + 8 * h))));
+                __m512i qa, qb, sa, sb;
+                q6k_half(wb, h, &qa, &qb, &sa, &sb);
                 sumi[r] = _mm512_dpwssd_epi32(
-                    sumi[r], _mm512_sub_epi16(_mm512_maddubs_epi16(qa, X0), o0),
-                    _mm512_permutexvar_epi16(ia, sc));
+                    sumi[r], _mm512_sub_epi16(_mm512_maddubs_epi16(qa, X0), o0), sa);
                 sumi[r] = _mm512_dpwssd_epi32(
-                    sumi[r], _mm512_sub_epi16(_mm512_maddubs_epi16(qb, X1), o1),
-                    _mm512_permutexvar_epi16(ib, sc));
+                    sumi[r], _mm512_sub_epi16(_mm512_maddubs_epi16(qb, X1), o1), sb);
             }
         }
         for (int r = 0; r < nr; r++)
@@ -1576,14 +1576,7 @@ AI void rows_q6_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
 AI void row_q6_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, uint32_t n,
                             float *res) {
     const uint32_t nsb = n / 256;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
     const __m512i k32 = _mm512_set1_epi8(32);
-    const __m512i sh02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    const __m512i sh46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    const __m512i ia = _mm512_set_epi64(0x0003000300030003LL, 0x0003000300030003LL,
-                                        0x0002000200020002LL, 0x0002000200020002LL,
-                                        0x0001000100010001LL, 0x0001000100010001LL, 0, 0);
-    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
     __m512 acc[VT];
     for (uint32_t t = 0; t < VT; t++) acc[t] = _mm512_setzero_ps();
     for (uint32_t s = 0; s < nsb; s++) {
@@ -1593,19 +1586,8 @@ AI void row_q6_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, u
         __m512i sumi[VT];
         for (uint32_t t = 0; t < VT; t++) sumi[t] = _mm512_setzero_si512();
         for (uint32_t h = 0; h < 2; h++) {
-            const uint8_t *ql = wb + 64 * h, *qh = wb + 128 + 32 * h;
-            const __m512i L = _mm512_loadu_si512((const void *)ql);
-            const __m512i HB = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
-            const __m512i qa = _mm512_or_si512(
-                _mm512_and_si512(L, m4),
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh02), m3), 4));
-            const __m512i qb = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(HB, sh46), m3), 4));
-            const __m512i sc = _mm512_castsi128_si512(
-                _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(wb + 192 + 8 * h))));
-            const __m512i sa = _mm512_permutexvar_epi16(ia, sc);
-            const __m512i sb = _mm512_permutexvar_epi16(ib, sc);
+            __m512i qa, qb, sa, sb;
+            q6k_half(wb, h, &qa, &qb, &sa, &sb);
             for (uint32_t t = 0; t < nt; t++) {
                 const int8_t *xq = x[t].q + (size_t)256 * s + 128 * h;
                 const __m512i X0 = _mm512_loadu_si512((const void *)xq);
