@@ -1614,11 +1614,12 @@ AI void row_q6_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, u
  * stay in L1; its per-token sign work is most of its cost). */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
                   const uint32_t nt, uint32_t n, float *res) {
-    if (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_MXFP4) {
-        if (dt == SMOE_WDT_Q4_0) /* the format a constant in each form */
-            rows_q4x_vnni(SMOE_WDT_Q4_0, w, nr, x, nt, n, res);
-        else
-            rows_q4x_vnni(SMOE_WDT_MXFP4, w, nr, x, nt, n, res);
+    if (dt == SMOE_WDT_Q4_0) { /* the format a constant in each form */
+        rows_q4x_vnni(SMOE_WDT_Q4_0, w, nr, x, nt, n, res);
+        return;
+    }
+    if (dt == SMOE_WDT_MXFP4) {
+        rows_q4x_vnni(SMOE_WDT_MXFP4, w, nr, x, nt, n, res);
         return;
     }
     if (dt == SMOE_WDT_Q4_K && nt > 1) {
