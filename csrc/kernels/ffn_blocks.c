@@ -1238,9 +1238,9 @@ static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
  * up (vpshufb) in the doubled E2M1 table offset by 12 to [0, 24] (a lane's 8 products <= 8 *
  * 24 * 127), the offset -12 sum x the start value (-3 * the block sum a lane) and d_w the
  * block's E8M0 scale halved.  Calls of up to INVARIANT_T tokens run these rows for every
- * token in the one-token order (Q4_0, MXFP4, Q4_K and Q6_K unpack a row's blocks once for up
- * to four tokens: rows_q4x_vnni, row_q4_k_vnni_tiled, row_q6_k_vnni_tiled; Q8_0 goes token
- * after token); longer calls, and the formats without rows here, run the AVX2 form. */
+ * token in the one-token order (every format unpacks a row's blocks once for up to four
+ * tokens: rows_q4x_vnni, rows_q8_0_vnni, row_q4_k_vnni_tiled, row_q6_k_vnni_tiled); longer
+ * calls, and the formats without rows here, run the AVX2 form. */
 #if HAVE_FAST && !defined(__clang__) && __GNUC__ >= 10
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -1340,19 +1340,25 @@ AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const x
                 _mm512_reduce_add_ps(acc[r][t]) + q32_tail(dt, w[r], bb, b, nb, &x[t]);
 }
 
-/* nr (1 or 2) Q8_0 rows w[r] of n columns against one token: two blocks (64 columns) per
- * vpdpbusd, |w| the unsigned operand and x negated where w is negative (AVX-512 has no
- * vpsignb; a -128 byte is 128 as unsigned, its magnitude), as the AVX2 form's sign trick;
- * the two blocks' d * s_x spread over their eight lanes each. */
-AI void rows_q8_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
-                       float *res) {
+/* nr (1 or 2) Q8_0 rows w[r] of n columns against nt (1 .. VT) tokens x[t]: res[r * VT +
+ * t].  Two blocks (64 columns) per vpdpbusd, |w| the unsigned operand and x negated where w
+ * is negative (AVX-512 has no vpsignb; a -128 byte is 128 as unsigned, its magnitude), as the
+ * AVX2 form's sign trick; the two blocks' d * s_x spread over their eight lanes each.  A row's
+ * two blocks are loaded, their signs and magnitudes taken and their d converted once for the
+ * nt tokens; each (row, token) sum then takes the one-token operations in the one-token order
+ * (its own accumulator), so a token's result is bit for bit the one-token call's. */
+AI void rows_q8_0_vnni(const uint8_t *const *w, const int nr, const xin *x, const uint32_t nt,
+                       uint32_t n, float *res) {
     const uint32_t nb = n / 32;
     const __m512i rep8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[2][VT];
+    for (int r = 0; r < 2; r++)
+        for (uint32_t t = 0; t < VT; t++) acc[r][t] = _mm512_setzero_ps();
     uint32_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        const __m512i X = _mm512_loadu_si512((const void *)(x->q + 32 * b));
-        const __m128 xs2 = _mm_castpd_ps(_mm_load_sd((const double *)(x->s + b)));
+        __m512i mag[2];
+        __mmask64 neg[2];
+        __m128 d[2];
         for (int r = 0; r < nr; r++) {
             const uint8_t *wb = w[r] + (size_t)34 * b;
             _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
@@ -1360,20 +1366,31 @@ AI void rows_q8_0_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
             const __m512i v = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
                 _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
-            const __m512i xv = _mm512_mask_sub_epi8(X, _mm512_movepi8_mask(v),
-                                                    _mm512_setzero_si512(), X);
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(v), xv);
+            neg[r] = _mm512_movepi8_mask(v);
+            mag[r] = _mm512_abs_epi8(v);
             uint16_t h[2];
             memcpy(&h[0], wb, 2);
             memcpy(&h[1], wb + 34, 2);
-            const __m128 sc = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)(h[0] | (uint32_t)h[1] << 16))),
-                                         xs2);
-            acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(rep8, _mm512_castps128_ps512(sc)),
-                                     _mm512_cvtepi32_ps(p), acc[r]);
+            d[r] = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(h[0] | (uint32_t)h[1] << 16)));
+        }
+        for (uint32_t t = 0; t < nt; t++) {
+            const __m512i X = _mm512_loadu_si512((const void *)(x[t].q + 32 * b));
+            const __m128 xs2 = _mm_castpd_ps(_mm_load_sd((const double *)(x[t].s + b)));
+            for (int r = 0; r < nr; r++) {
+                const __m512i xv =
+                    _mm512_mask_sub_epi8(X, neg[r], _mm512_setzero_si512(), X);
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag[r], xv);
+                const __m128 sc = _mm_mul_ps(d[r], xs2);
+                acc[r][t] = _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(rep8, _mm512_castps128_ps512(sc)),
+                    _mm512_cvtepi32_ps(p), acc[r][t]);
+            }
         }
     }
     for (int r = 0; r < nr; r++) /* an odd last block: the AVX2 step */
-        res[r] = _mm512_reduce_add_ps(acc[r]) + q32_tail(SMOE_WDT_Q8_0, w[r], 34, b, nb, x);
+        for (uint32_t t = 0; t < nt; t++)
+            res[r * VT + t] = _mm512_reduce_add_ps(acc[r][t]) +
+                              q32_tail(SMOE_WDT_Q8_0, w[r], 34, b, nb, &x[t]);
 }
 
 /* The vpshufb pattern that spreads Q4_K's eight scales (widened to int16, in each 128-bit
@@ -1609,9 +1626,8 @@ AI void row_q6_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, u
 }
 
 /* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K or Q6_K) against nt (1 .. VT) tokens x[t],
- * each (row, token) as a one-token call computes it: res[r * VT + t].  Q4_0, MXFP4, Q4_K and
- * Q6_K unpack a row's blocks once for the nt tokens; Q8_0 runs token after token (the rows
- * stay in L1; its per-token sign work is most of its cost). */
+ * each (row, token) as a one-token call computes it: res[r * VT + t]; a row's blocks are
+ * unpacked once for the nt tokens. */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
                   const uint32_t nt, uint32_t n, float *res) {
     if (dt == SMOE_WDT_Q4_0) { /* the format a constant in each form */
@@ -1626,18 +1642,20 @@ AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *
         for (int k = 0; k < nr; k++) row_q4_k_vnni_tiled(w[k], x, nt, n, res + k * VT);
         return;
     }
+    if (dt == SMOE_WDT_Q8_0) {
+        rows_q8_0_vnni(w, nr, x, nt, n, res);
+        return;
+    }
     if (dt == SMOE_WDT_Q6_K && nt > 1) {
         for (int k = 0; k < nr; k++) row_q6_k_vnni_tiled(w[k], x, nt, n, res + k * VT);
         return;
     }
-    for (uint32_t t = 0; t < nt; t++) {
+    for (uint32_t t = 0; t < nt; t++) { /* one token of Q4_K or Q6_K */
         float r[2];
         if (dt == SMOE_WDT_Q4_K)
             rows_q4_k_vnni(w, nr, &x[t], n, r);
-        else if (dt == SMOE_WDT_Q6_K)
-            rows_q6_k_vnni(w, nr, &x[t], n, r);
         else
-            rows_q8_0_vnni(w, nr, &x[t], n, r);
+            rows_q6_k_vnni(w, nr, &x[t], n, r);
         for (int k = 0; k < nr; k++) res[k * VT + t] = r[k];
     }
 }
