@@ -1245,17 +1245,37 @@ static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
+/* Bytes ahead of the row position that the VNNI rows prefetch to L1.  At one token on an AMD
+ * EPYC Zen 5 (1 thread, OLMoE's shape, from DRAM) PF_AHEAD's 1024 left these rows at 0.5-0.75
+ * of the read ceiling, their rate from L3 near or above it: 4096 took Q4_0 26.8 -> 33.1 GB/s,
+ * Q8_0 31.5 -> 38.6, Q6_K 29.3 -> 37.2, Q4_K 22.2 -> 27.9 (2048 and 8192 between; 16384 less;
+ * a second prefetch, to L2 16384 ahead, less again).  Two tokens gain as much (Q8_0 1.2x);
+ * 4-8 tokens read within 5 % either way, and 1024 for tiles of 3-4 tokens was no better
+ * (kernels_epyc_zen5_vnni_prefetch_ab.json). */
+#define PF_VNNI 4096
+
 /* The four blocks' (w, bb = 18 or 17 bytes each) weights as the unsigned operands of
  * vpdpbusd: *lo their low nibbles (columns 0-15 of each block, a block a 128-bit lane), *hi
  * the high ones (16-31); Q4_0's nibbles q as they are (w_q = q - 8), MXFP4's looked up in the
- * table offset by 12. */
+ * table offset by 12.  Q4_0's blocks start at even bytes, so its 64 nibble bytes (2-17, 20-35,
+ * 38-53, 56-71 of the four blocks' 72) are one two-source word permute of two loads (bytes
+ * 0-63 and 8-71); MXFP4's odd ones take four 128-bit loads. */
 AI void q4x_unpack(int32_t dt, const uint8_t *w, __m512i *lo, __m512i *hi) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const uint32_t bb = dt == SMOE_WDT_MXFP4 ? 17 : 18, o = bb - 16;
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + o)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + bb + o)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 2 * bb + o)), 2);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 3 * bb + o)), 3);
+    __m512i v;
+    if (dt == SMOE_WDT_Q4_0) {
+        static const int16_t nib[32] = {1,  2,  3,  4,  5,  6,  7,  8,  10, 11, 12,
+                                        13, 14, 15, 16, 17, 19, 20, 21, 22, 23, 24,
+                                        25, 26, 28, 29, 30, 31, 60, 61, 62, 63};
+        const __m512i idx = _mm512_loadu_si512((const void *)nib);
+        v = _mm512_permutex2var_epi16(_mm512_loadu_si512((const void *)w), idx,
+                                      _mm512_loadu_si512((const void *)(w + 8)));
+    } else {
+        v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + 1)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 18)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 35)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + 52)), 3);
+    }
     *lo = _mm512_and_si512(v, m4);
     *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     if (dt == SMOE_WDT_MXFP4) {
@@ -1266,19 +1286,26 @@ AI void q4x_unpack(int32_t dt, const uint8_t *w, __m512i *lo, __m512i *hi) {
     }
 }
 
-/* The four blocks' d (Q4_0: f16 at w, w + 18, ...; MXFP4: E8M0 at w, w + 17, ...). */
-AI __m128 q4x_d(int32_t dt, const uint8_t *w) {
+/* The four blocks' d: Q4_0's each in its block's four lanes (the f16 at bytes 0, 18, 36, 54,
+ * words 0, 9, 18, 27 of the group, spread by one word permute and converted); MXFP4's in the
+ * low four lanes (the E8M0 at w, w + 17, ... halved), spread after the product (q4x_scale). */
+AI __m512 q4x_d(int32_t dt, const uint8_t *w) {
     if (dt == SMOE_WDT_MXFP4)
-        return _mm_setr_ps(e8m0_half(w[0]), e8m0_half(w[17]), e8m0_half(w[34]),
-                           e8m0_half(w[51]));
-    uint16_t h[4];
-    for (int k = 0; k < 4; k++) memcpy(&h[k], w + 18 * k, 2);
-    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+        return _mm512_castps128_ps512(_mm_setr_ps(e8m0_half(w[0]), e8m0_half(w[17]),
+                                                  e8m0_half(w[34]), e8m0_half(w[51])));
+    static const int16_t dw[32] = {0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27};
+    const __m512i idx = _mm512_loadu_si512((const void *)dw);
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(
+        _mm512_permutexvar_epi16(idx, _mm512_loadu_si512((const void *)w))));
 }
 
-/* The four blocks' d times the input's scales xs[0..3], each in its block's four lanes. */
-AI __m512 q4x_scales(__m128 d, const float *xs, __m512i rep4) {
-    return _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_mul_ps(d, _mm_loadu_ps(xs))));
+/* d * s_x of four blocks, each in its block's four lanes: d from q4x_d, xs4 the input's four
+ * scales, xs16 the same spread (Q4_0 only).  The same f32 products either way. */
+AI __m512 q4x_scale(int32_t dt, __m512 d, __m128 xs4, __m512 xs16, __m512i rep4) {
+    if (dt == SMOE_WDT_MXFP4)
+        return _mm512_permutexvar_ps(
+            rep4, _mm512_castps128_ps512(_mm_mul_ps(_mm512_castps512_ps128(d), xs4)));
+    return _mm512_mul_ps(d, xs16);
 }
 
 /* Blocks b0..nb-1 of a Q4_0 / Q8_0 / MXFP4 row w (bb bytes a block) against one token in
@@ -1310,11 +1337,11 @@ AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const x
     uint32_t b = 0;
     for (; b + 4 <= nb; b += 4) {
         __m512i lo[2], hi[2];
-        __m128 d[2];
+        __m512 d[2];
         for (int r = 0; r < nr; r++) {
             const uint8_t *wb = w[r] + (size_t)bb * b;
-            _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + PF_VNNI), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + PF_VNNI + 64), _MM_HINT_T0);
             q4x_unpack(dt, wb, &lo[r], &hi[r]);
             d[r] = q4x_d(dt, wb);
         }
@@ -1326,10 +1353,12 @@ AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const x
             const __m128i s4 = _mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)(x[t].bs + b)));
             const __m512i init = _mm512_permutexvar_epi32(
                 rep4, _mm512_castsi128_si512(_mm_mullo_epi32(s4, _mm_set1_epi32(-off))));
+            const __m128 xs4 = _mm_loadu_ps(x[t].s + b);
+            const __m512 xs16 = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(xs4));
             for (int r = 0; r < nr; r++) {
                 const __m512i sumi =
                     _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo[r], xlo), hi[r], xhi);
-                acc[r][t] = _mm512_fmadd_ps(q4x_scales(d[r], x[t].s + b, rep4),
+                acc[r][t] = _mm512_fmadd_ps(q4x_scale(dt, d[r], xs4, xs16, rep4),
                                             _mm512_cvtepi32_ps(sumi), acc[r][t]);
             }
         }
@@ -1361,8 +1390,8 @@ AI void rows_q8_0_vnni(const uint8_t *const *w, const int nr, const xin *x, cons
         __m128 d[2];
         for (int r = 0; r < nr; r++) {
             const uint8_t *wb = w[r] + (size_t)34 * b;
-            _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + PF_VNNI), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + PF_VNNI + 64), _MM_HINT_T0);
             const __m512i v = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
                 _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
@@ -1402,14 +1431,14 @@ AI __m512i q4k_sc_pattern(int j1, int j2) {
         _mm256_set1_epi16((short)(0x0100 + 0x0202 * j2)), 1);
 }
 
-/* The Q4_K super-block at wb (prefetched PF_AHEAD on) as the 512-bit steps take it: q[0..3]
+/* The Q4_K super-block at wb (prefetched PF_VNNI on) as the 512-bit steps take it: q[0..3]
  * its nibbles lined up with the input's xl0, xh0, xl1, xh1, sc[0..3] their sub-blocks' 6-bit
  * scales as int16 (vpdpwssd's operand), *mins the eight mins widened, *dmin (d, dmin) in f32. */
 AI void q4k_super(const uint8_t *wb, __m512i q[4], __m512i sc[4], __m128i *mins, __m128 *dmin) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    _mm_prefetch((const char *)(wb + PF_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(wb + PF_AHEAD + 64), _MM_HINT_T0);
-    _mm_prefetch((const char *)(wb + PF_AHEAD + 128), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wb + PF_VNNI), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wb + PF_VNNI + 64), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wb + PF_VNNI + 128), _MM_HINT_T0);
     uint32_t u[4];
     q4k_unpack(wb + 4, u);
     const __m512i s8 =
@@ -1570,7 +1599,7 @@ AI void rows_q6_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
                 const uint8_t *wb = w[r] + (size_t)210 * s;
                 if (h == 0)
                     for (uint32_t k = 0; k < 4; k++)
-                        _mm_prefetch((const char *)(wb + PF_AHEAD + 64 * k), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(wb + PF_VNNI + 64 * k), _MM_HINT_T0);
                 __m512i qa, qb, sa, sb;
                 q6k_half(wb, h, &qa, &qb, &sa, &sb);
                 sumi[r] = _mm512_dpwssd_epi32(
@@ -1599,7 +1628,7 @@ AI void row_q6_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, u
     for (uint32_t s = 0; s < nsb; s++) {
         const uint8_t *wb = w + (size_t)210 * s;
         for (uint32_t k = 0; k < 4; k++)
-            _mm_prefetch((const char *)(wb + PF_AHEAD + 64 * k), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + PF_VNNI + 64 * k), _MM_HINT_T0);
         __m512i sumi[VT];
         for (uint32_t t = 0; t < VT; t++) sumi[t] = _mm512_setzero_si512();
         for (uint32_t h = 0; h < 2; h++) {
