@@ -183,6 +183,33 @@ def test_one_token_rows_of_any_block_count(ctx, isa, kind, H, I):
             assert _rel(got, ref_ffn(ref, x, "silu")) < 5e-2
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("exps,xlog2", [((0, 1, 2, 3), 124), ((250, 251, 253, 254), -120)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_mxfp4_scales_at_both_ends_of_the_e8m0_range(ctx, isa, exps, xlog2, T):
+    """MXFP4 scales 2^(e - 128) for e in 0-3 (f32 subnormals: ggml's e8m0 rule, which the
+    gguf package's dequantization flushes to 0) and 250-254, against inputs scaled the other
+    way so the products are ordinary numbers: the fast model to float rounding, on the AVX2
+    form and on the VNNI rows (which build the scales in vector lanes)."""
+    _isa(ctx, isa)
+    rng = np.random.default_rng(T + exps[0])
+    H, I = 32 * 9, 32 * 3
+    t, ref = _expert(rng, H, I, "mxfp4", "q8_0")
+    shift = 100 if exps[0] < 128 else -100  # the reference: exponents the package reads
+    for name in ("gate", "up"):
+        w = t[name].copy()
+        w[..., 0] = rng.choice(np.array(exps, np.uint8), size=w.shape[:-1])
+        t[name] = w
+        moved = w.copy()
+        moved[..., 0] = (w[..., 0].astype(np.int32) + shift).astype(np.uint8)
+        ref[name] = gb.dequantize(moved).astype(np.float64) * 2.0 ** -shift
+    x = (rng.standard_normal((T, H)) * 2.0 ** xlog2).astype(np.float32)
+    got = kernels.ffn(t, x, ctx=ctx)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    with np.errstate(over="ignore"):  # exp(-g) of a large negative g: SiLU's limit, 0
+        assert _rel(got, _model_fast(ref, x, "mxfp4", "q8_0")) < 1e-5
+
+
 def test_spec_from_store_schema_reads_the_kinds_from_the_block_bytes():
     rng = np.random.default_rng(2)
     t, _ = _expert(rng, 256, 256, "q4_k", "q6_k")

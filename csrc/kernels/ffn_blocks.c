@@ -1286,26 +1286,27 @@ AI void q4x_unpack(int32_t dt, const uint8_t *w, __m512i *lo, __m512i *hi) {
     }
 }
 
-/* The four blocks' d: Q4_0's each in its block's four lanes (the f16 at bytes 0, 18, 36, 54,
- * words 0, 9, 18, 27 of the group, spread by one word permute and converted); MXFP4's in the
- * low four lanes (the E8M0 at w, w + 17, ... halved), spread after the product (q4x_scale). */
+/* The four blocks' d, each in its block's four lanes.  Q4_0: the f16 at bytes 0, 18, 36, 54,
+ * words 0, 9, 18, 27 of the group, spread by one word permute and converted.  MXFP4: the
+ * E8M0 bytes at 0, 17, 34, 51, each spread over its 128-bit lane's four dwords by one byte
+ * shuffle, then 2^(e - 128) built in the lanes as e8m0_half does (e < 2: the subnormals). */
 AI __m512 q4x_d(int32_t dt, const uint8_t *w) {
-    if (dt == SMOE_WDT_MXFP4)
-        return _mm512_castps128_ps512(_mm_setr_ps(e8m0_half(w[0]), e8m0_half(w[17]),
-                                                  e8m0_half(w[34]), e8m0_half(w[51])));
+    if (dt == SMOE_WDT_MXFP4) {
+        __m512i u = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)w));
+        u = _mm512_inserti32x4(u, _mm_loadu_si128((const __m128i *)(w + 17)), 1);
+        u = _mm512_inserti32x4(u, _mm_loadu_si128((const __m128i *)(w + 34)), 2);
+        u = _mm512_inserti32x4(u, _mm_loadu_si128((const __m128i *)(w + 51)), 3);
+        const __m512i e = _mm512_shuffle_epi8( /* byte 0 of the lane, zero-extended */
+            u, _mm512_set1_epi32((int)0x80808000));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        return _mm512_castsi512_ps(_mm512_mask_blend_epi32(
+            _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, sub));
+    }
     static const int16_t dw[32] = {0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27};
     const __m512i idx = _mm512_loadu_si512((const void *)dw);
     return _mm512_cvtph_ps(_mm512_castsi512_si256(
         _mm512_permutexvar_epi16(idx, _mm512_loadu_si512((const void *)w))));
-}
-
-/* d * s_x of four blocks, each in its block's four lanes: d from q4x_d, xs4 the input's four
- * scales, xs16 the same spread (Q4_0 only).  The same f32 products either way. */
-AI __m512 q4x_scale(int32_t dt, __m512 d, __m128 xs4, __m512 xs16, __m512i rep4) {
-    if (dt == SMOE_WDT_MXFP4)
-        return _mm512_permutexvar_ps(
-            rep4, _mm512_castps128_ps512(_mm_mul_ps(_mm512_castps512_ps128(d), xs4)));
-    return _mm512_mul_ps(d, xs16);
 }
 
 /* Blocks b0..nb-1 of a Q4_0 / Q8_0 / MXFP4 row w (bb bytes a block) against one token in
@@ -1353,13 +1354,13 @@ AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const x
             const __m128i s4 = _mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)(x[t].bs + b)));
             const __m512i init = _mm512_permutexvar_epi32(
                 rep4, _mm512_castsi128_si512(_mm_mullo_epi32(s4, _mm_set1_epi32(-off))));
-            const __m128 xs4 = _mm_loadu_ps(x[t].s + b);
-            const __m512 xs16 = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(xs4));
+            const __m512 xs = /* the four blocks' s_x, each in its block's four lanes */
+                _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(x[t].s + b)));
             for (int r = 0; r < nr; r++) {
                 const __m512i sumi =
                     _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo[r], xlo), hi[r], xhi);
-                acc[r][t] = _mm512_fmadd_ps(q4x_scale(dt, d[r], xs4, xs16, rep4),
-                                            _mm512_cvtepi32_ps(sumi), acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[r], xs), _mm512_cvtepi32_ps(sumi),
+                                            acc[r][t]);
             }
         }
     }
