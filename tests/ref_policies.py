@@ -273,19 +273,25 @@ class RefSpAc(RefPolicy):
     else s -= 1 (floored at 0) if -d >= dn;  up = (9 up + d) // 10 if d > 0;
     dn = (9 dn - d) // 10 if d < 0 (lambda = 0.1, exact).  tau = smallest t in 1..K with
     #{keys: s >= t} <= nslots, else K.  Eviction: lowest level first, FIFO by entry into the
-    level (insert, or a level change; changed keys enter in increasing key order)."""
+    level (insert, or a level change; changed keys enter in increasing key order).
+    The ablations of §4.4: up/dn fixed boundaries (never recalibrated), tau a static threshold,
+    counts=True the utility min(K, f) (no steps, no boundaries), gate=False threshold() 0."""
 
     def __init__(self, num_layers: int, num_experts: int, levels: int = 4,
-                 gamma: int = 8, nslots: int = 1) -> None:
+                 gamma: int = 8, nslots: int = 1, up: int | None = None,
+                 dn: int | None = None, tau: int | None = None, counts: bool = False,
+                 gate: bool = True) -> None:
         self.L, self.E, self.K = num_layers, num_experts, levels
         n = num_layers * num_experts
         th = max(1, gamma // 2)
         self.util = [0] * n
         self.fprev = [0] * n
-        self.up = [th] * n
-        self.dn = [th] * n
+        self.fixed = up is not None
+        self.up = [up if self.fixed else th] * n
+        self.dn = [dn if self.fixed else th] * n
         self.nslots = nslots
-        self.tau = 1
+        self.static_tau, self.counts, self.gate = tau, counts, gate
+        self.tau = tau or 1
         self.key_of: dict[int, int] = {}
         self.entry: dict[int, int] = {}
         self.t = 0
@@ -314,11 +320,15 @@ class RefSpAc(RefPolicy):
                 d = f - self.fprev[k]
                 self.fprev[k] = f
                 s = self.util[k]
-                if d >= self.up[k]:
+                if self.counts:
+                    s = min(self.K, f)
+                elif d >= self.up[k]:
                     s = min(self.K, s + 1)
                 elif -d >= self.dn[k]:
                     s = max(0, s - 1)
-                if d > 0:
+                if self.fixed or self.counts:
+                    pass
+                elif d > 0:
                     self.up[k] = (9 * self.up[k] + d) // 10
                 elif d < 0:
                     self.dn[k] = (9 * self.dn[k] - d) // 10
@@ -326,14 +336,15 @@ class RefSpAc(RefPolicy):
                     self.util[k] = s
                     if k in slot_of:
                         self._enter(slot_of[k])
-        self.tau = next((t for t in range(1, self.K + 1)
-                         if sum(1 for u in self.util if u >= t) <= self.nslots), self.K)
+        self.tau = self.static_tau or next(
+            (t for t in range(1, self.K + 1)
+             if sum(1 for u in self.util if u >= t) <= self.nslots), self.K)
 
     def utility(self, key: int) -> int:
         return self.util[key]
 
     def threshold(self) -> int:
-        return self.tau
+        return self.tau if self.gate else 0
 
     def victim(self, candidates):
         return min(candidates, key=lambda s: (self.util[self.key_of[s]], self.entry[s]))

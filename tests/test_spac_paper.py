@@ -128,10 +128,75 @@ def test_threshold_and_prefetch_admission_in_simulator():
             assert got["prefetch_dropped"] > 0
 
 
+@pytest.mark.parametrize("kw", [{"gate": False}, {"tau": 2}, {"up": 3, "dn": 1},
+                                {"tau": 1, "gate": False}])
+def test_ablations_in_simulator_match_reference(kw):
+    """MoE-SpAc's ablations (§4.4) with prefetch: the C simulator with each variant equals the
+    reference simulator with the reference policy's same variant; without the gate nothing is
+    dropped for being cold, and each variant changes the run (so none is a no-op).  (The
+    plain-counts estimator equals Algorithm 1 at one token a pass, f being 0 or 1, and
+    prefetch replays one token a pass: test_replay_matches_reference covers it.)"""
+    from specmoe.sim.replay import Predictor
+
+    rng = np.random.default_rng(5)
+    L, E, k, nslots = 4, 12, 2, 9
+    ex = _random_trace(rng, 80, L, E, k)
+    pred = dict(kind="history", topk=4)
+
+    def run(kws):
+        got = _C.simulate(ex, E, _C.Policy("spac", nslots, L, E, levels=3, gamma=2, **kws),
+                          nslots, **Predictor(**pred).c_args(), **HW)
+        want = ref_simulate(ex, E, nslots, FromCandidates(REFS["spac"](
+            L, E, nslots, dict(kws, levels=3, gamma=2))), HW, pred)
+        for key, val in want.items():
+            if isinstance(val, float):
+                assert got[key] == pytest.approx(val, rel=1e-9, abs=1e-12), (key, kws)
+            else:
+                assert got[key] == val, (key, kws)
+        return got
+
+    base, abl = run({}), run(kw)
+    assert base["prefetch_dropped"] > 0
+    if kw.get("gate") is False:
+        assert abl["prefetch_dropped"] == 0
+    assert (abl["hits"], abl["prefetch_dropped"], abl["evictions"]) != \
+        (base["hits"], base["prefetch_dropped"], base["evictions"])
+
+
+def test_ablation_specs_by_string_and_object():
+    """"spac:up=3,dn=1" and friends name the same policy as SpAc(up=3, dn=1): equal results
+    through simulate(); bad ablation options are refused by name."""
+    from specmoe.sim.replay import parse_policy, Predictor
+    from specmoe.sim.traces import Trace
+
+    rng = np.random.default_rng(6)
+    tr = Trace(experts=_random_trace(rng, 40, 3, 10, 2), num_experts=10)
+    for spec, obj in (("spac:up=3,dn=1", SpAc(up=3, dn=1)), ("spac:tau=2", SpAc(tau=2)),
+                      ("spac:estimator=counts", SpAc(estimator="counts")),
+                      ("spac:gate=0,levels=3", SpAc(levels=3, gate=False))):
+        a = simulate(tr, spec, 6, prefetch=Predictor("history", topk=3))
+        b = simulate(tr, obj, 6, prefetch=Predictor("history", topk=3))
+        assert (a.hits, a.prefetch_issued, a.prefetch_dropped, a.total_s) == \
+            (b.hits, b.prefetch_issued, b.prefetch_dropped, b.total_s), spec
+        assert a.policy == spec
+    assert parse_policy("spac:gate=1")[1] == {"gate": True}
+    for bad, match in (("spac:up=3", "both up and dn"), ("spac:tau=5", "tau must be"),
+                       ("spac:estimator=ema", "bad policy option"), ("lru:tau=2", "takes")):
+        with pytest.raises(ValueError, match=match):
+            simulate(tr, bad, 6)
+    with pytest.raises(ValueError, match="spac only"):
+        _C.Policy("lru", 4, 3, 10, gate=False)
+    with pytest.raises(ValueError, match="tau must be in 1..levels"):
+        _C.Policy("spac", 4, 3, 10, levels=2, tau=3)
+
+
 # -- random streams and the real trace ------------------------------------------------------------
 
 REFS = {
-    "spac": lambda L, E, ns, kw: RefSpAc(L, E, kw.get("levels", 4), kw.get("gamma", 8), ns),
+    "spac": lambda L, E, ns, kw: RefSpAc(L, E, kw.get("levels", 4), kw.get("gamma", 8), ns,
+                                         up=kw.get("up"), dn=kw.get("dn"), tau=kw.get("tau"),
+                                         counts=kw.get("counts", False),
+                                         gate=kw.get("gate", True)),
     "lhu": lambda L, E, ns, kw: RefLHU(),
     "fld": lambda L, E, ns, kw: RefFLD(L, E),
     "score": lambda L, E, ns, kw: RefScore(),
@@ -141,6 +206,9 @@ REFS = {
 @pytest.mark.parametrize("name,kw", [("spac", {"levels": 1, "gamma": 0}),
                                      ("spac", {"levels": 4, "gamma": 3}),
                                      ("spac", {"levels": 7, "gamma": 8}),
+                                     ("spac", {"levels": 4, "gamma": 8, "up": 3, "dn": 1}),
+                                     ("spac", {"levels": 4, "gamma": 3, "tau": 2}),
+                                     ("spac", {"levels": 5, "gamma": 3, "counts": True}),
                                      ("lhu", {}), ("fld", {}), ("score", {})])
 @pytest.mark.parametrize("nslots", [1, 5, 23])
 @pytest.mark.parametrize("mask_seed", [0, 7])

@@ -93,14 +93,20 @@ static int parse_order(PyObject *o, int32_t *out) {
 
 static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"name", "nslots", "num_layers", "num_experts", "seed", "order",
-                             "future", "pyobj", "levels", "gamma", "model", NULL};
+                             "future", "pyobj", "levels", "gamma", "model", "up", "dn", "tau",
+                             "counts", "gate", NULL};
     const char *name;
     PyObject *o_nslots, *o_nl, *o_ne, *o_seed = NULL, *o_order = NULL, *o_future = Py_None,
                                            *o_pyobj = Py_None, *o_levels = NULL,
                                            *o_gamma = NULL, *o_model = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOOOOO:Policy", kwlist, &name, &o_nslots,
-                                     &o_nl, &o_ne, &o_seed, &o_order, &o_future, &o_pyobj,
-                                     &o_levels, &o_gamma, &o_model))
+    /* spac's ablations (policy.h): up/dn fixed boundaries, tau a static threshold, counts the
+     * plain-counts utility, gate=False the prefetcher not gated by tau */
+    PyObject *o_up = Py_None, *o_dn = Py_None, *o_tau = Py_None;
+    int counts = 0, gate = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOO|$OOOOOOOOOOpp:Policy", kwlist, &name,
+                                     &o_nslots, &o_nl, &o_ne, &o_seed, &o_order, &o_future,
+                                     &o_pyobj, &o_levels, &o_gamma, &o_model, &o_up, &o_dn,
+                                     &o_tau, &counts, &gate))
         return -1;
     if (self->p || self->taken) {
         PyErr_SetString(PyExc_TypeError, "Policy objects cannot be re-initialised");
@@ -128,6 +134,21 @@ static int Policy_init(PolicyObject *self, PyObject *args, PyObject *kw) {
                                  .order = SMOE_LS_ORDER_LAYER, .levels = (int32_t)levels,
                                  /* spac: θ0 = ⌊γ/2⌋, at least 1 (see policy/spac.c) */
                                  .theta0 = gamma < 2 ? 1 : (int32_t)(gamma / 2)};
+    unsigned long long up = 0, dn = 0, tau = 0;
+    if ((o_up != Py_None && parse_range(o_up, "up (a fixed boundary)", 1, 65536, &up) < 0) ||
+        (o_dn != Py_None && parse_range(o_dn, "dn (a fixed boundary)", 1, 65536, &dn) < 0) ||
+        (o_tau != Py_None && parse_range(o_tau, "tau (a static threshold)", 1, 255, &tau) < 0))
+        return -1;
+    if ((up || dn || tau || counts || !gate) && strcmp(name, "spac") != 0) {
+        PyErr_Format(PyExc_ValueError, "up=, dn=, tau=, counts= and gate= apply to spac only, "
+                     "not %s", name);
+        return -1;
+    }
+    params.spac_up = (int32_t)up;
+    params.spac_dn = (int32_t)dn;
+    params.spac_tau = (int32_t)tau;
+    params.spac_counts = counts;
+    params.spac_nogate = !gate;
     int is_py = strcmp(name, "python") == 0;
     const smoe_policy_ops *ops = is_py ? NULL : smoe_policy_find(name);
     if (!is_py && !ops) {
@@ -239,12 +260,14 @@ static PyGetSetDef Policy_getset[] = {
 
 PyDoc_STRVAR(Policy_doc,
 "Policy(name, nslots, num_layers, num_experts, *, seed=0, order='layer', future=None, pyobj=None,\n"
-"       levels=0, gamma=8, model=None)\n"
+"       levels=0, gamma=8, model=None, up=None, dn=None, tau=None, counts=False, gate=True)\n"
 "\n"
 "An eviction policy in C for a cache of nslots slots over num_layers*num_experts expert keys.\n"
 "name: lru, lfu, fifo, mru, random (seed=), least_stale (order='layer'|'lru'|'fifo' or 0..2),\n"
 "belady (future= the demand key sequence), spac (MoE-SpAc Algorithm 1: levels= K, 1..255,\n"
-"0 = 4; gamma= draft length, initial boundaries floor(gamma/2); see csrc/policy/spac.c),\n"
+"0 = 4; gamma= draft length, initial boundaries floor(gamma/2); the ablations of MoE-SpAc\n"
+"§4.4: up=/dn= fixed boundaries, tau= a static threshold, counts=True the pass's count as the\n"
+"utility, gate=False prefetch not gated by tau; see csrc/policy/spac.c),\n"
 "spac_ema (levels=; the EMA estimator, csrc/policy/spac_ema.c), lhu, fld, score (SpecMD's\n"
 "baselines, csrc/policy/{lhu,fld,score}.c), nextuse (model= a learned next-use model,\n"
 "NextUseModel.flat(); None: built-in temporal weights; csrc/policy/nextuse.h), or python\n"

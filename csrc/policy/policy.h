@@ -51,6 +51,13 @@ typedef struct smoe_policy_params {
                              raised to 1 when 0 is meant, see spac.c); 0 = default 4 (γ = 8) */
     const double *model;  /* nextuse: the learned model (policy/nextuse.h, copied), or NULL */
     uint64_t model_len;
+    /* spac's ablations (MoE-SpAc §4.4; all 0 = the published design, see spac.c):
+     * spac_up / spac_dn > 0: fixed boundaries θ↑ / θ↓ (no adaptive calibration; both or none);
+     * spac_tau in 1..K: a static threshold τ instead of Eq. 11-12's τ_t;
+     * spac_counts: utility = min(K, f), the pass's count itself (no estimator);
+     * spac_nogate: the prefetcher is not gated by τ (threshold op 0): prefetch ranked by the
+     * predictor alone, eviction by the utility (separate prefetch and eviction scores). */
+    int32_t spac_up, spac_dn, spac_tau, spac_counts, spac_nogate;
 } smoe_policy_params;
 
 typedef struct smoe_policy_ops {

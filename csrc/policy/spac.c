@@ -52,6 +52,15 @@
  * would not hold.  Experts in use are "frozen" there; here the cache's pins do that (a pinned
  * slot is not evictable).
  *
+ * Ablations (§4.4 Table 4, and the plain-counts estimator), chosen at init by the params'
+ * spac_* fields, for benchmarks/spac_ablation.py: fixed boundaries (spac_up / spac_dn: lines
+ * 17-25 skipped, θ↑ and θ↓ constant; the paper's "w/o AdaBC" uses 3 and 1); a static τ
+ * (spac_tau: "w/o HetWB", τ = 2); utility = min(K, f) of the latest pass (spac_counts: no
+ * estimator, the frequency as the level); the prefetcher not gated by τ (spac_nogate: the
+ * threshold op returns 0, so prefetch follows the predictor's ranking while eviction follows
+ * the utility: separate prefetch and eviction scores).  The paper's "w/o SpecUE" (binary
+ * utility, K = 1) is levels = 1.
+ *
  * Memory: per key s, f_{t-1}, θ↑, θ↓, the pending count and the resident slot; per layer an
  * observed flag; per slot its key and an indexed heap keyed (level, entry clock) (slotheap.h);
  * per level the number of keys on it (for τ).  All sized at init; nothing allocates later.
@@ -68,6 +77,10 @@
 typedef struct spac_state {
     uint32_t levels;   /* K */
     uint32_t tau;      /* τ_t, 1..K */
+    uint32_t tau_fixed; /* ablations (see the header): a static τ (0: Eq. 11-12) */
+    uint8_t fixed_th;  /* boundaries constant (no lines 17-25) */
+    uint8_t counts;    /* utility = min(K, f) */
+    uint8_t nogate;    /* threshold op 0 */
     uint8_t *util;     /* [nkeys] s, 0..K */
     uint32_t *fprev;   /* [nkeys] f_{t-1} */
     uint32_t *th_up;   /* [nkeys] θ↑ (>= 1) */
@@ -109,11 +122,22 @@ static int spac_init(smoe_policy *p, const smoe_policy_params *params, smoe_err 
         return smoe_err_set(err, SMOE_EINVAL, "spac: theta0 must be >= 0 (0 = default %d), got %d",
                             SPAC_DEFAULT_THETA0, (int)params->theta0);
     const uint32_t theta0 = params->theta0 ? (uint32_t)params->theta0 : SPAC_DEFAULT_THETA0;
+    if (params->spac_up < 0 || params->spac_dn < 0 || (params->spac_up > 0) != (params->spac_dn > 0))
+        return smoe_err_set(err, SMOE_EINVAL, "spac: fixed boundaries need both up and dn >= 1 "
+                            "(or neither), got up=%d dn=%d", (int)params->spac_up,
+                            (int)params->spac_dn);
+    if (params->spac_tau < 0 || params->spac_tau > levels)
+        return smoe_err_set(err, SMOE_EINVAL, "spac: a static tau must be in 1..levels (%d), or "
+                            "0 for Eq. 11-12's, got %d", (int)levels, (int)params->spac_tau);
     const size_t nkeys = (size_t)params->num_layers * params->num_experts;
     spac_state *st = calloc(1, sizeof *st);
     p->state = st;
     if (st) {
         st->levels = (uint32_t)levels;
+        st->tau_fixed = (uint32_t)params->spac_tau;
+        st->fixed_th = params->spac_up > 0;
+        st->counts = params->spac_counts != 0;
+        st->nogate = params->spac_nogate != 0;
         st->util = calloc(nkeys, 1);
         st->fprev = calloc(nkeys, sizeof *st->fprev);
         st->th_up = malloc(nkeys * sizeof *st->th_up);
@@ -132,11 +156,12 @@ static int spac_init(smoe_policy *p, const smoe_policy_params *params, smoe_err 
         return smoe_err_set(err, SMOE_ENOMEM, "spac: out of memory for %zu keys", nkeys);
     }
     for (size_t k = 0; k < nkeys; k++) {
-        st->th_up[k] = st->th_dn[k] = theta0;
+        st->th_up[k] = st->fixed_th ? (uint32_t)params->spac_up : theta0;
+        st->th_dn[k] = st->fixed_th ? (uint32_t)params->spac_dn : theta0;
         st->key_slot[k] = -1;
     }
     st->nlevel[0] = nkeys;
-    st->tau = 1; /* every key on level 0: n(1) = 0 fits */
+    st->tau = st->tau_fixed ? st->tau_fixed : 1; /* every key on level 0: n(1) = 0 fits */
     return 0;
 }
 
@@ -183,6 +208,7 @@ static void spac_evict(smoe_policy *p, uint32_t slot, int32_t key) {
 
 /* τ_t: the smallest τ in 1..K with #{keys on levels >= τ} <= nslots, else K (see header). */
 static void spac_threshold_update(smoe_policy *p, spac_state *st) {
+    if (st->tau_fixed) return; /* ablation: a static τ */
     uint64_t hot = 0;
     for (uint32_t v = 1; v <= st->levels; v++) hot += st->nlevel[v];
     uint32_t tau = 1;
@@ -201,10 +227,15 @@ static void spac_layer(smoe_policy *p, spac_state *st, uint32_t l) {
         st->fprev[k] = f;
         const uint32_t s = st->util[k];
         uint32_t ns = s;
-        if (d >= (int64_t)st->th_up[k]) ns = s < K ? s + 1 : K;      /* lines 9-10 */
+        if (st->counts) ns = f < K ? f : K;                                 /* ablation */
+        else if (d >= (int64_t)st->th_up[k]) ns = s < K ? s + 1 : K;      /* lines 9-10 */
         else if (-d >= (int64_t)st->th_dn[k]) ns = s > 0 ? s - 1 : 0; /* lines 11-12 */
-        if (d > 0) st->th_up[k] = (uint32_t)((9 * (uint64_t)st->th_up[k] + (uint64_t)d) / 10);
-        else if (d < 0) st->th_dn[k] = (uint32_t)((9 * (uint64_t)st->th_dn[k] + (uint64_t)-d) / 10);
+        if (!st->fixed_th && !st->counts) { /* lines 17-25 (skipped by the ablations) */
+            if (d > 0)
+                st->th_up[k] = (uint32_t)((9 * (uint64_t)st->th_up[k] + (uint64_t)d) / 10);
+            else if (d < 0)
+                st->th_dn[k] = (uint32_t)((9 * (uint64_t)st->th_dn[k] + (uint64_t)-d) / 10);
+        }
         if (ns != s) {
             st->util[k] = (uint8_t)ns;
             st->nlevel[s]--;
@@ -237,7 +268,7 @@ static int32_t spac_utility(const smoe_policy *p, int32_t key) {
 
 static int32_t spac_threshold(const smoe_policy *p) {
     const spac_state *st = p->state;
-    return (int32_t)st->tau;
+    return st->nogate ? 0 : (int32_t)st->tau; /* ablation: every key passes the gate */
 }
 
 static int32_t spac_victim(smoe_policy *p, smoe_evictable_fn ok, void *ctx) {

@@ -169,10 +169,25 @@ def _check_levels(cls: str, levels: object) -> None:
 class SpAc(PolicySpec):
     """MoE-SpAc as published (Algorithm 1, tau_t, multi-level eviction queues): integer utility
     0..levels from per-pass activation counts; ``gamma`` the draft length (initial boundaries
-    floor(gamma/2); None = the paper's 8, and the simulator uses ``verify_tokens - 1``)."""
+    floor(gamma/2); None = the paper's 8, and the simulator uses ``verify_tokens - 1``).
+
+    The ablations of the paper's §4.4 (Table 4), for ``benchmarks/spac_ablation.py``; the
+    defaults are the published design:
+
+    - ``levels=1``: "w/o SpecUE", binary utility (K = 1);
+    - ``up=3, dn=1``: "w/o AdaBC", fixed boundaries theta_up / theta_down (both or neither);
+    - ``tau=2``: "w/o HetWB", a static hot/cold threshold instead of Eq. 11-12's tau_t;
+    - ``estimator="counts"``: no estimator, the utility is the pass's count itself, min(K, f);
+    - ``gate=False``: the prefetcher is not gated by tau, so prefetch follows the predictor's
+      ranking and eviction the utility (separate prefetch and eviction scores)."""
 
     levels: int = 4
     gamma: Optional[int] = None
+    up: Optional[int] = None
+    dn: Optional[int] = None
+    tau: Optional[int] = None
+    estimator: str = "alg1"
+    gate: bool = True
     name = "spac"
 
     def __post_init__(self) -> None:
@@ -182,11 +197,32 @@ class SpAc(PolicySpec):
                                        not 0 <= int(self.gamma) <= 65536):
             raise ValueError(f"SpAc gamma (draft length) must be an int in 0..65536 or None, "
                              f"got {self.gamma!r}")
+        for what, v, hi in (("up", self.up, 65536), ("dn", self.dn, 65536),
+                            ("tau", self.tau, int(self.levels))):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                  or not 1 <= int(v) <= hi):
+                raise ValueError(f"SpAc {what} must be an int in 1..{hi} or None, got {v!r}")
+        if (self.up is None) != (self.dn is None):
+            raise ValueError(f"SpAc fixed boundaries need both up and dn (or neither), got "
+                             f"up={self.up!r} dn={self.dn!r}")
+        if self.estimator not in ("alg1", "counts"):
+            raise ValueError(f"SpAc estimator must be 'alg1' (Algorithm 1) or 'counts', got "
+                             f"{self.estimator!r}")
+        if not isinstance(self.gate, (bool, np.bool_)):
+            raise TypeError(f"SpAc gate must be a bool, got {type(self.gate).__name__}")
 
     def _kwargs(self) -> dict:
-        kw = {"levels": int(self.levels)}
+        kw: dict[str, Any] = {"levels": int(self.levels)}
         if self.gamma is not None:
             kw["gamma"] = int(self.gamma)
+        if self.up is not None:
+            kw.update(up=int(self.up), dn=int(self.dn))  # type: ignore[arg-type]
+        if self.tau is not None:
+            kw["tau"] = int(self.tau)
+        if self.estimator == "counts":
+            kw["counts"] = True
+        if not self.gate:
+            kw["gate"] = False
         return kw
 
 

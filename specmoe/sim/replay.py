@@ -29,9 +29,10 @@ __all__ = ["Predictor", "SimResult", "simulate", "parse_capacity", "parse_policy
 
 PREDICTORS = {"none": 0, "oracle": 1, "router": 2, "history": 3, "learned": 4}
 _LS_ORDERS = {"layer": 0, "lru": 1, "fifo": 2}
+_SPAC_ABLATIONS = ("up", "dn", "tau", "estimator", "gate")  # runtime.policies.SpAc
 # The options each built-in policy takes in a spec string (the others take none).
-_POLICY_OPTIONS = {"random": ("seed",), "least_stale": ("order",), "spac": ("levels", "gamma"),
-                   "spac_ema": ("levels",)}
+_POLICY_OPTIONS = {"random": ("seed",), "least_stale": ("order",),
+                   "spac": ("levels", "gamma") + _SPAC_ABLATIONS, "spac_ema": ("levels",)}
 
 
 @dataclass(frozen=True)
@@ -188,14 +189,15 @@ def parse_capacity(cap: "int | float | str", *, num_layers: int, num_experts: in
 
 def parse_policy(spec: str) -> tuple[str, dict]:
     """``"lru"``, ``"least_stale:order=lru"``, ``"random:seed=3"``, ``"spac:levels=3"``,
-    ``"spac:gamma=7"`` -> (name, options)."""
+    ``"spac:gamma=7"``, SpAc's ablations ``"spac:up=3,dn=1"``, ``"spac:tau=2"``,
+    ``"spac:estimator=counts"``, ``"spac:gate=0"`` -> (name, options)."""
     if not isinstance(spec, str):
         raise TypeError(f"policy spec must be a str, got {type(spec).__name__}")
     name, _, opts = spec.strip().partition(":")
     name = name.strip()
     if not name:
         raise ValueError(f"no policy name in policy spec {spec!r}")
-    kw: dict[str, int] = {}
+    kw: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in opts.split(","))):
         k, eq, v = part.partition("=")
         k, v = k.strip(), v.strip()
@@ -211,9 +213,16 @@ def parse_policy(spec: str) -> tuple[str, dict]:
             kw["levels"] = int(v)
         elif k == "gamma" and eq and re.fullmatch(r"[0-9]{1,5}", v) and int(v) <= 65536:
             kw["gamma"] = int(v)
+        elif k in ("up", "dn", "tau") and eq and re.fullmatch(r"[0-9]{1,5}", v) and 1 <= int(v):
+            kw[k] = int(v)
+        elif k == "estimator" and eq and v in ("alg1", "counts"):
+            kw[k] = v
+        elif k == "gate" and eq and v in ("0", "1"):
+            kw[k] = v == "1"
         else:
             raise ValueError(f"bad policy option {part!r} in {spec!r}: options are seed=N, "
-                             f"order=layer|lru|fifo, levels=1..255 and gamma=0..65536")
+                             f"order=layer|lru|fifo, levels=1..255, gamma=0..65536 and spac's "
+                             f"ablations up=N,dn=N, tau=N, estimator=alg1|counts, gate=0|1")
     takes = _POLICY_OPTIONS.get(name, ())
     for k in kw:
         if k not in takes:  # (it used to be ignored: "lru:seed=3" ran plain LRU)
@@ -418,13 +427,15 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     if isinstance(policy, str):
         name, kw = parse_policy(policy)
         pol: Any = name
-        if name == "spac" and "gamma" not in kw:  # the pass's draft length (spac.c)
+        if name == "spac" and set(kw) & set(_SPAC_ABLATIONS):  # through the typed spec
+            policy, kw = live_policy(policy), {}
+        elif name == "spac" and "gamma" not in kw:  # the pass's draft length (spac.c)
             kw["gamma"] = int(verify_tokens) - 1
         if name == "nextuse":  # with the packaged model, not the C built-in's weights alone
             from ..runtime.policies import NextUse
 
             pol = NextUse().build(nslots, nl, E)
-    else:
+    if not isinstance(policy, str):
         from ..runtime.policies import SpAc
 
         if isinstance(policy, SpAc) and policy.gamma is None:
