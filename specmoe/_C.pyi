@@ -54,11 +54,15 @@ class Policy:
                  seed: Optional[int] = ..., order: Union[str, int, None] = ...,
                  future: Optional[npt.ArrayLike] = ..., pyobj: Any = ...,
                  levels: Optional[int] = ..., gamma: Optional[int] = ...,
-                 model: Optional[npt.ArrayLike] = ...) -> None:
+                 model: Optional[npt.ArrayLike] = ..., up: Optional[int] = ...,
+                 dn: Optional[int] = ..., tau: Optional[int] = ..., counts: bool = ...,
+                 gate: bool = ...) -> None:
         """levels: spac/spac_ema utility levels K (1..255; 0/None = 4); gamma: spac's draft
         length (0..65536; None = 8), initial boundaries floor(gamma/2); both ignored by other
         policies.  model: nextuse only, NextUseModel.flat() (None: built-in temporal
-        weights)."""
+        weights).  up, dn, tau, counts, gate: spac only, its ablations (fixed boundaries, a
+        static threshold, the pass's count as the utility, prefetch not gated by tau; see
+        specmoe.runtime.policies.SpAc)."""
     @property
     def name(self) -> str: ...
     @property
