@@ -322,3 +322,35 @@ def test_bad_input():
     assert parse_policy("spac:levels=3,gamma=7") == ("spac", {"levels": 3, "gamma": 7})
     with pytest.raises(ValueError, match="gamma"):
         parse_policy("spac:gamma=x")
+
+
+def test_ablation_benchmark_reports_every_variant(tmp_path):
+    """benchmarks/spac_ablation.py --quick on the test traces: both tables, every variant with
+    its vs_spac against spac in the same setting, and the gate's row dropping nothing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "spac_ablation.py"),
+                          "--quick", "--json", "--trace", str(root / "tests" / "data" / "puffin"),
+                          "--save", str(tmp_path / "a.json")],
+                         capture_output=True, text=True, timeout=300, check=True)
+    d = json.loads(out.stdout)
+    assert json.loads((tmp_path / "a.json").read_text())["passes"] == d["passes"]
+    assert {r["variant"] for r in d["passes"]} == {
+        "spac", "w/o SpecUE (K=1)", "w/o AdaBC (theta 3/1)", "no estimator (counts)",
+        "w/o SG-Evictor (lru)"}
+    assert {r["variant"] for r in d["prefetch"]} == {
+        "spac", "separate scores (no tau gate)", "w/o HetWB (tau=2)", "w/o SG-Prefetcher",
+        "w/o SG-Evictor (lru)"}
+    by = {r["variant"]: r for r in d["prefetch"]}
+    assert by["spac"]["vs_spac"] == 1.0 and by["spac"]["prefetch_dropped"] > 0
+    assert by["separate scores (no tau gate)"]["prefetch_dropped"] == 0
+    assert by["w/o SG-Prefetcher"]["prefetch_issued"] == 0
+    for r in d["passes"] + d["prefetch"]:
+        assert r["vs_spac"] == pytest.approx(r["est_tpot_ms"] / next(
+            s["est_tpot_ms"] for s in d["passes" if r in d["passes"] else "prefetch"]
+            if s["variant"] == "spac"), abs=1e-3)
+    assert d["summary"]["passes"]["spac"]["settings"] == 1
