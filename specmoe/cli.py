@@ -113,6 +113,14 @@ def _non_negative(s: str) -> float:
     return v
 
 
+def _positive_seconds(s: str) -> float:
+    """argparse type: a finite number of seconds > 0, refused at parse time."""
+    v = _non_negative(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {s}")
+    return v
+
+
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None,
                    help="a specmoe .npz trace, or a puffin CSV file or directory (default: "
@@ -443,7 +451,8 @@ def _serve_ray(args, cache: Any, drafter: Any, controller: Any, mtp_adapter: Any
                              batch_decode=not args.no_batch_decode, drafter=drafter,
                              controller=controller, mtp_adapter=mtp_adapter,
                              warm_tau=not args.no_tau_warmup,
-                             batch_prefill=args.batch_prefill),
+                             batch_prefill=args.batch_prefill,
+                             ttft_budget=args.ttft_budget),
                   blocking=False)
         print(f"[specmoe] serving {args.checkpoint!r} from {replicas} Ray Serve replica(s) on "
               f"http://{args.host}:{args.port}/v1", flush=True)
@@ -479,6 +488,8 @@ def _cmd_serve(args) -> int:
                        "static:K (K an integer >= 0)")
     drafter = None if args.drafter == "none" else args.drafter
     controller = args.controller if drafter is not None else None
+    if args.ttft_budget is not None and drafter is None:
+        raise CliError("--ttft-budget bounds the drafts per step: it needs --drafter")
     mtp_adapter = _mtp_adapter_option(args)
     _checkpoint(args, args.store)
     if args.replicas is not None and not args.ray:
@@ -514,7 +525,8 @@ def _cmd_serve(args) -> int:
                policy=policy, prefetch=not args.no_prefetch, store=args.store,
                dense=args.dense, batch_decode=not args.no_batch_decode, drafter=drafter,
                controller=controller, mtp_adapter=mtp_adapter,
-               warm_tau=not args.no_tau_warmup, batch_prefill=args.batch_prefill)
+               warm_tau=not args.no_tau_warmup, batch_prefill=args.batch_prefill,
+               ttft_budget=args.ttft_budget)
     srv = asgi.state.server
     print(f"[specmoe] serving {srv.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(context {srv.context_length} tokens, max batch {args.max_batch}"
@@ -705,6 +717,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --drafter: drafts per step, cascade (default: by measured "
                         "utility, off where it slows decoding down), speq, heuristic or "
                         "static:K")
+    p.add_argument("--ttft-budget", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="with --drafter: the most a request's first speculative cycle may "
+                        "take; the controller's largest K is profiled at load to fit it "
+                        "(MoE-SpeQ's SLO bound; default: no bound)")
     p.add_argument("--no-tau-warmup", action="store_true",
                    help="with --drafter: measure tau at a batch size when it first occurs "
                         "(a pause of the running requests) instead of at every batch size "

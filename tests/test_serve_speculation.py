@@ -393,3 +393,61 @@ def test_served_with_a_drafter_through_the_openai_client(zoo, drafter):
         server.should_exit = True
         th.join(30)
     assert getattr(zoo["model"], "_specmoe_mtp", None) is None  # shut down: adapter off
+
+
+def test_a_ttft_budget_bounds_the_drafts_at_load(zoo, monkeypatch):
+    """ttft_budget: the largest K is profiled when the server is made (MoE-SpeQ's SLO
+    bound) and every controller the scheduler makes stays within it; the bound is what
+    ttft_k_max gives for the measured parts; a static K above it, a budget that leaves no
+    draft token and a budget without a drafter are refused by name."""
+    from specmoe.serve import speculate
+    from specmoe.speculation.controllers import ttft_k_max
+    from specmoe.speculation.tau import TtftProfile
+
+    m, tok = zoo["model"], zoo["tok"]
+    k_max = Cascade().k_max
+    sch = Scheduler(m, tok, drafter="ngram", ttft_budget=60.0, warm_tau=False)
+    try:
+        p = sch.spec.ttft
+        assert p is not None and p.budget_s == 60.0 and p.k_max == k_max
+        assert set(p.t_verify) == set(range(1, k_max + 2)) and p.t_prefill > 0
+        assert p.k_max == ttft_k_max(60.0, p.t_prefill, p.t_draft, p.t_verify, k_max=k_max)
+    finally:
+        sch.close()
+    with pytest.raises(ValueError, match="even k = 0 misses the TTFT budget"):
+        Scheduler(m, tok, drafter="ngram", ttft_budget=1e-6)
+    # the bound's plumbing, with the profile fixed: K up to what it allows, and no further
+    seen = []
+
+    def fixed(model, history, budget_s, drafter, k_max):
+        seen.append((len(history), budget_s, type(drafter).__name__, k_max))
+        return TtftProfile(budget_s, bound, 0.01, {k: 0.0 for k in range(1, k_max + 1)},
+                           {g: 0.01 for g in range(1, k_max + 2)})
+
+    monkeypatch.setattr(speculate, "profile_ttft", fixed)
+    bound = 2
+    for ctl in ("cascade", "speq", "heuristic"):
+        spec = Speculation(m, None, "ngram", controller=ctl, ttft_budget=0.5)
+        assert spec.make_controller().k_max == 2 and spec.ttft.k_max == 2
+        spec.close()
+    assert seen[0] == (64, 0.5, "NgramDrafter", k_max)
+    with pytest.raises(ValueError, match="at most 2 draft tokens"):
+        Speculation(m, None, "ngram", controller="static:3", ttft_budget=0.5)
+    bound = 0
+    with pytest.raises(ValueError, match="leaves no room for a draft token"):
+        Speculation(m, None, "ngram", ttft_budget=0.5)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Scheduler(m, tok, ttft_budget=1.0)
+    with pytest.raises(ValueError, match="ttft_budget"):
+        Speculation(m, None, "ngram", ttft_budget=0)
+
+
+def test_cli_checks_the_ttft_budget_before_loading(capsys):
+    from specmoe.cli import main
+    for argv, name in ((["--ttft-budget", "0.5"], "--ttft-budget bounds the drafts per step"),
+                       (["--drafter", "ngram", "--ttft-budget", "0"], "more than 0 seconds"),
+                       (["--drafter", "ngram", "--ttft-budget", "x"], "expected a number")):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", str(ZOO) + "-missing"] + argv)  # refused before the path is read
+        err = capsys.readouterr().err
+        assert exc.value.code in (1, 2) and name in err and "Traceback" not in err, err

@@ -666,6 +666,63 @@ def test_ttft_k_max_against_brute_force():
         ttft_k_max(float("nan"), 0.0, 0.0, {1: 0.1})
 
 
+def test_ttft_k_max_takes_a_table_of_draft_times():
+    """t_draft as {k: seconds to draft k tokens} (a drafter's catch-up on the prompt in it):
+    the same brute force, k = 0 drafting nothing; a missing entry is named."""
+    from specmoe.speculation.controllers import ttft_k_max
+    rng = random.Random(4)
+    for _ in range(200):
+        tp = rng.uniform(0, 0.2)
+        td = {k: 0.03 + k * rng.uniform(0.005, 0.02) for k in range(1, 9)}
+        tv = {g: 0.01 + 0.003 * g for g in range(1, 10)}
+        budget = rng.uniform(0.02, 0.4)
+        ok = [k for k in range(9) if tp + (td[k] if k else 0.0) + tv[k + 1] <= budget]
+        if ok:
+            assert ttft_k_max(budget, tp, td, tv, k_max=8) == max(ok)
+        else:
+            with pytest.raises(ValueError, match="budget"):
+                ttft_k_max(budget, tp, td, tv, k_max=8)
+    with pytest.raises(ValueError, match="t_draft_tok has no entry for 2"):
+        ttft_k_max(9.0, 0.0, {1: 0.1}, {g: 0.1 for g in range(1, 5)}, k_max=3)
+
+
+def test_profile_ttft_measures_the_first_cycle_and_bounds_k():
+    """profile_ttft on a real (tiny) model with a drafter that takes 40 ms a token: every
+    part measured (the draft times at least the sleeps), k_max the largest k whose prefill +
+    drafting + verification fits the budget: 0.11 s leaves room for 2 drafts (80 ms and two
+    forwards of a few ms) but not 3 (120 ms); a budget below a forward is refused by name."""
+    import time as _time
+
+    from specmoe.models.testing import tiny_model
+    from specmoe.speculation.tau import profile_ttft
+
+    model = tiny_model("mixtral", vocab=64, layers=1, hidden=32, inter=32, experts=4)
+
+    class Sleepy:
+        resets = 0
+
+        def reset(self):
+            Sleepy.resets += 1
+
+        def propose(self, history, k):
+            _time.sleep(0.04 * k)
+            return [int(history[-1])] * k
+
+    prompt = list(range(1, 21))
+    p = profile_ttft(model, prompt, 0.11, Sleepy(), k_max=4, repeats=2)
+    assert set(p.t_verify) == {1, 2, 3, 4, 5} and set(p.t_draft) == {1, 2, 3, 4}
+    assert all(p.t_draft[k] >= 0.04 * k for k in p.t_draft)
+    assert 0 < p.t_prefill < 0.01 and all(0 < t < 0.01 for t in p.t_verify.values())
+    assert p.k_max == 2 and Sleepy.resets > 0
+    free = profile_ttft(model, prompt, 10.0, None, k_max=4, repeats=1)
+    assert free.k_max == 4 and set(free.t_draft.values()) == {0.0}
+    with pytest.raises(ValueError, match="even k = 0 misses"):
+        profile_ttft(model, prompt, 1e-7, None, k_max=2, repeats=1)
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="budget_s"):
+            profile_ttft(model, prompt, bad)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_speq_matches_reference_on_random_streams(seed):
     rng = random.Random(seed)

@@ -171,7 +171,7 @@ class Server:
                  batch_decode: bool = True, prefill_ratio: Optional[float] = None,
                  drafter: Any = None, controller: Any = None,
                  mtp_adapter: Any = None, warm_tau: bool = True,
-                 batch_prefill: bool = False) -> None:
+                 batch_prefill: bool = False, ttft_budget: Optional[float] = None) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -186,7 +186,7 @@ class Server:
                                    batch_decode=batch_decode, prefill_ratio=prefill_ratio,
                                    drafter=drafter, controller=controller,
                                    mtp_adapter=mtp_adapter, warm_tau=warm_tau,
-                                   batch_prefill=batch_prefill)
+                                   batch_prefill=batch_prefill, ttft_budget=ttft_budget)
         cfg = model.config
         if context_length is None:
             context_length = getattr(cfg, "max_position_embeddings", None)
@@ -633,7 +633,7 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
         batch_decode: bool = True, prefill_ratio: Optional[float] = None,
         drafter: Any = None, controller: Any = None, mtp_adapter: Any = None,
         warm_tau: bool = True, batch_prefill: bool = False,
-        **load_kwargs: Any) -> Starlette:
+        ttft_budget: Optional[float] = None, **load_kwargs: Any) -> Starlette:
     """An ASGI app serving ``model_or_path`` with OpenAI's API (module docstring).
 
     ``model_or_path``: a transformers causal LM (offloaded by specmoe or not; the app never
@@ -662,7 +662,9 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     lengths that arrive together are prefilled in batched forwards too (one expert load
     serves them all; by default only prompts of one length share one), which gives up
     bit-exactness (a prompt's tokens may then depend on its company;
-    :mod:`specmoe.serve.scheduler`, exactness).
+    :mod:`specmoe.serve.scheduler`, exactness); ``ttft_budget``: with a drafter, seconds that
+    a request's first speculative cycle may take: the controllers' largest K is profiled at
+    load to fit it (MoE-SpeQ's SLO bound, :class:`specmoe.serve.speculate.Speculation`).
 
     The worker thread starts with the app's lifespan (or at the first request) and stops at
     its shutdown; ``app.state.server`` is the :class:`Server`."""
@@ -686,7 +688,8 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
                     context_length=context_length, max_body_bytes=max_body_bytes,
                     owns_engine=owns, batch_decode=batch_decode,
                     prefill_ratio=prefill_ratio, drafter=drafter, controller=controller,
-                    mtp_adapter=mtp_adapter, warm_tau=warm_tau, batch_prefill=batch_prefill)
+                    mtp_adapter=mtp_adapter, warm_tau=warm_tau, batch_prefill=batch_prefill,
+                    ttft_budget=ttft_budget)
     h = _Handlers(server)
 
     @contextlib.asynccontextmanager

@@ -111,7 +111,7 @@ from ..speculation.decoding import cache_kwargs, crop_kv, input_device, new_kv
 from ..speculation.sampling import Sampling
 from ..speculation.verify import accept_logits
 from .detok import IncrementalText
-from .speculate import Speculation
+from .speculate import Speculation, synthetic_history
 
 _log = logging.getLogger("specmoe.serve")
 
@@ -213,7 +213,8 @@ class Scheduler:
                  batch_decode: bool = True, prefill_ratio: Optional[float] = None,
                  drafter: Any = None, controller: Any = None,
                  tau: Optional[str] = "auto", mtp_adapter: Any = None,
-                 warm_tau: bool = True, batch_prefill: bool = False) -> None:
+                 warm_tau: bool = True, batch_prefill: bool = False,
+                 ttft_budget: Optional[float] = None) -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -238,10 +239,15 @@ class Scheduler:
             head = model.get_output_embeddings()
             vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
             self.spec = Speculation(model, self.engine, drafter, controller, tau, vocab,
-                                    mtp_adapter)
-        elif controller is not None or mtp_adapter is not None:
-            raise ValueError("a controller or an MTP adapter needs a drafter (drafter=None "
-                             "decodes plainly)")
+                                    mtp_adapter, ttft_budget)
+            if self.spec.ttft is not None:
+                p = self.spec.ttft
+                _log.info("specmoe serve: a TTFT budget of %.3f s allows %d draft tokens "
+                          "(prefill %.4f s, verifying %d tokens %.4f s)", p.budget_s, p.k_max,
+                          p.t_prefill, p.k_max + 1, p.t_verify[p.k_max + 1])
+        elif controller is not None or mtp_adapter is not None or ttft_budget is not None:
+            raise ValueError("a controller, an MTP adapter or a TTFT budget needs a drafter "
+                             "(drafter=None decodes plainly)")
         for name, flag in (("warm_tau", warm_tau), ("batch_prefill", batch_prefill)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -393,9 +399,7 @@ class Scheduler:
         forward's time, not of what it reads)."""
         assert self.spec is not None
         t0 = time.perf_counter()
-        vocab = max(3, self.spec.vocab)
-        hist = [(7 * i + 11) % (vocab - 2) + 1 for i in range(64)]
-        buckets = self.spec.warm(self.max_batch, hist)
+        buckets = self.spec.warm(self.max_batch, synthetic_history(self.spec.vocab))
         self.tau_warm_s = time.perf_counter() - t0
         _log.info("specmoe serve: tau measured at batch sizes %s in %.1f s",
                   ", ".join(map(str, buckets)), self.tau_warm_s)

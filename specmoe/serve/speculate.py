@@ -48,9 +48,9 @@ from ..speculation.controllers import Cascade, Controller, Heuristic, SpeqGovern
 from ..speculation.drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..speculation.decoding import crop_kv
 from ..speculation.mtp import MtpDrafter, next_drafts, priming
-from ..speculation.tau import batch_bucket, target_tau
+from ..speculation.tau import TtftProfile, batch_bucket, profile_ttft, target_tau
 
-__all__ = ["DRAFTERS", "Speculation", "controller_factory"]
+__all__ = ["DRAFTERS", "Speculation", "controller_factory", "synthetic_history"]
 
 #: The drafter names ``specmoe serve --drafter`` takes ("none": plain decoding).
 DRAFTERS = ("none", "ngram", "self", "mtp")
@@ -80,11 +80,19 @@ def controller_factory(spec: Union[str, Callable[[], Controller], None],
         if k < 0:
             raise ValueError(f"controller {spec!r}: static:K needs an integer K >= 0")
         if k_max is not None and k > k_max:
-            raise ValueError(f"controller {spec!r}: the drafter proposes at most {k_max} "
-                             "tokens a step (the MTP adapter's k)")
+            raise ValueError(f"controller {spec!r}: at most {k_max} draft tokens a step (the "
+                             "MTP adapter's k, or what the TTFT budget allows)")
         return lambda: StaticK(k)
     raise ValueError(f"unknown controller {spec!r}: cascade, speq, heuristic, static:K or a "
                      "callable returning a specmoe.speculation.controllers.Controller")
+
+
+def synthetic_history(vocab: int, n: int = 64) -> List[int]:
+    """``n`` token ids spread over the vocabulary: what tau and the TTFT bound are measured on
+    before the first request (the measurement is of the forwards' time, not of what they
+    read)."""
+    v = max(3, int(vocab))
+    return [(7 * i + 11) % (v - 2) + 1 for i in range(n)]
 
 
 class Speculation:
@@ -94,13 +102,22 @@ class Speculation:
     :class:`MtpAdapter` or its folder), an :class:`NgramDrafter` (its settings are cloned
     per request), a :class:`SelfDraft` of ``model``'s Engine or an :class:`MtpDrafter` on
     ``model``.  ``engine``: the model's Engine or None (``"self"`` needs one).  ``tau``:
-    ``"auto"`` or None (no pruning)."""
+    ``"auto"`` or None (no pruning).  ``ttft_budget``: seconds; the controllers' largest K
+    is then the largest draft length whose first cycle (prefill of a 64-token prompt,
+    drafting, verifying) fits it, profiled here, at load (MoE-SpeQ Sec. 3.2.3,
+    :func:`specmoe.speculation.tau.profile_ttft`; :attr:`ttft` keeps the profile).  The
+    n-gram and self drafters' drafting is timed (a self-draft with a prefill of its own,
+    which errs on the safe side); the MTP heads' is taken as free."""
 
     def __init__(self, model: Any, engine: Any, drafter: Any,
                  controller: Union[str, Callable[[], Controller], None] = None,
-                 tau: Optional[str] = "auto", vocab: int = 0, mtp_adapter: Any = None) -> None:
+                 tau: Optional[str] = "auto", vocab: int = 0, mtp_adapter: Any = None,
+                 ttft_budget: Optional[float] = None) -> None:
         if tau not in ("auto", None):
             raise ValueError(f"tau must be 'auto' or None, got {tau!r}")
+        if ttft_budget is not None and (isinstance(ttft_budget, bool) or not isinstance(
+                ttft_budget, (int, float)) or not 0 < ttft_budget < float("inf")):
+            raise ValueError(f"ttft_budget must be seconds > 0 or None, got {ttft_budget!r}")
         self._installed: Optional[MtpDrafter] = None   # made here: uninstalled at close()
         if mtp_adapter is not None and drafter != "mtp":
             raise ValueError("mtp_adapter goes with drafter='mtp'")
@@ -136,6 +153,7 @@ class Speculation:
                             f"SelfDraft or an MtpDrafter, got {type(drafter).__name__}")
         self.model, self.engine, self.drafter = model, engine, drafter
         self.mtp: Optional[MtpDrafter] = drafter if isinstance(drafter, MtpDrafter) else None
+        self.ttft: Optional[TtftProfile] = None
         try:
             self.make_controller = controller_factory(
                 controller, None if self.mtp is None else self.mtp.k)
@@ -143,6 +161,19 @@ class Speculation:
             if not isinstance(probe, Controller):
                 raise TypeError(f"the controller factory returned {type(probe).__name__}, "
                                 "not a specmoe.speculation.controllers.Controller")
+            if ttft_budget is not None:
+                self.ttft = profile_ttft(model, synthetic_history(vocab), float(ttft_budget),
+                                         None if self.mtp is not None else drafter,
+                                         k_max=max(1, probe.k_max))
+                if self.ttft.k_max < 1:
+                    raise ValueError(
+                        f"a TTFT budget of {ttft_budget} s leaves no room for a draft token "
+                        f"on this machine (prefill {self.ttft.t_prefill:.4f} s, drafting one "
+                        f"{self.ttft.t_draft[1]:.4f} s, verifying two "
+                        f"{self.ttft.t_verify[2]:.4f} s): raise it, or serve without a "
+                        "drafter")
+                self.make_controller = controller_factory(controller, self.ttft.k_max)
+                self.make_controller()  # a static K above the bound: refused here
         except BaseException:
             self.close()  # refused: the model as it was given
             raise

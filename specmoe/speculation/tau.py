@@ -4,18 +4,21 @@ gamma-tolerance paper, section 3.1), measured once and kept by its one owner, a
 no engine serves)."""
 from __future__ import annotations
 
+import math
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .controllers import measure_tau
+from .controllers import measure_times, ttft_k_max
 from .decoding import cache_kwargs, crop_kv, input_device, new_kv
 from ..runtime.tau_tables import TauTables
 from ..runtime.experts import find_engine
 
-__all__ = ["TauTables", "batch_bucket", "measure_tau_grid", "target_tau", "tau_for_batch"]
+__all__ = ["TauTables", "TtftProfile", "batch_bucket", "forward_times", "measure_tau_grid",
+           "profile_ttft", "target_tau", "tau_for_batch"]
 
 
 def tables_of(model: nn.Module, engine: Any) -> TauTables:
@@ -57,20 +60,18 @@ def measure_tau_grid(model: nn.Module, prompt: Sequence[int],
     return {b: target_tau(model, prompt, g_max, engine, repeats, batch=b) for b in it}
 
 
-def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any = None,
-               repeats: int = 5, batch: int = 1, progress: bool = False) -> Dict[int, float]:
-    """tau(g) = T(1)/T(g) of the target forward over g = 1..g_max tokens per sequence at batch
-    size ``batch`` (T(g): one forward of [batch, g] tokens), measured once per model and batch
-    size (kept on its engine, or in a per-model table) on a scratch KV cache prefilled with
-    the end of ``prompt`` (each row a different rotation of it, so the rows route to different
-    experts), T(g) the fastest of ``repeats`` interleaved calls.  Expert loads count: this is
-    the forward as it runs, cache misses included (gamma-tolerance paper, section 3.1)."""
+def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
+                  repeats: int = 5, batch: int = 1, progress: bool = False) -> Dict[int, float]:
+    """T(g): seconds of one target forward over g tokens per sequence at batch size
+    ``batch`` for each g in ``gs``, the fastest of ``repeats`` interleaved calls, on a scratch
+    KV cache prefilled with the end of ``prompt`` (each row a different rotation of it, so the
+    rows route to different experts; each call a different window of it, so cache misses
+    happen as in decoding).  Expert loads count: this is the forward as it runs."""
     batch = int(batch)
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    table = tables_of(model, engine).table(batch)
-    if table and max(table) >= g_max:
-        return {g: t for g, t in table.items() if g <= g_max}
+    if not len(prompt):
+        raise ValueError("forward_times: empty prompt")
     kv = new_kv(model)
     base = list(prompt)[-64:]
     rows = [base[(b * 5) % len(base):] + base[:(b * 5) % len(base)] for b in range(batch)]
@@ -81,7 +82,6 @@ def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any 
     calls = [0]
 
     def fwd(g: int) -> None:
-        # a different window of the prompt each call, so cache misses happen as in decoding
         calls[0] += 1
         toks = [[base[(calls[0] * 7 + b * 3 + i) % len(base)] for i in range(g)]
                 for b in range(batch)]
@@ -90,12 +90,81 @@ def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any 
                   use_cache=True, **cache_kwargs(model, kv))
         crop_kv(kv, n)
 
-    table.clear()  # measured up to g = 9 at least: K up to 8 needs no second measurement
     # the fastest of the repeats: tau bounds the best case, and on shared cores other
     # processes only ever slow a forward down (a median can prune every K on a busy machine)
-    table.update(measure_tau(fwd, range(1, max(g_max, 9) + 1), repeats=repeats, warmup=1,
-                             stat="min", progress=progress))
+    return measure_times(fwd, gs, repeats=repeats, warmup=1, stat="min", progress=progress)
+
+
+def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any = None,
+               repeats: int = 5, batch: int = 1, progress: bool = False) -> Dict[int, float]:
+    """tau(g) = T(1)/T(g) of the target forward over g = 1..g_max tokens per sequence at batch
+    size ``batch`` (T(g): one forward of [batch, g] tokens, :func:`forward_times`), measured
+    once per model and batch size (kept on its engine, or in a per-model table).  Expert
+    loads count: this is the forward as it runs, cache misses included (gamma-tolerance
+    paper, section 3.1)."""
+    batch = int(batch)
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    table = tables_of(model, engine).table(batch)
+    if table and max(table) >= g_max:
+        return {g: t for g, t in table.items() if g <= g_max}
+    # measured up to g = 9 at least: K up to 8 needs no second measurement
+    times = forward_times(model, prompt, range(1, max(g_max, 9) + 1), repeats, batch, progress)
+    table.clear()
+    table.update({g: times[1] / t for g, t in times.items()})
     return {g: t for g, t in table.items() if g <= g_max}
+
+
+@dataclass(frozen=True)
+class TtftProfile:
+    """What :func:`profile_ttft` measured, in seconds, and the draft length it allows:
+    ``t_prefill`` one prefill of the prompt; ``t_draft[k]`` drafting k tokens after it (the
+    drafter's catch-up on the prompt included, as in a request's first cycle); ``t_verify[g]``
+    one verification forward over g tokens; ``k_max`` the largest k whose first cycle ends
+    within ``budget_s`` (:func:`~specmoe.speculation.controllers.ttft_k_max`)."""
+
+    budget_s: float
+    k_max: int
+    t_prefill: float
+    t_draft: Dict[int, float]
+    t_verify: Dict[int, float]
+
+
+def profile_ttft(model: nn.Module, prompt: Sequence[int], budget_s: float, drafter: Any = None,
+                 k_max: int = 8, repeats: int = 3, progress: bool = False) -> TtftProfile:
+    """MoE-SpeQ's offline SLO-based bounding (Sec. 3.2.3), profiled on this model and
+    machine: the largest draft length whose first token arrives within ``budget_s`` seconds
+    of a request of ``prompt`` (prefill, drafting k tokens, verifying k + 1, each the fastest
+    of ``repeats``), to pass as a controller's ``k_max`` (``specmoe serve --ttft-budget``
+    does at load).  ``drafter``: anything with ``reset()`` and ``propose(history, k)`` (None:
+    drafting costs nothing, as for the n-gram drafter).  ValueError when even plain decoding
+    misses the budget."""
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or \
+            not math.isfinite(budget_s) or budget_s <= 0:
+        raise ValueError(f"budget_s must be a finite number of seconds > 0, got {budget_s!r}")
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
+    if not len(prompt):
+        raise ValueError("profile_ttft: empty prompt")
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=input_device(model))
+
+    def prefill(_: int) -> None:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, new_kv(model)))
+
+    t_prefill = measure_times(prefill, [1], repeats=repeats, warmup=1, stat="min")[1]
+    t_verify = forward_times(model, prompt, range(1, k_max + 2), repeats, progress=progress)
+    t_draft: Dict[int, float] = {k: 0.0 for k in range(1, k_max + 1)}
+    if drafter is not None:
+        def draft(k: int) -> None:
+            drafter.reset()
+            drafter.propose(list(prompt), k)
+
+        t_draft = measure_times(draft, range(1, k_max + 1), repeats=repeats, warmup=1,
+                                stat="min")
+        drafter.reset()
+    k = ttft_k_max(float(budget_s), t_prefill, t_draft, t_verify, k_max=k_max)
+    return TtftProfile(float(budget_s), k, t_prefill, t_draft, t_verify)
 
 
 def batch_bucket(batch: int) -> int:

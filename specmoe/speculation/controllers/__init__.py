@@ -22,11 +22,11 @@ base class, :func:`speedup` and :func:`measure_tau` are in ``base.py``.  Drafter
 :mod:`specmoe.speculation.drafters`, the acceptance rule in :mod:`specmoe.speculation.verify`, the loop in
 :mod:`specmoe.speculation.generation`.
 """
-from .base import PHASES, Controller, TauLike, measure_tau, speedup
+from .base import PHASES, Controller, TauLike, measure_tau, measure_times, speedup
 from .cascade import Cascade
 from .heuristic import Heuristic
 from .speq import SpeqGovernor, ttft_k_max
 from .static import StaticK
 
 __all__ = ["PHASES", "Controller", "StaticK", "Heuristic", "Cascade", "SpeqGovernor",
-           "TauLike", "measure_tau", "speedup", "ttft_k_max"]
+           "TauLike", "measure_tau", "measure_times", "speedup", "ttft_k_max"]

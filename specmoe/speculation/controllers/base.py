@@ -204,6 +204,51 @@ class Controller:
         return f"{type(self).__name__}(k_max={self.k_max}, next_k={self.next_k()}, phase={self.phase!r})"
 
 
+def measure_times(forward_fn: Callable[[int], object], gammas: Iterable[int], *,
+                  repeats: int = 5, warmup: int = 1,
+                  sync: Optional[Callable[[], object]] = None,
+                  progress: bool = False, stat: str = "median") -> Dict[int, float]:
+    """T(g): seconds of ``forward_fn(g)`` for each g, the median (or, ``stat="min"``, the
+    fastest) of ``repeats`` timed calls made in interleaved rounds over all g after
+    ``warmup`` untimed calls each; ``sync`` is called after each call before the clock is
+    read.  :func:`measure_tau` divides T(1) by these."""
+    gs = sorted({check_int("gamma", g, 1) for g in gammas})
+    if not gs:
+        raise ValueError("measure_times: no g to time")
+    repeats = check_int("repeats", repeats, 1)
+    warmup = check_int("warmup", warmup, 0)
+    if stat not in ("median", "min"):
+        raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
+
+    def timed(g: int) -> float:
+        t0 = time.perf_counter()
+        forward_fn(g)
+        if sync is not None:
+            sync()
+        return time.perf_counter() - t0
+
+    for g in gs:
+        for _ in range(warmup):
+            timed(g)
+    # interleaved rounds (the g order rotates each round), so drift and bursts of load on a
+    # shared machine spread over every g instead of biasing the ones measured during them
+    samples: Dict[int, list] = {g: [] for g in gs}
+    rounds: Iterable[int] = range(repeats)
+    if progress:
+        from tqdm.auto import tqdm
+        rounds = tqdm(rounds, desc="measure_tau", unit="round")
+    for r in rounds:
+        shift = r % len(gs)
+        for g in gs[shift:] + gs[:shift]:
+            samples[g].append(timed(g))
+    agg = statistics.median if stat == "median" else min
+    times = {g: agg(v) for g, v in samples.items()}
+    for g, t in times.items():
+        if not (t > 0.0 and math.isfinite(t)):
+            raise ValueError(f"measure_tau: non-positive time for gamma={g}")
+    return times
+
+
 def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = range(1, 9), *,
                 repeats: int = 5, warmup: int = 1,
                 sync: Optional[Callable[[], object]] = None,
@@ -229,37 +274,6 @@ def measure_tau(forward_fn: Callable[[int], object], gammas: Iterable[int] = ran
     gs = sorted({check_int("gamma", g, 1) for g in gammas})
     if not gs or gs[0] != 1:
         raise ValueError("gammas must include 1 (tau is relative to T(1))")
-    repeats = check_int("repeats", repeats, 1)
-    warmup = check_int("warmup", warmup, 0)
-    if stat not in ("median", "min"):
-        raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
-    def timed(g: int) -> float:
-        t0 = time.perf_counter()
-        forward_fn(g)
-        if sync is not None:
-            sync()
-        return time.perf_counter() - t0
-
-    for g in gs:
-        for _ in range(warmup):
-            timed(g)
-    # interleaved rounds (the g order rotates each round), so drift and bursts of load on a
-    # shared machine spread over every g instead of biasing the ones measured during them
-    samples: Dict[int, list] = {g: [] for g in gs}
-    rounds: Iterable[int] = range(repeats)
-    if progress:
-        from tqdm.auto import tqdm
-        rounds = tqdm(rounds, desc="measure_tau", unit="round")
-    for r in rounds:
-        shift = r % len(gs)
-        for g in gs[shift:] + gs[:shift]:
-            samples[g].append(timed(g))
-    agg = statistics.median if stat == "median" else min
-    times = {g: agg(v) for g, v in samples.items()}
-    t1 = times[1]
-    out: Dict[int, float] = {}
-    for g in gs:
-        if not (times[g] > 0.0 and math.isfinite(times[g])):
-            raise ValueError(f"measure_tau: non-positive time for gamma={g}")
-        out[g] = t1 / times[g]
-    return out
+    times = measure_times(forward_fn, gs, repeats=repeats, warmup=warmup, sync=sync,
+                          progress=progress, stat=stat)
+    return {g: times[1] / times[g] for g in gs}

@@ -66,17 +66,21 @@ class SpeqGovernor(Controller):
         return tuple(float(x) for x in self._c.speq_parts(check_int("k", k, 0)))  # type: ignore[return-value]
 
 
-def ttft_k_max(budget_s: float, t_prefill: float, t_draft_tok: float,
+def ttft_k_max(budget_s: float, t_prefill: float,
+               t_draft_tok: Union[float, Mapping[int, float]],
                t_verify: Mapping[int, float], t_first: float = 0.0, k_max: int = 8) -> int:
     """The largest draft length whose first token arrives within ``budget_s`` (MoE-SpeQ Sec.
     3.2.3, offline SLO-based bounding): the largest k in 0..k_max with
-    ``t_prefill + k * t_draft_tok + t_first + t_verify[k + 1] <= budget_s``, all in seconds
-    from a profiling run (``t_verify[g]``: one verification forward over g tokens, e.g.
-    ``T(1) / tau(g)`` from :func:`specmoe.speculation.generation.target_tau`).  Pass the result as
-    :class:`SpeqGovernor`'s ``k_max``.  ValueError when even k = 0 misses the budget or a
-    needed ``t_verify`` entry is missing."""
-    vals = dict(budget_s=budget_s, t_prefill=t_prefill, t_draft_tok=t_draft_tok,
-                t_first=t_first)
+    ``t_prefill + t_draft(k) + t_first + t_verify[k + 1] <= budget_s``, all in seconds from a
+    profiling run (``t_verify[g]``: one verification forward over g tokens, e.g.
+    ``T(1) / tau(g)`` from :func:`specmoe.speculation.generation.target_tau`; ``t_draft(k)``:
+    ``k * t_draft_tok`` for a number, ``t_draft_tok[k]`` for a table of the seconds drafting
+    k tokens takes, k = 1..k_max, as :func:`specmoe.speculation.tau.profile_ttft` measures
+    it).  Pass the result as :class:`SpeqGovernor`'s ``k_max``.  ValueError when even k = 0
+    misses the budget or a needed ``t_verify`` / ``t_draft_tok`` entry is missing."""
+    vals = dict(budget_s=budget_s, t_prefill=t_prefill, t_first=t_first)
+    if not isinstance(t_draft_tok, Mapping):
+        vals["t_draft_tok"] = t_draft_tok
     for n, v in vals.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                 or v < 0:
@@ -87,7 +91,15 @@ def ttft_k_max(budget_s: float, t_prefill: float, t_draft_tok: float,
         if k + 1 not in t_verify:
             raise ValueError(f"t_verify has no entry for {k + 1} tokens (needed up to "
                              f"{k_max + 1})")
-        if t_prefill + k * t_draft_tok + t_first + float(t_verify[k + 1]) <= budget_s:
+        if not isinstance(t_draft_tok, Mapping):
+            draft = k * float(t_draft_tok)
+        elif k == 0:
+            draft = 0.0
+        elif k in t_draft_tok:
+            draft = float(t_draft_tok[k])
+        else:
+            raise ValueError(f"t_draft_tok has no entry for {k} tokens (needed up to {k_max})")
+        if t_prefill + draft + t_first + float(t_verify[k + 1]) <= budget_s:
             best = k
     if best < 0:
         raise ValueError(f"even k = 0 misses the TTFT budget of {budget_s} s "
