@@ -377,7 +377,8 @@ def test_run_bad_cache_refused_before_loading(zoo_copy, cache_env, capsys, text)
     ("lru", "lru"),
     ("random:seed=3", "Random(seed=3)"),
     ("least_stale:order=lru", "LeastStale(order='lru')"),
-    ("spac:levels=3,gamma=7", "SpAc(levels=3, gamma=7)"),
+    ("spac:levels=3,gamma=7", "SpAc(levels=3, gamma=7, up=None, dn=None, tau=None, "
+                               "estimator='alg1', gate=True)"),
 ])
 def test_run_policy_spec_reaches_from_pretrained(zoo_copy, cache_env, monkeypatch, capsys,
                                                  spec, want):
