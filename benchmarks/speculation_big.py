@@ -28,9 +28,17 @@ first of ``--trace``'s files long enough; its first MoE layers) instead of the r
 with prefetch off (:func:`follow_trace`): real routing repeats experts from token to token,
 which is what a verification of K + 1 tokens amortizes.
 
-Not here: lookahead prefetch (the drafter has no routing to give) and the int4 self-draft of an
-int8 store (the int8 store of this checkpoint needs another 6 GB of disk); both are left to the
-next run.  ``--json`` prints one JSON object (host included); progress goes to stderr.
+``--drafter self``: MoE-SpeQ's quantized self-draft with its real acceptance instead of a
+controlled one.  The target runs from an int8 store (6 GB at 12 layers, converted once) and
+drafts with an int4 copy of every routed expert kept resident (``SelfDraft``, built from the
+int8 store at load), so the acceptance is what int4 quantisation of these weights gives.  The
+cgroup is the int8 rule (bf16 non-expert bytes + 25 % of the int8 experts + 512 MiB) plus the
+int4 copy's bytes, which a self-draft must hold in fast memory; rows: plain, static K for each
+of ``--ks``, Cascade; lookahead prefetch of the draft's routing on (``generate``'s default),
+with the engine's prefetch.  ``--alphas`` and ``--delta`` do not apply.
+
+Not here: lookahead prefetch with the controlled drafter (it has no routing to give).
+``--json`` prints one JSON object (host included); progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -164,13 +172,19 @@ def worker(spec_path: str) -> None:
     specmoe.runtime.kernels.set_num_threads(spec["threads"])
     t0 = time.perf_counter()
     replay = spec.get("replay")
-    model = specmoe.from_pretrained(spec["ckpt"], cache=spec["cache"], dtype="int4",
+    self_draft = spec.get("drafter") == "self"
+    model = specmoe.from_pretrained(spec["ckpt"], cache=spec["cache"],
+                                    dtype="int8" if self_draft else "int4",
                                     policy="least_stale", prefetch=replay is None,
                                     store=spec["store"], progress=False)
     eng = specmoe.engine_of(model)
     model.eval()
     if replay is not None:
         follow_trace(model, eng, np.load(replay)["experts"])
+    sd = None
+    if self_draft:  # the int4 copy of every routed expert, built once from the int8 store
+        from specmoe.speculation.drafters import SelfDraft
+        sd = SelfDraft(eng, "int4")
     load_s = time.perf_counter() - t0
     n, prompt = spec["tokens"], spec["prompt_ids"]
     vocab = int(model.config.vocab_size)
@@ -193,10 +207,11 @@ def worker(spec_path: str) -> None:
     t_plain = statistics.median(ref["steps"])
     draft_s = spec["delta"] * t_plain
     rows = [{"name": "plain", "alpha": None, "controller": "nospec", "k": None}]
-    for a in spec["alphas"]:
-        rows += [{"name": f"a{a}/static{k}", "alpha": a, "controller": "static", "k": k}
+    for a in (["self"] if self_draft else spec["alphas"]):
+        tag = "self" if self_draft else f"a{a}"
+        rows += [{"name": f"{tag}/static{k}", "alpha": a, "controller": "static", "k": k}
                  for k in spec["ks"]]
-        rows.append({"name": f"a{a}/cascade", "alpha": a, "controller": "cascade", "k": None})
+        rows.append({"name": f"{tag}/cascade", "alpha": a, "controller": "cascade", "k": None})
     runs: Dict[str, List[Dict[str, Any]]] = {r["name"]: [] for r in rows}
     for rep in range(spec["repeats"]):
         order = rows[rep % len(rows):] + rows[:rep % len(rows)]
@@ -204,8 +219,8 @@ def worker(spec_path: str) -> None:
             if r["alpha"] is None:
                 d = c = None
             else:
-                d = ControlledDrafter(len(prompt), ref["out"], r["alpha"], draft_s, vocab,
-                                      seed=rep)
+                d = sd if self_draft else ControlledDrafter(len(prompt), ref["out"], r["alpha"],
+                                                            draft_s, vocab, seed=rep)
                 c = ctl.StaticK(r["k"]) if r["controller"] == "static" else ctl.Cascade()
             x = run(d, c)
             x["equal"] = x.pop("out") == ref["out"]
@@ -224,6 +239,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON here")
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--drafter", choices=("controlled", "self"), default="controlled",
+                    help="controlled: a drafter of set acceptance (--alphas, --delta); self: "
+                         "the int4 self-draft of an int8 store, its real acceptance")
     ap.add_argument("--alphas", default="0.5,0.7,0.9")
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--delta", type=float, default=0.1,
@@ -265,17 +283,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     ckpt, work = root / "ckpt", root / "run"
     work.mkdir(parents=True, exist_ok=True)
     B.write_checkpoint(ckpt, cfg, 0, 1.0)
-    store = root / "store-int4.smoe"
-    info = B.convert_store_info(ckpt, "int4", store, a.timeout)
+    sdt = "int8" if a.drafter == "self" else "int4"  # the store's format
+    store = root / f"store-{sdt}.smoe"
+    info = B.convert_store_info(ckpt, sdt, store, a.timeout)
     if "error" in info:
-        print(f"speculation_big: the int4 store: {info['error']}", file=sys.stderr)
+        print(f"speculation_big: the {sdt} store: {info['error']}", file=sys.stderr)
         return 1
     prompt_ids, warm_ids = B.make_prompts(ckpt, B.PROMPT_TOKENS, 0)
-    bud = B.budgets(cfg)["int4"]
+    bud = dict(B.budgets(cfg)[sdt])
     cache_bytes = int(bud["cache_bytes"])
+    if a.drafter == "self":  # the resident int4 copy is fast memory too
+        bud["draft_copy_bytes"] = int(B.budgets(cfg)["int4"]["expert_bytes"])
+        bud["budget_bytes"] += bud["draft_copy_bytes"]
     spec = {"ckpt": str(ckpt), "store": str(store), "cache": str(cache_bytes),
             "threads": a.threads, "prompt_ids": prompt_ids, "warm_ids": warm_ids,
             "tokens": a.tokens, "alphas": alphas, "ks": ks, "delta": a.delta,
+            "drafter": a.drafter,
             "repeats": a.repeats, "result": str(work / "speculation_big.json")}
     trace_info = None
     if a.routing == "replay":
@@ -312,9 +335,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         ratios = [t / p for t, p in zip(tps, plain)]
         prop, acc = sum(x["proposed"] for x in xs), sum(x["accepted"] for x in xs)
         out_rows.append({
-            "setting": f"dsv2lite-L{a.layers} int4 in a memory cgroup"
+            "setting": f"dsv2lite-L{a.layers} {sdt} in a memory cgroup"
                        + (", routing replayed from a trace" if trace_info else ""), "drafter":
-            None if row["alpha"] is None else "controlled", "alpha": row["alpha"],
+            None if row["alpha"] is None else "self (int4)" if a.drafter == "self"
+            else "controlled", "alpha": None if a.drafter == "self" else row["alpha"],
             "controller": row["controller"], "k": row["k"],
             "tok_per_s": round(statistics.median(tps), 3),
             "tok_per_s_vs_plain": round(statistics.median(ratios), 4),
@@ -331,21 +355,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     casc = [r["tok_per_s_vs_plain"] for r in valid if r["controller"] == "cascade"]
     results = {
         "benchmark": "speculation_big", "rows": out_rows,
-        "rows_diverged": [f"alpha {r['alpha']} {r['controller']}{r['k'] or ''}"
+        "rows_diverged": [f"{r['drafter']} alpha {r['alpha']} {r['controller']}{r['k'] or ''}"
                           for r in out_rows if not r["outputs_equal"]],
         "targets": {"best_at_alpha_0.7": max(at7) if at7 else None,
                     "best_at_alpha_0.7_met": bool(at7) and max(at7) >= 1.3,
                     "cascade_worst_vs_plain": min(casc) if casc else None,
                     "cascade_worst_met": bool(casc) and min(casc) >= 0.95},
-        "config": {"layers": a.layers, "vocab": vocab, "dtype": "int4", "tokens": a.tokens,
+        "config": {"layers": a.layers, "vocab": vocab, "dtype": sdt, "drafter": a.drafter,
+                   "tokens": a.tokens,
                    "routing": a.routing, "trace": trace_info,
                    "prefetch": "router" if trace_info is None else "off (the random "
                                "routers' guesses mean nothing under a replay)",
-                   "repeats": a.repeats, "delta": a.delta,
-                   "delta_source": "assumed: a draft with a tenth of the target's per-token "
-                                   "cost" if a.delta == 0.1 else "--delta",
+                   "repeats": a.repeats,
+                   **({"delta": a.delta,
+                       "delta_source": "assumed: a draft with a tenth of the target's per-token "
+                                       "cost" if a.delta == 0.1 else "--delta",
+                       "draft_ms_per_token": round(res["draft_s_per_token"] * 1e3, 3)}
+                      if a.drafter == "controlled" else
+                      {"draft_copy_bytes": bud["draft_copy_bytes"],
+                       "budget_rule": "int8: bf16 non-expert bytes + 25 % of the int8 experts "
+                                      "+ 512 MiB, plus the resident int4 copy"}),
                    "plain_step_ms": round(res["t_plain_step_s"] * 1e3, 2),
-                   "draft_ms_per_token": round(res["draft_s_per_token"] * 1e3, 3),
                    "budget_bytes": bud["budget_bytes"], "cache_bytes": cache_bytes,
                    "cgroup": cg is not None, "cgroup_peak_bytes": peak, "cold_start": cold,
                    "load_s": round(res["load_s"], 1), "host": hostinfo.host(a.threads),
@@ -357,8 +387,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(results))
     else:
         for x in out_rows:
-            name = "plain" if x["alpha"] is None else \
-                f"alpha {x['alpha']} {x['controller']}{x['k'] or ''}"
+            name = "plain" if x["drafter"] is None else \
+                f"{x['drafter'] if x['alpha'] is None else 'alpha ' + str(x['alpha'])} " \
+                f"{x['controller']}{x['k'] or ''}"
             print(f"{name:24} {x['tok_per_s']:7.2f} tok/s  {x['tok_per_s_vs_plain']:.3f}x  "
                   f"equal={x['outputs_equal']}")
         print(json.dumps(results["targets"]))

@@ -178,8 +178,9 @@ class SpAc(PolicySpec):
     - ``up=3, dn=1``: "w/o AdaBC", fixed boundaries theta_up / theta_down (both or neither);
     - ``tau=2``: "w/o HetWB", a static hot/cold threshold instead of Eq. 11-12's tau_t;
     - ``estimator="counts"``: no estimator, the utility is the pass's count itself, min(K, f);
-    - ``gate=False``: the prefetcher is not gated by tau, so prefetch follows the predictor's
-      ranking and eviction the utility (separate prefetch and eviction scores)."""
+    - ``gate=False``: the simulator's prefetcher is not gated by tau, so prefetch follows the
+      predictor's ranking and eviction the utility (separate prefetch and eviction scores;
+      the live prefetch worker never gates by tau)."""
 
     levels: int = 4
     gamma: Optional[int] = None
