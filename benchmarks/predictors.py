@@ -71,6 +71,21 @@ BOUND_PREDICTORS = ("none", "oracle:depth=1", "oracle:depth=2")
 BOUND_ADMITTED = ("oracle:depth=1", "oracle:depth=2")  # the bound's prefetch: under admission
 
 
+def add_trace_arg(ap: argparse.ArgumentParser) -> None:
+    """``--trace DIR``: a folder of traces in the shared layout (see :func:`trace_dir`)."""
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="folder of puffin-layout traces (default: the shared DeepSeek-V2-Lite "
+                         "traces)")
+
+
+def trace_dir(a: argparse.Namespace) -> Path:
+    """``--trace``, else the shared DeepSeek-V2-Lite traces; exits naming it when absent."""
+    path = a.trace or shared_trace_dir()
+    if not path.is_dir():
+        sys.exit(f"{path}: no traces (the shared DeepSeek-V2-Lite traces, or pass --trace DIR)")
+    return path
+
+
 def load_split(path: Path, split: str) -> tuple[Trace, dict]:
     files = trainer.trace_files(path)
     tr = load_puffin(path)
@@ -152,18 +167,14 @@ def sim_row(tr: Trace, policy: str, pred: str, cap: str, hwname: str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--trace", type=Path, default=None,
-                    help="folder of puffin-layout traces (default: the shared DeepSeek-V2-Lite "
-                         "traces)")
+    add_trace_arg(ap)
     ap.add_argument("--split", choices=("val", "train", "all"), default="val")
     ap.add_argument("--quick", action="store_true", help="10 %% capacity, laptop only")
     ap.add_argument("--sample", type=float, default=0.25,
                     help="fraction of (token, layer) points scored in the prediction table")
     ap.add_argument("--save", type=Path, help="also write the JSON object to this file")
     a = ap.parse_args()
-    path = a.trace or shared_trace_dir()
-    if not path.is_dir():
-        sys.exit(f"{path}: no traces (the shared DeepSeek-V2-Lite traces, or pass --trace DIR)")
+    path = trace_dir(a)
     t0 = time.time()
     tr, which = load_split(path, a.split)
     L, E = tr.num_layers, tr.num_experts

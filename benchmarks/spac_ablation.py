@@ -41,10 +41,10 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "training"))
 
 from hostinfo import host  # noqa: E402
-from predictors import HARDWARE  # noqa: E402  (the same three profiles as issue 42's table)
+from predictors import HARDWARE, add_trace_arg, trace_dir  # noqa: E402  (issue 42's profiles)
 
 from specmoe.sim.replay import simulate  # noqa: E402
-from specmoe.sim.traces import load_puffin, shared_trace_dir  # noqa: E402
+from specmoe.sim.traces import load_puffin  # noqa: E402
 
 # (variant, policy spec): the estimator's ablations, replayed in verification passes
 PASS_VARIANTS = (("spac", "spac"), ("w/o SpecUE (K=1)", "spac:levels=1"),
@@ -91,16 +91,12 @@ def summary(rows: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--trace", type=Path, default=None,
-                    help="folder of puffin-layout traces (default: the shared DeepSeek-V2-Lite "
-                         "traces)")
+    add_trace_arg(ap)
     ap.add_argument("--quick", action="store_true",
                     help="10 %% capacity, laptop, g = 4, history only")
     ap.add_argument("--save", type=Path, help="also write the JSON object to this file")
     a = ap.parse_args()
-    path = a.trace or shared_trace_dir()
-    if not path.is_dir():
-        sys.exit(f"{path}: no traces (the shared DeepSeek-V2-Lite traces, or pass --trace DIR)")
+    path = trace_dir(a)
     t0 = time.time()
     tr = load_puffin(path)
     caps = ("10%",) if a.quick else ("5%", "10%", "25%")
