@@ -620,3 +620,60 @@ def test_cascade_stays_within_5_percent_of_plain_when_speculation_never_pays(pai
     t_plain = float(np.median([i["t_iter"] for i in its if i["k"] == 0]))
     assert t_plain == pytest.approx(1.0)  # one forward of one token on the virtual clock
     assert spec_loss(static.iterations, t_plain) > 0.20
+
+
+def test_a_lookahead_routes_in_c_as_the_plain_steps_do(tmp_path, monkeypatch):
+    """A draft-driven lookahead changes what is loaded, never what is computed: under it each
+    MoE block still routes in C in one call (the C router's weights round differently from
+    torch's, and a verification must give the bits of the plain steps it is checked against:
+    routing in Python here made the int4 self-draft of an int8 DeepSeek-V2-Lite-shaped store
+    leave plain greedy decoding), the one-call decoder layers and steps stay off, and the
+    lookahead's bookkeeping (its predictions against what the pass used) is still counted.
+    (A bf16 model with its dense layers in C: the routing is in C only there.)"""
+    from specmoe.models.testing import tiny_model
+    from specmoe.speculation.decoding import cache_kwargs, new_kv
+
+    tiny_model("mixtral", vocab=128, dtype=torch.bfloat16, hidden=64, inter=64, experts=8,
+               layers=2).save_pretrained(tmp_path / "ckpt")
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+    model = specmoe.from_pretrained(tmp_path / "ckpt", cache="50%", dtype="int8",
+                                    progress=False)
+    eng = specmoe.engine_of(model)
+    try:
+        calls = {"routed": 0, "python": 0}
+        routed, python = eng._layer_routed, eng._layer_call
+
+        def count(name, fn):
+            def f(*a, **k):
+                calls[name] += 1
+                return fn(*a, **k)
+            return f
+
+        monkeypatch.setattr(eng, "_layer_routed", count("routed", routed))
+        monkeypatch.setattr(eng, "_layer_call", count("python", python))
+        L, E = len(eng.layer_ids), eng.num_experts
+        h = [5, 9, 11, 5, 9, 11, 5, 9, 30, 31, 5, 9]
+
+        def verify(la):
+            kv = new_kv(model)
+            with torch.no_grad():
+                model(input_ids=torch.tensor([h[:-3]]), use_cache=True,
+                      **cache_kwargs(model, kv))
+                if la:
+                    eng.lookahead({p: np.ones(E, np.int64) for p in range(L)})
+                return model(input_ids=torch.tensor([h[-3:]]), use_cache=True,
+                             **cache_kwargs(model, kv)).logits
+
+        plain = verify(False)
+        assert calls["routed"] > 0  # the blocks route in C on this model
+        before = dict(calls)
+        s0 = eng.stats()["lookahead_predicted"]
+        got = verify(True)
+        assert calls["python"] == before["python"] and calls["routed"] > before["routed"]
+        assert torch.equal(got, plain)
+        assert eng.stats()["lookahead_predicted"] - s0 == L * E
+        x = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)
+        eng.lookahead({p: np.ones(E, np.int64) for p in range(L)})
+        assert eng.routable(x, x.dtype) and not eng.routable(x, x.dtype, fused=True)
+    finally:
+        eng.close()

@@ -401,7 +401,7 @@ class DecodeStep:
                 return False
         eng = plan.engine
         return eng is None or (eng.layers is plan.eng_layers
-                               and eng.routable(plan.x0, plan.x0.dtype))
+                               and eng.routable(plan.x0, plan.x0.dtype, fused=True))
 
     def _plan_call(self, plan: _Plan, token: int, S: int, argmax: bool
                    ) -> tuple[torch.Tensor | None, int | None]:

@@ -576,7 +576,7 @@ def decode_route(layer: nn.Module, x: torch.Tensor) -> tuple | None:
     ``Engine._install_routing`` on the layer's ``mlp``; None when the block has none, is
     training, or must route in Python now (``Engine.routable``)."""
     route = getattr(layer.mlp, "_specmoe_route", None)
-    if route is None or layer.mlp.training or not route[0].routable(x, route[3]):
+    if route is None or layer.mlp.training or not route[0].routable(x, route[3], fused=True):
         return None
     return route
 

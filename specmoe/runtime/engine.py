@@ -321,7 +321,8 @@ class Engine(EngineCommon):
         as the C projections feeding it (a near-tie at the k-th expert may go either way).
         Returns the layer positions switched; the routers stay in torch without dense layers
         in C, and every call the path does not cover (drafts, a Python predictor, trace
-        recording, a lookahead, training, another dtype) takes the block's own forward."""
+        recording, training, another dtype) takes the block's own forward (a lookahead does
+        not: :meth:`routable`)."""
         if self.dense.dtype is None or not hasattr(self._layers, "forward_routed"):
             return []
         done = []
@@ -377,23 +378,36 @@ class Engine(EngineCommon):
         forward.__name__ = f"specmoe_routed_{type(block).__name__}_forward"
         return forward
 
-    def routable(self, hidden: torch.Tensor, dtype: torch.dtype) -> bool:
+    def routable(self, hidden: torch.Tensor, dtype: torch.dtype, fused: bool = False) -> bool:
         """Whether a routed block's call on ``hidden`` may route in C now: none of the paths
-        that need the routing in Python (drafts, a Python predictor, trace recording, a
-        lookahead) is on."""
+        that need the routing in Python (drafts, a Python predictor, trace recording) is on.
+        ``fused``: a call that runs the block inside a one-call decoder layer or step, which
+        a draft-driven lookahead also keeps out (its per-layer bookkeeping is done by the
+        block's own call, :meth:`_layer_routed`).  A lookahead does not route in Python: the
+        C router's weights round differently from torch's, and a verification must give the
+        bits of the plain steps it is checked against."""
         return (hidden.dtype == dtype and hidden.device.type == "cpu" and self._drafting is None
-                and self._predictor is None and self.recorder is None and not self._la.active
-                and self._draft_flags is None)
+                and self._predictor is None and self.recorder is None
+                and self._draft_flags is None and not (fused and self._la.active))
 
     def _layer_routed(self, pos: int, hidden: torch.Tensor, flags: int) -> torch.Tensor:
-        """One MoE block, routing and experts, in one C call (see _install_routing)."""
+        """One MoE block, routing and experts, in one C call (see _install_routing); under a
+        draft-driven lookahead the layer's prefetch request adds to the lookahead's queue and
+        the lookahead's bookkeeping follows, as on the per-layer path (_layer_call)."""
         with self.layer_call_slot():
             x = hidden.detach().to(torch.float32).contiguous()
             T = x.shape[0]
             out = torch.empty_like(x)
-            self._layers.forward_routed(pos, x.numpy(), np.empty((T, self.top_k), np.int64),
+            idx = np.empty((T, self.top_k), np.int64)
+            used = np.empty(self.num_experts, np.uint8)
+            la = self._la.active
+            self._layers.forward_routed(pos, x.numpy(), idx,
                                         np.empty((T, self.top_k), np.float32), out.numpy(),
-                                        np.empty(self.num_experts, np.uint8), flags)
+                                        used, flags, not la)
+            if la:
+                self._la.layer_done(pos, used, idx if self._la.rows else None)
+                if self.protect_lookahead and self._cache is not None:
+                    self._protect()  # this layer's experts are used: unprotect them
             return out.to(hidden.dtype)
 
     # -- the per-layer path -------------------------------------------------------------------
@@ -446,8 +460,8 @@ class Engine(EngineCommon):
         if self._replay is not None:
             raise RuntimeError(
                 f"replay_routing: MoE layer {pos} was routed in Python (a Python predictor, "
-                f"trace recording, drafting, a lookahead or a prefill whose shared experts run "
-                f"in torch), which a routing replay cannot follow; run passes that route in C")
+                f"trace recording, drafting or a prefill whose shared experts run in torch), "
+                f"which a routing replay cannot follow; run passes that route in C")
         x, ix, wt, out, used = self._buffers(hidden, idx, w)
         scores = None
         if self._predictor is not None and self.prefetch and pos + 1 < len(self.layer_ids):
