@@ -246,3 +246,20 @@ def test_big_checkpoint_benchmark_smoke(tmp_path):
     c = res["config"]
     assert c["delta"] == 0.1 and "assumed" in c["delta_source"] and c["host"]["cpu"]
     assert set(res["targets"]) >= {"best_at_alpha_0.7", "cascade_worst_vs_plain"}
+
+
+def test_big_checkpoint_self_draft_smoke(tmp_path):
+    """speculation_big.py --quick --drafter self: the int4 self-draft of the int8 store, every
+    output equal to plain decoding's, the draft copy counted in the budget."""
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculation_big.py"),
+                        "--quick", "--drafter", "self", "--json", "--no-cgroup", "--workdir",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.strip()][-1])
+    assert {(r["drafter"], r["controller"], r["k"]) for r in res["rows"]} == {
+        (None, "nospec", None), ("self (int4)", "static", 2), ("self (int4)", "cascade", None)}
+    for r in res["rows"]:
+        assert r["outputs_equal"] is True and r["alpha"] is None and _finite_pos(r["tok_per_s"])
+    c = res["config"]
+    assert c["dtype"] == "int8" and c["drafter"] == "self" and "delta" not in c
+    assert c["draft_copy_bytes"] > 0 and c["budget_bytes"] > c["draft_copy_bytes"]
