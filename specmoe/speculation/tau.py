@@ -137,7 +137,7 @@ def profile_ttft(model: nn.Module, prompt: Sequence[int], budget_s: float, draft
     of a request of ``prompt`` (prefill, drafting k tokens, verifying k + 1, each the fastest
     of ``repeats``), to pass as a controller's ``k_max`` (``specmoe serve --ttft-budget``
     does at load).  ``drafter``: anything with ``reset()`` and ``propose(history, k)`` (None:
-    drafting costs nothing, as for the n-gram drafter).  ValueError when even plain decoding
+    drafting taken as free).  ValueError when even plain decoding
     misses the budget."""
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or \
             not math.isfinite(budget_s) or budget_s <= 0:

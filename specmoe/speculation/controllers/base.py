@@ -236,7 +236,7 @@ def measure_times(forward_fn: Callable[[int], object], gammas: Iterable[int], *,
     rounds: Iterable[int] = range(repeats)
     if progress:
         from tqdm.auto import tqdm
-        rounds = tqdm(rounds, desc="measure_tau", unit="round")
+        rounds = tqdm(rounds, desc="measure_times", unit="round")
     for r in rounds:
         shift = r % len(gs)
         for g in gs[shift:] + gs[:shift]:
@@ -245,7 +245,7 @@ def measure_times(forward_fn: Callable[[int], object], gammas: Iterable[int], *,
     times = {g: agg(v) for g, v in samples.items()}
     for g, t in times.items():
         if not (t > 0.0 and math.isfinite(t)):
-            raise ValueError(f"measure_tau: non-positive time for gamma={g}")
+            raise ValueError(f"measure_times: non-positive time for g={g}")
     return times
 
 
