@@ -405,10 +405,19 @@ class Engine(EngineCommon):
                                         np.empty((T, self.top_k), np.float32), out.numpy(),
                                         used, flags, not la)
             if la:
-                self._la.layer_done(pos, used, idx if self._la.rows else None)
-                if self.protect_lookahead and self._cache is not None:
-                    self._protect()  # this layer's experts are used: unprotect them
+                self._lookahead_layer_done(pos, used, idx)
             return out.to(hidden.dtype)
+
+    def _lookahead_layer_done(self, pos: int, used: np.ndarray, idx: Any) -> None:
+        """MoE layer ``pos`` of a pass under a lookahead ran, using the experts flagged in
+        ``used``, routed to ``idx`` [T, k] (the router's own top-k, before any miss handling
+        re-routes a copy of it): the lookahead's bookkeeping, and its experts unprotected."""
+        if self._la.rows:
+            self._la.layer_done(pos, used, np.asarray(idx))
+        else:
+            self._la.layer_done(pos, used)
+        if self.protect_lookahead and self._cache is not None:
+            self._protect()  # this layer's experts are used: unprotect them
 
     # -- the per-layer path -------------------------------------------------------------------
     def layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
@@ -476,10 +485,7 @@ class Engine(EngineCommon):
         self._layers.forward(pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(), used, scores,
                              not self._la.active, flags)
         if self._la.active:
-            # (the router's own top-k, before any miss handling re-routes a copy of it)
-            self._la.layer_done(pos, used, idx.detach().numpy() if self._la.rows else None)
-            if self.protect_lookahead and self._cache is not None:
-                self._protect()  # this layer's experts are used: unprotect them
+            self._lookahead_layer_done(pos, used, idx.detach())
         if self.recorder is not None:  # trace() on: no call per layer otherwise
             self.record_layer(pos, hidden, idx, w)
         return out.to(hidden.dtype)

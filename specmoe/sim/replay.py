@@ -428,7 +428,9 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         name, kw = parse_policy(policy)
         pol: Any = name
         if name == "spac" and set(kw) & set(_SPAC_ABLATIONS):  # through the typed spec
-            policy, kw = live_policy(policy), {}
+            from ..runtime.policies import SpAc
+
+            policy, kw = SpAc(**kw), {}
         elif name == "spac" and "gamma" not in kw:  # the pass's draft length (spac.c)
             kw["gamma"] = int(verify_tokens) - 1
         if name == "nextuse":  # with the packaged model, not the C built-in's weights alone
