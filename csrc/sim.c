@@ -1,6 +1,7 @@
 /* Trace-driven simulator (see sim.h for the cache semantics and the time model). */
 #include "sim.h"
 
+#include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -646,6 +647,15 @@ static int check_args(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
                                 "1 and cooc_weight in [0, 1], got %u and %g", pf->history,
                                 pf->cooc_weight);
     }
+    if (tr->prior_rows) {
+        if (!tr->prior_table)
+            return smoe_err_set(err, SMOE_EINVAL, "simulate: prior rows without a prior table");
+        for (uint64_t t = 0; t < tr->num_tokens; t++)
+            if (tr->prior_rows[t] >= 0 && (uint64_t)tr->prior_rows[t] >= tr->prior_n)
+                return smoe_err_set(err, SMOE_EINVAL, "simulate: prior row %d of token %" PRIu64
+                                    " is outside the table's %" PRIu64 " rows",
+                                    (int)tr->prior_rows[t], t, tr->prior_n);
+    }
     /* validate ids once so the hot loop can trust them */
     size_t n = (size_t)tr->num_tokens * tr->num_layers * tr->top_k;
     for (size_t i = 0; i < n; i++)
@@ -766,6 +776,12 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
         smoe_slots_set_pass(&s.tab, t + 1);
         smoe_admit_pass(&s.tab.admit, s.now);
         if (learner) smoe_policy_pass(learner, t + 1);
+        if (tr->prior_rows) { /* what the token tells before its layers run */
+            const int32_t r = tr->prior_rows[t];
+            const float *pr = r >= 0 ? tr->prior_table + (size_t)r * s.L * s.E : NULL;
+            smoe_slots_set_prior(&s.tab, pr);
+            if (learner) smoe_policy_prior(learner, pr);
+        }
         if (feed) feed_counts(&s, t, t + 1);
         s.now += hw->token_fixed_s;
         out->compute_s += hw->token_fixed_s;

@@ -87,6 +87,13 @@ typedef struct smoe_sim_trace {
     uint32_t num_layers, top_k, num_experts;
     uint32_t verify_tokens; /* tokens per pass (verification group); 0 or 1: one per pass */
     uint32_t protect;       /* 1: the expert lookahead buffer's eviction shield (below) */
+    /* The tokens' priors (policy.h on_prior; issue 42 item 1), or NULL: at token t's pass the
+     * cache's policy and the learned predictor get prior_table + prior_rows[t] * num_layers *
+     * num_experts, or NULL where prior_rows[t] < 0 (an unknown token).  Rows are < prior_n.
+     * Passes of several tokens (verify_tokens > 1, protect) get none. */
+    const float *prior_table;   /* [prior_n, num_layers * num_experts] */
+    const int32_t *prior_rows;  /* [num_tokens] */
+    uint64_t prior_n;
 } smoe_sim_trace;
 
 typedef struct smoe_sim_hw {

@@ -174,6 +174,8 @@ void smoe_slots_set_pass(smoe_slots *t, uint64_t pass_id) {
     smoe_policy_pass(t->policy, pass_id);
 }
 
+void smoe_slots_set_prior(smoe_slots *t, const float *prior) { smoe_policy_prior(t->policy, prior); }
+
 static void load_done(smoe_slots *t, uint32_t s, int rc, const smoe_err *lerr) {
     smoe_slot *sl = &t->slots[s];
     if (rc == 0) {
@@ -549,9 +551,12 @@ int smoe_slots_release(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
     return rc;
 }
 
-void smoe_slots_begin_pass(smoe_slots *t) {
+void smoe_slots_begin_pass(smoe_slots *t) { smoe_slots_begin_pass_prior(t, NULL); }
+
+void smoe_slots_begin_pass_prior(smoe_slots *t, const float *prior) {
     pthread_mutex_lock(&t->mu);
     smoe_slots_set_pass(t, t->pass_id + 1);
+    if (prior) smoe_slots_set_prior(t, prior);
     smoe_admit_pass(&t->admit, smoe_now());
     pthread_mutex_unlock(&t->mu);
 }

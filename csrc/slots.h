@@ -196,6 +196,8 @@ int smoe_slots_release(smoe_slots *t, uint32_t layer, uint32_t expert, void *str
 
 /* Start forward pass pass_id+1: notifies the policy (on_pass). */
 void smoe_slots_begin_pass(smoe_slots *t);
+/* The same, then the pass's token prior for the policy (on_prior; NULL: none known). */
+void smoe_slots_begin_pass_prior(smoe_slots *t, const float *prior);
 
 /* ---- the rules alone, for a caller that drives the table itself --------------------------
  * The steps acquire and the prefetch worker take, without the mutex, waiting or ops.load:
@@ -237,6 +239,10 @@ void smoe_slots_touch(smoe_slots *t, uint32_t s);
 /* Set the pass id (> the previous one) and tell the policy (on_pass): begin_pass for a caller
  * that numbers its passes itself. */
 void smoe_slots_set_pass(smoe_slots *t, uint64_t pass_id);
+
+/* The current pass's token prior for the policy (policy.h on_prior; NULL: unknown), after
+ * smoe_slots_set_pass and before the pass's first access; same locking as set_pass. */
+void smoe_slots_set_prior(smoe_slots *t, const float *prior);
 
 /* Queue prefetch requests.  A request for a key already queued updates its priority
  * (supersedes); a key resident or loading is skipped.  replace != 0 cancels all queued

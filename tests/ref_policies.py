@@ -457,16 +457,20 @@ class RefNextUse(RefPolicy):
     last demand touch (0 never; passes counted from 1 and +1 at each on_pass) and two
     averages of "used in a pass", folded in at on_pass; lc the layer of the latest demand
     touch in the pass (-1 none).  Victim: least q / (dl + c) + beta * el / (dl + L + c),
-    ties lowest slot.  ``model`` is the flat array (NextUseModel.flat())."""
+    ties lowest slot.  ``model`` is the flat array (NextUseModel.flat(), format 1 or 2: token
+    weights added where the pass's prior is set, on_prior)."""
 
     def __init__(self, num_layers: int, num_experts: int, model: Sequence[float]) -> None:
         m = [float(v) for v in model]
-        assert m[0] == 1.0
+        assert m[0] in (1.0, 2.0)
+        head = 17 if m[0] == 1.0 else 21
         self.L, self.E = num_layers, num_experts
         self.wf, self.ws = m[1:7], m[7:12]
         self.a_s, self.a_l, self.c, self.beta = m[12], m[13], m[14], m[15]
+        self.wtf, self.wts = (m[17:19], m[19:21]) if head == 21 else ([0.0, 0.0], [0.0, 0.0])
+        self.prior = None
         n = num_layers * num_experts
-        self.cross = m[17:] if m[16] != 0.0 else None
+        self.cross = m[head:] if m[16] != 0.0 else None
         assert self.cross is None or len(self.cross) == n * num_experts
         self.used = [0] * n
         self.es = [0.0] * n
@@ -497,6 +501,10 @@ class RefNextUse(RefPolicy):
             self.el[k] += self.a_l * (u - self.el[k])
         self.P += 1
         self.lc = -1
+        self.prior = None
+
+    def on_prior(self, prior):
+        self.prior = None if prior is None else [float(v) for v in prior]
 
     def _cross_mean(self, l):
         """Mean cross[l][a][e] over the experts a of layer l-1 touched in this pass (list of E),
@@ -532,6 +540,9 @@ class RefNextUse(RefPolicy):
         else:
             w = self.ws
             z = w[0] + w[1] * last + w[2] * self.es[key] + w[3] * self.el[key] + w[4] * gap
+        if inpass and self.prior is not None:
+            wt = self.wtf if xm is not None else self.wts
+            z += wt[0] + wt[1] * self.prior[key]
         return 1.0 / (1.0 + math.exp(-z)), dl
 
     def value(self, key):
@@ -553,9 +564,11 @@ class RefNextUse(RefPolicy):
 
 def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
                pass_starts: Sequence[int] | int | None = None,
-               mask_seed: int = 0, counts=None) -> tuple[list[int], list[int]]:
+               mask_seed: int = 0, counts=None, priors=None) -> tuple[list[int], list[int]]:
     """Demand-only replay with the cache's semantics (replay.h): returns (hits, victim keys).
-    ``counts=(keys, counts, offsets)``: fed with policy.on_counts right after on_pass(j+1)."""
+    ``counts=(keys, counts, offsets)``: fed with policy.on_counts right after on_pass(j+1);
+    ``priors``: a list per pass of the prior (list of floats) or None, fed with
+    policy.on_prior after that."""
     keys = [int(k) for k in keys]
     if isinstance(pass_starts, int):
         pass_starts = list(range(0, len(keys), pass_starts))
@@ -573,6 +586,8 @@ def ref_replay(policy: RefPolicy, keys: Sequence[int], nslots: int,
                 a, b = int(counts[2][j]), int(counts[2][j + 1])
                 if hasattr(policy, "on_counts"):  # policies without it ignore counts
                     policy.on_counts(list(counts[0][a:b]), list(counts[1][a:b]))
+            if priors is not None and hasattr(policy, "on_prior"):
+                policy.on_prior(priors[starts[i] - 1])
         if k in where:
             hits.append(1)
             victims.append(-1)

@@ -133,6 +133,9 @@ def test_utility_is_the_value_the_prefetch_rule_compares(tmp_path):
 def test_packaged_model_and_fallbacks(tmp_path):
     m = NextUseModel.load(DEFAULT_PATH)
     assert m.shape == (26, 64) and "trained_on" in m.info and "validation" in m.info
+    # the token prior of the training prompts' pieces, and its weights
+    assert m.tokens is not None and m.tokens.shape == (26, 64) and len(m.tokens.pieces) > 1000
+    assert m.flat()[0] == 2 and m.temporal().tokens is None
     assert default_model(4, 8).cross is None  # another shape: the temporal part
     np.testing.assert_array_equal(default_model(4, 8).w_stale, m.w_stale)
     # by name: the packaged model where it fits, the temporal one elsewhere
@@ -151,7 +154,7 @@ def test_bad_models_are_refused_by_name():
         _C.Policy("nextuse", 4, 5, 4, model=m.flat())
     with pytest.raises(ValueError, match="trained for another model"):
         make_policy(NextUse(model=m), 4, 3, 5)
-    with pytest.raises(ValueError, match="format-1 array"):
+    with pytest.raises(ValueError, match="format-1 or -2 array"):
         _C.Policy("nextuse", 4, 3, 4, model=np.zeros(17))
     bad = m.flat()
     bad[3] = np.nan
@@ -192,7 +195,8 @@ def test_split_is_by_name_and_stable():
 def test_learned_prefetch_predictor_ranks_by_the_models_q(puffin_subset):
     """The simulator's ``learned`` predictor (csrc/sim.c, SMOE_PRED_LEARNED) predicts, after
     each layer, the top-k experts of the next layer by the model's q as the trainer's numpy
-    features compute it at that point: the same count of true predictions, exactly."""
+    features compute it at that point: the same count of true predictions, exactly (no token
+    prior here; with one: test_learned_predictor_with_the_token_prior_ranks_as_the_trainer)."""
     tr = puffin_subset.slice(0, 50)
     T, L, K = tr.experts.shape
     E = tr.num_experts
@@ -210,7 +214,7 @@ def test_learned_prefetch_predictor_ranks_by_the_models_q(puffin_subset):
             top = np.argsort(-q, kind="stable")[:K]
             hits += len(set(top.tolist()) & set(tr.experts[tt, ll].tolist()))
             points += 1
-    r = simulate(tr, "lru", "10%", prefetch="learned", hardware="laptop")
+    r = simulate(tr, "lru", "10%", prefetch="learned", hardware="laptop", token_prior=False)
     assert r.extra is not None
     assert round(r.predictor_precision * points * K) == hits
     assert abs(r.predictor_precision - hits / (points * K)) < 1e-12
@@ -218,3 +222,165 @@ def test_learned_prefetch_predictor_ranks_by_the_models_q(puffin_subset):
         _C.simulate(tr.experts, E, "lru", 10, predictor=4, model=_model(
             np.random.default_rng(0), 3, 4).flat(), expert_bytes=1.0, fast_bw=1.0, link_bw=1.0,
             link_latency_s=0.0)
+
+
+# -- the token prior (issue 42 item 1: what the token's id tells before its layers run) -------
+
+def _tok_model(rng, L, E) -> NextUseModel:
+    m = _model(rng, L, E)
+    return NextUseModel(m.w_fresh, m.w_stale, c=m.c, beta=m.beta, cross=m.cross,
+                        w_tok_fresh=rng.normal(0, 1.5, 2), w_tok_stale=rng.normal(0, 1.5, 2))
+
+
+@pytest.mark.parametrize("nslots", [3, 8])
+def test_token_prior_victims_and_q_match_the_reference(nslots):
+    """Layered passes, each given a random prior (or none) after on_pass: the C policy's
+    victims and final q equal the reference's; the same run without the prior differs, so
+    the prior is used."""
+    rng = np.random.default_rng(40 + nslots)
+    L, E, n = 4, 6, 120
+    model = _tok_model(rng, L, E)
+    keys = np.array([l * E + e for _ in range(n) for l in range(L)
+                     for e in rng.choice(E, 2, replace=False)], np.int32)
+    table = rng.normal(0, 2, (5, L * E)).astype(np.float32)
+    rows = rng.integers(-1, 5, n).astype(np.int32)  # -1: an unknown token
+    pol = _C.Policy("nextuse", nslots, L, E, model=model.flat())
+    hits, vic, q = _C.replay(pol, keys, 2 * L, next_use=True, prior_table=table, prior_rows=rows)
+    ref = RefNextUse(L, E, model.flat())
+    priors = [None if r < 0 else table[r].tolist() for r in rows]
+    rh, rv = ref_replay(ref, list(map(int, keys)), nslots, 2 * L, priors=priors)
+    assert_same("nextuse+prior", hits, vic, np.array(rh, np.uint8), np.array(rv, np.int32))
+    np.testing.assert_allclose(q, [ref.q(k)[0] for k in range(L * E)], rtol=1e-12, atol=0)
+    plain = _C.replay(_C.Policy("nextuse", nslots, L, E, model=model.flat()), keys, 2 * L)
+    assert not np.array_equal(plain[1], vic)
+    # a format-1 model (NextUse's default for eviction) ignores the prior
+    v1 = _C.replay(_C.Policy("nextuse", nslots, L, E, model=model.flat(token_weights=False)),
+                   keys, 2 * L, prior_table=table, prior_rows=rows)
+    v1_plain = _C.replay(_C.Policy("nextuse", nslots, L, E,
+                                   model=model.flat(token_weights=False)), keys, 2 * L)
+    np.testing.assert_array_equal(v1[1], v1_plain[1])
+
+
+def test_walker_with_a_prior_matches_the_reference():
+    """The trainer's numpy features with a prior set (mid-layer points) give the reference's
+    q: the token weights apply to the keys of the pass's own token only."""
+    rng = np.random.default_rng(7)
+    L, E = 5, 8
+    model = _tok_model(rng, L, E)
+    w, ref = Walker(L, E, model), RefNextUse(L, E, model.flat())
+    for t in range(30):
+        w.begin_pass()
+        ref.on_pass(t + 1)
+        prior = None if t % 4 == 3 else rng.normal(0, 2, L * E)
+        w.set_prior(prior)
+        ref.on_prior(prior)
+        for lay in range(L):
+            if (t * L + lay) % 7 == 0:
+                f = w.features()
+                np.testing.assert_allclose(f["q"], [ref.q(k)[0] for k in range(L * E)],
+                                           rtol=1e-10, atol=0)
+            ex = rng.choice(E, 2, replace=False)
+            w.touch_layer(lay, ex)
+            for e in ex:
+                ref._touch(lay * E + int(e))
+
+
+def test_token_prior_table_is_the_smoothed_log_ratio(tmp_path):
+    """TokenPrior.count and table() against the formula in plain Python on a small trace;
+    unknown pieces get row -1; a model with the prior and token weights saves and loads."""
+    from specmoe.sim.nextuse import TokenPrior
+
+    rng = np.random.default_rng(3)
+    T, L, K, E = 40, 3, 2, 5
+    ex = np.stack([[rng.choice(E, K, replace=False) for _ in range(L)] for _ in range(T)])
+    toks = [str(x) for x in rng.choice(["a", "b", "c"], T)]
+    tp = TokenPrior.count(toks, ex, E)
+    assert tp.pieces == ["a", "b", "c"]
+    tab = tp.table()
+    for i, piece in enumerate(tp.pieces):
+        ts = [t for t in range(T) if toks[t] == piece]
+        for l in range(L):
+            for e in range(E):
+                c = sum(e in ex[t, l] for t in ts)
+                m = max(sum(e in ex[t, l] for t in range(T)) / T, 1e-4)
+                want = np.log((c + m) / (len(ts) + 1.0)) - np.log(m)
+                assert abs(tab[i, l * E + e] - want) < 1e-5
+    np.testing.assert_array_equal(tp.rows(["b", "zz", "a"]), [1, -1, 0])
+    model = NextUseModel(np.ones(6), np.ones(5), cross=np.zeros((L, E, E)),
+                         w_tok_fresh=[0.5, 1.0], w_tok_stale=[-0.5, 2.0], tokens=tp)
+    model.save(tmp_path / "m.npz")
+    back = NextUseModel.load(tmp_path / "m.npz")
+    np.testing.assert_array_equal(back.flat(), model.flat())
+    np.testing.assert_array_equal(back.tokens.table(), tab)
+    assert back.flat()[0] == 2 and back.flat(token_weights=False)[0] == 1
+    with pytest.raises(ValueError, match="do not fit"):
+        TokenPrior(["a"], np.zeros((2, L, E)), [1, 1], tp.marginal)
+    with pytest.raises(ValueError, match="go together"):
+        NextUseModel(np.ones(6), np.ones(5), w_tok_fresh=[0.0, 1.0])
+
+
+def test_learned_predictor_with_the_token_prior_ranks_as_the_trainer(puffin_subset):
+    """With a model that has a token prior, the simulator's learned predictor gets each
+    token's prior at its pass (simulate(token_prior=True)): its true predictions equal the
+    trainer's numpy features given the same prior, exactly; without the prior it predicts
+    differently."""
+    from specmoe.sim import nextuse as nu
+    from specmoe.sim.nextuse import TokenPrior
+
+    tr = puffin_subset.slice(0, 60)
+    T, L, K = tr.experts.shape
+    E = tr.num_experts
+    base = default_model(L, E)
+    tp = TokenPrior.count(tr.tokens[:30], tr.experts[:30], E)  # pieces of the first half
+    model = NextUseModel(base.w_fresh, base.w_stale, base.alpha_s, base.alpha_l, base.c,
+                         base.beta, base.cross, w_tok_fresh=[0.1, 0.8],
+                         w_tok_stale=[0.0, 0.6], tokens=tp)
+    table, rows = tp.table(), tp.rows(tr.tokens)
+    assert (rows >= 0).any() and (rows < 0).any()
+    w = Walker(L, E, model)
+    hits = points = 0
+    for t in range(T):
+        w.begin_pass()
+        if rows[t] >= 0:
+            w.set_prior(table[rows[t]])
+        for lay in range(L):
+            w.touch_layer(lay, tr.experts[t, lay])
+            tt, ll = (t, lay + 1) if lay + 1 < L else (t + 1, 0)
+            if tt >= T:
+                continue
+            q = w.features()["q"][ll * E:(ll + 1) * E].astype(np.float32)
+            top = np.argsort(-q, kind="stable")[:K]
+            hits += len(set(top.tolist()) & set(tr.experts[tt, ll].tolist()))
+            points += 1
+    old = nu.default_model
+    nu.default_model = lambda nl, ne: model  # the simulator's learned predictor's model
+    try:
+        r = simulate(tr, "lru", "10%", prefetch="learned", hardware="laptop")
+        r0 = simulate(tr, "lru", "10%", prefetch="learned", hardware="laptop",
+                      token_prior=False)
+    finally:
+        nu.default_model = old
+    assert round(r.predictor_precision * points * K) == hits
+    assert r0.predictor_precision != r.predictor_precision
+
+
+def test_bad_priors_are_refused_by_name():
+    L, E = 3, 4
+    ex = np.zeros((5, L, 2), np.int16)
+    ex[:, :, 1] = 1
+    kw = dict(expert_bytes=1.0, fast_bw=1.0, link_bw=1.0, link_latency_s=0.0)
+    table = np.zeros((2, L * E), np.float32)
+    with pytest.raises(ValueError, match="outside the table's 2 rows"):
+        _C.simulate(ex, E, "lru", 4, prior_table=table,
+                    prior_rows=np.array([0, 1, 2, -1, 0], np.int32), **kw)
+    with pytest.raises(ValueError, match="go together"):
+        _C.simulate(ex, E, "lru", 4, prior_table=table, **kw)
+    with pytest.raises(ValueError, match="prior_table must be"):
+        _C.simulate(ex, E, "lru", 4, prior_table=np.zeros((2, 5), np.float32),
+                    prior_rows=np.zeros(5, np.int32), **kw)
+    with pytest.raises(ValueError, match="outside the table's"):
+        _C.replay(_C.Policy("nextuse", 2, L, E), np.arange(6, dtype=np.int32), 3,
+                  prior_table=table, prior_rows=np.array([0, 5], np.int32))
+    with pytest.raises(ValueError, match="a row per pass"):
+        _C.replay(_C.Policy("nextuse", 2, L, E), np.arange(6, dtype=np.int32), 3,
+                  prior_table=table, prior_rows=np.array([0], np.int32))

@@ -8,14 +8,20 @@ What it does (csrc/policy/nextuse.h has the rule and the features):
   1. split the prompts: validation = crc32(file name) % 5 == 0 (specmoe.sim.nextuse.split_requests);
      nothing below looks at the validation prompts except the final report;
   2. the cross table from the training prompts: cross[l, a, e] = log of P(e at layer l | a at
-     layer l - 1, same token) over P(e at layer l), add-one smoothed;
+     layer l - 1, same token) over P(e at layer l), add-one smoothed; and the token prior
+     (specmoe.sim.nextuse.TokenPrior): per token piece, how often it used each expert;
   3. walk the training prompts as the policy sees them (one pass per token, layer by layer,
      history carried across prompts as in a replay), sample --sample of the (token, layer)
      points before the layer runs, and record every key's features and whether the key is
      used at its layer's next run; fit two logistic regressions by Newton's method (fresh:
-     with the cross feature; stale: without);
+     with the cross feature; stale: without); then, those weights fixed (the model without a
+     prior is the same), the token weights (bias, prior) of each on the keys of the token's
+     own pass.  A prompt's own tokens are left out of the prior it is sampled with (leave one
+     prompt out), so the token weights are fitted on priors as unseen prompts get them;
   4. choose c and beta of the value q / (dl + c) + beta * r / (dl + L + c) on a grid by the
-     simulator's demand hit rate at 10 % and 25 % of the experts on the training prompts;
+     simulator's demand hit rate at 10 % and 25 % of the experts on the training prompts
+     (eviction without the token prior: NextUse's default, the prior serving the learned
+     prefetch predictor);
   5. report log loss and AUC of q and the hit rate on the validation prompts, and save.
 Seeded; deterministic.
 """
@@ -33,9 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from specmoe import _C  # noqa: E402
-from specmoe.sim.nextuse import (DEFAULT_PATH, NextUseModel, Walker, split_requests,  # noqa: E402
-                                 used_at_next_run)
-from specmoe.sim.replay import simulate  # noqa: E402
+from specmoe.sim.nextuse import (DEFAULT_PATH, NextUseModel, TokenPrior, Walker,  # noqa: E402
+                                 split_requests, used_at_next_run)
 from specmoe.sim.traces import Trace, _prompt_number, load_puffin, shared_trace_dir  # noqa: E402
 
 
@@ -62,14 +67,45 @@ def cross_table(tr: Trace) -> np.ndarray:
     return out
 
 
-def samples(tr: Trace, model: NextUseModel, frac: float, rng: np.random.Generator):
-    """Features and labels at a random frac of the (token, layer) points of tr."""
+def loo_priors(tr: Trace, tok: TokenPrior) -> tuple[np.ndarray, np.ndarray]:
+    """(table float32 [n, L * E], rows int32 [T]) of tr's tokens with each prompt's own
+    tokens left out of the counts: row -1 where the piece occurs in no other prompt (tok must
+    have been counted on tr).  With a table counted on other prompts, use tok.table() and
+    tok.rows() instead."""
+    T, L, _ = tr.experts.shape
+    E = tr.num_experts
+    starts = list(tr.request_starts) + [T]
+    rows = np.full(T, -1, np.int32)
+    counts, ns = [], []
+    nrows = 0
+    for r in range(len(starts) - 1):
+        a, b = int(starts[r]), int(starts[r + 1])
+        own = TokenPrior.count(tr.tokens[a:b], tr.experts[a:b], E)
+        idx = tok.rows(own.pieces)
+        keep = tok.n[idx] > own.n  # seen in another prompt too
+        local = np.full(len(own.pieces), -1, np.int32)
+        local[keep] = np.arange(nrows, nrows + int(keep.sum()))
+        nrows += int(keep.sum())
+        counts.append(tok.counts[idx[keep]].astype(np.int64) - own.counts[keep])
+        ns.append(tok.n[idx[keep]] - own.n[keep])
+        rows[a:b] = local[own.rows(tr.tokens[a:b])]
+    c = np.concatenate(counts) if counts else np.zeros((0, L, E))
+    n = np.concatenate(ns) if ns else np.zeros(0)
+    return np.ascontiguousarray(tok.ratios(c.astype(np.float64), n)), rows
+
+
+def samples(tr: Trace, model: NextUseModel, frac: float, rng: np.random.Generator,
+            priors: tuple[np.ndarray, np.ndarray] | None = None):
+    """Features and labels at a random frac of the (token, layer) points of tr; ``priors``:
+    (table, rows) of tr's tokens, or None."""
     T, L, K = tr.experts.shape
     E = tr.num_experts
     w = Walker(L, E, model)
     X, Y, F = [], [], []
     for t in range(T):
         w.begin_pass()
+        if priors is not None and priors[1][t] >= 0:
+            w.set_prior(priors[0][priors[1][t]])
         for lay in range(L):
             if t + 1 < T and rng.random() < frac:
                 f = w.features()
@@ -80,10 +116,12 @@ def samples(tr: Trace, model: NextUseModel, frac: float, rng: np.random.Generato
     return np.concatenate(X), np.concatenate(Y).astype(np.float64), np.concatenate(F)
 
 
-def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1e-4, iters: int = 30) -> np.ndarray:
+def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1e-4, iters: int = 30,
+                 offset: np.ndarray | float = 0.0) -> np.ndarray:
+    """Weights w of P(y) = sigmoid(offset + X @ w) by Newton's method (L2 penalty l2)."""
     w = np.zeros(X.shape[1])
     for _ in range(iters):
-        p = 1.0 / (1.0 + np.exp(-(X @ w)))
+        p = 1.0 / (1.0 + np.exp(-(offset + X @ w)))
         g = X.T @ (p - y) / len(y) + l2 * w
         H = (X * (p * (1 - p))[:, None]).T @ X / len(y) + l2 * np.eye(len(w))
         step = np.linalg.solve(H, g)
@@ -106,11 +144,17 @@ def auc(s: np.ndarray, y: np.ndarray) -> float:
     return float((r[y > 0].sum() - npos * (npos + 1) / 2) / (npos * (len(y) - npos)))
 
 
-def hit_rate(tr: Trace, model: NextUseModel, cap: float) -> float:
+def hit_rate(tr: Trace, model: NextUseModel, cap: float,
+             priors: tuple[np.ndarray, np.ndarray] | None = None) -> float:
+    """Demand hit rate of the policy on tr at cap of the experts, the passes given ``priors``
+    (table, rows) or none."""
     L, E = tr.num_layers, tr.num_experts
     nslots = max(1, int(round(cap * L * E)))
     pol = _C.Policy("nextuse", nslots, L, E, model=model.flat())
-    return simulate(tr, pol, nslots).hit_rate
+    kw = {} if priors is None else {"prior_table": priors[0], "prior_rows": priors[1]}
+    r = _C.simulate(tr.experts, E, pol, nslots, expert_bytes=1.0, fast_bw=1.0, link_bw=1.0,
+                    link_latency_s=0.0, **kw)
+    return r["hits"] / r["accesses"]
 
 
 def main() -> None:
@@ -136,31 +180,51 @@ def main() -> None:
           f"validation prompts ({val.num_tokens} tokens)", flush=True)
 
     base = NextUseModel(np.zeros(6), np.zeros(5), cross=cross_table(train))
+    tok = TokenPrior.count(train.tokens, train.experts, E) if train.tokens else None
+    train_priors = None if tok is None else loo_priors(train, tok)
+    val_priors = None if tok is None else (tok.table(), tok.rows(val.tokens))
     rng = np.random.default_rng(a.seed)
-    X, y, fresh = samples(train, base, a.sample, rng)
-    wf = fit_logistic(X[fresh], y[fresh])
+    X, y, fresh = samples(train, base, a.sample, rng, train_priors)
+    wf = fit_logistic(X[fresh][:, :6], y[fresh])
     ws = fit_logistic(X[~fresh][:, :5], y[~fresh])
+    wtf = wts = None
+    if tok is not None:  # second stage: the token weights on the base model's z
+        has = X[:, 6] > 0
+        zb = np.where(fresh, X[:, :6] @ wf, X[:, :5] @ ws)
+        sel_f, sel_s = has & fresh, has & ~fresh
+        wtf = fit_logistic(X[sel_f][:, 6:8], y[sel_f], offset=zb[sel_f])
+        wts = fit_logistic(X[sel_s][:, 6:8], y[sel_s], offset=zb[sel_s])
     print(f"{len(y)} samples ({fresh.mean():.3f} fresh); w_fresh {np.round(wf, 3)}, "
-          f"w_stale {np.round(ws, 3)}", flush=True)
+          f"w_stale {np.round(ws, 3)}, token weights {wtf} / {wts}", flush=True)
 
     # c and beta on the training prompts (never the validation ones)
     grid = [(c, b) for c in (1.0, 2.0, 4.0) for b in (0.0, 0.5, 1.0, 2.0)]
     scores = {}
     for c, b in grid:
-        m = NextUseModel(wf, ws, c=c, beta=b, cross=base.cross)
+        m = NextUseModel(wf, ws, c=c, beta=b, cross=base.cross, w_tok_fresh=wtf,
+                         w_tok_stale=wts)
         scores[(c, b)] = [hit_rate(train, m, cap) for cap in (0.10, 0.25)]
         print(f"  c={c} beta={b}: train hit rate 10% {scores[(c, b)][0]:.4f}, 25% "
               f"{scores[(c, b)][1]:.4f}", flush=True)
     c, b = max(grid, key=lambda k: sum(scores[k]))
 
-    Xv, yv, fv = samples(val, base, 1.0, np.random.default_rng(a.seed + 1))
-    zv = np.where(fv, Xv @ wf, Xv[:, :5] @ ws)
+    Xv, yv, fv = samples(val, base, 0.25, np.random.default_rng(a.seed + 1), val_priors)
+    zv = np.where(fv, Xv[:, :6] @ wf, Xv[:, :5] @ ws)
+    extra = {}
+    if tok is not None:
+        hv = Xv[:, 6] > 0
+        zt = np.where(fv, wtf[0] + wtf[1] * Xv[:, 7], wts[0] + wts[1] * Xv[:, 7])
+        extra = {"keys_with_prior": float(hv.mean()),
+                 "auc_keys_with_prior_without_it": auc(zv[hv], yv[hv])}
+        zv = np.where(hv, zv + zt, zv)
+        extra["auc_keys_with_prior"] = auc(zv[hv], yv[hv])
     qv = 1.0 / (1.0 + np.exp(-zv))
     report = {"log_loss": log_loss(qv, yv), "auc": auc(zv, yv),
               "base_rate": float(yv.mean()),
               "log_loss_constant": log_loss(np.full_like(yv, yv.mean()), yv),
-              "auc_fresh": auc(zv[fv], yv[fv]), "auc_stale": auc(zv[~fv], yv[~fv])}
-    model = NextUseModel(wf, ws, c=c, beta=b, cross=base.cross, info={
+              "auc_fresh": auc(zv[fv], yv[fv]), "auc_stale": auc(zv[~fv], yv[~fv]), **extra}
+    model = NextUseModel(wf, ws, c=c, beta=b, cross=base.cross, w_tok_fresh=wtf,
+                         w_tok_stale=wts, tokens=tok, info={
         "trained_on": f"{tr.model or 'routing traces'}: {path.name}, {len(tr_idx)} of "
                       f"{len(files)} prompts (validation: crc32(file name) % 5 == 0)",
         "layers": L, "experts": E, "train_tokens": train.num_tokens,
@@ -172,6 +236,10 @@ def main() -> None:
     saved = NextUseModel.load(a.out)  # what the package loads (cross in f16)
     model.info["validation"]["hit_rate"] = {f"{int(cap * 100)}%": hit_rate(val, saved, cap)
                                             for cap in (0.05, 0.10, 0.25)}
+    if tok is not None:  # the ablation: eviction given the token prior too
+        model.info["validation"]["hit_rate_with_token_prior"] = {
+            f"{int(cap * 100)}%": hit_rate(val, saved, cap, val_priors)
+            for cap in (0.05, 0.10, 0.25)}
     model.info["train_seconds"] = round(time.time() - t0, 1)
     model.save(a.out)
     print(json.dumps({"c": c, "beta": b, **model.info["validation"]}, indent=1))

@@ -325,11 +325,12 @@ smoe_policy *smoe_py_policy_take(PyObject *obj, uint32_t nslots, uint32_t num_la
 static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     (void)mod;
     static char *kwlist[] = {"policy", "keys", "pass_starts", "mask_seed", "counts", "next_use",
-                             NULL};
+                             "prior_table", "prior_rows", NULL};
     PyObject *o_pol, *o_keys, *o_ps = Py_None, *o_mask = NULL, *o_counts = Py_None;
+    PyObject *o_ptab = Py_None, *o_prows = Py_None;
     int next_use = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$OOp:replay", kwlist, &o_pol, &o_keys, &o_ps,
-                                     &o_mask, &o_counts, &next_use))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$OOpOO:replay", kwlist, &o_pol, &o_keys,
+                                     &o_ps, &o_mask, &o_counts, &next_use, &o_ptab, &o_prows))
         return NULL;
     if (!PyObject_TypeCheck(o_pol, &Policy_Type)) {
         PyErr_Format(PyExc_TypeError, "replay: policy must be a specmoe._C.Policy, got %s",
@@ -344,8 +345,8 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     if (!keys) return NULL;
     const npy_intp n = PyArray_DIM(keys, 0);
     PyArrayObject *ps = NULL, *hits = NULL, *vic = NULL, *ck = NULL, *cv = NULL, *co = NULL,
-                  *qa = NULL;
-    smoe_replay_opts opts = {NULL, 0, mask_seed, NULL, NULL, NULL};
+                  *qa = NULL, *ptab = NULL, *prows = NULL;
+    smoe_replay_opts opts = {NULL, 0, mask_seed, NULL, NULL, NULL, NULL, NULL, 0};
     if (o_ps != Py_None) {
         if (!PyArray_Check(o_ps) && PyIndex_Check(o_ps) && !PyBool_Check(o_ps)) {
             unsigned long long len;
@@ -424,6 +425,28 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
         opts.count_keys = PyArray_DATA(ck);
         opts.count_vals = PyArray_DATA(cv);
     }
+    if ((o_ptab == Py_None) != (o_prows == Py_None) || (o_ptab != Py_None && !ps)) {
+        PyErr_SetString(PyExc_ValueError, "replay: prior_table and prior_rows go together, "
+                        "with pass_starts (a row per pass)");
+        goto fail;
+    }
+    if (o_ptab != Py_None) {
+        ptab = (PyArrayObject *)PyArray_FROMANY(o_ptab, NPY_FLOAT32, 2, 2, NPY_ARRAY_IN_ARRAY);
+        if (!ptab) goto fail;
+        prows = (PyArrayObject *)PyArray_FROMANY(o_prows, NPY_INT32, 1, 1, NPY_ARRAY_IN_ARRAY);
+        if (!prows) goto fail;
+        if (PyArray_DIM(ptab, 1) != (npy_intp)po->num_layers * po->num_experts ||
+            (uint64_t)PyArray_DIM(prows, 0) != opts.npass) {
+            PyErr_Format(PyExc_ValueError, "replay: prior_table must be [n, %lld] and "
+                         "prior_rows [%llu] (a row per pass)",
+                         (long long)po->num_layers * po->num_experts,
+                         (unsigned long long)opts.npass);
+            goto fail;
+        }
+        opts.prior_table = PyArray_DATA(ptab);
+        opts.prior_rows = PyArray_DATA(prows);
+        opts.prior_n = (uint64_t)PyArray_DIM(ptab, 0);
+    }
     if (next_use && strcmp(po->name, "nextuse") != 0) {
         PyErr_Format(PyExc_ValueError, "replay: next_use=True needs a nextuse policy, not %s",
                      po->name);
@@ -456,6 +479,8 @@ static PyObject *py_replay(PyObject *mod, PyObject *args, PyObject *kw) {
     Py_XDECREF(ck);
     Py_XDECREF(cv);
     Py_XDECREF(co);
+    Py_XDECREF(ptab);
+    Py_XDECREF(prows);
     if (qa) return Py_BuildValue("(NNN)", hits, vic, qa);
     return Py_BuildValue("(NN)", hits, vic);
 fail:
@@ -467,6 +492,8 @@ fail:
     Py_XDECREF(hits);
     Py_XDECREF(vic);
     Py_XDECREF(qa);
+    Py_XDECREF(ptab);
+    Py_XDECREF(prows);
     return NULL;
 }
 

@@ -51,7 +51,7 @@ PyDoc_STRVAR(simulate_doc,
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
 "         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1,\n"
 "         miss_keep2=top_k, lowbit2_ratio=1.0, protect=False, model=None,\n"
-"         admission=False, cpu_expert_s=0.0) -> dict\n\n"
+"         admission=False, cpu_expert_s=0.0, prior_table=None, prior_rows=None) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
 "`seed`, least_stale `order`, spac/spac_ema `levels`, spac `gamma` = draft length, -1 = 8)\n"
@@ -67,6 +67,8 @@ PyDoc_STRVAR(simulate_doc,
 "token), see smoe_sim_miss in csrc/sim.h.\n"
 "protect: the expert lookahead buffer's eviction shield (demand only; csrc/sim.h).\n"
 "admission: prefetch admission by expected benefit (csrc/admit.h), the live caches' rule.\n"
+"prior_table (float32 [n, layers * num_experts]) and prior_rows (int32 [tokens], -1 none):\n"
+"token t's prior for the policy and the learned predictor (policy.h on_prior).\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
 
 static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
@@ -77,8 +79,10 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
                              "layer_fixed_s", "token_fixed_s", "seed", "order", "levels",
                              "verify_tokens", "miss", "miss_keep", "lowbit_ratio", "gamma",
                              "miss_keep2", "lowbit2_ratio", "protect", "model",
-                             "admission", "cpu_expert_s", NULL};
+                             "admission", "cpu_expert_s", "prior_table", "prior_rows",
+                             NULL};
     PyObject *experts_o, *policy_o, *logits_o = Py_None, *model_o = Py_None;
+    PyObject *ptab_o = Py_None, *prows_o = Py_None;
     long long num_experts, nslots;
     int predictor = 0, order = 0;
     long long depth = 1, topk = 0, history = 16;
@@ -92,14 +96,14 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     unsigned int miss_keep = 0, miss_keep2 = UINT32_MAX;
     double lowbit_ratio = 1.0, lowbit2_ratio = 1.0, cpu_expert_s = 0.0;
     int protect = 0, admission = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpOpd", kwlist, &experts_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpOpdOO", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
                                      &layer_fixed_s, &token_fixed_s, &seed, &order, &levels,
                                      &verify_tokens, &miss, &miss_keep, &lowbit_ratio,
                                      &gamma, &miss_keep2, &lowbit2_ratio, &protect, &model_o,
-                                     &admission, &cpu_expert_s))
+                                     &admission, &cpu_expert_s, &ptab_o, &prows_o))
         return NULL;
     if (gamma < -1 || gamma > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: gamma (spac's draft length) must be in "
@@ -134,7 +138,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     }
     PyArrayObject *ex = as_array(experts_o, NPY_INT16, 3, "experts");
     if (!ex) return NULL;
-    PyArrayObject *lg = NULL, *mod = NULL;
+    PyArrayObject *lg = NULL, *mod = NULL, *ptab = NULL, *prows = NULL;
     smoe_policy *pol = NULL;
     int32_t *future = NULL;
     PyObject *ret = NULL;
@@ -158,6 +162,25 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
             goto done;
         }
     }
+    if ((ptab_o == Py_None) != (prows_o == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "simulate: prior_table and prior_rows go together");
+        goto done;
+    }
+    if (ptab_o != Py_None) {
+        ptab = as_array(ptab_o, NPY_FLOAT32, 2, "prior_table");
+        if (!ptab) goto done;
+        prows = as_array(prows_o, NPY_INT32, 1, "prior_rows");
+        if (!prows) goto done;
+        if (PyArray_DIM(ptab, 1) != dims[1] * (npy_intp)num_experts ||
+            PyArray_DIM(prows, 0) != dims[0]) {
+            PyErr_Format(PyExc_ValueError, "simulate: prior_table must be [n, %lld] and "
+                         "prior_rows [%lld], got [%lld, %lld] and [%lld]",
+                         (long long)(dims[1] * num_experts), (long long)dims[0],
+                         (long long)PyArray_DIM(ptab, 0), (long long)PyArray_DIM(ptab, 1),
+                         (long long)PyArray_DIM(prows, 0));
+            goto done;
+        }
+    }
     smoe_sim_trace tr = {
         .experts = (const int16_t *)PyArray_DATA(ex),
         .logits = lg ? (const float *)PyArray_DATA(lg) : NULL,
@@ -167,6 +190,9 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
         .num_experts = (uint32_t)num_experts,
         .verify_tokens = (uint32_t)verify_tokens,
         .protect = (uint32_t)protect,
+        .prior_table = ptab ? (const float *)PyArray_DATA(ptab) : NULL,
+        .prior_rows = prows ? (const int32_t *)PyArray_DATA(prows) : NULL,
+        .prior_n = ptab ? (uint64_t)PyArray_DIM(ptab, 0) : 0,
     };
     smoe_err err;
     smoe_err_clear(&err);
@@ -234,6 +260,8 @@ done:
     free(future);
     Py_XDECREF(lg);
     Py_XDECREF(mod);
+    Py_XDECREF(ptab);
+    Py_XDECREF(prows);
     Py_DECREF(ex);
     return ret;
 }

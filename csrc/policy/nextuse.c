@@ -9,8 +9,8 @@
 /* Built-in model (no cross table): the temporal weights fitted on the DeepSeek-V2-Lite puffin
  * traces' training split by training/nextuse.py (the packaged model's w_stale), used when the
  * policy is created without a model. */
-static const double builtin_model[SMOE_NU_HEADER] = {
-    SMOE_NU_VERSION,
+static const double builtin_model[SMOE_NU_HEADER_V1] = {
+    1, /* format 1: no token weights */
     /* w_fresh (unused without a cross table) */ 0, 0, 0, 0, 0, 0,
     /* w_stale */ -2.289, 0.502, 0.843, 3.391, -0.266,
     /* alpha_s, alpha_l */ 1.0 / 8, 1.0 / 64,
@@ -19,7 +19,11 @@ static const double builtin_model[SMOE_NU_HEADER] = {
 
 typedef struct nu_state {
     double wf[6], ws[5], as, al, c, beta;
+    double wtf[2], wts[2]; /* token weights (bias, prior) with and without the cross feature;
+                              0 for a format-1 model */
     double *cross;   /* [L][E][E] or NULL (owned) */
+    double *prior;   /* [nkeys] the current pass's token prior (on_prior), valid if has_prior */
+    int has_prior;
     uint64_t *used;  /* [nkeys] internal pass of the last demand touch; 0 = never */
     double *es, *el; /* [nkeys] */
     int32_t *key_of; /* [nslots], -1 when free */
@@ -41,6 +45,7 @@ static void nu_free(smoe_policy *p) {
     nu_state *st = p->state;
     if (!st) return;
     free(st->cross);
+    free(st->prior);
     free(st->used);
     free(st->es);
     free(st->el);
@@ -56,14 +61,17 @@ static void nu_free(smoe_policy *p) {
 static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *err) {
     const uint64_t L = params->num_layers, E = params->num_experts, nkeys = L * E;
     const double *m = params->model ? params->model : builtin_model;
-    const uint64_t len = params->model ? params->model_len : SMOE_NU_HEADER;
-    if (len < SMOE_NU_HEADER || m[0] != SMOE_NU_VERSION)
-        return smoe_err_set(err, SMOE_EINVAL, "nextuse: the model must be a format-%d array of "
-                            "at least %d values (specmoe.sim.nextuse.NextUseModel.flat()), got "
-                            "%" PRIu64 " values%s", SMOE_NU_VERSION, SMOE_NU_HEADER, len,
-                            len ? (m[0] != SMOE_NU_VERSION ? " of another format" : "") : "");
+    const uint64_t len = params->model ? params->model_len : SMOE_NU_HEADER_V1;
+    const int version = len ? (m[0] == 1.0 ? 1 : m[0] == 2.0 ? 2 : 0) : 0;
+    const uint64_t head = version == 1 ? SMOE_NU_HEADER_V1 : SMOE_NU_HEADER;
+    if (!version || len < head)
+        return smoe_err_set(err, SMOE_EINVAL, "nextuse: the model must be a format-1 or -%d "
+                            "array of at least %d values (specmoe.sim.nextuse.NextUseModel."
+                            "flat()), got %" PRIu64 " values%s", SMOE_NU_VERSION,
+                            SMOE_NU_HEADER_V1, len,
+                            len && !version ? " of another format" : "");
     const int has_cross = m[16] != 0.0;
-    const uint64_t want = SMOE_NU_HEADER + (has_cross ? L * E * E : 0);
+    const uint64_t want = head + (has_cross ? L * E * E : 0);
     if (len != want)
         return smoe_err_set(err, SMOE_EINVAL, "nextuse: the model has %" PRIu64 " values; a "
                             "model %s a cross table for %" PRIu64 " layers x %" PRIu64
@@ -87,10 +95,11 @@ static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
         st->prev = malloc(E * sizeof *st->prev);
         st->memo_q = malloc(2 * nkeys * sizeof *st->memo_q);
         st->memo_at = calloc(2 * nkeys, sizeof *st->memo_at);
+        st->prior = malloc(nkeys * sizeof *st->prior);
         if (has_cross) st->cross = malloc(L * E * E * sizeof *st->cross);
     }
     if (!st || !st->used || !st->es || !st->el || !st->key_of || !st->xv || !st->prev ||
-        !st->memo_q || !st->memo_at || (has_cross && !st->cross)) {
+        !st->memo_q || !st->memo_at || !st->prior || (has_cross && !st->cross)) {
         nu_free(p);
         return smoe_err_set(err, SMOE_ENOMEM, "nextuse: out of memory for %" PRIu64 " keys",
                             nkeys);
@@ -101,7 +110,11 @@ static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
     st->al = m[13];
     st->c = m[14];
     st->beta = m[15];
-    if (has_cross) memcpy(st->cross, m + SMOE_NU_HEADER, L * E * E * sizeof *st->cross);
+    if (version >= 2) {
+        memcpy(st->wtf, m + 17, sizeof st->wtf);
+        memcpy(st->wts, m + 19, sizeof st->wts);
+    }
+    if (has_cross) memcpy(st->cross, m + head, L * E * E * sizeof *st->cross);
     for (uint32_t s = 0; s < params->nslots; s++) st->key_of[s] = -1;
     st->pass = 1;
     st->lc = -1;
@@ -144,7 +157,19 @@ static void nu_pass(smoe_policy *p, uint64_t pass_id) {
     }
     st->pass++;
     st->lc = -1;
+    st->has_prior = 0; /* the new pass's token is not known until on_prior */
     st->events++;
+}
+
+/* The pass's token prior (policy.h on_prior): copied; the memoised q of keys whose next run
+ * is in this pass depend on it, so the memo is emptied. */
+static void nu_prior(smoe_policy *p, const float *prior) {
+    nu_state *st = p->state;
+    const uint64_t nkeys = (uint64_t)p->num_layers * p->num_experts;
+    st->has_prior = prior != NULL;
+    if (prior)
+        for (uint64_t k = 0; k < nkeys; k++) st->prior[k] = (double)prior[k];
+    memset(st->memo_at, 0, 2 * nkeys * sizeof *st->memo_at);
 }
 
 /* Mean cross[l][a][e] over the experts a of layer l - 1 touched in the current pass, into
@@ -204,6 +229,10 @@ static double nu_q(nu_state *st, uint32_t L, uint32_t E, int32_t key, double *dl
     else
         z = st->ws[0] + st->ws[1] * last + st->ws[2] * st->es[key] + st->ws[3] * st->el[key] +
             st->ws[4] * gap;
+    if (inpass && st->has_prior) { /* the key's next run is this pass's token's */
+        const double *wt = use_cross ? st->wtf : st->wts;
+        z += wt[0] + wt[1] * st->prior[key];
+    }
     const double q = 1.0 / (1.0 + exp(-z));
     if (!use_cross) {
         st->memo_q[m] = q;
@@ -274,6 +303,7 @@ const smoe_policy_ops smoe_policy_nextuse = {
     .victim = nu_victim,
     .utility = nu_utility,
     .regret = nu_regret,
+    .on_prior = nu_prior,
 };
 
 void smoe_nextuse_layer_q(smoe_policy *p, uint32_t layer, double *out) {

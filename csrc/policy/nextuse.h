@@ -31,15 +31,21 @@
  *   cross   = with a cross table, when inpass, l >= 1, l <= lc + 1 and layer l - 1 has demand
  *             touches in pass P (so they belong to the same pass as k's next run): the mean of
  *             cross[l][a][e] over those experts a of layer l - 1 ("fresh"); else absent.
- *   q = sigmoid(w_fresh . (1, last, es, el, gap, cross)) when fresh, else
- *       sigmoid(w_stale . (1, last, es, el, gap)).
+ *   prior   = when inpass and the pass's token prior is known (on_prior, policy.h: the caller's
+ *             per-key log ratio of "the pass's token uses it", from a table keyed by the token
+ *             id, issue 42 item 1): prior[k]; else absent.
+ *   q = sigmoid(w_fresh . (1, last, es, el, gap, cross) [+ w_tok_fresh . (1, prior)]) when
+ *       fresh, else sigmoid(w_stale . (1, last, es, el, gap) [+ w_tok_stale . (1, prior)]),
+ *       the bracket where the prior is present (added after the rest).
  * All arithmetic in double; the plain-Python reference (tests/ref_policies.py RefNextUse)
  * follows the same order of operations.
  *
  * Model: a flat array of doubles (specmoe.sim.nextuse.NextUseModel.flat):
- *   [0] format version (1); [1..6] w_fresh; [7..11] w_stale; [12] alpha_s; [13] alpha_l;
+ *   [0] format version (1 or 2); [1..6] w_fresh; [7..11] w_stale; [12] alpha_s; [13] alpha_l;
  *   [14] c; [15] beta; [16] 1 when a cross table of num_layers * num_experts^2 values
- *   (cross[l][a][e], l-major; layer 0's unused) follows, else 0.
+ *   (cross[l][a][e], l-major; layer 0's unused) follows, else 0; format 2 only: [17..18]
+ *   w_tok_fresh, [19..20] w_tok_stale (format 1: no token weights, the prior is ignored);
+ *   then the cross table.
  * Without a model (params->model == NULL: the policy created by name) the built-in weights
  * below are used, with no cross table: the temporal part, which does not depend on the
  * model's shape.
@@ -58,7 +64,7 @@
 
 #include "policy.h"
 
-enum { SMOE_NU_VERSION = 1, SMOE_NU_HEADER = 17 };
+enum { SMOE_NU_VERSION = 2, SMOE_NU_HEADER = 21, SMOE_NU_HEADER_V1 = 17 };
 
 /* The predicted q of every key (out[num_layers * num_experts]) in the policy's current state;
  * p must be a nextuse policy (SMOE_EINVAL otherwise).  For tests and benchmarks. */

@@ -88,6 +88,13 @@ typedef struct smoe_policy_ops {
      * (admit.h, issue 42 item 3).  Policies without it are charged the cache's measured rate
      * of regretted evictions. */
     double (*regret)(const smoe_policy *p, int32_t key);
+    /* Optional (nextuse): what is known of the current pass's token before its layers run:
+     * prior[num_layers * num_experts], per key the evidence (a log ratio, finite) that the
+     * pass's token uses it, from a table keyed by the token (issue 42 item 1: "the context's
+     * token ids"); NULL: nothing is known (an unknown token, a pass of several tokens).  Given
+     * after on_pass and before the pass's first access; it holds until the next on_pass.  The
+     * policy copies the values. */
+    void (*on_prior)(smoe_policy *p, const float *prior);
 } smoe_policy_ops;
 
 struct smoe_policy {
@@ -151,6 +158,10 @@ static inline void smoe_policy_pass(smoe_policy *p, uint64_t pass_id) {
 static inline void smoe_policy_counts(smoe_policy *p, const int32_t *keys, const uint32_t *counts,
                                       uint32_t n) {
     if (p->ops->on_counts) p->ops->on_counts(p, keys, counts, n);
+}
+/* No-op for a policy without on_prior. */
+static inline void smoe_policy_prior(smoe_policy *p, const float *prior) {
+    if (p->ops->on_prior) p->ops->on_prior(p, prior);
 }
 /* -1 when the policy has no utility (or the key is out of range). */
 static inline int32_t smoe_policy_utility(const smoe_policy *p, int32_t key) {

@@ -37,6 +37,12 @@ int smoe_policy_replay(smoe_policy *p, const int32_t *keys, uint64_t n,
                                 "(entry %" PRIu64 " is %" PRIu64 " after %" PRIu64 ")",
                                 j, ps[j], ps[j - 1]);
 
+    const int32_t *prow = (opts && npass) ? opts->prior_rows : NULL;
+    for (uint64_t j = 0; prow && j < npass; j++)
+        if (!opts->prior_table || (prow[j] >= 0 && (uint64_t)prow[j] >= opts->prior_n))
+            return smoe_err_set(err, SMOE_EINVAL, "replay: prior row %" PRId32 " of pass %"
+                                PRIu64 " is outside the table's %" PRIu64 " rows", prow[j], j,
+                                opts->prior_table ? opts->prior_n : 0);
     const uint64_t *co = (opts && npass) ? opts->count_offsets : NULL;
     if (co) {
         if (co[0] != 0)
@@ -80,6 +86,9 @@ int smoe_policy_replay(smoe_policy *p, const int32_t *keys, uint64_t n,
                     smoe_policy_counts(p, opts->count_keys + co[next_pass],
                                        opts->count_vals + co[next_pass],
                                        (uint32_t)(co[next_pass + 1] - co[next_pass]));
+                if (prow)
+                    smoe_policy_prior(p, prow[next_pass] < 0 ? NULL
+                                         : opts->prior_table + (uint64_t)prow[next_pass] * nkeys);
             }
             next_pass++;
         }

@@ -38,6 +38,12 @@ typedef struct smoe_replay_opts {
     const uint64_t *count_offsets; /* NULL, or npass + 1 offsets into count_keys/count_vals */
     const int32_t *count_keys;
     const uint32_t *count_vals;
+    /* NULL, or the passes' priors (policy.h on_prior), given after on_pass (and the counts):
+     * pass j gets prior_table + prior_rows[j] * nkeys, or NULL where prior_rows[j] < 0;
+     * prior_rows has npass entries, each < prior_n. */
+    const float *prior_table;
+    const int32_t *prior_rows;
+    uint64_t prior_n;
 } smoe_replay_opts;
 
 /* hits (n entries) and victims (n entries) are filled by the call.  opts may be NULL.

@@ -267,9 +267,13 @@ class NextUse(PolicySpec):
     """Learned next-use eviction (``csrc/policy/nextuse.h``).  ``model``: a
     :class:`~specmoe.sim.nextuse.NextUseModel`, a path to one (``training/nextuse.py`` writes
     them), or None: the packaged model when the cache's shape is DeepSeek-V2-Lite's (26 MoE
-    layers x 64 experts), else its temporal part (no layer-to-layer table)."""
+    layers x 64 experts), else its temporal part (no layer-to-layer table).  ``token_prior``:
+    evict with the model's token weights where the pass's token prior is given (off by
+    default: on the DeepSeek-V2-Lite traces it lowers the hit rate; the prior serves the
+    ``learned`` prefetch predictor, docs/simulator.md)."""
 
     model: Any = field(default=None, repr=False)
+    token_prior: bool = False
     name = "nextuse"
 
     def resolve(self, num_layers: int, num_experts: int) -> Any:
@@ -287,7 +291,7 @@ class NextUse(PolicySpec):
 
     def build(self, nslots: int, num_layers: int, num_experts: int) -> _C.Policy:
         return _C.Policy("nextuse", nslots, num_layers, num_experts,
-                         model=self.resolve(num_layers, num_experts).flat())
+                         model=self.resolve(num_layers, num_experts).flat(self.token_prior))
 
 
 #: Built-in policies that learn from per-pass activation counts (``observe_counts``).

@@ -22,13 +22,84 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NextUseModel", "default_model", "DEFAULT_PATH", "Walker", "split_requests",
-           "used_at_next_run", "FORMAT_VERSION", "GAP_CAP"]
+__all__ = ["NextUseModel", "TokenPrior", "default_model", "DEFAULT_PATH", "Walker",
+           "split_requests", "used_at_next_run", "FORMAT_VERSION", "GAP_CAP"]
 
-FORMAT_VERSION = 1
+#: The flat array's format: 2 with token weights (the token prior's), 1 without.
+FORMAT_VERSION = 2
 GAP_CAP = 256
 #: The packaged model (trained by training/nextuse.py; card beside it).
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "zoo" / "nextuse-dsv2lite" / "model.npz"
+
+
+@dataclass
+class TokenPrior:
+    """What a token tells about its own routing before its layers run (issue 42 item 1, "the
+    context's token ids"): per token piece of the training prompts, how often it used each
+    expert of each layer.  The prior of a token is, per key, the smoothed log ratio
+
+        log((counts[p, l, e] + alpha * m[l, e]) / (n[p] + alpha)) - log(m[l, e])
+
+    with ``m`` the experts' base rates (``marginal``, floored at 1e-4): 0 for a token that says
+    nothing, positive where the token makes the expert likelier.  Tokens are the tokenizer's
+    pieces (the traces' ``Token`` column; live, ``tokenizer.convert_ids_to_tokens``); a piece
+    not in the table has no prior."""
+
+    pieces: list[str]
+    counts: np.ndarray    # uint16 [P, L, E]
+    n: np.ndarray         # [P] occurrences of each piece
+    marginal: np.ndarray  # [L, E] base rate of each expert
+    alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.pieces = [str(x) for x in self.pieces]
+        self.counts = np.asarray(self.counts)
+        self.n = np.asarray(self.n, np.int64).reshape(-1)
+        self.marginal = np.asarray(self.marginal, np.float64)
+        P = len(self.pieces)
+        if self.counts.ndim != 3 or self.counts.shape[0] != P or self.n.shape != (P,) or \
+                self.marginal.shape != self.counts.shape[1:]:
+            raise ValueError(f"token prior: counts {self.counts.shape}, n {self.n.shape} and "
+                             f"marginal {self.marginal.shape} do not fit {P} pieces")
+        if len(set(self.pieces)) != P:
+            raise ValueError("token prior: a piece is listed twice")
+        if not self.alpha > 0 or np.any(self.n < 1) or np.any(self.counts < 0) or \
+                np.any(self.counts.max(axis=2) > self.n[:, None]):
+            raise ValueError("token prior: need alpha > 0, n >= 1 and 0 <= counts <= n")
+        self._index = {p: i for i, p in enumerate(self.pieces)}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.counts.shape[1], self.counts.shape[2])
+
+    def ratios(self, counts: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """The prior (float32 [..., L * E]) of counts [..., L, E] seen in n [...] tokens."""
+        m = np.maximum(self.marginal, 1e-4)
+        n = np.asarray(n, np.float64)[..., None, None]
+        r = np.log((counts + self.alpha * m) / (n + self.alpha)) - np.log(m)
+        return r.reshape(*r.shape[:-2], -1).astype(np.float32)
+
+    def table(self) -> np.ndarray:
+        """Every piece's prior, float32 [P, L * E] (the rows :meth:`rows` indexes)."""
+        return np.ascontiguousarray(self.ratios(self.counts.astype(np.float64), self.n))
+
+    def rows(self, tokens: list[str]) -> np.ndarray:
+        """int32 row of each token's piece in :meth:`table`, -1 for a piece not in it."""
+        return np.array([self._index.get(t, -1) for t in tokens], np.int32)
+
+    @staticmethod
+    def count(tokens: list[str], experts: np.ndarray, num_experts: int) -> "TokenPrior":
+        """The table of a trace's tokens and their routing (experts [T, L, K])."""
+        T, L, K = experts.shape
+        pieces = sorted(set(tokens))
+        index = {p: i for i, p in enumerate(pieces)}
+        row = np.array([index[t] for t in tokens], np.int64)
+        counts = np.zeros((len(pieces), L, num_experts), np.int64)
+        np.add.at(counts, (row[:, None, None], np.arange(L)[None, :, None], experts), 1)
+        n = np.bincount(row, minlength=len(pieces))
+        used = np.zeros((L, num_experts))
+        np.add.at(used, (np.arange(L)[None, :, None].repeat(T, 0), experts), 1)
+        return TokenPrior(pieces, counts.astype(np.uint16), n, used / max(T, 1))
 
 
 @dataclass
@@ -37,7 +108,10 @@ class NextUseModel:
     applies where the cross-layer feature is fresh, ``w_stale`` (5, no cross) elsewhere;
     ``cross[l, a, e]`` (float, ``[num_layers, num_experts, num_experts]``; layer 0 unused) is
     the evidence that expert ``a`` of layer ``l - 1`` brings for expert ``e`` of layer ``l`` in
-    the same pass, or None (a model of the temporal features alone, for any shape)."""
+    the same pass, or None (a model of the temporal features alone, for any shape).
+    ``w_tok_fresh`` / ``w_tok_stale`` (2 each: bias, prior) add the pass's token prior where
+    it is known (``tokens``, a :class:`TokenPrior`, and the policy's ``on_prior``), None: no
+    token weights (format 1)."""
 
     w_fresh: np.ndarray
     w_stale: np.ndarray
@@ -47,10 +121,22 @@ class NextUseModel:
     beta: float = 1.0
     cross: np.ndarray | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    w_tok_fresh: np.ndarray | None = None
+    w_tok_stale: np.ndarray | None = None
+    tokens: TokenPrior | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.w_fresh = np.asarray(self.w_fresh, np.float64).reshape(6)
         self.w_stale = np.asarray(self.w_stale, np.float64).reshape(5)
+        if (self.w_tok_fresh is None) != (self.w_tok_stale is None):
+            raise ValueError("w_tok_fresh and w_tok_stale go together")
+        if self.w_tok_fresh is not None:
+            self.w_tok_fresh = np.asarray(self.w_tok_fresh, np.float64).reshape(2)
+            self.w_tok_stale = np.asarray(self.w_tok_stale, np.float64).reshape(2)
+        if self.tokens is not None and self.cross is not None and \
+                self.tokens.shape != self.cross.shape[:2]:
+            raise ValueError(f"the token prior is for {self.tokens.shape} (layers, experts), "
+                             f"the cross table for {self.cross.shape[:2]}")
         if self.cross is not None:
             self.cross = np.asarray(self.cross, np.float64)
             L, E, E2 = self.cross.shape
@@ -67,15 +153,21 @@ class NextUseModel:
         return None if self.cross is None else (self.cross.shape[0], self.cross.shape[1])
 
     def temporal(self) -> "NextUseModel":
-        """The same model without its cross table (any number of layers and experts)."""
+        """The same model without its cross table and token prior (any number of layers and
+        experts)."""
         return NextUseModel(self.w_fresh, self.w_stale, self.alpha_s, self.alpha_l, self.c,
-                            self.beta, None, dict(self.info, cross="dropped"))
+                            self.beta, None, dict(self.info, cross="dropped"),
+                            self.w_tok_fresh, self.w_tok_stale, None)
 
-    def flat(self) -> np.ndarray:
-        """The float64 array the C policy takes (``_C.Policy("nextuse", ..., model=)``)."""
-        head = np.concatenate([[FORMAT_VERSION], self.w_fresh, self.w_stale,
+    def flat(self, token_weights: bool = True) -> np.ndarray:
+        """The float64 array the C policy takes (``_C.Policy("nextuse", ..., model=)``):
+        format 2 with token weights, 1 without (or with ``token_weights=False``: a policy that
+        ignores the token prior)."""
+        tok = [] if self.w_tok_fresh is None or not token_weights else \
+            [self.w_tok_fresh, self.w_tok_stale]
+        head = np.concatenate([[2 if tok else 1], self.w_fresh, self.w_stale,
                                [self.alpha_s, self.alpha_l, self.c, self.beta,
-                                0.0 if self.cross is None else 1.0]])
+                                0.0 if self.cross is None else 1.0], *tok])
         parts = [head] if self.cross is None else [head, self.cross.reshape(-1)]
         return np.ascontiguousarray(np.concatenate(parts), dtype=np.float64)
 
@@ -85,6 +177,13 @@ class NextUseModel:
                                   info=np.array(json.dumps(self.info)))
         if self.cross is not None:
             kw["cross"] = self.cross.astype(np.float16)  # the packaged file stays small
+        if self.w_tok_fresh is not None:
+            kw["w_tok"] = np.concatenate([self.w_tok_fresh, self.w_tok_stale])
+        if self.tokens is not None:
+            t = self.tokens
+            kw.update(tok_pieces=np.array(t.pieces, dtype=str), tok_counts=t.counts,
+                      tok_n=t.n.astype(np.uint32), tok_marginal=t.marginal,
+                      tok_alpha=np.array(t.alpha))
         np.savez_compressed(path, **kw)
 
     @staticmethod
@@ -92,10 +191,17 @@ class NextUseModel:
         try:
             with np.load(path) as z:
                 s = z["scalars"]
+                wt = z["w_tok"] if "w_tok" in z else None
+                tok = None
+                if "tok_pieces" in z:
+                    tok = TokenPrior(list(z["tok_pieces"]), z["tok_counts"], z["tok_n"],
+                                     z["tok_marginal"], float(z["tok_alpha"]))
                 return NextUseModel(z["w_fresh"], z["w_stale"], float(s[0]), float(s[1]),
                                     float(s[2]), float(s[3]),
                                     z["cross"].astype(np.float64) if "cross" in z else None,
-                                    json.loads(str(z["info"])))
+                                    json.loads(str(z["info"])),
+                                    None if wt is None else wt[:2],
+                                    None if wt is None else wt[2:], tok)
         except (OSError, KeyError, ValueError) as e:
             raise ValueError(f"{os.fspath(path)!r} is not a next-use model: {e}") from None
 
@@ -139,6 +245,11 @@ class Walker:
         self.el = np.zeros(n)
         self.P = 1
         self.lc = -1
+        self.prior: np.ndarray | None = None
+
+    def set_prior(self, prior: np.ndarray | None) -> None:
+        """The pass's token prior ([L * E], the policy's on_prior), None: unknown."""
+        self.prior = None if prior is None else np.asarray(prior, np.float64).reshape(-1)
 
     def begin_pass(self) -> None:
         u = (self.used == self.P).astype(np.float64)
@@ -146,13 +257,15 @@ class Walker:
         self.el += self.m.alpha_l * (u - self.el)
         self.P += 1
         self.lc = -1
+        self.prior = None
 
     def touch_layer(self, layer: int, experts: np.ndarray) -> None:
         self.used[layer * self.E + np.asarray(experts, np.int64)] = self.P
         self.lc = layer
 
     def features(self) -> dict[str, np.ndarray]:
-        """Per key: ``X`` [n, 6] (bias, last, es, el, gap, cross; cross 0 where not fresh),
+        """Per key: ``X`` [n, 8] (bias, last, es, el, gap, cross, has_prior, prior; cross 0
+        where not fresh, the prior's two 0 where it is absent: not inpass or no prior set),
         ``fresh`` (bool), ``dl``, ``inpass`` (bool), ``q`` (the model's prediction)."""
         L, E, P, lc = self.L, self.E, self.P, self.lc
         keys = np.arange(L * E)
@@ -175,6 +288,12 @@ class Walker:
                 sel = slice(lay * E, (lay + 1) * E)
                 fresh[sel] = inpass[sel]
                 cross[sel] = self.m.cross[lay][prev].sum(axis=0) / len(prev)
-        X = np.stack([np.ones(L * E), last, self.es, self.el, gap, cross], axis=1)
-        z = np.where(fresh, X @ self.m.w_fresh, X[:, :5] @ self.m.w_stale)
+        has = inpass & (self.prior is not None)
+        prior = np.where(has, 0.0 if self.prior is None else self.prior, 0.0)
+        X = np.stack([np.ones(L * E), last, self.es, self.el, gap, cross,
+                      has.astype(np.float64), prior], axis=1)
+        z = np.where(fresh, X[:, :6] @ self.m.w_fresh, X[:, :5] @ self.m.w_stale)
+        if self.m.w_tok_fresh is not None:
+            wt = np.where(fresh[:, None], self.m.w_tok_fresh, self.m.w_tok_stale)
+            z = z + np.where(has, wt[:, 0] + wt[:, 1] * prior, 0.0)
         return dict(X=X, fresh=fresh, dl=dl, inpass=inpass, q=1.0 / (1.0 + np.exp(-z)))

@@ -284,6 +284,19 @@ def _learned_model(num_layers: int, num_experts: int) -> np.ndarray:
     return default_model(num_layers, num_experts).flat()
 
 
+def _token_priors(trace: Trace, models: list[Any]) -> dict[str, np.ndarray]:
+    """The simulator's prior_table / prior_rows for ``trace``'s tokens: from the first of
+    ``models`` (NextUseModel, in order of precedence) that has a token prior of the trace's
+    shape; {} when none has one or the trace has no token pieces."""
+    if trace.tokens is None:
+        return {}
+    for m in models:
+        tok = getattr(m, "tokens", None)
+        if tok is not None and tok.shape == (trace.num_layers, trace.num_experts):
+            return {"prior_table": tok.table(), "prior_rows": tok.rows(trace.tokens)}
+    return {}
+
+
 def ttft_seconds(trace: Trace, hw: Hardware, model: ModelCost, overlap: bool) -> np.ndarray:
     """Prefill time of every request (see :mod:`specmoe.sim.hardware` for the approximation)."""
     n, nl, k = trace.experts.shape
@@ -317,7 +330,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
              *, model: ModelCost | None = None, verify_tokens: int = 1, miss: str = "fetch",
              miss_keep: int = 2, lowbit_ratio: float = 0.25, miss_keep2: int | None = None,
              lowbit2_ratio: float = 0.1875, protect: bool = False,
-             admission: bool = False, hybrid: bool = False) -> SimResult:
+             admission: bool = False, hybrid: bool = False,
+             token_prior: bool = True) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
     ``policy``: a built-in name with options (``"lru"``, ``"least_stale:order=lru"``,
@@ -366,6 +380,10 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     queued for admission (Eq. 10).  ``extra`` counts ``hybrid_copied``, ``hybrid_cpu``,
     ``hybrid_admitted`` and ``hybrid_cpu_wait_s``.  Needs ``hardware.cpu_bw`` (the ``h200``
     profile has the H200 host's), ``miss="fetch"`` and ``verify_tokens=1``.
+    ``token_prior``: where the trace has token pieces and the ``nextuse`` policy's model or
+    the ``learned`` predictor's has a token prior (``specmoe.sim.nextuse.TokenPrior``), each
+    pass gives it its token's prior before the layers run (one token per pass only); False
+    replays without it (the ablation).
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a specmoe.Trace, got {type(trace).__name__}")
@@ -436,13 +454,22 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         if name == "nextuse":  # with the packaged model, not the C built-in's weights alone
             from ..runtime.policies import NextUse
 
-            pol = NextUse().build(nslots, nl, E)
+            policy = NextUse()
     if not isinstance(policy, str):
         from ..runtime.policies import SpAc
 
         if isinstance(policy, SpAc) and policy.gamma is None:
             policy = dataclasses.replace(policy, gamma=int(verify_tokens) - 1)
         pol = _policy_object(policy, nslots, nl, E)
+    priors: dict[str, np.ndarray] = {}
+    if token_prior and verify_tokens == 1 and not protect:
+        from ..runtime.policies import NextUse
+        from .nextuse import default_model
+
+        models = [policy.resolve(nl, E)] if isinstance(policy, NextUse) else []
+        if pred.kind == "learned":
+            models.append(default_model(nl, E))
+        priors = _token_priors(trace, models)
     t0 = time.perf_counter()
     r = _C.simulate(trace.experts, E, pol, nslots,
                     logits=trace.logits if pred.kind == "router" or miss in ("drop", "substitute",
@@ -456,7 +483,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
                     lowbit2_ratio=float(lowbit2_ratio), protect=bool(protect),
                     model=_learned_model(nl, E) if pred.kind == "learned" else None,
                     admission=bool(admission),
-                    cpu_expert_s=model.expert_bytes / hw.cpu_bw if hybrid else 0.0, **kw)
+                    cpu_expert_s=model.expert_bytes / hw.cpu_bw if hybrid else 0.0, **priors,
+                    **kw)
     wall = time.perf_counter() - t0
     n = max(trace.num_tokens, 1)
     acc = r["accesses"]

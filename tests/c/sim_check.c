@@ -1,7 +1,8 @@
 /* Memory-safety sweep of the simulator (csrc/sim.c) under AddressSanitizer+UBSan, without
  * Python: a random trace replayed through every built-in policy at many capacities, with
  * every predictor, selection mode and two hardware balances (late and timely prefetches), with
- * the lookahead shield, and as the hybrid tier.
+ * the lookahead shield, as the hybrid tier, and with token priors for nextuse and the learned
+ * predictor.
  * Checks counters add up and that a replay is deterministic. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,7 +60,7 @@ int main(void) {
         lg[i] = (float)(s >> 40) / (float)(1 << 24);
     }
     for (uint32_t i = 0; i < N * L * K; i++) fut[i] = (int32_t)(((i / K) % L) * E) + ex[i];
-    smoe_sim_trace tr = {ex, lg, N, L, K, E, 1, 0};
+    smoe_sim_trace tr = {ex, lg, N, L, K, E, 1, 0, NULL, NULL, 0};
     smoe_sim_hw hws[2] = {{17e6, 1e12, 25e9, 1e-5, 5e-5, 4e-4}, {17e6, 2e11, 4e12, 1e-6, 0, 0}};
     int runs = 0;
     for (int pi = 0; pi < 7; pi++)
@@ -129,6 +130,49 @@ int main(void) {
                     }
                     runs++;
                 }
+    /* token priors (policy.h on_prior): a format-2 nextuse model with token weights as the
+     * cache's policy and the learned predictor's, three prior rows and unknown tokens */
+    {
+        double model[21] = {2, -1, 0.5, 0.8, 3, -0.3, 1, -2, 0.5, 0.8, 3, -0.3,
+                            1.0 / 8, 1.0 / 64, 1, 1, 0, 0.2, 0.7, -0.1, 0.9};
+        float *ptab = malloc((size_t)3 * L * E * sizeof *ptab);
+        int32_t *prow = malloc((size_t)N * sizeof *prow);
+        if (!ptab || !prow) return 1;
+        for (size_t i = 0; i < (size_t)3 * L * E; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            ptab[i] = (float)((double)(s >> 40) / (double)(1 << 24) * 4.0 - 2.0);
+        }
+        for (uint32_t t = 0; t < N; t++) prow[t] = (int32_t)(t % 4) - 1;
+        smoe_sim_trace tp = tr;
+        tp.prior_table = ptab;
+        tp.prior_rows = prow;
+        tp.prior_n = 3;
+        for (uint32_t ns = 1; ns <= L * E; ns += 6)
+            for (int adm = 0; adm < 2; adm++) {
+                smoe_sim_prefetch pf = {SMOE_PRED_LEARNED, 2, 0, 0.0, 4, 0.8, model, 21, adm};
+                smoe_policy_params pp = {.nslots = ns, .num_layers = L, .num_experts = E,
+                                         .model = model, .model_len = 21};
+                smoe_sim_result a[2];
+                for (int rep = 0; rep < 2; rep++) {
+                    smoe_policy *p;
+                    smoe_err err;
+                    if (smoe_policy_create(&p, smoe_policy_find("nextuse"), &pp, &err) < 0 ||
+                        smoe_sim_run(&tp, p, ns, &pf, &hws[0], &a[rep], &err) < 0) {
+                        fprintf(stderr, "nextuse + priors nslots=%u: %s\n", ns, err.msg);
+                        return 1;
+                    }
+                    smoe_policy_destroy(p);
+                }
+                if (a[0].hits + a[0].misses != a[0].accesses || a[0].hits != a[1].hits ||
+                    a[0].total_s != a[1].total_s || a[0].predicted_true != a[1].predicted_true) {
+                    fprintf(stderr, "nextuse + priors nslots=%u: inconsistent counters\n", ns);
+                    return 1;
+                }
+                runs++;
+            }
+        free(ptab);
+        free(prow);
+    }
     printf("sim_check: %d runs ok\n", runs);
     free(ex);
     free(lg);
