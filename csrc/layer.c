@@ -115,6 +115,10 @@ void smoe_layers_free(smoe_layers *g) {
     g->lq = NULL;
     free(g->replay);
     g->replay = NULL;
+    free(g->prior_table);
+    free(g->prior_rows);
+    g->prior_table = NULL;
+    g->prior_rows = NULL;
     smoe_mlp_bufs_free(&g->sh);
     free(g->pred);
     free(g->pred_valid);
@@ -238,6 +242,8 @@ int smoe_layers_set_replay(smoe_layers *g, const int16_t *experts, uint64_t n, u
     }
     pthread_mutex_lock(&g->mu);
     int rc = SMOE_OK;
+    float *old_table = NULL;
+    int32_t *old_rows = NULL;
     if (!copy && g->predictor == SMOE_LPRED_ORACLE) {
         rc = smoe_err_set(err, SMOE_ESTATE, "replay: the oracle predictor is set; choose another "
                           "before turning the replay off");
@@ -246,11 +252,65 @@ int smoe_layers_set_replay(smoe_layers *g, const int16_t *experts, uint64_t n, u
         g->replay = copy, g->replay_n = copy ? n : 0;
         g->replay_next = copy ? start : 0;
         g->replay_base = g->replay_pass = 0;
+        old_table = g->prior_table, old_rows = g->prior_rows; /* they were that trace's */
+        g->prior_table = NULL, g->prior_rows = NULL;
         copy = old;
     }
     pthread_mutex_unlock(&g->mu);
     free(copy);
+    free(old_table);
+    free(old_rows);
     return rc;
+}
+
+int smoe_layers_set_replay_priors(smoe_layers *g, const float *table, uint64_t n,
+                                  const int32_t *rows, uint64_t nrows, smoe_err *err) {
+    const size_t per = (size_t)g->L * g->E;
+    float *tab = NULL;
+    int32_t *rw = NULL;
+    if (table) {
+        for (uint64_t t = 0; t < nrows; t++)
+            if (rows[t] >= 0 && (uint64_t)rows[t] >= n)
+                return smoe_err_set(err, SMOE_EINVAL, "replay priors: row %d of token %llu is "
+                                    "outside the table's %llu rows", (int)rows[t],
+                                    (unsigned long long)t, (unsigned long long)n);
+        if (n > SIZE_MAX / (per * sizeof *tab) || nrows > SIZE_MAX / sizeof *rw)
+            return smoe_err_set(err, SMOE_EINVAL, "replay priors: too large");
+        tab = malloc((n ? n : 1) * per * sizeof *tab);
+        rw = malloc((nrows ? nrows : 1) * sizeof *rw);
+        if (!tab || !rw) {
+            free(tab);
+            free(rw);
+            return smoe_err_set(err, SMOE_ENOMEM, "replay priors: out of memory");
+        }
+        memcpy(tab, table, n * per * sizeof *tab);
+        memcpy(rw, rows, nrows * sizeof *rw);
+    }
+    pthread_mutex_lock(&g->mu);
+    int rc = SMOE_OK;
+    if (table && !g->replay)
+        rc = smoe_err_set(err, SMOE_ESTATE, "replay priors: no routing replay is set");
+    else if (table && nrows != g->replay_n)
+        rc = smoe_err_set(err, SMOE_EINVAL, "replay priors: %llu rows for a replay of %llu "
+                          "tokens", (unsigned long long)nrows, (unsigned long long)g->replay_n);
+    if (rc == SMOE_OK) {
+        float *ot = g->prior_table;
+        int32_t *orw = g->prior_rows;
+        g->prior_table = tab, g->prior_rows = rw;
+        tab = ot, rw = orw; /* the old ones, freed below */
+    }
+    pthread_mutex_unlock(&g->mu);
+    free(tab);
+    free(rw);
+    return rc;
+}
+
+/* The prior of the pass that starts (forward_locked at pos 0; [mu]): a replayed pass of one
+ * token with a prior row, else NULL. */
+static const float *pass_prior(const smoe_layers *g, uint32_t T) {
+    if (!g->prior_rows || T != 1 || g->replay_pass != g->counters.passes) return NULL;
+    const int32_t r = g->prior_rows[g->replay_base];
+    return r < 0 ? NULL : g->prior_table + (size_t)r * g->L * g->E;
 }
 
 void smoe_layers_replay_position(smoe_layers *g, uint64_t *used, uint64_t *n) {
@@ -1135,8 +1195,12 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
     if (pos == 0) {
         g->counters.passes++;
         g->counters.tokens += T;
-        smoe_slots_begin_pass(g->tier.tab);
-        if (g->learner) smoe_policy_pass(g->learner, g->counters.passes);
+        const float *prior = pass_prior(g, T);
+        smoe_slots_begin_pass_prior(g->tier.tab, prior);
+        if (g->learner) {
+            smoe_policy_pass(g->learner, g->counters.passes);
+            smoe_policy_prior(g->learner, prior);
+        }
     }
     if (g->learner && T > 0) feed_learner(g, pos, T, idx, draft);
     if (g->prefetch && pos + 1 < g->L && T > 0) {

@@ -127,6 +127,52 @@ def test_oracle_and_learned_predictors(engine, puffin_subset):
     engine.replay_routing(None)
 
 
+def test_learned_predictor_gets_the_replayed_tokens_priors(engine, puffin_subset):
+    """Replaying a trace with token pieces, each one-token pass gives the learned predictor
+    its token's prior (the packaged model's token prior; csrc/layer.h
+    smoe_layers_set_replay_priors): the live predictions' true positives equal the trainer's
+    numpy features given the same priors, top-k by q of the next layer within each pass; a
+    trace without pieces predicts as the model without priors does, and differently."""
+    from specmoe.sim.nextuse import Walker, default_model
+
+    tr = puffin_subset.slice(0, 40)
+    T, L, K = tr.experts.shape
+    E = tr.num_experts
+    model = default_model(L, E)
+    assert model.tokens is not None
+    table, rows = model.tokens.table(), model.tokens.rows(tr.tokens)
+    assert (rows >= 0).sum() > T // 2
+
+    def want(priors: bool) -> int:
+        w, hits = Walker(L, E, model), 0
+        for t in range(T):
+            w.begin_pass()
+            if priors and rows[t] >= 0:
+                w.set_prior(table[rows[t]])
+            for lay in range(L):
+                w.touch_layer(lay, tr.experts[t, lay])
+                if lay + 1 < L:
+                    q = w.features()["q"][(lay + 1) * E:(lay + 2) * E].astype(np.float32)
+                    top = np.argsort(-q, kind="stable")[:K]
+                    hits += len(set(top.tolist()) & set(tr.experts[t, lay + 1].tolist()))
+        return hits
+
+    got = {}
+    for name, arg in (("pieces", tr), ("no pieces", tr.experts)):
+        engine.set_cache(400, policy="lru")
+        engine.replay_routing(arg)
+        engine.set_prefetch(True, overfetch=1.0, predictor="learned")
+        engine.layers.counters(reset=True)
+        run(engine, T)
+        c = engine.layers.counters()
+        assert c["predicted"] == T * (L - 1) * K
+        got[name] = c["true_positive"]
+        engine.set_prefetch(False, predictor="router")
+    engine.replay_routing(None)
+    assert got == {"pieces": want(True), "no pieces": want(False)}
+    assert got["pieces"] != got["no pieces"]
+
+
 def test_replay_bad_input_is_named_and_consumes_nothing(engine, trace):
     from specmoe import CacheError
 

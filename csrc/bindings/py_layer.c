@@ -648,6 +648,44 @@ static PyObject *Layers_set_replay(LayersObject *self, PyObject *args, PyObject 
     Py_RETURN_NONE;
 }
 
+static PyObject *Layers_set_replay_priors(LayersObject *self, PyObject *args) {
+    PyObject *t_o, *r_o = Py_None;
+    if (check_init(self) < 0 || !PyArg_ParseTuple(args, "O|O:set_replay_priors", &t_o, &r_o))
+        return NULL;
+    PyArrayObject *tab = NULL, *rows = NULL;
+    if (t_o != Py_None) {
+        tab = (PyArrayObject *)PyArray_FROMANY(t_o, NPY_FLOAT32, 2, 2, NPY_ARRAY_IN_ARRAY);
+        if (!tab) return NULL;
+        rows = (PyArrayObject *)PyArray_FROMANY(r_o, NPY_INT32, 1, 1, NPY_ARRAY_IN_ARRAY);
+        if (!rows) {
+            Py_DECREF(tab);
+            return NULL;
+        }
+        if ((uint64_t)PyArray_DIM(tab, 1) != (uint64_t)self->g.L * self->g.E) {
+            PyErr_Format(PyExc_ValueError, "set_replay_priors: the table has %zd columns, the "
+                         "model %u layers x %u experts", (Py_ssize_t)PyArray_DIM(tab, 1),
+                         self->g.L, self->g.E);
+            Py_DECREF(tab);
+            Py_DECREF(rows);
+            return NULL;
+        }
+    }
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    const float *td = tab ? PyArray_DATA(tab) : NULL;
+    const int32_t *rd = rows ? PyArray_DATA(rows) : NULL;
+    const uint64_t n = tab ? (uint64_t)PyArray_DIM(tab, 0) : 0;
+    const uint64_t nr = rows ? (uint64_t)PyArray_DIM(rows, 0) : 0;
+    Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
+    rc = smoe_layers_set_replay_priors(&self->g, td, n, rd, nr, &e);
+    Py_END_ALLOW_THREADS
+    Py_XDECREF(tab);
+    Py_XDECREF(rows);
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Layers_replay_position(LayersObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_init(self) < 0) return NULL;
@@ -845,6 +883,10 @@ static PyMethodDef Layers_methods[] = {
      "int16 [tokens, layers, top_k] (a Trace's experts), weights from the router's\n"
      "probabilities; the next pass starts at trace token start (csrc/layer.h\n"
      "smoe_layers_set_replay)."},
+    {"set_replay_priors", (PyCFunction)Layers_set_replay_priors, METH_VARARGS,
+     "set_replay_priors(table float32 [n, L*E] or None, rows int32 [replay tokens]): each\n"
+     "replayed pass of one token gives its row's prior to the cache's policy and the learned\n"
+     "predictor (csrc/layer.h smoe_layers_set_replay_priors; dropped with the replay)."},
     {"replay_position", (PyCFunction)Layers_replay_position, METH_NOARGS,
      "replay_position() -> (tokens replayed, tokens in the trace); (0, 0) without a replay."},
     {"config", (PyCFunction)Layers_config, METH_NOARGS,
