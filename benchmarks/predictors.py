@@ -12,8 +12,11 @@ trained on):
    run" (all keys; keys with the fresh cross-layer feature; the rest), and for the layers
    1, 2 and 3 positions after the last one run, the top-k experts by q against the experts
    really used there (precision = recall = F1 at k = top_k) and the experts with q >= 0.5
-   (precision, recall, F1).  The simulator's ``history`` predictor (online recent use plus
-   co-activation) at depth 1 for comparison; its ``learned`` predictor is the top-k by q.
+   (precision, recall, F1), and 6 and 12 positions ahead.  The simulator's ``history``
+   predictor (online recent use plus co-activation) at depth 1 for comparison; its
+   ``learned`` predictor is the top-k by q.  With the packaged model's token prior (each
+   pass told what its token's piece predicts, specmoe.sim.nextuse.TokenPrior) in
+   ``prediction``, and without it in ``prediction_without_token_prior``.
 2. **simulator rows**: policy x predictor x capacity (5/10/25 % of the experts) x hardware
    (laptop: DDR5 + NVMe; rtx4090-nvme: a 24 GB GPU streaming experts from a PCIe 4.0 x4
    NVMe; a100-pcie4: experts in host memory over PCIe 4.0 x16), each row with hit_rate,
@@ -24,11 +27,14 @@ trained on):
    that finds a slot loaded (``admission: false``), and under the prefetch admission rule
    (``admission: true``, csrc/admit.h: a request loads only when its probability of use
    times the stall it saves exceeds the cost of the read and of its victim), with
-   ``refused`` counting what the rule turned away.  The offline bound at a capacity and
-   hardware is the fastest of Belady demand-only and Belady with an oracle prefetch of the
-   next 1 or 2 layers, each with and without that same admission rule (issue 42 item 4 asks
-   for the rule; the plain oracle rows are kept in the minimum because at 25 % on a fast link
-   loading every oracle prediction is a little faster still).
+   ``refused`` counting what the rule turned away.  Rows carry ``token_prior``: the learned
+   predictor runs with the token prior and again without it (the ablation), and
+   ``nextuse+prior`` is nextuse evicting with it too (NextUse(token_prior=True)).  The
+   offline bound at a capacity and hardware is the fastest of Belady demand-only and Belady
+   with an oracle prefetch of the next 1 or 2 layers, each with and without that same
+   admission rule (issue 42 item 4 asks for the rule; the plain oracle rows are kept in the
+   minimum because at 25 % on a fast link loading every oracle prediction is a little faster
+   still).
 
 Every figure is simulated (csrc/sim.c's time model), not measured on hardware; the JSON
 records the host only for the wall times.
@@ -71,6 +77,20 @@ BOUND_PREDICTORS = ("none", "oracle:depth=1", "oracle:depth=2")
 BOUND_ADMITTED = ("oracle:depth=1", "oracle:depth=2")  # the bound's prefetch: under admission
 
 
+def variants(has_prior: bool) -> list[tuple[str, str, bool, bool]]:
+    """(policy, predictor, admission, token_prior) of the online rows: every policy with every
+    predictor, loading every prediction and under admission; with a token prior, the
+    learned predictor also without it (the ablation) and nextuse evicting with it too."""
+    out = []
+    for pol in POLICIES + (("nextuse+prior",) if has_prior else ()):
+        for pred in PREDICTORS if pol != "nextuse+prior" else ("none", "learned"):
+            for adm in ((False,) if pred == "none" else (False, True)):
+                out.append((pol, pred, adm, True))
+                if has_prior and pred == "learned" and pol != "nextuse+prior":
+                    out.append((pol, pred, adm, False))
+    return out
+
+
 def add_trace_arg(ap: argparse.ArgumentParser) -> None:
     """``--trace DIR``: a folder of traces in the shared layout (see :func:`trace_dir`)."""
     ap.add_argument("--trace", type=Path, default=None,
@@ -94,16 +114,31 @@ def load_split(path: Path, split: str) -> tuple[Trace, dict]:
     return trainer.subset(tr, idx), {"prompts": len(idx), "of": len(files)}
 
 
-def prediction(tr: Trace, model: NextUseModel, frac: float, seed: int = 0) -> dict:
+def token_priors(tr: Trace, model: NextUseModel) -> tuple[np.ndarray, np.ndarray] | None:
+    """(table, rows) of tr's tokens from the model's token prior, None without one."""
+    if model.tokens is None or tr.tokens is None:
+        return None
+    return model.tokens.table(), model.tokens.rows(tr.tokens)
+
+
+def prediction(tr: Trace, model: NextUseModel, frac: float, seed: int = 0,
+               priors: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
+    """The prediction table; ``priors``: (table, rows) of the tokens' priors, given at each
+    pass as the simulator and the live layers give them, or None (the ablation)."""
     T, L, K = tr.experts.shape
     E = tr.num_experts
     rng = np.random.default_rng(seed)
     auc = trainer.auc
     w = Walker(L, E, model)
     z, y, fresh = [], [], []
-    depth = {d: {"topk_hits": 0, "topk_n": 0, "tp": 0, "fp": 0, "fn": 0} for d in (1, 2, 3)}
+    depth = {d: {"topk_hits": 0, "topk_n": 0, "tp": 0, "fp": 0, "fn": 0}
+             for d in (1, 2, 3, 6, 12)}
+    with_prior = 0
     for t in range(T):
         w.begin_pass()
+        if priors is not None and priors[1][t] >= 0:
+            w.set_prior(priors[0][priors[1][t]])
+            with_prior += 1
         for lay in range(L):
             if t + 1 < T and rng.random() < frac:
                 f = w.features()
@@ -129,7 +164,9 @@ def prediction(tr: Trace, model: NextUseModel, frac: float, seed: int = 0) -> di
     z, y, fresh = np.concatenate(z), np.concatenate(y), np.concatenate(fresh)
     p = np.clip(1 / (1 + np.exp(-z)), 1e-9, 1 - 1e-9)
     base = float(y.mean())
-    out = {"points_sampled": frac, "keys_scored": int(len(y)), "base_rate": round(base, 4),
+    out = {"token_prior": priors is not None,
+           "tokens_with_prior": round(with_prior / max(T, 1), 4),
+           "points_sampled": frac, "keys_scored": int(len(y)), "base_rate": round(base, 4),
            "log_loss": round(float(-np.mean(y * np.log(p) + (~y) * np.log(1 - p))), 4),
            "log_loss_constant": round(float(-(base * np.log(base) + (1 - base) *
                                               np.log(1 - base))), 4),
@@ -146,13 +183,20 @@ def prediction(tr: Trace, model: NextUseModel, frac: float, seed: int = 0) -> di
 
 
 def sim_row(tr: Trace, policy: str, pred: str, cap: str, hwname: str,
-            admission: bool = False) -> dict:
-    spec = Belady(tr) if policy == "belady" else NextUse() if policy == "nextuse" else policy
+            admission: bool = False, token_prior: bool = True) -> dict:
+    """One simulator row.  ``policy`` "nextuse+prior": nextuse evicting with the token prior
+    too (NextUse(token_prior=True)); ``token_prior=False``: no pass gets its token's prior
+    (the learned predictor's ablation)."""
+    spec = Belady(tr) if policy == "belady" else NextUse() if policy == "nextuse" else \
+        NextUse(token_prior=True) if policy == "nextuse+prior" else policy
     r = simulate(tr, spec, cap, prefetch=None if pred == "none" else pred,
-                 hardware=HARDWARE[hwname], admission=admission)
+                 hardware=HARDWARE[hwname], admission=admission, token_prior=token_prior)
     acc = max(r.accesses, 1)
     loads = r.misses - r.prefetch_late + r.prefetch_issued  # demand loads + prefetch copies
-    return {"policy": policy, "predictor": pred, "admission": admission, "capacity": cap,
+    uses_prior = token_prior and tr.tokens is not None and (
+        pred.startswith("learned") or policy == "nextuse+prior")
+    return {"policy": policy, "predictor": pred, "admission": admission,
+            "token_prior": uses_prior, "capacity": cap,
             "hardware": hwname, "hit_rate": round(r.hit_rate, 4),
             "untimed_hit_rate": round((r.hits + r.prefetch_late) / acc, 4),
             "prefetch_waste": round(r.prefetch_wasted / r.prefetch_issued, 4)
@@ -183,7 +227,10 @@ def main() -> None:
                  "tokens": tr.num_tokens, "accesses": tr.num_accesses,
                  "model": {"shape": model.shape, "trained_on": model.info.get("trained_on"),
                            "c": model.c, "beta": model.beta}}
-    out["prediction"] = prediction(tr, model, a.sample)
+    priors = token_priors(tr, model)
+    out["prediction"] = prediction(tr, model, a.sample, priors=priors)
+    if priors is not None:  # the ablation: the same points without the token prior
+        out["prediction_without_token_prior"] = prediction(tr, model, a.sample)
     hist = simulate(tr, "lru", "100%", prefetch="history")
     out["prediction"]["history_depth1"] = {"precision": round(hist.predictor_precision, 4),
                                            "recall": round(hist.predictor_recall, 4)}
@@ -202,24 +249,23 @@ def main() -> None:
                 r["bytes_vs_demand"] = round(r["loads_per_token"] / b[0]["loads_per_token"], 3)
                 r["vs_offline_bound"] = round(r["est_tpot_ms"] / best["est_tpot_ms"], 3)
             demand = {}
-            for pol in POLICIES:
-                for pred in PREDICTORS:
-                    for adm in ((False,) if pred == "none" else (False, True)):
-                        r = sim_row(tr, pol, pred, cap, hw, admission=adm)
-                        if pred == "none":
-                            demand[pol] = r
-                        r["bytes_vs_demand"] = round(r["loads_per_token"] /
-                                                     demand[pol]["loads_per_token"], 3)
-                        r["vs_demand_only"] = round(r["est_tpot_ms"] /
-                                                    demand[pol]["est_tpot_ms"], 4)
-                        r["vs_offline_bound"] = round(r["est_tpot_ms"] / best["est_tpot_ms"], 3)
-                        rows.append(r)
-                        if not a.json:
-                            print(f"{hw:13s} {cap:>4s} {pol:12s} {pred:15s} "
-                                  f"{'admit' if adm else 'all  '} hit {r['hit_rate']:.3f} "
-                                  f"untimed {r['untimed_hit_rate']:.3f} tpot "
-                                  f"{r['est_tpot_ms']:8.2f} ms  x{r['vs_offline_bound']:.2f} of "
-                                  f"bound  bytes x{r['bytes_vs_demand']:.2f}", flush=True)
+            for pol, pred, adm, tp in variants(priors is not None):
+                r = sim_row(tr, pol, pred, cap, hw, admission=adm, token_prior=tp)
+                if pred == "none":
+                    demand[pol] = r
+                r["bytes_vs_demand"] = round(r["loads_per_token"] /
+                                             demand[pol]["loads_per_token"], 3)
+                r["vs_demand_only"] = round(r["est_tpot_ms"] /
+                                            demand[pol]["est_tpot_ms"], 4)
+                r["vs_offline_bound"] = round(r["est_tpot_ms"] / best["est_tpot_ms"], 3)
+                rows.append(r)
+                if not a.json:
+                    print(f"{hw:13s} {cap:>4s} {pol:13s} {pred:15s} "
+                          f"{'prior' if r['token_prior'] else '     '} "
+                          f"{'admit' if adm else 'all  '} hit {r['hit_rate']:.3f} "
+                          f"untimed {r['untimed_hit_rate']:.3f} tpot "
+                          f"{r['est_tpot_ms']:8.2f} ms  x{r['vs_offline_bound']:.2f} of "
+                          f"bound  bytes x{r['bytes_vs_demand']:.2f}", flush=True)
             rows.extend(b)
     for r in rows:
         r["loads_per_token"] = round(r["loads_per_token"], 2)
