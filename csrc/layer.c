@@ -42,6 +42,7 @@ int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
     g->L = L, g->E = E, g->H = H, g->k = k;
     g->tier = *tier, g->kc = kc, g->desc = *d, g->sigmoid = sigmoid;
     g->prefetch = 1, g->overfetch = 1.5, g->mass = 0.0;
+    g->prior_next = -1;
     g->routers = calloc(L, sizeof *g->routers);
     g->shared = calloc(L, sizeof *g->shared);
     g->pred = calloc((size_t)L * E, 1);
@@ -242,7 +243,6 @@ int smoe_layers_set_replay(smoe_layers *g, const int16_t *experts, uint64_t n, u
     }
     pthread_mutex_lock(&g->mu);
     int rc = SMOE_OK;
-    float *old_table = NULL;
     int32_t *old_rows = NULL;
     if (!copy && g->predictor == SMOE_LPRED_ORACLE) {
         rc = smoe_err_set(err, SMOE_ESTATE, "replay: the oracle predictor is set; choose another "
@@ -252,51 +252,53 @@ int smoe_layers_set_replay(smoe_layers *g, const int16_t *experts, uint64_t n, u
         g->replay = copy, g->replay_n = copy ? n : 0;
         g->replay_next = copy ? start : 0;
         g->replay_base = g->replay_pass = 0;
-        old_table = g->prior_table, old_rows = g->prior_rows; /* they were that trace's */
-        g->prior_table = NULL, g->prior_rows = NULL;
+        old_rows = g->prior_rows; /* the old trace's rows; the table stays */
+        g->prior_rows = NULL;
         copy = old;
     }
     pthread_mutex_unlock(&g->mu);
     free(copy);
-    free(old_table);
     free(old_rows);
     return rc;
 }
 
-int smoe_layers_set_replay_priors(smoe_layers *g, const float *table, uint64_t n,
-                                  const int32_t *rows, uint64_t nrows, smoe_err *err) {
+int smoe_layers_set_priors(smoe_layers *g, const float *table, uint64_t n, const int32_t *rows,
+                           uint64_t nrows, smoe_err *err) {
     const size_t per = (size_t)g->L * g->E;
     float *tab = NULL;
     int32_t *rw = NULL;
+    if (!table) rows = NULL, n = 0;
+    for (uint64_t t = 0; rows && t < nrows; t++)
+        if (rows[t] >= 0 && (uint64_t)rows[t] >= n)
+            return smoe_err_set(err, SMOE_EINVAL, "priors: row %d of token %llu is outside the "
+                                "table's %llu rows", (int)rows[t], (unsigned long long)t,
+                                (unsigned long long)n);
     if (table) {
-        for (uint64_t t = 0; t < nrows; t++)
-            if (rows[t] >= 0 && (uint64_t)rows[t] >= n)
-                return smoe_err_set(err, SMOE_EINVAL, "replay priors: row %d of token %llu is "
-                                    "outside the table's %llu rows", (int)rows[t],
-                                    (unsigned long long)t, (unsigned long long)n);
-        if (n > SIZE_MAX / (per * sizeof *tab) || nrows > SIZE_MAX / sizeof *rw)
-            return smoe_err_set(err, SMOE_EINVAL, "replay priors: too large");
-        tab = malloc((n ? n : 1) * per * sizeof *tab);
-        rw = malloc((nrows ? nrows : 1) * sizeof *rw);
-        if (!tab || !rw) {
+        if (!n || n > SIZE_MAX / (per * sizeof *tab) || (rows && nrows > SIZE_MAX / sizeof *rw))
+            return smoe_err_set(err, SMOE_EINVAL, "priors: a table of %llu rows",
+                                (unsigned long long)n);
+        tab = malloc(n * per * sizeof *tab);
+        rw = rows ? malloc((nrows ? nrows : 1) * sizeof *rw) : NULL;
+        if (!tab || (rows && !rw)) {
             free(tab);
             free(rw);
-            return smoe_err_set(err, SMOE_ENOMEM, "replay priors: out of memory");
+            return smoe_err_set(err, SMOE_ENOMEM, "priors: out of memory");
         }
         memcpy(tab, table, n * per * sizeof *tab);
-        memcpy(rw, rows, nrows * sizeof *rw);
+        if (rows) memcpy(rw, rows, nrows * sizeof *rw);
     }
     pthread_mutex_lock(&g->mu);
     int rc = SMOE_OK;
-    if (table && !g->replay)
-        rc = smoe_err_set(err, SMOE_ESTATE, "replay priors: no routing replay is set");
-    else if (table && nrows != g->replay_n)
-        rc = smoe_err_set(err, SMOE_EINVAL, "replay priors: %llu rows for a replay of %llu "
-                          "tokens", (unsigned long long)nrows, (unsigned long long)g->replay_n);
+    if (rows && !g->replay)
+        rc = smoe_err_set(err, SMOE_ESTATE, "priors: rows per trace token need a routing replay");
+    else if (rows && nrows != g->replay_n)
+        rc = smoe_err_set(err, SMOE_EINVAL, "priors: %llu rows for a replay of %llu tokens",
+                          (unsigned long long)nrows, (unsigned long long)g->replay_n);
     if (rc == SMOE_OK) {
         float *ot = g->prior_table;
         int32_t *orw = g->prior_rows;
-        g->prior_table = tab, g->prior_rows = rw;
+        g->prior_table = tab, g->prior_rows = rw, g->prior_n = n;
+        g->prior_next = -1;
         tab = ot, rw = orw; /* the old ones, freed below */
     }
     pthread_mutex_unlock(&g->mu);
@@ -305,11 +307,27 @@ int smoe_layers_set_replay_priors(smoe_layers *g, const float *table, uint64_t n
     return rc;
 }
 
-/* The prior of the pass that starts (forward_locked at pos 0; [mu]): a replayed pass of one
- * token with a prior row, else NULL. */
-static const float *pass_prior(const smoe_layers *g, uint32_t T) {
-    if (!g->prior_rows || T != 1 || g->replay_pass != g->counters.passes) return NULL;
-    const int32_t r = g->prior_rows[g->replay_base];
+int smoe_layers_set_next_prior(smoe_layers *g, int32_t row, smoe_err *err) {
+    pthread_mutex_lock(&g->mu);
+    int rc = SMOE_OK;
+    if (row >= 0 && (uint64_t)row >= g->prior_n)
+        rc = smoe_err_set(err, SMOE_EINVAL, "priors: row %d of a table of %llu rows", (int)row,
+                          (unsigned long long)g->prior_n);
+    else
+        g->prior_next = row < 0 ? -1 : row;
+    pthread_mutex_unlock(&g->mu);
+    return rc;
+}
+
+/* The prior of the pass that starts (forward_locked at pos 0; [mu]; layer.h
+ * smoe_layers_set_priors): a pass of one token, its replayed row or else the row set for it;
+ * NULL without one.  The set row is consumed. */
+static const float *pass_prior(smoe_layers *g, uint32_t T) {
+    const int32_t next = g->prior_next;
+    g->prior_next = -1;
+    if (!g->prior_table || T != 1) return NULL;
+    const int replayed = g->prior_rows && g->replay_pass == g->counters.passes;
+    const int32_t r = replayed ? g->prior_rows[g->replay_base] : next;
     return r < 0 ? NULL : g->prior_table + (size_t)r * g->L * g->E;
 }
 

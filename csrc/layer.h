@@ -236,8 +236,11 @@ typedef struct smoe_layers {
     uint64_t replay_base;     /* the trace token of this pass's first token */
     uint64_t replay_pass;     /* counters.passes of the pass replay_base belongs to (a pass
                                * started by smoe_layers_forward is not replayed) */
-    float *prior_table;       /* owned; [n][L * E] the replayed tokens' priors, or NULL: none */
-    int32_t *prior_rows;      /* owned; [replay_n] row of each trace token, -1: no prior */
+    float *prior_table;       /* owned; [prior_n][L * E] token priors, or NULL: none [mu] */
+    uint64_t prior_n;
+    int32_t *prior_rows;      /* owned; [replay_n] row of each trace token, -1: no prior, or
+                               * NULL [mu] */
+    int32_t prior_next;       /* the next pass's row (set_next_prior), -1: none [mu] */
     /* state [mu] */
     double *delta_sum;        /* owned; [L] sum of tokens' logit ranges (routing's Delta_avg) */
     uint64_t *delta_n;        /* owned; [L] tokens in delta_sum */
@@ -463,14 +466,22 @@ int smoe_layers_set_replay(smoe_layers *g, const int16_t *experts, uint64_t n, u
 /* Trace tokens a replay has consumed (0 without one) and its length. */
 void smoe_layers_replay_position(smoe_layers *g, uint64_t *used, uint64_t *n);
 
-/* The replayed tokens' priors (policy.h on_prior; issue 42 item 1): a pass of one replayed
- * token t gets table + rows[t] * L * E (NULL where rows[t] < 0), given to the cache's policy
- * after its on_pass and to the learned predictor's (sim.c gives the simulator's passes the
- * same); passes of several tokens or not replayed get NULL.  Copies table [n][L * E] and rows
- * [nrows]; nrows must be the replay's length and every row < n (SMOE_EINVAL), and a replay
- * must be set (SMOE_ESTATE).  table NULL: off.  Dropped when the replay changes. */
-int smoe_layers_set_replay_priors(smoe_layers *g, const float *table, uint64_t n,
-                                  const int32_t *rows, uint64_t nrows, smoe_err *err);
+/* Token priors (policy.h on_prior; issue 42 item 1: what a pass's token says before its
+ * layers run).  A pass of one token gets a row of table [n][L * E], given to the cache's
+ * policy after its on_pass and to the learned predictor's (sim.c gives the simulator's passes
+ * the same): under a replay with rows, the replayed token t's row rows[t]; otherwise the row
+ * set by smoe_layers_set_next_prior before the pass (the caller knows the token's id); none
+ * (NULL) for a row < 0, a pass of several tokens, or no table.  Copies table and rows; rows
+ * NULL: none (nrows ignored), else nrows must be the replay's length and every row < n
+ * (SMOE_EINVAL) and a replay must be set (SMOE_ESTATE).  table NULL: off.  A new replay
+ * drops the rows, not the table. */
+int smoe_layers_set_priors(smoe_layers *g, const float *table, uint64_t n, const int32_t *rows,
+                           uint64_t nrows, smoe_err *err);
+
+/* The table row of the next pass's token (-1: none), consumed when that pass starts; a
+ * replay's own rows take precedence.  SMOE_EINVAL for a row >= the table's rows (or with no
+ * table). */
+int smoe_layers_set_next_prior(smoe_layers *g, int32_t row, smoe_err *err);
 
 /* Copy the counters (and reset them when reset != 0), forget pending predictions when reset. */
 void smoe_layers_counters(smoe_layers *g, smoe_layer_counters *out, int reset);

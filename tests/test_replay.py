@@ -173,6 +173,48 @@ def test_learned_predictor_gets_the_replayed_tokens_priors(engine, puffin_subset
     assert got["pieces"] != got["no pieces"]
 
 
+def test_learned_predictor_gets_the_input_tokens_priors(engine, puffin_subset):
+    """Outside a replay's own pieces, Engine.set_token_pieces maps token ids to pieces and each
+    one-token forward gives the learned predictor its input token's prior (the embedding's
+    pre-hook): replaying a trace's experts alone, the live true positives equal the trainer's
+    numpy features given the priors of the ids the model was fed; None turns it off."""
+    from specmoe.sim.nextuse import Walker, default_model
+
+    tr = puffin_subset.slice(0, 30)
+    T, L, K = tr.experts.shape
+    E = tr.num_experts
+    model = default_model(L, E)
+    table = model.tokens.table()
+    V = engine.model.config.vocab_size
+    pieces = [model.tokens.pieces[i % 50] if i % 3 else f"<unknown {i}>" for i in range(V)]
+    engine.set_cache(400, policy="lru")
+    engine.replay_routing(tr.experts)  # no pieces: the priors come from the input ids
+    assert engine.set_token_pieces(pieces)
+    engine.set_prefetch(True, overfetch=1.0, predictor="learned")
+    engine.layers.counters(reset=True)
+    out = run(engine, T)
+    got = engine.layers.counters()["true_positive"]
+    engine.set_prefetch(False, predictor="router")
+    assert not engine.set_token_pieces(None)
+    engine.replay_routing(None)
+    fed = out.sequences[0, :T].tolist()  # pass t's input: the prompt's token, then generated
+    rows = model.tokens.rows([pieces[i] for i in fed])
+    assert (rows >= 0).any() and (rows < 0).any()
+    w, want = Walker(L, E, model), 0
+    for t in range(T):
+        w.begin_pass()
+        if rows[t] >= 0:
+            w.set_prior(table[rows[t]])
+        for lay in range(L):
+            w.touch_layer(lay, tr.experts[t, lay])
+            if lay + 1 < L:
+                q = w.features()["q"][(lay + 1) * E:(lay + 2) * E].astype(np.float32)
+                top = np.argsort(-q, kind="stable")[:K]
+                want += len(set(top.tolist()) & set(tr.experts[t, lay + 1].tolist()))
+    assert got == want
+    assert engine._prior_hook is None
+
+
 def test_replay_bad_input_is_named_and_consumes_nothing(engine, trace):
     from specmoe import CacheError
 
@@ -230,13 +272,56 @@ def test_from_pretrained_route_replay(tmp_path, trace):
         specmoe.from_pretrained(ckpt, route="replay", store=tmp_path / "s.smoe")
     with pytest.raises(ValueError, match="route='psychic'"):
         specmoe.from_pretrained(ckpt, route="psychic", store=tmp_path / "s.smoe")
-    model = specmoe.from_pretrained(ckpt, dtype="f32", dense="f32", cache=100, route="replay",
-                                    trace=trace, prefetch="learned", store=tmp_path / "s.smoe",
-                                    progress=False)
+    with pytest.warns(UserWarning, match="runs without the token prior"):  # no tokenizer
+        model = specmoe.from_pretrained(ckpt, dtype="f32", dense="f32", cache=100,
+                                        route="replay", trace=trace, prefetch="learned",
+                                        store=tmp_path / "s.smoe", progress=False)
     eng = specmoe.engine_of(model)
     try:
         assert eng.predictor == "learned" and eng.replay_position == (0, trace.num_tokens)
         model.generate(torch.tensor([[5]]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
         assert eng.replay_position == (4, trace.num_tokens)
+    finally:
+        eng.close()
+
+
+def test_from_pretrained_learned_maps_the_tokenizer_to_the_token_prior(tmp_path):
+    """prefetch='learned' on a model of the packaged table's shape: the checkpoint's tokenizer
+    maps ids to pieces (Engine.set_token_pieces); ids whose piece the table lacks get none."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specmoe.models.testing import save_checkpoint, tiny_model
+    from specmoe.sim.nextuse import default_model
+
+    ckpt = save_checkpoint(tiny_model("deepseek_v2", **SHAPE), tmp_path / "ckpt")
+    known = default_model(26, 64).tokens.pieces[:40]
+    vocab = {p: i for i, p in enumerate(["[UNK]"] + known + ["not-a-deepseek-piece"])}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+                            unk_token="[UNK]").save_pretrained(ckpt)
+    model = specmoe.from_pretrained(ckpt, dtype="f32", dense="f32", cache=100,
+                                    prefetch="learned", store=tmp_path / "s.smoe", progress=False)
+    eng = specmoe.engine_of(model)
+    try:
+        rows = eng._token_rows
+        assert rows is not None and len(rows) == len(vocab) and eng._prior_hook is not None
+        assert rows[0] == -1 and rows[-1] == -1 and (rows[1:41] >= 0).all()
+        model.generate(torch.tensor([[5]]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        assert eng.stats()["prefetch_precision"] is not None
+    finally:
+        eng.close()
+    assert eng._prior_hook is None  # the model's embedding no longer calls the closed engine
+
+
+def test_set_token_pieces_needs_the_tables_shape():
+    """The packaged token prior is DeepSeek-V2-Lite's (26 x 64): another shape gets none and
+    no embedding hook."""
+    from specmoe.models.testing import tiny_model
+
+    eng = specmoe.offload(tiny_model("deepseek_v2"), cache=8, prefetch=False, dtype="f32",
+                          dense="f32")
+    try:
+        assert not eng.set_token_pieces(["Ġthe"] * eng.model.config.vocab_size)
+        assert eng._token_rows is None and eng._prior_hook is None
     finally:
         eng.close()

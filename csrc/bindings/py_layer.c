@@ -648,25 +648,27 @@ static PyObject *Layers_set_replay(LayersObject *self, PyObject *args, PyObject 
     Py_RETURN_NONE;
 }
 
-static PyObject *Layers_set_replay_priors(LayersObject *self, PyObject *args) {
+static PyObject *Layers_set_priors(LayersObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"table", "rows", NULL};
     PyObject *t_o, *r_o = Py_None;
-    if (check_init(self) < 0 || !PyArg_ParseTuple(args, "O|O:set_replay_priors", &t_o, &r_o))
+    if (check_init(self) < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "O|O:set_priors", kwlist, &t_o, &r_o))
         return NULL;
     PyArrayObject *tab = NULL, *rows = NULL;
     if (t_o != Py_None) {
         tab = (PyArrayObject *)PyArray_FROMANY(t_o, NPY_FLOAT32, 2, 2, NPY_ARRAY_IN_ARRAY);
         if (!tab) return NULL;
-        rows = (PyArrayObject *)PyArray_FROMANY(r_o, NPY_INT32, 1, 1, NPY_ARRAY_IN_ARRAY);
-        if (!rows) {
+        if ((uint64_t)PyArray_DIM(tab, 1) != (uint64_t)self->g.L * self->g.E) {
+            PyErr_Format(PyExc_ValueError, "set_priors: the table has %zd columns, the model "
+                         "%u layers x %u experts", (Py_ssize_t)PyArray_DIM(tab, 1), self->g.L,
+                         self->g.E);
             Py_DECREF(tab);
             return NULL;
         }
-        if ((uint64_t)PyArray_DIM(tab, 1) != (uint64_t)self->g.L * self->g.E) {
-            PyErr_Format(PyExc_ValueError, "set_replay_priors: the table has %zd columns, the "
-                         "model %u layers x %u experts", (Py_ssize_t)PyArray_DIM(tab, 1),
-                         self->g.L, self->g.E);
+        if (r_o != Py_None &&
+            !(rows = (PyArrayObject *)PyArray_FROMANY(r_o, NPY_INT32, 1, 1,
+                                                      NPY_ARRAY_IN_ARRAY))) {
             Py_DECREF(tab);
-            Py_DECREF(rows);
             return NULL;
         }
     }
@@ -678,10 +680,25 @@ static PyObject *Layers_set_replay_priors(LayersObject *self, PyObject *args) {
     const uint64_t n = tab ? (uint64_t)PyArray_DIM(tab, 0) : 0;
     const uint64_t nr = rows ? (uint64_t)PyArray_DIM(rows, 0) : 0;
     Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight (lock order: py_common.h) */
-    rc = smoe_layers_set_replay_priors(&self->g, td, n, rd, nr, &e);
+    rc = smoe_layers_set_priors(&self->g, td, n, rd, nr, &e);
     Py_END_ALLOW_THREADS
     Py_XDECREF(tab);
     Py_XDECREF(rows);
+    if (rc) return smoe_py_raise(&e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Layers_set_next_prior(LayersObject *self, PyObject *arg) {
+    if (check_init(self) < 0) return NULL;
+    long row = PyLong_AsLong(arg);
+    if (row == -1 && PyErr_Occurred()) return NULL;
+    if (row < -1 || row > INT32_MAX) row = row < 0 ? -1 : INT32_MAX;
+    smoe_err e;
+    smoe_err_clear(&e);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_layers_set_next_prior(&self->g, (int32_t)row, &e);
+    Py_END_ALLOW_THREADS
     if (rc) return smoe_py_raise(&e);
     Py_RETURN_NONE;
 }
@@ -883,10 +900,13 @@ static PyMethodDef Layers_methods[] = {
      "int16 [tokens, layers, top_k] (a Trace's experts), weights from the router's\n"
      "probabilities; the next pass starts at trace token start (csrc/layer.h\n"
      "smoe_layers_set_replay)."},
-    {"set_replay_priors", (PyCFunction)Layers_set_replay_priors, METH_VARARGS,
-     "set_replay_priors(table float32 [n, L*E] or None, rows int32 [replay tokens]): each\n"
-     "replayed pass of one token gives its row's prior to the cache's policy and the learned\n"
-     "predictor (csrc/layer.h smoe_layers_set_replay_priors; dropped with the replay)."},
+    {"set_priors", (PyCFunction)(void (*)(void))Layers_set_priors, METH_VARARGS | METH_KEYWORDS,
+     "set_priors(table float32 [n, L*E] or None, rows=None or int32 [replay tokens]): token\n"
+     "priors for one-token passes, given to the cache's policy and the learned predictor: a\n"
+     "replayed token's row, else the row set_next_prior gave (csrc/layer.h smoe_layers_set_priors)."},
+    {"set_next_prior", (PyCFunction)Layers_set_next_prior, METH_O,
+     "set_next_prior(row): the table row of the next pass's token (-1: none), consumed when the\n"
+     "pass starts."},
     {"replay_position", (PyCFunction)Layers_replay_position, METH_NOARGS,
      "replay_position() -> (tokens replayed, tokens in the trace); (0, 0) without a replay."},
     {"config", (PyCFunction)Layers_config, METH_NOARGS,

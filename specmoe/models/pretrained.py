@@ -510,6 +510,23 @@ def _load_dense(plan: _Plan) -> None:
                          f"model needs: {', '.join(left[:6])}{' ...' if len(left) > 6 else ''}")
 
 
+def _token_pieces(eng: Any, path: str | os.PathLike[str]) -> None:
+    """The learned predictor's token prior for a model the packaged table is for (issue 42):
+    the checkpoint's tokenizer maps ids to pieces (Engine.set_token_pieces).  A checkpoint
+    without a usable tokenizer runs without the prior, with a warning."""
+    if eng._token_prior() is None:
+        return
+    try:
+        tok = load_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure only loses the prior
+        import warnings
+
+        warnings.warn(f"{path}: no usable tokenizer ({type(exc).__name__}: {exc}); the learned "
+                      f"predictor runs without the token prior", stacklevel=3)
+        return
+    eng.set_token_pieces(tok)
+
+
 def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | None = None,
                     dtype: str = "auto", policy: Any = "least_stale", prefetch: bool | str = True,
                     store: str | os.PathLike[str] | None = None, direct: bool | None = None,
@@ -639,10 +656,12 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     model.eval()
     if gpu is not None:
         from ..runtime.gpu_engine import GpuEngine
-        GpuEngine(model, spath, device=gpu, cache=cache, policy=policy, prefetch=prefetch,
-                  verify=True, balance=balance, miss=miss, miss_keep=miss_keep,
-                  route_lambda=route_lambda, miss_levels=miss_levels, miss_keep2=miss_keep2,
-                  throttle=throttle)
+        geng = GpuEngine(model, spath, device=gpu, cache=cache, policy=policy,
+                         prefetch=prefetch, verify=True, balance=balance, miss=miss,
+                         miss_keep=miss_keep, route_lambda=route_lambda, miss_levels=miss_levels,
+                         miss_keep2=miss_keep2, throttle=throttle)
+        if prefetch == "learned":
+            _token_pieces(geng, path)
         return model
     predictor = check_prefetch_arg(prefetch)
     eng = Engine(model, spath, cache=cache, policy=policy,
@@ -651,6 +670,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
                  route_lambda=route_lambda, throttle=throttle, miss_levels=miss_levels,
                  miss_keep2=miss_keep2)
     eng.memory_plan = mplan
+    if predictor == "learned":
+        _token_pieces(eng, path)
     if trace is not None:
         try:
             eng.replay_routing(trace)

@@ -222,7 +222,7 @@ class Engine(EngineCommon):
         # which own the position (_replay_start carries it across a rebuild)
         self._replay: np.ndarray | None = None
         self._replay_start = 0
-        self._replay_tokens: list[str] | None = None  # the replay's token pieces (its priors)
+        self._replay_tokens = None  # the replay's token pieces (their priors: _push_priors)
         blocks = [moe_block(model, info, i) for i in ids]
         # the prefetch predictor's view of each layer's router: the module holding weight [E,H]
         # (and bias), and the correction bias added to the scores when choosing experts
@@ -520,7 +520,6 @@ class Engine(EngineCommon):
         self._layers.configure(p["prefetch"], p["overfetch"], p["mass"], self._counts_fed)
         if self._replay is not None:  # before the predictor: the oracle needs it
             self._layers.set_replay(self._replay, start=self._replay_start)
-            self._push_replay_priors()
         self._push_predictor(p.get("predictor", "router"))
         for pos, (scale, shared, _) in self._blocks.items():
             self._layers.set_block(pos, scale, shared)
@@ -769,6 +768,8 @@ class Engine(EngineCommon):
             if self._layers is not None:
                 self._layers.set_replay(None)  # refuses while the oracle predicts from it
             self._replay, self._replay_start, self._replay_tokens = None, 0, None
+            if self._layers is not None:
+                self._push_priors(self._layers)
             return
         ex = trace.experts if hasattr(trace, "experts") else trace
         ex = np.asarray(ex)
@@ -798,23 +799,8 @@ class Engine(EngineCommon):
         self._replay, self._replay_start = ex, int(start)
         toks = getattr(trace, "tokens", None)
         self._replay_tokens = list(toks) if toks is not None and len(toks) == len(ex) else None
-        self._push_replay_priors()
-
-    def _push_replay_priors(self) -> None:
-        """Give the C layers the replayed tokens' priors (the packaged next-use model's token
-        prior looked up by the trace's token pieces; ``csrc/layer.h``
-        ``smoe_layers_set_replay_priors``): each replayed one-token pass then tells the
-        ``learned`` predictor (and a ``NextUse(token_prior=True)`` cache) what its token
-        predicts, as the simulator's passes do.  Nothing without token pieces or a prior of
-        this model's shape."""
-        if self._layers is None or self._replay is None or self._replay_tokens is None:
-            return
-        from ..sim.nextuse import default_model
-
-        tp = default_model(len(self.layer_ids), self.num_experts).tokens
-        if tp is None or tp.shape != (len(self.layer_ids), self.num_experts):
-            return
-        self._layers.set_replay_priors(tp.table(), tp.rows(self._replay_tokens))
+        if self._layers is not None:
+            self._push_priors(self._layers)
 
     @property
     def replay_position(self) -> tuple[int, int]:
@@ -835,6 +821,7 @@ class Engine(EngineCommon):
             if self._closed:
                 return
             self._closed = True
+            self._drop_prior_hook()
             self._release()
 
     def _release(self) -> None:

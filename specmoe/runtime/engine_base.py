@@ -111,6 +111,9 @@ class EngineCommon:
     # a rebuild, after close); _configure_layers pushes it into a new one.
     _prediction: dict[str, Any]
     _replay: Any = None  # a routing replay's trace (Engine.replay_routing; CPU tier only)
+    _replay_tokens: Any = None  # its token pieces, when the trace has them
+    _token_rows: Any = None  # set_token_pieces: token id -> row of the token prior's table
+    _prior_hook: Any = None  # the input embedding's pre-hook that tells the C layers the row
     #: the specmoe.runtime.memplan.MemoryPlan from_pretrained(memory=...) followed, else None
     memory_plan: Any = None
 
@@ -156,6 +159,80 @@ class EngineCommon:
             from ..sim.nextuse import default_model
             model = default_model(len(self.layer_ids), self.num_experts).flat()
         lay.set_predictor(name, model=model)
+        self._push_priors(lay)
+
+    def _token_prior(self) -> Any:
+        """The packaged next-use model's TokenPrior when it is for this model's shape (26 MoE
+        layers x 64 experts: DeepSeek-V2-Lite), else None."""
+        from ..sim.nextuse import default_model
+
+        tp = default_model(len(self.layer_ids), self.num_experts).tokens
+        return tp if tp is not None and tp.shape == (len(self.layer_ids),
+                                                       self.num_experts) else None
+
+    def _push_priors(self, lay: Any) -> None:
+        """The token prior into C layers ``lay`` (``csrc/layer.h`` ``smoe_layers_set_priors``):
+        the table when a replay has token pieces or :meth:`set_token_pieces` mapped the
+        vocabulary, with the replayed tokens' rows; else none."""
+        toks = self._replay_tokens if self._replay is not None else None
+        tp = self._token_prior() if toks is not None or self._token_rows is not None else None
+        if tp is None:
+            lay.set_priors(None)
+        else:
+            lay.set_priors(tp.table(), rows=None if toks is None else tp.rows(toks))
+
+    def set_token_pieces(self, pieces: Any) -> bool:
+        """Tell the ``learned`` prefetch predictor what each token says before its layers run
+        (issue 42's token prior, ``specmoe.sim.nextuse.TokenPrior``): ``pieces`` maps token ids
+        to the tokenizer's pieces -- a tokenizer (``convert_ids_to_tokens``) or a sequence
+        (``pieces[id]``); None turns it off.  Then every forward pass of one token gives the C
+        layers its token's row of the packaged model's table (a pre-hook on the input
+        embedding), as the simulator gives each replayed token its piece's.  Returns whether a
+        prior applies: False for a model whose shape the packaged table is not for (it is
+        DeepSeek-V2-Lite's, 26 MoE layers x 64 experts) or a vocabulary none of whose pieces
+        it knows.  ``from_pretrained(prefetch="learned")`` calls it with the checkpoint's
+        tokenizer."""
+        rows = None
+        if pieces is not None:
+            if hasattr(pieces, "convert_ids_to_tokens"):
+                n = len(pieces)
+                pieces = pieces.convert_ids_to_tokens(list(range(n)))
+            pieces = ["" if p is None else str(p) for p in pieces]
+            tp = self._token_prior()
+            rows = None if tp is None else tp.rows(pieces)
+            if rows is not None and not (rows >= 0).any():
+                rows = None
+        self._token_rows = rows
+        hook = self._prior_hook
+        if rows is None and hook is not None:
+            hook.remove()
+            self._prior_hook = None
+        elif rows is not None and hook is None:
+            emb = self.model.get_input_embeddings()
+            self._prior_hook = emb.register_forward_pre_hook(self._before_embedding)
+        lay = self.layers
+        if lay is not None:
+            self._push_priors(lay)
+        return rows is not None
+
+    def _drop_prior_hook(self) -> None:
+        """At close: the model's embedding no longer calls into this engine."""
+        if self._prior_hook is not None:
+            self._prior_hook.remove()
+            self._prior_hook = None
+        self._token_rows = None
+
+    def _before_embedding(self, module: Any, args: tuple) -> None:
+        """The input embedding's pre-hook (set_token_pieces): the next pass's token row."""
+        rows, lay = self._token_rows, self.layers
+        if rows is None or lay is None or not args:
+            return
+        ids = args[0]
+        row = -1
+        if getattr(ids, "numel", lambda: 0)() == 1:
+            i = int(ids.reshape(-1)[0])
+            row = int(rows[i]) if 0 <= i < len(rows) else -1
+        lay.set_next_prior(row)
 
     def _set_prediction(self, prefetch: bool | None = None, overfetch: float | None = None,
                         mass: float | None | str = "keep") -> None:

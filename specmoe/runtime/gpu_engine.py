@@ -673,6 +673,7 @@ class GpuEngine(EngineCommon):
         a temporary one).  The model's MoE layers refuse calls afterwards."""
         with self._lock:
             self._closed = True
+            self._drop_prior_hook()
             self._keep_settings()
             self._layers = self._tier = None  # before the cache they borrow closes
             self._draft = None  # the low-bit copies' memory
