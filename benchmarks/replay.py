@@ -28,7 +28,8 @@ Rows.  For each cache size (``--caches``, % of the 1664 routed experts), one pro
 cgroup-v1 memory limit of non-expert bytes (bf16) + the cache's bytes + 512 MiB (page cache
 charged: the store cannot hide in it; ``--planned``: the same budget given to
 ``from_pretrained(memory=)``, which plans the dense layers' format and the cache size) runs
-every row of ``--rows`` (``policy[+predictor]``;
+every row of ``--rows`` (``policy[+predictor][+admit][+noprior]``: the learned predictor
+gets each replayed token's prior from the trace's token pieces unless ``+noprior``;
 ``belady`` is Belady's rule over the replayed tokens' true future, ``belady+oracle`` with the
 trace's next layer prefetched; the offline bound is the faster of the two in the round), the
 rows interleaved round by round (``--rounds``).  A row: ``Engine.set_cache`` (empty cache,
@@ -90,17 +91,19 @@ def quick_config() -> dict[str, Any]:
 
 
 def parse_row(name: str) -> dict[str, Any]:
-    """``policy[+predictor][+admit]``: ``+admit`` turns on the prefetch admission rule
-    (``Engine.set_prefetch(admission=True)``, csrc/admit.h)."""
-    policy, _, rest = name.partition("+")
-    pred, _, admit = rest.partition("+")
-    if pred not in ("", "learned", "oracle") or admit not in ("", "admit") or \
-            (admit and not pred):
-        raise SystemExit(f"--rows: {name!r}: policy[+predictor][+admit], the predictor learned "
-                         f"or oracle (the router reads hidden states, meaningless with random "
-                         f"weights); +admit needs a predictor")
+    """``policy[+predictor][+admit][+noprior]``: ``+admit`` turns on the prefetch admission
+    rule (``Engine.set_prefetch(admission=True)``, csrc/admit.h); ``+noprior`` replays the
+    trace's experts without its token pieces, so no pass gets its token's prior (issue 42's
+    token prior, which the learned predictor uses by default)."""
+    policy, *flags = name.split("+")
+    pred = flags.pop(0) if flags and flags[0] in ("learned", "oracle") else ""
+    if any(f not in ("admit", "noprior") for f in flags) or len(set(flags)) != len(flags) or \
+            ("admit" in flags and not pred) or not policy:
+        raise SystemExit(f"--rows: {name!r}: policy[+predictor][+admit][+noprior], the "
+                         f"predictor learned or oracle (the router reads hidden states, "
+                         f"meaningless with random weights); +admit needs a predictor")
     return {"name": name, "policy": policy, "predictor": pred or None,
-            "admission": bool(admit)}
+            "admission": "admit" in flags, "token_prior": "noprior" not in flags}
 
 
 def load_tokens(trace_dir: Path, n: int):
@@ -215,7 +218,8 @@ def worker(spec_path: str) -> None:
             if pol == "belady":  # the live access sequence: each row's experts in ascending id
                 pol = P.Belady(trace.sorted_rows())
             eng.set_cache(slots, policy=pol)
-            eng.replay_routing(trace)
+            # with the token pieces each pass gets its token's prior (the learned predictor's)
+            eng.replay_routing(trace if row.get("token_prior", True) else trace.experts)
             pred = row["predictor"]
             eng.set_prefetch(pred is not None, overfetch=1.0, predictor=pred or "router",
                              admission=row.get("admission", False))
@@ -227,6 +231,7 @@ def worker(spec_path: str) -> None:
             eng.replay_routing(None)
             r = {"name": row["name"], "round": rnd, "policy": row["policy"],
                  "predictor": pred or "none", "admission": row.get("admission", False),
+                 "token_prior": row.get("token_prior", True) and pred == "learned",
                  "prefetch_refused": stats.get("prefetch_refused", 0),
                  "prefetch_issued": stats.get("prefetch_issued", 0),
                  "tokens": N, "tok_s": N / wall,
@@ -256,9 +261,10 @@ def sim_estimates(rows: list[dict[str, Any]], trace, slots: int, W: int, N: int,
     from specmoe.runtime import policies as P
 
     tr = trace.sorted_rows()
-    memo: dict[tuple[str, str, bool], tuple[float, float]] = {}
+    memo: dict[tuple[str, str, bool, bool], tuple[float, float]] = {}
     for r in rows:
-        key = (r["policy"], r["predictor"], r.get("admission", False))
+        key = (r["policy"], r["predictor"], r.get("admission", False),
+               r.get("token_prior", False))
         if key not in memo:
             res = []
             for n in (W, W + N):
@@ -266,7 +272,8 @@ def sim_estimates(rows: list[dict[str, Any]], trace, slots: int, W: int, N: int,
                 pol = P.Belady(part) if r["policy"] == "belady" else r["policy"]
                 pf = None if r["predictor"] == "none" else r["predictor"]
                 res.append(simulate(part, pol, slots, prefetch=pf, hardware=hw, model=cost,
-                                    admission=bool(pf and r.get("admission", False))))
+                                    admission=bool(pf and r.get("admission", False)),
+                                    token_prior=r.get("token_prior", False)))
             a, b = res
             acc = (b.hits + b.misses) - (a.hits + a.misses)
             memo[key] = (N / (b.total_s - a.total_s), (b.hits - a.hits) / acc)

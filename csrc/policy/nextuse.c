@@ -24,6 +24,7 @@ typedef struct nu_state {
     double *cross;   /* [L][E][E] or NULL (owned) */
     double *prior;   /* [nkeys] the current pass's token prior (on_prior), valid if has_prior */
     int has_prior;
+    int tok;         /* the model has token weights (format 2): on_prior is heeded */
     uint64_t *used;  /* [nkeys] internal pass of the last demand touch; 0 = never */
     double *es, *el; /* [nkeys] */
     int32_t *key_of; /* [nslots], -1 when free */
@@ -111,6 +112,7 @@ static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
     st->c = m[14];
     st->beta = m[15];
     if (version >= 2) {
+        st->tok = 1;
         memcpy(st->wtf, m + 17, sizeof st->wtf);
         memcpy(st->wts, m + 19, sizeof st->wts);
     }
@@ -162,10 +164,11 @@ static void nu_pass(smoe_policy *p, uint64_t pass_id) {
 }
 
 /* The pass's token prior (policy.h on_prior): copied; the memoised q of keys whose next run
- * is in this pass depend on it, so the memo is emptied. */
+ * is in this pass depend on it, so the memo is emptied.  Ignored by a format-1 model. */
 static void nu_prior(smoe_policy *p, const float *prior) {
     nu_state *st = p->state;
     const uint64_t nkeys = (uint64_t)p->num_layers * p->num_experts;
+    if (!st->tok) return;
     st->has_prior = prior != NULL;
     if (prior)
         for (uint64_t k = 0; k < nkeys; k++) st->prior[k] = (double)prior[k];

@@ -514,7 +514,7 @@ def _token_pieces(eng: Any, path: str | os.PathLike[str]) -> None:
     """The learned predictor's token prior for a model the packaged table is for (issue 42):
     the checkpoint's tokenizer maps ids to pieces (Engine.set_token_pieces).  A checkpoint
     without a usable tokenizer runs without the prior, with a warning."""
-    if eng._token_prior() is None:
+    if eng.token_prior is None:
         return
     try:
         tok = load_tokenizer(path)

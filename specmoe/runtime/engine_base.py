@@ -161,9 +161,12 @@ class EngineCommon:
         lay.set_predictor(name, model=model)
         self._push_priors(lay)
 
-    def _token_prior(self) -> Any:
-        """The packaged next-use model's TokenPrior when it is for this model's shape (26 MoE
-        layers x 64 experts: DeepSeek-V2-Lite), else None."""
+    @property
+    def token_prior(self) -> Any:
+        """The packaged next-use model's :class:`~specmoe.sim.nextuse.TokenPrior` when it is
+        for this model's shape (26 MoE layers x 64 experts: DeepSeek-V2-Lite), else None: what
+        :meth:`set_token_pieces` and a replay of a trace with token pieces give the learned
+        predictor."""
         from ..sim.nextuse import default_model
 
         tp = default_model(len(self.layer_ids), self.num_experts).tokens
@@ -175,7 +178,7 @@ class EngineCommon:
         the table when a replay has token pieces or :meth:`set_token_pieces` mapped the
         vocabulary, with the replayed tokens' rows; else none."""
         toks = self._replay_tokens if self._replay is not None else None
-        tp = self._token_prior() if toks is not None or self._token_rows is not None else None
+        tp = self.token_prior if toks is not None or self._token_rows is not None else None
         if tp is None:
             lay.set_priors(None)
         else:
@@ -198,7 +201,7 @@ class EngineCommon:
                 n = len(pieces)
                 pieces = pieces.convert_ids_to_tokens(list(range(n)))
             pieces = ["" if p is None else str(p) for p in pieces]
-            tp = self._token_prior()
+            tp = self.token_prior
             rows = None if tp is None else tp.rows(pieces)
             if rows is not None and not (rows >= 0).any():
                 rows = None

@@ -67,6 +67,7 @@ class TokenPrior:
                 np.any(self.counts.max(axis=2) > self.n[:, None]):
             raise ValueError("token prior: need alpha > 0, n >= 1 and 0 <= counts <= n")
         self._index = {p: i for i, p in enumerate(self.pieces)}
+        self._table: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,8 +81,13 @@ class TokenPrior:
         return r.reshape(*r.shape[:-2], -1).astype(np.float32)
 
     def table(self) -> np.ndarray:
-        """Every piece's prior, float32 [P, L * E] (the rows :meth:`rows` indexes)."""
-        return np.ascontiguousarray(self.ratios(self.counts.astype(np.float64), self.n))
+        """Every piece's prior, float32 [P, L * E] (the rows :meth:`rows` indexes); computed
+        once, read-only."""
+        if self._table is None:
+            t = np.ascontiguousarray(self.ratios(self.counts.astype(np.float64), self.n))
+            t.flags.writeable = False
+            self._table = t
+        return self._table
 
     def rows(self, tokens: list[str]) -> np.ndarray:
         """int32 row of each token's piece in :meth:`table`, -1 for a piece not in it."""

@@ -466,7 +466,8 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         from ..runtime.policies import NextUse
         from .nextuse import default_model
 
-        models = [policy.resolve(nl, E)] if isinstance(policy, NextUse) else []
+        models = [policy.resolve(nl, E)] if isinstance(policy, NextUse) and \
+            policy.token_prior else []
         if pred.kind == "learned":
             models.append(default_model(nl, E))
         priors = _token_priors(trace, models)
