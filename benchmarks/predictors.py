@@ -36,6 +36,10 @@ trained on):
    minimum because at 25 % on a fast link loading every oracle prediction is a little faster
    still).
 
+3. **untimed**: the hit rate of MoE-Beyond's untimed simulation (every prefetch resident
+   before its layer runs: a link without time), LRU and nextuse with no prefetch, the learned
+   predictor's top 6 and top 12 (with and without the token prior) and the oracle.
+
 Every figure is simulated (csrc/sim.c's time model), not measured on hardware; the JSON
 records the host only for the wall times.
 """
@@ -71,6 +75,11 @@ HARDWARE = {
                                       "NVMe (7 GB/s sequential)"),
     "a100-pcie4": PROFILES["a100-pcie4"],
 }
+#: MoE-Beyond's untimed simulation (issue 42 item 5): every prefetch lands at once (a link
+#: without time), so a prefetched expert counts as a hit however late it was predicted
+UNTIMED = with_(PROFILES["laptop"], name="untimed", link_bw=1e18, link_latency_s=0.0,
+                description="prefetches land instantly: MoE-Beyond's untimed hit rate")
+UNTIMED_PREDICTORS = ("none", "learned", "learned:topk=12", "oracle:depth=1")
 POLICIES = ("lru", "least_stale", "lhu", "nextuse")
 PREDICTORS = ("none", "history", "learned", "oracle:depth=1")
 BOUND_PREDICTORS = ("none", "oracle:depth=1", "oracle:depth=2")
@@ -88,6 +97,28 @@ def variants(has_prior: bool) -> list[tuple[str, str, bool, bool]]:
                 out.append((pol, pred, adm, True))
                 if has_prior and pred == "learned" and pol != "nextuse+prior":
                     out.append((pol, pred, adm, False))
+    return out
+
+
+def untimed_rows(tr: Trace, caps: tuple[str, ...], has_prior: bool) -> list[dict]:
+    """The untimed hit rate MoE-Beyond reports (their 72 % at a 10 % cache): the simulator with
+    a link that takes no time, so every prefetch is resident before its layer runs; the
+    learned predictor fetching the top 6 by q (the routing's k) or 12 (overfetch 2), with and
+    without the token prior, beside no prefetch and the oracle."""
+    out = []
+    for cap in caps:
+        for pol in ("lru", "nextuse"):
+            for pred in UNTIMED_PREDICTORS:
+                for tp in ((True, False) if has_prior and pred.startswith("learned") else
+                           (False,)):
+                    r = simulate(tr, NextUse() if pol == "nextuse" else pol, cap,
+                                 prefetch=None if pred == "none" else pred, hardware=UNTIMED,
+                                 token_prior=tp)
+                    out.append({"policy": pol, "predictor": pred, "token_prior": tp,
+                                "capacity": cap, "hardware": "untimed",
+                                "hit_rate": round(r.hit_rate, 4),
+                                "loads_per_token": round((r.misses + r.prefetch_issued) /
+                                                         max(r.tokens, 1), 2)})
     return out
 
 
@@ -270,6 +301,12 @@ def main() -> None:
     for r in rows:
         r["loads_per_token"] = round(r["loads_per_token"], 2)
     out["sim"] = rows
+    out["untimed"] = untimed_rows(tr, caps, priors is not None)
+    if not a.json:
+        for r in out["untimed"]:
+            print(f"untimed {r['capacity']:>4s} {r['policy']:8s} {r['predictor']:16s} "
+                  f"{'prior' if r['token_prior'] else '     '} hit {r['hit_rate']:.3f}",
+                  flush=True)
     out["offline_bound"] = [{"capacity": c, "hardware": h, "predictor": r["predictor"],
                              "admission": r["admission"], "est_tpot_ms": r["est_tpot_ms"],
                              "hit_rate": r["hit_rate"]}

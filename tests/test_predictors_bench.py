@@ -37,3 +37,8 @@ def test_predictors_quick_on_the_subset():
                if r["predictor"] == "learned" and r["policy"] != "nextuse+prior"]
     assert {tp for _, _, tp in learned} == {True, False}
     assert any(r["policy"] == "belady" and r["vs_offline_bound"] == 1.0 for r in rows)
+    untimed = {(r["policy"], r["predictor"], r["token_prior"]): r["hit_rate"]
+               for r in d["untimed"]}
+    # with a link that takes no time the oracle's prefetch makes every access a hit under LRU
+    assert untimed[("lru", "oracle:depth=1", False)] == 1.0
+    assert untimed[("nextuse", "learned:topk=12", True)] > untimed[("nextuse", "none", False)]

@@ -127,13 +127,35 @@ def test_oracle_and_learned_predictors(engine, puffin_subset):
     engine.replay_routing(None)
 
 
+def walker_true_positives(model, tr, table, rows) -> int:
+    """What the live learned predictor should get right with overfetch 1: after each layer of
+    each one-token pass, the top-k of the next layer (same pass) by the trainer's numpy q,
+    token t given table[rows[t]] as its prior (none where rows[t] < 0), against the trace."""
+    from specmoe.sim.nextuse import Walker
+
+    T, L, K = tr.experts.shape
+    E = tr.num_experts
+    w, hits = Walker(L, E, model), 0
+    for t in range(T):
+        w.begin_pass()
+        if rows[t] >= 0:
+            w.set_prior(table[rows[t]])
+        for lay in range(L):
+            w.touch_layer(lay, tr.experts[t, lay])
+            if lay + 1 < L:
+                q = w.features()["q"][(lay + 1) * E:(lay + 2) * E].astype(np.float32)
+                top = np.argsort(-q, kind="stable")[:K]
+                hits += len(set(top.tolist()) & set(tr.experts[t, lay + 1].tolist()))
+    return hits
+
+
 def test_learned_predictor_gets_the_replayed_tokens_priors(engine, puffin_subset):
     """Replaying a trace with token pieces, each one-token pass gives the learned predictor
     its token's prior (the packaged model's token prior; csrc/layer.h
     smoe_layers_set_replay_priors): the live predictions' true positives equal the trainer's
     numpy features given the same priors, top-k by q of the next layer within each pass; a
     trace without pieces predicts as the model without priors does, and differently."""
-    from specmoe.sim.nextuse import Walker, default_model
+    from specmoe.sim.nextuse import default_model
 
     tr = puffin_subset.slice(0, 40)
     T, L, K = tr.experts.shape
@@ -142,20 +164,6 @@ def test_learned_predictor_gets_the_replayed_tokens_priors(engine, puffin_subset
     assert model.tokens is not None
     table, rows = model.tokens.table(), model.tokens.rows(tr.tokens)
     assert (rows >= 0).sum() > T // 2
-
-    def want(priors: bool) -> int:
-        w, hits = Walker(L, E, model), 0
-        for t in range(T):
-            w.begin_pass()
-            if priors and rows[t] >= 0:
-                w.set_prior(table[rows[t]])
-            for lay in range(L):
-                w.touch_layer(lay, tr.experts[t, lay])
-                if lay + 1 < L:
-                    q = w.features()["q"][(lay + 1) * E:(lay + 2) * E].astype(np.float32)
-                    top = np.argsort(-q, kind="stable")[:K]
-                    hits += len(set(top.tolist()) & set(tr.experts[t, lay + 1].tolist()))
-        return hits
 
     got = {}
     for name, arg in (("pieces", tr), ("no pieces", tr.experts)):
@@ -169,7 +177,8 @@ def test_learned_predictor_gets_the_replayed_tokens_priors(engine, puffin_subset
         got[name] = c["true_positive"]
         engine.set_prefetch(False, predictor="router")
     engine.replay_routing(None)
-    assert got == {"pieces": want(True), "no pieces": want(False)}
+    assert got == {"pieces": walker_true_positives(model, tr, table, rows),
+                   "no pieces": walker_true_positives(model, tr, table, np.full(T, -1))}
     assert got["pieces"] != got["no pieces"]
 
 
@@ -178,7 +187,7 @@ def test_learned_predictor_gets_the_input_tokens_priors(engine, puffin_subset):
     one-token forward gives the learned predictor its input token's prior (the embedding's
     pre-hook): replaying a trace's experts alone, the live true positives equal the trainer's
     numpy features given the priors of the ids the model was fed; None turns it off."""
-    from specmoe.sim.nextuse import Walker, default_model
+    from specmoe.sim.nextuse import default_model
 
     tr = puffin_subset.slice(0, 30)
     T, L, K = tr.experts.shape
@@ -200,18 +209,7 @@ def test_learned_predictor_gets_the_input_tokens_priors(engine, puffin_subset):
     fed = out.sequences[0, :T].tolist()  # pass t's input: the prompt's token, then generated
     rows = model.tokens.rows([pieces[i] for i in fed])
     assert (rows >= 0).any() and (rows < 0).any()
-    w, want = Walker(L, E, model), 0
-    for t in range(T):
-        w.begin_pass()
-        if rows[t] >= 0:
-            w.set_prior(table[rows[t]])
-        for lay in range(L):
-            w.touch_layer(lay, tr.experts[t, lay])
-            if lay + 1 < L:
-                q = w.features()["q"][(lay + 1) * E:(lay + 2) * E].astype(np.float32)
-                top = np.argsort(-q, kind="stable")[:K]
-                want += len(set(top.tolist()) & set(tr.experts[t, lay + 1].tolist()))
-    assert got == want
+    assert got == walker_true_positives(model, tr, table, rows)
     assert engine._prior_hook is None
 
 
