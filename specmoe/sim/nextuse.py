@@ -212,10 +212,17 @@ class NextUseModel:
             raise ValueError(f"{os.fspath(path)!r} is not a next-use model: {e}") from None
 
 
+_PACKAGED: dict[str, NextUseModel] = {}
+
+
 def default_model(num_layers: int, num_experts: int) -> NextUseModel:
     """The packaged model (DeepSeek-V2-Lite's 26 MoE layers x 64 experts); for another shape
-    its temporal part alone (the cross table belongs to one model's layers)."""
-    m = NextUseModel.load(DEFAULT_PATH)
+    its temporal part alone (the cross table belongs to one model's layers).  Loaded once per
+    process (with its token prior's table computed once): treat it as read-only."""
+    key = os.fspath(DEFAULT_PATH)
+    m = _PACKAGED.get(key)
+    if m is None:
+        m = _PACKAGED[key] = NextUseModel.load(DEFAULT_PATH)
     return m if m.shape == (num_layers, num_experts) else m.temporal()
 
 
