@@ -98,6 +98,39 @@ def test_both_tiers_predict_the_same_experts(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_both_tiers_give_the_learned_predictor_the_token_prior(device):
+    """The token prior (issue 42; Engine.set_token_pieces, the input embedding's pre-hook and
+    csrc/layer.h smoe_layers_set_next_prior) on both tiers: a DeepSeek-V2-Lite-shaped model (26
+    MoE layers x 64 experts, the packaged table's shape) decoding one token a pass predicts
+    the same experts on the CPU and the GPU tier, and otherwise without the prior."""
+    from specmoe.sim.nextuse import default_model
+
+    pieces_of = default_model(26, 64).tokens.pieces
+    got = {}
+    for dev in ("cpu", device):
+        for prior in (True, False):
+            m = testing.tiny_model("deepseek_v2", layers=27, experts=64, top_k=6, hidden=32,
+                                   inter=16, overrides={"num_key_value_heads": 4},
+                                   dtype=torch.float32)
+            eng = hf.offload(m, dtype="f32", cache=0.25, prefetch=True, device=dev)
+            try:
+                V = m.config.vocab_size
+                assert eng.set_token_pieces([pieces_of[i % len(pieces_of)] for i in range(V)]
+                                            if prior else None) == prior
+                eng.set_prefetch(True, overfetch=1.0, predictor="learned")
+                eng.reset_stats()
+                with torch.no_grad():
+                    m.generate(torch.tensor([PROMPT], device=_dev(dev)), max_new_tokens=6,
+                               min_new_tokens=6, do_sample=False)
+                c = eng.layers.counters()
+                got[dev, prior] = (c["predicted"], c["true_positive"])
+            finally:
+                eng.close()
+    assert got["cpu", True] == got[device, True] and got["cpu", False] == got[device, False]
+    assert got["cpu", True] != got["cpu", False], got
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_admission_on_the_gpu_tier(device):
     """The GPU cache's slot table runs the same admission rule (csrc/admit.h): switched by
     set_prefetch(admission=), refusals counted, tokens unchanged."""
