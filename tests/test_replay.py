@@ -152,7 +152,7 @@ def walker_true_positives(model, tr, table, rows) -> int:
 def test_learned_predictor_gets_the_replayed_tokens_priors(engine, puffin_subset):
     """Replaying a trace with token pieces, each one-token pass gives the learned predictor
     its token's prior (the packaged model's token prior; csrc/layer.h
-    smoe_layers_set_replay_priors): the live predictions' true positives equal the trainer's
+    smoe_layers_set_priors): the live predictions' true positives equal the trainer's
     numpy features given the same priors, top-k by q of the next layer within each pass; a
     trace without pieces predicts as the model without priors does, and differently."""
     from specmoe.sim.nextuse import default_model
