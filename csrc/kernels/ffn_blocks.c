@@ -55,7 +55,7 @@
  *          within ~3e-7 of a numpy model of this arithmetic (tests/test_gguf_blocks.py).
  *          One pass over a row's blocks serves up to 4 tokens (the unpacked nibbles and
  *          scales reused).
- *   vnni   (AVX512_VNNI, precise = 0): the fast form, with Q4_0, MXFP4 and Q8_0 at one token
+ *   vnni   (AVX512_VNNI, precise = 0): the fast form, with Q4_0, MXFP4, Q8_0 and IQ4_XS
  *          through vpdpbusd and Q4_K, Q5_K and Q6_K through 512-bit vpmaddubsw / vpdpwssd (the
  *          same integer sums; below, before impl_vnni).
  *
@@ -1258,11 +1258,14 @@ static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
  * 24 * 127), the offset -12 sum x the start value (-3 * the block sum a lane) and d_w the
  * block's E8M0 scale halved.  Calls of up to INVARIANT_T tokens run these rows for every
  * token in the one-token order (every format unpacks a row's blocks once for up to four
- * tokens: rows_q4x_vnni, rows_q8_0_vnni, row_q4_k_vnni_tiled, row_q6_k_vnni_tiled); longer
+ * tokens: rows_q4x_vnni, rows_q8_0_vnni, row_q4_k_vnni_tiled, row_q6_k_vnni_tiled,
+ * row_iq4_xs_vnni_tiled); longer
  * calls, and the formats without rows here, run the AVX2 form.  Q5_K runs Q4_K's rows with
  * its fifth bits ORed into the nibbles (q4k_super, five = 1): at one token 1.25-1.45x the
  * AVX2 rows' speed, at 4-8 tokens 2.0-2.5x (Zen 5, 1 thread,
- * kernels_epyc_zen5_q5_k_vnni_ab.json). */
+ * kernels_epyc_zen5_q5_k_vnni_ab.json).  IQ4_XS has rows of its own (iq4xs_super): its
+ * nibbles looked up in the table offset to unsigned bytes as MXFP4's, per sub-block scales
+ * by vpmulld. */
 #if HAVE_FAST && !defined(__clang__) && __GNUC__ >= 10
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -1697,7 +1700,127 @@ AI void row_q6_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, u
     for (uint32_t t = 0; t < nt; t++) res[t] = _mm512_reduce_add_ps(acc[t]);
 }
 
-/* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K, Q5_K or Q6_K) against nt (1 .. VT) tokens x[t],
+/* The IQ4_XS super-block at wb (136 bytes: d, scales_h, scales_l, then 128 bytes of nibbles;
+ * prefetched PF_VNNI on) as the 512-bit steps take it.  A 64-byte load of the nibbles holds
+ * four sub-blocks, one a 128-bit lane, low nibbles columns 0-15 and high ones 16-31 (Q4_0's
+ * layout without the scales in between), so q[0..3] (sub-blocks 0-3 low, high, 4-7 low,
+ * high) line up with iq4xs_x's input.  Each nibble is looked up (vpshufb) in kv + 128, ggml's
+ * kvalues_iq4nl as unsigned bytes in [1, 241], vpdpbusd's unsigned operand; the offset -128 *
+ * (the sub-block's x sum) is the accumulator's start value (iq4xs_init).  sc[0..1] are the
+ * sub-blocks' scales ls - 32 in [-32, 31] as int32, each in its sub-block's four lanes (0-3,
+ * 4-7): the low four bits at bit 4j of scales_l, the high two at bit 2j of scales_h. */
+AI void iq4xs_super(const uint8_t *wb, __m512i q[4], __m512i sc[2]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i kv = _mm512_broadcast_i32x4(_mm_xor_si128(
+        _mm_loadu_si128((const __m128i *)(const void *)iq4nl_values), _mm_set1_epi8(-128)));
+    const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    _mm_prefetch((const char *)(wb + PF_VNNI), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wb + PF_VNNI + 64), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wb + PF_VNNI + 128), _MM_HINT_T0);
+    const __m512i v0 = _mm512_loadu_si512((const void *)(wb + 8));
+    const __m512i v1 = _mm512_loadu_si512((const void *)(wb + 72));
+    q[0] = _mm512_shuffle_epi8(kv, _mm512_and_si512(v0, m4));
+    q[1] = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));
+    q[2] = _mm512_shuffle_epi8(kv, _mm512_and_si512(v1, m4));
+    q[3] = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));
+    uint16_t sh;
+    uint32_t sl;
+    memcpy(&sh, wb + 2, 2);
+    memcpy(&sl, wb + 4, 4);
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm256_set1_epi32(0x0F));
+    const __m256i hi = _mm256_and_si256( /* (sh >> 2j & 3) << 4 */
+        _mm256_srlv_epi32(_mm256_set1_epi32((int)sh << 4), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+        _mm256_set1_epi32(0x30));
+    const __m512i ls = _mm512_castsi256_si512(
+        _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32)));
+    sc[0] = _mm512_permutexvar_epi32(rep4, ls);
+    sc[1] = _mm512_permutexvar_epi32(_mm512_add_epi32(rep4, _mm512_set1_epi32(4)), ls);
+}
+
+/* A super-block's 256 prepared int8 values as iq4xs_super's steps take them: x[0..3] = the
+ * columns 0-15 of sub-blocks 0-3, their columns 16-31, then the same of sub-blocks 4-7 (two
+ * vshufi64x2 of two loads each, as Q4_0's four blocks); init[0..1] the start values, -32 *
+ * (the prepared sum of sub-block j's 32 int8 x) in each of its four lanes (their sum: -128 *
+ * the sum, the table's offset). */
+AI void iq4xs_x(const int8_t *xq, const int16_t *bs, __m512i x[4], __m512i init[2]) {
+    const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i X0 = _mm512_loadu_si512((const void *)xq);
+    const __m512i X1 = _mm512_loadu_si512((const void *)(xq + 64));
+    const __m512i X2 = _mm512_loadu_si512((const void *)(xq + 128));
+    const __m512i X3 = _mm512_loadu_si512((const void *)(xq + 192));
+    x[0] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(2, 0, 2, 0));
+    x[1] = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
+    x[2] = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(2, 0, 2, 0));
+    x[3] = _mm512_shuffle_i64x2(X2, X3, _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i nb = _mm512_castsi256_si512(_mm256_sub_epi32(
+        _mm256_setzero_si256(),
+        _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)bs)), 5)));
+    init[0] = _mm512_permutexvar_epi32(rep4, nb);
+    init[1] = _mm512_permutexvar_epi32(_mm512_add_epi32(rep4, _mm512_set1_epi32(4)), nb);
+}
+
+/* A super-block's integer sum against one token: per lane (kv + 128) . x - 32 * sum x over
+ * the lane's 8 products (|.| <= 8 * 127 * 127, as (w) . x with w in [-127, 113]), times the
+ * sub-block's scale (vpmulld), the two halves added: |lane| <= 2 * 32 * 129032 < 2^23, so
+ * its float conversion is exact. */
+AI __m512i iq4xs_sum(const __m512i q[4], const __m512i sc[2], const __m512i x[4],
+                     const __m512i init[2]) {
+    const __m512i s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[0], q[0], x[0]), q[1], x[1]);
+    const __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init[1], q[2], x[2]), q[3], x[3]);
+    return _mm512_add_epi32(_mm512_mullo_epi32(s0, sc[0]), _mm512_mullo_epi32(s1, sc[1]));
+}
+
+/* nr (1 or 2) IQ4_XS rows w[r] of n columns against one token: the AVX2 form's integer sums
+ * (the same products w . x, summed per sub-block and times its scale in int32) by vpdpbusd on
+ * the table offset to unsigned bytes, 128 columns per 512-bit step, the input's shuffles
+ * shared by the rows; times d * s_x once per super-block, as the AVX2 form, so the result
+ * equals it to float rounding (the AVX2 form ran at 0.42-0.56 of the read ceiling at one
+ * token on a Zen 5 EPYC, 1 thread: its sign trick and vpmaddwd per 32 columns). */
+AI void rows_iq4_xs_vnni(const uint8_t *const *w, const int nr, const xin *x, uint32_t n,
+                         float *res) {
+    const uint32_t nsb = n / 256;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (uint32_t s = 0; s < nsb; s++) {
+        __m512i xv[4], init[2];
+        iq4xs_x(x->q + (size_t)256 * s, x->bs + 8 * s, xv, init);
+        const float xs = x->s[s];
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *wb = w[r] + (size_t)136 * s;
+            __m512i q[4], sc[2];
+            iq4xs_super(wb, q, sc);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(ld_f16(wb) * xs),
+                                     _mm512_cvtepi32_ps(iq4xs_sum(q, sc, xv, init)), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* One IQ4_XS row w of n columns against nt (1 .. VT) tokens x[t]: res[t], each (row, token)
+ * with rows_iq4_xs_vnni's operations in its order, so a token's result is bit for bit its
+ * one-token call's; a super-block's values and scales are looked up once for the nt tokens. */
+AI void row_iq4_xs_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, uint32_t n,
+                              float *res) {
+    const uint32_t nsb = n / 256;
+    __m512 acc[VT];
+    for (uint32_t t = 0; t < VT; t++) acc[t] = _mm512_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++) {
+        const uint8_t *wb = w + (size_t)136 * s;
+        __m512i q[4], sc[2];
+        iq4xs_super(wb, q, sc);
+        const float d = ld_f16(wb);
+        for (uint32_t t = 0; t < nt; t++) {
+            __m512i xv[4], init[2];
+            iq4xs_x(x[t].q + (size_t)256 * s, x[t].bs + 8 * s, xv, init);
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * x[t].s[s]),
+                                     _mm512_cvtepi32_ps(iq4xs_sum(q, sc, xv, init)), acc[t]);
+        }
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+/* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS) against nt (1 .. VT) tokens x[t],
  * each (row, token) as a one-token call computes it: res[r * VT + t]; a row's blocks are
  * unpacked once for the nt tokens. */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
@@ -1726,6 +1849,16 @@ AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *
         for (int k = 0; k < nr; k++) row_q6_k_vnni_tiled(w[k], x, nt, n, res + k * VT);
         return;
     }
+    if (dt == SMOE_WDT_IQ4_XS) {
+        if (nt > 1)
+            for (int k = 0; k < nr; k++) row_iq4_xs_vnni_tiled(w[k], x, nt, n, res + k * VT);
+        else {
+            float r[2];
+            rows_iq4_xs_vnni(w, nr, x, n, r);
+            for (int k = 0; k < nr; k++) res[k * VT] = r[k];
+        }
+        return;
+    }
     for (uint32_t t = 0; t < nt; t++) { /* one token of Q4_K, Q5_K or Q6_K */
         float r[2];
         if (dt == SMOE_WDT_Q4_K)
@@ -1743,7 +1876,8 @@ AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *
 AI int vnni_rows_for(int32_t dt, uint32_t T) {
     return T <= INVARIANT_T && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 ||
                                 dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K ||
-                                dt == SMOE_WDT_Q6_K || dt == SMOE_WDT_MXFP4);
+                                dt == SMOE_WDT_Q6_K || dt == SMOE_WDT_MXFP4 ||
+                                dt == SMOE_WDT_IQ4_XS);
 }
 
 /* Tokens in turn through the rows, `tile` (1 or VT) a call.  The one-token case (decode) gets
