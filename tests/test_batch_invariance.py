@@ -247,3 +247,38 @@ def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
                         f"{B} x {L} tokens: row {b}'s cache at layer {i}"
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+def test_batched_decode_steps_of_many_tokens_equal_each_row_alone(arch):
+    """A batched decode or verification step (BatchKV.forward: the server's continuous batch,
+    generate's speculative batch) gives every row the logits of its step alone, bit for bit,
+    rows of different token counts (holes) included: at 21 tokens in all (past the projections'
+    16-row switch to torch's GEMM) and at 70 (past the fused attention block's 64).  Each row
+    runs as a sequence of its own (specmoe.models.layers.sequences); without that, Qwen3-MoE
+    and DeepSeek-V2 rows left their bits at 21 tokens and every architecture at 70.  bf16,
+    1024 hidden columns, dense layers in C."""
+    from specmoe.speculation.batch import BatchKV
+    over = {"num_key_value_heads": 4} if arch == "deepseek_v2" else None
+    model = tiny_model(arch, dtype=torch.bfloat16, hidden=1024, inter=512, layers=3,
+                       overrides=over)
+    eng = hf.offload(model, cache=1.0, prefetch=False)
+    try:
+        g = torch.Generator().manual_seed(7)
+        L = 8
+        for B, m in ((6, 4), (20, 4)):
+            prompts = torch.randint(3, model.config.vocab_size, (B, L), generator=g)
+            rows = torch.randint(3, model.config.vocab_size, (B, m), generator=g).tolist()
+            rows = [r[:m - b % 2] for b, r in enumerate(rows)]  # odd rows one token short
+            bkv = BatchKV(model, B)
+            bkv.prefill(prompts, torch.ones_like(prompts))
+            logits = bkv.forward(rows)
+            for b in range(B):
+                one = BatchKV(model, 1)
+                one.prefill(prompts[b:b + 1], torch.ones((1, L), dtype=torch.long))
+                alone = one.forward([rows[b]])
+                n = len(rows[b])
+                assert torch.equal(logits[b, :n], alone[0, :n]), \
+                    f"{B} rows, {sum(map(len, rows))} tokens: row {b}'s logits"
+    finally:
+        eng.close()

@@ -69,10 +69,10 @@ Exactness: a prefill step is the model's own forward on that request's cache, as
 ``model.generate`` calls it (the whole prompt, or a chunk of it, with ``logits_to_keep=1``);
 a request decoding alone runs exactly ``model.generate``'s decode step.  A batched decode step
 is the same model on B rows (masked holes get attention weight 0; every other layer works
-per token); where its matrix products run in C (the experts always, the dense layers of a
-bf16 model or with ``dense=``, up to 16 tokens in all outside the fused attention block: rows
-that verify drafts can pass it) each row gets the bits of its step alone, the C kernels being
-batch invariant (docs/speculation.md, "How exact").  Products left in torch (an f32 model's
+per token), its rows run as sequences of their own (:meth:`BatchKV.forward`): where a row's
+matrix products run in C (the experts always, the dense layers of a bf16 model or with
+``dense=``, up to 16 tokens a row) it gets the bits of its step alone whatever the batch's
+size, the C kernels being batch invariant (docs/speculation.md, "How exact").  Products left in torch (an f32 model's
 dense layers) may round by shape in the last bits.  A prefill of prompts of one length gives
 each the bits of its prefill alone on the same terms (its products in C, or in torch's GEMMs,
 which gave every row its bits at any row count above 16 in our measurements).  A batched

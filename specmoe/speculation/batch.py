@@ -121,7 +121,15 @@ class BatchKV:
 
     def forward(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append each row's tokens (>= 1 per row, different counts allowed) in one forward;
-        returns logits [B, m, V], row b's real outputs in [b, :len(rows[b])]."""
+        returns logits [B, m, V], row b's real outputs in [b, :len(rows[b])].  The B rows
+        run as B sequences of m tokens (:func:`specmoe.models.layers.sequences`): specmoe's
+        switches between C and torch count one row's m tokens, so a row takes the paths of
+        its step alone, and with the C kernels batch invariant gets that step's bits at any
+        batch size (before, past 16 tokens in all the projections went to torch's GEMM and
+        rows left their bits: 21-70-token steps of random bf16 Qwen3-MoE, Qwen2-MoE and
+        DeepSeek-V2 models, tests/test_batch_invariance.py).  It costs speed only where a
+        step holds more than 16 tokens: there torch's GEMM is faster than the C kernels
+        (docs/usage.md, "exactness")."""
         if len(rows) != self.batch:
             raise ValueError(f"BatchKV.forward: {len(rows)} rows for a batch of {self.batch}")
         c = [len(r) for r in rows]
@@ -132,7 +140,8 @@ class BatchKV:
         new = torch.tensor([[1] * n + [0] * (m - n) for n in c], dtype=torch.long)
         pos = torch.tensor([[p + j for j in range(m)] for p in self.npos], dtype=torch.long)
         mask = torch.cat([self.mask, new], 1)
-        logits = self._call(ids, mask, pos).cpu()  # the acceptance rule reads them on the host
+        with sequences(self.batch):  # each row on the paths of its step alone (above)
+            logits = self._call(ids, mask, pos).cpu()  # the acceptance rule reads them on the host
         self.mask = mask
         self.npos = [p + n for p, n in zip(self.npos, c)]
         return logits
