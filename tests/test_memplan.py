@@ -17,9 +17,10 @@ SIZES = ModelSizes(dense_params=1_000_000_000, other_params=300_000_000, param_b
                    kv_bytes_per_token=100_000, model_dtype="bf16")
 
 
-def reference(sizes, budget, rates, opts, max_tokens=2048, reserve=512 << 20):
+def reference(sizes, budget, rates, opts, max_tokens=2048, reserve=512 << 20, predictor=0):
     """The module docstring's rule, written again: t(d) for every format that fits, the least,
-    and the more exact format within 3 % of it."""
+    and the more exact format within 3 % of it (``predictor`` bytes set aside beside the
+    reserve)."""
     per = {"bf16": 2.0, "int8": 1.0 + 4.0 / 2048, "int4": 0.5 + 4.0 / 128, "f32": 4.0}
     curve = dict(memplan.HIT_CURVE)
     xs = sorted(curve)
@@ -28,7 +29,7 @@ def reference(sizes, budget, rates, opts, max_tokens=2048, reserve=512 << 20):
     for d in opts:
         db = math.ceil(sizes.dense_params * per[d])
         room = budget - reserve - sizes.kv_bytes_per_token * max_tokens \
-            - int(sizes.other_params * sizes.param_bytes) - db
+            - int(sizes.other_params * sizes.param_bytes) - predictor - db
         slots = min(S, room // sizes.block_bytes) if room > 0 else 0
         if slots < sizes.top_k:
             continue
@@ -58,6 +59,32 @@ def test_plan_follows_the_rule(budget_gib, int8_rate):
     used = p.reserve_bytes + p.kv_bytes + p.other_bytes + p.dense_bytes + p.cache_bytes
     assert used <= budget  # never planned over the budget
     assert "memory plan for a budget of" in str(p) and f"dense layers {d}" in str(p)
+
+
+def test_learned_predictor_table_is_set_aside():
+    """prefetch="learned" holds the token prior's table (float32 [pieces, 26 * 64], 25 MB for
+    DeepSeek-V2-Lite): the plan sets it aside beside the reserve, so the cache gets that much
+    less, and prints it."""
+    from specmoe.sim.nextuse import default_model, prior_table_bytes
+
+    tp = default_model(26, 64).tokens
+    want = 0 if tp._table is not None else len(tp.pieces) * 26 * 64 * 4
+    assert prior_table_bytes(26, 64) == want and (want == 0 or 20e6 < want < 40e6)
+    assert prior_table_bytes(48, 128) == 0  # no prior for another shape
+    rates = MachineRates(dense_rate={"bf16": 10e9, "int8": 8e9}, expert_s=140e-6, load_s=4e-3)
+    table = 25_436_160
+    for budget in (int(4.5 * GiB), int(6 * GiB)):
+        p0 = plan_memory(SIZES, budget, rates)
+        p = plan_memory(SIZES, budget, rates, predictor=table)
+        d, slots, _ = reference(SIZES, budget, rates, ["bf16", "int8"], predictor=table)
+        assert (p.dense, p.cache_slots) == (d, slots) and p.cache_slots < p0.cache_slots
+        assert p.predictor_bytes == table and p.other_bytes == p0.other_bytes
+        used = p.reserve_bytes + p.kv_bytes + p.other_bytes + p.predictor_bytes \
+            + p.dense_bytes + p.cache_bytes
+        assert used <= budget
+        assert "learned predictor 0.02 GiB" in str(p) and "learned predictor" not in str(p0)
+    with pytest.raises(ValueError, match="predictor bytes"):
+        plan_memory(SIZES, 6 * GiB, rates, predictor=-1)
 
 
 def test_more_memory_never_plans_slower():

@@ -341,10 +341,11 @@ def _block_bytes(plan: _Plan, dtype: str) -> int:
 
 
 def _plan_memory(plan: _Plan, dtype: str, budget: int, source: str, cache: Any,
-                 dense: Any) -> Any:
+                 dense: Any, prefetch: Any = None) -> Any:
     """from_pretrained's memory plan (specmoe.runtime.memplan) for the skeleton: the dense
     formats to weigh (the model's exact one and int8, or the one ``dense`` names), the
-    cache planned unless ``cache`` is given (then it is checked against the budget)."""
+    cache planned unless ``cache`` is given (then it is checked against the budget); with
+    ``prefetch="learned"`` the predictor's token-prior table set aside too."""
     from ..runtime import memplan
     I, H = plan.shapes
     sizes = memplan.model_sizes(plan.model, num_layers=len(plan.layer_ids),
@@ -363,8 +364,12 @@ def _plan_memory(plan: _Plan, dtype: str, budget: int, source: str, cache: Any,
                                   directory=str(where))
     # a given budget holds the whole process; "auto"'s headroom leaves out what it holds
     reserve = memplan.process_reserve() if source == "given" else memplan.RESERVE
+    pbytes = 0
+    if prefetch == "learned":
+        from ..sim.nextuse import prior_table_bytes
+        pbytes = prior_table_bytes(sizes.num_layers, sizes.num_experts)
     mp = memplan.plan_memory(sizes, budget, rates, dense_options=opts, reserve=reserve,
-                             source=source)
+                             source=source, predictor=pbytes)
     if cache is not None:  # the user's cache, inside the budget or refused
         from ..runtime.cache import parse_capacity
         total = sizes.num_layers * sizes.num_experts
@@ -631,7 +636,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     plan = _prepare(ckpt, dtype, torch_dtype, dict(hf_kwargs), store)
     mplan = None
     if memory is not None:
-        mplan = _plan_memory(plan, dtype, budget, budget_source, cache, dense)
+        mplan = _plan_memory(plan, dtype, budget, budget_source, cache, dense, prefetch)
         if progress:
             print(f"[specmoe] {mplan}", file=sys.stderr, flush=True)
         if cache is None:

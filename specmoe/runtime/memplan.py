@@ -10,9 +10,12 @@ and the working buffers (for a given budget, which holds the whole process: what
 holds when it plans plus 512 MiB, at least 512 MiB as ``benchmarks/big_model.py`` budgets;
 for ``"auto"``, whose headroom already leaves out what the process holds, 512 MiB), the KV
 cache of ``max_tokens`` tokens, the weights the dense kernels never convert (embeddings, norms,
-routers: at the model's dtype) and the convertible dense weights (attention, shared and dense
-MLPs, lm_head) in format ``d`` (they load at the model's dtype and are converted before the
-cache takes its memory, so the budget must also hold them once at that dtype).  For every
+routers: at the model's dtype), with ``prefetch="learned"`` the next-use model's
+token-prior table (25 MB for DeepSeek-V2-Lite's shape,
+:func:`specmoe.sim.nextuse.prior_table_bytes`), and the convertible dense weights
+(attention, shared and dense MLPs, lm_head) in format ``d`` (they load at the model's dtype
+and are converted before the cache takes its memory, so the budget must also hold them once
+at that dtype).  For every
 ``d`` of ``dense_options`` (default: the exact format of the model's weights, and int8 per row)
 the cache gets the rest, in whole experts, at most every expert and at least ``top_k``, and the
 time per token is estimated as
@@ -113,6 +116,7 @@ class MemoryPlan:
     est_tpot_s: float
     candidates: list = field(default_factory=list)
     source: str = ""
+    predictor_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,7 +125,9 @@ class MemoryPlan:
         g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
         lines = [f"memory plan for a budget of {g(self.budget_bytes)} ({self.source}):",
                  f"  reserve {g(self.reserve_bytes)}, KV cache {g(self.kv_bytes)}, embeddings/"
-                 f"norms/routers {g(self.other_bytes)}",
+                 f"norms/routers {g(self.other_bytes)}"
+                 + (f", learned predictor {g(self.predictor_bytes)}" if self.predictor_bytes
+                    else ""),
                  f"  dense layers {self.dense} {g(self.dense_bytes)}, expert cache "
                  f"{self.cache_slots} experts ({self.cache_fraction:.1%}) {g(self.cache_bytes)}",
                  f"  estimated hit rate {self.est_hit_rate:.2f}, "
@@ -150,11 +156,16 @@ def dense_bytes(params: int, fmt: str) -> int:
 
 def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
                 dense_options: Sequence[str] | None = None, max_tokens: int = 2048,
-                reserve: int = RESERVE, source: str = "given") -> MemoryPlan:
+                reserve: int = RESERVE, source: str = "given",
+                predictor: int = 0) -> MemoryPlan:
     """The plan of least estimated time per token (module docstring).  ``budget`` in bytes;
     ``dense_options``: the dense formats to consider (default the model's own exact format
-    and ``"int8"``).  Raises ValueError naming the smallest budget that would fit when no
-    format leaves room for ``top_k`` experts."""
+    and ``"int8"``); ``predictor``: bytes the learned prefetch predictor will hold beside
+    (its token-prior table, :func:`specmoe.sim.nextuse.prior_table_bytes`), set aside with
+    the reserve.  Raises ValueError naming the smallest budget that would fit when no format
+    leaves room for ``top_k`` experts."""
+    if predictor < 0:
+        raise ValueError(f"predictor bytes must be >= 0, got {predictor}")
     if budget <= 0:
         raise ValueError(f"memory budget must be positive, got {budget}")
     opts = list(dense_options) if dense_options else [sizes.model_dtype, "int8"]
@@ -165,7 +176,7 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
             raise ValueError(f"no measured rate for dense format {d!r}")
     S = sizes.num_layers * sizes.num_experts
     kv = sizes.kv_bytes_per_token * max_tokens
-    other = int(sizes.other_params * sizes.param_bytes)
+    other = int(sizes.other_params * sizes.param_bytes) + int(predictor)
     # loading: the dense weights arrive at the model's dtype and are converted before the cache
     # takes its slots, so the budget must hold them once as they are
     load = reserve + other + int(sizes.dense_params * sizes.param_bytes)
@@ -199,7 +210,8 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
     close = [c for c in ok if c["est_tpot_s"] <= best["est_tpot_s"] * (1 + EXACT_MARGIN)]
     pick = min(close, key=lambda c: (_EXACTNESS[c["dense"]], c["est_tpot_s"]))
     return MemoryPlan(budget_bytes=int(budget), reserve_bytes=int(reserve), kv_bytes=int(kv),
-                      other_bytes=other, dense=pick["dense"], dense_bytes=pick["dense_bytes"],
+                      other_bytes=other - int(predictor), dense=pick["dense"],
+                      dense_bytes=pick["dense_bytes"], predictor_bytes=int(predictor),
                       cache_slots=pick["cache_slots"],
                       cache_bytes=pick["cache_slots"] * sizes.block_bytes,
                       cache_fraction=pick["cache_slots"] / S, est_hit_rate=pick["hit_rate"],

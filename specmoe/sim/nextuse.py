@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["NextUseModel", "TokenPrior", "default_model", "DEFAULT_PATH", "Walker",
-           "split_requests", "used_at_next_run", "FORMAT_VERSION", "GAP_CAP"]
+           "split_requests", "used_at_next_run", "prior_table_bytes", "FORMAT_VERSION",
+           "GAP_CAP"]
 
 #: The flat array's format: 2 with token weights (the token prior's), 1 without.
 FORMAT_VERSION = 2
@@ -224,6 +225,17 @@ def default_model(num_layers: int, num_experts: int) -> NextUseModel:
     if m is None:
         m = _PACKAGED[key] = NextUseModel.load(DEFAULT_PATH)
     return m if m.shape == (num_layers, num_experts) else m.temporal()
+
+
+def prior_table_bytes(num_layers: int, num_experts: int) -> int:
+    """Bytes the packaged model's token-prior table (float32 [pieces, L * E], 25 MB for
+    DeepSeek-V2-Lite) will add to this process when an engine of this shape first uses the
+    ``learned`` predictor; 0 for another shape (no prior) or once the table is built (it is
+    then held already, and a memory plan measures it with the rest of the process)."""
+    tp = default_model(num_layers, num_experts).tokens
+    if tp is None or tp.shape != (num_layers, num_experts) or tp._table is not None:
+        return 0
+    return len(tp.pieces) * num_layers * num_experts * 4
 
 
 def split_requests(names: list[str], val_mod: int = 5) -> tuple[list[int], list[int]]:
