@@ -215,6 +215,15 @@ def test_mla_rows_with_holes_equal_the_row_alone(isa, T, bf16):
         np.testing.assert_array_equal(out[b], one[0], err_msg=f"row {b} (holes {cols})")
 
 
+def _wide_bf16(arch: str):
+    """A random bf16 model of ``arch`` with 1024 hidden columns and 3 layers, offloaded with
+    every expert resident and its dense layers in C: (model, Engine)."""
+    over = {"num_key_value_heads": 4} if arch == "deepseek_v2" else None
+    model = tiny_model(arch, dtype=torch.bfloat16, hidden=1024, inter=512, layers=3,
+                       overrides=over)
+    return model, hf.offload(model, cache=1.0, prefetch=False)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
 def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
     """A batched prefill of prompts of one length (the server's default grouping) gives every
@@ -225,10 +234,7 @@ def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
     prompt alone ran them in C.  bf16, 1024 hidden columns, dense layers in C."""
     from specmoe.speculation.batch import BatchKV
     from specmoe.speculation.decoding import cache_kwargs, new_kv
-    over = {"num_key_value_heads": 4} if arch == "deepseek_v2" else None
-    model = tiny_model(arch, dtype=torch.bfloat16, hidden=1024, inter=512, layers=3,
-                       overrides=over)
-    eng = hf.offload(model, cache=1.0, prefetch=False)
+    model, eng = _wide_bf16(arch)
     try:
         g = torch.Generator().manual_seed(5)
         for L, B in ((8, 4), (20, 2), (40, 3)):
@@ -259,10 +265,7 @@ def test_batched_decode_steps_of_many_tokens_equal_each_row_alone(arch):
     and DeepSeek-V2 rows left their bits at 21 tokens and every architecture at 70.  bf16,
     1024 hidden columns, dense layers in C."""
     from specmoe.speculation.batch import BatchKV
-    over = {"num_key_value_heads": 4} if arch == "deepseek_v2" else None
-    model = tiny_model(arch, dtype=torch.bfloat16, hidden=1024, inter=512, layers=3,
-                       overrides=over)
-    eng = hf.offload(model, cache=1.0, prefetch=False)
+    model, eng = _wide_bf16(arch)
     try:
         g = torch.Generator().manual_seed(7)
         L = 8
