@@ -72,8 +72,8 @@ is the same model on B rows (masked holes get attention weight 0; every other la
 per token), its rows run as sequences of their own (:meth:`BatchKV.forward`): where a row's
 matrix products run in C (the experts always, the dense layers of a bf16 model or with
 ``dense=``, up to 16 tokens a row) it gets the bits of its step alone whatever the batch's
-size, the C kernels being batch invariant (docs/speculation.md, "How exact").  Products left in torch (an f32 model's
-dense layers) may round by shape in the last bits.  A prefill of prompts of one length gives
+size, the C kernels being batch invariant (docs/speculation.md, "How exact").  Products left
+in torch (an f32 model's dense layers) may round by shape in the last bits.  A prefill of prompts of one length gives
 each the bits of its prefill alone on the same terms (its products in C, or in torch's GEMMs,
 which gave every row its bits at any row count above 16 in our measurements).  A batched
 prefill of other lengths (``batch_prefill``) is not exact: the group is left-padded, a
