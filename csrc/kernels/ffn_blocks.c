@@ -1779,12 +1779,12 @@ AI void iq4xs_super(const uint8_t *wb, __m512i q[4], __m512i sc[2]) {
     uint32_t sl;
     memcpy(&sh, wb + 2, 2);
     memcpy(&sl, wb + 4, 4);
-    const __m256i lo = _mm256_and_si256(
-        _mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-        _mm256_set1_epi32(0x0F));
+    const __m256i sh_lo = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i sh_hi = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sl), sh_lo),
+                                        _mm256_set1_epi32(0x0F));
     const __m256i hi = _mm256_and_si256( /* (sh >> 2j & 3) << 4 */
-        _mm256_srlv_epi32(_mm256_set1_epi32((int)sh << 4), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
-        _mm256_set1_epi32(0x30));
+        _mm256_srlv_epi32(_mm256_set1_epi32((int)sh << 4), sh_hi), _mm256_set1_epi32(0x30));
     const __m512i ls = _mm512_castsi256_si512(
         _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32)));
     sc[0] = _mm512_permutexvar_epi32(rep4, ls);
@@ -1872,9 +1872,9 @@ AI void row_iq4_xs_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt,
     for (uint32_t t = 0; t < nt; t++) res[t] = _mm512_reduce_add_ps(acc[t]);
 }
 
-/* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS) against nt (1 .. VT) tokens x[t],
- * each (row, token) as a one-token call computes it: res[r * VT + t]; a row's blocks are
- * unpacked once for the nt tokens. */
+/* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS) against nt (1 ..
+ * VT) tokens x[t], each (row, token) as a one-token call computes it: res[r * VT + t]; a row's
+ * blocks are unpacked once for the nt tokens. */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
                   const uint32_t nt, uint32_t n, float *res) {
     if (dt == SMOE_WDT_Q4_0) { /* the format a constant in each form */
