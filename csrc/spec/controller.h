@@ -170,10 +170,17 @@
  *     Probe (decided here; the governor as published has no exploration): once K=0 wins, no
  *     draft position is decided and the acceptance model freezes, so one pessimistic
  *     estimate would keep speculation off for good.  After `probe` (default 16; -1 = never)
- *     consecutive observed iterations with k_used == 0, next_k answers the best allowed
- *     k >= 1 by the same objective (ties to the smaller k; 0 when no k >= 1 is allowed)
- *     if within the slowdown budget (below);
- *     any observed iteration with k_used >= 1 resets the count.
+ *     consecutive observed iterations with k_used == 0, next_k answers, if within the
+ *     slowdown budget (below), the smallest allowed k >= 1 that no observed iteration has
+ *     verified (k_used, a batch step's largest), else the best allowed k >= 1 by the same
+ *     objective (ties to the smaller k; 0 when no k >= 1 is allowed); any observed iteration
+ *     with k_used >= 1 resets the count.  Why the untried k first: io_cost of an unobserved
+ *     k is extrapolated in proportion to k+1 from the nearest observed one, so when K = 1
+ *     loads more experts per token than plain steps the model prices every larger K from it
+ *     and probes K = 1 for good, while loads amortize only from K = 2-3 on (the self-draft
+ *     behind an emulated link at R = 15: 15-24 experts an iteration at K = 1, 12 a plain
+ *     token, 8.3-9.0 a token at K = 2-3; static K = 2-3 1.25-1.34x plain, the governor 1.02).
+ *     The budget bounds what the longer probes cost where no K pays.
  *
  * Batches (smoe_spec_obs.nrows > 0): one observation is one batch step of nrows sequences,
  *   all verified in one forward; row_k[i] drafts verified and row_acc[i] accepted for

@@ -18,6 +18,7 @@ typedef struct speq_state {
     int distinct;                  /* two different g were seen */
     uint64_t n;
     uint64_t zero_run;             /* consecutive latest observations with k == 0 */
+    uint8_t tried[SMOE_SPEC_KMAX + 1]; /* k (the step's largest) was verified at least once */
     /* the learned I/O cost (controller.h, io_cost) */
     double loaded[SMOE_SPEC_KMAX + 1]; /* EMA of experts_loaded per k verified */
     uint8_t loaded_seen[SMOE_SPEC_KMAX + 1];
@@ -123,13 +124,21 @@ static int32_t speq_best(const smoe_spec_ctl *c, const speq_state *s, int32_t k_
     return best;
 }
 
+/* The probe's K (controller.h): the smallest allowed k >= 1 never verified, else the best
+ * allowed k >= 1 by the objective; 0 when no k >= 1 is allowed. */
+static int32_t speq_probe_k(const smoe_spec_ctl *c, const speq_state *s) {
+    for (int32_t k = 1; k <= c->params.k_max; k++)
+        if (c->allowed[k] && !s->tried[k]) return k;
+    return speq_best(c, s, 1);
+}
+
 static int32_t speq_next_k(const smoe_spec_ctl *c) {
     const speq_state *s = c->state;
     if (s->n == 0) return c->params.initial == -1 ? 1 : c->params.initial;
     int32_t k = speq_best(c, s, 0);
     if (k == 0 && c->params.probe > 0 && s->zero_run >= (uint64_t)c->params.probe &&
         smoe_spec_ctl_within_budget(c))
-        k = speq_best(c, s, 1);
+        k = speq_probe_k(c, s);
     return k;
 }
 
@@ -172,6 +181,7 @@ static double speq_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t *ph
         s->distinct = 1;
     s->n++;
     s->zero_run = o->k == 0 ? s->zero_run + 1 : 0;
+    s->tried[o->k] = 1;
     int32_t k = speq_best(c, s, 0);
     double u = expected_tokens(s, k) / cycle_time(c, s, k) * cycle_time(c, s, 0);
     if (!c->io_given) speq_learn_io(c, s, o);
