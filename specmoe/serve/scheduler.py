@@ -73,9 +73,10 @@ per token), its rows run as sequences of their own (:meth:`BatchKV.forward`): wh
 matrix products run in C (the experts always, the dense layers of a bf16 model or with
 ``dense=``, up to 16 tokens a row) it gets the bits of its step alone whatever the batch's
 size, the C kernels being batch invariant (docs/speculation.md, "How exact").  Products left
-in torch (an f32 model's dense layers) may round by shape in the last bits.  A prefill of prompts of one length gives
-each the bits of its prefill alone on the same terms (its products in C, or in torch's GEMMs,
-which gave every row its bits at any row count above 16 in our measurements).  A batched
+in torch (an f32 model's dense layers) may round by shape in the last bits (``dense="f32"``
+puts them in C).  A prefill of prompts of one length gives each the bits of its prefill
+alone on the same terms (its products in C, or in torch's GEMMs, which gave every row its
+bits at any row count above 16 in our measurements).  A batched
 prefill of other lengths (``batch_prefill``) is not exact: the group is left-padded, a
 padded prompt's torch attention runs beside a mask its prefill alone does not have, and the
 group's length may put it on the other side of specmoe's switches between C (decode sizes)
