@@ -20,8 +20,9 @@ class SpeqGovernor(Controller):
     proportion to k+1: ``csrc/spec/controller.h``) unless :meth:`set_io_cost` gives it, and
     ``t_first`` the profiled latency of a
     cycle's first mandatory expert fetch (seconds, default 0).  After ``probe`` consecutive
-    iterations at K=0 it tries the best K >= 1 once, so a pessimistic acceptance estimate
-    cannot switch speculation off for good (-1: never probe), while what speculation has cost
+    iterations at K=0 it tries one K >= 1 once (the smallest never verified, else the best of
+    its model), so a pessimistic estimate cannot switch speculation off for good nor keep it
+    from the K where loads amortize (-1: never probe), while what speculation has cost
     so far against plain steps is within ``budget`` of the time observed (the slowdown budget,
     ``csrc/spec/controller.h``; None: probes are not limited).  ``k_max`` bounds the search;
     :func:`ttft_k_max` gives the bound that keeps time-to-first-token within a budget (the
