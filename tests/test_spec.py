@@ -55,6 +55,7 @@ class Shared:
         # Cascade's TEST/SET iterations per planned K, across requests: (etr, t, index, request)
         self.hist: Dict[int, List[Tuple[float, float, int, int]]] = {}
         self.req = 0  # requests begun
+        self.test_start: Optional[int] = None  # index of Cascade's first TEST iteration
 
     def base(self) -> float:
         return statistics.median(self.times) if self.times else math.nan
@@ -126,9 +127,12 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
         above = [k for k in cands if k > center]
         start = max(below) if below else (min(above) if above else None)
         tried: Dict[int, float] = {}
+        tried_base: Dict[int, float] = {}  # the t_base each tried K's U was computed with
         prev_k = 0
         best_k, best_u = 0, -INF
         if start is not None:
+            if sh.test_start is None:
+                sh.test_start = sh.i + 1
             k = start
             direction = 0
             flipped = False
@@ -168,6 +172,7 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                     u = pooled_u(k, b) if not math.isnan(b) else 0.0
                 prev_u = tried[prev_k] if tried else None
                 tried[k] = u
+                tried_base[k] = b
                 prev_k = k
                 first = len(tried) == 1
                 improved = u > best_u
@@ -190,6 +195,19 @@ def ref_cascade(sh: Shared, allowed: List[int], k_max: int, M: int, t: int, S: i
                     if nxt is None:
                         break
                 k = nxt
+        if best_k > 0 and best_u >= 1 and sh.test_start is not None and \
+                (sh.last_plain is None or sh.last_plain < sh.test_start
+                 or sh.i - sh.last_plain >= refresh):
+            # a SET decided on a base from before any trial (or stale): confirm it
+            before = sh.base()
+            for _ in range(base_len):
+                yield 0, "base"
+            b = min(before, sh.base())
+            best_k, best_u = 0, -INF
+            for kk in sorted(tried):
+                u = tried[kk] * (b / tried_base[kk]) if tried_base[kk] > 0 else tried[kk]
+                if u > best_u:
+                    best_k, best_u = kk, u
         if best_k > 0 and best_u >= 1:
             center = best_k
             backoff = S
@@ -294,8 +312,10 @@ def test_cascade_converges_to_best_k_when_speculation_pays():
     set_ks = [k for k, p in seq if p == "set"]
     assert set_ks and set(set_ks) == {best}
     assert "backoff" not in {p for _, p in seq}
-    # first test phase hill-climbs 1,2,3,4 (M=4 trials of t=4)
+    # first test phase hill-climbs 1,2,3,4 (M=4 trials of t=4); its SET waits for the base
+    # measured again after the trials (once per request), then runs at the best K
     assert [k for k, p in seq[4:20]] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert seq[20:25] == [(0, "base")] * 4 + [(3, "set")]
     tel = c.telemetry()
     assert len(tel["k"]) == 600
     assert np.array_equal(tel["k"], [k for k, _ in seq])
@@ -307,13 +327,48 @@ def test_cascade_converges_to_best_k_when_speculation_pays():
 
 def test_cascade_base_refreshed_about_every_100_iterations():
     _, seq = drive_cascade(env_pays(), 800)
-    starts = [i for i in range(len(seq)) if seq[i][1] == "base" and (i == 0 or seq[i - 1][1] != "base")]
-    assert len(starts) >= 5
-    gaps = np.diff(starts)
-    # a refresh happens at the first SET/BACKOFF end at least 100 iterations after the last
-    # plain iteration; between two such ends lie at most a test phase (M*t = 16) and a set
-    # phase (S = 16), and the base phase itself is 4 long
-    assert all(100 <= g <= 100 + 16 + 16 + 4 for g in gaps), gaps
+    ph = [p for _, p in seq]
+    starts = [i for i in range(len(ph)) if ph[i] == "base" and (i == 0 or ph[i - 1] != "base")]
+    # the base run right after the first test phase confirms the request's first SET
+    assert starts[:2] == [0, 20] and ph[19] == "test"
+    refresh = starts[2:]
+    assert len(refresh) >= 5
+    # later base runs measure a base older than 100 iterations again: at the first SET/BACKOFF
+    # end (before a TEST) or test phase end (confirming its SET) at least 100 iterations
+    # after the last plain one; between two such ends lie at most a test phase (M*t = 16)
+    # and a set phase (S = 16)
+    for i in refresh:
+        last_plain = max(j for j in range(i) if ph[j] == "base")
+        assert 101 <= i - last_plain <= 101 + 16 + 16, (i, last_plain)
+
+
+def env_cold_start(base: float = 0.010, cold: int = 4, factor: float = 2.0,
+                   cost: float = 1.2) -> Env:
+    """Every draft is accepted and K drafts cost base*(1 + cost*K), so U(K) = (K+1)/(1+cost*K)
+    < 1 for every K; but the first `cold` iterations (a cache warming at a request's start)
+    cost `factor` times more, and against those plain steps K = 2 reads 3*2/3.4 = 1.76."""
+    def f(k: int, it: int) -> Tuple[int, int, float]:
+        t = base * (1 + cost * k) if k else base
+        return k, k, t * (factor if it < cold else 1.0)
+    return f
+
+
+def test_cascade_confirms_a_base_measured_before_the_trials():
+    """Plain steps that fall as the cache warms must not make a K that does not pay look like
+    it pays: the test phase's SET is confirmed against plain steps measured after the
+    trials (controller.h, "the base confirmed after the trials")."""
+    c, seq = drive_cascade(env_cold_start(), 120)
+    ph = [p for _, p in seq]
+    assert "set" not in ph
+    assert ph[:4] == ["base"] * 4 and ph[4] == "test"
+    end = ph.index("base", 4)  # the confirming base run ends the first test phase
+    assert ph[end:end + 4] == ["base"] * 4 and ph[end + 4] == "backoff"
+    # the trials' U against the cold base said K pays; the telemetry keeps what they read
+    tel = c.telemetry()
+    assert tel["utility"][4:end].max() > 1.5
+    # and a second request, begun after the cache has warmed: no SET either
+    c2, seq2 = drive_cascade(env_cold_start(), 200, requests=(60,))
+    assert "set" not in {p for _, p in seq2}
 
 
 def test_cascade_never_pays_backs_off_doubling():
@@ -434,7 +489,8 @@ def test_cascade_converged_utilities_end_the_test_phase():
         return (k, k, 0.010 * (k + 1) / u[k]) if k else (0, 0, 0.010)
     _, seq = drive_cascade(env, 40, center=2, k_max=4)
     assert [k for k, p in seq if p == "test"][:8] == [2] * 4 + [3] * 4
-    assert [p for _, p in seq[12:14]] == ["set", "set"] and seq[12][0] == 3
+    # (then the base confirmed, then SET)
+    assert [p for _, p in seq[12:18]] == ["base"] * 4 + ["set", "set"] and seq[16][0] == 3
     _, seq = drive_cascade(env, 40, center=2, k_max=4, converge=None)
     assert [k for k, p in seq if p == "test"][:12] == [2] * 4 + [3] * 4 + [4] * 4
 

@@ -36,6 +36,13 @@ typedef struct cascade_state {
     int32_t initial;         /* the first centre of every request */
     double last_u;           /* U of the previous trial of the running test phase */
     uint64_t req;            /* requests begun (begin_request) */
+    /* the base confirmed after the trials (controller.h) */
+    int32_t tested;           /* a TEST phase was ever entered */
+    uint64_t test_start;      /* index of the first TEST iteration */
+    int32_t confirming;       /* the running BASE phase re-takes the test phase's decision */
+    double confirm_before;    /* t_base when that test phase ended */
+    double trial_u[SMOE_SPEC_KMAX + 1];    /* U of each K tried in the running test phase */
+    double trial_base[SMOE_SPEC_KMAX + 1]; /* the t_base that U was computed with */
     /* per planned K, the last CASCADE_POOL_MAX TEST/SET iterations (ring, newest at pos-1),
      * kept across requests: utilities pool the current request's, the hopeless test reads
      * every request's iteration times */
@@ -163,6 +170,10 @@ static void start_test(const smoe_spec_ctl *c, cascade_state *s, uint64_t now) {
         decide(c, s); /* no K >= 1 is allowed: nothing to test */
         return;
     }
+    if (!s->tested) {
+        s->tested = 1;
+        s->test_start = now + 1; /* the next iteration is the first TEST one */
+    }
     enter(s, SMOE_SPEC_PHASE_TEST);
     s->cur_k = k0;
     skip_if_hopeless(c, s, now);
@@ -181,11 +192,48 @@ static void new_cycle(const smoe_spec_ctl *c, cascade_state *s, uint64_t now) {
  * iteration just observed). */
 static void end_set(const smoe_spec_ctl *c, cascade_state *s) { new_cycle(c, s, c->n_obs); }
 
+/* The end of a test phase after the iteration `now`: decide, unless the phase would SET on a
+ * t_base measured before any trial (or stale): then a BASE phase confirms it first
+ * (controller.h, "the base confirmed after the trials"). */
+static void conclude(const smoe_spec_ctl *c, cascade_state *s, uint64_t now) {
+    if (s->best_k > 0 && s->best_u >= 1.0 &&
+        (c->last_base_iter < s->test_start ||
+         now - c->last_base_iter >= (uint64_t)c->params.base_refresh)) {
+        s->confirm_before = smoe_spec_ctl_base(c);
+        enter(s, SMOE_SPEC_PHASE_BASE);
+        s->confirming = 1;
+        return;
+    }
+    decide(c, s);
+}
+
+/* After the confirming BASE phase: every tried K's U against the smaller of the two bases,
+ * then the decision as usual. */
+static void reconsider(const smoe_spec_ctl *c, cascade_state *s) {
+    double after = smoe_spec_ctl_base(c);
+    double b = s->confirm_before < after ? s->confirm_before : after;
+    s->confirming = 0;
+    s->best_k = 0;
+    s->best_u = -INFINITY;
+    for (int32_t k = 1; k <= c->params.k_max; k++) { /* ascending: ties go to the smaller K */
+        if (!s->tried[k]) continue;
+        double u = s->trial_base[k] > 0.0 ? s->trial_u[k] * (b / s->trial_base[k])
+                                          : s->trial_u[k];
+        if (u > s->best_u) {
+            s->best_u = u;
+            s->best_k = k;
+        }
+    }
+    decide(c, s);
+}
+
 static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u, uint64_t now) {
     if (isnan(u)) u = 0.0; /* no plain iteration observed: cannot show that K pays */
     int32_t k = s->cur_k;
     int first = s->ntrials == 0;
     s->tried[k] = 1;
+    s->trial_u[k] = u;
+    s->trial_base[k] = smoe_spec_ctl_base(c);
     s->ntrials++;
     int beats = u > s->best_u;
     if (beats || (u == s->best_u && k < s->best_k)) {
@@ -197,18 +245,18 @@ static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u, uin
     s->last_u = u;
     if ((k == 1 && !(u >= 1.0)) || s->ntrials >= c->params.trials ||
         !smoe_spec_ctl_within_budget(c)) {
-        decide(c, s);
+        conclude(c, s, now);
         return;
     }
     if (!first && c->params.converge > 0.0 &&
         fabs(u - prev) <= c->params.converge * fmax(fabs(u), fabs(prev))) {
-        decide(c, s); /* successive utilities converged */
+        conclude(c, s, now); /* successive utilities converged */
         return;
     }
     int32_t next = 0;
     if (first || beats) next = nearest_untried(c, s, s->best_k, s->dir);
     if (next == 0 && !first && !beats && s->flipped) {
-        decide(c, s); /* second failure */
+        conclude(c, s, now); /* second failure */
         return;
     }
     if (next == 0 && !s->flipped) {
@@ -217,7 +265,7 @@ static void finish_trial(const smoe_spec_ctl *c, cascade_state *s, double u, uin
         next = nearest_untried(c, s, s->best_k, s->dir);
     }
     if (next == 0) {
-        decide(c, s);
+        conclude(c, s, now);
         return;
     }
     enter(s, SMOE_SPEC_PHASE_TEST);
@@ -276,7 +324,12 @@ static double cascade_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, int32_t 
     switch (s->phase) {
     case SMOE_SPEC_PHASE_BASE:
         u = etr * base / o->t_iter;
-        if (s->n >= c->params.base_len) start_test(c, s, now);
+        if (s->n >= c->params.base_len) {
+            if (s->confirming)
+                reconsider(c, s);
+            else
+                start_test(c, s, now);
+        }
         break;
     case SMOE_SPEC_PHASE_TEST:
         if (s->n >= c->params.trial_len) {
@@ -305,6 +358,7 @@ static void cascade_begin_request(smoe_spec_ctl *c) {
     s->req++; /* the pools' earlier records stop counting toward utilities */
     s->center = s->initial;
     s->backoff_len = c->params.set_len;
+    s->confirming = 0;
     if (c->n_obs == 0) {
         enter(s, SMOE_SPEC_PHASE_BASE);
         return;

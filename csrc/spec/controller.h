@@ -125,6 +125,30 @@
  *   - Decision: best = the tried K with the largest U; ties go to the smaller K (fewer
  *     experts touched).  U(best) >= 1 -> SET at best (U exactly 1 counts as paying, following
  *     "K=0 when U<1"); otherwise BACKOFF.
+ *   - The base confirmed after the trials (decided here; the paper measures t_base in the
+ *     first decode iterations and every 100, which assumes a plain step costs the same
+ *     before and after the trials).  With the experts offloaded it does not: while the cache
+ *     warms at a request's start, plain steps fall to about half (the zoo pair behind an
+ *     emulated PCIe link at a 25 % cache: 26, 17, 21.5, 21 ms in the first four decode
+ *     iterations, a median of 10.6 ms afterwards), so a t_base from the first iterations
+ *     inflates every U of the test phase that follows (measured 1.3-1.7 at K = 2 where plain
+ *     decoding was faster; Cascade then set K = 2-3 and read 0.91 of plain, static K = 2
+ *     0.96).  So when a test phase would SET (U(best) >= 1) and no k_used == 0 iteration
+ *     was observed since the controller's first TEST iteration (or t_base is older than
+ *     base_refresh iterations), a BASE phase of base_len iterations runs first (telemetry
+ *     phase BASE), and the decision is taken again with b = min(t_base before it, t_base
+ *     after it): each tried K's U rescaled as U * (b / the t_base its U was computed with;
+ *     unscaled when that was unknown), best and ties as above.  The smaller of the two is
+ *     the conservative one whichever way plain steps drift.  Once per controller, not per
+ *     request: a later request that starts cold measures its trials against a warm t_base,
+ *     which errs the safe way, and each confirmation costs base_len plain iterations where
+ *     speculation pays (32-token requests behind the emulated PCIe link, where static K = 2
+ *     paid 1.1x: Cascade 0.97 of plain with one per request against 1.0 without).  None
+ *     where it does not pay: that test phase goes to BACKOFF, whose plain steps refresh
+ *     t_base anyway.  Not solved by it: plain steps right after the trials are slow too
+ *     (the trials' experts displaced theirs: 3.3 ms against 2.5 in long plain runs, the
+ *     self-draft at the NVMe-CPU link's ratio), so where both bases are inflated the
+ *     confirmed U still is, and K = 2 is kept at about 0.9 of plain.
  *   - A trial U that cannot be computed (no k_used == 0 iteration observed yet, so no
  *     t_base) counts as 0.
  *   - Iterations count toward the current phase/trial whatever k_used was; a trial's U uses

@@ -16,7 +16,9 @@ class Cascade(Controller):
         trial_len: t, iterations per trial.
         set_len: S, iterations of a set phase (and the first back-off length).
         backoff_max: cap of the doubling back-off length.
-        base_len: plain iterations whose median is t_iter_base.
+        base_len: plain iterations whose median is t_iter_base.  The controller's first SET is
+            confirmed by base_len more plain iterations after its trials (the smaller of the
+            two bases decides: plain steps fall while an offloaded cache warms).
         base_refresh: iterations after which t_iter_base is measured again.
         initial: the first hill-climbing centre (default 2, or k_max if smaller); later test
             phases start from the best K of the last test phase that found one paying.
