@@ -103,6 +103,7 @@ sys.path.insert(0, str(ROOT / "training"))
 
 import torch  # noqa: E402
 
+import hostinfo  # noqa: E402  (benchmarks/)
 import specmoe  # noqa: E402
 from specmoe.speculation import controllers as spec
 from specmoe import zoo  # noqa: E402
@@ -537,6 +538,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                    "new_tokens": a.new_tokens, "repeats": a.repeats,
                                    "drafters": drafters, "k_max_adaptive": K_MAX,
                                    "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+                                   "host": hostinfo.host(a.threads),
                                    "loadavg_start": round(load0, 2),
                                    "loadavg_end": round(os.getloadavg()[0], 2),
                                    "wall_s": round(time.perf_counter() - t_all, 1)},
@@ -669,6 +671,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "prompts": {w: [name for name, _ in work[w]] for w in WORKLOADS},
             "prompt_tokens": {w: [len(ids) for _, ids in work[w]] for w in WORKLOADS},
             "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+            "host": hostinfo.host(a.threads),
             "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
             "wall_s": round(time.perf_counter() - t_all, 1),
         },
