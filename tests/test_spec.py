@@ -313,7 +313,7 @@ def test_cascade_converges_to_best_k_when_speculation_pays():
     assert set_ks and set(set_ks) == {best}
     assert "backoff" not in {p for _, p in seq}
     # first test phase hill-climbs 1,2,3,4 (M=4 trials of t=4); its SET waits for the base
-    # measured again after the trials (once per request), then runs at the best K
+    # measured again after the trials (once per controller), then runs at the best K
     assert [k for k, p in seq[4:20]] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
     assert seq[20:25] == [(0, "base")] * 4 + [(3, "set")]
     tel = c.telemetry()
@@ -329,7 +329,7 @@ def test_cascade_base_refreshed_about_every_100_iterations():
     _, seq = drive_cascade(env_pays(), 800)
     ph = [p for _, p in seq]
     starts = [i for i in range(len(ph)) if ph[i] == "base" and (i == 0 or ph[i - 1] != "base")]
-    # the base run right after the first test phase confirms the request's first SET
+    # the base run right after the first test phase confirms the controller's first SET
     assert starts[:2] == [0, 20] and ph[19] == "test"
     refresh = starts[2:]
     assert len(refresh) >= 5
