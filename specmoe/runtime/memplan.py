@@ -176,19 +176,20 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
             raise ValueError(f"no measured rate for dense format {d!r}")
     S = sizes.num_layers * sizes.num_experts
     kv = sizes.kv_bytes_per_token * max_tokens
-    other = int(sizes.other_params * sizes.param_bytes) + int(predictor)
+    other = int(sizes.other_params * sizes.param_bytes)
+    held = reserve + int(predictor) + other  # whatever the dense format and the cache
     # loading: the dense weights arrive at the model's dtype and are converted before the cache
     # takes its slots, so the budget must hold them once as they are
-    load = reserve + other + int(sizes.dense_params * sizes.param_bytes)
+    load = held + int(sizes.dense_params * sizes.param_bytes)
     cands = []
     for d in dict.fromkeys(opts):
         db = dense_bytes(sizes.dense_params, d)
-        room = budget - reserve - kv - other - db
+        room = budget - held - kv - db
         slots = min(S, room // sizes.block_bytes) if room > 0 else 0
         c: dict[str, Any] = {"dense": d, "dense_bytes": db, "cache_slots": int(slots),
                              "fits": slots >= sizes.top_k and load <= budget}
         if not c["fits"]:
-            need = max(load, reserve + kv + other + db + sizes.top_k * sizes.block_bytes)
+            need = max(load, held + kv + db + sizes.top_k * sizes.block_bytes)
             c["why"] = f"needs at least {need / 2**30:.2f} GiB"
             c["min_budget"] = need
         else:
@@ -210,7 +211,7 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
     close = [c for c in ok if c["est_tpot_s"] <= best["est_tpot_s"] * (1 + EXACT_MARGIN)]
     pick = min(close, key=lambda c: (_EXACTNESS[c["dense"]], c["est_tpot_s"]))
     return MemoryPlan(budget_bytes=int(budget), reserve_bytes=int(reserve), kv_bytes=int(kv),
-                      other_bytes=other - int(predictor), dense=pick["dense"],
+                      other_bytes=other, dense=pick["dense"],
                       dense_bytes=pick["dense_bytes"], predictor_bytes=int(predictor),
                       cache_slots=pick["cache_slots"],
                       cache_bytes=pick["cache_slots"] * sizes.block_bytes,
