@@ -761,6 +761,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
     }
     s.tab.pass_id = 0; /* passes are numbered from 1 by the replay (smoe_slots_set_pass) */
     s.tab.admit.on = s.pf && s.pf->admission;
+    if (s.pf && s.pf->admission == 2) s.tab.admit.budget = 0.0; /* the time-only rule */
     s.tab.admit.contention = 0.0; /* a demand load pre-empts the copy engine (sim.h) */
     s.tab.admit.measure = 0;
 

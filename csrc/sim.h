@@ -118,11 +118,12 @@ typedef struct smoe_sim_prefetch {
                             NULL for the built-in temporal weights */
     uint64_t model_len;
     int32_t admission;  /* 1: prefetch admission by expected benefit (admit.h), the live
-                           caches' rule through the same slot table: each request carries its
-                           predictor score as the probability of use (oracle 1; router the
-                           softmax probability; learned q; history its score) and the layer
-                           steps ahead it was predicted for; the table's estimates are fed
-                           the replay's virtual clock (every load, stall and pass) */
+                           caches' rule through the same slot table (2: without its byte
+                           budget, the time-only rule of the offline bound): each request
+                           carries its predictor score as the probability of use (oracle 1;
+                           router the softmax probability; learned q; history its score) and
+                           the layer steps ahead it was predicted for; the table's estimates
+                           are fed the replay's virtual clock (every load, stall and pass) */
 } smoe_sim_prefetch;
 
 typedef struct smoe_sim_result {

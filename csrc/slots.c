@@ -38,16 +38,21 @@ static int32_t lowest_free(const smoe_slots *t) {
     return -1;
 }
 
-static void evict(smoe_slots *t, uint32_t s) {
+/* Evict the resident key of slot s, for a prefetch copy (for_prefetch) or a demand load. */
+static void evict(smoe_slots *t, uint32_t s, int for_prefetch) {
     smoe_slot *sl = &t->slots[s];
     int32_t key = sl->key;
     smoe_policy_evict(t->policy, s, key);
     t->map[key] = -1;
     t->evicted_pass[key] = t->pass_id;
+    t->pf_victim[key] = (uint8_t)(for_prefetch != 0);
     t->stats.evictions++;
     smoe_admit_evicted(&t->admit);
     if (t->protect[key]) t->stats.protected_evictions++;
-    if (sl->prefetched) t->stats.prefetch_wasted++;
+    if (sl->prefetched) {
+        t->stats.prefetch_wasted++;
+        smoe_admit_count(&t->admit, 1); /* a copy prefetching added */
+    }
     sl->key = -1;
     sl->state = SMOE_SLOT_EMPTY;
     sl->prefetched = 0;
@@ -78,10 +83,11 @@ static int32_t find_slot(smoe_slots *t, smoe_evictable_fn ok, int *victim, int *
 }
 
 /* find_slot, the victim evicted. */
-static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int *rc, smoe_err *err) {
+static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int for_prefetch, int *rc,
+                         smoe_err *err) {
     int victim;
     int32_t s = find_slot(t, ok, &victim, rc, err);
-    if (s >= 0 && victim) evict(t, (uint32_t)s);
+    if (s >= 0 && victim) evict(t, (uint32_t)s, for_prefetch);
     return s;
 }
 
@@ -89,6 +95,11 @@ static int32_t take_slot(smoe_slots *t, smoe_evictable_fn ok, int *rc, smoe_err 
  * load_done. */
 static void load_begin(smoe_slots *t, uint32_t s, int32_t key, int prefetch) {
     smoe_slot *sl = &t->slots[s];
+    if (!prefetch) { /* the byte budget: a demand load of a key a prefetch displaced is extra */
+        const uint64_t ev = t->evicted_pass[key];
+        smoe_admit_count(&t->admit, t->pf_victim[key] && ev &&
+                                        t->pass_id - ev < SMOE_ADMIT_BUDGET_PASSES);
+    }
     smoe_policy_insert(t->policy, s, key, prefetch);
     t->nempty--; /* (take_slot gives only EMPTY slots: free or just evicted) */
     sl->key = key;
@@ -104,7 +115,8 @@ static void load_begin(smoe_slots *t, uint32_t s, int32_t key, int prefetch) {
 
 int32_t smoe_slots_claim(smoe_slots *t, int32_t key, int prefetch, int *rc, smoe_err *err) {
     t->pf_key = key; /* (read by evictable_prefetch) */
-    int32_t s = take_slot(t, prefetch ? evictable_prefetch : evictable_demand, rc, err);
+    int32_t s = take_slot(t, prefetch ? evictable_prefetch : evictable_demand, prefetch, rc,
+                          err);
     if (s >= 0) load_begin(t, (uint32_t)s, key, prefetch);
     return s;
 }
@@ -147,7 +159,7 @@ int32_t smoe_slots_claim_prefetch(smoe_slots *t, const smoe_prefetch_req *r, dou
     }
     if (victim && !smoe_admit_decide(&t->admit, r->prob, r->issued, r->steps, now, regret))
         return refuse(t);
-    if (victim) evict(t, (uint32_t)s);
+    if (victim) evict(t, (uint32_t)s, 1);
     load_begin(t, (uint32_t)s, r->key, 1);
     return s;
 }
@@ -166,6 +178,7 @@ void smoe_slots_touch(smoe_slots *t, uint32_t s) {
     if (sl->prefetched) {
         sl->prefetched = 0;
         t->stats.prefetch_used++;
+        smoe_admit_count(&t->admit, 0); /* a needed load, brought by a prefetch */
     }
 }
 
@@ -340,6 +353,7 @@ static void free_arrays(smoe_slots *t) {
     free(t->map);
     free(t->qpos);
     free(t->evicted_pass);
+    free(t->pf_victim);
     free(t->protect);
     free(t->queue);
     memset(t, 0, sizeof *t);
@@ -383,11 +397,12 @@ int smoe_slots_init(smoe_slots *t, const char *what, uint32_t num_layers, uint32
     t->map = malloc(nkeys * sizeof *t->map);
     t->qpos = malloc(nkeys * sizeof *t->qpos);
     t->evicted_pass = calloc(nkeys, sizeof *t->evicted_pass);
+    t->pf_victim = calloc(nkeys, 1);
     t->protect = calloc(nkeys, 1);
     t->queue_cap = 64;
     t->queue = malloc(t->queue_cap * sizeof *t->queue);
-    if (!t->slots || !t->slot_err || !t->map || !t->qpos || !t->evicted_pass || !t->protect ||
-        !t->queue) {
+    if (!t->slots || !t->slot_err || !t->map || !t->qpos || !t->evicted_pass || !t->pf_victim ||
+        !t->protect || !t->queue) {
         free_arrays(t);
         return smoe_err_set(err, SMOE_ENOMEM, "%s: out of memory for %u slots", what, nslots);
     }

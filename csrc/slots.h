@@ -37,7 +37,10 @@
  *    (spac), utility(slot's key) <= utility(requested key) (else prefetch_dropped++);
  *    with admission on (smoe_slots_set_admission), the request must then pass admit.h's rule
  *    against that victim (else prefetch_refused++, nothing evicted); on_insert(s, key, 1),
- *    prefetch_issued++.  Every load (demand or prefetch) is timed for the rule's estimates.
+ *    prefetch_issued++.  Every load (demand or prefetch) is timed for the rule's estimates,
+ *    and counted for its byte budget: a demand load as needed, or as added when its key's
+ *    last eviction made room for a prefetch (pf_victim) fewer than SMOE_ADMIT_BUDGET_PASSES
+ *    passes ago; a prefetched slot's first use as needed, its eviction unused as added.
  *  - a demand access that cannot find a slot waits forever if every slot stays pinned: size
  *    the cache for (threads x top_k) pins at least.
  */
@@ -127,6 +130,8 @@ typedef struct smoe_slots {
     uint32_t nempty;       /* [mu] slots in state EMPTY (lowest_free scans only when > 0) */
     int32_t *map;          /* owned; [mu] key -> slot or -1; num_layers*num_experts */
     uint64_t *evicted_pass;/* owned; [mu] per key: pass id when last evicted (collisions) */
+    uint8_t *pf_victim;    /* owned; [mu] per key: 1 when its last eviction made room for a
+                              prefetch (admit.h's byte budget) */
     uint8_t *protect;      /* owned; [mu] per key: 1 = in the lookahead buffer, evicted last
                               (smoe_slots_set_protected) */
     uint32_t nprotected;   /* [mu] keys marked in protect */

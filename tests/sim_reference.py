@@ -94,6 +94,8 @@ class RefAdmit:
     max(0, start + load_s - need), 0, demand_s)."""
 
     ALPHA = 0.0625
+    EXTRA = 0.08        # the byte budget: added loads per needed load
+    BUDGET_PASSES = 8   # a demand load of a key a prefetch evicted this recently is added
 
     def __init__(self, num_layers, contention=0.0):
         self.contention = contention
@@ -102,6 +104,7 @@ class RefAdmit:
         self.demand_s = self.fetch_s = -1.0
         self.pass_start, self.pass_load, self.pass_stall = -1.0, 0.0, 0.0
         self.regrets = self.evictions = 0.0
+        self.needed = self.extra = 0.0  # the byte budget's counts
 
     def _ema(self, old, x, first):
         return x if first else old + self.ALPHA * (x - old)
@@ -133,10 +136,22 @@ class RefAdmit:
             self.evictions *= 0.5
             self.regrets *= 0.5
 
+    def count(self, extra):
+        """A load that was needed (extra False) or one prefetching added (True)."""
+        if extra:
+            self.extra += 1.0
+            return
+        self.needed += 1.0
+        if self.needed > 4096.0:
+            self.needed *= 0.5
+            self.extra *= 0.5
+
     def measured_regret(self):
         return 0.5 if self.evictions < 64.0 else min(self.regrets / self.evictions, 1.0)
 
     def decide(self, p, issued, steps, start, regret):
+        if self.needed >= 64.0 and self.extra > self.EXTRA * self.needed:
+            return False  # the byte budget is spent
         if self.load_s <= 0.0 or self.step_s < 0.0:
             return True
         p = min(max(p, 0.0), 1.0)
@@ -263,6 +278,7 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
     slot_pf = [False] * nslots
     where: dict[int, int] = {}
     evicted = {}
+    pf_victim: dict[int, bool] = {}
     st = dict(now=0.0, pass_=0, inflight=-1, ready=0.0, ce_free=0.0, issue=0.0)
     queue: list[int] = []
     freq = np.zeros((L, E), np.int64)
@@ -306,10 +322,16 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
             c["protected_evictions"] += old in protected
             del where[old]
             evicted[old] = st["pass_"]
+            pf_victim[old] = bool(prefetch)
             c["evictions"] += 1
             if slot_pf[s]:
                 c["prefetch_wasted"] += 1
+                if adm:
+                    adm.count(True)
             policy.on_evict(s, old)
+        if adm and not prefetch:  # a demand load of a key a prefetch displaced: added
+            adm.count(pf_victim.get(key, False) and
+                      st["pass_"] - evicted[key] < RefAdmit.BUDGET_PASSES)
         slot_key[s] = key
         where[key] = s
         slot_pf[s] = bool(prefetch)
@@ -372,6 +394,8 @@ def ref_simulate(experts, E, nslots, policy, hw, pred=None, logits=None, verify_
             if slot_pf[s]:
                 c["prefetch_used"] += 1
                 slot_pf[s] = False
+                if adm:
+                    adm.count(False)
             slot_pass[s] = st["pass_"]
             policy.on_access(s, key)
             return

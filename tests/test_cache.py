@@ -536,6 +536,33 @@ def test_prefetch_admission_rule_live(store):
                                   probs=np.full(1, -0.5, np.float32))
 
 
+def test_admission_byte_budget_live(store):
+    """admit.h's byte budget on the live worker: copies that are never used count as loads
+    prefetching added; once they pass 8 % of the loads that were needed (after 64 of
+    those), every request is refused, however sure and early, until the needed loads catch
+    up.  The rule off, the same requests all load."""
+    def run(admission: bool) -> tuple[dict, dict]:
+        with ExpertCache(store, 4, top_k=1) as cache:
+            cache.set_admission(admission)
+            for i in range(300):
+                cache.begin_pass()
+                cache.prefetch([(3, i % NE, 1.0)], probs=[1.0], steps=10**6)  # never used
+                _drain(cache)
+                layer, e = divmod(i % 24, NE)  # 24 keys round 4 slots: every access loads
+                cache.acquire(layer, e)
+                cache.release(layer, e)
+            return cache.stats(), cache.admission()
+    st, a = run(True)
+    assert st["misses"] == 300 and a["needed_loads"] == 300
+    assert a["over_budget"] is True and a["added_loads"] > 0.08 * 64
+    # admitted until 64 loads were needed, refused from then on (the added ones never fall
+    # back under 8 % of the needed ones within 300 passes)
+    assert 60 <= st["prefetch_issued"] <= 70 and st["prefetch_refused"] >= 230
+    assert a["added_loads"] == st["prefetch_wasted"]
+    st, a = run(False)
+    assert st["prefetch_issued"] == 300 and st["prefetch_refused"] == 0
+
+
 def test_prefetch_never_evicts_current_pass_or_pinned(store):
     with ExpertCache(store, 2, top_k=1) as cache:
         for e in (0, 1):

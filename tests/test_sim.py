@@ -280,6 +280,31 @@ def test_admission_refuses_and_never_loses_to_demand_only(puffin_subset):
     assert fast["stall_s"] < _run(tr, "belady", nslots, HW_FASTLINK)["stall_s"]
 
 
+def test_admission_keeps_bytes_within_budget(puffin_subset):
+    """The byte budget (admit.h, issue 42 item 6) on real routing where the link is the
+    bottleneck (the laptop profile): LRU with the history predictor reads at most 10 % more
+    expert bytes than demand loading (at 25 % about 13 % with the rule's time terms alone,
+    ``byte_budget=False``) and is faster than it."""
+    from specmoe.sim.hardware import PROFILES
+    for cap in ("10%", "25%"):
+        base = simulate(puffin_subset, "least_stale" if cap == "10%" else "lru", cap,
+                        hardware=PROFILES["laptop"])
+        loads = {}
+        for budget in (True, False):
+            r = simulate(puffin_subset, base.policy, cap, prefetch="history",
+                         hardware=PROFILES["laptop"], admission=True, byte_budget=budget)
+            assert r.extra["byte_budget"] is budget
+            loads[budget] = r.misses - r.prefetch_late + r.prefetch_issued  # demand + copies
+            assert r.prefetch_issued > 0 and r.prefetch_refused > 0
+            assert r.est_tpot_ms < base.est_tpot_ms
+        assert loads[True] <= 1.10 * base.misses, (cap, loads[True] / base.misses)
+        assert loads[False] > loads[True]
+        if cap == "25%":
+            assert loads[False] > 1.10 * base.misses, loads[False] / base.misses
+    with pytest.raises(ValueError, match="admission must be 0"):
+        _C.simulate(puffin_subset.experts, 64, "lru", 100, admission=3, **HW)
+
+
 def test_admission_needs_a_predictor(small):
     with pytest.raises(ValueError, match="admission=True .* needs a predictor"):
         simulate(small, "lru", "10%", admission=True)

@@ -518,11 +518,13 @@ static PyObject *Cache_admission(CacheObject *self, PyObject *Py_UNUSED(ignored)
     Py_BEGIN_ALLOW_THREADS
     smoe_slots_get_admission(&self->cache.tab, &a);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:O,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:K}", "on",
+    return Py_BuildValue("{s:O,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O,s:K}", "on",
                          a.on ? Py_True : Py_False, "load_s", a.load_s, "step_s", a.step_s,
                          "busy", a.busy, "contention", a.contention, "demand_s", a.demand_s,
                          "fetch_s", a.fetch_s, "measured_regret",
-                         smoe_admit_measured_regret(&a), "refused",
+                         smoe_admit_measured_regret(&a), "needed_loads", a.needed,
+                         "added_loads", a.extra, "over_budget",
+                         smoe_admit_over_budget(&a) ? Py_True : Py_False, "refused",
                          (unsigned long long)a.refused);
 }
 
@@ -709,7 +711,7 @@ static PyMethodDef Cache_methods[] = {
      "set_admission(on): prefetch admission by expected benefit (csrc/admit.h) on or off."},
     {"admission", (PyCFunction)Cache_admission, METH_NOARGS,
      "admission() -> dict: the admission rule's switch, its measured estimates (load_s, "
-     "step_s, busy, measured_regret) and its refusals."},
+     "step_s, busy, measured_regret), its byte budget's counts and its refusals."},
     {"set_throttle", (PyCFunction)Cache_set_throttle, METH_VARARGS,
      "set_throttle(bytes_per_s, latency_s): emulate a slower link for every store read "
      "(SpecMD A.4; 0, 0: off)."},

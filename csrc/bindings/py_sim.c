@@ -51,7 +51,7 @@ PyDoc_STRVAR(simulate_doc,
 "         link_latency_s, layer_fixed_s=0.0, token_fixed_s=0.0, seed=0, order=0, levels=0,\n"
 "         verify_tokens=1, miss=0, miss_keep=0, lowbit_ratio=1.0, gamma=-1,\n"
 "         miss_keep2=top_k, lowbit2_ratio=1.0, protect=False, model=None,\n"
-"         admission=False, cpu_expert_s=0.0, prior_table=None, prior_rows=None) -> dict\n\n"
+"         admission=0, cpu_expert_s=0.0, prior_table=None, prior_rows=None) -> dict\n\n"
 "Replay a routing trace (experts: int16 [tokens, layers, top_k]) through a cache of nslots\n"
 "slots.  policy is a built-in name (created here; belady gets the trace's future, random\n"
 "`seed`, least_stale `order`, spac/spac_ema `levels`, spac `gamma` = draft length, -1 = 8)\n"
@@ -66,7 +66,8 @@ PyDoc_STRVAR(simulate_doc,
 "experts split between copies and the CPU, cpu_expert_s the CPU's time per expert and\n"
 "token), see smoe_sim_miss in csrc/sim.h.\n"
 "protect: the expert lookahead buffer's eviction shield (demand only; csrc/sim.h).\n"
-"admission: prefetch admission by expected benefit (csrc/admit.h), the live caches' rule.\n"
+"admission: prefetch admission by expected benefit (csrc/admit.h), the live caches' rule:\n"
+"    0 off, 1 on, 2 on without its byte budget (the time-only rule).\n"
 "prior_table (float32 [n, layers * num_experts]) and prior_rows (int32 [tokens], -1 none):\n"
 "token t's prior for the policy and the learned predictor (policy.h on_prior).\n"
 "Returns the counters and times of smoe_sim_result (see csrc/sim.h).  Releases the GIL.");
@@ -96,7 +97,7 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     unsigned int miss_keep = 0, miss_keep2 = UINT32_MAX;
     double lowbit_ratio = 1.0, lowbit2_ratio = 1.0, cpu_expert_s = 0.0;
     int protect = 0, admission = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpOpdOO", kwlist, &experts_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLOL|$OiLLdLdddddddKiiLiIdLIdpOidOO", kwlist, &experts_o,
                                      &num_experts, &policy_o, &nslots, &logits_o, &predictor,
                                      &depth, &topk, &percentile, &history, &cooc_weight,
                                      &expert_bytes, &fast_bw, &link_bw, &link_latency_s,
@@ -108,6 +109,11 @@ static PyObject *py_simulate(PyObject *self, PyObject *args, PyObject *kw) {
     if (gamma < -1 || gamma > 65536) {
         PyErr_Format(PyExc_ValueError, "simulate: gamma (spac's draft length) must be in "
                      "0..65536 or -1 (default), got %lld", gamma);
+        return NULL;
+    }
+    if (admission < 0 || admission > 2) {
+        PyErr_Format(PyExc_ValueError, "simulate: admission must be 0 (off), 1 (on) or 2 (on "
+                     "without its byte budget), got %d", admission);
         return NULL;
     }
     if (verify_tokens < 1 || verify_tokens > 65536) {

@@ -300,7 +300,9 @@ class ExpertCache:
         its probability of use times the stall it would save (the time left before the expert
         is needed, at most one load) exceeds what it costs -- the link time of a load that
         turns out unused, as far as demand loads wait for it, and the chance that its victim
-        is needed again times the measured stall of a miss.  The load time, the layer step
+        is needed again times the measured stall of a miss -- and while the loads prefetching
+        added (copies evicted unused, demand loads of experts a prefetch evicted) stay within
+        8 % of the loads that were needed (its byte budget).  The load time, the layer step
         time, the link's busy share and the miss stall are measured by the cache itself.  The
         simulator runs the same rule (``simulate(..., admission=True)``)."""
         if not isinstance(on, bool):
@@ -310,7 +312,10 @@ class ExpertCache:
     def admission(self) -> dict[str, Any]:
         """The admission rule's state: ``on``, its measured estimates (``load_s``, ``step_s``
         (-1 before the first pass), ``busy``, ``contention``, ``demand_s``, ``fetch_s`` (-1
-        before the first), ``measured_regret``) and ``refused`` (``csrc/admit.h``)."""
+        before the first), ``measured_regret``), its byte budget (``needed_loads`` and
+        ``added_loads``, decayed counts of the loads that were needed and of those prefetching
+        added; ``over_budget`` while the added exceed 8 % of the needed and every request is
+        refused) and ``refused`` (``csrc/admit.h``)."""
         return dict(self._c.admission())
 
     def cancel(self, layer: int | None = None, expert: int | None = None) -> None:

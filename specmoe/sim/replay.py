@@ -330,7 +330,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
              *, model: ModelCost | None = None, verify_tokens: int = 1, miss: str = "fetch",
              miss_keep: int = 2, lowbit_ratio: float = 0.25, miss_keep2: int | None = None,
              lowbit2_ratio: float = 0.1875, protect: bool = False,
-             admission: bool = False, hybrid: bool = False,
+             admission: bool = False, byte_budget: bool = True, hybrid: bool = False,
              token_prior: bool = True) -> SimResult:
     """Replay ``trace`` through a cache of ``capacity`` under ``policy`` and return a SimResult.
 
@@ -371,8 +371,10 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
     ``admission``: prefetch admission by expected benefit (``csrc/admit.h``, issue 42), the
     live caches' rule (``Engine.set_prefetch(admission=True)``): a predicted expert is loaded
     only when its probability of use times the stall it would save exceeds the link time it
-    would waste and the cost of its victim; ``prefetch_refused`` counts the rest.  Needs a
-    predictor.
+    would waste and the cost of its victim, and while the loads prefetching added stay within
+    its byte budget (8 % of the loads that were needed); ``prefetch_refused`` counts the rest.
+    Needs a predictor.  ``byte_budget=False``: the rule without its budget (time only; the
+    offline bound of ``benchmarks/predictors.py``).
     ``hybrid``: the hybrid GPU tier (issue 37, ``from_pretrained(..., gpu_cache=...)``): per
     layer the token's missing experts are split by MoE-SpAc's Eq. 9 (the live tier's C rule)
     between copies to the cache and the host CPU, the CPU's costing ``expert_bytes /
@@ -483,7 +485,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
                     miss_keep2=min(int(miss_keep2), trace.top_k),
                     lowbit2_ratio=float(lowbit2_ratio), protect=bool(protect),
                     model=_learned_model(nl, E) if pred.kind == "learned" else None,
-                    admission=bool(admission),
+                    admission=(1 if byte_budget else 2) if admission else 0,
                     cpu_expert_s=model.expert_bytes / hw.cpu_bw if hybrid else 0.0, **priors,
                     **kw)
     wall = time.perf_counter() - t0
@@ -510,6 +512,7 @@ def simulate(trace: Trace, policy: PolicyArg = "lru", capacity: "int | float | s
         accesses_per_s=acc / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
         extra={"wall_s": wall, "verify_tokens": int(verify_tokens), "miss": miss,
                "protect": bool(protect), "admission": bool(admission),
+               "byte_budget": bool(admission and byte_budget),
                "hybrid": bool(hybrid),
                **{k: r[k] for k in ("missing", "dropped", "substituted", "lowbit", "lowbit2",
                                     "protected_evictions", "hybrid_copied", "hybrid_cpu",
