@@ -188,15 +188,18 @@ typedef struct smoe_mla_block {
     const float *lbias[SMOE_ML_N];
     const float *kvn, *qan;
     uint32_t hidden, qa, nq0, max_tokens; /* qa: q_lora_rank (0: none); nq0: the first
-                                             projection's width (qa, or H * (dn + dr)) */
+                                             projection's width (qa, or H * (dn + dr));
+                                             max_tokens: a call's tokens, every row's */
     float kv_eps, qa_eps;
     int bf16, rope;
     /* owned; guarded by mu */
-    float *buf;         /* max_tokens * (hidden + nq0 + r + dr + H (dn + dr) + H dn + H dr +
-                           H dv + 3 hidden) floats: see mla_block.c */
+    uint32_t cap;       /* tokens buf and lscratch hold: 16 (or max_tokens) at init, grown
+                           to a larger call's tokens (at least doubling, at most max_tokens) */
+    float *buf;         /* cap * (hidden + nq0 + r + dr + H (dn + dr) + H dn + H dr + H dv +
+                           3 hidden) floats: see mla_block.c */
     void *route;        /* decoder tail's routing buffers; grows */
     size_t route_cap;
-    void *lscratch;     /* linear scratch for max_tokens (fixed size) */
+    void *lscratch;     /* linear scratch for cap tokens */
     void *ascratch;     /* MLA scratch (grows with the thread count) */
     size_t ascratch_cap;
     smoe_shared_ffn mlp;    /* the dense MLP (set_mlp), borrowed (d[0] NULL: none); guarded
@@ -217,16 +220,21 @@ void smoe_mla_block_destroy(smoe_mla_block *b);
 /* The dense MLP layer(dense) runs (f borrowed while set; d[0] NULL: none), under b->mu. */
 void smoe_mla_block_set_mlp(smoe_mla_block *b, const smoe_shared_ffn *f);
 
-/* The checked arguments common to attn and layer. */
+/* The checked arguments common to attn and layer: B rows (sequences) of nt tokens each, B * nt
+ * <= max_tokens in all, every row with S cached positions (a batch's cache with holes: the
+ * bias masks them), each row's tokens in its own order (token i of row b is x's row b nt + i;
+ * the batch-invariant kernels give it the bits of its row alone). */
 typedef struct smoe_mla_args {
-    uint32_t nt, S, cap; /* tokens, cached positions, the KV buffers' positions (S + nt <= cap) */
+    uint32_t B, nt, S, cap; /* rows, tokens per row, cached positions, the KV buffers' positions
+                               per row (S + nt <= cap) */
     int xb, cb;          /* x and the caches: bf16 bits (1) or f32 */
-    const void *xp;      /* x [nt, hidden] */
-    const float *fp;     /* rotary freqs [nt, dr / 2, 2] complex, [nt, 2, dr] half/interleave */
-    const float *bias, *ln1, *ln2; /* bias [bias_rows, nt, S + nt] or NULL */
+    const void *xp;      /* x [B nt, hidden] */
+    const float *fp;     /* rotary freqs [B nt, dr / 2, 2] complex, [B nt, 2, dr] half and
+                            interleave: each token's own position */
+    const float *bias, *ln1, *ln2; /* bias [bias_rows (1 or B), nt, S + nt] or NULL */
     uint32_t bias_rows;
     float eps1, eps2;
-    void *cp, *kp; /* latent cache [cap, r], rotary key cache [cap, dr] */
+    void *cp, *kp; /* latent cache [B, cap, r], rotary key cache [B, cap, dr] */
 } smoe_mla_args;
 
 /* MLABlock.attn under b->mu: the attention module, out op = x + it, np_ = the post-attention
@@ -240,7 +248,7 @@ typedef struct smoe_mla_layer_args {
     int flags;
     int dense; /* the block's MLP (set_mlp) instead of a MoE block */
     smoe_mla_args a;
-    void *op;  /* out [nt, hidden], x's dtype */
+    void *op;  /* out [B nt, hidden], x's dtype */
 } smoe_mla_layer_args;
 
 /* The whole layer on the begun MoE layers g (NULL: dense, the block's MLP), under b->mu;

@@ -44,6 +44,40 @@ int smoe_mla_block_check(const smoe_mla_block_cfg *cfg, smoe_err *err) {
     return SMOE_OK;
 }
 
+/* Floats of buf per token (the layout in mlab_pre_post and mlab_h). */
+static size_t mlab_per_token(const smoe_mla_block *b) {
+    const smoe_mla_desc *d = b->d;
+    return (size_t)b->hidden + b->nq0 + d->r + d->dr + (size_t)d->H * (d->dn + d->dr) +
+           (size_t)d->H * (d->dn + d->dr) + (size_t)d->H * d->dv + 3 * (size_t)b->hidden;
+}
+
+/* buf and lscratch for at least n tokens (n <= max_tokens): at least doubling, at most
+ * max_tokens; they stay that size.  Under mu (or at init), at the start of a call. */
+static int mlab_ensure_cap(smoe_mla_block *b, uint32_t n, smoe_err *err) {
+    if (n <= b->cap && b->buf) return SMOE_OK;
+    uint32_t cap = b->cap * 2 > n ? b->cap * 2 : n;
+    if (cap > b->max_tokens) cap = b->max_tokens;
+    size_t ls = 0;
+    for (int i = 0; i < SMOE_ML_N; i++) {
+        size_t s = b->ld[i] ? smoe_linear_scratch_bytes(b->ld[i], cap) : 0;
+        if (s > ls) ls = s;
+    }
+    float *buf = malloc((size_t)cap * mlab_per_token(b) * sizeof(float));
+    void *lscratch = malloc(ls ? ls : 1);
+    if (!buf || !lscratch) {
+        free(buf);
+        free(lscratch);
+        return smoe_err_set(err, SMOE_ENOMEM, "MLABlock: out of memory for its buffers of %u "
+                            "tokens", cap);
+    }
+    free(b->buf);
+    free(b->lscratch);
+    b->buf = buf;
+    b->lscratch = lscratch;
+    b->cap = cap;
+    return SMOE_OK;
+}
+
 int smoe_mla_block_init(smoe_mla_block *b, const smoe_mla_block_cfg *cfg, smoe_err *err) {
     int rc = smoe_mla_block_check(cfg, err);
     if (rc != SMOE_OK) return rc;
@@ -51,23 +85,7 @@ int smoe_mla_block_init(smoe_mla_block *b, const smoe_mla_block_cfg *cfg, smoe_e
     const uint32_t mt = cfg->max_tokens;
     const int has_qa = cfg->ld[SMOE_ML_QA] != NULL;
     const uint32_t hidden = cfg->ld[SMOE_ML_KVA]->K, qa = has_qa ? cfg->ld[SMOE_ML_QA]->N : 0;
-    const uint32_t nq = d->H * (d->dn + d->dr), nq0 = has_qa ? qa : nq, nkv = d->r + d->dr;
-    size_t ls = 0;
-    for (int i = 0; i < SMOE_ML_N; i++) {
-        size_t s = cfg->ld[i] ? smoe_linear_scratch_bytes(cfg->ld[i], mt) : 0;
-        if (s > ls) ls = s;
-    }
-    const size_t per_tok = (size_t)hidden + nq0 + nkv + nq + (size_t)d->H * (d->dn + d->dr) +
-                           (size_t)d->H * d->dv + 3 * (size_t)hidden;
-    b->buf = malloc((size_t)mt * per_tok * sizeof(float));
-    b->lscratch = malloc(ls ? ls : 1);
-    if (!b->buf || !b->lscratch || pthread_mutex_init(&b->mu, NULL) != 0) {
-        free(b->buf);
-        free(b->lscratch);
-        b->buf = NULL;
-        b->lscratch = NULL;
-        return smoe_err_set(err, SMOE_ENOMEM, "MLABlock: out of memory for its buffers");
-    }
+    const uint32_t nq = d->H * (d->dn + d->dr), nq0 = has_qa ? qa : nq;
     b->d = d;
     b->w = cfg->w;
     for (int i = 0; i < SMOE_ML_N; i++) {
@@ -85,6 +103,16 @@ int smoe_mla_block_init(smoe_mla_block *b, const smoe_mla_block_cfg *cfg, smoe_e
     b->qa_eps = (float)cfg->qa_eps;
     b->bf16 = cfg->bf16;
     b->rope = cfg->rope;
+    b->cap = 0;
+    rc = mlab_ensure_cap(b, mt < 16 ? mt : 16, err);
+    if (rc != SMOE_OK) return rc;
+    if (pthread_mutex_init(&b->mu, NULL) != 0) {
+        free(b->buf);
+        free(b->lscratch);
+        b->buf = NULL;
+        b->lscratch = NULL;
+        return smoe_err_set(err, SMOE_ENOMEM, "MLABlock: out of memory for its buffers");
+    }
     b->ready = 1;
     return SMOE_OK;
 }
@@ -129,97 +157,105 @@ static void mlab_rotary(const smoe_mla_block *self, float *x, uint32_t heads, si
         smoe_rotary_interleave(x, heads, stride, dr, ft, ft + dr, b);
 }
 
-/* The attention module of nt tokens, under mu, as transformers' DeepSeek-V2 attention in the
- * absorbed form (specmoe.models.mla._absorbed_forward, the same roundings):
+/* The attention module of a->B rows of a->nt tokens (n = B nt in all), under mu, after
+ * mlab_ensure_cap(n), as transformers' DeepSeek-V2 attention in the absorbed form
+ * (specmoe.models.mla._absorbed_forward, the same roundings):
  *   x = widen(xp) (RMSNorm-ed with ln1: the decoder layer's input norm)
  *   y = [q_proj | kv_a_proj](x)                 (q_a_proj instead of q_proj with q_lora)
  *   q = y's q part, or q_b_proj(q_a_layernorm(y's q_a part))
  *   c = kv_a_layernorm(y's latent part), k_pe = y's rotary part
- *   q_pe, k_pe rotated (complex form, freqs fp [nt, dr / 2, 2] f32)
- *   c, k_pe written at positions S.. of the caches cp / kp (f32 or bf16 bits when cb)
- *   o = MLA over S + nt positions (csrc/kernels/mla.c), then o_proj into of [nt, hidden].
- * Buffer layout (floats, mt = max_tokens): x [mt, hidden], y [mt, nq0 + r + dr],
- * qb [mt, H (dn + dr)], q_nope [H, mt, dn], q_pe [H, mt, dr], att [mt, H dv]; then the
- * block's h, nrm, moe [mt, hidden] each (mlab_h). */
-static int mlab_pre_post(smoe_mla_block *self, smoe_kctx *c, const void *xp, int xb,
-                         const float *fp, uint32_t nt, const float *ln1, float eps1, void *cp,
-                         void *kp, int cb, uint32_t S, const float *bias, uint32_t bias_rows,
-                         float *of, smoe_err *err) {
+ *   q_pe, k_pe rotated (each token at its own position: freqs fp, one row a token)
+ *   c, k_pe written at positions S.. of its row's caches cp / kp (f32 or bf16 bits when cb)
+ *   o = MLA of each row over its S + nt positions (csrc/kernels/mla.c), then o_proj into
+ *   of [n, hidden].
+ * The projections run over the n tokens at once; the kernels are batch invariant, so a row's
+ * tokens get the bits of its call alone.  Buffer layout (floats, mt = cap): x [mt, hidden],
+ * y [mt, nq0 + r + dr], qb [mt, H (dn + dr)], q_nope [B, H, nt, dn], q_pe [B, H, nt, dr]
+ * (within mt H dn, mt H dr), att [mt, H dv]; then the block's h, nrm, moe [mt, hidden] each
+ * (mlab_h). */
+static int mlab_pre_post(smoe_mla_block *self, smoe_kctx *c, const smoe_mla_args *a, float *of,
+                         smoe_err *err) {
     const smoe_mla_desc *d = self->d;
     const uint32_t H = d->H, dn = d->dn, dr = d->dr, dv = d->dv, r = d->r, hid = self->hidden;
     const uint32_t nq = H * (dn + dr), nq0 = self->nq0, ny = nq0 + r + dr;
-    const size_t mt = self->max_tokens;
-    const int b = self->bf16;
+    const uint32_t nt = a->nt, n = a->B * nt, S = a->S;
+    const size_t mt = self->cap;
+    const int b = self->bf16, cb = a->cb;
     float *x = self->buf, *y = x + mt * hid, *qb = y + mt * ny, *qn = qb + mt * nq;
     float *qp = qn + mt * H * dn, *att = qp + mt * H * dr;
-    smoe_dec_widen(x, xp, xb, (size_t)nt * hid);
-    if (ln1) smoe_rmsnorm(x, nt, hid, ln1, eps1, b); /* the input layernorm */
+    const void *xp = a->xp;
+    const int xb = a->xb;
+    const float *fp = a->fp, *ln1 = a->ln1;
+    void *cp = a->cp, *kp = a->kp;
+    smoe_dec_widen(x, xp, xb, (size_t)n * hid);
+    if (ln1) smoe_rmsnorm(x, n, hid, ln1, a->eps1, b); /* the input layernorm */
     int rc;
     if (self->ld[SMOE_ML_JOINT]) {
-        rc = mlab_linear(self, c, SMOE_ML_JOINT, x, hid, nt, y, ny, err);
+        rc = mlab_linear(self, c, SMOE_ML_JOINT, x, hid, n, y, ny, err);
     } else {
-        rc = mlab_linear(self, c, self->qa ? SMOE_ML_QA : SMOE_ML_Q, x, hid, nt, y, ny, err);
-        if (rc == SMOE_OK) rc = mlab_linear(self, c, SMOE_ML_KVA, x, hid, nt, y + nq0, ny, err);
+        rc = mlab_linear(self, c, self->qa ? SMOE_ML_QA : SMOE_ML_Q, x, hid, n, y, ny, err);
+        if (rc == SMOE_OK) rc = mlab_linear(self, c, SMOE_ML_KVA, x, hid, n, y + nq0, ny, err);
     }
     if (rc != SMOE_OK) return rc;
-    if (b) smoe_bf16_round(y, (size_t)nt * ny); /* the projections' bf16 outputs */
-    const float *q = y;                           /* token t's q at q + t * qs */
+    if (b) smoe_bf16_round(y, (size_t)n * ny); /* the projections' bf16 outputs */
+    const float *q = y;                          /* token t's q at q + t * qs */
     size_t qs = ny;
     if (self->qa) {
-        for (uint32_t t = 0; t < nt; t++)
+        for (uint32_t t = 0; t < n; t++)
             smoe_rmsnorm(y + (size_t)t * ny, 1, nq0, self->qan, self->qa_eps, b);
-        rc = mlab_linear(self, c, SMOE_ML_Q, y, ny, nt, qb, nq, err);
+        rc = mlab_linear(self, c, SMOE_ML_Q, y, ny, n, qb, nq, err);
         if (rc != SMOE_OK) return rc;
-        if (b) smoe_bf16_round(qb, (size_t)nt * nq);
+        if (b) smoe_bf16_round(qb, (size_t)n * nq);
         q = qb;
         qs = nq;
     }
     const size_t esz = cb ? 2 : 4;
-    for (uint32_t t = 0; t < nt; t++) {
+    for (uint32_t t = 0; t < n; t++) { /* token t: row t / nt, position S + t % nt there */
+        const size_t row = t / nt, tt = t % nt, pos = row * a->cap + S + tt;
         float *qt = (float *)q + (size_t)t * qs, *ct = y + (size_t)t * ny + nq0, *kt = ct + r;
         const float *ft = fp + (size_t)t * (self->rope == SMOE_ROPE_COMPLEX ? dr : 2 * dr);
         smoe_rmsnorm(ct, 1, r, self->kvn, self->kv_eps, b); /* kv_a_layernorm */
         mlab_rotary(self, qt + dn, H, dn + dr, dr, ft, b);    /* each head's q_pe */
         mlab_rotary(self, kt, 1, dr, dr, ft, b);
-        smoe_dec_store((uint8_t *)cp + ((size_t)S + t) * r * esz, cb, ct, r);
-        smoe_dec_store((uint8_t *)kp + ((size_t)S + t) * dr * esz, cb, kt, dr);
-        for (uint32_t h = 0; h < H; h++) { /* [T, H, dn + dr] -> [H, T, dn], [H, T, dr] */
-            memcpy(qn + ((size_t)h * nt + t) * dn, qt + (size_t)h * (dn + dr), dn * 4);
-            memcpy(qp + ((size_t)h * nt + t) * dr, qt + (size_t)h * (dn + dr) + dn, dr * 4);
+        smoe_dec_store((uint8_t *)cp + pos * r * esz, cb, ct, r);
+        smoe_dec_store((uint8_t *)kp + pos * dr * esz, cb, kt, dr);
+        for (uint32_t h = 0; h < H; h++) { /* [T, H, dn + dr] -> [B, H, T, dn], [B, H, T, dr] */
+            const size_t o = (row * H + h) * nt + tt;
+            memcpy(qn + o * dn, qt + (size_t)h * (dn + dr), dn * 4);
+            memcpy(qp + o * dr, qt + (size_t)h * (dn + dr) + dn, dr * 4);
         }
     }
     rc = smoe_grow_scratch(&self->ascratch, &self->ascratch_cap,
                            smoe_mla_scratch_bytes(c, d, nt), err);
     const int cdt = cb ? SMOE_WDT_BF16 : SMOE_WDT_F32;
     if (rc == SMOE_OK)
-        rc = smoe_mla_decode(c, d, 1, nt, S + nt, qn, qp, cp, cdt, 0, kp, cdt, 0, self->w, bias,
-                             bias_rows, att, self->ascratch, self->ascratch_cap, err);
+        rc = smoe_mla_decode(c, d, a->B, nt, S + nt, qn, qp, cp, cdt, (size_t)a->cap * r, kp,
+                             cdt, (size_t)a->cap * dr, self->w, a->bias, a->bias_rows, att,
+                             self->ascratch, self->ascratch_cap, err);
     if (rc != SMOE_OK) return rc;
-    if (b) smoe_bf16_round(att, (size_t)nt * H * dv); /* .to(the model's dtype) */
-    rc = mlab_linear(self, c, SMOE_ML_O, att, (size_t)H * dv, nt, of, hid, err);
-    if (rc == SMOE_OK && b) smoe_bf16_round(of, (size_t)nt * hid);
+    if (b) smoe_bf16_round(att, (size_t)n * H * dv); /* .to(the model's dtype) */
+    rc = mlab_linear(self, c, SMOE_ML_O, att, (size_t)H * dv, n, of, hid, err);
+    if (rc == SMOE_OK && b) smoe_bf16_round(of, (size_t)n * hid);
     return rc;
 }
 
-/* The layer's h [mt, hidden] in buf, after mlab_pre_post's buffers; nrm and moe follow it. */
+/* The layer's h [cap, hidden] in buf, after mlab_pre_post's buffers; nrm and moe follow it. */
 static float *mlab_h(const smoe_mla_block *self) {
-    const smoe_mla_desc *d = self->d;
-    return self->buf + (size_t)self->max_tokens *
-                           (self->hidden + self->nq0 + d->r + d->dr +
-                            2 * (size_t)d->H * (d->dn + d->dr) + (size_t)d->H * d->dv);
+    return self->buf + (size_t)self->cap * (mlab_per_token(self) - 3 * (size_t)self->hidden);
 }
 
 int smoe_mla_block_attn(smoe_mla_block *self, smoe_kctx *c, const smoe_mla_args *a, void *op,
                         void *np_, smoe_err *err) {
-    const size_t n = (size_t)a->nt * self->hidden;
+    const uint32_t nt = a->B * a->nt; /* every row's tokens */
+    const size_t n = (size_t)nt * self->hidden;
     pthread_mutex_lock(&self->mu);
-    float *h = mlab_h(self);
-    int rc = mlab_pre_post(self, c, a->xp, a->xb, a->fp, a->nt, a->ln1, a->eps1, a->cp, a->kp,
-                           a->cb, a->S, a->bias, a->bias_rows, h, err);
+    int rc = mlab_ensure_cap(self, nt, err);
+    float *h = rc == SMOE_OK ? mlab_h(self) : NULL;
+    if (rc == SMOE_OK) rc = mlab_pre_post(self, c, a, h, err);
     if (rc == SMOE_OK) {
         smoe_dec_residual_add(self->bf16, h, a->xp, a->xb, n); /* h = x + attention */
         smoe_dec_store(op, a->xb, h, n);
-        smoe_rmsnorm(h, a->nt, self->hidden, a->ln2, a->eps2, self->bf16);
+        smoe_rmsnorm(h, nt, self->hidden, a->ln2, a->eps2, self->bf16);
         smoe_dec_store(np_, a->xb, h, n);
     }
     pthread_mutex_unlock(&self->mu);
@@ -229,18 +265,22 @@ int smoe_mla_block_attn(smoe_mla_block *self, smoe_kctx *c, const smoe_mla_args 
 int smoe_mla_block_layer(smoe_mla_block *self, smoe_kctx *c, smoe_layers *g,
                          const smoe_mla_layer_args *l, double *ta, double *tm, smoe_err *err) {
     const smoe_mla_args *a = &l->a;
-    const uint32_t hid = self->hidden;
+    const uint32_t hid = self->hidden, nt = a->B * a->nt; /* every row's tokens */
     pthread_mutex_lock(&self->mu);
-    float *h = mlab_h(self), *nrm = h + self->max_tokens * hid;
-    float *moe = nrm + self->max_tokens * hid;
     double t0 = smoe_now(), t1 = t0;
-    int rc = mlab_pre_post(self, c, a->xp, a->xb, a->fp, a->nt, a->ln1, a->eps1, a->cp, a->kp,
-                           a->cb, a->S, a->bias, a->bias_rows, h, err);
+    int rc = mlab_ensure_cap(self, nt, err);
+    float *h = NULL, *nrm = NULL, *moe = NULL;
+    if (rc == SMOE_OK) {
+        h = mlab_h(self);
+        nrm = h + (size_t)self->cap * hid;
+        moe = nrm + (size_t)self->cap * hid;
+        rc = mlab_pre_post(self, c, a, h, err);
+    }
     const smoe_dense_mlp mlp = {c, &self->mlp, &self->mlp_bufs};
     if (rc == SMOE_OK && !g && !self->mlp.d[0]) /* set_mlp(None) since the call was checked */
         rc = smoe_err_set(err, SMOE_ESTATE, "MLABlock.layer: the block's MLP was removed");
-    if (rc == SMOE_OK)
-        rc = smoe_dec_tail(self->bf16, g, &mlp, (uint32_t)l->pos, l->flags, a->nt, hid, h, a->xp,
+    if (rc == SMOE_OK) /* the MoE block (or the dense MLP) over every row's tokens */
+        rc = smoe_dec_tail(self->bf16, g, &mlp, (uint32_t)l->pos, l->flags, nt, hid, h, a->xp,
                            a->xb, a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap,
                            l->op, a->xb, &t1, err);
     double t2 = smoe_now();

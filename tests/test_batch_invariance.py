@@ -285,3 +285,57 @@ def test_batched_decode_steps_of_many_tokens_equal_each_row_alone(arch):
                     f"{B} rows, {sum(map(len, rows))} tokens: row {b}'s logits"
     finally:
         eng.close()
+
+
+def test_batched_f32_mla_rows_equal_each_row_alone():
+    """f32 DeepSeek-V2 with its dense layers in C: a batched decode or verification step runs
+    each layer as one MLABlock call over its rows (at most 64 tokens a call, whole rows), so
+    every row gets the logits of its step alone, bit for bit, holes included.  Before, B > 1
+    took the absorbed attention module by module, whose torch norms and products round by
+    shape in f32: every row 1-2e-6 off.  The calls are counted: 6 x 1 and 6 x 4 tokens in one
+    call a layer, 20 rows of 4 in two.  (A tiny f32 DeepSeek-V3's attention is exact the same
+    way, but its MoE block routes in torch, whose gate rounds by shape: 6e-8.)"""
+    from specmoe.speculation.batch import BatchKV
+    model = tiny_model("deepseek_v2", dtype=torch.float32, hidden=512, inter=256, layers=2,
+                       overrides={"num_key_value_heads": 4})
+    eng = hf.offload(model, cache=1.0, prefetch=False, dense="f32")
+    calls = []
+    for layer in model.model.layers:
+        blk, kern, mx = layer._specmoe_mlab
+        layer._specmoe_mlab = (_RowCounting(blk, calls), kern, mx)
+    try:
+        g = torch.Generator().manual_seed(7)
+        L = 8
+        for B, m, per_layer in ((6, 1, [6]), (6, 4, [24]), (20, 4, [64, 16])):
+            prompts = torch.randint(3, model.config.vocab_size, (B, L), generator=g)
+            rows = torch.randint(3, model.config.vocab_size, (B, m), generator=g).tolist()
+            rows = [r[:max(m - b % 2, 1)] for b, r in enumerate(rows)]  # holes
+            bkv = BatchKV(model, B)
+            bkv.prefill(prompts, torch.ones_like(prompts))
+            calls.clear()
+            logits = bkv.forward(rows)
+            assert calls == per_layer * len(model.model.layers)
+            for b in range(B):
+                one = BatchKV(model, 1)
+                one.prefill(prompts[b:b + 1], torch.ones((1, L), dtype=torch.long))
+                alone = one.forward([rows[b]])
+                n = len(rows[b])
+                assert torch.equal(logits[b, :n], alone[0, :n]), \
+                    f"{B} rows of {m}: row {b}'s logits"
+    finally:
+        eng.close()
+
+
+class _RowCounting:
+    """Stands in for a layer's MLABlock and records each call's tokens (every row's)."""
+
+    def __init__(self, blk, calls):
+        self.blk, self.calls = blk, calls
+
+    def attn(self, x, *a):
+        self.calls.append(x.shape[0])
+        return self.blk.attn(x, *a)
+
+    def layer(self, layers, pos, flags, x, *a):
+        self.calls.append(x.shape[0])
+        return self.blk.layer(layers, pos, flags, x, *a)

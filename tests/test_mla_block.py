@@ -187,9 +187,10 @@ def test_offloaded_moe_layers_are_one_call(dt, form):
 
 
 def test_fallbacks_use_the_layers_own_forward():
-    """A left-padded batch of two and a prefill longer than max_tokens take the layer's own
-    forward; a model whose projections are torch's is not fused, nor a layer whose absorbed
-    attention runs in torch."""
+    """A prefill into an empty cache and one longer than max_tokens take the layer's own
+    forward (a left-padded batch of two: its prefill; its decode steps are one call of both
+    rows per layer, with the reference's tokens); a model whose projections are torch's is not
+    fused, nor a layer whose absorbed attention runs in torch."""
     ref = _model()
     m = copy.deepcopy(ref)
     convert_dense(m, "f32")
@@ -198,7 +199,8 @@ def test_fallbacks_use_the_layers_own_forward():
     am = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
     kw = dict(attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(ref.generate(a, **kw), m.generate(a, **kw))
-    assert calls == []
+    assert calls == [(k, 2) for k in _kinds(m)] * 3
+    calls.clear()
     long = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         kv = DynamicCache(config=m.config)
@@ -256,7 +258,8 @@ def test_bad_input_raises_and_leaves_the_cache_alone():
     bad(4, 8, "do not fit")                                      # S + T > capacity 8
     bad(4, -1, "do not fit")
     bad(0, lambda a: np.zeros((1, 7), np.float32), "dimension 1")
-    bad(0, lambda a: np.zeros((17, a[0].shape[1]), np.float32), "tokens")
+    bad(0, lambda a: np.zeros((65, a[0].shape[1]), np.float32), "tokens")  # the block's 64
+    bad(2, lambda a: np.concatenate([a[2]] * 2), "in each row")  # 2 cache rows, 1 token
     bad(1, lambda a: a[1][:, :-1], "freqs")
     bad(1, lambda a: a[1].astype(np.float64), "freqs")
     bad(3, lambda a: a[3].astype(np.uint16), "same dtype")
@@ -290,8 +293,8 @@ def test_bad_input_raises_and_leaves_the_cache_alone():
         _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, max_tokens=0)
     with pytest.raises(ValueError, match="rope must be"):
         _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, rope="yarn")
-    half = _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, rope="half")   # freqs [T, 2, rope_dim]
-    with pytest.raises(ValueError, match=r"freqs \[T, 2, rope_dim\]"):
+    half = _C.MLABlock(ctx, mla, q, kva, o, kvn, 1e-6, rope="half")  # freqs [B T, 2, rope_dim]
+    with pytest.raises(ValueError, match=r"freqs \[B T, 2, rope_dim\]"):
         half.attn(*args)
 
 

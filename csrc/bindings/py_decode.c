@@ -142,35 +142,40 @@ static void mlab_dealloc(MLABlockObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2 at args[0..10): x [T, hidden] f32/bf16;
- * freqs float32 [T, rope_dim / 2, 2]; cbuf [1, 1, capacity, kv_lora_rank] and kbuf
- * [1, 1, capacity, rope_dim], f32 or bf16 bits alike, with room for S + T positions; bias
- * None or float32 [1, T, S + T]; the two RMSNorms' weights and eps. */
+/* x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2 at args[0..10): B rows of T tokens,
+ * B from the caches: x [B T, hidden] f32/bf16 (row b's tokens at b T ..); freqs float32
+ * [B T, rope_dim / 2, 2] or [B T, 2, rope_dim]; cbuf [B, 1, capacity, kv_lora_rank] and
+ * kbuf [B, 1, capacity, rope_dim], f32 or bf16 bits alike, with room for S + T positions;
+ * bias None or float32 [1 or B, T, S + T]; the two RMSNorms' weights and eps. */
 static int mlab_parse(MLABlockObject *self, PyObject *const *args, smoe_mla_args *a) {
     const smoe_mla_desc *d = self->blk.d;
     const uint32_t hid = self->blk.hidden;
     long long S = PyLong_AsLongLong(args[4]);
     if (S == -1 && PyErr_Occurred()) return -1;
     if ((a->xb = smoe_py_f32_or_bf16(args[0], "x", 2, 0)) < 0) return -1;
-    npy_intp T = PyArray_DIM((PyArrayObject *)args[0], 0);
-    if (T < 1 || T > (npy_intp)self->blk.max_tokens) {
-        PyErr_Format(PyExc_ValueError, "MLABlock: %zd tokens, expected 1..%u", (Py_ssize_t)T,
-                     self->blk.max_tokens);
-        return -1;
-    }
-    PyArrayObject *f = smoe_py_want_array(args[1], "freqs", NPY_FLOAT32, 3, 0);
-    if (!f) return -1;
     int cb = smoe_py_f32_or_bf16(args[2], "cbuf", 4, 1);
     int kb = smoe_py_f32_or_bf16(args[3], "kbuf", 4, 1);
     if (cb < 0 || kb < 0) return -1;
+    const npy_intp N = PyArray_DIM((PyArrayObject *)args[0], 0);
+    const npy_intp B = PyArray_DIM((PyArrayObject *)args[2], 0);
+    if (B < 1 || N < B || N % B || N > (npy_intp)self->blk.max_tokens) {
+        PyErr_Format(PyExc_ValueError, "MLABlock: %zd tokens in %zd rows (the caches' first "
+                     "dimension), expected the same number of tokens in each row, 1..%u in "
+                     "all", (Py_ssize_t)N, (Py_ssize_t)B, self->blk.max_tokens);
+        return -1;
+    }
+    const npy_intp T = N / B;
+    PyArrayObject *f = smoe_py_want_array(args[1], "freqs", NPY_FLOAT32, 3, 0);
+    if (!f) return -1;
     npy_intp cap = PyArray_DIM((PyArrayObject *)args[2], 2);
     const int cx = self->blk.rope == SMOE_ROPE_COMPLEX;
-    npy_intp w_x[2] = {T, hid}, w_c[4] = {1, 1, cap, d->r}, w_k[4] = {1, 1, cap, d->dr};
-    npy_intp w_f[3] = {T, cx ? d->dr / 2 : 2, cx ? 2 : d->dr};
-    if (smoe_py_dims_are(args[0], "x [T, hidden]", w_x, 2) ||
-        smoe_py_dims_are(args[1], cx ? "freqs [T, rope_dim / 2, 2]" : "freqs [T, 2, rope_dim]", w_f, 3) ||
-        smoe_py_dims_are(args[2], "cbuf [1, 1, capacity, kv_lora_rank]", w_c, 4) ||
-        smoe_py_dims_are(args[3], "kbuf [1, 1, capacity, rope_dim]", w_k, 4))
+    npy_intp w_x[2] = {N, hid}, w_c[4] = {B, 1, cap, d->r}, w_k[4] = {B, 1, cap, d->dr};
+    npy_intp w_f[3] = {N, cx ? d->dr / 2 : 2, cx ? 2 : d->dr};
+    if (smoe_py_dims_are(args[0], "x [B T, hidden]", w_x, 2) ||
+        smoe_py_dims_are(args[1], cx ? "freqs [B T, rope_dim / 2, 2]"
+                                     : "freqs [B T, 2, rope_dim]", w_f, 3) ||
+        smoe_py_dims_are(args[2], "cbuf [B, 1, capacity, kv_lora_rank]", w_c, 4) ||
+        smoe_py_dims_are(args[3], "kbuf [B, 1, capacity, rope_dim]", w_k, 4))
         return -1;
     if (cb != kb) {
         PyErr_SetString(PyExc_ValueError, "cbuf and kbuf must have the same dtype");
@@ -181,10 +186,11 @@ static int mlab_parse(MLABlockObject *self, PyObject *const *args, smoe_mla_args
                      "a capacity of %zd", S, (Py_ssize_t)T, (Py_ssize_t)cap);
         return -1;
     }
-    if (smoe_py_bias_arg(args[5], 1, T, (npy_intp)S + T, &a->bias, &a->bias_rows) ||
+    if (smoe_py_bias_arg(args[5], B, T, (npy_intp)S + T, &a->bias, &a->bias_rows) ||
         smoe_py_norm_arg(args[6], args[7], hid, &a->ln1, &a->eps1) ||
         smoe_py_norm_arg(args[8], args[9], hid, &a->ln2, &a->eps2))
         return -1;
+    a->B = (uint32_t)B;
     a->nt = (uint32_t)T;
     a->S = (uint32_t)S;
     a->cap = cap > (npy_intp)UINT32_MAX / 2 ? UINT32_MAX / 2 : (uint32_t)cap;
@@ -196,10 +202,10 @@ static int mlab_parse(MLABlockObject *self, PyObject *const *args, smoe_mla_args
     return 0;
 }
 
-/* An output argument: [T, hidden] in x's dtype, not aliasing x (or other, when given). */
+/* An output argument: [B T, hidden] in x's dtype, not aliasing x (or other, when given). */
 static int mlab_out(MLABlockObject *self, PyObject *o, const char *name, const smoe_mla_args *a,
                     const void *other) {
-    npy_intp w_o[2] = {a->nt, self->blk.hidden};
+    npy_intp w_o[2] = {(npy_intp)a->B * a->nt, self->blk.hidden};
     int ob = smoe_py_f32_or_bf16(o, name, 2, 1);
     if (ob < 0 || smoe_py_dims_are(o, name, w_o, 2)) return -1;
     void *p = PyArray_DATA((PyArrayObject *)o);
@@ -286,20 +292,23 @@ static PyObject *mlab_set_mlp(MLABlockObject *self, PyObject *arg) {
 static PyMethodDef mlab_methods[] = {
     {"attn", (PyCFunction)(void (*)(void))mlab_attn, METH_FASTCALL,
      "attn(x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, out, normed): the attention "
-     "half of a DeepSeek-V2 decoder layer for T tokens: input RMSNorm (ln1), the MLA module "
-     "(projections, kv_a_layernorm, rotary, the new latent and rotary key written into cbuf / "
-     "kbuf at positions S..S+T-1, absorbed attention over S + T positions, o_proj), out = x + "
-     "that, normed = the post-attention RMSNorm (ln2) of out.  x, out, normed [T, hidden] f32 "
-     "or bf16 bits alike; freqs float32 [T, rope_dim / 2, 2] (rope 'complex': the rotary "
-     "frequencies as (re, im)) or [T, 2, rope_dim] ('half', 'interleave': cos, sin); cbuf "
-     "[1, 1, capacity, kv_lora_rank], kbuf [1, 1, capacity, rope_dim] f32 "
-     "or bf16 bits; bias None or float32 [1, T, S + T] added to the scores; ln1, ln2 float32 "
-     "[hidden] with their eps."},
+     "half of a DeepSeek-V2 decoder layer for B rows (sequences) of T tokens, B the caches' "
+     "first dimension: input RMSNorm (ln1), the MLA module (projections, kv_a_layernorm, "
+     "rotary, each row's new latent and rotary key written into its cbuf / kbuf row at "
+     "positions S..S+T-1, absorbed attention over its S + T positions, o_proj), out = x + "
+     "that, normed = the post-attention RMSNorm (ln2) of out.  x, out, normed [B T, hidden] "
+     "f32 or bf16 bits alike (row b's tokens from b T); freqs float32 [B T, rope_dim / 2, 2] "
+     "(rope 'complex': each token's rotary frequencies as (re, im)) or [B T, 2, rope_dim] "
+     "('half', 'interleave': cos, sin); cbuf [B, 1, capacity, kv_lora_rank], kbuf [B, 1, "
+     "capacity, rope_dim] f32 or bf16 bits; bias None or float32 [1 or B, T, S + T] added to "
+     "the scores; ln1, ln2 float32 [hidden] with their eps.  B T <= max_tokens; a row's "
+     "tokens get the bits of its call alone."},
     {"layer", (PyCFunction)(void (*)(void))smoe_py_layer_method, METH_FASTCALL,
      "layer(layers, pos, route_flags, x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2, "
-     "out): a whole DeepSeek-V2 MoE decoder layer of T tokens in one call: attn's part, then "
-     "the MoE block at position pos of the _C.Layers `layers` (routing, routed and shared "
-     "experts, as Layers.forward_routed with route_flags) on the normed sum, and out = the sum "
+     "out): a whole DeepSeek-V2 MoE decoder layer of B rows of T tokens in one call: attn's "
+     "part, then the MoE block over every row's tokens at position pos of the _C.Layers "
+     "`layers` (routing, routed and shared experts, as Layers.forward_routed with "
+     "route_flags) on the normed sum, and out = the sum "
      "+ the block's output.  layers None: a dense layer, the block's MLP (set_mlp) in place "
      "of the MoE block (pos and route_flags unused).  Returns (seconds in the attention part, "
      "seconds in the MoE block, seconds in the dense MLP)."},

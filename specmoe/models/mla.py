@@ -56,6 +56,11 @@ __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_at
 # once is cheaper; at decode and verification sizes the expansion of the whole context
 # dominates.
 MLA_MAX_TOKENS = 16
+# A fused layer's call takes B rows (a batched decode or verification step: serve's continuous
+# batch, generate's speculative batch) of at most MLA_MAX_TOKENS tokens each, and at most this
+# many tokens in all (the GQA block's bound, attention.BLOCK_MAX_TOKENS); its buffers grow to
+# the largest call seen.
+MLA_BLOCK_MAX_TOKENS = 64
 # masked scores: the most negative finite f32, as transformers' eager masks, so that a query
 # row with every key masked (a left-padding position) gets finite uniform weights, not NaN
 _NEG = torch.finfo(torch.float32).min
@@ -480,7 +485,8 @@ def _mla_block(layer: nn.Module) -> Any:
         kw["joint"] = joint
     blk = _C.MLABlock(ctx, ab.kernel, q_b._c, kv_a._c, o._c, norm_weight(attn.kv_a_layernorm),
                       float(attn.kv_a_layernorm.variance_epsilon), bf16=dt == torch.bfloat16,
-                      max_tokens=attn._specmoe_mla_max, rope=rope, **kw)
+                      max_tokens=max(attn._specmoe_mla_max, MLA_BLOCK_MAX_TOKENS), rope=rope,
+                      **kw)
     if layer._specmoe_dense is not None:
         blk.set_mlp(layer._specmoe_dense[0])
     layer._specmoe_mlab = (blk, ab.kernel, attn._specmoe_mla_max)
@@ -500,24 +506,39 @@ def _rope_form(attn: nn.Module) -> str | None:
     return "interleave" if getattr(attn.config, "rope_interleave", False) else "half"
 
 
-def _rope_ok(pe: Any, rope: str, T: int, dr: int) -> bool:
+def _rope_ok(pe: Any, rope: str, T: int, dr: int, B: int = 1) -> bool:
     """Whether the decoder's position embeddings ``pe`` are what the layer's rotary form reads:
     complex64 frequencies [..., dr / 2] ("complex"), or a (cos, sin) pair of f32/bf16 tensors
-    [..., dr]; covering T tokens."""
+    [..., dr]; covering T tokens (B > 1 rows: [1 or B, T, ...], each row's own positions)."""
+    parts = (pe,) if rope == "complex" else pe
     if rope == "complex":
-        return isinstance(pe, torch.Tensor) and pe.dtype == torch.complex64 \
-            and pe.shape[-1] == dr // 2 and pe.numel() >= T * (dr // 2)
-    return isinstance(pe, tuple) and len(pe) == 2 and all(
-        isinstance(p, torch.Tensor) and p.dtype in (torch.float32, torch.bfloat16)
-        and p.shape[-1] == dr and p.numel() >= T * dr for p in pe)
+        if not (isinstance(pe, torch.Tensor) and pe.dtype == torch.complex64):
+            return False
+        w = dr // 2
+    else:
+        if not (isinstance(pe, tuple) and len(pe) == 2 and all(
+                isinstance(p, torch.Tensor) and p.dtype in (torch.float32, torch.bfloat16)
+                for p in pe)):
+            return False
+        w = dr
+    if B > 1:
+        return all(p.dim() == 3 and p.shape[0] in (1, B) and p.shape[1] == T
+                   and p.shape[2] == w for p in parts)
+    return all(p.shape[-1] == w and p.numel() >= T * w for p in parts)
 
 
-def _rope_array(pe: Any, rope: str, T: int, dr: int) -> np.ndarray:
+def _rope_array(pe: Any, rope: str, T: int, dr: int, B: int = 1) -> np.ndarray:
     """The freqs argument of MLABlock for T tokens: float32 [T, dr / 2, 2] ("complex") or
-    [T, 2, dr] (cos, sin)."""
+    [T, 2, dr] (cos, sin); B > 1 rows of T tokens ([1 or B, T, ...], _rope_ok): [B T, ...],
+    each row at its own positions."""
     if rope == "complex":
-        return torch.view_as_real(pe.reshape(-1, dr // 2)[-T:]).contiguous().numpy()
-    cos, sin = (p.reshape(-1, dr)[-T:].float() for p in pe)
+        f = pe.reshape(-1, dr // 2)[-T:] if B == 1 else \
+            pe.expand(B, T, dr // 2).reshape(B * T, dr // 2)
+        return torch.view_as_real(f).contiguous().numpy()
+    if B == 1:
+        cos, sin = (p.reshape(-1, dr)[-T:].float() for p in pe)
+    else:
+        cos, sin = (p.expand(B, T, dr).reshape(B * T, dr).float() for p in pe)
     return torch.stack((cos, sin), 1).contiguous().numpy()
 
 
@@ -536,8 +557,8 @@ def _mla_layer_forward(layer: nn.Module, original: Any) -> Any:
         x = hidden_states
         pe = position_embeddings
         bufs = None
-        if _mla_decodable(layer, x, pe, attention_mask):
-            bufs = kv_buffers(cache, attn.layer_idx, x.shape[1])
+        if _mla_decodable(layer, x, pe, attention_mask):  # B rows: each writes its own
+            bufs = kv_buffers(cache, attn.layer_idx, x.shape[1], rows=x.shape[0] > 1)
         blk = _mla_block(layer) if bufs is not None else None
         if blk is None:
             return original(hidden_states, attention_mask=attention_mask,
@@ -583,40 +604,60 @@ def decode_route(layer: nn.Module, x: torch.Tensor) -> tuple | None:
 
 def _mla_args(layer: nn.Module, x: torch.Tensor, pe: Any, rope: str, dr: int,
               attention_mask: torch.Tensor | None, bufs: tuple) -> tuple:
-    """The arguments common to ``_C.MLABlock.attn`` and ``.layer`` for x [1, T, hidden] on the
-    KV buffers ``bufs`` (kv_buffers): x, freqs, cbuf, kbuf, S, bias, ln1, eps1, ln2, eps2."""
+    """The arguments common to ``_C.MLABlock.attn`` and ``.layer`` for B rows of T tokens x
+    [B, T, hidden] on the KV buffers ``bufs`` (kv_buffers, [B, ...]): x, freqs, cbuf, kbuf, S,
+    bias, ln1, eps1, ln2, eps2."""
     _, _, _, ca, ka, S = bufs
-    T, hidden = x.shape[1], x.shape[2]
-    freqs = per_step_rope(pe, T, dr, lambda: _rope_array(pe, rope, T, dr))
+    B, T, hidden = x.shape
+    if B == 1:
+        freqs = per_step_rope(pe, T, dr, lambda: _rope_array(pe, rope, T, dr))
+    else:
+        freqs = _rope_array(pe, rope, T, dr, B)
     bias = mask_bias(attention_mask, T, S + T, torch.float32)
-    if bias is not None:
-        bias = bias.reshape(1, T, S + T).contiguous().numpy()
-    return (tensor_array(x.reshape(T, hidden).contiguous()), freqs, ca, ka, S, bias,
+    if bias is not None:  # [1 or B, 1, T, S + T] (_mla_decodable)
+        bias = bias.reshape(bias.shape[0], T, S + T).contiguous().numpy()
+    return (tensor_array(x.reshape(B * T, hidden).contiguous()), freqs, ca, ka, S, bias,
             *layer._specmoe_norms)
 
 
 def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: str, dr: int,
                     attention_mask: torch.Tensor | None, bufs: tuple) -> torch.Tensor:
-    """One decode step of the layer through its MLABlock (see :func:`fuse_mla`)."""
-    T, hidden = x.shape[1], x.shape[2]
-    args = _mla_args(layer, x, pe, rope, dr, attention_mask, bufs)
-    out = torch.empty(1, T, hidden, dtype=x.dtype)
+    """One decode step of the layer through its MLABlock (see :func:`fuse_mla`): B rows of T
+    tokens, x [B, T, hidden], in calls of at most MLA_BLOCK_MAX_TOKENS tokens (whole rows)."""
+    B, T, hidden = x.shape
+    G = max(1, max(layer.self_attn._specmoe_mla_max, MLA_BLOCK_MAX_TOKENS) // T)  # rows a call
     route = decode_route(layer, x)
-    if route is not None:
-        eng, pos, flags, _ = route
-        with eng.layer_call_slot():
-            blk.layer(eng.layers, pos, flags, *args, tensor_array(out.view(T, hidden)))
-        normed = None
-    elif _dense_in_call(layer, T):
-        blk.layer(None, -1, 0, *args, tensor_array(out.view(T, hidden)))
-        normed = None
-    else:
-        normed = torch.empty(1, T, hidden, dtype=x.dtype)
-        blk.attn(*args, tensor_array(out.view(T, hidden)), tensor_array(normed.view(T, hidden)))
+    dense = route is None and _dense_in_call(layer, T)
+    out = torch.empty(B, T, hidden, dtype=x.dtype)
+    normed = None if route is not None or dense else torch.empty(B, T, hidden, dtype=x.dtype)
+    for b0 in range(0, B, G):
+        b1 = min(B, b0 + G)
+        rows = slice(b0, b1)
+        pr = pe if B <= G else _rows_of(pe, rows, B)
+        mr = attention_mask if B <= G or attention_mask is None or attention_mask.shape[0] == 1 \
+            else attention_mask[rows]
+        br = bufs if B <= G else bufs[:3] + (bufs[3][rows], bufs[4][rows], bufs[5])
+        args = _mla_args(layer, x[rows], pr, rope, dr, mr, br)
+        o = tensor_array(out[rows].view((b1 - b0) * T, hidden))
+        if route is not None:
+            eng, pos, flags, _ = route
+            with eng.layer_call_slot():
+                blk.layer(eng.layers, pos, flags, *args, o)
+        elif dense:
+            blk.layer(None, -1, 0, *args, o)
+        else:
+            blk.attn(*args, o, tensor_array(normed[rows].view((b1 - b0) * T, hidden)))
     kv_advance(bufs, T)
     if normed is not None:
         out = out + layer.mlp(normed)
     return out
+
+
+def _rows_of(pe: Any, rows: slice, B: int) -> Any:
+    """The position embeddings of rows ``rows`` of a B-row call (pe's tensors [1 or B, ...])."""
+    def cut(p: torch.Tensor) -> torch.Tensor:
+        return p if p.shape[0] == 1 else p[rows]
+    return cut(pe) if isinstance(pe, torch.Tensor) else tuple(cut(p) for p in pe)
 
 
 def _dense_in_call(layer: nn.Module, T: int) -> bool:
@@ -628,15 +669,18 @@ def _dense_in_call(layer: nn.Module, T: int) -> bool:
 
 def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
                    attention_mask: torch.Tensor | None) -> bool:
-    """Whether the layer's MLABlock serves this call (else the layer's own forward)."""
+    """Whether the layer's MLABlock serves this call (else the layer's own forward): B rows
+    of T <= the absorbed path's tokens each (_mla_layer_call groups the rows)."""
     attn = layer.self_attn
     dt, rope = layer._specmoe_mlab_parts[2:]
-    T = x.shape[1] if x.dim() == 3 else 0
-    return (not layer.training and x.dim() == 3 and x.shape[0] == 1
-            and 1 <= T <= attn._specmoe_mla_max and x.dtype == dt and x.device.type == "cpu"
-            and _rope_ok(pe, rope, T, attn.qk_rope_head_dim)
+    B, T = (x.shape[0], x.shape[1]) if x.dim() == 3 else (0, 0)
+    return (not layer.training and x.dim() == 3 and B >= 1
+            and 1 <= T <= attn._specmoe_mla_max
+            and x.dtype == dt and x.device.type == "cpu"
+            and _rope_ok(pe, rope, T, attn.qk_rope_head_dim, B)
             and mask_readable(attention_mask, T)
-            and (attention_mask is None or attention_mask.shape[:2] == (1, 1))
+            and (attention_mask is None or (attention_mask.shape[0] in (1, B)
+                                            and attention_mask.shape[1] == 1))
             and not adapter_active(attn))  # an MTP forward's masks: the LoRA in torch
 
 
