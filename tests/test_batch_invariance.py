@@ -275,16 +275,23 @@ def test_batched_decode_steps_of_many_tokens_equal_each_row_alone(arch):
             rows = [r[:m - b % 2] for b, r in enumerate(rows)]  # odd rows one token short
             bkv = BatchKV(model, B)
             bkv.prefill(prompts, torch.ones_like(prompts))
-            logits = bkv.forward(rows)
-            for b in range(B):
-                one = BatchKV(model, 1)
-                one.prefill(prompts[b:b + 1], torch.ones((1, L), dtype=torch.long))
-                alone = one.forward([rows[b]])
-                n = len(rows[b])
-                assert torch.equal(logits[b, :n], alone[0, :n]), \
-                    f"{B} rows, {sum(map(len, rows))} tokens: row {b}'s logits"
+            _each_row_alone(model, prompts, rows, bkv.forward(rows))
     finally:
         eng.close()
+
+
+def _each_row_alone(model, prompts, rows, logits):
+    """Each row's step alone (its prompt prefilled, then its tokens) has the batched step's
+    logits ``logits`` [B, m, V] of that row, bit for bit."""
+    from specmoe.speculation.batch import BatchKV
+    B, L = prompts.shape
+    for b in range(B):
+        one = BatchKV(model, 1)
+        one.prefill(prompts[b:b + 1], torch.ones((1, L), dtype=torch.long))
+        alone = one.forward([rows[b]])
+        n = len(rows[b])
+        assert torch.equal(logits[b, :n], alone[0, :n]), \
+            f"{B} rows, {sum(map(len, rows))} tokens: row {b}'s logits"
 
 
 def test_batched_f32_mla_rows_equal_each_row_alone():
@@ -315,13 +322,7 @@ def test_batched_f32_mla_rows_equal_each_row_alone():
             calls.clear()
             logits = bkv.forward(rows)
             assert calls == per_layer * len(model.model.layers)
-            for b in range(B):
-                one = BatchKV(model, 1)
-                one.prefill(prompts[b:b + 1], torch.ones((1, L), dtype=torch.long))
-                alone = one.forward([rows[b]])
-                n = len(rows[b])
-                assert torch.equal(logits[b, :n], alone[0, :n]), \
-                    f"{B} rows of {m}: row {b}'s logits"
+            _each_row_alone(model, prompts, rows, logits)
     finally:
         eng.close()
 
