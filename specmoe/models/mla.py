@@ -633,7 +633,7 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: 
     for b0 in range(0, B, G):
         b1 = min(B, b0 + G)
         rows = slice(b0, b1)
-        pr = pe if B <= G else _rows_of(pe, rows, B)
+        pr = pe if B <= G else _rows_of(pe, rows)
         mr = attention_mask if B <= G or attention_mask is None or attention_mask.shape[0] == 1 \
             else attention_mask[rows]
         br = bufs if B <= G else bufs[:3] + (bufs[3][rows], bufs[4][rows], bufs[5])
@@ -653,7 +653,7 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: 
     return out
 
 
-def _rows_of(pe: Any, rows: slice, B: int) -> Any:
+def _rows_of(pe: Any, rows: slice) -> Any:
     """The position embeddings of rows ``rows`` of a B-row call (pe's tensors [1 or B, ...])."""
     def cut(p: torch.Tensor) -> torch.Tensor:
         return p if p.shape[0] == 1 else p[rows]
