@@ -576,9 +576,10 @@ void smoe_slots_begin_pass_prior(smoe_slots *t, const float *prior) {
     pthread_mutex_unlock(&t->mu);
 }
 
-void smoe_slots_set_admission(smoe_slots *t, int on) {
+void smoe_slots_set_admission(smoe_slots *t, int on, int byte_budget) {
     pthread_mutex_lock(&t->mu);
     t->admit.on = on != 0;
+    t->admit.budget = byte_budget ? SMOE_ADMIT_EXTRA : 0.0;
     pthread_mutex_unlock(&t->mu);
 }
 

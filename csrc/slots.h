@@ -264,9 +264,10 @@ int smoe_slots_prefetch_p(smoe_slots *t, const int32_t *keys, const float *prior
                           const float *probs, uint32_t steps, uint32_t n, int replace,
                           smoe_err *err);
 
-/* Prefetch admission on or off (admit.h; off by default: the victim rules alone).  Takes mu.
- * Turning it on keeps what has been measured. */
-void smoe_slots_set_admission(smoe_slots *t, int on);
+/* Prefetch admission on or off (admit.h; off by default: the victim rules alone), with its
+ * byte budget (byte_budget != 0, the default) or the time terms alone.  Takes mu.  Turning it
+ * on keeps what has been measured. */
+void smoe_slots_set_admission(smoe_slots *t, int on, int byte_budget);
 
 /* Remove queued requests for key (-1: all).  Loads already in flight complete. */
 void smoe_slots_cancel(smoe_slots *t, int32_t key);

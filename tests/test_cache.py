@@ -540,10 +540,12 @@ def test_admission_byte_budget_live(store):
     """admit.h's byte budget on the live worker: copies that are never used count as loads
     prefetching added; once they pass 8 % of the loads that were needed (after 64 of
     those), every request is refused, however sure and early, until the needed loads catch
-    up.  The rule off, the same requests all load."""
-    def run(admission: bool) -> tuple[dict, dict]:
+    up.  The rule off, or on without its budget (byte_budget=False), the same requests all
+    load."""
+    def run(admission: bool, budget: bool = True) -> tuple[dict, dict]:
         with ExpertCache(store, 4, top_k=1) as cache:
-            cache.set_admission(admission)
+            cache.set_admission(admission, byte_budget=budget)
+            assert cache.admission()["byte_budget"] is budget
             for i in range(300):
                 cache.begin_pass()
                 cache.prefetch([(3, i % NE, 1.0)], probs=[1.0], steps=10**6)  # never used
@@ -559,8 +561,15 @@ def test_admission_byte_budget_live(store):
     # back under 8 % of the needed ones within 300 passes)
     assert 60 <= st["prefetch_issued"] <= 70 and st["prefetch_refused"] >= 230
     assert a["added_loads"] == st["prefetch_wasted"]
-    st, a = run(False)
-    assert st["prefetch_issued"] == 300 and st["prefetch_refused"] == 0
+    for admission, budget in ((False, True), (True, False)):
+        st, a = run(admission, budget)
+        assert st["prefetch_issued"] == 300 and st["prefetch_refused"] == 0
+        # counted either way; spent only with a budget (the rule off does not consult it)
+        assert a["added_loads"] == st["prefetch_wasted"] > 0.08 * 64
+        assert a["over_budget"] is budget
+    with ExpertCache(store, 4, top_k=1) as cache:
+        with pytest.raises(TypeError, match="byte_budget"):
+            cache.set_admission(True, byte_budget=1)
 
 
 def test_prefetch_never_evicts_current_pass_or_pinned(store):

@@ -167,8 +167,8 @@ def test_prefetch_precision_recall(arch):
 
 def test_prefetch_admission_engine():
     """Engine.set_prefetch(admission=True): the cache's admission rule decides which predicted
-    experts load (refusals counted), outputs are those without it, and the setting survives
-    a cache rebuild."""
+    experts load (refusals counted), outputs are those without it, and the setting (with its
+    byte budget, byte_budget=) survives a cache rebuild."""
     m, ref = _pair("olmoe")
     eng = hf.offload(m, prefetch=True, cache=0.5)
     try:
@@ -188,8 +188,17 @@ def test_prefetch_admission_engine():
         assert s["prefetch_refused"] + s["prefetch_issued"] + s["prefetch_dropped"] > 0
         eng.set_cache(0.25)
         assert eng._cache.admission()["on"] is True
+        assert eng._cache.admission()["byte_budget"] is True and eng.stats()["byte_budget"]
+        with pytest.raises(TypeError, match="byte_budget must be a bool"):
+            eng.set_prefetch(True, byte_budget="no")
+        eng.set_prefetch(True, byte_budget=False)   # the time terms alone; admission kept
+        eng.set_cache(0.5)
+        a = eng._cache.admission()
+        assert a["on"] is True and a["byte_budget"] is False
+        assert eng.stats()["byte_budget"] is False
         eng.set_prefetch(True, admission=False)
         assert eng._cache.admission()["on"] is False and eng.stats()["admission"] is False
+        assert eng._cache.admission()["byte_budget"] is False
     finally:
         eng.close()
 

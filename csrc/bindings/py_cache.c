@@ -503,11 +503,14 @@ static PyObject *Cache_stats(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
     return d;
 }
 
-static PyObject *Cache_set_admission(CacheObject *self, PyObject *arg) {
-    const int on = PyObject_IsTrue(arg);
-    if (on < 0 || check_open(self) < 0) return NULL;
+static PyObject *Cache_set_admission(CacheObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"on", "byte_budget", NULL};
+    int on = 0, budget = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "p|p:set_admission", kwlist, &on, &budget) ||
+        check_open(self) < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
-    smoe_slots_set_admission(&self->cache.tab, on);
+    smoe_slots_set_admission(&self->cache.tab, on, budget);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -518,11 +521,12 @@ static PyObject *Cache_admission(CacheObject *self, PyObject *Py_UNUSED(ignored)
     Py_BEGIN_ALLOW_THREADS
     smoe_slots_get_admission(&self->cache.tab, &a);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:O,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O,s:K}", "on",
+    return Py_BuildValue("{s:O,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O,s:d,s:d,s:O,s:K}", "on",
                          a.on ? Py_True : Py_False, "load_s", a.load_s, "step_s", a.step_s,
                          "busy", a.busy, "contention", a.contention, "demand_s", a.demand_s,
                          "fetch_s", a.fetch_s, "measured_regret",
-                         smoe_admit_measured_regret(&a), "needed_loads", a.needed,
+                         smoe_admit_measured_regret(&a), "byte_budget",
+                         a.budget > 0.0 ? Py_True : Py_False, "needed_loads", a.needed,
                          "added_loads", a.extra, "over_budget",
                          smoe_admit_over_budget(&a) ? Py_True : Py_False, "refused",
                          (unsigned long long)a.refused);
@@ -707,8 +711,10 @@ static PyMethodDef Cache_methods[] = {
      "utility(keys) -> int32 array: the policy's utility per key (PolicyError if it has none)."},
     {"stats", (PyCFunction)Cache_stats, METH_NOARGS, "stats() -> dict of counters."},
     {"reset_stats", (PyCFunction)Cache_reset_stats, METH_NOARGS, "reset_stats(): zero the counters."},
-    {"set_admission", (PyCFunction)Cache_set_admission, METH_O,
-     "set_admission(on): prefetch admission by expected benefit (csrc/admit.h) on or off."},
+    {"set_admission", (PyCFunction)(void (*)(void))Cache_set_admission,
+     METH_VARARGS | METH_KEYWORDS,
+     "set_admission(on, byte_budget=True): prefetch admission by expected benefit "
+     "(csrc/admit.h) on or off, with its byte budget or the time terms alone."},
     {"admission", (PyCFunction)Cache_admission, METH_NOARGS,
      "admission() -> dict: the admission rule's switch, its measured estimates (load_s, "
      "step_s, busy, measured_regret), its byte budget's counts and its refusals."},

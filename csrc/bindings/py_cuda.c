@@ -570,11 +570,14 @@ static PyObject *GC_reset_stats(GCacheObject *self, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
-static PyObject *GC_set_admission(GCacheObject *self, PyObject *arg) {
-    const int on = PyObject_IsTrue(arg);
-    if (on < 0 || GC_check(self) < 0) return NULL;
+static PyObject *GC_set_admission(GCacheObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"on", "byte_budget", NULL};
+    int on = 0, budget = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "p|p:set_admission", kwlist, &on, &budget) ||
+        GC_check(self) < 0)
+        return NULL;
     self->busy++;
-    Py_BEGIN_ALLOW_THREADS smoe_slots_set_admission(&self->cache.tab, on);
+    Py_BEGIN_ALLOW_THREADS smoe_slots_set_admission(&self->cache.tab, on, budget);
     Py_END_ALLOW_THREADS self->busy--;
     Py_RETURN_NONE;
 }
@@ -747,8 +750,10 @@ static PyMethodDef GC_methods[] = {
     {"pause_worker", (PyCFunction)GC_pause_worker, METH_O, "pause_worker(paused)"},
     {"stats", (PyCFunction)GC_stats, METH_NOARGS, "counters (dict)"},
     {"reset_stats", (PyCFunction)GC_reset_stats, METH_NOARGS, "zero the counters"},
-    {"set_admission", (PyCFunction)GC_set_admission, METH_O,
-     "set_admission(on): prefetch admission by expected benefit (csrc/admit.h)"},
+    {"set_admission", (PyCFunction)(void (*)(void))GC_set_admission,
+     METH_VARARGS | METH_KEYWORDS,
+     "set_admission(on, byte_budget=True): prefetch admission by expected benefit "
+     "(csrc/admit.h), with its byte budget or the time terms alone"},
     {"set_throttle", (PyCFunction)GC_set_throttle, METH_VARARGS,
      "set_throttle(bytes_per_s, latency_s): emulate a slower link for every load (0, 0: off)"},
     {"resident", (PyCFunction)GC_resident, METH_NOARGS, "keys of the READY slots, slot order"},

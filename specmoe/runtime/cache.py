@@ -294,7 +294,7 @@ class ExpertCache:
             raise ValueError(f"prefetch: steps must be a positive int, got {steps!r}")
         self._c.prefetch(keys, prio_f, replace=bool(replace), probs=probs_f, steps=int(steps))
 
-    def set_admission(self, on: bool) -> None:
+    def set_admission(self, on: bool, byte_budget: bool = True) -> None:
         """Prefetch admission by expected benefit on or off (off by default; issue 42,
         ``csrc/admit.h``): when the worker could start a request's load, it loads it only if
         its probability of use times the stall it would save (the time left before the expert
@@ -302,17 +302,21 @@ class ExpertCache:
         turns out unused, as far as demand loads wait for it, and the chance that its victim
         is needed again times the measured stall of a miss -- and while the loads prefetching
         added (copies evicted unused, demand loads of experts a prefetch evicted) stay within
-        8 % of the loads that were needed (its byte budget).  The load time, the layer step
-        time, the link's busy share and the miss stall are measured by the cache itself.  The
-        simulator runs the same rule (``simulate(..., admission=True)``)."""
-        if not isinstance(on, bool):
-            raise TypeError(f"set_admission(on): a bool, got {type(on).__name__}")
-        self._c.set_admission(on)
+        8 % of the loads that were needed (its byte budget; ``byte_budget=False``: the time
+        terms alone, which on a link-bound CPU reads a few percent more for a few percent more
+        speed, docs/simulator.md).  The load time, the layer step time, the link's busy share
+        and the miss stall are measured by the cache itself.  The simulator runs the same rule
+        (``simulate(..., admission=True, byte_budget=...)``)."""
+        for name, v in (("on", on), ("byte_budget", byte_budget)):
+            if not isinstance(v, bool):
+                raise TypeError(f"set_admission({name}): a bool, got {type(v).__name__}")
+        self._c.set_admission(on, byte_budget)
 
     def admission(self) -> dict[str, Any]:
         """The admission rule's state: ``on``, its measured estimates (``load_s``, ``step_s``
         (-1 before the first pass), ``busy``, ``contention``, ``demand_s``, ``fetch_s`` (-1
-        before the first), ``measured_regret``), its byte budget (``needed_loads`` and
+        before the first), ``measured_regret``), its byte budget (``byte_budget``: on or not;
+        ``needed_loads`` and
         ``added_loads``, decayed counts of the loads that were needed and of those prefetching
         added; ``over_budget`` while the added exceed 8 % of the needed and every request is
         refused) and ``refused`` (``csrc/admit.h``)."""

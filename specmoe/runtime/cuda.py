@@ -344,10 +344,10 @@ class GpuExpertCache:
     def reset_stats(self) -> None:
         self._c.reset_stats()
 
-    def set_admission(self, on: bool) -> None:
+    def set_admission(self, on: bool, byte_budget: bool = True) -> None:
         """Prefetch admission by expected benefit, as :meth:`specmoe.ExpertCache.set_admission`
         (the same table and rule, ``csrc/admit.h``)."""
-        self._c.set_admission(bool(on))
+        self._c.set_admission(bool(on), bool(byte_budget))
 
     def resident(self) -> list[int]:
         return list(self._c.resident())

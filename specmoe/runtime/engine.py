@@ -511,7 +511,7 @@ class Engine(EngineCommon):
         if self._layers is not None and self._replay is not None:
             self._replay_start = self._layers.replay_position()[0]
         self._cache, self._layers = new, layers
-        new.set_admission(self.admission)  # a setting of the cache, kept across rebuilds
+        new.set_admission(self.admission, self.byte_budget)  # kept across rebuilds
         self._configure_layers()
 
     def _configure_layers(self) -> None:
@@ -640,6 +640,7 @@ class Engine(EngineCommon):
             **{k: pf.get(k, 0) for k in ("rerouted", "missing", "dropped", "substituted",
                                           "lowbit", "lowbit2", "overlapped", "draft_kept")},
             "parallel_misses": self.parallel_misses, "admission": self.admission,
+            "byte_budget": self.byte_budget,
         }
         s.update(self._cache_stats())
         return s
@@ -705,7 +706,8 @@ class Engine(EngineCommon):
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
                      predictor: Callable[[int, torch.Tensor], Any] | None | str = "keep",
-                     mass: float | None | str = "keep", admission: bool | None = None) -> None:
+                     mass: float | None | str = "keep", admission: bool | None = None,
+                     byte_budget: bool | None = None) -> None:
         """Switch lookahead prefetch on/off.  overfetch: experts predicted per token
         = ceil(top_k * overfetch).  mass: instead of a fixed count, per token the fewest
         experts (at least top_k) whose softmax probability of the scores sums to >= mass
@@ -720,11 +722,14 @@ class Engine(EngineCommon):
         prefetch admission by expected benefit (:meth:`specmoe.ExpertCache.set_admission`,
         ``csrc/admit.h``): a predicted expert is loaded only when its probability of use (the
         router's probability, the learned q, 1 for the oracle) times the stall it would save
-        exceeds the cost of reading it and of its victim; refused requests are counted in
-        ``stats()["prefetch_refused"]``."""
+        exceeds the cost of reading it and of its victim, and while the loads prefetching added
+        stay within 8 % of those that were needed; refused requests are counted in
+        ``stats()["prefetch_refused"]``.  byte_budget (None: keep; on by default): False runs
+        the rule's time terms alone."""
         _check_flag("on", on)
-        if admission is not None:
-            _check_flag("admission", admission)
+        for name, v in (("admission", admission), ("byte_budget", byte_budget)):
+            if v is not None:
+                _check_flag(name, v)
         check_prefetch(overfetch, mass)
         if isinstance(predictor, str) and predictor not in PREDICTORS + ("keep",):
             raise ValueError(f"predictor must be one of {PREDICTORS}, a callable, None or "
@@ -739,10 +744,13 @@ class Engine(EngineCommon):
             self._push_predictor("router")
             self._predictor = predictor
         self._set_prediction(bool(on), overfetch, mass)  # the C layers forget old predictions
-        if admission is not None:
-            self.admission = admission
+        if admission is not None or byte_budget is not None:
+            if admission is not None:
+                self.admission = bool(admission)
+            if byte_budget is not None:
+                self.byte_budget = bool(byte_budget)
             if self._cache is not None:
-                self._cache.set_admission(admission)
+                self._cache.set_admission(self.admission, self.byte_budget)
 
     def replay_routing(self, trace: Any, *, start: int = 0) -> None:
         """Route every token by a recorded routing trace instead of the router (issue 41; for

@@ -58,7 +58,8 @@ class EngineCommon:
 
     model: nn.Module | None
     admission: bool = False  # prefetch admission (set_prefetch), a setting of the cache that
-    # the engine keeps so a rebuilt cache gets it back
+    # the engine keeps so a rebuilt cache gets it back; likewise its byte budget
+    byte_budget: bool = True
     _cache: Any
     _store: Any
     _store_path: str | None

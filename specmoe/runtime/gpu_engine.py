@@ -585,16 +585,18 @@ class GpuEngine(EngineCommon):
 
     def set_prefetch(self, on: bool, overfetch: float | None = None,
                      mass: float | None | str = "keep", predictor: str = "keep",
-                     admission: bool | None = None) -> None:
+                     admission: bool | None = None, byte_budget: bool | None = None) -> None:
         """Turn the next-layer prefetch on or off, as :meth:`specmoe.Engine.set_prefetch`:
         overfetch: experts predicted per token = ceil(top_k * overfetch); mass: instead, per
         token the fewest experts (at least top_k) whose probability sums to >= mass (None: back
         to overfetch); predictor: ``"router"`` or ``"learned"`` (the C layers' predictors,
-        csrc/layer.h ``smoe_layers_set_predictor``), ``"keep"``; admission (None: keep): the
-        prefetch admission rule of the cache's slot table (``csrc/admit.h``)."""
+        csrc/layer.h ``smoe_layers_set_predictor``), ``"keep"``; admission, byte_budget (None:
+        keep): the prefetch admission rule of the cache's slot table (``csrc/admit.h``) and its
+        byte budget."""
         check_prefetch(overfetch, mass)
-        if admission is not None and not isinstance(admission, bool):
-            raise TypeError(f"admission must be a bool or None, got {type(admission).__name__}")
+        for name, v in (("admission", admission), ("byte_budget", byte_budget)):
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(v).__name__}")
         if predictor not in ("router", "learned", "keep"):
             raise ValueError(f"predictor must be 'router', 'learned' or 'keep' on the GPU tier "
                              f"(of {PREDICTORS}, 'oracle' needs a CPU routing replay), got "
@@ -603,11 +605,13 @@ class GpuEngine(EngineCommon):
             if predictor != "keep":
                 self._push_predictor(predictor)
             self._set_prediction(bool(on), overfetch, mass)
-            if admission is not None:
+            if admission is not None or byte_budget is not None:
                 if self._cache is None:
                     raise RuntimeError("this specmoe GpuEngine is closed")
-                self._cache.set_admission(admission)
-                self.admission = admission
+                adm = self.admission if admission is None else admission
+                budget = self.byte_budget if byte_budget is None else byte_budget
+                self._cache.set_admission(adm, budget)
+                self.admission, self.byte_budget = adm, budget
 
     def set_balance(self, balance: bool | Any, admit: bool | None = None) -> None:
         """The hybrid tier, MoE-SpAc's CPU/GPU balancer (§3.3), on or off: per MoE layer the

@@ -96,7 +96,7 @@ static void *consumer(void *p) {
                 smoe_err err;
                 /* the admission rule (admit.h) on every other pass: its estimates and the
                  * worker's refusals race with the demand threads too */
-                smoe_slots_set_admission(&a->cache->tab, (r >> 1) & 1);
+                smoe_slots_set_admission(&a->cache->tab, (r >> 1) & 1, (r >> 2) & 1);
                 if (smoe_slots_prefetch_p(&a->cache->tab, keys, pr, (r & 2) ? prob : NULL,
                                           1 + l % 2, 3, (int)(r & 1), &err) < 0)
                     FAIL(a, "prefetch: %s", err.msg);
