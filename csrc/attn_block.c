@@ -40,32 +40,13 @@ int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err) {
     return SMOE_OK;
 }
 
-/* buf and lscratch sized for at least n tokens (n <= max_tokens): a call of more tokens than
- * they hold grows them (to n, at least doubling, at most max_tokens) and they stay that size.
- * The regions' offsets scale with cap, so it grows only at the start of a call, under mu. */
+/* buf and lscratch for at least n tokens (smoe_grow_token_bufs): per token x, q|k|v, the
+ * attention output, then q, h, nrm, moe; two rotary rows of D after them. */
 static int ensure_cap(smoe_attn_block *b, uint32_t n, smoe_err *err) {
-    if (n <= b->cap) return SMOE_OK;
-    uint32_t cap = b->cap * 2 > n ? b->cap * 2 : n;
-    if (cap > b->max_tokens) cap = b->max_tokens;
     const size_t H = b->H, Hkv = b->Hkv, D = b->D, hid = b->hidden;
-    const size_t per_tok = hid + (H + 2 * Hkv) * D + H * D;
-    size_t ls = 0;
-    for (int i = 0; i < SMOE_AB_N; i++) {
-        size_t s = b->ld[i] ? smoe_linear_scratch_bytes(b->ld[i], cap) : 0;
-        if (s > ls) ls = s;
-    }
-    float *buf = malloc(((size_t)cap * (per_tok + H * D + 3 * hid) + 2 * D) * sizeof(float));
-    void *lscratch = malloc(ls ? ls : 1);
-    if (!buf || !lscratch) {
-        free(buf);
-        free(lscratch);
-        return smoe_err_set(err, SMOE_ENOMEM, "AttnBlock: out of memory for buffers of %u "
-                            "tokens", cap);
-    }
-    free(b->buf);
-    free(b->lscratch);
-    b->buf = buf, b->lscratch = lscratch, b->cap = cap;
-    return SMOE_OK;
+    const size_t per_tok = hid + (H + 2 * Hkv) * D + H * D + H * D + 3 * hid;
+    return smoe_grow_token_bufs(&b->buf, &b->lscratch, &b->cap, n, b->max_tokens, per_tok,
+                                2 * D, b->ld, SMOE_AB_N, "AttnBlock", err);
 }
 
 int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smoe_err *err) {

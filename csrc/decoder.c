@@ -16,6 +16,34 @@ int smoe_grow_scratch(void **scratch, size_t *cap, size_t need, smoe_err *err) {
     return SMOE_OK;
 }
 
+int smoe_grow_token_bufs(float **buf, void **lscratch, uint32_t *cap, uint32_t n,
+                         uint32_t max_tokens, size_t per_tok, size_t extra,
+                         const smoe_linear_desc *const *ld, int nld, const char *what,
+                         smoe_err *err) {
+    if (n <= *cap && *buf) return SMOE_OK;
+    uint32_t c = *cap * 2 > n ? *cap * 2 : n;
+    if (c > max_tokens) c = max_tokens;
+    size_t ls = 0;
+    for (int i = 0; i < nld; i++) {
+        size_t s = ld[i] ? smoe_linear_scratch_bytes(ld[i], c) : 0;
+        if (s > ls) ls = s;
+    }
+    float *nb = malloc(((size_t)c * per_tok + extra) * sizeof(float));
+    void *nl = malloc(ls ? ls : 1);
+    if (!nb || !nl) {
+        free(nb);
+        free(nl);
+        return smoe_err_set(err, SMOE_ENOMEM, "%s: out of memory for buffers of %u tokens",
+                            what, c);
+    }
+    free(*buf);
+    free(*lscratch);
+    *buf = nb;
+    *lscratch = nl;
+    *cap = c;
+    return SMOE_OK;
+}
+
 void smoe_dec_widen(float *dst, const void *src, int bf16, size_t n) {
     if (!bf16) {
         memcpy(dst, src, n * sizeof(float));

@@ -36,6 +36,18 @@
  * the caller serialises calls on *scratch.  SMOE_ENOMEM "attention: ..." on failure. */
 int smoe_grow_scratch(void **scratch, size_t *cap, size_t need, smoe_err *err);
 
+/* A block's per-token buffers (AttnBlock, MLABlock) sized for at least n tokens (n <=
+ * max_tokens): *buf of *cap * per_tok + extra floats and *lscratch for the linear slots
+ * ld[0..nld) (NULL ones skipped) at *cap tokens.  A call of more tokens than they hold, or the
+ * first (*buf NULL), replaces them (*cap to n, at least doubling, at most max_tokens); they
+ * stay that size.  The regions' offsets scale with *cap, so the caller grows them only at the
+ * start of a call, under its block's mu (or at init).  SMOE_ENOMEM "<what>: ..." on failure,
+ * the old buffers kept. */
+int smoe_grow_token_bufs(float **buf, void **lscratch, uint32_t *cap, uint32_t n,
+                         uint32_t max_tokens, size_t per_tok, size_t extra,
+                         const smoe_linear_desc *const *ld, int nld, const char *what,
+                         smoe_err *err);
+
 /* out = the RMSNorm (kernels/block.h) of one row x of n values, both f32 or bf16 bits (b),
  * through the f32 row buf [n]: _C.rms_norm's rows and DecodePlan's final norm. */
 void smoe_rms_norm_row(const void *x, void *out, int b, const float *w, float eps, int bf16,

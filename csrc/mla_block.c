@@ -51,31 +51,10 @@ static size_t mlab_per_token(const smoe_mla_block *b) {
            (size_t)d->H * (d->dn + d->dr) + (size_t)d->H * d->dv + 3 * (size_t)b->hidden;
 }
 
-/* buf and lscratch for at least n tokens (n <= max_tokens): at least doubling, at most
- * max_tokens; they stay that size.  Under mu (or at init), at the start of a call. */
+/* buf and lscratch for at least n tokens (smoe_grow_token_bufs). */
 static int mlab_ensure_cap(smoe_mla_block *b, uint32_t n, smoe_err *err) {
-    if (n <= b->cap && b->buf) return SMOE_OK;
-    uint32_t cap = b->cap * 2 > n ? b->cap * 2 : n;
-    if (cap > b->max_tokens) cap = b->max_tokens;
-    size_t ls = 0;
-    for (int i = 0; i < SMOE_ML_N; i++) {
-        size_t s = b->ld[i] ? smoe_linear_scratch_bytes(b->ld[i], cap) : 0;
-        if (s > ls) ls = s;
-    }
-    float *buf = malloc((size_t)cap * mlab_per_token(b) * sizeof(float));
-    void *lscratch = malloc(ls ? ls : 1);
-    if (!buf || !lscratch) {
-        free(buf);
-        free(lscratch);
-        return smoe_err_set(err, SMOE_ENOMEM, "MLABlock: out of memory for its buffers of %u "
-                            "tokens", cap);
-    }
-    free(b->buf);
-    free(b->lscratch);
-    b->buf = buf;
-    b->lscratch = lscratch;
-    b->cap = cap;
-    return SMOE_OK;
+    return smoe_grow_token_bufs(&b->buf, &b->lscratch, &b->cap, n, b->max_tokens,
+                                mlab_per_token(b), 0, b->ld, SMOE_ML_N, "MLABlock", err);
 }
 
 int smoe_mla_block_init(smoe_mla_block *b, const smoe_mla_block_cfg *cfg, smoe_err *err) {
