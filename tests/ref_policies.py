@@ -457,12 +457,13 @@ class RefNextUse(RefPolicy):
     last demand touch (0 never; passes counted from 1 and +1 at each on_pass) and two
     averages of "used in a pass", folded in at on_pass; lc the layer of the latest demand
     touch in the pass (-1 none).  Victim: least q / (dl + c) + beta * el / (dl + L + c),
-    ties lowest slot.  ``model`` is the flat array (NextUseModel.flat(), format 1 or 2: token
-    weights added where the pass's prior is set, on_prior)."""
+    ties lowest slot.  ``model`` is the flat array (NextUseModel.flat(), format 1, 2 or 3:
+    token weights added where the pass's prior is set, on_prior; format 3: D cross tables and
+    a bias)."""
 
     def __init__(self, num_layers: int, num_experts: int, model: Sequence[float]) -> None:
         m = [float(v) for v in model]
-        assert m[0] in (1.0, 2.0)
+        assert m[0] in (1.0, 2.0, 3.0)
         head = 17 if m[0] == 1.0 else 21
         self.L, self.E = num_layers, num_experts
         self.wf, self.ws = m[1:7], m[7:12]
@@ -470,8 +471,12 @@ class RefNextUse(RefPolicy):
         self.wtf, self.wts = (m[17:19], m[19:21]) if head == 21 else ([0.0, 0.0], [0.0, 0.0])
         self.prior = None
         n = num_layers * num_experts
-        self.cross = m[head:] if m[16] != 0.0 else None
-        assert self.cross is None or len(self.cross) == n * num_experts
+        self.depth = int(m[16]) if m[0] == 3.0 else int(m[16] != 0.0)
+        self.bias = m[head:head + n] if m[0] == 3.0 and self.depth else [0.0] * n
+        tables = m[head + n:] if m[0] == 3.0 and self.depth else m[head:]
+        assert len(tables) == self.depth * n * num_experts
+        self.cross = [tables[d * n * num_experts:(d + 1) * n * num_experts]
+                      for d in range(self.depth)]
         self.used = [0] * n
         self.es = [0.0] * n
         self.el = [0.0] * n
@@ -507,20 +512,27 @@ class RefNextUse(RefPolicy):
         self.prior = None if prior is None else [float(v) for v in prior]
 
     def _cross_mean(self, l):
-        """Mean cross[l][a][e] over the experts a of layer l-1 touched in this pass (list of E),
-        or None."""
-        if self.cross is None or l < 1 or l >= self.L:
+        """bias[l][e] plus, for d = 1 .. min(D, l), the mean cross_d[l][a][e] over the experts
+        a of layer l - d touched in this pass (list of E); None when layer l - 1 has none."""
+        if not self.depth or l < 1 or l >= self.L:
             return None
         E = self.E
-        prev = [a for a in range(E) if self.used[(l - 1) * E + a] == self.P]
-        if not prev:
-            return None
-        out = [0.0] * E
-        for a in prev:
-            base = (l * E + a) * E
-            for e in range(E):
-                out[e] += self.cross[base + e]
-        return [v / len(prev) for v in out]
+        out = None
+        for d in range(1, min(self.depth, l) + 1):
+            prev = [a for a in range(E) if self.used[(l - d) * E + a] == self.P]
+            if not prev:
+                if d == 1:
+                    return None
+                continue
+            if out is None:
+                out = [self.bias[l * E + e] for e in range(E)]
+            acc = [0.0] * E
+            for a in prev:
+                base = (l * E + a) * E
+                for e in range(E):
+                    acc[e] += self.cross[d - 1][base + e]
+            out = [o + v / len(prev) for o, v in zip(out, acc)]
+        return out
 
     def q(self, key):
         """(q, dl) of key in the current state."""

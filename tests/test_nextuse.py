@@ -17,8 +17,13 @@ from .test_policies import assert_same, random_keys
 
 
 def _model(rng, L, E, cross=True, c=1.0, beta=1.0) -> NextUseModel:
+    """cross: True one table (format 1), False none, "deep" three tables and a bias (format
+    3)."""
+    deep = cross == "deep"
     return NextUseModel(rng.normal(0, 1.5, 6), rng.normal(0, 1.5, 5), c=c, beta=beta,
-                        cross=rng.normal(0, 1.0, (L, E, E)) if cross else None)
+                        cross=rng.normal(0, 1.0, (3, L, E, E) if deep else (L, E, E))
+                        if cross else None,
+                        cross_bias=rng.normal(0, 1.0, (L, E)) if deep else None)
 
 
 def _both(model, keys, nslots, L, E, passes, mask_seed=0):
@@ -33,11 +38,13 @@ def _both(model, keys, nslots, L, E, passes, mask_seed=0):
 
 @pytest.mark.parametrize("nslots", [1, 3, 8, 17])
 @pytest.mark.parametrize("passes", [None, 6, "layered"])
-@pytest.mark.parametrize("cross", [True, False])
+@pytest.mark.parametrize("cross", [True, False, "deep"])
 def test_random_sequences_match_the_reference(nslots, passes, cross):
     """Random keys (layers out of order within a pass, or no passes at all: the gap floor),
-    and layer-ordered passes like a decoder's; evictable masks on odd sizes."""
-    rng = np.random.default_rng(nslots * 31 + (passes == 6) * 7 + cross)
+    and layer-ordered passes like a decoder's; evictable masks on odd sizes; models with no
+    cross table, one, and three with a bias."""
+    rng = np.random.default_rng(nslots * 31 + (passes == 6) * 7 + (cross is True) +
+                                2 * (cross == "deep"))
     L, E = 4, 6
     model = _model(rng, L, E, cross, c=float(rng.uniform(0.5, 3)), beta=float(rng.uniform(0, 2)))
     if passes == "layered":  # 2 experts per layer per pass, layers in order
@@ -135,7 +142,8 @@ def test_packaged_model_and_fallbacks(tmp_path):
     assert m.shape == (26, 64) and "trained_on" in m.info and "validation" in m.info
     # the token prior of the training prompts' pieces, and its weights
     assert m.tokens is not None and m.tokens.shape == (26, 64) and len(m.tokens.pieces) > 1000
-    assert m.flat()[0] == 2 and m.temporal().tokens is None
+    assert m.flat()[0] == 3 and m.temporal().tokens is None
+    assert m.depth == 4 and m.cross_bias is not None  # the cross tables of four layers back
     assert default_model(4, 8).cross is None  # another shape: the temporal part
     np.testing.assert_array_equal(default_model(4, 8).w_stale, m.w_stale)
     # by name: the packaged model where it fits, the temporal one elsewhere
@@ -144,6 +152,11 @@ def test_packaged_model_and_fallbacks(tmp_path):
     p = tmp_path / "m.npz"
     _model(np.random.default_rng(0), 3, 4).save(p)
     assert NextUse(model=p).resolve(3, 4).shape == (3, 4)
+    deep = _model(np.random.default_rng(0), 3, 4, cross="deep")
+    deep.save(tmp_path / "d.npz")  # the tables kept in f16, the format kept
+    back = NextUseModel.load(tmp_path / "d.npz")
+    assert back.depth == 3 and back.flat()[0] == 3
+    np.testing.assert_allclose(back.flat(), deep.flat(), rtol=1e-3, atol=1e-3)
     assert make_policy(NextUse(model=str(p)), 5, 3, 4).name == "nextuse"
 
 
@@ -154,8 +167,23 @@ def test_bad_models_are_refused_by_name():
         _C.Policy("nextuse", 4, 5, 4, model=m.flat())
     with pytest.raises(ValueError, match="trained for another model"):
         make_policy(NextUse(model=m), 4, 3, 5)
-    with pytest.raises(ValueError, match="format-1 or -2 array"):
+    with pytest.raises(ValueError, match="format-1 to -3 array"):
         _C.Policy("nextuse", 4, 3, 4, model=np.zeros(17))
+    deep = _model(rng, 3, 4, cross="deep").flat()
+    assert deep[0] == 3 and deep[16] == 3
+    _C.Policy("nextuse", 4, 3, 4, model=deep)
+    with pytest.raises(ValueError, match="trained for another model"):
+        _C.Policy("nextuse", 4, 3, 4, model=deep[:-1])
+    for depth in (9, 1.5, -1):
+        bad = deep.copy()
+        bad[16] = depth
+        with pytest.raises(ValueError, match="whole number in 0..8"):
+            _C.Policy("nextuse", 4, 3, 4, model=bad)
+    with pytest.raises(ValueError, match="depth <= 8"):
+        NextUseModel(np.zeros(6), np.zeros(5), cross=np.zeros((9, 3, 4, 4)))
+    with pytest.raises(ValueError, match="cross_bias"):
+        NextUseModel(np.zeros(6), np.zeros(5), cross=np.zeros((3, 4, 4)),
+                     cross_bias=np.zeros((3, 5)))
     bad = m.flat()
     bad[3] = np.nan
     with pytest.raises(ValueError, match="not finite"):
@@ -384,3 +412,48 @@ def test_bad_priors_are_refused_by_name():
     with pytest.raises(ValueError, match="a row per pass"):
         _C.replay(_C.Policy("nextuse", 2, L, E), np.arange(6, dtype=np.int32), 3,
                   prior_table=table, prior_rows=np.array([0], np.int32))
+
+
+def _trainer():
+    """training/nextuse.py as a module (the training scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "training" / "nextuse.py"
+    spec = importlib.util.spec_from_file_location("_train_nextuse", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cross_tables_learn_routing_from_two_layers_back():
+    """The trainer's cross tables (fit_cross) on routing where layer l's experts are a fixed
+    function of layer l - 2's, the same token's, and nothing else: one table back ranks at
+    chance, two find it; and the policy's reading of the tables (Walker.cross_feature, the
+    same arithmetic as nextuse.h) gives the trainer's own scores token by token."""
+    tn = _trainer()
+    rng = np.random.default_rng(3)
+    T, L, E, K = 2000, 4, 8, 2
+    ex = np.zeros((T, L, K), np.int64)
+    for l in (0, 1):
+        ex[:, l] = np.array([rng.choice(E, K, replace=False) for _ in range(T)])
+    perm = [rng.permutation(E), rng.permutation(E)]
+    ex[:, 2], ex[:, 3] = perm[0][ex[:, 0]], perm[1][ex[:, 1]]
+    u = np.zeros((T, L, E), np.float32)
+    u[np.arange(T)[:, None, None], np.arange(L)[None, :, None], ex] = 1.0
+    prior = np.zeros_like(u)
+    rec = {d: tn.topk_recall(u, prior, *tn.fit_cross(u, prior, d, iters=200), K) for d in (1, 2)}
+    # layer 1 is random (chance K / E = 0.25) under both; layers 2 and 3 only with two tables
+    assert rec[1] < 0.35 and rec[2] > 0.7, rec
+    bias, tables = tn.fit_cross(u, prior, 2, iters=20)
+    model = NextUseModel(np.zeros(6), np.zeros(5), cross=tables, cross_bias=bias)
+    X = tn._cross_inputs(u, 2)
+    w = Walker(L, E, model)
+    for t in range(5):
+        w.begin_pass()
+        for lay in range(L):
+            if lay >= 1:
+                want = bias[lay] + X[lay - 1, t] @ np.concatenate([tables[0, lay],
+                                                                   tables[1, lay]])
+                np.testing.assert_allclose(w.cross_feature(lay), want, rtol=1e-5, atol=1e-6)
+            w.touch_layer(lay, ex[t, lay])

@@ -7,9 +7,14 @@ traces, split by prompt, and write it with its card.
 What it does (csrc/policy/nextuse.h has the rule and the features):
   1. split the prompts: validation = crc32(file name) % 5 == 0 (specmoe.sim.nextuse.split_requests);
      nothing below looks at the validation prompts except the final report;
-  2. the cross table from the training prompts: cross[l, a, e] = log of P(e at layer l | a at
-     layer l - 1, same token) over P(e at layer l), add-one smoothed; and the token prior
-     (specmoe.sim.nextuse.TokenPrior): per token piece, how often it used each expert;
+  2. the token prior (specmoe.sim.nextuse.TokenPrior): per token piece, how often it used each
+     expert; and the cross tables (fit_cross): one linear model per layer l of whether each
+     expert e is used at l from the same token's experts at layers l - 1 .. l - D (each layer
+     as its experts' mean, as the policy reads them) with the token's prior and its expert's
+     use by the token before; a multi-label logistic fit by Adam, D chosen among 1..4 by top-k
+     recall on a fifth of the training prompts held out (crc32 % 5 == 1 of the training
+     names), then refit on all of them; --cross-depth 0 gives the old naive-Bayes table
+     (cross_table: log P(e at l | a at l - 1) / P(e at l), add-one smoothed);
   3. walk the training prompts as the policy sees them (one pass per token, layer by layer,
      history carried across prompts as in a replay), sample --sample of the (token, layer)
      points before the layer runs, and record every key's features and whether the key is
@@ -31,6 +36,7 @@ import argparse
 import json
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +71,91 @@ def cross_table(tr: Trace) -> np.ndarray:
     out = np.zeros((L, E, E))
     out[1:] = np.log(cond / (pb[:, None, :] + 1e-4))
     return out
+
+
+def used_onehot(tr: Trace) -> np.ndarray:
+    """float32 [T, L, E]: 1 where token t used expert e at layer l."""
+    T, L, _ = tr.experts.shape
+    u = np.zeros((T, L, tr.num_experts), np.float32)
+    u[np.arange(T)[:, None, None], np.arange(L)[None, :, None], tr.experts] = 1.0
+    return u
+
+
+def dense_priors(priors: tuple[np.ndarray, np.ndarray] | None, T: int, L: int,
+                 E: int) -> np.ndarray:
+    """float32 [T, L, E] of (table, rows) priors, 0 where a token has none."""
+    out = np.zeros((T, L, E), np.float32)
+    if priors is not None:
+        ok = priors[1] >= 0
+        out[ok] = priors[0][priors[1][ok]].reshape(-1, L, E)
+    return out
+
+
+def _cross_inputs(u: np.ndarray, depth: int) -> np.ndarray:
+    """float32 [L - 1, T, depth * E]: for layer l = 1 .. L - 1 the mean one-hot routing of
+    layers l - 1 .. l - depth (zeros before layer 0), what nextuse.h's cross feature reads."""
+    T, L, E = u.shape
+    mean = u / np.maximum(u.sum(axis=2, keepdims=True), 1.0)
+    X = np.zeros((L - 1, T, depth * E), np.float32)
+    for l in range(1, L):
+        for d in range(1, min(depth, l) + 1):
+            X[l - 1, :, (d - 1) * E:d * E] = mean[:, l - d]
+    return X
+
+
+def fit_cross(u: np.ndarray, prior: np.ndarray, depth: int, l2: float = 1e-4,
+              iters: int = 150, lr: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """(bias [L, E], tables [depth, L, E, E]) of the logistic model
+
+        P(e at l) = sigmoid(bias[l, e] + sum_d mean_{a at l - d} tables[d - 1, l, a, e]
+                            + w_last * u[t - 1, l, e] + w_prior * prior[t, l, e])
+
+    fit on u (one-hot routing [T, L, E], tokens in replay order) by full-batch Adam with an
+    L2 penalty on the tables; w_last and w_prior (shared scalars) are fit with them and then
+    dropped: the policy's own logistic weighs those features.  Layer 0 is not modelled."""
+    T, L, E = u.shape
+    X = _cross_inputs(u, depth)
+    Y = np.ascontiguousarray(u[:, 1:].transpose(1, 0, 2))
+    last = np.zeros_like(u)
+    last[1:] = u[:-1]
+    Lt = np.ascontiguousarray(last[:, 1:].transpose(1, 0, 2))
+    Pt = np.ascontiguousarray(prior[:, 1:].transpose(1, 0, 2))
+    W = np.zeros((L - 1, depth * E, E), np.float32)
+    b = np.zeros((L - 1, 1, E), np.float32)
+    s = np.zeros(2, np.float32)  # w_last, w_prior
+    params = [W, b, s]
+    mom = [np.zeros_like(p) for p in params]
+    var = [np.zeros_like(p) for p in params]
+    for it in range(1, iters + 1):
+        z = X @ W + b + s[0] * Lt + s[1] * Pt
+        g = (1.0 / (1.0 + np.exp(-z)) - Y) / T
+        grads = [X.transpose(0, 2, 1) @ g + l2 * W, g.sum(axis=1, keepdims=True),
+                 np.array([(g * Lt).sum(), (g * Pt).sum()], np.float32)]
+        for p, gr, m, v in zip(params, grads, mom, var):
+            m *= 0.9
+            m += 0.1 * gr
+            v *= 0.999
+            v += 0.001 * gr * gr
+            p -= lr * (m / (1 - 0.9 ** it)) / (np.sqrt(v / (1 - 0.999 ** it)) + 1e-8)
+    bias = np.zeros((L, E))
+    bias[1:] = b[:, 0]
+    tables = np.zeros((depth, L, E, E))
+    for d in range(1, depth + 1):
+        tables[d - 1, 1:] = W[:, (d - 1) * E:d * E]
+    return bias, tables
+
+
+def topk_recall(u: np.ndarray, prior: np.ndarray, bias: np.ndarray, tables: np.ndarray,
+                k: int) -> float:
+    """Share of the used experts (layers 1..) among the top k of the cross feature plus the
+    prior, token by token: how well the tables rank the next layer's experts."""
+    depth = tables.shape[0]
+    X = _cross_inputs(u, depth)
+    W = np.concatenate([tables[d, 1:] for d in range(depth)], axis=1).astype(np.float32)
+    z = X @ W + bias[1:, None].astype(np.float32) + prior[:, 1:].transpose(1, 0, 2)
+    top = np.argsort(-z, axis=2)[:, :, :k]
+    Y = u[:, 1:].transpose(1, 0, 2)
+    return float(np.take_along_axis(Y, top, axis=2).sum() / Y.sum())
 
 
 def loo_priors(tr: Trace, tok: TokenPrior) -> tuple[np.ndarray, np.ndarray]:
@@ -165,6 +256,9 @@ def main() -> None:
     ap.add_argument("--sample", type=float, default=0.03,
                     help="fraction of (token, layer) points sampled for the regression")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cross-depth", type=int, default=None,
+                    help="earlier layers the cross feature reads (default: chosen among 1..4 "
+                         "on held-out training prompts; 0: the one naive-Bayes table)")
     a = ap.parse_args()
     path = a.trace or shared_trace_dir()
     files = trace_files(path)
@@ -179,10 +273,33 @@ def main() -> None:
     print(f"{len(tr_idx)} training prompts ({train.num_tokens} tokens), {len(va_idx)} "
           f"validation prompts ({val.num_tokens} tokens)", flush=True)
 
-    base = NextUseModel(np.zeros(6), np.zeros(5), cross=cross_table(train))
     tok = TokenPrior.count(train.tokens, train.experts, E) if train.tokens else None
     train_priors = None if tok is None else loo_priors(train, tok)
     val_priors = None if tok is None else (tok.table(), tok.rows(val.tokens))
+    depth, depth_scores = a.cross_depth, {}
+    if depth is None:  # chosen on a fifth of the training prompts, never the validation ones
+        tr_names = [names[i] for i in tr_idx]
+        inner = [i for i, n in enumerate(tr_names) if zlib.crc32(n.encode()) % 5 == 1]
+        fit_idx = [i for i in range(len(tr_names)) if i not in set(inner)]
+        fit_tr, hold_tr = subset(train, fit_idx), subset(train, inner)
+        ftok = TokenPrior.count(fit_tr.tokens, fit_tr.experts, E) if tok else None
+        fp = dense_priors(None if ftok is None else loo_priors(fit_tr, ftok),
+                          fit_tr.num_tokens, L, E)
+        hp = dense_priors(None if ftok is None else (ftok.table(), ftok.rows(hold_tr.tokens)),
+                          hold_tr.num_tokens, L, E)
+        uf, uh = used_onehot(fit_tr), used_onehot(hold_tr)
+        for d in (1, 2, 3, 4):
+            depth_scores[d] = topk_recall(uh, hp, *fit_cross(uf, fp, d), tr.top_k)
+            print(f"  cross depth {d}: held-out top-{tr.top_k} recall "
+                  f"{depth_scores[d]:.4f}", flush=True)
+        depth = max(depth_scores, key=lambda d: depth_scores[d])
+    if depth == 0:
+        base = NextUseModel(np.zeros(6), np.zeros(5), cross=cross_table(train))
+    else:
+        bias, tables = fit_cross(used_onehot(train),
+                                 dense_priors(train_priors, train.num_tokens, L, E), depth)
+        base = NextUseModel(np.zeros(6), np.zeros(5), cross=tables, cross_bias=bias)
+    print(f"cross depth {depth} ({time.time() - t0:.0f} s)", flush=True)
     rng = np.random.default_rng(a.seed)
     X, y, fresh = samples(train, base, a.sample, rng, train_priors)
     wf = fit_logistic(X[fresh][:, :6], y[fresh])
@@ -202,7 +319,7 @@ def main() -> None:
     scores = {}
     for c, b in grid:
         m = NextUseModel(wf, ws, c=c, beta=b, cross=base.cross, w_tok_fresh=wtf,
-                         w_tok_stale=wts)
+                         w_tok_stale=wts, cross_bias=base.cross_bias)
         scores[(c, b)] = [hit_rate(train, m, cap) for cap in (0.10, 0.25)]
         print(f"  c={c} beta={b}: train hit rate 10% {scores[(c, b)][0]:.4f}, 25% "
               f"{scores[(c, b)][1]:.4f}", flush=True)
@@ -224,11 +341,13 @@ def main() -> None:
               "log_loss_constant": log_loss(np.full_like(yv, yv.mean()), yv),
               "auc_fresh": auc(zv[fv], yv[fv]), "auc_stale": auc(zv[~fv], yv[~fv]), **extra}
     model = NextUseModel(wf, ws, c=c, beta=b, cross=base.cross, w_tok_fresh=wtf,
-                         w_tok_stale=wts, tokens=tok, info={
+                         w_tok_stale=wts, tokens=tok, cross_bias=base.cross_bias, info={
         "trained_on": f"{tr.model or 'routing traces'}: {path.name}, {len(tr_idx)} of "
                       f"{len(files)} prompts (validation: crc32(file name) % 5 == 0)",
         "layers": L, "experts": E, "train_tokens": train.num_tokens,
         "val_tokens": val.num_tokens, "samples": int(len(y)), "seed": a.seed,
+        "cross_depth": depth,
+        "cross_depth_held_out_recall": {str(k): v for k, v in depth_scores.items()},
         "grid_train_hit_rate": {f"c={k[0]},beta={k[1]}": v for k, v in scores.items()},
         "validation": report})
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,14 +21,16 @@ typedef struct nu_state {
     double wf[6], ws[5], as, al, c, beta;
     double wtf[2], wts[2]; /* token weights (bias, prior) with and without the cross feature;
                               0 for a format-1 model */
-    double *cross;   /* [L][E][E] or NULL (owned) */
+    uint32_t depth;  /* D: the number of cross tables (0: no cross feature) */
+    double *cross;   /* [D][L][E][E] (cross_d at d - 1) or NULL (owned) */
+    double *xbias;   /* [L][E] the cross feature's bias (zeros before format 3), or NULL */
     double *prior;   /* [nkeys] the current pass's token prior (on_prior), valid if has_prior */
     int has_prior;
     int tok;         /* the model has token weights (format 2): on_prior is heeded */
     uint64_t *used;  /* [nkeys] internal pass of the last demand touch; 0 = never */
     double *es, *el; /* [nkeys] */
     int32_t *key_of; /* [nslots], -1 when free */
-    double *xv;      /* [2][E] scratch: cross means for layers lc and lc + 1 */
+    double *xv;      /* [3][E] scratch: cross features of layers lc and lc + 1, and a sum */
     /* Memo of the q without the cross feature, per key and inpass (0/1): valid while the
      * pass and the key's last use are those it was computed at (es, el change only at
      * on_pass, used at a touch), so a victim scan computes each key's q about once a pass. */
@@ -39,13 +41,14 @@ typedef struct nu_state {
     int32_t lc;      /* layer of the latest demand touch in this pass, -1 none */
     uint64_t events; /* +1 at each demand touch and pass: the cross vectors' freshness */
     uint64_t xv_at;  /* events when xv / fresh were last computed (0: never) */
-    int fresh[2];    /* xv[i] holds layer lc + i's cross means */
+    int fresh[2];    /* xv[i] holds layer lc + i's cross features */
 } nu_state;
 
 static void nu_free(smoe_policy *p) {
     nu_state *st = p->state;
     if (!st) return;
     free(st->cross);
+    free(st->xbias);
     free(st->prior);
     free(st->used);
     free(st->es);
@@ -63,21 +66,25 @@ static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
     const uint64_t L = params->num_layers, E = params->num_experts, nkeys = L * E;
     const double *m = params->model ? params->model : builtin_model;
     const uint64_t len = params->model ? params->model_len : SMOE_NU_HEADER_V1;
-    const int version = len ? (m[0] == 1.0 ? 1 : m[0] == 2.0 ? 2 : 0) : 0;
+    const int version = len ? (m[0] == 1.0 ? 1 : m[0] == 2.0 ? 2 : m[0] == 3.0 ? 3 : 0) : 0;
     const uint64_t head = version == 1 ? SMOE_NU_HEADER_V1 : SMOE_NU_HEADER;
     if (!version || len < head)
-        return smoe_err_set(err, SMOE_EINVAL, "nextuse: the model must be a format-1 or -%d "
+        return smoe_err_set(err, SMOE_EINVAL, "nextuse: the model must be a format-1 to -%d "
                             "array of at least %d values (specmoe.sim.nextuse.NextUseModel."
                             "flat()), got %" PRIu64 " values%s", SMOE_NU_VERSION,
                             SMOE_NU_HEADER_V1, len,
                             len && !version ? " of another format" : "");
-    const int has_cross = m[16] != 0.0;
-    const uint64_t want = head + (has_cross ? L * E * E : 0);
+    if (version == 3 && !(m[16] >= 0 && m[16] <= SMOE_NU_MAX_DEPTH && m[16] == floor(m[16])))
+        return smoe_err_set(err, SMOE_EINVAL, "nextuse: a format-3 model's table count must be "
+                            "a whole number in 0..%d, got %g", SMOE_NU_MAX_DEPTH, m[16]);
+    const uint32_t depth = version == 3 ? (uint32_t)m[16] : m[16] != 0.0 ? 1u : 0u;
+    const int has_bias = version == 3 && depth > 0;
+    const uint64_t want = head + (has_bias ? L * E : 0) + depth * L * E * E;
     if (len != want)
         return smoe_err_set(err, SMOE_EINVAL, "nextuse: the model has %" PRIu64 " values; a "
-                            "model %s a cross table for %" PRIu64 " layers x %" PRIu64
+                            "model with %u cross table%s for %" PRIu64 " layers x %" PRIu64
                             " experts has %" PRIu64 " (was it trained for another model?)",
-                            len, has_cross ? "with" : "without", L, E, want);
+                            len, depth, depth == 1 ? "" : "s", L, E, want);
     for (uint64_t i = 1; i < len; i++)
         if (!isfinite(m[i]))
             return smoe_err_set(err, SMOE_EINVAL, "nextuse: model value %" PRIu64 " is not "
@@ -92,15 +99,18 @@ static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
         st->es = calloc(nkeys, sizeof *st->es);
         st->el = calloc(nkeys, sizeof *st->el);
         st->key_of = malloc(params->nslots * sizeof *st->key_of);
-        st->xv = malloc(2 * E * sizeof *st->xv);
+        st->xv = malloc(3 * E * sizeof *st->xv);
         st->prev = malloc(E * sizeof *st->prev);
         st->memo_q = malloc(2 * nkeys * sizeof *st->memo_q);
         st->memo_at = calloc(2 * nkeys, sizeof *st->memo_at);
         st->prior = malloc(nkeys * sizeof *st->prior);
-        if (has_cross) st->cross = malloc(L * E * E * sizeof *st->cross);
+        if (depth) {
+            st->cross = malloc(depth * L * E * E * sizeof *st->cross);
+            st->xbias = calloc(L * E, sizeof *st->xbias);
+        }
     }
     if (!st || !st->used || !st->es || !st->el || !st->key_of || !st->xv || !st->prev ||
-        !st->memo_q || !st->memo_at || !st->prior || (has_cross && !st->cross)) {
+        !st->memo_q || !st->memo_at || !st->prior || (depth && (!st->cross || !st->xbias))) {
         nu_free(p);
         return smoe_err_set(err, SMOE_ENOMEM, "nextuse: out of memory for %" PRIu64 " keys",
                             nkeys);
@@ -116,7 +126,11 @@ static int nu_init(smoe_policy *p, const smoe_policy_params *params, smoe_err *e
         memcpy(st->wtf, m + 17, sizeof st->wtf);
         memcpy(st->wts, m + 19, sizeof st->wts);
     }
-    if (has_cross) memcpy(st->cross, m + head, L * E * E * sizeof *st->cross);
+    st->depth = depth;
+    if (has_bias) memcpy(st->xbias, m + head, L * E * sizeof *st->xbias);
+    if (depth)
+        memcpy(st->cross, m + head + (has_bias ? L * E : 0),
+               depth * L * E * E * sizeof *st->cross);
     for (uint32_t s = 0; s < params->nslots; s++) st->key_of[s] = -1;
     st->pass = 1;
     st->lc = -1;
@@ -175,22 +189,32 @@ static void nu_prior(smoe_policy *p, const float *prior) {
     memset(st->memo_at, 0, 2 * nkeys * sizeof *st->memo_at);
 }
 
-/* Mean cross[l][a][e] over the experts a of layer l - 1 touched in the current pass, into
- * out[E]; returns their count (0: no fresh cross feature for layer l). */
-static uint32_t nu_cross(const nu_state *st, uint32_t E, uint32_t l, double *out) {
-    if (!st->cross || l == 0) return 0;
-    uint32_t n = 0;
-    const uint64_t *u = st->used + (uint64_t)(l - 1) * E;
-    for (uint32_t a = 0; a < E; a++)
-        if (u[a] == st->pass) st->prev[n++] = a;
-    if (!n) return 0;
-    for (uint32_t e = 0; e < E; e++) out[e] = 0.0;
-    for (uint32_t i = 0; i < n; i++) {
-        const double *row = st->cross + ((uint64_t)l * E + st->prev[i]) * E;
-        for (uint32_t e = 0; e < E; e++) out[e] += row[e];
+/* The cross feature of layer l (nextuse.h) into out[E]: bias[l] plus, for d = 1 .. min(D, l),
+ * the mean cross_d[l][a][e] over the experts a of layer l - d touched in the current pass.
+ * Returns 0 (out undefined) when layer l - 1 has no such touch: no fresh feature for l. */
+static int nu_cross(const nu_state *st, uint32_t L, uint32_t E, uint32_t l, double *out) {
+    if (!st->depth || l == 0) return 0;
+    for (uint32_t d = 1; d <= st->depth && d <= l; d++) {
+        uint32_t n = 0;
+        const uint64_t *u = st->used + (uint64_t)(l - d) * E;
+        for (uint32_t a = 0; a < E; a++)
+            if (u[a] == st->pass) st->prev[n++] = a;
+        if (!n) {
+            if (d == 1) return 0;
+            continue;
+        }
+        if (d == 1)
+            for (uint32_t e = 0; e < E; e++) out[e] = st->xbias[(uint64_t)l * E + e];
+        const double *tab = st->cross + (uint64_t)(d - 1) * L * E * E;
+        double *acc = out + E; /* the table's sum, in the caller's second E values */
+        for (uint32_t e = 0; e < E; e++) acc[e] = 0.0;
+        for (uint32_t i = 0; i < n; i++) {
+            const double *row = tab + ((uint64_t)l * E + st->prev[i]) * E;
+            for (uint32_t e = 0; e < E; e++) acc[e] += row[e];
+        }
+        for (uint32_t e = 0; e < E; e++) out[e] += acc[e] / (double)n;
     }
-    for (uint32_t e = 0; e < E; e++) out[e] /= (double)n;
-    return n;
+    return 1;
 }
 
 /* The scratch cross vectors for layers lc and lc + 1 (the only ones that can be fresh),
@@ -198,10 +222,9 @@ static uint32_t nu_cross(const nu_state *st, uint32_t E, uint32_t l, double *out
  * lc + i's. */
 static void nu_prepare(nu_state *st, uint32_t L, uint32_t E) {
     if (st->xv_at == st->events + 1) return;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2; i++) { /* layer lc + 1's sum scratch is the third vector */
         const int32_t l = st->lc + i;
-        st->fresh[i] =
-            l >= 1 && l < (int32_t)L && nu_cross(st, E, (uint32_t)l, st->xv + i * E) > 0;
+        st->fresh[i] = l >= 1 && l < (int32_t)L && nu_cross(st, L, E, (uint32_t)l, st->xv + i * E);
     }
     st->xv_at = st->events + 1;
 }

@@ -28,9 +28,14 @@
  *   es, el  = the averages (through pass P - 1);
  *   gap     = log(min(max(R - used(k), 1), 256)), R = P when inpass else P + 1; log 256 when
  *             never used (the max matters only when a layer comes twice in one pass);
- *   cross   = with a cross table, when inpass, l >= 1, l <= lc + 1 and layer l - 1 has demand
- *             touches in pass P (so they belong to the same pass as k's next run): the mean of
- *             cross[l][a][e] over those experts a of layer l - 1 ("fresh"); else absent.
+ *   cross   = with cross tables, when inpass, l >= 1, l <= lc + 1 and layer l - 1 has demand
+ *             touches in pass P (so they belong to the same pass as k's next run), "fresh":
+ *                 bias[l][e] + sum over d = 1 .. min(D, l) of the mean of cross_d[l][a][e]
+ *                 over the experts a of layer l - d touched in pass P (0 when none are),
+ *             the evidence the token's routing at its D layers before l brings for e at l
+ *             (D = 1, no bias: the format-1/2 model, one naive-Bayes table); else absent.
+ *             The mean, not the sum, keeps a batched pass (the union of several tokens'
+ *             experts) on the scale of one token's.
  *   prior   = when inpass and the pass's token prior is known (on_prior, policy.h: the caller's
  *             per-key log ratio of "the pass's token uses it", from a table keyed by the token
  *             id, issue 42 item 1): prior[k]; else absent.
@@ -41,11 +46,13 @@
  * follows the same order of operations.
  *
  * Model: a flat array of doubles (specmoe.sim.nextuse.NextUseModel.flat):
- *   [0] format version (1 or 2); [1..6] w_fresh; [7..11] w_stale; [12] alpha_s; [13] alpha_l;
- *   [14] c; [15] beta; [16] 1 when a cross table of num_layers * num_experts^2 values
- *   (cross[l][a][e], l-major; layer 0's unused) follows, else 0; format 2 only: [17..18]
- *   w_tok_fresh, [19..20] w_tok_stale (format 1: no token weights, the prior is ignored);
- *   then the cross table.
+ *   [0] format version (1, 2 or 3); [1..6] w_fresh; [7..11] w_stale; [12] alpha_s;
+ *   [13] alpha_l; [14] c; [15] beta; [16] formats 1-2: 1 when one cross table follows, else
+ *   0; format 3: D, the number of cross tables (0 .. SMOE_NU_MAX_DEPTH); formats 2-3:
+ *   [17..18] w_tok_fresh, [19..20] w_tok_stale (format 1: no token weights, the prior is
+ *   ignored); then, format 3 with D > 0, bias[l][e] (num_layers * num_experts values); then
+ *   the D tables cross_1 .. cross_D, each num_layers * num_experts^2 values (cross_d[l][a][e],
+ *   l-major; layers l < d unused).
  * Without a model (params->model == NULL: the policy created by name) the built-in weights
  * below are used, with no cross table: the temporal part, which does not depend on the
  * model's shape.
@@ -56,15 +63,16 @@
  * is at most that of the expert it brings: a prefetch that would displace something the
  * model expects to be used sooner per slot-time is dropped.
  *
- * Cost: on_pass O(num_layers * num_experts); victim O(nslots + 2 * top_k * num_experts), the
- * q of keys without a fresh cross feature memoised per pass (an exp per key and pass).
+ * Cost: on_pass O(num_layers * num_experts); victim O(nslots + 2 * D * (top_k + 1) *
+ * num_experts), the q of keys without a fresh cross feature memoised per pass (an exp per key
+ * and pass).
  */
 #ifndef SMOE_POLICY_NEXTUSE_H
 #define SMOE_POLICY_NEXTUSE_H
 
 #include "policy.h"
 
-enum { SMOE_NU_VERSION = 2, SMOE_NU_HEADER = 21, SMOE_NU_HEADER_V1 = 17 };
+enum { SMOE_NU_VERSION = 3, SMOE_NU_HEADER = 21, SMOE_NU_HEADER_V1 = 17, SMOE_NU_MAX_DEPTH = 8 };
 
 /* The predicted q of every key (out[num_layers * num_experts]) in the policy's current state;
  * p must be a nextuse policy (SMOE_EINVAL otherwise).  For tests and benchmarks. */

@@ -27,7 +27,9 @@ __all__ = ["NextUseModel", "TokenPrior", "default_model", "DEFAULT_PATH", "Walke
            "GAP_CAP"]
 
 #: The flat array's format: 2 with token weights (the token prior's), 1 without.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: The most cross tables (earlier layers) a model may have (csrc/policy/nextuse.h).
+MAX_DEPTH = 8
 GAP_CAP = 256
 #: The packaged model (trained by training/nextuse.py; card beside it).
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "zoo" / "nextuse-dsv2lite" / "model.npz"
@@ -113,9 +115,11 @@ class TokenPrior:
 class NextUseModel:
     """Weights of the ``nextuse`` policy.  ``w_fresh`` (6: bias, last, es, el, gap, cross)
     applies where the cross-layer feature is fresh, ``w_stale`` (5, no cross) elsewhere;
-    ``cross[l, a, e]`` (float, ``[num_layers, num_experts, num_experts]``; layer 0 unused) is
-    the evidence that expert ``a`` of layer ``l - 1`` brings for expert ``e`` of layer ``l`` in
-    the same pass, or None (a model of the temporal features alone, for any shape).
+    ``cross[d - 1, l, a, e]`` (float, ``[D, num_layers, num_experts, num_experts]``; a 3-d
+    table is D = 1; layers l < d unused) is the evidence that expert ``a`` of layer ``l - d``
+    brings for expert ``e`` of layer ``l`` in the same pass, ``cross_bias[l, e]`` (or None:
+    zeros) the feature's offset (csrc/policy/nextuse.h); cross None: a model of the temporal
+    features alone, for any shape.
     ``w_tok_fresh`` / ``w_tok_stale`` (2 each: bias, prior) add the pass's token prior where
     it is known (``tokens``, a :class:`TokenPrior`, and the policy's ``on_prior``), None: no
     token weights (format 1)."""
@@ -131,6 +135,7 @@ class NextUseModel:
     w_tok_fresh: np.ndarray | None = None
     w_tok_stale: np.ndarray | None = None
     tokens: TokenPrior | None = field(default=None, repr=False)
+    cross_bias: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.w_fresh = np.asarray(self.w_fresh, np.float64).reshape(6)
@@ -140,16 +145,24 @@ class NextUseModel:
         if self.w_tok_fresh is not None:
             self.w_tok_fresh = np.asarray(self.w_tok_fresh, np.float64).reshape(2)
             self.w_tok_stale = np.asarray(self.w_tok_stale, np.float64).reshape(2)
-        if self.tokens is not None and self.cross is not None and \
-                self.tokens.shape != self.cross.shape[:2]:
-            raise ValueError(f"the token prior is for {self.tokens.shape} (layers, experts), "
-                             f"the cross table for {self.cross.shape[:2]}")
         if self.cross is not None:
             self.cross = np.asarray(self.cross, np.float64)
-            L, E, E2 = self.cross.shape
-            if E != E2:
-                raise ValueError(f"cross must be [layers, experts, experts], got "
+            if self.cross.ndim == 3:
+                self.cross = self.cross[None]
+            if self.cross.ndim != 4 or self.cross.shape[2] != self.cross.shape[3] or \
+                    not 1 <= self.cross.shape[0] <= MAX_DEPTH:
+                raise ValueError(f"cross must be [layers, experts, experts] or [depth <= "
+                                 f"{MAX_DEPTH}, layers, experts, experts], got "
                                  f"{self.cross.shape}")
+        if self.cross_bias is not None:
+            self.cross_bias = np.asarray(self.cross_bias, np.float64)
+            if self.cross is None or self.cross_bias.shape != self.cross.shape[1:3]:
+                raise ValueError(f"cross_bias {self.cross_bias.shape} needs cross tables of "
+                                 f"the same (layers, experts)")
+        if self.tokens is not None and self.cross is not None and \
+                self.tokens.shape != self.shape:
+            raise ValueError(f"the token prior is for {self.tokens.shape} (layers, experts), "
+                             f"the cross tables for {self.shape}")
         if not (0 < self.alpha_s <= 1 and 0 < self.alpha_l <= 1 and self.c > 0 and self.beta >= 0):
             raise ValueError(f"need alpha_s, alpha_l in (0, 1], c > 0, beta >= 0; got "
                              f"{self.alpha_s}, {self.alpha_l}, {self.c}, {self.beta}")
@@ -157,25 +170,40 @@ class NextUseModel:
     @property
     def shape(self) -> tuple[int, int] | None:
         """(num_layers, num_experts) of the cross table, None without one."""
-        return None if self.cross is None else (self.cross.shape[0], self.cross.shape[1])
+        return None if self.cross is None else (self.cross.shape[1], self.cross.shape[2])
+
+    @property
+    def depth(self) -> int:
+        """D, the number of earlier layers the cross feature reads (0 without tables)."""
+        return 0 if self.cross is None else self.cross.shape[0]
 
     def temporal(self) -> "NextUseModel":
         """The same model without its cross table and token prior (any number of layers and
         experts)."""
         return NextUseModel(self.w_fresh, self.w_stale, self.alpha_s, self.alpha_l, self.c,
                             self.beta, None, dict(self.info, cross="dropped"),
-                            self.w_tok_fresh, self.w_tok_stale, None)
+                            self.w_tok_fresh, self.w_tok_stale, None, None)
 
     def flat(self, token_weights: bool = True) -> np.ndarray:
         """The float64 array the C policy takes (``_C.Policy("nextuse", ..., model=)``):
-        format 2 with token weights, 1 without (or with ``token_weights=False``: a policy that
-        ignores the token prior)."""
+        format 3 with several cross tables or a bias (token weights zero when absent or with
+        ``token_weights=False``), else format 2 with token weights, 1 without (or with
+        ``token_weights=False``: a policy that ignores the token prior)."""
         tok = [] if self.w_tok_fresh is None or not token_weights else \
             [self.w_tok_fresh, self.w_tok_stale]
-        head = np.concatenate([[2 if tok else 1], self.w_fresh, self.w_stale,
+        v3 = self.cross is not None and (self.depth > 1 or self.cross_bias is not None)
+        if v3 and not tok:
+            tok = [np.zeros(2), np.zeros(2)]
+        head = np.concatenate([[3 if v3 else 2 if tok else 1], self.w_fresh, self.w_stale,
                                [self.alpha_s, self.alpha_l, self.c, self.beta,
-                                0.0 if self.cross is None else 1.0], *tok])
-        parts = [head] if self.cross is None else [head, self.cross.reshape(-1)]
+                                float(self.depth) if v3 else float(self.depth > 0)], *tok])
+        parts = [head]
+        if v3:
+            bias = self.cross_bias if self.cross_bias is not None else \
+                np.zeros(self.cross.shape[1:3])
+            parts.append(bias.reshape(-1))
+        if self.cross is not None:
+            parts.append(self.cross.reshape(-1))
         return np.ascontiguousarray(np.concatenate(parts), dtype=np.float64)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -184,6 +212,8 @@ class NextUseModel:
                                   info=np.array(json.dumps(self.info)))
         if self.cross is not None:
             kw["cross"] = self.cross.astype(np.float16)  # the packaged file stays small
+        if self.cross_bias is not None:
+            kw["cross_bias"] = self.cross_bias.astype(np.float16)
         if self.w_tok_fresh is not None:
             kw["w_tok"] = np.concatenate([self.w_tok_fresh, self.w_tok_stale])
         if self.tokens is not None:
@@ -208,7 +238,9 @@ class NextUseModel:
                                     z["cross"].astype(np.float64) if "cross" in z else None,
                                     json.loads(str(z["info"])),
                                     None if wt is None else wt[:2],
-                                    None if wt is None else wt[2:], tok)
+                                    None if wt is None else wt[2:], tok,
+                                    z["cross_bias"].astype(np.float64)
+                                    if "cross_bias" in z else None)
         except (OSError, KeyError, ValueError) as e:
             raise ValueError(f"{os.fspath(path)!r} is not a next-use model: {e}") from None
 
@@ -305,14 +337,11 @@ class Walker:
         fresh = np.zeros(L * E, bool)
         if self.m.cross is not None:
             for lay in (lc, lc + 1):
-                if lay < 1 or lay >= L:
-                    continue
-                prev = np.nonzero(up[(lay - 1) * E:lay * E] == P)[0]
-                if len(prev) == 0:
+                if lay < 1 or lay >= L or not (up[(lay - 1) * E:lay * E] == P).any():
                     continue
                 sel = slice(lay * E, (lay + 1) * E)
                 fresh[sel] = inpass[sel]
-                cross[sel] = self.m.cross[lay][prev].sum(axis=0) / len(prev)
+                cross[sel] = self.cross_feature(lay)
         has = inpass & (self.prior is not None)
         prior = np.where(has, 0.0 if self.prior is None else self.prior, 0.0)
         X = np.stack([np.ones(L * E), last, self.es, self.el, gap, cross,
@@ -322,3 +351,14 @@ class Walker:
             wt = np.where(fresh[:, None], self.m.w_tok_fresh, self.m.w_tok_stale)
             z = z + np.where(has, wt[:, 0] + wt[:, 1] * prior, 0.0)
         return dict(X=X, fresh=fresh, dl=dl, inpass=inpass, q=1.0 / (1.0 + np.exp(-z)))
+
+    def cross_feature(self, layer: int) -> np.ndarray:
+        """The cross feature of ``layer``'s experts ([E]) from this pass's touches of the
+        layers before it (nextuse.h; the caller checks that layer - 1 has some)."""
+        E, m = self.E, self.m
+        out = np.zeros(E) if m.cross_bias is None else m.cross_bias[layer].copy()
+        for d in range(1, min(m.depth, layer) + 1):
+            prev = np.nonzero(self.used[(layer - d) * E:(layer - d + 1) * E] == self.P)[0]
+            if len(prev):
+                out = out + m.cross[d - 1, layer][prev].sum(axis=0) / len(prev)
+        return out
