@@ -16,7 +16,8 @@ files take 31 GB); the dense weights are dequantized to bf16 as they are read.
 
 Routing.  A fixed subset of the DeepSeek-V2-Lite-Chat routing traces (``--trace``, default
 ``../shared/traces/deepseek-v2-lite-puffin``): the prompts in file-name order, concatenated,
-``--warmup`` + ``--tokens`` tokens.  Every token is one forward pass (a 1-token prompt, then
+``--warmup`` + ``--tokens`` tokens (``--split val``: only the learned model's validation
+prompts, 39 prompts and 2,019 tokens of the shared traces).  Every token is one forward pass (a 1-token prompt, then
 greedy decoding) whose MoE layers route to the trace's experts
 (``Engine.replay_routing``), with the router's softmax weights at them, so the cache, its
 worker, the store's O_DIRECT reads and the int4 kernels see DeepSeek-V2-Lite's real access
@@ -106,11 +107,27 @@ def parse_row(name: str) -> dict[str, Any]:
             "admission": "admit" in flags, "token_prior": "noprior" not in flags}
 
 
-def load_tokens(trace_dir: Path, n: int):
+def load_tokens(trace_dir: Path, n: int, split: str = "all"):
     """The first n tokens of the traces in prompt-number order (whole prompts, the last cut),
-    and how many prompts they span."""
-    from specmoe.sim.traces import load_puffin
+    and how many prompts they span; ``split`` "val" / "train": only the prompts of that side
+    of the learned model's split (specmoe.sim.nextuse.split_requests: validation = crc32 of
+    the file name % 5 == 0), so the learned predictor runs on prompts it was not fitted on."""
+    from specmoe.sim.nextuse import split_requests
+    from specmoe.sim.traces import Trace, _prompt_number, load_puffin
 
+    if split != "all":
+        paths = sorted([f for f in Path(trace_dir).iterdir()
+                        if f.name.endswith((".csv", ".csv.gz"))], key=_prompt_number)
+        train, val = split_requests([f.name for f in paths])
+        parts, have = [], 0
+        for i in val if split == "val" else train:
+            if have >= n:
+                break
+            parts.append(load_puffin(paths[i]))
+            have += parts[-1].num_tokens
+        if have < n:
+            raise SystemExit(f"{trace_dir}: {have} tokens in the {split} prompts, {n} asked for")
+        return Trace.concat(parts).slice(0, n), len(parts)
     files = len([f for f in Path(trace_dir).iterdir() if f.name.endswith((".csv", ".csv.gz"))])
     limit = 1
     while True:  # the fewest prompts that hold n tokens (not all 200 files for 80 tokens)
@@ -285,6 +302,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--trace", default=None, help="a folder of traces in the shared layout")
+    ap.add_argument("--split", choices=("all", "val", "train"), default="all",
+                    help="val: only the prompts the learned model was not trained on (its "
+                         "split by file name); all: every prompt in order")
     ap.add_argument("--caches", default="5,10,25", help="cache sizes, %% of the routed experts")
     ap.add_argument("--tokens", type=int, default=2000, help="timed tokens per row")
     ap.add_argument("--warmup", type=int, default=64, help="untimed tokens before them")
@@ -359,7 +379,7 @@ def main() -> None:
         f" store {made['store_bytes'] / 1e9:.2f} GB")
 
     tdir = Path(a.trace) if a.trace else shared_trace_dir()
-    trace, nprompts = load_tokens(tdir, a.warmup + a.tokens)
+    trace, nprompts = load_tokens(tdir, a.warmup + a.tokens, a.split)
     tfile = work / "replay-trace.npz"
     trace.save(tfile)
     pc = param_counts(cfg)
@@ -455,7 +475,8 @@ def main() -> None:
                       "layers": cfg["num_hidden_layers"], "moe_layers": trace.num_layers,
                       "experts": trace.num_experts, "top_k": trace.top_k,
                       "hidden": cfg["hidden_size"], "vocab": cfg["vocab_size"],
-                      "trace": str(tdir), "trace_prompts": nprompts, "warmup": a.warmup,
+                      "trace": str(tdir), "split": a.split, "trace_prompts": nprompts,
+                      "warmup": a.warmup,
                       "tokens": a.tokens, "rounds": a.rounds, "threads": a.threads,
                       "cgroup": not a.no_cgroup, "parallel_misses": a.parallel_misses,
                       "planned": a.planned,
