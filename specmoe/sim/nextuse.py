@@ -26,7 +26,8 @@ __all__ = ["NextUseModel", "TokenPrior", "default_model", "DEFAULT_PATH", "Walke
            "split_requests", "used_at_next_run", "prior_table_bytes", "FORMAT_VERSION",
            "GAP_CAP"]
 
-#: The flat array's format: 2 with token weights (the token prior's), 1 without.
+#: The flat array's newest format: 3 with several cross tables or their bias, else 2 with
+#: token weights (the token prior's), 1 without (NextUseModel.flat).
 FORMAT_VERSION = 3
 #: The most cross tables (earlier layers) a model may have (csrc/policy/nextuse.h).
 MAX_DEPTH = 8
