@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from specmoe import _C  # noqa: E402
-from specmoe.sim.nextuse import (DEFAULT_PATH, NextUseModel, TokenPrior, Walker,  # noqa: E402
-                                 split_requests, used_at_next_run)
+from specmoe.sim.nextuse import (DEFAULT_PATH, MAX_DEPTH, NextUseModel, TokenPrior,  # noqa: E402
+                                 Walker, split_requests, used_at_next_run)
 from specmoe.sim.traces import Trace, _prompt_number, load_puffin, shared_trace_dir  # noqa: E402
 
 
@@ -260,6 +260,8 @@ def main() -> None:
                     help="earlier layers the cross feature reads (default: chosen among 1..4 "
                          "on held-out training prompts; 0: the one naive-Bayes table)")
     a = ap.parse_args()
+    if a.cross_depth is not None and not 0 <= a.cross_depth <= MAX_DEPTH:
+        ap.error(f"--cross-depth must be in 0..{MAX_DEPTH}, got {a.cross_depth}")
     path = a.trace or shared_trace_dir()
     files = trace_files(path)
     names = [f.name for f in files]
@@ -280,7 +282,8 @@ def main() -> None:
     if depth is None:  # chosen on a fifth of the training prompts, never the validation ones
         tr_names = [names[i] for i in tr_idx]
         inner = [i for i, n in enumerate(tr_names) if zlib.crc32(n.encode()) % 5 == 1]
-        fit_idx = [i for i in range(len(tr_names)) if i not in set(inner)]
+        held = set(inner)
+        fit_idx = [i for i in range(len(tr_names)) if i not in held]
         fit_tr, hold_tr = subset(train, fit_idx), subset(train, inner)
         ftok = TokenPrior.count(fit_tr.tokens, fit_tr.experts, E) if tok else None
         fp = dense_priors(None if ftok is None else loo_priors(fit_tr, ftok),
