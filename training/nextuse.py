@@ -59,11 +59,18 @@ def subset(tr: Trace, idx: list[int]) -> Trace:
     return Trace.concat([tr.request(i) for i in idx])
 
 
+def used_onehot(tr: Trace) -> np.ndarray:
+    """float32 [T, L, E]: 1 where token t used expert e at layer l."""
+    T, L, _ = tr.experts.shape
+    u = np.zeros((T, L, tr.num_experts), np.float32)
+    u[np.arange(T)[:, None, None], np.arange(L)[None, :, None], tr.experts] = 1.0
+    return u
+
+
 def cross_table(tr: Trace) -> np.ndarray:
-    T, L, K = tr.experts.shape
+    _, L, K = tr.experts.shape
     E = tr.num_experts
-    used = np.zeros((T, L, E), np.float32)
-    used[np.arange(T)[:, None, None], np.arange(L)[None, :, None], tr.experts] = 1.0
+    used = used_onehot(tr)
     cnt = np.einsum("tla,tlb->lab", used[:, :-1], used[:, 1:])  # a at l-1, b at l
     na = used[:, :-1].sum(axis=0)                                # [L-1, E]
     pb = used[:, 1:].mean(axis=0)                                # [L-1, E]
@@ -71,14 +78,6 @@ def cross_table(tr: Trace) -> np.ndarray:
     out = np.zeros((L, E, E))
     out[1:] = np.log(cond / (pb[:, None, :] + 1e-4))
     return out
-
-
-def used_onehot(tr: Trace) -> np.ndarray:
-    """float32 [T, L, E]: 1 where token t used expert e at layer l."""
-    T, L, _ = tr.experts.shape
-    u = np.zeros((T, L, tr.num_experts), np.float32)
-    u[np.arange(T)[:, None, None], np.arange(L)[None, :, None], tr.experts] = 1.0
-    return u
 
 
 def dense_priors(priors: tuple[np.ndarray, np.ndarray] | None, T: int, L: int,
