@@ -42,6 +42,14 @@ trained on):
    before its layer runs: a link without time), LRU and nextuse with no prefetch, the learned
    predictor's top 6 and top 12 (with and without the token prior) and the oracle.
 
+4. **horizon** (``--horizon 1,2,4``, opt-in: a few minutes): what a perfect predictor would
+   buy.  :class:`HorizonOracle` evicts by nextuse's value (csrc/policy/nextuse.h) with q
+   replaced by the truth for the next H runs of each key's layer, and the bound's prefetch
+   choices (none; the oracle's next layer under admission, without the byte budget); each
+   row is the faster, with its time over the offline bound.  The smallest H within 1.15x of
+   the bound says how many tokens of routing a predictor would have to know exactly to meet
+   issue 42's target under this rule.
+
 Every figure is simulated (csrc/sim.c's time model), not measured on hardware; the JSON
 records the host only for the wall times.
 """
@@ -62,7 +70,7 @@ sys.path.insert(0, str(HERE.parent / "training"))
 import nextuse as trainer  # noqa: E402  (training/nextuse.py: file order, split, metrics)
 from hostinfo import host  # noqa: E402
 
-from specmoe.runtime.policies import Belady, NextUse  # noqa: E402
+from specmoe.runtime.policies import Belady, NextUse, PythonPolicy, make_policy  # noqa: E402
 from specmoe.sim.hardware import PROFILES, with_  # noqa: E402
 from specmoe.sim.nextuse import (NextUseModel, Walker, default_model,  # noqa: E402
                                  split_requests, used_at_next_run)
@@ -88,6 +96,97 @@ BOUND_PREDICTORS = ("none", "oracle:depth=1", "oracle:depth=2")
 # the bound's prefetch: under admission, without its byte budget (the bound is one of time;
 # Belady's own regret already charges an oracle copy's victim exactly)
 BOUND_ADMITTED = ("oracle:depth=1", "oracle:depth=2")
+
+
+class HorizonOracle(PythonPolicy):
+    """nextuse's eviction value with a perfect predictor of the next ``horizon`` runs: the
+    slot of least
+
+        v(k) = sum_{h < H} used(k, run h) / (dl(k) + h L + c)  +  beta r(k) / (dl(k) + H L + c)
+
+    where run 0 is the next run of key k's layer (this token's pass when the layer is still to
+    come, or running and k not yet asked for, else the next token's), dl the layer steps until
+    it (csrc/policy/nextuse.h's definitions), used() read from the trace, and r the same
+    exponential average of use (alpha_l) the C policy keeps as its long-run rate.  H = 0 is the
+    rate term alone; H = 1 is nextuse with q exact.  An analysis instrument (it reads the
+    future), replayed by the simulator as a Python policy: one pass per token, in trace
+    order.  Ties: the first candidate (the lowest slot), as in C."""
+
+    def __init__(self, trace: Trace, horizon: int, c: float = 1.0, beta: float = 1.0,
+                 alpha_l: float = 1.0 / 64) -> None:
+        if horizon < 0:
+            raise ValueError(f"horizon must be >= 0, got {horizon}")
+        T, L, _ = trace.experts.shape
+        E = trace.num_experts
+        self.T, self.L, self.E, self.H, self.c, self.beta = T, L, E, horizon, c, beta
+        # used[t, key] for t < T + H + 1 (rows past the trace: never used)
+        self.used = np.zeros((T + horizon + 2, L * E), bool)
+        self.used[np.arange(T)[:, None, None],
+                  np.arange(L)[None, :, None] * E + trace.experts.astype(np.int64)] = True
+        self.rate = np.zeros((T + 1, L * E))  # rate[t]: the average through pass t - 1
+        for t in range(T):
+            self.rate[t + 1] = self.rate[t] + alpha_l * (self.used[t] - self.rate[t])
+        self.slot_key: dict[int, int] = {}
+        self.touched = np.zeros(L * E, np.int64)  # pass of the latest demand touch
+        self.pass_id, self.lc = 0, -1
+
+    def _touch(self, key: int) -> None:
+        self.lc = key // self.E
+        self.touched[key] = self.pass_id
+
+    def on_insert(self, slot: int, key: int, prefetch: bool) -> None:
+        self.slot_key[slot] = key
+        if not prefetch:
+            self._touch(key)
+
+    def on_access(self, slot: int, key: int) -> None:
+        self._touch(key)
+
+    def on_pass(self, pass_id: int) -> None:
+        self.pass_id, self.lc = pass_id, -1
+
+    def values(self, keys: np.ndarray) -> np.ndarray:
+        """v of each key in ``keys`` in the current state (the docstring's formula)."""
+        t, lc, L = self.pass_id - 1, self.lc, self.L
+        lay = keys // self.E
+        inpass = (lay > lc) | ((lay == lc) & (self.touched[keys] != self.pass_id))
+        dl = np.where(inpass, np.where(lay == lc, 0, lay - lc), lay - lc + L).astype(float)
+        run0 = np.where(inpass, t, t + 1)
+        v = np.zeros(len(keys))
+        for h in range(self.H):
+            v += self.used[np.minimum(run0 + h, len(self.used) - 1), keys] / (dl + h * L + self.c)
+        return v + self.beta * self.rate[min(max(t, 0), self.T), keys] / \
+            (dl + self.H * L + self.c)
+
+    def victim(self, candidates: list[int]) -> int:
+        keys = np.array([self.slot_key[s] for s in candidates], np.int64)
+        return candidates[int(np.argmin(self.values(keys)))]
+
+
+def horizon_rows(tr: Trace, horizons: list[int], caps: tuple[str, ...], hws: tuple[str, ...],
+                 bound: dict) -> list[dict]:
+    """Item 4 of the module docstring: per hardware, capacity and horizon H the faster of
+    HorizonOracle(H) demand-only and with the oracle's next-layer prefetch under admission
+    (no byte budget), against the offline bound ``bound[(cap, hw)]``."""
+    out = []
+    for hw in hws:
+        for cap in caps:
+            for H in horizons:
+                runs = []
+                for pred in ("none", "oracle:depth=1"):
+                    r = simulate(tr, lambda n, nl, ne: make_policy(HorizonOracle(tr, H), n, nl,
+                                                                   ne),
+                                 cap, prefetch=None if pred == "none" else pred,
+                                 hardware=HARDWARE[hw], admission=pred != "none",
+                                 byte_budget=False)
+                    runs.append((r.est_tpot_ms, pred, r.hit_rate))
+                ms, pred, hit = min(runs)
+                out.append({"policy": f"horizon_oracle:{H}", "predictor": pred,
+                            "admission": pred != "none", "capacity": cap, "hardware": hw,
+                            "hit_rate": round(hit, 4), "est_tpot_ms": round(ms, 3),
+                            "vs_offline_bound": round(ms / bound[(cap, hw)]["est_tpot_ms"],
+                                                      3)})
+    return out
 
 
 def variants(has_prior: bool) -> list[tuple[str, str, bool, bool]]:
@@ -255,7 +354,16 @@ def main() -> None:
     ap.add_argument("--sample", type=float, default=0.25,
                     help="fraction of (token, layer) points scored in the prediction table")
     ap.add_argument("--save", type=Path, help="also write the JSON object to this file")
+    ap.add_argument("--horizon", default="",
+                    help="comma-separated horizons H for the perfect-predictor rows "
+                         "(HorizonOracle; e.g. 1,2,4; default: none)")
     a = ap.parse_args()
+    try:
+        horizons = [int(h) for h in a.horizon.split(",") if h.strip()]
+    except ValueError:
+        ap.error(f"--horizon: comma-separated integers, got {a.horizon!r}")
+    if any(h < 0 for h in horizons):
+        ap.error(f"--horizon: horizons must be >= 0, got {a.horizon!r}")
     path = trace_dir(a)
     t0 = time.time()
     tr, which = load_split(path, a.split)
@@ -319,6 +427,14 @@ def main() -> None:
                              "admission": r["admission"], "est_tpot_ms": r["est_tpot_ms"],
                              "hit_rate": r["hit_rate"]}
                             for (c, h), r in bound.items()]
+    if horizons:
+        out["horizon"] = horizon_rows(tr, horizons, caps, hws, bound)
+        if not a.json:
+            for r in out["horizon"]:
+                print(f"{r['hardware']:13s} {r['capacity']:>4s} {r['policy']:18s} "
+                      f"{r['predictor']:15s} hit {r['hit_rate']:.3f} tpot "
+                      f"{r['est_tpot_ms']:8.2f} ms  x{r['vs_offline_bound']:.2f} of bound",
+                      flush=True)
     adm = [r for r in rows if r["admission"] and r["policy"] != "belady"]
     out["admission_summary"] = {
         "rows": len(adm),
