@@ -202,25 +202,38 @@ def test_self_draft_routing_fidelity_against_the_recorded_trace(pair, monkeypatc
     of that token; the engine's counts equal a plain count over the routing the trace
     recorder saw in the verification passes and the draft rows handed to lookahead()."""
     model, _, eng, ids = pair
-    handed = []
+    handed, scores = [], []
     real = eng.lookahead
-    monkeypatch.setattr(eng, "lookahead", lambda counts, tokens=None: (
-        handed.append({p: r.copy() for p, r in tokens.items()}), real(counts, tokens))[1])
+
+    def spy(counts, tokens=None, confidence=None):
+        handed.append({p: r.copy() for p, r in tokens.items()})
+        scores.append({p: c.copy() for p, c in confidence.items()})
+        return real(counts, tokens, confidence)
+    monkeypatch.setattr(eng, "lookahead", spy)
     eng.reset_stats()
     with eng.trace() as tr:
         out = generate(model, ids, SelfDraft(eng), StaticK(3), max_new_tokens=20,
                        eos_token_id=None, tau=None)
     assert out.sequences[0, ids.shape[1]:].tolist() == hf_greedy(model, ids, 20)
-    passes = [e for e in tr._rec.experts[1:] if e.shape[0] >= 2]  # after the prefill
+    keep = [i for i, e in enumerate(tr._rec.experts) if i > 0 and e.shape[0] >= 2]
+    passes = [tr._rec.experts[i] for i in keep]  # after the prefill
     assert len(passes) == len(handed) > 0
     want = {"hard": 0, "soft": 0, "mismatch": 0}
-    for rows, t in zip(handed, passes):
+    close = 0
+    for rows, sc, t, tw in zip(handed, scores, passes, [tr._rec.weights[i] for i in keep]):
         for pos, d in rows.items():
             assert d.shape[0] == t.shape[0] - 1        # the pending token and k - 1 drafts
+            # the ELB's confidence: the draft router's weights of the same rows, which on a
+            # hard match are the target's own up to the int4 copy's error
+            assert sc[pos].shape == d.shape and (sc[pos] >= 0).all()
             for j in range(d.shape[0]):
                 a, b = d[j].tolist(), t[j, pos].tolist()
                 want["hard" if a == b else "soft" if sorted(a) == sorted(b)
                      else "mismatch"] += 1
+                if a == b:
+                    assert np.abs(sc[pos][j] - tw[j, pos]).max() < 0.2
+                    close += int(np.abs(sc[pos][j] - tw[j, pos]).max() < 0.02)
+    assert close > 0.5 * want["hard"] > 0
     st = eng.stats()
     assert st["routing_fidelity_pairs"] == want
     L = len(eng.layer_ids)

@@ -99,3 +99,55 @@ def test_bad_token_rows_leave_the_buffer_unchanged():
         with pytest.raises(ValueError, match="token rows"):
             buf.set({1: np.ones(E)}, bad)
         assert list(buf.masks) == [0] and list(buf.rows) == [0]
+
+
+def test_confidence_orders_a_layer_and_the_entries_are_the_elb():
+    """MoE-SpeQ Sec. 3.3.1: the ELB's entries (token, layer, expert, confidence); a layer's
+    experts queue by their summed confidence (a plain sum here), earlier layers first, the
+    count's order (none without a utility) kept when no confidence is given."""
+    from specmoe.runtime.lookahead import lookahead_queue
+
+    buf = LookaheadBuffer(L, E)
+    tokens = {1: np.array([[3, 5], [5, 2]]), 0: np.array([[7, 1]])}
+    conf = {1: np.array([[0.9, 0.1], [0.3, 0.7]]), 0: np.array([[0.6, 0.4]])}
+    counts = {p: np.bincount(t.ravel(), minlength=E) for p, t in tokens.items()}
+    arrays = buf.set(counts, tokens, conf)
+    want = {1: {3: 0.9, 5: 0.4, 2: 0.7}, 0: {7: 0.6, 1: 0.4}}
+    got = buf.confidence()
+    for p, w in want.items():
+        ref = np.zeros(E)
+        for e, v in w.items():
+            ref[e] = v
+        assert np.allclose(got[p], ref)
+    ent = buf.entries()
+    assert [tuple(r) for r in ent[["token", "layer", "expert"]].tolist()] == \
+        [(0, 0, 7), (0, 0, 1), (0, 1, 3), (0, 1, 5), (1, 1, 5), (1, 1, 2)]
+    assert np.allclose(ent["confidence"], [0.6, 0.4, 0.9, 0.1, 0.3, 0.7])
+    lay, exp, pri = lookahead_queue(arrays, L, confidence=got)
+    order = [(int(a), int(b)) for a, b, _ in sorted(zip(lay, exp, pri), key=lambda r: -r[2])]
+    assert order == [(0, 7), (0, 1), (1, 3), (1, 2), (1, 5)]
+    # a utility first, the confidence breaking its ties
+    util = lambda ls, es: np.where(es == 5, 2, 1)  # noqa: E731
+    lay, exp, pri = lookahead_queue(arrays, L, util, got)
+    order = [(int(a), int(b)) for a, b, _ in sorted(zip(lay, exp, pri), key=lambda r: -r[2])]
+    assert order[2:] == [(1, 5), (1, 3), (1, 2)]
+    buf.layer_done(0, np.zeros(E, np.uint8))
+    assert buf.entries()["layer"].tolist() == [1] * 4 and list(buf.confidence()) == [1]
+    buf.set(counts, tokens)                      # no confidence: NaN entries, nothing summed
+    assert np.isnan(buf.entries()["confidence"]).all() and buf.confidence() == {}
+
+
+def test_bad_confidence_is_refused_and_changes_nothing():
+    buf = LookaheadBuffer(L, E)
+    tokens = {0: np.array([[1, 2]])}
+    buf.set({0: np.eye(E, dtype=np.int64)[1]}, tokens, {0: np.array([[0.5, 0.5]])})
+    for bad_tok, bad_conf in (
+            (tokens, {1: np.array([[0.5, 0.5]])}),        # a position without token rows
+            (tokens, {0: np.array([[0.5]])}),             # not the rows' shape
+            (tokens, {0: np.array([[np.nan, 0.5]])}),
+            (tokens, {0: np.array([[-0.1, 0.5]])}),
+            ({0: np.array([[1, E]])}, None)):             # an expert id outside the layer
+        with pytest.raises(ValueError, match="lookahead"):
+            buf.set({0: np.eye(E, dtype=np.int64)[2]}, bad_tok, bad_conf)
+        assert np.flatnonzero(buf.masks[0]).tolist() == [1]
+        assert np.allclose(buf.confidence()[0][[1, 2]], [0.5, 0.5])

@@ -248,7 +248,7 @@ class Engine(EngineCommon):
         self._copies: dict[str, ExpertCopy] = {}
         # self-draft (MoE-SpeQ): one of _copies, the one the draft forwards run on
         self._draft: ExpertCopy | None = None
-        self._drafting: list[tuple[int, np.ndarray]] | None = None  # routing of draft forwards
+        self._drafting: list[tuple[int, np.ndarray, np.ndarray]] | None = None  # draft routing
         self._draft_prefetch = False  # drafting(prefetch=True) in progress
         # lookahead-aware eviction (MoE-SpeQ): the lookahead buffer's experts are evicted last
         # (ExpertCache.protect), each layer's until that layer of the verification has run
@@ -574,7 +574,7 @@ class Engine(EngineCommon):
         self._draft.forward(self._kctx, pos, x.numpy(), ix.numpy(), wt.numpy(), out.numpy(),
                             used)
         assert self._drafting is not None
-        self._drafting.append((pos, ix.numpy().copy()))
+        self._drafting.append((pos, ix.numpy().copy(), wt.numpy().copy()))
         if self._draft_prefetch and self.prefetch and self._cache is not None:
             # MoE-SpeQ's draft-guided pipeline (Sec. 3): the experts this draft step routes
             # its newest token to are queued now, with the router's weight as confidence,
@@ -589,7 +589,8 @@ class Engine(EngineCommon):
         return out.to(hidden.dtype)
 
     def lookahead(self, counts: dict[int, np.ndarray],
-                  tokens: dict[int, np.ndarray] | None = None) -> None:
+                  tokens: dict[int, np.ndarray] | None = None,
+                  confidence: dict[int, np.ndarray] | None = None) -> None:
         """Draft-driven prefetch (MoE-SpeQ's expert lookahead buffer) for the next forward pass:
         ``counts[pos]`` [E] holds how many of the pass's tokens the draft expects to route to
         each expert of MoE layer ``pos`` (0: not expected).  Every expected expert is queued to
@@ -603,11 +604,14 @@ class Engine(EngineCommon):
         :meth:`stats` (``lookahead_precision``, ``lookahead_recall``); with ``tokens[pos]``,
         the draft's top-k per token [n, k] of the pass's first n tokens, so is its routing
         fidelity (``routing_fidelity``: hard / soft / mismatch shares, MoE-SpeQ Fig. 6;
-        :mod:`specmoe.runtime.lookahead`)."""
-        arrays = self._la.set(counts, tokens)  # validated before anything changes
+        :mod:`specmoe.runtime.lookahead`); with ``confidence[pos]`` [n, k], those rows' scores
+        (the draft router's weights: the ELB's confidence, MoE-SpeQ Sec. 3.3.1), a layer's
+        experts are queued surest first (after the utility, under a utility-space policy)."""
+        arrays = self._la.set(counts, tokens, confidence)  # validated before any change
         utility = self._cache.utility if (self._counts_fed and self._cache is not None and
                                           self._cache.policy in UTILITY_POLICIES) else None
-        lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids), utility)
+        lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids), utility,
+                                        self._la.confidence())
         if self.protect_lookahead and self._cache is not None:
             self._protect()
         if self.prefetch and self._cache is not None and len(lay):

@@ -404,7 +404,8 @@ class EngineCommon:
     def drafting(self, prefetch: bool = False) -> Iterator[list[tuple[int, Any]]]:
         """Within the block, the model's MoE layers run on the resident self-draft copy
         (:meth:`enable_self_draft`), touch no expert of the cache, and append
-        ``(moe_layer_position, top_k_index[T, k])`` of every layer call to the yielded list.
+        ``(moe_layer_position, top_k_index[T, k], top_k_weight[T, k])`` of every layer call
+        to the yielded list.
         ``prefetch``: also queue, layer by layer as the draft routes it, the experts of the
         newest token to the cache's prefetch worker (when the engine prefetches), so their
         loads overlap the rest of the draft; ``stats()["draft_prefetch_queued"]`` counts
@@ -413,7 +414,7 @@ class EngineCommon:
             raise RuntimeError("drafting() needs enable_self_draft() first")
         if self._drafting is not None:
             raise RuntimeError("drafting() does not nest")
-        rec: list[tuple[int, Any]] = []
+        rec: list[tuple[int, Any, Any]] = []
         self._drafting = rec
         self._draft_prefetch = bool(prefetch)
         t0 = time.perf_counter()

@@ -234,7 +234,7 @@ class GpuEngine(EngineCommon):
         # one of _copies, lent to the C layers' set_draft), the draft forwards'
         # routing while drafting(), the lookahead buffer (lookahead) and its eviction shield
         self._draft: Any = None
-        self._drafting: list[tuple[int, np.ndarray]] | None = None
+        self._drafting: list[tuple[int, np.ndarray, np.ndarray]] | None = None
         self._draft_prefetch = False
         self._draft_queued = 0
         self.protect_lookahead = True
@@ -410,7 +410,7 @@ class GpuEngine(EngineCommon):
         self._layers.forward_draft(pos, ix, wh, np.zeros(self.num_experts, np.uint8),
                                    x.data_ptr(), out.data_ptr(), stream)
         assert self._drafting is not None
-        self._drafting.append((pos, ix.copy()))
+        self._drafting.append((pos, ix.copy(), wh.copy()))
         if self._draft_prefetch and self.prefetch and self._cache is not None:
             e = ix[-1]
             pri = draft_step_priorities(pos, w[-1].detach().float().cpu().numpy(),
@@ -479,19 +479,22 @@ class GpuEngine(EngineCommon):
         return self._draft.dtype if self._draft is not None else None
 
     def lookahead(self, counts: dict[int, np.ndarray],
-                  tokens: dict[int, np.ndarray] | None = None) -> None:
+                  tokens: dict[int, np.ndarray] | None = None,
+                  confidence: dict[int, np.ndarray] | None = None) -> None:
         """Draft-driven prefetch for the next forward pass, as :meth:`specmoe.Engine.lookahead`
         (MoE-SpeQ's expert lookahead buffer): every expected expert queued at once, earlier
         layers first (:func:`specmoe.runtime.lookahead.lookahead_queue`, the CPU's rule; the GPU
         cache does not answer utilities, so within a layer the order is by expert), the next
         pass's per-layer prefetch added to it, and with ``protect_lookahead`` the expected
         experts evicted last until their layer has run; ``tokens``: the draft's top-k per
-        token, for the routing fidelity (as on the CPU)."""
+        token, for the routing fidelity, and ``confidence`` their scores, which order a
+        layer's experts (as on the CPU)."""
         with self._lock:
-            arrays = self._la.set(counts, tokens)  # validated before anything changes
+            arrays = self._la.set(counts, tokens, confidence)  # validated before any change
             if self._cache is None:
                 return
-            lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids))
+            lay, exp, pri = lookahead_queue(arrays, len(self.layer_ids),
+                                            confidence=self._la.confidence())
             if self.balance is not None and len(lay):  # the hybrid tier: what pays only
                 keep = self._lookahead_pays(arrays)
                 sel = np.array([(int(p), int(e)) in keep for p, e in zip(lay, exp)], bool)

@@ -13,6 +13,14 @@ the router's order of importance), each (token, layer) of the pass is classed ag
 target's own top-k as it routes: a **hard** match (the same experts in the same order), a
 **soft** match (the same set in another order) or a **mismatch** (at least one expert
 differs).  The paper measured 44.1 % / 46.8 % / 9.1 % for an int4 draft of Qwen-MoE.
+
+Confidence (MoE-SpeQ Sec. 3.3.1): each ELB entry is (token, layer, expert, confidence_score),
+the score from the draft's gating network.  With ``confidence`` (the router weights of the
+``tokens`` rows) the buffer keeps, per layer and expert, the sum of its entries' scores, and
+:func:`lookahead_queue` orders a layer's experts by it (after a utility-space policy's
+utility), so the experts the draft is surest of load first; :meth:`LookaheadBuffer.entries`
+gives the entries themselves.  The queue skips experts already resident or loading
+(``csrc/slots.c``: the ELB is checked against the cache before anything is queued).
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ class LookaheadBuffer:
         self.num_experts = int(num_experts)
         self.masks: dict[int, np.ndarray] = {}
         self.rows: dict[int, np.ndarray] = {}   # pos -> the draft's top-k per token [n, k]
+        self.scores: dict[int, np.ndarray] = {}  # pos -> the rows' confidence [n, k]
         self.predicted = self.actual = self.true_positive = 0
         self.fidelity = np.zeros(3, np.int64)   # (token, layer) pairs: hard, soft, mismatch
 
@@ -45,13 +54,15 @@ class LookaheadBuffer:
         """Whether a pass's prediction is pending."""
         return bool(self.masks)
 
-    def set(self, counts: Mapping[int, Any],
-            tokens: Mapping[int, Any] | None = None) -> dict[int, np.ndarray]:
+    def set(self, counts: Mapping[int, Any], tokens: Mapping[int, Any] | None = None,
+            confidence: Mapping[int, Any] | None = None) -> dict[int, np.ndarray]:
         """Replace the buffer with ``counts[pos]`` [E] > 0 (how many tokens the draft routes to
         each expert of MoE layer ``pos``); returns the counts as float64 arrays by position.
         ``tokens[pos]``: the draft's top-k expert ids [n, k] of the pass's first n tokens, in
-        the router's order (routing fidelity, module docstring).  ValueError on a position
-        outside the model or a wrong shape."""
+        the router's order (routing fidelity, module docstring); ``confidence[pos]``: their
+        scores [n, k] (the draft router's weights; finite, >= 0), for a position that has
+        token rows.  ValueError on a position outside the model, a wrong shape or a bad score;
+        the buffer is unchanged then."""
         L, E = self.num_layers, self.num_experts
         rows: dict[int, np.ndarray] = {}
         for pos, r in (tokens or {}).items():
@@ -61,7 +72,20 @@ class LookaheadBuffer:
                 raise ValueError(f"lookahead: token rows of position {pos!r} must be integer "
                                  f"ids [n, k] for 0 <= position < {L}, got {a.dtype} "
                                  f"{a.shape}")
+            if a.size and (a.min() < 0 or a.max() >= E):
+                raise ValueError(f"lookahead: token rows of position {pos} hold an expert id "
+                                 f"outside 0..{E - 1}")
             rows[int(pos)] = a.astype(np.int64)
+        scores: dict[int, np.ndarray] = {}
+        for pos, c in (confidence or {}).items():
+            a = np.asarray(c)
+            if pos not in rows or a.shape != rows[pos].shape or a.dtype.kind not in "iuf" \
+                    or not np.isfinite(a).all() or (a < 0).any():
+                raise ValueError(f"lookahead: confidence of position {pos!r} must be finite "
+                                 f"scores >= 0 shaped as that position's token rows "
+                                 f"{rows[pos].shape if pos in rows else '(none given)'}, got "
+                                 f"{a.dtype} {a.shape}")
+            scores[int(pos)] = a.astype(np.float64)
         arrays: dict[int, np.ndarray] = {}
         for pos, c in counts.items():
             a = np.asarray(c)
@@ -75,7 +99,36 @@ class LookaheadBuffer:
             arrays[int(pos)] = a.astype(np.float64)
         self.masks = {pos: a > 0 for pos, a in arrays.items()}
         self.rows = rows
+        self.scores = scores
         return arrays
+
+    def confidence(self) -> dict[int, np.ndarray]:
+        """Per pending layer with scores, each expert's summed confidence [E] (float64)."""
+        out = {}
+        for pos, sc in self.scores.items():
+            if pos in self.masks:
+                c = np.zeros(self.num_experts)
+                np.add.at(c, self.rows[pos].ravel(), sc.ravel())
+                out[pos] = c
+        return out
+
+    def entries(self) -> np.ndarray:
+        """The buffer's entries for the layers still to run, MoE-SpeQ's ELB (Sec. 3.3.1): a
+        structured array of (token, layer, expert, confidence), token the row of the pass
+        (0: the pending token), layer the MoE layer position, confidence NaN where the
+        draft gave none; earlier layers first, each layer's rows in order."""
+        dt = np.dtype([("token", np.int64), ("layer", np.int64), ("expert", np.int64),
+                       ("confidence", np.float64)])
+        parts = []
+        for pos in sorted(p for p in self.rows if p in self.masks):
+            r = self.rows[pos]
+            e = np.zeros(r.size, dt)
+            e["token"] = np.repeat(np.arange(r.shape[0]), r.shape[1])
+            e["layer"] = pos
+            e["expert"] = r.ravel()
+            e["confidence"] = self.scores[pos].ravel() if pos in self.scores else np.nan
+            parts.append(e)
+        return np.concatenate(parts) if parts else np.zeros(0, dt)
 
     def layer_done(self, pos: int, used: np.ndarray, idx: Any = None) -> None:
         """Layer ``pos`` of the pass ran and used the experts flagged in ``used`` [E];
@@ -83,9 +136,11 @@ class LookaheadBuffer:
         draft's token rows for this layer, if any)."""
         mask = self.masks.pop(pos, None)
         rows = self.rows.pop(pos, None)
+        self.scores.pop(pos, None)
         if pos == self.num_layers - 1:
             self.masks.clear()  # a lookahead is for one pass
             self.rows.clear()
+            self.scores.clear()
         if mask is not None:
             act = np.asarray(used).astype(bool)
             self.predicted += int(mask.sum())
@@ -142,20 +197,26 @@ def routing_fidelity(draft: np.ndarray, target: np.ndarray) -> np.ndarray:
     return np.array([h, s, n - h - s], np.int64)
 
 
-def lookahead_queue(arrays: Mapping[int, np.ndarray], num_layers: int,
-                    utility: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def lookahead_queue(arrays: Mapping[int, np.ndarray], num_layers: int, utility: Any = None,
+                    confidence: Mapping[int, np.ndarray] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The prefetch queue of a lookahead (both engines' ``lookahead``): every expected expert
     as (layers, experts, priorities), earlier layers first; within a layer, when ``utility``
     (``f(layers, experts) -> int array``, a utility-space policy's) is given, by utility and
-    then count, higher first.  Priorities squash the within-layer order into (0, 1) above the
-    layer's rank ``num_layers - pos``."""
+    then count, higher first; with ``confidence[pos]`` (the layer's summed ELB scores [E],
+    :meth:`LookaheadBuffer.confidence`) by utility, if any, then confidence.  Priorities
+    squash the within-layer order into (0, 1) above the layer's rank ``num_layers - pos``."""
     lay, exp, pri = [], [], []
     for pos, c in arrays.items():
         ids = np.flatnonzero(c > 0)
         pr = np.zeros(len(ids), np.float64)
-        if utility is not None:  # integer utility first, the count breaks ties
+        sc = (confidence or {}).get(pos)
+        tie = c if sc is None else sc  # what breaks the utility's ties, or orders alone
+        if utility is not None:  # integer utility first
             pr = np.asarray(utility(np.full(len(ids), pos), ids), np.float64) + \
-                c[ids] / (c.max() + 1.0)
+                tie[ids] / (tie.max() + 1.0)
+        elif sc is not None:
+            pr = sc[ids] / (sc.max() + 1.0)
         lay.append(np.full(len(ids), pos, np.int64))
         exp.append(ids.astype(np.int64))
         pri.append((num_layers - pos) + 0.5 + np.arctan(pr) / np.pi)

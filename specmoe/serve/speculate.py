@@ -251,7 +251,7 @@ class Speculation:
             finally:
                 self.drafter.bind_kv(None)
             if d.routing and self.engine is not None:
-                self.engine.lookahead(d.routing, d.token_routing)
+                self.engine.lookahead(d.routing, d.token_routing, d.token_confidence)
             return d.tokens
         return propose(self._ngram(req), hist, k, None, None, self.vocab).tokens
 

@@ -330,7 +330,7 @@ class BatchDraftModel:
             # see again (each row's last fed token: its pending token or a draft)
             take = [b * m + j for b_rows, j in rec_rows for b in b_rows]
             E = d.engine.num_experts
-            for pos, idx in rec:
+            for pos, idx, _ in rec:
                 c = routing.setdefault(pos, np.zeros(E, np.int64))
                 np.add.at(c, idx[take].ravel(), 1)
         return out

@@ -28,12 +28,15 @@ class Draft:
     token_routing: the same drafter's top-k expert ids per verification input it routed,
         MoE layer position -> [n, k] in the router's order (the routing fidelity's rows,
         :meth:`specmoe.runtime.engine.Engine.lookahead`).
+    token_confidence: their router weights, position -> float32 [n, k] (the expert lookahead
+        buffer's confidence scores, MoE-SpeQ Sec. 3.3.1).
     """
 
     tokens: List[int]
     probs: Optional[torch.Tensor] = None
     routing: Optional[Dict[int, np.ndarray]] = None
     token_routing: Optional[Dict[int, np.ndarray]] = None
+    token_confidence: Optional[Dict[int, np.ndarray]] = None
 
 
 def cache_kwargs(model: nn.Module, kv: Any) -> Dict[str, Any]:

@@ -13,7 +13,7 @@ protocol); the model drafters also return their distributions and routing throug
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -104,13 +104,14 @@ class DraftModel:
                 logits = self._run([t])
         # the last draft token was not fed: the cache holds history + toks[:-1]
         self._seen = h + toks[:-1]
+        tr = self._token_routing()
         return Draft(toks, torch.stack(rows) if rows else None, self._routing(len(h) - n, k),
-                     self._token_routing())
+                     tr[0] if tr else None, tr[1] if tr else None)
 
     def _routing(self, fed_first: int, k: int) -> Optional[Dict[int, np.ndarray]]:
         return None
 
-    def _token_routing(self) -> Optional[Dict[int, np.ndarray]]:
+    def _token_routing(self) -> Optional[Tuple[Dict[int, np.ndarray], Dict[int, np.ndarray]]]:
         return None
 
 
@@ -206,20 +207,24 @@ class SelfDraft(DraftModel):
         E = self.engine.num_experts
         counts: Dict[int, np.ndarray] = {}
         for i, rec in enumerate(self._rec):
-            for pos, idx in rec:
+            for pos, idx, _ in rec:
                 rows = idx[-1:] if i == 0 else idx  # first forward: only the pending token
                 c = counts.setdefault(pos, np.zeros(E, np.int64))
                 np.add.at(c, rows.ravel(), 1)
         return counts
 
-    def _token_routing(self) -> Optional[Dict[int, np.ndarray]]:
+    def _token_routing(self) -> Optional[Tuple[Dict[int, np.ndarray], Dict[int, np.ndarray]]]:
         # the verification's inputs in order: the pending token (the first forward's last
-        # row), then one draft per later forward
-        per: Dict[int, List[np.ndarray]] = {}
+        # row), then one draft per later forward; their ids and router weights (the ELB's
+        # confidence)
+        ids: Dict[int, List[np.ndarray]] = {}
+        wts: Dict[int, List[np.ndarray]] = {}
         for i, rec in enumerate(self._rec):
-            for pos, idx in rec:
-                per.setdefault(pos, []).append(idx[-1:] if i == 0 else idx)
-        return {pos: np.concatenate(r, 0) for pos, r in per.items()}
+            for pos, idx, w in rec:
+                ids.setdefault(pos, []).append(idx[-1:] if i == 0 else idx)
+                wts.setdefault(pos, []).append(w[-1:] if i == 0 else w)
+        return ({pos: np.concatenate(r, 0) for pos, r in ids.items()},
+                {pos: np.concatenate(r, 0) for pos, r in wts.items()})
 
 
 def propose(drafter: Any, history: List[int], k: int, sampling: Optional[Sampling],

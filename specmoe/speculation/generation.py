@@ -249,7 +249,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             t_draft = time.perf_counter() - t0
             kd = len(d.tokens)
             if lookahead and d.routing and engine is not None:
-                engine.lookahead(d.routing, d.token_routing)
+                engine.lookahead(d.routing, d.token_routing, d.token_confidence)
             nxt = None
             plain = mtp is None or k <= 0  # (an MTP step made plain by the controller or the
             # tokens left: no masks, so the target's own forward; the next has no drafts)
