@@ -48,7 +48,8 @@ trained on):
    choices (none; the oracle's next layer under admission, without the byte budget); each
    row is the faster, with its time over the offline bound.  The smallest H within 1.15x of
    the bound says how many tokens of routing a predictor would have to know exactly to meet
-   issue 42's target under this rule.
+   issue 42's target under this rule; ``current`` knows the token being decoded, through all
+   its layers, and nothing of the next.
 
 Every figure is simulated (csrc/sim.c's time model), not measured on hardware; the JSON
 records the host only for the wall times.
@@ -108,14 +109,17 @@ class HorizonOracle(PythonPolicy):
     come, or running and k not yet asked for, else the next token's), dl the layer steps until
     it (csrc/policy/nextuse.h's definitions), used() read from the trace, and r the same
     exponential average of use (alpha_l) the C policy keeps as its long-run rate.  H = 0 is the
-    rate term alone; H = 1 is nextuse with q exact.  An analysis instrument (it reads the
-    future), replayed by the simulator as a Python policy: one pass per token, in trace
-    order.  Ties: the first candidate (the lowest slot), as in C."""
+    rate term alone; H = 1 is nextuse with q exact.  ``current_only`` (H = 1): q exact for the
+    keys whose next run is in the current token's pass, 0 for the others (the token being
+    decoded known through all its layers, nothing of the next token).  An analysis instrument
+    (it reads the future), replayed by the simulator as a Python policy: one pass per token,
+    in trace order.  Ties: the first candidate (the lowest slot), as in C."""
 
     def __init__(self, trace: Trace, horizon: int, c: float = 1.0, beta: float = 1.0,
-                 alpha_l: float = 1.0 / 64) -> None:
-        if horizon < 0:
-            raise ValueError(f"horizon must be >= 0, got {horizon}")
+                 alpha_l: float = 1.0 / 64, current_only: bool = False) -> None:
+        if horizon < 0 or (current_only and horizon != 1):
+            raise ValueError(f"horizon must be >= 0 (1 with current_only), got {horizon}")
+        self.current_only = current_only
         T, L, _ = trace.experts.shape
         E = trace.num_experts
         self.T, self.L, self.E, self.H, self.c, self.beta = T, L, E, horizon, c, beta
@@ -154,7 +158,8 @@ class HorizonOracle(PythonPolicy):
         run0 = np.where(inpass, t, t + 1)
         v = np.zeros(len(keys))
         for h in range(self.H):
-            v += self.used[np.minimum(run0 + h, len(self.used) - 1), keys] / (dl + h * L + self.c)
+            u = self.used[np.minimum(run0 + h, len(self.used) - 1), keys]
+            v += (u & inpass if self.current_only else u) / (dl + h * L + self.c)
         return v + self.beta * self.rate[min(max(t, 0), self.T), keys] / \
             (dl + self.H * L + self.c)
 
@@ -163,19 +168,24 @@ class HorizonOracle(PythonPolicy):
         return candidates[int(np.argmin(self.values(keys)))]
 
 
-def horizon_rows(tr: Trace, horizons: list[int], caps: tuple[str, ...], hws: tuple[str, ...],
+def horizon_rows(tr: Trace, horizons: list[str], caps: tuple[str, ...], hws: tuple[str, ...],
                  bound: dict) -> list[dict]:
-    """Item 4 of the module docstring: per hardware, capacity and horizon H the faster of
-    HorizonOracle(H) demand-only and with the oracle's next-layer prefetch under admission
-    (no byte budget), against the offline bound ``bound[(cap, hw)]``."""
+    """Item 4 of the module docstring: per hardware, capacity and horizon H (an integer, or
+    "current": HorizonOracle(1, current_only=True)) the faster of HorizonOracle(H)
+    demand-only and with the oracle's next-layer prefetch under admission (no byte budget),
+    against the offline bound ``bound[(cap, hw)]``."""
     out = []
     for hw in hws:
         for cap in caps:
             for H in horizons:
+                cur = H == "current"
+
+                def oracle(n: int, nl: int, ne: int) -> object:
+                    return make_policy(HorizonOracle(tr, 1 if cur else int(H),
+                                                     current_only=cur), n, nl, ne)
                 runs = []
                 for pred in ("none", "oracle:depth=1"):
-                    r = simulate(tr, lambda n, nl, ne: make_policy(HorizonOracle(tr, H), n, nl,
-                                                                   ne),
+                    r = simulate(tr, oracle,
                                  cap, prefetch=None if pred == "none" else pred,
                                  hardware=HARDWARE[hw], admission=pred != "none",
                                  byte_budget=False)
@@ -356,14 +366,12 @@ def main() -> None:
     ap.add_argument("--save", type=Path, help="also write the JSON object to this file")
     ap.add_argument("--horizon", default="",
                     help="comma-separated horizons H for the perfect-predictor rows "
-                         "(HorizonOracle; e.g. 1,2,4; default: none)")
+                         "(HorizonOracle; integers >= 0 or 'current', e.g. current,1,2,4; "
+                         "default: none)")
     a = ap.parse_args()
-    try:
-        horizons = [int(h) for h in a.horizon.split(",") if h.strip()]
-    except ValueError:
-        ap.error(f"--horizon: comma-separated integers, got {a.horizon!r}")
-    if any(h < 0 for h in horizons):
-        ap.error(f"--horizon: horizons must be >= 0, got {a.horizon!r}")
+    horizons = [h.strip() for h in a.horizon.split(",") if h.strip()]
+    if not all(h == "current" or (h.isdigit() and h.isascii()) for h in horizons):
+        ap.error(f"--horizon: integers >= 0 or 'current', comma-separated; got {a.horizon!r}")
     path = trace_dir(a)
     t0 = time.time()
     tr, which = load_split(path, a.split)

@@ -92,22 +92,39 @@ def test_horizon_oracle_values_by_hand():
     assert state(2).victim([3, 1, 0, 2]) == 0
     assert state(2).victim([1, 3]) == 3
     assert state(2).victim([2, 1]) == 1
+    # after layer 1 asked for expert 1 every key's next run is token 1's (layer 0's keys at
+    # dl = 1, layer 1's at 2, except key 7: layer 1 running, not asked for, dl = 0, token 0)
+    # where only key 2 is used; current_only knows token 0 alone, so none of them
+    later = state(1)
+    later.on_access(2, 5)
+    assert np.allclose(later.values(keys), [0.0, 1 / (1 + c), 0.0, 0.0])
+    cur = P.HorizonOracle(tr, 1, current_only=True)
+    cur.on_pass(1)
+    for slot, key in enumerate((0, 2, 5, 7)):
+        cur.on_insert(slot, key, True)
+    cur.on_access(0, 0)
+    assert np.allclose(cur.values(keys), [0.0, 0.0, 1 / (1 + c), 0.0])  # key 5: this token
+    cur.on_access(2, 5)
+    assert np.allclose(cur.values(keys), 0.0)
+    with pytest.raises(ValueError):
+        P.HorizonOracle(tr, 2, current_only=True)
 
 
 def test_horizon_rows_on_the_subset():
     out = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "predictors.py"),
                           "--json", "--trace", str(SUBSET), "--split", "all", "--quick",
-                          "--sample", "0.02", "--horizon", "0,2"],
+                          "--sample", "0.02", "--horizon", "0,current,2"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout)["horizon"]
-    assert [r["policy"] for r in rows] == ["horizon_oracle:0", "horizon_oracle:2"]
+    assert [r["policy"] for r in rows] == ["horizon_oracle:0", "horizon_oracle:current",
+                                           "horizon_oracle:2"]
     for r in rows:
         for f in ("predictor", "capacity", "hardware", "hit_rate", "est_tpot_ms",
                   "vs_offline_bound"):
             assert f in r, (f, r)
     # two tokens of exact routing keep more of what is needed than the use rate alone
-    assert rows[1]["hit_rate"] > rows[0]["hit_rate"]
+    assert rows[2]["hit_rate"] > rows[0]["hit_rate"]
     bad = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "predictors.py"),
                           "--horizon", "1,x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--horizon" in bad.stderr
