@@ -200,7 +200,9 @@ def test_self_draft_routing_fidelity_against_the_recorded_trace(pair, monkeypatc
     """MoE-SpeQ Fig. 6 on the zoo model (f32 target, int4 self-draft): every (verified input,
     layer) the draft routed is classed hard / soft / mismatch against the target's routing
     of that token; the engine's counts equal a plain count over the routing the trace
-    recorder saw in the verification passes and the draft rows handed to lookahead()."""
+    recorder saw in the verification passes and the draft rows handed to lookahead(), and
+    the rows' confidence handed beside them is the draft router's weights (near the target's
+    recorded ones where the routing matches)."""
     model, _, eng, ids = pair
     handed, scores = [], []
     real = eng.lookahead

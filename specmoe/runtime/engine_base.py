@@ -401,7 +401,7 @@ class EngineCommon:
             rec.layer(pos, idx, w, lg)
 
     @contextlib.contextmanager
-    def drafting(self, prefetch: bool = False) -> Iterator[list[tuple[int, Any]]]:
+    def drafting(self, prefetch: bool = False) -> Iterator[list[tuple[int, Any, Any]]]:
         """Within the block, the model's MoE layers run on the resident self-draft copy
         (:meth:`enable_self_draft`), touch no expert of the cache, and append
         ``(moe_layer_position, top_k_index[T, k], top_k_weight[T, k])`` of every layer call

@@ -484,7 +484,8 @@ class GpuEngine(EngineCommon):
         """Draft-driven prefetch for the next forward pass, as :meth:`specmoe.Engine.lookahead`
         (MoE-SpeQ's expert lookahead buffer): every expected expert queued at once, earlier
         layers first (:func:`specmoe.runtime.lookahead.lookahead_queue`, the CPU's rule; the GPU
-        cache does not answer utilities, so within a layer the order is by expert), the next
+        cache does not answer utilities, so within a layer the order is by ``confidence``
+        when given, else by expert), the next
         pass's per-layer prefetch added to it, and with ``protect_lookahead`` the expected
         experts evicted last until their layer has run; ``tokens``: the draft's top-k per
         token, for the routing fidelity, and ``confidence`` their scores, which order a
