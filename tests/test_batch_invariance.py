@@ -224,6 +224,36 @@ def _wide_bf16(arch: str):
     return model, hf.offload(model, cache=1.0, prefetch=False)
 
 
+def test_per_sequence_gives_each_sequence_its_own_call():
+    """per_sequence runs a row-wise function one sequence at a time inside sequences(n), so a
+    sequence gets the bits of its call alone even from a function whose result depends on the
+    rows beside it (as MKL's GEMMs on an Intel Xeon with AMX do; AMD hosts' do not): here
+    one that adds its input's row count.  Inside, the function's own switches count its part
+    as one sequence (a shared expert's CLinears went to C on 10 of its 20 rows).  Outside a
+    block, or where n does not divide the rows, the function sees the whole input."""
+    from specmoe.models.layers import per_sequence, sequence_rows, sequences
+    seen = []
+
+    def by_rows(v):  # also what a nested switch (CLinear's torch_above) counts
+        seen.append((tuple(v.shape), sequence_rows(v.numel() // v.shape[-1])))
+        return v[..., :3] + v.numel() // v.shape[-1]
+    x = torch.arange(2 * 6 * 4, dtype=torch.float32).reshape(2, 6, 4)
+    alone = torch.stack([by_rows(x[b:b + 1])[0] for b in range(2)])
+    seen.clear()
+    with sequences(2):
+        got = per_sequence(by_rows, x)
+    assert seen == [((6, 4), 6), ((6, 4), 6)] and got.shape == (2, 6, 3)
+    assert torch.equal(got, alone)
+    with sequences(2):
+        flat = per_sequence(by_rows, x.reshape(12, 4))  # [n * L, H]: the same rows
+    assert torch.equal(flat, alone.reshape(12, 3))
+    seen.clear()
+    with sequences(5):  # 12 rows do not split into 5 sequences
+        per_sequence(by_rows, x)
+    per_sequence(by_rows, x)
+    assert seen == [((2, 6, 4), 12), ((2, 6, 4), 12)]
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
 def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
     """A batched prefill of prompts of one length (the server's default grouping) gives every

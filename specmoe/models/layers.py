@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from ..runtime.kernels import context, tensor_array
 from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
-           "int4_group", "norm_weight", "sequence_rows", "sequences", "silu_mlp_parts"]
+           "int4_group", "norm_weight", "per_sequence", "sequence_rows", "sequences",
+           "silu_mlp_parts"]
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 _WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 _ALIGN = 64
@@ -43,9 +44,9 @@ def sequences(n: int) -> Iterator[None]:
     specmoe's switches between its C kernels (decode sizes) and torch (longer inputs) --
     CLinear's ``torch_above``, CRMSNorm's rows, a shared FFN's bound -- count one sequence's
     rows (:func:`sequence_rows`), so each sequence takes the implementations it would take
-    alone.  With the C kernels batch invariant and torch's row-wise products giving each row
-    its bits whatever the rows beside it (measured for its GEMMs above 16 rows), a sequence
-    then gets the bits of its forward alone.  Outside any block: 1, the whole input counts."""
+    alone.  With the C kernels batch invariant and the products left in torch run one sequence
+    at a time (:func:`per_sequence`), a sequence then gets the bits of its forward alone.
+    Outside any block: 1, the whole input counts."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"sequences: n must be an int >= 1, got {n!r}")
     tok = _SEQUENCES.set(n)
@@ -61,6 +62,29 @@ def sequence_rows(rows: int) -> int:
     outside one, or when they do not divide it)."""
     n = _SEQUENCES.get()
     return rows // n if n > 1 and rows % n == 0 else rows
+
+
+def per_sequence(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (a torch GEMM, a norm, a block's forward), computed one
+    sequence at a time inside a :func:`sequences` block of n > 1 whose count divides x's rows
+    (x's leading dimensions flattened, the sequences one after another: a batch-first
+    ``[n, L, ...]`` or ``[n * L, ...]``); plain ``fn(x)`` otherwise.  Each sequence's rows
+    then go through the call its forward alone makes, so they get its bits whatever the host's
+    BLAS does with more rows: MKL's bf16 and f32 GEMMs on an Intel Xeon with AMX gave rows
+    0-19 of a 40-row product other bits than the 20-row product of those rows alone (the
+    AMD EPYC hosts this suite passed on before gave the same).  It costs one call per sequence
+    where a prefill batch runs in torch."""
+    n = _SEQUENCES.get()
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if n <= 1 or rows == 0 or rows % n:
+        return fn(x)
+    parts = x.reshape(n, rows // n, x.shape[-1])
+    tok = _SEQUENCES.set(1)  # each part is one sequence to what fn calls in turn
+    try:
+        outs = [fn(parts[i]) for i in range(n)]
+    finally:
+        _SEQUENCES.reset(tok)
+    return torch.stack(outs).reshape(*x.shape[:-1], outs[0].shape[-1])
 
 
 def int4_group(K: int) -> int | None:
@@ -194,7 +218,8 @@ class CLinear(nn.Module):
         T = x.numel() // self.in_features if self.in_features else 0
         if self._tw is not None and self.torch_above is not None \
                 and sequence_rows(T) > self.torch_above:
-            return F.linear(x.to(self._tw.dtype), self._tw, self._tb).to(self.out_dtype)
+            return per_sequence(lambda v: F.linear(v.to(self._tw.dtype), self._tw, self._tb),
+                                x).to(self.out_dtype)
         # f32 and bf16 go to the kernel as they are (it widens bf16 and rounds a bf16 output
         # as torch would): no casts around the call at decode sizes
         xf = x.detach().reshape(T, self.in_features)
@@ -290,7 +315,7 @@ class CRMSNorm(nn.Module):
         dt = self.inner.weight.dtype
         if (self.training or x.device.type != "cpu" or x.dtype != dt or n != self._w.shape[0]
                 or dt not in BLOCK_DTYPES or sequence_rows(x.numel() // n) > _NORM_MAX_ROWS):
-            return self.inner(x)
+            return per_sequence(self.inner, x)
         xf = x.reshape(-1, n).contiguous()
         out = torch.empty_like(xf)
         _C.rms_norm(tensor_array(xf), self._w, self.variance_epsilon, tensor_array(out),

@@ -47,7 +47,7 @@ from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, Unsu
                            iter_experts_modules, moe_block, moe_layers)
 from ..storage.conversion import store_settings, write_experts
 from ..models.dense import resolve_dense
-from ..models.layers import sequence_rows, silu_mlp_parts
+from ..models.layers import per_sequence, sequence_rows, silu_mlp_parts
 from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetch_arg
 from .tau_tables import TauTables
 
@@ -372,7 +372,7 @@ class Engine(EngineCommon):
             if block.training or not self.routable(hidden_states, dtype) or \
                     (most is not None and sequence_rows(
                         hidden_states.numel() // hidden_states.shape[-1]) > most):
-                return original(hidden_states)
+                return per_sequence(original, hidden_states)
             shape = hidden_states.shape
             return self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
                                       flags).reshape(shape)

@@ -111,7 +111,7 @@ class BatchKV:
         kw = {"logits_to_keep": 1} if last_logits else {}
         # rows of one length into an empty cache: each takes the paths of its prefill alone
         # (specmoe.models.layers.sequences), so it gets that forward's bits where its products
-        # run in C or in torch's row-wise GEMMs
+        # run in C or, one prompt at a time, in torch (specmoe.models.layers.per_sequence)
         same = self.length == 0 and bool(mask.all())
         with sequences(self.batch if same else 1):
             logits = self._call(ids, torch.cat([self.mask, mask], 1), pos, **kw)
