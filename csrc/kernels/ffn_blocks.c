@@ -1347,17 +1347,50 @@ AI float q32_tail(int32_t dt, const uint8_t *w, size_t bb, uint32_t b0, uint32_t
     return hsum8(tail);
 }
 
+/* One token's input as rows_q4x_vnni's steps take it, built once a call (gateup_q4x_one,
+ * down_q4x_one; the multi-token calls of gateup_vnni_tiles / down_vnni_tiles where q4x_tiled
+ * says so) instead of once a row pair: per four blocks the int8 values' two shuffles, the
+ * start value and the four scales spread over their lanes, six of a step's operations.
+ * MXFP4, bound by its own work at one token (from L3 it read 26 GB/s where Q4_0 reads 40),
+ * gained 1.07-1.16x with its scale change above; Q4_0, waiting on memory, 1.0-1.02x (Zen 5,
+ * 1 thread, kernels_epyc_zen5_mxfp4_prep_ab.json). */
+typedef struct q4xg {
+    __m512i xlo, xhi, init;
+    __m512 xs;
+} q4xg;
+#define Q4XG_MAX 128 /* groups on the stack: n <= 16384 columns (32 KiB) */
+
+/* The group of blocks b .. b + 3 of token x as q4xg holds it. */
+AI q4xg q4x_group(int32_t dt, const xin *x, uint32_t b) {
+    const int off = dt == SMOE_WDT_MXFP4 ? 3 : 2; /* the offset per lane: 12 / 4, 8 / 4 */
+    const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    q4xg g;
+    const __m512i X0 = _mm512_loadu_si512((const void *)(x->q + 32 * b));
+    const __m512i X1 = _mm512_loadu_si512((const void *)(x->q + 32 * b + 64));
+    g.xlo = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(2, 0, 2, 0));
+    g.xhi = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
+    const __m128i s4 = _mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)(x->bs + b)));
+    g.init = _mm512_permutexvar_epi32(
+        rep4, _mm512_castsi128_si512(_mm_mullo_epi32(s4, _mm_set1_epi32(-off))));
+    g.xs = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(x->s + b)));
+    return g;
+}
+
+AI void q4x_prep(int32_t dt, const xin *x, uint32_t n, q4xg *g) {
+    for (uint32_t b = 0; b + 4 <= n / 32; b += 4, g++) *g = q4x_group(dt, x, b);
+}
+
 /* nr (1 or 2) Q4_0 or MXFP4 rows w[r] of n columns against nt (1 .. VT) tokens x[t]:
  * res[r * VT + t].  Each four blocks of a row are unpacked once for the nt tokens; each (row,
  * token) sum takes the same operations in the same order at any nt (its own accumulator, the
  * scale d * s_x rounded as at one token, then the tail and the reduction), so a token's
- * result is bit for bit the one-token call's (batch invariance, INVARIANT_T). */
+ * result is bit for bit the one-token call's (batch invariance, INVARIANT_T).  g: the tokens'
+ * inputs as q4x_prep built them (token t's groups at g + t * gs), or NULL to build each group
+ * here. */
 #define VT 4
 AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
-                      const uint32_t nt, uint32_t n, float *res) {
+                      const q4xg *g, uint32_t gs, const uint32_t nt, uint32_t n, float *res) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
-    const int off = dt == SMOE_WDT_MXFP4 ? 3 : 2; /* the offset per lane: 12 / 4, 8 / 4 */
-    const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 acc[2][VT];
     for (int r = 0; r < 2; r++)
         for (uint32_t t = 0; t < VT; t++) acc[r][t] = _mm512_setzero_ps();
@@ -1373,19 +1406,11 @@ AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const x
             d[r] = q4x_d(dt, wb);
         }
         for (uint32_t t = 0; t < nt; t++) {
-            const __m512i X0 = _mm512_loadu_si512((const void *)(x[t].q + 32 * b));
-            const __m512i X1 = _mm512_loadu_si512((const void *)(x[t].q + 32 * b + 64));
-            const __m512i xlo = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(2, 0, 2, 0));
-            const __m512i xhi = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
-            const __m128i s4 = _mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)(x[t].bs + b)));
-            const __m512i init = _mm512_permutexvar_epi32(
-                rep4, _mm512_castsi128_si512(_mm_mullo_epi32(s4, _mm_set1_epi32(-off))));
-            const __m512 xs = /* the four blocks' s_x, each in its block's four lanes */
-                _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(x[t].s + b)));
+            const q4xg c = g ? g[t * gs + b / 4] : q4x_group(dt, &x[t], b);
             for (int r = 0; r < nr; r++) {
                 const __m512i sumi =
-                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo[r], xlo), hi[r], xhi);
-                acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[r], xs), _mm512_cvtepi32_ps(sumi),
+                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.init, lo[r], c.xlo), hi[r], c.xhi);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[r], c.xs), _mm512_cvtepi32_ps(sumi),
                                             acc[r][t]);
             }
         }
@@ -1394,33 +1419,6 @@ AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const x
         for (uint32_t t = 0; t < nt; t++)
             res[r * VT + t] =
                 _mm512_reduce_add_ps(acc[r][t]) + q32_tail(dt, w[r], bb, b, nb, &x[t]);
-}
-
-/* One token's input as rows_q4x_vnni's steps take it, built once a call (gateup_q4x_one,
- * down_q4x_one) instead of once a row pair: per four blocks the int8 values' two shuffles,
- * the start value and the four scales spread over their lanes, six of a step's operations.
- * MXFP4, bound by its own work at one token (from L3 it read 26 GB/s where Q4_0 reads 40),
- * gained 1.07-1.16x with its scale change above; Q4_0, waiting on memory, 1.0-1.02x (Zen 5,
- * 1 thread, kernels_epyc_zen5_mxfp4_prep_ab.json). */
-typedef struct q4xg {
-    __m512i xlo, xhi, init;
-    __m512 xs;
-} q4xg;
-#define Q4XG_MAX 128 /* groups on the stack: n <= 16384 columns (32 KiB) */
-
-AI void q4x_prep(int32_t dt, const xin *x, uint32_t n, q4xg *g) {
-    const int off = dt == SMOE_WDT_MXFP4 ? 3 : 2;
-    const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    for (uint32_t b = 0; b + 4 <= n / 32; b += 4, g++) {
-        const __m512i X0 = _mm512_loadu_si512((const void *)(x->q + 32 * b));
-        const __m512i X1 = _mm512_loadu_si512((const void *)(x->q + 32 * b + 64));
-        g->xlo = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(2, 0, 2, 0));
-        g->xhi = _mm512_shuffle_i64x2(X0, X1, _MM_SHUFFLE(3, 1, 3, 1));
-        const __m128i s4 = _mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)(x->bs + b)));
-        g->init = _mm512_permutexvar_epi32(
-            rep4, _mm512_castsi128_si512(_mm_mullo_epi32(s4, _mm_set1_epi32(-off))));
-        g->xs = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(x->s + b)));
-    }
 }
 
 /* rows_q4x_vnni at one token on the input q4x_prep built: the same operations in the same
@@ -1874,15 +1872,16 @@ AI void row_iq4_xs_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt,
 
 /* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS) against nt (1 ..
  * VT) tokens x[t], each (row, token) as a one-token call computes it: res[r * VT + t]; a row's
- * blocks are unpacked once for the nt tokens. */
+ * blocks are unpacked once for the nt tokens.  g, gs: Q4_0 / MXFP4's prepared inputs
+ * (rows_q4x_vnni), NULL where there are none. */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
-                  const uint32_t nt, uint32_t n, float *res) {
+                  const q4xg *g, uint32_t gs, const uint32_t nt, uint32_t n, float *res) {
     if (dt == SMOE_WDT_Q4_0) { /* the format a constant in each form */
-        rows_q4x_vnni(SMOE_WDT_Q4_0, w, nr, x, nt, n, res);
+        rows_q4x_vnni(SMOE_WDT_Q4_0, w, nr, x, g, gs, nt, n, res);
         return;
     }
     if (dt == SMOE_WDT_MXFP4) {
-        rows_q4x_vnni(SMOE_WDT_MXFP4, w, nr, x, nt, n, res);
+        rows_q4x_vnni(SMOE_WDT_MXFP4, w, nr, x, g, gs, nt, n, res);
         return;
     }
     if (dt == SMOE_WDT_Q4_K && nt > 1) { /* `five` a constant in each form */
@@ -1940,18 +1939,44 @@ AI uint32_t tile_tokens(uint32_t T, uint32_t t0, const uint32_t tile) {
     return tile == 1 ? 1 : T - t0 < tile ? T - t0 : tile;
 }
 
+/* Groups of prepared input (q4xg) a multi-token Q4_0 / MXFP4 call builds on the stack: T
+ * tokens of n / 128 (128 KiB). */
+#define Q4XG_TILED_MAX 512
+
+/* Whether a multi-token call of dt over n columns builds its tokens' inputs once (q4x_prep)
+ * instead of once a row pair and token, where those six operations were about as many as the
+ * two rows' products they feed: 1.15-1.32x at 4 and 8 tokens, from DRAM and hot, one-token
+ * calls unchanged (Intel Xeon with AMX, 1 thread, 3 interleaved rounds,
+ * kernels_intel_q4x_tiled_prep_ab.json). */
+AI int q4x_tiled(int32_t dt, uint32_t T, uint32_t n) {
+    return T > 1 && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_MXFP4) &&
+           T * (n / 128) <= Q4XG_TILED_MAX;
+}
+
+/* x[t] for the call's T tokens; where q4x_tiled, their prepared inputs into g (token t's
+ * n / 128 groups at g + t * (n / 128)) and g returned, else NULL. */
+AI const q4xg *tiles_input(const smoe_ffn_job *j, int32_t dt, uint32_t n, xin *x, q4xg *g) {
+    const int prep = q4x_tiled(dt, j->T, n);
+    for (uint32_t t = 0; t < j->T; t++) {
+        x[t] = xin_of(j, dt, t, n);
+        if (prep) q4x_prep(dt, &x[t], n, g + t * (n / 128));
+    }
+    return prep ? g : NULL;
+}
+
 AI void gateup_vnni_tiles(const smoe_ffn_job *j, uint32_t i0, uint32_t i1, const uint32_t tile) {
     const smoe_ffn_desc *d = j->d;
-    const uint32_t H = d->H;
+    const uint32_t H = d->H, gs = H / 128;
     const size_t rb = row_bytes(d->dtype, H);
     xin x[INVARIANT_T];
-    for (uint32_t t = 0; t < j->T; t++) x[t] = xin_of(j, d->dtype, t, H);
+    q4xg gbuf[Q4XG_TILED_MAX];
+    const q4xg *g = tiles_input(j, d->dtype, H, x, gbuf);
     for (uint32_t i = i0; i < i1; i++) /* gate and up rows of one output together */
         for (uint32_t t0 = 0; t0 < j->T; t0 += tile) {
             const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[2] = {j->block + d->gate + i * rb, j->block + d->up + i * rb};
             float r[2 * VT];
-            rows_vnni(d->dtype, w, 2, &x[t0], nt, H, r);
+            rows_vnni(d->dtype, w, 2, &x[t0], g ? g + t0 * gs : NULL, gs, nt, H, r);
             for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_act(j, i, t0 + t, r[t], r[VT + t]);
         }
 }
@@ -2022,11 +2047,12 @@ static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
 AI void down_vnni_tiles(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, const uint32_t tile) {
     const smoe_ffn_desc *d = j->d;
     const int32_t dt = smoe_ffn_down_dtype(d);
-    const uint32_t I = d->I;
+    const uint32_t I = d->I, gs = I / 128;
     const size_t rb = row_bytes(dt, I);
     const uint8_t *dw = j->block + d->down;
     xin x[INVARIANT_T];
-    for (uint32_t t = 0; t < j->T; t++) x[t] = xin_of(j, dt, t, I);
+    q4xg gbuf[Q4XG_TILED_MAX];
+    const q4xg *g = tiles_input(j, dt, I, x, gbuf);
     /* rows (h, h + half) together, each walking its half in memory order (as down_fast) */
     const uint32_t half = (h1 - h0) / 2;
     for (uint32_t h = h0; h < h0 + half; h++)
@@ -2034,7 +2060,7 @@ AI void down_vnni_tiles(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, const u
             const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
             float r[2 * VT];
-            rows_vnni(dt, w, 2, &x[t0], nt, I, r);
+            rows_vnni(dt, w, 2, &x[t0], g ? g + t0 * gs : NULL, gs, nt, I, r);
             for (uint32_t t = 0; t < nt; t++) {
                 smoe_ffn_store_out(j, h, t0 + t, r[t]);
                 smoe_ffn_store_out(j, h + half, t0 + t, r[VT + t]);
@@ -2045,7 +2071,7 @@ AI void down_vnni_tiles(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, const u
             const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[1] = {dw + (h1 - 1) * rb};
             float r[VT];
-            rows_vnni(dt, w, 1, &x[t0], nt, I, r);
+            rows_vnni(dt, w, 1, &x[t0], g ? g + t0 * gs : NULL, gs, nt, I, r);
             for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_out(j, h1 - 1, t0 + t, r[t]);
         }
 }
