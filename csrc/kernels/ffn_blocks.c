@@ -1385,12 +1385,12 @@ AI void q4x_prep(int32_t dt, const xin *x, uint32_t n, q4xg *g) {
  * token) sum takes the same operations in the same order at any nt (its own accumulator, the
  * scale d * s_x rounded as at one token, then the tail and the reduction), so a token's
  * result is bit for bit the one-token call's (batch invariance, INVARIANT_T).  g: the tokens'
- * inputs as q4x_prep built them (token t's groups at g + t * gs), or NULL to build each group
- * here. */
+ * inputs as q4x_prep built them (token t's n / 128 groups at g + t * (n / 128)), or NULL to
+ * build each group here. */
 #define VT 4
 AI void rows_q4x_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
-                      const q4xg *g, uint32_t gs, const uint32_t nt, uint32_t n, float *res) {
-    const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
+                      const q4xg *g, const uint32_t nt, uint32_t n, float *res) {
+    const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt), gs = n / 128;
     __m512 acc[2][VT];
     for (int r = 0; r < 2; r++)
         for (uint32_t t = 0; t < VT; t++) acc[r][t] = _mm512_setzero_ps();
@@ -1613,13 +1613,26 @@ AI void rows_q4_k_vnni(const uint8_t *const *w, const int nr, const xin *x, uint
     for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]) - hsum4(accm[r]);
 }
 
+/* A token's n int8 values in q4k_x's order (its four vectors per super-block one after
+ * another): what a multi-token Q4_K / Q5_K call prepares once (tiles_input) instead of
+ * shuffling per row and token. */
+AI void q4k_prep(const xin *x, uint32_t n, int8_t *xp) {
+    for (uint32_t s = 0; s < n / 256; s++) {
+        __m512i xv[4];
+        q4k_x(x->q + (size_t)256 * s, xv);
+        for (int k = 0; k < 4; k++) _mm512_storeu_si512((void *)(xp + 256 * s + 64 * k), xv[k]);
+    }
+}
+
 /* One Q4_K row w of n columns against nt (1 .. VT) tokens x[t]: res[t], each (row, token) sum
  * with rows_q4_k_vnni's operations in its order (the same integer sums, d * s_x and dmin *
  * s_x rounded per token as there, the two accumulators, the reduction), so a token's result is
  * bit for bit its one-token call's.  A super-block's nibbles, scales and mins are unpacked once
- * for the nt tokens (a row alone: its unpacked super-block takes eight registers). */
-AI void row_q4_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, uint32_t n,
-                            float *res, const int five) {
+ * for the nt tokens (a row alone: its unpacked super-block takes eight registers).  xp: the
+ * tokens' values as q4k_prep laid them out (token t's at xp + t * n), or NULL to shuffle
+ * x[t].q here. */
+AI void row_q4_k_vnni_tiled(const uint8_t *w, const xin *x, const int8_t *xp, const uint32_t nt,
+                            uint32_t n, float *res, const int five) {
     const uint32_t nsb = n / 256, bb = five ? 176 : 144;
     __m512 acc[VT];
     __m128 accm[VT];
@@ -1630,9 +1643,12 @@ AI void row_q4_k_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt, u
         __m128 dmin;
         q4k_super(w + (size_t)bb * s, q, sc, &mins, &dmin, five);
         for (uint32_t t = 0; t < nt; t++) {
-            const int8_t *xq = x[t].q + (size_t)256 * s;
             __m512i xv[4];
-            q4k_x(xq, xv);
+            if (xp) {
+                const int8_t *xs = xp + (size_t)t * n + 256 * s;
+                for (int k = 0; k < 4; k++) xv[k] = _mm512_loadu_si512((const void *)(xs + 64 * k));
+            } else
+                q4k_x(x[t].q + (size_t)256 * s, xv);
             const __m512i sumi = q4k_sum(q, sc, xv);
             const __m128 dm = _mm_mul_ps(dmin, _mm_set1_ps(x[t].s[s]));
             acc[t] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), _mm512_cvtepi32_ps(sumi), acc[t]);
@@ -1872,24 +1888,27 @@ AI void row_iq4_xs_vnni_tiled(const uint8_t *w, const xin *x, const uint32_t nt,
 
 /* nr (1 or 2) rows of dt (Q4_0, MXFP4, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS) against nt (1 ..
  * VT) tokens x[t], each (row, token) as a one-token call computes it: res[r * VT + t]; a row's
- * blocks are unpacked once for the nt tokens.  g, gs: Q4_0 / MXFP4's prepared inputs
- * (rows_q4x_vnni), NULL where there are none. */
+ * blocks are unpacked once for the nt tokens.  p: the tokens' inputs prepared once a call
+ * (tiles_input, prep_at: Q4_0 / MXFP4's q4xg groups, Q4_K / Q5_K's values in q4k_x's order),
+ * NULL where there are none. */
 AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *x,
-                  const q4xg *g, uint32_t gs, const uint32_t nt, uint32_t n, float *res) {
+                  const void *p, const uint32_t nt, uint32_t n, float *res) {
     if (dt == SMOE_WDT_Q4_0) { /* the format a constant in each form */
-        rows_q4x_vnni(SMOE_WDT_Q4_0, w, nr, x, g, gs, nt, n, res);
+        rows_q4x_vnni(SMOE_WDT_Q4_0, w, nr, x, (const q4xg *)p, nt, n, res);
         return;
     }
     if (dt == SMOE_WDT_MXFP4) {
-        rows_q4x_vnni(SMOE_WDT_MXFP4, w, nr, x, g, gs, nt, n, res);
+        rows_q4x_vnni(SMOE_WDT_MXFP4, w, nr, x, (const q4xg *)p, nt, n, res);
         return;
     }
-    if (dt == SMOE_WDT_Q4_K && nt > 1) { /* `five` a constant in each form */
-        for (int k = 0; k < nr; k++) row_q4_k_vnni_tiled(w[k], x, nt, n, res + k * VT, 0);
+    if (dt == SMOE_WDT_Q4_K && (nt > 1 || p)) { /* `five` a constant in each form */
+        for (int k = 0; k < nr; k++)
+            row_q4_k_vnni_tiled(w[k], x, (const int8_t *)p, nt, n, res + k * VT, 0);
         return;
     }
-    if (dt == SMOE_WDT_Q5_K && nt > 1) {
-        for (int k = 0; k < nr; k++) row_q4_k_vnni_tiled(w[k], x, nt, n, res + k * VT, 1);
+    if (dt == SMOE_WDT_Q5_K && (nt > 1 || p)) {
+        for (int k = 0; k < nr; k++)
+            row_q4_k_vnni_tiled(w[k], x, (const int8_t *)p, nt, n, res + k * VT, 1);
         return;
     }
     if (dt == SMOE_WDT_Q8_0) {
@@ -1943,6 +1962,13 @@ AI uint32_t tile_tokens(uint32_t T, uint32_t t0, const uint32_t tile) {
  * tokens of n / 128 (128 KiB). */
 #define Q4XG_TILED_MAX 512
 
+/* A multi-token call's inputs prepared once (tiles_input): Q4_0 / MXFP4 token t's q4xg groups
+ * at g + t * (n / 128); Q4_K / Q5_K token t's int8 values in q4k_x's order at k + t * n. */
+typedef union tiles_prep {
+    q4xg g[Q4XG_TILED_MAX];
+    int8_t k[Q4XG_TILED_MAX * sizeof(q4xg)];
+} tiles_prep;
+
 /* Whether a multi-token call of dt over n columns builds its tokens' inputs once (q4x_prep)
  * instead of once a row pair and token, where those six operations were about as many as the
  * two rows' products they feed: 1.15-1.32x at 4 and 8 tokens, from DRAM and hot, one-token
@@ -1953,30 +1979,49 @@ AI int q4x_tiled(int32_t dt, uint32_t T, uint32_t n) {
            T * (n / 128) <= Q4XG_TILED_MAX;
 }
 
-/* x[t] for the call's T tokens; where q4x_tiled, their prepared inputs into g (token t's
- * n / 128 groups at g + t * (n / 128)) and g returned, else NULL. */
-AI const q4xg *tiles_input(const smoe_ffn_job *j, int32_t dt, uint32_t n, xin *x, q4xg *g) {
-    const int prep = q4x_tiled(dt, j->T, n);
+/* The same for Q4_K / Q5_K, whose tiled rows (one row at a time) shuffled each token's 256
+ * values per super-block for every row: four of about twenty operations.  Measured on a
+ * noisy host (Intel Xeon with AMX, 1 thread, 5 alternating rounds, rows from L3): medians
+ * 1.04-1.26x at 4 and 8 tokens; from DRAM within that hour's noise
+ * (kernels_intel_q4k_tiled_prep_ab.json). */
+AI int q4k_tiled(int32_t dt, uint32_t T, uint32_t n) {
+    return T > 1 && (dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K) &&
+           (size_t)T * n <= sizeof(tiles_prep);
+}
+
+/* x[t] for the call's T tokens; where q4x_tiled or q4k_tiled, their inputs prepared into *p
+ * and p returned, else NULL. */
+AI const tiles_prep *tiles_input(const smoe_ffn_job *j, int32_t dt, uint32_t n, xin *x,
+                                 tiles_prep *p) {
+    const int g = q4x_tiled(dt, j->T, n), k = q4k_tiled(dt, j->T, n);
     for (uint32_t t = 0; t < j->T; t++) {
         x[t] = xin_of(j, dt, t, n);
-        if (prep) q4x_prep(dt, &x[t], n, g + t * (n / 128));
+        if (g) q4x_prep(dt, &x[t], n, p->g + t * (n / 128));
+        if (k) q4k_prep(&x[t], n, p->k + (size_t)t * n);
     }
-    return prep ? g : NULL;
+    return g || k ? p : NULL;
+}
+
+/* Token t0's part of the prepared inputs p of dt (NULL: none). */
+AI const void *prep_at(const tiles_prep *p, int32_t dt, uint32_t t0, uint32_t n) {
+    if (!p) return NULL;
+    if (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_MXFP4) return p->g + t0 * (n / 128);
+    return p->k + (size_t)t0 * n;
 }
 
 AI void gateup_vnni_tiles(const smoe_ffn_job *j, uint32_t i0, uint32_t i1, const uint32_t tile) {
     const smoe_ffn_desc *d = j->d;
-    const uint32_t H = d->H, gs = H / 128;
+    const uint32_t H = d->H;
     const size_t rb = row_bytes(d->dtype, H);
     xin x[INVARIANT_T];
-    q4xg gbuf[Q4XG_TILED_MAX];
-    const q4xg *g = tiles_input(j, d->dtype, H, x, gbuf);
+    tiles_prep buf;
+    const tiles_prep *p = tiles_input(j, d->dtype, H, x, &buf);
     for (uint32_t i = i0; i < i1; i++) /* gate and up rows of one output together */
         for (uint32_t t0 = 0; t0 < j->T; t0 += tile) {
             const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[2] = {j->block + d->gate + i * rb, j->block + d->up + i * rb};
             float r[2 * VT];
-            rows_vnni(d->dtype, w, 2, &x[t0], g ? g + t0 * gs : NULL, gs, nt, H, r);
+            rows_vnni(d->dtype, w, 2, &x[t0], prep_at(p, d->dtype, t0, H), nt, H, r);
             for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_act(j, i, t0 + t, r[t], r[VT + t]);
         }
 }
@@ -2047,12 +2092,12 @@ static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
 AI void down_vnni_tiles(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, const uint32_t tile) {
     const smoe_ffn_desc *d = j->d;
     const int32_t dt = smoe_ffn_down_dtype(d);
-    const uint32_t I = d->I, gs = I / 128;
+    const uint32_t I = d->I;
     const size_t rb = row_bytes(dt, I);
     const uint8_t *dw = j->block + d->down;
     xin x[INVARIANT_T];
-    q4xg gbuf[Q4XG_TILED_MAX];
-    const q4xg *g = tiles_input(j, dt, I, x, gbuf);
+    tiles_prep buf;
+    const tiles_prep *p = tiles_input(j, dt, I, x, &buf);
     /* rows (h, h + half) together, each walking its half in memory order (as down_fast) */
     const uint32_t half = (h1 - h0) / 2;
     for (uint32_t h = h0; h < h0 + half; h++)
@@ -2060,7 +2105,7 @@ AI void down_vnni_tiles(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, const u
             const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
             float r[2 * VT];
-            rows_vnni(dt, w, 2, &x[t0], g ? g + t0 * gs : NULL, gs, nt, I, r);
+            rows_vnni(dt, w, 2, &x[t0], prep_at(p, dt, t0, I), nt, I, r);
             for (uint32_t t = 0; t < nt; t++) {
                 smoe_ffn_store_out(j, h, t0 + t, r[t]);
                 smoe_ffn_store_out(j, h + half, t0 + t, r[VT + t]);
@@ -2071,7 +2116,7 @@ AI void down_vnni_tiles(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, const u
             const uint32_t nt = tile_tokens(j->T, t0, tile);
             const uint8_t *w[1] = {dw + (h1 - 1) * rb};
             float r[VT];
-            rows_vnni(dt, w, 1, &x[t0], g ? g + t0 * gs : NULL, gs, nt, I, r);
+            rows_vnni(dt, w, 1, &x[t0], prep_at(p, dt, t0, I), nt, I, r);
             for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_out(j, h1 - 1, t0 + t, r[t]);
         }
 }
