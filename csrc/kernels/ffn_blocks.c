@@ -1959,8 +1959,9 @@ AI uint32_t tile_tokens(uint32_t T, uint32_t t0, const uint32_t tile) {
 }
 
 /* Groups of prepared input (q4xg) a multi-token Q4_0 / MXFP4 call builds on the stack: T
- * tokens of n / 128 (128 KiB). */
-#define Q4XG_TILED_MAX 512
+ * tokens of n / 128 (64 KiB: 16 tokens of 2048 columns, 4 of 8192; past that a call builds
+ * each group where it is used). */
+#define Q4XG_TILED_MAX 256
 
 /* A multi-token call's inputs prepared once (tiles_input): Q4_0 / MXFP4 token t's q4xg groups
  * at g + t * (n / 128); Q4_K / Q5_K token t's int8 values in q4k_x's order at k + t * n. */
