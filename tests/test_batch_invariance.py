@@ -228,7 +228,8 @@ def test_per_sequence_gives_each_sequence_its_own_call():
     """per_sequence runs a row-wise function one sequence at a time inside sequences(n), so a
     sequence gets the bits of its call alone even from a function whose result depends on the
     rows beside it (as MKL's GEMMs on an Intel Xeon with AMX do; AMD hosts' do not): here
-    one that adds its input's row count.  Inside, the function's own switches count its part
+    one that adds its input's row count.  A batch-first input's sequences keep their
+    dimensions ([1, L, H], as a forward alone passes them: a block's forward unpacks three).  Inside, the function's own switches count its part
     as one sequence (a shared expert's CLinears went to C on 10 of its 20 rows).  Outside a
     block, or where n does not divide the rows, the function sees the whole input."""
     from specmoe.models.layers import per_sequence, sequence_rows, sequences
@@ -242,11 +243,12 @@ def test_per_sequence_gives_each_sequence_its_own_call():
     seen.clear()
     with sequences(2):
         got = per_sequence(by_rows, x)
-    assert seen == [((6, 4), 6), ((6, 4), 6)] and got.shape == (2, 6, 3)
+    assert seen == [((1, 6, 4), 6), ((1, 6, 4), 6)] and got.shape == (2, 6, 3)
     assert torch.equal(got, alone)
+    seen.clear()
     with sequences(2):
         flat = per_sequence(by_rows, x.reshape(12, 4))  # [n * L, H]: the same rows
-    assert torch.equal(flat, alone.reshape(12, 3))
+    assert seen == [((6, 4), 6), ((6, 4), 6)] and torch.equal(flat, alone.reshape(12, 3))
     seen.clear()
     with sequences(5):  # 12 rows do not split into 5 sequences
         per_sequence(by_rows, x)

@@ -78,13 +78,17 @@ def per_sequence(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if n <= 1 or rows == 0 or rows % n:
         return fn(x)
-    parts = x.reshape(n, rows // n, x.shape[-1])
+    # batch-first input: each sequence as the [1, L, ...] its forward alone passes (a block's
+    # forward unpacks three dimensions); else [L, H] parts of the flattened rows
+    whole = x.dim() >= 3 and x.shape[0] == n
+    parts = [x[i:i + 1] for i in range(n)] if whole else \
+        list(x.reshape(n, rows // n, x.shape[-1]).unbind(0))
     tok = _SEQUENCES.set(1)  # each part is one sequence to what fn calls in turn
     try:
-        outs = [fn(parts[i]) for i in range(n)]
+        outs = [fn(part) for part in parts]
     finally:
         _SEQUENCES.reset(tok)
-    return torch.stack(outs).reshape(*x.shape[:-1], outs[0].shape[-1])
+    return torch.cat(outs, 0).reshape(*x.shape[:-1], outs[0].shape[-1])
 
 
 def int4_group(K: int) -> int | None:

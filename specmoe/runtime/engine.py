@@ -369,9 +369,11 @@ class Engine(EngineCommon):
         most = self._blocks[pos][2] if pos in self._blocks else None
 
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if block.training or not self.routable(hidden_states, dtype) or \
-                    (most is not None and sequence_rows(
-                        hidden_states.numel() // hidden_states.shape[-1]) > most):
+            if block.training or not self.routable(hidden_states, dtype):
+                return original(hidden_states)
+            if most is not None and sequence_rows(
+                    hidden_states.numel() // hidden_states.shape[-1]) > most:
+                # one sequence at a time: its own products' bits (per_sequence)
                 return per_sequence(original, hidden_states)
             shape = hidden_states.shape
             return self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
