@@ -229,9 +229,10 @@ def test_per_sequence_gives_each_sequence_its_own_call():
     sequence gets the bits of its call alone even from a function whose result depends on the
     rows beside it (as MKL's GEMMs on an Intel Xeon with AMX do; AMD hosts' do not): here
     one that adds its input's row count.  A batch-first input's sequences keep their
-    dimensions ([1, L, H], as a forward alone passes them: a block's forward unpacks three).  Inside, the function's own switches count its part
-    as one sequence (a shared expert's CLinears went to C on 10 of its 20 rows).  Outside a
-    block, or where n does not divide the rows, the function sees the whole input."""
+    dimensions ([1, L, H], as a forward alone passes them: a block's forward unpacks three).
+    Inside, the function's own switches count its part as one sequence (a shared expert's
+    CLinears went to C on 10 of its 20 rows).  Outside a block, or where n does not divide
+    the rows, the function sees the whole input."""
     from specmoe.models.layers import per_sequence, sequence_rows, sequences
     seen = []
 
