@@ -256,6 +256,15 @@ def test_per_sequence_gives_each_sequence_its_own_call():
     per_sequence(by_rows, x)
     assert seen == [((2, 6, 4), 12), ((2, 6, 4), 12)]
 
+    def router(v):  # a router's (logits, weights, aux loss), rows flattened
+        flat = v.reshape(-1, v.shape[-1])
+        return flat + flat.shape[0], flat[:, :2] * flat.shape[0], None
+    with sequences(2):
+        logits, weights, aux = per_sequence(router, x)
+    assert aux is None and logits.shape == (12, 4) and weights.shape == (12, 2)
+    assert torch.equal(logits, torch.cat([router(x[b:b + 1])[0] for b in range(2)]))
+    assert torch.equal(weights, torch.cat([router(x[b:b + 1])[1] for b in range(2)]))
+
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
 def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
@@ -265,27 +274,49 @@ def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
     prefill's paths -- 8 tokens in C, 20 and 40 in torch's attention and GEMMs; without that
     the norms of 3 x 40 rows and Qwen3's k-norms of 2 x 20 tokens switched to torch while the
     prompt alone ran them in C.  bf16, 1024 hidden columns, dense layers in C."""
-    from specmoe.speculation.batch import BatchKV
-    from specmoe.speculation.decoding import cache_kwargs, new_kv
     model, eng = _wide_bf16(arch)
     try:
-        g = torch.Generator().manual_seed(5)
-        for L, B in ((8, 4), (20, 2), (40, 3)):
-            prompts = torch.randint(3, model.config.vocab_size, (B, L), generator=g)
-            bkv = BatchKV(model, B)
-            logits = bkv.prefill(prompts, torch.ones_like(prompts), last_logits=True)
-            for b in range(B):
-                kv = new_kv(model)
-                with torch.inference_mode():
-                    alone = model(input_ids=prompts[b:b + 1], use_cache=True,
-                                  attention_mask=torch.ones((1, L), dtype=torch.long),
-                                  logits_to_keep=1, **cache_kwargs(model, kv)).logits[0, -1]
-                assert torch.equal(logits[b], alone), f"{B} x {L} tokens: row {b}'s logits"
-                for i, (a, c) in enumerate(zip(bkv.row(b).layers, kv.layers)):
-                    assert torch.equal(a.keys, c.keys) and torch.equal(a.values, c.values), \
-                        f"{B} x {L} tokens: row {b}'s cache at layer {i}"
+        _prefill_each_alone(model, ((8, 4), (20, 2), (40, 3)))
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+def test_f32_prefill_with_dense_in_c_equals_each_alone(arch):
+    """The same for an f32 model with its dense layers in C (``dense="f32"``), where the
+    bits of f32 products show: above 16 tokens DeepSeek-V2's block runs its own forward, whose
+    router's f32 GEMM in torch runs one prompt at a time (per_sequence) while its experts take
+    one call for the batch; MKL on an Intel Xeon with AMX gave 2 x 20 rows of that GEMM other
+    bits than 20 alone."""
+    model = tiny_model(arch, hidden=1024, inter=512, layers=3,
+                       overrides={"num_key_value_heads": 4} if arch == "deepseek_v2" else None)
+    eng = hf.offload(model, cache=1.0, prefetch=False, dense="f32")
+    try:
+        _prefill_each_alone(model, ((8, 4), (20, 2), (40, 3)))
+    finally:
+        eng.close()
+
+
+def _prefill_each_alone(model, cases):
+    """For each (L, B) of ``cases``: B random prompts of L tokens prefilled as one batch
+    (BatchKV.prefill) give each prompt the last logits and KV cache of its prefill alone."""
+    from specmoe.speculation.batch import BatchKV
+    from specmoe.speculation.decoding import cache_kwargs, new_kv
+    g = torch.Generator().manual_seed(5)
+    for L, B in cases:
+        prompts = torch.randint(3, model.config.vocab_size, (B, L), generator=g)
+        bkv = BatchKV(model, B)
+        logits = bkv.prefill(prompts, torch.ones_like(prompts), last_logits=True)
+        for b in range(B):
+            kv = new_kv(model)
+            with torch.inference_mode():
+                alone = model(input_ids=prompts[b:b + 1], use_cache=True,
+                              attention_mask=torch.ones((1, L), dtype=torch.long),
+                              logits_to_keep=1, **cache_kwargs(model, kv)).logits[0, -1]
+            assert torch.equal(logits[b], alone), f"{B} x {L} tokens: row {b}'s logits"
+            for i, (a, c) in enumerate(zip(bkv.row(b).layers, kv.layers)):
+                assert torch.equal(a.keys, c.keys) and torch.equal(a.values, c.values), \
+                    f"{B} x {L} tokens: row {b}'s cache at layer {i}"
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])

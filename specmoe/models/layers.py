@@ -64,8 +64,8 @@ def sequence_rows(rows: int) -> int:
     return rows // n if n > 1 and rows % n == 0 else rows
 
 
-def per_sequence(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` for a row-wise ``fn`` (a torch GEMM, a norm, a block's forward), computed one
+def per_sequence(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+    """``fn(x)`` for a row-wise ``fn`` (a torch GEMM, a norm, a router), computed one
     sequence at a time inside a :func:`sequences` block of n > 1 whose count divides x's rows
     (x's leading dimensions flattened, the sequences one after another: a batch-first
     ``[n, L, ...]`` or ``[n * L, ...]``); plain ``fn(x)`` otherwise.  Each sequence's rows
@@ -73,7 +73,9 @@ def per_sequence(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
     BLAS does with more rows: MKL's bf16 and f32 GEMMs on an Intel Xeon with AMX gave rows
     0-19 of a 40-row product other bits than the 20-row product of those rows alone (the
     AMD EPYC hosts this suite passed on before gave the same).  It costs one call per sequence
-    where a prefill batch runs in torch."""
+    where a prefill batch runs in torch.  A tuple returned by ``fn`` (a router's logits,
+    weights and indices, rows flattened) comes back with each tensor joined along its first
+    dimension and other items (None) as the first part gave them."""
     n = _SEQUENCES.get()
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if n <= 1 or rows == 0 or rows % n:
@@ -88,6 +90,9 @@ def per_sequence(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
         outs = [fn(part) for part in parts]
     finally:
         _SEQUENCES.reset(tok)
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat([o[j] for o in outs], 0) if isinstance(first, torch.Tensor)
+                     else first for j, first in enumerate(outs[0]))
     return torch.cat(outs, 0).reshape(*x.shape[:-1], outs[0].shape[-1])
 
 

@@ -31,6 +31,7 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import threading
@@ -349,6 +350,10 @@ class Engine(EngineCommon):
                 flags = _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
                 self._blocks[pos] = (scale, linears, most)
                 self._layers.set_block(pos, scale, linears)
+                # above the shared FFN's bound the block's own forward runs, its router's f32
+                # product in torch: one prompt at a time inside sequences(n) (per_sequence),
+                # which keeps each prompt's routing bits while the experts take one C call
+                gate.forward = functools.partial(per_sequence, gate.forward)
             else:
                 if kind == "mixtral" or getattr(gate, "norm_topk_prob", False):
                     flags |= _C.ROUTE_RENORM
@@ -373,8 +378,9 @@ class Engine(EngineCommon):
                 return original(hidden_states)
             if most is not None and sequence_rows(
                     hidden_states.numel() // hidden_states.shape[-1]) > most:
-                # one sequence at a time: its own products' bits (per_sequence)
-                return per_sequence(original, hidden_states)
+                # the block's own forward: the router and the shared FFN's torch products
+                # one sequence at a time (per_sequence), the experts one call for all rows
+                return original(hidden_states)
             shape = hidden_states.shape
             return self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
                                       flags).reshape(shape)
