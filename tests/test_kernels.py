@@ -5,6 +5,7 @@ over dtype x activation x ISA x token count x shape, routing (rows/scale accumul
 store-schema descriptors, and bad input."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -206,27 +207,40 @@ def _shape_for(dtype, H, I):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("activation", ["silu", "gptoss"])
 @pytest.mark.parametrize("dtype", quant.DTYPES)
-def test_ffn_matches_reference(ctx, dtype, activation, isa, T, shape, seed=0):
+def test_ffn_matches_reference(ctx, dtype, activation, isa, T, shape):
     _isa(ctx, isa)
     H, I = _shape_for(dtype, *shape)
+    t, x, ref, full = _ffn_case(dtype, activation, T, H, I)
+    y = kernels.ffn(t, x, dtype, activation, precise=True, ctx=ctx)
+    tol = 2e-5 * np.sqrt(max(H, I)) * max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=tol)
+    # quantization error against the original f32 expert, per format
+    rel = np.linalg.norm(y - full) / max(np.linalg.norm(full), 1e-6)
+    assert rel < {"f32": 1e-4, "bf16": 3e-2, "int8": 5e-2, "int4": 0.4, "int2": 1.0}[dtype], rel
+
+
+@functools.lru_cache(maxsize=None)
+def _ffn_case(dtype, activation, T, H, I, seed=0):
+    """test_ffn_matches_reference's expert, input and references, the same for every ISA
+    (computed once a session: the float64 references of the 2048 x 1024 shapes and the int2
+    quantization took most of the test's time, three times over): (stored tensors, x [T, H],
+    the float64 reference on the stored weights, the reference on the f32 weights)."""
     rng = np.random.default_rng(zlib.crc32(f"{dtype}{activation}{T}{H}{seed}".encode()))
     big = activation == "gptoss"  # large weights so gptoss clamps are exercised
     g, u, d, b = make_expert(rng, H, I, std=(1.0 / np.sqrt(H)) * (8 if big else 1), bias=big)
     t = quant.expert_tensors(g, u, d, dtype, biases=b)
     x = rng.standard_normal((T, H)).astype(np.float32)
-    y = kernels.ffn(t, x, dtype, activation, precise=True, ctx=ctx)
     w = quant.dequantize_expert(t)
     ref = ref_ffn(w, x, activation)
-    tol = 2e-5 * np.sqrt(max(H, I)) * max(1.0, np.abs(ref).max())
-    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=tol)
     if big:
         gg = x.astype(np.float64) @ w["gate"].T.astype(np.float64) + w["gate.bias"]
         assert (np.abs(gg) > 7.0).any(), "the gptoss clamps were not exercised"
-    # quantization error against the original f32 expert, per format
     full = ref_ffn({"gate": g, "up": u, "down": d, **({} if b is None else
                    {k + ".bias": v for k, v in b.items()})}, x, activation)
-    rel = np.linalg.norm(y - full) / max(np.linalg.norm(full), 1e-6)
-    assert rel < {"f32": 1e-4, "bf16": 3e-2, "int8": 5e-2, "int4": 0.4, "int2": 1.0}[dtype], rel
+    for a in (*t.values(), x, ref, full):  # shared between the ISAs' cases: read only
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = False
+    return t, x, ref, full
 
 
 # The default (fast) path rounds activations: bf16 -> bf16 x (vdpbf16ps), int8 -> int16 x
