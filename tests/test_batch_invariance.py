@@ -273,6 +273,12 @@ def test_per_sequence_gives_each_sequence_its_own_call():
     per_sequence(by_rows, x)
     assert seen == [((2, 6, 4), 12), ((2, 6, 4), 12)]
 
+    def flat(v):  # a product that flattens its rows: they stay flat
+        return v.reshape(-1, v.shape[-1])[:, :2] + v.numel() // v.shape[-1]
+    with sequences(2):
+        got = per_sequence(flat, x)
+    assert torch.equal(got, torch.cat([flat(x[b:b + 1]) for b in range(2)]))
+
     def router(v):  # a router's (logits, weights, aux loss), rows flattened
         flat = v.reshape(-1, v.shape[-1])
         return flat + flat.shape[0], flat[:, :2] * flat.shape[0], None
@@ -281,6 +287,23 @@ def test_per_sequence_gives_each_sequence_its_own_call():
     assert aux is None and logits.shape == (12, 4) and weights.shape == (12, 2)
     assert torch.equal(logits, torch.cat([router(x[b:b + 1])[0] for b in range(2)]))
     assert torch.equal(weights, torch.cat([router(x[b:b + 1])[1] for b in range(2)]))
+
+
+def test_split_sequences_splits_a_module_once():
+    """split_sequences makes a module's forward run per sequence inside sequences(n), and a
+    second call (a model offloaded again) does not wrap it twice."""
+    from specmoe.models.layers import sequences, split_sequences
+    calls = []
+    lin = nn.Linear(4, 3)
+    lin.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape))
+    inner = lin.forward
+    lin.forward = lambda v: (calls.append(tuple(v.shape)), inner(v))[1]
+    assert split_sequences(split_sequences(lin)) is lin
+    x = torch.randn(3, 5, 4)
+    with sequences(3):
+        y = lin(x)
+    assert calls == [(3, 5, 4), (1, 5, 4), (1, 5, 4), (1, 5, 4)]  # the hook, then each part
+    assert y.shape == (3, 5, 3) and torch.allclose(y, inner(x))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
@@ -298,13 +321,16 @@ def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2", "phimoe", "glm4_moe"])
 def test_f32_prefill_with_dense_in_c_equals_each_alone(arch):
     """The same for an f32 model with its dense layers in C (``dense="f32"``), where the
     bits of f32 products show: above 16 tokens DeepSeek-V2's block runs its own forward, whose
-    router's f32 GEMM in torch runs one prompt at a time (per_sequence) while its experts take
-    one call for the batch; MKL on an Intel Xeon with AMX gave 2 x 20 rows of that GEMM other
-    bits than 20 alone."""
+    router's f32 GEMM in torch runs one prompt at a time (split_sequences) while its experts
+    take one call for the batch; MKL on an Intel Xeon with AMX gave 2 x 20 rows of that GEMM
+    other bits than 20 alone.  PhiMoE's and GLM-4-MoE's blocks route in torch at every size
+    (they have no C routing form): their routers split the same way (without, 4 x 8 tokens
+    left the bits there).  Not Qwen2-MoE: its block's sigmoid of the shared expert's gate,
+    in torch over the batch, rounds by the tensor's length (vector body, scalar tail)."""
     model = tiny_model(arch, hidden=1024, inter=512, layers=3,
                        overrides={"num_key_value_heads": 4} if arch == "deepseek_v2" else None)
     eng = hf.offload(model, cache=1.0, prefetch=False, dense="f32")

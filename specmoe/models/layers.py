@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -23,7 +24,7 @@ from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
            "int4_group", "norm_weight", "per_sequence", "sequence_rows", "sequences",
-           "silu_mlp_parts"]
+           "silu_mlp_parts", "split_sequences"]
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 _WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 _ALIGN = 64
@@ -73,9 +74,10 @@ def per_sequence(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
     BLAS does with more rows: MKL's bf16 and f32 GEMMs on an Intel Xeon with AMX gave rows
     0-19 of a 40-row product other bits than the 20-row product of those rows alone (the
     AMD EPYC hosts this suite passed on before gave the same).  It costs one call per sequence
-    where a prefill batch runs in torch.  A tuple returned by ``fn`` (a router's logits,
-    weights and indices, rows flattened) comes back with each tensor joined along its first
-    dimension and other items (None) as the first part gave them."""
+    where a prefill batch runs in torch.  The parts' outputs are joined along their first
+    dimension, and take x's leading dimensions back where ``fn`` kept its part's (a GEMM, a
+    norm); an output that ``fn`` flattened to rows (a router's) stays as joined.  A tuple
+    (a router's logits, weights and indices) is joined item by item, None passed through."""
     n = _SEQUENCES.get()
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if n <= 1 or rows == 0 or rows % n:
@@ -90,10 +92,28 @@ def per_sequence(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
         outs = [fn(part) for part in parts]
     finally:
         _SEQUENCES.reset(tok)
+
+    def join(items: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.cat(items, 0)
+        if items[0].shape[:-1] == parts[0].shape[:-1]:  # fn kept the part's dimensions
+            out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return out
     if isinstance(outs[0], tuple):
-        return tuple(torch.cat([o[j] for o in outs], 0) if isinstance(first, torch.Tensor)
-                     else first for j, first in enumerate(outs[0]))
-    return torch.cat(outs, 0).reshape(*x.shape[:-1], outs[0].shape[-1])
+        return tuple(join([o[j] for o in outs]) if isinstance(first, torch.Tensor) else first
+                     for j, first in enumerate(outs[0]))
+    return join(outs)
+
+
+def split_sequences(module: nn.Module) -> nn.Module:
+    """Make ``module``'s forward run one sequence at a time inside a :func:`sequences` block
+    (:func:`per_sequence`; a plain call elsewhere), once however often it is called: for a
+    row-wise module whose product stays in torch -- a MoE block's router, whose f32 or bf16
+    GEMM would otherwise give a prompt of a batched prefill other bits than its prefill
+    alone on a host whose BLAS rounds by shape.  Returns ``module``."""
+    if not module.__dict__.get("_specmoe_split_sequences", False):
+        module.forward = functools.partial(per_sequence, module.forward)
+        module._specmoe_split_sequences = True
+    return module
 
 
 def int4_group(K: int) -> int | None:

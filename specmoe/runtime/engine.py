@@ -31,7 +31,6 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import tempfile
 import threading
@@ -48,7 +47,7 @@ from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, Unsu
                            iter_experts_modules, moe_block, moe_layers)
 from ..storage.conversion import store_settings, write_experts
 from ..models.dense import resolve_dense
-from ..models.layers import per_sequence, sequence_rows, silu_mlp_parts
+from ..models.layers import sequence_rows, silu_mlp_parts, split_sequences
 from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetch_arg
 from .tau_tables import TauTables
 
@@ -227,7 +226,10 @@ class Engine(EngineCommon):
         blocks = [moe_block(model, info, i) for i in ids]
         # the prefetch predictor's view of each layer's router: the module holding weight [E,H]
         # (and bias), and the correction bias added to the scores when choosing experts
-        self._routers: list[nn.Module] = [getpath(b, info.router_attr) for b in blocks]
+        # Inside a batched prefill (sequences(n)) a router whose product runs in torch runs
+        # one prompt at a time: each prompt's routing keeps its prefill's bits (split_sequences)
+        self._routers: list[nn.Module] = [split_sequences(getpath(b, info.router_attr))
+                                          for b in blocks]
         self._router_bias: list[torch.Tensor | None] = [
             getpath(b, info.bias_attr) if info.bias_attr else None for b in blocks]
         self._predictor: Callable[[int, torch.Tensor], Any] | None = None
@@ -350,10 +352,6 @@ class Engine(EngineCommon):
                 flags = _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
                 self._blocks[pos] = (scale, linears, most)
                 self._layers.set_block(pos, scale, linears)
-                # above the shared FFN's bound the block's own forward runs, its router's f32
-                # product in torch: one prompt at a time inside sequences(n) (per_sequence),
-                # which keeps each prompt's routing bits while the experts take one C call
-                gate.forward = functools.partial(per_sequence, gate.forward)
             else:
                 if kind == "mixtral" or getattr(gate, "norm_topk_prob", False):
                     flags |= _C.ROUTE_RENORM
@@ -378,8 +376,8 @@ class Engine(EngineCommon):
                 return original(hidden_states)
             if most is not None and sequence_rows(
                     hidden_states.numel() // hidden_states.shape[-1]) > most:
-                # the block's own forward: the router and the shared FFN's torch products
-                # one sequence at a time (per_sequence), the experts one call for all rows
+                # the block's own forward: its router and shared FFN one sequence at a time
+                # (split_sequences, CLinear), its experts in one call for all rows
                 return original(hidden_states)
             shape = hidden_states.shape
             return self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
