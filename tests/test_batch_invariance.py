@@ -321,7 +321,8 @@ def test_prefill_of_prompts_of_one_length_equals_each_alone(arch):
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2", "phimoe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2", "phimoe", "glm4_moe",
+                                  "qwen2_moe"])
 def test_f32_prefill_with_dense_in_c_equals_each_alone(arch):
     """The same for an f32 model with its dense layers in C (``dense="f32"``), where the
     bits of f32 products show: above 16 tokens DeepSeek-V2's block runs its own forward, whose
@@ -329,8 +330,9 @@ def test_f32_prefill_with_dense_in_c_equals_each_alone(arch):
     take one call for the batch; MKL on an Intel Xeon with AMX gave 2 x 20 rows of that GEMM
     other bits than 20 alone.  PhiMoE's and GLM-4-MoE's blocks route in torch at every size
     (they have no C routing form): their routers split the same way (without, 4 x 8 tokens
-    left the bits there).  Not Qwen2-MoE: its block's sigmoid of the shared expert's gate,
-    in torch over the batch, rounds by the tensor's length (vector body, scalar tail)."""
+    left the bits there).  Qwen2-MoE's block also takes the sigmoid of its shared expert's
+    gate in torch, which rounds by the tensor's length (vector body, scalar tail): that runs
+    one prompt at a time too (split_shared_gate)."""
     model = tiny_model(arch, hidden=1024, inter=512, layers=3,
                        overrides={"num_key_value_heads": 4} if arch == "deepseek_v2" else None)
     eng = hf.offload(model, cache=1.0, prefetch=False, dense="f32")

@@ -24,7 +24,7 @@ from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
            "int4_group", "norm_weight", "per_sequence", "sequence_rows", "sequences",
-           "silu_mlp_parts", "split_sequences"]
+           "silu_mlp_parts", "split_sequences", "split_shared_gate"]
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 _WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 _ALIGN = 64
@@ -65,7 +65,7 @@ def sequence_rows(rows: int) -> int:
     return rows // n if n > 1 and rows % n == 0 else rows
 
 
-def per_sequence(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+def per_sequence(fn: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """``fn(x)`` for a row-wise ``fn`` (a torch GEMM, a norm, a router), computed one
     sequence at a time inside a :func:`sequences` block of n > 1 whose count divides x's rows
     (x's leading dimensions flattened, the sequences one after another: a batch-first
@@ -77,11 +77,12 @@ def per_sequence(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
     where a prefill batch runs in torch.  The parts' outputs are joined along their first
     dimension, and take x's leading dimensions back where ``fn`` kept its part's (a GEMM, a
     norm); an output that ``fn`` flattened to rows (a router's) stays as joined.  A tuple
-    (a router's logits, weights and indices) is joined item by item, None passed through."""
+    (a router's logits, weights and indices) is joined item by item, None passed through.
+    Further arguments go to every part unchanged (LFM2-MoE's router takes its expert bias)."""
     n = _SEQUENCES.get()
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if n <= 1 or rows == 0 or rows % n:
-        return fn(x)
+        return fn(x, *args, **kwargs)
     # batch-first input: each sequence as the [1, L, ...] its forward alone passes (a block's
     # forward unpacks three dimensions); else [L, H] parts of the flattened rows
     whole = x.dim() >= 3 and x.shape[0] == n
@@ -89,7 +90,7 @@ def per_sequence(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
         list(x.reshape(n, rows // n, x.shape[-1]).unbind(0))
     tok = _SEQUENCES.set(1)  # each part is one sequence to what fn calls in turn
     try:
-        outs = [fn(part) for part in parts]
+        outs = [fn(part, *args, **kwargs) for part in parts]
     finally:
         _SEQUENCES.reset(tok)
 
@@ -114,6 +115,40 @@ def split_sequences(module: nn.Module) -> nn.Module:
         module.forward = functools.partial(per_sequence, module.forward)
         module._specmoe_split_sequences = True
     return module
+
+
+def split_shared_gate(block: nn.Module) -> bool:
+    """Give a Qwen2-MoE block a forward whose shared expert's sigmoid gate runs one sequence
+    at a time inside :func:`sequences` (:func:`per_sequence`); the same operations in the same
+    order as transformers' forward otherwise.  Its forward takes that sigmoid in torch over the
+    whole batch, and torch's vector sigmoid gives a tensor's tail other bits than its body (on
+    an Intel Xeon with AVX-512: 32 rows against the same 8 alone), so a prompt of a batched
+    prefill left its bits.  Returns whether ``block`` was one (transformers 5's form: the
+    router returning logits, weights and indices; ``tests/test_generate.py`` holds every
+    architecture to the unmodified model's greedy output)."""
+    if type(block).__name__ != "Qwen2MoeSparseMoeBlock" \
+            or type(getattr(block, "gate", None)).__name__ != "Qwen2MoeTopKRouter" \
+            or not all(hasattr(block, a) for a in ("experts", "shared_expert",
+                                                   "shared_expert_gate")):
+        return False
+    if block.__dict__.get("_specmoe_split_shared_gate", False):
+        return True
+
+    def gate(x: torch.Tensor) -> torch.Tensor:
+        return F.sigmoid(block.shared_expert_gate(x))
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        batch, length, hidden = hidden_states.shape
+        x = hidden_states.view(-1, hidden)
+        shared = block.shared_expert(x)
+        _, weights, experts = block.gate(x)
+        out = block.experts(x, experts, weights)
+        out = out + per_sequence(gate, x) * shared
+        return out.reshape(batch, length, hidden)
+    forward.__name__ = "specmoe_split_shared_gate_forward"
+    block.forward = forward
+    block._specmoe_split_shared_gate = True
+    return True
 
 
 def int4_group(K: int) -> int | None:

@@ -47,7 +47,7 @@ from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, Unsu
                            iter_experts_modules, moe_block, moe_layers)
 from ..storage.conversion import store_settings, write_experts
 from ..models.dense import resolve_dense
-from ..models.layers import sequence_rows, silu_mlp_parts, split_sequences
+from ..models.layers import sequence_rows, silu_mlp_parts, split_sequences, split_shared_gate
 from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetch_arg
 from .tau_tables import TauTables
 
@@ -230,6 +230,8 @@ class Engine(EngineCommon):
         # one prompt at a time: each prompt's routing keeps its prefill's bits (split_sequences)
         self._routers: list[nn.Module] = [split_sequences(getpath(b, info.router_attr))
                                           for b in blocks]
+        for b in blocks:  # the same for Qwen2-MoE's sigmoid gate of its shared expert
+            split_shared_gate(b)
         self._router_bias: list[torch.Tensor | None] = [
             getpath(b, info.bias_attr) if info.bias_attr else None for b in blocks]
         self._predictor: Callable[[int, torch.Tensor], Any] | None = None
