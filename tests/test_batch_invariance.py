@@ -389,6 +389,26 @@ def test_batched_decode_steps_of_many_tokens_equal_each_row_alone(arch):
         eng.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "phimoe"])
+def test_f32_batched_decode_steps_with_routing_in_torch_equal_each_row_alone(arch):
+    """The same for f32 models whose blocks route in torch (no C routing form), dense layers in
+    C: each row's router, and Qwen2-MoE's sigmoid gate of its shared expert, run one row at a
+    time (split_sequences, split_shared_gate); without them a row of 6 left its bits here."""
+    from specmoe.speculation.batch import BatchKV
+    model = tiny_model(arch, hidden=1024, inter=512, layers=3)
+    eng = hf.offload(model, cache=1.0, prefetch=False, dense="f32")
+    try:
+        g = torch.Generator().manual_seed(7)
+        prompts = torch.randint(3, model.config.vocab_size, (6, 8), generator=g)
+        rows = torch.randint(3, model.config.vocab_size, (6, 4), generator=g).tolist()
+        rows = [r[:4 - b % 2] for b, r in enumerate(rows)]
+        bkv = BatchKV(model, 6)
+        bkv.prefill(prompts, torch.ones_like(prompts))
+        _each_row_alone(model, prompts, rows, bkv.forward(rows))
+    finally:
+        eng.close()
+
+
 def _each_row_alone(model, prompts, rows, logits):
     """Each row's step alone (its prompt prefilled, then its tokens) has the batched step's
     logits ``logits`` [B, m, V] of that row, bit for bit."""
