@@ -117,17 +117,24 @@ def split_sequences(module: nn.Module) -> nn.Module:
     return module
 
 
+# the blocks that take a sigmoid gate of their shared expert in torch (one forward, the same in
+# each), by the router class of transformers 5's form (logits, weights and indices)
+SHARED_GATE_BLOCKS = {"Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter",
+                      "Qwen3NextSparseMoeBlock": "Qwen3NextTopKRouter",
+                      "Qwen3_5MoeSparseMoeBlock": "Qwen3_5MoeTopKRouter"}
+
+
 def split_shared_gate(block: nn.Module) -> bool:
-    """Give a Qwen2-MoE block a forward whose shared expert's sigmoid gate runs one sequence
-    at a time inside :func:`sequences` (:func:`per_sequence`); the same operations in the same
-    order as transformers' forward otherwise.  Its forward takes that sigmoid in torch over the
-    whole batch, and torch's vector sigmoid gives a tensor's tail other bits than its body (on
+    """Give a Qwen2-MoE block (Qwen3-Next's, Qwen3.5-MoE's: ``SHARED_GATE_BLOCKS``) a forward
+    whose shared expert's sigmoid gate runs one sequence at a time inside :func:`sequences`
+    (:func:`per_sequence`); the same operations in the same order as transformers' forward
+    otherwise.  Its forward takes that sigmoid in torch over the whole batch, and torch's vector sigmoid gives a tensor's tail other bits than its body (on
     an Intel Xeon with AVX-512: 32 rows against the same 8 alone), so a prompt of a batched
     prefill left its bits.  Returns whether ``block`` was one (transformers 5's form: the
     router returning logits, weights and indices; ``tests/test_generate.py`` holds every
     architecture to the unmodified model's greedy output)."""
-    if type(block).__name__ != "Qwen2MoeSparseMoeBlock" \
-            or type(getattr(block, "gate", None)).__name__ != "Qwen2MoeTopKRouter" \
+    router = SHARED_GATE_BLOCKS.get(type(block).__name__)
+    if router is None or type(getattr(block, "gate", None)).__name__ != router \
             or not all(hasattr(block, a) for a in ("experts", "shared_expert",
                                                    "shared_expert_gate")):
         return False
