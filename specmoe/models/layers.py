@@ -128,9 +128,10 @@ def split_shared_gate(block: nn.Module) -> bool:
     """Give a Qwen2-MoE block (Qwen3-Next's, Qwen3.5-MoE's: ``SHARED_GATE_BLOCKS``) a forward
     whose shared expert's sigmoid gate runs one sequence at a time inside :func:`sequences`
     (:func:`per_sequence`); the same operations in the same order as transformers' forward
-    otherwise.  Its forward takes that sigmoid in torch over the whole batch, and torch's vector sigmoid gives a tensor's tail other bits than its body (on
-    an Intel Xeon with AVX-512: 32 rows against the same 8 alone), so a prompt of a batched
-    prefill left its bits.  Returns whether ``block`` was one (transformers 5's form: the
+    otherwise.  Its forward takes that sigmoid in torch over the whole batch, and torch's
+    vector sigmoid gives a tensor's tail other bits than its body (on an Intel Xeon with
+    AVX-512: 32 rows against the same 8 alone), so a prompt of a batched prefill left its
+    bits.  Returns whether ``block`` was one (transformers 5's form: the
     router returning logits, weights and indices; ``tests/test_generate.py`` holds every
     architecture to the unmodified model's greedy output)."""
     router = SHARED_GATE_BLOCKS.get(type(block).__name__)
