@@ -254,14 +254,19 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     except (AttributeError, NotImplementedError):
         emb_w = None
     for name, mod in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if attr == "dt_proj" and hasattr(parent, "A_log"):
+            # a Mamba mixer (Jamba) multiplies by dt_proj.weight and adds dt_proj.bias itself
+            # instead of calling the layer; a [rank -> inner] projection, small
+            report.skipped[name] = "the model reads its weight directly (Mamba's dt_proj)"
+            continue
         if fmt == "int4" and int4_group(mod.in_features) is None:
             report.skipped[name] = f"in_features {mod.in_features} is not a multiple of 32"
             continue
         report.bytes_before += mod.weight.numel() * mod.weight.element_size()
         new = CLinear(mod, fmt, ctx, torch_above, copy_mapped=mod.weight is not emb_w)
         report.bytes_after += new.nbytes
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         report.converted.append(name)
     report.fused = fuse_attention(model, ctx) + fuse_mla(model, ctx)
