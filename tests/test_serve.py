@@ -481,6 +481,39 @@ def test_models_whose_cache_cannot_hold_holes_are_not_batched():
     assert Scheduler(model, None, batch_decode=False).batch_off_reason == "batch_decode=False"
 
 
+@pytest.mark.parametrize("arch,reason", [("minimax", "linear_attention"),
+                                         ("qwen3_next", "linear_attention"),
+                                         ("jamba", "mamba"),
+                                         ("gpt_oss", "DynamicSlidingWindowLayer")])
+def test_every_cache_form_is_served_as_generate_alone(arch, reason):
+    """Models whose cache is not plain per-position keys and values -- MiniMax's cache class of
+    its own (its forward refuses any other), linear attention, Mamba, sliding windows -- are
+    served one request per forward, each request's greedy tokens those of model.generate
+    alone."""
+    from specmoe.models.testing import tiny_model
+    from specmoe.serve.scheduler import Scheduler
+    model = tiny_model(arch, vocab=128)
+    model.generation_config.eos_token_id = None  # _IdText stops on no token either
+    eng = specmoe.offload(model, cache=0.5)
+    try:
+        g = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (14, 9, 14)]
+        refs = []
+        for ids in prompts:
+            x = torch.tensor([ids])
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=6, pad_token_id=0)
+            refs.append(out[0, len(ids):].tolist())
+        sch = Scheduler(model, _IdText(), max_batch=8, prefill_chunk=64)
+        try:
+            assert reason in sch.batch_off_reason
+            assert _collect(sch, prompts, 6) == refs
+        finally:
+            sch.close()
+    finally:
+        eng.close()
+
+
 def _together(served, keys):
     """Greedy completions of ``keys`` sent at once from threads: {key: text}.  (With three
     keys all three may reach the queue before the worker admits any, and the fixture's

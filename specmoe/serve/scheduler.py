@@ -108,7 +108,8 @@ from torch import nn
 
 from ..runtime.experts import find_engine
 from ..speculation.batch import BatchKV
-from ..speculation.decoding import cache_kwargs, crop_kv, input_device, new_kv
+from ..speculation.decoding import (cache_kwargs, crop_kv, input_device, new_kv,
+                                    recurrent_layer_types)
 from ..speculation.sampling import Sampling
 from ..speculation.verify import accept_logits
 from .detok import IncrementalText
@@ -858,6 +859,9 @@ def _unbatchable(model: nn.Module) -> Optional[str]:
     cache must be made of transformers' plain full-attention layers, where a hole is a
     masked position like any other."""
     from transformers.cache_utils import DynamicLayer
+    recurrent = recurrent_layer_types(model.config)
+    if recurrent:
+        return f"its {', '.join(recurrent)} layers keep a state per sequence, not per position"
     try:
         layers = list(getattr(new_kv(model), "layers", None) or [])
     except Exception as exc:  # noqa: BLE001 (the reason is reported)

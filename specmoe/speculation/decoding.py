@@ -83,8 +83,27 @@ def recurrent_layer_types(config: Any) -> List[str]:
 
 
 def new_kv(model: nn.Module) -> Any:
+    """An empty KV cache for ``model``: the cache class its modeling module defines, where it
+    defines one and its forward accepts no other (MiniMax's ``MiniMaxCache``), else
+    transformers' ``DynamicCache`` for its config."""
     from transformers import DynamicCache
-    return DynamicCache(config=model.config)
+    own = _own_cache(type(model))
+    return own() if own is not None else DynamicCache(config=model.config)
+
+
+def _own_cache(cls: type) -> Optional[type]:
+    """The one ``DynamicCache`` subclass defined in ``cls``'s modeling module, or None."""
+    if cls not in _OWN_CACHE:
+        import sys
+
+        from transformers import DynamicCache
+        mod = sys.modules.get(cls.__module__)
+        found = [c for c in vars(mod).values()
+                 if isinstance(c, type) and issubclass(c, DynamicCache) and c is not DynamicCache
+                 and c.__module__ == cls.__module__] if mod is not None else []
+        _OWN_CACHE[cls] = found[0] if len(found) == 1 else None
+    return _OWN_CACHE[cls]
+_OWN_CACHE: Dict[type, Optional[type]] = {}  # model class -> its modeling module's cache class
 
 
 def crop_kv(kv: Any, keep: int) -> None:
