@@ -531,6 +531,26 @@ def test_every_architecture_greedy_equal(arch):
         eng.close()
 
 
+def test_speculation_past_a_sliding_window_equals_greedy():
+    """GPT-OSS's sliding-window layers (64 positions in the tiny config, 128 in the real one)
+    are cut back to accepted drafts past their window: the cache records its past until each
+    crop (specmoe.speculation.decoding.new_kv).  Without that the first rejected draft past
+    the window raised RuntimeError from transformers' crop."""
+    model = tiny_model("gpt_oss", vocab=64)
+    assert model.config.sliding_window == 64
+    eng = specmoe.offload(model, cache=0.5)
+    try:
+        ids = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 8])  # 80 tokens
+        ref = hf_greedy(model, ids, 24)
+        for drafter in (NgramDrafter(), RandomDrafter(64)):
+            out = generate(model, ids, drafter, StaticK(3), max_new_tokens=24,
+                           eos_token_id=None, tau=None)
+            assert out.sequences[0, ids.shape[1]:].tolist() == ref
+            assert out.stats["proposed"] > out.stats["accepted"]  # drafts were rejected
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_deepseek_multi_token_forward_still_broken_upstream(arch):
     """Guards the xfail above: when transformers fixes it, this fails and the xfail can go."""

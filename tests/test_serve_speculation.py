@@ -326,6 +326,45 @@ def test_bad_arguments_are_named(zoo):
     assert controller_factory("cascade", 3)().k_max == 3
 
 
+class _IdText:
+    """A tokenizer for random-weight models: a token's text is its id."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_a_sliding_window_model_is_served_with_drafts_and_a_recurrent_one_refused():
+    """GPT-OSS (sliding-window layers) serves with n-gram drafts past its window, each
+    request's tokens model.generate's alone (tau is measured on 64 tokens, past the tiny
+    config's 64-position window: the worker died there before its cache recorded its past);
+    Qwen3-Next (linear attention, whose state no crop puts back) is refused by name."""
+    from specmoe.models.testing import tiny_model
+    model = tiny_model("gpt_oss", vocab=64)
+    model.generation_config.eos_token_id = None
+    eng = specmoe.offload(model, cache=0.5)
+    try:
+        prompts = [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 7, [7, 8, 9, 10] * 17]
+        refs = []
+        for ids in prompts:
+            x = torch.tensor([ids])
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=12, pad_token_id=0)
+            refs.append(out[0, len(ids):].tolist())
+        sch = Scheduler(model, _IdText(), max_batch=4, prefill_chunk=128, drafter="ngram",
+                        controller="static:3")
+        try:
+            reqs = _run(sch, prompts, max_tokens=12)
+            assert [r.generated for r in reqs] == refs
+            assert sch.spec.stats()["proposed"] > 0
+        finally:
+            sch.close()
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="qwen3_next's linear_attention layers .* cannot be "
+                                         "rolled back.*--drafter none"):
+        Scheduler(tiny_model("qwen3_next"), None, drafter="ngram")
+
+
 def test_cli_checks_the_controller_before_loading(capsys):
     from specmoe.cli import main
     for argv, name in ((["--drafter", "ngram", "--controller", "quick"], "--controller 'quick'"),

@@ -673,7 +673,7 @@ class Scheduler:
         """One step of ``req`` alone on its own cache: its next prompt chunk, or a decode."""
         self._start(req)
         if req.kv is None:
-            req.kv = new_kv(self.model)
+            req.kv = new_kv(self.model, rollback=self.spec is not None)
         if req.fed < len(req.prompt):
             chunk = req.prompt[req.fed:req.fed + self.prefill_chunk]
             logits = self._forward(req, chunk)
@@ -720,6 +720,8 @@ class Scheduler:
         cut back to the pending token and the accepted drafts, and every new token emitted
         until the request finishes.  Returns the drafts accepted."""
         if not drafts:
+            if row is None:  # a cache recording its past (sliding windows) trimmed back
+                crop_kv(req.kv, req.kv.get_seq_length())
             self._pick(req, logits[0])
             return 0
         # the drafts are proposed greedily: q one-hot (None)

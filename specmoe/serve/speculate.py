@@ -46,7 +46,7 @@ import torch
 from ..speculation.batch import BatchDraftModel, BatchKV, observe_batch_step
 from ..speculation.controllers import Cascade, Controller, Heuristic, SpeqGovernor, StaticK
 from ..speculation.drafters import DraftModel, NgramDrafter, SelfDraft, propose
-from ..speculation.decoding import crop_kv
+from ..speculation.decoding import crop_kv, require_rollback
 from ..speculation.mtp import MtpDrafter, next_drafts, priming
 from ..speculation.tau import TtftProfile, batch_bucket, profile_ttft, target_tau
 
@@ -118,6 +118,8 @@ class Speculation:
         if ttft_budget is not None and (isinstance(ttft_budget, bool) or not isinstance(
                 ttft_budget, (int, float)) or not 0 < ttft_budget < float("inf")):
             raise ValueError(f"ttft_budget must be seconds > 0 or None, got {ttft_budget!r}")
+        require_rollback(model, "speculative decoding (a drafter)",
+                         "serve it without one (--drafter none)")
         self._installed: Optional[MtpDrafter] = None   # made here: uninstalled at close()
         if mtp_adapter is not None and drafter != "mtp":
             raise ValueError("mtp_adapter goes with drafter='mtp'")

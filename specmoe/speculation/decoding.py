@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
-           "input_device", "new_kv", "recurrent_layer_types"]
+           "input_device", "new_kv", "recurrent_layer_types", "require_rollback"]
 
 
 @dataclass
@@ -82,13 +82,30 @@ def recurrent_layer_types(config: Any) -> List[str]:
                    if any(r in str(k) for r in ("linear", "conv", "mamba"))})
 
 
-def new_kv(model: nn.Module) -> Any:
+def require_rollback(model: nn.Module, who: str, instead: str) -> None:
+    """ValueError naming ``who`` (something that cuts the cache back to accepted drafts) and
+    what to do ``instead`` when ``model`` has layers with a recurrent state
+    (:func:`recurrent_layer_types`), which no crop puts back."""
+    rec = recurrent_layer_types(model.config)
+    if rec:
+        raise ValueError(f"{who} rolls the cache back to the accepted prefix, and "
+                         f"{model.config.model_type}'s {'/'.join(rec)} layers keep a recurrent "
+                         f"state that cannot be rolled back; {instead}")
+
+
+def new_kv(model: nn.Module, rollback: bool = False) -> Any:
     """An empty KV cache for ``model``: the cache class its modeling module defines, where it
     defines one and its forward accepts no other (MiniMax's ``MiniMaxCache``), else
-    transformers' ``DynamicCache`` for its config."""
+    transformers' ``DynamicCache`` for its config.  ``rollback``: the cache will be cut back
+    to accepted prefixes (:func:`crop_kv`); its sliding-window layers then keep the positions
+    past their window until the next crop (transformers' past recording), without which a
+    crop once the window is full raises (GPT-OSS past 128 tokens)."""
     from transformers import DynamicCache
     own = _own_cache(type(model))
-    return own() if own is not None else DynamicCache(config=model.config)
+    kv = own() if own is not None else DynamicCache(config=model.config)
+    if rollback and hasattr(kv, "activate_past_recording"):
+        kv.activate_past_recording()
+    return kv
 
 
 def _own_cache(cls: type) -> Optional[type]:
@@ -108,10 +125,12 @@ _OWN_CACHE: Dict[type, Optional[type]] = {}  # model class -> its modeling modul
 
 def crop_kv(kv: Any, keep: int) -> None:
     """Drop KV entries beyond the first ``keep`` positions (transformers 5 crops by a negative
-    count of positions to remove)."""
+    count of positions to remove).  A cache recording its past (``new_kv(rollback=True)``) is
+    cropped even at ``keep`` = its length: that trims its sliding-window layers back to their
+    window."""
     n = kv.get_seq_length()
-    if keep < n:
-        kv.crop(keep - n)
+    if keep < n or any(getattr(lay, "record_past", False) for lay in getattr(kv, "layers", ())):
+        kv.crop(min(keep - n, 0))
 
 
 @dataclass

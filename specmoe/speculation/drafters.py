@@ -75,7 +75,7 @@ class DraftModel:
         while n < lim and self._seen[n] == h[n]:
             n += 1
         if self._kv is None or n == 0:
-            self._kv, n = new_kv(self.model), 0
+            self._kv, n = new_kv(self.model, rollback=True), 0
         else:
             crop_kv(self._kv, n)
         return n

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .controllers import Controller, StaticK
-from .decoding import GenerateOutput, crop_kv, forward_tokens, new_kv, recurrent_layer_types
+from .decoding import GenerateOutput, crop_kv, forward_tokens, new_kv, require_rollback
 from ..models.dense import decode_session
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..runtime.experts import find_engine
@@ -169,14 +169,10 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         raise ValueError(f"tau must be 'auto', a mapping or None, got {tau!r}")
     if not isinstance(success, bool):
         raise TypeError(f"success must be a bool, got {type(success).__name__}")
-    rec = recurrent_layer_types(model.config)
-    if rec:
-        # (plain decoding through this loop is not supported either: its prefill-then-pending
-        # split is not bit-exact with transformers' own decoding for chunked linear attention)
-        raise ValueError(
-            f"specmoe.generate rolls the cache back to the accepted prefix, and "
-            f"{model.config.model_type}'s {'/'.join(rec)} layers keep a recurrent state that "
-            "cannot be rolled back; use model.generate() (offloading works as usual)")
+    # (plain decoding through this loop is not supported either: its prefill-then-pending
+    # split is not bit-exact with transformers' own decoding for chunked linear attention)
+    require_rollback(model, "specmoe.generate",
+                     "use model.generate() (offloading works as usual)")
     prune = controller is not None and tau is not None and not (
         isinstance(tau, str) and isinstance(controller, StaticK))
     if controller is not None:
@@ -211,7 +207,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         controller.begin_request()  # Cascade's state is per request (controller.h)
 
     t_start = time.perf_counter()
-    kv = new_kv(model)
+    kv = new_kv(model, rollback=True)
     if len(prompt) > 1:
         forward_tokens(model, prompt[:-1], kv)  # the last prompt token is the first pending one
     bound = isinstance(drafter, SelfDraft) and drafter.share_kv
