@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
-           "input_device", "new_kv", "recurrent_layer_types", "require_rollback"]
+           "input_device", "new_kv", "recurrent_layer_types", "require_rollback",
+           "unrollable_layer_types"]
 
 
 @dataclass
@@ -82,11 +83,19 @@ def recurrent_layer_types(config: Any) -> List[str]:
                    if any(r in str(k) for r in ("linear", "conv", "mamba"))})
 
 
+def unrollable_layer_types(config: Any) -> List[str]:
+    """The layer kinds of ``config`` (of :func:`recurrent_layer_types`) whose state no crop
+    puts back: linear attention and Mamba fold every position into one state.  A short
+    convolution (LFM2's ``conv`` layers) keeps only its last positions, which a cache
+    recording its past (``new_kv(rollback=True)``) cuts back like keys and values."""
+    return [k for k in recurrent_layer_types(config) if "conv" not in k]
+
+
 def require_rollback(model: nn.Module, who: str, instead: str) -> None:
     """ValueError naming ``who`` (something that cuts the cache back to accepted drafts) and
-    what to do ``instead`` when ``model`` has layers with a recurrent state
-    (:func:`recurrent_layer_types`), which no crop puts back."""
-    rec = recurrent_layer_types(model.config)
+    what to do ``instead`` when ``model`` has layers whose state no crop puts back
+    (:func:`unrollable_layer_types`)."""
+    rec = unrollable_layer_types(model.config)
     if rec:
         raise ValueError(f"{who} rolls the cache back to the accepted prefix, and "
                          f"{model.config.model_type}'s {'/'.join(rec)} layers keep a recurrent "
