@@ -316,6 +316,7 @@ def _cmd_run(args) -> int:
     gpu_cache = None if args.gpu_cache is None else \
         _option("--gpu-cache", args.gpu_cache, _capacity)
     policy = _policy_option(args.policy)
+    drafter, controller, mtp_adapter = _speculation_options(args)
     dev = args.device
     if dev != "cpu" and not (dev == "cuda" or dev.startswith("cuda:") and dev[5:].isdigit()):
         raise CliError(f"--device {dev!r}: cpu, cuda or cuda:N")
@@ -355,13 +356,20 @@ def _cmd_run(args) -> int:
                             device=dev, gpu_cache=gpu_cache)
     eng = engine_of(model)
     ids = ids.to(model.device)
+    spec = ""
     try:
         t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=args.max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None
-                                 else tok.eos_token_id)
+        if drafter is None:
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=args.max_new_tokens, do_sample=False,
+                                     pad_token_id=tok.pad_token_id
+                                     if tok.pad_token_id is not None else tok.eos_token_id)
+        else:
+            # timed from the prefill on (tau's measurement, once per model, before it)
+            out, spec, t_gen = _speculate(model, eng, ids, drafter, controller, mtp_adapter,
+                                          args.max_new_tokens)
+            t0 = time.perf_counter() - t_gen
         dt = time.perf_counter() - t0
         new = out.shape[1] - ids.shape[1]
         print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
@@ -375,11 +383,61 @@ def _cmd_run(args) -> int:
               + (f"CPU experts {s.get('cpu_experts', 0)} | " if gpu_cache is not None else "")
               + "hit rate "
               f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
-              f"peak memory {_peak_rss() / 2**20:.0f} MiB", file=sys.stderr if args.quiet else
-              sys.stdout)
+              f"peak memory {_peak_rss() / 2**20:.0f} MiB{spec}",
+              file=sys.stderr if args.quiet else sys.stdout)
     finally:
         eng.close()
     return 0
+
+
+def _speculate(model: Any, eng: Any, ids: Any, drafter: str, controller: str,
+               mtp_adapter: Optional[str], max_new_tokens: int) -> tuple[Any, str, float]:
+    """run --drafter: greedy speculative decoding (:func:`specmoe.speculation.generation.
+    generate`, tokens equal to plain greedy decoding's): the sequences, the statistics' text
+    and the seconds from the prefill on."""
+    from .speculation.controllers import controller_factory
+    from .speculation.drafters import named_drafter
+    from .speculation.generation import generate
+    from .speculation.mtp import MtpDrafter
+
+    d = named_drafter(drafter, model, eng, mtp_adapter)
+    try:
+        ctl = controller_factory(controller, d.k if isinstance(d, MtpDrafter) else None)()
+        res = generate(model, ids, d, ctl, max_new_tokens=max_new_tokens)
+    finally:
+        if isinstance(d, MtpDrafter):
+            d.adapter.uninstall()
+    st = res.stats
+    steps = f", {st['etr']:.2f} tokens a step, K {st['k_mean']:.2f} on average" \
+        if st.get("etr") is not None else ""
+    return res.sequences, (f" | drafter {drafter} with {controller}: {st['accepted']} of "
+                           f"{st['proposed']} drafts accepted{steps}"), float(st["time_s"])
+
+
+def _speculation_arguments(p: argparse.ArgumentParser) -> None:
+    """run's and serve's --drafter, --mtp-adapter and --controller."""
+    p.add_argument("--drafter", default="none", choices=["none", "ngram", "self", "mtp"],
+                   help="speculative decoding: ngram (prompt lookup), self (the model's "
+                        "own experts in int4, MoE-SpeQ) or mtp (multi-token prediction, "
+                        "with --mtp-adapter); none decodes plainly (default)")
+    p.add_argument("--mtp-adapter", default=None, metavar="DIR",
+                   help="with --drafter mtp: the gated-LoRA adapter's folder "
+                        "(mtp_config.json and mtp_adapter.safetensors, as training/mtp.py "
+                        "writes it)")
+    p.add_argument("--controller", default="cascade",
+                   help="with --drafter: drafts per step, cascade (default: by measured "
+                        "utility, off where it slows decoding down), speq, heuristic or "
+                        "static:K")
+
+
+def _speculation_options(args) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """(drafter, controller, MTP adapter folder) of run's or serve's arguments, checked before
+    the model loads; (None, None, None) without --drafter."""
+    if not re.fullmatch(r"cascade|speq|heuristic|static:\d+", args.controller):
+        raise CliError(f"--controller {args.controller!r}: cascade, speq, heuristic or "
+                       "static:K (K an integer >= 0)")
+    drafter = None if args.drafter == "none" else args.drafter
+    return drafter, args.controller if drafter is not None else None, _mtp_adapter_option(args)
 
 
 def _mtp_adapter_option(args) -> Optional[str]:
@@ -483,14 +541,9 @@ def _cmd_serve(args) -> int:
     if not (args.shutdown_timeout >= 0):
         raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     policy = _policy_option(args.policy)
-    if not re.fullmatch(r"cascade|speq|heuristic|static:\d+", args.controller):
-        raise CliError(f"--controller {args.controller!r}: cascade, speq, heuristic or "
-                       "static:K (K an integer >= 0)")
-    drafter = None if args.drafter == "none" else args.drafter
-    controller = args.controller if drafter is not None else None
+    drafter, controller, mtp_adapter = _speculation_options(args)
     if args.ttft_budget is not None and drafter is None:
         raise CliError("--ttft-budget bounds the drafts per step: it needs --drafter")
-    mtp_adapter = _mtp_adapter_option(args)
     _checkpoint(args, args.store)
     if args.replicas is not None and not args.ray:
         raise CliError("--replicas needs --ray")
@@ -675,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--cache) and every other expert computed by the CPU kernels where "
                         "it lives or copied, as costs measured at load decide")
     p.add_argument("--quiet", action="store_true", help="statistics line to stderr")
+    _speculation_arguments(p)
 
     p = command("serve", help="serve a checkpoint with an OpenAI-compatible HTTP API")
     p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or GGUF file")
@@ -705,18 +759,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="pace prompts: while requests decode, a round's prompt chunks take at "
                         "most about this many decode steps' time (e.g. 2; default 0: every "
                         "waiting prompt at once)")
-    p.add_argument("--drafter", default="none", choices=["none", "ngram", "self", "mtp"],
-                   help="speculative decoding: ngram (prompt lookup), self (the model's "
-                        "own experts in int4, MoE-SpeQ) or mtp (multi-token prediction, "
-                        "with --mtp-adapter); none decodes plainly (default)")
-    p.add_argument("--mtp-adapter", default=None, metavar="DIR",
-                   help="with --drafter mtp: the gated-LoRA adapter's folder "
-                        "(mtp_config.json and mtp_adapter.safetensors, as training/mtp.py "
-                        "writes it)")
-    p.add_argument("--controller", default="cascade",
-                   help="with --drafter: drafts per step, cascade (default: by measured "
-                        "utility, off where it slows decoding down), speq, heuristic or "
-                        "static:K")
+    _speculation_arguments(p)
     p.add_argument("--ttft-budget", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="with --drafter: the most a request's first speculative cycle may "
                         "take; the controller's largest K is profiled at load to fit it "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -213,6 +214,41 @@ def test_run_device_options_refused_before_loading(zoo_copy, cache_env, capsys, 
     code, err = _cli(["run", zoo_copy, "--prompt", "x"] + argv, capsys)
     _assert_one_line(code, err, what)
     assert not cache_env.exists() or not any(cache_env.iterdir())
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--drafter", "ngram", "--controller", "fast"], "--controller 'fast'"),
+    (["--drafter", "mtp"], "--drafter mtp needs --mtp-adapter"),
+    (["--mtp-adapter", "somewhere"], "--mtp-adapter goes with --drafter mtp"),
+])
+def test_run_speculation_options_refused_before_loading(zoo_copy, cache_env, capsys, argv,
+                                                        what):
+    code, err = _cli(["run", zoo_copy, "--prompt", "x"] + argv, capsys)
+    _assert_one_line(code, err, what)
+    assert not cache_env.exists() or not any(cache_env.iterdir())
+
+
+@need_zoo
+def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
+    """run --drafter: speculative decoding from the command line, its text that of plain
+    greedy decoding (n-gram drafts on a prompt that repeats itself, accepted; the MTP adapter
+    shipped with the zoo model at a fixed K), the drafts counted on the statistics line."""
+    prompt = "import os\nimport sys\nimport os\nimport sys\nimport"
+    base = ["run", ZOO, "--prompt", prompt, "--max-new-tokens", "20", "--quiet"]
+
+    def text(extra):
+        capsys.readouterr()
+        assert main([str(a) for a in base + extra]) == 0
+        out = capsys.readouterr()
+        return out.out, out.err
+    plain, _ = text([])
+    for extra, name in ((["--drafter", "ngram", "--controller", "static:3"], "ngram"),
+                        (["--drafter", "mtp", "--mtp-adapter", ZOO.parent / "tiny-moe-mtp",
+                          "--controller", "static:2"], "mtp")):
+        out, err = text(extra)
+        assert out == plain
+        m = re.search(rf"drafter {name} with static:\d: (\d+) of (\d+) drafts accepted", err)
+        assert m and 0 < int(m.group(1)) <= int(m.group(2)), err
 
 
 def test_run_device_cuda_without_a_gpu_says_why(zoo_copy, cache_env, capsys):

@@ -44,48 +44,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..speculation.batch import BatchDraftModel, BatchKV, observe_batch_step
-from ..speculation.controllers import Cascade, Controller, Heuristic, SpeqGovernor, StaticK
-from ..speculation.drafters import DraftModel, NgramDrafter, SelfDraft, propose
+from ..speculation.controllers import Controller, StaticK, controller_factory
+from ..speculation.drafters import (DRAFTERS, DraftModel, NgramDrafter, SelfDraft, named_drafter,
+                                    propose)
 from ..speculation.decoding import crop_kv, require_rollback
 from ..speculation.mtp import MtpDrafter, next_drafts, priming
 from ..speculation.tau import TtftProfile, batch_bucket, profile_ttft, target_tau
 
 __all__ = ["DRAFTERS", "Speculation", "controller_factory", "synthetic_history"]
-
-#: The drafter names ``specmoe serve --drafter`` takes ("none": plain decoding).
-DRAFTERS = ("none", "ngram", "self", "mtp")
-
-
-def controller_factory(spec: Union[str, Callable[[], Controller], None],
-                       k_max: Optional[int] = None) -> Callable[[], Controller]:
-    """A callable making a fresh controller: ``None``/``"cascade"`` (the default),
-    ``"speq"``, ``"heuristic"``, ``"static:K"`` (a fixed K >= 0), or a callable returning a
-    :class:`specmoe.speculation.controllers.Controller`.  ``k_max``: the most drafts the
-    drafter can give (the MTP adapter's k), the named controllers' largest K (a static K
-    above it: ValueError).  ValueError for another name."""
-    if spec is None or spec == "cascade":
-        return Cascade if k_max is None else (lambda: Cascade(k_max=k_max))
-    if callable(spec) and not isinstance(spec, str):
-        return spec
-    if spec == "speq":
-        return SpeqGovernor if k_max is None else (lambda: SpeqGovernor(k_max=k_max))
-    if spec == "heuristic":
-        return Heuristic if k_max is None else (
-            lambda: Heuristic(min(5, k_max), k_max=k_max))
-    if isinstance(spec, str) and spec.startswith("static:"):
-        try:
-            k = int(spec.split(":", 1)[1])
-        except ValueError:
-            k = -1
-        if k < 0:
-            raise ValueError(f"controller {spec!r}: static:K needs an integer K >= 0")
-        if k_max is not None and k > k_max:
-            raise ValueError(f"controller {spec!r}: at most {k_max} draft tokens a step (the "
-                             "MTP adapter's k, or what the TTFT budget allows)")
-        return lambda: StaticK(k)
-    raise ValueError(f"unknown controller {spec!r}: cascade, speq, heuristic, static:K or a "
-                     "callable returning a specmoe.speculation.controllers.Controller")
-
 
 def synthetic_history(vocab: int, n: int = 64) -> List[int]:
     """``n`` token ids spread over the vocabulary: what tau and the TTFT bound are measured on
@@ -121,24 +87,12 @@ class Speculation:
         require_rollback(model, "speculative decoding (a drafter)",
                          "serve it without one (--drafter none)")
         self._installed: Optional[MtpDrafter] = None   # made here: uninstalled at close()
-        if mtp_adapter is not None and drafter != "mtp":
+        if isinstance(drafter, str):
+            drafter = named_drafter(drafter, model, engine, mtp_adapter)
+            if isinstance(drafter, MtpDrafter):
+                self._installed = drafter
+        elif mtp_adapter is not None:
             raise ValueError("mtp_adapter goes with drafter='mtp'")
-        if drafter == "mtp":
-            if mtp_adapter is None:
-                raise ValueError("drafter 'mtp' needs its adapter: mtp_adapter= (specmoe serve "
-                                 "--mtp-adapter DIR), an MtpAdapter or the folder "
-                                 "training/mtp.py writes")
-            drafter = MtpDrafter(model, mtp_adapter)
-            self._installed = drafter
-        elif drafter == "ngram":
-            drafter = NgramDrafter()
-        elif drafter == "self":
-            if engine is None or not callable(getattr(engine, "enable_self_draft", None)):
-                raise ValueError("drafter 'self' drafts with the model's own experts in int4: "
-                                 "it needs a model offloaded by specmoe (an Engine)")
-            drafter = SelfDraft(engine)
-        elif isinstance(drafter, str):
-            raise ValueError(f"unknown drafter {drafter!r}: one of {', '.join(DRAFTERS)}")
         if isinstance(drafter, MtpDrafter):
             if drafter.model is not model:
                 raise ValueError("the MtpDrafter was made for another model")

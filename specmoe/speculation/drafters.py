@@ -24,7 +24,12 @@ from .ngram import Drafter, NgramDrafter  # noqa: F401  (re-exported: drafters i
 from .decoding import Draft, crop_kv, forward_tokens, new_kv
 from .sampling import Sampling
 
-__all__ = ["Drafter", "NgramDrafter", "DraftModel", "SelfDraft", "propose"]
+__all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModel", "SelfDraft", "named_drafter",
+           "propose"]
+
+#: The drafter names ``specmoe run --drafter`` and ``specmoe serve --drafter`` take ("none":
+#: plain decoding).
+DRAFTERS = ("none", "ngram", "self", "mtp")
 
 
 class DraftModel:
@@ -225,6 +230,30 @@ class SelfDraft(DraftModel):
                 wts.setdefault(pos, []).append(w[-1:] if i == 0 else w)
         return ({pos: np.concatenate(r, 0) for pos, r in ids.items()},
                 {pos: np.concatenate(r, 0) for pos, r in wts.items()})
+
+
+def named_drafter(name: str, model: nn.Module, engine: Any = None,
+                  mtp_adapter: Any = None) -> Any:
+    """The drafter ``name`` (of :data:`DRAFTERS`, not ``"none"``) for ``model``: an
+    :class:`NgramDrafter`, a :class:`SelfDraft` of its Engine ``engine`` (the experts in int4,
+    drafting on the target's cache), or an :class:`MtpDrafter` installing ``mtp_adapter`` (an
+    MtpAdapter or its folder) on ``model`` (its ``adapter.uninstall()`` takes it off).
+    ValueError for another name or a missing engine or adapter."""
+    if mtp_adapter is not None and name != "mtp":
+        raise ValueError("mtp_adapter goes with drafter='mtp'")
+    if name == "mtp":
+        if mtp_adapter is None:
+            raise ValueError("drafter 'mtp' needs its adapter: mtp_adapter= (--mtp-adapter "
+                             "DIR), an MtpAdapter or the folder training/mtp.py writes")
+        return MtpDrafter(model, mtp_adapter)
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "self":
+        if engine is None or not callable(getattr(engine, "enable_self_draft", None)):
+            raise ValueError("drafter 'self' drafts with the model's own experts in int4: "
+                             "it needs a model offloaded by specmoe (an Engine)")
+        return SelfDraft(engine)
+    raise ValueError(f"unknown drafter {name!r}: one of {', '.join(DRAFTERS[1:])}")
 
 
 def propose(drafter: Any, history: List[int], k: int, sampling: Optional[Sampling],

@@ -18,15 +18,18 @@ Every controller has ``next_k()``, ``observe(k, accepted, t_iter, experts_loaded
 (K+1) * tau(K+1) > 1, tau from :func:`measure_tau`).
 
 One file per controller (``static.py``, ``heuristic.py``, ``cascade.py``, ``speq.py``); the
-base class, :func:`speedup` and :func:`measure_tau` are in ``base.py``.  Drafters are in
+base class, :func:`speedup` and :func:`measure_tau` are in ``base.py``; the controllers by
+name (:func:`controller_factory`) in ``factory.py``.  Drafters are in
 :mod:`specmoe.speculation.drafters`, the acceptance rule in :mod:`specmoe.speculation.verify`, the loop in
 :mod:`specmoe.speculation.generation`.
 """
 from .base import PHASES, Controller, TauLike, measure_tau, measure_times, speedup
 from .cascade import Cascade
+from .factory import controller_factory
 from .heuristic import Heuristic
 from .speq import SpeqGovernor, ttft_k_max
 from .static import StaticK
 
 __all__ = ["PHASES", "Controller", "StaticK", "Heuristic", "Cascade", "SpeqGovernor",
-           "TauLike", "measure_tau", "measure_times", "speedup", "ttft_k_max"]
+           "TauLike", "controller_factory", "measure_tau", "measure_times", "speedup",
+           "ttft_k_max"]
