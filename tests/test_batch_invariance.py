@@ -94,6 +94,26 @@ def test_expert_rows_equal_one_token_calls(ctx, isa, kind, shape, precise):
         assert not differ, f"{T} tokens: tokens {differ} differ from their one-token calls"
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"])
+def test_vnni_expert_rows_of_prefill_sizes_equal_one_token_calls(ctx, kind):
+    """With AVX-512 VNNI the GGUF block rows (these formats have them) keep the one-token
+    order at any token count, 16 tokens a pass: each token of a 37-token call (passes of 16,
+    16 and 5; a prefill's tokens at one expert) is its one-token call's, bit for bit.
+    (Without VNNI, and for Q4_1, Q2_K and Q3_K, past 16 tokens the AVX2 tiles sum in an
+    order of their own.)"""
+    _isa(ctx, "avx512")
+    if not ctx.features.get("avx512_vnni"):
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    H, I = SHAPES[0]
+    t, rng = _expert(kind, H, I)
+    x = rng.standard_normal((37, H)).astype(np.float32)
+    x[20] *= 30.0
+    got = kernels.ffn(t, x, ctx=ctx)
+    differ = [i for i in range(37)
+              if not np.array_equal(got[i], kernels.ffn(t, x[i:i + 1], ctx=ctx)[0])]
+    assert not differ, f"tokens {differ} differ from their one-token calls"
+
+
 @pytest.mark.parametrize("N,K", [(300, 2048), (64, 10944)])
 @pytest.mark.parametrize("kind", ["f32", "bf16", "int8", "int4", "int4-g32"])
 @pytest.mark.parametrize("isa", ISAS)

@@ -140,7 +140,10 @@ def test_q4_0_and_q5_0_widen_to_q8_0_without_loss():
                                        ("q2_k", None), ("q3_k", None), ("q2_k", "q3_k"),
                                        ("q3_k", "q6_k"), ("q2_k", "q4_0"), ("mxfp4", None),
                                        ("mxfp4", "q8_0"), ("q4_k", "mxfp4")])
-@pytest.mark.parametrize("T", [1, 5, 9])
+# 22 tokens: AVX-512 VNNI passes of 16 and 6.  (The fast model below holds to float rounding
+# unless an activation sits on an int8 rounding tie, where f32 and f64 may round it apart:
+# 19 and 21 tokens draw such ties for iq4_xs, on every ISA; these draws do not.)
+@pytest.mark.parametrize("T", [1, 5, 9, 22])
 @pytest.mark.parametrize("precise", [True, False])
 def test_ffn_equals_the_gguf_dequantization_then_f32(ctx, isa, kind, down, T, precise):
     _isa(ctx, isa)

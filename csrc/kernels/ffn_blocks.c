@@ -1079,8 +1079,10 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
 /* Batch invariance: a call of up to INVARIANT_T tokens (decode sizes: a verification of K
  * drafts, a serving step's tokens at one expert) runs every token through the one-token rows,
  * row by row (the row stays in L1 for the next token), so each token's output is bit for bit
- * what a one-token call gives it; the multi-token tiles (rows_* of nt tokens, their own
- * summation order) serve longer calls (prefill).  tests/test_batch_invariance.py. */
+ * what a one-token call gives it; here, in the AVX2 form, the multi-token tiles (rows_* of nt
+ * tokens, their own summation order) serve longer calls (prefill).  The AVX-512 VNNI rows
+ * below keep the one-token order at any count, INVARIANT_T tokens a pass.
+ * tests/test_batch_invariance.py. */
 #define INVARIANT_T 16
 
 /* gate/up row i for token t alone (the one-token forms) */
@@ -1256,11 +1258,11 @@ static const smoe_ffn_impl impl_fast = {gateup_fast, down_fast, NULL};
  * over their lanes with one vpermps.  MXFP4 (17-byte blocks) the same way, its nibbles looked
  * up (vpshufb) in the doubled E2M1 table offset by 12 to [0, 24] (a lane's 8 products <= 8 *
  * 24 * 127), the offset -12 sum x the start value (-3 * the block sum a lane) and d_w the
- * block's E8M0 scale halved.  Calls of up to INVARIANT_T tokens run these rows for every
- * token in the one-token order (every format unpacks a row's blocks once for up to four
- * tokens: rows_q4x_vnni, rows_q8_0_vnni, row_q4_k_vnni_tiled, row_q6_k_vnni_tiled,
- * row_iq4_xs_vnni_tiled); longer
- * calls, and the formats without rows here, run the AVX2 form.  Q5_K runs Q4_K's rows with
+ * block's E8M0 scale halved.  Calls of any token count run these rows for every token in
+ * the one-token order (every format unpacks a row's blocks once for up to four tokens:
+ * rows_q4x_vnni, rows_q8_0_vnni, row_q4_k_vnni_tiled, row_q6_k_vnni_tiled,
+ * row_iq4_xs_vnni_tiled; INVARIANT_T tokens a pass, vnni_rows_for); the formats without rows
+ * here run the AVX2 form.  Q5_K runs Q4_K's rows with
  * its fifth bits ORed into the nibbles (q4k_super, five = 1): at one token 1.25-1.45x the
  * AVX2 rows' speed, at 4-8 tokens 2.0-2.5x (Zen 5, 1 thread,
  * kernels_epyc_zen5_q5_k_vnni_ab.json).  IQ4_XS has rows of its own (iq4xs_super): its
@@ -1941,13 +1943,15 @@ AI void rows_vnni(int32_t dt, const uint8_t *const *w, const int nr, const xin *
     }
 }
 
-/* Whether the VNNI rows serve a matrix of dt at T tokens: decode sizes, every token in turn
- * through the one-token rows (batch invariance, INVARIANT_T). */
-AI int vnni_rows_for(int32_t dt, uint32_t T) {
-    return T <= INVARIANT_T && (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 ||
-                                dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K ||
-                                dt == SMOE_WDT_Q6_K || dt == SMOE_WDT_MXFP4 ||
-                                dt == SMOE_WDT_IQ4_XS);
+/* Whether the VNNI rows serve a matrix of dt: at any token count, every token in turn
+ * through the one-token rows (batch invariance), INVARIANT_T tokens a pass (chunk_tokens).
+ * Calls of more tokens (a prefill's tokens at one expert) used to run the AVX2 tiles: from
+ * 17 tokens on, at 0.40x (Q4_0), 0.60-0.67x (Q4_K) and 0.63-0.66x (Q8_0) of the rate of
+ * 16-token calls (OLMoE's shape, 1 thread, Intel Xeon with AMX). */
+AI int vnni_rows_for(int32_t dt) {
+    return dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q4_K ||
+           dt == SMOE_WDT_Q5_K || dt == SMOE_WDT_Q6_K || dt == SMOE_WDT_MXFP4 ||
+           dt == SMOE_WDT_IQ4_XS;
 }
 
 /* Tokens in turn through the rows, `tile` (1 or VT) a call.  The one-token case (decode) gets
@@ -1990,17 +1994,24 @@ AI int q4k_tiled(int32_t dt, uint32_t T, uint32_t n) {
            (size_t)T * n <= sizeof(tiles_prep);
 }
 
-/* x[t] for the call's T tokens; where q4x_tiled or q4k_tiled, their inputs prepared into *p
- * and p returned, else NULL. */
-AI const tiles_prep *tiles_input(const smoe_ffn_job *j, int32_t dt, uint32_t n, xin *x,
-                                 tiles_prep *p) {
-    const int g = q4x_tiled(dt, j->T, n), k = q4k_tiled(dt, j->T, n);
-    for (uint32_t t = 0; t < j->T; t++) {
-        x[t] = xin_of(j, dt, t, n);
+/* x[t] for the call's tokens c0 .. c0 + T - 1 (T <= INVARIANT_T); where q4x_tiled or
+ * q4k_tiled, their inputs prepared into *p and p returned, else NULL. */
+AI const tiles_prep *tiles_input(const smoe_ffn_job *j, int32_t dt, uint32_t n, uint32_t c0,
+                                 uint32_t T, xin *x, tiles_prep *p) {
+    const int g = q4x_tiled(dt, T, n), k = q4k_tiled(dt, T, n);
+    for (uint32_t t = 0; t < T; t++) {
+        x[t] = xin_of(j, dt, c0 + t, n);
         if (g) q4x_prep(dt, &x[t], n, p->g + t * (n / 128));
         if (k) q4k_prep(&x[t], n, p->k + (size_t)t * n);
     }
     return g || k ? p : NULL;
+}
+
+/* A call's tokens in passes of INVARIANT_T (their inputs prepared once a pass, on the stack):
+ * pass c0 has chunk_tokens(T, c0) of them.  Each pass reads the rows again, from L2/L3 at
+ * prefill sizes, where these rows are bound by their arithmetic, not by reads. */
+AI uint32_t chunk_tokens(uint32_t T, uint32_t c0) {
+    return T - c0 < INVARIANT_T ? T - c0 : INVARIANT_T;
 }
 
 /* Token t0's part of the prepared inputs p of dt (NULL: none). */
@@ -2016,15 +2027,19 @@ AI void gateup_vnni_tiles(const smoe_ffn_job *j, uint32_t i0, uint32_t i1, const
     const size_t rb = row_bytes(d->dtype, H);
     xin x[INVARIANT_T];
     tiles_prep buf;
-    const tiles_prep *p = tiles_input(j, d->dtype, H, x, &buf);
-    for (uint32_t i = i0; i < i1; i++) /* gate and up rows of one output together */
-        for (uint32_t t0 = 0; t0 < j->T; t0 += tile) {
-            const uint32_t nt = tile_tokens(j->T, t0, tile);
-            const uint8_t *w[2] = {j->block + d->gate + i * rb, j->block + d->up + i * rb};
-            float r[2 * VT];
-            rows_vnni(d->dtype, w, 2, &x[t0], prep_at(p, d->dtype, t0, H), nt, H, r);
-            for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_act(j, i, t0 + t, r[t], r[VT + t]);
-        }
+    for (uint32_t c0 = 0; c0 < j->T; c0 += INVARIANT_T) {
+        const uint32_t T = tile == 1 ? 1 : chunk_tokens(j->T, c0);
+        const tiles_prep *p = tiles_input(j, d->dtype, H, c0, T, x, &buf);
+        for (uint32_t i = i0; i < i1; i++) /* gate and up rows of one output together */
+            for (uint32_t t0 = 0; t0 < T; t0 += tile) {
+                const uint32_t nt = tile_tokens(T, t0, tile);
+                const uint8_t *w[2] = {j->block + d->gate + i * rb, j->block + d->up + i * rb};
+                float r[2 * VT];
+                rows_vnni(d->dtype, w, 2, &x[t0], prep_at(p, d->dtype, t0, H), nt, H, r);
+                for (uint32_t t = 0; t < nt; t++)
+                    smoe_ffn_store_act(j, i, c0 + t0 + t, r[t], r[VT + t]);
+            }
+    }
 }
 
 /* Whether a one-token call of dt over n columns runs on the input q4x_prep builds. */
@@ -2080,7 +2095,7 @@ static void down_q4x_one(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
 }
 
 static void gateup_vnni(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
-    if (!vnni_rows_for(j->d->dtype, j->T))
+    if (!vnni_rows_for(j->d->dtype))
         gateup_fast(j, i0, i1);
     else if (q4x_one(j->d->dtype, j->T, j->d->H))
         gateup_q4x_one(j, i0, i1);
@@ -2098,32 +2113,36 @@ AI void down_vnni_tiles(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, const u
     const uint8_t *dw = j->block + d->down;
     xin x[INVARIANT_T];
     tiles_prep buf;
-    const tiles_prep *p = tiles_input(j, dt, I, x, &buf);
     /* rows (h, h + half) together, each walking its half in memory order (as down_fast) */
     const uint32_t half = (h1 - h0) / 2;
-    for (uint32_t h = h0; h < h0 + half; h++)
-        for (uint32_t t0 = 0; t0 < j->T; t0 += tile) {
-            const uint32_t nt = tile_tokens(j->T, t0, tile);
-            const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
-            float r[2 * VT];
-            rows_vnni(dt, w, 2, &x[t0], prep_at(p, dt, t0, I), nt, I, r);
-            for (uint32_t t = 0; t < nt; t++) {
-                smoe_ffn_store_out(j, h, t0 + t, r[t]);
-                smoe_ffn_store_out(j, h + half, t0 + t, r[VT + t]);
+    for (uint32_t c0 = 0; c0 < j->T; c0 += INVARIANT_T) {
+        const uint32_t T = tile == 1 ? 1 : chunk_tokens(j->T, c0);
+        const tiles_prep *p = tiles_input(j, dt, I, c0, T, x, &buf);
+        for (uint32_t h = h0; h < h0 + half; h++)
+            for (uint32_t t0 = 0; t0 < T; t0 += tile) {
+                const uint32_t nt = tile_tokens(T, t0, tile);
+                const uint8_t *w[2] = {dw + h * rb, dw + (h + half) * rb};
+                float r[2 * VT];
+                rows_vnni(dt, w, 2, &x[t0], prep_at(p, dt, t0, I), nt, I, r);
+                for (uint32_t t = 0; t < nt; t++) {
+                    smoe_ffn_store_out(j, h, c0 + t0 + t, r[t]);
+                    smoe_ffn_store_out(j, h + half, c0 + t0 + t, r[VT + t]);
+                }
             }
-        }
-    if ((h1 - h0) & 1)
-        for (uint32_t t0 = 0; t0 < j->T; t0 += tile) {
-            const uint32_t nt = tile_tokens(j->T, t0, tile);
-            const uint8_t *w[1] = {dw + (h1 - 1) * rb};
-            float r[VT];
-            rows_vnni(dt, w, 1, &x[t0], prep_at(p, dt, t0, I), nt, I, r);
-            for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_out(j, h1 - 1, t0 + t, r[t]);
-        }
+        if ((h1 - h0) & 1)
+            for (uint32_t t0 = 0; t0 < T; t0 += tile) {
+                const uint32_t nt = tile_tokens(T, t0, tile);
+                const uint8_t *w[1] = {dw + (h1 - 1) * rb};
+                float r[VT];
+                rows_vnni(dt, w, 1, &x[t0], prep_at(p, dt, t0, I), nt, I, r);
+                for (uint32_t t = 0; t < nt; t++)
+                    smoe_ffn_store_out(j, h1 - 1, c0 + t0 + t, r[t]);
+            }
+    }
 }
 
 static void down_vnni(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
-    if (!vnni_rows_for(smoe_ffn_down_dtype(j->d), j->T))
+    if (!vnni_rows_for(smoe_ffn_down_dtype(j->d)))
         down_fast(j, h0, h1);
     else if (q4x_one(smoe_ffn_down_dtype(j->d), j->T, j->d->I))
         down_q4x_one(j, h0, h1);
