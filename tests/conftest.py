@@ -74,3 +74,23 @@ def c_compiler() -> str:
     if not cc:
         pytest.skip("no C compiler")
     return cc
+
+
+class IdText:
+    """A tokenizer for random-weight models in the server's tests: a token's text is its id."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def greedy_alone(model, prompts, n):
+    """Each prompt's ``n`` greedy tokens from ``model.generate`` alone (no padding): the
+    reference a served request must equal."""
+    import torch
+    refs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=n, pad_token_id=0)
+        refs.append(out[0, len(ids):].tolist())
+    return refs

@@ -31,7 +31,8 @@ pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 
 import specmoe  # noqa: E402
-from tests.conftest import free_port, specmoe_cache_and_one_thread  # noqa: E402
+from tests.conftest import IdText as _IdText  # noqa: E402
+from tests.conftest import free_port, greedy_alone, specmoe_cache_and_one_thread  # noqa: E402
 from specmoe.cli import main  # noqa: E402
 from specmoe.serve import app  # noqa: E402
 
@@ -402,13 +403,6 @@ def test_prompts_arriving_together_are_prefilled_in_one_forward(served):
         specmoe.engine_of(model).close()
 
 
-class _IdText:
-    """A tokenizer for random-weight models: a token's text is its id."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
 def test_requests_arriving_together_get_their_tokens_alone_bit_for_bit():
     """By default prompts of different lengths are prefilled apart (prompts of one length
     together, each on the paths of its prefill alone), and the decode batch gives every row
@@ -498,12 +492,7 @@ def test_every_cache_form_is_served_as_generate_alone(arch, reason):
     try:
         g = torch.Generator().manual_seed(4)
         prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (14, 9, 14)]
-        refs = []
-        for ids in prompts:
-            x = torch.tensor([ids])
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 max_new_tokens=6, pad_token_id=0)
-            refs.append(out[0, len(ids):].tolist())
+        refs = greedy_alone(model, prompts, 6)
         sch = Scheduler(model, _IdText(), max_batch=8, prefill_chunk=64)
         try:
             assert reason in sch.batch_off_reason

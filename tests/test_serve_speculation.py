@@ -17,7 +17,7 @@ import specmoe  # noqa: E402
 from specmoe.serve.scheduler import GenParams, Request, Scheduler  # noqa: E402
 from specmoe.serve.speculate import Speculation, controller_factory  # noqa: E402
 from specmoe.speculation.controllers import Cascade, StaticK  # noqa: E402
-from tests.conftest import specmoe_cache_and_one_thread  # noqa: E402
+from tests.conftest import IdText, greedy_alone, specmoe_cache_and_one_thread  # noqa: E402
 
 ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
 MTP = ZOO.parent / "tiny-moe-mtp"   # the shipped MTP adapter of tiny-moe
@@ -326,13 +326,6 @@ def test_bad_arguments_are_named(zoo):
     assert controller_factory("cascade", 3)().k_max == 3
 
 
-class _IdText:
-    """A tokenizer for random-weight models: a token's text is its id."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
 def test_a_sliding_window_model_is_served_with_drafts_and_a_recurrent_one_refused():
     """GPT-OSS (sliding-window layers) serves with n-gram drafts past its window, each
     request's tokens model.generate's alone (tau is measured on 64 tokens, past the tiny
@@ -344,13 +337,8 @@ def test_a_sliding_window_model_is_served_with_drafts_and_a_recurrent_one_refuse
     eng = specmoe.offload(model, cache=0.5)
     try:
         prompts = [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 7, [7, 8, 9, 10] * 17]
-        refs = []
-        for ids in prompts:
-            x = torch.tensor([ids])
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 max_new_tokens=12, pad_token_id=0)
-            refs.append(out[0, len(ids):].tolist())
-        sch = Scheduler(model, _IdText(), max_batch=4, prefill_chunk=128, drafter="ngram",
+        refs = greedy_alone(model, prompts, 12)
+        sch = Scheduler(model, IdText(), max_batch=4, prefill_chunk=128, drafter="ngram",
                         controller="static:3")
         try:
             reqs = _run(sch, prompts, max_tokens=12)
