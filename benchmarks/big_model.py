@@ -940,7 +940,15 @@ class LlamaCpp:
                  "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
                           "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF",
                           "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
-                          "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF"]}
+                          "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF"],
+                 # AVX-512 with VNNI / BF16 / VBMI but no AMX: on the Intel Xeon (under KVM)
+                 # of 2026-12-01 the native build's AMX path crashed (SIGSEGV) at every load
+                 # that repacks the weights; this build repacks them with AVX-512 instead
+                 "avx512": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                            "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+                            "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+                            "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+                            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]}
 
     def __init__(self, peers: Path, build: bool, threads: int, isa: str = "native",
                  server: bool = False):

@@ -22,10 +22,11 @@ re-tokenizes to the same ids (``big_model.make_prompts``), so both read the same
 prompt tokens / seconds; ``vs_llama_cpp_runs`` the ratio in each round, ``vs_llama_cpp`` their
 median.
 
-llama.cpp runs with ``--no-repack``: on the Intel Xeon with AMX these sessions ran on (under
-KVM), its weight repacking at load crashed every run (SIGSEGV, the build of
-``big_model.LlamaCpp``); ``--llama-repack`` asks for it anyway, and a row that cannot run
-carries ``error`` with the reason, as every peer here does.
+llama.cpp runs with ``--no-repack`` unless ``--llama-repack``: on the Intel Xeon with AMX
+these sessions ran on (under KVM), the native build (``-march=native``) crashed (SIGSEGV) at
+every load that repacks the weights, in its AMX path.  There ``--llama-isa avx512
+--llama-repack`` (AVX-512 with VNNI, no AMX, repacking) is the stronger peer.  A row that
+cannot run carries ``error`` with the reason, as every peer here does.
 
 ``--json`` prints one JSON object ``{"config", "host", "rows"}``; progress goes to stderr.
 """
