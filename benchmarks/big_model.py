@@ -1156,6 +1156,21 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(v) if v else None
 
 
+def add_peer_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every benchmark against llama.cpp shares (--workdir, --peers,
+    --no-build-peers, --llama-isa), one definition."""
+    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"),
+                    help="checkpoints, stores and GGUF files (reused between runs)")
+    ap.add_argument("--peers", default=os.environ.get(
+        "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")),
+        help="llama.cpp sdist, build and binaries (built here if missing)")
+    ap.add_argument("--no-build-peers", action="store_true",
+                    help="do not download/build llama.cpp if missing (its rows then say so)")
+    ap.add_argument("--llama-isa", choices=sorted(LlamaCpp.ISA_FLAGS), default="native",
+                    help="llama.cpp build: native (-march=native), avx2 (AVX-512 off) or "
+                         "avx512 (AVX-512 with VNNI/BF16/VBMI, AMX off)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -1178,14 +1193,7 @@ def main() -> None:
                          "and the 512 MiB reserve")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 2 layers, vocab 16384, 2 accelerate tokens")
-    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
-    ap.add_argument("--peers", default=os.environ.get(
-        "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")),
-        help="llama.cpp sdist, build and binaries (built here if missing)")
-    ap.add_argument("--no-build-peers", action="store_true",
-                    help="do not download/build llama.cpp if missing (its rows then say so)")
-    ap.add_argument("--llama-isa", choices=sorted(LlamaCpp.ISA_FLAGS), default="native",
-                    help="llama.cpp build: native (-march=native) or avx2 (AVX-512 off)")
+    add_peer_arguments(ap)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--accel-tokens", type=int, default=4)

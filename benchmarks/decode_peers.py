@@ -709,13 +709,7 @@ def main() -> None:
                     "specmoe+dense-int8,specmoe+dense-int4,llama.cpp-F32,llama.cpp-BF16,"
                     "llama.cpp-Q8_0,llama.cpp-Q4_0",
                     help="comma-separated subset, in first-round order")
-    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
-    ap.add_argument("--peers", default=os.environ.get(
-        "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")),
-        help="llama.cpp sdist, build and binaries (as big_model.py)")
-    ap.add_argument("--no-build-peers", action="store_true")
-    ap.add_argument("--llama-isa", choices=sorted(bm.LlamaCpp.ISA_FLAGS), default="native",
-                    help="llama.cpp build: native (-march=native) or avx2 (AVX-512 off)")
+    bm.add_peer_arguments(ap)
     ap.add_argument("--router-skew", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--row-timeout", type=float, default=1800.0)

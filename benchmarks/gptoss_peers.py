@@ -243,14 +243,7 @@ def main() -> None:
     ap.add_argument("--dense", default="bf16",
                     help="specmoe's dense layers: bf16 (its C kernels, the file's precision) "
                          "or torch")
-    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
-    ap.add_argument("--peers", default=os.environ.get(
-        "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")))
-    ap.add_argument("--no-build-peers", action="store_true")
-    ap.add_argument("--llama-isa", default="native", choices=["native", "avx2"],
-                    help="llama.cpp's build: native (-march=native) or AVX2 only (every "
-                         "AVX-512 option off; pair with SPECMOE_ISA=avx2 for the AVX2 path "
-                         "on an AVX-512 machine)")
+    bm.add_peer_arguments(ap)  # --llama-isa avx2: pair with SPECMOE_ISA=avx2
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 1 round (smoke test)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--save", default=None, help="also write the JSON object to this file")

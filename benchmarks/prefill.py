@@ -130,11 +130,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llama-repack", action="store_true",
                     help="let llama.cpp repack its weights at load (module docstring)")
-    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
-    ap.add_argument("--peers", default=os.environ.get(
-        "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")))
-    ap.add_argument("--no-build-peers", action="store_true")
-    ap.add_argument("--llama-isa", choices=sorted(bm.LlamaCpp.ISA_FLAGS), default="native")
+    bm.add_peer_arguments(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--row-timeout", type=float, default=1800.0)
     ap.add_argument("--save", help="also write the JSON object to this file")

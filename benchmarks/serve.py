@@ -161,7 +161,7 @@ def setup_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
                          "store_error": err, "budget": budget, "cache": cache}
     if "llama-server" in a.servers:
         lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads,
-                         server=True)
+                         a.llama_isa, server=True)
         server = lc.bin / "llama-server"
         if lc.error:
             m["gguf"] = lc.error
@@ -463,10 +463,7 @@ def main() -> None:
                     help="llama-server context positions per parallel slot (-c N * this)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=12, help="big: layers of the checkpoint")
-    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/specmoe/bench"))
-    ap.add_argument("--peers", default=os.environ.get(
-        "SPECMOE_PEERS", os.path.expanduser("~/.cache/specmoe/peers")))
-    ap.add_argument("--no-build-peers", action="store_true")
+    bm.add_peer_arguments(ap)
     ap.add_argument("--no-cgroup", action="store_true", help="big: run uncapped")
     ap.add_argument("--row-timeout", type=float, default=900.0)
     a = ap.parse_args()
