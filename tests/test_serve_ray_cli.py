@@ -1,14 +1,16 @@
 """``specmoe serve --ray`` from the command line (issue 38, item 6): the process starts a local
-Ray instance and a replica behind Ray Serve's proxy, answers the official openai client
-exactly (with n-gram speculation on, passed through to the replica), tags the response with
-its replica, and exits 0 on SIGTERM.  A file of its own: it must not meet the in-process
-cluster of tests/test_serve_ray.py."""
+Ray instance and two replicas behind Ray Serve's proxy; concurrent requests from the official
+openai client spread over both replicas (``x-specmoe-replica``), every response, streamed or
+not, equal to model.generate's greedy output for its prompt alone (with n-gram speculation on,
+passed through to the replicas); SIGTERM ends the process with status 0.  (One Ray start for
+the whole file: starting Ray is most of its time.)"""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "specmoe" / "zoo" / "tiny-moe"
 pytestmark = pytest.mark.skipif(not (ZOO / "model.safetensors").is_file(),
                                 reason="zoo weights not shipped in this build")
-PROMPT, N = "def parse(line):\n    return line\n\n\ndef parse(line):", 16
+PROMPTS = ["def parse(line):\n    return line\n\n\ndef parse(line):", "import os\nimport sys\n",
+           "The quick brown fox", "class Parser:\n    def __init__(self):",
+           "for i in range(10):", "x = [1, 2, 3]"]
+N = 16
 
 
 def test_cli_serve_ray_answers_and_exits_on_sigterm(tmp_path):
@@ -39,11 +44,13 @@ def test_cli_serve_ray_answers_and_exits_on_sigterm(tmp_path):
     torch.set_num_threads(1)
     try:
         model = specmoe.from_pretrained(str(ZOO), cache="25%", dtype="f32", store=str(store))
-        ids = tok(PROMPT).input_ids
-        x = torch.tensor([ids])
-        ref = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                             max_new_tokens=N, pad_token_id=tok.eos_token_id)
-        want = tok.decode(ref[0, len(ids):], skip_special_tokens=True)
+        want = {}
+        for p in PROMPTS:
+            ids = tok(p).input_ids
+            x = torch.tensor([ids])
+            ref = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=N, pad_token_id=tok.eos_token_id)
+            want[p] = tok.decode(ref[0, len(ids):], skip_special_tokens=True)
         specmoe.engine_of(model).close()
     finally:
         torch.set_num_threads(threads)
@@ -51,34 +58,62 @@ def test_cli_serve_ray_answers_and_exits_on_sigterm(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)  # a local instance of its own
     proc = subprocess.Popen([sys.executable, "-m", "specmoe", "serve", str(ZOO), "--ray",
-                             "--port", str(port), "--threads", "1", "--dtype", "f32",
-                             "--store", str(store), "--drafter", "ngram",
+                             "--replicas", "2", "--port", str(port), "--threads", "1",
+                             "--dtype", "f32", "--store", str(store), "--drafter", "ngram",
                              "--controller", "static:3", "--model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(ROOT), env=env)
+    lines: list[str] = []  # the process's output, read as it comes
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
     base = f"http://127.0.0.1:{port}"
     try:
+        # up when the CLI says so (serve.run returned: both replicas ready), not at the first
+        # /health answer, which one replica already gives
         t0 = time.time()
-        while True:
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
+        while not any("[specmoe] serving" in ln for ln in list(lines)):
+            assert proc.poll() is None, "".join(lines)[-3000:]
             assert time.time() - t0 < 120, "specmoe serve --ray did not come up"
+            time.sleep(0.3)
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        print(f"up after {time.time() - t0:.1f} s")
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        got, replicas, accepted, errors = {}, [], [], []
+
+        def one(i, prompt):
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
-        raw = c.completions.with_raw_response.create(model="tiny", prompt=PROMPT,
-                                                     max_tokens=N, temperature=0)
-        r = raw.parse()
-        assert r.choices[0].text == want
-        assert raw.headers.get("x-specmoe-replica")
-        d = r.usage.completion_tokens_details          # the drafter reached the replica
-        assert d is not None and d.accepted_prediction_tokens > 0
+                raw = c.completions.with_raw_response.create(model="tiny", prompt=prompt,
+                                                             max_tokens=N, temperature=0)
+                r = raw.parse()
+                replicas.append(raw.headers.get("x-specmoe-replica"))
+                got[(i, prompt)] = r.choices[0].text
+                d = r.usage.completion_tokens_details  # the drafter reached the replica
+                accepted.append(d.accepted_prediction_tokens if d is not None else None)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(repr(e))
+
+        jobs = [(i, p) for i in range(3) for p in PROMPTS]
+        ths = [threading.Thread(target=one, args=j) for j in jobs]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(180)
+        assert not errors, errors
+        assert len(got) == len(jobs)
+        for (i, p), text in got.items():
+            assert text == want[p], p
+        assert None not in replicas and len(set(replicas)) == 2, replicas
+        assert None not in accepted and sum(accepted) > 0, accepted
+        # streaming goes through Ray's proxy too
+        text = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, stream=True))
+        assert text == want[PROMPTS[0]]
         t1 = time.time()
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
+        proc.wait(timeout=90)
+        reader.join(10)
+        out = "".join(lines)
         assert proc.returncode == 0, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
         print(f"exited {time.time() - t1:.1f} s after SIGTERM")
