@@ -113,6 +113,17 @@ def _non_negative(s: str) -> float:
     return v
 
 
+def _probability(s: str) -> float:
+    """argparse type: a number in (0, 1] (--top-p), refused at parse time."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
+    return v
+
+
 def _positive_seconds(s: str) -> float:
     """argparse type: a finite number of seconds > 0, refused at parse time."""
     v = _non_negative(s)
@@ -317,6 +328,7 @@ def _cmd_run(args) -> int:
         _option("--gpu-cache", args.gpu_cache, _capacity)
     policy = _policy_option(args.policy)
     drafter, controller, mtp_adapter = _speculation_options(args)
+    sampling = _sampling_options(args)
     dev = args.device
     if dev != "cpu" and not (dev == "cuda" or dev.startswith("cuda:") and dev[5:].isdigit()):
         raise CliError(f"--device {dev!r}: cpu, cuda or cuda:N")
@@ -360,15 +372,24 @@ def _cmd_run(args) -> int:
     try:
         t0 = time.perf_counter()
         if drafter is None:
+            if sampling and sampling["seed"] is not None:
+                torch.manual_seed(sampling["seed"])
             with torch.no_grad():
+                # top_k 0 / top_p 1: no truncation (transformers' generation_config defaults
+                # would otherwise add its top_k=50)
                 out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=args.max_new_tokens, do_sample=False,
+                                     max_new_tokens=args.max_new_tokens,
                                      pad_token_id=tok.pad_token_id
-                                     if tok.pad_token_id is not None else tok.eos_token_id)
+                                     if tok.pad_token_id is not None else tok.eos_token_id,
+                                     **({"do_sample": True,
+                                         "temperature": sampling["temperature"],
+                                         "top_k": sampling["top_k"] or 0,
+                                         "top_p": sampling["top_p"] or 1.0}
+                                        if sampling else {"do_sample": False}))
         else:
             # timed from the prefill on (tau's measurement, once per model, before it)
             out, spec, t_gen = _speculate(model, eng, ids, drafter, controller, mtp_adapter,
-                                          args.max_new_tokens)
+                                          args.max_new_tokens, sampling)
             t0 = time.perf_counter() - t_gen
         dt = time.perf_counter() - t0
         new = out.shape[1] - ids.shape[1]
@@ -390,11 +411,27 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _sampling_options(args) -> Optional[dict]:
+    """run's --temperature, --top-p, --top-k and --seed: None for greedy decoding (temperature
+    0, the default), else the sampling's parameters; a truncation or a seed without a
+    temperature is refused (it would change nothing)."""
+    if args.temperature > 0:
+        return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                "seed": args.seed}
+    for name, v in (("--top-p", args.top_p), ("--top-k", args.top_k), ("--seed", args.seed)):
+        if v is not None:
+            raise CliError(f"{name} samples: give --temperature above 0 with it (decoding is "
+                           "greedy by default)")
+    return None
+
+
 def _speculate(model: Any, eng: Any, ids: Any, drafter: str, controller: str,
-               mtp_adapter: Optional[str], max_new_tokens: int) -> tuple[Any, str, float]:
-    """run --drafter: greedy speculative decoding (:func:`specmoe.speculation.generation.
-    generate`, tokens equal to plain greedy decoding's): the sequences, the statistics' text
-    and the seconds from the prefill on."""
+               mtp_adapter: Optional[str], max_new_tokens: int,
+               sampling: Optional[dict] = None) -> tuple[Any, str, float]:
+    """run --drafter: speculative decoding (:func:`specmoe.speculation.generation.generate`),
+    greedy (tokens equal to plain greedy decoding's) or, with ``sampling``, sampled (tokens
+    distributed as the target model's): the sequences, the statistics' text and the seconds
+    from the prefill on."""
     from .speculation.controllers import controller_factory
     from .speculation.drafters import named_drafter
     from .speculation.generation import generate
@@ -403,7 +440,10 @@ def _speculate(model: Any, eng: Any, ids: Any, drafter: str, controller: str,
     d = named_drafter(drafter, model, eng, mtp_adapter)
     try:
         ctl = controller_factory(controller, d.k if isinstance(d, MtpDrafter) else None)()
-        res = generate(model, ids, d, ctl, max_new_tokens=max_new_tokens)
+        res = generate(model, ids, d, ctl, max_new_tokens=max_new_tokens,
+                       **({"do_sample": True, "temperature": sampling["temperature"],
+                           "top_k": sampling["top_k"], "top_p": sampling["top_p"],
+                           "seed": sampling["seed"]} if sampling else {}))
     finally:
         if isinstance(d, MtpDrafter):
             d.adapter.uninstall()
@@ -624,7 +664,9 @@ def _describe(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specmoe", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="specmoe", description=__doc__.replace("``", "'"),
+        epilog="'specmoe <command> --help' lists a command's options.")
     debug_help = "on an error, show its traceback instead of the one-line message"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     from .version import __version__
@@ -688,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = command("run", help="generate text with a checkpoint's experts offloaded")
     p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or a GGUF file")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--cache", default=None,
                    help="expert cache, as the API's cache=: slots (40), a fraction of all "
                         "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%, "
@@ -697,7 +739,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="a memory budget (8GiB, or auto: what this process may still use, "
                         "MemAvailable or the memory cgroup's headroom) that the dense layers' format and the expert "
                         "cache are planned to; the plan is printed (docs/usage.md)")
-    p.add_argument("--max-new-tokens", type=_at_least(1), default=64)
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=64,
+                   help="tokens to generate (default 64; fewer when the model ends its text)")
+    p.add_argument("--temperature", type=_non_negative, default=0.0,
+                   help="0 (default): greedy decoding, the same text every run; above 0: "
+                        "sample from the logits divided by it (as transformers' and the "
+                        "OpenAI API's temperature)")
+    p.add_argument("--top-p", type=_probability, default=None,
+                   help="with --temperature: sample from the smallest set of tokens whose "
+                        "probability reaches P (nucleus sampling; default 1: every token)")
+    p.add_argument("--top-k", type=_at_least(1), default=None,
+                   help="with --temperature: sample from the K most likely tokens (default: "
+                        "every token)")
+    p.add_argument("--seed", type=_at_least(0, 2**63 - 1), default=None,
+                   help="with --temperature: the sampling's seed, for the same text again "
+                        "(with --drafter, under a fixed K: --controller static:K)")
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "f32", "bf16", "int8", "int4", "gguf"],
                    help="store dtype of the experts (auto: bf16, or for a GGUF file its "
@@ -707,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="least_stale",
                    help="eviction policy spec, as simulate's --policies takes (e.g. lru, "
                         "random:seed=3, least_stale:order=lru, spac:levels=3)")
-    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="no prefetch worker: every expert loads when a layer asks for it")
     p.add_argument("--predictor", default="router", choices=["router", "learned"],
                    help="what predicts the next layer's experts for prefetch: the next "
                         "router on this layer's input (default), or the learned next-use "

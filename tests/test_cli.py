@@ -251,6 +251,85 @@ def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
         assert m and 0 < int(m.group(1)) <= int(m.group(2)), err
 
 
+@pytest.mark.parametrize("argv, what", [
+    (["--top-p", "0.9"], "--top-p samples: give --temperature above 0"),
+    (["--top-k", "5"], "--top-k samples: give --temperature above 0"),
+    (["--seed", "3"], "--seed samples: give --temperature above 0"),
+])
+def test_run_sampling_options_without_a_temperature_refused(zoo_copy, cache_env, capsys,
+                                                            argv, what):
+    code, err = _cli(["run", zoo_copy, "--prompt", "x"] + argv, capsys)
+    _assert_one_line(code, err, what)
+    assert not cache_env.exists() or not any(cache_env.iterdir())
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--temperature", "-1"], "--temperature: must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature: must be a finite number >= 0"),
+    (["--top-p", "0"], "--top-p: must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p: must be in (0, 1]"),
+    (["--top-k", "0"], "--top-k: must be >= 1"),
+    (["--seed", "-2"], "--seed: must be >= 0"),
+])
+def test_run_bad_sampling_values_are_usage_errors(argv, what, capsys):
+    code, err = _cli(["run", "no-such-ckpt", "--prompt", "x", "--temperature", "1"] + argv,
+                     capsys)
+    assert code == 2 and what in err and "Traceback" not in err, err
+
+
+@need_zoo
+def test_run_samples_as_transformers_does_with_the_same_seed(cache_env, capsys):
+    """run --temperature/--top-k/--top-p/--seed: the text of the unmodified transformers
+    model sampling with the same seed and parameters (f32 store, dense layers in torch: the
+    same probabilities to float rounding); the same seed gives the same text, another seed
+    another; top-k 1 is greedy decoding; with n-gram drafts at a fixed K the
+    seed reproduces the text too, and top-k 1 gives the greedy text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt, n = "def parse(line):", 24
+    base = ["run", ZOO, "--prompt", prompt, "--max-new-tokens", str(n), "--quiet",
+            "--dtype", "f32", "--dense", "torch", "--threads", "1"]
+
+    def text(*extra, prompt=prompt):
+        capsys.readouterr()
+        argv = base + list(extra)
+        argv[argv.index("--prompt") + 1] = prompt
+        assert main([str(a) for a in argv]) == 0
+        out = capsys.readouterr()
+        return out.out, out.err
+
+    greedy, _ = text()
+    sampled, _ = text("--temperature", "1.3", "--top-p", "0.95", "--seed", "7")
+    assert sampled == text("--temperature", "1.3", "--top-p", "0.95", "--seed", "7")[0]
+    assert sampled != greedy
+    assert sampled != text("--temperature", "1.3", "--top-p", "0.95", "--seed", "8")[0]
+    assert text("--temperature", "1.3", "--top-k", "1", "--seed", "7")[0] == greedy
+
+    tok = AutoTokenizer.from_pretrained(str(ZOO))
+    ref_model = AutoModelForCausalLM.from_pretrained(str(ZOO), dtype=torch.float32)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(7)
+        with torch.no_grad():
+            ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                     temperature=1.3, top_p=0.95, top_k=0, max_new_tokens=n,
+                                     pad_token_id=tok.eos_token_id)
+    finally:
+        torch.set_num_threads(threads)
+    assert sampled == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+
+    spec = ("--drafter", "ngram", "--controller", "static:3")
+    rep = "import os\nimport sys\nimport os\nimport sys\nimport"  # n-gram drafts find it
+    a, err = text(*spec, "--temperature", "0.8", "--seed", "7", prompt=rep)
+    assert a == text(*spec, "--temperature", "0.8", "--seed", "7", prompt=rep)[0]
+    assert re.search(r"drafter ngram with static:3: \d+ of [1-9]\d* drafts", err), err
+    assert text(*spec, "--temperature", "1.3", "--top-k", "1", "--seed", "7", prompt=rep)[0] \
+        == text(prompt=rep)[0]
+
+
 def test_run_device_cuda_without_a_gpu_says_why(zoo_copy, cache_env, capsys):
     from specmoe.runtime.cuda import unusable_reason
     why = unusable_reason()
