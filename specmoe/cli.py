@@ -317,8 +317,7 @@ def _policy_option(spec: str) -> Any:
 
 def _cmd_run(args) -> int:
     # every argument is checked before the model (and torch) loads
-    if args.prompt == "":
-        raise CliError("--prompt is empty")
+    prompt = _prompt_text(args)
     cache = None if args.cache is None and args.memory is not None else \
         _option("--cache", "25%" if args.cache is None else args.cache, _capacity)
     if args.memory is not None:
@@ -359,9 +358,7 @@ def _cmd_run(args) -> int:
         tok = load_tokenizer(args.checkpoint)  # a GGUF file's is in its metadata
     except (OSError, ValueError) as exc:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
-    ids = tok(args.prompt, return_tensors="pt").input_ids
-    if ids.shape[1] == 0:
-        raise CliError(f"--prompt {args.prompt!r}: the tokenizer makes no tokens of it")
+    ids = _prompt_ids(tok, prompt, args)
     model = from_pretrained(args.checkpoint, cache=cache, dtype=args.dtype, policy=policy,
                             prefetch=False if args.no_prefetch else args.predictor,
                             store=args.store, dense=args.dense, memory=args.memory,
@@ -409,6 +406,55 @@ def _cmd_run(args) -> int:
     finally:
         eng.close()
     return 0
+
+
+def _prompt_text(args) -> str:
+    """run's prompt: --prompt TEXT or --prompt-file FILE ("-": standard input), one of them,
+    not empty."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise CliError("give the prompt as --prompt TEXT or --prompt-file FILE (one of them)")
+    if args.system is not None and not args.chat:
+        raise CliError("--system goes with --chat")
+    if args.prompt_file is not None:
+        try:
+            if args.prompt_file == "-":
+                text = sys.stdin.read()
+            else:
+                with open(args.prompt_file, encoding="utf-8") as f:
+                    text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise CliError(f"--prompt-file {args.prompt_file}: cannot read it ({why})") \
+                from None
+        if text == "":
+            raise CliError(f"--prompt-file {args.prompt_file} is empty")
+        return text
+    if args.prompt == "":
+        raise CliError("--prompt is empty")
+    return args.prompt
+
+
+def _prompt_ids(tok: Any, prompt: str, args) -> Any:
+    """The prompt's token ids [1, n]: the text as it is, or with --chat one user message
+    (after --system's, if given) in the tokenizer's chat template, ready for the assistant's
+    answer (as the server's /v1/chat/completions builds it)."""
+    what = "--prompt-file" if args.prompt_file is not None else "--prompt"
+    if args.chat:
+        if not getattr(tok, "chat_template", None):
+            raise CliError(f"--chat: the tokenizer of {args.checkpoint} has no chat template "
+                           "(run without --chat gives the model the prompt as it is)")
+        conv = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": prompt}]
+        try:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template's own errors (jinja raise_exception, ...)
+            raise CliError(f"--chat: the chat template refused the prompt ({exc})") from None
+        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise CliError(f"{what}: the tokenizer makes no tokens of {prompt[:80]!r}")
+    return ids
 
 
 def _sampling_options(args) -> Optional[dict]:
@@ -730,7 +776,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = command("run", help="generate text with a checkpoint's experts offloaded")
     p.add_argument("checkpoint", help="a local HuggingFace checkpoint folder or a GGUF file")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", default=None, help="the text to continue")
+    p.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="read the prompt from FILE instead (-: standard input)")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's message: put it in the tokenizer's chat "
+                        "template, ready for the assistant's answer")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: a system message before the user's")
     p.add_argument("--cache", default=None,
                    help="expert cache, as the API's cache=: slots (40), a fraction of all "
                         "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%, "

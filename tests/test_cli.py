@@ -252,6 +252,68 @@ def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
 
 
 @pytest.mark.parametrize("argv, what", [
+    ([], "give the prompt as --prompt TEXT or --prompt-file FILE"),
+    (["--prompt", "x", "--prompt-file", "p.txt"], "(one of them)"),
+    (["--prompt-file", "no-such-file.txt"], "--prompt-file no-such-file.txt: cannot read it"),
+    (["--prompt", "x", "--system", "be brief"], "--system goes with --chat"),
+])
+def test_run_prompt_options_refused_before_loading(zoo_copy, cache_env, capsys, argv, what):
+    code, err = _cli(["run", zoo_copy] + argv, capsys)
+    _assert_one_line(code, err, what)
+    assert not cache_env.exists() or not any(cache_env.iterdir())
+
+
+def test_run_chat_without_a_chat_template_refused_before_the_model_loads(zoo_copy, cache_env,
+                                                                        capsys):
+    code, err = _cli(["run", zoo_copy, "--prompt", "hello", "--chat"], capsys)
+    _assert_one_line(code, err, "--chat: the tokenizer of", "has no chat template")
+    assert not cache_env.exists() or not any(cache_env.iterdir())  # nothing converted
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_run_prompt_file_stdin_and_chat_give_transformers_text(zoo_copy, cache_env, capsys,
+                                                              monkeypatch, tmp_path):
+    """--prompt-file (and - for standard input) give the text --prompt gives; --chat (with
+    --system) the text of the conversation as the tokenizer's own apply_chat_template renders
+    it (a chat template added to a copy of the zoo model)."""
+    import io
+
+    from transformers import AutoTokenizer
+
+    cfg = zoo_copy / "tokenizer_config.json"
+    tc = json.loads(cfg.read_text())
+    tc["chat_template"] = CHAT_TEMPLATE
+    cfg.write_text(json.dumps(tc))
+    base = ["run", zoo_copy, "--max-new-tokens", "12", "--quiet", "--threads", "1"]
+
+    def text(*extra):
+        capsys.readouterr()
+        assert main([str(a) for a in base + list(extra)]) == 0
+        return capsys.readouterr().out
+
+    prompt = "def parse(line):\n    "
+    plain = text("--prompt", prompt)
+    f = tmp_path / "prompt.txt"
+    f.write_text(prompt, encoding="utf-8")
+    assert text("--prompt-file", f) == plain
+    monkeypatch.setattr("sys.stdin", io.StringIO(prompt))
+    assert text("--prompt-file", "-") == plain
+
+    chat = text("--prompt", "write a parser", "--chat", "--system", "be brief")
+    tok = AutoTokenizer.from_pretrained(str(zoo_copy))
+    conv = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": "write a parser"}]
+    rendered = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|assistant|>\n")
+    f.write_text(rendered, encoding="utf-8")
+    assert chat == text("--prompt-file", f)
+    assert chat != text("--prompt", "write a parser")
+
+
+@pytest.mark.parametrize("argv, what", [
     (["--top-p", "0.9"], "--top-p samples: give --temperature above 0"),
     (["--top-k", "5"], "--top-k samples: give --temperature above 0"),
     (["--seed", "3"], "--seed samples: give --temperature above 0"),
