@@ -366,6 +366,11 @@ def _cmd_run(args) -> int:
     eng = engine_of(model)
     ids = ids.to(model.device)
     spec = ""
+    stream = sys.stdout.isatty() if args.stream is None else args.stream
+    streamer = None
+    if stream:
+        from transformers import TextStreamer
+        streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     try:
         t0 = time.perf_counter()
         if drafter is None:
@@ -378,6 +383,7 @@ def _cmd_run(args) -> int:
                                      max_new_tokens=args.max_new_tokens,
                                      pad_token_id=tok.pad_token_id
                                      if tok.pad_token_id is not None else tok.eos_token_id,
+                                     streamer=streamer,
                                      **({"do_sample": True,
                                          "temperature": sampling["temperature"],
                                          "top_k": sampling["top_k"] or 0,
@@ -386,11 +392,12 @@ def _cmd_run(args) -> int:
         else:
             # timed from the prefill on (tau's measurement, once per model, before it)
             out, spec, t_gen = _speculate(model, eng, ids, drafter, controller, mtp_adapter,
-                                          args.max_new_tokens, sampling)
+                                          args.max_new_tokens, sampling, streamer)
             t0 = time.perf_counter() - t_gen
         dt = time.perf_counter() - t0
         new = out.shape[1] - ids.shape[1]
-        print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        if streamer is None:  # (streamed: already printed, its newline included)
+            print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
         s = eng.stats()
         hr = s.get("hit_rate")
         print(f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, "
@@ -473,7 +480,7 @@ def _sampling_options(args) -> Optional[dict]:
 
 def _speculate(model: Any, eng: Any, ids: Any, drafter: str, controller: str,
                mtp_adapter: Optional[str], max_new_tokens: int,
-               sampling: Optional[dict] = None) -> tuple[Any, str, float]:
+               sampling: Optional[dict] = None, streamer: Any = None) -> tuple[Any, str, float]:
     """run --drafter: speculative decoding (:func:`specmoe.speculation.generation.generate`),
     greedy (tokens equal to plain greedy decoding's) or, with ``sampling``, sampled (tokens
     distributed as the target model's): the sequences, the statistics' text and the seconds
@@ -486,7 +493,7 @@ def _speculate(model: Any, eng: Any, ids: Any, drafter: str, controller: str,
     d = named_drafter(drafter, model, eng, mtp_adapter)
     try:
         ctl = controller_factory(controller, d.k if isinstance(d, MtpDrafter) else None)()
-        res = generate(model, ids, d, ctl, max_new_tokens=max_new_tokens,
+        res = generate(model, ids, d, ctl, max_new_tokens=max_new_tokens, streamer=streamer,
                        **({"do_sample": True, "temperature": sampling["temperature"],
                            "top_k": sampling["top_k"], "top_p": sampling["top_p"],
                            "seed": sampling["seed"]} if sampling else {}))
@@ -838,6 +845,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--cache) and every other expert computed by the CPU kernels where "
                         "it lives or copied, as costs measured at load decide")
     p.add_argument("--quiet", action="store_true", help="statistics line to stderr")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the text as it is generated (default: when standard output "
+                        "is a terminal)")
     _speculation_arguments(p)
 
     p = command("serve", help="serve a checkpoint with an OpenAI-compatible HTTP API")

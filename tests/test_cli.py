@@ -251,6 +251,22 @@ def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
         assert m and 0 < int(m.group(1)) <= int(m.group(2)), err
 
 
+@need_zoo
+def test_run_stream_prints_the_same_text(cache_env, capsys):
+    """run --stream prints the text as tokens arrive (transformers' TextStreamer), plainly and
+    with drafts, and the whole output equals --no-stream's (the default off a terminal)."""
+    prompt = "import os\nimport sys\nimport os\nimport sys\nimport"
+    base = ["run", ZOO, "--prompt", prompt, "--max-new-tokens", "20"]
+    for extra in ([], ["--drafter", "ngram", "--controller", "static:3"]):
+        outs = []
+        for flag in ([], ["--stream"], ["--no-stream"]):
+            capsys.readouterr()
+            assert main([str(a) for a in base + extra + flag]) == 0
+            outs.append(capsys.readouterr().out)
+        text = [o.rsplit("[specmoe] ", 1)[0] for o in outs]  # the statistics line aside
+        assert text[0] == text[1] == text[2] and text[0].strip(), outs
+
+
 @pytest.mark.parametrize("argv, what", [
     ([], "give the prompt as --prompt TEXT or --prompt-file FILE"),
     (["--prompt", "x", "--prompt-file", "p.txt"], "(one of them)"),

@@ -421,6 +421,58 @@ def test_sampling_is_reproducible_with_a_seed(pair):
     assert torch.equal(a.sequences, b.sequences)
 
 
+class Collector:
+    """A streamer as transformers' generate feeds one: put(ids tensor) ..., end()."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert self.ended == 0, "put after end"
+        self.puts.append(torch.as_tensor(value).reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft", None])
+def test_a_streamer_gets_the_prompt_then_each_iterations_tokens(pair, drafter):
+    """generate(streamer=): the prompt first (as transformers' generate puts it), then each
+    iteration's accepted tokens in order, which together are the output's new tokens; end()
+    once; transformers' TextStreamer prints the output's text."""
+    import contextlib
+    import io
+
+    from transformers import AutoTokenizer, TextStreamer
+
+    model, draft, eng, ids = pair
+    d = {"ngram": NgramDrafter(), "draft": DraftModel(draft), None: None}[drafter]
+    ctl = StaticK(3) if d is not None else None
+    c = Collector()
+    out = generate(model, ids, d, ctl, max_new_tokens=N_NEW, eos_token_id=None, streamer=c)
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    assert c.puts[0] == ids[0].tolist() and c.ended == 1
+    assert [t for p in c.puts[1:] for t in p] == new
+    assert len(c.puts) - 1 == out.stats["iterations"]
+    if d is not None:
+        assert max(len(p) for p in c.puts[1:]) > 1  # accepted drafts arrive together
+    tok = AutoTokenizer.from_pretrained(str(zoo.path("tiny-moe")))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        generate(model, ids, d, StaticK(3) if d is not None else None, max_new_tokens=N_NEW,
+                 eos_token_id=None, streamer=TextStreamer(tok, skip_prompt=True))
+    assert buf.getvalue() == tok.decode(new) + "\n"
+
+
+def test_a_streamer_is_refused_with_a_batch_or_without_put(pair):
+    model, draft, eng, ids = pair
+    with pytest.raises(ValueError, match="batch size 1 only"):
+        generate(model, ids.repeat(2, 1), NgramDrafter(), StaticK(2), max_new_tokens=4,
+                 streamer=Collector())
+    with pytest.raises(TypeError, match="has no put"):
+        generate(model, ids, NgramDrafter(), StaticK(2), max_new_tokens=4, streamer=object())
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input
 

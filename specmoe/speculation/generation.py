@@ -51,7 +51,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
              seed: Optional[int] = None, tau: Union[str, Mapping[int, Any], None] = "auto",
              engine: Any = None, lookahead: bool = True, progress: bool = False,
              attention_mask: Optional[torch.Tensor] = None, success: bool = True,
-             pad_token_id: Optional[int] = None) -> GenerateOutput:
+             pad_token_id: Optional[int] = None, streamer: Any = None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens with speculative decoding.
 
     Args:
@@ -91,6 +91,10 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         pad_token_id: fills a batch's rows after their EOS (default: the model's
             ``generation_config.pad_token_id``, else the first EOS id, else 0), as
             transformers does.
+        streamer: as transformers' ``generate(streamer=)`` takes it (``TextStreamer``,
+            ``TextIteratorStreamer`` or any object with ``put`` and ``end``): ``put`` gets the
+            prompt's ids, then each iteration's new tokens as they are accepted, ``end`` is
+            called once at the end.  Batch size 1 only.
 
     With B > 1: each sequence has its own drafts, accepted prefix and EOS; one K per batch
     step; tau is measured per batch size in use (``tau`` may also map batch sizes to tau
@@ -178,7 +182,13 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     if controller is not None:
         # the success condition rides on the tau pruning (a StaticK under "auto" runs as given)
         controller.set_success(bool(success and prune))
+    if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                     and callable(getattr(streamer, "end", None))):
+        raise TypeError(f"streamer {type(streamer).__name__} has no put(ids) and end()")
     if batch_ids is not None:
+        if streamer is not None:
+            raise ValueError("a streamer takes one sequence: batch size 1 only (as "
+                             "transformers' generate)")
         if pad_token_id is None:
             pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id",
                                    None)
@@ -232,6 +242,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc="generate", unit="tok")
+    if streamer is not None:
+        streamer.put(torch.tensor([prompt]))  # (TextStreamer(skip_prompt=True) skips it)
     done = False
     try:
         while not done and len(seq) - len(prompt) < max_new_tokens:
@@ -286,9 +298,13 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                         "experts_loaded": n_load, "priming": primed})
             if bar is not None:
                 bar.update(len(new))
+            if streamer is not None:
+                streamer.put(torch.tensor(new))
     finally:
         if bar is not None:
             bar.close()
+        if streamer is not None:
+            streamer.end()
         if bound:
             drafter.bind_kv(None)
     elapsed = time.perf_counter() - t_start
