@@ -358,20 +358,25 @@ def _cmd_run(args) -> int:
         tok = load_tokenizer(args.checkpoint)  # a GGUF file's is in its metadata
     except (OSError, ValueError) as exc:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
-    ids = _prompt_ids(tok, prompt, args)
+    conv = [{"role": "system", "content": args.system}] if args.system else []
+    if args.interactive:  # the chat template checked before the model loads
+        _chat_ids(tok, conv + [{"role": "user", "content": prompt or "hello"}], args)
+    else:
+        ids = _prompt_ids(tok, prompt, args)
     model = from_pretrained(args.checkpoint, cache=cache, dtype=args.dtype, policy=policy,
                             prefetch=False if args.no_prefetch else args.predictor,
                             store=args.store, dense=args.dense, memory=args.memory,
                             device=dev, gpu_cache=gpu_cache)
     eng = engine_of(model)
-    ids = ids.to(model.device)
-    spec = ""
-    stream = sys.stdout.isatty() if args.stream is None else args.stream
+    stream = args.interactive or (sys.stdout.isatty() if args.stream is None else args.stream)
     streamer = None
     if stream:
         from transformers import TextStreamer
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-    try:
+
+    def turn(ids: Any) -> tuple[Any, float, str]:
+        """One generation from ids: (new token ids, seconds, speculation's statistics)."""
+        ids = ids.to(model.device)
         t0 = time.perf_counter()
         if drafter is None:
             if sampling and sampling["seed"] is not None:
@@ -389,39 +394,87 @@ def _cmd_run(args) -> int:
                                          "top_k": sampling["top_k"] or 0,
                                          "top_p": sampling["top_p"] or 1.0}
                                         if sampling else {"do_sample": False}))
-        else:
-            # timed from the prefill on (tau's measurement, once per model, before it)
-            out, spec, t_gen = _speculate(model, eng, ids, drafter, controller, mtp_adapter,
-                                          args.max_new_tokens, sampling, streamer)
-            t0 = time.perf_counter() - t_gen
-        dt = time.perf_counter() - t0
-        new = out.shape[1] - ids.shape[1]
-        if streamer is None:  # (streamed: already printed, its newline included)
-            print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+            return out[0, ids.shape[1]:], time.perf_counter() - t0, ""
+        # timed from the prefill on (tau's measurement, once per model, before it)
+        out, spec, t_gen = _speculate(model, eng, ids, drafter, controller, mtp_adapter,
+                                      args.max_new_tokens, sampling, streamer)
+        return out[0, ids.shape[1]:], t_gen, spec
+
+    def stats_line(new: int, dt: float, n_prompt: int, spec: str) -> str:
         s = eng.stats()
         hr = s.get("hit_rate")
-        print(f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, "
-              f"prompt {ids.shape[1]} tokens included) | cache {s['capacity']} experts "
-              f"({s['cache_bytes'] / 2**20:.0f} MiB, {getattr(eng, 'dtype', args.dtype)}, "
-              f"{args.policy}) | "
-              f"{getattr(eng, 'dense', 'dense on ' + dev)} | "
-              + (f"CPU experts {s.get('cpu_experts', 0)} | " if gpu_cache is not None else "")
-              + "hit rate "
-              f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
-              f"peak memory {_peak_rss() / 2**20:.0f} MiB{spec}",
+        return (f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, "
+                f"prompt {n_prompt} tokens included) | cache {s['capacity']} experts "
+                f"({s['cache_bytes'] / 2**20:.0f} MiB, {getattr(eng, 'dtype', args.dtype)}, "
+                f"{args.policy}) | "
+                f"{getattr(eng, 'dense', 'dense on ' + dev)} | "
+                + (f"CPU experts {s.get('cpu_experts', 0)} | " if gpu_cache is not None else "")
+                + "hit rate "
+                f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
+                f"peak memory {_peak_rss() / 2**20:.0f} MiB{spec}")
+
+    try:
+        if args.interactive:
+            return _chat_loop(tok, conv, prompt, args, turn, stats_line)
+        new, dt, spec = turn(ids)
+        if streamer is None:  # (streamed: already printed, its newline included)
+            print(tok.decode(new, skip_special_tokens=True))
+        print(stats_line(len(new), dt, ids.shape[1], spec),
               file=sys.stderr if args.quiet else sys.stdout)
     finally:
         eng.close()
     return 0
 
 
-def _prompt_text(args) -> str:
+def _chat_loop(tok: Any, conv: list, first: Optional[str], args, turn: Callable,
+               stats_line: Callable) -> int:
+    """run --interactive: a conversation on the terminal.  Each line read is a user's message
+    (the first one --prompt's, if given); the whole conversation so far goes through the chat
+    template and the answer is streamed, then kept in the conversation.  An empty line is
+    skipped; end of input (Ctrl-D) or /exit ends it.  Statistics per answer go to stderr."""
+    tty = sys.stdin.isatty()
+    while True:
+        if first is not None:
+            msg, first = first, None
+            if not tty:
+                print(f"> {msg}", flush=True)
+        elif tty:
+            try:
+                msg = input("> ")
+            except EOFError:
+                print()
+                return 0
+        else:
+            line = sys.stdin.readline()
+            if line == "":
+                return 0
+            msg = line.rstrip("\n")
+            print(f"> {msg}" if msg.strip() else ">", flush=True)  # the transcript's side
+        if msg.strip() == "/exit":
+            return 0
+        if not msg.strip():
+            continue
+        conv.append({"role": "user", "content": msg})
+        ids = _chat_ids(tok, conv, args)
+        new, dt, spec = turn(ids)
+        conv.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
+        print(stats_line(len(new), dt, ids.shape[1], spec), file=sys.stderr, flush=True)
+
+
+def _prompt_text(args) -> Optional[str]:
     """run's prompt: --prompt TEXT or --prompt-file FILE ("-": standard input), one of them,
-    not empty."""
+    not empty (with --interactive: --prompt, the first message, or none)."""
+    if args.interactive:
+        if args.prompt_file is not None:
+            raise CliError("--prompt-file: --interactive reads its messages from standard "
+                           "input (--prompt gives the first)")
+        if args.prompt == "":
+            raise CliError("--prompt is empty")
+        return args.prompt
     if (args.prompt is None) == (args.prompt_file is None):
         raise CliError("give the prompt as --prompt TEXT or --prompt-file FILE (one of them)")
     if args.system is not None and not args.chat:
-        raise CliError("--system goes with --chat")
+        raise CliError("--system goes with --chat or --interactive")
     if args.prompt_file is not None:
         try:
             if args.prompt_file == "-":
@@ -447,21 +500,27 @@ def _prompt_ids(tok: Any, prompt: str, args) -> Any:
     answer (as the server's /v1/chat/completions builds it)."""
     what = "--prompt-file" if args.prompt_file is not None else "--prompt"
     if args.chat:
-        if not getattr(tok, "chat_template", None):
-            raise CliError(f"--chat: the tokenizer of {args.checkpoint} has no chat template "
-                           "(run without --chat gives the model the prompt as it is)")
         conv = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": prompt}]
-        try:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # the template's own errors (jinja raise_exception, ...)
-            raise CliError(f"--chat: the chat template refused the prompt ({exc})") from None
-        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
-    else:
-        ids = tok(prompt, return_tensors="pt").input_ids
+        return _chat_ids(tok, conv, args)
+    ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise CliError(f"{what}: the tokenizer makes no tokens of {prompt[:80]!r}")
     return ids
+
+
+def _chat_ids(tok: Any, conv: list, args) -> Any:
+    """A conversation's token ids [1, n] in the tokenizer's chat template, ready for the
+    assistant's answer."""
+    flag = "--interactive" if args.interactive else "--chat"
+    if not getattr(tok, "chat_template", None):
+        raise CliError(f"{flag}: the tokenizer of {args.checkpoint} has no chat template "
+                       "(run without it gives the model the prompt as it is)")
+    try:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template's own errors (jinja raise_exception, ...)
+        raise CliError(f"{flag}: the chat template refused the conversation ({exc})") from None
+    return tok(text, add_special_tokens=False, return_tensors="pt").input_ids
 
 
 def _sampling_options(args) -> Optional[dict]:
@@ -790,7 +849,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the prompt is a user's message: put it in the tokenizer's chat "
                         "template, ready for the assistant's answer")
     p.add_argument("--system", default=None, metavar="TEXT",
-                   help="with --chat: a system message before the user's")
+                   help="with --chat or --interactive: a system message before the user's")
+    p.add_argument("-i", "--interactive", action="store_true",
+                   help="a conversation: each line of standard input is a user's message, "
+                        "answered in the chat template with the conversation so far and "
+                        "streamed (Ctrl-D or /exit ends it)")
     p.add_argument("--cache", default=None,
                    help="expert cache, as the API's cache=: slots (40), a fraction of all "
                         "experts (0.25), a percentage (25%%) or bytes (6GiB); default 25%%, "

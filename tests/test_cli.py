@@ -251,6 +251,49 @@ def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
         assert m and 0 < int(m.group(1)) <= int(m.group(2)), err
 
 
+def test_run_interactive_holds_a_conversation(zoo_copy, cache_env, capsys, monkeypatch,
+                                              tmp_path):
+    """run --interactive: each line of standard input is a user's message; the answer to the
+    second is the text run --chat gives for the conversation so far (the first answer kept in
+    it), as the tokenizer's apply_chat_template renders it; empty lines are skipped; the
+    statistics per answer go to stderr; end of input ends it with status 0."""
+    import io
+
+    from transformers import AutoTokenizer
+
+    cfg = zoo_copy / "tokenizer_config.json"
+    tc = json.loads(cfg.read_text())
+    tc["chat_template"] = CHAT_TEMPLATE
+    cfg.write_text(json.dumps(tc))
+    base = ["run", zoo_copy, "--max-new-tokens", "10", "--threads", "1", "--system", "be brief"]
+
+    def run(*extra, stdin=""):
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        capsys.readouterr()
+        assert main([str(a) for a in base + list(extra)]) == 0
+        return capsys.readouterr()
+
+    out = run("--interactive", stdin="write a parser\n\nnow shorter\n")
+    assert out.err.count("[specmoe] ") == 2 and "[specmoe]" not in out.out
+    first = run("--chat", "--prompt", "write a parser", "--quiet").out[:-1]
+    tok = AutoTokenizer.from_pretrained(str(zoo_copy))
+    conv = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": "write a parser"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "now shorter"}]
+    f = tmp_path / "conversation.txt"
+    f.write_text(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                 encoding="utf-8")
+    base.remove("--system")
+    base.remove("be brief")
+    second = run("--prompt-file", f, "--quiet").out[:-1]
+    assert out.out == f"> write a parser\n{first}\n>\n> now shorter\n{second}\n"
+    # --prompt gives the first message; /exit ends the conversation
+    base += ["--system", "be brief"]
+    out2 = run("-i", "--prompt", "write a parser", stdin="/exit\nnot read\n")
+    assert out2.out == f"> write a parser\n{first}\n> /exit\n"
+
+
 @need_zoo
 def test_run_stream_prints_the_same_text(cache_env, capsys):
     """run --stream prints the text as tokens arrive (transformers' TextStreamer), plainly and
