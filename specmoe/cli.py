@@ -361,6 +361,8 @@ def _cmd_run(args) -> int:
     conv = [{"role": "system", "content": args.system}] if args.system else []
     if args.interactive:  # the chat template checked before the model loads
         _chat_ids(tok, conv + [{"role": "user", "content": prompt or "hello"}], args)
+    elif args.chat:
+        ids = _chat_ids(tok, conv + [{"role": "user", "content": prompt}], args)
     else:
         ids = _prompt_ids(tok, prompt, args)
     model = from_pretrained(args.checkpoint, cache=cache, dtype=args.dtype, policy=policy,
@@ -495,14 +497,8 @@ def _prompt_text(args) -> Optional[str]:
 
 
 def _prompt_ids(tok: Any, prompt: str, args) -> Any:
-    """The prompt's token ids [1, n]: the text as it is, or with --chat one user message
-    (after --system's, if given) in the tokenizer's chat template, ready for the assistant's
-    answer (as the server's /v1/chat/completions builds it)."""
+    """The prompt's token ids [1, n], the text as it is."""
     what = "--prompt-file" if args.prompt_file is not None else "--prompt"
-    if args.chat:
-        conv = ([{"role": "system", "content": args.system}] if args.system else []) + \
-            [{"role": "user", "content": prompt}]
-        return _chat_ids(tok, conv, args)
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise CliError(f"{what}: the tokenizer makes no tokens of {prompt[:80]!r}")
@@ -511,7 +507,7 @@ def _prompt_ids(tok: Any, prompt: str, args) -> Any:
 
 def _chat_ids(tok: Any, conv: list, args) -> Any:
     """A conversation's token ids [1, n] in the tokenizer's chat template, ready for the
-    assistant's answer."""
+    assistant's answer (as the server's /v1/chat/completions builds them)."""
     flag = "--interactive" if args.interactive else "--chat"
     if not getattr(tok, "chat_template", None):
         raise CliError(f"{flag}: the tokenizer of {args.checkpoint} has no chat template "
