@@ -95,16 +95,20 @@ def test_auto_dtype_keeps_the_blocks_or_picks_the_nearest_store_format(tmp_path,
 def test_tokenizer_from_the_metadata(tmp_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
+    # the chat template travels too (tokenizer.chat_template: run --chat on a GGUF file)
+    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
     path, _ = save_gguf(tiny_model("mixtral"), tmp_path / "t.gguf", tokenizer=tok)
     got = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     text = "def parse(line):\n    return line.split(',')  # ok"
     assert got(text).input_ids == tok(text).input_ids
+    from specmoe.models.pretrained import load_tokenizer
+    assert load_tokenizer(path).chat_template == tok.chat_template
     # a gpt-oss file with YaRN keys, whose config transformers' AutoTokenizer fails to parse:
     # specmoe's loader falls back to the tokenizer built from the vocabulary alone
-    from specmoe.models.pretrained import load_tokenizer
     p2, _ = save_gguf(tiny_model("gpt_oss", vocab=tok.vocab_size), tmp_path / "o.gguf",
                       tokenizer=tok)
     assert load_tokenizer(p2)(text).input_ids == tok(text).input_ids
+    assert load_tokenizer(p2).chat_template == tok.chat_template
 
 
 def test_bad_files_raise_naming_the_file(tmp_path):

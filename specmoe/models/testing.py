@@ -261,6 +261,8 @@ def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
                        for i in range(n)])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m)
                         for m in tj["model"]["merges"]])
+    if getattr(tokenizer, "chat_template", None):  # as llama.cpp's converter carries it
+        w.add_chat_template(tokenizer.chat_template)
 
 
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
