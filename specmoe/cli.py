@@ -819,7 +819,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="a100-pcie4", help="comma-separated profiles")
     p.add_argument("--processes", type=_at_least(1), default=None, help="worker processes")
     p.add_argument("--out", default="sweep_out", help="output directory")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true",
+                   help="results.csv and results.json only, no hit_rate.png / stall.png")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = command("convert", help="convert a checkpoint's routed experts to a store")
@@ -918,7 +919,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="store dtype of the experts, as run's --dtype (default auto)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_at_least(1, 65535), default=8000)
+    p.add_argument("--port", type=_at_least(1, 65535), default=8000,
+                   help="TCP port to listen on (default 8000)")
     p.add_argument("--max-batch", type=_at_least(1), default=16,
                    help="requests running at once; their decode steps run as one batched "
                         "forward (default 16)")
@@ -956,7 +958,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="SIGTERM: seconds the requests in flight may take to finish before "
                         "they are cancelled (default 30)")
     p.add_argument("--policy", default="least_stale", help="eviction policy spec, as run's")
-    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="no prefetch worker: every expert loads when a layer asks for it")
     p.add_argument("--store", default=None, help="store file (default: see convert)")
     p.add_argument("--threads", type=_at_least(1, MAX_THREADS), default=None,
                    help="threads of torch and of specmoe's kernels (default: torch's)")
