@@ -771,7 +771,8 @@ def _describe(exc: BaseException, args: argparse.Namespace) -> str:
     return " ".join(msg.split()) or type(exc).__name__
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: every command and option (``main`` parses with it)."""
     parser = argparse.ArgumentParser(
         prog="specmoe", description=__doc__.replace("``", "'"),
         epilog="'specmoe <command> --help' lists a command's options.")
@@ -975,7 +976,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=_at_least(1), default=None,
                    help="with --ray: replicas of the server, each loading the checkpoint "
                         "(default 1)")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse's message, exit 2
     try:
         return _dispatch(args)

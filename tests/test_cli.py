@@ -198,6 +198,18 @@ def test_run_threads_above_the_pool_limit_refused_at_parse_time(capsys):
     assert "no-such-ckpt" not in err  # refused before the checkpoint is looked at
 
 
+def test_every_option_of_every_command_says_what_it_does():
+    """`specmoe <command> --help` documents each option (three had no help text)."""
+    import argparse
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {a.option_strings[-1] if a.option_strings else a.dest}"
+               for name, p in sub.choices.items() for a in p._actions
+               if not a.help and a.help is not argparse.SUPPRESS]
+    assert sub.choices and not missing, missing
+
+
 def test_run_empty_prompt_refused_before_loading(zoo_copy, cache_env, capsys):
     code, err = _cli(["run", zoo_copy, "--prompt", ""], capsys)
     _assert_one_line(code, err, "--prompt is empty")
