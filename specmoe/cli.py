@@ -376,6 +376,27 @@ def _cmd_run(args) -> int:
         from transformers import TextStreamer
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
 
+    # --interactive, plain decoding: the conversation's KV cache is kept between turns and cut
+    # back to the prefix the next turn's ids share with it, so a turn reads only its new
+    # message (recurrent layers cannot be cut back: those models re-read the conversation)
+    from .speculation.decoding import cache_kwargs, crop_kv, new_kv, unrollable_layer_types
+    keep: dict = {"kv": None, "ids": [], "reused": 0}
+    keep_kv = args.interactive and drafter is None and not unrollable_layer_types(model.config)
+
+    def cached(ids: Any) -> Any:
+        """The kept cache cut back to what ``ids`` shares with it (at least one token of
+        ``ids`` left to read), or a new one."""
+        new, old = ids[0].tolist(), keep["ids"]
+        n = 0
+        while n < min(len(old), len(new) - 1) and old[n] == new[n]:
+            n += 1
+        if keep["kv"] is None or n == 0:
+            keep["reused"] = 0
+            return new_kv(model, rollback=True)
+        crop_kv(keep["kv"], n)
+        keep["reused"] = n
+        return keep["kv"]
+
     def turn(ids: Any) -> tuple[Any, float, str]:
         """One generation from ids: (new token ids, seconds, speculation's statistics)."""
         ids = ids.to(model.device)
@@ -383,6 +404,7 @@ def _cmd_run(args) -> int:
         if drafter is None:
             if sampling and sampling["seed"] is not None:
                 torch.manual_seed(sampling["seed"])
+            kv = cached(ids) if keep_kv else None
             with torch.no_grad():
                 # top_k 0 / top_p 1: no truncation (transformers' generation_config defaults
                 # would otherwise add its top_k=50)
@@ -391,11 +413,16 @@ def _cmd_run(args) -> int:
                                      pad_token_id=tok.pad_token_id
                                      if tok.pad_token_id is not None else tok.eos_token_id,
                                      streamer=streamer,
+                                     **(cache_kwargs(model, kv) if kv is not None else {}),
                                      **({"do_sample": True,
                                          "temperature": sampling["temperature"],
                                          "top_k": sampling["top_k"] or 0,
                                          "top_p": sampling["top_p"] or 1.0}
                                         if sampling else {"do_sample": False}))
+            if kv is not None:  # it holds every token but the last one sampled
+                held = out[0, :-1].tolist()
+                ok = kv.get_seq_length() == len(held)
+                keep.update(kv=kv if ok else None, ids=held if ok else [])
             return out[0, ids.shape[1]:], time.perf_counter() - t0, ""
         # timed from the prefill on (tau's measurement, once per model, before it)
         out, spec, t_gen = _speculate(model, eng, ids, drafter, controller, mtp_adapter,
@@ -405,8 +432,9 @@ def _cmd_run(args) -> int:
     def stats_line(new: int, dt: float, n_prompt: int, spec: str) -> str:
         s = eng.stats()
         hr = s.get("hit_rate")
+        kept = f", {keep['reused']} of them kept from the last turn" if keep_kv else ""
         return (f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, "
-                f"prompt {n_prompt} tokens included) | cache {s['capacity']} experts "
+                f"prompt {n_prompt} tokens included{kept}) | cache {s['capacity']} experts "
                 f"({s['cache_bytes'] / 2**20:.0f} MiB, {getattr(eng, 'dtype', args.dtype)}, "
                 f"{args.policy}) | "
                 f"{getattr(eng, 'dense', 'dense on ' + dev)} | "

@@ -266,8 +266,9 @@ def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
 def test_run_interactive_holds_a_conversation(zoo_copy, cache_env, capsys, monkeypatch,
                                               tmp_path):
     """run --interactive: each line of standard input is a user's message; the answer to the
-    second is the text run --chat gives for the conversation so far (the first answer kept in
-    it), as the tokenizer's apply_chat_template renders it; empty lines are skipped; the
+    second is the text run gives for the conversation so far (the first answer kept in it), as
+    the tokenizer's apply_chat_template renders it, read whole, where the second turn read
+    only its new part after the cache the first left; empty lines are skipped; the
     statistics per answer go to stderr; end of input ends it with status 0."""
     import io
 
@@ -287,6 +288,9 @@ def test_run_interactive_holds_a_conversation(zoo_copy, cache_env, capsys, monke
 
     out = run("--interactive", stdin="write a parser\n\nnow shorter\n")
     assert out.err.count("[specmoe] ") == 2 and "[specmoe]" not in out.out
+    # the second turn read only what the first left out of its cache
+    kept = [int(k) for k in re.findall(r"(\d+) of them kept from the last turn", out.err)]
+    assert len(kept) == 2 and kept[0] == 0 and kept[1] > 10, out.err
     first = run("--chat", "--prompt", "write a parser", "--quiet").out[:-1]
     tok = AutoTokenizer.from_pretrained(str(zoo_copy))
     conv = [{"role": "system", "content": "be brief"},
