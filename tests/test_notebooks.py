@@ -32,11 +32,39 @@ def _zoo_ready() -> bool:
     return zoo.available("tiny-moe") and zoo.available("tiny-draft")
 
 
+NOTEBOOKS = ("speculation.ipynb", "gamma_tolerance.ipynb")
+
+
+@pytest.fixture(scope="module")
+def executed():
+    """Both notebooks executed side by side, each in its own kernel process (most of their
+    time is the kernels' start and work, so two cores run them in about the time of the
+    longer): {name: (notebook, outputs) or the exception it raised}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pytest.importorskip("nbformat")
+    pytest.importorskip("nbclient")
+    with ThreadPoolExecutor(len(NOTEBOOKS)) as pool:
+        futures = {n: pool.submit(_execute, n) for n in NOTEBOOKS}
+    results = {}
+    for n, f in futures.items():
+        exc = f.exception()
+        results[n] = exc if exc is not None else f.result()
+    return results
+
+
+def _outputs(executed, name):
+    r = executed[name]
+    if isinstance(r, BaseException):
+        raise r
+    return r
+
+
 @pytest.mark.skipif(not _zoo_ready(), reason="zoo weights not in the package")
-def test_speculation_notebook_runs():
+def test_speculation_notebook_runs(executed):
     """notebooks/speculation.ipynb runs one request under Cascade and plots its telemetry,
     then the SpeQ governor's amortization roofline."""
-    nb, outputs = _execute("speculation.ipynb")
+    nb, outputs = _outputs(executed, "speculation.ipynb")
     text = "".join(o.get("text", "") for o in outputs)
     assert "cascade:" in text and "tokens/iteration" in text
     assert "iterations per phase:" in text and "back-off stretches" in text
@@ -46,10 +74,10 @@ def test_speculation_notebook_runs():
 
 
 @pytest.mark.skipif(not _zoo_ready(), reason="zoo weights not in the package")
-def test_gamma_tolerance_notebook_runs():
+def test_gamma_tolerance_notebook_runs(executed):
     """notebooks/gamma_tolerance.ipynb measures tau(g, B) for three batch sizes, plots tau
     against gamma and prints the success condition per batch size."""
-    nb, outputs = _execute("gamma_tolerance.ipynb")
+    nb, outputs = _outputs(executed, "gamma_tolerance.ipynb")
     text = "".join(o.get("text", "") for o in outputs)
     assert "tau(g, B)" in text
     assert all(f"B={b:2d}:" in text for b in (1, 4, 16))

@@ -51,16 +51,34 @@ def corpus_mod():
 
 
 @pytest.fixture(scope="module")
-def smoke_out(tmp_path_factory) -> Path:
-    """Run `training/train.py --smoke` once in a subprocess (its global torch settings stay
-    out of this process); offline, one thread."""
-    out = tmp_path_factory.mktemp("zoo-smoke")
+def smoke_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """Run `training/train.py --smoke` twice with the same seed, side by side in two
+    subprocesses (their global torch settings stay out of this process; offline, one thread
+    each): the outputs the tests read, and the second run the determinism test compares."""
+    outs = (tmp_path_factory.mktemp("zoo-smoke"), tmp_path_factory.mktemp("zoo-smoke-again"))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    r = subprocess.run([sys.executable, str(TRAINING / "train.py"), "--smoke", "--out", str(out),
-                        "--threads", "1"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out
+    logs = [out.with_name(out.name + ".log") for out in outs]  # not pipes: neither waits
+    files = [open(log, "w") for log in logs]
+    procs = [subprocess.Popen([sys.executable, str(TRAINING / "train.py"), "--smoke", "--out",
+                               str(out), "--threads", "1"], cwd=REPO, env=env, stdout=f,
+                              stderr=subprocess.STDOUT)
+             for out, f in zip(outs, files)]
+    try:
+        for p, log in zip(procs, logs):
+            p.wait(timeout=300)
+            assert p.returncode == 0, log.read_text()[-6000:]
+    finally:
+        for p, f in zip(procs, files):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            f.close()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def smoke_out(smoke_runs) -> Path:
+    return smoke_runs[0]
 
 
 def _offline(monkeypatch):
@@ -287,16 +305,12 @@ def test_packaged_zoo_matches_loader_state():
 
 
 @pytest.mark.slow
-def test_smoke_run_is_deterministic(smoke_out, tmp_path):
+def test_smoke_run_is_deterministic(smoke_runs):
     """A second run with the same seed gives byte-identical weights and tokenizer."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    r = subprocess.run([sys.executable, str(TRAINING / "train.py"), "--smoke", "--out",
-                        str(tmp_path), "--threads", "1"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    smoke_out, again = smoke_runs
     for name in ("tiny-moe", "tiny-draft"):
         for f in ("model.safetensors", "tokenizer.json", "config.json"):
-            assert (tmp_path / name / f).read_bytes() == (smoke_out / name / f).read_bytes(), (name, f)
-    a = json.loads((tmp_path / "metrics.json").read_text())
+            assert (again / name / f).read_bytes() == (smoke_out / name / f).read_bytes(), (name, f)
+    a = json.loads((again / "metrics.json").read_text())
     b = json.loads((smoke_out / "metrics.json").read_text())
     assert a["heldout"] == b["heldout"] and a["acceptance"] == b["acceptance"]
