@@ -370,6 +370,7 @@ def test_bad_input(tmp_path, moe):
 # ------------------------------------------------------------------------------ training
 
 
+@pytest.mark.slow  # make test-slow (Makefile)
 def test_training_smoke(tmp_path):
     out = tmp_path / "mtp"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

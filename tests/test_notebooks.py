@@ -1,10 +1,12 @@
-"""Notebooks under notebooks/ execute top to bottom (nbclient), as `make test` runs them.
+"""Notebooks under notebooks/ execute top to bottom (nbclient), as `make test-slow` runs them.
 
 notebooks/policy_playground.ipynb is executed by tests/test_sim.py; this file holds the others.
 """
 from __future__ import annotations
 
 import pytest
+
+pytestmark = pytest.mark.slow  # make test-slow (Makefile)
 
 from tests.conftest import HERE
 

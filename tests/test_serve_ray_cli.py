@@ -28,8 +28,9 @@ from tests.conftest import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "specmoe" / "zoo" / "tiny-moe"
-pytestmark = pytest.mark.skipif(not (ZOO / "model.safetensors").is_file(),
-                                reason="zoo weights not shipped in this build")
+pytestmark = [pytest.mark.skipif(not (ZOO / "model.safetensors").is_file(),
+                                 reason="zoo weights not shipped in this build"),
+              pytest.mark.slow]  # make test-slow (Makefile)
 PROMPTS = ["def parse(line):\n    return line\n\n\ndef parse(line):", "import os\nimport sys\n",
            "The quick brown fox", "class Parser:\n    def __init__(self):",
            "for i in range(10):", "x = [1, 2, 3]"]
@@ -64,8 +65,12 @@ def test_cli_serve_ray_answers_and_exits_on_sigterm(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(ROOT), env=env)
     lines: list[str] = []  # the process's output, read as it comes
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
-                              daemon=True)
+
+    def read() -> None:
+        for ln in proc.stdout:
+            lines.append(ln)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     base = f"http://127.0.0.1:{port}"
     try:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # make test-slow (Makefile)
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

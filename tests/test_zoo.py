@@ -88,6 +88,7 @@ def _offline(monkeypatch):
 
 # ------------------------------------------------------------------ smoke pipeline outputs
 
+@pytest.mark.slow  # the training smoke run: make test-slow
 def test_smoke_models_load_offline_with_auto_classes(smoke_out, monkeypatch):
     _offline(monkeypatch)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -115,6 +116,7 @@ def test_smoke_models_load_offline_with_auto_classes(smoke_out, monkeypatch):
     assert logits.shape == (1, len(ids), cfg.vocab_size) and torch.isfinite(logits).all()
 
 
+@pytest.mark.slow  # the training smoke run: make test-slow
 def test_smoke_weights_are_bf16_safetensors(smoke_out):
     for name in ("tiny-moe", "tiny-draft"):
         f = smoke_out / name / "model.safetensors"
@@ -125,6 +127,7 @@ def test_smoke_weights_are_bf16_safetensors(smoke_out):
         assert json.loads((smoke_out / name / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+@pytest.mark.slow  # the training smoke run: make test-slow
 def test_smoke_card_carries_the_runs_figures(smoke_out):
     card = (smoke_out / "MODEL_CARD.md").read_text()
     m = json.loads((smoke_out / "metrics.json").read_text())
@@ -162,6 +165,7 @@ def _greedy_reference(model, prompt, n):
     return seq[len(prompt):]
 
 
+@pytest.mark.slow  # the training smoke run: make test-slow
 def test_speculative_greedy_equals_plain_greedy(smoke_out, train_mod):
     from transformers import AutoModelForCausalLM
 
@@ -195,6 +199,7 @@ def test_unigram_loss_matches_plain_computation(train_mod):
     assert train_mod.unigram_loss(streams, windows, 8) == pytest.approx(ref, rel=1e-12)
 
 
+@pytest.mark.slow  # the training smoke run: make test-slow
 def test_routing_stats_against_manual_router_math(train_mod, smoke_out):
     from transformers import AutoModelForCausalLM
 
@@ -281,6 +286,7 @@ def test_loader_rejects_unknown_names():
         zoo.path(3)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # the training smoke run: make test-slow
 def test_loader_loads_a_zoo_folder(smoke_out, monkeypatch):
     _offline(monkeypatch)
     assert zoo.available("tiny-moe", base=smoke_out)
