@@ -343,8 +343,6 @@ def _cmd_run(args) -> int:
                            "run on the GPU (--dense auto or torch)")
     _checkpoint(args, args.store)
 
-    import time
-
     import torch
 
     from .runtime.experts import engine_of
@@ -376,88 +374,115 @@ def _cmd_run(args) -> int:
         from transformers import TextStreamer
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
 
-    # --interactive, plain decoding: the conversation's KV cache is kept between turns and cut
-    # back to the prefix the next turn's ids share with it, so a turn reads only its new
-    # message (recurrent layers cannot be cut back: those models re-read the conversation)
-    from .speculation.decoding import cache_kwargs, crop_kv, new_kv, unrollable_layer_types
-    keep: dict = {"kv": None, "ids": [], "reused": 0}
-    keep_kv = args.interactive and drafter is None and not unrollable_layer_types(model.config)
-
-    def cached(ids: Any) -> Any:
-        """The kept cache cut back to what ``ids`` shares with it (at least one token of
-        ``ids`` left to read), or a new one."""
-        new, old = ids[0].tolist(), keep["ids"]
-        n = 0
-        while n < min(len(old), len(new) - 1) and old[n] == new[n]:
-            n += 1
-        if keep["kv"] is None or n == 0:
-            keep["reused"] = 0
-            return new_kv(model, rollback=True)
-        crop_kv(keep["kv"], n)
-        keep["reused"] = n
-        return keep["kv"]
-
-    def turn(ids: Any) -> tuple[Any, float, str]:
-        """One generation from ids: (new token ids, seconds, speculation's statistics)."""
-        ids = ids.to(model.device)
-        t0 = time.perf_counter()
-        if drafter is None:
-            if sampling and sampling["seed"] is not None:
-                torch.manual_seed(sampling["seed"])
-            kv = cached(ids) if keep_kv else None
-            with torch.no_grad():
-                # top_k 0 / top_p 1: no truncation (transformers' generation_config defaults
-                # would otherwise add its top_k=50)
-                out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=args.max_new_tokens,
-                                     pad_token_id=tok.pad_token_id
-                                     if tok.pad_token_id is not None else tok.eos_token_id,
-                                     streamer=streamer,
-                                     **(cache_kwargs(model, kv) if kv is not None else {}),
-                                     **({"do_sample": True,
-                                         "temperature": sampling["temperature"],
-                                         "top_k": sampling["top_k"] or 0,
-                                         "top_p": sampling["top_p"] or 1.0}
-                                        if sampling else {"do_sample": False}))
-            if kv is not None:  # it holds every token but the last one sampled
-                held = out[0, :-1].tolist()
-                ok = kv.get_seq_length() == len(held)
-                keep.update(kv=kv if ok else None, ids=held if ok else [])
-            return out[0, ids.shape[1]:], time.perf_counter() - t0, ""
-        # timed from the prefill on (tau's measurement, once per model, before it)
-        out, spec, t_gen = _speculate(model, eng, ids, drafter, controller, mtp_adapter,
-                                      args.max_new_tokens, sampling, streamer)
-        return out[0, ids.shape[1]:], t_gen, spec
-
-    def stats_line(new: int, dt: float, n_prompt: int, spec: str) -> str:
-        s = eng.stats()
-        hr = s.get("hit_rate")
-        kept = f", {keep['reused']} of them kept from the last turn" if keep_kv else ""
-        return (f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, "
-                f"prompt {n_prompt} tokens included{kept}) | cache {s['capacity']} experts "
-                f"({s['cache_bytes'] / 2**20:.0f} MiB, {getattr(eng, 'dtype', args.dtype)}, "
-                f"{args.policy}) | "
-                f"{getattr(eng, 'dense', 'dense on ' + dev)} | "
-                + (f"CPU experts {s.get('cpu_experts', 0)} | " if gpu_cache is not None else "")
-                + "hit rate "
-                f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
-                f"peak memory {_peak_rss() / 2**20:.0f} MiB{spec}")
-
     try:
+        session = _RunSession(model, eng, tok, args, streamer, drafter, controller,
+                              mtp_adapter, sampling, gpu_cache)
         if args.interactive:
-            return _chat_loop(tok, conv, prompt, args, turn, stats_line)
-        new, dt, spec = turn(ids)
+            return _chat_loop(tok, conv, prompt, args, session)
+        new, dt, spec = session.turn(ids)
         if streamer is None:  # (streamed: already printed, its newline included)
             print(tok.decode(new, skip_special_tokens=True))
-        print(stats_line(len(new), dt, ids.shape[1], spec),
+        print(session.stats_line(len(new), dt, ids.shape[1], spec),
               file=sys.stderr if args.quiet else sys.stdout)
     finally:
         eng.close()
     return 0
 
 
-def _chat_loop(tok: Any, conv: list, first: Optional[str], args, turn: Callable,
-               stats_line: Callable) -> int:
+class _RunSession:
+    """run's generations on one loaded model: a single prompt, or the turns of --interactive.
+
+    With --interactive and plain decoding the conversation's KV cache is kept between turns
+    and cut back to the prefix the next turn's ids share with it, so a turn reads only its new
+    message (recurrent layers cannot be cut back: those models re-read the conversation)."""
+
+    def __init__(self, model: Any, eng: Any, tok: Any, args: argparse.Namespace,
+                 streamer: Any, drafter: Optional[str], controller: Optional[str],
+                 mtp_adapter: Optional[str], sampling: Optional[dict], gpu_cache: Any):
+        from .speculation.decoding import unrollable_layer_types
+        self.model, self.eng, self.tok, self.args = model, eng, tok, args
+        self.streamer, self.sampling, self.gpu_cache = streamer, sampling, gpu_cache
+        self.drafter, self.controller, self.mtp_adapter = drafter, controller, mtp_adapter
+        self.keep_kv = bool(args.interactive and drafter is None
+                            and not unrollable_layer_types(model.config))
+        self.kv: Any = None       # the kept cache (keep_kv only) ...
+        self.kv_ids: list = []    # ... and the token ids it holds
+        self.reused = 0           # tokens of the last turn's ids read from the kept cache
+
+    def cached(self, ids: Any) -> Any:
+        """The kept cache cut back to what ``ids`` shares with it (at least one token of
+        ``ids`` left to read), or a new one."""
+        from .speculation.decoding import crop_kv, new_kv
+        new, old = ids[0].tolist(), self.kv_ids
+        n = 0
+        while n < min(len(old), len(new) - 1) and old[n] == new[n]:
+            n += 1
+        if self.kv is None or n == 0:
+            self.reused = 0
+            return new_kv(self.model, rollback=True)
+        crop_kv(self.kv, n)
+        self.reused = n
+        return self.kv
+
+    def turn(self, ids: Any) -> tuple[Any, float, str]:
+        """One generation from ids: (new token ids, seconds, speculation's statistics)."""
+        import time
+
+        import torch
+
+        from .speculation.decoding import cache_kwargs
+        model, tok, args, sampling = self.model, self.tok, self.args, self.sampling
+        ids = ids.to(model.device)
+        t0 = time.perf_counter()
+        if self.drafter is not None:
+            # timed from the prefill on (tau's measurement, once per model, before it)
+            out, spec, t_gen = _speculate(model, self.eng, ids, self.drafter, self.controller,
+                                          self.mtp_adapter, args.max_new_tokens, sampling,
+                                          self.streamer)
+            return out[0, ids.shape[1]:], t_gen, spec
+        if sampling and sampling["seed"] is not None:
+            torch.manual_seed(sampling["seed"])
+        kv = self.cached(ids) if self.keep_kv else None
+        with torch.no_grad():
+            # top_k 0 / top_p 1: no truncation (transformers' generation_config defaults
+            # would otherwise add its top_k=50)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=args.max_new_tokens,
+                                 pad_token_id=tok.pad_token_id
+                                 if tok.pad_token_id is not None else tok.eos_token_id,
+                                 streamer=self.streamer,
+                                 **(cache_kwargs(model, kv) if kv is not None else {}),
+                                 **({"do_sample": True,
+                                     "temperature": sampling["temperature"],
+                                     "top_k": sampling["top_k"] or 0,
+                                     "top_p": sampling["top_p"] or 1.0}
+                                    if sampling else {"do_sample": False}))
+        if kv is not None:  # it holds every token but the last one sampled
+            held = out[0, :-1].tolist()
+            ok = kv.get_seq_length() == len(held)
+            self.kv, self.kv_ids = (kv, held) if ok else (None, [])
+        return out[0, ids.shape[1]:], time.perf_counter() - t0, ""
+
+    def stats_line(self, new: int, dt: float, n_prompt: int, spec: str) -> str:
+        """The statistics printed after a generation of ``new`` tokens in ``dt`` seconds."""
+        args, eng = self.args, self.eng
+        s = eng.stats()
+        hr = s.get("hit_rate")
+        kept = f", {self.reused} of them kept from the last turn" if self.keep_kv else ""
+        return (f"[specmoe] {new} tokens in {dt:.2f} s ({new / dt if dt > 0 else 0:.2f} tok/s, "
+                f"prompt {n_prompt} tokens included{kept}) | cache {s['capacity']} experts "
+                f"({s['cache_bytes'] / 2**20:.0f} MiB, {getattr(eng, 'dtype', args.dtype)}, "
+                f"{args.policy}) | "
+                f"{getattr(eng, 'dense', 'dense on ' + args.device)} | "
+                + (f"CPU experts {s.get('cpu_experts', 0)} | "
+                   if self.gpu_cache is not None else "")
+                + "hit rate "
+                f"{'n/a' if hr is None else f'{hr:.3f}'} | stall {s.get('stall_s', 0.0):.2f} s | "
+                f"peak memory {_peak_rss() / 2**20:.0f} MiB{spec}")
+
+
+def _chat_loop(tok: Any, conv: list, first: Optional[str], args,
+               session: _RunSession) -> int:
     """run --interactive: a conversation on the terminal.  Each line read is a user's message
     (the first one --prompt's, if given); the whole conversation so far goes through the chat
     template and the answer is streamed, then kept in the conversation.  An empty line is
@@ -486,9 +511,9 @@ def _chat_loop(tok: Any, conv: list, first: Optional[str], args, turn: Callable,
             continue
         conv.append({"role": "user", "content": msg})
         ids = _chat_ids(tok, conv, args)
-        new, dt, spec = turn(ids)
+        new, dt, spec = session.turn(ids)
         conv.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
-        print(stats_line(len(new), dt, ids.shape[1], spec), file=sys.stderr, flush=True)
+        print(session.stats_line(len(new), dt, ids.shape[1], spec), file=sys.stderr, flush=True)
 
 
 def _prompt_text(args) -> Optional[str]:
