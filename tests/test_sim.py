@@ -451,6 +451,37 @@ def test_hardware_profiles_and_calibrate():
     assert t["layer_fixed_s"] > PROFILES["h200"].kernel_overhead_s
 
 
+def test_measured_cost_places_fixed_time_per_layer(small):
+    """ModelCost.measured (the replay benchmark's calibration): a measured pass's fixed time
+    split between the layers and the token as the model's resident bytes are, its total kept;
+    demand-only time does not depend on the split, an oracle prefetch's does (per layer, each
+    copy has the next layer's fixed time to land in)."""
+    ds = ModelCost.for_trace(small)
+    fast_bw, fixed_s, L = 30e9, 0.19, small.num_layers
+    m = ds.measured(expert_bytes=4.87e6, fixed_s=fixed_s, fast_bw=fast_bw, num_layers=L)
+    assert m.expert_bytes == 4.87e6
+    assert (L * m.layer_fixed_bytes + m.token_fixed_bytes) / fast_bw == pytest.approx(fixed_s)
+    assert m.layer_fixed_bytes / m.token_fixed_bytes == \
+        pytest.approx(ds.layer_fixed_bytes / ds.token_fixed_bytes)
+    g = ModelCost(name="generic", expert_bytes=1e6).measured(
+        expert_bytes=1e6, fixed_s=fixed_s, fast_bw=fast_bw, num_layers=L)
+    assert g.layer_fixed_bytes == 0 and g.token_fixed_bytes / fast_bw == pytest.approx(fixed_s)
+    for bad in (dict(fixed_s=-1.0), dict(fast_bw=0.0), dict(num_layers=0)):
+        with pytest.raises(ValueError, match="measured"):
+            ds.measured(**{**dict(expert_bytes=1e6, fixed_s=fixed_s, fast_bw=fast_bw,
+                                  num_layers=L), **bad})
+    hw = Hardware(name="disk", fast_bw=fast_bw, link_bw=0.85e9, link_latency_s=0.0,
+                  flops=1e14)
+    token_only = ModelCost(name="t", expert_bytes=m.expert_bytes,
+                           token_fixed_bytes=fixed_s * fast_bw)
+    a, b = (simulate(small, "lru", 166, hardware=hw, model=c) for c in (token_only, m))
+    assert (a.hits, a.misses) == (b.hits, b.misses)
+    assert a.total_s == pytest.approx(b.total_s, rel=1e-9)
+    a, b = (simulate(small, "lru", 166, prefetch="oracle", hardware=hw, model=c)
+            for c in (token_only, m))
+    assert b.hits > a.hits and b.total_s < a.total_s
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 def test_bad_input_raises(small):

@@ -131,6 +131,32 @@ class ModelCost:
             return DEEPSEEK_V2_LITE
         return ModelCost(name="generic", expert_bytes=16 * 2**20)
 
+    def measured(self, *, expert_bytes: float, fixed_s: float, fast_bw: float,
+                 num_layers: int) -> "ModelCost":
+        """This model's cost as a live engine measured it: experts of ``expert_bytes``, and
+        ``fixed_s``, the time of one decode pass that is not expert kernels (attention,
+        routers, shared experts, dense layers, LM head), as bytes read at ``fast_bw``.
+
+        That time is split between the ``num_layers`` MoE layers and the token as this
+        model's resident bytes are (``num_layers * layer_fixed_bytes`` against
+        ``token_fixed_bytes``), all of it per token for a model with none.  Where it falls
+        matters to prefetching: the simulator starts a prefetch for the next layers after a
+        layer's routing, and the copy has until those layers run to land.  Charged all at the
+        token's start, the fixed time gives that copy only the experts' compute (about a
+        millisecond a layer for DeepSeek-V2-Lite on a CPU) where the live engine also has the
+        next layer's attention and shared experts."""
+        if not (fixed_s >= 0.0 and fast_bw > 0.0 and num_layers >= 1):
+            raise ValueError(f"measured: fixed_s >= 0, fast_bw > 0 and num_layers >= 1, got "
+                             f"{fixed_s}, {fast_bw}, {num_layers}")
+        per_layer = num_layers * self.layer_fixed_bytes
+        resident = per_layer + self.token_fixed_bytes
+        share = per_layer / resident if resident > 0 else 0.0
+        total = fixed_s * fast_bw
+        return ModelCost(name=f"{self.name}, measured", expert_bytes=expert_bytes,
+                         layer_fixed_bytes=total * share / num_layers,
+                         token_fixed_bytes=total * (1.0 - share),
+                         bytes_per_param=self.bytes_per_param)
+
 
 def _ds_v2_lite() -> ModelCost:
     h, inter, dense_inter, vocab = 2048, 1408, 10944, 102400
