@@ -45,18 +45,27 @@ Simulator.  Beside each row the simulator's estimate of the same replay (``specm
 on the same tokens, each row's experts in ascending id, same policy, slots and predictor),
 timed by a profile measured in the same process before the rows, on synthetic routing (no
 row's trace): the expert compute from the int4 kernel on a block of the store (batch 1, the
-run's threads); the fixed per-token time from the live engine replaying a trace whose every
-access hits (6 fixed experts per layer) less its expert compute; one expert's load (the
+run's threads); the fixed time of a pass from the live engine replaying a trace whose every
+access hits (6 fixed experts per layer) less its expert compute, split between the 26 MoE
+layers and the token as DeepSeek-V2-Lite's resident bytes are (``ModelCost.measured``: 74 %
+per layer, attention and shared experts; 26 % per token, the dense first layer and the LM
+head; until 2026-12-01 it was all charged per token, which left a prefetch copy only the
+experts' compute of a layer to land in); one expert's load (the
 ``link_bw``, latency 0) from the live engine replaying a trace whose every access misses (a
 cache of 6 slots, each token 6 new experts per layer), less the all-hit pass, per access.
 (``specmoe.sim.calibration.calibrate``'s isolated ExpertStore reads measured 0.65-0.9 GB/s on
 the host of the first run, where the engine's own demand loads ran at about 2 GB/s, so the
 load time is taken from the engine.)  Each row carries ``sim_tok_s``, ``sim_hit_rate`` and ``sim_error`` (sim tok/s / live
 tok/s - 1).
+
+``--resim FILE``: no live run; the simulator's columns of a results file this script wrote
+recomputed with today's time model from the calibration the file holds (same trace, split
+and tokens), printed beside the file's own (``--out``: also written).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -270,6 +279,83 @@ def worker(spec_path: str) -> None:
 # the parent
 
 
+def sim_cost(trace, cal: dict[str, Any]) -> Any:
+    """The simulator's model cost from a calibration (the worker's ``calibration``): the
+    store's block as the expert, and the all-hit pass's fixed time (its key says per token;
+    it is the whole pass's) placed per layer and per token as the trace's model's resident
+    bytes are (``ModelCost.measured``)."""
+    from specmoe.sim.hardware import ModelCost
+    fast_bw = cal["block_bytes"] / cal["expert_s"]
+    return ModelCost.for_trace(trace).measured(
+        expert_bytes=cal["block_bytes"], fixed_s=cal["token_fixed_s"], fast_bw=fast_bw,
+        num_layers=trace.num_layers)
+
+
+def resim(path: Path, trace_dir: "Path | None") -> dict[str, Any]:
+    """--resim: the simulator's columns of a results file recomputed from its calibrations."""
+    from specmoe.sim.hardware import Hardware
+    from specmoe.sim.traces import shared_trace_dir
+
+    d = json.loads(Path(path).read_text())
+    if not (isinstance(d, dict) and d.get("benchmark") == "replay" and "caches" in d):
+        raise SystemExit(f"--resim {path}: not a results file of benchmarks/replay.py")
+    cfg = d["config"]
+    tdir = trace_dir or Path(cfg.get("trace") or shared_trace_dir())
+    if not tdir.is_dir():
+        tdir = shared_trace_dir()
+    W, N = cfg["warmup"], cfg["tokens"]
+    trace, _ = load_tokens(tdir, W + N, cfg.get("split") or "all")
+    rows_out = []
+    for c in d["caches"]:
+        cal, prof = c.get("calibration"), c.get("sim_profile")
+        if not cal or not prof:
+            continue
+        # an entry's rows: those it names (a file merged from two runs names each run's),
+        # else every row of its cache size that no other entry names
+        names = c.get("rows")
+        claimed = {n for o in d["caches"] if o is not c and o.get("cache_pct") == c["cache_pct"]
+                   for n in o.get("rows") or ()}
+        rows = [dict(r) for r in d["rows"] if r.get("cache_pct") == c["cache_pct"]
+                and (r["name"] in names if names is not None else r["name"] not in claimed)]
+        nan = float("nan")  # a row the file has no estimate for
+        before = [(r.get("sim_tok_s", nan), r.get("sim_hit_rate", nan), r.get("sim_error", nan))
+                  for r in rows]
+        sim_estimates(rows, trace, c["slots"], W, N, Hardware.from_dict(prof),
+                      sim_cost(trace, cal))
+        for r, (t0, h0, e0) in zip(rows, before):
+            rows_out.append({"cache_pct": c["cache_pct"], "name": r["name"],
+                             "round": r.get("round"), "tok_s": r["tok_s"],
+                             "hit_rate": r["hit_rate"], "sim_tok_s_before": t0,
+                             "sim_hit_rate_before": h0, "sim_error_before": e0,
+                             "sim_tok_s": r["sim_tok_s"], "sim_hit_rate": r["sim_hit_rate"],
+                             "sim_error": r["sim_error"]})
+    return {"file": Path(path).name, "host": d.get("host"), "trace": str(tdir),
+            "split": cfg.get("split") or "all", "warmup": W, "tokens": N, "rows": rows_out}
+
+
+def resim_summary(files: list[dict[str, Any]]) -> dict[str, Any]:
+    """--resim's rows by kind (prefetching: a predictor; demand: none): the simulator's
+    error against the live tok/s and its hit rate's shortfall, before and after."""
+    out: dict[str, Any] = {}
+    for kind in ("demand", "prefetch"):
+        rows = [r for f in files for r in f["rows"]
+                if (parse_row(r["name"])["predictor"] is not None) == (kind == "prefetch")
+                and r["sim_error_before"] == r["sim_error_before"]]  # not NaN
+        if not rows:
+            continue
+        n = len(rows)
+        out[kind] = {"rows": n}
+        for tag, key in (("before", "_before"), ("after", "")):
+            err = [r["sim_error" + key] for r in rows]
+            out[kind][tag] = {
+                "mean_abs_error": sum(abs(e) for e in err) / n,
+                "mean_error": sum(err) / n,
+                "within_10pct": sum(abs(e) <= 0.10 for e in err),
+                "mean_hit_rate_shortfall": sum(r["hit_rate"] - r["sim_hit_rate" + key]
+                                               for r in rows) / n}
+    return out
+
+
 def sim_estimates(rows: list[dict[str, Any]], trace, slots: int, W: int, N: int,
                   hw: Any, cost: Any) -> None:
     """The simulator's figures for each row's timed tokens: the run over W + N tokens less the
@@ -329,15 +415,38 @@ def main() -> None:
     ap.add_argument("--no-cgroup", action="store_true", help="run uncapped (not a valid result)")
     ap.add_argument("--row-timeout", type=float, default=6 * 3600.0)
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--resim", nargs="+", metavar="FILE", default=None,
+                    help="no live run: recompute the simulator's columns of these results "
+                         "files from their calibrations with today's time model")
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.resim:
+        files = [resim(Path(f), Path(a.trace) if a.trace else None) for f in a.resim]
+        import subprocess
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip() or None
+        out = {"benchmark": "replay --resim", "time_model_at": head,
+               "what": "each row's sim_* before: as the file recorded them; after: "
+                       "recomputed from the file's own calibration with the time model at "
+                       "time_model_at (no live run)",
+               "summary": resim_summary(files), "files": files}
+        text = json.dumps(out, indent=1)
+        print(text if a.json else "\n".join(
+            f"{f['file']} {r['cache_pct']:g}% {r['name']} r{r['round']}: live {r['tok_s']:.2f} "
+            f"tok/s; sim {r['sim_tok_s_before']:.2f} -> {r['sim_tok_s']:.2f} "
+            f"({r['sim_error_before']:+.3f} -> {r['sim_error']:+.3f}); hit live "
+            f"{r['hit_rate']:.3f}, sim {r['sim_hit_rate_before']:.3f} -> "
+            f"{r['sim_hit_rate']:.3f}" for f in out["files"] for r in f["rows"]))
+        if a.out:
+            Path(a.out).write_text(text + "\n")
+        return
     if a._worker:
         worker(a._worker)
         return
     if a.warmup < 1 or a.tokens < 1:
         ap.error("--warmup and --tokens must be >= 1")
     from specmoe.sim.calibration import calibrate
-    from specmoe.sim.hardware import ModelCost, with_
+    from specmoe.sim.hardware import with_
     from specmoe.sim.traces import shared_trace_dir
 
     rows = [parse_row(n.strip()) for n in a.rows.split(",") if n.strip()]
@@ -437,11 +546,13 @@ def main() -> None:
                        link_bw=block_bytes / cal["load_s"], link_latency_s=0.0,
                        description="this run's live engine: the expert kernel on one block, a "
                                    "load = (all-miss pass - all-hit pass) / (L k), the fixed "
-                                   "time = all-hit pass - L k kernel calls")
-            cost = ModelCost(name="DeepSeek-V2-Lite int4 experts", expert_bytes=block_bytes,
-                             token_fixed_bytes=cal["token_fixed_s"] * fast_bw)
+                                   "time = all-hit pass - L k kernel calls, placed per layer "
+                                   "and per token as the model's resident bytes are "
+                                   "(sim_cost)")
+            cost = sim_cost(trace, cal)
             sim_estimates(got, trace, slots, a.warmup, a.tokens, hw, cost)
             entry["sim_profile"] = hw.to_dict()
+            entry["sim_cost"] = dataclasses.asdict(cost)
         for rnd in range(a.rounds):  # the bound: the fastest offline row of the round
             off = [x["tok_s"] for x in got if x["round"] == rnd and x["policy"] == "belady"]
             for x in got:
