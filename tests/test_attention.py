@@ -16,6 +16,7 @@ from specmoe import _C
 from specmoe.models.attention import ATTENTION_MAX_TOKENS, use_c_attention
 from specmoe.storage.quant import bf16_to_f32, f32_to_bf16
 from specmoe.models.testing import tiny_model
+from specmoe.speculation.decoding import cache_kwargs
 
 from .attn_helpers import ISAS, causal, mask_of
 
@@ -206,11 +207,11 @@ def test_decode_and_verify_chunks_match_transformers(arch, impl):
         full = ref(ids).logits
         kv = DynamicCache(config=m.config)
         first = ATTENTION_MAX_TOKENS + 4                         # prefill: transformers
-        parts = [m(ids[:, :first], past_key_values=kv, use_cache=True).logits]
+        parts = [m(ids[:, :first], **cache_kwargs(m, kv), use_cache=True).logits]
         assert calls == []
         pos = first
         for T in (1, 4, 1, 3, 1):
-            parts.append(m(ids[:, pos:pos + T], past_key_values=kv, use_cache=True).logits)
+            parts.append(m(ids[:, pos:pos + T], **cache_kwargs(m, kv), use_cache=True).logits)
             pos += T
         got = torch.cat(parts, 1)
     assert calls == [T for T in (1, 4, 1, 3, 1) for _ in range(m.config.num_hidden_layers)]
@@ -246,8 +247,8 @@ def test_bf16_model_close_to_transformers():
     with torch.no_grad():
         for mod in (m32, mb, mc):
             kv = DynamicCache(config=mod.config)
-            mod(ids[:, :-1], past_key_values=kv, use_cache=True)
-            outs.append(mod(ids[:, -1:], past_key_values=kv, use_cache=True).logits.float())
+            mod(ids[:, :-1], **cache_kwargs(mod, kv), use_cache=True)
+            outs.append(mod(ids[:, -1:], **cache_kwargs(mod, kv), use_cache=True).logits.float())
     e_tf = (outs[1] - outs[0]).norm().item()
     e_c = (outs[2] - outs[0]).norm().item()
     assert e_c <= 1.5 * e_tf + 1e-6, (e_c, e_tf)

@@ -33,6 +33,7 @@ from specmoe.models.layers import CLinear
 from specmoe.models.testing import tiny_model
 from specmoe.runtime import engine as hf
 from specmoe.runtime import kernels
+from specmoe.speculation.decoding import cache_kwargs
 from specmoe.storage import ggml_blocks as gb
 from specmoe.storage import quant
 
@@ -152,11 +153,11 @@ def test_model_logits_of_a_verification_forward_equal_one_token_steps(arch, dt, 
         past = model(prompt, use_cache=True).past_key_values
         kv, alone = copy.deepcopy(past), []
         for i in range(nxt.shape[1]):
-            out = model(nxt[:, i:i + 1], past_key_values=kv, use_cache=True)
+            out = model(nxt[:, i:i + 1], **cache_kwargs(model, kv), use_cache=True)
             alone.append(out.logits[0, -1])
             kv = out.past_key_values
         for T in range(2, nxt.shape[1] + 1):
-            got = model(nxt[:, :T], past_key_values=copy.deepcopy(past),
+            got = model(nxt[:, :T], **cache_kwargs(model, copy.deepcopy(past)),
                         use_cache=True).logits[0]
             differ = [i for i in range(T) if not torch.equal(got[i], alone[i])]
             assert not differ, f"{T} tokens: tokens {differ} differ from one-token steps"
@@ -366,7 +367,7 @@ def _prefill_each_alone(model, cases):
     """For each (L, B) of ``cases``: B random prompts of L tokens prefilled as one batch
     (BatchKV.prefill) give each prompt the last logits and KV cache of its prefill alone."""
     from specmoe.speculation.batch import BatchKV
-    from specmoe.speculation.decoding import cache_kwargs, new_kv
+    from specmoe.speculation.decoding import new_kv
     g = torch.Generator().manual_seed(5)
     for L, B in cases:
         prompts = torch.randint(3, model.config.vocab_size, (B, L), generator=g)

@@ -20,7 +20,7 @@ from specmoe import zoo  # noqa: E402
 from specmoe.speculation.drafters import DraftModel, SelfDraft  # noqa: E402
 from specmoe.speculation.generation import generate  # noqa: E402
 from specmoe.models.testing import tiny_model  # noqa: E402
-from specmoe.speculation.decoding import unrollable_layer_types  # noqa: E402
+from specmoe.speculation.decoding import cache_kwargs, unrollable_layer_types  # noqa: E402
 from specmoe.speculation.controllers import Cascade, Heuristic, SpeqGovernor, StaticK  # noqa: E402
 from specmoe.speculation.drafters import NgramDrafter  # noqa: E402
 
@@ -612,9 +612,9 @@ def test_deepseek_multi_token_forward_still_broken_upstream(arch):
     from transformers import DynamicCache
     kv = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :-1], past_key_values=kv)
+        model(ids[:, :-1], **cache_kwargs(model, kv))
         with pytest.raises(RuntimeError):
-            model(ids[:, -4:], past_key_values=kv)
+            model(ids[:, -4:], **cache_kwargs(model, kv))
 
 
 def test_draft_model_prefill_then_draft_matches_cold_draft(pair):
@@ -719,7 +719,7 @@ def test_a_lookahead_routes_in_c_as_the_plain_steps_do(tmp_path, monkeypatch):
     lookahead's bookkeeping (its predictions against what the pass used) is still counted.
     (A bf16 model with its dense layers in C: the routing is in C only there.)"""
     from specmoe.models.testing import tiny_model
-    from specmoe.speculation.decoding import cache_kwargs, new_kv
+    from specmoe.speculation.decoding import new_kv
 
     tiny_model("mixtral", vocab=128, dtype=torch.bfloat16, hidden=64, inter=64, experts=8,
                layers=2).save_pretrained(tmp_path / "ckpt")

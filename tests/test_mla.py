@@ -13,6 +13,7 @@ from specmoe.models.dense import convert_dense
 from specmoe.models.layers import CLinear
 from specmoe.models.mla import MLA_MAX_TOKENS, absorb_mla, is_mla_attention
 from specmoe.models.testing import tiny_config, tiny_model
+from specmoe.speculation.decoding import cache_kwargs
 
 ARCHS = ["deepseek_v2", "deepseek_v3"]
 
@@ -51,10 +52,10 @@ def test_decode_and_verify_chunks_match_expanded(arch, kernel, monkeypatch):
         # a prefill longer than MLA_MAX_TOKENS (the module's own path), then decode steps and
         # verification-sized chunks on the shared cache (the absorbed path)
         first = MLA_MAX_TOKENS + 2
-        parts = [m(ids[:, :first], past_key_values=kv, use_cache=True).logits]
+        parts = [m(ids[:, :first], **cache_kwargs(m, kv), use_cache=True).logits]
         pos = first
         for T in (1, 4, 1, 3, 2):
-            parts.append(m(ids[:, pos:pos + T], past_key_values=kv, use_cache=True).logits)
+            parts.append(m(ids[:, pos:pos + T], **cache_kwargs(m, kv), use_cache=True).logits)
             pos += T
         got = torch.cat(parts, 1)
     torch.testing.assert_close(got, full[:, :pos], atol=2e-5, rtol=1e-4)
@@ -170,8 +171,8 @@ def test_offload_with_dense_absorbs(dense):
             with torch.no_grad():
                 full = m(ids).logits[:, -1]
                 kv = DynamicCache(config=m.config)
-                m(ids[:, :-1], past_key_values=kv, use_cache=True)
-                step = m(ids[:, -1:], past_key_values=kv, use_cache=True).logits[:, -1]
+                m(ids[:, :-1], **cache_kwargs(m, kv), use_cache=True)
+                step = m(ids[:, -1:], **cache_kwargs(m, kv), use_cache=True).logits[:, -1]
                 fl = ref(ids).logits[:, -1]
             err = ((step - full).norm() / full.norm()).item()
             q_err = ((full - fl).norm() / fl.norm()).item()   # the quantization's own error
@@ -180,8 +181,8 @@ def test_offload_with_dense_absorbs(dense):
             absorb_mla(m, kernel="torch")
             with torch.no_grad():
                 kv = DynamicCache(config=m.config)
-                m(ids[:, :-1], past_key_values=kv, use_cache=True)
-                step_t = m(ids[:, -1:], past_key_values=kv, use_cache=True).logits[:, -1]
+                m(ids[:, :-1], **cache_kwargs(m, kv), use_cache=True)
+                step_t = m(ids[:, -1:], **cache_kwargs(m, kv), use_cache=True).logits[:, -1]
             torch.testing.assert_close(step_t, step, atol=1e-4, rtol=1e-3)
         assert "MLA" in str(eng.dense)
     finally:
