@@ -52,7 +52,9 @@ def hf_batch_greedy(model, ids, mask, n, **kw):
 N_NEW = 20
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "draft", "self", "random", "mtp"])
+# the MTP case runs the longest (24 s): make test-slow
+@pytest.mark.parametrize("drafter_name", ["ngram", "draft", "self", "random",
+                                          pytest.param("mtp", marks=pytest.mark.slow)])
 def test_batched_greedy_equals_transformers_batched_greedy(batch_pair, drafter_name):
     model, draft, eng, ids, mask = batch_pair
     ref = hf_batch_greedy(model, ids, mask, N_NEW, min_new_tokens=N_NEW)[:, ids.shape[1]:]

@@ -271,6 +271,7 @@ def exact_joint3(target, prompt):
     return joint
 
 
+@pytest.mark.slow  # 16 s of sampling runs: make test-slow (greedy equality stays in make test)
 def test_sampling_follows_target_distribution(small_mtp):
     """Three sampled tokens: the first from a plain step (no drafts yet), the last two from
     one verification of the masks' sampled draft; their joint law must be the target's."""

@@ -768,6 +768,7 @@ def _has_policies_module() -> bool:
     return True
 
 
+@pytest.mark.slow  # a notebook, as the other notebooks' tests (make test-slow)
 @pytest.mark.skipif(not _has_policies_module(), reason="specmoe.runtime.policies not merged yet")
 def test_policy_playground_notebook_runs():
     """notebooks/policy_playground.ipynb executes top to bottom without error."""
