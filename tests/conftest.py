@@ -13,6 +13,18 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
+MiB = 1 << 20
+
+
+def skip_unless_free_disk(folder: Path, nbytes: int, what: str) -> None:
+    """Skip the calling test, naming the shortfall, when the file system under ``folder`` has
+    less than ``nbytes`` free for ``what`` (CI machines have been seen with 1.5 GB free)."""
+    free = shutil.disk_usage(folder).free
+    if free < nbytes:
+        pytest.skip(f"needs {nbytes / MiB:.0f} MiB of free disk under {folder} for {what}, "
+                    f"{free / MiB:.0f} MiB free")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (the server tests bind to it)."""
     import socket

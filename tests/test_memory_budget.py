@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from specmoe.models import testing
+from tests.conftest import MiB, skip_unless_free_disk
 
 CG_ROOT = Path("/sys/fs/cgroup/memory")
-MiB = 1 << 20
 LAYERS, EXPERTS, HIDDEN, INTER, VOCAB = 16, 8, 256, 4096, 512
 CACHE_SLOTS = 8
 PROMPT = [5, 17, 33, 64, 9, 100, 7, 41]
@@ -82,23 +82,13 @@ EXPERT_BYTES = LAYERS * EXPERTS * 3 * HIDDEN * INTER * 4
 DISK_NEEDED = 2 * EXPERT_BYTES + 512 * MiB
 
 
-def _disk_ok(folder: Path) -> str | None:
-    free = shutil.disk_usage(folder).free
-    if free < DISK_NEEDED:
-        return (f"needs {DISK_NEEDED / MiB:.0f} MiB of free disk under {folder} for the "
-                f"checkpoint and its store, {free / MiB:.0f} MiB free")
-    return None
-
-
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory):
     why = _cgroup_ok()
     if why:
         pytest.skip(why)
     folder = tmp_path_factory.mktemp("bigckpt")
-    why = _disk_ok(folder)
-    if why:
-        pytest.skip(why)
+    skip_unless_free_disk(folder, DISK_NEEDED, "the checkpoint and its store")
     m = testing.tiny_model("mixtral", hidden=HIDDEN, inter=INTER, layers=LAYERS,
                            experts=EXPERTS, vocab=VOCAB)
     testing.save_checkpoint(m, folder, max_shard_size="400MB")
@@ -114,7 +104,7 @@ def big_checkpoint(tmp_path_factory):
                           capture_output=True, text=True, check=True)
     baseline = int(base.stdout.strip())
     yield folder, expert_bytes, dense_bytes, ref[0, len(PROMPT):].tolist(), baseline
-    # pytest keeps the last three runs' temporary folders: do not leave 2 GB in each
+    # removed whatever the tests' outcome: a failed test's folder would keep 2 GB on disk
     shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import HERE
+from tests.conftest import HERE, skip_unless_free_disk
 
 # A benchmark script's smoke run (half a minute of make test's 15): `make test-bench`, which
 # .ci/run calls, runs it
@@ -228,12 +229,26 @@ def test_cascade_ablation_rows():
     assert bad.returncode == 2 and "--controllers" in bad.stderr
 
 
-def test_big_checkpoint_benchmark_smoke(tmp_path):
+# speculation_big.py --quick writes a 1.5 GB bf16 checkpoint, its int4 store (0.4 GB) and, for
+# the self-draft, its int8 store (0.8 GB): the two tests share one work folder, so the
+# checkpoint is written once, and the folder goes at the module's end whatever the outcome.
+BIG_QUICK_DISK = 3 << 30
+
+
+@pytest.fixture(scope="module")
+def big_workdir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("speculation-big")
+    skip_unless_free_disk(folder, BIG_QUICK_DISK, "the quick checkpoint and its two stores")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_big_checkpoint_benchmark_smoke(big_workdir):
     """benchmarks/speculation_big.py --quick: the 2-layer DeepSeek-V2-Lite-shaped checkpoint,
     plain against the controlled-acceptance drafter (static K and Cascade), every output equal
     to plain decoding's and the figures the issue asks for present."""
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculation_big.py"),
-                        "--quick", "--json", "--no-cgroup", "--workdir", str(tmp_path)],
+                        "--quick", "--json", "--no-cgroup", "--workdir", str(big_workdir)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.strip()][-1])
@@ -248,12 +263,12 @@ def test_big_checkpoint_benchmark_smoke(tmp_path):
     assert set(res["targets"]) >= {"best_at_alpha_0.7", "cascade_worst_vs_plain"}
 
 
-def test_big_checkpoint_self_draft_smoke(tmp_path):
+def test_big_checkpoint_self_draft_smoke(big_workdir):
     """speculation_big.py --quick --drafter self: the int4 self-draft of the int8 store, every
     output equal to plain decoding's, the draft copy counted in the budget."""
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculation_big.py"),
                         "--quick", "--drafter", "self", "--json", "--no-cgroup", "--workdir",
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        str(big_workdir)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.strip()][-1])
     assert {(r["drafter"], r["controller"], r["k"]) for r in res["rows"]} == {

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import skip_unless_free_disk
+
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = Path(os.environ.get("SPECMOE_WHEELHOUSE", ROOT / ".venv" / "wheelhouse"))
 
@@ -43,6 +45,8 @@ def test_sdist_installs_and_runs_in_a_fresh_venv(tmp_path: Path) -> None:
     if not WHEELS.is_dir() or not any(WHEELS.glob("numpy-*.whl")):
         pytest.fail(f"no wheelhouse at {WHEELS}: make setup downloads it "
                     "(python tests/install/wheelhouse.py DEST)")
+    # the venv holds torch (0.75 GB) and the core's wheels: about 1.1 GB in all
+    skip_unless_free_disk(tmp_path, 3 << 29, "a fresh venv with torch")
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["SPECMOE_CACHE"] = str(tmp_path / "cache")
