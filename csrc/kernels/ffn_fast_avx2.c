@@ -336,8 +336,12 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
  * the read ceiling without it and 0.81-0.92 with it (benchmarks/kernels.py, 4 interleaved
  * builds A/B/A/B, OLMoE and DeepSeek-V2-Lite shapes); at two threads no difference within the
  * host's noise.  The hardware prefetcher alone trails a stream that finishes a row every few
- * hundred bytes (ffn_blocks.c found the same for the K-quants). */
+ * hundred bytes (ffn_blocks.c found the same for the K-quants).  On a Zen 2 EPYC (1 thread,
+ * 3 alternated rounds) 512, 1024, 2048 and 4096 bytes read alike within the host's noise
+ * (kernels_epyc_zen2_int4_prefetch_ab.json).  CFLAGS=-DI4_PF=N builds another distance. */
+#ifndef I4_PF
 #define I4_PF 1024
+#endif
 AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, const int8_t *x,
                const float *xs, const float *xg, uint32_t n, uint32_t group, const int G,
                const int NT, __m256 (*acc)[NTMAX]) {
