@@ -296,7 +296,11 @@ class Row:
         self.tot: Dict[str, Any] = {"tokens": 0, "time_s": 0.0, "iterations": 0, "proposed": 0,
                                     "accepted": 0, "experts_loaded": 0, "la_predicted": 0,
                                     "la_true_positive": 0, "la_actual": 0,
-                                    "fidelity": {"hard": 0, "soft": 0, "mismatch": 0}}
+                                    "fidelity": {"hard": 0, "soft": 0, "mismatch": 0},
+                                    # where the time went (time_split below): plain (K=0)
+                                    # iterations, speculative ones and what they emitted
+                                    "plain_n": 0, "plain_s": 0.0, "spec_n": 0, "spec_s": 0.0,
+                                    "spec_emitted": 0}
         self.outputs: List[List[int]] = []
         self.per_request: List[float] = []  # tok/s of each request
 
@@ -323,6 +327,14 @@ class Row:
             t["la_actual"] += s["lookahead_used"]
         for c, n in (eng.stats().get("routing_fidelity_pairs") or {}).items():
             t["fidelity"][c] += n  # (stats were reset before the request)
+        for it in o.iterations:
+            if it["k"] > 0:
+                t["spec_n"] += 1
+                t["spec_s"] += it["t_iter"]
+                t["spec_emitted"] += it["emitted"]
+            else:
+                t["plain_n"] += 1
+                t["plain_s"] += it["t_iter"]
         self.outputs.append(o.sequences[0, len(ids):].tolist())
         self.per_request.append(s["new_tokens"] / s["time_s"])
 
@@ -333,6 +345,32 @@ def _median(xs: List[float]) -> float:
 
 def _r(x: Any, nd: int = 4) -> Any:
     return None if x is None else (round(float(x), nd) if math.isfinite(float(x)) else None)
+
+
+def time_split(rr: List[Row], nospec: List[Row]) -> Dict[str, Any]:
+    """Where a row's time went against plain decoding's, pooled over its repeats (issue 39:
+    which cost of speculating a controller does not see).  ``plain_step_vs_nospec``: the mean
+    K=0 iteration of this row over nospec's mean iteration (above 1: plain steps slowed by
+    what speculating did, which the controller takes as its base); ``spec_loss_steps_per_request``:
+    what the speculative iterations cost beyond the plain steps their tokens would have taken,
+    in nospec steps (the drafter's catch-up over the prompt lands in the first);
+    ``outside_iterations_s_per_request`` against nospec's: the rest of a request (prefill, set-up)."""
+    def tot(rows: List[Row], key: str) -> float:
+        return float(sum(x.tot[key] for x in rows))
+    reqs = max(1, sum(len(x.per_request) for x in rr))
+    n_reqs = max(1, sum(len(x.per_request) for x in nospec))
+    step = tot(nospec, "plain_s") / max(1.0, tot(nospec, "plain_n"))
+    plain = tot(rr, "plain_s") / tot(rr, "plain_n") if tot(rr, "plain_n") else None
+    loss = (tot(rr, "spec_s") - tot(rr, "spec_emitted") * step) / step if step > 0 else None
+
+    def outside(rows: List[Row], n: int) -> float:
+        return (tot(rows, "time_s") - tot(rows, "plain_s") - tot(rows, "spec_s")) / n
+    return {"nospec_step_ms": _r(1e3 * step, 3),
+            "plain_step_vs_nospec": _r(plain / step) if plain is not None and step > 0 else None,
+            "spec_iterations_per_request": _r(tot(rr, "spec_n") / reqs, 2),
+            "spec_loss_steps_per_request": _r(loss / reqs, 2) if loss is not None else None,
+            "outside_iterations_s_per_request": _r(outside(rr, reqs)),
+            "nospec_outside_iterations_s_per_request": _r(outside(nospec, n_reqs))}
 
 
 BATCH_CONTROLLERS: Tuple[Tuple[str, Optional[int]], ...] = (
@@ -624,6 +662,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "ratio_per_repeat": [_r(x, 3) for x in ratios],
             "ratio_median_per_request": _r(_median(paired)),
         })
+        row["time_split"] = time_split(rr, nospec[r["workload"]])
         if r["drafter"] in ("self", "self-overlap"):
             pr, tp, ac = total("la_predicted"), total("la_true_positive"), total("la_actual")
             row["lookahead_precision"] = _r(tp / pr) if pr else None

@@ -74,14 +74,20 @@ def test_row_fields(result):
         assert _finite_pos(r["etr"]) and r["etr"] >= 1.0, r
         assert isinstance(r["experts_loaded_per_token"], (int, float))
         assert r["experts_loaded_per_token"] >= 0
+        ts = r["time_split"]
+        assert _finite_pos(ts["nospec_step_ms"]) and ts["outside_iterations_s_per_request"] > 0
         if r["controller"] == "nospec":
             assert r["tok_per_s_vs_nospec"] == 1.0 and r["etr"] == 1.0 and r["k_mean"] == 0
             assert r["acceptance"] is None
+            assert ts["plain_step_vs_nospec"] == 1.0 and ts["spec_iterations_per_request"] == 0
+            assert ts["spec_loss_steps_per_request"] == 0
         else:
             assert r["k_mean"] >= 0
             assert r["acceptance"] is None or 0.0 <= r["acceptance"] <= 1.0
             # with accepted drafts the iteration yields more than one token on average
             assert r["etr"] <= 1.0 + r["k_mean"] + 1e-9, r
+            # speculative iterations were counted exactly when drafts were verified
+            assert (ts["spec_iterations_per_request"] > 0) == (r["k_mean"] > 0), r
         if r["controller"] == "static":
             assert r["k"] in (1, 2, 3)
         else:
