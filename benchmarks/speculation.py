@@ -347,20 +347,26 @@ def _r(x: Any, nd: int = 4) -> Any:
     return None if x is None else (round(float(x), nd) if math.isfinite(float(x)) else None)
 
 
+def tot(rows: List[Row], key: str) -> Any:
+    """The sum of one running total over a row's repeats."""
+    return sum(x.tot[key] for x in rows)
+
+
 def time_split(rr: List[Row], nospec: List[Row]) -> Dict[str, Any]:
     """Where a row's time went against plain decoding's, pooled over its repeats (issue 39:
-    which cost of speculating a controller does not see).  ``plain_step_vs_nospec``: the mean
-    K=0 iteration of this row over nospec's mean iteration (above 1: plain steps slowed by
-    what speculating did, which the controller takes as its base); ``spec_loss_steps_per_request``:
-    what the speculative iterations cost beyond the plain steps their tokens would have taken,
-    in nospec steps (the drafter's catch-up over the prompt lands in the first);
-    ``outside_iterations_s_per_request`` against nospec's: the rest of a request (prefill, set-up)."""
-    def tot(rows: List[Row], key: str) -> float:
-        return float(sum(x.tot[key] for x in rows))
+    which cost of speculating a controller does not see).
+
+    ``plain_step_vs_nospec``: the mean K=0 iteration of this row over nospec's mean iteration
+    (above 1: plain steps slowed by what speculating did, which the controller takes as its
+    base).  ``spec_loss_steps_per_request``: what the speculative iterations cost beyond the
+    plain steps their tokens would have taken, in nospec steps (the drafter's catch-up over
+    the prompt lands in the first).  ``outside_iterations_s_per_request`` against nospec's:
+    the rest of a request (prefill, set-up)."""
     reqs = max(1, sum(len(x.per_request) for x in rr))
     n_reqs = max(1, sum(len(x.per_request) for x in nospec))
     step = tot(nospec, "plain_s") / max(1.0, tot(nospec, "plain_n"))
-    plain = tot(rr, "plain_s") / tot(rr, "plain_n") if tot(rr, "plain_n") else None
+    n_plain = tot(rr, "plain_n")
+    plain = tot(rr, "plain_s") / n_plain if n_plain else None
     loss = (tot(rr, "spec_s") - tot(rr, "spec_emitted") * step) / step if step > 0 else None
 
     def outside(rows: List[Row], n: int) -> float:
@@ -643,20 +649,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             tps.append(v)
             ratios.append(v / (n["tokens"] / n["time_s"]))
 
-        def total(key: str) -> int:
-            return sum(x.tot[key] for x in rr)
-
         paired = [v / nv for x, nx in zip(rr, nospec[r["workload"]])
                   for v, nv in zip(x.per_request, nx.per_request)]
-        toks, its, prop = total("tokens"), total("iterations"), total("proposed")
+        toks, its, prop = tot(rr, "tokens"), tot(rr, "iterations"), tot(rr, "proposed")
         equal = all(x.outputs == nx.outputs for x, nx in zip(rr, nospec[r["workload"]]))
         row = dict(r)
         row.update({
             "tok_per_s_vs_nospec": _r(_median(ratios)),
             "etr": _r(toks / its) if its else None,
-            "experts_loaded_per_token": _r(total("experts_loaded") / toks) if toks else None,
+            "experts_loaded_per_token": _r(tot(rr, "experts_loaded") / toks) if toks else None,
             "tok_per_s": _r(_median(tps), 2),
-            "acceptance": _r(total("accepted") / prop) if prop else None,
+            "acceptance": _r(tot(rr, "accepted") / prop) if prop else None,
             "k_mean": _r(prop / its) if its else None,
             "outputs_equal": bool(equal),
             "ratio_per_repeat": [_r(x, 3) for x in ratios],
@@ -664,7 +667,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         })
         row["time_split"] = time_split(rr, nospec[r["workload"]])
         if r["drafter"] in ("self", "self-overlap"):
-            pr, tp, ac = total("la_predicted"), total("la_true_positive"), total("la_actual")
+            pr, tp, ac = tot(rr, "la_predicted"), tot(rr, "la_true_positive"), tot(rr, "la_actual")
             row["lookahead_precision"] = _r(tp / pr) if pr else None
             row["lookahead_recall"] = _r(tp / ac) if ac else None
             fid = {c: sum(x.tot["fidelity"][c] for x in rr) for c in ("hard", "soft",

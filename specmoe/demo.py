@@ -153,9 +153,9 @@ def _speculative(model, eng, prompt: torch.Tensor, want: list[int], n: int) -> b
         generate(model, prompt, make(), StaticK(1), max_new_tokens=3)  # benchmarks do
     # One request's tok/s moves by 5-25 % from run to run on a shared machine, more than what
     # exploring costs Cascade on it (2-3 % of a 48-token request with the draft model, 5 runs
-    # on an AVX2 EPYC):
-    # plain decoding and every drafter run in each of `rounds` interleaved rounds, each
-    # speculative run a first request of a fresh controller, and the table shows the medians.
+    # on an AVX2 EPYC).  So plain decoding and every drafter run in each of `rounds`
+    # interleaved rounds, each speculative run a fresh controller's first request, and the
+    # table shows the medians.
     rounds = 3
     base: list[float] = []
     runs: dict[str, list] = {name: [] for name, _ in drafters}
