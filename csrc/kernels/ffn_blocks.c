@@ -370,7 +370,7 @@ AI void rows_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
 }
 
-/* rows_b32 for one token (Q8_0; Q4_0 and MXFP4 take row1_b4x2 below): two blocks per step
+/* rows_b32 for one token (Q8_0; Q4_0 and MXFP4 take row1_b4x8 below): two blocks per step
  * into two accumulators (the fma chain, the f16 conversions and the unpacking of one block
  * overlap the other's). */
 AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
@@ -397,15 +397,16 @@ AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
  * another order.  Against row1_b32 (one block per step), AMD EPYC Zen 4 forced to this path,
  * 1 thread, 3 interleaved A/B rounds of benchmarks/kernels.py (OLMoE / DeepSeek-V2-Lite
  * expert shapes): MXFP4 0.327 / 0.441 -> 0.284 / 0.383 ms an expert, Q4_0 0.315 / 0.424 ->
- * 0.279 / 0.376 (1.13-1.15x); still bound by the per-block unpacking and scaling. */
-AI float row1_b4x2(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
+ * 0.279 / 0.376 (1.13-1.15x); still bound by the per-block unpacking and scaling.  Now the
+ * blocks b .. nb - 1 after row1_b4x8's steps of eight. */
+AI float row1_b4x2(int32_t dt, const uint8_t *w, const xin *x, uint32_t b, uint32_t n) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt), o = bb - 16;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i kv = _mm256_broadcastsi128_si256(
         _mm_loadu_si128((const __m128i *)(const void *)mxfp4_values));
     const __m256i sel = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    uint32_t b = 0;
+    w += (size_t)b * bb;
     for (; b + 2 <= nb; b += 2, w += 2 * bb) {
         _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
         const __m256i v = _mm256_inserti128_si256(
@@ -437,6 +438,93 @@ AI float row1_b4x2(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
     }
     if (b < nb) a0 = q32_dot(q32_of(dt, w), b32_scale(dt, w), x->q + 32 * b, x->s[b], a0);
     return hsum8(_mm256_add_ps(a0, a1));
+}
+
+/* The doubled E2M1 values (mxfp4_values) plus 12: an MXFP4 nibble's u in [0, 24], w = u - 12. */
+static const int8_t mxfp4_values12[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                          12, 11, 10, 9,  8,  6,  4,  0};
+
+/* Q4_0 or MXFP4 at one token, eight blocks (256 columns) a step, the 4-bit values as
+ * vpmaddubsw's unsigned operand: Q4_0's nibbles q as they are (w = q - 8), MXFP4's looked up
+ * in mxfp4_values12 (w = u - 12).  Each block's integer sum is sum w x = sum u x - c * (the
+ * prepared sum of its 32 int8 x), c = 8 or 12: exact (pairs <= 2 * 24 * 127; a block's low
+ * and high nibbles' pairs <= 12192 in int16).  Blocks go in pairs as in row1_b4x2 (their
+ * nibbles in the two 128-bit lanes, the input's matching 16 columns loaded into the same
+ * lanes), one vpmaddwd a pair; three vphaddd fold the four pairs to one int32 lane a block
+ * (lanes [0 2 4 6 | 1 3 5 7], one permute back to block order); then one offset, one
+ * conversion and one FMA with the eight blocks' d_w * s_x, the eight scales (f16, or E8M0
+ * halved) read into one vector.  row1_b4x2 spends per pair four vpsignb, two subtractions
+ * (or lookups), a conversion, an FMA and two scalar scale reads; this form about 60 % of its
+ * vector instructions.  The same integer sums per block as q32_dot (exact), summed in f32 in
+ * another order; a row's last nb % 8 blocks go through row1_b4x2. */
+AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
+    const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt), o = bb - 16;
+    const int mx = dt == SMOE_WDT_MXFP4;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i kv = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)(const void *)mxfp4_values12));
+    const __m256i c = _mm256_set1_epi32(mx ? 12 : 8);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const uint8_t *w0 = w;
+    __m256 acc = _mm256_setzero_ps();
+    uint32_t b = 0;
+    for (; b + 8 <= nb; b += 8, w += 8 * bb) {
+        _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PF_AHEAD + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PF_AHEAD + 128), _MM_HINT_T0);
+        __m256i m[4];
+        for (int k = 0; k < 4; k++) {
+            const uint8_t *wk = w + (size_t)(2 * k) * bb + o;
+            const int8_t *xq = x->q + 32 * (b + 2 * k);
+            const __m256i v = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)wk)),
+                _mm_loadu_si128((const __m128i *)(wk + bb)), 1);
+            /* [block 0 columns 0-15 | block 1 columns 0-15], and the same for 16-31 */
+            const __m256i xl = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)xq)),
+                _mm_loadu_si128((const __m128i *)(xq + 32)), 1);
+            const __m256i xh = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(xq + 16))),
+                _mm_loadu_si128((const __m128i *)(xq + 48)), 1);
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (mx) {
+                lo = _mm256_shuffle_epi8(kv, lo);
+                hi = _mm256_shuffle_epi8(kv, hi);
+            }
+            m[k] = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
+        }
+        __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
+        s = _mm256_permutevar8x32_epi32(s, order);
+        const __m256i xsum = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(x->bs + b)));
+        s = _mm256_sub_epi32(s, _mm256_mullo_epi32(xsum, c));
+        __m256 d;
+        if (mx) { /* e8m0_half in lanes: (e - 1) << 23, or 0x00200000 << e for e < 2 */
+            uint64_t e = 0;
+            for (int i = 0; i < 8; i++) e |= (uint64_t)w[(size_t)i * bb] << (8 * i);
+            __asm__("" : "+r"(e)); /* built in integer registers (see below) */
+            const __m256i ev = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)e));
+            const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(ev, _mm256_set1_epi32(1)), 23);
+            const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), ev);
+            d = _mm256_castsi256_ps(
+                _mm256_blendv_epi8(big, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), ev)));
+        } else { /* the eight f16 d's, widened exactly; gathered into two 64-bit integers
+                  * with scalar loads and shifts (the asm keeps GCC from vectorising them into
+                  * a dozen shuffles on the vector ports this loop is short of) */
+            uint64_t h[2] = {0, 0};
+            for (int i = 0; i < 8; i++) {
+                uint16_t v16;
+                memcpy(&v16, w + (size_t)i * bb, 2);
+                h[i / 4] |= (uint64_t)v16 << (16 * (i % 4));
+            }
+            __asm__("" : "+r"(h[0]), "+r"(h[1]));
+            d = _mm256_cvtph_ps(_mm_set_epi64x((long long)h[1], (long long)h[0]));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_loadu_ps(x->s + b)),
+                              acc);
+    }
+    const float r = hsum8(acc);
+    return b < nb ? r + row1_b4x2(dt, w0, x, b, n) : r;
 }
 
 /* ---- Q4_1: a scale and an offset per 32 columns ---- */
@@ -1049,9 +1137,9 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
     else if (dt == SMOE_WDT_Q4_1)
         rows_q4_1(w, x, nt, n, res);
     else if (dt == SMOE_WDT_MXFP4 && nt == 1) /* (each format its own inlined loop) */
-        res[0] = row1_b4x2(SMOE_WDT_MXFP4, w, x, n);
+        res[0] = row1_b4x8(SMOE_WDT_MXFP4, w, x, n);
     else if (dt == SMOE_WDT_Q4_0 && nt == 1)
-        res[0] = row1_b4x2(SMOE_WDT_Q4_0, w, x, n);
+        res[0] = row1_b4x8(SMOE_WDT_Q4_0, w, x, n);
     else if (dt == SMOE_WDT_MXFP4)
         rows_b32(SMOE_WDT_MXFP4, w, x, nt, n, res);
     else if (smoe_wdt_block_cols(dt) == 32 && nt == 1)
