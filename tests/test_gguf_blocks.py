@@ -186,6 +186,24 @@ def test_one_token_rows_of_any_block_count(ctx, isa, kind, H, I):
             assert _rel(got, ref_ffn(ref, x, "silu")) < 5e-2
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "mxfp4"])
+@pytest.mark.parametrize("T", [16, 17, 33])
+def test_q4_0_and_mxfp4_rows_on_both_sides_of_sixteen_tokens(ctx, kind, T):
+    """Up to 16 tokens the AVX2 rows of Q4_0 / MXFP4 are the one-token rows, reading the
+    input in pair order (eight blocks a step, then pairs, then an odd last block); past 16
+    the tiles of 4 tokens and a last tile of 1 (17, 33) read it in block order: each the fast
+    model to float rounding, with odd block counts (13 and 7)."""
+    _isa(ctx, "avx2")
+    rng = np.random.default_rng(T + 100 * (kind == "mxfp4"))
+    H, I = 32 * 13, 32 * 7
+    t, ref = _expert(rng, H, I, kind)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    x[T // 2] *= 50.0  # a token of another scale
+    got = kernels.ffn(t, x, ctx=ctx)
+    with np.errstate(over="ignore"):
+        assert _rel(got, _model_fast(ref, x, kind, None)) < 1e-5
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("exps,xlog2", [((0, 1, 2, 3), 124), ((250, 251, 253, 254), -120)])
 @pytest.mark.parametrize("T", [1, 5])

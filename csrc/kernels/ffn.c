@@ -432,7 +432,7 @@ static void blocks_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     phase_arg pa;
     pa.impl = smoe_ffn_impl_blocks(f->isa, f->has_vnni, d->precise);
     smoe_ffn_job job = {d,     block, T,          0,    xs,   act,  rows,
-                        scale, out,   out_stride, NULL, NULL, NULL, f->stream_pf};
+                        scale, out,   out_stride, NULL, NULL, NULL, f->stream_pf, 0};
     pa.job = &job;
     const int fast = smoe_blocks_fast(pa.impl);
     int8_t *aq = (int8_t *)((uint8_t *)act + round64((size_t)T * I * 4));
@@ -440,7 +440,8 @@ static void blocks_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     float *xsum = xsc + (size_t)T * (H / 32), *asc = xsum + (size_t)T * (H / 32);
     float *asum = asc + (size_t)T * (I / 32);
     if (fast) {
-        smoe_blocks_prepare(d->dtype, x, x_stride, rows, T, H, (int8_t *)xs, xsc, xsum);
+        job.qpairs =
+            smoe_blocks_prepare(pa.impl, d->dtype, x, x_stride, rows, T, H, (int8_t *)xs, xsc, xsum);
         job.xs = NULL;
         job.q = xs;
         job.qs = xsc;
@@ -451,7 +452,8 @@ static void blocks_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     phase_start(&pa, 1, nt);
     smoe_kpool_run(pool, phase_run, &pa);
     if (fast) {
-        smoe_blocks_prepare(smoe_ffn_down_dtype(d), act, I, NULL, T, I, aq, asc, asum);
+        job.qpairs = smoe_blocks_prepare(pa.impl, smoe_ffn_down_dtype(d), act, I, NULL, T, I, aq,
+                                         asc, asum);
         job.q = aq;
         job.qs = asc;
         job.qsum = asum;
@@ -485,7 +487,7 @@ static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
         float *asum = xsum + (size_t)T * (d->H / 32 + 1);
         fast_prepare(fast, d->dtype, group_of(d), x, x_stride, rows, T, d->H, xs, xsc, xsum);
         smoe_ffn_job job = {d,     block, T,          group_of(d), NULL, act,         rows,
-                            scale, out,   out_stride, xs,          xsc,  xsum, f->stream_pf};
+                            scale, out,   out_stride, xs,          xsc,  xsum, f->stream_pf, 0};
         pa.impl = fast;
         pa.job = &job;
         phase_start(&pa, 1, nt);
@@ -500,7 +502,7 @@ static void ffn_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     }
     gather_rows(x, x_stride, rows, T, d->H, smoe_dtype_permuted(d->dtype), xs);
     smoe_ffn_job job = {d, block, T, group_of(d), xs, act, rows, scale, out, out_stride,
-                        NULL, NULL, NULL, f->stream_pf};
+                        NULL, NULL, NULL, f->stream_pf, 0};
     pa.impl = impl_for(f->isa, d->dtype);
     pa.job = &job;
     phase_start(&pa, 1, nt);
@@ -683,7 +685,7 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
                 memset(o, 0, (size_t)l->N * 4);
         }
         smoe_ffn_job job = {&d,   block, nt,         d.group, NULL, act,        NULL,
-                            NULL, oc,    out_stride, NULL,    NULL, NULL, f.stream_pf};
+                            NULL, oc,    out_stride, NULL,    NULL, NULL, f.stream_pf, 0};
         phase_arg pa;
         pa.impl = impl_for(f.isa, d.dtype);
         pa.job = &job;

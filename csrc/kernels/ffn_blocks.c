@@ -310,8 +310,9 @@ AI float ld_f16(const uint8_t *p) {
 typedef struct xin {
     const int8_t *q;   /* [n] int8 */
     const float *s;    /* Q8_0, Q4_0, Q4_1: [n/32] scales; K-quants: [n/256] */
-    const int16_t *bs; /* K-quants, Q4_1: [n/32] sums of the int8 values per 32 columns
-                        * (Q2_K, Q3_K: [n/16] per 16) */
+    const int16_t *bs; /* K-quants, Q4_1, Q4_0, MXFP4: [n/32] sums of the int8 values per 32
+                        * columns (Q2_K, Q3_K: [n/16] per 16) */
+    uint32_t pairs;    /* q in pair order (pair_order; Q4_0 and MXFP4 one-token rows) */
 } xin;
 
 AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
@@ -320,6 +321,7 @@ AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
     r.q = (const int8_t *)j->q + (size_t)t * n;
     r.s = j->qs + (size_t)t * ns;
     r.bs = (const int16_t *)j->qsum + (size_t)t * (n / smoe_blocks_sum_cols(dt));
+    r.pairs = j->qpairs;
     return r;
 }
 
@@ -391,7 +393,8 @@ AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
  * 256-bit step: the two blocks' 16 bytes of nibbles in the two 128-bit lanes, so one and /
  * shift / and (and for MXFP4 one vpshufb per nibble half) serve both; the input's matching
  * columns, [block 0 columns 0-15 | block 1 columns 0-15] and the same for 16-31, are two
- * vperm2i128 of the prepared int8 x; the lo and hi products' pairs (|w| <= 12: <= 3048 each)
+ * loads of the prepared int8 x in pair order (pair_order; two vperm2i128 per step before);
+ * the lo and hi products' pairs (|w| <= 12: <= 3048 each)
  * summed in int16, one vpmaddwd, one conversion and one FMA with [d0 s0 x 4 | d1 s1 x 4] for
  * the two blocks.  The same integer sums as q32_dot per block (exact), summed in f32 in
  * another order.  Against row1_b32 (one block per step), AMD EPYC Zen 4 forced to this path,
@@ -420,10 +423,9 @@ AI float row1_b4x2(int32_t dt, const uint8_t *w, const xin *x, uint32_t b, uint3
             lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(8));
             hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(8));
         }
-        const __m256i X0 = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-        const __m256i X1 = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b + 32));
-        const __m256i xl = _mm256_permute2x128_si256(X0, X1, 0x20);
-        const __m256i xh = _mm256_permute2x128_si256(X0, X1, 0x31);
+        /* pair order: [block 0 columns 0-15 | block 1 columns 0-15], then 16-31 */
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b + 32));
         const __m256i p = _mm256_add_epi16(
             _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo)),
             _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi)));
@@ -449,9 +451,10 @@ static const int8_t mxfp4_values12[16] = {12, 13, 14, 15, 16, 18, 20, 24,
  * in mxfp4_values12 (w = u - 12).  Each block's integer sum is sum w x = sum u x - c * (the
  * prepared sum of its 32 int8 x), c = 8 or 12: exact (pairs <= 2 * 24 * 127; a block's low
  * and high nibbles' pairs <= 12192 in int16).  Blocks go in pairs as in row1_b4x2 (their
- * nibbles in the two 128-bit lanes, the input's matching 16 columns loaded into the same
- * lanes), one vpmaddwd a pair; three vphaddd fold the four pairs to one int32 lane a block
- * (lanes [0 2 4 6 | 1 3 5 7], one permute back to block order); then one offset, one
+ * nibbles in the two 128-bit lanes, the input's matching 16 columns loaded as they lie: the
+ * prepared input is in pair order, pair_order), one vpmaddwd a pair; three vphaddd fold the
+ * four pairs to one int32 lane a block (lanes [0 2 4 6 | 1 3 5 7], one permute back to block
+ * order); then one offset, one
  * conversion and one FMA with the eight blocks' d_w * s_x, the eight scales (f16, or E8M0
  * halved) read into one vector.  row1_b4x2 spends per pair four vpsignb, two subtractions
  * (or lookups), a conversion, an FMA and two scalar scale reads; this form about 60 % of its
@@ -479,13 +482,9 @@ AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
             const __m256i v = _mm256_inserti128_si256(
                 _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)wk)),
                 _mm_loadu_si128((const __m128i *)(wk + bb)), 1);
-            /* [block 0 columns 0-15 | block 1 columns 0-15], and the same for 16-31 */
-            const __m256i xl = _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)xq)),
-                _mm_loadu_si128((const __m128i *)(xq + 32)), 1);
-            const __m256i xh = _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(xq + 16))),
-                _mm_loadu_si128((const __m128i *)(xq + 48)), 1);
+            /* pair order: [block 0 columns 0-15 | block 1 columns 0-15], then 16-31 */
+            const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
+            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
             __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             if (mx) {
                 lo = _mm256_shuffle_epi8(kv, lo);
@@ -1136,9 +1135,9 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         res[0] = row1_q4_1(w, x, n);
     else if (dt == SMOE_WDT_Q4_1)
         rows_q4_1(w, x, nt, n, res);
-    else if (dt == SMOE_WDT_MXFP4 && nt == 1) /* (each format its own inlined loop) */
+    else if (dt == SMOE_WDT_MXFP4 && x[0].pairs) /* (each format its own inlined loop) */
         res[0] = row1_b4x8(SMOE_WDT_MXFP4, w, x, n);
-    else if (dt == SMOE_WDT_Q4_0 && nt == 1)
+    else if (dt == SMOE_WDT_Q4_0 && x[0].pairs)
         res[0] = row1_b4x8(SMOE_WDT_Q4_0, w, x, n);
     else if (dt == SMOE_WDT_MXFP4)
         rows_b32(SMOE_WDT_MXFP4, w, x, nt, n, res);
@@ -1321,6 +1320,20 @@ static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int3
                        bs + (size_t)t * (n / sub) + (m / sub) * b, sub);
             qs[(size_t)t * ns + b] = sc;
         }
+    }
+}
+/* Pair order of one token's prepared int8 input q (n columns) for the one-token Q4_0 / MXFP4
+ * rows (row1_b4x8, row1_b4x2): per two blocks, [block 0 columns 0-15 | block 1 columns 0-15 |
+ * block 0 columns 16-31 | block 1 columns 16-31], the halves the two blocks' low and high
+ * nibbles meet in one 256-bit step, so that the rows load them instead of shuffling them for
+ * every row (on the Zen 2 EPYC their unpacking, not memory, bound those rows); a last odd
+ * block stays as it is.  Scales and sums stay per block. */
+static void pair_order(int8_t *q, uint32_t n) {
+    for (uint32_t c = 0; c + 64 <= n; c += 64) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(q + c + 16));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(q + c + 32));
+        _mm_storeu_si128((__m128i *)(q + c + 16), b);
+        _mm_storeu_si128((__m128i *)(q + c + 32), a);
     }
 }
 #pragma GCC pop_options
@@ -2274,12 +2287,19 @@ int smoe_blocks_fast(const smoe_ffn_impl *impl) {
 #endif
 }
 
-void smoe_blocks_prepare(int32_t dtype, const float *src, size_t stride, const int32_t *rows,
-                         uint32_t T, uint32_t n, int8_t *q, float *qs, float *qsum) {
+uint32_t smoe_blocks_prepare(const smoe_ffn_impl *impl, int32_t dtype, const float *src,
+                             size_t stride, const int32_t *rows, uint32_t T, uint32_t n,
+                             int8_t *q, float *qs, float *qsum) {
 #if HAVE_FAST
     prepare_avx2(dtype, src, stride, rows, T, n, q, qs, qsum);
+    if (impl == &impl_fast && T <= INVARIANT_T &&
+        (dtype == SMOE_WDT_Q4_0 || dtype == SMOE_WDT_MXFP4)) {
+        for (uint32_t t = 0; t < T; t++) pair_order(q + (size_t)t * n, n);
+        return 1;
+    }
 #else
-    (void)dtype, (void)src, (void)stride, (void)rows, (void)T, (void)n, (void)q, (void)qs,
-        (void)qsum;
+    (void)impl, (void)dtype, (void)src, (void)stride, (void)rows, (void)T, (void)n, (void)q,
+        (void)qs, (void)qsum;
 #endif
+    return 0;
 }

@@ -25,6 +25,7 @@ typedef struct smoe_ffn_job {
     const float *qsum; /* int4: [T, n/128] block scale * sum of the block's int8 values (AVX2:
                         * [T, n/group], per weight group, see smoe_fast_prepare_avx2) */
     uint32_t stream_pf; /* the context's stream_pf (kernels.h) */
+    uint32_t qpairs;    /* GGUF blocks: q in pair order (what smoe_blocks_prepare returned) */
 } smoe_ffn_job;
 
 /* Position of column c (of n) in the permuted layout of x / act used by BF16 and I4 weights:
@@ -94,11 +95,14 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
  * smoe_blocks_fast says whether impl is the fast form, whose input smoe_blocks_prepare
  * quantizes for a matrix of `dtype`: T rows of src (n columns, a multiple of that dtype's
  * block; row rows[t] or t) into q [T, n] int8, qs [T, n/32] (Q8_0) or [T, n/256] scales and,
- * in qsum's bytes, int16 sums of every 32 values [T, n/32]. */
+ * in qsum's bytes, int16 sums of every 32 values [T, n/32].  For impl's one-token rows of Q4_0
+ * and MXFP4 (the AVX2 fast form, T <= 16) q's blocks go in pair order (ffn_blocks.c,
+ * pair_order); it returns 1 then, else 0: the job's qpairs. */
 const smoe_ffn_impl *smoe_ffn_impl_blocks(int32_t isa, int has_vnni, uint32_t precise);
 int smoe_blocks_fast(const smoe_ffn_impl *impl);
-void smoe_blocks_prepare(int32_t dtype, const float *src, size_t stride, const int32_t *rows,
-                         uint32_t T, uint32_t n, int8_t *q, float *qs, float *qsum);
+uint32_t smoe_blocks_prepare(const smoe_ffn_impl *impl, int32_t dtype, const float *src,
+                             size_t stride, const int32_t *rows, uint32_t T, uint32_t n,
+                             int8_t *q, float *qs, float *qsum);
 
 /* Scalar activation shared by every ISA (exactly the formula in kernels.h). */
 float smoe_ffn_activate(const smoe_ffn_desc *d, float g, float u);
