@@ -440,8 +440,8 @@ static void blocks_run(smoe_kpool *pool, const kfeat *f, const smoe_ffn_desc *d,
     float *xsum = xsc + (size_t)T * (H / 32), *asc = xsum + (size_t)T * (H / 32);
     float *asum = asc + (size_t)T * (I / 32);
     if (fast) {
-        job.qpairs =
-            smoe_blocks_prepare(pa.impl, d->dtype, x, x_stride, rows, T, H, (int8_t *)xs, xsc, xsum);
+        job.qpairs = smoe_blocks_prepare(pa.impl, d->dtype, x, x_stride, rows, T, H,
+                                         (int8_t *)xs, xsc, xsum);
         job.xs = NULL;
         job.q = xs;
         job.qs = xsc;

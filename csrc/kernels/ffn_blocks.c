@@ -454,12 +454,12 @@ static const int8_t mxfp4_values12[16] = {12, 13, 14, 15, 16, 18, 20, 24,
  * nibbles in the two 128-bit lanes, the input's matching 16 columns loaded as they lie: the
  * prepared input is in pair order, pair_order), one vpmaddwd a pair; three vphaddd fold the
  * four pairs to one int32 lane a block (lanes [0 2 4 6 | 1 3 5 7], one permute back to block
- * order); then one offset, one
- * conversion and one FMA with the eight blocks' d_w * s_x, the eight scales (f16, or E8M0
- * halved) read into one vector.  row1_b4x2 spends per pair four vpsignb, two subtractions
- * (or lookups), a conversion, an FMA and two scalar scale reads; this form about 60 % of its
- * vector instructions.  The same integer sums per block as q32_dot (exact), summed in f32 in
- * another order; a row's last nb % 8 blocks go through row1_b4x2. */
+ * order); then one offset, one conversion and one FMA with the eight blocks' d_w * s_x, the
+ * eight scales (f16, or E8M0 halved) read into one vector.  row1_b4x2 spends per pair four
+ * vpsignb, two subtractions (or lookups), a conversion, an FMA and two scalar scale reads;
+ * this form about 60 % of its vector instructions.  The same integer sums per block as
+ * q32_dot (exact), summed in f32 in another order; a row's last nb % 8 blocks go through
+ * row1_b4x2. */
 AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt), o = bb - 16;
     const int mx = dt == SMOE_WDT_MXFP4;
@@ -485,13 +485,15 @@ AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
             /* pair order: [block 0 columns 0-15 | block 1 columns 0-15], then 16-31 */
             const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
             const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
-            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            __m256i lo = _mm256_and_si256(v, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             if (mx) {
                 lo = _mm256_shuffle_epi8(kv, lo);
                 hi = _mm256_shuffle_epi8(kv, hi);
             }
             m[k] = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)),
+                ones);
         }
         __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
         s = _mm256_permutevar8x32_epi32(s, order);
@@ -1111,11 +1113,14 @@ static float row1_iq4_xs(const uint8_t *w, const xin *x, uint32_t n) {
         for (uint32_t j = 0; j < 8; j += 2, qs += 32, xq += 64, sh >>= 4) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
             const __m256i lo = _mm256_shuffle_epi8(kv, _mm256_and_si256(v, m4));
-            const __m256i hi = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            const __m256i hi =
+                _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
             const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
             const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
-            const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo));
-            const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi));
+            const __m256i pl =
+                _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo));
+            const __m256i ph =
+                _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi));
             const uint8_t sl = w[4 + j / 2];
             const uint32_t ls1 = (uint16_t)(((sl & 0xF) | ((sh << 4) & 0x30)) - 32);
             const uint32_t ls2 = (uint16_t)(((sl >> 4) | ((sh << 2) & 0x30)) - 32);
@@ -1326,12 +1331,14 @@ static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int3
         }
     }
 }
+
 /* Pair order of one token's prepared int8 input q (n columns) for the one-token Q4_0 / MXFP4
- * rows (row1_b4x8, row1_b4x2) and IQ4_XS rows (row1_iq4_xs; its sub-blocks): per two blocks, [block 0 columns 0-15 | block 1 columns 0-15 |
- * block 0 columns 16-31 | block 1 columns 16-31], the halves the two blocks' low and high
- * nibbles meet in one 256-bit step, so that the rows load them instead of shuffling them for
- * every row (on the Zen 2 EPYC their unpacking, not memory, bound those rows); a last odd
- * block stays as it is.  Scales and sums stay per block. */
+ * rows (row1_b4x8, row1_b4x2) and IQ4_XS rows (row1_iq4_xs; its sub-blocks): per two blocks,
+ * [block 0 columns 0-15 | block 1 columns 0-15 | block 0 columns 16-31 | block 1 columns
+ * 16-31], the halves the two blocks' low and high nibbles meet in one 256-bit step, so that
+ * the rows load them instead of shuffling them for every row (on the Zen 2 EPYC their
+ * unpacking, not memory, bound those rows); a last odd block stays as it is.  Scales and
+ * sums stay per block. */
 static void pair_order(int8_t *q, uint32_t n) {
     for (uint32_t c = 0; c + 64 <= n; c += 64) {
         const __m128i a = _mm_loadu_si128((const __m128i *)(q + c + 16));
