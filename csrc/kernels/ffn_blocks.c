@@ -373,9 +373,9 @@ AI void rows_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
 }
 
-/* rows_b32 for one token (Q8_0; Q4_0 and MXFP4 take row1_b4x8 below): two blocks per step
- * into two accumulators (the fma chain, the f16 conversions and the unpacking of one block
- * overlap the other's). */
+/* rows_b32 for one token (Q8_0, and Q4_0 in a call of more than 16 tokens; up to 16, Q4_0 and
+ * MXFP4 take row1_b4x8 below): two blocks per step into two accumulators (the fma chain, the
+ * f16 conversions and the unpacking of one block overlap the other's). */
 AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -395,14 +395,14 @@ AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
  * shift / and (and for MXFP4 one vpshufb per nibble half) serve both; the input's matching
  * columns, [block 0 columns 0-15 | block 1 columns 0-15] and the same for 16-31, are two
  * loads of the prepared int8 x in pair order (pair_order; two vperm2i128 per step before);
- * the lo and hi products' pairs (|w| <= 12: <= 3048 each)
- * summed in int16, one vpmaddwd, one conversion and one FMA with [d0 s0 x 4 | d1 s1 x 4] for
- * the two blocks.  The same integer sums as q32_dot per block (exact), summed in f32 in
- * another order.  Against row1_b32 (one block per step), AMD EPYC Zen 4 forced to this path,
- * 1 thread, 3 interleaved A/B rounds of benchmarks/kernels.py (OLMoE / DeepSeek-V2-Lite
- * expert shapes): MXFP4 0.327 / 0.441 -> 0.284 / 0.383 ms an expert, Q4_0 0.315 / 0.424 ->
- * 0.279 / 0.376 (1.13-1.15x); still bound by the per-block unpacking and scaling.  Now the
- * blocks b .. nb - 1 after row1_b4x8's steps of eight. */
+ * the lo and hi products' pairs (|w| <= 12: <= 3048 each) summed in int16, one vpmaddwd, one
+ * conversion and one FMA with [d0 s0 x 4 | d1 s1 x 4] for the two blocks.  The same integer
+ * sums as q32_dot per block (exact), summed in f32 in another order.  Against row1_b32 (one
+ * block per step), AMD EPYC Zen 4 forced to this path, 1 thread, 3 interleaved A/B rounds of
+ * benchmarks/kernels.py (OLMoE / DeepSeek-V2-Lite expert shapes): MXFP4 0.327 / 0.441 ->
+ * 0.284 / 0.383 ms an expert, Q4_0 0.315 / 0.424 -> 0.279 / 0.376 (1.13-1.15x); still bound
+ * by the per-block unpacking and scaling.  Now the blocks b .. nb - 1 after row1_b4x8's steps
+ * of eight. */
 AI float row1_b4x2(int32_t dt, const uint8_t *w, const xin *x, uint32_t b, uint32_t n) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt), o = bb - 16;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
