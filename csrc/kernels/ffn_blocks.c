@@ -447,19 +447,37 @@ AI float row1_b4x2(int32_t dt, const uint8_t *w, const xin *x, uint32_t b, uint3
 static const int8_t mxfp4_values12[16] = {12, 13, 14, 15, 16, 18, 20, 24,
                                           12, 11, 10, 9,  8,  6,  4,  0};
 
+/* The eight f16 at w, w + bb, ..., w + 7 bb (the scales of eight blocks) widened exactly;
+ * gathered into two 64-bit integers with scalar loads and shifts (the asm keeps GCC from
+ * vectorising them into a dozen shuffles on the vector ports the block rows are short of). */
+AI __m256 f16x8(const uint8_t *w, uint32_t bb) {
+    uint64_t h[2] = {0, 0};
+    for (int i = 0; i < 8; i++) {
+        uint16_t v16;
+        memcpy(&v16, w + (size_t)i * bb, 2);
+        h[i / 4] |= (uint64_t)v16 << (16 * (i % 4));
+    }
+    __asm__("" : "+r"(h[0]), "+r"(h[1]));
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)h[1], (long long)h[0]));
+}
+
+/* The 32 nibbles of a Q4_1 block as uint8 lanes in column order (as q32_of's Q4_0). */
+AI __m256i q41_of(const uint8_t *w) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(w + 4));
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+}
+
 /* Q4_1 blocks b .. nb - 1 of row w at one token on the pair-ordered input (row1_b4x8's last
  * nb % 8 blocks): one block at a time, its 32 input columns gathered back into column order
  * (a last odd block is in column order already, pair_order). */
 AI float row1_q4_1_tail(const uint8_t *w, const xin *x, uint32_t b, uint32_t n) {
     const uint32_t nb = n / 32;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps();
     float am = 0.0f;
     for (; b < nb; b++) {
         const uint8_t *wb = w + (size_t)b * 20;
-        const __m128i v = _mm_loadu_si128((const __m128i *)(wb + 4));
-        const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
-                                            _mm_and_si128(v, m4));
+        const __m256i wq = q41_of(wb);
         __m256i xv;
         if ((nb & 1) && b == nb - 1) {
             xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
@@ -536,37 +554,19 @@ AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
         if (mx) { /* e8m0_half in lanes: (e - 1) << 23, or 0x00200000 << e for e < 2 */
             uint64_t e = 0;
             for (int i = 0; i < 8; i++) e |= (uint64_t)w[(size_t)i * bb] << (8 * i);
-            __asm__("" : "+r"(e)); /* built in integer registers (see below) */
+            __asm__("" : "+r"(e)); /* built in integer registers (see f16x8) */
             const __m256i ev = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)e));
             const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(ev, _mm256_set1_epi32(1)), 23);
             const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), ev);
             d = _mm256_castsi256_ps(
                 _mm256_blendv_epi8(big, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), ev)));
-        } else { /* the eight f16 d's, widened exactly; gathered into two 64-bit integers
-                  * with scalar loads and shifts (the asm keeps GCC from vectorising them into
-                  * a dozen shuffles on the vector ports this loop is short of) */
-            uint64_t h[2] = {0, 0};
-            for (int i = 0; i < 8; i++) {
-                uint16_t v16;
-                memcpy(&v16, w + (size_t)i * bb, 2);
-                h[i / 4] |= (uint64_t)v16 << (16 * (i % 4));
-            }
-            __asm__("" : "+r"(h[0]), "+r"(h[1]));
-            d = _mm256_cvtph_ps(_mm_set_epi64x((long long)h[1], (long long)h[0]));
+        } else { /* the eight f16 d's */
+            d = f16x8(w, bb);
         }
         const __m256 xs = _mm256_loadu_ps(x->s + b);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, xs), acc);
-        if (q41) { /* the offset term m * s_x * (sum of the block's int8 x) */
-            uint64_t h[2] = {0, 0};
-            for (int i = 0; i < 8; i++) {
-                uint16_t v16;
-                memcpy(&v16, w + (size_t)i * bb + 2, 2);
-                h[i / 4] |= (uint64_t)v16 << (16 * (i % 4));
-            }
-            __asm__("" : "+r"(h[0]), "+r"(h[1]));
-            const __m256 m = _mm256_cvtph_ps(_mm_set_epi64x((long long)h[1], (long long)h[0]));
-            am = _mm256_fmadd_ps(_mm256_mul_ps(m, xs), _mm256_cvtepi32_ps(xsum), am);
-        }
+        if (q41) /* the offset term m * s_x * (sum of the block's int8 x) */
+            am = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(w + 2, bb), xs), _mm256_cvtepi32_ps(xsum), am);
     }
     if (q41) return hsum8(acc) + hsum8(am) + (b < nb ? row1_q4_1_tail(w0, x, b, n) : 0.0f);
     const float r = hsum8(acc);
@@ -574,13 +574,6 @@ AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
 }
 
 /* ---- Q4_1: a scale and an offset per 32 columns ---- */
-
-/* The 32 nibbles of a Q4_1 block as uint8 lanes in column order (as q32_of's Q4_0). */
-AI __m256i q41_of(const uint8_t *w) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i v = _mm_loadu_si128((const __m128i *)(w + 4));
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-}
 
 /* The block's sum of q * x as 8 int32 lanes in f32 (q unsigned, x the prepared int8). */
 AI __m256 q41_sum(__m256i wq, const int8_t *xq) {
