@@ -39,6 +39,11 @@ Rows (one checkpoint, one prompt, every row with all experts in memory):
   row (``specmoe.from_pretrained(file, dtype="auto", dense="int4")``): the Q4_0 experts kept
   bit for bit (int4 in groups of 32), the dense weights dequantized from Q4_0 and run by the C
   int4 kernels (groups of 128).  Same file, same expert bits as llama.cpp.
+* ``specmoe+gguf-Q4_0`` / ``-Q8_0``: specmoe reading the same GGUF file as ``llama.cpp-Q4_0``
+  / ``-Q8_0`` with ``dense="gguf"``: the experts and every dense layer the file holds in a
+  block format (its Q6_K output matrix included) run on the file's own blocks, the bits
+  llama.cpp reads; only what the file holds otherwise (F32 norms, DeepSeek's kv_b_proj joined
+  from two tensors) stays in bf16.  Same file, same bits, both sides.
 * ``specmoe+dense-f32`` / ``-bf16`` / ``-int8`` / ``-int4``: the same, with ``dense=<p>``: every
   dense linear layer except the routers (attention projections, shared experts, the dense FFN,
   lm_head) runs through specmoe's C kernels at the row's precision (:mod:`specmoe.models.dense`).
@@ -745,6 +750,10 @@ def main() -> None:
         elif kind == "specmoe+dense" and p == "gguf-Q4_0":  # llama.cpp-Q4_0's own file
             rows_def.append({"name": n, "kind": "specmoe", "precision": "int4",
                              "torch_dtype": "bf16", "dense": "int4", "gguf": "Q4_0"})
+        elif kind == "specmoe+gguf" and p in ("Q4_0", "Q8_0"):  # every weight as the file's
+            rows_def.append({"name": n, "kind": "specmoe",
+                             "precision": "int4" if p == "Q4_0" else "int8",
+                             "torch_dtype": "bf16", "dense": "gguf", "gguf": p})
         elif kind == "specmoe+dense" and p in SPECMOE_PRECS:
             rows_def.append({"name": n, "kind": "specmoe", "precision": p,
                              "torch_dtype": TORCH_OF[p], "dense": p})

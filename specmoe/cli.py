@@ -285,7 +285,7 @@ def _checkpoint(args: argparse.Namespace, store: "str | None") -> None:
     dtype = args.dtype
     if dtype == "auto":
         from .storage.conversion import store_dtype
-        dtype = store_dtype(ck, dtype)
+        dtype = store_dtype(ck, dtype, quiet=True)  # from_pretrained says it
     check_store_location(default_store_path(ck.folder, dtype) if store is None else store,
                          checkpoint=ck.folder)
 
@@ -948,9 +948,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads of torch and of specmoe's kernels (default: torch's; at most "
                         f"{MAX_THREADS})")
     p.add_argument("--dense", default="auto",
-                   choices=["auto", "torch", "f32", "bf16", "int8", "int4"],
+                   choices=["auto", "torch", "f32", "bf16", "int8", "int4", "gguf"],
                    help="attention, shared/dense MLP and lm_head through specmoe's C kernels "
-                        "(auto: bf16 weights kept exactly; int8/int4 quantize them)")
+                        "(auto: bf16 weights kept exactly; int8/int4 quantize them; gguf: a "
+                        "GGUF file's own blocks, the bits llama.cpp reads)")
     p.add_argument("--device", default="cpu",
                    help="cpu (default), or cuda / cuda:N: the GPU tier (experts cached in GPU "
                         "memory, the rest of the model on that GPU; --dense auto or torch)")
@@ -1018,7 +1019,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_at_least(1, MAX_THREADS), default=None,
                    help="threads of torch and of specmoe's kernels (default: torch's)")
     p.add_argument("--dense", default="auto",
-                   choices=["auto", "torch", "f32", "bf16", "int8", "int4"],
+                   choices=["auto", "torch", "f32", "bf16", "int8", "int4", "gguf"],
                    help="dense layers through specmoe's C kernels, as run's --dense")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],

@@ -235,6 +235,52 @@ def test_mxfp4_scales_at_both_ends_of_the_e8m0_range(ctx, isa, exps, xlog2, T):
         assert _rel(got, _model_fast(ref, x, "mxfp4", "q8_0")) < 1e-5
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("kind", sorted(gb.BLOCKS))
+def test_linear_layers_on_gguf_blocks(ctx, isa, kind):
+    """A dense layer on a GGUF block matrix (dense="gguf"): the exact form equals the gguf
+    package's dequantization then an f32 product; the fast form (int8 input per block
+    width) equals its numpy model; tokens 1, 7, 16, 17 and 70 (past one 64-token chunk), a
+    bias, every ISA the machine has."""
+    _isa(ctx, isa)
+    cols = gb.BLOCKS[kind][0]
+    rng = np.random.default_rng(zlib.crc32(f"linear/{kind}".encode()))
+    N, K = 72, cols * (13 if cols == 32 else 3)
+    blocks = QUANT[kind]((rng.standard_normal((N, K)) * 0.05).astype(np.float32))
+    w = gb.dequantize(blocks).astype(np.float64)
+    bias = (rng.standard_normal(N) * 0.1).astype(np.float32)
+    raw = np.ascontiguousarray(blocks).reshape(-1)
+    for precise in (1, 0):
+        lin = _C.Linear(ctx, {"N": N, "K": K, "dtype": kernels._DT_CODE[kind], "weight": 0,
+                              "precise": precise}, raw, bias)
+        for T in (1, 7, 16, 17, 70):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            out = np.full((T, N), np.nan, np.float32)
+            lin.forward(x, out)
+            want = x.astype(np.float64) @ w.T + bias
+            if precise or isa == "scalar":
+                assert _rel(out, want) < 2e-6, (precise, T, _rel(out, want))
+            else:
+                model = _q8(x, cols).astype(np.float64) @ w.T + bias
+                assert _rel(out, model) < 1e-5, (T, _rel(out, model))
+                assert _rel(out, want) < 5e-2
+
+
+def test_linear_block_descriptors_are_refused_by_name(ctx):
+    blocks = QUANT["q4_k"](np.zeros((4, 512), np.float32))
+    raw = np.ascontiguousarray(blocks).reshape(-1)
+    d = {"N": 4, "K": 512, "dtype": kernels._DT_CODE["q4_k"], "weight": 0}
+    _C.Linear(ctx, d, raw, None)
+    with pytest.raises(ValueError, match="GGUF blocks of 256 columns: linear K=480"):
+        _C.Linear(ctx, dict(d, K=480), raw, None)
+    with pytest.raises(ValueError, match="weight"):
+        _C.Linear(ctx, dict(d, N=5), raw, None)  # one row more than the block holds
+    with pytest.raises(ValueError, match="scales are inside the blocks"):
+        _C.Linear(ctx, dict(d, weight_scale=0), raw, None)
+    with pytest.raises(ValueError, match="int2 weights are for expert FFNs only"):
+        _C.Linear(ctx, dict(d, dtype=kernels._DT_CODE["int2"]), raw, None)
+
+
 def test_spec_from_store_schema_reads_the_kinds_from_the_block_bytes():
     rng = np.random.default_rng(2)
     t, _ = _expert(rng, 256, 256, "q4_k", "q6_k")
@@ -446,3 +492,83 @@ def test_serve_a_q4_k_m_file(_cache_dir, tmp_path):
         ids = srv.tokenizer("def parse(line):").input_ids
         want = _greedy(srv.model, torch.tensor([ids]), n=6)
     assert len(want) == 6 and got == srv.tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("arch,qtype,kinds,hidden", [
+    ("mixtral", "Q4_0", {"q4_0"}, 256),       # llama: q/k rows permuted in the file
+    ("qwen3_moe", "Q4_K", {"q4_k"}, 256),     # hidden 256: K-quant super-blocks everywhere
+    ("deepseek_v2", "Q8_0", {"q8_0"}, None),  # MLA; kv_b_proj joined from two tensors
+    ("olmoe", "Q5_0", {"q8_0"}, 256)])        # Q5_0 widened to Q8_0 without loss
+def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, arch, qtype, kinds, hidden):
+    """dense="gguf": every dense layer the file holds in a kept block format runs on those
+    blocks (each one dequantizes to exactly the weights the file holds, a llama q/k's rows
+    in the model's order); the rest keep the model's format; logits on the exact kernel path
+    equal the transformers model holding the file's weights, greedy tokens too; the fast
+    path stays close."""
+    import gguf
+
+    from specmoe.models.layers import CLinear
+
+    kw = {"hidden": hidden} if hidden else {}
+    path, held = save_gguf(tiny_model(arch, **kw), tmp_path / "d.gguf", qtype=qtype)
+    ref = tiny_model(arch, **kw)
+    missing, unexpected = ref.load_state_dict(held, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3, 17]])
+    want_logits, want_tokens = _logits(ref, ids), _greedy(ref, ids)
+    model = specmoe.from_pretrained(path, cache=0.5, progress=False, dense="gguf",
+                                    torch_dtype=torch.float32)
+    try:
+        rep = specmoe.engine_of(model).dense
+        assert rep.dtype == "gguf" and set(rep.formats) - {"f32"} == kinds, rep.formats
+        assert "_specmoe_dense_blocks" not in model.__dict__  # taken by convert_dense
+        rd = gguf.GGUFReader(str(path))
+        by_name = {t.name: t for t in rd.tensors}
+        lins = {n: m for n, m in model.named_modules() if isinstance(m, CLinear)}
+        on_blocks = {n: m for n, m in lins.items() if m.dtype in gb.BLOCKS}
+        assert len(on_blocks) >= 4 * 2, sorted(lins)  # the attention of both layers at least
+        for name, m in on_blocks.items():  # (q/k/v may read one joint block: fuse_qkv)
+            cols, bb = gb.BLOCKS[m.dtype]
+            w0, n = m._desc["weight"], m.out_features * (m.in_features // cols) * bb
+            got = gb.dequantize(m._block[w0:w0 + n].reshape(m.out_features, -1, bb))
+            np.testing.assert_array_equal(got, held[name + ".weight"].numpy())
+        if qtype != "Q5_0":  # the file's own bytes, not a copy of other bits
+            o = lins["model.layers.1.self_attn.o_proj"]
+            raw = np.asarray(by_name["blk.1.attn_output.weight"].data).reshape(-1)
+            np.testing.assert_array_equal(o._block[o._desc["weight"]:][:raw.size], raw)
+        rels = {}
+        for isa in ("scalar", _C.KernelContext(1).isa_max):  # the exact path, the fast one
+            kernels.set_isa(isa)
+            got = _logits(model, ids)
+            rels[isa] = float((got - want_logits).norm() / want_logits.norm())
+            if isa == "scalar":
+                assert _greedy(model, ids) == want_tokens
+    finally:
+        kernels.set_isa("auto")
+        specmoe.engine_of(model).close()
+    assert rels["scalar"] < 1e-5, rels
+    if len(rels) > 1:
+        fast = [v for k, v in rels.items() if k != "scalar"][0]
+        assert 1e-6 < fast < 3e-2, rels
+
+
+def test_dense_gguf_is_refused_where_it_cannot_hold(_cache_dir, tmp_path):
+    from specmoe.models.dense import convert_dense
+    from specmoe.models.layers import CLinear
+    from specmoe.models.testing import save_checkpoint
+
+    folder = save_checkpoint(tiny_model("mixtral"), tmp_path / "st")
+    with pytest.raises(ValueError, match="dense='gguf' keeps a GGUF file's dense blocks"):
+        specmoe.from_pretrained(folder, progress=False, dense="gguf")
+    path, _ = save_gguf(tiny_model("mixtral"), tmp_path / "m.gguf", qtype="Q4_0")
+    with pytest.raises(ValueError, match="dense='gguf' is not among its plans"):
+        specmoe.from_pretrained(path, progress=False, dense="gguf", memory="8GiB")
+    with pytest.raises(ValueError, match="load the model from a GGUF file"):
+        convert_dense(tiny_model("mixtral"), "gguf")
+    lin = torch.nn.Linear(64, 8)
+    with pytest.raises(ValueError, match="needs blocks="):
+        CLinear(lin, "q4_0")
+    with pytest.raises(ValueError, match="blocks= is for the GGUF block kinds only"):
+        CLinear(lin, "int8", blocks=np.zeros((8, 2, 18), np.uint8))
+    with pytest.raises(ValueError, match=r"must be uint8 \(8, 2, 18\).*got uint8 \(8, 2, 34\)"):
+        CLinear(lin, "q4_0", blocks=np.zeros((8, 2, 34), np.uint8))

@@ -605,17 +605,21 @@ static void linear_as_down(const smoe_linear_desc *l, smoe_ffn_desc *d) {
 }
 
 int smoe_linear_desc_check(const smoe_linear_desc *l, uint64_t block_bytes, smoe_err *err) {
-    if (l->dtype == SMOE_WDT_I2 || smoe_wdt_is_block(l->dtype))
-        return smoe_err_set(err, SMOE_EINVAL, "%s weights are for expert FFNs only, not for "
-                            "linear layers (use f32, bf16, int8 or int4)",
-                            l->dtype == SMOE_WDT_I2 ? "int2" : "GGUF block");
-    if (l->dtype < SMOE_WDT_F32 || l->dtype > SMOE_WDT_I4)
+    if (l->dtype == SMOE_WDT_I2)
+        return smoe_err_set(err, SMOE_EINVAL, "int2 weights are for expert FFNs only, not for "
+                            "linear layers (use f32, bf16, int8, int4 or a GGUF block format)");
+    if (l->dtype < SMOE_WDT_F32 || l->dtype > SMOE_WDT_MXFP4)
         return smoe_err_set(err, SMOE_EINVAL, "unknown linear weight dtype %d", l->dtype);
     if (l->N == 0 || l->K == 0 || l->N > (1u << 24) || l->K > (1u << 24))
         return smoe_err_set(err, SMOE_EINVAL, "linear shape N=%u K=%u out of range (1..2^24)",
                             l->N, l->K);
     smoe_ffn_desc d;
     linear_as_down(l, &d);
+    const int blocks = smoe_wdt_is_block(l->dtype);
+    if (blocks && l->K % smoe_wdt_block_cols(l->dtype))
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "GGUF blocks of %u columns: linear K=%u is not a multiple",
+                            smoe_wdt_block_cols(l->dtype), l->K);
     if (l->dtype == SMOE_WDT_I4) {
         uint32_t g = group_of(&d);
         if (g % 32 || g > 4096 || l->K % g)
@@ -626,15 +630,20 @@ int smoe_linear_desc_check(const smoe_linear_desc *l, uint64_t block_bytes, smoe
     }
     uint64_t wal = l->dtype == SMOE_WDT_F32 ? 4 : l->dtype == SMOE_WDT_BF16 ? 2 : 1;
     int q = l->dtype == SMOE_WDT_I8 || l->dtype == SMOE_WDT_I4;
-    int rc = check_tensor("weight", l->w, smoe_ffn_weight_bytes(&d, l->N, l->K), wal, 1,
-                          block_bytes, err);
+    int rc = check_tensor("weight", l->w,
+                          blocks ? wbytes(l->dtype, l->N, l->K)
+                                 : smoe_ffn_weight_bytes(&d, l->N, l->K),
+                          wal, 1, block_bytes, err);
     if (rc) return rc;
     if (q) {
         rc = check_tensor("weight.scale", l->w_scale, smoe_ffn_scale_bytes(&d, l->N, l->K), 4, 1,
                           block_bytes, err);
         if (rc) return rc;
     } else if (l->w_scale != SMOE_NO_TENSOR) {
-        return smoe_err_set(err, SMOE_EINVAL, "linear scale given for an unquantized dtype");
+        return smoe_err_set(err, SMOE_EINVAL,
+                            blocks ? "linear scale given for GGUF block weights (their scales "
+                                     "are inside the blocks)"
+                                   : "linear scale given for an unquantized dtype");
     }
     return SMOE_OK;
 }
@@ -644,8 +653,9 @@ int smoe_linear_desc_check(const smoe_linear_desc *l, uint64_t block_bytes, smoe
 size_t smoe_linear_scratch_bytes(const smoe_linear_desc *l, uint32_t T) {
     size_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
     if (tc == 0) tc = 1;
+    /* GGUF blocks: scales [tc, K/32] and int16 sums [tc, K/16] (smoe_blocks_prepare) */
     return 64 + round64(tc * l->K * 4) + round64(tc * l->K * 2) +
-           round64(tc * (l->K / 128 + l->K / 32 + 2) * 4);
+           round64(tc * (l->K / 128 + 2 * (l->K / 32) + 2) * 4);
 }
 
 int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *block,
@@ -663,7 +673,12 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
     if (rc) return rc;
     smoe_ffn_desc d;
     linear_as_down(l, &d);
-    const smoe_ffn_impl *fast = fast_impl(d.dtype, d.group, d.precise, &f);
+    const int blocks = smoe_wdt_is_block(d.dtype);
+    /* GGUF blocks: ffn_blocks.c's rows (blocks_run's phase 2); their fast form prepares x
+     * with smoe_blocks_prepare, the exact one reads it as f32 in column order */
+    const smoe_ffn_impl *bimpl = blocks ? smoe_ffn_impl_blocks(f.isa, f.has_vnni, d.precise)
+                                        : NULL;
+    const smoe_ffn_impl *fast = blocks ? NULL : fast_impl(d.dtype, d.group, d.precise, &f);
     if (!fast_dim_ok(d.dtype, l->K)) fast = NULL;
     uint32_t tc = T < SMOE_LINEAR_TCHUNK ? T : SMOE_LINEAR_TCHUNK;
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
@@ -687,10 +702,18 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
         smoe_ffn_job job = {&d,   block, nt,         d.group, NULL, act,        NULL,
                             NULL, oc,    out_stride, NULL,    NULL, NULL, f.stream_pf, 0};
         phase_arg pa;
-        pa.impl = impl_for(f.isa, d.dtype);
+        pa.impl = blocks ? bimpl : impl_for(f.isa, d.dtype);
         pa.job = &job;
         phase_start(&pa, 2, smoe_kpool_threads(pool));
-        if (fast) {
+        if (blocks && smoe_blocks_fast(bimpl)) {
+            job.qpairs = smoe_blocks_prepare(bimpl, d.dtype, xc, x_stride, NULL, nt, l->K,
+                                             (int8_t *)q, qs, qs + (size_t)tc * (l->K / 32));
+            job.q = q;
+            job.qs = qs;
+            job.qsum = qs + (size_t)tc * (l->K / 32);
+        } else if (blocks) {
+            gather_rows(xc, x_stride, NULL, nt, l->K, 0, act);
+        } else if (fast) {
             fast_prepare(fast, d.dtype, d.group, xc, x_stride, NULL, nt, l->K, q, qs, qsum);
             job.q = q;
             job.qs = qs;

@@ -262,7 +262,9 @@ int smoe_ffn_forward_many(smoe_kctx *c, const smoe_ffn_desc *d, const smoe_ffn_t
 /* ---- dense linear layers (attention projections, shared/dense MLP, lm_head) ----
  *
  * out[t, :] = W . x[t, :] + bias for t in [0, T): W [N, K] row-major in one of the expert weight
- * formats above (F32, BF16, I8 per-row scales, I4 groups of `group` input columns), bias [N]
+ * formats above (F32, BF16, I8 per-row scales, I4 groups of `group` input columns, or a GGUF
+ * block format: each row K / block-columns blocks as a GGUF file holds them, read by
+ * ffn_blocks.c's rows; K a multiple of the block's columns), bias [N]
  * f32 optional and separate (so that an f32/bf16 block can be the framework's own weight
  * tensor, shared rather than copied).  The rows are computed by the same per-ISA row kernels as the expert FFN's down
  * projection (one routine per format, shared), so accuracy is as stated at smoe_ffn_forward:

@@ -15,6 +15,9 @@ benchmarks/decode_peers.py).  :func:`convert_dense` replaces every such ``nn.Lin
 * ``"int8"`` (per output row) and ``"int4"`` (groups of 128, 64 or 32 input columns) quantize
   the weights like the experts (:mod:`specmoe.storage.quant`); every input size then runs in C (long
   inputs in chunks of 64 tokens), so prefill and decode see the same weights.
+* ``"gguf"`` (a model loaded from a GGUF file): the layers the file holds in a block format
+  the kernels read run on those blocks as they are (the experts' block kernels, every input
+  size in C); the others keep the model's exact format.
 
 The routers are never converted (routing must match the model's); neither are the routed
 experts (they are specmoe's already) nor the input embeddings.  A tied ``lm_head`` keeps
@@ -26,8 +29,9 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -52,7 +56,9 @@ class DenseReport:
     in C at decode sizes (``norms``, :class:`specmoe.models.layers.CRMSNorm`);
     ``decode_torch_threads``: torch's intra-op threads during decode-sized forwards
     (:class:`DecodeThreads`), None when unchanged; ``decode_step``: one-token forwards skip
-    the model's own Python around the layers (:mod:`specmoe.models.decode_step`)."""
+    the model's own Python around the layers (:mod:`specmoe.models.decode_step`); ``formats``:
+    the converted layers of each :class:`CLinear` dtype (``"gguf"`` mixes the file's block
+    kinds with the model's own format)."""
 
     dtype: str | None
     converted: list[str] = dataclasses.field(default_factory=list)
@@ -65,11 +71,15 @@ class DenseReport:
     decode_step: bool = False
     bytes_before: int = 0
     bytes_after: int = 0
+    formats: dict[str, int] = dataclasses.field(default_factory=dict)  # CLinear dtype -> layers
 
     def __str__(self) -> str:
         if self.dtype is None:
             return "dense layers: torch"
-        return (f"dense layers: {len(self.converted)} in C ({self.dtype}), "
+        how = self.dtype
+        if len(self.formats) > 1 or self.dtype not in self.formats:
+            how += ": " + ", ".join(f"{k} {v}" for k, v in sorted(self.formats.items()))
+        return (f"dense layers: {len(self.converted)} in C ({how}), "
                 f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
                 + (f", {len(self.skipped)} left in torch" if self.skipped else "")
                 + (f", {len(self.mla)} MLA attentions absorbed" if self.mla else "")
@@ -83,16 +93,17 @@ def resolve_dense(dense: str | bool | None, model_dtype: torch.dtype) -> str | N
     for a bf16 model on a CPU with AVX2 or better, else None -- the documented rule measured by
     benchmarks/dense_linear.py: at decode sizes the bf16 kernels beat torch's bf16 GEMM
     (1.1-1.35x up to 16 tokens), while torch's f32 GEMV (MKL) already reads at the memory
-    limit, so f32 models stay in torch; an explicit format otherwise."""
+    limit, so f32 models stay in torch; an explicit format otherwise (``"gguf"``: a GGUF
+    file's own blocks, see :func:`convert_dense`)."""
     if dense is None or dense is False or dense == "torch":
         return None
     if dense is True or dense == "auto":
         if model_dtype != torch.bfloat16 or context().isa == "scalar":
             return None
         return "bf16"
-    if dense not in DENSE_DTYPES:
-        raise ValueError(f"dense must be 'auto', 'torch', None or one of {DENSE_DTYPES}, "
-                         f"got {dense!r}")
+    if dense not in DENSE_DTYPES + ("gguf",):
+        raise ValueError(f"dense must be 'auto', 'torch', None, 'gguf' or one of "
+                         f"{DENSE_DTYPES}, got {dense!r}")
     return dense
 
 
@@ -218,13 +229,22 @@ def decode_session(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
                   skip: Iterable[nn.Module] = (), ctx: _C.KernelContext | None = None,
-                  torch_above: int | None = TORCH_ABOVE) -> DenseReport:
+                  torch_above: int | None = TORCH_ABOVE,
+                  blocks: Mapping[str, tuple[np.ndarray, str]] | None = None) -> DenseReport:
     """Replace ``model``'s dense ``nn.Linear`` layers by :class:`CLinear` in place.
 
     dtype: see :func:`resolve_dense` (``"auto"``: the model's precision where the C kernels
     are faster, else nothing changes).  skip: modules whose ``nn.Linear`` descendants stay in
     torch (the engine passes the routers).  Layers whose shape the format cannot hold (int4
     with in_features not a multiple of 32) stay in torch and are listed in the report.
+    ``"gguf"``: the layers a GGUF file holds in a block format the kernels read (Q4_0, Q8_0,
+    Q4_K, Q6_K, ...; Q5_0 widened to Q8_0) run on those blocks as the file holds them, the
+    same bits llama.cpp reads; ``blocks`` maps a layer's qualified name to (blocks, kind)
+    (:meth:`specmoe.storage.gguf.GgufCheckpoint.dense_blocks`), by default what
+    :func:`specmoe.from_pretrained` left on a model it loaded from a GGUF file with
+    ``dense="gguf"`` (``model._specmoe_dense_blocks``, taken here).  The other layers (F32,
+    F16 or BF16 in the file, DeepSeek's joined ``kv_b_proj``, a tied ``lm_head``) keep the
+    model's exact format (bf16, else f32); the report counts the layers of each format.
     MLA attention modules (DeepSeek-V2/V3) also switch to the absorbed decode form
     (:func:`specmoe.models.mla.absorb_mla`, the C kernel at the same precision: int8/int4 absorbed
     weights are ``kv_b_proj``'s rows quantized as here); the other attention modules run their
@@ -238,6 +258,14 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     report = DenseReport(fmt)
     if fmt is None:
         return report
+    exact = "bf16" if model_dtype == torch.bfloat16 else "f32"  # gguf's other layers
+    if fmt == "gguf":
+        if blocks is None:
+            blocks = model.__dict__.pop("_specmoe_dense_blocks", None)
+        if blocks is None:
+            raise ValueError("dense='gguf' runs the dense layers on a GGUF file's own blocks: "
+                             "load the model from a GGUF file with specmoe.from_pretrained("
+                             "..., dense='gguf') (or pass blocks=)")
     skipped_ids = set()
     for m in skip:
         for sub in m.modules():
@@ -265,7 +293,13 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
             report.skipped[name] = f"in_features {mod.in_features} is not a multiple of 32"
             continue
         report.bytes_before += mod.weight.numel() * mod.weight.element_size()
-        new = CLinear(mod, fmt, ctx, torch_above, copy_mapped=mod.weight is not emb_w)
+        if fmt == "gguf" and name in blocks:
+            raw, kind = blocks[name]
+            new = CLinear(mod, kind, ctx, torch_above, blocks=raw)
+        else:
+            new = CLinear(mod, exact if fmt == "gguf" else fmt, ctx, torch_above,
+                          copy_mapped=mod.weight is not emb_w)
+        report.formats[new.dtype] = report.formats.get(new.dtype, 0) + 1
         report.bytes_after += new.nbytes
         setattr(parent, attr, new)
         report.converted.append(name)

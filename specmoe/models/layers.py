@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import _C
 from .arch import LLAMA_RMSNORMS
-from ..runtime.kernels import context, tensor_array
+from ..runtime.kernels import _DT_CODE, GGUF_BLOCKS, context, tensor_array
 from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
@@ -27,6 +27,8 @@ __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm",
            "silu_mlp_parts", "split_sequences", "split_shared_gate"]
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 _WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+# a CLinear's dtype may also be a GGUF block kind (q4_0, q8_0, q4_k, ...: GGUF_BLOCKS), its
+# weight then the blocks a GGUF file holds (blocks=; dense="gguf", specmoe.models.dense)
 _ALIGN = 64
 
 
@@ -228,6 +230,23 @@ def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True,
     return block, desc, None
 
 
+def _pack_blocks(blocks: np.ndarray, kind: str, N: int, K: int
+                 ) -> tuple[np.ndarray, dict[str, Any]]:
+    """A GGUF block matrix (uint8 [N, K / block columns, block bytes] of ``kind``) as the
+    kernels read it: the same bytes, one row of blocks after another (no copy when they are
+    contiguous already)."""
+    cols, nbytes = GGUF_BLOCKS[kind]
+    want = (N, K // cols, nbytes)
+    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or K % cols \
+            or tuple(blocks.shape) != want:
+        got = (f"{blocks.dtype} {tuple(blocks.shape)}" if isinstance(blocks, np.ndarray)
+               else type(blocks).__name__)
+        raise ValueError(f"{kind} blocks of a {K} -> {N} linear layer must be uint8 {want} "
+                         f"(K a multiple of {cols}), got {got}")
+    block = np.ascontiguousarray(blocks).reshape(-1)
+    return block, {"N": N, "K": K, "dtype": _DT_CODE[kind], "weight": 0}
+
+
 class CLinear(nn.Module):
     """Inference-only replacement of an ``nn.Linear`` computed by specmoe's C kernels.
 
@@ -238,15 +257,24 @@ class CLinear(nn.Module):
     weights are read in place, unless they lie in a file mapping (a checkpoint's mmap) and
     ``copy_mapped``: then the layer reads a copy of its own (faster; see ``_pack``).
     ``group``: int4's group size (default: the largest of 128, 64, 32 dividing in_features;
-    32 is GGUF's Q4_0 block).
+    32 is GGUF's Q4_0 block).  ``dtype`` may also be a GGUF block kind (``"q4_0"``,
+    ``"q8_0"``, ``"q4_k"``, ... :data:`specmoe.runtime.kernels.GGUF_BLOCKS`): ``blocks`` is
+    then the weight as a GGUF file holds it, uint8 [out_features, in_features / block columns,
+    block bytes] (:meth:`specmoe.storage.gguf.GgufCheckpoint.dense_blocks`), read by the
+    experts' block kernels as it is; like int8/int4, every input size runs in C.
     """
 
     def __init__(self, linear: nn.Linear, dtype: str, ctx: _C.KernelContext | None = None,
                  torch_above: int | None = TORCH_ABOVE, copy_mapped: bool = True,
-                 group: int | None = None):
+                 group: int | None = None, blocks: np.ndarray | None = None):
         super().__init__()
-        if dtype not in DENSE_DTYPES:
-            raise ValueError(f"dense dtype must be one of {DENSE_DTYPES}, got {dtype!r}")
+        if dtype not in DENSE_DTYPES and dtype not in GGUF_BLOCKS:
+            raise ValueError(f"dense dtype must be one of {DENSE_DTYPES} or a GGUF block kind "
+                             f"({', '.join(GGUF_BLOCKS)}), got {dtype!r}")
+        if (blocks is None) != (dtype not in GGUF_BLOCKS):
+            raise ValueError(f"dtype {dtype!r}: " + (
+                "a GGUF block kind needs blocks=, the weight's blocks as the file holds them"
+                if blocks is None else "blocks= is for the GGUF block kinds only"))
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"CLinear replaces an nn.Linear, got {type(linear).__name__}")
         if linear.weight.device.type != "cpu" or linear.weight.is_meta:
@@ -262,7 +290,12 @@ class CLinear(nn.Module):
         self.dtype = dtype
         self.out_dtype = linear.weight.dtype
         # f32/bf16: _tw is the weight tensor the kernels read (torch runs long inputs on it)
-        self._block, self._desc, self._tw = _pack(linear.weight, dtype, copy_mapped, group)
+        if blocks is not None:
+            self._block, self._desc = _pack_blocks(blocks, dtype, self.out_features,
+                                                   self.in_features)
+            self._tw = None
+        else:
+            self._block, self._desc, self._tw = _pack(linear.weight, dtype, copy_mapped, group)
         b = linear.bias
         self._bias = None if b is None else np.ascontiguousarray(b.detach().float().numpy())
         self._tb = None if b is None or self._tw is None else b.detach().to(self._tw.dtype)
@@ -274,7 +307,7 @@ class CLinear(nn.Module):
     @property
     def weight_view(self) -> torch.Tensor | None:
         """The f32/bf16 weight the C kernel reads, as a tensor (the original parameter's memory
-        when it had that dtype); None for int8/int4."""
+        when it had that dtype); None for int8/int4 and GGUF blocks."""
         return self._tw
 
     @property
@@ -397,37 +430,44 @@ class CRMSNorm(nn.Module):
 
 def fuse_qkv(projs: list[Any], ctx: _C.KernelContext) -> _C.Linear | None:
     """One ``_C.Linear`` over the q, k and v projections' rows together, for int8/int4
-    projections (None otherwise): one call streams the three matrices (an int4 2048x2048
-    projection ran at ~14 GB/s alone, the three together at ~18.5; bf16 gained nothing).  The
-    three CLinears are rebuilt over the joint block (their rows and scales at offsets in it),
-    so the weights are held once.  Rows are quantized independently (int8 per row, int4 per
-    row group), so the rows of the joint matrix are exactly the three's."""
-    if any(p.dtype not in ("int8", "int4") for p in projs) \
+    projections and GGUF blocks of one kind (None otherwise): one call streams the three
+    matrices (an int4 2048x2048 projection ran at ~14 GB/s alone, the three together at
+    ~18.5; bf16 gained nothing).  The three CLinears are rebuilt over the joint block (their
+    rows and scales at offsets in it), so the weights are held once.  Rows are quantized
+    independently (int8 per row, int4 per row group, a GGUF row its own blocks), so the rows
+    of the joint matrix are exactly the three's."""
+    if any(p.dtype not in ("int8", "int4") and p.dtype not in GGUF_BLOCKS for p in projs) \
             or len({(p.dtype, p._desc.get("group"), p.in_features) for p in projs}) != 1:
         return None
-    K = projs[0].in_features
-    rb = K if projs[0].dtype == "int8" else K // 2        # weight bytes per row
-    sb = 4 * (1 if projs[0].dtype == "int8" else K // projs[0]._desc["group"])  # scale bytes
+    K, dt = projs[0].in_features, projs[0].dtype
+    if dt in GGUF_BLOCKS:  # the scales are inside the blocks
+        rb, sb = K // GGUF_BLOCKS[dt][0] * GGUF_BLOCKS[dt][1], 0
+    else:
+        rb = K if dt == "int8" else K // 2                         # weight bytes per row
+        sb = 4 * (1 if dt == "int8" else K // projs[0]._desc["group"])  # scale bytes per row
     Ns = [p.out_features for p in projs]
     N = sum(Ns)
     s_off = -(-N * rb // 64) * 64
     block = np.zeros(s_off + N * sb, np.uint8)
     row = 0
     for p, n in zip(projs, Ns):
-        w0, s0 = p._desc["weight"], p._desc["weight_scale"]
+        w0 = p._desc["weight"]
         block[row * rb:(row + n) * rb] = p._block[w0:w0 + n * rb]
-        block[s_off + row * sb:s_off + (row + n) * sb] = p._block[s0:s0 + n * sb]
+        if sb:
+            s0 = p._desc["weight_scale"]
+            block[s_off + row * sb:s_off + (row + n) * sb] = p._block[s0:s0 + n * sb]
         row += n
     biases = [p._bias for p in projs]
     bias = None
     if any(b is not None for b in biases):
         bias = np.concatenate([b if b is not None else np.zeros(n, np.float32)
                                for b, n in zip(biases, Ns)])
+    scale_at = (lambda r: {"weight_scale": s_off + r * sb}) if sb else (lambda r: {})
     row = 0
     for p, n in zip(projs, Ns):                 # each projection now reads the joint block
-        p._desc = dict(p._desc, weight=row * rb, weight_scale=s_off + row * sb)
+        p._desc = dict(p._desc, weight=row * rb, **scale_at(row))
         p._block = block
         p._c = _C.Linear(ctx, p._desc, block, p._bias)
         row += n
-    desc = dict(projs[0]._desc, N=N, weight=0, weight_scale=s_off)
+    desc = dict(projs[0]._desc, N=N, weight=0, **scale_at(0))
     return _C.Linear(ctx, desc, block, bias)

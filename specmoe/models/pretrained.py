@@ -515,6 +515,24 @@ def _load_dense(plan: _Plan) -> None:
                          f"model needs: {', '.join(left[:6])}{' ...' if len(left) > 6 else ''}")
 
 
+def _dense_blocks(plan: _Plan) -> dict[str, tuple[Any, str]]:
+    """dense="gguf": the GGUF blocks of each dense ``nn.Linear`` the file holds in a block
+    format the kernels read, by the module's qualified name
+    (:meth:`specmoe.storage.gguf.GgufCheckpoint.dense_blocks`), for convert_dense."""
+    from ..runtime.kernels import GGUF_BLOCKS
+    out = {}
+    for target, key in plan.dense.items():
+        mod_name, _, attr = target.rpartition(".")
+        mod = plan.model.get_submodule(mod_name) if mod_name else plan.model
+        if attr != "weight" or not isinstance(mod, nn.Linear):
+            continue
+        got = plan.ckpt.dense_blocks(key)
+        if got is not None and got[0].shape[0] == mod.out_features \
+                and got[0].shape[1] * GGUF_BLOCKS[got[1]][0] == mod.in_features:
+            out[mod_name] = got
+    return out
+
+
 def _token_pieces(eng: Any, path: str | os.PathLike[str]) -> None:
     """The learned predictor's token prior for a model the packaged table is for (issue 42):
     the checkpoint's tokenizer maps ids to pieces (Engine.set_token_pieces).  A checkpoint
@@ -572,8 +590,10 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     reads (None: when the store exceeds half the memory this process may use).  progress: a
     progress bar while converting.  torch_dtype: dtype of the non-expert weights ("auto": the
     checkpoint's).  dense: the other linear layers (attention, shared/dense MLPs, lm_head)
-    through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly), ``"torch"``, or
-    ``"f32"``/``"bf16"``/``"int8"``/``"int4"`` (:mod:`specmoe.models.dense`).  miss, miss_keep,
+    through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly), ``"torch"``,
+    ``"f32"``/``"bf16"``/``"int8"``/``"int4"``, or for a GGUF file ``"gguf"``: its blocks as
+    the file holds them (Q4_0, Q8_0, Q4_K, Q6_K, ...: the bits llama.cpp reads; layers in
+    other types keep the model's format) (:mod:`specmoe.models.dense`).  miss, miss_keep,
     route_lambda, throttle, miss_levels, miss_keep2: SpecMD's miss handling (``"fetch"``,
     ``"drop"``, ``"substitute"``, ``"lowest_bit"``, ``"priority"``), cache-aware routing, link
     emulation and the low-bit fallback levels (``"int4"``, ``"int4:int2"``;
@@ -628,7 +648,14 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
     misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
     misses.check_levels(miss_levels, None, 0, 2)  # (miss_keep2 too)
+    if dense == "gguf" and memory is not None:
+        raise ValueError("memory= plans the dense layers in the model's own format or int8; "
+                         "dense='gguf' is not among its plans yet: give cache= with it instead")
     ckpt = open_checkpoint(path)
+    if dense == "gguf" and not hasattr(ckpt, "dense_blocks"):  # not a GgufCheckpoint
+        ckpt.close()
+        raise ValueError(f"{ckpt.folder}: dense='gguf' keeps a GGUF file's dense blocks; this "
+                         "checkpoint is not a GGUF file (dense='auto', 'int8' or 'int4')")
     dtype = store_dtype(ckpt, dtype)
     if gpu is not None and dtype != early:
         from ..runtime.gpu_engine import check_gpu_options
@@ -651,6 +678,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
             warnings.warn(f"{plan.ckpt.folder}: {len(plan.unused)} checkpoint tensors are not "
                           f"used by the model (e.g. {plan.unused[0]})", stacklevel=2)
         _load_dense(plan)
+        if dense == "gguf":  # taken by convert_dense when the Engine converts the layers
+            plan.model.__dict__["_specmoe_dense_blocks"] = _dense_blocks(plan)
     finally:
         plan.ckpt.close()
     model = plan.model

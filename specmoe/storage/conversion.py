@@ -468,7 +468,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Any:
     return Checkpoint.open(p)
 
 
-def store_dtype(ckpt: Any, dtype: str) -> str:
+def store_dtype(ckpt: Any, dtype: str, *, quiet: bool = False) -> str:
     """The store dtype ``dtype`` means for checkpoint ``ckpt``: itself, or for ``"auto"`` bf16
     (a safetensors folder), int4 (a symmetric GPTQ folder), ``"gguf"`` with Q4_1 blocks (an
     AWQ or asymmetric GPTQ folder, :meth:`Checkpoint.block_kinds`) or MXFP4 blocks (GPT-OSS's
@@ -476,7 +476,9 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
     (``"gguf"`` for Q8_0 / Q2_K-Q6_K / Q4_0 / Q4_1 / IQ4_XS / MXFP4,
     :meth:`specmoe.storage.gguf.GgufCheckpoint.block_kinds`), else the dtype nearest to its
     experts' type (:func:`specmoe.storage.gguf.natural_dtype`), said in one line.
-    ``"gguf"`` asked of anything else is a ValueError saying why."""
+    ``"gguf"`` asked of anything else is a ValueError saying why.  ``quiet``: the same answer
+    without the line (a check made before the call that says it, as the command line's)."""
+    say = (lambda msg: None) if quiet else _log
     from .quant import DTYPES
     from .gguf import GgufCheckpoint, natural_dtype
     if dtype == "gguf":
@@ -496,14 +498,14 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
         return dtype
     if isinstance(ckpt, Checkpoint):
         if ckpt.mxfp4:
-            _log(f"{ckpt.folder}: GPT-OSS MXFP4 experts: the store keeps them as MXFP4 blocks "
+            say(f"{ckpt.folder}: GPT-OSS MXFP4 experts: the store keeps them as MXFP4 blocks "
                  "of 32, repacked, not re-quantized (dtype='auto' -> 'gguf')")
             return "gguf"
         if ckpt.gptq_of:  # 4-bit GPTQ / AWQ: kept where they map as they are
             name = ckpt.gptq["method"].upper()
             if ckpt.kept_blocks("gguf"):
                 g = ckpt.kept_group()
-                _log(f"{ckpt.folder}: {name} 4-bit experts (asymmetric, "
+                say(f"{ckpt.folder}: {name} 4-bit experts (asymmetric, "
                      f"{f'groups of {g}' if g > 0 else 'one group per row'}): the store keeps "
                      "them as Q4_1 blocks of 32, "
                      "repacked, not re-quantized (values and scales as they are, the offset "
@@ -515,7 +517,7 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
                    if ckpt.gptq["desc_act"] else
                    f"re-quantized (its groups of {ckpt.kept_group()} do not map onto it as "
                    "they are)")
-            _log(f"{ckpt.folder}: {name} 4-bit experts: the store holds them as int4, {how} "
+            say(f"{ckpt.folder}: {name} 4-bit experts: the store holds them as int4, {how} "
                  "(dtype='auto')")
             return "int4"
         return "bf16"
@@ -526,13 +528,13 @@ def store_dtype(ckpt: Any, dtype: str) -> str:
                 if kinds["down_layers"] else kinds["down"])
         wide = ("; Q5_0 widened to Q8_0 without loss"
                 if "Q5_0" in ckpt.kept_blocks("gguf").split("/") else "")
-        _log(f"{ckpt.folder}: experts are {ckpt.kept_blocks('gguf')}: the store keeps their "
+        say(f"{ckpt.folder}: experts are {ckpt.kept_blocks('gguf')}: the store keeps their "
              f"blocks as they are (dtype='auto' -> 'gguf': gate/up {kinds['gate_up']}, down "
              f"{down}{wide})")
         return "gguf"
     dt = natural_dtype(qt)
     how = "" if qt == "F32" else f"; dequantized and converted, not kept as they are: {why}"
-    _log(f"{ckpt.folder}: experts are {qt}: the store holds them as {dt} (dtype='auto'{how})")
+    say(f"{ckpt.folder}: experts are {qt}: the store holds them as {dt} (dtype='auto'{how})")
     return dt
 
 

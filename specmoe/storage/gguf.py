@@ -385,6 +385,38 @@ class GgufCheckpoint:
                 parts.append(np.ascontiguousarray(raw).reshape(rows, -1, BLOCKS[kind][1]))
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
+    def dense_blocks(self, key: str) -> tuple[np.ndarray, str] | None:
+        """Dense weight ``key`` (a 2-D ``nn.Linear`` weight: attention, shared or dense MLP,
+        lm_head) as the file holds it, for ``dense="gguf"``: (uint8 [rows, blocks, block
+        bytes], kind), its rows in the transformers order (``llama``'s q/k rows unpermuted;
+        row order is all that changes) and Q5_0 widened to Q8_0 without loss; None when
+        the file holds it in a type the block kernels do not read (F32, F16, BF16, Q5_1, the
+        other IQ types) or the model's tensor is assembled from several (DeepSeek's
+        ``kv_b_proj``).  A copy in memory of its own, not a view of the file's map."""
+        from .ggml_blocks import BLOCKS, TYPE_OF_GGML, widen_to_q8_0
+
+        names = self._sources.get(key)
+        if not names or len(names) != 1 or key in self._layout:
+            return None
+        t = self._tensors[names[0]]
+        kind = TYPE_OF_GGML.get(t.tensor_type.name)
+        if kind is None or len(t.data.shape) != 2:
+            return None
+        try:
+            raw = np.asarray(t.data)
+            rows = raw.shape[0]
+            if kind == "q8_0":  # Q8_0 as it is (a copy), Q5_0 widened, 4096 rows at a time
+                blocks = np.empty((rows, int(t.shape[0]) // 32, 34), np.uint8)
+                for r0 in range(0, rows, 4096):
+                    part = raw[r0:r0 + 4096]
+                    blocks[r0:r0 + part.shape[0]] = widen_to_q8_0(
+                        part.reshape(part.shape[0], -1), t.tensor_type.name)
+            else:
+                blocks = np.array(raw.reshape(rows, -1, BLOCKS[kind][1]))
+        except (ValueError, IndexError, OSError) as exc:
+            raise GgufError(f"{self.folder}: cannot read tensor {names[0]}: {exc}") from None
+        return np.ascontiguousarray(self._fix(key, blocks)), kind
+
     def kept_blocks(self, dtype: str) -> str | None:
         """The GGUF types whose blocks a store in ``dtype`` holds bit for bit, or None: for
         ``"gguf"``, the file's expert types (e.g. ``"Q4_K/Q8_0"``, :meth:`block_kinds`); for
