@@ -499,7 +499,8 @@ def test_serve_a_q4_k_m_file(_cache_dir, tmp_path):
     ("qwen3_moe", "Q4_K", {"q4_k"}, 256),     # hidden 256: K-quant super-blocks everywhere
     ("deepseek_v2", "Q8_0", {"q8_0"}, None),  # MLA; kv_b_proj joined from two tensors
     ("olmoe", "Q5_0", {"q8_0"}, 256)])        # Q5_0 widened to Q8_0 without loss
-def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, arch, qtype, kinds, hidden):
+def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, monkeypatch, arch, qtype,
+                                              kinds, hidden):
     """dense="gguf": every dense layer the file holds in a kept block format runs on those
     blocks (each one dequantizes to exactly the weights the file holds, a llama q/k's rows
     in the model's order); the rest keep the model's format; logits on the exact kernel path
@@ -516,6 +517,12 @@ def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, arch, qtype,
     assert not unexpected and all("rotary" in k for k in missing)
     ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3, 17]])
     want_logits, want_tokens = _logits(ref, ids), _greedy(ref, ids)
+    from specmoe.storage.gguf import GgufCheckpoint
+    dequantized = []  # the keys loaded through the dequantizing path
+    real = GgufCheckpoint.tensor
+    monkeypatch.setattr(GgufCheckpoint, "tensor",
+                        lambda self, key, dtype=None: dequantized.append(key) or real(
+                            self, key, dtype))
     model = specmoe.from_pretrained(path, cache=0.5, progress=False, dense="gguf",
                                     torch_dtype=torch.float32)
     try:
@@ -532,6 +539,8 @@ def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, arch, qtype,
             w0, n = m._desc["weight"], m.out_features * (m.in_features // cols) * bb
             got = gb.dequantize(m._block[w0:w0 + n].reshape(m.out_features, -1, bb))
             np.testing.assert_array_equal(got, held[name + ".weight"].numpy())
+            assert name + ".weight" not in dequantized  # never held as a float copy
+        assert any(k.endswith("norm.weight") for k in dequantized)  # the rest was
         if qtype != "Q5_0":  # the file's own bytes, not a copy of other bits
             o = lins["model.layers.1.self_attn.o_proj"]
             raw = np.asarray(by_name["blk.1.attn_output.weight"].data).reshape(-1)

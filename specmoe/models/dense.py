@@ -303,6 +303,12 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         report.bytes_after += new.nbytes
         setattr(parent, attr, new)
         report.converted.append(name)
+    if fmt == "gguf":  # a layer left out above would keep a weight that was never loaded
+        left = sorted(n for n, m in model.named_modules() if n in blocks
+                      and isinstance(m, nn.Linear) and m.weight.is_meta)
+        if left:
+            raise ValueError(f"dense='gguf': layers held as GGUF blocks were not converted "
+                             f"(skipped: {', '.join(left[:4])})")
     report.fused = fuse_attention(model, ctx) + fuse_mla(model, ctx)
     if report.converted:
         report.norms = convert_norms(model)

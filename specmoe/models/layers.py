@@ -277,8 +277,9 @@ class CLinear(nn.Module):
                 if blocks is None else "blocks= is for the GGUF block kinds only"))
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"CLinear replaces an nn.Linear, got {type(linear).__name__}")
-        if linear.weight.device.type != "cpu" or linear.weight.is_meta:
-            raise ValueError("CLinear needs the layer's weights on the CPU")
+        if blocks is None and (linear.weight.device.type != "cpu" or linear.weight.is_meta):
+            raise ValueError("CLinear needs the layer's weights on the CPU")  # (blocks: read
+            # as given, the layer's weight only says its shape and dtype and may be meta)
         if dtype == "int4" and int4_group(linear.in_features) is None:
             raise ValueError(f"int4 needs in_features to be a multiple of 32, got "
                              f"{linear.in_features}")

@@ -485,9 +485,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 
-def _load_dense(plan: _Plan) -> None:
+def _load_dense(plan: _Plan, skip: "set[str] | frozenset[str]" = frozenset()) -> None:
     """Load every non-expert tensor of the checkpoint into the skeleton, in the skeleton's
-    dtypes, then tie weights; a parameter left on the meta device is an error."""
+    dtypes, then tie weights; a parameter left on the meta device is an error, except the
+    targets in ``skip`` (dense="gguf": weights the C layers read as the file's blocks)."""
     from .arch import moe_block
     from ..runtime.experts import SpecmoeExperts
     model = plan.model
@@ -495,6 +496,8 @@ def _load_dense(plan: _Plan) -> None:
         moe_block(model, plan.info, i).experts = SpecmoeExperts(None, pos, plan.num_experts,
                                                                 plan.shapes[1])
     for target, key in plan.dense.items():
+        if target in skip:
+            continue
         mod_name, _, attr = target.rpartition(".")
         mod = model.get_submodule(mod_name)
         old = getattr(mod, attr)
@@ -509,7 +512,7 @@ def _load_dense(plan: _Plan) -> None:
         else:
             mod._buffers[attr] = t
     model.tie_weights()
-    left = [n for n, p in model.named_parameters() if p.is_meta]
+    left = [n for n, p in model.named_parameters() if p.is_meta and n not in skip]
     if left:
         raise ValueError(f"{plan.ckpt.folder}: the checkpoint lacks {len(left)} tensors the "
                          f"model needs: {', '.join(left[:6])}{' ...' if len(left) > 6 else ''}")
@@ -519,12 +522,16 @@ def _dense_blocks(plan: _Plan) -> dict[str, tuple[Any, str]]:
     """dense="gguf": the GGUF blocks of each dense ``nn.Linear`` the file holds in a block
     format the kernels read, by the module's qualified name
     (:meth:`specmoe.storage.gguf.GgufCheckpoint.dense_blocks`), for convert_dense."""
+    from .arch import getpath, moe_block
     from ..runtime.kernels import GGUF_BLOCKS
+    # the routers stay in torch (the Engine never converts them): loaded as usual
+    routers = {id(getpath(moe_block(plan.model, plan.info, i), plan.info.router_attr))
+               for i in plan.layer_ids}
     out = {}
     for target, key in plan.dense.items():
         mod_name, _, attr = target.rpartition(".")
         mod = plan.model.get_submodule(mod_name) if mod_name else plan.model
-        if attr != "weight" or not isinstance(mod, nn.Linear):
+        if attr != "weight" or not isinstance(mod, nn.Linear) or id(mod) in routers:
             continue
         got = plan.ckpt.dense_blocks(key)
         if got is not None and got[0].shape[0] == mod.out_features \
@@ -677,9 +684,12 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
         if plan.unused:
             warnings.warn(f"{plan.ckpt.folder}: {len(plan.unused)} checkpoint tensors are not "
                           f"used by the model (e.g. {plan.unused[0]})", stacklevel=2)
-        _load_dense(plan)
+        held = _dense_blocks(plan) if dense == "gguf" else {}
+        # the layers held as blocks are not dequantized (their weights stay on the meta
+        # device until convert_dense replaces them): no bf16 copy of them is ever made
+        _load_dense(plan, skip={f"{n}.weight" for n in held})
         if dense == "gguf":  # taken by convert_dense when the Engine converts the layers
-            plan.model.__dict__["_specmoe_dense_blocks"] = _dense_blocks(plan)
+            plan.model.__dict__["_specmoe_dense_blocks"] = held
     finally:
         plan.ckpt.close()
     model = plan.model
