@@ -569,9 +569,6 @@ def test_dense_gguf_is_refused_where_it_cannot_hold(_cache_dir, tmp_path):
     folder = save_checkpoint(tiny_model("mixtral"), tmp_path / "st")
     with pytest.raises(ValueError, match="dense='gguf' keeps a GGUF file's dense blocks"):
         specmoe.from_pretrained(folder, progress=False, dense="gguf")
-    path, _ = save_gguf(tiny_model("mixtral"), tmp_path / "m.gguf", qtype="Q4_0")
-    with pytest.raises(ValueError, match="dense='gguf' is not among its plans"):
-        specmoe.from_pretrained(path, progress=False, dense="gguf", memory="8GiB")
     with pytest.raises(ValueError, match="load the model from a GGUF file"):
         convert_dense(tiny_model("mixtral"), "gguf")
     lin = torch.nn.Linear(64, 8)
@@ -581,3 +578,30 @@ def test_dense_gguf_is_refused_where_it_cannot_hold(_cache_dir, tmp_path):
         CLinear(lin, "int8", blocks=np.zeros((8, 2, 18), np.uint8))
     with pytest.raises(ValueError, match=r"must be uint8 \(8, 2, 18\).*got uint8 \(8, 2, 34\)"):
         CLinear(lin, "q4_0", blocks=np.zeros((8, 2, 34), np.uint8))
+
+
+def test_a_memory_plan_weighs_the_files_own_dense_blocks(_cache_dir, tmp_path, monkeypatch):
+    """memory= on a GGUF file: "gguf" is among the dense formats planned, its bytes are the
+    bytes the converted layers then hold, and where it plans fastest (fewest bytes at equal
+    rates here) the model runs its dense layers on the file's blocks."""
+    from specmoe.runtime import memplan
+
+    monkeypatch.setattr(memplan, "anon_bytes", lambda: 0)  # the reserve's floor
+    monkeypatch.setattr(memplan, "measure_rates", lambda sizes, edt, formats, **kw:
+                        memplan.MachineRates({d: 10e9 for d in formats}, 1e-4, 1e-3))
+    path, _ = save_gguf(tiny_model("qwen3_moe", hidden=256, dtype=torch.bfloat16),
+                        tmp_path / "p.gguf", qtype="Q4_0")
+    model = specmoe.from_pretrained(path, memory=700 << 20, progress=False)
+    eng = specmoe.engine_of(model)
+    try:
+        p = eng.memory_plan
+        by = {c["dense"]: c for c in p.candidates}
+        assert set(by) == {"bf16", "int8", "gguf"}, by
+        assert by["gguf"]["dense_bytes"] < by["int8"]["dense_bytes"] < by["bf16"]["dense_bytes"]
+        assert p.dense == "gguf" and eng.dense.dtype == "gguf"
+        assert eng.dense.formats.get("q4_0", 0) >= 8, eng.dense.formats
+        assert p.dense_bytes == eng.dense.bytes_after  # planned = held
+        out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 6)
+    finally:
+        eng.close()

@@ -27,11 +27,13 @@ def reference(sizes, budget, rates, opts, max_tokens=2048, reserve=512 << 20, pr
     S = sizes.num_layers * sizes.num_experts
     out = {}
     for d in opts:
-        db = math.ceil(sizes.dense_params * per[d])
-        room = budget - reserve - sizes.kv_bytes_per_token * max_tokens \
-            - int(sizes.other_params * sizes.param_bytes) - predictor - db
+        # gguf: the file's blocks, which never load at the model's dtype
+        db = sizes.gguf_dense_bytes if d == "gguf" else math.ceil(sizes.dense_params * per[d])
+        fixed = reserve + int(sizes.other_params * sizes.param_bytes) + predictor
+        room = budget - fixed - sizes.kv_bytes_per_token * max_tokens - db
         slots = min(S, room // sizes.block_bytes) if room > 0 else 0
-        if slots < sizes.top_k:
+        loads = fixed + (db if d == "gguf" else sizes.dense_params * sizes.param_bytes)
+        if slots < sizes.top_k or loads > budget:
             continue
         f = slots / S
         i = max(j for j in range(len(xs)) if xs[j] <= f)
@@ -40,7 +42,7 @@ def reference(sizes, budget, rates, opts, max_tokens=2048, reserve=512 << 20, pr
         out[d] = (slots, db / rates.dense_rate[d] + sizes.num_layers * sizes.top_k
                   * (rates.expert_s + (1 - h) * rates.load_s))
     best = min(t for _, t in out.values())
-    rank = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+    rank = {"gguf": -1, "f32": 0, "bf16": 1, "int8": 2, "int4": 3}
     pick = min((d for d, (_, t) in out.items() if t <= best * 1.03), key=lambda d: rank[d])
     return pick, out[pick][0], out[pick][1]
 
@@ -59,6 +61,28 @@ def test_plan_follows_the_rule(budget_gib, int8_rate):
     used = p.reserve_bytes + p.kv_bytes + p.other_bytes + p.dense_bytes + p.cache_bytes
     assert used <= budget  # never planned over the budget
     assert "memory plan for a budget of" in str(p) and f"dense layers {d}" in str(p)
+
+
+@pytest.mark.parametrize("budget_gib", [2.5, 4.5, 6.0, 12.0])
+@pytest.mark.parametrize("gguf_rate", [6e9, 12e9])
+def test_a_gguf_files_own_blocks_are_planned_by_the_same_rule(budget_gib, gguf_rate):
+    """dense="gguf" as a plan: the file's dense bytes (smaller than bf16, never loaded at the
+    model's dtype, so a budget too small to load bf16 can still fit it), the rate of its
+    blocks' kernel, and the first pick of a near tie (they are the weights the file holds)."""
+    import dataclasses
+
+    sizes = dataclasses.replace(SIZES, gguf_dense_bytes=600_000_000, gguf_kind="q4_0")
+    rates = MachineRates(dense_rate={"bf16": 10e9, "int8": 10e9, "gguf": gguf_rate},
+                         expert_s=140e-6, load_s=4e-3)
+    budget = int(budget_gib * GiB)
+    p = plan_memory(sizes, budget, rates, dense_options=["bf16", "int8", "gguf"])
+    d, slots, t = reference(sizes, budget, rates, ["bf16", "int8", "gguf"])
+    assert (p.dense, p.cache_slots) == (d, slots)
+    assert p.est_tpot_s == pytest.approx(t, rel=1e-12)
+    if budget_gib == 2.5:  # bf16 cannot even load there; int8 loads through bf16 too
+        assert d == "gguf" and not any(c["fits"] for c in p.candidates if c["dense"] != "gguf")
+    with pytest.raises(ValueError, match="carry no GGUF dense bytes"):
+        plan_memory(SIZES, budget, rates, dense_options=["gguf"])
 
 
 def test_learned_predictor_table_is_set_aside():

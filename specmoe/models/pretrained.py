@@ -16,6 +16,7 @@ converters are not used (they build whole layers in memory): the experts are rea
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -352,12 +353,16 @@ def _plan_memory(plan: _Plan, dtype: str, budget: int, source: str, cache: Any,
                                 num_experts=plan.num_experts,
                                 top_k=int(plan.model.config.num_experts_per_tok),
                                 block_bytes=_block_bytes(plan, dtype))
+    gguf = False  # a GGUF file holding dense layers in blocks: those are a format too
+    if hasattr(plan.ckpt, "dense_kind"):
+        sizes = dataclasses.replace(sizes, **_gguf_dense_sizes(plan, sizes.param_bytes))
+        gguf = sizes.gguf_kind is not None
     opts = None
     if isinstance(dense, str) and dense not in ("auto", "torch"):
         opts = [dense]
     elif dense in (None, False, "torch"):
         opts = [sizes.model_dtype]
-    opts = opts or [sizes.model_dtype, "int8"]
+    opts = opts or [sizes.model_dtype, "int8"] + (["gguf"] if gguf else [])
     where = plan.store.parent  # _prepare checked the store's location
     where.mkdir(parents=True, exist_ok=True)
     rates = memplan.measure_rates(sizes, dtype, hidden=H, inter=I, formats=opts,
@@ -518,26 +523,55 @@ def _load_dense(plan: _Plan, skip: "set[str] | frozenset[str]" = frozenset()) ->
                          f"model needs: {', '.join(left[:6])}{' ...' if len(left) > 6 else ''}")
 
 
+def _dense_linears(plan: _Plan) -> list[tuple[str, str, nn.Linear]]:
+    """(module name, checkpoint key, module) of every dense ``nn.Linear`` weight the
+    checkpoint loads, routers left out (the Engine never converts them)."""
+    from .arch import getpath, moe_block
+    routers = {id(getpath(moe_block(plan.model, plan.info, i), plan.info.router_attr))
+               for i in plan.layer_ids}
+    out = []
+    for target, key in plan.dense.items():
+        mod_name, _, attr = target.rpartition(".")
+        mod = plan.model.get_submodule(mod_name) if mod_name else plan.model
+        if attr == "weight" and isinstance(mod, nn.Linear) and id(mod) not in routers:
+            out.append((mod_name, key, mod))
+    return out
+
+
+def _fits(kind: str, mod: nn.Linear, rows: int, nbytes: int) -> bool:
+    """Whether blocks of ``kind`` (``rows`` rows, ``nbytes`` in all) are ``mod``'s weight."""
+    from ..runtime.kernels import GGUF_BLOCKS
+    cols, bb = GGUF_BLOCKS[kind]
+    return rows == mod.out_features and nbytes == rows * (mod.in_features // cols) * bb \
+        and mod.in_features % cols == 0
+
+
 def _dense_blocks(plan: _Plan) -> dict[str, tuple[Any, str]]:
     """dense="gguf": the GGUF blocks of each dense ``nn.Linear`` the file holds in a block
     format the kernels read, by the module's qualified name
     (:meth:`specmoe.storage.gguf.GgufCheckpoint.dense_blocks`), for convert_dense."""
-    from .arch import getpath, moe_block
-    from ..runtime.kernels import GGUF_BLOCKS
-    # the routers stay in torch (the Engine never converts them): loaded as usual
-    routers = {id(getpath(moe_block(plan.model, plan.info, i), plan.info.router_attr))
-               for i in plan.layer_ids}
     out = {}
-    for target, key in plan.dense.items():
-        mod_name, _, attr = target.rpartition(".")
-        mod = plan.model.get_submodule(mod_name) if mod_name else plan.model
-        if attr != "weight" or not isinstance(mod, nn.Linear) or id(mod) in routers:
-            continue
+    for mod_name, key, mod in _dense_linears(plan):
         got = plan.ckpt.dense_blocks(key)
-        if got is not None and got[0].shape[0] == mod.out_features \
-                and got[0].shape[1] * GGUF_BLOCKS[got[1]][0] == mod.in_features:
+        if got is not None and _fits(got[1], mod, got[0].shape[0], got[0].nbytes):
             out[mod_name] = got
     return out
+
+
+def _gguf_dense_sizes(plan: _Plan, param_bytes: float) -> dict[str, Any]:
+    """The memory plan's ``gguf_dense_bytes`` and ``gguf_kind`` (ModelSizes) of a GGUF
+    file, from its tensor table: the layers :func:`_dense_blocks` would hold as blocks at
+    their blocks' bytes, the other convertible layers at the model's dtype."""
+    total, by_kind = 0, {}
+    for _, key, mod in _dense_linears(plan):
+        got = plan.ckpt.dense_kind(key)
+        if got is not None and _fits(got[0], mod, mod.out_features, got[1]):
+            total += got[1]
+            by_kind[got[0]] = by_kind.get(got[0], 0) + got[1]
+        else:
+            total += int(mod.weight.numel() * param_bytes)
+    kind = max(by_kind, key=by_kind.get) if by_kind else None
+    return {"gguf_dense_bytes": int(total), "gguf_kind": kind}
 
 
 def _token_pieces(eng: Any, path: str | os.PathLike[str]) -> None:
@@ -655,9 +689,6 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     misses.check_throttle(throttle)  # bad settings fail before any conversion (miss_keep is
     misses.check_miss(miss, 0, route_lambda, 0)  # checked against top_k by the Engine)
     misses.check_levels(miss_levels, None, 0, 2)  # (miss_keep2 too)
-    if dense == "gguf" and memory is not None:
-        raise ValueError("memory= plans the dense layers in the model's own format or int8; "
-                         "dense='gguf' is not among its plans yet: give cache= with it instead")
     ckpt = open_checkpoint(path)
     if dense == "gguf" and not hasattr(ckpt, "dense_blocks"):  # not a GgufCheckpoint
         ckpt.close()

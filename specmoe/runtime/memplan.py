@@ -16,7 +16,9 @@ token-prior table (25 MB for DeepSeek-V2-Lite's shape,
 (attention, shared and dense MLPs, lm_head) in format ``d`` (they load at the model's dtype
 and are converted before the cache takes its memory, so the budget must also hold them once
 at that dtype).  For every
-``d`` of ``dense_options`` (default: the exact format of the model's weights, and int8 per row)
+``d`` of ``dense_options`` (default: the exact format of the model's weights, and int8 per row;
+for a GGUF file also ``"gguf"``, its dense layers on the file's own blocks, which never load at
+the model's dtype)
 the cache gets the rest, in whole experts, at most every expert and at least ``top_k``, and the
 time per token is estimated as
 
@@ -63,7 +65,9 @@ EXACT_MARGIN = 0.03
 HIT_CURVE: tuple[tuple[float, float], ...] = (
     (0.0, 0.0), (0.025, 0.098), (0.05, 0.166), (0.10, 0.274), (0.25, 0.500), (0.5, 0.747),
     (0.75, 0.910), (0.9, 0.975), (1.0, 1.0))
-_EXACTNESS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+# rank by how exactly a format keeps the weights ("gguf": a GGUF file's own blocks, the
+# weights the file holds, where bf16 or int8 of them round them once more)
+_EXACTNESS = {"gguf": -1, "f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 _BYTES_PER_PARAM = {"f32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 2048, "int4": 0.5 + 4.0 / 128}
 
 
@@ -85,6 +89,11 @@ class ModelSizes:
     block_bytes: int
     kv_bytes_per_token: int
     model_dtype: str = "bf16"
+    # a GGUF file's dense layers on its own blocks (dense="gguf"): their bytes (the blocks of
+    # the layers the file holds in a kept kind, the others at the model's dtype) and the kind
+    # holding most of them (whose kernel rate stands for all); None: not a GGUF file
+    gguf_dense_bytes: int | None = None
+    gguf_kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -170,20 +179,26 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
         raise ValueError(f"memory budget must be positive, got {budget}")
     opts = list(dense_options) if dense_options else [sizes.model_dtype, "int8"]
     for d in opts:
-        if d not in _BYTES_PER_PARAM:
-            raise ValueError(f"dense format {d!r}: choose from {sorted(_BYTES_PER_PARAM)}")
+        if d == "gguf" and sizes.gguf_dense_bytes is None:
+            raise ValueError("dense format 'gguf': the model's sizes carry no GGUF dense bytes "
+                             "(a GGUF file's plan only)")
+        if d not in _BYTES_PER_PARAM and d != "gguf":
+            raise ValueError(f"dense format {d!r}: choose from "
+                             f"{sorted(_BYTES_PER_PARAM) + ['gguf']}")
         if d not in rates.dense_rate:
             raise ValueError(f"no measured rate for dense format {d!r}")
     S = sizes.num_layers * sizes.num_experts
     kv = sizes.kv_bytes_per_token * max_tokens
     other = int(sizes.other_params * sizes.param_bytes)
     held = reserve + int(predictor) + other  # whatever the dense format and the cache
-    # loading: the dense weights arrive at the model's dtype and are converted before the cache
-    # takes its slots, so the budget must hold them once as they are
-    load = held + int(sizes.dense_params * sizes.param_bytes)
     cands = []
     for d in dict.fromkeys(opts):
-        db = dense_bytes(sizes.dense_params, d)
+        db = sizes.gguf_dense_bytes if d == "gguf" else dense_bytes(sizes.dense_params, d)
+        assert db is not None
+        # loading: the dense weights arrive at the model's dtype and are converted before the
+        # cache takes its slots, so the budget must hold them once as they are (gguf: the
+        # layers held as blocks are never dequantized, the rest arrive as they stay)
+        load = held + (db if d == "gguf" else int(sizes.dense_params * sizes.param_bytes))
         room = budget - held - kv - db
         slots = min(S, room // sizes.block_bytes) if room > 0 else 0
         c: dict[str, Any] = {"dense": d, "dense_bytes": db, "cache_slots": int(slots),
@@ -379,7 +394,8 @@ def model_sizes(model: Any, *, num_layers: int, num_experts: int, top_k: int,
 def measure_rates(sizes: ModelSizes, expert_dtype: str, *, hidden: int, inter: int,
                   formats: Sequence[str], directory: str | None = None) -> MachineRates:
     """This machine's :class:`MachineRates`, in about a second: each dense format's kernel on a
-    ``4 * hidden`` x ``hidden`` weight at one token (best of 5), one expert of ``expert_dtype``
+    ``4 * hidden`` x ``hidden`` weight at one token (best of 5; ``"gguf"``: blocks of
+    ``sizes.gguf_kind``), one expert of ``expert_dtype``
     (``"gguf"``: measured as int4) at one token (best of 10), and the store's read time for one
     block of ``block_bytes`` (:func:`specmoe.sim.calibration.calibrate` in ``directory``)."""
     import torch
@@ -407,11 +423,18 @@ def measure_rates(sizes: ModelSizes, expert_dtype: str, *, hidden: int, inter: i
             lin.weight.normal_(0.0, 0.02, generator=g)
         if d == "bf16":
             lin = lin.to(torch.bfloat16)
-        cl = CLinear(lin, d)
+        if d == "gguf":  # the blocks of the kind holding most of the file's dense bytes
+            from ..storage.ggml_blocks import BLOCKS, QUANTIZERS
+            kind = sizes.gguf_kind or "q8_0"
+            if hidden % BLOCKS[kind][0]:
+                kind = "q8_0"
+            cl = CLinear(lin, kind, blocks=QUANTIZERS[kind](lin.weight.detach().numpy()))
+        else:
+            cl = CLinear(lin, d)
         xi = x.to(lin.weight.dtype)
         with torch.no_grad():
             t = best(lambda: cl(xi), 5)
-        rates[d] = dense_bytes(4 * hidden * hidden, d) / t
+        rates[d] = cl.nbytes / t
     rng = np.random.default_rng(0)
     gt = rng.standard_normal((inter, hidden), dtype=np.float32) * 0.02
     dn = rng.standard_normal((hidden, inter), dtype=np.float32) * 0.02

@@ -385,15 +385,10 @@ class GgufCheckpoint:
                 parts.append(np.ascontiguousarray(raw).reshape(rows, -1, BLOCKS[kind][1]))
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
-    def dense_blocks(self, key: str) -> tuple[np.ndarray, str] | None:
-        """Dense weight ``key`` (a 2-D ``nn.Linear`` weight: attention, shared or dense MLP,
-        lm_head) as the file holds it, for ``dense="gguf"``: (uint8 [rows, blocks, block
-        bytes], kind), its rows in the transformers order (``llama``'s q/k rows unpermuted;
-        row order is all that changes) and Q5_0 widened to Q8_0 without loss; None when
-        the file holds it in a type the block kernels do not read (F32, F16, BF16, Q5_1, the
-        other IQ types) or the model's tensor is assembled from several (DeepSeek's
-        ``kv_b_proj``).  A copy in memory of its own, not a view of the file's map."""
-        from .ggml_blocks import BLOCKS, TYPE_OF_GGML, widen_to_q8_0
+    def dense_kind(self, key: str) -> tuple[str, int] | None:
+        """(kind, bytes) that :meth:`dense_blocks` would give for ``key``, read from the
+        tensor table only (no data): the memory plan's dense bytes for ``dense="gguf"``."""
+        from .ggml_blocks import BLOCKS, TYPE_OF_GGML
 
         names = self._sources.get(key)
         if not names or len(names) != 1 or key in self._layout:
@@ -402,6 +397,24 @@ class GgufCheckpoint:
         kind = TYPE_OF_GGML.get(t.tensor_type.name)
         if kind is None or len(t.data.shape) != 2:
             return None
+        cols, nbytes = BLOCKS[kind]
+        return kind, int(t.shape[1]) * int(t.shape[0]) // cols * nbytes
+
+    def dense_blocks(self, key: str) -> tuple[np.ndarray, str] | None:
+        """Dense weight ``key`` (a 2-D ``nn.Linear`` weight: attention, shared or dense MLP,
+        lm_head) as the file holds it, for ``dense="gguf"``: (uint8 [rows, blocks, block
+        bytes], kind), its rows in the transformers order (``llama``'s q/k rows unpermuted;
+        row order is all that changes) and Q5_0 widened to Q8_0 without loss; None when
+        the file holds it in a type the block kernels do not read (F32, F16, BF16, Q5_1, the
+        other IQ types) or the model's tensor is assembled from several (DeepSeek's
+        ``kv_b_proj``).  A copy in memory of its own, not a view of the file's map."""
+        from .ggml_blocks import BLOCKS, widen_to_q8_0
+
+        got = self.dense_kind(key)
+        if got is None:
+            return None
+        kind, names = got[0], self._sources[key]
+        t = self._tensors[names[0]]
         try:
             raw = np.asarray(t.data)
             rows = raw.shape[0]
