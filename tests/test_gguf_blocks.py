@@ -251,7 +251,7 @@ def test_linear_layers_on_gguf_blocks(ctx, isa, kind):
     bias = (rng.standard_normal(N) * 0.1).astype(np.float32)
     raw = np.ascontiguousarray(blocks).reshape(-1)
     for precise in (1, 0):
-        lin = _C.Linear(ctx, {"N": N, "K": K, "dtype": kernels._DT_CODE[kind], "weight": 0,
+        lin = _C.Linear(ctx, {"N": N, "K": K, "dtype": kernels.dtype_code(kind), "weight": 0,
                               "precise": precise}, raw, bias)
         for T in (1, 7, 16, 17, 70):
             x = rng.standard_normal((T, K)).astype(np.float32)
@@ -269,7 +269,7 @@ def test_linear_layers_on_gguf_blocks(ctx, isa, kind):
 def test_linear_block_descriptors_are_refused_by_name(ctx):
     blocks = QUANT["q4_k"](np.zeros((4, 512), np.float32))
     raw = np.ascontiguousarray(blocks).reshape(-1)
-    d = {"N": 4, "K": 512, "dtype": kernels._DT_CODE["q4_k"], "weight": 0}
+    d = {"N": 4, "K": 512, "dtype": kernels.dtype_code("q4_k"), "weight": 0}
     _C.Linear(ctx, d, raw, None)
     with pytest.raises(ValueError, match="GGUF blocks of 256 columns: linear K=480"):
         _C.Linear(ctx, dict(d, K=480), raw, None)
@@ -278,7 +278,7 @@ def test_linear_block_descriptors_are_refused_by_name(ctx):
     with pytest.raises(ValueError, match="scales are inside the blocks"):
         _C.Linear(ctx, dict(d, weight_scale=0), raw, None)
     with pytest.raises(ValueError, match="int2 weights are for expert FFNs only"):
-        _C.Linear(ctx, dict(d, dtype=kernels._DT_CODE["int2"]), raw, None)
+        _C.Linear(ctx, dict(d, dtype=kernels.dtype_code("int2")), raw, None)
 
 
 def test_spec_from_store_schema_reads_the_kinds_from_the_block_bytes():

@@ -19,14 +19,13 @@ from torch import nn
 
 from .. import _C
 from .arch import LLAMA_RMSNORMS
-from ..runtime.kernels import _DT_CODE, GGUF_BLOCKS, context, tensor_array
+from ..runtime.kernels import GGUF_BLOCKS, context, dtype_code, tensor_array
 from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
            "int4_group", "norm_weight", "per_sequence", "sequence_rows", "sequences",
            "silu_mlp_parts", "split_sequences", "split_shared_gate"]
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
-_WDT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 # a CLinear's dtype may also be a GGUF block kind (q4_0, q8_0, q4_k, ...: GGUF_BLOCKS), its
 # weight then the blocks a GGUF file holds (blocks=; dense="gguf", specmoe.models.dense)
 _ALIGN = 64
@@ -205,7 +204,7 @@ def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True,
         if copy_mapped and tw.data_ptr() == w.data_ptr() and _file_mapped(tw):
             tw = tw.clone()
         block = tw.view(torch.uint8).reshape(-1).numpy()
-        return block, {"N": N, "K": K, "dtype": _WDT[dtype], "weight": 0}, tw
+        return block, {"N": N, "K": K, "dtype": dtype_code(dtype), "weight": 0}, tw
     group = None if dtype == "int8" else (group or int4_group(K))
 
     def quantize(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -225,7 +224,7 @@ def _pack(weight: torch.Tensor, dtype: str, copy_mapped: bool = True,
         n = q.shape[0]
         block[r0 * qrow:(r0 + n) * qrow] = q.reshape(-1).view(np.uint8)
         block[s_off + r0 * srow:s_off + (r0 + n) * srow] = sc.reshape(-1).view(np.uint8)
-    desc = {"N": N, "K": K, "dtype": _WDT[dtype], "group": group, "weight": 0,
+    desc = {"N": N, "K": K, "dtype": dtype_code(dtype), "group": group, "weight": 0,
             "weight_scale": s_off}
     return block, desc, None
 
@@ -244,7 +243,7 @@ def _pack_blocks(blocks: np.ndarray, kind: str, N: int, K: int
         raise ValueError(f"{kind} blocks of a {K} -> {N} linear layer must be uint8 {want} "
                          f"(K a multiple of {cols}), got {got}")
     block = np.ascontiguousarray(blocks).reshape(-1)
-    return block, {"N": N, "K": K, "dtype": _DT_CODE[kind], "weight": 0}
+    return block, {"N": N, "K": K, "dtype": dtype_code(kind), "weight": 0}
 
 
 class CLinear(nn.Module):

@@ -28,6 +28,7 @@ __all__ = [
     "FFNSpec",
     "GGUF_BLOCKS",
     "down_dtype_codes",
+    "dtype_code",
     "pack_block",
     "ffn",
     "context",
@@ -253,6 +254,16 @@ def _block_schema(by: Mapping[str, Mapping[str, Any]], block_bytes: int | None, 
                    block_bytes=int(block_bytes) if block_bytes is not None else end,
                    activation=activation, alpha=alpha, limit=limit, precise=precise,
                    down_dtype=kinds["down"] if kinds["down"] != kinds["gate"] else None)
+
+
+def dtype_code(name: str) -> int:
+    """The C kernels' code (``smoe_wdtype``) of weight format ``name``: ``f32``, ``bf16``,
+    ``int8``, ``int4``, ``int2`` or a GGUF block kind (:data:`GGUF_BLOCKS`)."""
+    try:
+        return _DT_CODE[name]
+    except KeyError:
+        raise ValueError(f"unknown weight format {name!r}: one of {', '.join(_DT_CODE)}") \
+            from None
 
 
 def down_dtype_codes(kinds: Sequence[str] | None, num_layers: int) -> list[int] | None:
