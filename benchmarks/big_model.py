@@ -85,6 +85,9 @@ Rows (same checkpoint, same prompt, same threads: ``torch.set_num_threads`` / ll
   are dequantized to bf16.  Compared with the
   llama.cpp row of the same file (``vs_llama_cpp``); ``llama.cpp-Q4_K_M`` is
   ``llama-quantize``'s Q4_K_M of the bf16 GGUF.
+* ``specmoe+gguf-Q4_0`` / ``-Q8_0`` / ``-Q4_K_M``: the same with ``dense="gguf"``: the dense
+  layers too run on the file's own blocks (never dequantized), so every matrix is read in
+  the bits llama.cpp reads; with ``--plan`` the budget is planned around them.
 * ``accelerate``: ``AutoModelForCausalLM.from_pretrained(ckpt, device_map="auto",
   max_memory={"cpu": budget - 768 MiB - 1.5 bf16 expert layers}, offload_folder=...,
   dtype=bfloat16)`` (disk offload; the 1.5 layers leave room for transformers fusing one layer's
@@ -841,7 +844,7 @@ def worker(spec_path: str) -> None:
         model = specmoe.from_pretrained(spec["ckpt"], cache=None if planned else spec["cache"],
                                         memory=spec.get("memory"), dtype=spec["dtype"],
                                         policy="least_stale", prefetch=True, store=spec["store"],
-                                        progress=False)
+                                        dense=spec.get("dense", "auto"), progress=False)
         eng = specmoe.engine_of(model)
         if planned:
             res["memory_plan"] = eng.memory_plan.to_dict()
@@ -1261,12 +1264,13 @@ def main() -> None:
     names = [n.strip() for n in a.rows.split(",") if n.strip()]
     rows_def: list[dict[str, Any]] = []
     for n in names:
-        if n.startswith("specmoe-gguf-"):  # the llama.cpp row's own file
+        if n.startswith(("specmoe-gguf-", "specmoe+gguf-")):  # the llama.cpp row's own file
             t = n.split("-", 2)[2]
             prec = {v: k for k, v in LLAMA_TYPES.items()}.get(t)
             if prec is None:
                 ap.error(f"unknown GGUF type in {n} (Q4_0, Q8_0, Q4_K_M)")
-            rows_def.append({"name": n, "kind": "specmoe", "precision": prec, "type": t})
+            rows_def.append({"name": n, "kind": "specmoe", "precision": prec, "type": t,
+                             "dense": "gguf" if n.startswith("specmoe+") else "auto"})
         elif n.startswith("specmoe-"):
             rows_def.append({"name": n, "kind": "specmoe", "precision": n.split("-", 1)[1]})
         elif n.startswith("llama.cpp-"):
@@ -1372,6 +1376,7 @@ def main() -> None:
                             "dtype": "auto" if "type" in r else r["precision"],
                             "cache": str(b["cache_bytes"]), "store": str(stores[name]),
                             "memory": b["budget_bytes"] if a.plan else None,
+                            "dense": r.get("dense", "auto"),
                             "threads": a.threads, "prompt_ids": prompt_ids, "warm_ids": warm_ids,
                             "decode_tokens": DECODE_TOKENS}
                     res = run_python_row(r, spec, cg, work, a.row_timeout)
