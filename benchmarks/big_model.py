@@ -1265,7 +1265,7 @@ def main() -> None:
     rows_def: list[dict[str, Any]] = []
     for n in names:
         if n.startswith(("specmoe-gguf-", "specmoe+gguf-")):  # the llama.cpp row's own file
-            t = n.split("-", 2)[2]
+            t = n.split("gguf-", 1)[1]
             prec = {v: k for k, v in LLAMA_TYPES.items()}.get(t)
             if prec is None:
                 ap.error(f"unknown GGUF type in {n} (Q4_0, Q8_0, Q4_K_M)")
