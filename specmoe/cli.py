@@ -950,8 +950,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense", default="auto",
                    choices=["auto", "torch", "f32", "bf16", "int8", "int4", "gguf"],
                    help="attention, shared/dense MLP and lm_head through specmoe's C kernels "
-                        "(auto: bf16 weights kept exactly; int8/int4 quantize them; gguf: a "
-                        "GGUF file's own blocks, the bits llama.cpp reads)")
+                        "(auto: bf16 weights kept exactly, a GGUF file's own blocks; "
+                        "int8/int4 quantize them; gguf: a GGUF file's own blocks, the bits "
+                        "llama.cpp reads)")
     p.add_argument("--device", default="cpu",
                    help="cpu (default), or cuda / cuda:N: the GPU tier (experts cached in GPU "
                         "memory, the rest of the model on that GPU; --dense auto or torch)")

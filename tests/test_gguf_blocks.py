@@ -605,3 +605,20 @@ def test_a_memory_plan_weighs_the_files_own_dense_blocks(_cache_dir, tmp_path, m
         assert out.shape == (1, 6)
     finally:
         eng.close()
+
+
+def test_dense_auto_takes_a_gguf_files_own_blocks(_cache_dir, tmp_path):
+    """dense="auto" on a GGUF file whose model loads in bf16 runs the dense layers on the
+    file's blocks (what "auto" keeps exactly); an f32 model stays in torch, as "auto" leaves
+    f32 models, and dense="bf16" still dequantizes."""
+    path, _ = save_gguf(tiny_model("qwen3_moe", hidden=256), tmp_path / "a.gguf", qtype="Q4_0")
+    for kw, want in (({}, "gguf"), ({"torch_dtype": torch.float32}, None),
+                     ({"dense": "bf16"}, "bf16")):
+        model = specmoe.from_pretrained(path, cache=0.5, progress=False, **kw)
+        eng = specmoe.engine_of(model)
+        try:
+            assert eng.dense.dtype == want, (kw, str(eng.dense))
+            if want == "gguf":
+                assert eng.dense.formats.get("q4_0", 0) >= 8, eng.dense.formats
+        finally:
+            eng.close()

@@ -558,6 +558,21 @@ def _dense_blocks(plan: _Plan) -> dict[str, tuple[Any, str]]:
     return out
 
 
+def _auto_gguf(plan: _Plan) -> bool:
+    """dense="auto" on a GGUF file: its own blocks where "auto" would put the dense layers in
+    C (a bf16 model on an AVX2 / AVX-512 CPU) and the file holds some of them in a kept
+    block kind.  They are the weights the file holds (bf16 rounds them once more) in fewer
+    bytes: 4-layer DeepSeek-V2-Lite Q4_0, 269 MiB against 732; under a 12-layer model's
+    memory budget 1.6x the tok/s of bf16 dense layers (docs/performance.md)."""
+    from .dense import resolve_dense
+    if not hasattr(plan.ckpt, "dense_kind"):
+        return False
+    params = next(iter(plan.model.parameters()), None)
+    if params is None or resolve_dense("auto", params.dtype) is None:
+        return False
+    return any(plan.ckpt.dense_kind(key) is not None for _, key, _ in _dense_linears(plan))
+
+
 def _gguf_dense_sizes(plan: _Plan, param_bytes: float) -> dict[str, Any]:
     """The memory plan's ``gguf_dense_bytes`` and ``gguf_kind`` (ModelSizes) of a GGUF
     file, from its tensor table: the layers :func:`_dense_blocks` would hold as blocks at
@@ -631,7 +646,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     reads (None: when the store exceeds half the memory this process may use).  progress: a
     progress bar while converting.  torch_dtype: dtype of the non-expert weights ("auto": the
     checkpoint's).  dense: the other linear layers (attention, shared/dense MLPs, lm_head)
-    through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly), ``"torch"``,
+    through specmoe's C kernels: ``"auto"`` (bf16 weights kept exactly; a GGUF file's own
+    blocks where it holds them, see ``"gguf"``), ``"torch"``,
     ``"f32"``/``"bf16"``/``"int8"``/``"int4"``, or for a GGUF file ``"gguf"``: its blocks as
     the file holds them (Q4_0, Q8_0, Q4_K, Q6_K, ...: the bits llama.cpp reads; layers in
     other types keep the model's format) (:mod:`specmoe.models.dense`).  miss, miss_keep,
@@ -708,6 +724,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
             cache = mplan.cache_slots
         if dense == "auto" and mplan.dense != mplan.candidates[0]["dense"]:
             dense = mplan.dense  # the model's own exact format is what "auto" keeps
+    elif dense == "auto" and gpu is None and _auto_gguf(plan):
+        dense = "gguf"
     _check_cache_fits(plan, cache, dtype)  # from the config: before converting
     try:
         spath = _ensure_store(plan, plan.ckpt.folder, dtype, plan.store, force_convert,
