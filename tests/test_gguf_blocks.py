@@ -353,6 +353,26 @@ def _greedy(model, ids, n=8):
                               do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
 
 
+def _exact_and_fast(model, ids, want_logits, want_tokens):
+    """``model``'s logits on the exact kernel path (the scalar ISA) equal ``want_logits`` to
+    float rounding and its greedy tokens are ``want_tokens``; on the fast path (the best ISA,
+    the int8-input arithmetic) the logits stay close, not equal."""
+    rels = {}
+    try:
+        for isa in ("scalar", _C.KernelContext(1).isa_max):
+            kernels.set_isa(isa)  # the engine's kernels run on the default context
+            got = _logits(model, ids)
+            rels[isa] = float((got - want_logits).norm() / want_logits.norm())
+            if isa == "scalar":
+                assert _greedy(model, ids) == want_tokens
+    finally:
+        kernels.set_isa("auto")
+    assert rels["scalar"] < 1e-5, rels
+    if len(rels) > 1:
+        fast = [v for k, v in rels.items() if k != "scalar"][0]
+        assert 1e-6 < fast < 3e-2, rels
+
+
 def _q4_k_m_256(layer: int, role: str) -> str:
     """Q4_K_M where every row is a multiple of 256 columns (Qwen3-30B-A3B): gate/up Q4_K, down
     Q6_K on some layers (llama-quantize's use_more_bits) and Q4_K on the others."""
@@ -418,20 +438,9 @@ def test_a_gguf_file_is_kept_block_for_block_and_runs_as_the_weights_it_holds(
     model = specmoe.from_pretrained(path, cache=0.5, progress=False, dense="torch",
                                     torch_dtype=torch.float32)
     try:
-        rels = {}
-        for isa in ("scalar", _C.KernelContext(1).isa_max):  # the exact path, the fast one
-            kernels.set_isa(isa)  # the engine's kernels run on the default context
-            got = _logits(model, ids)
-            rels[isa] = float((got - want_logits).norm() / want_logits.norm())
-            if isa == "scalar":
-                assert _greedy(model, ids) == want_tokens
+        _exact_and_fast(model, ids, want_logits, want_tokens)
     finally:
-        kernels.set_isa("auto")
         specmoe.engine_of(model).close()
-    assert rels["scalar"] < 1e-5, rels
-    if len(rels) > 1:  # the int8-input arithmetic: close, not equal
-        fast = [v for k, v in rels.items() if k != "scalar"][0]
-        assert 1e-6 < fast < 3e-2, rels
 
 
 def test_files_that_cannot_be_kept_say_why(_cache_dir, tmp_path, capfd):
@@ -545,20 +554,9 @@ def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, monkeypatch,
             o = lins["model.layers.1.self_attn.o_proj"]
             raw = np.asarray(by_name["blk.1.attn_output.weight"].data).reshape(-1)
             np.testing.assert_array_equal(o._block[o._desc["weight"]:][:raw.size], raw)
-        rels = {}
-        for isa in ("scalar", _C.KernelContext(1).isa_max):  # the exact path, the fast one
-            kernels.set_isa(isa)
-            got = _logits(model, ids)
-            rels[isa] = float((got - want_logits).norm() / want_logits.norm())
-            if isa == "scalar":
-                assert _greedy(model, ids) == want_tokens
+        _exact_and_fast(model, ids, want_logits, want_tokens)
     finally:
-        kernels.set_isa("auto")
         specmoe.engine_of(model).close()
-    assert rels["scalar"] < 1e-5, rels
-    if len(rels) > 1:
-        fast = [v for k, v in rels.items() if k != "scalar"][0]
-        assert 1e-6 < fast < 3e-2, rels
 
 
 def test_dense_gguf_is_refused_where_it_cannot_hold(_cache_dir, tmp_path):
