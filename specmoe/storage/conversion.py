@@ -499,17 +499,17 @@ def store_dtype(ckpt: Any, dtype: str, *, quiet: bool = False) -> str:
     if isinstance(ckpt, Checkpoint):
         if ckpt.mxfp4:
             say(f"{ckpt.folder}: GPT-OSS MXFP4 experts: the store keeps them as MXFP4 blocks "
-                 "of 32, repacked, not re-quantized (dtype='auto' -> 'gguf')")
+                "of 32, repacked, not re-quantized (dtype='auto' -> 'gguf')")
             return "gguf"
         if ckpt.gptq_of:  # 4-bit GPTQ / AWQ: kept where they map as they are
             name = ckpt.gptq["method"].upper()
             if ckpt.kept_blocks("gguf"):
                 g = ckpt.kept_group()
                 say(f"{ckpt.folder}: {name} 4-bit experts (asymmetric, "
-                     f"{f'groups of {g}' if g > 0 else 'one group per row'}): the store keeps "
-                     "them as Q4_1 blocks of 32, "
-                     "repacked, not re-quantized (values and scales as they are, the offset "
-                     "-zero * scale rounded to f16) (dtype='auto' -> 'gguf')")
+                    f"{f'groups of {g}' if g > 0 else 'one group per row'}): the store keeps "
+                    "them as Q4_1 blocks of 32, "
+                    "repacked, not re-quantized (values and scales as they are, the offset "
+                    "-zero * scale rounded to f16) (dtype='auto' -> 'gguf')")
                 return "gguf"
             how = (f"in groups of {ckpt.kept_group()}, repacked, not re-quantized"
                    if ckpt.kept_blocks("int4") else
@@ -518,7 +518,7 @@ def store_dtype(ckpt: Any, dtype: str, *, quiet: bool = False) -> str:
                    f"re-quantized (its groups of {ckpt.kept_group()} do not map onto it as "
                    "they are)")
             say(f"{ckpt.folder}: {name} 4-bit experts: the store holds them as int4, {how} "
-                 "(dtype='auto')")
+                "(dtype='auto')")
             return "int4"
         return "bf16"
     qt = ckpt.expert_type()
@@ -529,8 +529,8 @@ def store_dtype(ckpt: Any, dtype: str, *, quiet: bool = False) -> str:
         wide = ("; Q5_0 widened to Q8_0 without loss"
                 if "Q5_0" in ckpt.kept_blocks("gguf").split("/") else "")
         say(f"{ckpt.folder}: experts are {ckpt.kept_blocks('gguf')}: the store keeps their "
-             f"blocks as they are (dtype='auto' -> 'gguf': gate/up {kinds['gate_up']}, down "
-             f"{down}{wide})")
+            f"blocks as they are (dtype='auto' -> 'gguf': gate/up {kinds['gate_up']}, down "
+            f"{down}{wide})")
         return "gguf"
     dt = natural_dtype(qt)
     how = "" if qt == "F32" else f"; dequantized and converted, not kept as they are: {why}"
