@@ -84,3 +84,28 @@ def test_mla_decode_builds_and_reports(mla_decode, S, threads):
 def test_mla_decode_refuses_bad_arguments(mla_decode):
     r = subprocess.run([str(mla_decode), "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "S must be" in r.stderr
+
+
+def test_dense_gguf_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/dense_gguf.py on a tiny Q4_0 GGUF file: one round at one thread, a row per
+    dense format with its tok/s and bytes (the file's blocks fewer bytes than bf16)."""
+    import sys
+
+    import torch
+
+    from specmoe.models.testing import save_gguf, tiny_model
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+    path, _ = save_gguf(tiny_model("qwen3_moe", hidden=256, dtype=torch.bfloat16),
+                        tmp_path / "t.gguf", qtype="Q4_0")
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dense_gguf.py"), str(path),
+                        "--threads", "1", "--rounds", "1", "--json"],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache")))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    run = out["runs"][0]
+    assert out["host"]["threads"] == [1] and run["threads"] == 1
+    assert all(len(run["tok_per_s_runs"][d]) == 1 and run["tok_per_s_runs"][d][0] > 0
+               for d in ("bf16", "gguf", "int4"))
+    assert run["dense_bytes"]["gguf"] < run["dense_bytes"]["bf16"]
+    assert len(run["gguf_vs_bf16_runs"]) == 1
