@@ -493,6 +493,32 @@ def test_store_path_kept_and_temp_removed(tmp_path):
     assert not os.path.exists(tmp)  # the temporary store is deleted by close()
 
 
+def test_temporary_store_goes_with_an_engine_never_closed(tmp_path):
+    """offload()'s temporary store (the model's experts, often GBs) is deleted when its engine
+    is collected unclosed, and when a script exits without closing it."""
+    import gc
+    import subprocess
+    import sys
+    m = testing.tiny_model("mixtral")
+    eng = hf.offload(m)
+    tmp = eng._store_path
+    assert tmp and os.path.exists(tmp)
+    del eng, m
+    gc.collect()
+    assert not os.path.exists(tmp)
+    script = ("import sys; from specmoe.models import testing; "
+              "from specmoe.runtime import engine as hf\n"
+              "eng = hf.offload(testing.tiny_model('mixtral'))\n"
+              "print(eng._store_path); sys.stdout.flush()\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip().splitlines()[-1]
+    assert path.startswith(str(tmp_path)) and not os.path.exists(path)
+    assert not list(tmp_path.glob("specmoe-*"))
+
+
 def test_set_policy_keeps_contents_and_any_spac_policy_learns():
     """Engine.set_policy swaps the policy without emptying the cache; a SpAc object (not only
     the string "spac") receives the per-pass activation counts."""

@@ -236,8 +236,7 @@ class Engine(EngineCommon):
             getpath(b, info.bias_attr) if info.bias_attr else None for b in blocks]
         self._predictor: Callable[[int, torch.Tensor], Any] | None = None
         self.recorder: Recorder | None = None
-        self._store_path: str | None = os.fspath(store)
-        self._own_store = own_store
+        self._adopt_store(store, own_store)
         self._store: Any = None
         self._cache: Any = None
         self._layers: Any = None  # _C.Layers over the cache: the per-layer path and counters

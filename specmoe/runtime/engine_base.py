@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -50,6 +51,14 @@ def check_prefetch(overfetch: float | None, mass: float | None | str) -> None:
         raise ValueError(f"overfetch must be >= 1, got {overfetch}")
 
 
+def _remove_file(path: str) -> None:
+    """Delete path if it is still there (a temporary store's last step)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class EngineCommon:
     """What the CPU :class:`Engine` and the GPU tier's
     :class:`specmoe.runtime.gpu_engine.GpuEngine` share: both keep ``model`` and a cache ``_cache``
@@ -64,6 +73,17 @@ class EngineCommon:
     _store: Any
     _store_path: str | None
     _own_store: bool
+    _store_remover: weakref.finalize | None = None
+
+    def _adopt_store(self, path: str | os.PathLike, own: bool) -> None:
+        """Use the store file at path; own: it is a temporary one (offload made it), deleted
+        by close() or, for an engine dropped or left open, when it is collected or the
+        interpreter exits (weakref.finalize), so no run leaves a store the size of the
+        model's experts behind in the temporary folder."""
+        self._store_path = os.fspath(path)
+        self._own_store = own
+        self._store_remover = weakref.finalize(self, _remove_file, self._store_path) \
+            if own else None
 
     def _close_storage(self) -> None:
         """Close the cache and the store; delete the store file when it was a temporary one."""
@@ -73,8 +93,9 @@ class EngineCommon:
         if self._store is not None:
             self._store.close()
             self._store = None
-        if self._own_store and self._store_path and os.path.exists(self._store_path):
-            os.unlink(self._store_path)
+        if self._store_remover is not None:
+            self._store_remover()  # runs once; detached from collection and exit afterwards
+            self._store_remover = None
             self._own_store = False
 
     # set by the engines: the trace recorder in use (trace()), the routers the predictor reads,

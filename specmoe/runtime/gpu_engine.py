@@ -243,8 +243,7 @@ class GpuEngine(EngineCommon):
         self._draft_flags: np.ndarray | None = None
         self._routers: list[nn.Module] = []  # set once the model is on the device
         self._router_bias: list[torch.Tensor | None] = []
-        self._store_path = os.fspath(store)
-        self._own_store = own_store
+        self._adopt_store(store, own_store)
         self._store: Any = None
         self._cache: Any = None
         self._tier: Any = None  # _cuda.Tier: the GPU cache as the C layers' expert tier
