@@ -70,6 +70,36 @@ def test_greedy_equal_to_unmodified(arch, layout, tmp_path):
         eng.close()
 
 
+
+@pytest.mark.parametrize("arch,piece", [("kimi_linear", "self_attn.k_conv1d.weight"),
+                                        ("sarvam_moe", "attention.query_key_value.weight")])
+def test_dense_weights_joined_or_split_from_checkpoint_pieces(arch, piece, tmp_path):
+    """Dense weights the checkpoint holds in other pieces (transformers' dense converters):
+    Kimi-Linear's q/k/v short convolutions, concatenated into one; Ling/Sarvam's fused
+    query_key_value, split into q/k/v.  Loaded equal to transformers' own loading; a missing
+    piece is an error naming it, before any conversion."""
+    from safetensors.torch import load_file, save_file
+    m = testing.tiny_model(arch)
+    folder = testing.save_checkpoint(m, tmp_path / "ckpt")
+    ref = _reference(folder)
+    names = list(load_file(folder / "model.safetensors"))
+    assert any(n.endswith(piece) for n in names)  # the checkpoint holds the pieces
+    model = _load(folder)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(PROMPT).logits, ref(PROMPT).logits, atol=1e-5,
+                                       rtol=1e-5)
+    finally:
+        specmoe.engine_of(model).close()
+    sd = load_file(folder / "model.safetensors")
+    gone = next(n for n in sd if n.endswith(piece))
+    del sd[gone]
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    from specmoe.storage.conversion import CheckpointError
+    with pytest.raises((CheckpointError, ValueError), match="lacks"):
+        _load(folder, store=tmp_path / "other.smoe")
+    assert not (tmp_path / "other.smoe").exists()
+
 def test_sharded_index_and_single_file_read_alike(tmp_path):
     m = testing.tiny_model("qwen2_moe")
     a = testing.save_checkpoint(m, tmp_path / "a", max_shard_size="100KB")

@@ -53,6 +53,7 @@ __all__ = [
     "FUSABLE_ATTENTION",
     "FUSABLE_LAYERS",
     "FUSABLE_MLA_LAYERS",
+    "MLA_ATTENTION",
     "LLAMA_RMSNORMS",
     "ROUTED_BLOCKS",
 ]
@@ -98,7 +99,13 @@ SUPPORTED: dict[str, ArchInfo] = {
     for mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v2",
                "deepseek_v3", "gpt_oss", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
                "granitemoe", "qwen3_next", "qwen3_5_moe_text", "minimax", "flex_olmo",
-               "lfm2_moe", "jamba")
+               "lfm2_moe", "jamba",
+               # transformers 5.24's further types whose structure fits, tested the same way
+               "afmoe", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32",
+               "exaone_moe", "flint", "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa",
+               "granitemoehybrid", "granitemoeshared", "hy_v3", "kimi_linear", "kolibri1",
+               "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minimax_m2", "sarvam_mla",
+               "sarvam_moe", "solar_open")
 }
 SUPPORTED["deepseek_v3"] = replace(SUPPORTED["deepseek_v3"], sigmoid_router=True,
                                    bias_attr="gate.e_score_correction_bias")
@@ -302,6 +309,12 @@ FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderL
 # with them in one C call (specmoe.models.mla.fuse_mla): transformers' DeepseekV2/V3Attention caching
 # the latent, with DeepSeek-V2's complex rotary or DeepSeek-V3's rotate-half / interleaved one
 FUSABLE_MLA_LAYERS = ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer")
+# MLA attention modules whose forward is DeepSeek-V2's or V3's (GLM-4.7-Flash's is V3's, line
+# for line), which specmoe.models.mla decodes in the absorbed form.  Not: the sparse-attention
+# variants (DeepSeek-V3.2, GLM-5, A.X K2: an indexer picks the keys each query sees, which
+# the absorbed form would not), Ling's and A.X's gated outputs, Kimi-Linear's MLA without
+# rotary embedding: their own forward runs.
+MLA_ATTENTION = ("DeepseekV2Attention", "DeepseekV3Attention", "Glm4MoeLiteAttention")
 # causal LMs whose forward, for one token of one sequence, is embed_tokens, rotary_emb over the
 # position, the decoder layers [:num_hidden_layers] with the causal mask, norm, lm_head (no
 # embedding scale, logit scale or soft-cap): specmoe.models.decode_step runs that sequence itself

@@ -125,9 +125,9 @@ def _register() -> None:
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     """Modules that call the attention interface: the ones with q/k/v projections and a
     ``layer_idx`` (transformers' decoder attention classes), MLA excluded (specmoe.models.mla)."""
-    from .mla import is_mla_attention
+    from .mla import is_mla_layout
     return [m for m in model.modules()
-            if hasattr(m, "layer_idx") and hasattr(m, "o_proj") and not is_mla_attention(m)
+            if hasattr(m, "layer_idx") and hasattr(m, "o_proj") and not is_mla_layout(m)
             and (hasattr(m, "q_proj") or hasattr(m, "qkv_proj"))]
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
+import re
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -227,6 +229,18 @@ def decode_session(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+@functools.lru_cache(maxsize=None)
+def _reads_weight(cls: type, attr: str) -> bool:
+    """Whether a method of ``cls`` (its forward, or the paths forward dispatches to) reads
+    ``self.<attr>.weight`` or ``.bias`` itself: a layer that must stay an nn.Linear (a CLinear
+    has no weight to read)."""
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+    return re.search(rf"self\.{re.escape(attr)}\.(weight|bias)\b", src) is not None
+
+
 def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
                   skip: Iterable[nn.Module] = (), ctx: _C.KernelContext | None = None,
                   torch_above: int | None = TORCH_ABOVE,
@@ -284,10 +298,11 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if attr == "dt_proj" and hasattr(parent, "A_log"):
-            # a Mamba mixer (Jamba) multiplies by dt_proj.weight and adds dt_proj.bias itself
-            # instead of calling the layer; a [rank -> inner] projection, small
-            report.skipped[name] = "the model reads its weight directly (Mamba's dt_proj)"
+        if _reads_weight(type(parent), attr):
+            # the parent reads the layer's weight instead of (or besides) calling it: a Mamba
+            # mixer (Jamba) multiplies by dt_proj.weight and adds dt_proj.bias itself;
+            # DeepSeek-V3.2's indexer casts its input to weights_proj.weight.dtype
+            report.skipped[name] = f"the model reads its weight directly ({attr})"
             continue
         if fmt == "int4" and int4_group(mod.in_features) is None:
             report.skipped[name] = f"in_features {mod.in_features} is not a multiple of 32"

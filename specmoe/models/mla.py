@@ -49,7 +49,8 @@ from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .layers import CLinear, adapter_active, fuse_qkv, int4_group, norm_weight, silu_mlp_parts
 from ..storage.quant import quantize_int4, quantize_int8
 
-__all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_attention"]
+__all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_attention",
+           "is_mla_layout"]
 
 # Inputs up to this many tokens take the absorbed path: the absorbed form's per-query work
 # is r/(d_nope) ~ 4x the expanded form's, so for long inputs (prefill) expanding the latent
@@ -67,8 +68,17 @@ _NEG = torch.finfo(torch.float32).min
 
 
 def is_mla_attention(mod: nn.Module) -> bool:
-    """True for a transformers MLA attention module (DeepSeek-V2/V3 layout): ``kv_b_proj``
-    expanding a ``kv_lora_rank`` latent, and the head dimensions the absorbed form needs."""
+    """True for a transformers MLA attention module of DeepSeek-V2/V3's form
+    (``specmoe.models.arch.MLA_ATTENTION``): ``kv_b_proj`` expanding a ``kv_lora_rank``
+    latent, and the head dimensions the absorbed form needs."""
+    from .arch import MLA_ATTENTION
+    return type(mod).__name__ in MLA_ATTENTION and is_mla_layout(mod)
+
+
+def is_mla_layout(mod: nn.Module) -> bool:
+    """True for any module laid out as multi-head latent attention (``kv_b_proj`` expanding a
+    ``kv_lora_rank`` latent, and the head dimensions), whatever its forward: the GQA paths
+    (specmoe.models.attention) leave all of them alone."""
     return (hasattr(mod, "kv_b_proj") and hasattr(mod, "kv_a_proj_with_mqa")
             and hasattr(mod, "kv_a_layernorm") and hasattr(mod, "qk_nope_head_dim")
             and hasattr(mod, "v_head_dim") and hasattr(mod, "kv_lora_rank")

@@ -50,6 +50,10 @@ class _Plan:
     num_experts: int
     shapes: tuple[int, int]  # (I, H) of one expert
     dense: dict[str, str] = field(default_factory=dict)  # model name -> checkpoint key
+    # model name -> (checkpoint keys, how they make it): dense weights the checkpoint holds in
+    # other pieces (transformers' dense WeightConverters: Concatenate, Split; _dense_converters)
+    joined: dict[str, tuple[tuple[str, ...], Callable[[list[torch.Tensor]], torch.Tensor]]] = \
+        field(default_factory=dict)
     # per MoE position: {(expert, canonical name) or (None, fused name): checkpoint key}
     experts: list[dict[tuple[int | None, str], str]] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
@@ -110,14 +114,22 @@ def _plan(ckpt: Checkpoint, model: nn.Module) -> _Plan:
     plan = _Plan(ckpt, model, info, ids, E, (I, H), experts=[{} for _ in ids])
     names = {m: n for n, m in model.named_modules()}
     prefix_pos = {names[expert_module(model, info, i)] + ".": pos for pos, i in enumerate(ids)}
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     meta_sd = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
     skip = ckpt.companions()
+    pieces = _dense_converters(mapping)
     for key in ckpt.keys:
         if key in skip:  # FP8 block scales: read with their weight
             continue
-        target, _ = rename_source_key(key, renamings, [], prefix, meta_sd)
+        if _join_piece(plan, key, pieces, renamings, prefix, meta_sd):
+            continue
+        # a checkpoint written from the model's own state dict is named as the model is
+        # (transformers' renamings are not idempotent: Laguna's "mlp.shared_expert." pattern
+        # would turn a "shared_experts." name into "shared_experts..")
+        target = key if key in meta_sd else \
+            rename_source_key(key, renamings, [], prefix, meta_sd)[0]
         m = _EXPERTS_RE.match(target)
         if m and m.group(1) in prefix_pos:
             what = expert_key(m.group(2))
@@ -130,8 +142,85 @@ def _plan(ckpt: Checkpoint, model: nn.Module) -> _Plan:
             plan.unused.append(key)
     for pos, got in enumerate(plan.experts):
         _check_experts(plan, pos, got)
+    _check_joined(plan, pieces)
     _check_dtypes(plan, meta_sd)
+    _check_complete(plan, prefix_pos)
     return plan
+
+
+def _check_complete(plan: _Plan, expert_prefixes: dict[str, int]) -> None:
+    """Every parameter of the model that is not a routed expert's has a checkpoint tensor
+    (tied ones count once), checked before any conversion: a checkpoint that lacks one fails
+    at once, naming it, not after its experts were converted (_load_dense checks again)."""
+    have = set(plan.dense) | set(plan.joined)
+    plan.model.tie_weights()  # (on the meta skeleton: an output layer tied to the embedding
+    # is then one parameter, as _load_dense counts it)
+    left = [n for n, _ in plan.model.named_parameters()
+            if n not in have and not any(n.startswith(p) for p in expert_prefixes)]
+    if left:
+        raise CheckpointError(f"{plan.ckpt.folder}: the checkpoint lacks {len(left)} tensors "
+                              f"the model needs: {', '.join(left[:6])}"
+                              f"{' ...' if len(left) > 6 else ''}")
+
+
+def _dense_converters(mapping: list[Any]) -> list[Any]:
+    """The model's dense WeightConverters that the loader applies itself: one Concatenate of
+    several checkpoint tensors into one weight (Kimi-Linear's and Ling's q/k/v short
+    convolutions) or one Split of a checkpoint tensor into several (a fused query_key_value
+    or in_proj).  The expert converters are the store's business; other dense operations are
+    left alone, and the tensors they would make show as missing, by name."""
+    from transformers.core_model_loading import Concatenate, Split, WeightConverter
+    out = []
+    for c in mapping:
+        if not isinstance(c, WeightConverter) or len(c.operations) != 1 \
+                or any("experts" in p for p in c.source_patterns):
+            continue
+        op = c.operations[0]
+        if (isinstance(op, Concatenate) and len(c.target_patterns) == 1) or \
+                (isinstance(op, Split) and len(c.source_patterns) == 1):
+            out.append(c)
+    return out
+
+
+def _join_piece(plan: _Plan, key: str, converters: list, renamings: list, prefix: Any,
+                meta_sd: dict[str, torch.Tensor]) -> bool:
+    """Record checkpoint ``key`` as a piece of a dense weight when one of ``converters``
+    (_dense_converters) takes it, after transformers' renamings, as transformers' loader
+    names it: True; False for any other key."""
+    from transformers.core_model_loading import Concatenate, rename_source_key
+    if not converters or key in meta_sd:
+        return False
+    name, src = rename_source_key(key, renamings, converters, prefix, meta_sd)
+    conv = next((c for c in converters if src in c.source_patterns), None) if src else None
+    if conv is None:
+        return False
+    op, first = conv.operations[0], conv.target_patterns[0]
+    names = [name.replace(first, t, 1) for t in conv.target_patterns]
+    if not all(n in meta_sd for n in names):
+        return False
+    if isinstance(op, Concatenate):  # the pieces in the converter's order of sources
+        keys, _ = plan.joined.get(name, ((None,) * len(conv.source_patterns), None))
+        keys = tuple(key if i == conv.source_patterns.index(src) else k
+                     for i, k in enumerate(keys))
+        plan.joined[name] = (keys, lambda ts, d=op.dim: torch.cat(ts, dim=d))
+    else:  # Split: each target's share of the one tensor, sized like its parameter
+        sizes = [int(meta_sd[n].shape[op.dim]) for n in names]
+        for j, n in enumerate(names):
+            plan.joined[n] = ((key,), lambda ts, d=op.dim, z=sizes, j=j:
+                              torch.split(ts[0], z, dim=d)[j].contiguous())
+    return True
+
+
+def _check_joined(plan: _Plan, pieces: list) -> None:
+    """A dense weight made of checkpoint pieces needs every piece: one missing is an error
+    naming it (the others are then not loaded)."""
+    for target, (keys, _) in plan.joined.items():
+        for i, k in enumerate(keys):
+            if k is None:
+                conv = next(c for c in pieces if c.target_patterns[0] in target)
+                raise CheckpointError(f"{plan.ckpt.folder}: the checkpoint lacks the "
+                                      f"{conv.source_patterns[i]!r} piece of the model's "
+                                      f"{target}")
 
 
 def _check_dtypes(plan: _Plan, meta_sd: dict[str, torch.Tensor]) -> None:
@@ -153,7 +242,9 @@ def _check_dtypes(plan: _Plan, meta_sd: dict[str, torch.Tensor]) -> None:
             if ckpt.dtypes.get(key) in INT_DTYPES:
                 who = (f"expert {e}'s {name}" if e is not None else f"the fused {name}")
                 raise refuse(key, f"{who} (decoder layer {plan.layer_ids[pos]})")
-    for target, key in plan.dense.items():
+    dense = [(t, k) for t, k in plan.dense.items()] + \
+        [(t, k) for t, (keys, _) in plan.joined.items() for k in keys]
+    for target, key in dense:
         want = meta_sd.get(target)
         if (want is not None and want.is_floating_point()
                 and ckpt.dtypes.get(key) in INT_DTYPES):
@@ -500,13 +591,18 @@ def _load_dense(plan: _Plan, skip: "set[str] | frozenset[str]" = frozenset()) ->
     for pos, i in enumerate(plan.layer_ids):  # drop the meta expert parameters first
         moe_block(model, plan.info, i).experts = SpecmoeExperts(None, pos, plan.num_experts,
                                                                 plan.shapes[1])
-    for target, key in plan.dense.items():
+    sources = [(t, (k,), None) for t, k in plan.dense.items()] + \
+        [(t, keys, make) for t, (keys, make) in plan.joined.items()]
+    for target, keys, make in sources:
         if target in skip:
             continue
         mod_name, _, attr = target.rpartition(".")
         mod = model.get_submodule(mod_name)
         old = getattr(mod, attr)
-        t = plan.ckpt.tensor(key, dtype=old.dtype if old.is_floating_point() else None)
+        want = old.dtype if old.is_floating_point() else None
+        ts = [plan.ckpt.tensor(k, dtype=want) for k in keys]
+        t = ts[0] if make is None else make(ts)
+        key = " + ".join(keys)
         if tuple(t.shape) != tuple(old.shape):
             raise ValueError(f"{plan.ckpt.folder}: {key} has shape {tuple(t.shape)}, the model "
                              f"expects {tuple(old.shape)} for {target}")

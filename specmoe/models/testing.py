@@ -28,6 +28,10 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     hd = hidden // 4
+    # MLA expands the latent into keys and values for every head (the DeepSeek configs' key
+    # heads equal their query heads; with fewer, transformers' multi-token forward over a
+    # cache fails on a shape mismatch)
+    mla_common = dict(common, num_key_value_heads=4)
     if arch == "mixtral":
         return tf.MixtralConfig(intermediate_size=inter, num_local_experts=experts,
                                 num_experts_per_tok=top_k, **common)
@@ -51,20 +55,27 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
                                    n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                                    topk_group=2, q_lora_rank=None, kv_lora_rank=32,
                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=hd,
-                                   **common)
+                                   **mla_common)
     if arch == "deepseek_v2":  # DeepSeek-V2-Lite's form: MLA without q compression, softmax
         return tf.DeepseekV2Config(intermediate_size=2 * inter, moe_intermediate_size=inter,
                                    n_routed_experts=experts, num_experts_per_tok=top_k,
                                    n_shared_experts=2, first_k_dense_replace=1,
                                    topk_method="greedy", n_group=1, topk_group=1,
                                    q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
-                                   qk_nope_head_dim=8, v_head_dim=hd, **common)
+                                   qk_nope_head_dim=8, v_head_dim=hd, **mla_common)
     if arch == "gpt_oss":
         return tf.GptOssConfig(intermediate_size=inter, num_local_experts=experts,
                                num_experts_per_tok=top_k, head_dim=hd, sliding_window=64,
                                **common)
     L = layers
     alt = lambda *kinds: (list(kinds) * L)[:L]  # noqa: E731
+    dense_first = ["dense"] + ["sparse"] * (L - 1)
+    # multi-head latent attention (as DeepSeek-V3's, every head its own keys) and the sparse
+    # attention indexer of DeepSeek-V3.2 / GLM-5 (it looks at all 16 positions of a short
+    # prompt, so attention is dense in these tests)
+    mla = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+               qk_nope_head_dim=8, v_head_dim=hd)
+    indexer = dict(index_n_heads=2, index_head_dim=16, index_topk=16)
     more = {
         "glm4_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
                          n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
@@ -106,6 +117,103 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
                       expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
                       attn_layer_offset=0, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                       mamba_dt_rank=8, use_mamba_kernels=False),
+        # transformers 5.24's further MoE types (their first layer dense where the model has
+        # dense layers, every kind of attention layer it has at least once)
+        "afmoe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                      num_experts=experts, num_experts_per_tok=top_k, num_shared_experts=1,
+                      head_dim=hd, sliding_window=64,
+                      layer_types=alt("sliding_attention", "full_attention")),
+        "bailing_hybrid": dict(**mla, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                               num_experts=experts, num_experts_per_tok=top_k, n_group=1,
+                               topk_group=1, num_shared_experts=1, first_k_dense_replace=1,
+                               num_nextn_predict_layers=0, mlp_layer_types=dense_first,
+                               linear_head_dim=16,
+                               layer_types=alt("linear_attention", "full_attention")),
+        "beam": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                     num_experts=experts, num_experts_per_tok=top_k, n_group=1, topk_group=1,
+                     head_dim=hd, sliding_window=64, mlp_layer_types=dense_first,
+                     layer_types=alt("sliding_attention", "full_attention")),
+        "cohere2_moe": dict(intermediate_size=2 * inter, num_experts=experts,
+                            num_experts_per_tok=top_k, num_shared_experts=1, head_dim=hd,
+                            sliding_window=64,
+                            layer_types=alt("sliding_attention", "full_attention")),
+        "deepseek_v32": dict(**mla, **indexer, intermediate_size=2 * inter,
+                             moe_intermediate_size=inter, n_routed_experts=experts,
+                             num_experts_per_tok=top_k, n_group=1, topk_group=1,
+                             n_shared_experts=1, first_k_dense_replace=1,
+                             mlp_layer_types=dense_first),
+        "exaone_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                           num_experts=experts, num_experts_per_tok=top_k, n_group=1,
+                           topk_group=1, num_shared_experts=1, first_k_dense_replace=1,
+                           sliding_window=64, mlp_layer_types=dense_first,
+                           layer_types=alt("sliding_attention", "full_attention")),
+        "flint": dict(intermediate_size=inter, moe_intermediate_size=inter,
+                      shared_expert_intermediate_size=inter, num_experts=experts,
+                      num_experts_per_tok=top_k, head_dim=hd, sliding_window=64,
+                      layer_types=alt("full_attention", "sliding_attention")),
+        "glm4_moe_lite": dict(**mla, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                              n_routed_experts=experts, num_experts_per_tok=top_k, n_group=1,
+                              topk_group=1, n_shared_experts=1, mlp_layer_types=dense_first),
+        "glm_moe_dsa": dict(**mla, **indexer, intermediate_size=2 * inter,
+                            moe_intermediate_size=inter, n_routed_experts=experts,
+                            num_experts_per_tok=top_k, n_group=1, topk_group=1,
+                            n_shared_experts=1, first_k_dense_replace=1,
+                            mlp_layer_types=dense_first),
+        "granitemoe_swa": dict(intermediate_size=inter, num_local_experts=experts,
+                               num_experts_per_tok=top_k, sliding_window=64,
+                               layer_types=alt("full_attention", "sliding_attention")),
+        "granitemoehybrid": dict(intermediate_size=inter, num_local_experts=experts,
+                                 num_experts_per_tok=top_k, shared_intermediate_size=inter,
+                                 mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                                 layer_types=alt("mamba", "attention")),
+        "granitemoeshared": dict(intermediate_size=inter, num_local_experts=experts,
+                                 num_experts_per_tok=top_k),
+        "hy_v3": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                      num_experts=experts, num_experts_per_tok=top_k, num_shared_experts=1,
+                      head_dim=hd, mlp_layer_types=dense_first),
+        "kimi_linear": dict(**mla, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                            num_experts=experts, num_experts_per_tok=top_k, n_group=1,
+                            topk_group=1, num_shared_experts=1, mlp_layer_types=dense_first,
+                            linear_head_dim=16, linear_num_heads=4,
+                            layer_types=alt("linear_attention", "full_attention")),
+        "kolibri1": dict(moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
+                         num_experts=experts, num_experts_per_tok=top_k, head_dim=hd,
+                         sliding_window=64,
+                         layer_types=alt("sliding_attention", "full_attention")),
+        "laguna": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                       shared_expert_intermediate_size=inter, num_experts=experts,
+                       num_experts_per_tok=top_k, head_dim=hd, mlp_layer_types=dense_first,
+                       num_attention_heads_per_layer=[4] * L),
+        "lara_mini": dict(moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
+                          num_experts=experts, num_experts_per_tok=top_k, head_dim=hd,
+                          sliding_window=64, linear_key_head_dim=16, linear_value_head_dim=16,
+                          linear_num_key_heads=2, linear_num_value_heads=4,
+                          layer_types=alt("linear_attention", "sliding_attention",
+                                          "full_attention")),
+        "mellum": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                       num_experts=experts, num_experts_per_tok=top_k, head_dim=hd,
+                       num_nextn_predict_layers=0),
+        "mimo_v2_flash": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                              n_routed_experts=experts, num_experts_per_tok=top_k, n_group=1,
+                              topk_group=1, head_dim=hd, v_head_dim=hd, sliding_window=64,
+                              mlp_layer_types=dense_first,
+                              layer_types=alt("full_attention", "sliding_attention")),
+        "minimax_m2": dict(intermediate_size=inter, num_local_experts=experts,
+                           num_experts_per_tok=top_k, head_dim=hd),
+        "sarvam_mla": dict(**mla, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                           num_experts=experts, num_experts_per_tok=top_k, n_group=1,
+                           topk_group=1, num_shared_experts=1, first_k_dense_replace=1,
+                           num_nextn_predict_layers=0),
+        "sarvam_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                           num_experts=experts, num_experts_per_tok=top_k, n_group=1,
+                           topk_group=1, num_shared_experts=1, first_k_dense_replace=1,
+                           head_dim=hd, num_nextn_predict_layers=0),
+        "solar_open": dict(moe_intermediate_size=inter, n_routed_experts=experts,
+                           num_experts_per_tok=top_k, n_group=1, topk_group=1,
+                           n_shared_experts=1, head_dim=hd),
+        "axk2": dict(**mla, **indexer, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                     n_routed_experts=experts, num_experts_per_tok=top_k, n_group=1,
+                     topk_group=1, n_shared_experts=1, mlp_layer_types=dense_first),
     }
     if arch in more:
         from transformers import CONFIG_MAPPING
