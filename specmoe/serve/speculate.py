@@ -47,7 +47,7 @@ from ..speculation.batch import BatchDraftModel, BatchKV, observe_batch_step
 from ..speculation.controllers import Controller, StaticK, controller_factory
 from ..speculation.drafters import (DRAFTERS, DraftModel, NgramDrafter, SelfDraft, named_drafter,
                                     propose)
-from ..speculation.decoding import crop_kv, require_rollback
+from ..speculation.decoding import crop_kv, require_speculable
 from ..speculation.mtp import MtpDrafter, next_drafts, priming
 from ..speculation.tau import TtftProfile, batch_bucket, profile_ttft, target_tau
 
@@ -84,7 +84,7 @@ class Speculation:
         if ttft_budget is not None and (isinstance(ttft_budget, bool) or not isinstance(
                 ttft_budget, (int, float)) or not 0 < ttft_budget < float("inf")):
             raise ValueError(f"ttft_budget must be seconds > 0 or None, got {ttft_budget!r}")
-        require_rollback(model, "speculative decoding (a drafter)",
+        require_speculable(model, "speculative decoding (a drafter)",
                          "serve it without one (--drafter none)")
         self._installed: Optional[MtpDrafter] = None   # made here: uninstalled at close()
         if isinstance(drafter, str):

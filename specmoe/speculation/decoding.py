@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
-           "input_device", "new_kv", "recurrent_layer_types", "require_rollback",
+           "input_device", "new_kv", "recurrent_layer_types", "require_speculable",
            "unrollable_layer_types"]
 
 
@@ -91,15 +91,28 @@ def unrollable_layer_types(config: Any) -> List[str]:
     return [k for k in recurrent_layer_types(config) if "conv" not in k]
 
 
-def require_rollback(model: nn.Module, who: str, instead: str) -> None:
-    """ValueError naming ``who`` (something that cuts the cache back to accepted drafts) and
-    what to do ``instead`` when ``model`` has layers whose state no crop puts back
-    (:func:`unrollable_layer_types`)."""
-    rec = unrollable_layer_types(model.config)
+def require_speculable(model: nn.Module, who: str, instead: str) -> None:
+    """ValueError naming ``who`` (speculative decoding: it verifies drafts in one multi-token
+    forward and cuts the cache back to the accepted ones) and what to do ``instead`` when
+    ``model`` cannot give plain decoding's tokens that way: layers whose state no crop puts
+    back (:func:`unrollable_layer_types`), or a sparse-attention indexer (DeepSeek-V3.2,
+    GLM-5, A.X K2), whose keys transformers selects differently depending on how the tokens
+    are split into forwards once the context passes ``index_topk`` (measured on transformers
+    5.24 with index_topk 16 and 20 cached positions: DeepSeek-V3.2's four-token forward
+    apart from four one-token steps by 0.045 in the logits; GLM-5's and A.X K2's prefill
+    apart from one-token steps by 0.003 and 0.0004)."""
+    cfg = model.config
+    rec = unrollable_layer_types(cfg)
     if rec:
         raise ValueError(f"{who} rolls the cache back to the accepted prefix, and "
-                         f"{model.config.model_type}'s {'/'.join(rec)} layers keep a recurrent "
+                         f"{cfg.model_type}'s {'/'.join(rec)} layers keep a recurrent "
                          f"state that cannot be rolled back; {instead}")
+    topk = getattr(cfg, "index_topk", None)
+    if topk is not None:
+        raise ValueError(f"{who} verifies drafts in one multi-token forward, and "
+                         f"{cfg.model_type}'s sparse-attention indexer (index_topk {topk}) "
+                         "selects other keys in transformers depending on how the tokens "
+                         f"are split into forwards, past {topk} positions; {instead}")
 
 
 def new_kv(model: nn.Module, rollback: bool = False) -> Any:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .controllers import Controller, StaticK
-from .decoding import GenerateOutput, crop_kv, forward_tokens, new_kv, require_rollback
+from .decoding import GenerateOutput, crop_kv, forward_tokens, new_kv, require_speculable
 from ..models.dense import decode_session
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..runtime.experts import find_engine
@@ -175,7 +175,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         raise TypeError(f"success must be a bool, got {type(success).__name__}")
     # (plain decoding through this loop is not supported either: its prefill-then-pending
     # split is not bit-exact with transformers' own decoding for chunked linear attention)
-    require_rollback(model, "specmoe.generate",
+    require_speculable(model, "specmoe.generate",
                      "use model.generate() (offloading works as usual)")
     prune = controller is not None and tau is not None and not (
         isinstance(tau, str) and isinstance(controller, StaticK))

@@ -24,7 +24,10 @@ prediction on the previous draft token) and the latent consistency loss; the ada
 trained by self-distillation (``training/mtp.py``).
 
 The adapter installs on any causal LM whose attention projections are found by name (default
-``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` inside ``self_attn`` modules), ``nn.Linear`` or
+``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` inside ``self_attn`` modules, and multi-head
+latent attention's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``: the projections both its
+expanded and its absorbed forms call; ``kv_b_proj`` is read as a weight by the absorbed form,
+so it is left out), ``nn.Linear`` or
 specmoe's C dense modules (:mod:`specmoe.models.dense`).  With no gate set (every forward other than
 an MTP step: prefill, plain decoding, other drafters) the model is exactly the base model.
 
@@ -55,7 +58,8 @@ __all__ = ["MtpConfig", "MtpAdapter", "GatedLoRA", "MtpDrafter", "mtp_layout", "
 
 ADAPTER_FILE = "mtp_adapter.safetensors"
 CONFIG_FILE = "mtp_config.json"
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                   "kv_a_proj_with_mqa")
 
 
 @dataclass
