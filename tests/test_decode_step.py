@@ -24,7 +24,8 @@ from specmoe.models.decode_step import DecodeStep, install_decode_step
 from specmoe.runtime.kvcache import kv_advance
 from specmoe.models.testing import tiny_config, tiny_model
 
-ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
+ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
+         "glm4_moe_lite"]
 
 
 def _tiny(arch: str, dt: torch.dtype, **over) -> torch.nn.Module:
@@ -89,9 +90,10 @@ def test_step_equals_the_models_own_forward(arch, dt):
         chains = arch != "qwen2_moe"
         assert (step.chained > 0) == chains
         # where every layer is one call, a step is one _C.DecodePlan call
-        full = arch not in ("qwen2_moe", "deepseek_v3")
+        v3 = arch in ("deepseek_v3", "glm4_moe_lite")  # (GLM-4.7-Flash: DeepSeek-V3's form)
+        full = arch != "qwen2_moe" and not v3
         assert (step.planned == 5) == full and (step.planned == 0) == (not full)
-        if arch == "deepseek_v3":  # the dense layers only
+        if v3:  # the dense layers only
             dense = sum(lyr._specmoe_dense is not None for lyr in model.model.layers)
             assert dense >= 1 and step.chained == 5 * dense
         # whole generations: transformers' loop and specmoe's

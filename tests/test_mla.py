@@ -15,7 +15,7 @@ from specmoe.models.mla import MLA_MAX_TOKENS, absorb_mla, is_mla_attention
 from specmoe.models.testing import tiny_config, tiny_model
 from specmoe.speculation.decoding import cache_kwargs
 
-ARCHS = ["deepseek_v2", "deepseek_v3"]
+ARCHS = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
 
 
 def _pair(arch, kv_heads=None):

@@ -308,7 +308,8 @@ FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderL
 # DeepSeek-V2/V3 decoder layers (the same residual form) whose MLA attention, absorbed, runs
 # with them in one C call (specmoe.models.mla.fuse_mla): transformers' DeepseekV2/V3Attention caching
 # the latent, with DeepSeek-V2's complex rotary or DeepSeek-V3's rotate-half / interleaved one
-FUSABLE_MLA_LAYERS = ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer")
+FUSABLE_MLA_LAYERS = ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer",
+                      "Glm4MoeLiteDecoderLayer")  # (GLM-4.7-Flash: DeepSeek-V3's forward)
 # MLA attention modules whose forward is DeepSeek-V2's or V3's (GLM-4.7-Flash's is V3's, line
 # for line), which specmoe.models.mla decodes in the absorbed form.  Not: the sparse-attention
 # variants (DeepSeek-V3.2, GLM-5, A.X K2: an indexer picks the keys each query sees, which
@@ -319,11 +320,13 @@ MLA_ATTENTION = ("DeepseekV2Attention", "DeepseekV3Attention", "Glm4MoeLiteAtten
 # position, the decoder layers [:num_hidden_layers] with the causal mask, norm, lm_head (no
 # embedding scale, logit scale or soft-cap): specmoe.models.decode_step runs that sequence itself
 DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                      "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                      "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                      "Glm4MoeLiteForCausalLM")
 # RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
-                  "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm")
+                  "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm",
+                  "Glm4MoeLiteRMSNorm")
 # MoE blocks whose forward is router + experts (+ shared experts) with a softmax top-k router:
 # OLMoE and Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's
 # dtype), Mixtral (always renormalised, f32 weights) and DeepSeek-V2 (f32 router, greedy top-k
