@@ -40,7 +40,8 @@ def _reference(arch, held):
 
 @pytest.mark.parametrize("arch,qtype", [
     ("mixtral", "F32"), ("qwen2_moe", "F32"), ("qwen3_moe", "Q4_0"), ("olmoe", "Q8_0"),
-    ("deepseek_v2", "F32"), ("deepseek_v2", "Q4_0"), ("gpt_oss", "F32"), ("gpt_oss", "Q8_0")])
+    ("deepseek_v2", "F32"), ("deepseek_v2", "Q4_0"), ("deepseek_v3", "F32"),
+    ("deepseek_v3", "Q4_0"), ("gpt_oss", "F32"), ("gpt_oss", "Q8_0")])
 def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
     want = _greedy(_reference(arch, held))
@@ -50,6 +51,10 @@ def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     try:
         assert _greedy(model) == want
         assert specmoe.engine_of(model).dtype == "f32"
+        ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])  # (and the logits, closer than tokens)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, _reference(arch, held)(ids).logits,
+                                       atol=1e-4, rtol=1e-4)
     finally:
         specmoe.engine_of(model).close()
     # the config read from the metadata is the model's
@@ -58,12 +63,58 @@ def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
               "num_key_value_heads", "num_experts_per_tok", "kv_lora_rank", "v_head_dim",
               "qk_nope_head_dim", "qk_rope_head_dim", "n_shared_experts",
               "first_k_dense_replace", "moe_intermediate_size"):
-        if k == "num_key_value_heads" and arch == "deepseek_v2":
+        mla = arch.startswith("deepseek")
+        if k == "num_key_value_heads" and mla:
             continue  # MLA: the file says 1 (llama.cpp's MQA form), transformers ignores it
-        if hasattr(cfg, k) and (k in got or arch == "deepseek_v2"):
+        if hasattr(cfg, k) and (k in got or mla):
             assert got[k] == getattr(cfg, k), k
     assert got.get("num_experts", got.get("num_local_experts", got.get("n_routed_experts"))) == 8
 
+
+
+def test_deepseek2_with_sigmoid_routing_is_deepseek_v3(tmp_path):
+    """A deepseek2 file with expert_gating_func 2 (sigmoid: DeepSeek-V3 / R1, Kimi-K2,
+    GLM-4.7-Flash) is read as transformers' deepseek_v3: group-limited sigmoid routing with
+    each layer's correction bias (exp_probs_b, non-zero here, so a lost bias changes the
+    experts chosen), its scaling and normalisation, the interleaved rotary pairs; other
+    gating functions are refused by name before any conversion."""
+    import gguf
+    m = tiny_model("deepseek_v3")
+    path, held = save_gguf(m, tmp_path / "v3.gguf")
+    bias = [k for k in held if k.endswith("e_score_correction_bias")]
+    assert bias and all(held[k].abs().sum() > 0 for k in bias)
+    ck = GgufCheckpoint.open(path)
+    try:
+        got = ck.config()
+        assert ck.model_type == "deepseek_v3" and ck.arch == "deepseek2"
+        assert {k: got[k] for k in ("n_group", "topk_group", "norm_topk_prob",
+                                    "routed_scaling_factor", "rope_interleave")} == \
+            {"n_group": 2, "topk_group": 2, "norm_topk_prob": True,
+             "routed_scaling_factor": 2.5, "rope_interleave": True}
+        assert "topk_method" not in got
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in ck.keys
+    finally:
+        ck.close()
+    # the bias matters: dropped from the reference, the greedy tokens change
+    want = _greedy(_reference("deepseek_v3", held))
+    nob = dict(held, **{k: torch.zeros_like(held[k]) for k in bias})
+    assert _greedy(_reference("deepseek_v3", nob)) != want
+    model = specmoe.from_pretrained(path, cache=0.5, dtype="f32", progress=False,
+                                    torch_dtype=torch.float32)
+    try:
+        assert _greedy(model) == want
+    finally:
+        specmoe.engine_of(model).close()
+    # the same file as if written with DeepSeek-V4's sqrt-softplus gating (3)
+    real = gguf.GGUFWriter.add_expert_gating_func
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_expert_gating_func",
+                   lambda w, v: w.add_uint32("deepseek2.expert_gating_func", 3))
+        p3, _ = save_gguf(m, tmp_path / "v4.gguf")
+    assert gguf.GGUFWriter.add_expert_gating_func is real
+    with pytest.raises(GgufError, match="v4.gguf: a deepseek2 file with expert_gating_func 3"):
+        specmoe.convert(p3, progress=False)
+    assert not list(tmp_path.glob("cache/v4*"))  # nothing written for it
 
 def test_auto_dtype_keeps_the_blocks_or_picks_the_nearest_store_format(tmp_path, capfd):
     from specmoe.storage.store import ExpertStore

@@ -149,13 +149,19 @@ def _plan(ckpt: Checkpoint, model: nn.Module) -> _Plan:
 
 
 def _check_complete(plan: _Plan, expert_prefixes: dict[str, int]) -> None:
-    """Every parameter of the model that is not a routed expert's has a checkpoint tensor
+    """Every parameter of the model that is not a routed expert's, and every buffer the model
+    saves with its weights (DeepSeek-V3's routing correction bias), has a checkpoint tensor
     (tied ones count once), checked before any conversion: a checkpoint that lacks one fails
-    at once, naming it, not after its experts were converted (_load_dense checks again)."""
+    at once, naming it, not after its experts were converted (_load_dense checks the
+    parameters again), and a buffer is not left at its initial value unnoticed."""
     have = set(plan.dense) | set(plan.joined)
     plan.model.tie_weights()  # (on the meta skeleton: an output layer tied to the embedding
     # is then one parameter, as _load_dense counts it)
-    left = [n for n, _ in plan.model.named_parameters()
+    model = plan.model
+    saved = set(model.state_dict(keep_vars=True))  # parameters and persistent buffers
+    names = [n for n, _ in model.named_parameters()] + \
+        [n for n, _ in model.named_buffers() if n in saved]
+    left = [n for n in names
             if n not in have and not any(n.startswith(p) for p in expert_prefixes)]
     if left:
         raise CheckpointError(f"{plan.ckpt.folder}: the checkpoint lacks {len(left)} tensors "

@@ -245,6 +245,10 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                            / math.sqrt(r.weight.shape[1]) * 4)
             if getattr(r, "bias", None) is not None:
                 r.bias.copy_(torch.randn(r.bias.shape, generator=g) * 0.5)
+            corr = getpath(mlp, info.bias_attr) if info.bias_attr else None
+            if isinstance(corr, torch.Tensor):  # (DeepSeek-V3's correction bias: zero at
+                # initialisation, where a reader that lost it would go unnoticed)
+                corr.copy_(torch.randn(corr.shape, generator=g) * 0.1)
             ex = mlp.experts
             for name, p in ex.named_parameters():
                 if "bias" in name:
@@ -307,6 +311,10 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_expert_weights_scale(float(cfg.routed_scaling_factor))
         if cfg.norm_topk_prob:
             w.add_expert_weights_norm(True)
+        if cfg.model_type == "deepseek_v3":  # sigmoid routing in expert groups
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            w.add_expert_group_count(cfg.n_group)
+            w.add_expert_group_used_count(cfg.topk_group)
         w.add_q_lora_rank(cfg.q_lora_rank or 0)
         w.add_kv_lora_rank(cfg.kv_lora_rank)
         w.add_key_length(cfg.kv_lora_rank + rope)
@@ -376,9 +384,10 @@ def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None, expert_qtype: Any = None,
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or gpt_oss) as a GGUF
-    file the way llama.cpp's converter does (architecture names and metadata keys, stacked experts
-    ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows), its
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3 or
+    gpt_oss) as a GGUF file the way llama.cpp's converter does (architecture names and
+    metadata keys, stacked experts ``blk.N.ffn_{gate,up,down}_exps``, the ``llama``
+    architecture's permuted q/k rows), its
     2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the
     ``gguf`` package quantizes; routers, norms and biases stay F32, as llama-quantize keeps
     them).  ``tokenizer``: a byte-level BPE fast tokenizer written into the metadata as

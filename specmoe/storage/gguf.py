@@ -12,9 +12,10 @@ a safetensors folder.  Each layer's stacked experts (``blk.N.ffn_{gate,up}_exps`
 only expert ``e``'s bytes.
 
 What is converted: the llama.cpp architectures in :data:`ARCHITECTURES` (``llama`` with
-experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2`` with softmax
-routing, i.e. DeepSeek-V2 and V2-Lite, its ``attn_k_b``/``attn_v_b`` joined back into
-``kv_b_proj``; ``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up
+experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2``, its
+``attn_k_b``/``attn_v_b`` joined back into ``kv_b_proj``: with softmax routing DeepSeek-V2 and
+V2-Lite, with sigmoid routing and its correction bias ``exp_probs_b`` DeepSeek-V3 / R1, Kimi-K2
+and GLM-4.7-Flash, read as transformers' ``deepseek_v3``; ``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up
 interleaved, with their biases: :meth:`GgufCheckpoint._assemble`).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
 MXFP4).  The routed experts are kept as the file holds them where the kernels read the
@@ -57,15 +58,23 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
-    "deepseek2": "deepseek_v2",  # DeepSeek-V2 / V2-Lite (softmax routing); V3 is refused
+    "deepseek2": "deepseek_v2",  # DeepSeek-V2 / V2-Lite (softmax routing); with sigmoid
+    # routing (expert_gating_func 2) the same architecture is DeepSeek-V3 / R1, Kimi-K2 or
+    # GLM-4.7-Flash: transformers' deepseek_v3 (_DEEPSEEK2_SIGMOID)
     "gpt-oss": "gpt_oss",
 }
+# llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
+# read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
+# glm4_moe_lite has DeepSeek-V3's forward line for line, specmoe.models.arch.MLA_ATTENTION)
+_DEEPSEEK2_SIGMOID = "deepseek_v3"
 
 
 
 def gguf_arch(model_type: str) -> str:
     """The llama.cpp architecture of transformers ``model_type`` (the inverse of
     :data:`ARCHITECTURES`); KeyError for a type llama.cpp does not write as one of them."""
+    if model_type == _DEEPSEEK2_SIGMOID:
+        return "deepseek2"
     return {v: k for k, v in ARCHITECTURES.items()}[model_type]
 
 
@@ -106,6 +115,7 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
         "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
         "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
         "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # sigmoid routing's bias
     },
     # llama.cpp's GptOssModel: the post-attention norm under its own name, the attention sinks
     # as a ".weight", the router (with its bias) as ffn_gate_inp
@@ -234,14 +244,20 @@ class GgufCheckpoint:
             known = ", ".join(sorted(ARCHITECTURES))
             raise GgufError(f"{p}: architecture {arch!r} is not read by specmoe "
                             f"(GGUF architectures read: {known})")
-        if arch == "deepseek2" and int(meta.get(f"{arch}.expert_gating_func", 1) or 1) != 1:
-            raise GgufError(f"{p}: a deepseek2 file with sigmoid routing (DeepSeek-V3 and "
-                            "later) is not read yet; DeepSeek-V2 and V2-Lite are")
+        model_type = ARCHITECTURES[arch]
+        if arch == "deepseek2":
+            gating = int(meta.get(f"{arch}.expert_gating_func", 1) or 1)
+            if gating not in (1, 2):
+                raise GgufError(f"{p}: a deepseek2 file with expert_gating_func {gating} "
+                                "(1 softmax: DeepSeek-V2; 2 sigmoid: DeepSeek-V3, R1, "
+                                "Kimi-K2, GLM-4.7-Flash; others are not read)")
+            if gating == 2:
+                model_type = _DEEPSEEK2_SIGMOID
         if int(meta.get(f"{arch}.expert_count", 0) or 0) <= 0:
             raise GgufError(f"{p}: architecture {arch!r} without experts "
                             f"({arch}.expert_count missing or 0): not a mixture-of-experts "
                             "model")
-        ck = cls(p, arch, ARCHITECTURES[arch], meta, {}, {}, _reader=reader)
+        ck = cls(p, arch, model_type, meta, {}, {}, _reader=reader)
         ck._tensors = {t.name: t for t in reader.tensors}
         ck._map_names()
         return ck
@@ -530,7 +546,7 @@ class GgufCheckpoint:
                 cfg[dst] = int(v[0] if isinstance(v, list) else v)
         ff = self._m("feed_forward_length")
         eff = self._m("expert_feed_forward_length")
-        if self.model_type == "deepseek_v2":
+        if self.arch == "deepseek2":
             cfg.update(self._deepseek2(heads, E, ff, eff))
         elif self.model_type == "mixtral":
             cfg["num_local_experts"] = E
@@ -559,8 +575,12 @@ class GgufCheckpoint:
         return cfg
 
     def _deepseek2(self, heads: int, E: int, ff: Any, eff: Any) -> dict[str, Any]:
-        """DeepSeek-V2's MLA and routing settings.  The file says head_count_kv 1 (llama.cpp
-        runs MLA as MQA); transformers' model has as many k/v heads as q heads."""
+        """DeepSeek-V2's / V3's MLA and routing settings.  The file says head_count_kv 1
+        (llama.cpp runs MLA as MQA); transformers' model has as many k/v heads as q heads.
+        V3 (sigmoid routing): group-limited top-k over sigmoid scores plus each layer's
+        correction bias (``exp_probs_b``), the rotary embedding on interleaved pairs as
+        llama.cpp's deepseek2 applies it to the unpermuted weights (transformers'
+        ``rope_interleave``)."""
         rope = int(self._m("rope.dimension_count", need=True))
         kl = self._m("attention.key_length_mla") or self._m("attention.key_length", need=True)
         vl = self._m("attention.value_length_mla") or self._m("attention.value_length",
@@ -582,10 +602,13 @@ class GgufCheckpoint:
             "head_dim": rope,
             "routed_scaling_factor": float(self._m("expert_weights_scale", 1.0) or 1.0),
             "norm_topk_prob": bool(self._m("expert_weights_norm", False)),
-            "topk_method": "greedy" if groups <= 1 else "group_limited_greedy",
             "n_group": groups,
             "topk_group": int(self._m("expert_group_used_count", groups) or groups),
         }
+        if self.model_type == _DEEPSEEK2_SIGMOID:
+            out["rope_interleave"] = True
+        else:
+            out["topk_method"] = "greedy" if groups <= 1 else "group_limited_greedy"
         if self._m("rope.scaling.type") == "yarn":
             # DeepSeek-V2's YaRN: the file keeps factor, the original context and
             # 0.1 * mscale_all_dim (llama.cpp's log multiplier); mscale is taken equal to it

@@ -1,0 +1,100 @@
+"""GGUF files written by llama.cpp's own converter (``convert_hf_to_gguf.py``), read by specmoe:
+the independent check of the metadata and tensor-name mapping (specmoe.storage.gguf) that
+tests/test_gguf.py checks against specmoe's own writer.
+
+A tiny checkpoint of each architecture is saved as a transformers folder (with the keys the
+released configs carry that transformers' tiny config does not write: DeepSeek-V3's and
+GLM-4.7-Flash's ``scoring_func``, GLM-4.7-Flash's ``first_k_dense_replace``), converted to F32
+GGUF by the converter of the llama-cpp-python source distribution that
+``benchmarks/big_model.py --build-peers`` unpacks under ``$SPECMOE_PEERS`` (default
+``~/.cache/specmoe/peers``), and loaded with ``specmoe.from_pretrained``; its logits must equal
+transformers' on the folder.  Two things of the converter are set aside, neither of which
+touches the weights: the BPE pre-tokenizer check (it knows released tokenizers by hash, not
+the zoo's) and GLM's vocabulary setter (it looks for GLM's special tokens).  Skipped where the
+source distribution is not unpacked."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+import specmoe  # noqa: E402
+from specmoe import zoo  # noqa: E402
+from specmoe.models.testing import save_checkpoint, tiny_model  # noqa: E402
+
+
+def _converter() -> Path | None:
+    peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
+    found = sorted(peers.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    return found[-1] if found else None
+
+
+pytestmark = pytest.mark.skipif(_converter() is None,
+                                reason="llama.cpp's convert_hf_to_gguf.py is not unpacked under "
+                                       "$SPECMOE_PEERS (benchmarks/big_model.py --build-peers)")
+
+# run the converter with the two checks that do not concern the weights set aside
+_WRAPPER = """
+import runpy, sys
+src = sys.argv.pop(1)
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+for cls in vars(base).values():
+    if isinstance(cls, type) and hasattr(cls, "get_vocab_base_pre"):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "default"
+import conversion.glm as glm
+glm.Glm4MoeLiteModel.set_vocab = lambda self: self._set_vocab_gpt2()
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+# config.json keys the released checkpoints carry (transformers' configs do not keep them)
+_RELEASED = {
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+    "glm4_moe_lite": {"scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                      "first_k_dense_replace": 1},
+}
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("arch,as_type", [("deepseek_v3", "deepseek_v3"),
+                                          ("glm4_moe_lite", "deepseek_v3"),
+                                          ("deepseek_v2", "deepseek_v2"),
+                                          ("qwen3_moe", "qwen3_moe")])
+def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
+    folder = save_checkpoint(tiny_model(arch, vocab=tok.vocab_size), tmp_path / "ckpt",
+                             tokenizer=tok)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(_RELEASED.get(arch, {}))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / f"{arch}.gguf"
+    conv = _converter()
+    run = subprocess.run([sys.executable, "-c", _WRAPPER, str(conv.parent), str(folder),
+                          "--outtype", "f32", "--outfile", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                               experts_implementation="eager").eval()
+    model = specmoe.from_pretrained(out, cache=0.5, dtype="f32", progress=False,
+                                    torch_dtype=torch.float32)
+    try:
+        assert model.config.model_type == as_type
+        ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-5,
+                                       rtol=1e-5)
+    finally:
+        specmoe.engine_of(model).close()
