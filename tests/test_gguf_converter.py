@@ -51,6 +51,7 @@ for cls in vars(base).values():
         cls.get_vocab_base_pre = lambda self, tokenizer: "default"
 import conversion.glm as glm
 glm.Glm4MoeLiteModel.set_vocab = lambda self: self._set_vocab_gpt2()
+glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv[0] = src + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -59,7 +60,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 _RELEASED = {
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
     "glm4_moe_lite": {"scoring_func": "sigmoid", "topk_method": "noaux_tc",
-                      "first_k_dense_replace": 1},
+                      "first_k_dense_replace": 1, "num_nextn_predict_layers": 1},
+    # (GLM-4.5 / 4.7 and GLM-4.7-Flash carry one multi-token-prediction layer, which the
+    # converter appends as a block after the main ones: block_count says one more)
+    "glm4_moe": {"num_nextn_predict_layers": 1},
 }
 
 
@@ -70,6 +74,7 @@ def _cache_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch,as_type", [("deepseek_v3", "deepseek_v3"),
                                           ("glm4_moe_lite", "deepseek_v3"),
+                                          ("glm4_moe", "glm4_moe"),
                                           ("deepseek_v2", "deepseek_v2"),
                                           ("qwen3_moe", "qwen3_moe")])
 def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):
@@ -82,16 +87,22 @@ def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_pat
     (folder / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / f"{arch}.gguf"
     conv = _converter()
+    import gguf
     run = subprocess.run([sys.executable, "-c", _WRAPPER, str(conv.parent), str(folder),
                           "--outtype", "f32", "--outfile", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    meta = gguf.GGUFReader(str(out)).fields
+    arch_name = bytes(meta["general.architecture"].parts[-1]).decode()
+    nextn = _RELEASED.get(arch, {}).get("num_nextn_predict_layers", 0)
+    assert int(meta[f"{arch_name}.block_count"].parts[-1][0]) == 3 + nextn
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                experts_implementation="eager").eval()
     model = specmoe.from_pretrained(out, cache=0.5, dtype="f32", progress=False,
                                     torch_dtype=torch.float32)
     try:
         assert model.config.model_type == as_type
+        assert model.config.num_hidden_layers == 3  # (the MTP block left out)
         ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-5,

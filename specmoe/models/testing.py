@@ -80,7 +80,8 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
         "glm4_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
                          n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
                          first_k_dense_replace=1, n_group=2, topk_group=2, head_dim=hd,
-                         num_nextn_predict_layers=0),
+                         num_nextn_predict_layers=0, attention_bias=True),  # (GLM-4.5's q/k/v
+        # biases)
         "ernie4_5_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
                              moe_num_experts=experts, moe_k=top_k, moe_num_shared_experts=1,
                              moe_layer_start_index=1, moe_layer_end_index=L - 1,
@@ -322,6 +323,18 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_key_length_mla(nope + rope)
         w.add_value_length_mla(v)
         w.add_rope_dimension_count(rope)
+    elif cfg.model_type == "glm4_moe":  # the keys llama.cpp's Glm4MoeModel writes
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        w.add_expert_weights_scale(float(cfg.routed_scaling_factor))
+        w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+        w.add_rope_dimension_count(int(cfg.head_dim
+                                       * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
     elif cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -384,8 +397,8 @@ def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None, expert_qtype: Any = None,
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3 or
-    gpt_oss) as a GGUF file the way llama.cpp's converter does (architecture names and
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe
+    or gpt_oss) as a GGUF file the way llama.cpp's converter does (architecture names and
     metadata keys, stacked experts ``blk.N.ffn_{gate,up,down}_exps``, the ``llama``
     architecture's permuted q/k rows), its
     2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the

@@ -15,7 +15,8 @@ What is converted: the llama.cpp architectures in :data:`ARCHITECTURES` (``llama
 experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2``, its
 ``attn_k_b``/``attn_v_b`` joined back into ``kv_b_proj``: with softmax routing DeepSeek-V2 and
 V2-Lite, with sigmoid routing and its correction bias ``exp_probs_b`` DeepSeek-V3 / R1, Kimi-K2
-and GLM-4.7-Flash, read as transformers' ``deepseek_v3``; ``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up
+and GLM-4.7-Flash, read as transformers' ``deepseek_v3``; ``glm4moe`` (GLM-4.5 to 4.7;
+multi-token-prediction blocks after the main layers left out); ``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up
 interleaved, with their biases: :meth:`GgufCheckpoint._assemble`).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
 MXFP4).  The routed experts are kept as the file holds them where the kernels read the
@@ -62,6 +63,7 @@ ARCHITECTURES: dict[str, str] = {
     # routing (expert_gating_func 2) the same architecture is DeepSeek-V3 / R1, Kimi-K2 or
     # GLM-4.7-Flash: transformers' deepseek_v3 (_DEEPSEEK2_SIGMOID)
     "gpt-oss": "gpt_oss",
+    "glm4moe": "glm4_moe",  # GLM-4.5 / 4.5-Air / 4.6 / 4.7
 }
 # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
 # read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
@@ -116,6 +118,18 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
         "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
         "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # sigmoid routing's bias
+    },
+    # llama.cpp's Glm4MoeModel: the pre-MLP norm as post_attention_norm, DeepSeek-style dense
+    # leading layers, shared experts and sigmoid routing's correction bias
+    "glm4moe": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     },
     # llama.cpp's GptOssModel: the post-attention norm under its own name, the attention sinks
     # as a ".weight", the router (with its bias) as ffn_gate_inp
@@ -264,10 +278,18 @@ class GgufCheckpoint:
 
     # -- names -------------------------------------------------------------------------------
 
+    def _main_blocks(self) -> int:
+        """The decoder layers of the model: the file's blocks less its multi-token-prediction
+        blocks (``nextn_predict_layers``: GLM-4.5's and GLM-4.7-Flash's converters append
+        them after the main layers; specmoe does not read them)."""
+        n = int(self._m("block_count", need=True))
+        return n - int(self._m("nextn_predict_layers", 0) or 0)
+
     def _map_names(self) -> None:
         layers: dict[int, set[str]] = {}
         names = dict(_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(self.arch, {}))
         kv_b: dict[int, set[str]] = {}
+        main = self._main_blocks()
         for name, t in self._tensors.items():
             if name in _TOP_NAMES:
                 self._add(_TOP_NAMES[name], [name])
@@ -277,6 +299,8 @@ class GgufCheckpoint:
                 self._add(name, [name])  # unknown: reported as unused by the plan
                 continue
             i, rest = int(m.group(1)), m.group(2)
+            if i >= main:  # a multi-token-prediction block: not part of the model read
+                continue
             if rest in _EXPERT_NAMES or rest in (_GATE_UP_FUSED, _GATE_UP_BIAS_FUSED) \
                     or rest in _EXPERT_BIAS_NAMES:
                 layers.setdefault(i, set()).add(rest)
@@ -523,7 +547,7 @@ class GgufCheckpoint:
             "model_type": self.model_type,
             "vocab_size": int(vocab),
             "hidden_size": H,
-            "num_hidden_layers": int(self._m("block_count", need=True)),
+            "num_hidden_layers": self._main_blocks(),
             "num_attention_heads": heads,
             "num_key_value_heads": kv,
             "num_experts_per_tok": int(self._m("expert_used_count", need=True)),
@@ -557,6 +581,8 @@ class GgufCheckpoint:
             cfg["norm_topk_prob"] = bool(self._m("expert_weights_norm", False))
         elif self.model_type == "gpt_oss":
             cfg.update(self._gpt_oss(E, ff, eff, cfg["num_hidden_layers"]))
+        elif self.model_type == "glm4_moe":
+            cfg.update(self._glm4moe(E, ff, eff, cfg.get("head_dim")))
         else:  # qwen2_moe, qwen3_moe
             cfg["num_experts"] = E
             cfg["moe_intermediate_size"] = int(eff or ff)
@@ -620,6 +646,34 @@ class GgufCheckpoint:
                 "original_max_position_embeddings": int(self._m(
                     "rope.scaling.original_context_length", 4096)),
                 "mscale": ms, "mscale_all_dim": ms, "beta_fast": 32.0, "beta_slow": 1.0}
+        return out
+
+    def _glm4moe(self, E: int, ff: Any, eff: Any, head_dim: Any) -> dict[str, Any]:
+        """GLM-4.5's settings as llama.cpp's converter writes them: DeepSeek-V3's routing
+        (sigmoid scores, expert groups, correction bias, scaling, normalisation), dense
+        leading layers and shared experts; the rotary embedding on the first
+        ``rope.dimension_count`` of each head's dimensions (transformers'
+        ``partial_rotary_factor``); q/k/v biases and q/k norms where the file has them."""
+        rope = self._m("rope.dimension_count")
+        groups = int(self._m("expert_group_count", 1) or 1)
+        out: dict[str, Any] = {
+            "n_routed_experts": E,
+            "moe_intermediate_size": int(eff or ff),
+            "intermediate_size": int(ff or eff),
+            "n_shared_experts": int(self._m("expert_shared_count", 0) or 0),
+            "first_k_dense_replace": int(self._m("leading_dense_block_count", 0) or 0),
+            "n_group": groups,
+            "topk_group": int(self._m("expert_group_used_count", groups) or groups),
+            "routed_scaling_factor": float(self._m("expert_weights_scale", 1.0) or 1.0),
+            "norm_topk_prob": bool(self._m("expert_weights_norm", False)),
+            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
+            "num_nextn_predict_layers": 0,  # (the file's MTP blocks are not read: _map_names)
+        }
+        if rope is not None and head_dim:
+            out["rope_parameters"] = {
+                "rope_type": "default", "rope_theta": float(self._m("rope.freq_base", 10000.0)),
+                "partial_rotary_factor": int(rope) / int(head_dim)}
         return out
 
     def _gpt_oss(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
