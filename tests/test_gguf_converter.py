@@ -4,7 +4,8 @@ tests/test_gguf.py checks against specmoe's own writer.
 
 A tiny checkpoint of each architecture is saved as a transformers folder (with the keys the
 released configs carry that transformers' tiny config does not write: DeepSeek-V3's and
-GLM-4.7-Flash's ``scoring_func``, GLM-4.7-Flash's ``first_k_dense_replace``), converted to F32
+GLM-4.7-Flash's and MiniMax-M2's ``scoring_func``, GLM's ``first_k_dense_replace`` and
+``num_nextn_predict_layers``, MiniMax-M2's ``rotary_dim``), converted to F32
 GGUF by the converter of the llama-cpp-python source distribution that
 ``benchmarks/big_model.py --build-peers`` unpacks under ``$SPECMOE_PEERS`` (default
 ``~/.cache/specmoe/peers``), and loaded with ``specmoe.from_pretrained``; its logits must equal
@@ -64,6 +65,7 @@ _RELEASED = {
     # (GLM-4.5 / 4.7 and GLM-4.7-Flash carry one multi-token-prediction layer, which the
     # converter appends as a block after the main ones: block_count says one more)
     "glm4_moe": {"num_nextn_predict_layers": 1},
+    "minimax_m2": {"rotary_dim": 8, "scoring_func": "sigmoid"},  # (head_dim 16, half rotary)
 }
 
 
@@ -75,6 +77,7 @@ def _cache_dir(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch,as_type", [("deepseek_v3", "deepseek_v3"),
                                           ("glm4_moe_lite", "deepseek_v3"),
                                           ("glm4_moe", "glm4_moe"),
+                                          ("minimax_m2", "minimax_m2"),
                                           ("deepseek_v2", "deepseek_v2"),
                                           ("qwen3_moe", "qwen3_moe")])
 def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):

@@ -135,7 +135,8 @@ _BLOCK_ATTRS = ("mlp", "block_sparse_moe", "feed_forward", "moe")
 _ROUTER_ATTRS = ("gate", "router", "gate.wg", "router.gate")
 # where correction biases (added to the scores to choose experts) live
 _BIAS_ATTRS = ("gate.e_score_correction_bias", "router.e_score_correction_bias",
-               "expert_bias", "gate.moe_statics.e_score_correction_bias")
+               "expert_bias", "gate.moe_statics.e_score_correction_bias",
+               "e_score_correction_bias")  # (the last: MiniMax-M2's and EXAONE's, on the block)
 _SOFTMAX_BIASED = ("ernie4_5_moe",)  # correction bias on softmax scores, not sigmoid
 
 

@@ -200,7 +200,9 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
                               mlp_layer_types=dense_first,
                               layer_types=alt("full_attention", "sliding_attention")),
         "minimax_m2": dict(intermediate_size=inter, num_local_experts=experts,
-                           num_experts_per_tok=top_k, head_dim=hd),
+                           num_experts_per_tok=top_k, head_dim=hd,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                            "partial_rotary_factor": 0.5}),  # (as released)
         "sarvam_mla": dict(**mla, intermediate_size=2 * inter, moe_intermediate_size=inter,
                            num_experts=experts, num_experts_per_tok=top_k, n_group=1,
                            topk_group=1, num_shared_experts=1, first_k_dense_replace=1,
@@ -335,6 +337,12 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
         w.add_rope_dimension_count(int(cfg.head_dim
                                        * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+    elif cfg.model_type == "minimax_m2":  # the keys llama.cpp's MiniMaxM2Model writes
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_rope_dimension_count(int(cfg.head_dim
+                                       * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
     elif cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -397,8 +405,8 @@ def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None, expert_qtype: Any = None,
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe
-    or gpt_oss) as a GGUF file the way llama.cpp's converter does (architecture names and
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe,
+    minimax_m2 or gpt_oss) as a GGUF file the way llama.cpp's converter does (architecture names and
     metadata keys, stacked experts ``blk.N.ffn_{gate,up,down}_exps``, the ``llama``
     architecture's permuted q/k rows), its
     2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the

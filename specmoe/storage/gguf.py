@@ -16,7 +16,7 @@ experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2``, its
 ``attn_k_b``/``attn_v_b`` joined back into ``kv_b_proj``: with softmax routing DeepSeek-V2 and
 V2-Lite, with sigmoid routing and its correction bias ``exp_probs_b`` DeepSeek-V3 / R1, Kimi-K2
 and GLM-4.7-Flash, read as transformers' ``deepseek_v3``; ``glm4moe`` (GLM-4.5 to 4.7;
-multi-token-prediction blocks after the main layers left out); ``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up
+multi-token-prediction blocks after the main layers left out); ``minimax-m2``; ``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up
 interleaved, with their biases: :meth:`GgufCheckpoint._assemble`).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
 MXFP4).  The routed experts are kept as the file holds them where the kernels read the
@@ -64,6 +64,7 @@ ARCHITECTURES: dict[str, str] = {
     # GLM-4.7-Flash: transformers' deepseek_v3 (_DEEPSEEK2_SIGMOID)
     "gpt-oss": "gpt_oss",
     "glm4moe": "glm4_moe",  # GLM-4.5 / 4.5-Air / 4.6 / 4.7
+    "minimax-m2": "minimax_m2",  # MiniMax-M2 / M2.1
 }
 # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
 # read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
@@ -130,6 +131,10 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
         "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
         "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
+    # llama.cpp's MiniMaxM2Model: the correction bias on the MoE block itself
+    "minimax-m2": {
+        "exp_probs_b.bias": "mlp.e_score_correction_bias",
     },
     # llama.cpp's GptOssModel: the post-attention norm under its own name, the attention sinks
     # as a ".weight", the router (with its bias) as ffn_gate_inp
@@ -583,6 +588,13 @@ class GgufCheckpoint:
             cfg.update(self._gpt_oss(E, ff, eff, cfg["num_hidden_layers"]))
         elif self.model_type == "glm4_moe":
             cfg.update(self._glm4moe(E, ff, eff, cfg.get("head_dim")))
+        elif self.model_type == "minimax_m2":
+            # sigmoid routing with the block's correction bias (fixed in transformers'
+            # model, no keys); the rotary embedding on the first rope.dimension_count of each
+            # head's dimensions, as in GLM-4.5
+            cfg["num_local_experts"] = E
+            cfg["intermediate_size"] = int(eff or ff)
+            cfg["rope_parameters"] = self._partial_rope(cfg.get("head_dim"))
         else:  # qwen2_moe, qwen3_moe
             cfg["num_experts"] = E
             cfg["moe_intermediate_size"] = int(eff or ff)
@@ -654,7 +666,6 @@ class GgufCheckpoint:
         leading layers and shared experts; the rotary embedding on the first
         ``rope.dimension_count`` of each head's dimensions (transformers'
         ``partial_rotary_factor``); q/k/v biases and q/k norms where the file has them."""
-        rope = self._m("rope.dimension_count")
         groups = int(self._m("expert_group_count", 1) or 1)
         out: dict[str, Any] = {
             "n_routed_experts": E,
@@ -670,10 +681,17 @@ class GgufCheckpoint:
             "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
             "num_nextn_predict_layers": 0,  # (the file's MTP blocks are not read: _map_names)
         }
-        if rope is not None and head_dim:
-            out["rope_parameters"] = {
-                "rope_type": "default", "rope_theta": float(self._m("rope.freq_base", 10000.0)),
-                "partial_rotary_factor": int(rope) / int(head_dim)}
+        out["rope_parameters"] = self._partial_rope(head_dim)
+        return out
+
+    def _partial_rope(self, head_dim: Any) -> dict[str, Any]:
+        """The default rotary parameters, on the first ``rope.dimension_count`` dimensions of
+        each head where that is fewer than ``head_dim`` (``partial_rotary_factor``)."""
+        out: dict[str, Any] = {"rope_type": "default",
+                               "rope_theta": float(self._m("rope.freq_base", 10000.0))}
+        rope = self._m("rope.dimension_count")
+        if rope is not None and head_dim and int(rope) != int(head_dim):
+            out["partial_rotary_factor"] = int(rope) / int(head_dim)
         return out
 
     def _gpt_oss(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
