@@ -248,7 +248,7 @@ def _check_dtypes(plan: _Plan, meta_sd: dict[str, torch.Tensor]) -> None:
             if ckpt.dtypes.get(key) in INT_DTYPES:
                 who = (f"expert {e}'s {name}" if e is not None else f"the fused {name}")
                 raise refuse(key, f"{who} (decoder layer {plan.layer_ids[pos]})")
-    dense = [(t, k) for t, k in plan.dense.items()] + \
+    dense = list(plan.dense.items()) + \
         [(t, k) for t, (keys, _) in plan.joined.items() for k in keys]
     for target, key in dense:
         want = meta_sd.get(target)

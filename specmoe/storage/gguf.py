@@ -16,7 +16,8 @@ experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2``, its
 ``attn_k_b``/``attn_v_b`` joined back into ``kv_b_proj``: with softmax routing DeepSeek-V2 and
 V2-Lite, with sigmoid routing and its correction bias ``exp_probs_b`` DeepSeek-V3 / R1, Kimi-K2
 and GLM-4.7-Flash, read as transformers' ``deepseek_v3``; ``glm4moe`` (GLM-4.5 to 4.7;
-multi-token-prediction blocks after the main layers left out); ``minimax-m2``; ``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up
+multi-token-prediction blocks after the main layers left out); ``minimax-m2``; ``gpt-oss``,
+its experts presented in transformers' GPT-OSS layout, gate and up
 interleaved, with their biases: :meth:`GgufCheckpoint._assemble`).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
 MXFP4).  The routed experts are kept as the file holds them where the kernels read the
@@ -685,12 +686,13 @@ class GgufCheckpoint:
         return out
 
     def _partial_rope(self, head_dim: Any) -> dict[str, Any]:
-        """The default rotary parameters, on the first ``rope.dimension_count`` dimensions of
-        each head where that is fewer than ``head_dim`` (``partial_rotary_factor``)."""
+        """The default rotary parameters on the first ``rope.dimension_count`` dimensions of
+        each head (``partial_rotary_factor``, 1.0 for all of them: always said, as GLM-4.5's
+        config class defaults to half)."""
         out: dict[str, Any] = {"rope_type": "default",
                                "rope_theta": float(self._m("rope.freq_base", 10000.0))}
         rope = self._m("rope.dimension_count")
-        if rope is not None and head_dim and int(rope) != int(head_dim):
+        if rope is not None and head_dim:
             out["partial_rotary_factor"] = int(rope) / int(head_dim)
         return out
 
