@@ -42,7 +42,8 @@ def _reference(arch, held):
     ("mixtral", "F32"), ("qwen2_moe", "F32"), ("qwen3_moe", "Q4_0"), ("olmoe", "Q8_0"),
     ("deepseek_v2", "F32"), ("deepseek_v2", "Q4_0"), ("deepseek_v3", "F32"),
     ("deepseek_v3", "Q4_0"), ("glm4_moe", "F32"), ("glm4_moe", "Q8_0"), ("minimax_m2", "F32"),
-    ("minimax_m2", "Q8_0"), ("gpt_oss", "F32"), ("gpt_oss", "Q8_0")])
+    ("minimax_m2", "Q8_0"), ("dots1", "F32"), ("dots1", "Q4_0"), ("gpt_oss", "F32"),
+    ("gpt_oss", "Q8_0")])
 def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
     want = _greedy(_reference(arch, held))

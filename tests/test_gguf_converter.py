@@ -3,9 +3,10 @@ the independent check of the metadata and tensor-name mapping (specmoe.storage.g
 tests/test_gguf.py checks against specmoe's own writer.
 
 A tiny checkpoint of each architecture is saved as a transformers folder (with the keys the
-released configs carry that transformers' tiny config does not write: DeepSeek-V3's and
-GLM-4.7-Flash's and MiniMax-M2's ``scoring_func``, GLM's ``first_k_dense_replace`` and
-``num_nextn_predict_layers``, MiniMax-M2's ``rotary_dim``), converted to F32
+released configs carry that transformers' tiny config does not write: DeepSeek-V3's,
+GLM-4.7-Flash's, MiniMax-M2's and dots.llm1's ``scoring_func``, GLM's
+``first_k_dense_replace`` and ``num_nextn_predict_layers``, MiniMax-M2's ``rotary_dim``),
+converted to F32
 GGUF by the converter of the llama-cpp-python source distribution that
 ``benchmarks/big_model.py --build-peers`` unpacks under ``$SPECMOE_PEERS`` (default
 ``~/.cache/specmoe/peers``), and loaded with ``specmoe.from_pretrained``; its logits must equal
@@ -66,6 +67,7 @@ _RELEASED = {
     # converter appends as a block after the main ones: block_count says one more)
     "glm4_moe": {"num_nextn_predict_layers": 1},
     "minimax_m2": {"rotary_dim": 8, "scoring_func": "sigmoid"},  # (head_dim 16, half rotary)
+    "dots1": {"scoring_func": "sigmoid"},
 }
 
 
@@ -78,6 +80,7 @@ def _cache_dir(tmp_path, monkeypatch):
                                           ("glm4_moe_lite", "deepseek_v3"),
                                           ("glm4_moe", "glm4_moe"),
                                           ("minimax_m2", "minimax_m2"),
+                                          ("dots1", "dots1"),
                                           ("deepseek_v2", "deepseek_v2"),
                                           ("qwen3_moe", "qwen3_moe")])
 def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):

@@ -78,13 +78,14 @@ def _llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("arch,expert_qtype", [
     ("gpt_oss", None), ("gpt_oss", "MXFP4"), ("qwen3_moe", "Q4_0"), ("olmoe", "Q8_0"),
     ("mixtral", None), ("qwen2_moe", "Q8_0"), ("deepseek_v2", None), ("deepseek_v3", None),
-    ("glm4_moe", None), ("minimax_m2", None)])
+    ("glm4_moe", None), ("minimax_m2", None), ("dots1", None)])
 def test_same_greedy_tokens_as_llama_cpp_on_the_same_file(tmp_path, arch, expert_qtype):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
     # OLMoE without grouped k/v heads, as the real model (llama.cpp sizes its k norm by the
     # hidden size)
-    over = {"num_key_value_heads": 4} if arch == "olmoe" else None
+    over = {"num_key_value_heads": 4} if arch in ("olmoe", "dots1") else None  # (dots.llm1
+    # is MHA too: llama.cpp sizes its k/v by the query heads)
     if arch in ("deepseek_v3", "glm4_moe"):  # llama.cpp asserts fewer groups used than
         # there are (DeepSeek-V3: 4 of 8); the tiny config's 2 of 2 would be a plain top-k
         over = {"n_group": 4, "topk_group": 2}

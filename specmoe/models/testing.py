@@ -325,18 +325,20 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_key_length_mla(nope + rope)
         w.add_value_length_mla(v)
         w.add_rope_dimension_count(rope)
-    elif cfg.model_type == "glm4_moe":  # the keys llama.cpp's Glm4MoeModel writes
+    elif cfg.model_type in ("glm4_moe", "dots1"):  # llama.cpp's Glm4MoeModel / Dots1Model
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_shared_count(cfg.n_shared_experts)
         w.add_leading_dense_block_count(cfg.first_k_dense_replace)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
         w.add_expert_weights_scale(float(cfg.routed_scaling_factor))
         w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
-        w.add_rope_dimension_count(int(cfg.head_dim
-                                       * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # (dots.llm1's config
+        # says scoring_func "sigmoid"; llama.cpp's dots1 needs the key)
+        if cfg.model_type == "glm4_moe":
+            w.add_rope_dimension_count(int(
+                cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
     elif cfg.model_type == "minimax_m2":  # the keys llama.cpp's MiniMaxM2Model writes
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_feed_forward_length(cfg.intermediate_size)
@@ -406,7 +408,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None, expert_qtype: Any = None,
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe,
-    minimax_m2 or gpt_oss) as a GGUF file the way llama.cpp's converter does (architecture names and
+    minimax_m2, dots1 or gpt_oss) as a GGUF file the way llama.cpp's converter does (architecture names and
     metadata keys, stacked experts ``blk.N.ffn_{gate,up,down}_exps``, the ``llama``
     architecture's permuted q/k rows), its
     2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the

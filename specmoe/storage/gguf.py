@@ -16,9 +16,9 @@ experts, i.e. Mixtral; ``qwen2moe``; ``qwen3moe``; ``olmoe``; ``deepseek2``, its
 ``attn_k_b``/``attn_v_b`` joined back into ``kv_b_proj``: with softmax routing DeepSeek-V2 and
 V2-Lite, with sigmoid routing and its correction bias ``exp_probs_b`` DeepSeek-V3 / R1, Kimi-K2
 and GLM-4.7-Flash, read as transformers' ``deepseek_v3``; ``glm4moe`` (GLM-4.5 to 4.7;
-multi-token-prediction blocks after the main layers left out); ``minimax-m2``; ``gpt-oss``,
-its experts presented in transformers' GPT-OSS layout, gate and up
-interleaved, with their biases: :meth:`GgufCheckpoint._assemble`).  Tensor types: whatever the
+multi-token-prediction blocks after the main layers left out); ``minimax-m2``; ``dots1``;
+``gpt-oss``, its experts presented in transformers' GPT-OSS layout, gate and up interleaved,
+with their biases: :meth:`GgufCheckpoint._assemble`).  Tensor types: whatever the
 ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types,
 MXFP4).  The routed experts are kept as the file holds them where the kernels read the
 format: Q8_0 / Q4_K / Q5_K / Q6_K / Q4_0 / IQ4_XS / Q4_1 / Q2_K / Q3_K / MXFP4 (with Q5_0
@@ -66,6 +66,7 @@ ARCHITECTURES: dict[str, str] = {
     "gpt-oss": "gpt_oss",
     "glm4moe": "glm4_moe",  # GLM-4.5 / 4.5-Air / 4.6 / 4.7
     "minimax-m2": "minimax_m2",  # MiniMax-M2 / M2.1
+    "dots1": "dots1",  # dots.llm1
 }
 # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
 # read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
@@ -104,35 +105,31 @@ _LAYER_NAMES: dict[str, str] = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# DeepSeek's MoE block, as several architectures keep it: dense leading layers, shared experts
+# (under "shared_experts"), sigmoid routing's correction bias on the router
+_DEEPSEEK_MLP: dict[str, str] = {
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
 # per architecture, where it differs from _LAYER_NAMES
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "deepseek2": {
+        **_DEEPSEEK_MLP,
         "attn_q_a.weight": "self_attn.q_a_proj.weight",
         "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
         "attn_q_b.weight": "self_attn.q_b_proj.weight",
         "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
         "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
         "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # files from before the split
-        "ffn_gate.weight": "mlp.gate_proj.weight",  # the leading dense layers
-        "ffn_up.weight": "mlp.up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
-        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
-        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # sigmoid routing's bias
     },
-    # llama.cpp's Glm4MoeModel: the pre-MLP norm as post_attention_norm, DeepSeek-style dense
-    # leading layers, shared experts and sigmoid routing's correction bias
-    "glm4moe": {
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "ffn_gate.weight": "mlp.gate_proj.weight",
-        "ffn_up.weight": "mlp.up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
-        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
-        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-    },
+    # llama.cpp's Glm4MoeModel: the pre-MLP norm as post_attention_norm
+    "glm4moe": {**_DEEPSEEK_MLP, "post_attention_norm.weight": "post_attention_layernorm.weight"},
+    "dots1": _DEEPSEEK_MLP,
     # llama.cpp's MiniMaxM2Model: the correction bias on the MoE block itself
     "minimax-m2": {
         "exp_probs_b.bias": "mlp.e_score_correction_bias",
@@ -589,6 +586,10 @@ class GgufCheckpoint:
             cfg.update(self._gpt_oss(E, ff, eff, cfg["num_hidden_layers"]))
         elif self.model_type == "glm4_moe":
             cfg.update(self._glm4moe(E, ff, eff, cfg.get("head_dim")))
+        elif self.model_type == "dots1":  # DeepSeek-V3's MoE block, q/k norms, every layer
+            # full attention (dots.llm1's max_window_layers spans them all)
+            cfg.update(self._deepseek_moe(E, ff, eff))
+            cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
         elif self.model_type == "minimax_m2":
             # sigmoid routing with the block's correction bias (fixed in transformers'
             # model, no keys); the rotary embedding on the first rope.dimension_count of each
@@ -661,14 +662,12 @@ class GgufCheckpoint:
                 "mscale": ms, "mscale_all_dim": ms, "beta_fast": 32.0, "beta_slow": 1.0}
         return out
 
-    def _glm4moe(self, E: int, ff: Any, eff: Any, head_dim: Any) -> dict[str, Any]:
-        """GLM-4.5's settings as llama.cpp's converter writes them: DeepSeek-V3's routing
-        (sigmoid scores, expert groups, correction bias, scaling, normalisation), dense
-        leading layers and shared experts; the rotary embedding on the first
-        ``rope.dimension_count`` of each head's dimensions (transformers'
-        ``partial_rotary_factor``); q/k/v biases and q/k norms where the file has them."""
+    def _deepseek_moe(self, E: int, ff: Any, eff: Any) -> dict[str, Any]:
+        """DeepSeek-V3's MoE block as llama.cpp's converters write it for the architectures
+        that keep it (GLM-4.5, dots.llm1): sigmoid scores in expert groups plus the router's
+        correction bias, scaling and normalisation, dense leading layers, shared experts."""
         groups = int(self._m("expert_group_count", 1) or 1)
-        out: dict[str, Any] = {
+        return {
             "n_routed_experts": E,
             "moe_intermediate_size": int(eff or ff),
             "intermediate_size": int(ff or eff),
@@ -678,12 +677,17 @@ class GgufCheckpoint:
             "topk_group": int(self._m("expert_group_used_count", groups) or groups),
             "routed_scaling_factor": float(self._m("expert_weights_scale", 1.0) or 1.0),
             "norm_topk_prob": bool(self._m("expert_weights_norm", False)),
-            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
-            "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
-            "num_nextn_predict_layers": 0,  # (the file's MTP blocks are not read: _map_names)
         }
-        out["rope_parameters"] = self._partial_rope(head_dim)
-        return out
+
+    def _glm4moe(self, E: int, ff: Any, eff: Any, head_dim: Any) -> dict[str, Any]:
+        """GLM-4.5's settings: DeepSeek-V3's MoE block (_deepseek_moe); the rotary embedding
+        on the first ``rope.dimension_count`` of each head's dimensions (transformers'
+        ``partial_rotary_factor``); q/k/v biases and q/k norms where the file has them."""
+        return {**self._deepseek_moe(E, ff, eff),
+                "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+                "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
+                "num_nextn_predict_layers": 0,  # (its MTP blocks are not read: _map_names)
+                "rope_parameters": self._partial_rope(head_dim)}
 
     def _partial_rope(self, head_dim: Any) -> dict[str, Any]:
         """The default rotary parameters on the first ``rope.dimension_count`` dimensions of
