@@ -144,11 +144,12 @@ def _plan(ckpt: Checkpoint, model: nn.Module) -> _Plan:
         _check_experts(plan, pos, got)
     _check_joined(plan, pieces)
     _check_dtypes(plan, meta_sd)
-    _check_complete(plan, prefix_pos)
+    _check_complete(plan, prefix_pos, meta_sd)
     return plan
 
 
-def _check_complete(plan: _Plan, expert_prefixes: dict[str, int]) -> None:
+def _check_complete(plan: _Plan, expert_prefixes: dict[str, int],
+                    meta_sd: dict[str, torch.Tensor]) -> None:
     """Every parameter of the model that is not a routed expert's, and every buffer the model
     saves with its weights (DeepSeek-V3's routing correction bias), has a checkpoint tensor
     (tied ones count once), checked before any conversion: a checkpoint that lacks one fails
@@ -158,7 +159,7 @@ def _check_complete(plan: _Plan, expert_prefixes: dict[str, int]) -> None:
     plan.model.tie_weights()  # (on the meta skeleton: an output layer tied to the embedding
     # is then one parameter, as _load_dense counts it)
     model = plan.model
-    saved = set(model.state_dict(keep_vars=True))  # parameters and persistent buffers
+    saved = set(meta_sd)  # parameters and persistent buffers
     names = [n for n, _ in model.named_parameters()] + \
         [n for n, _ in model.named_buffers() if n in saved]
     left = [n for n in names
