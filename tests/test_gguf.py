@@ -43,7 +43,8 @@ def _reference(arch, held):
     ("deepseek_v2", "F32"), ("deepseek_v2", "Q4_0"), ("deepseek_v3", "F32"),
     ("deepseek_v3", "Q4_0"), ("glm4_moe", "F32"), ("glm4_moe", "Q8_0"), ("minimax_m2", "F32"),
     ("minimax_m2", "Q8_0"), ("dots1", "F32"), ("dots1", "Q4_0"), ("gpt_oss", "F32"),
-    ("gpt_oss", "Q8_0")])
+    ("gpt_oss", "Q8_0"), ("qwen3_next", "F32"), ("qwen3_next", "Q8_0"),
+    ("qwen3_5_moe_text", "F32"), ("qwen3_5_moe_text", "Q4_0")])
 def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
     want = _greedy(_reference(arch, held))
@@ -64,7 +65,10 @@ def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "num_experts_per_tok", "kv_lora_rank", "v_head_dim",
               "qk_nope_head_dim", "qk_rope_head_dim", "n_shared_experts",
-              "first_k_dense_replace", "moe_intermediate_size"):
+              "first_k_dense_replace", "moe_intermediate_size", "layer_types",
+              "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel_dim",
+              "shared_expert_intermediate_size"):
         mla = arch.startswith("deepseek")
         if k == "num_key_value_heads" and mla:
             continue  # MLA: the file says 1 (llama.cpp's MQA form), transformers ignores it
@@ -188,6 +192,18 @@ def test_bad_files_raise_naming_the_file(tmp_path):
         with pytest.raises(GgufError, match=what):
             specmoe.convert(p, progress=False)
     assert not list(tmp_path.glob("cache/*.smoe"))  # nothing was written for any of them
+
+
+def test_linear_attention_decay_that_cannot_be_undone_is_refused_by_name(tmp_path):
+    """Qwen3-Next's file holds A = -exp(A_log): a value >= 0 (or NaN) has no A_log; it is
+    refused naming the file and tensor, not loaded as NaN."""
+    import gguf
+    path, _ = save_gguf(tiny_model("qwen3_next"), tmp_path / "bad.gguf")
+    r = gguf.GGUFReader(str(path), "r+")
+    next(t for t in r.tensors if t.name == "blk.0.ssm_a").data[1] = 0.5
+    del r
+    with pytest.raises(GgufError, match="bad.gguf: model.layers.0.linear_attn.A_log is stored"):
+        specmoe.from_pretrained(path, cache=0.5, dtype="f32", progress=False)
 
 
 @pytest.mark.parametrize("arch,qtype", [("mixtral", "Q8_0"), ("gpt_oss", "MXFP4")])

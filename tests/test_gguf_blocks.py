@@ -509,6 +509,8 @@ def test_serve_a_q4_k_m_file(_cache_dir, tmp_path):
     ("deepseek_v2", "Q8_0", {"q8_0"}, None),  # MLA; kv_b_proj joined from two tensors
     ("deepseek_v3", "Q4_0", {"q4_0"}, None),  # sigmoid-routed deepseek2 (DeepSeek-V3)
     ("glm4_moe", "Q8_0", {"q8_0"}, None),     # q/k/v biases beside the blocks
+    ("qwen3_5_moe_text", "Q8_0", {"q8_0"}, None),  # linear attention: its projections
+    # stored reordered are read through the dequantizing path
     ("olmoe", "Q5_0", {"q8_0"}, 256)])        # Q5_0 widened to Q8_0 without loss
 def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, monkeypatch, arch, qtype,
                                               kinds, hidden):

@@ -6,7 +6,9 @@ A tiny checkpoint of each architecture is saved as a transformers folder (with t
 released configs carry that transformers' tiny config does not write: DeepSeek-V3's,
 GLM-4.7-Flash's, MiniMax-M2's and dots.llm1's ``scoring_func``, GLM's
 ``first_k_dense_replace`` and ``num_nextn_predict_layers``, MiniMax-M2's ``rotary_dim``),
-converted to F32
+converted to F32 (Qwen3-Next's and Qwen3.5's files: their norms stored as 1 + w, A_log as
+-exp(A_log), the linear attention's projections split and their value heads reordered, all
+of which the reader undoes)
 GGUF by the converter of the llama-cpp-python source distribution that
 ``benchmarks/big_model.py --build-peers`` unpacks under ``$SPECMOE_PEERS`` (default
 ``~/.cache/specmoe/peers``), and loaded with ``specmoe.from_pretrained``; its logits must equal
@@ -69,6 +71,22 @@ _RELEASED = {
     "minimax_m2": {"rotary_dim": 8, "scoring_func": "sigmoid"},  # (head_dim 16, half rotary)
     "dots1": {"scoring_func": "sigmoid"},
 }
+# multi-token-prediction blocks of the released checkpoints, as mtp.* tensors (Qwen3-Next,
+# Qwen3.5: one full-attention decoder layer, here a copy of layer 1, with its projection and
+# norms; Qwen3.5's config says how many, Qwen3-Next's converter counts them)
+_MTP = {"qwen3_next": {}, "qwen3_5_moe_text": {"mtp_num_hidden_layers": 1}}
+
+
+def _add_mtp_block(folder: Path, hidden: int) -> None:
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(0)
+    mtp = {"mtp.layers.0." + k[len("model.layers.1."):]: v.clone()
+           for k, v in load_file(folder / "model.safetensors").items()
+           if k.startswith("model.layers.1.")}
+    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.02
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{n}.weight"] = torch.randn(hidden, generator=g) * 0.1
+    save_file(mtp, str(folder / "model-mtp.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.fixture(autouse=True)
@@ -82,15 +100,19 @@ def _cache_dir(tmp_path, monkeypatch):
                                           ("minimax_m2", "minimax_m2"),
                                           ("dots1", "dots1"),
                                           ("deepseek_v2", "deepseek_v2"),
-                                          ("qwen3_moe", "qwen3_moe")])
+                                          ("qwen3_moe", "qwen3_moe"),
+                                          ("qwen3_next", "qwen3_next"),
+                                          ("qwen3_5_moe_text", "qwen3_5_moe_text")])
 def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
     folder = save_checkpoint(tiny_model(arch, vocab=tok.vocab_size), tmp_path / "ckpt",
                              tokenizer=tok)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(_RELEASED.get(arch, {}))
+    cfg.update(_RELEASED.get(arch, {}), **_MTP.get(arch, {}))
     (folder / "config.json").write_text(json.dumps(cfg))
+    if arch in _MTP:
+        _add_mtp_block(folder, cfg["hidden_size"])
     out = tmp_path / f"{arch}.gguf"
     conv = _converter()
     import gguf
@@ -98,9 +120,12 @@ def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_pat
                           "--outtype", "f32", "--outfile", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    meta = gguf.GGUFReader(str(out)).fields
+    reader = gguf.GGUFReader(str(out))
+    meta = reader.fields
+    if arch in _MTP:  # the MTP block is in the file (and left out by the reader)
+        assert any(t.name.startswith("blk.3.nextn.") for t in reader.tensors)
     arch_name = bytes(meta["general.architecture"].parts[-1]).decode()
-    nextn = _RELEASED.get(arch, {}).get("num_nextn_predict_layers", 0)
+    nextn = _RELEASED.get(arch, {}).get("num_nextn_predict_layers", int(arch in _MTP))
     assert int(meta[f"{arch_name}.block_count"].parts[-1][0]) == 3 + nextn
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                experts_implementation="eager").eval()

@@ -105,7 +105,13 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
                                  num_experts_per_tok=top_k, head_dim=hd, linear_key_head_dim=16,
                                  linear_value_head_dim=16, linear_num_key_heads=2,
                                  linear_num_value_heads=4,
-                                 layer_types=alt("linear_attention", "full_attention")),
+                                 layer_types=alt("linear_attention", "full_attention"),
+                                 # (multimodal rope sections that fit the 2 rotary pairs of a
+                                 # head: llama.cpp asserts they do; Qwen3.5's are 11, 11, 10)
+                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                      partial_rotary_factor=0.25,
+                                                      mrope_section=[1, 1, 0],
+                                                      mrope_interleaved=True)),
         "minimax": dict(intermediate_size=inter, num_local_experts=experts,
                         num_experts_per_tok=top_k, head_dim=hd, block_size=16,
                         layer_types=alt("linear_attention", "full_attention")),
@@ -345,6 +351,25 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_rope_dimension_count(int(cfg.head_dim
                                        * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+    elif cfg.model_type in ("qwen3_next", "qwen3_5_moe_text"):  # llama.cpp's Qwen3NextModel
+        if cfg.model_type == "qwen3_next":
+            w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        nv = cfg.linear_num_value_heads
+        w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        w.add_ssm_state_size(cfg.linear_key_head_dim)
+        w.add_ssm_group_count(cfg.linear_num_key_heads)
+        w.add_ssm_time_step_rank(nv)
+        w.add_ssm_inner_size(cfg.linear_value_head_dim * nv)
+        w.add_array(f"{arch}.attention.recurrent_layers",
+                    [t == "linear_attention" for t in cfg.layer_types])
+        w.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
+        w.add_rope_dimension_count(int(cfg.head_dim
+                                       * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+        if cfg.model_type == "qwen3_5_moe_text":  # (the converter's default sections)
+            w.add_rope_dimension_sections(
+                list(cfg.rope_parameters.get("mrope_section", [11, 11, 10])) + [0])
     elif cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -372,6 +397,71 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
                     (cfg.pad_token_id, w.add_pad_token_id)):
         if isinstance(tid, int):
             fn(tid)
+
+
+# the RMSNorms of Qwen3-Next and Qwen3.5 that scale by (1 + w): llama.cpp's converter writes
+# w + 1 (the gated DeltaNet's own norm, which scales by w, is written as it is)
+_PLUS_ONE_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                   "self_attn.q_norm.weight", "self_attn.k_norm.weight", "model.norm.weight")
+
+
+def _tile_perm(nk: int, r: int, d: int) -> Any:
+    """The order llama.cpp's Qwen3.5 converter writes ``nk * r`` value heads of ``d`` entries
+    in: entry j of the file is entry ``perm[j]`` of transformers' (grouped by key head ->
+    tiled: head 0 of every group, then head 1, ...)."""
+    import numpy as np
+    return np.arange(nk * r * d).reshape(nk, r, d).transpose(1, 0, 2).reshape(-1)
+
+
+def _gated_delta_gguf(put: Any, blk: str, part: str, a: Any, cfg: Any, arch: str) -> Any:
+    """Write transformers tensor ``linear_attn.<part>`` of a Qwen3-Next / Qwen3.5 layer as
+    llama.cpp's converter does (``put(gguf_name, array) -> what the file holds, dequantized``)
+    and return what the file holds in transformers' form."""
+    import numpy as np
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    tiled = arch == "qwen35moe" and nk != nv  # (the converter reorders only there)
+    pv = _tile_perm(nk, r, dv) if tiled else np.arange(nv * dv)
+    p1 = _tile_perm(nk, r, 1) if tiled else np.arange(nv)
+    qkv = np.concatenate([np.arange(2 * nk * dk), 2 * nk * dk + pv])  # v rows after q, k
+    pre = f"blk.{blk}."
+
+    def rows(name: str, x: Any, perm: Any) -> Any:
+        return put(pre + name, x[perm])[np.argsort(perm)]
+
+    if part == "A_log":  # held as A = -exp(A_log)
+        return np.log(-put(pre + "ssm_a", -np.exp(a[p1])))[np.argsort(p1)]
+    if part == "dt_bias":
+        return rows("ssm_dt.bias", a, p1)
+    if part == "conv1d.weight":  # [C, 1, K] squeezed
+        return rows("ssm_conv1d.weight", a[:, 0, :], qkv)[:, None, :]
+    if part == "norm.weight":
+        return put(pre + "ssm_norm.weight", a)
+    if part == "out_proj.weight":  # the value heads are its columns
+        return put(pre + "ssm_out.weight", a[:, pv])[:, np.argsort(pv)]
+    if part == "in_proj_ba.weight":
+        return put(pre + "ssm_ba.weight", a)
+    if part in ("in_proj_a.weight", "in_proj_b.weight"):
+        return rows("ssm_alpha.weight" if part == "in_proj_a.weight" else "ssm_beta.weight",
+                    a, p1)
+    if part == "in_proj_z.weight":
+        return rows("attn_gate.weight", a, pv)
+    if part == "in_proj_qkv.weight":
+        return rows("attn_qkv.weight", a, qkv)
+    if part == "in_proj_qkvz.weight":  # per key head q, k, v, z rows -> attn_qkv (all q,
+        # all k, all v) and attn_gate (z)
+        H = a.shape[1]
+        g = a.reshape(nk, -1, H)
+        cut = np.cumsum([dk, dk, r * dv])
+        q, k, v, z = np.split(g, cut, axis=1)
+        sq = put(pre + "attn_qkv.weight",
+                 np.concatenate([x.reshape(-1, H) for x in (q, k, v)]))
+        sz = put(pre + "attn_gate.weight", z.reshape(-1, H))
+        q2, k2, v2 = np.split(sq, [nk * dk, 2 * nk * dk])
+        return np.concatenate([q2.reshape(nk, dk, H), k2.reshape(nk, dk, H),
+                               v2.reshape(nk, r * dv, H), sz.reshape(nk, r * dv, H)],
+                              axis=1).reshape(a.shape)
+    raise ValueError(f"save_gguf: no GGUF name for linear_attn.{part}")
 
 
 def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
@@ -407,10 +497,11 @@ def gguf_tokenizer(w: Any, tokenizer: Any, n_vocab: int | None = None) -> None:
 def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None, expert_qtype: Any = None,
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe,
-    minimax_m2, dots1 or gpt_oss) as a GGUF file the way llama.cpp's converter does (architecture names and
-    metadata keys, stacked experts ``blk.N.ffn_{gate,up,down}_exps``, the ``llama``
-    architecture's permuted q/k rows), its
+    """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3,
+    glm4_moe, minimax_m2, dots1, gpt_oss, qwen3_next or qwen3_5_moe_text) as a GGUF file the
+    way llama.cpp's converter does (architecture names and metadata keys, stacked experts
+    ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows,
+    Qwen3-Next's and Qwen3.5's transformed norms and linear-attention tensors), its
     2-D weights in GGUF type ``qtype`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ... any type the
     ``gguf`` package quantizes; routers, norms and biases stay F32, as llama-quantize keeps
     them).  ``tokenizer``: a byte-level BPE fast tokenizer written into the metadata as
@@ -527,6 +618,11 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
             vb = put(f"blk.{blk}.attn_v_b.weight", kv[:, nope:])
             held[name] = torch.from_numpy(
                 np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(a.shape).copy())
+        elif arch in ("qwen3next", "qwen35moe") and ".linear_attn." in name:
+            held[name] = torch.from_numpy(np.ascontiguousarray(_gated_delta_gguf(
+                put, blk, name.split(".linear_attn.", 1)[1], a, cfg, arch)))
+        elif arch in ("qwen3next", "qwen35moe") and name.endswith(_PLUS_ONE_NORMS):
+            held[name] = torch.from_numpy(put(gguf_name(name, arch), a + 1) - 1)
         elif (g := gguf_name(name, arch)) is None:
             raise ValueError(f"save_gguf: no GGUF name for {name}")
         elif arch in PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -67,6 +67,8 @@ ARCHITECTURES: dict[str, str] = {
     "glm4moe": "glm4_moe",  # GLM-4.5 / 4.5-Air / 4.6 / 4.7
     "minimax-m2": "minimax_m2",  # MiniMax-M2 / M2.1
     "dots1": "dots1",  # dots.llm1
+    "qwen3next": "qwen3_next",  # Qwen3-Next-80B-A3B
+    "qwen35moe": "qwen3_5_moe_text",  # Qwen3.5 / 3.6 MoE (the text model)
 }
 # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
 # read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
@@ -116,8 +118,26 @@ _DEEPSEEK_MLP: dict[str, str] = {
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
+# the gated DeltaNet (linear attention) layers of Qwen3-Next and Qwen3.5, as llama.cpp's
+# Qwen3NextModel names them; several are stored transformed (_GatedDelta undoes it)
+_GATED_DELTA: dict[str, str] = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+# Qwen3-Next's in_proj_qkvz is written as two tensors (_QKVZ_SPLIT), joined back on reading
+_QKVZ_SPLIT = ("attn_qkv.weight", "attn_gate.weight")
 # per architecture, where it differs from _LAYER_NAMES
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "qwen3next": {**_GATED_DELTA, "ssm_ba.weight": "linear_attn.in_proj_ba.weight"},
+    "qwen35moe": {**_GATED_DELTA,
+                  "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+                  "attn_gate.weight": "linear_attn.in_proj_z.weight",
+                  "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+                  "ssm_beta.weight": "linear_attn.in_proj_b.weight"},
     "deepseek2": {
         **_DEEPSEEK_MLP,
         "attn_q_a.weight": "self_attn.q_a_proj.weight",
@@ -212,6 +232,49 @@ def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(kv.reshape(-1, rank))
 
 
+def _untile_v_heads(a: np.ndarray, axis: int, nk: int, r: int, d: int) -> np.ndarray:
+    """Undo the order llama.cpp's Qwen3.5 converter gives the value heads along ``axis``
+    (``nk * r`` heads of ``d`` entries, ``r`` per key head): it writes them tiled (head 0 of
+    every key group, then head 1, ...: ggml's broadcast order), transformers holds them
+    grouped by key head."""
+    a = np.moveaxis(a, axis, 0)
+    s = a.shape
+    a = a.reshape((r, nk, d) + s[1:]).swapaxes(0, 1).reshape(s)
+    return np.ascontiguousarray(np.moveaxis(a, 0, axis))
+
+
+def _join_qkvz(qkv: np.ndarray, z: np.ndarray, nk: int, dk: int) -> np.ndarray:
+    """Qwen3-Next's in_proj_qkvz [nk * (2 dk + 2 r dv), H] from llama.cpp's attn_qkv (every
+    head's q rows, then every head's k, then v) and attn_gate (z): per key head its q, k, v
+    and z rows, as transformers holds them."""
+    H = qkv.shape[1]
+    q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk])
+    parts = [x.reshape(nk, -1, H) for x in (q, k, v, z)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1).reshape(-1, H))
+
+
+# transformers key (its end) of a Qwen3-Next / Qwen3.5 tensor -> how llama.cpp's converter
+# changed it (GgufCheckpoint._gated_delta undoes it): the RMSNorms that scale by (1 + w) hold
+# w + 1; A_log is held as A = -exp(A_log); the conv kernel [C, 1, K] squeezed; Qwen3-Next's
+# in_proj_qkvz split; Qwen3.5's value heads tiled (rows, columns, single entries per head)
+_GATED_DELTA_LAYOUT: dict[str, str] = {
+    "input_layernorm.weight": "plus_one",
+    "post_attention_layernorm.weight": "plus_one",
+    "self_attn.q_norm.weight": "plus_one",
+    "self_attn.k_norm.weight": "plus_one",
+    "linear_attn.A_log": "a_log",
+    "linear_attn.dt_bias": "v_heads",
+    "linear_attn.in_proj_a.weight": "v_heads",
+    "linear_attn.in_proj_b.weight": "v_heads",
+    "linear_attn.conv1d.weight": "conv1d",
+    "linear_attn.in_proj_qkvz.weight": "qkvz",
+    "linear_attn.in_proj_qkv.weight": "qkv_v_rows",
+    "linear_attn.in_proj_z.weight": "v_rows",
+    "linear_attn.out_proj.weight": "v_cols",
+}
+_GATED_DELTA_HOW = frozenset(_GATED_DELTA_LAYOUT.values())
+
+
 @dataclass
 class GgufCheckpoint:
     """A GGUF file opened for conversion (the reader memory-maps it; nothing is read until a
@@ -292,6 +355,7 @@ class GgufCheckpoint:
         layers: dict[int, set[str]] = {}
         names = dict(_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(self.arch, {}))
         kv_b: dict[int, set[str]] = {}
+        qkvz: dict[int, set[str]] = {}
         main = self._main_blocks()
         for name, t in self._tensors.items():
             if name in _TOP_NAMES:
@@ -309,10 +373,26 @@ class GgufCheckpoint:
                 layers.setdefault(i, set()).add(rest)
             elif rest in _KV_B_SPLIT and self.arch == "deepseek2":
                 kv_b.setdefault(i, set()).add(rest)
+            elif rest in _QKVZ_SPLIT and self.arch == "qwen3next":
+                qkvz.setdefault(i, set()).add(rest)
             elif rest in names:
                 self._add(f"model.layers.{i}.{names[rest]}", [name])
             else:
                 self._add(f"model.layers.{i}.{rest}", [name])
+        for i, got in sorted(qkvz.items()):
+            if got != set(_QKVZ_SPLIT):
+                raise GgufError(f"{self.folder}: block {i} has {sorted(got)} without its pair "
+                                f"({', '.join(_QKVZ_SPLIT)})")
+            self._add(f"model.layers.{i}.linear_attn.in_proj_qkvz.weight",
+                      [f"blk.{i}.{n}" for n in _QKVZ_SPLIT])
+        if self.arch in ("qwen3next", "qwen35moe"):
+            for key in self._sources:
+                if key == "model.norm.weight":
+                    self._layout[key] = "plus_one"
+                elif key.startswith("model.layers."):
+                    how = _GATED_DELTA_LAYOUT.get(key.split(".", 3)[3])
+                    if how is not None:
+                        self._layout[key] = how
         for i, got in sorted(kv_b.items()):
             if got != set(_KV_B_SPLIT):
                 raise GgufError(f"{self.folder}: block {i} has {sorted(got)} without its pair "
@@ -597,6 +677,9 @@ class GgufCheckpoint:
             cfg["num_local_experts"] = E
             cfg["intermediate_size"] = int(eff or ff)
             cfg["rope_parameters"] = self._partial_rope(cfg.get("head_dim"))
+        elif self.model_type in ("qwen3_next", "qwen3_5_moe_text"):
+            cfg.update(self._qwen3next(E, ff, eff, cfg["num_hidden_layers"],
+                                       cfg.get("head_dim")))
         else:  # qwen2_moe, qwen3_moe
             cfg["num_experts"] = E
             cfg["moe_intermediate_size"] = int(eff or ff)
@@ -689,6 +772,46 @@ class GgufCheckpoint:
                 "num_nextn_predict_layers": 0,  # (its MTP blocks are not read: _map_names)
                 "rope_parameters": self._partial_rope(head_dim)}
 
+    def _qwen3next(self, E: int, ff: Any, eff: Any, L: int, head_dim: Any) -> dict[str, Any]:
+        """Qwen3-Next's and Qwen3.5's settings: gated DeltaNet layers (llama.cpp's ``ssm.*``
+        keys: key heads as the group count, value heads as the time-step rank, the key head
+        size as the state size) where ``attention.recurrent_layers`` marks them (else every
+        ``full_attention_interval``-th layer is full attention), gated full attention with
+        q/k norms and the rotary embedding on the first ``rope.dimension_count`` dimensions of
+        each head, a shared expert behind its gate; llama.cpp always normalises the top-k
+        weights of both (no key)."""
+        nv = int(self._m("ssm.time_step_rank", need=True))
+        rec = self.meta.get(f"{self.arch}.attention.recurrent_layers")
+        if isinstance(rec, list) and len(rec) >= L:
+            linear = [bool(x) for x in rec[:L]]
+        else:
+            n = int(self._m("full_attention_interval", 4) or 4)
+            linear = [(i + 1) % n != 0 for i in range(L)]
+        out: dict[str, Any] = {
+            "num_experts": E,
+            "moe_intermediate_size": int(eff or ff),
+            "shared_expert_intermediate_size": int(
+                self._m("expert_shared_feed_forward_length", 0) or 0),
+            "norm_topk_prob": True,
+            "linear_conv_kernel_dim": int(self._m("ssm.conv_kernel", need=True)),
+            "linear_key_head_dim": int(self._m("ssm.state_size", need=True)),
+            "linear_num_key_heads": int(self._m("ssm.group_count", need=True)),
+            "linear_num_value_heads": nv,
+            "linear_value_head_dim": int(self._m("ssm.inner_size", need=True)) // nv,
+            "layer_types": ["linear_attention" if x else "full_attention" for x in linear],
+            "rope_parameters": self._partial_rope(head_dim),
+        }
+        if self.model_type == "qwen3_next":
+            out.update(decoder_sparse_step=1, mlp_only_layers=[])
+            if ff is not None:
+                out["intermediate_size"] = int(ff)
+        sections = self.meta.get(f"{self.arch}.rope.dimension_sections")
+        if isinstance(sections, list) and len(sections) >= 3:  # Qwen3.5's interleaved
+            # multimodal rope: on text (one position per token on every axis) the plain one
+            out["rope_parameters"].update(mrope_section=[int(x) for x in sections[:3]],
+                                          mrope_interleaved=True)
+        return out
+
     def _partial_rope(self, head_dim: Any) -> dict[str, Any]:
         """The default rotary parameters on the first ``rope.dimension_count`` dimensions of
         each head (``partial_rotary_factor``, 1.0 for all of them: always said, as GLM-4.5's
@@ -768,8 +891,8 @@ class GgufCheckpoint:
         names = self._sources[key]
         t = self._tensors[names[0]]
         if (dtype is not None and dtype != torch.float32 and len(names) == 1
-                and len(t.data.shape) == 2 and not key.endswith(("q_proj.weight",
-                                                                  "k_proj.weight"))):
+                and len(t.data.shape) == 2 and key not in self._layout
+                and not key.endswith(("q_proj.weight", "k_proj.weight"))):
             rows = int(t.data.shape[0])
             out = None
             for r0 in range(0, rows, 4096):
@@ -798,6 +921,8 @@ class GgufCheckpoint:
         experts transformers holds as gate_up [H, 2I] with gate and up interleaved (even
         columns gate, odd up), its bias [2I] interleaved likewise, and down [I, H]."""
         how = self._layout.get(key)
+        if how in _GATED_DELTA_HOW:
+            return self._gated_delta(key, how, parts)
         if how == "oss_down":
             return np.ascontiguousarray(np.swapaxes(parts[0], -1, -2))
         axis = -1 if how == "oss_gate_up_bias" else -2
@@ -811,6 +936,45 @@ class GgufCheckpoint:
         g, u = a[..., :half, :], a[..., half:, :]
         inter = np.stack([g, u], axis=-2).reshape(a.shape)  # rows gate0, up0, gate1, ...
         return np.ascontiguousarray(np.swapaxes(inter, -1, -2))
+
+    def _gated_delta(self, key: str, how: str, parts: list[np.ndarray]) -> np.ndarray:
+        """Undo what llama.cpp's Qwen3-Next / Qwen3.5 converter did to tensor ``key``
+        (:data:`_GATED_DELTA_LAYOUT`; the value-head order only in a ``qwen35moe`` file with
+        more value heads than key heads, as the converter reorders only there)."""
+        a = parts[0]
+        if how == "plus_one":
+            return a - np.float32(1.0)
+        nk = int(self._m("ssm.group_count", need=True))
+        nv = int(self._m("ssm.time_step_rank", need=True))
+        dk = int(self._m("ssm.state_size", need=True))
+        dv = int(self._m("ssm.inner_size", need=True)) // nv
+        if how == "qkvz":
+            return _join_qkvz(a, parts[1], nk, dk)
+        if how == "a_log":
+            if not np.all(a < 0):
+                raise GgufError(f"{self.folder}: {key} is stored as A = -exp(A_log), which is "
+                                "negative; this file holds values >= 0 or NaN")
+            a = np.log(-a)
+        tiled = self.arch == "qwen35moe" and nv != nk
+        if how == "conv1d":
+            a = a.reshape(a.shape[0], -1)  # [C, K]
+            if tiled:  # the value channels follow the q and k channels
+                qk = 2 * nk * dk
+                a = np.concatenate([a[:qk], _untile_v_heads(a[qk:], 0, nk, nv // nk, dv)])
+            return np.ascontiguousarray(a[:, None, :])
+        if not tiled:
+            return a
+        r = nv // nk
+        if how == "v_heads" or how == "a_log":
+            return _untile_v_heads(a, 0, nk, r, 1)
+        if how == "v_rows":
+            return _untile_v_heads(a, 0, nk, r, dv)
+        if how == "qkv_v_rows":
+            qk = 2 * nk * dk
+            return np.concatenate([a[:qk], _untile_v_heads(a[qk:], 0, nk, r, dv)])
+        if how == "v_cols":
+            return _untile_v_heads(a, 1, nk, r, dv)
+        raise AssertionError(how)
 
     def companions(self) -> set[str]:
         """Keys that are data of another key (none in a GGUF file)."""
