@@ -44,7 +44,8 @@ def _reference(arch, held):
     ("deepseek_v3", "Q4_0"), ("glm4_moe", "F32"), ("glm4_moe", "Q8_0"), ("minimax_m2", "F32"),
     ("minimax_m2", "Q8_0"), ("dots1", "F32"), ("dots1", "Q4_0"), ("gpt_oss", "F32"),
     ("gpt_oss", "Q8_0"), ("qwen3_next", "F32"), ("qwen3_next", "Q8_0"),
-    ("qwen3_5_moe_text", "F32"), ("qwen3_5_moe_text", "Q4_0")])
+    ("qwen3_5_moe_text", "F32"), ("qwen3_5_moe_text", "Q4_0"), ("ernie4_5_moe", "F32"),
+    ("ernie4_5_moe", "Q8_0"), ("granitemoe", "F32"), ("granitemoeshared", "Q4_0")])
 def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
     want = _greedy(_reference(arch, held))
@@ -74,7 +75,8 @@ def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
             continue  # MLA: the file says 1 (llama.cpp's MQA form), transformers ignores it
         if hasattr(cfg, k) and (k in got or mla):
             assert got[k] == getattr(cfg, k), k
-    assert got.get("num_experts", got.get("num_local_experts", got.get("n_routed_experts"))) == 8
+    assert [got[k] for k in ("num_experts", "num_local_experts", "n_routed_experts",
+                             "moe_num_experts") if k in got] == [8]
 
 
 

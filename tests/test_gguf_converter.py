@@ -14,7 +14,8 @@ GGUF by the converter of the llama-cpp-python source distribution that
 ``~/.cache/specmoe/peers``), and loaded with ``specmoe.from_pretrained``; its logits must equal
 transformers' on the folder.  Two things of the converter are set aside, neither of which
 touches the weights: the BPE pre-tokenizer check (it knows released tokenizers by hash, not
-the zoo's) and GLM's vocabulary setter (it looks for GLM's special tokens).  Skipped where the
+the zoo's) and GLM's, ERNIE's and Granite's vocabulary setters (GLM's looks for GLM's special
+tokens, the others try a sentencepiece model first; the zoo's tokenizer is byte-level BPE).  Skipped where the
 source distribution is not unpacked."""
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ for cls in vars(base).values():
 import conversion.glm as glm
 glm.Glm4MoeLiteModel.set_vocab = lambda self: self._set_vocab_gpt2()
 glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
+import conversion.ernie as ernie
+ernie.Ernie4_5Model.set_vocab = lambda self: self._set_vocab_gpt2()
+import conversion.granite as granite
+granite.GraniteModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv[0] = src + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -102,7 +107,10 @@ def _cache_dir(tmp_path, monkeypatch):
                                           ("deepseek_v2", "deepseek_v2"),
                                           ("qwen3_moe", "qwen3_moe"),
                                           ("qwen3_next", "qwen3_next"),
-                                          ("qwen3_5_moe_text", "qwen3_5_moe_text")])
+                                          ("qwen3_5_moe_text", "qwen3_5_moe_text"),
+                                          ("ernie4_5_moe", "ernie4_5_moe"),
+                                          ("granitemoe", "granitemoe"),
+                                          ("granitemoeshared", "granitemoeshared")])
 def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))

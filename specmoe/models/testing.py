@@ -76,6 +76,8 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
     mla = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
                qk_nope_head_dim=8, v_head_dim=hd)
     indexer = dict(index_n_heads=2, index_head_dim=16, index_topk=16)
+    granite_scales = dict(attention_multiplier=0.2, embedding_multiplier=2.0,
+                          residual_multiplier=0.5, logits_scaling=4.0)
     more = {
         "glm4_moe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
                          n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
@@ -92,8 +94,10 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
                       n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
                       first_k_dense_replace=1, n_group=1, topk_group=1, max_window_layers=L,
                       layer_types=["full_attention"] * L),
+        # (Granite's four multipliers away from 1, as the released models have them, so
+        # that a lost one shows; Granite 4.0's shared expert)
         "granitemoe": dict(intermediate_size=inter, num_local_experts=experts,
-                           num_experts_per_tok=top_k),
+                           num_experts_per_tok=top_k, **granite_scales),
         "qwen3_next": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
                            shared_expert_intermediate_size=inter, num_experts=experts,
                            num_experts_per_tok=top_k, head_dim=hd, linear_key_head_dim=16,
@@ -174,7 +178,8 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
                                  mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
                                  layer_types=alt("mamba", "attention")),
         "granitemoeshared": dict(intermediate_size=inter, num_local_experts=experts,
-                                 num_experts_per_tok=top_k),
+                                 num_experts_per_tok=top_k, shared_intermediate_size=inter,
+                                 **granite_scales),
         "hy_v3": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
                       num_experts=experts, num_experts_per_tok=top_k, num_shared_experts=1,
                       head_dim=hd, mlp_layer_types=dense_first),
@@ -351,6 +356,23 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_rope_dimension_count(int(cfg.head_dim
                                        * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+    elif cfg.model_type == "ernie4_5_moe":  # the keys llama.cpp's Ernie4_5MoeModel writes
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
+        w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+        w.add_expert_shared_count(cfg.moe_num_shared_experts)
+        w.add_expert_shared_feed_forward_length(cfg.moe_intermediate_size
+                                                * cfg.moe_num_shared_experts)
+    elif cfg.model_type in ("granitemoe", "granitemoeshared"):  # llama.cpp's GraniteMoeModel
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+        if getattr(cfg, "shared_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
     elif cfg.model_type in ("qwen3_next", "qwen3_5_moe_text"):  # llama.cpp's Qwen3NextModel
         if cfg.model_type == "qwen3_next":
             w.add_feed_forward_length(cfg.intermediate_size)
@@ -498,7 +520,8 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               tokenizer=None, expert_qtype: Any = None,
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3,
-    glm4_moe, minimax_m2, dots1, gpt_oss, qwen3_next or qwen3_5_moe_text) as a GGUF file the
+    glm4_moe, minimax_m2, dots1, gpt_oss, qwen3_next, qwen3_5_moe_text, ernie4_5_moe,
+    granitemoe or granitemoeshared) as a GGUF file the
     way llama.cpp's converter does (architecture names and metadata keys, stacked experts
     ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows,
     Qwen3-Next's and Qwen3.5's transformed norms and linear-attention tensors), its
@@ -600,15 +623,15 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
             else:  # down_proj_bias
                 back = put(pre + "ffn_down_exps.bias", a, "F32")
             held[name] = torch.from_numpy(np.ascontiguousarray(back))
-        elif name.endswith("mlp.experts.gate_up_proj") and fuse_gate_up:
+        elif name.endswith(".experts.gate_up_proj") and fuse_gate_up:
             held[name] = torch.from_numpy(put(f"blk.{blk}.ffn_gate_up_exps.weight", a,
                                               etype(blk, "gate")))
-        elif name.endswith("mlp.experts.gate_up_proj"):
+        elif name.endswith(".experts.gate_up_proj"):
             I = a.shape[1] // 2
             held[name] = torch.from_numpy(np.concatenate(
                 [put(f"blk.{blk}.ffn_gate_exps.weight", a[:, :I], etype(blk, "gate")),
                  put(f"blk.{blk}.ffn_up_exps.weight", a[:, I:], etype(blk, "up"))], axis=1))
-        elif name.endswith("mlp.experts.down_proj"):
+        elif name.endswith(".experts.down_proj"):
             held[name] = torch.from_numpy(put(f"blk.{blk}.ffn_down_exps.weight", a,
                                               etype(blk, "down")))
         elif arch == "deepseek2" and name.endswith("kv_b_proj.weight"):
@@ -618,6 +641,11 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
             vb = put(f"blk.{blk}.attn_v_b.weight", kv[:, nope:])
             held[name] = torch.from_numpy(
                 np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(a.shape).copy())
+        elif arch == "granitemoe" and name.endswith("shared_mlp.input_linear.weight"):
+            I = a.shape[0] // 2  # Granite's shared expert: gate rows, then up rows
+            held[name] = torch.from_numpy(np.concatenate(
+                [put(f"blk.{blk}.ffn_gate_shexp.weight", a[:I]),
+                 put(f"blk.{blk}.ffn_up_shexp.weight", a[I:])]))
         elif arch in ("qwen3next", "qwen35moe") and ".linear_attn." in name:
             held[name] = torch.from_numpy(np.ascontiguousarray(_gated_delta_gguf(
                 put, blk, name.split(".linear_attn.", 1)[1], a, cfg, arch)))

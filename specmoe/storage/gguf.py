@@ -69,11 +69,15 @@ ARCHITECTURES: dict[str, str] = {
     "dots1": "dots1",  # dots.llm1
     "qwen3next": "qwen3_next",  # Qwen3-Next-80B-A3B
     "qwen35moe": "qwen3_5_moe_text",  # Qwen3.5 / 3.6 MoE (the text model)
+    "ernie4_5-moe": "ernie4_5_moe",  # ERNIE-4.5-21B-A3B / 300B-A47B
+    "granitemoe": "granitemoe",  # Granite 3.x MoE; with a shared expert (Granite 4.0's
+    # dense-attention models) transformers' granitemoeshared (_GRANITE_SHARED)
 }
 # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
 # read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
 # glm4_moe_lite has DeepSeek-V3's forward line for line, specmoe.models.arch.MLA_ATTENTION)
 _DEEPSEEK2_SIGMOID = "deepseek_v3"
+_GRANITE_SHARED = "granitemoeshared"
 
 
 
@@ -82,11 +86,14 @@ def gguf_arch(model_type: str) -> str:
     :data:`ARCHITECTURES`); KeyError for a type llama.cpp does not write as one of them."""
     if model_type == _DEEPSEEK2_SIGMOID:
         return "deepseek2"
+    if model_type == _GRANITE_SHARED:
+        return "granitemoe"
     return {v: k for k, v in ARCHITECTURES.items()}[model_type]
 
 
-# the rotary rows of q/k are permuted by llama.cpp's converter for these architectures
-PERMUTED_QK = frozenset({"llama"})
+# the rotary rows of q/k are permuted by llama.cpp's converter for these architectures (its
+# LlamaModel and the converters derived from it: Granite's)
+PERMUTED_QK = frozenset({"llama", "granitemoe"})
 
 # GGUF tensor name (after "blk.N.") -> the transformers parameter (after "model.layers.N.")
 _LAYER_NAMES: dict[str, str] = {
@@ -128,10 +135,25 @@ _GATED_DELTA: dict[str, str] = {
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
-# Qwen3-Next's in_proj_qkvz is written as two tensors (_QKVZ_SPLIT), joined back on reading
-_QKVZ_SPLIT = ("attn_qkv.weight", "attn_gate.weight")
+# tensors llama.cpp's converters split in two, joined back on reading (the GGUF names, then
+# the transformers name; rows of the first, then of the second, unless _layout says more):
+# Qwen3-Next's in_proj_qkvz (attn_qkv + attn_gate: _join_qkvz), Granite's shared expert
+# input_linear (gate rows, then up)
+_JOINED: dict[str, tuple[tuple[str, str], str]] = {
+    "qwen3next": (("attn_qkv.weight", "attn_gate.weight"), "linear_attn.in_proj_qkvz.weight"),
+    "granitemoe": (("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+                   "shared_mlp.input_linear.weight"),
+}
+# the MoE block's module (transformers' name) where it is not "mlp"
+_MOE_BLOCK = {"granitemoe": "block_sparse_moe"}
 # per architecture, where it differs from _LAYER_NAMES
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    # llama.cpp's Ernie4_5MoeModel: dense leading layers, shared experts, and the correction
+    # bias its softmax router adds for the choice (not the weights) of the experts
+    "ernie4_5-moe": {**_DEEPSEEK_MLP,
+                     "exp_probs_b.bias": "mlp.gate.moe_statics.e_score_correction_bias"},
+    "granitemoe": {"ffn_gate_inp.weight": "block_sparse_moe.router.weight",
+                   "ffn_down_shexp.weight": "shared_mlp.output_linear.weight"},
     "qwen3next": {**_GATED_DELTA, "ssm_ba.weight": "linear_attn.in_proj_ba.weight"},
     "qwen35moe": {**_GATED_DELTA,
                   "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
@@ -333,6 +355,9 @@ class GgufCheckpoint:
                                 "Kimi-K2, GLM-4.7-Flash; others are not read)")
             if gating == 2:
                 model_type = _DEEPSEEK2_SIGMOID
+        if arch == "granitemoe" and any(t.name.endswith(".ffn_up_shexp.weight")
+                                        for t in reader.tensors):
+            model_type = _GRANITE_SHARED
         if int(meta.get(f"{arch}.expert_count", 0) or 0) <= 0:
             raise GgufError(f"{p}: architecture {arch!r} without experts "
                             f"({arch}.expert_count missing or 0): not a mixture-of-experts "
@@ -355,7 +380,8 @@ class GgufCheckpoint:
         layers: dict[int, set[str]] = {}
         names = dict(_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(self.arch, {}))
         kv_b: dict[int, set[str]] = {}
-        qkvz: dict[int, set[str]] = {}
+        pairs, joined = _JOINED.get(self.arch, ((), ""))
+        split: dict[int, set[str]] = {}
         main = self._main_blocks()
         for name, t in self._tensors.items():
             if name in _TOP_NAMES:
@@ -373,18 +399,17 @@ class GgufCheckpoint:
                 layers.setdefault(i, set()).add(rest)
             elif rest in _KV_B_SPLIT and self.arch == "deepseek2":
                 kv_b.setdefault(i, set()).add(rest)
-            elif rest in _QKVZ_SPLIT and self.arch == "qwen3next":
-                qkvz.setdefault(i, set()).add(rest)
+            elif rest in pairs:
+                split.setdefault(i, set()).add(rest)
             elif rest in names:
                 self._add(f"model.layers.{i}.{names[rest]}", [name])
             else:
                 self._add(f"model.layers.{i}.{rest}", [name])
-        for i, got in sorted(qkvz.items()):
-            if got != set(_QKVZ_SPLIT):
+        for i, got in sorted(split.items()):
+            if got != set(pairs):
                 raise GgufError(f"{self.folder}: block {i} has {sorted(got)} without its pair "
-                                f"({', '.join(_QKVZ_SPLIT)})")
-            self._add(f"model.layers.{i}.linear_attn.in_proj_qkvz.weight",
-                      [f"blk.{i}.{n}" for n in _QKVZ_SPLIT])
+                                f"({', '.join(pairs)})")
+            self._add(f"model.layers.{i}.{joined}", [f"blk.{i}.{n}" for n in pairs])
         if self.arch in ("qwen3next", "qwen35moe"):
             for key in self._sources:
                 if key == "model.norm.weight":
@@ -411,7 +436,8 @@ class GgufCheckpoint:
             if missing:
                 raise GgufError(f"{self.folder}: block {i} lacks expert tensors "
                                 f"{', '.join(f'blk.{i}.{n}' for n in sorted(missing))}")
-            pre, blk = f"model.layers.{i}.mlp.experts.", f"blk.{i}."
+            pre = f"model.layers.{i}.{_MOE_BLOCK.get(self.arch, 'mlp')}.experts."
+            blk = f"blk.{i}."
             self._add(pre + "gate_up_proj", [blk + n for n in gate_up])
             self._add(pre + "down_proj", [blk + "ffn_down_exps.weight"])
             if oss:  # transformers' GptOssExperts: [E, H, 2I] with gate / up interleaved
@@ -677,6 +703,10 @@ class GgufCheckpoint:
             cfg["num_local_experts"] = E
             cfg["intermediate_size"] = int(eff or ff)
             cfg["rope_parameters"] = self._partial_rope(cfg.get("head_dim"))
+        elif self.model_type == "ernie4_5_moe":
+            cfg.update(self._ernie(E, ff, eff, cfg["num_hidden_layers"]))
+        elif self.model_type in ("granitemoe", _GRANITE_SHARED):
+            cfg.update(self._granite(E, ff, eff))
         elif self.model_type in ("qwen3_next", "qwen3_5_moe_text"):
             cfg.update(self._qwen3next(E, ff, eff, cfg["num_hidden_layers"],
                                        cfg.get("head_dim")))
@@ -771,6 +801,38 @@ class GgufCheckpoint:
                 "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
                 "num_nextn_predict_layers": 0,  # (its MTP blocks are not read: _map_names)
                 "rope_parameters": self._partial_rope(head_dim)}
+
+    def _ernie(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
+        """ERNIE-4.5's MoE settings as llama.cpp reads them: MoE on the layers from
+        ``leading_dense_block_count`` on, every ``interleave_moe_layer_step``-th (to the last:
+        the file has no end index), shared experts of ``expert_shared_count`` times the
+        expert size, softmax routing whose choice adds the correction bias, the top-k weights
+        normalised."""
+        first = int(self._m("leading_dense_block_count", 0) or 0)
+        return {"moe_num_experts": E, "moe_k": int(self._m("expert_used_count", need=True)),
+                "moe_intermediate_size": int(eff or ff), "intermediate_size": int(ff or eff),
+                "moe_num_shared_experts": int(self._m("expert_shared_count", 0) or 0),
+                "moe_layer_start_index": first, "moe_layer_end_index": L - 1,
+                "moe_layer_interval": int(self._m("interleave_moe_layer_step", 1) or 1),
+                "use_bias": "blk.0.attn_q.bias" in self._tensors}
+
+    def _granite(self, E: int, ff: Any, eff: Any) -> dict[str, Any]:
+        """Granite's MoE settings: its four multipliers (llama.cpp's attention, embedding,
+        residual and logit scales: the attention's softmax scale, the embedding's factor,
+        each residual branch's factor and the divisor of the logits), a shared expert where
+        the file has one (granitemoeshared)."""
+        out: dict[str, Any] = {
+            "num_local_experts": E, "intermediate_size": int(eff or ff),
+            "attention_multiplier": float(self._m("attention.scale", 1.0)),
+            "embedding_multiplier": float(self._m("embedding_scale", 1.0)),
+            "residual_multiplier": float(self._m("residual_scale", 1.0)),
+            "logits_scaling": float(self._m("logit_scale", 1.0)),
+            "attention_bias": "blk.0.attn_q.bias" in self._tensors}
+        if self.model_type == _GRANITE_SHARED:
+            out["shared_intermediate_size"] = int(
+                self._m("expert_shared_feed_forward_length", 0) or
+                self._tensors["blk.0.ffn_up_shexp.weight"].shape[1])
+        return out
 
     def _qwen3next(self, E: int, ff: Any, eff: Any, L: int, head_dim: Any) -> dict[str, Any]:
         """Qwen3-Next's and Qwen3.5's settings: gated DeltaNet layers (llama.cpp's ``ssm.*``
