@@ -15,8 +15,8 @@ GGUF by the converter of the llama-cpp-python source distribution that
 transformers' on the folder.  Two things of the converter are set aside, neither of which
 touches the weights: the BPE pre-tokenizer check (it knows released tokenizers by hash, not
 the zoo's) and GLM's, ERNIE's and Granite's vocabulary setters (GLM's looks for GLM's special
-tokens, the others try a sentencepiece model first; the zoo's tokenizer is byte-level BPE).  Skipped where the
-source distribution is not unpacked."""
+tokens, the others try a sentencepiece model first; the zoo's tokenizer is byte-level BPE).
+Skipped where the source distribution is not unpacked."""
 from __future__ import annotations
 
 import json
