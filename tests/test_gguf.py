@@ -45,7 +45,8 @@ def _reference(arch, held):
     ("minimax_m2", "Q8_0"), ("dots1", "F32"), ("dots1", "Q4_0"), ("gpt_oss", "F32"),
     ("gpt_oss", "Q8_0"), ("qwen3_next", "F32"), ("qwen3_next", "Q8_0"),
     ("qwen3_5_moe_text", "F32"), ("qwen3_5_moe_text", "Q4_0"), ("ernie4_5_moe", "F32"),
-    ("ernie4_5_moe", "Q8_0"), ("granitemoe", "F32"), ("granitemoeshared", "Q4_0")])
+    ("ernie4_5_moe", "Q8_0"), ("granitemoe", "F32"), ("granitemoeshared", "Q4_0"),
+    ("granitemoehybrid", "F32"), ("granitemoehybrid", "Q8_0")])
 def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
     want = _greedy(_reference(arch, held))
@@ -61,8 +62,17 @@ def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
                                        atol=1e-4, rtol=1e-4)
     finally:
         specmoe.engine_of(model).close()
+    # every dense tensor as the reader gives it (its name, layout and values put back) is
+    # the one the file holds: closer than the logits, where a tiny model's (1 + w) norm or
+    # decay rate moves little
+    ck = GgufCheckpoint.open(path)
+    dense = [k for k in ck.keys if ".experts." not in k]
+    assert set(dense) <= set(held), set(dense) - set(held)
+    for k in dense:
+        torch.testing.assert_close(ck.tensor(k), held[k].float(), atol=1e-6, rtol=1e-5,
+                                   msg=lambda m, k=k: f"{k}: {m}")
     # the config read from the metadata is the model's
-    cfg, got = tiny_config(arch), GgufCheckpoint.open(path).config()
+    cfg, got = tiny_config(arch), ck.config()
     for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "num_experts_per_tok", "kv_lora_rank", "v_head_dim",
               "qk_nope_head_dim", "qk_rope_head_dim", "n_shared_experts",

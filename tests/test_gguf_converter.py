@@ -75,6 +75,7 @@ _RELEASED = {
     "glm4_moe": {"num_nextn_predict_layers": 1},
     "minimax_m2": {"rotary_dim": 8, "scoring_func": "sigmoid"},  # (head_dim 16, half rotary)
     "dots1": {"scoring_func": "sigmoid"},
+    "granitemoehybrid": {"position_embedding_type": "nope"},  # (Granite 4.0 H: NoPE)
 }
 # multi-token-prediction blocks of the released checkpoints, as mtp.* tensors (Qwen3-Next,
 # Qwen3.5: one full-attention decoder layer, here a copy of layer 1, with its projection and
@@ -110,7 +111,8 @@ def _cache_dir(tmp_path, monkeypatch):
                                           ("qwen3_5_moe_text", "qwen3_5_moe_text"),
                                           ("ernie4_5_moe", "ernie4_5_moe"),
                                           ("granitemoe", "granitemoe"),
-                                          ("granitemoeshared", "granitemoeshared")])
+                                          ("granitemoeshared", "granitemoeshared"),
+                                          ("granitemoehybrid", "granitemoehybrid")])
 def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
@@ -118,6 +120,10 @@ def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_pat
                              tokenizer=tok)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(_RELEASED.get(arch, {}), **_MTP.get(arch, {}))
+    if arch == "granitemoehybrid":  # the released configs' layer names, which the converter
+        # reads (transformers reads both)
+        cfg["layer_types"] = ["attention" if t == "full_attention" else "mamba"
+                              for t in cfg["layer_types"]]
     (folder / "config.json").write_text(json.dumps(cfg))
     if arch in _MTP:
         _add_mtp_block(folder, cfg["hidden_size"])

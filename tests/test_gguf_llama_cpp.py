@@ -79,7 +79,8 @@ def _llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
     ("gpt_oss", None), ("gpt_oss", "MXFP4"), ("qwen3_moe", "Q4_0"), ("olmoe", "Q8_0"),
     ("mixtral", None), ("qwen2_moe", "Q8_0"), ("deepseek_v2", None), ("deepseek_v3", None),
     ("glm4_moe", None), ("minimax_m2", None), ("dots1", None), ("qwen3_next", None),
-    ("qwen3_5_moe_text", "Q4_0"), ("ernie4_5_moe", None), ("granitemoeshared", "Q8_0")])
+    ("qwen3_5_moe_text", "Q4_0"), ("ernie4_5_moe", None), ("granitemoeshared", "Q8_0"),
+    ("granitemoehybrid", None)])
 def test_same_greedy_tokens_as_llama_cpp_on_the_same_file(tmp_path, arch, expert_qtype):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))

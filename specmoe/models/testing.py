@@ -176,7 +176,7 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
         "granitemoehybrid": dict(intermediate_size=inter, num_local_experts=experts,
                                  num_experts_per_tok=top_k, shared_intermediate_size=inter,
                                  mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
-                                 layer_types=alt("mamba", "attention")),
+                                 layer_types=alt("mamba", "attention"), **granite_scales),
         "granitemoeshared": dict(intermediate_size=inter, num_local_experts=experts,
                                  num_experts_per_tok=top_k, shared_intermediate_size=inter,
                                  **granite_scales),
@@ -308,7 +308,11 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(1 if arch == "deepseek2" else cfg.num_key_value_heads)
+    if arch == "granitehybrid":  # per layer, 0 on the Mamba layers
+        w.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0
+                             for t in cfg.layer_types])
+    else:
+        w.add_head_count_kv(1 if arch == "deepseek2" else cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_vocab_size(cfg.vocab_size)
@@ -364,7 +368,8 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_expert_shared_count(cfg.moe_num_shared_experts)
         w.add_expert_shared_feed_forward_length(cfg.moe_intermediate_size
                                                 * cfg.moe_num_shared_experts)
-    elif cfg.model_type in ("granitemoe", "granitemoeshared"):  # llama.cpp's GraniteMoeModel
+    elif cfg.model_type in ("granitemoe", "granitemoeshared", "granitemoehybrid"):
+        # llama.cpp's GraniteMoeModel (and GraniteHybridModel: its Mamba-2 keys, NoPE)
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
         w.add_attention_scale(cfg.attention_multiplier)
@@ -373,6 +378,13 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
         w.add_logit_scale(cfg.logits_scaling)
         if getattr(cfg, "shared_intermediate_size", 0):
             w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+        if cfg.model_type == "granitemoehybrid":
+            w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+            w.add_ssm_state_size(cfg.mamba_d_state)
+            w.add_ssm_group_count(cfg.mamba_n_groups)
+            w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+            w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+            w.add_rope_scaling_finetuned(cfg.position_embedding_type == "rope")
     elif cfg.model_type in ("qwen3_next", "qwen3_5_moe_text"):  # llama.cpp's Qwen3NextModel
         if cfg.model_type == "qwen3_next":
             w.add_feed_forward_length(cfg.intermediate_size)
@@ -521,7 +533,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3,
     glm4_moe, minimax_m2, dots1, gpt_oss, qwen3_next, qwen3_5_moe_text, ernie4_5_moe,
-    granitemoe or granitemoeshared) as a GGUF file the
+    granitemoe, granitemoeshared or granitemoehybrid) as a GGUF file the
     way llama.cpp's converter does (architecture names and metadata keys, stacked experts
     ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows,
     Qwen3-Next's and Qwen3.5's transformed norms and linear-attention tensors), its
@@ -641,7 +653,22 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
             vb = put(f"blk.{blk}.attn_v_b.weight", kv[:, nope:])
             held[name] = torch.from_numpy(
                 np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(a.shape).copy())
-        elif arch == "granitemoe" and name.endswith("shared_mlp.input_linear.weight"):
+        elif arch == "granitehybrid" and name.endswith((".mamba.A_log", ".mamba.D",
+                                                         ".mamba.conv1d.weight",
+                                                         ".mamba.norm.weight")):
+            pre, part = f"blk.{blk}.", name.split(".mamba.", 1)[1]
+            if part == "A_log":  # held as A = -exp(A_log), [heads, 1]
+                back = np.log(-put(pre + "ssm_a", -np.exp(a)[:, None])).reshape(-1)
+            elif part == "D":
+                back = put(pre + "ssm_d", a[:, None]).reshape(-1)
+            elif part == "conv1d.weight":  # [C, 1, K] squeezed
+                back = put(pre + "ssm_conv1d.weight", a[:, 0, :])[:, None, :]
+            else:  # the gated norm per group (a norm: F32, as llama-quantize keeps it)
+                back = put(pre + "ssm_norm.weight", a.reshape(cfg.mamba_n_groups, -1),
+                           "F32").reshape(-1)
+            held[name] = torch.from_numpy(np.ascontiguousarray(back))
+        elif arch in ("granitemoe", "granitehybrid") and name.endswith(
+                "shared_mlp.input_linear.weight"):
             I = a.shape[0] // 2  # Granite's shared expert: gate rows, then up rows
             held[name] = torch.from_numpy(np.concatenate(
                 [put(f"blk.{blk}.ffn_gate_shexp.weight", a[:I]),

@@ -72,6 +72,7 @@ ARCHITECTURES: dict[str, str] = {
     "ernie4_5-moe": "ernie4_5_moe",  # ERNIE-4.5-21B-A3B / 300B-A47B
     "granitemoe": "granitemoe",  # Granite 3.x MoE; with a shared expert (Granite 4.0's
     # dense-attention models) transformers' granitemoeshared (_GRANITE_SHARED)
+    "granitehybrid": "granitemoehybrid",  # Granite 4.0 H (Mamba-2 and attention layers)
 }
 # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
 # read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
@@ -93,7 +94,7 @@ def gguf_arch(model_type: str) -> str:
 
 # the rotary rows of q/k are permuted by llama.cpp's converter for these architectures (its
 # LlamaModel and the converters derived from it: Granite's)
-PERMUTED_QK = frozenset({"llama", "granitemoe"})
+PERMUTED_QK = frozenset({"llama", "granitemoe", "granitehybrid"})
 
 # GGUF tensor name (after "blk.N.") -> the transformers parameter (after "model.layers.N.")
 _LAYER_NAMES: dict[str, str] = {
@@ -139,21 +140,34 @@ _GATED_DELTA: dict[str, str] = {
 # the transformers name; rows of the first, then of the second, unless _layout says more):
 # Qwen3-Next's in_proj_qkvz (attn_qkv + attn_gate: _join_qkvz), Granite's shared expert
 # input_linear (gate rows, then up)
+_GRANITE_SHARED_JOIN = (("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+                        "shared_mlp.input_linear.weight")
 _JOINED: dict[str, tuple[tuple[str, str], str]] = {
     "qwen3next": (("attn_qkv.weight", "attn_gate.weight"), "linear_attn.in_proj_qkvz.weight"),
-    "granitemoe": (("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
-                   "shared_mlp.input_linear.weight"),
+    "granitemoe": _GRANITE_SHARED_JOIN,
+    "granitehybrid": _GRANITE_SHARED_JOIN,
 }
 # the MoE block's module (transformers' name) where it is not "mlp"
-_MOE_BLOCK = {"granitemoe": "block_sparse_moe"}
+_MOE_BLOCK = {"granitemoe": "block_sparse_moe", "granitehybrid": "block_sparse_moe"}
+_GRANITE_MOE = {"ffn_gate_inp.weight": "block_sparse_moe.router.weight",
+                "ffn_down_shexp.weight": "shared_mlp.output_linear.weight"}
 # per architecture, where it differs from _LAYER_NAMES
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     # llama.cpp's Ernie4_5MoeModel: dense leading layers, shared experts, and the correction
     # bias its softmax router adds for the choice (not the weights) of the experts
     "ernie4_5-moe": {**_DEEPSEEK_MLP,
                      "exp_probs_b.bias": "mlp.gate.moe_statics.e_score_correction_bias"},
-    "granitemoe": {"ffn_gate_inp.weight": "block_sparse_moe.router.weight",
-                   "ffn_down_shexp.weight": "shared_mlp.output_linear.weight"},
+    "granitemoe": _GRANITE_MOE,
+    # llama.cpp's GraniteHybridModel: Granite's MoE block and Mamba-2 layers (_MAMBA2_LAYOUT)
+    "granitehybrid": {**_GRANITE_MOE,
+                      "ssm_a": "mamba.A_log",
+                      "ssm_d": "mamba.D",
+                      "ssm_conv1d.weight": "mamba.conv1d.weight",
+                      "ssm_conv1d.bias": "mamba.conv1d.bias",
+                      "ssm_dt.bias": "mamba.dt_bias",
+                      "ssm_in.weight": "mamba.in_proj.weight",
+                      "ssm_norm.weight": "mamba.norm.weight",
+                      "ssm_out.weight": "mamba.out_proj.weight"},
     "qwen3next": {**_GATED_DELTA, "ssm_ba.weight": "linear_attn.in_proj_ba.weight"},
     "qwen35moe": {**_GATED_DELTA,
                   "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
@@ -295,6 +309,11 @@ _GATED_DELTA_LAYOUT: dict[str, str] = {
     "linear_attn.out_proj.weight": "v_cols",
 }
 _GATED_DELTA_HOW = frozenset(_GATED_DELTA_LAYOUT.values())
+# the Mamba-2 tensors llama.cpp's Mamba2Model changes: A_log held as A = -exp(A_log) [heads,
+# 1], D as [heads, 1], the conv kernel [C, 1, K] squeezed, the gated norm's weight as [groups,
+# inner / groups]
+_MAMBA2_LAYOUT = {"mamba.A_log": "mamba_a_log", "mamba.D": "mamba_flat",
+                  "mamba.norm.weight": "mamba_flat", "mamba.conv1d.weight": "mamba_conv1d"}
 
 
 @dataclass
@@ -410,6 +429,12 @@ class GgufCheckpoint:
                 raise GgufError(f"{self.folder}: block {i} has {sorted(got)} without its pair "
                                 f"({', '.join(pairs)})")
             self._add(f"model.layers.{i}.{joined}", [f"blk.{i}.{n}" for n in pairs])
+        if self.arch == "granitehybrid":
+            for key in self._sources:
+                if key.startswith("model.layers."):
+                    how = _MAMBA2_LAYOUT.get(key.split(".", 3)[3])
+                    if how is not None:
+                        self._layout[key] = how
         if self.arch in ("qwen3next", "qwen35moe"):
             for key in self._sources:
                 if key == "model.norm.weight":
@@ -645,7 +670,7 @@ class GgufCheckpoint:
         its metadata with the key names llama.cpp's converter writes."""
         H = int(self._m("embedding_length", need=True))
         heads = int(self._m("attention.head_count", need=True))
-        kv = int(self._m("attention.head_count_kv", heads))
+        kv = self._kv_heads(heads)
         E = int(self._m("expert_count", need=True))
         emb = self._tensors.get("token_embd.weight")
         vocab = self._m("vocab_size") or (int(emb.shape[1]) if emb is not None else None)
@@ -707,6 +732,8 @@ class GgufCheckpoint:
             cfg.update(self._ernie(E, ff, eff, cfg["num_hidden_layers"]))
         elif self.model_type in ("granitemoe", _GRANITE_SHARED):
             cfg.update(self._granite(E, ff, eff))
+        elif self.model_type == "granitemoehybrid":
+            cfg.update(self._granite(E, ff, eff), **self._mamba2(H, cfg["num_hidden_layers"]))
         elif self.model_type in ("qwen3_next", "qwen3_5_moe_text"):
             cfg.update(self._qwen3next(E, ff, eff, cfg["num_hidden_layers"],
                                        cfg.get("head_dim")))
@@ -802,6 +829,14 @@ class GgufCheckpoint:
                 "num_nextn_predict_layers": 0,  # (its MTP blocks are not read: _map_names)
                 "rope_parameters": self._partial_rope(head_dim)}
 
+    def _kv_heads(self, heads: int) -> int:
+        """The k/v heads of the attention layers: ``attention.head_count_kv``, which a hybrid
+        model's file gives per layer (0 on its recurrent layers)."""
+        kv = self._m("attention.head_count_kv", heads)
+        if isinstance(kv, list):
+            kv = max(int(x) for x in kv) or heads
+        return int(kv)
+
     def _ernie(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
         """ERNIE-4.5's MoE settings as llama.cpp reads them: MoE on the layers from
         ``leading_dense_block_count`` on, every ``interleave_moe_layer_step``-th (to the last:
@@ -828,11 +863,34 @@ class GgufCheckpoint:
             "residual_multiplier": float(self._m("residual_scale", 1.0)),
             "logits_scaling": float(self._m("logit_scale", 1.0)),
             "attention_bias": "blk.0.attn_q.bias" in self._tensors}
-        if self.model_type == _GRANITE_SHARED:
+        if self.model_type in (_GRANITE_SHARED, "granitemoehybrid"):
             out["shared_intermediate_size"] = int(
                 self._m("expert_shared_feed_forward_length", 0) or
                 self._tensors["blk.0.ffn_up_shexp.weight"].shape[1])
         return out
+
+    def _mamba2(self, H: int, L: int) -> dict[str, Any]:
+        """Granite 4.0 H's Mamba-2 layers as llama.cpp's GraniteHybridModel writes them: the
+        recurrent layers are those with no k/v heads, heads as ``ssm.time_step_rank``; the
+        attention layers without a rotary embedding unless ``rope.scaling.finetuned`` says
+        the model uses one (Granite 4.0 H: NoPE)."""
+        kv = self.meta.get(f"{self.arch}.attention.head_count_kv")
+        if not isinstance(kv, list) or len(kv) < L:
+            raise GgufError(f"{self.folder}: {self.arch}.attention.head_count_kv is not a list "
+                            "per layer (0 on the Mamba layers)")
+        heads = int(self._m("ssm.time_step_rank", need=True))
+        inner = int(self._m("ssm.inner_size", need=True))
+        return {"layer_types": ["full_attention" if int(x) else "linear_attention"
+                                for x in kv[:L]],
+                "mamba_n_heads": heads, "mamba_d_head": inner // heads,
+                "mamba_n_groups": int(self._m("ssm.group_count", 1) or 1),
+                "mamba_d_state": int(self._m("ssm.state_size", need=True)),
+                "mamba_d_conv": int(self._m("ssm.conv_kernel", need=True)),
+                "mamba_expand": inner // H,
+                "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in self._tensors,
+                "mamba_proj_bias": "blk.0.ssm_in.bias" in self._tensors,
+                "position_embedding_type": "rope" if self._m("rope.scaling.finetuned")
+                else None}
 
     def _qwen3next(self, E: int, ff: Any, eff: Any, L: int, head_dim: Any) -> dict[str, Any]:
         """Qwen3-Next's and Qwen3.5's settings: gated DeltaNet layers (llama.cpp's ``ssm.*``
@@ -939,8 +997,7 @@ class GgufCheckpoint:
             a = a.reshape(1, -1)  # llama.cpp holds this [1, H] router as a vector
         if self.arch in PERMUTED_QK and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = int(self._m("attention.head_count"))
-            n = heads if key.endswith("q_proj.weight") else int(
-                self._m("attention.head_count_kv", heads))
+            n = heads if key.endswith("q_proj.weight") else self._kv_heads(heads)
             a = _unpermute(a, n)
         return a
 
@@ -985,6 +1042,17 @@ class GgufCheckpoint:
         how = self._layout.get(key)
         if how in _GATED_DELTA_HOW:
             return self._gated_delta(key, how, parts)
+        if how in ("mamba_a_log", "mamba_flat", "mamba_conv1d"):
+            a = parts[0]
+            if how == "mamba_conv1d":
+                return np.ascontiguousarray(a.reshape(a.shape[0], 1, -1))
+            a = a.reshape(-1)
+            if how == "mamba_a_log":
+                if not np.all(a < 0):
+                    raise GgufError(f"{self.folder}: {key} is stored as A = -exp(A_log), which "
+                                    "is negative; this file holds values >= 0 or NaN")
+                a = np.log(-a)
+            return np.ascontiguousarray(a)
         if how == "oss_down":
             return np.ascontiguousarray(np.swapaxes(parts[0], -1, -2))
         axis = -1 if how == "oss_gate_up_bias" else -2
