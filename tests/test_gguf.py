@@ -46,7 +46,8 @@ def _reference(arch, held):
     ("gpt_oss", "Q8_0"), ("qwen3_next", "F32"), ("qwen3_next", "Q8_0"),
     ("qwen3_5_moe_text", "F32"), ("qwen3_5_moe_text", "Q4_0"), ("ernie4_5_moe", "F32"),
     ("ernie4_5_moe", "Q8_0"), ("granitemoe", "F32"), ("granitemoeshared", "Q4_0"),
-    ("granitemoehybrid", "F32"), ("granitemoehybrid", "Q8_0")])
+    ("granitemoehybrid", "F32"), ("granitemoehybrid", "Q8_0"), ("afmoe", "F32"),
+    ("afmoe", "Q8_0")])
 def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
     path, held = save_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", qtype=qtype)
     want = _greedy(_reference(arch, held))

@@ -14,8 +14,9 @@ GGUF by the converter of the llama-cpp-python source distribution that
 ``~/.cache/specmoe/peers``), and loaded with ``specmoe.from_pretrained``; its logits must equal
 transformers' on the folder.  Two things of the converter are set aside, neither of which
 touches the weights: the BPE pre-tokenizer check (it knows released tokenizers by hash, not
-the zoo's) and GLM's, ERNIE's and Granite's vocabulary setters (GLM's looks for GLM's special
-tokens, the others try a sentencepiece model first; the zoo's tokenizer is byte-level BPE).
+the zoo's) and the vocabulary setters of GLM, ERNIE and llama.cpp's LlamaModel (Granite's and
+Trinity's converters derive from it): GLM's looks for GLM's special tokens, the others try a
+sentencepiece model first; the zoo's tokenizer is byte-level BPE.
 Skipped where the source distribution is not unpacked."""
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ glm.Glm4MoeLiteModel.set_vocab = lambda self: self._set_vocab_gpt2()
 glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
 import conversion.ernie as ernie
 ernie.Ernie4_5Model.set_vocab = lambda self: self._set_vocab_gpt2()
-import conversion.granite as granite
-granite.GraniteModel.set_vocab = lambda self: self._set_vocab_gpt2()
+import conversion.llama as llama
+llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv[0] = src + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -76,7 +77,12 @@ _RELEASED = {
     "minimax_m2": {"rotary_dim": 8, "scoring_func": "sigmoid"},  # (head_dim 16, half rotary)
     "dots1": {"scoring_func": "sigmoid"},
     "granitemoehybrid": {"position_embedding_type": "nope"},  # (Granite 4.0 H: NoPE)
+    "afmoe": {"route_norm": True},
 }
+# tiny models in the released layer pattern where the converter writes none (Trinity: three
+# sliding-window layers, then a global one; llama.cpp assumes it)
+_TINY = {"afmoe": dict(layers=4, overrides={"layer_types": ["sliding_attention"] * 3
+                                                          + ["full_attention"]})}
 # multi-token-prediction blocks of the released checkpoints, as mtp.* tensors (Qwen3-Next,
 # Qwen3.5: one full-attention decoder layer, here a copy of layer 1, with its projection and
 # norms; Qwen3.5's config says how many, Qwen3-Next's converter counts them)
@@ -112,12 +118,13 @@ def _cache_dir(tmp_path, monkeypatch):
                                           ("ernie4_5_moe", "ernie4_5_moe"),
                                           ("granitemoe", "granitemoe"),
                                           ("granitemoeshared", "granitemoeshared"),
-                                          ("granitemoehybrid", "granitemoehybrid")])
+                                          ("granitemoehybrid", "granitemoehybrid"),
+                                          ("afmoe", "afmoe")])
 def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
-    folder = save_checkpoint(tiny_model(arch, vocab=tok.vocab_size), tmp_path / "ckpt",
-                             tokenizer=tok)
+    folder = save_checkpoint(tiny_model(arch, vocab=tok.vocab_size, **_TINY.get(arch, {})),
+                             tmp_path / "ckpt", tokenizer=tok)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(_RELEASED.get(arch, {}), **_MTP.get(arch, {}))
     if arch == "granitemoehybrid":  # the released configs' layer names, which the converter
@@ -136,18 +143,19 @@ def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     reader = gguf.GGUFReader(str(out))
     meta = reader.fields
+    L = cfg["num_hidden_layers"]
     if arch in _MTP:  # the MTP block is in the file (and left out by the reader)
-        assert any(t.name.startswith("blk.3.nextn.") for t in reader.tensors)
+        assert any(t.name.startswith(f"blk.{L}.nextn.") for t in reader.tensors)
     arch_name = bytes(meta["general.architecture"].parts[-1]).decode()
     nextn = _RELEASED.get(arch, {}).get("num_nextn_predict_layers", int(arch in _MTP))
-    assert int(meta[f"{arch_name}.block_count"].parts[-1][0]) == 3 + nextn
+    assert int(meta[f"{arch_name}.block_count"].parts[-1][0]) == L + nextn
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                experts_implementation="eager").eval()
     model = specmoe.from_pretrained(out, cache=0.5, dtype="f32", progress=False,
                                     torch_dtype=torch.float32)
     try:
         assert model.config.model_type == as_type
-        assert model.config.num_hidden_layers == 3  # (the MTP block left out)
+        assert model.config.num_hidden_layers == L  # (the MTP block left out)
         ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-5,

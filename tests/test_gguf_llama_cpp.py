@@ -80,7 +80,7 @@ def _llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
     ("mixtral", None), ("qwen2_moe", "Q8_0"), ("deepseek_v2", None), ("deepseek_v3", None),
     ("glm4_moe", None), ("minimax_m2", None), ("dots1", None), ("qwen3_next", None),
     ("qwen3_5_moe_text", "Q4_0"), ("ernie4_5_moe", None), ("granitemoeshared", "Q8_0"),
-    ("granitemoehybrid", None)])
+    ("granitemoehybrid", None), ("afmoe", "Q8_0")])
 def test_same_greedy_tokens_as_llama_cpp_on_the_same_file(tmp_path, arch, expert_qtype):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
@@ -91,7 +91,11 @@ def test_same_greedy_tokens_as_llama_cpp_on_the_same_file(tmp_path, arch, expert
     if arch in ("deepseek_v3", "glm4_moe"):  # llama.cpp asserts fewer groups used than
         # there are (DeepSeek-V3: 4 of 8); the tiny config's 2 of 2 would be a plain top-k
         over = {"n_group": 4, "topk_group": 2}
-    path, _ = save_gguf(tiny_model(arch, vocab=tok.vocab_size, overrides=over),
+    kw = {}
+    if arch == "afmoe":  # llama.cpp's afmoe puts the rotary embedding on 3 of every 4 layers
+        # (fixed); transformers' on the sliding-window ones: a model in Trinity's pattern
+        kw, over = dict(layers=4), {"layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    path, _ = save_gguf(tiny_model(arch, vocab=tok.vocab_size, overrides=over, **kw),
                         tmp_path / f"{arch}.gguf", expert_qtype=expert_qtype, tokenizer=tok)
     ids = tok("def parse(line):\n    return line.split(',')").input_ids
     n = 16

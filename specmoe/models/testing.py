@@ -132,7 +132,7 @@ def tiny_config(arch: str, *, hidden: int = 64, inter: int = 96, layers: int = 3
         # dense layers, every kind of attention layer it has at least once)
         "afmoe": dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
                       num_experts=experts, num_experts_per_tok=top_k, num_shared_experts=1,
-                      head_dim=hd, sliding_window=64,
+                      head_dim=hd, sliding_window=64, mup_enabled=True,  # (as released)
                       layer_types=alt("sliding_attention", "full_attention")),
         "bailing_hybrid": dict(**mla, intermediate_size=2 * inter, moe_intermediate_size=inter,
                                num_experts=experts, num_experts_per_tok=top_k, n_group=1,
@@ -385,6 +385,21 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
             w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
             w.add_ssm_time_step_rank(cfg.mamba_n_heads)
             w.add_rope_scaling_finetuned(cfg.position_embedding_type == "rope")
+    elif cfg.model_type == "afmoe":  # the keys llama.cpp's AfmoeModel writes
+        if not cfg.mup_enabled:
+            raise ValueError("save_gguf: llama.cpp's afmoe always scales the embeddings "
+                             "(muP); a model with mup_enabled False has no GGUF form")
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_expert_shared_count(cfg.num_shared_experts)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_leading_dense_block_count(cfg.num_dense_layers)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(float(cfg.route_scale))
+        w.add_sliding_window(cfg.sliding_window)
+        # (the converter leaves the pattern to llama.cpp's default, 3 of every 4 layers;
+        # written here so that any pattern is read back)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     elif cfg.model_type in ("qwen3_next", "qwen3_5_moe_text"):  # llama.cpp's Qwen3NextModel
         if cfg.model_type == "qwen3_next":
             w.add_feed_forward_length(cfg.intermediate_size)
@@ -533,7 +548,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3,
     glm4_moe, minimax_m2, dots1, gpt_oss, qwen3_next, qwen3_5_moe_text, ernie4_5_moe,
-    granitemoe, granitemoeshared or granitemoehybrid) as a GGUF file the
+    granitemoe, granitemoeshared, granitemoehybrid or afmoe) as a GGUF file the
     way llama.cpp's converter does (architecture names and metadata keys, stacked experts
     ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows,
     Qwen3-Next's and Qwen3.5's transformed norms and linear-attention tensors), its

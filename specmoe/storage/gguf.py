@@ -73,6 +73,7 @@ ARCHITECTURES: dict[str, str] = {
     "granitemoe": "granitemoe",  # Granite 3.x MoE; with a shared expert (Granite 4.0's
     # dense-attention models) transformers' granitemoeshared (_GRANITE_SHARED)
     "granitehybrid": "granitemoehybrid",  # Granite 4.0 H (Mamba-2 and attention layers)
+    "afmoe": "afmoe",  # Arcee's Trinity (Nano, Mini, Large)
 }
 # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
 # read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
@@ -158,6 +159,15 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "ernie4_5-moe": {**_DEEPSEEK_MLP,
                      "exp_probs_b.bias": "mlp.gate.moe_statics.e_score_correction_bias"},
     "granitemoe": _GRANITE_MOE,
+    # llama.cpp's AfmoeModel: four norms per layer, the attention's output gate, DeepSeek's
+    # MoE block with the sigmoid router's correction bias on the block
+    "afmoe": {**_DEEPSEEK_MLP,
+              "post_attention_norm.weight": "post_attention_layernorm.weight",
+              "ffn_norm.weight": "pre_mlp_layernorm.weight",
+              "post_ffw_norm.weight": "post_mlp_layernorm.weight",
+              "attn_gate.weight": "self_attn.gate_proj.weight",
+              "ffn_gate_inp.weight": "mlp.router.gate.weight",
+              "exp_probs_b.bias": "mlp.expert_bias"},
     # llama.cpp's GraniteHybridModel: Granite's MoE block and Mamba-2 layers (_MAMBA2_LAYOUT)
     "granitehybrid": {**_GRANITE_MOE,
                       "ssm_a": "mamba.A_log",
@@ -732,6 +742,8 @@ class GgufCheckpoint:
             cfg.update(self._ernie(E, ff, eff, cfg["num_hidden_layers"]))
         elif self.model_type in ("granitemoe", _GRANITE_SHARED):
             cfg.update(self._granite(E, ff, eff))
+        elif self.model_type == "afmoe":
+            cfg.update(self._afmoe(E, ff, eff, cfg["num_hidden_layers"]))
         elif self.model_type == "granitemoehybrid":
             cfg.update(self._granite(E, ff, eff), **self._mamba2(H, cfg["num_hidden_layers"]))
         elif self.model_type in ("qwen3_next", "qwen3_5_moe_text"):
@@ -868,6 +880,33 @@ class GgufCheckpoint:
                 self._m("expert_shared_feed_forward_length", 0) or
                 self._tensors["blk.0.ffn_up_shexp.weight"].shape[1])
         return out
+
+    def _afmoe(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
+        """Trinity's settings as llama.cpp's afmoe reads them: sliding-window layers by
+        ``attention.sliding_window_pattern`` (3 of every 4 where the file has none), the
+        rotary embedding on those layers only, at ``rope.freq_base_swa`` where given; the
+        embeddings scaled by sqrt(hidden) (muP: llama.cpp always applies it); sigmoid routing
+        with the block's correction bias, top-k weights normalised (transformers' model has
+        no other form: a file that says they are not is refused) and scaled."""
+        if self._m("expert_weights_norm") is False:
+            raise GgufError(f"{self.folder}: an afmoe file with expert_weights_norm false "
+                            "(transformers' Trinity always normalises its top-k weights)")
+        pat = self.meta.get(f"{self.arch}.attention.sliding_window_pattern", 4)
+        if isinstance(pat, list) and len(pat) >= L:
+            swa = [bool(x) for x in pat[:L]]
+        else:
+            n = int(pat[0] if isinstance(pat, list) else pat)
+            swa = [(i + 1) % n != 0 for i in range(L)]
+        base = self._m("rope.freq_base_swa") or self._m("rope.freq_base", 10000.0)
+        return {"num_experts": E, "moe_intermediate_size": int(eff or ff),
+                "intermediate_size": int(ff or eff),
+                "num_shared_experts": int(self._m("expert_shared_count", 0) or 0),
+                "num_dense_layers": int(self._m("leading_dense_block_count", 0) or 0),
+                "route_scale": float(self._m("expert_weights_scale", 1.0) or 1.0),
+                "sliding_window": int(self._m("attention.sliding_window", 0) or 0) or None,
+                "layer_types": ["sliding_attention" if x else "full_attention" for x in swa],
+                "mup_enabled": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": float(base)}}
 
     def _mamba2(self, H: int, L: int) -> dict[str, Any]:
         """Granite 4.0 H's Mamba-2 layers as llama.cpp's GraniteHybridModel writes them: the
