@@ -79,10 +79,11 @@ _RELEASED = {
     "granitemoehybrid": {"position_embedding_type": "nope"},  # (Granite 4.0 H: NoPE)
     "afmoe": {"route_norm": True},
 }
-# tiny models in the released layer pattern where the converter writes none (Trinity: three
-# sliding-window layers, then a global one; llama.cpp assumes it)
+# tiny models in the released form where the converter has no other (Trinity: three
+# sliding-window layers, then a global one, which llama.cpp assumes; LFM2: tied embeddings)
 _TINY = {"afmoe": dict(layers=4, overrides={"layer_types": ["sliding_attention"] * 3
-                                                          + ["full_attention"]})}
+                                                          + ["full_attention"]}),
+         "lfm2_moe": dict(overrides={"tie_word_embeddings": True})}
 # multi-token-prediction blocks of the released checkpoints, as mtp.* tensors (Qwen3-Next,
 # Qwen3.5: one full-attention decoder layer, here a copy of layer 1, with its projection and
 # norms; Qwen3.5's config says how many, Qwen3-Next's converter counts them)
@@ -119,7 +120,8 @@ def _cache_dir(tmp_path, monkeypatch):
                                           ("granitemoe", "granitemoe"),
                                           ("granitemoeshared", "granitemoeshared"),
                                           ("granitemoehybrid", "granitemoehybrid"),
-                                          ("afmoe", "afmoe")])
+                                          ("afmoe", "afmoe"),
+                                          ("lfm2_moe", "lfm2_moe")])
 def test_the_converters_file_gives_the_checkpoints_logits(arch, as_type, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))

@@ -308,12 +308,13 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_head_count(cfg.num_attention_heads)
-    if arch == "granitehybrid":  # per layer, 0 on the Mamba layers
+    if arch in ("granitehybrid", "lfm2moe"):  # per layer, 0 on the Mamba / conv layers
         w.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0
                              for t in cfg.layer_types])
     else:
         w.add_head_count_kv(1 if arch == "deepseek2" else cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_layer_norm_rms_eps(getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps)  # (LFM2's
+    # name)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_vocab_size(cfg.vocab_size)
     E = (getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None)
@@ -385,6 +386,15 @@ def gguf_metadata(w: Any, cfg: Any) -> None:
             w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
             w.add_ssm_time_step_rank(cfg.mamba_n_heads)
             w.add_rope_scaling_finetuned(cfg.position_embedding_type == "rope")
+    elif cfg.model_type == "lfm2_moe":  # the keys llama.cpp's LFM2MoeModel writes
+        if not cfg.tie_word_embeddings:
+            raise ValueError("save_gguf: llama.cpp's lfm2moe has no output matrix of its own "
+                             "(tie_word_embeddings)")
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_leading_dense_block_count(cfg.num_dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
     elif cfg.model_type == "afmoe":  # the keys llama.cpp's AfmoeModel writes
         if not cfg.mup_enabled:
             raise ValueError("save_gguf: llama.cpp's afmoe always scales the embeddings "
@@ -548,7 +558,7 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
               fuse_gate_up: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``model`` (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3,
     glm4_moe, minimax_m2, dots1, gpt_oss, qwen3_next, qwen3_5_moe_text, ernie4_5_moe,
-    granitemoe, granitemoeshared, granitemoehybrid or afmoe) as a GGUF file the
+    granitemoe, granitemoeshared, granitemoehybrid, afmoe or lfm2_moe) as a GGUF file the
     way llama.cpp's converter does (architecture names and metadata keys, stacked experts
     ``blk.N.ffn_{gate,up,down}_exps``, the ``llama`` architecture's permuted q/k rows,
     Qwen3-Next's and Qwen3.5's transformed norms and linear-attention tensors), its
@@ -668,6 +678,9 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
             vb = put(f"blk.{blk}.attn_v_b.weight", kv[:, nope:])
             held[name] = torch.from_numpy(
                 np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(a.shape).copy())
+        elif arch == "lfm2moe" and name.endswith(".conv.conv.weight"):  # [C, 1, K] squeezed
+            held[name] = torch.from_numpy(np.ascontiguousarray(
+                put(gguf_name(name, arch), a[:, 0, :])[:, None, :]))
         elif arch == "granitehybrid" and name.endswith((".mamba.A_log", ".mamba.D",
                                                          ".mamba.conv1d.weight",
                                                          ".mamba.norm.weight")):

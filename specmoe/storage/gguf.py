@@ -74,6 +74,7 @@ ARCHITECTURES: dict[str, str] = {
     # dense-attention models) transformers' granitemoeshared (_GRANITE_SHARED)
     "granitehybrid": "granitemoehybrid",  # Granite 4.0 H (Mamba-2 and attention layers)
     "afmoe": "afmoe",  # Arcee's Trinity (Nano, Mini, Large)
+    "lfm2moe": "lfm2_moe",  # Liquid's LFM2-8B-A1B / LFM2-24B-A2B
 }
 # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (3, DeepSeek-V4's sqrt-softplus, is not
 # read); a deepseek2 file with sigmoid routing is transformers' deepseek_v3 (GLM-4.7-Flash's
@@ -149,7 +150,8 @@ _JOINED: dict[str, tuple[tuple[str, str], str]] = {
     "granitehybrid": _GRANITE_SHARED_JOIN,
 }
 # the MoE block's module (transformers' name) where it is not "mlp"
-_MOE_BLOCK = {"granitemoe": "block_sparse_moe", "granitehybrid": "block_sparse_moe"}
+_MOE_BLOCK = {"granitemoe": "block_sparse_moe", "granitehybrid": "block_sparse_moe",
+              "lfm2moe": "feed_forward"}
 _GRANITE_MOE = {"ffn_gate_inp.weight": "block_sparse_moe.router.weight",
                 "ffn_down_shexp.weight": "shared_mlp.output_linear.weight"}
 # per architecture, where it differs from _LAYER_NAMES
@@ -159,6 +161,23 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "ernie4_5-moe": {**_DEEPSEEK_MLP,
                      "exp_probs_b.bias": "mlp.gate.moe_statics.e_score_correction_bias"},
     "granitemoe": _GRANITE_MOE,
+    # llama.cpp's LFM2MoeModel: short gated-convolution layers beside the attention ones
+    # (its kernel squeezed, _LFM2_LAYOUT), the MLP as w1 / w3 / w2, sigmoid routing with the
+    # block's correction bias
+    "lfm2moe": {"attn_norm.weight": "operator_norm.weight",
+                "ffn_norm.weight": "ffn_norm.weight",
+                "attn_output.weight": "self_attn.out_proj.weight",
+                "attn_q_norm.weight": "self_attn.q_layernorm.weight",
+                "attn_k_norm.weight": "self_attn.k_layernorm.weight",
+                "shortconv.conv.weight": "conv.conv.weight",
+                "shortconv.conv.bias": "conv.conv.bias",
+                "shortconv.in_proj.weight": "conv.in_proj.weight",
+                "shortconv.out_proj.weight": "conv.out_proj.weight",
+                "ffn_gate.weight": "feed_forward.w1.weight",
+                "ffn_up.weight": "feed_forward.w3.weight",
+                "ffn_down.weight": "feed_forward.w2.weight",
+                "ffn_gate_inp.weight": "feed_forward.gate.weight",
+                "exp_probs_b.bias": "feed_forward.expert_bias"},
     # llama.cpp's AfmoeModel: four norms per layer, the attention's output gate, DeepSeek's
     # MoE block with the sigmoid router's correction bias on the block
     "afmoe": {**_DEEPSEEK_MLP,
@@ -218,6 +237,8 @@ _KV_B_SPLIT = ("attn_k_b.weight", "attn_v_b.weight")
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
+# LFM2's last norm (transformers' embedding_norm, applied after the last layer)
+_ARCH_TOP_NAMES = {"lfm2moe": {"token_embd_norm.weight": "model.embedding_norm.weight"}}
 _EXPERT_NAMES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 # newer converters may write gate and up as one stacked tensor (gate rows, then up rows)
 _GATE_UP_FUSED = "ffn_gate_up_exps.weight"
@@ -234,7 +255,7 @@ _NEAREST = {"F32": "f32", "F16": "bf16", "BF16": "bf16", "Q8_0": "int8", "Q8_1":
 def gguf_name(name: str, arch: str) -> str | None:
     """The GGUF name of transformers tensor ``name`` in llama.cpp architecture ``arch`` (the
     inverse of the reader's map; None for the experts and for names it has no entry for)."""
-    top = {v: k for k, v in _TOP_NAMES.items()}
+    top = {v: k for k, v in dict(_TOP_NAMES, **_ARCH_TOP_NAMES.get(arch, {})).items()}
     if name in top:
         return top[name]
     layer = {v: k for k, v in dict(_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})).items()}
@@ -323,7 +344,8 @@ _GATED_DELTA_HOW = frozenset(_GATED_DELTA_LAYOUT.values())
 # 1], D as [heads, 1], the conv kernel [C, 1, K] squeezed, the gated norm's weight as [groups,
 # inner / groups]
 _MAMBA2_LAYOUT = {"mamba.A_log": "mamba_a_log", "mamba.D": "mamba_flat",
-                  "mamba.norm.weight": "mamba_flat", "mamba.conv1d.weight": "mamba_conv1d"}
+                  "mamba.norm.weight": "mamba_flat", "mamba.conv1d.weight": "mamba_conv1d",
+                  "conv.conv.weight": "mamba_conv1d"}  # (and LFM2's squeezed conv kernel)
 
 
 @dataclass
@@ -412,9 +434,10 @@ class GgufCheckpoint:
         pairs, joined = _JOINED.get(self.arch, ((), ""))
         split: dict[int, set[str]] = {}
         main = self._main_blocks()
+        top = dict(_TOP_NAMES, **_ARCH_TOP_NAMES.get(self.arch, {}))
         for name, t in self._tensors.items():
-            if name in _TOP_NAMES:
-                self._add(_TOP_NAMES[name], [name])
+            if name in top:
+                self._add(top[name], [name])
                 continue
             m = _BLK.match(name)
             if m is None:
@@ -439,7 +462,7 @@ class GgufCheckpoint:
                 raise GgufError(f"{self.folder}: block {i} has {sorted(got)} without its pair "
                                 f"({', '.join(pairs)})")
             self._add(f"model.layers.{i}.{joined}", [f"blk.{i}.{n}" for n in pairs])
-        if self.arch == "granitehybrid":
+        if self.arch in ("granitehybrid", "lfm2moe"):
             for key in self._sources:
                 if key.startswith("model.layers."):
                     how = _MAMBA2_LAYOUT.get(key.split(".", 3)[3])
@@ -742,6 +765,8 @@ class GgufCheckpoint:
             cfg.update(self._ernie(E, ff, eff, cfg["num_hidden_layers"]))
         elif self.model_type in ("granitemoe", _GRANITE_SHARED):
             cfg.update(self._granite(E, ff, eff))
+        elif self.model_type == "lfm2_moe":
+            cfg.update(self._lfm2(E, ff, eff, cfg["num_hidden_layers"]))
         elif self.model_type == "afmoe":
             cfg.update(self._afmoe(E, ff, eff, cfg["num_hidden_layers"]))
         elif self.model_type == "granitemoehybrid":
@@ -880,6 +905,26 @@ class GgufCheckpoint:
                 self._m("expert_shared_feed_forward_length", 0) or
                 self._tensors["blk.0.ffn_up_shexp.weight"].shape[1])
         return out
+
+    def _lfm2(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
+        """LFM2-MoE's settings as llama.cpp reads them: the convolution layers are those with
+        no k/v heads (``attention.head_count_kv`` per layer), the conv's cache length, dense
+        leading layers, sigmoid routing with the block's correction bias, the top-k weights
+        normalised (always, in llama.cpp) and scaled by ``expert_weights_scale``."""
+        kv = self.meta.get(f"{self.arch}.attention.head_count_kv")
+        if not isinstance(kv, list) or len(kv) < L:
+            raise GgufError(f"{self.folder}: {self.arch}.attention.head_count_kv is not a list "
+                            "per layer (0 on the convolution layers)")
+        return {"num_experts": E, "moe_intermediate_size": int(eff or ff),
+                "intermediate_size": int(ff or eff),
+                "num_dense_layers": int(self._m("leading_dense_block_count", 0) or 0),
+                "layer_types": ["full_attention" if int(x) else "conv" for x in kv[:L]],
+                "conv_L_cache": int(self._m("shortconv.l_cache", need=True)),
+                "conv_bias": "blk.0.shortconv.conv.bias" in self._tensors,
+                "norm_eps": float(self._m("attention.layer_norm_rms_epsilon", 1e-5)),
+                "norm_topk_prob": True,
+                "routed_scaling_factor": float(self._m("expert_weights_scale", 1.0) or 1.0),
+                "use_expert_bias": any(n.endswith(".exp_probs_b.bias") for n in self._tensors)}
 
     def _afmoe(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
         """Trinity's settings as llama.cpp's afmoe reads them: sliding-window layers by
