@@ -503,17 +503,19 @@ def test_serve_a_q4_k_m_file(_cache_dir, tmp_path):
     assert len(want) == 6 and got == srv.tokenizer.decode(want, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("arch,qtype,kinds,hidden", [
+@pytest.mark.parametrize("arch,qtype,kinds,tiny", [
     ("mixtral", "Q4_0", {"q4_0"}, 256),       # llama: q/k rows permuted in the file
     ("qwen3_moe", "Q4_K", {"q4_k"}, 256),     # hidden 256: K-quant super-blocks everywhere
     ("deepseek_v2", "Q8_0", {"q8_0"}, None),  # MLA; kv_b_proj joined from two tensors
     ("deepseek_v3", "Q4_0", {"q4_0"}, None),  # sigmoid-routed deepseek2 (DeepSeek-V3)
     ("glm4_moe", "Q8_0", {"q8_0"}, None),     # q/k/v biases beside the blocks
-    ("qwen3_5_moe_text", "Q8_0", {"q8_0"}, None),  # linear attention: its projections
-    # stored reordered are read through the dequantizing path
+    ("qwen3_next", "Q8_0", {"q8_0"}, None),   # in_proj_qkvz joined from two tensors' blocks
+    # Qwen3.5: the value heads' rows and (in whole blocks: heads of 32) out_proj's columns put
+    # back in transformers' order
+    ("qwen3_5_moe_text", "Q8_0", {"q8_0"}, {"linear_value_head_dim": 32}),
     ("olmoe", "Q5_0", {"q8_0"}, 256)])        # Q5_0 widened to Q8_0 without loss
 def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, monkeypatch, arch, qtype,
-                                              kinds, hidden):
+                                              kinds, tiny):
     """dense="gguf": every dense layer the file holds in a kept block format runs on those
     blocks (each one dequantizes to exactly the weights the file holds, a llama q/k's rows
     in the model's order); the rest keep the model's format; logits on the exact kernel path
@@ -523,7 +525,8 @@ def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, monkeypatch,
 
     from specmoe.models.layers import CLinear
 
-    kw = {"hidden": hidden} if hidden else {}
+    # tiny: the hidden size, or config overrides
+    kw = {"overrides": tiny} if isinstance(tiny, dict) else {"hidden": tiny} if tiny else {}
     path, held = save_gguf(tiny_model(arch, **kw), tmp_path / "d.gguf", qtype=qtype)
     ref = tiny_model(arch, **kw)
     missing, unexpected = ref.load_state_dict(held, strict=False)
@@ -547,6 +550,10 @@ def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, monkeypatch,
         lins = {n: m for n, m in model.named_modules() if isinstance(m, CLinear)}
         on_blocks = {n: m for n, m in lins.items() if m.dtype in gb.BLOCKS}
         assert len(on_blocks) >= 4 * 2, sorted(lins)  # the attention of both layers at least
+        if arch in ("qwen3_next", "qwen3_5_moe_text"):  # the reordered projections too
+            assert {"model.layers.0.linear_attn.in_proj_qkvz" if arch == "qwen3_next" else
+                    "model.layers.0.linear_attn.in_proj_qkv",
+                    "model.layers.0.linear_attn.out_proj"} <= set(on_blocks), sorted(on_blocks)
         for name, m in on_blocks.items():  # (q/k/v may read one joint block: fuse_qkv)
             cols, bb = gb.BLOCKS[m.dtype]
             w0, n = m._desc["weight"], m.out_features * (m.in_features // cols) * bb

@@ -598,43 +598,85 @@ class GgufCheckpoint:
         from .ggml_blocks import BLOCKS, TYPE_OF_GGML
 
         names = self._sources.get(key)
-        if not names or len(names) != 1 or key in self._layout:
+        if not names:
             return None
-        t = self._tensors[names[0]]
-        kind = TYPE_OF_GGML.get(t.tensor_type.name)
-        if kind is None or len(t.data.shape) != 2:
+        ts = [self._tensors[n] for n in names]
+        kinds = {TYPE_OF_GGML.get(t.tensor_type.name) for t in ts}
+        if len(kinds) != 1 or None in kinds or any(len(t.data.shape) != 2 for t in ts) \
+                or len({int(t.shape[0]) for t in ts}) != 1:
+            return None
+        kind = kinds.pop()
+        if self._block_order(key, kind) is None:
             return None
         cols, nbytes = BLOCKS[kind]
-        return kind, int(t.shape[1]) * int(t.shape[0]) // cols * nbytes
+        return kind, sum(int(t.shape[1]) * int(t.shape[0]) // cols * nbytes for t in ts)
+
+    def _block_order(self, key: str, kind: str) -> tuple[Any, Any] | None:
+        """How the file's blocks of dense weight ``key`` make the transformers matrix when only
+        the order of its rows or of whole blocks of columns changed: (the row order over its
+        sources' rows stacked, the column-block order), each None where nothing moves; None
+        when the blocks cannot be kept (values changed, several sources joined otherwise than
+        by rows, a column order that splits a block).  Qwen3-Next's in_proj_qkvz and Qwen3.5's
+        tiled value heads keep their blocks this way (:data:`_GATED_DELTA_LAYOUT`)."""
+        from .ggml_blocks import BLOCKS
+
+        how, names = self._layout.get(key), self._sources[key]
+        if how is None:
+            return None, None  # (the sources' rows stacked, as _assemble joins them)
+        if how in ("qkv_v_rows", "v_rows", "v_heads", "qkvz"):
+            rows = [int(self._tensors[n].shape[1]) for n in names]
+            idx = np.split(np.arange(sum(rows))[:, None], np.cumsum(rows)[:-1])
+            return self._gated_delta(key, how, idx)[:, 0], None
+        if how == "v_cols":
+            bc = BLOCKS[kind][0]
+            cols = int(self._tensors[names[0]].shape[0])
+            order = self._gated_delta(key, how, [np.arange(cols)[None, :]])[0]
+            starts = order[::bc]
+            if cols % bc or np.any(starts % bc) or np.any(
+                    order.reshape(-1, bc) != starts[:, None] + np.arange(bc)):
+                return None
+            return None, starts // bc
+        return None
 
     def dense_blocks(self, key: str) -> tuple[np.ndarray, str] | None:
         """Dense weight ``key`` (a 2-D ``nn.Linear`` weight: attention, shared or dense MLP,
         lm_head) as the file holds it, for ``dense="gguf"``: (uint8 [rows, blocks, block
-        bytes], kind), its rows in the transformers order (``llama``'s q/k rows unpermuted;
-        row order is all that changes) and Q5_0 widened to Q8_0 without loss; None when
-        the file holds it in a type the block kernels do not read (F32, F16, BF16, Q5_1, the
-        other IQ types) or the model's tensor is assembled from several (DeepSeek's
-        ``kv_b_proj``).  A copy in memory of its own, not a view of the file's map."""
+        bytes], kind), its rows (and whole blocks of columns) in the transformers order
+        (``llama``'s q/k rows unpermuted, Qwen3-Next's and Qwen3.5's reordered projections put
+        back: :meth:`_block_order`; the values are the file's) and Q5_0 widened to Q8_0 without
+        loss; None when the file holds it in a type the block kernels do not read (F32, F16,
+        BF16, Q5_1, the other IQ types) or the model's tensor is assembled from the file's
+        otherwise (DeepSeek's ``kv_b_proj``, Qwen3.5's out_proj in K-quants).  A copy in memory
+        of its own, not a view of the file's map."""
         from .ggml_blocks import BLOCKS, widen_to_q8_0
 
         got = self.dense_kind(key)
         if got is None:
             return None
         kind, names = got[0], self._sources[key]
-        t = self._tensors[names[0]]
-        try:
-            raw = np.asarray(t.data)
-            rows = raw.shape[0]
-            if kind == "q8_0":  # Q8_0 as it is (a copy), Q5_0 widened, 4096 rows at a time
-                blocks = np.empty((rows, int(t.shape[0]) // 32, 34), np.uint8)
-                for r0 in range(0, rows, 4096):
-                    part = raw[r0:r0 + 4096]
-                    blocks[r0:r0 + part.shape[0]] = widen_to_q8_0(
-                        part.reshape(part.shape[0], -1), t.tensor_type.name)
-            else:
-                blocks = np.array(raw.reshape(rows, -1, BLOCKS[kind][1]))
-        except (ValueError, IndexError, OSError) as exc:
-            raise GgufError(f"{self.folder}: cannot read tensor {names[0]}: {exc}") from None
+        parts = []
+        for name in names:
+            t = self._tensors[name]
+            try:
+                raw = np.asarray(t.data)
+                rows = raw.shape[0]
+                if kind == "q8_0":  # Q8_0 as it is (a copy), Q5_0 widened, 4096 rows at a time
+                    blocks = np.empty((rows, int(t.shape[0]) // 32, 34), np.uint8)
+                    for r0 in range(0, rows, 4096):
+                        part = raw[r0:r0 + 4096]
+                        blocks[r0:r0 + part.shape[0]] = widen_to_q8_0(
+                            part.reshape(part.shape[0], -1), t.tensor_type.name)
+                else:
+                    blocks = np.array(raw.reshape(rows, -1, BLOCKS[kind][1]))
+            except (ValueError, IndexError, OSError) as exc:
+                raise GgufError(f"{self.folder}: cannot read tensor {name}: {exc}") from None
+            parts.append(blocks)
+        blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        rows_order, col_blocks = self._block_order(key, kind)
+        if rows_order is not None:
+            blocks = blocks[rows_order]
+        if col_blocks is not None:
+            blocks = blocks[:, col_blocks]
         return np.ascontiguousarray(self._fix(key, blocks)), kind
 
     def kept_blocks(self, dtype: str) -> str | None:
