@@ -305,6 +305,54 @@ static PyObject *kc_read_bw(KernelContextObject *self, PyObject *args) {
     return PyFloat_FromDouble(bps);
 }
 
+/* gated_delta(q, k, v, g, beta, state, out, l2norm): smoe_gated_delta on numpy arrays (shapes
+ * in its comment, kernels.h), without the GIL. */
+static PyObject *kc_gated_delta(KernelContextObject *self, PyObject *args) {
+    PyObject *q_o, *k_o, *v_o, *g_o, *b_o, *s_o, *o_o;
+    int l2norm;
+    if (!PyArg_ParseTuple(args, "OOOOOOOp:gated_delta", &q_o, &k_o, &v_o, &g_o, &b_o, &s_o,
+                          &o_o, &l2norm))
+        return NULL;
+    smoe_kctx *c = smoe_py_kctx((PyObject *)self);
+    if (!c) return NULL;
+    PyArrayObject *q = as_array(q_o, NPY_FLOAT32, 4, "q", 0), *k, *v, *g, *b, *st, *out;
+    if (!q || !(k = as_array(k_o, NPY_FLOAT32, 4, "k", 0)) ||
+        !(v = as_array(v_o, NPY_FLOAT32, 4, "v", 0)) ||
+        !(g = as_array(g_o, NPY_FLOAT32, 3, "g", 0)) ||
+        !(b = as_array(b_o, NPY_FLOAT32, 3, "beta", 0)) ||
+        !(st = as_array(s_o, NPY_FLOAT32, 4, "state", 1)) ||
+        !(out = as_array(o_o, NPY_FLOAT32, 4, "out", 1)))
+        return NULL;
+    npy_intp *qd = PyArray_DIMS(q), *vd = PyArray_DIMS(v), *sd = PyArray_DIMS(st);
+    const npy_intp B = qd[0], T = qd[1], Hk = qd[2], dk = qd[3], Hv = vd[2], dv = vd[3];
+    int same = 1;
+    for (int i = 0; i < 4; i++) same &= PyArray_DIM(k, i) == qd[i] && PyArray_DIM(out, i) == vd[i];
+    same &= vd[0] == B && vd[1] == T && sd[0] == B && sd[1] == Hv && sd[2] == dk && sd[3] == dv;
+    for (int i = 0; i < 3; i++)
+        same &= PyArray_DIM(g, i) == vd[i] && PyArray_DIM(b, i) == vd[i];
+    if (!same || B > UINT32_MAX || T > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError,
+                        "gated_delta: shapes must be q, k [B, T, Hk, dk], v, out [B, T, Hv, dv], "
+                        "g, beta [B, T, Hv], state [B, Hv, dk, dv]");
+        return NULL;
+    }
+    if (PyArray_DATA(out) == PyArray_DATA(st)) {
+        PyErr_SetString(PyExc_ValueError, "gated_delta: out and state must not alias");
+        return NULL;
+    }
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_gated_delta(c, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v), PyArray_DATA(g),
+                          PyArray_DATA(b), PyArray_DATA(st), PyArray_DATA(out), (uint32_t)B,
+                          (uint32_t)T, (uint32_t)Hk, (uint32_t)Hv, (uint32_t)dk, (uint32_t)dv,
+                          l2norm, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
 static PyObject *kc_scratch_bytes(KernelContextObject *self, PyObject *args) {
     (void)self;
     PyObject *desc_o;
@@ -324,6 +372,9 @@ static PyMethodDef kc_methods[] = {
      "ffn_forward(desc, block, x, out, rows=None, scale=None): out[r] += scale * FFN(x[r])."},
     {"read_bw", (PyCFunction)kc_read_bw, METH_VARARGS,
      "read_bw(buffer, iters) -> bytes/s of a vectorized multithreaded read of buffer."},
+    {"gated_delta", (PyCFunction)kc_gated_delta, METH_VARARGS,
+     "gated_delta(q, k, v, g, beta, state, out, l2norm): the gated delta rule's recurrent "
+     "steps (kernels.h smoe_gated_delta); state updated in place, out written."},
     {"scratch_bytes", (PyCFunction)kc_scratch_bytes, METH_VARARGS,
      "scratch_bytes(desc, tokens) -> scratch bytes one call needs."},
     {NULL, NULL, 0, NULL}};

@@ -299,6 +299,23 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *d, const uint8_t *
                         const float *bias, const float *x, size_t x_stride, uint32_t T, float *out,
                         size_t out_stride, void *scratch, smoe_err *err);
 
+/* The gated delta rule, recurrent form (Qwen3-Next's and Qwen3.5's gated DeltaNet decode step,
+ * as transformers' torch_recurrent_gated_delta_rule computes it): for each sequence b, value
+ * head h (its key head h / (Hv / Hk)) and token t in order,
+ *   q, k  <- q / |q|, k / |k| when l2norm (|x| = sqrt(sum x^2 + 1e-6)); then q /= sqrt(dk)
+ *   u     <- beta[b,t,h] * (v - e S^T k),   e = exp(g[b,t,h])        (S: state[b, h])
+ *   S     <- e S + k u^T                                            (in place)
+ *   out   <- S^T q
+ * q, k f32 [B, T, Hk, dk]; v, out f32 [B, T, Hv, dv]; g (the log decay), beta f32 [B, T, Hv];
+ * state f32 [B, Hv, dk, dv], C order, updated in place.  Hv a multiple of Hk, dk, dv <= 512.
+ * (sequence, head) pairs are split over c's threads (c NULL: the caller alone); f32 throughout,
+ * the sums in another order than torch's (agreement to f32 rounding: tests/test_linear_attn.py).
+ * Returns the usual status. */
+int smoe_gated_delta(smoe_kctx *c, const float *q, const float *k, const float *v,
+                     const float *g, const float *beta, float *state, float *out, uint32_t B,
+                     uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t dk, uint32_t dv,
+                     int l2norm, smoe_err *err);
+
 /* Ceiling for benchmarks: read `bytes` of buf `iters` times with the same threads and ISA as
  * the kernels (vector loads, summed so they cannot be elided).  *bytes_per_s receives the
  * rate; the return is the usual status. */

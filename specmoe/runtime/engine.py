@@ -189,6 +189,7 @@ class Engine(EngineCommon):
         link emulation and the low-bit fallback levels (``"int4"``, ``"int4:int2"``), see
         :mod:`specmoe.runtime.misses`."""
         from ..models.dense import convert_dense
+        from ..models.linear_attn import prepare as prepare_recurrent
         from .kernels import FFNSpec, context, down_dtype_codes
         from ..storage.store import ExpertStore
         info, ids = describe(model)
@@ -308,6 +309,9 @@ class Engine(EngineCommon):
         # weights load at their own dtype, and under a budget planned for int8 dense layers
         # (specmoe.runtime.memplan) the bf16 copies must be gone before the slots are taken
         self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
+        # the recurrent layers' per-token work that transformers' torch code makes slow on a
+        # CPU (bf16 depthwise convolutions, the gated delta rule): specmoe.models.linear_attn
+        self.recurrent = prepare_recurrent(model, self._kctx)
         trim_heap()  # the freed copies' pages back to the kernel before the slots are taken
         try:
             self._open_cache(cache)

@@ -1,0 +1,292 @@
+"""Qwen3.5-MoE decode speed on the same GGUF file: specmoe against llama.cpp, and where a
+specmoe decode step spends its time.
+
+    python benchmarks/hybrid_peers.py --json [--rounds 2] [--threads 1,2] [--layers 4]
+
+Qwen3.5's MoE models (Qwen3.5-35B-A3B and its family) put three gated-DeltaNet
+(linear-attention) layers before each full-attention one; llama.cpp reads them as
+``qwen35moe`` GGUF files, and so does specmoe (``specmoe.storage.gguf``).  This measures how
+fast specmoe decodes such a file where the attention of most layers is not a kind its C
+decoder layer runs.
+
+Model.  A random-weight Qwen3.5-MoE text model at Qwen3.5-35B-A3B's per-layer shapes (hidden
+2048; full attention: 16 heads of 256, 2 k/v heads, the output gate in q_proj, a quarter of
+each head rotary; gated DeltaNet: 16 key heads and 32 value heads of 128, conv kernel 4;
+experts of FFN 512, top-8, a shared expert of 512), with fewer layers (``--layers``, default
+4: three linear-attention layers and a full-attention one, the model's own pattern), fewer
+experts (``--experts``, default 32 of 256: the bytes a token reads do not depend on the
+count) and the zoo tokenizer's 8192-token vocabulary (llama.cpp needs a vocabulary in the
+file).  Written once as a Q4_0 GGUF file by ``specmoe.models.testing.save_gguf`` (the way
+llama.cpp's converter writes it: its checked against the converter in
+tests/test_gguf_converter.py and against llama-server in tests/test_gguf_llama_cpp.py), every
+matrix Q4_0, norms and routers F32, under ``--workdir`` (default ``~/.cache/specmoe/bench``;
+never committed).
+
+Rows (each round runs both, in alternating order, each thread count of ``--threads``):
+
+* ``llama.cpp-Q4_0``: ``llama-bench -m FILE -p 0 -n 32 -d 64 -r 1``: 32 generated tokens
+  after a 64-token context (its ``avg_ts``).
+* ``specmoe-gguf``: ``specmoe.from_pretrained(FILE, cache=1.0)`` (defaults: the Q4_0 experts
+  kept as they are, every dense matrix the file holds in blocks run on those blocks,
+  ``dense="auto"``), every expert loaded before timing; ``model.generate`` (greedy, no
+  end-of-sequence stop) of 33 tokens after a 64-token prompt, 32 decode steps timed between
+  the logits of the first forward pass and the last (as ``benchmarks/decode_peers.py`` times
+  ``model.generate``; ``specmoe.generate`` refuses linear attention), after a warm-up
+  generation.  Then an instrumented generation: wall time inside each layer's linear
+  attention, full attention and MoE block (forward hooks), per decode step; the rest of a
+  step is ``other`` (embedding, norms, lm_head, sampling, the loop).
+
+``vs_llama_cpp`` is specmoe's tok/s over llama.cpp's in the same round; ``vs_llama_cpp_runs``
+lists every round.  The results name the host (CPU model, ISA, threads).  llama.cpp is the
+build under ``$SPECMOE_PEERS`` (``benchmarks/big_model.py --build-peers``); a row that cannot
+run carries ``error`` with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import hostinfo  # noqa: E402
+
+PROMPT, DECODE, WARM = 64, 32, 8
+
+
+def log(*a: Any) -> None:
+    print("[hybrid_peers]", *a, file=sys.stderr, flush=True)
+
+
+def config(layers: int, experts: int, vocab: int) -> Any:
+    """Qwen3.5-35B-A3B's per-layer shapes (see the module docstring)."""
+    from transformers import Qwen3_5MoeTextConfig
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+             for i in range(layers)]
+    return Qwen3_5MoeTextConfig(
+        vocab_size=vocab, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, max_position_embeddings=4096,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=experts, num_experts_per_tok=8,
+        layer_types=kinds, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True})
+
+
+def write_file(path: Path, layers: int, experts: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specmoe import zoo
+    from specmoe.models.testing import save_gguf
+    if path.is_file():
+        return {"path": str(path), "bytes": path.stat().st_size, "written": False}
+    tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
+    torch.manual_seed(0)
+    t0 = time.time()
+    cfg = config(layers, experts, tok.vocab_size)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # routers far from uniform, as in trained models
+        for n, p in model.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.02 * 8)
+    tmp = path.with_suffix(".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_gguf(model, tmp, qtype="Q4_0", tokenizer=tok)
+    tmp.rename(path)
+    log(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB) in {time.time() - t0:.0f} s")
+    return {"path": str(path), "bytes": path.stat().st_size, "written": True,
+            "seconds": round(time.time() - t0, 1)}
+
+
+def llama_row(bench: Path, path: Path, threads: int) -> dict[str, Any]:
+    argv = [str(bench), "-m", str(path), "-p", "0", "-n", str(DECODE), "-d", str(PROMPT),
+            "-r", "1", "-t", str(threads), "-o", "json"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        return {"error": "llama-bench failed: " + " | ".join(r.stderr.strip().splitlines()[-3:])}
+    try:
+        res = json.loads(r.stdout)
+        return {"tok_per_s": float(res[-1]["avg_ts"])}
+    except (ValueError, KeyError, IndexError) as exc:
+        return {"error": f"llama-bench printed no result ({exc}): {r.stdout[-300:]}"}
+
+
+def worker(path: str, threads: list[int]) -> None:
+    """One specmoe process: every thread count in turn; one JSON line on stdout."""
+    import numpy as np
+    import torch
+
+    import specmoe
+    from specmoe.runtime import kernels
+    from big_model import load_every_expert
+    model = specmoe.from_pretrained(path, cache=1.0, progress=False, prefetch=False)
+    eng = specmoe.engine_of(model)
+    load_every_expert(eng)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompt = rng.integers(3, vocab, PROMPT).tolist()
+    warm = rng.integers(3, vocab, PROMPT).tolist()
+
+    class Clock:
+        """A logits processor: the time of each forward pass of model.generate (the first is
+        the prefill); at the first one the parts' sums restart (``spent``, below)."""
+
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def __call__(self, ids: Any, scores: Any) -> Any:
+            if not self.t:
+                spent.clear()
+            self.t.append(time.perf_counter())
+            return scores
+
+    def steps(ids: list[int], n: int) -> Clock:
+        """n decode steps after the prompt ``ids`` by model.generate (specmoe.generate
+        refuses models with linear attention: its prefill split is not bit-exact with
+        transformers' chunked form; ``specmoe run`` uses model.generate there too)."""
+        from transformers import LogitsProcessorList
+        clock = Clock()
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n + 1,
+                           do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                           pad_token_id=0)
+        if len(clock.t) != n + 1:
+            raise RuntimeError(f"expected {n + 1} forward passes, saw {len(clock.t)}")
+        return clock
+
+    model.generation_config.eos_token_id = None  # (as llama.cpp's --ignore-eos)
+    # where a step goes: wall time inside each kind of module (forward hooks), counted from
+    # the end of the prefill (the first forward pass's logits) to the last step's
+    spent: dict[str, float] = {}
+    start: dict[int, float] = {}
+    mods = [(kind, mod) for layer in model.model.layers
+            for kind, mod in (("linear_attention", getattr(layer, "linear_attn", None)),
+                              ("full_attention", getattr(layer, "self_attn", None)),
+                              ("moe", getattr(layer, "mlp", None))) if mod is not None]
+
+    def pre(m: Any, a: Any) -> None:
+        start[id(m)] = time.perf_counter()
+
+    def post(kind: str) -> Any:
+        def hook(m: Any, a: Any, o: Any) -> None:
+            spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - start.pop(id(m))
+        return hook
+
+    out: dict[str, Any] = {"dense": eng.dense.dtype if getattr(eng, "dense", None) else None,
+                           "rows": {}}
+    for th in threads:
+        torch.set_num_threads(th)
+        kernels.set_num_threads(th)
+        steps(warm, WARM)
+        c = steps(prompt, DECODE)
+        row: dict[str, Any] = {"tok_per_s": DECODE / (c.t[-1] - c.t[0]),
+                               "loop": "model.generate"}
+        handles = [h for kind, mod in mods for h in (mod.register_forward_pre_hook(pre),
+                                                     mod.register_forward_hook(post(kind)))]
+        try:
+            clock = steps(prompt, DECODE)
+        finally:
+            for h in handles:
+                h.remove()
+        step_ms = (clock.t[-1] - clock.t[0]) / DECODE * 1e3
+        parts = {k: v / DECODE * 1e3 for k, v in spent.items()}
+        parts["other"] = step_ms - sum(parts.values())
+        row["instrumented_step_ms"] = round(step_ms, 3)
+        row["step_ms_by_part"] = {k: round(v, 3) for k, v in parts.items()}
+        out["rows"][str(th)] = row
+    eng.close()
+    print(json.dumps(out))
+
+
+def specmoe_row(path: Path, threads: list[int]) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, __file__, "--_worker", str(path),
+                        "--threads", ",".join(map(str, threads))],
+                       capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        return {"error": "specmoe worker failed: " +
+                " | ".join(r.stderr.strip().splitlines()[-3:])}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--workdir", default=os.environ.get("SPECMOE_BENCH",
+                                                        "~/.cache/specmoe/bench"))
+    ap.add_argument("--save", help="also write the JSON object to this file")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    if a._worker:
+        worker(a._worker, threads)
+        return
+    work = Path(a.workdir).expanduser() / "hybrid_peers"
+    path = work / f"qwen35moe-L{a.layers}-E{a.experts}-Q4_0.gguf"
+    made = write_file(path, a.layers, a.experts)
+    peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
+    bench = peers / "llama.cpp-build" / "bin" / "llama-bench"
+    rounds: list[dict[str, Any]] = []
+    for k in range(a.rounds):
+        order = ["llama.cpp", "specmoe"] if k % 2 == 0 else ["specmoe", "llama.cpp"]
+        got: dict[str, Any] = {}
+        for who in order:
+            log(f"round {k + 1}/{a.rounds}: {who}")
+            if who == "specmoe":
+                got[who] = specmoe_row(path, threads)
+            elif not bench.is_file():
+                got[who] = {"error": f"llama-bench not built under {peers} "
+                                     "(benchmarks/big_model.py --build-peers)"}
+            else:
+                got[who] = {str(t): llama_row(bench, path, t) for t in threads}
+        rounds.append(got)
+    rows = []
+    for t in threads:
+        sm = [r["specmoe"].get("rows", {}).get(str(t), {}) for r in rounds]
+        lc = [r["llama.cpp"].get(str(t), r["llama.cpp"]) for r in rounds]
+        ratios = [s["tok_per_s"] / c["tok_per_s"] for s, c in zip(sm, lc)
+                  if "tok_per_s" in s and "tok_per_s" in c]
+        rows.append({"name": "specmoe-gguf", "threads": t,
+                     "tok_per_s_runs": [s.get("tok_per_s") for s in sm],
+                     "step_ms_by_part_runs": [s.get("step_ms_by_part") for s in sm],
+                     "vs_llama_cpp": statistics.median(ratios) if ratios else None,
+                     "vs_llama_cpp_runs": [round(x, 4) for x in ratios],
+                     "errors": [r["specmoe"]["error"] for r in rounds
+                                if "error" in r["specmoe"]] or None})
+        rows.append({"name": "llama.cpp-Q4_0", "threads": t,
+                     "tok_per_s_runs": [c.get("tok_per_s") for c in lc],
+                     "errors": [c["error"] for c in lc if "error" in c] or None})
+    res = {"config": {"model": "qwen35moe (Qwen3.5-35B-A3B per-layer shapes)",
+                      "layers": a.layers, "experts": a.experts, "prompt_tokens": PROMPT,
+                      "decode_tokens": DECODE, "rounds": a.rounds, "file": made,
+                      "machine": hostinfo.host(threads),
+                      "dense": next((r["specmoe"].get("dense") for r in rounds
+                                     if "dense" in r["specmoe"]), None)},
+           "rows": rows}
+    text = json.dumps(res, indent=1)
+    if a.save:
+        Path(a.save).write_text(text + "\n")
+    if a.json:
+        print(text)
+    else:
+        for r in rows:
+            print(r)
+
+
+if __name__ == "__main__":
+    main()
