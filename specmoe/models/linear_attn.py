@@ -19,6 +19,7 @@ keeps transformers' own code (the C step is chosen per module instance, see
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import re
 import sys
@@ -43,7 +44,9 @@ def prepare(model: nn.Module, ctx: Any) -> dict[str, list[str]]:
     return {"f32_convs": f32_short_convs(model), "c_gated_delta": use_c_gated_delta(model, ctx)}
 
 
+@functools.lru_cache(maxsize=None)
 def _class_source(cls: type) -> str | None:
+    """``cls``'s source (inspect reads and tokenizes its file: cached, as every offload asks)."""
     try:
         return inspect.getsource(cls)
     except (OSError, TypeError):
@@ -161,8 +164,10 @@ def use_c_gated_delta(model: nn.Module, ctx: Any) -> list[str]:
         for name, mod in model.named_modules():
             ns = sys.modules.get(type(mod).__module__)
             fn = getattr(ns, _FN, None) if ns is not None else None
+            if fn is None:  # (most modules: checked before reading any source)
+                continue
             src = _class_source(type(mod))
-            if fn is None or src is None or f"{_FN}(" not in src or "def forward" not in src:
+            if src is None or f"{_FN}(" not in src or "def forward" not in src:
                 continue
             original = getattr(fn, "_specmoe_original", fn)
             if ns.__name__ not in checked:

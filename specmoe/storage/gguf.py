@@ -129,7 +129,7 @@ _DEEPSEEK_MLP: dict[str, str] = {
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
 # the gated DeltaNet (linear attention) layers of Qwen3-Next and Qwen3.5, as llama.cpp's
-# Qwen3NextModel names them; several are stored transformed (_GatedDelta undoes it)
+# Qwen3NextModel names them; several are stored transformed (_GATED_DELTA_LAYOUT)
 _GATED_DELTA: dict[str, str] = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ssm_a": "linear_attn.A_log",
@@ -162,7 +162,7 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
                      "exp_probs_b.bias": "mlp.gate.moe_statics.e_score_correction_bias"},
     "granitemoe": _GRANITE_MOE,
     # llama.cpp's LFM2MoeModel: short gated-convolution layers beside the attention ones
-    # (its kernel squeezed, _LFM2_LAYOUT), the MLP as w1 / w3 / w2, sigmoid routing with the
+    # (its kernel squeezed, _MAMBA2_LAYOUT), the MLP as w1 / w3 / w2, sigmoid routing with the
     # block's correction bias
     "lfm2moe": {"attn_norm.weight": "operator_norm.weight",
                 "ffn_norm.weight": "ffn_norm.weight",
