@@ -51,7 +51,7 @@ test-install: setup
 test-bench: build
 	SPECMOE_TEST_BENCH=1 $(PY) -m pytest -q -rs tests/test_speculation_bench.py \
 		tests/test_bench_harness.py tests/test_serve_bench.py tests/test_gptoss_bench.py \
-		tests/test_predictors_bench.py
+		tests/test_predictors_bench.py tests/test_hybrid_bench.py
 
 # The GPU tier on a machine with a GPU (issue 12; docs/gpu.md): rebuild with the toolkit
 # required (SPECMOE_CUDA=1, so a missing nvcc is an error, not a skip), run the GPU tests with

@@ -2,6 +2,7 @@
 specmoe decode step spends its time.
 
     python benchmarks/hybrid_peers.py --json [--rounds 2] [--threads 1,2] [--layers 4]
+    python benchmarks/hybrid_peers.py --quick --json     # small shapes, 1 round: a smoke test
 
 Qwen3.5's MoE models (Qwen3.5-35B-A3B and its family) put three gated-DeltaNet
 (linear-attention) layers before each full-attention one; llama.cpp reads them as
@@ -65,17 +66,21 @@ def log(*a: Any) -> None:
     print("[hybrid_peers]", *a, file=sys.stderr, flush=True)
 
 
-def config(layers: int, experts: int, vocab: int) -> Any:
-    """Qwen3.5-35B-A3B's per-layer shapes (see the module docstring)."""
+def config(layers: int, experts: int, vocab: int, quick: bool = False) -> Any:
+    """Qwen3.5-35B-A3B's per-layer shapes (see the module docstring); ``quick``: an eighth of
+    every width, for a smoke run."""
     from transformers import Qwen3_5MoeTextConfig
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
              for i in range(layers)]
+    w = 8 if quick else 1
     return Qwen3_5MoeTextConfig(
-        vocab_size=vocab, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16,
-        num_key_value_heads=2, head_dim=256, max_position_embeddings=4096,
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
-        shared_expert_intermediate_size=512, num_experts=experts, num_experts_per_tok=8,
+        vocab_size=vocab, hidden_size=2048 // w, num_hidden_layers=layers,
+        num_attention_heads=16 // w, num_key_value_heads=2, head_dim=256 // w,
+        max_position_embeddings=4096, linear_conv_kernel_dim=4,
+        linear_key_head_dim=128 // w, linear_value_head_dim=128 // w,
+        linear_num_key_heads=16 // w, linear_num_value_heads=32 // w,
+        moe_intermediate_size=512 // w, shared_expert_intermediate_size=512 // w,
+        num_experts=experts, num_experts_per_tok=8,
         layer_types=kinds, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
@@ -83,7 +88,7 @@ def config(layers: int, experts: int, vocab: int) -> Any:
                          "mrope_interleaved": True})
 
 
-def write_file(path: Path, layers: int, experts: int) -> dict[str, Any]:
+def write_file(path: Path, layers: int, experts: int, quick: bool = False) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -94,7 +99,7 @@ def write_file(path: Path, layers: int, experts: int) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
     torch.manual_seed(0)
     t0 = time.time()
-    cfg = config(layers, experts, tok.vocab_size)
+    cfg = config(layers, experts, tok.vocab_size, quick)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # routers far from uniform, as in trained models
         for n, p in model.named_parameters():
@@ -223,6 +228,8 @@ def specmoe_row(path: Path, threads: list[int]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--quick", action="store_true",
+                    help="an eighth of every width, 8 experts, 1 round: a smoke test")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--layers", type=int, default=4)
@@ -236,9 +243,11 @@ def main() -> None:
     if a._worker:
         worker(a._worker, threads)
         return
+    if a.quick:
+        a.experts, a.rounds = 8, 1
     work = Path(a.workdir).expanduser() / "hybrid_peers"
-    path = work / f"qwen35moe-L{a.layers}-E{a.experts}-Q4_0.gguf"
-    made = write_file(path, a.layers, a.experts)
+    path = work / f"qwen35moe-L{a.layers}-E{a.experts}{'-quick' if a.quick else ''}-Q4_0.gguf"
+    made = write_file(path, a.layers, a.experts, a.quick)
     peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
     bench = peers / "llama.cpp-build" / "bin" / "llama-bench"
     rounds: list[dict[str, Any]] = []
@@ -272,7 +281,8 @@ def main() -> None:
                      "tok_per_s_runs": [c.get("tok_per_s") for c in lc],
                      "errors": [c["error"] for c in lc if "error" in c] or None})
     res = {"config": {"model": "qwen35moe (Qwen3.5-35B-A3B per-layer shapes)",
-                      "layers": a.layers, "experts": a.experts, "prompt_tokens": PROMPT,
+                      "layers": a.layers, "experts": a.experts, "quick": a.quick,
+                      "prompt_tokens": PROMPT,
                       "decode_tokens": DECODE, "rounds": a.rounds, "file": made,
                       "machine": hostinfo.host(threads),
                       "dense": next((r["specmoe"].get("dense") for r in rounds

@@ -1,0 +1,35 @@
+"""benchmarks/hybrid_peers.py --quick --json: a smoke run of the Qwen3.5-MoE same-file
+benchmark (the random GGUF written the converter's way, specmoe's row with the step split by
+part, and llama.cpp's row or the reason it did not run).  Run by `make test-bench`."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not os.environ.get("SPECMOE_TEST_BENCH"),
+                                reason="benchmark smoke runs: make test-bench runs them")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_reads_one_file_on_both_sides(tmp_path):
+    env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_peers.py"), "--quick",
+                        "--json", "--threads", "1", "--workdir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["config"]["quick"] and out["config"]["machine"]["cpu"]
+    assert out["config"]["dense"] == "gguf"  # the file's own blocks
+    rows = {(r["name"], r["threads"]): r for r in out["rows"]}
+    s, ll = rows[("specmoe-gguf", 1)], rows[("llama.cpp-Q4_0", 1)]
+    assert s["tok_per_s_runs"][0] > 0 and not s["errors"], s
+    parts = s["step_ms_by_part_runs"][0]
+    assert {"linear_attention", "full_attention", "moe", "other"} <= set(parts)
+    assert all(parts[k] > 0 for k in ("linear_attention", "full_attention", "moe")), parts
+    # llama.cpp runs where it is built; otherwise its row says why (never dropped)
+    assert ll["tok_per_s_runs"][0] or "llama-bench" in " ".join(ll["errors"] or []), ll
+    assert len(s["vs_llama_cpp_runs"]) == (1 if ll["tok_per_s_runs"][0] else 0)
