@@ -916,6 +916,23 @@ class GgufCheckpoint:
             kv = max(int(x) for x in kv) or heads
         return int(kv)
 
+    def _kv_per_layer(self, L: int, recurrent: str) -> list[Any]:
+        """``attention.head_count_kv`` of a hybrid model's file: one count per layer, 0 on
+        its ``recurrent`` layers (the layer kinds are read from it)."""
+        kv = self.meta.get(f"{self.arch}.attention.head_count_kv")
+        if not isinstance(kv, list) or len(kv) < L:
+            raise GgufError(f"{self.folder}: {self.arch}.attention.head_count_kv is not a list "
+                            f"per layer (0 on the {recurrent} layers)")
+        return kv
+
+    def _a_log(self, key: str, a: np.ndarray) -> np.ndarray:
+        """A_log from the A = -exp(A_log) llama.cpp's converters store (Mamba-2, gated
+        DeltaNet); a value >= 0 or NaN has none and is refused naming the file and tensor."""
+        if not np.all(a < 0):
+            raise GgufError(f"{self.folder}: {key} is stored as A = -exp(A_log), which is "
+                            "negative; this file holds values >= 0 or NaN")
+        return np.log(-a)
+
     def _ernie(self, E: int, ff: Any, eff: Any, L: int) -> dict[str, Any]:
         """ERNIE-4.5's MoE settings as llama.cpp reads them: MoE on the layers from
         ``leading_dense_block_count`` on, every ``interleave_moe_layer_step``-th (to the last:
@@ -953,10 +970,7 @@ class GgufCheckpoint:
         no k/v heads (``attention.head_count_kv`` per layer), the conv's cache length, dense
         leading layers, sigmoid routing with the block's correction bias, the top-k weights
         normalised (always, in llama.cpp) and scaled by ``expert_weights_scale``."""
-        kv = self.meta.get(f"{self.arch}.attention.head_count_kv")
-        if not isinstance(kv, list) or len(kv) < L:
-            raise GgufError(f"{self.folder}: {self.arch}.attention.head_count_kv is not a list "
-                            "per layer (0 on the convolution layers)")
+        kv = self._kv_per_layer(L, "convolution")
         return {"num_experts": E, "moe_intermediate_size": int(eff or ff),
                 "intermediate_size": int(ff or eff),
                 "num_dense_layers": int(self._m("leading_dense_block_count", 0) or 0),
@@ -1000,10 +1014,7 @@ class GgufCheckpoint:
         recurrent layers are those with no k/v heads, heads as ``ssm.time_step_rank``; the
         attention layers without a rotary embedding unless ``rope.scaling.finetuned`` says
         the model uses one (Granite 4.0 H: NoPE)."""
-        kv = self.meta.get(f"{self.arch}.attention.head_count_kv")
-        if not isinstance(kv, list) or len(kv) < L:
-            raise GgufError(f"{self.folder}: {self.arch}.attention.head_count_kv is not a list "
-                            "per layer (0 on the Mamba layers)")
+        kv = self._kv_per_layer(L, "Mamba")
         heads = int(self._m("ssm.time_step_rank", need=True))
         inner = int(self._m("ssm.inner_size", need=True))
         return {"layer_types": ["full_attention" if int(x) else "linear_attention"
@@ -1173,12 +1184,7 @@ class GgufCheckpoint:
             if how == "mamba_conv1d":
                 return np.ascontiguousarray(a.reshape(a.shape[0], 1, -1))
             a = a.reshape(-1)
-            if how == "mamba_a_log":
-                if not np.all(a < 0):
-                    raise GgufError(f"{self.folder}: {key} is stored as A = -exp(A_log), which "
-                                    "is negative; this file holds values >= 0 or NaN")
-                a = np.log(-a)
-            return np.ascontiguousarray(a)
+            return np.ascontiguousarray(self._a_log(key, a) if how == "mamba_a_log" else a)
         if how == "oss_down":
             return np.ascontiguousarray(np.swapaxes(parts[0], -1, -2))
         axis = -1 if how == "oss_gate_up_bias" else -2
@@ -1207,10 +1213,7 @@ class GgufCheckpoint:
         if how == "qkvz":
             return _join_qkvz(a, parts[1], nk, dk)
         if how == "a_log":
-            if not np.all(a < 0):
-                raise GgufError(f"{self.folder}: {key} is stored as A = -exp(A_log), which is "
-                                "negative; this file holds values >= 0 or NaN")
-            a = np.log(-a)
+            a = self._a_log(key, a)
         tiled = self.arch == "qwen35moe" and nv != nk
         if how == "conv1d":
             a = a.reshape(a.shape[0], -1)  # [C, K]
