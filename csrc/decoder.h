@@ -8,6 +8,9 @@
  *                                   decoder layer with a MoE block (smoe_layers)
  *   smoe_mla_block (mla_block.c)    a DeepSeek-V2/V3 MLA attention module (absorbed form) and
  *                                   its decoder layer (MoE block or a dense MLP)
+ *   smoe_gdn_block (gdn_block.c)    a gated DeltaNet module (Qwen3.5's linear attention):
+ *                                   projections, short convolution, gated delta rule, gated
+ *                                   RMSNorm, output projection, for one decode token
  *   smoe_chain_item (decoder.c)     one layer call of a chain: decoder layers in a row
  *   smoe_decode_plan (decoder.c)    a one-token decode step: row copies, the chain, the final
  *                                   RMSNorm and lm_head
@@ -268,6 +271,77 @@ typedef struct smoe_mla_layer_args {
  * seconds in the attention part and the MoE block / MLP. */
 int smoe_mla_block_layer(smoe_mla_block *b, smoe_kctx *c, smoe_layers *g,
                          const smoe_mla_layer_args *l, double *ta, double *tm, smoe_err *err);
+
+/* ---- smoe_gdn_block: a gated DeltaNet (linear attention) module at decode ---- */
+
+/* Linear slots of a gated DeltaNet block: the q|k|v, z, b and a projections of the input, the
+ * output projection, and optionally q|k|v|z|b|a in one. */
+enum { SMOE_GB_QKV = 0, SMOE_GB_Z = 1, SMOE_GB_B = 2, SMOE_GB_A = 3, SMOE_GB_OUT = 4,
+       SMOE_GB_ALL = 5, SMOE_GB_N = 6 };
+
+/* What smoe_gdn_block_init takes; every pointer borrowed for the block's lifetime.  C = 2 Hk dk
+ * + Hv dv channels go through the short convolution (q, k, v of one token side by side). */
+typedef struct smoe_gdn_block_cfg {
+    const smoe_linear_desc *ld[SMOE_GB_N]; /* [ALL] NULL: none (the four run one by one) */
+    const uint8_t *lb[SMOE_GB_N];          /* the weight blocks */
+    const float *lbias[SMOE_GB_N];         /* biases or NULL */
+    const float *conv_w;  /* [C, K] the depthwise kernel (f32) */
+    const float *conv_b;  /* [C] or NULL */
+    const float *decay;   /* [Hv] -exp(A_log), as the module computes it in f32 */
+    const float *dt_bias; /* [Hv] */
+    const float *norm_w;  /* [dv] the gated RMSNorm's weight */
+    uint32_t Hk, Hv, dk, dv, K, max_rows;
+    double eps;           /* the gated RMSNorm's */
+    int bf16;             /* round as a bf16 model does (kernels/block.h) */
+} smoe_gdn_block_cfg;
+
+typedef struct smoe_gdn_block {
+    /* immutable after init; borrowed (see smoe_gdn_block_cfg) */
+    const smoe_linear_desc *ld[SMOE_GB_N];
+    const uint8_t *lb[SMOE_GB_N];
+    const float *lbias[SMOE_GB_N];
+    const float *conv_w, *conv_b, *decay, *dt_bias, *norm_w;
+    uint32_t Hk, Hv, dk, dv, K, C, hidden, max_rows;
+    float eps;
+    int bf16;
+    /* owned; guarded by mu */
+    uint32_t cap;       /* rows buf and lscratch hold now (grown up to max_rows, then kept) */
+    float *buf;         /* cap * (hidden + (C + Hv dv + 2 Hv) + C + 2 Hv + Hv dv + hidden)
+                           floats: input, projections, convolved q|k|v, g and beta, the rule's
+                           output, the output projection's */
+    void *lscratch;     /* linear scratch for cap rows */
+    pthread_mutex_t mu; /* serializes step calls on the block */
+    int ready;          /* init succeeded (mu initialised) */
+} smoe_gdn_block;
+
+/* SMOE_EINVAL with the binding's message unless the dims and projections fit together (Hv a
+ * multiple of Hk; dk, dv in 1..512; K in 2..16; max_rows 1..4096; eps in [0, 1]; qkv, z, b, a,
+ * out hidden -> C, Hv dv, Hv, Hv, and Hv dv -> hidden; all: hidden -> C + Hv dv + 2 Hv; the
+ * weights conv_w, decay, dt_bias, norm_w given).  Reads cfg's dims and ld only. */
+int smoe_gdn_block_check(const smoe_gdn_block_cfg *cfg, smoe_err *err);
+
+/* Check cfg and set *b up (buffers for min(max_rows, 16) rows, the mutex); *b zeroed before;
+ * on failure nothing is left to release. */
+int smoe_gdn_block_init(smoe_gdn_block *b, const smoe_gdn_block_cfg *cfg, smoe_err *err);
+void smoe_gdn_block_destroy(smoe_gdn_block *b);
+
+/* One decode token of each of B sequences (1..max_rows), under b->mu: x [B, hidden] (f32, or
+ * bf16 bits when xb) -> out [B, hidden] (f32 / bf16 bits when ob), with row r's convolution
+ * window conv [B, C, K] (f32 / bf16 bits when cb) and recurrent state [B, Hv, dk, dv] (f32)
+ * updated in place.  What transformers' Qwen3_5MoeGatedDeltaNet.forward computes for one
+ * cached token (Yang et al., "Gated Delta Networks", 2024):
+ *   y = [qkv | z | b | a] = the projections of x                 (bf16: rounded)
+ *   conv[c] = [conv[c][1:], qkv[c]];  u[c] = silu(sum_j w[c][j] conv[c][j] + bias[c])
+ *                                                                 (f32; bf16: u rounded)
+ *   beta = sigmoid(b) (bf16: rounded);  g = decay * softplus(a + dt_bias)   (f32)
+ *   o = the gated delta rule of q, k, v = u's thirds (smoe_gated_delta, l2-normalised q, k)
+ *                                                                 (bf16: o rounded)
+ *   n = o * rsqrt(mean(o^2) + eps) per value head (bf16: rounded); n = norm_w * n (bf16:
+ *   rounded); n = n * silu(z) (bf16: rounded);  out = out_proj(n)  (bf16: rounded)
+ * The sums run in other orders than torch's (agreement to rounding:
+ * tests/test_linear_attn.py). */
+int smoe_gdn_block_step(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb, uint32_t B,
+                        void *conv, int cb, float *state, void *outp, int ob, smoe_err *err);
 
 /* ---- layer chains ---- */
 

@@ -141,3 +141,123 @@ def test_bf16_short_convolutions_run_in_f32(arch):
             torch.testing.assert_close(a.float(), b.float(), atol=0.1, rtol=0.05)
     finally:
         eng.close()
+
+
+# ---- the fused gated DeltaNet module (specmoe._C.GdnBlock, fuse_gated_deltanet) ----
+
+def _fused(dtype):
+    """A tiny Qwen3.5-MoE model offloaded with its dense layers in specmoe's kernels (so its
+    gated DeltaNet modules are fused), and its engine."""
+    m = tiny_model("qwen3_5_moe_text", dtype=dtype)
+    sd = "bf16" if dtype == torch.bfloat16 else "f32"
+    return m, offload(m, dtype=sd, cache=1.0, dense=sd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_step_equals_the_module_forward(dtype, rows):
+    """One cached decode token of `rows` sequences: the block's output, conv window and
+    recurrent state against transformers' own forward of the same module (the same CLinear
+    projections) on the same states; bf16: the model's roundings reproduced step by step."""
+    m, eng = _fused(dtype)
+    try:
+        mod = m.model.layers[0].linear_attn
+        assert mod._specmoe_gdn is not None
+        g = torch.Generator().manual_seed(rows)
+        ids = torch.randint(3, m.config.vocab_size, (rows, 6), generator=g)
+        with torch.no_grad():
+            cache = m(ids, use_cache=True).past_key_values
+        conv, rec = cache.get_conv_state(0), cache.get_recurrent_state(0)
+        c0, r0 = conv.clone(), rec.clone()
+        x = torch.randn(rows, 1, m.config.hidden_size, generator=g).to(dtype)
+        with torch.no_grad():
+            got = mod(x, cache=cache)
+            got_conv, got_rec = conv.clone(), rec.clone()
+            conv.copy_(c0)
+            rec.copy_(r0)
+            want = type(mod).forward(mod, x, cache=cache)
+        assert not torch.equal(got_conv, c0) and not torch.equal(got_rec, r0)
+        assert torch.equal(got_conv, conv)  # the window shifted by the new q|k|v column
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got_rec, rec, rtol=1e-5, atol=1e-6 * float(rec.abs().max()))
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+        else:  # the rule's f32 sums in another order can move a rounding by one bf16 step
+            assert (got == want).float().mean() > 0.95
+            torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3 * scale)
+    finally:
+        eng.close()
+
+
+class _Counting:
+    """A GdnBlock stand-in that counts its step calls."""
+
+    def __init__(self, blk):
+        self.blk, self.n = blk, 0
+
+    def step(self, *a):
+        self.n += 1
+        return self.blk.step(*a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_model_decodes_a_batch_as_the_unfused_one(dtype, monkeypatch):
+    """generate of two rows: every decode step of both linear-attention layers through the
+    block, tokens and logits as the same offload without the fusion."""
+    from specmoe.models import dense
+    m, eng = _fused(dtype)
+    mods = [m.get_submodule(n) for n in eng.dense.fused if n.endswith("linear_attn")]
+    assert len(mods) == 2
+    for mod in mods:
+        mod._specmoe_gdn = _Counting(mod._specmoe_gdn)
+    monkeypatch.setattr(dense, "fuse_gated_deltanet", lambda model, ctx: [])
+    ref, ref_eng = _fused(dtype)
+    assert not any(n.endswith("linear_attn") for n in ref_eng.dense.fused)
+    try:
+        ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3], [4, 8, 15, 16, 23, 42, 2]])
+        kw = dict(max_new_tokens=6, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+        with torch.no_grad():
+            want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
+        assert [mod._specmoe_gdn.n for mod in mods] == [5, 5]  # (the prefill is the module's)
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.scores, want.scores):
+            torch.testing.assert_close(a.float(), b.float(), atol=1e-4, rtol=1e-4)
+    finally:
+        eng.close()
+        ref_eng.close()
+
+
+def test_gdn_block_refuses_bad_shapes_by_name():
+    m, eng = _fused(torch.float32)
+    try:
+        mod = m.model.layers[0].linear_attn
+        blk, (C, Hv, dk, dv, _) = mod._specmoe_gdn, mod._specmoe_gdn_shape
+        ctx = eng._kctx
+        f32 = lambda n: np.zeros(n, np.float32)  # noqa: E731
+        projs = [mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj]
+        parts = dict(conv_weight=np.zeros((C, 4), np.float32), decay=f32(Hv), dt_bias=f32(Hv),
+                     norm_weight=f32(dv), k_heads=2, v_heads=Hv, k_dim=dk, v_dim=dv)
+        with pytest.raises(ValueError, match="the z projection is"):
+            _C.GdnBlock(ctx, projs[0]._c, projs[0]._c, *(p._c for p in projs[2:]), **parts)
+        with pytest.raises(ValueError, match="decay"):
+            _C.GdnBlock(ctx, *(p._c for p in projs), **dict(parts, decay=f32(Hv + 1)))
+        with pytest.raises(ValueError, match="out of range"):
+            _C.GdnBlock(ctx, *(p._c for p in projs), **dict(  # (v_heads not a multiple)
+                parts, k_heads=3, conv_weight=np.zeros((6 * dk + Hv * dv, 4), np.float32)))
+        hidden = m.config.hidden_size
+        x, out = np.zeros((2, hidden), np.float32), np.zeros((2, hidden), np.float32)
+        conv, st = np.zeros((2, C, 4), np.float32), np.zeros((2, Hv, dk, dv), np.float32)
+        with pytest.raises(ValueError, match=r"conv \[rows, channels, kernel\]"):
+            blk.step(x, conv[:, :, :3].copy(), st, out)
+        with pytest.raises(ValueError, match=r"state \[rows, v_heads, k_dim, v_dim\]"):
+            blk.step(x, conv, st[:1].copy(), out)
+        with pytest.raises(ValueError, match="max_rows"):
+            blk.step(np.zeros((65, hidden), np.float32), conv, st, out)
+        with pytest.raises(ValueError, match="must not alias"):
+            blk.step(x, conv, st, st.reshape(-1)[:2 * hidden].reshape(2, hidden))
+        before = conv.copy(), st.copy()
+        blk.step(x, conv, st, out)  # a zero input and state: nothing but the window moves
+        assert np.array_equal(conv, before[0]) and not np.any(out)
+    finally:
+        eng.close()

@@ -51,7 +51,8 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (smoe_py_store_init(m) < 0 || smoe_py_policy_init(m) < 0 || smoe_py_cache_init(m) < 0 ||
         smoe_py_kernels_init(m) < 0 || smoe_py_sim_init(m) < 0 ||
         smoe_py_moe_init(m) < 0 || smoe_py_spec_init(m) < 0 || smoe_py_layer_init(m) < 0 ||
-        smoe_py_linear_init(m) < 0 || smoe_py_attn_init(m) < 0 || smoe_py_route_init(m) < 0)
+        smoe_py_linear_init(m) < 0 || smoe_py_attn_init(m) < 0 || smoe_py_route_init(m) < 0 ||
+        smoe_py_gdn_init(m) < 0)
         goto fail;
     return m;
 fail:

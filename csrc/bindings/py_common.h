@@ -41,5 +41,6 @@ int smoe_py_layer_init(PyObject *m);
 int smoe_py_linear_init(PyObject *m);
 int smoe_py_attn_init(PyObject *m);
 int smoe_py_route_init(PyObject *m);
+int smoe_py_gdn_init(PyObject *m);
 
 #endif

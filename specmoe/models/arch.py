@@ -53,6 +53,7 @@ __all__ = [
     "FUSABLE_ATTENTION",
     "FUSABLE_LAYERS",
     "FUSABLE_MLA_LAYERS",
+    "FUSABLE_GATED_DELTANET",
     "MLA_ATTENTION",
     "LLAMA_RMSNORMS",
     "ROUTED_BLOCKS",
@@ -306,6 +307,11 @@ FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
 # post-attention norm then go into the attention block's calls
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
                   "MixtralDecoderLayer")
+# gated DeltaNet modules whose forward at one cached token is Qwen3.5's (separate q|k|v, z, b
+# and a projections, a bias-free SiLU short convolution, the gated delta rule with l2-normalised
+# q and k, a gated RMSNorm): specmoe.models.linear_attn.fuse_gated_deltanet runs it in one C
+# call.  Not Qwen3-Next's (q, k, v, z interleaved per key head in one projection)
+FUSABLE_GATED_DELTANET = ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5GatedDeltaNet")
 # DeepSeek-V2/V3 decoder layers (the same residual form) whose MLA attention, absorbed, runs
 # with them in one C call (specmoe.models.mla.fuse_mla): transformers' DeepseekV2/V3Attention caching
 # the latent, with DeepSeek-V2's complex rotary or DeepSeek-V3's rotate-half / interleaved one

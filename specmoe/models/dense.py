@@ -42,6 +42,7 @@ from ..runtime.kernels import context
 from .attention import convert_norms, fuse_attention, use_c_attention
 from .decode_step import install_decode_step
 from .layers import DENSE_DTYPES, TORCH_ABOVE, CLinear, int4_group
+from .linear_attn import fuse_gated_deltanet
 from .mla import absorb_mla, fuse_mla
 
 __all__ = ["DecodeThreads", "DenseReport", "convert_dense", "resolve_dense"]
@@ -324,7 +325,8 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         if left:
             raise ValueError(f"dense='gguf': layers held as GGUF blocks were not converted "
                              f"(skipped: {', '.join(left[:4])})")
-    report.fused = fuse_attention(model, ctx) + fuse_mla(model, ctx)
+    report.fused = (fuse_attention(model, ctx) + fuse_mla(model, ctx)
+                    + fuse_gated_deltanet(model, ctx))
     if report.converted:
         report.norms = convert_norms(model)
     if report.converted and getattr(model, "_specmoe_decode_threads", None) is None:

@@ -10,7 +10,11 @@ shapes, AMD EPYC Zen 2, one thread, ``benchmarks/hybrid_peers.py``):
   convolution in f32 takes 0.2 ms (:func:`f32_short_convs`);
 * the gated delta rule's recurrent step (Qwen3-Next, Qwen3.5): 2.6 ms a layer in torch, one
   call of the C kernel ``smoe_gated_delta`` (csrc/kernels/gdelta.c) here
-  (:func:`use_c_gated_delta`).
+  (:func:`use_c_gated_delta`);
+* then the forty-odd torch operations around it at one token (the short convolution's window,
+  the gates, the gated RMSNorm): 1.4 ms of a 3.0 ms layer whose five matrix products take 1.5
+  ms.  :func:`fuse_gated_deltanet` runs a Qwen3.5 module's whole decode step in one C call
+  (``specmoe._C.GdnBlock``, csrc/gdn_block.c) when its projections are specmoe's.
 
 :func:`prepare` applies both to a model the engine offloads.  A model that is not offloaded
 keeps transformers' own code (the C step is chosen per module instance, see
@@ -30,7 +34,16 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["prepare", "f32_short_convs", "use_c_gated_delta"]
+from .. import _C
+from ..runtime.kernels import tensor_array
+from .arch import FUSABLE_GATED_DELTANET
+from .layers import BLOCK_DTYPES, CLinear, fuse_qkv
+
+__all__ = ["prepare", "f32_short_convs", "use_c_gated_delta", "fuse_gated_deltanet",
+           "GDN_MAX_ROWS"]
+
+# sequences of one fused gated DeltaNet call (a decode batch); more go to the module's forward
+GDN_MAX_ROWS = 64
 
 # the KernelContext the gated delta rule runs on while a converted module's forward runs, else
 # None (transformers' own torch code)
@@ -197,3 +210,106 @@ def _switch_on(mod: nn.Module, ctx: Any) -> None:
             _CTX.reset(token)
     mod.forward = forward  # type: ignore[method-assign]
     mod._specmoe_c_gated_delta = True  # type: ignore[assignment]
+
+
+_GDN_PROJS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
+    """Run the decode steps of ``model``'s Qwen3.5 gated DeltaNet modules (the classes of
+    ``specmoe.models.arch.FUSABLE_GATED_DELTANET``) in one ``specmoe._C.GdnBlock`` call each;
+    returns the modules' qualified names.
+
+    A module is fused when its five projections are :class:`specmoe.models.layers.CLinear` of
+    one f32 / bf16 output dtype, its activation SiLU, its convolution depthwise and its norm
+    gated with a weight.  The block reproduces the module's arithmetic for one token with a
+    cache (csrc/decoder.h, ``smoe_gdn_block_step``; a bf16 model's roundings step by step);
+    everything else -- prefill and several tokens a row, the first step without a state, a
+    padding mask, another device or dtype, a cache without transformers' linear-attention API,
+    gradients -- goes to the module's own forward.  The four input projections run as one matrix
+    where their formats allow (:func:`specmoe.models.layers.fuse_qkv`).  Idempotent."""
+    done = []
+    for name, m in model.named_modules():
+        if type(m).__name__ not in FUSABLE_GATED_DELTANET:
+            continue
+        if getattr(m, "_specmoe_gdn", None) is not None:
+            done.append(name)
+            continue
+        projs = [getattr(m, p, None) for p in _GDN_PROJS]
+        norm, conv = getattr(m, "norm", None), getattr(m, "conv1d", None)
+        if not all(isinstance(p, CLinear) for p in projs) \
+                or len({p.out_dtype for p in projs}) != 1 or projs[0].out_dtype not in BLOCK_DTYPES \
+                or getattr(m, "activation", None) != "silu" or not isinstance(conv, nn.Conv1d) \
+                or conv.groups != conv.in_channels or getattr(norm, "weight", None) is None \
+                or getattr(norm, "activation", "silu") != "silu":
+            continue
+        dt = projs[0].out_dtype
+        Hk, Hv = int(m.num_k_heads), int(m.num_v_heads)
+        dk, dv = int(m.head_k_dim), int(m.head_v_dim)
+
+        def f32(t: torch.Tensor) -> np.ndarray:
+            return np.ascontiguousarray(t.detach().float().numpy())
+        with torch.no_grad():
+            weights = {"conv_weight": f32(conv.weight.reshape(conv.weight.shape[0], -1)),
+                       "decay": f32(-m.A_log.float().exp()), "dt_bias": f32(m.dt_bias),
+                       "norm_weight": f32(norm.weight)}
+            if conv.bias is not None:
+                weights["conv_bias"] = f32(conv.bias)
+        try:
+            joint = fuse_qkv(projs[:4], ctx)
+            blk = _C.GdnBlock(ctx, *(p._c for p in projs), **weights, k_heads=Hk, v_heads=Hv,
+                              k_dim=dk, v_dim=dv, eps=float(norm.variance_epsilon),
+                              bf16=dt == torch.bfloat16, max_rows=GDN_MAX_ROWS, all=joint)
+        except (ValueError, TypeError):
+            continue  # shapes the block does not take
+        m._specmoe_gdn = blk
+        m._specmoe_gdn_shape = (2 * Hk * dk + Hv * dv, Hv, dk, dv, dt)
+        m.forward = _gdn_forward(m, m.forward)
+        done.append(name)
+    return done
+
+
+def _gdn_states(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
+                kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The conv window and recurrent state of ``m``'s layer in ``cache`` when the block can run
+    x [B, 1, hidden] on them in place, else None (the module's own forward runs)."""
+    C, Hv, dk, dv, dt = m._specmoe_gdn_shape
+    B, T = x.shape[0], x.shape[1]
+    if (T != 1 or B > GDN_MAX_ROWS or cache is None or attention_mask is not None
+            or x.dtype != dt or x.device.type != "cpu" or m.training
+            or (torch.is_grad_enabled() and x.requires_grad)
+            or kwargs.get("cu_seq_lens_q") is not None
+            or not hasattr(cache, "get_conv_state") or not hasattr(cache, "get_recurrent_state")):
+        return None
+    idx = m.layer_idx
+    recording = getattr(cache, "is_recording_past", None)
+    if recording is not None and recording(idx):
+        return None
+    conv, rec = cache.get_conv_state(idx), cache.get_recurrent_state(idx)
+    if conv is None or rec is None or conv.dtype not in BLOCK_DTYPES \
+            or rec.dtype != torch.float32 or not (conv.is_contiguous() and rec.is_contiguous()) \
+            or conv.device.type != "cpu" or rec.device.type != "cpu" \
+            or conv.dim() != 3 or tuple(conv.shape[:2]) != (B, C) \
+            or tuple(rec.shape) != (B, Hv, dk, dv):
+        return None
+    return conv, rec
+
+
+def _gdn_forward(m: nn.Module, original: Callable) -> Callable:
+    """``m``'s forward with its one-token cached steps through its GdnBlock."""
+    def forward(hidden_states: torch.Tensor, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        states = _gdn_states(m, hidden_states, cache, attention_mask, kwargs)
+        if states is None:
+            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        conv, rec = states
+        B, _, hidden = hidden_states.shape
+        x = hidden_states.detach().reshape(B, hidden)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty_like(x)
+        m._specmoe_gdn.step(tensor_array(x), tensor_array(conv), rec.detach().numpy(),
+                            tensor_array(out))
+        return out.reshape(B, 1, hidden)
+    forward.__name__ = f"specmoe_fused_{type(m).__name__}_forward"
+    return forward

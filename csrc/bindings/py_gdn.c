@@ -1,0 +1,189 @@
+/* Python binding of specmoe._C.GdnBlock: a gated DeltaNet module (Qwen3.5's linear attention)
+ * for one decode token of a batch of sequences in one call (specmoe.models.linear_attn).  The
+ * state and compute are plain C (csrc/decoder.h, csrc/gdn_block.c); the weights are checked
+ * and referenced once at construction, the per-token call (METH_FASTCALL) checks the arrays'
+ * shapes and runs without the GIL. */
+#include <string.h>
+
+#include "py_attn.h"
+#include "py_kernels.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx_obj;     /* the KernelContext (strong reference) */
+    PyObject *lin_obj[SMOE_GB_N]; /* qkv, z, b, a, out projections and optionally all four
+                              input ones in one: specmoe._C.Linear (strong; [ALL] may be NULL);
+                              blk borrows their descriptors, blocks and biases */
+    PyObject *arr_obj[5];  /* conv_weight, decay, dt_bias, norm_weight, conv_bias (or NULL):
+                              float32 arrays (strong; blk borrows their data, never written) */
+    smoe_gdn_block blk;    /* the C state (csrc/decoder.h): dims, buffers, its mutex */
+    int ready;
+} GdnBlockObject;
+
+static int init_raise(const smoe_err *err) {
+    if (err->code == SMOE_ENOMEM)
+        PyErr_NoMemory();
+    else if (err->code == SMOE_EINVAL)
+        PyErr_SetString(PyExc_ValueError, err->msg);
+    else
+        PyErr_SetString(PyExc_RuntimeError, err->msg);
+    return -1;
+}
+
+/* A float32 C-contiguous array of ndim dims whose dims equal want (-1: any); NULL with
+ * ValueError otherwise. */
+static PyArrayObject *weights(PyObject *o, const char *name, int ndim, const npy_intp *want) {
+    PyArrayObject *a = smoe_py_want_array(o, name, NPY_FLOAT32, ndim, 0);
+    if (!a || smoe_py_dims_are(o, name, want, ndim)) return NULL;
+    return a;
+}
+
+static int gb_init(GdnBlockObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ctx", "qkv", "z", "b", "a", "out", "conv_weight", "decay",
+                             "dt_bias", "norm_weight", "k_heads", "v_heads", "k_dim", "v_dim",
+                             "eps", "bf16", "max_rows", "conv_bias", "all", NULL};
+    PyObject *ctx_o, *lin[SMOE_GB_N] = {NULL, NULL, NULL, NULL, NULL, Py_None};
+    PyObject *cw_o, *dec_o, *dtb_o, *nw_o, *cb_o = Py_None;
+    unsigned int Hk, Hv, dk, dv, max_rows = 64;
+    double eps = 1e-6;
+    int bf16 = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOIIII|dpIOO:GdnBlock", kwlist, &ctx_o,
+                                     &lin[0], &lin[1], &lin[2], &lin[3], &lin[4], &cw_o, &dec_o,
+                                     &dtb_o, &nw_o, &Hk, &Hv, &dk, &dv, &eps, &bf16, &max_rows,
+                                     &cb_o, &lin[5]))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "GdnBlock is already initialised");
+        return -1;
+    }
+    if (!smoe_py_kctx(ctx_o)) return -1;
+    smoe_gdn_block_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    const int nlin = lin[SMOE_GB_ALL] == Py_None ? SMOE_GB_ALL : SMOE_GB_N;
+    for (int i = 0; i < nlin; i++)
+        if (smoe_py_linear_parts(lin[i], &cfg.ld[i], &cfg.lb[i], &cfg.lbias[i])) return -1;
+    /* the dims before the weights' shapes: C and K from conv_weight [C, K] */
+    PyArrayObject *cw = smoe_py_want_array(cw_o, "conv_weight", NPY_FLOAT32, 2, 0);
+    if (!cw) return -1;
+    const npy_intp C = 2 * (npy_intp)Hk * dk + (npy_intp)Hv * dv, K = PyArray_DIM(cw, 1);
+    const npy_intp w_cw[2] = {C, -1}, w_h[1] = {Hv}, w_d[1] = {dv}, w_c[1] = {C};
+    PyArrayObject *dec, *dtb, *nw, *cb = NULL;
+    if (smoe_py_dims_are(cw_o, "conv_weight [channels, kernel]", w_cw, 2) ||
+        !(dec = weights(dec_o, "decay [v_heads]", 1, w_h)) ||
+        !(dtb = weights(dtb_o, "dt_bias [v_heads]", 1, w_h)) ||
+        !(nw = weights(nw_o, "norm_weight [v_dim]", 1, w_d)) ||
+        (cb_o != Py_None && !(cb = weights(cb_o, "conv_bias [channels]", 1, w_c))))
+        return -1;
+    cfg.conv_w = (const float *)PyArray_DATA(cw);
+    cfg.conv_b = cb ? (const float *)PyArray_DATA(cb) : NULL;
+    cfg.decay = (const float *)PyArray_DATA(dec);
+    cfg.dt_bias = (const float *)PyArray_DATA(dtb);
+    cfg.norm_w = (const float *)PyArray_DATA(nw);
+    cfg.Hk = Hk;
+    cfg.Hv = Hv;
+    cfg.dk = dk;
+    cfg.dv = dv;
+    cfg.K = K > 0 && K <= 16 ? (uint32_t)K : 0; /* (0: the check's range error) */
+    cfg.max_rows = max_rows;
+    cfg.eps = eps;
+    cfg.bf16 = bf16;
+    smoe_err err;
+    smoe_err_clear(&err);
+    if (smoe_gdn_block_init(&self->blk, &cfg, &err)) return init_raise(&err);
+    Py_INCREF(ctx_o);
+    self->ctx_obj = ctx_o;
+    for (int i = 0; i < nlin; i++) {
+        Py_INCREF(lin[i]);
+        self->lin_obj[i] = lin[i];
+    }
+    PyObject *arrs[5] = {cw_o, dec_o, dtb_o, nw_o, cb ? cb_o : NULL};
+    for (int i = 0; i < 5; i++) {
+        Py_XINCREF(arrs[i]);
+        self->arr_obj[i] = arrs[i];
+    }
+    self->ready = 1;
+    return 0;
+}
+
+static void gb_dealloc(GdnBlockObject *self) {
+    smoe_gdn_block_destroy(&self->blk);
+    Py_XDECREF(self->ctx_obj);
+    for (int i = 0; i < SMOE_GB_N; i++) Py_XDECREF(self->lin_obj[i]);
+    for (int i = 0; i < 5; i++) Py_XDECREF(self->arr_obj[i]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* step(x, conv, state, out): smoe_gdn_block_step on B rows, B from x. */
+static PyObject *gb_step(GdnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (smoe_py_method_start(self->ready, "GdnBlock", "step(x, conv, state, out)", nargs, 4, 4))
+        return NULL;
+    smoe_gdn_block *b = &self->blk;
+    int xb = smoe_py_f32_or_bf16(args[0], "x", 2, 0);
+    int cb = xb < 0 ? -1 : smoe_py_f32_or_bf16(args[1], "conv", 3, 1);
+    PyArrayObject *st = cb < 0 ? NULL : smoe_py_want_array(args[2], "state", NPY_FLOAT32, 4, 1);
+    int ob = st ? smoe_py_f32_or_bf16(args[3], "out", 2, 1) : -1;
+    if (ob < 0) return NULL;
+    const npy_intp B = PyArray_DIM((PyArrayObject *)args[0], 0);
+    if (B < 1 || B > (npy_intp)b->max_rows) {
+        PyErr_Format(PyExc_ValueError, "GdnBlock: %zd rows, expected 1..%u (max_rows)",
+                     (Py_ssize_t)B, b->max_rows);
+        return NULL;
+    }
+    const npy_intp w_x[2] = {B, b->hidden}, w_c[3] = {B, b->C, b->K};
+    const npy_intp w_s[4] = {B, b->Hv, b->dk, b->dv};
+    if (smoe_py_dims_are(args[0], "x [rows, hidden]", w_x, 2) ||
+        smoe_py_dims_are(args[1], "conv [rows, channels, kernel]", w_c, 3) ||
+        smoe_py_dims_are(args[2], "state [rows, v_heads, k_dim, v_dim]", w_s, 4) ||
+        smoe_py_dims_are(args[3], "out [rows, hidden]", w_x, 2))
+        return NULL;
+    void *cp = PyArray_DATA((PyArrayObject *)args[1]), *op = PyArray_DATA((PyArrayObject *)args[3]);
+    float *sp = (float *)PyArray_DATA(st);
+    if (cp == (void *)sp || cp == op || op == (void *)sp) {
+        PyErr_SetString(PyExc_ValueError, "GdnBlock.step: conv, state and out must not alias");
+        return NULL;
+    }
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    const void *xp = PyArray_DATA((PyArrayObject *)args[0]);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    /* every array stays referenced by the caller's frame for the whole call */
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_gdn_block_step(b, c, xp, xb, (uint32_t)B, cp, cb, sp, op, ob, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef gb_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))gb_step, METH_FASTCALL,
+     "step(x, conv, state, out): one decode token of each of rows sequences: x [rows, hidden] "
+     "(float32 or bf16 bits) through the module into out [rows, hidden] (float32 or bf16 "
+     "bits), each row's convolution window conv [rows, channels, kernel] (float32 or bf16 "
+     "bits) and recurrent state [rows, v_heads, k_dim, v_dim] (float32) updated in place "
+     "(csrc/decoder.h smoe_gdn_block_step).  C-contiguous arrays; GIL released."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject GdnBlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.GdnBlock",
+    .tp_basicsize = sizeof(GdnBlockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "GdnBlock(ctx, qkv, z, b, a, out, conv_weight, decay, dt_bias, norm_weight, "
+              "k_heads, v_heads, k_dim, v_dim, eps=1e-6, bf16=False, max_rows=64, "
+              "conv_bias=None, all=None): a gated DeltaNet module (Qwen3.5's linear attention) "
+              "for one decode token of up to max_rows sequences in one call "
+              "(specmoe.models.linear_attn.fuse_gated_deltanet).  qkv, z, b, a, out are "
+              "specmoe._C.Linear objects (all, optional: the four input projections' rows in "
+              "one, used instead of them); conv_weight float32 [channels, kernel] with channels "
+              "= 2 k_heads k_dim + v_heads v_dim; decay float32 [v_heads] (-exp(A_log)); "
+              "dt_bias float32 [v_heads]; norm_weight float32 [v_dim] (the gated RMSNorm's, eps "
+              "its epsilon); bf16: round every intermediate as a bf16 model does "
+              "(csrc/kernels/block.h).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)gb_init,
+    .tp_dealloc = (destructor)gb_dealloc,
+    .tp_methods = gb_methods,
+};
+
+int smoe_py_gdn_init(PyObject *m) { return PyModule_AddType(m, &GdnBlockType); }

@@ -1,0 +1,210 @@
+/* A gated DeltaNet module (the linear attention of Qwen3.5's MoE models) for one decode token
+ * of each of B sequences: the four input projections, the depthwise short convolution over the
+ * cached window, the gate terms, the gated delta rule (smoe_gated_delta), the gated RMSNorm and
+ * the output projection, in one call (decoder.h, smoe_gdn_block_step).  The state of
+ * specmoe._C.GdnBlock (csrc/bindings/py_gdn.c).
+ *
+ * transformers runs these steps as some forty torch operations a layer at one token (about 1.4
+ * ms of a 3 ms layer on one Zen 2 core at Qwen3.5-35B-A3B's shapes, benchmarks/hybrid_peers.py);
+ * here they are plain loops over a few thousand values between the matrix products. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decoder_impl.h"
+#include "kernels/block.h"
+
+int smoe_gdn_block_check(const smoe_gdn_block_cfg *cfg, smoe_err *err) {
+    const uint32_t Hk = cfg->Hk, Hv = cfg->Hv, dk = cfg->dk, dv = cfg->dv, K = cfg->K;
+    const double eps = cfg->eps;
+    if (Hk < 1 || Hv < 1 || Hv % Hk || dk < 1 || dv < 1 || dk > 512 || dv > 512 || Hv > 4096 ||
+        K < 2 || K > 16 || cfg->max_rows < 1 || cfg->max_rows > 4096 || !(eps >= 0.0) ||
+        eps > 1.0)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "GdnBlock: k_heads=%u v_heads=%u k_dim=%u v_dim=%u conv_kernel=%u "
+                            "max_rows=%u eps=%g out of range (v_heads a multiple of k_heads, "
+                            "head dims 1..512, v_heads <= 4096, conv_kernel 2..16, max_rows "
+                            "1..4096, eps in [0, 1])", Hk, Hv, dk, dv, K, cfg->max_rows, eps);
+    if (!cfg->conv_w || !cfg->decay || !cfg->dt_bias || !cfg->norm_w || !cfg->ld[SMOE_GB_OUT])
+        return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: a weight is missing");
+    const uint32_t hidden = cfg->ld[SMOE_GB_OUT]->N, C = 2 * Hk * dk + Hv * dv;
+    const uint32_t want_n[SMOE_GB_N] = {C, Hv * dv, Hv, Hv, hidden, C + Hv * dv + 2 * Hv};
+    const uint32_t want_k[SMOE_GB_N] = {hidden, hidden, hidden, hidden, Hv * dv, hidden};
+    static const char *names[SMOE_GB_N] = {"qkv", "z", "b", "a", "out", "all"};
+    for (int i = 0; i < SMOE_GB_N; i++) {
+        const smoe_linear_desc *d = cfg->ld[i];
+        if (!d && i != SMOE_GB_ALL)
+            return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: the %s projection is missing",
+                                names[i]);
+        if (d && (d->N != want_n[i] || d->K != want_k[i]))
+            return smoe_err_set(err, SMOE_EINVAL,
+                                "GdnBlock: the %s projection is %u -> %u, expected %u -> %u "
+                                "(k_heads=%u v_heads=%u k_dim=%u v_dim=%u hidden=%u)",
+                                names[i], d->K, d->N, want_k[i], want_n[i], Hk, Hv, dk, dv,
+                                hidden);
+    }
+    return SMOE_OK;
+}
+
+/* Floats of buf per row: x, y = [qkv | z | b | a], u (convolved q|k|v), g, beta, the rule's
+ * output o, the output projection's result. */
+static size_t per_row(const smoe_gdn_block *b) {
+    const size_t C = b->C, V = (size_t)b->Hv * b->dv, Hv = b->Hv;
+    return b->hidden + (C + V + 2 * Hv) + C + 2 * Hv + V + b->hidden;
+}
+
+static int ensure_cap(smoe_gdn_block *b, uint32_t n, smoe_err *err) {
+    return smoe_grow_token_bufs(&b->buf, &b->lscratch, &b->cap, n, b->max_rows, per_row(b), 0,
+                                b->ld, SMOE_GB_N, "GdnBlock", err);
+}
+
+int smoe_gdn_block_init(smoe_gdn_block *b, const smoe_gdn_block_cfg *cfg, smoe_err *err) {
+    int rc = smoe_gdn_block_check(cfg, err);
+    if (rc != SMOE_OK) return rc;
+    for (int i = 0; i < SMOE_GB_N; i++) {
+        b->ld[i] = cfg->ld[i];
+        b->lb[i] = cfg->lb[i];
+        b->lbias[i] = cfg->lbias[i];
+    }
+    b->conv_w = cfg->conv_w;
+    b->conv_b = cfg->conv_b;
+    b->decay = cfg->decay;
+    b->dt_bias = cfg->dt_bias;
+    b->norm_w = cfg->norm_w;
+    b->Hk = cfg->Hk;
+    b->Hv = cfg->Hv;
+    b->dk = cfg->dk;
+    b->dv = cfg->dv;
+    b->K = cfg->K;
+    b->C = 2 * cfg->Hk * cfg->dk + cfg->Hv * cfg->dv;
+    b->hidden = cfg->ld[SMOE_GB_OUT]->N;
+    b->max_rows = cfg->max_rows;
+    b->eps = (float)cfg->eps;
+    b->bf16 = cfg->bf16;
+    b->cap = 0;
+    rc = ensure_cap(b, cfg->max_rows < 16 ? cfg->max_rows : 16, err);
+    if (rc == SMOE_OK && pthread_mutex_init(&b->mu, NULL) != 0)
+        rc = smoe_err_set(err, SMOE_ESTATE, "GdnBlock: pthread_mutex_init failed");
+    if (rc != SMOE_OK) {
+        free(b->buf);
+        free(b->lscratch);
+        b->buf = NULL;
+        b->lscratch = NULL;
+        b->cap = 0;
+        return rc;
+    }
+    b->ready = 1;
+    return SMOE_OK;
+}
+
+void smoe_gdn_block_destroy(smoe_gdn_block *b) {
+    if (b->ready) pthread_mutex_destroy(&b->mu);
+    b->ready = 0;
+    free(b->buf);
+    free(b->lscratch);
+    b->buf = NULL;
+    b->lscratch = NULL;
+    b->cap = 0;
+}
+
+/* torch's silu and softplus (threshold 20) in f32. */
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+static inline float rnd(int bf16, float x) { return bf16 ? smoe_bf16_round1(x) : x; }
+
+/* One row's window win [C, K] (f32 or bf16 bits): shifted left by one with the new column x
+ * [C] (bf16 values already when the block rounds as bf16), and u = silu(the window's dot with
+ * the kernel + bias), as transformers' causal_conv1d_update.  Plain loops over the K values of
+ * a channel (a libc memmove a channel cost more than the products). */
+static void conv_step(const smoe_gdn_block *b, void *win, int cb, const float *x, float *u) {
+    const uint32_t C = b->C, K = b->K;
+    for (uint32_t c = 0; c < C; c++) {
+        const float *k = b->conv_w + (size_t)c * K;
+        float acc = b->conv_b ? b->conv_b[c] : 0.0f;
+        if (cb) {
+            uint16_t *s = (uint16_t *)win + (size_t)c * K;
+            for (uint32_t j = 0; j + 1 < K; j++) {
+                s[j] = s[j + 1];
+                acc += k[j] * smoe_bf16_f32(s[j]);
+            }
+            s[K - 1] = smoe_bf16_rne(x[c]);
+            acc += k[K - 1] * smoe_bf16_f32(s[K - 1]);
+        } else {
+            float *s = (float *)win + (size_t)c * K;
+            for (uint32_t j = 0; j + 1 < K; j++) {
+                s[j] = s[j + 1];
+                acc += k[j] * s[j];
+            }
+            s[K - 1] = x[c];
+            acc += k[K - 1] * x[c];
+        }
+        u[c] = rnd(b->bf16, silu(acc));
+    }
+}
+
+static int gdn_step(smoe_gdn_block *self, smoe_kctx *c, const void *xp, int xb, uint32_t B,
+                    void *conv, int cb, float *state, void *outp, int ob, smoe_err *err) {
+    const uint32_t Hk = self->Hk, Hv = self->Hv, dk = self->dk, dv = self->dv, C = self->C;
+    const uint32_t hid = self->hidden, V = Hv * dv, NY = C + V + 2 * Hv, cap = self->cap;
+    const int bf = self->bf16;
+    float *x = self->buf, *y = x + (size_t)cap * hid, *u = y + (size_t)cap * NY;
+    float *g = u + (size_t)cap * C, *beta = g + (size_t)cap * Hv, *o = beta + (size_t)cap * Hv;
+    float *of = o + (size_t)cap * V;
+    smoe_dec_widen(x, xp, xb, (size_t)B * hid);
+    int rc = SMOE_OK;
+    if (self->ld[SMOE_GB_ALL]) {
+        rc = smoe_linear_forward(c, self->ld[SMOE_GB_ALL], self->lb[SMOE_GB_ALL],
+                                 self->lbias[SMOE_GB_ALL], x, hid, B, y, NY, self->lscratch, err);
+    } else {
+        const uint32_t off[4] = {0, C, C + V, C + V + Hv};
+        for (int i = 0; i < 4 && rc == SMOE_OK; i++)
+            rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], x, hid, B,
+                                     y + off[i], NY, self->lscratch, err);
+    }
+    if (rc != SMOE_OK) return rc;
+    if (bf) smoe_bf16_round(y, (size_t)B * NY); /* the projections' bf16 outputs */
+    for (uint32_t r = 0; r < B; r++) {
+        const float *yr = y + (size_t)r * NY, *br = yr + C + V, *ar = br + Hv;
+        conv_step(self, (uint8_t *)conv + (size_t)r * C * self->K * (cb ? 2 : 4), cb, yr,
+                  u + (size_t)r * C);
+        for (uint32_t h = 0; h < Hv; h++) {
+            beta[(size_t)r * Hv + h] = rnd(bf, 1.0f / (1.0f + expf(-br[h])));
+            g[(size_t)r * Hv + h] = self->decay[h] * softplus(ar[h] + self->dt_bias[h]);
+        }
+    }
+    /* q, k, v of row r are u's thirds: [B, T = 1, heads, dim] with a row stride of C, which
+     * smoe_gated_delta reads as contiguous only for B = 1; rows one call each otherwise */
+    for (uint32_t r = 0; r < B && rc == SMOE_OK; r++) {
+        const float *ur = u + (size_t)r * C;
+        rc = smoe_gated_delta(c, ur, ur + (size_t)Hk * dk, ur + (size_t)2 * Hk * dk,
+                              g + (size_t)r * Hv, beta + (size_t)r * Hv,
+                              state + (size_t)r * Hv * dk * dv, o + (size_t)r * V, 1, 1, Hk, Hv,
+                              dk, dv, 1, err);
+    }
+    if (rc != SMOE_OK) return rc;
+    if (bf) smoe_bf16_round(o, (size_t)B * V); /* the rule's output in the model's dtype */
+    smoe_rmsnorm(o, B * Hv, dv, self->norm_w, self->eps, bf);
+    for (uint32_t r = 0; r < B; r++) {
+        const float *z = y + (size_t)r * NY + C;
+        float *orow = o + (size_t)r * V;
+        for (uint32_t i = 0; i < V; i++) orow[i] = rnd(bf, orow[i] * silu(z[i]));
+    }
+    rc = smoe_linear_forward(c, self->ld[SMOE_GB_OUT], self->lb[SMOE_GB_OUT],
+                             self->lbias[SMOE_GB_OUT], o, V, B, of, hid, self->lscratch, err);
+    if (rc != SMOE_OK) return rc;
+    smoe_dec_store(outp, ob, of, (size_t)B * hid); /* (ob: rounded to bf16 here) */
+    return SMOE_OK;
+}
+
+int smoe_gdn_block_step(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb, uint32_t B,
+                        void *conv, int cb, float *state, void *outp, int ob, smoe_err *err) {
+    if (!b->ready) return smoe_err_set(err, SMOE_ESTATE, "GdnBlock: not initialised");
+    if (B < 1 || B > b->max_rows)
+        return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: %u rows, expected 1..%u (max_rows)", B,
+                            b->max_rows);
+    pthread_mutex_lock(&b->mu);
+    int rc = ensure_cap(b, B, err);
+    if (rc == SMOE_OK) rc = gdn_step(b, c, xp, xb, B, conv, cb, state, outp, ob, err);
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
