@@ -261,3 +261,37 @@ def test_gdn_block_refuses_bad_shapes_by_name():
         assert np.array_equal(conv, before[0]) and not np.any(out)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centred_rms_norms_run_in_c_as_torch_does(arch, dtype):
+    """Qwen3-Next's and Qwen3.5's RMSNorms ((1 + w) in f32, one rounding) replaced by CRMSNorm:
+    every one of them, none left in torch at a decode step; outputs as the module's own (bf16:
+    bit for bit; f32: to rounding), with weights away from zero."""
+    from specmoe.models.arch import ZERO_CENTRED_RMSNORMS
+    from specmoe.models.layers import CRMSNorm, norm_weight
+    m = tiny_model(arch, dtype=dtype)
+    def left() -> list[str]:  # the zero-centred norms not (yet) inside a CRMSNorm
+        return [n for n, mod in m.named_modules() if type(mod).__name__ in ZERO_CENTRED_RMSNORMS
+                and not isinstance(m.get_submodule(n.rpartition(".")[0]), CRMSNorm)]
+    n_norms = len(left())
+    eng = offload(m, dtype="bf16" if dtype == torch.bfloat16 else "f32", cache=1.0,
+                  dense="bf16" if dtype == torch.bfloat16 else "f32")
+    try:
+        norms = [mod for mod in m.modules() if isinstance(mod, CRMSNorm)]
+        assert len(norms) == n_norms > 0 and left() == []
+        assert all(mod.zero_centred and norm_weight(mod) is None for mod in norms)
+        g = torch.Generator().manual_seed(0)
+        for mod in norms:
+            with torch.no_grad():
+                mod.inner.weight.copy_(torch.randn(mod.inner.weight.shape, generator=g) * 0.3)
+                mod._w[:] = (1.0 + mod.inner.weight.float()).numpy()
+                x = (torch.randn(3, 2, mod._w.shape[0], generator=g) * 3).to(dtype)
+                got, want = mod(x), mod.inner(x)
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    finally:
+        eng.close()

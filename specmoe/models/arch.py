@@ -56,6 +56,7 @@ __all__ = [
     "FUSABLE_GATED_DELTANET",
     "MLA_ATTENTION",
     "LLAMA_RMSNORMS",
+    "ZERO_CENTRED_RMSNORMS",
     "ROUTED_BLOCKS",
 ]
 
@@ -334,6 +335,10 @@ DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCau
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
                   "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm",
                   "Glm4MoeLiteRMSNorm")
+# RMSNorms of the zero-centred form: (x * rsqrt(mean(x^2) + eps)) * (1 + w) in f32, rounded to
+# the model's dtype once (Qwen3-Next, Qwen3.5; transformers' comment: "(x * w).to(float16)"),
+# their epsilon in ``eps``: specmoe.models.layers.CRMSNorm runs them too
+ZERO_CENTRED_RMSNORMS = ("Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3_5RMSNorm")
 # MoE blocks whose forward is router + experts (+ shared experts) with a softmax top-k router:
 # OLMoE and Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's
 # dtype), Mixtral (always renormalised, f32 weights) and DeepSeek-V2 (f32 router, greedy top-k

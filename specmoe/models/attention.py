@@ -37,7 +37,8 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS
-from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, norm_weight
+from .layers import (BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, norm_weight,
+                     zero_centred_norm)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
@@ -161,12 +162,13 @@ def use_c_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> st
 
 
 def convert_norms(model: nn.Module) -> list[str]:
-    """Replace every Llama-form RMSNorm module of ``model`` by a :class:`CRMSNorm` (the final
-    norm, MLA's latent norm, and the layer norms of decoder layers that are not fused);
-    returns their qualified names.  Idempotent."""
+    """Replace every Llama-form or zero-centred RMSNorm module of ``model`` by a
+    :class:`CRMSNorm` (the final norm, MLA's latent norm, and the layer norms of decoder layers
+    that are not fused); returns their qualified names.  Idempotent."""
     done = []
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, CRMSNorm) or norm_weight(mod) is None or not name:
+        if isinstance(mod, CRMSNorm) or not name \
+                or (norm_weight(mod) is None and not zero_centred_norm(mod)):
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -348,7 +348,7 @@ class DecodeStep:
                 and not (fn.training or fn._forward_hooks or fn._forward_pre_hooks) \
                 and fn.weight.dtype == w.dtype and fn._w.shape == (hidden,):
             norm = (tensor_array(h.view(1, hidden)), fn._w, fn.variance_epsilon,
-                    tensor_array(normed.view(1, hidden)), w.dtype == torch.bfloat16)
+                    tensor_array(normed.view(1, hidden)), fn.c_bf16(w.dtype))
         lm = model.lm_head
         lc = getattr(lm, "_c", None)
         odt = getattr(lm, "out_dtype", None)

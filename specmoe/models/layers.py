@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _C
-from .arch import LLAMA_RMSNORMS
+from .arch import LLAMA_RMSNORMS, ZERO_CENTRED_RMSNORMS
 from ..runtime.kernels import GGUF_BLOCKS, context, dtype_code, tensor_array
 from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
-           "int4_group", "norm_weight", "per_sequence", "sequence_rows", "sequences",
-           "silu_mlp_parts", "split_sequences", "split_shared_gate"]
+           "int4_group", "norm_weight", "zero_centred_norm", "per_sequence", "sequence_rows",
+           "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate"]
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 # a CLinear's dtype may also be a GGUF block kind (q4_0, q8_0, q4_k, ...: GGUF_BLOCKS), its
 # weight then the blocks a GGUF file holds (blocks=; dense="gguf", specmoe.models.dense)
@@ -386,34 +386,55 @@ _NORM_MAX_ROWS = 64
 
 def norm_weight(norm: nn.Module | None) -> np.ndarray | None:
     """An RMSNorm of the Llama family's form as its f32 weights, or None when ``norm`` is not
-    one."""
-    if norm is None or type(norm).__name__ not in _RMSNORMS \
+    one (a zero-centred one included, replaced by a CRMSNorm or not)."""
+    if norm is None or type(norm).__name__ not in _RMSNORMS or getattr(norm, "zero_centred", 0) \
             or not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
         return None
     return np.ascontiguousarray(norm.weight.detach().float().numpy())
 
 
+def zero_centred_norm(norm: nn.Module | None) -> bool:
+    """Whether ``norm`` is a zero-centred RMSNorm (``ZERO_CENTRED_RMSNORMS``) with its weight
+    and eps."""
+    return norm is not None and type(norm).__name__ in ZERO_CENTRED_RMSNORMS \
+        and isinstance(getattr(norm, "eps", None), float) \
+        and getattr(norm, "weight", None) is not None
+
+
 class CRMSNorm(nn.Module):
-    """A Llama-form RMSNorm whose decode-sized calls run in C (``specmoe._C.rms_norm``, one
-    call instead of seven torch operations; a bf16 model's roundings as torch makes them).
-    ``inner`` is the original module: it serves training, other devices and dtypes, and inputs
-    of more than ``_NORM_MAX_ROWS`` rows; ``weight`` and ``variance_epsilon`` are its."""
+    """A Llama-form or zero-centred RMSNorm whose decode-sized calls run in C
+    (``specmoe._C.rms_norm``, one call instead of seven torch operations; a bf16 model's
+    roundings as torch makes them).  ``inner`` is the original module: it serves training,
+    other devices and dtypes, and inputs of more than ``_NORM_MAX_ROWS`` rows; ``weight`` and
+    ``variance_epsilon`` are its.
+
+    The zero-centred form (``specmoe.models.arch.ZERO_CENTRED_RMSNORMS``: Qwen3-Next, Qwen3.5)
+    scales by ``1 + w`` in f32 and rounds once at the end: the kernel gets ``1 + w`` (the f32
+    values torch forms) and no intermediate bf16 rounding (:meth:`c_bf16`)."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
         w = norm_weight(norm)
+        self.zero_centred = w is None and zero_centred_norm(norm)
+        if self.zero_centred:
+            w = np.ascontiguousarray((1.0 + norm.weight.detach().float()).numpy())
         if w is None:
-            raise TypeError("CRMSNorm replaces a Llama-form RMSNorm "
-                            f"({', '.join(LLAMA_RMSNORMS)}), "
+            raise TypeError("CRMSNorm replaces a Llama-form or zero-centred RMSNorm "
+                            f"({', '.join(LLAMA_RMSNORMS + ZERO_CENTRED_RMSNORMS)}), "
                             f"got {type(norm).__name__}")
         self.inner = norm
         self._w = w
-        self.variance_epsilon = float(norm.variance_epsilon)
+        self.variance_epsilon = float(norm.eps if self.zero_centred else norm.variance_epsilon)
         self.train(norm.training)  # an eval-mode model stays in eval mode (C path on)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.inner.weight
+
+    def c_bf16(self, dtype: torch.dtype) -> bool:
+        """``_C.rms_norm``'s ``bf16`` argument for inputs of ``dtype`` (the per-step roundings
+        of the Llama form; the zero-centred form rounds only its output)."""
+        return dtype == torch.bfloat16 and not self.zero_centred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[-1]
@@ -424,7 +445,7 @@ class CRMSNorm(nn.Module):
         xf = x.reshape(-1, n).contiguous()
         out = torch.empty_like(xf)
         _C.rms_norm(tensor_array(xf), self._w, self.variance_epsilon, tensor_array(out),
-                    dt == torch.bfloat16)
+                    self.c_bf16(dt))
         return out.reshape(x.shape)
 
 
