@@ -1385,20 +1385,26 @@ int smoe_silu_mlp_check(const smoe_shared_ffn *f, uint32_t H, const char *what, 
                             "-> I -> hidden",
                             what, f->d[0]->N, f->d[0]->K, f->d[1]->N, f->d[1]->K, f->d[2]->N,
                             f->d[2]->K, H);
+    const smoe_linear_desc *og = f->d[SMOE_MLP_OUT_GATE];
+    if (og && (!f->block[SMOE_MLP_OUT_GATE] || og->N != 1 || og->K != H))
+        return smoe_err_set(err, SMOE_EINVAL, "%s output gate is %ux%u, expected 1x%u", what,
+                            og->N, og->K, H);
     return SMOE_OK;
 }
 
 int smoe_silu_mlp_add(smoe_kctx *kc, const smoe_shared_ffn *f, const float *x, uint32_t H,
                       uint32_t T, int bf16, smoe_mlp_bufs *b, float *out, smoe_err *err) {
     const uint32_t I = f->d[0]->N;
-    const size_t need = (size_t)T * (2 * (size_t)I + H);
+    const smoe_linear_desc *og = f->d[SMOE_MLP_OUT_GATE];
+    const size_t need = (size_t)T * (2 * (size_t)I + H + 1);
     if (need > b->rows_cap) {
         float *p = realloc(b->rows, sizeof *p * need);
         if (!p) return smoe_err_set(err, SMOE_ENOMEM, "SiLU MLP: no memory for %zu rows", need);
         b->rows = p;
         b->rows_cap = need;
     }
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
+        if (!f->d[i]) continue; /* (the output gate, when there is none) */
         const size_t sn = smoe_linear_scratch_bytes(f->d[i], T);
         if (sn <= b->scratch_cap) continue;
         void *p = realloc(b->scratch, sn);
@@ -1407,6 +1413,7 @@ int smoe_silu_mlp_add(smoe_kctx *kc, const smoe_shared_ffn *f, const float *x, u
         b->scratch_cap = sn;
     }
     float *gt = b->rows, *ut = gt + (size_t)T * I, *st = ut + (size_t)T * I;
+    float *gl = st + (size_t)T * H; /* the output gate's logits [T] */
     int rc = SMOE_OK;
     float *const gu[2] = {gt, ut}; /* gate and up on x */
     for (int i = 0; i < 2 && rc == SMOE_OK; i++)
@@ -1426,10 +1433,21 @@ int smoe_silu_mlp_add(smoe_kctx *kc, const smoe_shared_ffn *f, const float *x, u
                              err);
     if (rc != SMOE_OK) return rc;
     const size_t m = (size_t)T * H;
-    if (bf16) {
-        smoe_bf16_round(st, m);
-        smoe_bf16_round(out, m); /* what out held, in the model's dtype */
+    if (bf16) smoe_bf16_round(st, m);
+    if (og) { /* st *= sigmoid(og x), row by row */
+        rc = smoe_linear_forward(kc, og, f->block[SMOE_MLP_OUT_GATE],
+                                 f->bias[SMOE_MLP_OUT_GATE], x, H, T, gl, 1, b->scratch, err);
+        if (rc != SMOE_OK) return rc;
+        for (uint32_t t = 0; t < T; t++) {
+            float z = bf16 ? smoe_bf16_round1(gl[t]) : gl[t];
+            z = 1.0f / (1.0f + expf(-z));
+            if (bf16) z = smoe_bf16_round1(z);
+            float *row = st + (size_t)t * H;
+            for (uint32_t h = 0; h < H; h++) row[h] = z * row[h];
+            if (bf16) smoe_bf16_round(row, H);
+        }
     }
+    if (bf16) smoe_bf16_round(out, m); /* what out held, in the model's dtype */
     for (size_t i = 0; i < m; i++) out[i] += st[i];
     if (bf16) smoe_bf16_round(out, m);
     return SMOE_OK;
@@ -1458,7 +1476,8 @@ int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale,
                                          g->L - 1);
     if (!(route_scale > 0.0f) || !isfinite(route_scale))
         return smoe_err_set(err, SMOE_EINVAL, "layers: routing scale must be finite and > 0");
-    smoe_shared_ffn none = {{NULL, NULL, NULL}, {NULL, NULL, NULL}, {NULL, NULL, NULL}};
+    smoe_shared_ffn none;
+    memset(&none, 0, sizeof none);
     if (shared && shared->d[0]) {
         int rc = smoe_silu_mlp_check(shared, g->H, "layers: shared FFN", err);
         if (rc != SMOE_OK) return rc;

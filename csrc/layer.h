@@ -111,15 +111,17 @@ typedef struct smoe_layer_router {
     float scale; /* routing weights' factor in smoe_layers_forward_routed (1: none) [mu] */
 } smoe_layer_router;
 
-/* A block's shared FFN (DeepSeek's shared experts), run by smoe_layers_forward_routed after
- * the routed experts and added to their output: down(silu(gate x) * up x), each projection a
- * linear descriptor, weight block and bias (NULL: none) -- gate and up [I, H], down [H, I].
- * Borrowed: the caller keeps them alive and unchanged while they are set (the binding holds
- * the specmoe._C.Linear objects that own them). */
+/* A block's shared FFN (DeepSeek's shared experts; Qwen2-MoE's, Qwen3-Next's and Qwen3.5's
+ * gated shared expert), run by smoe_layers_forward_routed after the routed experts and added
+ * to their output: down(silu(gate x) * up x), times sigmoid(og x) when the output gate og is
+ * given; each projection a linear descriptor, weight block and bias (NULL: none) -- gate and
+ * up [I, H], down [H, I], og [1, H].  Borrowed: the caller keeps them alive and unchanged
+ * while they are set (the binding holds the specmoe._C.Linear objects that own them). */
+enum { SMOE_MLP_OUT_GATE = 3 }; /* d[3]: the output gate og, NULL for none */
 typedef struct smoe_shared_ffn {
-    const smoe_linear_desc *d[3]; /* gate, up, down; d[0] NULL: the layer has none */
-    const uint8_t *block[3];
-    const float *bias[3];
+    const smoe_linear_desc *d[4]; /* gate, up, down, og; d[0] NULL: the layer has none */
+    const uint8_t *block[4];
+    const float *bias[4];
 } smoe_shared_ffn;
 
 /* The growing buffers of smoe_silu_mlp_add, owned by its caller (released with
@@ -134,14 +136,16 @@ typedef struct smoe_mlp_bufs {
 void smoe_mlp_bufs_free(smoe_mlp_bufs *b);
 
 /* SMOE_OK when f is a whole SiLU MLP whose projections chain H -> I -> H (gate and up
- * [I, H], down [H, I]); else SMOE_EINVAL naming `what`. */
+ * [I, H], down [H, I]; an output gate [1, H]); else SMOE_EINVAL naming `what`. */
 int smoe_silu_mlp_check(const smoe_shared_ffn *f, uint32_t H, const char *what, smoe_err *err);
 
 /* out[T, H] += down(silu(gate x) * up x) for the T rows of x [T, H], on the threads of kc:
  * the one routine for a SiLU MLP of three linear layers (a MoE block's shared experts in
- * smoe_layers_forward_routed, a dense decoder layer's MLP in specmoe._C.MLABlock).  bf16:
- * round every intermediate as a bf16 model does (gate, up, the activation, the product, the
- * MLP's output, out before and after the sum).  The caller serialises calls on b. */
+ * smoe_layers_forward_routed, a dense decoder layer's MLP in specmoe._C.MLABlock); with an
+ * output gate, each row's MLP output times sigmoid(og x) first (Qwen2-MoE's
+ * shared_expert_gate).  bf16: round every intermediate as a bf16 model does (gate, up, the
+ * activation, the product, the MLP's output, og x, its sigmoid and the gated output, out
+ * before and after the sum).  The caller serialises calls on b. */
 int smoe_silu_mlp_add(smoe_kctx *kc, const smoe_shared_ffn *f, const float *x, uint32_t H,
                       uint32_t T, int bf16, smoe_mlp_bufs *b, float *out, smoe_err *err);
 

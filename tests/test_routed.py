@@ -1,6 +1,6 @@
 """MoE blocks routed in C (Engine._install_routing, _C.Layers.forward_routed): with the dense
 layers in C, the OLMoE, Qwen3-MoE and Mixtral blocks compute their softmax top-k routing in the
-experts' C call.  Checked against transformers' own router modules on the hidden states the
+experts' C call, and Qwen2-MoE's form (Qwen3-Next, Qwen3.5) its gated shared expert too.  Checked against transformers' own router modules on the hidden states the
 blocks see (f32: the same experts and weights to f32 rounding; bf16: the same weights bit for
 bit wherever the expert sets agree, and sets that disagree only at a near-tie), greedy tokens
 against the unmodified model, the paths left to torch, and bad input."""
@@ -17,6 +17,8 @@ from specmoe.runtime import engine as hf
 from specmoe.models.testing import tiny_model
 
 ARCHS = ["olmoe", "qwen3_moe", "mixtral"]
+# Qwen2-MoE's form: the same router plus a shared expert scaled by sigmoid(shared_expert_gate x)
+SHARED = ["qwen2_moe", "qwen3_next", "qwen3_5_moe_text"]
 
 
 def _offload(arch, dt, **kw):
@@ -28,7 +30,8 @@ def _offload(arch, dt, **kw):
 
 def _flags(block, dt):
     """The route flags transformers' router of `block` implies (independent of the Engine)."""
-    f = _C.ROUTE_RENORM if type(block).__name__.startswith("Mixtral") \
+    name = type(block).__name__
+    f = _C.ROUTE_RENORM if name.startswith(("Mixtral", "Qwen3_5")) \
         or block.gate.norm_topk_prob else 0
     if dt == torch.bfloat16:
         f |= _C.ROUTE_BF16_LOGITS
@@ -76,7 +79,7 @@ def _compare(m, eng, dt):
     return tot, bad, wdiff, near_fail
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + SHARED)
 def test_f32_routing_equals_transformers(arch):
     m, eng = _offload(arch, torch.float32)
     try:
@@ -88,7 +91,7 @@ def test_f32_routing_equals_transformers(arch):
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + SHARED)
 def test_bf16_routing_equals_transformers_but_near_ties(arch):
     m, eng = _offload(arch, torch.bfloat16)
     try:
@@ -99,7 +102,7 @@ def test_bf16_routing_equals_transformers_but_near_ties(arch):
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["deepseek_v2"])  # tests/test_routed_deepseek.py
+@pytest.mark.parametrize("arch", ARCHS + SHARED + ["deepseek_v2"])  # (test_routed_deepseek.py)
 def test_greedy_tokens_equal_unmodified_model(arch):
     ref = tiny_model(arch)
     m, eng = _offload(arch, torch.float32)
@@ -118,7 +121,15 @@ def test_paths_left_to_torch():
         assert eng.routed_in_c == []                      # routers stay torch's
     finally:
         eng.close()
-    m, eng = _offload("qwen2_moe", torch.float32)         # a shared expert: not this form
+    m, eng = _offload("qwen2_moe", torch.float32)         # a gate that is not one row
+    try:
+        assert eng.routed_in_c == list(range(len(eng.layer_ids)))
+    finally:
+        eng.close()
+    m = tiny_model("qwen2_moe")
+    for layer in m.model.layers:
+        layer.mlp.shared_expert_gate = torch.nn.Linear(m.config.hidden_size, 2, bias=False)
+    eng = hf.offload(m, dtype="f32", dense="f32", cache=1.0)
     try:
         assert eng.routed_in_c == []
     finally:
@@ -175,6 +186,30 @@ def test_one_call_layer_equals_the_three_call_path(arch, dt):
     finally:
         ea.close()
         eb.close()
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", SHARED)
+def test_gated_shared_expert_block_equals_its_own_forward(arch, dt):
+    """A Qwen2-MoE-form block routed in C (router, experts, shared expert, its sigmoid gate and
+    the sum in one forward_routed call) against transformers' forward of the same block on the
+    same weights: bf16 bit for bit, f32 to rounding."""
+    m, eng = _offload(arch, dt)
+    try:
+        assert eng.routed_in_c == list(range(len(eng.layer_ids)))
+        g = torch.Generator().manual_seed(1)
+        for pos, i in enumerate(eng.layer_ids):
+            block = m.model.layers[i].mlp
+            assert len(eng._blocks[pos][1]) == 4  # gate, up, down and the output gate
+            x = torch.randn(5, 1, m.config.hidden_size, generator=g).to(dt)
+            with torch.no_grad():
+                got, want = block(x), type(block).forward(block, x)
+            if dt == torch.bfloat16:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        eng.close()
 
 
 def test_bad_input():

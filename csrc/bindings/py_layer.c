@@ -402,12 +402,12 @@ static PyObject *Layers_forward_routed(LayersObject *self, PyObject *const *args
 int smoe_py_mlp_parts(PyObject *t, smoe_shared_ffn *f, const char *what) {
     memset(f, 0, sizeof *f);
     if (t == Py_None) return 0;
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
-        PyErr_Format(PyExc_TypeError, "%s must be None or a (gate, up, down) tuple of _C.Linear",
-                     what);
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 3 || PyTuple_GET_SIZE(t) > 4) {
+        PyErr_Format(PyExc_TypeError, "%s must be None or a (gate, up, down[, output_gate]) "
+                     "tuple of _C.Linear", what);
         return -1;
     }
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < PyTuple_GET_SIZE(t); i++)
         if (smoe_py_linear_parts(PyTuple_GET_ITEM(t, i), &f->d[i], &f->block[i], &f->bias[i]))
             return -1;
     return 0;
@@ -879,8 +879,10 @@ static PyMethodDef Layers_methods[] = {
     {"set_block", (PyCFunction)(void (*)(void))Layers_set_block, METH_VARARGS | METH_KEYWORDS,
      "set_block(pos, route_scale=1.0, shared=None): forward_routed's routing-weight factor for "
      "layer pos (DeepSeek's routed_scaling_factor) and its shared FFN, None or a (gate, up, "
-     "down) tuple of _C.Linear whose down(silu(gate x) * up x) is added to the experts' "
-     "output (ROUTE_BF16_OUT: with a bf16 model's roundings); see csrc/layer.h."},
+     "down[, output_gate]) tuple of _C.Linear whose down(silu(gate x) * up x), times "
+     "sigmoid(output_gate x) when given (one output row: Qwen2-MoE's shared_expert_gate), is "
+     "added to the experts' output (ROUTE_BF16_OUT: with a bf16 model's roundings); see "
+     "csrc/layer.h."},
     {"configure", (PyCFunction)(void (*)(void))Layers_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(prefetch, overfetch, mass, feed_counts): prediction settings (mass 0: top-m "
      "mode); forgets pending predictions."},

@@ -345,7 +345,13 @@ ZERO_CENTRED_RMSNORMS = ("Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3_5RMSNor
 # times routed_scaling_factor, plus the shared experts' MLP).  With the dense layers in C their
 # decode steps route in C too (Engine._install_routing).
 ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen",
-                 "MixtralSparseMoeBlock": "mixtral", "DeepseekV2Moe": "deepseek"}
+                 "MixtralSparseMoeBlock": "mixtral", "DeepseekV2Moe": "deepseek",
+                 # the softmax top-k router of Qwen3-MoE's form plus a shared expert scaled by
+                 # sigmoid(shared_expert_gate x), added to the experts' output (Qwen2-MoE,
+                 # Qwen3-Next; Qwen3.5's router renormalises whatever norm_topk_prob says)
+                 "Qwen2MoeSparseMoeBlock": "qwen_shared",
+                 "Qwen3NextSparseMoeBlock": "qwen_shared",
+                 "Qwen3_5MoeSparseMoeBlock": "qwen_shared_renorm"}
 
 GATE_NAMES = ("w1", "gate_proj")
 UP_NAMES = ("w3", "up_proj")

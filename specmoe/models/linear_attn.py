@@ -238,7 +238,8 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
         projs = [getattr(m, p, None) for p in _GDN_PROJS]
         norm, conv = getattr(m, "norm", None), getattr(m, "conv1d", None)
         if not all(isinstance(p, CLinear) for p in projs) \
-                or len({p.out_dtype for p in projs}) != 1 or projs[0].out_dtype not in BLOCK_DTYPES \
+                or len({p.out_dtype for p in projs}) != 1 \
+                or projs[0].out_dtype not in BLOCK_DTYPES \
                 or getattr(m, "activation", None) != "silu" or not isinstance(conv, nn.Conv1d) \
                 or conv.groups != conv.in_channels or getattr(norm, "weight", None) is None \
                 or getattr(norm, "activation", "silu") != "silu":

@@ -47,7 +47,8 @@ from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, Unsu
                            iter_experts_modules, moe_block, moe_layers)
 from ..storage.conversion import store_settings, write_experts
 from ..models.dense import resolve_dense
-from ..models.layers import sequence_rows, silu_mlp_parts, split_sequences, split_shared_gate
+from ..models.layers import (CLinear, sequence_rows, silu_mlp_parts, split_sequences,
+                             split_shared_gate)
 from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetch_arg
 from .tau_tables import TauTables
 
@@ -152,6 +153,21 @@ class _LayerCallSlot:
             e._inflight -= 1
             if not e._inflight:
                 e._cv.notify_all()
+
+
+def _gated_shared_parts(block: nn.Module, dtype: torch.dtype) -> tuple[tuple, int | None] | None:
+    """A Qwen2-MoE-form block's shared expert as ``_C.Layers.set_block`` takes it, (gate, up,
+    down, output gate) ``_C.Linear``, and the most tokens it runs in C (None: any), when the
+    expert is a SiLU MLP of :class:`CLinear` and ``shared_expert_gate`` a one-row CLinear, all
+    computing in ``dtype``; else None."""
+    mlp = silu_mlp_parts(getattr(block, "shared_expert", None))
+    og = getattr(block, "shared_expert_gate", None)
+    if mlp is None or not isinstance(og, CLinear) or og.out_features != 1 or mlp[1] != dtype \
+            or og.out_dtype != dtype:
+        return None
+    most = [m for m in (mlp[2], og.torch_above if og.weight_view is not None else None)
+            if m is not None]
+    return mlp[0] + (og._c,), min(most) if most else None
 
 
 class Engine(EngineCommon):
@@ -271,9 +287,9 @@ class Engine(EngineCommon):
         self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
         self.tau = TauTables()  # tau(g) per batch size, measured by specmoe.generate
         # per MoE layer routed in C with a routing scale and a shared FFN: (scale, its (gate,
-        # up, down) _C.Linear, the most tokens it runs in C or None), applied to every
-        # _C.Layers built (_configure_layers)
-        self._blocks: dict[int, tuple[float, tuple[Any, Any, Any], int | None]] = {}
+        # up, down[, output gate]) _C.Linear, the most tokens it runs in C or None), applied to
+        # every _C.Layers built (_configure_layers)
+        self._blocks: dict[int, tuple[float, tuple[Any, ...], int | None]] = {}
         try:
             path = self._store_path
             if direct is None:
@@ -358,11 +374,21 @@ class Engine(EngineCommon):
                 self._blocks[pos] = (scale, linears, most)
                 self._layers.set_block(pos, scale, linears)
             else:
-                if kind == "mixtral" or getattr(gate, "norm_topk_prob", False):
+                if kind in ("mixtral", "qwen_shared_renorm") \
+                        or getattr(gate, "norm_topk_prob", False):
                     flags |= _C.ROUTE_RENORM
                 if dtype == torch.bfloat16:
-                    flags |= _C.ROUTE_BF16_LOGITS | (_C.ROUTE_BF16_WEIGHTS if kind == "qwen"
+                    flags |= _C.ROUTE_BF16_LOGITS | (_C.ROUTE_BF16_WEIGHTS if kind != "mixtral"
                                                      else 0)
+                if kind.startswith("qwen_shared"):
+                    # the shared expert times sigmoid(shared_expert_gate x), in the same call
+                    shared = _gated_shared_parts(block, dtype)
+                    if shared is None:
+                        continue
+                    linears, most = shared
+                    flags |= _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
+                    self._blocks[pos] = (1.0, linears, most)
+                    self._layers.set_block(pos, 1.0, linears)
             block.forward = self._routed_forward(block, pos, flags, dtype, block.forward)
             # what a fused decoder layer needs to run this block inside its own C call
             # (specmoe.models.attention, _C.AttnBlock.layer)
