@@ -84,14 +84,13 @@ def test_step_equals_the_models_own_forward(arch, dt):
                 for a, b in zip(kv.layers, kv_off.layers):
                     assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                 tok = on.logits[:, -1:].argmax(-1)
-        # layers that route their MoE block in C go through layer_chain (Qwen2-MoE's shared
-        # expert gate and DeepSeek-V3's group-limited router keep theirs in torch), and so do
-        # DeepSeek's dense first layers (their MLP in the MLABlock's call)
-        chains = arch != "qwen2_moe"
-        assert (step.chained > 0) == chains
+        # layers that route their MoE block in C go through layer_chain (Qwen2-MoE's gated
+        # shared expert included; DeepSeek-V3's group-limited router keeps its block in
+        # torch), and so do DeepSeek's dense first layers (their MLP in the MLABlock's call)
+        assert step.chained > 0
         # where every layer is one call, a step is one _C.DecodePlan call
         v3 = arch in ("deepseek_v3", "glm4_moe_lite")  # (GLM-4.7-Flash: DeepSeek-V3's form)
-        full = arch != "qwen2_moe" and not v3
+        full = not v3
         assert (step.planned == 5) == full and (step.planned == 0) == (not full)
         if v3:  # the dense layers only
             dense = sum(lyr._specmoe_dense is not None for lyr in model.model.layers)
