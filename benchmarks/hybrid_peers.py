@@ -33,9 +33,10 @@ Rows (each round runs both, in alternating order, each thread count of ``--threa
   end-of-sequence stop) of 33 tokens after a 64-token prompt, 32 decode steps timed between
   the logits of the first forward pass and the last (as ``benchmarks/decode_peers.py`` times
   ``model.generate``; ``specmoe.generate`` refuses linear attention), after a warm-up
-  generation.  Then an instrumented generation: wall time inside each layer's linear
-  attention, full attention and MoE block (forward hooks), per decode step; the rest of a
-  step is ``other`` (embedding, norms, lm_head, sampling, the loop).
+  generation.  Then an instrumented generation: wall time inside the linear-attention and the
+  full-attention decoder layers (forward hooks on the layers, each with its norms and MoE
+  block: a linear-attention layer's decode step is one C call), per decode step; the rest of
+  a step is ``other`` (embedding, rotary, masks, final norm, lm_head, sampling, the loop).
 
 ``vs_llama_cpp`` is specmoe's tok/s over llama.cpp's in the same round; ``vs_llama_cpp_runs``
 lists every round.  The results name the host (CPU model, ISA, threads).  llama.cpp is the
@@ -172,14 +173,13 @@ def worker(path: str, threads: list[int]) -> None:
         return clock
 
     model.generation_config.eos_token_id = None  # (as llama.cpp's --ignore-eos)
-    # where a step goes: wall time inside each kind of module (forward hooks), counted from
-    # the end of the prefill (the first forward pass's logits) to the last step's
+    # where a step goes: wall time inside each kind of decoder layer (forward hooks on the
+    # layers: a linear-attention layer is one C call, its module and MoE block inside it),
+    # counted from the end of the prefill (the first forward pass's logits) to the last step's
     spent: dict[str, float] = {}
     start: dict[int, float] = {}
-    mods = [(kind, mod) for layer in model.model.layers
-            for kind, mod in (("linear_attention", getattr(layer, "linear_attn", None)),
-                              ("full_attention", getattr(layer, "self_attn", None)),
-                              ("moe", getattr(layer, "mlp", None))) if mod is not None]
+    mods = [("linear_attention_layers" if getattr(layer, "linear_attn", None) is not None
+             else "full_attention_layers", layer) for layer in model.model.layers]
 
     def pre(m: Any, a: Any) -> None:
         start[id(m)] = time.perf_counter()

@@ -253,8 +253,8 @@ int smoe_attn_block_layer(smoe_attn_block *self, smoe_kctx *c, smoe_layers *g,
                         a->bias_rows, (float)a->scale, h, err);
     if (rc == SMOE_OK) /* the MoE block over every row's tokens */
         rc = smoe_dec_tail(self->bf16, g, NULL, (uint32_t)a->pos, a->flags, n, hid, h, a->xp,
-                           a->xb, a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap,
-                           a->op, a->ob, &t1, err);
+                           a->xb, a->ln2, a->eps2, 0, nrm, moe, &self->route,
+                           &self->route_cap, a->op, a->ob, &t1, err);
     double t2 = smoe_now();
     pthread_mutex_unlock(&self->mu);
     *ta = t1 - t0;

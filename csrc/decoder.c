@@ -73,14 +73,24 @@ void smoe_rms_norm_row(const void *x, void *out, int b, const float *w, float ep
     smoe_dec_store(out, b, buf, n);
 }
 
+void smoe_dec_norm(float *x, uint32_t rows, uint32_t n, const float *w, float eps, int bf16,
+                   int zc) {
+    if (!zc) {
+        smoe_rmsnorm(x, rows, n, w, eps, bf16);
+        return;
+    }
+    smoe_rmsnorm(x, rows, n, w, eps, 0); /* x * rsqrt(mean(x^2) + eps) * (1 + w), in f32 */
+    if (bf16) smoe_bf16_round(x, (size_t)rows * n);
+}
+
 int smoe_dec_tail(int bf16, smoe_layers *g, const smoe_dense_mlp *mlp, uint32_t pos, int flags,
                   uint32_t nt, uint32_t hid, float *h, const void *xp, int xb, const float *ln2,
-                  float eps2, float *nrm, float *moe, void **route, size_t *route_cap, void *op,
-                  int ob, double *t1, smoe_err *err) {
+                  float eps2, int zc2, float *nrm, float *moe, void **route, size_t *route_cap,
+                  void *op, int ob, double *t1, smoe_err *err) {
     const size_t n = (size_t)nt * hid;
     smoe_dec_residual_add(bf16, h, xp, xb, n); /* h = x + attention */
     memcpy(nrm, h, n * sizeof(float));
-    smoe_rmsnorm(nrm, nt, hid, ln2, eps2, bf16); /* the post-attention norm */
+    smoe_dec_norm(nrm, nt, hid, ln2, eps2, bf16, zc2); /* the post-attention norm */
     *t1 = smoe_now();
     int rc;
     if (g) {

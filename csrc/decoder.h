@@ -308,9 +308,14 @@ typedef struct smoe_gdn_block {
     uint32_t cap;       /* rows buf and lscratch hold now (grown up to max_rows, then kept) */
     float *buf;         /* cap * (hidden + (C + Hv dv + 2 Hv) + C + 2 Hv + Hv dv + hidden)
                            floats: input, projections, convolved q|k|v, g and beta, the rule's
-                           output, the output projection's */
+                           output, the output projection's; then cap * 2 hidden for the layer
+                           call: the normed input, the MoE block's output */
     void *lscratch;     /* linear scratch for cap rows */
-    pthread_mutex_t mu; /* serializes step calls on the block */
+    void *route;        /* the layer call's routing: route_cap bytes of (k int64 ids, k f32
+                           weights) per row and E used flags; grows */
+    size_t route_cap;
+    pthread_mutex_t mu; /* serializes step and layer calls on the block; taken before a
+                           smoe_layers' own mu (always in that order) */
     int ready;          /* init succeeded (mu initialised) */
 } smoe_gdn_block;
 
@@ -342,6 +347,29 @@ void smoe_gdn_block_destroy(smoe_gdn_block *b);
  * tests/test_linear_attn.py). */
 int smoe_gdn_block_step(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb, uint32_t B,
                         void *conv, int cb, float *state, void *outp, int ob, smoe_err *err);
+
+/* A whole Qwen3.5 decoder layer around the block, for one decode token of B rows. */
+typedef struct smoe_gdn_layer_args {
+    long pos;                 /* the MoE layer's position in the smoe_layers */
+    int flags;                /* route flags (layer.h) */
+    uint32_t B;               /* rows, 1..max_rows */
+    const void *xp;           /* x [B, hidden], f32 or bf16 bits (xb) */
+    int xb, cb;               /* conv's dtype: bf16 bits (1) or f32 */
+    void *conv;               /* [B, C, K] */
+    float *state;             /* [B, Hv, dk, dv] */
+    const float *ln1, *ln2;   /* the input and post-attention norms' weights [hidden] */
+    float eps1, eps2;
+    int zc;                   /* both norms zero-centred (weights 1 + w), else Llama form */
+    void *op;                 /* out [B, hidden], x's dtype, not aliasing x */
+} smoe_gdn_layer_args;
+
+/* The layer on the begun MoE layers g (layer pos, hidden = b->hidden), under b->mu then g's:
+ * the input norm (smoe_dec_norm), smoe_gdn_block_step's module, the residual add, the
+ * post-attention norm, the MoE block routed in C (smoe_layers_forward_routed), the second
+ * residual add into op; each as the module-by-module path computes it.  *ta and *tm get the
+ * seconds in the linear-attention and MoE parts. */
+int smoe_gdn_block_layer(smoe_gdn_block *b, smoe_kctx *c, smoe_layers *g,
+                         const smoe_gdn_layer_args *a, double *ta, double *tm, smoe_err *err);
 
 /* ---- layer chains ---- */
 

@@ -47,10 +47,10 @@ int smoe_gdn_block_check(const smoe_gdn_block_cfg *cfg, smoe_err *err) {
 }
 
 /* Floats of buf per row: x, y = [qkv | z | b | a], u (convolved q|k|v), g, beta, the rule's
- * output o, the output projection's result. */
+ * output o, the output projection's result; the layer call's normed input and MoE output. */
 static size_t per_row(const smoe_gdn_block *b) {
     const size_t C = b->C, V = (size_t)b->Hv * b->dv, Hv = b->Hv;
-    return b->hidden + (C + V + 2 * Hv) + C + 2 * Hv + V + b->hidden;
+    return b->hidden + (C + V + 2 * Hv) + C + 2 * Hv + V + b->hidden + 2 * (size_t)b->hidden;
 }
 
 static int ensure_cap(smoe_gdn_block *b, uint32_t n, smoe_err *err) {
@@ -102,9 +102,12 @@ void smoe_gdn_block_destroy(smoe_gdn_block *b) {
     b->ready = 0;
     free(b->buf);
     free(b->lscratch);
+    free(b->route);
     b->buf = NULL;
     b->lscratch = NULL;
+    b->route = NULL;
     b->cap = 0;
+    b->route_cap = 0;
 }
 
 /* torch's silu and softplus (threshold 20) in f32. */
@@ -142,8 +145,10 @@ static void conv_step(const smoe_gdn_block *b, void *win, int cb, const float *x
     }
 }
 
+/* The module for B rows of x (f32, or bf16 bits when xb) without the lock; *res: its output
+ * [B, hidden] (f32, bf16 values when the block rounds as bf16) in buf. */
 static int gdn_step(smoe_gdn_block *self, smoe_kctx *c, const void *xp, int xb, uint32_t B,
-                    void *conv, int cb, float *state, void *outp, int ob, smoe_err *err) {
+                    void *conv, int cb, float *state, float **res, smoe_err *err) {
     const uint32_t Hk = self->Hk, Hv = self->Hv, dk = self->dk, dv = self->dv, C = self->C;
     const uint32_t hid = self->hidden, V = Hv * dv, NY = C + V + 2 * Hv, cap = self->cap;
     const int bf = self->bf16;
@@ -192,7 +197,8 @@ static int gdn_step(smoe_gdn_block *self, smoe_kctx *c, const void *xp, int xb, 
     rc = smoe_linear_forward(c, self->ld[SMOE_GB_OUT], self->lb[SMOE_GB_OUT],
                              self->lbias[SMOE_GB_OUT], o, V, B, of, hid, self->lscratch, err);
     if (rc != SMOE_OK) return rc;
-    smoe_dec_store(outp, ob, of, (size_t)B * hid); /* (ob: rounded to bf16 here) */
+    if (bf) smoe_bf16_round(of, (size_t)B * hid); /* out_proj's bf16 output */
+    *res = of;
     return SMOE_OK;
 }
 
@@ -203,8 +209,41 @@ int smoe_gdn_block_step(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb,
         return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: %u rows, expected 1..%u (max_rows)", B,
                             b->max_rows);
     pthread_mutex_lock(&b->mu);
+    float *of = NULL;
     int rc = ensure_cap(b, B, err);
-    if (rc == SMOE_OK) rc = gdn_step(b, c, xp, xb, B, conv, cb, state, outp, ob, err);
+    if (rc == SMOE_OK) rc = gdn_step(b, c, xp, xb, B, conv, cb, state, &of, err);
+    if (rc == SMOE_OK) smoe_dec_store(outp, ob, of, (size_t)B * b->hidden);
     pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+int smoe_gdn_block_layer(smoe_gdn_block *b, smoe_kctx *c, smoe_layers *g,
+                         const smoe_gdn_layer_args *a, double *ta, double *tm, smoe_err *err) {
+    if (!b->ready) return smoe_err_set(err, SMOE_ESTATE, "GdnBlock: not initialised");
+    const uint32_t B = a->B, hid = b->hidden;
+    if (B < 1 || B > b->max_rows)
+        return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: %u rows, expected 1..%u (max_rows)", B,
+                            b->max_rows);
+    const double t0 = smoe_now();
+    double t1 = t0;
+    pthread_mutex_lock(&b->mu);
+    int rc = ensure_cap(b, B, err);
+    float *of = NULL;
+    /* the normed input and the MoE output: the last 2 cap hidden floats of buf */
+    float *nrm = b->buf + (size_t)b->cap * (per_row(b) - 2 * (size_t)hid);
+    float *moe = nrm + (size_t)b->cap * hid;
+    if (rc == SMOE_OK) { /* input norm, the module */
+        smoe_dec_widen(nrm, a->xp, a->xb, (size_t)B * hid);
+        smoe_dec_norm(nrm, B, hid, a->ln1, a->eps1, b->bf16, a->zc);
+        rc = gdn_step(b, c, nrm, 0, B, a->conv, a->cb, a->state, &of, err);
+    }
+    if (rc == SMOE_OK) /* residual add, post-attention norm, the MoE block, residual add */
+        rc = smoe_dec_tail(b->bf16, g, NULL, (uint32_t)a->pos, a->flags, B, hid, of, a->xp,
+                           a->xb, a->ln2, a->eps2, a->zc, nrm, moe, &b->route, &b->route_cap,
+                           a->op, a->xb, &t1, err);
+    const double t2 = smoe_now();
+    pthread_mutex_unlock(&b->mu);
+    *ta = t1 - t0;
+    *tm = t2 - t1;
     return rc;
 }

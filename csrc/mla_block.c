@@ -260,8 +260,8 @@ int smoe_mla_block_layer(smoe_mla_block *self, smoe_kctx *c, smoe_layers *g,
         rc = smoe_err_set(err, SMOE_ESTATE, "MLABlock.layer: the block's MLP was removed");
     if (rc == SMOE_OK) /* the MoE block (or the dense MLP) over every row's tokens */
         rc = smoe_dec_tail(self->bf16, g, &mlp, (uint32_t)l->pos, l->flags, nt, hid, h, a->xp,
-                           a->xb, a->ln2, a->eps2, nrm, moe, &self->route, &self->route_cap,
-                           l->op, a->xb, &t1, err);
+                           a->xb, a->ln2, a->eps2, 0, nrm, moe, &self->route,
+                           &self->route_cap, l->op, a->xb, &t1, err);
     double t2 = smoe_now();
     pthread_mutex_unlock(&self->mu);
     *ta = t1 - t0;

@@ -249,7 +249,8 @@ class GdnBlock:
     instead), the depthwise short convolution over each row's window, the gates
     (``decay`` = -exp(A_log), ``dt_bias``), the gated delta rule, the gated RMSNorm
     (``norm_weight``, ``eps``) and the output projection.  ``bf16``: round every intermediate
-    as a bf16 model does."""
+    as a bf16 model does.  ``layer``: the whole Qwen3.5 decoder layer around it (norms,
+    residual adds, the MoE block of a ``Layers`` routed in C) in the same call."""
 
     def __init__(self, ctx: KernelContext, qkv: Linear, z: Linear, b: Linear, a: Linear,
                  out: Linear, conv_weight: np.ndarray, decay: np.ndarray, dt_bias: np.ndarray,
@@ -258,6 +259,10 @@ class GdnBlock:
                  conv_bias: np.ndarray | None = None, all: Linear | None = None) -> None: ...
     def step(self, x: np.ndarray, conv: np.ndarray, state: np.ndarray,
              out: np.ndarray) -> None: ...
+    def layer(self, layers: Layers, pos: int, route_flags: int, x: np.ndarray,
+              conv: np.ndarray, state: np.ndarray, ln1: np.ndarray, eps1: float,
+              ln2: np.ndarray, eps2: float, zero_centred: bool,
+              out: np.ndarray) -> tuple[float, float]: ...
 
 class MLABlock:
     """A DeepSeek-V2/V3 decoder layer's MLA attention module at decode sizes in one call

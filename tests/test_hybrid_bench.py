@@ -28,8 +28,8 @@ def test_quick_run_reads_one_file_on_both_sides(tmp_path):
     s, ll = rows[("specmoe-gguf", 1)], rows[("llama.cpp-Q4_0", 1)]
     assert s["tok_per_s_runs"][0] > 0 and not s["errors"], s
     parts = s["step_ms_by_part_runs"][0]
-    assert {"linear_attention", "full_attention", "moe", "other"} <= set(parts)
-    assert all(parts[k] > 0 for k in ("linear_attention", "full_attention", "moe")), parts
+    assert {"linear_attention_layers", "full_attention_layers", "other"} <= set(parts)
+    assert all(parts[k] > 0 for k in ("linear_attention_layers", "full_attention_layers")), parts
     # llama.cpp runs where it is built; otherwise its row says why (never dropped)
     assert ll["tok_per_s_runs"][0] or "llama-bench" in " ".join(ll["errors"] or []), ll
     assert len(s["vs_llama_cpp_runs"]) == (1 if ll["tok_per_s_runs"][0] else 0)

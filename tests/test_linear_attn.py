@@ -190,20 +190,25 @@ def test_fused_step_equals_the_module_forward(dtype, rows):
 
 
 class _Counting:
-    """A GdnBlock stand-in that counts its step calls."""
+    """A GdnBlock stand-in that counts its step calls (n) and layer calls (layers)."""
 
     def __init__(self, blk):
-        self.blk, self.n = blk, 0
+        self.blk, self.n, self.layers = blk, 0, 0
 
     def step(self, *a):
         self.n += 1
         return self.blk.step(*a)
 
+    def layer(self, *a):
+        self.layers += 1
+        return self.blk.layer(*a)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_model_decodes_a_batch_as_the_unfused_one(dtype, monkeypatch):
     """generate of two rows: every decode step of both linear-attention layers through the
-    block, tokens and logits as the same offload without the fusion."""
+    block (their whole decoder layer in one call: the MoE blocks route in C), tokens and
+    logits as the same offload without the fusion."""
     from specmoe.models import dense
     m, eng = _fused(dtype)
     mods = [m.get_submodule(n) for n in eng.dense.fused if n.endswith("linear_attn")]
@@ -219,13 +224,48 @@ def test_fused_model_decodes_a_batch_as_the_unfused_one(dtype, monkeypatch):
                   return_dict_in_generate=True, pad_token_id=0)
         with torch.no_grad():
             want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
-        assert [mod._specmoe_gdn.n for mod in mods] == [5, 5]  # (the prefill is the module's)
+        # (the prefill is the module's own forward)
+        assert [(mod._specmoe_gdn.n, mod._specmoe_gdn.layers) for mod in mods] == [(0, 5)] * 2
         assert torch.equal(got.sequences, want.sequences)
         for a, b in zip(got.scores, want.scores):
             torch.testing.assert_close(a.float(), b.float(), atol=1e-4, rtol=1e-4)
     finally:
         eng.close()
         ref_eng.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_call_layer_equals_the_module_by_module_path(dtype, rows):
+    """_C.GdnBlock.layer (input norm, the module, residual add, post-attention norm, the MoE
+    block routed in C, residual add) against the same decoder layer run module by module
+    (transformers' layer forward over the CRMSNorms, the fused module's step and the routed
+    MoE block): the same output and states, bit for bit."""
+    m, eng = _fused(dtype)
+    try:
+        layer = m.model.layers[0]
+        assert layer._specmoe_gdn_layer and eng.routed_in_c
+        g = torch.Generator().manual_seed(rows)
+        ids = torch.randint(3, m.config.vocab_size, (rows, 6), generator=g)
+        with torch.no_grad():
+            cache = m(ids, use_cache=True).past_key_values
+        conv, rec = cache.get_conv_state(0), cache.get_recurrent_state(0)
+        c0, r0 = conv.clone(), rec.clone()
+        x = torch.randn(rows, 1, m.config.hidden_size, generator=g).to(dtype)
+        blk = layer.linear_attn._specmoe_gdn = _Counting(layer.linear_attn._specmoe_gdn)
+        with torch.no_grad():
+            got = layer(x, attention_mask=None, cache=cache)
+            assert (blk.layers, blk.n) == (1, 0)
+            got_conv, got_rec = conv.clone(), rec.clone()
+            conv.copy_(c0)
+            rec.copy_(r0)
+            want = type(layer).forward(layer, x, position_embeddings=None, attention_mask=None,
+                                       cache=cache)
+            assert (blk.layers, blk.n) == (1, 1)
+        assert torch.equal(got, want) and torch.equal(got_conv, conv)
+        assert torch.equal(got_rec, rec) and not torch.equal(got_rec, r0)
+    finally:
+        eng.close()
 
 
 def test_gdn_block_refuses_bad_shapes_by_name():
@@ -256,6 +296,16 @@ def test_gdn_block_refuses_bad_shapes_by_name():
             blk.step(np.zeros((65, hidden), np.float32), conv, st, out)
         with pytest.raises(ValueError, match="must not alias"):
             blk.step(x, conv, st, st.reshape(-1)[:2 * hidden].reshape(2, hidden))
+        w = np.ones(hidden, np.float32)
+        larg = (eng._layers, 0, 0, x, conv, st, w, 1e-6, w, 1e-6, True)
+        with pytest.raises(TypeError, match="layer"):
+            blk.layer(*larg)
+        with pytest.raises(ValueError, match="pos 9 outside"):
+            blk.layer(eng._layers, 9, *larg[2:], out)
+        with pytest.raises(ValueError, match="same dtype"):
+            blk.layer(*larg, np.zeros((2, hidden), np.uint16))
+        with pytest.raises(ValueError, match="ln has"):
+            blk.layer(*larg[:6], w[1:].copy(), *larg[7:], out)
         before = conv.copy(), st.copy()
         blk.step(x, conv, st, out)  # a zero input and state: nothing but the window moves
         assert np.array_equal(conv, before[0]) and not np.any(out)

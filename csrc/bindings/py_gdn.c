@@ -7,6 +7,7 @@
 
 #include "py_attn.h"
 #include "py_kernels.h"
+#include "py_layer.h"
 
 typedef struct {
     PyObject_HEAD
@@ -113,38 +114,106 @@ static void gb_dealloc(GdnBlockObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* The arrays of step / layer: x [B, hidden] (f32 or bf16), conv [B, C, K] and state
+ * [B, Hv, dk, dv] (writable), out [B, hidden] (writable, ob: its dtype); B from x.  -1 with
+ * the exception set. */
+static int step_arrays(const smoe_gdn_block *b, PyObject *x, PyObject *conv, PyObject *state,
+                       PyObject *out, npy_intp *B, int *xb, int *cb, int *ob) {
+    *xb = smoe_py_f32_or_bf16(x, "x", 2, 0);
+    *cb = *xb < 0 ? -1 : smoe_py_f32_or_bf16(conv, "conv", 3, 1);
+    PyArrayObject *st = *cb < 0 ? NULL : smoe_py_want_array(state, "state", NPY_FLOAT32, 4, 1);
+    *ob = st ? smoe_py_f32_or_bf16(out, "out", 2, 1) : -1;
+    if (*ob < 0) return -1;
+    *B = PyArray_DIM((PyArrayObject *)x, 0);
+    if (*B < 1 || *B > (npy_intp)b->max_rows) {
+        PyErr_Format(PyExc_ValueError, "GdnBlock: %zd rows, expected 1..%u (max_rows)",
+                     (Py_ssize_t)*B, b->max_rows);
+        return -1;
+    }
+    const npy_intp w_x[2] = {*B, b->hidden}, w_c[3] = {*B, b->C, b->K};
+    const npy_intp w_s[4] = {*B, b->Hv, b->dk, b->dv};
+    if (smoe_py_dims_are(x, "x [rows, hidden]", w_x, 2) ||
+        smoe_py_dims_are(conv, "conv [rows, channels, kernel]", w_c, 3) ||
+        smoe_py_dims_are(state, "state [rows, v_heads, k_dim, v_dim]", w_s, 4) ||
+        smoe_py_dims_are(out, "out [rows, hidden]", w_x, 2))
+        return -1;
+    void *cp = PyArray_DATA((PyArrayObject *)conv), *op = PyArray_DATA((PyArrayObject *)out);
+    void *sp = PyArray_DATA(st);
+    if (cp == sp || cp == op || op == sp) {
+        PyErr_SetString(PyExc_ValueError, "GdnBlock: conv, state and out must not alias");
+        return -1;
+    }
+    return 0;
+}
+
+/* layer(layers, pos, route_flags, x, conv, state, ln1, eps1, ln2, eps2, zero_centred, out):
+ * smoe_gdn_block_layer on the _C.Layers `layers` (begun for the call). */
+static PyObject *gb_layer(GdnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (smoe_py_method_start(self->ready, "GdnBlock",
+                             "layer(layers, pos, route_flags, x, conv, state, ln1, eps1, ln2, "
+                             "eps2, zero_centred, out)", nargs, 12, 12))
+        return NULL;
+    smoe_gdn_block *b = &self->blk;
+    smoe_gdn_layer_args a;
+    memset(&a, 0, sizeof a);
+    a.pos = PyLong_AsLong(args[1]);
+    a.zc = PyObject_IsTrue(args[10]);
+    if ((a.pos == -1 || a.zc < 0) && PyErr_Occurred()) return NULL;
+    if (smoe_py_route_flags(args[2], &a.flags)) return NULL;
+    npy_intp B;
+    int ob;
+    if (step_arrays(b, args[3], args[4], args[5], args[11], &B, &a.xb, &a.cb, &ob)) return NULL;
+    if (ob != a.xb) {
+        PyErr_SetString(PyExc_ValueError, "GdnBlock.layer: x and out must have the same dtype");
+        return NULL;
+    }
+    if (PyArray_DATA((PyArrayObject *)args[3]) == PyArray_DATA((PyArrayObject *)args[11])) {
+        PyErr_SetString(PyExc_ValueError, "GdnBlock.layer: x and out must not alias");
+        return NULL;
+    }
+    if (smoe_py_norm_arg(args[6], args[7], b->hidden, &a.ln1, &a.eps1) ||
+        smoe_py_norm_arg(args[8], args[9], b->hidden, &a.ln2, &a.eps2))
+        return NULL;
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_layers *g = smoe_py_layers_begin(args[0]);
+    if (!g) return NULL;
+    if (a.pos < 0 || a.pos >= (long)g->L || g->H != b->hidden) {
+        smoe_py_layers_end(args[0]);
+        PyErr_Format(PyExc_ValueError, "GdnBlock.layer: pos %ld outside 0..%u, or the MoE "
+                     "hidden size %u is not the block's %u", a.pos, g->L - 1, g->H, b->hidden);
+        return NULL;
+    }
+    a.B = (uint32_t)B;
+    a.xp = PyArray_DATA((PyArrayObject *)args[3]);
+    a.conv = PyArray_DATA((PyArrayObject *)args[4]);
+    a.state = (float *)PyArray_DATA((PyArrayObject *)args[5]);
+    a.op = PyArray_DATA((PyArrayObject *)args[11]);
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    double ta = 0.0, tm = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_gdn_block_layer(b, c, g, &a, &ta, &tm, &err);
+    Py_END_ALLOW_THREADS
+    smoe_py_layers_end(args[0]);
+    if (rc != 0) return smoe_py_raise(&err);
+    return Py_BuildValue("(dd)", ta, tm);
+}
+
 /* step(x, conv, state, out): smoe_gdn_block_step on B rows, B from x. */
 static PyObject *gb_step(GdnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (smoe_py_method_start(self->ready, "GdnBlock", "step(x, conv, state, out)", nargs, 4, 4))
         return NULL;
     smoe_gdn_block *b = &self->blk;
-    int xb = smoe_py_f32_or_bf16(args[0], "x", 2, 0);
-    int cb = xb < 0 ? -1 : smoe_py_f32_or_bf16(args[1], "conv", 3, 1);
-    PyArrayObject *st = cb < 0 ? NULL : smoe_py_want_array(args[2], "state", NPY_FLOAT32, 4, 1);
-    int ob = st ? smoe_py_f32_or_bf16(args[3], "out", 2, 1) : -1;
-    if (ob < 0) return NULL;
-    const npy_intp B = PyArray_DIM((PyArrayObject *)args[0], 0);
-    if (B < 1 || B > (npy_intp)b->max_rows) {
-        PyErr_Format(PyExc_ValueError, "GdnBlock: %zd rows, expected 1..%u (max_rows)",
-                     (Py_ssize_t)B, b->max_rows);
-        return NULL;
-    }
-    const npy_intp w_x[2] = {B, b->hidden}, w_c[3] = {B, b->C, b->K};
-    const npy_intp w_s[4] = {B, b->Hv, b->dk, b->dv};
-    if (smoe_py_dims_are(args[0], "x [rows, hidden]", w_x, 2) ||
-        smoe_py_dims_are(args[1], "conv [rows, channels, kernel]", w_c, 3) ||
-        smoe_py_dims_are(args[2], "state [rows, v_heads, k_dim, v_dim]", w_s, 4) ||
-        smoe_py_dims_are(args[3], "out [rows, hidden]", w_x, 2))
-        return NULL;
-    void *cp = PyArray_DATA((PyArrayObject *)args[1]), *op = PyArray_DATA((PyArrayObject *)args[3]);
-    float *sp = (float *)PyArray_DATA(st);
-    if (cp == (void *)sp || cp == op || op == (void *)sp) {
-        PyErr_SetString(PyExc_ValueError, "GdnBlock.step: conv, state and out must not alias");
-        return NULL;
-    }
+    npy_intp B;
+    int xb, cb, ob;
+    if (step_arrays(b, args[0], args[1], args[2], args[3], &B, &xb, &cb, &ob)) return NULL;
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
     const void *xp = PyArray_DATA((PyArrayObject *)args[0]);
+    void *cp = PyArray_DATA((PyArrayObject *)args[1]), *op = PyArray_DATA((PyArrayObject *)args[3]);
+    float *sp = (float *)PyArray_DATA((PyArrayObject *)args[2]);
     smoe_err err;
     smoe_err_clear(&err);
     int rc;
@@ -163,6 +232,15 @@ static PyMethodDef gb_methods[] = {
      "bits), each row's convolution window conv [rows, channels, kernel] (float32 or bf16 "
      "bits) and recurrent state [rows, v_heads, k_dim, v_dim] (float32) updated in place "
      "(csrc/decoder.h smoe_gdn_block_step).  C-contiguous arrays; GIL released."},
+    {"layer", (PyCFunction)(void (*)(void))gb_layer, METH_FASTCALL,
+     "layer(layers, pos, route_flags, x, conv, state, ln1, eps1, ln2, eps2, zero_centred, out): "
+     "a whole Qwen3.5 decoder layer of one decode token of rows sequences in one call: x "
+     "[rows, hidden] normed (ln1 float32 [hidden], eps1; zero_centred: both norms' weights are "
+     "1 + the module's, applied in f32 with one rounding, else the Llama form), step's module, "
+     "the residual add, the post-attention norm (ln2, eps2), the MoE block of MoE layer pos of "
+     "the _C.Layers `layers` (its forward_routed with route_flags), the second residual add, "
+     "into out [rows, hidden] (x's dtype, another array).  Returns (seconds in the linear "
+     "attention part, seconds in the MoE block).  GIL released."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject GdnBlockType = {

@@ -54,6 +54,7 @@ __all__ = [
     "FUSABLE_LAYERS",
     "FUSABLE_MLA_LAYERS",
     "FUSABLE_GATED_DELTANET",
+    "FUSABLE_GDN_LAYERS",
     "MLA_ATTENTION",
     "LLAMA_RMSNORMS",
     "ZERO_CENTRED_RMSNORMS",
@@ -313,6 +314,10 @@ FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderL
 # q and k, a gated RMSNorm): specmoe.models.linear_attn.fuse_gated_deltanet runs it in one C
 # call.  Not Qwen3-Next's (q, k, v, z interleaved per key head in one projection)
 FUSABLE_GATED_DELTANET = ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5GatedDeltaNet")
+# their MoE decoder layers (h + linear_attn(input_layernorm(h)), then that plus
+# mlp(post_attention_layernorm(that))), a decode step of which is one C call when the MoE block
+# routes in C: specmoe.models.linear_attn
+FUSABLE_GDN_LAYERS = ("Qwen3_5MoeDecoderLayer",)
 # DeepSeek-V2/V3 decoder layers (the same residual form) whose MLA attention, absorbed, runs
 # with them in one C call (specmoe.models.mla.fuse_mla): transformers' DeepseekV2/V3Attention caching
 # the latent, with DeepSeek-V2's complex rotary or DeepSeek-V3's rotate-half / interleaved one

@@ -36,8 +36,9 @@ from torch import nn
 
 from .. import _C
 from ..runtime.kernels import tensor_array
-from .arch import FUSABLE_GATED_DELTANET
-from .layers import BLOCK_DTYPES, CLinear, fuse_qkv
+from .arch import FUSABLE_GATED_DELTANET, FUSABLE_GDN_LAYERS
+from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, fuse_qkv
+from .mla import decode_route
 
 __all__ = ["prepare", "f32_short_convs", "use_c_gated_delta", "fuse_gated_deltanet",
            "GDN_MAX_ROWS"]
@@ -267,6 +268,13 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
         m._specmoe_gdn_shape = (2 * Hk * dk + Hv * dv, Hv, dk, dv, dt)
         m.forward = _gdn_forward(m, m.forward)
         done.append(name)
+    for layer in model.modules():
+        attn = getattr(layer, "linear_attn", None)
+        if type(layer).__name__ in FUSABLE_GDN_LAYERS and attn is not None \
+                and getattr(attn, "_specmoe_gdn", None) is not None \
+                and not getattr(layer, "_specmoe_gdn_layer", False):
+            layer.forward = _gdn_layer_forward(layer, layer.forward)
+            layer._specmoe_gdn_layer = True
     return done
 
 
@@ -313,4 +321,59 @@ def _gdn_forward(m: nn.Module, original: Callable) -> Callable:
                             tensor_array(out))
         return out.reshape(B, 1, hidden)
     forward.__name__ = f"specmoe_fused_{type(m).__name__}_forward"
+    return forward
+
+
+def _gdn_layer_args(layer: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
+                    kwargs: dict) -> tuple | None:
+    """``_C.GdnBlock.layer``'s arguments but the output for x [B, 1, hidden] through a Qwen3.5
+    decoder layer whose linear attention is fused, or None when the layer's own forward must
+    run: the module's own conditions (:func:`_gdn_states`), its MoE block routed in C now
+    (``decode_route``), both norms :class:`CRMSNorm` of one form in the layer's dtype."""
+    attn = layer.linear_attn
+    route = decode_route(layer, x) if not layer.training else None
+    if route is None:
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(type(n) is CRMSNorm and not n.training and n.weight.dtype == x.dtype
+               and n._w.shape == (x.shape[-1],) for n in norms) \
+            or norms[0].zero_centred != norms[1].zero_centred:
+        return None
+    states = _gdn_states(attn, x, cache, attention_mask, kwargs)
+    if states is None:
+        return None
+    conv, rec = states
+    eng, pos, flags, _ = route
+    B, _, hidden = x.shape
+    xa = x.detach().reshape(B, hidden)
+    if not xa.is_contiguous():
+        xa = xa.contiguous()
+    return (eng, pos, flags, tensor_array(xa), tensor_array(conv), rec.detach().numpy(),
+            norms[0]._w, norms[0].variance_epsilon, norms[1]._w, norms[1].variance_epsilon,
+            norms[0].zero_centred)
+
+
+def _gdn_layer_forward(layer: nn.Module, original: Callable) -> Callable:
+    """A Qwen3.5 decoder layer's forward whose one-token cached steps of a linear-attention
+    layer are one ``_C.GdnBlock.layer`` call: input norm, the gated DeltaNet module, residual
+    add, post-attention norm, the MoE block routed in C (router, experts, gated shared expert),
+    residual add -- each as the module-by-module path computes it."""
+    def forward(hidden_states: torch.Tensor, *args: Any, attention_mask: Any = None,
+                cache: Any = None, **kwargs: Any) -> Any:
+        if cache is None:
+            cache = kwargs.get("past_key_values")
+        a = None if args else _gdn_layer_args(layer, hidden_states, cache, attention_mask,
+                                                kwargs)
+        if a is None:
+            if cache is not None and "past_key_values" not in kwargs:
+                kwargs["cache"] = cache
+            return original(hidden_states, *args, attention_mask=attention_mask, **kwargs)
+        eng = a[0]
+        out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype)
+        B, _, hidden = hidden_states.shape
+        with eng.layer_call_slot():  # the Engine's layers read inside: set_cache swaps them
+            layer.linear_attn._specmoe_gdn.layer(eng.layers, *a[1:],
+                                                 tensor_array(out.view(B, hidden)))
+        return out
+    forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"
     return forward
