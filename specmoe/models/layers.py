@@ -431,6 +431,12 @@ class CRMSNorm(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.inner.weight
 
+    @property
+    def c_weight(self) -> np.ndarray:
+        """The f32 weights ``_C.rms_norm`` and the one-call layers take: the module's (Llama
+        form) or 1 + the module's (zero-centred form)."""
+        return self._w
+
     def c_bf16(self, dtype: torch.dtype) -> bool:
         """``_C.rms_norm``'s ``bf16`` argument for inputs of ``dtype`` (the per-step roundings
         of the Llama form; the zero-centred form rounds only its output)."""

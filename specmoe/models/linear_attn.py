@@ -336,7 +336,7 @@ def _gdn_layer_args(layer: nn.Module, x: torch.Tensor, cache: Any, attention_mas
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(type(n) is CRMSNorm and not n.training and n.weight.dtype == x.dtype
-               and n._w.shape == (x.shape[-1],) for n in norms) \
+               and n.c_weight.shape == (x.shape[-1],) for n in norms) \
             or norms[0].zero_centred != norms[1].zero_centred:
         return None
     states = _gdn_states(attn, x, cache, attention_mask, kwargs)
@@ -349,7 +349,8 @@ def _gdn_layer_args(layer: nn.Module, x: torch.Tensor, cache: Any, attention_mas
     if not xa.is_contiguous():
         xa = xa.contiguous()
     return (eng, pos, flags, tensor_array(xa), tensor_array(conv), rec.detach().numpy(),
-            norms[0]._w, norms[0].variance_epsilon, norms[1]._w, norms[1].variance_epsilon,
+            norms[0].c_weight, norms[0].variance_epsilon, norms[1].c_weight,
+            norms[1].variance_epsilon,
             norms[0].zero_centred)
 
 
