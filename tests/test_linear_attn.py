@@ -153,6 +153,17 @@ def _fused(dtype):
     return m, offload(m, dtype=sd, cache=1.0, dense=sd)
 
 
+def _prefilled(m, rows, dtype):
+    """A cache after a 6-token prefill of `rows` random prompts through m, layer 0's conv
+    window and recurrent state in it, and a random next input x [rows, 1, hidden]."""
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(3, m.config.vocab_size, (rows, 6), generator=g)
+    with torch.no_grad():
+        cache = m(ids, use_cache=True).past_key_values
+    x = torch.randn(rows, 1, m.config.hidden_size, generator=g).to(dtype)
+    return cache, cache.get_conv_state(0), cache.get_recurrent_state(0), x
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_fused_step_equals_the_module_forward(dtype, rows):
@@ -163,13 +174,8 @@ def test_fused_step_equals_the_module_forward(dtype, rows):
     try:
         mod = m.model.layers[0].linear_attn
         assert mod._specmoe_gdn is not None
-        g = torch.Generator().manual_seed(rows)
-        ids = torch.randint(3, m.config.vocab_size, (rows, 6), generator=g)
-        with torch.no_grad():
-            cache = m(ids, use_cache=True).past_key_values
-        conv, rec = cache.get_conv_state(0), cache.get_recurrent_state(0)
+        cache, conv, rec, x = _prefilled(m, rows, dtype)
         c0, r0 = conv.clone(), rec.clone()
-        x = torch.randn(rows, 1, m.config.hidden_size, generator=g).to(dtype)
         with torch.no_grad():
             got = mod(x, cache=cache)
             got_conv, got_rec = conv.clone(), rec.clone()
@@ -245,13 +251,8 @@ def test_one_call_layer_equals_the_module_by_module_path(dtype, rows):
     try:
         layer = m.model.layers[0]
         assert layer._specmoe_gdn_layer and eng.routed_in_c
-        g = torch.Generator().manual_seed(rows)
-        ids = torch.randint(3, m.config.vocab_size, (rows, 6), generator=g)
-        with torch.no_grad():
-            cache = m(ids, use_cache=True).past_key_values
-        conv, rec = cache.get_conv_state(0), cache.get_recurrent_state(0)
+        cache, conv, rec, x = _prefilled(m, rows, dtype)
         c0, r0 = conv.clone(), rec.clone()
-        x = torch.randn(rows, 1, m.config.hidden_size, generator=g).to(dtype)
         blk = layer.linear_attn._specmoe_gdn = _Counting(layer.linear_attn._specmoe_gdn)
         with torch.no_grad():
             got = layer(x, attention_mask=None, cache=cache)

@@ -498,9 +498,7 @@ typedef struct {
     int ready;
 } AttnBlockObject;
 
-/* A failed smoe_*_block_init as the constructors raised it: MemoryError without a message,
- * ValueError with the check's, RuntimeError otherwise (the mutex). */
-static int init_raise(const smoe_err *err) {
+int smoe_py_block_init_raise(const smoe_err *err) {
     if (err->code == SMOE_ENOMEM)
         PyErr_NoMemory();
     else if (err->code == SMOE_EINVAL)
@@ -549,7 +547,7 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     cfg.bf16 = bf16;
     smoe_err err;
     smoe_err_clear(&err);
-    if (smoe_attn_block_check(&cfg, &err)) return init_raise(&err);
+    if (smoe_attn_block_check(&cfg, &err)) return smoe_py_block_init_raise(&err);
     PyObject *nw[2] = {qn_o, kn_o};
     const npy_intp nlen[2] = {nk == SMOE_QKNORM_HEAD ? (npy_intp)D : (npy_intp)H * D,
                               nk == SMOE_QKNORM_HEAD ? (npy_intp)D : (npy_intp)Hkv * D};
@@ -574,7 +572,7 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     }
     cfg.qn = nd[0];
     cfg.kn = nd[1];
-    if (smoe_attn_block_init(&self->blk, &cfg, &err)) return init_raise(&err);
+    if (smoe_attn_block_init(&self->blk, &cfg, &err)) return smoe_py_block_init_raise(&err);
     Py_INCREF(ctx_o);
     self->ctx_obj = ctx_o;
     for (int i = 0; i < nlin; i++) {

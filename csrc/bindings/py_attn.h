@@ -1,5 +1,5 @@
-/* What csrc/bindings/py_attn.c (MLADecode, AttnDecode, AttnBlock) and py_decode.c (MLABlock,
- * layer_chain, rms_norm, DecodePlan) share: argument checks of the decode-attention calls,
+/* What csrc/bindings/py_attn.c (MLADecode, AttnDecode, AttnBlock), py_decode.c (MLABlock,
+ * layer_chain, rms_norm, DecodePlan) and py_gdn.c (GdnBlock) share: argument checks of the decode-attention calls,
  * and the pieces of one file's types the other reads.  The state and compute behind them are
  * plain C (csrc/decoder.h). */
 #ifndef SMOE_PY_ATTN_H
@@ -20,6 +20,11 @@ int smoe_py_bias_arg(PyObject *o, npy_intp B, npy_intp T, npy_intp S, const floa
 /* An RMSNorm's weights (float32 [n], C-contiguous) and eps (a float in [0, 1]) into *w, *eps;
  * -1 with an error otherwise. */
 int smoe_py_norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, float *eps);
+
+/* A failed smoe_*_block_init as the block constructors (AttnBlock, GdnBlock) raise it:
+ * MemoryError without a message, ValueError with the check's, RuntimeError otherwise (the
+ * mutex); returns -1. */
+int smoe_py_block_init_raise(const smoe_err *err);
 
 /* The start of every method of these objects: the object initialised (ready) and nargs one of
  * n1, n2 (n2 = n1: exactly n1); -1 with the exception set.  usage: the call's form. */

@@ -21,16 +21,6 @@ typedef struct {
     int ready;
 } GdnBlockObject;
 
-static int init_raise(const smoe_err *err) {
-    if (err->code == SMOE_ENOMEM)
-        PyErr_NoMemory();
-    else if (err->code == SMOE_EINVAL)
-        PyErr_SetString(PyExc_ValueError, err->msg);
-    else
-        PyErr_SetString(PyExc_RuntimeError, err->msg);
-    return -1;
-}
-
 /* A float32 C-contiguous array of ndim dims whose dims equal want (-1: any); NULL with
  * ValueError otherwise. */
 static PyArrayObject *weights(PyObject *o, const char *name, int ndim, const npy_intp *want) {
@@ -90,7 +80,7 @@ static int gb_init(GdnBlockObject *self, PyObject *args, PyObject *kw) {
     cfg.bf16 = bf16;
     smoe_err err;
     smoe_err_clear(&err);
-    if (smoe_gdn_block_init(&self->blk, &cfg, &err)) return init_raise(&err);
+    if (smoe_gdn_block_init(&self->blk, &cfg, &err)) return smoe_py_block_init_raise(&err);
     Py_INCREF(ctx_o);
     self->ctx_obj = ctx_o;
     for (int i = 0; i < nlin; i++) {
