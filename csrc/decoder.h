@@ -274,17 +274,21 @@ int smoe_mla_block_layer(smoe_mla_block *b, smoe_kctx *c, smoe_layers *g,
 
 /* ---- smoe_gdn_block: a gated DeltaNet (linear attention) module at decode ---- */
 
-/* Linear slots of a gated DeltaNet block: the q|k|v, z, b and a projections of the input, the
- * output projection, and optionally q|k|v|z|b|a in one. */
-enum { SMOE_GB_QKV = 0, SMOE_GB_Z = 1, SMOE_GB_B = 2, SMOE_GB_A = 3, SMOE_GB_OUT = 4,
-       SMOE_GB_ALL = 5, SMOE_GB_N = 6 };
+/* Linear slots of a gated DeltaNet block: up to four input projections (slots 0..n_in-1),
+ * whose outputs side by side are the module's y = [q|k|v | z | b | a] (C + Hv dv + 2 Hv values)
+ * in that order or, with an order table, a permutation of it (Qwen3-Next's in_proj_qkvz and
+ * in_proj_ba, interleaved per key head); then the output projection. */
+enum { SMOE_GB_IN_MAX = 4, SMOE_GB_OUT = 4, SMOE_GB_N = 5 };
 
 /* What smoe_gdn_block_init takes; every pointer borrowed for the block's lifetime.  C = 2 Hk dk
  * + Hv dv channels go through the short convolution (q, k, v of one token side by side). */
 typedef struct smoe_gdn_block_cfg {
-    const smoe_linear_desc *ld[SMOE_GB_N]; /* [ALL] NULL: none (the four run one by one) */
+    const smoe_linear_desc *ld[SMOE_GB_N]; /* inputs [0, n_in), NULL after; [OUT] */
     const uint8_t *lb[SMOE_GB_N];          /* the weight blocks */
     const float *lbias[SMOE_GB_N];         /* biases or NULL */
+    uint32_t n_in;        /* input projections, 1..SMOE_GB_IN_MAX */
+    const int32_t *order; /* NULL, or [C + Hv dv + 2 Hv]: y[j] = (the inputs' outputs)[order[j]],
+                             a permutation */
     const float *conv_w;  /* [C, K] the depthwise kernel (f32) */
     const float *conv_b;  /* [C] or NULL */
     const float *decay;   /* [Hv] -exp(A_log), as the module computes it in f32 */
@@ -300,16 +304,18 @@ typedef struct smoe_gdn_block {
     const smoe_linear_desc *ld[SMOE_GB_N];
     const uint8_t *lb[SMOE_GB_N];
     const float *lbias[SMOE_GB_N];
+    const int32_t *order;
     const float *conv_w, *conv_b, *decay, *dt_bias, *norm_w;
-    uint32_t Hk, Hv, dk, dv, K, C, hidden, max_rows;
+    uint32_t n_in, Hk, Hv, dk, dv, K, C, hidden, max_rows;
     float eps;
     int bf16;
     /* owned; guarded by mu */
     uint32_t cap;       /* rows buf and lscratch hold now (grown up to max_rows, then kept) */
-    float *buf;         /* cap * (hidden + (C + Hv dv + 2 Hv) + C + 2 Hv + Hv dv + hidden)
-                           floats: input, projections, convolved q|k|v, g and beta, the rule's
-                           output, the output projection's; then cap * 2 hidden for the layer
-                           call: the normed input, the MoE block's output */
+    float *buf;         /* cap * (hidden + 2 (C + Hv dv + 2 Hv) + C + 2 Hv + Hv dv + hidden)
+                           floats: input, projections (as the inputs give them, then in y's
+                           order), convolved q|k|v, g and beta, the rule's output, the output
+                           projection's; then cap * 2 hidden for the layer call: the normed
+                           input, the MoE block's output */
     void *lscratch;     /* linear scratch for cap rows */
     void *route;        /* the layer call's routing: route_cap bytes of (k int64 ids, k f32
                            weights) per row and E used flags; grows */
@@ -320,9 +326,10 @@ typedef struct smoe_gdn_block {
 } smoe_gdn_block;
 
 /* SMOE_EINVAL with the binding's message unless the dims and projections fit together (Hv a
- * multiple of Hk; dk, dv in 1..512; K in 2..16; max_rows 1..4096; eps in [0, 1]; qkv, z, b, a,
- * out hidden -> C, Hv dv, Hv, Hv, and Hv dv -> hidden; all: hidden -> C + Hv dv + 2 Hv; the
- * weights conv_w, decay, dt_bias, norm_w given).  Reads cfg's dims and ld only. */
+ * multiple of Hk; dk, dv in 1..512; K in 2..16; max_rows 1..4096; eps in [0, 1]; the inputs
+ * hidden -> N_i with sum N_i = C + Hv dv + 2 Hv, out Hv dv -> hidden; an order table a
+ * permutation; the weights conv_w, decay, dt_bias, norm_w given).  Reads cfg's dims, ld and
+ * order. */
 int smoe_gdn_block_check(const smoe_gdn_block_cfg *cfg, smoe_err *err);
 
 /* Check cfg and set *b up (buffers for min(max_rows, 16) rows, the mutex); *b zeroed before;
@@ -335,7 +342,7 @@ void smoe_gdn_block_destroy(smoe_gdn_block *b);
  * window conv [B, C, K] (f32 / bf16 bits when cb) and recurrent state [B, Hv, dk, dv] (f32)
  * updated in place.  What transformers' Qwen3_5MoeGatedDeltaNet.forward computes for one
  * cached token (Yang et al., "Gated Delta Networks", 2024):
- *   y = [qkv | z | b | a] = the projections of x                 (bf16: rounded)
+ *   y = [qkv | z | b | a] = the projections of x (permuted by order)  (bf16: rounded)
  *   conv[c] = [conv[c][1:], qkv[c]];  u[c] = silu(sum_j w[c][j] conv[c][j] + bias[c])
  *                                                                 (f32; bf16: u rounded)
  *   beta = sigmoid(b) (bf16: rounded);  g = decay * softplus(a + dt_bias)   (f32)

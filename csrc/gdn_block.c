@@ -25,32 +25,53 @@ int smoe_gdn_block_check(const smoe_gdn_block_cfg *cfg, smoe_err *err) {
                             "max_rows=%u eps=%g out of range (v_heads a multiple of k_heads, "
                             "head dims 1..512, v_heads <= 4096, conv_kernel 2..16, max_rows "
                             "1..4096, eps in [0, 1])", Hk, Hv, dk, dv, K, cfg->max_rows, eps);
-    if (!cfg->conv_w || !cfg->decay || !cfg->dt_bias || !cfg->norm_w || !cfg->ld[SMOE_GB_OUT])
-        return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: a weight is missing");
-    const uint32_t hidden = cfg->ld[SMOE_GB_OUT]->N, C = 2 * Hk * dk + Hv * dv;
-    const uint32_t want_n[SMOE_GB_N] = {C, Hv * dv, Hv, Hv, hidden, C + Hv * dv + 2 * Hv};
-    const uint32_t want_k[SMOE_GB_N] = {hidden, hidden, hidden, hidden, Hv * dv, hidden};
-    static const char *names[SMOE_GB_N] = {"qkv", "z", "b", "a", "out", "all"};
-    for (int i = 0; i < SMOE_GB_N; i++) {
+    if (!cfg->conv_w || !cfg->decay || !cfg->dt_bias || !cfg->norm_w || !cfg->ld[SMOE_GB_OUT] ||
+        cfg->n_in < 1 || cfg->n_in > SMOE_GB_IN_MAX)
+        return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: a weight is missing, or %u input "
+                            "projections (1..%d)", cfg->n_in, SMOE_GB_IN_MAX);
+    const smoe_linear_desc *od = cfg->ld[SMOE_GB_OUT];
+    const uint32_t hidden = od->N, C = 2 * Hk * dk + Hv * dv, NY = C + Hv * dv + 2 * Hv;
+    if (od->K != Hv * dv)
+        return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: the out projection is %u -> %u, "
+                            "expected %u -> %u", od->K, od->N, Hv * dv, hidden);
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < cfg->n_in; i++) {
         const smoe_linear_desc *d = cfg->ld[i];
-        if (!d && i != SMOE_GB_ALL)
-            return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: the %s projection is missing",
-                                names[i]);
-        if (d && (d->N != want_n[i] || d->K != want_k[i]))
-            return smoe_err_set(err, SMOE_EINVAL,
-                                "GdnBlock: the %s projection is %u -> %u, expected %u -> %u "
-                                "(k_heads=%u v_heads=%u k_dim=%u v_dim=%u hidden=%u)",
-                                names[i], d->K, d->N, want_k[i], want_n[i], Hk, Hv, dk, dv,
-                                hidden);
+        if (!d || d->K != hidden)
+            return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: input projection %u is %s%u -> "
+                                "%u, expected hidden=%u inputs", i, d ? "" : "missing: ",
+                                d ? d->K : 0, d ? d->N : 0, hidden);
+        n += d->N;
+    }
+    if (n != NY)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "GdnBlock: the input projections give %llu values, expected %u "
+                            "(q|k|v %u, z %u, b %u, a %u: k_heads=%u v_heads=%u k_dim=%u "
+                            "v_dim=%u)", (unsigned long long)n, NY, C, Hv * dv, Hv, Hv, Hk, Hv,
+                            dk, dv);
+    if (cfg->order) { /* a permutation of 0..NY-1 */
+        uint8_t *seen = calloc(NY, 1);
+        if (!seen) return smoe_err_set(err, SMOE_ENOMEM, "GdnBlock: out of memory");
+        uint32_t j = 0;
+        for (; j < NY; j++) {
+            const int32_t o = cfg->order[j];
+            if (o < 0 || (uint32_t)o >= NY || seen[o]) break;
+            seen[o] = 1;
+        }
+        free(seen);
+        if (j < NY)
+            return smoe_err_set(err, SMOE_EINVAL, "GdnBlock: order is not a permutation of "
+                                "0..%u (entry %u)", NY - 1, j);
     }
     return SMOE_OK;
 }
 
-/* Floats of buf per row: x, y = [qkv | z | b | a], u (convolved q|k|v), g, beta, the rule's
- * output o, the output projection's result; the layer call's normed input and MoE output. */
+/* Floats of buf per row: x, the projections as the inputs give them, y = [qkv | z | b | a], u
+ * (convolved q|k|v), g, beta, the rule's output o, the output projection's result; the layer
+ * call's normed input and MoE output. */
 static size_t per_row(const smoe_gdn_block *b) {
     const size_t C = b->C, V = (size_t)b->Hv * b->dv, Hv = b->Hv;
-    return b->hidden + (C + V + 2 * Hv) + C + 2 * Hv + V + b->hidden + 2 * (size_t)b->hidden;
+    return b->hidden + 2 * (C + V + 2 * Hv) + C + 2 * Hv + V + b->hidden + 2 * (size_t)b->hidden;
 }
 
 static int ensure_cap(smoe_gdn_block *b, uint32_t n, smoe_err *err) {
@@ -66,6 +87,8 @@ int smoe_gdn_block_init(smoe_gdn_block *b, const smoe_gdn_block_cfg *cfg, smoe_e
         b->lb[i] = cfg->lb[i];
         b->lbias[i] = cfg->lbias[i];
     }
+    b->n_in = cfg->n_in;
+    b->order = cfg->order;
     b->conv_w = cfg->conv_w;
     b->conv_b = cfg->conv_b;
     b->decay = cfg->decay;
@@ -152,21 +175,21 @@ static int gdn_step(smoe_gdn_block *self, smoe_kctx *c, const void *xp, int xb, 
     const uint32_t Hk = self->Hk, Hv = self->Hv, dk = self->dk, dv = self->dv, C = self->C;
     const uint32_t hid = self->hidden, V = Hv * dv, NY = C + V + 2 * Hv, cap = self->cap;
     const int bf = self->bf16;
-    float *x = self->buf, *y = x + (size_t)cap * hid, *u = y + (size_t)cap * NY;
+    float *x = self->buf, *yr = x + (size_t)cap * hid, *y = yr + (size_t)cap * NY;
+    float *u = y + (size_t)cap * NY;
     float *g = u + (size_t)cap * C, *beta = g + (size_t)cap * Hv, *o = beta + (size_t)cap * Hv;
     float *of = o + (size_t)cap * V;
     smoe_dec_widen(x, xp, xb, (size_t)B * hid);
     int rc = SMOE_OK;
-    if (self->ld[SMOE_GB_ALL]) {
-        rc = smoe_linear_forward(c, self->ld[SMOE_GB_ALL], self->lb[SMOE_GB_ALL],
-                                 self->lbias[SMOE_GB_ALL], x, hid, B, y, NY, self->lscratch, err);
-    } else {
-        const uint32_t off[4] = {0, C, C + V, C + V + Hv};
-        for (int i = 0; i < 4 && rc == SMOE_OK; i++)
-            rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], x, hid, B,
-                                     y + off[i], NY, self->lscratch, err);
-    }
+    float *proj = self->order ? yr : y; /* the inputs' outputs side by side, rows of NY */
+    for (uint32_t i = 0, off = 0; i < self->n_in && rc == SMOE_OK; off += self->ld[i]->N, i++)
+        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], x, hid, B,
+                                 proj + off, NY, self->lscratch, err);
     if (rc != SMOE_OK) return rc;
+    if (self->order) /* into y's order: [q|k|v | z | b | a] */
+        for (uint32_t r = 0; r < B; r++)
+            for (uint32_t j = 0; j < NY; j++)
+                y[(size_t)r * NY + j] = yr[(size_t)r * NY + (uint32_t)self->order[j]];
     if (bf) smoe_bf16_round(y, (size_t)B * NY); /* the projections' bf16 outputs */
     for (uint32_t r = 0; r < B; r++) {
         const float *yr = y + (size_t)r * NY, *br = yr + C + V, *ar = br + Hv;

@@ -243,20 +243,22 @@ class AttnBlock:
               ln2: np.ndarray, eps2: float, out: np.ndarray) -> tuple[float, float]: ...
 
 class GdnBlock:
-    """A Qwen3.5 gated DeltaNet (linear attention) module for one decode token of up to
-    ``max_rows`` sequences in one call (specmoe.models.linear_attn.fuse_gated_deltanet,
-    csrc/gdn_block.c): the q|k|v, z, b and a projections (``all``: the four in one Linear, run
-    instead), the depthwise short convolution over each row's window, the gates
-    (``decay`` = -exp(A_log), ``dt_bias``), the gated delta rule, the gated RMSNorm
-    (``norm_weight``, ``eps``) and the output projection.  ``bf16``: round every intermediate
-    as a bf16 model does.  ``layer``: the whole Qwen3.5 decoder layer around it (norms,
-    residual adds, the MoE block of a ``Layers`` routed in C) in the same call."""
+    """A gated DeltaNet (linear attention) module of Qwen3.5 or Qwen3-Next for one decode token
+    of up to ``max_rows`` sequences in one call (specmoe.models.linear_attn.fuse_gated_deltanet,
+    csrc/gdn_block.c): the input projections (``inputs``: 1-4 Linear whose outputs side by side
+    are q|k|v, z, b, a, or with ``order`` a permutation of them: ``y[j] = outputs[order[j]]``),
+    the depthwise short convolution over each row's window, the gates (``decay`` =
+    -exp(A_log), ``dt_bias``), the gated delta rule, the gated RMSNorm (``norm_weight``,
+    ``eps``) and the output projection ``out``.  ``bf16``: round every intermediate as a bf16
+    model does.  ``layer``: the whole decoder layer around it (norms, residual adds, the MoE
+    block of a ``Layers`` routed in C) in the same call."""
 
-    def __init__(self, ctx: KernelContext, qkv: Linear, z: Linear, b: Linear, a: Linear,
-                 out: Linear, conv_weight: np.ndarray, decay: np.ndarray, dt_bias: np.ndarray,
+    def __init__(self, ctx: KernelContext, inputs: tuple[Linear, ...], out: Linear,
+                 conv_weight: np.ndarray, decay: np.ndarray, dt_bias: np.ndarray,
                  norm_weight: np.ndarray, k_heads: int, v_heads: int, k_dim: int, v_dim: int,
                  eps: float = 1e-6, bf16: bool = False, max_rows: int = 64,
-                 conv_bias: np.ndarray | None = None, all: Linear | None = None) -> None: ...
+                 conv_bias: np.ndarray | None = None,
+                 order: np.ndarray | None = None) -> None: ...
     def step(self, x: np.ndarray, conv: np.ndarray, state: np.ndarray,
              out: np.ndarray) -> None: ...
     def layer(self, layers: Layers, pos: int, route_flags: int, x: np.ndarray,

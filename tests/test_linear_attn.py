@@ -145,10 +145,13 @@ def test_bf16_short_convolutions_run_in_f32(arch):
 
 # ---- the fused gated DeltaNet module (specmoe._C.GdnBlock, fuse_gated_deltanet) ----
 
-def _fused(dtype):
-    """A tiny Qwen3.5-MoE model offloaded with its dense layers in specmoe's kernels (so its
-    gated DeltaNet modules are fused), and its engine."""
-    m = tiny_model("qwen3_5_moe_text", dtype=dtype)
+GDN = ["qwen3_5_moe_text", "qwen3_next"]  # Qwen3.5's projections, and Qwen3-Next's interleaved
+
+
+def _fused(dtype, arch="qwen3_5_moe_text"):
+    """A tiny Qwen3.5-MoE (or Qwen3-Next) model offloaded with its dense layers in specmoe's
+    kernels (so its gated DeltaNet modules are fused), and its engine."""
+    m = tiny_model(arch, dtype=dtype)
     sd = "bf16" if dtype == torch.bfloat16 else "f32"
     return m, offload(m, dtype=sd, cache=1.0, dense=sd)
 
@@ -166,11 +169,12 @@ def _prefilled(m, rows, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_fused_step_equals_the_module_forward(dtype, rows):
+@pytest.mark.parametrize("arch", GDN)
+def test_fused_step_equals_the_module_forward(arch, dtype, rows):
     """One cached decode token of `rows` sequences: the block's output, conv window and
     recurrent state against transformers' own forward of the same module (the same CLinear
     projections) on the same states; bf16: the model's roundings reproduced step by step."""
-    m, eng = _fused(dtype)
+    m, eng = _fused(dtype, arch)
     try:
         mod = m.model.layers[0].linear_attn
         assert mod._specmoe_gdn is not None
@@ -211,18 +215,19 @@ class _Counting:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_model_decodes_a_batch_as_the_unfused_one(dtype, monkeypatch):
+@pytest.mark.parametrize("arch", GDN)
+def test_fused_model_decodes_a_batch_as_the_unfused_one(arch, dtype, monkeypatch):
     """generate of two rows: every decode step of both linear-attention layers through the
     block (their whole decoder layer in one call: the MoE blocks route in C), tokens and
     logits as the same offload without the fusion."""
     from specmoe.models import dense
-    m, eng = _fused(dtype)
+    m, eng = _fused(dtype, arch)
     mods = [m.get_submodule(n) for n in eng.dense.fused if n.endswith("linear_attn")]
     assert len(mods) == 2
     for mod in mods:
         mod._specmoe_gdn = _Counting(mod._specmoe_gdn)
     monkeypatch.setattr(dense, "fuse_gated_deltanet", lambda model, ctx: [])
-    ref, ref_eng = _fused(dtype)
+    ref, ref_eng = _fused(dtype, arch)
     assert not any(n.endswith("linear_attn") for n in ref_eng.dense.fused)
     try:
         ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3], [4, 8, 15, 16, 23, 42, 2]])
@@ -242,12 +247,13 @@ def test_fused_model_decodes_a_batch_as_the_unfused_one(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_one_call_layer_equals_the_module_by_module_path(dtype, rows):
+@pytest.mark.parametrize("arch", GDN)
+def test_one_call_layer_equals_the_module_by_module_path(arch, dtype, rows):
     """_C.GdnBlock.layer (input norm, the module, residual add, post-attention norm, the MoE
     block routed in C, residual add) against the same decoder layer run module by module
     (transformers' layer forward over the CRMSNorms, the fused module's step and the routed
     MoE block): the same output and states, bit for bit."""
-    m, eng = _fused(dtype)
+    m, eng = _fused(dtype, arch)
     try:
         layer = m.model.layers[0]
         assert layer._specmoe_gdn_layer and eng.routed_in_c
@@ -276,16 +282,27 @@ def test_gdn_block_refuses_bad_shapes_by_name():
         blk, (C, Hv, dk, dv, _) = mod._specmoe_gdn, mod._specmoe_gdn_shape
         ctx = eng._kctx
         f32 = lambda n: np.zeros(n, np.float32)  # noqa: E731
-        projs = [mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj]
+        ins = tuple(p._c for p in (mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b,
+                                   mod.in_proj_a))
+        out_c = mod.out_proj._c
         parts = dict(conv_weight=np.zeros((C, 4), np.float32), decay=f32(Hv), dt_bias=f32(Hv),
                      norm_weight=f32(dv), k_heads=2, v_heads=Hv, k_dim=dk, v_dim=dv)
-        with pytest.raises(ValueError, match="the z projection is"):
-            _C.GdnBlock(ctx, projs[0]._c, projs[0]._c, *(p._c for p in projs[2:]), **parts)
+        with pytest.raises(ValueError, match="the input projections give"):
+            _C.GdnBlock(ctx, (ins[0], ins[0], ins[2], ins[3]), out_c, **parts)
+        with pytest.raises(ValueError, match="expected hidden=128 inputs"):  # (hidden from out)
+            _C.GdnBlock(ctx, ins, ins[0], **parts)
+        with pytest.raises(TypeError, match="inputs must be a tuple"):
+            _C.GdnBlock(ctx, ins * 2, out_c, **parts)
         with pytest.raises(ValueError, match="decay"):
-            _C.GdnBlock(ctx, *(p._c for p in projs), **dict(parts, decay=f32(Hv + 1)))
+            _C.GdnBlock(ctx, ins, out_c, **dict(parts, decay=f32(Hv + 1)))
         with pytest.raises(ValueError, match="out of range"):
-            _C.GdnBlock(ctx, *(p._c for p in projs), **dict(  # (v_heads not a multiple)
+            _C.GdnBlock(ctx, ins, out_c, **dict(  # (v_heads not a multiple)
                 parts, k_heads=3, conv_weight=np.zeros((6 * dk + Hv * dv, 4), np.float32)))
+        ny = C + Hv * dv + 2 * Hv
+        with pytest.raises(ValueError, match="not a permutation"):
+            _C.GdnBlock(ctx, ins, out_c, **parts, order=np.zeros(ny, np.int32))
+        with pytest.raises(ValueError, match="order"):
+            _C.GdnBlock(ctx, ins, out_c, **parts, order=np.arange(ny - 1, dtype=np.int32))
         hidden = m.config.hidden_size
         x, out = np.zeros((2, hidden), np.float32), np.zeros((2, hidden), np.float32)
         conv, st = np.zeros((2, C, 4), np.float32), np.zeros((2, Hv, dk, dv), np.float32)

@@ -12,11 +12,12 @@
 typedef struct {
     PyObject_HEAD
     PyObject *ctx_obj;     /* the KernelContext (strong reference) */
-    PyObject *lin_obj[SMOE_GB_N]; /* qkv, z, b, a, out projections and optionally all four
-                              input ones in one: specmoe._C.Linear (strong; [ALL] may be NULL);
-                              blk borrows their descriptors, blocks and biases */
-    PyObject *arr_obj[5];  /* conv_weight, decay, dt_bias, norm_weight, conv_bias (or NULL):
-                              float32 arrays (strong; blk borrows their data, never written) */
+    PyObject *lin_obj[SMOE_GB_N]; /* the input projections (NULL after n_in) and out:
+                              specmoe._C.Linear (strong); blk borrows their descriptors, blocks
+                              and biases */
+    PyObject *arr_obj[6];  /* conv_weight, decay, dt_bias, norm_weight, conv_bias, order (the last
+                              two or NULL): float32 / int32 arrays (strong; blk borrows their
+                              data, never written) */
     smoe_gdn_block blk;    /* the C state (csrc/decoder.h): dims, buffers, its mutex */
     int ready;
 } GdnBlockObject;
@@ -30,29 +31,44 @@ static PyArrayObject *weights(PyObject *o, const char *name, int ndim, const npy
 }
 
 static int gb_init(GdnBlockObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"ctx", "qkv", "z", "b", "a", "out", "conv_weight", "decay",
-                             "dt_bias", "norm_weight", "k_heads", "v_heads", "k_dim", "v_dim",
-                             "eps", "bf16", "max_rows", "conv_bias", "all", NULL};
-    PyObject *ctx_o, *lin[SMOE_GB_N] = {NULL, NULL, NULL, NULL, NULL, Py_None};
-    PyObject *cw_o, *dec_o, *dtb_o, *nw_o, *cb_o = Py_None;
+    static char *kwlist[] = {"ctx", "inputs", "out", "conv_weight", "decay", "dt_bias",
+                             "norm_weight", "k_heads", "v_heads", "k_dim", "v_dim", "eps",
+                             "bf16", "max_rows", "conv_bias", "order", NULL};
+    PyObject *ctx_o, *in_o, *out_o, *cw_o, *dec_o, *dtb_o, *nw_o, *cb_o = Py_None;
+    PyObject *ord_o = Py_None;
     unsigned int Hk, Hv, dk, dv, max_rows = 64;
     double eps = 1e-6;
     int bf16 = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOIIII|dpIOO:GdnBlock", kwlist, &ctx_o,
-                                     &lin[0], &lin[1], &lin[2], &lin[3], &lin[4], &cw_o, &dec_o,
-                                     &dtb_o, &nw_o, &Hk, &Hv, &dk, &dv, &eps, &bf16, &max_rows,
-                                     &cb_o, &lin[5]))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOIIII|dpIOO:GdnBlock", kwlist, &ctx_o,
+                                     &in_o, &out_o, &cw_o, &dec_o, &dtb_o, &nw_o, &Hk, &Hv, &dk,
+                                     &dv, &eps, &bf16, &max_rows, &cb_o, &ord_o))
         return -1;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "GdnBlock is already initialised");
         return -1;
     }
     if (!smoe_py_kctx(ctx_o)) return -1;
+    if (!PyTuple_Check(in_o) || PyTuple_GET_SIZE(in_o) < 1 ||
+        PyTuple_GET_SIZE(in_o) > SMOE_GB_IN_MAX) {
+        PyErr_Format(PyExc_TypeError, "GdnBlock: inputs must be a tuple of 1..%d _C.Linear",
+                     SMOE_GB_IN_MAX);
+        return -1;
+    }
     smoe_gdn_block_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
-    const int nlin = lin[SMOE_GB_ALL] == Py_None ? SMOE_GB_ALL : SMOE_GB_N;
-    for (int i = 0; i < nlin; i++)
-        if (smoe_py_linear_parts(lin[i], &cfg.ld[i], &cfg.lb[i], &cfg.lbias[i])) return -1;
+    PyObject *lin[SMOE_GB_N] = {NULL, NULL, NULL, NULL, out_o};
+    cfg.n_in = (uint32_t)PyTuple_GET_SIZE(in_o);
+    for (uint32_t i = 0; i < cfg.n_in; i++) lin[i] = PyTuple_GET_ITEM(in_o, i);
+    for (int i = 0; i < SMOE_GB_N; i++)
+        if (lin[i] && smoe_py_linear_parts(lin[i], &cfg.ld[i], &cfg.lb[i], &cfg.lbias[i]))
+            return -1;
+    PyArrayObject *ord = NULL;
+    if (ord_o != Py_None) {
+        const npy_intp w_o[1] = {2 * (npy_intp)Hk * dk + 2 * (npy_intp)Hv * dv + 2 * Hv};
+        ord = smoe_py_want_array(ord_o, "order", NPY_INT32, 1, 0);
+        if (!ord || smoe_py_dims_are(ord_o, "order [q|k|v|z|b|a values]", w_o, 1)) return -1;
+        cfg.order = (const int32_t *)PyArray_DATA(ord);
+    }
     /* the dims before the weights' shapes: C and K from conv_weight [C, K] */
     PyArrayObject *cw = smoe_py_want_array(cw_o, "conv_weight", NPY_FLOAT32, 2, 0);
     if (!cw) return -1;
@@ -83,12 +99,12 @@ static int gb_init(GdnBlockObject *self, PyObject *args, PyObject *kw) {
     if (smoe_gdn_block_init(&self->blk, &cfg, &err)) return smoe_py_block_init_raise(&err);
     Py_INCREF(ctx_o);
     self->ctx_obj = ctx_o;
-    for (int i = 0; i < nlin; i++) {
-        Py_INCREF(lin[i]);
+    for (int i = 0; i < SMOE_GB_N; i++) {
+        Py_XINCREF(lin[i]);
         self->lin_obj[i] = lin[i];
     }
-    PyObject *arrs[5] = {cw_o, dec_o, dtb_o, nw_o, cb ? cb_o : NULL};
-    for (int i = 0; i < 5; i++) {
+    PyObject *arrs[6] = {cw_o, dec_o, dtb_o, nw_o, cb ? cb_o : NULL, ord ? ord_o : NULL};
+    for (int i = 0; i < 6; i++) {
         Py_XINCREF(arrs[i]);
         self->arr_obj[i] = arrs[i];
     }
@@ -100,7 +116,7 @@ static void gb_dealloc(GdnBlockObject *self) {
     smoe_gdn_block_destroy(&self->blk);
     Py_XDECREF(self->ctx_obj);
     for (int i = 0; i < SMOE_GB_N; i++) Py_XDECREF(self->lin_obj[i]);
-    for (int i = 0; i < 5; i++) Py_XDECREF(self->arr_obj[i]);
+    for (int i = 0; i < 6; i++) Py_XDECREF(self->arr_obj[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -237,13 +253,16 @@ static PyTypeObject GdnBlockType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.GdnBlock",
     .tp_basicsize = sizeof(GdnBlockObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "GdnBlock(ctx, qkv, z, b, a, out, conv_weight, decay, dt_bias, norm_weight, "
+    .tp_doc = "GdnBlock(ctx, inputs, out, conv_weight, decay, dt_bias, norm_weight, "
               "k_heads, v_heads, k_dim, v_dim, eps=1e-6, bf16=False, max_rows=64, "
-              "conv_bias=None, all=None): a gated DeltaNet module (Qwen3.5's linear attention) "
-              "for one decode token of up to max_rows sequences in one call "
-              "(specmoe.models.linear_attn.fuse_gated_deltanet).  qkv, z, b, a, out are "
-              "specmoe._C.Linear objects (all, optional: the four input projections' rows in "
-              "one, used instead of them); conv_weight float32 [channels, kernel] with channels "
+              "conv_bias=None, order=None): a gated DeltaNet module (the linear attention of "
+              "Qwen3.5 and Qwen3-Next) for one decode token of up to max_rows sequences in one "
+              "call (specmoe.models.linear_attn.fuse_gated_deltanet).  inputs: a tuple of 1-4 "
+              "specmoe._C.Linear whose outputs side by side are q|k|v, z, b, a in that order "
+              "(Qwen3.5's four projections, or one joint matrix) or, with order (int32, a "
+              "permutation: y[j] = outputs[order[j]]), in another (Qwen3-Next's in_proj_qkvz "
+              "and in_proj_ba); out: the output projection; conv_weight float32 [channels, "
+              "kernel] with channels "
               "= 2 k_heads k_dim + v_heads v_dim; decay float32 [v_heads] (-exp(A_log)); "
               "dt_bias float32 [v_heads]; norm_weight float32 [v_dim] (the gated RMSNorm's, eps "
               "its epsilon); bf16: round every intermediate as a bf16 model does "

@@ -310,14 +310,16 @@ FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
                   "MixtralDecoderLayer")
 # gated DeltaNet modules whose forward at one cached token is Qwen3.5's (separate q|k|v, z, b
-# and a projections, a bias-free SiLU short convolution, the gated delta rule with l2-normalised
-# q and k, a gated RMSNorm): specmoe.models.linear_attn.fuse_gated_deltanet runs it in one C
-# call.  Not Qwen3-Next's (q, k, v, z interleaved per key head in one projection)
-FUSABLE_GATED_DELTANET = ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5GatedDeltaNet")
+# and a projections, a SiLU short convolution, the gated delta rule with l2-normalised q and
+# k, a gated RMSNorm) or Qwen3-Next's (the same on q, k, v, z interleaved per key head in one
+# projection, b and a in another): specmoe.models.linear_attn.fuse_gated_deltanet runs it in
+# one C call
+FUSABLE_GATED_DELTANET = ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5GatedDeltaNet",
+                          "Qwen3NextGatedDeltaNet")
 # their MoE decoder layers (h + linear_attn(input_layernorm(h)), then that plus
 # mlp(post_attention_layernorm(that))), a decode step of which is one C call when the MoE block
 # routes in C: specmoe.models.linear_attn
-FUSABLE_GDN_LAYERS = ("Qwen3_5MoeDecoderLayer",)
+FUSABLE_GDN_LAYERS = ("Qwen3_5MoeDecoderLayer", "Qwen3NextDecoderLayer")
 # DeepSeek-V2/V3 decoder layers (the same residual form) whose MLA attention, absorbed, runs
 # with them in one C call (specmoe.models.mla.fuse_mla): transformers' DeepseekV2/V3Attention caching
 # the latent, with DeepSeek-V2's complex rotary or DeepSeek-V3's rotate-half / interleaved one

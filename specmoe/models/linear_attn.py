@@ -13,8 +13,9 @@ shapes, AMD EPYC Zen 2, one thread, ``benchmarks/hybrid_peers.py``):
   (:func:`use_c_gated_delta`);
 * then the forty-odd torch operations around it at one token (the short convolution's window,
   the gates, the gated RMSNorm): 1.4 ms of a 3.0 ms layer whose five matrix products take 1.5
-  ms.  :func:`fuse_gated_deltanet` runs a Qwen3.5 module's whole decode step in one C call
-  (``specmoe._C.GdnBlock``, csrc/gdn_block.c) when its projections are specmoe's.
+  ms.  :func:`fuse_gated_deltanet` runs a Qwen3.5 or Qwen3-Next module's whole decode step in
+  one C call (``specmoe._C.GdnBlock``, csrc/gdn_block.c) when its projections are specmoe's,
+  and with its decoder layer's norms and MoE block when that routes in C.
 
 :func:`prepare` applies both to a model the engine offloads.  A model that is not offloaded
 keeps transformers' own code (the C step is chosen per module instance, see
@@ -213,22 +214,46 @@ def _switch_on(mod: nn.Module, ctx: Any) -> None:
     mod._specmoe_c_gated_delta = True  # type: ignore[assignment]
 
 
-_GDN_PROJS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# a module's input projections: Qwen3.5's four, or Qwen3-Next's two (q, k, v, z interleaved per
+# key head in one, b and a in the other: _next_order)
+_GDN_INPUTS = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+               ("in_proj_qkvz", "in_proj_ba"))
+
+
+def _next_order(Hk: int, Hv: int, dk: int, dv: int) -> np.ndarray:
+    """Where each value of y = [q|k|v | z | b | a] lies in Qwen3-Next's projections side by side
+    (in_proj_qkvz: per key head h, [q_h | k_h | its r = Hv / Hk value heads' v | their z];
+    in_proj_ba: per key head, [its r b | its r a]), as transformers'
+    fix_query_key_value_ordering reads them."""
+    r = Hv // Hk
+    G = 2 * dk + 2 * r * dv  # one key head's group in in_proj_qkvz
+    h = np.arange(Hk)[:, None]
+    q = (h * G + np.arange(dk)).ravel()
+    k = (h * G + dk + np.arange(dk)).ravel()
+    v = (h * G + 2 * dk + np.arange(r * dv)).ravel()
+    z = (h * G + 2 * dk + r * dv + np.arange(r * dv)).ravel()
+    ba = Hk * G + h * 2 * r
+    b = (ba + np.arange(r)).ravel()
+    a = (ba + r + np.arange(r)).ravel()
+    return np.ascontiguousarray(np.concatenate([q, k, v, z, b, a]).astype(np.int32))
 
 
 def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
-    """Run the decode steps of ``model``'s Qwen3.5 gated DeltaNet modules (the classes of
-    ``specmoe.models.arch.FUSABLE_GATED_DELTANET``) in one ``specmoe._C.GdnBlock`` call each;
-    returns the modules' qualified names.
+    """Run the decode steps of ``model``'s gated DeltaNet modules (Qwen3.5's and Qwen3-Next's:
+    the classes of ``specmoe.models.arch.FUSABLE_GATED_DELTANET``) in one ``specmoe._C.GdnBlock``
+    call each; returns the modules' qualified names.
 
-    A module is fused when its five projections are :class:`specmoe.models.layers.CLinear` of
-    one f32 / bf16 output dtype, its activation SiLU, its convolution depthwise and its norm
-    gated with a weight.  The block reproduces the module's arithmetic for one token with a
-    cache (csrc/decoder.h, ``smoe_gdn_block_step``; a bf16 model's roundings step by step);
-    everything else -- prefill and several tokens a row, the first step without a state, a
-    padding mask, another device or dtype, a cache without transformers' linear-attention API,
-    gradients -- goes to the module's own forward.  The four input projections run as one matrix
-    where their formats allow (:func:`specmoe.models.layers.fuse_qkv`).  Idempotent."""
+    A module is fused when its projections are :class:`specmoe.models.layers.CLinear` of one f32
+    / bf16 output dtype, its activation SiLU, its convolution depthwise and its norm gated with
+    a weight.  The block reproduces the module's arithmetic for one token with a cache
+    (csrc/decoder.h, ``smoe_gdn_block_step``; a bf16 model's roundings step by step); everything
+    else -- prefill and several tokens a row, the first step without a state, a padding mask,
+    another device or dtype, a cache without transformers' linear-attention API, gradients --
+    goes to the module's own forward.  The input projections run as one matrix where their
+    formats allow (:func:`specmoe.models.layers.fuse_qkv`); Qwen3-Next's interleaved outputs
+    are put in order by the block (:func:`_next_order`).  Decoder layers of a
+    ``FUSABLE_GDN_LAYERS`` form around a fused module get a forward whose decode steps are one
+    ``GdnBlock.layer`` call when their MoE block routes in C.  Idempotent."""
     done = []
     for name, m in model.named_modules():
         if type(m).__name__ not in FUSABLE_GATED_DELTANET:
@@ -236,7 +261,9 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
         if getattr(m, "_specmoe_gdn", None) is not None:
             done.append(name)
             continue
-        projs = [getattr(m, p, None) for p in _GDN_PROJS]
+        names = next((n for n in _GDN_INPUTS if hasattr(m, n[0])), _GDN_INPUTS[0])
+        inputs = [getattr(m, p, None) for p in names]
+        projs = inputs + [getattr(m, "out_proj", None)]
         norm, conv = getattr(m, "norm", None), getattr(m, "conv1d", None)
         if not all(isinstance(p, CLinear) for p in projs) \
                 or len({p.out_dtype for p in projs}) != 1 \
@@ -257,11 +284,16 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
                        "norm_weight": f32(norm.weight)}
             if conv.bias is not None:
                 weights["conv_bias"] = f32(conv.bias)
+        if names is _GDN_INPUTS[1]:
+            if Hv % Hk:
+                continue
+            weights["order"] = _next_order(Hk, Hv, dk, dv)
         try:
-            joint = fuse_qkv(projs[:4], ctx)
-            blk = _C.GdnBlock(ctx, *(p._c for p in projs), **weights, k_heads=Hk, v_heads=Hv,
-                              k_dim=dk, v_dim=dv, eps=float(norm.variance_epsilon),
-                              bf16=dt == torch.bfloat16, max_rows=GDN_MAX_ROWS, all=joint)
+            joint = fuse_qkv(inputs, ctx)
+            blk = _C.GdnBlock(ctx, (joint,) if joint is not None else tuple(p._c for p in inputs),
+                              projs[-1]._c, **weights, k_heads=Hk, v_heads=Hv, k_dim=dk,
+                              v_dim=dv, eps=float(norm.variance_epsilon),
+                              bf16=dt == torch.bfloat16, max_rows=GDN_MAX_ROWS)
         except (ValueError, TypeError):
             continue  # shapes the block does not take
         m._specmoe_gdn = blk
