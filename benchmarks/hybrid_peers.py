@@ -1,7 +1,8 @@
-"""Qwen3.5-MoE decode speed on the same GGUF file: specmoe against llama.cpp, and where a
-specmoe decode step spends its time.
+"""Qwen3.5-MoE (or Qwen3-Next) decode speed on the same GGUF file: specmoe against llama.cpp,
+and where a specmoe decode step spends its time.
 
     python benchmarks/hybrid_peers.py --json [--rounds 2] [--threads 1,2] [--layers 4]
+    python benchmarks/hybrid_peers.py --arch qwen3next --json    # Qwen3-Next-80B-A3B's shapes
     python benchmarks/hybrid_peers.py --quick --json     # small shapes, 1 round: a smoke test
 
 Qwen3.5's MoE models (Qwen3.5-35B-A3B and its family) put three gated-DeltaNet
@@ -17,7 +18,9 @@ experts of FFN 512, top-8, a shared expert of 512), with fewer layers (``--layer
 4: three linear-attention layers and a full-attention one, the model's own pattern), fewer
 experts (``--experts``, default 32 of 256: the bytes a token reads do not depend on the
 count) and the zoo tokenizer's 8192-token vocabulary (llama.cpp needs a vocabulary in the
-file).  Written once as a Q4_0 GGUF file by ``specmoe.models.testing.save_gguf`` (the way
+file).  ``--arch qwen3next``: Qwen3-Next-80B-A3B's shapes instead (the same widths, q, k, v, z
+interleaved per key head in one projection, top-10 of 512 experts, no MRoPE; llama.cpp's
+``qwen3next`` files).  Written once as a Q4_0 GGUF file by ``specmoe.models.testing.save_gguf`` (the way
 llama.cpp's converter writes it: its checked against the converter in
 tests/test_gguf_converter.py and against llama-server in tests/test_gguf_llama_cpp.py), every
 matrix Q4_0, norms and routers F32, under ``--workdir`` (default ``~/.cache/specmoe/bench``;
@@ -67,13 +70,32 @@ def log(*a: Any) -> None:
     print("[hybrid_peers]", *a, file=sys.stderr, flush=True)
 
 
-def config(layers: int, experts: int, vocab: int, quick: bool = False) -> Any:
-    """Qwen3.5-35B-A3B's per-layer shapes (see the module docstring); ``quick``: an eighth of
-    every width, for a smoke run."""
-    from transformers import Qwen3_5MoeTextConfig
+ARCHS = {"qwen35moe": "Qwen3.5-35B-A3B", "qwen3next": "Qwen3-Next-80B-A3B"}
+
+
+def config(layers: int, experts: int, vocab: int, quick: bool = False,
+           arch: str = "qwen35moe") -> Any:
+    """Qwen3.5-35B-A3B's per-layer shapes (see the module docstring), or with ``arch``
+    "qwen3next" Qwen3-Next-80B-A3B's (the same widths, top-10, full rotary theta 10^7, no
+    MRoPE); ``quick``: an eighth of every width, for a smoke run."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
              for i in range(layers)]
     w = 8 if quick else 1
+    if arch == "qwen3next":
+        return Qwen3NextConfig(
+            vocab_size=vocab, hidden_size=2048 // w, num_hidden_layers=layers,
+            num_attention_heads=16 // w, num_key_value_heads=2, head_dim=256 // w,
+            max_position_embeddings=4096, linear_conv_kernel_dim=4,
+            linear_key_head_dim=128 // w, linear_value_head_dim=128 // w,
+            linear_num_key_heads=16 // w, linear_num_value_heads=32 // w,
+            intermediate_size=5120 // w, moe_intermediate_size=512 // w,
+            shared_expert_intermediate_size=512 // w, num_experts=experts,
+            num_experts_per_tok=min(10, experts), norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], layer_types=kinds, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                             "partial_rotary_factor": 0.25})
     return Qwen3_5MoeTextConfig(
         vocab_size=vocab, hidden_size=2048 // w, num_hidden_layers=layers,
         num_attention_heads=16 // w, num_key_value_heads=2, head_dim=256 // w,
@@ -89,7 +111,8 @@ def config(layers: int, experts: int, vocab: int, quick: bool = False) -> Any:
                          "mrope_interleaved": True})
 
 
-def write_file(path: Path, layers: int, experts: int, quick: bool = False) -> dict[str, Any]:
+def write_file(path: Path, layers: int, experts: int, quick: bool = False,
+               arch: str = "qwen35moe") -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,7 +123,7 @@ def write_file(path: Path, layers: int, experts: int, quick: bool = False) -> di
     tok = AutoTokenizer.from_pretrained(zoo.path("tiny-moe"))
     torch.manual_seed(0)
     t0 = time.time()
-    cfg = config(layers, experts, tok.vocab_size, quick)
+    cfg = config(layers, experts, tok.vocab_size, quick, arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # routers far from uniform, as in trained models
         for n, p in model.named_parameters():
@@ -232,6 +255,8 @@ def main() -> None:
                     help="an eighth of every width, 8 experts, 1 round: a smoke test")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen35moe",
+                    help="the model's form: Qwen3.5-MoE (default) or Qwen3-Next")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--workdir", default=os.environ.get("SPECMOE_BENCH",
@@ -246,8 +271,8 @@ def main() -> None:
     if a.quick:
         a.experts, a.rounds = 8, 1
     work = Path(a.workdir).expanduser() / "hybrid_peers"
-    path = work / f"qwen35moe-L{a.layers}-E{a.experts}{'-quick' if a.quick else ''}-Q4_0.gguf"
-    made = write_file(path, a.layers, a.experts, a.quick)
+    path = work / f"{a.arch}-L{a.layers}-E{a.experts}{'-quick' if a.quick else ''}-Q4_0.gguf"
+    made = write_file(path, a.layers, a.experts, a.quick, a.arch)
     peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
     bench = peers / "llama.cpp-build" / "bin" / "llama-bench"
     rounds: list[dict[str, Any]] = []
@@ -280,7 +305,7 @@ def main() -> None:
         rows.append({"name": "llama.cpp-Q4_0", "threads": t,
                      "tok_per_s_runs": [c.get("tok_per_s") for c in lc],
                      "errors": [c["error"] for c in lc if "error" in c] or None})
-    res = {"config": {"model": "qwen35moe (Qwen3.5-35B-A3B per-layer shapes)",
+    res = {"config": {"model": f"{a.arch} ({ARCHS[a.arch]} per-layer shapes)",
                       "layers": a.layers, "experts": a.experts, "quick": a.quick,
                       "prompt_tokens": PROMPT,
                       "decode_tokens": DECODE, "rounds": a.rounds, "file": made,

@@ -1,5 +1,5 @@
-"""benchmarks/hybrid_peers.py --quick --json: a smoke run of the Qwen3.5-MoE same-file
-benchmark (the random GGUF written the converter's way, specmoe's row with the step split by
+"""benchmarks/hybrid_peers.py --quick --json: a smoke run of the Qwen3.5-MoE and Qwen3-Next
+same-file benchmark (the random GGUF written the converter's way, specmoe's row with the step split by
 part, and llama.cpp's row or the reason it did not run).  Run by `make test-bench`."""
 import json
 import os
@@ -15,14 +15,16 @@ pytestmark = pytest.mark.skipif(not os.environ.get("SPECMOE_TEST_BENCH"),
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_run_reads_one_file_on_both_sides(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_quick_run_reads_one_file_on_both_sides(tmp_path, arch):
     env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_peers.py"), "--quick",
-                        "--json", "--threads", "1", "--workdir", str(tmp_path)],
+                        "--json", "--threads", "1", "--workdir", str(tmp_path), "--arch", arch],
                        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["config"]["quick"] and out["config"]["machine"]["cpu"]
+    assert out["config"]["model"].startswith(arch)
     assert out["config"]["dense"] == "gguf"  # the file's own blocks
     rows = {(r["name"], r["threads"]): r for r in out["rows"]}
     s, ll = rows[("specmoe-gguf", 1)], rows[("llama.cpp-Q4_0", 1)]
