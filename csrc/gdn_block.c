@@ -192,8 +192,8 @@ static int gdn_step(smoe_gdn_block *self, smoe_kctx *c, const void *xp, int xb, 
                 y[(size_t)r * NY + j] = yr[(size_t)r * NY + (uint32_t)self->order[j]];
     if (bf) smoe_bf16_round(y, (size_t)B * NY); /* the projections' bf16 outputs */
     for (uint32_t r = 0; r < B; r++) {
-        const float *yr = y + (size_t)r * NY, *br = yr + C + V, *ar = br + Hv;
-        conv_step(self, (uint8_t *)conv + (size_t)r * C * self->K * (cb ? 2 : 4), cb, yr,
+        const float *yrow = y + (size_t)r * NY, *br = yrow + C + V, *ar = br + Hv;
+        conv_step(self, (uint8_t *)conv + (size_t)r * C * self->K * (cb ? 2 : 4), cb, yrow,
                   u + (size_t)r * C);
         for (uint32_t h = 0; h < Hv; h++) {
             beta[(size_t)r * Hv + h] = rnd(bf, 1.0f / (1.0f + expf(-br[h])));
