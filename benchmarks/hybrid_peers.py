@@ -82,33 +82,24 @@ def config(layers: int, experts: int, vocab: int, quick: bool = False,
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
              for i in range(layers)]
     w = 8 if quick else 1
-    if arch == "qwen3next":
-        return Qwen3NextConfig(
-            vocab_size=vocab, hidden_size=2048 // w, num_hidden_layers=layers,
-            num_attention_heads=16 // w, num_key_value_heads=2, head_dim=256 // w,
-            max_position_embeddings=4096, linear_conv_kernel_dim=4,
-            linear_key_head_dim=128 // w, linear_value_head_dim=128 // w,
-            linear_num_key_heads=16 // w, linear_num_value_heads=32 // w,
-            intermediate_size=5120 // w, moe_intermediate_size=512 // w,
-            shared_expert_intermediate_size=512 // w, num_experts=experts,
-            num_experts_per_tok=min(10, experts), norm_topk_prob=True, decoder_sparse_step=1,
-            mlp_only_layers=[], layer_types=kinds, tie_word_embeddings=False,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                             "partial_rotary_factor": 0.25})
-    return Qwen3_5MoeTextConfig(
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+    common = dict(  # the two models' shared widths
         vocab_size=vocab, hidden_size=2048 // w, num_hidden_layers=layers,
         num_attention_heads=16 // w, num_key_value_heads=2, head_dim=256 // w,
         max_position_embeddings=4096, linear_conv_kernel_dim=4,
         linear_key_head_dim=128 // w, linear_value_head_dim=128 // w,
         linear_num_key_heads=16 // w, linear_num_value_heads=32 // w,
         moe_intermediate_size=512 // w, shared_expert_intermediate_size=512 // w,
-        num_experts=experts, num_experts_per_tok=8,
-        layer_types=kinds, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                         "mrope_interleaved": True})
+        num_experts=experts, layer_types=kinds, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)
+    if arch == "qwen3next":
+        return Qwen3NextConfig(
+            **common, intermediate_size=5120 // w, num_experts_per_tok=min(10, experts),
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            rope_parameters=rope)
+    return Qwen3_5MoeTextConfig(
+        **common, num_experts_per_tok=8,
+        rope_parameters={**rope, "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
 
 def write_file(path: Path, layers: int, experts: int, quick: bool = False,

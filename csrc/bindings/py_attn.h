@@ -21,6 +21,11 @@ int smoe_py_bias_arg(PyObject *o, npy_intp B, npy_intp T, npy_intp S, const floa
  * -1 with an error otherwise. */
 int smoe_py_norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, float *eps);
 
+/* The _C.Layers of a layer call (AttnBlock.layer, MLABlock.layer, GdnBlock.layer), begun
+ * (smoe_py_layers_begin; end with smoe_py_layers_end) when pos is one of its MoE layers and
+ * its hidden size is the block's (hid); NULL with an error otherwise. */
+smoe_layers *smoe_py_layer_call_begin(PyObject *layers, long pos, uint32_t hid);
+
 /* A failed smoe_*_block_init as the block constructors (AttnBlock, GdnBlock) raise it:
  * MemoryError without a message, ValueError with the check's, RuntimeError otherwise (the
  * mutex); returns -1. */

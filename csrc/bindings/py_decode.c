@@ -382,17 +382,14 @@ static PyObject *py_rms_norm(PyObject *mod, PyObject *const *args, Py_ssize_t na
 #define CHAIN_MAX 128
 
 /* The Python side of a smoe_chain_item: the _C.Layers to begin (borrowed from the call's
- * arguments), or NULL for a dense layer, and what layer_call_begin checks of it. */
+ * arguments), or NULL for a dense layer, and what smoe_py_layer_call_begin checks of it. */
 typedef struct {
     PyObject *layers;
     long pos;     /* the MoE layer's position in layers */
     uint32_t hid; /* the block's hidden size */
 } chain_ref;
 
-/* The _C.Layers of a layer call (AttnBlock.layer, MLABlock.layer), begun (smoe_py_layers_begin;
- * end with smoe_py_layers_end) when pos is one of its MoE layers and its hidden size is the
- * block's; NULL with an error otherwise. */
-static smoe_layers *layer_call_begin(PyObject *layers, long pos, uint32_t hid) {
+smoe_layers *smoe_py_layer_call_begin(PyObject *layers, long pos, uint32_t hid) {
     smoe_layers *g = smoe_py_layers_begin(layers);
     if (!g) return NULL;
     if (pos < 0 || pos >= (long)g->L || g->H != hid) {
@@ -439,7 +436,7 @@ static int chain_item_parse(PyObject *blk, PyObject *const *av, Py_ssize_t an, P
 /* Begin a parsed item's _C.Layers (GIL held); -1 with the exception set. */
 static int chain_item_begin(smoe_chain_item *c, const chain_ref *r) {
     if (!r->layers) return 0;
-    c->g = layer_call_begin(r->layers, r->pos, r->hid);
+    c->g = smoe_py_layer_call_begin(r->layers, r->pos, r->hid);
     return c->g ? 0 : -1;
 }
 

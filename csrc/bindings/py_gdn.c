@@ -7,7 +7,7 @@
 
 #include "py_attn.h"
 #include "py_kernels.h"
-#include "py_layer.h"
+#include "py_layer.h" /* smoe_py_layers_end, smoe_py_route_flags */
 
 typedef struct {
     PyObject_HEAD
@@ -182,14 +182,8 @@ static PyObject *gb_layer(GdnBlockObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
     if (!c) return NULL;
-    smoe_layers *g = smoe_py_layers_begin(args[0]);
+    smoe_layers *g = smoe_py_layer_call_begin(args[0], a.pos, b->hidden);
     if (!g) return NULL;
-    if (a.pos < 0 || a.pos >= (long)g->L || g->H != b->hidden) {
-        smoe_py_layers_end(args[0]);
-        PyErr_Format(PyExc_ValueError, "GdnBlock.layer: pos %ld outside 0..%u, or the MoE "
-                     "hidden size %u is not the block's %u", a.pos, g->L - 1, g->H, b->hidden);
-        return NULL;
-    }
     a.B = (uint32_t)B;
     a.xp = PyArray_DATA((PyArrayObject *)args[3]);
     a.conv = PyArray_DATA((PyArrayObject *)args[4]);

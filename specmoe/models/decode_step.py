@@ -344,10 +344,10 @@ class DecodeStep:
         norm, head = None, None
         normed = torch.empty_like(x0)
         fn = base.norm
-        if type(fn) is CRMSNorm and getattr(fn, "_w", None) is not None \
+        if type(fn) is CRMSNorm \
                 and not (fn.training or fn._forward_hooks or fn._forward_pre_hooks) \
-                and fn.weight.dtype == w.dtype and fn._w.shape == (hidden,):
-            norm = (tensor_array(h.view(1, hidden)), fn._w, fn.variance_epsilon,
+                and fn.weight.dtype == w.dtype and fn.c_weight.shape == (hidden,):
+            norm = (tensor_array(h.view(1, hidden)), fn.c_weight, fn.variance_epsilon,
                     tensor_array(normed.view(1, hidden)), fn.c_bf16(w.dtype))
         lm = model.lm_head
         lc = getattr(lm, "_c", None)
