@@ -1,6 +1,7 @@
 /* A Llama-family decoder layer's attention module at decode sizes (decoder.h): projections,
  * q/k norms, rotary, attention, output projection, and the whole decoder layer with its MoE
  * block.  The state of specmoe._C.AttnBlock (csrc/bindings/py_attn.c). */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,8 +26,13 @@ int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err) {
                             "of range (heads a multiple of kv_heads, head_dim even, (heads + 2 "
                             "kv_heads) * head_dim <= 2^24, max_tokens 1..4096, eps in [0, 1])",
                             H, Hkv, D, max_tokens, eps);
-    const uint32_t hidden = cfg->ld[SMOE_AB_Q]->K;
-    const uint32_t want_n[SMOE_AB_N] = {H * D, Hkv * D, Hkv * D, hidden, (H + 2 * Hkv) * D};
+    if (cfg->rot % 2 || cfg->rot > D)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "AttnBlock: rotary_dim=%u must be even and at most head_dim=%u (0: "
+                            "head_dim)", cfg->rot, D);
+    const uint32_t hidden = cfg->ld[SMOE_AB_Q]->K, G = cfg->gate ? 2 : 1;
+    const uint32_t want_n[SMOE_AB_N] = {G * H * D, Hkv * D, Hkv * D, hidden,
+                                        (G * H + 2 * Hkv) * D};
     const uint32_t want_k[SMOE_AB_N] = {hidden, hidden, hidden, H * D, hidden};
     static const char *names[SMOE_AB_N] = {"q", "k", "v", "o", "qkv"};
     for (int i = 0; i < SMOE_AB_N; i++) {
@@ -41,12 +47,24 @@ int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err) {
 }
 
 /* buf and lscratch for at least n tokens (smoe_grow_token_bufs): per token x, q|k|v, the
- * attention output, then q, h, nrm, moe; two rotary rows of D after them. */
+ * attention output, then q, h, nrm, moe, then (gated) the projections' rows and the gate; two
+ * rotary rows of D after them. */
 static int ensure_cap(smoe_attn_block *b, uint32_t n, smoe_err *err) {
     const size_t H = b->H, Hkv = b->Hkv, D = b->D, hid = b->hidden;
-    const size_t per_tok = hid + (H + 2 * Hkv) * D + H * D + H * D + 3 * hid;
+    const size_t per_tok = hid + (H + 2 * Hkv) * D + H * D + H * D + 3 * hid +
+                           (b->gate ? (3 * H + 2 * Hkv) * D : 0);
     return smoe_grow_token_bufs(&b->buf, &b->lscratch, &b->cap, n, b->max_tokens, per_tok,
                                 2 * D, b->ld, SMOE_AB_N, "AttnBlock", err);
+}
+
+/* The gated block's regions of buf (ensure_cap): the projections' rows [cap, (2 H + 2 Hkv)
+ * D] as q_proj gives them, then the gate [cap, H D]. */
+static float *gated_rows(const smoe_attn_block *b) {
+    const size_t H = b->H, Hkv = b->Hkv, D = b->D, hid = b->hidden;
+    return b->buf + b->cap * (hid + (H + 2 * Hkv) * D + 2 * H * D + 3 * hid);
+}
+static float *gate_of(const smoe_attn_block *b) {
+    return gated_rows(b) + (size_t)b->cap * (2 * b->H + 2 * b->Hkv) * b->D;
 }
 
 int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smoe_err *err) {
@@ -62,6 +80,7 @@ int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smo
     b->D = cfg->D;
     b->hidden = cfg->ld[SMOE_AB_Q]->K;
     b->max_tokens = cfg->max_tokens;
+    b->gate = cfg->gate != 0; /* (before ensure_cap: the gated regions) */
     b->cap = 0;
     rc = ensure_cap(b, cfg->max_tokens < 16 ? cfg->max_tokens : 16, err);
     if (rc == SMOE_OK && pthread_mutex_init(&b->mu, NULL) != 0)
@@ -79,6 +98,8 @@ int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smo
     b->norm = cfg->norm;
     b->eps = (float)cfg->eps;
     b->bf16 = cfg->bf16;
+    b->rot = cfg->rot ? cfg->rot : cfg->D;
+    b->zc = cfg->zc != 0;
     b->ready = 1;
     return SMOE_OK;
 }
@@ -121,43 +142,60 @@ static int block_pre(smoe_attn_block *self, smoe_kctx *c, const void *xp, int xb
                      float ln_eps, float *qp, void *kp, int kb, void *vp, int vb, size_t kv_bs,
                      size_t kv_hs, smoe_err *err) {
     const uint32_t H = self->H, Hkv = self->Hkv, D = self->D, hid = self->hidden;
-    const uint32_t nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv, n = B * nt;
+    const uint32_t nq = H * D, nkv = Hkv * D, qkv = nq + 2 * nkv, n = B * nt, R = self->rot;
+    const uint32_t G = self->gate ? 2 : 1, pw = G * nq + 2 * nkv; /* a projection row */
     const float *qn = self->qn, *kn = self->kn;
     float *x = self->buf, *y = self->buf + (size_t)self->cap * hid; /* y [n, q|k|v] */
+    float *p = self->gate ? gated_rows(self) : y; /* the projections' rows [n, pw] */
     const float *xin = (const float *)xp;
     int rc = SMOE_OK;
     if (xb || ln) {
         smoe_dec_widen(x, xp, xb, (size_t)n * hid);
-        if (ln) smoe_rmsnorm(x, n, hid, ln, ln_eps, self->bf16); /* the input layernorm */
+        if (ln) smoe_dec_norm(x, n, hid, ln, ln_eps, self->bf16, self->zc); /* input norm */
         xin = x;
     }
     const int joint = self->ld[SMOE_AB_QKV] != NULL;
-    if (joint) /* q|k|v in one call: its output rows are y's */
+    if (joint) /* q|k|v in one call: its output rows are p's */
         rc = smoe_linear_forward(c, self->ld[SMOE_AB_QKV], self->lb[SMOE_AB_QKV],
-                                 self->lbias[SMOE_AB_QKV], xin, hid, n, y, qkv, self->lscratch,
+                                 self->lbias[SMOE_AB_QKV], xin, hid, n, p, pw, self->lscratch,
                                  err);
     for (int i = 0; i < 3 && rc == SMOE_OK && !joint; i++) {
-        const uint32_t off = i == 0 ? 0 : i == 1 ? nq : nq + nkv;
+        const uint32_t off = i == 0 ? 0 : i == 1 ? G * nq : G * nq + nkv;
         rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], xin, hid, n,
-                                 y + off, qkv, self->lscratch, err);
+                                 p + off, pw, self->lscratch, err);
     }
     if (rc != SMOE_OK) return rc;
     const int b = self->bf16;
     float *cosf = self->buf + (size_t)self->cap * (hid + qkv + nq), *sinf = cosf + D;
-    if (b) smoe_bf16_round(y, (size_t)n * qkv); /* the projections' bf16 outputs */
+    if (b) smoe_bf16_round(p, (size_t)n * pw); /* the projections' bf16 outputs */
+    if (self->gate) { /* q_proj's head h: D query rows, then D gate rows; y gets q|k|v */
+        float *g = gate_of(self);
+        for (uint32_t t = 0; t < n; t++) {
+            const float *pt = p + (size_t)t * pw;
+            for (uint32_t h = 0; h < H; h++) {
+                memcpy(y + (size_t)t * qkv + (size_t)h * D, pt + 2 * (size_t)h * D,
+                       D * sizeof(float));
+                memcpy(g + (size_t)t * nq + (size_t)h * D, pt + (2 * (size_t)h + 1) * D,
+                       D * sizeof(float));
+            }
+            memcpy(y + (size_t)t * qkv + nq, pt + 2 * (size_t)nq, 2 * (size_t)nkv * sizeof(float));
+        }
+    }
     for (uint32_t t = 0; t < n; t++) { /* every row's token t % nt: its own position's rotary */
         float *qt = y + (size_t)t * qkv, *kt = qt + nq;
         if (self->norm == SMOE_QKNORM_FULL) {
-            smoe_rmsnorm(qt, 1, nq, qn, self->eps, b);
-            smoe_rmsnorm(kt, 1, nkv, kn, self->eps, b);
+            smoe_dec_norm(qt, 1, nq, qn, self->eps, b, self->zc);
+            smoe_dec_norm(kt, 1, nkv, kn, self->eps, b, self->zc);
         } else if (self->norm == SMOE_QKNORM_HEAD) {
-            smoe_rmsnorm(qt, H, D, qn, self->eps, b);
-            smoe_rmsnorm(kt, Hkv, D, kn, self->eps, b);
+            smoe_dec_norm(qt, H, D, qn, self->eps, b, self->zc);
+            smoe_dec_norm(kt, Hkv, D, kn, self->eps, b, self->zc);
         }
-        smoe_dec_widen(cosf, (const uint8_t *)cp + (size_t)t * D * (cb ? 2 : 4), cb, D);
-        smoe_dec_widen(sinf, (const uint8_t *)sp + (size_t)t * D * (sb ? 2 : 4), sb, D);
-        smoe_rotary_half(qt, H, D, D, cosf, sinf, b);
-        smoe_rotary_half(kt, Hkv, D, D, cosf, sinf, b);
+        /* the first R values of each head rotate (transformers' partial rotary: cos and sin
+           are R wide), the rest pass */
+        smoe_dec_widen(cosf, (const uint8_t *)cp + (size_t)t * R * (cb ? 2 : 4), cb, R);
+        smoe_dec_widen(sinf, (const uint8_t *)sp + (size_t)t * R * (sb ? 2 : 4), sb, R);
+        smoe_rotary_half(qt, H, D, R, cosf, sinf, b);
+        smoe_rotary_half(kt, Hkv, D, R, cosf, sinf, b);
     }
     /* q for the attention kernel (f32, values already bf16 when b; row r at r * H nt D); k, v
      * for the cache (row r at r * kv_bs elements) */
@@ -190,16 +228,36 @@ static int block_post(smoe_attn_block *self, smoe_kctx *c, const float *q, const
                              self->ascratch, self->ascratch_cap, err);
     if (rc != SMOE_OK) return rc;
     if (self->bf16) smoe_bf16_round(att, (size_t)n * H * D); /* torch's bf16 output */
+    if (self->gate) { /* attn * sigmoid(gate): torch's sigmoid, then the product, each rounded
+                         to bf16 in a bf16 model */
+        const float *g = gate_of(self);
+        for (size_t i = 0; i < (size_t)n * H * D; i++) {
+            float s = 1.0f / (1.0f + expf(-g[i]));
+            if (self->bf16) s = smoe_bf16_round1(s);
+            const float v = att[i] * s;
+            att[i] = self->bf16 ? smoe_bf16_round1(v) : v;
+        }
+    }
     rc = smoe_linear_forward(c, self->ld[SMOE_AB_O], self->lb[SMOE_AB_O], self->lbias[SMOE_AB_O],
                              att, (size_t)H * D, n, of, hid, self->lscratch, err);
     if (rc == SMOE_OK && self->bf16) smoe_bf16_round(of, (size_t)n * hid);
     return rc;
 }
 
+/* pre and post hand the gate from one call to the next through nothing: a gated block runs
+ * whole layers only. */
+static int no_gate(const smoe_attn_block *b, const char *what, smoe_err *err) {
+    return b->gate ? smoe_err_set(err, SMOE_EINVAL,
+                                  "AttnBlock.%s: a gated block (gate=True) runs whole decoder "
+                                  "layers only (layer)", what)
+                   : SMOE_OK;
+}
+
 int smoe_attn_block_pre(smoe_attn_block *b, smoe_kctx *c, const void *xp, int xb,
                         const void *cp, int cb, const void *sp, int sb, uint32_t B, uint32_t nt,
                         const float *ln, float ln_eps, float *qp, void *kp, int kb, void *vp,
                         int vb, size_t kv_bs, size_t kv_hs, smoe_err *err) {
+    if (no_gate(b, "pre", err)) return err->code;
     pthread_mutex_lock(&b->mu);
     int rc = ensure_cap(b, B * nt, err);
     if (rc == SMOE_OK)
@@ -215,6 +273,7 @@ int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const
                          float scale, void *op, int ob, const void *rp, const float *ln,
                          float ln_eps, void *np_, smoe_err *err) {
     const size_t n = (size_t)B * nt * b->hidden;
+    if (no_gate(b, "post", err)) return err->code;
     pthread_mutex_lock(&b->mu);
     int rc = ensure_cap(b, B * nt, err);
     float *of = b->buf; /* [B * T, hidden]: pre's x, free again */
@@ -224,7 +283,7 @@ int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const
     if (rc == SMOE_OK && rp) smoe_dec_residual_add(b->bf16, of, rp, ob, n); /* the layer's add */
     if (rc == SMOE_OK) smoe_dec_store(op, ob, of, n);
     if (rc == SMOE_OK && rp) { /* then the post-attention RMSNorm of the sum, in place */
-        smoe_rmsnorm(of, B * nt, b->hidden, ln, ln_eps, b->bf16);
+        smoe_dec_norm(of, B * nt, b->hidden, ln, ln_eps, b->bf16, b->zc);
         smoe_dec_store(np_, ob, of, n);
     }
     pthread_mutex_unlock(&b->mu);
@@ -253,7 +312,7 @@ int smoe_attn_block_layer(smoe_attn_block *self, smoe_kctx *c, smoe_layers *g,
                         a->bias_rows, (float)a->scale, h, err);
     if (rc == SMOE_OK) /* the MoE block over every row's tokens */
         rc = smoe_dec_tail(self->bf16, g, NULL, (uint32_t)a->pos, a->flags, n, hid, h, a->xp,
-                           a->xb, a->ln2, a->eps2, 0, nrm, moe, &self->route,
+                           a->xb, a->ln2, a->eps2, self->zc, nrm, moe, &self->route,
                            &self->route_cap, a->op, a->ob, &t1, err);
     double t2 = smoe_now();
     pthread_mutex_unlock(&self->mu);

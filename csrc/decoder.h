@@ -67,16 +67,27 @@ int smoe_qknorm_kind(const char *name);
 enum { SMOE_AB_Q = 0, SMOE_AB_K = 1, SMOE_AB_V = 2, SMOE_AB_O = 3, SMOE_AB_QKV = 4,
        SMOE_AB_N = 5 };
 
-/* What smoe_attn_block_init takes; every pointer borrowed for the block's lifetime. */
+/* What smoe_attn_block_init takes; every pointer borrowed for the block's lifetime.
+ *
+ * Qwen3-Next's and Qwen3.5's gated attention (transformers' Qwen3NextAttention) takes three
+ * more: gate (q_proj's rows are, per head, D query rows then D gate rows, and the attention
+ * output is multiplied by sigmoid(gate) before o_proj: "gated attention"), rot
+ * (the rotary embedding on the first rot values of each head only, the rest passed through:
+ * partial_rotary_factor) and zc (every RMSNorm of the block zero-centred: smoe_dec_norm). */
 typedef struct smoe_attn_block_cfg {
     const smoe_linear_desc *ld[SMOE_AB_N]; /* [QKV] NULL: none (pre runs q, k, v) */
     const uint8_t *lb[SMOE_AB_N];           /* the weight blocks */
     const float *lbias[SMOE_AB_N];          /* biases or NULL */
-    const float *qn, *kn; /* q/k norm weights ([H D] / [Hkv D] full, [D] head), NULL for none */
+    const float *qn, *kn; /* q/k norm weights ([H D] / [Hkv D] full, [D] head), NULL for none;
+                             zc: 1 + the module's weights */
     uint32_t H, Hkv, D, max_tokens;
-    int norm;   /* SMOE_QKNORM_* */
-    double eps; /* the q/k norms' eps */
-    int bf16;   /* round as a bf16 model does (kernels/block.h) */
+    int norm;     /* SMOE_QKNORM_* */
+    double eps;   /* the q/k norms' eps */
+    int bf16;     /* round as a bf16 model does (kernels/block.h) */
+    int gate;     /* q_proj [H (D query + D gate) rows]: the output gated (a gated block runs
+                     whole layers only: smoe_attn_block_layer) */
+    uint32_t rot; /* rotary width per head (even, <= D); 0: D */
+    int zc;       /* the q/k norms and the layer's ln / ln1 / ln2 zero-centred (smoe_dec_norm) */
 } smoe_attn_block_cfg;
 
 typedef struct smoe_attn_block {
@@ -89,13 +100,17 @@ typedef struct smoe_attn_block {
     int norm;
     float eps;
     int bf16;
+    int gate, zc;      /* as in the cfg */
+    uint32_t rot;      /* the cfg's, 0 made D */
     /* owned; guarded by mu */
     uint32_t cap;       /* tokens buf and lscratch hold now: min(max_tokens, 16) at init, grown
                            (up to max_tokens) by the first call of more tokens, then kept */
     float *buf;         /* cap * (hidden + (H + 2 Hkv) * D + H * D) + 2 D floats: input, q|k|v
                            projections, attention output, one token's cos and sin; then
                            cap * (H * D + 3 hidden) for the layer call: q, the residual
-                           stream, the normed input of the MoE block, its output */
+                           stream, the normed input of the MoE block, its output; then, gated,
+                           cap * ((3 H + 2 Hkv) * D): the projections' rows as q_proj gives
+                           them (q and gate per head), and the gate */
     void *route;        /* the layer call's routing: route_cap bytes of (k int64 ids, k f32
                            weights) per token and E used flags; grows */
     size_t route_cap;
@@ -109,8 +124,9 @@ typedef struct smoe_attn_block {
 
 /* SMOE_EINVAL with the binding's message unless the dims and projections fit together
  * (heads a multiple of kv_heads, head_dim even, (heads + 2 kv_heads) * head_dim <= 2^24,
- * max_tokens 1..4096, eps in [0, 1]; q, k, v, o, qkv hidden -> H D, Hkv D, Hkv D, hidden,
- * (H + 2 Hkv) D with hidden = q's K).  Reads cfg's dims and ld only. */
+ * max_tokens 1..4096, eps in [0, 1], rot 0 or even and <= head_dim; q, k, v, o, qkv hidden ->
+ * G H D, Hkv D, Hkv D, hidden, (G H + 2 Hkv) D with hidden = q's K, G 2 when gated, else 1).
+ * Reads cfg's dims and ld only. */
 int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err);
 
 /* Check cfg (as smoe_attn_block_check) and set *b up: buffers allocated (SMOE_ENOMEM), mutex
@@ -120,9 +136,10 @@ int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smo
 void smoe_attn_block_destroy(smoe_attn_block *b);
 
 /* The first half of the block for B rows of nt tokens (B * nt in 1..max_tokens; a batch of
- * sequences decoding together), under b->mu: x [B * nt, hidden] (f32, or bf16 bits when xb)
+ * sequences decoding together), under b->mu (SMOE_EINVAL for a gated block): x [B * nt,
+ * hidden] (f32, or bf16 bits when xb)
  * RMSNorm-ed with ln when given (the decoder layer's input layernorm), the q/k/v projections,
- * the q/k norms, the rotary embedding with cos / sin [B * nt, D] (each token its own
+ * the q/k norms, the rotary embedding with cos / sin [B * nt, rot] (each token its own
  * position's; f32 or bf16 bits: cb, sb); q into qp ([B, H, nt, D] f32), k and v into kp, vp
  * (token t of kv head h of row r at + r * kv_bs + h * kv_hs + t * D elements; bf16 bits when
  * kb / vb). */
@@ -131,7 +148,8 @@ int smoe_attn_block_pre(smoe_attn_block *b, smoe_kctx *c, const void *xp, int xb
                         const float *ln, float ln_eps, float *qp, void *kp, int kb, void *vp,
                         int vb, size_t kv_bs, size_t kv_hs, smoe_err *err);
 
-/* The second half, under b->mu: attention of q ([B, H, nt, D] f32) over S cached positions of
+/* The second half, under b->mu (SMOE_EINVAL for a gated block): attention of q ([B, H, nt, D]
+ * f32) over S cached positions of
  * each row (k, v as smoe_mha_decode takes them: kdt, element strides kbs, khs; bias f32
  * [bias_rows, nt, S] or NULL, bias_rows 1 or B), the output projection into op [B * nt,
  * hidden] (f32, or bf16 bits when ob).  With rp (the residual [B * nt, hidden] in op's dtype):
@@ -156,14 +174,15 @@ typedef struct smoe_attn_layer_args {
     const float *bias, *ln1, *ln2; /* bias f32 [bias_rows (1 or B), nt, S + nt] or NULL */
     uint32_t bias_rows;
     float eps1, eps2;
-    const void *xp, *cp, *sp; /* x [B * nt, hidden], cos, sin [B * nt, D] */
+    const void *xp, *cp, *sp; /* x [B * nt, hidden], cos, sin [B * nt, rot] */
     uint8_t *kp, *vp;         /* KV buffers [B, Hkv, cap, D] */
     void *op;                 /* out [B * nt, hidden], x's dtype, not aliasing x */
 } smoe_attn_layer_args;
 
 /* The layer on the begun MoE layers g (layer pos, hidden = b->hidden), under b->mu then g's:
- * input norm, pre (new k, v written at S), attention over S + nt positions, output
- * projection, residual add, post-attention norm, the MoE block, residual add into op.  *ta and
+ * input norm, pre (new k, v written at S), attention over S + nt positions, the output gate
+ * (gated), output projection, residual add, post-attention norm, the MoE block, residual add
+ * into op.  *ta and
  * *tm get the seconds in the attention and MoE parts. */
 int smoe_attn_block_layer(smoe_attn_block *b, smoe_kctx *c, smoe_layers *g,
                           const smoe_attn_layer_args *a, double *ta, double *tm, smoe_err *err);

@@ -226,13 +226,19 @@ class AttnBlock:
     ``"none"``, ``"full"`` over all heads, ``"head"`` per head) and the rotary embedding;
     ``post`` the attention over the cache and the output projection.  ``qkv``: the q, k and v
     rows in one Linear, which ``pre`` then runs instead of the three.  ``bf16``: round every
-    intermediate as a bf16 model does."""
+    intermediate as a bf16 model does.  Qwen3-Next's and Qwen3.5's gated attention: ``gate``
+    (q's rows per head are head_dim query rows then head_dim gate rows; the attention output is
+    multiplied by sigmoid(gate) before ``o``; such a block runs ``layer`` only),
+    ``rotary_dim`` (the rotary on a head's first rotary_dim values, cos and sin that wide; 0:
+    head_dim), ``zero_centred`` (the q/k norms and the layer's norms scale by their weights
+    given as 1 + the module's, in f32, rounded once)."""
 
     def __init__(self, ctx: KernelContext, q: Linear, k: Linear, v: Linear, o: Linear,
                  heads: int, kv_heads: int, head_dim: int, norm: str = "none",
                  q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                  eps: float = 1e-6, bf16: bool = False, max_tokens: int = 16,
-                 qkv: Linear | None = None) -> None: ...
+                 qkv: Linear | None = None, gate: bool = False, rotary_dim: int = 0,
+                 zero_centred: bool = False) -> None: ...
     def pre(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, q: np.ndarray,
             k: np.ndarray, v: np.ndarray) -> None: ...
     def post(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,

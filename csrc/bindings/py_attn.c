@@ -511,16 +511,17 @@ int smoe_py_block_init_raise(const smoe_err *err) {
 static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"ctx", "q", "k", "v", "o", "heads", "kv_heads", "head_dim",
                              "norm", "q_norm", "k_norm", "eps", "bf16", "max_tokens", "qkv",
-                             NULL};
+                             "gate", "rotary_dim", "zero_centred", NULL};
     PyObject *ctx_o, *lin[5] = {NULL, NULL, NULL, NULL, Py_None}, *qn_o = Py_None,
              *kn_o = Py_None;
-    unsigned int H, Hkv, D, max_tokens = 16;
+    unsigned int H, Hkv, D, max_tokens = 16, rot = 0;
     const char *norm = "none";
     double eps = 1e-6;
-    int bf16 = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpIO:AttnBlock", kwlist, &ctx_o,
+    int bf16 = 0, gate = 0, zc = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpIOpIp:AttnBlock", kwlist, &ctx_o,
                                      &lin[0], &lin[1], &lin[2], &lin[3], &H, &Hkv, &D, &norm,
-                                     &qn_o, &kn_o, &eps, &bf16, &max_tokens, &lin[4]))
+                                     &qn_o, &kn_o, &eps, &bf16, &max_tokens, &lin[4], &gate,
+                                     &rot, &zc))
         return -1;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "AttnBlock is already initialised");
@@ -545,6 +546,9 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     cfg.norm = nk;
     cfg.eps = eps;
     cfg.bf16 = bf16;
+    cfg.gate = gate;
+    cfg.rot = rot;
+    cfg.zc = zc;
     smoe_err err;
     smoe_err_clear(&err);
     if (smoe_attn_block_check(&cfg, &err)) return smoe_py_block_init_raise(&err);
@@ -619,7 +623,7 @@ int smoe_py_norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, fl
     return 0;
 }
 
-/* x, cos, sin of pre/layer: x [T, hidden], cos and sin [T, head_dim], float32 or bf16 bits;
+/* x, cos, sin of pre/layer: x [T, hidden], cos and sin [T, rotary_dim], float32 or bf16 bits;
  * *T from x (1..max_tokens; pre: every row's tokens, B * T); *xb, *cb, *sb: 1 for bf16.  -1
  * with an error otherwise. */
 static int block_inputs(const smoe_attn_block *b, PyObject *x, PyObject *cos, PyObject *sin,
@@ -634,9 +638,10 @@ static int block_inputs(const smoe_attn_block *b, PyObject *x, PyObject *cos, Py
                      (Py_ssize_t)*T, b->max_tokens);
         return -1;
     }
-    npy_intp w_x[2] = {*T, b->hidden}, w_cs[2] = {*T, b->D};
-    return smoe_py_dims_are(x, "x [T, hidden]", w_x, 2) || smoe_py_dims_are(cos, "cos [T, head_dim]", w_cs, 2) ||
-                   smoe_py_dims_are(sin, "sin [T, head_dim]", w_cs, 2)
+    npy_intp w_x[2] = {*T, b->hidden}, w_cs[2] = {*T, b->rot};
+    return smoe_py_dims_are(x, "x [T, hidden]", w_x, 2) ||
+                   smoe_py_dims_are(cos, "cos [T, rotary_dim]", w_cs, 2) ||
+                   smoe_py_dims_are(sin, "sin [T, rotary_dim]", w_cs, 2)
                ? -1
                : 0;
 }
@@ -855,10 +860,10 @@ static PyMethodDef ab_methods[] = {
      "pre(x, cos, sin, q, k, v[, ln, ln_eps]): the q/k/v projections of x [rows * T, hidden] "
      "(rows of T tokens, rows from q: a batch of sequences; first RMSNorm-ed with the weights "
      "ln float32 [hidden] and ln_eps when given: the decoder layer's input layernorm), the q/k "
-     "norms and the rotary embedding (cos, sin [rows * T, head_dim], each token's own); writes "
+     "norms and the rotary embedding (cos, sin [rows * T, rotary_dim], each token's own); writes "
      "q float32 [rows, heads, T, head_dim] and k, v [rows, kv_heads, T, head_dim] (float32 or "
      "bf16 bits, for the KV cache).  x, cos, sin float32 or bf16 bits, C-contiguous; rows * T "
-     "at most the block's max_tokens; GIL released."},
+     "at most the block's max_tokens; GIL released.  Not for a gated block (ValueError)."},
     {"post", (PyCFunction)(void (*)(void))ab_post, METH_FASTCALL,
      "post(q, k, v, bias, scale, out): attention of q (pre's, [rows, heads, T, head_dim]) over "
      "each row's cache k, v [rows, kv_heads, S, head_dim] (float32 or bf16 bits, each [S, "
@@ -866,7 +871,8 @@ static PyMethodDef ab_methods[] = {
      "output projection into out [rows * T, hidden] (float32 or bf16 bits).  With resid, ln, "
      "ln_eps, normed (the decoder layer's residual stream [rows * T, hidden], post-attention "
      "RMSNorm weights and eps, and its output [rows * T, hidden], all of out's dtype): out = "
-     "resid + the projection, normed = RMSNorm(out).  GIL released."},
+     "resid + the projection, normed = RMSNorm(out).  GIL released.  Not for a gated block "
+     "(ValueError)."},
     {"layer", (PyCFunction)(void (*)(void))smoe_py_layer_method, METH_FASTCALL,
      "layer(layers, pos, route_flags, x, cos, sin, kbuf, vbuf, S, bias, scale, ln1, eps1, ln2, "
      "eps2, out): one decoder layer of rows of T tokens in one call (rows from kbuf: one "
@@ -874,7 +880,8 @@ static PyMethodDef ab_methods[] = {
      "projections, norms and rotary, the new k, v written into the KV buffers kbuf, vbuf "
      "[rows, kv_heads, capacity, head_dim] (float32 or bf16 bits, C-contiguous) at positions "
      "S..S+T-1 of every row, attention over positions 0..S+T-1 with the additive bias float32 "
-     "[1 or rows, T, S+T] or None, the output projection, the residual add, the post-attention "
+     "[1 or rows, T, S+T] or None, the output gate (gated), the output projection, the "
+     "residual add, the post-attention "
      "RMSNorm (ln2, eps2), the MoE block of MoE layer pos of the _C.Layers object layers (its "
      "forward_routed with route_flags) over every row's tokens, the second residual add, into "
      "out [rows * T, hidden] (x's dtype).  Every intermediate as pre, post and forward_routed compute it; GIL released.  "
@@ -888,14 +895,19 @@ static PyTypeObject AttnBlockType = {
     .tp_basicsize = sizeof(AttnBlockObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "AttnBlock(ctx, q, k, v, o, heads, kv_heads, head_dim, norm='none', q_norm=None, "
-              "k_norm=None, eps=1e-6, bf16=False, max_tokens=16, qkv=None): one decoder "
-              "layer's attention "
+              "k_norm=None, eps=1e-6, bf16=False, max_tokens=16, qkv=None, gate=False, "
+              "rotary_dim=0, zero_centred=False): one decoder layer's attention "
               "module at decode sizes (specmoe.models.attention.fuse_attention) in two calls around "
               "the KV cache update: pre (projections, q/k RMSNorm over all heads ('full') or "
               "per head ('head'), rotary) and post (attention, output projection).  q, k, v, o "
               "are specmoe._C.Linear objects (qkv, optional: the three projections' rows in one, "
               "used by pre instead of q, k, v); q_norm, k_norm float32 weights; bf16: round "
-              "every intermediate as a bf16 model does (csrc/kernels/block.h).",
+              "every intermediate as a bf16 model does (csrc/kernels/block.h).  Qwen3-Next's and "
+              "Qwen3.5's gated attention: gate (q's rows per head: head_dim query rows, then "
+              "head_dim gate rows; the attention output times sigmoid(gate) before o; layer "
+              "only), rotary_dim (the rotary on the first rotary_dim values of a head; 0: all), "
+              "zero_centred (the q/k norms and the layer's norms in the zero-centred form, "
+              "their weights 1 + the module's).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)ab_init,
     .tp_dealloc = (destructor)ab_dealloc,

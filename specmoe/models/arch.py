@@ -51,6 +51,7 @@ __all__ = [
     "DOWN_NAMES",
     "DECODE_STEP_MODELS",
     "FUSABLE_ATTENTION",
+    "GATED_ATTENTION",
     "FUSABLE_LAYERS",
     "FUSABLE_MLA_LAYERS",
     "FUSABLE_GATED_DELTANET",
@@ -303,12 +304,18 @@ def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.nd
 # (cos, sin); the cache update; attention over the cache (sdpa/eager: the mask says what is
 # seen); o_proj.  Value: the q/k norm form.
 FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
-                     "Qwen2MoeAttention": "none", "MixtralAttention": "none"}
+                     "Qwen2MoeAttention": "none", "MixtralAttention": "none",
+                     "Qwen3NextAttention": "head", "Qwen3_5MoeAttention": "head"}
+# those of them whose q_proj gives, per head, head_dim query rows then head_dim gate rows, and
+# whose output is attention * sigmoid(gate) before o_proj, with zero-centred q/k norms and a
+# partial rotary (rope_parameters' partial_rotary_factor): Qwen3-Next's and Qwen3.5's full
+# attention layers.  Their block runs only as the whole decoder layer's one call
+GATED_ATTENTION = ("Qwen3NextAttention", "Qwen3_5MoeAttention")
 # decoder layers of those forms whose forward is: h + attn(input_layernorm(h)), then that plus
 # mlp(post_attention_layernorm(that)) -- the input norm, the first residual add and the
 # post-attention norm then go into the attention block's calls
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
-                  "MixtralDecoderLayer")
+                  "MixtralDecoderLayer", "Qwen3NextDecoderLayer", "Qwen3_5MoeDecoderLayer")
 # gated DeltaNet modules whose forward at one cached token is Qwen3.5's (separate q|k|v, z, b
 # and a projections, a SiLU short convolution, the gated delta rule with l2-normalised q and
 # k, a gated RMSNorm) or Qwen3-Next's (the same on q, k, v, z interleaved per key head in one

@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import _C
 from ..runtime.kernels import tensor_array
-from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS
+from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION
 from .layers import (BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, norm_weight,
                      zero_centred_norm)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
@@ -179,6 +179,31 @@ def convert_norms(model: nn.Module) -> list[str]:
     return done
 
 
+def _norm_form(norm: nn.Module | None) -> tuple[np.ndarray, float, bool] | None:
+    """An RMSNorm as the C blocks take it: (f32 weights, eps, zero-centred), the weights 1 + the
+    module's for the zero-centred form (a :class:`CRMSNorm` of either form included); None for
+    any other module."""
+    if isinstance(norm, CRMSNorm):
+        return norm.c_weight, norm.variance_epsilon, norm.zero_centred
+    w = norm_weight(norm)
+    if w is not None:
+        return w, float(norm.variance_epsilon), False
+    if zero_centred_norm(norm):
+        return (np.ascontiguousarray((1.0 + norm.weight.detach().float()).numpy()),
+                float(norm.eps), True)
+    return None
+
+
+def _rotary_dim(cfg: Any, D: int) -> int:
+    """The rotary width of a head as transformers' default rotary embedding computes it:
+    ``int(head_dim * partial_rotary_factor)`` (rope_parameters first)."""
+    rp = getattr(cfg, "rope_parameters", None)
+    f = rp.get("partial_rotary_factor") if isinstance(rp, dict) else None
+    if f is None:
+        f = getattr(cfg, "partial_rotary_factor", None) or 1.0
+    return int(D * float(f))
+
+
 def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]:
     """Run each fusable attention module of ``model`` through one ``specmoe._C.AttnBlock`` at
     decode sizes (module docstring); returns the qualified names of the modules switched.
@@ -199,7 +224,13 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     block's calls; and when their MoE block routes in C (``Engine._install_routing``) and the
     KV cache is transformers' ``DynamicCache``, a decode step of the layer is one C call
     (``_C.AttnBlock.layer``: the block, the new positions written into the cache's buffers
-    (:func:`specmoe.runtime.kvcache.kv_buffers`), the MoE block, the residual adds).  Idempotent."""
+    (:func:`specmoe.runtime.kvcache.kv_buffers`), the MoE block, the residual adds).
+
+    Qwen3-Next's and Qwen3.5's gated attention (``specmoe.models.arch.GATED_ATTENTION``: q_proj
+    with a gate per head, zero-centred norms, a partial rotary) runs only as that one-call
+    layer: its steps that cannot (a cache other than a DynamicCache, a MoE block routing in
+    Python) take the layer's and the module's own forwards, over the C projections and the C
+    attention kernel.  Idempotent."""
     if ctx is None:
         from ..runtime.kernels import context
         ctx = context()
@@ -221,13 +252,16 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         D = int(m.head_dim)
         H = int(cfg.num_attention_heads)
         Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
+        gated = type(m).__name__ in GATED_ATTENTION
         kw: dict[str, Any] = {"norm": form}
+        if gated:
+            kw.update(gate=True, rotary_dim=_rotary_dim(cfg, D))
         if form != "none":
-            qn = norm_weight(getattr(m, "q_norm", None))
-            kn = norm_weight(getattr(m, "k_norm", None))
-            if qn is None or kn is None or m.q_norm.variance_epsilon != m.k_norm.variance_epsilon:
+            qn = _norm_form(getattr(m, "q_norm", None))
+            kn = _norm_form(getattr(m, "k_norm", None))
+            if qn is None or kn is None or qn[1:] != kn[1:]:
                 continue
-            kw.update(q_norm=qn, k_norm=kn, eps=float(m.q_norm.variance_epsilon))
+            kw.update(q_norm=qn[0], k_norm=kn[0], eps=qn[1], zero_centred=qn[2])
         kw["qkv"] = fuse_qkv(projs[:3], ctx)
         try:
             blk = _C.AttnBlock(ctx, *(p._c for p in projs), H, Hkv, D,
@@ -236,7 +270,12 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
             continue  # shapes this form does not have (e.g. a head_dim the config disagrees on)
         m._specmoe_block = blk
         m._specmoe_block_shape = (H, Hkv, D, int(projs[3].out_features), dt)
-        m.forward = _fused_forward(m, m.forward)
+        m._specmoe_rot = int(kw.get("rotary_dim") or D)  # the width of cos and sin
+        m._specmoe_zc = bool(kw.get("zero_centred"))
+        m._specmoe_gated = gated
+        m._specmoe_scaling = float(getattr(m, "scaling", None) or 1.0 / math.sqrt(D))
+        if not gated:  # (a gated block runs whole layers only)
+            m.forward = _fused_forward(m, m.forward)
         done.append(name)
     for layer in model.modules():
         attn = getattr(layer, "self_attn", None)
@@ -244,22 +283,22 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
                 or getattr(attn, "_specmoe_block", None) is None \
                 or getattr(layer, "_specmoe_norms", None) is not None:
             continue
-        ln = [norm_weight(getattr(layer, n, None))
+        ln = [_norm_form(getattr(layer, n, None))
               for n in ("input_layernorm", "post_attention_layernorm")]
-        if ln[0] is None or ln[1] is None:
+        if ln[0] is None or ln[1] is None or ln[0][2] != attn._specmoe_zc \
+                or ln[1][2] != attn._specmoe_zc:  # (the block's one norm form)
             continue
-        layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
-                                ln[1], float(layer.post_attention_layernorm.variance_epsilon))
+        layer._specmoe_norms = (ln[0][0], ln[0][1], ln[1][0], ln[1][1])
         layer.forward = _fused_layer_forward(layer, layer.forward)
         layer._specmoe_chain = chain_call
         layer._specmoe_chain_rope = chain_rope
     return done
 
 
-def _rows_rope(pe: Any, B: int, T: int, D: int) -> tuple:
-    """cos, sin [B * T, D] (contiguous) of B rows of T tokens, each row at its own positions,
-    from the position embeddings pe ([1 or B, T, D] each, as _decodable checked)."""
-    return tuple(p.expand(B, T, D).reshape(B * T, D).contiguous() for p in pe)
+def _rows_rope(pe: Any, B: int, T: int, R: int) -> tuple:
+    """cos, sin [B * T, R] (contiguous) of B rows of T tokens, each row at its own positions,
+    from the position embeddings pe ([1 or B, T, R] each, as _decodable checked)."""
+    return tuple(p.expand(B, T, R).reshape(B * T, R).contiguous() for p in pe)
 
 
 def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
@@ -268,14 +307,14 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     out (the same shape and dtype, another tensor) on the KV buffers ``bufs`` (kv_buffers,
     [B, ...]) and the Engine route ``route`` (decode_route)."""
     attn = layer.self_attn
-    D, hidden = attn._specmoe_block_shape[2:4]
+    hidden, R = attn._specmoe_block_shape[3], attn._specmoe_rot
     _, _, _, ka, va, S = bufs
     eng, pos, flags, _ = route
     B, T = x.shape[0], x.shape[1]
     if B == 1:
-        cos, sin = per_step_rope(pe, T, D, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
-    else:  # each row at its own positions (_decodable checked pe [1 or B, T, D])
-        cos, sin = (tensor_array(p) for p in _rows_rope(pe, B, T, D))
+        cos, sin = per_step_rope(pe, T, R, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
+    else:  # each row at its own positions (_decodable checked pe [1 or B, T, R])
+        cos, sin = (tensor_array(p) for p in _rows_rope(pe, B, T, R))
     ln1, e1, ln2, e2 = layer._specmoe_norms
     return (eng.layers, pos, flags, tensor_array(x.reshape(B * T, hidden).contiguous()), cos,
             sin, ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1,
@@ -299,8 +338,8 @@ def chain_rope(layer: nn.Module, pe: Any, T: int) -> tuple:
     """The rotary arrays among ``_C.AttnBlock.layer``'s arguments for the last T positions of
     the decoder's position embeddings ``pe`` (cos, sin): ((index, array), ...).  Over a table
     of every position they are a ``_C.DecodePlan``'s rotary tables (specmoe.models.decode_step)."""
-    D = layer.self_attn._specmoe_block_shape[2]
-    cos, sin = (tensor_array(p.reshape(-1, D)[-T:].contiguous()) for p in pe)
+    R = layer.self_attn._specmoe_rot
+    cos, sin = (tensor_array(p.reshape(-1, R)[-T:].contiguous()) for p in pe)
     return ((4, cos), (5, sin))
 
 
@@ -325,11 +364,11 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
 def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
                kwargs: dict[str, Any]) -> bool:
     """Whether the attention block serves this call of ``module`` (else its own forward)."""
-    H, Hkv, D, hidden, dt = module._specmoe_block_shape
+    dt, R = module._specmoe_block_shape[4], module._specmoe_rot
     B, T = x.shape[0], x.shape[1]   # a batch of B sequences (serve's decode batch) in one call
     return not (T > ATTENTION_MAX_TOKENS or B * T > BLOCK_MAX_TOKENS or x.dtype != dt
                 or x.device.type != "cpu" or module.training or pe is None
-                or pe[0].shape[-1] != D or pe[0].dtype not in BLOCK_DTYPES
+                or pe[0].shape[-1] != R or pe[0].dtype not in BLOCK_DTYPES
                 or (B > 1 and (pe[0].dim() != 3 or pe[0].shape[0] not in (1, B)
                                or pe[0].shape[1] != T or pe[1].shape != pe[0].shape))
                 or pe[1].dtype != pe[0].dtype
@@ -351,10 +390,11 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
     blk = module._specmoe_block        # looked up at each call: one attribute read, and
     H, Hkv, D, hidden, dt = module._specmoe_block_shape  # tests may wrap it
     B, T = x.shape[0], x.shape[1]      # B rows: every row's tokens are the block's B * T
+    R = module._specmoe_rot
     if B == 1:
-        cos, sin = (p.reshape(-1, D)[-T:] for p in pe)
-    else:  # each row at its own positions ([1 or B, T, D], _decodable checked)
-        cos, sin = _rows_rope(pe, B, T, D)
+        cos, sin = (p.reshape(-1, R)[-T:] for p in pe)
+    else:  # each row at its own positions ([1 or B, T, R], _decodable checked)
+        cos, sin = _rows_rope(pe, B, T, R)
     q = torch.empty(B, H, T, D, dtype=torch.float32)
     k = torch.empty(B, Hkv, T, D, dtype=dt)
     v = torch.empty(B, Hkv, T, D, dtype=dt)
@@ -385,9 +425,6 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
 
 def _fused_forward(module: nn.Module, original: Any) -> Any:
     """``module``'s forward with its decode steps through its AttnBlock."""
-    D = module._specmoe_block_shape[2]
-    module._specmoe_scaling = float(getattr(module, "scaling", None) or 1.0 / math.sqrt(D))
-
     def forward(hidden_states: torch.Tensor, position_embeddings: Any = None,
                 attention_mask: torch.Tensor | None = None, cache: Any = None,
                 **kwargs: Any) -> Any:
@@ -425,6 +462,10 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
             if bufs is not None:
                 return _layer_call(layer, hidden_states, position_embeddings, attention_mask,
                                    bufs, route)
+        if attn._specmoe_gated:  # whole layers only: the module's own forward in the layer's
+            return original(hidden_states, attention_mask=attention_mask,
+                            position_ids=position_ids, cache=cache, use_cache=use_cache,
+                            position_embeddings=position_embeddings, **kwargs)
         kwargs["position_ids"] = position_ids
         kwargs["use_cache"] = use_cache
         h, normed = _block_call(attn, hidden_states, position_embeddings, attention_mask,
