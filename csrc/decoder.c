@@ -123,10 +123,15 @@ int smoe_chain_exec(const smoe_chain_item *it, size_t n, double t[3], smoe_err *
     for (size_t i = 0; i < n && rc == SMOE_OK; i++) {
         double a1, m1;
         const smoe_chain_item *c = &it[i];
-        rc = c->mla ? smoe_mla_block_layer((smoe_mla_block *)c->blk, c->c, c->g, &c->u.ml, &a1,
-                                           &m1, err)
-                    : smoe_attn_block_layer((smoe_attn_block *)c->blk, c->c, c->g, &c->u.ab,
-                                            &a1, &m1, err);
+        if (c->kind == SMOE_CHAIN_MLA)
+            rc = smoe_mla_block_layer((smoe_mla_block *)c->blk, c->c, c->g, &c->u.ml, &a1, &m1,
+                                      err);
+        else if (c->kind == SMOE_CHAIN_GDN)
+            rc = smoe_gdn_block_layer((smoe_gdn_block *)c->blk, c->c, c->g, &c->u.gd, &a1, &m1,
+                                      err);
+        else
+            rc = smoe_attn_block_layer((smoe_attn_block *)c->blk, c->c, c->g, &c->u.ab, &a1,
+                                       &m1, err);
         t[0] += a1;
         t[c->g ? 1 : 2] += m1; /* a dense layer's second part is its MLP */
     }
@@ -149,9 +154,9 @@ int smoe_decode_plan_step(smoe_decode_plan *p, int64_t tok, int64_t S, smoe_kctx
                           smoe_err *err) {
     for (size_t i = 0; i < p->n; i++) {
         smoe_chain_item *c = &p->it[i];
-        if (c->mla)
+        if (c->kind == SMOE_CHAIN_MLA)
             c->u.ml.a.S = (uint32_t)S;
-        else
+        else if (c->kind == SMOE_CHAIN_ATTN)
             c->u.ab.S = S;
     }
     t[0] = t[1] = t[2] = t[3] = 0;

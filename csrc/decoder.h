@@ -399,16 +399,20 @@ int smoe_gdn_block_layer(smoe_gdn_block *b, smoe_kctx *c, smoe_layers *g,
 
 /* ---- layer chains ---- */
 
+/* The block kinds of a chain item. */
+enum { SMOE_CHAIN_ATTN = 0, SMOE_CHAIN_MLA = 1, SMOE_CHAIN_GDN = 2 };
+
 /* One decoder layer call of a chain.  blk, c borrowed; g set by the caller (the begun
  * smoe_layers, or NULL for a dense MLA layer) for the run and cleared after. */
 typedef struct smoe_chain_item {
-    int mla;    /* smoe_mla_block layer, else smoe_attn_block */
-    void *blk;  /* smoe_attn_block * or smoe_mla_block * */
+    int kind;   /* SMOE_CHAIN_*: the layer function and union member (ab, ml, gd) */
+    void *blk;  /* smoe_attn_block *, smoe_mla_block * or smoe_gdn_block * */
     smoe_kctx *c;
     smoe_layers *g;
     union {
         smoe_attn_layer_args ab;
         smoe_mla_layer_args ml;
+        smoe_gdn_layer_args gd; /* (no positions: a plan's S leaves it as it is) */
     } u;
 } smoe_chain_item;
 

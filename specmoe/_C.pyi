@@ -270,7 +270,7 @@ class GdnBlock:
     def layer(self, layers: Layers, pos: int, route_flags: int, x: np.ndarray,
               conv: np.ndarray, state: np.ndarray, ln1: np.ndarray, eps1: float,
               ln2: np.ndarray, eps2: float, zero_centred: bool,
-              out: np.ndarray) -> tuple[float, float]: ...
+              out: np.ndarray) -> tuple[float, float, float]: ...
 
 class MLABlock:
     """A DeepSeek-V2/V3 decoder layer's MLA attention module at decode sizes in one call
@@ -295,7 +295,7 @@ class MLABlock:
               bias: np.ndarray | None, ln1: np.ndarray, eps1: float, ln2: np.ndarray,
               eps2: float, out: np.ndarray) -> tuple[float, float]: ...
 
-def layer_chain(calls: tuple[tuple[AttnBlock | MLABlock, tuple[Any, ...]], ...]
+def layer_chain(calls: tuple[tuple[AttnBlock | MLABlock | GdnBlock, tuple[Any, ...]], ...]
                 ) -> tuple[float, float, float]:
     """Decoder layers one after another with the GIL released once (specmoe.decode_step):
     each call is (block, the arguments of its ``layer`` method); all are checked before any
@@ -310,7 +310,8 @@ class DecodePlan:
     over [1, n]) and the head (``head``: a Linear and its input [1, K]).  The arrays are
     referenced and read/written in place."""
 
-    def __init__(self, calls: tuple[tuple[AttnBlock | MLABlock, tuple[Any, ...]], ...],
+    def __init__(self,
+                 calls: tuple[tuple[AttnBlock | MLABlock | GdnBlock, tuple[Any, ...]], ...],
                  rows: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None,
                  embed: tuple[np.ndarray, np.ndarray] | None = None,
                  norm: tuple[np.ndarray, np.ndarray, float, np.ndarray, bool] | None = None,

@@ -25,7 +25,22 @@ from specmoe.runtime.kvcache import kv_advance
 from specmoe.models.testing import tiny_config, tiny_model
 
 ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-         "glm4_moe_lite"]
+         "glm4_moe_lite", "qwen3_5_moe_text", "qwen3_next"]
+# hybrids: gated-DeltaNet layers (their step one GdnBlock.layer call, a recurrent state in the
+# cache) between gated full-attention ones
+HYBRID = ("qwen3_5_moe_text", "qwen3_next")
+
+
+def _same_cache(kv, kv_ref) -> None:
+    """Every layer of two caches equal: keys and values, or a linear-attention layer's conv
+    window and recurrent state."""
+    assert kv.get_seq_length() == kv_ref.get_seq_length()
+    for a, b in zip(kv.layers, kv_ref.layers, strict=True):
+        if hasattr(a, "keys"):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        else:
+            assert torch.equal(a.conv_states[0], b.conv_states[0])
+            assert torch.equal(a.recurrent_states[0], b.recurrent_states[0])
 
 
 def _tiny(arch: str, dt: torch.dtype, **over) -> torch.nn.Module:
@@ -80,9 +95,7 @@ def test_step_equals_the_models_own_forward(arch, dt):
                 assert type(on) is type(off)
                 assert torch.equal(on.logits, off.logits)
                 assert on.logits.dtype == off.logits.dtype and on.logits.shape == (1, 1, off.logits.shape[-1])
-                assert kv.get_seq_length() == kv_off.get_seq_length()
-                for a, b in zip(kv.layers, kv_off.layers):
-                    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                _same_cache(kv, kv_off)
                 tok = on.logits[:, -1:].argmax(-1)
         # layers that route their MoE block in C go through layer_chain (Qwen2-MoE's gated
         # shared expert included; DeepSeek-V3's group-limited router keeps its block in
@@ -95,26 +108,34 @@ def test_step_equals_the_models_own_forward(arch, dt):
         if v3:  # the dense layers only
             dense = sum(lyr._specmoe_dense is not None for lyr in model.model.layers)
             assert dense >= 1 and step.chained == 5 * dense
-        # whole generations: transformers' loop and specmoe's
+        if arch in HYBRID:  # every layer one call: the linear-attention layers too
+            assert step.chained == 5 * model.config.num_hidden_layers
+        # whole generations: transformers' loop and specmoe's (which refuses the hybrids: their
+        # state cannot be rolled back)
+        hybrid = arch in HYBRID
         n0 = step.steps
         got = _gen(model, ids)
-        sg = specmoe.generate(model, ids[0], max_new_tokens=10, eos_token_id=None)
-        assert step.steps == n0 + 9 + 10  # every forward after the prefills (specmoe.generate
-        # prefills all but the last prompt token)
+        sg = None if hybrid else specmoe.generate(model, ids[0], max_new_tokens=10,
+                                                  eos_token_id=None)
+        # every forward after the prefills (specmoe.generate prefills all but the last prompt
+        # token)
+        assert step.steps == n0 + 9 + (0 if hybrid else 10)
         step.enabled = False
         try:
             ref = _gen(model, ids)
-            sg_ref = specmoe.generate(model, ids[0], max_new_tokens=10, eos_token_id=None)
+            sg_ref = None if hybrid else specmoe.generate(model, ids[0], max_new_tokens=10,
+                                                          eos_token_id=None)
         finally:
             step.enabled = True
         assert torch.equal(got, ref)
-        assert torch.equal(sg.sequences, sg_ref.sequences)
+        assert hybrid or torch.equal(sg.sequences, sg_ref.sequences)
         step.planning = False  # the per-layer path: layer_chain
         try:
             p0 = step.planned
             assert torch.equal(_gen(model, ids), got) and step.planned == p0
-            assert torch.equal(specmoe.generate(model, ids[0], max_new_tokens=10,
-                                                eos_token_id=None).sequences, sg.sequences)
+            assert hybrid or torch.equal(specmoe.generate(model, ids[0], max_new_tokens=10,
+                                                          eos_token_id=None).sequences,
+                                         sg.sequences)
         finally:
             step.planning = True
         step.chaining = False  # every layer through its forward, one call each
@@ -284,9 +305,49 @@ def _step_both(model, kv, kv_ref, tok):
         finally:
             step.enabled = True
     assert torch.equal(on.logits, off.logits)
-    for a, b in zip(kv.layers, kv_ref.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    _same_cache(kv, kv_ref)
     return on.logits[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("arch", HYBRID)
+def test_a_hybrid_plan_follows_the_recurrent_states(arch):
+    """A plan writes the linear-attention layers' conv windows and recurrent states in place:
+    when the cache holds other tensors for them (as reorder_cache makes), the plan is rebuilt
+    on those, the old ones left alone; and while the cache records its past for a rollback, no
+    plan serves."""
+    model, eng = _offloaded(arch, torch.float32)
+    try:
+        step = model._specmoe_decode_step
+        ids = torch.randint(0, model.config.vocab_size, (1, 5),
+                            generator=torch.Generator().manual_seed(3))
+        kv = DynamicCache(config=model.config)
+        with torch.no_grad():
+            tok = model(input_ids=ids, cache=kv, use_cache=True).logits[:, -1:].argmax(-1)
+        kv_ref = copy.deepcopy(kv)
+        for _ in range(2):
+            tok = _step_both(model, kv, kv_ref, tok)
+        assert step.planned == 2
+        plan = step._plan
+        lin = [lay for lay in kv.layers if not hasattr(lay, "keys")]
+        old = [(lay.conv_states[0], lay.recurrent_states[0]) for lay in lin]
+        kept = [(c.clone(), r.clone()) for c, r in old]
+        for lay in lin:  # (as reorder_cache does, the KV layers left as they are)
+            lay.conv_states[0] = lay.conv_states[0].clone()
+            lay.recurrent_states[0] = lay.recurrent_states[0].clone()
+        for _ in range(2):
+            tok = _step_both(model, kv, kv_ref, tok)
+        assert step.planned == 4 and step._plan is not plan  # rebuilt on the new tensors
+        for (c, r), (c0, r0) in zip(old, kept):
+            assert torch.equal(c, c0) and torch.equal(r, r0)
+        # a cache recording its past (speculative rollback): the layers' own forwards
+        for lay in kv.layers:
+            lay.activate_past_recording() if not hasattr(lay, "keys") else None
+        p0, n0 = step.planned, step.steps
+        with torch.no_grad():
+            model(input_ids=tok, cache=kv, use_cache=True)
+        assert step.planned == p0 and step.steps == n0 + 1
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("arch", ["olmoe", "deepseek_v2"])

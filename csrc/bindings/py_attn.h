@@ -49,7 +49,16 @@ int smoe_py_is_attn_block(PyObject *o);
 int smoe_py_attn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t nargs,
                              smoe_attn_layer_args *a, smoe_attn_block **b, smoe_kctx **c);
 
-/* AttnBlock.layer and MLABlock.layer, one routine (py_decode.c). */
+/* Whether o is a _C.GdnBlock (py_gdn.c). */
+int smoe_py_is_gdn_block(PyObject *o);
+
+/* GdnBlock.layer's 12 arguments checked into *a (nothing begun, no lock taken), and the
+ * block's C state and kernel context (borrowed from blk, a GdnBlock); -1 with the exception
+ * set (py_gdn.c). */
+int smoe_py_gdn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t nargs,
+                            smoe_gdn_layer_args *a, smoe_gdn_block **b, smoe_kctx **c);
+
+/* AttnBlock.layer, MLABlock.layer and GdnBlock.layer, one routine (py_decode.c). */
 PyObject *smoe_py_layer_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* Register MLABlock, DecodePlan, layer_chain and rms_norm (py_decode.c); called by

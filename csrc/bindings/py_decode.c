@@ -401,22 +401,29 @@ smoe_layers *smoe_py_layer_call_begin(PyObject *layers, long pos, uint32_t hid) 
     return g;
 }
 
-/* Check one layer call -- blk an AttnBlock or MLABlock, av its layer() arguments -- into *c
- * and *r, beginning nothing; -1 with the exception set.  i: the call's index in a chain, for
- * messages (-1: the method itself). */
+/* Check one layer call -- blk an AttnBlock, MLABlock or GdnBlock, av its layer() arguments --
+ * into *c and *r, beginning nothing; -1 with the exception set.  i: the call's index in a
+ * chain, for messages (-1: the method itself). */
 static int chain_item_parse(PyObject *blk, PyObject *const *av, Py_ssize_t an, Py_ssize_t i,
                             smoe_chain_item *c, chain_ref *r) {
     c->g = NULL;
     if (smoe_py_is_attn_block(blk)) {
         smoe_attn_block *b;
-        c->mla = 0;
+        c->kind = SMOE_CHAIN_ATTN;
         if (smoe_py_attn_layer_parse(blk, av, an, &c->u.ab, &b, &c->c)) return -1;
         c->blk = b;
         r->hid = b->hidden;
         r->pos = c->u.ab.pos;
+    } else if (smoe_py_is_gdn_block(blk)) {
+        smoe_gdn_block *b;
+        c->kind = SMOE_CHAIN_GDN;
+        if (smoe_py_gdn_layer_parse(blk, av, an, &c->u.gd, &b, &c->c)) return -1;
+        c->blk = b;
+        r->hid = b->hidden;
+        r->pos = c->u.gd.pos;
     } else if (PyObject_TypeCheck(blk, &MLABlockType)) {
         MLABlockObject *b = (MLABlockObject *)blk;
-        c->mla = 1;
+        c->kind = SMOE_CHAIN_MLA;
         if (mlab_layer_parse(b, av, an, &c->u.ml)) return -1;
         c->c = smoe_py_kctx(b->ctx_obj);
         if (!c->c) return -1;
@@ -425,11 +432,11 @@ static int chain_item_parse(PyObject *blk, PyObject *const *av, Py_ssize_t an, P
         r->pos = c->u.ml.pos;
     } else {
         PyErr_Format(PyExc_TypeError, "layer_chain: call %zd's block is a %s, not an "
-                     "AttnBlock or MLABlock", i, Py_TYPE(blk)->tp_name);
+                     "AttnBlock, MLABlock or GdnBlock", i, Py_TYPE(blk)->tp_name);
         return -1;
     }
     /* a dense MLABlock layer has no MoE layers to begin */
-    r->layers = c->mla && c->u.ml.dense ? NULL : av[0];
+    r->layers = c->kind == SMOE_CHAIN_MLA && c->u.ml.dense ? NULL : av[0];
     return 0;
 }
 
@@ -492,8 +499,8 @@ static PyObject *chain_run(smoe_chain_item *it, const chain_ref *refs, Py_ssize_
     return Py_BuildValue("(ddd)", t[0], t[1], t[2]);
 }
 
-/* layer(...) of AttnBlock (16 arguments) and MLABlock (14): one whole decoder layer (the
- * methods' docs), a chain of one. */
+/* layer(...) of AttnBlock (16 arguments), MLABlock (14) and GdnBlock (12): one whole decoder
+ * layer (the methods' docs), a chain of one. */
 PyObject *smoe_py_layer_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     smoe_chain_item c;
     chain_ref r;
@@ -608,7 +615,9 @@ static int dp_init(DecodePlanObject *self, PyObject *args, PyObject *kw) {
     if (chain_parse(calls, it, refs, 0)) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         /* an attention bias spans S + T positions: a plan's calls carry none */
-        const float *bias = it[i].mla ? it[i].u.ml.a.bias : it[i].u.ab.bias;
+        const float *bias = it[i].kind == SMOE_CHAIN_MLA    ? it[i].u.ml.a.bias
+                            : it[i].kind == SMOE_CHAIN_ATTN ? it[i].u.ab.bias
+                                                            : NULL;
         if (bias) {
             PyErr_Format(PyExc_ValueError, "DecodePlan: call %zd has an attention bias (its "
                          "length depends on S): a plan's calls take None", i);
@@ -770,8 +779,10 @@ static PyObject *dp_step(DecodePlanObject *self, PyObject *const *args, Py_ssize
         }
     for (size_t i = 0; i < p->n; i++) {
         const smoe_chain_item *c = &p->it[i];
-        long long cap = c->mla ? (long long)c->u.ml.a.cap : (long long)c->u.ab.cap;
-        long long nt = c->mla ? (long long)c->u.ml.a.nt : (long long)c->u.ab.nt;
+        if (c->kind == SMOE_CHAIN_GDN) continue; /* (a recurrent state: no positions) */
+        const int ml = c->kind == SMOE_CHAIN_MLA;
+        long long cap = ml ? (long long)c->u.ml.a.cap : (long long)c->u.ab.cap;
+        long long nt = ml ? (long long)c->u.ml.a.nt : (long long)c->u.ab.nt;
         if (S + nt > cap) {
             PyErr_Format(PyExc_ValueError, "DecodePlan.step: S=%lld cached + %lld new positions "
                          "do not fit layer call %zd's KV capacity of %lld", S, nt, (Py_ssize_t)i, cap);

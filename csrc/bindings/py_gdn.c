@@ -152,53 +152,48 @@ static int step_arrays(const smoe_gdn_block *b, PyObject *x, PyObject *conv, PyO
     return 0;
 }
 
+static PyTypeObject GdnBlockType;
+
+int smoe_py_is_gdn_block(PyObject *o) { return PyObject_TypeCheck(o, &GdnBlockType); }
+
 /* layer(layers, pos, route_flags, x, conv, state, ln1, eps1, ln2, eps2, zero_centred, out):
- * smoe_gdn_block_layer on the _C.Layers `layers` (begun for the call). */
-static PyObject *gb_layer(GdnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+ * check the 12 arguments (the method doc) into *a.  Takes no lock and begins nothing: the
+ * layer call (py_decode.c smoe_py_layer_method, a chain item) begins the _C.Layers after. */
+int smoe_py_gdn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t nargs,
+                            smoe_gdn_layer_args *a, smoe_gdn_block **bp, smoe_kctx **cp) {
+    GdnBlockObject *self = (GdnBlockObject *)blk;
     if (smoe_py_method_start(self->ready, "GdnBlock",
                              "layer(layers, pos, route_flags, x, conv, state, ln1, eps1, ln2, "
                              "eps2, zero_centred, out)", nargs, 12, 12))
-        return NULL;
-    smoe_gdn_block *b = &self->blk;
-    smoe_gdn_layer_args a;
-    memset(&a, 0, sizeof a);
-    a.pos = PyLong_AsLong(args[1]);
-    a.zc = PyObject_IsTrue(args[10]);
-    if ((a.pos == -1 || a.zc < 0) && PyErr_Occurred()) return NULL;
-    if (smoe_py_route_flags(args[2], &a.flags)) return NULL;
+        return -1;
+    const smoe_gdn_block *b = &self->blk;
+    memset(a, 0, sizeof *a);
+    a->pos = PyLong_AsLong(args[1]);
+    a->zc = PyObject_IsTrue(args[10]);
+    if ((a->pos == -1 || a->zc < 0) && PyErr_Occurred()) return -1;
+    if (smoe_py_route_flags(args[2], &a->flags)) return -1;
     npy_intp B;
     int ob;
-    if (step_arrays(b, args[3], args[4], args[5], args[11], &B, &a.xb, &a.cb, &ob)) return NULL;
-    if (ob != a.xb) {
+    if (step_arrays(b, args[3], args[4], args[5], args[11], &B, &a->xb, &a->cb, &ob)) return -1;
+    if (ob != a->xb) {
         PyErr_SetString(PyExc_ValueError, "GdnBlock.layer: x and out must have the same dtype");
-        return NULL;
+        return -1;
     }
     if (PyArray_DATA((PyArrayObject *)args[3]) == PyArray_DATA((PyArrayObject *)args[11])) {
         PyErr_SetString(PyExc_ValueError, "GdnBlock.layer: x and out must not alias");
-        return NULL;
+        return -1;
     }
-    if (smoe_py_norm_arg(args[6], args[7], b->hidden, &a.ln1, &a.eps1) ||
-        smoe_py_norm_arg(args[8], args[9], b->hidden, &a.ln2, &a.eps2))
-        return NULL;
-    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
-    if (!c) return NULL;
-    smoe_layers *g = smoe_py_layer_call_begin(args[0], a.pos, b->hidden);
-    if (!g) return NULL;
-    a.B = (uint32_t)B;
-    a.xp = PyArray_DATA((PyArrayObject *)args[3]);
-    a.conv = PyArray_DATA((PyArrayObject *)args[4]);
-    a.state = (float *)PyArray_DATA((PyArrayObject *)args[5]);
-    a.op = PyArray_DATA((PyArrayObject *)args[11]);
-    smoe_err err;
-    smoe_err_clear(&err);
-    int rc;
-    double ta = 0.0, tm = 0.0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = smoe_gdn_block_layer(b, c, g, &a, &ta, &tm, &err);
-    Py_END_ALLOW_THREADS
-    smoe_py_layers_end(args[0]);
-    if (rc != 0) return smoe_py_raise(&err);
-    return Py_BuildValue("(dd)", ta, tm);
+    if (smoe_py_norm_arg(args[6], args[7], b->hidden, &a->ln1, &a->eps1) ||
+        smoe_py_norm_arg(args[8], args[9], b->hidden, &a->ln2, &a->eps2))
+        return -1;
+    a->B = (uint32_t)B;
+    a->xp = PyArray_DATA((PyArrayObject *)args[3]);
+    a->conv = PyArray_DATA((PyArrayObject *)args[4]);
+    a->state = (float *)PyArray_DATA((PyArrayObject *)args[5]);
+    a->op = PyArray_DATA((PyArrayObject *)args[11]);
+    *bp = &self->blk;
+    *cp = smoe_py_kctx(self->ctx_obj);
+    return *cp ? 0 : -1;
 }
 
 /* step(x, conv, state, out): smoe_gdn_block_step on B rows, B from x. */
@@ -232,7 +227,7 @@ static PyMethodDef gb_methods[] = {
      "bits), each row's convolution window conv [rows, channels, kernel] (float32 or bf16 "
      "bits) and recurrent state [rows, v_heads, k_dim, v_dim] (float32) updated in place "
      "(csrc/decoder.h smoe_gdn_block_step).  C-contiguous arrays; GIL released."},
-    {"layer", (PyCFunction)(void (*)(void))gb_layer, METH_FASTCALL,
+    {"layer", (PyCFunction)(void (*)(void))smoe_py_layer_method, METH_FASTCALL,
      "layer(layers, pos, route_flags, x, conv, state, ln1, eps1, ln2, eps2, zero_centred, out): "
      "a whole Qwen3.5 decoder layer of one decode token of rows sequences in one call: x "
      "[rows, hidden] normed (ln1 float32 [hidden], eps1; zero_centred: both norms' weights are "
@@ -240,10 +235,11 @@ static PyMethodDef gb_methods[] = {
      "the residual add, the post-attention norm (ln2, eps2), the MoE block of MoE layer pos of "
      "the _C.Layers `layers` (its forward_routed with route_flags), the second residual add, "
      "into out [rows, hidden] (x's dtype, another array).  Returns (seconds in the linear "
-     "attention part, seconds in the MoE block).  GIL released."},
+     "attention part, seconds in the MoE block, 0.0), as AttnBlock.layer does.  A call of "
+     "_C.layer_chain and _C.DecodePlan too.  GIL released."},
     {NULL, NULL, 0, NULL}};
 
-static PyTypeObject GdnBlockType = {
+static PyTypeObject GdnBlockType = { /* (declared above) */
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.GdnBlock",
     .tp_basicsize = sizeof(GdnBlockObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,

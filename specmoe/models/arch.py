@@ -339,11 +339,13 @@ FUSABLE_MLA_LAYERS = ("DeepseekV2DecoderLayer", "DeepseekV3DecoderLayer",
 # rotary embedding: their own forward runs.
 MLA_ATTENTION = ("DeepseekV2Attention", "DeepseekV3Attention", "Glm4MoeLiteAttention")
 # causal LMs whose forward, for one token of one sequence, is embed_tokens, rotary_emb over the
-# position, the decoder layers [:num_hidden_layers] with the causal mask, norm, lm_head (no
-# embedding scale, logit scale or soft-cap): specmoe.models.decode_step runs that sequence itself
+# position, the decoder layers [:num_hidden_layers] with the causal mask (the hybrids' linear
+# attention layers with the recurrent one, None without padding), norm, lm_head (no embedding
+# scale, logit scale or soft-cap): specmoe.models.decode_step runs that sequence itself
 DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                       "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                      "Glm4MoeLiteForCausalLM")
+                      "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM",
+                      "Qwen3_5MoeForCausalLM")
 # RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",

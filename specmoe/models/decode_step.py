@@ -77,8 +77,9 @@ class _Plan:
     objects its validity is checked against at each step (:meth:`DecodeStep._plan_valid`),
     and the buffers it reads and writes."""
 
-    __slots__ = ("c", "cache", "limit", "views", "layers", "mods", "engine", "eng_layers", "x0",
-                 "last", "normed", "vocab", "logits_dtype", "scratch", "__weakref__")
+    __slots__ = ("c", "cache", "limit", "views", "states", "layers", "mods", "engine",
+                 "eng_layers", "x0", "last", "normed", "vocab", "logits_dtype", "scratch",
+                 "__weakref__")
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -319,6 +320,12 @@ class DecodeStep:
                 return None
             items.append(item)
             h = out
+        # a recurrent layer's item writes its cache state in place: the plan holds while the
+        # state is the same tensors (specmoe.models.linear_attn.gdn_chain_state)
+        states = [(lyr, lyr._specmoe_chain_state(lyr, cache)) for lyr in layers
+                  if getattr(lyr, "_specmoe_chain_state", None) is not None]
+        if any(st is None for _, st in states):
+            return None
         engines = {id(it[3]): it[3] for it in items if it[3] is not None}
         if len(engines) > 1:
             return None
@@ -363,10 +370,10 @@ class DecodeStep:
         except (TypeError, ValueError) as e:
             _log.debug("decode plan declined: %s", e)
             return None
-        kv = [(it[2][0], it[2][1], it[2][2]) for it in items]
+        kv = [(it[2][0], it[2][1], it[2][2]) for it in items if it[2] is not None]
         plan = _Plan(c=c, cache=weakref.ref(cache),
-                     limit=min(P, min(k.shape[2] for _, k, _ in kv)),
-                     views=[(lay, lay.keys, lay.values) for lay, _, _ in kv],
+                     limit=min([P] + [k.shape[2] for _, k, _ in kv]),
+                     views=[(lay, lay.keys, lay.values) for lay, _, _ in kv], states=states,
                      layers=layers, mods=(emb, rot, fn, lm), engine=eng,
                      eng_layers=eng_layers, x0=x0, last=h,
                      normed=None if norm is None else normed,
@@ -387,6 +394,10 @@ class DecodeStep:
             return False
         for lay, k, v in plan.views:
             if lay.keys is not k or lay.values is not v:
+                return False
+        for lyr, st in plan.states:
+            now = lyr._specmoe_chain_state(lyr, cache)
+            if now is None or any(a is not b for a, b in zip(now, st)):
                 return False
         for lyr in plan.layers:
             if lyr._forward_hooks or lyr._forward_pre_hooks:
@@ -430,7 +441,7 @@ class DecodeStep:
             views[i] = (lay, *kv_views(lay, n))
         self.steps += 1
         self.planned += 1
-        self.chained += len(views)
+        self.chained += len(plan.layers)
         return logits, r[4]
 
     def _run_plan(self, plan: _Plan, token: int, cache: Any, S: int) -> Any:
@@ -463,7 +474,8 @@ class DecodeStep:
             self.chain(tuple((it[0], it[1] if it[1][0] is None or it[1][0] is cur
                               else (cur, *it[1][1:])) for it in run))
         for it in run:
-            kv_advance(it[2], 1)
+            if it[2] is not None:  # (a recurrent layer's item: no positions)
+                kv_advance(it[2], 1)
         self.chained += len(run)
         run.clear()
 
@@ -489,7 +501,7 @@ def install_decode_step(model: nn.Module) -> bool:
     if not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")):
         return False
     kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-    if not kinds <= {"full_attention", "sliding_attention"}:
+    if not kinds <= {"full_attention", "sliding_attention", "linear_attention"}:
         return False
     step = DecodeStep(model, model.forward)
     model.forward = step

@@ -307,7 +307,43 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
                 and not getattr(layer, "_specmoe_gdn_layer", False):
             layer.forward = _gdn_layer_forward(layer, layer.forward)
             layer._specmoe_gdn_layer = True
+            layer._specmoe_chain = gdn_chain_call
+            layer._specmoe_chain_rope = gdn_chain_rope
+            layer._specmoe_chain_state = gdn_chain_state
     return done
+
+
+def gdn_chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
+                   cache: Any) -> tuple | None:
+    """One decode step of a fused linear-attention decoder layer as an item of
+    ``_C.layer_chain`` (specmoe.models.decode_step): (block, ``GdnBlock.layer`` arguments for x
+    [1, 1, hidden] into out, None -- no KV positions to advance --, Engine), or None when the
+    step must take the layer's forward (:func:`_gdn_layer_args`; a block that is not a plain
+    ``_C.GdnBlock``)."""
+    blk = layer.linear_attn._specmoe_gdn
+    if type(blk) is not _C.GdnBlock or layer.training:
+        return None
+    a = _gdn_layer_args(layer, x, cache, None, {})
+    if a is None:
+        return None
+    eng = a[0]
+    return blk, (eng.layers, *a[1:], tensor_array(out.view(x.shape[0], x.shape[-1]))), None, eng
+
+
+def gdn_chain_rope(layer: nn.Module, pe: Any, T: int) -> tuple:
+    """A linear-attention layer's rotary arrays among its chain item's arguments: none."""
+    return ()
+
+
+def gdn_chain_state(layer: nn.Module, cache: Any) -> tuple | None:
+    """What a decode plan's item of this layer writes in place in ``cache`` (its conv window
+    and recurrent state tensors: a plan holds while they are the same objects), or None when
+    the layer's step cannot be a plan's now (a cache recording its past for a rollback)."""
+    idx = layer.linear_attn.layer_idx
+    recording = getattr(cache, "is_recording_past", None)
+    if recording is not None and recording(idx):
+        return None
+    return cache.get_conv_state(idx), cache.get_recurrent_state(idx)
 
 
 def _gdn_states(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
