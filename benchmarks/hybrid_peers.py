@@ -36,10 +36,13 @@ Rows (each round runs both, in alternating order, each thread count of ``--threa
   end-of-sequence stop) of 33 tokens after a 64-token prompt, 32 decode steps timed between
   the logits of the first forward pass and the last (as ``benchmarks/decode_peers.py`` times
   ``model.generate``; ``specmoe.generate`` refuses linear attention), after a warm-up
-  generation.  Then an instrumented generation: wall time inside the linear-attention and the
-  full-attention decoder layers (forward hooks on the layers, each with its norms and MoE
-  block: a linear-attention layer's decode step is one C call), per decode step; the rest of
-  a step is ``other`` (embedding, rotary, masks, final norm, lm_head, sampling, the loop).
+  generation.  Each step of the timed generation is one ``_C.DecodePlan`` call (every layer
+  of these models is one C call: ``planned_steps`` counts them).  Then an instrumented
+  generation: wall time inside the linear-attention and the full-attention decoder layers
+  (forward hooks on the layers, each with its norms and MoE block), per decode step; the rest
+  of a step is ``other`` (embedding, rotary, masks, final norm, lm_head, sampling, the loop).
+  The hooks set the plan aside, so that generation takes the per-layer path (each layer one
+  C call from Python, the model's forward around them): its ``other`` is that path's.
 
 ``vs_llama_cpp`` is specmoe's tok/s over llama.cpp's in the same round; ``vs_llama_cpp_runs``
 lists every round.  The results name the host (CPU model, ISA, threads).  llama.cpp is the
@@ -209,9 +212,14 @@ def worker(path: str, threads: list[int]) -> None:
         torch.set_num_threads(th)
         kernels.set_num_threads(th)
         steps(warm, WARM)
+        dstep = getattr(model, "_specmoe_decode_step", None)
+        p0 = dstep.planned if dstep is not None else 0
         c = steps(prompt, DECODE)
         row: dict[str, Any] = {"tok_per_s": DECODE / (c.t[-1] - c.t[0]),
-                               "loop": "model.generate"}
+                               "loop": "model.generate",
+                               # steps that were one _C.DecodePlan call (the hooked run's
+                               # are not: a hook on a layer sets the plan aside)
+                               "planned_steps": (dstep.planned - p0) if dstep else 0}
         handles = [h for kind, mod in mods for h in (mod.register_forward_pre_hook(pre),
                                                      mod.register_forward_hook(post(kind)))]
         try:
@@ -288,6 +296,7 @@ def main() -> None:
                   if "tok_per_s" in s and "tok_per_s" in c]
         rows.append({"name": "specmoe-gguf", "threads": t,
                      "tok_per_s_runs": [s.get("tok_per_s") for s in sm],
+                     "planned_steps_runs": [s.get("planned_steps") for s in sm],
                      "step_ms_by_part_runs": [s.get("step_ms_by_part") for s in sm],
                      "vs_llama_cpp": statistics.median(ratios) if ratios else None,
                      "vs_llama_cpp_runs": [round(x, 4) for x in ratios],

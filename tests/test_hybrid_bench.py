@@ -29,6 +29,7 @@ def test_quick_run_reads_one_file_on_both_sides(tmp_path, arch):
     rows = {(r["name"], r["threads"]): r for r in out["rows"]}
     s, ll = rows[("specmoe-gguf", 1)], rows[("llama.cpp-Q4_0", 1)]
     assert s["tok_per_s_runs"][0] > 0 and not s["errors"], s
+    assert s["planned_steps_runs"] == [32]  # every timed step one _C.DecodePlan call
     parts = s["step_ms_by_part_runs"][0]
     assert {"linear_attention_layers", "full_attention_layers", "other"} <= set(parts)
     assert all(parts[k] > 0 for k in ("linear_attention_layers", "full_attention_layers")), parts
