@@ -33,12 +33,12 @@ def _model(arch, dtype=torch.float32):
     return m
 
 
-def _fused(arch, dtype):
+def _fused(arch, dtype, cache=1.0):
     """A tiny model of ``arch`` (:func:`_model`) offloaded with its dense layers in specmoe's
     kernels (so its attention modules are fused), and its engine."""
     m = _model(arch, dtype)
     sd = "bf16" if dtype == torch.bfloat16 else "f32"
-    return m, offload(m, dtype=sd, cache=1.0, dense=sd)
+    return m, offload(m, dtype=sd, cache=cache, dense=sd)
 
 
 class _Counting:
@@ -108,13 +108,15 @@ def test_one_call_layer_equals_the_layers_own_forward(arch, dtype, rows):
         eng.close()
 
 
+@pytest.mark.parametrize("cache", [1.0, 0.3])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_offloaded_model_decodes_a_batch_with_the_unmodified_logits(arch):
-    """generate of two rows on an offloaded model (f32): every decode step of the
-    full-attention layers is one AttnBlock.layer call, and the tokens and per-step logits are
-    the unmodified transformers model's."""
+def test_offloaded_model_decodes_a_batch_with_the_unmodified_logits(arch, cache):
+    """generate of two rows on an offloaded model (f32; every expert resident, or 30 % of
+    them with misses and prefetches): every decode step of the full-attention layers is one
+    AttnBlock.layer call, and the tokens and per-step logits are the unmodified transformers
+    model's."""
     ref = _model(arch)
-    m, eng = _fused(arch, torch.float32)
+    m, eng = _fused(arch, torch.float32, cache)
     try:
         idx = [i for i, t in enumerate(m.config.layer_types) if t == "full_attention"]
         blks = []
@@ -128,6 +130,7 @@ def test_offloaded_model_decodes_a_batch_with_the_unmodified_logits(arch):
         with torch.no_grad():
             want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
         assert [b.layers for b in blks] == [5] * len(idx)  # (the prefill is transformers')
+        assert cache == 1.0 or eng.stats()["misses"] > 0
         assert torch.equal(got.sequences, want.sequences)
         for a, b in zip(got.scores, want.scores):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -183,5 +186,26 @@ def test_one_call_layer_refuses_rotary_tables_of_the_head_width():
                 layer.self_attn._specmoe_block.layer(*bad)
         assert cache.layers[idx].keys.shape[2] == 6
         layer.self_attn._specmoe_block.layer(*args)  # the arguments as the layer forms them
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_sequence_decodes_in_one_call_a_step_under_a_small_cache(arch):
+    """One sequence, 30 % of the experts cached: every decode step is one _C.DecodePlan call (the gated DeltaNet and the gated attention layers its items, experts
+    missed and prefetched inside it), and the tokens and logits are the unmodified model's."""
+    ref = _model(arch)
+    m, eng = _fused(arch, torch.float32, 0.3)
+    try:
+        step = m._specmoe_decode_step
+        ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
+        kw = dict(max_new_tokens=12, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+        with torch.no_grad():
+            want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
+        assert step.planned == 11  # every forward after the prefill and eng.stats()["misses"] > 0
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.scores, want.scores):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     finally:
         eng.close()
