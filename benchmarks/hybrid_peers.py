@@ -1,8 +1,9 @@
-"""Qwen3.5-MoE (or Qwen3-Next) decode speed on the same GGUF file: specmoe against llama.cpp,
-and where a specmoe decode step spends its time.
+"""Qwen3.5-MoE (or Qwen3-Next, or GLM-4.7-Flash) decode speed on the same GGUF file: specmoe
+against llama.cpp, and where a specmoe decode step spends its time.
 
     python benchmarks/hybrid_peers.py --json [--rounds 2] [--threads 1,2] [--layers 4]
     python benchmarks/hybrid_peers.py --arch qwen3next --json    # Qwen3-Next-80B-A3B's shapes
+    python benchmarks/hybrid_peers.py --arch glm47flash --json   # GLM-4.7-Flash's shapes
     python benchmarks/hybrid_peers.py --quick --json     # small shapes, 1 round: a smoke test
 
 Qwen3.5's MoE models (Qwen3.5-35B-A3B and its family) put three gated-DeltaNet
@@ -20,7 +21,11 @@ experts (``--experts``, default 32 of 256: the bytes a token reads do not depend
 count) and the zoo tokenizer's 8192-token vocabulary (llama.cpp needs a vocabulary in the
 file).  ``--arch qwen3next``: Qwen3-Next-80B-A3B's shapes instead (the same widths, q, k, v, z
 interleaved per key head in one projection, top-10 of 512 experts, no MRoPE; llama.cpp's
-``qwen3next`` files).  Written once as a Q4_0 GGUF file by ``specmoe.models.testing.save_gguf`` (the way
+``qwen3next`` files).  ``--arch glm47flash``: GLM-4.7-Flash's shapes (hidden 2048; MLA with
+20 heads, q rank 768, kv rank 512, nope/rope/value dims 192/64/256; a dense first layer of
+10240; experts of 1536, top-4, a shared expert, DeepSeek-V3's sigmoid router with a
+correction bias, one group) as a ``deepseek2`` file: not a hybrid, the same harness (its
+layers all count as full attention).  Written once as a Q4_0 GGUF file by ``specmoe.models.testing.save_gguf`` (the way
 llama.cpp's converter writes it: its checked against the converter in
 tests/test_gguf_converter.py and against llama-server in tests/test_gguf_llama_cpp.py), every
 matrix Q4_0, norms and routers F32, under ``--workdir`` (default ``~/.cache/specmoe/bench``;
@@ -73,18 +78,32 @@ def log(*a: Any) -> None:
     print("[hybrid_peers]", *a, file=sys.stderr, flush=True)
 
 
-ARCHS = {"qwen35moe": "Qwen3.5-35B-A3B", "qwen3next": "Qwen3-Next-80B-A3B"}
+ARCHS = {"qwen35moe": "Qwen3.5-35B-A3B", "qwen3next": "Qwen3-Next-80B-A3B",
+         "glm47flash": "GLM-4.7-Flash"}
 
 
 def config(layers: int, experts: int, vocab: int, quick: bool = False,
            arch: str = "qwen35moe") -> Any:
     """Qwen3.5-35B-A3B's per-layer shapes (see the module docstring), or with ``arch``
     "qwen3next" Qwen3-Next-80B-A3B's (the same widths, top-10, full rotary theta 10^7, no
-    MRoPE); ``quick``: an eighth of every width, for a smoke run."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
+    MRoPE), or "glm47flash" GLM-4.7-Flash's; ``quick``: an eighth of every width, for a smoke
+    run."""
+    from transformers import DeepseekV3Config, Qwen3_5MoeTextConfig, Qwen3NextConfig
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
              for i in range(layers)]
     w = 8 if quick else 1
+    if arch == "glm47flash":  # DeepSeek-V3's form: MLA, a dense first layer, sigmoid routing
+        return DeepseekV3Config(
+            vocab_size=vocab, hidden_size=2048 // w, num_hidden_layers=layers,
+            num_attention_heads=20 // w, num_key_value_heads=20 // w,
+            q_lora_rank=768 // w, kv_lora_rank=512 // w, qk_nope_head_dim=192 // w,
+            qk_rope_head_dim=64 // w, v_head_dim=256 // w, intermediate_size=10240 // w,
+            moe_intermediate_size=1536 // w, n_routed_experts=experts,
+            num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+            topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+            max_position_embeddings=4096, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
     rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
     common = dict(  # the two models' shared widths
         vocab_size=vocab, hidden_size=2048 // w, num_hidden_layers=layers,
@@ -123,6 +142,9 @@ def write_file(path: Path, layers: int, experts: int, quick: bool = False,
         for n, p in model.named_parameters():
             if n.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.02 * 8)
+        for n, b in model.named_buffers():  # (GLM-4.7-Flash's sigmoid router's bias)
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     tmp = path.with_suffix(".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     save_gguf(model, tmp, qtype="Q4_0", tokenizer=tok)
@@ -255,7 +277,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen35moe",
-                    help="the model's form: Qwen3.5-MoE (default) or Qwen3-Next")
+                    help="the model's form: Qwen3.5-MoE (default), Qwen3-Next, or GLM-4.7-Flash "
+                         "(DeepSeek-V3's MLA and sigmoid-routed MoE: not a hybrid, the same "
+                         "harness)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--workdir", default=os.environ.get("SPECMOE_BENCH",

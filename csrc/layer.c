@@ -82,6 +82,7 @@ int smoe_layers_init(smoe_layers *g, const smoe_tier *tier, smoe_kctx *kc,
     for (uint32_t l = 0; l < L; l++) {
         smoe_layer_router *r = &g->routers[l];
         r->scale = 1.0f;
+        r->n_group = r->topk_group = 1;
         if (!w[l]) {
             smoe_layers_free(g);
             return smoe_err_set(err, SMOE_EINVAL, "layers: layer %u has no router weight", l);
@@ -1313,10 +1314,11 @@ static int forward_locked(smoe_layers *g, uint32_t pos, const layer_io *io, uint
 static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int flags,
                  const uint8_t *draft, int64_t *idx, float *w, smoe_err *err) {
     const uint32_t E = g->E, k = g->k;
-    if (g->sigmoid || g->routers[pos].corr)
+    const smoe_layer_router *r = &g->routers[pos];
+    if (!g->sigmoid && r->corr)
         return smoe_err_set(err, SMOE_EINVAL,
-                            "layers: routing in C covers softmax top-k routers only (layer %u "
-                            "has a sigmoid score or a correction bias)", pos);
+                            "layers: routing in C covers softmax top-k and sigmoid routers "
+                            "(layer %u has a softmax router with a correction bias)", pos);
     const int16_t *rp = NULL; /* the replayed rows of this pass's tokens at layer pos */
     if (g->replay) {
         for (uint32_t t = 0; draft && t < T; t++)
@@ -1342,21 +1344,31 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
     if (!rc) rc = router_logits(g, pos, x, T, g->scores, err);
     if (rc) return rc;
     for (uint32_t t = 0; t < T; t++) {
-        float *z = g->scores + (size_t)t * E, *p = g->prob;
+        float *z = g->scores + (size_t)t * E, *p = g->prob, *v = p;
         if (flags & SMOE_ROUTE_BF16_LOGITS) smoe_bf16_round(z, E);
-        float mx = z[0], sum = 0.0f;
-        for (uint32_t e = 1; e < E; e++) mx = z[e] > mx ? z[e] : mx;
-        for (uint32_t e = 0; e < E; e++) sum += (p[e] = expf(z[e] - mx));
-        for (uint32_t e = 0; e < E; e++) p[e] = p[e] / sum;
+        if (g->sigmoid) { /* DeepSeek-V3: choose by v = p + corr in the kept groups */
+            v = g->vt; /* (vt, pt: free until forward_locked's token_scores) */
+            for (uint32_t e = 0; e < E; e++) {
+                p[e] = 1.0f / (1.0f + expf(-z[e]));
+                v[e] = p[e] + (r->corr ? r->corr[e] : 0.0f);
+            }
+            if (r->n_group > 1) smoe_route_group_limit(v, E, r->n_group, r->topk_group, g->pt);
+        } else {
+            float mx = z[0], sum = 0.0f;
+            for (uint32_t e = 1; e < E; e++) mx = z[e] > mx ? z[e] : mx;
+            for (uint32_t e = 0; e < E; e++) sum += (p[e] = expf(z[e] - mx));
+            for (uint32_t e = 0; e < E; e++) p[e] = p[e] / sum;
+        }
         if (rp) { /* the trace's experts, in its order */
             const int16_t *ids = rp + (size_t)t * g->L * k;
             for (uint32_t j = 0; j < k; j++) g->order[j] = ids[j];
         } else {
-            smoe_route_rank(p, E, g->order);
+            smoe_route_topk(v, E, k, g->order);
         }
         float tot = 0.0f;
         for (uint32_t j = 0; j < k; j++) tot += p[g->order[j]];
-        const float scale = g->routers[pos].scale;
+        if (g->sigmoid) tot += 1e-20f; /* V3's denominator */
+        const float scale = r->scale;
         for (uint32_t j = 0; j < k; j++) {
             const int32_t e = g->order[j];
             float v = (flags & SMOE_ROUTE_RENORM ? p[e] / tot : p[e]) * scale;
@@ -1470,12 +1482,19 @@ int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uin
     return rc;
 }
 
-int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale,
-                          const smoe_shared_ffn *shared, smoe_err *err) {
+int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale, uint32_t n_group,
+                          uint32_t topk_group, const smoe_shared_ffn *shared, smoe_err *err) {
     if (pos >= g->L) return smoe_err_set(err, SMOE_EINVAL, "layers: pos %u outside 0..%u", pos,
                                          g->L - 1);
     if (!(route_scale > 0.0f) || !isfinite(route_scale))
         return smoe_err_set(err, SMOE_EINVAL, "layers: routing scale must be finite and > 0");
+    if (n_group < 1 || g->E % n_group || (n_group > 1 && g->E / n_group < 2) ||
+        topk_group < 1 || topk_group > n_group || (uint64_t)topk_group * (g->E / n_group) < g->k)
+        return smoe_err_set(err, SMOE_EINVAL,
+                            "layers: groups (n_group=%u, topk_group=%u) do not fit %u experts, "
+                            "top-%u (n_group divides them into groups of >= 2, topk_group in "
+                            "1..n_group keeps >= top-k of them)", n_group, topk_group, g->E,
+                            g->k);
     smoe_shared_ffn none;
     memset(&none, 0, sizeof none);
     if (shared && shared->d[0]) {
@@ -1486,6 +1505,8 @@ int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale,
     }
     pthread_mutex_lock(&g->mu);
     g->routers[pos].scale = route_scale;
+    g->routers[pos].n_group = n_group;
+    g->routers[pos].topk_group = topk_group;
     g->shared[pos] = *shared;
     pthread_mutex_unlock(&g->mu);
     return SMOE_OK;

@@ -109,6 +109,8 @@ typedef struct smoe_layer_router {
     float *b;    /* owned; [E] or NULL */
     float *corr; /* owned; [E] or NULL: added to the scores when choosing experts */
     float scale; /* routing weights' factor in smoe_layers_forward_routed (1: none) [mu] */
+    uint32_t n_group, topk_group; /* its group-limited choice (sigmoid routers: DeepSeek-V3's
+                                     n_group, topk_group; 1, 1 none) [mu] */
 } smoe_layer_router;
 
 /* A block's shared FFN (DeepSeek's shared experts; Qwen2-MoE's, Qwen3-Next's and Qwen3.5's
@@ -410,16 +412,20 @@ enum {
 };
 
 /* smoe_layers_forward with this layer's routing computed here first, from the same router
- * copy as the prediction (the model's softmax top-k router: OLMoE, Qwen-MoE, Mixtral,
- * DeepSeek-V2's greedy top-k; a layer with a sigmoid score or a correction bias is
- * SMOE_EINVAL):
+ * copy as the prediction -- the model's softmax top-k router (OLMoE, Qwen-MoE, Mixtral,
+ * DeepSeek-V2's greedy top-k) or sigmoid one (DeepSeek-V3's noaux_tc: V3, R1, Kimi-K2,
+ * GLM-4.5 / 4.7-Flash, dots1); a softmax router with a correction bias is SMOE_EINVAL:
  *     z = x W^T + b                 (f32; rounded to bf16 with SMOE_ROUTE_BF16_LOGITS, as a
  *                                    bf16 model's F.linear output)
- *     p = softmax(z)                (f32)
- *     the k largest p per token, in descending order (ties: lower id), into idx;
- *     their p into w, divided by their sum with SMOE_ROUTE_RENORM, times the layer's routing
- *     scale (smoe_layers_set_block; DeepSeek's routed_scaling_factor), rounded to bf16 with
- *     SMOE_ROUTE_BF16_WEIGHTS (a bf16 model's weights cast back to its dtype).
+ *     p = softmax(z)                (f32), or sigmoid(z) for a sigmoid router, where then
+ *     v = p + corr                  (the correction bias; none: 0), limited to the layer's
+ *                                    groups (smoe_route_group_limit, set_block's n_group and
+ *                                    topk_group; 1, 1: all)
+ *     the k largest p (sigmoid: v) per token, descending (ties: lower id), into idx;
+ *     their p into w, divided by their sum (sigmoid: the sum + 1e-20, V3's) with
+ *     SMOE_ROUTE_RENORM, times the layer's routing scale (smoe_layers_set_block; DeepSeek's
+ *     routed_scaling_factor), rounded to bf16 with SMOE_ROUTE_BF16_WEIGHTS (a bf16 model's
+ *     weights cast back to its dtype).
  * Then, when the layer has a shared FFN (smoe_layers_set_block), out += its output on x, as
  * DeepSeek's MoE block adds them: f32 throughout, or with SMOE_ROUTE_BF16_OUT as a bf16 model
  * computes it -- the experts' sum rounded to bf16, each projection's output, the activation
@@ -432,11 +438,13 @@ int smoe_layers_forward_routed(smoe_layers *g, uint32_t pos, const float *x, uin
                                uint8_t *used, int replace, const uint8_t *draft,
                                smoe_err *err);
 
-/* Layer pos's routing scale (finite, > 0) and shared FFN (NULL or d[0] NULL: none; else the
- * three projections' shapes must chain H -> I -> H), used by smoe_layers_forward_routed.
- * Takes mu: waits for a forward in flight. */
-int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale,
-                          const smoe_shared_ffn *shared, smoe_err *err);
+/* Layer pos's routing scale (finite, > 0), group-limited choice (n_group dividing E into
+ * groups of >= 2 when > 1, topk_group in 1..n_group keeping room for k experts; 1, 1: none)
+ * and shared FFN (NULL or d[0] NULL: none; else the three projections' shapes must chain
+ * H -> I -> H), used by smoe_layers_forward_routed.  Takes mu: waits for a forward in
+ * flight. */
+int smoe_layers_set_block(smoe_layers *g, uint32_t pos, float route_scale, uint32_t n_group,
+                          uint32_t topk_group, const smoe_shared_ffn *shared, smoe_err *err);
 
 /* Step 2's predictor when the caller passes no scores (SMOE_LPRED_*); forgets pending
  * predictions.  LEARNED builds a fresh nextuse policy of one slot from model/model_len

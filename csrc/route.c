@@ -18,6 +18,42 @@ void smoe_route_scores(float *s, uint32_t T, uint32_t E, int sigmoid, const floa
     }
 }
 
+void smoe_route_topk(const float *v, uint32_t E, uint32_t k, int32_t *order) {
+    uint32_t n = 0; /* order[0..n) sorted as smoe_route_rank sorts them */
+    for (uint32_t i = 0; i < E; i++) {
+        const int32_t e = (int32_t)i;
+        if (n == k && !(v[order[k - 1]] < v[e])) continue; /* (an equal v: the lower id won) */
+        uint32_t j = n < k ? n++ : k - 1;
+        while (j > 0 && v[order[j - 1]] < v[e]) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = e;
+    }
+}
+
+void smoe_route_group_limit(float *v, uint32_t E, uint32_t n_group, uint32_t topk_group,
+                            float *gs) {
+    const uint32_t size = E / n_group;
+    for (uint32_t gi = 0; gi < n_group; gi++) { /* the two largest of the group, summed */
+        const float *vg = v + (size_t)gi * size;
+        float a = vg[0], b = vg[1];
+        if (b > a) a = vg[1], b = vg[0];
+        for (uint32_t i = 2; i < size; i++) {
+            if (vg[i] > a) b = a, a = vg[i];
+            else if (vg[i] > b) b = vg[i];
+        }
+        gs[gi] = a + b;
+    }
+    for (uint32_t gi = 0; gi < n_group; gi++) { /* rank of group gi among the groups */
+        uint32_t above = 0;
+        for (uint32_t o = 0; o < n_group; o++)
+            above += gs[o] > gs[gi] || (gs[o] == gs[gi] && o < gi);
+        if (above >= topk_group)
+            for (uint32_t i = 0; i < size; i++) v[(size_t)gi * size + i] = -INFINITY;
+    }
+}
+
 /* Insertion sort: E is small and callers need only the first few, but a full order keeps the
  * rule obvious. */
 void smoe_route_rank(const float *v, uint32_t E, int32_t *order) {

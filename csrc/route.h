@@ -15,6 +15,18 @@ void smoe_route_scores(float *s, uint32_t T, uint32_t E, int sigmoid, const floa
 /* order[0..E) = expert ids by v descending, ties by the lower id. */
 void smoe_route_rank(const float *v, uint32_t E, int32_t *order);
 
+/* order[0..k) = the first k of smoe_route_rank's order (the k largest v, descending, ties by
+ * the lower id), in O(E k) at worst; k <= E. */
+void smoe_route_topk(const float *v, uint32_t E, uint32_t k, int32_t *order);
+
+/* DeepSeek-V3's group-limited choice (transformers' DeepseekV3TopkRouter, llama.cpp's
+ * expert_group_used_count) on one token's selection values v [E], in place: the E experts in
+ * n_group groups of E / n_group (>= 2) in id order; a group's score is the sum of its two
+ * largest v; the topk_group groups of the largest scores (ties by the lower group) keep
+ * their v, every other expert's v becomes -inf.  gs: scratch [n_group]. */
+void smoe_route_group_limit(float *v, uint32_t E, uint32_t n_group, uint32_t topk_group,
+                            float *gs);
+
 /* The next-layer prediction (layer.h, step 1) from scores[T,E] of the tokens t with
  * !(skip && skip[t]):
  *   mass <= 0: per token the top m = clamp(ceil(k * overfetch), k, E) experts by score;

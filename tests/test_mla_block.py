@@ -159,19 +159,19 @@ def test_f32_decode_matches_transformers(form):
 @pytest.mark.parametrize("form", ["v2", "v3-interleave"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_offloaded_moe_layers_are_one_call(dt, form):
-    """With the Engine routing in C (DeepSeek-V2's greedy router), each MoE layer's decode step
-    is MLABlock.layer (the MoE block inside the call), and so is the dense first layer's (its
-    MLP inside the call); DeepSeek-V3's group-limited router stays in torch, so its MoE layers
-    take attn and the block's own forward.  Greedy tokens equal the unmodified model's (f32) and the
-    unfused offloaded model's (bf16: layer outputs bit for bit)."""
+    """With the Engine routing in C (DeepSeek-V2's greedy router, DeepSeek-V3's group-limited
+    sigmoid one), each MoE layer's decode step is MLABlock.layer (the MoE block inside the
+    call), and so is the dense first layer's (its MLP inside the call).  Greedy tokens equal
+    the unmodified model's (f32) and the unfused offloaded model's (bf16: layer outputs bit for
+    bit)."""
     fmt = "f32" if dt == torch.float32 else "bf16"
     ref = _model(dt, layers=4, form=form)
     a, b = copy.deepcopy(ref), copy.deepcopy(ref)
     ea = hf.offload(a, dtype=fmt, dense=fmt, cache=1.0)
     eb = hf.offload(b, dtype=fmt, dense=fmt, cache=1.0)
     try:
-        moe = "layer" if form == "v2" else "attn"
-        assert ea.routed_in_c == ([0, 1, 2] if form == "v2" else [])
+        moe = "layer"
+        assert ea.routed_in_c == [0, 1, 2]
         _unfused(b)
         calls = _count(a)
         prompt = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(5))

@@ -229,11 +229,13 @@ def test_bad_input():
             eng._layers.forward_routed(0, x, ro, args[3], args[4], args[5], 0)
     finally:
         eng.close()
-    m, eng = _offload("deepseek_v3", torch.float32, dense="torch")
+    # ERNIE-4.5's correction bias on softmax scores: a router C does not route
+    m, eng = _offload("ernie4_5_moe", torch.float32, dense="torch")
     try:
+        assert eng.arch.bias_attr and not eng.arch.sigmoid_router
         x = np.zeros((1, m.config.hidden_size), np.float32)
         k, E = eng.top_k, eng.num_experts
-        with pytest.raises(Exception, match="softmax top-k routers only"):
+        with pytest.raises(ValueError, match="softmax router with a correction bias"):
             eng._layers.forward_routed(0, x, np.empty((1, k), np.int64),
                                        np.empty((1, k), np.float32), np.empty_like(x),
                                        np.empty(E, np.uint8), 0)

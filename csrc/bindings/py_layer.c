@@ -21,8 +21,9 @@
  *                                            tier with a host copy)
  *   set_lowbit(buf, desc, block_bytes, level=0) / set_lowbit(None, level=0)
  *                                            resident low-bit copy 0 or 1
- *   set_block(pos, route_scale=1.0, shared=None)  forward_routed's routing scale and shared
- *                                            FFN of layer pos
+ *   set_block(pos, route_scale=1.0, shared=None, n_group=1, topk_group=1)
+ *                                            forward_routed's routing scale, groups and
+ *                                            shared FFN of layer pos
  */
 #include <string.h>
 
@@ -389,7 +390,8 @@ static PyObject *Layers_forward(LayersObject *self, PyObject *const *args, Py_ss
 PyDoc_STRVAR(forward_routed_doc,
              "forward_routed(pos, x, idx, w, out, used, route_flags, replace=True, draft=None)\n\n"
              "forward with this layer's routing computed in C first (csrc/layer.h, "
-             "smoe_layers_forward_routed): the softmax top-k router from the layer's router "
+             "smoe_layers_forward_routed): the softmax top-k router, or a sigmoid router's "
+             "choice with its correction bias and groups (DeepSeek-V3's), from the layer's router "
              "copy; idx int64 [T,k] and w float32 [T,k] receive it (written); route_flags: "
              "ROUTE_RENORM | ROUTE_BF16_LOGITS | ROUTE_BF16_WEIGHTS | ROUTE_BF16_OUT; then the "
              "layer's shared FFN (set_block), if any, added to out.");
@@ -414,12 +416,13 @@ int smoe_py_mlp_parts(PyObject *t, smoe_shared_ffn *f, const char *what) {
 }
 
 static PyObject *Layers_set_block(LayersObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"pos", "route_scale", "shared", NULL};
-    unsigned int pos;
+    static char *kwlist[] = {"pos", "route_scale", "shared", "n_group", "topk_group", NULL};
+    unsigned int pos, n_group = 1, topk_group = 1;
     float scale = 1.0f;
     PyObject *sh = Py_None;
     if (check_init(self) < 0 ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "I|fO:set_block", kwlist, &pos, &scale, &sh))
+        !PyArg_ParseTupleAndKeywords(args, kw, "I|fOII:set_block", kwlist, &pos, &scale, &sh,
+                                     &n_group, &topk_group))
         return NULL;
     if (pos >= self->g.L) {
         PyErr_Format(PyExc_ValueError, "pos %u outside 0..%u", pos, self->g.L - 1);
@@ -438,7 +441,7 @@ static PyObject *Layers_set_block(LayersObject *self, PyObject *args, PyObject *
     smoe_err_clear(&e);
     int rc;
     Py_BEGIN_ALLOW_THREADS /* waits for a forward in flight */
-    rc = smoe_layers_set_block(&self->g, pos, scale, &f, &e);
+    rc = smoe_layers_set_block(&self->g, pos, scale, n_group, topk_group, &f, &e);
     Py_END_ALLOW_THREADS
     if (rc) return smoe_py_raise(&e);
     Py_INCREF(sh); /* the old tuple is released only now: g no longer borrows from it */
@@ -877,12 +880,13 @@ static PyMethodDef Layers_methods[] = {
     {"forward_on", (PyCFunction)(void (*)(void))Layers_forward_on, METH_FASTCALL,
      forward_on_doc},
     {"set_block", (PyCFunction)(void (*)(void))Layers_set_block, METH_VARARGS | METH_KEYWORDS,
-     "set_block(pos, route_scale=1.0, shared=None): forward_routed's routing-weight factor for "
-     "layer pos (DeepSeek's routed_scaling_factor) and its shared FFN, None or a (gate, up, "
-     "down[, output_gate]) tuple of _C.Linear whose down(silu(gate x) * up x), times "
-     "sigmoid(output_gate x) when given (one output row: Qwen2-MoE's shared_expert_gate), is "
-     "added to the experts' output (ROUTE_BF16_OUT: with a bf16 model's roundings); see "
-     "csrc/layer.h."},
+     "set_block(pos, route_scale=1.0, shared=None, n_group=1, topk_group=1): forward_routed's "
+     "routing-weight factor for layer pos (DeepSeek's routed_scaling_factor), its "
+     "group-limited choice (a sigmoid router's: DeepSeek-V3's n_group, topk_group) and its "
+     "shared FFN, None or a (gate, up, down[, output_gate]) tuple of _C.Linear whose "
+     "down(silu(gate x) * up x), times sigmoid(output_gate x) when given (one output row: "
+     "Qwen2-MoE's shared_expert_gate), is added to the experts' output (ROUTE_BF16_OUT: with a "
+     "bf16 model's roundings); see csrc/layer.h."},
     {"configure", (PyCFunction)(void (*)(void))Layers_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(prefetch, overfetch, mass, feed_counts): prediction settings (mass 0: top-m "
      "mode); forgets pending predictions."},

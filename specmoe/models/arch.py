@@ -8,8 +8,9 @@ decoder layer, the MoE block is the child (``mlp``, ``block_sparse_moe``, ``feed
 ``moe``) holding an ``experts`` module with those two parameters, and its router is the sibling
 (``gate``/``router``) whose weight is ``[E, H]``.  A small table (:data:`_DEVIATIONS`) covers the
 models that deviate from the common form: GPT-OSS (transposed, interleaved, biased experts with
-a clamped SwiGLU) and the sigmoid routers of the DeepSeek-V3 family (only the prefetch
-predictor uses the router; transformers' own routing stays in charge).
+a clamped SwiGLU) and the sigmoid routers of the DeepSeek-V3 family (the prefetch predictor
+imitates them, and with the dense layers in C their MoE blocks route in C:
+``ROUTED_BLOCKS``).
 
 Canonical expert layout (one dict per MoE layer, or per expert without the leading E axis):
 ``gate [E,I,H]``, ``up [E,I,H]``, ``down [E,H,I]`` and, for GPT-OSS, ``gate.bias [E,I]``,
@@ -358,7 +359,7 @@ ZERO_CENTRED_RMSNORMS = ("Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3_5RMSNor
 # MoE blocks whose forward is router + experts (+ shared experts) with a softmax top-k router:
 # OLMoE and Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's
 # dtype), Mixtral (always renormalised, f32 weights) and DeepSeek-V2 (f32 router, greedy top-k
-# times routed_scaling_factor, plus the shared experts' MLP).  With the dense layers in C their
+# times routed_scaling_factor, plus the shared experts' MLP); or DeepSeek-V3's sigmoid router.  With the dense layers in C their
 # decode steps route in C too (Engine._install_routing).
 ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen",
                  "MixtralSparseMoeBlock": "mixtral", "DeepseekV2Moe": "deepseek",
@@ -367,7 +368,12 @@ ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen"
                  # Qwen3-Next; Qwen3.5's router renormalises whatever norm_topk_prob says)
                  "Qwen2MoeSparseMoeBlock": "qwen_shared",
                  "Qwen3NextSparseMoeBlock": "qwen_shared",
-                 "Qwen3_5MoeSparseMoeBlock": "qwen_shared_renorm"}
+                 "Qwen3_5MoeSparseMoeBlock": "qwen_shared_renorm",
+                 # DeepSeek-V3's sigmoid router with a correction bias and expert groups
+                 # (transformers' DeepseekV3TopkRouter, line for line in GLM-4.5's, GLM-4.7-
+                 # Flash's and dots1's), its shared experts added
+                 "DeepseekV3MoE": "deepseek_v3", "Glm4MoeMoE": "deepseek_v3",
+                 "Glm4MoeLiteMoE": "deepseek_v3", "Dots1MoE": "deepseek_v3"}
 
 GATE_NAMES = ("w1", "gate_proj")
 UP_NAMES = ("w3", "up_proj")

@@ -287,9 +287,11 @@ class Engine(EngineCommon):
         self._la = LookaheadBuffer(len(ids), 0)  # num_experts known once the store is open
         self.tau = TauTables()  # tau(g) per batch size, measured by specmoe.generate
         # per MoE layer routed in C with a routing scale and a shared FFN: (scale, its (gate,
-        # up, down[, output gate]) _C.Linear, the most tokens it runs in C or None), applied to
-        # every _C.Layers built (_configure_layers)
-        self._blocks: dict[int, tuple[float, tuple[Any, ...], int | None]] = {}
+        # up, down[, output gate]) _C.Linear, the most tokens it runs in C or None, (n_group,
+        # topk_group) of a sigmoid router), applied to every _C.Layers built
+        # (_configure_layers)
+        self._blocks: dict[int, tuple[float, tuple[Any, ...], int | None,
+                                      tuple[int, int]]] = {}
         try:
             path = self._store_path
             if direct is None:
@@ -355,14 +357,34 @@ class Engine(EngineCommon):
             block = moe_block(model, info, i)
             kind = ROUTED_BLOCKS.get(type(block).__name__)
             gate = getattr(block, "gate", None)
+            v3 = kind == "deepseek_v3"  # (its arch's C layers score with sigmoid + corr)
             if kind is None or gate is None or gate is not self._routers[pos] \
-                    or self._router_bias[pos] is not None or self.arch.sigmoid_router \
+                    or (self._router_bias[pos] is not None or self.arch.sigmoid_router) != v3 \
                     or getattr(gate, "weight", None) is None \
                     or gate.weight.dtype not in (torch.float32, torch.bfloat16):
                 continue
             dtype = gate.weight.dtype  # the dtype the block computes in
             flags = 0
-            if kind == "deepseek":
+            if v3:
+                # DeepSeek-V3's router (V3, R1, Kimi-K2, GLM-4.5 / 4.7-Flash, dots1): f32
+                # logits from f32 weights, sigmoid, the correction bias and the groups for the
+                # choice, the sigmoid scores renormalised (norm_topk_prob) and scaled as
+                # weights; the shared experts' MLP added in the same call
+                shared = silu_mlp_parts(getattr(block, "shared_experts", None))
+                groups = (int(getattr(gate, "num_group", 0)), int(getattr(gate, "topk_group", 0)))
+                if shared is None or getattr(gate, "top_k", None) != self.top_k \
+                        or gate.weight.dtype != torch.float32 or min(groups) < 1:
+                    continue
+                linears, dtype, most = shared  # (the block computes in its experts' dtype)
+                scale = float(gate.routed_scaling_factor)
+                flags = (_C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0) \
+                    | (_C.ROUTE_RENORM if gate.norm_topk_prob else 0)
+                try:
+                    self._layers.set_block(pos, scale, linears, *groups)
+                except ValueError:
+                    continue  # groups this layer's experts do not fit
+                self._blocks[pos] = (scale, linears, most, groups)
+            elif kind == "deepseek":
                 shared = silu_mlp_parts(getattr(block, "shared_experts", None))
                 if getattr(gate, "topk_method", None) != "greedy" or shared is None:
                     continue
@@ -371,7 +393,7 @@ class Engine(EngineCommon):
                 scale = float(gate.routed_scaling_factor)
                 linears, dtype, most = shared
                 flags = _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
-                self._blocks[pos] = (scale, linears, most)
+                self._blocks[pos] = (scale, linears, most, (1, 1))
                 self._layers.set_block(pos, scale, linears)
             else:
                 if kind in ("mixtral", "qwen_shared_renorm") \
@@ -387,7 +409,7 @@ class Engine(EngineCommon):
                         continue
                     linears, most = shared
                     flags |= _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
-                    self._blocks[pos] = (1.0, linears, most)
+                    self._blocks[pos] = (1.0, linears, most, (1, 1))
                     self._layers.set_block(pos, 1.0, linears)
             block.forward = self._routed_forward(block, pos, flags, dtype, block.forward)
             # what a fused decoder layer needs to run this block inside its own C call
@@ -558,8 +580,8 @@ class Engine(EngineCommon):
         if self._replay is not None:  # before the predictor: the oracle needs it
             self._layers.set_replay(self._replay, start=self._replay_start)
         self._push_predictor(p.get("predictor", "router"))
-        for pos, (scale, shared, _) in self._blocks.items():
-            self._layers.set_block(pos, scale, shared)
+        for pos, (scale, shared, _, groups) in self._blocks.items():
+            self._layers.set_block(pos, scale, shared, *groups)
         self._layers.set_parallel(self.parallel_misses)
         misses.apply(self, self._miss)
 
@@ -833,8 +855,9 @@ class Engine(EngineCommon):
         missing = sorted(set(range(L)) - set(self.routed_in_c))
         if missing:
             raise ValueError(f"replay_routing needs every MoE layer routed in C; layer "
-                             f"positions {missing[:8]} route in torch (a sigmoid router, a "
-                             f"correction bias or dense='torch')")
+                             f"positions {missing[:8]} route in torch (a router C does not "
+                             f"take, such as a softmax one with a correction bias, or "
+                             f"dense='torch')")
         if not np.issubdtype(ex.dtype, np.integer):
             raise ValueError(f"replay_routing: expert ids must be integers, got {ex.dtype}")
         if ex.size and (ex.min() < 0 or ex.max() >= self.num_experts):
