@@ -1371,9 +1371,9 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
         const float scale = r->scale;
         for (uint32_t j = 0; j < k; j++) {
             const int32_t e = g->order[j];
-            float v = (flags & SMOE_ROUTE_RENORM ? p[e] / tot : p[e]) * scale;
+            const float we = (flags & SMOE_ROUTE_RENORM ? p[e] / tot : p[e]) * scale;
             idx[(size_t)t * k + j] = e;
-            w[(size_t)t * k + j] = flags & SMOE_ROUTE_BF16_WEIGHTS ? smoe_bf16_round1(v) : v;
+            w[(size_t)t * k + j] = flags & SMOE_ROUTE_BF16_WEIGHTS ? smoe_bf16_round1(we) : we;
         }
     }
     return SMOE_OK;

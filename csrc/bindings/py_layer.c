@@ -21,9 +21,8 @@
  *                                            tier with a host copy)
  *   set_lowbit(buf, desc, block_bytes, level=0) / set_lowbit(None, level=0)
  *                                            resident low-bit copy 0 or 1
- *   set_block(pos, route_scale=1.0, shared=None, n_group=1, topk_group=1)
- *                                            forward_routed's routing scale, groups and
- *                                            shared FFN of layer pos
+ *   set_block(pos, route_scale=1.0, shared=None, n_group=1, topk_group=1)  forward_routed's
+ *                                            scale, groups and shared FFN of layer pos
  */
 #include <string.h>
 
@@ -420,7 +419,7 @@ static PyObject *Layers_set_block(LayersObject *self, PyObject *args, PyObject *
     unsigned int pos, n_group = 1, topk_group = 1;
     float scale = 1.0f;
     PyObject *sh = Py_None;
-    if (check_init(self) < 0 ||
+    if (check_init(self) < 0 || /* (the groups: checked in C) */
         !PyArg_ParseTupleAndKeywords(args, kw, "I|fOII:set_block", kwlist, &pos, &scale, &sh,
                                      &n_group, &topk_group))
         return NULL;
@@ -880,13 +879,11 @@ static PyMethodDef Layers_methods[] = {
     {"forward_on", (PyCFunction)(void (*)(void))Layers_forward_on, METH_FASTCALL,
      forward_on_doc},
     {"set_block", (PyCFunction)(void (*)(void))Layers_set_block, METH_VARARGS | METH_KEYWORDS,
-     "set_block(pos, route_scale=1.0, shared=None, n_group=1, topk_group=1): forward_routed's "
-     "routing-weight factor for layer pos (DeepSeek's routed_scaling_factor), its "
-     "group-limited choice (a sigmoid router's: DeepSeek-V3's n_group, topk_group) and its "
-     "shared FFN, None or a (gate, up, down[, output_gate]) tuple of _C.Linear whose "
-     "down(silu(gate x) * up x), times sigmoid(output_gate x) when given (one output row: "
-     "Qwen2-MoE's shared_expert_gate), is added to the experts' output (ROUTE_BF16_OUT: with a "
-     "bf16 model's roundings); see csrc/layer.h."},
+     "set_block(pos, route_scale=1.0, shared=None, n_group=1, topk_group=1): layer pos's "
+     "routing-weight factor (routed_scaling_factor), group-limited choice (DeepSeek-V3's) and "
+     "shared FFN, None or a (gate, up, down[, output_gate]) tuple of _C.Linear whose down(silu("
+     "gate x) * up x), times sigmoid(output_gate x) when given (Qwen2-MoE's shared_expert_gate),"
+     " is added to the experts' output (ROUTE_BF16_OUT: a bf16 model's roundings); csrc/layer.h."},
     {"configure", (PyCFunction)(void (*)(void))Layers_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(prefetch, overfetch, mass, feed_counts): prediction settings (mass 0: top-m "
      "mode); forgets pending predictions."},
