@@ -22,7 +22,15 @@ from specmoe.models.testing import tiny_model
 
 from .attn_helpers import layer_outputs
 
-ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral"]
+ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "glm4_moe+qk_norm"]
+
+
+def _tiny(arch: str, **kw):
+    """tiny_model of ``arch``; "glm4_moe+qk_norm": GLM-4.5 with its optional per-head q/k norms
+    (plain glm4_moe has none; both with q/k/v biases and half of each head rotary)."""
+    if arch == "glm4_moe+qk_norm":
+        return tiny_model("glm4_moe", overrides={"use_qk_norm": True}, **kw)
+    return tiny_model(arch, **kw)
 STEPS = (1, 4, 1, 3, 1)
 
 
@@ -72,7 +80,7 @@ def _decode(model, ids, first):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_f32_decode_matches_transformers(arch):
-    ref = tiny_model(arch)
+    ref = _tiny(arch)
     m = copy.deepcopy(ref)
     rep, calls = _fused(m, "f32")
     L = m.config.num_hidden_layers
@@ -97,7 +105,7 @@ def test_bf16_decode_bit_identical_to_torch_glue(arch, fmt):
     decoder layers' outputs equal, bit for bit, those of the same model with torch doing
     everything between the C kernels.  int8/int4 projections run as one q|k|v matrix in the
     fused path: its rows are the three's."""
-    base = tiny_model(arch, dtype=torch.bfloat16)
+    base = _tiny(arch, dtype=torch.bfloat16)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     _, calls = _fused(a, fmt)
     convert_dense(b, fmt)

@@ -301,12 +301,14 @@ def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.nd
 # OLMoE and DeepSeek families gate_proj/up_proj/down_proj
 # Decoder pieces specmoe runs whole in C at decode sizes (specmoe.models.attention, Engine routing).
 # Attention classes whose forward is, at decode: q/k/v projections; q and k RMSNorm (none; over
-# all heads: OLMoE; per head: Qwen3); the rotate-half rotary embedding with the decoder's
-# (cos, sin); the cache update; attention over the cache (sdpa/eager: the mask says what is
-# seen); o_proj.  Value: the q/k norm form.
+# all heads: OLMoE; per head: Qwen3, GLM-4.5 when use_qk_norm); the rotate-half rotary
+# embedding with the decoder's (cos, sin), on the first partial_rotary_factor of each head
+# (GLM-4.5: half); the cache update; attention over the cache (sdpa/eager: the mask says what
+# is seen); o_proj.  Value: the q/k norm form (a module without q_norm: none).
 FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
                      "Qwen2MoeAttention": "none", "MixtralAttention": "none",
-                     "Qwen3NextAttention": "head", "Qwen3_5MoeAttention": "head"}
+                     "Qwen3NextAttention": "head", "Qwen3_5MoeAttention": "head",
+                     "Glm4MoeAttention": "head"}
 # those of them whose q_proj gives, per head, head_dim query rows then head_dim gate rows, and
 # whose output is attention * sigmoid(gate) before o_proj, with zero-centred q/k norms and a
 # partial rotary (rope_parameters' partial_rotary_factor): Qwen3-Next's and Qwen3.5's full
@@ -316,7 +318,8 @@ GATED_ATTENTION = ("Qwen3NextAttention", "Qwen3_5MoeAttention")
 # mlp(post_attention_layernorm(that)) -- the input norm, the first residual add and the
 # post-attention norm then go into the attention block's calls
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
-                  "MixtralDecoderLayer", "Qwen3NextDecoderLayer", "Qwen3_5MoeDecoderLayer")
+                  "MixtralDecoderLayer", "Qwen3NextDecoderLayer", "Qwen3_5MoeDecoderLayer",
+                  "Glm4MoeDecoderLayer")
 # gated DeltaNet modules whose forward at one cached token is Qwen3.5's (separate q|k|v, z, b
 # and a projections, a SiLU short convolution, the gated delta rule with l2-normalised q and
 # k, a gated RMSNorm) or Qwen3-Next's (the same on q, k, v, z interleaved per key head in one
@@ -351,7 +354,7 @@ DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCau
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
                   "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm",
-                  "Glm4MoeLiteRMSNorm")
+                  "Glm4MoeLiteRMSNorm", "Glm4MoeRMSNorm")
 # RMSNorms of the zero-centred form: (x * rsqrt(mean(x^2) + eps)) * (1 + w) in f32, rounded to
 # the model's dtype once (Qwen3-Next, Qwen3.5; transformers' comment: "(x * w).to(float16)"),
 # their epsilon in ``eps``: specmoe.models.layers.CRMSNorm runs them too

@@ -253,9 +253,12 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         H = int(cfg.num_attention_heads)
         Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
         gated = type(m).__name__ in GATED_ATTENTION
-        kw: dict[str, Any] = {"norm": form}
+        if getattr(m, "q_norm", None) is None and getattr(m, "k_norm", None) is None \
+                and getattr(m, "use_qk_norm", True) is False:
+            form = "none"  # (GLM-4.5's q/k norms are optional)
+        kw: dict[str, Any] = {"norm": form, "rotary_dim": _rotary_dim(cfg, D)}
         if gated:
-            kw.update(gate=True, rotary_dim=_rotary_dim(cfg, D))
+            kw["gate"] = True
         if form != "none":
             qn = _norm_form(getattr(m, "q_norm", None))
             kn = _norm_form(getattr(m, "k_norm", None))
