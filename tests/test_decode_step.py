@@ -25,7 +25,7 @@ from specmoe.runtime.kvcache import kv_advance
 from specmoe.models.testing import tiny_config, tiny_model
 
 ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-         "glm4_moe_lite", "qwen3_5_moe_text", "qwen3_next"]
+         "glm4_moe_lite", "qwen3_5_moe_text", "qwen3_next", "minimax_m2"]
 # hybrids: gated-DeltaNet layers (their step one GdnBlock.layer call, a recurrent state in the
 # cache) between gated full-attention ones
 HYBRID = ("qwen3_5_moe_text", "qwen3_next")

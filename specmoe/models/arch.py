@@ -308,7 +308,7 @@ def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.nd
 FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
                      "Qwen2MoeAttention": "none", "MixtralAttention": "none",
                      "Qwen3NextAttention": "head", "Qwen3_5MoeAttention": "head",
-                     "Glm4MoeAttention": "head"}
+                     "Glm4MoeAttention": "head", "MiniMaxM2Attention": "full"}
 # those of them whose q_proj gives, per head, head_dim query rows then head_dim gate rows, and
 # whose output is attention * sigmoid(gate) before o_proj, with zero-centred q/k norms and a
 # partial rotary (rope_parameters' partial_rotary_factor): Qwen3-Next's and Qwen3.5's full
@@ -319,7 +319,7 @@ GATED_ATTENTION = ("Qwen3NextAttention", "Qwen3_5MoeAttention")
 # post-attention norm then go into the attention block's calls
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
                   "MixtralDecoderLayer", "Qwen3NextDecoderLayer", "Qwen3_5MoeDecoderLayer",
-                  "Glm4MoeDecoderLayer")
+                  "Glm4MoeDecoderLayer", "MiniMaxM2DecoderLayer")
 # gated DeltaNet modules whose forward at one cached token is Qwen3.5's (separate q|k|v, z, b
 # and a projections, a SiLU short convolution, the gated delta rule with l2-normalised q and
 # k, a gated RMSNorm) or Qwen3-Next's (the same on q, k, v, z interleaved per key head in one
@@ -349,12 +349,12 @@ MLA_ATTENTION = ("DeepseekV2Attention", "DeepseekV3Attention", "Glm4MoeLiteAtten
 DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                       "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                       "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM",
-                      "Qwen3_5MoeForCausalLM")
+                      "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM")
 # RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
                   "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm",
-                  "Glm4MoeLiteRMSNorm", "Glm4MoeRMSNorm")
+                  "Glm4MoeLiteRMSNorm", "Glm4MoeRMSNorm", "MiniMaxM2RMSNorm")
 # RMSNorms of the zero-centred form: (x * rsqrt(mean(x^2) + eps)) * (1 + w) in f32, rounded to
 # the model's dtype once (Qwen3-Next, Qwen3.5; transformers' comment: "(x * w).to(float16)"),
 # their epsilon in ``eps``: specmoe.models.layers.CRMSNorm runs them too
@@ -376,7 +376,10 @@ ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen"
                  # (transformers' DeepseekV3TopkRouter, line for line in GLM-4.5's, GLM-4.7-
                  # Flash's and dots1's), its shared experts added
                  "DeepseekV3MoE": "deepseek_v3", "Glm4MoeMoE": "deepseek_v3",
-                 "Glm4MoeLiteMoE": "deepseek_v3", "Dots1MoE": "deepseek_v3"}
+                 "Glm4MoeLiteMoE": "deepseek_v3", "Dots1MoE": "deepseek_v3",
+                 # the same choice without groups, shared experts or scale, its logits in the
+                 # model's dtype and the bias on the block (MiniMax-M2)
+                 "MiniMaxM2SparseMoeBlock": "minimax_m2"}
 
 GATE_NAMES = ("w1", "gate_proj")
 UP_NAMES = ("w3", "up_proj")

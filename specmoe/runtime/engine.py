@@ -357,7 +357,8 @@ class Engine(EngineCommon):
             block = moe_block(model, info, i)
             kind = ROUTED_BLOCKS.get(type(block).__name__)
             gate = getattr(block, "gate", None)
-            v3 = kind == "deepseek_v3"  # (its arch's C layers score with sigmoid + corr)
+            # (a sigmoid router's arch: its C layers score with sigmoid + corr)
+            v3 = kind in ("deepseek_v3", "minimax_m2")
             if kind is None or gate is None or gate is not self._routers[pos] \
                     or (self._router_bias[pos] is not None or self.arch.sigmoid_router) != v3 \
                     or getattr(gate, "weight", None) is None \
@@ -365,7 +366,15 @@ class Engine(EngineCommon):
                 continue
             dtype = gate.weight.dtype  # the dtype the block computes in
             flags = 0
-            if v3:
+            if kind == "minimax_m2":
+                # MiniMax-M2's router: logits in the weights' dtype (bf16: rounded), sigmoid in
+                # f32 plus the block's correction bias for the choice, the chosen sigmoid
+                # scores renormalised as f32 weights; no groups, scale or shared experts
+                if getattr(gate, "top_k", None) != self.top_k:
+                    continue
+                flags = _C.ROUTE_RENORM | (_C.ROUTE_BF16_LOGITS if dtype == torch.bfloat16
+                                           else 0)
+            elif v3:
                 # DeepSeek-V3's router (V3, R1, Kimi-K2, GLM-4.5 / 4.7-Flash, dots1): f32
                 # logits from f32 weights, sigmoid, the correction bias and the groups for the
                 # choice, the sigmoid scores renormalised (norm_topk_prob) and scaled as
