@@ -286,6 +286,17 @@ def test_calls_it_cannot_serve_go_to_the_models_forward():
         eng.close()
 
 
+def _prefilled(model, seed):
+    """A 5-token random prompt, a cache after it through the model, a copy of that cache, and
+    the greedy next token."""
+    ids = torch.randint(0, model.config.vocab_size, (1, 5),
+                        generator=torch.Generator().manual_seed(seed))
+    kv = DynamicCache(config=model.config)
+    with torch.no_grad():
+        tok = model(input_ids=ids, cache=kv, use_cache=True).logits[:, -1:].argmax(-1)
+    return ids, kv, copy.deepcopy(kv), tok
+
+
 def _step_both(model, kv, kv_ref, tok):
     """One step of tok on kv through the DecodeStep and on kv_ref through the model's own
     forward: equal logits and caches asserted; the next greedy token."""
@@ -311,12 +322,7 @@ def test_a_hybrid_plan_follows_the_recurrent_states(arch):
     model, eng = _offloaded(arch, torch.float32)
     try:
         step = model._specmoe_decode_step
-        ids = torch.randint(0, model.config.vocab_size, (1, 5),
-                            generator=torch.Generator().manual_seed(3))
-        kv = DynamicCache(config=model.config)
-        with torch.no_grad():
-            tok = model(input_ids=ids, cache=kv, use_cache=True).logits[:, -1:].argmax(-1)
-        kv_ref = copy.deepcopy(kv)
+        _, kv, kv_ref, tok = _prefilled(model, 3)
         for _ in range(2):
             tok = _step_both(model, kv, kv_ref, tok)
         assert step.planned == 2
@@ -355,12 +361,7 @@ def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
     model, eng = _offloaded(arch, torch.float32)
     try:
         step = model._specmoe_decode_step
-        ids = torch.randint(0, model.config.vocab_size, (1, 5),
-                            generator=torch.Generator().manual_seed(4))
-        kv = DynamicCache(config=model.config)
-        with torch.no_grad():
-            tok = model(input_ids=ids, cache=kv, use_cache=True).logits[:, -1:].argmax(-1)
-        kv_ref = copy.deepcopy(kv)
+        ids, kv, kv_ref, tok = _prefilled(model, 4)
         plans = []
         p0 = step.planned
         for _ in range(24):

@@ -14,6 +14,8 @@ from specmoe import _C
 from specmoe.models.testing import tiny_model
 from specmoe.runtime import engine as hf
 
+from .test_routed_deepseek import _count_c_calls as _calls
+
 V3 = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
 
 
@@ -47,17 +49,6 @@ def _hidden(m, n=8):
     for h in hooks:
         h.remove()
     return blocks, [h[:, :n].contiguous() for h in hs]
-
-
-def _calls(eng):
-    calls = [0]
-    orig = eng._layer_routed
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return orig(*a, **k)
-    eng._layer_routed = counted
-    return calls
 
 
 @pytest.mark.parametrize("norm,scale", [(True, 2.5), (False, 1.0)])
