@@ -4,8 +4,11 @@
  * hidden=64).  Three configurations: no q/k norms; norms over all heads with the input
  * RMSNorm in pre and the q|k|v projections in one matrix; per-head norms with post's residual
  * add and post-attention RMSNorm.  Each runs a 3-token prefill (with a causal bias) and two
- * one-token steps on a KV cache this test owns.  Any difference above 1e-4 (relative to the
- * values' scale) fails.  Built without Python and run under ASan+UBSan by `make sanitize`. */
+ * one-token steps on a KV cache this test owns; a fourth with a partial rotary (the first 8
+ * values of each head) and the zero-centred norms' code path (f32: the same arithmetic).  Any
+ * difference above 1e-4 (relative to the values' scale) fails.  A gated block (q_proj with
+ * gate rows) initialises and refuses pre and post.  Built without Python and run under
+ * ASan+UBSan by `make sanitize`. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,18 +44,18 @@ static void ref_rmsnorm(double *x, int n, const float *w, double eps) {
     for (int i = 0; i < n; i++) x[i] = x[i] * r * (w ? w[i] : 1.0);
 }
 
-/* rotate-half rotary of one head of D values */
-static void ref_rotary(double *x, const float *cs, const float *sn) {
+/* rotate-half rotary of the first R values of one head (the rest pass) */
+static void ref_rotary(double *x, const float *cs, const float *sn, int R) {
     double o[D];
-    for (int i = 0; i < D; i++) {
-        const double rot = i < D / 2 ? -x[i + D / 2] : x[i - D / 2];
+    for (int i = 0; i < R; i++) {
+        const double rot = i < R / 2 ? -x[i + R / 2] : x[i - R / 2];
         o[i] = x[i] * cs[i] + rot * sn[i];
     }
-    memcpy(x, o, sizeof o);
+    memcpy(x, o, sizeof(double) * R);
 }
 
 typedef struct {
-    int norm, ln_in, joint, resid;
+    int norm, ln_in, joint, resid, rot, zc; /* rot: rotary width (0: D) */
 } variant;
 
 static int max_err(const char *what, const float *got, const double *want, size_t n) {
@@ -124,6 +127,9 @@ static int run_variant(smoe_kctx *ctx, const variant *v) {
     cfg.norm = v->norm;
     cfg.eps = eps;
     cfg.bf16 = 0;
+    cfg.rot = (uint32_t)v->rot;
+    cfg.zc = v->zc;
+    const int R = v->rot ? v->rot : D;
 
     /* a bad configuration is refused before anything is allocated */
     smoe_attn_block_cfg bad = cfg;
@@ -151,11 +157,11 @@ static int run_variant(smoe_kctx *ctx, const variant *v) {
         float x[4 * HID], cs[4 * D], sn[4 * D], q[NQ * 4], out[4 * HID], normed[4 * HID];
         float bias[4 * CAP];
         fill(x, (size_t)nt * HID, 1.0f);
-        for (int t = 0; t < nt; t++)
-            for (int i = 0; i < D / 2; i++) {
-                const double ang = (S + t) / pow(100.0, 2.0 * i / D);
-                cs[t * D + i] = cs[t * D + i + D / 2] = (float)cos(ang);
-                sn[t * D + i] = sn[t * D + i + D / 2] = (float)sin(ang);
+        for (int t = 0; t < nt; t++) /* [nt, R] */
+            for (int i = 0; i < R / 2; i++) {
+                const double ang = (S + t) / pow(100.0, 2.0 * i / R);
+                cs[t * R + i] = cs[t * R + i + R / 2] = (float)cos(ang);
+                sn[t * R + i] = sn[t * R + i + R / 2] = (float)sin(ang);
             }
         const int Sn = S + nt; /* positions after this call */
         for (int t = 0; t < nt; t++) /* causal: token t sees positions <= S + t */
@@ -188,8 +194,8 @@ static int run_variant(smoe_kctx *ctx, const variant *v) {
                 for (int h = 0; h < H; h++) ref_rmsnorm(qv + h * D, D, qn, eps);
                 for (int h = 0; h < HKV; h++) ref_rmsnorm(kv + h * D, D, kn, eps);
             }
-            for (int h = 0; h < H; h++) ref_rotary(qv + h * D, cs + t * D, sn + t * D);
-            for (int h = 0; h < HKV; h++) ref_rotary(kv + h * D, cs + t * D, sn + t * D);
+            for (int h = 0; h < H; h++) ref_rotary(qv + h * D, cs + t * R, sn + t * R, R);
+            for (int h = 0; h < HKV; h++) ref_rotary(kv + h * D, cs + t * R, sn + t * R, R);
             memcpy(rk[S + t], kv, sizeof kv);
             memcpy(rv[S + t], vv, sizeof vv);
             memcpy(want_q + t * NQ, qv, sizeof qv);
@@ -252,6 +258,63 @@ static int run_variant(smoe_kctx *ctx, const variant *v) {
     return fails;
 }
 
+/* A gated block (q_proj's rows: per head D query rows, D gate rows) initialises with q of
+ * 2 H D rows and refuses q of H D rows, pre and post (it runs whole layers only). */
+static int check_gated(smoe_kctx *ctx) {
+    smoe_linear_desc ld[4];
+    const uint32_t n_of[4] = {2 * NQ, NKV, NKV, HID}, k_of[4] = {HID, HID, HID, NQ};
+    float *w = calloc((size_t)2 * NQ * HID, sizeof(float));
+    smoe_attn_block_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    smoe_err err;
+    smoe_err_clear(&err);
+    for (int i = 0; i < 4; i++) {
+        memset(&ld[i], 0, sizeof ld[i]);
+        ld[i].N = n_of[i];
+        ld[i].K = k_of[i];
+        ld[i].dtype = SMOE_WDT_F32;
+        ld[i].precise = 1;
+        ld[i].w_scale = SMOE_NO_TENSOR;
+        if (smoe_linear_desc_check(&ld[i], (uint64_t)n_of[i] * k_of[i] * 4, &err)) {
+            printf("FAIL gated linear desc %d: %s\n", i, err.msg);
+            free(w);
+            return 1;
+        }
+        cfg.ld[i] = &ld[i];
+        cfg.lb[i] = (const uint8_t *)w;
+    }
+    cfg.H = H, cfg.Hkv = HKV, cfg.D = D, cfg.max_tokens = 4, cfg.eps = 1e-6;
+    cfg.gate = 1, cfg.rot = 8, cfg.zc = 1;
+    smoe_attn_block blk;
+    memset(&blk, 0, sizeof blk);
+    int fails = 0;
+    smoe_attn_block_cfg half = cfg;
+    smoe_linear_desc q1 = ld[0];
+    q1.N = NQ;
+    half.ld[0] = &q1;
+    if (smoe_attn_block_init(&blk, &half, &err) != SMOE_EINVAL || blk.buf) {
+        printf("FAIL: a gated block with q of H D rows accepted\n");
+        fails++;
+    }
+    if (smoe_attn_block_init(&blk, &cfg, &err)) {
+        printf("FAIL gated init: %s\n", err.msg);
+        free(w);
+        return fails + 1;
+    }
+    float x[HID] = {0}, cs[8] = {0}, q[NQ], kv[NKV], out[HID];
+    if (smoe_attn_block_pre(&blk, ctx, x, 0, cs, 0, cs, 0, 1, 1, NULL, 0.0f, q, kv, 0, kv, 0,
+                            0, D, &err) != SMOE_EINVAL ||
+        smoe_attn_block_post(&blk, ctx, q, kv, kv, SMOE_WDT_F32, NKV, D, 1, 1, 1, NULL, 1, 1.0f,
+                             out, 0, NULL, NULL, 0.0f, NULL, &err) != SMOE_EINVAL) {
+        printf("FAIL: a gated block's pre or post ran\n");
+        fails++;
+    }
+    smoe_attn_block_destroy(&blk);
+    free(w);
+    printf("gated attention block: %s\n", fails ? "FAIL" : "ok");
+    return fails;
+}
+
 int main(void) {
     smoe_kctx ctx;
     smoe_err err;
@@ -259,18 +322,21 @@ int main(void) {
         printf("FAIL kctx: %s\n", err.msg);
         return 1;
     }
-    const variant vs[3] = {
-        {SMOE_QKNORM_NONE, 0, 0, 0},
-        {SMOE_QKNORM_FULL, 1, 1, 0},
-        {SMOE_QKNORM_HEAD, 0, 0, 1},
+    const variant vs[4] = {
+        {SMOE_QKNORM_NONE, 0, 0, 0, 0, 0},
+        {SMOE_QKNORM_FULL, 1, 1, 0, 0, 0},
+        {SMOE_QKNORM_HEAD, 0, 0, 1, 0, 0},
+        {SMOE_QKNORM_HEAD, 1, 0, 1, 8, 1},
     };
     int fails = 0;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         int f = run_variant(&ctx, &vs[i]);
-        printf("attention block: norm %d, input norm %d, joint qkv %d, residual %d: %s\n",
-               vs[i].norm, vs[i].ln_in, vs[i].joint, vs[i].resid, f ? "FAIL" : "ok");
+        printf("attention block: norm %d, input norm %d, joint qkv %d, residual %d, rotary %d, "
+               "zero-centred %d: %s\n", vs[i].norm, vs[i].ln_in, vs[i].joint, vs[i].resid,
+               vs[i].rot ? vs[i].rot : D, vs[i].zc, f ? "FAIL" : "ok");
         fails += f;
     }
+    fails += check_gated(&ctx);
     smoe_kctx_free(&ctx);
     return fails ? 1 : 0;
 }
