@@ -235,3 +235,40 @@ def test_minimax_m2_decodes_in_one_call_a_step():
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     finally:
         eng.close()
+
+
+def test_glm4_moe_layers_decode_in_one_call():
+    """GLM-4.5's MoE decoder layers (its attention with q/k/v biases and a half-rotary head,
+    the V3 router) are one AttnBlock.layer call a decode step; the dense first layer takes its
+    own forward; greedy tokens and logits as the unmodified model's."""
+    ref, m = _model("glm4_moe"), _model("glm4_moe")
+    eng = hf.offload(m, dtype="f32", dense="f32", cache=1.0)
+    try:
+        calls = [0]
+
+        class Counting:
+            def __init__(self, blk):
+                self.blk = blk
+
+            def layer(self, *a):
+                calls[0] += 1
+                return self.blk.layer(*a)
+
+            def pre(self, *a):
+                return self.blk.pre(*a)
+
+            def post(self, *a):
+                return self.blk.post(*a)
+        for layer in m.model.layers:
+            layer.self_attn._specmoe_block = Counting(layer.self_attn._specmoe_block)
+        ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
+        kw = dict(max_new_tokens=6, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+        with torch.no_grad():
+            want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
+        assert calls[0] == 5 * len(eng.routed_in_c) and eng.routed_in_c
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.scores, want.scores):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    finally:
+        eng.close()
