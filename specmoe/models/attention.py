@@ -38,7 +38,7 @@ from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION
 from .layers import (BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, norm_weight,
-                     zero_centred_norm)
+                     rms_norm_form, zero_centred_norm)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
@@ -179,21 +179,6 @@ def convert_norms(model: nn.Module) -> list[str]:
     return done
 
 
-def _norm_form(norm: nn.Module | None) -> tuple[np.ndarray, float, bool] | None:
-    """An RMSNorm as the C blocks take it: (f32 weights, eps, zero-centred), the weights 1 + the
-    module's for the zero-centred form (a :class:`CRMSNorm` of either form included); None for
-    any other module."""
-    if isinstance(norm, CRMSNorm):
-        return norm.c_weight, norm.variance_epsilon, norm.zero_centred
-    w = norm_weight(norm)
-    if w is not None:
-        return w, float(norm.variance_epsilon), False
-    if zero_centred_norm(norm):
-        return (np.ascontiguousarray((1.0 + norm.weight.detach().float()).numpy()),
-                float(norm.eps), True)
-    return None
-
-
 def _rotary_dim(cfg: Any, D: int) -> int:
     """The rotary width of a head as transformers' default rotary embedding computes it:
     ``int(head_dim * partial_rotary_factor)`` (rope_parameters first)."""
@@ -260,8 +245,8 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         if gated:
             kw["gate"] = True
         if form != "none":
-            qn = _norm_form(getattr(m, "q_norm", None))
-            kn = _norm_form(getattr(m, "k_norm", None))
+            qn = rms_norm_form(getattr(m, "q_norm", None))
+            kn = rms_norm_form(getattr(m, "k_norm", None))
             if qn is None or kn is None or qn[1:] != kn[1:]:
                 continue
             kw.update(q_norm=qn[0], k_norm=kn[0], eps=qn[1], zero_centred=qn[2])
@@ -286,7 +271,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
                 or getattr(attn, "_specmoe_block", None) is None \
                 or getattr(layer, "_specmoe_norms", None) is not None:
             continue
-        ln = [_norm_form(getattr(layer, n, None))
+        ln = [rms_norm_form(getattr(layer, n, None))
               for n in ("input_layernorm", "post_attention_layernorm")]
         if ln[0] is None or ln[1] is None or ln[0][2] != attn._specmoe_zc \
                 or ln[1][2] != attn._specmoe_zc:  # (the block's one norm form)

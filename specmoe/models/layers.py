@@ -393,6 +393,21 @@ def norm_weight(norm: nn.Module | None) -> np.ndarray | None:
     return np.ascontiguousarray(norm.weight.detach().float().numpy())
 
 
+def rms_norm_form(norm: nn.Module | None) -> tuple[np.ndarray, float, bool] | None:
+    """An RMSNorm as the C kernels take it: (f32 weights, eps, zero-centred), the weights 1 +
+    the module's for the zero-centred form; a :class:`CRMSNorm` of either form included; None
+    for any other module."""
+    if isinstance(norm, CRMSNorm):
+        return norm.c_weight, norm.variance_epsilon, norm.zero_centred
+    w = norm_weight(norm)
+    if w is not None:
+        return w, float(norm.variance_epsilon), False
+    if zero_centred_norm(norm):
+        return (np.ascontiguousarray((1.0 + norm.weight.detach().float()).numpy()),
+                float(norm.eps), True)
+    return None
+
+
 def zero_centred_norm(norm: nn.Module | None) -> bool:
     """Whether ``norm`` is a zero-centred RMSNorm (``ZERO_CENTRED_RMSNORMS``) with its weight
     and eps."""
@@ -414,17 +429,13 @@ class CRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module):
         super().__init__()
-        w = norm_weight(norm)
-        self.zero_centred = w is None and zero_centred_norm(norm)
-        if self.zero_centred:
-            w = np.ascontiguousarray((1.0 + norm.weight.detach().float()).numpy())
-        if w is None:
+        form = None if isinstance(norm, CRMSNorm) else rms_norm_form(norm)
+        if form is None:
             raise TypeError("CRMSNorm replaces a Llama-form or zero-centred RMSNorm "
                             f"({', '.join(LLAMA_RMSNORMS + ZERO_CENTRED_RMSNORMS)}), "
                             f"got {type(norm).__name__}")
         self.inner = norm
-        self._w = w
-        self.variance_epsilon = float(norm.eps if self.zero_centred else norm.variance_epsilon)
+        self._w, self.variance_epsilon, self.zero_centred = form
         self.train(norm.training)  # an eval-mode model stays in eval mode (C path on)
 
     @property

@@ -385,25 +385,20 @@ class Engine(EngineCommon):
                         or min(groups) < 1:  # (any weight dtype: the router widens it to f32)
                     continue
                 linears, dtype, most = shared  # (the block computes in its experts' dtype)
-                scale = float(gate.routed_scaling_factor)
                 flags = (_C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0) \
                     | (_C.ROUTE_RENORM if gate.norm_topk_prob else 0)
-                try:
-                    self._layers.set_block(pos, scale, linears, *groups)
-                except ValueError:
+                if not self._set_block(pos, float(gate.routed_scaling_factor), linears, most,
+                                       groups):
                     continue  # groups this layer's experts do not fit
-                self._blocks[pos] = (scale, linears, most, groups)
             elif kind == "deepseek":
                 shared = silu_mlp_parts(getattr(block, "shared_experts", None))
                 if getattr(gate, "topk_method", None) != "greedy" or shared is None:
                     continue
                 # DeepSeek-V2's router: f32 logits and weights, no renormalisation, times
                 # routed_scaling_factor; the shared experts' MLP added in the same call
-                scale = float(gate.routed_scaling_factor)
                 linears, dtype, most = shared
                 flags = _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
-                self._blocks[pos] = (scale, linears, most, (1, 1))
-                self._layers.set_block(pos, scale, linears)
+                self._set_block(pos, float(gate.routed_scaling_factor), linears, most)
             else:
                 if kind in ("mixtral", "qwen_shared_renorm") \
                         or getattr(gate, "norm_topk_prob", False):
@@ -418,14 +413,25 @@ class Engine(EngineCommon):
                         continue
                     linears, most = shared
                     flags |= _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
-                    self._blocks[pos] = (1.0, linears, most, (1, 1))
-                    self._layers.set_block(pos, 1.0, linears)
+                    self._set_block(pos, 1.0, linears, most)
             block.forward = self._routed_forward(block, pos, flags, dtype, block.forward)
             # what a fused decoder layer needs to run this block inside its own C call
             # (specmoe.models.attention, _C.AttnBlock.layer)
             block._specmoe_route = (self, pos, flags, dtype)
             done.append(pos)
         return done
+
+    def _set_block(self, pos: int, scale: float, linears: tuple[Any, ...], most: int | None,
+                   groups: tuple[int, int] = (1, 1)) -> bool:
+        """MoE layer ``pos``'s routing scale, shared FFN and expert groups into the C layers
+        and ``_blocks`` (which every later _C.Layers gets: _configure_layers); False, nothing
+        kept, when the C layers refuse the groups."""
+        try:
+            self._layers.set_block(pos, scale, linears, *groups)
+        except ValueError:
+            return False
+        self._blocks[pos] = (scale, linears, most, groups)
+        return True
 
     def _routed_forward(self, block: nn.Module, pos: int, flags: int, dtype: torch.dtype,
                         original: Callable[..., Any]) -> Callable[..., Any]:
