@@ -326,11 +326,15 @@ class MLADecode:
     """Multi-head latent attention in the absorbed form (specmoe.mla, csrc/kernels/attn.h).
     w_uk [H, dn, r] and w_uv [H, dv, r]: float32, bf16 bits (uint16/int16), int8 (scales
     float32 [H, rows]) or int4 as one int8 value in [-8, 7] a byte (specmoe.mla.int4_values;
-    scales float32 [H, rows, r / group]); C-contiguous, kept referenced."""
+    scales float32 [H, rows, r / group]); or, with ``blocks`` = (W_UK's, W_UV's GGUF block
+    dtype code, specmoe.runtime.kernels.dtype_code), a GGUF file's attn_k_b as uint8 [H, r,
+    bytes a row] and attn_v_b as uint8 [H, dv, bytes a row], read by the block kernels' rows;
+    C-contiguous, kept referenced."""
 
     def __init__(self, ctx: KernelContext, w_uk: np.ndarray, w_uv: np.ndarray, rope_dim: int,
                  scale: float, uk_scale: np.ndarray | None = None,
-                 uv_scale: np.ndarray | None = None) -> None: ...
+                 uv_scale: np.ndarray | None = None,
+                 blocks: tuple[int, int] | None = None) -> None: ...
     @property
     def shape(self) -> dict[str, Any]: ...
     def forward(self, q_nope: np.ndarray, q_pe: np.ndarray, ckv: np.ndarray, kpe: np.ndarray,

@@ -36,7 +36,7 @@ def _expert(rng, H, I, kind, down_kind=None, bias=False):
     return t, ref
 
 
-def _q8(x, m):
+def q8_rounded(x, m):
     """The fast path's input rounding in numpy: per m columns (32 before a Q8_0 matrix, 256
     before a K-quant one) s = max|x| / 127, q = rint(x * (1 / s)) (ties to even), clamped to
     [-127, 127]; returns q * s."""
@@ -52,10 +52,10 @@ def _model_fast(ref, x, kind, down):
     from .test_kernels import ref_act
 
     m = {k: cols for k, (cols, _) in gb.BLOCKS.items()}  # input rounding per block width
-    xq = _q8(x, m[kind]).astype(np.float64)
+    xq = q8_rounded(x, m[kind]).astype(np.float64)
     g = xq @ ref["gate"].T.astype(np.float64) + ref.get("gate.bias", 0.0)
     u = xq @ ref["up"].T.astype(np.float64) + ref.get("up.bias", 0.0)
-    a = _q8(ref_act(g, u, "silu").astype(np.float32), m[down or kind]).astype(np.float64)
+    a = q8_rounded(ref_act(g, u, "silu").astype(np.float32), m[down or kind]).astype(np.float64)
     return a @ ref["down"].T.astype(np.float64) + ref.get("down.bias", 0.0)
 
 
@@ -261,7 +261,7 @@ def test_linear_layers_on_gguf_blocks(ctx, isa, kind):
             if precise or isa == "scalar":
                 assert _rel(out, want) < 2e-6, (precise, T, _rel(out, want))
             else:
-                model = _q8(x, cols).astype(np.float64) @ w.T + bias
+                model = q8_rounded(x, cols).astype(np.float64) @ w.T + bias
                 assert _rel(out, model) < 1e-5, (T, _rel(out, model))
                 assert _rel(out, want) < 5e-2
 
@@ -507,7 +507,8 @@ def test_serve_a_q4_k_m_file(_cache_dir, tmp_path):
     ("mixtral", "Q4_0", {"q4_0"}, 256),       # llama: q/k rows permuted in the file
     ("qwen3_moe", "Q4_K", {"q4_k"}, 256),     # hidden 256: K-quant super-blocks everywhere
     ("deepseek_v2", "Q8_0", {"q8_0"}, None),  # MLA; kv_b_proj joined from two tensors
-    ("deepseek_v3", "Q4_0", {"q4_0"}, None),  # sigmoid-routed deepseek2 (DeepSeek-V3)
+    # sigmoid-routed deepseek2 (DeepSeek-V3); heads of 32 nope columns: attn_k_b in blocks too
+    ("deepseek_v3", "Q4_0", {"q4_0"}, {"qk_nope_head_dim": 32}),
     ("glm4_moe", "Q8_0", {"q8_0"}, None),     # q/k/v biases beside the blocks
     ("qwen3_next", "Q8_0", {"q8_0"}, None),   # in_proj_qkvz joined from two tensors' blocks
     # Qwen3.5: the value heads' rows and (in whole blocks: heads of 32) out_proj's columns put
@@ -561,6 +562,22 @@ def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, monkeypatch,
             np.testing.assert_array_equal(got, held[name + ".weight"].numpy())
             assert name + ".weight" not in dequantized  # never held as a float copy
         assert any(k.endswith("norm.weight") for k in dequantized)  # the rest was
+        mla = [m for m in model.modules() if getattr(m, "_specmoe_mla_w", None) is not None]
+        if arch == "deepseek_v3":  # the absorbed products on attn_k_b / attn_v_b's blocks
+            assert len(mla) == model.config.num_hidden_layers
+            for att in mla:
+                ab, i = att._specmoe_mla_w, att.layer_idx
+                assert ab.fmt == "gguf"
+                assert (ab.kernel.shape["dtype"], ab.kernel.shape["uv_dtype"]) == ("q4_0",) * 2
+                raw = np.asarray(by_name[f"blk.{i}.attn_k_b.weight"].data).reshape(-1)
+                np.testing.assert_array_equal(att._specmoe_mla_blocks[0].reshape(-1), raw)
+                dn, w_uk, w_uv = att.qk_nope_head_dim, *ab.torch_weights()
+                w = held[f"model.layers.{i}.self_attn.kv_b_proj.weight"].view(
+                    att.num_heads, dn + att.v_head_dim, att.kv_lora_rank)
+                np.testing.assert_array_equal(w_uk.numpy(), w[:, :dn].numpy())
+                np.testing.assert_array_equal(w_uv.numpy(), w[:, dn:].numpy())
+        elif arch == "deepseek_v2":  # 8 nope columns: attn_k_b is F32, kv_b_proj absorbed
+            assert mla and all(m._specmoe_mla_w.fmt is None for m in mla)
         if qtype != "Q5_0":  # the file's own bytes, not a copy of other bits
             o = lins["model.layers.1.self_attn.o_proj"]
             raw = np.asarray(by_name["blk.1.attn_output.weight"].data).reshape(-1)

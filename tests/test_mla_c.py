@@ -237,7 +237,8 @@ def test_scratch_grows_with_tokens_and_threads():
     np.testing.assert_allclose(out, _reference(qn, qp, ckv, kpe, w_uk, w_uv, bias),
                                rtol=2e-4, atol=2e-5)
     assert att.shape == {"heads": H, "qk_nope_head_dim": DN, "qk_rope_head_dim": DR,
-                         "v_head_dim": DV, "kv_lora_rank": R, "dtype": "f32", "group": 0}
+                         "v_head_dim": DV, "kv_lora_rank": R, "dtype": "f32", "uv_dtype": "f32",
+                         "group": 0}
 
 
 def test_bad_input_raises_and_leaves_out_alone():

@@ -6,8 +6,8 @@
  * Build and run from the repository root:
  *
  *   K=csrc/kernels; gcc -O3 -std=c11 -D_GNU_SOURCE -Icsrc -I$K -o /tmp/mla_decode \
- *       benchmarks/c/mla_decode.c $K/mla.c $K/mla_avx512.c $K/pool.c csrc/common.c \
- *       -lm -lpthread
+ *       benchmarks/c/mla_decode.c $K/*.c csrc/common.c -lm -lpthread
+ *   (every kernel file: GGUF block weights run through the block rows of ffn_blocks.c)
  *   /tmp/mla_decode S [threads] [reps]     # S cached positions
  *
  * Shapes: DeepSeek-V2-Lite's (16 heads, qk_nope 128, rope 64, v 128, kv_lora_rank 512: 4.2 MB

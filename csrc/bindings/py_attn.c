@@ -22,9 +22,10 @@
 typedef struct {
     PyObject_HEAD
     PyObject *ctx_obj;  /* the KernelContext (strong reference) */
-    PyObject *w_uk_obj; /* [H, dn, r] float32, uint16 (bf16 bits) or int8, or [H, dn, r / 2]
-                           uint8 (int4); strong, never written */
-    PyObject *w_uv_obj; /* [H, dv, r], same dtype */
+    PyObject *w_uk_obj; /* [H, dn, r] float32, uint16 (bf16 bits) or int8 (int8 or int4
+                           values); GGUF blocks: uint8 [H, r, bytes a row]; strong, never
+                           written */
+    PyObject *w_uv_obj; /* [H, dv, r], same dtype; GGUF blocks: uint8 [H, dv, bytes a row] */
     PyObject *uk_scale_obj, *uv_scale_obj; /* int8/int4 scales (float32) or NULL; strong */
     smoe_mla_desc d;
     smoe_mla_weights w;
@@ -72,20 +73,36 @@ static int scale_ok(PyObject *o, const char *name, PyArrayObject *w, int wdt) {
     return 0;
 }
 
-static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"ctx", "w_uk", "w_uv", "rope_dim", "scale", "uk_scale",
-                             "uv_scale", NULL};
-    PyObject *ctx_o, *uk_o, *uv_o, *uks_o = Py_None, *uvs_o = Py_None;
-    unsigned int dr;
-    float scale;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOIf|OO:MLADecode", kwlist, &ctx_o, &uk_o,
-                                     &uv_o, &dr, &scale, &uks_o, &uvs_o))
-        return -1;
-    if (self->ready) {
-        PyErr_SetString(PyExc_RuntimeError, "MLADecode is already initialised");
+/* GGUF block weights (blocks=(uk dtype, uv dtype)): uint8 [H, r, row bytes] attn_k_b and
+ * [H, dv, row bytes] attn_v_b into d's shapes and dtypes (checked by smoe_mla_desc_check). */
+static int block_weights(PyObject *uk_o, PyObject *uv_o, int kdt, int vdt, smoe_mla_desc *d) {
+    PyArrayObject *uk = smoe_py_want_array(uk_o, "w_uk", NPY_UINT8, 3, 0);
+    PyArrayObject *uv = uk ? smoe_py_want_array(uv_o, "w_uv", NPY_UINT8, 3, 0) : NULL;
+    if (!uv) return -1;
+    const int ok = smoe_wdt_is_block(kdt) && smoe_wdt_is_block(vdt);
+    const npy_intp kb = ok ? smoe_wdt_block_bytes(kdt) : 1, vb = ok ? smoe_wdt_block_bytes(vdt) : 1;
+    const npy_intp dn = PyArray_DIM(uk, 2) / kb * (ok ? smoe_wdt_block_cols(kdt) : 0);
+    const npy_intp cols = PyArray_DIM(uv, 2) / vb * (ok ? smoe_wdt_block_cols(vdt) : 0);
+    if (!ok || PyArray_DIM(uk, 0) != PyArray_DIM(uv, 0) || PyArray_DIM(uk, 2) % kb ||
+        PyArray_DIM(uv, 2) % vb || cols != PyArray_DIM(uk, 1) || PyArray_DIM(uk, 0) > 65536 ||
+        PyArray_DIM(uk, 1) > 65536 || PyArray_DIM(uv, 1) > 65536 || dn > 65536) {
+        PyErr_SetString(PyExc_ValueError, "MLADecode blocks: w_uk [H, r, row bytes] and w_uv "
+                        "[H, dv, row bytes] of whole blocks of two GGUF block dtypes, w_uv's "
+                        "rows r columns");
         return -1;
     }
-    if (!smoe_py_kctx(ctx_o)) return -1;
+    d->H = (uint32_t)PyArray_DIM(uk, 0);
+    d->r = (uint32_t)PyArray_DIM(uk, 1);
+    d->dn = (uint32_t)dn;
+    d->dv = (uint32_t)PyArray_DIM(uv, 1);
+    d->wdtype = kdt;
+    d->uv_dtype = vdt;
+    return 0;
+}
+
+/* f32 / bf16 / int8 / int4 weights (with their scales) into d's shapes and dtype. */
+static int plain_weights(PyObject *uk_o, PyObject *uv_o, PyObject *uks_o, PyObject *uvs_o,
+                         smoe_mla_desc *d) {
     int wk = weight_dtype(uk_o, "w_uk"), wv = weight_dtype(uv_o, "w_uv");
     if (wk < 0 || wv < 0) return -1;
     PyArrayObject *uk = (PyArrayObject *)uk_o, *uv = (PyArrayObject *)uv_o;
@@ -119,8 +136,6 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
     }
     if (quant && (scale_ok(uks_o, "uk_scale", uk, wk) || scale_ok(uvs_o, "uv_scale", uv, wk)))
         return -1;
-    smoe_mla_desc d;
-    memset(&d, 0, sizeof d);
     npy_intp r = PyArray_DIM(uk, 2);
     npy_intp dims[4] = {PyArray_DIM(uk, 0), PyArray_DIM(uk, 1), PyArray_DIM(uv, 1), r};
     for (int i = 0; i < 4; i++)
@@ -128,13 +143,11 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
             PyErr_SetString(PyExc_ValueError, "MLADecode: a weight dimension exceeds 65536");
             return -1;
         }
-    d.H = (uint32_t)dims[0];
-    d.dn = (uint32_t)dims[1];
-    d.dv = (uint32_t)dims[2];
-    d.r = (uint32_t)dims[3];
-    d.dr = dr;
-    d.wdtype = wk;
-    d.scale = scale;
+    d->H = (uint32_t)dims[0];
+    d->dn = (uint32_t)dims[1];
+    d->dv = (uint32_t)dims[2];
+    d->r = (uint32_t)dims[3];
+    d->wdtype = wk;
     if (wk == SMOE_WDT_I4) {
         npy_intp g = PyArray_DIM((PyArrayObject *)uks_o, 2);
         if (g != PyArray_DIM((PyArrayObject *)uvs_o, 2) || g < 1 || r % g) {
@@ -143,8 +156,43 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
                             "dividing kv_lora_rank");
             return -1;
         }
-        d.group = (uint32_t)(r / g);
+        d->group = (uint32_t)(r / g);
     }
+    return 0;
+}
+
+static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ctx", "w_uk", "w_uv", "rope_dim", "scale", "uk_scale",
+                             "uv_scale", "blocks", NULL};
+    PyObject *ctx_o, *uk_o, *uv_o, *uks_o = Py_None, *uvs_o = Py_None, *blk_o = Py_None;
+    unsigned int dr;
+    float scale;
+    int kdt = -1, vdt = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOIf|OOO:MLADecode", kwlist, &ctx_o, &uk_o,
+                                     &uv_o, &dr, &scale, &uks_o, &uvs_o, &blk_o))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "MLADecode is already initialised");
+        return -1;
+    }
+    if (!smoe_py_kctx(ctx_o)) return -1;
+    if (blk_o != Py_None &&
+        (!PyTuple_Check(blk_o) || !PyArg_ParseTuple(blk_o, "ii", &kdt, &vdt))) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "blocks must be (uk dtype code, uv dtype code)");
+        return -1;
+    }
+    if (blk_o != Py_None && (uks_o != Py_None || uvs_o != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "GGUF block weights take no scales");
+        return -1;
+    }
+    smoe_mla_desc d;
+    memset(&d, 0, sizeof d);
+    if (blk_o != Py_None ? block_weights(uk_o, uv_o, kdt, vdt, &d)
+                         : plain_weights(uk_o, uv_o, uks_o, uvs_o, &d))
+        return -1;
+    d.dr = dr;
+    d.scale = scale;
     smoe_err err;
     smoe_err_clear(&err);
     if (smoe_mla_desc_check(&d, &err) != 0) {
@@ -155,6 +203,7 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "MLADecode: pthread_mutex_init failed");
         return -1;
     }
+    PyArrayObject *uk = (PyArrayObject *)uk_o, *uv = (PyArrayObject *)uv_o;
     smoe_advise_huge(PyArray_DATA(uk), (size_t)PyArray_NBYTES(uk), 1); /* as _C.Linear's */
     smoe_advise_huge(PyArray_DATA(uv), (size_t)PyArray_NBYTES(uv), 1);
     Py_INCREF(ctx_o);
@@ -165,7 +214,7 @@ static int mla_init(MLADecodeObject *self, PyObject *args, PyObject *kw) {
     self->w_uv_obj = uv_o;
     self->w.uk = PyArray_DATA(uk);
     self->w.uv = PyArray_DATA(uv);
-    if (quant) {
+    if (d.wdtype == SMOE_WDT_I8 || d.wdtype == SMOE_WDT_I4) {
         Py_INCREF(uks_o);
         Py_INCREF(uvs_o);
         self->uk_scale_obj = uks_o;
@@ -299,11 +348,13 @@ static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ss
 
 static PyObject *mla_get_shape(MLADecodeObject *self, void *closure) {
     (void)closure;
-    static const char *names[] = {"f32", "bf16", "int8", "int4"};
-    return Py_BuildValue("{sIsIsIsIsIsssI}", "heads", self->d.H, "qk_nope_head_dim", self->d.dn,
-                         "qk_rope_head_dim", self->d.dr, "v_head_dim", self->d.dv,
-                         "kv_lora_rank", self->d.r, "dtype", names[self->d.wdtype], "group",
-                         self->d.group);
+    static const char *names[] = {"f32",  "bf16", "int8", "int4",   "int2", "q8_0", "q4_k", "q6_k",
+                                  "q4_0", "q5_k", "iq4_xs", "q4_1", "q2_k", "q3_k", "mxfp4"};
+    const int32_t uv = smoe_wdt_is_block(self->d.wdtype) ? self->d.uv_dtype : self->d.wdtype;
+    return Py_BuildValue("{sIsIsIsIsIsssssI}", "heads", self->d.H, "qk_nope_head_dim",
+                         self->d.dn, "qk_rope_head_dim", self->d.dr, "v_head_dim", self->d.dv,
+                         "kv_lora_rank", self->d.r, "dtype", names[self->d.wdtype], "uv_dtype",
+                         names[uv], "group", self->d.group);
 }
 
 static PyMethodDef mla_methods[] = {
@@ -322,11 +373,13 @@ static PyTypeObject MLADecodeType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "specmoe._C.MLADecode",
     .tp_basicsize = sizeof(MLADecodeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "MLADecode(ctx, w_uk, w_uv, rope_dim, scale, uk_scale=None, uv_scale=None): "
-              "multi-head latent attention in the absorbed form for decode-sized inputs; w_uk "
-              "[H, dn, r] and w_uv [H, dv, r] float32, uint16 (bf16 bits) or int8 (scales "
-              "float32 [H, rows]) or int4 values in int8 (specmoe.models.mla.int4_values; scales "
-              "float32 [H, rows, r / group]); C-contiguous, kept referenced.",
+    .tp_doc = "MLADecode(ctx, w_uk, w_uv, rope_dim, scale, uk_scale=None, uv_scale=None, "
+              "blocks=None): multi-head latent attention in the absorbed form for decode-sized "
+              "inputs; w_uk [H, dn, r] and w_uv [H, dv, r] float32, uint16 (bf16 bits) or int8 "
+              "(scales float32 [H, rows]) or int4 values in int8 (specmoe.models.mla.int4_values; "
+              "scales float32 [H, rows, r / group]); or blocks=(uk dtype code, uv dtype code): "
+              "GGUF attn_k_b uint8 [H, r, row bytes] and attn_v_b [H, dv, row bytes] as the file "
+              "holds them; C-contiguous, kept referenced.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)mla_init,
     .tp_dealloc = (destructor)mla_dealloc,

@@ -43,9 +43,13 @@ typedef struct smoe_mla_desc {
     uint32_t dr;     /* qk_rope_head_dim */
     uint32_t dv;     /* v_head_dim */
     uint32_t r;      /* kv_lora_rank */
-    int32_t wdtype;  /* SMOE_WDT_F32, BF16, I8 or I4: w_uk and w_uv */
+    int32_t wdtype;  /* SMOE_WDT_F32, BF16, I8 or I4: w_uk and w_uv; or a GGUF block format
+                      * (smoe_wdt_is_block): w_uk's, w_uv's in uv_dtype */
     uint32_t group;  /* I4: columns per scale (a multiple of 32 dividing r); else unused */
     float scale;     /* softmax scale (the module's `scaling`) */
+    int32_t uv_dtype; /* GGUF blocks: w_uv's block format (llama.cpp's quantizer picks each
+                       * tensor's type on its own: attn_k_b's 192 columns rule out the K-quants
+                       * that attn_v_b may have); else unused */
 } smoe_mla_desc;
 
 /* The absorbed weights, kv_b_proj's rows regrouped per head (specmoe.storage.quant's quantization):
@@ -56,13 +60,21 @@ typedef struct smoe_mla_desc {
  *   not by the weight read: 2 MB a layer at DeepSeek-V2-Lite shapes);
  *   uk_scale, uv_scale: I8 f32 [H, dn] / [H, dv] (one per row); I4 f32 [H, dn, r / group] /
  *   [H, dv, r / group]; NULL for F32/BF16. */
+/* GGUF blocks (wdtype a block format): the tensors llama.cpp's converter writes, as the file
+ * holds them, so that steps 1 and 3 read the file's bits with the block kernels' rows (the
+ * input quantized per block as for any GGUF matrix, smoe_blocks_matvec):
+ *   uk  attn_k_b [H, r, dn]: per head r rows of dn columns (each head's W_UK transposed), in
+ *       wdtype, dn a multiple of its block columns;
+ *   uv  attn_v_b [H, dv, r]: per head dv rows of r columns in uv_dtype, r a multiple of its
+ *       block columns;
+ *   no scales (they are in the blocks). */
 typedef struct smoe_mla_weights {
     const void *uk, *uv;
     const float *uk_scale, *uv_scale;
 } smoe_mla_weights;
 
 /* Shapes and dtypes in range (every dim in 1..65536, wdtype F32/BF16/I8/I4 with a valid I4
- * group, finite scale > 0). */
+ * group or two GGUF block formats whose columns divide dn and r, finite scale > 0). */
 int smoe_mla_desc_check(const smoe_mla_desc *d, smoe_err *err);
 
 /* Scratch bytes smoe_mla_decode needs for T query tokens on c (per thread, for each head of

@@ -728,6 +728,45 @@ int smoe_linear_forward(smoe_kctx *c, const smoe_linear_desc *l, const uint8_t *
     return SMOE_OK;
 }
 
+/* ---- one GGUF block matrix against one vector, on the calling thread (kimpl.h) ---- */
+
+/* act f32 [K] (the exact form's input) | q int8 [K] | qs f32 [K/32] | int16 sums [K/16] */
+size_t smoe_blocks_matvec_scratch(uint32_t K) {
+    return 64 + round64((size_t)K * 4) + round64(K) + round64((size_t)(K / 32 + 1) * 4) +
+           round64((size_t)(K / 16 + 1) * 2);
+}
+
+void smoe_blocks_matvec(const smoe_ffn_impl *impl, int32_t dt, const uint8_t *w, uint32_t N,
+                        uint32_t K, const float *x, float *y, void *scratch) {
+    smoe_ffn_desc d;
+    smoe_ffn_desc_default(&d, N, K, dt, SMOE_ACT_SILU); /* W as a down projection, as
+                                                        * linear_as_down */
+    d.down = 0;
+    float *act = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    int8_t *q = (int8_t *)act + round64((size_t)K * 4);
+    float *qs = (float *)(q + round64(K));
+    float *qsum = (float *)((uint8_t *)qs + round64((size_t)(K / 32 + 1) * 4));
+    memset(y, 0, (size_t)N * 4);
+    smoe_ffn_job job;
+    memset(&job, 0, sizeof job);
+    job.d = &d;
+    job.block = w;
+    job.T = 1;
+    job.group = d.group;
+    job.act = act;
+    job.out = y;
+    job.out_stride = N;
+    if (smoe_blocks_fast(impl)) {
+        job.qpairs = smoe_blocks_prepare(impl, dt, x, K, NULL, 1, K, q, qs, qsum);
+        job.q = q;
+        job.qs = qs;
+        job.qsum = qsum;
+    } else {
+        memcpy(act, x, (size_t)K * 4);
+    }
+    impl->down(&job, 0, N);
+}
+
 /* ---- read-bandwidth ceiling ---- */
 
 typedef struct read_arg {

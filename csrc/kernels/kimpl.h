@@ -104,6 +104,17 @@ uint32_t smoe_blocks_prepare(const smoe_ffn_impl *impl, int32_t dtype, const flo
                              size_t stride, const int32_t *rows, uint32_t T, uint32_t n,
                              int8_t *q, float *qs, float *qsum);
 
+/* y[0..N) = W . x on the calling thread alone (no pool, no lock): W [N, K] in the GGUF block
+ * format dt at w (rows of K / block-columns blocks, as a file holds them), x f32 [K].  The
+ * rows of smoe_linear_forward at one token on impl (smoe_ffn_impl_blocks: the fast forms
+ * quantize x per block, smoe_blocks_prepare; the exact one reads it in f32), for kernels
+ * that split their own work over the threads (smoe_mla_decode's heads).  K a multiple of dt's
+ * block columns (the caller checks); scratch: smoe_blocks_matvec_scratch(K) bytes, any
+ * alignment; y overwritten. */
+size_t smoe_blocks_matvec_scratch(uint32_t K);
+void smoe_blocks_matvec(const smoe_ffn_impl *impl, int32_t dt, const uint8_t *w, uint32_t N,
+                        uint32_t K, const float *x, float *y, void *scratch);
+
 /* Scalar activation shared by every ISA (exactly the formula in kernels.h). */
 float smoe_ffn_activate(const smoe_ffn_desc *d, float g, float u);
 

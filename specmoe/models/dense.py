@@ -262,7 +262,10 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     model's exact format (bf16, else f32); the report counts the layers of each format.
     MLA attention modules (DeepSeek-V2/V3) also switch to the absorbed decode form
     (:func:`specmoe.models.mla.absorb_mla`, the C kernel at the same precision: int8/int4 absorbed
-    weights are ``kv_b_proj``'s rows quantized as here); the other attention modules run their
+    weights are ``kv_b_proj``'s rows quantized as here; with ``"gguf"``, the file's own
+    ``attn_k_b`` / ``attn_v_b`` blocks where it has them,
+    ``model._specmoe_mla_blocks`` as :func:`specmoe.from_pretrained` left it); the other
+    attention modules run their
     decode steps through the C attention kernel (:func:`specmoe.models.attention.use_c_attention`).
     Decode-sized forwards of ``model`` then run torch
     single-threaded (:class:`DecodeThreads`).
@@ -287,7 +290,9 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
             skipped_ids.add(id(sub))
     # absorbed before kv_b_proj is converted: with int8/int4 the absorbed weights are its rows
     # quantized as CLinear quantizes them, then kv_b_proj itself (the prefill path) converts
-    report.mla = absorb_mla(model, ctx=ctx, weights=fmt if fmt in ("int8", "int4") else None)
+    mla_blocks = model.__dict__.pop("_specmoe_mla_blocks", None) if fmt == "gguf" else None
+    report.mla = absorb_mla(model, ctx=ctx, weights=fmt if fmt in ("int8", "int4") else None,
+                            blocks=mla_blocks)
     report.attention = use_c_attention(model, ctx)
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and id(mod) not in skipped_ids]

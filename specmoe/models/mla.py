@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .. import _C
-from ..runtime.kernels import tensor_array
+from ..runtime.kernels import GGUF_BLOCKS, tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .layers import CLinear, adapter_active, fuse_qkv, int4_group, norm_weight, silu_mlp_parts
 from ..storage.quant import quantize_int4, quantize_int8
@@ -110,12 +110,26 @@ class _Absorbed:
     """One module's absorbed weights: the C kernel object (None without a kernel context) and
     the float W^UK [H, d_nope, r] / W^UV [H, d_v, r] the torch path reads (built when first
     needed).  ``fmt``: None (kv_b_proj's own float dtype), "int8" or "int4" (specmoe.storage.quant's
-    formats per row of kv_b_proj, the torch path reading their dequantized values)."""
+    formats per row of kv_b_proj, the torch path reading their dequantized values), or "gguf":
+    a GGUF file's attn_k_b / attn_v_b blocks (``mod._specmoe_mla_blocks``,
+    :meth:`specmoe.storage.gguf.GgufCheckpoint.mla_blocks`), read as the file holds them."""
 
-    def __init__(self, mod: nn.Module, w: torch.Tensor, fmt: str | None, ctx: Any, key: Any):
+    def __init__(self, mod: nn.Module, w: torch.Tensor | None, fmt: str | None, ctx: Any,
+                 key: Any):
         H, dn, dv, r = mod.num_heads, mod.qk_nope_head_dim, mod.v_head_dim, mod.kv_lora_rank
-        self.key, self.fmt, self.dtype, self.ctx = key, fmt, w.dtype, ctx
+        self.key, self.fmt, self.ctx = key, fmt, ctx
+        self.dtype = w.dtype if w is not None else torch.float32
         self._rope_dim, self._scale = mod.qk_rope_head_dim, float(mod.scaling)
+        if fmt == "gguf":
+            self._blocks = mod._specmoe_mla_blocks
+            k_b, _, v_b, _ = self._blocks
+            if k_b.shape[:2] != (H, r) or v_b.shape[:2] != (H, dv):
+                raise ValueError(f"GGUF attn_k_b {k_b.shape[:2]} / attn_v_b {v_b.shape[:2]} "
+                                 f"do not fit heads {H}, kv_lora_rank {r}, v_head_dim {dv}")
+            self._uk = self._uv = None
+            self._device = torch.device("cpu")
+            self.set_ctx(ctx)
+            return
         wv = w.detach().view(H, dn + dv, r)
         uk, uv = wv[:, :dn, :], wv[:, dn:, :]
         self.kernel = None
@@ -146,7 +160,12 @@ class _Absorbed:
         if self.fmt is None:
             raise AssertionError("float absorbed weights are rebuilt from kv_b_proj instead")
         self.kernel = None
-        if ctx is not None and self._device.type == "cpu":
+        if ctx is not None and self.fmt == "gguf":
+            from ..runtime.kernels import dtype_code
+            k_b, kk, v_b, vk = self._blocks
+            self.kernel = _C.MLADecode(ctx, k_b, v_b, self._rope_dim, self._scale,
+                                       blocks=(dtype_code(kk), dtype_code(vk)))
+        elif ctx is not None and self._device.type == "cpu":
             (quk, suk), (quv, suv) = self._q
             self.kernel = _C.MLADecode(ctx, quk, quv, self._rope_dim, self._scale, suk, suv)
 
@@ -164,6 +183,14 @@ class _Absorbed:
 
     def torch_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W^UK, W^UV as float tensors for the torch path (dequantized on first use)."""
+        if self._uk is None and self.fmt == "gguf":
+            from ..storage.ggml_blocks import dequantize
+            k_b, kk, v_b, vk = self._blocks
+            uk = dequantize(k_b.reshape(k_b.shape[0] * k_b.shape[1], -1, GGUF_BLOCKS[kk][1]))
+            uv = dequantize(v_b.reshape(v_b.shape[0] * v_b.shape[1], -1, GGUF_BLOCKS[vk][1]))
+            self._uk = torch.from_numpy(np.ascontiguousarray(
+                uk.reshape(k_b.shape[0], k_b.shape[1], -1).transpose(0, 2, 1))).to(self.dtype)
+            self._uv = torch.from_numpy(uv.reshape(v_b.shape[0], v_b.shape[1], -1)).to(self.dtype)
         if self._uk is None:
             deq = []
             for q, sc in self._q:
@@ -187,6 +214,13 @@ def _absorbed(mod: nn.Module) -> _Absorbed:
     ctx = getattr(mod, "_specmoe_mla_ctx", None)
     fmt = getattr(mod, "_specmoe_mla_fmt", None)
     cached = getattr(mod, "_specmoe_mla_w", None)
+    if fmt == "gguf":  # the file's blocks, whatever kv_b_proj (the prefill path's) is now
+        key = ("gguf", id(mod._specmoe_mla_blocks))
+        if cached is None or cached.key != key:
+            cached = mod._specmoe_mla_w = _Absorbed(mod, w, fmt, ctx, key)
+        elif cached.ctx is not ctx:
+            cached.set_ctx(ctx)
+        return cached
     if w is None:
         if cached is None:
             raise ValueError("absorbed MLA needs kv_b_proj's weights in f32/bf16 (an int8/int4 "
@@ -335,7 +369,9 @@ def _cache_of(a: dict[str, Any]) -> Any:
 
 def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
                kernel: str = "c", ctx: _C.KernelContext | None = None,
-               weights: str | None = None) -> list[str]:
+               weights: str | None = None,
+               blocks: dict[str, tuple[np.ndarray, str, np.ndarray, str]] | None = None
+               ) -> list[str]:
     """Decode ``model``'s MLA attention modules in the absorbed form (see the module
     docstring) for inputs of at most ``max_tokens`` tokens; returns the modules' names.
 
@@ -345,7 +381,10 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
     quantizes them, so that kv_b_proj itself can then be converted for prefill) or None (as
     kv_b_proj is: its float dtype, or, once it is int8/int4, the weights absorbed before).
     Idempotent; a second call changes the settings (the precision only while kv_b_proj is
-    float).  The KV cache and the prefill path stay transformers' own."""
+    float).  blocks: by attention module name, a GGUF file's attn_k_b / attn_v_b and their
+    kinds (:meth:`specmoe.storage.gguf.GgufCheckpoint.mla_blocks`): those modules read them as
+    the file holds them (``weights`` applies to the others).  The KV cache and the prefill
+    path stay transformers' own."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
     if kernel not in ("c", "torch"):
@@ -357,8 +396,20 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
         ctx = context()
     found = [(name, mod) for name, mod in model.named_modules() if is_mla_attention(mod)]
     fmts: list[str | None] = []
-    for _, mod in found:  # every module checked before any is changed: fails now, not at
+    blocks = blocks or {}
+    for name, mod in found:  # every module checked before any is changed: fails now, not at
         # the first token, if it cannot be absorbed
+        if name not in blocks and weights is None \
+                and getattr(mod, "_specmoe_mla_fmt", None) == "gguf":
+            fmts.append("gguf")  # a second call keeps the file's blocks
+            continue
+        if name in blocks:
+            k_b, kk, v_b, vk = blocks[name]
+            if kk not in GGUF_BLOCKS or vk not in GGUF_BLOCKS:
+                raise ValueError(f"{name}: GGUF blocks {kk!r} / {vk!r}: the kernels read "
+                                 f"{', '.join(GGUF_BLOCKS)}")
+            fmts.append("gguf")
+            continue
         fmts.append(weights)
         if _kv_b_weight(mod) is None:
             cached = getattr(mod, "_specmoe_mla_w", None)
@@ -373,9 +424,11 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
         if weights == "int4" and mod.kv_lora_rank % 32:
             raise ValueError(f"int4 absorbed MLA weights need kv_lora_rank "
                              f"({mod.kv_lora_rank}) divisible by 32")
-    for (_, mod), fmt in zip(found, fmts):
+    for (name, mod), fmt in zip(found, fmts):
         mod._specmoe_mla_ctx = ctx if kernel == "c" else None
         mod._specmoe_mla_fmt = fmt
+        if name in blocks:
+            mod._specmoe_mla_blocks = blocks[name]
         _absorbed(mod)
     done = []
     for name, mod in found:

@@ -661,6 +661,21 @@ def _dense_blocks(plan: _Plan) -> dict[str, tuple[Any, str]]:
     return out
 
 
+def _mla_blocks(plan: _Plan) -> dict[str, tuple[Any, ...]]:
+    """dense="gguf": each MLA attention's attn_k_b / attn_v_b blocks, by the attention
+    module's qualified name (:meth:`specmoe.storage.gguf.GgufCheckpoint.mla_blocks`), for
+    absorb_mla; empty for other files and for files with the joined attn_kv_b."""
+    if not hasattr(plan.ckpt, "mla_blocks"):
+        return {}
+    out = {}
+    for target, key in plan.dense.items():
+        if target.endswith(".kv_b_proj.weight"):
+            got = plan.ckpt.mla_blocks(key)
+            if got is not None:
+                out[target[:-len(".kv_b_proj.weight")]] = got
+    return out
+
+
 def _auto_gguf(plan: _Plan) -> bool:
     """dense="auto" on a GGUF file: its own blocks where "auto" would put the dense layers in
     C (a bf16 model on an AVX2 / AVX-512 CPU) and the file holds some of them in a kept
@@ -842,6 +857,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
         _load_dense(plan, skip={f"{n}.weight" for n in held})
         if dense == "gguf":  # taken by convert_dense when the Engine converts the layers
             plan.model.__dict__["_specmoe_dense_blocks"] = held
+            plan.model.__dict__["_specmoe_mla_blocks"] = _mla_blocks(plan)
     finally:
         plan.ckpt.close()
     model = plan.model

@@ -648,29 +648,12 @@ class GgufCheckpoint:
         BF16, Q5_1, the other IQ types) or the model's tensor is assembled from the file's
         otherwise (DeepSeek's ``kv_b_proj``, Qwen3.5's out_proj in K-quants).  A copy in memory
         of its own, not a view of the file's map."""
-        from .ggml_blocks import BLOCKS, widen_to_q8_0
 
         got = self.dense_kind(key)
         if got is None:
             return None
         kind, names = got[0], self._sources[key]
-        parts = []
-        for name in names:
-            t = self._tensors[name]
-            try:
-                raw = np.asarray(t.data)
-                rows = raw.shape[0]
-                if kind == "q8_0":  # Q8_0 as it is (a copy), Q5_0 widened, 4096 rows at a time
-                    blocks = np.empty((rows, int(t.shape[0]) // 32, 34), np.uint8)
-                    for r0 in range(0, rows, 4096):
-                        part = raw[r0:r0 + 4096]
-                        blocks[r0:r0 + part.shape[0]] = widen_to_q8_0(
-                            part.reshape(part.shape[0], -1), t.tensor_type.name)
-                else:
-                    blocks = np.array(raw.reshape(rows, -1, BLOCKS[kind][1]))
-            except (ValueError, IndexError, OSError) as exc:
-                raise GgufError(f"{self.folder}: cannot read tensor {name}: {exc}") from None
-            parts.append(blocks)
+        parts = [self._raw_blocks(name, kind) for name in names]
         blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
         rows_order, col_blocks = self._block_order(key, kind)
         if rows_order is not None:
@@ -678,6 +661,50 @@ class GgufCheckpoint:
         if col_blocks is not None:
             blocks = blocks[:, col_blocks]
         return np.ascontiguousarray(self._fix(key, blocks)), kind
+
+    def _raw_blocks(self, name: str, kind: str) -> np.ndarray:
+        """Tensor ``name``'s blocks as uint8 [rows, blocks a row, block bytes] (every dimension
+        but the first ggml one counted as rows), a copy; ``kind`` "q8_0" widens Q5_0 (4096
+        rows at a time)."""
+        from .ggml_blocks import BLOCKS, widen_to_q8_0
+
+        t = self._tensors[name]
+        try:
+            raw = np.asarray(t.data)
+            raw = raw.reshape(-1, raw.shape[-1])
+            rows = raw.shape[0]
+            if kind == "q8_0":  # Q8_0 as it is (a copy), Q5_0 widened
+                blocks = np.empty((rows, int(t.shape[0]) // 32, 34), np.uint8)
+                for r0 in range(0, rows, 4096):
+                    part = raw[r0:r0 + 4096]
+                    blocks[r0:r0 + part.shape[0]] = widen_to_q8_0(part, t.tensor_type.name)
+                return blocks
+            return np.array(raw.reshape(rows, -1, BLOCKS[kind][1]))
+        except (ValueError, IndexError, OSError) as exc:
+            raise GgufError(f"{self.folder}: cannot read tensor {name}: {exc}") from None
+
+    def mla_blocks(self, key: str) -> tuple[np.ndarray, str, np.ndarray, str] | None:
+        """DeepSeek's absorbed MLA weights as the file holds them, for ``dense="gguf"``: the
+        ``attn_k_b`` (uint8 [heads, kv_lora_rank, bytes a row]: each head's W^UK transposed,
+        rows of qk_nope_head_dim columns) and ``attn_v_b`` (uint8 [heads, v_head_dim, bytes a
+        row]) that llama.cpp's converter splits ``kv_b_proj`` (``key``) into, with their
+        kinds (Q5_0 widened to Q8_0 without loss), as ``specmoe._C.MLADecode(...,
+        blocks=...)`` reads them.  None for a file with the joined ``attn_kv_b`` (older
+        converters) or a type the block kernels do not read."""
+        from .ggml_blocks import TYPE_OF_GGML
+
+        names = self._sources.get(key)
+        if not key.endswith("kv_b_proj.weight") or not names or len(names) != 2 \
+                or not names[0].endswith(_KV_B_SPLIT[0]):
+            return None
+        ts = [self._tensors[n] for n in names]
+        kinds = [TYPE_OF_GGML.get(t.tensor_type.name) for t in ts]
+        if None in kinds or any(len(t.shape) != 3 for t in ts):
+            return None
+        heads = int(ts[0].shape[2])
+        k_b, v_b = (self._raw_blocks(n, k) for n, k in zip(names, kinds))
+        return (k_b.reshape(heads, int(ts[0].shape[1]), -1), kinds[0],
+                v_b.reshape(heads, int(ts[1].shape[1]), -1), kinds[1])
 
     def kept_blocks(self, dtype: str) -> str | None:
         """The GGUF types whose blocks a store in ``dtype`` holds bit for bit, or None: for
