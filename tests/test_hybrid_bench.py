@@ -1,7 +1,8 @@
 """benchmarks/hybrid_peers.py --quick --json: a smoke run of the Qwen3.5-MoE, Qwen3-Next and
 GLM-4.7-Flash same-file benchmark (the random GGUF written the converter's way, specmoe's row
-with the step split by part, and llama.cpp's row or the reason it did not run).  Run by
-`make test-bench`."""
+with the step split by part, and llama.cpp's row or the reason it did not run), and of
+benchmarks/mla_blocks.py --quick (MLA on a GGUF file's attn_k_b / attn_v_b blocks against bf16
+absorbed weights).  Run by `make test-bench`."""
 import json
 import os
 import subprocess
@@ -39,3 +40,19 @@ def test_quick_run_reads_one_file_on_both_sides(tmp_path, arch):
     # llama.cpp runs where it is built; otherwise its row says why (never dropped)
     assert ll["tok_per_s_runs"][0] or "llama-bench" in " ".join(ll["errors"] or []), ll
     assert len(s["vs_llama_cpp_runs"]) == (1 if ll["tok_per_s_runs"][0] else 0)
+
+
+def test_mla_blocks_quick_run_times_both_forms(tmp_path):
+    """benchmarks/mla_blocks.py --quick: the tiny DeepSeek-V3 GGUF file's attention on its
+    attn_k_b / attn_v_b blocks against bf16 absorbed from kv_b_proj, one round each."""
+    env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mla_blocks.py"), "--quick",
+                        "--json", "--threads", "1", "--workdir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["config"]["machine"]["cpu"] and out["config"]["file"]["quick"]
+    assert (out["config"]["mla"]["dtype"], out["config"]["mla"]["uv_dtype"]) == ("q4_0", "q4_0")
+    (row,) = out["rows"]
+    assert row["threads"] == 1 and row["gguf-blocks_tok_per_s_runs"][0] > 0
+    assert row["bf16-absorbed_tok_per_s_runs"][0] > 0 and row["blocks_vs_bf16_runs"][0] > 0
