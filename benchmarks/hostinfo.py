@@ -70,3 +70,19 @@ def host(threads: int | list[int] | None = None) -> dict[str, Any]:
     if threads is not None:
         d["threads"] = threads
     return d
+
+
+def emit(res: dict[str, Any], save: str | None, as_json: bool) -> None:
+    """A benchmark's result: written to ``save`` when given, printed as one JSON object
+    (``as_json``) or as its rows one per line."""
+    import json
+    from pathlib import Path
+
+    text = json.dumps(res, indent=1)
+    if save:
+        Path(save).write_text(text + "\n")
+    if as_json:
+        print(text)
+    else:
+        for r in res.get("rows", []):
+            print(r)

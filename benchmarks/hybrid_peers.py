@@ -337,14 +337,7 @@ def main() -> None:
                       "dense": next((r["specmoe"].get("dense") for r in rounds
                                      if "dense" in r["specmoe"]), None)},
            "rows": rows}
-    text = json.dumps(res, indent=1)
-    if a.save:
-        Path(a.save).write_text(text + "\n")
-    if a.json:
-        print(text)
-    else:
-        for r in rows:
-            print(r)
+    hostinfo.emit(res, a.save, a.json)
 
 
 if __name__ == "__main__":

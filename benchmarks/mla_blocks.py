@@ -28,7 +28,6 @@ run.  The results name the host (CPU model, ISA, threads).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -135,14 +134,7 @@ def main() -> None:
                       "prompt_tokens": PROMPT, "decode_tokens": DECODE, "rounds": a.rounds,
                       "machine": hostinfo.host(threads)},
            "rows": rows}
-    text = json.dumps(res, indent=1)
-    if a.save:
-        Path(a.save).write_text(text + "\n")
-    if a.json:
-        print(text)
-    else:
-        for r in rows:
-            print(r)
+    hostinfo.emit(res, a.save, a.json)
 
 
 if __name__ == "__main__":

@@ -44,9 +44,10 @@ import torch
 from torch import nn
 
 from .. import _C
-from ..runtime.kernels import GGUF_BLOCKS, tensor_array
+from ..runtime.kernels import GGUF_BLOCKS, dtype_code, tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .layers import CLinear, adapter_active, fuse_qkv, int4_group, norm_weight, silu_mlp_parts
+from ..storage.ggml_blocks import dequantize
 from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_attention",
@@ -161,7 +162,6 @@ class _Absorbed:
             raise AssertionError("float absorbed weights are rebuilt from kv_b_proj instead")
         self.kernel = None
         if ctx is not None and self.fmt == "gguf":
-            from ..runtime.kernels import dtype_code
             k_b, kk, v_b, vk = self._blocks
             self.kernel = _C.MLADecode(ctx, k_b, v_b, self._rope_dim, self._scale,
                                        blocks=(dtype_code(kk), dtype_code(vk)))
@@ -184,7 +184,6 @@ class _Absorbed:
     def torch_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W^UK, W^UV as float tensors for the torch path (dequantized on first use)."""
         if self._uk is None and self.fmt == "gguf":
-            from ..storage.ggml_blocks import dequantize
             k_b, kk, v_b, vk = self._blocks
             uk = dequantize(k_b.reshape(k_b.shape[0] * k_b.shape[1], -1, GGUF_BLOCKS[kk][1]))
             uv = dequantize(v_b.reshape(v_b.shape[0] * v_b.shape[1], -1, GGUF_BLOCKS[vk][1]))
