@@ -6,7 +6,7 @@
  * Build and run from the repository root:
  *
  *   K=csrc/kernels; gcc -O3 -std=c11 -D_GNU_SOURCE -Icsrc -I$K -o /tmp/mla_decode \
- *       benchmarks/c/mla_decode.c $K/*.c csrc/common.c -lm -lpthread
+ *       benchmarks/c/mla_decode.c $K/[a-z]*.c csrc/common.c -lm -lpthread
  *   (every kernel file: GGUF block weights run through the block rows of ffn_blocks.c)
  *   /tmp/mla_decode S [threads] [reps]     # S cached positions
  *
