@@ -362,8 +362,8 @@ def test_kv_buffers_read_as_transformers_cache(monkeypatch, dt):
     spare room: after decode steps that outgrow them (spare room forced down to 2 positions),
     a crop (speculative decoding's rollback) and more steps, the cache holds exactly what the
     unfused model's cache holds, and the logits agree."""
-    import specmoe.runtime.kvcache as kvcache
-    monkeypatch.setattr(kvcache, "_KV_SPARE", 2)
+    from specmoe.runtime import memplan
+    monkeypatch.setattr(memplan, "KV_SPARE", 2)
     base = tiny_model("qwen3_moe", dtype=dt)
     fmt = "f32" if dt == torch.float32 else "bf16"
     a, b = copy.deepcopy(base), copy.deepcopy(base)

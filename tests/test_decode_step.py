@@ -355,9 +355,9 @@ def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
     cropped, when the Engine's cache is rebuilt; set aside while a layer has a hook (that step
     runs the hook); and every step's logits and cache are the model's own."""
     from specmoe.models import decode_step
-    from specmoe.runtime import kvcache
+    from specmoe.runtime import memplan
     monkeypatch.setattr(decode_step, "_PLAN_MIN_POSITIONS", 8)   # tables run out at S = 8
-    monkeypatch.setattr(kvcache, "_KV_SPARE", 4)                 # and KV buffers often
+    monkeypatch.setattr(memplan, "KV_SPARE", 4)                  # and KV buffers often
     model, eng = _offloaded(arch, torch.float32)
     try:
         step = model._specmoe_decode_step

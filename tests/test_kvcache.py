@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from specmoe.runtime import kvcache
+from specmoe.runtime import kvcache, memplan
 from specmoe.runtime.kvcache import BufferedLayer, kv_advance, kv_append, kv_buffers
 
 # (heads, key width, value width): attention's keys and values; MLA's latent and rotary key
@@ -75,7 +75,7 @@ def test_buffered_cache_follows_transformers_operations(monkeypatch, shape, dtyp
     with steps at batch 2 (buffered at that size), batch_select_indices back to batch 1, reset
     and a new prefill: after
     each, the keys/values are a plain DynamicCache's, bit for bit."""
-    monkeypatch.setattr(kvcache, "_KV_SPARE", 3)
+    monkeypatch.setattr(memplan, "KV_SPARE", 3)
     gen = torch.Generator().manual_seed(1)
     got, want = _pair(gen, shape, dtype)
     _check(got, want)
@@ -207,7 +207,7 @@ def test_appends_within_capacity_copy_only_their_positions():
     _append(gen, got, want, 1, shape, dtype)
     kb, vb = lay.buffers
     cap = kb.shape[2]
-    assert cap >= kvcache._KV_SPARE
+    assert cap >= memplan.KV_SPARE
     ptrs = (kb.data_ptr(), vb.data_ptr())
     while got.get_seq_length() + 2 <= cap:
         _append(gen, got, want, 1, shape, dtype)

@@ -14,7 +14,8 @@ from specmoe.runtime.memplan import MachineRates, ModelSizes, plan_memory
 GiB = 1 << 30
 SIZES = ModelSizes(dense_params=1_000_000_000, other_params=300_000_000, param_bytes=2.0,
                    num_layers=26, num_experts=64, top_k=6, block_bytes=4_595_712,
-                   kv_bytes_per_token=100_000, model_dtype="bf16")
+                   kv_bytes_per_token=100_000, model_dtype="bf16", mla_params=20_000_000,
+                   kv_windows=((50_000, 128), (50_000, 128)), kv_state_bytes=3_000_000)
 
 
 def reference(sizes, budget, rates, opts, max_tokens=2048, reserve=512 << 20, predictor=0):
@@ -28,9 +29,18 @@ def reference(sizes, budget, rates, opts, max_tokens=2048, reserve=512 << 20, pr
     out = {}
     for d in opts:
         # gguf: the file's blocks, which never load at the model's dtype
-        db = sizes.gguf_dense_bytes if d == "gguf" else math.ceil(sizes.dense_params * per[d])
+        # (and the absorbed MLA copy of kv_b_proj in the same format, or the file's blocks)
+        mla = (sizes.gguf_mla_bytes if sizes.gguf_mla_bytes is not None
+               else sizes.mla_params * sizes.param_bytes) if d == "gguf" else math.ceil(
+            (sizes.dense_params + sizes.mla_params) * per[d]) - math.ceil(
+            sizes.dense_params * per[d])
+        db = (sizes.gguf_dense_bytes if d == "gguf"
+              else math.ceil(sizes.dense_params * per[d])) + mla
         fixed = reserve + int(sizes.other_params * sizes.param_bytes) + predictor
-        room = budget - fixed - sizes.kv_bytes_per_token * max_tokens - db
+        # the KV buffers' spare room: a quarter, at least 256 positions (kvcache.room)
+        kv = sizes.kv_bytes_per_token * (max_tokens + max(256, max_tokens // 4)) \
+            + sum(b * min(w, max_tokens) for b, w in sizes.kv_windows) + sizes.kv_state_bytes
+        room = budget - fixed - kv - db
         slots = min(S, room // sizes.block_bytes) if room > 0 else 0
         loads = fixed + (db if d == "gguf" else sizes.dense_params * sizes.param_bytes)
         if slots < sizes.top_k or loads > budget:
@@ -71,7 +81,8 @@ def test_a_gguf_files_own_blocks_are_planned_by_the_same_rule(budget_gib, gguf_r
     blocks' kernel, and the first pick of a near tie (they are the weights the file holds)."""
     import dataclasses
 
-    sizes = dataclasses.replace(SIZES, gguf_dense_bytes=600_000_000, gguf_kind="q4_0")
+    sizes = dataclasses.replace(SIZES, gguf_dense_bytes=600_000_000, gguf_kind="q4_0",
+                                gguf_mla_bytes=6_000_000)
     rates = MachineRates(dense_rate={"bf16": 10e9, "int8": 10e9, "gguf": gguf_rate},
                          expert_s=140e-6, load_s=4e-3)
     budget = int(budget_gib * GiB)
@@ -172,9 +183,126 @@ def test_model_sizes_counts_what_the_dense_kernels_convert():
     assert s.dense_params == dense
     assert s.other_params == sum(v.numel() for v in sd.values()) - dense - routed
     c = m.config
-    assert s.kv_bytes_per_token == 3 * 4 * (c.qk_nope_head_dim + c.qk_rope_head_dim
-                                            + c.v_head_dim) * 4  # f32 model
+    # transformers caches MLA's latent and rotary key, one "head" a layer (f32 model)
+    assert s.kv_bytes_per_token == 3 * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert (s.kv_windows, s.kv_state_bytes) == ((), 0)
+    # kv_b_proj once more: the absorbed decode form's copy (specmoe.models.mla)
+    assert s.mla_params == sum(v.numel() for k, v in sd.items() if "kv_b_proj.weight" in k) > 0
+    assert s.dense_format_bytes("bf16") == memplan.dense_bytes(dense + s.mla_params, "bf16")
     assert (s.param_bytes, s.model_dtype) == (4.0, "f32")
+
+
+def _cache_bytes(cache):
+    """Bytes of every tensor one sequence's cache holds: keys / values (a specmoe
+    BufferedLayer's whole buffers, spare room included), linear-attention states."""
+    torch = pytest.importorskip("torch")
+    seen, total = set(), 0
+    for lay in cache.layers:
+        parts = [getattr(lay, "_kbuf", None), getattr(lay, "_vbuf", None)]
+        if parts[0] is None:
+            parts = [getattr(lay, "keys", None), getattr(lay, "values", None)]
+        for d in ("conv_states", "recurrent_states"):
+            parts += list((getattr(lay, d, None) or {}).values())
+        for t in parts:
+            if isinstance(t, torch.Tensor) and t.numel() and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "deepseek_v2", "gpt_oss", "qwen3_next"])
+def test_kv_layout_is_what_transformers_cache_holds(arch):
+    """The plan's KV bytes against transformers' own DynamicCache after a prompt and a decode
+    step of n positions: attention layers (OLMoE), MLA's latent (DeepSeek-V2), sliding-window
+    layers at their window (GPT-OSS's window of 64 here, n below and above it), the linear-
+    attention layers' fixed states (Qwen3-Next)."""
+    torch = pytest.importorskip("torch")
+    from transformers import DynamicCache
+
+    from specmoe.models.testing import tiny_model
+
+    m = tiny_model(arch, layers=4, experts=8, top_k=2, hidden=64, inter=32,
+                   dtype=torch.bfloat16)
+    per, windows, state = memplan.kv_layout(m.config, 2)
+    assert bool(windows) == (arch == "gpt_oss") and bool(state) == (arch == "qwen3_next")
+    for n in (6, 90):
+        cache = DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(torch.randint(0, 100, (1, n - 1)), cache=cache, use_cache=True)
+            m(torch.randint(0, 100, (1, 1)), cache=cache, use_cache=True)
+        held = _cache_bytes(cache)
+        planned = per * n + sum(b * min(n, w) for b, w in windows) + state
+        # (a sliding layer keeps window - 1 positions, and holds the window while it updates)
+        assert held <= planned <= held + sum(b for b, _ in windows), (n, held, planned)
+
+
+def test_kv_bytes_bounds_the_buffered_cache(tmp_path):
+    """What specmoe's decode holds (the absorbed MLA path appending into BufferedLayers with
+    spare room): at most ModelSizes.kv_bytes of those positions, and at least their bytes."""
+    torch = pytest.importorskip("torch")
+    from transformers import DynamicCache
+
+    import specmoe
+    from specmoe.models.testing import save_checkpoint, tiny_model
+
+    m = tiny_model("deepseek_v2", layers=3, experts=8, top_k=2, hidden=64, inter=32,
+                   dtype=torch.bfloat16)
+    s = memplan.model_sizes(m, num_layers=2, num_experts=8, top_k=2, block_bytes=1)
+    model = specmoe.from_pretrained(save_checkpoint(m, tmp_path / "c"), dtype="bf16",
+                                    cache=1.0, dense="bf16", store=tmp_path / "s.smoe",
+                                    progress=False)
+    try:
+        cache = DynamicCache(config=model.config)
+        out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=12, do_sample=False,
+                             cache=cache)
+        n = out.shape[1] - 1  # (the last token is not in the cache yet)
+        assert any(type(lay).__name__ == "BufferedLayer" for lay in cache.layers)
+        held = _cache_bytes(cache)
+        assert s.kv_bytes_per_token * n <= held <= s.kv_bytes(n), (held, s.kv_bytes(n))
+    finally:
+        specmoe.engine_of(model).close()
+    assert s.kv_bytes(n) == s.kv_bytes_per_token * (n + memplan.KV_SPARE)
+    assert memplan.kv_capacity(4000) == 5000
+
+
+def test_absorbed_mla_weights_are_planned(tmp_path):
+    """The absorbed MLA weights the converted model holds are the plan's mla bytes: bf16
+    copies of kv_b_proj (dense="bf16"); a GGUF file's attn_k_b / attn_v_b blocks as the
+    file holds them (dense="gguf", heads of 32 nope columns: whole Q4_0 blocks)."""
+    torch = pytest.importorskip("torch")
+    import gguf
+
+    import specmoe
+    from specmoe.models.testing import save_checkpoint, save_gguf, tiny_model
+    from specmoe.storage.gguf import GgufCheckpoint
+
+    m = tiny_model("deepseek_v2", layers=3, experts=8, top_k=2, hidden=64, inter=32,
+                   dtype=torch.bfloat16)
+    s = memplan.model_sizes(m, num_layers=2, num_experts=8, top_k=2, block_bytes=1)
+    model = specmoe.from_pretrained(save_checkpoint(m, tmp_path / "c"), dtype="bf16",
+                                    cache=1.0, dense="bf16", store=tmp_path / "s.smoe",
+                                    progress=False)
+    try:
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
+        held = [mod._specmoe_mla_w for mod in model.modules()
+                if getattr(mod, "_specmoe_mla_w", None) is not None]
+        assert len(held) == 3
+        got = sum(t.numel() * t.element_size() for a in held for t in (a._uk, a._uv))
+        assert got == int(s.mla_params * 2) > 0
+    finally:
+        specmoe.engine_of(model).close()
+
+    v3 = tiny_model("deepseek_v3", layers=3, experts=8, top_k=2, hidden=64, inter=32,
+                    overrides={"qk_nope_head_dim": 32})
+    path, _ = save_gguf(v3, tmp_path / "d.gguf", qtype="Q4_0")
+    ck = GgufCheckpoint.open(path)
+    by_name = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for i in range(3):
+        key = f"model.layers.{i}.self_attn.kv_b_proj.weight"
+        k_b, kk, v_b, vk = ck.mla_blocks(key)
+        assert (kk, vk) == ("q4_0", "q4_0")
+        file_bytes = sum(int(by_name[f"blk.{i}.attn_{x}_b.weight"].n_bytes) for x in "kv")
+        assert ck.mla_nbytes(key) == k_b.nbytes + v_b.nbytes == file_bytes
 
 
 def test_from_pretrained_plans_to_the_budget(tmp_path, capsys, monkeypatch):

@@ -692,11 +692,16 @@ def _auto_gguf(plan: _Plan) -> bool:
 
 
 def _gguf_dense_sizes(plan: _Plan, param_bytes: float) -> dict[str, Any]:
-    """The memory plan's ``gguf_dense_bytes`` and ``gguf_kind`` (ModelSizes) of a GGUF
-    file, from its tensor table: the layers :func:`_dense_blocks` would hold as blocks at
-    their blocks' bytes, the other convertible layers at the model's dtype."""
-    total, by_kind = 0, {}
-    for _, key, mod in _dense_linears(plan):
+    """The memory plan's ``gguf_dense_bytes``, ``gguf_kind`` and ``gguf_mla_bytes``
+    (ModelSizes) of a GGUF file, from its tensor table: the layers :func:`_dense_blocks` would
+    hold as blocks at their blocks' bytes, the other convertible layers at the model's dtype;
+    the absorbed MLA weights as the file's attn_k_b / attn_v_b blocks (:func:`_mla_blocks`),
+    else at the model's dtype."""
+    total, by_kind, mla = 0, {}, 0
+    for name, key, mod in _dense_linears(plan):
+        if name.endswith(".kv_b_proj"):
+            got_mla = plan.ckpt.mla_nbytes(key) if hasattr(plan.ckpt, "mla_nbytes") else None
+            mla += got_mla if got_mla is not None else int(mod.weight.numel() * param_bytes)
         got = plan.ckpt.dense_kind(key)
         if got is not None and _fits(got[0], mod, mod.out_features, got[1]):
             total += got[1]
@@ -704,7 +709,7 @@ def _gguf_dense_sizes(plan: _Plan, param_bytes: float) -> dict[str, Any]:
         else:
             total += int(mod.weight.numel() * param_bytes)
     kind = max(by_kind, key=by_kind.get) if by_kind else None
-    return {"gguf_dense_bytes": int(total), "gguf_kind": kind}
+    return {"gguf_dense_bytes": int(total), "gguf_kind": kind, "gguf_mla_bytes": int(mla)}
 
 
 def _token_pieces(eng: Any, path: str | os.PathLike[str]) -> None:

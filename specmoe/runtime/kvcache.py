@@ -18,10 +18,10 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .kernels import tensor_array
+from .memplan import kv_capacity
 
 __all__ = ["BufferedLayer", "kv_advance", "kv_append", "kv_buffers", "kv_views"]
 
-_KV_SPARE = 256  # positions of spare room at least, when a layer is (re)buffered
 
 # a BufferedLayer's own attributes: the cache and its buffers (everything else is DynamicLayer's)
 _OWNED = ("_keys", "_values", "_kbuf", "_vbuf", "_ka", "_va")
@@ -51,7 +51,7 @@ class BufferedLayer(DynamicLayer):
 
     The layer is the buffers' one owner, and its own methods keep keys/values views of them:
     :meth:`update` at the buffers' batch size (writing the new positions; when the room runs
-    out, new buffers a quarter larger, at least ``_KV_SPARE`` positions of spare room, the
+    out, new buffers a quarter larger, at least ``memplan.KV_SPARE`` positions of spare room, the
     cache copied in),
     :meth:`crop` (a shorter view), :meth:`set_length` (the one-call layers, which write into
     the buffers themselves: :func:`kv_buffers`).  Anything else that assigns ``keys`` or
@@ -64,7 +64,7 @@ class BufferedLayer(DynamicLayer):
     shallow copy and a pickled layer hold the cached positions unbuffered: never buffers shared
     with another layer, whose appends would write the same positions.
 
-    The buffers hold up to a quarter (at least ``_KV_SPARE`` positions) more memory than the
+    The buffers hold up to a quarter (at least ``memplan.KV_SPARE`` positions) more memory than the
     cache itself."""
 
     _keys: torch.Tensor | None = None    # what keys/values read: views of the buffers, or
@@ -155,7 +155,7 @@ class BufferedLayer(DynamicLayer):
                 return S
         elif S and not (_alike(keys, k) and _alike(values, v)):
             return None
-        cap = S + T + max(_KV_SPARE, (S + T) // 4)
+        cap = kv_capacity(S + T)  # (the memory plan counts the same room)
         kt = torch.empty(*k.shape[:2], cap, k.shape[3], dtype=k.dtype, device=k.device)
         vt = torch.empty(*v.shape[:2], cap, v.shape[3], dtype=v.dtype, device=v.device)
         if S:

@@ -9,11 +9,13 @@ The rule.  The budget holds, besides the expert cache: a reserve for the interpr
 and the working buffers (for a given budget, which holds the whole process: what the process
 holds when it plans plus 512 MiB, at least 512 MiB as ``benchmarks/big_model.py`` budgets;
 for ``"auto"``, whose headroom already leaves out what the process holds, 512 MiB), the KV
-cache of ``max_tokens`` tokens, the weights the dense kernels never convert (embeddings, norms,
-routers: at the model's dtype), with ``prefetch="learned"`` the next-use model's
-token-prior table (25 MB for DeepSeek-V2-Lite's shape,
+cache of ``max_tokens`` tokens (:meth:`ModelSizes.kv_bytes`: what transformers' cache
+holds, with the spare room of specmoe's KV buffers), the weights the dense kernels never
+convert (embeddings, norms, routers: at the model's dtype), with ``prefetch="learned"``
+the next-use model's token-prior table (25 MB for DeepSeek-V2-Lite's shape,
 :func:`specmoe.sim.nextuse.prior_table_bytes`), and the convertible dense weights
-(attention, shared and dense MLPs, lm_head) in format ``d`` (they load at the model's dtype
+(attention, shared and dense MLPs, lm_head; an MLA model's ``kv_b_proj`` twice, the absorbed
+decode copy beside the prefill matrix) in format ``d`` (they load at the model's dtype
 and are converted before the cache takes its memory, so the budget must also hold them once
 at that dtype).  For every
 ``d`` of ``dense_options`` (default: the exact format of the model's weights, and int8 per row;
@@ -49,9 +51,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["HIT_CURVE", "EXACT_MARGIN", "RESERVE", "WORK_MARGIN", "MemoryPlan", "ModelSizes",
-           "MachineRates", "plan_memory", "memory_budget", "memory_limit", "model_sizes",
-           "measure_rates", "process_reserve", "trim_heap"]
+__all__ = ["HIT_CURVE", "EXACT_MARGIN", "KV_SPARE", "RESERVE", "WORK_MARGIN", "MemoryPlan",
+           "ModelSizes", "MachineRates", "kv_capacity", "plan_memory", "memory_budget",
+           "memory_limit", "model_sizes", "kv_layout", "measure_rates", "process_reserve",
+           "trim_heap"]
 
 MiB = 1 << 20
 #: The budget's fixed part: interpreter, torch, the kernels' buffers.
@@ -77,8 +80,14 @@ class ModelSizes:
     (``dense_params``: attention, shared and dense MLPs, lm_head) and of the rest outside the
     routed experts (``other_params``: embeddings, norms, routers) with their dtype's bytes per
     parameter (``param_bytes``), the routed experts (``num_layers`` MoE layers x
-    ``num_experts``, ``top_k`` per token, ``block_bytes`` per expert in the store), and the
-    KV cache's bytes per token (``kv_bytes_per_token``)."""
+    ``num_experts``, ``top_k`` per token, ``block_bytes`` per expert in the store), and one
+    sequence's KV cache (:meth:`kv_bytes`): ``kv_bytes_per_token`` of the layers that keep
+    every position, ``kv_windows`` (bytes a position, positions kept) of each sliding-window
+    layer, ``kv_state_bytes`` of fixed state (linear-attention layers).  ``mla_params``: the
+    parameters of the MLA attentions' ``kv_b_proj``, which the dense formats hold twice (the
+    absorbed decode form's W^UK / W^UV beside the prefill path's matrix,
+    specmoe.models.mla); ``gguf_mla_bytes`` their absorbed copy's bytes with ``dense="gguf"``
+    (a file's own ``attn_k_b`` / ``attn_v_b`` blocks, else the model's dtype)."""
 
     dense_params: int
     other_params: int
@@ -94,6 +103,31 @@ class ModelSizes:
     # holding most of them (whose kernel rate stands for all); None: not a GGUF file
     gguf_dense_bytes: int | None = None
     gguf_kind: str | None = None
+    kv_windows: tuple[tuple[int, int], ...] = ()
+    kv_state_bytes: int = 0
+    mla_params: int = 0
+    gguf_mla_bytes: int | None = None
+
+    def kv_bytes(self, tokens: int) -> int:
+        """One sequence's KV cache at ``tokens`` positions as the process holds it: the layers
+        that keep every position in buffers with their spare room (:func:`kv_capacity`),
+        each sliding-window layer at most its window, the fixed states."""
+        n = int(tokens)
+        return (self.kv_bytes_per_token * kv_capacity(n)
+                + sum(b * min(n, w) for b, w in self.kv_windows) + self.kv_state_bytes)
+
+    def dense_format_bytes(self, fmt: str) -> int:
+        """The dense weights' bytes in format ``fmt`` (:func:`dense_bytes`; "gguf":
+        ``gguf_dense_bytes``), with the absorbed MLA copy of ``kv_b_proj`` in that format."""
+        if fmt == "gguf":
+            if self.gguf_dense_bytes is None:
+                raise ValueError("dense format 'gguf': the model's sizes carry no GGUF dense "
+                                 "bytes (a GGUF file's plan only)")
+            mla = self.gguf_mla_bytes
+            if mla is None:
+                mla = int(self.mla_params * self.param_bytes)
+            return self.gguf_dense_bytes + mla
+        return dense_bytes(self.dense_params + self.mla_params, fmt)
 
 
 @dataclass(frozen=True)
@@ -157,6 +191,19 @@ def hit_rate(fraction: float) -> float:
     return float(np.interp(f, xs, ys))
 
 
+#: Positions of spare room a buffered KV layer takes at least when it grows
+#: (specmoe.runtime.kvcache.BufferedLayer, which reads it here).
+KV_SPARE = 256
+
+
+def kv_capacity(positions: int) -> int:
+    """The most positions a buffered KV layer holds room for while it holds ``positions``:
+    it grows, when full, to what it must hold plus a quarter of that, at least
+    :data:`KV_SPARE` more (specmoe.runtime.kvcache.BufferedLayer.room)."""
+    n = int(positions)
+    return n + max(KV_SPARE, n // 4)
+
+
 def dense_bytes(params: int, fmt: str) -> int:
     """Bytes of ``params`` dense weights in format ``fmt`` (int8: a float scale per row of
     2048; int4: groups of 128 with a float scale)."""
@@ -179,22 +226,20 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
         raise ValueError(f"memory budget must be positive, got {budget}")
     opts = list(dense_options) if dense_options else [sizes.model_dtype, "int8"]
     for d in opts:
-        if d == "gguf" and sizes.gguf_dense_bytes is None:
-            raise ValueError("dense format 'gguf': the model's sizes carry no GGUF dense bytes "
-                             "(a GGUF file's plan only)")
+        if d == "gguf":
+            sizes.dense_format_bytes(d)  # (raises without GGUF dense bytes)
         if d not in _BYTES_PER_PARAM and d != "gguf":
             raise ValueError(f"dense format {d!r}: choose from "
                              f"{sorted(_BYTES_PER_PARAM) + ['gguf']}")
         if d not in rates.dense_rate:
             raise ValueError(f"no measured rate for dense format {d!r}")
     S = sizes.num_layers * sizes.num_experts
-    kv = sizes.kv_bytes_per_token * max_tokens
+    kv = sizes.kv_bytes(max_tokens)
     other = int(sizes.other_params * sizes.param_bytes)
     held = reserve + int(predictor) + other  # whatever the dense format and the cache
     cands = []
     for d in dict.fromkeys(opts):
-        db = sizes.gguf_dense_bytes if d == "gguf" else dense_bytes(sizes.dense_params, d)
-        assert db is not None
+        db = sizes.dense_format_bytes(d)
         # loading: the dense weights arrive at the model's dtype and are converted before the
         # cache takes its slots, so the budget must hold them once as they are (gguf: the
         # layers held as blocks are never dequantized, the rest arrive as they stay)
@@ -355,11 +400,12 @@ def model_sizes(model: Any, *, num_layers: int, num_experts: int, top_k: int,
     """:class:`ModelSizes` of a transformers MoE model (on the meta device or not) whose routed
     experts are the parameters under an ``experts`` module: the ``nn.Linear`` weights elsewhere
     are the convertible dense weights, except routers (a ``gate``/``router`` linear with one
-    output per expert); the rest (embeddings, norms, biases, routers) stays as it is.  KV
-    bytes per token: what transformers' cache keeps per layer, keys and values of every head
-    at the model's dtype (DeepSeek-V2's MLA: heads x (qk_nope + qk_rope + v_head) values)."""
+    output per expert); the rest (embeddings, norms, biases, routers) stays as it is.  The
+    MLA attentions' ``kv_b_proj`` weights count once more as ``mla_params`` (their absorbed
+    copy).  The KV cache as :func:`kv_layout` reads the config."""
     from torch import nn
-    dense = other = 0
+    from ..models.mla import is_mla_layout
+    dense = other = mla = 0
     seen: set[int] = set()
     for name, mod in model.named_modules():
         parts = name.split(".")
@@ -370,25 +416,57 @@ def model_sizes(model: Any, *, num_layers: int, num_experts: int, top_k: int,
         if isinstance(mod, nn.Linear) and not router:
             dense += mod.weight.numel()
             seen.add(id(mod.weight))
+        if is_mla_layout(mod) and isinstance(getattr(mod, "kv_b_proj", None), nn.Linear):
+            mla += mod.kv_b_proj.weight.numel()
     for p in model.parameters():
         if id(p) not in seen:
             other += p.numel()
             seen.add(id(p))
-    cfg = model.config
     dt = next(model.parameters()).dtype
     pb = float(dt.itemsize) if hasattr(dt, "itemsize") else 2.0
-    layers = int(cfg.num_hidden_layers)
-    if getattr(cfg, "kv_lora_rank", None):
-        per_layer = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-                                               + cfg.v_head_dim)
-    else:
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_layer = 2 * getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * hd
+    per_token, windows, state = kv_layout(model.config, int(pb))
     name = {4.0: "f32", 2.0: "bf16"}.get(pb, "bf16")
     return ModelSizes(dense_params=int(dense), other_params=int(other), param_bytes=pb,
                       num_layers=num_layers, num_experts=num_experts, top_k=top_k,
-                      block_bytes=int(block_bytes), kv_bytes_per_token=int(per_layer * layers * pb),
+                      block_bytes=int(block_bytes), kv_bytes_per_token=per_token,
+                      kv_windows=windows, kv_state_bytes=state, mla_params=int(mla),
                       model_dtype=name)
+
+
+def kv_layout(cfg: Any, dtype_bytes: int) -> tuple[int, tuple[tuple[int, int], ...], int]:
+    """One sequence's cache as transformers' ``DynamicCache`` holds it for a model of config
+    ``cfg`` at ``dtype_bytes`` a value: (bytes a position of the layers that keep every
+    position, ((bytes a position, positions kept), ...) of the sliding-window layers, bytes of
+    fixed state).  An attention layer keeps keys and values of every key/value head; an MLA
+    layer (DeepSeek-V2/V3) its latent and rotary key, ``kv_lora_rank + qk_rope_head_dim``
+    values; a ``sliding_attention`` layer at most ``sliding_window`` positions; a
+    ``linear_attention`` layer of Qwen3-Next's form (``linear_*`` settings) no positions but
+    its short-convolution state (``2 key + value`` channels by the kernel width, at the
+    model's dtype) and its f32 recurrent state (value heads x key dim x value dim).  Other
+    layer types (Mamba, short-convolution layers) are counted as attention layers: more than
+    they hold."""
+    layers = int(cfg.num_hidden_layers)
+    types = list(getattr(cfg, "layer_types", None) or ())[:layers]
+    types += ["full_attention"] * (layers - len(types))
+    if getattr(cfg, "kv_lora_rank", None):
+        per = (int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)) * dtype_bytes
+    else:
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kvh = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        per = 2 * int(kvh) * int(hd) * dtype_bytes
+    window = getattr(cfg, "sliding_window", None)
+    full, windows, state = 0, [], 0
+    for t in types:
+        if t == "sliding_attention" and window:
+            windows.append((per, int(window)))
+        elif t == "linear_attention" and getattr(cfg, "linear_num_value_heads", None):
+            hk, dk = int(cfg.linear_num_key_heads), int(cfg.linear_key_head_dim)
+            hv, dv = int(cfg.linear_num_value_heads), int(cfg.linear_value_head_dim)
+            conv = (2 * hk * dk + hv * dv) * int(cfg.linear_conv_kernel_dim) * dtype_bytes
+            state += conv + hv * dk * dv * 4
+        else:
+            full += per
+    return full, tuple(windows), state
 
 
 def measure_rates(sizes: ModelSizes, expert_dtype: str, *, hidden: int, inter: int,

@@ -691,6 +691,34 @@ class GgufCheckpoint:
         kinds (Q5_0 widened to Q8_0 without loss), as ``specmoe._C.MLADecode(...,
         blocks=...)`` reads them.  None for a file with the joined ``attn_kv_b`` (older
         converters) or a type the block kernels do not read."""
+        split = self._mla_split(key)
+        if split is None:
+            return None
+        names, kinds = split
+        ts = [self._tensors[n] for n in names]
+        heads = int(ts[0].shape[2])
+        k_b, v_b = (self._raw_blocks(n, k) for n, k in zip(names, kinds))
+        return (k_b.reshape(heads, int(ts[0].shape[1]), -1), kinds[0],
+                v_b.reshape(heads, int(ts[1].shape[1]), -1), kinds[1])
+
+    def mla_nbytes(self, key: str) -> int | None:
+        """The bytes :meth:`mla_blocks` would give for ``key``, read from the tensor table only
+        (no data): the memory plan's absorbed MLA weights with ``dense="gguf"``."""
+        from .ggml_blocks import BLOCKS
+
+        split = self._mla_split(key)
+        if split is None:
+            return None
+        total = 0
+        for n, kind in zip(*split):
+            t = self._tensors[n]
+            cols, nbytes = BLOCKS[kind]
+            total += int(np.prod([int(d) for d in t.shape])) // cols * nbytes
+        return total
+
+    def _mla_split(self, key: str) -> tuple[list[str], list[str]] | None:
+        """The attn_k_b / attn_v_b names and block kinds (Q5_0 as the Q8_0 it widens to) of
+        MLA weight ``key``, or None (see :meth:`mla_blocks`)."""
         from .ggml_blocks import TYPE_OF_GGML
 
         names = self._sources.get(key)
@@ -701,10 +729,7 @@ class GgufCheckpoint:
         kinds = [TYPE_OF_GGML.get(t.tensor_type.name) for t in ts]
         if None in kinds or any(len(t.shape) != 3 for t in ts):
             return None
-        heads = int(ts[0].shape[2])
-        k_b, v_b = (self._raw_blocks(n, k) for n, k in zip(names, kinds))
-        return (k_b.reshape(heads, int(ts[0].shape[1]), -1), kinds[0],
-                v_b.reshape(heads, int(ts[1].shape[1]), -1), kinds[1])
+        return list(names), kinds
 
     def kept_blocks(self, dtype: str) -> str | None:
         """The GGUF types whose blocks a store in ``dtype`` holds bit for bit, or None: for
