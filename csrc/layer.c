@@ -1353,6 +1353,8 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
                 v[e] = p[e] + (r->corr ? r->corr[e] : 0.0f);
             }
             if (r->n_group > 1) smoe_route_group_limit(v, E, r->n_group, r->topk_group, g->pt);
+        } else if (flags & SMOE_ROUTE_TOPK_SOFTMAX) {
+            v = z; /* GPT-OSS: chosen by the logits, p below over the chosen k only */
         } else {
             float mx = z[0], sum = 0.0f;
             for (uint32_t e = 1; e < E; e++) mx = z[e] > mx ? z[e] : mx;
@@ -1364,6 +1366,12 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
             for (uint32_t j = 0; j < k; j++) g->order[j] = ids[j];
         } else {
             smoe_route_topk(v, E, k, g->order);
+        }
+        if (!g->sigmoid && (flags & SMOE_ROUTE_TOPK_SOFTMAX)) { /* softmax of the k logits */
+            float mx = z[g->order[0]], sum = 0.0f;
+            for (uint32_t j = 1; j < k; j++) mx = z[g->order[j]] > mx ? z[g->order[j]] : mx;
+            for (uint32_t j = 0; j < k; j++) sum += (p[g->order[j]] = expf(z[g->order[j]] - mx));
+            for (uint32_t j = 0; j < k; j++) p[g->order[j]] /= sum;
         }
         float tot = 0.0f;
         for (uint32_t j = 0; j < k; j++) tot += p[g->order[j]];

@@ -408,7 +408,10 @@ enum {
     SMOE_ROUTE_RENORM = 1,
     SMOE_ROUTE_BF16_LOGITS = 2,
     SMOE_ROUTE_BF16_WEIGHTS = 4,
-    SMOE_ROUTE_BF16_OUT = 8 /* the block's output as a bf16 model adds it up (shared FFN) */
+    SMOE_ROUTE_BF16_OUT = 8, /* the block's output as a bf16 model adds it up (shared FFN) */
+    SMOE_ROUTE_TOPK_SOFTMAX = 16, /* GPT-OSS's router: the k largest logits z, the weights the
+                                     softmax of those k (f32), not of all E */
+    SMOE_ROUTE_ALL = 31
 };
 
 /* smoe_layers_forward with this layer's routing computed here first, from the same router
@@ -421,9 +424,12 @@ enum {
  *     v = p + corr                  (the correction bias; none: 0), limited to the layer's
  *                                    groups (smoe_route_group_limit, set_block's n_group and
  *                                    topk_group; 1, 1: all)
- *     the k largest p (sigmoid: v) per token, descending (ties: lower id), into idx;
+ *     the k largest p (sigmoid: v; SMOE_ROUTE_TOPK_SOFTMAX: z) per token, descending (ties:
+ *     lower id), into idx;
  *     their p into w, divided by their sum (sigmoid: the sum + 1e-20, V3's) with
- *     SMOE_ROUTE_RENORM, times the layer's routing scale (smoe_layers_set_block; DeepSeek's
+ *     SMOE_ROUTE_RENORM (SMOE_ROUTE_TOPK_SOFTMAX: exp(z - the largest z) over the k's sum,
+ *     GPT-OSS's softmax of the chosen logits; RENORM then changes nothing),
+ *     times the layer's routing scale (smoe_layers_set_block; DeepSeek's
  *     routed_scaling_factor), rounded to bf16 with SMOE_ROUTE_BF16_WEIGHTS (a bf16 model's
  *     weights cast back to its dtype).
  * Then, when the layer has a shared FFN (smoe_layers_set_block), out += its output on x, as

@@ -144,7 +144,7 @@ def test_set_block_bad_input_leaves_the_layer_alone():
             L.forward_routed(0, h[0].numpy(), np.empty((h.shape[1], eng.top_k), np.int64),
                              np.empty((h.shape[1], eng.top_k), np.float32),
                              np.empty(h[0].shape, np.float32),
-                             np.empty(eng.num_experts, np.uint8), 16)
+                             np.empty(eng.num_experts, np.uint8), 32)
         with torch.no_grad():
             after = block(h)
         torch.testing.assert_close(after, before, rtol=0, atol=0)

@@ -392,7 +392,8 @@ PyDoc_STRVAR(forward_routed_doc,
              "smoe_layers_forward_routed): the softmax top-k router, or a sigmoid router's "
              "choice with its correction bias and groups (DeepSeek-V3's), from the layer's router "
              "copy; idx int64 [T,k] and w float32 [T,k] receive it (written); route_flags: "
-             "ROUTE_RENORM | ROUTE_BF16_LOGITS | ROUTE_BF16_WEIGHTS | ROUTE_BF16_OUT; then the "
+             "ROUTE_RENORM | ROUTE_BF16_LOGITS | ROUTE_BF16_WEIGHTS | ROUTE_BF16_OUT | "
+             "ROUTE_TOPK_SOFTMAX (GPT-OSS: the softmax of the k chosen logits); then the "
              "layer's shared FFN (set_block), if any, added to out.");
 
 static PyObject *Layers_forward_routed(LayersObject *self, PyObject *const *args,
@@ -961,8 +962,7 @@ static PyTypeObject LayersType = {
 int smoe_py_route_flags(PyObject *o, int *flags) {
     long f = PyLong_AsLong(o);
     if (f == -1 && PyErr_Occurred()) return -1;
-    if (f < 0 || f > (SMOE_ROUTE_RENORM | SMOE_ROUTE_BF16_LOGITS | SMOE_ROUTE_BF16_WEIGHTS |
-                      SMOE_ROUTE_BF16_OUT)) {
+    if (f < 0 || f > SMOE_ROUTE_ALL) {
         PyErr_Format(PyExc_ValueError, "route_flags %ld: not a combination of ROUTE_*", f);
         return -1;
     }
@@ -993,7 +993,8 @@ int smoe_py_layer_init(PyObject *m) {
     if (PyModule_AddIntConstant(m, "ROUTE_RENORM", SMOE_ROUTE_RENORM) < 0 ||
         PyModule_AddIntConstant(m, "ROUTE_BF16_LOGITS", SMOE_ROUTE_BF16_LOGITS) < 0 ||
         PyModule_AddIntConstant(m, "ROUTE_BF16_WEIGHTS", SMOE_ROUTE_BF16_WEIGHTS) < 0 ||
-        PyModule_AddIntConstant(m, "ROUTE_BF16_OUT", SMOE_ROUTE_BF16_OUT) < 0)
+        PyModule_AddIntConstant(m, "ROUTE_BF16_OUT", SMOE_ROUTE_BF16_OUT) < 0 ||
+        PyModule_AddIntConstant(m, "ROUTE_TOPK_SOFTMAX", SMOE_ROUTE_TOPK_SOFTMAX) < 0)
         return -1;
     return 0;
 }

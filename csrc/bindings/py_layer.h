@@ -12,7 +12,7 @@
 smoe_layers *smoe_py_layers_begin(PyObject *obj);
 void smoe_py_layers_end(PyObject *obj);
 
-/* A route_flags argument (ROUTE_RENORM | ROUTE_BF16_LOGITS | ROUTE_BF16_WEIGHTS, csrc/layer.h)
+/* A route_flags argument (a combination of the ROUTE_* flags, csrc/layer.h)
  * into *flags; -1 with ValueError/TypeError otherwise. */
 int smoe_py_route_flags(PyObject *o, int *flags);
 

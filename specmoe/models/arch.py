@@ -379,7 +379,10 @@ ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen"
                  "Glm4MoeLiteMoE": "deepseek_v3", "Dots1MoE": "deepseek_v3",
                  # the same choice without groups, shared experts or scale, its logits in the
                  # model's dtype and the bias on the block (MiniMax-M2)
-                 "MiniMaxM2SparseMoeBlock": "minimax_m2"}
+                 "MiniMaxM2SparseMoeBlock": "minimax_m2",
+                 # GPT-OSS: the k largest logits of a biased router, their softmax as the
+                 # weights (transformers' GptOssTopKRouter); the block returns (out, scores)
+                 "GptOssMLP": "gpt_oss"}
 
 GATE_NAMES = ("w1", "gate_proj")
 UP_NAMES = ("w3", "up_proj")

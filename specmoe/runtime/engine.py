@@ -356,7 +356,7 @@ class Engine(EngineCommon):
         for pos, i in enumerate(ids):
             block = moe_block(model, info, i)
             kind = ROUTED_BLOCKS.get(type(block).__name__)
-            gate = getattr(block, "gate", None)
+            gate = getpath(block, info.router_attr)
             # (a sigmoid router's arch: its C layers score with sigmoid + corr)
             v3 = kind in ("deepseek_v3", "minimax_m2")
             if kind is None or gate is None or gate is not self._routers[pos] \
@@ -390,6 +390,14 @@ class Engine(EngineCommon):
                 if not self._set_block(pos, float(gate.routed_scaling_factor), linears, most,
                                        groups):
                     continue  # groups this layer's experts do not fit
+            elif kind == "gpt_oss":
+                # GPT-OSS's router: logits in the weights' dtype (bf16: rounded) with the
+                # router's bias, the top-k logits' softmax in that dtype as the weights
+                if getattr(gate, "top_k", None) != self.top_k:
+                    continue
+                flags = _C.ROUTE_TOPK_SOFTMAX | (
+                    _C.ROUTE_BF16_LOGITS | _C.ROUTE_BF16_WEIGHTS if dtype == torch.bfloat16
+                    else 0)
             elif kind == "deepseek":
                 shared = silu_mlp_parts(getattr(block, "shared_experts", None))
                 if getattr(gate, "topk_method", None) != "greedy" or shared is None:
@@ -414,7 +422,8 @@ class Engine(EngineCommon):
                     linears, most = shared
                     flags |= _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
                     self._set_block(pos, 1.0, linears, most)
-            block.forward = self._routed_forward(block, pos, flags, dtype, block.forward)
+            block.forward = self._routed_forward(block, pos, flags, dtype, block.forward,
+                                                 scores_out=kind == "gpt_oss")
             # what a fused decoder layer needs to run this block inside its own C call
             # (specmoe.models.attention, _C.AttnBlock.layer)
             block._specmoe_route = (self, pos, flags, dtype)
@@ -434,12 +443,16 @@ class Engine(EngineCommon):
         return True
 
     def _routed_forward(self, block: nn.Module, pos: int, flags: int, dtype: torch.dtype,
-                        original: Callable[..., Any]) -> Callable[..., Any]:
+                        original: Callable[..., Any], scores_out: bool = False
+                        ) -> Callable[..., Any]:
+        """The block's forward routed in C (:meth:`_layer_routed`) where :meth:`routable`;
+        ``scores_out``: the block returns (output, router scores), as GPT-OSS's does, and
+        the C path gives (output, None) (the decoder layer drops the scores)."""
         # a shared FFN of f32/bf16 weights goes to torch above its CLinears' torch_above
         # tokens (prefill): then the block's own forward runs
         most = self._blocks[pos][2] if pos in self._blocks else None
 
-        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        def forward(hidden_states: torch.Tensor) -> Any:
             if block.training or not self.routable(hidden_states, dtype):
                 return original(hidden_states)
             if most is not None and sequence_rows(
@@ -448,8 +461,9 @@ class Engine(EngineCommon):
                 # (split_sequences, CLinear), its experts in one call for all rows
                 return original(hidden_states)
             shape = hidden_states.shape
-            return self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
-                                      flags).reshape(shape)
+            out = self._layer_routed(pos, hidden_states.reshape(-1, shape[-1]),
+                                     flags).reshape(shape)
+            return (out, None) if scores_out else out
         forward.__name__ = f"specmoe_routed_{type(block).__name__}_forward"
         return forward
 
