@@ -30,6 +30,9 @@ int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err) {
         return smoe_err_set(err, SMOE_EINVAL,
                             "AttnBlock: rotary_dim=%u must be even and at most head_dim=%u (0: "
                             "head_dim)", cfg->rot, D);
+    for (uint32_t h = 0; cfg->sinks && h < H; h++)
+        if (!isfinite(cfg->sinks[h]))
+            return smoe_err_set(err, SMOE_EINVAL, "AttnBlock: sinks[%u] is not finite", h);
     const uint32_t hidden = cfg->ld[SMOE_AB_Q]->K, G = cfg->gate ? 2 : 1;
     const uint32_t want_n[SMOE_AB_N] = {G * H * D, Hkv * D, Hkv * D, hidden,
                                         (G * H + 2 * Hkv) * D};
@@ -100,6 +103,7 @@ int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smo
     b->bf16 = cfg->bf16;
     b->rot = cfg->rot ? cfg->rot : cfg->D;
     b->zc = cfg->zc != 0;
+    b->sinks = cfg->sinks;
     b->ready = 1;
     return SMOE_OK;
 }
@@ -219,7 +223,7 @@ static int block_post(smoe_attn_block *self, smoe_kctx *c, const float *q, const
                       smoe_err *err) {
     const uint32_t H = self->H, D = self->D, hid = self->hidden, n = B * nt;
     const uint32_t qkv = (H + 2 * self->Hkv) * D;
-    smoe_mha_desc d = {H, self->Hkv, D, scale, NULL};
+    smoe_mha_desc d = {H, self->Hkv, D, scale, self->sinks};
     float *att = self->buf + (size_t)self->cap * (hid + qkv); /* [B, T, H, D] */
     int rc = smoe_grow_scratch(&self->ascratch, &self->ascratch_cap,
                                smoe_mha_scratch_bytes(c, D, nt), err);

@@ -88,6 +88,8 @@ typedef struct smoe_attn_block_cfg {
                      whole layers only: smoe_attn_block_layer) */
     uint32_t rot; /* rotary width per head (even, <= D); 0: D */
     int zc;       /* the q/k norms and the layer's ln / ln1 / ln2 zero-centred (smoe_dec_norm) */
+    const float *sinks; /* GPT-OSS's attention sinks: f32 [H] finite logits, one a head, in
+                           every softmax's denominator (smoe_mha_desc); NULL: none */
 } smoe_attn_block_cfg;
 
 typedef struct smoe_attn_block {
@@ -102,6 +104,7 @@ typedef struct smoe_attn_block {
     int bf16;
     int gate, zc;      /* as in the cfg */
     uint32_t rot;      /* the cfg's, 0 made D */
+    const float *sinks; /* the cfg's (borrowed) */
     /* owned; guarded by mu */
     uint32_t cap;       /* tokens buf and lscratch hold now: min(max_tokens, 16) at init, grown
                            (up to max_tokens) by the first call of more tokens, then kept */
@@ -124,9 +127,10 @@ typedef struct smoe_attn_block {
 
 /* SMOE_EINVAL with the binding's message unless the dims and projections fit together
  * (heads a multiple of kv_heads, head_dim even, (heads + 2 kv_heads) * head_dim <= 2^24,
- * max_tokens 1..4096, eps in [0, 1], rot 0 or even and <= head_dim; q, k, v, o, qkv hidden ->
+ * max_tokens 1..4096, eps in [0, 1], rot 0 or even and <= head_dim, sinks finite; q, k, v,
+ * o, qkv hidden ->
  * G H D, Hkv D, Hkv D, hidden, (G H + 2 Hkv) D with hidden = q's K, G 2 when gated, else 1).
- * Reads cfg's dims and ld only. */
+ * Reads cfg's dims, ld and sinks only. */
 int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err);
 
 /* Check cfg (as smoe_attn_block_check) and set *b up: buffers allocated (SMOE_ENOMEM), mutex

@@ -22,15 +22,27 @@ from specmoe.models.testing import tiny_model
 
 from .attn_helpers import layer_outputs
 
-ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "glm4_moe+qk_norm"]
+ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "glm4_moe+qk_norm", "gpt_oss"]
 
 
 def _tiny(arch: str, **kw):
     """tiny_model of ``arch``; "glm4_moe+qk_norm": GLM-4.5 with its optional per-head q/k norms
-    (plain glm4_moe has none; both with q/k/v biases and half of each head rotary)."""
+    (plain glm4_moe has none; both with q/k/v biases and half of each head rotary); gpt_oss
+    (q/k/v/o biases, sinks, sliding-window layers of 64 positions, the f32-scaled norms, the
+    half-table rotary) with random norm weights and sinks: at 1 the f32-scaled norm is the
+    Llama one, and sinks of 0 hide a sink read for another head's."""
     if arch == "glm4_moe+qk_norm":
         return tiny_model("glm4_moe", overrides={"use_qk_norm": True}, **kw)
-    return tiny_model(arch, **kw)
+    m = tiny_model(arch, **kw)
+    if arch == "gpt_oss":
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for layer in m.model.layers:
+                for n in (layer.input_layernorm, layer.post_attention_layernorm):
+                    n.weight.copy_(1 + 0.3 * torch.randn(n.weight.shape, generator=g))
+                s = layer.self_attn.sinks
+                s.copy_(torch.randn(s.shape, generator=g))
+    return m
 STEPS = (1, 4, 1, 3, 1)
 
 
@@ -417,13 +429,15 @@ def test_mla_latent_cache_through_kv_buffers(monkeypatch):
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_crmsnorm_against_the_module_it_replaces(dt):
+@pytest.mark.parametrize("arch", ["deepseek_v2", "gpt_oss"])  # Llama-form, f32-scaled
+def test_crmsnorm_against_the_module_it_replaces(dt, arch):
     """CRMSNorm (the final norm, MLA's latent norm, unfused layers' norms): a bf16 model's
     RMSNorm bit for bit, f32 to rounding; training, long inputs and other dtypes go to the
-    original module; convert_norms is idempotent and leaves other norm forms alone."""
+    original module; convert_norms is idempotent and leaves other norm forms alone.
+    GPT-OSS's norm scales in f32 and rounds once (the Llama form rounds, then scales)."""
     from specmoe.models.attention import convert_norms
     from specmoe.models.layers import CRMSNorm
-    m = tiny_model("deepseek_v2", dtype=dt)
+    m = tiny_model(arch, dtype=dt)
     norm = m.model.norm
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():

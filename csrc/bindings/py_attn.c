@@ -547,34 +547,25 @@ typedef struct {
                                   their descriptors, blocks and biases */
     PyObject *qn_obj, *kn_obj; /* float32 q_norm / k_norm weights or NULL (strong; blk
                                   borrows their data) */
+    PyObject *sinks_obj;       /* float32 [heads] attention sinks or NULL (strong; borrowed) */
     smoe_attn_block blk;       /* the C state (csrc/decoder.h): dims, buffers, its mutex */
     int ready;
 } AttnBlockObject;
 
-int smoe_py_block_init_raise(const smoe_err *err) {
-    if (err->code == SMOE_ENOMEM)
-        PyErr_NoMemory();
-    else if (err->code == SMOE_EINVAL)
-        PyErr_SetString(PyExc_ValueError, err->msg);
-    else
-        PyErr_SetString(PyExc_RuntimeError, err->msg);
-    return -1;
-}
-
 static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"ctx", "q", "k", "v", "o", "heads", "kv_heads", "head_dim",
                              "norm", "q_norm", "k_norm", "eps", "bf16", "max_tokens", "qkv",
-                             "gate", "rotary_dim", "zero_centred", NULL};
+                             "gate", "rotary_dim", "zero_centred", "sinks", NULL};
     PyObject *ctx_o, *lin[5] = {NULL, NULL, NULL, NULL, Py_None}, *qn_o = Py_None,
-             *kn_o = Py_None;
+             *kn_o = Py_None, *sk_o = Py_None;
     unsigned int H, Hkv, D, max_tokens = 16, rot = 0;
     const char *norm = "none";
     double eps = 1e-6;
     int bf16 = 0, gate = 0, zc = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpIOpIp:AttnBlock", kwlist, &ctx_o,
-                                     &lin[0], &lin[1], &lin[2], &lin[3], &H, &Hkv, &D, &norm,
-                                     &qn_o, &kn_o, &eps, &bf16, &max_tokens, &lin[4], &gate,
-                                     &rot, &zc))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpIOpIpO:AttnBlock", kwlist,
+                                     &ctx_o, &lin[0], &lin[1], &lin[2], &lin[3], &H, &Hkv, &D,
+                                     &norm, &qn_o, &kn_o, &eps, &bf16, &max_tokens, &lin[4],
+                                     &gate, &rot, &zc, &sk_o))
         return -1;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "AttnBlock is already initialised");
@@ -602,6 +593,16 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     cfg.gate = gate;
     cfg.rot = rot;
     cfg.zc = zc;
+    if (sk_o != Py_None) { /* GPT-OSS's attention sinks: float32 [heads] */
+        PyArrayObject *a = smoe_py_want_array(sk_o, "sinks", NPY_FLOAT32, 1, 0);
+        if (!a) return -1;
+        if (PyArray_DIM(a, 0) != (npy_intp)H) {
+            PyErr_Format(PyExc_ValueError, "AttnBlock: sinks has %zd values, expected heads=%u",
+                         (Py_ssize_t)PyArray_DIM(a, 0), H);
+            return -1;
+        }
+        cfg.sinks = (const float *)PyArray_DATA(a);
+    }
     smoe_err err;
     smoe_err_clear(&err);
     if (smoe_attn_block_check(&cfg, &err)) return smoe_py_block_init_raise(&err);
@@ -636,6 +637,10 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
         Py_INCREF(lin[i]);
         self->lin_obj[i] = lin[i];
     }
+    if (cfg.sinks) {
+        Py_INCREF(sk_o);
+        self->sinks_obj = sk_o;
+    }
     if (nk != SMOE_QKNORM_NONE) {
         Py_INCREF(qn_o);
         Py_INCREF(kn_o);
@@ -652,28 +657,8 @@ static void ab_dealloc(AttnBlockObject *self) {
     for (int i = 0; i < 5; i++) Py_XDECREF(self->lin_obj[i]);
     Py_XDECREF(self->qn_obj);
     Py_XDECREF(self->kn_obj);
+    Py_XDECREF(self->sinks_obj);
     Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-int smoe_py_norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, float *eps) {
-    PyArrayObject *a = smoe_py_want_array(wo, "ln", NPY_FLOAT32, 1, 0);
-    if (!a) return -1;
-    if (PyArray_DIM(a, 0) != (npy_intp)n) {
-        PyErr_Format(PyExc_ValueError, "ln has %zd weights, expected hidden=%u",
-                     (Py_ssize_t)PyArray_DIM(a, 0), n);
-        return -1;
-    }
-    double e = PyFloat_AsDouble(eo);
-    if (e == -1.0 && PyErr_Occurred()) return -1;
-    if (!(e >= 0.0) || e > 1.0) {
-        smoe_err err; /* (PyErr_Format has no %g) */
-        smoe_err_set(&err, SMOE_EINVAL, "ln_eps must be in [0, 1], got %g", e);
-        smoe_py_raise(&err);
-        return -1;
-    }
-    *w = (const float *)PyArray_DATA(a);
-    *eps = (float)e;
-    return 0;
 }
 
 /* x, cos, sin of pre/layer: x [T, hidden], cos and sin [T, rotary_dim], float32 or bf16 bits;
@@ -949,7 +934,7 @@ static PyTypeObject AttnBlockType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "AttnBlock(ctx, q, k, v, o, heads, kv_heads, head_dim, norm='none', q_norm=None, "
               "k_norm=None, eps=1e-6, bf16=False, max_tokens=16, qkv=None, gate=False, "
-              "rotary_dim=0, zero_centred=False): one decoder layer's attention "
+              "rotary_dim=0, zero_centred=False, sinks=None): one decoder layer's attention "
               "module at decode sizes (specmoe.models.attention.fuse_attention) in two calls around "
               "the KV cache update: pre (projections, q/k RMSNorm over all heads ('full') or "
               "per head ('head'), rotary) and post (attention, output projection).  q, k, v, o "
@@ -960,7 +945,8 @@ static PyTypeObject AttnBlockType = {
               "head_dim gate rows; the attention output times sigmoid(gate) before o; layer "
               "only), rotary_dim (the rotary on the first rotary_dim values of a head; 0: all), "
               "zero_centred (the q/k norms and the layer's norms in the zero-centred form, "
-              "their weights 1 + the module's).",
+              "their weights 1 + the module's).  sinks: GPT-OSS's attention sinks, float32 "
+              "[heads] (a logit a head in every softmax's denominator, no value).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)ab_init,
     .tp_dealloc = (destructor)ab_dealloc,

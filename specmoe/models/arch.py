@@ -53,6 +53,7 @@ __all__ = [
     "DECODE_STEP_MODELS",
     "FUSABLE_ATTENTION",
     "GATED_ATTENTION",
+    "SINK_ATTENTION",
     "FUSABLE_LAYERS",
     "FUSABLE_MLA_LAYERS",
     "FUSABLE_GATED_DELTANET",
@@ -60,6 +61,7 @@ __all__ = [
     "MLA_ATTENTION",
     "LLAMA_RMSNORMS",
     "ZERO_CENTRED_RMSNORMS",
+    "F32_SCALED_RMSNORMS",
     "ROUTED_BLOCKS",
 ]
 
@@ -308,18 +310,24 @@ def extract_experts(experts: nn.Module, gptoss: bool = False) -> dict[str, np.nd
 FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
                      "Qwen2MoeAttention": "none", "MixtralAttention": "none",
                      "Qwen3NextAttention": "head", "Qwen3_5MoeAttention": "head",
-                     "Glm4MoeAttention": "head", "MiniMaxM2Attention": "full"}
+                     "Glm4MoeAttention": "head", "MiniMaxM2Attention": "full",
+                     "GptOssAttention": "none"}
 # those of them whose q_proj gives, per head, head_dim query rows then head_dim gate rows, and
 # whose output is attention * sigmoid(gate) before o_proj, with zero-centred q/k norms and a
 # partial rotary (rope_parameters' partial_rotary_factor): Qwen3-Next's and Qwen3.5's full
 # attention layers.  Their block runs only as the whole decoder layer's one call
 GATED_ATTENTION = ("Qwen3NextAttention", "Qwen3_5MoeAttention")
+# those of them with GPT-OSS's form: q/k/v/o biases, attention sinks (``sinks``, one logit a
+# head), a rotary over the halves of each head with cos / sin half a head wide
+# (``_apply_rotary_emb``), sliding-window layers (the cache keeps the window; the mask says
+# the rest), and decoder layers whose norms are F32_SCALED_RMSNORMS
+SINK_ATTENTION = ("GptOssAttention",)
 # decoder layers of those forms whose forward is: h + attn(input_layernorm(h)), then that plus
 # mlp(post_attention_layernorm(that)) -- the input norm, the first residual add and the
 # post-attention norm then go into the attention block's calls
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
                   "MixtralDecoderLayer", "Qwen3NextDecoderLayer", "Qwen3_5MoeDecoderLayer",
-                  "Glm4MoeDecoderLayer", "MiniMaxM2DecoderLayer")
+                  "Glm4MoeDecoderLayer", "MiniMaxM2DecoderLayer", "GptOssDecoderLayer")
 # gated DeltaNet modules whose forward at one cached token is Qwen3.5's (separate q|k|v, z, b
 # and a projections, a SiLU short convolution, the gated delta rule with l2-normalised q and
 # k, a gated RMSNorm) or Qwen3-Next's (the same on q, k, v, z interleaved per key head in one
@@ -359,6 +367,10 @@ LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
 # the model's dtype once (Qwen3-Next, Qwen3.5; transformers' comment: "(x * w).to(float16)"),
 # their epsilon in ``eps``: specmoe.models.layers.CRMSNorm runs them too
 ZERO_CENTRED_RMSNORMS = ("Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3_5RMSNorm")
+# RMSNorms that scale by their weight in f32 and round to the model's dtype once,
+# ``(w * (x * rsqrt(mean(x^2) + eps))).to(dtype)`` (GPT-OSS; T5's form): the C kernels'
+# zero-centred form with the weights as they are, eps in ``variance_epsilon``
+F32_SCALED_RMSNORMS = ("GptOssRMSNorm",)
 # MoE blocks whose forward is router + experts (+ shared experts) with a softmax top-k router:
 # OLMoE and Qwen3-MoE (renormalised when norm_topk_prob, weights cast back to the model's
 # dtype), Mixtral (always renormalised, f32 weights) and DeepSeek-V2 (f32 router, greedy top-k

@@ -36,9 +36,8 @@ from torch import nn
 
 from .. import _C
 from ..runtime.kernels import tensor_array
-from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION
-from .layers import (BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, norm_weight,
-                     rms_norm_form, zero_centred_norm)
+from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, SINK_ATTENTION
+from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, rms_norm_form
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
@@ -162,13 +161,12 @@ def use_c_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> st
 
 
 def convert_norms(model: nn.Module) -> list[str]:
-    """Replace every Llama-form or zero-centred RMSNorm module of ``model`` by a
+    """Replace every Llama-form, zero-centred or f32-scaled RMSNorm module of ``model`` by a
     :class:`CRMSNorm` (the final norm, MLA's latent norm, and the layer norms of decoder layers
     that are not fused); returns their qualified names.  Idempotent."""
     done = []
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, CRMSNorm) or not name \
-                or (norm_weight(mod) is None and not zero_centred_norm(mod)):
+        if isinstance(mod, CRMSNorm) or not name or rms_norm_form(mod) is None:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -215,7 +213,11 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     with a gate per head, zero-centred norms, a partial rotary) runs only as that one-call
     layer: its steps that cannot (a cache other than a DynamicCache, a MoE block routing in
     Python) take the layer's and the module's own forwards, over the C projections and the C
-    attention kernel.  Idempotent."""
+    attention kernel.  GPT-OSS's attention (``specmoe.models.arch.SINK_ATTENTION``) takes its
+    sinks into the block, its half-table rotary as the rotate-half form's (each half of cos and
+    sin repeated: :func:`_full_width_rope`) and its decoder's f32-scaled norms as the block's
+    zero-centred form; its sliding-window layers, whose cache (transformers' sliding one) has
+    no buffers to write into, run pre and post around that cache's update.  Idempotent."""
     if ctx is None:
         from ..runtime.kernels import context
         ctx = context()
@@ -244,6 +246,12 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         kw: dict[str, Any] = {"norm": form, "rotary_dim": _rotary_dim(cfg, D)}
         if gated:
             kw["gate"] = True
+        sinks = type(m).__name__ in SINK_ATTENTION
+        if sinks:  # GPT-OSS: its sinks, and its decoder's f32-scaled norms (the zc form)
+            if getattr(m, "sinks", None) is None:
+                continue
+            kw["sinks"] = np.ascontiguousarray(m.sinks.detach().float().numpy())
+            kw["zero_centred"] = True
         if form != "none":
             qn = rms_norm_form(getattr(m, "q_norm", None))
             kn = rms_norm_form(getattr(m, "k_norm", None))
@@ -261,6 +269,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         m._specmoe_rot = int(kw.get("rotary_dim") or D)  # the width of cos and sin
         m._specmoe_zc = bool(kw.get("zero_centred"))
         m._specmoe_gated = gated
+        m._specmoe_half_rope = sinks  # cos / sin half a head wide (_full_width_rope)
         m._specmoe_scaling = float(getattr(m, "scaling", None) or 1.0 / math.sqrt(D))
         if not gated:  # (a gated block runs whole layers only)
             m.forward = _fused_forward(m, m.forward)
@@ -281,6 +290,26 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         layer._specmoe_chain = chain_call
         layer._specmoe_chain_rope = chain_rope
     return done
+
+
+_HALF_LAST: tuple = (None, None)  # (the last half-table rotary, its full-width form)
+
+
+def _full_width_rope(module: nn.Module, pe: Any) -> Any:
+    """The position embeddings the block takes for ``module``: pe itself, or for a rotary
+    whose cos / sin are half a head wide and turn a head's two halves (GPT-OSS's
+    ``_apply_rotary_emb``: first * cos - second * sin, second * cos + first * sin) the
+    rotate-half form's, each repeated -- the same products, rounded alike.  Made once per
+    decode step (the entry holds pe, so its identity is not reused while kept)."""
+    global _HALF_LAST
+    if pe is None or not getattr(module, "_specmoe_half_rope", False):
+        return pe
+    last = _HALF_LAST
+    if last[0] is pe:
+        return last[1]
+    full = tuple(torch.cat((p, p), -1) for p in pe)
+    _HALF_LAST = (pe, full)
+    return full
 
 
 def _rows_rope(pe: Any, B: int, T: int, R: int) -> tuple:
@@ -339,9 +368,9 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     checks of that forward; a block that is not a plain ``_C.AttnBlock``)."""
     attn = layer.self_attn
     blk = attn._specmoe_block
-    if type(blk) is not _C.AttnBlock or layer.training \
+    if type(blk) is not _C.AttnBlock or layer.training or getattr(attn, "_specmoe_half_rope", 0) \
             or not _decodable(attn, x, pe, None, {}):
-        return None
+        return None  # (a half-table rotary's model is no DecodePlan model)
     route = decode_route(layer, x)
     bufs = None if route is None else kv_buffers(cache, attn.layer_idx, x.shape[1])
     if bufs is None:
@@ -418,11 +447,11 @@ def _fused_forward(module: nn.Module, original: Any) -> Any:
                 **kwargs: Any) -> Any:
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
-        if not _decodable(module, hidden_states, position_embeddings, attention_mask, kwargs):
+        pe = _full_width_rope(module, position_embeddings)
+        if not _decodable(module, hidden_states, pe, attention_mask, kwargs):
             return original(hidden_states=hidden_states, position_embeddings=position_embeddings,
                             attention_mask=attention_mask, cache=cache, **kwargs)
-        return _block_call(module, hidden_states, position_embeddings, attention_mask, cache,
-                           kwargs, None)
+        return _block_call(module, hidden_states, pe, attention_mask, cache, kwargs, None)
     forward.__name__ = f"specmoe_fused_{type(module).__name__}_forward"
     return forward
 
@@ -439,25 +468,25 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
                 position_embeddings: Any = None, **kwargs: Any) -> Any:
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
-        if layer.training or not _decodable(attn, hidden_states, position_embeddings,
-                                             attention_mask, kwargs):
+        pe = _full_width_rope(attn, position_embeddings)
+        if layer.training or not _decodable(attn, hidden_states, pe, attention_mask, kwargs):
             return original(hidden_states, attention_mask=attention_mask,
                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
         route = decode_route(layer, hidden_states)
-        if route is not None:
+        if route is not None:  # (a sliding-window layer's cache has no buffers: two calls)
             bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1], rows=True)
             if bufs is not None:
-                return _layer_call(layer, hidden_states, position_embeddings, attention_mask,
-                                   bufs, route)
+                return _layer_call(layer, hidden_states, pe, attention_mask, bufs, route)
         if attn._specmoe_gated:  # whole layers only: the module's own forward in the layer's
             return original(hidden_states, attention_mask=attention_mask,
                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
         kwargs["position_ids"] = position_ids
         kwargs["use_cache"] = use_cache
-        h, normed = _block_call(attn, hidden_states, position_embeddings, attention_mask,
-                                cache, kwargs, layer._specmoe_norms)
-        return h + layer.mlp(normed)
+        h, normed = _block_call(attn, hidden_states, pe, attention_mask, cache, kwargs,
+                                layer._specmoe_norms)
+        out = layer.mlp(normed)
+        return h + (out[0] if isinstance(out, tuple) else out)  # (GPT-OSS's: (out, scores))
     forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"
     return forward

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _C
-from .arch import LLAMA_RMSNORMS, ZERO_CENTRED_RMSNORMS
+from .arch import F32_SCALED_RMSNORMS, LLAMA_RMSNORMS, ZERO_CENTRED_RMSNORMS
 from ..runtime.kernels import GGUF_BLOCKS, context, dtype_code, tensor_array
 from ..storage.quant import quantize_int4, quantize_int8
 
@@ -395,8 +395,9 @@ def norm_weight(norm: nn.Module | None) -> np.ndarray | None:
 
 def rms_norm_form(norm: nn.Module | None) -> tuple[np.ndarray, float, bool] | None:
     """An RMSNorm as the C kernels take it: (f32 weights, eps, zero-centred), the weights 1 +
-    the module's for the zero-centred form; a :class:`CRMSNorm` of either form included; None
-    for any other module."""
+    the module's for the zero-centred form; the f32-scaled form (``F32_SCALED_RMSNORMS``:
+    GPT-OSS) is the zero-centred one with the module's weights as they are (both scale in f32
+    and round once); a :class:`CRMSNorm` of any form included; None for any other module."""
     if isinstance(norm, CRMSNorm):
         return norm.c_weight, norm.variance_epsilon, norm.zero_centred
     w = norm_weight(norm)
@@ -405,6 +406,11 @@ def rms_norm_form(norm: nn.Module | None) -> tuple[np.ndarray, float, bool] | No
     if zero_centred_norm(norm):
         return (np.ascontiguousarray((1.0 + norm.weight.detach().float()).numpy()),
                 float(norm.eps), True)
+    if norm is not None and type(norm).__name__ in F32_SCALED_RMSNORMS \
+            and isinstance(getattr(norm, "variance_epsilon", None), float) \
+            and getattr(norm, "weight", None) is not None:
+        return (np.ascontiguousarray(norm.weight.detach().float().numpy()),
+                float(norm.variance_epsilon), True)
     return None
 
 
@@ -431,9 +437,9 @@ class CRMSNorm(nn.Module):
         super().__init__()
         form = None if isinstance(norm, CRMSNorm) else rms_norm_form(norm)
         if form is None:
-            raise TypeError("CRMSNorm replaces a Llama-form or zero-centred RMSNorm "
-                            f"({', '.join(LLAMA_RMSNORMS + ZERO_CENTRED_RMSNORMS)}), "
-                            f"got {type(norm).__name__}")
+            forms = LLAMA_RMSNORMS + ZERO_CENTRED_RMSNORMS + F32_SCALED_RMSNORMS
+            raise TypeError("CRMSNorm replaces a Llama-form, zero-centred or f32-scaled "
+                            f"RMSNorm ({', '.join(forms)}), got {type(norm).__name__}")
         self.inner = norm
         self._w, self.variance_epsilon, self.zero_centred = form
         self.train(norm.training)  # an eval-mode model stays in eval mode (C path on)
