@@ -1315,10 +1315,10 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
                  const uint8_t *draft, int64_t *idx, float *w, smoe_err *err) {
     const uint32_t E = g->E, k = g->k;
     const smoe_layer_router *r = &g->routers[pos];
-    if (!g->sigmoid && r->corr)
+    if (!g->sigmoid && r->corr && (flags & SMOE_ROUTE_TOPK_SOFTMAX))
         return smoe_err_set(err, SMOE_EINVAL,
-                            "layers: routing in C covers softmax top-k and sigmoid routers "
-                            "(layer %u has a softmax router with a correction bias)", pos);
+                            "layers: ROUTE_TOPK_SOFTMAX chooses by the logits; layer %u's "
+                            "router has a correction bias", pos);
     const int16_t *rp = NULL; /* the replayed rows of this pass's tokens at layer pos */
     if (g->replay) {
         for (uint32_t t = 0; draft && t < T; t++)
@@ -1360,6 +1360,10 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
             for (uint32_t e = 1; e < E; e++) mx = z[e] > mx ? z[e] : mx;
             for (uint32_t e = 0; e < E; e++) sum += (p[e] = expf(z[e] - mx));
             for (uint32_t e = 0; e < E; e++) p[e] = p[e] / sum;
+            if (r->corr) { /* ERNIE-4.5: choose by v = p + corr, weigh by p */
+                v = g->vt; /* (free until forward_locked's token_scores) */
+                for (uint32_t e = 0; e < E; e++) v[e] = p[e] + r->corr[e];
+            }
         }
         if (rp) { /* the trace's experts, in its order */
             const int16_t *ids = rp + (size_t)t * g->L * k;
@@ -1376,6 +1380,7 @@ static int route(smoe_layers *g, uint32_t pos, const float *x, uint32_t T, int f
         float tot = 0.0f;
         for (uint32_t j = 0; j < k; j++) tot += p[g->order[j]];
         if (g->sigmoid) tot += 1e-20f; /* V3's denominator */
+        else if (r->corr && tot < 1e-12f) tot = 1e-12f; /* ERNIE's moe_norm_min clamp */
         const float scale = r->scale;
         for (uint32_t j = 0; j < k; j++) {
             const int32_t e = g->order[j];

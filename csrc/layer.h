@@ -416,17 +416,20 @@ enum {
 
 /* smoe_layers_forward with this layer's routing computed here first, from the same router
  * copy as the prediction -- the model's softmax top-k router (OLMoE, Qwen-MoE, Mixtral,
- * DeepSeek-V2's greedy top-k) or sigmoid one (DeepSeek-V3's noaux_tc: V3, R1, Kimi-K2,
- * GLM-4.5 / 4.7-Flash, dots1); a softmax router with a correction bias is SMOE_EINVAL:
+ * DeepSeek-V2's greedy top-k; ERNIE-4.5's with its correction bias) or sigmoid one
+ * (DeepSeek-V3's noaux_tc: V3, R1, Kimi-K2, GLM-4.5 / 4.7-Flash, dots1):
  *     z = x W^T + b                 (f32; rounded to bf16 with SMOE_ROUTE_BF16_LOGITS, as a
  *                                    bf16 model's F.linear output)
  *     p = softmax(z)                (f32), or sigmoid(z) for a sigmoid router, where then
  *     v = p + corr                  (the correction bias; none: 0), limited to the layer's
  *                                    groups (smoe_route_group_limit, set_block's n_group and
- *                                    topk_group; 1, 1: all)
- *     the k largest p (sigmoid: v; SMOE_ROUTE_TOPK_SOFTMAX: z) per token, descending (ties:
- *     lower id), into idx;
- *     their p into w, divided by their sum (sigmoid: the sum + 1e-20, V3's) with
+ *                                    topk_group; 1, 1: all); a softmax router with a
+ *                                    correction bias (ERNIE-4.5's Ernie4_5_MoeStatics) chooses
+ *                                    by v = p + corr too, without groups
+ *     the k largest v (without a correction bias v = p; SMOE_ROUTE_TOPK_SOFTMAX: z) per
+ *     token, descending (ties: lower id), into idx;
+ *     their p into w, divided by their sum (sigmoid: the sum + 1e-20, V3's; softmax with
+ *     a correction bias: the sum, at least 1e-12, ERNIE-4.5's moe_norm_min) with
  *     SMOE_ROUTE_RENORM (SMOE_ROUTE_TOPK_SOFTMAX: exp(z - the largest z) over the k's sum,
  *     GPT-OSS's softmax of the chosen logits; RENORM then changes nothing),
  *     times the layer's routing scale (smoe_layers_set_block; DeepSeek's

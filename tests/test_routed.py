@@ -229,16 +229,19 @@ def test_bad_input():
             eng._layers.forward_routed(0, x, ro, args[3], args[4], args[5], 0)
     finally:
         eng.close()
-    # ERNIE-4.5's correction bias on softmax scores: a router C does not route
+    # ERNIE-4.5's correction bias on softmax scores (test_routed_ernie.py) cannot be chosen
+    # by the logits: GPT-OSS's top-k softmax on such a router is refused, nothing written
     m, eng = _offload("ernie4_5_moe", torch.float32, dense="torch")
     try:
         assert eng.arch.bias_attr and not eng.arch.sigmoid_router
         x = np.zeros((1, m.config.hidden_size), np.float32)
         k, E = eng.top_k, eng.num_experts
-        with pytest.raises(ValueError, match="softmax router with a correction bias"):
-            eng._layers.forward_routed(0, x, np.empty((1, k), np.int64),
-                                       np.empty((1, k), np.float32), np.empty_like(x),
-                                       np.empty(E, np.uint8), 0)
+        idx = np.full((1, k), -7, np.int64)
+        with pytest.raises(ValueError, match="ROUTE_TOPK_SOFTMAX chooses by the logits"):
+            eng._layers.forward_routed(0, x, idx, np.empty((1, k), np.float32),
+                                       np.empty_like(x), np.empty(E, np.uint8),
+                                       _C.ROUTE_TOPK_SOFTMAX)
+        assert (idx == -7).all()
     finally:
         eng.close()
 

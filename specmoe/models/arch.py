@@ -394,7 +394,10 @@ ROUTED_BLOCKS = {"OlmoeSparseMoeBlock": "qwen", "Qwen3MoeSparseMoeBlock": "qwen"
                  "MiniMaxM2SparseMoeBlock": "minimax_m2",
                  # GPT-OSS: the k largest logits of a biased router, their softmax as the
                  # weights (transformers' GptOssTopKRouter); the block returns (out, scores)
-                 "GptOssMLP": "gpt_oss"}
+                 "GptOssMLP": "gpt_oss",
+                 # ERNIE-4.5: softmax over f32 logits, the choice by the probabilities plus a
+                 # correction bias (Ernie4_5_MoeStatics), renormalised, its shared experts
+                 "Ernie4_5_MoeSparseMoeBlock": "ernie"}
 
 GATE_NAMES = ("w1", "gate_proj")
 UP_NAMES = ("w3", "up_proj")

@@ -357,10 +357,13 @@ class Engine(EngineCommon):
             block = moe_block(model, info, i)
             kind = ROUTED_BLOCKS.get(type(block).__name__)
             gate = getpath(block, info.router_attr)
-            # (a sigmoid router's arch: its C layers score with sigmoid + corr)
+            # (a sigmoid router's arch: its C layers score with sigmoid + corr; ERNIE's softmax
+            # router has a correction bias too)
             v3 = kind in ("deepseek_v3", "minimax_m2")
+            corr = v3 or kind == "ernie"
             if kind is None or gate is None or gate is not self._routers[pos] \
-                    or (self._router_bias[pos] is not None or self.arch.sigmoid_router) != v3 \
+                    or (self._router_bias[pos] is not None) != corr \
+                    or bool(self.arch.sigmoid_router) != v3 \
                     or getattr(gate, "weight", None) is None \
                     or gate.weight.dtype not in (torch.float32, torch.bfloat16):
                 continue
@@ -398,6 +401,19 @@ class Engine(EngineCommon):
                 flags = _C.ROUTE_TOPK_SOFTMAX | (
                     _C.ROUTE_BF16_LOGITS | _C.ROUTE_BF16_WEIGHTS if dtype == torch.bfloat16
                     else 0)
+            elif kind == "ernie":
+                # ERNIE-4.5's router: f32 logits from f32 weights, softmax, the choice by the
+                # probabilities plus the correction bias, the chosen probabilities over their
+                # sum (at least moe_norm_min, 1e-12 in C) cast to the model's dtype; the shared
+                # experts' MLP added in the same call
+                shared = silu_mlp_parts(getattr(block, "shared_experts", None))
+                if shared is None or getattr(gate, "top_k", None) != self.top_k \
+                        or getattr(gate, "norm_min", None) != 1e-12:
+                    continue  # (any router dtype: it computes in f32)
+                linears, dtype, most = shared  # (the block computes in its experts' dtype)
+                flags = _C.ROUTE_RENORM | (_C.ROUTE_BF16_OUT | _C.ROUTE_BF16_WEIGHTS
+                                           if dtype == torch.bfloat16 else 0)
+                self._set_block(pos, 1.0, linears, most)
             elif kind == "deepseek":
                 shared = silu_mlp_parts(getattr(block, "shared_experts", None))
                 if getattr(gate, "topk_method", None) != "greedy" or shared is None:
