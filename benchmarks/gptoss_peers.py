@@ -24,6 +24,12 @@ Rows, the same file on both sides:
   a greedy generation of ``tokens`` + 1 tokens after a 16-token prompt, minus the one-token
   run (prefill excluded), tok/s of the decode steps.
 
+``--ab N``: in the specmoe worker, after each thread count's row, N interleaved repeats of the
+same decode with specmoe's one-call paths off (the class forwards: torch glue around the same
+C projections, attention kernel, norms and experts; the router in torch) and on (the attention
+block with its norms folded, a full-attention layer and its MoE block in one call, the MoE
+block routed in C): the same process and loaded model, so the ratio is the paths' alone.
+
 Each round runs every (row, thread count) once, the order alternating by round; the per-round
 ratio specmoe / llama.cpp is reported (the host is shared: a ratio within a round is the
 figure, not the medians).  The results file records the CPU model, its ISA (``specmoe_isa``;
@@ -194,6 +200,8 @@ def specmoe_worker(spec_path: str) -> None:
                                max_new_tokens=n, do_sample=False, pad_token_id=0)
             return time.perf_counter() - t
 
+        fused = one_call_forwards(model)
+        out["one_call_modules"] = len(fused)
         for th in spec["threads"]:
             torch.set_num_threads(th)
             kernels.set_num_threads(th)
@@ -202,18 +210,49 @@ def specmoe_worker(spec_path: str) -> None:
             full, one = gen(spec["tokens"] + 1), gen(1)
             c1 = eng.stats()
             hits, misses = c1["hits"] - c0["hits"], c1["misses"] - c0["misses"]
-            out["rows"][str(th)] = {"tok_s": spec["tokens"] / max(full - one, 1e-9),
-                                    "hit_rate": hits / max(hits + misses, 1)}
+            row = {"tok_s": spec["tokens"] / max(full - one, 1e-9),
+                   "hit_rate": hits / max(hits + misses, 1)}
+            for _ in range(spec.get("ab_repeats", 0)):  # --ab: the one-call paths on / off
+                for on in (False, True):
+                    set_forwards(fused, on)
+                    gen(2)  # (a warm-up step after the switch)
+                    t = spec["tokens"] / max(gen(spec["tokens"] + 1) - gen(1), 1e-9)
+                    row.setdefault("one_call_tok_s_runs" if on else "torch_glue_tok_s_runs",
+                                   []).append(round(t, 3))
+            if "one_call_tok_s_runs" in row:
+                row["one_call_vs_torch_glue_runs"] = [
+                    round(a / b, 3) for a, b in zip(row["one_call_tok_s_runs"],
+                                                    row["torch_glue_tok_s_runs"])]
+            out["rows"][str(th)] = row
     finally:
         eng.close()
     print(json.dumps(out))
 
 
+def one_call_forwards(model: Any) -> list[tuple[Any, Any]]:
+    """(module, its instance forward) of every module whose forward specmoe replaced to run
+    it in C in one piece: fused attention modules (AttnBlock) and decoder layers, MoE blocks
+    routed in C.  Without them (:func:`set_forwards` off) the same model runs its class
+    forwards: torch glue around the same C projections, attention kernel, norms and experts,
+    and the router in torch."""
+    marks = ("_specmoe_block", "_specmoe_norms", "_specmoe_route")
+    return [(m, m.__dict__["forward"]) for m in model.modules()
+            if "forward" in m.__dict__ and any(hasattr(m, k) for k in marks)]
+
+
+def set_forwards(saved: list[tuple[Any, Any]], on: bool) -> None:
+    for m, f in saved:
+        if on:
+            m.forward = f
+        else:
+            m.__dict__.pop("forward", None)
+
+
 def run_specmoe(gguf_path: Path, store: Path, threads: list[int], tokens: int, dense: str,
-                work: Path) -> dict[str, Any]:
+                work: Path, ab: int = 0) -> dict[str, Any]:
     spec = work / "gptoss_spec.json"
     spec.write_text(json.dumps({"gguf": str(gguf_path), "store": str(store), "threads": threads,
-                                "tokens": tokens, "dense": dense}))
+                                "tokens": tokens, "dense": dense, "ab_repeats": ab}))
     r = bm.run_process([sys.executable, str(Path(__file__).resolve()), "--_worker", str(spec)],
                        None, 3600)
     if r["rc"] != 0:
@@ -244,6 +283,10 @@ def main() -> None:
                     help="specmoe's dense layers: bf16 (its C kernels, the file's precision) "
                          "or torch")
     bm.add_peer_arguments(ap)  # --llama-isa avx2: pair with SPECMOE_ISA=avx2
+    ap.add_argument("--ab", type=int, default=0, metavar="N",
+                    help="also time specmoe's one-call paths against the same model's torch "
+                         "glue, N interleaved repeats in the worker (one_call_tok_s_runs, "
+                         "torch_glue_tok_s_runs)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 1 round (smoke test)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--save", default=None, help="also write the JSON object to this file")
@@ -275,7 +318,9 @@ def main() -> None:
         for who in order:
             if who == "specmoe":
                 r = run_specmoe(path, store, threads if rnd % 2 == 0 else threads[::-1],
-                                tokens, a.dense, work)
+                                tokens, a.dense, work, a.ab)
+                if "one_call_modules" in r:
+                    extra["specmoe_one_call_modules"] = r["one_call_modules"]
                 extra["specmoe_load_s"] = r.get("load_s")
                 extra["specmoe_store_dtype"] = r.get("store_dtype")
                 for th in threads:
@@ -303,6 +348,10 @@ def main() -> None:
                 row["vs_llama_cpp_runs"] = [round(s / p, 3) if s and p else None
                                             for s, p in zip(tps, peer)]
                 row["hit_rate"] = runs[-1].get("hit_rate")
+                for k in ("one_call_tok_s_runs", "torch_glue_tok_s_runs",
+                          "one_call_vs_torch_glue_runs"):
+                    if any(k in x for x in runs):
+                        row[k] = [v for x in runs for v in x.get(k, [])]
             else:
                 row["llama_cpp_build"] = next((x.get("build") for x in runs if x.get("build")),
                                               None)

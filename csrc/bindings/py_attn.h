@@ -1,6 +1,7 @@
 /* What csrc/bindings/py_attn.c (MLADecode, AttnDecode, AttnBlock), py_decode.c (MLABlock,
- * layer_chain, rms_norm, DecodePlan) and py_gdn.c (GdnBlock) share: argument checks of the decode-attention calls,
- * and the pieces of one file's types the other reads.  The state and compute behind them are
+ * layer_chain, rms_norm, DecodePlan) and py_gdn.c (GdnBlock) share: argument checks of the
+ * decode-attention calls (the norm and init-error helpers defined in py_block_args.c), and
+ * the pieces of one file's types the other reads.  The state and compute behind them are
  * plain C (csrc/decoder.h). */
 #ifndef SMOE_PY_ATTN_H
 #define SMOE_PY_ATTN_H
