@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_quick_run_reads_one_file_on_both_sides(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gptoss_peers.py"), "--quick",
-                        "--json", "--no-build-peers", "--workdir", str(tmp_path),
+                        "--json", "--no-build-peers", "--workdir", str(tmp_path), "--ab", "1",
                         "--peers", os.environ.get("SPECMOE_PEERS", str(tmp_path / "peers"))],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -31,3 +31,7 @@ def test_quick_run_reads_one_file_on_both_sides(tmp_path):
         # llama.cpp runs where it is built; otherwise its row says why (never dropped)
         assert ll.get("tok_per_s") or "llama.cpp" in ll.get("error", ""), ll
         assert len(s["vs_llama_cpp_runs"]) == 1
+        # --ab: the one-call paths (attention, layers, MoE blocks) on and off in the worker
+        assert len(s["one_call_tok_s_runs"]) == len(s["torch_glue_tok_s_runs"]) == 1
+        assert s["one_call_vs_torch_glue_runs"][0] > 0
+    assert out["specmoe_one_call_modules"] == 3 * 2  # 2 layers: attention, layer, MoE block
