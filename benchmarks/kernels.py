@@ -62,7 +62,8 @@ from specmoe import _C  # noqa: E402
 from specmoe.runtime import kernels  # noqa: E402
 from specmoe.storage import ggml_blocks, quant  # noqa: E402
 
-SHAPES = {"olmoe": (2048, 1024), "dsv2lite": (2048, 1408), "mixtral": (4096, 14336)}
+SHAPES = {"olmoe": (2048, 1024), "dsv2lite": (2048, 1408), "mixtral": (4096, 14336),
+          "gptoss": (2880, 2880)}  # (GPT-OSS-20B's experts, without their biases)
 # Rotation footprint floor (see the module docstring): on the development VM a 135 MB rotation
 # of 3 MB blocks still read at ~75 GB/s on one core, rotations >= 768 MB settle at ~29 GB/s.
 MIN_ROTATION = 1 << 30
