@@ -3,6 +3,7 @@ the dense layers' format and the expert cache, checked against the rule recomput
 plain Python, the budget's sources, and from_pretrained(memory=...) end to end."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -236,12 +237,11 @@ def test_kv_layout_is_what_transformers_cache_holds(arch):
         assert held <= planned <= held + sum(b for b, _ in windows), (n, held, planned)
 
 
-def test_kv_bytes_bounds_the_buffered_cache(tmp_path):
-    """What specmoe's decode holds (the absorbed MLA path appending into BufferedLayers with
-    spare room): at most ModelSizes.kv_bytes of those positions, and at least their bytes."""
+@contextlib.contextmanager
+def _converted_mla(tmp_path):
+    """(ModelSizes, model) of a tiny bf16 DeepSeek-V2 (MLA) loaded with its dense layers in C,
+    so decoding takes the absorbed path; the Engine closed on exit."""
     torch = pytest.importorskip("torch")
-    from transformers import DynamicCache
-
     import specmoe
     from specmoe.models.testing import save_checkpoint, tiny_model
 
@@ -252,6 +252,18 @@ def test_kv_bytes_bounds_the_buffered_cache(tmp_path):
                                     cache=1.0, dense="bf16", store=tmp_path / "s.smoe",
                                     progress=False)
     try:
+        yield s, model
+    finally:
+        specmoe.engine_of(model).close()
+
+
+def test_kv_bytes_bounds_the_buffered_cache(tmp_path):
+    """What specmoe's decode holds (the absorbed MLA path appending into BufferedLayers with
+    spare room): at most ModelSizes.kv_bytes of those positions, and at least their bytes."""
+    torch = pytest.importorskip("torch")
+    from transformers import DynamicCache
+
+    with _converted_mla(tmp_path) as (s, model):
         cache = DynamicCache(config=model.config)
         out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=12, do_sample=False,
                              cache=cache)
@@ -259,8 +271,6 @@ def test_kv_bytes_bounds_the_buffered_cache(tmp_path):
         assert any(type(lay).__name__ == "BufferedLayer" for lay in cache.layers)
         held = _cache_bytes(cache)
         assert s.kv_bytes_per_token * n <= held <= s.kv_bytes(n), (held, s.kv_bytes(n))
-    finally:
-        specmoe.engine_of(model).close()
     assert s.kv_bytes(n) == s.kv_bytes_per_token * (n + memplan.KV_SPARE)
     assert memplan.kv_capacity(4000) == 5000
 
@@ -272,25 +282,16 @@ def test_absorbed_mla_weights_are_planned(tmp_path):
     torch = pytest.importorskip("torch")
     import gguf
 
-    import specmoe
-    from specmoe.models.testing import save_checkpoint, save_gguf, tiny_model
+    from specmoe.models.testing import save_gguf, tiny_model
     from specmoe.storage.gguf import GgufCheckpoint
 
-    m = tiny_model("deepseek_v2", layers=3, experts=8, top_k=2, hidden=64, inter=32,
-                   dtype=torch.bfloat16)
-    s = memplan.model_sizes(m, num_layers=2, num_experts=8, top_k=2, block_bytes=1)
-    model = specmoe.from_pretrained(save_checkpoint(m, tmp_path / "c"), dtype="bf16",
-                                    cache=1.0, dense="bf16", store=tmp_path / "s.smoe",
-                                    progress=False)
-    try:
+    with _converted_mla(tmp_path) as (s, model):
         model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
         held = [mod._specmoe_mla_w for mod in model.modules()
                 if getattr(mod, "_specmoe_mla_w", None) is not None]
         assert len(held) == 3
         got = sum(t.numel() * t.element_size() for a in held for t in (a._uk, a._uv))
         assert got == int(s.mla_params * 2) > 0
-    finally:
-        specmoe.engine_of(model).close()
 
     v3 = tiny_model("deepseek_v3", layers=3, experts=8, top_k=2, hidden=64, inter=32,
                     overrides={"qk_nope_head_dim": 32})

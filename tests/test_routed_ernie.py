@@ -15,7 +15,7 @@ from specmoe.models.testing import tiny_model
 from specmoe.runtime import engine as hf
 
 from .test_routed_deepseek import _count_c_calls as _calls
-from .test_routed_v3 import _hidden
+from .test_routed_v3 import _hidden, greedy_like, routed_like_own_forward
 
 
 def _model(dt=torch.float32):
@@ -74,19 +74,7 @@ def test_ernie_block_routed_in_c_equals_its_own_forward(dt):
     try:
         blocks, hs = _hidden(m)
         assert eng.routed_in_c == list(range(len(blocks)))
-        calls = _calls(eng)
-        for block, h in zip(blocks, hs):
-            with torch.no_grad():
-                want = type(block).forward(block, h.clone()).float()
-                got = block(h)
-            assert got.dtype == dt and got.shape == h.shape
-            if dt == torch.float32:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            else:  # (silu's exp may land a value on the other side of a bf16 boundary)
-                diff = (got.float() - want).abs()
-                ulp = want.abs().clamp_min(1e-30) * 2.0 ** -7
-                assert (diff <= 2 * ulp + 1e-6).all(), float((diff / ulp).max())
-        assert calls[0] == len(blocks)
+        routed_like_own_forward(eng, blocks, hs, dt)
     finally:
         eng.close()
 
@@ -96,14 +84,7 @@ def test_ernie_greedy_tokens_equal_the_unmodified_model():
     eng = hf.offload(m, dtype="f32", dense="f32", cache=1.0)
     try:
         calls = _calls(eng)
-        ids = torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]])
-        kw = dict(max_new_tokens=12, do_sample=False, output_scores=True,
-                  return_dict_in_generate=True, pad_token_id=0)
-        with torch.no_grad():
-            want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
-        assert torch.equal(got.sequences, want.sequences)
-        for a, b in zip(got.scores, want.scores):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        greedy_like(ref, m, torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]]), 12)
         assert calls[0] >= 11 * len(eng.layer_ids)  # every decode step's blocks routed in C
     finally:
         eng.close()

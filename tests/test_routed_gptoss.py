@@ -15,6 +15,7 @@ from specmoe.runtime import engine as hf
 
 from .test_gptoss_block import _Calls
 from .test_routed_deepseek import _count_c_calls as _calls
+from .test_routed_v3 import _hidden, greedy_like, routed_like_own_forward
 
 
 def _model(dt=torch.float32):
@@ -27,20 +28,6 @@ def _model(dt=torch.float32):
     return m
 
 
-def _hidden(m, n=24):
-    """The hidden states each MoE block sees on a 48-token prompt, the first n tokens."""
-    hs = []
-    blocks = [layer.mlp for layer in m.model.layers]
-    hooks = [b.register_forward_pre_hook(lambda mod, args: hs.append(args[0].detach().clone()))
-             for b in blocks]
-    ids = torch.randint(3, 100, (1, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        m(ids)
-    for h in hooks:
-        h.remove()
-    return blocks, [h[:, :n].contiguous() for h in hs]
-
-
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_gptoss_router_in_c_is_transformers_router(dt):
     """The C router's experts and weights against GptOssTopKRouter's: f32, the same experts
@@ -50,7 +37,7 @@ def test_gptoss_router_in_c_is_transformers_router(dt):
     fmt = "f32" if dt == torch.float32 else "bf16"
     eng = hf.offload(m, dtype=fmt, dense=fmt, cache=1.0)
     try:
-        blocks, hs = _hidden(m)
+        blocks, hs = _hidden(m, n=32)
         assert eng.routed_in_c == list(range(len(blocks)))
         flags = _C.ROUTE_TOPK_SOFTMAX | (
             _C.ROUTE_BF16_LOGITS | _C.ROUTE_BF16_WEIGHTS if dt == torch.bfloat16 else 0)
@@ -93,20 +80,10 @@ def test_gptoss_block_routed_in_c_equals_its_own_forward(dt):
     fmt = "f32" if dt == torch.float32 else "bf16"
     eng = hf.offload(m, dtype=fmt, dense=fmt, cache=1.0)
     try:
-        blocks, hs = _hidden(m, n=8)
-        calls = _calls(eng)
-        for block, h in zip(blocks, hs):
-            with torch.no_grad():
-                want = type(block).forward(block, h.clone())[0].float()
-                got, scores = block(h)
-            assert scores is None and got.dtype == dt and got.shape == h.shape
-            if dt == torch.float32:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            else:
-                diff = (got.float() - want).abs()
-                ulp = want.abs().clamp_min(1e-30) * 2.0 ** -7
-                assert (diff <= 2 * ulp + 1e-6).all(), float((diff / ulp).max())
-        assert calls[0] == len(blocks)
+        blocks, hs = _hidden(m)
+        with torch.no_grad():
+            assert blocks[0](hs[0])[1] is None  # (out, no router scores)
+        routed_like_own_forward(eng, blocks, hs, dt, out=lambda r: r[0])
     finally:
         eng.close()
 
@@ -119,14 +96,7 @@ def test_gptoss_greedy_tokens_equal_the_unmodified_model():
         fused: dict[str, int] = {}  # the full-attention layers route inside AttnBlock.layer
         for layer in m.model.layers:
             layer.self_attn._specmoe_block = _Calls(layer.self_attn._specmoe_block, fused)
-        ids = torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]])
-        kw = dict(max_new_tokens=12, do_sample=False, output_scores=True,
-                  return_dict_in_generate=True, pad_token_id=0)
-        with torch.no_grad():
-            want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
-        assert torch.equal(got.sequences, want.sequences)
-        for a, b in zip(got.scores, want.scores):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        greedy_like(ref, m, torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]]), 12)
         # every decode step's MoE blocks routed in C, alone or inside the one-call layer
         assert calls[0] + fused.get("layer", 0) >= 11 * len(m.model.layers)
         assert fused.get("layer", 0) >= 11

@@ -51,6 +51,38 @@ def _hidden(m, n=8):
     return blocks, [h[:, :n].contiguous() for h in hs]
 
 
+def greedy_like(ref, m, ids, n):
+    """Greedy tokens of m (converted) and ref (the unmodified model) on ids, n new tokens:
+    equal, and every step's logits within 1e-4."""
+    kw = dict(max_new_tokens=n, do_sample=False, output_scores=True,
+              return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def routed_like_own_forward(eng, blocks, hs, dt, out=lambda r: r):
+    """Each block's C path (router, experts, shared experts in one call) against its class
+    forward on the same input (torch's router and shared MLP around the same experts): f32
+    to rounding, bf16 within 2 ulps (silu's exp may land a value on the other side of a bf16
+    boundary); every call one C call.  out: the block's output from what it returns."""
+    calls = _calls(eng)
+    for block, h in zip(blocks, hs):
+        with torch.no_grad():
+            want = out(type(block).forward(block, h.clone())).float()
+            got = out(block(h))
+        assert got.dtype == dt and got.shape == h.shape
+        if dt == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:
+            diff = (got.float() - want).abs()
+            ulp = want.abs().clamp_min(1e-30) * 2.0 ** -7
+            assert (diff <= 2 * ulp + 1e-6).all(), float((diff / ulp).max())
+    assert calls[0] == len(blocks)
+
+
 @pytest.mark.parametrize("norm,scale", [(True, 2.5), (False, 1.0)])
 @pytest.mark.parametrize("arch", V3)
 def test_f32_block_routes_as_transformers_does(arch, norm, scale):
@@ -162,14 +194,7 @@ def test_greedy_tokens_equal_the_unmodified_model():
     eng = hf.offload(m, dtype="f32", dense="f32", cache=1.0)
     try:
         calls = _calls(eng)
-        ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
-        kw = dict(max_new_tokens=8, do_sample=False, output_scores=True,
-                  return_dict_in_generate=True, pad_token_id=0)
-        with torch.no_grad():
-            want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
-        assert torch.equal(got.sequences, want.sequences)
-        for a, b in zip(got.scores, want.scores):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        greedy_like(ref, m, torch.tensor([[1, 5, 9, 33, 7, 64, 3]]), 8)
         # the decode steps' MoE blocks ran in C (inside one-call layers: not through
         # _layer_routed, whose count is the blocks called on their own)
         step = m._specmoe_decode_step
@@ -199,18 +224,7 @@ def test_minimax_m2_block_routes_as_transformers_does(dt):
     try:
         blocks, hs = _hidden(m)
         assert eng.routed_in_c == list(range(len(blocks)))
-        calls = _calls(eng)
-        for block, h in zip(blocks, hs):
-            with torch.no_grad():
-                want = type(block).forward(block, h.clone()).float()
-                got = block(h).float()
-            if dt == torch.float32:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            else:  # (silu's exp may land a value on the other side of a bf16 boundary)
-                diff = (got - want).abs()
-                ulp = want.abs().clamp_min(1e-30) * 2.0 ** -7
-                assert (diff <= 2 * ulp + 1e-6).all(), float((diff / ulp).max())
-        assert calls[0] == len(blocks)
+        routed_like_own_forward(eng, blocks, hs, dt)
     finally:
         eng.close()
 
@@ -224,15 +238,8 @@ def test_minimax_m2_decodes_in_one_call_a_step():
     try:
         attn = m.model.layers[0].self_attn
         assert attn._specmoe_rot < attn.head_dim  # (tiny_model's partial rotary)
-        ids = torch.tensor([[1, 5, 9, 33, 7, 64, 3]])
-        kw = dict(max_new_tokens=8, do_sample=False, output_scores=True,
-                  return_dict_in_generate=True, pad_token_id=0)
-        with torch.no_grad():
-            want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
+        greedy_like(ref, m, torch.tensor([[1, 5, 9, 33, 7, 64, 3]]), 8)
         assert m._specmoe_decode_step.planned == 7
-        assert torch.equal(got.sequences, want.sequences)
-        for a, b in zip(got.scores, want.scores):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     finally:
         eng.close()
 
