@@ -758,7 +758,10 @@ def test_threads_stress(store, written, name):
         st = cache.stats()
         assert st["hits"] + st["misses"] == n_threads * n_iter * TOPK
         assert st["prefetch_used"] <= st["prefetch_issued"]
-        assert st["prefetch_late"] <= st["prefetch_used"]
+        # a late prefetch counts once per demand access that waited for it (csrc/slots.h:
+        # several threads can wait on one load), so late is bounded by the misses, not by
+        # the prefetches used (the last CI run saw 8 late against 7 used)
+        assert st["prefetch_late"] <= st["misses"]
         for l, e in cache.resident():  # nothing left pinned: every expert can be released once
             cache.acquire(l, e)
             cache.release(l, e)

@@ -404,7 +404,6 @@ def model_sizes(model: Any, *, num_layers: int, num_experts: int, top_k: int,
     MLA attentions' ``kv_b_proj`` weights count once more as ``mla_params`` (their absorbed
     copy).  The KV cache as :func:`kv_layout` reads the config."""
     from torch import nn
-    from ..models.mla import is_mla_layout
     dense = other = mla = 0
     seen: set[int] = set()
     for name, mod in model.named_modules():
@@ -416,8 +415,9 @@ def model_sizes(model: Any, *, num_layers: int, num_experts: int, top_k: int,
         if isinstance(mod, nn.Linear) and not router:
             dense += mod.weight.numel()
             seen.add(id(mod.weight))
-        if is_mla_layout(mod) and isinstance(getattr(mod, "kv_b_proj", None), nn.Linear):
-            mla += mod.kv_b_proj.weight.numel()
+        if getattr(mod, "kv_lora_rank", None) and isinstance(getattr(mod, "kv_b_proj", None),
+                                                             nn.Linear):
+            mla += mod.kv_b_proj.weight.numel()  # (an MLA attention: absorbed at decode)
     for p in model.parameters():
         if id(p) not in seen:
             other += p.numel()
