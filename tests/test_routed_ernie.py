@@ -15,7 +15,7 @@ from specmoe.models.testing import tiny_model
 from specmoe.runtime import engine as hf
 
 from .test_routed_deepseek import _count_c_calls as _calls
-from .test_routed_v3 import _hidden, greedy_like, routed_like_own_forward
+from .test_routed_v3 import _hidden, greedy_like, offloaded_routed_like_own_forward
 
 
 def _model(dt=torch.float32):
@@ -68,15 +68,7 @@ def test_ernie_router_in_c_is_transformers_router():
 def test_ernie_block_routed_in_c_equals_its_own_forward(dt):
     """The block's C path (router, experts, shared experts in one call) against its own
     forward (torch's router and shared MLP around the same experts)."""
-    m = _model(dt)
-    fmt = "f32" if dt == torch.float32 else "bf16"
-    eng = hf.offload(m, dtype=fmt, dense=fmt, cache=1.0)
-    try:
-        blocks, hs = _hidden(m)
-        assert eng.routed_in_c == list(range(len(blocks)))
-        routed_like_own_forward(eng, blocks, hs, dt)
-    finally:
-        eng.close()
+    offloaded_routed_like_own_forward(_model(dt), dt)
 
 
 def test_ernie_greedy_tokens_equal_the_unmodified_model():

@@ -63,6 +63,19 @@ def greedy_like(ref, m, ids, n):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def offloaded_routed_like_own_forward(m, dt, out=lambda r: r):
+    """``m`` offloaded with its dense layers in C at dt (f32 / bf16), every MoE block routed
+    in C, each checked by :func:`routed_like_own_forward` on its own hidden states."""
+    blocks, hs = _hidden(m)
+    fmt = "f32" if dt == torch.float32 else "bf16"
+    eng = hf.offload(m, dtype=fmt, dense=fmt, cache=1.0)
+    try:
+        assert eng.routed_in_c == list(range(len(blocks)))
+        routed_like_own_forward(eng, blocks, hs, dt, out)
+    finally:
+        eng.close()
+
+
 def routed_like_own_forward(eng, blocks, hs, dt, out=lambda r: r):
     """Each block's C path (router, experts, shared experts in one call) against its class
     forward on the same input (torch's router and shared MLP around the same experts): f32
@@ -218,15 +231,7 @@ def test_minimax_m2_block_routes_as_transformers_does(dt):
     """MiniMax-M2's router (logits in the model's dtype, sigmoid, the block's correction bias
     for the choice, renormalised weights; no groups, scale or shared experts) in C, against
     the block's own forward."""
-    m = _minimax(dt)
-    fmt = "f32" if dt == torch.float32 else "bf16"
-    eng = hf.offload(m, dtype=fmt, dense=fmt, cache=1.0)
-    try:
-        blocks, hs = _hidden(m)
-        assert eng.routed_in_c == list(range(len(blocks)))
-        routed_like_own_forward(eng, blocks, hs, dt)
-    finally:
-        eng.close()
+    offloaded_routed_like_own_forward(_minimax(dt), dt)
 
 
 def test_minimax_m2_decodes_in_one_call_a_step():

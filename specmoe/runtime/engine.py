@@ -413,7 +413,8 @@ class Engine(EngineCommon):
                 linears, dtype, most = shared  # (the block computes in its experts' dtype)
                 flags = _C.ROUTE_RENORM | (_C.ROUTE_BF16_OUT | _C.ROUTE_BF16_WEIGHTS
                                            if dtype == torch.bfloat16 else 0)
-                self._set_block(pos, 1.0, linears, most)
+                if not self._set_block(pos, 1.0, linears, most):
+                    continue  # (without its shared experts the C call would drop them)
             elif kind == "deepseek":
                 shared = silu_mlp_parts(getattr(block, "shared_experts", None))
                 if getattr(gate, "topk_method", None) != "greedy" or shared is None:
@@ -422,7 +423,9 @@ class Engine(EngineCommon):
                 # routed_scaling_factor; the shared experts' MLP added in the same call
                 linears, dtype, most = shared
                 flags = _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
-                self._set_block(pos, float(gate.routed_scaling_factor), linears, most)
+                if not self._set_block(pos, float(gate.routed_scaling_factor), linears,
+                                       most):
+                    continue
             else:
                 if kind in ("mixtral", "qwen_shared_renorm") \
                         or getattr(gate, "norm_topk_prob", False):
@@ -437,7 +440,8 @@ class Engine(EngineCommon):
                         continue
                     linears, most = shared
                     flags |= _C.ROUTE_BF16_OUT if dtype == torch.bfloat16 else 0
-                    self._set_block(pos, 1.0, linears, most)
+                    if not self._set_block(pos, 1.0, linears, most):
+                        continue
             block.forward = self._routed_forward(block, pos, flags, dtype, block.forward,
                                                  scores_out=kind == "gpt_oss")
             # what a fused decoder layer needs to run this block inside its own C call
