@@ -104,6 +104,7 @@ int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smo
     b->rot = cfg->rot ? cfg->rot : cfg->D;
     b->zc = cfg->zc != 0;
     b->sinks = cfg->sinks;
+    b->pairs = cfg->pairs;
     b->ready = 1;
     return SMOE_OK;
 }
@@ -198,8 +199,13 @@ static int block_pre(smoe_attn_block *self, smoe_kctx *c, const void *xp, int xb
            are R wide), the rest pass */
         smoe_dec_widen(cosf, (const uint8_t *)cp + (size_t)t * R * (cb ? 2 : 4), cb, R);
         smoe_dec_widen(sinf, (const uint8_t *)sp + (size_t)t * R * (sb ? 2 : 4), sb, R);
-        smoe_rotary_half(qt, H, D, R, cosf, sinf, b);
-        smoe_rotary_half(kt, Hkv, D, R, cosf, sinf, b);
+        if (self->pairs) {
+            smoe_rotary_pairs(qt, H, D, R, cosf, sinf, 1, b);
+            smoe_rotary_pairs(kt, Hkv, D, R, cosf, sinf, 1, b);
+        } else {
+            smoe_rotary_half(qt, H, D, R, cosf, sinf, b);
+            smoe_rotary_half(kt, Hkv, D, R, cosf, sinf, b);
+        }
     }
     /* q for the attention kernel (f32, values already bf16 when b; row r at r * H nt D); k, v
      * for the cache (row r at r * kv_bs elements) */

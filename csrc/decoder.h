@@ -90,6 +90,8 @@ typedef struct smoe_attn_block_cfg {
     int zc;       /* the q/k norms and the layer's ln / ln1 / ln2 zero-centred (smoe_dec_norm) */
     const float *sinks; /* GPT-OSS's attention sinks: f32 [H] finite logits, one a head, in
                            every softmax's denominator (smoe_mha_desc); NULL: none */
+    int pairs; /* the rotary on the pairs (x[2i], x[2i+1]) of each head's first rot values,
+                  pair i by cos[i], sin[i] (ERNIE-4.5: smoe_rotary_pairs); 0: rotate-half */
 } smoe_attn_block_cfg;
 
 typedef struct smoe_attn_block {
@@ -105,6 +107,7 @@ typedef struct smoe_attn_block {
     int gate, zc;      /* as in the cfg */
     uint32_t rot;      /* the cfg's, 0 made D */
     const float *sinks; /* the cfg's (borrowed) */
+    int pairs;          /* the cfg's */
     /* owned; guarded by mu */
     uint32_t cap;       /* tokens buf and lscratch hold now: min(max_tokens, 16) at init, grown
                            (up to max_tokens) by the first call of more tokens, then kept */
@@ -144,7 +147,7 @@ void smoe_attn_block_destroy(smoe_attn_block *b);
  * hidden] (f32, or bf16 bits when xb)
  * RMSNorm-ed with ln when given (the decoder layer's input layernorm), the q/k/v projections,
  * the q/k norms, the rotary embedding with cos / sin [B * nt, rot] (each token its own
- * position's; f32 or bf16 bits: cb, sb); q into qp ([B, H, nt, D] f32), k and v into kp, vp
+ * position's; f32 or bf16 bits: cb, sb; the pairs form reads their first rot / 2 values); q into qp ([B, H, nt, D] f32), k and v into kp, vp
  * (token t of kv head h of row r at + r * kv_bs + h * kv_hs + t * D elements; bf16 bits when
  * kb / vb). */
 int smoe_attn_block_pre(smoe_attn_block *b, smoe_kctx *c, const void *xp, int xb,

@@ -129,7 +129,7 @@ static int mlab_linear(smoe_mla_block *self, smoe_kctx *c, int i, const float *x
 static void mlab_rotary(const smoe_mla_block *self, float *x, uint32_t heads, size_t stride,
                         uint32_t dr, const float *ft, int b) {
     if (self->rope == SMOE_ROPE_COMPLEX)
-        smoe_rotary_pairs(x, heads, stride, dr, ft, b);
+        smoe_rotary_pairs(x, heads, stride, dr, ft, ft + 1, 2, b);
     else if (self->rope == SMOE_ROPE_HALF)
         smoe_rotary_half(x, heads, stride, dr, ft, ft + dr, b);
     else

@@ -233,14 +233,17 @@ class AttnBlock:
     head_dim), ``zero_centred`` (the q/k norms and the layer's norms scale by their weights
     given as 1 + the module's, in f32, rounded once; GPT-OSS's norms take the same form with
     their weights as they are).  GPT-OSS: ``sinks`` (float32 [heads], finite: a logit a head
-    in every softmax's denominator, with no value)."""
+    in every softmax's denominator, with no value).  ``rope``: ``"half"`` (rotate-half) or
+    ``"pairs"`` (ERNIE-4.5: a head's pairs (x[2i], x[2i+1]) turned by angle i, read from the
+    first rotary_dim / 2 values of cos and sin; f32 products, rounded once)."""
 
     def __init__(self, ctx: KernelContext, q: Linear, k: Linear, v: Linear, o: Linear,
                  heads: int, kv_heads: int, head_dim: int, norm: str = "none",
                  q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                  eps: float = 1e-6, bf16: bool = False, max_tokens: int = 16,
                  qkv: Linear | None = None, gate: bool = False, rotary_dim: int = 0,
-                 zero_centred: bool = False, sinks: np.ndarray | None = None) -> None: ...
+                 zero_centred: bool = False, sinks: np.ndarray | None = None,
+                 rope: str = "half") -> None: ...
     def pre(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, q: np.ndarray,
             k: np.ndarray, v: np.ndarray) -> None: ...
     def post(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,

@@ -22,7 +22,8 @@ from specmoe.models.testing import tiny_model
 
 from .attn_helpers import layer_outputs
 
-ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "glm4_moe+qk_norm", "gpt_oss"]
+ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "glm4_moe+qk_norm", "gpt_oss",
+         "ernie4_5_moe"]
 
 
 def _tiny(arch: str, **kw):
@@ -30,18 +31,20 @@ def _tiny(arch: str, **kw):
     (plain glm4_moe has none; both with q/k/v biases and half of each head rotary); gpt_oss
     (q/k/v/o biases, sinks, sliding-window layers of 64 positions, the f32-scaled norms, the
     half-table rotary) with random norm weights and sinks: at 1 the f32-scaled norm is the
-    Llama one, and sinks of 0 hide a sink read for another head's."""
+    Llama one, and sinks of 0 hide a sink read for another head's; ernie4_5_moe (the rotary
+    on each head's pairs, a dense first layer) with random norm weights too."""
     if arch == "glm4_moe+qk_norm":
         return tiny_model("glm4_moe", overrides={"use_qk_norm": True}, **kw)
     m = tiny_model(arch, **kw)
-    if arch == "gpt_oss":
+    if arch in ("gpt_oss", "ernie4_5_moe"):
         g = torch.Generator().manual_seed(4)
         with torch.no_grad():
             for layer in m.model.layers:
                 for n in (layer.input_layernorm, layer.post_attention_layernorm):
                     n.weight.copy_(1 + 0.3 * torch.randn(n.weight.shape, generator=g))
-                s = layer.self_attn.sinks
-                s.copy_(torch.randn(s.shape, generator=g))
+                s = getattr(layer.self_attn, "sinks", None)
+                if s is not None:
+                    s.copy_(torch.randn(s.shape, generator=g))
     return m
 STEPS = (1, 4, 1, 3, 1)
 

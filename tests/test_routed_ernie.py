@@ -14,6 +14,8 @@ from specmoe import _C
 from specmoe.models.testing import tiny_model
 from specmoe.runtime import engine as hf
 
+from .test_attn_block import _unfused
+from .test_gptoss_block import _Calls
 from .test_routed_deepseek import _count_c_calls as _calls
 from .test_routed_v3 import _hidden, greedy_like, offloaded_routed_like_own_forward
 
@@ -72,11 +74,20 @@ def test_ernie_block_routed_in_c_equals_its_own_forward(dt):
 
 
 def test_ernie_greedy_tokens_equal_the_unmodified_model():
-    ref, m = _model(), _model()
-    eng = hf.offload(m, dtype="f32", dense="f32", cache=1.0)
-    try:
-        calls = _calls(eng)
-        greedy_like(ref, m, torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]]), 12)
-        assert calls[0] >= 11 * len(eng.layer_ids)  # every decode step's blocks routed in C
-    finally:
-        eng.close()
+    """Every decode step's MoE blocks routed in C: inside the decoder layer's one call
+    (tests/test_ernie_block.py), or, with the attention not fused, as the block's own call."""
+    for fused in (True, False):
+        ref, m = _model(), _model()
+        eng = hf.offload(m, dtype="f32", dense="f32", cache=1.0)
+        try:
+            if not fused:
+                _unfused(m)
+            calls, layer_calls = _calls(eng), {}
+            for layer in m.model.layers:
+                attn = layer.self_attn
+                attn._specmoe_block = _Calls(attn._specmoe_block, layer_calls)
+            greedy_like(ref, m, torch.tensor([[1, 5, 9, 14, 3, 27, 8, 60]]), 12)
+            routed = layer_calls.get("layer", 0) if fused else calls[0]
+            assert routed >= 11 * len(eng.layer_ids)
+        finally:
+            eng.close()

@@ -555,17 +555,17 @@ typedef struct {
 static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"ctx", "q", "k", "v", "o", "heads", "kv_heads", "head_dim",
                              "norm", "q_norm", "k_norm", "eps", "bf16", "max_tokens", "qkv",
-                             "gate", "rotary_dim", "zero_centred", "sinks", NULL};
+                             "gate", "rotary_dim", "zero_centred", "sinks", "rope", NULL};
     PyObject *ctx_o, *lin[5] = {NULL, NULL, NULL, NULL, Py_None}, *qn_o = Py_None,
              *kn_o = Py_None, *sk_o = Py_None;
     unsigned int H, Hkv, D, max_tokens = 16, rot = 0;
-    const char *norm = "none";
+    const char *norm = "none", *rope = "half";
     double eps = 1e-6;
     int bf16 = 0, gate = 0, zc = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpIOpIpO:AttnBlock", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOIII|sOOdpIOpIpOs:AttnBlock", kwlist,
                                      &ctx_o, &lin[0], &lin[1], &lin[2], &lin[3], &H, &Hkv, &D,
                                      &norm, &qn_o, &kn_o, &eps, &bf16, &max_tokens, &lin[4],
-                                     &gate, &rot, &zc, &sk_o))
+                                     &gate, &rot, &zc, &sk_o, &rope))
         return -1;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "AttnBlock is already initialised");
@@ -593,6 +593,12 @@ static int ab_init(AttnBlockObject *self, PyObject *args, PyObject *kw) {
     cfg.gate = gate;
     cfg.rot = rot;
     cfg.zc = zc;
+    if (strcmp(rope, "half") && strcmp(rope, "pairs")) {
+        PyErr_Format(PyExc_ValueError, "AttnBlock: rope must be 'half' or 'pairs', got '%s'",
+                     rope);
+        return -1;
+    }
+    cfg.pairs = !strcmp(rope, "pairs");
     if (sk_o != Py_None) { /* GPT-OSS's attention sinks: float32 [heads] */
         PyArrayObject *a = smoe_py_want_array(sk_o, "sinks", NPY_FLOAT32, 1, 0);
         if (!a) return -1;
@@ -934,7 +940,8 @@ static PyTypeObject AttnBlockType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "AttnBlock(ctx, q, k, v, o, heads, kv_heads, head_dim, norm='none', q_norm=None, "
               "k_norm=None, eps=1e-6, bf16=False, max_tokens=16, qkv=None, gate=False, "
-              "rotary_dim=0, zero_centred=False, sinks=None): one decoder layer's attention "
+              "rotary_dim=0, zero_centred=False, sinks=None, rope='half'): one decoder layer's "
+              "attention "
               "module at decode sizes (specmoe.models.attention.fuse_attention) in two calls around "
               "the KV cache update: pre (projections, q/k RMSNorm over all heads ('full') or "
               "per head ('head'), rotary) and post (attention, output projection).  q, k, v, o "
@@ -946,7 +953,9 @@ static PyTypeObject AttnBlockType = {
               "only), rotary_dim (the rotary on the first rotary_dim values of a head; 0: all), "
               "zero_centred (the q/k norms and the layer's norms in the zero-centred form, "
               "their weights 1 + the module's).  sinks: GPT-OSS's attention sinks, float32 "
-              "[heads] (a logit a head in every softmax's denominator, no value).",
+              "[heads] (a logit a head in every softmax's denominator, no value).  rope: "
+              "'half' (rotate-half) or 'pairs' (ERNIE-4.5: each head's pairs (x[2i], x[2i+1]) "
+              "turned by angle i, cos and sin's first rotary_dim / 2 values).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)ab_init,
     .tp_dealloc = (destructor)ab_dealloc,

@@ -44,13 +44,13 @@ void smoe_rotary_half(float *x, uint32_t heads, size_t stride, uint32_t D, const
     }
 }
 
-void smoe_rotary_pairs(float *x, uint32_t heads, size_t stride, uint32_t D, const float *f,
-                       int bf16) {
+void smoe_rotary_pairs(float *x, uint32_t heads, size_t stride, uint32_t D, const float *c,
+                       const float *s, size_t step, int bf16) {
     for (uint32_t h = 0; h < heads; h++) {
         float *v = x + (size_t)h * stride;
         for (uint32_t i = 0; i < D / 2; i++) {
-            const float a = v[2 * i], b = v[2 * i + 1], c = f[2 * i], d = f[2 * i + 1];
-            const float re = a * c - b * d, im = a * d + b * c;
+            const float a = v[2 * i], b = v[2 * i + 1], ci = c[i * step], si = s[i * step];
+            const float re = a * ci - b * si, im = a * si + b * ci;
             v[2 * i] = bf16 ? smoe_bf16_round1(re) : re;
             v[2 * i + 1] = bf16 ? smoe_bf16_round1(im) : im;
         }

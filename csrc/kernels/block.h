@@ -61,13 +61,17 @@ void smoe_rotary_half(float *x, uint32_t heads, size_t stride, uint32_t D, const
 void smoe_rotary_interleave(float *x, uint32_t heads, size_t stride, uint32_t D,
                             const float *cos, const float *sin, int bf16);
 
-/* Rotary embedding in DeepSeek-V2's complex form (transformers' apply_rotary_emb) of `heads`
- * vectors of D values (D even), head h at x + h * stride, in place, with one token's
- * frequencies f (D / 2 complex numbers as (re, im) pairs):
- *     (x[2i], x[2i+1]) = (x[2i] f_re[i] - x[2i+1] f_im[i], x[2i] f_im[i] + x[2i+1] f_re[i])
- * in f32 (torch's complex64 product: the two products rounded, then one add or subtract),
- * bf16: the results rounded to bf16 once (the .type_as of the bf16 input). */
-void smoe_rotary_pairs(float *x, uint32_t heads, size_t stride, uint32_t D, const float *f,
-                       int bf16);
+/* Rotary embedding on the pairs (x[2i], x[2i+1]) of `heads` vectors of D values (D even),
+ * head h at x + h * stride, in place, pair i by angle i (c[i * step] its cosine, s[i * step]
+ * its sine):
+ *     (x[2i], x[2i+1]) = (x[2i] c - x[2i+1] s, x[2i] s + x[2i+1] c)
+ * in f32 (the two products rounded, then one add or subtract), bf16: the results rounded to
+ * bf16 once.  DeepSeek-V2's complex form (transformers' apply_rotary_emb: torch's complex64
+ * product, then .type_as the bf16 input) with the token's D / 2 (re, im) pairs f: c = f, s =
+ * f + 1, step 2; ERNIE-4.5's (its apply_rotary_pos_emb: cos and sin's first D / 2 values
+ * repeated pairwise, q.float() * cos + rotate_half(q).float() * sin, rounded once) with the
+ * token's cos and sin: step 1. */
+void smoe_rotary_pairs(float *x, uint32_t heads, size_t stride, uint32_t D, const float *c,
+                       const float *s, size_t step, int bf16);
 
 #endif

@@ -54,6 +54,7 @@ __all__ = [
     "FUSABLE_ATTENTION",
     "GATED_ATTENTION",
     "SINK_ATTENTION",
+    "PAIRS_ROPE_ATTENTION",
     "FUSABLE_LAYERS",
     "FUSABLE_MLA_LAYERS",
     "FUSABLE_GATED_DELTANET",
@@ -311,7 +312,7 @@ FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
                      "Qwen2MoeAttention": "none", "MixtralAttention": "none",
                      "Qwen3NextAttention": "head", "Qwen3_5MoeAttention": "head",
                      "Glm4MoeAttention": "head", "MiniMaxM2Attention": "full",
-                     "GptOssAttention": "none"}
+                     "GptOssAttention": "none", "Ernie4_5_MoeAttention": "none"}
 # those of them whose q_proj gives, per head, head_dim query rows then head_dim gate rows, and
 # whose output is attention * sigmoid(gate) before o_proj, with zero-centred q/k norms and a
 # partial rotary (rope_parameters' partial_rotary_factor): Qwen3-Next's and Qwen3.5's full
@@ -322,12 +323,18 @@ GATED_ATTENTION = ("Qwen3NextAttention", "Qwen3_5MoeAttention")
 # (``_apply_rotary_emb``), sliding-window layers (the cache keeps the window; the mask says
 # the rest), and decoder layers whose norms are F32_SCALED_RMSNORMS
 SINK_ATTENTION = ("GptOssAttention",)
+# those of them whose rotary turns the pairs (x[2i], x[2i+1]) of each head in place by the
+# angle of cos / sin's i-th value, in f32, rounded once (ERNIE-4.5's apply_rotary_pos_emb:
+# cos and sin's first halves repeated pairwise, rotate_half over the pairs): the block's
+# "pairs" rotary
+PAIRS_ROPE_ATTENTION = ("Ernie4_5_MoeAttention",)
 # decoder layers of those forms whose forward is: h + attn(input_layernorm(h)), then that plus
 # mlp(post_attention_layernorm(that)) -- the input norm, the first residual add and the
 # post-attention norm then go into the attention block's calls
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
                   "MixtralDecoderLayer", "Qwen3NextDecoderLayer", "Qwen3_5MoeDecoderLayer",
-                  "Glm4MoeDecoderLayer", "MiniMaxM2DecoderLayer", "GptOssDecoderLayer")
+                  "Glm4MoeDecoderLayer", "MiniMaxM2DecoderLayer", "GptOssDecoderLayer",
+                  "Ernie4_5_MoeDecoderLayer")
 # gated DeltaNet modules whose forward at one cached token is Qwen3.5's (separate q|k|v, z, b
 # and a projections, a SiLU short convolution, the gated delta rule with l2-normalised q and
 # k, a gated RMSNorm) or Qwen3-Next's (the same on q, k, v, z interleaved per key head in one
@@ -357,12 +364,14 @@ MLA_ATTENTION = ("DeepseekV2Attention", "DeepseekV3Attention", "Glm4MoeLiteAtten
 DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                       "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                       "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM",
-                      "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM")
+                      "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
+                      "Ernie4_5_MoeForCausalLM")
 # RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
                   "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm",
-                  "Glm4MoeLiteRMSNorm", "Glm4MoeRMSNorm", "MiniMaxM2RMSNorm")
+                  "Glm4MoeLiteRMSNorm", "Glm4MoeRMSNorm", "MiniMaxM2RMSNorm",
+                  "Ernie4_5_MoeRMSNorm")
 # RMSNorms of the zero-centred form: (x * rsqrt(mean(x^2) + eps)) * (1 + w) in f32, rounded to
 # the model's dtype once (Qwen3-Next, Qwen3.5; transformers' comment: "(x * w).to(float16)"),
 # their epsilon in ``eps``: specmoe.models.layers.CRMSNorm runs them too

@@ -36,7 +36,8 @@ from torch import nn
 
 from .. import _C
 from ..runtime.kernels import tensor_array
-from .arch import FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, SINK_ATTENTION
+from .arch import (FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, PAIRS_ROPE_ATTENTION,
+                   SINK_ATTENTION)
 from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, rms_norm_form
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
@@ -217,7 +218,9 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     sinks into the block, its half-table rotary as the rotate-half form's (each half of cos and
     sin repeated: :func:`_full_width_rope`) and its decoder's f32-scaled norms as the block's
     zero-centred form; its sliding-window layers, whose cache (transformers' sliding one) has
-    no buffers to write into, run pre and post around that cache's update.  Idempotent."""
+    no buffers to write into, run pre and post around that cache's update.  ERNIE-4.5's
+    (``specmoe.models.arch.PAIRS_ROPE_ATTENTION``) turns each head's pairs (x[2i], x[2i+1])
+    in place: the block's ``rope="pairs"``, on the same (cos, sin).  Idempotent."""
     if ctx is None:
         from ..runtime.kernels import context
         ctx = context()
@@ -246,6 +249,8 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         kw: dict[str, Any] = {"norm": form, "rotary_dim": _rotary_dim(cfg, D)}
         if gated:
             kw["gate"] = True
+        if type(m).__name__ in PAIRS_ROPE_ATTENTION:
+            kw["rope"] = "pairs"
         sinks = type(m).__name__ in SINK_ATTENTION
         if sinks:  # GPT-OSS: its sinks, and its decoder's f32-scaled norms (the zc form)
             if getattr(m, "sinks", None) is None:

@@ -1,0 +1,118 @@
+"""ERNIE-4.5's attention in the C decoder block (specmoe.models.attention.fuse_attention,
+_C.AttnBlock with ``rope="pairs"``): the rotary turns each head's pairs (x[2i], x[2i+1]) in
+place in f32 and rounds once (transformers' Ernie4_5_Moe apply_rotary_pos_emb), the Llama-form
+norms folded into the block's calls, the MoE layers one AttnBlock.layer call with the block
+routed in C.  Checked through the Engine: f32 tokens and logits against the unmodified
+transformers model; bf16 logits bit for bit against the same conversion with torch running
+everything between the C kernels; the pairs form against a numpy rotary; a rope form the
+block does not have refused by name."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from specmoe import _C
+from specmoe.models.layers import CLinear
+from specmoe.runtime import engine as hf
+
+from .test_attn_block import _tiny, _unfused
+from .test_gptoss_block import _Calls, _generate
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_ernie_decodes_through_the_block(dt):
+    """A 20-token prompt and 11 decode steps: every attention module fused and every decoder
+    layer's norms folded; the MoE layers' steps one layer call each, the dense first layer's
+    pre + post around its MLP; f32 as transformers, bf16 as the torch glue around the same
+    kernels, bit for bit."""
+    base = _tiny("ernie4_5_moe", dtype=dt, experts=16, top_k=4)
+    ref, a, b = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    fmt = "f32" if dt == torch.float32 else "bf16"
+    ea = hf.offload(a, dtype=fmt, dense=fmt, cache=1.0)
+    eb = hf.offload(b, dtype=fmt, dense=fmt, cache=1.0)
+    try:
+        moe = len(ea.routed_in_c)
+        dense = len(a.model.layers) - moe
+        assert moe >= 1 and dense >= 1
+        calls: dict[str, int] = {}
+        for layer in a.model.layers:
+            assert getattr(layer, "_specmoe_norms", None) is not None
+            layer.self_attn._specmoe_block = _Calls(layer.self_attn._specmoe_block, calls)
+        _unfused(b)
+        ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(1))
+        got = _generate(a, ids, 12)
+        assert calls == {"layer": 11 * moe, "pre": 11 * dense, "post": 11 * dense}, calls
+        if dt == torch.float32:
+            want = _generate(ref, ids, 12)
+            assert torch.equal(got.sequences, want.sequences)
+            for x, y in zip(got.scores, want.scores):
+                torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+        else:
+            glue = _generate(b, ids, 12)
+            assert torch.equal(got.sequences, glue.sequences)
+            for x, y in zip(got.scores, glue.scores):
+                assert torch.equal(x, y)
+    finally:
+        ea.close()
+        eb.close()
+
+
+def _block(rope: str, R: int = 0):
+    m = _tiny("ernie4_5_moe")
+    ctx = _C.KernelContext(1)
+    attn = m.model.layers[0].self_attn
+    projs = [CLinear(getattr(attn, p), "f32", ctx) for p in ("q_proj", "k_proj", "v_proj",
+                                                             "o_proj")]
+    cfg = attn.config
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+    blk = _C.AttnBlock(ctx, *(p._c for p in projs), H, Hkv, D, rope=rope, rotary_dim=R)
+    return blk, projs, (H, Hkv, D, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("R", [0, 4])
+def test_pairs_rotary_against_numpy(R):
+    """pre's q and k with the pairs form: each head's first R values in pairs, pair i turned
+    by cos[i], sin[i] (the tables' first R / 2 values; the rest of them unread), the values
+    past R as the projections give them."""
+    blk, projs, (H, Hkv, D, hid) = _block("pairs", R)
+    R = R or D
+    rng = np.random.default_rng(3)
+    T = 3
+    x = rng.standard_normal((T, hid)).astype(np.float32)
+    cos = rng.uniform(-1, 1, (T, R)).astype(np.float32)
+    sin = rng.uniform(-1, 1, (T, R)).astype(np.float32)
+    q = np.zeros((1, H, T, D), np.float32)
+    k = np.zeros((1, Hkv, T, D), np.float32)
+    v = np.zeros((1, Hkv, T, D), np.float32)
+    blk.pre(x, cos, sin, q, k, v)
+    cn, sn = cos.copy(), sin.copy()
+    cn[:, R // 2:] = np.nan  # the second halves are not read
+    sn[:, R // 2:] = np.nan
+    q2 = np.zeros_like(q)
+    blk.pre(x, cn, sn, q2, np.zeros_like(k), np.zeros_like(v))
+    assert np.array_equal(q, q2)
+
+    def want(lin, heads):
+        y = lin(torch.from_numpy(x)).double().numpy().reshape(T, heads, D)
+        out = y.copy()
+        c, s = cos[:, None, :R // 2].astype(np.float64), sin[:, None, :R // 2]
+        a, b = y[..., 0:R:2], y[..., 1:R:2]
+        out[..., 0:R:2] = a * c - b * s
+        out[..., 1:R:2] = a * s + b * c
+        return out.transpose(1, 0, 2)
+
+    with torch.no_grad():
+        np.testing.assert_allclose(q[0], want(projs[0], H), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(k[0], want(projs[1], Hkv), rtol=1e-5, atol=1e-5)
+    half, _, _ = _block("half", R if R < D else 0)
+    qh = np.zeros_like(q)
+    half.pre(x, cos, sin, qh, np.zeros_like(k), np.zeros_like(v))
+    assert not np.allclose(qh, q)  # (the other form, other values)
+
+
+def test_unknown_rope_form_is_refused():
+    with pytest.raises(ValueError, match="rope must be 'half' or 'pairs', got 'complex'"):
+        _block("complex")
