@@ -121,6 +121,13 @@ void smoe_attn_block_destroy(smoe_attn_block *b) {
     b->ascratch = NULL;
     b->route = NULL;
     b->ascratch_cap = b->route_cap = 0;
+    smoe_mlp_bufs_free(&b->mlp_bufs);
+}
+
+void smoe_attn_block_set_mlp(smoe_attn_block *b, const smoe_shared_ffn *f) {
+    pthread_mutex_lock(&b->mu); /* waits for a call in flight */
+    b->mlp = *f;
+    pthread_mutex_unlock(&b->mu);
 }
 
 /* T tokens' heads, token t's head h at src + t * src_stride + h * D (f32), into dst with token
@@ -320,8 +327,11 @@ int smoe_attn_block_layer(smoe_attn_block *self, smoe_kctx *c, smoe_layers *g,
         rc = block_post(self, c, q, a->kp, a->vp, a->kb ? SMOE_WDT_BF16 : SMOE_WDT_F32,
                         (size_t)Hkv * kv_hs, kv_hs, B, nt, (uint32_t)(S + nt), a->bias,
                         a->bias_rows, (float)a->scale, h, err);
-    if (rc == SMOE_OK) /* the MoE block over every row's tokens */
-        rc = smoe_dec_tail(self->bf16, g, NULL, (uint32_t)a->pos, a->flags, n, hid, h, a->xp,
+    const smoe_dense_mlp mlp = {c, &self->mlp, &self->mlp_bufs};
+    if (rc == SMOE_OK && !g && !self->mlp.d[0]) /* set_mlp(None) since the call was checked */
+        rc = smoe_err_set(err, SMOE_ESTATE, "AttnBlock.layer: the block's MLP was removed");
+    if (rc == SMOE_OK) /* the MoE block (or the dense MLP) over every row's tokens */
+        rc = smoe_dec_tail(self->bf16, g, &mlp, (uint32_t)a->pos, a->flags, n, hid, h, a->xp,
                            a->xb, a->ln2, a->eps2, self->zc, nrm, moe, &self->route,
                            &self->route_cap, a->op, a->ob, &t1, err);
     double t2 = smoe_now();

@@ -123,6 +123,9 @@ typedef struct smoe_attn_block {
     void *lscratch;     /* linear scratch for cap tokens */
     void *ascratch;     /* attention scratch (grows with the thread count) */
     size_t ascratch_cap;
+    smoe_shared_ffn mlp;    /* a dense layer's MLP (set_mlp), borrowed (d[0] NULL: none);
+                               guarded by mu, changed by smoe_attn_block_set_mlp */
+    smoe_mlp_bufs mlp_bufs; /* the MLP's rows and scratch, owned; guarded by mu */
     pthread_mutex_t mu; /* serializes pre / post / layer calls on the block; taken before a
                            smoe_layers' own mu (always in that order) */
     int ready;          /* init succeeded (mu initialised) */
@@ -141,6 +144,10 @@ int smoe_attn_block_check(const smoe_attn_block_cfg *cfg, smoe_err *err);
  * failure nothing is left to release. */
 int smoe_attn_block_init(smoe_attn_block *b, const smoe_attn_block_cfg *cfg, smoe_err *err);
 void smoe_attn_block_destroy(smoe_attn_block *b);
+
+/* The dense MLP layer calls with g NULL run (f borrowed while set; d[0] NULL: none), under
+ * b->mu (it waits for a call in flight): GLM-4.5's and ERNIE-4.5's dense decoder layers. */
+void smoe_attn_block_set_mlp(smoe_attn_block *b, const smoe_shared_ffn *f);
 
 /* The first half of the block for B rows of nt tokens (B * nt in 1..max_tokens; a batch of
  * sequences decoding together), under b->mu (SMOE_EINVAL for a gated block): x [B * nt,
@@ -170,7 +177,8 @@ int smoe_attn_block_post(smoe_attn_block *b, smoe_kctx *c, const float *q, const
 
 /* One whole decoder layer's arguments (AttnBlock.layer), checked by the caller. */
 typedef struct smoe_attn_layer_args {
-    long pos;    /* the MoE layer's position in the smoe_layers */
+    long pos;    /* the MoE layer's position in the smoe_layers (unused for a dense layer) */
+    int dense;   /* the block's MLP (set_mlp) instead of a MoE block: no smoe_layers (g NULL) */
     uint32_t B;  /* rows (sequences of a decode batch), each nt tokens; B * nt <= max_tokens */
     uint32_t nt; /* tokens per row */
     int flags;   /* route flags (layer.h) */
@@ -189,8 +197,9 @@ typedef struct smoe_attn_layer_args {
 /* The layer on the begun MoE layers g (layer pos, hidden = b->hidden), under b->mu then g's:
  * input norm, pre (new k, v written at S), attention over S + nt positions, the output gate
  * (gated), output projection, residual add, post-attention norm, the MoE block, residual add
- * into op.  *ta and
- * *tm get the seconds in the attention and MoE parts. */
+ * into op.  g NULL: a dense layer, the block's MLP (set_mlp) instead of the MoE block
+ * (SMOE_ESTATE when none is set now).  *ta and *tm get the seconds in the attention and MoE
+ * (or MLP) parts. */
 int smoe_attn_block_layer(smoe_attn_block *b, smoe_kctx *c, smoe_layers *g,
                           const smoe_attn_layer_args *a, double *ta, double *tm, smoe_err *err);
 

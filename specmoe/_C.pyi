@@ -235,7 +235,9 @@ class AttnBlock:
     their weights as they are).  GPT-OSS: ``sinks`` (float32 [heads], finite: a logit a head
     in every softmax's denominator, with no value).  ``rope``: ``"half"`` (rotate-half) or
     ``"pairs"`` (ERNIE-4.5: a head's pairs (x[2i], x[2i+1]) turned by angle i, read from the
-    first rotary_dim / 2 values of cos and sin; f32 products, rounded once)."""
+    first rotary_dim / 2 values of cos and sin; f32 products, rounded once).  ``set_mlp``: a
+    dense decoder layer's SiLU MLP, which ``layer(None, ...)`` runs in place of a MoE block
+    (GLM-4.5's and ERNIE-4.5's dense layers)."""
 
     def __init__(self, ctx: KernelContext, q: Linear, k: Linear, v: Linear, o: Linear,
                  heads: int, kv_heads: int, head_dim: int, norm: str = "none",
@@ -248,10 +250,11 @@ class AttnBlock:
             k: np.ndarray, v: np.ndarray) -> None: ...
     def post(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
              scale: float, out: np.ndarray) -> None: ...
-    def layer(self, layers: Layers, pos: int, route_flags: int, x: np.ndarray,
+    def layer(self, layers: Layers | None, pos: int, route_flags: int, x: np.ndarray,
               cos: np.ndarray, sin: np.ndarray, kbuf: np.ndarray, vbuf: np.ndarray, S: int,
               bias: np.ndarray | None, scale: float, ln1: np.ndarray, eps1: float,
-              ln2: np.ndarray, eps2: float, out: np.ndarray) -> tuple[float, float]: ...
+              ln2: np.ndarray, eps2: float, out: np.ndarray) -> tuple[float, float, float]: ...
+    def set_mlp(self, mlp: tuple[Linear, Linear, Linear] | None) -> None: ...
 
 class GdnBlock:
     """A gated DeltaNet (linear attention) module of Qwen3.5 or Qwen3-Next for one decode token

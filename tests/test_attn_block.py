@@ -50,7 +50,8 @@ STEPS = (1, 4, 1, 3, 1)
 
 
 class _Counting:
-    """Stands in for a module's AttnBlock and records each pre call's token count."""
+    """Stands in for a module's AttnBlock and records the token count of each pre call, and
+    of each layer call (a dense layer's, its MLP in the block: set_mlp)."""
 
     def __init__(self, blk, calls):
         self.blk, self.calls = blk, calls
@@ -61,6 +62,10 @@ class _Counting:
 
     def post(self, *a):
         return self.blk.post(*a)
+
+    def layer(self, *a):
+        self.calls.append(a[3].shape[0])
+        return self.blk.layer(*a)
 
 
 def _fused(model, fmt):

@@ -25,7 +25,8 @@ from specmoe.runtime.kvcache import kv_advance
 from specmoe.models.testing import tiny_config, tiny_model
 
 ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-         "glm4_moe_lite", "qwen3_5_moe_text", "qwen3_next", "minimax_m2"]
+         "glm4_moe_lite", "qwen3_5_moe_text", "qwen3_next", "minimax_m2", "glm4_moe",
+         "ernie4_5_moe"]
 # hybrids: gated-DeltaNet layers (their step one GdnBlock.layer call, a recurrent state in the
 # cache) between gated full-attention ones
 HYBRID = ("qwen3_5_moe_text", "qwen3_next")
@@ -99,8 +100,9 @@ def test_step_equals_the_models_own_forward(arch, dt):
                 tok = on.logits[:, -1:].argmax(-1)
         # layers that route their MoE block in C go through layer_chain (Qwen2-MoE's gated
         # shared expert and DeepSeek-V3's group-limited sigmoid router included), and so do
-        # DeepSeek's dense first layers (their MLP in the MLABlock's call): every layer is one
-        # call, so a step is one _C.DecodePlan call
+        # the dense first layers of DeepSeek, GLM-4.5 and ERNIE-4.5 (their MLP in the
+        # MLABlock's / AttnBlock's call): every layer is one call, so a step is one
+        # _C.DecodePlan call
         assert step.planned == 5
         assert step.chained == 5 * model.config.num_hidden_layers
         # whole generations: transformers' loop and specmoe's (which refuses the hybrids: their

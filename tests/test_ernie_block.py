@@ -1,11 +1,11 @@
 """ERNIE-4.5's attention in the C decoder block (specmoe.models.attention.fuse_attention,
 _C.AttnBlock with ``rope="pairs"``): the rotary turns each head's pairs (x[2i], x[2i+1]) in
-place in f32 and rounds once (transformers' Ernie4_5_Moe apply_rotary_pos_emb), the Llama-form
-norms folded into the block's calls, the MoE layers one AttnBlock.layer call with the block
-routed in C.  Checked through the Engine: f32 tokens and logits against the unmodified
-transformers model; bf16 logits bit for bit against the same conversion with torch running
-everything between the C kernels; the pairs form against a numpy rotary; a rope form the
-block does not have refused by name."""
+place in f32 and rounds once (transformers' Ernie4_5_Moe apply_rotary_pos_emb), the
+Llama-form norms folded into the block's calls, every layer one AttnBlock.layer call: the MoE
+block routed in C, or the dense first layer's MLP (set_mlp).  Checked through the Engine: f32
+tokens and logits against the unmodified transformers model; bf16 logits bit for bit against
+the same conversion with torch running everything between the C kernels; the pairs form
+against a numpy rotary; a rope form the block does not have refused by name."""
 from __future__ import annotations
 
 import copy
@@ -25,9 +25,9 @@ from .test_gptoss_block import _Calls, _generate
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_ernie_decodes_through_the_block(dt):
     """A 20-token prompt and 11 decode steps: every attention module fused and every decoder
-    layer's norms folded; the MoE layers' steps one layer call each, the dense first layer's
-    pre + post around its MLP; f32 as transformers, bf16 as the torch glue around the same
-    kernels, bit for bit."""
+    layer's norms folded; every layer's step one layer call, the MoE layers' with the block
+    routed in C, the dense first layer's with its MLP in the block (set_mlp); f32 as
+    transformers, bf16 as the torch glue around the same kernels, bit for bit."""
     base = _tiny("ernie4_5_moe", dtype=dt, experts=16, top_k=4)
     ref, a, b = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     fmt = "f32" if dt == torch.float32 else "bf16"
@@ -40,11 +40,12 @@ def test_ernie_decodes_through_the_block(dt):
         calls: dict[str, int] = {}
         for layer in a.model.layers:
             assert getattr(layer, "_specmoe_norms", None) is not None
+            assert (layer._specmoe_dense is None) == hasattr(layer.mlp, "experts")
             layer.self_attn._specmoe_block = _Calls(layer.self_attn._specmoe_block, calls)
         _unfused(b)
         ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(1))
         got = _generate(a, ids, 12)
-        assert calls == {"layer": 11 * moe, "pre": 11 * dense, "post": 11 * dense}, calls
+        assert calls == {"layer": 11 * (moe + dense)}, calls
         if dt == torch.float32:
             want = _generate(ref, ids, 12)
             assert torch.equal(got.sequences, want.sequences)
@@ -116,3 +117,34 @@ def test_pairs_rotary_against_numpy(R):
 def test_unknown_rope_form_is_refused():
     with pytest.raises(ValueError, match="rope must be 'half' or 'pairs', got 'complex'"):
         _block("complex")
+
+
+def test_dense_layer_call_needs_a_fitting_mlp():
+    """layer(None, ...) runs the block's MLP and refuses by name when none is set; set_mlp
+    refuses an MLP that does not chain hidden -> I -> hidden, or that is not three Linear."""
+    blk, projs, (H, Hkv, D, hid) = _block("pairs")
+    ctx = _C.KernelContext(1)
+    torch.manual_seed(0)
+
+    def lin(k, n):
+        return CLinear(torch.nn.Linear(k, n, bias=False), "f32", ctx)._c
+
+    T, cap = 1, 8
+    args = (None, -1, 0, np.zeros((T, hid), np.float32), np.ones((T, D), np.float32),
+            np.zeros((T, D), np.float32), np.zeros((1, Hkv, cap, D), np.float32),
+            np.zeros((1, Hkv, cap, D), np.float32), 0, None, 0.5,
+            np.ones(hid, np.float32), 1e-6, np.ones(hid, np.float32), 1e-6)
+    out = np.full((T, hid), 7.0, np.float32)
+    with pytest.raises(ValueError, match=r"none is set \(set_mlp\)"):
+        blk.layer(*args, out)
+    assert (out == 7.0).all()
+    with pytest.raises(ValueError, match="AttnBlock.set_mlp: the MLP's"):
+        blk.set_mlp((lin(hid, 24), lin(hid, 24), lin(24, hid + 2)))
+    with pytest.raises(TypeError, match="set_mlp: mlp"):
+        blk.set_mlp((lin(hid, 24), lin(hid, 24)))
+    blk.set_mlp((lin(hid, 24), lin(hid, 24), lin(24, hid)))
+    blk.layer(*args, out)
+    assert np.isfinite(out).all() and not (out == 7.0).any()
+    blk.set_mlp(None)
+    with pytest.raises(ValueError, match=r"none is set \(set_mlp\)"):
+        blk.layer(*args, out)

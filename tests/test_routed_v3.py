@@ -250,9 +250,9 @@ def test_minimax_m2_decodes_in_one_call_a_step():
 
 
 def test_glm4_moe_layers_decode_in_one_call():
-    """GLM-4.5's MoE decoder layers (its attention with q/k/v biases and a half-rotary head,
-    the V3 router) are one AttnBlock.layer call a decode step; the dense first layer takes its
-    own forward; greedy tokens and logits as the unmodified model's."""
+    """GLM-4.5's decoder layers (its attention with q/k/v biases and a half-rotary head, the
+    V3 router) are one AttnBlock.layer call a decode step, the dense first layer's with its
+    MLP in the block (set_mlp); greedy tokens and logits as the unmodified model's."""
     ref, m = _model("glm4_moe"), _model("glm4_moe")
     eng = hf.offload(m, dtype="f32", dense="f32", cache=1.0)
     try:
@@ -278,7 +278,9 @@ def test_glm4_moe_layers_decode_in_one_call():
                   return_dict_in_generate=True, pad_token_id=0)
         with torch.no_grad():
             want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
-        assert calls[0] == 5 * len(eng.routed_in_c) and eng.routed_in_c
+        dense = [la for la in m.model.layers if la._specmoe_dense is not None]
+        assert dense and eng.routed_in_c
+        assert calls[0] == 5 * (len(eng.routed_in_c) + len(dense))
         assert torch.equal(got.sequences, want.sequences)
         for a, b in zip(got.scores, want.scores):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

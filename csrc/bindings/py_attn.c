@@ -238,56 +238,6 @@ static void mla_dealloc(MLADecodeObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* The array's dims must equal want[0..n) (a want of -1 matches any size). */
-int smoe_py_dims_are(PyObject *o, const char *name, const npy_intp *want, int n) {
-    PyArrayObject *a = (PyArrayObject *)o;
-    for (int i = 0; i < n; i++)
-        if (want[i] >= 0 && PyArray_DIM(a, i) != want[i]) {
-            PyErr_Format(PyExc_ValueError, "%s: dimension %d is %zd, expected %zd", name, i,
-                         (Py_ssize_t)PyArray_DIM(a, i), (Py_ssize_t)want[i]);
-            return -1;
-        }
-    return 0;
-}
-
-/* The optional additive bias argument: None -> NULL, 0 rows; else float32 [1 or B, T, S]. */
-int smoe_py_bias_arg(PyObject *o, npy_intp B, npy_intp T, npy_intp S, const float **bias,
-                     uint32_t *rows) {
-    *bias = NULL;
-    *rows = 0;
-    if (o == Py_None) return 0;
-    PyArrayObject *b = smoe_py_want_array(o, "bias", NPY_FLOAT32, 3, 0);
-    if (!b) return -1;
-    npy_intp w_b[3] = {-1, T, S};
-    if (smoe_py_dims_are(o, "bias [1 or B, T, S]", w_b, 3)) return -1;
-    if (PyArray_DIM(b, 0) != 1 && PyArray_DIM(b, 0) != B) {
-        PyErr_Format(PyExc_ValueError, "bias has %zd rows, expected 1 or B=%zd",
-                     (Py_ssize_t)PyArray_DIM(b, 0), (Py_ssize_t)B);
-        return -1;
-    }
-    *bias = (const float *)PyArray_DATA(b);
-    *rows = (uint32_t)PyArray_DIM(b, 0);
-    return 0;
-}
-
-/* The start of every method of these objects: the object initialised (ready) and nargs one of
- * n1, n2 (n2 = n1: exactly n1); -1 with the exception set.  usage: the call's form, for the
- * message. */
-int smoe_py_method_start(int ready, const char *type, const char *usage, Py_ssize_t nargs,
-                         Py_ssize_t n1, Py_ssize_t n2) {
-    if (!ready) {
-        PyErr_Format(PyExc_ValueError, "%s is not initialised", type);
-        return -1;
-    }
-    if (nargs == n1 || nargs == n2) return 0;
-    if (n1 == n2)
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", usage, n1, nargs);
-    else
-        PyErr_Format(PyExc_TypeError, "%s takes %zd or %zd arguments, got %zd", usage, n1, n2,
-                     nargs);
-    return -1;
-}
-
 /* forward(q_nope, q_pe, ckv, kpe, bias, out); shapes in the method doc. */
 static PyObject *mla_forward(MLADecodeObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (smoe_py_method_start(self->ready, "MLADecode",
@@ -548,6 +498,8 @@ typedef struct {
     PyObject *qn_obj, *kn_obj; /* float32 q_norm / k_norm weights or NULL (strong; blk
                                   borrows their data) */
     PyObject *sinks_obj;       /* float32 [heads] attention sinks or NULL (strong; borrowed) */
+    PyObject *mlp_obj;         /* set_mlp's (gate, up, down) tuple of _C.Linear (strong) or
+                                  NULL, whose parts blk.mlp borrows; changed under the GIL */
     smoe_attn_block blk;       /* the C state (csrc/decoder.h): dims, buffers, its mutex */
     int ready;
 } AttnBlockObject;
@@ -664,6 +616,7 @@ static void ab_dealloc(AttnBlockObject *self) {
     Py_XDECREF(self->qn_obj);
     Py_XDECREF(self->kn_obj);
     Py_XDECREF(self->sinks_obj);
+    Py_XDECREF(self->mlp_obj);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -883,6 +836,12 @@ int smoe_py_attn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t na
         return -1;
     }
     a->pos = pos;
+    a->dense = args[0] == Py_None;
+    if (a->dense && !b->mlp.d[0]) {
+        PyErr_SetString(PyExc_ValueError, "AttnBlock.layer: layers None runs the block's dense "
+                        "MLP, and none is set (set_mlp)");
+        return -1;
+    }
     a->B = (uint32_t)B;
     a->nt = (uint32_t)T;
     a->S = S;
@@ -897,6 +856,22 @@ int smoe_py_attn_layer_parse(PyObject *blk, PyObject *const *args, Py_ssize_t na
     *bp = &self->blk;
     *cp = smoe_py_kctx(self->ctx_obj);
     return *cp ? 0 : -1;
+}
+
+/* set_mlp(mlp): the dense MLP layer(None, ...) runs after the attention (MLABlock's). */
+static PyObject *ab_set_mlp(AttnBlockObject *self, PyObject *arg) {
+    if (smoe_py_method_start(self->ready, "AttnBlock", "set_mlp(mlp)", 1, 1, 1)) return NULL;
+    smoe_shared_ffn f;
+    if (smoe_py_set_mlp_arg(arg, self->blk.hidden, "AttnBlock.set_mlp: the MLP's", &f))
+        return NULL;
+    PyObject *old = self->mlp_obj, *keep = arg == Py_None ? NULL : arg;
+    Py_XINCREF(keep);
+    Py_BEGIN_ALLOW_THREADS
+    smoe_attn_block_set_mlp(&self->blk, &f); /* waits for a call in flight */
+    Py_END_ALLOW_THREADS
+    self->mlp_obj = keep;
+    Py_XDECREF(old); /* released only now: the block no longer borrows from it */
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef ab_methods[] = {
@@ -928,10 +903,16 @@ static PyMethodDef ab_methods[] = {
      "residual add, the post-attention "
      "RMSNorm (ln2, eps2), the MoE block of MoE layer pos of the _C.Layers object layers (its "
      "forward_routed with route_flags) over every row's tokens, the second residual add, into "
-     "out [rows * T, hidden] (x's dtype).  Every intermediate as pre, post and forward_routed compute it; GIL released.  "
-     "Returns (seconds in the attention block with its norms and first residual add, seconds "
-     "in the MoE block and the second add, 0.0 -- MLABlock.layer's dense-MLP seconds), for "
-     "benchmarks."},
+     "out [rows * T, hidden] (x's dtype).  Every intermediate as pre, post and "
+     "forward_routed compute it; GIL released.  layers None: a dense layer, the block's MLP "
+     "(set_mlp) in place of the MoE block (pos, route_flags unused).  Returns (seconds in the "
+     "attention block with its norms and first residual add, seconds in the MoE block and the "
+     "second add, seconds in the dense MLP and the second add), for benchmarks."},
+    {"set_mlp", (PyCFunction)ab_set_mlp, METH_O,
+     "set_mlp(mlp): the dense MLP layer(None, ...) runs after the attention, down(silu(gate "
+     "x) * up x) with the roundings of a bf16 model when the block has them: a (gate, up, "
+     "down) tuple of _C.Linear chaining hidden -> I -> hidden (kept while set), or None.  "
+     "Waits for a call in flight."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject AttnBlockType = {

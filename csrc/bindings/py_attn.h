@@ -1,8 +1,8 @@
 /* What csrc/bindings/py_attn.c (MLADecode, AttnDecode, AttnBlock), py_decode.c (MLABlock,
  * layer_chain, rms_norm, DecodePlan) and py_gdn.c (GdnBlock) share: argument checks of the
- * decode-attention calls (the norm and init-error helpers defined in py_block_args.c), and
- * the pieces of one file's types the other reads.  The state and compute behind them are
- * plain C (csrc/decoder.h). */
+ * decode-attention calls (the argument, set_mlp and init-error helpers defined in
+ * py_block_args.c), and the pieces of one file's types the other reads.  The state and
+ * compute behind them are plain C (csrc/decoder.h). */
 #ifndef SMOE_PY_ATTN_H
 #define SMOE_PY_ATTN_H
 
@@ -26,6 +26,11 @@ int smoe_py_norm_arg(PyObject *wo, PyObject *eo, uint32_t n, const float **w, fl
  * (smoe_py_layers_begin; end with smoe_py_layers_end) when pos is one of its MoE layers and
  * its hidden size is the block's (hid); NULL with an error otherwise. */
 smoe_layers *smoe_py_layer_call_begin(PyObject *layers, long pos, uint32_t hid);
+
+/* set_mlp's argument (AttnBlock, MLABlock): None (no MLP, *f zeroed) or a (gate, up, down)
+ * tuple of _C.Linear chaining hid -> I -> hid into *f (the parts borrowed from arg); -1 with
+ * the exception set.  who: the check's message prefix ("MLABlock.set_mlp: the MLP's"). */
+int smoe_py_set_mlp_arg(PyObject *arg, uint32_t hid, const char *who, smoe_shared_ffn *f);
 
 /* A failed smoe_*_block_init as the block constructors (AttnBlock, GdnBlock) raise it:
  * MemoryError without a message, ValueError with the check's, RuntimeError otherwise (the

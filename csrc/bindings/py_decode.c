@@ -272,13 +272,8 @@ static int mlab_layer_parse(MLABlockObject *self, PyObject *const *args, Py_ssiz
 static PyObject *mlab_set_mlp(MLABlockObject *self, PyObject *arg) {
     if (smoe_py_method_start(self->ready, "MLABlock", "set_mlp(mlp)", 1, 1, 1)) return NULL;
     smoe_shared_ffn f;
-    if (smoe_py_mlp_parts(arg, &f, "set_mlp: mlp") < 0) return NULL;
-    if (arg != Py_None) {
-        smoe_err e;
-        smoe_err_clear(&e);
-        if (smoe_silu_mlp_check(&f, self->blk.hidden, "MLABlock.set_mlp: the MLP's", &e))
-            return smoe_py_raise(&e);
-    }
+    if (smoe_py_set_mlp_arg(arg, self->blk.hidden, "MLABlock.set_mlp: the MLP's", &f))
+        return NULL;
     PyObject *old = self->mlp_obj, *keep = arg == Py_None ? NULL : arg;
     Py_XINCREF(keep);
     Py_BEGIN_ALLOW_THREADS
@@ -435,8 +430,10 @@ static int chain_item_parse(PyObject *blk, PyObject *const *av, Py_ssize_t an, P
                      "AttnBlock, MLABlock or GdnBlock", i, Py_TYPE(blk)->tp_name);
         return -1;
     }
-    /* a dense MLABlock layer has no MoE layers to begin */
-    r->layers = c->kind == SMOE_CHAIN_MLA && c->u.ml.dense ? NULL : av[0];
+    /* a dense layer (MLABlock's or AttnBlock's) has no MoE layers to begin */
+    const int dense = (c->kind == SMOE_CHAIN_MLA && c->u.ml.dense) ||
+                      (c->kind == SMOE_CHAIN_ATTN && c->u.ab.dense);
+    r->layers = dense ? NULL : av[0];
     return 0;
 }
 

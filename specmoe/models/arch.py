@@ -365,7 +365,7 @@ DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCau
                       "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                       "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM",
                       "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
-                      "Ernie4_5_MoeForCausalLM")
+                      "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM")
 # RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",

@@ -26,6 +26,7 @@ step by step (``csrc/kernels/block.h``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from typing import Any
@@ -38,7 +39,8 @@ from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import (FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, PAIRS_ROPE_ATTENTION,
                    SINK_ATTENTION)
-from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, fuse_qkv, rms_norm_form
+from .layers import (BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, dense_in_call, fuse_qkv,
+                     rms_norm_form, silu_mlp_parts)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
@@ -208,7 +210,9 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
     block's calls; and when their MoE block routes in C (``Engine._install_routing``) and the
     KV cache is transformers' ``DynamicCache``, a decode step of the layer is one C call
     (``_C.AttnBlock.layer``: the block, the new positions written into the cache's buffers
-    (:func:`specmoe.runtime.kvcache.kv_buffers`), the MoE block, the residual adds).
+    (:func:`specmoe.runtime.kvcache.kv_buffers`), the MoE block, the residual adds); so is a
+    step of a dense layer (GLM-4.5's first layers, ERNIE-4.5's) whose SiLU MLP's projections
+    are CLinear of the block's dtype (the block's ``set_mlp``).
 
     Qwen3-Next's and Qwen3.5's gated attention (``specmoe.models.arch.GATED_ATTENTION``: q_proj
     with a gate per head, zero-centred norms, a partial rotary) runs only as that one-call
@@ -291,6 +295,13 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
                 or ln[1][2] != attn._specmoe_zc:  # (the block's one norm form)
             continue
         layer._specmoe_norms = (ln[0][0], ln[0][1], ln[1][0], ln[1][1])
+        # a dense layer (GLM-4.5's first layers, ERNIE-4.5's): its MLP in the block's call
+        dense = None if hasattr(layer.mlp, "experts") or attn._specmoe_gated \
+            else silu_mlp_parts(layer.mlp)
+        layer._specmoe_dense = dense if dense is not None \
+            and dense[1] == attn._specmoe_block_shape[4] else None
+        if layer._specmoe_dense is not None:
+            attn._specmoe_block.set_mlp(dense[0])
         layer.forward = _fused_layer_forward(layer, layer.forward)
         layer._specmoe_chain = chain_call
         layer._specmoe_chain_rope = chain_rope
@@ -327,29 +338,33 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
                 attention_mask: Any, bufs: tuple, route: tuple) -> tuple:
     """The arguments of ``_C.AttnBlock.layer`` for B rows of T tokens x [B, T, hidden] into
     out (the same shape and dtype, another tensor) on the KV buffers ``bufs`` (kv_buffers,
-    [B, ...]) and the Engine route ``route`` (decode_route)."""
+    [B, ...]) and the Engine route ``route`` (decode_route), or None for a dense layer's MLP
+    (dense_in_call)."""
     attn = layer.self_attn
     hidden, R = attn._specmoe_block_shape[3], attn._specmoe_rot
     _, _, _, ka, va, S = bufs
-    eng, pos, flags, _ = route
+    layers, pos, flags = (None, -1, 0) if route is None else (route[0].layers, *route[1:3])
     B, T = x.shape[0], x.shape[1]
     if B == 1:
         cos, sin = per_step_rope(pe, T, R, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
     else:  # each row at its own positions (_decodable checked pe [1 or B, T, R])
         cos, sin = (tensor_array(p) for p in _rows_rope(pe, B, T, R))
     ln1, e1, ln2, e2 = layer._specmoe_norms
-    return (eng.layers, pos, flags, tensor_array(x.reshape(B * T, hidden).contiguous()), cos,
+    return (layers, pos, flags, tensor_array(x.reshape(B * T, hidden).contiguous()), cos,
             sin, ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1,
             e1, ln2, e2, tensor_array(out.view(B * T, hidden)))
 
 
 def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, bufs: tuple,
-                route: tuple) -> torch.Tensor:
+                route: tuple | None) -> torch.Tensor:
     """A whole decoder layer of T tokens in one C call (``_C.AttnBlock.layer``): the attention
     block with its norms and residual add, the new positions written straight into the KV
-    buffers, the MoE block routed in C, the second residual add."""
+    buffers, the MoE block routed in C (route; None: a dense layer's MLP, set_mlp), the
+    second residual add."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    with route[0].layer_call_slot():  # the Engine's layers read inside: set_cache swaps them
+    # the Engine's layers are read inside: set_cache swaps them
+    slot = contextlib.nullcontext() if route is None else route[0].layer_call_slot()
+    with slot:
         layer.self_attn._specmoe_block.layer(*_layer_args(layer, x, out, pe, attention_mask,
                                                           bufs, route))
     kv_advance(bufs, x.shape[1])
@@ -370,17 +385,21 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     """One decode step of a fused decoder layer as an item of ``_C.layer_chain``: (block,
     ``layer()`` arguments, KV buffers, Engine) for x [1, T, hidden] into out with no mask
     (every cached position seen), or None when the step must take the layer's forward (the
-    checks of that forward; a block that is not a plain ``_C.AttnBlock``)."""
+    checks of that forward; a block that is not a plain ``_C.AttnBlock``).  A dense layer
+    whose MLP the block runs (set_mlp) is an item too, with no Engine."""
     attn = layer.self_attn
     blk = attn._specmoe_block
     if type(blk) is not _C.AttnBlock or layer.training or getattr(attn, "_specmoe_half_rope", 0) \
             or not _decodable(attn, x, pe, None, {}):
         return None  # (a half-table rotary's model is no DecodePlan model)
     route = decode_route(layer, x)
-    bufs = None if route is None else kv_buffers(cache, attn.layer_idx, x.shape[1])
+    if route is None and not dense_in_call(layer, x.shape[1]):
+        return None
+    bufs = kv_buffers(cache, attn.layer_idx, x.shape[1])
     if bufs is None:
         return None
-    return blk, _layer_args(layer, x, out, pe, None, bufs, route), bufs, route[0]
+    return (blk, _layer_args(layer, x, out, pe, None, bufs, route), bufs,
+            None if route is None else route[0])
 
 
 def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
@@ -479,7 +498,8 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
         route = decode_route(layer, hidden_states)
-        if route is not None:  # (a sliding-window layer's cache has no buffers: two calls)
+        if route is not None or dense_in_call(layer, hidden_states.shape[1]):
+            # (a sliding-window layer's cache has no buffers: two calls)
             bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1], rows=True)
             if bufs is not None:
                 return _layer_call(layer, hidden_states, pe, attention_mask, bufs, route)

@@ -24,7 +24,8 @@ from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
            "int4_group", "norm_weight", "zero_centred_norm", "per_sequence", "sequence_rows",
-           "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate"]
+           "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate",
+           "dense_in_call"]
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 # a CLinear's dtype may also be a GGUF block kind (q4_0, q8_0, q4_k, ...: GGUF_BLOCKS), its
 # weight then the blocks a GGUF file holds (blocks=; dense="gguf", specmoe.models.dense)
@@ -373,6 +374,17 @@ def silu_mlp_parts(mlp: nn.Module | None) -> tuple[tuple[Any, Any, Any], torch.d
         return None
     most = projs[0].torch_above if projs[0].weight_view is not None else None
     return (projs[0]._c, projs[1]._c, projs[2]._c), dtypes.pop(), most
+
+
+def dense_in_call(layer: nn.Module, T: int) -> bool:
+    """Whether a dense decoder layer's MLP runs inside its block's one C call for T tokens
+    (``layer._specmoe_dense``: :func:`silu_mlp_parts` of it, given to the block's
+    ``set_mlp`` by :mod:`specmoe.models.mla` and :mod:`specmoe.models.attention`; its
+    CLinears' torch_above bounds the tokens, as for a shared FFN)."""
+    dense = getattr(layer, "_specmoe_dense", None)
+    return dense is not None and not layer.mlp.training and (dense[2] is None or T <= dense[2])
+
+
 BLOCK_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -46,7 +46,8 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import GGUF_BLOCKS, dtype_code, tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
-from .layers import CLinear, adapter_active, fuse_qkv, int4_group, norm_weight, silu_mlp_parts
+from .layers import (CLinear, adapter_active, dense_in_call, fuse_qkv, int4_group, norm_weight,
+                     silu_mlp_parts)
 from ..storage.ggml_blocks import dequantize
 from ..storage.quant import quantize_int4, quantize_int8
 
@@ -689,7 +690,7 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: 
     B, T, hidden = x.shape
     G = max(1, max(layer.self_attn._specmoe_mla_max, MLA_BLOCK_MAX_TOKENS) // T)  # rows a call
     route = decode_route(layer, x)
-    dense = route is None and _dense_in_call(layer, T)
+    dense = route is None and dense_in_call(layer, T)
     out = torch.empty(B, T, hidden, dtype=x.dtype)
     normed = None if route is not None or dense else torch.empty(B, T, hidden, dtype=x.dtype)
     for b0 in range(0, B, G):
@@ -720,13 +721,6 @@ def _rows_of(pe: Any, rows: slice) -> Any:
     def cut(p: torch.Tensor) -> torch.Tensor:
         return p if p.shape[0] == 1 else p[rows]
     return cut(pe) if isinstance(pe, torch.Tensor) else tuple(cut(p) for p in pe)
-
-
-def _dense_in_call(layer: nn.Module, T: int) -> bool:
-    """Whether a dense layer's MLP runs inside its MLABlock call for T tokens (set_mlp; its
-    CLinears' torch_above bounds the tokens, as for a shared FFN)."""
-    dense = layer._specmoe_dense
-    return dense is not None and not layer.mlp.training and (dense[2] is None or T <= dense[2])
 
 
 def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
@@ -765,7 +759,7 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
         return None
     T, hidden = x.shape[1], x.shape[2]
     route = decode_route(layer, x)
-    if route is None and not _dense_in_call(layer, T):
+    if route is None and not dense_in_call(layer, T):
         return None
     attn = layer.self_attn
     bufs = kv_buffers(cache, attn.layer_idx, T)
