@@ -4,6 +4,8 @@ against llama.cpp, and where a specmoe decode step spends its time.
     python benchmarks/hybrid_peers.py --json [--rounds 2] [--threads 1,2] [--layers 4]
     python benchmarks/hybrid_peers.py --arch qwen3next --json    # Qwen3-Next-80B-A3B's shapes
     python benchmarks/hybrid_peers.py --arch glm47flash --json   # GLM-4.7-Flash's shapes
+    python benchmarks/hybrid_peers.py --arch ernie45 --ab 3 --json   # ERNIE-4.5-21B-A3B's
+    python benchmarks/hybrid_peers.py --arch glm45air --ab 3 --json  # GLM-4.5-Air's
     python benchmarks/hybrid_peers.py --quick --json     # small shapes, 1 round: a smoke test
 
 Qwen3.5's MoE models (Qwen3.5-35B-A3B and its family) put three gated-DeltaNet
@@ -25,8 +27,14 @@ interleaved per key head in one projection, top-10 of 512 experts, no MRoPE; lla
 20 heads, q rank 768, kv rank 512, nope/rope/value dims 192/64/256; a dense first layer of
 10240; experts of 1536, top-4, a shared expert, DeepSeek-V3's sigmoid router with a
 correction bias, one group) as a ``deepseek2`` file: not a hybrid, the same harness (its
-layers all count as full attention).  Written once as a Q4_0 GGUF file by ``specmoe.models.testing.save_gguf`` (the way
-llama.cpp's converter writes it: its checked against the converter in
+layers all count as full attention).  ``--arch ernie45``: ERNIE-4.5-21B-A3B's shapes (hidden
+2560, 20 heads of 128, 4 k/v heads, the rotary on each head's pairs; a dense first layer of
+12288; experts of 1536, top-6, two shared experts, the softmax router with a correction
+bias), an ``ernie4_5-moe`` file; ``--arch glm45air``: GLM-4.5-Air's (hidden 4096, 96 heads of
+128, 8 k/v heads, q/k/v biases, half of each head rotary; a dense first layer of 10944;
+experts of 1408, top-8, a shared expert, the sigmoid router), a ``glm4moe`` file.  Written
+once as a Q4_0 GGUF file by ``specmoe.models.testing.save_gguf`` (the way llama.cpp's
+converter writes it: its checked against the converter in
 tests/test_gguf_converter.py and against llama-server in tests/test_gguf_llama_cpp.py), every
 matrix Q4_0, norms and routers F32, under ``--workdir`` (default ``~/.cache/specmoe/bench``;
 never committed).
@@ -49,6 +57,11 @@ Rows (each round runs both, in alternating order, each thread count of ``--threa
   The hooks set the plan aside, so that generation takes the per-layer path (each layer one
   C call from Python, the model's forward around them): its ``other`` is that path's.
 
+``--ab N``: in the specmoe worker, after each thread count's row, N interleaved repeats of
+the timed decode with specmoe's one-call paths off (the class forwards and no decode step:
+torch glue around the same C projections, attention kernel, norms and experts, the router in
+torch) and on, in the same process on the same loaded model (``one_call_vs_torch_glue``).
+
 ``vs_llama_cpp`` is specmoe's tok/s over llama.cpp's in the same round; ``vs_llama_cpp_runs``
 lists every round.  The results name the host (CPU model, ISA, threads).  llama.cpp is the
 build under ``$SPECMOE_PEERS`` (``benchmarks/big_model.py --build-peers``); a row that cannot
@@ -70,6 +83,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import hostinfo  # noqa: E402
+from gptoss_peers import one_call_forwards, set_forwards  # noqa: E402
 
 PROMPT, DECODE, WARM = 64, 32, 8
 
@@ -79,19 +93,45 @@ def log(*a: Any) -> None:
 
 
 ARCHS = {"qwen35moe": "Qwen3.5-35B-A3B", "qwen3next": "Qwen3-Next-80B-A3B",
-         "glm47flash": "GLM-4.7-Flash"}
+         "glm47flash": "GLM-4.7-Flash", "ernie45": "ERNIE-4.5-21B-A3B",
+         "glm45air": "GLM-4.5-Air"}
 
 
 def config(layers: int, experts: int, vocab: int, quick: bool = False,
            arch: str = "qwen35moe") -> Any:
     """Qwen3.5-35B-A3B's per-layer shapes (see the module docstring), or with ``arch``
     "qwen3next" Qwen3-Next-80B-A3B's (the same widths, top-10, full rotary theta 10^7, no
-    MRoPE), or "glm47flash" GLM-4.7-Flash's; ``quick``: an eighth of every width, for a smoke
-    run."""
-    from transformers import DeepseekV3Config, Qwen3_5MoeTextConfig, Qwen3NextConfig
+    MRoPE), or "glm47flash" GLM-4.7-Flash's, "ernie45" ERNIE-4.5-21B-A3B's, "glm45air"
+    GLM-4.5-Air's; ``quick``: an eighth of every width, for a smoke run."""
+    from transformers import (DeepseekV3Config, Ernie4_5_MoeConfig, Glm4MoeConfig,
+                              Qwen3_5MoeTextConfig, Qwen3NextConfig)
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
              for i in range(layers)]
     w = 8 if quick else 1
+    if arch == "ernie45":  # the rotary on each head's pairs, a dense first layer, 2 shared
+        return Ernie4_5_MoeConfig(
+            vocab_size=vocab, hidden_size=2560 // w, num_hidden_layers=layers,
+            num_attention_heads=20 // w, num_key_value_heads=max(1, 4 // w),
+            intermediate_size=12288 // w, moe_intermediate_size=1536 // w,
+            moe_num_experts=experts, moe_k=6, moe_num_shared_experts=2,
+            moe_layer_start_index=1, moe_layer_end_index=layers - 1, moe_layer_interval=1,
+            max_position_embeddings=4096, tie_word_embeddings=False, use_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "glm45air":  # q/k/v biases, half of each head rotary, a dense first layer
+        return Glm4MoeConfig(
+            vocab_size=vocab, hidden_size=4096 // w, num_hidden_layers=layers,
+            num_attention_heads=96 // w, num_key_value_heads=8 // w, head_dim=128 // w,
+            intermediate_size=10944 // w // 32 * 32,  # (whole blocks in quick runs too)
+            moe_intermediate_size=1408 // w // 32 * 32,
+            n_routed_experts=experts, num_experts_per_tok=8, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+            routed_scaling_factor=1.0, attention_bias=True, use_qk_norm=False,
+            num_nextn_predict_layers=0, max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                             "partial_rotary_factor": 0.5},
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "glm47flash":  # DeepSeek-V3's form: MLA, a dense first layer, sigmoid routing
         return DeepseekV3Config(
             vocab_size=vocab, hidden_size=2048 // w, num_hidden_layers=layers,
@@ -167,8 +207,9 @@ def llama_row(bench: Path, path: Path, threads: int) -> dict[str, Any]:
         return {"error": f"llama-bench printed no result ({exc}): {r.stdout[-300:]}"}
 
 
-def worker(path: str, threads: list[int]) -> None:
-    """One specmoe process: every thread count in turn; one JSON line on stdout."""
+def worker(path: str, threads: list[int], ab: int = 0) -> None:
+    """One specmoe process: every thread count in turn, then (ab) that many interleaved
+    repeats of the decode with the one-call paths off and on; one JSON line on stdout."""
     import numpy as np
     import torch
 
@@ -230,6 +271,8 @@ def worker(path: str, threads: list[int]) -> None:
 
     out: dict[str, Any] = {"dense": eng.dense.dtype if getattr(eng, "dense", None) else None,
                            "rows": {}}
+    fused = one_call_forwards(model)
+    out["one_call_modules"] = len(fused)
     for th in threads:
         torch.set_num_threads(th)
         kernels.set_num_threads(th)
@@ -254,14 +297,27 @@ def worker(path: str, threads: list[int]) -> None:
         parts["other"] = step_ms - sum(parts.values())
         row["instrumented_step_ms"] = round(step_ms, 3)
         row["step_ms_by_part"] = {k: round(v, 3) for k, v in parts.items()}
+        for _ in range(ab):  # --ab: specmoe's one-call paths off, then on, the same model
+            for on in (False, True):
+                set_forwards(fused, on)
+                if dstep is not None:
+                    dstep.enabled = on
+                steps(warm, 2)  # (a warm-up after the switch)
+                c = steps(prompt, DECODE)
+                row.setdefault("one_call_tok_s_runs" if on else "torch_glue_tok_s_runs",
+                               []).append(round(DECODE / (c.t[-1] - c.t[0]), 3))
+        if ab:
+            row["one_call_vs_torch_glue_runs"] = [
+                round(x / y, 3) for x, y in zip(row["one_call_tok_s_runs"],
+                                                row["torch_glue_tok_s_runs"])]
         out["rows"][str(th)] = row
     eng.close()
     print(json.dumps(out))
 
 
-def specmoe_row(path: Path, threads: list[int]) -> dict[str, Any]:
+def specmoe_row(path: Path, threads: list[int], ab: int = 0) -> dict[str, Any]:
     r = subprocess.run([sys.executable, __file__, "--_worker", str(path),
-                        "--threads", ",".join(map(str, threads))],
+                        "--threads", ",".join(map(str, threads)), "--ab", str(ab)],
                        capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         return {"error": "specmoe worker failed: " +
@@ -277,9 +333,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen35moe",
-                    help="the model's form: Qwen3.5-MoE (default), Qwen3-Next, or GLM-4.7-Flash "
-                         "(DeepSeek-V3's MLA and sigmoid-routed MoE: not a hybrid, the same "
-                         "harness)")
+                    help="the model's form: Qwen3.5-MoE (default), Qwen3-Next, or (not "
+                         "hybrids, the same harness) GLM-4.7-Flash (DeepSeek-V3's MLA and "
+                         "sigmoid-routed MoE), ERNIE-4.5-21B-A3B, GLM-4.5-Air")
+    ap.add_argument("--ab", type=int, default=0, metavar="N",
+                    help="in the specmoe worker, N interleaved repeats with the one-call paths "
+                         "off (class forwards, no decode step: torch glue around the same C "
+                         "kernels, the router in torch) and on")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--workdir", default=os.environ.get("SPECMOE_BENCH",
@@ -289,7 +349,7 @@ def main() -> None:
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
     if a._worker:
-        worker(a._worker, threads)
+        worker(a._worker, threads, a.ab)
         return
     if a.quick:
         a.experts, a.rounds = 8, 1
@@ -305,7 +365,7 @@ def main() -> None:
         for who in order:
             log(f"round {k + 1}/{a.rounds}: {who}")
             if who == "specmoe":
-                got[who] = specmoe_row(path, threads)
+                got[who] = specmoe_row(path, threads, a.ab)
             elif not bench.is_file():
                 got[who] = {"error": f"llama-bench not built under {peers} "
                                      "(benchmarks/big_model.py --build-peers)"}
@@ -324,6 +384,9 @@ def main() -> None:
                      "step_ms_by_part_runs": [s.get("step_ms_by_part") for s in sm],
                      "vs_llama_cpp": statistics.median(ratios) if ratios else None,
                      "vs_llama_cpp_runs": [round(x, 4) for x in ratios],
+                     **{k: [v for s in sm for v in s.get(k, [])]
+                        for k in ("one_call_tok_s_runs", "torch_glue_tok_s_runs",
+                                  "one_call_vs_torch_glue_runs") if a.ab},
                      "errors": [r["specmoe"]["error"] for r in rounds
                                 if "error" in r["specmoe"]] or None})
         rows.append({"name": "llama.cpp-Q4_0", "threads": t,

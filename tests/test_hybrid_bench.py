@@ -1,6 +1,7 @@
-"""benchmarks/hybrid_peers.py --quick --json: a smoke run of the Qwen3.5-MoE, Qwen3-Next and
-GLM-4.7-Flash same-file benchmark (the random GGUF written the converter's way, specmoe's row
-with the step split by part, and llama.cpp's row or the reason it did not run), and of
+"""benchmarks/hybrid_peers.py --quick --json: a smoke run of the Qwen3.5-MoE, Qwen3-Next,
+GLM-4.7-Flash, ERNIE-4.5 and GLM-4.5-Air same-file benchmark (the random GGUF written the
+converter's way, specmoe's row with the step split by part and, for the last two, the one-call
+paths against torch glue (--ab 1), and llama.cpp's row or the reason it did not run), and of
 benchmarks/mla_blocks.py --quick (MLA on a GGUF file's attn_k_b / attn_v_b blocks against bf16
 absorbed weights).  Run by `make test-bench`."""
 import json
@@ -17,12 +18,15 @@ pytestmark = pytest.mark.skipif(not os.environ.get("SPECMOE_TEST_BENCH"),
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next", "glm47flash"])
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next", "glm47flash", "ernie45",
+                                  "glm45air"])
 def test_quick_run_reads_one_file_on_both_sides(tmp_path, arch):
     env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
+    hybrid = arch in ("qwen35moe", "qwen3next")
+    ab = ["--ab", "1"] if arch in ("ernie45", "glm45air") else []
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_peers.py"), "--quick",
-                        "--json", "--threads", "1", "--workdir", str(tmp_path), "--arch", arch],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+                        "--json", "--threads", "1", "--workdir", str(tmp_path), "--arch", arch,
+                        *ab], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["config"]["quick"] and out["config"]["machine"]["cpu"]
@@ -33,10 +37,12 @@ def test_quick_run_reads_one_file_on_both_sides(tmp_path, arch):
     assert s["tok_per_s_runs"][0] > 0 and not s["errors"], s
     assert s["planned_steps_runs"] == [32]  # every timed step one _C.DecodePlan call
     parts = s["step_ms_by_part_runs"][0]
-    kinds = ("full_attention_layers",) + (() if arch == "glm47flash"  # (not a hybrid)
-                                          else ("linear_attention_layers",))
+    kinds = ("full_attention_layers",) + (("linear_attention_layers",) if hybrid else ())
     assert set(kinds) | {"other"} == set(parts)
     assert all(parts[k] > 0 for k in kinds), parts
+    if ab:  # the same decode with the one-call paths off, then on
+        assert s["one_call_tok_s_runs"][0] > 0 and s["torch_glue_tok_s_runs"][0] > 0
+        assert len(s["one_call_vs_torch_glue_runs"]) == 1
     # llama.cpp runs where it is built; otherwise its row says why (never dropped)
     assert ll["tok_per_s_runs"][0] or "llama-bench" in " ".join(ll["errors"] or []), ll
     assert len(s["vs_llama_cpp_runs"]) == (1 if ll["tok_per_s_runs"][0] else 0)
