@@ -263,3 +263,34 @@ def test_bindings_stay_thin():
     big = {p.name: n for p in sorted((CSRC / "bindings").glob("*.c"))
            if (n := len(p.read_text().splitlines())) > 1000}
     assert not big, big
+
+
+# Folders whose scripts import each other by bare name: running one, or a test that imports
+# one, puts the folder first on sys.path.
+SCRIPT_FOLDERS = ("benchmarks", "training", "tests/fuzz")
+
+
+def _names_others_import() -> set[str]:
+    """Top-level module names that code we run may import: the standard library's, every
+    installed distribution's, and the optional packages transformers probes for by name (its
+    ``_is_package_available("...")`` calls: it imports one when the name resolves, installed or
+    not)."""
+    import importlib.metadata
+    import inspect
+    import re
+
+    from transformers.utils import import_utils
+    names = set(sys.stdlib_module_names) | set(importlib.metadata.packages_distributions())
+    probed = re.findall(r'_is_package_available\(\s*"([\w.]+)"', inspect.getsource(import_utils))
+    assert "kernels" in probed, "the probe list was not found in transformers' source"
+    return names | {p.split(".")[0] for p in probed}
+
+
+def test_no_script_shadows_a_package():
+    """A script named like a package is imported in its place once its folder is on sys.path:
+    benchmarks/kernels.py stood for the Hub ``kernels`` package that transformers 5.25 imports
+    when the name resolves, and 30 tests failed on a fresh install (now expert_kernels.py)."""
+    taken = _names_others_import()
+    bad = [f"{folder}/{p.name}" for folder in SCRIPT_FOLDERS
+           for p in sorted((ROOT.parent / folder).glob("*.py")) if p.stem in taken]
+    assert not bad, f"scripts named like packages others import: {bad}"

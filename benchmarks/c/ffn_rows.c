@@ -1,7 +1,7 @@
 /* The one-token fast kernels' two phases, timed apart from everything around them, against a
  * plain read loop over the same memory (the "C harness" of csrc/kernels/ffn_fast.c's notes).
  *
- * benchmarks/kernels.py times whole expert calls from Python; this isolates the row loops
+ * benchmarks/expert_kernels.py times whole expert calls from Python; this isolates the row loops
  * (fast_gateup: gate/up rows and the activation; fast_down: down rows), so that a change to
  * how rows are read (one at a time, pairs, fours) can be measured without the per-call work
  * or the interpreter.  It includes ffn_fast.c itself to reach those static functions.
@@ -19,7 +19,7 @@
  * every sample reads from DRAM; each repeat reads copy i with the read loop, runs gate/up on
  * copy i+1, down on copy i+2 and a whole expert call (smoe_ffn_forward: both phases with the
  * activation preparation between them, one thread) on a copy of a packed expert (interleaved,
- * as kernels.py does).  Prints one JSON line: the best rate of each (GB/s of weight + scale
+ * as expert_kernels.py does).  Prints one JSON line: the best rate of each (GB/s of weight + scale
  * bytes) and their fractions of the read loop's best (FFN_ROWS_DEBUG=1: every sample to stderr;
  * the row loops and the whole call take the kernel context's stream_pf, which
  * SPECMOE_STREAM_PREFETCH sets).  On a shared VM single samples move

@@ -284,7 +284,7 @@ static const smoe_ffn_impl impl_exact = {gateup_exact, down_exact, NULL};
 #define TILE 4 /* tokens per pass over a row's blocks */
 /* Bytes ahead of the row position that the one-token loops prefetch to L1: without it a
  * Q4_K row pair read at 11 GB/s from L3 (cache-warm, AMD EPYC Zen 3), with it 14; from DRAM
- * (benchmarks/kernels.py) 0.77 of the read ceiling. */
+ * (benchmarks/expert_kernels.py) 0.77 of the read ceiling. */
 #define PF_AHEAD 1024
 
 AI float hsum8(__m256 v) {
@@ -399,7 +399,7 @@ AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
  * conversion and one FMA with [d0 s0 x 4 | d1 s1 x 4] for the two blocks.  The same integer
  * sums as q32_dot per block (exact), summed in f32 in another order.  Against row1_b32 (one
  * block per step), AMD EPYC Zen 4 forced to this path, 1 thread, 3 interleaved A/B rounds of
- * benchmarks/kernels.py (OLMoE / DeepSeek-V2-Lite expert shapes): MXFP4 0.327 / 0.441 ->
+ * benchmarks/expert_kernels.py (OLMoE / DeepSeek-V2-Lite expert shapes): MXFP4 0.327 / 0.441 ->
  * 0.284 / 0.383 ms an expert, Q4_0 0.315 / 0.424 -> 0.279 / 0.376 (1.13-1.15x); still bound
  * by the per-block unpacking and scaling.  Now the blocks b .. nb - 1 after row1_b4x8's steps
  * of eight. */

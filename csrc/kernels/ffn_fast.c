@@ -612,7 +612,7 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
  * shape bf16 0.86 -> 0.98 / 0.87 -> 0.99, int8 / int4 within the noise (0.89-1.11 either
  * way).  Longer rows keep the pairs (gate_i, up_i) and the down projection's fours: at
  * Mixtral shape (8-28 KB bf16 rows) one row at a time lost, bf16 0.95-1.00 -> 0.77, int8
- * 0.69-0.73 -> 0.64 of the ceiling (benchmarks/kernels.py, 1 thread, interleaved builds).
+ * 0.69-0.73 -> 0.64 of the ceiling (benchmarks/expert_kernels.py, 1 thread, interleaved builds).
  * bf16 then moved to rows16_bf16 (the horizontal sums deferred to 16 rows at once), which
  * reads rows of up to 16 KB one at a time at the ceiling (C harness, 1 thread, weights on 2 MB
  * pages, 9 interleaved repeats with the read loop, 2026-11-25; before -> after): 2048 x 1408
@@ -630,7 +630,7 @@ static void rows_dispatch(const smoe_ffn_job *j, const uint64_t *off, const uint
  * activation, n bytes, stays in L1 beside the stream): Mixtral's expert down (14336) and
  * DeepSeek-V2-Lite's dense down (10944, groups of 64), which went in pairs, read 0.87-0.91 ->
  * 0.96-1.06 and 0.78-0.88 -> 0.92-0.99 of the read loop (C harness calling fast_down, 1 thread,
- * DRAM, 4 KB pages, best of 24-48, 3 interleaved runs each, 2026-11-26); kernels.py's int4
+ * DRAM, 4 KB pages, best of 24-48, 3 interleaved runs each, 2026-11-26); expert_kernels.py's int4
  * Mixtral expert at 1 token, 4 alternating runs: 25.4 -> 26.9 GB/s (median), 0.82 -> 0.89 of
  * the ceiling.  Shorter rows (OLMoE's 1024, DeepSeek-V2-Lite's 1408) keep the fours: one at a
  * time read them at 0.80-0.88 against 0.92-1.0.

@@ -333,7 +333,7 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
  * unpacking work here). */
 /* Bytes ahead of each row's position that dot_i4 prefetches to L1 (every line of the next 8
  * units): at one token and one thread on AMD EPYC (Zen 3) the int4 kernel read 0.74-0.78 of
- * the read ceiling without it and 0.81-0.92 with it (benchmarks/kernels.py, 4 interleaved
+ * the read ceiling without it and 0.81-0.92 with it (benchmarks/expert_kernels.py, 4 interleaved
  * builds A/B/A/B, OLMoE and DeepSeek-V2-Lite shapes); at two threads no difference within the
  * host's noise.  The hardware prefetcher alone trails a stream that finishes a row every few
  * hundred bytes (ffn_blocks.c found the same for the K-quants).  On a Zen 2 EPYC (1 thread,
