@@ -98,6 +98,19 @@ def test_greedy_equal_to_the_weights_the_file_holds(arch, qtype, tmp_path):
 
 
 
+def test_tensors_not_named_weight_stay_f32(tmp_path):
+    """As llama.cpp's converter, only ``*.weight`` tensors are quantized: ERNIE-4.5's [1, E]
+    ``exp_probs_b.bias`` with E a whole number of blocks was written Q4_0 and llama.cpp's add
+    refused the file (``binary_op: unsupported types``)."""
+    import gguf
+    path, _ = save_gguf(tiny_model("ernie4_5_moe", overrides={"moe_num_experts": 32}),
+                        tmp_path / "e.gguf", qtype="Q4_0")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    bias = [n for n in types if n.endswith("exp_probs_b.bias")]
+    assert bias and all(types[n] == gguf.GGMLQuantizationType.F32 for n in bias)
+    assert any(t == gguf.GGMLQuantizationType.Q4_0 for t in types.values())
+
+
 def test_deepseek2_with_sigmoid_routing_is_deepseek_v3(tmp_path):
     """A deepseek2 file with expert_gating_func 2 (sigmoid: DeepSeek-V3 / R1, Kimi-K2,
     GLM-4.7-Flash) is read as transformers' deepseek_v3: group-limited sigmoid routing with

@@ -605,9 +605,12 @@ def save_gguf(model: nn.Module, path: str | Path, *, qtype: str = "F32",
         t = gguf.GGMLQuantizationType[tname] if tname else qt
         if t.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") and a.shape[-1] % 256:
             t = gguf.GGMLQuantizationType.Q8_0  # llama-quantize's fallback for such rows
-        # llama-quantize keeps 1-D tensors and the router (ffn_gate_inp) in F32
-        # (rows not a whole number of blocks stay F32 too, as llama-quantize falls back)
+        # llama-quantize keeps 1-D tensors and the router (ffn_gate_inp) in F32, and the
+        # converter every tensor whose name does not end in .weight (ERNIE-4.5's [1, E]
+        # exp_probs_b.bias: quantized, llama.cpp's add refuses it); rows not a whole number
+        # of blocks stay F32 too, as llama-quantize falls back
         quantized = not (a.ndim == 1 or "ffn_gate_inp" in gname or a.shape[-1] % 32
+                         or not gname.endswith(".weight")
                          or t == gguf.GGMLQuantizationType.F32)
         stored, back = roundtrip(a, quantized, t)
         if quantized:
