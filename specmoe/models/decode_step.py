@@ -77,7 +77,7 @@ class _Plan:
     objects its validity is checked against at each step (:meth:`DecodeStep._plan_valid`),
     and the buffers it reads and writes."""
 
-    __slots__ = ("c", "cache", "limit", "views", "states", "layers", "mods", "engine",
+    __slots__ = ("c", "cache", "limit", "views", "states", "counted", "layers", "mods", "engine",
                  "eng_layers", "x0", "last", "normed", "vocab", "logits_dtype", "scratch",
                  "__weakref__")
 
@@ -170,7 +170,7 @@ class DecodeStep:
         cache = self._cache(kwargs)
         if type(cache) is not DynamicCache:
             return None
-        S = cache.get_seq_length()
+        S = int(cache.get_seq_length())
         if self._window is not None and S + 1 > self._window:
             return None
         mask = kwargs.get("attention_mask")
@@ -216,6 +216,7 @@ class DecodeStep:
         # it, a block routed in Python, the dense first layer) takes its forward
         bufs = (torch.empty_like(h), torch.empty_like(h))
         run: list[tuple] = []
+        counted: list[nn.Module] = []  # the run's layers that count their steps in the cache
         for i in range(self._n_layers):
             lyr = layers[i]
             chain = getattr(lyr, "_specmoe_chain", None)
@@ -225,12 +226,14 @@ class DecodeStep:
                 item = chain(lyr, h, out, pe, cache)
                 if item is not None:
                     run.append(item)
+                    if getattr(lyr, "_specmoe_chain_count", None) is not None:
+                        counted.append(lyr)
                     h = out
                     continue
-            self._run_chain(run)
+            self._run_chain(run, counted, cache)
             h = lyr(h, position_embeddings=pe, attention_mask=None, position_ids=pos,
                     cache=cache, use_cache=True)
-        self._run_chain(run)
+        self._run_chain(run, counted, cache)
         logits = model.lm_head(base.norm(h))
         self.steps += 1
         cls, field = self._out  # type: ignore[misc]
@@ -259,7 +262,7 @@ class DecodeStep:
                 or torch.nn.modules.module._global_forward_hooks \
                 or torch.nn.modules.module._global_forward_pre_hooks:
             return None
-        S = cache.get_seq_length()
+        S = int(cache.get_seq_length())
         if self._window is not None and S + 1 > self._window:
             return None
         plan = self._plan_for(cache, S)
@@ -374,6 +377,8 @@ class DecodeStep:
         plan = _Plan(c=c, cache=weakref.ref(cache),
                      limit=min([P] + [k.shape[2] for _, k, _ in kv]),
                      views=[(lay, lay.keys, lay.values) for lay, _, _ in kv], states=states,
+                     counted=[lyr for lyr in layers
+                              if getattr(lyr, "_specmoe_chain_count", None) is not None],
                      layers=layers, mods=(emb, rot, fn, lm), engine=eng,
                      eng_layers=eng_layers, x0=x0, last=h,
                      normed=None if norm is None else normed,
@@ -435,6 +440,9 @@ class DecodeStep:
                 self._plan = None
                 return None, None
             r = self.plan_step(plan.c, token, S, out, argmax)
+        cache = plan.cache()
+        for lyr in plan.counted:
+            lyr._specmoe_chain_count(lyr, cache)
         n = S + 1
         views = plan.views
         for i, (lay, _, _) in enumerate(views):
@@ -459,9 +467,10 @@ class DecodeStep:
         cls, field = self._out  # type: ignore[misc]
         return cls(logits=logits, **{field: cache})
 
-    def _run_chain(self, run: list[tuple]) -> None:
+    def _run_chain(self, run: list[tuple], counted: list[nn.Module], cache: Any) -> None:
         """The layers of ``run`` (items of the layers' ``_specmoe_chain``: block, arguments,
-        KV buffers, Engine) in one C call, then their caches advanced; ``run`` emptied."""
+        KV buffers, Engine) in one C call, then their caches advanced (KV views; the token
+        counts in ``cache`` of the ``counted`` layers, recurrent ones); both lists emptied."""
         if not run:
             return
         # the Engine of the chain's MoE layers holds close() off while they run (a chain of
@@ -476,8 +485,11 @@ class DecodeStep:
         for it in run:
             if it[2] is not None:  # (a recurrent layer's item: no positions)
                 kv_advance(it[2], 1)
+        for lyr in counted:
+            lyr._specmoe_chain_count(lyr, cache)
         self.chained += len(run)
         run.clear()
+        counted.clear()
 
 
 def _forget_plan(step_ref: Any, plan_ref: Any) -> None:

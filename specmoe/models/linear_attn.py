@@ -51,6 +51,8 @@ GDN_MAX_ROWS = 64
 # None (transformers' own torch code)
 _CTX: contextvars.ContextVar[Any] = contextvars.ContextVar("specmoe_gated_delta", default=None)
 _FN = "torch_recurrent_gated_delta_rule"
+# transformers 5.25's depthwise short convolution of a recurrent layer, given the nn.Conv1d
+_CONV_FORWARD = "causal_conv1d_forward"
 
 
 def prepare(model: nn.Module, ctx: Any) -> dict[str, list[str]]:
@@ -86,13 +88,44 @@ def f32_short_convs(model: nn.Module) -> list[str]:
             if not (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels > 1
                     and conv.weight.dtype in (torch.bfloat16, torch.float16)):
                 continue
-            src = _class_source(type(parent))
-            if src is None or re.search(rf"self\.{re.escape(attr)}\(", src) \
-                    or not re.search(rf"self\.{re.escape(attr)}\.weight\b", src):
+            if not _reads_weight_only(parent, attr):
                 continue
             conv.float()
             out.append(f"{parent_name}.{attr}" if parent_name else attr)
     return out
+
+
+def _reads_weight_only(parent: nn.Module, attr: str) -> bool:
+    """Whether ``parent``'s class uses its conv ``attr`` only through the conv's weight: its
+    source reads ``self.<attr>.weight`` (transformers <= 5.24), or hands ``self.<attr>`` to its
+    modeling module's ``causal_conv1d_forward`` (5.25 on), whose source reads the conv's
+    weight and never calls the conv; and never calls ``self.<attr>(...)`` itself."""
+    src = _class_source(type(parent))
+    a = re.escape(attr)
+    if src is None or re.search(rf"self\.{a}\(", src):
+        return False
+    if re.search(rf"self\.{a}\.weight\b", src):
+        return True
+    if not re.search(rf"\b{_CONV_FORWARD}\(\s*self\.{a}\s*,", src):
+        return False
+    fsrc = _function_source(type(parent).__module__, _CONV_FORWARD)
+    return fsrc is not None and re.search(r"\bconv1d\.weight\b", fsrc) is not None \
+        and re.search(r"\bconv1d\(", fsrc) is None
+
+
+@functools.lru_cache(maxsize=None)
+def _function_source(module: str, name: str) -> str | None:
+    """The text of the top-level ``def name`` in ``module``'s source, or None.  Read from the
+    file rather than the object: transformers wraps such functions in objects of the Hub
+    ``kernels`` package (an nn.Module whose forward calls the function) whose source is not
+    the function's."""
+    ns = sys.modules.get(module)
+    try:
+        src = inspect.getsource(ns) if ns is not None else None
+    except (OSError, TypeError):
+        return None
+    m = re.search(rf"^def {re.escape(name)}\(.*?(?=^[^\s)])", src or "", re.M | re.S)
+    return m.group(0) if m else None
 
 
 def _c_step(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -310,6 +343,7 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
             layer._specmoe_chain = gdn_chain_call
             layer._specmoe_chain_rope = gdn_chain_rope
             layer._specmoe_chain_state = gdn_chain_state
+            layer._specmoe_chain_count = gdn_chain_count
     return done
 
 
@@ -346,6 +380,12 @@ def gdn_chain_state(layer: nn.Module, cache: Any) -> tuple | None:
     return cache.get_conv_state(idx), cache.get_recurrent_state(idx)
 
 
+def gdn_chain_count(layer: nn.Module, cache: Any) -> None:
+    """After a chain or plan step of this layer: its token counted in ``cache``
+    (:func:`count_step`)."""
+    count_step(cache, layer.linear_attn.layer_idx)
+
+
 def _gdn_states(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
                 kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The conv window and recurrent state of ``m``'s layer in ``cache`` when the block can run
@@ -372,6 +412,16 @@ def _gdn_states(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
     return conv, rec
 
 
+def count_step(cache: Any, idx: int) -> None:
+    """Count one token in layer ``idx`` of ``cache`` after a fused step wrote its conv window in
+    place.  transformers 5.25's linear-attention cache layers keep their own token count, which
+    the cache's ``get_seq_length`` reads when layer 0 is one (Qwen3-Next, Qwen3.5), and which its
+    in-place decode path advances with ``increase_count``; earlier versions have neither."""
+    inc = getattr(cache, "increase_count", None)
+    if inc is not None:
+        inc(idx, 0)
+
+
 def _gdn_forward(m: nn.Module, original: Callable) -> Callable:
     """``m``'s forward with its one-token cached steps through its GdnBlock."""
     def forward(hidden_states: torch.Tensor, cache: Any = None,
@@ -387,6 +437,7 @@ def _gdn_forward(m: nn.Module, original: Callable) -> Callable:
         out = torch.empty_like(x)
         m._specmoe_gdn.step(tensor_array(x), tensor_array(conv), rec.detach().numpy(),
                             tensor_array(out))
+        count_step(cache, m.layer_idx)
         return out.reshape(B, 1, hidden)
     forward.__name__ = f"specmoe_fused_{type(m).__name__}_forward"
     return forward
@@ -443,6 +494,7 @@ def _gdn_layer_forward(layer: nn.Module, original: Callable) -> Callable:
         with eng.layer_call_slot():  # the Engine's layers read inside: set_cache swaps them
             layer.linear_attn._specmoe_gdn.layer(eng.layers, *a[1:],
                                                  tensor_array(out.view(B, hidden)))
+        count_step(cache, layer.linear_attn.layer_idx)
         return out
     forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"
     return forward
