@@ -459,7 +459,7 @@ class _RunSession:
                                     if sampling else {"do_sample": False}))
         if kv is not None:  # it holds every token but the last one sampled
             held = out[0, :-1].tolist()
-            ok = kv.get_seq_length() == len(held)
+            ok = int(kv.get_seq_length()) == len(held)
             self.kv, self.kv_ids = (kv, held) if ok else (None, [])
         return out[0, ids.shape[1]:], time.perf_counter() - t0, ""
 

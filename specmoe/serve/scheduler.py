@@ -645,7 +645,7 @@ class Scheduler:
         """Logits [V] after feeding ``ids`` to the request's cache (the last position's);
         ``rows`` > 0: the last ``rows`` positions' [rows, V]."""
         kv = req.kv
-        S = kv.get_seq_length()
+        S = int(kv.get_seq_length())
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         mask = torch.ones((1, S + len(ids)), dtype=torch.long, device=self.device)
         out = self.model(input_ids=x, attention_mask=mask, use_cache=True,
@@ -721,7 +721,7 @@ class Scheduler:
         until the request finishes.  Returns the drafts accepted."""
         if not drafts:
             if row is None:  # a cache recording its past (sliding windows) trimmed back
-                crop_kv(req.kv, req.kv.get_seq_length())
+                crop_kv(req.kv, int(req.kv.get_seq_length()))
             self._pick(req, logits[0])
             return 0
         # the drafts are proposed greedily: q one-hot (None)

@@ -247,7 +247,7 @@ class Speculation:
         """The MTP verification forward of one request on its own cache ``req.kv``: (anchor
         logits [A, V], mask logits [A, masks, V]); the masks' KV entries are cropped."""
         assert self.mtp is not None
-        past = req.kv.get_seq_length()
+        past = int(req.kv.get_seq_length())
         with torch.no_grad():
             lg, ml = self.mtp.adapter.forward_mtp(self.model, torch.tensor([anchors]),
                                                   self.masks(k), past=past, kv=req.kv,

@@ -150,7 +150,7 @@ def crop_kv(kv: Any, keep: int) -> None:
     count of positions to remove).  A cache recording its past (``new_kv(rollback=True)``) is
     cropped even at ``keep`` = its length: that trims its sliding-window layers back to their
     window."""
-    n = kv.get_seq_length()
+    n = int(kv.get_seq_length())
     if keep < n or any(getattr(lay, "record_past", False) for lay in getattr(kv, "layers", ())):
         kv.crop(min(keep - n, 0))
 

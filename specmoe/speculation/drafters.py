@@ -183,7 +183,7 @@ class SelfDraft(DraftModel):
     def _sync(self, h: List[int]) -> int:
         if self._shared is None:
             return super()._sync(h)
-        n = self._shared.get_seq_length()
+        n = int(self._shared.get_seq_length())
         if n != len(h) - 1:
             raise RuntimeError(f"SelfDraft: the bound KV cache holds {n} positions, the "
                                f"history {len(h)} tokens (expected {len(h) - 1})")

@@ -78,7 +78,7 @@ def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
     with torch.no_grad():
         model(input_ids=torch.tensor(rows, dtype=torch.long, device=input_device(model)),
               use_cache=True, **cache_kwargs(model, kv))
-    n = kv.get_seq_length()
+    n = int(kv.get_seq_length())
     calls = [0]
 
     def fwd(g: int) -> None:
