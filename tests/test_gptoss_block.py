@@ -43,6 +43,22 @@ def _generate(m, ids, n):
         return m.generate(ids, **kw)
 
 
+def same_generation(got, ref, glue, ids, n: int, dt: torch.dtype) -> None:
+    """``got`` (a fused model's generation of n tokens after ids) against the reference's:
+    in f32 transformers' model ``ref`` (tokens equal, scores to float rounding), in bf16 the
+    torch glue around the same kernels ``glue`` (tokens and scores bit for bit)."""
+    if dt == torch.float32:
+        want = _generate(ref, ids, n)
+        assert torch.equal(got.sequences, want.sequences)
+        for x, y in zip(got.scores, want.scores):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    else:
+        want = _generate(glue, ids, n)
+        assert torch.equal(got.sequences, want.sequences)
+        for x, y in zip(got.scores, want.scores):
+            assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_gptoss_decodes_through_the_block(dt):
     """A 70-token prompt and 14 decode steps (past the 64-position window): every attention
@@ -68,16 +84,7 @@ def test_gptoss_decodes_through_the_block(dt):
         kinds = a.config.layer_types
         full, sliding = kinds.count("full_attention"), kinds.count("sliding_attention")
         assert calls == {"layer": 13 * full, "pre": 13 * sliding, "post": 13 * sliding}, calls
-        if dt == torch.float32:
-            want = _generate(ref, ids, 14)
-            assert torch.equal(got.sequences, want.sequences)
-            for x, y in zip(got.scores, want.scores):
-                torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
-        else:
-            glue = _generate(b, ids, 14)
-            assert torch.equal(got.sequences, glue.sequences)
-            for x, y in zip(got.scores, glue.scores):
-                assert torch.equal(x, y)
+        same_generation(got, ref, b, ids, 14, dt)
     finally:
         ea.close()
         eb.close()
