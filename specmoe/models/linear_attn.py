@@ -47,8 +47,8 @@ __all__ = ["prepare", "f32_short_convs", "use_c_gated_delta", "fuse_gated_deltan
 # sequences of one fused gated DeltaNet call (a decode batch); more go to the module's forward
 GDN_MAX_ROWS = 64
 
-# the KernelContext the gated delta rule runs on while a converted module's forward runs, else
-# None (transformers' own torch code)
+# (the KernelContext the gated delta rule runs on, whether it may update a state in place) while
+# a converted module's forward runs, else None (transformers' own torch code)
 _CTX: contextvars.ContextVar[Any] = contextvars.ContextVar("specmoe_gated_delta", default=None)
 _FN = "torch_recurrent_gated_delta_rule"
 # transformers 5.25's depthwise short convolution of a recurrent layer, given the nn.Conv1d
@@ -130,18 +130,22 @@ def _function_source(module: str, name: str) -> str | None:
 
 def _c_step(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
-            output_final_state: bool, l2norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+            output_final_state: bool, l2norm: bool, inplace: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """torch_recurrent_gated_delta_rule's result from the C kernel: the output in the query's
-    dtype, the final state in f32 (the state passed is updated in place when it is f32 and
-    contiguous and the final state is asked for: transformers copies it into its cache right
-    after)."""
+    dtype, the final state in f32.  With ``inplace`` the state passed is updated in place when
+    it is f32 and contiguous and the final state is asked for (transformers copies it into its
+    cache right after); without, as while a cache records its past (transformers 5.25 keeps
+    each token's state of a multi-token forward, and clones the cache's state before storing
+    the new one), it is never written."""
     B, T, Hk, dk = key.shape
     Hv, dv = value.shape[-2:]
 
     def f32(x: torch.Tensor) -> np.ndarray:
         return x.detach().to(torch.float32).contiguous().numpy()
 
-    if (initial_state is not None and output_final_state and initial_state.is_contiguous()
+    if (inplace and initial_state is not None and output_final_state
+            and initial_state.is_contiguous()
             and initial_state.dtype == torch.float32 and not initial_state.requires_grad):
         state = initial_state
     elif initial_state is not None:
@@ -162,14 +166,14 @@ def _dispatcher(original: Callable) -> Callable:
     def torch_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
                                          output_final_state=False,
                                          use_qk_l2norm_in_kernel=False, **kw):
-        ctx = _CTX.get()
-        if (ctx is None or kw.get("cu_seqlens") is not None or query.device.type != "cpu"
+        cur = _CTX.get()
+        if (cur is None or kw.get("cu_seqlens") is not None or query.device.type != "cpu"
                 or (torch.is_grad_enabled() and query.requires_grad)):
             return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
                             output_final_state=output_final_state,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kw)
-        return _c_step(ctx, query, key, value, g, beta, initial_state, output_final_state,
-                       use_qk_l2norm_in_kernel)
+        return _c_step(cur[0], query, key, value, g, beta, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, cur[1])
     torch_recurrent_gated_delta_rule._specmoe_original = original  # type: ignore[attr-defined]
     return torch_recurrent_gated_delta_rule
 
@@ -234,11 +238,18 @@ def use_c_gated_delta(model: nn.Module, ctx: Any) -> list[str]:
 
 
 def _switch_on(mod: nn.Module, ctx: Any) -> None:
-    """``mod``'s forward with the switch of :data:`_CTX` set to ``ctx`` while it runs."""
+    """``mod``'s forward with the switch of :data:`_CTX` set to ``ctx`` while it runs (states
+    updated in place unless the call's cache records this layer's past)."""
     inner = mod.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        token = _CTX.set(ctx)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        recording = getattr(cache, "is_recording_past", None)
+        idx = getattr(mod, "layer_idx", None)
+        # (a cache passed by position is not looked for: never in place then)
+        inplace = len(args) <= 1 and not (recording is not None and idx is not None
+                                          and recording(idx))
+        token = _CTX.set((ctx, inplace))
         try:
             return inner(*args, **kwargs)
         finally:
