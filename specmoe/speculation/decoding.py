@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
-           "input_device", "new_kv", "recurrent_layer_types", "require_speculable",
-           "unrollable_layer_types"]
+           "input_device", "new_kv", "recurrent_layer_types", "records_recurrent_states",
+           "require_speculable", "unrollable_layer_types"]
 
 
 @dataclass
@@ -91,11 +91,45 @@ def unrollable_layer_types(config: Any) -> List[str]:
     return [k for k in recurrent_layer_types(config) if "conv" not in k]
 
 
-def require_speculable(model: nn.Module, who: str, instead: str) -> None:
+def records_recurrent_states(model: nn.Module) -> bool:
+    """Whether a cache of ``model`` made by ``new_kv(model, rollback=True, window=n)`` keeps
+    the states of its linear-attention and Mamba layers (:func:`unrollable_layer_types`) after
+    each of the last n tokens, so that cutting it back by up to n positions puts them back:
+    transformers 5.25 on (the cache layers' ``activate_past_recording`` takes
+    ``recurrent_states_to_keep``), for a modeling module whose layers compute those
+    intermediate states (it calls ``get_recurrent_states_to_keep``: Qwen3-Next, Qwen3.5,
+    Jamba, Kimi-Linear, Ling, GraniteMoeHybrid, ...).  True for a model without such layers."""
+    if not unrollable_layer_types(model.config):
+        return True
+    cls = type(model)
+    if cls not in _RECORDS:
+        import inspect
+        import sys
+        mod = sys.modules.get(cls.__module__)
+        try:
+            src = inspect.getsource(mod) if mod is not None else ""
+        except (OSError, TypeError):
+            src = ""
+        ok = "get_recurrent_states_to_keep" in src
+        if ok:
+            try:
+                ok = _takes_window(new_kv(model))
+            except Exception:  # noqa: BLE001 (a cache that cannot be built records nothing)
+                ok = False
+        _RECORDS[cls] = ok
+    return _RECORDS[cls]
+_RECORDS: Dict[type, bool] = {}  # model class -> records_recurrent_states
+
+
+def require_speculable(model: nn.Module, who: str, instead: str,
+                       windowed: bool = False) -> None:
     """ValueError naming ``who`` (speculative decoding: it verifies drafts in one multi-token
     forward and cuts the cache back to the accepted ones) and what to do ``instead`` when
     ``model`` cannot give plain decoding's tokens that way: layers whose state no crop puts
-    back (:func:`unrollable_layer_types`), or a sparse-attention indexer (DeepSeek-V3.2,
+    back (:func:`unrollable_layer_types`; ``windowed``: the caller cuts back only within the
+    window of a cache from ``new_kv(rollback=True, window=...)``, and layers whose states such
+    a cache records, :func:`records_recurrent_states`, are accepted), or a sparse-attention
+    indexer (DeepSeek-V3.2,
     GLM-5, A.X K2), whose keys transformers selects differently depending on how the tokens
     are split into forwards once the context passes ``index_topk`` (measured on transformers
     5.24 with index_topk 16 and 20 cached positions: DeepSeek-V3.2's four-token forward
@@ -103,10 +137,12 @@ def require_speculable(model: nn.Module, who: str, instead: str) -> None:
     apart from one-token steps by 0.003 and 0.0004)."""
     cfg = model.config
     rec = unrollable_layer_types(cfg)
-    if rec:
+    if rec and not (windowed and records_recurrent_states(model)):
+        why = (" (transformers >= 5.25 records those states for the models whose modeling "
+               "code supports it; not for this one here)") if windowed else ""
         raise ValueError(f"{who} rolls the cache back to the accepted prefix, and "
                          f"{cfg.model_type}'s {'/'.join(rec)} layers keep a recurrent "
-                         f"state that cannot be rolled back; {instead}")
+                         f"state that cannot be rolled back{why}; {instead}")
     topk = getattr(cfg, "index_topk", None)
     if topk is not None:
         raise ValueError(f"{who} verifies drafts in one multi-token forward, and "
@@ -115,19 +151,34 @@ def require_speculable(model: nn.Module, who: str, instead: str) -> None:
                          f"are split into forwards, past {topk} positions; {instead}")
 
 
-def new_kv(model: nn.Module, rollback: bool = False) -> Any:
+def new_kv(model: nn.Module, rollback: bool = False, window: int = 0) -> Any:
     """An empty KV cache for ``model``: the cache class its modeling module defines, where it
     defines one and its forward accepts no other (MiniMax's ``MiniMaxCache``), else
     transformers' ``DynamicCache`` for its config.  ``rollback``: the cache will be cut back
     to accepted prefixes (:func:`crop_kv`); its sliding-window layers then keep the positions
     past their window until the next crop (transformers' past recording), without which a
-    crop once the window is full raises (GPT-OSS past 128 tokens)."""
+    crop once the window is full raises (GPT-OSS past 128 tokens).  ``window`` > 0 with
+    ``rollback``: the most positions one crop will remove; linear-attention and Mamba layers
+    that can (:func:`records_recurrent_states`) keep their states after each of the last
+    ``window`` tokens of a forward for it (a copy of the state per token until the crop)."""
     from transformers import DynamicCache
     own = _own_cache(type(model))
     kv = own() if own is not None else DynamicCache(config=model.config)
     if rollback and hasattr(kv, "activate_past_recording"):
-        kv.activate_past_recording()
+        if window > 0 and _takes_window(kv):
+            kv.activate_past_recording(recurrent_states_to_keep=int(window))
+        else:
+            kv.activate_past_recording()
     return kv
+
+
+def _takes_window(kv: Any) -> bool:
+    """Whether every layer of ``kv`` that keeps a recurrent state records a window of them."""
+    import inspect
+    rec = [lay for lay in getattr(kv, "layers", None) or () if hasattr(lay, "recurrent_states")]
+    return bool(rec) and all("recurrent_states_to_keep"
+                             in inspect.signature(lay.activate_past_recording).parameters
+                             for lay in rec)
 
 
 def _own_cache(cls: type) -> Optional[type]:

@@ -173,10 +173,13 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         raise ValueError(f"tau must be 'auto', a mapping or None, got {tau!r}")
     if not isinstance(success, bool):
         raise TypeError(f"success must be a bool, got {type(success).__name__}")
-    # (plain decoding through this loop is not supported either: its prefill-then-pending
-    # split is not bit-exact with transformers' own decoding for chunked linear attention)
+    # Linear-attention and Mamba hybrids: one sequence without MTP, on a cache that records
+    # their states over the last k_max + 1 tokens of each forward (transformers 5.25 on,
+    # new_kv's window), so a verification is cut back to its accepted drafts; MTP's masks and
+    # batches of rows are not cut back within such a window
     require_speculable(model, "specmoe.generate",
-                     "use model.generate() (offloading works as usual)")
+                       "use model.generate() (offloading works as usual)",
+                       windowed=mtp is None and batch_ids is None)
     prune = controller is not None and tau is not None and not (
         isinstance(tau, str) and isinstance(controller, StaticK))
     if controller is not None:
@@ -217,7 +220,9 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         controller.begin_request()  # Cascade's state is per request (controller.h)
 
     t_start = time.perf_counter()
-    kv = new_kv(model, rollback=True)
+    # (a verification forward is at most k_max + 1 tokens, and is cut back by at most k_max)
+    kv = new_kv(model, rollback=True,
+                window=(controller.k_max if controller is not None else 0) + 1)
     if len(prompt) > 1:
         forward_tokens(model, prompt[:-1], kv)  # the last prompt token is the first pending one
     bound = isinstance(drafter, SelfDraft) and drafter.share_kv

@@ -72,7 +72,7 @@ def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
         raise ValueError(f"batch must be >= 1, got {batch}")
     if not len(prompt):
         raise ValueError("forward_times: empty prompt")
-    kv = new_kv(model, rollback=True)
+    kv = new_kv(model, rollback=True, window=max(gs))
     base = list(prompt)[-64:]
     rows = [base[(b * 5) % len(base):] + base[:(b * 5) % len(base)] for b in range(batch)]
     with torch.no_grad():
