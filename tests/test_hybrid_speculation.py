@@ -24,12 +24,18 @@ ARCHS = ["qwen3_next", "qwen3_5_moe_text", "jamba", "kimi_linear"]
 
 class _Erring:
     """Proposes the reference continuation ``ref`` with each token wrong with probability 0.3:
-    drafts accepted in part, so each verification is cut back by 0..k positions."""
+    drafts accepted in part, so each verification is cut back by 0..k positions; nothing at
+    the first call and every third (steps without drafts: the recurrent layers record nothing
+    then, and take their one-call steps)."""
 
     def __init__(self, ref: list[int], vocab: int):
         self.ref, self.vocab, self.rng = ref, vocab, random.Random(0)
+        self.calls = 0
 
     def propose(self, history, k):
+        self.calls += 1
+        if self.calls % 3 == 1:
+            return []
         i = len(history)
         out = []
         for j in range(k):
@@ -63,6 +69,8 @@ def test_speculation_on_a_hybrid_equals_greedy(arch, dt):
         assert torch.equal(out.sequences[0], want)
         st = out.stats
         assert 0 < st["accepted"] < st["proposed"]  # drafts kept and drafts cut back
+        ks = [it["k"] for it in out.iterations]
+        assert ks[0] == 0 and 0 in ks[1:]  # steps without drafts, the first one too
     finally:
         eng.close()
 

@@ -5,8 +5,9 @@ transformers-cache plumbing (:func:`cache_kwargs`, :func:`new_kv`, :func:`crop_k
 import it."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
            "input_device", "new_kv", "recurrent_layer_types", "records_recurrent_states",
-           "require_speculable", "unrollable_layer_types"]
+           "require_speculable", "unrecorded", "unrollable_layer_types"]
 
 
 @dataclass
@@ -194,6 +195,26 @@ def _own_cache(cls: type) -> Optional[type]:
         _OWN_CACHE[cls] = found[0] if len(found) == 1 else None
     return _OWN_CACHE[cls]
 _OWN_CACHE: Dict[type, Optional[type]] = {}  # model class -> its modeling module's cache class
+
+
+@contextlib.contextmanager
+def unrecorded(kv: Any) -> Iterator[None]:
+    """Within: the linear-attention and Mamba layers of ``kv`` record no states (a forward
+    that will not be cut back: a step without drafts), so their one-call decode steps run
+    (specmoe.models.linear_attn: they give way while a layer records) and no state is copied;
+    recording is back on after, before the crop that follows.  Measured at Qwen3.5-35B-A3B's
+    per-layer shapes (benchmarks/hybrid_spec.py): a one-token forward on a recording cache
+    cost 1.75x a plain step.  Sliding-window layers keep recording: a crop past their window
+    needs it."""
+    layers = [lay for lay in getattr(kv, "layers", None) or ()
+              if hasattr(lay, "recurrent_states") and getattr(lay, "record_past", False)]
+    for lay in layers:
+        lay.record_past = False
+    try:
+        yield
+    finally:
+        for lay in layers:
+            lay.record_past = True
 
 
 def crop_kv(kv: Any, keep: int) -> None:

@@ -18,6 +18,7 @@ run through :mod:`specmoe.speculation.batch`.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 from .controllers import Controller, StaticK
-from .decoding import GenerateOutput, crop_kv, forward_tokens, new_kv, require_speculable
+from .decoding import (GenerateOutput, crop_kv, forward_tokens, new_kv, require_speculable,
+                       unrecorded)
 from ..models.dense import decode_session
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..runtime.experts import find_engine
@@ -225,6 +227,9 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
                 window=(controller.k_max if controller is not None else 0) + 1)
     if len(prompt) > 1:
         forward_tokens(model, prompt[:-1], kv)  # the last prompt token is the first pending one
+        # (a recording cache's windows trimmed and the prompt's recorded states dropped: a
+        # first step without drafts then finds its layers' windows as a decode step does)
+        crop_kv(kv, len(prompt) - 1)
     bound = isinstance(drafter, SelfDraft) and drafter.share_kv
     if bound:
         drafter.bind_kv(kv)  # MoE-SpeQ: the self-draft writes on the target's cache
@@ -266,18 +271,22 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
             nxt = None
             plain = mtp is None or k <= 0  # (an MTP step made plain by the controller or the
             # tokens left: no masks, so the target's own forward; the next has no drafts)
-            if fast is not None and kd == 0 and sampling is None and plain:
-                # a plain greedy step in one C call, its logits left in C (None: the forward)
-                nxt = fast.greedy_next(seq[-1], kv)
-            if nxt is not None:
-                n_acc = 0
-            else:
-                if not plain:
+            # (a step without drafts is never cut back: a hybrid's recurrent layers do not
+            # record it, and take their one-call steps)
+            with unrecorded(kv) if kd == 0 and plain else contextlib.nullcontext():
+                if fast is not None and kd == 0 and sampling is None and plain:
+                    # a plain greedy step in one C call, its logits left in C (None: the
+                    # forward)
+                    nxt = fast.greedy_next(seq[-1], kv)
+                if nxt is not None:
+                    n_acc = 0
+                elif not plain:
                     # one forward verifies the drafts and (masks after each anchor) drafts the
                     # next step's tokens
                     logits = mtp.verify(kv, len(seq) - 1, [seq[-1]] + d.tokens, mtp.k)
                 else:
                     logits = forward_tokens(model, [seq[-1]] + d.tokens, kv)  # [kd + 1, V]
+            if nxt is None:
                 # greedy: rows of logits, only their argmax matters (no per-token softmax)
                 n_acc, nxt = accept_logits(logits, d.tokens, sampling, gen, d.probs)
             crop_kv(kv, len(seq) + n_acc)  # keep the pending token and the accepted drafts

@@ -1,0 +1,212 @@
+"""What a verification costs on a gated-DeltaNet hybrid, and so when speculative decoding can
+pay there: Qwen3.5-MoE (or Qwen3-Next) at its per-layer shapes, the same GGUF file as
+``benchmarks/hybrid_peers.py``.
+
+    python benchmarks/hybrid_spec.py --json [--rounds 3] [--threads 1,2] [--g-max 6]
+    python benchmarks/hybrid_spec.py --arch qwen3next --json
+    python benchmarks/hybrid_spec.py --quick --json      # small shapes, 1 round: a smoke test
+
+Speculative decoding cuts the cache back to the accepted drafts after each verification.  A
+linear-attention layer folds every position into one state, so from transformers 5.25 on
+specmoe's cache records the states after each of the last tokens of a forward
+(``specmoe.speculation.decoding.new_kv(rollback=True, window=...)``): a copy of every layer's
+state per token until the next crop, and while a cache records, the layer's one-call C step
+gives way to the module's forward (the states it would write in place are the ones recorded).
+That is the price of a verification; this measures it.
+
+Rows, each thread count of ``--threads``, each round interleaving the two kinds of forward on
+the same loaded model (every expert resident, ``cache=1.0``), after a 64-token prompt:
+
+* ``plain_step_ms``: one decode step on a cache that records nothing, the way
+  ``model.generate`` decodes (one ``_C.DecodePlan`` call): the median of 32 steps.
+* ``verify_ms[g]``: one forward of g tokens on a recording cache (window ``--g-max``) then the
+  cut back to where it was (``crop_kv``), g = 1 .. ``--g-max``: the median of 8 each.  g = 1
+  is what a step without drafts would cost if it recorded; ``specmoe.generate`` runs such
+  steps unrecorded (``specmoe.speculation.decoding.unrecorded``), at the plain step's cost.
+
+``break_even_tokens[g]`` = verify_ms[g] / plain_step_ms: the tokens a verification of g - 1
+drafts must yield on average (accepted drafts + the target's own) for speculation to beat
+plain decoding, drafting free (the n-gram drafter's microseconds); ``break_even_acceptance[g]``
+the per-draft acceptance rate alpha that yields them, (1 - alpha^g) / (1 - alpha) tokens
+(independent drafts), or null where even alpha = 1 does not.  ``*_runs``: every round.
+The results name the host (CPU model, ISA, threads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import hostinfo  # noqa: E402
+from hybrid_peers import ARCHS, write_file  # noqa: E402
+
+PROMPT, STEPS, VERIFIES = 64, 32, 8
+HYBRIDS = ("qwen35moe", "qwen3next")
+
+
+def log(*a: Any) -> None:
+    print("[hybrid_spec]", *a, file=sys.stderr, flush=True)
+
+
+def alpha_for(tokens: float, g: int) -> float | None:
+    """The acceptance rate alpha with (1 - alpha^g) / (1 - alpha) = tokens (bisection), None
+    when tokens > g (not reachable) ; 0 when tokens <= 1."""
+    if tokens <= 1.0:
+        return 0.0
+    if tokens > g:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(g)) < tokens:
+            lo = mid
+        else:
+            hi = mid
+    return round((lo + hi) / 2, 4)
+
+
+def worker(path: str, threads: list[int], g_max: int, rounds: int) -> None:
+    """One process: per thread count, ``rounds`` interleaved repeats of the plain steps and the
+    verifications; one JSON line on stdout."""
+    import numpy as np
+    import torch
+
+    import specmoe
+    from big_model import load_every_expert
+    from specmoe.runtime import kernels
+    from specmoe.speculation.decoding import cache_kwargs, crop_kv, new_kv
+    model = specmoe.from_pretrained(path, cache=1.0, progress=False, prefetch=False)
+    eng = specmoe.engine_of(model)
+    load_every_expert(eng)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompt = torch.tensor([rng.integers(3, vocab, PROMPT).tolist()])
+    toks = rng.integers(3, vocab, 4 * STEPS).tolist()
+
+    def fwd(ids: list[int], kv: Any) -> Any:
+        with torch.inference_mode():
+            return model(input_ids=torch.tensor([ids]), use_cache=True,
+                         **cache_kwargs(model, kv))
+
+    def plain() -> float:
+        kv = new_kv(model)
+        fwd(prompt[0].tolist(), kv)
+        ts = []
+        for i in range(STEPS):
+            t0 = time.perf_counter()
+            fwd([toks[i]], kv)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e3
+
+    def verify() -> dict[int, float]:
+        kv = new_kv(model, rollback=True, window=g_max)
+        fwd(prompt[0].tolist(), kv)
+        n = int(kv.get_seq_length())
+        crop_kv(kv, n)  # (drops the prefill's recorded states)
+        out: dict[int, list[float]] = {g: [] for g in range(1, g_max + 1)}
+        for r in range(VERIFIES):
+            for g in range(1, g_max + 1):
+                ids = toks[(r * g_max + g) % STEPS:][:g]
+                t0 = time.perf_counter()
+                fwd(ids, kv)
+                crop_kv(kv, n)
+                out[g].append(time.perf_counter() - t0)
+        return {g: statistics.median(v) * 1e3 for g, v in out.items()}
+
+    dstep = getattr(model, "_specmoe_decode_step", None)
+    res: dict[str, Any] = {}
+    for th in threads:
+        torch.set_num_threads(th)
+        kernels.set_num_threads(th)
+        plain()
+        verify()  # warm-up
+        row: dict[str, Any] = {"plain_step_ms_runs": [], "verify_ms_runs": []}
+        p0 = dstep.planned if dstep is not None else 0
+        for k in range(rounds):
+            for which in (("plain", "verify") if k % 2 == 0 else ("verify", "plain")):
+                if which == "plain":
+                    row["plain_step_ms_runs"].append(round(plain(), 3))
+                else:
+                    row["verify_ms_runs"].append({str(g): round(v, 3)
+                                                  for g, v in verify().items()})
+        row["planned_steps"] = (dstep.planned - p0) if dstep is not None else 0
+        res[str(th)] = row
+    eng.close()
+    print(json.dumps(res))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--quick", action="store_true",
+                    help="an eighth of every width, 8 experts, 1 round: a smoke test")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--arch", choices=HYBRIDS, default="qwen35moe")
+    ap.add_argument("--g-max", type=int, default=6, help="longest verification (drafts + 1)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--workdir", default=os.environ.get("SPECMOE_BENCH",
+                                                        "~/.cache/specmoe/bench"))
+    ap.add_argument("--save", help="also write the JSON object to this file")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    if a.quick:
+        a.experts, a.rounds = 8, 1
+    if a._worker:
+        worker(a._worker, threads, a.g_max, a.rounds)
+        return
+    work = Path(a.workdir).expanduser() / "hybrid_peers"  # (hybrid_peers.py's files)
+    path = work / f"{a.arch}-L{a.layers}-E{a.experts}{'-quick' if a.quick else ''}-Q4_0.gguf"
+    made = write_file(path, a.layers, a.experts, a.quick, a.arch)
+    r = subprocess.run([sys.executable, __file__, "--_worker", str(path), "--threads",
+                        a.threads, "--g-max", str(a.g_max), "--rounds", str(a.rounds)]
+                       + (["--quick"] if a.quick else []),
+                       capture_output=True, text=True, timeout=3600)
+    rows: list[dict[str, Any]] = []
+    if r.returncode != 0:
+        rows.append({"name": "specmoe", "error": "worker failed: " +
+                     " | ".join(r.stderr.strip().splitlines()[-3:])})
+    else:
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        for t in threads:
+            w = got[str(t)]
+            plain = statistics.median(w["plain_step_ms_runs"])
+            verify = {g: statistics.median(v[str(g)] for v in w["verify_ms_runs"])
+                      for g in range(1, a.g_max + 1)}
+            ratio_runs = {str(g): [round(v[str(g)] / p, 3) for v, p in
+                                   zip(w["verify_ms_runs"], w["plain_step_ms_runs"])]
+                          for g in verify}
+            be = {g: v / plain for g, v in verify.items()}
+            rows.append({"name": "specmoe", "threads": t,
+                         "plain_step_ms": round(plain, 3),
+                         "plain_step_ms_runs": w["plain_step_ms_runs"],
+                         "planned_steps": w["planned_steps"],
+                         "verify_ms": {str(g): round(v, 3) for g, v in verify.items()},
+                         "verify_ms_runs": w["verify_ms_runs"],
+                         "break_even_tokens": {str(g): round(v, 3) for g, v in be.items()},
+                         "break_even_tokens_runs": ratio_runs,
+                         "break_even_acceptance": {str(g): alpha_for(v, g)
+                                                   for g, v in be.items()}})
+    res = {"config": {"model": f"{a.arch} ({ARCHS[a.arch]} per-layer shapes)",
+                      "layers": a.layers, "experts": a.experts, "quick": a.quick,
+                      "prompt_tokens": PROMPT, "plain_steps": STEPS,
+                      "verifications_per_g": VERIFIES, "g_max": a.g_max,
+                      "rounds": a.rounds, "file": made,
+                      "machine": hostinfo.host(threads)},
+           "rows": rows}
+    hostinfo.emit(res, a.save, a.json)
+
+
+if __name__ == "__main__":
+    main()
