@@ -3,7 +3,8 @@ GLM-4.7-Flash, ERNIE-4.5 and GLM-4.5-Air same-file benchmark (the random GGUF wr
 converter's way, specmoe's row with the step split by part and, for the last two, the one-call
 paths against torch glue (--ab 1), and llama.cpp's row or the reason it did not run), and of
 benchmarks/mla_blocks.py --quick (MLA on a GGUF file's attn_k_b / attn_v_b blocks against bf16
-absorbed weights).  Run by `make test-bench`."""
+absorbed weights), and of benchmarks/hybrid_spec.py --quick (what a verification costs on a
+recording cache).  Run by `make test-bench`."""
 import json
 import os
 import subprocess
@@ -62,3 +63,22 @@ def test_mla_blocks_quick_run_times_both_forms(tmp_path):
     (row,) = out["rows"]
     assert row["threads"] == 1 and row["gguf-blocks_tok_per_s_runs"][0] > 0
     assert row["bf16-absorbed_tok_per_s_runs"][0] > 0 and row["blocks_vs_bf16_runs"][0] > 0
+
+
+def test_hybrid_spec_quick_run_prices_a_verification(tmp_path):
+    """benchmarks/hybrid_spec.py --quick: plain steps and verifications of 1..3 tokens on a
+    recording cache of the tiny Qwen3.5-MoE file, and the break-even figures from them."""
+    env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_spec.py"), "--quick",
+                        "--json", "--threads", "1", "--g-max", "3", "--workdir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["config"]["machine"]["cpu"] and out["config"]["g_max"] == 3
+    (row,) = out["rows"]
+    assert "error" not in row, row
+    assert row["plain_step_ms"] > 0 and row["planned_steps"] > 0  # the one-call plan
+    assert set(row["verify_ms"]) == {"1", "2", "3"}
+    assert all(v > 0 for v in row["verify_ms"].values())
+    for g, t in row["break_even_tokens"].items():
+        assert abs(t - row["verify_ms"][g] / row["plain_step_ms"]) < 0.01 * t + 1e-3
