@@ -48,7 +48,7 @@ Rows (each round runs both, in alternating order, each thread count of ``--threa
   ``dense="auto"``), every expert loaded before timing; ``model.generate`` (greedy, no
   end-of-sequence stop) of 33 tokens after a 64-token prompt, 32 decode steps timed between
   the logits of the first forward pass and the last (as ``benchmarks/decode_peers.py`` times
-  ``model.generate``; ``specmoe.generate`` refuses linear attention), after a warm-up
+  ``model.generate``, as plain decoding does on every model), after a warm-up
   generation.  Each step of the timed generation is one ``_C.DecodePlan`` call (every layer
   of these models is one C call: ``planned_steps`` counts them).  Then an instrumented
   generation: wall time inside the linear-attention and the full-attention decoder layers
@@ -238,9 +238,8 @@ def worker(path: str, threads: list[int], ab: int = 0) -> None:
             return scores
 
     def steps(ids: list[int], n: int) -> Clock:
-        """n decode steps after the prompt ``ids`` by model.generate (specmoe.generate
-        refuses models with linear attention: its prefill split is not bit-exact with
-        transformers' chunked form; ``specmoe run`` uses model.generate there too)."""
+        """n decode steps after the prompt ``ids`` by model.generate (plain decoding:
+        speculation's costs on these models are benchmarks/hybrid_spec.py's)."""
         from transformers import LogitsProcessorList
         clock = Clock()
         x = torch.tensor([ids])
