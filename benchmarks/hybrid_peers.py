@@ -324,13 +324,31 @@ def specmoe_row(path: Path, threads: list[int], ab: int = 0) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_args(ap: argparse.ArgumentParser, rounds: int) -> None:
+    """The options this benchmark shares with benchmarks/hybrid_spec.py (the file, its shapes,
+    the rounds and threads, where the results go)."""
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--quick", action="store_true",
                     help="an eighth of every width, 8 experts, 1 round: a smoke test")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--workdir", default=os.environ.get("SPECMOE_BENCH",
+                                                        "~/.cache/specmoe/bench"))
+    ap.add_argument("--save", help="also write the JSON object to this file")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+
+
+def gguf_path(a: argparse.Namespace) -> Path:
+    """The benchmark file for the parsed options ``a`` (written once by :func:`write_file`)."""
+    work = Path(a.workdir).expanduser() / "hybrid_peers"
+    return work / f"{a.arch}-L{a.layers}-E{a.experts}{'-quick' if a.quick else ''}-Q4_0.gguf"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_args(ap, rounds=2)
     ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen35moe",
                     help="the model's form: Qwen3.5-MoE (default), Qwen3-Next, or (not "
                          "hybrids, the same harness) GLM-4.7-Flash (DeepSeek-V3's MLA and "
@@ -339,12 +357,6 @@ def main() -> None:
                     help="in the specmoe worker, N interleaved repeats with the one-call paths "
                          "off (class forwards, no decode step: torch glue around the same C "
                          "kernels, the router in torch) and on")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--workdir", default=os.environ.get("SPECMOE_BENCH",
-                                                        "~/.cache/specmoe/bench"))
-    ap.add_argument("--save", help="also write the JSON object to this file")
-    ap.add_argument("--_worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
     if a._worker:
@@ -352,8 +364,7 @@ def main() -> None:
         return
     if a.quick:
         a.experts, a.rounds = 8, 1
-    work = Path(a.workdir).expanduser() / "hybrid_peers"
-    path = work / f"{a.arch}-L{a.layers}-E{a.experts}{'-quick' if a.quick else ''}-Q4_0.gguf"
+    path = gguf_path(a)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
     peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
     bench = peers / "llama.cpp-build" / "bin" / "llama-bench"

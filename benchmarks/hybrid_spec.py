@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import hostinfo  # noqa: E402
-from hybrid_peers import ARCHS, write_file  # noqa: E402
+from hybrid_peers import ARCHS, common_args, gguf_path, write_file  # noqa: E402
 
 PROMPT, STEPS, VERIFIES = 64, 32, 8
 HYBRIDS = ("qwen35moe", "qwen3next")
@@ -146,19 +145,9 @@ def worker(path: str, threads: list[int], g_max: int, rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--quick", action="store_true",
-                    help="an eighth of every width, 8 experts, 1 round: a smoke test")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", default="1,2")
+    common_args(ap, rounds=3)
     ap.add_argument("--arch", choices=HYBRIDS, default="qwen35moe")
     ap.add_argument("--g-max", type=int, default=6, help="longest verification (drafts + 1)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--workdir", default=os.environ.get("SPECMOE_BENCH",
-                                                        "~/.cache/specmoe/bench"))
-    ap.add_argument("--save", help="also write the JSON object to this file")
-    ap.add_argument("--_worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
     if a.quick:
@@ -166,8 +155,7 @@ def main() -> None:
     if a._worker:
         worker(a._worker, threads, a.g_max, a.rounds)
         return
-    work = Path(a.workdir).expanduser() / "hybrid_peers"  # (hybrid_peers.py's files)
-    path = work / f"{a.arch}-L{a.layers}-E{a.experts}{'-quick' if a.quick else ''}-Q4_0.gguf"
+    path = gguf_path(a)  # (hybrid_peers.py's files)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
     r = subprocess.run([sys.executable, __file__, "--_worker", str(path), "--threads",
                         a.threads, "--g-max", str(a.g_max), "--rounds", str(a.rounds)]
