@@ -24,6 +24,13 @@ the same loaded model (every expert resident, ``cache=1.0``), after a 64-token p
   is what a step without drafts would cost if it recorded; ``specmoe.generate`` runs such
   steps unrecorded (``specmoe.speculation.decoding.unrecorded``), at the plain step's cost.
 
+* ``generate_*``: whole generations of 32 tokens after a 64-token prompt that repeats a
+  16-token phrase: ``model.generate`` (plain) against ``specmoe.generate`` with the n-gram
+  drafter under its defaults (Cascade, tau "auto": the measured utility decides whether and
+  how far to speculate), interleaved; ``spec_vs_plain_runs`` their ratio in each round, with
+  the drafts' acceptance and the mean K.  The random model seldom continues the phrase, so
+  this is the case where speculation must switch itself off.
+
 ``break_even_tokens[g]`` = verify_ms[g] / plain_step_ms: the tokens a verification of g - 1
 drafts must yield on average (accepted drafts + the target's own) for speculation to beat
 plain decoding, drafting free (the n-gram drafter's microseconds); ``break_even_acceptance[g]``
@@ -48,7 +55,7 @@ sys.path.insert(0, str(HERE.parent))
 import hostinfo  # noqa: E402
 from hybrid_peers import ARCHS, common_args, gguf_path, write_file  # noqa: E402
 
-PROMPT, STEPS, VERIFIES = 64, 32, 8
+PROMPT, STEPS, VERIFIES, GEN = 64, 32, 8, 32
 HYBRIDS = ("qwen35moe", "qwen3next")
 
 
@@ -121,6 +128,28 @@ def worker(path: str, threads: list[int], g_max: int, rounds: int) -> None:
                 out[g].append(time.perf_counter() - t0)
         return {g: statistics.median(v) * 1e3 for g, v in out.items()}
 
+    from specmoe.speculation.drafters import NgramDrafter
+    # a prompt that repeats itself: the n-gram drafter proposes at every step, and the random
+    # model rejects nearly everything, so only the controller's measured utility (tau "auto",
+    # Cascade) keeps speculative decoding from costing more than plain decoding
+    loop = rng.integers(3, vocab, 16).tolist() * 4
+
+    def gen_plain() -> float:
+        x = torch.tensor([loop])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=GEN,
+                           do_sample=False, pad_token_id=0)
+        return GEN / (time.perf_counter() - t0)
+
+    def gen_spec() -> dict[str, float]:
+        out = specmoe.generate(model, torch.tensor(loop), drafter=NgramDrafter(),
+                               max_new_tokens=GEN, eos_token_id=None)
+        st = out.stats
+        return {"tok_s": GEN / st["time_s"], "k_mean": st["k_mean"],
+                "acceptance": st["acceptance"]}
+
+    model.generation_config.eos_token_id = None
     dstep = getattr(model, "_specmoe_decode_step", None)
     res: dict[str, Any] = {}
     for th in threads:
@@ -138,6 +167,19 @@ def worker(path: str, threads: list[int], g_max: int, rounds: int) -> None:
                     row["verify_ms_runs"].append({str(g): round(v, 3)
                                                   for g, v in verify().items()})
         row["planned_steps"] = (dstep.planned - p0) if dstep is not None else 0
+        gen_plain()
+        gen_spec()  # (warm-ups; the first also measures tau for this thread count)
+        for k in range(rounds):
+            for which in (("plain", "spec") if k % 2 == 0 else ("spec", "plain")):
+                if which == "plain":
+                    row.setdefault("generate_plain_tok_s_runs", []).append(round(gen_plain(), 3))
+                else:
+                    g = gen_spec()
+                    for key, v in g.items():
+                        row.setdefault(f"generate_spec_{key}_runs", []).append(
+                            round(float(v), 3))
+        row["spec_vs_plain_runs"] = [round(a / b, 3) for a, b in zip(
+            row["generate_spec_tok_s_runs"], row["generate_plain_tok_s_runs"])]
         res[str(th)] = row
     eng.close()
     print(json.dumps(res))
@@ -176,6 +218,7 @@ def main() -> None:
                                    zip(w["verify_ms_runs"], w["plain_step_ms_runs"])]
                           for g in verify}
             be = {g: v / plain for g, v in verify.items()}
+            gen = {k: w[k] for k in w if k.startswith("generate_") or k == "spec_vs_plain_runs"}
             rows.append({"name": "specmoe", "threads": t,
                          "plain_step_ms": round(plain, 3),
                          "plain_step_ms_runs": w["plain_step_ms_runs"],
@@ -185,7 +228,7 @@ def main() -> None:
                          "break_even_tokens": {str(g): round(v, 3) for g, v in be.items()},
                          "break_even_tokens_runs": ratio_runs,
                          "break_even_acceptance": {str(g): alpha_for(v, g)
-                                                   for g, v in be.items()}})
+                                                   for g, v in be.items()}, **gen})
     res = {"config": {"model": f"{a.arch} ({ARCHS[a.arch]} per-layer shapes)",
                       "layers": a.layers, "experts": a.experts, "quick": a.quick,
                       "prompt_tokens": PROMPT, "plain_steps": STEPS,

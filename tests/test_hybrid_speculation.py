@@ -64,9 +64,13 @@ def test_speculation_on_a_hybrid_equals_greedy(arch, dt):
             with pytest.raises(ValueError, match="cannot be rolled back"):
                 specmoe.generate(model, ids, drafter=drafter, controller=StaticK(5))
             return
+        step = getattr(model, "_specmoe_decode_step", None)  # (gated DeltaNet: one C call)
+        p0 = step.planned if step is not None else 0
         out = specmoe.generate(model, ids, max_new_tokens=40, drafter=drafter,
                                controller=StaticK(5), eos_token_id=None, tau=None)
         assert torch.equal(out.sequences[0], want)
+        # the steps without drafts ran unrecorded, each one _C.DecodePlan call
+        assert step is None or step.planned > p0
         st = out.stats
         assert 0 < st["accepted"] < st["proposed"]  # drafts kept and drafts cut back
         ks = [it["k"] for it in out.iterations]

@@ -223,8 +223,45 @@ def crop_kv(kv: Any, keep: int) -> None:
     cropped even at ``keep`` = its length: that trims its sliding-window layers back to their
     window."""
     n = int(kv.get_seq_length())
-    if keep < n or any(getattr(lay, "record_past", False) for lay in getattr(kv, "layers", ())):
-        kv.crop(min(keep - n, 0))
+    if keep < n:
+        kv.crop(keep - n)
+    else:
+        # keep = n: each recording layer trimmed back, but a linear-attention or Mamba layer
+        # whose last step ran unrecorded (:func:`unrecorded`) is left as it is -- its crop(0)
+        # would only put a new view of the same window in its place, and a decode plan holds
+        # while its state tensors stay the same objects
+        # (specmoe.models.linear_attn.gdn_chain_state)
+        for lay in getattr(kv, "layers", ()):
+            if getattr(lay, "record_past", False) and not _untouched(lay):
+                lay.crop(0)
+    # a cut-back conv window is a view into the recorded columns: made contiguous again, as
+    # the one-call recurrent steps take only contiguous windows
+    for lay in getattr(kv, "layers", ()):
+        convs = getattr(lay, "conv_states", None) if hasattr(lay, "recurrent_states") else None
+        if isinstance(convs, (dict, list)):
+            for i in (convs.keys() if isinstance(convs, dict) else range(len(convs))):
+                c = convs[i]
+                if isinstance(c, torch.Tensor) and not c.is_contiguous():
+                    convs[i] = c.contiguous()
+
+
+def _untouched(lay: Any) -> bool:
+    """Whether a recording linear-attention layer has nothing recorded since its last crop:
+    no recurrent state in its history and its conv windows at the kernel's size (False for
+    any other layer, or where those attributes are not transformers 5.25's)."""
+    hist = getattr(lay, "recurrent_states_history", None)
+    convs = getattr(lay, "conv_states", None)
+    sizes = getattr(lay, "conv_kernel_size", None)
+    if not (hasattr(lay, "recurrent_states") and isinstance(hist, dict)
+            and isinstance(sizes, dict) and isinstance(convs, (list, dict))):
+        return False
+    if any(len(h) for h in hist.values()):
+        return False
+    for i, k in sizes.items():
+        c = convs.get(i) if isinstance(convs, dict) else (convs[i] if i < len(convs) else None)
+        if isinstance(c, torch.Tensor) and (k is None or c.shape[-1] != k):
+            return False
+    return True
 
 
 @dataclass
