@@ -26,8 +26,9 @@ the same loaded model (every expert resident, ``cache=1.0``), after a 64-token p
 * ``generate_*``: decode tok/s (the prefill left out) of generations of 32 tokens after a
   64-token prompt that repeats a 16-token phrase: ``model.generate`` (plain) against
   ``specmoe.generate`` with the n-gram drafter under its defaults (Cascade, tau "auto": the
-  measured utility decides whether and how far to speculate), interleaved; ``spec_vs_plain_runs`` their ratio in each round, with
-  the drafts' acceptance and the mean K.  The random model seldom continues the phrase, so
+  measured utility decides whether and how far to speculate), interleaved;
+  ``spec_vs_plain_runs`` their ratio in each round, with the drafts' acceptance and the mean
+  K.  The random model seldom continues the phrase, so
   this is the case where speculation must switch itself off.
 
 ``break_even_tokens[g]`` = verify_ms[g] / plain_step_ms: the tokens a verification of g - 1

@@ -204,7 +204,7 @@ def unrecorded(kv: Any) -> Iterator[None]:
     (specmoe.models.linear_attn: they give way while a layer records) and no state is copied;
     recording is back on after, before the crop that follows.  Measured at Qwen3.5-35B-A3B's
     per-layer shapes (benchmarks/hybrid_spec.py): a one-token forward on a recording cache
-    cost 1.75x a plain step.  Sliding-window layers keep recording: a crop past their window
+    cost 1.5-2.5x a plain step.  Sliding-window layers keep recording: a crop past their window
     needs it."""
     layers = [lay for lay in getattr(kv, "layers", None) or ()
               if hasattr(lay, "recurrent_states") and getattr(lay, "record_past", False)]
