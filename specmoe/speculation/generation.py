@@ -226,10 +226,11 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     kv = new_kv(model, rollback=True,
                 window=(controller.k_max if controller is not None else 0) + 1)
     if len(prompt) > 1:
-        forward_tokens(model, prompt[:-1], kv)  # the last prompt token is the first pending one
-        # (a recording cache's windows trimmed and the prompt's recorded states dropped: a
-        # first step without drafts then finds its layers' windows as a decode step does)
-        crop_kv(kv, len(prompt) - 1)
+        # the last prompt token is the first pending one; the rest is never cut back, so a
+        # hybrid's recurrent layers record none of it (no state copied per prompt token)
+        with unrecorded(kv):
+            forward_tokens(model, prompt[:-1], kv)
+        crop_kv(kv, len(prompt) - 1)  # (sliding-window layers trimmed to their window)
     bound = isinstance(drafter, SelfDraft) and drafter.share_kv
     if bound:
         drafter.bind_kv(kv)  # MoE-SpeQ: the self-draft writes on the target's cache

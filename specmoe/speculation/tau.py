@@ -77,7 +77,7 @@ def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
     kv = new_kv(model, rollback=True, window=max(gs))
     base = list(prompt)[-64:]
     rows = [base[(b * 5) % len(base):] + base[:(b * 5) % len(base)] for b in range(batch)]
-    with torch.no_grad():
+    with unrecorded(kv), torch.no_grad():  # (never cut back)
         model(input_ids=torch.tensor(rows, dtype=torch.long, device=input_device(model)),
               use_cache=True, **cache_kwargs(model, kv))
     n = [int(kv.get_seq_length())]
