@@ -17,6 +17,7 @@ import specmoe  # noqa: E402
 from specmoe.serve.scheduler import GenParams, Request, Scheduler  # noqa: E402
 from specmoe.serve.speculate import Speculation, controller_factory  # noqa: E402
 from specmoe.speculation.controllers import Cascade, StaticK  # noqa: E402
+from specmoe.speculation.decoding import records_recurrent_states  # noqa: E402
 from tests.conftest import IdText, greedy_alone, specmoe_cache_and_one_thread  # noqa: E402
 
 ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
@@ -330,7 +331,8 @@ def test_a_sliding_window_model_is_served_with_drafts_and_a_recurrent_one_refuse
     """GPT-OSS (sliding-window layers) serves with n-gram drafts past its window, each
     request's tokens model.generate's alone (tau is measured on 64 tokens, past the tiny
     config's 64-position window: the worker died there before its cache recorded its past);
-    Qwen3-Next (linear attention, whose state no crop puts back) is refused by name."""
+    MiniMax (linear attention in a cache of its own, whose state no crop puts back) is refused
+    by name, and so is Qwen3-Next where transformers records no recurrent states (< 5.25)."""
     from specmoe.models.testing import tiny_model
     model = tiny_model("gpt_oss", vocab=64)
     model.generation_config.eos_token_id = None
@@ -348,9 +350,41 @@ def test_a_sliding_window_model_is_served_with_drafts_and_a_recurrent_one_refuse
             sch.close()
     finally:
         eng.close()
-    with pytest.raises(ValueError, match="qwen3_next's linear_attention layers .* cannot be "
+    with pytest.raises(ValueError, match="minimax's linear_attention layers .* cannot be "
                                          "rolled back.*--drafter none"):
-        Scheduler(tiny_model("qwen3_next"), None, drafter="ngram")
+        Scheduler(tiny_model("minimax"), None, drafter="ngram")
+    q = tiny_model("qwen3_next")
+    if not records_recurrent_states(q):
+        with pytest.raises(ValueError, match="qwen3_next's linear_attention layers .* cannot "
+                                             "be rolled back.*--drafter none"):
+            Scheduler(q, None, drafter="ngram")
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_a_gated_deltanet_hybrid_is_served_with_drafts(drafter):
+    """Qwen3.5-MoE (gated DeltaNet): requests decode alone (never batched), each on a cache
+    that records its linear-attention states over a verification's window (transformers
+    5.25), prefilled unrecorded in chunks; with drafts cut back, their tokens are
+    model.generate's alone."""
+    from specmoe.models.testing import tiny_model
+    model = tiny_model("qwen3_5_moe_text", vocab=64)
+    if not records_recurrent_states(model):
+        pytest.skip("transformers < 5.25 records no recurrent states")
+    model.generation_config.eos_token_id = None
+    eng = specmoe.offload(model, dtype="f32", dense="f32", cache=0.5)
+    try:
+        prompts = [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 3, [7, 8, 9, 10] * 5]
+        refs = greedy_alone(model, prompts, 12)
+        sch = Scheduler(model, IdText(), max_batch=4, prefill_chunk=8, drafter=drafter,
+                        controller="static:3")
+        try:
+            reqs = _run(sch, prompts, max_tokens=12)
+            assert [r.generated for r in reqs] == refs
+            assert sch.spec.stats()["proposed"] > 0
+        finally:
+            sch.close()
+    finally:
+        eng.close()
 
 
 def test_cli_checks_the_controller_before_loading(capsys):

@@ -109,7 +109,7 @@ from torch import nn
 from ..runtime.experts import find_engine
 from ..speculation.batch import BatchKV
 from ..speculation.decoding import (cache_kwargs, crop_kv, input_device, new_kv,
-                                    recurrent_layer_types)
+                                    recurrent_layer_types, unrecorded)
 from ..speculation.sampling import Sampling
 from ..speculation.verify import accept_logits
 from .detok import IncrementalText
@@ -673,10 +673,12 @@ class Scheduler:
         """One step of ``req`` alone on its own cache: its next prompt chunk, or a decode."""
         self._start(req)
         if req.kv is None:
-            req.kv = new_kv(self.model, rollback=self.spec is not None)
+            req.kv = new_kv(self.model, rollback=self.spec is not None,
+                            window=self.spec.window if self.spec is not None else 0)
         if req.fed < len(req.prompt):
             chunk = req.prompt[req.fed:req.fed + self.prefill_chunk]
-            logits = self._forward(req, chunk)
+            with unrecorded(req.kv):  # (never cut back: a hybrid's states not recorded)
+                logits = self._forward(req, chunk)
             req.fed += len(chunk)
             if self.metrics is not None:
                 self.metrics.prompt_tokens(len(chunk))
@@ -706,7 +708,10 @@ class Scheduler:
         if spec.mtp is not None and spec.masks(k):  # the verification also drafts
             logits, masks = spec.forward_alone(req, anchors, k)
         else:
-            logits = self._forward(req, anchors, rows=len(drafts) + 1)
+            # (a step without drafts is not cut back: a hybrid's recurrent layers record
+            # nothing then and take their one-call steps)
+            with unrecorded(req.kv) if not drafts else contextlib.nullcontext():
+                logits = self._forward(req, anchors, rows=len(drafts) + 1)
         n = self._verify(req, logits, drafts, None)
         if spec.mtp is not None:
             spec.advance(req, masks, n)

@@ -84,8 +84,11 @@ class Speculation:
         if ttft_budget is not None and (isinstance(ttft_budget, bool) or not isinstance(
                 ttft_budget, (int, float)) or not 0 < ttft_budget < float("inf")):
             raise ValueError(f"ttft_budget must be seconds > 0 or None, got {ttft_budget!r}")
+        # a linear-attention / Mamba hybrid: served (never batched, each request on its own
+        # cache that records its states over the last window tokens), but not with MTP
         require_speculable(model, "speculative decoding (a drafter)",
-                         "serve it without one (--drafter none)")
+                           "serve it without one (--drafter none)",
+                           windowed=not (drafter == "mtp" or isinstance(drafter, MtpDrafter)))
         self._installed: Optional[MtpDrafter] = None   # made here: uninstalled at close()
         if isinstance(drafter, str):
             drafter = named_drafter(drafter, model, engine, mtp_adapter)
@@ -135,6 +138,9 @@ class Speculation:
             raise
         self.tau = tau
         self.vocab = int(vocab)
+        # the most positions a verification forward holds, and so the window a request's cache
+        # records a hybrid's recurrent states over (specmoe.speculation.decoding.new_kv)
+        self.window = max(1, self.make_controller().k_max) + 1
         self.controllers: Dict[int, Controller] = {}   # batch-size bucket -> its controller
         self.proposed = 0                              # draft tokens verified, all requests
         self.accepted = 0
