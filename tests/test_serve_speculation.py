@@ -338,16 +338,8 @@ def test_a_sliding_window_model_is_served_with_drafts_and_a_recurrent_one_refuse
     model.generation_config.eos_token_id = None
     eng = specmoe.offload(model, cache=0.5)
     try:
-        prompts = [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 7, [7, 8, 9, 10] * 17]
-        refs = greedy_alone(model, prompts, 12)
-        sch = Scheduler(model, IdText(), max_batch=4, prefill_chunk=128, drafter="ngram",
-                        controller="static:3")
-        try:
-            reqs = _run(sch, prompts, max_tokens=12)
-            assert [r.generated for r in reqs] == refs
-            assert sch.spec.stats()["proposed"] > 0
-        finally:
-            sch.close()
+        _served_as_alone(model, [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 7, [7, 8, 9, 10] * 17],
+                         "ngram", 128)
     finally:
         eng.close()
     with pytest.raises(ValueError, match="minimax's linear_attention layers .* cannot be "
@@ -373,18 +365,24 @@ def test_a_gated_deltanet_hybrid_is_served_with_drafts(drafter):
     model.generation_config.eos_token_id = None
     eng = specmoe.offload(model, dtype="f32", dense="f32", cache=0.5)
     try:
-        prompts = [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 3, [7, 8, 9, 10] * 5]
-        refs = greedy_alone(model, prompts, 12)
-        sch = Scheduler(model, IdText(), max_batch=4, prefill_chunk=8, drafter=drafter,
-                        controller="static:3")
-        try:
-            reqs = _run(sch, prompts, max_tokens=12)
-            assert [r.generated for r in reqs] == refs
-            assert sch.spec.stats()["proposed"] > 0
-        finally:
-            sch.close()
+        _served_as_alone(model, [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 3, [7, 8, 9, 10] * 5],
+                         drafter, 8)
     finally:
         eng.close()
+
+
+def _served_as_alone(model, prompts, drafter, chunk):
+    """Serve ``prompts`` (12 tokens each) with ``drafter`` and a static K of 3: each request's
+    tokens model.generate's alone, drafts proposed."""
+    refs = greedy_alone(model, prompts, 12)
+    sch = Scheduler(model, IdText(), max_batch=4, prefill_chunk=chunk, drafter=drafter,
+                    controller="static:3")
+    try:
+        reqs = _run(sch, prompts, max_tokens=12)
+        assert [r.generated for r in reqs] == refs
+        assert sch.spec.stats()["proposed"] > 0
+    finally:
+        sch.close()
 
 
 def test_cli_checks_the_controller_before_loading(capsys):
