@@ -6,6 +6,7 @@ import it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -130,8 +131,7 @@ def require_speculable(model: nn.Module, who: str, instead: str,
     back (:func:`unrollable_layer_types`; ``windowed``: the caller cuts back only within the
     window of a cache from ``new_kv(rollback=True, window=...)``, and layers whose states such
     a cache records, :func:`records_recurrent_states`, are accepted), or a sparse-attention
-    indexer (DeepSeek-V3.2,
-    GLM-5, A.X K2), whose keys transformers selects differently depending on how the tokens
+    indexer (DeepSeek-V3.2, GLM-5, A.X K2), whose keys transformers selects differently depending on how the tokens
     are split into forwards once the context passes ``index_topk`` (measured on transformers
     5.24 with index_topk 16 and 20 cached positions: DeepSeek-V3.2's four-token forward
     apart from four one-token steps by 0.045 in the logits; GLM-5's and A.X K2's prefill
@@ -175,11 +175,16 @@ def new_kv(model: nn.Module, rollback: bool = False, window: int = 0) -> Any:
 
 def _takes_window(kv: Any) -> bool:
     """Whether every layer of ``kv`` that keeps a recurrent state records a window of them."""
-    import inspect
     rec = [lay for lay in getattr(kv, "layers", None) or () if hasattr(lay, "recurrent_states")]
-    return bool(rec) and all("recurrent_states_to_keep"
-                             in inspect.signature(lay.activate_past_recording).parameters
-                             for lay in rec)
+    return bool(rec) and all(_layer_takes_window(type(lay)) for lay in rec)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_takes_window(cls: type) -> bool:
+    """Whether cache layer class ``cls``'s ``activate_past_recording`` takes
+    ``recurrent_states_to_keep`` (read once per class: every request makes a cache)."""
+    import inspect
+    return "recurrent_states_to_keep" in inspect.signature(cls.activate_past_recording).parameters
 
 
 def _own_cache(cls: type) -> Optional[type]:
@@ -221,7 +226,8 @@ def crop_kv(kv: Any, keep: int) -> None:
     """Drop KV entries beyond the first ``keep`` positions (transformers 5 crops by a negative
     count of positions to remove).  A cache recording its past (``new_kv(rollback=True)``) is
     cropped even at ``keep`` = its length: that trims its sliding-window layers back to their
-    window."""
+    window, and a recurrent layer's recorded states and grown conv window (one whose last
+    step ran :func:`unrecorded` is left alone); cut-back conv windows are made contiguous."""
     n = int(kv.get_seq_length())
     if keep < n:
         kv.crop(keep - n)
