@@ -10,9 +10,11 @@ Speculative decoding cuts the cache back to the accepted drafts after each verif
 linear-attention layer folds every position into one state, so from transformers 5.25 on
 specmoe's cache records the states after each of the last tokens of a forward
 (``specmoe.speculation.decoding.new_kv(rollback=True, window=...)``): a copy of every layer's
-state per token until the next crop, and while a cache records, the layer's one-call C step
-gives way to the module's forward (the states it would write in place are the ones recorded).
-That is the price of a verification; this measures it.
+state per token until the next crop.  A verification's tokens go through each gated DeltaNet
+module in one ``GdnBlock.steps`` call (the projections of all g tokens at once, the recurrent
+steps token by token writing each state where the cache records it), the rest of the layer
+(norms, the MoE block over the union of the g tokens' experts, the attention layers) as in any
+multi-token forward.  That is the price of a verification; this measures it.
 
 Rows, each thread count of ``--threads``, each round interleaving the two kinds of forward on
 the same loaded model (every expert resident, ``cache=1.0``), after a 64-token prompt:

@@ -390,6 +390,20 @@ void smoe_gdn_block_destroy(smoe_gdn_block *b);
 int smoe_gdn_block_step(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb, uint32_t B,
                         void *conv, int cb, float *state, void *outp, int ob, smoe_err *err);
 
+/* T tokens (1..max_rows) of one sequence, under b->mu, as transformers' module computes them on
+ * a cache that records its past (Qwen3_5MoeGatedDeltaNet.forward with T <= the states it
+ * keeps: every token a recurrent step): x [T, hidden] (f32 / bf16 bits when xb) -> out [T,
+ * hidden] (ob).  conv [C, L] (f32 / bf16 bits when cb), L >= T + K - 1: its first L - T
+ * columns the window so far, its last T columns written, token t's q|k|v into column L - T + t
+ * and its convolution over the K columns ending there (smoe_gdn_block_step's products, the
+ * window not shifted: the cache keeps the grown window until it is cut back).  The recurrent
+ * state [Hv, dk, dv] (f32): with hist NULL updated in place to the state after the last token;
+ * else read only, and hist [T, Hv, dk, dv] (f32, not aliasing it) gets hist[t] = the state
+ * after token t (what a cut back to t + 1 of the tokens restores; hist[T - 1] the last). */
+int smoe_gdn_block_steps(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb, uint32_t T,
+                         void *conv, int cb, uint32_t L, float *state, float *hist, void *outp,
+                         int ob, smoe_err *err);
+
 /* A whole Qwen3.5 decoder layer around the block, for one decode token of B rows. */
 typedef struct smoe_gdn_layer_args {
     long pos;                 /* the MoE layer's position in the smoe_layers */

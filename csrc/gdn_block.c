@@ -1,8 +1,9 @@
 /* A gated DeltaNet module (the linear attention of Qwen3.5's MoE models) for one decode token
  * of each of B sequences: the four input projections, the depthwise short convolution over the
  * cached window, the gate terms, the gated delta rule (smoe_gated_delta), the gated RMSNorm and
- * the output projection, in one call (decoder.h, smoe_gdn_block_step).  The state of
- * specmoe._C.GdnBlock (csrc/bindings/py_gdn.c).
+ * the output projection, in one call (decoder.h, smoe_gdn_block_step); or for T tokens of one
+ * sequence on a cache that records the state after each (a speculative verification,
+ * smoe_gdn_block_steps).  The state of specmoe._C.GdnBlock (csrc/bindings/py_gdn.c).
  *
  * transformers runs these steps as some forty torch operations a layer at one token (about 1.4
  * ms of a 3 ms layer on one Zen 2 core at Qwen3.5-35B-A3B's shapes, benchmarks/hybrid_peers.py);
@@ -168,61 +169,129 @@ static void conv_step(const smoe_gdn_block *b, void *win, int cb, const float *x
     }
 }
 
+/* The pieces of the module over buf (per_row's layout for cap rows), shared by one token of B
+ * sequences (gdn_step) and T tokens of one sequence (gdn_steps). */
+typedef struct gdn_bufs {
+    float *x, *yr, *y, *u, *g, *beta, *o, *of;
+} gdn_bufs;
+
+static gdn_bufs gdn_layout(const smoe_gdn_block *self) {
+    const size_t cap = self->cap, C = self->C, V = (size_t)self->Hv * self->dv;
+    const size_t NY = C + V + 2 * (size_t)self->Hv;
+    gdn_bufs p;
+    p.x = self->buf;
+    p.yr = p.x + cap * self->hidden;
+    p.y = p.yr + cap * NY;
+    p.u = p.y + cap * NY;
+    p.g = p.u + cap * C;
+    p.beta = p.g + cap * self->Hv;
+    p.o = p.beta + cap * self->Hv;
+    p.of = p.o + cap * V;
+    return p;
+}
+
+/* y [n, NY] = the input projections of n rows of x (f32, or bf16 bits when xb) in y's order,
+ * rounded to bf16 when the block rounds so. */
+static int gdn_in(smoe_gdn_block *self, smoe_kctx *c, const gdn_bufs *p, const void *xp, int xb,
+                  uint32_t n, smoe_err *err) {
+    const uint32_t hid = self->hidden, NY = self->C + self->Hv * self->dv + 2 * self->Hv;
+    smoe_dec_widen(p->x, xp, xb, (size_t)n * hid);
+    int rc = SMOE_OK;
+    float *proj = self->order ? p->yr : p->y; /* the inputs' outputs side by side, rows of NY */
+    for (uint32_t i = 0, off = 0; i < self->n_in && rc == SMOE_OK; off += self->ld[i]->N, i++)
+        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], p->x, hid, n,
+                                 proj + off, NY, self->lscratch, err);
+    if (rc != SMOE_OK) return rc;
+    if (self->order) /* into y's order: [q|k|v | z | b | a] */
+        for (uint32_t r = 0; r < n; r++)
+            for (uint32_t j = 0; j < NY; j++)
+                p->y[(size_t)r * NY + j] = p->yr[(size_t)r * NY + (uint32_t)self->order[j]];
+    if (self->bf16) smoe_bf16_round(p->y, (size_t)n * NY); /* the projections' bf16 outputs */
+    return SMOE_OK;
+}
+
+/* Row r's gate terms from its y: beta = sigmoid(b), g = decay * softplus(a + dt_bias). */
+static void gdn_gates(const smoe_gdn_block *self, const gdn_bufs *p, uint32_t r) {
+    const uint32_t Hv = self->Hv, C = self->C, V = Hv * self->dv, NY = C + V + 2 * Hv;
+    const float *br = p->y + (size_t)r * NY + C + V, *ar = br + Hv;
+    for (uint32_t h = 0; h < Hv; h++) {
+        p->beta[(size_t)r * Hv + h] = rnd(self->bf16, 1.0f / (1.0f + expf(-br[h])));
+        p->g[(size_t)r * Hv + h] = self->decay[h] * softplus(ar[h] + self->dt_bias[h]);
+    }
+}
+
+/* The rule of row r's q|k|v (u's thirds) on state [Hv, dk, dv]: its output into o's row r. */
+static int gdn_rule(smoe_gdn_block *self, smoe_kctx *c, const gdn_bufs *p, uint32_t r,
+                    float *state, smoe_err *err) {
+    const uint32_t Hk = self->Hk, Hv = self->Hv, dk = self->dk, dv = self->dv;
+    const float *ur = p->u + (size_t)r * self->C;
+    return smoe_gated_delta(c, ur, ur + (size_t)Hk * dk, ur + (size_t)2 * Hk * dk,
+                            p->g + (size_t)r * Hv, p->beta + (size_t)r * Hv, state,
+                            p->o + (size_t)r * Hv * dv, 1, 1, Hk, Hv, dk, dv, 1, err);
+}
+
+/* n rows of the rule's output o through the gated RMSNorm and the output projection into of. */
+static int gdn_out(smoe_gdn_block *self, smoe_kctx *c, const gdn_bufs *p, uint32_t n,
+                   smoe_err *err) {
+    const uint32_t Hv = self->Hv, C = self->C, V = Hv * self->dv, NY = C + V + 2 * Hv;
+    const int bf = self->bf16;
+    if (bf) smoe_bf16_round(p->o, (size_t)n * V); /* the rule's output in the model's dtype */
+    smoe_rmsnorm(p->o, n * Hv, self->dv, self->norm_w, self->eps, bf);
+    for (uint32_t r = 0; r < n; r++) {
+        const float *z = p->y + (size_t)r * NY + C;
+        float *orow = p->o + (size_t)r * V;
+        for (uint32_t i = 0; i < V; i++) orow[i] = rnd(bf, orow[i] * silu(z[i]));
+    }
+    int rc = smoe_linear_forward(c, self->ld[SMOE_GB_OUT], self->lb[SMOE_GB_OUT],
+                                 self->lbias[SMOE_GB_OUT], p->o, V, n, p->of, self->hidden,
+                                 self->lscratch, err);
+    if (rc == SMOE_OK && bf) smoe_bf16_round(p->of, (size_t)n * self->hidden); /* out_proj's */
+    return rc;
+}
+
 /* The module for B rows of x (f32, or bf16 bits when xb) without the lock; *res: its output
  * [B, hidden] (f32, bf16 values when the block rounds as bf16) in buf. */
 static int gdn_step(smoe_gdn_block *self, smoe_kctx *c, const void *xp, int xb, uint32_t B,
                     void *conv, int cb, float *state, float **res, smoe_err *err) {
-    const uint32_t Hk = self->Hk, Hv = self->Hv, dk = self->dk, dv = self->dv, C = self->C;
-    const uint32_t hid = self->hidden, V = Hv * dv, NY = C + V + 2 * Hv, cap = self->cap;
-    const int bf = self->bf16;
-    float *x = self->buf, *yr = x + (size_t)cap * hid, *y = yr + (size_t)cap * NY;
-    float *u = y + (size_t)cap * NY;
-    float *g = u + (size_t)cap * C, *beta = g + (size_t)cap * Hv, *o = beta + (size_t)cap * Hv;
-    float *of = o + (size_t)cap * V;
-    smoe_dec_widen(x, xp, xb, (size_t)B * hid);
-    int rc = SMOE_OK;
-    float *proj = self->order ? yr : y; /* the inputs' outputs side by side, rows of NY */
-    for (uint32_t i = 0, off = 0; i < self->n_in && rc == SMOE_OK; off += self->ld[i]->N, i++)
-        rc = smoe_linear_forward(c, self->ld[i], self->lb[i], self->lbias[i], x, hid, B,
-                                 proj + off, NY, self->lscratch, err);
+    const uint32_t Hv = self->Hv, dk = self->dk, dv = self->dv, C = self->C;
+    const uint32_t NY = C + Hv * dv + 2 * Hv;
+    const gdn_bufs p = gdn_layout(self);
+    int rc = gdn_in(self, c, &p, xp, xb, B, err);
     if (rc != SMOE_OK) return rc;
-    if (self->order) /* into y's order: [q|k|v | z | b | a] */
-        for (uint32_t r = 0; r < B; r++)
-            for (uint32_t j = 0; j < NY; j++)
-                y[(size_t)r * NY + j] = yr[(size_t)r * NY + (uint32_t)self->order[j]];
-    if (bf) smoe_bf16_round(y, (size_t)B * NY); /* the projections' bf16 outputs */
     for (uint32_t r = 0; r < B; r++) {
-        const float *yrow = y + (size_t)r * NY, *br = yrow + C + V, *ar = br + Hv;
-        conv_step(self, (uint8_t *)conv + (size_t)r * C * self->K * (cb ? 2 : 4), cb, yrow,
-                  u + (size_t)r * C);
-        for (uint32_t h = 0; h < Hv; h++) {
-            beta[(size_t)r * Hv + h] = rnd(bf, 1.0f / (1.0f + expf(-br[h])));
-            g[(size_t)r * Hv + h] = self->decay[h] * softplus(ar[h] + self->dt_bias[h]);
-        }
+        conv_step(self, (uint8_t *)conv + (size_t)r * C * self->K * (cb ? 2 : 4), cb,
+                  p.y + (size_t)r * NY, p.u + (size_t)r * C);
+        gdn_gates(self, &p, r);
     }
     /* q, k, v of row r are u's thirds: [B, T = 1, heads, dim] with a row stride of C, which
      * smoe_gated_delta reads as contiguous only for B = 1; rows one call each otherwise */
-    for (uint32_t r = 0; r < B && rc == SMOE_OK; r++) {
-        const float *ur = u + (size_t)r * C;
-        rc = smoe_gated_delta(c, ur, ur + (size_t)Hk * dk, ur + (size_t)2 * Hk * dk,
-                              g + (size_t)r * Hv, beta + (size_t)r * Hv,
-                              state + (size_t)r * Hv * dk * dv, o + (size_t)r * V, 1, 1, Hk, Hv,
-                              dk, dv, 1, err);
+    for (uint32_t r = 0; r < B && rc == SMOE_OK; r++)
+        rc = gdn_rule(self, c, &p, r, state + (size_t)r * Hv * dk * dv, err);
+    if (rc == SMOE_OK) rc = gdn_out(self, c, &p, B, err);
+    *res = p.of;
+    return rc;
+}
+
+/* Token t's column of a sequence's window conv [C, L] (f32 or bf16 bits): column col := x
+ * [C] (bf16 values already when the block rounds as bf16), and u = silu(the dot of the K
+ * columns ending there with the kernel + bias), the products in conv_step's order. */
+static void conv_col(const smoe_gdn_block *b, void *conv, int cb, uint32_t L, uint32_t col,
+                     const float *x, float *u) {
+    const uint32_t C = b->C, K = b->K;
+    for (uint32_t c = 0; c < C; c++) {
+        const float *k = b->conv_w + (size_t)c * K;
+        float acc = b->conv_b ? b->conv_b[c] : 0.0f;
+        if (cb) {
+            uint16_t *s = (uint16_t *)conv + (size_t)c * L + col + 1 - K;
+            s[K - 1] = smoe_bf16_rne(x[c]);
+            for (uint32_t j = 0; j < K; j++) acc += k[j] * smoe_bf16_f32(s[j]);
+        } else {
+            float *s = (float *)conv + (size_t)c * L + col + 1 - K;
+            s[K - 1] = x[c];
+            for (uint32_t j = 0; j < K; j++) acc += k[j] * s[j];
+        }
+        u[c] = rnd(b->bf16, silu(acc));
     }
-    if (rc != SMOE_OK) return rc;
-    if (bf) smoe_bf16_round(o, (size_t)B * V); /* the rule's output in the model's dtype */
-    smoe_rmsnorm(o, B * Hv, dv, self->norm_w, self->eps, bf);
-    for (uint32_t r = 0; r < B; r++) {
-        const float *z = y + (size_t)r * NY + C;
-        float *orow = o + (size_t)r * V;
-        for (uint32_t i = 0; i < V; i++) orow[i] = rnd(bf, orow[i] * silu(z[i]));
-    }
-    rc = smoe_linear_forward(c, self->ld[SMOE_GB_OUT], self->lb[SMOE_GB_OUT],
-                             self->lbias[SMOE_GB_OUT], o, V, B, of, hid, self->lscratch, err);
-    if (rc != SMOE_OK) return rc;
-    if (bf) smoe_bf16_round(of, (size_t)B * hid); /* out_proj's bf16 output */
-    *res = of;
-    return SMOE_OK;
 }
 
 int smoe_gdn_block_step(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb, uint32_t B,
@@ -236,6 +305,36 @@ int smoe_gdn_block_step(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb,
     int rc = ensure_cap(b, B, err);
     if (rc == SMOE_OK) rc = gdn_step(b, c, xp, xb, B, conv, cb, state, &of, err);
     if (rc == SMOE_OK) smoe_dec_store(outp, ob, of, (size_t)B * b->hidden);
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+int smoe_gdn_block_steps(smoe_gdn_block *b, smoe_kctx *c, const void *xp, int xb, uint32_t T,
+                         void *conv, int cb, uint32_t L, float *state, float *hist, void *outp,
+                         int ob, smoe_err *err) {
+    if (!b->ready) return smoe_err_set(err, SMOE_ESTATE, "GdnBlock: not initialised");
+    if (T < 1 || T > b->max_rows || L < T + b->K - 1)
+        return smoe_err_set(err, SMOE_EINVAL, "GdnBlock.steps: %u tokens, expected 1..%u "
+                            "(max_rows), and a window of %u columns, expected >= tokens + "
+                            "kernel - 1 = %u", T, b->max_rows, L, T + b->K - 1);
+    const uint32_t Hk = b->Hk, dk = b->dk, C = b->C, NY = C + b->Hv * b->dv + 2 * b->Hv;
+    pthread_mutex_lock(&b->mu);
+    int rc = ensure_cap(b, T, err);
+    const gdn_bufs p = gdn_layout(b);
+    if (rc == SMOE_OK) rc = gdn_in(b, c, &p, xp, xb, T, err);
+    if (rc == SMOE_OK) {
+        /* token by token the window's column and the gates, then the rule over the T tokens
+         * (gdn_step's, a head's state kept in cache from one token to the next) */
+        for (uint32_t t = 0; t < T; t++) {
+            conv_col(b, conv, cb, L, L - T + t, p.y + (size_t)t * NY, p.u + (size_t)t * C);
+            gdn_gates(b, &p, t);
+        }
+        rc = smoe_gated_delta_seq(c, p.u, p.u + (size_t)Hk * dk, p.u + (size_t)2 * Hk * dk, C,
+                                  C, p.g, p.beta, state, hist, p.o, T, Hk, b->Hv, dk, b->dv,
+                                  1, err);
+    }
+    if (rc == SMOE_OK) rc = gdn_out(b, c, &p, T, err);
+    if (rc == SMOE_OK) smoe_dec_store(outp, ob, p.of, (size_t)T * b->hidden);
     pthread_mutex_unlock(&b->mu);
     return rc;
 }

@@ -220,6 +220,61 @@ static PyObject *gb_step(GdnBlockObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* steps(x, conv, state, hist, out): smoe_gdn_block_steps, T tokens from x. */
+static PyObject *gb_steps(GdnBlockObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (smoe_py_method_start(self->ready, "GdnBlock", "steps(x, conv, state, hist, out)", nargs,
+                             5, 5))
+        return NULL;
+    smoe_gdn_block *b = &self->blk;
+    const int xb = smoe_py_f32_or_bf16(args[0], "x", 2, 0);
+    const int cb = xb < 0 ? -1 : smoe_py_f32_or_bf16(args[1], "conv", 2, 1);
+    PyArrayObject *st = cb < 0 ? NULL : smoe_py_want_array(args[2], "state", NPY_FLOAT32, 3, 1);
+    PyArrayObject *hi = NULL;
+    if (st && args[3] != Py_None)
+        hi = smoe_py_want_array(args[3], "hist", NPY_FLOAT32, 4, 1);
+    const int ob = st && (hi || args[3] == Py_None) ? smoe_py_f32_or_bf16(args[4], "out", 2, 1)
+                                                    : -1;
+    if (ob < 0) return NULL;
+    const npy_intp T = PyArray_DIM((PyArrayObject *)args[0], 0);
+    const npy_intp L = PyArray_DIM((PyArrayObject *)args[1], 1);
+    if (T < 1 || T > (npy_intp)b->max_rows || L < T + (npy_intp)b->K - 1) {
+        PyErr_Format(PyExc_ValueError, "GdnBlock.steps: %zd tokens, expected 1..%u (max_rows), "
+                     "and conv of %zd columns, expected >= tokens + kernel - 1 = %zd",
+                     (Py_ssize_t)T, b->max_rows, (Py_ssize_t)L,
+                     (Py_ssize_t)(T + (npy_intp)b->K - 1));
+        return NULL;
+    }
+    const npy_intp w_x[2] = {T, b->hidden}, w_c[2] = {b->C, L};
+    const npy_intp w_s[3] = {b->Hv, b->dk, b->dv}, w_h[4] = {T, b->Hv, b->dk, b->dv};
+    if (smoe_py_dims_are(args[0], "x [tokens, hidden]", w_x, 2) ||
+        smoe_py_dims_are(args[1], "conv [channels, columns]", w_c, 2) ||
+        smoe_py_dims_are(args[2], "state [v_heads, k_dim, v_dim]", w_s, 3) ||
+        (hi && smoe_py_dims_are(args[3], "hist [tokens, v_heads, k_dim, v_dim]", w_h, 4)) ||
+        smoe_py_dims_are(args[4], "out [tokens, hidden]", w_x, 2))
+        return NULL;
+    const void *xp = PyArray_DATA((PyArrayObject *)args[0]);
+    void *cp = PyArray_DATA((PyArrayObject *)args[1]), *op = PyArray_DATA((PyArrayObject *)args[4]);
+    float *sp = (float *)PyArray_DATA(st), *hp = hi ? (float *)PyArray_DATA(hi) : NULL;
+    if (cp == sp || cp == op || op == sp || (hp && (hp == sp || hp == cp || hp == op)) ||
+        xp == op) {
+        PyErr_SetString(PyExc_ValueError, "GdnBlock.steps: x, conv, state, hist and out must "
+                        "not alias");
+        return NULL;
+    }
+    smoe_kctx *c = smoe_py_kctx(self->ctx_obj);
+    if (!c) return NULL;
+    smoe_err err;
+    smoe_err_clear(&err);
+    int rc;
+    /* every array stays referenced by the caller's frame for the whole call */
+    Py_BEGIN_ALLOW_THREADS
+    rc = smoe_gdn_block_steps(b, c, xp, xb, (uint32_t)T, cp, cb, (uint32_t)L, sp, hp, op, ob,
+                              &err);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return smoe_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef gb_methods[] = {
     {"step", (PyCFunction)(void (*)(void))gb_step, METH_FASTCALL,
      "step(x, conv, state, out): one decode token of each of rows sequences: x [rows, hidden] "
@@ -227,6 +282,15 @@ static PyMethodDef gb_methods[] = {
      "bits), each row's convolution window conv [rows, channels, kernel] (float32 or bf16 "
      "bits) and recurrent state [rows, v_heads, k_dim, v_dim] (float32) updated in place "
      "(csrc/decoder.h smoe_gdn_block_step).  C-contiguous arrays; GIL released."},
+    {"steps", (PyCFunction)(void (*)(void))gb_steps, METH_FASTCALL,
+     "steps(x, conv, state, hist, out): tokens of one sequence, as the module runs them on a "
+     "cache that records its past: x [tokens, hidden] (float32 or bf16 bits) into out "
+     "[tokens, hidden]; conv [channels, columns] (float32 or bf16 bits, columns >= tokens + "
+     "kernel - 1) the window so far in all but its last tokens columns, which get the tokens' "
+     "convolution inputs; the recurrent state [v_heads, k_dim, v_dim] (float32): with hist "
+     "None updated in place to the state after the last token, else left as it is and hist, "
+     "float32 [tokens, v_heads, k_dim, v_dim], gets the state after each token "
+     "(csrc/decoder.h smoe_gdn_block_steps).  C-contiguous arrays; GIL released."},
     {"layer", (PyCFunction)(void (*)(void))smoe_py_layer_method, METH_FASTCALL,
      "layer(layers, pos, route_flags, x, conv, state, ln1, eps1, ln2, eps2, zero_centred, out): "
      "a whole Qwen3.5 decoder layer of one decode token of rows sequences in one call: x "

@@ -18,6 +18,8 @@
 typedef struct {
     const float *q, *k, *v, *g, *beta;
     float *state, *out;
+    float *hist;        /* NULL (state in place), or the state after each token (B = 1) */
+    size_t sq, sv;      /* floats from one token's q (and k) / v to the next's */
     uint32_t B, T, Hk, Hv, dk, dv;
     int l2norm;
     smoe_split split;
@@ -35,13 +37,23 @@ static void l2_normalise(float *x, uint32_t n) {
 static void gd_pair(const gd_arg *a, uint32_t p) {
     const uint32_t b = p / a->Hv, h = p % a->Hv, hk = h / (a->Hv / a->Hk);
     const uint32_t dk = a->dk, dv = a->dv;
-    float *S = a->state + (size_t)p * dk * dv;
+    const size_t hs = (size_t)dk * dv; /* a head's state */
+    float *S = a->state + (size_t)p * hs;
     float qn[512], kn[512], u[512]; /* dk, dv <= 512 (checked by the caller) */
     const float qs = 1.0f / sqrtf((float)dk);
     for (uint32_t t = 0; t < a->T; t++) {
         const size_t bt = (size_t)b * a->T + t;
-        const float *q = a->q + (bt * a->Hk + hk) * dk, *k = a->k + (bt * a->Hk + hk) * dk;
-        const float *v = a->v + (bt * a->Hv + h) * dv;
+        const float *q = a->q + bt * a->sq + (size_t)hk * dk;
+        const float *k = a->k + bt * a->sq + (size_t)hk * dk;
+        const float *v = a->v + bt * a->sv + (size_t)h * dv;
+        /* the state this token reads (Si) and writes (So): S itself, or the token's own
+         * copy in hist after the one before */
+        const float *Si = S;
+        float *So = S;
+        if (a->hist) {
+            So = a->hist + ((size_t)t * a->Hv + h) * hs;
+            Si = t ? So - (size_t)a->Hv * hs : S;
+        }
         float *o = a->out + (bt * a->Hv + h) * dv;
         memcpy(qn, q, dk * sizeof(float));
         memcpy(kn, k, dk * sizeof(float));
@@ -55,7 +67,7 @@ static void gd_pair(const gd_arg *a, uint32_t p) {
         for (uint32_t j = 0; j < dv; j++) u[j] = 0.0f;
         for (uint32_t i = 0; i < dk; i++) {
             const float ki = kn[i];
-            const float *row = S + (size_t)i * dv;
+            const float *row = Si + (size_t)i * dv;
             for (uint32_t j = 0; j < dv; j++) u[j] += row[j] * ki;
         }
         for (uint32_t j = 0; j < dv; j++) u[j] = beta * (v[j] - decay * u[j]);
@@ -63,10 +75,11 @@ static void gd_pair(const gd_arg *a, uint32_t p) {
         for (uint32_t j = 0; j < dv; j++) o[j] = 0.0f;
         for (uint32_t i = 0; i < dk; i++) {
             const float ki = kn[i], qi = qn[i];
-            float *row = S + (size_t)i * dv;
+            const float *row = Si + (size_t)i * dv;
+            float *wrow = So + (size_t)i * dv;
             for (uint32_t j = 0; j < dv; j++) {
                 const float s = decay * row[j] + ki * u[j];
-                row[j] = s;
+                wrow[j] = s;
                 o[j] += s * qi;
             }
         }
@@ -80,23 +93,20 @@ static void gd_run(void *varg, uint32_t k, uint32_t n) {
     while (smoe_split_next(&a->split, k, &p)) gd_pair(a, p);
 }
 
-int smoe_gated_delta(smoe_kctx *c, const float *q, const float *k, const float *v,
-                     const float *g, const float *beta, float *state, float *out, uint32_t B,
-                     uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t dk, uint32_t dv,
-                     int l2norm, smoe_err *err) {
-    if (!q || !k || !v || !g || !beta || !state || !out)
+static int gd_call(smoe_kctx *c, const gd_arg *init, smoe_err *err) {
+    const gd_arg *i = init;
+    if (!i->q || !i->k || !i->v || !i->g || !i->beta || !i->state || !i->out)
         return smoe_err_set(err, SMOE_EINVAL, "smoe_gated_delta: NULL array");
-    if (Hk == 0 || Hv % Hk || dk == 0 || dv == 0 || dk > 512 || dv > 512)
+    if (i->Hk == 0 || i->Hv % i->Hk || i->dk == 0 || i->dv == 0 || i->dk > 512 || i->dv > 512)
         return smoe_err_set(err, SMOE_EINVAL,
                             "smoe_gated_delta: value heads %u not a multiple of key heads %u, "
-                            "or head sizes %u, %u outside 1..512", Hv, Hk, dk, dv);
-    if (B == 0 || T == 0) return SMOE_OK;
+                            "or head sizes %u, %u outside 1..512", i->Hv, i->Hk, i->dk, i->dv);
+    if (i->B == 0 || i->T == 0) return SMOE_OK;
     gd_arg *a = aligned_alloc(64, (sizeof(gd_arg) + 63) & ~(size_t)63);
     if (!a) return smoe_err_set(err, SMOE_ENOMEM, "smoe_gated_delta: out of memory");
-    *a = (gd_arg){.q = q, .k = k, .v = v, .g = g, .beta = beta, .state = state, .out = out,
-                  .B = B, .T = T, .Hk = Hk, .Hv = Hv, .dk = dk, .dv = dv, .l2norm = l2norm};
+    *a = *init;
     smoe_kpool *pool = c ? c->pool : NULL;
-    smoe_split_init(&a->split, B * Hv, smoe_kpool_threads(pool));
+    smoe_split_init(&a->split, a->B * a->Hv, smoe_kpool_threads(pool));
     if (pool) {
         smoe_kpool_lock(pool);
         smoe_kpool_run(pool, gd_run, a);
@@ -106,4 +116,26 @@ int smoe_gated_delta(smoe_kctx *c, const float *q, const float *k, const float *
     }
     free(a);
     return SMOE_OK;
+}
+
+int smoe_gated_delta(smoe_kctx *c, const float *q, const float *k, const float *v,
+                     const float *g, const float *beta, float *state, float *out, uint32_t B,
+                     uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t dk, uint32_t dv,
+                     int l2norm, smoe_err *err) {
+    const gd_arg a = {.q = q, .k = k, .v = v, .g = g, .beta = beta, .state = state, .out = out,
+                      .sq = (size_t)Hk * dk, .sv = (size_t)Hv * dv, .B = B, .T = T, .Hk = Hk,
+                      .Hv = Hv, .dk = dk, .dv = dv, .l2norm = l2norm};
+    return gd_call(c, &a, err);
+}
+
+int smoe_gated_delta_seq(smoe_kctx *c, const float *q, const float *k, const float *v,
+                         size_t sq, size_t sv, const float *g, const float *beta, float *state,
+                         float *hist, float *out, uint32_t T, uint32_t Hk, uint32_t Hv,
+                         uint32_t dk, uint32_t dv, int l2norm, smoe_err *err) {
+    if (hist == state)
+        return smoe_err_set(err, SMOE_EINVAL, "smoe_gated_delta_seq: hist aliases state");
+    const gd_arg a = {.q = q, .k = k, .v = v, .g = g, .beta = beta, .state = state, .out = out,
+                      .hist = hist, .sq = sq, .sv = sv, .B = 1, .T = T, .Hk = Hk, .Hv = Hv,
+                      .dk = dk, .dv = dv, .l2norm = l2norm};
+    return gd_call(c, &a, err);
 }

@@ -316,6 +316,17 @@ int smoe_gated_delta(smoe_kctx *c, const float *q, const float *k, const float *
                      uint32_t T, uint32_t Hk, uint32_t Hv, uint32_t dk, uint32_t dv,
                      int l2norm, smoe_err *err);
 
+/* smoe_gated_delta for T tokens of one sequence whose q, k (token stride sq floats) and v
+ * (stride sv) sit inside wider rows (a gated DeltaNet block's convolved q|k|v, one row a
+ * token); g, beta [T, Hv], out [T, Hv, dv] as there.  hist NULL: state [Hv, dk, dv] updated in
+ * place, as there; else state is only read and hist [T, Hv, dk, dv] gets the state after each
+ * token (each token reads the one before and writes its own: no copy).  The same arithmetic
+ * per token either way. */
+int smoe_gated_delta_seq(smoe_kctx *c, const float *q, const float *k, const float *v,
+                         size_t sq, size_t sv, const float *g, const float *beta, float *state,
+                         float *hist, float *out, uint32_t T, uint32_t Hk, uint32_t Hv,
+                         uint32_t dk, uint32_t dv, int l2norm, smoe_err *err);
+
 /* Ceiling for benchmarks: read `bytes` of buf `iters` times with the same threads and ISA as
  * the kernels (vector loads, summed so they cannot be elided).  *bytes_per_s receives the
  * rate; the return is the usual status. */

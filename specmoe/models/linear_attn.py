@@ -290,7 +290,9 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
     A module is fused when its projections are :class:`specmoe.models.layers.CLinear` of one f32
     / bf16 output dtype, its activation SiLU, its convolution depthwise and its norm gated with
     a weight.  The block reproduces the module's arithmetic for one token with a cache
-    (csrc/decoder.h, ``smoe_gdn_block_step``; a bf16 model's roundings step by step); everything
+    (csrc/decoder.h, ``smoe_gdn_block_step``; a bf16 model's roundings step by step), and the
+    tokens of a speculative verification on a cache that records its past in one
+    ``GdnBlock.steps`` call (:func:`_gdn_recorded`); everything
     else -- prefill and several tokens a row, the first step without a state, a padding mask,
     another device or dtype, a cache without transformers' linear-attention API, gradients --
     goes to the module's own forward.  The input projections run as one matrix where their
@@ -423,6 +425,52 @@ def _gdn_states(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
     return conv, rec
 
 
+def _gdn_recorded(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
+                  kwargs: dict) -> torch.Tensor | None:
+    """x [1, T, hidden] through ``m`` in one ``GdnBlock.steps`` call when ``cache`` records
+    ``m``'s layer (a speculative verification, ``specmoe.speculation.decoding.new_kv(rollback=
+    True)``) and keeps at least T states, as transformers' forward computes it there (every
+    token a recurrent step, the window grown by the T inputs, the state after each token
+    recorded so a crop can restore it), else None (the module's own forward runs).  The cache
+    is updated through its own API: ``update_conv_state`` with the T new columns (it grows the
+    window and counts the tokens), ``update_recurrent_state`` with the T states."""
+    C, Hv, dk, dv, dt = m._specmoe_gdn_shape
+    B, T = x.shape[0], x.shape[1]
+    recording = getattr(cache, "is_recording_past", None)
+    keep = getattr(cache, "get_recurrent_states_to_keep", None)
+    if (B != 1 or T > GDN_MAX_ROWS or recording is None or keep is None
+            or attention_mask is not None or x.dtype != dt or x.device.type != "cpu"
+            or m.training or (torch.is_grad_enabled() and x.requires_grad)
+            or kwargs.get("cu_seq_lens_q") is not None
+            or not hasattr(cache, "update_conv_state")
+            or not hasattr(cache, "update_recurrent_state")):
+        return None
+    idx = m.layer_idx
+    if not recording(idx) or T > int(keep(idx) or 0):
+        return None
+    conv, rec = cache.get_conv_state(idx), cache.get_recurrent_state(idx)
+    K = int(m.conv1d.kernel_size[0])
+    if conv is None or rec is None or conv.dtype not in BLOCK_DTYPES \
+            or rec.dtype != torch.float32 or not rec.is_contiguous() \
+            or conv.device.type != "cpu" or rec.device.type != "cpu" or conv.dim() != 3 \
+            or tuple(conv.shape[:2]) != (1, C) or conv.shape[-1] < K - 1 \
+            or tuple(rec.shape) != (1, Hv, dk, dv):
+        return None
+    L0, hidden = conv.shape[-1], x.shape[-1]
+    win = torch.empty(C, L0 + T, dtype=conv.dtype)
+    win[:, :L0] = conv[0]
+    hist = torch.empty(T, 1, Hv, dk, dv)
+    xa = x.detach().reshape(T, hidden)
+    if not xa.is_contiguous():
+        xa = xa.contiguous()
+    out = torch.empty_like(xa)
+    m._specmoe_gdn.steps(tensor_array(xa), tensor_array(win), rec.detach()[0].numpy(),
+                         hist.view(T, Hv, dk, dv).numpy(), tensor_array(out))
+    cache.update_conv_state(win[None, :, L0:], idx, conv_kernel_size=K)
+    cache.update_recurrent_state(list(hist.unbind(0)), idx)
+    return out.reshape(1, T, hidden)
+
+
 def count_step(cache: Any, idx: int) -> None:
     """Count one token in layer ``idx`` of ``cache`` after a fused step wrote its conv window in
     place.  transformers 5.25's linear-attention cache layers keep their own token count, which
@@ -439,6 +487,10 @@ def _gdn_forward(m: nn.Module, original: Callable) -> Callable:
                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         states = _gdn_states(m, hidden_states, cache, attention_mask, kwargs)
         if states is None:
+            out = None if cache is None else _gdn_recorded(m, hidden_states, cache,
+                                                           attention_mask, kwargs)
+            if out is not None:
+                return out
             return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         conv, rec = states
         B, _, hidden = hidden_states.shape
