@@ -363,10 +363,15 @@ def _cmd_run(args) -> int:
         ids = _chat_ids(tok, conv + [{"role": "user", "content": prompt}], args)
     else:
         ids = _prompt_ids(tok, prompt, args)
+    # with --memory and --drafter the plan sets aside what the controller's verifications record
+    k_max = 0
+    if drafter is not None and args.memory is not None:
+        from .speculation.controllers import controller_factory
+        k_max = int(controller_factory(controller)().k_max)
     model = from_pretrained(args.checkpoint, cache=cache, dtype=args.dtype, policy=policy,
                             prefetch=False if args.no_prefetch else args.predictor,
                             store=args.store, dense=args.dense, memory=args.memory,
-                            device=dev, gpu_cache=gpu_cache)
+                            device=dev, gpu_cache=gpu_cache, k_max=k_max)
     eng = engine_of(model)
     stream = args.interactive or (sys.stdout.isatty() if args.stream is None else args.stream)
     streamer = None

@@ -440,11 +440,12 @@ def _block_bytes(plan: _Plan, dtype: str) -> int:
 
 
 def _plan_memory(plan: _Plan, dtype: str, budget: int, source: str, cache: Any,
-                 dense: Any, prefetch: Any = None) -> Any:
+                 dense: Any, prefetch: Any = None, k_max: int = 0) -> Any:
     """from_pretrained's memory plan (specmoe.runtime.memplan) for the skeleton: the dense
     formats to weigh (the model's exact one and int8, or the one ``dense`` names), the
     cache planned unless ``cache`` is given (then it is checked against the budget); with
-    ``prefetch="learned"`` the predictor's token-prior table set aside too."""
+    ``prefetch="learned"`` the predictor's token-prior table set aside too, with ``k_max``
+    the recurrent states a verification of k_max drafts records."""
     from ..runtime import memplan
     I, H = plan.shapes
     sizes = memplan.model_sizes(plan.model, num_layers=len(plan.layer_ids),
@@ -472,7 +473,8 @@ def _plan_memory(plan: _Plan, dtype: str, budget: int, source: str, cache: Any,
         from ..sim.nextuse import prior_table_bytes
         pbytes = prior_table_bytes(sizes.num_layers, sizes.num_experts)
     mp = memplan.plan_memory(sizes, budget, rates, dense_options=opts, reserve=reserve,
-                             source=source, predictor=pbytes)
+                             source=source, predictor=pbytes,
+                             record_tokens=k_max + 1 if k_max else 0)
     if cache is not None:  # the user's cache, inside the budget or refused
         from ..runtime.cache import parse_capacity
         total = sizes.num_layers * sizes.num_experts
@@ -740,7 +742,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
                     device: Any = "cpu", balance: Any = False,
                     gpu_cache: int | float | str | None = None,
                     route: str = "model", trace: Any = None,
-                    memory: int | str | None = None,
+                    memory: int | str | None = None, k_max: int = 0,
                     **hf_kwargs: Any) -> nn.Module:
     """The transformers model of checkpoint folder ``path`` with its routed experts served by
     specmoe; ``model.generate()`` works unchanged, :func:`specmoe.engine_of` gives the Engine
@@ -754,7 +756,11 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     use, MemAvailable or the memory cgroup's headroom when lower) that the dense layers' format and the expert cache are planned to
     (:mod:`specmoe.runtime.memplan`: the split of least estimated time per token, printed with
     ``progress``; ``engine.memory_plan`` keeps it); an explicit ``cache`` or ``dense`` other
-    than ``"auto"`` is kept and the rest planned around it.  CPU tier only.  dtype: the store's
+    than ``"auto"`` is kept and the rest planned around it.  CPU tier only.  k_max: with
+    ``memory``, the most drafts a verification of :func:`specmoe.generate` will carry (the
+    controller's ``k_max``); a linear-attention hybrid's cache then records its states over
+    k_max + 1 tokens of each forward, which the plan sets aside (0: no speculation planned;
+    ``specmoe.generate`` refuses a larger k_max on such a model under the plan).  dtype: the store's
     expert format
     (``f32``, ``bf16``, ``int8`` per row, ``int4`` in groups, ``int2`` in groups with scale and
     offset; ``"auto"``: bf16, int4 for a GPTQ checkpoint, for a GGUF file the nearest to its
@@ -807,6 +813,9 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
             isinstance(device, str) and device.startswith("cpu"))):
         raise ValueError("memory= plans host memory for the CPU tier; on a GPU size the caches "
                          "with cache= / gpu_cache=")
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
+        raise ValueError(f"k_max must be an int >= 0 (the drafts a verification carries), got "
+                         f"{k_max!r}")
     if memory is not None:
         from ..runtime.memplan import memory_budget
         budget, budget_source = memory_budget(memory)  # a bad value fails before any work
@@ -840,7 +849,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     plan = _prepare(ckpt, dtype, torch_dtype, dict(hf_kwargs), store)
     mplan = None
     if memory is not None:
-        mplan = _plan_memory(plan, dtype, budget, budget_source, cache, dense, prefetch)
+        mplan = _plan_memory(plan, dtype, budget, budget_source, cache, dense, prefetch,
+                             k_max)
         if progress:
             print(f"[specmoe] {mplan}", file=sys.stderr, flush=True)
         if cache is None:

@@ -53,8 +53,8 @@ import numpy as np
 
 __all__ = ["HIT_CURVE", "EXACT_MARGIN", "KV_SPARE", "RESERVE", "WORK_MARGIN", "MemoryPlan",
            "ModelSizes", "MachineRates", "kv_capacity", "plan_memory", "memory_budget",
-           "memory_limit", "model_sizes", "kv_layout", "measure_rates", "process_reserve",
-           "trim_heap"]
+           "memory_limit", "model_sizes", "kv_layout", "recording_layout", "measure_rates",
+           "process_reserve", "trim_heap"]
 
 MiB = 1 << 20
 #: The budget's fixed part: interpreter, torch, the kernels' buffers.
@@ -107,6 +107,18 @@ class ModelSizes:
     kv_state_bytes: int = 0
     mla_params: int = 0
     gguf_mla_bytes: int | None = None
+    # a cache recording the last tokens of each forward for speculative decoding
+    # (:func:`recording_layout`): bytes per recorded token, and the one more state a
+    # verification keeps
+    record_bytes_per_token: int = 0
+    record_state_bytes: int = 0
+
+    def record_bytes(self, tokens: int) -> int:
+        """What a cache that records ``tokens`` tokens of each forward (a speculative
+        verification of ``tokens - 1`` drafts on a hybrid model) holds at most beyond
+        :meth:`kv_bytes`: 0 for ``tokens`` 0 or a model without recurrent layers."""
+        n = int(tokens)
+        return n * self.record_bytes_per_token + self.record_state_bytes if n > 0 else 0
 
     def kv_bytes(self, tokens: int) -> int:
         """One sequence's KV cache at ``tokens`` positions as the process holds it: the layers
@@ -160,6 +172,10 @@ class MemoryPlan:
     candidates: list = field(default_factory=list)
     source: str = ""
     predictor_bytes: int = 0
+    # the recurrent states a speculative verification of record_tokens tokens records
+    # (ModelSizes.record_bytes), inside kv_bytes; 0 when none are planned
+    record_tokens: int = 0
+    record_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -167,8 +183,11 @@ class MemoryPlan:
     def __str__(self) -> str:
         g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
         lines = [f"memory plan for a budget of {g(self.budget_bytes)} ({self.source}):",
-                 f"  reserve {g(self.reserve_bytes)}, KV cache {g(self.kv_bytes)}, embeddings/"
-                 f"norms/routers {g(self.other_bytes)}"
+                 f"  reserve {g(self.reserve_bytes)}, KV cache {g(self.kv_bytes)}"
+                 + (f" (with {g(self.record_bytes)} of states recorded over "
+                    f"{self.record_tokens} tokens for speculation)" if self.record_bytes
+                    else "")
+                 + f", embeddings/norms/routers {g(self.other_bytes)}"
                  + (f", learned predictor {g(self.predictor_bytes)}" if self.predictor_bytes
                     else ""),
                  f"  dense layers {self.dense} {g(self.dense_bytes)}, expert cache "
@@ -213,13 +232,18 @@ def dense_bytes(params: int, fmt: str) -> int:
 def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
                 dense_options: Sequence[str] | None = None, max_tokens: int = 2048,
                 reserve: int = RESERVE, source: str = "given",
-                predictor: int = 0) -> MemoryPlan:
+                predictor: int = 0, record_tokens: int = 0) -> MemoryPlan:
     """The plan of least estimated time per token (module docstring).  ``budget`` in bytes;
     ``dense_options``: the dense formats to consider (default the model's own exact format
     and ``"int8"``); ``predictor``: bytes the learned prefetch predictor will hold beside
     (its token-prior table, :func:`specmoe.sim.nextuse.prior_table_bytes`), set aside with
-    the reserve.  Raises ValueError naming the smallest budget that would fit when no format
-    leaves room for ``top_k`` experts."""
+    the reserve.  ``record_tokens``: the tokens of each forward a speculative verification
+    records (``k_max + 1``; 0: no speculation), whose recurrent states
+    (:meth:`ModelSizes.record_bytes`) are set aside beside the KV cache.  Raises ValueError
+    naming the smallest budget that would fit when no format leaves room for ``top_k``
+    experts."""
+    if record_tokens < 0:
+        raise ValueError(f"record_tokens must be >= 0, got {record_tokens}")
     if predictor < 0:
         raise ValueError(f"predictor bytes must be >= 0, got {predictor}")
     if budget <= 0:
@@ -234,7 +258,8 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
         if d not in rates.dense_rate:
             raise ValueError(f"no measured rate for dense format {d!r}")
     S = sizes.num_layers * sizes.num_experts
-    kv = sizes.kv_bytes(max_tokens)
+    record = sizes.record_bytes(record_tokens)
+    kv = sizes.kv_bytes(max_tokens) + record
     other = int(sizes.other_params * sizes.param_bytes)
     held = reserve + int(predictor) + other  # whatever the dense format and the cache
     cands = []
@@ -265,8 +290,9 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
         raise ValueError(f"memory budget {budget / 2**30:.2f} GiB is too small for this model: "
                          f"the smallest plan (dense {small['dense']}, "
                          f"{sizes.top_k} experts cached) needs {least / 2**30:.2f} GiB "
-                         f"(reserve, KV cache of {max_tokens} tokens, embeddings and dense "
-                         f"weights)")
+                         f"(reserve, KV cache of {max_tokens} tokens"
+                         + (f" and {record_tokens} recorded" if record else "")
+                         + ", embeddings and dense weights)")
     best = min(ok, key=lambda c: c["est_tpot_s"])
     close = [c for c in ok if c["est_tpot_s"] <= best["est_tpot_s"] * (1 + EXACT_MARGIN)]
     pick = min(close, key=lambda c: (_EXACTNESS[c["dense"]], c["est_tpot_s"]))
@@ -276,7 +302,8 @@ def plan_memory(sizes: ModelSizes, budget: int, rates: MachineRates, *,
                       cache_slots=pick["cache_slots"],
                       cache_bytes=pick["cache_slots"] * sizes.block_bytes,
                       cache_fraction=pick["cache_slots"] / S, est_hit_rate=pick["hit_rate"],
-                      est_tpot_s=pick["est_tpot_s"], candidates=cands, source=source)
+                      est_tpot_s=pick["est_tpot_s"], candidates=cands, source=source,
+                      record_tokens=int(record_tokens) if record else 0, record_bytes=record)
 
 
 # -- what a plan reads: the budget, the model, the machine ---------------------------------------
@@ -425,12 +452,14 @@ def model_sizes(model: Any, *, num_layers: int, num_experts: int, top_k: int,
     dt = next(model.parameters()).dtype
     pb = float(dt.itemsize) if hasattr(dt, "itemsize") else 2.0
     per_token, windows, state = kv_layout(model.config, int(pb))
+    rec_token, rec_state = recording_layout(model.config, int(pb))
     name = {4.0: "f32", 2.0: "bf16"}.get(pb, "bf16")
     return ModelSizes(dense_params=int(dense), other_params=int(other), param_bytes=pb,
                       num_layers=num_layers, num_experts=num_experts, top_k=top_k,
                       block_bytes=int(block_bytes), kv_bytes_per_token=per_token,
                       kv_windows=windows, kv_state_bytes=state, mla_params=int(mla),
-                      model_dtype=name)
+                      model_dtype=name, record_bytes_per_token=rec_token,
+                      record_state_bytes=rec_state)
 
 
 def kv_layout(cfg: Any, dtype_bytes: int) -> tuple[int, tuple[tuple[int, int], ...], int]:
@@ -467,6 +496,28 @@ def kv_layout(cfg: Any, dtype_bytes: int) -> tuple[int, tuple[tuple[int, int], .
         else:
             full += per
     return full, tuple(windows), state
+
+
+def recording_layout(cfg: Any, dtype_bytes: int) -> tuple[int, int]:
+    """What one sequence's cache holds beyond :func:`kv_layout` while it records the last
+    tokens of a forward so a speculative verification can be cut back (transformers >= 5.25,
+    ``specmoe.speculation.decoding.new_kv(rollback=True, window=...)``): (bytes per recorded
+    token, bytes of one more state).  Each ``linear_attention`` layer of Qwen3-Next's form
+    keeps, until the crop, its conv window grown by one column a token (``2 key + value``
+    channels at the model's dtype) and its f32 recurrent state after each token, and the
+    state from before the forward.  (Sliding-window layers keep the few positions past their
+    window; Mamba layers are not counted.)"""
+    layers = int(cfg.num_hidden_layers)
+    types = list(getattr(cfg, "layer_types", None) or ())[:layers]
+    per = state = 0
+    for t in types:
+        if t == "linear_attention" and getattr(cfg, "linear_num_value_heads", None):
+            hk, dk = int(cfg.linear_num_key_heads), int(cfg.linear_key_head_dim)
+            hv, dv = int(cfg.linear_num_value_heads), int(cfg.linear_value_head_dim)
+            s = hv * dk * dv * 4
+            per += (2 * hk * dk + hv * dv) * dtype_bytes + s
+            state += s
+    return per, state
 
 
 def measure_rates(sizes: ModelSizes, expert_dtype: str, *, hidden: int, inter: int,

@@ -47,7 +47,7 @@ from ..speculation.batch import BatchDraftModel, BatchKV, observe_batch_step
 from ..speculation.controllers import Controller, StaticK, controller_factory
 from ..speculation.drafters import (DRAFTERS, DraftModel, NgramDrafter, SelfDraft, named_drafter,
                                     propose)
-from ..speculation.decoding import crop_kv, require_speculable
+from ..speculation.decoding import crop_kv, require_recording_planned, require_speculable
 from ..speculation.mtp import MtpDrafter, next_drafts, priming
 from ..speculation.tau import TtftProfile, batch_bucket, profile_ttft, target_tau
 
@@ -141,6 +141,12 @@ class Speculation:
         # the most positions a verification forward holds, and so the window a request's cache
         # records a hybrid's recurrent states over (specmoe.speculation.decoding.new_kv)
         self.window = max(1, self.make_controller().k_max) + 1
+        try:  # one verification records at a time: what the memory plan set aside for it
+            require_recording_planned(model, engine, self.window - 1,
+                                      "speculative decoding (a drafter)")
+        except ValueError:
+            self.close()
+            raise
         self.controllers: Dict[int, Controller] = {}   # batch-size bucket -> its controller
         self.proposed = 0                              # draft tokens verified, all requests
         self.accepted = 0

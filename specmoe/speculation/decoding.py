@@ -16,7 +16,8 @@ from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
            "input_device", "new_kv", "recurrent_layer_types", "records_recurrent_states",
-           "require_speculable", "unrecorded", "unrollable_layer_types"]
+           "require_recording_planned", "require_speculable", "unrecorded",
+           "unrollable_layer_types"]
 
 
 @dataclass
@@ -152,6 +153,31 @@ def require_speculable(model: nn.Module, who: str, instead: str,
                          f"are split into forwards, past {topk} positions; {instead}")
 
 
+def require_recording_planned(model: nn.Module, engine: Any, k_max: int, caller: str) -> None:
+    """Under a memory plan (``from_pretrained(memory=...)``, ``engine.memory_plan``), refuse
+    speculation whose verifications would record more recurrent states than the plan set
+    aside: on a linear-attention hybrid each verification of ``k_max`` drafts holds the
+    states of k_max + 1 tokens until its crop (:func:`specmoe.runtime.memplan.
+    recording_layout`: about 650 MB at Qwen3-Next-80B's shapes and k_max 8).  Nothing to
+    check without a plan, without drafts, or on a model that records no recurrent state."""
+    plan = getattr(engine, "memory_plan", None)
+    if plan is None or k_max <= 0 or plan.record_tokens >= k_max + 1 \
+            or not records_recurrent_states(model):
+        return
+    from ..runtime.memplan import recording_layout
+    per, state = recording_layout(model.config, next(model.parameters()).dtype.itemsize)
+    if per == 0:
+        return
+    need = (k_max + 1) * per + state
+    planned = max(plan.record_tokens - 1, 0)
+    raise ValueError(f"{caller}: a verification of {k_max} drafts on this model records "
+                     f"{need / 2**20:.0f} MiB of recurrent states until it is cut back, "
+                     f"which the memory plan of {plan.budget_bytes / 2**30:.2f} GiB did not set "
+                     f"aside (it planned for {planned} drafts): load the model with "
+                     f"from_pretrained(..., memory=..., k_max={k_max}), or pass a controller "
+                     f"with k_max <= {planned}")
+
+
 def new_kv(model: nn.Module, rollback: bool = False, window: int = 0) -> Any:
     """An empty KV cache for ``model``: the cache class its modeling module defines, where it
     defines one and its forward accepts no other (MiniMax's ``MiniMaxCache``), else
@@ -241,14 +267,25 @@ def crop_kv(kv: Any, keep: int) -> None:
             if getattr(lay, "record_past", False) and not _untouched(lay):
                 lay.crop(0)
     # a cut-back conv window is a view into the recorded columns: made contiguous again, as
-    # the one-call recurrent steps take only contiguous windows
+    # the one-call recurrent steps take only contiguous windows; a restored recurrent state
+    # that is one of the states GdnBlock.steps wrote side by side is copied out, so the other
+    # states of that verification are freed (the memory plan counts one verification's)
     for lay in getattr(kv, "layers", ()):
-        convs = getattr(lay, "conv_states", None) if hasattr(lay, "recurrent_states") else None
-        if isinstance(convs, (dict, list)):
-            for i in (convs.keys() if isinstance(convs, dict) else range(len(convs))):
-                c = convs[i]
-                if isinstance(c, torch.Tensor) and not c.is_contiguous():
-                    convs[i] = c.contiguous()
+        if not hasattr(lay, "recurrent_states"):
+            continue
+        for name in ("conv_states", "recurrent_states"):
+            got = getattr(lay, name, None)
+            if not isinstance(got, (dict, list)):
+                continue
+            for i in (got.keys() if isinstance(got, dict) else range(len(got))):
+                c = got[i]
+                if not isinstance(c, torch.Tensor):
+                    continue
+                if not c.is_contiguous():
+                    got[i] = c.contiguous()
+                elif name == "recurrent_states" and \
+                        c.untyped_storage().nbytes() > c.numel() * c.element_size():
+                    got[i] = c.clone()
 
 
 def _untouched(lay: Any) -> bool:

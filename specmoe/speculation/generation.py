@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from .controllers import Controller, StaticK
-from .decoding import (GenerateOutput, crop_kv, forward_tokens, new_kv, require_speculable,
-                       unrecorded)
+from .decoding import (GenerateOutput, crop_kv, forward_tokens, new_kv,
+                       require_recording_planned, require_speculable, unrecorded)
 from ..models.dense import decode_session
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..runtime.experts import find_engine
@@ -182,6 +182,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     require_speculable(model, "specmoe.generate",
                        "use model.generate() (offloading works as usual)",
                        windowed=mtp is None and batch_ids is None)
+    if controller is not None:
+        require_recording_planned(model, engine, controller.k_max, "specmoe.generate")
     prune = controller is not None and tau is not None and not (
         isinstance(tau, str) and isinstance(controller, StaticK))
     if controller is not None:
