@@ -158,7 +158,7 @@ def require_recording_planned(model: nn.Module, engine: Any, k_max: int, caller:
     speculation whose verifications would record more recurrent states than the plan set
     aside: on a linear-attention hybrid each verification of ``k_max`` drafts holds the
     states of k_max + 1 tokens until its crop (:func:`specmoe.runtime.memplan.
-    recording_layout`: about 650 MB at Qwen3-Next-80B's shapes and k_max 8).  Nothing to
+    recording_layout`: about 725 MiB at Qwen3-Next-80B's shapes and k_max 8).  Nothing to
     check without a plan, without drafts, or on a model that records no recurrent state."""
     plan = getattr(engine, "memory_plan", None)
     if plan is None or k_max <= 0 or plan.record_tokens >= k_max + 1 \
