@@ -174,8 +174,9 @@ def require_recording_planned(model: nn.Module, engine: Any, k_max: int, caller:
                      f"{need / 2**20:.0f} MiB of recurrent states until it is cut back, "
                      f"which the memory plan of {plan.budget_bytes / 2**30:.2f} GiB did not set "
                      f"aside (it planned for {planned} drafts): load the model with "
-                     f"from_pretrained(..., memory=..., k_max={k_max}), or pass a controller "
-                     f"with k_max <= {planned}")
+                     f"from_pretrained(..., memory=..., k_max={k_max}), or "
+                     + (f"pass a controller with k_max <= {planned}" if planned
+                        else "decode without a drafter"))
 
 
 def new_kv(model: nn.Module, rollback: bool = False, window: int = 0) -> Any:
