@@ -399,30 +399,51 @@ def gdn_chain_count(layer: nn.Module, cache: Any) -> None:
     count_step(cache, layer.linear_attn.layer_idx)
 
 
-def _gdn_states(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
-                kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The conv window and recurrent state of ``m``'s layer in ``cache`` when the block can run
-    x [B, 1, hidden] on them in place, else None (the module's own forward runs)."""
-    C, Hv, dk, dv, dt = m._specmoe_gdn_shape
-    B, T = x.shape[0], x.shape[1]
-    if (T != 1 or B > GDN_MAX_ROWS or cache is None or attention_mask is not None
-            or x.dtype != dt or x.device.type != "cpu" or m.training
-            or (torch.is_grad_enabled() and x.requires_grad)
-            or kwargs.get("cu_seq_lens_q") is not None
-            or not hasattr(cache, "get_conv_state") or not hasattr(cache, "get_recurrent_state")):
-        return None
+def _block_may_run(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
+                   kwargs: dict) -> bool:
+    """Whether ``m``'s GdnBlock may take this call at all: a CPU input of the block's dtype
+    without a padding mask, gradients or packed sequences, on a cache with transformers'
+    linear-attention API, in eval mode (the conditions :func:`_gdn_states` and
+    :func:`_gdn_recorded` share)."""
+    dt = m._specmoe_gdn_shape[4]
+    return not (cache is None or attention_mask is not None or x.dtype != dt
+                or x.device.type != "cpu" or m.training
+                or (torch.is_grad_enabled() and x.requires_grad)
+                or kwargs.get("cu_seq_lens_q") is not None
+                or not hasattr(cache, "get_conv_state")
+                or not hasattr(cache, "get_recurrent_state"))
+
+
+def _layer_states(m: nn.Module, cache: Any, B: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The conv window [B, C, columns] and recurrent state [B, Hv, dk, dv] of ``m``'s layer in
+    ``cache`` when they have the forms the block reads (CPU, the window in f32 / bf16, the
+    state f32 and contiguous), else None."""
+    C, Hv, dk, dv, _ = m._specmoe_gdn_shape
     idx = m.layer_idx
-    recording = getattr(cache, "is_recording_past", None)
-    if recording is not None and recording(idx):
-        return None
     conv, rec = cache.get_conv_state(idx), cache.get_recurrent_state(idx)
     if conv is None or rec is None or conv.dtype not in BLOCK_DTYPES \
-            or rec.dtype != torch.float32 or not (conv.is_contiguous() and rec.is_contiguous()) \
+            or rec.dtype != torch.float32 or not rec.is_contiguous() \
             or conv.device.type != "cpu" or rec.device.type != "cpu" \
             or conv.dim() != 3 or tuple(conv.shape[:2]) != (B, C) \
             or tuple(rec.shape) != (B, Hv, dk, dv):
         return None
     return conv, rec
+
+
+def _gdn_states(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
+                kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The conv window and recurrent state of ``m``'s layer in ``cache`` when the block can run
+    x [B, 1, hidden] on them in place, else None (the module's own forward runs)."""
+    B, T = x.shape[0], x.shape[1]
+    if T != 1 or B > GDN_MAX_ROWS or not _block_may_run(m, x, cache, attention_mask, kwargs):
+        return None
+    recording = getattr(cache, "is_recording_past", None)
+    if recording is not None and recording(m.layer_idx):
+        return None
+    states = _layer_states(m, cache, B)
+    if states is None or not states[0].is_contiguous():
+        return None
+    return states
 
 
 def _gdn_recorded(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
@@ -434,28 +455,23 @@ def _gdn_recorded(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any
     recorded so a crop can restore it), else None (the module's own forward runs).  The cache
     is updated through its own API: ``update_conv_state`` with the T new columns (it grows the
     window and counts the tokens), ``update_recurrent_state`` with the T states."""
-    C, Hv, dk, dv, dt = m._specmoe_gdn_shape
+    C, Hv, dk, dv, _ = m._specmoe_gdn_shape
     B, T = x.shape[0], x.shape[1]
     recording = getattr(cache, "is_recording_past", None)
     keep = getattr(cache, "get_recurrent_states_to_keep", None)
     if (B != 1 or T > GDN_MAX_ROWS or recording is None or keep is None
-            or attention_mask is not None or x.dtype != dt or x.device.type != "cpu"
-            or m.training or (torch.is_grad_enabled() and x.requires_grad)
-            or kwargs.get("cu_seq_lens_q") is not None
             or not hasattr(cache, "update_conv_state")
-            or not hasattr(cache, "update_recurrent_state")):
+            or not hasattr(cache, "update_recurrent_state")
+            or not _block_may_run(m, x, cache, attention_mask, kwargs)):
         return None
     idx = m.layer_idx
     if not recording(idx) or T > int(keep(idx) or 0):
         return None
-    conv, rec = cache.get_conv_state(idx), cache.get_recurrent_state(idx)
+    states = _layer_states(m, cache, 1)
     K = int(m.conv1d.kernel_size[0])
-    if conv is None or rec is None or conv.dtype not in BLOCK_DTYPES \
-            or rec.dtype != torch.float32 or not rec.is_contiguous() \
-            or conv.device.type != "cpu" or rec.device.type != "cpu" or conv.dim() != 3 \
-            or tuple(conv.shape[:2]) != (1, C) or conv.shape[-1] < K - 1 \
-            or tuple(rec.shape) != (1, Hv, dk, dv):
+    if states is None or states[0].shape[-1] < K - 1:
         return None
+    conv, rec = states
     L0, hidden = conv.shape[-1], x.shape[-1]
     win = torch.empty(C, L0 + T, dtype=conv.dtype)
     win[:, :L0] = conv[0]
@@ -487,8 +503,7 @@ def _gdn_forward(m: nn.Module, original: Callable) -> Callable:
                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         states = _gdn_states(m, hidden_states, cache, attention_mask, kwargs)
         if states is None:
-            out = None if cache is None else _gdn_recorded(m, hidden_states, cache,
-                                                           attention_mask, kwargs)
+            out = _gdn_recorded(m, hidden_states, cache, attention_mask, kwargs)
             if out is not None:
                 return out
             return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
