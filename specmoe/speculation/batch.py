@@ -30,8 +30,20 @@ keys get weight exactly 0).  Sequences that finish (EOS or max_new_tokens) leave
 
 Caveats, by construction: dummy tokens are routed by the MoE layers like any token (as the pad
 tokens of transformers' own batched decoding are), so a row with fewer drafts than the step's K
-adds expert traffic; caches with sliding-window or recurrent layers are refused (a hole would
-count against the window).
+adds expert traffic; caches with sliding-window layers are refused (a hole would count against
+the window).
+
+Recurrent layers (linear attention, Mamba, short convolutions: transformers 5.25's
+``LinearAttentionLayer``) fold every token a row is fed into that row's state, which has no
+positions to mask.  A BatchKV holding such layers (:attr:`BatchKV.stateful`) keeps each row's
+state as row b of the layer's conv window and recurrent state tensors, and allows only what
+adds no hole to them: a prefill without pads into an empty cache, forwards where every row
+feeds the same number of real tokens (plain decode steps: one token a row), :meth:`join`,
+:meth:`row` and :meth:`select`.  Holes in its attention layers (a row joined shorter than the
+others, a row that left) are masked as above; its recurrent layers keep no position, so their
+token count (what ``get_seq_length`` reads where layer 0 is recurrent) is held at the
+attention layers' column count.  Drafts of different lengths per row, left-padded prompts and
+:meth:`keep` below a row's length are refused by name.
 """
 from __future__ import annotations
 
@@ -50,7 +62,7 @@ from .mtp import MtpDrafter, mtp_layout, next_drafts, priming
 from .tau import batch_bucket, target_tau, tau_for_batch
 from .verify import accept_logits
 
-__all__ = ["BatchKV", "per_position_acceptance"]
+__all__ = ["BatchKV", "is_state_layer", "per_position_acceptance"]
 
 
 class BatchKV:
@@ -62,6 +74,8 @@ class BatchKV:
     def __init__(self, model: nn.Module, batch: int) -> None:
         self.model = model
         self.kv = new_kv(model)
+        # recurrent layers: a state per row and no positions (module docstring)
+        self.stateful = any(is_state_layer(lay) for lay in getattr(self.kv, "layers", []))
         # The bookkeeping (mask, npos) stays on the CPU, where Python indexes it; what the
         # model reads goes to the device of its embeddings (_call, forward_mtp).
         self.device = model.get_input_embeddings().weight.device
@@ -107,6 +121,10 @@ class BatchKV:
         if ids.shape[1] == 0:
             return None
         mask = mask.to("cpu", torch.long)
+        if self.stateful and (self.length or not bool(mask.all())):
+            raise ValueError("BatchKV.prefill: a cache with recurrent layers takes prompts "
+                             "without pads into an empty cache only (a pad would enter the "
+                             "row's recurrent state)")
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         kw = {"logits_to_keep": 1} if last_logits else {}
         # rows of one length into an empty cache: each takes the paths of its prefill alone
@@ -136,6 +154,10 @@ class BatchKV:
         if min(c) < 1:
             raise ValueError("BatchKV.forward: every row needs at least one token")
         m = max(c)
+        if self.stateful and min(c) != m:
+            raise ValueError(f"BatchKV.forward: rows of {min(c)} to {m} tokens on a cache with "
+                             "recurrent layers (a dummy token would enter the row's state); "
+                             "every row must feed the same number of tokens")
         ids = torch.tensor([list(r) + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long)
         new = torch.tensor([[1] * n + [0] * (m - n) for n in c], dtype=torch.long)
         pos = torch.tensor([[p + j for j in range(m)] for p in self.npos], dtype=torch.long)
@@ -159,6 +181,9 @@ class BatchKV:
         c = [len(r) for r in rows]
         if min(c) < 1:
             raise ValueError("BatchKV.forward_mtp: every row needs at least one token")
+        if self.stateful:
+            raise ValueError("BatchKV.forward_mtp: a cache with recurrent layers cannot take "
+                             "the masks' positions back out of its states")
         A, m, L, B = max(c), int(n_masks), self.length, self.batch
         dt = self.model.get_input_embeddings().weight.dtype
         rel, bias1 = mtp_layout(A, m, L, dt)
@@ -187,6 +212,10 @@ class BatchKV:
     def keep(self, b: int, n_real: int) -> None:
         """Row b keeps its first ``n_real`` real positions; later ones become holes."""
         if n_real < self.npos[b]:
+            if self.stateful:
+                raise ValueError(f"BatchKV.keep: row {b}'s last {self.npos[b] - n_real} "
+                                 "tokens are in its recurrent states, which keep no positions "
+                                 "to take them back out of")
             real = torch.nonzero(self.mask[b]).flatten()
             self.mask[b, real[n_real:]] = 0
             self.npos[b] = n_real
@@ -200,8 +229,14 @@ class BatchKV:
         any_real = self.mask.any(0)
         last = int(torch.nonzero(any_real).max()) + 1 if bool(any_real.any()) else 0
         if last < L:
-            self.kv.crop(last - L)
+            if self.stateful:  # its recurrent layers have no positions to crop
+                for layer in self.kv.layers:
+                    if not is_state_layer(layer):
+                        layer.crop(last - L)
+            else:
+                self.kv.crop(last - L)
             self.mask = self.mask[:, :last]
+            self._count_states()
         top = max(self.npos, default=0)
         if self.length - top >= max(32, top // 2):  # compaction saves a third or more
             self.compact()
@@ -227,28 +262,51 @@ class BatchKV:
             layer.values = layer.values.gather(2, g.expand(-1, layer.values.shape[1], -1,
                                                            layer.values.shape[3]))
         self.mask = mask
+        self._count_states()
         self.compactions += 1
+
+    def _count_states(self) -> None:
+        """The recurrent layers' token count held at the column count (module docstring)."""
+        if self.stateful:
+            for layer in self.kv.layers:
+                if is_state_layer(layer):
+                    layer.cumulative_length_linear.fill_(self.length)
 
     def join(self, kv: Any) -> None:
         """Add the sequence cached alone in ``kv`` (a DynamicCache of batch 1 without holes, as
         a batch-1 forward leaves it) as a new last row.  The shorter side is left-padded with
         holes to the longer one's length (a row's real positions stay in order; its position
-        ids are its own count, so where the holes are does not matter).  Copies the whole cache
-        once (``torch.cat`` per layer): how :mod:`specmoe.serve.scheduler` takes a request
-        whose prompt was prefilled alone into its running decode batch."""
+        ids are its own count, so where the holes are does not matter); a recurrent layer's
+        states become row B of the batch's.  Copies the whole cache once (``torch.cat`` per
+        layer): how :mod:`specmoe.serve.scheduler` takes a request whose prompt was prefilled
+        alone into its running decode batch."""
         n = int(kv.get_seq_length())
         src, dst = list(kv.layers), list(self.kv.layers)
         if len(src) != len(dst):
             raise ValueError(f"BatchKV.join: a cache of {len(src)} layers into one of "
                              f"{len(dst)}")
-        for ls in src:  # checked before anything changes
+        L, B = self.length, self.batch
+        for ls, ld in zip(src, dst):  # checked before anything changes
+            if is_state_layer(ls) != is_state_layer(ld):
+                raise ValueError(f"BatchKV.join: a {type(ls).__name__} layer into a "
+                                 f"{type(ld).__name__} one")
+            if is_state_layer(ls):
+                _check_states(ls, ld if B else None)
+                continue
             k = ls.keys
             if k is None or k.dim() != 4 or k.shape[0] != 1 or k.shape[-2] != n:
                 raise ValueError("BatchKV.join: every layer must hold the sequence's "
                                  f"{n} positions at batch 1")
-        L, B = self.length, self.batch
         W = max(L, n)
         for ls, ld in zip(src, dst):
+            if is_state_layer(ls):
+                if B == 0:
+                    _copy_states(ls, ld, lambda t: t.clone())
+                else:
+                    for attr, i in _state_slots(ld):
+                        getattr(ld, attr)[i] = torch.cat([getattr(ld, attr)[i],
+                                                          getattr(ls, attr)[i]], 0)
+                continue
             k, v = _pad_holes(ls.keys, W - n), _pad_holes(ls.values, W - n)
             if B == 0 or not ld.is_initialized:
                 ld.lazy_initialization(k, v)
@@ -261,14 +319,19 @@ class BatchKV:
         new[0, W - n:] = 1
         self.mask = torch.cat([torch.nn.functional.pad(self.mask, (W - L, 0)), new], 0)
         self.npos.append(n)
+        self._count_states()
 
     def row(self, b: int) -> Any:
         """Row ``b`` as a cache of its own: a DynamicCache of batch 1 holding its real
-        positions in order, without holes (what :meth:`join` takes).  A copy: the batch keeps
-        the row until :meth:`select` drops it."""
+        positions in order, without holes, and its recurrent states (what :meth:`join`
+        takes).  A copy: the batch keeps the row until :meth:`select` drops it."""
         real = torch.nonzero(self.mask[b]).flatten()
         out = new_kv(self.model)
         for ls, ld in zip(self.kv.layers, out.layers):
+            if is_state_layer(ls):
+                _copy_states(ls, ld, lambda t: t[b:b + 1].clone())
+                ld.cumulative_length_linear.fill_(self.npos[b])
+                continue
             idx = real.to(ls.keys.device)
             k = ls.keys[b:b + 1].index_select(-2, idx)
             v = ls.values[b:b + 1].index_select(-2, idx)
@@ -282,10 +345,67 @@ class BatchKV:
             return
         t = torch.tensor(list(rows), dtype=torch.long)
         if self.length:
-            self.kv.batch_select_indices(t.to(self.device))
+            if self.stateful:  # transformers' recurrent layers have no batch_select_indices
+                for layer in self.kv.layers:
+                    if is_state_layer(layer):
+                        _copy_states(layer, layer, lambda x: x.index_select(0, t.to(x.device)))
+                    else:
+                        layer.batch_select_indices(t.to(self.device))
+            else:
+                self.kv.batch_select_indices(t.to(self.device))
         self.mask = self.mask[t]
         self.npos = [self.npos[r] for r in rows]
         self.trim()
+
+
+def is_state_layer(layer: Any) -> bool:
+    """Whether ``layer`` is one of transformers' recurrent cache layers (linear attention,
+    Mamba, short convolutions: a state per row, no positions; transformers 5.25 on)."""
+    from transformers import cache_utils
+    mix = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    return mix is not None and isinstance(layer, mix)
+
+
+def _state_slots(layer: Any) -> List[Tuple[str, int]]:
+    """(attribute, state index) of every state a recurrent cache layer holds."""
+    out = []
+    for i in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[i]:
+            out.append(("conv_states", i))
+        if layer.is_recurrent_states_initialized[i]:
+            out.append(("recurrent_states", i))
+    return out
+
+
+def _check_states(src: Any, dst: Any) -> None:
+    """ValueError unless the recurrent layer ``src`` holds one sequence's states, not
+    recording its past, of the forms of ``dst``'s (None: an empty batch)."""
+    if getattr(src, "record_past", False) or hasattr(src, "keys"):
+        raise ValueError(f"BatchKV.join: a {type(src).__name__} recording its past or holding "
+                         "keys too cannot be a row of a batch")
+    slots = _state_slots(src)
+    if not slots or any(getattr(src, a)[i].shape[0] != 1 for a, i in slots):
+        raise ValueError("BatchKV.join: every recurrent layer must hold one sequence's states")
+    if dst is not None and (
+            slots != _state_slots(dst)
+            or any(getattr(src, a)[i].shape[1:] != getattr(dst, a)[i].shape[1:]
+                   or getattr(src, a)[i].dtype != getattr(dst, a)[i].dtype for a, i in slots)):
+        raise ValueError("BatchKV.join: a recurrent layer's states differ in form from the "
+                         "batch's")
+
+
+def _copy_states(src: Any, dst: Any, fn: Any) -> None:
+    """``dst``'s states := ``fn`` of ``src``'s (rows copied or selected), with the flags that
+    say which states it holds and how wide its conv window is."""
+    for attr, i in _state_slots(src):
+        getattr(dst, attr)[i] = fn(getattr(src, attr)[i])
+    if dst is src:
+        return
+    for name in ("is_conv_states_initialized", "is_recurrent_states_initialized",
+                 "has_previous_state", "conv_kernel_size"):
+        setattr(dst, name, dict(getattr(src, name)))
+    dst.device, dst.dtype = src.device, src.dtype
+    dst.cumulative_length_linear = src.cumulative_length_linear.clone()
 
 
 def _pad_holes(t: torch.Tensor, p: int) -> torch.Tensor:
