@@ -476,14 +476,11 @@ def test_models_whose_cache_cannot_hold_holes_are_not_batched():
 
 
 @pytest.mark.parametrize("arch,reason", [("minimax", "linear_attention"),
-                                         ("qwen3_next", "linear_attention"),
-                                         ("jamba", "mamba"),
                                          ("gpt_oss", "DynamicSlidingWindowLayer")])
-def test_every_cache_form_is_served_as_generate_alone(arch, reason):
-    """Models whose cache is not plain per-position keys and values -- MiniMax's cache class of
-    its own (its forward refuses any other), linear attention, Mamba, sliding windows -- are
-    served one request per forward, each request's greedy tokens those of model.generate
-    alone."""
+def test_caches_that_cannot_hold_holes_are_served_as_generate_alone(arch, reason):
+    """Models whose cache cannot take a masked hole -- MiniMax's cache class of its own (its
+    forward refuses any other), sliding windows -- are served one request per forward, each
+    request's greedy tokens those of model.generate alone."""
     from specmoe.models.testing import tiny_model
     from specmoe.serve.scheduler import Scheduler
     model = tiny_model(arch, vocab=128)
@@ -500,6 +497,133 @@ def test_every_cache_form_is_served_as_generate_alone(arch, reason):
         finally:
             sch.close()
     finally:
+        eng.close()
+
+
+def _run_staggered(sch, plan):
+    """``plan``: [(prompt, max_tokens, submit after this many tokens of request 0 or None)]:
+    each request submitted at once or once request 0 has that many tokens; waits for all.
+    Returns the requests."""
+    from specmoe.serve.scheduler import GenParams, Request
+    reqs = [Request(p, GenParams(max_tokens=n, temperature=0), lambda ev: None)
+            for p, n, _ in plan]
+    late = {i: after for i, (_, _, after) in enumerate(plan) if after is not None}
+    first = reqs[0]
+
+    def sink(ev, req=first):
+        for i, after in list(late.items()):
+            if len(req.generated) >= after:
+                del late[i]
+                sch.submit(reqs[i])
+    first.sink = sink
+    with sch._cond:
+        for i, r in enumerate(reqs):
+            if i not in late:
+                sch.submit(r)
+    t0 = time.time()
+    while not all(r.finished for r in reqs) and time.time() - t0 < 120:
+        time.sleep(0.01)
+    assert all(r.finished == "length" for r in reqs), [(r.finished, r.error) for r in reqs]
+    return reqs
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3_next", torch.float32),
+                                        ("qwen3_next", torch.bfloat16),
+                                        ("jamba", torch.float32),
+                                        ("kimi_linear", torch.float32),
+                                        ("lfm2_moe", torch.float32)])
+def test_recurrent_models_decode_in_one_batch_as_generate_alone(arch, dtype, monkeypatch):
+    """Linear-attention, Mamba and short-convolution hybrids decode their requests as rows of
+    one batched forward (each row's recurrent state a row of its layer's state tensors):
+    requests of different lengths, one joining while the others decode and two leaving
+    before it, each get model.generate's greedy tokens alone.  Their prompts are prefilled
+    alone.  On Qwen3-Next the batch's linear-attention layers take the one-call C step, all
+    rows at once."""
+    from specmoe.models import linear_attn
+    from specmoe.models.testing import tiny_model
+    from specmoe.serve.scheduler import Scheduler
+    model = tiny_model(arch, vocab=128, dtype=dtype)
+    model.generation_config.eos_token_id = None  # _IdText stops on no token either
+    # an f32 Qwen3-Next's gated DeltaNet is fused with its dense layers in C (dense="f32")
+    fused = dict(dtype="f32", dense="f32") if (arch, dtype) == ("qwen3_next",
+                                                                torch.float32) else {}
+    eng = specmoe.offload(model, cache=0.5, **fused)
+    rows = []
+    gdn_states = linear_attn._gdn_states
+
+    def spy(m, x, *a):
+        out = gdn_states(m, x, *a)
+        rows.append((x.shape[0], out is not None))
+        return out
+    monkeypatch.setattr(linear_attn, "_gdn_states", spy)
+    try:
+        g = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (14, 9, 20, 11)]
+        plan = [(prompts[0], 10, None), (prompts[1], 4, None), (prompts[2], 3, None),
+                (prompts[3], 6, 3)]
+        refs = greedy_alone(model, prompts, 10)
+        sch = Scheduler(model, _IdText(), max_batch=8, prefill_chunk=64)
+        try:
+            assert sch.batch_off_reason is None and sch.stateful
+            reqs = _run_staggered(sch, plan)
+            assert sch.peak_batch >= 3 and sch.batched_prefills == 0
+        finally:
+            sch.close()
+        assert [r.generated for r in reqs] == [ref[:n] for ref, (_, n, _) in zip(refs, plan)]
+        if arch == "qwen3_next":
+            assert (3, True) in rows, sorted(set(rows))
+    finally:
+        eng.close()
+
+
+def test_a_fault_in_a_batched_step_of_a_recurrent_model_fails_its_rows():
+    """A batched decode forward of a hybrid that raises after its first layers have advanced
+    the rows' recurrent states cannot be retried (a state keeps no positions to take the
+    token back out of): every row of that step fails with a 500 that says so, and the
+    server goes on -- the next requests get model.generate's tokens alone."""
+    from specmoe.models.testing import tiny_model
+    from specmoe.serve.scheduler import _BATCH_PAUSE, GenParams, Request, Scheduler
+    model = tiny_model("qwen3_next", vocab=128)
+    model.generation_config.eos_token_id = None
+    eng = specmoe.offload(model, cache=0.5)
+    fired = []
+
+    def fault(module, args, kwargs):
+        hs = args[0] if args else kwargs["hidden_states"]
+        if hs.shape[0] >= 2 and hs.shape[1] == 1 and not fired:
+            fired.append(hs.shape[0])
+            raise RuntimeError("injected fault in a batched step")
+
+    hook = model.model.layers[-1].register_forward_pre_hook(fault, with_kwargs=True)
+    try:
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (12, 7, 9)]
+        sch = Scheduler(model, _IdText(), max_batch=8, prefill_chunk=64)
+        try:
+            errors = []
+            reqs = [Request(p, GenParams(max_tokens=5, temperature=0),
+                            lambda ev: errors.append(ev) if ev[0] == "error" else None)
+                    for p in prompts[:2]]
+            with sch._cond:
+                for r in reqs:
+                    sch.submit(r)
+            t0 = time.time()
+            while not all(r.finished for r in reqs) and time.time() - t0 < 60:
+                time.sleep(0.01)
+            assert fired == [2]
+            assert [r.finished for r in reqs] == ["error", "error"]
+            assert len(errors) == 2 and all(e[1] == 500 and "rolled back" in e[2]
+                                            and "injected fault" in e[2] for e in errors)
+            assert sch.alive and sch._bkv is None
+            # the server goes on: later requests (batched again after the pause of
+            # _BATCH_PAUSE rounds) are exact
+            got = _collect(sch, prompts, _BATCH_PAUSE + 6)
+            assert sch.batched_steps > 0
+        finally:
+            sch.close()
+        assert got == greedy_alone(model, prompts, _BATCH_PAUSE + 6)
+    finally:
+        hook.remove()
         eng.close()
 
 

@@ -366,21 +366,26 @@ def test_a_gated_deltanet_hybrid_is_served_with_drafts(drafter):
     eng = specmoe.offload(model, dtype="f32", dense="f32", cache=0.5)
     try:
         _served_as_alone(model, [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 3, [7, 8, 9, 10] * 5],
-                         drafter, 8)
+                         drafter, 8, reason="verifies its drafts on its own cache")
     finally:
         eng.close()
 
 
-def _served_as_alone(model, prompts, drafter, chunk):
+def _served_as_alone(model, prompts, drafter, chunk, reason=None):
     """Serve ``prompts`` (12 tokens each) with ``drafter`` and a static K of 3: each request's
-    tokens model.generate's alone, drafts proposed."""
+    tokens model.generate's alone, drafts proposed; ``reason``: why decode steps are not
+    batched."""
     refs = greedy_alone(model, prompts, 12)
     sch = Scheduler(model, IdText(), max_batch=4, prefill_chunk=chunk, drafter=drafter,
                     controller="static:3")
     try:
+        if reason is not None:
+            assert reason in sch.batch_off_reason and sch.batched_steps == 0
         reqs = _run(sch, prompts, max_tokens=12)
         assert [r.generated for r in reqs] == refs
         assert sch.spec.stats()["proposed"] > 0
+        if reason is not None:
+            assert sch.batched_steps == 0
     finally:
         sch.close()
 

@@ -62,8 +62,18 @@ is dissolved into per-request caches (:meth:`BatchKV.row` reads each row's
 real positions through the mask, so whatever the failed forward had appended is left behind),
 every request retries its step alone (where a fault is its own and fails only it); either
 way the next ``_BATCH_PAUSE`` rounds do not batch.  Models whose cache
-cannot hold holes (sliding-window or recurrent layers) are never batched: their requests are
-interleaved step by step, one forward each, as before.
+cannot hold holes (sliding-window layers, MiniMax's cache of its own) are never batched: their
+requests are interleaved step by step, one forward each, as before.
+
+Models with recurrent layers (linear attention, Mamba, short convolutions: Qwen3-Next,
+Qwen3.5-MoE, Jamba, Kimi-Linear, GraniteMoeHybrid, Ling, LFM2, on transformers 5.25's cache
+layers) batch their plain decode steps: each row's recurrent state is row b of its layer's
+state tensors (:class:`BatchKV`, "stateful"), every row feeds one token, and the
+attention layers hold holes as above.  What would put a hole into a state is not batched: their
+prompts are prefilled alone (a batched linear-attention or Mamba prefill runs torch's chunked
+paths, which round a row by the batch's shape), and with a drafter every request verifies on
+its own cache.  A fault in a batched decode step of such a model fails every row of it (500):
+a state keeps no positions, so the part of the step it may hold cannot be taken back out.
 
 Exactness: a prefill step is the model's own forward on that request's cache, as
 ``model.generate`` calls it (the whole prompt, or a chunk of it, with ``logits_to_keep=1``);
@@ -107,7 +117,7 @@ import torch
 from torch import nn
 
 from ..runtime.experts import find_engine
-from ..speculation.batch import BatchKV
+from ..speculation.batch import BatchKV, is_state_layer
 from ..speculation.decoding import (cache_kwargs, crop_kv, input_device, new_kv,
                                     recurrent_layer_types, unrecorded)
 from ..speculation.sampling import Sampling
@@ -270,10 +280,13 @@ class Scheduler:
         # the decode batch (the worker's own): one BatchKV, the request in each of its rows
         self.batch_off_reason: Optional[str] = (None if batch_decode else "batch_decode=False")
         if self.batch_off_reason is None:
-            self.batch_off_reason = _unbatchable(model)
+            self.batch_off_reason = _unbatchable(model, speculating=self.spec is not None)
             if self.batch_off_reason is not None:
                 _log.info("specmoe serve: decode steps are not batched: %s",
                           self.batch_off_reason)
+        # recurrent layers: decode steps batch (a state per row), prefills do not -- the
+        # torch paths of a linear-attention or Mamba prefill round a row by the batch's shape
+        self.stateful = bool(recurrent_layer_types(model.config))
         self._bkv: Optional[BatchKV] = None
         self._rows: List[Request] = []
         self._pause = 0                        # rounds left without batching (after a fault)
@@ -495,7 +508,11 @@ class Scheduler:
                 logits, masks = spec.forward_batch(self._bkv, anchors, max(ks))
             else:
                 logits = self._bkv.forward([[r.generated[-1]] for r in rows])
-        except Exception as exc:  # not pinned on anyone: every request retries alone
+        except Exception as exc:  # not pinned on anyone
+            if self._bkv.stateful:
+                self._fail_batch(rows, exc)
+                return
+            # every request retries alone
             _log.warning("specmoe serve: a batched decode step of %d requests failed (%s: "
                          "%s); each retries alone", len(rows), type(exc).__name__, exc)
             for i, r in enumerate(rows):  # whatever a draft forward appended goes
@@ -527,6 +544,21 @@ class Scheduler:
             if any(drafts):  # the rejected drafts' columns may be holes in every row now
                 self._bkv.trim()
             spec.observe(ctl, [len(d) for d in drafts], acc, t0, t_draft, loads0, max(ks))
+
+    def _fail_batch(self, rows: List[Request], exc: Exception) -> None:
+        """A batched decode step of a model with recurrent layers failed: the rows' states may
+        hold part of it, and a state keeps no positions to take a token back out of, so no
+        row can retry; each fails (500) and the batch goes.  The next ``_BATCH_PAUSE``
+        rounds do not batch; requests admitted later start on caches of their own."""
+        _log.warning("specmoe serve: a batched decode step of %d requests failed (%s: %s); "
+                     "their recurrent states cannot be rolled back, so each fails",
+                     len(rows), type(exc).__name__, exc)
+        self._bkv, self._rows = None, []
+        self._pause = _BATCH_PAUSE
+        for r in rows:
+            r.in_batch = False
+            self._fail(r, 500, f"{type(exc).__name__}: {exc} (in a batched decode step; "
+                       "the recurrent states of its rows cannot be rolled back)")
 
     def _decode_alone(self, reqs: List[Request]) -> None:
         """A decode step of each request on its own cache (the batch, if any, dissolved)."""
@@ -565,7 +597,7 @@ class Scheduler:
 
     def _prefill_all(self, reqs: List[Request]) -> None:
         alone = list(reqs)
-        if self.batch_off_reason is None and not self._pause:
+        if self.batch_off_reason is None and not self._pause and not self.stateful:
             fresh = [r for r in reqs if r.fed == 0 and len(r.prompt) <= self.prefill_chunk]
             groups = _prefill_groups(fresh) if self.batch_prefill else _equal_groups(fresh)
             for group in groups:
@@ -861,24 +893,37 @@ def _equal_groups(reqs: List[Request], most: int = 16) -> List[List[Request]]:
     return groups
 
 
-def _unbatchable(model: nn.Module) -> Optional[str]:
+def _unbatchable(model: nn.Module, speculating: bool = False) -> Optional[str]:
     """Why ``model``'s decode steps cannot run as rows of one BatchKV (None: they can): its
     cache must be made of transformers' plain full-attention layers, where a hole is a
-    masked position like any other."""
+    masked position like any other, and of its recurrent layers (transformers 5.25's
+    ``LinearAttentionLayer``: a state per row, :class:`BatchKV`'s "stateful" form), which
+    take plain decode steps only -- ``speculating``, rows that keep different numbers of
+    drafts would leave holes in their states."""
     from transformers.cache_utils import DynamicLayer
     recurrent = recurrent_layer_types(model.config)
-    if recurrent:
-        return f"its {', '.join(recurrent)} layers keep a state per sequence, not per position"
     try:
         layers = list(getattr(new_kv(model), "layers", None) or [])
     except Exception as exc:  # noqa: BLE001 (the reason is reported)
         return f"its cache cannot be built ({type(exc).__name__}: {exc})"
     if not layers:
+        if recurrent:  # MiniMax: a cache class of its own
+            return (f"its {', '.join(recurrent)} layers keep a state per sequence in a cache "
+                    f"of its own ({type(new_kv(model)).__name__})")
         return "its cache has no per-layer storage"
-    odd = sorted({type(lay).__name__ for lay in layers if type(lay) is not DynamicLayer})
+    states = [lay for lay in layers if is_state_layer(lay)]
+    odd = sorted({type(lay).__name__ for lay in layers if type(lay) is not DynamicLayer
+                  and not (lay in states and not hasattr(lay, "keys"))})
     if odd:
-        return (f"its cache has {', '.join(odd)} layers (sliding-window or recurrent "
-                "layers would count a hole against the window)")
+        return (f"its cache has {', '.join(odd)} layers, which cannot hold a masked hole "
+                "(a sliding window would count it against the window)")
+    if recurrent and not states:
+        return (f"its {', '.join(recurrent)} layers keep a state per sequence, which this "
+                "transformers version's cache cannot hold per row (5.25 on can)")
+    if states and speculating:
+        return (f"its {', '.join(recurrent)} layers keep a state per sequence, into which "
+                "a batch's drafts of different lengths would leave holes: each request "
+                "verifies its drafts on its own cache")
     return None
 
 
