@@ -4,7 +4,8 @@ converter's way, specmoe's row with the step split by part and, for the last two
 paths against torch glue (--ab 1), and llama.cpp's row or the reason it did not run), and of
 benchmarks/mla_blocks.py --quick (MLA on a GGUF file's attn_k_b / attn_v_b blocks against bf16
 absorbed weights), and of benchmarks/hybrid_spec.py --quick (what a verification costs on a
-recording cache).  Run by `make test-bench`."""
+recording cache), and of benchmarks/hybrid_serve.py --quick (the server's worker decoding
+a hybrid's requests batched and one by one).  Run by `make test-bench`."""
 import json
 import os
 import subprocess
@@ -82,3 +83,26 @@ def test_hybrid_spec_quick_run_prices_a_verification(tmp_path):
     assert all(v > 0 for v in row["verify_ms"].values())
     for g, t in row["break_even_tokens"].items():
         assert abs(t - row["verify_ms"][g] / row["plain_step_ms"]) < 0.01 * t + 1e-3
+
+
+def test_hybrid_serve_quick_run_batches_decode_steps(tmp_path):
+    """benchmarks/hybrid_serve.py --quick: the server's worker on the tiny Qwen3.5-MoE file,
+    3 requests decoded in batched forwards and one forward each: both give every request the
+    same tokens, only the batched mode runs batched steps, and the figures are consistent."""
+    env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_serve.py"), "--quick",
+                        "--json", "--threads", "1", "--workdir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["config"]["machine"]["cpu"] and out["config"]["clients"] == [1, 3]
+    assert "not run here" in out["peers"]["llama-server"]
+    rows = {r["clients"]: r for r in out["rows"]}
+    assert set(rows) == {1, 3} and all("error" not in r for r in rows.values()), out["rows"]
+    for B, r in rows.items():
+        assert r["same_tokens_runs"] == [True]
+        assert r["alone_batched_steps_runs"] == [0]
+        assert (r["batched_batched_steps_runs"][0] > 0) == (B > 1)
+        assert r["vs_alone_runs"] == [round(r["batched_decode_tok_s_runs"][0]
+                                            / r["alone_decode_tok_s_runs"][0], 3)]
+        assert 0 < r["batched_out_tok_s_runs"][0] <= r["batched_decode_tok_s_runs"][0] * 1.5

@@ -1,0 +1,200 @@
+"""Continuous batching on a gated-DeltaNet hybrid: the decode steps of B requests in one batched
+forward (each row its own recurrent state) against the same requests stepped one forward each,
+on Qwen3.5-MoE's (or Qwen3-Next's) per-layer shapes, the GGUF file of
+``benchmarks/hybrid_peers.py``.
+
+    python benchmarks/hybrid_serve.py --json [--rounds 3] [--threads 2] [--clients 1,4,8]
+    python benchmarks/hybrid_serve.py --quick --json      # small shapes, 1 round: a smoke test
+
+In one process, through the server's worker (``specmoe.serve.scheduler.Scheduler``, no HTTP:
+what is measured is the worker's rounds).  The model is loaded once with every expert resident
+(``cache=1.0``), so the rows compare compute, not the slow tier.  Per round, per client count
+B, the two modes in alternating order:
+
+* ``batched``: ``Scheduler(batch_decode=True)``: B requests submitted together, their prompts
+  prefilled alone (a hybrid's prompts are never batched), then every round one batched
+  forward of all running requests (:class:`specmoe.speculation.batch.BatchKV`, "stateful");
+* ``alone``: ``Scheduler(batch_decode=False)``: the same requests, one forward per request
+  per round (what the server did for hybrids before).
+
+Each request: a prompt of ``--prompt`` random token ids (different per request), ``--max-tokens``
+greedy tokens.  Per run: ``out_tok_s`` (every generated token / wall time from the submit to
+the last request's end, prefills included), ``decode_tok_s`` (the tokens after each request's
+first / the time from the last first token to the end: the phase where all B decode),
+``batched_steps``.  ``vs_alone_runs``: batched / alone ``decode_tok_s`` per round;
+``scaling_runs``: batched ``decode_tok_s`` at B / at one client, per round.  ``same_tokens``:
+whether the two modes gave every request the same tokens (the batch gives each row the bits of
+its step alone).  The peer for serving, llama.cpp's ``llama-server --parallel N``, is in
+``benchmarks/serve.py`` (a checkpoint folder, DeepSeek-V2-Lite's shape); it is not run here,
+and the results say so.  The results name the host (CPU model, ISA, threads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import hostinfo  # noqa: E402
+from hybrid_peers import ARCHS, common_args, gguf_path, write_file  # noqa: E402
+
+HYBRIDS = ("qwen35moe", "qwen3next")
+
+
+def log(*a: Any) -> None:
+    print("[hybrid_serve]", *a, file=sys.stderr, flush=True)
+
+
+class _IdText:
+    """The worker decodes new tokens to match stop strings: ids as text will do here."""
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def run_once(model: Any, prompts: list[list[int]], max_tokens: int,
+             batched: bool) -> dict[str, Any]:
+    """Serve ``prompts`` at once through a fresh worker; the run's figures and tokens."""
+    from specmoe.serve.scheduler import GenParams, Request, Scheduler
+    sch = Scheduler(model, _IdText(), max_batch=max(len(prompts), 1),
+                    prefill_chunk=max(len(p) for p in prompts), batch_decode=batched)
+    if batched and sch.batch_off_reason is not None:
+        sch.close()
+        raise RuntimeError(f"decode steps not batched: {sch.batch_off_reason}")
+    done = threading.Event()
+    reqs: list[Any] = []
+    first: dict[int, float] = {}
+
+    def sink(ev: Any, i: int) -> None:
+        if ev[0] == "text" and i not in first:
+            first[i] = time.perf_counter()
+        if ev[0] in ("done", "error") and all(r.finished for r in reqs):
+            done.set()
+    try:
+        with sch._cond:  # every request admitted in the worker's first round
+            t0 = time.perf_counter()
+            for i, p in enumerate(prompts):
+                reqs.append(Request(p, GenParams(max_tokens=max_tokens, temperature=0),
+                                    lambda ev, i=i: sink(ev, i)))
+                sch.submit(reqs[-1])
+        if not done.wait(1800):
+            raise RuntimeError("the requests did not finish in 30 minutes")
+        t1 = time.perf_counter()
+    finally:
+        sch.close()
+    bad = [(r.finished, r.error) for r in reqs if r.finished != "length"]
+    if bad:
+        raise RuntimeError(f"requests ended badly: {bad}")
+    n = sum(len(r.generated) for r in reqs)
+    t_first = max(first.values())
+    return {"out_tok_s": n / (t1 - t0),
+            "decode_tok_s": (n - len(reqs)) / (t1 - t_first),
+            "batched_steps": sch.batched_steps,
+            "tokens": [list(r.generated) for r in reqs]}
+
+
+def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int,
+           max_tokens: int) -> None:
+    """One process: the model loaded once, ``rounds`` rounds of every (clients, mode); one
+    JSON line on stdout."""
+    import numpy as np
+    import torch
+
+    import specmoe
+    from big_model import load_every_expert
+    from specmoe.runtime import kernels
+    torch.set_num_threads(threads)
+    kernels.set_num_threads(threads)
+    model = specmoe.from_pretrained(path, cache=1.0, progress=False, prefetch=False)
+    model.generation_config.eos_token_id = None
+    eng = specmoe.engine_of(model)
+    load_every_expert(eng)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(max(clients))]
+    with torch.inference_mode():
+        run_once(model, prompts[:2], 4, True)  # warm-up (plans, threads)
+        run_once(model, prompts[:2], 4, False)
+    out: dict[str, Any] = {}
+    for r in range(rounds):
+        for B in clients:
+            modes = ("batched", "alone") if r % 2 == 0 else ("alone", "batched")
+            got = {}
+            for mode in modes:
+                with torch.inference_mode():
+                    got[mode] = run_once(model, prompts[:B], max_tokens, mode == "batched")
+                log(f"round {r} B={B} {mode}: decode {got[mode]['decode_tok_s']:.1f} tok/s")
+            row = out.setdefault(str(B), {})
+            for mode in modes:
+                for k in ("out_tok_s", "decode_tok_s", "batched_steps"):
+                    v = got[mode][k]
+                    row.setdefault(f"{mode}_{k}_runs", []).append(
+                        round(v, 3) if isinstance(v, float) else v)
+            row.setdefault("same_tokens_runs", []).append(
+                got["batched"]["tokens"] == got["alone"]["tokens"])
+    eng.close()
+    print(json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_args(ap, rounds=3)
+    ap.add_argument("--arch", choices=HYBRIDS, default="qwen35moe")
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    a = ap.parse_args()
+    threads = int(a.threads.split(",")[-1])  # one thread count: the largest given
+    clients = sorted({int(c) for c in a.clients.split(",")})
+    if a.quick:
+        a.experts, a.rounds, clients, a.max_tokens = 8, 1, [1, 3], 6
+    if a._worker:
+        worker(a._worker, threads, clients, a.rounds, a.prompt, a.max_tokens)
+        return
+    path = gguf_path(a)  # (hybrid_peers.py's files)
+    made = write_file(path, a.layers, a.experts, a.quick, a.arch)
+    r = subprocess.run([sys.executable, __file__, "--_worker", str(path), "--threads",
+                        str(threads), "--clients", ",".join(map(str, clients)),
+                        "--rounds", str(a.rounds), "--prompt", str(a.prompt),
+                        "--max-tokens", str(a.max_tokens)] + (["--quick"] if a.quick else []),
+                       capture_output=True, text=True, timeout=3600)
+    rows: list[dict[str, Any]] = []
+    if r.returncode != 0:
+        rows.append({"name": "specmoe", "error": "worker failed: " +
+                     " | ".join(r.stderr.strip().splitlines()[-3:])})
+    else:
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        one = got.get("1", {}).get("batched_decode_tok_s_runs")
+        for B in clients:
+            w = got[str(B)]
+            b, s = w["batched_decode_tok_s_runs"], w["alone_decode_tok_s_runs"]
+            row = {"name": "specmoe", "clients": B, "threads": threads,
+                   "batched_decode_tok_s": round(statistics.median(b), 3),
+                   "alone_decode_tok_s": round(statistics.median(s), 3),
+                   "vs_alone_runs": [round(x / y, 3) for x, y in zip(b, s)],
+                   **w}
+            if one:
+                row["scaling_runs"] = [round(x / y, 3) for x, y in zip(b, one)]
+            rows.append(row)
+    res = {"config": {"model": f"{a.arch} ({ARCHS[a.arch]} per-layer shapes)",
+                      "layers": a.layers, "experts": a.experts, "quick": a.quick,
+                      "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
+                      "clients": clients, "rounds": a.rounds, "file": made,
+                      "machine": hostinfo.host(threads)},
+           "peers": {"llama-server": "not run here: benchmarks/serve.py runs llama.cpp's "
+                                     "server on a checkpoint folder (DeepSeek-V2-Lite's "
+                                     "shape), not on this GGUF file"},
+           "rows": rows}
+    hostinfo.emit(res, a.save, a.json)
+
+
+if __name__ == "__main__":
+    main()
