@@ -13,6 +13,10 @@ Models:
   12; written there if missing) under that script's int4 memory budget (non-expert bytes +
   25 % of the experts at 4.5 bits + 512 MiB), enforced on each server process by a cgroup-v1
   memory controller (page cache charged), page cache dropped before each server starts.
+* ``hybrid``: a gated-DeltaNet hybrid, ``hybrid_peers.py``'s Qwen3.5-MoE file (Qwen3.5-35B-A3B's
+  per-layer shapes, 4 layers, 32 experts, one Q4_0 GGUF written there if missing), uncapped:
+  specmoe serves the file itself (``--dtype auto``: its Q4_0 blocks kept, ``--cache 100%``),
+  llama-server the same file; the prompts are the zoo tokenizer's, which the file carries.
 
 Servers, each a real process on a loopback port, started for every row and stopped after it
 (so every row starts the same way, and llama-server gets its ``--parallel`` = the clients):
@@ -143,6 +147,8 @@ def prompts_for(folder: Path, n: int, spread: int = 0) -> List[str]:
 
 def setup_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
     """Checkpoint, GGUF (or the reason there is none), store, budget and cache of ``name``."""
+    if name == "hybrid":
+        return setup_hybrid(a)
     if name == "zoo":
         root = Path(a.workdir).expanduser() / "zoo-tiny-moe"
         ckpt, budget, cache, chash = ZOO, None, "25%", "zoo"
@@ -173,6 +179,31 @@ def setup_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
             m["gguf"] = g
             m["llama_server"] = server
     m["prompts"] = prompts_for(ckpt, a.requests * max(a.clients) + 1, a.prompt_spread)
+    return m
+
+
+def setup_hybrid(a: argparse.Namespace) -> Dict[str, Any]:
+    """The ``hybrid`` model: one GGUF file both servers read (module docstring)."""
+    import hybrid_peers as hp
+    experts, tail = (8, "-quick") if a.hybrid_quick else (32, "")
+    path = (Path(a.workdir).expanduser() / "hybrid_peers"
+            / f"qwen35moe-L4-E{experts}{tail}-Q4_0.gguf")  # (hybrid_peers.gguf_path's names)
+    hp.write_file(path, 4, experts, quick=a.hybrid_quick)
+    root = path.parent / "serve-qwen35moe"
+    root.mkdir(parents=True, exist_ok=True)
+    m: Dict[str, Any] = {"name": "hybrid", "ckpt": path, "root": root, "store": None,
+                         "store_error": None, "budget": None, "cache": "100%"}
+    if "llama-server" in a.servers:
+        lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads,
+                         a.llama_isa, server=True)
+        server = lc.bin / "llama-server"
+        if lc.error:
+            m["gguf"] = lc.error
+        elif not server.is_file():
+            m["gguf"] = f"llama-server not built under {lc.bin}"
+        else:
+            m["gguf"], m["llama_server"] = path, server
+    m["prompts"] = prompts_for(ZOO, a.requests * max(a.clients) + 1, a.prompt_spread)
     return m
 
 
@@ -227,8 +258,9 @@ def server_argv(kind: str, m: Dict[str, Any], clients: int, port: int,
                 "--port", str(port), "-t", str(a.threads), "-tb", str(a.threads),
                 "--parallel", str(clients), "-c", str(a.slot_ctx * clients), "--no-warmup",
                 "--log-disable"] + (["--no-repack"] if m["budget"] is not None else [])
-    argv = [sys.executable, "-m", "specmoe", "serve", str(m["ckpt"]), "--dtype", "int4",
-            "--cache", str(m["cache"]), "--store", str(m["store"]), "--policy", "least_stale",
+    store = ["--dtype", "int4", "--store", str(m["store"])] if m["store"] is not None else []
+    argv = [sys.executable, "-m", "specmoe", "serve", str(m["ckpt"]), *store,
+            "--cache", str(m["cache"]), "--policy", "least_stale",
             "--port", str(port), "--max-batch", str(max(64, clients)), "--max-queue", "4096",
             "--threads", str(a.threads), "--log-level", "warning", "--model-name", MODEL]
     if kind == "specmoe-unbatched":
@@ -446,7 +478,7 @@ def summarize(runs: Dict[str, Dict[int, List[Dict[str, Any]]]], servers: List[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    ap.add_argument("--models", default="zoo", help="comma-separated: zoo, big")
+    ap.add_argument("--models", default="zoo", help="comma-separated: zoo, big, hybrid")
     ap.add_argument("--clients", default="1,4,16,64")
     ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
                     help=f"comma-separated, from {', '.join(SERVERS)}")
@@ -465,6 +497,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12, help="big: layers of the checkpoint")
     bm.add_peer_arguments(ap)
     ap.add_argument("--no-cgroup", action="store_true", help="big: run uncapped")
+    ap.add_argument("--hybrid-quick", action="store_true",
+                    help="hybrid: hybrid_peers.py's quick shapes (an eighth of every width, 8 "
+                         "experts): a smoke test")
     ap.add_argument("--row-timeout", type=float, default=900.0)
     a = ap.parse_args()
     a.clients = sorted({int(x) for x in a.clients.split(",") if x.strip()})

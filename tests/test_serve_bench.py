@@ -57,3 +57,29 @@ def test_serve_benchmark_smoke(tmp_path):
     ng = rows[("specmoe-ngram", 2)]
     assert ng["vs_plain"] > 0 and ng["drafts_per_token"] >= 0
     assert "drafts_per_token" not in rows[("specmoe", 2)]  # plain servers draft nothing
+
+
+def test_serve_benchmark_smoke_on_a_hybrid(tmp_path):
+    """--models hybrid (hybrid_peers.py's Qwen3.5-MoE file at its quick shapes): specmoe serves
+    the GGUF file batched and unbatched, the batched server did batch the hybrid's decode
+    steps, and llama-server without llama.cpp is a row saying why."""
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--json",
+                        "--models", "hybrid", "--hybrid-quick",
+                        "--servers", "specmoe,specmoe-unbatched,llama-server",
+                        "--clients", "1,2", "--rounds", "1", "--requests", "2",
+                        "--max-tokens", "6", "--workdir", str(tmp_path / "work"),
+                        "--peers", str(tmp_path / "no-peers"), "--no-build-peers"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    m = res["models"]["hybrid"]
+    assert m["checkpoint"].endswith("qwen35moe-L4-E8-quick-Q4_0.gguf")
+    rows = {(r["server"], r["clients"]): r for r in m["rows"]}
+    for c in (1, 2):
+        assert "llama.cpp" in rows[("llama-server", c)]["error"]
+        for s in ("specmoe", "specmoe-unbatched"):
+            r = rows[(s, c)]
+            assert "error" not in r, r
+            assert r["errors"] == 0 and r["completion_tokens"] == [6 * 2 * c]
+    assert rows[("specmoe-unbatched", 2)]["mean_decode_batch"] == 1.0
+    assert rows[("specmoe", 2)]["mean_decode_batch"] > 1.0   # the hybrid's rows shared forwards
