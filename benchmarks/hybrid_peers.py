@@ -314,14 +314,20 @@ def worker(path: str, threads: list[int], ab: int = 0) -> None:
     print(json.dumps(out))
 
 
-def specmoe_row(path: Path, threads: list[int], ab: int = 0) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, __file__, "--_worker", str(path),
-                        "--threads", ",".join(map(str, threads)), "--ab", str(ab)],
+def run_worker(script: str, path: Path, args: list[str]) -> dict[str, Any]:
+    """``script --_worker PATH ARGS`` in a process of its own: the JSON object of its last
+    stdout line, or {"error": ...} with the last lines of its stderr (how hybrid_peers,
+    hybrid_spec and hybrid_serve run their timed part)."""
+    r = subprocess.run([sys.executable, script, "--_worker", str(path), *args],
                        capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         return {"error": "specmoe worker failed: " +
                 " | ".join(r.stderr.strip().splitlines()[-3:])}
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def specmoe_row(path: Path, threads: list[int], ab: int = 0) -> dict[str, Any]:
+    return run_worker(__file__, path, ["--threads", ",".join(map(str, threads)), "--ab", str(ab)])
 
 
 def common_args(ap: argparse.ArgumentParser, rounds: int) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -44,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import hostinfo  # noqa: E402
-from hybrid_peers import ARCHS, common_args, gguf_path, write_file  # noqa: E402
+from hybrid_peers import ARCHS, common_args, gguf_path, run_worker, write_file  # noqa: E402
 
 HYBRIDS = ("qwen35moe", "qwen3next")
 
@@ -161,17 +160,14 @@ def main() -> None:
         return
     path = gguf_path(a)  # (hybrid_peers.py's files)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
-    r = subprocess.run([sys.executable, __file__, "--_worker", str(path), "--threads",
-                        str(threads), "--clients", ",".join(map(str, clients)),
-                        "--rounds", str(a.rounds), "--prompt", str(a.prompt),
-                        "--max-tokens", str(a.max_tokens)] + (["--quick"] if a.quick else []),
-                       capture_output=True, text=True, timeout=3600)
+    got = run_worker(__file__, path, ["--threads", str(threads), "--clients",
+                                      ",".join(map(str, clients)), "--rounds", str(a.rounds),
+                                      "--prompt", str(a.prompt), "--max-tokens",
+                                      str(a.max_tokens)] + (["--quick"] if a.quick else []))
     rows: list[dict[str, Any]] = []
-    if r.returncode != 0:
-        rows.append({"name": "specmoe", "error": "worker failed: " +
-                     " | ".join(r.stderr.strip().splitlines()[-3:])})
+    if "error" in got:
+        rows.append({"name": "specmoe", **got})
     else:
-        got = json.loads(r.stdout.strip().splitlines()[-1])
         one = got.get("1", {}).get("batched_decode_tok_s_runs")
         for B in clients:
             w = got[str(B)]

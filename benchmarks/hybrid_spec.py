@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import hostinfo  # noqa: E402
-from hybrid_peers import ARCHS, common_args, gguf_path, write_file  # noqa: E402
+from hybrid_peers import ARCHS, common_args, gguf_path, run_worker, write_file  # noqa: E402
 
 PROMPT, STEPS, VERIFIES, GEN = 64, 32, 8, 32
 HYBRIDS = ("qwen35moe", "qwen3next")
@@ -212,16 +211,12 @@ def main() -> None:
         return
     path = gguf_path(a)  # (hybrid_peers.py's files)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
-    r = subprocess.run([sys.executable, __file__, "--_worker", str(path), "--threads",
-                        a.threads, "--g-max", str(a.g_max), "--rounds", str(a.rounds)]
-                       + (["--quick"] if a.quick else []),
-                       capture_output=True, text=True, timeout=3600)
+    got = run_worker(__file__, path, ["--threads", a.threads, "--g-max", str(a.g_max),
+                                      "--rounds", str(a.rounds)] + (["--quick"] if a.quick else []))
     rows: list[dict[str, Any]] = []
-    if r.returncode != 0:
-        rows.append({"name": "specmoe", "error": "worker failed: " +
-                     " | ".join(r.stderr.strip().splitlines()[-3:])})
+    if "error" in got:
+        rows.append({"name": "specmoe", **got})
     else:
-        got = json.loads(r.stdout.strip().splitlines()[-1])
         for t in threads:
             w = got[str(t)]
             plain = statistics.median(w["plain_step_ms_runs"])

@@ -166,20 +166,26 @@ def setup_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
     m: Dict[str, Any] = {"name": name, "ckpt": ckpt, "root": root, "store": store,
                          "store_error": err, "budget": budget, "cache": cache}
     if "llama-server" in a.servers:
-        lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads,
-                         a.llama_isa, server=True)
-        server = lc.bin / "llama-server"
-        if lc.error:
-            m["gguf"] = lc.error
-        elif not server.is_file():
-            m["gguf"] = (f"llama-server not built under {lc.bin} (cmake -DLLAMA_BUILD_SERVER=ON"
-                         " --target llama-server in that build)")
+        lc, err = llama_server(a)
+        if err:
+            m["gguf"] = err
         else:
-            g = lc.convert(ckpt, root / "gguf", ["Q4_0"], chash, False)["Q4_0"]
-            m["gguf"] = g
-            m["llama_server"] = server
+            m["gguf"] = lc.convert(ckpt, root / "gguf", ["Q4_0"], chash, False)["Q4_0"]
+            m["llama_server"] = lc.bin / "llama-server"
     m["prompts"] = prompts_for(ckpt, a.requests * max(a.clients) + 1, a.prompt_spread)
     return m
+
+
+def llama_server(a: argparse.Namespace) -> tuple:
+    """(llama.cpp's build, None), or (that build, why its llama-server cannot run)."""
+    lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads, a.llama_isa,
+                     server=True)
+    if lc.error:
+        return lc, lc.error
+    if not (lc.bin / "llama-server").is_file():
+        return lc, (f"llama-server not built under {lc.bin} (cmake -DLLAMA_BUILD_SERVER=ON "
+                    "--target llama-server in that build)")
+    return lc, None
 
 
 def setup_hybrid(a: argparse.Namespace) -> Dict[str, Any]:
@@ -194,15 +200,10 @@ def setup_hybrid(a: argparse.Namespace) -> Dict[str, Any]:
     m: Dict[str, Any] = {"name": "hybrid", "ckpt": path, "root": root, "store": None,
                          "store_error": None, "budget": None, "cache": "100%"}
     if "llama-server" in a.servers:
-        lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, a.threads,
-                         a.llama_isa, server=True)
-        server = lc.bin / "llama-server"
-        if lc.error:
-            m["gguf"] = lc.error
-        elif not server.is_file():
-            m["gguf"] = f"llama-server not built under {lc.bin}"
-        else:
-            m["gguf"], m["llama_server"] = path, server
+        lc, err = llama_server(a)
+        m["gguf"] = err or path
+        if not err:
+            m["llama_server"] = lc.bin / "llama-server"
     m["prompts"] = prompts_for(ZOO, a.requests * max(a.clients) + 1, a.prompt_spread)
     return m
 

@@ -20,6 +20,16 @@ pytestmark = pytest.mark.skipif(not os.environ.get("SPECMOE_TEST_BENCH"),
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _quick(tmp_path, script, *args):
+    """``benchmarks/SCRIPT --quick --json --threads 1 --workdir TMP ARGS``: its JSON object."""
+    env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--json",
+                        "--threads", "1", "--workdir", str(tmp_path), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next", "glm47flash", "ernie45",
                                   "glm45air"])
 def test_quick_run_reads_one_file_on_both_sides(tmp_path, arch):
@@ -53,12 +63,7 @@ def test_quick_run_reads_one_file_on_both_sides(tmp_path, arch):
 def test_mla_blocks_quick_run_times_both_forms(tmp_path):
     """benchmarks/mla_blocks.py --quick: the tiny DeepSeek-V3 GGUF file's attention on its
     attn_k_b / attn_v_b blocks against bf16 absorbed from kv_b_proj, one round each."""
-    env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mla_blocks.py"), "--quick",
-                        "--json", "--threads", "1", "--workdir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
-    out = json.loads(p.stdout)
+    out = _quick(tmp_path, "mla_blocks.py")
     assert out["config"]["machine"]["cpu"] and out["config"]["file"]["quick"]
     assert (out["config"]["mla"]["dtype"], out["config"]["mla"]["uv_dtype"]) == ("q4_0", "q4_0")
     (row,) = out["rows"]
@@ -69,12 +74,7 @@ def test_mla_blocks_quick_run_times_both_forms(tmp_path):
 def test_hybrid_spec_quick_run_prices_a_verification(tmp_path):
     """benchmarks/hybrid_spec.py --quick: plain steps and verifications of 1..3 tokens on a
     recording cache of the tiny Qwen3.5-MoE file, and the break-even figures from them."""
-    env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_spec.py"), "--quick",
-                        "--json", "--threads", "1", "--g-max", "3", "--workdir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
-    out = json.loads(p.stdout)
+    out = _quick(tmp_path, "hybrid_spec.py", "--g-max", "3")
     assert out["config"]["machine"]["cpu"] and out["config"]["g_max"] == 3
     (row,) = out["rows"]
     assert "error" not in row, row
@@ -89,12 +89,7 @@ def test_hybrid_serve_quick_run_batches_decode_steps(tmp_path):
     """benchmarks/hybrid_serve.py --quick: the server's worker on the tiny Qwen3.5-MoE file,
     3 requests decoded in batched forwards and one forward each: both give every request the
     same tokens, only the batched mode runs batched steps, and the figures are consistent."""
-    env = dict(os.environ, SPECMOE_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_serve.py"), "--quick",
-                        "--json", "--threads", "1", "--workdir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
-    out = json.loads(p.stdout)
+    out = _quick(tmp_path, "hybrid_serve.py")
     assert out["config"]["machine"]["cpu"] and out["config"]["clients"] == [1, 3]
     assert "not run here" in out["peers"]["llama-server"]
     rows = {r["clients"]: r for r in out["rows"]}

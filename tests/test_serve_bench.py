@@ -24,17 +24,23 @@ pytest.importorskip("httpx")
 ROOT = HERE.parent
 
 
+def _smoke(tmp_path, *args):
+    """serve.py with 1 and 2 clients, one round of 2 requests of 6 tokens, llama.cpp pointed
+    at a folder without it: the JSON object."""
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--json",
+                        "--clients", "1,2", "--rounds", "1", "--requests", "2",
+                        "--max-tokens", "6", "--workdir", str(tmp_path / "work"),
+                        "--peers", str(tmp_path / "no-peers"), "--no-build-peers", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
 def test_serve_benchmark_smoke(tmp_path):
     from specmoe import zoo
     if not zoo.available("tiny-moe"):
         pytest.skip("zoo weights not in the package")
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--json",
-                        "--clients", "1,2", "--rounds", "1", "--requests", "2",
-                        "--max-tokens", "6", "--workdir", str(tmp_path / "work"),
-                        "--peers", str(tmp_path / "no-peers"), "--no-build-peers"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(p.stdout)
+    res = _smoke(tmp_path)
     assert res["host"]["cpu"] and res["host"]["threads"]
     rows = {(r["server"], r["clients"]): r for r in res["models"]["zoo"]["rows"]}
     served = ("specmoe", "specmoe-unbatched", "specmoe-batch-prefill", "specmoe-paced",
@@ -63,15 +69,8 @@ def test_serve_benchmark_smoke_on_a_hybrid(tmp_path):
     """--models hybrid (hybrid_peers.py's Qwen3.5-MoE file at its quick shapes): specmoe serves
     the GGUF file batched and unbatched, the batched server did batch the hybrid's decode
     steps, and llama-server without llama.cpp is a row saying why."""
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--json",
-                        "--models", "hybrid", "--hybrid-quick",
-                        "--servers", "specmoe,specmoe-unbatched,llama-server",
-                        "--clients", "1,2", "--rounds", "1", "--requests", "2",
-                        "--max-tokens", "6", "--workdir", str(tmp_path / "work"),
-                        "--peers", str(tmp_path / "no-peers"), "--no-build-peers"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(p.stdout)
+    res = _smoke(tmp_path, "--models", "hybrid", "--hybrid-quick",
+                 "--servers", "specmoe,specmoe-unbatched,llama-server")
     m = res["models"]["hybrid"]
     assert m["checkpoint"].endswith("qwen35moe-L4-E8-quick-Q4_0.gguf")
     rows = {(r["server"], r["clients"]): r for r in m["rows"]}
