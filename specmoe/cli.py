@@ -996,7 +996,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill prompts of different lengths that arrive together in "
                         "batched forwards too (one expert load serves them all); their tokens "
                         "may then differ from the prompt served alone (default: only prompts "
-                        "of one length share a forward, exact)")
+                        "of one length share a forward, exact; linear-attention and Mamba "
+                        "hybrids prefill every prompt alone)")
     p.add_argument("--prefill-ratio", type=_non_negative, default=0.0,
                    help="pace prompts: while requests decode, a round's prompt chunks take at "
                         "most about this many decode steps' time (e.g. 2; default 0: every "

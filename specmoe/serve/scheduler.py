@@ -218,7 +218,8 @@ class Scheduler:
     way to compare; models that cannot be batched fall back to it, :attr:`batch_off_reason`
     says why).  ``batch_prefill``: prefill prompts of different lengths that arrive together
     in batched forwards too (one expert load serves them all), at the cost of bit-exactness
-    (module docstring); off, only prompts of one length share a prefill forward."""
+    (module docstring); off, only prompts of one length share a prefill forward.  A model with
+    recurrent layers prefills every prompt alone either way (:attr:`stateful`)."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
@@ -287,6 +288,9 @@ class Scheduler:
         # recurrent layers: decode steps batch (a state per row), prefills do not -- the
         # torch paths of a linear-attention or Mamba prefill round a row by the batch's shape
         self.stateful = bool(recurrent_layer_types(model.config))
+        if self.stateful and batch_prefill:
+            _log.info("specmoe serve: batch_prefill has no effect here: the prompts of a model "
+                      "with recurrent layers are prefilled one at a time")
         self._bkv: Optional[BatchKV] = None
         self._rows: List[Request] = []
         self._pause = 0                        # rounds left without batching (after a fault)
