@@ -907,13 +907,14 @@ def _unbatchable(model: nn.Module, speculating: bool = False) -> Optional[str]:
     from transformers.cache_utils import DynamicLayer
     recurrent = recurrent_layer_types(model.config)
     try:
-        layers = list(getattr(new_kv(model), "layers", None) or [])
+        kv = new_kv(model)
     except Exception as exc:  # noqa: BLE001 (the reason is reported)
         return f"its cache cannot be built ({type(exc).__name__}: {exc})"
+    layers = list(getattr(kv, "layers", None) or [])
     if not layers:
         if recurrent:  # MiniMax: a cache class of its own
             return (f"its {', '.join(recurrent)} layers keep a state per sequence in a cache "
-                    f"of its own ({type(new_kv(model)).__name__})")
+                    f"of its own ({type(kv).__name__})")
         return "its cache has no per-layer storage"
     states = [lay for lay in layers if is_state_layer(lay)]
     odd = sorted({type(lay).__name__ for lay in layers if type(lay) is not DynamicLayer
