@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 import specmoe  # noqa: E402
 from tests.conftest import greedy_alone  # noqa: E402
 from specmoe.models.testing import tiny_model  # noqa: E402
-from specmoe.speculation.batch import BatchKV, is_state_layer  # noqa: E402
+from specmoe.speculation.batch import BatchKV, is_state_layer, row_layer_kind  # noqa: E402
 from specmoe.speculation.decoding import cache_kwargs, new_kv  # noqa: E402
 
 
@@ -144,3 +144,17 @@ def test_what_would_leave_a_hole_in_a_state_is_refused_with_nothing_changed():
                                       torch.tensor([[0, 1], [1, 1]]))
     finally:
         eng.close()
+
+
+def test_row_layer_kind_names_what_a_batch_row_can_live_in():
+    """The one rule the scheduler's "can this model batch" and BatchKV.join both read: plain
+    full-attention layers hold positions, recurrent layers holding only states hold states,
+    and a sliding window or a layer holding keys and states at once holds neither."""
+    cu = pytest.importorskip("transformers.cache_utils")
+    if not hasattr(cu, "LinearAttentionLayer"):
+        pytest.skip("this transformers version has no recurrent cache layers")
+    assert row_layer_kind(cu.DynamicLayer()) == "positions"
+    assert row_layer_kind(cu.LinearAttentionLayer()) == "states"
+    assert row_layer_kind(cu.DynamicSlidingWindowLayer(sliding_window=4)) is None
+    assert row_layer_kind(cu.LinearAttentionAndFullAttentionLayer()) is None
+    assert row_layer_kind(object()) is None

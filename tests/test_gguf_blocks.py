@@ -648,3 +648,48 @@ def test_dense_auto_takes_a_gguf_files_own_blocks(_cache_dir, tmp_path):
                 assert eng.dense.formats.get("q4_0", 0) >= 8, eng.dense.formats
         finally:
             eng.close()
+
+
+def test_serving_a_gguf_file_prefills_prompts_of_one_length_alone(_cache_dir, tmp_path):
+    """A GGUF file's blocks in C are not batch invariant past 16 tokens a matrix on AVX2 (a
+    48-token prompt's logits differed in the last bits beside three others on a Zen 1 EPYC),
+    so the server prefills its prompts one at a time by default, every request getting
+    model.generate's greedy tokens alone; batch_prefill=True groups them, without that
+    promise."""
+    import threading
+
+    from specmoe.serve.scheduler import GenParams, Request, Scheduler
+
+    class _Ids:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    path, _ = save_gguf(tiny_model("mixtral", hidden=256, inter=256, vocab=128),
+                        tmp_path / "p.gguf", expert_qtype="Q4_0")
+    model = specmoe.from_pretrained(path, dtype="auto", cache=1.0, progress=False)
+    model.generation_config.eos_token_id = None
+    try:
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(3, 128, (48,), generator=g).tolist() for _ in range(4)]
+        refs = [_greedy(model, torch.tensor([p]), n=6) for p in prompts]
+        for batch_prefill, grouped in ((False, 0), (True, 1)):
+            sch = Scheduler(model, _Ids(), max_batch=8, prefill_chunk=64,
+                            batch_prefill=batch_prefill)
+            assert not sch.prefill_groups_exact
+            done, reqs = threading.Event(), []
+
+            def sink(ev):
+                if ev[0] in ("done", "error") and all(r.finished for r in reqs):
+                    done.set()
+            reqs += [Request(p, GenParams(max_tokens=6, temperature=0), sink)
+                     for p in prompts]
+            try:
+                sch.submit(*reqs)
+                assert done.wait(120), [r.finished for r in reqs]
+            finally:
+                sch.close()
+            assert sch.batched_prefills == grouped
+            if not batch_prefill:
+                assert [r.generated for r in reqs] == refs
+    finally:
+        specmoe.engine_of(model).close()

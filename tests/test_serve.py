@@ -256,18 +256,17 @@ def test_concurrent_requests_equal_generate_alone(served):
 
 
 def _collect(sch, prompts, max_tokens):
-    """Submit every prompt while holding the scheduler's lock (so the worker admits them all in
-    one round) and wait for each to finish: [generated ids]."""
+    """Submit every prompt in one call (so the worker admits them all in one round) and wait
+    for each to finish: [generated ids]."""
     from specmoe.serve.scheduler import GenParams, Request
     done, reqs = threading.Event(), []
 
     def sink(ev):
         if ev[0] in ("done", "error") and all(r.finished for r in reqs):
             done.set()
-    with sch._cond:
-        for ids in prompts:
-            reqs.append(Request(ids, GenParams(max_tokens=max_tokens, temperature=0), sink))
-            sch.submit(reqs[-1])
+    reqs += [Request(ids, GenParams(max_tokens=max_tokens, temperature=0), sink)
+             for ids in prompts]
+    sch.submit(*reqs)
     assert done.wait(120), [r.finished for r in reqs]
     assert all(r.finished == "length" for r in reqs), [(r.finished, r.error) for r in reqs]
     return [r.generated for r in reqs]
@@ -437,6 +436,24 @@ def test_requests_arriving_together_get_their_tokens_alone_bit_for_bit():
         assert got == refs
     finally:
         eng.close()
+
+
+def test_submitting_several_requests_queues_all_or_none():
+    """submit(a, b, ...) is one step of the queue: requests that would overflow max_queue
+    are refused together, nothing of them queued; those that fit are queued."""
+    from specmoe.models.testing import tiny_model
+    from specmoe.serve.scheduler import GenParams, QueueFull, Request, Scheduler
+    sch = Scheduler(tiny_model("qwen2_moe", layers=2), None, max_queue=3)
+    sch.start = lambda: None  # no worker: the queue keeps what was submitted
+    reqs = [Request([1, 2], GenParams(max_tokens=1), lambda ev: None) for _ in range(5)]
+    sch.submit(reqs[0], reqs[1])
+    with pytest.raises(QueueFull):
+        sch.submit(reqs[2], reqs[3])
+    assert sch.waiting == 2
+    sch.submit(reqs[4])
+    assert sch.waiting == 3
+    with pytest.raises(QueueFull):
+        sch.submit(reqs[2])
 
 
 def test_prefill_groups_bound_the_padding():

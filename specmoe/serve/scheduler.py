@@ -86,7 +86,14 @@ size, the C kernels being batch invariant (docs/speculation.md, "How exact").  P
 in torch (an f32 model's dense layers) may round by shape in the last bits (``dense="f32"``
 puts them in C).  A prefill of prompts of one length gives each the bits of its prefill
 alone on the same terms (its products in C, or in torch's GEMMs, which gave every row its
-bits at any row count above 16 in our measurements).  A batched
+bits at any row count above 16 in our measurements) -- except where a GGUF file's blocks run
+in C (its experts, or ``dense="gguf"``): their AVX2 rows run calls of more than 16 tokens at
+a matrix through multi-token tiles of their own summation order (csrc/kernels/ffn_blocks.c,
+INVARIANT_T), so an expert's tokens would get other bits in a forward of several prompts;
+such a model prefills each prompt alone unless ``batch_prefill`` is set
+(:attr:`Scheduler.prefill_groups_exact`; on every host: the AVX-512 VNNI rows keep the
+one-token order for most block kinds, the others run the AVX2 form there, and the rule does
+not tell them apart yet).  A batched
 prefill of other lengths (``batch_prefill``) is not exact: the group is left-padded, a
 padded prompt's torch attention runs beside a mask its prefill alone does not have, and the
 group's length may put it on the other side of specmoe's switches between C (decode sizes)
@@ -117,7 +124,7 @@ import torch
 from torch import nn
 
 from ..runtime.experts import find_engine
-from ..speculation.batch import BatchKV, is_state_layer
+from ..speculation.batch import BatchKV, is_state_layer, row_layer_kind
 from ..speculation.decoding import (cache_kwargs, crop_kv, input_device, new_kv,
                                     recurrent_layer_types, unrecorded)
 from ..speculation.sampling import Sampling
@@ -288,6 +295,12 @@ class Scheduler:
         # recurrent layers: decode steps batch (a state per row), prefills do not -- the
         # torch paths of a linear-attention or Mamba prefill round a row by the batch's shape
         self.stateful = bool(recurrent_layer_types(model.config))
+        # prompts of one length share a forward by default only where that keeps their bits
+        self.prefill_groups_exact = not _gguf_blocks_in_c(model)
+        if not self.prefill_groups_exact and not batch_prefill:
+            _log.info("specmoe serve: every prompt is prefilled alone: a GGUF file's blocks "
+                      "run in C, whose rows are not batch invariant past 16 tokens "
+                      "(batch_prefill=True groups prompts anyway, without exactness)")
         if self.stateful and batch_prefill:
             _log.info("specmoe serve: batch_prefill has no effect here: the prompts of a model "
                       "with recurrent layers are prefilled one at a time")
@@ -333,18 +346,22 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(self, req: Request) -> None:
-        """Queue ``req`` (the worker admits it at its next round).  QueueFull, Draining."""
+    def submit(self, req: Request, *more: Request) -> None:
+        """Queue ``req`` (the worker admits it at its next round).  QueueFull, Draining.
+
+        Several requests are queued together, all or none: the worker sees them in the same
+        round (a benchmark's burst of clients arriving at once)."""
         self.start()
+        reqs = (req,) + more
         with self._cond:
             if self._draining or self._stop:
                 raise Draining("the server is shutting down")
             if self.fatal is not None:
                 raise Draining(f"the worker stopped: {self.fatal}")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(reqs) > self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting "
                                 f"(--max-queue {self.max_queue})")
-            self._waiting.append(req)
+            self._waiting.extend(reqs)
             self._gauges()
             self._cond.notify_all()
 
@@ -601,7 +618,8 @@ class Scheduler:
 
     def _prefill_all(self, reqs: List[Request]) -> None:
         alone = list(reqs)
-        if self.batch_off_reason is None and not self._pause and not self.stateful:
+        grouping = self.batch_prefill or self.prefill_groups_exact
+        if grouping and self.batch_off_reason is None and not self._pause and not self.stateful:
             fresh = [r for r in reqs if r.fed == 0 and len(r.prompt) <= self.prefill_chunk]
             groups = _prefill_groups(fresh) if self.batch_prefill else _equal_groups(fresh)
             for group in groups:
@@ -897,14 +915,24 @@ def _equal_groups(reqs: List[Request], most: int = 16) -> List[List[Request]]:
     return groups
 
 
+def _gguf_blocks_in_c(model: nn.Module) -> bool:
+    """Whether ``model`` runs a GGUF file's blocks in C: its experts (a ``gguf`` store) or a
+    dense layer (:class:`specmoe.models.layers.CLinear` of a block kind, ``dense="gguf"``)."""
+    from ..models.layers import CLinear
+    from ..runtime.kernels import GGUF_BLOCKS
+    eng = find_engine(model)
+    if eng is not None and getattr(eng, "dtype", None) == "gguf":
+        return True
+    return any(isinstance(m, CLinear) and m.dtype in GGUF_BLOCKS for m in model.modules())
+
+
 def _unbatchable(model: nn.Module, speculating: bool = False) -> Optional[str]:
     """Why ``model``'s decode steps cannot run as rows of one BatchKV (None: they can): its
     cache must be made of transformers' plain full-attention layers, where a hole is a
     masked position like any other, and of its recurrent layers (transformers 5.25's
     ``LinearAttentionLayer``: a state per row, :class:`BatchKV`'s "stateful" form), which
     take plain decode steps only -- ``speculating``, rows that keep different numbers of
-    drafts would leave holes in their states."""
-    from transformers.cache_utils import DynamicLayer
+    drafts would leave holes in their states (the layer kinds: :func:`row_layer_kind`)."""
     recurrent = recurrent_layer_types(model.config)
     try:
         kv = new_kv(model)
@@ -917,8 +945,7 @@ def _unbatchable(model: nn.Module, speculating: bool = False) -> Optional[str]:
                     f"of its own ({type(kv).__name__})")
         return "its cache has no per-layer storage"
     states = [lay for lay in layers if is_state_layer(lay)]
-    odd = sorted({type(lay).__name__ for lay in layers if type(lay) is not DynamicLayer
-                  and not (lay in states and not hasattr(lay, "keys"))})
+    odd = sorted({type(lay).__name__ for lay in layers if row_layer_kind(lay) is None})
     if odd:
         return (f"its cache has {', '.join(odd)} layers, which cannot hold a masked hole "
                 "(a sliding window would count it against the window)")

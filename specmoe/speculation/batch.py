@@ -62,7 +62,7 @@ from .mtp import MtpDrafter, mtp_layout, next_drafts, priming
 from .tau import batch_bucket, target_tau, tau_for_batch
 from .verify import accept_logits
 
-__all__ = ["BatchKV", "is_state_layer", "per_position_acceptance"]
+__all__ = ["BatchKV", "is_state_layer", "row_layer_kind", "per_position_acceptance"]
 
 
 class BatchKV:
@@ -366,6 +366,20 @@ def is_state_layer(layer: Any) -> bool:
     return mix is not None and isinstance(layer, mix)
 
 
+def row_layer_kind(layer: Any) -> Optional[str]:
+    """What a cache layer can hold as rows of a BatchKV: ``"positions"`` (transformers' plain
+    ``DynamicLayer``: keys and values per position, a hole a masked position), ``"states"`` (a
+    recurrent layer holding states only: row b of its state tensors), or None (anything else:
+    a sliding window, which would count a hole against its window, a layer holding keys and
+    states at once, a cache class of a model's own)."""
+    from transformers.cache_utils import DynamicLayer
+    if type(layer) is DynamicLayer:
+        return "positions"
+    if is_state_layer(layer) and not hasattr(layer, "keys"):
+        return "states"
+    return None
+
+
 def _state_slots(layer: Any) -> List[Tuple[str, int]]:
     """(attribute, state index) of every state a recurrent cache layer holds."""
     out = []
@@ -380,7 +394,7 @@ def _state_slots(layer: Any) -> List[Tuple[str, int]]:
 def _check_states(src: Any, dst: Any) -> None:
     """ValueError unless the recurrent layer ``src`` holds one sequence's states, not
     recording its past, of the forms of ``dst``'s (None: an empty batch)."""
-    if getattr(src, "record_past", False) or hasattr(src, "keys"):
+    if getattr(src, "record_past", False) or row_layer_kind(src) != "states":
         raise ValueError(f"BatchKV.join: a {type(src).__name__} recording its past or holding "
                          "keys too cannot be a row of a batch")
     slots = _state_slots(src)
