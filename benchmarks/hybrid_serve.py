@@ -21,12 +21,15 @@ Each request: a prompt of ``--prompt`` random token ids (different per request),
 greedy tokens.  Per run: ``out_tok_s`` (every generated token / wall time from the submit to
 the last request's end, prefills included), ``decode_tok_s`` (the tokens after each request's
 first / the time from the last first token to the end: the phase where all B decode),
-``batched_steps``.  ``vs_alone_runs``: batched / alone ``decode_tok_s`` per round;
+``first_tokens_s`` (from the submit to the last request's first token: the prompts' time),
+``batched_steps``, ``batched_prefills`` (forwards that prefilled several prompts).
+``--cache`` below 1 serves from the store (a prompt forward shared by several requests loads
+each expert once).  ``vs_alone_runs``: batched / alone ``decode_tok_s`` per round;
 ``scaling_runs``: batched ``decode_tok_s`` at B / at one client, per round.  ``same_tokens``:
 whether the two modes gave every request the same tokens (the batch gives each row the bits of
 its step alone).  The peer for serving, llama.cpp's ``llama-server --parallel N``, is in
-``benchmarks/serve.py`` (a checkpoint folder, DeepSeek-V2-Lite's shape); it is not run here,
-and the results say so.  The results name the host (CPU model, ISA, threads).
+``benchmarks/serve.py --models hybrid`` (both servers over HTTP on this same GGUF file); it is
+not run here, and the results say so.  The results name the host (CPU model, ISA, threads).
 """
 from __future__ import annotations
 
@@ -78,12 +81,10 @@ def run_once(model: Any, prompts: list[list[int]], max_tokens: int,
         if ev[0] in ("done", "error") and all(r.finished for r in reqs):
             done.set()
     try:
-        with sch._cond:  # every request admitted in the worker's first round
-            t0 = time.perf_counter()
-            for i, p in enumerate(prompts):
-                reqs.append(Request(p, GenParams(max_tokens=max_tokens, temperature=0),
-                                    lambda ev, i=i: sink(ev, i)))
-                sch.submit(reqs[-1])
+        reqs += [Request(p, GenParams(max_tokens=max_tokens, temperature=0),
+                         lambda ev, i=i: sink(ev, i)) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        sch.submit(*reqs)  # queued together: every request admitted in the worker's first round
         if not done.wait(1800):
             raise RuntimeError("the requests did not finish in 30 minutes")
         t1 = time.perf_counter()
@@ -96,12 +97,14 @@ def run_once(model: Any, prompts: list[list[int]], max_tokens: int,
     t_first = max(first.values())
     return {"out_tok_s": n / (t1 - t0),
             "decode_tok_s": (n - len(reqs)) / (t1 - t_first),
+            "first_tokens_s": t_first - t0,
             "batched_steps": sch.batched_steps,
+            "batched_prefills": sch.batched_prefills,
             "tokens": [list(r.generated) for r in reqs]}
 
 
 def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int,
-           max_tokens: int) -> None:
+           max_tokens: int, cache: float) -> None:
     """One process: the model loaded once, ``rounds`` rounds of every (clients, mode); one
     JSON line on stdout."""
     import numpy as np
@@ -112,10 +115,11 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
     from specmoe.runtime import kernels
     torch.set_num_threads(threads)
     kernels.set_num_threads(threads)
-    model = specmoe.from_pretrained(path, cache=1.0, progress=False, prefetch=False)
+    model = specmoe.from_pretrained(path, cache=cache, progress=False, prefetch=False)
     model.generation_config.eos_token_id = None
     eng = specmoe.engine_of(model)
-    load_every_expert(eng)
+    if cache >= 1.0:
+        load_every_expert(eng)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(max(clients))]
@@ -133,7 +137,8 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
                 log(f"round {r} B={B} {mode}: decode {got[mode]['decode_tok_s']:.1f} tok/s")
             row = out.setdefault(str(B), {})
             for mode in modes:
-                for k in ("out_tok_s", "decode_tok_s", "batched_steps"):
+                for k in ("out_tok_s", "decode_tok_s", "first_tokens_s", "batched_steps",
+                          "batched_prefills"):
                     v = got[mode][k]
                     row.setdefault(f"{mode}_{k}_runs", []).append(
                         round(v, 3) if isinstance(v, float) else v)
@@ -150,20 +155,27 @@ def main() -> None:
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--cache", type=float, default=1.0,
+                    help="share of the experts the cache holds (1: every expert resident, "
+                         "loaded before timing; below 1 the experts come from the store, "
+                         "where a prefill forward shared by several prompts loads each once)")
     a = ap.parse_args()
+    if not 0.0 < a.cache <= 1.0:
+        ap.error(f"--cache must be in (0, 1], got {a.cache}")
     threads = int(a.threads.split(",")[-1])  # one thread count: the largest given
     clients = sorted({int(c) for c in a.clients.split(",")})
     if a.quick:
         a.experts, a.rounds, clients, a.max_tokens = 8, 1, [1, 3], 6
     if a._worker:
-        worker(a._worker, threads, clients, a.rounds, a.prompt, a.max_tokens)
+        worker(a._worker, threads, clients, a.rounds, a.prompt, a.max_tokens, a.cache)
         return
     path = gguf_path(a)  # (hybrid_peers.py's files)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
     got = run_worker(__file__, path, ["--threads", str(threads), "--clients",
                                       ",".join(map(str, clients)), "--rounds", str(a.rounds),
                                       "--prompt", str(a.prompt), "--max-tokens",
-                                      str(a.max_tokens)] + (["--quick"] if a.quick else []))
+                                      str(a.max_tokens), "--cache", str(a.cache)]
+                     + (["--quick"] if a.quick else []))
     rows: list[dict[str, Any]] = []
     if "error" in got:
         rows.append({"name": "specmoe", **got})
@@ -183,11 +195,11 @@ def main() -> None:
     res = {"config": {"model": f"{a.arch} ({ARCHS[a.arch]} per-layer shapes)",
                       "layers": a.layers, "experts": a.experts, "quick": a.quick,
                       "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
+                      "cache": a.cache,
                       "clients": clients, "rounds": a.rounds, "file": made,
                       "machine": hostinfo.host(threads)},
-           "peers": {"llama-server": "not run here: benchmarks/serve.py runs llama.cpp's "
-                                     "server on a checkpoint folder (DeepSeek-V2-Lite's "
-                                     "shape), not on this GGUF file"},
+           "peers": {"llama-server": "not run here: benchmarks/serve.py --models hybrid "
+                                     "serves this GGUF file with both servers"},
            "rows": rows}
     hostinfo.emit(res, a.save, a.json)
 
