@@ -111,3 +111,16 @@ def test_dense_gguf_benchmark_smoke(tmp_path, monkeypatch):
                for d in ("bf16", "gguf", "int4"))
     assert run["dense_bytes"]["gguf"] < run["dense_bytes"]["bf16"]
     assert len(run["gguf_vs_bf16_runs"]) == 1
+
+
+def test_int_products_builds_checks_and_reports(tmp_path_factory, c_compiler):
+    """benchmarks/c/int_products.c (the AVX2 rows' compute ceiling, performance.md's Zen 1
+    section): built with warnings as errors; its loops' results checked against plain C by
+    the harness itself (exit 1 otherwise), then one round timed."""
+    if _C.KernelContext(1).isa_max not in ("avx2", "avx512"):
+        pytest.skip("needs AVX2")
+    exe = _build(tmp_path_factory, c_compiler, "int_products", [], ["-mavx2", "-mfma"])
+    r = subprocess.run([str(exe), "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["rounds"] == 1 and row["int4_gbps"] > 0 and row["int8_gbps"] > 0, row
