@@ -9,15 +9,20 @@ from pathlib import Path
 from typing import Any
 
 
-# AMD's core generations by cpuid family, and within family 0x19 by model (Zen 3: Milan,
-# Vermeer, Rembrandt, Cezanne; Zen 4: Genoa, Raphael, Phoenix, Bergamo / Siena).  Virtual
-# machines often name the CPU "AMD EPYC" alone, so these say which EPYC a figure came from.
-_AMD_FAMILIES = {0x17: "Zen / Zen 2", 0x1A: "Zen 5"}
+# AMD's core generations by cpuid family, and within families 0x17 and 0x19 by model (Zen and
+# Zen+: Naples, Summit / Pinnacle Ridge, Raven Ridge, Picasso, models below 0x30; Zen 2: Rome,
+# Matisse, Renoir and later; Zen 3: Milan, Vermeer, Rembrandt, Cezanne; Zen 4: Genoa, Raphael,
+# Phoenix, Bergamo / Siena).  Virtual machines often name the CPU "AMD EPYC" alone, so these
+# say which EPYC a figure came from.
+_AMD_FAMILIES = {0x1A: "Zen 5"}
 _ZEN3 = (range(0x00, 0x10), range(0x20, 0x30), range(0x40, 0x60))
 _ZEN4 = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
 
 
-def _amd_core(family: int, model: int) -> str | None:
+def amd_core(family: int, model: int) -> str | None:
+    """AMD's core generation for a cpuid ``family`` and ``model`` (None: not one named here)."""
+    if family == 0x17:
+        return "Zen / Zen+" if model < 0x30 else "Zen 2"
     if family == 0x19:
         return ("Zen 3" if any(model in r for r in _ZEN3)
                 else "Zen 4" if any(model in r for r in _ZEN4) else None)
@@ -50,7 +55,7 @@ def cpu() -> dict[str, Any]:
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "scalar"
     d: dict[str, Any] = {"cpu": model, "cpu_family": family, "cpu_model": number}
     if vendor == "AuthenticAMD" and family is not None and number is not None:
-        d["cpu_core"] = _amd_core(family, number)
+        d["cpu_core"] = amd_core(family, number)
     d.update({"cpu_isa": isa, "avx512_vnni": "avx512_vnni" in flags,
               "avx512_bf16": "avx512_bf16" in flags, "cores": os.cpu_count(),
               "python": platform.python_version()})
