@@ -34,8 +34,12 @@ test: build fuzz-deps
 
 # The end-to-end runs marked slow (pyproject.toml): a memory cgroup around convert and generate,
 # a Ray cluster behind `specmoe serve --ray`, the setters-during-generate stress, the zoo and
-# MTP training smoke runs, the notebooks, and the two longest MTP runs (batched greedy, the
-# one-request sampling distribution).  Kept out of make test's 15 minutes; .ci/run runs them.
+# MTP training smoke runs, the notebooks, the two longest MTP runs (batched greedy, the
+# one-request sampling distribution), and the costliest cases of the widest parametrisations
+# (every architecture from a fused checkpoint, the scalar rows at the wide shape, the full
+# shared traces, a second seed or slot count of the policy replays, the CLI form of the
+# SIGKILL leftover, the n-gram drafter's sampling distribution).  Kept out of make test's
+# 15 minutes; .ci/run runs them.
 test-slow: build
 	$(PY) -m pytest -q -m slow --durations=10 tests
 

@@ -76,10 +76,13 @@ def _quantized_expert(kind: str, H: int, I: int):
     return t, rng.bit_generator.state
 
 
+# the scalar rows at the wide shape (the slowest third of this test) run in make test-slow
 @pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("kind", list(KINDS) + list(gb.BLOCKS))
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa,shape", [
+    pytest.param(isa, s, id=f"{isa}-{s[0]}x{s[1]}",
+                 marks=pytest.mark.slow if isa == "scalar" and s == SHAPES[1] else ())
+    for isa in ISAS for s in SHAPES])
 def test_expert_rows_equal_one_token_calls(ctx, isa, kind, shape, precise):
     """Each token of a 2-9 token call equals that token alone, bit for bit."""
     _isa(ctx, isa)

@@ -391,7 +391,8 @@ def exact_joint(model, prompt, V, temperature):
     return np.stack([p1[a] * probs(prompt + [a]) for a in range(V)]), p1
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft", "ngram"])
+@pytest.mark.parametrize("drafter_kind",
+                         ["draft", pytest.param("ngram", marks=pytest.mark.slow)])
 def test_sampling_follows_target_distribution(small_pair, drafter_kind):
     target, draft, eng, V = small_pair
     prompt = [3, 1, 4, 1, 3, 1]  # "3 1" recurs: the n-gram drafter proposes "4 1" / "4"

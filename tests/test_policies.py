@@ -227,6 +227,7 @@ def full_trace():
     return specmoe.load_puffin(path)
 
 
+@pytest.mark.slow
 def test_full_traces(full_trace):
     """The full shared set (3.1M accesses): LRU against its reference at 10%, and Belady
     above every policy at 5% and 10% (the 25% replays are the slowest and add little)."""

@@ -210,7 +210,7 @@ REFS = {
                                      ("spac", {"levels": 4, "gamma": 3, "tau": 2}),
                                      ("spac", {"levels": 5, "gamma": 3, "counts": True}),
                                      ("lhu", {}), ("fld", {}), ("score", {})])
-@pytest.mark.parametrize("nslots", [1, 5, 23])
+@pytest.mark.parametrize("nslots", [1, pytest.param(5, marks=pytest.mark.slow), 23])
 @pytest.mark.parametrize("mask_seed", [0, 7])
 def test_replay_matches_reference(name, kw, nslots, mask_seed):
     rng = np.random.default_rng(nslots + mask_seed + len(name))

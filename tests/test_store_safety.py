@@ -253,7 +253,7 @@ def test_sigterm_or_sighup_mid_conversion_removes_the_temporary(tmp_path, ckpt, 
     assert len(os.listdir(directory)) == 1 and _temporaries(directory) == []
 
 
-@pytest.mark.parametrize("how", ["cli", "api"])
+@pytest.mark.parametrize("how", [pytest.param("cli", marks=pytest.mark.slow), "api"])
 def test_sigkill_leftover_is_removed_by_the_next_conversion(tmp_path, ckpt, how, capfd):
     """Item 4b: a SIGKILLed conversion's temporary (up to the store's size) was never removed;
     the next conversion into that directory removes it (cli: the same store; api: another

@@ -44,14 +44,14 @@ def check(name, ckw, rkw, keys, starts, L, E, mask_seed, counts=None):
                                      ("least_stale", {"order": "fifo"}), ("lhu", {}),
                                      ("fld", {})],
                          ids=["lfu", "ls-layer", "ls-lru", "ls-fifo", "lhu", "fld"])
-@pytest.mark.parametrize("mask_seed", [0, 5])
+@pytest.mark.parametrize("mask_seed", [pytest.param(0, marks=pytest.mark.slow), 5])
 def test_many_slots(name, kw, mask_seed):
     L, E = 16, 256
     keys, starts = stream(len(name) + mask_seed, L, E, 9000)
     check(name, kw, kw, keys, starts, L, E, mask_seed)
 
 
-@pytest.mark.parametrize("mask_seed", [0, 3])
+@pytest.mark.parametrize("mask_seed", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_many_slots_spac(mask_seed):
     rng = np.random.default_rng(11 + mask_seed)
     L, E = 16, 256
