@@ -656,13 +656,8 @@ def test_serving_a_gguf_file_prefills_prompts_of_one_length_alone(_cache_dir, tm
     so the server prefills its prompts one at a time by default, every request getting
     model.generate's greedy tokens alone; batch_prefill=True groups them, without that
     promise."""
-    import threading
-
-    from specmoe.serve.scheduler import GenParams, Request, Scheduler
-
-    class _Ids:
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(map(str, ids))
+    from specmoe.serve.scheduler import Scheduler
+    from tests.conftest import IdText, served_greedy
 
     path, _ = save_gguf(tiny_model("mixtral", hidden=256, inter=256, vocab=128),
                         tmp_path / "p.gguf", expert_qtype="Q4_0")
@@ -673,23 +668,15 @@ def test_serving_a_gguf_file_prefills_prompts_of_one_length_alone(_cache_dir, tm
         prompts = [torch.randint(3, 128, (48,), generator=g).tolist() for _ in range(4)]
         refs = [_greedy(model, torch.tensor([p]), n=6) for p in prompts]
         for batch_prefill, grouped in ((False, 0), (True, 1)):
-            sch = Scheduler(model, _Ids(), max_batch=8, prefill_chunk=64,
+            sch = Scheduler(model, IdText(), max_batch=8, prefill_chunk=64,
                             batch_prefill=batch_prefill)
             assert not sch.prefill_groups_exact
-            done, reqs = threading.Event(), []
-
-            def sink(ev):
-                if ev[0] in ("done", "error") and all(r.finished for r in reqs):
-                    done.set()
-            reqs += [Request(p, GenParams(max_tokens=6, temperature=0), sink)
-                     for p in prompts]
             try:
-                sch.submit(*reqs)
-                assert done.wait(120), [r.finished for r in reqs]
+                got = served_greedy(sch, prompts, 6)
             finally:
                 sch.close()
             assert sch.batched_prefills == grouped
             if not batch_prefill:
-                assert [r.generated for r in reqs] == refs
+                assert got == refs
     finally:
         specmoe.engine_of(model).close()

@@ -32,7 +32,8 @@ pytest.importorskip("prometheus_client")
 
 import specmoe  # noqa: E402
 from tests.conftest import IdText as _IdText  # noqa: E402
-from tests.conftest import free_port, greedy_alone, specmoe_cache_and_one_thread  # noqa: E402
+from tests.conftest import free_port, greedy_alone, served_greedy  # noqa: E402
+from tests.conftest import specmoe_cache_and_one_thread  # noqa: E402
 from specmoe.cli import main  # noqa: E402
 from specmoe.serve import app  # noqa: E402
 
@@ -255,23 +256,6 @@ def test_concurrent_requests_equal_generate_alone(served):
                                                                   sch.peak_batch)
 
 
-def _collect(sch, prompts, max_tokens):
-    """Submit every prompt in one call (so the worker admits them all in one round) and wait
-    for each to finish: [generated ids]."""
-    from specmoe.serve.scheduler import GenParams, Request
-    done, reqs = threading.Event(), []
-
-    def sink(ev):
-        if ev[0] in ("done", "error") and all(r.finished for r in reqs):
-            done.set()
-    reqs += [Request(ids, GenParams(max_tokens=max_tokens, temperature=0), sink)
-             for ids in prompts]
-    sch.submit(*reqs)
-    assert done.wait(120), [r.finished for r in reqs]
-    assert all(r.finished == "length" for r in reqs), [(r.finished, r.error) for r in reqs]
-    return [r.generated for r in reqs]
-
-
 def test_pace_takes_prompts_in_arrival_order_within_the_allowance():
     """The pacing rule: the first requests whose next chunks fit the allowance, at least
     one (a chunk is the prompt's rest, at most ``chunk`` tokens)."""
@@ -354,7 +338,8 @@ def test_prompts_arriving_together_are_prefilled_in_one_forward(served):
         refs = [_greedy(model, tok, ids, n)[0] for ids in prompts]
         sch = Scheduler(model, tok, max_batch=8, prefill_chunk=64, batch_prefill=True)
         try:
-            got = [tok.decode(g, skip_special_tokens=True) for g in _collect(sch, prompts, n)]
+            got = [tok.decode(g, skip_special_tokens=True)
+                   for g in served_greedy(sch, prompts, n)]
             assert got == refs
             assert sch.batched_prefills >= 1 and sch.peak_batch == len(prompts)
             # a fault in a batched prefill forward: each request prefills alone
@@ -369,7 +354,7 @@ def test_prompts_arriving_together_are_prefilled_in_one_forward(served):
             try:
                 before = sch.batched_prefills
                 got = [tok.decode(g, skip_special_tokens=True)
-                       for g in _collect(sch, prompts, n)]
+                       for g in served_greedy(sch, prompts, n)]
             finally:
                 hook.remove()
             assert fired and got == refs
@@ -428,7 +413,7 @@ def test_requests_arriving_together_get_their_tokens_alone_bit_for_bit():
             refs.append(out[0, len(ids):].tolist())
         sch = Scheduler(model, _IdText(), max_batch=8, prefill_chunk=64)
         try:
-            got = _collect(sch, prompts, n)
+            got = served_greedy(sch, prompts, n)
             # the two 20-token prompts in one prefill forward, the others alone
             assert sch.batched_prefills == 1 and sch.batched_steps > 0 and sch.peak_batch == 4
         finally:
@@ -510,7 +495,7 @@ def test_caches_that_cannot_hold_holes_are_served_as_generate_alone(arch, reason
         sch = Scheduler(model, _IdText(), max_batch=8, prefill_chunk=64)
         try:
             assert reason in sch.batch_off_reason
-            assert _collect(sch, prompts, 6) == refs
+            assert served_greedy(sch, prompts, 6) == refs
         finally:
             sch.close()
     finally:
@@ -634,7 +619,7 @@ def test_a_fault_in_a_batched_step_of_a_recurrent_model_fails_its_rows():
             assert sch.alive and sch._bkv is None
             # the server goes on: later requests (batched again after the pause of
             # _BATCH_PAUSE rounds) are exact
-            got = _collect(sch, prompts, _BATCH_PAUSE + 6)
+            got = served_greedy(sch, prompts, _BATCH_PAUSE + 6)
             assert sch.batched_steps > 0
         finally:
             sch.close()
