@@ -11,9 +11,8 @@ each kernel, each linear layer, and whole models' logits.  The decode attention 
 (mha.c, mla.c) add one case of their own: the rows of a batched step have holes (other rows
 are longer, drafts were rejected), and a row must still get the bits of its step alone.
 
-GGUF block formats kept as a file holds them are invariant up to 16 tokens a call (decode
-sizes: ffn_blocks.c INVARIANT_T runs each token through the one-token rows; prefill chunks
-above take the multi-token tiles).  Not covered, with the reason: models whose torch-side f32
+GGUF block formats kept as a file holds them are invariant at any token count
+(ffn_blocks.c INVARIANT_T, tiles_keep_order), prefill sizes included.  Not covered, with the reason: models whose torch-side f32
 matrix products (a router or a shared-expert gate left in torch) are not invariant in torch
 itself.
 """
@@ -98,16 +97,16 @@ def test_expert_rows_equal_one_token_calls(ctx, isa, kind, shape, precise):
         assert not differ, f"{T} tokens: tokens {differ} differ from their one-token calls"
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"])
-def test_vnni_expert_rows_of_prefill_sizes_equal_one_token_calls(ctx, kind):
-    """With AVX-512 VNNI the GGUF block rows (these formats have them) keep the one-token
-    order at any token count, 16 tokens a pass: each token of a 37-token call (passes of 16,
-    16 and 5; a prefill's tokens at one expert) is its one-token call's, bit for bit.
-    (Without VNNI, and for Q4_1, Q2_K and Q3_K, past 16 tokens the AVX2 tiles sum in an
-    order of their own.)"""
-    _isa(ctx, "avx512")
-    if not ctx.features.get("avx512_vnni"):
-        pytest.skip("no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("kind", list(gb.BLOCKS))
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_block_rows_of_prefill_sizes_equal_one_token_calls(ctx, isa, kind):
+    """The GGUF block rows keep the one-token order at any token count: each token of a
+    37-token call (past INVARIANT_T, a prefill's tokens at one expert: the AVX2 form's tiles
+    where they keep that order, else the one-token rows; the AVX-512 VNNI rows 16 tokens a
+    pass, 16, 16 and 5) is its one-token call's, bit for bit.  Before, the AVX2 tiles summed
+    in an order of their own past 16 tokens, and a GGUF model's prompts of one length could
+    not share a prefill exactly."""
+    _isa(ctx, isa)
     H, I = SHAPES[0]
     t, rng = _expert(kind, H, I)
     x = rng.standard_normal((37, H)).astype(np.float32)

@@ -357,25 +357,37 @@ AI __m256 q32_dot(__m256i wq, float d, const int8_t *xq, float xs, __m256 acc) {
     return _mm256_fmadd_ps(_mm256_set1_ps(d * xs), _mm256_cvtepi32_ps(p), acc);
 }
 
-/* Q8_0 / Q4_0 / MXFP4 rows (blocks of 32 columns, bb bytes) against nt tokens. */
+/* Q8_0 / Q4_0 / MXFP4 rows (blocks of 32 columns, bb bytes) against nt tokens: each token's
+ * sums in row1_b32's order (the even blocks into one accumulator, the odd ones into another,
+ * added at the end), so that a token gets the bits of its one-token call (batch invariance:
+ * Q8_0 serves calls of more than INVARIANT_T tokens through these tiles). */
 AI void rows_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32_t n,
                  float *res) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
-    __m256 acc[TILE];
-    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (uint32_t b = 0; b < nb; b++, w += bb) {
-        if (!(b & 1)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
-        const __m256i wq = q32_of(dt, w);
-        const float d = b32_scale(dt, w);
-        for (uint32_t t = 0; t < nt; t++)
-            acc[t] = q32_dot(wq, d, x[t].q + 32 * b, x[t].s[b], acc[t]);
+    __m256 a0[TILE], a1[TILE]; /* constant indices only: the arrays stay in registers */
+    for (uint32_t t = 0; t < nt; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    uint32_t b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * bb) {
+        _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+        const __m256i w0 = q32_of(dt, w), w1 = q32_of(dt, w + bb);
+        const float d0 = b32_scale(dt, w), d1 = b32_scale(dt, w + bb);
+        for (uint32_t t = 0; t < nt; t++) {
+            a0[t] = q32_dot(w0, d0, x[t].q + 32 * b, x[t].s[b], a0[t]);
+            a1[t] = q32_dot(w1, d1, x[t].q + 32 * b + 32, x[t].s[b + 1], a1[t]);
+        }
     }
-    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
+    if (b < nb) {
+        const __m256i w0 = q32_of(dt, w);
+        const float d0 = b32_scale(dt, w);
+        for (uint32_t t = 0; t < nt; t++)
+            a0[t] = q32_dot(w0, d0, x[t].q + 32 * b, x[t].s[b], a0[t]);
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(_mm256_add_ps(a0[t], a1[t]));
 }
 
-/* rows_b32 for one token (Q8_0, and Q4_0 in a call of more than 16 tokens; up to 16, Q4_0 and
- * MXFP4 take row1_b4x8 below): two blocks per step into two accumulators (the fma chain, the
- * f16 conversions and the unpacking of one block overlap the other's). */
+/* rows_b32 for one token (Q8_0; Q4_0 and MXFP4 take row1_b4x8 below): two blocks per step
+ * into two accumulators (the fma chain, the f16 conversions and the unpacking of one block
+ * overlap the other's). */
 AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -605,7 +617,8 @@ AI void rows_q4_1(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float
 }
 
 /* rows_q4_1 for one token, two blocks per step into two accumulators (as row1_b32), on the
- * input in block order (a call of more than 16 tokens; up to 16: row1_b4x8). */
+ * input in block order (the AVX-512 VNNI form's calls, whose input is not in pair order; the
+ * AVX2 form's take row1_b4x8). */
 AI float row1_q4_1(const uint8_t *w, const xin *x, uint32_t n) {
     const uint32_t nb = n / 32;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -1213,14 +1226,30 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_q6_k(w, x, nt, n, res);
 }
 
-/* Batch invariance: a call of up to INVARIANT_T tokens (decode sizes: a verification of K
- * drafts, a serving step's tokens at one expert) runs every token through the one-token rows,
- * row by row (the row stays in L1 for the next token), so each token's output is bit for bit
- * what a one-token call gives it; here, in the AVX2 form, the multi-token tiles (rows_* of nt
- * tokens, their own summation order) serve longer calls (prefill).  The AVX-512 VNNI rows
- * below keep the one-token order at any count, INVARIANT_T tokens a pass.
+/* Batch invariance: each token of a call, at any token count, gets bit for bit what a
+ * one-token call gives it (a verification of K drafts, a serving step's tokens at one expert,
+ * prompts of one length prefilled together).  A call of up to INVARIANT_T tokens runs every
+ * token through the one-token rows, row by row (the row stays in L1 for the next token).
+ * Longer calls (prefill) run TILE tokens a pass through the multi-token tiles where those sum
+ * each token in the one-token order (tiles_keep_order), else go on through the one-token
+ * rows.  Those are the formats whose one-token rows read the input in pair order (Q4_0,
+ * MXFP4, Q4_1, IQ4_XS; pair_order) and fold blocks in f32 in another order than the tiles,
+ * which gave a prompt other last bits beside others of its length.  At 48 tokens a call
+ * (DeepSeek-V2-Lite's expert shape, one thread, AMD EPYC Zen 1, 2 interleaved rounds of
+ * benchmarks/expert_kernels.py) Q4_0's expert took 0.73-0.74 of its time on the tiles,
+ * IQ4_XS's 1.08-1.09x, Q8_0's (tiles of two accumulator sets now) 0.98-1.05x.  The AVX-512
+ * VNNI rows below keep the one-token order at any count, INVARIANT_T tokens a pass.
  * tests/test_batch_invariance.py. */
 #define INVARIANT_T 16
+
+/* Whether the multi-token tiles of dt (rows_fast of nt > 1) sum each token as its one-token
+ * row does: Q8_0 (rows_b32, two accumulators as row1_b32); the K-quants (rows_qk, rows_q23_k,
+ * rows_q6_k: per super-block the integer sums of row2_qk, row1_q23_k, row1_q6_k, exact in any
+ * order, then the same f32 products and FMAs in the same order). */
+AI int tiles_keep_order(int32_t dt) {
+    return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q2_K || dt == SMOE_WDT_Q3_K ||
+           dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K || dt == SMOE_WDT_Q6_K;
+}
 
 /* gate/up row i for token t alone (the one-token forms) */
 static void gateup_one(const smoe_ffn_job *j, uint32_t t, uint32_t i) {
@@ -1249,7 +1278,7 @@ static void gateup_fast(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const size_t rb = row_bytes(d->dtype, H);
     const uint8_t *gw = j->block + d->gate, *uw = j->block + d->up;
     float g[TILE], u[TILE];
-    if (j->T <= INVARIANT_T) {
+    if (j->T <= INVARIANT_T || !tiles_keep_order(d->dtype)) {
         for (uint32_t i = i0; i < i1; i++)
             for (uint32_t t = 0; t < j->T; t++) gateup_one(j, t, i);
         return;
@@ -1288,7 +1317,7 @@ static void down_fast(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
         if (!((h1 - h0) & 1)) return;
         h0 = h1 - 1; /* an odd chunk's last row, alone below */
     }
-    if (j->T <= INVARIANT_T) {
+    if (j->T <= INVARIANT_T || !tiles_keep_order(dt)) {
         for (uint32_t h = h0; h < h1; h++)
             for (uint32_t t = 0; t < j->T; t++) {
                 rows_fast(dt, dw + h * rb, j, t, 1, I, y);
@@ -2344,7 +2373,7 @@ uint32_t smoe_blocks_prepare(const smoe_ffn_impl *impl, int32_t dtype, const flo
                              int8_t *q, float *qs, float *qsum) {
 #if HAVE_FAST
     prepare_avx2(dtype, src, stride, rows, T, n, q, qs, qsum);
-    if (impl == &impl_fast && T <= INVARIANT_T &&
+    if (impl == &impl_fast &&
         (dtype == SMOE_WDT_Q4_0 || dtype == SMOE_WDT_MXFP4 || dtype == SMOE_WDT_IQ4_XS ||
          dtype == SMOE_WDT_Q4_1)) {
         for (uint32_t t = 0; t < T; t++) pair_order(q + (size_t)t * n, n);
