@@ -650,12 +650,12 @@ def test_dense_auto_takes_a_gguf_files_own_blocks(_cache_dir, tmp_path):
             eng.close()
 
 
-def test_serving_a_gguf_file_prefills_prompts_of_one_length_alone(_cache_dir, tmp_path):
-    """A GGUF file's blocks in C are not batch invariant past 16 tokens a matrix on AVX2 (a
-    48-token prompt's logits differed in the last bits beside three others on a Zen 1 EPYC),
-    so the server prefills its prompts one at a time by default, every request getting
-    model.generate's greedy tokens alone; batch_prefill=True groups them, without that
-    promise."""
+def test_serving_a_gguf_file_prefills_prompts_of_one_length_together(_cache_dir, tmp_path):
+    """A GGUF file's blocks in C keep the one-token order at any token count (48-token
+    prompts: past the 16 tokens a matrix where the AVX2 form used tiles of another order,
+    which gave a prompt other last bits beside three others on a Zen 1 EPYC), so the server
+    prefills prompts of one length in one forward, each request still getting
+    model.generate's greedy tokens alone."""
     from specmoe.serve.scheduler import Scheduler
     from tests.conftest import IdText, served_greedy
 
@@ -667,16 +667,12 @@ def test_serving_a_gguf_file_prefills_prompts_of_one_length_alone(_cache_dir, tm
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(3, 128, (48,), generator=g).tolist() for _ in range(4)]
         refs = [_greedy(model, torch.tensor([p]), n=6) for p in prompts]
-        for batch_prefill, grouped in ((False, 0), (True, 1)):
-            sch = Scheduler(model, IdText(), max_batch=8, prefill_chunk=64,
-                            batch_prefill=batch_prefill)
-            assert not sch.prefill_groups_exact
-            try:
-                got = served_greedy(sch, prompts, 6)
-            finally:
-                sch.close()
-            assert sch.batched_prefills == grouped
-            if not batch_prefill:
-                assert got == refs
+        sch = Scheduler(model, IdText(), max_batch=8, prefill_chunk=64)
+        try:
+            got = served_greedy(sch, prompts, 6)
+        finally:
+            sch.close()
+        assert sch.batched_prefills == 1
+        assert got == refs
     finally:
         specmoe.engine_of(model).close()

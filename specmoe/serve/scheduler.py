@@ -86,14 +86,8 @@ size, the C kernels being batch invariant (docs/speculation.md, "How exact").  P
 in torch (an f32 model's dense layers) may round by shape in the last bits (``dense="f32"``
 puts them in C).  A prefill of prompts of one length gives each the bits of its prefill
 alone on the same terms (its products in C, or in torch's GEMMs, which gave every row its
-bits at any row count above 16 in our measurements) -- except where a GGUF file's blocks run
-in C (its experts, or ``dense="gguf"``): their AVX2 rows run calls of more than 16 tokens at
-a matrix through multi-token tiles of their own summation order (csrc/kernels/ffn_blocks.c,
-INVARIANT_T), so an expert's tokens would get other bits in a forward of several prompts;
-such a model prefills each prompt alone unless ``batch_prefill`` is set
-(:attr:`Scheduler.prefill_groups_exact`; on every host: the AVX-512 VNNI rows keep the
-one-token order for most block kinds, the others run the AVX2 form there, and the rule does
-not tell them apart yet).  A batched
+bits at any row count above 16 in our measurements; a GGUF file's blocks in C keep the
+one-token order at any token count, csrc/kernels/ffn_blocks.c INVARIANT_T).  A batched
 prefill of other lengths (``batch_prefill``) is not exact: the group is left-padded, a
 padded prompt's torch attention runs beside a mask its prefill alone does not have, and the
 group's length may put it on the other side of specmoe's switches between C (decode sizes)
@@ -295,12 +289,6 @@ class Scheduler:
         # recurrent layers: decode steps batch (a state per row), prefills do not -- the
         # torch paths of a linear-attention or Mamba prefill round a row by the batch's shape
         self.stateful = bool(recurrent_layer_types(model.config))
-        # prompts of one length share a forward by default only where that keeps their bits
-        self.prefill_groups_exact = not _gguf_blocks_in_c(model)
-        if not self.prefill_groups_exact and not batch_prefill:
-            _log.info("specmoe serve: every prompt is prefilled alone: a GGUF file's blocks "
-                      "run in C, whose rows are not batch invariant past 16 tokens "
-                      "(batch_prefill=True groups prompts anyway, without exactness)")
         if self.stateful and batch_prefill:
             _log.info("specmoe serve: batch_prefill has no effect here: the prompts of a model "
                       "with recurrent layers are prefilled one at a time")
@@ -618,8 +606,7 @@ class Scheduler:
 
     def _prefill_all(self, reqs: List[Request]) -> None:
         alone = list(reqs)
-        grouping = self.batch_prefill or self.prefill_groups_exact
-        if grouping and self.batch_off_reason is None and not self._pause and not self.stateful:
+        if self.batch_off_reason is None and not self._pause and not self.stateful:
             fresh = [r for r in reqs if r.fed == 0 and len(r.prompt) <= self.prefill_chunk]
             groups = _prefill_groups(fresh) if self.batch_prefill else _equal_groups(fresh)
             for group in groups:
@@ -913,17 +900,6 @@ def _equal_groups(reqs: List[Request], most: int = 16) -> List[List[Request]]:
             if len(same[i:i + most]) >= 2:
                 groups.append(same[i:i + most])
     return groups
-
-
-def _gguf_blocks_in_c(model: nn.Module) -> bool:
-    """Whether ``model`` runs a GGUF file's blocks in C: its experts (a ``gguf`` store) or a
-    dense layer (:class:`specmoe.models.layers.CLinear` of a block kind, ``dense="gguf"``)."""
-    from ..models.layers import CLinear
-    from ..runtime.kernels import GGUF_BLOCKS
-    eng = find_engine(model)
-    if eng is not None and getattr(eng, "dtype", None) == "gguf":
-        return True
-    return any(isinstance(m, CLinear) and m.dtype in GGUF_BLOCKS for m in model.modules())
 
 
 def _unbatchable(model: nn.Module, speculating: bool = False) -> Optional[str]:
