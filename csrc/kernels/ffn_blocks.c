@@ -594,29 +594,7 @@ AI __m256 q41_sum(__m256i wq, const int8_t *xq) {
         _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), _mm256_set1_epi16(1)));
 }
 
-/* Q4_1 rows against nt tokens: per block d * s_x * sum q x into acc, m * s_x * sum x into am. */
-AI void rows_q4_1(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
-    const uint32_t nb = n / 32;
-    __m256 acc[TILE];
-    float am[TILE];
-    for (uint32_t t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        am[t] = 0.0f;
-    }
-    for (uint32_t b = 0; b < nb; b++, w += 20) {
-        if (!(b & 1)) _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
-        const __m256i wq = q41_of(w);
-        const float d = ld_f16(w), m = ld_f16(w + 2);
-        for (uint32_t t = 0; t < nt; t++) {
-            const float xs = x[t].s[b];
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs), q41_sum(wq, x[t].q + 32 * b), acc[t]);
-            am[t] += m * xs * (float)x[t].bs[b];
-        }
-    }
-    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]) + am[t];
-}
-
-/* rows_q4_1 for one token, two blocks per step into two accumulators (as row1_b32), on the
+/* Q4_1 at one token, two blocks per step into two accumulators (as row1_b32), on the
  * input in block order (the AVX-512 VNNI form's calls, whose input is not in pair order; the
  * AVX2 form's take row1_b4x8). */
 AI float row1_q4_1(const uint8_t *w, const xin *x, uint32_t n) {
@@ -1105,40 +1083,7 @@ static float row1_q6_k(const uint8_t *w, const xin *x, uint32_t n) {
 
 /* ---- IQ4_XS: one input scale per 256 columns, int16 scales per 32 columns ---- */
 
-/* IQ4_XS rows against nt tokens: per sub-block the 32 weights looked up once (low nibbles:
- * columns 0..15, high: 16..31) and dotted with every token's int8 input. */
-static void rows_iq4_xs(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
-    const uint32_t nsb = n / 256;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i kv128 = _mm_loadu_si128((const __m128i *)iq4nl_values);
-    const __m256i kv = _mm256_set_m128i(kv128, kv128);
-    __m256 acc[TILE];
-    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (uint32_t s = 0; s < nsb; s++, w += 136) {
-        for (uint32_t k = 0; k < 3; k++)
-            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
-        __m256i sumi[TILE];
-        for (uint32_t t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
-        for (uint32_t j = 0; j < 8; j++) {
-            const __m128i v = _mm_loadu_si128((const __m128i *)(w + 8 + 16 * j));
-            const __m256i idx =
-                _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-            const __m256i wq = _mm256_shuffle_epi8(kv, idx);
-            const __m256i aw = _mm256_sign_epi8(wq, wq);
-            const __m256i sc = _mm256_set1_epi16((short)iq4xs_scale(w, j));
-            for (uint32_t t = 0; t < nt; t++) {
-                const __m256i xv =
-                    _mm256_loadu_si256((const __m256i *)(x[t].q + 256 * s + 32 * j));
-                const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq));
-                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, sc));
-            }
-        }
-        tile_fold(acc, sumi, ld_f16(w), x, s, nt);
-    }
-    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
-}
-
-/* rows_iq4_xs for one token, every vector in a register, the input in pair order
+/* IQ4_XS at one token, every vector in a register, the input in pair order
  * (pair_order): two sub-blocks per step, their 32 bytes of nibbles one 256-bit load whose low
  * and high nibbles, looked up with one 256-bit vpshufb each, are [sub-block j columns 0-15 |
  * j + 1 columns 0-15] and the same for 16-31, against two loads of the input; the two
@@ -1187,23 +1132,20 @@ static float row1_iq4_xs(const uint8_t *w, const xin *x, uint32_t n) {
     return hsum8(acc);
 }
 
-/* Row w of dt against tokens [t0, t0 + nt) (nt <= TILE) of the prepared input: res[0..nt). */
+/* Row w of dt against tokens [t0, t0 + nt) (nt <= TILE) of the prepared input: res[0..nt).
+ * nt > 1 only for the formats of tiles_keep_order; the others have one-token rows alone. */
 AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t t0, uint32_t nt,
                   uint32_t n, float *res) {
     xin x[TILE];
     for (uint32_t t = 0; t < nt; t++) x[t] = xin_of(j, dt, t0 + t, n);
     if (dt == SMOE_WDT_Q4_1 && x[0].pairs)
         res[0] = row1_b4x8(SMOE_WDT_Q4_1, w, x, n);
-    else if (dt == SMOE_WDT_Q4_1 && nt == 1)
+    else if (dt == SMOE_WDT_Q4_1) /* the VNNI form's calls (input in block order) */
         res[0] = row1_q4_1(w, x, n);
-    else if (dt == SMOE_WDT_Q4_1)
-        rows_q4_1(w, x, nt, n, res);
     else if (dt == SMOE_WDT_MXFP4 && x[0].pairs) /* (each format its own inlined loop) */
         res[0] = row1_b4x8(SMOE_WDT_MXFP4, w, x, n);
     else if (dt == SMOE_WDT_Q4_0 && x[0].pairs)
         res[0] = row1_b4x8(SMOE_WDT_Q4_0, w, x, n);
-    else if (dt == SMOE_WDT_MXFP4)
-        rows_b32(SMOE_WDT_MXFP4, w, x, nt, n, res);
     else if (smoe_wdt_block_cols(dt) == 32 && nt == 1)
         res[0] = row1_b32(dt, w, x, n);
     else if (smoe_wdt_block_cols(dt) == 32)
@@ -1216,10 +1158,8 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_q3_k(w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q5_K)
         rows_q5_k(w, x, nt, n, res);
-    else if (dt == SMOE_WDT_IQ4_XS && x[0].pairs)
-        res[0] = row1_iq4_xs(w, x, n);
     else if (dt == SMOE_WDT_IQ4_XS)
-        rows_iq4_xs(w, x, nt, n, res);
+        res[0] = row1_iq4_xs(w, x, n);
     else if (nt == 1)
         res[0] = row1_q6_k(w, x, n);
     else
