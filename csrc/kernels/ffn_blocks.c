@@ -1132,6 +1132,60 @@ static float row1_iq4_xs(const uint8_t *w, const xin *x, uint32_t n) {
     return hsum8(acc);
 }
 
+/* row1_iq4_xs for nt (1 .. IQ4_TILE) tokens: each super-block's nibbles, lookups and scales
+ * decoded once for both tokens.  Each token gets row1_iq4_xs's result bit for bit (batch
+ * invariance, INVARIANT_T): the same vpmaddwd products in the same int32 lanes, summed exactly
+ * (one accumulator here for row1's s1 + s2: integers, any order), then the same f32 products
+ * and FMAs per super-block and the same final sum.  Two tokens a pass, not TILE: at four the
+ * sixteen ymm registers spill.  At 48 tokens a call (DeepSeek-V2-Lite's expert shape, one
+ * thread, AMD EPYC Zen 1, benchmarks/expert_kernels.py, interleaved rounds) the expert took
+ * 0.84-0.92 of its time on the one-token rows (5 rounds); four tokens a pass 0.97-1.00. */
+#define IQ4_TILE 2
+AI void rows_iq4_xs(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
+    const uint32_t nsb = n / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i kv =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4nl_values));
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    __m256 acc[IQ4_TILE]; /* constant indices only: the arrays stay in registers */
+    __m256i si[IQ4_TILE];
+    for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (uint32_t s = 0; s < nsb; s++, w += 136) {
+        for (uint32_t k = 0; k < 3; k++)
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
+        uint32_t sh = (uint32_t)w[2] | ((uint32_t)w[3] << 8);
+        const uint8_t *qs = w + 8;
+        for (uint32_t t = 0; t < nt; t++) si[t] = _mm256_setzero_si256();
+        for (uint32_t j = 0; j < 8; j += 2, qs += 32, sh >>= 4) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+            const __m256i lo = _mm256_shuffle_epi8(kv, _mm256_and_si256(v, m4));
+            const __m256i hi =
+                _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+            const uint8_t sl = w[4 + j / 2];
+            const uint32_t ls1 = (uint16_t)(((sl & 0xF) | ((sh << 4) & 0x30)) - 32);
+            const uint32_t ls2 = (uint16_t)(((sl >> 4) | ((sh << 2) & 0x30)) - 32);
+            const __m256i sc =
+                _mm256_shuffle_epi8(_mm256_set1_epi32((int)(ls1 | ls2 << 16)), spread);
+            const uint32_t o = 256 * s + 32 * j;
+            for (uint32_t t = 0; t < nt; t++) {
+                const __m256i xl = _mm256_loadu_si256((const __m256i *)(x[t].q + o));
+                const __m256i xh = _mm256_loadu_si256((const __m256i *)(x[t].q + o + 32));
+                const __m256i pl = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(xl, lo));
+                const __m256i ph = _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xh, hi));
+                si[t] = _mm256_add_epi32(si[t], _mm256_add_epi32(_mm256_madd_epi16(pl, sc),
+                                                                 _mm256_madd_epi16(ph, sc)));
+            }
+        }
+        const float d = ld_f16(w);
+        for (uint32_t t = 0; t < nt; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].s[s]), _mm256_cvtepi32_ps(si[t]),
+                                     acc[t]);
+    }
+    for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(acc[t]);
+}
+
 /* Row w of dt against tokens [t0, t0 + nt) (nt <= TILE) of the prepared input: res[0..nt).
  * nt > 1 only for the formats of tiles_keep_order; the others have one-token rows alone. */
 AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t t0, uint32_t nt,
@@ -1158,8 +1212,11 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_q3_k(w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q5_K)
         rows_q5_k(w, x, nt, n, res);
-    else if (dt == SMOE_WDT_IQ4_XS)
+    else if (dt == SMOE_WDT_IQ4_XS && nt == 1)
         res[0] = row1_iq4_xs(w, x, n);
+    else if (dt == SMOE_WDT_IQ4_XS)
+        for (uint32_t t = 0; t < nt; t += IQ4_TILE)
+            rows_iq4_xs(w, x + t, nt - t < IQ4_TILE ? nt - t : IQ4_TILE, n, res + t);
     else if (nt == 1)
         res[0] = row1_q6_k(w, x, n);
     else
@@ -1173,11 +1230,12 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
  * Longer calls (prefill) run TILE tokens a pass through the multi-token tiles where those sum
  * each token in the one-token order (tiles_keep_order), else go on through the one-token
  * rows.  Those are the formats whose one-token rows read the input in pair order (Q4_0,
- * MXFP4, Q4_1, IQ4_XS; pair_order) and fold blocks in f32 in another order than the tiles,
- * which gave a prompt other last bits beside others of its length.  At 48 tokens a call
- * (DeepSeek-V2-Lite's expert shape, one thread, AMD EPYC Zen 1, 2 interleaved rounds of
- * benchmarks/expert_kernels.py) Q4_0's expert took 0.73-0.74 of its time on the tiles,
- * IQ4_XS's 1.08-1.09x, Q8_0's (tiles of two accumulator sets now) 0.98-1.05x.  The AVX-512
+ * MXFP4, Q4_1; pair_order) and fold blocks in f32 in another order than their old tiles,
+ * which gave a prompt other last bits beside others of its length (IQ4_XS's old tiles too;
+ * rows_iq4_xs keeps its one-token order now).  At 48 tokens a call (DeepSeek-V2-Lite's
+ * expert shape, one thread, AMD EPYC Zen 1, 2 interleaved rounds of
+ * benchmarks/expert_kernels.py) Q4_0's expert took 0.73-0.74 of its time on the old tiles,
+ * Q8_0's (tiles of two accumulator sets now) 0.98-1.05x.  The AVX-512
  * VNNI rows below keep the one-token order at any count, INVARIANT_T tokens a pass.
  * tests/test_batch_invariance.py. */
 #define INVARIANT_T 16
@@ -1187,8 +1245,9 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
  * rows_q6_k: per super-block the integer sums of row2_qk, row1_q23_k, row1_q6_k, exact in any
  * order, then the same f32 products and FMAs in the same order). */
 AI int tiles_keep_order(int32_t dt) {
-    return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_Q2_K || dt == SMOE_WDT_Q3_K ||
-           dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K || dt == SMOE_WDT_Q6_K;
+    return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_IQ4_XS || dt == SMOE_WDT_Q2_K ||
+           dt == SMOE_WDT_Q3_K || dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K ||
+           dt == SMOE_WDT_Q6_K;
 }
 
 /* gate/up row i for token t alone (the one-token forms) */
