@@ -441,6 +441,46 @@ def test_submitting_several_requests_queues_all_or_none():
         sch.submit(reqs[2])
 
 
+
+def test_serve_all_cancels_what_it_leaves_behind():
+    """serve_all: a timeout cancels the unfinished requests and says how many; a queue that
+    overflows midway through a staggered submission cancels those already queued; nothing is
+    left waiting either way."""
+    from specmoe.models.testing import tiny_model
+    from specmoe.serve.scheduler import GenParams, QueueFull, Scheduler, serve_all
+    sch = Scheduler(tiny_model("qwen2_moe", layers=2), None, max_queue=3)
+    sch.start = lambda: None  # no worker: nothing finishes
+    with pytest.raises(TimeoutError, match="2 of 2 requests had not finished"):
+        serve_all(sch, [[1, 2], [3]], GenParams(max_tokens=1), timeout=0.05)
+    assert sch.waiting == 0
+    with pytest.raises(QueueFull):
+        serve_all(sch, [[1]] * 4, GenParams(max_tokens=1), stagger=0.001)
+    assert sch.waiting == 0
+
+
+def test_serve_all_reports_each_requests_events_under_its_index():
+    """serve_all's on_event(i, event): request i's text events add up to its text, then one
+    done event with its usage; the requests come back in the order of the prompts."""
+    from specmoe.models.testing import tiny_model
+    from specmoe.serve.scheduler import GenParams, Scheduler, serve_all
+    from tests.conftest import IdText
+    sch = Scheduler(tiny_model("qwen2_moe", layers=2), IdText(), max_batch=4)
+    seen: dict = {}
+    try:
+        prompts = [[5, 6, 7], [9], [11, 12]]
+        reqs = serve_all(sch, prompts, GenParams(max_tokens=4, temperature=0), timeout=60,
+                         on_event=lambda i, ev: seen.setdefault(i, []).append(ev))
+    finally:
+        sch.close()
+    assert [r.prompt for r in reqs] == prompts
+    for i, r in enumerate(reqs):
+        assert r.finished == "length" and len(r.generated) == 4
+        kinds = [ev[0] for ev in seen[i]]
+        assert kinds[-1] == "done" and kinds.count("done") == 1 and "error" not in kinds
+        assert "".join(ev[1] for ev in seen[i] if ev[0] == "text") == \
+            IdText().decode(r.generated)
+        assert seen[i][-1][2]["completion_tokens"] == 4
+
 def test_prefill_groups_bound_the_padding():
     from specmoe.serve.scheduler import GenParams, Request, _prefill_groups
     reqs = [Request([1] * n, GenParams(max_tokens=1), lambda ev: None)

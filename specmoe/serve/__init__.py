@@ -13,9 +13,9 @@ from __future__ import annotations
 from .api import ApiError, Server, app, run
 from .detok import IncrementalText
 from .metrics import Metrics
-from .scheduler import Draining, GenParams, QueueFull, Request, Scheduler
+from .scheduler import Draining, GenParams, QueueFull, Request, Scheduler, serve_all
 from .speculate import DRAFTERS, Speculation, controller_factory
 
 __all__ = ["ApiError", "DRAFTERS", "Draining", "GenParams", "IncrementalText", "Metrics",
            "QueueFull", "Request", "Scheduler", "Server", "Speculation", "app",
-           "controller_factory", "run"]
+           "controller_factory", "run", "serve_all"]

@@ -128,7 +128,7 @@ from .speculate import Speculation, synthetic_history
 
 _log = logging.getLogger("specmoe.serve")
 
-__all__ = ["Draining", "GenParams", "QueueFull", "Request", "Scheduler"]
+__all__ = ["Draining", "GenParams", "QueueFull", "Request", "Scheduler", "serve_all"]
 
 # how often (seconds) the worker refreshes its copy of the Engine's statistics for /metrics
 _STATS_EVERY = 0.5
@@ -845,6 +845,54 @@ class Scheduler:
         req.error = message
         req.kv = None
         req.sink(("error", status, message))
+
+
+def serve_all(sch: Scheduler, prompts: List[List[int]], params: GenParams, *,
+              timeout: Optional[float] = None, stagger: float = 0.0,
+              on_event: Optional[Callable[[int, tuple], None]] = None) -> List[Request]:
+    """Serve one request per prompt (token ids) through ``sch`` and block until each has
+    finished: the requests, in the order of ``prompts`` (``finished``, ``generated``,
+    ``error``, ``usage`` on each).
+
+    The requests are submitted in one call, so the worker admits them in one round (clients
+    arriving together), or ``stagger`` seconds apart (later ones join a running batch).
+    ``on_event(i, event)`` sees request i's events as they come, on the worker's thread
+    (``Request``'s events).  A request that ends in error is returned like the others.
+    TimeoutError if they have not all finished ``timeout`` seconds after the last submission:
+    the unfinished ones are cancelled first.  QueueFull or Draining as ``Scheduler.submit``
+    (those submitted before are cancelled)."""
+    done = threading.Event()
+    reqs: List[Request] = []
+    n = len(prompts)
+
+    def sink(i: int, ev: tuple) -> None:
+        if on_event is not None:
+            on_event(i, ev)
+        if ev[0] in ("done", "error") and len(reqs) == n and all(r.finished for r in reqs):
+            done.set()
+    made = [Request(p, params, lambda ev, i=i: sink(i, ev)) for i, p in enumerate(prompts)]
+    try:
+        if stagger > 0:
+            for k, r in enumerate(made):
+                if k:
+                    time.sleep(stagger)
+                sch.submit(r)
+                reqs.append(r)
+        else:
+            sch.submit(*made)
+            reqs.extend(made)
+    except (QueueFull, Draining):
+        for r in reqs:
+            sch.cancel(r)
+        raise
+    if len(reqs) == n and all(r.finished for r in reqs):
+        done.set()  # (every one finished before the list was complete)
+    if not done.wait(timeout):
+        late = [r for r in reqs if not r.finished]
+        for r in late:
+            sch.cancel(r)
+        raise TimeoutError(f"{len(late)} of {n} requests had not finished after {timeout} s")
+    return reqs
 
 
 def _ema(avg: Optional[float], x: float, a: float = 0.3) -> float:
