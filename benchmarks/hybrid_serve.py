@@ -37,7 +37,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,28 +64,22 @@ class _IdText:
 def run_once(model: Any, prompts: list[list[int]], max_tokens: int,
              batched: bool) -> dict[str, Any]:
     """Serve ``prompts`` at once through a fresh worker; the run's figures and tokens."""
-    from specmoe.serve.scheduler import GenParams, Request, Scheduler
+    from specmoe.serve.scheduler import GenParams, Scheduler, serve_all
     sch = Scheduler(model, _IdText(), max_batch=max(len(prompts), 1),
                     prefill_chunk=max(len(p) for p in prompts), batch_decode=batched)
     if batched and sch.batch_off_reason is not None:
         sch.close()
         raise RuntimeError(f"decode steps not batched: {sch.batch_off_reason}")
-    done = threading.Event()
-    reqs: list[Any] = []
     first: dict[int, float] = {}
 
-    def sink(ev: Any, i: int) -> None:
+    def on_event(i: int, ev: Any) -> None:
         if ev[0] == "text" and i not in first:
             first[i] = time.perf_counter()
-        if ev[0] in ("done", "error") and all(r.finished for r in reqs):
-            done.set()
     try:
-        reqs += [Request(p, GenParams(max_tokens=max_tokens, temperature=0),
-                         lambda ev, i=i: sink(ev, i)) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
-        sch.submit(*reqs)  # queued together: every request admitted in the worker's first round
-        if not done.wait(1800):
-            raise RuntimeError("the requests did not finish in 30 minutes")
+        # queued together: every request admitted in the worker's first round
+        reqs = serve_all(sch, prompts, GenParams(max_tokens=max_tokens, temperature=0),
+                         timeout=1800, on_event=on_event)
         t1 = time.perf_counter()
     finally:
         sch.close()

@@ -96,20 +96,11 @@ class IdText:
 
 
 def served_greedy(sch, prompts, max_tokens):
-    """Submit every prompt to the scheduler ``sch`` in one call (so the worker admits them all
-    in one round) and wait for each to finish: [generated ids]."""
-    import threading
-
-    from specmoe.serve.scheduler import GenParams, Request
-    done, reqs = threading.Event(), []
-
-    def sink(ev):
-        if ev[0] in ("done", "error") and all(r.finished for r in reqs):
-            done.set()
-    reqs += [Request(ids, GenParams(max_tokens=max_tokens, temperature=0), sink)
-             for ids in prompts]
-    sch.submit(*reqs)
-    assert done.wait(120), [r.finished for r in reqs]
+    """Serve every prompt through the scheduler ``sch``, admitted in one round, each to
+    ``max_tokens`` greedy tokens: [generated ids]."""
+    from specmoe.serve.scheduler import GenParams, serve_all
+    reqs = serve_all(sch, prompts, GenParams(max_tokens=max_tokens, temperature=0),
+                     timeout=120)
     assert all(r.finished == "length" for r in reqs), [(r.finished, r.error) for r in reqs]
     return [r.generated for r in reqs]
 

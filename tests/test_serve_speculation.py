@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import specmoe  # noqa: E402
-from specmoe.serve.scheduler import GenParams, Request, Scheduler  # noqa: E402
+from specmoe.serve.scheduler import GenParams, Scheduler, serve_all  # noqa: E402
 from specmoe.serve.speculate import Speculation, controller_factory  # noqa: E402
 from specmoe.speculation.controllers import Cascade, StaticK  # noqa: E402
 from specmoe.speculation.decoding import records_recurrent_states  # noqa: E402
@@ -57,25 +57,9 @@ def _zoo():
 def _run(sch, prompts, max_tokens=N, stagger=0.0, **params):
     """Submit every prompt (together, or ``stagger`` seconds apart, so that later ones join
     a running batch) and wait until each finishes: the requests."""
-    done, reqs = threading.Event(), []
-    n = len(prompts)
-
-    def sink(ev):
-        if ev[0] in ("done", "error") and len(reqs) == n and all(r.finished for r in reqs):
-            done.set()
     p = dict(max_tokens=max_tokens, temperature=0)
     p.update(params)
-    if stagger:
-        for ids in prompts:
-            reqs.append(Request(ids, GenParams(**p), sink))
-            sch.submit(reqs[-1])
-            time.sleep(stagger)
-    else:
-        with sch._cond:  # admitted in one round
-            for ids in prompts:
-                reqs.append(Request(ids, GenParams(**p), sink))
-                sch.submit(reqs[-1])
-    assert done.wait(120), [r.finished for r in reqs]
+    reqs = serve_all(sch, prompts, GenParams(**p), timeout=120, stagger=stagger)
     assert all(r.finished == "length" for r in reqs), [(r.finished, r.error) for r in reqs]
     t0 = time.time()
     while sch.running:  # the round that emitted the last token ends (its step observed)
