@@ -1083,6 +1083,18 @@ static float row1_q6_k(const uint8_t *w, const xin *x, uint32_t n) {
 
 /* ---- IQ4_XS: one input scale per 256 columns, int16 scales per 32 columns ---- */
 
+/* ggml's kvalues_iq4nl in both 128-bit lanes (the vpshufb table of an IQ4_XS nibble) */
+AI __m256i iq4_values(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4nl_values));
+}
+
+/* The vpshufb that spreads a dword [ls1 | ls2 << 16] to int16 lanes: the low 128 bits from
+ * bytes 0-1, the high from bytes 2-3 (two sub-blocks' scales, eight lanes each) */
+AI __m256i iq4_spread(void) {
+    return _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2,
+                            3, 2, 3, 2, 3, 2, 3, 2, 3);
+}
+
 /* IQ4_XS at one token, every vector in a register, the input in pair order
  * (pair_order): two sub-blocks per step, their 32 bytes of nibbles one 256-bit load whose low
  * and high nibbles, looked up with one 256-bit vpshufb each, are [sub-block j columns 0-15 |
@@ -1093,12 +1105,7 @@ static float row1_q6_k(const uint8_t *w, const xin *x, uint32_t n) {
  * of the read ceiling. */
 static float row1_iq4_xs(const uint8_t *w, const xin *x, uint32_t n) {
     const uint32_t nsb = n / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i kv =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4nl_values));
-    /* int16 lanes of the low 128 bits from bytes 0-1 of a dword, of the high from bytes 2-3 */
-    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), kv = iq4_values(), spread = iq4_spread();
     const int8_t *xq = x->q;
     __m256 acc = _mm256_setzero_ps();
     for (uint32_t s = 0; s < nsb; s++, w += 136) {
@@ -1143,11 +1150,7 @@ static float row1_iq4_xs(const uint8_t *w, const xin *x, uint32_t n) {
 #define IQ4_TILE 2
 AI void rows_iq4_xs(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
     const uint32_t nsb = n / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i kv =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4nl_values));
-    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), kv = iq4_values(), spread = iq4_spread();
     __m256 acc[IQ4_TILE]; /* constant indices only: the arrays stay in registers */
     __m256i si[IQ4_TILE];
     for (uint32_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
