@@ -445,7 +445,7 @@ def test_submitting_several_requests_queues_all_or_none():
 def test_serve_all_cancels_what_it_leaves_behind():
     """serve_all: a timeout cancels the unfinished requests and says how many; a queue that
     overflows midway through a staggered submission cancels those already queued; nothing is
-    left waiting either way."""
+    left waiting either way; no prompts, no requests."""
     from specmoe.models.testing import tiny_model
     from specmoe.serve.scheduler import GenParams, QueueFull, Scheduler, serve_all
     sch = Scheduler(tiny_model("qwen2_moe", layers=2), None, max_queue=3)
@@ -456,6 +456,7 @@ def test_serve_all_cancels_what_it_leaves_behind():
     with pytest.raises(QueueFull):
         serve_all(sch, [[1]] * 4, GenParams(max_tokens=1), stagger=0.001)
     assert sch.waiting == 0
+    assert serve_all(sch, [], GenParams(max_tokens=1), timeout=0.05) == []
 
 
 def test_serve_all_reports_each_requests_events_under_its_index():

@@ -861,6 +861,8 @@ def serve_all(sch: Scheduler, prompts: List[List[int]], params: GenParams, *,
     TimeoutError if they have not all finished ``timeout`` seconds after the last submission:
     the unfinished ones are cancelled first.  QueueFull or Draining as ``Scheduler.submit``
     (those submitted before are cancelled)."""
+    if not prompts:
+        return []
     done = threading.Event()
     reqs: List[Request] = []
     n = len(prompts)
