@@ -1244,9 +1244,9 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
 #define INVARIANT_T 16
 
 /* Whether the multi-token tiles of dt (rows_fast of nt > 1) sum each token as its one-token
- * row does: Q8_0 (rows_b32, two accumulators as row1_b32); the K-quants (rows_qk, rows_q23_k,
- * rows_q6_k: per super-block the integer sums of row2_qk, row1_q23_k, row1_q6_k, exact in any
- * order, then the same f32 products and FMAs in the same order). */
+ * row does: Q8_0 (rows_b32, two accumulators as row1_b32); IQ4_XS (rows_iq4_xs); the K-quants
+ * (rows_qk, rows_q23_k, rows_q6_k: per super-block the integer sums of row2_qk, row1_q23_k,
+ * row1_q6_k, exact in any order, then the same f32 products and FMAs in the same order). */
 AI int tiles_keep_order(int32_t dt) {
     return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_IQ4_XS || dt == SMOE_WDT_Q2_K ||
            dt == SMOE_WDT_Q3_K || dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K ||
