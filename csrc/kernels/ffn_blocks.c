@@ -312,8 +312,8 @@ typedef struct xin {
     const float *s;    /* Q8_0, Q4_0, Q4_1: [n/32] scales; K-quants: [n/256] */
     const int16_t *bs; /* K-quants, Q4_1, Q4_0, MXFP4: [n/32] sums of the int8 values per 32
                         * columns (Q2_K, Q3_K: [n/16] per 16) */
-    uint32_t pairs;    /* q in pair order (pair_order; Q4_0, MXFP4, Q4_1, IQ4_XS one-token
-                        * rows) */
+    uint32_t pairs;    /* q in pair order (pair_order; the rows of Q4_0, MXFP4, Q4_1 and
+                        * IQ4_XS) */
 } xin;
 
 AI xin xin_of(const smoe_ffn_job *j, int32_t dt, uint32_t t, uint32_t n) {
@@ -1095,58 +1095,22 @@ AI __m256i iq4_spread(void) {
                             3, 2, 3, 2, 3, 2, 3, 2, 3);
 }
 
-/* IQ4_XS at one token, every vector in a register, the input in pair order
- * (pair_order): two sub-blocks per step, their 32 bytes of nibbles one 256-bit load whose low
- * and high nibbles, looked up with one 256-bit vpshufb each, are [sub-block j columns 0-15 |
- * j + 1 columns 0-15] and the same for 16-31, against two loads of the input; the two
- * sub-blocks' scales as [ls_j x 8 | ls_j+1 x 8] int16 in vpmaddwd (llama.cpp's IQ4_XS x
- * Q8_K sums, the same integers).  Before (per sub-block a 128-bit unpacking, two lookups and an
- * insert, its scale broadcast alone, the input in block order): Zen 2 EPYC, 1 thread, 0.56-0.66
- * of the read ceiling. */
-static float row1_iq4_xs(const uint8_t *w, const xin *x, uint32_t n) {
-    const uint32_t nsb = n / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), kv = iq4_values(), spread = iq4_spread();
-    const int8_t *xq = x->q;
-    __m256 acc = _mm256_setzero_ps();
-    for (uint32_t s = 0; s < nsb; s++, w += 136) {
-        for (uint32_t k = 0; k < 3; k++)
-            _mm_prefetch((const char *)(w + PF_AHEAD + 64 * k), _MM_HINT_T0);
-        uint32_t sh = (uint32_t)w[2] | ((uint32_t)w[3] << 8);
-        const uint8_t *qs = w + 8;
-        __m256i s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256();
-        for (uint32_t j = 0; j < 8; j += 2, qs += 32, xq += 64, sh >>= 4) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
-            const __m256i lo = _mm256_shuffle_epi8(kv, _mm256_and_si256(v, m4));
-            const __m256i hi =
-                _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-            const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
-            const __m256i pl =
-                _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo));
-            const __m256i ph =
-                _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi));
-            const uint8_t sl = w[4 + j / 2];
-            const uint32_t ls1 = (uint16_t)(((sl & 0xF) | ((sh << 4) & 0x30)) - 32);
-            const uint32_t ls2 = (uint16_t)(((sl >> 4) | ((sh << 2) & 0x30)) - 32);
-            const __m256i sc =
-                _mm256_shuffle_epi8(_mm256_set1_epi32((int)(ls1 | ls2 << 16)), spread);
-            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(pl, sc));
-            s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(ph, sc));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(ld_f16(w) * x->s[s]),
-                              _mm256_cvtepi32_ps(_mm256_add_epi32(s1, s2)), acc);
-    }
-    return hsum8(acc);
-}
-
-/* row1_iq4_xs for nt (1 .. IQ4_TILE) tokens: each super-block's nibbles, lookups and scales
- * decoded once for both tokens.  Each token gets row1_iq4_xs's result bit for bit (batch
- * invariance, INVARIANT_T): the same vpmaddwd products in the same int32 lanes, summed exactly
- * (one accumulator here for row1's s1 + s2: integers, any order), then the same f32 products
- * and FMAs per super-block and the same final sum.  Two tokens a pass, not TILE: at four the
- * sixteen ymm registers spill.  At 48 tokens a call (DeepSeek-V2-Lite's expert shape, one
- * thread, AMD EPYC Zen 1, benchmarks/expert_kernels.py, interleaved rounds) the expert took
- * 0.84-0.92 of its time on the one-token rows (5 rounds); four tokens a pass 0.97-1.00. */
+/* IQ4_XS at nt (1 .. IQ4_TILE) tokens, the input in pair order (pair_order): two
+ * sub-blocks per step, their 32 bytes of nibbles one 256-bit load whose low and high nibbles,
+ * looked up with one 256-bit vpshufb each, are [sub-block j columns 0-15 | j + 1 columns
+ * 0-15] and the same for 16-31, against two loads of each token's input; the two sub-blocks'
+ * scales as [ls_j x 8 | ls_j+1 x 8] int16 in vpmaddwd (llama.cpp's IQ4_XS x Q8_K sums, the
+ * same integers), then one f32 FMA per super-block.  Each super-block is decoded once for
+ * every token of the pass, and a token's result does not depend on nt (batch invariance,
+ * INVARIANT_T: the same products in the same int32 lanes, summed exactly, then the same f32
+ * FMAs and final sum).  Before (per sub-block a 128-bit unpacking, two lookups and an insert,
+ * its scale broadcast alone, the input in block order): Zen 2 EPYC, 1 thread, 0.56-0.66 of
+ * the read ceiling at one token.  Two tokens a pass, not TILE: at four the sixteen ymm
+ * registers spill.  At 48 tokens a call (DeepSeek-V2-Lite's expert shape, one thread, AMD
+ * EPYC Zen 1, benchmarks/expert_kernels.py, 5 interleaved rounds) the expert took 0.84-0.92
+ * of its time on one token a pass; four tokens a pass 0.97-1.00.  This form at one token
+ * replaced a one-token copy of it with two integer accumulators (same host, 3 rounds at 1
+ * token 0.97-0.98 of its time, 2 rounds at 8 tokens 0.97). */
 #define IQ4_TILE 2
 AI void rows_iq4_xs(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, float *res) {
     const uint32_t nsb = n / 256;
@@ -1215,9 +1179,7 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
         rows_q3_k(w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q5_K)
         rows_q5_k(w, x, nt, n, res);
-    else if (dt == SMOE_WDT_IQ4_XS && nt == 1)
-        res[0] = row1_iq4_xs(w, x, n);
-    else if (dt == SMOE_WDT_IQ4_XS)
+    else if (dt == SMOE_WDT_IQ4_XS) /* one token (or two) at a time */
         for (uint32_t t = 0; t < nt; t += IQ4_TILE)
             rows_iq4_xs(w, x + t, nt - t < IQ4_TILE ? nt - t : IQ4_TILE, n, res + t);
     else if (nt == 1)
@@ -1244,9 +1206,10 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
 #define INVARIANT_T 16
 
 /* Whether the multi-token tiles of dt (rows_fast of nt > 1) sum each token as its one-token
- * row does: Q8_0 (rows_b32, two accumulators as row1_b32); IQ4_XS (rows_iq4_xs); the K-quants
- * (rows_qk, rows_q23_k, rows_q6_k: per super-block the integer sums of row2_qk, row1_q23_k,
- * row1_q6_k, exact in any order, then the same f32 products and FMAs in the same order). */
+ * row does: Q8_0 (rows_b32, two accumulators as row1_b32); IQ4_XS (rows_iq4_xs at any nt);
+ * the K-quants (rows_qk, rows_q23_k, rows_q6_k: per super-block the integer sums of row2_qk,
+ * row1_q23_k, row1_q6_k, exact in any order, then the same f32 products and FMAs in the same
+ * order). */
 AI int tiles_keep_order(int32_t dt) {
     return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_IQ4_XS || dt == SMOE_WDT_Q2_K ||
            dt == SMOE_WDT_Q3_K || dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K ||
@@ -1405,7 +1368,7 @@ static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int3
 }
 
 /* Pair order of one token's prepared int8 input q (n columns) for the one-token Q4_0 / MXFP4
- * / Q4_1 rows (row1_b4x8 and its tails) and IQ4_XS rows (row1_iq4_xs; its sub-blocks): per
+ * / Q4_1 rows (row1_b4x8 and its tails) and IQ4_XS rows (rows_iq4_xs; its sub-blocks): per
  * two blocks, [block 0 columns 0-15 | block 1 columns 0-15 | block 0 columns 16-31 | block 1
  * columns 16-31], the halves the two blocks' low and high nibbles meet in one 256-bit step, so that
  * the rows load them instead of shuffling them for every row (on the Zen 2 EPYC their

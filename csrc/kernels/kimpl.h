@@ -95,8 +95,8 @@ void smoe_fast_prepare(int32_t dtype, const float *src, size_t src_stride, const
  * smoe_blocks_fast says whether impl is the fast form, whose input smoe_blocks_prepare
  * quantizes for a matrix of `dtype`: T rows of src (n columns, a multiple of that dtype's
  * block; row rows[t] or t) into q [T, n] int8, qs [T, n/32] (Q8_0) or [T, n/256] scales and,
- * in qsum's bytes, int16 sums of every 32 values [T, n/32].  For impl's one-token rows of Q4_0,
- * MXFP4, Q4_1 and IQ4_XS (the AVX2 fast form, any T) q's blocks go in pair order
+ * in qsum's bytes, int16 sums of every 32 values [T, n/32].  For impl's rows of Q4_0, MXFP4,
+ * Q4_1 and IQ4_XS (the AVX2 fast form, any T) q's blocks go in pair order
  * (ffn_blocks.c, pair_order); it returns 1 then, else 0: the job's qpairs. */
 const smoe_ffn_impl *smoe_ffn_impl_blocks(int32_t isa, int has_vnni, uint32_t precise);
 int smoe_blocks_fast(const smoe_ffn_impl *impl);
