@@ -385,7 +385,7 @@ AI void rows_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32
     for (uint32_t t = 0; t < nt; t++) res[t] = hsum8(_mm256_add_ps(a0[t], a1[t]));
 }
 
-/* rows_b32 for one token (Q8_0; Q4_0 and MXFP4 take row1_b4x8 below): two blocks per step
+/* rows_b32 for one token (Q8_0; Q4_0 and MXFP4 take rows_b4x8 below): two blocks per step
  * into two accumulators (the fma chain, the f16 conversions and the unpacking of one block
  * overlap the other's). */
 AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
@@ -413,7 +413,7 @@ AI float row1_b32(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
  * block per step), AMD EPYC Zen 4 forced to this path, 1 thread, 3 interleaved A/B rounds of
  * benchmarks/expert_kernels.py (OLMoE / DeepSeek-V2-Lite expert shapes): MXFP4 0.327 / 0.441 ->
  * 0.284 / 0.383 ms an expert, Q4_0 0.315 / 0.424 -> 0.279 / 0.376 (1.13-1.15x); still bound
- * by the per-block unpacking and scaling.  Now the blocks b .. nb - 1 after row1_b4x8's steps
+ * by the per-block unpacking and scaling.  Now the blocks b .. nb - 1 after rows_b4x8's steps
  * of eight. */
 AI float row1_b4x2(int32_t dt, const uint8_t *w, const xin *x, uint32_t b, uint32_t n) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt), o = bb - 16;
@@ -480,7 +480,7 @@ AI __m256i q41_of(const uint8_t *w) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
 }
 
-/* Q4_1 blocks b .. nb - 1 of row w at one token on the pair-ordered input (row1_b4x8's last
+/* Q4_1 blocks b .. nb - 1 of row w at one token on the pair-ordered input (rows_b4x8's last
  * nb % 8 blocks): one block at a time, its 32 input columns gathered back into column order
  * (a last odd block is in column order already, pair_order). */
 AI float row1_q4_1_tail(const uint8_t *w, const xin *x, uint32_t b, uint32_t n) {
@@ -506,7 +506,8 @@ AI float row1_q4_1_tail(const uint8_t *w, const xin *x, uint32_t b, uint32_t n) 
     return hsum8(acc) + am;
 }
 
-/* Q4_0, MXFP4 or Q4_1 at one token, eight blocks (256 columns) a step, the 4-bit values as
+/* Q4_0, MXFP4 or Q4_1 at nt (1 .. B4_TILE) tokens, eight blocks (256 columns) a step, the
+ * 4-bit values as
  * vpmaddubsw's unsigned operand: Q4_0's nibbles q as they are (w = q - 8), MXFP4's looked up
  * in mxfp4_values12 (w = u - 12), Q4_1's as they are (w = d q + m: the m * s_x * (the block's
  * input sum) terms in a second accumulator, eight blocks an FMA).  Each block's integer sum
@@ -522,8 +523,18 @@ AI float row1_q4_1_tail(const uint8_t *w, const xin *x, uint32_t b, uint32_t n) 
  * instructions.  The same integer sums per block as q32_dot (exact), summed in f32 in another
  * order; a row's last nb % 8 blocks go through row1_b4x2 (Q4_1: row1_q4_1_tail).  Q4_1
  * against row1_q4_1 (two blocks a step, the input in block order), Zen 2 EPYC, 1 thread, 3
- * interleaved A/B rounds: 0.56 -> 0.35 ms an expert (OLMoE), 0.77 -> 0.50 (DeepSeek-V2-Lite). */
-AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
+ * interleaved A/B rounds: 0.56 -> 0.35 ms an expert (OLMoE), 0.77 -> 0.50 (DeepSeek-V2-Lite).
+ * Each step's nibbles (and MXFP4's lookups) and scales are decoded once for the nt tokens of
+ * the pass, and each token's sums are its one-token call's (the same exact integer sums per
+ * block, then the same f32 FMAs in the same order: batch invariance, INVARIANT_T).  Against
+ * one token a pass, DeepSeek-V2-Lite's expert shape, one thread, AMD EPYC Zen 1,
+ * benchmarks/expert_kernels.py, interleaved rounds: at 48 tokens a call (3 rounds) Q4_0
+ * 0.96-0.98 of the time, Q4_1 0.91-0.93, MXFP4 0.86-0.89; at 8 and 2 tokens 0.88-0.97 in
+ * most rounds (docs/performance.md has them all); one token the same code.  Four tokens a
+ * pass spill the ymm registers: 1.04-1.11 of two's. */
+#define B4_TILE 2
+AI void rows_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32_t n,
+                  float *res) {
     const uint32_t nb = n / 32, bb = smoe_wdt_block_bytes(dt), o = bb - 16;
     const int mx = dt == SMOE_WDT_MXFP4, q41 = dt == SMOE_WDT_Q4_1;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -532,36 +543,41 @@ AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
     const __m256i c = _mm256_set1_epi32(mx ? 12 : 8);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const uint8_t *w0 = w;
-    __m256 acc = _mm256_setzero_ps(), am = _mm256_setzero_ps();
+    __m256 acc[B4_TILE], am[B4_TILE]; /* constant indices only: the arrays stay in registers */
+    for (uint32_t t = 0; t < nt; t++) acc[t] = am[t] = _mm256_setzero_ps();
     uint32_t b = 0;
     for (; b + 8 <= nb; b += 8, w += 8 * bb) {
         _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(w + PF_AHEAD + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(w + PF_AHEAD + 128), _MM_HINT_T0);
-        __m256i m[4];
+        __m256i h[B4_TILE], m[B4_TILE]; /* h: blocks 0-3's pair sums, m: 4-7's, hadd-folded */
         for (int k = 0; k < 4; k++) {
             const uint8_t *wk = w + (size_t)(2 * k) * bb + o;
-            const int8_t *xq = x->q + 32 * (b + 2 * k);
             const __m256i v = _mm256_inserti128_si256(
                 _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)wk)),
                 _mm_loadu_si128((const __m128i *)(wk + bb)), 1);
-            /* pair order: [block 0 columns 0-15 | block 1 columns 0-15], then 16-31 */
-            const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
             __m256i lo = _mm256_and_si256(v, m4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             if (mx) {
                 lo = _mm256_shuffle_epi8(kv, lo);
                 hi = _mm256_shuffle_epi8(kv, hi);
             }
-            m[k] = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)),
-                ones);
+            for (uint32_t t = 0; t < nt; t++) {
+                /* pair order: [block 0 columns 0-15 | block 1 columns 0-15], then 16-31 */
+                const int8_t *xq = x[t].q + 32 * (b + 2 * k);
+                const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
+                const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
+                const __m256i p = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)),
+                    ones);
+                if (k == 0 || k == 2)
+                    m[t] = p;
+                else if (k == 1)
+                    h[t] = _mm256_hadd_epi32(m[t], p);
+                else
+                    h[t] = _mm256_hadd_epi32(h[t], _mm256_hadd_epi32(m[t], p));
+            }
         }
-        __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
-        s = _mm256_permutevar8x32_epi32(s, order);
-        const __m256i xsum = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(x->bs + b)));
-        if (!q41) s = _mm256_sub_epi32(s, _mm256_mullo_epi32(xsum, c));
         __m256 d;
         if (mx) { /* e8m0_half in lanes: (e - 1) << 23, or 0x00200000 << e for e < 2 */
             uint64_t e = 0;
@@ -575,14 +591,25 @@ AI float row1_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t n) {
         } else { /* the eight f16 d's */
             d = f16x8(w, bb);
         }
-        const __m256 xs = _mm256_loadu_ps(x->s + b);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, xs), acc);
-        if (q41) /* the offset term m * s_x * (sum of the block's int8 x) */
-            am = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(w + 2, bb), xs), _mm256_cvtepi32_ps(xsum), am);
+        const __m256 dm = q41 ? f16x8(w + 2, bb) : d; /* Q4_1's eight offsets m */
+        for (uint32_t t = 0; t < nt; t++) {
+            const __m256i s = _mm256_permutevar8x32_epi32(h[t], order);
+            const __m256i xsum =
+                _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(x[t].bs + b)));
+            const __m256 xs = _mm256_loadu_ps(x[t].s + b);
+            const __m256i sd = q41 ? s : _mm256_sub_epi32(s, _mm256_mullo_epi32(xsum, c));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sd), _mm256_mul_ps(d, xs), acc[t]);
+            if (q41) /* the offset term m * s_x * (sum of the block's int8 x) */
+                am[t] = _mm256_fmadd_ps(_mm256_mul_ps(dm, xs), _mm256_cvtepi32_ps(xsum), am[t]);
+        }
     }
-    if (q41) return hsum8(acc) + hsum8(am) + (b < nb ? row1_q4_1_tail(w0, x, b, n) : 0.0f);
-    const float r = hsum8(acc);
-    return b < nb ? r + row1_b4x2(dt, w0, x, b, n) : r;
+    for (uint32_t t = 0; t < nt; t++) {
+        if (q41)
+            res[t] = hsum8(acc[t]) + hsum8(am[t]) +
+                     (b < nb ? row1_q4_1_tail(w0, x + t, b, n) : 0.0f);
+        else
+            res[t] = b < nb ? hsum8(acc[t]) + row1_b4x2(dt, w0, x + t, b, n) : hsum8(acc[t]);
+    }
 }
 
 /* ---- Q4_1: a scale and an offset per 32 columns ---- */
@@ -596,7 +623,7 @@ AI __m256 q41_sum(__m256i wq, const int8_t *xq) {
 
 /* Q4_1 at one token, two blocks per step into two accumulators (as row1_b32), on the
  * input in block order (the AVX-512 VNNI form's calls, whose input is not in pair order; the
- * AVX2 form's take row1_b4x8). */
+ * AVX2 form's take rows_b4x8). */
 AI float row1_q4_1(const uint8_t *w, const xin *x, uint32_t n) {
     const uint32_t nb = n / 32;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -1159,14 +1186,17 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
                   uint32_t n, float *res) {
     xin x[TILE];
     for (uint32_t t = 0; t < nt; t++) x[t] = xin_of(j, dt, t0 + t, n);
-    if (dt == SMOE_WDT_Q4_1 && x[0].pairs)
-        res[0] = row1_b4x8(SMOE_WDT_Q4_1, w, x, n);
+    if (dt == SMOE_WDT_Q4_1 && x[0].pairs) /* (each format its own inlined loop) */
+        for (uint32_t t = 0; t < nt; t += B4_TILE)
+            rows_b4x8(SMOE_WDT_Q4_1, w, x + t, nt - t < B4_TILE ? nt - t : B4_TILE, n, res + t);
     else if (dt == SMOE_WDT_Q4_1) /* the VNNI form's calls (input in block order) */
-        res[0] = row1_q4_1(w, x, n);
-    else if (dt == SMOE_WDT_MXFP4 && x[0].pairs) /* (each format its own inlined loop) */
-        res[0] = row1_b4x8(SMOE_WDT_MXFP4, w, x, n);
+        for (uint32_t t = 0; t < nt; t++) res[t] = row1_q4_1(w, x + t, n);
+    else if (dt == SMOE_WDT_MXFP4 && x[0].pairs)
+        for (uint32_t t = 0; t < nt; t += B4_TILE)
+            rows_b4x8(SMOE_WDT_MXFP4, w, x + t, nt - t < B4_TILE ? nt - t : B4_TILE, n, res + t);
     else if (dt == SMOE_WDT_Q4_0 && x[0].pairs)
-        res[0] = row1_b4x8(SMOE_WDT_Q4_0, w, x, n);
+        for (uint32_t t = 0; t < nt; t += B4_TILE)
+            rows_b4x8(SMOE_WDT_Q4_0, w, x + t, nt - t < B4_TILE ? nt - t : B4_TILE, n, res + t);
     else if (smoe_wdt_block_cols(dt) == 32 && nt == 1)
         res[0] = row1_b32(dt, w, x, n);
     else if (smoe_wdt_block_cols(dt) == 32)
@@ -1191,29 +1221,43 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
 /* Batch invariance: each token of a call, at any token count, gets bit for bit what a
  * one-token call gives it (a verification of K drafts, a serving step's tokens at one expert,
  * prompts of one length prefilled together).  A call of up to INVARIANT_T tokens runs every
- * token through the one-token rows, row by row (the row stays in L1 for the next token).
- * Longer calls (prefill) run TILE tokens a pass through the multi-token tiles where those sum
- * each token in the one-token order (tiles_keep_order), else go on through the one-token
- * rows.  Those are the formats whose one-token rows read the input in pair order (Q4_0,
- * MXFP4, Q4_1; pair_order) and fold blocks in f32 in another order than their old tiles,
- * which gave a prompt other last bits beside others of its length (IQ4_XS's old tiles too;
- * rows_iq4_xs keeps its one-token order now).  At 48 tokens a call (DeepSeek-V2-Lite's
- * expert shape, one thread, AMD EPYC Zen 1, 2 interleaved rounds of
- * benchmarks/expert_kernels.py) Q4_0's expert took 0.73-0.74 of its time on the old tiles,
- * Q8_0's (tiles of two accumulator sets now) 0.98-1.05x.  The AVX-512
- * VNNI rows below keep the one-token order at any count, INVARIANT_T tokens a pass.
+ * token through the one-token rows, row by row (the row stays in L1 for the next token),
+ * unless its format's tiles share their decoding between tokens (tile_min_tokens).  Longer
+ * calls (prefill) run TILE tokens a pass through the multi-token tiles where those sum
+ * each token in the one-token order (tiles_keep_order; now every AVX2 block format).  The
+ * old tiles of the formats whose one-token rows read the input in pair order (Q4_0, MXFP4,
+ * Q4_1, IQ4_XS; pair_order) folded blocks in f32 in another order, which gave a prompt other
+ * last bits beside others of its length; rows_b4x8 and rows_iq4_xs keep the one-token order
+ * now (at 48 tokens a call Q4_0's expert took 0.73-0.74 of its old tiles' time on the
+ * one-token rows, and 0.96-0.98 of that on rows_b4x8's two-token passes: DeepSeek-V2-Lite's
+ * expert shape, one thread, AMD EPYC Zen 1, benchmarks/expert_kernels.py; Q8_0's tiles of
+ * two accumulator sets 0.98-1.05x of its old ones).
+ * The AVX-512 VNNI rows below keep the one-token order at any count, INVARIANT_T tokens a
+ * pass.
  * tests/test_batch_invariance.py. */
 #define INVARIANT_T 16
 
 /* Whether the multi-token tiles of dt (rows_fast of nt > 1) sum each token as its one-token
- * row does: Q8_0 (rows_b32, two accumulators as row1_b32); IQ4_XS (rows_iq4_xs at any nt);
- * the K-quants (rows_qk, rows_q23_k, rows_q6_k: per super-block the integer sums of row2_qk,
- * row1_q23_k, row1_q6_k, exact in any order, then the same f32 products and FMAs in the same
- * order). */
+ * row does: Q8_0 (rows_b32, two accumulators as row1_b32); Q4_0, Q4_1, MXFP4 and IQ4_XS
+ * (rows_b4x8, rows_iq4_xs: one form at any nt); the K-quants (rows_qk, rows_q23_k,
+ * rows_q6_k: per super-block the integer sums of row2_qk, row1_q23_k, row1_q6_k, exact in any
+ * order, then the same f32 products and FMAs in the same order). */
 AI int tiles_keep_order(int32_t dt) {
-    return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_IQ4_XS || dt == SMOE_WDT_Q2_K ||
+    return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_IQ4_XS || dt == SMOE_WDT_Q4_0 ||
+           dt == SMOE_WDT_Q4_1 || dt == SMOE_WDT_MXFP4 || dt == SMOE_WDT_Q2_K ||
            dt == SMOE_WDT_Q3_K || dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K ||
            dt == SMOE_WDT_Q6_K;
+}
+
+/* The fewest tokens of a call that run dt's multi-token tiles (rows_fast of nt > 1): from
+ * two tokens for the pair-order rows whose tiles share each block's decoding between two
+ * tokens (rows_b4x8, rows_iq4_xs); past INVARIANT_T for the other formats of
+ * tiles_keep_order; never for the rest (their one-token rows at any count). */
+AI uint32_t tile_min_tokens(int32_t dt) {
+    if (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q4_1 || dt == SMOE_WDT_MXFP4 ||
+        dt == SMOE_WDT_IQ4_XS)
+        return 2;
+    return tiles_keep_order(dt) ? INVARIANT_T + 1 : UINT32_MAX;
 }
 
 /* gate/up row i for token t alone (the one-token forms) */
@@ -1243,7 +1287,7 @@ static void gateup_fast(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const size_t rb = row_bytes(d->dtype, H);
     const uint8_t *gw = j->block + d->gate, *uw = j->block + d->up;
     float g[TILE], u[TILE];
-    if (j->T <= INVARIANT_T || !tiles_keep_order(d->dtype)) {
+    if (j->T < tile_min_tokens(d->dtype)) {
         for (uint32_t i = i0; i < i1; i++)
             for (uint32_t t = 0; t < j->T; t++) gateup_one(j, t, i);
         return;
@@ -1282,7 +1326,7 @@ static void down_fast(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
         if (!((h1 - h0) & 1)) return;
         h0 = h1 - 1; /* an odd chunk's last row, alone below */
     }
-    if (j->T <= INVARIANT_T || !tiles_keep_order(dt)) {
+    if (j->T < tile_min_tokens(dt)) {
         for (uint32_t h = h0; h < h1; h++)
             for (uint32_t t = 0; t < j->T; t++) {
                 rows_fast(dt, dw + h * rb, j, t, 1, I, y);
@@ -1368,7 +1412,7 @@ static void prepare_avx2(int32_t dt, const float *src, size_t stride, const int3
 }
 
 /* Pair order of one token's prepared int8 input q (n columns) for the one-token Q4_0 / MXFP4
- * / Q4_1 rows (row1_b4x8 and its tails) and IQ4_XS rows (rows_iq4_xs; its sub-blocks): per
+ * / Q4_1 rows (rows_b4x8 and its tails) and IQ4_XS rows (rows_iq4_xs; its sub-blocks): per
  * two blocks, [block 0 columns 0-15 | block 1 columns 0-15 | block 0 columns 16-31 | block 1
  * columns 16-31], the halves the two blocks' low and high nibbles meet in one 256-bit step, so that
  * the rows load them instead of shuffling them for every row (on the Zen 2 EPYC their
