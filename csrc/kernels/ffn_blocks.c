@@ -507,10 +507,10 @@ AI float row1_q4_1_tail(const uint8_t *w, const xin *x, uint32_t b, uint32_t n) 
 }
 
 /* Q4_0, MXFP4 or Q4_1 at nt (1 .. B4_TILE) tokens, eight blocks (256 columns) a step, the
- * 4-bit values as
- * vpmaddubsw's unsigned operand: Q4_0's nibbles q as they are (w = q - 8), MXFP4's looked up
- * in mxfp4_values12 (w = u - 12), Q4_1's as they are (w = d q + m: the m * s_x * (the block's
- * input sum) terms in a second accumulator, eight blocks an FMA).  Each block's integer sum
+ * 4-bit values as vpmaddubsw's unsigned operand: Q4_0's nibbles q as they are (w = q - 8),
+ * MXFP4's looked up in mxfp4_values12 (w = u - 12), Q4_1's as they are (w = d q + m: the
+ * m * s_x * (the block's input sum) terms in a second accumulator, eight blocks an FMA).
+ * Each block's integer sum
  * is sum w x = sum u x - c * (the prepared sum of its 32 int8 x), c = 8 or 12 (Q4_1: sum u x):
  * exact (pairs <= 2 * 24 * 127; a block's low and high nibbles' pairs <= 12192 in int16).
  * Blocks go in pairs as in row1_b4x2 (their nibbles in the two 128-bit lanes, the input's
@@ -1231,10 +1231,8 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
  * now (at 48 tokens a call Q4_0's expert took 0.73-0.74 of its old tiles' time on the
  * one-token rows, and 0.96-0.98 of that on rows_b4x8's two-token passes: DeepSeek-V2-Lite's
  * expert shape, one thread, AMD EPYC Zen 1, benchmarks/expert_kernels.py; Q8_0's tiles of
- * two accumulator sets 0.98-1.05x of its old ones).
- * The AVX-512 VNNI rows below keep the one-token order at any count, INVARIANT_T tokens a
- * pass.
- * tests/test_batch_invariance.py. */
+ * two accumulator sets 0.98-1.05x of its old ones).  The AVX-512 VNNI rows below keep the
+ * one-token order at any count, INVARIANT_T tokens a pass.  tests/test_batch_invariance.py. */
 #define INVARIANT_T 16
 
 /* Whether the multi-token tiles of dt (rows_fast of nt > 1) sum each token as its one-token
