@@ -12,7 +12,7 @@ each kernel, each linear layer, and whole models' logits.  The decode attention 
 are longer, drafts were rejected), and a row must still get the bits of its step alone.
 
 GGUF block formats kept as a file holds them are invariant at any token count
-(ffn_blocks.c INVARIANT_T, tiles_keep_order), prefill sizes included.  Not covered, with
+(ffn_blocks.c INVARIANT_T, tile_min_tokens), prefill sizes included.  Not covered, with
 the reason: models whose torch-side f32 matrix products (a router or a shared-expert gate
 left in torch) are not invariant in torch itself.
 """

@@ -193,10 +193,9 @@ PAIR_ORDER_KINDS = ["q4_0", "mxfp4", "iq4_xs", "q4_1"]
 @pytest.mark.parametrize("T", [16, 17, 33])
 def test_pair_order_rows_on_both_sides_of_sixteen_tokens(ctx, kind, T):
     """At any token count the AVX2 rows of Q4_0 / MXFP4 / Q4_1 / IQ4_XS read the input in
-    pair order (Q4_0, MXFP4, Q4_1: their one-token rows, eight blocks a step, then the rest, an
-    odd last block in column order; IQ4_XS: two tokens a pass past INVARIANT_T), 17 and 33
-    tokens too: each the fast model to float rounding, with odd block counts (13 and 7; IQ4_XS
-    3 and 1 super-blocks)."""
+    pair order, two tokens a pass (Q4_0, MXFP4, Q4_1: eight blocks a step, then the rest, an
+    odd last block in column order), past INVARIANT_T (17, 33 tokens) too: each the fast
+    model to float rounding, with odd block counts (13 and 7; IQ4_XS 3 and 1 super-blocks)."""
     _isa(ctx, "avx2")
     rng = np.random.default_rng(T + 100 * PAIR_ORDER_KINDS.index(kind))
     H, I = (256 * 3, 256) if kind == "iq4_xs" else (32 * 13, 32 * 7)

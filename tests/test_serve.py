@@ -441,7 +441,6 @@ def test_submitting_several_requests_queues_all_or_none():
         sch.submit(reqs[2])
 
 
-
 def test_serve_all_cancels_what_it_leaves_behind():
     """serve_all: a timeout cancels the unfinished requests and says how many; a queue that
     overflows midway through a staggered submission cancels those already queued; nothing is
@@ -481,6 +480,7 @@ def test_serve_all_reports_each_requests_events_under_its_index():
         assert "".join(ev[1] for ev in seen[i] if ev[0] == "text") == \
             IdText().decode(r.generated)
         assert seen[i][-1][2]["completion_tokens"] == 4
+
 
 def test_prefill_groups_bound_the_padding():
     from specmoe.serve.scheduler import GenParams, Request, _prefill_groups

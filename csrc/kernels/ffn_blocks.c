@@ -1181,7 +1181,7 @@ AI void rows_iq4_xs(const uint8_t *w, const xin *x, uint32_t nt, uint32_t n, flo
 }
 
 /* Row w of dt against tokens [t0, t0 + nt) (nt <= TILE) of the prepared input: res[0..nt).
- * nt > 1 only for the formats of tiles_keep_order; the others have one-token rows alone. */
+ * nt > 1 when the call has tile_min_tokens(dt) tokens or more. */
 AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t t0, uint32_t nt,
                   uint32_t n, float *res) {
     xin x[TILE];
@@ -1223,8 +1223,8 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
  * prompts of one length prefilled together).  A call of up to INVARIANT_T tokens runs every
  * token through the one-token rows, row by row (the row stays in L1 for the next token),
  * unless its format's tiles share their decoding between tokens (tile_min_tokens).  Longer
- * calls (prefill) run TILE tokens a pass through the multi-token tiles where those sum
- * each token in the one-token order (tiles_keep_order; now every AVX2 block format).  The
+ * calls (prefill) run TILE tokens a pass through the multi-token tiles, which sum each
+ * token in the one-token order (tile_min_tokens).  The
  * old tiles of the formats whose one-token rows read the input in pair order (Q4_0, MXFP4,
  * Q4_1, IQ4_XS; pair_order) folded blocks in f32 in another order, which gave a prompt other
  * last bits beside others of its length; rows_b4x8 and rows_iq4_xs keep the one-token order
@@ -1235,27 +1235,18 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
  * one-token order at any count, INVARIANT_T tokens a pass.  tests/test_batch_invariance.py. */
 #define INVARIANT_T 16
 
-/* Whether the multi-token tiles of dt (rows_fast of nt > 1) sum each token as its one-token
- * row does: Q8_0 (rows_b32, two accumulators as row1_b32); Q4_0, Q4_1, MXFP4 and IQ4_XS
- * (rows_b4x8, rows_iq4_xs: one form at any nt); the K-quants (rows_qk, rows_q23_k,
- * rows_q6_k: per super-block the integer sums of row2_qk, row1_q23_k, row1_q6_k, exact in any
- * order, then the same f32 products and FMAs in the same order). */
-AI int tiles_keep_order(int32_t dt) {
-    return dt == SMOE_WDT_Q8_0 || dt == SMOE_WDT_IQ4_XS || dt == SMOE_WDT_Q4_0 ||
-           dt == SMOE_WDT_Q4_1 || dt == SMOE_WDT_MXFP4 || dt == SMOE_WDT_Q2_K ||
-           dt == SMOE_WDT_Q3_K || dt == SMOE_WDT_Q4_K || dt == SMOE_WDT_Q5_K ||
-           dt == SMOE_WDT_Q6_K;
-}
-
-/* The fewest tokens of a call that run dt's multi-token tiles (rows_fast of nt > 1): from
- * two tokens for the pair-order rows whose tiles share each block's decoding between two
- * tokens (rows_b4x8, rows_iq4_xs); past INVARIANT_T for the other formats of
- * tiles_keep_order; never for the rest (their one-token rows at any count). */
+/* The fewest tokens of a call that run dt's multi-token tiles (rows_fast of nt > 1).  Every
+ * block format's tiles sum each token as its one-token row does: Q8_0 (rows_b32, two
+ * accumulators as row1_b32); Q4_0, Q4_1, MXFP4 and IQ4_XS (rows_b4x8, rows_iq4_xs: one form at
+ * any nt); the K-quants (rows_qk, rows_q23_k, rows_q6_k: per super-block the integer sums of
+ * row2_qk, row1_q23_k, row1_q6_k, exact in any order, then the same f32 products and FMAs in
+ * the same order).  From two tokens for the pair-order rows, whose tiles share each block's
+ * decoding between two tokens; past INVARIANT_T for the others. */
 AI uint32_t tile_min_tokens(int32_t dt) {
     if (dt == SMOE_WDT_Q4_0 || dt == SMOE_WDT_Q4_1 || dt == SMOE_WDT_MXFP4 ||
         dt == SMOE_WDT_IQ4_XS)
         return 2;
-    return tiles_keep_order(dt) ? INVARIANT_T + 1 : UINT32_MAX;
+    return INVARIANT_T + 1;
 }
 
 /* gate/up row i for token t alone (the one-token forms) */
