@@ -340,9 +340,9 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
  * 3 alternated rounds) 512, 1024, 2048 and 4096 bytes read alike within the host's noise
  * (kernels_epyc_zen2_int4_prefetch_ab.json).  CFLAGS=-DI4_PF=N builds another distance.
  * I4_PFS: bytes ahead in each row's group scales, one line a step of 8 units.  On a Zen 1 EPYC
- * (1 thread, one token, 2 alternated rounds, OLMoE / DeepSeek-V2-Lite shapes) groups of 32
- * (a quarter more bytes in scales) ran 0.94-0.97 of the time without it, groups of 128
- * 0.98-1.0: the hardware prefetcher served the scale rows late. */
+ * (1 thread, one token, 4 alternated rounds, OLMoE / DeepSeek-V2-Lite shapes) groups of 32
+ * (a quarter more bytes in scales) ran 0.93-0.97 of the time without it, groups of 128
+ * 0.98-1.02 (no change): the hardware prefetcher served the scale rows late. */
 #ifndef I4_PF
 #define I4_PF 1024
 #endif
