@@ -510,11 +510,11 @@ AI float row1_q4_1_tail(const uint8_t *w, const xin *x, uint32_t b, uint32_t n) 
  * 4-bit values as vpmaddubsw's unsigned operand: Q4_0's nibbles q as they are (w = q - 8),
  * MXFP4's looked up in mxfp4_values12 (w = u - 12), Q4_1's as they are (w = d q + m: the
  * m * s_x * (the block's input sum) terms in a second accumulator, eight blocks an FMA).
- * Each block's integer sum
- * is sum w x = sum u x - c * (the prepared sum of its 32 int8 x), c = 8 or 12 (Q4_1: sum u x):
- * exact (pairs <= 2 * 24 * 127; a block's low and high nibbles' pairs <= 12192 in int16).
- * Blocks go in pairs as in row1_b4x2 (their nibbles in the two 128-bit lanes, the input's
- * matching 16 columns loaded as they lie: the prepared input is in pair order, pair_order),
+ * Each block's integer sum is sum w x = sum u x - c * (the prepared sum of its 32 int8 x),
+ * c = 8 or 12 (Q4_1: sum u x): exact (pairs <= 2 * 24 * 127; a block's low and high nibbles'
+ * pairs <= 12192 in int16).  Blocks go in pairs as in row1_b4x2 (their nibbles in the two
+ * 128-bit lanes, the input's matching 16 columns loaded as they lie: the prepared input is in
+ * pair order, pair_order),
  * one vpmaddwd a pair; three vphaddd fold the four pairs to one int32 lane a block (lanes
  * [0 2 4 6 | 1 3 5 7], one permute back to block order); then one offset, one conversion and
  * one FMA with the eight blocks' d_w * s_x, the eight scales (f16, or E8M0 halved) read into
@@ -610,6 +610,14 @@ AI void rows_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint3
         else
             res[t] = b < nb ? hsum8(acc[t]) + row1_b4x2(dt, w0, x + t, b, n) : hsum8(acc[t]);
     }
+}
+
+/* rows_b4x8 over nt tokens, B4_TILE a pass (inlined where dt is a constant, so that each
+ * format gets its own loop) */
+AI void rows_b4(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint32_t n,
+                float *res) {
+    for (uint32_t t = 0; t < nt; t += B4_TILE)
+        rows_b4x8(dt, w, x + t, nt - t < B4_TILE ? nt - t : B4_TILE, n, res + t);
 }
 
 /* ---- Q4_1: a scale and an offset per 32 columns ---- */
@@ -1187,16 +1195,13 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
     xin x[TILE];
     for (uint32_t t = 0; t < nt; t++) x[t] = xin_of(j, dt, t0 + t, n);
     if (dt == SMOE_WDT_Q4_1 && x[0].pairs) /* (each format its own inlined loop) */
-        for (uint32_t t = 0; t < nt; t += B4_TILE)
-            rows_b4x8(SMOE_WDT_Q4_1, w, x + t, nt - t < B4_TILE ? nt - t : B4_TILE, n, res + t);
+        rows_b4(SMOE_WDT_Q4_1, w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q4_1) /* the VNNI form's calls (input in block order) */
         for (uint32_t t = 0; t < nt; t++) res[t] = row1_q4_1(w, x + t, n);
     else if (dt == SMOE_WDT_MXFP4 && x[0].pairs)
-        for (uint32_t t = 0; t < nt; t += B4_TILE)
-            rows_b4x8(SMOE_WDT_MXFP4, w, x + t, nt - t < B4_TILE ? nt - t : B4_TILE, n, res + t);
+        rows_b4(SMOE_WDT_MXFP4, w, x, nt, n, res);
     else if (dt == SMOE_WDT_Q4_0 && x[0].pairs)
-        for (uint32_t t = 0; t < nt; t += B4_TILE)
-            rows_b4x8(SMOE_WDT_Q4_0, w, x + t, nt - t < B4_TILE ? nt - t : B4_TILE, n, res + t);
+        rows_b4(SMOE_WDT_Q4_0, w, x, nt, n, res);
     else if (smoe_wdt_block_cols(dt) == 32 && nt == 1)
         res[0] = row1_b32(dt, w, x, n);
     else if (smoe_wdt_block_cols(dt) == 32)
@@ -1224,11 +1229,11 @@ AI void rows_fast(int32_t dt, const uint8_t *w, const smoe_ffn_job *j, uint32_t 
  * token through the one-token rows, row by row (the row stays in L1 for the next token),
  * unless its format's tiles share their decoding between tokens (tile_min_tokens).  Longer
  * calls (prefill) run TILE tokens a pass through the multi-token tiles, which sum each
- * token in the one-token order (tile_min_tokens).  The
- * old tiles of the formats whose one-token rows read the input in pair order (Q4_0, MXFP4,
- * Q4_1, IQ4_XS; pair_order) folded blocks in f32 in another order, which gave a prompt other
- * last bits beside others of its length; rows_b4x8 and rows_iq4_xs keep the one-token order
- * now (at 48 tokens a call Q4_0's expert took 0.73-0.74 of its old tiles' time on the
+ * token in the one-token order (tile_min_tokens).  The old tiles of the formats whose
+ * one-token rows read the input in pair order (Q4_0, MXFP4, Q4_1, IQ4_XS; pair_order) folded
+ * blocks in f32 in another order, which gave a prompt other last bits beside others of its
+ * length; rows_b4x8 and rows_iq4_xs keep the one-token order now (at 48 tokens a call Q4_0's
+ * expert took 0.73-0.74 of its old tiles' time on the
  * one-token rows, and 0.96-0.98 of that on rows_b4x8's two-token passes: DeepSeek-V2-Lite's
  * expert shape, one thread, AMD EPYC Zen 1, benchmarks/expert_kernels.py; Q8_0's tiles of
  * two accumulator sets 0.98-1.05x of its old ones).  The AVX-512 VNNI rows below keep the
