@@ -29,8 +29,15 @@ build: specmoe/.build-stamp
 demo: build
 	$(PY) -m specmoe demo
 
+# make test runs its cases in parallel worker processes (pytest-xdist), one per core up to 4
+# (`make test TEST_JOBS=1` runs them in one process).  Every case keeps its own tmp_path and
+# $SPECMOE_CACHE, and store temporaries are claimed by flock, so workers share nothing on disk.
+# On a 2-core 2.0 GHz Zen 1 host two workers took the suite from 17-20 to 11 minutes.
+# The other targets stay in one process: cgroups, a Ray cluster, timed benchmark smoke runs.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: build fuzz-deps
-	$(PY) -m pytest -q -m "not slow" --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) -m "not slow" --durations=25 tests
 
 # The end-to-end runs marked slow (pyproject.toml): a memory cgroup around convert and generate,
 # a Ray cluster behind `specmoe serve --ray`, the setters-during-generate stress, the zoo and
