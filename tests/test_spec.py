@@ -750,8 +750,9 @@ def test_ttft_k_max_takes_a_table_of_draft_times():
 def test_profile_ttft_measures_the_first_cycle_and_bounds_k():
     """profile_ttft on a real (tiny) model with a drafter that takes 40 ms a token: every
     part measured (the draft times at least the sleeps), k_max the largest k whose prefill +
-    drafting + verification fits the budget: 0.11 s leaves room for 2 drafts (80 ms and two
-    forwards of a few ms) but not 3 (120 ms); a budget below a forward is refused by name."""
+    drafting + verification fits the budget: 0.11 s leaves room for 2 drafts where the
+    forwards take a few ms (80 ms of sleeps) but never for 3 (120 ms); a budget below a forward
+    is refused by name."""
     import time as _time
 
     from specmoe.models.testing import tiny_model
@@ -773,8 +774,13 @@ def test_profile_ttft_measures_the_first_cycle_and_bounds_k():
     p = profile_ttft(model, prompt, 0.11, Sleepy(), k_max=4, repeats=2)
     assert set(p.t_verify) == {1, 2, 3, 4, 5} and set(p.t_draft) == {1, 2, 3, 4}
     assert all(p.t_draft[k] >= 0.04 * k for k in p.t_draft)
-    assert 0 < p.t_prefill < 0.01 and all(0 < t < 0.01 for t in p.t_verify.values())
-    assert p.k_max == 2 and Sleepy.resets > 0
+    assert p.t_prefill > 0 and all(t > 0 for t in p.t_verify.values())
+    # the rule on the measured times (not wall-time bounds on the forwards, which a busy host
+    # or a parallel test worker can break): the largest k whose first token fits the budget;
+    # drafting 3 tokens alone sleeps 120 ms, so never 3 or more
+    fits = [k for k in range(5)
+            if p.t_prefill + p.t_draft.get(k, 0.0) + p.t_verify[k + 1] <= 0.11]
+    assert p.k_max == max(fits) and p.k_max <= 2 and Sleepy.resets > 0
     free = profile_ttft(model, prompt, 10.0, None, k_max=4, repeats=1)
     assert free.k_max == 4 and set(free.t_draft.values()) == {0.0}
     with pytest.raises(ValueError, match="even k = 0 misses"):
