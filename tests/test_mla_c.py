@@ -163,12 +163,14 @@ def test_quantized_weights_bad_input():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_bits_do_not_depend_on_threads_or_isa(bf16):
-    """bf16 weights and cache: AVX-512 has loops of its own for them (mla_avx512.c), which
-    must give the plain loops' bits (R = 40: masked tails; DV = 12; S = 50: a partial block of
+@pytest.mark.parametrize("r", [R, 45])
+def test_bits_do_not_depend_on_threads_or_isa(bf16, r):
+    """f32 and bf16 weights and cache: AVX2 and AVX-512 have loops of their own for them
+    (mla_avx2.c, mla_avx512.c), which must give the plain loops' bits (R = 40: masked tails;
+    r = 45: AVX2's 16-, 8- and 1-column passes all run; DV = 12; S = 50: a partial block of
     positions; left padding: -inf positions skipped)."""
     rng = np.random.default_rng(7)
-    qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, 2, 2, 50)
+    qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, 2, 2, 50, r)
     if bf16:
         w_uk, w_uv, ckv, kpe = (_bf16(a) for a in (w_uk, w_uv, ckv, kpe))
     bias = mask_of("per_row", 2, 50, 2)

@@ -92,18 +92,35 @@ AI void dot_rows(const float *restrict x, const uint8_t *restrict w, size_t wstr
     }
 }
 
-/* res[q] = dot_w(x, row q) for nrows rows at w + q * wstride: blocks of PB, then single rows.
- * avx512 (the context runs AVX-512): through mla_avx512.c's loop instead, the same bits (the
- * plain loops' code, bf16 or f32, ran well below it: see there). */
-AI void dot_many(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
-                 uint32_t n, uint32_t nrows, float *restrict res, int avx512) {
+/* Which intrinsics the f32 / bf16 row loops below go through: none (the plain loops),
+ * mla_avx2.c's or mla_avx512.c's, by the kernel context's ISA.  The same bits either way (the
+ * plain loops' code ran well below the intrinsics': see those files). */
+enum { ATTN_SIMD_NONE = 0, ATTN_SIMD_AVX2 = 1, ATTN_SIMD_AVX512 = 2 };
+static inline int attn_simd(const smoe_kctx *c) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (avx512) {
+    if (c && c->isa >= SMOE_ISA_AVX512) return ATTN_SIMD_AVX512;
+    if (c && c->isa >= SMOE_ISA_AVX2) return ATTN_SIMD_AVX2;
+#else
+    (void)c;
+#endif
+    return ATTN_SIMD_NONE;
+}
+
+/* res[q] = dot_w(x, row q) for nrows rows at w + q * wstride: blocks of PB, then single rows,
+ * or the simd (attn_simd) loops. */
+AI void dot_many(const float *restrict x, const uint8_t *restrict w, size_t wstride, int bf16,
+                 uint32_t n, uint32_t nrows, float *restrict res, int simd) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (simd == ATTN_SIMD_AVX512) {
         smoe_attn_dot_avx512(x, w, wstride / (bf16 ? 2 : 4), n, nrows, res, bf16);
         return;
     }
+    if (simd == ATTN_SIMD_AVX2) {
+        smoe_attn_dot_avx2(x, w, wstride / (bf16 ? 2 : 4), n, nrows, res, bf16);
+        return;
+    }
 #else
-    (void)avx512;
+    (void)simd;
 #endif
     uint32_t q = 0;
     for (; q + PB <= nrows; q += PB)
@@ -220,14 +237,33 @@ AI uint32_t group_max_of(size_t per_head, uint32_t most) {
     return g < 1 ? 1u : g > most ? most : (uint32_t)g;
 }
 
+/* y[0..n) += a[q] * rows[q] for q = 0 .. nrows - 1 in that order (per column of y the rows in
+ * order, so the simd loops give the plain loops' bits); simd: as dot_many's. */
+AI void axpy_many(float *restrict y, const float *a, const void *const *rows, uint32_t nrows,
+                  uint32_t n, int bf16, int simd) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (simd == ATTN_SIMD_AVX512) {
+        smoe_attn_axpy_avx512(y, a, rows, nrows, n, bf16);
+        return;
+    }
+    if (simd == ATTN_SIMD_AVX2) {
+        smoe_attn_axpy_avx2(y, a, rows, nrows, n, bf16);
+        return;
+    }
+#else
+    (void)simd;
+#endif
+    for (uint32_t q = 0; q < nrows; q++) axpy_w(y, a[q], rows[q], bf16, n);
+}
+
 /* One block of np <= PB positions folded into a query's running softmax (Milakov &
  * Gimelshein 2018): s[q] are the block's final scores (-inf: masked), (m, l) the running
  * maximum and sum, o[0..n) the running weighted sum of rows; row q at rows + q * rstride bytes
  * (f32 or bf16).  The maximum moves once per block; the caller divides o by l at the end.
- * avx512: as dot_many's. */
+ * simd: as dot_many's. */
 AI void softmax_fold(float *restrict m, float *restrict l, float *restrict o, const float *s,
                      uint32_t np, const uint8_t *restrict rows, size_t rstride, int bf16,
-                     uint32_t n, int avx512) {
+                     uint32_t n, int simd) {
     float bmax = -INFINITY;
     for (uint32_t q = 0; q < np; q++)
         if (s[q] > bmax) bmax = s[q];
@@ -247,15 +283,7 @@ AI void softmax_fold(float *restrict m, float *restrict l, float *restrict o, co
         *l += e[k];
         r[k++] = rows + (size_t)q * rstride;
     }
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (avx512) { /* the same sums: per column of o the rows in order (see dot_many) */
-        smoe_attn_axpy_avx512(o, e, r, k, n, bf16);
-        return;
-    }
-#else
-    (void)avx512;
-#endif
-    for (uint32_t q = 0; q < k; q++) axpy_w(o, e[q], r[q], bf16, n);
+    axpy_many(o, e, r, k, n, bf16, simd);
 }
 
 /* The per-ISA pool functions of a kernel: NAME_scalar, NAME_avx2, NAME_avx512 (x86 only),

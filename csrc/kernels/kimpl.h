@@ -76,6 +76,11 @@ void smoe_attn_axpy_avx512(float *y, const float *a, const void *const *rows, ui
                            uint32_t n, int bf16);
 void smoe_attn_dot_avx512(const float *x, const void *w, size_t wrow, uint32_t n, uint32_t nrows,
                           float *res, int bf16);
+/* The same two loops for AVX2 (mla_avx2.c, the same bits). */
+void smoe_attn_axpy_avx2(float *y, const float *a, const void *const *rows, uint32_t nrows,
+                         uint32_t n, int bf16);
+void smoe_attn_dot_avx2(const float *x, const void *w, size_t wrow, uint32_t n, uint32_t nrows,
+                        float *res, int bf16);
 #endif
 extern const int smoe_ffn_fast_built;
 /* The AVX2 fast paths for int8 and int4 (ffn_fast_avx2.c: ffn_fast.c's arithmetic with AVX2

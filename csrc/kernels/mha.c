@@ -20,7 +20,7 @@ typedef struct mha_job {
     const float *q;
     const uint8_t *k, *v;
     int kv_bf16;
-    int avx512; /* the rows through mla_avx512.c's loops (attn_impl.h) */
+    int simd;   /* the rows' intrinsics loops (attn_impl.h's attn_simd) */
     size_t kv_bstride, kv_hstride; /* elements */
     const float *bias;
     uint32_t bias_rows;
@@ -73,12 +73,12 @@ AI void mha_item(const mha_job *j, uint32_t item, float *o, float *m, float *l, 
                 const size_t k = (size_t)i * T + t;
                 const float *qt = j->q + (((size_t)b * d->H + h0 + i) * T + t) * D;
                 float s[PB];
-                dot_many(qt, k0, rst, rbf, D, np, s, j->avx512);
+                dot_many(qt, k0, rst, rbf, D, np, s, j->simd);
                 for (uint32_t q = 0; q < np; q++) {
                     s[q] *= d->scale;
                     if (bias) s[q] += bias[(size_t)t * S + pos[q]];
                 }
-                softmax_fold(&m[k], &l[k], o + k * D, s, np, v0, rst, rbf, D, j->avx512);
+                softmax_fold(&m[k], &l[k], o + k * D, s, np, v0, rst, rbf, D, j->simd);
             }
     }
     for (uint32_t i = 0; i < nh; i++)
@@ -160,7 +160,7 @@ int smoe_mha_decode(smoe_kctx *c, const smoe_mha_desc *d, uint32_t B, uint32_t T
     size_t slots = (scratch_bytes - 64) / per;
     mha_job job = {.d = d, .B = B, .T = T, .S = S, .q = q, .k = k, .v = v,
                    .kv_bf16 = kv_dtype == SMOE_WDT_BF16,
-                   .avx512 = c && c->isa >= SMOE_ISA_AVX512, .kv_bstride = kv_bstride,
+                   .simd = attn_simd(c), .kv_bstride = kv_bstride,
                    .kv_hstride = kv_hstride, .bias = bias, .bias_rows = bias_rows, .out = out,
                    .scratch = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63),
                    .scratch_per = per, .nslots = slots > 1024 ? 1024u : (uint32_t)slots,

@@ -32,7 +32,8 @@
  * ISA (ISO C mode: no contraction into FMA), whatever the grouping of heads.  On AVX-512,
  * int8/int4 weights and the f32/bf16 rows go through mla_avx512.c's intrinsics instead (the
  * same arithmetic; the compiler's code for the plain loops ran at a third (int8) to two
- * thirds (bf16) of the intrinsics' rate).
+ * thirds (bf16) of the intrinsics' rate); on AVX2 the f32/bf16 rows go through mla_avx2.c's
+ * (see there), int8/int4 weights through the plain loops.
  *
  * GGUF block weights (attn.h): steps 1 and 3 are, per head and token, one matrix of the file
  * against one vector (attn_k_b's r rows of dn columns against q_nope; attn_v_b's dv rows of r
@@ -119,7 +120,8 @@ typedef struct mla_job {
     int32_t wdtype;
     size_t wsz;         /* bytes a weight value */
     int w_bf16;
-    int avx512;         /* int8/int4/bf16 weights and f32/bf16 rows: mla_avx512.c's loops */
+    int simd;           /* f32/bf16 rows: attn_simd's loops; int8/int4 weights: mla_avx512.c's
+                         * loops when ATTN_SIMD_AVX512 */
     const smoe_ffn_impl *bimpl; /* GGUF block weights: the context's block rows; else NULL */
     size_t uk_rb, uv_rb;        /* GGUF block weights: bytes a row of w_uk / w_uv */
     const float *bias;
@@ -163,20 +165,16 @@ AI void mla_q_lat(const mla_job *j, uint32_t b, uint32_t h, float *q_lat, void *
             float *y = q_lat + (size_t)t * r;
             const float a = qn[(size_t)t * dn + dd];
 #if defined(__x86_64__) && defined(__GNUC__)
-            if (quant && j->avx512) {
+            if (quant && j->simd == ATTN_SIMD_AVX512) {
                 smoe_mla_axpy_q_avx512(y, a, (const int8_t *)row, rs, qgroup, r);
                 continue;
             }
-            if (j->avx512) { /* f32/bf16: one row a call, one stream from DRAM */
-                const void *one = row;
-                smoe_attn_axpy_avx512(y, &a, &one, 1, r, j->w_bf16);
-                continue;
-            }
 #endif
+            const void *one = row; /* f32/bf16: one row a call, one stream from DRAM */
             if (quant)
                 axpy_q(y, a, (const int8_t *)row, rs, j->wdtype, r, d->group);
             else
-                axpy_w(y, a, row, j->w_bf16, r);
+                axpy_many(y, &a, &one, 1, r, j->w_bf16, j->simd);
         }
     }
 }
@@ -203,15 +201,15 @@ AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const fl
     for (uint32_t t = 0; t < T; t++) {
         const float *x = o_lat + (size_t)t * r;
         float *o = j->out + ((size_t)b * T + t) * d->H * dv + (size_t)h * dv;
-        if (!quant) { /* AVX-512: one row a call, one stream from DRAM */
-            const uint32_t step = j->avx512 ? 1 : dv;
+        if (!quant) { /* intrinsics: one row a call, one stream from DRAM */
+            const uint32_t step = j->simd ? 1 : dv;
             for (uint32_t e = 0; e < dv; e += step)
-                dot_many(x, wuv + e * wrow, wrow, j->w_bf16, r, step, o + e, j->avx512);
+                dot_many(x, wuv + e * wrow, wrow, j->w_bf16, r, step, o + e, j->simd);
             continue;
         }
         const float *us = j->uv_scale + (size_t)h * dv * srow;
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (j->avx512) {
+        if (j->simd == ATTN_SIMD_AVX512) {
             smoe_mla_dotq_avx512(x, (const int8_t *)wuv, wrow, us, srow, qgroup, r, dv, o);
             continue;
         }
@@ -265,13 +263,13 @@ AI void mla_item(const mla_job *j, uint32_t item, float *q_lat, float *o_lat, fl
             for (uint32_t t = 0; t < T; t++) {
                 const size_t k = (size_t)g * T + t;
                 float s[PB], sr[PB];
-                dot_many(q_lat + k * r, c0, cst, cbf, r, np, s, j->avx512);
-                dot_many(qp + (size_t)t * dr, k0, kst, kbf, dr, np, sr, j->avx512);
+                dot_many(q_lat + k * r, c0, cst, cbf, r, np, s, j->simd);
+                dot_many(qp + (size_t)t * dr, k0, kst, kbf, dr, np, sr, j->simd);
                 for (uint32_t q = 0; q < np; q++) {
                     s[q] = (s[q] + sr[q]) * d->scale;
                     if (bias) s[q] += bias[(size_t)t * S + pos[q]];
                 }
-                softmax_fold(&m[k], &l[k], o_lat + k * r, s, np, c0, cst, cbf, r, j->avx512);
+                softmax_fold(&m[k], &l[k], o_lat + k * r, s, np, c0, cst, cbf, r, j->simd);
             }
         }
     }
@@ -391,7 +389,7 @@ int smoe_mla_decode(smoe_kctx *c, const smoe_mla_desc *d, uint32_t B, uint32_t T
                    .kpe_bstride = kpe_bstride, .w_uk = w->uk, .w_uv = w->uv,
                    .uk_scale = w->uk_scale, .uv_scale = w->uv_scale, .wdtype = d->wdtype,
                    .wsz = d->wdtype == SMOE_WDT_F32 ? 4 : d->wdtype == SMOE_WDT_BF16 ? 2 : 1,
-                   .w_bf16 = d->wdtype == SMOE_WDT_BF16, .avx512 = c && c->isa >= SMOE_ISA_AVX512,
+                   .w_bf16 = d->wdtype == SMOE_WDT_BF16, .simd = attn_simd(c),
                    .bias = bias, .bias_rows = bias_rows,
                    .out = out,
                    .scratch = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63),
