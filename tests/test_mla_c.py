@@ -187,11 +187,13 @@ def test_bits_do_not_depend_on_threads_or_isa(bf16, r):
         np.testing.assert_array_equal(o, outs[0])
 
 
-@pytest.mark.parametrize("fmt,group,r", [("int8", 0, R), ("int4", 32, R4), ("int4", 96, R4)])
+@pytest.mark.parametrize("fmt,group,r", [("int8", 0, R), ("int8", 0, 45), ("int4", 32, R4),
+                                         ("int4", 96, R4)])
 def test_quantized_bits_do_not_depend_on_threads_or_isa(fmt, group, r):
-    """The int8/int4 weight loops have an AVX-512 form of their own (mla_avx512.c): it must
-    give the plain loops' bits (R = 40: the int8 rows' masked tails; DV = 12: a block of 8
-    output rows and 4 single ones)."""
+    """The int8/int4 weight loops have AVX2 and AVX-512 forms of their own (mla_avx2.c,
+    mla_avx512.c): they must give the plain loops' bits (R = 40: the int8 rows' masked tails;
+    r = 45: AVX2's single-column tail too; DV = 12: AVX-512's block of 8 output rows and 4
+    single ones, AVX2's three blocks of 4)."""
     rng = np.random.default_rng(17)
     qn, qp, ckv, kpe, w_uk, w_uv = _inputs(rng, 2, 3, 21, r)
     uk, uks, _ = _quantized(w_uk, fmt, group)

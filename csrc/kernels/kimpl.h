@@ -76,7 +76,11 @@ void smoe_attn_axpy_avx512(float *y, const float *a, const void *const *rows, ui
                            uint32_t n, int bf16);
 void smoe_attn_dot_avx512(const float *x, const void *w, size_t wrow, uint32_t n, uint32_t nrows,
                           float *res, int bf16);
-/* The same two loops for AVX2 (mla_avx2.c, the same bits). */
+/* The same four loops for AVX2 (mla_avx2.c, the same bits). */
+void smoe_mla_axpy_q_avx2(float *y, float a, const int8_t *q, const float *sc, uint32_t group,
+                          uint32_t n);
+void smoe_mla_dotq_avx2(const float *x, const int8_t *w, size_t wrow, const float *sc,
+                        size_t srow, uint32_t group, uint32_t n, uint32_t nrows, float *res);
 void smoe_attn_axpy_avx2(float *y, const float *a, const void *const *rows, uint32_t nrows,
                          uint32_t n, int bf16);
 void smoe_attn_dot_avx2(const float *x, const void *w, size_t wrow, uint32_t n, uint32_t nrows,

@@ -32,8 +32,7 @@
  * ISA (ISO C mode: no contraction into FMA), whatever the grouping of heads.  On AVX-512,
  * int8/int4 weights and the f32/bf16 rows go through mla_avx512.c's intrinsics instead (the
  * same arithmetic; the compiler's code for the plain loops ran at a third (int8) to two
- * thirds (bf16) of the intrinsics' rate); on AVX2 the f32/bf16 rows go through mla_avx2.c's
- * (see there), int8/int4 weights through the plain loops.
+ * thirds (bf16) of the intrinsics' rate); on AVX2 through mla_avx2.c's (see there).
  *
  * GGUF block weights (attn.h): steps 1 and 3 are, per head and token, one matrix of the file
  * against one vector (attn_k_b's r rows of dn columns against q_nope; attn_v_b's dv rows of r
@@ -120,8 +119,7 @@ typedef struct mla_job {
     int32_t wdtype;
     size_t wsz;         /* bytes a weight value */
     int w_bf16;
-    int simd;           /* f32/bf16 rows: attn_simd's loops; int8/int4 weights: mla_avx512.c's
-                         * loops when ATTN_SIMD_AVX512 */
+    int simd;           /* attn_simd: which intrinsics the rows and weights go through */
     const smoe_ffn_impl *bimpl; /* GGUF block weights: the context's block rows; else NULL */
     size_t uk_rb, uv_rb;        /* GGUF block weights: bytes a row of w_uk / w_uv */
     const float *bias;
@@ -169,6 +167,10 @@ AI void mla_q_lat(const mla_job *j, uint32_t b, uint32_t h, float *q_lat, void *
                 smoe_mla_axpy_q_avx512(y, a, (const int8_t *)row, rs, qgroup, r);
                 continue;
             }
+            if (quant && j->simd == ATTN_SIMD_AVX2) {
+                smoe_mla_axpy_q_avx2(y, a, (const int8_t *)row, rs, qgroup, r);
+                continue;
+            }
 #endif
             const void *one = row; /* f32/bf16: one row a call, one stream from DRAM */
             if (quant)
@@ -211,6 +213,10 @@ AI void mla_out(const mla_job *j, uint32_t b, uint32_t h, float *o_lat, const fl
 #if defined(__x86_64__) && defined(__GNUC__)
         if (j->simd == ATTN_SIMD_AVX512) {
             smoe_mla_dotq_avx512(x, (const int8_t *)wuv, wrow, us, srow, qgroup, r, dv, o);
+            continue;
+        }
+        if (j->simd == ATTN_SIMD_AVX2) {
+            smoe_mla_dotq_avx2(x, (const int8_t *)wuv, wrow, us, srow, qgroup, r, dv, o);
             continue;
         }
 #endif
