@@ -1,9 +1,9 @@
 /* AVX2 forms of attn_impl.h's f32 / bf16 row loops (the absorbed MLA weights and cached
  * latent rows of mla.c, the cached keys and values of mha.c): y += a[q] * rows[q] and
- * res[e] = x . row e; and of mla.c's int8 / int4 weight loops (at the end).  The compiler's code for the plain loops at AVX2 (16 partial sums in
- * memory-shaped arrays, bf16 widened by scalar-looking shuffles) read a DeepSeek-V2-Lite
- * layer's 4.2 MB of bf16 absorbed weights at 0.43 of a plain read loop and took 9 ms at 2048
- * cached positions (benchmarks/c/mla_decode.c, AMD EPYC Zen 1, 1 thread, 2026-12-05).
+ * res[e] = x . row e; and of mla.c's int8 / int4 weight loops (at the end).  The compiler's
+ * code for the plain loops at AVX2 read a DeepSeek-V2-Lite layer's 4.2 MB of bf16 absorbed
+ * weights at 0.43 of a plain read loop and took 9 ms at 2048 cached positions
+ * (benchmarks/c/mla_decode.c, AMD EPYC Zen 1, 1 thread, 2026-12-05).
  *
  * The arithmetic is the plain loops' lane for lane, as in mla_avx512.c: a dot product's 16
  * partial sums are two 8-lane registers (lanes 0-7 and 8-15), each product and sum rounded
