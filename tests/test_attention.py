@@ -106,10 +106,10 @@ def test_attention_sinks_match_reference(isa, mask):
 def test_strided_cache_and_thread_independent_bits(bf16, B, H, Hkv):
     """A cache buffer longer than the positions in use (each head's [S, D] block dense, heads
     and rows strided) reads as its first S positions; the bits do not depend on the thread
-    count or the ISA (bf16 caches: AVX-512 has loops of its own for them, mla_avx512.c; the
-    left-padding mask's -inf positions are skipped there too), nor on how the query heads of
-    a key/value head are grouped into items (one key/value head and 1-4 threads: items of 6,
-    3, 2 and 2 heads)."""
+    count or the ISA (bf16 caches: AVX2 and AVX-512 have loops of their own for them,
+    mla_avx2.c and mla_avx512.c; the left-padding mask's -inf positions are skipped there
+    too), nor on how the query heads of a key/value head are grouped into items (one
+    key/value head and 1-4 threads: items of 6, 3, 2 and 2 heads)."""
     rng = np.random.default_rng(5)
     T, S, Smax = 2, 29, 40
     q = rng.standard_normal((B, H, T, D), dtype=np.float32)

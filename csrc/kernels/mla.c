@@ -172,11 +172,12 @@ AI void mla_q_lat(const mla_job *j, uint32_t b, uint32_t h, float *q_lat, void *
                 continue;
             }
 #endif
-            const void *one = row; /* f32/bf16: one row a call, one stream from DRAM */
-            if (quant)
+            if (quant) {
                 axpy_q(y, a, (const int8_t *)row, rs, j->wdtype, r, d->group);
-            else
+            } else { /* f32/bf16: one row a call, one stream from DRAM */
+                const void *one = row;
                 axpy_many(y, &a, &one, 1, r, j->w_bf16, j->simd);
+            }
         }
     }
 }
