@@ -20,16 +20,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
-#include "kimpl.h"
-
-#define AI static inline __attribute__((always_inline))
-
-AI float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
+#include "attn_impl.h" /* bf16_f32, AI */
 
 /* 8 values of row p from column i on, f32 or bf16 (bf16: compile-time after inlining) */
 AI __m256 ld8(const void *p, uint32_t i, const int bf16) {
@@ -40,7 +31,7 @@ AI __m256 ld8(const void *p, uint32_t i, const int bf16) {
     return _mm256_loadu_ps((const float *)p + i);
 }
 AI float ld1(const void *p, uint32_t i, const int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? bf16_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* y += a[q] * rows[q] for NR rows (compile-time after inlining), in row order per column */
