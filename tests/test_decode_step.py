@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 
 import numpy as np
 import pytest
@@ -546,3 +547,28 @@ def test_not_installed_where_it_cannot_serve():
     assert install_decode_step(m) is True and install_decode_step(m) is True
     assert isinstance(vars(m)["forward"], DecodeStep)
     assert vars(m)["forward"].original.__func__ is type(m).forward
+
+
+def test_generate_sees_the_models_signature_and_keeps_one_prompt_row():
+    """model.generate reads the forward's signature: with the step installed it must still pass
+    logits_to_keep=1 to the prompt's forward, so lm_head runs on one row, as without the step
+    (a [prompt, vocab] product otherwise), and still reject a keyword the model does not take."""
+    model, eng = _offloaded("deepseek_v2", torch.float32)
+    try:
+        assert isinstance(model.forward, DecodeStep)
+        assert "logits_to_keep" in inspect.signature(model.forward).parameters
+        assert model._supports_logits_to_keep()
+        rows = []
+        hook = model.lm_head.register_forward_hook(
+            lambda m, i, o: rows.append(i[0].numel() // i[0].shape[-1]))
+        try:
+            ids = torch.randint(0, model.config.vocab_size, (1, 12),
+                                generator=torch.Generator().manual_seed(4))
+            _gen(model, ids, n=3)
+        finally:
+            hook.remove()
+        assert rows and rows[0] == 1, rows  # the prompt's forward: its last row only
+        with pytest.raises(ValueError, match="no_such_kwarg"):
+            _gen(model, ids, n=2, no_such_kwarg=1)
+    finally:
+        eng.close()

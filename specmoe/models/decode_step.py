@@ -38,6 +38,7 @@ full mask of one row alike.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import weakref
 
@@ -112,6 +113,11 @@ class DecodeStep:
     def __init__(self, model: nn.Module, original: Any):
         self.model = model
         self.original = original
+        # inspect.signature(model.forward) is the original's, not (*args, **kwargs):
+        # transformers' generate reads it to pass logits_to_keep=1 to a prompt's forward
+        # (without it lm_head ran over every prompt position: a [L, vocab] product and its
+        # logits, 1024 x 102400 at DeepSeek-V2-Lite shapes) and to check the kwargs it is given
+        self.__signature__ = inspect.signature(original)
         self.enabled = True
         self.steps = 0
         self.fallbacks = 0
