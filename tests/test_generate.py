@@ -108,6 +108,29 @@ def test_plain_decoding_without_drafter(pair):
     assert out.stats["experts_loaded"] >= 0 and out.stats["experts_loaded_per_token"] >= 0
 
 
+def test_prompt_forwards_run_lm_head_on_one_row(pair):
+    """generate's prompt forward and a draft model's catch-up over the prompt read one row of
+    logits: lm_head runs on that row alone (logits_to_keep=1), not on every prompt position
+    (a [prompt, vocab] product and its copy), and the tokens stay plain greedy's."""
+    model, draft, eng, ids = pair
+    rows = {"target": [], "draft": []}
+
+    def count(r):
+        return lambda mod, i, o: r.append(i[0].numel() // i[0].shape[-1])
+    hooks = [model.lm_head.register_forward_hook(count(rows["target"])),
+             draft.lm_head.register_forward_hook(count(rows["draft"]))]
+    try:
+        out = generate(model, ids, DraftModel(draft), StaticK(3), max_new_tokens=8,
+                       eos_token_id=None)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert out.sequences[0, ids.shape[1]:].tolist() == hf_greedy(model, ids, 8)
+    assert ids.shape[1] > 4 and rows["target"][0] == 1, rows  # the prompt's forward
+    assert max(rows["target"][1:]) <= 4  # verifications: the pending token and <= 3 drafts
+    assert rows["draft"] and set(rows["draft"]) == {1}, rows  # its catch-up, then one a token
+
+
 def test_engine_handle_and_max_new_tokens(pair):
     model, draft, eng, ids = pair
     ref = hf_greedy(model, ids, 7)

@@ -75,6 +75,25 @@ def test_batched_greedy_equals_transformers_batched_greedy(batch_pair, drafter_n
             adapter.uninstall()
 
 
+def test_the_batched_prompt_forward_runs_lm_head_on_one_column(batch_pair):
+    """A batch's prompt forward reads no logits: lm_head runs on its last column alone
+    (B rows, logits_to_keep=1), not on every padded position; the tokens stay transformers'."""
+    model, draft, eng, ids, mask = batch_pair
+    rows = []
+    hook = model.lm_head.register_forward_hook(
+        lambda m, i, o: rows.append(i[0].numel() // i[0].shape[-1]))
+    try:
+        out = generate(model, ids, NgramDrafter(), StaticK(2), attention_mask=mask,
+                       max_new_tokens=4, eos_token_id=None)
+    finally:
+        hook.remove()
+    ref = hf_batch_greedy(model, ids, mask, 4, min_new_tokens=4)
+    assert torch.equal(out.sequences[:, :ref.shape[1]], ref)
+    B = ids.shape[0]
+    assert ids.shape[1] > 2 and rows[0] == B, rows  # the prompt: one column of B rows
+    assert max(rows[1:]) <= B * 3  # steps: the pending token and <= 2 drafts a row
+
+
 def _batched_greedy_rows(model, ids, mask, ref, make, drafter_name):
     ctls = {"static3": StaticK(3), "cascade": Cascade(k_max=4, trial_len=2, set_len=4,
                                                       base_len=2),

@@ -56,7 +56,7 @@ from torch import nn
 
 from ..models.layers import sequences
 from .controllers import StaticK
-from .decoding import GenerateOutput, cache_kwargs, new_kv
+from .decoding import GenerateOutput, cache_kwargs, last_logits_kwargs, new_kv
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from .mtp import MtpDrafter, mtp_layout, next_drafts, priming
 from .tau import batch_bucket, target_tau, tau_for_batch
@@ -117,7 +117,7 @@ class BatchKV:
         (:func:`specmoe.models.layers.sequences`): each row then takes the implementations
         its prefill alone would.
         ``last_logits``: return the last column's logits [B, V] (every row's last token, the
-        rows being left-padded), computed for that column only."""
+        rows being left-padded).  Only that column's logits are computed, returned or not."""
         if ids.shape[1] == 0:
             return None
         mask = mask.to("cpu", torch.long)
@@ -126,7 +126,7 @@ class BatchKV:
                              "without pads into an empty cache only (a pad would enter the "
                              "row's recurrent state)")
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        kw = {"logits_to_keep": 1} if last_logits else {}
+        kw = last_logits_kwargs(self.model)  # (no other column's logits are ever read)
         # rows of one length into an empty cache: each takes the paths of its prefill alone
         # (specmoe.models.layers.sequences), so it gets that forward's bits where its products
         # run in C or, one prompt at a time, in torch (specmoe.models.layers.per_sequence)

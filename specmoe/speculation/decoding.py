@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
-           "input_device", "new_kv", "recurrent_layer_types", "records_recurrent_states",
+           "input_device", "last_logits_kwargs", "new_kv", "recurrent_layer_types", "records_recurrent_states",
            "require_recording_planned", "require_speculable", "unrecorded",
            "unrollable_layer_types"]
 
@@ -43,17 +43,26 @@ class Draft:
     token_confidence: Optional[Dict[int, np.ndarray]] = None
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_params(fwd: Any) -> frozenset:
+    """The parameter names of a model class's forward function (read once per class)."""
+    import inspect
+    return frozenset(inspect.signature(fwd).parameters)
+
+
 def cache_kwargs(model: nn.Module, kv: Any) -> Dict[str, Any]:
     """The keyword that hands ``kv`` to ``model``'s forward: ``cache`` from transformers 5.24
     (``past_key_values`` is deprecated there, to go in 5.40), ``past_key_values`` before."""
-    fwd = type(model).forward
-    name = _CACHE_KW.get(fwd)
-    if name is None:
-        import inspect
-        name = "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
-        _CACHE_KW[fwd] = name
-    return {name: kv}
-_CACHE_KW: Dict[Any, str] = {}  # forward function -> its cache keyword
+    return {"cache" if "cache" in _forward_params(type(model).forward)
+            else "past_key_values": kv}
+
+
+def last_logits_kwargs(model: nn.Module) -> Dict[str, Any]:
+    """``logits_to_keep=1`` where ``model``'s forward takes it (transformers' causal LMs):
+    lm_head then runs on the last position alone.  For a forward whose other rows nobody
+    reads (a prompt), which would otherwise pay a [positions, vocab] product and its copy."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(type(model).forward) \
+        else {}
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -64,13 +73,16 @@ def input_device(model: nn.Module) -> torch.device:
     return w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
 
 
-def forward_tokens(model: nn.Module, ids: Sequence[int], kv: Any) -> torch.Tensor:
+def forward_tokens(model: nn.Module, ids: Sequence[int], kv: Any,
+                   last: bool = False) -> torch.Tensor:
     """Logits [n, V] of ``ids`` after the cache ``kv``, on the CPU (the decoding loop reads
-    them as numpy)."""
+    them as numpy).  ``last``: only the last position's, [1, V], computed on that row alone
+    where the model allows (:func:`last_logits_kwargs`)."""
     x = torch.tensor([list(ids)], dtype=torch.long, device=input_device(model))
     with torch.no_grad():
-        out = model(input_ids=x, use_cache=True, **cache_kwargs(model, kv))
-    return out.logits[0].cpu()
+        out = model(input_ids=x, use_cache=True, **cache_kwargs(model, kv),
+                    **(last_logits_kwargs(model) if last else {}))
+    return out.logits[0, -1:].cpu() if last else out.logits[0].cpu()
 
 
 def recurrent_layer_types(config: Any) -> List[str]:

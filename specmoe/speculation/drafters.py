@@ -66,11 +66,11 @@ class DraftModel:
             return
         n = self._sync(h)
         if n < len(h) - 1:
-            self._run(h[n:-1])
+            self._run(h[n:-1], last=True)
         self._seen = h[:-1]
 
-    def _run(self, ids: Sequence[int]) -> torch.Tensor:
-        return forward_tokens(self.model, ids, self._kv)
+    def _run(self, ids: Sequence[int], last: bool = False) -> torch.Tensor:
+        return forward_tokens(self.model, ids, self._kv, last)
 
     def _sync(self, h: List[int]) -> int:
         """Crop the cache to the longest prefix it shares with history ``h`` (never the last
@@ -94,7 +94,7 @@ class DraftModel:
         if k <= 0:
             return Draft([], None, None)
         n = self._sync(h)
-        logits = self._run(h[n:])[-1:]
+        logits = self._run(h[n:], last=True)  # (a first draft's catch-up over the prompt)
         toks: List[int] = []
         rows: List[torch.Tensor] = []
         for i in range(k):
@@ -190,9 +190,9 @@ class SelfDraft(DraftModel):
         self._kv, self._n0 = self._shared, n
         return n
 
-    def _run(self, ids: Sequence[int]) -> torch.Tensor:
+    def _run(self, ids: Sequence[int], last: bool = False) -> torch.Tensor:
         with self.engine.drafting(prefetch=self._prefetch) as rec:
-            out = forward_tokens(self.model, ids, self._kv)
+            out = forward_tokens(self.model, ids, self._kv, last)
         self._rec.append(rec)
         return out
 

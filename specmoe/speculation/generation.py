@@ -230,8 +230,8 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
     if len(prompt) > 1:
         # the last prompt token is the first pending one; the rest is never cut back, so a
         # hybrid's recurrent layers record none of it (no state copied per prompt token)
-        with unrecorded(kv):
-            forward_tokens(model, prompt[:-1], kv)
+        with unrecorded(kv):  # (its logits are not read: lm_head on one row)
+            forward_tokens(model, prompt[:-1], kv, last=True)
         crop_kv(kv, len(prompt) - 1)  # (sliding-window layers trimmed to their window)
     bound = isinstance(drafter, SelfDraft) and drafter.share_kv
     if bound:

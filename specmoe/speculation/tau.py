@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .controllers import measure_times, ttft_k_max
-from .decoding import cache_kwargs, crop_kv, input_device, new_kv, unrecorded
+from .decoding import (cache_kwargs, crop_kv, input_device, last_logits_kwargs, new_kv,
+                       unrecorded)
 from ..runtime.tau_tables import TauTables
 from ..runtime.experts import find_engine
 
@@ -79,7 +80,7 @@ def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
     rows = [base[(b * 5) % len(base):] + base[:(b * 5) % len(base)] for b in range(batch)]
     with unrecorded(kv), torch.no_grad():  # (never cut back)
         model(input_ids=torch.tensor(rows, dtype=torch.long, device=input_device(model)),
-              use_cache=True, **cache_kwargs(model, kv))
+              use_cache=True, **cache_kwargs(model, kv), **last_logits_kwargs(model))
     n = [int(kv.get_seq_length())]
     calls = [0]
 
@@ -154,9 +155,10 @@ def profile_ttft(model: nn.Module, prompt: Sequence[int], budget_s: float, draft
         raise ValueError("profile_ttft: empty prompt")
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=input_device(model))
 
-    def prefill(_: int) -> None:
+    def prefill(_: int) -> None:  # (as generate and the server run it: lm_head on one row)
         with torch.no_grad():
-            model(input_ids=ids, use_cache=True, **cache_kwargs(model, new_kv(model)))
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, new_kv(model)),
+                  **last_logits_kwargs(model))
 
     t_prefill = measure_times(prefill, [1], repeats=repeats, warmup=1, stat="min")[1]
     t_verify = forward_times(model, prompt, range(1, k_max + 2), repeats, progress=progress)
