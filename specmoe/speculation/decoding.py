@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
-           "input_device", "last_logits_kwargs", "new_kv", "recurrent_layer_types", "records_recurrent_states",
-           "require_recording_planned", "require_speculable", "unrecorded",
-           "unrollable_layer_types"]
+           "input_device", "last_logits_kwargs", "new_kv", "recurrent_layer_types",
+           "records_recurrent_states", "require_recording_planned", "require_speculable",
+           "unrecorded", "unrollable_layer_types"]
 
 
 @dataclass

@@ -94,7 +94,7 @@ class DraftModel:
         if k <= 0:
             return Draft([], None, None)
         n = self._sync(h)
-        logits = self._run(h[n:], last=True)  # (a first draft's catch-up over the prompt)
+        logits = self._run(h[n:], last=True)  # (the catch-up over what it has not seen)
         toks: List[int] = []
         rows: List[torch.Tensor] = []
         for i in range(k):
