@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -46,7 +47,6 @@ class Draft:
 @functools.lru_cache(maxsize=None)
 def _forward_params(fwd: Any) -> frozenset:
     """The parameter names of a model class's forward function (read once per class)."""
-    import inspect
     return frozenset(inspect.signature(fwd).parameters)
 
 
@@ -118,7 +118,6 @@ def records_recurrent_states(model: nn.Module) -> bool:
         return True
     cls = type(model)
     if cls not in _RECORDS:
-        import inspect
         import sys
         mod = sys.modules.get(cls.__module__)
         try:
@@ -222,7 +221,6 @@ def _takes_window(kv: Any) -> bool:
 def _layer_takes_window(cls: type) -> bool:
     """Whether cache layer class ``cls``'s ``activate_past_recording`` takes
     ``recurrent_states_to_keep`` (read once per class: every request makes a cache)."""
-    import inspect
     return "recurrent_states_to_keep" in inspect.signature(cls.activate_past_recording).parameters
 
 
