@@ -15,7 +15,8 @@ from transformers import DynamicCache
 from specmoe import _C
 from specmoe.runtime import engine as hf
 from specmoe.models.dense import convert_dense, resolve_dense
-from specmoe.models.layers import DENSE_DTYPES, CLinear
+from specmoe.models import layers
+from specmoe.models.layers import DENSE_DTYPES, CLinear, linear_widened, torch_bf16_gemm_fast
 from specmoe.runtime.kernels import context
 from specmoe.storage.quant import (bf16_to_f32, dequantize_int4, dequantize_int8, f32_to_bf16,
                                    quantize_int4, quantize_int8)
@@ -179,11 +180,64 @@ def test_long_inputs_use_torch_on_the_same_bytes(dtype):
     assert c.weight_view.data_ptr() == lin.weight.data_ptr()
     assert torch.equal(c.weight_view, lin.weight.detach())
     x = torch.randn(1, 9, 64).to(tdt)
-    torch.testing.assert_close(c(x), F.linear(x, lin.weight, lin.bias), atol=0, rtol=0)
+    if dtype == "f32" or torch_bf16_gemm_fast():
+        torch.testing.assert_close(c(x), F.linear(x, lin.weight, lin.bias), atol=0, rtol=0)
+    else:  # torch's bf16 GEMM is its slow fallback here: the same weight, widened to f32
+        torch.testing.assert_close(c(x), linear_widened(x, lin.weight, lin.bias),
+                                   atol=0, rtol=0)
     # and the C path agrees with it on a decode-sized input
     torch.testing.assert_close(c(x[:, :2]).float(), F.linear(x[:, :2], lin.weight,
                                                              lin.bias).float(),
                                atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_widened_is_the_f32_product_of_the_bf16_weight(xdt, bias):
+    """Against float64 numpy on the same bytes, with more output rows than one widened chunk
+    (so the chunks' seams are covered) and a ragged last chunk: within one rounding of the
+    output dtype, and the bf16 output equal to the f32 output rounded once."""
+    torch.manual_seed(0)
+    N, K = 3 * 64 + 5, 256
+    w = (torch.randn(N, K) * 0.05).to(torch.bfloat16)
+    b = torch.randn(N) if bias else None
+    x = torch.randn(2, 7, K).to(xdt)
+    old = layers._WIDEN_CHUNK_BYTES
+    layers._WIDEN_CHUNK_BYTES = 64 * 4 * K  # 64 rows a chunk
+    try:
+        y = linear_widened(x, w, b)
+        y32 = linear_widened(x.float(), w, b)
+    finally:
+        layers._WIDEN_CHUNK_BYTES = old
+    assert y.shape == (2, 7, N) and y.dtype == xdt and y.is_contiguous()
+    ref = x.double().numpy() @ w.double().numpy().T
+    if bias:
+        ref = ref + b.double().numpy()
+    np.testing.assert_allclose(y32.double().numpy(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, y32.to(xdt))
+    with pytest.raises(ValueError, match="features"):
+        linear_widened(torch.zeros(3, K + 1), w)
+
+
+def test_long_bf16_inputs_take_the_widened_product_where_torch_bf16_is_slow(monkeypatch):
+    """The dispatch: above torch_above, a bf16 CLinear calls linear_widened exactly when
+    torch_bf16_gemm_fast() says no, and torch's bf16 GEMM otherwise; at decode sizes neither."""
+    lin = nn.Linear(64, 48).to(torch.bfloat16)
+    c = CLinear(lin, "bf16", torch_above=4)
+    calls = []
+    real = layers.linear_widened
+    monkeypatch.setattr(layers, "linear_widened",
+                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    x = torch.randn(1, 9, 64).to(torch.bfloat16)
+    for fast in (False, True):
+        monkeypatch.setattr(layers, "torch_bf16_gemm_fast", lambda: fast)
+        calls.clear()
+        y = c(x)
+        assert len(calls) == (0 if fast else 1)
+        assert y.shape == (1, 9, 48) and y.dtype == torch.bfloat16
+        calls.clear()
+        c(x[:, :3])
+        assert calls == []
 
 
 @pytest.mark.parametrize("dense", ["bf16", "auto"])

@@ -23,6 +23,7 @@ from ..runtime.kernels import GGUF_BLOCKS, context, dtype_code, tensor_array
 from ..storage.quant import quantize_int4, quantize_int8
 
 __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm", "fuse_qkv",
+           "linear_widened", "torch_bf16_gemm_fast",
            "int4_group", "norm_weight", "zero_centred_norm", "per_sequence", "sequence_rows",
            "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate",
            "dense_in_call"]
@@ -35,6 +36,8 @@ _ALIGN = 64
 # Decode-sized inputs: up to this many tokens the C kernels beat torch's GEMM on this machine
 # class (benchmarks/dense_linear.py measures the crossover); beyond it f32/bf16 go to torch.
 TORCH_ABOVE = 16
+# f32 bytes of the bf16 weight rows linear_widened widens at once (its one buffer)
+_WIDEN_CHUNK_BYTES = 2 << 20
 
 # sequences of one length side by side in the forward running in this thread (sequences())
 _SEQUENCES: contextvars.ContextVar[int] = contextvars.ContextVar("specmoe_sequences", default=1)
@@ -247,6 +250,50 @@ def _pack_blocks(blocks: np.ndarray, kind: str, N: int, K: int
     return block, {"N": N, "K": K, "dtype": dtype_code(kind), "weight": 0}
 
 
+@functools.lru_cache(maxsize=None)
+def torch_bf16_gemm_fast() -> bool:
+    """Whether torch's bf16 matrix products run through oneDNN on this CPU (it needs AVX-512;
+    AVX-512 BF16 or AMX make them native).  Where not (AVX2-only hosts), torch takes a
+    fallback GEMM: a [1024, 2048] x [2048, 10944] bf16 product ran at 9.5 GFLOP/s on two Zen 1
+    cores, against 58 for the same product in f32 (benchmarks/dense_linear.py's ``widened``
+    rows), so :class:`CLinear` computes long bf16 inputs with :func:`linear_widened` there."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the query: assume the fallback
+        return False
+
+
+def linear_widened(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a bf16 ``weight``, computed by torch's f32 GEMM: the
+    weight's rows are widened to f32 about 2 MiB at a time into one buffer (so the f32 copy
+    never exists whole: an lm_head of 102400 x 2048 would take 800 MiB), each chunk's product
+    written to its rows of a transposed [out, tokens] f32 result.  ``x`` is read in f32 as it
+    is (not rounded to bf16 first, as the C kernels read it); ``bias`` (any float dtype) is
+    added in f32; one rounding to x's dtype (f32 for other input dtypes) at the end.  For
+    hosts where torch's own bf16 GEMM is the slow fallback (:func:`torch_bf16_gemm_fast`)."""
+    N, K = (int(s) for s in weight.shape)
+    if x.shape[-1] != K:
+        raise ValueError(f"linear_widened: input has {x.shape[-1]} features, weight {K}")
+    lead, weight = x.shape[:-1], weight.detach()  # inference only (mm's out= takes no grad)
+    xt = x.detach().reshape(-1, K).to(torch.float32).t()  # [K, T]
+    T = int(xt.shape[1])
+    out_t = torch.empty(N, T, dtype=torch.float32)
+    step = max(1, min(N, _WIDEN_CHUNK_BYTES // (4 * max(K, 1))))
+    buf = torch.empty(step, K, dtype=torch.float32)
+    for r0 in range(0, N, step):
+        n = min(step, N - r0)
+        buf[:n].copy_(weight[r0:r0 + n])
+        torch.mm(buf[:n], xt, out=out_t[r0:r0 + n])
+    if bias is not None:
+        out_t.add_(bias.detach().to(torch.float32)[:, None])
+    odt = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    out = torch.empty(T, N, dtype=odt)
+    out.copy_(out_t.t())
+    return out.reshape(*lead, N)
+
+
 class CLinear(nn.Module):
     """Inference-only replacement of an ``nn.Linear`` computed by specmoe's C kernels.
 
@@ -324,6 +371,10 @@ class CLinear(nn.Module):
         T = x.numel() // self.in_features if self.in_features else 0
         if self._tw is not None and self.torch_above is not None \
                 and sequence_rows(T) > self.torch_above:
+            if self._tw.dtype == torch.bfloat16 and not torch_bf16_gemm_fast():
+                b = None if self._bias is None else torch.from_numpy(self._bias)
+                return per_sequence(lambda v: linear_widened(v, self._tw, b),
+                                    x).to(self.out_dtype)
             return per_sequence(lambda v: F.linear(v.to(self._tw.dtype), self._tw, self._tb),
                                 x).to(self.out_dtype)
         # f32 and bf16 go to the kernel as they are (it widens bf16 and rounds a bf16 output
