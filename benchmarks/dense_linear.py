@@ -10,12 +10,17 @@ the medians over rounds, ``c_vs_torch`` = torch time / C time (> 1: C faster), a
 ``c_read_gbps`` / ``ceiling_gbps``: weight bytes per call / C time against
 ``KernelContext.read_bw`` on a buffer of the same size with the same threads (measured in the
 same round).  This is the rule behind ``dense="auto"`` (specmoe.models.dense.resolve_dense) and the
-``TORCH_ABOVE`` crossover.
+``TORCH_ABOVE`` crossover.  bf16 rows also time ``widened``: the same bf16 weight through
+torch's f32 GEMM a widened chunk at a time (specmoe.models.layers.linear_widened, what a bf16
+CLinear runs above ``TORCH_ABOVE`` where ``torch_bf16_gemm_fast()`` is false, as
+``torch_bf16_fast`` in the config says), interleaved with the other two; ``widened_vs_torch``
+and ``widened_vs_c`` are its per-round ratios' medians (> 1: widened faster).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,7 +31,10 @@ import torch
 from torch import nn
 
 from specmoe.runtime import kernels
-from specmoe.models.layers import CLinear
+from specmoe.models.layers import CLinear, linear_widened, torch_bf16_gemm_fast
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostinfo  # noqa: E402
 
 TORCH_DT = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16,
             "int4": torch.bfloat16}
@@ -66,13 +74,20 @@ def main() -> None:
             buf = np.ones(c.nbytes, np.uint8)
             for T in (int(t) for t in a.tokens.split(",")):
                 x = torch.randn(1, T, K).to(TORCH_DT[dt])
-                tt, tc, ceil = [], [], []
+                times: dict[str, list[float]] = {"torch": [], "c": []}
+                fns = [("torch", lambda: lin(x)), ("c", lambda: c(x))]
+                if dt == "bf16":
+                    times["widened"] = []
+                    fns.append(("widened", lambda: linear_widened(x, lin.weight)))
+                ceil = []
                 for r in range(a.repeats):
                     with torch.inference_mode():
-                        pair = [("torch", lambda: lin(x)), ("c", lambda: c(x))]
-                        for name, f in (pair if r % 2 == 0 else pair[::-1]):
-                            (tt if name == "torch" else tc).append(timed(f, a.calls))
+                        k = r % len(fns)  # each contender first in turn
+                        order = fns[k:] + fns[:k]
+                        for name, f in (order if r % 2 == 0 else order[::-1]):
+                            times[name].append(timed(f, a.calls))
                     ceil.append(ctx.read_bw(buf, 3))
+                tt, tc = times["torch"], times["c"]
                 row = {"N": N, "K": K, "dtype": dt, "tokens": T,
                        "torch_dtype": str(TORCH_DT[dt]).replace("torch.", ""),
                        "torch_ms": statistics.median(tt) * 1e3,
@@ -82,13 +97,23 @@ def main() -> None:
                        "c_read_gbps": c.nbytes / statistics.median(tc) / 1e9,
                        "ceiling_gbps": statistics.median(ceil) / 1e9}
                 row["c_read_vs_ceiling"] = row["c_read_gbps"] / row["ceiling_gbps"]
+                extra = ""
+                if "widened" in times:
+                    tw = times["widened"]
+                    row["widened_ms"] = statistics.median(tw) * 1e3
+                    row["widened_vs_torch"] = statistics.median(x / y for x, y in zip(tt, tw))
+                    row["widened_vs_c"] = statistics.median(x / y for x, y in zip(tc, tw))
+                    extra = (f", widened {row['widened_ms']:.3f} ms "
+                             f"({row['widened_vs_torch']:.2f}x torch)")
                 rows.append(row)
                 print(f"[dense_linear] {N}x{K} {dt} T={T}: torch {row['torch_ms']:.3f} ms, "
                       f"C {row['c_ms']:.3f} ms ({row['c_vs_torch']:.2f}x), "
-                      f"{row['c_read_gbps']:.1f} GB/s of {row['ceiling_gbps']:.1f}",
+                      f"{row['c_read_gbps']:.1f} GB/s of {row['ceiling_gbps']:.1f}{extra}",
                       file=sys.stderr, flush=True)
-    res = {"config": {"threads": kernels.num_threads(), "torch_threads": torch.get_num_threads(),
-                      "isa": kernels.isa(), "repeats": a.repeats, "calls": a.calls},
+    res = {"host": hostinfo.host(kernels.num_threads()),
+           "config": {"threads": kernels.num_threads(), "torch_threads": torch.get_num_threads(),
+                      "isa": kernels.isa(), "repeats": a.repeats, "calls": a.calls,
+                      "torch_bf16_fast": torch_bf16_gemm_fast()},
            "rows": rows}
     if a.json:
         print(json.dumps(res, indent=1))

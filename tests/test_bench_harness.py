@@ -113,6 +113,27 @@ def test_dense_gguf_benchmark_smoke(tmp_path, monkeypatch):
     assert len(run["gguf_vs_bf16_runs"]) == 1
 
 
+def test_dense_linear_benchmark_smoke():
+    """benchmarks/dense_linear.py on one small shape: a row per dtype and token count, the
+    bf16 rows with the widened product's time beside torch's and the C kernels', and the
+    host and torch's bf16 answer in the results."""
+    import sys
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dense_linear.py"),
+                        "--shapes", "96x64", "--dtypes", "bf16,int8", "--tokens", "1,20",
+                        "--threads", "1", "--repeats", "3", "--calls", "1", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["host"]["threads"] == 1 and isinstance(out["config"]["torch_bf16_fast"], bool)
+    rows = {(x["dtype"], x["tokens"]): x for x in out["rows"]}
+    assert set(rows) == {(d, t) for d in ("bf16", "int8") for t in (1, 20)}
+    for (dt, _), x in rows.items():
+        assert x["torch_ms"] > 0 and x["c_ms"] > 0
+        assert ("widened_ms" in x) == (dt == "bf16")
+        if dt == "bf16":
+            assert x["widened_ms"] > 0 and x["widened_vs_torch"] > 0 and x["widened_vs_c"] > 0
+
+
 def test_int_products_builds_checks_and_reports(tmp_path_factory, c_compiler):
     """benchmarks/c/int_products.c (the AVX2 rows' compute ceiling, performance.md's Zen 1
     section): built with warnings as errors; its loops' results checked against plain C by
