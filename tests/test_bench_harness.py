@@ -134,6 +134,25 @@ def test_dense_linear_benchmark_smoke():
             assert x["widened_ms"] > 0 and x["widened_vs_torch"] > 0 and x["widened_vs_c"] > 0
 
 
+def test_bf16_prefill_benchmark_smoke(tmp_path):
+    """benchmarks/bf16_prefill.py on tiny shapes: every setting timed in every round, the
+    per-round ratios, and the host and torch's bf16 answer in the results."""
+    import sys
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bf16_prefill.py"), "--quick",
+                        "--layers", "2", "--prompt-tokens", "24", "--rounds", "2", "--threads",
+                        "1", "--workdir", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["host"]["threads"] == 1 and isinstance(out["config"]["torch_bf16_fast"], bool)
+    (row,) = out["rows"]
+    assert row["prompt_tokens"] == 24
+    assert all(len(v) == 2 and min(v) > 0 for v in row["seconds"].values())
+    assert set(row["seconds"]) == {"torch_bf16", "c_kernels", "widened"}
+    assert len(row["widened_vs_c_kernels"]["runs"]) == 2
+    assert isinstance(row["greedy_token_equal"], bool)
+
+
 def test_int_products_builds_checks_and_reports(tmp_path_factory, c_compiler):
     """benchmarks/c/int_products.c (the AVX2 rows' compute ceiling, performance.md's Zen 1
     section): built with warnings as errors; its loops' results checked against plain C by

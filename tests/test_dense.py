@@ -202,13 +202,13 @@ def test_linear_widened_is_the_f32_product_of_the_bf16_weight(xdt, bias):
     w = (torch.randn(N, K) * 0.05).to(torch.bfloat16)
     b = torch.randn(N) if bias else None
     x = torch.randn(2, 7, K).to(xdt)
-    old = layers._WIDEN_CHUNK_BYTES
-    layers._WIDEN_CHUNK_BYTES = 64 * 4 * K  # 64 rows a chunk
+    old = layers._WIDEN_CHUNK_BYTES, layers._WIDEN_MIN_ROWS
+    layers._WIDEN_CHUNK_BYTES, layers._WIDEN_MIN_ROWS = 64 * 4 * K, 1  # 64 rows a chunk
     try:
         y = linear_widened(x, w, b)
         y32 = linear_widened(x.float(), w, b)
     finally:
-        layers._WIDEN_CHUNK_BYTES = old
+        layers._WIDEN_CHUNK_BYTES, layers._WIDEN_MIN_ROWS = old
     assert y.shape == (2, 7, N) and y.dtype == xdt and y.is_contiguous()
     ref = x.double().numpy() @ w.double().numpy().T
     if bias:

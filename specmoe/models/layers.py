@@ -36,8 +36,11 @@ _ALIGN = 64
 # Decode-sized inputs: up to this many tokens the C kernels beat torch's GEMM on this machine
 # class (benchmarks/dense_linear.py measures the crossover); beyond it f32/bf16 go to torch.
 TORCH_ABOVE = 16
-# f32 bytes of the bf16 weight rows linear_widened widens at once (its one buffer)
+# linear_widened's chunk: the bf16 weight rows it widens at once into its one f32 buffer, 2 MiB
+# of them or 256 rows, whichever is more (at K = 10944, 47-row chunks ran the [1024, K] product
+# about 1.2x slower than 256-row ones on two Zen 1 cores; 512 rows were no faster)
 _WIDEN_CHUNK_BYTES = 2 << 20
+_WIDEN_MIN_ROWS = 256
 
 # sequences of one length side by side in the forward running in this thread (sequences())
 _SEQUENCES: contextvars.ContextVar[int] = contextvars.ContextVar("specmoe_sequences", default=1)
@@ -267,9 +270,10 @@ def torch_bf16_gemm_fast() -> bool:
 def linear_widened(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a bf16 ``weight``, computed by torch's f32 GEMM: the
-    weight's rows are widened to f32 about 2 MiB at a time into one buffer (so the f32 copy
-    never exists whole: an lm_head of 102400 x 2048 would take 800 MiB), each chunk's product
-    written to its rows of a transposed [out, tokens] f32 result.  ``x`` is read in f32 as it
+    weight's rows are widened to f32 a chunk at a time (2 MiB or 256 rows) into one buffer (so
+    the f32 copy never exists whole: an lm_head of 102400 x 2048 would take 800 MiB), each
+    chunk's product written to its rows of a transposed [out, tokens] f32 result.  ``x`` is
+    read in f32 as it
     is (not rounded to bf16 first, as the C kernels read it); ``bias`` (any float dtype) is
     added in f32; one rounding to x's dtype (f32 for other input dtypes) at the end.  For
     hosts where torch's own bf16 GEMM is the slow fallback (:func:`torch_bf16_gemm_fast`)."""
@@ -280,7 +284,7 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor,
     xt = x.detach().reshape(-1, K).to(torch.float32).t()  # [K, T]
     T = int(xt.shape[1])
     out_t = torch.empty(N, T, dtype=torch.float32)
-    step = max(1, min(N, _WIDEN_CHUNK_BYTES // (4 * max(K, 1))))
+    step = max(1, min(N, max(_WIDEN_MIN_ROWS, _WIDEN_CHUNK_BYTES // (4 * max(K, 1)))))
     buf = torch.empty(step, K, dtype=torch.float32)
     for r0 in range(0, N, step):
         n = min(step, N - r0)
