@@ -257,9 +257,10 @@ def _pack_blocks(blocks: np.ndarray, kind: str, N: int, K: int
 def torch_bf16_gemm_fast() -> bool:
     """Whether torch's bf16 matrix products run through oneDNN on this CPU (it needs AVX-512;
     AVX-512 BF16 or AMX make them native).  Where not (AVX2-only hosts), torch takes a
-    fallback GEMM: a [1024, 2048] x [2048, 10944] bf16 product ran at 9.5 GFLOP/s on two Zen 1
-    cores, against 58 for the same product in f32 (benchmarks/dense_linear.py's ``widened``
-    rows), so :class:`CLinear` computes long bf16 inputs with :func:`linear_widened` there."""
+    fallback GEMM, and :class:`CLinear` computes long bf16 inputs with :func:`linear_widened`
+    there: on two Zen 1 cores a 1024-token prompt forward of the 4-layer DeepSeek-V2-Lite-shaped
+    model took 60-70 s through torch's bf16 GEMM and 24-25 s widened
+    (benchmarks/results/bf16_prefill_dsv2lite_L4_epyc_zen1.json)."""
     try:
         return bool(torch.backends.mkldnn.is_available()
                     and torch.ops.mkldnn._is_mkldnn_bf16_supported())
