@@ -273,11 +273,12 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor,
     """``F.linear(x, weight, bias)`` for a bf16 ``weight``, computed by torch's f32 GEMM: the
     weight's rows are widened to f32 a chunk at a time (2 MiB or 256 rows) into one buffer (so
     the f32 copy never exists whole: an lm_head of 102400 x 2048 would take 800 MiB), each
-    chunk's product written to its rows of a transposed [out, tokens] f32 result.  ``x`` is
-    read in f32 as it
-    is (not rounded to bf16 first, as the C kernels read it); ``bias`` (any float dtype) is
-    added in f32; one rounding to x's dtype (f32 for other input dtypes) at the end.  For
-    hosts where torch's own bf16 GEMM is the slow fallback (:func:`torch_bf16_gemm_fast`)."""
+    chunk's product written to its rows of a transposed [out, tokens] f32 result (that result
+    is f32 whatever the output dtype: at bf16 it is twice the output's bytes until the end).
+    ``x`` is read in f32 as it is (not rounded to bf16 first, as the C kernels read it);
+    ``bias`` (any float dtype) is added in f32; one rounding to x's dtype (f32 for other input
+    dtypes) at the end.  For hosts where torch's own bf16 GEMM is the slow fallback
+    (:func:`torch_bf16_gemm_fast`)."""
     N, K = (int(s) for s in weight.shape)
     if x.shape[-1] != K:
         raise ValueError(f"linear_widened: input has {x.shape[-1]} features, weight {K}")
