@@ -1,5 +1,6 @@
 /* AVX2 + FMA expert FFN path (8 floats per vector).  Same structure as ffn_avx512.c: two
- * weight rows against up to 4 tokens per pass, weights widened to f32 in registers. */
+ * weight rows against up to 4 tokens per pass (DENSE_DOT), or 6 for f32/bf16/int8 where that
+ * many are left (WIDE_DOT), weights widened to f32 in registers. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
@@ -107,6 +108,75 @@ DENSE_DOT(dot_f32, ld4_f32, ld_f32, sc_f32)
 DENSE_DOT(dot_bf16, ld4_bf16, ld_bf16, sc_bf16)
 DENSE_DOT(dot_i8, ld4_i8, ld_i8, sc_i8)
 
+/* One weight vector: v[q] of ld4_* above (the 8 columns matched with x[k+8q .. k+8q+7]). */
+AI __m256 ld1_f32(const void *w, size_t k, int q) { return ld_f32(w, k + 8 * (size_t)q); }
+AI __m256 ld1_i8(const void *w, size_t k, int q) { return ld_i8(w, k + 8 * (size_t)q); }
+AI __m256 ld1_bf16(const void *w, size_t k, int q) {
+    __m256i p = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k + 16 * (q & 1)));
+    return _mm256_castsi256_ps(q < 2 ? _mm256_slli_epi32(p, 16)
+                                     : _mm256_and_si256(p, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* DENSE_DOT at NTW = 6 tokens, for prompts and verification batches: the same sums in the same
+ * order, computed in two passes.  A (row, token)'s chain a sums the products of v[0] and v[2]
+ * (then the 8-column tail), chain b those of v[1] and v[3]; the chains never meet before the
+ * final hsum(a + b), so each can run over the whole row on its own.  A pass then holds one
+ * chain of 2 rows x 6 tokens, 12 accumulators, with the row pair's weight vector and one x
+ * vector beside them: 15 of the 16 registers, where DENSE_DOT's 16 accumulators at 4 tokens
+ * spill and do 16 multiply-adds per 12 vector loads instead of 24 per 14. */
+#define NTW 6
+#define WIDE_DOT(NAME, LD1, LD, SC)                                                             \
+    AI void NAME##_pass(const void *w0, const void *w1, const float *x, size_t xs, uint32_t n,  \
+                        int h, __m256 *c0, __m256 *c1) {                                        \
+        __m256 a0[NTW], a1[NTW];                                                                \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NTW; t++)                                   \
+            a0[t] = a1[t] = _mm256_setzero_ps();                                                \
+        uint32_t k = 0;                                                                         \
+        for (; k + 32 <= n; k += 32) {                                                          \
+            _Pragma("GCC unroll 2") for (int q = h; q < 4; q += 2) {                            \
+                __m256 v0 = LD1(w0, k, q), v1 = LD1(w1, k, q);                                  \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NTW; t++) {                         \
+                    __m256 xv = _mm256_loadu_ps(x + t * xs + k + 8 * q);                        \
+                    a0[t] = _mm256_fmadd_ps(v0, xv, a0[t]);                                     \
+                    a1[t] = _mm256_fmadd_ps(v1, xv, a1[t]);                                     \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (; h == 0 && k + 8 <= n; k += 8) {                                                  \
+            __m256 v0 = LD(w0, k), v1 = LD(w1, k);                                              \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NTW; t++) {                             \
+                __m256 xv = _mm256_loadu_ps(x + t * xs + k);                                    \
+                a0[t] = _mm256_fmadd_ps(v0, xv, a0[t]);                                         \
+                a1[t] = _mm256_fmadd_ps(v1, xv, a1[t]);                                         \
+            }                                                                                   \
+        }                                                                                       \
+        for (int t = 0; t < NTW; t++) {                                                         \
+            c0[t] = a0[t];                                                                      \
+            c1[t] = a1[t];                                                                      \
+        }                                                                                       \
+    }                                                                                           \
+    static void NAME(const void *w0, const void *w1, const float *x, size_t xs, uint32_t n,     \
+                     float *r0, float *r1) {                                                    \
+        __m256 a0[NTW], a1[NTW], b0[NTW], b1[NTW];                                              \
+        NAME##_pass(w0, w1, x, xs, n, 0, a0, a1);                                               \
+        NAME##_pass(w0, w1, x, xs, n, 1, b0, b1);                                               \
+        const uint32_t k = n / 32 * 32 + (n % 32) / 8 * 8; /* the scalar tail's first column */ \
+        for (int t = 0; t < NTW; t++) {                                                         \
+            float s0 = hsum(_mm256_add_ps(a0[t], b0[t]));                                       \
+            float s1 = hsum(_mm256_add_ps(a1[t], b1[t]));                                       \
+            for (uint32_t c = k; c < n; c++) {                                                  \
+                s0 += SC(w0, c) * x[t * xs + c];                                                \
+                s1 += SC(w1, c) * x[t * xs + c];                                                \
+            }                                                                                   \
+            r0[t] = s0;                                                                         \
+            r1[t] = s1;                                                                         \
+        }                                                                                       \
+    }
+
+WIDE_DOT(wide_f32, ld1_f32, ld_f32, sc_f32)
+WIDE_DOT(wide_bf16, ld1_bf16, ld_bf16, sc_bf16)
+WIDE_DOT(wide_i8, ld1_i8, ld_i8, sc_i8)
+
 AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const float *s1,
                const float *x, size_t xs, uint32_t n, uint32_t group, const int NT, float *r0,
                float *r1) {
@@ -146,7 +216,16 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
     }
 }
 
-/* Rows (ra of matrix A, rb of matrix B) against nt tokens of x (n columns, row stride xs). */
+/* The tokens of the next pass from `left` still to do: tiles of NTW where the dtype has
+ * WIDE_DOT and NTW tokens are left, else up to NTMAX. */
+static uint32_t tile_tokens(const smoe_ffn_desc *d, uint32_t left) {
+    if (d->dtype != SMOE_WDT_I4 && left >= NTW) return NTW;
+    return left < NTMAX ? left : NTMAX;
+}
+
+/* Rows (ra of matrix A, rb of matrix B) against nt tokens of x (n columns, row stride xs):
+ * nt <= NTMAX, or NTW (not int4): rows2_wide, kept apart so that the one-token code is
+ * compiled as it was before WIDE_DOT. */
 static void rows2(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint32_t ra,
                   uint64_t offb, uint64_t sofb, uint32_t rb, uint32_t n, const float *x,
                   size_t xs, uint32_t nt, float *r0, float *r1) {
@@ -191,14 +270,42 @@ static void rows2(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint32_t 
 #undef DISPATCH_NT
 }
 
+/* rows2 at nt == NTW for f32/bf16/int8 (tile_tokens never gives int4 NTW tokens). */
+static void rows2_wide(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint32_t ra,
+                       uint64_t offb, uint64_t sofb, uint32_t rb, uint32_t n, const float *x,
+                       size_t xs, float *r0, float *r1) {
+    const smoe_ffn_desc *d = j->d;
+    size_t esz = d->dtype == SMOE_WDT_F32 ? 4 : d->dtype == SMOE_WDT_BF16 ? 2 : 1;
+    const void *w0 = j->block + offa + (size_t)ra * n * esz;
+    const void *w1 = j->block + offb + (size_t)rb * n * esz;
+    if (d->dtype == SMOE_WDT_F32) {
+        wide_f32(w0, w1, x, xs, n, r0, r1);
+    } else if (d->dtype == SMOE_WDT_BF16) {
+        wide_bf16(w0, w1, x, xs, n, r0, r1);
+    } else {
+        wide_i8(w0, w1, x, xs, n, r0, r1);
+        float sa = ((const float *)(j->block + sofa))[ra];
+        float sb = ((const float *)(j->block + sofb))[rb];
+        for (uint32_t t = 0; t < NTW; t++) {
+            r0[t] *= sa;
+            r1[t] *= sb;
+        }
+    }
+}
+
 static void avx2_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
     const smoe_ffn_desc *d = j->d;
-    float g[NTMAX], u[NTMAX];
+    float g[NTW], u[NTW];
     for (uint32_t i = i0; i < i1; i++)
-        for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
-            uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
-            rows2(j, d->gate, d->gate_scale, i, d->up, d->up_scale, i, d->H,
-                  j->xs + (size_t)t0 * d->H, d->H, nt, g, u);
+        for (uint32_t t0 = 0, nt; t0 < j->T; t0 += nt) {
+            nt = tile_tokens(d, j->T - t0);
+            const float *x = j->xs + (size_t)t0 * d->H;
+            if (nt == NTW)
+                rows2_wide(j, d->gate, d->gate_scale, i, d->up, d->up_scale, i, d->H, x, d->H,
+                           g, u);
+            else
+                rows2(j, d->gate, d->gate_scale, i, d->up, d->up_scale, i, d->H, x, d->H, nt,
+                      g, u);
             for (uint32_t t = 0; t < nt; t++) smoe_ffn_store_act(j, i, t0 + t, g[t], u[t]);
         }
 }
@@ -211,14 +318,19 @@ static void avx2_gateup(const smoe_ffn_job *j, uint32_t i0, uint32_t i1) {
  * software prefetch did not help the adjacent pairs). */
 static void avx2_down(const smoe_ffn_job *j, uint32_t h0, uint32_t h1) {
     const smoe_ffn_desc *d = j->d;
-    float y0[NTMAX], y1[NTMAX];
+    float y0[NTW], y1[NTW];
     const uint32_t half = (h1 - h0 + 1) / 2;
     for (uint32_t h = h0; h < h0 + half; h++) {
         uint32_t hb = h + half < h1 ? h + half : h; /* an odd chunk's middle row: alone */
-        for (uint32_t t0 = 0; t0 < j->T; t0 += NTMAX) {
-            uint32_t nt = j->T - t0 < NTMAX ? j->T - t0 : NTMAX;
-            rows2(j, d->down, d->down_scale, h, d->down, d->down_scale, hb, d->I,
-                  j->act + (size_t)t0 * d->I, d->I, nt, y0, y1);
+        for (uint32_t t0 = 0, nt; t0 < j->T; t0 += nt) {
+            nt = tile_tokens(d, j->T - t0);
+            const float *a = j->act + (size_t)t0 * d->I;
+            if (nt == NTW)
+                rows2_wide(j, d->down, d->down_scale, h, d->down, d->down_scale, hb, d->I, a,
+                           d->I, y0, y1);
+            else
+                rows2(j, d->down, d->down_scale, h, d->down, d->down_scale, hb, d->I, a, d->I,
+                      nt, y0, y1);
             for (uint32_t t = 0; t < nt; t++) {
                 smoe_ffn_store_out(j, h, t0 + t, y0[t]);
                 if (hb != h) smoe_ffn_store_out(j, hb, t0 + t, y1[t]);
