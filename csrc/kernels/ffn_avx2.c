@@ -55,6 +55,20 @@ AI void ld4_bf16(const void *w, size_t k, __m256 *v) {
     v[3] = _mm256_castsi256_ps(_mm256_and_si256(r, hm));
 }
 
+/* The end of a row pair's dot products over NT tokens: chains a and b summed, the columns past
+ * the last 8-column block added one by one from k, r0/r1 written (DENSE_DOT and WIDE_DOT). */
+#define DOT_FINISH(SC, NT)                                                                      \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                  \
+            float s0 = hsum(_mm256_add_ps(a0[t], b0[t]));                                       \
+            float s1 = hsum(_mm256_add_ps(a1[t], b1[t]));                                       \
+            for (uint32_t c = k; c < n; c++) {                                                  \
+                s0 += SC(w0, c) * x[t * xs + c];                                                \
+                s1 += SC(w1, c) * x[t * xs + c];                                                \
+            }                                                                                   \
+            r0[t] = s0;                                                                         \
+            r1[t] = s1;                                                                         \
+        }
+
 /* Columns past the last full 32-block are in natural order (LD, then scalar SC).  Every (row,
  * token) keeps two accumulator chains (a, b) at every token count, so that a token's sums do
  * not depend on the tokens beside it (batch invariance: a verification or serving batch gives
@@ -92,16 +106,7 @@ AI void ld4_bf16(const void *w, size_t k, __m256 *v) {
                 a1[t] = _mm256_fmadd_ps(w1a, xa, a1[t]);                                        \
             }                                                                                   \
         }                                                                                       \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                  \
-            float s0 = hsum(_mm256_add_ps(a0[t], b0[t]));                                       \
-            float s1 = hsum(_mm256_add_ps(a1[t], b1[t]));                                       \
-            for (uint32_t c = k; c < n; c++) {                                                  \
-                s0 += SC(w0, c) * x[t * xs + c];                                                \
-                s1 += SC(w1, c) * x[t * xs + c];                                                \
-            }                                                                                   \
-            r0[t] = s0;                                                                         \
-            r1[t] = s1;                                                                         \
-        }                                                                                       \
+        DOT_FINISH(SC, NT)                                                                      \
     }
 
 DENSE_DOT(dot_f32, ld4_f32, ld_f32, sc_f32)
@@ -161,16 +166,7 @@ AI __m256 ld1_bf16(const void *w, size_t k, int q) {
         NAME##_pass(w0, w1, x, xs, n, 0, a0, a1);                                               \
         NAME##_pass(w0, w1, x, xs, n, 1, b0, b1);                                               \
         const uint32_t k = n / 32 * 32 + (n % 32) / 8 * 8; /* the scalar tail's first column */ \
-        for (int t = 0; t < NTW; t++) {                                                         \
-            float s0 = hsum(_mm256_add_ps(a0[t], b0[t]));                                       \
-            float s1 = hsum(_mm256_add_ps(a1[t], b1[t]));                                       \
-            for (uint32_t c = k; c < n; c++) {                                                  \
-                s0 += SC(w0, c) * x[t * xs + c];                                                \
-                s1 += SC(w1, c) * x[t * xs + c];                                                \
-            }                                                                                   \
-            r0[t] = s0;                                                                         \
-            r1[t] = s1;                                                                         \
-        }                                                                                       \
+        DOT_FINISH(SC, NTW)                                                                     \
     }
 
 WIDE_DOT(wide_f32, ld1_f32, ld_f32, sc_f32)
