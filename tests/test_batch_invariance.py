@@ -6,8 +6,8 @@ greedy decoding that promise holds only if every token's logits are bit for bit 
 one-token step: a difference of one unit in the last place can flip a near-tie of the argmax
 (random-weight checkpoints tie outright at times, bf16 logits often).  So every C kernel sums a
 (row, token) dot product in the same order at every token count (csrc/kernels/ffn_fast.c NTMAX,
-ffn_avx512.c / ffn_avx2.c DENSE_DOT, ffn_fast_avx2.c dot_i4), and these tests hold them to it:
-each kernel, each linear layer, and whole models' logits.  The decode attention kernels
+ffn_avx512.c / ffn_avx2.c DENSE_DOT, ffn_avx2.c WIDE_DOT, ffn_fast_avx2.c dot_i4), and these
+tests hold them to it: each kernel, each linear layer, and whole models' logits.  The decode attention kernels
 (mha.c, mla.c) add one case of their own: the rows of a batched step have holes (other rows
 are longer, drafts were rejected), and a row must still get the bits of its step alone.
 

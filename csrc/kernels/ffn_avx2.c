@@ -126,9 +126,10 @@ AI __m256 ld1_bf16(const void *w, size_t k, int q) {
  * order, computed in two passes.  A (row, token)'s chain a sums the products of v[0] and v[2]
  * (then the 8-column tail), chain b those of v[1] and v[3]; the chains never meet before the
  * final hsum(a + b), so each can run over the whole row on its own.  A pass then holds one
- * chain of 2 rows x 6 tokens, 12 accumulators, with the row pair's weight vector and one x
- * vector beside them: 15 of the 16 registers, where DENSE_DOT's 16 accumulators at 4 tokens
- * spill and do 16 multiply-adds per 12 vector loads instead of 24 per 14. */
+ * chain of 2 rows x 6 tokens, 12 accumulators, beside the row pair's weight vectors and one
+ * x vector (GCC 12's bf16 loop still keeps two accumulators and the widening mask on the
+ * stack): 24 multiply-adds per 14 vector loads, where DENSE_DOT at 4 tokens does 16 per 12
+ * with 16 accumulators, more of them spilled.  Figures: docs/performance.md, bf16 prompt. */
 #define NTW 6
 #define WIDE_DOT(NAME, LD1, LD, SC)                                                             \
     AI void NAME##_pass(const void *w0, const void *w1, const float *x, size_t xs, uint32_t n,  \
@@ -219,8 +220,8 @@ static uint32_t tile_tokens(const smoe_ffn_desc *d, uint32_t left) {
     return left < NTMAX ? left : NTMAX;
 }
 
-/* Rows (ra of matrix A, rb of matrix B) against nt tokens of x (n columns, row stride xs):
- * nt <= NTMAX, or NTW (not int4): rows2_wide, kept apart so that the one-token code is
+/* Rows (ra of matrix A, rb of matrix B) against nt <= NTMAX tokens of x (n columns, row
+ * stride xs).  Tiles of NTW go to rows2_wide, kept apart so that this one-token code is
  * compiled as it was before WIDE_DOT. */
 static void rows2(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint32_t ra,
                   uint64_t offb, uint64_t sofb, uint32_t rb, uint32_t n, const float *x,
