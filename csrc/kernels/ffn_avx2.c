@@ -220,6 +220,25 @@ static uint32_t tile_tokens(const smoe_ffn_desc *d, uint32_t left) {
     return left < NTMAX ? left : NTMAX;
 }
 
+/* Row r of the f32/bf16/int8 matrix at offset off (n columns) of the job's block. */
+static inline const void *dense_row(const smoe_ffn_job *j, uint64_t off, uint32_t r,
+                                    uint32_t n) {
+    const int32_t dt = j->d->dtype;
+    size_t esz = dt == SMOE_WDT_F32 ? 4 : dt == SMOE_WDT_BF16 ? 2 : 1;
+    return j->block + off + (size_t)r * n * esz;
+}
+
+/* int8: nt results of rows ra and rb times their rows' scales. */
+static inline void scale_i8(const smoe_ffn_job *j, uint64_t sofa, uint32_t ra, uint64_t sofb,
+                            uint32_t rb, uint32_t nt, float *r0, float *r1) {
+    float sa = ((const float *)(j->block + sofa))[ra];
+    float sb = ((const float *)(j->block + sofb))[rb];
+    for (uint32_t t = 0; t < nt; t++) {
+        r0[t] *= sa;
+        r1[t] *= sb;
+    }
+}
+
 /* Rows (ra of matrix A, rb of matrix B) against nt <= NTMAX tokens of x (n columns, row
  * stride xs).  Tiles of NTW go to rows2_wide, kept apart so that this one-token code is
  * compiled as it was before WIDE_DOT. */
@@ -241,9 +260,7 @@ static void rows2(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint32_t 
         }
         return;
     }
-    size_t esz = d->dtype == SMOE_WDT_F32 ? 4 : d->dtype == SMOE_WDT_BF16 ? 2 : 1;
-    const void *w0 = j->block + offa + (size_t)ra * n * esz;
-    const void *w1 = j->block + offb + (size_t)rb * n * esz;
+    const void *w0 = dense_row(j, offa, ra, n), *w1 = dense_row(j, offb, rb, n);
 #define DISPATCH_NT(FN)                                                                         \
     switch (nt) {                                                                               \
     case 1: FN(w0, w1, x, xs, n, 1, r0, r1); break;                                             \
@@ -257,12 +274,7 @@ static void rows2(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint32_t 
         DISPATCH_NT(dot_bf16)
     } else {
         DISPATCH_NT(dot_i8)
-        float sa = ((const float *)(j->block + sofa))[ra];
-        float sb = ((const float *)(j->block + sofb))[rb];
-        for (uint32_t t = 0; t < nt; t++) {
-            r0[t] *= sa;
-            r1[t] *= sb;
-        }
+        scale_i8(j, sofa, ra, sofb, rb, nt, r0, r1);
     }
 #undef DISPATCH_NT
 }
@@ -272,21 +284,14 @@ static void rows2_wide(const smoe_ffn_job *j, uint64_t offa, uint64_t sofa, uint
                        uint64_t offb, uint64_t sofb, uint32_t rb, uint32_t n, const float *x,
                        size_t xs, float *r0, float *r1) {
     const smoe_ffn_desc *d = j->d;
-    size_t esz = d->dtype == SMOE_WDT_F32 ? 4 : d->dtype == SMOE_WDT_BF16 ? 2 : 1;
-    const void *w0 = j->block + offa + (size_t)ra * n * esz;
-    const void *w1 = j->block + offb + (size_t)rb * n * esz;
+    const void *w0 = dense_row(j, offa, ra, n), *w1 = dense_row(j, offb, rb, n);
     if (d->dtype == SMOE_WDT_F32) {
         wide_f32(w0, w1, x, xs, n, r0, r1);
     } else if (d->dtype == SMOE_WDT_BF16) {
         wide_bf16(w0, w1, x, xs, n, r0, r1);
     } else {
         wide_i8(w0, w1, x, xs, n, r0, r1);
-        float sa = ((const float *)(j->block + sofa))[ra];
-        float sb = ((const float *)(j->block + sofb))[rb];
-        for (uint32_t t = 0; t < NTW; t++) {
-            r0[t] *= sa;
-            r1[t] *= sb;
-        }
+        scale_i8(j, sofa, ra, sofb, rb, NTW, r0, r1);
     }
 }
 
