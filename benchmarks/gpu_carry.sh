@@ -7,8 +7,8 @@
 #                                      # .git/info/exclude once)
 #   SKIP_LLAMA=1 benchmarks/gpu_carry.sh
 #
-# 1. .whl/site.tar.xz: transformers, tokenizers, regex (this checkout's versions, read from
-#    .venv) and gguf, as installed for CPython 3.12 (the device's python3), transformers'
+# 1. .whl/site.tar.xz: transformers with what it imports (this checkout's versions, read
+#    from .venv; numpy is the device's) and gguf, as installed for CPython 3.12 (the device's python3), transformers'
 #    model folders cut to those this checkout uses, xz-compressed (5 MB against 18 MB of
 #    wheels: the working tree and what is carried share 64 MiB).
 # 2. .whl/llama-cuda.tar.xz: llama.cpp's llama-bench built with CUDA for sm_90 (H100/H200)
@@ -36,8 +36,27 @@ trap 'rm -rf "$dl" "$site"' EXIT
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64)
-for p in transformers tokenizers regex gguf; do
-    python3 -m pip download -q --no-deps "${plat[@]}" -d "$dl" "$p==$(ver $p)"
+# transformers and everything it needs at import, at .venv's versions (transformers checks
+# huggingface-hub's version on import, and the device image's is older), but numpy, which
+# the device's torch was built against; gguf for the llama.cpp rows
+reqs=$($PY - <<'PYEOF'
+import importlib.metadata as m, re
+seen, todo = set(), ["transformers", "gguf"]
+while todo:
+    name = re.sub(r"[-_.]+", "-", todo.pop().lower())
+    if name in seen or name == "numpy":
+        continue
+    try:
+        deps = m.requires(name) or []
+    except m.PackageNotFoundError:     # an optional dependency .venv does not have
+        continue
+    seen.add(name)
+    todo += [re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in deps if "extra ==" not in d]
+print(" ".join(f"{n}=={m.version(n)}" for n in sorted(seen)))
+PYEOF
+)
+for r in $reqs; do
+    python3 -m pip download -q --no-deps "${plat[@]}" -d "$dl" "$r"
 done
 python3 -m pip install -q --no-deps --no-compile "${plat[@]}" --target "$site" "$dl"/*.whl
 # transformers' model folders: only those this checkout names (its architecture tables, the

@@ -21,6 +21,9 @@ set -u -o pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
+# transformers >= 5.25 fetches hub kernels (liger's RMSNorm) in from_pretrained on CUDA by
+# default; the lent machine has no network, so the unmodified rows would fail to load
+export USE_HUB_KERNELS=0
 t0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t0 )); }
 if [ -f .whl/site.tar.xz ]; then

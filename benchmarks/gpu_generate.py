@@ -139,6 +139,7 @@ def main() -> None:
 
     import specmoe
     from specmoe.runtime import cuda
+    from specmoe.runtime import kernels
 
     dev = a.device
     tdev = "cpu" if dev in ("cpu", "emulate") else dev  # where torch puts the model's weights
@@ -148,6 +149,7 @@ def main() -> None:
         print(json.dumps(res) if a.json else res["skipped"])
         return
     import big_model
+    import hostinfo
     from transformers import AutoConfig, AutoModelForCausalLM
 
     t0 = time.perf_counter()
@@ -159,6 +161,7 @@ def main() -> None:
                            "vocab": a.vocab, "tokens": a.tokens, "rounds": a.rounds,
                            "warm_rounds": a.warm_rounds,
                            "device": dev if tdev == "cpu" else cuda.available()[1],
+                           "host": hostinfo.host(kernels.num_threads()),
                            "checkpoint_s": time.perf_counter() - t0}
     ids = torch.randint(100, min(8000, a.vocab), (1, 32),
                         generator=torch.Generator().manual_seed(0))
