@@ -8,9 +8,9 @@
 #   SKIP_LLAMA=1 benchmarks/gpu_carry.sh
 #
 # 1. .whl/site.tar.xz: transformers with what it imports (this checkout's versions, read
-#    from .venv; numpy is the device's) and gguf, as installed for CPython 3.12 (the device's python3), transformers'
-#    model folders cut to those this checkout uses, xz-compressed (5 MB against 18 MB of
-#    wheels: the working tree and what is carried share 64 MiB).
+#    from .venv; numpy is the device's) and gguf, as installed for CPython 3.12 (the device's
+#    python3), transformers' model folders cut to those this checkout uses, xz-compressed
+#    (15 MB: the working tree and what is carried share 64 MiB).
 # 2. .whl/llama-cuda.tar.xz: llama.cpp's llama-bench built with CUDA for sm_90 (H100/H200)
 #    from the llama-cpp-python source distribution that benchmarks/big_model.py builds its
 #    CPU peer from, linked statically but for the CUDA driver and cuBLAS (the device's

@@ -1056,9 +1056,15 @@ static int hybrid_cpu(smoe_layers *g, const layer_io *io, const smoe_ffn_desc *d
         g->counters.hybrid_cpu_experts++;
         g->counters.hybrid_cpu_pairs += ne;
     }
-    for (uint32_t i = g->hy_cut; i < g->hy_cut + g->hy_nadmit; i++, nq++) { /* hottest first */
+    /* The admissions rank below every prediction in the worker's queue (the next layer's
+     * experts, queued at this layer's start, are needed sooner than a copy that serves this
+     * layer's next token), hottest first among themselves: priorities -1e30 / count, below
+     * any router probability, learned q or caller's score above -1e30.  The simulator queues
+     * them after the predictions too (sim.c).  On the H100 (2026-12-05) they ranked by count
+     * (>= 1, above every probability) and went first. */
+    for (uint32_t i = g->hy_cut; i < g->hy_cut + g->hy_nadmit; i++, nq++) {
         g->keys[nq] = (int32_t)(pos * E + g->hy_miss[i]);
-        g->prios[nq] = (float)g->hy_cnt[i];
+        g->prios[nq] = -1e30f / (float)g->hy_cnt[i];
     }
     if ((rc = ops->add_host(ctx, io->out, g->hy_out, nf, io->stream, err))) return rc;
     if (g->hybrid_admit && nq) {

@@ -799,7 +799,7 @@ int smoe_sim_run_miss(const smoe_sim_trace *tr, smoe_policy *pol, uint32_t nslot
                 predict(&s, t, l);
             }
             if (hybrid && s.pf) { /* admission: the hottest of the CPU's, after predictions,
-                                   * as smoe_slots_prefetch(replace = 0) appends them live */
+                                   * where the live layer ranks them (layer.c hybrid_cpu) */
                 for (uint32_t i = s.hy_cut; i < s.hy_cut + s.hy_nadmit; i++)
                     queue_push(&s, s.hy_base + (int32_t)s.hy_miss[i], 1.0f, 1);
                 out->hybrid_admitted += s.hy_nadmit;

@@ -743,6 +743,24 @@ uint32_t smoe_slots_resident(smoe_slots *t, int32_t *keys) {
     return n;
 }
 
+uint32_t smoe_slots_queued(smoe_slots *t, int32_t *keys, float *prios) {
+    pthread_mutex_lock(&t->mu);
+    const uint32_t n = t->queue_len;
+    /* the heap's entries in its array order, then an insertion sort by req_before on the
+     * (key, priority, seq) triples; seq lives in the heap entry, read through qpos */
+    for (uint32_t i = 0; i < n; i++) {
+        const smoe_prefetch_req *r = &t->queue[i];
+        uint32_t j = i;
+        while (j > 0 && req_before(r, &t->queue[t->qpos[keys[j - 1]]])) {
+            keys[j] = keys[j - 1], prios[j] = prios[j - 1];
+            j--;
+        }
+        keys[j] = r->key, prios[j] = r->priority;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return n;
+}
+
 int smoe_slots_layer_states(smoe_slots *t, uint32_t layer, uint8_t *states, smoe_err *err) {
     if (layer >= t->num_layers)
         return smoe_err_set(err, SMOE_EINVAL, "layer states: layer %u of %u", layer,

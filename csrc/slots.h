@@ -296,6 +296,11 @@ int smoe_slots_set_policy(smoe_slots *t, smoe_policy *p, smoe_err *err);
 /* Keys of the READY slots, in slot order, into keys (room for nslots); returns the count. */
 uint32_t smoe_slots_resident(smoe_slots *t, int32_t *keys);
 
+/* The queued prefetch requests' keys and priorities, in the worker's order (highest priority
+ * first, then request order), into keys / prios (room for num_layers * num_experts, the
+ * queue's bound); returns the count.  A snapshot under mu, for tests and diagnostics. */
+uint32_t smoe_slots_queued(smoe_slots *t, int32_t *keys, float *prios);
+
 /* states[e] = the SMOE_SLOT_* state of expert (layer, e)'s slot now (SMOE_SLOT_EMPTY when it
  * has none), for e in 0..num_experts-1, under one hold of mu (a snapshot: the prefetch worker
  * may evict or finish loading right after).  SMOE_EINVAL for a layer out of range. */

@@ -305,6 +305,45 @@ def test_hybrid_split_is_eq9_per_layer(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_admissions_queue_behind_the_next_layers_predictions(device):
+    """A layer call queues the next layer's predicted experts at its start and its Eq. 10
+    admissions at its end; the worker must take the predictions first (the next layer needs
+    them within the token, an admission serves this layer's next token) and the admissions
+    hottest first.  Read from the queue with the worker paused, after single layer calls."""
+    m, _ = _tiny()
+    prof = cuda.BalanceProfile(t_io=2e-4, t_gpu=5e-5, t_cpu=4e-5)
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=True)
+    try:
+        rng = np.random.default_rng(5)
+        T, H, k, E = 24, eng.spec.H, eng.top_k, eng.num_experts
+        eng._cache.pause_worker(True)
+        seen = 0
+        for call in range(4):
+            pos = call % (len(eng.layer_ids) - 1)  # a layer with a next one to predict
+            idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+            w = rng.random((T, k)).astype(np.float32)
+            x = torch.from_numpy((rng.standard_normal((T, H)) * 0.5).astype(np.float32))
+            before = eng.layers.counters()["hybrid_admitted"]
+            eng.layer_forward(pos, x.to(_dev(device)), torch.from_numpy(idx).to(_dev(device)),
+                              torch.from_numpy(w).to(_dev(device)))
+            admitted = eng.layers.counters()["hybrid_admitted"] - before
+            q = eng._cache.queued()
+            layer_of = [key // E for key, _ in q]
+            pred = [i for i, l in enumerate(layer_of) if l == pos + 1]
+            adm = [i for i, l in enumerate(layer_of) if l == pos]
+            assert len(adm) == admitted and set(layer_of) <= {pos, pos + 1}, (call, q)
+            if pred and adm:
+                seen += 1
+                assert max(pred) < min(adm), (call, q)  # every prediction before any admission
+            cnt = np.bincount(idx.ravel(), minlength=E)
+            hot = [int(cnt[key % E]) for key, _ in q if key // E == pos]
+            assert hot == sorted(hot, reverse=True), (call, q)  # hottest admission first
+        assert seen > 0  # some call queued both kinds
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_admission_fills_the_cache_greedy_unchanged(device):
     """The GPU cache fills from what the CPU computed (admit: the CPU's experts go to the
     cache's worker, and the policy admits them), not by copies on the layer's path; greedy

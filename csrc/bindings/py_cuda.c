@@ -608,6 +608,33 @@ static PyObject *GC_resident(GCacheObject *self, PyObject *noargs) {
     return l;
 }
 
+static PyObject *GC_queued(GCacheObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (GC_check(self) < 0) return NULL;
+    const size_t cap = (size_t)self->cache.tab.num_layers * self->cache.tab.num_experts;
+    int32_t *keys = PyMem_Malloc(cap * sizeof *keys);
+    float *prios = PyMem_Malloc(cap * sizeof *prios);
+    if (!keys || !prios) {
+        PyMem_Free(keys), PyMem_Free(prios);
+        return PyErr_NoMemory();
+    }
+    uint32_t n;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS n = smoe_slots_queued(&self->cache.tab, keys, prios);
+    Py_END_ALLOW_THREADS self->busy--;
+    PyObject *l = PyList_New(n);
+    for (uint32_t i = 0; l && i < n; i++) {
+        PyObject *t = Py_BuildValue("(id)", (int)keys[i], (double)prios[i]);
+        if (!t) {
+            Py_CLEAR(l);
+            break;
+        }
+        PyList_SET_ITEM(l, i, t);
+    }
+    PyMem_Free(keys), PyMem_Free(prios);
+    return l;
+}
+
 static PyObject *GC_set_policy(GCacheObject *self, PyObject *arg) {
     if (GC_check(self) < 0) return NULL;
     smoe_policy *p = make_policy(arg, self->cache.tab.nslots, self->cache.tab.num_layers,
@@ -748,6 +775,8 @@ static PyMethodDef GC_methods[] = {
     {"wait_idle", (PyCFunction)GC_wait_idle, METH_NOARGS,
      "wait for the prefetch queue and the copy stream; raises the first prefetch error"},
     {"pause_worker", (PyCFunction)GC_pause_worker, METH_O, "pause_worker(paused)"},
+    {"queued", (PyCFunction)GC_queued, METH_NOARGS,
+     "queued() -> [(key, priority)]: the prefetch queue in the worker's order (a snapshot)"},
     {"stats", (PyCFunction)GC_stats, METH_NOARGS, "counters (dict)"},
     {"reset_stats", (PyCFunction)GC_reset_stats, METH_NOARGS, "zero the counters"},
     {"set_admission", (PyCFunction)(void (*)(void))GC_set_admission,

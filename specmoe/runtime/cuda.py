@@ -352,6 +352,11 @@ class GpuExpertCache:
     def resident(self) -> list[int]:
         return list(self._c.resident())
 
+    def queued(self) -> list[tuple[int, float]]:
+        """The prefetch queue's (key, priority) pairs in the worker's order (highest priority
+        first, then request order; csrc/slots.h ``smoe_slots_queued``): a snapshot."""
+        return list(self._c.queued())
+
     def layer_states(self, layer: int) -> np.ndarray:
         """Each expert of ``layer``'s slot state now, without loading anything: uint8
         [num_experts], 0 absent, 1 loading, 2 ready (a snapshot)."""
