@@ -239,6 +239,16 @@ def test_balancer_moves_cold_misses_to_the_cpu_kernels_same_outputs(device, monk
         eng.close()
 
 
+def _hybrid_layer_engine(device: str, prefetch: bool):
+    """The tiny model offloaded to the hybrid tier with costs under which a 24-token layer call
+    both copies and leaves experts to the CPU, and admits some of those (Eq. 9 and 10):
+    (model, engine, profile)."""
+    m, _ = _tiny()
+    prof = cuda.BalanceProfile(t_io=2e-4, t_gpu=5e-5, t_cpu=4e-5)
+    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=prefetch)
+    return m, eng, prof
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_split_is_eq9_per_layer(device):
     """Each layer call's split equals a brute-force reading of MoE-SpAc's Eq. 9 over that
@@ -248,9 +258,7 @@ def test_hybrid_split_is_eq9_per_layer(device):
     every expert computed by the CPU kernels."""
     from specmoe.runtime import kernels
     from tests.test_cuda import _eq9_best
-    m, _ = _tiny()
-    prof = cuda.BalanceProfile(t_io=2e-4, t_gpu=5e-5, t_cpu=4e-5)
-    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=False)
+    m, eng, prof = _hybrid_layer_engine(device, prefetch=False)
     try:
         rng = np.random.default_rng(3)
         T, H, k, E = 24, eng.spec.H, eng.top_k, eng.num_experts
@@ -310,9 +318,7 @@ def test_hybrid_admissions_queue_behind_the_next_layers_predictions(device):
     admissions at its end; the worker must take the predictions first (the next layer needs
     them within the token, an admission serves this layer's next token) and the admissions
     hottest first.  Read from the queue with the worker paused, after single layer calls."""
-    m, _ = _tiny()
-    prof = cuda.BalanceProfile(t_io=2e-4, t_gpu=5e-5, t_cpu=4e-5)
-    eng = hf.offload(m, device=device, dtype="f32", cache=0.25, balance=prof, prefetch=True)
+    m, eng, _ = _hybrid_layer_engine(device, prefetch=True)
     try:
         rng = np.random.default_rng(5)
         T, H, k, E = 24, eng.spec.H, eng.top_k, eng.num_experts
