@@ -348,8 +348,8 @@ void smoe_layers_set_parallel(smoe_layers *g, int on);
  * and run on the device as without the split; the rest run on the CPU kernels (kc) from the
  * host copy while the device computes its share (their work is enqueued first), and their sum
  * is added to out on the stream (add_host).  admit != 0: the CPU's experts are then queued to
- * the cache's prefetch worker at priority = their token count, hottest first and as many as
- * fit the layer's I/O budget (Eq. 10: the copies' time, the cut's included, within
+ * the cache's prefetch worker below every prediction (priority -1e30 / their token count),
+ * hottest first and as many as fit the layer's I/O budget (Eq. 10: the copies' time, the cut's included, within
  * max(T_cpu, T_gpu); without the drafting term), where the policy's admission rule decides
  * whether each enters the cache (slots.h: a utility policy admits a key only over a victim
  * of no higher utility; MoE-SpAc's levels with the `spac` policy); without a worker nothing
