@@ -349,13 +349,13 @@ void smoe_layers_set_parallel(smoe_layers *g, int on);
  * host copy while the device computes its share (their work is enqueued first), and their sum
  * is added to out on the stream (add_host).  admit != 0: the CPU's experts are then queued to
  * the cache's prefetch worker below every prediction (priority -1e30 / their token count),
- * hottest first and as many as fit the layer's I/O budget (Eq. 10: the copies' time, the cut's included, within
- * max(T_cpu, T_gpu); without the drafting term), where the policy's admission rule decides
- * whether each enters the cache (slots.h: a utility policy admits a key only over a victim
- * of no higher utility; MoE-SpAc's levels with the `spac` policy); without a worker nothing
- * is queued.  Only the cache's own share is split (not low-bit copies, the
- * draft copy or the host tier).  on = 0 turns it off.  SMOE_EINVAL: costs not finite >= 0;
- * SMOE_ESTATE: the tier has no host copy (the host tier, or a GPU cache in staged mode). */
+ * hottest first and as many as fit the layer's I/O budget (Eq. 10: the copies' time, the
+ * cut's included, within max(T_cpu, T_gpu); without the drafting term), where the policy's
+ * admission rule decides whether each enters the cache (slots.h: a utility policy admits a
+ * key only over a victim of no higher utility; MoE-SpAc's levels with the `spac` policy);
+ * without a worker nothing is queued.  Only the cache's own share is split (not low-bit
+ * copies, the draft copy or the host tier).  on = 0 turns it off.  SMOE_EINVAL: costs not
+ * finite >= 0; SMOE_ESTATE: the tier has no host copy (the host tier, or a GPU cache in staged mode). */
 int smoe_layers_set_hybrid(smoe_layers *g, int on, double t_io, double t_gpu, double t_cpu,
                            int admit, smoe_err *err);
 

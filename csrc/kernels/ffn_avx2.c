@@ -69,6 +69,18 @@ AI void ld4_bf16(const void *w, size_t k, __m256 *v) {
             r1[t] = s1;                                                                         \
         }
 
+/* The 8-column blocks past the last full 32-block, in natural order into chain a (while
+ * COND, which may be empty), over NT tokens (DENSE_DOT and WIDE_DOT). */
+#define DOT_TAIL8(LD, NT, COND)                                                                 \
+        for (; COND k + 8 <= n; k += 8) {                                                       \
+            __m256 tw0 = LD(w0, k), tw1 = LD(w1, k);                                            \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+                __m256 tx = _mm256_loadu_ps(x + t * xs + k);                                    \
+                a0[t] = _mm256_fmadd_ps(tw0, tx, a0[t]);                                        \
+                a1[t] = _mm256_fmadd_ps(tw1, tx, a1[t]);                                        \
+            }                                                                                   \
+        }
+
 /* Columns past the last full 32-block are in natural order (LD, then scalar SC).  Every (row,
  * token) keeps two accumulator chains (a, b) at every token count, so that a token's sums do
  * not depend on the tokens beside it (batch invariance: a verification or serving batch gives
@@ -98,14 +110,7 @@ AI void ld4_bf16(const void *w, size_t k, __m256 *v) {
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (; k + 8 <= n; k += 8) {                                                            \
-            __m256 w0a = LD(w0, k), w1a = LD(w1, k);                                            \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
-                __m256 xa = _mm256_loadu_ps(x + t * xs + k);                                    \
-                a0[t] = _mm256_fmadd_ps(w0a, xa, a0[t]);                                        \
-                a1[t] = _mm256_fmadd_ps(w1a, xa, a1[t]);                                        \
-            }                                                                                   \
-        }                                                                                       \
+        DOT_TAIL8(LD, NT, )                                                                     \
         DOT_FINISH(SC, NT)                                                                      \
     }
 
@@ -148,14 +153,7 @@ AI __m256 ld1_bf16(const void *w, size_t k, int q) {
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (; h == 0 && k + 8 <= n; k += 8) {                                                  \
-            __m256 v0 = LD(w0, k), v1 = LD(w1, k);                                              \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NTW; t++) {                             \
-                __m256 xv = _mm256_loadu_ps(x + t * xs + k);                                    \
-                a0[t] = _mm256_fmadd_ps(v0, xv, a0[t]);                                         \
-                a1[t] = _mm256_fmadd_ps(v1, xv, a1[t]);                                         \
-            }                                                                                   \
-        }                                                                                       \
+        DOT_TAIL8(LD, NTW, h == 0 &&)                                                           \
         for (int t = 0; t < NTW; t++) {                                                         \
             c0[t] = a0[t];                                                                      \
             c1[t] = a1[t];                                                                      \
