@@ -355,7 +355,8 @@ void smoe_layers_set_parallel(smoe_layers *g, int on);
  * key only over a victim of no higher utility; MoE-SpAc's levels with the `spac` policy);
  * without a worker nothing is queued.  Only the cache's own share is split (not low-bit
  * copies, the draft copy or the host tier).  on = 0 turns it off.  SMOE_EINVAL: costs not
- * finite >= 0; SMOE_ESTATE: the tier has no host copy (the host tier, or a GPU cache in staged mode). */
+ * finite >= 0; SMOE_ESTATE: the tier has no host copy (the host tier, or a GPU cache in
+ * staged mode). */
 int smoe_layers_set_hybrid(smoe_layers *g, int on, double t_io, double t_gpu, double t_cpu,
                            int admit, smoe_err *err);
 
