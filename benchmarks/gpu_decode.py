@@ -30,13 +30,15 @@ block each, CUDA-event timed, repeats alternating with the cache's) and their ra
 ``cache_copy_fraction_of_pinned`` (the issue's target: >= 0.9).  Per row,
 ``copy_gbps_over_wall`` divides the bytes copied by the whole decode time (a lower bound).
 
-``... + balancer``: MoE-SpAc's heterogeneous workload balancer (``cuda.moe_forward(...,
-balance=profile)``, §3.3): of each layer's experts that are neither resident nor loading, the
-coldest run on the CPU kernels from the pinned host copy instead of being copied, the split
-minimising ``|T_cpu - T_gpu|`` with per-expert costs measured once in this run
-(``balance_profile``); ``balancer_vs_copy``: tok/s with it over tok/s without, at each cache
-fraction and prefetch setting.  Every row runs on a fresh cache (the same empty start), after a
-2-token warm-up (the first two tokens of the routing).
+``... + balancer``: MoE-SpAc's heterogeneous workload balancer (the C layers' hybrid split,
+``cuda.ExpertLayers.set_hybrid(profile)``, §3.3, the engine's): of each layer's experts that
+are neither resident nor loading, the coldest run on the CPU kernels from the pinned host copy
+instead of being copied (and are then offered to the cache for admission behind the prefetches,
+as in the engine), the split minimising ``|T_cpu - T_gpu|`` with per-expert costs measured once
+in this run (``balance_profile``); ``balancer_vs_copy``: tok/s with it over tok/s without, at
+each cache fraction and prefetch setting.  Every row runs on a fresh cache (the same empty
+start), after a 2-token warm-up (the first two tokens of the routing).  Every row's layers are
+one C call each, ``cuda.ExpertLayers`` (the engine's path, its own predictor off).
 
 Not yet here: a real (non-oracle) predictor row; the whole model through
 ``offload(device="cuda")`` (see docs/gpu.md).
@@ -122,31 +124,39 @@ def routing(rng, tokens: int, L: int, E: int, k: int, skew: float = 1.2) -> np.n
     return out
 
 
-def decode(torch, cuda, cache, spec, ids, H: int, prefetch: bool, balance: Any = None) -> dict:
+def decode(torch, cuda, cache, spec, ids, H: int, prefetch: bool, balance: Any = None,
+           device: int = 0) -> dict:
     """Decode ``ids.shape[0]`` tokens through every layer's routed experts via ``cache``
-    (weights 1/k, the output normalised after each layer); tok/s and the cache's counters.
-    ``balance``: a ``cuda.BalanceProfile`` turns MoE-SpAc's CPU/GPU balancer on."""
+    (weights 1/k, the output normalised after each layer), each layer one call of the GPU
+    tier's C layer path (``cuda.ExpertLayers``, the engine's own, its predictor off: the
+    oracle prefetch below is the caller's); tok/s and the cache's counters.  ``balance``: a
+    ``cuda.BalanceProfile`` turns MoE-SpAc's CPU/GPU balancer on (the C layers' hybrid split).
+    ``device``: the cache's (-1: its host emulation, tensors on the CPU)."""
     T, L, k = ids.shape
-    x = torch.randn(1, H, device="cuda") * 0.1
-    w = torch.full((1, k), 1.0 / k, device="cuda")
-    ids_dev = torch.from_numpy(ids).cuda()
+    dev = torch.device("cpu") if device < 0 else torch.device("cuda", device)
+    x = torch.randn(1, H, device=dev) * 0.1
+    w = torch.full((1, k), 1.0 / k, device=dev)
+    ids_dev = torch.from_numpy(ids).to(dev)
     E = cache.store.num_experts
-    torch.cuda.synchronize()
+    lay = cuda.ExpertLayers(cache, spec, k)
+    lay.set_hybrid(balance)
+    sync = (lambda: None) if device < 0 else (lambda: torch.cuda.synchronize(dev))
+    sync()
     cache.reset_stats()
-    counters: dict[str, int] = {"gpu_experts": 0, "cpu_experts": 0}
     t0 = time.perf_counter()
     for t in range(T):
-        cache.begin_pass()
-        for l in range(L):
+        for l in range(L):  # layer 0's call begins the token's pass
             if prefetch and l + 1 < L:
                 cache.prefetch([(l + 1) * E + int(e) for e in ids[t, l + 1]], replace=True)
             elif prefetch and t + 1 < T:
                 cache.prefetch([int(e) for e in ids[t + 1, 0]], replace=True)
-            x = cuda.moe_forward(cache, spec, l, x, ids_dev[t, l].view(1, k), w,
-                                 balance=balance, counters=counters)
+            x = lay.forward(l, x, ids_dev[t, l].view(1, k), w)
             x = x / (x.norm() + 1e-6)
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t0
+    c = lay.counters()
+    counters = {"gpu_experts": c["gpu_experts"], "cpu_experts": c["cpu_experts"],
+                "hybrid_admitted": c.get("hybrid_admitted", 0)}
     st = cache.stats()
     return {"tok_s": T / wall, "wall_s": wall, "hits": st["hits"], "misses": st["misses"],
             "hit_rate": st["hits"] / max(1, st["hits"] + st["misses"]),

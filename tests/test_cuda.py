@@ -413,8 +413,11 @@ def _moe_store(path, seed, dtype, H, I, E, L, K):
     return experts
 
 
-@need_gpu
-def test_gpu_moe_forward_matches_reference(tmp_path):
+@pytest.mark.parametrize("device", [pytest.param(-1, marks=need_ext),
+                                    pytest.param(0, marks=need_gpu)])
+def test_expert_layers_match_reference(tmp_path, device):
+    """An int4 layer through cuda.ExpertLayers (the engine's one C call per layer, grouped by
+    expert) equals numpy's sum of the routed experts."""
     import torch
 
     H, I, E, L, K = 128, 256, 8, 2, 2
@@ -422,9 +425,14 @@ def test_gpu_moe_forward_matches_reference(tmp_path):
     path = tmp_path / "moe.smoe"
     experts = _moe_store(path, 100, "int4", H, I, E, L, K)
     with ExpertStore(path) as st:
-        spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes)
-        cache = cuda.GpuExpertCache(st, 5, "lru", device=0, top_k=K)
+        # the emulation runs the CPU kernels: their exact path (no int8 activations)
+        spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes,
+                                                 precise=device < 0)
+        cache = cuda.GpuExpertCache(st, 5, "lru", device=device, top_k=K)
+        dev = "cpu" if device < 0 else "cuda"
+        lay = None
         try:
+            lay = cuda.ExpertLayers(cache, spec, K)
             T = 7
             x = rng.standard_normal((T, H)).astype(np.float32)
             ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
@@ -435,12 +443,49 @@ def test_gpu_moe_forward_matches_reference(tmp_path):
                     for j in range(K):
                         want[t] += w[t, j] * _ref_ffn(experts[layer][ids[t, j]], x[t:t + 1],
                                                       "silu")[0]
-                got = cuda.moe_forward(cache, spec, layer, torch.from_numpy(x).cuda(),
-                                       torch.from_numpy(ids).cuda(), torch.from_numpy(w).cuda())
+                got = lay.forward(layer, torch.from_numpy(x).to(dev),
+                                  torch.from_numpy(ids).to(dev), torch.from_numpy(w).to(dev))
                 np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4,
                                            atol=1e-4 * np.abs(want).max())
         finally:
+            del lay
             cache.close()
+
+
+@need_ext
+def test_gpu_decode_benchmark_drives_the_c_layers_in_emulation(tmp_path):
+    """benchmarks/gpu_decode.py's decode() (every row's loop) in the cache's host emulation:
+    each token's layers run through cuda.ExpertLayers, every routed expert is computed once
+    on one device, the cache sees exactly the GPU's, and the balancer's CPU-cheap profile
+    moves misses to the CPU kernels."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        gd = importlib.import_module("gpu_decode")
+    finally:
+        sys.path.pop(0)
+    H, I, E, L, K, T = 64, 128, 8, 3, 2, 6
+    gd.make_store(str(tmp_path / "e.smoe"), H, I, E, L)
+    ids = gd.routing(np.random.default_rng(0), T, L, E, K)
+    with ExpertStore(tmp_path / "e.smoe") as st:
+        spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes)
+        for pf in (False, True):
+            for prof in (None, cuda.BalanceProfile(1.0, 1.0, 1e-6)):
+                with cuda.GpuExpertCache(st, 0.25, "lru", device=-1, mode="host",
+                                         top_k=K) as cache:
+                    r = gd.decode(torch, cuda, cache, spec, ids, H, pf, prof, device=-1)
+                assert r["gpu_experts"] + r["cpu_experts"] == T * L * K, (pf, prof)
+                assert r["hits"] + r["misses"] == r["gpu_experts"], (pf, prof)
+                assert (r["prefetch_issued"] > 0) == pf
+                if prof is None:
+                    assert r["cpu_experts"] == 0
+                else:
+                    assert r["cpu_experts"] > 0
 
 
 # ---------- HF integration: offload(model, device="cuda"), from_pretrained(device="cuda") ----
@@ -815,10 +860,12 @@ def test_balance_needs_a_gpu_and_a_profile():
     assert not _is_offloaded(m)
 
 
-@need_gpu
-def test_gpu_moe_forward_balanced_matches_reference(tmp_path):
-    """Every split (all copied, all on the CPU, mixed) gives the reference's output; the
-    counters say where the experts ran and the cache copied only the GPU's misses."""
+@pytest.mark.parametrize("device", [pytest.param(-1, marks=need_ext),
+                                    pytest.param(0, marks=need_gpu)])
+def test_expert_layers_balanced_match_reference(tmp_path, device):
+    """cuda.ExpertLayers (the engine's per-layer C call without a model), copy-every-miss and
+    the hybrid split: every split (all copied, all on the CPU, mixed) gives numpy's output;
+    the counters say where the experts ran and the cache copied only the GPU's misses."""
     import torch
 
     H, I, E, L, K = 128, 256, 8, 2, 2
@@ -829,43 +876,48 @@ def test_gpu_moe_forward_balanced_matches_reference(tmp_path):
     x = rng.standard_normal((T, H)).astype(np.float32)
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
     w = rng.random((T, K)).astype(np.float32)
+    dev = "cpu" if device < 0 else "cuda"
     with ExpertStore(path) as st:
         spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes,
                                                  precise=True)
         profiles = {"copy": None, "cpu": cuda.BalanceProfile(1.0, 0.0, 1e-9),
                     "mixed": cuda.BalanceProfile(1e-4, 1e-5, 1e-4)}
         for name, prof in profiles.items():
-            cache = cuda.GpuExpertCache(st, 5, "lru", device=0, top_k=K)
-            counters: dict = {}
+            cache = cuda.GpuExpertCache(st, 5, "lru", device=device, top_k=K)
+            lay = None
             try:
+                lay = cuda.ExpertLayers(cache, spec, K)
+                lay.set_hybrid(prof, admit=False)
                 for layer in range(L):
                     want = np.zeros((T, H))
                     for t in range(T):
                         for j in range(K):
                             want[t] += w[t, j] * _ref_ffn(experts[layer][ids[t, j]],
                                                           x[t:t + 1], "silu")[0]
-                    cache.begin_pass()
-                    got = cuda.moe_forward(cache, spec, layer, torch.from_numpy(x).cuda(),
-                                           torch.from_numpy(ids).cuda(),
-                                           torch.from_numpy(w).cuda(), balance=prof,
-                                           counters=counters)
+                    got = lay.forward(layer, torch.from_numpy(x).to(dev),
+                                      torch.from_numpy(ids).to(dev),
+                                      torch.from_numpy(w).to(dev))
                     np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4,
                                                atol=1e-4 * np.abs(want).max())
-                used = sum(len(np.unique(ids)) for _ in range(L))
-                st_c = cache.stats()
-                assert counters["gpu_experts"] + counters["cpu_experts"] == used, name
-                assert st_c["misses"] + st_c["hits"] == counters["gpu_experts"], name
+                used = L * len(np.unique(ids))
+                c, st_c = lay.counters(), cache.stats()
+                assert c["gpu_experts"] + c["cpu_experts"] == used, name
+                assert st_c["misses"] + st_c["hits"] == c["gpu_experts"], name
                 if name == "copy":
-                    assert counters["cpu_experts"] == 0
+                    assert c["cpu_experts"] == 0
                 elif name == "cpu":
-                    assert counters["gpu_experts"] == 0 and st_c["bytes_read"] == 0
+                    assert c["gpu_experts"] == 0 and st_c["bytes_read"] == 0
                 else:
-                    assert counters["cpu_experts"] > 0 and counters["gpu_experts"] > 0
+                    assert c["cpu_experts"] > 0 and c["gpu_experts"] > 0
+                assert lay.counters(reset=True)["gpu_experts"] == c["gpu_experts"]
+                assert lay.counters()["gpu_experts"] == 0
             finally:
+                del lay
                 cache.close()
-        with cuda.GpuExpertCache(st, 5, "lru", device=0, top_k=K) as cache:
-            prof = cuda.measure_balance_profile(cache, spec, repeats=3)
-            assert 0 < prof.t_io < 1 and 0 < prof.t_gpu < 1 and 0 < prof.t_cpu < 1
+        if device >= 0:
+            with cuda.GpuExpertCache(st, 5, "lru", device=0, top_k=K) as cache:
+                prof = cuda.measure_balance_profile(cache, spec, repeats=3)
+                assert 0 < prof.t_io < 1 and 0 < prof.t_gpu < 1 and 0 < prof.t_cpu < 1
 
 
 @need_gpu

@@ -10,8 +10,9 @@ raising.
   a slot of :class:`GpuExpertCache`) on CUDA tensors, with the same block layout and math as
   :func:`specmoe.runtime.kernels.ffn` (bf16/f32 by cuBLAS or by the dequantizing kernels, int8 and
   int4 by the dequantizing kernels).
-* :func:`moe_forward` groups the tokens of one MoE layer by expert and runs each expert
-  through a cache on torch's current CUDA stream.
+* :func:`layer_call` runs one MoE layer in one C call of csrc/layer.c over a cache (the
+  engine's path); :class:`ExpertLayers` is that path over a cache without a model (the
+  benchmarks' and the calibration's).
 * :class:`GpuExpertCache` keeps expert blocks in one GPU allocation; loads are
   ``cudaMemcpyAsync`` from pinned host memory on the cache's copy stream, ordered by one
   event per slot (details in cuda/gcache.h).  ``device=-1`` runs the same bookkeeping on host
@@ -36,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache", "moe_forward",
+__all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "GpuExpertCache",
            "PATHS", "BalanceProfile", "balance_split", "measure_balance_profile",
-           "ExpertGroups", "group_by_expert"]
+           "layer_call", "ExpertLayers"]
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
 
@@ -460,8 +461,8 @@ def measure_balance_profile(cache: GpuExpertCache, spec: Any, *, repeats: int = 
     """Measure :class:`BalanceProfile` on this machine, the median of ``repeats`` rounds after
     one warm-up: ``t_io``, ``batch`` back-to-back pinned host-to-device copies of one block
     (CUDA events) over ``batch``; ``t_gpu``, ``batch`` one-token GPU FFNs of one expert,
-    launched and synchronised (wall clock, so the per-expert launch work of
-    :func:`moe_forward` counts) over ``batch``; ``t_cpu``, one token through the CPU kernels
+    launched and synchronised (wall clock, so one expert's launch work counts) over
+    ``batch``; ``t_cpu``, one token through the CPU kernels
     over the block in the cache's pinned host copy (wall clock)."""
     import time
 
@@ -505,111 +506,93 @@ def measure_balance_profile(cache: GpuExpertCache, spec: Any, *, repeats: int = 
                           float(np.median(t_cpu)))
 
 
-@dataclass(frozen=True)
-class ExpertGroups:
-    """A layer's (token, slot) pairs grouped by expert, as :func:`moe_forward` runs them:
-    ``rows`` (int32 CUDA, each pair's token) and ``weights`` (f32 CUDA) in ascending expert
-    order; ``experts`` the distinct experts ascending and ``counts`` their pairs (host lists).
-    """
+# ---- the per-layer C call on this tier ------------------------------------------------------
 
-    rows: Any
-    weights: Any
-    experts: list[int]
-    counts: list[int]
+def layer_call(layers: Any, pos: int, hidden: Any, idx: Any, w: Any, used: np.ndarray, *,
+               replace: bool = True, draft: np.ndarray | None = None) -> Any:
+    """One MoE layer in one C call on the GPU tier (``_C.Layers.forward_on``: csrc/layer.h over
+    cuda/gtier.h): the pass, the next layer's prediction and prefetch, the policy's counts,
+    SpecMD's miss rules, the hybrid split, then the experts grouped and run on torch's current
+    stream -- the CPU tier's code.  ``layers``: a ``_C.Layers`` over a :meth:`GpuExpertCache.tier`
+    capsule; ``hidden`` [T, H] on the cache's device (a CPU tensor in the host emulation);
+    ``idx``, ``w`` [T, k]; ``used`` uint8 [E], set to 1 for each expert the layer ran.
+    ``replace``: this layer's prefetch requests replace the queued ones; ``draft``: uint8 [T],
+    the draft tokens whose misses never load.  Returns the experts' sum [T, H] in f32.
 
-
-def group_by_expert(topk_ids: Any, topk_w: Any) -> ExpertGroups:
-    """Group ``topk_ids`` [T, k] / ``topk_w`` [T, k] by expert: one device-to-host sync."""
+    Routing's device-to-host read (the ids, the input and the weights, in one copy) is the
+    layer's only one.  :class:`specmoe.runtime.gpu_engine.GpuEngine`, :class:`ExpertLayers`
+    and the calibration all run their layers through here."""
     import torch
 
-    k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(ids, stable=True)
-    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
-    return ExpertGroups((order // k).to(torch.int32),
-                        topk_w.reshape(-1).to(torch.float32)[order].contiguous(),
-                        experts.tolist(), counts.tolist())
-
-
-def _ffn_host(addr: int, spec: Any, x: Any, rows: Any, scale: Any, out: Any) -> None:
-    """:func:`ffn`'s work in the host emulation: the CPU kernels on the emulated slot at host
-    address ``addr``, on CPU tensors (``out`` written in place through its numpy view)."""
-    from . import kernels
-
-    block = np.ctypeslib.as_array((ctypes.c_uint8 * spec.block_bytes).from_address(addr))
-    kernels.ffn(block, x.detach().numpy(), spec=spec, rows=rows.numpy(), scale=scale.numpy(),
-                out=out.numpy())
-
-
-def moe_forward(cache: GpuExpertCache, spec: Any, layer: int, hidden: Any, topk_ids: Any,
-                topk_w: Any, *, path: str = "auto", out: Any = None,
-                balance: BalanceProfile | None = None,
-                counters: dict[str, int] | None = None,
-                groups: ExpertGroups | None = None) -> Any:
-    """One MoE layer's routed experts on the GPU: tokens grouped by expert (as on the CPU),
-    each expert acquired from ``cache`` on torch's current stream, run by :func:`ffn`,
-    released.  ``hidden`` f32 [T, H] CUDA; ``topk_ids`` int [T, k]; ``topk_w`` float [T, k].
-    Returns ``out`` [T, H] (zeros + the weighted expert outputs).
-
-    ``balance``: MoE-SpAc's heterogeneous workload balancer (§3.3): of the layer's experts
-    that are neither resident nor loading, the :func:`balance_split` coldest run on the CPU
-    kernels from the cache's pinned host copy (``mode="host"``) while the GPU computes the
-    rest, instead of being copied; the CPU part is added to ``out`` on the stream.  The
-    experts' sums are then in another order (CPU part last): equal up to rounding.
-    ``counters``: a dict whose ``gpu_experts`` and ``cpu_experts`` (expert calls on each
-    device; every CPU one is a copy avoided) are incremented.  ``groups``: the pairs already
-    grouped by :func:`group_by_expert` (a caller that reads the experts itself)."""
-    import torch
-
-    if groups is None:
-        groups = group_by_expert(topk_ids, topk_w)
-    rows, weights = groups.rows, groups.weights
-    experts_h, counts_h = groups.experts, groups.counts
-    if out is None:
-        out = torch.zeros_like(hidden)
-    emulated = hidden.device.type == "cpu"  # the host emulation (device=-1): CPU kernels
-    stream = None if emulated else torch.cuda.current_stream(hidden.device)
-    starts = np.concatenate([[0], np.cumsum(counts_h)]).astype(np.int64)
-    on_cpu: list[int] = []  # indices into experts_h
-    if balance is not None:
-        states = cache.layer_states(layer)
-        missing = [i for i, e in enumerate(experts_h) if states[e] == 0]
-        if missing:
-            missing.sort(key=lambda i: (-counts_h[i], experts_h[i]))  # hot first
-            n = balance_split([counts_h[i] for i in missing], len(experts_h) - len(missing),
-                              balance)
-            on_cpu = sorted(missing[n:])
-    cpu_set = set(on_cpu)
-    if on_cpu:  # the CPU part's inputs, before the GPU work is queued behind them
-        rows_h = rows.cpu().numpy()
-        w_h = weights.cpu().numpy()
-        x_h = hidden.detach().cpu().numpy()
-    for i, (e, n) in enumerate(zip(experts_h, counts_h)):
-        if i in cpu_set:
-            continue
-        s = int(starts[i])
-        addr = cache.acquire(layer, int(e), stream)
-        try:
-            if emulated:
-                _ffn_host(addr, spec, hidden, rows[s:s + n], weights[s:s + n], out)
-            else:
-                ffn(addr, spec, hidden, rows=rows[s:s + n], scale=weights[s:s + n], out=out,
-                    path=path, stream=stream)
-        finally:
-            cache.release(layer, int(e), stream)
-    if on_cpu:
-        from . import kernels
-
-        part = np.zeros_like(x_h)
-        for i in on_cpu:  # meanwhile the GPU computes (and copies) its experts
-            s, n = int(starts[i]), counts_h[i]
-            kernels.ffn(cache.host_block(layer, int(experts_h[i])), x_h, spec=spec,
-                        rows=rows_h[s:s + n], scale=w_h[s:s + n], out=part)
-        out += torch.from_numpy(part).to(out.device)
-    if counters is not None:
-        counters["gpu_experts"] = counters.get("gpu_experts", 0) + len(experts_h) - len(on_cpu)
-        counters["cpu_experts"] = counters.get("cpu_experts", 0) + len(on_cpu)
+    x = hidden.detach().to(torch.float32).contiguous()
+    T, H = x.shape
+    k = int(idx.shape[-1])
+    ix = idx.detach().to(torch.int64).reshape(T, k)
+    wt = w.detach().to(torch.float32).reshape(T, k)
+    if x.device.type == "cpu":  # the host emulation
+        xh, ih, wh = x.numpy(), ix.contiguous().numpy(), wt.contiguous().numpy()
+        stream = 0
+    else:  # ids first: their int64 view needs an 8-byte aligned offset
+        packed = torch.cat([ix.reshape(-1).view(torch.float32), x.reshape(-1),
+                            wt.reshape(-1)]).cpu()
+        n = 2 * T * k
+        ih = packed[:n].view(torch.int64).view(T, k).numpy()
+        xh = packed[n:n + T * H].view(T, H).numpy()
+        wh = packed[n + T * H:].view(T, k).numpy()
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+    out = torch.empty_like(x)
+    layers.forward_on(pos, xh, ih, wh, used, x.data_ptr(), out.data_ptr(), stream, None,
+                      replace, draft)
     return out
+
+
+class ExpertLayers:
+    """The GPU tier's per-layer path over a :class:`GpuExpertCache` without a model, for the
+    benchmarks and the calibration that drive the routed experts alone: a ``_C.Layers`` whose
+    routers are zeros (so it never predicts: the caller prefetches, or nothing does) over
+    ``cache.tier(spec)``.  ``forward`` is :func:`layer_call`, the engine's own; ``set_hybrid``
+    turns on MoE-SpAc's balancer exactly as :meth:`GpuEngine.set_balance` does.  The cache
+    must outlive this object; one thread calls it (one compute stream)."""
+
+    def __init__(self, cache: GpuExpertCache, spec: Any, top_k: int) -> None:
+        from .. import _C
+        from .kernels import context
+
+        L, E = int(cache.store.num_layers), int(cache.store.num_experts)
+        self.num_experts = E
+        self.tier = cache.tier(spec)  # kept: the C layers use its capsule
+        zero = np.zeros((E, int(spec.H)), np.float32)
+        self.layers = _C.Layers(self.tier.capsule, context(), spec.desc(),
+                                [(zero, None, None)] * L, int(top_k))
+        self.layers.configure(False, 1.0, 0.0, False)
+        self.experts = 0  # expert calls run by forward (on either device)
+
+    def set_hybrid(self, profile: BalanceProfile | None, admit: bool = True) -> None:
+        """MoE-SpAc's CPU/GPU split with ``profile``'s costs (None: copy every miss)."""
+        if profile is None:
+            self.layers.set_hybrid(False)
+        else:
+            self.layers.set_hybrid(True, profile.t_io, profile.t_gpu, profile.t_cpu,
+                                   admit=admit)
+
+    def forward(self, pos: int, hidden: Any, idx: Any, w: Any) -> Any:
+        """Layer ``pos``'s routed experts (:func:`layer_call`), the output in ``hidden``'s
+        dtype."""
+        used = np.zeros(self.num_experts, np.uint8)
+        out = layer_call(self.layers, pos, hidden, idx, w, used).to(hidden.dtype)
+        self.experts += int(used.sum())
+        return out
+
+    def counters(self, reset: bool = False) -> dict[str, int]:
+        """The expert calls on each device since the last reset (``gpu_experts``,
+        ``cpu_experts``: the hybrid split's, each a copy avoided) and the C layers' own
+        counters (``hybrid_copied``, ``hybrid_admitted``, ...)."""
+        c = dict(self.layers.counters(reset))
+        cpu = int(c.get("hybrid_cpu_experts", 0))
+        c.update(gpu_experts=self.experts - cpu, cpu_experts=cpu)
+        if reset:
+            self.experts = 0
+        return c
 
 
 # ---- the simulator's profile of this GPU tier ----------------------------------------------

@@ -3,11 +3,12 @@
 The GPU counterpart of :class:`specmoe.runtime.engine.Engine`, made by ``specmoe.offload(model,
 device="cuda")`` and ``specmoe.from_pretrained(path, device="cuda")``.  The non-expert weights
 (attention, norms, routers, shared experts, lm_head) live on the GPU and run in torch; every
-MoE layer's ``experts`` module becomes a :class:`specmoe.runtime.engine.SpecmoeExperts` whose call runs
-:func:`specmoe.runtime.cuda.moe_forward`: the layer's tokens grouped by expert, each expert acquired
-from a :class:`specmoe.runtime.cuda.GpuExpertCache` (slots in one GPU allocation, filled from a pinned
+MoE layer's ``experts`` module becomes a :class:`specmoe.runtime.engine.SpecmoeExperts` whose
+call is one C call, :func:`specmoe.runtime.cuda.layer_call` (csrc/layer.c over cuda/gtier.h):
+the layer's tokens grouped by expert, each expert acquired from a
+:class:`specmoe.runtime.cuda.GpuExpertCache` (slots in one GPU allocation, filled from a pinned
 host copy of the store by ``cudaMemcpyAsync`` on the cache's copy stream) on torch's current
-stream, run by the GPU FFN kernels, released.
+stream, run by the GPU FFN kernels (grouped launches), released.
 
 Prefetch: at MoE layer ``l`` the next layer's router is applied to this layer's input on the
 device, and the CPU tier's own rule (``_C.predict_next`` over csrc/route.h, the routine the C
@@ -332,7 +333,6 @@ class GpuEngine(EngineCommon):
     def layer_forward(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor,
                        w: torch.Tensor) -> torch.Tensor:
         """One MoE layer's routed experts on the GPU (SpecmoeExperts' call)."""
-        from . import cuda
         with self._lock:
             if self._closed:
                 raise RuntimeError("this specmoe GpuEngine is closed")
@@ -350,32 +350,15 @@ class GpuEngine(EngineCommon):
     def _layer_call(self, pos: int, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                     flags: np.ndarray | None) -> torch.Tensor:
         """One MoE layer in one C call (``_C.Layers.forward_on``, csrc/layer.h over the GPU
-        tier, cuda/gtier.h): the pass, the next layer's prediction and prefetch, the policy's
-        counts, the draft tokens' rule, SpecMD's miss rules and cache-aware routing, then the
-        experts grouped and run on the compute stream -- the CPU tier's code.  Routing's
-        device-to-host read (the ids, the input and the weights, in one copy) is the layer's
-        only one.  Called with ``_lock`` held."""
-        x = hidden.detach().to(torch.float32).contiguous()
-        T, H = x.shape
-        k = self.top_k
-        ix = idx.detach().to(torch.int64).reshape(T, k)
-        wt = w.detach().to(torch.float32).reshape(T, k)
-        if self.emulated:
-            xh, ih, wh = x.numpy(), ix.contiguous().numpy(), wt.contiguous().numpy()
-            stream = 0
-        else:  # ids first: their int64 view needs an 8-byte aligned offset
-            packed = torch.cat([ix.reshape(-1).view(torch.float32), x.reshape(-1),
-                                wt.reshape(-1)]).cpu()
-            n = 2 * T * k
-            ih = packed[:n].view(torch.int64).view(T, k).numpy()
-            xh = packed[n:n + T * H].view(T, H).numpy()
-            wh = packed[n + T * H:].view(T, k).numpy()
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-        out = torch.empty_like(x)
+        tier, cuda/gtier.h; :func:`specmoe.runtime.cuda.layer_call`): the pass, the next
+        layer's prediction and prefetch, the policy's counts, the draft tokens' rule, SpecMD's
+        miss rules and cache-aware routing, then the experts grouped and run on the compute
+        stream -- the CPU tier's code.  Called with ``_lock`` held."""
+        from .cuda import layer_call
         used = np.zeros(self.num_experts, np.uint8)
         # a lookahead queued for this pass must survive the per-layer requests (as on the CPU)
-        self._layers.forward_on(pos, xh, ih, wh, used, x.data_ptr(), out.data_ptr(), stream,
-                                None, not self._la.active, flags)
+        out = layer_call(self._layers, pos, hidden, idx.reshape(-1, self.top_k), w, used,
+                         replace=not self._la.active, draft=flags)
         self._counters["gpu_experts"] += int(used.sum())
         self._after_layer(pos, used, hidden, idx, w)
         return out.to(hidden.dtype)

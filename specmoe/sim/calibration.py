@@ -149,13 +149,15 @@ def calibrate_gpu(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 140
       Measured for bf16 experts of ``expert_shape`` = (hidden H, intermediate I) and for
       4 KiB blocks; the latency is the intercept of the line through the two.
     * ``fast_bw``: the expert's weight bytes over the wall-clock time per expert of
-      back-to-back one-token :func:`ffn` calls on a resident slot (``path="auto"``), as
-      :func:`moe_forward` issues them: launch work included.
-    * ``kernel_overhead_s``: one token's :func:`moe_forward` over ``top_k`` resident experts,
-      less ``top_k`` expert calls (grouping by expert, its device-to-host read, acquire and
-      release); 0 if negative.
+      back-to-back one-token :func:`ffn` calls on a resident slot (``path="auto"``): launch
+      work included.
+    * ``kernel_overhead_s``: one token's layer call over ``top_k`` resident experts (the
+      engine's C path, :class:`ExpertLayers`: routing's device-to-host read, the pass, the
+      grouped launches), less ``top_k`` expert calls; 0 if negative (grouped launches can
+      cost less than ``top_k`` separate ones).
     * ``flops``: the same expert on 1024 tokens (CUDA events).
     """
+    import functools
     import statistics
     import tempfile
     import time
@@ -163,7 +165,7 @@ def calibrate_gpu(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 140
     import torch
 
     from ..runtime import kernels
-    from ..runtime.cuda import GpuExpertCache, ffn, ffn_context, load, moe_forward
+    from ..runtime.cuda import ExpertLayers, GpuExpertCache, ffn, ffn_context, load
     from ..storage.store import ExpertStore, write_store
 
     have = _GPU_CALIBRATED.get(device)
@@ -245,7 +247,9 @@ def calibrate_gpu(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 140
                                     reps)
                 ids = torch.arange(top_k, dtype=torch.int64, device=dev).reshape(1, top_k)
                 w = torch.full((1, top_k), 1.0 / top_k, device=dev)
-                t_layer = per_call(lambda: moe_forward(cache, spec, 0, x, ids, w), reps)
+                lay = ExpertLayers(cache, spec, top_k)  # the engine's C layer call
+                t_layer = per_call(functools.partial(lay.forward, 0, x, ids, w), reps)
+                del lay  # before the cache closes
                 ffn_context(device, H, I, max_tokens=1024)
                 xb = torch.randn(1024, H, generator=gen).to(dev) * 0.1
                 outb = torch.zeros_like(xb)
@@ -276,7 +280,8 @@ def calibrate_gpu(device: int = 0, *, expert_shape: tuple[int, int] = (2048, 140
         cpu_bw=_cpu_expert_rates(expert_shape, flops=False)[0],
         description=f"measured by specmoe.sim.calibration.calibrate_gpu on {name}: GpuExpertCache demand "
                     f"misses from pinned host memory, bf16 {H}x{I} expert calls and "
-                    f"moe_forward of {top_k} resident experts, launch work included; cpu_bw "
+                    f"one layer call of {top_k} resident experts (the engine's C path), launch "
+                    f"work included; cpu_bw "
                     f"the host's C expert kernel at one token ({kernels.isa()}, "
                     f"{kernels.num_threads()} threads: the hybrid tier's t_cpu)")
     _GPU_CALIBRATED[device] = prof

@@ -193,7 +193,8 @@ PROFILES: dict[str, Hardware] = {
                     "benchmarks/results/gpu_profile_h200.json): fast_bw and flops are the "
                     "effective rates of one bf16 expert call at 1 and 1024 tokens with its "
                     "launch work (the tier is launch-bound at batch 1, far below HBM's 4.8 TB/s), "
-                    "kernel_overhead_s moe_forward's fixed cost per layer; cpu_bw the "
+                    "kernel_overhead_s the fixed cost per layer of the per-expert Python path "
+                    "of then (cuda.moe_forward, since removed); cpu_bw the "
                     "host CPU's bf16 expert at one token (16-core Xeon, 16 threads: t_cpu "
                     "236 us for a 17.3 MB expert), the hybrid tier's load-time profile in "
                     "benchmarks/results/gpu_hybrid_h200_bf16.json"),
