@@ -452,6 +452,15 @@ def test_expert_layers_match_reference(tmp_path, device):
             cache.close()
 
 
+def test_removed_python_layer_names_say_what_replaces_them():
+    with pytest.raises(AttributeError, match="layer_call"):
+        cuda.moe_forward  # noqa: B018
+    with pytest.raises(AttributeError, match="groups the pairs"):
+        cuda.group_by_expert  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        cuda.nonesuch  # noqa: B018
+
+
 @need_ext
 def test_gpu_decode_benchmark_drives_the_c_layers_in_emulation(tmp_path):
     """benchmarks/gpu_decode.py's decode() (every row's loop) in the cache's host emulation:

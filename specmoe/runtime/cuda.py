@@ -43,6 +43,24 @@ __all__ = ["CudaUnavailable", "load", "available", "unusable_reason", "ffn", "Gp
 
 PATHS = {"auto": 0, "dequant": 1, "cublas": 2}
 
+# names this module had and what replaces them (module __getattr__ below)
+_REMOVED = {
+    "moe_forward": "the per-expert Python layer was removed (2026-12-05): one MoE layer is one "
+                   "C call, specmoe.runtime.cuda.layer_call, or ExpertLayers(cache, spec, "
+                   "top_k).forward(layer, hidden, ids, weights) without a model; its "
+                   "balance= is ExpertLayers.set_hybrid(profile)",
+    "group_by_expert": "the C layer call groups the pairs by expert itself "
+                       "(specmoe.runtime.cuda.layer_call)",
+    "ExpertGroups": "the C layer call groups the pairs by expert itself "
+                    "(specmoe.runtime.cuda.layer_call)",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REMOVED:
+        raise AttributeError(f"specmoe.runtime.cuda.{name}: {_REMOVED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 class CudaUnavailable(RuntimeError):
     """The GPU tier cannot be used here; the message says why."""
