@@ -294,3 +294,32 @@ def test_no_script_shadows_a_package():
     bad = [f"{folder}/{p.name}" for folder in SCRIPT_FOLDERS
            for p in sorted((ROOT.parent / folder).glob("*.py")) if p.stem in taken]
     assert not bad, f"scripts named like packages others import: {bad}"
+
+
+def _planted_table() -> dict[str, set[str]]:
+    """docs/architecture.md's table of ``_specmoe_*`` attributes: name -> the module stems
+    (``attention``, ``engine``, ...) it lists as writing or reading it."""
+    import re
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    part = doc.split("### What specmoe keeps on transformers' objects", 1)[1]
+    out: dict[str, set[str]] = {}
+    for m in re.finditer(r"^\| `(_specmoe_\w+)` \| [^|]+ \| ([^|]+) \| ([^|]+) \|", part, re.M):
+        out[m.group(1)] = {s.strip() for s in (m.group(2) + "," + m.group(3)).split(",")}
+    return out
+
+
+def test_every_attribute_planted_on_transformers_modules_is_listed():
+    """Issue 36: the ``_specmoe_*`` attributes specmoe keeps on transformers' modules are one
+    documented table (docs/architecture.md), each with the files that write and read it, so a
+    new one, or a new reader of one, is a visible decision rather than a quiet coupling."""
+    import re
+    used: dict[str, set[str]] = {}
+    for p in MODULES.values():
+        for name in set(re.findall(r"\b_specmoe_[a-z0-9_]+\b", p.read_text())):
+            used.setdefault(name, set()).add(p.stem)
+    table = _planted_table()
+    assert len(table) >= 30, "the table was not found in docs/architecture.md"
+    assert sorted(set(used) - set(table)) == [], "used in specmoe/ but not in the table"
+    assert sorted(set(table) - set(used)) == [], "in the table but no longer used"
+    wrong = {n: (sorted(used[n]), sorted(table[n])) for n in used if used[n] != table[n]}
+    assert wrong == {}, "files that use each name (left) against the table's (right)"
