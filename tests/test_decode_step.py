@@ -151,7 +151,7 @@ def _chain_items(layers, cache, h, pe):
     items, outs = [], []
     for lyr in layers:
         out = torch.empty_like(h)
-        it = lyr._specmoe_chain(lyr, h, out, pe, cache)
+        it = lyr._specmoe_chain.call(lyr, h, out, pe, cache)
         if it is None:
             return items, outs
         items.append(it)

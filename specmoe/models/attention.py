@@ -39,8 +39,8 @@ from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import (FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, PAIRS_ROPE_ATTENTION,
                    SINK_ATTENTION)
-from .layers import (BLOCK_DTYPES, CLinear, CRMSNorm, adapter_active, dense_in_call, fuse_qkv,
-                     rms_norm_form, silu_mlp_parts)
+from .layers import (BLOCK_DTYPES, ChainStep, CLinear, CRMSNorm, adapter_active, dense_in_call,
+                     fuse_qkv, rms_norm_form, silu_mlp_parts)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
@@ -303,8 +303,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         if layer._specmoe_dense is not None:
             attn._specmoe_block.set_mlp(dense[0])
         layer.forward = _fused_layer_forward(layer, layer.forward)
-        layer._specmoe_chain = chain_call
-        layer._specmoe_chain_rope = chain_rope
+        layer._specmoe_chain = ChainStep(chain_call, chain_rope)
     return done
 
 

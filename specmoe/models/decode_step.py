@@ -229,10 +229,10 @@ class DecodeStep:
             if chain is not None and self.chaining \
                     and not (lyr._forward_hooks or lyr._forward_pre_hooks):
                 out = bufs[0] if h.data_ptr() != bufs[0].data_ptr() else bufs[1]
-                item = chain(lyr, h, out, pe, cache)
+                item = chain.call(lyr, h, out, pe, cache)
                 if item is not None:
                     run.append(item)
-                    if getattr(lyr, "_specmoe_chain_count", None) is not None:
+                    if chain.count is not None:
                         counted.append(lyr)
                     h = out
                     continue
@@ -304,7 +304,6 @@ class DecodeStep:
         emb = base.embed_tokens
         rot = base.rotary_emb
         if any(getattr(lyr, "_specmoe_chain", None) is None
-               or getattr(lyr, "_specmoe_chain_rope", None) is None
                or lyr._forward_hooks or lyr._forward_pre_hooks for lyr in layers) \
                 or type(emb) is not nn.Embedding or emb._forward_hooks \
                 or emb._forward_pre_hooks or getattr(rot, "rope_type", None) \
@@ -324,15 +323,15 @@ class DecodeStep:
         items, h = [], x0
         for i, lyr in enumerate(layers):
             out = bufs[i % 2]
-            item = lyr._specmoe_chain(lyr, h, out, pe, cache)
+            item = lyr._specmoe_chain.call(lyr, h, out, pe, cache)
             if item is None:
                 return None
             items.append(item)
             h = out
         # a recurrent layer's item writes its cache state in place: the plan holds while the
         # state is the same tensors (specmoe.models.linear_attn.gdn_chain_state)
-        states = [(lyr, lyr._specmoe_chain_state(lyr, cache)) for lyr in layers
-                  if getattr(lyr, "_specmoe_chain_state", None) is not None]
+        states = [(lyr, lyr._specmoe_chain.state(lyr, cache)) for lyr in layers
+                  if lyr._specmoe_chain.state is not None]
         if any(st is None for _, st in states):
             return None
         engines = {id(it[3]): it[3] for it in items if it[3] is not None}
@@ -347,7 +346,7 @@ class DecodeStep:
         eng_layers = next(iter(captured.values()), None)
         rows, seen = [], set()
         for lyr, it in zip(layers, items):
-            for idx, tab in lyr._specmoe_chain_rope(lyr, table, P):
+            for idx, tab in lyr._specmoe_chain.rope(lyr, table, P):
                 dst = it[1][idx]
                 if id(dst) in seen:
                     continue
@@ -383,8 +382,7 @@ class DecodeStep:
         plan = _Plan(c=c, cache=weakref.ref(cache),
                      limit=min([P] + [k.shape[2] for _, k, _ in kv]),
                      views=[(lay, lay.keys, lay.values) for lay, _, _ in kv], states=states,
-                     counted=[lyr for lyr in layers
-                              if getattr(lyr, "_specmoe_chain_count", None) is not None],
+                     counted=[lyr for lyr in layers if lyr._specmoe_chain.count is not None],
                      layers=layers, mods=(emb, rot, fn, lm), engine=eng,
                      eng_layers=eng_layers, x0=x0, last=h,
                      normed=None if norm is None else normed,
@@ -407,7 +405,7 @@ class DecodeStep:
             if lay.keys is not k or lay.values is not v:
                 return False
         for lyr, st in plan.states:
-            now = lyr._specmoe_chain_state(lyr, cache)
+            now = lyr._specmoe_chain.state(lyr, cache)
             if now is None or any(a is not b for a, b in zip(now, st)):
                 return False
         for lyr in plan.layers:
@@ -448,7 +446,7 @@ class DecodeStep:
             r = self.plan_step(plan.c, token, S, out, argmax)
         cache = plan.cache()
         for lyr in plan.counted:
-            lyr._specmoe_chain_count(lyr, cache)
+            lyr._specmoe_chain.count(lyr, cache)
         n = S + 1
         views = plan.views
         for i, (lay, _, _) in enumerate(views):
@@ -474,7 +472,7 @@ class DecodeStep:
         return cls(logits=logits, **{field: cache})
 
     def _run_chain(self, run: list[tuple], counted: list[nn.Module], cache: Any) -> None:
-        """The layers of ``run`` (items of the layers' ``_specmoe_chain``: block, arguments,
+        """The layers of ``run`` (items of the layers' ``_specmoe_chain.call``: block, arguments,
         KV buffers, Engine) in one C call, then their caches advanced (KV views; the token
         counts in ``cache`` of the ``counted`` layers, recurrent ones); both lists emptied."""
         if not run:
@@ -492,7 +490,7 @@ class DecodeStep:
             if it[2] is not None:  # (a recurrent layer's item: no positions)
                 kv_advance(it[2], 1)
         for lyr in counted:
-            lyr._specmoe_chain_count(lyr, cache)
+            lyr._specmoe_chain.count(lyr, cache)
         self.chained += len(run)
         run.clear()
         counted.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -26,7 +27,35 @@ __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm",
            "linear_widened", "torch_bf16_gemm_fast",
            "int4_group", "norm_weight", "zero_centred_norm", "per_sequence", "sequence_rows",
            "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate",
-           "dense_in_call"]
+           "dense_in_call", "ChainStep"]
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """How a fused decoder layer takes part in a decode step's one C call
+    (specmoe.models.decode_step: ``_C.layer_chain`` and ``_C.DecodePlan``).  The module that
+    fused the layer (specmoe.models.attention, .mla, .linear_attn) sets one as the layer's
+    ``_specmoe_chain``; decode_step reads it (and specmoe.models.dense, to tell that every
+    layer has one).  Every function takes the layer first.
+
+    * ``call(layer, x, out, pe, cache)``: the step of x [1, T, hidden] into out as a
+      ``_C.layer_chain`` item (block, arguments, KV buffers or None, Engine or None), or None
+      when this step must take the layer's forward;
+    * ``rope(layer, pe, T)``: ((index, array), ...), the rotary arrays among the item's
+      arguments for the last T positions of ``pe`` (over a table of every position: a plan's
+      rotary tables);
+    * ``state(layer, cache)``: what the item writes in place in ``cache`` (a plan holds while
+      it is the same objects), None when no plan may run now; None for a layer without
+      recurrent state;
+    * ``count(layer, cache)``: after a chain or plan step, the layer's token counted in
+      ``cache``; None for a layer whose KV buffers' advance counts it."""
+
+    call: Callable[..., Any]
+    rope: Callable[..., Any]
+    state: Callable[..., Any] | None = None
+    count: Callable[..., Any] | None = None
+
+
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")
 # a CLinear's dtype may also be a GGUF block kind (q4_0, q8_0, q4_k, ...: GGUF_BLOCKS), its
 # weight then the blocks a GGUF file holds (blocks=; dense="gguf", specmoe.models.dense)

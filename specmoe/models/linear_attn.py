@@ -38,7 +38,7 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import FUSABLE_GATED_DELTANET, FUSABLE_GDN_LAYERS
-from .layers import BLOCK_DTYPES, CLinear, CRMSNorm, fuse_qkv
+from .layers import BLOCK_DTYPES, ChainStep, CLinear, CRMSNorm, fuse_qkv
 from .mla import decode_route
 
 __all__ = ["prepare", "f32_short_convs", "use_c_gated_delta", "fuse_gated_deltanet",
@@ -353,10 +353,8 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
                 and not getattr(layer, "_specmoe_gdn_layer", False):
             layer.forward = _gdn_layer_forward(layer, layer.forward)
             layer._specmoe_gdn_layer = True
-            layer._specmoe_chain = gdn_chain_call
-            layer._specmoe_chain_rope = gdn_chain_rope
-            layer._specmoe_chain_state = gdn_chain_state
-            layer._specmoe_chain_count = gdn_chain_count
+            layer._specmoe_chain = ChainStep(gdn_chain_call, gdn_chain_rope, gdn_chain_state,
+                                             gdn_chain_count)
     return done
 
 

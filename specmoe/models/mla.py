@@ -46,8 +46,8 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import GGUF_BLOCKS, dtype_code, tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
-from .layers import (CLinear, adapter_active, dense_in_call, fuse_qkv, int4_group, norm_weight,
-                     silu_mlp_parts)
+from .layers import (ChainStep, CLinear, adapter_active, dense_in_call, fuse_qkv, int4_group,
+                     norm_weight, silu_mlp_parts)
 from ..storage.ggml_blocks import dequantize
 from ..storage.quant import quantize_int4, quantize_int8
 
@@ -516,8 +516,7 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
         layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
                                 ln[1], float(layer.post_attention_layernorm.variance_epsilon))
         layer.forward = _mla_layer_forward(layer, layer.forward)
-        layer._specmoe_chain = chain_call
-        layer._specmoe_chain_rope = chain_rope
+        layer._specmoe_chain = ChainStep(chain_call, chain_rope)
         done.append(f"{name}.self_attn" if name else "self_attn")
     return done
 
