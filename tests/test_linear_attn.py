@@ -256,7 +256,7 @@ def test_one_call_layer_equals_the_module_by_module_path(arch, dtype, rows):
     m, eng = _fused(dtype, arch)
     try:
         layer = m.model.layers[0]
-        assert layer._specmoe_gdn_layer and eng.routed_in_c
+        assert layer._specmoe_chain is not None and eng.routed_in_c
         cache, conv, rec, x = _prefilled(m, rows, dtype)
         c0, r0 = conv.clone(), rec.clone()
         blk = layer.linear_attn._specmoe_gdn = _Counting(layer.linear_attn._specmoe_gdn)

@@ -350,9 +350,8 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
         attn = getattr(layer, "linear_attn", None)
         if type(layer).__name__ in FUSABLE_GDN_LAYERS and attn is not None \
                 and getattr(attn, "_specmoe_gdn", None) is not None \
-                and not getattr(layer, "_specmoe_gdn_layer", False):
+                and getattr(layer, "_specmoe_chain", None) is None:  # not wrapped yet
             layer.forward = _gdn_layer_forward(layer, layer.forward)
-            layer._specmoe_gdn_layer = True
             layer._specmoe_chain = ChainStep(gdn_chain_call, gdn_chain_rope, gdn_chain_state,
                                              gdn_chain_count)
     return done
