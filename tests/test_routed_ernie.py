@@ -43,7 +43,7 @@ def test_ernie_router_in_c_is_transformers_router():
     try:
         blocks, hs = _hidden(m, n=32)
         assert blocks and eng.routed_in_c == list(range(len(blocks)))
-        assert blocks[0]._specmoe_route[2] == _C.ROUTE_RENORM
+        assert blocks[0]._specmoe_route.flags == _C.ROUTE_RENORM
         k, moved = eng.top_k, 0
         for pos, (block, h) in enumerate(zip(blocks, hs)):
             x = h.reshape(-1, h.shape[-1])

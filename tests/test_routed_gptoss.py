@@ -41,7 +41,7 @@ def test_gptoss_router_in_c_is_transformers_router(dt):
         assert eng.routed_in_c == list(range(len(blocks)))
         flags = _C.ROUTE_TOPK_SOFTMAX | (
             _C.ROUTE_BF16_LOGITS | _C.ROUTE_BF16_WEIGHTS if dt == torch.bfloat16 else 0)
-        assert blocks[0]._specmoe_route[2] == flags
+        assert blocks[0]._specmoe_route.flags == flags
         k, tot, bad = eng.top_k, 0, 0
         for pos, (block, h) in enumerate(zip(blocks, hs)):
             x = h.reshape(-1, h.shape[-1])

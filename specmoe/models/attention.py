@@ -39,8 +39,8 @@ from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import (FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, PAIRS_ROPE_ATTENTION,
                    SINK_ATTENTION)
-from .layers import (BLOCK_DTYPES, ChainStep, CLinear, CRMSNorm, adapter_active, dense_in_call,
-                     fuse_qkv, rms_norm_form, silu_mlp_parts)
+from .layers import (BLOCK_DTYPES, BlockRoute, ChainStep, CLinear, CRMSNorm, adapter_active,
+                     dense_in_call, fuse_qkv, rms_norm_form, silu_mlp_parts)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
@@ -334,7 +334,7 @@ def _rows_rope(pe: Any, B: int, T: int, R: int) -> tuple:
 
 
 def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
-                attention_mask: Any, bufs: tuple, route: tuple) -> tuple:
+                attention_mask: Any, bufs: tuple, route: BlockRoute | None) -> tuple:
     """The arguments of ``_C.AttnBlock.layer`` for B rows of T tokens x [B, T, hidden] into
     out (the same shape and dtype, another tensor) on the KV buffers ``bufs`` (kv_buffers,
     [B, ...]) and the Engine route ``route`` (decode_route), or None for a dense layer's MLP
@@ -342,7 +342,8 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     attn = layer.self_attn
     hidden, R = attn._specmoe_block_shape[3], attn._specmoe_rot
     _, _, _, ka, va, S = bufs
-    layers, pos, flags = (None, -1, 0) if route is None else (route[0].layers, *route[1:3])
+    layers, pos, flags = (None, -1, 0) if route is None \
+        else (route.engine.layers, route.pos, route.flags)
     B, T = x.shape[0], x.shape[1]
     if B == 1:
         cos, sin = per_step_rope(pe, T, R, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
@@ -355,14 +356,14 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
 
 
 def _layer_call(layer: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any, bufs: tuple,
-                route: tuple | None) -> torch.Tensor:
+                route: BlockRoute | None) -> torch.Tensor:
     """A whole decoder layer of T tokens in one C call (``_C.AttnBlock.layer``): the attention
     block with its norms and residual add, the new positions written straight into the KV
     buffers, the MoE block routed in C (route; None: a dense layer's MLP, set_mlp), the
     second residual add."""
     out = torch.empty(x.shape, dtype=x.dtype)
     # the Engine's layers are read inside: set_cache swaps them
-    slot = contextlib.nullcontext() if route is None else route[0].layer_call_slot()
+    slot = contextlib.nullcontext() if route is None else route.engine.layer_call_slot()
     with slot:
         layer.self_attn._specmoe_block.layer(*_layer_args(layer, x, out, pe, attention_mask,
                                                           bufs, route))
@@ -398,7 +399,7 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     if bufs is None:
         return None
     return (blk, _layer_args(layer, x, out, pe, None, bufs, route), bufs,
-            None if route is None else route[0])
+            None if route is None else route.engine)
 
 
 def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,

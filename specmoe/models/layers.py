@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm",
            "linear_widened", "torch_bf16_gemm_fast",
            "int4_group", "norm_weight", "zero_centred_norm", "per_sequence", "sequence_rows",
            "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate",
-           "dense_in_call", "ChainStep"]
+           "dense_in_call", "ChainStep", "BlockRoute"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,18 @@ class ChainStep:
     rope: Callable[..., Any]
     state: Callable[..., Any] | None = None
     count: Callable[..., Any] | None = None
+
+
+class BlockRoute(NamedTuple):
+    """What a fused decoder layer needs to run its MoE block inside its own C call
+    (``_C.AttnBlock.layer``, ``_C.MLABlock.layer``, ``_C.GdnBlock.layer``): set by
+    ``Engine._install_routing`` as the block's ``_specmoe_route``, read through
+    :func:`specmoe.models.mla.decode_route`."""
+
+    engine: Any  # the specmoe.runtime.engine.Engine (its layers, routable(), layer_call_slot())
+    pos: int  # the block's MoE layer position
+    flags: int  # the C route flags (_C.ROUTE_*)
+    dtype: Any  # the torch dtype the block routes in
 
 
 DENSE_DTYPES = ("f32", "bf16", "int8", "int4")

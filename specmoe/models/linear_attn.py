@@ -537,7 +537,7 @@ def _gdn_layer_args(layer: nn.Module, x: torch.Tensor, cache: Any, attention_mas
     if states is None:
         return None
     conv, rec = states
-    eng, pos, flags, _ = route
+    eng, pos, flags = route.engine, route.pos, route.flags
     B, _, hidden = x.shape
     xa = x.detach().reshape(B, hidden)
     if not xa.is_contiguous():

@@ -46,8 +46,8 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import GGUF_BLOCKS, dtype_code, tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
-from .layers import (ChainStep, CLinear, adapter_active, dense_in_call, fuse_qkv, int4_group,
-                     norm_weight, silu_mlp_parts)
+from .layers import (BlockRoute, ChainStep, CLinear, adapter_active, dense_in_call, fuse_qkv,
+                     int4_group, norm_weight, silu_mlp_parts)
 from ..storage.ggml_blocks import dequantize
 from ..storage.quant import quantize_int4, quantize_int8
 
@@ -653,13 +653,14 @@ def per_step_rope(pe: Any, T: int, width: int, make: Any) -> Any:
     return value
 
 
-def decode_route(layer: nn.Module, x: torch.Tensor) -> tuple | None:
-    """The Engine route (engine, layer position, route flags, dtype) under which a one-call
+def decode_route(layer: nn.Module, x: torch.Tensor) -> BlockRoute | None:
+    """The Engine route (:class:`~specmoe.models.layers.BlockRoute`) under which a one-call
     decoder layer (AttnBlock.layer, MLABlock.layer) runs its MoE block inside the call: set by
     ``Engine._install_routing`` on the layer's ``mlp``; None when the block has none, is
     training, or must route in Python now (``Engine.routable``)."""
     route = getattr(layer.mlp, "_specmoe_route", None)
-    if route is None or layer.mlp.training or not route[0].routable(x, route[3], fused=True):
+    if route is None or layer.mlp.training \
+            or not route.engine.routable(x, route.dtype, fused=True):
         return None
     return route
 
@@ -765,7 +766,7 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     blk = None if bufs is None else _mla_block(layer)
     if type(blk) is not _C.MLABlock:
         return None
-    eng, pos, flags = (None, -1, 0) if route is None else route[:3]
+    eng, pos, flags = (None, -1, 0) if route is None else route[:3]  # (engine, pos, flags)
     args = _mla_args(layer, x, pe, layer._specmoe_mlab_parts[3], attn.qk_rope_head_dim, None,
                      bufs)
     return (blk, (None if eng is None else eng.layers, pos, flags, *args,
