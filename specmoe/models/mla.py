@@ -766,7 +766,7 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     blk = None if bufs is None else _mla_block(layer)
     if type(blk) is not _C.MLABlock:
         return None
-    eng, pos, flags = (None, -1, 0) if route is None else route[:3]  # (engine, pos, flags)
+    eng, pos, flags = (None, -1, 0) if route is None else (route.engine, route.pos, route.flags)
     args = _mla_args(layer, x, pe, layer._specmoe_mlab_parts[3], attn.qk_rope_head_dim, None,
                      bufs)
     return (blk, (None if eng is None else eng.layers, pos, flags, *args,

@@ -480,8 +480,8 @@ def measure_balance_profile(cache: GpuExpertCache, spec: Any, *, repeats: int = 
     one warm-up: ``t_io``, ``batch`` back-to-back pinned host-to-device copies of one block
     (CUDA events) over ``batch``; ``t_gpu``, ``batch`` one-token GPU FFNs of one expert,
     launched and synchronised (wall clock, so one expert's launch work counts) over
-    ``batch``; ``t_cpu``, one token through the CPU kernels
-    over the block in the cache's pinned host copy (wall clock)."""
+    ``batch``; ``t_cpu``, one token through the CPU kernels over the block in the cache's
+    pinned host copy (wall clock)."""
     import time
 
     import torch
