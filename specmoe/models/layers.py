@@ -444,9 +444,20 @@ class CLinear(nn.Module):
                 f"dtype={self.dtype}, bias={self._bias is not None}")
 
 
+def mark_adapter_gate(mod: nn.Module, gate: Any | None) -> None:
+    """Record (or, with None, forget) that a gated adapter wraps some of ``mod``'s projections
+    and is switched by ``gate`` (an object whose ``index`` is None while the adapter is off).
+    The one writer of the mark :func:`adapter_active` reads, so the attribute it keeps on
+    the transformers module has one owner (issue 36)."""
+    if gate is None:
+        mod.__dict__.pop("_specmoe_gate", None)
+    else:
+        object.__setattr__(mod, "_specmoe_gate", gate)
+
+
 def adapter_active(mod: nn.Module) -> bool:
-    """Whether a gated adapter (:mod:`specmoe.speculation.mtp`'s GatedLoRA, which marks the
-    modules whose projections it wraps with its gate) changes some of ``mod``'s projections
+    """Whether a gated adapter (:mod:`specmoe.speculation.mtp`'s GatedLoRA, whose modules are
+    marked with its gate by :func:`mark_adapter_gate`) changes some of ``mod``'s projections
     in the forward running now.  The fused C blocks are built from the base weights: while
     this holds they must step aside for the module's own forward, whose wrapped projections
     apply the adapter."""

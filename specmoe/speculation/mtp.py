@@ -49,6 +49,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from ..models.layers import mark_adapter_gate
 from .decoding import Draft, cache_kwargs, crop_kv
 from .sampling import Sampling
 
@@ -234,7 +235,7 @@ class MtpAdapter(nn.Module):
         for parent, attr, name in found:
             setattr(parent, attr, self._lora_modules[name.replace(".", "__")])
             # the fused C blocks step aside while the gate is set (models.layers.adapter_active)
-            object.__setattr__(parent, "_specmoe_gate", self.gate)
+            mark_adapter_gate(parent, self.gate)
         object.__setattr__(model, "_specmoe_mtp", self)
         object.__setattr__(self, "model", model)
 
@@ -246,7 +247,7 @@ class MtpAdapter(nn.Module):
             m = getattr(parent, attr)
             if isinstance(m, GatedLoRA):
                 setattr(parent, attr, m.base)
-            parent.__dict__.pop("_specmoe_gate", None)
+            mark_adapter_gate(parent, None)
         object.__setattr__(self.model, "_specmoe_mtp", None)
         object.__setattr__(self, "model", None)
 
