@@ -434,7 +434,8 @@ def worker(spec_path: str) -> None:
         # a decode step runs consecutive one-call layers in one _C.layer_chain call
         # (specmoe.models.decode_step), which reports their attention / MoE split as the layer calls
         # do: it is timed instead of those layers' blocks (a wrapped block is not chained)
-        dstep = getattr(model, "_specmoe_decode_step", None)
+        from specmoe.models.decode_step import decode_step_of
+        dstep = decode_step_of(model)
         chained = dstep is not None and dstep.chaining
         if chained:
             def routed(lyr: Any) -> bool:

@@ -276,7 +276,8 @@ def worker(path: str, threads: list[int], ab: int = 0) -> None:
         torch.set_num_threads(th)
         kernels.set_num_threads(th)
         steps(warm, WARM)
-        dstep = getattr(model, "_specmoe_decode_step", None)
+        from specmoe.models.decode_step import decode_step_of
+        dstep = decode_step_of(model)
         p0 = dstep.planned if dstep is not None else 0
         c = steps(prompt, DECODE)
         row: dict[str, Any] = {"tok_per_s": DECODE / (c.t[-1] - c.t[0]),

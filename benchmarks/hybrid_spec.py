@@ -162,7 +162,8 @@ def worker(path: str, threads: list[int], g_max: int, rounds: int) -> None:
                 "k_mean": st["k_mean"], "acceptance": st["acceptance"]}
 
     model.generation_config.eos_token_id = None
-    dstep = getattr(model, "_specmoe_decode_step", None)
+    from specmoe.models.decode_step import decode_step_of
+    dstep = decode_step_of(model)
     res: dict[str, Any] = {}
     for th in threads:
         torch.set_num_threads(th)

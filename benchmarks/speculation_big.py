@@ -122,7 +122,8 @@ def follow_trace(model: Any, eng: Any, experts: "np.ndarray", prefill_above: int
             seek(kv)
 
     handle = model.register_forward_pre_hook(pre, with_kwargs=True)
-    step = getattr(model, "_specmoe_decode_step", None)
+    from specmoe.models.decode_step import decode_step_of
+    step = decode_step_of(model)
     if step is not None:  # generate's plain greedy step in one C call bypasses the forward
         greedy_next = step.greedy_next
 

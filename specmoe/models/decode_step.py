@@ -119,6 +119,10 @@ class DecodeStep:
         # logits, 1024 x 102400 at DeepSeek-V2-Lite shapes) and to check the kwargs it is given
         self.__signature__ = inspect.signature(original)
         self.enabled = True
+        # the forward hooks the plan may run beside (specmoe.models.dense's DecodeThreads,
+        # which convert_dense installs and hands over); any other hook on the model sends
+        # the step to the model's own forward
+        self.own_hooks: Any = None
         self.steps = 0
         self.fallbacks = 0
         self.chaining = True
@@ -258,7 +262,7 @@ class DecodeStep:
         if not (self.enabled and self.planning) or model.training \
                 or type(cache) is not DynamicCache:
             return None
-        own = getattr(model, "_specmoe_decode_threads", None)  # specmoe.models.dense's hooks
+        own = self.own_hooks  # specmoe.models.dense's DecodeThreads
         for hooks in (model._forward_pre_hooks, model._forward_hooks):
             for h in hooks.values():
                 if own is None or getattr(h, "__self__", None) is not own:
@@ -503,11 +507,20 @@ def _forget_plan(step_ref: Any, plan_ref: Any) -> None:
         step._plan = None
 
 
-def install_decode_step(model: nn.Module) -> bool:
+def decode_step_of(model: nn.Module) -> DecodeStep | None:
+    """The :class:`DecodeStep` :func:`install_decode_step` gave ``model``, or None."""
+    return getattr(model, "_specmoe_decode_step", None)
+
+
+def install_decode_step(model: nn.Module, own_hooks: Any = None) -> bool:
     """Give ``model`` (a causal LM of :data:`specmoe.models.arch.DECODE_STEP_MODELS`) the
     :class:`DecodeStep` forward; False, unchanged, for other models.  Idempotent; the step is
-    ``model._specmoe_decode_step``."""
-    if getattr(model, "_specmoe_decode_step", None) is not None:
+    :func:`decode_step_of` the model.  ``own_hooks``: the object whose bound methods are the
+    model's forward hooks the step may run beside (:class:`specmoe.models.dense.DecodeThreads`)."""
+    step = decode_step_of(model)
+    if step is not None:
+        if own_hooks is not None:
+            step.own_hooks = own_hooks
         return True
     if type(model).__name__ not in DECODE_STEP_MODELS:
         return False
@@ -520,6 +533,7 @@ def install_decode_step(model: nn.Module) -> bool:
     if not kinds <= {"full_attention", "sliding_attention", "linear_attention"}:
         return False
     step = DecodeStep(model, model.forward)
+    step.own_hooks = own_hooks
     model.forward = step
     model._specmoe_decode_step = step
     return True

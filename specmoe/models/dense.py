@@ -31,7 +31,7 @@ import functools
 import inspect
 import re
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -217,15 +217,20 @@ class DecodeThreads:
             model.generate = generate
 
 
+def generation_session(model: nn.Module) -> ContextManager[None]:
+    """The model's :meth:`DecodeThreads.session` when :func:`convert_dense` gave it the hooks
+    (dense layers in C), else a context that does nothing: what a generation loop (this
+    module's :func:`decode_session`, the serving scheduler's worker) runs inside."""
+    hooks = getattr(model, "_specmoe_decode_threads", None)
+    return hooks.session() if hooks is not None else contextlib.nullcontext()
+
+
 def decode_session(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for generation loops ``fn(model, ...)``: the call runs in the model's
-    :meth:`DecodeThreads.session` when it has one (dense layers in C)."""
+    """Decorator for generation loops ``fn(model, ...)``: the call runs in
+    :func:`generation_session` of the model."""
     @functools.wraps(fn)
     def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        hooks = getattr(model, "_specmoe_decode_threads", None)
-        if hooks is None:
-            return fn(model, *args, **kwargs)
-        with hooks.session():
+        with generation_session(model):
             return fn(model, *args, **kwargs)
     return wrapper
 
@@ -338,13 +343,14 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         hooks = DecodeThreads(torch_above if torch_above is not None else TORCH_ABOVE)
         hooks.install(model)
         model._specmoe_decode_threads = hooks
-    if getattr(model, "_specmoe_decode_threads", None) is not None:
+    hooks = getattr(model, "_specmoe_decode_threads", None)
+    if hooks is not None:
         report.decode_torch_threads = 1
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is not None and len(layers) and all(
             getattr(lyr, "_specmoe_chain", None) is not None for lyr in layers):
         # every decoder layer is fused (fuse_attention / fuse_mla gave it a chain item too):
         # its forward reads a None mask at one token as the model's full mask
-        report.decode_step = install_decode_step(model)
+        report.decode_step = install_decode_step(model, own_hooks=hooks)
     return report
 

@@ -117,6 +117,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..models.dense import generation_session
 from ..runtime.experts import find_engine
 from ..speculation.batch import BatchKV, is_state_layer, row_layer_kind
 from ..speculation.decoding import (cache_kwargs, crop_kv, input_device, new_kv,
@@ -392,10 +393,9 @@ class Scheduler:
             self.metrics.set_queue(len(self._waiting), len(self.running))
 
     def _run(self) -> None:
-        hooks = getattr(self.model, "_specmoe_decode_threads", None)
         # a generation session (specmoe.models.dense.DecodeThreads): torch stays on one thread
         # between decode steps, as inside model.generate
-        ctx = hooks.session() if hooks is not None else contextlib.nullcontext()
+        ctx = generation_session(self.model)
         try:
             with ctx, torch.no_grad():
                 if self.spec is not None and self.warm_tau:

@@ -28,6 +28,7 @@ from torch import nn
 from .controllers import Controller, StaticK
 from .decoding import (GenerateOutput, crop_kv, forward_tokens, new_kv,
                        require_recording_planned, require_speculable, unrecorded)
+from ..models.decode_step import decode_step_of
 from ..models.dense import decode_session
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from ..runtime.experts import find_engine
@@ -244,7 +245,7 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         mtp.reset()  # drafts of an earlier request never carry over
     seq = list(prompt)
     # specmoe.models.decode_step's forward, whose plan decodes a plain greedy step in one C call
-    fast = getattr(model, "_specmoe_decode_step", None)
+    fast = decode_step_of(model)
     its: List[Dict[str, Any]] = []
     loaded0, stall0 = engine.loads() if engine is not None else (0, 0.0)
     la_keys = ("lookahead_predicted", "lookahead_used", "lookahead_hits")
