@@ -48,6 +48,19 @@ from .mla import absorb_mla, fuse_mla
 __all__ = ["DecodeThreads", "DenseReport", "convert_dense", "resolve_dense"]
 
 
+@dataclasses.dataclass(frozen=True)
+class GgufDense:
+    """A GGUF file's dense weights in the block formats the kernels read, as
+    :func:`specmoe.from_pretrained` (``dense="gguf"``) hands them to the
+    :class:`specmoe.runtime.engine.Engine` that converts the model (:func:`convert_dense`'s
+    ``blocks`` and ``mla_blocks``).  layers: a linear layer's qualified name to (blocks, kind)
+    (:meth:`specmoe.storage.gguf.GgufCheckpoint.dense_blocks`); mla: an MLA attention module's
+    name to its attn_k_b / attn_v_b blocks and kinds
+    (:meth:`specmoe.storage.gguf.GgufCheckpoint.mla_blocks`)."""
+    layers: Mapping[str, tuple[np.ndarray, str]]
+    mla: Mapping[str, tuple[np.ndarray, str, np.ndarray, str]]
+
+
 @dataclasses.dataclass
 class DenseReport:
     """What :func:`convert_dense` did: layers converted (qualified names), bytes before and
@@ -250,7 +263,9 @@ def _reads_weight(cls: type, attr: str) -> bool:
 def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
                   skip: Iterable[nn.Module] = (), ctx: _C.KernelContext | None = None,
                   torch_above: int | None = TORCH_ABOVE,
-                  blocks: Mapping[str, tuple[np.ndarray, str]] | None = None) -> DenseReport:
+                  blocks: Mapping[str, tuple[np.ndarray, str]] | None = None,
+                  mla_blocks: Mapping[str, tuple[np.ndarray, str, np.ndarray, str]] | None = None
+                  ) -> DenseReport:
     """Replace ``model``'s dense ``nn.Linear`` layers by :class:`CLinear` in place.
 
     dtype: see :func:`resolve_dense` (``"auto"``: the model's precision where the C kernels
@@ -260,16 +275,14 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     ``"gguf"``: the layers a GGUF file holds in a block format the kernels read (Q4_0, Q8_0,
     Q4_K, Q6_K, ...; Q5_0 widened to Q8_0) run on those blocks as the file holds them, the
     same bits llama.cpp reads; ``blocks`` maps a layer's qualified name to (blocks, kind)
-    (:meth:`specmoe.storage.gguf.GgufCheckpoint.dense_blocks`), by default what
-    :func:`specmoe.from_pretrained` left on a model it loaded from a GGUF file with
-    ``dense="gguf"`` (``model._specmoe_dense_blocks``, taken here).  The other layers (F32,
+    (:meth:`specmoe.storage.gguf.GgufCheckpoint.dense_blocks`; :func:`specmoe.from_pretrained`
+    with ``dense="gguf"`` hands them to the Engine as a :class:`GgufDense`).  The other layers (F32,
     F16 or BF16 in the file, DeepSeek's joined ``kv_b_proj``, a tied ``lm_head``) keep the
     model's exact format (bf16, else f32); the report counts the layers of each format.
     MLA attention modules (DeepSeek-V2/V3) also switch to the absorbed decode form
     (:func:`specmoe.models.mla.absorb_mla`, the C kernel at the same precision: int8/int4 absorbed
     weights are ``kv_b_proj``'s rows quantized as here; with ``"gguf"``, the file's own
-    ``attn_k_b`` / ``attn_v_b`` blocks where it has them,
-    ``model._specmoe_mla_blocks`` as :func:`specmoe.from_pretrained` left it); the other
+    ``attn_k_b`` / ``attn_v_b`` blocks where ``mla_blocks`` has them); the other
     attention modules run their
     decode steps through the C attention kernel (:func:`specmoe.models.attention.use_c_attention`).
     Decode-sized forwards of ``model`` then run torch
@@ -284,8 +297,6 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
     exact = "bf16" if model_dtype == torch.bfloat16 else "f32"  # gguf's other layers
     if fmt == "gguf":
         if blocks is None:
-            blocks = model.__dict__.pop("_specmoe_dense_blocks", None)
-        if blocks is None:
             raise ValueError("dense='gguf' runs the dense layers on a GGUF file's own blocks: "
                              "load the model from a GGUF file with specmoe.from_pretrained("
                              "..., dense='gguf') (or pass blocks=)")
@@ -295,7 +306,7 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
             skipped_ids.add(id(sub))
     # absorbed before kv_b_proj is converted: with int8/int4 the absorbed weights are its rows
     # quantized as CLinear quantizes them, then kv_b_proj itself (the prefill path) converts
-    mla_blocks = model.__dict__.pop("_specmoe_mla_blocks", None) if fmt == "gguf" else None
+    mla_blocks = mla_blocks if fmt == "gguf" else None
     report.mla = absorb_mla(model, ctx=ctx, weights=fmt if fmt in ("int8", "int4") else None,
                             blocks=mla_blocks)
     report.attention = use_c_attention(model, ctx)

@@ -797,7 +797,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
     weights (:meth:`specmoe.Engine.replay_routing`; CPU tier, dense layers in C).
     hf_kwargs: ``attn_implementation`` and config overrides, as for transformers."""
     from ..runtime import misses
-    from .dense import resolve_dense
+    from .dense import GgufDense, resolve_dense
     from ..runtime.gpu_engine import resolve_device
     from ..runtime.engine import Engine, check_early, check_prefetch_arg
     # bad values fail before any conversion ("auto" is resolved once the checkpoint is open)
@@ -870,9 +870,8 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
         # the layers held as blocks are not dequantized (their weights stay on the meta
         # device until convert_dense replaces them): no bf16 copy of them is ever made
         _load_dense(plan, skip={f"{n}.weight" for n in held})
-        if dense == "gguf":  # taken by convert_dense when the Engine converts the layers
-            plan.model.__dict__["_specmoe_dense_blocks"] = held
-            plan.model.__dict__["_specmoe_mla_blocks"] = _mla_blocks(plan)
+        # handed to the Engine, whose convert_dense runs the layers on them
+        gguf_dense = GgufDense(held, _mla_blocks(plan)) if dense == "gguf" else None
     finally:
         plan.ckpt.close()
     model = plan.model
@@ -895,7 +894,7 @@ def from_pretrained(path: str | os.PathLike[str], *, cache: int | float | str | 
                  prefetch=prefetch if predictor != "oracle" else False, direct=direct,
                  verify=True, dense=dense, miss=miss, miss_keep=miss_keep,
                  route_lambda=route_lambda, throttle=throttle, miss_levels=miss_levels,
-                 miss_keep2=miss_keep2)
+                 miss_keep2=miss_keep2, gguf_dense=gguf_dense)
     eng.memory_plan = mplan
     if predictor == "learned":
         _token_pieces(eng, path)

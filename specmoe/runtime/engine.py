@@ -46,7 +46,7 @@ from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, Unsu
                            describe, expert_module, extract_expert, extract_experts, getpath,
                            iter_experts_modules, moe_block, moe_layers)
 from ..storage.conversion import store_settings, write_experts
-from ..models.dense import resolve_dense
+from ..models.dense import GgufDense, resolve_dense
 from ..models.layers import (BlockRoute, CLinear, sequence_rows, silu_mlp_parts,
                              split_sequences, split_shared_gate)
 from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetch_arg
@@ -185,7 +185,7 @@ class Engine(EngineCommon):
                  miss: str = "fetch", miss_keep: int = 2,
                  route_lambda: float = 0.0, throttle: tuple[float, float] | None = None,
                  miss_levels: str | Sequence[str] = "int4",
-                 miss_keep2: int | None = None) -> None:
+                 miss_keep2: int | None = None, gguf_dense: GgufDense | None = None) -> None:
         """Serve ``model``'s routed experts from the store file ``store`` (written for this
         model by :mod:`specmoe.storage.conversion`): every MoE layer's ``experts`` module becomes a
         :class:`SpecmoeExperts` (whatever it held is dropped).
@@ -203,7 +203,9 @@ class Engine(EngineCommon):
         route_lambda, throttle, miss_levels, miss_keep2: SpecMD's miss handling (``"fetch"``,
         ``"drop"``, ``"substitute"``, ``"lowest_bit"``, ``"priority"``), cache-aware routing,
         link emulation and the low-bit fallback levels (``"int4"``, ``"int4:int2"``), see
-        :mod:`specmoe.runtime.misses`."""
+        :mod:`specmoe.runtime.misses`.  gguf_dense: with ``dense="gguf"``, the GGUF file's dense
+        blocks the layers run on (:class:`specmoe.models.dense.GgufDense`, what
+        :func:`specmoe.from_pretrained` passes)."""
         from ..models.dense import convert_dense
         from ..models.linear_attn import prepare as prepare_recurrent
         from .kernels import FFNSpec, context, down_dtype_codes
@@ -326,7 +328,10 @@ class Engine(EngineCommon):
         # the dense layers are converted before the cache takes its memory: a checkpoint's
         # weights load at their own dtype, and under a budget planned for int8 dense layers
         # (specmoe.runtime.memplan) the bf16 copies must be gone before the slots are taken
-        self.dense = convert_dense(model, dense, skip=self._routers, ctx=self._kctx)
+        self.dense = convert_dense(
+            model, dense, skip=self._routers, ctx=self._kctx,
+            blocks=gguf_dense.layers if gguf_dense is not None else None,
+            mla_blocks=gguf_dense.mla if gguf_dense is not None else None)
         # the recurrent layers' per-token work that transformers' torch code makes slow on a
         # CPU (bf16 depthwise convolutions, the gated delta rule): specmoe.models.linear_attn
         self.recurrent = prepare_recurrent(model, self._kctx)
