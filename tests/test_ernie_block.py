@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specmoe import _C
-from specmoe.models.layers import CLinear
+from specmoe.models.layers import CLinear, dense_mlp
 from specmoe.runtime import engine as hf
 
 from .test_attn_block import _tiny, _unfused
@@ -40,7 +40,7 @@ def test_ernie_decodes_through_the_block(dt):
         calls: dict[str, int] = {}
         for layer in a.model.layers:
             assert getattr(layer, "_specmoe_norms", None) is not None
-            assert (layer._specmoe_dense is None) == hasattr(layer.mlp, "experts")
+            assert (dense_mlp(layer) is None) == hasattr(layer.mlp, "experts")
             layer.self_attn._specmoe_block = _Calls(layer.self_attn._specmoe_block, calls)
         _unfused(b)
         ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(1))

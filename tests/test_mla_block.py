@@ -26,6 +26,7 @@ from specmoe import _C
 from specmoe.runtime import engine as hf
 from specmoe.models.dense import convert_dense
 from specmoe.models.mla import absorb_mla, fuse_mla
+from specmoe.models.layers import dense_mlp
 from specmoe.models.testing import tiny_config
 
 from .attn_helpers import layer_outputs
@@ -80,7 +81,7 @@ def _count(model):
 def _kinds(model):
     """The MLABlock method each layer's decode step calls: "layer" for a dense layer (its MLP in
     the call, set_mlp) or a MoE block routed in C, else "attn" (the MLP in torch after it)."""
-    return ["layer" if layer._specmoe_dense is not None else "attn"
+    return ["layer" if dense_mlp(layer) is not None else "attn"
             for layer in model.model.layers]
 
 
@@ -365,7 +366,7 @@ def test_dense_mlp_in_the_block_checks_its_input():
     _unfused(b)
     layer = a.model.layers[0]
     blk = layer._specmoe_mlab[0]
-    gate, up, down = layer._specmoe_dense[0]
+    gate, up, down = dense_mlp(layer)[0]
     with pytest.raises(TypeError, match="tuple of _C.Linear"):
         blk.set_mlp(gate)
     with pytest.raises(ValueError, match="do not chain"):

@@ -12,6 +12,7 @@ import torch
 
 from specmoe import _C
 from specmoe.models.testing import tiny_model
+from specmoe.models.layers import dense_mlp
 from specmoe.runtime import engine as hf
 
 from .test_routed_deepseek import _count_c_calls as _calls
@@ -278,7 +279,7 @@ def test_glm4_moe_layers_decode_in_one_call():
                   return_dict_in_generate=True, pad_token_id=0)
         with torch.no_grad():
             want, got = ref.generate(ids, **kw), m.generate(ids, **kw)
-        dense = [la for la in m.model.layers if la._specmoe_dense is not None]
+        dense = [la for la in m.model.layers if dense_mlp(la) is not None]
         assert dense and eng.routed_in_c
         assert calls[0] == 5 * (len(eng.routed_in_c) + len(dense))
         assert torch.equal(got.sequences, want.sequences)

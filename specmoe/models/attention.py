@@ -40,7 +40,8 @@ from ..runtime.kernels import tensor_array
 from .arch import (FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, PAIRS_ROPE_ATTENTION,
                    SINK_ATTENTION)
 from .layers import (BLOCK_DTYPES, BlockRoute, ChainStep, CLinear, CRMSNorm, adapter_active,
-                     dense_in_call, fuse_qkv, rms_norm_form, silu_mlp_parts)
+                     dense_in_call, fuse_qkv, rms_norm_form, set_dense_mlp,
+                     silu_mlp_parts)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, decode_route, per_step_rope
 
@@ -298,9 +299,10 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         # a dense layer (GLM-4.5's first layers, ERNIE-4.5's): its MLP in the block's call
         dense = None if hasattr(layer.mlp, "experts") or attn._specmoe_gated \
             else silu_mlp_parts(layer.mlp)
-        layer._specmoe_dense = dense if dense is not None \
-            and dense[1] == attn._specmoe_block_shape[4] else None
-        if layer._specmoe_dense is not None:
+        if dense is not None and dense[1] != attn._specmoe_block_shape[4]:
+            dense = None
+        set_dense_mlp(layer, dense)
+        if dense is not None:
             attn._specmoe_block.set_mlp(dense[0])
         layer.forward = _fused_layer_forward(layer, layer.forward)
         layer._specmoe_chain = ChainStep(chain_call, chain_rope)

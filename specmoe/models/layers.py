@@ -27,7 +27,7 @@ __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm",
            "linear_widened", "torch_bf16_gemm_fast",
            "int4_group", "norm_weight", "zero_centred_norm", "per_sequence", "sequence_rows",
            "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate",
-           "dense_in_call", "ChainStep", "BlockRoute"]
+           "dense_in_call", "dense_mlp", "set_dense_mlp", "ChainStep", "BlockRoute"]
 
 
 @dataclass(frozen=True)
@@ -485,12 +485,28 @@ def silu_mlp_parts(mlp: nn.Module | None) -> tuple[tuple[Any, Any, Any], torch.d
     return (projs[0]._c, projs[1]._c, projs[2]._c), dtypes.pop(), most
 
 
+def set_dense_mlp(layer: nn.Module, parts: tuple[tuple[Any, Any, Any], torch.dtype,
+                                                 int | None] | None) -> None:
+    """Record that a dense decoder layer's MLP runs inside its fused block's C call:
+    ``parts`` is :func:`silu_mlp_parts` of it as :mod:`specmoe.models.attention` /
+    :mod:`specmoe.models.mla` gave it to the block's ``set_mlp`` (None: it does not).  The
+    one writer of what :func:`dense_mlp` and :func:`dense_in_call` read."""
+    if parts is None:
+        layer.__dict__.pop("_specmoe_dense", None)
+    else:
+        object.__setattr__(layer, "_specmoe_dense", parts)
+
+
+def dense_mlp(layer: nn.Module) -> tuple[tuple[Any, Any, Any], torch.dtype, int | None] | None:
+    """What :func:`set_dense_mlp` recorded for ``layer``, or None."""
+    return getattr(layer, "_specmoe_dense", None)
+
+
 def dense_in_call(layer: nn.Module, T: int) -> bool:
     """Whether a dense decoder layer's MLP runs inside its block's one C call for T tokens
-    (``layer._specmoe_dense``: :func:`silu_mlp_parts` of it, given to the block's
-    ``set_mlp`` by :mod:`specmoe.models.mla` and :mod:`specmoe.models.attention`; its
-    CLinears' torch_above bounds the tokens, as for a shared FFN)."""
-    dense = getattr(layer, "_specmoe_dense", None)
+    (:func:`dense_mlp` of it; its CLinears' torch_above bounds the tokens, as for a shared
+    FFN)."""
+    dense = dense_mlp(layer)
     return dense is not None and not layer.mlp.training and (dense[2] is None or T <= dense[2])
 
 

@@ -46,8 +46,8 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import GGUF_BLOCKS, dtype_code, tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
-from .layers import (BlockRoute, ChainStep, CLinear, adapter_active, dense_in_call, fuse_qkv,
-                     int4_group, norm_weight, silu_mlp_parts)
+from .layers import (BlockRoute, ChainStep, CLinear, adapter_active, dense_in_call, dense_mlp,
+                     fuse_qkv, int4_group, norm_weight, set_dense_mlp, silu_mlp_parts)
 from ..storage.ggml_blocks import dequantize
 from ..storage.quant import quantize_int4, quantize_int8
 
@@ -508,10 +508,11 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
         layer._specmoe_mlab = None
         # a dense layer (DeepSeek's first_k_dense_replace): its MLP in the block's call too
         dense = None if hasattr(layer.mlp, "experts") else silu_mlp_parts(layer.mlp)
-        layer._specmoe_dense = dense if dense is not None and dense[1] == projs[0].out_dtype \
-            else None
+        set_dense_mlp(layer, dense if dense is not None and dense[1] == projs[0].out_dtype
+                      else None)
         if _mla_block(layer) is None:
-            del layer._specmoe_mlab_parts, layer._specmoe_mlab, layer._specmoe_dense
+            del layer._specmoe_mlab_parts, layer._specmoe_mlab
+            set_dense_mlp(layer, None)
             continue
         layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
                                 ln[1], float(layer.post_attention_layernorm.variance_epsilon))
@@ -549,8 +550,9 @@ def _mla_block(layer: nn.Module) -> Any:
                       float(attn.kv_a_layernorm.variance_epsilon), bf16=dt == torch.bfloat16,
                       max_tokens=max(attn._specmoe_mla_max, MLA_BLOCK_MAX_TOKENS), rope=rope,
                       **kw)
-    if layer._specmoe_dense is not None:
-        blk.set_mlp(layer._specmoe_dense[0])
+    dense = dense_mlp(layer)
+    if dense is not None:
+        blk.set_mlp(dense[0])
     layer._specmoe_mlab = (blk, ab.kernel, attn._specmoe_mla_max)
     return blk
 
