@@ -235,7 +235,7 @@ def one_call_forwards(model: Any) -> list[tuple[Any, Any]]:
     routed in C.  Without them (:func:`set_forwards` off) the same model runs its class
     forwards: torch glue around the same C projections, attention kernel, norms and experts,
     and the router in torch."""
-    marks = ("_specmoe_block", "_specmoe_norms", "_specmoe_route")
+    marks = ("_specmoe_block", "_specmoe_chain", "_specmoe_route")
     return [(m, m.__dict__["forward"]) for m in model.modules()
             if "forward" in m.__dict__ and any(hasattr(m, k) for k in marks)]
 

@@ -75,7 +75,7 @@ def test_gptoss_decodes_through_the_block(dt):
         assert ea.routed_in_c == list(range(len(a.model.layers)))
         calls: dict[str, int] = {}
         for layer in a.model.layers:
-            assert getattr(layer, "_specmoe_norms", None) is not None
+            assert getattr(getattr(layer, "_specmoe_chain", None), "norms", None) is not None
             assert layer.self_attn._specmoe_half_rope
             layer.self_attn._specmoe_block = _Calls(layer.self_attn._specmoe_block, calls)
         _unfused(b)

@@ -318,7 +318,7 @@ def test_every_attribute_planted_on_transformers_modules_is_listed():
         for name in set(re.findall(r"\b_specmoe_[a-z0-9_]+\b", p.read_text())):
             used.setdefault(name, set()).add(p.stem)
     table = _planted_table()
-    assert len(table) >= 30, "the table was not found in docs/architecture.md"
+    assert len(table) >= 10, "the table was not found in docs/architecture.md"
     assert sorted(set(used) - set(table)) == [], "used in specmoe/ but not in the table"
     assert sorted(set(table) - set(used)) == [], "in the table but no longer used"
     wrong = {n: (sorted(used[n]), sorted(table[n])) for n in used if used[n] != table[n]}

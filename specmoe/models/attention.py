@@ -288,14 +288,13 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         attn = getattr(layer, "self_attn", None)
         if type(layer).__name__ not in FUSABLE_LAYERS or attn is None \
                 or getattr(attn, "_specmoe_block", None) is None \
-                or getattr(layer, "_specmoe_norms", None) is not None:
+                or getattr(layer, "_specmoe_chain", None) is not None:  # fused already
             continue
         ln = [rms_norm_form(getattr(layer, n, None))
               for n in ("input_layernorm", "post_attention_layernorm")]
         if ln[0] is None or ln[1] is None or ln[0][2] != attn._specmoe_zc \
                 or ln[1][2] != attn._specmoe_zc:  # (the block's one norm form)
             continue
-        layer._specmoe_norms = (ln[0][0], ln[0][1], ln[1][0], ln[1][1])
         # a dense layer (GLM-4.5's first layers, ERNIE-4.5's): its MLP in the block's call
         dense = None if hasattr(layer.mlp, "experts") or attn._specmoe_gated \
             else silu_mlp_parts(layer.mlp)
@@ -305,7 +304,8 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         if dense is not None:
             attn._specmoe_block.set_mlp(dense[0])
         layer.forward = _fused_layer_forward(layer, layer.forward)
-        layer._specmoe_chain = ChainStep(chain_call, chain_rope)
+        layer._specmoe_chain = ChainStep(chain_call, chain_rope,
+                                         norms=(ln[0][0], ln[0][1], ln[1][0], ln[1][1]))
     return done
 
 
@@ -351,7 +351,7 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
         cos, sin = per_step_rope(pe, T, R, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
     else:  # each row at its own positions (_decodable checked pe [1 or B, T, R])
         cos, sin = (tensor_array(p) for p in _rows_rope(pe, B, T, R))
-    ln1, e1, ln2, e2 = layer._specmoe_norms
+    ln1, e1, ln2, e2 = layer._specmoe_chain.norms
     return (layers, pos, flags, tensor_array(x.reshape(B * T, hidden).contiguous()), cos,
             sin, ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1,
             e1, ln2, e2, tensor_array(out.view(B * T, hidden)))
@@ -512,7 +512,7 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
         kwargs["position_ids"] = position_ids
         kwargs["use_cache"] = use_cache
         h, normed = _block_call(attn, hidden_states, pe, attention_mask, cache, kwargs,
-                                layer._specmoe_norms)
+                                layer._specmoe_chain.norms)
         out = layer.mlp(normed)
         return h + (out[0] if isinstance(out, tuple) else out)  # (GPT-OSS's: (out, scores))
     forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"

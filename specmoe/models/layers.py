@@ -48,12 +48,15 @@ class ChainStep:
       it is the same objects), None when no plan may run now; None for a layer without
       recurrent state;
     * ``count(layer, cache)``: after a chain or plan step, the layer's token counted in
-      ``cache``; None for a layer whose KV buffers' advance counts it."""
+      ``cache``; None for a layer whose KV buffers' advance counts it;
+    * ``norms``: (input norm weight, its epsilon, post-attention norm weight, its epsilon) as
+      the fused block's C call takes them (attention and MLA layers; None for the others)."""
 
     call: Callable[..., Any]
     rope: Callable[..., Any]
     state: Callable[..., Any] | None = None
     count: Callable[..., Any] | None = None
+    norms: tuple[Any, float, Any, float] | None = None
 
 
 class BlockRoute(NamedTuple):

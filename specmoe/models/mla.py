@@ -514,10 +514,11 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
             del layer._specmoe_mlab_parts, layer._specmoe_mlab
             set_dense_mlp(layer, None)
             continue
-        layer._specmoe_norms = (ln[0], float(layer.input_layernorm.variance_epsilon),
-                                ln[1], float(layer.post_attention_layernorm.variance_epsilon))
         layer.forward = _mla_layer_forward(layer, layer.forward)
-        layer._specmoe_chain = ChainStep(chain_call, chain_rope)
+        layer._specmoe_chain = ChainStep(
+            chain_call, chain_rope,
+            norms=(ln[0], float(layer.input_layernorm.variance_epsilon),
+                   ln[1], float(layer.post_attention_layernorm.variance_epsilon)))
         done.append(f"{name}.self_attn" if name else "self_attn")
     return done
 
@@ -682,7 +683,7 @@ def _mla_args(layer: nn.Module, x: torch.Tensor, pe: Any, rope: str, dr: int,
     if bias is not None:  # [1 or B, 1, T, S + T] (_mla_decodable)
         bias = bias.reshape(bias.shape[0], T, S + T).contiguous().numpy()
     return (tensor_array(x.reshape(B * T, hidden).contiguous()), freqs, ca, ka, S, bias,
-            *layer._specmoe_norms)
+            *layer._specmoe_chain.norms)
 
 
 def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: str, dr: int,
