@@ -420,7 +420,8 @@ def worker(spec_path: str) -> None:
         clin = [m for m in model.modules() if isinstance(m, CLinear)]
         # decoder layers fused into one C call each (specmoe.models.attention): that call hands the
         # Engine's C layer object to C, so it is not proxied; the call reports its own split
-        fused = any(getattr(getattr(lyr, "_specmoe_chain", None), "norms", None) is not None for lyr in layers)
+        fused = any(getattr(getattr(lyr, "_specmoe_chain", None), "norms", None) is not None
+                    for lyr in layers)
         blocks = [lyr.self_attn for lyr in layers
                   if getattr(lyr.self_attn, "_specmoe_block", None) is not None]
         mlabs = [lyr for lyr in layers if getattr(lyr, "_specmoe_mlab", None) is not None]

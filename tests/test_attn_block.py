@@ -105,7 +105,8 @@ def test_f32_decode_matches_transformers(arch):
     rep, calls = _fused(m, "f32")
     L = m.config.num_hidden_layers
     assert len(rep.fused) == L and f"({L} fused)" in str(rep)
-    assert all(getattr(getattr(layer, "_specmoe_chain", None), "norms", None) is not None for layer in m.model.layers)
+    assert all(getattr(getattr(layer, "_specmoe_chain", None), "norms", None) is not None
+               for layer in m.model.layers)
     assert fuse_attention(m) == rep.fused                       # idempotent
     ids = torch.randint(3, 100, (1, ATTENTION_MAX_TOKENS + 14),
                         generator=torch.Generator().manual_seed(1))

@@ -12,7 +12,7 @@ import torch
 from specmoe import _C
 from specmoe.models import attention
 from specmoe.models.layers import CLinear
-from specmoe.models.mla import decode_route
+from specmoe.models.layers import decode_route
 from specmoe.models.testing import tiny_model
 from specmoe.runtime.engine import offload
 from specmoe.runtime.kernels import context

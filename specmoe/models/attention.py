@@ -40,10 +40,10 @@ from ..runtime.kernels import tensor_array
 from .arch import (FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, PAIRS_ROPE_ATTENTION,
                    SINK_ATTENTION)
 from .layers import (BLOCK_DTYPES, BlockRoute, ChainStep, CLinear, CRMSNorm, adapter_active,
-                     dense_in_call, fuse_qkv, rms_norm_form, set_dense_mlp,
+                     decode_route, dense_in_call, fuse_qkv, rms_norm_form, set_dense_mlp,
                      silu_mlp_parts)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
-from .mla import mask_bias, mask_readable, decode_route, per_step_rope
+from .mla import mask_bias, mask_readable, per_step_rope
 
 __all__ = ["ATTENTION_MAX_TOKENS", "BLOCK_MAX_TOKENS", "convert_norms", "fuse_attention",
            "use_c_attention"]

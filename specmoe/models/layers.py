@@ -27,7 +27,8 @@ __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm",
            "linear_widened", "torch_bf16_gemm_fast",
            "int4_group", "norm_weight", "zero_centred_norm", "per_sequence", "sequence_rows",
            "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate",
-           "dense_in_call", "dense_mlp", "set_dense_mlp", "ChainStep", "BlockRoute"]
+           "dense_in_call", "dense_mlp", "set_dense_mlp", "ChainStep", "BlockRoute",
+           "decode_route", "set_block_route"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ class ChainStep:
 class BlockRoute(NamedTuple):
     """What a fused decoder layer needs to run its MoE block inside its own C call
     (``_C.AttnBlock.layer``, ``_C.MLABlock.layer``, ``_C.GdnBlock.layer``): set by
-    ``Engine._install_routing`` as the block's ``_specmoe_route``, read through
-    :func:`specmoe.models.mla.decode_route`."""
+    ``Engine._install_routing`` on the block (:func:`set_block_route`), read through
+    :func:`decode_route`."""
 
     engine: Any  # the specmoe.runtime.engine.Engine (its layers, routable(), layer_call_slot())
     pos: int  # the block's MoE layer position
@@ -445,6 +446,24 @@ class CLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"dtype={self.dtype}, bias={self._bias is not None}")
+
+
+def set_block_route(block: nn.Module, route: BlockRoute) -> None:
+    """Give a MoE block the Engine route its fused decoder layer runs it under
+    (``Engine._install_routing``); the one writer of what :func:`decode_route` reads."""
+    object.__setattr__(block, "_specmoe_route", route)
+
+
+def decode_route(layer: nn.Module, x: torch.Tensor) -> BlockRoute | None:
+    """The Engine route (:class:`BlockRoute`) under which a one-call decoder layer
+    (AttnBlock.layer, MLABlock.layer, GdnBlock.layer) runs its MoE block inside the call: set
+    by ``Engine._install_routing`` on the layer's ``mlp`` (:func:`set_block_route`); None when
+    the block has none, is training, or must route in Python now (``Engine.routable``)."""
+    route = getattr(layer.mlp, "_specmoe_route", None)
+    if route is None or layer.mlp.training \
+            or not route.engine.routable(x, route.dtype, fused=True):
+        return None
+    return route
 
 
 def mark_adapter_gate(mod: nn.Module, gate: Any | None) -> None:

@@ -38,8 +38,7 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import FUSABLE_GATED_DELTANET, FUSABLE_GDN_LAYERS
-from .layers import BLOCK_DTYPES, ChainStep, CLinear, CRMSNorm, fuse_qkv
-from .mla import decode_route
+from .layers import BLOCK_DTYPES, ChainStep, CLinear, CRMSNorm, decode_route, fuse_qkv
 
 __all__ = ["prepare", "f32_short_convs", "use_c_gated_delta", "fuse_gated_deltanet",
            "GDN_MAX_ROWS"]

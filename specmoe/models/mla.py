@@ -46,7 +46,7 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import GGUF_BLOCKS, dtype_code, tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
-from .layers import (BlockRoute, ChainStep, CLinear, adapter_active, dense_in_call, dense_mlp,
+from .layers import (ChainStep, CLinear, adapter_active, decode_route, dense_in_call, dense_mlp,
                      fuse_qkv, int4_group, norm_weight, set_dense_mlp, silu_mlp_parts)
 from ..storage.ggml_blocks import dequantize
 from ..storage.quant import quantize_int4, quantize_int8
@@ -654,18 +654,6 @@ def per_step_rope(pe: Any, T: int, width: int, make: Any) -> Any:
     value = make()
     _ROPE_LAST = (pe, T, width, value)
     return value
-
-
-def decode_route(layer: nn.Module, x: torch.Tensor) -> BlockRoute | None:
-    """The Engine route (:class:`~specmoe.models.layers.BlockRoute`) under which a one-call
-    decoder layer (AttnBlock.layer, MLABlock.layer) runs its MoE block inside the call: set by
-    ``Engine._install_routing`` on the layer's ``mlp``; None when the block has none, is
-    training, or must route in Python now (``Engine.routable``)."""
-    route = getattr(layer.mlp, "_specmoe_route", None)
-    if route is None or layer.mlp.training \
-            or not route.engine.routable(x, route.dtype, fused=True):
-        return None
-    return route
 
 
 def _mla_args(layer: nn.Module, x: torch.Tensor, pe: Any, rope: str, dr: int,

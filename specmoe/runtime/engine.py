@@ -47,7 +47,7 @@ from ..models.arch import (ROUTED_BLOCKS, SUPPORTED, UNSUPPORTED, ArchInfo, Unsu
                            iter_experts_modules, moe_block, moe_layers)
 from ..storage.conversion import store_settings, write_experts
 from ..models.dense import GgufDense, resolve_dense
-from ..models.layers import (BlockRoute, CLinear, sequence_rows, silu_mlp_parts,
+from ..models.layers import (BlockRoute, CLinear, sequence_rows, set_block_route, silu_mlp_parts,
                              split_sequences, split_shared_gate)
 from .engine_base import PREDICTORS, EngineCommon, check_prefetch, check_prefetch_arg
 from .tau_tables import TauTables
@@ -451,7 +451,7 @@ class Engine(EngineCommon):
                                                  scores_out=kind == "gpt_oss")
             # what a fused decoder layer needs to run this block inside its own C call
             # (specmoe.models.attention, _C.AttnBlock.layer)
-            block._specmoe_route = BlockRoute(self, pos, flags, dtype)
+            set_block_route(block, BlockRoute(self, pos, flags, dtype))
             done.append(pos)
         return done
 
