@@ -416,11 +416,11 @@ def worker(spec_path: str) -> None:
         acc.hook(model.lm_head, "lm_head")
         c = dc = ab = None
         from layer_overhead import _Proxy, _timed
-        from specmoe.models.layers import CLinear
+        from specmoe.models.layers import CLinear, chain_step
         clin = [m for m in model.modules() if isinstance(m, CLinear)]
         # decoder layers fused into one C call each (specmoe.models.attention): that call hands the
         # Engine's C layer object to C, so it is not proxied; the call reports its own split
-        fused = any(getattr(getattr(lyr, "_specmoe_chain", None), "norms", None) is not None
+        fused = any(getattr(chain_step(lyr), "norms", None) is not None
                     for lyr in layers)
         blocks = [lyr.self_attn for lyr in layers
                   if getattr(lyr.self_attn, "_specmoe_block", None) is not None]

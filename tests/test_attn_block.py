@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from specmoe import _C
 from specmoe.models.attention import ATTENTION_MAX_TOKENS, fuse_attention
 from specmoe.models.dense import convert_dense
-from specmoe.models.layers import CLinear
+from specmoe.models.layers import CLinear, chain_step
 from specmoe.runtime.kvcache import BufferedLayer
 from specmoe.models.testing import tiny_model
 
@@ -82,7 +82,7 @@ def _unfused(model):
     casts around the same C projections and C attention kernel."""
     for mod in model.modules():
         if getattr(mod, "_specmoe_block", None) is not None \
-                or getattr(getattr(mod, "_specmoe_chain", None), "norms", None) is not None:
+                or getattr(chain_step(mod), "norms", None) is not None:
             del mod.forward
     return model
 
@@ -105,7 +105,7 @@ def test_f32_decode_matches_transformers(arch):
     rep, calls = _fused(m, "f32")
     L = m.config.num_hidden_layers
     assert len(rep.fused) == L and f"({L} fused)" in str(rep)
-    assert all(getattr(getattr(layer, "_specmoe_chain", None), "norms", None) is not None
+    assert all(getattr(chain_step(layer), "norms", None) is not None
                for layer in m.model.layers)
     assert fuse_attention(m) == rep.fused                       # idempotent
     ids = torch.randint(3, 100, (1, ATTENTION_MAX_TOKENS + 14),

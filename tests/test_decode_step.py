@@ -25,6 +25,7 @@ from specmoe.models.decode_step import DecodeStep, install_decode_step
 from specmoe.speculation.decoding import records_recurrent_states
 from specmoe.runtime.kvcache import kv_advance
 from specmoe.models.testing import tiny_config, tiny_model
+from specmoe.models.layers import chain_step
 
 ARCHS = ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
          "glm4_moe_lite", "qwen3_5_moe_text", "qwen3_next", "minimax_m2", "glm4_moe",
@@ -151,7 +152,7 @@ def _chain_items(layers, cache, h, pe):
     items, outs = [], []
     for lyr in layers:
         out = torch.empty_like(h)
-        it = lyr._specmoe_chain.call(lyr, h, out, pe, cache)
+        it = chain_step(lyr).call(lyr, h, out, pe, cache)
         if it is None:
             return items, outs
         items.append(it)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specmoe import _C
-from specmoe.models.layers import CLinear, dense_mlp
+from specmoe.models.layers import CLinear, chain_step, dense_mlp
 from specmoe.runtime import engine as hf
 
 from .test_attn_block import _tiny, _unfused
@@ -39,7 +39,7 @@ def test_ernie_decodes_through_the_block(dt):
         assert moe >= 1 and dense >= 1
         calls: dict[str, int] = {}
         for layer in a.model.layers:
-            assert getattr(getattr(layer, "_specmoe_chain", None), "norms", None) is not None
+            assert getattr(chain_step(layer), "norms", None) is not None
             assert (dense_mlp(layer) is None) == hasattr(layer.mlp, "experts")
             layer.self_attn._specmoe_block = _Calls(layer.self_attn._specmoe_block, calls)
         _unfused(b)

@@ -16,6 +16,7 @@ import torch
 
 from specmoe import _C
 from specmoe.runtime import engine as hf
+from specmoe.models.layers import chain_step
 
 from .test_attn_block import _tiny, _unfused
 
@@ -75,7 +76,7 @@ def test_gptoss_decodes_through_the_block(dt):
         assert ea.routed_in_c == list(range(len(a.model.layers)))
         calls: dict[str, int] = {}
         for layer in a.model.layers:
-            assert getattr(getattr(layer, "_specmoe_chain", None), "norms", None) is not None
+            assert getattr(chain_step(layer), "norms", None) is not None
             assert layer.self_attn._specmoe_half_rope
             layer.self_attn._specmoe_block = _Calls(layer.self_attn._specmoe_block, calls)
         _unfused(b)

@@ -13,6 +13,7 @@ from specmoe import _C
 from specmoe.models import linear_attn
 from specmoe.models.testing import tiny_model
 from specmoe.runtime.engine import offload
+from specmoe.models.layers import chain_step
 
 
 def _reference(q, k, v, g, beta, state, l2norm):
@@ -256,7 +257,7 @@ def test_one_call_layer_equals_the_module_by_module_path(arch, dtype, rows):
     m, eng = _fused(dtype, arch)
     try:
         layer = m.model.layers[0]
-        assert layer._specmoe_chain is not None and eng.routed_in_c
+        assert chain_step(layer) is not None and eng.routed_in_c
         cache, conv, rec, x = _prefilled(m, rows, dtype)
         c0, r0 = conv.clone(), rec.clone()
         blk = layer.linear_attn._specmoe_gdn = _Counting(layer.linear_attn._specmoe_gdn)

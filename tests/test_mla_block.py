@@ -26,7 +26,7 @@ from specmoe import _C
 from specmoe.runtime import engine as hf
 from specmoe.models.dense import convert_dense
 from specmoe.models.mla import absorb_mla, fuse_mla
-from specmoe.models.layers import dense_mlp
+from specmoe.models.layers import chain_step, dense_mlp
 from specmoe.models.testing import tiny_config
 
 from .attn_helpers import layer_outputs
@@ -234,7 +234,7 @@ def _block_args(m, S=3, T=1, cap=8, dt=np.float32):
         torch.ones(T, dr // 2), torch.randn(T, dr // 2))).numpy())
     cbuf = rng.standard_normal((1, 1, cap, r)).astype(dt)
     kbuf = rng.standard_normal((1, 1, cap, dr)).astype(dt)
-    ln1, e1, ln2, e2 = layer._specmoe_chain.norms
+    ln1, e1, ln2, e2 = chain_step(layer).norms
     out = np.zeros((T, hid), np.float32)
     normed = np.zeros((T, hid), np.float32)
     return blk, [x, f, cbuf, kbuf, S, None, ln1, e1, ln2, e2, out, normed]
@@ -329,7 +329,7 @@ def test_block_against_numpy_reference():
         out = np.empty_like(v)
         out[..., 0::2], out[..., 1::2] = z.real, z.imag
         return out
-    ln1, e1, ln2, e2 = layer._specmoe_chain.norms
+    ln1, e1, ln2, e2 = chain_step(layer).norms
     h = rms(x.astype(np.float64), ln1, e1)
     q = (h @ W('q_proj').T).reshape(T, H, dn + dr)
     ckv = h @ W('kv_a_proj_with_mqa').T

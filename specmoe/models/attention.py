@@ -40,8 +40,8 @@ from ..runtime.kernels import tensor_array
 from .arch import (FUSABLE_ATTENTION, FUSABLE_LAYERS, GATED_ATTENTION, PAIRS_ROPE_ATTENTION,
                    SINK_ATTENTION)
 from .layers import (BLOCK_DTYPES, BlockRoute, ChainStep, CLinear, CRMSNorm, adapter_active,
-                     decode_route, dense_in_call, fuse_qkv, rms_norm_form, set_dense_mlp,
-                     silu_mlp_parts)
+                     chain_step, decode_route, dense_in_call, fuse_qkv, rms_norm_form,
+                     set_chain_step, set_dense_mlp, silu_mlp_parts)
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
 from .mla import mask_bias, mask_readable, per_step_rope
 
@@ -288,7 +288,7 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         attn = getattr(layer, "self_attn", None)
         if type(layer).__name__ not in FUSABLE_LAYERS or attn is None \
                 or getattr(attn, "_specmoe_block", None) is None \
-                or getattr(layer, "_specmoe_chain", None) is not None:  # fused already
+                or chain_step(layer) is not None:  # fused already
             continue
         ln = [rms_norm_form(getattr(layer, n, None))
               for n in ("input_layernorm", "post_attention_layernorm")]
@@ -304,8 +304,8 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         if dense is not None:
             attn._specmoe_block.set_mlp(dense[0])
         layer.forward = _fused_layer_forward(layer, layer.forward)
-        layer._specmoe_chain = ChainStep(chain_call, chain_rope,
-                                         norms=(ln[0][0], ln[0][1], ln[1][0], ln[1][1]))
+        set_chain_step(layer, ChainStep(chain_call, chain_rope,
+                                        norms=(ln[0][0], ln[0][1], ln[1][0], ln[1][1])))
     return done
 
 
@@ -351,7 +351,7 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
         cos, sin = per_step_rope(pe, T, R, lambda: tuple(a for _, a in chain_rope(layer, pe, T)))
     else:  # each row at its own positions (_decodable checked pe [1 or B, T, R])
         cos, sin = (tensor_array(p) for p in _rows_rope(pe, B, T, R))
-    ln1, e1, ln2, e2 = layer._specmoe_chain.norms
+    ln1, e1, ln2, e2 = chain_step(layer).norms
     return (layers, pos, flags, tensor_array(x.reshape(B * T, hidden).contiguous()), cos,
             sin, ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1,
             e1, ln2, e2, tensor_array(out.view(B * T, hidden)))
@@ -512,7 +512,7 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
         kwargs["position_ids"] = position_ids
         kwargs["use_cache"] = use_cache
         h, normed = _block_call(attn, hidden_states, pe, attention_mask, cache, kwargs,
-                                layer._specmoe_chain.norms)
+                                chain_step(layer).norms)
         out = layer.mlp(normed)
         return h + (out[0] if isinstance(out, tuple) else out)  # (GPT-OSS's: (out, scores))
     forward.__name__ = f"specmoe_fused_{type(layer).__name__}_forward"

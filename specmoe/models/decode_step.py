@@ -15,7 +15,7 @@ For the calls where it changes nothing, :class:`DecodeStep` replaces the causal 
     for layer in layers: h = layer(h, position_embeddings=pe, attention_mask=None, ...)
     logits = lm_head(norm(h))
 
-and the layers whose step is one C call (``layer._specmoe_chain``: specmoe.models.attention's and
+and the layers whose step is one C call (``chain_step(layer)``: specmoe.models.attention's and
 specmoe.models.mla's one-call layers, their MoE block routed in C) run together in one
 ``_C.layer_chain`` call, the GIL released once, each layer's output one of two buffers of the
 step and the next one's input.  After a layer's weights have streamed through the CPU caches,
@@ -50,7 +50,7 @@ from transformers.cache_utils import DynamicCache
 
 from .. import _C
 from .arch import DECODE_STEP_MODELS
-from .layers import CRMSNorm
+from .layers import CRMSNorm, chain_step
 from ..runtime.kernels import tensor_array
 from ..runtime.kvcache import kv_advance, kv_views
 
@@ -229,7 +229,7 @@ class DecodeStep:
         counted: list[nn.Module] = []  # the run's layers that count their steps in the cache
         for i in range(self._n_layers):
             lyr = layers[i]
-            chain = getattr(lyr, "_specmoe_chain", None)
+            chain = chain_step(lyr)
             if chain is not None and self.chaining \
                     and not (lyr._forward_hooks or lyr._forward_pre_hooks):
                 out = bufs[0] if h.data_ptr() != bufs[0].data_ptr() else bufs[1]
@@ -307,7 +307,7 @@ class DecodeStep:
         layers = [base.layers[i] for i in range(self._n_layers)]
         emb = base.embed_tokens
         rot = base.rotary_emb
-        if any(getattr(lyr, "_specmoe_chain", None) is None
+        if any(chain_step(lyr) is None
                or lyr._forward_hooks or lyr._forward_pre_hooks for lyr in layers) \
                 or type(emb) is not nn.Embedding or emb._forward_hooks \
                 or emb._forward_pre_hooks or getattr(rot, "rope_type", None) \
@@ -327,15 +327,15 @@ class DecodeStep:
         items, h = [], x0
         for i, lyr in enumerate(layers):
             out = bufs[i % 2]
-            item = lyr._specmoe_chain.call(lyr, h, out, pe, cache)
+            item = chain_step(lyr).call(lyr, h, out, pe, cache)
             if item is None:
                 return None
             items.append(item)
             h = out
         # a recurrent layer's item writes its cache state in place: the plan holds while the
         # state is the same tensors (specmoe.models.linear_attn.gdn_chain_state)
-        states = [(lyr, lyr._specmoe_chain.state(lyr, cache)) for lyr in layers
-                  if lyr._specmoe_chain.state is not None]
+        states = [(lyr, chain_step(lyr).state(lyr, cache)) for lyr in layers
+                  if chain_step(lyr).state is not None]
         if any(st is None for _, st in states):
             return None
         engines = {id(it[3]): it[3] for it in items if it[3] is not None}
@@ -350,7 +350,7 @@ class DecodeStep:
         eng_layers = next(iter(captured.values()), None)
         rows, seen = [], set()
         for lyr, it in zip(layers, items):
-            for idx, tab in lyr._specmoe_chain.rope(lyr, table, P):
+            for idx, tab in chain_step(lyr).rope(lyr, table, P):
                 dst = it[1][idx]
                 if id(dst) in seen:
                     continue
@@ -386,7 +386,7 @@ class DecodeStep:
         plan = _Plan(c=c, cache=weakref.ref(cache),
                      limit=min([P] + [k.shape[2] for _, k, _ in kv]),
                      views=[(lay, lay.keys, lay.values) for lay, _, _ in kv], states=states,
-                     counted=[lyr for lyr in layers if lyr._specmoe_chain.count is not None],
+                     counted=[lyr for lyr in layers if chain_step(lyr).count is not None],
                      layers=layers, mods=(emb, rot, fn, lm), engine=eng,
                      eng_layers=eng_layers, x0=x0, last=h,
                      normed=None if norm is None else normed,
@@ -409,7 +409,7 @@ class DecodeStep:
             if lay.keys is not k or lay.values is not v:
                 return False
         for lyr, st in plan.states:
-            now = lyr._specmoe_chain.state(lyr, cache)
+            now = chain_step(lyr).state(lyr, cache)
             if now is None or any(a is not b for a, b in zip(now, st)):
                 return False
         for lyr in plan.layers:
@@ -450,7 +450,7 @@ class DecodeStep:
             r = self.plan_step(plan.c, token, S, out, argmax)
         cache = plan.cache()
         for lyr in plan.counted:
-            lyr._specmoe_chain.count(lyr, cache)
+            chain_step(lyr).count(lyr, cache)
         n = S + 1
         views = plan.views
         for i, (lay, _, _) in enumerate(views):
@@ -476,7 +476,7 @@ class DecodeStep:
         return cls(logits=logits, **{field: cache})
 
     def _run_chain(self, run: list[tuple], counted: list[nn.Module], cache: Any) -> None:
-        """The layers of ``run`` (items of the layers' ``_specmoe_chain.call``: block, arguments,
+        """The layers of ``run`` (items of the layers' ``chain_step(layer).call``: block, arguments,
         KV buffers, Engine) in one C call, then their caches advanced (KV views; the token
         counts in ``cache`` of the ``counted`` layers, recurrent ones); both lists emptied."""
         if not run:
@@ -494,7 +494,7 @@ class DecodeStep:
             if it[2] is not None:  # (a recurrent layer's item: no positions)
                 kv_advance(it[2], 1)
         for lyr in counted:
-            lyr._specmoe_chain.count(lyr, cache)
+            chain_step(lyr).count(lyr, cache)
         self.chained += len(run)
         run.clear()
         counted.clear()

@@ -41,7 +41,7 @@ from .. import _C
 from ..runtime.kernels import context
 from .attention import convert_norms, fuse_attention, use_c_attention
 from .decode_step import install_decode_step
-from .layers import DENSE_DTYPES, TORCH_ABOVE, CLinear, int4_group
+from .layers import DENSE_DTYPES, TORCH_ABOVE, CLinear, chain_step, int4_group
 from .linear_attn import fuse_gated_deltanet
 from .mla import absorb_mla, fuse_mla
 
@@ -359,7 +359,7 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
         report.decode_torch_threads = 1
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is not None and len(layers) and all(
-            getattr(lyr, "_specmoe_chain", None) is not None for lyr in layers):
+            chain_step(lyr) is not None for lyr in layers):
         # every decoder layer is fused (fuse_attention / fuse_mla gave it a chain item too):
         # its forward reads a None mask at one token as the model's full mask
         report.decode_step = install_decode_step(model, own_hooks=hooks)

@@ -28,16 +28,17 @@ __all__ = ["DENSE_DTYPES", "TORCH_ABOVE", "BLOCK_DTYPES", "CLinear", "CRMSNorm",
            "int4_group", "norm_weight", "zero_centred_norm", "per_sequence", "sequence_rows",
            "sequences", "silu_mlp_parts", "split_sequences", "split_shared_gate",
            "dense_in_call", "dense_mlp", "set_dense_mlp", "ChainStep", "BlockRoute",
-           "decode_route", "set_block_route"]
+           "decode_route", "set_block_route", "chain_step", "set_chain_step"]
 
 
 @dataclass(frozen=True)
 class ChainStep:
     """How a fused decoder layer takes part in a decode step's one C call
     (specmoe.models.decode_step: ``_C.layer_chain`` and ``_C.DecodePlan``).  The module that
-    fused the layer (specmoe.models.attention, .mla, .linear_attn) sets one as the layer's
-    ``_specmoe_chain``; decode_step reads it (and specmoe.models.dense, to tell that every
-    layer has one).  Every function takes the layer first.
+    fused the layer (specmoe.models.attention, .mla, .linear_attn) gives the layer one
+    (:func:`set_chain_step`); decode_step reads it (:func:`chain_step`; and
+    specmoe.models.dense, to tell that every layer has one).  Every function takes the layer
+    first.
 
     * ``call(layer, x, out, pe, cache)``: the step of x [1, T, hidden] into out as a
       ``_C.layer_chain`` item (block, arguments, KV buffers or None, Engine or None), or None
@@ -58,6 +59,17 @@ class ChainStep:
     state: Callable[..., Any] | None = None
     count: Callable[..., Any] | None = None
     norms: tuple[Any, float, Any, float] | None = None
+
+
+def set_chain_step(layer: nn.Module, step: ChainStep) -> None:
+    """Give a fused decoder layer its :class:`ChainStep`; the one writer of what
+    :func:`chain_step` reads."""
+    object.__setattr__(layer, "_specmoe_chain", step)
+
+
+def chain_step(layer: nn.Module) -> ChainStep | None:
+    """The :class:`ChainStep` of a fused decoder layer, None for a layer nobody fused."""
+    return getattr(layer, "_specmoe_chain", None)
 
 
 class BlockRoute(NamedTuple):

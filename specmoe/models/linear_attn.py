@@ -38,7 +38,8 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import tensor_array
 from .arch import FUSABLE_GATED_DELTANET, FUSABLE_GDN_LAYERS
-from .layers import BLOCK_DTYPES, ChainStep, CLinear, CRMSNorm, decode_route, fuse_qkv
+from .layers import (BLOCK_DTYPES, ChainStep, CLinear, CRMSNorm, chain_step, decode_route,
+                     fuse_qkv, set_chain_step)
 
 __all__ = ["prepare", "f32_short_convs", "use_c_gated_delta", "fuse_gated_deltanet",
            "GDN_MAX_ROWS"]
@@ -349,10 +350,10 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
         attn = getattr(layer, "linear_attn", None)
         if type(layer).__name__ in FUSABLE_GDN_LAYERS and attn is not None \
                 and getattr(attn, "_specmoe_gdn", None) is not None \
-                and getattr(layer, "_specmoe_chain", None) is None:  # not wrapped yet
+                and chain_step(layer) is None:  # not wrapped yet
             layer.forward = _gdn_layer_forward(layer, layer.forward)
-            layer._specmoe_chain = ChainStep(gdn_chain_call, gdn_chain_rope, gdn_chain_state,
-                                             gdn_chain_count)
+            set_chain_step(layer, ChainStep(gdn_chain_call, gdn_chain_rope, gdn_chain_state,
+                                            gdn_chain_count))
     return done
 
 

@@ -46,8 +46,9 @@ from torch import nn
 from .. import _C
 from ..runtime.kernels import GGUF_BLOCKS, dtype_code, tensor_array
 from ..runtime.kvcache import kv_advance, kv_append, kv_buffers
-from .layers import (ChainStep, CLinear, adapter_active, decode_route, dense_in_call, dense_mlp,
-                     fuse_qkv, int4_group, norm_weight, set_dense_mlp, silu_mlp_parts)
+from .layers import (ChainStep, CLinear, adapter_active, chain_step, decode_route,
+                     dense_in_call, dense_mlp, fuse_qkv, int4_group, norm_weight,
+                     set_chain_step, set_dense_mlp, silu_mlp_parts)
 from ..storage.ggml_blocks import dequantize
 from ..storage.quant import quantize_int4, quantize_int8
 
@@ -515,10 +516,10 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
             set_dense_mlp(layer, None)
             continue
         layer.forward = _mla_layer_forward(layer, layer.forward)
-        layer._specmoe_chain = ChainStep(
+        set_chain_step(layer, ChainStep(
             chain_call, chain_rope,
             norms=(ln[0], float(layer.input_layernorm.variance_epsilon),
-                   ln[1], float(layer.post_attention_layernorm.variance_epsilon)))
+                   ln[1], float(layer.post_attention_layernorm.variance_epsilon))))
         done.append(f"{name}.self_attn" if name else "self_attn")
     return done
 
@@ -671,7 +672,7 @@ def _mla_args(layer: nn.Module, x: torch.Tensor, pe: Any, rope: str, dr: int,
     if bias is not None:  # [1 or B, 1, T, S + T] (_mla_decodable)
         bias = bias.reshape(bias.shape[0], T, S + T).contiguous().numpy()
     return (tensor_array(x.reshape(B * T, hidden).contiguous()), freqs, ca, ka, S, bias,
-            *layer._specmoe_chain.norms)
+            *chain_step(layer).norms)
 
 
 def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: str, dr: int,
