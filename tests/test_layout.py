@@ -323,3 +323,7 @@ def test_every_attribute_planted_on_transformers_modules_is_listed():
     assert sorted(set(table) - set(used)) == [], "in the table but no longer used"
     wrong = {n: (sorted(used[n]), sorted(table[n])) for n in used if used[n] != table[n]}
     assert wrong == {}, "files that use each name (left) against the table's (right)"
+    # one owner each: a module that needs another's state calls the owner's functions
+    # (models.layers' chain_step, decode_route, dense_mlp, adapter_active, ...)
+    shared = {n: sorted(f) for n, f in used.items() if len(f) > 1}
+    assert shared == {}, "planted attributes written or read by more than one file"
