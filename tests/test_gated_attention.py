@@ -83,8 +83,8 @@ def test_one_call_layer_equals_the_layers_own_forward(arch, dtype, rows):
         idx = m.config.layer_types.index("full_attention")
         layer = m.model.layers[idx]
         attn = layer.self_attn
-        assert attn._specmoe_gated and attn._specmoe_zc
-        assert attn._specmoe_rot == attn.head_dim // 4 < attn.head_dim  # a partial rotary
+        assert attn._specmoe_block_form.gated and attn._specmoe_block_form.zero_centred
+        assert attn._specmoe_block_form.rot == attn.head_dim // 4 < attn.head_dim  # partial
         blk = attn._specmoe_block = _Counting(attn._specmoe_block)
         outs, keys = [], []
         for one_call in (True, False):

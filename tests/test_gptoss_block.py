@@ -77,7 +77,7 @@ def test_gptoss_decodes_through_the_block(dt):
         calls: dict[str, int] = {}
         for layer in a.model.layers:
             assert getattr(chain_step(layer), "norms", None) is not None
-            assert layer.self_attn._specmoe_half_rope
+            assert layer.self_attn._specmoe_block_form.half_rope
             layer.self_attn._specmoe_block = _Calls(layer.self_attn._specmoe_block, calls)
         _unfused(b)
         ids = torch.randint(3, 100, (1, 70), generator=torch.Generator().manual_seed(1))

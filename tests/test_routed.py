@@ -273,7 +273,7 @@ def test_layer_call_bad_input_leaves_everything_alone():
     try:
         attn = m.model.layers[0].self_attn
         blk = attn._specmoe_block
-        H, Hkv, D, hid, _ = attn._specmoe_block_shape
+        H, Hkv, D, hid, _ = attn._specmoe_block_form[:5]
         x = np.ones((1, hid), np.float32)
         cs = np.ones((1, D), np.float32)
         kb = np.full((1, Hkv, 8, D), 7.0, np.float32)

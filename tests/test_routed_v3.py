@@ -243,7 +243,7 @@ def test_minimax_m2_decodes_in_one_call_a_step():
     eng = hf.offload(m, dtype="f32", dense="f32", cache=1.0)
     try:
         attn = m.model.layers[0].self_attn
-        assert attn._specmoe_rot < attn.head_dim  # (tiny_model's partial rotary)
+        assert attn._specmoe_block_form.rot < attn.head_dim  # (tiny_model's partial rotary)
         greedy_like(ref, m, torch.tensor([[1, 5, 9, 33, 7, 64, 3]]), 8)
         assert m._specmoe_decode_step.planned == 7
     finally:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -191,6 +191,22 @@ def _rotary_dim(cfg: Any, D: int) -> int:
     return int(D * float(f))
 
 
+class BlockForm(NamedTuple):
+    """What a fused attention module's ``_C.AttnBlock`` was built for, kept beside it as the
+    module's ``_specmoe_block_form`` (read in this file only)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    dtype: torch.dtype  # the block's input, output and KV dtype
+    rot: int  # the width of the rotary cos and sin
+    zero_centred: bool  # its norms' form, which the decoder layer's norms must share
+    gated: bool  # Qwen3-Next's / Qwen3.5's output gate (the block runs whole layers only)
+    half_rope: bool  # cos / sin half a head wide (GPT-OSS, _full_width_rope)
+    scaling: float  # the softmax scale
+
+
 def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]:
     """Run each fusable attention module of ``model`` through one ``specmoe._C.AttnBlock`` at
     decode sizes (module docstring); returns the qualified names of the modules switched.
@@ -275,12 +291,10 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
         except (ValueError, TypeError):
             continue  # shapes this form does not have (e.g. a head_dim the config disagrees on)
         m._specmoe_block = blk
-        m._specmoe_block_shape = (H, Hkv, D, int(projs[3].out_features), dt)
-        m._specmoe_rot = int(kw.get("rotary_dim") or D)  # the width of cos and sin
-        m._specmoe_zc = bool(kw.get("zero_centred"))
-        m._specmoe_gated = gated
-        m._specmoe_half_rope = sinks  # cos / sin half a head wide (_full_width_rope)
-        m._specmoe_scaling = float(getattr(m, "scaling", None) or 1.0 / math.sqrt(D))
+        m._specmoe_block_form = BlockForm(
+            H, Hkv, D, int(projs[3].out_features), dt, int(kw.get("rotary_dim") or D),
+            bool(kw.get("zero_centred")), gated, sinks,
+            float(getattr(m, "scaling", None) or 1.0 / math.sqrt(D)))
         if not gated:  # (a gated block runs whole layers only)
             m.forward = _fused_forward(m, m.forward)
         done.append(name)
@@ -292,13 +306,14 @@ def fuse_attention(model: nn.Module, ctx: _C.KernelContext | None = None) -> lis
             continue
         ln = [rms_norm_form(getattr(layer, n, None))
               for n in ("input_layernorm", "post_attention_layernorm")]
-        if ln[0] is None or ln[1] is None or ln[0][2] != attn._specmoe_zc \
-                or ln[1][2] != attn._specmoe_zc:  # (the block's one norm form)
+        zc = attn._specmoe_block_form.zero_centred
+        if ln[0] is None or ln[1] is None or ln[0][2] != zc \
+                or ln[1][2] != zc:  # (the block's one norm form)
             continue
         # a dense layer (GLM-4.5's first layers, ERNIE-4.5's): its MLP in the block's call
-        dense = None if hasattr(layer.mlp, "experts") or attn._specmoe_gated \
+        dense = None if hasattr(layer.mlp, "experts") or attn._specmoe_block_form.gated \
             else silu_mlp_parts(layer.mlp)
-        if dense is not None and dense[1] != attn._specmoe_block_shape[4]:
+        if dense is not None and dense[1] != attn._specmoe_block_form.dtype:
             dense = None
         set_dense_mlp(layer, dense)
         if dense is not None:
@@ -319,7 +334,8 @@ def _full_width_rope(module: nn.Module, pe: Any) -> Any:
     rotate-half form's, each repeated -- the same products, rounded alike.  Made once per
     decode step (the entry holds pe, so its identity is not reused while kept)."""
     global _HALF_LAST
-    if pe is None or not getattr(module, "_specmoe_half_rope", False):
+    form = getattr(module, "_specmoe_block_form", None)
+    if pe is None or form is None or not form.half_rope:
         return pe
     last = _HALF_LAST
     if last[0] is pe:
@@ -342,7 +358,8 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     [B, ...]) and the Engine route ``route`` (decode_route), or None for a dense layer's MLP
     (dense_in_call)."""
     attn = layer.self_attn
-    hidden, R = attn._specmoe_block_shape[3], attn._specmoe_rot
+    form = attn._specmoe_block_form
+    hidden, R = form.hidden, form.rot
     _, _, _, ka, va, S = bufs
     layers, pos, flags = (None, -1, 0) if route is None \
         else (route.engine.layers, route.pos, route.flags)
@@ -353,7 +370,7 @@ def _layer_args(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
         cos, sin = (tensor_array(p) for p in _rows_rope(pe, B, T, R))
     ln1, e1, ln2, e2 = chain_step(layer).norms
     return (layers, pos, flags, tensor_array(x.reshape(B * T, hidden).contiguous()), cos,
-            sin, ka, va, S, _bias_array(attention_mask, T, S + T), attn._specmoe_scaling, ln1,
+            sin, ka, va, S, _bias_array(attention_mask, T, S + T), form.scaling, ln1,
             e1, ln2, e2, tensor_array(out.view(B * T, hidden)))
 
 
@@ -377,7 +394,7 @@ def chain_rope(layer: nn.Module, pe: Any, T: int) -> tuple:
     """The rotary arrays among ``_C.AttnBlock.layer``'s arguments for the last T positions of
     the decoder's position embeddings ``pe`` (cos, sin): ((index, array), ...).  Over a table
     of every position they are a ``_C.DecodePlan``'s rotary tables (specmoe.models.decode_step)."""
-    R = layer.self_attn._specmoe_rot
+    R = layer.self_attn._specmoe_block_form.rot
     cos, sin = (tensor_array(p.reshape(-1, R)[-T:].contiguous()) for p in pe)
     return ((4, cos), (5, sin))
 
@@ -391,7 +408,7 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     whose MLP the block runs (set_mlp) is an item too, with no Engine."""
     attn = layer.self_attn
     blk = attn._specmoe_block
-    if type(blk) is not _C.AttnBlock or layer.training or getattr(attn, "_specmoe_half_rope", 0) \
+    if type(blk) is not _C.AttnBlock or layer.training or attn._specmoe_block_form.half_rope \
             or not _decodable(attn, x, pe, None, {}):
         return None  # (a half-table rotary's model is no DecodePlan model)
     route = decode_route(layer, x)
@@ -407,7 +424,8 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
 def _decodable(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any,
                kwargs: dict[str, Any]) -> bool:
     """Whether the attention block serves this call of ``module`` (else its own forward)."""
-    dt, R = module._specmoe_block_shape[4], module._specmoe_rot
+    form = module._specmoe_block_form
+    dt, R = form.dtype, form.rot
     B, T = x.shape[0], x.shape[1]   # a batch of B sequences (serve's decode batch) in one call
     return not (T > ATTENTION_MAX_TOKENS or B * T > BLOCK_MAX_TOKENS or x.dtype != dt
                 or x.device.type != "cpu" or module.training or pe is None
@@ -431,9 +449,9 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
     the input norm runs first, and the return is (x + attention output, its post-attention
     norm)."""
     blk = module._specmoe_block        # looked up at each call: one attribute read, and
-    H, Hkv, D, hidden, dt = module._specmoe_block_shape  # tests may wrap it
+    form = module._specmoe_block_form  # tests may wrap it
+    H, Hkv, D, hidden, dt, R = form[:6]
     B, T = x.shape[0], x.shape[1]      # B rows: every row's tokens are the block's B * T
-    R = module._specmoe_rot
     if B == 1:
         cos, sin = (p.reshape(-1, R)[-T:] for p in pe)
     else:  # each row at its own positions ([1 or B, T, R], _decodable checked)
@@ -456,11 +474,11 @@ def _block_call(module: nn.Module, x: torch.Tensor, pe: Any, attention_mask: Any
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty(B, T, hidden, dtype=dt)
     if norms is None:
-        blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, module._specmoe_scaling,
+        blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, form.scaling,
                  tensor_array(out.view(B * T, hidden)))
         return out, None
     normed = torch.empty(B, T, hidden, dtype=dt)
-    blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, module._specmoe_scaling,
+    blk.post(q.numpy(), tensor_array(k), tensor_array(v), bias, form.scaling,
              tensor_array(out.view(B * T, hidden)), xa, norms[2], norms[3],
              tensor_array(normed.view(B * T, hidden)))
     return out, normed
@@ -505,7 +523,7 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
             bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1], rows=True)
             if bufs is not None:
                 return _layer_call(layer, hidden_states, pe, attention_mask, bufs, route)
-        if attn._specmoe_gated:  # whole layers only: the module's own forward in the layer's
+        if attn._specmoe_block_form.gated:  # whole layers only: the module's own forward in the layer's
             return original(hidden_states, attention_mask=attention_mask,
                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)
