@@ -523,7 +523,8 @@ def _fused_layer_forward(layer: nn.Module, original: Any) -> Any:
             bufs = kv_buffers(cache, attn.layer_idx, hidden_states.shape[1], rows=True)
             if bufs is not None:
                 return _layer_call(layer, hidden_states, pe, attention_mask, bufs, route)
-        if attn._specmoe_block_form.gated:  # whole layers only: the module's own forward in the layer's
+        # a gated block runs whole layers only: here the module's own forward in the layer's
+        if attn._specmoe_block_form.gated:
             return original(hidden_states, attention_mask=attention_mask,
                             position_ids=position_ids, cache=cache, use_cache=use_cache,
                             position_embeddings=position_embeddings, **kwargs)

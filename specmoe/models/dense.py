@@ -45,7 +45,8 @@ from .layers import DENSE_DTYPES, TORCH_ABOVE, CLinear, chain_step, int4_group
 from .linear_attn import fuse_gated_deltanet
 from .mla import absorb_mla, fuse_mla
 
-__all__ = ["DecodeThreads", "DenseReport", "convert_dense", "resolve_dense"]
+__all__ = ["DecodeThreads", "DenseReport", "GgufDense", "convert_dense", "generation_session",
+           "resolve_dense"]
 
 
 @dataclasses.dataclass(frozen=True)
