@@ -456,8 +456,9 @@ def worker(spec_path: str) -> None:
                 dstep.plan_step = _ChainTimer(dstep.plan_step, ab)
         # MLA's absorbed attention in C (specmoe.models.mla), where a layer is not one call: its C
         # time counts as attention C (a fused layer's MLABlock holds the kernel itself)
-        mlas = [m._specmoe_mla_w for m in model.modules()
-                if getattr(getattr(m, "_specmoe_mla_w", None), "kernel", None) is not None
+        mlas = [m._specmoe_mla.weights for m in model.modules()
+                if getattr(getattr(getattr(m, "_specmoe_mla", None), "weights", None), "kernel",
+                           None) is not None
                 and not any(lyr.self_attn is m for lyr in fused_mla)]
         # and so does the models' own attention kernel where a module calls it (not fused)
         attns = [m for m in model.modules() if getattr(m, "_specmoe_attn", None) is not None]

@@ -90,8 +90,8 @@ def main() -> None:
         load_every_expert(specmoe.engine_of(m))
         m.generation_config.eos_token_id = None  # (as llama.cpp's --ignore-eos)
         models[name] = m
-    att = [mod._specmoe_mla_w for mod in models["gguf-blocks"].modules()
-           if getattr(mod, "_specmoe_mla_w", None) is not None]
+    att = [mod._specmoe_mla.weights for mod in models["gguf-blocks"].modules()
+           if getattr(getattr(mod, "_specmoe_mla", None), "weights", None) is not None]
     if not att or att[0].fmt != "gguf":
         raise SystemExit(f"{path}: its MLA attention does not run on the file's blocks "
                          "(a file with the joined attn_kv_b, or no MLA)")

@@ -563,22 +563,23 @@ def test_dense_gguf_runs_the_files_own_blocks(_cache_dir, tmp_path, monkeypatch,
             np.testing.assert_array_equal(got, held[name + ".weight"].numpy())
             assert name + ".weight" not in dequantized  # never held as a float copy
         assert any(k.endswith("norm.weight") for k in dequantized)  # the rest was
-        mla = [m for m in model.modules() if getattr(m, "_specmoe_mla_w", None) is not None]
+        mla = [m for m in model.modules()
+               if getattr(getattr(m, "_specmoe_mla", None), "weights", None) is not None]
         if arch == "deepseek_v3":  # the absorbed products on attn_k_b / attn_v_b's blocks
             assert len(mla) == model.config.num_hidden_layers
             for att in mla:
-                ab, i = att._specmoe_mla_w, att.layer_idx
+                ab, i = att._specmoe_mla.weights, att.layer_idx
                 assert ab.fmt == "gguf"
                 assert (ab.kernel.shape["dtype"], ab.kernel.shape["uv_dtype"]) == ("q4_0",) * 2
                 raw = np.asarray(by_name[f"blk.{i}.attn_k_b.weight"].data).reshape(-1)
-                np.testing.assert_array_equal(att._specmoe_mla_blocks[0].reshape(-1), raw)
+                np.testing.assert_array_equal(att._specmoe_mla.blocks[0].reshape(-1), raw)
                 dn, w_uk, w_uv = att.qk_nope_head_dim, *ab.torch_weights()
                 w = held[f"model.layers.{i}.self_attn.kv_b_proj.weight"].view(
                     att.num_heads, dn + att.v_head_dim, att.kv_lora_rank)
                 np.testing.assert_array_equal(w_uk.numpy(), w[:, :dn].numpy())
                 np.testing.assert_array_equal(w_uv.numpy(), w[:, dn:].numpy())
         elif arch == "deepseek_v2":  # 8 nope columns: attn_k_b is F32, kv_b_proj absorbed
-            assert mla and all(m._specmoe_mla_w.fmt is None for m in mla)
+            assert mla and all(m._specmoe_mla.weights.fmt is None for m in mla)
         if qtype != "Q5_0":  # the file's own bytes, not a copy of other bits
             o = lins["model.layers.1.self_attn.o_proj"]
             raw = np.asarray(by_name["blk.1.attn_output.weight"].data).reshape(-1)

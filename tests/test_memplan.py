@@ -287,8 +287,8 @@ def test_absorbed_mla_weights_are_planned(tmp_path):
 
     with _converted_mla(tmp_path) as (s, model):
         model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
-        held = [mod._specmoe_mla_w for mod in model.modules()
-                if getattr(mod, "_specmoe_mla_w", None) is not None]
+        held = [mod._specmoe_mla.weights for mod in model.modules()
+                if getattr(getattr(mod, "_specmoe_mla", None), "weights", None) is not None]
         assert len(held) == 3
         got = sum(t.numel() * t.element_size() for a in held for t in (a._uk, a._uv))
         assert got == int(s.mla_params * 2) > 0

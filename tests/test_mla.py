@@ -87,8 +87,8 @@ def test_fallbacks_use_the_module_forward():
     absorb_mla(m, max_tokens=4)
     attn = m.model.layers[0].self_attn
     calls = []
-    orig = attn._specmoe_orig_forward
-    attn._specmoe_orig_forward = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+    orig = attn._specmoe_mla.orig_forward
+    attn._specmoe_mla.orig_forward = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
     ids = torch.randint(3, 128, (1, 6))
     with torch.no_grad():
         m(ids)                                   # 6 tokens > max_tokens: own forward
@@ -111,9 +111,9 @@ def test_idempotent_and_bad_input():
     with pytest.raises(ValueError, match="kernel"):
         absorb_mla(m, kernel="cuda")
     attn0 = m.model.layers[0].self_attn
-    assert attn0._specmoe_mla_w.kernel is not None         # the C kernel object
+    assert attn0._specmoe_mla.weights.kernel is not None  # the C kernel object
     absorb_mla(m, kernel="torch")                          # a second call changes the setting
-    assert attn0._specmoe_mla_w.kernel is None
+    assert attn0._specmoe_mla.weights.kernel is None
     with torch.no_grad():
         torch.testing.assert_close(m(ids).logits, ref(ids).logits, atol=2e-5, rtol=1e-4)
     assert absorb_mla(tiny_model("mixtral")) == []
@@ -124,7 +124,7 @@ def test_idempotent_and_bad_input():
     with pytest.raises(ValueError, match="kv_b_proj"):
         absorb_mla(m2)
     # nothing was changed on the way (the bad module is the last one)
-    assert not any(hasattr(mod, "_specmoe_orig_forward") for mod in m2.modules())
+    assert not any(hasattr(mod, "_specmoe_mla") for mod in m2.modules())
     with pytest.raises(ValueError, match="weights"):
         absorb_mla(m, weights="int3")
     # absorbed at int8, then kv_b_proj converted: other settings can no longer be applied
@@ -137,14 +137,14 @@ def test_idempotent_and_bad_input():
     assert absorb_mla(m3, weights="int8") == a             # the same settings: fine
     with pytest.raises(ValueError, match="cannot be rebuilt"):
         absorb_mla(m3, weights="int4")
-    assert all(mod._specmoe_mla_fmt == "int8" for mod in m3.modules() if is_mla_attention(mod))
+    assert all(mod._specmoe_mla.fmt == "int8" for mod in m3.modules() if is_mla_attention(mod))
     absorb_mla(m3, kernel="torch")          # None: as kv_b_proj is, i.e. the int8 weights
     attn3 = m3.model.layers[0].self_attn
-    assert attn3._specmoe_mla_w.fmt == "int8" and attn3._specmoe_mla_w.kernel is None
+    assert attn3._specmoe_mla.weights.fmt == "int8" and attn3._specmoe_mla.weights.kernel is None
     with torch.no_grad():
         torch.testing.assert_close(m3(ids).logits, before, atol=1e-4, rtol=1e-3)
     absorb_mla(m3)                          # back on the C kernel, from the int8 weights
-    assert attn3._specmoe_mla_w.kernel.shape["dtype"] == "int8"
+    assert attn3._specmoe_mla.weights.kernel.shape["dtype"] == "int8"
 
 
 @pytest.mark.parametrize("dense", ["f32", "int8", "int4"])
@@ -158,7 +158,7 @@ def test_offload_with_dense_absorbs(dense):
         kvb = {f"{n}.kv_b_proj" for n in eng.dense.mla}
         assert kvb <= set(eng.dense.converted)            # prefill reads it at `dense` too
         attn = m.model.layers[0].self_attn
-        assert attn._specmoe_mla_w.kernel.shape["dtype"] == dense
+        assert attn._specmoe_mla.weights.kernel.shape["dtype"] == dense
         if dense == "f32":
             assert torch.equal(ref.generate(prompt, max_new_tokens=12, do_sample=False),
                                m.generate(prompt, max_new_tokens=12, do_sample=False))
@@ -192,7 +192,7 @@ def test_offload_with_dense_absorbs(dense):
     eng = hf.offload(m3, dtype="f32", dense="torch")
     try:
         assert eng.dense.mla == []
-        assert not hasattr(m3.model.layers[0].self_attn, "_specmoe_orig_forward")
+        assert not hasattr(m3.model.layers[0].self_attn, "_specmoe_mla")
     finally:
         eng.close()
 

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -52,8 +53,8 @@ from .layers import (ChainStep, CLinear, adapter_active, chain_step, decode_rout
 from ..storage.ggml_blocks import dequantize
 from ..storage.quant import quantize_int4, quantize_int8
 
-__all__ = ["MLA_MAX_TOKENS", "absorb_mla", "fuse_mla", "int4_values", "is_mla_attention",
-           "is_mla_layout"]
+__all__ = ["MLA_MAX_TOKENS", "MlaState", "absorb_mla", "fuse_mla", "int4_values",
+           "is_mla_attention", "is_mla_layout"]
 
 # Inputs up to this many tokens take the absorbed path: the absorbed form's per-query work
 # is r/(d_nope) ~ 4x the expanded form's, so for long inputs (prefill) expanding the latent
@@ -109,12 +110,42 @@ def int4_values(packed: np.ndarray) -> np.ndarray:
     return q
 
 
+@dataclass(eq=False)
+class MlaState:
+    """What :func:`absorb_mla` keeps on an MLA attention module, as its ``_specmoe_mla`` (read
+    in this file only): the settings of its absorbed decode form and what it wraps."""
+
+    ctx: Any = None  # the C kernel context, None for the torch path
+    fmt: str | None = None  # the absorbed weights' format: None, "int8", "int4" or "gguf"
+    blocks: tuple | None = None  # a GGUF file's attn_k_b / attn_v_b blocks and kinds ("gguf")
+    weights: "_Absorbed | None" = None  # the absorbed weights (_absorbed builds them)
+    max_tokens: int = 0  # the most tokens a forward takes the absorbed path for
+    orig_forward: Callable[..., Any] | None = None  # transformers' forward it wraps
+
+
+_NO_STATE = MlaState()  # what a module never absorbed reads as (never written)
+
+
+def _state_of(mod: nn.Module) -> MlaState:
+    """``mod``'s MlaState to read (an empty one, not stored, when it has none)."""
+    return mod.__dict__.get("_specmoe_mla") or _NO_STATE
+
+
+def _own_state(mod: nn.Module) -> MlaState:
+    """``mod``'s MlaState to write, made on first use."""
+    st = mod.__dict__.get("_specmoe_mla")
+    if st is None:
+        st = MlaState()
+        object.__setattr__(mod, "_specmoe_mla", st)
+    return st
+
+
 class _Absorbed:
     """One module's absorbed weights: the C kernel object (None without a kernel context) and
     the float W^UK [H, d_nope, r] / W^UV [H, d_v, r] the torch path reads (built when first
     needed).  ``fmt``: None (kv_b_proj's own float dtype), "int8" or "int4" (specmoe.storage.quant's
     formats per row of kv_b_proj, the torch path reading their dequantized values), or "gguf":
-    a GGUF file's attn_k_b / attn_v_b blocks (``mod._specmoe_mla_blocks``,
+    a GGUF file's attn_k_b / attn_v_b blocks (the module's ``MlaState.blocks``,
     :meth:`specmoe.storage.gguf.GgufCheckpoint.mla_blocks`), read as the file holds them."""
 
     def __init__(self, mod: nn.Module, w: torch.Tensor | None, fmt: str | None, ctx: Any,
@@ -124,7 +155,7 @@ class _Absorbed:
         self.dtype = w.dtype if w is not None else torch.float32
         self._rope_dim, self._scale = mod.qk_rope_head_dim, float(mod.scaling)
         if fmt == "gguf":
-            self._blocks = mod._specmoe_mla_blocks
+            self._blocks = _state_of(mod).blocks
             k_b, _, v_b, _ = self._blocks
             if k_b.shape[:2] != (H, r) or v_b.shape[:2] != (H, dv):
                 raise ValueError(f"GGUF attn_k_b {k_b.shape[:2]} / attn_v_b {v_b.shape[:2]} "
@@ -212,13 +243,12 @@ def _absorbed(mod: nn.Module) -> _Absorbed:
     :func:`absorb_mla`) the weights absorbed before stay in use; ValueError if there are
     none."""
     w = _kv_b_weight(mod)
-    ctx = getattr(mod, "_specmoe_mla_ctx", None)
-    fmt = getattr(mod, "_specmoe_mla_fmt", None)
-    cached = getattr(mod, "_specmoe_mla_w", None)
+    st = _state_of(mod)
+    ctx, fmt, cached = st.ctx, st.fmt, st.weights
     if fmt == "gguf":  # the file's blocks, whatever kv_b_proj (the prefill path's) is now
-        key = ("gguf", id(mod._specmoe_mla_blocks))
+        key = ("gguf", id(st.blocks))
         if cached is None or cached.key != key:
-            cached = mod._specmoe_mla_w = _Absorbed(mod, w, fmt, ctx, key)
+            cached = _own_state(mod).weights = _Absorbed(mod, w, fmt, ctx, key)
         elif cached.ctx is not ctx:
             cached.set_ctx(ctx)
         return cached
@@ -236,7 +266,7 @@ def _absorbed(mod: nn.Module) -> _Absorbed:
     key = (w.data_ptr(), w.dtype, w._version, fmt)
     if cached is None or cached.key != key or cached.ctx is not ctx:
         cached = _Absorbed(mod, w, fmt, ctx, key)
-        mod._specmoe_mla_w = cached
+        _own_state(mod).weights = cached
     return cached
 
 
@@ -401,7 +431,7 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
     for name, mod in found:  # every module checked before any is changed: fails now, not at
         # the first token, if it cannot be absorbed
         if name not in blocks and weights is None \
-                and getattr(mod, "_specmoe_mla_fmt", None) == "gguf":
+                and _state_of(mod).fmt == "gguf":
             fmts.append("gguf")  # a second call keeps the file's blocks
             continue
         if name in blocks:
@@ -413,7 +443,7 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
             continue
         fmts.append(weights)
         if _kv_b_weight(mod) is None:
-            cached = getattr(mod, "_specmoe_mla_w", None)
+            cached = _state_of(mod).weights
             if cached is None:
                 _absorbed(mod)  # raises
             if weights is None:
@@ -426,33 +456,35 @@ def absorb_mla(model: nn.Module, max_tokens: int = MLA_MAX_TOKENS, *,
             raise ValueError(f"int4 absorbed MLA weights need kv_lora_rank "
                              f"({mod.kv_lora_rank}) divisible by 32")
     for (name, mod), fmt in zip(found, fmts):
-        mod._specmoe_mla_ctx = ctx if kernel == "c" else None
-        mod._specmoe_mla_fmt = fmt
+        st = _own_state(mod)
+        st.ctx = ctx if kernel == "c" else None
+        st.fmt = fmt
         if name in blocks:
-            mod._specmoe_mla_blocks = blocks[name]
+            st.blocks = blocks[name]
         _absorbed(mod)
     done = []
     for name, mod in found:
-        orig = getattr(mod, "_specmoe_orig_forward", None) or mod.forward
+        st = _own_state(mod)
+        orig = st.orig_forward or mod.forward
         sig = inspect.signature(orig)
 
-        def forward(*args: Any, _mod: nn.Module = mod,
+        def forward(*args: Any, _mod: nn.Module = mod, _st: MlaState = st,
                     _sig: inspect.Signature = sig, **kwargs: Any) -> Any:
             # decoder layers pass everything by keyword: then the keywords are the arguments
             # (binding the signature cost ~70 us a call on a cold decode step)
             a = kwargs if not args and "hidden_states" in kwargs \
                 else _sig.bind(*args, **kwargs).arguments
             hs = a["hidden_states"]
-            if (not _mod.training and hs.dim() == 3 and hs.shape[1] <= _mod._specmoe_mla_max
+            if (not _mod.training and hs.dim() == 3 and hs.shape[1] <= _st.max_tokens
                     and a.get("position_embeddings") is not None
                     and mask_readable(a.get("attention_mask"), hs.shape[1])):
                 with torch.no_grad():
                     return _absorbed_forward(_mod, hs, a["position_embeddings"],
                                              a.get("attention_mask"), _cache_of(a)), None
-            return _mod._specmoe_orig_forward(*args, **kwargs)
+            return _st.orig_forward(*args, **kwargs)
 
-        mod._specmoe_orig_forward = orig
-        mod._specmoe_mla_max = max_tokens
+        st.orig_forward = orig
+        st.max_tokens = max_tokens
         mod.forward = forward
         done.append(name)
     return done
@@ -503,7 +535,7 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
         if not all(isinstance(p, CLinear) for p in projs) or ln[0] is None or ln[1] is None \
                 or any(norm_weight(n) is None for n in norms) \
                 or projs[0].out_dtype not in (torch.float32, torch.bfloat16) \
-                or getattr(attn, "_specmoe_mla_ctx", None) is not ctx or rope is None:
+                or _state_of(attn).ctx is not ctx or rope is None:
             continue
         layer._specmoe_mlab_parts = (projs, ctx, projs[0].out_dtype, rope)
         layer._specmoe_mlab = None
@@ -531,7 +563,7 @@ def _mla_block(layer: nn.Module) -> Any:
     attn = layer.self_attn
     ab = _absorbed(attn)
     cur = layer._specmoe_mlab
-    if cur is not None and cur[1] is ab.kernel and cur[2] == attn._specmoe_mla_max:
+    if cur is not None and cur[1] is ab.kernel and cur[2] == _state_of(attn).max_tokens:
         return cur[0]
     if ab.kernel is None:
         return None
@@ -550,12 +582,12 @@ def _mla_block(layer: nn.Module) -> Any:
         kw["joint"] = joint
     blk = _C.MLABlock(ctx, ab.kernel, q_b._c, kv_a._c, o._c, norm_weight(attn.kv_a_layernorm),
                       float(attn.kv_a_layernorm.variance_epsilon), bf16=dt == torch.bfloat16,
-                      max_tokens=max(attn._specmoe_mla_max, MLA_BLOCK_MAX_TOKENS), rope=rope,
+                      max_tokens=max(_state_of(attn).max_tokens, MLA_BLOCK_MAX_TOKENS), rope=rope,
                       **kw)
     dense = dense_mlp(layer)
     if dense is not None:
         blk.set_mlp(dense[0])
-    layer._specmoe_mlab = (blk, ab.kernel, attn._specmoe_mla_max)
+    layer._specmoe_mlab = (blk, ab.kernel, _state_of(attn).max_tokens)
     return blk
 
 
@@ -680,7 +712,7 @@ def _mla_layer_call(layer: nn.Module, blk: Any, x: torch.Tensor, pe: Any, rope: 
     """One decode step of the layer through its MLABlock (see :func:`fuse_mla`): B rows of T
     tokens, x [B, T, hidden], in calls of at most MLA_BLOCK_MAX_TOKENS tokens (whole rows)."""
     B, T, hidden = x.shape
-    G = max(1, max(layer.self_attn._specmoe_mla_max, MLA_BLOCK_MAX_TOKENS) // T)  # rows a call
+    G = max(1, max(_state_of(layer.self_attn).max_tokens, MLA_BLOCK_MAX_TOKENS) // T)  # rows a call
     route = decode_route(layer, x)
     dense = route is None and dense_in_call(layer, T)
     out = torch.empty(B, T, hidden, dtype=x.dtype)
@@ -723,7 +755,7 @@ def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
     dt, rope = layer._specmoe_mlab_parts[2:]
     B, T = (x.shape[0], x.shape[1]) if x.dim() == 3 else (0, 0)
     return (not layer.training and x.dim() == 3 and B >= 1
-            and 1 <= T <= attn._specmoe_mla_max
+            and 1 <= T <= _state_of(attn).max_tokens
             and x.dtype == dt and x.device.type == "cpu"
             and _rope_ok(pe, rope, T, attn.qk_rope_head_dim, B)
             and mask_readable(attention_mask, T)
