@@ -110,7 +110,7 @@ class DecodeStep:
     at OLMoE shapes (int4, 2 threads): outside the C calls a step spent ~0.3 ms in the
     embedding, the rotary table, the chain items and the final norm."""
 
-    def __init__(self, model: nn.Module, original: Any):
+    def __init__(self, model: nn.Module, original: Any, own_hooks: Any = None):
         self.model = model
         self.original = original
         # inspect.signature(model.forward) is the original's, not (*args, **kwargs):
@@ -122,7 +122,7 @@ class DecodeStep:
         # the forward hooks the plan may run beside (specmoe.models.dense's DecodeThreads,
         # which convert_dense installs and hands over); any other hook on the model sends
         # the step to the model's own forward
-        self.own_hooks: Any = None
+        self.own_hooks: Any = own_hooks
         self.steps = 0
         self.fallbacks = 0
         self.chaining = True
@@ -334,8 +334,8 @@ class DecodeStep:
             h = out
         # a recurrent layer's item writes its cache state in place: the plan holds while the
         # state is the same tensors (specmoe.models.linear_attn.gdn_chain_state)
-        states = [(lyr, chain_step(lyr).state(lyr, cache)) for lyr in layers
-                  if chain_step(lyr).state is not None]
+        states = [(lyr, cs.state(lyr, cache)) for lyr in layers
+                  if (cs := chain_step(lyr)).state is not None]
         if any(st is None for _, st in states):
             return None
         engines = {id(it[3]): it[3] for it in items if it[3] is not None}
@@ -532,8 +532,7 @@ def install_decode_step(model: nn.Module, own_hooks: Any = None) -> bool:
     kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if not kinds <= {"full_attention", "sliding_attention", "linear_attention"}:
         return False
-    step = DecodeStep(model, model.forward)
-    step.own_hooks = own_hooks
+    step = DecodeStep(model, model.forward, own_hooks)
     model.forward = step
     model._specmoe_decode_step = step
     return True

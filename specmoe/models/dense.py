@@ -351,11 +351,11 @@ def convert_dense(model: nn.Module, dtype: str | bool | None = "auto", *,
                     + fuse_gated_deltanet(model, ctx))
     if report.converted:
         report.norms = convert_norms(model)
-    if report.converted and getattr(model, "_specmoe_decode_threads", None) is None:
+    hooks = getattr(model, "_specmoe_decode_threads", None)
+    if report.converted and hooks is None:
         hooks = DecodeThreads(torch_above if torch_above is not None else TORCH_ABOVE)
         hooks.install(model)
         model._specmoe_decode_threads = hooks
-    hooks = getattr(model, "_specmoe_decode_threads", None)
     if hooks is not None:
         report.decode_torch_threads = 1
     layers = getattr(getattr(model, "model", None), "layers", None)
