@@ -449,8 +449,8 @@ def worker(spec_path: str) -> None:
             for a in blocks:
                 a._specmoe_block = _BlockTimer(a._specmoe_block, ab)
             for lyr in mlabs:  # (block, its MLA kernel, max tokens): the block timed
-                lyr._specmoe_mlab = (_BlockTimer(lyr._specmoe_mlab[0], ab),
-                                     *lyr._specmoe_mlab[1:])
+                lyr._specmoe_mlab = lyr._specmoe_mlab._replace(
+                    block=_BlockTimer(lyr._specmoe_mlab.block, ab))
             if chained:
                 dstep.chain = _ChainTimer(dstep.chain, ab)
                 dstep.plan_step = _ChainTimer(dstep.plan_step, ab)
@@ -482,7 +482,7 @@ def worker(spec_path: str) -> None:
             for a in blocks:
                 a._specmoe_block = a._specmoe_block.inner
             for lyr in mlabs:
-                lyr._specmoe_mlab = (lyr._specmoe_mlab[0].inner, *lyr._specmoe_mlab[1:])
+                lyr._specmoe_mlab = lyr._specmoe_mlab._replace(block=lyr._specmoe_mlab.block.inner)
             if chained:
                 dstep.chain = dstep.chain.inner
                 dstep.plan_step = dstep.plan_step.inner

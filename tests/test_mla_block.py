@@ -73,8 +73,8 @@ class _Counting:
 def _count(model):
     calls: list[tuple[str, int]] = []
     for layer in model.model.layers:
-        blk, kern, mx = layer._specmoe_mlab
-        layer._specmoe_mlab = (_Counting(blk, calls), kern, mx)
+        ref = layer._specmoe_mlab
+        layer._specmoe_mlab = ref._replace(block=_Counting(ref.block, calls))
     return calls
 
 
@@ -226,7 +226,7 @@ def test_fallbacks_use_the_layers_own_forward():
 def _block_args(m, S=3, T=1, cap=8, dt=np.float32):
     layer = m.model.layers[0]
     attn = layer.self_attn
-    blk = layer._specmoe_mlab[0]
+    blk = layer._specmoe_mlab.block
     hid, r, dr = m.config.hidden_size, attn.kv_lora_rank, attn.qk_rope_head_dim
     rng = np.random.default_rng(0)
     x = rng.standard_normal((T, hid)).astype(np.float32)
@@ -278,9 +278,9 @@ def test_bad_input_raises_and_leaves_the_cache_alone():
     # construction: shapes and companions are checked
     layer = m.model.layers[0]
     at = layer.self_attn
-    mla = layer._specmoe_mlab[1]
-    ctx = layer._specmoe_mlab_parts[1]
-    q, kva, o = (p._c for p in layer._specmoe_mlab_parts[0])
+    mla = layer._specmoe_mlab.kernel
+    ctx = layer._specmoe_mlab_parts.ctx
+    q, kva, o = (p._c for p in layer._specmoe_mlab_parts.projs)
     kvn = np.ones(at.kv_lora_rank, np.float32)
     with pytest.raises(ValueError, match="the q projection"):
         _C.MLABlock(ctx, mla, kva, kva, o, kvn, 1e-6)
@@ -365,7 +365,7 @@ def test_dense_mlp_in_the_block_checks_its_input():
     convert_dense(b, "f32")
     _unfused(b)
     layer = a.model.layers[0]
-    blk = layer._specmoe_mlab[0]
+    blk = layer._specmoe_mlab.block
     gate, up, down = dense_mlp(layer)[0]
     with pytest.raises(TypeError, match="tuple of _C.Linear"):
         blk.set_mlp(gate)

@@ -29,7 +29,7 @@ import inspect
 import re
 import sys
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +53,18 @@ _CTX: contextvars.ContextVar[Any] = contextvars.ContextVar("specmoe_gated_delta"
 _FN = "torch_recurrent_gated_delta_rule"
 # transformers 5.25's depthwise short convolution of a recurrent layer, given the nn.Conv1d
 _CONV_FORWARD = "causal_conv1d_forward"
+
+
+class GdnShape(NamedTuple):
+    """The shape of a fused gated-DeltaNet module's state, kept as its ``_specmoe_gdn_shape``
+    (read in this file only): what its cache's conv window and recurrent state must be for
+    the GdnBlock to take a call (:func:`_layer_states`)."""
+
+    conv_channels: int  # C = 2 Hk dk + Hv dv: the conv window's channels (q, k and v)
+    v_heads: int  # Hv
+    k_dim: int  # dk
+    v_dim: int  # dv
+    dtype: torch.dtype  # the module's activations (the block's dtype)
 
 
 def prepare(model: nn.Module, ctx: Any) -> dict[str, list[str]]:
@@ -343,7 +355,7 @@ def fuse_gated_deltanet(model: nn.Module, ctx: Any) -> list[str]:
         except (ValueError, TypeError):
             continue  # shapes the block does not take
         m._specmoe_gdn = blk
-        m._specmoe_gdn_shape = (2 * Hk * dk + Hv * dv, Hv, dk, dv, dt)
+        m._specmoe_gdn_shape = GdnShape(2 * Hk * dk + Hv * dv, Hv, dk, dv, dt)
         m.forward = _gdn_forward(m, m.forward)
         done.append(name)
     for layer in model.modules():
@@ -402,7 +414,7 @@ def _block_may_run(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: An
     without a padding mask, gradients or packed sequences, on a cache with transformers'
     linear-attention API, in eval mode (the conditions :func:`_gdn_states` and
     :func:`_gdn_recorded` share)."""
-    dt = m._specmoe_gdn_shape[4]
+    dt = m._specmoe_gdn_shape.dtype
     return not (cache is None or attention_mask is not None or x.dtype != dt
                 or x.device.type != "cpu" or m.training
                 or (torch.is_grad_enabled() and x.requires_grad)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -138,6 +138,28 @@ def _own_state(mod: nn.Module) -> MlaState:
         st = MlaState()
         object.__setattr__(mod, "_specmoe_mla", st)
     return st
+
+
+class MlaParts(NamedTuple):
+    """What a fused DeepSeek decoder layer's MLABlock is built from (:func:`fuse_mla`), kept as
+    the layer's ``_specmoe_mlab_parts`` (read in this file only) so the block can be built
+    again when its attention's absorbed kernel is."""
+
+    projs: list  # the CLinear projections: (q_a, q_b | q), kv_a, o
+    ctx: Any  # the C kernel context
+    dtype: torch.dtype  # the layer's activations (float32 or bfloat16)
+    rope: str  # the rotary form (_rope_form)
+
+
+class MlaBlockRef(NamedTuple):
+    """A fused layer's current MLABlock, as its ``_specmoe_mlab`` (read in this file only),
+    with what it was built over: rebuilt when the attention's absorbed kernel or its token
+    limit changes (:func:`_mla_block`).  Tests and benchmarks wrap ``block`` with
+    ``_replace``."""
+
+    block: Any  # the _C.MLABlock
+    kernel: Any  # the absorbed _C.MLADecode it reads
+    max_tokens: int  # the attention's max_tokens when it was built
 
 
 class _Absorbed:
@@ -537,7 +559,7 @@ def fuse_mla(model: nn.Module, ctx: _C.KernelContext | None = None) -> list[str]
                 or projs[0].out_dtype not in (torch.float32, torch.bfloat16) \
                 or _state_of(attn).ctx is not ctx or rope is None:
             continue
-        layer._specmoe_mlab_parts = (projs, ctx, projs[0].out_dtype, rope)
+        layer._specmoe_mlab_parts = MlaParts(projs, ctx, projs[0].out_dtype, rope)
         layer._specmoe_mlab = None
         # a dense layer (DeepSeek's first_k_dense_replace): its MLP in the block's call too
         dense = None if hasattr(layer.mlp, "experts") else silu_mlp_parts(layer.mlp)
@@ -563,8 +585,8 @@ def _mla_block(layer: nn.Module) -> Any:
     attn = layer.self_attn
     ab = _absorbed(attn)
     cur = layer._specmoe_mlab
-    if cur is not None and cur[1] is ab.kernel and cur[2] == _state_of(attn).max_tokens:
-        return cur[0]
+    if cur is not None and cur.kernel is ab.kernel and cur.max_tokens == _state_of(attn).max_tokens:
+        return cur.block
     if ab.kernel is None:
         return None
     projs, ctx, dt, rope = layer._specmoe_mlab_parts
@@ -587,7 +609,7 @@ def _mla_block(layer: nn.Module) -> Any:
     dense = dense_mlp(layer)
     if dense is not None:
         blk.set_mlp(dense[0])
-    layer._specmoe_mlab = (blk, ab.kernel, _state_of(attn).max_tokens)
+    layer._specmoe_mlab = MlaBlockRef(blk, ab.kernel, _state_of(attn).max_tokens)
     return blk
 
 
@@ -644,7 +666,7 @@ def _mla_layer_forward(layer: nn.Module, original: Any) -> Any:
     """A DeepSeek-V2/V3 decoder layer's forward with its decode steps through its MLABlock
     (:func:`fuse_mla`)."""
     attn = layer.self_attn
-    rope = layer._specmoe_mlab_parts[3]
+    rope = layer._specmoe_mlab_parts.rope
     dr = attn.qk_rope_head_dim
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -752,7 +774,8 @@ def _mla_decodable(layer: nn.Module, x: torch.Tensor, pe: Any,
     """Whether the layer's MLABlock serves this call (else the layer's own forward): B rows
     of T <= the absorbed path's tokens each (_mla_layer_call groups the rows)."""
     attn = layer.self_attn
-    dt, rope = layer._specmoe_mlab_parts[2:]
+    parts = layer._specmoe_mlab_parts
+    dt, rope = parts.dtype, parts.rope
     B, T = (x.shape[0], x.shape[1]) if x.dim() == 3 else (0, 0)
     return (not layer.training and x.dim() == 3 and B >= 1
             and 1 <= T <= _state_of(attn).max_tokens
@@ -768,7 +791,7 @@ def chain_rope(layer: nn.Module, pe: Any, T: int) -> tuple:
     """The rotary array among ``_C.MLABlock.layer``'s arguments for the last T positions of the
     decoder's position embeddings ``pe`` (freqs): ((index, array),), as :func:`chain_call`
     passes it; over a table of every position, a ``_C.DecodePlan``'s rotary table."""
-    return ((4, _rope_array(pe, layer._specmoe_mlab_parts[3], T,
+    return ((4, _rope_array(pe, layer._specmoe_mlab_parts.rope, T,
                             layer.self_attn.qk_rope_head_dim)),)
 
 
@@ -791,7 +814,7 @@ def chain_call(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, pe: Any,
     if type(blk) is not _C.MLABlock:
         return None
     eng, pos, flags = (None, -1, 0) if route is None else (route.engine, route.pos, route.flags)
-    args = _mla_args(layer, x, pe, layer._specmoe_mlab_parts[3], attn.qk_rope_head_dim, None,
-                     bufs)
+    args = _mla_args(layer, x, pe, layer._specmoe_mlab_parts.rope, attn.qk_rope_head_dim,
+                     None, bufs)
     return (blk, (None if eng is None else eng.layers, pos, flags, *args,
                   tensor_array(out.view(T, hidden))), bufs, eng)
