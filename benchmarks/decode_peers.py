@@ -448,7 +448,7 @@ def worker(spec_path: str) -> None:
             ab = {"attn": 0.0, "moe": 0.0, "mlp": 0.0}
             for a in blocks:
                 a._specmoe_block = _BlockTimer(a._specmoe_block, ab)
-            for lyr in mlabs:  # (block, its MLA kernel, max tokens): the block timed
+            for lyr in mlabs:  # an MlaBlockRef: its block timed
                 lyr._specmoe_mlab = lyr._specmoe_mlab._replace(
                     block=_BlockTimer(lyr._specmoe_mlab.block, ab))
             if chained:

@@ -584,12 +584,14 @@ def _mla_block(layer: nn.Module) -> Any:
     or absorb_mla changed max_tokens); None when the module has no C kernel now."""
     attn = layer.self_attn
     ab = _absorbed(attn)
+    mx = _state_of(attn).max_tokens
     cur = layer._specmoe_mlab
-    if cur is not None and cur.kernel is ab.kernel and cur.max_tokens == _state_of(attn).max_tokens:
+    if cur is not None and cur.kernel is ab.kernel and cur.max_tokens == mx:
         return cur.block
     if ab.kernel is None:
         return None
-    projs, ctx, dt, rope = layer._specmoe_mlab_parts
+    parts = layer._specmoe_mlab_parts
+    projs, ctx = parts.projs, parts.ctx
     kw: dict[str, Any] = {}
     if attn.q_lora_rank is not None:
         q_a, q_b, kv_a, o = projs
@@ -603,13 +605,13 @@ def _mla_block(layer: nn.Module) -> Any:
     if joint is not None:
         kw["joint"] = joint
     blk = _C.MLABlock(ctx, ab.kernel, q_b._c, kv_a._c, o._c, norm_weight(attn.kv_a_layernorm),
-                      float(attn.kv_a_layernorm.variance_epsilon), bf16=dt == torch.bfloat16,
-                      max_tokens=max(_state_of(attn).max_tokens, MLA_BLOCK_MAX_TOKENS), rope=rope,
-                      **kw)
+                      float(attn.kv_a_layernorm.variance_epsilon),
+                      bf16=parts.dtype == torch.bfloat16,
+                      max_tokens=max(mx, MLA_BLOCK_MAX_TOKENS), rope=parts.rope, **kw)
     dense = dense_mlp(layer)
     if dense is not None:
         blk.set_mlp(dense[0])
-    layer._specmoe_mlab = MlaBlockRef(blk, ab.kernel, _state_of(attn).max_tokens)
+    layer._specmoe_mlab = MlaBlockRef(blk, ab.kernel, mx)
     return blk
 
 
