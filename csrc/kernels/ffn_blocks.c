@@ -515,8 +515,11 @@ AI float row1_q4_1_tail(const uint8_t *w, const xin *x, uint32_t b, uint32_t n) 
  * pairs <= 12192 in int16).  Blocks go in pairs as in row1_b4x2 (their nibbles in the two
  * 128-bit lanes, the input's matching 16 columns loaded as they lie: the prepared input is in
  * pair order, pair_order),
- * one vpmaddwd a pair; three vphaddd fold the four pairs to one int32 lane a block (lanes
- * [0 2 4 6 | 1 3 5 7], one permute back to block order); then one offset, one conversion and
+ * the four pairs' int16 lanes (a block's 4 products each) folded in int16 by vphaddw, exact:
+ * one fold, 8 products <= 8 * 24 * 127 = 24384; Q4_0 and Q4_1 (u <= 15) a second, 16
+ * products <= 16 * 15 * 127 = 30480 < 2^15, then one vpmaddwd widens them to one int32 lane
+ * a block (lanes [0 2 4 6 | 1 3 5 7], one permute back to block order; MXFP4: two vpmaddwd
+ * after the first fold and a vphaddd); then one offset, one conversion and
  * one FMA with the eight blocks' d_w * s_x, the eight scales (f16, or E8M0 halved) read into
  * one vector.  row1_b4x2 spends per pair four vpsignb, two subtractions (or lookups), a
  * conversion, an FMA and two scalar scale reads; this form about 60 % of its vector
@@ -567,15 +570,20 @@ AI void rows_b4x8(int32_t dt, const uint8_t *w, const xin *x, uint32_t nt, uint3
                 const int8_t *xq = x[t].q + 32 * (b + 2 * k);
                 const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
                 const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
-                const __m256i p = _mm256_madd_epi16(
-                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)),
-                    ones);
-                if (k == 0 || k == 2)
+                /* int16 lanes: a block's four products (<= 4 * 24 * 127 = 12192) */
+                const __m256i p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                if (k == 0 || k == 2) {
                     m[t] = p;
-                else if (k == 1)
-                    h[t] = _mm256_hadd_epi32(m[t], p);
-                else
-                    h[t] = _mm256_hadd_epi32(h[t], _mm256_hadd_epi32(m[t], p));
+                } else if (k == 1) { /* low lane [b0 x4, b2 x4], high [b1 x4, b3 x4] */
+                    h[t] = _mm256_hadd_epi16(m[t], p);
+                } else if (mx) { /* a third fold could pass 2^15: widen both halves first */
+                    h[t] = _mm256_hadd_epi32(_mm256_madd_epi16(h[t], ones),
+                                             _mm256_madd_epi16(_mm256_hadd_epi16(m[t], p), ones));
+                } else { /* u <= 15: 16 products <= 30480 in int16, widened once */
+                    h[t] = _mm256_madd_epi16(
+                        _mm256_hadd_epi16(h[t], _mm256_hadd_epi16(m[t], p)), ones);
+                }
             }
         }
         __m256 d;
