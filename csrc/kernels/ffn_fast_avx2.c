@@ -291,6 +291,39 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
         }                                                                                      \
     }
 
+/* Four full 128-column blocks b .. b + 3 (indices bi .. bi + 3 of the current 8) of every row
+ * into F: each two blocks' int16 products (I4_BLOCK's p, <= 15240 a lane) folded by vphaddw
+ * (<= 30480 < 2^15, exact) and widened by one vpmaddwd, the two halves folded by vphaddd to one
+ * int32 lane a block, [b b+1 b+2 b+3] in both 128-bit lanes, then one conversion and one fma
+ * with the four scales S[q][t][bi ..] in both.  The same exact integer sum a block as
+ * I4_BLOCK; per four blocks two vpmaddwd, three conversions, fmas and broadcasts fewer.  (A
+ * 256-bit multiply is two micro-ops on Zen 1's one integer-multiply pipe.) */
+#define I4_BLOCK4(b, bi, F)                                                                    \
+    for (int q = 0; q < NR; q++) {                                                             \
+        __m256i a_[NTMAX];                                                                     \
+        for (int h_ = 0; h_ < 2; h_++) {                                                       \
+            __m256i l0, h0, l1, h1, l2, h2, l3, h3;                                            \
+            const uint8_t *wb_ = w[q] + (size_t)((b) + 2 * h_) * 64;                           \
+            I4_NIBBLES(wb_, l0, h0);                                                           \
+            I4_NIBBLES(wb_ + 32, l1, h1);                                                      \
+            I4_NIBBLES(wb_ + 64, l2, h2);                                                      \
+            I4_NIBBLES(wb_ + 96, l3, h3);                                                      \
+            for (int t = 0; t < NT; t++) {                                                     \
+                const int8_t *xb = x + (size_t)t * n + (size_t)((b) + 2 * h_) * 128;           \
+                __m256i p0 = _mm256_add_epi16(i4_chunk(l0, h0, xb, xb + 64),                   \
+                                              i4_chunk(l1, h1, xb + 32, xb + 96));             \
+                __m256i p1 = _mm256_add_epi16(i4_chunk(l2, h2, xb + 128, xb + 192),            \
+                                              i4_chunk(l3, h3, xb + 160, xb + 224));           \
+                __m256i s_ = _mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), ones);               \
+                a_[t] = h_ ? _mm256_hadd_epi32(a_[t], s_) : s_;                                \
+            }                                                                                  \
+        }                                                                                      \
+        for (int t = 0; t < NT; t++)                                                           \
+            F[q][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_[t]),                               \
+                                      _mm256_broadcast_ps((const __m128 *)&S[q][t][bi]),       \
+                                      F[q][t]);                                                \
+    }
+
 /* 64-column chunk c (index ci of the current 8) of every row into F: chunk c is half c & 1 of
  * block c / 2, whose odd columns start xo bytes into it (64, or 32 in a trailing half block).
  * SCALE(q, t, ci): the chunk's scales as 8 lanes (CHUNK_S64 / CHUNK_S32 below). */
@@ -320,9 +353,9 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
  * ((u . xq_t)_c - 8 * sum(xq_t)_c), w_q packed [n/2] bytes, ws_q its group scales, x int8
  * [NT][n] (layout of prepare_avx2), xs [NT][nb] block scales, xg [NT][n/group] the groups'
  * scaled sums of xq.  G: the group form.  0, groups of 128 or more: a scale per 128-column
- * block (I4_BLOCK); 64: a scale per chunk (I4_CHUNK; a trailing half block when
- * n % 128 == 64); 32: two scales per chunk (I4_CHUNK32; llama.cpp's Q4_0 blocks kept as they
- * are).  Per 8 units (blocks, or chunks) the combined scales S = sw * xs are formed in a small
+ * block (I4_BLOCK4 four at a time, I4_BLOCK the rest); 64: a scale per chunk (I4_CHUNK; a
+ * trailing half block when n % 128 == 64); 32: two scales per chunk (I4_CHUNK32; llama.cpp's
+ * Q4_0 blocks kept as they are).  Per 8 units (blocks, or chunks) the combined scales S = sw * xs are formed in a small
  * array first, and the groups' -8 offsets, sw * -8 * xg, go into the accumulator's lanes with
  * one fma per 8 groups (groups of 128, 64 and 32; larger groups: one dot product at the end).
  * One accumulator per (row, token) at every token count, so that a token's sums do not depend
@@ -409,14 +442,14 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                     for (uint32_t i = 0; i < m; i++) S[q][t][i] = ws[q][(u0 + i) / bpg] * xt[u0 + i];
                 }
             }
-        for (uint32_t i = 0; i < m; i++) {
-            if (G == 32) {
-                I4_CHUNK32(u0 + i, i, f);
-            } else if (G) {
-                I4_CHUNK(u0 + i, i, f);
-            } else {
-                I4_BLOCK(u0 + i, i, f);
-            }
+        if (G == 32) {
+            for (uint32_t i = 0; i < m; i++) I4_CHUNK32(u0 + i, i, f);
+        } else if (G) {
+            for (uint32_t i = 0; i < m; i++) I4_CHUNK(u0 + i, i, f);
+        } else {
+            uint32_t i = 0;
+            for (; i + 4 <= m; i += 4) I4_BLOCK4(u0 + i, i, f);
+            for (; i < m; i++) I4_BLOCK(u0 + i, i, f);
         }
     }
     for (int q = 0; q < NR; q++)
