@@ -324,6 +324,69 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
                                       F[q][t]);                                                \
     }
 
+/* Four 64-column chunks c .. c + 3 (c a multiple of 4, two full blocks; indices ci .. ci + 3)
+ * of every row into F, groups of 64 or 32: each chunk's int16 products (<= 4 * 15 * 127 =
+ * 7620 a lane) folded twice by vphaddw (16 products <= 30480 < 2^15, exact), then one
+ * vpmaddwd: groups of 64 [c c+1 c+2 c+3] in both 128-bit lanes, groups of 32 (a group a
+ * 128-bit half of a chunk) [g g+2 g+4 g+6 | g+1 g+3 g+5 g+7], g = 2c; then one conversion and
+ * one fma with SCALE4(q, t, ci), the matching scales (CHUNK4_S64 / CHUNK4_S32).  The same
+ * exact integer sum a group as I4_CHUNK / I4_CHUNK32 with one vpmaddwd, conversion and fma
+ * for four chunks instead of one. */
+#define I4_CHUNK4_WITH(c, ci, F, SCALE4)                                                       \
+    if (NT > 1) {                                                                              \
+        I4_CHUNK4_HALVES(c, ci, F, SCALE4);                                                    \
+    } else                                                                                     \
+    for (int q = 0; q < NR; q++) {                                                             \
+        __m256i l0, h0, l1, h1, l2, h2, l3, h3;                                                \
+        const uint8_t *wc_ = w[q] + (size_t)(c) * 32;                                          \
+        I4_NIBBLES(wc_, l0, h0);                                                               \
+        I4_NIBBLES(wc_ + 32, l1, h1);                                                          \
+        I4_NIBBLES(wc_ + 64, l2, h2);                                                          \
+        I4_NIBBLES(wc_ + 96, l3, h3);                                                          \
+        for (int t = 0; t < NT; t++) {                                                         \
+            const int8_t *xb = x + (size_t)t * n + (size_t)(c) / 2 * 128;                      \
+            __m256i s_ = _mm256_madd_epi16(                                                    \
+                _mm256_hadd_epi16(_mm256_hadd_epi16(i4_chunk(l0, h0, xb, xb + 64),             \
+                                                    i4_chunk(l1, h1, xb + 32, xb + 96)),       \
+                                  _mm256_hadd_epi16(i4_chunk(l2, h2, xb + 128, xb + 192),      \
+                                                    i4_chunk(l3, h3, xb + 160, xb + 224))),    \
+                ones);                                                                         \
+            F[q][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), SCALE4(q, t, ci), F[q][t]);      \
+        }                                                                                      \
+    }
+/* I4_CHUNK4_WITH's arithmetic for several tokens with half its nibbles live at a time (chunks
+ * c, c + 1 first, their first fold kept a token): the same integer sums and the same fma, so
+ * a token's bits do not depend on the tokens beside it. */
+#define I4_CHUNK4_HALVES(c, ci, F, SCALE4)                                                     \
+    for (int q = 0; q < NR; q++) {                                                             \
+        __m256i a_[NTMAX], l0, h0, l1, h1;                                                     \
+        const uint8_t *wc_ = w[q] + (size_t)(c) * 32;                                          \
+        I4_NIBBLES(wc_, l0, h0);                                                               \
+        I4_NIBBLES(wc_ + 32, l1, h1);                                                          \
+        for (int t = 0; t < NT; t++) {                                                         \
+            const int8_t *xb = x + (size_t)t * n + (size_t)(c) / 2 * 128;                      \
+            a_[t] = _mm256_hadd_epi16(i4_chunk(l0, h0, xb, xb + 64),                           \
+                                      i4_chunk(l1, h1, xb + 32, xb + 96));                     \
+        }                                                                                      \
+        I4_NIBBLES(wc_ + 64, l0, h0);                                                          \
+        I4_NIBBLES(wc_ + 96, l1, h1);                                                          \
+        for (int t = 0; t < NT; t++) {                                                         \
+            const int8_t *xb = x + (size_t)t * n + (size_t)(c) / 2 * 128 + 128;                \
+            __m256i s_ = _mm256_madd_epi16(                                                    \
+                _mm256_hadd_epi16(a_[t], _mm256_hadd_epi16(i4_chunk(l0, h0, xb, xb + 64),      \
+                                                           i4_chunk(l1, h1, xb + 32, xb + 96))), \
+                ones);                                                                         \
+            F[q][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), SCALE4(q, t, ci), F[q][t]);      \
+        }                                                                                      \
+    }
+/* groups of 64: chunks ci .. ci + 3's scales in both halves */
+#define CHUNK4_S64(q, t, ci) _mm256_broadcast_ps((const __m128 *)&S[q][t][ci])
+/* groups of 32: groups 2ci .. 2ci + 7's scales, even ones low, odd ones high (2ci a multiple
+ * of 8: an aligned load) */
+#define CHUNK4_S32(q, t, ci)                                                                   \
+    _mm256_permutevar8x32_ps(_mm256_load_ps(&S[q][t][2 * (ci)]),                               \
+                             _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7))
+
 /* 64-column chunk c (index ci of the current 8) of every row into F: chunk c is half c & 1 of
  * block c / 2, whose odd columns start xo bytes into it (64, or 32 in a trailing half block).
  * SCALE(q, t, ci): the chunk's scales as 8 lanes (CHUNK_S64 / CHUNK_S32 below). */
@@ -355,7 +418,8 @@ AI __m256i i4_chunk(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) 
  * scaled sums of xq.  G: the group form.  0, groups of 128 or more: a scale per 128-column
  * block (I4_BLOCK4 four at a time, I4_BLOCK the rest); 64: a scale per chunk (I4_CHUNK; a
  * trailing half block when n % 128 == 64); 32: two scales per chunk (I4_CHUNK32; llama.cpp's
- * Q4_0 blocks kept as they are).  Per 8 units (blocks, or chunks) the combined scales S = sw * xs are formed in a small
+ * Q4_0 blocks kept as they are); chunks four at a time (I4_CHUNK4_WITH) where they fill two
+ * blocks.  Per 8 units (blocks, or chunks) the combined scales S = sw * xs are formed in a small
  * array first, and the groups' -8 offsets, sw * -8 * xg, go into the accumulator's lanes with
  * one fma per 8 groups (groups of 128, 64 and 32; larger groups: one dot product at the end).
  * One accumulator per (row, token) at every token count, so that a token's sums do not depend
@@ -442,10 +506,22 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                     for (uint32_t i = 0; i < m; i++) S[q][t][i] = ws[q][(u0 + i) / bpg] * xt[u0 + i];
                 }
             }
-        if (G == 32) {
-            for (uint32_t i = 0; i < m; i++) I4_CHUNK32(u0 + i, i, f);
-        } else if (G) {
-            for (uint32_t i = 0; i < m; i++) I4_CHUNK(u0 + i, i, f);
+        if (G) { /* four chunks a step while they are two full blocks, then one a step */
+            uint32_t i = 0;
+            for (; i + 4 <= m && (size_t)(u0 + i + 4) * 64 <= n; i += 4) {
+                if (G == 32) {
+                    I4_CHUNK4_WITH(u0 + i, i, f, CHUNK4_S32);
+                } else {
+                    I4_CHUNK4_WITH(u0 + i, i, f, CHUNK4_S64);
+                }
+            }
+            for (; i < m; i++) {
+                if (G == 32) {
+                    I4_CHUNK32(u0 + i, i, f);
+                } else {
+                    I4_CHUNK(u0 + i, i, f);
+                }
+            }
         } else {
             uint32_t i = 0;
             for (; i + 4 <= m; i += 4) I4_BLOCK4(u0 + i, i, f);
