@@ -301,7 +301,7 @@ class _Acc:
 def worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     if spec["kind"] == "specmoe":
-        import specmoe  # noqa: F401  -- before torch, as users should (OMP_WAIT_POLICY)
+        import specmoe  # before torch, as users should (OMP_WAIT_POLICY)
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
     phase = Path(spec["result"] + ".phase")
@@ -315,7 +315,6 @@ def worker(spec_path: str) -> None:
     eng = None
     kernels = None
     if spec["kind"] == "specmoe":
-        import specmoe
         from specmoe.runtime import kernels
         model = specmoe.from_pretrained(spec["ckpt"], cache=1.0, dtype=spec["dtype"],
                                         policy="lru", prefetch=False, store=spec["store"],

@@ -921,7 +921,8 @@ static int host_moe(smoe_layers *g, uint32_t pos, const float *x, uint32_t T,
         if ((rc = queue_layer_misses(g, pos, idx, take, T, &overlap, err))) return rc;
         if (overlap) src = (smoe_moe_source){g, pinned_acquire, pinned_release, 0};
     }
-    smoe_ffn_desc dl = g->desc; /* this layer's: its own down format (smoe_layers_set_down_dtypes) */
+    /* this layer's: its own down format (smoe_layers_set_down_dtypes) */
+    smoe_ffn_desc dl = g->desc;
     if (g->down_dt) dl.down_dtype = g->down_dt[pos] == dl.dtype ? 0 : g->down_dt[pos];
     rc = smoe_moe_forward_order(g->kc, &dl, &src, pos, E, x, T, idx, w, k, take,
                                 overlap ? g->visit : NULL, par, out, used, err);

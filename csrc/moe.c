@@ -147,8 +147,9 @@ int smoe_moe_forward_order(smoe_kctx *kc, const smoe_ffn_desc *d, const smoe_moe
                               out, used, err);
         goto done;
     }
+    size_t nrows = (size_t)start[num_experts] + 1;
     if (!(scratch = malloc(smoe_ffn_scratch_bytes(d, maxn))) ||
-        (fixed_sum && (!(contrib = malloc(sizeof *contrib * ((size_t)start[num_experts] + 1) * H)) ||
+        (fixed_sum && (!(contrib = malloc(sizeof *contrib * nrows * H)) ||
                        !(xg = malloc(sizeof *xg * ((size_t)maxn + 1) * H))))) {
         rc = smoe_err_set(err, SMOE_ENOMEM, "moe layer %u: no kernel scratch for %u tokens",
                           layer, maxn);

@@ -187,7 +187,9 @@ void smoe_slots_set_pass(smoe_slots *t, uint64_t pass_id) {
     smoe_policy_pass(t->policy, pass_id);
 }
 
-void smoe_slots_set_prior(smoe_slots *t, const float *prior) { smoe_policy_prior(t->policy, prior); }
+void smoe_slots_set_prior(smoe_slots *t, const float *prior) {
+    smoe_policy_prior(t->policy, prior);
+}
 
 static void load_done(smoe_slots *t, uint32_t s, int rc, const smoe_err *lerr) {
     smoe_slot *sl = &t->slots[s];

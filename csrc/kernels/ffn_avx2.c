@@ -184,8 +184,10 @@ AI void dot_i4(const uint8_t *w0, const uint8_t *w1, const float *s0, const floa
         __m256 sv0 = _mm256_set1_ps(s0[g]), sv1 = _mm256_set1_ps(s1[g]);
         for (uint32_t b = g * group; b < (g + 1) * group; b += 32) {
             for (uint32_t hh = 0; hh < 16; hh += 8) {
-                __m256i l0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + b / 2 + hh)));
-                __m256i l1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + b / 2 + hh)));
+                const __m128i *p0 = (const __m128i *)(w0 + b / 2 + hh);
+                const __m128i *p1 = (const __m128i *)(w1 + b / 2 + hh);
+                __m256i l0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p0));
+                __m256i l1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p1));
                 __m256 w0l = _mm256_mul_ps(
                     sv0, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(l0, m15), e8)));
                 __m256 w0h = _mm256_mul_ps(

@@ -531,7 +531,8 @@ AI void rowsN(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
         dot_bf16(w, NR, (const uint16_t *)j->q + (size_t)t0 * n, n, NT, r);
     } else if (d->dtype == SMOE_WDT_I8) {
         const int8_t *w[4];
-        for (int q = 0; q < NR; q++) w[q] = (const int8_t *)(j->block + off[q]) + (size_t)row[q] * n;
+        for (int q = 0; q < NR; q++)
+            w[q] = (const int8_t *)(j->block + off[q]) + (size_t)row[q] * n;
         dot_i8(w, NR, (const int16_t *)j->q + (size_t)t0 * n, n, NT, r);
         for (int q = 0; q < NR; q++) {
             float sw = ((const float *)(j->block + soff[q]))[row[q]];

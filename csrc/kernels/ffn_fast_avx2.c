@@ -96,8 +96,9 @@ static void prepare_avx2(int32_t dtype, uint32_t group, const float *src, size_t
          * o[16g..16g+16) and the odd ones to o[len/2+16g..) (len: the block's columns);
          * qg[t][g] += s * (sum of v over the block's columns in weight group g) */
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-        const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                               0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m256i split = _mm256_setr_epi8(
+            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
         const uint32_t nb = (n + 127) / 128, ng = n / group;
         int8_t *o = (int8_t *)q + (size_t)t * n;
         float *g_t = qg + (size_t)t * ng;
@@ -216,7 +217,8 @@ AI __m256i lanes_below(uint32_t m) {
 AI float dotf(const float *a, const float *b, uint32_t n) {
     __m256 s = _mm256_setzero_ps();
     uint32_t k = 0;
-    for (; k + 8 <= n; k += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s);
+    for (; k + 8 <= n; k += 8)
+        s = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s);
     float r = hsum8(s);
     for (; k < n; k++) r += a[k] * b[k];
     return r;
@@ -503,7 +505,8 @@ AI void dot_i4(const uint8_t *const *w, const float *const *ws, const int NR, co
                     f[q][t] = _mm256_fmadd_ps(_mm256_mul_ps(sw, m8),
                                               _mm256_maskload_ps(xgt + u0, mk), f[q][t]);
                 } else {
-                    for (uint32_t i = 0; i < m; i++) S[q][t][i] = ws[q][(u0 + i) / bpg] * xt[u0 + i];
+                    for (uint32_t i = 0; i < m; i++)
+                        S[q][t][i] = ws[q][(u0 + i) / bpg] * xt[u0 + i];
                 }
             }
         if (G) { /* four chunks a step while they are two full blocks, then one a step */
@@ -545,7 +548,8 @@ AI void rowsV(const smoe_ffn_job *j, const uint64_t *off, const uint64_t *soff,
               __m256 (*acc)[NTMAX]) {
     if (j->d->dtype == SMOE_WDT_I8) {
         const int8_t *w[4];
-        for (int q = 0; q < NR; q++) w[q] = (const int8_t *)(j->block + off[q]) + (size_t)row[q] * n;
+        for (int q = 0; q < NR; q++)
+            w[q] = (const int8_t *)(j->block + off[q]) + (size_t)row[q] * n;
         dot_i8(w, NR, (const int16_t *)j->q + (size_t)t0 * n, n, NT, acc);
         return;
     }

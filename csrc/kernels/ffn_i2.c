@@ -129,7 +129,8 @@ static void down_with(const smoe_ffn_job *j, uint32_t h0, uint32_t h1, i2_dot_fn
     const float *ds = (const float *)(j->block + d->down_scale);
     for (uint32_t h = h0; h < h1; h++)
         for (uint32_t t = 0; t < j->T; t++)
-            smoe_ffn_store_out(j, h, t, dot(dw + h * rb, ds + h * rs, j->act + (size_t)t * I, I, g));
+            smoe_ffn_store_out(j, h, t,
+                               dot(dw + h * rb, ds + h * rs, j->act + (size_t)t * I, I, g));
 }
 
 static void gateup_scalar(const smoe_ffn_job *j, uint32_t a, uint32_t b) {
