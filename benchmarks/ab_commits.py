@@ -51,12 +51,19 @@ def run(tree: Path, script: str, args: list[str], timeout: float) -> dict:
     return d
 
 
+def _key(r: dict) -> str:
+    return f"{r.get('model', '-')}/{r.get('name')}/t{r.get('threads', '-')}"
+
+
 def rows_of(d: dict) -> dict:
-    out = {}
-    for r in d.get("rows", []):
-        key = f"{r.get('model', '-')}/{r.get('name')}/t{r.get('threads', '-')}"
-        out[key] = r.get("tok_per_s") if not r.get("error") else None
-    return out
+    """tok/s per row (None where the row failed)."""
+    return {_key(r): r.get("tok_per_s") if not r.get("error") else None
+            for r in d.get("rows", [])}
+
+
+def errors_of(d: dict) -> dict:
+    """The error of each row that failed."""
+    return {_key(r): str(r["error"]) for r in d.get("rows", []) if r.get("error")}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,8 +91,9 @@ def main(argv: list[str] | None = None) -> None:
             got[side] = d
             side_runs[side].append(d)
             runs.append({"round": rnd + 1, "side": side, "wall_s": d.get("wall_s"),
-                         "error": d.get("error")})
-            print(f"round {rnd + 1} {side}: {d.get('error') or rows_of(d)}", file=sys.stderr)
+                         "error": d.get("error"), "row_errors": errors_of(d) or None})
+            print(f"round {rnd + 1} {side}: {d.get('error') or rows_of(d)}"
+                  + (f" errors: {errors_of(d)}" if errors_of(d) else ""), file=sys.stderr)
         for side in ("base", "new"):
             for k, v in rows_of(got[side]).items():
                 per.setdefault(k, {"base": [], "new": []})[side].append(v)

@@ -768,7 +768,8 @@ def main() -> None:
     lc = None
     # llama.cpp's context: the prompt, the decoded tokens and some room, in whole 256s
     llama_ctx = max(256, -(-(a.prompt_tokens + DECODE_TOKENS + 16) // 256) * 256)
-    if any(r["kind"] == "llama.cpp" for r in rows_def):
+    # llama.cpp's rows run its binaries; the specmoe rows of a GGUF file need its converter
+    if any(r["kind"] == "llama.cpp" or "gguf" in r for r in rows_def):
         lc = bm.LlamaCpp(Path(a.peers).expanduser(), not a.no_build_peers, max(threads),
                          a.llama_isa)
 
