@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> None:
             d = run(trees[side], script, args, a.timeout)
             got[side] = d
             side_runs[side].append(d)
+            errs = errors_of(d)
             runs.append({"round": rnd + 1, "side": side, "wall_s": d.get("wall_s"),
-                         "error": d.get("error"), "row_errors": errors_of(d) or None})
+                         "error": d.get("error"), "row_errors": errs or None})
             print(f"round {rnd + 1} {side}: {d.get('error') or rows_of(d)}"
-                  + (f" errors: {errors_of(d)}" if errors_of(d) else ""), file=sys.stderr)
+                  + (f" errors: {errs}" if errs else ""), file=sys.stderr)
         for side in ("base", "new"):
             for k, v in rows_of(got[side]).items():
                 per.setdefault(k, {"base": [], "new": []})[side].append(v)
