@@ -158,3 +158,119 @@ def test_row_layer_kind_names_what_a_batch_row_can_live_in():
     assert row_layer_kind(cu.DynamicSlidingWindowLayer(sliding_window=4)) is None
     assert row_layer_kind(cu.LinearAttentionAndFullAttentionLayer()) is None
     assert row_layer_kind(object()) is None
+
+
+class _OracleDrafter:
+    """Drafts from each prompt's reference continuation, with a length drawn per call (0 to k)
+    and one token in three wrong: rows of one batch step feed different numbers of tokens and
+    keep different numbers of them, every cut back from 0 to all of a row's drafts occurs."""
+
+    def __init__(self, prompts, refs, seed=0):
+        self.ref = {tuple(p): r for p, r in zip(prompts, refs)}
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def propose(self, history, k):
+        for p, r in self.ref.items():
+            if tuple(history[:len(p)]) == p:
+                j = len(history) - len(p)
+                break
+        else:
+            raise AssertionError("a history of no prompt")
+        n = int(torch.randint(0, k + 1, (1,), generator=self.rng))
+        out = list(r[j:j + n])
+        for i in range(len(out)):
+            if int(torch.randint(0, 3, (1,), generator=self.rng)) == 0:
+                out[i] = (out[i] + 1) % 128
+        return out
+
+
+@pytest.mark.parametrize("arch,dtype,drafter", [("qwen3_next", torch.float32, "oracle"),
+                                                ("qwen3_next", torch.bfloat16, "oracle"),
+                                                ("qwen3_next", torch.float32, "self"),
+                                                ("jamba", torch.float32, "oracle"),
+                                                ("granitemoehybrid", torch.float32, "oracle")])
+def test_batched_speculation_cuts_each_recurrent_row_back_to_its_own_drafts(arch, dtype,
+                                                                             drafter):
+    """specmoe.generate on a batch of prompts of different lengths with drafts of different
+    lengths per row, partly wrong: each row's tokens are model.generate's greedy tokens for
+    its prompt alone (the recurrent states of a row are put back to its own last accepted
+    token; SelfDraft drafts on the target's own batch cache and is taken back out of it)."""
+    from specmoe.speculation.controllers import StaticK
+    from specmoe.speculation.drafters import SelfDraft
+    model, eng = _hybrid(arch, dtype)
+    try:
+        prompts = _prompts(seed=7, lens=(12, 5, 17))
+        N = 14
+        refs = greedy_alone(model, prompts, N)
+        d = _OracleDrafter(prompts, refs) if drafter == "oracle" else SelfDraft(eng, share_kv=True)
+        B, n = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros((B, n), dtype=torch.long)
+        mask = torch.zeros((B, n), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, n - len(p):] = torch.tensor(p)
+            mask[b, n - len(p):] = 1
+        out = specmoe.generate(model, ids, d, StaticK(3), attention_mask=mask, max_new_tokens=N,
+                               tau=None, eos_token_id=None)
+        assert out.sequences[:, n:].tolist() == refs
+        rows = [(k, a) for it in out.iterations for k, a in zip(it["k_rows"],
+                                                                it["accepted_rows"])]
+        if drafter == "oracle":  # what the test is for: rows cut back by different counts
+            assert {k for k, _ in rows} >= {0, 1, 2, 3}
+            assert any(0 < a < k for k, a in rows) and any(a == k > 0 for k, a in rows)
+            assert any(a == 0 < k for k, a in rows)
+    finally:
+        eng.close()
+
+
+def _states(kv, b=0):
+    """Every recurrent layer's (conv window, recurrent state) of row ``b``."""
+    out = []
+    for lay in kv.layers:
+        if is_state_layer(lay):
+            for i in range(lay.number_of_states):
+                c = lay.conv_states[i] if lay.is_conv_states_initialized[i] else None
+                r = lay.recurrent_states[i] if lay.is_recurrent_states_initialized[i] else None
+                out.append((None if c is None else c[b], None if r is None else r[b]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "jamba", "granitemoehybrid"])
+def test_keep_puts_each_recurrent_row_back_to_the_state_of_its_kept_tokens(arch):
+    """Rows feed 4, 2 and 3 tokens in one recorded forward and keep 2, 2 and 1 of them: after
+    trim each row's conv window and recurrent state are those of its prompt and kept tokens
+    fed alone, and its next step's logits are that sequence's; keeping more than the records
+    hold is refused by name."""
+    model, eng = _hybrid(arch)
+    try:
+        prompts = _prompts(seed=9, lens=(11, 7, 15))
+        bkv = BatchKV(model, 0, window=4)
+        for p in prompts:
+            kv, _ = _prefill_alone(model, p)
+            bkv.join(kv)
+        fed = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+        kept = [2, 2, 1]
+        base = list(bkv.npos)
+        bkv.forward(fed)
+        with pytest.raises(ValueError, match="keep no positions"):
+            bkv.keep(0, base[0] - 1)        # a prompt token: recorded by no one
+        for b, k in enumerate(kept):
+            bkv.keep(b, base[b] + k)
+        bkv.trim()
+        lg = bkv.forward([[40], [41], [42]])
+        bkv.trim()                          # (the step recorded its token: windows cut to size)
+        for b, p in enumerate(prompts):
+            alone, _ = _prefill_alone(model, p + fed[b][:kept[b]])
+            x = torch.tensor([[40 + b]])
+            with torch.no_grad():
+                out = model(input_ids=x, attention_mask=torch.ones((1, int(
+                    alone.get_seq_length()) + 1), dtype=torch.long), use_cache=True,
+                    **cache_kwargs(model, alone))
+            torch.testing.assert_close(lg[b, 0], out.logits[0, -1], atol=1e-4, rtol=1e-4)
+            for (c, r), (c1, r1) in zip(_states(bkv.kv, b), _states(alone)):
+                if c is not None:
+                    torch.testing.assert_close(c, c1, atol=1e-5, rtol=1e-5)
+                if r is not None:
+                    torch.testing.assert_close(r, r1, atol=1e-5, rtol=1e-5)
+        assert bkv.npos == [base[b] + kept[b] + 1 for b in range(3)]
+    finally:
+        eng.close()

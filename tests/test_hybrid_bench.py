@@ -101,3 +101,17 @@ def test_hybrid_serve_quick_run_batches_decode_steps(tmp_path):
         assert r["vs_alone_runs"] == [round(r["batched_decode_tok_s_runs"][0]
                                             / r["alone_decode_tok_s_runs"][0], 3)]
         assert 0 < r["batched_out_tok_s_runs"][0] <= r["batched_decode_tok_s_runs"][0] * 1.5
+
+
+def test_hybrid_serve_quick_run_verifies_drafts_in_a_batch(tmp_path):
+    """benchmarks/hybrid_serve.py --quick --drafter self: at 3 clients the batched mode verifies
+    drafts in batched forwards, the alone mode in none; all three modes (plain decoding
+    included) give every request the same tokens, and the ratios are per round."""
+    out = _quick(tmp_path, "hybrid_serve.py", "--drafter", "self")
+    assert out["config"]["drafter"] == "self" and out["config"]["controller"] == "static:3"
+    rows = {r["clients"]: r for r in out["rows"]}
+    assert set(rows) == {1, 3} and all("error" not in r for r in rows.values()), out["rows"]
+    r = rows[3]
+    assert r["same_tokens_runs"] == [True] and r["batched_batched_verifications_runs"][0] > 0
+    assert r["alone_batched_verifications_runs"] == [0] and r["alone_proposed_runs"][0] > 0
+    assert r["plain_proposed_runs"] == [None] and len(r["vs_plain_runs"]) == 1

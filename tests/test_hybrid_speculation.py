@@ -98,14 +98,11 @@ def test_self_draft_on_a_hybrid_equals_greedy():
 
 
 def test_what_cannot_be_cut_back_is_refused_by_name():
-    """MiniMax's own cache records no recurrent state; a batch of rows is not cut back within
-    a window either: both refused, naming the layers, before anything runs."""
+    """MiniMax's own cache records no recurrent state, alone or in a batch: refused, naming
+    the layers, before anything runs.  (A batch of a model whose layers record their states
+    is cut back row by row: tests/test_batch_recurrent.py.)"""
     mm = tiny_model("minimax")
-    with pytest.raises(ValueError, match="minimax's linear_attention layers .* cannot be "
-                                         "rolled back"):
-        specmoe.generate(mm, torch.tensor([5, 6, 7]), drafter=_Erring([], 10),
-                         controller=StaticK(2))
-    q = tiny_model("qwen3_next")
-    with pytest.raises(ValueError, match="qwen3_next's linear_attention layers"):
-        specmoe.generate(q, torch.tensor([[5, 6, 7], [8, 9, 10]]), drafter=_Erring([], 10),
-                         controller=StaticK(2))
+    for ids in (torch.tensor([5, 6, 7]), torch.tensor([[5, 6, 7], [8, 9, 10]])):
+        with pytest.raises(ValueError, match="minimax's linear_attention layers .* cannot be "
+                                             "rolled back"):
+            specmoe.generate(mm, ids, drafter=_Erring([], 10), controller=StaticK(2))

@@ -127,6 +127,15 @@ def test_generate_refuses_speculation_the_plan_did_not_set_aside():
         out = specmoe.generate(m, torch.tensor([5, 6, 7]), drafter=Nothing(),
                                controller=StaticK(3), max_new_tokens=2, eos_token_id=None)
         assert out.sequences.shape[-1] == 5
+        # a batch's rows record theirs at once: 2 rows of 3 drafts need 8 states, 2 of 1 four
+        two = torch.tensor([[5, 6, 7], [8, 9, 10]])
+        with pytest.raises(ValueError, match=r"3 drafts in each of 2 rows .* k_max=7\), or "
+                                             r"pass a controller with k_max <= 1"):
+            specmoe.generate(m, two, drafter=Nothing(), controller=StaticK(3),
+                             max_new_tokens=2, eos_token_id=None)
+        out = specmoe.generate(m, two, drafter=Nothing(), controller=StaticK(1),
+                               max_new_tokens=2, eos_token_id=None)
+        assert out.sequences.shape == (2, 5)
         eng.memory_plan = None  # no plan: nothing to check
         specmoe.generate(m, torch.tensor([5, 6, 7]), drafter=Nothing(), controller=StaticK(5),
                          max_new_tokens=2, eos_token_id=None)

@@ -338,10 +338,10 @@ def test_a_sliding_window_model_is_served_with_drafts_and_a_recurrent_one_refuse
 
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
 def test_a_gated_deltanet_hybrid_is_served_with_drafts(drafter):
-    """Qwen3.5-MoE (gated DeltaNet): requests decode alone (never batched), each on a cache
-    that records its linear-attention states over a verification's window (transformers
-    5.25), prefilled unrecorded in chunks; with drafts cut back, their tokens are
-    model.generate's alone."""
+    """Qwen3.5-MoE (gated DeltaNet): prompts prefilled alone, unrecorded, in chunks; decode
+    steps batched, the batch's linear-attention rows recording their states over a
+    verification's window (transformers 5.25) and each cut back to its own accepted drafts:
+    every request's tokens are model.generate's alone."""
     from specmoe.models.testing import tiny_model
     model = tiny_model("qwen3_5_moe_text", vocab=64)
     if not records_recurrent_states(model):
@@ -349,8 +349,30 @@ def test_a_gated_deltanet_hybrid_is_served_with_drafts(drafter):
     model.generation_config.eos_token_id = None
     eng = specmoe.offload(model, dtype="f32", dense="f32", cache=0.5)
     try:
-        _served_as_alone(model, [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 3, [7, 8, 9, 10] * 5],
-                         drafter, 8, reason="verifies its drafts on its own cache")
+        sch = _served_as_alone(model, [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 3,
+                                       [7, 8, 9, 10] * 5, [3, 4, 3, 4, 60, 3, 4, 3]],
+                               drafter, 8)
+        assert sch.batch_off_reason is None and sch.batched_steps > 0
+        assert sch.batched_verifications > 0  # drafts verified in one batched forward
+    finally:
+        eng.close()
+
+
+def test_a_hybrid_verifies_alone_where_the_plan_holds_one_verification():
+    """The memory plan set aside the states one verification records, not those of
+    max_batch rows: decode steps are not batched (the reason names the plan), and each
+    request verifies on its own cache with model.generate's tokens."""
+    import types
+    from specmoe.models.testing import tiny_model
+    model = tiny_model("qwen3_5_moe_text", vocab=64)
+    if not records_recurrent_states(model):
+        pytest.skip("transformers < 5.25 records no recurrent states")
+    model.generation_config.eos_token_id = None
+    eng = specmoe.offload(model, dtype="f32", dense="f32", cache=0.5)
+    try:
+        eng.memory_plan = types.SimpleNamespace(record_tokens=4, budget_bytes=2 << 30)
+        _served_as_alone(model, [[5, 9, 11, 5, 9, 11] * 2, [7, 8, 9, 10] * 3], "ngram", 8,
+                         reason="3 drafts in each of 4 rows")
     finally:
         eng.close()
 
@@ -372,6 +394,7 @@ def _served_as_alone(model, prompts, drafter, chunk, reason=None):
             assert sch.batched_steps == 0
     finally:
         sch.close()
+    return sch
 
 
 def test_cli_checks_the_controller_before_loading(capsys):

@@ -457,18 +457,20 @@ def _gdn_states(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
 
 def _gdn_recorded(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any,
                   kwargs: dict) -> torch.Tensor | None:
-    """x [1, T, hidden] through ``m`` in one ``GdnBlock.steps`` call when ``cache`` records
+    """x [B, T, hidden] through ``m``, one ``GdnBlock.steps`` call per row, when ``cache`` records
     ``m``'s layer (a speculative verification, ``specmoe.speculation.decoding.new_kv(rollback=
     True)``) and keeps at least T states, as transformers' forward computes it there (every
     token a recurrent step, the window grown by the T inputs, the state after each token
     recorded so a crop can restore it), else None (the module's own forward runs).  The cache
     is updated through its own API: ``update_conv_state`` with the T new columns (it grows the
-    window and counts the tokens), ``update_recurrent_state`` with the T states."""
+    window and counts the tokens), ``update_recurrent_state`` with the T states.  B > 1: the
+    rows of a batch's verification (:class:`specmoe.speculation.batch.BatchKV` recording),
+    each row the very call its verification alone makes, so it keeps that call's bits."""
     C, Hv, dk, dv, _ = m._specmoe_gdn_shape
     B, T = x.shape[0], x.shape[1]
     recording = getattr(cache, "is_recording_past", None)
     keep = getattr(cache, "get_recurrent_states_to_keep", None)
-    if (B != 1 or T > GDN_MAX_ROWS or recording is None or keep is None
+    if (B < 1 or B > GDN_MAX_ROWS or T > GDN_MAX_ROWS or recording is None or keep is None
             or not hasattr(cache, "update_conv_state")
             or not hasattr(cache, "update_recurrent_state")
             or not _block_may_run(m, x, cache, attention_mask, kwargs)):
@@ -476,24 +478,28 @@ def _gdn_recorded(m: nn.Module, x: torch.Tensor, cache: Any, attention_mask: Any
     idx = m.layer_idx
     if not recording(idx) or T > int(keep(idx) or 0):
         return None
-    states = _layer_states(m, cache, 1)
+    states = _layer_states(m, cache, B)
     K = int(m.conv1d.kernel_size[0])
     if states is None or states[0].shape[-1] < K - 1:
         return None
     conv, rec = states
-    L0, hidden = conv.shape[-1], x.shape[-1]
-    win = torch.empty(C, L0 + T, dtype=conv.dtype)
-    win[:, :L0] = conv[0]
-    hist = torch.empty(T, 1, Hv, dk, dv)
-    xa = x.detach().reshape(T, hidden)
+    L0 = conv.shape[-1]
+    win = torch.empty(B, C, L0 + T, dtype=conv.dtype)
+    win[:, :, :L0] = conv
+    hist = torch.empty(B, T, Hv, dk, dv)   # row b's T states side by side, as steps writes them
+    xa = x.detach()
     if not xa.is_contiguous():
         xa = xa.contiguous()
     out = torch.empty_like(xa)
-    m._specmoe_gdn.steps(tensor_array(xa), tensor_array(win), rec.detach()[0].numpy(),
-                         hist.view(T, Hv, dk, dv).numpy(), tensor_array(out))
-    cache.update_conv_state(win[None, :, L0:], idx, conv_kernel_size=K)
-    cache.update_recurrent_state(list(hist.unbind(0)), idx)
-    return out.reshape(1, T, hidden)
+    r = rec.detach()
+    for b in range(B):  # (steps reads the row's state and writes its T successors to hist)
+        m._specmoe_gdn.steps(tensor_array(xa[b]), tensor_array(win[b]), r[b].numpy(),
+                             hist[b].numpy(), tensor_array(out[b]))
+    cache.update_conv_state(win[:, :, L0:], idx, conv_kernel_size=K)
+    # the cache keeps [B, ...] states per token: one batch's state after each of the T tokens
+    steps = list(hist.unbind(1)) if B == 1 else list(hist.transpose(0, 1).contiguous().unbind(0))
+    cache.update_recurrent_state(steps, idx)
+    return out
 
 
 def count_step(cache: Any, idx: int) -> None:

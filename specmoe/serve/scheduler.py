@@ -68,12 +68,15 @@ requests are interleaved step by step, one forward each, as before.
 Models with recurrent layers (linear attention, Mamba, short convolutions: Qwen3-Next,
 Qwen3.5-MoE, Jamba, Kimi-Linear, GraniteMoeHybrid, Ling, LFM2, on transformers 5.25's cache
 layers) batch their plain decode steps: each row's recurrent state is row b of its layer's
-state tensors (:class:`BatchKV`, "stateful"), every row feeds one token, and the
-attention layers hold holes as above.  What would put a hole into a state is not batched: their
-prompts are prefilled alone (a batched linear-attention or Mamba prefill runs torch's chunked
-paths, which round a row by the batch's shape), and with a drafter every request verifies on
-its own cache.  A fault in a batched decode step of such a model fails every row of it (500):
-a state keeps no positions, so the part of the step it may hold cannot be taken back out.
+state tensors (:class:`BatchKV`, "stateful"), and the attention layers hold holes as above.
+Their prompts are prefilled alone (a batched linear-attention or Mamba prefill runs torch's
+chunked paths, which round a row by the batch's shape).  With a drafter (not MTP) the batch's
+recurrent layers record their states over a verification's tokens (:class:`BatchKV`'s
+window), so rows verify drafts of different lengths together and each is cut back to its own
+accepted ones; steps without drafts run unrecorded.  Where a memory plan did not set aside
+the states ``max_batch`` rows record, every request verifies on its own cache instead.  A
+fault in a batched decode step of such a model fails every row of it (500): a state keeps no
+positions, so the part of the step it may hold cannot be taken back out.
 
 Exactness: a prefill step is the model's own forward on that request's cache, as
 ``model.generate`` calls it (the whole prompt, or a chunk of it, with ``logits_to_keep=1``);
@@ -121,7 +124,8 @@ from ..models.dense import generation_session
 from ..runtime.experts import find_engine
 from ..speculation.batch import BatchKV, is_state_layer, row_layer_kind
 from ..speculation.decoding import (cache_kwargs, crop_kv, input_device, new_kv,
-                                    recurrent_layer_types, unrecorded)
+                                    records_recurrent_states, recurrent_layer_types,
+                                    require_recording_planned, unrecorded)
 from ..speculation.sampling import Sampling
 from ..speculation.verify import accept_logits
 from .detok import IncrementalText
@@ -283,7 +287,16 @@ class Scheduler:
         # the decode batch (the worker's own): one BatchKV, the request in each of its rows
         self.batch_off_reason: Optional[str] = (None if batch_decode else "batch_decode=False")
         if self.batch_off_reason is None:
-            self.batch_off_reason = _unbatchable(model, speculating=self.spec is not None)
+            self.batch_off_reason = _unbatchable(
+                model, speculating=self.spec is not None,
+                mtp=self.spec is not None and self.spec.mtp is not None)
+            if self.batch_off_reason is None and self.spec is not None \
+                    and any(is_state_layer(lay) for lay in new_kv(model).layers):
+                try:  # max_batch rows record their states at once: did the plan hold them?
+                    require_recording_planned(model, self.engine, self.spec.window - 1,
+                                              "a batch's verification", rows=max_batch)
+                except ValueError as exc:
+                    self.batch_off_reason = str(exc)
             if self.batch_off_reason is not None:
                 _log.info("specmoe serve: decode steps are not batched: %s",
                           self.batch_off_reason)
@@ -297,6 +310,7 @@ class Scheduler:
         self._rows: List[Request] = []
         self._pause = 0                        # rounds left without batching (after a fault)
         self.batched_steps = 0                 # batched decode forwards run
+        self.batched_verifications = 0         # of which verified drafts of some row
         self.peak_batch = 0                    # the most rows in one of them
         self.batched_prefills = 0              # prefill forwards of several whole prompts
         # pacing (the worker's own): moving averages of a decode round's seconds and of the
@@ -487,8 +501,9 @@ class Scheduler:
             self._decode_alone(reqs)
             return
         try:
-            if self._bkv is None:
-                self._bkv = BatchKV(self.model, 0)
+            if self._bkv is None:  # (a hybrid's recurrent rows record a verification's states)
+                self._bkv = BatchKV(self.model, 0,
+                                    window=self.spec.window if self.spec is not None else 0)
             for req in reqs:
                 if not req.in_batch:
                     self._bkv.join(req.kv)
@@ -514,7 +529,9 @@ class Scheduler:
                 drafts = spec.draft_batch(self._bkv, rows, ks)
                 t_draft = time.perf_counter() - t0
                 anchors = [[r.generated[-1]] + d for r, d in zip(rows, drafts)]
-                logits, masks = spec.forward_batch(self._bkv, anchors, max(ks))
+                # a step without drafts is never cut back: recurrent rows record nothing
+                with unrecorded(self._bkv.kv) if not any(drafts) else contextlib.nullcontext():
+                    logits, masks = spec.forward_batch(self._bkv, anchors, max(ks))
             else:
                 logits = self._bkv.forward([[r.generated[-1]] for r in rows])
         except Exception as exc:  # not pinned on anyone
@@ -530,6 +547,7 @@ class Scheduler:
             self._decode_alone(reqs)
             return
         self.batched_steps += 1
+        self.batched_verifications += any(drafts)
         self.peak_batch = max(self.peak_batch, len(rows))
         if self.metrics is not None:
             self.metrics.decode_batch(len(rows))
@@ -952,13 +970,16 @@ def _equal_groups(reqs: List[Request], most: int = 16) -> List[List[Request]]:
     return groups
 
 
-def _unbatchable(model: nn.Module, speculating: bool = False) -> Optional[str]:
+def _unbatchable(model: nn.Module, speculating: bool = False,
+                 mtp: bool = False) -> Optional[str]:
     """Why ``model``'s decode steps cannot run as rows of one BatchKV (None: they can): its
     cache must be made of transformers' plain full-attention layers, where a hole is a
     masked position like any other, and of its recurrent layers (transformers 5.25's
     ``LinearAttentionLayer``: a state per row, :class:`BatchKV`'s "stateful" form), which
-    take plain decode steps only -- ``speculating``, rows that keep different numbers of
-    drafts would leave holes in their states (the layer kinds: :func:`row_layer_kind`)."""
+    verify drafts (``speculating``) only where they record their states per token
+    (:func:`records_recurrent_states`; not the MTP drafter's masks, which no record takes
+    back out) -- else rows that keep different numbers of drafts would leave holes in their
+    states (the layer kinds: :func:`row_layer_kind`)."""
     recurrent = recurrent_layer_types(model.config)
     try:
         kv = new_kv(model)
@@ -978,10 +999,11 @@ def _unbatchable(model: nn.Module, speculating: bool = False) -> Optional[str]:
     if recurrent and not states:
         return (f"its {', '.join(recurrent)} layers keep a state per sequence, which this "
                 "transformers version's cache cannot hold per row (5.25 on can)")
-    if states and speculating:
+    if states and speculating and (mtp or not records_recurrent_states(model)):
         return (f"its {', '.join(recurrent)} layers keep a state per sequence, into which "
-                "a batch's drafts of different lengths would leave holes: each request "
-                "verifies its drafts on its own cache")
+                "a batch's drafts of different lengths would leave holes"
+                + (" (the MTP masks')" if mtp else " (this model's layers record no states "
+                   "per token)") + ": each request verifies its drafts on its own cache")
     return None
 
 

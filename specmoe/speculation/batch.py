@@ -42,8 +42,20 @@ feeds the same number of real tokens (plain decode steps: one token a row), :met
 :meth:`row` and :meth:`select`.  Holes in its attention layers (a row joined shorter than the
 others, a row that left) are masked as above; its recurrent layers keep no position, so their
 token count (what ``get_seq_length`` reads where layer 0 is recurrent) is held at the
-attention layers' column count.  Drafts of different lengths per row, left-padded prompts and
-:meth:`keep` below a row's length are refused by name.
+attention layers' column count.  Left-padded prompts are refused by name.
+
+Speculation on such a batch (``BatchKV(model, B, window=k_max + 1)``): its recurrent layers
+record their states after each token of a forward (transformers 5.25's past recording, as
+:func:`specmoe.speculation.decoding.new_kv` sets it up for one sequence), so rows may feed
+different numbers of tokens (a shorter row's dummy tokens enter its state only after its real
+ones) and :meth:`keep` may take back a row's tokens fed since the last settling.  Settling
+(:meth:`trim`, and before anything else reads the rows) puts each row's state back to the one
+recorded after its own last kept token -- row b of the recorded state, and the conv window's
+last columns up to that token -- where transformers' own ``crop`` cuts every row back by one
+count.  A plain step that no one will cut back runs unrecorded
+(:func:`specmoe.speculation.decoding.unrecorded`), on the one-call decode path.  Without a
+window, drafts of different lengths per row and :meth:`keep` below a row's length are refused
+by name.
 """
 from __future__ import annotations
 
@@ -56,7 +68,8 @@ from torch import nn
 
 from ..models.layers import sequences
 from .controllers import StaticK
-from .decoding import GenerateOutput, cache_kwargs, last_logits_kwargs, new_kv
+from .decoding import (GenerateOutput, _takes_window, _untouched, cache_kwargs,
+                       last_logits_kwargs, new_kv, unrecorded)
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from .mtp import MtpDrafter, mtp_layout, next_drafts, priming
 from .tau import batch_bucket, target_tau, tau_for_batch
@@ -69,13 +82,27 @@ class BatchKV:
     """A DynamicCache of B sequences with holes: see the module docstring.
 
     ``mask`` [B, L] (int64, 1 = real position), ``npos[b]`` = real tokens of row b in the cache
-    (the position id of its next token)."""
+    (the position id of its next token).  ``window`` > 0: recurrent layers record their states
+    over that many tokens between two settlings, so rows can be cut back (module docstring);
+    ValueError where they cannot record them."""
 
-    def __init__(self, model: nn.Module, batch: int) -> None:
+    def __init__(self, model: nn.Module, batch: int, window: int = 0) -> None:
         self.model = model
         self.kv = new_kv(model)
         # recurrent layers: a state per row and no positions (module docstring)
         self.stateful = any(is_state_layer(lay) for lay in getattr(self.kv, "layers", []))
+        self.window = int(window) if self.stateful else 0
+        if self.window > 0:
+            if not _takes_window(self.kv):
+                raise ValueError("BatchKV: this model's recurrent cache layers cannot record "
+                                 "their states per token (transformers >= 5.25 and a modeling "
+                                 "module that computes them); speculate one sequence at a time")
+            self.kv.activate_past_recording(recurrent_states_to_keep=self.window)
+        # since the last settling (_settle): per row, the real tokens fed and still kept
+        # (``_fresh``) and the tokens its recurrent states took in past its kept ones (``_cut``:
+        # dummies and tokens taken back); None when nothing was fed since
+        self._fresh: Optional[List[int]] = None
+        self._cut: Optional[List[int]] = None
         # The bookkeeping (mask, npos) stays on the CPU, where Python indexes it; what the
         # model reads goes to the device of its embeddings (_call, forward_mtp).
         self.device = model.get_input_embeddings().weight.device
@@ -100,6 +127,46 @@ class BatchKV:
                              use_cache=True, **cache_kwargs(self.model, self.kv), **kw)
         self._check_layers()
         return out.logits
+
+    def _recording(self) -> bool:
+        """Whether the recurrent layers record their states now (a window, and not within
+        :func:`specmoe.speculation.decoding.unrecorded`)."""
+        return self.window > 0 and any(getattr(lay, "record_past", False)
+                                       for lay in self.kv.layers if is_state_layer(lay))
+
+    def _settle(self) -> None:
+        """Each recurrent row back to its state after its last kept token (module docstring):
+        row b of the state recorded ``_cut[b]`` tokens ago, the conv window's columns up to
+        that token; the records dropped.  Nothing to do when nothing was recorded since."""
+        cut, self._fresh, self._cut = self._cut, None, None
+        if cut is None:
+            return
+        for lay in self.kv.layers:
+            if not is_state_layer(lay):
+                continue
+            hist = getattr(lay, "recurrent_states_history", None) or {}
+            for i in range(lay.number_of_states):
+                if lay.is_conv_states_initialized[i]:
+                    c, K = lay.conv_states[i], int(lay.conv_kernel_size[i])
+                    W = c.shape[-1]
+                    if W != K or any(cut):
+                        win = c.new_zeros(c.shape[:-1] + (K,))
+                        for b, r in enumerate(cut):
+                            end = W - r
+                            n = min(K, end)
+                            win[b, ..., K - n:] = c[b, ..., end - n:end]
+                        lay.conv_states[i] = win
+                h = hist.get(i) or []
+                if lay.is_recurrent_states_initialized[i] and any(cut):
+                    if any(r > len(h) for r in cut):
+                        raise RuntimeError(f"BatchKV: a recurrent layer recorded {len(h)} "
+                                           f"states, a row needs {max(cut)} back")
+                    st = lay.recurrent_states[i]
+                    for b, r in enumerate(cut):
+                        if r:
+                            st[b].copy_(h[-r][b])  # (in place: the layer's tensor stays)
+            if hist:  # a list of its own per state (transformers' fromkeys shares one)
+                lay.recurrent_states_history = {i: [] for i in range(lay.number_of_states)}
 
     def _check_layers(self) -> None:
         from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -131,7 +198,8 @@ class BatchKV:
         # (specmoe.models.layers.sequences), so it gets that forward's bits where its products
         # run in C or, one prompt at a time, in torch (specmoe.models.layers.per_sequence)
         same = self.length == 0 and bool(mask.all())
-        with sequences(self.batch if same else 1):
+        # (a prompt is never cut back: a recording cache's recurrent layers keep no states of it)
+        with sequences(self.batch if same else 1), unrecorded(self.kv):
             logits = self._call(ids, torch.cat([self.mask, mask], 1), pos, **kw)
         self.mask = torch.cat([self.mask, mask], 1)
         self.npos = [p + int(c) for p, c in zip(self.npos, mask.sum(1).tolist())]
@@ -154,10 +222,17 @@ class BatchKV:
         if min(c) < 1:
             raise ValueError("BatchKV.forward: every row needs at least one token")
         m = max(c)
-        if self.stateful and min(c) != m:
+        rec = self._recording()
+        if not rec:
+            self._settle()  # (an unrecorded step adds nothing to take back: records go first)
+        if self.stateful and min(c) != m and not rec:
             raise ValueError(f"BatchKV.forward: rows of {min(c)} to {m} tokens on a cache with "
-                             "recurrent layers (a dummy token would enter the row's state); "
-                             "every row must feed the same number of tokens")
+                             "recurrent layers not recording their states (a dummy token would "
+                             "stay in the row's state); every row must feed the same number of "
+                             "tokens, or make the BatchKV with a window")
+        if rec and max(self._fresh or [0]) + m > self.window:
+            raise ValueError(f"BatchKV.forward: {m} more tokens a row on a cache whose recurrent "
+                             f"layers record {self.window} between two settlings (trim)")
         ids = torch.tensor([list(r) + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long)
         new = torch.tensor([[1] * n + [0] * (m - n) for n in c], dtype=torch.long)
         pos = torch.tensor([[p + j for j in range(m)] for p in self.npos], dtype=torch.long)
@@ -166,6 +241,10 @@ class BatchKV:
             logits = self._call(ids, mask, pos).cpu()  # the acceptance rule reads them on the host
         self.mask = mask
         self.npos = [p + n for p, n in zip(self.npos, c)]
+        if rec:
+            fresh, cut = self._fresh or [0] * self.batch, self._cut or [0] * self.batch
+            self._fresh = [f + n for f, n in zip(fresh, c)]
+            self._cut = [x + m - n for x, n in zip(cut, c)]
         return logits
 
     def forward_mtp(self, rows: Sequence[Sequence[int]], n_masks: int, adapter: Any,
@@ -213,16 +292,23 @@ class BatchKV:
         """Row b keeps its first ``n_real`` real positions; later ones become holes."""
         if n_real < self.npos[b]:
             if self.stateful:
-                raise ValueError(f"BatchKV.keep: row {b}'s last {self.npos[b] - n_real} "
-                                 "tokens are in its recurrent states, which keep no positions "
-                                 "to take them back out of")
+                back = self.npos[b] - n_real
+                if self._fresh is None or back > self._fresh[b]:
+                    raise ValueError(f"BatchKV.keep: row {b}'s last {back} tokens are in its "
+                                     "recurrent states, which keep no positions to take them "
+                                     "back out of" + (f" (they recorded its last "
+                                     f"{self._fresh[b]} only)" if self._fresh else ""))
+                assert self._cut is not None
+                self._fresh[b] -= back
+                self._cut[b] += back
             real = torch.nonzero(self.mask[b]).flatten()
             self.mask[b, real[n_real:]] = 0
             self.npos[b] = n_real
 
     def trim(self) -> None:
         """Crop the columns at the end that are holes in every row, and compact when holes
-        fill more than half of the cache."""
+        fill more than half of the cache.  Settles the recurrent rows first."""
+        self._settle()
         L = self.length
         if L == 0:
             return
@@ -277,9 +363,11 @@ class BatchKV:
         a batch-1 forward leaves it) as a new last row.  The shorter side is left-padded with
         holes to the longer one's length (a row's real positions stay in order; its position
         ids are its own count, so where the holes are does not matter); a recurrent layer's
-        states become row B of the batch's.  Copies the whole cache once (``torch.cat`` per
+        states become row B of the batch's (``kv`` may record its past where it recorded
+        nothing since its last crop).  Copies the whole cache once (``torch.cat`` per
         layer): how :mod:`specmoe.serve.scheduler` takes a request whose prompt was prefilled
         alone into its running decode batch."""
+        self._settle()
         n = int(kv.get_seq_length())
         src, dst = list(kv.layers), list(self.kv.layers)
         if len(src) != len(dst):
@@ -325,8 +413,10 @@ class BatchKV:
         """Row ``b`` as a cache of its own: a DynamicCache of batch 1 holding its real
         positions in order, without holes, and its recurrent states (what :meth:`join`
         takes).  A copy: the batch keeps the row until :meth:`select` drops it."""
+        self._settle()
         real = torch.nonzero(self.mask[b]).flatten()
-        out = new_kv(self.model)
+        # (a batch recording its rows' states: the row's own cache records them too)
+        out = new_kv(self.model, rollback=self.window > 0, window=self.window)
         for ls, ld in zip(self.kv.layers, out.layers):
             if is_state_layer(ls):
                 _copy_states(ls, ld, lambda t: t[b:b + 1].clone())
@@ -341,6 +431,7 @@ class BatchKV:
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (indices into the current batch), in that order."""
+        self._settle()
         if list(rows) == list(range(self.batch)):
             return
         t = torch.tensor(list(rows), dtype=torch.long)
@@ -393,8 +484,10 @@ def _state_slots(layer: Any) -> List[Tuple[str, int]]:
 
 def _check_states(src: Any, dst: Any) -> None:
     """ValueError unless the recurrent layer ``src`` holds one sequence's states, not
-    recording its past, of the forms of ``dst``'s (None: an empty batch)."""
-    if getattr(src, "record_past", False) or row_layer_kind(src) != "states":
+    recording its past (or with nothing recorded since its last crop), of the forms of
+    ``dst``'s (None: an empty batch)."""
+    if (getattr(src, "record_past", False) and not _untouched(src)) \
+            or row_layer_kind(src) != "states":
         raise ValueError(f"BatchKV.join: a {type(src).__name__} recording its past or holding "
                          "keys too cannot be a row of a batch")
     slots = _state_slots(src)
@@ -587,8 +680,23 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
     if controller is not None and hasattr(controller, "begin_request"):
         controller.begin_request()
     t_start = time.perf_counter()
-    state = BatchKV(model, B)
-    state.prefill(ids[:, :-1], mask[:, :-1])  # the last column holds every pending token
+    # a hybrid's recurrent rows record their states over a verification's tokens, so each row
+    # is cut back to its own accepted drafts (BatchKV's window; drafting on the target's own
+    # cache, a shared SelfDraft, feeds at most as many before the cut)
+    window = controller.k_max + 1 if drafter is not None and controller is not None else 0
+    state = BatchKV(model, B, window=window)
+    if state.stateful and not bool(mask.all()):
+        # a pad would enter a recurrent row's state: each prompt prefilled alone, then joined
+        if min(len(p) for p in prompts) < 2:
+            raise ValueError("specmoe.generate: a batch of prompts of different lengths on a "
+                             "model with recurrent layers needs 2 or more tokens a prompt")
+        state = BatchKV(model, 0, window=window)
+        for p in prompts:
+            one = BatchKV(model, 1)
+            one.prefill(torch.tensor([p[:-1]]), torch.ones((1, len(p) - 1), dtype=torch.long))
+            state.join(one.kv)
+    else:
+        state.prefill(ids[:, :-1], mask[:, :-1])  # the last column holds every pending token
     seqs = [list(p) for p in prompts]
     active = list(range(B))
     ngrams: Optional[List[Any]] = None
@@ -649,6 +757,9 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
                 # one forward verifies every row's drafts and drafts its next ones
                 logits, mask_logits = state.forward_mtp(anchors, mtp.k if max(ks) > 0 else 0,
                                                         mtp.adapter, mtp.fetch_masks)
+            elif max(kd) == 0:  # nothing to cut back: recurrent layers record nothing
+                with unrecorded(state.kv):
+                    logits = state.forward(anchors)
             else:
                 logits = state.forward(anchors)
             acc: List[int] = []

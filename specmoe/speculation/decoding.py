@@ -164,29 +164,34 @@ def require_speculable(model: nn.Module, who: str, instead: str,
                          f"are split into forwards, past {topk} positions; {instead}")
 
 
-def require_recording_planned(model: nn.Module, engine: Any, k_max: int, caller: str) -> None:
+def require_recording_planned(model: nn.Module, engine: Any, k_max: int, caller: str,
+                              rows: int = 1) -> None:
     """Under a memory plan (``from_pretrained(memory=...)``, ``engine.memory_plan``), refuse
     speculation whose verifications would record more recurrent states than the plan set
     aside: on a linear-attention hybrid each verification of ``k_max`` drafts holds the
     states of k_max + 1 tokens until its crop (:func:`specmoe.runtime.memplan.
-    recording_layout`: about 725 MiB at Qwen3-Next-80B's shapes and k_max 8).  Nothing to
-    check without a plan, without drafts, or on a model that records no recurrent state."""
+    recording_layout`: about 725 MiB at Qwen3-Next-80B's shapes and k_max 8), and a batch's
+    ``rows`` times that.  Nothing to check without a plan, without drafts, or on a model that
+    records no recurrent state."""
     plan = getattr(engine, "memory_plan", None)
-    if plan is None or k_max <= 0 or plan.record_tokens >= k_max + 1 \
+    rows = max(1, int(rows))
+    if plan is None or k_max <= 0 or plan.record_tokens >= rows * (k_max + 1) \
             or not records_recurrent_states(model):
         return
     from ..runtime.memplan import recording_layout
     per, state = recording_layout(model.config, next(model.parameters()).dtype.itemsize)
     if per == 0:
         return
-    need = (k_max + 1) * per + state
+    need = rows * ((k_max + 1) * per + state)
     planned = max(plan.record_tokens - 1, 0)
-    raise ValueError(f"{caller}: a verification of {k_max} drafts on this model records "
+    each = f" in each of {rows} rows" if rows > 1 else ""
+    fit = (plan.record_tokens // rows) - 1  # the most drafts a row the plan holds
+    raise ValueError(f"{caller}: a verification of {k_max} drafts{each} on this model records "
                      f"{need / 2**20:.0f} MiB of recurrent states until it is cut back, "
                      f"which the memory plan of {plan.budget_bytes / 2**30:.2f} GiB did not set "
-                     f"aside (it planned for {planned} drafts): load the model with "
-                     f"from_pretrained(..., memory=..., k_max={k_max}), or "
-                     + (f"pass a controller with k_max <= {planned}" if planned
+                     f"aside (it planned for {planned} drafts in all): load the model with "
+                     f"from_pretrained(..., memory=..., k_max={rows * (k_max + 1) - 1}), or "
+                     + (f"pass a controller with k_max <= {fit}" if fit > 0
                         else "decode without a drafter"))
 
 

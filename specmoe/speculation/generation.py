@@ -176,15 +176,16 @@ def generate(model: nn.Module, input_ids: Union[torch.Tensor, Sequence[int]],
         raise ValueError(f"tau must be 'auto', a mapping or None, got {tau!r}")
     if not isinstance(success, bool):
         raise TypeError(f"success must be a bool, got {type(success).__name__}")
-    # Linear-attention and Mamba hybrids: one sequence without MTP, on a cache that records
-    # their states over the last k_max + 1 tokens of each forward (transformers 5.25 on,
-    # new_kv's window), so a verification is cut back to its accepted drafts; MTP's masks and
-    # batches of rows are not cut back within such a window
+    # Linear-attention and Mamba hybrids: without MTP, on a cache that records their states
+    # over the last k_max + 1 tokens of each forward (transformers 5.25 on, new_kv's window,
+    # a BatchKV's window for a batch), so each verification is cut back to its accepted
+    # drafts; MTP's masks are not cut back within such a window
     require_speculable(model, "specmoe.generate",
                        "use model.generate() (offloading works as usual)",
-                       windowed=mtp is None and batch_ids is None)
+                       windowed=mtp is None)
     if controller is not None:
-        require_recording_planned(model, engine, controller.k_max, "specmoe.generate")
+        require_recording_planned(model, engine, controller.k_max, "specmoe.generate",
+                                  rows=1 if batch_ids is None else int(batch_ids.shape[0]))
     prune = controller is not None and tau is not None and not (
         isinstance(tau, str) and isinstance(controller, StaticK))
     if controller is not None:
