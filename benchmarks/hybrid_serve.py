@@ -5,6 +5,7 @@ on Qwen3.5-MoE's (or Qwen3-Next's) per-layer shapes, the GGUF file of
 
     python benchmarks/hybrid_serve.py --json [--rounds 3] [--threads 2] [--clients 1,4,8]
     python benchmarks/hybrid_serve.py --quick --json      # small shapes, 1 round: a smoke test
+    python benchmarks/hybrid_serve.py --json --drafter self --controller static:3   # speculation
 
 In one process, through the server's worker (``specmoe.serve.scheduler.Scheduler``, no HTTP:
 what is measured is the worker's rounds).  The model is loaded once with every expert resident
@@ -30,6 +31,21 @@ whether the two modes gave every request the same tokens (the batch gives each r
 its step alone).  The peer for serving, llama.cpp's ``llama-server --parallel N``, is in
 ``benchmarks/serve.py --models hybrid`` (both servers over HTTP on this same GGUF file); it is
 not run here, and the results say so.  The results name the host (CPU model, ISA, threads).
+
+``--drafter ngram|self`` (with ``--controller``, default ``static:3``): speculative decoding
+in both modes, and a third, ``plain``, batched without a drafter, in the rotation:
+
+* ``batched``: the batch verifies every row's drafts in one forward, its recurrent rows
+  recording their states over the verification and each cut back to its own accepted drafts
+  (:class:`BatchKV`'s window);
+* ``alone``: each request verifies its drafts in a forward of its own (what the server did
+  for hybrids with a drafter before);
+* ``plain``: batched decode steps without drafts (does speculation pay here at all?).
+
+Then ``vs_alone_runs`` is batched / alone and ``vs_plain_runs`` batched / plain
+``decode_tok_s`` per round; ``acceptance`` and ``k_mean`` per mode; ``same_tokens`` compares
+all three modes' tokens (greedy: speculation gives plain decoding's tokens).  The prompts
+then repeat a short random phrase, so that an n-gram drafter has something to propose.
 """
 from __future__ import annotations
 
@@ -62,11 +78,14 @@ class _IdText:
 
 
 def run_once(model: Any, prompts: list[list[int]], max_tokens: int,
-             batched: bool) -> dict[str, Any]:
-    """Serve ``prompts`` at once through a fresh worker; the run's figures and tokens."""
+             batched: bool, drafter: str | None = None,
+             controller: str | None = None) -> dict[str, Any]:
+    """Serve ``prompts`` at once through a fresh worker (``drafter``: speculative decoding
+    with ``controller``); the run's figures and tokens."""
     from specmoe.serve.scheduler import GenParams, Scheduler, serve_all
+    spec = dict(drafter=drafter, controller=controller, warm_tau=False) if drafter else {}
     sch = Scheduler(model, _IdText(), max_batch=max(len(prompts), 1),
-                    prefill_chunk=max(len(p) for p in prompts), batch_decode=batched)
+                    prefill_chunk=max(len(p) for p in prompts), batch_decode=batched, **spec)
     if batched and sch.batch_off_reason is not None:
         sch.close()
         raise RuntimeError(f"decode steps not batched: {sch.batch_off_reason}")
@@ -88,16 +107,23 @@ def run_once(model: Any, prompts: list[list[int]], max_tokens: int,
         raise RuntimeError(f"requests ended badly: {bad}")
     n = sum(len(r.generated) for r in reqs)
     t_first = max(first.values())
-    return {"out_tok_s": n / (t1 - t0),
-            "decode_tok_s": (n - len(reqs)) / (t1 - t_first),
-            "first_tokens_s": t_first - t0,
-            "batched_steps": sch.batched_steps,
-            "batched_prefills": sch.batched_prefills,
-            "tokens": [list(r.generated) for r in reqs]}
+    out = {"out_tok_s": n / (t1 - t0),
+           "decode_tok_s": (n - len(reqs)) / (t1 - t_first),
+           "first_tokens_s": t_first - t0,
+           "batched_steps": sch.batched_steps,
+           "batched_prefills": sch.batched_prefills,
+           "tokens": [list(r.generated) for r in reqs]}
+    if sch.spec is not None:
+        st = sch.spec.stats()
+        out.update({"batched_verifications": sch.batched_verifications,
+                    "acceptance": st["acceptance"], "proposed": st["proposed"],
+                    "steps_with_drafts": st["steps_with_drafts"]})
+    return out
 
 
 def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int,
-           max_tokens: int, cache: float) -> None:
+           max_tokens: int, cache: float, drafter: str | None = None,
+           controller: str | None = None) -> None:
     """One process: the model loaded once, ``rounds`` rounds of every (clients, mode); one
     JSON line on stdout."""
     import numpy as np
@@ -115,28 +141,39 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
         load_every_expert(eng)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(max(clients))]
-    with torch.inference_mode():
-        run_once(model, prompts[:2], 4, True)  # warm-up (plans, threads)
-        run_once(model, prompts[:2], 4, False)
+    if drafter:  # a short random phrase repeated (an n-gram drafter then proposes)
+        prompts = [(rng.integers(3, vocab, 6).tolist() * prompt)[:prompt]
+                   for _ in range(max(clients))]
+    else:
+        prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(max(clients))]
+    names = ("batched", "alone", "plain") if drafter else ("batched", "alone")
+
+    def run(mode: str, ps: list[list[int]], n: int) -> dict[str, Any]:
+        with torch.inference_mode():
+            return run_once(model, ps, n, mode != "alone",
+                            drafter if mode != "plain" else None, controller)
+    for mode in names:  # warm-up (plans, threads)
+        run(mode, prompts[:2], 4)
+    keys = ("out_tok_s", "decode_tok_s", "first_tokens_s", "batched_steps", "batched_prefills")
+    if drafter:
+        keys += ("batched_verifications", "acceptance", "proposed", "steps_with_drafts")
     out: dict[str, Any] = {}
     for r in range(rounds):
         for B in clients:
-            modes = ("batched", "alone") if r % 2 == 0 else ("alone", "batched")
+            k = (r + clients.index(B)) % len(names)  # each mode first in turn
+            modes = names[k:] + names[:k]
             got = {}
             for mode in modes:
-                with torch.inference_mode():
-                    got[mode] = run_once(model, prompts[:B], max_tokens, mode == "batched")
+                got[mode] = run(mode, prompts[:B], max_tokens)
                 log(f"round {r} B={B} {mode}: decode {got[mode]['decode_tok_s']:.1f} tok/s")
             row = out.setdefault(str(B), {})
             for mode in modes:
-                for k in ("out_tok_s", "decode_tok_s", "first_tokens_s", "batched_steps",
-                          "batched_prefills"):
-                    v = got[mode][k]
-                    row.setdefault(f"{mode}_{k}_runs", []).append(
+                for key in keys:
+                    v = got[mode].get(key)
+                    row.setdefault(f"{mode}_{key}_runs", []).append(
                         round(v, 3) if isinstance(v, float) else v)
             row.setdefault("same_tokens_runs", []).append(
-                got["batched"]["tokens"] == got["alone"]["tokens"])
+                all(got[m]["tokens"] == got["batched"]["tokens"] for m in names))
     eng.close()
     print(json.dumps(out))
 
@@ -148,6 +185,10 @@ def main() -> None:
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--drafter", choices=("ngram", "self"),
+                    help="speculative decoding in both modes, and a plain batched mode")
+    ap.add_argument("--controller", default="static:3",
+                    help="with --drafter: the server's --controller (default static:3)")
     ap.add_argument("--cache", type=float, default=1.0,
                     help="share of the experts the cache holds (1: every expert resident, "
                          "loaded before timing; below 1 the experts come from the store, "
@@ -160,7 +201,8 @@ def main() -> None:
     if a.quick:
         a.experts, a.rounds, clients, a.max_tokens = 8, 1, [1, 3], 6
     if a._worker:
-        worker(a._worker, threads, clients, a.rounds, a.prompt, a.max_tokens, a.cache)
+        worker(a._worker, threads, clients, a.rounds, a.prompt, a.max_tokens, a.cache,
+               a.drafter, a.controller if a.drafter else None)
         return
     path = gguf_path(a)  # (hybrid_peers.py's files)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
@@ -168,7 +210,9 @@ def main() -> None:
                                       ",".join(map(str, clients)), "--rounds", str(a.rounds),
                                       "--prompt", str(a.prompt), "--max-tokens",
                                       str(a.max_tokens), "--cache", str(a.cache)]
-                     + (["--quick"] if a.quick else []))
+                     + (["--quick"] if a.quick else [])
+                     + (["--drafter", a.drafter, "--controller", a.controller]
+                        if a.drafter else []))
     rows: list[dict[str, Any]] = []
     if "error" in got:
         rows.append({"name": "specmoe", **got})
@@ -182,13 +226,18 @@ def main() -> None:
                    "alone_decode_tok_s": round(statistics.median(s), 3),
                    "vs_alone_runs": [round(x / y, 3) for x, y in zip(b, s)],
                    **w}
+            if a.drafter:
+                p = w["plain_decode_tok_s_runs"]
+                row["plain_decode_tok_s"] = round(statistics.median(p), 3)
+                row["vs_plain_runs"] = [round(x / y, 3) for x, y in zip(b, p)]
             if one:
                 row["scaling_runs"] = [round(x / y, 3) for x, y in zip(b, one)]
             rows.append(row)
     res = {"config": {"model": f"{a.arch} ({ARCHS[a.arch]} per-layer shapes)",
                       "layers": a.layers, "experts": a.experts, "quick": a.quick,
                       "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
-                      "cache": a.cache,
+                      "cache": a.cache, "drafter": a.drafter,
+                      "controller": a.controller if a.drafter else None,
                       "clients": clients, "rounds": a.rounds, "file": made,
                       "machine": hostinfo.host(threads)},
            "peers": {"llama-server": "not run here: benchmarks/serve.py --models hybrid "
