@@ -272,5 +272,10 @@ def test_keep_puts_each_recurrent_row_back_to_the_state_of_its_kept_tokens(arch)
                 if r is not None:
                     torch.testing.assert_close(r, r1, atol=1e-5, rtol=1e-5)
         assert bkv.npos == [base[b] + kept[b] + 1 for b in range(3)]
+        npos = list(bkv.npos)
+        bkv.forward([[1, 2, 3]] * 3)          # 3 of the window's 4 tokens, then 2 more: refused
+        with pytest.raises(ValueError, match="record 4 between two settlings"):
+            bkv.forward([[4, 5]] * 3)
+        assert bkv.npos == [p + 3 for p in npos]
     finally:
         eng.close()

@@ -98,11 +98,16 @@ class BatchKV:
                                  "their states per token (transformers >= 5.25 and a modeling "
                                  "module that computes them); speculate one sequence at a time")
             self.kv.activate_past_recording(recurrent_states_to_keep=self.window)
+            for lay in self.kv.layers:  # a list of its own per state (fromkeys shares one)
+                if is_state_layer(lay):
+                    lay.recurrent_states_history = {i: [] for i in range(lay.number_of_states)}
         # since the last settling (_settle): per row, the real tokens fed and still kept
         # (``_fresh``) and the tokens its recurrent states took in past its kept ones (``_cut``:
-        # dummies and tokens taken back); None when nothing was fed since
+        # dummies and tokens taken back), None when nothing was recorded since; the columns
+        # every row's states took in (``_fed``, what the records hold)
         self._fresh: Optional[List[int]] = None
         self._cut: Optional[List[int]] = None
+        self._fed = 0
         # The bookkeeping (mask, npos) stays on the CPU, where Python indexes it; what the
         # model reads goes to the device of its embeddings (_call, forward_mtp).
         self.device = model.get_input_embeddings().weight.device
@@ -138,7 +143,7 @@ class BatchKV:
         """Each recurrent row back to its state after its last kept token (module docstring):
         row b of the state recorded ``_cut[b]`` tokens ago, the conv window's columns up to
         that token; the records dropped.  Nothing to do when nothing was recorded since."""
-        cut, self._fresh, self._cut = self._cut, None, None
+        cut, self._fresh, self._cut, self._fed = self._cut, None, None, 0
         if cut is None:
             return
         for lay in self.kv.layers:
@@ -230,9 +235,10 @@ class BatchKV:
                              "recurrent layers not recording their states (a dummy token would "
                              "stay in the row's state); every row must feed the same number of "
                              "tokens, or make the BatchKV with a window")
-        if rec and max(self._fresh or [0]) + m > self.window:
-            raise ValueError(f"BatchKV.forward: {m} more tokens a row on a cache whose recurrent "
-                             f"layers record {self.window} between two settlings (trim)")
+        if rec and self._fed + m > self.window:
+            raise ValueError(f"BatchKV.forward: {m} more tokens a row after {self._fed} on a "
+                             f"cache whose recurrent layers record {self.window} between two "
+                             "settlings (trim)")
         ids = torch.tensor([list(r) + [r[-1]] * (m - len(r)) for r in rows], dtype=torch.long)
         new = torch.tensor([[1] * n + [0] * (m - n) for n in c], dtype=torch.long)
         pos = torch.tensor([[p + j for j in range(m)] for p in self.npos], dtype=torch.long)
@@ -245,6 +251,7 @@ class BatchKV:
             fresh, cut = self._fresh or [0] * self.batch, self._cut or [0] * self.batch
             self._fresh = [f + n for f, n in zip(fresh, c)]
             self._cut = [x + m - n for x, n in zip(cut, c)]
+            self._fed += m
         return logits
 
     def forward_mtp(self, rows: Sequence[Sequence[int]], n_masks: int, adapter: Any,
