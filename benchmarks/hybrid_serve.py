@@ -152,8 +152,10 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
         with torch.inference_mode():
             return run_once(model, ps, n, mode != "alone",
                             drafter if mode != "plain" else None, controller)
-    for mode in names:  # warm-up (plans, threads)
-        run(mode, prompts[:2], 4)
+    for mode in names:  # warm-up (plans, threads; with a drafter, tau "auto" measured at
+        # each batch size's bucket, once a process, as a server's warm_tau does before serving)
+        for B in (clients if drafter else [2]):
+            run(mode, prompts[:B], 4)
     keys = ("out_tok_s", "decode_tok_s", "first_tokens_s", "batched_steps", "batched_prefills")
     if drafter:
         keys += ("batched_verifications", "acceptance", "proposed", "steps_with_drafts")
