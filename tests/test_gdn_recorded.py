@@ -200,3 +200,34 @@ def test_the_recorded_path_serves_a_speculative_generation(monkeypatch):
         assert all(c.n > 0 for c in counters)
     finally:
         eng.close()
+
+
+def test_a_draft_step_on_a_recording_cache_leaves_the_next_plain_steps_their_plan():
+    """A one-token step while the cache records (a self-draft's step on the target's cache)
+    cannot be a decode plan's; the plain steps after its cut take a plan again at once, not
+    _PLAN_RETRY_STEPS later (the server's one-client Cascade lost half its plans to this)."""
+    from specmoe.speculation.decoding import unrecorded
+    m, eng, kv = _recording("qwen3_5_moe_text", torch.float32)
+    try:
+        ds = getattr(m, "_specmoe_decode_step", None)
+        if ds is None:
+            pytest.skip("no one-call decode step on this model")
+
+        def step(tok):
+            S = int(kv.get_seq_length())
+            with torch.no_grad():
+                m(input_ids=torch.tensor([[tok]]), attention_mask=torch.ones(
+                    (1, S + 1), dtype=torch.long), use_cache=True, **cache_kwargs(m, kv))
+        for t in (5, 6, 7):
+            with unrecorded(kv):
+                step(t)
+        assert ds.planned >= 1
+        step(8)                                  # recorded: the drafting step
+        crop_kv(kv, int(kv.get_seq_length()) - 1)
+        before = ds.planned
+        for t in (9, 10, 11, 12):
+            with unrecorded(kv):
+                step(t)
+        assert ds.planned - before == 4
+    finally:
+        eng.close()
