@@ -68,8 +68,8 @@ from torch import nn
 
 from ..models.layers import sequences
 from .controllers import StaticK
-from .decoding import (GenerateOutput, _takes_window, _untouched, cache_kwargs,
-                       last_logits_kwargs, new_kv, unrecorded)
+from .decoding import (GenerateOutput, cache_kwargs, last_logits_kwargs, new_kv,
+                       nothing_recorded, records_window, unrecorded)
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from .mtp import MtpDrafter, mtp_layout, next_drafts, priming
 from .tau import batch_bucket, target_tau, tau_for_batch
@@ -93,7 +93,7 @@ class BatchKV:
         self.stateful = any(is_state_layer(lay) for lay in getattr(self.kv, "layers", []))
         self.window = int(window) if self.stateful else 0
         if self.window > 0:
-            if not _takes_window(self.kv):
+            if not records_window(self.kv):
                 raise ValueError("BatchKV: this model's recurrent cache layers cannot record "
                                  "their states per token (transformers >= 5.25 and a modeling "
                                  "module that computes them); speculate one sequence at a time")
@@ -493,7 +493,7 @@ def _check_states(src: Any, dst: Any) -> None:
     """ValueError unless the recurrent layer ``src`` holds one sequence's states, not
     recording its past (or with nothing recorded since its last crop), of the forms of
     ``dst``'s (None: an empty batch)."""
-    if (getattr(src, "record_past", False) and not _untouched(src)) \
+    if (getattr(src, "record_past", False) and not nothing_recorded(src)) \
             or row_layer_kind(src) != "states":
         raise ValueError(f"BatchKV.join: a {type(src).__name__} recording its past or holding "
                          "keys too cannot be a row of a batch")

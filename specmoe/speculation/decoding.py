@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
-           "input_device", "last_logits_kwargs", "new_kv", "recurrent_layer_types",
-           "records_recurrent_states", "require_recording_planned", "require_speculable",
-           "unrecorded", "unrollable_layer_types"]
+           "input_device", "last_logits_kwargs", "new_kv", "nothing_recorded",
+           "recurrent_layer_types", "records_recurrent_states", "records_window",
+           "require_recording_planned", "require_speculable", "unrecorded",
+           "unrollable_layer_types"]
 
 
 @dataclass
@@ -127,7 +128,7 @@ def records_recurrent_states(model: nn.Module) -> bool:
         ok = "get_recurrent_states_to_keep" in src
         if ok:
             try:
-                ok = _takes_window(new_kv(model))
+                ok = records_window(new_kv(model))
             except Exception:  # noqa: BLE001 (a cache that cannot be built records nothing)
                 ok = False
         _RECORDS[cls] = ok
@@ -209,15 +210,16 @@ def new_kv(model: nn.Module, rollback: bool = False, window: int = 0) -> Any:
     own = _own_cache(type(model))
     kv = own() if own is not None else DynamicCache(config=model.config)
     if rollback and hasattr(kv, "activate_past_recording"):
-        if window > 0 and _takes_window(kv):
+        if window > 0 and records_window(kv):
             kv.activate_past_recording(recurrent_states_to_keep=int(window))
         else:
             kv.activate_past_recording()
     return kv
 
 
-def _takes_window(kv: Any) -> bool:
-    """Whether every layer of ``kv`` that keeps a recurrent state records a window of them."""
+def records_window(kv: Any) -> bool:
+    """Whether every layer of ``kv`` that keeps a recurrent state can record a window of them
+    (its ``activate_past_recording`` takes ``recurrent_states_to_keep``)."""
     rec = [lay for lay in getattr(kv, "layers", None) or () if hasattr(lay, "recurrent_states")]
     return bool(rec) and all(_layer_takes_window(type(lay)) for lay in rec)
 
@@ -280,7 +282,7 @@ def crop_kv(kv: Any, keep: int) -> None:
         # while its state tensors stay the same objects
         # (specmoe.models.linear_attn.gdn_chain_state)
         for lay in getattr(kv, "layers", ()):
-            if getattr(lay, "record_past", False) and not _untouched(lay):
+            if getattr(lay, "record_past", False) and not nothing_recorded(lay):
                 lay.crop(0)
     # a cut-back conv window is a view into the recorded columns: made contiguous again, as
     # the one-call recurrent steps take only contiguous windows; a restored recurrent state
@@ -304,7 +306,7 @@ def crop_kv(kv: Any, keep: int) -> None:
                     got[i] = c.clone()
 
 
-def _untouched(lay: Any) -> bool:
+def nothing_recorded(lay: Any) -> bool:
     """Whether a recording linear-attention layer has nothing recorded since its last crop:
     no recurrent state in its history and its conv windows at the kernel's size (False for
     any other layer, or where those attributes are not transformers 5.25's)."""
