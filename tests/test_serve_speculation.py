@@ -336,18 +336,24 @@ def test_a_sliding_window_model_is_served_with_drafts_and_a_recurrent_one_refuse
             Scheduler(q, None, drafter="ngram")
 
 
+def _gated_deltanet():
+    """A tiny Qwen3.5-MoE offloaded in f32 and its engine (skipped where transformers records
+    no recurrent states)."""
+    from specmoe.models.testing import tiny_model
+    model = tiny_model("qwen3_5_moe_text", vocab=64)
+    if not records_recurrent_states(model):
+        pytest.skip("transformers < 5.25 records no recurrent states")
+    model.generation_config.eos_token_id = None
+    return model, specmoe.offload(model, dtype="f32", dense="f32", cache=0.5)
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
 def test_a_gated_deltanet_hybrid_is_served_with_drafts(drafter):
     """Qwen3.5-MoE (gated DeltaNet): prompts prefilled alone, unrecorded, in chunks; decode
     steps batched, the batch's linear-attention rows recording their states over a
     verification's window (transformers 5.25) and each cut back to its own accepted drafts:
     every request's tokens are model.generate's alone."""
-    from specmoe.models.testing import tiny_model
-    model = tiny_model("qwen3_5_moe_text", vocab=64)
-    if not records_recurrent_states(model):
-        pytest.skip("transformers < 5.25 records no recurrent states")
-    model.generation_config.eos_token_id = None
-    eng = specmoe.offload(model, dtype="f32", dense="f32", cache=0.5)
+    model, eng = _gated_deltanet()
     try:
         sch = _served_as_alone(model, [[5, 9, 11, 5, 9, 11, 5, 9, 30, 31] * 3,
                                        [7, 8, 9, 10] * 5, [3, 4, 3, 4, 60, 3, 4, 3]],
@@ -363,12 +369,7 @@ def test_a_hybrid_verifies_alone_where_the_plan_holds_one_verification():
     max_batch rows: decode steps are not batched (the reason names the plan), and each
     request verifies on its own cache with model.generate's tokens."""
     import types
-    from specmoe.models.testing import tiny_model
-    model = tiny_model("qwen3_5_moe_text", vocab=64)
-    if not records_recurrent_states(model):
-        pytest.skip("transformers < 5.25 records no recurrent states")
-    model.generation_config.eos_token_id = None
-    eng = specmoe.offload(model, dtype="f32", dense="f32", cache=0.5)
+    model, eng = _gated_deltanet()
     try:
         eng.memory_plan = types.SimpleNamespace(record_tokens=4, budget_bytes=2 << 30)
         _served_as_alone(model, [[5, 9, 11, 5, 9, 11] * 2, [7, 8, 9, 10] * 3], "ngram", 8,
