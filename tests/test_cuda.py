@@ -485,12 +485,18 @@ def test_gpu_decode_benchmark_drives_the_c_layers_in_emulation(tmp_path):
         spec = kernels.FFNSpec.from_store_schema(st.tensors, block_bytes=st.block_bytes)
         for pf in (False, True):
             for prof in (None, cuda.BalanceProfile(1.0, 1.0, 1e-6)):
-                with cuda.GpuExpertCache(st, 0.25, "lru", device=-1, mode="host",
-                                         top_k=K) as cache:
-                    r = gd.decode(torch, cuda, cache, spec, ids, H, pf, prof, device=-1)
+                # the prefetch worker is a thread of its own: on a loaded host it may not run
+                # before a 6-token decode ends (each request then found the key resident), so
+                # the run with prefetch is retried a few times before "none issued" fails it
+                for _ in range(5 if pf else 1):
+                    with cuda.GpuExpertCache(st, 0.25, "lru", device=-1, mode="host",
+                                             top_k=K) as cache:
+                        r = gd.decode(torch, cuda, cache, spec, ids, H, pf, prof, device=-1)
+                    if r["prefetch_issued"] > 0:
+                        break
                 assert r["gpu_experts"] + r["cpu_experts"] == T * L * K, (pf, prof)
                 assert r["hits"] + r["misses"] == r["gpu_experts"], (pf, prof)
-                assert (r["prefetch_issued"] > 0) == pf
+                assert (r["prefetch_issued"] > 0) == pf, (pf, prof)
                 if prof is None:
                     assert r["cpu_experts"] == 0
                 else:
