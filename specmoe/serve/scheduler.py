@@ -290,8 +290,9 @@ class Scheduler:
             self.batch_off_reason = _unbatchable(
                 model, speculating=self.spec is not None,
                 mtp=self.spec is not None and self.spec.mtp is not None)
+            # (batchable with recurrent layers: _unbatchable found them in the cache's states)
             if self.batch_off_reason is None and self.spec is not None \
-                    and any(is_state_layer(lay) for lay in new_kv(model).layers):
+                    and recurrent_layer_types(model.config):
                 try:  # max_batch rows record their states at once: did the plan hold them?
                     require_recording_planned(model, self.engine, self.spec.window - 1,
                                               "a batch's verification", rows=max_batch)

@@ -69,7 +69,8 @@ from torch import nn
 from ..models.layers import sequences
 from .controllers import StaticK
 from .decoding import (GenerateOutput, cache_kwargs, last_logits_kwargs, new_kv,
-                       nothing_recorded, records_window, unrecorded)
+                       nothing_recorded, recording_state_layers, records_window,
+                       unrecorded)
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from .mtp import MtpDrafter, mtp_layout, next_drafts, priming
 from .tau import batch_bucket, target_tau, tau_for_batch
@@ -101,12 +102,11 @@ class BatchKV:
             for lay in self.kv.layers:  # a list of its own per state (fromkeys shares one)
                 if is_state_layer(lay):
                     lay.recurrent_states_history = {i: [] for i in range(lay.number_of_states)}
-        # since the last settling (_settle): per row, the real tokens fed and still kept
-        # (``_fresh``) and the tokens its recurrent states took in past its kept ones (``_cut``:
-        # dummies and tokens taken back), None when nothing was recorded since; the columns
-        # every row's states took in (``_fed``, what the records hold)
+        # since the last settling (_settle): the columns every row's states took in (``_fed``,
+        # what the records hold) and per row the real tokens fed and still kept (``_fresh``;
+        # None when nothing was recorded since), so row b's states took in _fed - _fresh[b]
+        # tokens past its kept ones (dummies and tokens taken back)
         self._fresh: Optional[List[int]] = None
-        self._cut: Optional[List[int]] = None
         self._fed = 0
         # The bookkeeping (mask, npos) stays on the CPU, where Python indexes it; what the
         # model reads goes to the device of its embeddings (_call, forward_mtp).
@@ -133,19 +133,14 @@ class BatchKV:
         self._check_layers()
         return out.logits
 
-    def _recording(self) -> bool:
-        """Whether the recurrent layers record their states now (a window, and not within
-        :func:`specmoe.speculation.decoding.unrecorded`)."""
-        return self.window > 0 and any(getattr(lay, "record_past", False)
-                                       for lay in self.kv.layers if is_state_layer(lay))
-
     def _settle(self) -> None:
         """Each recurrent row back to its state after its last kept token (module docstring):
-        row b of the state recorded ``_cut[b]`` tokens ago, the conv window's columns up to
-        that token; the records dropped.  Nothing to do when nothing was recorded since."""
-        cut, self._fresh, self._cut, self._fed = self._cut, None, None, 0
-        if cut is None:
+        row b of the state recorded ``_fed - _fresh[b]`` tokens ago, the conv window's columns
+        up to that token; the records dropped.  Nothing to do when nothing was recorded since."""
+        fresh, fed, self._fresh, self._fed = self._fresh, self._fed, None, 0
+        if fresh is None:
             return
+        cut = [fed - f for f in fresh]
         for lay in self.kv.layers:
             if not is_state_layer(lay):
                 continue
@@ -227,7 +222,7 @@ class BatchKV:
         if min(c) < 1:
             raise ValueError("BatchKV.forward: every row needs at least one token")
         m = max(c)
-        rec = self._recording()
+        rec = self.window > 0 and bool(recording_state_layers(self.kv))
         if not rec:
             self._settle()  # (an unrecorded step adds nothing to take back: records go first)
         if self.stateful and min(c) != m and not rec:
@@ -248,9 +243,7 @@ class BatchKV:
         self.mask = mask
         self.npos = [p + n for p, n in zip(self.npos, c)]
         if rec:
-            fresh, cut = self._fresh or [0] * self.batch, self._cut or [0] * self.batch
-            self._fresh = [f + n for f, n in zip(fresh, c)]
-            self._cut = [x + m - n for x, n in zip(cut, c)]
+            self._fresh = [f + n for f, n in zip(self._fresh or [0] * self.batch, c)]
             self._fed += m
         return logits
 
@@ -305,9 +298,7 @@ class BatchKV:
                                      "recurrent states, which keep no positions to take them "
                                      "back out of" + (f" (they recorded its last "
                                      f"{self._fresh[b]} only)" if self._fresh else ""))
-                assert self._cut is not None
                 self._fresh[b] -= back
-                self._cut[b] += back
             real = torch.nonzero(self.mask[b]).flatten()
             self.mask[b, real[n_real:]] = 0
             self.npos[b] = n_real

@@ -17,8 +17,8 @@ from torch import nn
 
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
            "input_device", "last_logits_kwargs", "new_kv", "nothing_recorded",
-           "recurrent_layer_types", "records_recurrent_states", "records_window",
-           "require_recording_planned", "require_speculable", "unrecorded",
+           "recording_state_layers", "recurrent_layer_types", "records_recurrent_states",
+           "records_window", "require_recording_planned", "require_speculable", "unrecorded",
            "unrollable_layer_types"]
 
 
@@ -255,8 +255,7 @@ def unrecorded(kv: Any) -> Iterator[None]:
     per-layer shapes (benchmarks/hybrid_spec.py): a one-token forward on a recording cache
     cost 1.5-2.5x a plain step.  Sliding-window layers keep recording: a crop past their window
     needs it."""
-    layers = [lay for lay in getattr(kv, "layers", None) or ()
-              if hasattr(lay, "recurrent_states") and getattr(lay, "record_past", False)]
+    layers = recording_state_layers(kv)
     for lay in layers:
         lay.record_past = False
     try:
@@ -264,6 +263,13 @@ def unrecorded(kv: Any) -> Iterator[None]:
     finally:
         for lay in layers:
             lay.record_past = True
+
+
+def recording_state_layers(kv: Any) -> list:
+    """The linear-attention and Mamba layers of ``kv`` that record their states now
+    (``new_kv(rollback=True)``, outside :func:`unrecorded`)."""
+    return [lay for lay in getattr(kv, "layers", None) or ()
+            if hasattr(lay, "recurrent_states") and getattr(lay, "record_past", False)]
 
 
 def crop_kv(kv: Any, keep: int) -> None:
