@@ -52,6 +52,7 @@ from .. import _C
 from .arch import DECODE_STEP_MODELS
 from .layers import CRMSNorm, chain_step
 from ..runtime.kernels import tensor_array
+from ..runtime.kvcache import recording_state_layers
 from ..runtime.kvcache import kv_advance, kv_views
 
 _log = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ class DecodeStep:
             # (a cache recording a layer's states for a rollback -- a draft step on a
             # speculation's cache -- takes no plan now, and is no reason to wait
             # _PLAN_RETRY_STEPS: the next plain step builds one)
-            if self.steps >= self._plan_retry and not _records_states(cache):
+            if self.steps >= self._plan_retry and not recording_state_layers(cache):
                 plan = self._plan = self._make_plan(cache, S)
                 if plan is None:
                     self._plan_retry = self.steps + _PLAN_RETRY_STEPS
@@ -501,14 +502,6 @@ class DecodeStep:
         self.chained += len(run)
         run.clear()
         counted.clear()
-
-
-def _records_states(cache: Any) -> bool:
-    """Whether a linear-attention or Mamba layer of ``cache`` records its states now
-    (transformers 5.25's past recording, outside :func:`specmoe.speculation.decoding.
-    unrecorded`): its one-call step cannot be a plan's item then."""
-    return any(getattr(lay, "record_past", False) and hasattr(lay, "recurrent_states")
-               for lay in getattr(cache, "layers", ()))
 
 
 def _forget_plan(step_ref: Any, plan_ref: Any) -> None:

@@ -20,7 +20,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from .kernels import tensor_array
 from .memplan import kv_capacity
 
-__all__ = ["BufferedLayer", "kv_advance", "kv_append", "kv_buffers", "kv_views"]
+__all__ = ["BufferedLayer", "kv_advance", "kv_append", "kv_buffers", "kv_views",
+           "recording_state_layers"]
 
 
 # a BufferedLayer's own attributes: the cache and its buffers (everything else is DynamicLayer's)
@@ -275,3 +276,13 @@ def kv_buffers(cache: Any, idx: int, T: int, rows: bool = False) -> tuple | None
     if S is None:
         return None
     return (lay, lay._kbuf, lay._vbuf, lay._ka, lay._va, S)
+
+
+def recording_state_layers(cache: Any) -> list:
+    """The linear-attention and Mamba layers of ``cache`` that record their states now
+    (transformers 5.25's past recording: ``specmoe.speculation.decoding.new_kv(rollback=True)``,
+    outside its ``unrecorded``).  The one rule for "this cache records states", read by the
+    speculation side (what to switch off, what a batch settles) and by the decode plans (a
+    recording layer's one-call step cannot be a plan's item)."""
+    return [lay for lay in getattr(cache, "layers", None) or ()
+            if hasattr(lay, "recurrent_states") and getattr(lay, "record_past", False)]

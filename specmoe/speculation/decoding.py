@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..runtime.kvcache import recording_state_layers
+
 __all__ = ["Draft", "GenerateOutput", "cache_kwargs", "crop_kv", "forward_tokens",
            "input_device", "last_logits_kwargs", "new_kv", "nothing_recorded",
            "recording_state_layers", "recurrent_layer_types", "records_recurrent_states",
@@ -263,13 +265,6 @@ def unrecorded(kv: Any) -> Iterator[None]:
     finally:
         for lay in layers:
             lay.record_past = True
-
-
-def recording_state_layers(kv: Any) -> list:
-    """The linear-attention and Mamba layers of ``kv`` that record their states now
-    (``new_kv(rollback=True)``, outside :func:`unrecorded`)."""
-    return [lay for lay in getattr(kv, "layers", None) or ()
-            if hasattr(lay, "recurrent_states") and getattr(lay, "record_past", False)]
 
 
 def crop_kv(kv: Any, keep: int) -> None:
