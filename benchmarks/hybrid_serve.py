@@ -18,7 +18,11 @@ B, the two modes in alternating order:
 * ``alone``: ``Scheduler(batch_decode=False)``: the same requests, one forward per request
   per round (what the server did for hybrids before).
 
-Each request: a prompt of ``--prompt`` random token ids (different per request), ``--max-tokens``
+``--servers kept`` (the default) keeps one worker per mode and client count for the whole
+process, warmed by one short run, as a running server serves request after request (a
+controller learns across requests: Cascade's trials, its budget); ``--servers fresh`` starts a
+new worker per run, so every run is a fresh server's first requests (results files whose
+config has no ``servers`` were made so).  Each request: a prompt of ``--prompt`` random token ids (different per request), ``--max-tokens``
 greedy tokens.  Per run: ``out_tok_s`` (every generated token / wall time from the submit to
 the last request's end, prefills included), ``decode_tok_s`` (the tokens after each request's
 first / the time from the last first token to the end: the phase where all B decode),
@@ -77,53 +81,62 @@ class _IdText:
         return " ".join(map(str, ids))
 
 
-def run_once(model: Any, prompts: list[list[int]], max_tokens: int,
-             batched: bool, drafter: str | None = None,
-             controller: str | None = None) -> dict[str, Any]:
-    """Serve ``prompts`` at once through a fresh worker (``drafter``: speculative decoding
-    with ``controller``); the run's figures and tokens."""
-    from specmoe.serve.scheduler import GenParams, Scheduler, serve_all
+def make_scheduler(model: Any, batch: int, prefill: int, batched: bool,
+                   drafter: str | None = None, controller: str | None = None) -> Any:
+    """A server's worker for ``batch`` requests at a time, prompts of up to ``prefill``
+    tokens in one chunk (``drafter``: speculative decoding with ``controller``)."""
+    from specmoe.serve.scheduler import Scheduler
     spec = dict(drafter=drafter, controller=controller, warm_tau=False) if drafter else {}
-    sch = Scheduler(model, _IdText(), max_batch=max(len(prompts), 1),
-                    prefill_chunk=max(len(p) for p in prompts), batch_decode=batched, **spec)
+    sch = Scheduler(model, _IdText(), max_batch=max(batch, 1), prefill_chunk=prefill,
+                    batch_decode=batched, **spec)
     if batched and sch.batch_off_reason is not None:
         sch.close()
         raise RuntimeError(f"decode steps not batched: {sch.batch_off_reason}")
+    return sch
+
+
+def _counters(sch: Any) -> dict[str, int]:
+    c = {"batched_steps": sch.batched_steps, "batched_prefills": sch.batched_prefills}
+    if sch.spec is not None:
+        st = sch.spec.stats()
+        c.update(batched_verifications=sch.batched_verifications, proposed=st["proposed"],
+                 accepted=st["accepted"], steps_with_drafts=st["steps_with_drafts"])
+    return c
+
+
+def run_once(sch: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Serve ``prompts`` at once through the worker ``sch``; the run's figures (its counters:
+    what this run added) and tokens."""
+    from specmoe.serve.scheduler import GenParams, serve_all
     first: dict[int, float] = {}
 
     def on_event(i: int, ev: Any) -> None:
         if ev[0] == "text" and i not in first:
             first[i] = time.perf_counter()
-    try:
-        t0 = time.perf_counter()
-        # queued together: every request admitted in the worker's first round
-        reqs = serve_all(sch, prompts, GenParams(max_tokens=max_tokens, temperature=0),
-                         timeout=1800, on_event=on_event)
-        t1 = time.perf_counter()
-    finally:
-        sch.close()
+    before = _counters(sch)
+    t0 = time.perf_counter()
+    # queued together: every request admitted in the worker's first round
+    reqs = serve_all(sch, prompts, GenParams(max_tokens=max_tokens, temperature=0),
+                     timeout=1800, on_event=on_event)
+    t1 = time.perf_counter()
     bad = [(r.finished, r.error) for r in reqs if r.finished != "length"]
     if bad:
         raise RuntimeError(f"requests ended badly: {bad}")
     n = sum(len(r.generated) for r in reqs)
     t_first = max(first.values())
-    out = {"out_tok_s": n / (t1 - t0),
-           "decode_tok_s": (n - len(reqs)) / (t1 - t_first),
-           "first_tokens_s": t_first - t0,
-           "batched_steps": sch.batched_steps,
-           "batched_prefills": sch.batched_prefills,
-           "tokens": [list(r.generated) for r in reqs]}
-    if sch.spec is not None:
-        st = sch.spec.stats()
-        out.update({"batched_verifications": sch.batched_verifications,
-                    "acceptance": st["acceptance"], "proposed": st["proposed"],
-                    "steps_with_drafts": st["steps_with_drafts"]})
+    out: dict[str, Any] = {k: v - before[k] for k, v in _counters(sch).items()}
+    if "proposed" in out:
+        out["acceptance"] = out["accepted"] / out["proposed"] if out["proposed"] else None
+    out.update({"out_tok_s": n / (t1 - t0),
+                "decode_tok_s": (n - len(reqs)) / (t1 - t_first),
+                "first_tokens_s": t_first - t0,
+                "tokens": [list(r.generated) for r in reqs]})
     return out
 
 
 def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int,
            max_tokens: int, cache: float, drafter: str | None = None,
-           controller: str | None = None) -> None:
+           controller: str | None = None, servers: str = "kept") -> None:
     """One process: the model loaded once, ``rounds`` rounds of every (clients, mode); one
     JSON line on stdout."""
     import numpy as np
@@ -148,13 +161,25 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
         prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(max(clients))]
     names = ("batched", "alone", "plain") if drafter else ("batched", "alone")
 
+    workers: dict[tuple[str, int], Any] = {}
+
     def run(mode: str, ps: list[list[int]], n: int) -> dict[str, Any]:
-        with torch.inference_mode():
-            return run_once(model, ps, n, mode != "alone",
-                            drafter if mode != "plain" else None, controller)
+        key = (mode, len(ps))
+        sch = workers.get(key) if servers == "kept" else None
+        if sch is None:
+            sch = make_scheduler(model, len(ps), prompt, mode != "alone",
+                                 drafter if mode != "plain" else None, controller)
+        try:
+            with torch.inference_mode():
+                return run_once(sch, ps, n)
+        finally:
+            if servers == "kept":
+                workers[key] = sch
+            else:
+                sch.close()
     for mode in names:  # warm-up (plans, threads; with a drafter, tau "auto" measured at
         # each batch size's bucket, once a process, as a server's warm_tau does before serving)
-        for B in (clients if drafter else [2]):
+        for B in (clients if drafter or servers == "kept" else [2]):
             run(mode, prompts[:B], 4)
     keys = ("out_tok_s", "decode_tok_s", "first_tokens_s", "batched_steps", "batched_prefills")
     if drafter:
@@ -176,6 +201,8 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
                         round(v, 3) if isinstance(v, float) else v)
             row.setdefault("same_tokens_runs", []).append(
                 all(got[m]["tokens"] == got["batched"]["tokens"] for m in names))
+    for sch in workers.values():
+        sch.close()
     eng.close()
     print(json.dumps(out))
 
@@ -195,6 +222,10 @@ def main() -> None:
                     help="share of the experts the cache holds (1: every expert resident, "
                          "loaded before timing; below 1 the experts come from the store, "
                          "where a prefill forward shared by several prompts loads each once)")
+    ap.add_argument("--servers", choices=("kept", "fresh"), default="kept",
+                    help="kept: one worker per (mode, clients) for the whole process, as a "
+                         "running server (its controllers learn across requests); fresh: a new "
+                         "worker per run (every run a server's first requests)")
     a = ap.parse_args()
     if not 0.0 < a.cache <= 1.0:
         ap.error(f"--cache must be in (0, 1], got {a.cache}")
@@ -204,14 +235,15 @@ def main() -> None:
         a.experts, a.rounds, clients, a.max_tokens = 8, 1, [1, 3], 6
     if a._worker:
         worker(a._worker, threads, clients, a.rounds, a.prompt, a.max_tokens, a.cache,
-               a.drafter, a.controller if a.drafter else None)
+               a.drafter, a.controller if a.drafter else None, a.servers)
         return
     path = gguf_path(a)  # (hybrid_peers.py's files)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
     got = run_worker(__file__, path, ["--threads", str(threads), "--clients",
                                       ",".join(map(str, clients)), "--rounds", str(a.rounds),
                                       "--prompt", str(a.prompt), "--max-tokens",
-                                      str(a.max_tokens), "--cache", str(a.cache)]
+                                      str(a.max_tokens), "--cache", str(a.cache),
+                                      "--servers", a.servers]
                      + (["--quick"] if a.quick else [])
                      + (["--drafter", a.drafter, "--controller", a.controller]
                         if a.drafter else []))
@@ -240,7 +272,8 @@ def main() -> None:
                       "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
                       "cache": a.cache, "drafter": a.drafter,
                       "controller": a.controller if a.drafter else None,
-                      "clients": clients, "rounds": a.rounds, "file": made,
+                      "clients": clients, "rounds": a.rounds, "servers": a.servers,
+                      "file": made,
                       "machine": hostinfo.host(threads)},
            "peers": {"llama-server": "not run here: benchmarks/serve.py --models hybrid "
                                      "serves this GGUF file with both servers"},

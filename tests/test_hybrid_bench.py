@@ -109,6 +109,7 @@ def test_hybrid_serve_quick_run_verifies_drafts_in_a_batch(tmp_path):
     included) give every request the same tokens, and the ratios are per round."""
     out = _quick(tmp_path, "hybrid_serve.py", "--drafter", "self")
     assert out["config"]["drafter"] == "self" and out["config"]["controller"] == "static:3"
+    assert out["config"]["servers"] == "kept"  # one worker per mode and B, as a server
     rows = {r["clients"]: r for r in out["rows"]}
     assert set(rows) == {1, 3} and all("error" not in r for r in rows.values()), out["rows"]
     r = rows[3]
