@@ -22,10 +22,11 @@ B, the two modes in alternating order:
 process, warmed by one short run, as a running server serves request after request (a
 controller learns across requests: Cascade's trials, its budget); ``--servers fresh`` starts a
 new worker per run, so every run is a fresh server's first requests (results files whose
-config has no ``servers`` were made so).  Each request: a prompt of ``--prompt`` random token ids (different per request), ``--max-tokens``
-greedy tokens.  Per run: ``out_tok_s`` (every generated token / wall time from the submit to
-the last request's end, prefills included), ``decode_tok_s`` (the tokens after each request's
-first / the time from the last first token to the end: the phase where all B decode),
+config has no ``servers`` were made so).  Each request: a prompt of ``--prompt`` random
+token ids (different per request), ``--max-tokens`` greedy tokens.  Per run: ``out_tok_s``
+(every generated token / wall time from the submit to the last request's end, prefills
+included), ``decode_tok_s`` (the tokens after each request's first / the time from the last
+first token to the end: the phase where all B decode),
 ``first_tokens_s`` (from the submit to the last request's first token: the prompts' time),
 ``batched_steps``, ``batched_prefills`` (forwards that prefilled several prompts).
 ``--cache`` below 1 serves from the store (a prompt forward shared by several requests loads

@@ -52,8 +52,7 @@ from .. import _C
 from .arch import DECODE_STEP_MODELS
 from .layers import CRMSNorm, chain_step
 from ..runtime.kernels import tensor_array
-from ..runtime.kvcache import recording_state_layers
-from ..runtime.kvcache import kv_advance, kv_views
+from ..runtime.kvcache import kv_advance, kv_views, recording_state_layers
 
 _log = logging.getLogger(__name__)
 
