@@ -13,7 +13,7 @@ import specmoe  # noqa: E402
 from tests.conftest import greedy_alone  # noqa: E402
 from specmoe.models.testing import tiny_model  # noqa: E402
 from specmoe.speculation.batch import BatchKV, is_state_layer, row_layer_kind  # noqa: E402
-from specmoe.speculation.decoding import cache_kwargs, new_kv  # noqa: E402
+from specmoe.speculation.decoding import cache_kwargs, new_kv, records_window  # noqa: E402
 
 
 def _hybrid(arch, dtype=torch.float32):
@@ -277,5 +277,74 @@ def test_keep_puts_each_recurrent_row_back_to_the_state_of_its_kept_tokens(arch)
         with pytest.raises(ValueError, match="record 4 between two settlings"):
             bkv.forward([[4, 5]] * 3)
         assert bkv.npos == [p + 3 for p in npos]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe_text", "jamba"])
+def test_a_draft_model_with_recurrent_layers_drafts_every_row_as_alone(arch):
+    """BatchDraftModel on a draft model with recurrent layers (its own BatchKV, recording a
+    window): rows of different lengths, one of a single token (no prefill: catch-up forwards
+    from an empty state), histories that take some drafts and then grow by more tokens than
+    one drafting forward may feed (catch-up forwards, a dummy token for a row with nothing to
+    catch up): each row's drafts are the draft model's greedy tokens for its history alone.
+    A history without a new token, and more drafts than the window holds, are refused."""
+    from specmoe.speculation.batch import BatchDraftModel
+    from specmoe.speculation.drafters import DraftModel
+    model, eng = _hybrid(arch)
+    try:
+        if not records_window(new_kv(model)):
+            pytest.skip("this transformers version's recurrent layers record no states")
+        bd = BatchDraftModel(DraftModel(model), 3, window=4)  # a forward: 4 tokens a row at most
+        hists = _prompts(seed=7, lens=(1, 9, 14))
+        g = torch.Generator().manual_seed(8)
+        grow = [(1, 2, 1), (7, 1, 3), (1, 3, 9), (2, 2, 2)]  # tokens each row takes next
+        for rnd in range(len(grow) + 1):
+            drafts, _, _ = bd.draft(hists, [3, 3, 2], None, None)
+            assert drafts == [r[:k] for r, k in zip(greedy_alone(model, hists, 3), (3, 3, 2))]
+            if rnd == len(grow):
+                break
+            for b, n in enumerate(grow[rnd]):  # the accepted drafts, then other tokens
+                took = drafts[b][:min(n, 1 + rnd % 2)]
+                rest = torch.randint(3, 128, (n - len(took),), generator=g).tolist()
+                hists[b] = hists[b] + took + rest
+        bd.select([2, 0])  # a row leaves; the others draft on
+        hists = [hists[2] + [5, 6], hists[0] + [7]]
+        drafts, _, _ = bd.draft(hists, [3, 3], None, None)
+        assert drafts == greedy_alone(model, hists, 3)
+        with pytest.raises(ValueError, match="no token past what the last call fed"):
+            bd.draft(hists, [3, 3], None, None)
+        with pytest.raises(ValueError, match="do not fit a window"):
+            bd.draft([h + [9] for h in hists], [6, 6], None, None)
+    finally:
+        eng.close()
+
+
+def test_batched_generate_with_a_hybrid_draft_model_equals_greedy_alone():
+    """specmoe.generate on a batch of prompts of different lengths of a hybrid, drafted by a
+    hybrid draft model (the target's weights, slightly perturbed: drafts accepted in part):
+    every sequence is the target's greedy continuation alone."""
+    from specmoe.speculation.controllers import StaticK
+    from specmoe.speculation.drafters import DraftModel
+    model, eng = _hybrid("qwen3_5_moe_text")
+    try:
+        if not records_window(new_kv(model)):
+            pytest.skip("this transformers version's recurrent layers record no states")
+        draft = tiny_model("qwen3_5_moe_text", vocab=128)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(9)
+            for p in draft.parameters():
+                p.add_(0.003 * torch.randn(p.shape, generator=g))
+        prompts = _prompts(seed=5, lens=(20, 13, 17))
+        n = max(len(p) for p in prompts)
+        ids = torch.zeros((3, n), dtype=torch.long)
+        mask = torch.zeros((3, n), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, n - len(p):], mask[b, n - len(p):] = torch.tensor(p), 1
+        out = specmoe.generate(model, ids, attention_mask=mask, max_new_tokens=24,
+                               drafter=DraftModel(draft), controller=StaticK(4),
+                               eos_token_id=None, tau=None)
+        assert out.sequences[:, n:].tolist() == greedy_alone(model, prompts, 24)
+        assert 0 < out.stats["accepted"] < out.stats["proposed"]
     finally:
         eng.close()

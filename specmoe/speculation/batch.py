@@ -59,6 +59,7 @@ by name.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -529,18 +530,90 @@ class BatchDraftModel:
     ``shared``: the target's own :class:`BatchKV` (a SelfDraft with ``share_kv``, MoE-SpeQ
     Sec. 3.4, as at batch size 1): the draft feeds each row's pending token and drafts on top
     of the verified prefix the target cached, then turns those positions back into holes and
-    crops them, so there is no second cache and no draft prefill of the prompt."""
+    crops them, so there is no second cache and no draft prefill of the prompt.
 
-    def __init__(self, drafter: Any, batch: int, shared: Optional[BatchKV] = None) -> None:
+    A draft model with recurrent layers (a small Qwen3.5 or Qwen3-Next drafting for a hybrid
+    target) gets a BatchKV whose recurrent layers record ``window`` tokens (default 16) between
+    two settlings, so that rows of different lengths feed together (:class:`BatchKV`'s
+    window): its empty state takes the histories but their last tokens as a prefill (each
+    prompt alone where lengths differ, then joined), a row's verified tokens not yet fed go in
+    forwards that fit the window (settled after each, as is the drafting forward before the
+    draft steps), and every call ends with each row cut back to its history, so no draft stays
+    in a state that a later :meth:`select` (which settles) would make permanent.  ValueError
+    where the window cannot hold a call's drafts, or a row's history has no new token."""
+
+    def __init__(self, drafter: Any, batch: int, shared: Optional[BatchKV] = None,
+                 window: int = 16) -> None:
         self.drafter = drafter
         self.shared = shared is not None
-        self.state = shared if shared is not None else BatchKV(drafter.model, batch)
+        self.state = shared if shared is not None else BatchKV(drafter.model, batch,
+                                                               window=window)
         self.seen: List[List[int]] = [[] for _ in range(batch)]
 
     def select(self, rows: Sequence[int]) -> None:
         if not self.shared:  # a shared state is selected by its owner
             self.state.select(rows)
         self.seen = [self.seen[r] for r in rows]
+
+    def _stateful_rows(self, hists: List[List[int]], K: int) -> List[List[int]]:
+        """For a draft state with recurrent layers (class docstring): every row brought to the
+        verified tokens of its history but the last few, and those tokens (at least one a row,
+        at most a window of them) returned for the drafting forward."""
+        st = self.state
+        if st.window <= 0:
+            raise ValueError("BatchDraftModel: a draft model with recurrent layers needs a "
+                             "BatchKV that records their states (window > 0)")
+        room = st.window  # tokens a row the drafting forward may feed (settled after it)
+        if K - 1 > st.window:
+            raise ValueError(f"BatchDraftModel: {K} drafts a row do not fit a window of "
+                             f"{st.window} recorded tokens (K - 1 at most)")
+        for b, (h, s) in enumerate(zip(hists, self.seen)):
+            if s and len(h) <= len(s) and h == s[:len(h)]:
+                raise ValueError(f"BatchDraftModel: row {b}'s history has no token past what "
+                                 "the last call fed (a draft model with recurrent layers "
+                                 "needs one or more new tokens a row and call)")
+        if st.length == 0 and all(len(h) >= 2 for h in hists):
+            self._prefill([h[:-1] for h in hists])
+            st = self.state
+            self.seen = [list(h[:-1]) for h in hists]
+        for b, h in enumerate(hists):  # (the last call cut every row back to its history)
+            n, lim, s = 0, min(len(self.seen[b]), len(h) - 1), self.seen[b]
+            while n < lim and s[n] == h[n]:
+                n += 1
+            st.keep(b, n)
+            self.seen[b] = list(h[:n])
+        st.trim()
+        pend = [h[len(s):] for h, s in zip(hists, self.seen)]
+        while max(len(p) for p in pend) > room:
+            # a catch-up forward: all but a row's last token, at most a window of them; a row
+            # with nothing to feed takes its next token as a dummy, taken back at once
+            feed = [p[:min(len(p) - 1, st.window)] for p in pend]
+            self._run([f or p[:1] for f, p in zip(feed, pend)], [], None)
+            for b, f in enumerate(feed):
+                if not f:
+                    st.keep(b, st.npos[b] - 1)
+                self.seen[b] += f
+            st.trim()
+            pend = [p[len(f):] for p, f in zip(pend, feed)]
+        return pend
+
+    def _prefill(self, rows: List[List[int]]) -> None:
+        """An empty draft state with recurrent layers filled with ``rows`` (each >= 1 token),
+        unrecorded: one prefill when they are of one length, else each alone, then joined (a
+        pad would enter a row's state)."""
+        d, st = self.drafter, self.state
+        ctx = d.engine.drafting() if isinstance(d, SelfDraft) else contextlib.nullcontext()
+        with ctx:
+            if len({len(r) for r in rows}) == 1:
+                ids = torch.tensor(rows, dtype=torch.long)
+                st.prefill(ids, torch.ones_like(ids))
+                return
+            new = BatchKV(d.model, 0, window=st.window)
+            for r in rows:
+                one = BatchKV(d.model, 1)
+                one.prefill(torch.tensor([r]), torch.ones((1, len(r)), dtype=torch.long))
+                new.join(one.kv)
+        self.state = new
 
     def _run(self, rows: List[List[int]], rec_rows: List[Tuple[List[int], int]],
              routing: Optional[Dict[int, np.ndarray]]) -> torch.Tensor:
@@ -569,7 +642,10 @@ class BatchDraftModel:
         if K <= 0:
             return [[] for _ in range(B)], [None] * B, None
         rows = []
-        for b, h in enumerate(hists):
+        own_states = not self.shared and self.state.stateful
+        if own_states:
+            rows = self._stateful_rows(hists, K)
+        for b, h in enumerate(hists if not own_states else []):
             if self.shared:  # the target's cache holds every token of the row but the last
                 if self.state.npos[b] != len(h) - 1:
                     raise RuntimeError(f"BatchDraftModel: row {b} of the shared cache holds "
@@ -587,6 +663,8 @@ class BatchDraftModel:
             else None
         logits = self._run(rows, [([b], len(rows[b]) - 1) for b in range(B) if ks[b] > 0],
                            routing)
+        if own_states:  # a shorter row's dummies out of its state before it drafts on
+            self.state.trim()
         last = torch.stack([logits[b, len(rows[b]) - 1] for b in range(B)])
         toks: List[List[int]] = [[] for _ in range(B)]
         probs: List[List[torch.Tensor]] = [[] for _ in range(B)]
@@ -606,6 +684,11 @@ class BatchDraftModel:
         if self.shared:  # the draft's positions become holes and are cropped off again
             for b in range(B):
                 self.state.keep(b, len(hists[b]) - 1)
+            self.state.trim()
+        elif own_states:  # each row back to its history (class docstring)
+            for b in range(B):
+                self.state.keep(b, len(hists[b]))
+                self.seen[b] = list(hists[b])
             self.state.trim()
         else:
             for b in range(B):  # the cache holds history + toks[:-1] of every row
@@ -703,7 +786,9 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
     mtp_next: List[Tuple[List[int], Optional[torch.Tensor]]] = [([], None)] * B
     if isinstance(drafter, DraftModel):
         share = isinstance(drafter, SelfDraft) and drafter.share_kv
-        bdraft = BatchDraftModel(drafter, B, shared=state if share else None)
+        # (a draft model with recurrent layers records its K - 1 draft steps)
+        bdraft = BatchDraftModel(drafter, B, shared=state if share else None,
+                                 window=max(16, window))
     elif isinstance(drafter, NgramDrafter):
         ngrams = [drafter.clone() for _ in range(B)]
     its: List[Dict[str, Any]] = []
