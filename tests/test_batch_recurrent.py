@@ -312,6 +312,10 @@ def test_a_draft_model_with_recurrent_layers_drafts_every_row_as_alone(arch):
         hists = [hists[2] + [5, 6], hists[0] + [7]]
         drafts, _, _ = bd.draft(hists, [3, 3], None, None)
         assert drafts == greedy_alone(model, hists, 3)
+        # prompts of one length: one prefill of the empty state, then the drafting forward
+        same = _prompts(seed=11, lens=(6, 6))
+        assert BatchDraftModel(DraftModel(model), 2, window=4).draft(
+            same, [3, 3], None, None)[0] == greedy_alone(model, same, 3)
         with pytest.raises(ValueError, match="no token past what the last call fed"):
             bd.draft(hists, [3, 3], None, None)
         with pytest.raises(ValueError, match="do not fit a window"):
