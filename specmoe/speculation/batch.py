@@ -563,7 +563,6 @@ class BatchDraftModel:
         if st.window <= 0:
             raise ValueError("BatchDraftModel: a draft model with recurrent layers needs a "
                              "BatchKV that records their states (window > 0)")
-        room = st.window  # tokens a row the drafting forward may feed (settled after it)
         if K - 1 > st.window:
             raise ValueError(f"BatchDraftModel: {K} drafts a row do not fit a window of "
                              f"{st.window} recorded tokens (K - 1 at most)")
@@ -584,7 +583,7 @@ class BatchDraftModel:
             self.seen[b] = list(h[:n])
         st.trim()
         pend = [h[len(s):] for h, s in zip(hists, self.seen)]
-        while max(len(p) for p in pend) > room:
+        while max(len(p) for p in pend) > st.window:  # (the drafting forward is settled too)
             # a catch-up forward: all but a row's last token, at most a window of them; a row
             # with nothing to feed takes its next token as a dummy, taken back at once
             feed = [p[:min(len(p) - 1, st.window)] for p in pend]
@@ -608,12 +607,7 @@ class BatchDraftModel:
                 ids = torch.tensor(rows, dtype=torch.long)
                 st.prefill(ids, torch.ones_like(ids))
                 return
-            new = BatchKV(d.model, 0, window=st.window)
-            for r in rows:
-                one = BatchKV(d.model, 1)
-                one.prefill(torch.tensor([r]), torch.ones((1, len(r)), dtype=torch.long))
-                new.join(one.kv)
-        self.state = new
+            self.state = _joined_alone(d.model, rows, st.window)
 
     def _run(self, rows: List[List[int]], rec_rows: List[Tuple[List[int], int]],
              routing: Optional[Dict[int, np.ndarray]]) -> torch.Tensor:
@@ -699,6 +693,18 @@ class BatchDraftModel:
         return drafts, dprobs, routing
 
 
+def _joined_alone(model: nn.Module, rows: Sequence[Sequence[int]], window: int = 0) -> BatchKV:
+    """A BatchKV of ``rows`` (token ids, each >= 1), each prefilled alone, unrecorded, and
+    joined (:meth:`BatchKV.join`): how prompts of different lengths enter a batch whose
+    recurrent layers could not take a pad.  ``window``: what the batch records after."""
+    state = BatchKV(model, 0, window=window)
+    for r in rows:
+        one = BatchKV(model, 1)
+        one.prefill(torch.tensor([list(r)]), torch.ones((1, len(r)), dtype=torch.long))
+        state.join(one.kv)
+    return state
+
+
 def per_position_acceptance(pairs: Sequence[Tuple[int, int]]) -> List[Optional[float]]:
     """Acceptance per draft position from (drafts verified, drafts accepted) per sequence and
     iteration: entry j-1 = P(position j accepted | it was verified and positions < j were
@@ -771,11 +777,7 @@ def run_batch(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, drafter: 
         if min(len(p) for p in prompts) < 2:
             raise ValueError("specmoe.generate: a batch of prompts of different lengths on a "
                              "model with recurrent layers needs 2 or more tokens a prompt")
-        state = BatchKV(model, 0, window=window)
-        for p in prompts:
-            one = BatchKV(model, 1)
-            one.prefill(torch.tensor([p[:-1]]), torch.ones((1, len(p) - 1), dtype=torch.long))
-            state.join(one.kv)
+        state = _joined_alone(model, [p[:-1] for p in prompts], window)
     else:
         state.prefill(ids[:, :-1], mask[:, :-1])  # the last column holds every pending token
     seqs = [list(p) for p in prompts]
