@@ -141,19 +141,9 @@ int32_t smoe_spec_ctl_next_k(const smoe_spec_ctl *c) {
     return smoe_spec_ctl_clamp(c, c->ops->next_k(c));
 }
 
-/* W of the slowdown budget: the largest loss of one speculative iteration, or before any
- * the prior 2 * k0 * t_base (controller.h, "Slowdown budget"). */
-static double budget_worst(const smoe_spec_ctl *c) {
-    if (c->spec_n > 0) return c->loss_max;
-    double base = smoe_spec_ctl_base(c);
-    if (isnan(base) || !(base > 0.0)) return 0.0;
-    int32_t k0 = c->params.initial >= 1 ? c->params.initial : 1;
-    return 2.0 * (double)k0 * base;
-}
-
 int smoe_spec_ctl_within_budget(const smoe_spec_ctl *c) {
     return c->params.budget < 0.0 ||
-           c->spec_loss + budget_worst(c) <= c->params.budget * c->t_total;
+           c->spec_loss + c->loss_max <= c->params.budget * c->t_total;
 }
 
 int32_t smoe_spec_ctl_budget_wait(const smoe_spec_ctl *c) {
@@ -162,7 +152,7 @@ int32_t smoe_spec_ctl_budget_wait(const smoe_spec_ctl *c) {
     if (isnan(base) || !(base > 0.0)) return c->params.base_len < c->params.backoff_max
                                                  ? c->params.base_len
                                                  : c->params.backoff_max;
-    double n = ceil((c->spec_loss + budget_worst(c) - c->params.budget * c->t_total) /
+    double n = ceil((c->spec_loss + c->loss_max - c->params.budget * c->t_total) /
                     (c->params.budget * base));
     if (!(n >= 1.0)) return 1;
     return n > (double)c->params.backoff_max ? c->params.backoff_max : (int32_t)n;
@@ -342,7 +332,6 @@ int smoe_spec_ctl_observe(smoe_spec_ctl *c, const smoe_spec_obs *o, smoe_err *er
             double loss = o->t_iter - smoe_spec_obs_etr(o) * base;
             c->spec_loss += loss;
             if (loss > c->loss_max) c->loss_max = loss;
-            c->spec_n++;
         }
     }
     success_learn(c, o);

@@ -255,12 +255,10 @@
  *   the net time speculation has cost against plain steps of the time t_base (negative when
  *   it gained), t_base read after the observation's own k == 0 update, and T = the sum of
  *   every observed t_iter; and W, the largest loss one such iteration has had (t_iter - ETR *
- *   t_base; before any, the prior W0 = 2 * k0 * t_base, k0 = params.initial (at least 1):
- *   an iteration at the first K that accepts nothing when each draft token and each
- *   verified token costs a plain step; 0 while t_base is unknown).  Speculation is WITHIN
- *   BUDGET while L + W <= budget * T (params.budget, default 0.05; negative: off, always
- *   within): one more iteration as bad as the worst so far still keeps the promise.  Only
- *   exploration is gated by it, never a K the controller's own measurement says pays:
+ *   t_base, 0 before any).  Speculation is WITHIN BUDGET while L + W <= budget * T
+ *   (params.budget, default 0.05; negative: off, always within): one more iteration as bad as
+ *   the worst so far still keeps the promise.  Only exploration is gated by it, never a K
+ *   the controller's own measurement says pays:
  *   - cascade: a test phase starts only within budget; otherwise BACKOFF for
  *     n = ceil((L + W - budget * T) / (budget * t_base)) iterations (n in 1..backoff_max;
  *     base_len when t_base is unknown), the plain steps that bring L back within budget if
@@ -272,12 +270,7 @@
  *   Why: on the zoo pair behind an emulated PCIe link (benchmarks/speculation_offload.py,
  *   32-token requests) the draft model's failing trials at K = 2-3 cost two plain steps
  *   each and Cascade read 0.81-0.87 of plain; a bound on what exploring may cost is what
- *   makes the 5 % hold on short requests, where a per-phase rule cannot amortize.  Why the
- *   prior W0: with W = 0 before any speculative iteration, L + W <= budget * T held at
- *   T = base_len plain steps, so the first trial started whatever it would cost; on a hybrid
- *   server (issue 39, Zen 1) it cost 7-9 plain steps, 17-24 % of a 32-token request.  With
- *   W0 the first test phase waits until T holds W0 / budget (80 plain steps at k0 = 2 and
- *   5 %), and a controller that finds speculation paying loses at most those steps' gain.
+ *   makes the 5 % hold on short requests, where a per-phase rule cannot amortize.
  *
  * Instant utility (static, heuristic): ETR * t_base / t_iter, with t_base the
  * median of the last base_len k_used == 0 iterations; NaN until one was observed.
@@ -401,7 +394,6 @@ struct smoe_spec_ctl {
     uint64_t last_base_iter;               /* iteration index of the last k == 0 observation */
     /* the slowdown budget (see above): L, T and W */
     double spec_loss, t_total, loss_max;
-    int64_t spec_n;                        /* iterations counted in L (k >= 1, t_base known) */
     /* telemetry ring */
     smoe_spec_rec *ring;
     uint32_t ring_cap;

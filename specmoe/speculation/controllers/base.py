@@ -120,8 +120,7 @@ class Controller:
         """(L, T) of the slowdown budget: the seconds speculation has cost against plain steps
         of the measured plain-step time (negative when it gained) and the seconds observed.
         Cascade's test phases and SpeQ's probes run only while L + W <= budget * T, W the
-        largest loss of one speculative iteration so far, or before any 2 * initial plain
-        steps (``csrc/spec/controller.h``)."""
+        largest loss of one speculative iteration so far (``csrc/spec/controller.h``)."""
         loss, total = self._c.spent
         return float(loss), float(total)
 
