@@ -322,9 +322,10 @@ async def load(base: str, model: str, prompts: List[str], clients: int, requests
             except Exception as e:  # noqa: BLE001 (counted and reported)
                 results.append({"error": f"{type(e).__name__}: {e}"})
 
-    # a connection per request, for every server: reusing a kept-alive connection raced
-    # llama-server's close of it once in 32 requests ("Server disconnected without sending a
-    # response", 2026-12-06, Zen 4); a new loopback connection costs well under a millisecond
+    # a connection per request, for every server: with kept-alive connections reused,
+    # llama-server dropped one of 32 requests in two rows ("Server disconnected without
+    # sending a response", 2026-12-06, Zen 4; none in four rows since); a new loopback
+    # connection costs well under a millisecond
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
