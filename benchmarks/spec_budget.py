@@ -53,10 +53,9 @@ def serve(ctl: Optional[Cascade], a: argparse.Namespace, t_draft: float, p: floa
         made, t_req = 0, 0.0
         while made < a.tokens:
             k = ctl.next_k() if ctl is not None else 0
-            k = min(k, a.tokens - made - 1) if k else 0
-            ok = rng.random(max(k, 1)) < p
-            acc = int(np.argmin(ok)) if not ok.all() else k
-            acc = min(acc, k)
+            k = min(k, a.tokens - made - 1)  # no draft past the request's last token
+            ok = rng.random(max(k, 1)) < p  # (a plain step draws one too: seeded streams)
+            acc = k if ok.all() else int(np.argmin(ok))  # the first rejection ends the run
             t = a.t_plain if k == 0 else k * t_draft + v0 + k * v1
             if ctl is not None:
                 ctl.observe(k, acc, t)
