@@ -16,7 +16,11 @@ B, the two modes in alternating order:
   prefilled alone (a hybrid's prompts are never batched), then every round one batched
   forward of all running requests (:class:`specmoe.speculation.batch.BatchKV`, "stateful");
 * ``alone``: ``Scheduler(batch_decode=False)``: the same requests, one forward per request
-  per round (what the server did for hybrids before).
+  per round (what the server did for hybrids before);
+* ``grouped`` (with ``--batch-prefill``): ``batched`` with the server's ``--batch-prefill``,
+  under which a hybrid's prompts of one length (these all are) share one prefill forward, not
+  bit for bit their prefills alone (``grouped_same_tokens_runs`` says whether the tokens
+  still matched); ``grouped_vs_batched_out_runs`` and ``..._first_tokens_s_runs`` per round.
 
 ``--servers kept`` (the default) keeps one worker per mode and client count for the whole
 process, warmed by one short run, as a running server serves request after request (a
@@ -83,13 +87,14 @@ class _IdText:
 
 
 def make_scheduler(model: Any, batch: int, prefill: int, batched: bool,
-                   drafter: str | None = None, controller: str | None = None) -> Any:
+                   drafter: str | None = None, controller: str | None = None,
+                   batch_prefill: bool = False) -> Any:
     """A server's worker for ``batch`` requests at a time, prompts of up to ``prefill``
     tokens in one chunk (``drafter``: speculative decoding with ``controller``)."""
     from specmoe.serve.scheduler import Scheduler
     spec = dict(drafter=drafter, controller=controller, warm_tau=False) if drafter else {}
     sch = Scheduler(model, _IdText(), max_batch=max(batch, 1), prefill_chunk=prefill,
-                    batch_decode=batched, **spec)
+                    batch_decode=batched, batch_prefill=batched and batch_prefill, **spec)
     if batched and sch.batch_off_reason is not None:
         sch.close()
         raise RuntimeError(f"decode steps not batched: {sch.batch_off_reason}")
@@ -137,7 +142,8 @@ def run_once(sch: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, A
 
 def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int,
            max_tokens: int, cache: float, drafter: str | None = None,
-           controller: str | None = None, servers: str = "kept") -> None:
+           controller: str | None = None, servers: str = "kept",
+           grouped: bool = False) -> None:
     """One process: the model loaded once, ``rounds`` rounds of every (clients, mode); one
     JSON line on stdout."""
     import numpy as np
@@ -160,7 +166,9 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
                    for _ in range(max(clients))]
     else:
         prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(max(clients))]
-    names = ("batched", "alone", "plain") if drafter else ("batched", "alone")
+    names: tuple[str, ...] = ("batched", "alone", "plain") if drafter else ("batched", "alone")
+    if grouped:  # batched decode, prompts of one length prefilled together (batch_prefill)
+        names += ("grouped",)
 
     workers: dict[tuple[str, int], Any] = {}
 
@@ -169,7 +177,8 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
         sch = workers.get(key) if servers == "kept" else None
         if sch is None:
             sch = make_scheduler(model, len(ps), prompt, mode != "alone",
-                                 drafter if mode != "plain" else None, controller)
+                                 drafter if mode != "plain" else None, controller,
+                                 batch_prefill=mode == "grouped")
         try:
             with torch.inference_mode():
                 return run_once(sch, ps, n)
@@ -201,7 +210,11 @@ def worker(path: str, threads: int, clients: list[int], rounds: int, prompt: int
                     row.setdefault(f"{mode}_{key}_runs", []).append(
                         round(v, 3) if isinstance(v, float) else v)
             row.setdefault("same_tokens_runs", []).append(
-                all(got[m]["tokens"] == got["batched"]["tokens"] for m in names))
+                all(got[m]["tokens"] == got["batched"]["tokens"] for m in names
+                    if m != "grouped"))
+            if grouped:  # (not exact: a batched recurrent prefill rounds by its shape)
+                row.setdefault("grouped_same_tokens_runs", []).append(
+                    got["grouped"]["tokens"] == got["batched"]["tokens"])
     for sch in workers.values():
         sch.close()
     eng.close()
@@ -227,6 +240,10 @@ def main() -> None:
                     help="kept: one worker per (mode, clients) for the whole process, as a "
                          "running server (its controllers learn across requests); fresh: a new "
                          "worker per run (every run a server's first requests)")
+    ap.add_argument("--batch-prefill", action="store_true",
+                    help="a third mode, 'grouped': batched decode with the server's "
+                         "--batch-prefill (prompts of one length prefilled in one forward; "
+                         "not exact on a hybrid)")
     a = ap.parse_args()
     if not 0.0 < a.cache <= 1.0:
         ap.error(f"--cache must be in (0, 1], got {a.cache}")
@@ -236,7 +253,7 @@ def main() -> None:
         a.experts, a.rounds, clients, a.max_tokens = 8, 1, [1, 3], 6
     if a._worker:
         worker(a._worker, threads, clients, a.rounds, a.prompt, a.max_tokens, a.cache,
-               a.drafter, a.controller if a.drafter else None, a.servers)
+               a.drafter, a.controller if a.drafter else None, a.servers, a.batch_prefill)
         return
     path = gguf_path(a)  # (hybrid_peers.py's files)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
@@ -246,6 +263,7 @@ def main() -> None:
                                       str(a.max_tokens), "--cache", str(a.cache),
                                       "--servers", a.servers]
                      + (["--quick"] if a.quick else [])
+                     + (["--batch-prefill"] if a.batch_prefill else [])
                      + (["--drafter", a.drafter, "--controller", a.controller]
                         if a.drafter else []))
     rows: list[dict[str, Any]] = []
@@ -265,6 +283,13 @@ def main() -> None:
                 p = w["plain_decode_tok_s_runs"]
                 row["plain_decode_tok_s"] = round(statistics.median(p), 3)
                 row["vs_plain_runs"] = [round(x / y, 3) for x, y in zip(b, p)]
+            if a.batch_prefill:  # grouped / batched: the whole run, and the prompts' time
+                row["grouped_vs_batched_out_runs"] = [
+                    round(x / y, 3) for x, y in zip(w["grouped_out_tok_s_runs"],
+                                                    w["batched_out_tok_s_runs"])]
+                row["grouped_vs_batched_first_tokens_s_runs"] = [
+                    round(x / y, 3) for x, y in zip(w["grouped_first_tokens_s_runs"],
+                                                    w["batched_first_tokens_s_runs"])]
             if one:
                 row["scaling_runs"] = [round(x / y, 3) for x, y in zip(b, one)]
             rows.append(row)
@@ -274,6 +299,7 @@ def main() -> None:
                       "cache": a.cache, "drafter": a.drafter,
                       "controller": a.controller if a.drafter else None,
                       "clients": clients, "rounds": a.rounds, "servers": a.servers,
+                      "batch_prefill": a.batch_prefill,
                       "file": made,
                       "machine": hostinfo.host(threads)},
            "peers": {"llama-server": "not run here: benchmarks/serve.py --models hybrid "

@@ -997,7 +997,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "batched forwards too (one expert load serves them all); their tokens "
                         "may then differ from the prompt served alone (default: only prompts "
                         "of one length share a forward, exact; linear-attention and Mamba "
-                        "hybrids prefill every prompt alone)")
+                        "hybrids prefill every prompt alone by default, and with this flag "
+                        "prompts of one length together, not exactly)")
     p.add_argument("--prefill-ratio", type=_non_negative, default=0.0,
                    help="pace prompts: while requests decode, a round's prompt chunks take at "
                         "most about this many decode steps' time (e.g. 2; default 0: every "

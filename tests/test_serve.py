@@ -1105,3 +1105,49 @@ def test_cli_serve_and_sigterm(served):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "jamba", "lfm2_moe"])
+def test_a_hybrid_with_batch_prefill_prefills_prompts_of_one_length_together(arch, monkeypatch):
+    """With batch_prefill a hybrid's prompts of one length arriving together share one
+    prefill forward (never padded: a recurrent state cannot skip a pad); one of another length
+    prefills alone.  Each prompt's next-token logits are close to its prefill alone (not bit
+    for bit: torch's chunked recurrent paths round by the batch's shape), and each request's
+    greedy tokens are model.generate's alone (f32: no near tie on these prompts)."""
+    from specmoe.models.testing import tiny_model
+    from specmoe.serve.scheduler import GenParams, Scheduler, serve_all
+    from specmoe.speculation.decoding import cache_kwargs, new_kv
+    model = tiny_model(arch, vocab=128, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    eng = specmoe.offload(model, cache=0.5)
+    try:
+        g = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (12, 12, 9, 12)]
+        alone = []
+        for ids in prompts:  # the reference: each prompt's prefill on a cache of its own
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                out = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=True,
+                            **cache_kwargs(model, new_kv(model)))
+            alone.append(out.logits[0, -1].float())
+        refs = greedy_alone(model, prompts, 5)
+        seen = {}
+        pick = Scheduler._pick
+
+        def spy(self, req, logits):
+            seen.setdefault(tuple(req.prompt), logits.float().clone())
+            return pick(self, req, logits)
+        monkeypatch.setattr(Scheduler, "_pick", spy)
+        sch = Scheduler(model, _IdText(), max_batch=8, prefill_chunk=64, batch_prefill=True)
+        try:
+            assert sch.stateful
+            reqs = serve_all(sch, prompts, GenParams(max_tokens=5, temperature=0), timeout=120)
+            assert sch.batched_prefills == 1   # the three of 12 tokens; the 9-token one alone
+        finally:
+            sch.close()
+        for ids, ref in zip(prompts, alone):
+            got = seen[tuple(ids)]
+            assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+        assert [r.generated for r in reqs] == refs
+    finally:
+        eng.close()

@@ -660,8 +660,9 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     ``max_batch`` when the worker starts (the default) rather than at each bucket's first
     use, which pauses every running request once; ``batch_prefill``: prompts of different
     lengths that arrive together are prefilled in batched forwards too (one expert load
-    serves them all; by default only prompts of one length share one), which gives up
-    bit-exactness (a prompt's tokens may then depend on its company;
+    serves them all; by default only prompts of one length share one; a hybrid's prompts of
+    one length, alone by default), which gives up bit-exactness (a prompt's tokens may then
+    depend on its company;
     :mod:`specmoe.serve.scheduler`, exactness); ``ttft_budget``: with a drafter, seconds that
     a request's first speculative cycle may take: the controllers' largest K is profiled at
     load to fit it (MoE-SpeQ's SLO bound, :class:`specmoe.serve.speculate.Speculation`).

@@ -70,7 +70,9 @@ Qwen3.5-MoE, Jamba, Kimi-Linear, GraniteMoeHybrid, Ling, LFM2, on transformers 5
 layers) batch their plain decode steps: each row's recurrent state is row b of its layer's
 state tensors (:class:`BatchKV`, "stateful"), and the attention layers hold holes as above.
 Their prompts are prefilled alone (a batched linear-attention or Mamba prefill runs torch's
-chunked paths, which round a row by the batch's shape).  With a drafter (not MTP) the batch's
+chunked paths, which round a row by the batch's shape); with ``batch_prefill`` prompts of one
+length share a prefill forward (never padded: a recurrent state cannot skip a pad), close to
+but not bit for bit their prefills alone.  With a drafter (not MTP) the batch's
 recurrent layers record their states over a verification's tokens (:class:`BatchKV`'s
 window), so rows verify drafts of different lengths together and each is cut back to its own
 accepted ones; steps without drafts run unrecorded.  Where a memory plan did not set aside
@@ -225,7 +227,9 @@ class Scheduler:
     says why).  ``batch_prefill``: prefill prompts of different lengths that arrive together
     in batched forwards too (one expert load serves them all), at the cost of bit-exactness
     (module docstring); off, only prompts of one length share a prefill forward.  A model with
-    recurrent layers prefills every prompt alone either way (:attr:`stateful`)."""
+    recurrent layers (:attr:`stateful`) prefills every prompt alone unless ``batch_prefill``,
+    and then only prompts of one length together (a state cannot hold a pad), not
+    bit-exactly."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, max_batch: int = 16,
                  max_queue: int = 256, prefill_chunk: int = 256, metrics: Any = None,
@@ -301,12 +305,13 @@ class Scheduler:
             if self.batch_off_reason is not None:
                 _log.info("specmoe serve: decode steps are not batched: %s",
                           self.batch_off_reason)
-        # recurrent layers: decode steps batch (a state per row), prefills do not -- the
-        # torch paths of a linear-attention or Mamba prefill round a row by the batch's shape
+        # recurrent layers: decode steps batch (a state per row), prefills only with
+        # batch_prefill -- the torch paths of a linear-attention or Mamba prefill round a row
+        # by the batch's shape -- and then of one length (no pads: a state cannot skip one)
         self.stateful = bool(recurrent_layer_types(model.config))
         if self.stateful and batch_prefill:
-            _log.info("specmoe serve: batch_prefill has no effect here: the prompts of a model "
-                      "with recurrent layers are prefilled one at a time")
+            _log.info("specmoe serve: batch_prefill on a model with recurrent layers: prompts "
+                      "of one length are prefilled together (not bit-exact), others alone")
         self._bkv: Optional[BatchKV] = None
         self._rows: List[Request] = []
         self._pause = 0                        # rounds left without batching (after a fault)
@@ -625,9 +630,11 @@ class Scheduler:
 
     def _prefill_all(self, reqs: List[Request]) -> None:
         alone = list(reqs)
-        if self.batch_off_reason is None and not self._pause and not self.stateful:
+        if self.batch_off_reason is None and not self._pause \
+                and (self.batch_prefill or not self.stateful):
             fresh = [r for r in reqs if r.fed == 0 and len(r.prompt) <= self.prefill_chunk]
-            groups = _prefill_groups(fresh) if self.batch_prefill else _equal_groups(fresh)
+            groups = _equal_groups(fresh) if self.stateful or not self.batch_prefill \
+                else _prefill_groups(fresh)
             for group in groups:
                 try:
                     self._prefill_batched(group)
