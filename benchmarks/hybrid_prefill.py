@@ -1,0 +1,187 @@
+"""A hybrid's prompt forward (prefill) against llama.cpp on the same GGUF file, and where
+specmoe's forward spends its time: the figure behind the hybrid server's first tokens.
+
+    python benchmarks/hybrid_prefill.py --json [--rounds 3] [--threads 2] [--prompt-tokens 32,512]
+    python benchmarks/hybrid_prefill.py --quick --json     # small shapes, 1 round: a smoke test
+
+The file is ``benchmarks/hybrid_peers.py``'s (Qwen3.5-MoE's per-layer shapes, 4 layers, 32
+experts, every matrix Q4_0; ``--arch qwen3next`` Qwen3-Next's), written once.  The server
+(``benchmarks/hybrid_serve.py``, ``serve.py --models hybrid``) prefills each hybrid prompt in
+one forward of its own (or, with ``--batch-prefill``, prompts of one length together): its
+first tokens wait on this forward, at the prompt's length (32 tokens there) or at the group's
+total (16 x 32 = 512).
+
+Rows, per round, per prompt length T (the two in alternating order by round):
+
+* ``llama.cpp-Q4_0``: ``llama-bench -m FILE -p T -n 0 -r 2``: its prompt-processing tok/s
+  (``avg_ts``, the mean of 2 repetitions);
+* ``specmoe-gguf``: ``specmoe.from_pretrained(FILE, cache=1.0)`` (the defaults, as
+  ``hybrid_peers.py``), every expert loaded before timing, one warm-up forward per length,
+  then the best of 2 forwards ``model(ids, use_cache=True, logits_to_keep=1)`` of T random
+  token ids on a fresh cache (what the server's prefill runs): T / seconds.  Then one
+  instrumented forward per length: wall time inside the parts (forward hooks) ``linear_attn``
+  (the gated DeltaNet mixers: their projections in C, the chunked delta rule in torch),
+  ``self_attn`` (the full-attention mixers), ``moe`` (the sparse MoE blocks: router, experts,
+  shared expert), ``other`` (norms, embedding, lm_head, masks, the model's glue), in ms.
+
+``vs_llama_cpp_runs``: specmoe's tok/s over llama.cpp's in the same round.  The results name
+the host (CPU model, ISA, threads).  A row that cannot run carries ``error`` with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import hostinfo  # noqa: E402
+from hybrid_peers import ARCHS, common_args, gguf_path, run_worker, write_file  # noqa: E402
+from hybrid_serve import HYBRIDS  # noqa: E402
+PARTS = ("linear_attn", "self_attn", "moe")
+
+
+def log(*a: Any) -> None:
+    print("[hybrid_prefill]", *a, file=sys.stderr, flush=True)
+
+
+def llama_prefill(bench: Path, path: Path, T: int, threads: int) -> dict[str, Any]:
+    """llama-bench's prompt processing of T tokens on ``path``: {"tok_per_s"} or {"error"}."""
+    argv = [str(bench), "-m", str(path), "-p", str(T), "-n", "0", "-r", "2",
+            "-t", str(threads), "-o", "json"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        return {"error": "llama-bench failed: " + " | ".join(r.stderr.strip().splitlines()[-3:])}
+    try:
+        return {"tok_per_s": round(float(json.loads(r.stdout)[-1]["avg_ts"]), 3)}
+    except (ValueError, KeyError, IndexError) as exc:
+        return {"error": f"llama-bench printed no result ({exc}): {r.stdout[-300:]}"}
+
+
+def worker(path: str, threads: int, lengths: list[int]) -> None:
+    """One specmoe process: each length's timed forwards, then its instrumented one; one JSON
+    line on stdout."""
+    import numpy as np
+    import torch
+
+    import specmoe
+    from big_model import load_every_expert
+    from specmoe.runtime import kernels
+    from specmoe.speculation.decoding import cache_kwargs, new_kv
+    torch.set_num_threads(threads)
+    kernels.set_num_threads(threads)
+    model = specmoe.from_pretrained(path, cache=1.0, progress=False, prefetch=False)
+    eng = specmoe.engine_of(model)
+    load_every_expert(eng)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+
+    def forward(T: int) -> float:
+        ids = torch.tensor([rng.integers(3, vocab, T).tolist()])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                  logits_to_keep=1, **cache_kwargs(model, new_kv(model)))
+        return time.perf_counter() - t0
+
+    spent: dict[str, float] = {}
+    start: dict[int, float] = {}
+
+    def pre(m: Any, a: Any) -> None:
+        start[id(m)] = time.perf_counter()
+
+    def post(kind: str) -> Any:
+        def hook(m: Any, a: Any, o: Any) -> None:
+            spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - start.pop(id(m))
+        return hook
+
+    mods = [(kind, getattr(layer, kind if kind != "moe" else "mlp"))
+            for layer in model.model.layers for kind in PARTS
+            if getattr(layer, kind if kind != "moe" else "mlp", None) is not None]
+    out: dict[str, Any] = {"rows": {}}
+    for T in lengths:
+        forward(T)  # warm-up (threads, this length's buffers)
+        secs = min(forward(T) for _ in range(2))
+        handles = [h for kind, mod in mods for h in (mod.register_forward_pre_hook(pre),
+                                                     mod.register_forward_hook(post(kind)))]
+        spent.clear()
+        try:
+            total = forward(T)
+        finally:
+            for h in handles:
+                h.remove()
+        parts = {k: round(spent.get(k, 0.0) * 1e3, 2) for k in PARTS}
+        parts["other"] = round(total * 1e3 - sum(parts.values()), 2)
+        out["rows"][str(T)] = {"tok_per_s": round(T / secs, 3),
+                               "instrumented_ms": round(total * 1e3, 2), "ms_by_part": parts}
+    eng.close()
+    print(json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_args(ap, rounds=3)
+    ap.add_argument("--arch", choices=HYBRIDS, default="qwen35moe")
+    ap.add_argument("--prompt-tokens", default="32,512",
+                    help="prompt lengths, comma-separated (default: the server benchmark's "
+                         "32-token prompt, and 16 of them together)")
+    a = ap.parse_args()
+    threads = int(a.threads.split(",")[-1])  # one thread count: the largest given
+    lengths = [int(t) for t in a.prompt_tokens.split(",")]
+    if a._worker:
+        worker(a._worker, threads, lengths)
+        return
+    if a.quick:
+        a.experts, a.rounds = 8, 1
+    path = gguf_path(a)
+    made = write_file(path, a.layers, a.experts, a.quick, a.arch)
+    peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
+    bench = peers / "llama.cpp-build" / "bin" / "llama-bench"
+    rounds: list[dict[str, Any]] = []
+    for k in range(a.rounds):
+        order = ["llama.cpp", "specmoe"] if k % 2 == 0 else ["specmoe", "llama.cpp"]
+        got: dict[str, Any] = {}
+        for who in order:
+            log(f"round {k + 1}/{a.rounds}: {who}")
+            if who == "specmoe":
+                got[who] = run_worker(__file__, path, ["--threads", str(threads),
+                                                       "--prompt-tokens", a.prompt_tokens])
+            elif not bench.is_file():
+                got[who] = {"error": f"llama-bench not built under {peers} "
+                                     "(benchmarks/big_model.py --build-peers)"}
+            else:
+                got[who] = {str(T): llama_prefill(bench, path, T, threads) for T in lengths}
+        rounds.append(got)
+    rows = []
+    for T in lengths:
+        sm = [r["specmoe"].get("rows", {}).get(str(T), {}) for r in rounds]
+        lc = [r["llama.cpp"].get(str(T), r["llama.cpp"]) for r in rounds]
+        ratios = [s["tok_per_s"] / c["tok_per_s"] for s, c in zip(sm, lc)
+                  if "tok_per_s" in s and "tok_per_s" in c]
+        rows.append({"name": "specmoe-gguf", "prompt_tokens": T, "threads": threads,
+                     "tok_per_s_runs": [s.get("tok_per_s") for s in sm],
+                     "ms_by_part_runs": [s.get("ms_by_part") for s in sm],
+                     "vs_llama_cpp": round(statistics.median(ratios), 3) if ratios else None,
+                     "vs_llama_cpp_runs": [round(x, 3) for x in ratios],
+                     "errors": [r["specmoe"]["error"] for r in rounds
+                                if "error" in r["specmoe"]] or None})
+        rows.append({"name": "llama.cpp-Q4_0", "prompt_tokens": T, "threads": threads,
+                     "tok_per_s_runs": [c.get("tok_per_s") for c in lc],
+                     "errors": [c["error"] for c in lc if "error" in c] or None})
+    res = {"config": {"model": f"{a.arch} ({ARCHS[a.arch]} per-layer shapes)",
+                      "layers": a.layers, "experts": a.experts, "quick": a.quick,
+                      "prompt_tokens": lengths, "rounds": a.rounds, "file": made,
+                      "machine": hostinfo.host(threads)},
+           "rows": rows}
+    hostinfo.emit(res, a.save, a.json)
+
+
+if __name__ == "__main__":
+    main()
