@@ -24,6 +24,13 @@ Rows, per round, per prompt length T (the two in alternating order by round):
   ``self_attn`` (the full-attention mixers), ``moe`` (the sparse MoE blocks: router, experts,
   shared expert), ``other`` (norms, embedding, lm_head, masks, the model's glue), in ms.
 
+``--rule-ab N``: in the specmoe worker, N interleaved repeats of each length's forward and of
+a grouped prefill (16 prompts of the first length in one forward of
+:class:`specmoe.speculation.batch.BatchKV`, what the server's ``--batch-prefill`` runs) with
+the gated delta rule of a prompt in transformers' chunked torch code and in specmoe's
+per-token kernel (``specmoe.models.linear_attn``), on the same loaded model:
+``rule_ab`` holds the seconds of each and ``chunked_over_kernel_runs`` their ratio per repeat.
+
 ``vs_llama_cpp_runs``: specmoe's tok/s over llama.cpp's in the same round.  The results name
 the host (CPU model, ISA, threads).  A row that cannot run carries ``error`` with the reason.
 """
@@ -65,9 +72,56 @@ def llama_prefill(bench: Path, path: Path, T: int, threads: int) -> dict[str, An
         return {"error": f"llama-bench printed no result ({exc}): {r.stdout[-300:]}"}
 
 
-def worker(path: str, threads: int, lengths: list[int]) -> None:
-    """One specmoe process: each length's timed forwards, then its instrumented one; one JSON
-    line on stdout."""
+def rule_ab(model: Any, lengths: list[int], repeats: int, rng: Any) -> dict[str, Any]:
+    """--rule-ab: each length's forward and a grouped prefill of 16 prompts, ``repeats``
+    times, with the prompt's gated delta rule in transformers' chunked code and in the kernel
+    (alternating which goes first), on the same model: seconds and chunked / kernel."""
+    import torch
+
+    from specmoe.speculation.batch import BatchKV
+    from specmoe.speculation.decoding import cache_kwargs, new_kv
+    ns = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    kernel = getattr(ns, "torch_chunk_gated_delta_rule")
+    chunked = getattr(kernel, "_specmoe_original", None)
+    if chunked is None:
+        return {"error": "the chunked rule is not dispatched to the kernel on this model"}
+    vocab = model.config.vocab_size
+
+    def timed(B: int, T: int) -> float:
+        ids = torch.tensor(rng.integers(3, vocab, (B, T)))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if B == 1:
+                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                      logits_to_keep=1, **cache_kwargs(model, new_kv(model)))
+            else:
+                BatchKV(model, B).prefill(ids, torch.ones_like(ids), last_logits=True)
+        return time.perf_counter() - t0
+
+    shapes = [(1, T) for T in lengths] + [(16, lengths[0])]
+    out: dict[str, Any] = {}
+    try:
+        for k in range(repeats):
+            for B, T in shapes:
+                key = f"{B}x{T}"
+                for name, fn in ((("kernel", kernel), ("chunked", chunked)) if k % 2 == 0
+                                 else (("chunked", chunked), ("kernel", kernel))):
+                    setattr(ns, "torch_chunk_gated_delta_rule", fn)
+                    if k == 0:
+                        timed(B, T)  # (a warm-up of each form)
+                    out.setdefault(key, {}).setdefault(f"{name}_s", []).append(
+                        round(timed(B, T), 4))
+    finally:
+        setattr(ns, "torch_chunk_gated_delta_rule", kernel)
+    for key, v in out.items():
+        v["chunked_over_kernel_runs"] = [round(a / b, 3) for a, b in zip(v["chunked_s"],
+                                                                         v["kernel_s"])]
+    return out
+
+
+def worker(path: str, threads: int, lengths: list[int], ab: int = 0) -> None:
+    """One specmoe process: each length's timed forwards, then its instrumented one (then,
+    with ``ab``, :func:`rule_ab`); one JSON line on stdout."""
     import numpy as np
     import torch
 
@@ -121,6 +175,8 @@ def worker(path: str, threads: int, lengths: list[int]) -> None:
         parts["other"] = round(total * 1e3 - sum(parts.values()), 2)
         out["rows"][str(T)] = {"tok_per_s": round(T / secs, 3),
                                "instrumented_ms": round(total * 1e3, 2), "ms_by_part": parts}
+    if ab:
+        out["rule_ab"] = rule_ab(model, lengths, ab, rng)
     eng.close()
     print(json.dumps(out))
 
@@ -132,11 +188,14 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", default="32,512",
                     help="prompt lengths, comma-separated (default: the server benchmark's "
                          "32-token prompt, and 16 of them together)")
+    ap.add_argument("--rule-ab", type=int, default=0, metavar="N",
+                    help="in the specmoe worker, N interleaved repeats with a prompt's gated "
+                         "delta rule in transformers' chunked torch code and in the kernel")
     a = ap.parse_args()
     threads = int(a.threads.split(",")[-1])  # one thread count: the largest given
     lengths = [int(t) for t in a.prompt_tokens.split(",")]
     if a._worker:
-        worker(a._worker, threads, lengths)
+        worker(a._worker, threads, lengths, a.rule_ab)
         return
     if a.quick:
         a.experts, a.rounds = 8, 1
@@ -152,7 +211,8 @@ def main() -> None:
             log(f"round {k + 1}/{a.rounds}: {who}")
             if who == "specmoe":
                 got[who] = run_worker(__file__, path, ["--threads", str(threads),
-                                                       "--prompt-tokens", a.prompt_tokens])
+                                                       "--prompt-tokens", a.prompt_tokens,
+                                                       "--rule-ab", str(a.rule_ab)])
             elif not bench.is_file():
                 got[who] = {"error": f"llama-bench not built under {peers} "
                                      "(benchmarks/big_model.py --build-peers)"}
@@ -177,9 +237,11 @@ def main() -> None:
                      "errors": [c["error"] for c in lc if "error" in c] or None})
     res = {"config": {"model": f"{a.arch} ({ARCHS[a.arch]} per-layer shapes)",
                       "layers": a.layers, "experts": a.experts, "quick": a.quick,
-                      "prompt_tokens": lengths, "rounds": a.rounds, "file": made,
-                      "machine": hostinfo.host(threads)},
+                      "prompt_tokens": lengths, "rounds": a.rounds, "rule_ab": a.rule_ab,
+                      "file": made, "machine": hostinfo.host(threads)},
            "rows": rows}
+    if a.rule_ab:  # each round's worker's repeats
+        res["rule_ab_runs"] = [r["specmoe"].get("rule_ab") for r in rounds]
     hostinfo.emit(res, a.save, a.json)
 
 

@@ -14,6 +14,7 @@ from specmoe.models import linear_attn
 from specmoe.models.testing import tiny_model
 from specmoe.runtime.engine import offload
 from specmoe.models.layers import chain_step
+from specmoe.speculation.decoding import cache_kwargs
 
 
 def _reference(q, k, v, g, beta, state, l2norm):
@@ -115,8 +116,8 @@ def test_offloaded_model_decodes_through_the_kernel_with_the_unmodified_logits(a
             want = ref.generate(ids, **kw)
             assert calls.n == 0  # the unmodified model keeps transformers' code
             got = m.generate(ids, **kw)
-        # every decode step of both linear-attention layers (the prefill is chunked)
-        assert calls.n == 2 * 7
+        # both linear-attention layers' prompt (transformers' chunked form) and every decode step
+        assert calls.n == 2 * (1 + 7)
         assert torch.equal(got.sequences, want.sequences)
         for a, b in zip(got.scores, want.scores):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -362,5 +363,32 @@ def test_zero_centred_rms_norms_run_in_c_as_torch_does(arch, dtype):
                 assert torch.equal(got, want)
             else:
                 torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+def test_a_prompt_past_one_chunk_takes_the_kernel_with_transformers_chunked_result(arch,
+                                                                                  monkeypatch):
+    """transformers runs a prompt's gated delta rule in its chunked form (64-token chunks); the
+    offloaded model's layers run it through the per-token kernel instead: two prompts of 150
+    tokens (three chunks, the last one short) in one batch give the unmodified model's logits
+    at every position, and the state the next decode step reads gives its next logits too."""
+    calls = _Count(monkeypatch)
+    ref, m = tiny_model(arch), tiny_model(arch)
+    eng = offload(m, dtype="f32", cache=1.0)
+    calls.n = 0
+    try:
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(1, 100, (2, 150), generator=g)
+        with torch.no_grad():
+            want = ref(input_ids=ids, use_cache=True)
+            got = m(input_ids=ids, use_cache=True)
+            assert calls.n == 2  # the prompt: one kernel call per linear-attention layer
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+            nxt = want.logits[:, -1].argmax(-1, keepdim=True)
+            w2 = ref(input_ids=nxt, use_cache=True, **cache_kwargs(ref, want.past_key_values))
+            g2 = m(input_ids=nxt, use_cache=True, **cache_kwargs(m, got.past_key_values))
+        torch.testing.assert_close(g2.logits, w2.logits, atol=1e-4, rtol=1e-4)
     finally:
         eng.close()
