@@ -77,7 +77,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -331,6 +331,31 @@ def specmoe_row(path: Path, threads: list[int], ab: int = 0) -> dict[str, Any]:
     return run_worker(__file__, path, ["--threads", ",".join(map(str, threads)), "--ab", str(ab)])
 
 
+def peer_rounds(n: int, specmoe: Callable[[], dict[str, Any]],
+                llama: Callable[[Path], dict[str, Any]], tag: str = "hybrid_peers"
+                ) -> list[dict[str, Any]]:
+    """``n`` rounds, each ``{"specmoe": specmoe(), "llama.cpp": llama(llama_bench_path)}`` in
+    alternating order (llama.cpp first in the first round); where llama-bench is not built
+    under ``$SPECMOE_PEERS``, llama.cpp's entry is an ``error`` saying so (how hybrid_peers and
+    hybrid_prefill interleave their two engines)."""
+    peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
+    bench = peers / "llama.cpp-build" / "bin" / "llama-bench"
+    rounds: list[dict[str, Any]] = []
+    for k in range(n):
+        got: dict[str, Any] = {}
+        for who in (["llama.cpp", "specmoe"] if k % 2 == 0 else ["specmoe", "llama.cpp"]):
+            print(f"[{tag}] round {k + 1}/{n}: {who}", file=sys.stderr, flush=True)
+            if who == "specmoe":
+                got[who] = specmoe()
+            elif not bench.is_file():
+                got[who] = {"error": f"llama-bench not built under {peers} "
+                                     "(benchmarks/big_model.py --build-peers)"}
+            else:
+                got[who] = llama(bench)
+        rounds.append(got)
+    return rounds
+
+
 def common_args(ap: argparse.ArgumentParser, rounds: int) -> None:
     """The options this benchmark shares with benchmarks/hybrid_spec.py (the file, its shapes,
     the rounds and threads, where the results go)."""
@@ -373,22 +398,8 @@ def main() -> None:
         a.experts, a.rounds = 8, 1
     path = gguf_path(a)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
-    peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
-    bench = peers / "llama.cpp-build" / "bin" / "llama-bench"
-    rounds: list[dict[str, Any]] = []
-    for k in range(a.rounds):
-        order = ["llama.cpp", "specmoe"] if k % 2 == 0 else ["specmoe", "llama.cpp"]
-        got: dict[str, Any] = {}
-        for who in order:
-            log(f"round {k + 1}/{a.rounds}: {who}")
-            if who == "specmoe":
-                got[who] = specmoe_row(path, threads, a.ab)
-            elif not bench.is_file():
-                got[who] = {"error": f"llama-bench not built under {peers} "
-                                     "(benchmarks/big_model.py --build-peers)"}
-            else:
-                got[who] = {str(t): llama_row(bench, path, t) for t in threads}
-        rounds.append(got)
+    rounds = peer_rounds(a.rounds, lambda: specmoe_row(path, threads, a.ab),
+                         lambda bench: {str(t): llama_row(bench, path, t) for t in threads})
     rows = []
     for t in threads:
         sm = [r["specmoe"].get("rows", {}).get(str(t), {}) for r in rounds]

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -50,13 +49,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import hostinfo  # noqa: E402
-from hybrid_peers import ARCHS, common_args, gguf_path, run_worker, write_file  # noqa: E402
+from hybrid_peers import (ARCHS, common_args, gguf_path, peer_rounds, run_worker,  # noqa: E402
+                          write_file)
 from hybrid_serve import HYBRIDS  # noqa: E402
 PARTS = ("linear_attn", "self_attn", "moe")
-
-
-def log(*a: Any) -> None:
-    print("[hybrid_prefill]", *a, file=sys.stderr, flush=True)
 
 
 def llama_prefill(bench: Path, path: Path, T: int, threads: int) -> dict[str, Any]:
@@ -201,24 +197,12 @@ def main() -> None:
         a.experts, a.rounds = 8, 1
     path = gguf_path(a)
     made = write_file(path, a.layers, a.experts, a.quick, a.arch)
-    peers = Path(os.environ.get("SPECMOE_PEERS", "~/.cache/specmoe/peers")).expanduser()
-    bench = peers / "llama.cpp-build" / "bin" / "llama-bench"
-    rounds: list[dict[str, Any]] = []
-    for k in range(a.rounds):
-        order = ["llama.cpp", "specmoe"] if k % 2 == 0 else ["specmoe", "llama.cpp"]
-        got: dict[str, Any] = {}
-        for who in order:
-            log(f"round {k + 1}/{a.rounds}: {who}")
-            if who == "specmoe":
-                got[who] = run_worker(__file__, path, ["--threads", str(threads),
-                                                       "--prompt-tokens", a.prompt_tokens,
-                                                       "--rule-ab", str(a.rule_ab)])
-            elif not bench.is_file():
-                got[who] = {"error": f"llama-bench not built under {peers} "
-                                     "(benchmarks/big_model.py --build-peers)"}
-            else:
-                got[who] = {str(T): llama_prefill(bench, path, T, threads) for T in lengths}
-        rounds.append(got)
+    argv = ["--threads", str(threads), "--prompt-tokens", a.prompt_tokens,
+            "--rule-ab", str(a.rule_ab)]
+    rounds = peer_rounds(
+        a.rounds, lambda: run_worker(__file__, path, argv),
+        lambda bench: {str(T): llama_prefill(bench, path, T, threads) for T in lengths},
+        "hybrid_prefill")
     rows = []
     for T in lengths:
         sm = [r["specmoe"].get("rows", {}).get(str(T), {}) for r in rounds]

@@ -5,7 +5,8 @@ paths against torch glue (--ab 1), and llama.cpp's row or the reason it did not 
 benchmarks/mla_blocks.py --quick (MLA on a GGUF file's attn_k_b / attn_v_b blocks against bf16
 absorbed weights), and of benchmarks/hybrid_spec.py --quick (what a verification costs on a
 recording cache), and of benchmarks/hybrid_serve.py --quick (the server's worker decoding
-a hybrid's requests batched and one by one).  Run by `make test-bench`."""
+a hybrid's requests batched and one by one), and of benchmarks/hybrid_prefill.py --quick (a
+prompt forward against llama.cpp's).  Run by `make test-bench`."""
 import json
 import os
 import subprocess
@@ -116,3 +117,23 @@ def test_hybrid_serve_quick_run_verifies_drafts_in_a_batch(tmp_path):
     assert r["same_tokens_runs"] == [True] and r["batched_batched_verifications_runs"][0] > 0
     assert r["alone_batched_verifications_runs"] == [0] and r["alone_proposed_runs"][0] > 0
     assert r["plain_proposed_runs"] == [None] and len(r["vs_plain_runs"]) == 1
+
+
+def test_hybrid_prefill_quick_run_times_both_engines_and_both_rule_forms(tmp_path):
+    """benchmarks/hybrid_prefill.py --quick --rule-ab 1: the tiny Qwen3.5-MoE file's prompt
+    forward at 32 and 512 tokens, split by part, llama.cpp's prompt processing or why it did
+    not run, and the chunked rule against the kernel on one and on 16 prompts."""
+    out = _quick(tmp_path, "hybrid_prefill.py", "--rule-ab", "1")
+    assert out["config"]["machine"]["cpu"] and out["config"]["prompt_tokens"] == [32, 512]
+    rows = {(r["name"], r["prompt_tokens"]): r for r in out["rows"]}
+    for T in (32, 512):
+        s, ll = rows[("specmoe-gguf", T)], rows[("llama.cpp-Q4_0", T)]
+        assert s["tok_per_s_runs"][0] > 0 and not s["errors"], s
+        parts = s["ms_by_part_runs"][0]
+        assert set(parts) == {"linear_attn", "self_attn", "moe", "other"}
+        assert parts["linear_attn"] > 0 and parts["moe"] > 0, parts
+        assert ll["tok_per_s_runs"][0] or "llama-bench" in " ".join(ll["errors"] or []), ll
+    (ab,) = out["rule_ab_runs"]
+    assert set(ab) == {"1x32", "1x512", "16x32"}
+    assert all(len(v["chunked_over_kernel_runs"]) == 1 and v["kernel_s"][0] > 0
+               for v in ab.values()), ab
