@@ -11,7 +11,8 @@ shapes, AMD EPYC Zen 2, one thread, ``benchmarks/hybrid_peers.py``):
 * the gated delta rule's recurrent step (Qwen3-Next, Qwen3.5): 2.6 ms a layer in torch, one
   call of the C kernel ``smoe_gated_delta`` (csrc/kernels/gdelta.c) here
   (:func:`use_c_gated_delta`), which takes the rule's chunked form over a prompt's tokens too,
-  token by token: 4.6x faster than torch's chunked code at 32 tokens, 1.6x at 512 (Zen 4);
+  token by token (a Qwen3.5-MoE prompt forward 1.06-1.30x faster at 32 tokens, 1.13-1.29x
+  for 16 such prompts together; Zen 4, ``benchmarks/hybrid_prefill.py --rule-ab``);
 * then the forty-odd torch operations around it at one token (the short convolution's window,
   the gates, the gated RMSNorm): 1.4 ms of a 3.0 ms layer whose five matrix products take 1.5
   ms.  :func:`fuse_gated_deltanet` runs a Qwen3.5 or Qwen3-Next module's whole decode step in
@@ -229,9 +230,10 @@ def _convert_rules(ctx: Any, ns: Any, src: str) -> bool:
     recurrent one agrees (a module is switched on only then).
 
     The chunked form computes the same outputs and state as the recurrent one (up to rounding:
-    within 2e-6 at Qwen3.5's head shapes), and the kernel's per-token form is the faster on a
-    CPU at every prompt length measured (2 threads, Zen 4, 32 value heads of 128: 2.6 against
-    12.2 ms at 32 tokens, 45 against 195 ms for 16 prompts of 32, 42 against 67 ms at 512)."""
+    within 2e-6 at Qwen3.5's head shapes), and the kernel's per-token form was the faster at
+    every prompt length timed (the rule alone, one run, 2 threads, Zen 4, 32 value heads of
+    128: 2.6 against 12.2 ms at 32 tokens, 45 against 195 ms for 16 prompts of 32, 42 against
+    67 ms at 512; whole forwards: ``benchmarks/hybrid_prefill.py --rule-ab``)."""
     for fname, lengths in ((_FN, (3,)), (_CHUNK_FN, (3, 70))):
         fn = getattr(ns, fname, None)
         if fn is None or (fname == _CHUNK_FN and f"{fname}(" not in src):
