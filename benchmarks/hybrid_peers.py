@@ -70,6 +70,7 @@ run carries ``error`` with the reason.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -77,7 +78,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -256,18 +257,8 @@ def worker(path: str, threads: list[int], ab: int = 0) -> None:
     # layers: a linear-attention layer is one C call, its module and MoE block inside it),
     # counted from the end of the prefill (the first forward pass's logits) to the last step's
     spent: dict[str, float] = {}
-    start: dict[int, float] = {}
     mods = [("linear_attention_layers" if getattr(layer, "linear_attn", None) is not None
              else "full_attention_layers", layer) for layer in model.model.layers]
-
-    def pre(m: Any, a: Any) -> None:
-        start[id(m)] = time.perf_counter()
-
-    def post(kind: str) -> Any:
-        def hook(m: Any, a: Any, o: Any) -> None:
-            spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - start.pop(id(m))
-        return hook
-
     out: dict[str, Any] = {"dense": eng.dense.dtype if getattr(eng, "dense", None) else None,
                            "rows": {}}
     fused = one_call_forwards(model)
@@ -285,13 +276,8 @@ def worker(path: str, threads: list[int], ab: int = 0) -> None:
                                # steps that were one _C.DecodePlan call (the hooked run's
                                # are not: a hook on a layer sets the plan aside)
                                "planned_steps": (dstep.planned - p0) if dstep else 0}
-        handles = [h for kind, mod in mods for h in (mod.register_forward_pre_hook(pre),
-                                                     mod.register_forward_hook(post(kind)))]
-        try:
+        with part_timers(mods, spent):
             clock = steps(prompt, DECODE)
-        finally:
-            for h in handles:
-                h.remove()
         step_ms = (clock.t[-1] - clock.t[0]) / DECODE * 1e3
         parts = {k: v / DECODE * 1e3 for k, v in spent.items()}
         parts["other"] = step_ms - sum(parts.values())
@@ -329,6 +315,29 @@ def run_worker(script: str, path: Path, args: list[str]) -> dict[str, Any]:
 
 def specmoe_row(path: Path, threads: list[int], ab: int = 0) -> dict[str, Any]:
     return run_worker(__file__, path, ["--threads", ",".join(map(str, threads)), "--ab", str(ab)])
+
+
+@contextlib.contextmanager
+def part_timers(mods: list[tuple[str, Any]], spent: dict[str, float]) -> Iterator[None]:
+    """While the block runs, forward hooks on each ``(kind, module)`` of ``mods`` add the wall
+    seconds spent inside the module to ``spent[kind]`` (hybrid_peers' layers, hybrid_prefill's
+    mixers and MoE blocks); the hooks are removed at the end."""
+    start: dict[int, float] = {}
+
+    def pre(m: Any, a: Any) -> None:
+        start[id(m)] = time.perf_counter()
+
+    def post(kind: str) -> Any:
+        def hook(m: Any, a: Any, o: Any) -> None:
+            spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - start.pop(id(m))
+        return hook
+    handles = [h for kind, mod in mods for h in (mod.register_forward_pre_hook(pre),
+                                                 mod.register_forward_hook(post(kind)))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def peer_rounds(n: int, specmoe: Callable[[], dict[str, Any]],

@@ -49,8 +49,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import hostinfo  # noqa: E402
-from hybrid_peers import (ARCHS, common_args, gguf_path, peer_rounds, run_worker,  # noqa: E402
-                          write_file)
+from hybrid_peers import (ARCHS, common_args, gguf_path, part_timers, peer_rounds,  # noqa: E402
+                          run_worker, write_file)
 from hybrid_serve import HYBRIDS  # noqa: E402
 PARTS = ("linear_attn", "self_attn", "moe")
 
@@ -142,16 +142,6 @@ def worker(path: str, threads: int, lengths: list[int], ab: int = 0) -> None:
         return time.perf_counter() - t0
 
     spent: dict[str, float] = {}
-    start: dict[int, float] = {}
-
-    def pre(m: Any, a: Any) -> None:
-        start[id(m)] = time.perf_counter()
-
-    def post(kind: str) -> Any:
-        def hook(m: Any, a: Any, o: Any) -> None:
-            spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - start.pop(id(m))
-        return hook
-
     mods = [(kind, getattr(layer, kind if kind != "moe" else "mlp"))
             for layer in model.model.layers for kind in PARTS
             if getattr(layer, kind if kind != "moe" else "mlp", None) is not None]
@@ -159,14 +149,9 @@ def worker(path: str, threads: int, lengths: list[int], ab: int = 0) -> None:
     for T in lengths:
         forward(T)  # warm-up (threads, this length's buffers)
         secs = min(forward(T) for _ in range(2))
-        handles = [h for kind, mod in mods for h in (mod.register_forward_pre_hook(pre),
-                                                     mod.register_forward_hook(post(kind)))]
         spent.clear()
-        try:
+        with part_timers(mods, spent):
             total = forward(T)
-        finally:
-            for h in handles:
-                h.remove()
         parts = {k: round(spent.get(k, 0.0) * 1e3, 2) for k in PARTS}
         parts["other"] = round(total * 1e3 - sum(parts.values()), 2)
         out["rows"][str(T)] = {"tok_per_s": round(T / secs, 3),
