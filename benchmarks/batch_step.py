@@ -23,10 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+import hostinfo  # noqa: E402  (before torch: its OpenMP wait policy)
+
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hostinfo  # noqa: E402
 import specmoe.models.mla as mla  # noqa: E402
 from specmoe.models.testing import tiny_model  # noqa: E402
 from specmoe.runtime import engine  # noqa: E402

@@ -740,7 +740,11 @@ def _read_bytes(pid: int) -> int | None:
 def run_process(argv: list[str], cg: Cgroup | None, timeout: float, env: dict[str, str] | None = None,
                 on_first_stdout: bool = False) -> dict[str, Any]:
     """Run ``argv`` (in ``cg`` from before exec); return rc, stdout, stderr, wall, rusage figures
-    and, with ``on_first_stdout``, the child's read_bytes when its first stdout byte came."""
+    and, with ``on_first_stdout``, the child's read_bytes when its first stdout byte came.
+    ``env`` None: :func:`hostinfo.peer_env` (llama.cpp's tools get libgomp's default wait
+    policy; a specmoe worker sets its own when it imports hostinfo or specmoe first)."""
+    if env is None:
+        env = hostinfo.peer_env()
     tasks = cg.tasks if cg is not None else None
 
     def enter() -> None:

@@ -54,6 +54,8 @@ import time
 import warnings
 from pathlib import Path
 
+import hostinfo  # noqa: E402,F401  (before torch: its OpenMP wait policy)
+
 import numpy as np
 import torch
 from torch import nn

@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+import hostinfo  # noqa: E402  (before torch: its OpenMP wait policy)
+
 import numpy as np
 import torch
 from torch import nn
@@ -34,7 +36,6 @@ from specmoe.runtime import kernels
 from specmoe.models.layers import CLinear, linear_widened, torch_bf16_gemm_fast
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hostinfo  # noqa: E402
 
 TORCH_DT = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16,
             "int4": torch.bfloat16}

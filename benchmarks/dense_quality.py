@@ -37,10 +37,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "training"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import hostinfo  # noqa: E402  (before torch: its OpenMP wait policy)
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import hostinfo  # noqa: E402
 import specmoe  # noqa: E402
 from specmoe import zoo  # noqa: E402
 

@@ -52,12 +52,13 @@ import sys
 import time
 from pathlib import Path
 
+import hostinfo  # noqa: E402  (before torch: its OpenMP wait policy)
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hostinfo  # noqa: E402
 from specmoe import _C  # noqa: E402
 from specmoe.runtime import kernels  # noqa: E402
 from specmoe.storage import ggml_blocks, quant  # noqa: E402

@@ -68,6 +68,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostinfo  # noqa: E402,F401  (before torch: its OpenMP wait policy)
 
 SHAPES = {  # H, I, experts, top_k, layers of the real model
     "qwen3-30b-a3b": (2048, 768, 128, 8, 48),

@@ -50,6 +50,7 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+import hostinfo  # noqa: E402  (before torch: its OpenMP wait policy)
 
 
 def _error(what: str, e: BaseException) -> dict[str, Any]:
@@ -149,7 +150,6 @@ def main() -> None:
         print(json.dumps(res) if a.json else res["skipped"])
         return
     import big_model
-    import hostinfo
     from transformers import AutoConfig, AutoModelForCausalLM
 
     t0 = time.perf_counter()

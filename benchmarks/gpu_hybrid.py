@@ -78,6 +78,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import hostinfo  # noqa: E402  (before torch: OMP_WAIT_POLICY)
 from gpu_generate import _error, timed_generate  # noqa: E402
 
 LLAMA_CPP_WHY = ("not run: no llama-bench built with CUDA was given (--llama-bench or "
@@ -124,7 +125,7 @@ def run_llama_bench(binary: str, gguf: Path, n_cpu_moe: int, prompt: int, tokens
     argv = [binary, "-m", str(gguf), "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe),
             "-p", str(prompt), "-n", str(tokens), "-d", f"0,{prompt}", "-r", str(rounds),
             "-t", str(threads), "-fa", "off", "-o", "json"]
-    env = dict(os.environ)
+    env = hostinfo.peer_env()
     # its own folder first: gpu_carry.sh packs the OpenMP runtime beside it
     env["LD_LIBRARY_PATH"] = ":".join([str(Path(binary).resolve().parent)] + cuda_lib_dirs()
                                       + [env.get("LD_LIBRARY_PATH", "")])
@@ -195,7 +196,6 @@ def main() -> None:
     import torch
 
     import big_model
-    import hostinfo
     import specmoe
     from specmoe.runtime import cuda
     from specmoe.runtime import kernels

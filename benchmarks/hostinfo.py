@@ -6,7 +6,16 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+# What ``import specmoe`` sets when it comes before torch (specmoe/__init__.py): torch's OpenMP
+# workers sleep between parallel regions instead of spinning on the cores the kernels' pool
+# runs on next.  libgomp reads it when torch is imported, so a benchmark imports this module
+# before torch and times specmoe as a user who imports it first gets it, whatever the order of
+# its own imports (a 32-token prompt of benchmarks/hybrid_prefill.py's Qwen3.5-MoE file, 2
+# threads, AMD EPYC Zen 4, one-off: 115 ms a forward passive, 148-170 ms spinning).  Peers
+# get libgomp's default back (peer_env).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # AMD's core generations by cpuid family, and within families 0x17 and 0x19 by model (Zen and
@@ -62,6 +71,20 @@ def cpu() -> dict[str, Any]:
     return d
 
 
+def peer_env(env: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment a peer program (llama.cpp's tools) runs in: ``env`` (default ours) with
+    ``extra`` and without ``OMP_WAIT_POLICY``, which this module and ``import specmoe`` set
+    for torch.  llama.cpp runs on libgomp too, and there the passive policy puts its workers
+    to sleep between two tokens' graphs: at 2 threads its decode ran 0.43-0.80x as fast
+    passive, at 1 thread as fast (benchmarks/llama_wait_policy.py, AMD EPYC Zen 4,
+    results/llama_wait_policy_epyc_zen4.json).  Results files whose host() records
+    ``omp_wait_policy`` ran their peers in this environment."""
+    e = dict(os.environ if env is None else env)
+    e.pop("OMP_WAIT_POLICY", None)
+    e.update(extra)
+    return e
+
+
 def host(threads: int | list[int] | None = None) -> dict[str, Any]:
     """cpu() plus the ISA specmoe's kernels run here (``specmoe_isa``) and, when given, the
     thread count(s) of the run."""
@@ -72,6 +95,8 @@ def host(threads: int | list[int] | None = None) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 -- recorded, not fatal: the figure still has a host
         d["specmoe_isa"] = f"unknown ({type(e).__name__})"
     d["SPECMOE_ISA"] = os.environ.get("SPECMOE_ISA")
+    # the OpenMP wait policy specmoe's side ran under, and the peers' (peer_env: the default)
+    d["omp_wait_policy"] = {"specmoe": os.environ.get("OMP_WAIT_POLICY"), "peers": None}
     if threads is not None:
         d["threads"] = threads
     return d

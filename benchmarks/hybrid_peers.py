@@ -198,7 +198,8 @@ def write_file(path: Path, layers: int, experts: int, quick: bool = False,
 def llama_row(bench: Path, path: Path, threads: int) -> dict[str, Any]:
     argv = [str(bench), "-m", str(path), "-p", "0", "-n", str(DECODE), "-d", str(PROMPT),
             "-r", "1", "-t", str(threads), "-o", "json"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
+                       env=hostinfo.peer_env())
     if r.returncode != 0:
         return {"error": "llama-bench failed: " + " | ".join(r.stderr.strip().splitlines()[-3:])}
     try:

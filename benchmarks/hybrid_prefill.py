@@ -59,7 +59,8 @@ def llama_prefill(bench: Path, path: Path, T: int, threads: int) -> dict[str, An
     """llama-bench's prompt processing of T tokens on ``path``: {"tok_per_s"} or {"error"}."""
     argv = [str(bench), "-m", str(path), "-p", str(T), "-n", "0", "-r", "2",
             "-t", str(threads), "-o", "json"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
+                       env=hostinfo.peer_env())
     if r.returncode != 0:
         return {"error": "llama-bench failed: " + " | ".join(r.stderr.strip().splitlines()[-3:])}
     try:

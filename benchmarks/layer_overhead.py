@@ -21,6 +21,8 @@ import time
 import warnings
 from pathlib import Path
 
+import hostinfo  # noqa: E402,F401  (before torch: its OpenMP wait policy)
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

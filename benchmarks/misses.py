@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training"))
 
+import hostinfo  # noqa: E402,F401  (before torch: its OpenMP wait policy)
+
 import torch  # noqa: E402
 
 import specmoe  # noqa: E402

@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "training"))
 
+import hostinfo  # noqa: E402,F401  (before torch: its OpenMP wait policy)
+
 import torch  # noqa: E402
 
 import specmoe  # noqa: E402

@@ -223,8 +223,10 @@ class Proc:
             if tasks is not None:
                 with open(tasks, "w") as f:
                     f.write(str(os.getpid()))
+        # (both servers: specmoe's CLI sets its own wait policy, llama-server keeps libgomp's)
         self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                  preexec_fn=enter, start_new_session=True)
+                                  env=hostinfo.peer_env(), preexec_fn=enter,
+                                  start_new_session=True)
 
     def ready(self, timeout: float) -> Optional[str]:
         """None once /health answers 200; else why not."""

@@ -101,9 +101,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training"))
 
+import hostinfo  # noqa: E402  (before torch: its OpenMP wait policy)
+
 import torch  # noqa: E402
 
-import hostinfo  # noqa: E402  (benchmarks/)
 import specmoe  # noqa: E402
 from specmoe.speculation import controllers as spec
 from specmoe import zoo  # noqa: E402

@@ -54,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "training"))
 
+import hostinfo  # noqa: E402  (before torch: its OpenMP wait policy)
+
 import torch  # noqa: E402
 
 import specmoe  # noqa: E402
@@ -63,7 +65,6 @@ from specmoe.speculation.generation import generate  # noqa: E402
 from specmoe.speculation.mtp import MtpAdapter  # noqa: E402
 from specmoe.speculation.tau import target_tau  # noqa: E402
 
-import hostinfo  # noqa: E402
 import speculation as S  # noqa: E402  (prompts, drafters, controllers of the batch-1 benchmark)
 
 # The settings: R = (link time of the expert bytes a token misses) / (compute time per token),

@@ -12,11 +12,24 @@ import sys as _sys
 
 # torch's OpenMP workers spin-wait after every parallel region (libgomp's default policy) and
 # so hold the cores that specmoe's kernel pool runs on next: measured on DeepSeek-V2-Lite
-# shapes, int4, 2 threads, 27 tok/s spinning vs 30.5 passive.  libgomp reads the policy when
-# torch is imported, so this default applies only when specmoe is imported first and the
-# user has not chosen a policy.
+# shapes, int4, 2 threads, 27 tok/s spinning vs 30.5 passive; a 32-token prompt of a
+# Qwen3.5-MoE GGUF file (benchmarks/hybrid_prefill.py's), 2 threads, AMD EPYC Zen 4, one-off:
+# 115 ms a forward passive, 148-170 ms spinning.  libgomp reads the policy when torch is
+# imported, so this default applies only when specmoe is imported first and the user has not
+# chosen a policy; imported after torch with no policy chosen, specmoe says so once.
+# (Processes started from here inherit the variable: a program on libgomp that is not torch,
+# such as llama.cpp, then sleeps between its own regions; benchmarks/hostinfo.peer_env.)
 if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+elif "OMP_WAIT_POLICY" not in _os.environ:
+    import warnings as _warnings
+
+    _warnings.warn("specmoe was imported after torch with no OMP_WAIT_POLICY set: torch's "
+                   "OpenMP workers will spin between their regions on the cores specmoe's "
+                   "kernels need (prompts about 1.3x slower measured at 2 threads).  Import "
+                   "specmoe before torch, or set OMP_WAIT_POLICY=PASSIVE in the environment; "
+                   "set it to ACTIVE to keep the spinning and silence this.",
+                   RuntimeWarning, stacklevel=2)
 
 from ._moved import MOVED as _MOVED, MovedModuleError, install as _install_moved
 from ._moved import moved_error as _moved_error

@@ -459,7 +459,9 @@ def test_bad_input():
 
 def test_openmp_wait_policy_default():
     """Imported before torch, specmoe makes torch's OpenMP workers sleep instead of spinning
-    between regions (they would hold the kernels' cores); a user's own choice is kept."""
+    between regions (they would hold the kernels' cores); a user's own choice is kept;
+    imported after torch with no choice made, it leaves the environment alone and says so
+    once, with the remedy."""
     import os
     import subprocess
     import sys
@@ -473,9 +475,14 @@ def test_openmp_wait_policy_default():
                          capture_output=True, text=True, check=True).stdout.split()[-1]
     assert out == "ACTIVE"
     code = "import torch, specmoe, os; print(os.environ.get('OMP_WAIT_POLICY'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()[-1]
-    assert out == "None"  # too late to matter: left alone
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.split()[-1] == "None"  # too late to matter: left alone
+    assert r.stderr.count("RuntimeWarning: specmoe was imported after torch") == 1, r.stderr
+    assert "OMP_WAIT_POLICY=PASSIVE" in r.stderr
+    r = subprocess.run([sys.executable, "-c", code], env=dict(env, OMP_WAIT_POLICY="ACTIVE"),
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.split()[-1] == "ACTIVE" and "RuntimeWarning" not in r.stderr, r.stderr
 
 
 def test_generate_holds_one_thread_between_decode_steps():
