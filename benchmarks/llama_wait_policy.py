@@ -66,7 +66,7 @@ def main() -> None:
     rows = []
     for f in a.files:
         for t in threads:
-            row: dict[str, Any] = {"file": f.name, "threads": t, "default": [], "passive": [],
+            row: dict[str, Any] = {"file": str(f), "threads": t, "default": [], "passive": [],
                                    "passive_over_default": []}
             for k in range(a.rounds):
                 order = [None, "PASSIVE"] if k % 2 == 0 else ["PASSIVE", None]
@@ -76,7 +76,7 @@ def main() -> None:
                 row["passive"].append(p)
                 row["passive_over_default"].append(
                     round(p / d, 3) if isinstance(d, float) and isinstance(p, float) else None)
-                print(f"[llama_wait_policy] {f.name} t={t} round {k + 1}: default {d}, "
+                print(f"[llama_wait_policy] {f} t={t} round {k + 1}: default {d}, "
                       f"passive {p}", file=sys.stderr, flush=True)
             rows.append(row)
     out = {"benchmark": "llama_wait_policy", "bench": str(a.bench),
