@@ -5,7 +5,8 @@ sets ``OMP_WAIT_POLICY=PASSIVE`` for torch (specmoe/__init__.py), and until 2026
 benchmark harnesses handed that environment on to the llama.cpp processes they started: an
 audit hook on ``subprocess.Popen`` showed it for ``decode_peers.py`` (whose config has called
 ``hostinfo.host()``, which imports specmoe, before the rounds since 2026-11-28) and for
-``serve.py``'s ``llama-server``; not for ``hybrid_peers.py`` or ``gptoss_peers.py``.  Now every
+``serve.py``'s ``llama-server``; not for ``hybrid_peers.py``, ``gptoss_peers.py`` or
+``big_model.py`` (its ``--quick`` run).  Now every
 peer runs in ``hostinfo.peer_env()``, without it.  This script measures what the inherited
 policy cost llama.cpp, to say how far the older results files' ratios are off:
 
