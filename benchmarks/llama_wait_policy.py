@@ -84,13 +84,7 @@ def main() -> None:
            "what": f"{'prompt ' + str(a.prompt) if a.prompt else 'decode ' + str(a.tokens)} "
                    "tokens a run, tok/s",
            "host": hostinfo.host(threads), "rows": rows}
-    if a.save:
-        Path(a.save).write_text(json.dumps(out, indent=1) + "\n")
-    if a.json:
-        print(json.dumps(out))
-    else:
-        for r in rows:
-            print(r["file"], r["threads"], r["passive_over_default"])
+    hostinfo.emit(out, a.save, a.json)
 
 
 if __name__ == "__main__":
