@@ -341,6 +341,18 @@ def part_timers(mods: list[tuple[str, Any]], spent: dict[str, float]) -> Iterato
             h.remove()
 
 
+def paired_runs(rounds: list[dict[str, Any]], key: str
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[float]]:
+    """For one row ``key`` (a thread count, a prompt length) of :func:`peer_rounds`' rounds:
+    specmoe's row and llama.cpp's in each round (llama.cpp's whole result where it has no
+    such row: its error), and specmoe / llama.cpp tok/s of the rounds where both ran."""
+    sm = [r["specmoe"].get("rows", {}).get(key, {}) for r in rounds]
+    lc = [r["llama.cpp"].get(key, r["llama.cpp"]) for r in rounds]
+    ratios = [s["tok_per_s"] / c["tok_per_s"] for s, c in zip(sm, lc)
+              if "tok_per_s" in s and "tok_per_s" in c]
+    return sm, lc, ratios
+
+
 def peer_rounds(n: int, specmoe: Callable[[], dict[str, Any]],
                 llama: Callable[[Path], dict[str, Any]], tag: str = "hybrid_peers"
                 ) -> list[dict[str, Any]]:
@@ -412,10 +424,7 @@ def main() -> None:
                          lambda bench: {str(t): llama_row(bench, path, t) for t in threads})
     rows = []
     for t in threads:
-        sm = [r["specmoe"].get("rows", {}).get(str(t), {}) for r in rounds]
-        lc = [r["llama.cpp"].get(str(t), r["llama.cpp"]) for r in rounds]
-        ratios = [s["tok_per_s"] / c["tok_per_s"] for s, c in zip(sm, lc)
-                  if "tok_per_s" in s and "tok_per_s" in c]
+        sm, lc, ratios = paired_runs(rounds, str(t))
         rows.append({"name": "specmoe-gguf", "threads": t,
                      "tok_per_s_runs": [s.get("tok_per_s") for s in sm],
                      "planned_steps_runs": [s.get("planned_steps") for s in sm],

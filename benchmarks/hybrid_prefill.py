@@ -49,8 +49,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import hostinfo  # noqa: E402
-from hybrid_peers import (ARCHS, common_args, gguf_path, part_timers, peer_rounds,  # noqa: E402
-                          run_worker, write_file)
+from hybrid_peers import (ARCHS, common_args, gguf_path, paired_runs, part_timers,  # noqa: E402
+                          peer_rounds, run_worker, write_file)
 from hybrid_serve import HYBRIDS  # noqa: E402
 PARTS = ("linear_attn", "self_attn", "moe")
 
@@ -191,10 +191,7 @@ def main() -> None:
         "hybrid_prefill")
     rows = []
     for T in lengths:
-        sm = [r["specmoe"].get("rows", {}).get(str(T), {}) for r in rounds]
-        lc = [r["llama.cpp"].get(str(T), r["llama.cpp"]) for r in rounds]
-        ratios = [s["tok_per_s"] / c["tok_per_s"] for s, c in zip(sm, lc)
-                  if "tok_per_s" in s and "tok_per_s" in c]
+        sm, lc, ratios = paired_runs(rounds, str(T))
         rows.append({"name": "specmoe-gguf", "prompt_tokens": T, "threads": threads,
                      "tok_per_s_runs": [s.get("tok_per_s") for s in sm],
                      "ms_by_part_runs": [s.get("ms_by_part") for s in sm],
