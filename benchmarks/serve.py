@@ -485,6 +485,7 @@ def summarize(runs: Dict[str, Dict[int, List[Dict[str, Any]]]], servers: List[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--save", help="also write the JSON object to this file (after each model)")
     ap.add_argument("--models", default="zoo", help="comma-separated: zoo, big, hybrid")
     ap.add_argument("--clients", default="1,4,16,64")
     ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
@@ -542,6 +543,8 @@ def main() -> None:
             "checkpoint": str(m["ckpt"]), "budget_bytes": m["budget"],
             "cache_bytes": m["cache"], "gguf": str(m.get("gguf")),
             "rows": summarize(runs, a.servers, a.clients, a.rounds), "raw": runs}
+        if a.save:  # a long run's finished models survive a later failure
+            Path(a.save).write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = json.dumps(result, indent=1, default=str)
     if a.json:
         print(text)

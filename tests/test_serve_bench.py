@@ -69,8 +69,10 @@ def test_serve_benchmark_smoke_on_a_hybrid(tmp_path):
     """--models hybrid (hybrid_peers.py's Qwen3.5-MoE file at its quick shapes): specmoe serves
     the GGUF file batched and unbatched, the batched server did batch the hybrid's decode
     steps, and llama-server without llama.cpp is a row saying why."""
+    saved = tmp_path / "saved.json"
     res = _smoke(tmp_path, "--models", "hybrid", "--hybrid-quick",
-                 "--servers", "specmoe,specmoe-unbatched,llama-server")
+                 "--servers", "specmoe,specmoe-unbatched,llama-server", "--save", str(saved))
+    assert json.loads(saved.read_text()) == res    # --save writes what --json prints
     m = res["models"]["hybrid"]
     assert m["checkpoint"].endswith("qwen35moe-L4-E8-quick-Q4_0.gguf")
     rows = {(r["server"], r["clients"]): r for r in m["rows"]}
