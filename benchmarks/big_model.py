@@ -1018,6 +1018,29 @@ class LlamaCpp:
         if not self._have_bins():
             raise RuntimeError(f"build finished without binaries in {self.bin}")
 
+    # Modules convert_hf_to_gguf.py imports that specmoe's own requirements do not bring
+    # (llama.cpp's requirements-convert_legacy_llama.txt): sentencepiece is imported by the
+    # Llama / Mixtral vocabulary path even for a tokenizer.json-only checkpoint (the zoo's
+    # tiny-moe), before it falls back to that file.
+    CONVERTER_MODULES = {"sentencepiece": "sentencepiece"}
+
+    def _converter_deps(self) -> str | None:
+        """Install the converter's missing modules into this interpreter (the benchmarks set
+        themselves up, as ``make bench`` does); the reason as a string where that fails."""
+        import importlib.util
+        need = [pkg for mod, pkg in self.CONVERTER_MODULES.items()
+                if importlib.util.find_spec(mod) is None]
+        if not need:
+            return None
+        log(f"installing llama.cpp's converter requirements: {' '.join(need)}")
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *need],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            return (f"convert_hf_to_gguf.py needs {' '.join(need)}, and pip could not install "
+                    "it: " + " | ".join(r.stderr.strip().splitlines()[-3:]))
+        importlib.invalidate_caches()
+        return None
+
     def convert(self, ckpt: Path, out_dir: Path, types: list[str], chash: str,
                 keep_bf16: bool) -> dict[str, Path | str]:
         """GGUF files per llama.cpp type (``Q4_0``...) or the reason they could not be made."""
@@ -1031,6 +1054,9 @@ class LlamaCpp:
         want = [t for t in types if not (out_dir / f"model-{t}.gguf").is_file()]
         bf16 = out_dir / "model-bf16.gguf"
         if want and not bf16.is_file():
+            missing = self._converter_deps()
+            if missing:
+                return {t: missing for t in types}
             log("converting the checkpoint to GGUF bf16 with llama.cpp's convert_hf_to_gguf.py")
             code = (
                 "import sys, types, runpy\n"
