@@ -2,6 +2,7 @@
 machines often call every CPU "AMD EPYC"): cpuid family and model of known parts."""
 import ast
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,6 +66,33 @@ def test_the_harnesses_run_llama_cpp_without_specmoes_wait_policy(tmp_path, monk
     assert r["stdout"].strip() == "PASSIVE"  # an explicit env (a specmoe worker's) is kept
 
 
+
+def test_llama_cpp_converter_gets_its_missing_modules_or_a_named_reason(tmp_path, monkeypatch):
+    """convert_hf_to_gguf.py imports sentencepiece on the Llama / Mixtral vocabulary path (the
+    zoo model's); LlamaCpp installs what is missing, and a failed install is every type's
+    reason, with the converter not run."""
+    import big_model
+    calls = []
+
+    def fake_run(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 1, "", "ERROR: No matching distribution")
+
+    monkeypatch.setattr(big_model.subprocess, "run", fake_run)
+    lc = big_model.LlamaCpp.__new__(big_model.LlamaCpp)
+    lc.src, lc.bin = tmp_path / "src", tmp_path / "bin"
+    monkeypatch.setattr(big_model.LlamaCpp, "CONVERTER_MODULES", {"json": "json"})
+    assert lc._converter_deps() is None and calls == []  # present: pip not run
+    monkeypatch.setattr(big_model.LlamaCpp, "CONVERTER_MODULES",
+                        {"no_such_module_for_specmoe": "no-such-package"})
+    res = lc.convert(tmp_path / "ckpt", tmp_path / "out", ["Q4_0", "Q8_0"], "h", False)
+    assert [a[:4] + a[-1:] for a in calls] == [
+        [sys.executable, "-m", "pip", "install", "no-such-package"]]
+    assert set(res) == {"Q4_0", "Q8_0"}
+    assert all("needs no-such-package" in r and "No matching distribution" in r
+               for r in res.values())
+    assert not list((tmp_path / "out").glob("*.gguf"))
+
 def _imports(path):
     """(line, top-level module, at module level) of each absolute import in ``path``."""
     tree = ast.parse(path.read_text())
@@ -108,7 +136,6 @@ def test_llama_wait_policy_times_each_round_under_both_policies(tmp_path):
     PASSIVE in every round (the fake bench reports 1 and 2 tok/s), whatever its own
     environment holds."""
     import json
-    import subprocess
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "llama_wait_policy.py"
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"")
