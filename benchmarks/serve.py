@@ -43,6 +43,8 @@ Servers, each a real process on a loopback port, started for every row and stopp
   so its acceptance is the ceiling, not what a bf16 target would see;
 * ``specmoe-mtp`` (not run by default): the same with ``--drafter mtp`` and the zoo's shipped
   adapter (``specmoe/zoo/tiny-moe-mtp``; the big checkpoint has none: its row says so);
+* ``specmoe-model`` (not run by default): the same with ``--drafter model`` and the zoo's
+  draft LM (``specmoe/zoo/tiny-draft``, a KV cache per request; zoo only, as for MTP);
 * ``llama-server``: llama.cpp's server (built from the llama-cpp-python sdist, as
   big_model.py builds llama.cpp; ``--peers``) on the same checkpoint converted by llama.cpp's
   own converter and quantized to Q4_0 (the same bits per expert weight as specmoe's int4 within
@@ -96,11 +98,13 @@ import hostinfo  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 ZOO = REPO / "specmoe" / "zoo" / "tiny-moe"
 ZOO_MTP = REPO / "specmoe" / "zoo" / "tiny-moe-mtp"   # tiny-moe's MTP adapter
+ZOO_DRAFT = REPO / "specmoe" / "zoo" / "tiny-draft"    # tiny-moe's draft LM
 MiB = 1 << 20
 PROMPT_TOKENS = 64
 SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-batch-prefill", "specmoe-paced",
-           "specmoe-ngram", "specmoe-self", "specmoe-mtp", "llama-server")
-SPEC_SERVERS = ("specmoe-ngram", "specmoe-self", "specmoe-mtp")  # serve with a --drafter
+           "specmoe-ngram", "specmoe-self", "specmoe-mtp", "specmoe-model", "llama-server")
+SPEC_SERVERS = ("specmoe-ngram", "specmoe-self", "specmoe-mtp",   # serve with a --drafter
+                "specmoe-model")
 DEFAULT_SERVERS = ("specmoe", "specmoe-unbatched", "specmoe-batch-prefill", "specmoe-paced",
                    "specmoe-ngram", "llama-server")
 MODEL = "bench"       # the model id the servers are asked for (llama-server takes any)
@@ -276,6 +280,8 @@ def server_argv(kind: str, m: Dict[str, Any], clients: int, port: int,
         argv += ["--drafter", kind.split("-")[1], "--controller", a.controller]
     if kind == "specmoe-mtp":
         argv += ["--mtp-adapter", str(ZOO_MTP)]
+    if kind == "specmoe-model":
+        argv += ["--draft-model", str(ZOO_DRAFT)]
     return argv
 
 
@@ -372,6 +378,9 @@ def run_row(kind: str, m: Dict[str, Any], clients: int, a: argparse.Namespace,
     if kind == "specmoe-mtp" and m["name"] != "zoo":
         return {"error": "no MTP adapter is trained for this checkpoint (the zoo's is "
                          "tiny-moe's)"}
+    if kind == "specmoe-model" and m["name"] != "zoo":
+        return {"error": "no draft model of this checkpoint's tokenizer is shipped (the zoo's "
+                         "tiny-draft is tiny-moe's)"}
     cg = None
     proc = None
     try:
@@ -491,7 +500,8 @@ def main() -> None:
     ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
                     help=f"comma-separated, from {', '.join(SERVERS)}")
     ap.add_argument("--controller", default="cascade",
-                    help="specmoe-ngram/-self/-mtp: serve's --controller (default cascade)")
+                    help="specmoe-ngram/-self/-mtp/-model: serve's --controller (default "
+                         "cascade)")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-spread", type=int, default=0,

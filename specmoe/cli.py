@@ -326,7 +326,7 @@ def _cmd_run(args) -> int:
     gpu_cache = None if args.gpu_cache is None else \
         _option("--gpu-cache", args.gpu_cache, _capacity)
     policy = _policy_option(args.policy)
-    drafter, controller, mtp_adapter = _speculation_options(args)
+    drafter, controller, mtp_adapter, draft_dir = _speculation_options(args)
     sampling = _sampling_options(args)
     dev = args.device
     if dev != "cpu" and not (dev == "cuda" or dev.startswith("cuda:") and dev[5:].isdigit()):
@@ -380,6 +380,8 @@ def _cmd_run(args) -> int:
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
 
     try:
+        if draft_dir is not None:  # the draft model's own load, after the target's
+            drafter = _load_draft_model(draft_dir, model)
         session = _RunSession(model, eng, tok, args, streamer, drafter, controller,
                               mtp_adapter, sampling, gpu_cache)
         if args.interactive:
@@ -402,7 +404,7 @@ class _RunSession:
     message (recurrent layers cannot be cut back: those models re-read the conversation)."""
 
     def __init__(self, model: Any, eng: Any, tok: Any, args: argparse.Namespace,
-                 streamer: Any, drafter: Optional[str], controller: Optional[str],
+                 streamer: Any, drafter: Any, controller: Optional[str],
                  mtp_adapter: Optional[str], sampling: Optional[dict], gpu_cache: Any):
         from .speculation.decoding import unrollable_layer_types
         self.model, self.eng, self.tok, self.args = model, eng, tok, args
@@ -591,19 +593,23 @@ def _sampling_options(args) -> Optional[dict]:
     return None
 
 
-def _speculate(model: Any, eng: Any, ids: Any, drafter: str, controller: str,
+def _speculate(model: Any, eng: Any, ids: Any, drafter: Any, controller: str,
                mtp_adapter: Optional[str], max_new_tokens: int,
                sampling: Optional[dict] = None, streamer: Any = None) -> tuple[Any, str, float]:
     """run --drafter: speculative decoding (:func:`specmoe.speculation.generation.generate`),
     greedy (tokens equal to plain greedy decoding's) or, with ``sampling``, sampled (tokens
     distributed as the target model's): the sequences, the statistics' text and the seconds
-    from the prefill on."""
+    from the prefill on.  ``drafter``: a name of :data:`DRAFTERS` or a loaded
+    :class:`DraftModel` (``--drafter model``)."""
     from .speculation.controllers import controller_factory
     from .speculation.drafters import named_drafter
     from .speculation.generation import generate
     from .speculation.mtp import MtpDrafter
 
-    d = named_drafter(drafter, model, eng, mtp_adapter)
+    if isinstance(drafter, str):
+        d = named_drafter(drafter, model, eng, mtp_adapter)
+    else:
+        d, drafter = drafter, "model"
     try:
         ctl = controller_factory(controller, d.k if isinstance(d, MtpDrafter) else None)()
         res = generate(model, ids, d, ctl, max_new_tokens=max_new_tokens, streamer=streamer,
@@ -622,10 +628,15 @@ def _speculate(model: Any, eng: Any, ids: Any, drafter: str, controller: str,
 
 def _speculation_arguments(p: argparse.ArgumentParser) -> None:
     """run's and serve's --drafter, --mtp-adapter and --controller."""
-    p.add_argument("--drafter", default="none", choices=["none", "ngram", "self", "mtp"],
+    p.add_argument("--drafter", default="none",
+                   choices=["none", "ngram", "self", "mtp", "model"],
                    help="speculative decoding: ngram (prompt lookup), self (the model's "
-                        "own experts in int4, MoE-SpeQ) or mtp (multi-token prediction, "
-                        "with --mtp-adapter); none decodes plainly (default)")
+                        "own experts in int4, MoE-SpeQ), mtp (multi-token prediction, "
+                        "with --mtp-adapter) or model (a small LM of the same tokenizer, "
+                        "with --draft-model); none decodes plainly (default)")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="with --drafter model: the draft LM's folder (a transformers "
+                        "checkpoint, its vocabulary the target's), loaded in float32")
     p.add_argument("--mtp-adapter", default=None, metavar="DIR",
                    help="with --drafter mtp: the gated-LoRA adapter's folder "
                         "(mtp_config.json and mtp_adapter.safetensors, as training/mtp.py "
@@ -636,14 +647,52 @@ def _speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "static:K")
 
 
-def _speculation_options(args) -> tuple[Optional[str], Optional[str], Optional[str]]:
-    """(drafter, controller, MTP adapter folder) of run's or serve's arguments, checked before
-    the model loads; (None, None, None) without --drafter."""
+def _speculation_options(args) -> tuple[Optional[str], Optional[str], Optional[str],
+                                        Optional[str]]:
+    """(drafter, controller, MTP adapter folder, draft model folder) of run's or serve's
+    arguments, checked before the model loads; all None without --drafter."""
     if not re.fullmatch(r"cascade|speq|heuristic|static:\d+", args.controller):
         raise CliError(f"--controller {args.controller!r}: cascade, speq, heuristic or "
                        "static:K (K an integer >= 0)")
     drafter = None if args.drafter == "none" else args.drafter
-    return drafter, args.controller if drafter is not None else None, _mtp_adapter_option(args)
+    return (drafter, args.controller if drafter is not None else None,
+            _mtp_adapter_option(args), _draft_model_option(args))
+
+
+def _draft_model_option(args) -> Optional[str]:
+    """--draft-model, checked before the model loads: only with --drafter model, which needs
+    it; a folder holding a config.json."""
+    path = args.draft_model
+    if path is None:
+        if args.drafter == "model":
+            raise CliError("--drafter model needs --draft-model DIR (a small causal LM of the "
+                           "target's tokenizer, e.g. specmoe/zoo/tiny-draft)")
+        return None
+    if args.drafter != "model":
+        raise CliError("--draft-model goes with --drafter model")
+    if not (Path(path) / "config.json").is_file():
+        raise CliError(f"--draft-model {path}: no config.json there (not a transformers "
+                       "checkpoint folder)")
+    return str(path)
+
+
+def _load_draft_model(path: str, model: Any) -> Any:
+    """The :class:`DraftModel` of the checkpoint at ``path`` (float32, eval), checked against
+    the target ``model``'s vocabulary (None: the server's Speculation checks it); CliError
+    where it does not load or does not fit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .speculation.drafters import DraftModel
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    except (OSError, ValueError, KeyError) as exc:
+        raise CliError(f"--draft-model {path}: does not load as a causal LM ({exc})") from None
+    dv, tv = lm.config.vocab_size, getattr(getattr(model, "config", None), "vocab_size", None)
+    if tv is not None and dv != tv:
+        raise CliError(f"--draft-model {path}: its vocabulary has {dv} tokens, the target's "
+                       f"{tv} (a draft model must share the target's tokenizer)")
+    return DraftModel(lm)
 
 
 def _mtp_adapter_option(args) -> Optional[str]:
@@ -747,9 +796,12 @@ def _cmd_serve(args) -> int:
     if not (args.shutdown_timeout >= 0):
         raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     policy = _policy_option(args.policy)
-    drafter, controller, mtp_adapter = _speculation_options(args)
+    drafter, controller, mtp_adapter, draft_dir = _speculation_options(args)
     if args.ttft_budget is not None and drafter is None:
         raise CliError("--ttft-budget bounds the drafts per step: it needs --drafter")
+    if draft_dir is not None and args.ray:
+        raise CliError("--drafter model is not served on Ray yet: serve it without --ray, "
+                       "or use --drafter ngram, self or mtp")
     _checkpoint(args, args.store)
     if args.replicas is not None and not args.ray:
         raise CliError("--replicas needs --ray")
@@ -777,12 +829,14 @@ def _cmd_serve(args) -> int:
         tok = load_tokenizer(args.checkpoint)
     except (OSError, ValueError) as exc:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
+    draft = None if draft_dir is None else _load_draft_model(draft_dir, None)
     asgi = app(args.checkpoint, tok, model_name=args.model_name, api_key=args.api_key,
                max_batch=args.max_batch, max_queue=args.max_queue,
                prefill_chunk=args.prefill_chunk, prefill_ratio=args.prefill_ratio,
                cache=cache, dtype=args.dtype,
                policy=policy, prefetch=not args.no_prefetch, store=args.store,
-               dense=args.dense, batch_decode=not args.no_batch_decode, drafter=drafter,
+               dense=args.dense, batch_decode=not args.no_batch_decode,
+               drafter=drafter if draft is None else draft,
                controller=controller, mtp_adapter=mtp_adapter,
                warm_tau=not args.no_tau_warmup, batch_prefill=args.batch_prefill,
                ttft_budget=args.ttft_budget)

@@ -232,6 +232,9 @@ def test_run_device_options_refused_before_loading(zoo_copy, cache_env, capsys, 
     (["--drafter", "ngram", "--controller", "fast"], "--controller 'fast'"),
     (["--drafter", "mtp"], "--drafter mtp needs --mtp-adapter"),
     (["--mtp-adapter", "somewhere"], "--mtp-adapter goes with --drafter mtp"),
+    (["--drafter", "model"], "--drafter model needs --draft-model"),
+    (["--draft-model", "somewhere"], "--draft-model goes with --drafter model"),
+    (["--drafter", "model", "--draft-model", "nowhere"], "--draft-model nowhere: no config.json"),
 ])
 def test_run_speculation_options_refused_before_loading(zoo_copy, cache_env, capsys, argv,
                                                         what):
@@ -244,7 +247,8 @@ def test_run_speculation_options_refused_before_loading(zoo_copy, cache_env, cap
 def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
     """run --drafter: speculative decoding from the command line, its text that of plain
     greedy decoding (n-gram drafts on a prompt that repeats itself, accepted; the MTP adapter
-    shipped with the zoo model at a fixed K), the drafts counted on the statistics line."""
+    shipped with the zoo model and the zoo's draft model, at a fixed K), the drafts counted
+    on the statistics line."""
     prompt = "import os\nimport sys\nimport os\nimport sys\nimport"
     base = ["run", ZOO, "--prompt", prompt, "--max-new-tokens", "20", "--quiet"]
 
@@ -256,11 +260,26 @@ def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
     plain, _ = text([])
     for extra, name in ((["--drafter", "ngram", "--controller", "static:3"], "ngram"),
                         (["--drafter", "mtp", "--mtp-adapter", ZOO.parent / "tiny-moe-mtp",
-                          "--controller", "static:2"], "mtp")):
+                          "--controller", "static:2"], "mtp"),
+                        (["--drafter", "model", "--draft-model", ZOO.parent / "tiny-draft",
+                          "--controller", "static:3"], "model")):
         out, err = text(extra)
         assert out == plain
         m = re.search(rf"drafter {name} with static:\d: (\d+) of (\d+) drafts accepted", err)
         assert m and 0 < int(m.group(1)) <= int(m.group(2)), err
+
+
+def test_run_refuses_a_draft_model_of_another_vocabulary(zoo_copy, cache_env, capsys,
+                                                          tmp_path):
+    """run --drafter model with a draft LM whose vocabulary is not the target's: a named
+    one-line error, nothing generated."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2)).save_pretrained(tmp_path / "d")
+    code, err = _cli(["run", zoo_copy, "--prompt", "x", "--drafter", "model",
+                      "--draft-model", tmp_path / "d"], capsys)
+    _assert_one_line(code, err, "its vocabulary has 97 tokens, the target's")
 
 
 def test_run_interactive_holds_a_conversation(zoo_copy, cache_env, capsys, monkeypatch,

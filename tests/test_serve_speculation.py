@@ -22,6 +22,7 @@ from tests.conftest import IdText, greedy_alone, specmoe_cache_and_one_thread  #
 
 ZOO = Path(__file__).resolve().parent.parent / "specmoe" / "zoo" / "tiny-moe"
 MTP = ZOO.parent / "tiny-moe-mtp"   # the shipped MTP adapter of tiny-moe
+DRAFT = ZOO.parent / "tiny-draft"   # the shipped draft model of tiny-moe
 pytestmark = pytest.mark.skipif(not (ZOO / "model.safetensors").is_file(),
                                 reason="the zoo model is not packaged")
 
@@ -120,6 +121,53 @@ def test_self_draft_keeps_greedy_tokens_exact(zoo):
         assert sch.batched_steps > 0
     finally:
         sch.close()
+
+
+@pytest.mark.parametrize("batch_decode", [True, False])
+def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypatch):
+    """A separate draft model (the zoo's tiny-draft, K = 3), requests joining a running
+    batch: the tokens are model.generate's alone; each request's drafts come from its own
+    draft cache, rolled back to its history, and equal (but for float rounding at a near
+    tie) what a fresh draft model proposes from that history alone; a finished request's
+    draft cache is let go, and the drafter given stays untouched."""
+    from specmoe.speculation.drafters import DraftModel
+    from specmoe.zoo import load
+    draft, _ = load("tiny-draft")
+    given = DraftModel(draft)
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8,
+                    batch_decode=batch_decode, drafter=given, controller="static:3")
+    seen = []
+    alone = sch.spec.draft_alone
+
+    def record(req, k):
+        out = alone(req, k)
+        seen.append((list(req.prompt + req.generated), k, out, req.draft))
+        return out
+    monkeypatch.setattr(sch.spec, "draft_alone", record)
+    try:
+        hook = _slow(zoo["model"])
+        try:
+            reqs = _run(sch, zoo["prompts"], stagger=0.01)
+        finally:
+            hook.remove()
+        for r, ref in zip(reqs, zoo["refs"]):
+            assert r.generated == ref
+            assert r.draft is None  # let go when it finished
+        st = sch.spec.stats()
+        assert st["drafter"] == "model" and 0 < st["accepted"] <= st["proposed"], st
+        assert sum(r.steps for r in reqs) < sum(len(r.generated) + 1 for r in reqs)
+        if batch_decode:
+            assert sch.batched_steps > 0 and sch.peak_batch >= 2
+    finally:
+        sch.close()
+    assert given._kv is None and given._seen == []
+    assert len({id(d) for *_, d in seen}) == len(reqs)  # one draft cache per request
+    fresh = DraftModel(draft)
+    same = 0
+    for hist, k, out, _ in seen:
+        fresh.reset()
+        same += fresh.propose(hist, k) == out
+    assert seen and same >= 0.9 * len(seen), (same, len(seen))
 
 
 @pytest.mark.parametrize("batch_decode", [True, False])
@@ -295,9 +343,14 @@ def test_bad_arguments_are_named(zoo):
         Speculation(m, None, "ngram", tau="sometimes")
     with pytest.raises(ValueError, match="offloaded"):
         Speculation(m, None, "self")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from specmoe.speculation.drafters import DraftModel
-    with pytest.raises(ValueError, match="not served yet"):
-        Scheduler(m, tok, drafter=DraftModel(m))
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=m.config.vocab_size + 7, hidden_size=32,
+                                         intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="the draft model's vocabulary has"):
+        Scheduler(m, tok, drafter=DraftModel(small))
     assert isinstance(controller_factory("static:0")(), StaticK)
     with pytest.raises(ValueError, match="needs its adapter"):
         Scheduler(m, tok, drafter="mtp")
@@ -398,6 +451,27 @@ def _served_as_alone(model, prompts, drafter, chunk, reason=None):
     return sch
 
 
+def test_cli_serves_a_draft_model(zoo, capsys, monkeypatch):
+    """``specmoe serve --drafter model --draft-model DIR``: the app's scheduler drafts with
+    that model (loaded once, float32), the banner names the drafter; the server is not
+    started (``specmoe.serve.run`` replaced)."""
+    import specmoe.serve as serve_pkg
+    from specmoe.cli import main
+    from specmoe.speculation.drafters import DraftModel
+    got = {}
+
+    def fake_run(asgi, host, port, **kw):
+        sp = asgi.state.server.scheduler.spec
+        got.update(name=sp.name, drafter=sp.drafter)
+    monkeypatch.setattr(serve_pkg, "run", fake_run)
+    assert main(["serve", str(ZOO), "--drafter", "model", "--draft-model", str(DRAFT),
+                 "--controller", "static:3", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert got["name"] == "model" and isinstance(got["drafter"], DraftModel), got
+    assert next(got["drafter"].model.parameters()).dtype == torch.float32
+    assert "drafter model with static:3" in out, out
+
+
 def test_cli_checks_the_controller_before_loading(capsys):
     from specmoe.cli import main
     for argv, name in ((["--drafter", "ngram", "--controller", "quick"], "--controller 'quick'"),
@@ -408,7 +482,12 @@ def test_cli_checks_the_controller_before_loading(capsys):
         assert exc.value.code == 1 and name in err and "Traceback" not in err, err
     for argv, name in ((["--drafter", "mtp"], "needs --mtp-adapter"),
                        (["--mtp-adapter", str(MTP)], "goes with --drafter mtp"),
-                       (["--drafter", "mtp", "--mtp-adapter", str(ZOO)], "not an MTP adapter")):
+                       (["--drafter", "mtp", "--mtp-adapter", str(ZOO)], "not an MTP adapter"),
+                       (["--drafter", "model"], "needs --draft-model"),
+                       (["--draft-model", str(DRAFT)], "goes with --drafter model"),
+                       (["--drafter", "model", "--draft-model", str(MTP)], "no config.json"),
+                       (["--drafter", "model", "--draft-model", str(DRAFT), "--ray"],
+                        "not served on Ray yet")):
         with pytest.raises(SystemExit) as exc:
             main(["serve", str(ZOO) + "-missing"] + argv)  # refused before the path is read
         err = capsys.readouterr().err
@@ -418,9 +497,10 @@ def test_cli_checks_the_controller_before_loading(capsys):
     assert exc.value.code == 2  # argparse: not a choice
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+@pytest.mark.parametrize("drafter", ["ngram", "mtp", "model"])
 def test_served_with_a_drafter_through_the_openai_client(zoo, drafter):
-    """``app(..., drafter="ngram")`` (or ``"mtp"`` with the shipped adapter) over HTTP:
+    """``app(..., drafter="ngram")`` (or ``"mtp"`` with the shipped adapter, or the zoo's
+    draft model) over HTTP:
     streamed and not, the official client gets model.generate's text; usage reports the
     drafts (OpenAI's accepted/rejected prediction tokens) and /metrics counts them."""
     openai = pytest.importorskip("openai")
@@ -429,6 +509,10 @@ def test_served_with_a_drafter_through_the_openai_client(zoo, drafter):
     from specmoe.serve import app
     from tests.conftest import free_port
     tok = zoo["tok"]
+    if drafter == "model":
+        from specmoe.speculation.drafters import DraftModel
+        from specmoe.zoo import load
+        drafter = DraftModel(load("tiny-draft")[0])
     asgi = app(zoo["model"], tok, model_name="tiny", drafter=drafter, controller="static:3",
                mtp_adapter=MTP if drafter == "mtp" else None)
     port = free_port()

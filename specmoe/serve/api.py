@@ -652,8 +652,10 @@ def app(model_or_path: Any, tokenizer: Any = None, *, model_name: Optional[str] 
     (None or 0, the default: every waiting prompt at once; :mod:`specmoe.serve.scheduler`,
     pacing); ``drafter``: speculative decoding, ``"ngram"`` (prompt lookup), ``"self"``
     (MoE-SpeQ's int4 self-draft) or ``"mtp"`` (multi-token prediction with the gated-LoRA
-    adapter ``mtp_adapter``: an :class:`specmoe.speculation.mtp.MtpAdapter` or its folder),
-    None or ``"none"`` (the default) decodes plainly; ``controller``: how many drafts per
+    adapter ``mtp_adapter``: an :class:`specmoe.speculation.mtp.MtpAdapter` or its folder)
+    or a :class:`specmoe.speculation.drafters.DraftModel` (a small LM of the target's
+    tokenizer, drafting on a KV cache of each request's own), None or ``"none"`` (the
+    default) decodes plainly; ``controller``: how many drafts per
     step, ``"cascade"`` (the default), ``"speq"``, ``"heuristic"``, ``"static:K"`` or a
     callable returning a controller (:mod:`specmoe.serve.speculate`); ``warm_tau``: with a
     drafter whose controller prunes by tau, measure tau at every batch-size bucket up to

@@ -199,6 +199,7 @@ class Request:
         self.sampling: Optional[Sampling] = None
         self.drafting = False                  # the scheduler speculates (usage says so)
         self.ngram: Any = None                 # its own n-gram index (drafter "ngram")
+        self.draft: Any = None                 # its own DraftModel and its cache ("model")
         self.mtp_next: List[int] = []          # drafts its last step's MTP masks made
         self.began_alone = False               # its controller state began (decoding alone)
         self.proposed = 0                      # draft tokens verified for it
@@ -477,6 +478,7 @@ class Scheduler:
         if done:
             for r in done:
                 r.kv = None  # the KV cache's memory goes now, not when the handler lets go
+                r.draft = None  # and the draft model's cache
                 if r.finished is None:
                     r.finished = "cancelled"
             self._leave_batch(done)
@@ -870,6 +872,7 @@ class Scheduler:
         req.finished = "error"
         req.error = message
         req.kv = None
+        req.draft = None
         req.sink(("error", status, message))
 
 

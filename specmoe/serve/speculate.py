@@ -19,8 +19,12 @@ last step's masks made, :attr:`Request.mtp_next`, and the batch's forward is
 :meth:`BatchKV.forward_mtp`, each row its own anchors).  Drafts are proposed greedily (an
 n-gram's are deterministic anyway); a sampled request verifies them with the
 speculative-sampling rule, q one-hot at the draft, so its tokens follow its sampling law
-exactly.  A draft model with a cache of its own is not served yet (a draft cache per request
-would have to follow the batch's rows).
+exactly.  A :class:`DraftModel` (a small LM of the target's tokenizer, ``--drafter model
+--draft-model DIR``) drafts for each request on a KV cache of the request's own
+(:attr:`Request.draft`, a copy of the drafter sharing its module, freed with the request),
+rolled back to the prefix its history shares, so it follows the request whether it decodes
+in the batch or alone; in a batch the rows are drafted one after another, not in one batched
+draft forward (:class:`BatchDraftModel` would need its rows to follow every join and leave).
 
 K (``controller=``): one controller per decode batch-size bucket (1, 2, 4, 8, ... the power of
 two at or above the batch size), so each learns the plain-step time and the utility of K at
@@ -38,6 +42,7 @@ step by step (its ETR is the mean over the rows: ``observe(rows_k=, rows_accepte
 """
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -52,6 +57,16 @@ from ..speculation.mtp import MtpDrafter, next_drafts, priming
 from ..speculation.tau import TtftProfile, batch_bucket, profile_ttft, target_tau
 
 __all__ = ["DRAFTERS", "Speculation", "controller_factory", "synthetic_history"]
+
+def _check_draft_vocab(drafter: DraftModel, model: Any) -> None:
+    """ValueError where the draft model's vocabulary is not the target's size (its token ids
+    would mean other tokens, or fall outside the target's)."""
+    dv = getattr(getattr(drafter.model, "config", None), "vocab_size", None)
+    tv = getattr(getattr(model, "config", None), "vocab_size", None)
+    if dv is not None and tv is not None and int(dv) != int(tv):
+        raise ValueError(f"the draft model's vocabulary has {dv} tokens, the target's {tv}: "
+                         "a draft model must share the target's tokenizer")
+
 
 def synthetic_history(vocab: int, n: int = 64) -> List[int]:
     """``n`` token ids spread over the vocabulary: what tau and the TTFT bound are measured on
@@ -104,12 +119,11 @@ class Speculation:
                 raise ValueError("serve drafts a SelfDraft on the target's cache: give one "
                                  "with share_kv=True")
         elif isinstance(drafter, DraftModel):
-            raise ValueError("a draft model with a KV cache of its own is not served yet (its "
-                             "cache would have to follow every request): use 'ngram' or "
-                             "'self'")
+            _check_draft_vocab(drafter, model)
         elif not isinstance(drafter, NgramDrafter):
             raise TypeError(f"drafter must be 'ngram', 'self', 'mtp', an NgramDrafter, a "
-                            f"SelfDraft or an MtpDrafter, got {type(drafter).__name__}")
+                            f"DraftModel, a SelfDraft or an MtpDrafter, got "
+                            f"{type(drafter).__name__}")
         self.model, self.engine, self.drafter = model, engine, drafter
         self.mtp: Optional[MtpDrafter] = drafter if isinstance(drafter, MtpDrafter) else None
         self.ttft: Optional[TtftProfile] = None
@@ -155,6 +169,7 @@ class Speculation:
     @property
     def name(self) -> str:
         return ("self" if isinstance(self.drafter, SelfDraft)
+                else "model" if isinstance(self.drafter, DraftModel)
                 else "mtp" if self.mtp is not None else "ngram")
 
     def controller(self, batch: int, history: Callable[[], Sequence[int]],
@@ -204,6 +219,13 @@ class Speculation:
             req.ngram = self.drafter.clone()
         return req.ngram
 
+    def _draft_model(self, req: Any) -> DraftModel:
+        """``req``'s own copy of the draft model: the module shared, the KV cache its own."""
+        if req.draft is None:
+            req.draft = copy.copy(self.drafter)
+            req.draft.reset()
+        return req.draft
+
     def draft_alone(self, req: Any, k: int) -> List[int]:
         """``k`` drafts (or fewer) for ``req`` decoding on its own cache ``req.kv``."""
         if k <= 0:
@@ -221,6 +243,8 @@ class Speculation:
             if d.routing and self.engine is not None:
                 self.engine.lookahead(d.routing, d.token_routing, d.token_confidence)
             return d.tokens
+        if isinstance(self.drafter, DraftModel):
+            return propose(self._draft_model(req), hist, k, None, None, self.vocab).tokens
         return propose(self._ngram(req), hist, k, None, None, self.vocab).tokens
 
     def draft_batch(self, bkv: BatchKV, reqs: Sequence[Any], ks: List[int]
