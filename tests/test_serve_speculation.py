@@ -126,24 +126,33 @@ def test_self_draft_keeps_greedy_tokens_exact(zoo):
 @pytest.mark.parametrize("batch_decode", [True, False])
 def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypatch):
     """A separate draft model (the zoo's tiny-draft, K = 3), requests joining a running
-    batch: the tokens are model.generate's alone; each request's drafts come from its own
-    draft cache, rolled back to its history, and equal (but for float rounding at a near
-    tie) what a fresh draft model proposes from that history alone; a finished request's
-    draft cache is let go, and the drafter given stays untouched."""
+    batch: the tokens are model.generate's alone; a request decoding alone drafts on a
+    draft cache of its own, the rows of a batch in one batched draft state that follows them;
+    every draft, rolled back to its history, equals (but for float rounding at a near tie)
+    what a fresh draft model proposes from that history alone; a finished request's draft
+    cache is let go, and the drafter given stays untouched."""
     from specmoe.speculation.drafters import DraftModel
     from specmoe.zoo import load
     draft, _ = load("tiny-draft")
     given = DraftModel(draft)
     sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8,
                     batch_decode=batch_decode, drafter=given, controller="static:3")
-    seen = []
-    alone = sch.spec.draft_alone
+    seen, caches, batched = [], {}, []
+    alone, rows = sch.spec.draft_alone, sch.spec.draft_batch
 
     def record(req, k):
         out = alone(req, k)
-        seen.append((list(req.prompt + req.generated), k, out, req.draft))
+        seen.append((list(req.prompt + req.generated), k, out))
+        caches.setdefault(id(req), set()).add(id(req.draft))
+        return out
+
+    def record_rows(bkv, reqs, ks):
+        out = rows(bkv, reqs, ks)
+        seen.extend((list(r.prompt + r.generated), k, o) for r, k, o in zip(reqs, ks, out))
+        batched.append(len(reqs))
         return out
     monkeypatch.setattr(sch.spec, "draft_alone", record)
+    monkeypatch.setattr(sch.spec, "draft_batch", record_rows)
     try:
         hook = _slow(zoo["model"])
         try:
@@ -157,14 +166,18 @@ def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypa
         assert st["drafter"] == "model" and 0 < st["accepted"] <= st["proposed"], st
         assert sum(r.steps for r in reqs) < sum(len(r.generated) + 1 for r in reqs)
         if batch_decode:
-            assert sch.batched_steps > 0 and sch.peak_batch >= 2
+            assert sch.batched_steps > 0 and sch.peak_batch >= 2 and max(batched) >= 2
+        else:
+            assert not batched and len(caches) == len(reqs)
     finally:
         sch.close()
     assert given._kv is None and given._seen == []
-    assert len({id(d) for *_, d in seen}) == len(reqs)  # one draft cache per request
+    # one draft cache per request drafting alone, kept over its steps
+    assert all(len(c) == 1 for c in caches.values())
+    assert len({next(iter(c)) for c in caches.values()}) == len(caches)
     fresh = DraftModel(draft)
     same = 0
-    for hist, k, out, _ in seen:
+    for hist, k, out in seen:
         fresh.reset()
         same += fresh.propose(hist, k) == out
     assert seen and same >= 0.9 * len(seen), (same, len(seen))

@@ -22,9 +22,12 @@ speculative-sampling rule, q one-hot at the draft, so its tokens follow its samp
 exactly.  A :class:`DraftModel` (a small LM of the target's tokenizer, ``--drafter model
 --draft-model DIR``) drafts for each request on a KV cache of the request's own
 (:attr:`Request.draft`, a copy of the drafter sharing its module, freed with the request),
-rolled back to the prefix its history shares, so it follows the request whether it decodes
-in the batch or alone; in a batch the rows are drafted one after another, not in one batched
-draft forward (:class:`BatchDraftModel` would need its rows to follow every join and leave).
+rolled back to the prefix its history shares, so it follows the request while it decodes
+alone; the rows of a batch draft together, in one :class:`BatchDraftModel` of their own (one
+draft forward per draft token for all rows), which follows rows that leave (``select``) and is
+made anew when one joins (its rows then feed their histories in one forward with holes).
+Each row's cache is rolled back to the prefix it shares with the row's history, so what the
+draft proposes never rests on which request a row was before.
 
 K (``controller=``): one controller per decode batch-size bucket (1, 2, 4, 8, ... the power of
 two at or above the batch size), so each learns the plain-step time and the utility of K at
@@ -162,6 +165,8 @@ class Speculation:
             self.close()
             raise
         self.controllers: Dict[int, Controller] = {}   # batch-size bucket -> its controller
+        self._rows_draft: Optional[BatchDraftModel] = None   # a DraftModel's batch drafting
+        self._rows_ids: List[int] = []                 # ... id() of its rows' requests
         self.proposed = 0                              # draft tokens verified, all requests
         self.accepted = 0
         self.steps = 0                                 # verification forwards with a draft
@@ -259,7 +264,27 @@ class Speculation:
             if routing and self.engine is not None:
                 self.engine.lookahead(routing)
             return drafts
+        if isinstance(self.drafter, DraftModel):
+            hists = [r.prompt + r.generated for r in reqs]
+            return self._batch_draft(reqs).draft(hists, ks, None, None)[0]
         return [self.draft_alone(r, k) for r, k in zip(reqs, ks)]
+
+    def _batch_draft(self, reqs: Sequence[Any]) -> BatchDraftModel:
+        """The draft model's batch state for ``reqs`` (in row order): the last step's with
+        the rows that left selected out, or a new one where a request joined (module
+        docstring)."""
+        ids = [id(r) for r in reqs]
+        bd = self._rows_draft
+        if bd is not None and ids != self._rows_ids:
+            where = {k: i for i, k in enumerate(self._rows_ids)}
+            if all(k in where for k in ids):
+                bd.select([where[k] for k in ids])
+            else:
+                bd = None
+        if bd is None:
+            bd = BatchDraftModel(self.drafter, len(reqs))
+        self._rows_draft, self._rows_ids = bd, ids
+        return bd
 
     # -- MTP: the verification forward that also drafts -----------------------------------
 
@@ -327,6 +352,7 @@ class Speculation:
         if self._installed is not None:
             self._installed.adapter.uninstall()
             self._installed = None
+        self._rows_draft, self._rows_ids = None, []
 
     def loads(self) -> Tuple[int, float]:
         return self.engine.loads() if self.engine is not None else (0, 0.0)
