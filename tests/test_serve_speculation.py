@@ -74,6 +74,19 @@ def _slow(model, s=0.004):
     return model.model.layers[0].register_forward_pre_hook(lambda m, a: time.sleep(s))
 
 
+def _run_joining(sch, zoo):
+    """Every prompt, 0.01 s apart, each forward slowed (so later ones join a running batch):
+    the requests, each checked to get model.generate's tokens alone."""
+    hook = _slow(zoo["model"])
+    try:
+        reqs = _run(sch, zoo["prompts"], stagger=0.01)
+    finally:
+        hook.remove()
+    for r, ref in zip(reqs, zoo["refs"]):
+        assert r.generated == ref
+    return reqs
+
+
 @pytest.mark.parametrize("batch_decode", [True, False])
 def test_ngram_drafts_keep_greedy_tokens_exact(zoo, batch_decode):
     """A fixed K = 3 (every step drafts): requests decoding together in one batched forward
@@ -82,13 +95,8 @@ def test_ngram_drafts_keep_greedy_tokens_exact(zoo, batch_decode):
     sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8,
                     batch_decode=batch_decode, drafter="ngram", controller="static:3")
     try:
-        hook = _slow(zoo["model"])
-        try:
-            reqs = _run(sch, zoo["prompts"], stagger=0.01)
-        finally:
-            hook.remove()
-        for r, ref in zip(reqs, zoo["refs"]):
-            assert r.generated == ref
+        reqs = _run_joining(sch, zoo)
+        for r in reqs:
             assert r.usage["completion_tokens_details"] == {
                 "accepted_prediction_tokens": r.accepted,
                 "rejected_prediction_tokens": r.proposed - r.accepted}
@@ -154,13 +162,8 @@ def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypa
     monkeypatch.setattr(sch.spec, "draft_alone", record)
     monkeypatch.setattr(sch.spec, "draft_batch", record_rows)
     try:
-        hook = _slow(zoo["model"])
-        try:
-            reqs = _run(sch, zoo["prompts"], stagger=0.01)
-        finally:
-            hook.remove()
-        for r, ref in zip(reqs, zoo["refs"]):
-            assert r.generated == ref
+        reqs = _run_joining(sch, zoo)
+        for r in reqs:
             assert r.draft is None  # let go when it finished
         st = sch.spec.stats()
         assert st["drafter"] == "model" and 0 < st["accepted"] <= st["proposed"], st
