@@ -21,13 +21,12 @@ n-gram's are deterministic anyway); a sampled request verifies them with the
 speculative-sampling rule, q one-hot at the draft, so its tokens follow its sampling law
 exactly.  A :class:`DraftModel` (a small LM of the target's tokenizer, ``--drafter model
 --draft-model DIR``) drafts for each request on a KV cache of the request's own
-(:attr:`Request.draft`, a copy of the drafter sharing its module, freed with the request),
-rolled back to the prefix its history shares, so it follows the request while it decodes
-alone; the rows of a batch draft together, in one :class:`BatchDraftModel` of their own (one
-draft forward per draft token for all rows), which follows rows that leave (``select``) and is
-made anew when one joins (its rows then feed their histories in one forward with holes).
-Each row's cache is rolled back to the prefix it shares with the row's history, so what the
-draft proposes never rests on which request a row was before.
+(:attr:`Request.draft`, a copy of the drafter sharing its module, freed with the request)
+while it decodes alone; the rows of a batch draft together, in one :class:`BatchDraftModel`
+of their own (one draft forward per draft token for all rows), which follows rows that leave
+(``select``) and is made anew when one joins (its rows then feed their histories in one
+forward with holes).  Either cache is rolled back to the prefix it shares with the history
+before each draft, so what the draft proposes never rests on which request a row was before.
 
 K (``controller=``): one controller per decode batch-size bucket (1, 2, 4, 8, ... the power of
 two at or above the batch size), so each learns the plain-step time and the utility of K at
