@@ -678,21 +678,17 @@ def _draft_model_option(args) -> Optional[str]:
 
 def _load_draft_model(path: str, model: Any) -> Any:
     """The :class:`DraftModel` of the checkpoint at ``path`` (float32, eval), checked against
-    the target ``model``'s vocabulary (None: the server's Speculation checks it); CliError
-    where it does not load or does not fit."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    the target ``model``'s vocabulary; CliError where it does not load or does not fit."""
     from .speculation.drafters import DraftModel
     try:
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    except (OSError, ValueError, KeyError) as exc:
-        raise CliError(f"--draft-model {path}: does not load as a causal LM ({exc})") from None
-    dv, tv = lm.config.vocab_size, getattr(getattr(model, "config", None), "vocab_size", None)
-    if tv is not None and dv != tv:
+        d = DraftModel.from_pretrained(path)
+    except ValueError as exc:
+        raise CliError(f"--draft-model: {exc}") from None
+    dv, tv = d.model.config.vocab_size, model.config.vocab_size
+    if dv != tv:
         raise CliError(f"--draft-model {path}: its vocabulary has {dv} tokens, the target's "
                        f"{tv} (a draft model must share the target's tokenizer)")
-    return DraftModel(lm)
+    return d
 
 
 def _mtp_adapter_option(args) -> Optional[str]:
@@ -733,7 +729,8 @@ def _listen_check(host: str, port: int) -> None:
                            f"({exc.strerror or exc})") from None
 
 
-def _serve_ray(args, cache: Any, drafter: Any, controller: Any, mtp_adapter: Any) -> int:
+def _serve_ray(args, cache: Any, drafter: Any, controller: Any, mtp_adapter: Any,
+               draft_dir: Optional[str]) -> int:
     """specmoe serve --ray: --replicas replicas of the app behind Ray Serve's proxy on
     --host:--port, on a local Ray instance or the cluster at $RAY_ADDRESS; SIGTERM or Ctrl-C
     shuts Serve down."""
@@ -761,7 +758,9 @@ def _serve_ray(args, cache: Any, drafter: Any, controller: Any, mtp_adapter: Any
                              prefill_ratio=args.prefill_ratio, cache=cache, dtype=args.dtype,
                              policy=args.policy,
                              prefetch=not args.no_prefetch, store=args.store, dense=args.dense,
-                             batch_decode=not args.no_batch_decode, drafter=drafter,
+                             batch_decode=not args.no_batch_decode,
+                             drafter=drafter if draft_dir is None else None,
+                             draft_model=draft_dir,
                              controller=controller, mtp_adapter=mtp_adapter,
                              warm_tau=not args.no_tau_warmup,
                              batch_prefill=args.batch_prefill,
@@ -799,9 +798,6 @@ def _cmd_serve(args) -> int:
     drafter, controller, mtp_adapter, draft_dir = _speculation_options(args)
     if args.ttft_budget is not None and drafter is None:
         raise CliError("--ttft-budget bounds the drafts per step: it needs --drafter")
-    if draft_dir is not None and args.ray:
-        raise CliError("--drafter model is not served on Ray yet: serve it without --ray, "
-                       "or use --drafter ngram, self or mtp")
     _checkpoint(args, args.store)
     if args.replicas is not None and not args.ray:
         raise CliError("--replicas needs --ray")
@@ -814,7 +810,7 @@ def _cmd_serve(args) -> int:
                            "(pip install 'specmoe[ray]')") from None
     _listen_check(args.host, args.port)
     if args.ray:
-        return _serve_ray(args, cache, drafter, controller, mtp_adapter)
+        return _serve_ray(args, cache, drafter, controller, mtp_adapter, draft_dir)
 
     import torch
 
@@ -829,7 +825,11 @@ def _cmd_serve(args) -> int:
         tok = load_tokenizer(args.checkpoint)
     except (OSError, ValueError) as exc:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
-    draft = None if draft_dir is None else _load_draft_model(draft_dir, None)
+    from .speculation.drafters import DraftModel
+    try:  # (its vocabulary is checked against the target's where the server starts)
+        draft = None if draft_dir is None else DraftModel.from_pretrained(draft_dir)
+    except ValueError as exc:
+        raise CliError(f"--draft-model: {exc}") from None
     asgi = app(args.checkpoint, tok, model_name=args.model_name, api_key=args.api_key,
                max_batch=args.max_batch, max_queue=args.max_queue,
                prefill_chunk=args.prefill_chunk, prefill_ratio=args.prefill_ratio,

@@ -25,3 +25,7 @@ def test_deployment_arguments_are_checked():
         deployment(ZOO, replicas=2, autoscaling={"max_replicas": 2})
     with pytest.raises(FileNotFoundError):
         deployment(ZOO / "missing", replicas=1)
+    with pytest.raises(FileNotFoundError, match="draft model not found"):
+        deployment(ZOO, replicas=1, draft_model=ZOO.parent / "tiny-moe-mtp")
+    with pytest.raises(ValueError, match="either drafter or draft_model"):
+        deployment(ZOO, replicas=1, drafter="ngram", draft_model=ZOO.parent / "tiny-draft")

@@ -1,8 +1,8 @@
 """``specmoe serve --ray`` from the command line (issue 38, item 6): the process starts a local
 Ray instance and two replicas behind Ray Serve's proxy; concurrent requests from the official
 openai client spread over both replicas (``x-specmoe-replica``), every response, streamed or
-not, equal to model.generate's greedy output for its prompt alone (with n-gram speculation on,
-passed through to the replicas); SIGTERM ends the process with status 0.  (One Ray start for
+not, equal to model.generate's greedy output for its prompt alone (with speculation on: the
+zoo's draft model, loaded by each replica from its folder); SIGTERM ends the process with status 0.  (One Ray start for
 the whole file: starting Ray is most of its time.)"""
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_cli_serve_ray_answers_and_exits_on_sigterm(tmp_path):
     env.pop("RAY_ADDRESS", None)  # a local instance of its own
     proc = subprocess.Popen([sys.executable, "-m", "specmoe", "serve", str(ZOO), "--ray",
                              "--replicas", "2", "--port", str(port), "--threads", "1",
-                             "--dtype", "f32", "--store", str(store), "--drafter", "ngram",
+                             "--dtype", "f32", "--store", str(store), "--drafter", "model",
+                             "--draft-model", str(ZOO.parent / "tiny-draft"),
                              "--controller", "static:3", "--model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(ROOT), env=env)

@@ -501,9 +501,7 @@ def test_cli_checks_the_controller_before_loading(capsys):
                        (["--drafter", "mtp", "--mtp-adapter", str(ZOO)], "not an MTP adapter"),
                        (["--drafter", "model"], "needs --draft-model"),
                        (["--draft-model", str(DRAFT)], "goes with --drafter model"),
-                       (["--drafter", "model", "--draft-model", str(MTP)], "no config.json"),
-                       (["--drafter", "model", "--draft-model", str(DRAFT), "--ray"],
-                        "not served on Ray yet")):
+                       (["--drafter", "model", "--draft-model", str(MTP)], "no config.json")):
         with pytest.raises(SystemExit) as exc:
             main(["serve", str(ZOO) + "-missing"] + argv)  # refused before the path is read
         err = capsys.readouterr().err

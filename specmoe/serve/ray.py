@@ -54,6 +54,7 @@ def tag_replica(asgi: Any, tag: str) -> Any:
 def deployment(checkpoint: Union[str, os.PathLike], *, replicas: Optional[int] = 2,
                autoscaling: Optional[Dict[str, Any]] = None, num_cpus: float = 1.0,
                threads: Optional[int] = None, name: str = "specmoe",
+               draft_model: Optional[Union[str, os.PathLike]] = None,
                **app_kwargs: Any) -> Any:
     """A Ray Serve application serving ``checkpoint`` from ``replicas`` replicas of
     :func:`specmoe.serve.app` (``app_kwargs`` go to it: ``cache``, ``dtype``, ``max_batch``,
@@ -62,8 +63,11 @@ def deployment(checkpoint: Union[str, os.PathLike], *, replicas: Optional[int] =
     ``autoscaling``: Ray Serve's ``autoscaling_config`` (``min_replicas``, ``max_replicas``,
     ``target_ongoing_requests``...) instead of a fixed ``replicas``.  ``num_cpus``: the CPUs
     Ray reserves per replica; ``threads``: torch's and specmoe's kernel threads in each
-    replica (default: ``num_cpus`` rounded, at least 1).  Returns the bound application for
-    ``serve.run``.  The checkpoint must be readable at the same path on every node."""
+    replica (default: ``num_cpus`` rounded, at least 1).  ``draft_model``: a draft LM's
+    checkpoint folder, loaded in each replica as its drafter
+    (:meth:`specmoe.speculation.drafters.DraftModel.from_pretrained`; ``drafter`` then stays
+    unset).  Returns the bound application for ``serve.run``.  The checkpoint (and the draft
+    model) must be readable at the same path on every node."""
     try:
         from ray import serve
     except ImportError as exc:  # pragma: no cover - depends on the extra
@@ -77,6 +81,13 @@ def deployment(checkpoint: Union[str, os.PathLike], *, replicas: Optional[int] =
     path = str(Path(checkpoint).expanduser())
     if not Path(path).exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if draft_model is not None:
+        if app_kwargs.get("drafter") not in (None, "none"):
+            raise ValueError("give either drafter or draft_model")
+        draft_model = str(Path(draft_model).expanduser())
+        if not (Path(draft_model) / "config.json").is_file():
+            raise FileNotFoundError(f"draft model not found (no config.json): {draft_model}")
+        app_kwargs = dict(app_kwargs, draft_model=draft_model)
     n_threads = int(threads) if threads is not None else max(1, int(round(num_cpus)))
     max_ongoing = int(app_kwargs.get("max_batch", 16)) + int(app_kwargs.get("max_queue", 256))
 
@@ -95,6 +106,10 @@ def deployment(checkpoint: Union[str, os.PathLike], *, replicas: Optional[int] =
             torch.set_num_threads(self.threads)
             kernels.set_num_threads(self.threads)
             kw = dict(self.kwargs)
+            draft = kw.pop("draft_model", None)
+            if draft is not None:  # loaded here: one copy per replica, as the model
+                from ..speculation.drafters import DraftModel
+                kw["drafter"] = DraftModel.from_pretrained(draft)
             if isinstance(kw.get("policy"), str):  # a spec, as specmoe run's --policy
                 from ..sim.replay import live_policy
                 kw["policy"] = live_policy(kw["policy"])

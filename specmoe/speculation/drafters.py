@@ -47,6 +47,18 @@ class DraftModel:
         self._kv: Any = None
         self._seen: List[int] = []  # tokens whose keys/values are in self._kv
 
+    @classmethod
+    def from_pretrained(cls, path: Any, dtype: torch.dtype = torch.float32) -> "DraftModel":
+        """The draft LM of the transformers checkpoint folder ``path`` (``dtype``, eval mode).
+        ValueError where it does not load as a causal LM."""
+        from transformers import AutoModelForCausalLM
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"draft model {path}: does not load as a causal LM ({exc})") \
+                from None
+        return cls(lm)
+
     def reset(self) -> None:
         """Forget the cached history (the next draft starts from scratch)."""
         self._kv, self._seen = None, []
