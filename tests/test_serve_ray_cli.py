@@ -2,8 +2,8 @@
 Ray instance and two replicas behind Ray Serve's proxy; concurrent requests from the official
 openai client spread over both replicas (``x-specmoe-replica``), every response, streamed or
 not, equal to model.generate's greedy output for its prompt alone (with speculation on: the
-zoo's draft model, loaded by each replica from its folder); SIGTERM ends the process with status 0.  (One Ray start for
-the whole file: starting Ray is most of its time.)"""
+zoo's draft model, loaded by each replica from its folder); SIGTERM ends the process with
+status 0.  (One Ray start for the whole file: starting Ray is most of its time.)"""
 from __future__ import annotations
 
 import os
