@@ -271,8 +271,8 @@ def test_run_with_a_drafter_prints_plain_decodings_text(cache_env, capsys):
 
 def test_run_refuses_a_draft_model_of_another_vocabulary(zoo_copy, cache_env, capsys,
                                                           tmp_path):
-    """run --drafter model with a draft LM whose vocabulary is not the target's: a named
-    one-line error, nothing generated."""
+    """run --drafter model with a draft LM whose vocabulary is not the target's, or a folder
+    that does not load as one: a named one-line error, nothing generated."""
     from transformers import LlamaConfig, LlamaForCausalLM
     LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=1, num_attention_heads=2,
@@ -280,6 +280,11 @@ def test_run_refuses_a_draft_model_of_another_vocabulary(zoo_copy, cache_env, ca
     code, err = _cli(["run", zoo_copy, "--prompt", "x", "--drafter", "model",
                       "--draft-model", tmp_path / "d"], capsys)
     _assert_one_line(code, err, "its vocabulary has 97 tokens, the target's")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "no-such-model"}')
+    code, err = _cli(["run", zoo_copy, "--prompt", "x", "--drafter", "model",
+                      "--draft-model", tmp_path / "bad"], capsys)
+    _assert_one_line(code, err, "does not load as a causal LM")
 
 
 def test_run_interactive_holds_a_conversation(zoo_copy, cache_env, capsys, monkeypatch,
