@@ -659,32 +659,41 @@ def _speculation_options(args) -> tuple[Optional[str], Optional[str], Optional[s
             _mtp_adapter_option(args), _draft_model_option(args))
 
 
-def _draft_model_option(args) -> Optional[str]:
-    """--draft-model, checked before the model loads: only with --drafter model, which needs
-    it; a folder holding a config.json."""
-    path = args.draft_model
+def _drafter_folder(args, flag: str, drafter: str, marker: str, needs: str,
+                    what: str) -> Optional[str]:
+    """The folder option ``flag`` of ``--drafter drafter``, checked before the model loads:
+    only with that drafter, which needs it (``needs``: what to give); a folder holding
+    ``marker`` (else: not ``what``)."""
+    path = getattr(args, flag[2:].replace("-", "_"))
     if path is None:
-        if args.drafter == "model":
-            raise CliError("--drafter model needs --draft-model DIR (a small causal LM of the "
-                           "target's tokenizer, e.g. specmoe/zoo/tiny-draft)")
+        if args.drafter == drafter:
+            raise CliError(f"--drafter {drafter} needs {flag} DIR ({needs})")
         return None
-    if args.drafter != "model":
-        raise CliError("--draft-model goes with --drafter model")
-    if not (Path(path) / "config.json").is_file():
-        raise CliError(f"--draft-model {path}: no config.json there (not a transformers "
-                       "checkpoint folder)")
+    if args.drafter != drafter:
+        raise CliError(f"{flag} goes with --drafter {drafter}")
+    if not (Path(path) / marker).is_file():
+        raise CliError(f"{flag} {path}: no {marker} there (not {what})")
     return str(path)
 
 
-def _load_draft_model(path: str, model: Any) -> Any:
+def _draft_model_option(args) -> Optional[str]:
+    """--draft-model: a transformers checkpoint folder, only with --drafter model."""
+    return _drafter_folder(args, "--draft-model", "model", "config.json",
+                           "a small causal LM of the target's tokenizer, e.g. "
+                           "specmoe/zoo/tiny-draft", "a transformers checkpoint folder")
+
+
+def _load_draft_model(path: str, model: Any = None) -> Any:
     """The :class:`DraftModel` of the checkpoint at ``path`` (float32, eval), checked against
-    the target ``model``'s vocabulary; CliError where it does not load or does not fit."""
+    the target ``model``'s vocabulary (None: the server's Speculation checks it at start);
+    CliError where it does not load or does not fit."""
     from .speculation.drafters import DraftModel
     try:
         d = DraftModel.from_pretrained(path)
     except ValueError as exc:
         raise CliError(f"--draft-model: {exc}") from None
-    dv, tv = d.model.config.vocab_size, model.config.vocab_size
+    dv = d.model.config.vocab_size
+    tv = dv if model is None else model.config.vocab_size
     if dv != tv:
         raise CliError(f"--draft-model {path}: its vocabulary has {dv} tokens, the target's "
                        f"{tv} (a draft model must share the target's tokenizer)")
@@ -692,21 +701,11 @@ def _load_draft_model(path: str, model: Any) -> Any:
 
 
 def _mtp_adapter_option(args) -> Optional[str]:
-    """--mtp-adapter, checked before the model loads: only with --drafter mtp, which needs
-    it; a folder holding an adapter's config."""
-    path = args.mtp_adapter
-    if path is None:
-        if args.drafter == "mtp":
-            raise CliError("--drafter mtp needs --mtp-adapter DIR (the gated-LoRA adapter "
-                           "training/mtp.py writes)")
-        return None
-    if args.drafter != "mtp":
-        raise CliError("--mtp-adapter goes with --drafter mtp")
+    """--mtp-adapter: an adapter's folder, only with --drafter mtp."""
     from .speculation.mtp import CONFIG_FILE
-    if not (Path(path) / CONFIG_FILE).is_file():
-        raise CliError(f"--mtp-adapter {path}: no {CONFIG_FILE} there (not an MTP adapter "
-                       "folder)")
-    return str(path)
+    return _drafter_folder(args, "--mtp-adapter", "mtp", CONFIG_FILE,
+                           "the gated-LoRA adapter training/mtp.py writes",
+                           "an MTP adapter folder")
 
 
 def _listen_check(host: str, port: int) -> None:
@@ -825,11 +824,7 @@ def _cmd_serve(args) -> int:
         tok = load_tokenizer(args.checkpoint)
     except (OSError, ValueError) as exc:
         raise CliError(f"{args.checkpoint}: no usable tokenizer ({exc})") from None
-    from .speculation.drafters import DraftModel
-    try:  # (its vocabulary is checked against the target's where the server starts)
-        draft = None if draft_dir is None else DraftModel.from_pretrained(draft_dir)
-    except ValueError as exc:
-        raise CliError(f"--draft-model: {exc}") from None
+    draft = None if draft_dir is None else _load_draft_model(draft_dir)
     asgi = app(args.checkpoint, tok, model_name=args.model_name, api_key=args.api_key,
                max_batch=args.max_batch, max_queue=args.max_queue,
                prefill_chunk=args.prefill_chunk, prefill_ratio=args.prefill_ratio,
