@@ -791,3 +791,56 @@ def test_a_lookahead_routes_in_c_as_the_plain_steps_do(tmp_path, monkeypatch):
         assert eng.routable(x, x.dtype) and not eng.routable(x, x.dtype, fused=True)
     finally:
         eng.close()
+
+
+def test_a_draft_cache_moves_between_a_request_and_a_batch(pair):
+    """DraftModel.hand_over -> BatchDraftModel.join -> BatchDraftModel.row ->
+    DraftModel.take_over: a request's draft cache joins a batch as a row (a request that never
+    drafted prefills its history alone), the batched drafts equal each history's cold drafts
+    alone, the first batched forward feeds each row only what its cache has not seen, and a
+    row given back drafts on alone as a cold draft does.  Mismatched caches are named errors."""
+    from specmoe.speculation.batch import BatchDraftModel
+    _, draft, _, ids = pair
+    a = ids[0].tolist()
+    b = a[3:] + [11, 12, 13, 14, 15]
+    cold = lambda h, k: DraftModel(draft).draft(h, k).tokens  # noqa: E731
+    alone = DraftModel(draft)
+    da = alone.draft(a, 3).tokens                # drafted alone: caches a + da[:-1]
+    a2 = a + da[:1] + [5]                        # one draft accepted, then the target's token
+    got_a = alone.hand_over(a2)
+    assert alone._kv is None and got_a[1] == a + da[:-1]
+    got_b = DraftModel(draft).hand_over(b)       # never drafted: b[:-1] prefilled
+    assert got_b[1] == b[:-1]
+    assert DraftModel(draft).hand_over([7]) is None  # nothing to cache for one token
+    bd = BatchDraftModel(DraftModel(draft), 0)
+    assert bd.joinable
+    for kv, seen in (got_a, got_b):
+        bd.join(kv, seen)
+    widths = []
+    hook = draft.register_forward_pre_hook(
+        lambda m, args, kw: widths.append(tuple(kw.get("input_ids", args[0] if args else
+                                                       None).shape)), with_kwargs=True)
+    try:
+        drafts, _, _ = bd.draft([a2, b], [4, 4], None, None)
+    finally:
+        hook.remove()
+    assert drafts == [cold(a2, 4), cold(b, 4)]
+    # each row feeds one token: a its target token 5 (its accepted draft was cached), b its
+    # last prompt token
+    assert widths[0] == (2, 1), widths
+    kv, seen = bd.row(0)
+    assert seen == a2 + drafts[0][:-1]
+    back = DraftModel(draft)
+    back.take_over(kv, seen)
+    a3 = a2 + drafts[0][:2] + [9]
+    assert back.draft(a3, 3).tokens == cold(a3, 3)
+    with pytest.raises(ValueError, match="positions"):
+        bd.join(kv, seen[:-1])
+    with pytest.raises(ValueError, match="positions"):
+        DraftModel(draft).take_over(kv, seen + [1])
+    shared = BatchDraftModel(DraftModel(draft), 1, shared=bd.state)
+    assert not shared.joinable
+    with pytest.raises(ValueError, match="only an own draft state"):
+        shared.join(kv, seen)
+    with pytest.raises(ValueError, match="only an own draft state"):
+        shared.row(0)

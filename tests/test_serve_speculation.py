@@ -138,7 +138,9 @@ def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypa
     draft cache of its own, the rows of a batch in one batched draft state that follows them;
     every draft, rolled back to its history, equals (but for float rounding at a near tie)
     what a fresh draft model proposes from that history alone; a finished request's draft
-    cache is let go, and the drafter given stays untouched."""
+    cache is let go, and the drafter given stays untouched.  A request joining the batch
+    brings its draft cache along (BatchDraftModel.join): no batched draft forward feeds a
+    row's history again, only what the row verified since its last draft."""
     from specmoe.speculation.drafters import DraftModel
     from specmoe.zoo import load
     draft, _ = load("tiny-draft")
@@ -161,6 +163,12 @@ def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypa
         return out
     monkeypatch.setattr(sch.spec, "draft_alone", record)
     monkeypatch.setattr(sch.spec, "draft_batch", record_rows)
+    fed = []  # (rows, tokens a row) of every draft forward
+
+    def width(m, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        fed.append(tuple(ids.shape))
+    hook = draft.register_forward_pre_hook(width, with_kwargs=True)
     try:
         reqs = _run_joining(sch, zoo)
         for r in reqs:
@@ -170,14 +178,19 @@ def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypa
         assert sum(r.steps for r in reqs) < sum(len(r.generated) + 1 for r in reqs)
         if batch_decode:
             assert sch.batched_steps > 0 and sch.peak_batch >= 2 and max(batched) >= 2
+            # a batched forward feeds each row the tokens of its last step or two (K + 1
+            # each), never a history: every prompt is longer than that
+            assert min(len(p) for p in zoo["prompts"]) > 2 * 4
+            assert max(n for b, n in fed if b >= 2) <= 2 * 4, fed
         else:
             assert not batched and len(caches) == len(reqs)
+            # one draft cache per request drafting alone, kept over its steps
+            assert all(len(c) == 1 for c in caches.values())
+            assert len({next(iter(c)) for c in caches.values()}) == len(caches)
     finally:
+        hook.remove()
         sch.close()
     assert given._kv is None and given._seen == []
-    # one draft cache per request drafting alone, kept over its steps
-    assert all(len(c) == 1 for c in caches.values())
-    assert len({next(iter(c)) for c in caches.values()}) == len(caches)
     fresh = DraftModel(draft)
     same = 0
     for hist, k, out in seen:

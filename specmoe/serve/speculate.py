@@ -24,9 +24,13 @@ exactly.  A :class:`DraftModel` (a small LM of the target's tokenizer, ``--draft
 (:attr:`Request.draft`, a copy of the drafter sharing its module, freed with the request)
 while it decodes alone; the rows of a batch draft together, in one :class:`BatchDraftModel`
 of their own (one draft forward per draft token for all rows), which follows rows that leave
-(``select``) and is made anew when one joins (its rows then feed their histories in one
-forward with holes).  Either cache is rolled back to the prefix it shares with the history
-before each draft, so what the draft proposes never rests on which request a row was before.
+(``select``) and takes a joining request's own draft cache as a new row
+(:meth:`BatchDraftModel.join`; a request that never drafted alone prefills its history alone
+first), so the other rows feed nothing again; the last request of a batch that decodes alone
+on takes its row back (:meth:`BatchDraftModel.row`).  A draft model with recurrent layers
+gets a new batch state at a join instead (its rows feed their histories in one forward with
+holes).  Either cache is rolled back to the prefix it shares with the history before each
+draft, so what the draft proposes never rests on which request a row was before.
 
 K (``controller=``): one controller per decode batch-size bucket (1, 2, 4, 8, ... the power of
 two at or above the batch size), so each learns the plain-step time and the utility of K at
@@ -224,10 +228,14 @@ class Speculation:
         return req.ngram
 
     def _draft_model(self, req: Any) -> DraftModel:
-        """``req``'s own copy of the draft model: the module shared, the KV cache its own."""
+        """``req``'s own copy of the draft model: the module shared, the KV cache its own (its
+        row of the batch's draft state where it was one, as it decodes alone on)."""
         if req.draft is None:
             req.draft = copy.copy(self.drafter)
             req.draft.reset()
+            bd = self._rows_draft
+            if bd is not None and bd.joinable and id(req) in self._rows_ids:
+                req.draft.take_over(*bd.row(self._rows_ids.index(id(req))))
         return req.draft
 
     def draft_alone(self, req: Any, k: int) -> List[int]:
@@ -269,19 +277,35 @@ class Speculation:
         return [self.draft_alone(r, k) for r, k in zip(reqs, ks)]
 
     def _batch_draft(self, reqs: Sequence[Any]) -> BatchDraftModel:
-        """The draft model's batch state for ``reqs`` (in row order): the last step's with
-        the rows that left selected out, or a new one where a request joined (module
-        docstring)."""
+        """The draft model's batch state for ``reqs`` (in row order): the last step's, the
+        rows that left selected out and each request that joined brought in with the draft
+        cache it drafted on alone (module docstring); made anew, every row feeding its
+        history, where the state cannot take rows (recurrent layers) or a joining request
+        has no cache to bring (a one-token prompt)."""
         ids = [id(r) for r in reqs]
         bd = self._rows_draft
-        if bd is not None and ids != self._rows_ids:
-            where = {k: i for i, k in enumerate(self._rows_ids)}
-            if all(k in where for k in ids):
-                bd.select([where[k] for k in ids])
-            else:
-                bd = None
+        if bd is not None and ids == self._rows_ids:
+            return bd
         if bd is None:
+            bd, self._rows_ids = BatchDraftModel(self.drafter, 0), []
+        where = {k: i for i, k in enumerate(self._rows_ids)}
+        new = [r for r in reqs if id(r) not in where]
+        if new and not bd.joinable:
             bd = BatchDraftModel(self.drafter, len(reqs))
+        else:
+            caches = [self._draft_model(r).hand_over(r.prompt + r.generated) for r in new]
+            if any(c is None for c in caches):
+                bd = BatchDraftModel(self.drafter, len(reqs))
+            else:
+                kept = [k for k in ids if k in where]
+                bd.select([where[k] for k in kept])
+                for r, (kv, seen) in zip(new, caches):
+                    bd.join(kv, seen)
+                    r.draft = None  # its cache is the batch's row now
+                order = kept + [id(r) for r in new]
+                if order != ids:  # rows in the order of reqs
+                    at = {k: i for i, k in enumerate(order)}
+                    bd.select([at[k] for k in ids])
         self._rows_draft, self._rows_ids = bd, ids
         return bd
 

@@ -550,6 +550,36 @@ class BatchDraftModel:
                                                                window=window)
         self.seen: List[List[int]] = [[] for _ in range(batch)]
 
+    @property
+    def joinable(self) -> bool:
+        """Whether :meth:`join` takes rows: an own state without recurrent layers (those are
+        fed their histories together, class docstring)."""
+        return not self.shared and not self.state.stateful
+
+    def join(self, kv: Any, seen: Sequence[int]) -> None:
+        """Add a new last row: a draft model's cache ``kv`` of batch 1 holding the tokens
+        ``seen`` (as :meth:`DraftModel.hand_over` gives them), so that a request joining a
+        batch brings the draft cache it drafted on alone and the other rows feed nothing
+        again.  ValueError where this state is not :attr:`joinable` or ``kv`` does not hold
+        ``len(seen)`` positions."""
+        if not self.joinable:
+            raise ValueError("BatchDraftModel.join: only an own draft state without "
+                             "recurrent layers takes a row")
+        if int(kv.get_seq_length()) != len(seen):
+            raise ValueError(f"BatchDraftModel.join: the cache holds "
+                             f"{int(kv.get_seq_length())} positions, seen {len(seen)} tokens")
+        self.state.join(kv)
+        self.seen.append([int(t) for t in seen])
+
+    def row(self, b: int) -> Tuple[Any, List[int]]:
+        """Row ``b``'s draft cache of its own and the tokens it holds (a copy, as
+        :meth:`BatchKV.row`): what :meth:`DraftModel.take_over` takes.  ValueError where this
+        state is not :attr:`joinable`."""
+        if not self.joinable:
+            raise ValueError("BatchDraftModel.row: only an own draft state without recurrent "
+                             "layers gives a row back")
+        return self.state.row(b), list(self.seen[b])
+
     def select(self, rows: Sequence[int]) -> None:
         if not self.shared:  # a shared state is selected by its owner
             self.state.select(rows)

@@ -81,6 +81,29 @@ class DraftModel:
             self._run(h[n:-1], last=True)
         self._seen = h[:-1]
 
+    def hand_over(self, history: Sequence[int]) -> Optional[Tuple[Any, List[int]]]:
+        """This drafter's KV cache and the tokens it holds (a prefix of ``history``'s, or
+        ``history`` but its last token prefilled first where it holds nothing), handed over:
+        this drafter starts from scratch after.  What :meth:`BatchDraftModel.join` takes when
+        a request that drafted alone joins a batch.  None where ``history`` has fewer than 2
+        tokens and nothing is cached."""
+        h = [int(t) for t in history]
+        if self._kv is None or not self._seen:
+            self.prefill(h)
+        if self._kv is None or not self._seen:
+            return None
+        out = (self._kv, list(self._seen))
+        self.reset()
+        return out
+
+    def take_over(self, kv: Any, seen: Sequence[int]) -> None:
+        """Draft on from cache ``kv`` holding the tokens ``seen`` (what
+        :meth:`BatchDraftModel.row` gives back where a batch's last request decodes alone on)."""
+        if int(kv.get_seq_length()) != len(seen):
+            raise ValueError(f"DraftModel.take_over: the cache holds "
+                             f"{int(kv.get_seq_length())} positions, seen {len(seen)} tokens")
+        self._kv, self._seen = kv, [int(t) for t in seen]
+
     def _run(self, ids: Sequence[int], last: bool = False) -> torch.Tensor:
         return forward_tokens(self.model, ids, self._kv, last)
 
