@@ -634,3 +634,34 @@ def test_cli_checks_the_ttft_budget_before_loading(capsys):
             main(["serve", str(ZOO) + "-missing"] + argv)  # refused before the path is read
         err = capsys.readouterr().err
         assert exc.value.code in (1, 2) and name in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_a_greedy_request_alone_decodes_in_one_c_call(zoo, drafter, monkeypatch):
+    """A greedy request decoding alone (plain, or with speculation whose controller keeps
+    K = 0) takes the decode plan's one C call with the logits left in C, as specmoe.generate
+    does: the model's forward runs only for its prompt, the tokens are model.generate's; a
+    sampled request keeps the forward (its logits are drawn from)."""
+    kw = dict(drafter=drafter, controller="static:0") if drafter else {}
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=1, prefill_chunk=64, **kw)
+    forwards, fast = [], []
+    fwd, nxt = sch._forward, sch._greedy_next
+    monkeypatch.setattr(sch, "_forward", lambda req, ids, rows=0: (
+        forwards.append(len(ids)), fwd(req, ids, rows))[1])
+    monkeypatch.setattr(sch, "_greedy_next", lambda req: (
+        lambda t: (fast.append(t), t)[1])(nxt(req)))
+    try:
+        reqs = _run(sch, zoo["prompts"][:2])
+        for r, ref in zip(reqs, zoo["refs"]):
+            assert r.generated == ref
+        # each request: one forward of its prompt, then N - 1 steps in C
+        assert forwards == [len(p) for p in zoo["prompts"][:2]], forwards
+        assert len(fast) == 2 * (N - 1) and None not in fast
+        if drafter:
+            assert sch.spec.stats()["proposed"] == 0
+        forwards.clear()
+        fast.clear()
+        _run(sch, zoo["prompts"][:1], temperature=0.8, seed=1)
+        assert len(forwards) == N and all(t is None for t in fast)
+    finally:
+        sch.close()

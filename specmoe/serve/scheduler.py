@@ -122,6 +122,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..models.decode_step import decode_step_of
 from ..models.dense import generation_session
 from ..runtime.experts import find_engine
 from ..speculation.batch import BatchKV, is_state_layer, row_layer_kind
@@ -757,8 +758,27 @@ class Scheduler:
             self._speculate_alone(req)
             return
         else:
+            tok = self._greedy_next(req)
+            if tok is not None:
+                self._emit(req, tok)
+                return
             logits = self._forward(req, [req.generated[-1]])
         self._pick(req, logits)
+
+    def _greedy_next(self, req: Request) -> Optional[int]:
+        """A plain greedy decode step of ``req`` on its own cache in one C call, its logits
+        left in C (:meth:`specmoe.models.decode_step.DecodeStep.greedy_next`, the step
+        :func:`specmoe.generate` takes): the next token, not yet emitted.  None, with nothing
+        run, for a sampled request or where no decode plan serves the step (the model's
+        forward then)."""
+        fast = decode_step_of(self.model)
+        if req.sampling is not None or fast is None:
+            return None
+        tok = fast.greedy_next(req.generated[-1], req.kv)
+        if tok is None:
+            return None
+        req.steps += 1
+        return int(tok)
 
     def _speculate_alone(self, req: Request) -> None:
         """A decode step of ``req`` on its own cache with drafts: draft, verify them in one
@@ -773,15 +793,24 @@ class Scheduler:
         drafts = spec.draft_alone(req, k)
         t_draft = time.perf_counter() - t0
         anchors = [req.generated[-1]] + drafts
-        masks = None
+        masks, tok = None, None
         if spec.mtp is not None and spec.masks(k):  # the verification also drafts
             logits, masks = spec.forward_alone(req, anchors, k)
         else:
             # (a step without drafts is not cut back: a hybrid's recurrent layers record
-            # nothing then and take their one-call steps)
+            # nothing then and take their one-call steps; a greedy one takes the one C call
+            # where a plan serves it, so the plain time the controller weighs drafting
+            # against is that step's)
             with unrecorded(req.kv) if not drafts else contextlib.nullcontext():
-                logits = self._forward(req, anchors, rows=len(drafts) + 1)
-        n = self._verify(req, logits, drafts, None)
+                tok = None if drafts else self._greedy_next(req)
+                if tok is None:
+                    logits = self._forward(req, anchors, rows=len(drafts) + 1)
+        if tok is not None:  # as _verify without drafts
+            crop_kv(req.kv, int(req.kv.get_seq_length()))
+            self._emit(req, tok)
+            n = 0
+        else:
+            n = self._verify(req, logits, drafts, None)
         if spec.mtp is not None:
             spec.advance(req, masks, n)
         spec.observe(ctl, [len(drafts)], [n], t0, t_draft, loads0, k)
