@@ -665,3 +665,44 @@ def test_a_greedy_request_alone_decodes_in_one_c_call(zoo, drafter, monkeypatch)
         assert len(forwards) == N and all(t is None for t in fast)
     finally:
         sch.close()
+
+
+def test_draft_model_caches_follow_requests_into_and_out_of_a_batch(zoo):
+    """The server's draft-model state across joins: a request that drafted alone joins the
+    batch with its own draft cache, takes its row back when it decodes alone again, and joins
+    once more with that fresher cache, so no batched draft forward feeds what a row's cache
+    has already seen; every draft equals a fresh draft model's from the same history."""
+    from types import SimpleNamespace
+    from specmoe.speculation.drafters import DraftModel
+    from specmoe.zoo import load
+    draft, _ = load("tiny-draft")
+    sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, drafter=DraftModel(draft),
+                    controller="static:3")
+    spec = sch.spec
+    a, b = (SimpleNamespace(prompt=list(p), generated=[p[-1]], draft=None)
+            for p in zoo["prompts"][:2])
+    widths = []
+    hook = draft.register_forward_pre_hook(
+        lambda m, args, kw: widths.append(tuple(kw.get("input_ids", args[0] if args else
+                                                       None).shape)), with_kwargs=True)
+
+    def fresh(r, k=3):
+        return DraftModel(draft).propose(r.prompt + r.generated, k)
+    try:
+        assert spec.draft_alone(a, 3) == fresh(a) and a.draft is not None
+        a.generated += [5, 6]
+        widths.clear()
+        assert spec.draft_batch(None, [a, b], [3, 3]) == [fresh(a), fresh(b)]
+        assert a.draft is None and b.draft is None      # their caches are rows now
+        assert max(n for r, n in widths if r == 2) <= 2, widths
+        a.generated += [7]
+        assert spec.draft_alone(a, 3) == fresh(a)       # on its row, taken back
+        a.generated += [8, 9, 10, 11, 12, 13]
+        assert spec.draft_alone(a, 3) == fresh(a)
+        widths.clear()
+        assert spec.draft_batch(None, [b, a], [3, 3]) == [fresh(b), fresh(a)]
+        # a's row is its fresh alone cache (a stale row would feed 7 tokens)
+        assert max(n for r, n in widths if r == 2) <= 2, widths
+    finally:
+        hook.remove()
+        sch.close()

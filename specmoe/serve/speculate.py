@@ -284,20 +284,20 @@ class Speculation:
         has no cache to bring (a one-token prompt)."""
         ids = [id(r) for r in reqs]
         bd = self._rows_draft
-        if bd is not None and ids == self._rows_ids:
-            return bd
         if bd is None:
             bd, self._rows_ids = BatchDraftModel(self.drafter, 0), []
         where = {k: i for i, k in enumerate(self._rows_ids)}
-        new = [r for r in reqs if id(r) not in where]
+        # (a row that drafted alone since it left holds a fresher cache: it joins anew)
+        new = [r for r in reqs if id(r) not in where or (bd.joinable and r.draft is not None)]
         if new and not bd.joinable:
             bd = BatchDraftModel(self.drafter, len(reqs))
-        else:
+        elif new or ids != self._rows_ids:
             caches = [self._draft_model(r).hand_over(r.prompt + r.generated) for r in new]
             if any(c is None for c in caches):
                 bd = BatchDraftModel(self.drafter, len(reqs))
             else:
-                kept = [k for k in ids if k in where]
+                fresh = {id(r) for r in new}
+                kept = [k for k in ids if k not in fresh]
                 bd.select([where[k] for k in kept])
                 for r, (kv, seen) in zip(new, caches):
                     bd.join(kv, seen)
