@@ -130,7 +130,7 @@ from ..speculation.decoding import (cache_kwargs, crop_kv, input_device, new_kv,
                                     records_recurrent_states, recurrent_layer_types,
                                     require_recording_planned, unrecorded)
 from ..speculation.sampling import Sampling
-from ..speculation.verify import accept_logits
+from ..speculation.verify import accept_logits, greedy_tokens
 from .detok import IncrementalText
 from .speculate import Speculation, synthetic_history
 
@@ -562,8 +562,8 @@ class Scheduler:
             self.metrics.decode_batch(len(rows))
         acc = [0] * len(rows)
         # the greedy rows without drafts take their token from one argmax over the batch
-        # (one torch call instead of one per row: the same first maximum of each row)
-        greedy = ([int(t) for t in logits[:, 0].argmax(-1).tolist()]
+        # (one call instead of one per row: the same first maximum of each row)
+        greedy = (greedy_tokens(logits[:, 0])
                   if any(not d and r.sampling is None for r, d in zip(rows, drafts)) else None)
         for i, req in enumerate(list(rows)):
             req.steps += 1
@@ -849,7 +849,7 @@ class Scheduler:
         """The next token from the last position's ``logits`` [V]: argmax, or drawn from the
         request's sampling law with its own generator; then emitted."""
         if req.sampling is None:
-            tok = int(torch.argmax(logits))
+            tok = greedy_tokens(logits)[0]
         else:
             probs = req.sampling.probs(logits.unsqueeze(0))
             tok = int(torch.multinomial(probs, 1, generator=req.gen)[0, 0])

@@ -75,7 +75,7 @@ from .decoding import (GenerateOutput, cache_kwargs, last_logits_kwargs, new_kv,
 from .drafters import DraftModel, NgramDrafter, SelfDraft, propose
 from .mtp import MtpDrafter, mtp_layout, next_drafts, priming
 from .tau import batch_bucket, target_tau, tau_for_batch
-from .verify import accept_logits
+from .verify import accept_logits, greedy_tokens
 
 __all__ = ["BatchKV", "is_state_layer", "row_layer_kind", "per_position_acceptance"]
 
@@ -694,7 +694,7 @@ class BatchDraftModel:
         probs: List[List[torch.Tensor]] = [[] for _ in range(B)]
         for i in range(K):
             if sampling is None:
-                t = torch.argmax(last, -1).tolist()
+                t = greedy_tokens(last)
             else:
                 p = sampling.probs(last)
                 t = torch.multinomial(p, 1, generator=gen)[:, 0].tolist()
