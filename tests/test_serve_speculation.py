@@ -706,3 +706,33 @@ def test_draft_model_caches_follow_requests_into_and_out_of_a_batch(zoo):
     finally:
         hook.remove()
         sch.close()
+
+
+def test_tau_times_the_plain_step_as_decoding_takes_it(zoo, monkeypatch):
+    """forward_times' T(1) at batch 1 is the decode plan's one C call (greedy_next, as a
+    plain greedy step runs), timed in a run of its own (a forward of more tokens in between
+    would make every timed step rebuild the plan); at batch 2 it stays the forward."""
+    from specmoe.models.decode_step import decode_step_of
+    from specmoe.speculation.tau import forward_times
+    model = zoo["model"]
+    fast = decode_step_of(model)
+    calls, order = [], []
+    real_next, real_fwd = fast.greedy_next, fast.__call__
+
+    def greedy_next(tok, kv):
+        r = real_next(tok, kv)
+        calls.append(r)
+        order.append(1)
+        return r
+    monkeypatch.setattr(fast, "greedy_next", greedy_next)
+    monkeypatch.setattr(type(fast), "__call__", lambda self, *a, **kw: (
+        order.append(int(kw["input_ids"].shape[1])), real_fwd(*a, **kw))[1])
+    prompt = zoo["prompts"][0] * 3
+    t = forward_times(model, prompt, [1, 2, 3], repeats=3)
+    assert sorted(t) == [1, 2, 3] and all(v > 0 for v in t.values())
+    assert len(calls) == 1 + 3 and None not in calls     # warm-up + repeats, all in C
+    first = order.index(1)
+    assert set(order[first:]) == {1} and set(order[1:first]) == {2, 3}, order
+    calls.clear()
+    forward_times(model, prompt, [1, 2], repeats=2, batch=2)
+    assert calls == []

@@ -17,6 +17,7 @@ from torch import nn
 from .controllers import measure_times, ttft_k_max
 from .decoding import (cache_kwargs, crop_kv, input_device, last_logits_kwargs, new_kv,
                        unrecorded)
+from ..models.decode_step import decode_step_of
 from ..runtime.tau_tables import TauTables
 from ..runtime.experts import find_engine
 
@@ -69,7 +70,13 @@ def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
     ``batch`` for each g in ``gs``, the fastest of ``repeats`` interleaved calls, on a scratch
     KV cache prefilled with the end of ``prompt`` (each row a different rotation of it, so the
     rows route to different experts; each call a different window of it, so cache misses
-    happen as in decoding).  Expert loads count: this is the forward as it runs."""
+    happen as in decoding).  Expert loads count: this is the forward as it runs.  T(1) at
+    batch 1 is the plain greedy step as decoding takes it: the decode plan's one C call
+    (:meth:`~specmoe.models.decode_step.DecodeStep.greedy_next`) where a plan serves it, so
+    the base a draft's cost is weighed against is the fastest plain step (gamma-tolerance,
+    section 3.1, Eq. 1: T(1) is the target's plain step; Cascade, section 4: the cost is
+    against the iteration without speculation); a sampled plain step, which needs the
+    forward's logits, costs a little more, so its tau is on the cautious side."""
     batch = int(batch)
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -83,6 +90,7 @@ def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
               use_cache=True, **cache_kwargs(model, kv), **last_logits_kwargs(model))
     n = [int(kv.get_seq_length())]
     calls = [0]
+    fast = decode_step_of(model) if batch == 1 else None
 
     def fwd(g: int) -> None:
         calls[0] += 1
@@ -91,15 +99,26 @@ def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
         # one token is a step without drafts, which decoding never cuts back and runs
         # unrecorded (a hybrid's one-call recurrent steps): timed so, and kept
         with unrecorded(kv) if g == 1 else contextlib.nullcontext(), torch.no_grad():
-            model(input_ids=torch.tensor(toks, dtype=torch.long, device=input_device(model)),
-                  use_cache=True, **cache_kwargs(model, kv))
+            if g > 1 or fast is None or fast.greedy_next(toks[0][0], kv) is None:
+                model(input_ids=torch.tensor(toks, dtype=torch.long,
+                                             device=input_device(model)),
+                      use_cache=True, **cache_kwargs(model, kv))
         if g == 1:
             n[0] = int(kv.get_seq_length())
         crop_kv(kv, n[0])
 
     # the fastest of the repeats: tau bounds the best case, and on shared cores other
     # processes only ever slow a forward down (a median can prune every K on a busy machine)
-    return measure_times(fwd, gs, repeats=repeats, warmup=1, stat="min", progress=progress)
+    if fast is None or 1 not in gs:
+        return measure_times(fwd, gs, repeats=repeats, warmup=1, stat="min",
+                             progress=progress)
+    # the plan's step timed in a run of its own: a forward of g > 1 tokens in between changes
+    # the cache's views, and the next plain step rebuilds the plan (about 0.9 ms on the zoo
+    # model, twice its step), which consecutive plain steps, as decoding takes them, do not
+    times = measure_times(fwd, [g for g in gs if g > 1] or [1], repeats=repeats, warmup=1,
+                          stat="min", progress=progress)
+    times.update(measure_times(fwd, [1], repeats=repeats, warmup=1, stat="min"))
+    return {g: times[g] for g in sorted(times)}
 
 
 def target_tau(model: nn.Module, prompt: Sequence[int], g_max: int, engine: Any = None,
