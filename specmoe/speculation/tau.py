@@ -115,8 +115,9 @@ def forward_times(model: nn.Module, prompt: Sequence[int], gs: Sequence[int],
     # the plan's step timed in a run of its own: a forward of g > 1 tokens in between changes
     # the cache's views, and the next plain step rebuilds the plan (about 0.9 ms on the zoo
     # model, twice its step), which consecutive plain steps, as decoding takes them, do not
-    times = measure_times(fwd, [g for g in gs if g > 1] or [1], repeats=repeats, warmup=1,
-                          stat="min", progress=progress)
+    longer = [g for g in gs if g > 1]
+    times = measure_times(fwd, longer, repeats=repeats, warmup=1, stat="min",
+                          progress=progress) if longer else {}
     times.update(measure_times(fwd, [1], repeats=repeats, warmup=1, stat="min"))
     return {g: times[g] for g in sorted(times)}
 
