@@ -356,9 +356,9 @@ def test_a_hybrid_plan_follows_the_recurrent_states(arch):
 
 @pytest.mark.parametrize("arch", ["olmoe", "deepseek_v2"])
 def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
-    """A plan is rebuilt when its rotary tables or KV buffers run out, when the cache is
-    cropped, when the Engine's cache is rebuilt; set aside while a layer has a hook (that step
-    runs the hook); and every step's logits and cache are the model's own."""
+    """A plan is rebuilt when its rotary tables or KV buffers run out, when the Engine's
+    cache is rebuilt; kept when the cache is cropped; set aside while a layer has a hook (that
+    step runs the hook); and every step's logits and cache are the model's own."""
     from specmoe.models import decode_step
     from specmoe.runtime import memplan
     monkeypatch.setattr(decode_step, "_PLAN_MIN_POSITIONS", 8)   # tables run out at S = 8
@@ -379,7 +379,7 @@ def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
         kv_ref.crop(-3)
         before = step._plan
         tok = _step_both(model, kv, kv_ref, tok)
-        assert step._plan is not before and step.planned - p0 == 25
+        assert step._plan is before and step.planned - p0 == 25
         # a hook on a layer: the per-layer path runs it; plans again some steps later
         seen = []
         h = model.model.layers[1].register_forward_hook(lambda m, a, o: seen.append(1))
@@ -448,6 +448,45 @@ def test_a_plan_follows_the_cache_and_the_model(arch, monkeypatch):
         del kv
         gc.collect()
         assert step._plan is None
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "deepseek_v2"])
+def test_a_plan_outlives_speculations_rollback_and_verification(arch):
+    """A crop and a forward of several tokens write the same KV buffers: the plan built
+    before serves the next step (speculative decoding's verification and rollback cost no
+    rebuild), with the model's own logits; keys/values assigned from outside (as
+    reorder_cache does) are new tensors, and the plan is rebuilt on them."""
+    model, eng = _offloaded(arch, torch.float32)
+    try:
+        step = model._specmoe_decode_step
+        _, kv, kv_ref, tok = _prefilled(model, 4)
+        for _ in range(2):
+            tok = _step_both(model, kv, kv_ref, tok)
+        plan = step._plan
+        assert plan is not None
+        for _ in range(3):
+            more = torch.cat([tok, torch.tensor([[5, 7]])], 1)  # a verification of 3 tokens
+            with torch.no_grad():
+                a = model(input_ids=more, cache=kv, use_cache=True).logits
+                step.enabled = False
+                try:
+                    b = model(input_ids=more, cache=kv_ref, use_cache=True).logits
+                finally:
+                    step.enabled = True
+            assert torch.equal(a, b)
+            kv.crop(-1)  # one draft token rejected
+            kv_ref.crop(-1)
+            p0 = step.planned
+            tok = _step_both(model, kv, kv_ref, a[:, 1:2].argmax(-1))
+            assert step._plan is plan and step.planned == p0 + 1
+        for lay in kv.layers:  # other tensors, the same positions
+            lay.keys, lay.values = lay.keys.clone(), lay.values.clone()
+        p0 = step.planned
+        for _ in range(2):
+            tok = _step_both(model, kv, kv_ref, tok)
+        assert step._plan is not plan and step.planned == p0 + 2
     finally:
         eng.close()
 

@@ -104,7 +104,8 @@ class DecodeStep:
     position up to twice the cached length (built by the model's own ``rotary_emb``, so a row
     is what the step would compute: checked on the build step's row, bit for bit), the
     embedding matrix.  Each later step checks that nothing it rests on changed (the cache
-    object, each layer's KV views as the last step left them, the capacity of the KV buffers
+    object, each layer's KV buffers and length (a crop or a forward of several tokens keeps
+    them; an assignment or a regrowth does not), the capacity of the KV buffers
     and tables, hooks, the Engine's layers object and routing) and otherwise rebuilds it, or
     takes the per-layer path above.  ``planning`` False never builds one.  py-spy and timers
     at OLMoE shapes (int4, 2 threads): outside the C calls a step spent ~0.3 ms in the
@@ -388,7 +389,7 @@ class DecodeStep:
         kv = [(it[2][0], it[2][1], it[2][2]) for it in items if it[2] is not None]
         plan = _Plan(c=c, cache=weakref.ref(cache),
                      limit=min([P] + [k.shape[2] for _, k, _ in kv]),
-                     views=[(lay, lay.keys, lay.values) for lay, _, _ in kv], states=states,
+                     views=[(lay, kb, vb) for lay, kb, vb in kv], states=states,
                      counted=[lyr for lyr in layers if chain_step(lyr).count is not None],
                      layers=layers, mods=(emb, rot, fn, lm), engine=eng,
                      eng_layers=eng_layers, x0=x0, last=h,
@@ -403,13 +404,19 @@ class DecodeStep:
 
     def _plan_valid(self, plan: _Plan, cache: Any, S: int) -> bool:
         """Whether ``plan`` still serves a step on ``cache`` at S cached positions: the same
-        cache with each layer's keys/values the views the last step left, room for one more
+        cache with each layer's keys/values S positions of the plan's buffers, room for one more
         position, no hooks since, the same modules, the Engine's layers and routing as
         built."""
         if plan.cache() is not cache or S + 1 > plan.limit or not self.chaining:
             return False
-        for lay, k, v in plan.views:
-            if lay.keys is not k or lay.values is not v:
+        # each layer's keys/values still views of the buffers the plan writes, S positions
+        # long: a crop (speculation's rollback) and a forward of several tokens (its
+        # verification) append into the same buffers and keep the plan; an assignment from
+        # outside drops them (BufferedLayer's setter), a regrowth makes new ones: rebuilt.
+        # (It compared the views themselves: every verification rebuilt the plan, ~0.9 ms
+        # on the zoo model, longer than the plain step it serves.)
+        for lay, kb, vb in plan.views:
+            if lay._kbuf is not kb or lay._vbuf is not vb or lay._keys.shape[2] != S:
                 return False
         for lyr, st in plan.states:
             now = chain_step(lyr).state(lyr, cache)
@@ -455,9 +462,8 @@ class DecodeStep:
         for lyr in plan.counted:
             chain_step(lyr).count(lyr, cache)
         n = S + 1
-        views = plan.views
-        for i, (lay, _, _) in enumerate(views):
-            views[i] = (lay, *kv_views(lay, n))
+        for lay, _, _ in plan.views:
+            kv_views(lay, n)
         self.steps += 1
         self.planned += 1
         self.chained += len(plan.layers)
