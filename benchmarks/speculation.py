@@ -501,6 +501,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tau", choices=("auto", "off"), default="auto",
                     help="gamma-tolerance pruning for the adaptive controllers")
     ap.add_argument("--seed", type=int, default=0, help="choice of documents and windows")
+    ap.add_argument("--draft-layers", choices=("c", "torch"), default="c",
+                    help="the draft model's decode steps: specmoe's C layers (as "
+                         "DraftModel.from_pretrained gives them) or transformers' torch forward")
     ap.add_argument("--controllers", default=",".join(
                         f"{c}{k if k is not None else ''}" for c, k in CONTROLLERS),
                     help="comma-separated rows per drafter, from "
@@ -536,6 +539,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     draft_model, _ = zoo.load("tiny-draft")
     model.eval()
     draft_model.eval()
+    if a.draft_layers == "c":  # its decode steps through specmoe's C layers, in place, once
+        DraftModel(draft_model, c_layers=True)
     docs = heldout_documents()
     n_prompts = a.requests + 1
     if a.batch:
@@ -708,7 +713,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "policy": "lru", "prefetch": True, "threads": a.threads, "requests": a.requests,
             "new_tokens": a.new_tokens, "repeats": a.repeats, "quick": a.quick,
             "drafters": drafters, "controllers": ctl_names, "k_max_adaptive": K_MAX,
-            "seed": a.seed,
+            "seed": a.seed, "draft_layers": a.draft_layers,
             "throttle": a.throttle, "protect_lookahead": a.protect == "on",
             "self_kv": a.self_kv,
             "prompts": {w: [name for name, _ in work[w]] for w in WORKLOADS},

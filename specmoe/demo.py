@@ -146,6 +146,7 @@ def _speculative(model, eng, prompt: torch.Tensor, want: list[int], n: int) -> b
     drafters = [("n-gram lookup", NgramDrafter)]
     if zoo.available("tiny-draft"):
         draft, _ = zoo.load("tiny-draft", dtype=torch.float32)
+        DraftModel(draft, c_layers=True)  # (its steps through the C layers, in place, once)
         drafters.append(("tiny-draft model", lambda: DraftModel(draft)))
     drafters.append(("int4 self-draft", lambda: SelfDraft(eng)))
     generate(model, prompt, NgramDrafter(), Cascade(), max_new_tokens=2)  # measures tau once

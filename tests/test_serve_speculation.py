@@ -131,8 +131,9 @@ def test_self_draft_keeps_greedy_tokens_exact(zoo):
         sch.close()
 
 
-@pytest.mark.parametrize("batch_decode", [True, False])
-def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypatch):
+@pytest.mark.parametrize("batch_decode,c_layers", [(True, False), (False, False),
+                                                   (True, True), (False, True)])
+def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, c_layers, monkeypatch):
     """A separate draft model (the zoo's tiny-draft, K = 3), requests joining a running
     batch: the tokens are model.generate's alone; a request decoding alone drafts on a
     draft cache of its own, the rows of a batch in one batched draft state that follows them;
@@ -140,11 +141,15 @@ def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypa
     what a fresh draft model proposes from that history alone; a finished request's draft
     cache is let go, and the drafter given stays untouched.  A request joining the batch
     brings its draft cache along (BatchDraftModel.join): no batched draft forward feeds a
-    row's history again, only what the row verified since its last draft."""
+    row's history again, only what the row verified since its last draft.  ``c_layers``:
+    the draft's steps through specmoe's C layers, a drafted token alone one planned C call,
+    its drafts those of the draft in torch (but for rounding at a near tie)."""
+    from specmoe.models.decode_step import decode_step_of
     from specmoe.speculation.drafters import DraftModel
     from specmoe.zoo import load
     draft, _ = load("tiny-draft")
-    given = DraftModel(draft)
+    given = DraftModel(draft, c_layers=c_layers)
+    assert (decode_step_of(draft) is not None) == c_layers
     sch = Scheduler(zoo["model"], zoo["tok"], max_batch=4, prefill_chunk=8,
                     batch_decode=batch_decode, drafter=given, controller="static:3")
     seen, caches, batched = [], {}, []
@@ -191,7 +196,9 @@ def test_a_draft_model_drafts_on_a_cache_per_request(zoo, batch_decode, monkeypa
         hook.remove()
         sch.close()
     assert given._kv is None and given._seen == []
-    fresh = DraftModel(draft)
+    if c_layers and not batch_decode:
+        assert decode_step_of(draft).planned > 0
+    fresh = DraftModel(load("tiny-draft")[0])  # (in torch)
     same = 0
     for hist, k, out in seen:
         fresh.reset()

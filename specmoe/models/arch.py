@@ -312,7 +312,8 @@ FUSABLE_ATTENTION = {"OlmoeAttention": "full", "Qwen3MoeAttention": "head",
                      "Qwen2MoeAttention": "none", "MixtralAttention": "none",
                      "Qwen3NextAttention": "head", "Qwen3_5MoeAttention": "head",
                      "Glm4MoeAttention": "head", "MiniMaxM2Attention": "full",
-                     "GptOssAttention": "none", "Ernie4_5_MoeAttention": "none"}
+                     "GptOssAttention": "none", "Ernie4_5_MoeAttention": "none",
+                     "LlamaAttention": "none"}
 # those of them whose q_proj gives, per head, head_dim query rows then head_dim gate rows, and
 # whose output is attention * sigmoid(gate) before o_proj, with zero-centred q/k norms and a
 # partial rotary (rope_parameters' partial_rotary_factor): Qwen3-Next's and Qwen3.5's full
@@ -334,7 +335,7 @@ PAIRS_ROPE_ATTENTION = ("Ernie4_5_MoeAttention",)
 FUSABLE_LAYERS = ("OlmoeDecoderLayer", "Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer",
                   "MixtralDecoderLayer", "Qwen3NextDecoderLayer", "Qwen3_5MoeDecoderLayer",
                   "Glm4MoeDecoderLayer", "MiniMaxM2DecoderLayer", "GptOssDecoderLayer",
-                  "Ernie4_5_MoeDecoderLayer")
+                  "Ernie4_5_MoeDecoderLayer", "LlamaDecoderLayer")
 # gated DeltaNet modules whose forward at one cached token is Qwen3.5's (separate q|k|v, z, b
 # and a projections, a SiLU short convolution, the gated delta rule with l2-normalised q and
 # k, a gated RMSNorm) or Qwen3-Next's (the same on q, k, v, z interleaved per key head in one
@@ -365,13 +366,13 @@ DECODE_STEP_MODELS = ("OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCau
                       "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                       "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM",
                       "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
-                      "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM")
+                      "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM", "LlamaForCausalLM")
 # RMSNorm classes of the Llama family's form, ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 # (Gemma's ``1 + weight`` and other variants are not in it)
 LLAMA_RMSNORMS = ("OlmoeRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
                   "MixtralRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm",
                   "Glm4MoeLiteRMSNorm", "Glm4MoeRMSNorm", "MiniMaxM2RMSNorm",
-                  "Ernie4_5_MoeRMSNorm")
+                  "Ernie4_5_MoeRMSNorm", "LlamaRMSNorm")
 # RMSNorms of the zero-centred form: (x * rsqrt(mean(x^2) + eps)) * (1 + w) in f32, rounded to
 # the model's dtype once (Qwen3-Next, Qwen3.5; transformers' comment: "(x * w).to(float16)"),
 # their epsilon in ``eps``: specmoe.models.layers.CRMSNorm runs them too
