@@ -318,6 +318,15 @@ def _step_both(model, kv, kv_ref, tok):
     return on.logits[:, -1:].argmax(-1)
 
 
+def _two_steps(model, n):
+    """A prompt of n tokens prefilled, then two steps checked by :func:`_step_both`: (the
+    DecodeStep, its cache, the reference cache, the next token)."""
+    _, kv, kv_ref, tok = _prefilled(model, n)
+    for _ in range(2):
+        tok = _step_both(model, kv, kv_ref, tok)
+    return model._specmoe_decode_step, kv, kv_ref, tok
+
+
 @pytest.mark.parametrize("arch", HYBRID)
 def test_a_hybrid_plan_follows_the_recurrent_states(arch):
     """A plan writes the linear-attention layers' conv windows and recurrent states in place:
@@ -326,10 +335,7 @@ def test_a_hybrid_plan_follows_the_recurrent_states(arch):
     plan serves."""
     model, eng = _offloaded(arch, torch.float32)
     try:
-        step = model._specmoe_decode_step
-        _, kv, kv_ref, tok = _prefilled(model, 3)
-        for _ in range(2):
-            tok = _step_both(model, kv, kv_ref, tok)
+        step, kv, kv_ref, tok = _two_steps(model, 3)
         assert step.planned == 2
         plan = step._plan
         lin = [lay for lay in kv.layers if not hasattr(lay, "keys")]
@@ -460,10 +466,7 @@ def test_a_plan_outlives_speculations_rollback_and_verification(arch):
     reorder_cache does) are new tensors, and the plan is rebuilt on them."""
     model, eng = _offloaded(arch, torch.float32)
     try:
-        step = model._specmoe_decode_step
-        _, kv, kv_ref, tok = _prefilled(model, 4)
-        for _ in range(2):
-            tok = _step_both(model, kv, kv_ref, tok)
+        step, kv, kv_ref, tok = _two_steps(model, 4)
         plan = step._plan
         assert plan is not None
         for _ in range(3):
